@@ -1,0 +1,560 @@
+"""The decode state of many requests for one attention stack: caches, compressor state, rows.
+
+`DecodeState` owns every cache buffer of the stack, allocated once at construction from explicit
+capacities (spec sections 2, 3 and 6):
+
+- a window ring per layer (every layer has one): 528-byte MXFP8 records, `W = window_size` slots
+  per request slot; position p of request slot s lives at ring slot `s * W + p % W`;
+- for each KV source (kind "full") of ratio r: a paged compressed-KV cache (288-byte NVFP4 records)
+  and a paged index-key cache (68-byte MXFP4 records), both addressed through the block table of
+  ratio r, which the KV sources of that ratio share (they complete their entries on the same
+  tokens, so one page list per request serves them all);
+- the open-group state of each ratio-2 compressor (spec section 3, step 4);
+- the tokens held per request slot, on the host and mirrored on the device (`seq_lens`).
+
+Only the block tables (int32) grow with `max_context`; the record pools are sized by `max_tokens`,
+the total held over all live requests, plus one partly-filled page per request slot and ratio.
+
+A call (a prefill chunk or a decode step) is `plan()`ned, run through every layer, then
+`advance()`d. Between the two, the call's rows are *pending*: layers may write the window records
+and completed compressed entries of the planned positions, and read them back.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Hashable, Sequence
+
+import torch
+
+from .config import FULL, ModelConfig
+from .formats import (
+    COMPRESSED_KV_BYTES,
+    INDEX_KEY_BYTES,
+    WINDOW_KV_BYTES,
+    pack_compressed_kv,
+    pack_index_key,
+    pack_window_kv,
+    unpack_compressed_kv,
+    unpack_index_key,
+    unpack_window_kv,
+)
+
+
+class CapacityError(RuntimeError):
+    """A request, context or page capacity of a `DecodeState` would be exceeded.
+
+    The message names the capacity ("requests", "context", "pages of ratio r") and the numbers.
+    """
+
+
+@dataclass(frozen=True, eq=False)
+class StepRows:
+    """The rows of one call (a prefill chunk or a decode step), grouped by request, in order.
+
+    req_ids: one id per request in the call, in call order.
+    counts: rows per request (1 + draft tokens in decode; the chunk length in prefill).
+    starts: each request's first position (= its cached length before the call).
+    req_slot: int64 [N] on the state's device: each row's request slot.
+    positions: int64 [N] on the state's device: each row's absolute position (p, p+1, ... within a
+        request).
+    row_start: the index of each request's first row among the N rows.
+    """
+
+    req_ids: tuple
+    counts: tuple[int, ...]
+    starts: tuple[int, ...]
+    req_slot: torch.Tensor
+    positions: torch.Tensor
+    row_start: tuple[int, ...]
+
+    @property
+    def n_rows(self) -> int:
+        """N, the rows of the call over all its requests."""
+        return sum(self.counts)
+
+    @property
+    def n_requests(self) -> int:
+        return len(self.req_ids)
+
+    def request_rows(self, i: int) -> slice:
+        """The rows of the call's i-th request: `slice(row_start[i], row_start[i] + counts[i])`."""
+        return slice(self.row_start[i], self.row_start[i] + self.counts[i])
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """True when `a` is `b`, taking a device without an index ("cuda") as the current one."""
+    if a.type != b.type:
+        return False
+    if a.index is None or b.index is None:
+        cur = torch.cuda.current_device() if a.type == "cuda" else None
+        return (a.index if a.index is not None else cur) == (b.index if b.index is not None else cur)
+    return a.index == b.index
+
+
+class DecodeState:
+    """Caches and bookkeeping of up to `max_requests` live requests for one attention stack.
+
+    cfg: the model configuration; its `plan` decides which layers own compressed caches.
+    max_requests: request slots (the most requests live at once).
+    max_context: the most tokens one request may hold; sizes only the block tables.
+    max_tokens: the most tokens held over all live requests together (default
+        `max_requests * max_context`); sizes the page pools. It is not checked on its own: a call
+        fails with `CapacityError` when the pages it needs are not free.
+    page_size: compressed entries per page.
+    device: where every buffer lives.
+
+    Buffers (allocated here, never reallocated; all on `device`):
+      window[L]: uint8 [max_requests * W, 528] for every layer L.
+      compressed[L]: uint8 [pages_r * page_size, 288] for every KV source L of ratio r.
+      index_keys[L]: uint8 [pages_r * page_size, 68] for every KV source L of ratio r.
+      block_table[r]: int32 [max_requests, ceil(max_context / r / page_size)], -1 where unallocated;
+        entry j of request slot s lives at global slot
+        `block_table[r][s, j // page_size] * page_size + j % page_size`.
+      comp_kv[L]: float32 [max_requests, 2, head_dim], zeros; comp_score[L]: float32
+        [max_requests, 2, head_dim], -inf: the open group of every ratio-2 KV source L, row `p % 2`;
+        reset when a slot is admitted.
+      seq_lens: int32 [max_requests], the tokens each slot held after the last `advance` (0 for a
+        free slot); the host-side `length()` is the source of truth.
+    with `pages_r = ceil(max_tokens / r / page_size) + max_requests`.
+    """
+
+    def __init__(self, cfg: ModelConfig, max_requests: int, max_context: int,
+                 max_tokens: int | None = None, page_size: int = 64,
+                 device: str | torch.device = "cpu") -> None:
+        for name, v in (("max_requests", max_requests), ("max_context", max_context),
+                        ("page_size", page_size)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"DecodeState: {name} must be a positive integer, got {v!r}")
+        if max_tokens is None:
+            max_tokens = max_requests * max_context
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+            raise ValueError(f"DecodeState: max_tokens must be a positive integer, got {max_tokens!r}")
+
+        self.cfg = cfg
+        self.layer_plan = cfg.plan
+        self.max_requests = max_requests
+        self.max_context = max_context
+        self.max_tokens = max_tokens
+        self.page_size = page_size
+        self.device = torch.device(device)
+        self.window_size = cfg.window_size
+        self.head_dim = cfg.head_dim
+
+        W, dev = self.window_size, self.device
+        self.kv_sources: tuple[int, ...] = tuple(
+            s.layer for s in self.layer_plan if s.kind == FULL)
+        self.ratios: tuple[int, ...] = tuple(sorted({cfg.ratio(L) for L in self.kv_sources}))
+        self.n_pages: dict[int, int] = {
+            r: _cdiv(max_tokens, r * page_size) + max_requests for r in self.ratios}
+
+        self.window: dict[int, torch.Tensor] = {
+            s.layer: torch.zeros(max_requests * W, WINDOW_KV_BYTES, dtype=torch.uint8, device=dev)
+            for s in self.layer_plan}
+        self.compressed: dict[int, torch.Tensor] = {}
+        self.index_keys: dict[int, torch.Tensor] = {}
+        self.comp_kv: dict[int, torch.Tensor] = {}
+        self.comp_score: dict[int, torch.Tensor] = {}
+        for L in self.kv_sources:
+            r = cfg.ratio(L)
+            slots = self.n_pages[r] * page_size
+            self.compressed[L] = torch.zeros(slots, COMPRESSED_KV_BYTES, dtype=torch.uint8,
+                                             device=dev)
+            self.index_keys[L] = torch.zeros(slots, INDEX_KEY_BYTES, dtype=torch.uint8, device=dev)
+            if r == 2:
+                self.comp_kv[L] = torch.zeros(max_requests, 2, self.head_dim,
+                                              dtype=torch.float32, device=dev)
+                self.comp_score[L] = torch.full((max_requests, 2, self.head_dim), float("-inf"),
+                                                dtype=torch.float32, device=dev)
+        self.block_table: dict[int, torch.Tensor] = {
+            r: torch.full((max_requests, _cdiv(max_context, r * page_size)), -1,
+                          dtype=torch.int32, device=dev)
+            for r in self.ratios}
+        self.seq_lens = torch.zeros(max_requests, dtype=torch.int32, device=dev)
+
+        # Host bookkeeping. Slots are handed out lowest first; pages from a LIFO free list.
+        self._req_slot: dict[Hashable, int] = {}
+        self._slot_req: list[Hashable | None] = [None] * max_requests
+        self._free_slots: list[int] = list(range(max_requests))
+        self._lengths: list[int] = [0] * max_requests
+        self._pending: list[int] = [0] * max_requests  # rows of the planned, not yet advanced call
+        self._pages: dict[int, list[list[int]]] = {
+            r: [[] for _ in range(max_requests)] for r in self.ratios}
+        self._free_pages: dict[int, list[int]] = {
+            r: list(range(n - 1, -1, -1)) for r, n in self.n_pages.items()}
+        # 1 + the highest position written through write_window since admission, per layer/slot:
+        # the ring has lost every position below it minus W, whatever the lengths say.
+        self._window_hi: dict[int, list[int]] = {L: [0] * max_requests for L in self.window}
+
+    # ----- requests -----
+    def admit(self, req_id: Hashable) -> int:
+        """Give `req_id` a free request slot holding 0 tokens and return the slot.
+
+        The slot's compressor state is reset; its window ring and pages are not cleared (reads are
+        guarded by lengths). Raises ValueError for an id already live, CapacityError when all
+        `max_requests` slots are in use.
+        """
+        if req_id in self._req_slot:
+            raise ValueError(f"admit: request {req_id!r} is already live in slot "
+                             f"{self._req_slot[req_id]}")
+        if not self._free_slots:
+            raise CapacityError(f"requests: all {self.max_requests} request slots are in use "
+                                f"(max_requests={self.max_requests}); cannot admit {req_id!r}")
+        s = heapq.heappop(self._free_slots)
+        self._req_slot[req_id] = s
+        self._slot_req[s] = req_id
+        self._lengths[s] = 0
+        self._pending[s] = 0
+        for hi in self._window_hi.values():
+            hi[s] = 0
+        for L in self.comp_kv:
+            self.comp_kv[L][s].zero_()
+            self.comp_score[L][s].fill_(float("-inf"))
+        self.seq_lens[s] = 0
+        return s
+
+    def free(self, req_id: Hashable) -> None:
+        """Release `req_id`'s slot and return its pages to the pools. KeyError for an unknown id."""
+        s = self.slot(req_id)
+        for r in self.ratios:
+            pages = self._pages[r][s]
+            self._free_pages[r].extend(reversed(pages))
+            self._pages[r][s] = []
+            self.block_table[r][s].fill_(-1)
+        del self._req_slot[req_id]
+        self._slot_req[s] = None
+        self._lengths[s] = 0
+        self._pending[s] = 0
+        self.seq_lens[s] = 0
+        heapq.heappush(self._free_slots, s)
+
+    def slot(self, req_id: Hashable) -> int:
+        """The request slot of live request `req_id`; KeyError naming it otherwise."""
+        try:
+            return self._req_slot[req_id]
+        except KeyError:
+            raise KeyError(f"request {req_id!r} is not live in this DecodeState") from None
+
+    def length(self, req_id: Hashable) -> int:
+        """Tokens `req_id` holds (advanced calls only; a planned call is not counted)."""
+        return self._lengths[self.slot(req_id)]
+
+    @property
+    def live_requests(self) -> tuple:
+        """The live request ids, in admission order."""
+        return tuple(self._req_slot)
+
+    def free_pages(self, ratio: int) -> int:
+        """Pages of `ratio` not held by any request."""
+        self._check_ratio(ratio)
+        return len(self._free_pages[ratio])
+
+    def pages_of(self, req_id: Hashable, ratio: int) -> tuple[int, ...]:
+        """The pages of `ratio` that `req_id` holds, in entry order (host copy of its table row)."""
+        self._check_ratio(ratio)
+        return tuple(self._pages[ratio][self.slot(req_id)])
+
+    # ----- calls -----
+    def plan(self, rows: Sequence[tuple[Hashable, int]]) -> StepRows:
+        """Lay out one call's rows and allocate the pages of the entries the call completes.
+
+        rows: (req_id, count) per request, in call order; request i gets positions
+            `length(req_id) .. length(req_id) + count - 1`.
+        For each ratio r, a request holds pages for entries `0 .. (start + count) // r - 1` after
+        this call. Either every page is allocated or, on an error, none: KeyError for an unknown id,
+        ValueError for an empty call, a count < 1 or a request listed twice, CapacityError when a
+        request would exceed `max_context` or a ratio's free pages do not suffice.
+        A new plan replaces an earlier one that was not advanced.
+        """
+        if len(rows) == 0:
+            raise ValueError("plan: the call has no rows")
+        ids, counts, starts, slots = [], [], [], []
+        seen = set()
+        for req_id, count in rows:
+            s = self.slot(req_id)
+            if req_id in seen:
+                raise ValueError(f"plan: request {req_id!r} is listed twice in one call")
+            if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+                raise ValueError(f"plan: request {req_id!r} has count {count!r}; need an integer >= 1")
+            start = self._lengths[s]
+            if start + count > self.max_context:
+                raise CapacityError(
+                    f"context: request {req_id!r} would hold {start + count} tokens ({start} cached "
+                    f"+ {count} new), more than max_context={self.max_context}")
+            seen.add(req_id)
+            ids.append(req_id)
+            counts.append(count)
+            starts.append(start)
+            slots.append(s)
+
+        grants: dict[int, list[tuple[int, int]]] = {}  # ratio -> (slot, first new column)
+        for r in self.ratios:
+            need, todo = 0, []
+            for s, start, count in zip(slots, starts, counts):
+                have = len(self._pages[r][s])
+                want = _cdiv((start + count) // r, self.page_size)
+                if want > have:
+                    need += want - have
+                    todo.append((s, want - have))
+            free = len(self._free_pages[r])
+            if need > free:
+                raise CapacityError(
+                    f"pages of ratio {r}: the call needs {need} more page(s) but only {free} of "
+                    f"{self.n_pages[r]} are free (page_size={self.page_size}, "
+                    f"max_tokens={self.max_tokens})")
+            grants[r] = todo
+        for r, todo in grants.items():
+            t_rows, t_cols, t_pages = [], [], []
+            for s, n in todo:
+                held = self._pages[r][s]
+                for _ in range(n):
+                    t_rows.append(s)
+                    t_cols.append(len(held))
+                    held.append(self._free_pages[r].pop())
+                    t_pages.append(held[-1])
+            if t_rows:
+                where = (torch.tensor(t_rows).to(self.device), torch.tensor(t_cols).to(self.device))
+                self.block_table[r][where] = torch.tensor(t_pages, dtype=torch.int32).to(self.device)
+
+        self._pending = [0] * self.max_requests
+        row_start, n = [], 0
+        slot_rows, pos_rows = [], []
+        for s, start, count in zip(slots, starts, counts):
+            self._pending[s] = count
+            row_start.append(n)
+            n += count
+            slot_rows.extend([s] * count)
+            pos_rows.extend(range(start, start + count))
+        return StepRows(
+            req_ids=tuple(ids), counts=tuple(counts), starts=tuple(starts),
+            req_slot=torch.tensor(slot_rows, dtype=torch.int64).to(self.device),
+            positions=torch.tensor(pos_rows, dtype=torch.int64).to(self.device),
+            row_start=tuple(row_start))
+
+    def advance(self, step: StepRows) -> None:
+        """Commit a planned call after every layer ran: each request's length += its count.
+
+        ValueError when `step` is stale (a request's length no longer equals its start), KeyError
+        when one of its requests was freed.
+        """
+        slots = [self.slot(req_id) for req_id in step.req_ids]
+        for req_id, s, start in zip(step.req_ids, slots, step.starts):
+            if self._lengths[s] != start:
+                raise ValueError(f"advance: stale step: request {req_id!r} holds "
+                                 f"{self._lengths[s]} tokens but the step starts at {start}")
+        for s, count in zip(slots, step.counts):
+            self._lengths[s] += count
+            self._pending[s] = 0
+        self.seq_lens.copy_(torch.tensor(self._lengths, dtype=torch.int32))
+
+    # ----- window cache (generic path) -----
+    def window_slots(self, req_slot: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Global ring slots `req_slot * W + positions % W`, int64, shaped like the inputs.
+
+        req_slot, positions: int64 tensors of one shape. Unchecked: slots live, positions >= 0.
+        """
+        return req_slot.to(torch.int64) * self.window_size + positions.to(torch.int64) % self.window_size
+
+    def write_window(self, layer: int, req_slot: int, positions: torch.Tensor,
+                     values: torch.Tensor) -> None:
+        """Store `pack_window_kv(values)` at the ring slots of `positions` of `req_slot`.
+
+        layer: any layer of the stack.
+        req_slot: a live request slot.
+        positions: int64 [n], strictly increasing, each below the slot's length plus its planned
+            rows. When n > W only the last W positions are stored (the others would be overwritten).
+        values: bf16 [n, 512], RoPE'd (the record's MXFP8 quantization happens here).
+        A call of several rows overwrites ring slots its earlier rows still need: read the cached
+        positions (below the call's start) before writing the call's rows.
+        """
+        self._check_layer(layer, "write_window")
+        self._check_slot(req_slot, "write_window")
+        pos = self._positions(positions, "write_window")
+        n = len(pos)
+        self._check_values(values, (n, self.head_dim), "write_window", "values")
+        if n == 0:
+            return
+        if any(b <= a for a, b in zip(pos, pos[1:])):
+            raise ValueError(f"write_window: positions must be strictly increasing, got {pos}")
+        end = self._lengths[req_slot] + self._pending[req_slot]
+        if pos[0] < 0 or pos[-1] >= end:
+            raise ValueError(
+                f"write_window: layer {layer}, slot {req_slot}: positions {pos[0]}..{pos[-1]} are "
+                f"outside 0..{end - 1} (length {self._lengths[req_slot]} + "
+                f"{self._pending[req_slot]} planned rows)")
+        keep = [i for i, p in enumerate(pos) if p > pos[-1] - self.window_size]
+        if len(keep) < n:
+            values = values[keep[0]:]
+            pos = pos[keep[0]:]
+        idx = torch.tensor([req_slot * self.window_size + p % self.window_size for p in pos],
+                           dtype=torch.int64, device=self.device)
+        self.window[layer].index_copy_(0, idx, pack_window_kv(values))
+        hi = self._window_hi[layer]
+        hi[req_slot] = max(hi[req_slot], pos[-1] + 1)
+
+    def read_window(self, layer: int, req_slot: int, positions: torch.Tensor) -> torch.Tensor:
+        """`unpack_window_kv` of the ring records of `positions` of `req_slot`: bf16 [n, 512].
+
+        A position is held when `top - W <= p < top`, with top the larger of the slot's length and
+        1 + the highest position written through `write_window` since admission (a planned row is
+        readable once written). ValueError naming the position otherwise: it has left the ring,
+        or it was never written.
+        """
+        self._check_layer(layer, "read_window")
+        self._check_slot(req_slot, "read_window")
+        pos = self._positions(positions, "read_window")
+        top = max(self._lengths[req_slot], self._window_hi[layer][req_slot])
+        lo = max(0, top - self.window_size)
+        bad = [p for p in pos if not lo <= p < top]
+        if bad:
+            raise ValueError(
+                f"read_window: layer {layer}, slot {req_slot}: position {bad[0]} is not held in "
+                f"the window ring, which holds positions {lo}..{top - 1} (W={self.window_size})")
+        idx = torch.tensor([req_slot * self.window_size + p % self.window_size for p in pos],
+                           dtype=torch.int64, device=self.device)
+        return unpack_window_kv(self.window[layer][idx])
+
+    # ----- compressed caches (generic path) -----
+    def entry_slots(self, ratio: int, req_slot: int, entries: torch.Tensor) -> torch.Tensor:
+        """Global slots `block_table[ratio][req_slot, e // page_size] * page_size + e % page_size`.
+
+        entries: int64 [n] entry indices (entry j covers positions j*r .. j*r + r - 1).
+        Returns int64 [n] on the state's device. ValueError naming the first entry whose page is
+        not allocated (or lies past max_context).
+        """
+        self._check_ratio(ratio)
+        if entries.dim() != 1:
+            raise ValueError(f"entry_slots: entries must be 1-D, got shape {tuple(entries.shape)}")
+        entries = entries.to(device=self.device, dtype=torch.int64)
+        if entries.numel() == 0:
+            return entries.clone()
+        table = self.block_table[ratio]
+        col = entries // self.page_size
+        off_table = (entries < 0) | (col >= table.shape[1])
+        if bool(off_table.any()):
+            e = int(entries[off_table][0])
+            raise ValueError(f"entry_slots: entry {e} of ratio {ratio} is outside 0.."
+                             f"{table.shape[1] * self.page_size - 1} (max_context="
+                             f"{self.max_context}, page_size={self.page_size})")
+        pages = table[req_slot, col].to(torch.int64)
+        if bool((pages < 0).any()):
+            e = int(entries[pages < 0][0])
+            raise ValueError(f"entry_slots: entry {e} of ratio {ratio}, slot {req_slot} has no "
+                             f"page allocated (plan() allocates pages for completed entries only)")
+        return pages * self.page_size + entries % self.page_size
+
+    def write_entries(self, layer: int, req_slot: int, entries: torch.Tensor, kv: torch.Tensor,
+                      index_key: torch.Tensor) -> None:
+        """Store `pack_compressed_kv(kv)` and `pack_index_key(index_key)` at `entries` of KV source
+        `layer`, request slot `req_slot`.
+
+        entries: int64 [n], each completed by the slot's length plus its planned rows
+            (`e < (length + planned) // r`), so its page is allocated.
+        kv: bf16 [n, 512], RoPE'd at the group's first position (NVFP4 packing happens here).
+        index_key: bf16 [n, 128], RoPE'd (MXFP4 packing happens here).
+        """
+        r = self._check_source(layer, "write_entries")
+        self._check_slot(req_slot, "write_entries")
+        if entries.dim() != 1:
+            raise ValueError(f"write_entries: entries must be 1-D, got shape {tuple(entries.shape)}")
+        n = entries.shape[0]
+        self._check_values(kv, (n, self.head_dim), "write_entries", "kv")
+        self._check_values(index_key, (n, self.cfg.index_head_dim), "write_entries", "index_key")
+        if n == 0:
+            return
+        done = (self._lengths[req_slot] + self._pending[req_slot]) // r
+        e_max = int(entries.max())
+        if e_max >= done:
+            raise ValueError(f"write_entries: layer {layer}, slot {req_slot}: entry {e_max} is not "
+                             f"completed; entries 0..{done - 1} are (ratio {r})")
+        idx = self.entry_slots(r, req_slot, entries)
+        self.compressed[layer].index_copy_(0, idx, pack_compressed_kv(kv))
+        self.index_keys[layer].index_copy_(0, idx, pack_index_key(index_key))
+
+    def read_entries(self, layer: int, req_slot: int,
+                     n_entries: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entries 0..n_entries-1 of KV source `layer`, request slot `req_slot`, dequantized:
+        (kv bf16 [n, 512], index_key bf16 [n, 128]).
+
+        n_entries must not exceed the entries completed by the slot's length plus its planned rows.
+        """
+        r = self._check_source(layer, "read_entries")
+        self._check_slot(req_slot, "read_entries")
+        done = (self._lengths[req_slot] + self._pending[req_slot]) // r
+        if not isinstance(n_entries, int) or not 0 <= n_entries <= done:
+            raise ValueError(f"read_entries: layer {layer}, slot {req_slot}: n_entries="
+                             f"{n_entries!r}, but only {done} entries are completed (ratio {r})")
+        idx = self.entry_slots(r, req_slot, torch.arange(n_entries, device=self.device))
+        return (unpack_compressed_kv(self.compressed[layer][idx]),
+                unpack_index_key(self.index_keys[layer][idx]))
+
+    # ----- reporting -----
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes per buffer family: window, compressed, index_keys, compressor (comp_kv +
+        comp_score), tables (block tables + seq_lens)."""
+        def size(ts) -> int:
+            return sum(t.numel() * t.element_size() for t in ts)
+        return {
+            "window": size(self.window.values()),
+            "compressed": size(self.compressed.values()),
+            "index_keys": size(self.index_keys.values()),
+            "compressor": size(self.comp_kv.values()) + size(self.comp_score.values()),
+            "tables": size(self.block_table.values()) + size([self.seq_lens]),
+        }
+
+    def describe(self) -> str:
+        """A few lines: capacities, pools per ratio and memory per buffer family (MB)."""
+        mem = self.memory_bytes()
+        lines = [f"DecodeState on {self.device}: {len(self._req_slot)}/{self.max_requests} requests "
+                 f"live, max_context={self.max_context}, max_tokens={self.max_tokens}, "
+                 f"page_size={self.page_size}, window={self.window_size} x {len(self.window)} layers"]
+        for r in self.ratios:
+            srcs = [L for L in self.kv_sources if self.cfg.ratio(L) == r]
+            lines.append(f"  ratio {r}: {self.n_pages[r]} pages ({len(self._free_pages[r])} free), "
+                         f"KV sources {srcs}")
+        lines.append("  memory: " + ", ".join(f"{k} {v / 2**20:.2f} MB" for k, v in mem.items())
+                     + f"; total {sum(mem.values()) / 2**20:.2f} MB")
+        return "\n".join(lines)
+
+    # ----- checks -----
+    def _check_ratio(self, ratio: int) -> None:
+        if ratio not in self.block_table:
+            raise ValueError(f"ratio {ratio!r} has no compressed caches in this stack; "
+                             f"ratios present: {list(self.ratios)}")
+
+    def _check_layer(self, layer: int, what: str) -> None:
+        if layer not in self.window:
+            raise ValueError(f"{what}: layer {layer!r} is not in the stack (0..{len(self.window) - 1})")
+
+    def _check_source(self, layer: int, what: str) -> int:
+        self._check_layer(layer, what)
+        if layer not in self.compressed:
+            spec = self.layer_plan[layer]
+            raise ValueError(f"{what}: layer {layer} ({spec.kind}) owns no compressed cache; "
+                             f"its KV source is {spec.kv_source}")
+        return self.cfg.ratio(layer)
+
+    def _check_slot(self, req_slot: int, what: str) -> None:
+        if (not isinstance(req_slot, int) or not 0 <= req_slot < self.max_requests
+                or self._slot_req[req_slot] is None):
+            raise ValueError(f"{what}: request slot {req_slot!r} is not a live slot")
+
+    def _positions(self, positions: torch.Tensor, what: str) -> list[int]:
+        if not isinstance(positions, torch.Tensor) or positions.dim() != 1:
+            raise ValueError(f"{what}: positions must be a 1-D int64 tensor")
+        if positions.dtype != torch.int64:
+            raise ValueError(f"{what}: positions must be int64, got {positions.dtype}")
+        return positions.tolist()
+
+    def _check_values(self, t: torch.Tensor, shape: tuple[int, int], what: str, name: str) -> None:
+        if t.dtype != torch.bfloat16:
+            raise ValueError(f"{what}: {name} must be bfloat16, got {t.dtype}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"{what}: {name} must have shape {list(shape)}, got {list(t.shape)}")
+        if not _same_device(t.device, self.device):
+            raise ValueError(f"{what}: {name} is on {t.device}, the state on {self.device}")
