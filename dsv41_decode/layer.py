@@ -1,0 +1,159 @@
+"""AttentionLayer: one layer's weights and caches, and its generic forward (the reference schedule).
+
+The forward takes the rows of one call (a prefill chunk, a decode step, or a mix; several rows of
+one request sit at consecutive positions) and runs spec section 3 on them through the math of
+`reference/`, reading and writing the layer's caches in `DecodeState` as packed records. Layers of
+one call share a `CallContext`: the top-k of each index source and the candidate pool, which the
+Reuse and Reindex layers that follow read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import SWA, LayerSpec, ModelConfig
+from .formats import mxfp8_fake
+from .reference import attention as ref_attn
+from .reference import compressor as ref_comp
+from .reference import indexer as ref_idx
+from .reference.linear import fp8_linear, rms_norm
+from .reference.rope import rope_cis, rope_freqs, rope_tail
+from .state import DecodeState, StepRows
+from .weights import dequantized
+
+
+@dataclass
+class CallContext:
+    """What the layers of one call hand to each other, and optional recorded intermediates.
+
+    topk[L]: per row, the selected compressed entries of index source L (int64 [k], ascending,
+    -1 padded); candidates[L]: per row, the candidate source's pool as a bool mask over the visible
+    entries. record: when not None, intermediates are stored under `layers.{L}.{name}`.
+    """
+
+    topk: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    candidates: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    record: dict[str, object] | None = None
+
+    def put(self, layer: int, name: str, value: object) -> None:
+        if self.record is not None:
+            self.record[f"layers.{layer}.{name}"] = value
+
+
+class AttentionLayer:
+    """Layer `spec.layer` of the stack: its checkpoint tensors (names without `layers.N.`) and forward."""
+
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, weights: dict[str, torch.Tensor]):
+        self.cfg, self.spec, self.w = cfg, spec, weights
+        self.freqs = rope_freqs(cfg, spec.ratio)
+        # wo_a is a BF16 matmul with BF16 weights; an FP8 checkpoint's values are exact in BF16.
+        self.wo_a = dequantized(weights, "attn.wo_a").to(torch.bfloat16)
+
+    def _fp8(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        return fp8_linear(x, self.w[f"attn.{name}.weight"], self.w[f"attn.{name}.scale"])
+
+    def forward(self, x: torch.Tensor, step: StepRows, state: DecodeState, ctx: CallContext) -> torch.Tensor:
+        """The layer's attention output y [N, dim] BF16 for inputs x [N, dim] BF16 (already normed).
+
+        Writes this call's window records (and, on a KV source, compressed entries and index keys)
+        into `state`; `step.starts` are the lengths before the call (state.advance comes later).
+        """
+        cfg, spec, w = self.cfg, self.spec, self.w
+        if x.shape != (step.n_rows, cfg.dim):
+            raise ValueError(f"layer {spec.layer}: x must be [{step.n_rows}, {cfg.dim}], got {tuple(x.shape)}")
+        L, eps, rd = spec.layer, cfg.norm_eps, cfg.rope_head_dim
+        pos = step.positions.cpu()
+        cis = rope_cis(self.freqs, pos)
+        qr = rms_norm(self._fp8(x, "wq_a"), w["attn.q_norm.weight"], eps)            # [N, q_lora]
+        kv = rms_norm(self._fp8(x, "wkv"), w["attn.kv_norm.weight"], eps)            # [N, 512]
+        q = rope_tail(self._fp8(qr, "wq_b").view(-1, cfg.n_heads, cfg.head_dim), cis, rd)  # [N, H, 512]
+        window_kv = mxfp8_fake(rope_tail(kv, cis, rd))                               # [N, 512]
+        if spec.runs_indexer:
+            iq = ref_idx.index_query(qr, w["attn.indexer.wq_b.weight"], w["attn.indexer.wq_b.scale"],
+                                     cis, cfg.index_n_heads, rd)                    # [N, Hi, 128]
+            iw = ref_idx.index_weights(x, w["attn.indexer.weights_proj.weight"], cfg.index_head_dim)
+        o = torch.zeros(step.n_rows, cfg.n_heads, cfg.head_dim, dtype=torch.bfloat16)
+        for i, rid in enumerate(step.req_ids):
+            rows = step.request_rows(i)
+            slot, start, p_rows = state.slot(rid), step.starts[i], pos[rows]
+            keys_w, pos_w = self._window(state, slot, start, p_rows, window_kv[rows])
+            if spec.owns_compressor:
+                self._compress(x[rows], p_rows, state, slot, ctx)
+            comp = None
+            if spec.kind != SWA:
+                n_vis = (int(p_rows[-1]) + 1) // spec.ratio
+                comp = state.read_entries(spec.kv_source, slot, n_vis) if n_vis else None
+            topk = self._select(rows, p_rows, comp, iq if spec.runs_indexer else None,
+                                iw if spec.runs_indexer else None, ctx)
+            for r, p in zip(range(rows.start, rows.stop), p_rows.tolist()):
+                in_window = (pos_w > p - cfg.window_size) & (pos_w <= p)
+                keys, valid = keys_w[in_window], torch.ones(int(in_window.sum()), dtype=torch.bool)
+                if topk is not None and topk[r - rows.start].numel():
+                    sel = topk[r - rows.start]
+                    keys = torch.cat([keys, comp[0][sel.clamp(min=0)]])
+                    valid = torch.cat([valid, sel >= 0])
+                o[r] = ref_attn.sparse_attention(q[r], keys, valid, w["attn.attn_sink"],
+                                                 cfg.softmax_scale)
+        return ref_attn.output_projection(o, cis, self.wo_a, w["attn.wo_b.weight"], w["attn.wo_b.scale"],
+                                          cfg.o_groups, rd)
+
+    def _window(self, state: DecodeState, slot: int, start: int, p_rows: torch.Tensor,
+                new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this request's new window rows; return (keys, positions) of the window the rows see."""
+        W = self.cfg.window_size
+        past = torch.arange(max(0, start - W + 1), start, dtype=torch.long)
+        keys = torch.cat([state.read_window(self.spec.layer, slot, past), new]) if past.numel() else new
+        keep = slice(max(0, new.shape[0] - W), None)  # the ring holds only the last W positions
+        state.write_window(self.spec.layer, slot, p_rows[keep], new[keep])
+        return keys, torch.cat([past, p_rows])
+
+    def _compress(self, x: torch.Tensor, p_rows: torch.Tensor, state: DecodeState, slot: int,
+                  ctx: CallContext) -> None:
+        """Compressor step of a KV source: publish every group these rows complete."""
+        cfg, w, r = self.cfg, self.w, self.spec.ratio
+        if r == 2:
+            c, done = ref_comp.compress_ratio2(x, p_rows, w["attn.compressor.wkv.weight"],
+                                               w["attn.compressor.wgate.weight"],
+                                               state.comp_kv[self.spec.layer][slot],
+                                               state.comp_score[self.spec.layer][slot])
+        else:
+            c, done = ref_comp.compress_ratio1(x, w["attn.compressor.wkv.weight"]), torch.arange(x.shape[0])
+        if not done.numel():
+            return
+        lat = ref_comp.latent(c, w["attn.compressor.norm.weight"], cfg.norm_eps)
+        first = p_rows[done] + 1 - r                                # each group's first position
+        cis = rope_cis(self.freqs, first)
+        ik = ref_comp.index_key(lat, w["attn.indexer.wk.weight"], w["attn.indexer.k_norm.weight"], cis,
+                                cfg.rope_head_dim, cfg.norm_eps)
+        ckv = ref_comp.compressed_kv(lat, cis, cfg.rope_head_dim)
+        state.write_entries(self.spec.layer, slot, (p_rows[done] + 1) // r - 1, ckv, ik)
+        ctx.put(self.spec.layer, "compressor_latent", lat)
+
+    def _select(self, rows: slice, p_rows: torch.Tensor, comp, iq, iw, ctx: CallContext):
+        """Per row, the compressed entries this layer attends to (None for SWA layers)."""
+        spec, cfg = self.spec, self.cfg
+        if spec.kind == SWA:
+            return None
+        if not spec.runs_indexer:  # Reuse: the index source's choice, unchanged
+            return ctx.topk[spec.index_source][rows]
+        out = []
+        for r, p in zip(range(rows.start, rows.stop), p_rows.tolist()):
+            m = (p + 1) // spec.ratio
+            if m == 0:
+                out.append(torch.zeros(0, dtype=torch.long))
+                if spec.candidate_role == "source":
+                    ctx.candidates.setdefault(spec.layer, []).append(torch.zeros(0, dtype=torch.bool))
+                continue
+            scores = ref_idx.index_scores(iq[r], iw[r], comp[1][:m])
+            if spec.candidate_role == "source":
+                mask = ref_idx.candidate_mask(scores, cfg.candidate_block_size, cfg.candidate_topk_blocks)
+                ctx.candidates.setdefault(spec.layer, []).append(mask)
+            elif spec.candidate_role == "consumer":
+                mask = ctx.candidates[spec.kv_source][r]
+                scores = scores.masked_fill(~mask, float("-inf"))
+            out.append(ref_idx.topk_ascending(scores, min(cfg.index_topk, m)))
+        # one list per call: rows of earlier requests first
+        ctx.topk.setdefault(spec.layer, []).extend(out)
+        return out

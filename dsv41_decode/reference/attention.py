@@ -1,0 +1,55 @@
+"""Sparse attention with the sink and the output projection (spec section 3, steps 8-9). One row at a time."""
+
+from __future__ import annotations
+
+import torch
+
+from .linear import fp8_linear, rowwise_dot
+from .rope import rope_tail
+
+BLOCK_KEYS = 64
+
+
+def sparse_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sink: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """o[h] = sum_j softmax_j(q[h] . K[j] * scale, sink[h]) K[j], as the kernels compute it.
+
+    q: [H, D] BF16; keys: [m, D] BF16 (K = V: the window keys, then the selected compressed
+    entries); valid: [m] bool (False for -1 entries); sink: [H] FP32. Online softmax over blocks of
+    64 keys: FP32 running max from -1e30 and sum, probabilities rounded to BF16 before P.V, FP32
+    accumulator; then sum += exp(sink - max) and o = bf16(acc / sum). No valid key -> zeros.
+    """
+    h, d = q.shape
+    if not bool(valid.any()):
+        return torch.zeros(h, d, dtype=torch.bfloat16)
+    qf = q.float()
+    run_max = torch.full((h,), -1e30)
+    run_sum = torch.zeros(h)
+    acc = torch.zeros(h, d)
+    for b in range(0, keys.shape[0], BLOCK_KEYS):
+        kb = keys[b:b + BLOCK_KEYS].float()                               # [64, D]
+        s = rowwise_dot(qf, kb) * scale                                   # [H, 64]
+        s = s.masked_fill(~valid[b:b + BLOCK_KEYS], float("-inf"))
+        new_max = torch.maximum(run_max, s.amax(-1))
+        alpha = torch.exp(run_max - new_max)
+        p = torch.exp(s - new_max.unsqueeze(-1))                          # [H, 64] FP32
+        run_sum = run_sum * alpha + p.sum(-1)
+        acc = acc * alpha.unsqueeze(-1) + rowwise_dot(p.to(torch.bfloat16).float(), kb.T.contiguous())
+        run_max = new_max
+    run_sum = run_sum + torch.exp(sink.float() - run_max)
+    return (acc / run_sum.unsqueeze(-1)).to(torch.bfloat16)
+
+
+def output_projection(o: torch.Tensor, cis: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor,
+                      wo_b_scale: torch.Tensor, o_groups: int, rope_dim: int) -> torch.Tensor:
+    """y = wo_b(flatten_g(bf16(o_g @ wo_a_g^T))) with o inverse-rotated at its position.
+
+    o: [n, H, 512] BF16; cis: [n, rope_dim/2]; wo_a: [o_groups*o_lora_rank, (H/o_groups)*512] BF16
+    (dequantized if the checkpoint ships FP8); wo_b: [dim, o_groups*o_lora_rank] FP8 + its scale.
+    Consecutive heads form a group. Returns [n, dim] BF16.
+    """
+    n = o.shape[0]
+    o = rope_tail(o, cis, rope_dim, inverse=True).reshape(n, o_groups, -1)   # [n, G, (H/G)*512]
+    wa = wo_a.float().view(o_groups, -1, o.shape[-1])                       # [G, R, (H/G)*512]
+    z = torch.stack([rowwise_dot(o[:, g].float(), wa[g]) for g in range(o_groups)], 1)  # [n, G, R]
+    return fp8_linear(z.to(torch.bfloat16).reshape(n, -1), wo_b, wo_b_scale)

@@ -1,0 +1,80 @@
+"""Linears and RMSNorm (spec section 3), computed per row so that results do not depend on the
+number of rows in a call.
+
+An FP8 linear quantizes its BF16 input per row in MXFP8 blocks of 32, multiplies each 32-wide K
+block of codes by the FP8 weight's codes in FP32, scales the block partial by both UE8M0 scales,
+adds the partials in K order in FP32 and rounds the output to BF16.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import mxfp8_quantize, ue8m0_decode
+
+# Rows per chunk of the elementwise dot products: bounds the [rows, out, in] temporary.
+_CHUNK_ELEMS = 1 << 25
+
+
+def rowwise_dot(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [n, K] FP32 times w [N, K] FP32 transposed -> [n, N] FP32, each row reduced on its own.
+
+    A plain matmul may round differently for different n; a per-element reduction over K does
+    not, which makes the reference batch-invariant.
+    """
+    n, k = x.shape
+    step = max(1, _CHUNK_ELEMS // max(1, w.shape[0] * k))
+    return torch.cat([(x[i:i + step, None, :] * w[None]).sum(-1) for i in range(0, n, step)]) \
+        if n else x.new_zeros(0, w.shape[0])
+
+
+def _scale_bytes(scale: torch.Tensor) -> torch.Tensor:
+    return scale.view(torch.uint8) if scale.dtype != torch.uint8 else scale
+
+
+def _block_partials(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
+    """partial[r, o, b] = sum_c xq[r, b, c] * wq[o, b, c] for xq [n, KB, 32], wq [N, KB, 32]; FP32."""
+    n, out = xq.shape[0], wq.shape[0]
+    step = max(1, _CHUNK_ELEMS // max(1, wq.numel()))
+    chunks = [(xq[i:i + step, None] * wq[None]).sum(-1) for i in range(0, n, step)]
+    return torch.cat(chunks) if chunks else xq.new_zeros(0, out, wq.shape[1])
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """y = bf16(sum_kb (xq[:, kb] . wq[:, kb]) * sx[:, kb] * sw[:, kb]) for x [n, K] BF16.
+
+    weight: [N, K] float8_e4m3fn; scale: [ceil(N/32), ceil(K/32)] UE8M0 (float8_e8m0fnu or uint8).
+    Requires K % 32 == 0 (the activation blocks). Returns [n, N] BF16.
+    """
+    n, k = x.shape
+    out = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"fp8_linear: x has K={k} but weight is {tuple(weight.shape)}")
+    codes, sx = mxfp8_quantize(x)                                   # [n, K], [n, K/32]
+    kb = k // 32
+    xq = codes.float().reshape(n, kb, 32)
+    wq = weight.float().reshape(out, kb, 32)
+    sw = ue8m0_decode(_scale_bytes(scale)).repeat_interleave(32, 0)[:out, :kb]   # [N, KB]
+    sxf = ue8m0_decode(sx)                                          # [n, KB]
+    partial = _block_partials(xq, wq)                               # [n, N, KB]
+    acc = torch.zeros(n, out, dtype=torch.float32, device=x.device)
+    for b in range(kb):  # K order
+        acc = acc + partial[:, :, b] * sxf[:, b:b + 1] * sw[None, :, b]
+    return acc.to(torch.bfloat16)
+
+
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """y = bf16(x @ weight^T) with FP32 accumulation; x [n, K] BF16, weight [N, K] BF16 -> [n, N] BF16."""
+    return rowwise_dot(x.float(), weight.float()).to(torch.bfloat16)
+
+
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """y = x.float() @ weight.float()^T in FP32 (the ratio-2 compressor); [n, K] -> [n, N] FP32."""
+    return rowwise_dot(x.float(), weight.float())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """bf16(weight * (x * rsqrt(mean(x^2) + eps))) computed in FP32 over the last dim."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * xf).to(torch.bfloat16)
