@@ -30,16 +30,23 @@ class CallContext:
 
     topk[L]: per row, the selected compressed entries of index source L (int64 [k], ascending,
     -1 padded); candidates[L]: per row, the candidate source's pool as a bool mask over the visible
-    entries. record: when not None, intermediates are stored under `layers.{L}.{name}`.
+    entries. record: when not None, intermediates are stored under `layers.{L}.{name}` (per-row
+    lists for `index_scores`). force_topk[L]: per row, a selection that replaces index source L's
+    own top-k (a verifier uses it to feed a recorded selection after comparing its own).
     """
 
     topk: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     candidates: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     record: dict[str, object] | None = None
+    force_topk: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
-    def put(self, layer: int, name: str, value: object) -> None:
+    def put_rows(self, table: dict, layer: int, n_rows: int, rows: slice, values: list) -> None:
+        table.setdefault(layer, [None] * n_rows)[rows] = values
+
+    def put(self, layer: int, name: str, req_id: object, value: object) -> None:
+        """Record `value` of request `req_id` under `layers.{layer}.{name}` (a dict by request)."""
         if self.record is not None:
-            self.record[f"layers.{layer}.{name}"] = value
+            self.record.setdefault(f"layers.{layer}.{name}", {})[req_id] = value
 
 
 class AttentionLayer:
@@ -80,12 +87,12 @@ class AttentionLayer:
             slot, start, p_rows = state.slot(rid), step.starts[i], pos[rows]
             keys_w, pos_w = self._window(state, slot, start, p_rows, window_kv[rows])
             if spec.owns_compressor:
-                self._compress(x[rows], p_rows, state, slot, ctx)
+                self._compress(x[rows], p_rows, state, rid, ctx)
             comp = None
             if spec.kind != SWA:
                 n_vis = (int(p_rows[-1]) + 1) // spec.ratio
                 comp = state.read_entries(spec.kv_source, slot, n_vis) if n_vis else None
-            topk = self._select(rows, p_rows, comp, iq if spec.runs_indexer else None,
+            topk = self._select(rows, step.n_rows, p_rows, comp, iq if spec.runs_indexer else None,
                                 iw if spec.runs_indexer else None, ctx)
             for r, p in zip(range(rows.start, rows.stop), p_rows.tolist()):
                 in_window = (pos_w > p - cfg.window_size) & (pos_w <= p)
@@ -109,10 +116,11 @@ class AttentionLayer:
         state.write_window(self.spec.layer, slot, p_rows[keep], new[keep])
         return keys, torch.cat([past, p_rows])
 
-    def _compress(self, x: torch.Tensor, p_rows: torch.Tensor, state: DecodeState, slot: int,
+    def _compress(self, x: torch.Tensor, p_rows: torch.Tensor, state: DecodeState, req_id: object,
                   ctx: CallContext) -> None:
         """Compressor step of a KV source: publish every group these rows complete."""
         cfg, w, r = self.cfg, self.w, self.spec.ratio
+        slot = state.slot(req_id)
         if r == 2:
             c, done = ref_comp.compress_ratio2(x, p_rows, w["attn.compressor.wkv.weight"],
                                                w["attn.compressor.wgate.weight"],
@@ -129,31 +137,31 @@ class AttentionLayer:
                                 cfg.rope_head_dim, cfg.norm_eps)
         ckv = ref_comp.compressed_kv(lat, cis, cfg.rope_head_dim)
         state.write_entries(self.spec.layer, slot, (p_rows[done] + 1) // r - 1, ckv, ik)
-        ctx.put(self.spec.layer, "compressor_latent", lat)
+        ctx.put(self.spec.layer, "compressor_latent", req_id, lat)
 
-    def _select(self, rows: slice, p_rows: torch.Tensor, comp, iq, iw, ctx: CallContext):
-        """Per row, the compressed entries this layer attends to (None for SWA layers)."""
+    def _select(self, rows: slice, n_rows: int, p_rows: torch.Tensor, comp, iq, iw, ctx: CallContext):
+        """Per row of one request, the compressed entries this layer attends to (None for SWA layers)."""
         spec, cfg = self.spec, self.cfg
         if spec.kind == SWA:
             return None
         if not spec.runs_indexer:  # Reuse: the index source's choice, unchanged
             return ctx.topk[spec.index_source][rows]
-        out = []
+        out, masks, all_scores = [], [], []
         for r, p in zip(range(rows.start, rows.stop), p_rows.tolist()):
             m = (p + 1) // spec.ratio
-            if m == 0:
-                out.append(torch.zeros(0, dtype=torch.long))
-                if spec.candidate_role == "source":
-                    ctx.candidates.setdefault(spec.layer, []).append(torch.zeros(0, dtype=torch.bool))
-                continue
-            scores = ref_idx.index_scores(iq[r], iw[r], comp[1][:m])
+            scores = ref_idx.index_scores(iq[r], iw[r], comp[1][:m]) if m else torch.zeros(0)
             if spec.candidate_role == "source":
-                mask = ref_idx.candidate_mask(scores, cfg.candidate_block_size, cfg.candidate_topk_blocks)
-                ctx.candidates.setdefault(spec.layer, []).append(mask)
+                masks.append(ref_idx.candidate_mask(scores, cfg.candidate_block_size,
+                                                    cfg.candidate_topk_blocks))
             elif spec.candidate_role == "consumer":
-                mask = ctx.candidates[spec.kv_source][r]
-                scores = scores.masked_fill(~mask, float("-inf"))
+                scores = scores.masked_fill(~ctx.candidates[spec.kv_source][r], float("-inf"))
+            all_scores.append(scores)
             out.append(ref_idx.topk_ascending(scores, min(cfg.index_topk, m)))
-        # one list per call: rows of earlier requests first
-        ctx.topk.setdefault(spec.layer, []).extend(out)
+        if spec.candidate_role == "source":
+            ctx.put_rows(ctx.candidates, spec.layer, n_rows, rows, masks)
+        if ctx.record is not None:
+            ctx.put_rows(ctx.record, f"layers.{spec.layer}.index_scores", n_rows, rows, all_scores)
+        if spec.layer in ctx.force_topk:
+            out = ctx.force_topk[spec.layer][rows]
+        ctx.put_rows(ctx.topk, spec.layer, n_rows, rows, out)
         return out

@@ -1,0 +1,89 @@
+"""AttentionStack: a chosen list of attention layers with the mHC boundaries between them (spec section 4).
+
+The streams X [N, hc, dim] BF16 enter each block; the attention site's mixer is computed from
+them, the carried `pre` collapses them into the attention input, and the post-mix folds the
+attention output back in. With no FFN plugged in, the attention site's `pre` is carried to the
+next attention; an FFN hook `ffn(layer, u) -> ffn_out` ([N, dim] BF16 in and out) adds the FFN
+site exactly as the official block does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from .config import ModelConfig
+from .layer import AttentionLayer, CallContext
+from .reference.linear import rms_norm
+from .reference.mhc import Mix, hc_mixes, hc_post, hc_pre
+from .state import DecodeState, StepRows
+from .weights import Checkpoint
+
+FfnHook = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class BlockRecord:
+    """One block's boundary quantities for one call (what a trace records)."""
+
+    attn_in: torch.Tensor
+    attn_out: torch.Tensor
+    mix: Mix
+
+
+class AttentionStack:
+    """Layers `layer_ids` (ascending; every KV and index source they need must be among them)."""
+
+    def __init__(self, ckpt: Checkpoint, layer_ids: Sequence[int] | None = None):
+        cfg = ckpt.config
+        ids = list(range(cfg.n_layers)) if layer_ids is None else sorted(layer_ids)
+        for i in ids:
+            spec = cfg.plan[i]
+            for src, what in ((spec.kv_source, "KV source"), (spec.index_source, "index source")):
+                if src is not None and src not in ids:
+                    raise ValueError(f"layer {i} needs its {what} layer {src} in the stack; got {ids}")
+        self.cfg: ModelConfig = cfg
+        self.ids = ids
+        self.layers = {i: AttentionLayer(cfg, cfg.plan[i], ckpt.layer(i)) for i in ids}
+
+    def initial_pre(self, n: int) -> torch.Tensor:
+        """The carried `pre` entering the first block: one-hot on stream 0, [n, hc] FP32."""
+        pre = torch.zeros(n, self.cfg.hc_mult)
+        pre[:, 0] = 1.0
+        return pre
+
+    def block(self, i: int, x: torch.Tensor, pre_in: torch.Tensor, step: StepRows, state: DecodeState,
+              ctx: CallContext, ffn: FfnHook | None = None) -> tuple[torch.Tensor, torch.Tensor, BlockRecord]:
+        """One block: returns (streams out [N, hc, dim] BF16, carried pre [N, hc] FP32, record)."""
+        cfg, w = self.cfg, self.layers[i].w
+        mix = hc_mixes(x, w["hc_attn_fn"], w["hc_attn_scale"], w["hc_attn_base"], cfg.norm_eps,
+                       cfg.hc_eps, cfg.hc_sinkhorn_iters)
+        u = rms_norm(hc_pre(x, pre_in), w["attn_norm.weight"], cfg.norm_eps)
+        y = self.layers[i].forward(u, step, state, ctx)
+        mid = hc_post(y, x, mix.post, mix.comb)
+        rec = BlockRecord(u, y, mix)
+        if ffn is None:
+            return mid, mix.pre, rec
+        f = hc_mixes(mid, w["hc_ffn_fn"], w["hc_ffn_scale"], w["hc_ffn_base"], cfg.norm_eps, cfg.hc_eps,
+                     cfg.hc_sinkhorn_iters)
+        out = ffn(i, rms_norm(hc_pre(mid, mix.pre), w["ffn_norm.weight"], cfg.norm_eps))
+        return hc_post(out, mid, f.post, f.comb), f.pre, rec
+
+    def forward(self, x: torch.Tensor, step: StepRows, state: DecodeState, pre_in: torch.Tensor | None = None,
+                ffn: FfnHook | None = None, ctx: CallContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run every layer of the stack on one call's rows, then advance the state.
+
+        x: [N, hc, dim] BF16 streams entering the first layer; pre_in: [N, hc] FP32 (default one-hot).
+        Returns (streams [N, hc, dim] BF16, carried pre [N, hc] FP32).
+        """
+        if x.dim() != 3 or x.shape[0] != step.n_rows or x.shape[1:] != (self.cfg.hc_mult, self.cfg.dim):
+            raise ValueError(f"streams must be [{step.n_rows}, {self.cfg.hc_mult}, {self.cfg.dim}], "
+                             f"got {tuple(x.shape)}")
+        ctx = ctx if ctx is not None else CallContext()
+        pre = self.initial_pre(step.n_rows) if pre_in is None else pre_in
+        for i in self.ids:
+            x, pre, _ = self.block(i, x, pre, step, state, ctx, ffn)
+        state.advance(step)
+        return x, pre

@@ -1,0 +1,79 @@
+"""Comparison helpers shared by the trace verifier and the tests."""
+
+from __future__ import annotations
+
+import torch
+
+
+def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest |a - b| in units of the BF16 ulp at max(|a|, |b|) (0 when bitwise equal; NaNs must match)."""
+    if a.shape != b.shape:
+        raise ValueError(f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
+    if a.numel() == 0:
+        return 0.0
+    af, bf = a.float(), b.float()
+    if not torch.equal(torch.isnan(af), torch.isnan(bf)):
+        return float("inf")
+    af, bf = torch.nan_to_num(af, nan=0.0), torch.nan_to_num(bf, nan=0.0)
+    mag = torch.maximum(af.abs(), bf.abs()).clamp(min=2.0 ** -126)
+    ulp = torch.exp2(torch.floor(torch.log2(mag)) - 7)   # BF16 has 8 significant bits
+    return float(((af - bf).abs() / ulp).max())
+
+
+def rel_rms(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """rms(a - ref) / rms(ref) in FP32 (0 when both are zero)."""
+    d = (a.float() - ref.float()).pow(2).mean().sqrt()
+    r = ref.float().pow(2).mean().sqrt()
+    return float(d / r) if r > 0 else float(d)
+
+
+def bits_differ(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many elements of two same-dtype tensors differ bitwise."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        raise ValueError(f"cannot compare {a.dtype}{tuple(a.shape)} with {b.dtype}{tuple(b.shape)}")
+    ia = a.contiguous().view(torch.uint8).view(*a.shape, -1)
+    ib = b.contiguous().view(torch.uint8).view(*b.shape, -1)
+    return int((ia != ib).any(-1).sum())
+
+
+def topk_agreement(ours: torch.Tensor, theirs: torch.Tensor, scores: torch.Tensor) -> str:
+    """'equal' (same index sets), 'tie' (different indices, same multiset of scores) or 'differ'.
+
+    ours / theirs: [k] int indices with -1 padding; scores: [m] the row's scores (ours).
+    """
+    a = sorted(int(i) for i in ours if i >= 0)
+    b = sorted(int(i) for i in theirs if i >= 0)
+    if a == b:
+        return "equal"
+    if len(a) == len(b) and all(i < scores.numel() for i in b):
+        if sorted(scores[a].tolist()) == sorted(scores[b].tolist()):
+            return "tie"
+    return "differ"
+
+
+def check_topk_invariants(idx: torch.Tensor, scores: torch.Tensor, k: int) -> None:
+    """Assert a row's top-k: k valid entries first (unique, ascending, in range), -1 after, and the
+    selected scores are the k largest (ties allowed). idx: [>=k] int; scores: [m]."""
+    valid = idx[idx >= 0]
+    assert valid.numel() == k, f"expected {k} valid indices, got {valid.numel()}"
+    assert bool((idx[k:] == -1).all()), "padding after the valid entries must be -1"
+    assert bool((valid[1:] > valid[:-1]).all()), f"indices must be unique and ascending: {valid.tolist()}"
+    assert int(valid.max(initial=-1)) < scores.numel(), "index beyond the visible entries"
+    if k:
+        chosen = scores[valid].float()
+        rest = torch.ones(scores.numel(), dtype=torch.bool)
+        rest[valid] = False
+        if bool(rest.any()):
+            assert float(chosen.min()) >= float(scores[rest].float().max()), "a larger score was left out"
+
+
+def row_ulp_distance(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """Largest |a - ref| in units of the BF16 ulp of the largest |ref| in its row (last dim).
+
+    For sums that cancel (the mHC post-mix), where an element-wise ulp is meaninglessly small.
+    """
+    if a.numel() == 0:
+        return 0.0
+    mag = ref.float().abs().amax(-1, keepdim=True).clamp(min=2.0 ** -126)
+    ulp = torch.exp2(torch.floor(torch.log2(mag)) - 7)
+    return float(((a.float() - ref.float()).abs() / ulp).max())
