@@ -43,20 +43,20 @@ def _require_tensor(x, name: str) -> None:
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
 
 
-def _require_float(x, name: str) -> None:
+def _require_float(x, name: str, scalar_ok: bool = False) -> None:
     _require_tensor(x, name)
     if not x.is_floating_point():
         raise TypeError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
-    if x.dim() == 0:
+    if x.dim() == 0 and not scalar_ok:
         raise ValueError(f"{name} must have at least one dimension, got a 0-d tensor")
 
 
-def _require_dtype(x, name: str, dtypes: tuple[torch.dtype, ...]) -> None:
+def _require_dtype(x, name: str, dtypes: tuple[torch.dtype, ...], scalar_ok: bool = False) -> None:
     _require_tensor(x, name)
     if x.dtype not in dtypes:
         expected = " or ".join(str(d) for d in dtypes)
         raise TypeError(f"{name} must have dtype {expected}, got {x.dtype}")
-    if x.dim() == 0:
+    if x.dim() == 0 and not scalar_ok:
         raise ValueError(f"{name} must have at least one dimension, got a 0-d tensor")
 
 
@@ -100,8 +100,8 @@ def _exp2_fp32(e: torch.Tensor) -> torch.Tensor:
     return torch.where(e >= -126, normal, subnormal).view(torch.float32)
 
 
-def _ue8m0_bits(b: torch.Tensor, name: str) -> torch.Tensor:
-    _require_dtype(b, name, (torch.uint8, torch.float8_e8m0fnu))
+def _ue8m0_bits(b: torch.Tensor, name: str, scalar_ok: bool = False) -> torch.Tensor:
+    _require_dtype(b, name, (torch.uint8, torch.float8_e8m0fnu), scalar_ok)
     return b.view(torch.uint8)
 
 
@@ -111,7 +111,7 @@ def ue8m0_decode(b: torch.Tensor) -> torch.Tensor:
     b: [...] uint8 bytes, or float8_e8m0fnu. Byte 0 gives 2^-127, an FP32 subnormal.
     Returns float32 [...].
     """
-    bits = _ue8m0_bits(b, "b")
+    bits = _ue8m0_bits(b, "b", scalar_ok=True)
     return torch.where(bits == 255, torch.nan, _exp2_fp32(bits.to(torch.int32) - 127))
 
 
@@ -173,8 +173,11 @@ def pow2_ceil_scale(amax_fp32: torch.Tensor, inv_qmax: float) -> torch.Tensor:
 
 def _e4m3(v: torch.Tensor) -> torch.Tensor:
     # torch's FP32 -> E4M3 cast rounds to nearest even (tests/test_formats.py checks every
-    # midpoint); the clamp keeps the result finite whatever the cast does past 448.
-    return v.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    # midpoint); the clamp keeps the result finite whatever the cast does past 448. Devices set a
+    # NaN's sign bit differently, so NaNs become one canonical NaN (code 0x7F) to keep records
+    # bit-identical across devices.
+    v = v.clamp(-E4M3_MAX, E4M3_MAX)
+    return torch.where(torch.isnan(v), torch.nan, v).to(torch.float8_e4m3fn)
 
 
 def _e4m3_codes(codes: torch.Tensor, name: str) -> torch.Tensor:
@@ -187,12 +190,13 @@ def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
 
     Code layout (OCP FP4): bit 3 sign, bits 2..1 exponent, bit 0 mantissa; magnitudes 0..7 are
     0, .5, 1, 1.5, 2, 3, 4, 6. Magnitudes above 6 saturate to 6; the sign bit is v's, so small
-    negative values give code 8 (-0). E2M1 has no NaN: a NaN gives a zero code.
+    negative values give code 8 (-0). E2M1 has no NaN: a NaN gives code 0 whatever its sign bit
+    (which devices set differently).
 
     v: [...] float (converted to FP32).
     Returns uint8 [...].
     """
-    _require_float(v, "v")
+    _require_float(v, "v", scalar_ok=True)
     a = v.float().abs()
     # Each threshold is the midpoint between two neighbours; ">" at a midpoint whose lower
     # neighbour has the even code, ">=" where the upper one does, so ties go to the even code.
@@ -205,7 +209,8 @@ def e2m1_encode(v: torch.Tensor) -> torch.Tensor:
         + (a >= 3.5)
         + (a > 5.0)
     )
-    return magnitude | (torch.signbit(v).to(torch.uint8) << 3)
+    negative = torch.signbit(v) & ~torch.isnan(v)
+    return magnitude | (negative.to(torch.uint8) << 3)
 
 
 def _e2m1_values(codes: torch.Tensor) -> torch.Tensor:
@@ -224,7 +229,7 @@ def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     codes: [...] uint8, every value in 0..15 (checked).
     Returns float32 [...].
     """
-    _require_dtype(codes, "codes", (torch.uint8,))
+    _require_dtype(codes, "codes", (torch.uint8,), scalar_ok=True)
     if codes.numel() and int(codes.max()) > 15:
         raise ValueError(f"codes must lie in 0..15 to be E2M1 codes, got a maximum of {int(codes.max())}")
     return _e2m1_values(codes)

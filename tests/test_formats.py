@@ -186,6 +186,7 @@ def test_e2m1_every_code():
     assert torch.equal(values, torch.cat((grid, -grid)))
     assert torch.equal(torch.signbit(values), codes >= 8)  # code 8 is -0.0
     assert torch.equal(fm.e2m1_encode(values), codes)
+    assert fm.e2m1_decode(fm.e2m1_encode(torch.tensor(-2.9))) == -3.0  # 0-d tensors work too
 
 
 def test_e2m1_rounds_midpoints_to_even():
@@ -204,6 +205,8 @@ def test_e2m1_encode_matches_oracle_and_saturates():
     v = torch.cat((torch.randn(20000, generator=g) * 3, torch.tensor([6.0, 7.0, 1e30, -6.5, -math.inf])))
     assert torch.equal(fm.e2m1_encode(v), _ref_e2m1_codes(v))
     assert torch.equal(fm.e2m1_encode(torch.tensor([7.0, -1e30])), torch.tensor([7, 15], dtype=torch.uint8))
+    nan = torch.tensor([math.nan, -math.nan])
+    assert torch.equal(fm.e2m1_encode(nan), torch.zeros(2, dtype=torch.uint8))
 
 
 def test_e2m1_decode_rejects_bad_codes():
@@ -280,8 +283,12 @@ def test_mxfp8_nonfinite_block_decodes_to_nan():
     x = torch.randn(2, 64, generator=g)
     x[0, 5] = math.inf
     x[1, 40] = math.nan
+    x[1, 41] = -math.nan
     out = fm.mxfp8_fake(x)
     assert torch.isnan(out[0, :32]).all() and torch.isnan(out[1, 32:]).all()
+    rec = fm.pack_window_kv(torch.cat((x, x), dim=1).repeat(1, 4))
+    assert torch.all(rec[1, 32:64] == 0x7F)  # one canonical NaN code, whatever the sign of the NaN
+    assert torch.all(rec[0, 512::2] == 255) and torch.all(rec[1, 513::2] == 255)
     assert not torch.isnan(out[0, 32:]).any() and not torch.isnan(out[1, :32]).any()
 
 
