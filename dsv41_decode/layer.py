@@ -54,7 +54,8 @@ class AttentionLayer:
 
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, weights: dict[str, torch.Tensor]):
         self.cfg, self.spec, self.w = cfg, spec, weights
-        self.freqs = rope_freqs(cfg, spec.ratio)
+        self.device = weights["attn.attn_sink"].device
+        self.freqs = rope_freqs(cfg, spec.ratio).to(self.device)
         # wo_a is a BF16 matmul with BF16 weights; an FP8 checkpoint's values are exact in BF16.
         self.wo_a = dequantized(weights, "attn.wo_a").to(torch.bfloat16)
 
@@ -71,7 +72,8 @@ class AttentionLayer:
         if x.shape != (step.n_rows, cfg.dim):
             raise ValueError(f"layer {spec.layer}: x must be [{step.n_rows}, {cfg.dim}], got {tuple(x.shape)}")
         L, eps, rd = spec.layer, cfg.norm_eps, cfg.rope_head_dim
-        pos = step.positions.cpu()
+        dev = x.device
+        pos = step.positions.to(dev)
         cis = rope_cis(self.freqs, pos)
         qr = rms_norm(self._fp8(x, "wq_a"), w["attn.q_norm.weight"], eps)            # [N, q_lora]
         kv = rms_norm(self._fp8(x, "wkv"), w["attn.kv_norm.weight"], eps)            # [N, 512]
@@ -81,7 +83,7 @@ class AttentionLayer:
             iq = ref_idx.index_query(qr, w["attn.indexer.wq_b.weight"], w["attn.indexer.wq_b.scale"],
                                      cis, cfg.index_n_heads, rd)                    # [N, Hi, 128]
             iw = ref_idx.index_weights(x, w["attn.indexer.weights_proj.weight"], cfg.index_head_dim)
-        o = torch.zeros(step.n_rows, cfg.n_heads, cfg.head_dim, dtype=torch.bfloat16)
+        o = torch.zeros(step.n_rows, cfg.n_heads, cfg.head_dim, dtype=torch.bfloat16, device=dev)
         for i, rid in enumerate(step.req_ids):
             rows = step.request_rows(i)
             slot, start, p_rows = state.slot(rid), step.starts[i], pos[rows]
@@ -96,7 +98,7 @@ class AttentionLayer:
                                 iw if spec.runs_indexer else None, ctx)
             for r, p in zip(range(rows.start, rows.stop), p_rows.tolist()):
                 in_window = (pos_w > p - cfg.window_size) & (pos_w <= p)
-                keys, valid = keys_w[in_window], torch.ones(int(in_window.sum()), dtype=torch.bool)
+                keys, valid = keys_w[in_window], torch.ones(int(in_window.sum()), dtype=torch.bool, device=dev)
                 if topk is not None and topk[r - rows.start].numel():
                     sel = topk[r - rows.start]
                     keys = torch.cat([keys, comp[0][sel.clamp(min=0)]])
@@ -110,7 +112,7 @@ class AttentionLayer:
                 new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this request's new window rows; return (keys, positions) of the window the rows see."""
         W = self.cfg.window_size
-        past = torch.arange(max(0, start - W + 1), start, dtype=torch.long)
+        past = torch.arange(max(0, start - W + 1), start, dtype=torch.long, device=new.device)
         keys = torch.cat([state.read_window(self.spec.layer, slot, past), new]) if past.numel() else new
         keep = slice(max(0, new.shape[0] - W), None)  # the ring holds only the last W positions
         state.write_window(self.spec.layer, slot, p_rows[keep], new[keep])
@@ -127,7 +129,7 @@ class AttentionLayer:
                                                state.comp_kv[self.spec.layer][slot],
                                                state.comp_score[self.spec.layer][slot])
         else:
-            c, done = ref_comp.compress_ratio1(x, w["attn.compressor.wkv.weight"]), torch.arange(x.shape[0])
+            c, done = ref_comp.compress_ratio1(x, w["attn.compressor.wkv.weight"]), torch.arange(x.shape[0], device=x.device)
         if not done.numel():
             return
         lat = ref_comp.latent(c, w["attn.compressor.norm.weight"], cfg.norm_eps)
@@ -149,7 +151,7 @@ class AttentionLayer:
         out, masks, all_scores = [], [], []
         for r, p in zip(range(rows.start, rows.stop), p_rows.tolist()):
             m = (p + 1) // spec.ratio
-            scores = ref_idx.index_scores(iq[r], iw[r], comp[1][:m]) if m else torch.zeros(0)
+            scores = ref_idx.index_scores(iq[r], iw[r], comp[1][:m]) if m else torch.zeros(0, device=self.device)
             if spec.candidate_role == "source":
                 masks.append(ref_idx.candidate_mask(scores, cfg.candidate_block_size,
                                                     cfg.candidate_topk_blocks))

@@ -37,6 +37,7 @@ class AttentionStack:
     """Layers `layer_ids` (ascending; every KV and index source they need must be among them)."""
 
     def __init__(self, ckpt: Checkpoint, layer_ids: Sequence[int] | None = None):
+        """Build the layers from a loaded checkpoint (its tensors stay on the device they were loaded to)."""
         cfg = ckpt.config
         ids = list(range(cfg.n_layers)) if layer_ids is None else sorted(layer_ids)
         for i in ids:
@@ -48,9 +49,9 @@ class AttentionStack:
         self.ids = ids
         self.layers = {i: AttentionLayer(cfg, cfg.plan[i], ckpt.layer(i)) for i in ids}
 
-    def initial_pre(self, n: int) -> torch.Tensor:
+    def initial_pre(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """The carried `pre` entering the first block: one-hot on stream 0, [n, hc] FP32."""
-        pre = torch.zeros(n, self.cfg.hc_mult)
+        pre = torch.zeros(n, self.cfg.hc_mult, device=device)
         pre[:, 0] = 1.0
         return pre
 
@@ -72,18 +73,22 @@ class AttentionStack:
         return hc_post(out, mid, f.post, f.comb), f.pre, rec
 
     def forward(self, x: torch.Tensor, step: StepRows, state: DecodeState, pre_in: torch.Tensor | None = None,
-                ffn: FfnHook | None = None, ctx: CallContext | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                ffn: FfnHook | None = None, ctx: CallContext | None = None,
+                observe: Callable[[int, BlockRecord], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Run every layer of the stack on one call's rows, then advance the state.
 
         x: [N, hc, dim] BF16 streams entering the first layer; pre_in: [N, hc] FP32 (default one-hot).
-        Returns (streams [N, hc, dim] BF16, carried pre [N, hc] FP32).
+        observe(layer, record) is called after each block. Returns (streams [N, hc, dim] BF16,
+        carried pre [N, hc] FP32).
         """
         if x.dim() != 3 or x.shape[0] != step.n_rows or x.shape[1:] != (self.cfg.hc_mult, self.cfg.dim):
             raise ValueError(f"streams must be [{step.n_rows}, {self.cfg.hc_mult}, {self.cfg.dim}], "
                              f"got {tuple(x.shape)}")
         ctx = ctx if ctx is not None else CallContext()
-        pre = self.initial_pre(step.n_rows) if pre_in is None else pre_in
+        pre = self.initial_pre(step.n_rows, x.device) if pre_in is None else pre_in
         for i in self.ids:
-            x, pre, _ = self.block(i, x, pre, step, state, ctx, ffn)
+            x, pre, rec = self.block(i, x, pre, step, state, ctx, ffn)
+            if observe is not None:
+                observe(i, rec)
         state.advance(step)
         return x, pre

@@ -21,11 +21,11 @@ def sparse_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, s
     """
     h, d = q.shape
     if not bool(valid.any()):
-        return torch.zeros(h, d, dtype=torch.bfloat16)
+        return torch.zeros(h, d, dtype=torch.bfloat16, device=q.device)
     qf = q.float()
-    run_max = torch.full((h,), -1e30)
-    run_sum = torch.zeros(h)
-    acc = torch.zeros(h, d)
+    run_max = torch.full((h,), -1e30, device=q.device)
+    run_sum = torch.zeros(h, device=q.device)
+    acc = torch.zeros(h, d, device=q.device)
     for b in range(0, keys.shape[0], BLOCK_KEYS):
         kb = keys[b:b + BLOCK_KEYS].float()                               # [64, D]
         s = rowwise_dot(qf, kb) * scale                                   # [H, 64]

@@ -32,7 +32,7 @@ def compress_ratio2(x: torch.Tensor, positions: torch.Tensor, wkv: torch.Tensor,
             out.append((state_kv * torch.softmax(state_score, dim=0)).sum(0))
             rows.append(i)
     c = torch.stack(out) if out else kv.new_zeros(0, kv.shape[1])
-    return c, torch.tensor(rows, dtype=torch.long)
+    return c, torch.tensor(rows, dtype=torch.long, device=x.device)
 
 
 def compress_ratio1(x: torch.Tensor, wkv: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ def candidate_mask(scores: torch.Tensor, block_size: int, topk_blocks: int) -> t
     """
     m = scores.shape[0]
     n_blocks = -(-m // block_size)
-    padded = torch.full((n_blocks * block_size,), float("-inf"))
+    padded = torch.full((n_blocks * block_size,), float("-inf"), device=scores.device)
     padded[:m] = scores.float()
     block = padded.view(n_blocks, block_size).amax(-1)                   # [n_blocks]
     if n_blocks:
@@ -49,7 +49,7 @@ def candidate_mask(scores: torch.Tensor, block_size: int, topk_blocks: int) -> t
     k = min(topk_blocks, n_blocks)
     top = torch.topk(block, k).indices
     top = top[block[top] != float("-inf")]
-    keep = torch.zeros(n_blocks, dtype=torch.bool)
+    keep = torch.zeros(n_blocks, dtype=torch.bool, device=scores.device)
     keep[top] = True
     return keep.repeat_interleave(block_size)[:m]
 
@@ -60,7 +60,7 @@ def topk_ascending(scores: torch.Tensor, k: int) -> torch.Tensor:
     scores: [m] with k <= m. Ties between equal BF16 scores are broken arbitrarily (compare as sets).
     """
     if k == 0:
-        return torch.zeros(0, dtype=torch.long)
+        return torch.zeros(0, dtype=torch.long, device=scores.device)
     vals, idx = torch.topk(scores.float(), k)
     idx = torch.where(vals == float("-inf"), torch.full_like(idx, -1), idx)
     idx, _ = torch.sort(idx)

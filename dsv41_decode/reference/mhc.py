@@ -10,6 +10,8 @@ from typing import NamedTuple
 
 import torch
 
+from .linear import rowwise_dot
+
 
 class Mix(NamedTuple):
     pre: torch.Tensor    # [n, hc] FP32: how the next site collapses the streams
@@ -40,7 +42,7 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
     """
     n, hc, _ = x.shape
     v = x.flatten(1).float()                                             # [n, hc*dim]
-    m = (v @ fn.float().T) * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + norm_eps)  # [n, 24]
+    m = rowwise_dot(v, fn.float()) * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + norm_eps)  # [n, 24]
     pre = torch.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + hc_eps
     post = 2 * torch.sigmoid(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
     logits = (m[:, 2 * hc:] * scale[2] + base[2 * hc:]).reshape(n, hc, hc)

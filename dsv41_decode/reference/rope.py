@@ -31,7 +31,7 @@ def rope_freqs(cfg: ModelConfig, ratio: int) -> torch.Tensor:
 
 def rope_cis(freqs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Rotations e^(j * p * f_i) [n, dim/2] complex64 for positions [n] (angle computed in FP32)."""
-    angles = torch.outer(positions.to(torch.float32), freqs.to(positions.device))
+    angles = torch.outer(positions.to(torch.float32), freqs.to(positions.device))  # [n, dim/2]
     return torch.polar(torch.ones_like(angles), angles)
 
 

@@ -1,0 +1,140 @@
+"""The demo: serve several requests through the reference stack and check decode against prefill.
+
+Run A serves the requests as an engine would: one call prefills every prompt (of different
+lengths), then K decode steps, some requests carrying draft rows (1 + d rows at p, p+1, ...).
+Run B prefills each request's whole sequence in one call. The reference is batch-invariant, so
+every layer's output at every decoded position must agree bit for bit; the demo prints the
+agreement and the time per step for each layer kind.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from .config import ModelConfig
+from .layer import CallContext
+from .stack import AttentionStack
+from .state import DecodeState
+from .testing.compare import ulp_distance
+from .weights import load_checkpoint, write_synthetic_checkpoint
+
+
+@dataclass
+class DemoPlan:
+    prompts: tuple[int, ...] = (37, 64, 5, 90)     # prompt lengths (odd, across the window, ...)
+    drafts: tuple[int, ...] = (2, 0, 3, 0)          # draft rows per decode step, per request
+    steps: int = 6
+    seed: int = 0
+
+
+@dataclass
+class KindStats:
+    layers: set = field(default_factory=set)
+    rows: int = 0
+    bitwise: int = 0
+    max_ulp: float = 0.0
+    topk_equal: int = 0
+    topk_rows: int = 0
+    decode_s: float = 0.0
+    prefill_s: float = 0.0
+
+
+def _run(stack, state, calls, embed, stats, progress, task):
+    """Run `calls` ((phase, [(req_id, start, count)]) pairs; the time of each layer kind is added to
+    `stats[kind].<phase>` unless phase is None); return {(layer, req, pos): (attn_out, topk)}."""
+    cfg = stack.cfg
+    out = {}
+    for phase, call in calls:
+        step = state.plan([(r, n) for r, _, n in call])
+        x = torch.cat([embed[r][s:s + n] for r, s, n in call]).to(state.device)
+        x = x[:, None].expand(-1, cfg.hc_mult, -1).contiguous()
+        ctx = CallContext()
+        keys = [(r, s + j) for r, s, n in call for j in range(n)]
+        last = [time.perf_counter()]
+
+        def observe(i, rec, keys=keys, ctx=ctx, last=last, phase=phase):
+            if phase is not None:
+                st = stats[cfg.plan[i].label]
+                setattr(st, phase, getattr(st, phase) + time.perf_counter() - last[0])
+            src = cfg.plan[i].index_source
+            for k, key in enumerate(keys):
+                sel = ctx.topk[src][k] if src is not None else None
+                out[(i, *key)] = (rec.attn_out[k], sel)
+            last[0] = time.perf_counter()
+
+        stack.forward(x, step, state, ctx=ctx, observe=observe)
+        progress.advance(task)
+    return out
+
+
+def run_demo(cfg: ModelConfig, plan: DemoPlan, device: str = "cpu", console: Console | None = None) -> dict:
+    """Run the demo and print its table; returns the per-kind figures."""
+    console = console or Console()
+    if len(plan.prompts) != len(plan.drafts):
+        raise ValueError("prompts and drafts need one entry per request")
+    reqs = [f"req{i}" for i in range(len(plan.prompts))]
+    total = {r: p + plan.steps * (1 + d) for r, p, d in zip(reqs, plan.prompts, plan.drafts)}
+    g = torch.Generator().manual_seed(plan.seed)
+    embed = {r: torch.randn(total[r], cfg.dim, generator=g).to(torch.bfloat16) for r in reqs}
+    with tempfile.TemporaryDirectory() as tmp:
+        write_synthetic_checkpoint(cfg, tmp, seed=plan.seed)
+        ckpt = load_checkpoint(tmp, device=device)
+    stack = AttentionStack(ckpt)
+    stats: dict[str, KindStats] = defaultdict(KindStats)
+    for s in cfg.plan:
+        stats[s.label].layers.add(s.layer)
+
+    def new_state():
+        st = DecodeState(cfg, max_requests=len(reqs), max_context=max(total.values()), device=device)
+        for r in reqs:
+            st.admit(r)
+        return st
+
+    serve = [(None, [(r, 0, p) for r, p in zip(reqs, plan.prompts)])]
+    serve += [("decode_s", [(r, plan.prompts[i] + k * (1 + d), 1 + d)
+                            for i, (r, d) in enumerate(zip(reqs, plan.drafts))]) for k in range(plan.steps)]
+    oneshot = [("prefill_s", [(r, 0, total[r])]) for r in reqs]
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("demo: serve, then prefill each request", total=len(serve) + len(oneshot))
+        a = _run(stack, new_state(), serve, embed, stats, progress, task)
+        b = _run(stack, new_state(), oneshot, embed, stats, progress, task)
+    decoded = {(i, r, p) for (i, r, p) in a if p >= plan.prompts[reqs.index(r)]}
+    for key in sorted(decoded, key=str):
+        st = stats[cfg.plan[key[0]].label]
+        (ya, ta), (yb, tb) = a[key], b[key]
+        st.rows += 1
+        st.bitwise += int(torch.equal(ya, yb))
+        st.max_ulp = max(st.max_ulp, ulp_distance(ya, yb))
+        if ta is not None:
+            st.topk_rows += 1
+            st.topk_equal += int(sorted(ta[ta >= 0].tolist()) == sorted(tb[tb >= 0].tolist()))
+    _print(console, cfg, plan, stats, sum(total.values()))
+    return dict(stats)
+
+
+def _print(console, cfg, plan, stats, n_tokens) -> None:
+    t = Table(title=f"decode vs prefill, {len(cfg.plan)} layers, {len(plan.prompts)} requests, "
+                    f"{plan.steps} steps (drafts {list(plan.drafts)})")
+    for col in ("layer kind", "layers", "decoded rows", "bitwise equal", "max ulp", "top-k sets equal",
+                "decode ms/step", "prefill ms/token"):
+        t.add_column(col, justify="right")
+    for label in ("swa", "full", "full+cand", "reindex", "reuse"):
+        if label not in stats:
+            continue
+        s = stats[label]
+        topk = f"{s.topk_equal}/{s.topk_rows}" if s.topk_rows else "-"
+        t.add_row(label, ",".join(map(str, sorted(s.layers))), str(s.rows), f"{s.bitwise}/{s.rows}",
+                  f"{s.max_ulp:g}", topk, f"{1e3 * s.decode_s / plan.steps:.1f}",
+                  f"{1e3 * s.prefill_s / n_tokens:.2f}")
+    console.print(t)
+    ok = all(s.bitwise == s.rows for s in stats.values())
+    console.print("[green]decode equals prefill at every decoded position[/green]" if ok else
+                  "[red]decode differs from prefill: see the table[/red]")
