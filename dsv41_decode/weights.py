@@ -432,6 +432,7 @@ def write_synthetic_checkpoint(cfg: ModelConfig, path: str | Path, seed: int = 0
     Magnitudes follow the official-tiny checkpoint: linear weights N(0, 1/in) (FP8 through
     `fp8_block_quantize`, 32x32 UE8M0 scales), RMSNorm weights 1 + N(0, 0.1^2), `attn_sink` and
     `hc_*_base` N(0, 0.5^2), `hc_*_fn` N(0, 1/dim), `hc_*_scale` U(0.5, 1) rounded to BF16.
+    The same arguments write byte-identical files (file metadata: `{"format": "pt"}` only).
     """
     if shards < 1:
         raise ValueError(f"shards: must be >= 1, got {shards}")
@@ -446,7 +447,9 @@ def write_synthetic_checkpoint(cfg: ModelConfig, path: str | Path, seed: int = 0
     for stale in [root / SINGLE_FILE, root / INDEX_FILE, *root.glob("model-*-of-*.safetensors")]:
         stale.unlink(missing_ok=True)
     (root / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-    meta = {"format": "pt", "source": f"dsv41_decode synthetic checkpoint, seed {seed}"}
+    # One metadata key only: safetensors 0.8 writes the metadata map in a random order when it holds
+    # several keys, and a synthetic checkpoint must be byte-identical for the same seed.
+    meta = {"format": "pt"}
     if shards == 1:
         save_file(tensors, str(root / SINGLE_FILE), metadata=meta)
         return root
