@@ -1,0 +1,56 @@
+"""The command line: the demo runs and prints its table; help and errors are usable."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from dsv41_decode.cli import main
+
+
+def test_demo_exits_0_and_prints_table(capsys):
+    assert main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert "decode vs prefill" in out
+    for kind in ("swa", "full", "full+cand", "reindex", "reuse"):
+        assert kind in out
+    assert "decode equals prefill at every decoded position" in out
+
+
+def test_python_dash_m_help_lists_commands():
+    out = subprocess.run([sys.executable, "-m", "dsv41_decode", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    for cmd in ("demo", "trace", "plan"):
+        assert cmd in out
+
+
+@pytest.mark.parametrize("sub", [["demo"], ["trace", "verify"], ["trace", "record"], ["plan"]])
+def test_every_subcommand_has_help(sub, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(sub + ["--help"])
+    assert e.value.code == 0
+    assert "--" in capsys.readouterr().out
+
+
+def test_plan_prints_flash_layers(capsys):
+    assert main(["plan", "--config", "v41-flash"]) == 0
+    out = capsys.readouterr().out
+    assert " 20 full+cand r=1" in out and " 24 reindex" in out and " 39 reuse" in out
+
+
+def test_bad_config_is_named(capsys):
+    assert main(["plan", "--config", "no-such-preset-or-file"]) == 2
+    assert "no-such-preset-or-file" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--prompts", "3,4", "--drafts", "1"], "--drafts"),
+    (["--prompts", "x"], "--prompts"),
+    (["--prompts", "0,3", "--drafts", "0,0"], "--prompts"),
+])
+def test_demo_rejects_bad_arguments(args, msg):
+    with pytest.raises(SystemExit) as e:
+        main(["demo"] + args)
+    assert msg in str(e.value.code)

@@ -1,0 +1,109 @@
+"""Golden traces: the official case replays within the spec's tolerances; our recorder's format
+round-trips; a corrupted trace is caught."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from dsv41_decode.cli import main
+from dsv41_decode.testing.trace import read_case, verify_trace
+
+OFFICIAL = Path(__file__).parent / "data" / "official-tiny"
+
+
+@pytest.fixture(scope="module")
+def official_results():
+    return verify_trace(OFFICIAL)
+
+
+def test_official_trace_covers_every_kind_and_call(official_results):
+    calls = {r.call for r in official_results}
+    assert calls == {"prefill"} | {f"decode{i:02d}" for i in range(14)}
+    assert {r.kind for r in official_results} == {"swa", "full", "full+cand", "reuse", "reindex"}
+
+
+def test_official_trace_within_tolerances(official_results):
+    failures = [(r.call, r.layer, f) for r in official_results for f in r.failures]
+    assert not failures
+    # quantized values bit-exact, no top-k row that differs beyond ties
+    assert all(v == 0 for r in official_results for v in r.quant_bits.values())
+    assert sum(r.topk.get("differ", 0) for r in official_results) == 0
+    assert max(r.attn_out_ulp for r in official_results) <= 1.0
+
+
+def test_cli_trace_verify_official_passes(capsys):
+    assert main(["trace", "verify", str(OFFICIAL)]) == 0
+    out = capsys.readouterr().out
+    assert "PASS" in out and "decode13" in out
+
+
+def _corrupt(src: Path, dst: Path, key: str, fn) -> None:
+    shutil.copytree(src, dst)
+    with safe_open(str(src / "trace.safetensors"), "pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors[key] = fn(tensors[key].clone())
+    save_file(tensors, str(dst / "trace.safetensors"), metadata=meta)
+
+
+def _flip_one(t: torch.Tensor) -> torch.Tensor:
+    flat = t.view(-1)
+    flat[3] = -flat[3] if flat[3] != 0 else 1.0
+    return t
+
+
+@pytest.mark.parametrize("key,expect", [
+    ("decode05.layers.3.window_kv", "window_kv"),
+    ("decode05.layers.3.compress_kv", "compress_kv"),
+    ("prefill.layers.1.index_k", "index_k"),
+    ("decode02.layers.6.attn_out", "attn_out"),
+])
+def test_corrupted_trace_fails(tmp_path, key, expect, capsys):
+    _corrupt(OFFICIAL, tmp_path / "bad", key, _flip_one)
+    assert main(["trace", "verify", str(tmp_path / "bad"), "--quiet"]) == 1
+    assert expect in capsys.readouterr().out
+
+
+def test_wrong_topk_is_caught(tmp_path):
+    def swap_to_worst(t):
+        t[0, 0, 0] = (t[0, 0].max() + 1) % 41 if t[0, 0, 0] >= 0 else t[0, 0, 0]
+        t[0, 0] = t[0, 0].sort().values
+        return t
+    _corrupt(OFFICIAL, tmp_path / "bad", "decode00.layers.3.indexer_topk", swap_to_worst)
+    res = verify_trace(tmp_path / "bad")
+    assert any("top-k" in f for r in res for f in r.failures)
+
+
+def test_missing_file_is_named(tmp_path, capsys):
+    shutil.copytree(OFFICIAL, tmp_path / "t")
+    (tmp_path / "t" / "trace.safetensors").unlink()
+    assert main(["trace", "verify", str(tmp_path / "t")]) == 2
+    assert "trace.safetensors" in capsys.readouterr().out
+
+
+def test_record_then_verify_round_trip(tmp_path):
+    out = tmp_path / "ours"
+    assert main(["trace", "record", str(out), "--config", "tiny", "--prefill", "21", "--decode", "4",
+                 "--batch", "2", "--seed", "5"]) == 0
+    case = read_case(out / "trace.safetensors")
+    assert case["calls"] == ["prefill", "decode00", "decode01", "decode02", "decode03"]
+    assert case["batch"] == 2
+    with safe_open(str(out / "trace.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        # the official key set for every layer kind (ratio-2 latents only on group-completing calls)
+        for name in ("block_in", "pre_mix_in", "attn_pre", "attn_post", "attn_comb", "attn_in", "attn_out",
+                     "window_kv", "ffn_out", "block_out", "pre_mix_out"):
+            assert f"decode03.layers.6.{name}" in keys
+        assert "decode00.layers.1.compressor_latent" in keys      # position 21 completes a group
+        assert "decode01.layers.1.compressor_latent" not in keys  # position 22 does not
+        assert f.get_tensor("prefill.layers.3.candidates").shape == (2, 21, 21)
+        assert f.get_tensor("prefill.layers.5.indexer_topk").shape == (2, 21, 8)
+    res = verify_trace(out)
+    assert not [f for r in res for f in r.failures]
+    assert max(r.attn_out_ulp for r in res) == 0.0
