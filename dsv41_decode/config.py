@@ -9,6 +9,7 @@ from a preset (`PRESETS`). `LayerPlan` derives, once, every layer's kind and sou
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -77,8 +78,9 @@ class ModelConfig:
     def softmax_scale(self) -> float:
         return self.head_dim ** -0.5
 
-    @property
+    @functools.cached_property
     def plan(self) -> "LayerPlan":
+        """Every layer's kind and sources, derived once."""
         return LayerPlan.from_config(self)
 
     def ratio(self, layer: int) -> int:
@@ -106,8 +108,13 @@ class ModelConfig:
             raise ConfigError(f"config is missing key(s): {', '.join(missing)}")
         kw = {k: v for k, v in d.items() if k in names}
         kw.setdefault("candidate_source_layer", None)
-        n = int(kw["n_layers"])
-        ratios = tuple(int(r) for r in kw["compress_ratios"])
+        if not isinstance(kw["n_layers"], int) or isinstance(kw["n_layers"], bool):
+            raise ConfigError(f"n_layers: expected an integer, got {kw['n_layers']!r}")
+        n = kw["n_layers"]
+        try:
+            ratios = tuple(int(r) for r in kw["compress_ratios"])
+        except (TypeError, ValueError):
+            raise ConfigError(f"compress_ratios: expected a list of integers, got {kw['compress_ratios']!r}") from None
         if len(ratios) < n:
             raise ConfigError(f"compress_ratios: {len(ratios)} entries for n_layers={n}")
         if "n_mtp_layers" not in d:
@@ -115,6 +122,10 @@ class ModelConfig:
         kw["compress_ratios"] = ratios[:n]  # the draft blocks are not part of the attention stack
         for k in ("kv_source_layers", "index_source_layers"):
             kw[k] = tuple(int(v) for v in kw[k])
+        for f in dataclasses.fields(cls):
+            v = kw.get(f.name)
+            if f.type == "float" and not isinstance(v, (int, float)) or isinstance(v, bool):
+                raise ConfigError(f"{f.name}: expected a number, got {v!r}")
         return cls(**kw)
 
     @classmethod
@@ -289,8 +300,8 @@ def _validate(c: ModelConfig) -> None:
         need(cs is not None and kv == cs and s > cs, "index_source_layers",
              f"Reindex layer {s} must follow the candidate source and share its KV source "
              f"(its KV source is {kv}, candidate source {cs})")
-    need(c.norm_eps > 0 and c.hc_eps > 0, "norm_eps", "norm_eps and hc_eps must be positive")
-    need(c.rope_theta > 0 and c.compress_rope_theta > 0, "rope_theta", "RoPE bases must be positive")
+    for f in ("norm_eps", "hc_eps", "rope_theta", "compress_rope_theta"):
+        need(getattr(c, f) > 0, f, f"must be positive, got {getattr(c, f)!r}")
     need(not math.isnan(c.rope_factor) and c.rope_factor >= 1, "rope_factor",
          f"must be >= 1, got {c.rope_factor}")
 
