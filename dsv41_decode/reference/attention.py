@@ -40,16 +40,23 @@ def sparse_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, s
     return (acc / run_sum.unsqueeze(-1)).to(torch.bfloat16)
 
 
-def output_projection(o: torch.Tensor, cis: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor,
-                      wo_b_scale: torch.Tensor, o_groups: int, rope_dim: int) -> torch.Tensor:
-    """y = wo_b(flatten_g(bf16(o_g @ wo_a_g^T))) with o inverse-rotated at its position.
+def grouped_wo_a(o: torch.Tensor, cis: torch.Tensor, wo_a: torch.Tensor, o_groups: int,
+                 rope_dim: int) -> torch.Tensor:
+    """z = bf16(o_g @ wo_a_g^T) per group g, with o inverse-rotated at its position first.
 
-    o: [n, H, 512] BF16; cis: [n, rope_dim/2]; wo_a: [o_groups*o_lora_rank, (H/o_groups)*512] BF16
-    (dequantized if the checkpoint ships FP8); wo_b: [dim, o_groups*o_lora_rank] FP8 + its scale.
-    Consecutive heads form a group. Returns [n, dim] BF16.
+    o: [n, H, 512] BF16 (the attention output); cis: [n, rope_dim/2]; wo_a:
+    [o_groups*o_lora_rank, (H/o_groups)*512] BF16 (an FP8 checkpoint's values dequantized, exact
+    in BF16). Consecutive heads form a group; the input is not quantized. Returns [n, o_groups *
+    o_lora_rank] BF16 (the contract of `ops.wo_a`).
     """
     n = o.shape[0]
     o = rope_tail(o, cis, rope_dim, inverse=True).reshape(n, o_groups, -1)   # [n, G, (H/G)*512]
     wa = wo_a.float().view(o_groups, -1, o.shape[-1])                       # [G, R, (H/G)*512]
     z = torch.stack([rowwise_dot(o[:, g].float(), wa[g]) for g in range(o_groups)], 1)  # [n, G, R]
-    return fp8_linear(z.to(torch.bfloat16).reshape(n, -1), wo_b, wo_b_scale)
+    return z.to(torch.bfloat16).reshape(n, -1)
+
+
+def output_projection(o: torch.Tensor, cis: torch.Tensor, wo_a: torch.Tensor, wo_b: torch.Tensor,
+                      wo_b_scale: torch.Tensor, o_groups: int, rope_dim: int) -> torch.Tensor:
+    """y = wo_b(grouped_wo_a(o)): [n, H, 512] BF16 -> [n, dim] BF16 (wo_b an FP8 linear + its scale)."""
+    return fp8_linear(grouped_wo_a(o, cis, wo_a, o_groups, rope_dim), wo_b, wo_b_scale)

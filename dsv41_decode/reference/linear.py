@@ -43,27 +43,37 @@ def _block_partials(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
     return p.permute(1, 2, 0).float()
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """y = bf16(sum_kb (xq[:, kb] . wq[:, kb]) * sx[:, kb] * sw[:, kb]) for x [n, K] BF16.
+def mxfp8_mm(codes: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """y = bf16(sum_kb (xq[:, kb] . wq[:, kb]) * sx[:, kb] * sw[:, kb]): an MXFP8 activation times an
+    FP8 weight with 32x32 UE8M0 block scales (the contract of `ops.low_latency_mm`).
 
-    weight: [N, K] float8_e4m3fn; scale: [ceil(N/32), ceil(K/32)] UE8M0 (float8_e8m0fnu or uint8).
-    Requires K % 32 == 0 (the activation blocks). Returns [n, N] BF16.
+    codes: [n, K] float8_e4m3fn; x_scale: [n, K/32] UE8M0 (uint8); weight: [N, K] float8_e4m3fn;
+    scale: [ceil(N/32), K/32] UE8M0 (float8_e8m0fnu or uint8). Returns [n, N] BF16.
     """
-    n, k = x.shape
+    n, k = codes.shape
     out = weight.shape[0]
     if weight.shape[1] != k:
-        raise ValueError(f"fp8_linear: x has K={k} but weight is {tuple(weight.shape)}")
-    codes, sx = mxfp8_quantize(x)                                   # [n, K], [n, K/32]
+        raise ValueError(f"mxfp8_mm: activation has K={k} but weight is {tuple(weight.shape)}")
     kb = k // 32
-    xq = codes.float().reshape(n, kb, 32)
-    wq = weight.float().reshape(out, kb, 32)
+    partial = _block_partials(codes.float().reshape(n, kb, 32), weight.float().reshape(out, kb, 32))  # [n, N, KB]
     sw = ue8m0_decode(_scale_bytes(scale)).repeat_interleave(32, 0)[:out, :kb]   # [N, KB]
-    sxf = ue8m0_decode(sx)                                          # [n, KB]
-    partial = _block_partials(xq, wq)                               # [n, N, KB]
-    acc = torch.zeros(n, out, dtype=torch.float32, device=x.device)
+    sxf = ue8m0_decode(_scale_bytes(x_scale))                                     # [n, KB]
+    acc = torch.zeros(n, out, dtype=torch.float32, device=codes.device)
     for b in range(kb):  # K order
         acc = acc + partial[:, :, b] * sxf[:, b:b + 1] * sw[None, :, b]
     return acc.to(torch.bfloat16)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """An FP8 linear: quantize x [n, K] BF16 per row to MXFP8 (blocks of 32), then `mxfp8_mm`.
+
+    weight: [N, K] float8_e4m3fn; scale: [ceil(N/32), ceil(K/32)] UE8M0. Requires K % 32 == 0.
+    Returns [n, N] BF16.
+    """
+    if weight.shape[1] != x.shape[1]:
+        raise ValueError(f"fp8_linear: x has K={x.shape[1]} but weight is {tuple(weight.shape)}")
+    codes, sx = mxfp8_quantize(x)                                   # [n, K], [n, K/32]
+    return mxfp8_mm(codes, sx, weight, scale)
 
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
