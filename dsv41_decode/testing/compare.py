@@ -58,7 +58,7 @@ def check_topk_invariants(idx: torch.Tensor, scores: torch.Tensor, k: int) -> No
     assert valid.numel() == k, f"expected {k} valid indices, got {valid.numel()}"
     assert bool((idx[k:] == -1).all()), "padding after the valid entries must be -1"
     assert bool((valid[1:] > valid[:-1]).all()), f"indices must be unique and ascending: {valid.tolist()}"
-    assert int(valid.max(initial=-1)) < scores.numel(), "index beyond the visible entries"
+    assert valid.numel() == 0 or int(valid.max()) < scores.numel(), "index beyond the visible entries"
     if k:
         chosen = scores[valid].float()
         rest = torch.ones(scores.numel(), dtype=torch.bool)
