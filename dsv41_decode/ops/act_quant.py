@@ -1,0 +1,119 @@
+"""MXFP8 activation quantization: BF16 [M, K] -> E4M3 codes [M, K] + UE8M0 scales [M, K/32].
+
+Bit-exact with `formats.mxfp8_quantize` (spec section 6) on the GPU and in Triton's interpreter:
+the scale comes from the FP32 bits of amax * fp32(1/448), and the codes from `e4m3_rne_code`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from ..formats import E4M3_MAX, MXFP8_AMAX_FLOOR
+from .rounding import e4m3_rne_code
+
+# fp32(1/448), the constant of the spec's bit rule; exact as a Python float, so Triton's own
+# FP32 conversion of the literal cannot change it.
+_INV_E4M3_MAX = float(np.float32(1.0 / E4M3_MAX))
+
+
+@triton.jit
+def _act_quant_mxfp8_kernel(
+    x_ptr, codes_ptr, scales_ptr, M, K, stride_xm, stride_cm, stride_sm,
+    AMAX_FLOOR: tl.constexpr, INV_QMAX: tl.constexpr, QMAX: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    NB: tl.constexpr = BLOCK_K // 32
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    xb = tl.reshape(x, (BLOCK_M, NB, 32))
+
+    # NaN -> inf before the max, since max's NaN handling differs between back ends; a non-finite
+    # block then gets amax = inf and the NaN scale byte 255, as in formats.py.
+    ax = tl.abs(xb)
+    ax = tl.where(ax == ax, ax, float("inf"))
+    amax = tl.maximum(tl.max(ax, axis=2), AMAX_FLOOR)  # [BLOCK_M, NB]
+    p_bits = (amax * INV_QMAX).to(tl.int32, bitcast=True)  # positive: the sign bit is clear
+    exponent = (p_bits >> 23) - 127 + ((p_bits & 0x7FFFFF) != 0).to(tl.int32)
+    scale_byte = tl.minimum(exponent + 127, 255)  # finite amax gives at most 247
+
+    # x * 2^-exponent is exactly x / 2^exponent (a power of two; the floor keeps exponent >= -22).
+    # The clamp only guards non-finite blocks, whose codes are replaced below.
+    inv_scale = ((127 - tl.minimum(exponent, 126)) << 23).to(tl.float32, bitcast=True)
+    v = xb * inv_scale[:, :, None]
+    v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
+    codes = tl.where(scale_byte[:, :, None] == 255, 0x7F, e4m3_rne_code(v)).to(tl.uint8)
+
+    tl.store(codes_ptr + rows[:, None] * stride_cm + cols[None, :], tl.reshape(codes, (BLOCK_M, BLOCK_K)), mask=mask)
+    kb = tl.program_id(1) * NB + tl.arange(0, NB)
+    s_mask = (rows[:, None] < M) & (kb[None, :] < K // 32)
+    tl.store(scales_ptr + rows[:, None] * stride_sm + kb[None, :], scale_byte.to(tl.uint8), mask=s_mask)
+
+
+def _act_quant_config(m: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_K): about 4096 elements per program (32 per thread at 4 warps), rows first,
+    so that M = 1..64 runs in one wave of few programs and prefill rows in many full ones."""
+    block_m = min(triton.next_power_of_2(m), 16)
+    return block_m, min(max(4096 // block_m, 256), 1024)
+
+
+def require_matrix(t, name: str, dtypes: tuple[torch.dtype, ...], shape: tuple[int, int], device) -> None:
+    """Raise naming `name` unless t is a 2-D tensor of one of dtypes, the given shape, unit stride
+    in its last dimension, and on `device` (None: any)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.shape[1] > 1 and t.stride(1) != 1:
+        raise ValueError(f"{name} must have unit stride in its last dimension, got strides {t.stride()}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device} like the other operands, got {t.device}")
+
+
+def act_quant_mxfp8_(x: torch.Tensor, codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
+    """Write the MXFP8 quantization of x (`formats.mxfp8_quantize`, blocks of 32) into the buffers.
+
+    x: [M, K] bfloat16, K a multiple of 32, unit stride in K (any row stride).
+    codes_out: [M, K] float8_e4m3fn (or uint8 holding its bytes), unit stride in K.
+    scales_out: [M, K/32] uint8 UE8M0 bytes (or float8_e8m0fnu), unit stride in K/32.
+    A block holding an inf or NaN gets scale byte 255 and NaN codes 0x7F, as in formats.py.
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"x must be a 2-D tensor [M, K], got {getattr(x, 'shape', type(x).__name__)}")
+    m, k = x.shape
+    if k % 32:
+        raise ValueError(f"x: K={k} must be a multiple of 32 (the MXFP8 block)")
+    require_matrix(x, "x", (torch.bfloat16,), (m, k), None)
+    require_matrix(codes_out, "codes_out", (torch.float8_e4m3fn, torch.uint8), (m, k), x.device)
+    require_matrix(scales_out, "scales_out", (torch.uint8, torch.float8_e8m0fnu), (m, k // 32), x.device)
+    if m == 0 or k == 0:
+        return
+    block_m, block_k = _act_quant_config(m)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(k, block_k))
+    _act_quant_mxfp8_kernel[grid](
+        x, codes_out.view(torch.uint8), scales_out.view(torch.uint8), m, k,
+        x.stride(0), codes_out.stride(0), scales_out.stride(0),
+        AMAX_FLOOR=MXFP8_AMAX_FLOOR, INV_QMAX=_INV_E4M3_MAX, QMAX=E4M3_MAX,
+        BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4,
+    )
+
+
+def act_quant_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 quantization of x, as `formats.mxfp8_quantize(x)` (blocks of 32).
+
+    x: [M, K] bfloat16, K a multiple of 32, unit stride in K.
+    Returns (codes float8_e4m3fn [M, K], scales uint8 [M, K/32] UE8M0 bytes).
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"x must be a 2-D tensor [M, K], got {getattr(x, 'shape', type(x).__name__)}")
+    m, k = x.shape
+    codes = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty(m, k // 32, dtype=torch.uint8, device=x.device)
+    act_quant_mxfp8_(x, codes, scales)
+    return codes, scales
