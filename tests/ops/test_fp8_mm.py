@@ -3,13 +3,10 @@
 Two references (architecture.md section 3): tight, rel RMS < 1e-3, against `mxfp8_mm` on the same
 codes and scales (isolates the kernel: only the FP32 summation order and, on the GPU, the FP8
 tensor-core accumulation inside a 32-deep dot may differ, about 1e-7, then the BF16 output
-rounding, a rare one-ulp flip); loose, rel RMS < 6e-2, against the BF16 unquantized product.
-
-Why 6e-2 and not issue 3's 3e-2: that error is the format's, not the kernel's. E4M3 keeps 3
-mantissa bits, so rounding a Gaussian operand costs about 2.7% relative RMS (spacing / sqrt(12)
-against the value), and the product of two independently rounded operands about sqrt(2) * 2.7% =
-3.8%, whatever the order of summation; with 64-100 outputs per case the measured value spreads
-over 3.2-5.4%. No kernel that meets the contract (the tight bound) can pass 3e-2 on such data.
+rounding, a rare one-ulp flip); loose, rel RMS < 3e-2 (issue 3), against the BF16 product of the
+unquantized activation and the checkpoint's weight values (FP8 in the checkpoint, dequantized):
+that bounds the error the op adds by quantizing its input, about 2.7% RMS for Gaussian data (E4M3
+keeps 3 mantissa bits: spacing / sqrt(12) against the value).
 """
 
 import pytest
@@ -48,7 +45,19 @@ def test_tight_and_loose(m, n, k):
     y = fp8_mm(*_to(codes, x_scale, weight, w_scale)).cpu()
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
     assert rel_rms(y, ref.mxfp8_mm(codes, x_scale, weight, w_scale)) < 1e-3
-    assert rel_rms(y, x.float() @ w.float().T) < 6e-2
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 256, 512), (37, 96, 128), (130, 64, 256)])
+def test_loose_against_unquantized_activation(m, n, k):
+    """The error the op adds by quantizing its input, on Gaussian data with weights of one scale
+    (the tight test's tiles span 2^10, where a few tiles dominate each output and the estimate
+    spreads): expected ~2.65% for E4M3 (spacing / sqrt(12) averaged over the mantissa), bound 3e-2."""
+    g = torch.Generator().manual_seed(m + n + k)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    weight, w_scale = fp8_block_quantize(torch.randn(n, k, generator=g) * k ** -0.5)
+    codes, x_scale = mxfp8_quantize(x)
+    y = fp8_mm(*_to(codes, x_scale, weight, w_scale)).cpu()
+    assert rel_rms(y, x.float() @ fp8_block_dequantize(weight, w_scale).T) < 3e-2
 
 
 @pytest.mark.parametrize("cfg", [
@@ -124,7 +133,7 @@ def test_bad_inputs_raise_naming_the_argument(case, match):
 def test_gpu_flash_shapes(m, n, k):
     g = torch.Generator(device="cuda").manual_seed(m + n + k)
     x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
+    w = (torch.randn(n, k, device="cuda", generator=g) * k ** -0.5).bfloat16()
     weight, w_scale = fp8_block_quantize(w)
     codes, x_scale = mxfp8_quantize(x)
     y = fp8_mm(codes, x_scale, weight, w_scale)
@@ -136,5 +145,5 @@ def test_gpu_flash_shapes(m, n, k):
     assert rel_rms(y, exact) < 1e-3
     rows = [0, m // 2, m - 1]
     assert rel_rms(y[rows], ref.mxfp8_mm(codes[rows], x_scale[rows], weight, w_scale)) < 1e-3
-    assert rel_rms(y, x.float() @ w.float().T) < 6e-2
+    assert rel_rms(y, x.float() @ fp8_block_dequantize(weight, w_scale).T) < 3e-2
     assert rel_rms(fp8_linear(x, weight, w_scale), y) == 0
