@@ -57,6 +57,17 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--batch", type=int, default=1, help="requests, all at the same positions (default: 1)")
     r.add_argument("--seed", type=int, default=0, help="seed of the weights, inputs and FFN stand-in (default: 0)")
 
+    b = sub.add_parser("bench", help="GPU benchmarks (results under docs/results/)")
+    bsub = b.add_subparsers(dest="bench_cmd", required=True)
+    g = bsub.add_parser("gemm", help="every V4.1-Flash attention linear (and TP2/4/8 shards) at 1-64 rows: ours vs "
+                        "the regular path, cuBLAS BF16 and torch._scaled_mm FP8, against the measured read floor",
+                        description="Times by CUDA-graph replay with the weights rotated beyond L2 (median of 50), "
+                        "prints a table, writes docs/results/gemm-<gpu>.jsonl and a PNG of GB/s vs rows.")
+    g.add_argument("--rows", default="1,2,4,8,16,32,64", help="row counts (default: 1,2,4,8,16,32,64)")
+    g.add_argument("--ops", default="", help="only these ops, comma-separated (e.g. wq_b,wo_b; default: all)")
+    g.add_argument("--tp", default="1,2,4,8", help="tensor-parallel shards to include (default: 1,2,4,8)")
+    g.add_argument("--out", type=Path, default=Path("docs/results"), help="results folder (default: docs/results)")
+
     pl = sub.add_parser("plan", help="print a configuration's layer plan (kind and sources per layer)")
     _config_arg(pl, "v41-flash")
     return ap
@@ -127,6 +138,22 @@ def _record(args, console: Console) -> int:
     return 0
 
 
+def _bench(args, console: Console) -> int:
+    import torch
+    if not torch.cuda.is_available():
+        console.print("[red]bench needs a CUDA GPU; none is visible[/red]")
+        return 2
+    from .bench.gemm import flash_shapes, run_gemm_bench
+    from .bench.gemm_ops import GemmOps
+    tps = _ints(args.tp, "tp")
+    ops = {o for o in args.ops.split(",") if o}
+    shapes = [s for s in flash_shapes(tps) if not ops or s.name in ops]
+    if not shapes:
+        raise SystemExit(f"--ops: no shape named {sorted(ops)}")
+    run_gemm_bench(GemmOps(), _ints(args.rows, "rows"), shapes, args.out, progress=console.print)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # a pipe or a CI log gets a fixed width wide enough for the tables
@@ -144,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0 if all(s.bitwise == s.rows for s in stats.values()) else 1
         if args.cmd == "trace":
             return _verify(args, console) if args.trace_cmd == "verify" else _record(args, console)
+        if args.cmd == "bench":
+            return _bench(args, console)
         if args.cmd == "plan":
             cfg = ModelConfig.load(args.config)
             console.print(cfg.plan.summary())

@@ -26,13 +26,17 @@ class Shape:
     kind: str = "fp8"
     tp: int = 1
     groups: int = 1            # wo_a: groups on this rank (each k -> n)
-    w_dtype: torch.dtype = torch.bfloat16   # side projections
+    w_dtype: torch.dtype = torch.float8_e4m3fn   # side: BF16/FP32; wo_a: FP8 (+ scales) or BF16
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}_bf16" if self.kind == "wo_a" and self.w_dtype == torch.bfloat16 else self.name
 
     def weight_bytes(self) -> int:
-        if self.kind == "side":
-            return self.n * self.k * torch.empty(0, dtype=self.w_dtype).element_size()
+        if self.w_dtype != torch.float8_e4m3fn:
+            return self.groups * self.n * self.k * torch.empty(0, dtype=self.w_dtype).element_size()
         per = self.n * self.k + (-(-self.n // 32)) * (self.k // 32)      # E4M3 + UE8M0 scales
-        return self.groups * per if self.kind == "wo_a" else per
+        return self.groups * per
 
     def io_bytes(self, m: int) -> int:
         if self.kind == "side":
@@ -47,10 +51,12 @@ def flash_shapes(tps=(1, 2, 4, 8)) -> list[Shape]:
     out = [Shape("fused_wqa_wkv", 1792, 5120), Shape("idx_wq_b", 4096, 1280)]
     for tp in tps:
         out += [Shape("wq_b", 32768 // tp, 1280, tp=tp), Shape("wo_b", 5120, 8192 // tp, tp=tp),
-                Shape("wo_a", 1024, 4096, kind="wo_a", tp=tp, groups=8 // tp)]
+                Shape("wo_a", 1024, 4096, kind="wo_a", tp=tp, groups=8 // tp),
+                Shape("wo_a", 1024, 4096, kind="wo_a", tp=tp, groups=8 // tp, w_dtype=torch.bfloat16)]
+    bf16 = torch.bfloat16
     out += [Shape("compressor_r2", 1024, 5120, kind="side", w_dtype=torch.float32),
-            Shape("compressor_r1", 512, 5120, kind="side"), Shape("weights_proj", 32, 5120, kind="side"),
-            Shape("wk", 128, 512, kind="side")]
+            Shape("compressor_r1", 512, 5120, kind="side", w_dtype=bf16),
+            Shape("weights_proj", 32, 5120, kind="side", w_dtype=bf16), Shape("wk", 128, 512, kind="side", w_dtype=bf16)]
     return out
 
 
@@ -80,7 +86,9 @@ def bench_shape(shape: Shape, m: int, ops, gen: torch.Generator) -> tuple[float,
         deq = [ops.dequant(q, s).to(torch.bfloat16) for q, s in ws]
         if shape.kind == "wo_a":
             o = torch.randn(m, shape.groups, shape.k, generator=gen, device="cuda").to(torch.bfloat16)
-            ours = [ops.wo_a(o, q, s, shape) for q, s in ws]
+            if shape.w_dtype == torch.bfloat16:
+                ws = [(d, None) for d in deq]
+            ours = [ops.wo_a(o, q, s, shape.groups, shape.n) for q, s in ws]
             runs["ours"] = lambda: [f() for f in ours]
             dg = [d.view(shape.groups, shape.n, shape.k) for d in deq]
             og = o.transpose(0, 1)
@@ -112,10 +120,10 @@ def run_gemm_bench(ops, rows=ROWS, shapes: list[Shape] | None = None, out_dir="d
     for shape in shapes or flash_shapes():
         for m in rows:
             us, base = bench_shape(shape, m, ops, gen)
-            case = {"op": shape.name, "kind": shape.kind, "tp": shape.tp, "rows": m, "n": shape.n, "k": shape.k,
+            case = {"op": shape.label, "kind": shape.kind, "tp": shape.tp, "rows": m, "n": shape.n, "k": shape.k,
                     "groups": shape.groups, "weight_mb": round(shape.weight_bytes() / 1e6, 2)}
             results.append(record("gemm", case, us, shape.weight_bytes() + shape.io_bytes(m), floor, base, info))
-            progress(f"{shape.name} tp{shape.tp} M={m}: {us:.2f} us")
+            progress(f"{shape.label} tp{shape.tp} M={m}: {us:.2f} us")
     for r in results:
         r["read_gbps"] = round(floor, 1)
     path = write_jsonl(results, out_dir, "gemm")

@@ -1,0 +1,56 @@
+"""The ops `bench gemm` times: each method builds its plan and buffers once and returns a callable
+that only launches (what a CUDA graph captures)."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from ..formats import fp8_block_dequantize
+from ..ops.act_quant import act_quant_mxfp8
+from ..ops.fp8_mm import fp8_mm_, fp8_mm_config
+from ..ops.ll_bf16 import LlBf16Plan, ll_bf16_
+from ..ops.low_latency_mm import LowLatencyMM
+from ..ops.wo_a import WoAPlan, wo_a_
+
+Launch = Callable[[], None]
+
+
+class GemmOps:
+    """Our kernels behind the bench's shape-level interface."""
+
+    def dequant(self, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        return fp8_block_dequantize(q, s)
+
+    def fp8(self, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> Launch:
+        """low_latency_mm on the step's MXFP8 input (the boundary quantizes it, so it is not timed here)."""
+        plan = LowLatencyMM(q, s, max_rows=64)
+        codes, sx = act_quant_mxfp8(x)
+        out = torch.empty(x.shape[0], q.shape[0], dtype=torch.bfloat16, device=x.device)
+        return lambda: plan(codes, sx, out)
+
+    def regular(self, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> Launch:
+        """The regular path (fp8_mm) on the same operands, for the low-batch crossover."""
+        codes, sx = act_quant_mxfp8(x)
+        out = torch.empty(x.shape[0], q.shape[0], dtype=torch.bfloat16, device=x.device)
+        cfg = fp8_mm_config(x.shape[0], q.shape[0], q.shape[1], x.device)
+        return lambda: fp8_mm_(codes, sx, q, s, out, config=cfg)
+
+    def side(self, x: torch.Tensor, w: torch.Tensor) -> Launch:
+        plan = LlBf16Plan.build(w.shape[0], w.shape[1], 64, w.dtype, x.device)
+        out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32, device=x.device)
+        return lambda: ll_bf16_(plan, x, w, out)
+
+    def wo_a(self, o: torch.Tensor, q: torch.Tensor, s: torch.Tensor | None, groups: int, rank: int) -> Launch:
+        """o [M, groups, (H/G)*512] -> z [M, groups*rank]; weight FP8 (with s) or BF16 (s None)."""
+        m = o.shape[0]
+        heads = groups * o.shape[2] // 512
+        g = torch.Generator(device=o.device).manual_seed(1)
+        ang = torch.rand(m, 32, generator=g, device=o.device) * 2 * math.pi
+        cos, sin = torch.cos(ang), torch.sin(ang)
+        plan = WoAPlan.build(heads, groups, rank, 64, q.dtype, o.device)
+        out = torch.empty(m, groups * rank, dtype=torch.bfloat16, device=o.device)
+        ov = o.view(m, heads, 512)
+        return lambda: wo_a_(plan, ov, cos, sin, q, s, out)

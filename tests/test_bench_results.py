@@ -1,0 +1,36 @@
+"""The benchmarks' results format (architecture.md section 4), checked without a GPU."""
+
+import json
+
+from dsv41_decode.bench.gemm import flash_shapes, plot_gemm
+from dsv41_decode.bench.results import format_table, record, write_jsonl
+from dsv41_decode.bench.timing import l2_rotation
+
+INFO = {"gpu": "NVIDIA H200", "commit": "abc1234", "date": "2026-11-30"}
+
+
+def test_record_fields_and_arithmetic():
+    r = record("gemm", {"op": "wq_b", "rows": 1}, us=20.0, nbytes=42e6, floor_gbps=4200.0,
+               baselines={"cublas_bf16": 40.0}, info=INFO)
+    assert set(r) >= {"bench", "case", "us", "gbps", "floor_us", "pct_floor", "baselines", "gpu", "commit", "date"}
+    assert r["gbps"] == 2100.0                   # 42 MB in 20 us
+    assert r["floor_us"] == 10.0 and r["pct_floor"] == 50.0
+    assert "2.00" in format_table([r], ["op", "rows"])   # 2x faster than the baseline
+
+
+def test_jsonl_and_plot(tmp_path):
+    rows = [record("gemm", {"op": "wo_b", "tp": 1, "rows": m, "weight_mb": 42.0}, 10.0 + m, 42e6, 4200.0,
+                   {"cublas_bf16": 30.0}, INFO) for m in (1, 2, 4)]
+    path = write_jsonl(rows, tmp_path, "gemm")
+    assert path.name == "gemm-h200.jsonl"
+    assert [json.loads(l)["case"]["rows"] for l in path.read_text().splitlines()] == [1, 2, 4]
+    plot_gemm(rows, path.with_suffix(".png"), 4200.0)
+    assert path.with_suffix(".png").stat().st_size > 1000
+
+
+def test_flash_shapes_bytes():
+    shapes = {(s.label, s.tp): s for s in flash_shapes()}
+    assert shapes[("wq_b", 1)].weight_bytes() == 32768 * 1280 + 1024 * 40
+    assert shapes[("wo_a", 8)].groups == 1 and shapes[("wo_a_bf16", 1)].weight_bytes() == 8 * 1024 * 4096 * 2
+    assert shapes[("wk", 1)].weight_bytes() == 128 * 512 * 2 and shapes[("compressor_r2", 1)].weight_bytes() == 1024 * 5120 * 4
+    assert l2_rotation(42_000_000, l2_bytes=50_000_000) == 4
