@@ -1,0 +1,275 @@
+"""Low-latency side projections: y[M, N] FP32 = x[M, K] BF16 @ W[N, K]^T for 1 <= M <= 64.
+
+The shapes (spec section 3 steps 4, 5, 7): the compressor 5120 -> 1024 (ratio 2: `wkv` and `wgate`
+stacked, FP32 weights) or 5120 -> 512 (ratio 1, BF16), `indexer.weights_proj` 5120 -> 32 and
+`indexer.wk` 512 -> 128 (BF16). At these row counts the op is bound by reading W once, and N is
+too small to give every SM a tile, so K is split across programs as well.
+
+Math: every product is formed and accumulated in FP32. For a BF16 weight the kernel runs an FP32
+`tl.dot` at TF32 input precision: BF16 values have 8 significant bits and TF32 keeps 11, so the
+operands pass unchanged and every product is exact, as in an FP32 FMA, but on the tensor cores
+(and right in the interpreter, where BF16 dots are not). The tensor cores add in FP32 with their
+own rounding (about 1e-6 relative here, against ~1e-7 for FMAs) and may flush subnormal inputs
+(below 2^-126). An FP32 weight would lose bits in TF32, so it takes FP32 FMAs: a register-blocked
+multiply-accumulate for up to 8 rows (no padding of M to 16) and an IEEE-precision `tl.dot` (FMA
+lowering) above.
+
+Split K: each program owns BLOCK_N rows of W and a K range, writes its FP32 partial to the plan's
+workspace, and the last program of a tile to arrive (an atomic counter per tile) adds the
+partials in split order and resets the counter (`splitk_reduce`). One launch, deterministic; a
+second reduction kernel would cost another launch (~1.3 us in a CUDA graph) on ops whose floor is
+1-5 us.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .act_quant import require_matrix
+
+MODE_TF32 = 0   # tl.dot, TF32 inputs: exact products of BF16-valued operands, tensor cores
+MODE_IEEE = 1   # tl.dot, IEEE FP32 (FMA lowering): FP32 weights, 16+ rows
+MODE_FMA = 2    # register-blocked FMA, reduced over K once at the end: FP32 weights, <= 8 rows
+
+_K_GRAIN = 128  # every split but the last covers a multiple of this, so every BLOCK_K divides it
+
+
+@triton.jit
+def splitk_reduce(y, part_ptrs, stride_ps, mask, count_ptr, pid_k, SPLIT: tl.constexpr):
+    """Publish this program's FP32 partial y; the last of the tile's SPLIT programs to arrive sums them.
+
+    part_ptrs: [BLOCK_M, BLOCK_N] pointers to split 0's partial, split s at + s * stride_ps; mask:
+    [BLOCK_M, BLOCK_N] elements to store. count_ptr: the tile's int32 counter, 0 at launch; the last
+    program resets it, so the next launch (stream-ordered, or a graph replay) finds it clean.
+    Returns (last, total): in the last program, total = the partials added in split order (the same
+    bits whichever program comes last); elsewhere total = y. The sum is unrolled, so the loads are
+    independent straight-line code that the compiler issues together (one L2 round trip, not SPLIT).
+    The barrier orders every thread's partial store before thread 0's release (the CUTLASS
+    semaphore pattern); `.cg` loads read the partials from L2, never a stale L1 line.
+    """
+    tl.store(part_ptrs + pid_k * stride_ps, y, mask=mask)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    last = arrived == SPLIT - 1
+    total = y
+    if last:
+        tl.store(count_ptr, 0)
+        total = tl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+        for s in tl.static_range(1, SPLIT):
+            total += tl.load(part_ptrs + s * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
+    return last, total
+
+
+@triton.jit
+def _ll_bf16_kernel(
+    x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
+    stride_xm, stride_wn, stride_om, stride_ps, stride_pm,
+    K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    k_lo = pid_k * K_PER_SPLIT
+    x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
+    w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
+
+    if MODE == 2:
+        # One FP32 accumulator per (row, weight element) lane: pure FMAs in the loop, one K
+        # reduction after it.
+        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # A constant trip count; past K (only in the last split) the loads are masked off. The loop's
+    # own num_stages makes Triton pipeline the loads (cp.async) in the FMA mode too, which has no dot.
+    for kk in tl.range(0, K_PER_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
+        k0 = k_lo + kk
+        k_ok = (k0 + rk) < K
+        x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        if MODE == 0:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32")
+        elif MODE == 1:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc += x[:, None, :] * w[None, :, :]
+    if MODE == 2:
+        y = tl.sum(acc, axis=2)
+    else:
+        y = acc
+
+    mask = m_ok[:, None] & n_ok[None, :]
+    out_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
+    if SPLIT == 1:
+        tl.store(out_ptrs, y, mask=mask)
+    else:
+        part_ptrs = part_ptr + rm[:, None] * stride_pm + rn[None, :]
+        last, total = splitk_reduce(y, part_ptrs, stride_ps, mask, count_ptr + pid_n, pid_k, SPLIT)
+        tl.store(out_ptrs, total, mask=mask & last)
+
+
+class LlBf16Tile(NamedTuple):
+    """Kernel tile and launch options for one power-of-two bucket of rows."""
+    block_m: int
+    block_k: int
+    mode: int          # MODE_TF32, MODE_IEEE or MODE_FMA
+    num_warps: int
+    num_stages: int
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    """SMs of a CUDA device; 132 (an H200) elsewhere, so the interpreter plans like the GPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
+
+
+def _tile_for(rows: int, weight_dtype: torch.dtype) -> LlBf16Tile:
+    bm = triton.next_power_of_2(rows)
+    if weight_dtype == torch.bfloat16:
+        return LlBf16Tile(max(16, bm), 128, MODE_TF32, 4, 3)
+    if bm <= 8:
+        # The [BLOCK_M, 32, BLOCK_K] accumulator at <= 64 FP32 registers per thread (4 warps).
+        return LlBf16Tile(bm, min(128, 256 // bm), MODE_FMA, 4, 3)
+    return LlBf16Tile(bm, 32, MODE_IEEE, 4, 3)
+
+
+@dataclass(frozen=True, eq=False)
+class LlBf16Plan:
+    """Split and tiles of `ll_bf16` for one weight shape, and the split-K workspace it owns.
+
+    Build once per (N, K, max rows, weight dtype) with `LlBf16Plan.build`; launches reuse it. Not
+    for concurrent launches on two streams (they would share the workspace and counters).
+
+    n, k: the weight's [N, K]; max_rows: the most rows a launch may pass (1..64).
+    weight_dtype: torch.bfloat16 or torch.float32.
+    block_n: weight rows per program; k_per_split: K columns per program (a multiple of 128);
+    split: programs per block of rows (ceil(K / k_per_split)).
+    tiles: per row bucket 1, 2, 4, ... up to next_pow2(max_rows), the kernel tile (`tile(m)`).
+    partials: [split, max_rows, n] FP32 workspace; counters: [ceil(n / block_n)] int32, all 0
+    between launches.
+    """
+    n: int
+    k: int
+    max_rows: int
+    weight_dtype: torch.dtype
+    block_n: int
+    k_per_split: int
+    split: int
+    tiles: tuple[LlBf16Tile, ...]
+    partials: torch.Tensor
+    counters: torch.Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.partials.device
+
+    @property
+    def n_tiles(self) -> int:
+        return triton.cdiv(self.n, self.block_n)
+
+    def tile(self, rows: int) -> LlBf16Tile:
+        """The tile of a launch with `rows` rows (1 <= rows <= max_rows)."""
+        return self.tiles[(rows - 1).bit_length()]
+
+    @classmethod
+    def build(cls, n: int, k: int, max_rows: int, weight_dtype: torch.dtype,
+              device: torch.device | str = "cuda", *, split: int | None = None,
+              block_n: int = 32) -> "LlBf16Plan":
+        """Choose the split for about two programs per SM and allocate the workspace.
+
+        split: programs along K (default: about 2 * SMs / ceil(n / block_n), at most K / 512);
+        block_n: weight rows per program, a power of two >= 16.
+        """
+        for name, v in (("n", n), ("k", k), ("max_rows", max_rows), ("block_n", block_n)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if max_rows > 64:
+            raise ValueError(f"max_rows must be at most 64 (the low-batch limit), got {max_rows}")
+        if weight_dtype not in (torch.bfloat16, torch.float32):
+            raise TypeError(f"weight_dtype must be torch.bfloat16 or torch.float32, got {weight_dtype}")
+        if block_n < 16 or block_n & (block_n - 1):
+            raise ValueError(f"block_n must be a power of two >= 16, got {block_n}")
+        device = torch.device(device)
+        n_tiles = triton.cdiv(n, block_n)
+        grains = triton.cdiv(k, _K_GRAIN)
+        if split is None:
+            # About two programs per SM, but at least 4 K steps each: the tiny weights are bound
+            # by latency, where fewer, longer (pipelined) programs and fewer partials win.
+            split = max(1, min(round(2 * num_sms(device) / n_tiles), triton.cdiv(grains, 4)))
+        elif not isinstance(split, int) or split < 1:
+            raise ValueError(f"split must be a positive int, got {split!r}")
+        k_per_split = triton.cdiv(grains, min(split, grains)) * _K_GRAIN
+        split = triton.cdiv(k, k_per_split)
+        tiles = tuple(_tile_for(1 << i, weight_dtype) for i in range((max_rows - 1).bit_length() + 1))
+        partials = torch.empty(split if split > 1 else 0, max_rows, n, dtype=torch.float32, device=device)
+        counters = torch.zeros(n_tiles, dtype=torch.int32, device=device)
+        return cls(n, k, max_rows, weight_dtype, block_n, k_per_split, split, tiles, partials, counters)
+
+
+def ll_bf16_(plan: LlBf16Plan, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    """Write out = x.float() @ w.float()^T, accumulated in FP32, using the plan's workspace.
+
+    plan: from `LlBf16Plan.build(N, K, max_rows, w.dtype, device)`.
+    x: [M, K] bfloat16, 1 <= M <= plan.max_rows (M = 0 writes nothing), unit stride in K.
+    w: [N, K] plan.weight_dtype: bfloat16, or float32 for the ratio-2 compressor, whose FP32
+       weights keep FP32 semantics (the products are FP32 roundings, the sums FP32).
+    out: [M, N] float32, unit stride in N. All on plan.device.
+    Rows do not depend on each other; the FP32 summation order depends on the plan and on the row
+    bucket (next power of two of M), not on other rows' values.
+    """
+    if not isinstance(plan, LlBf16Plan):
+        raise TypeError(f"plan must be an LlBf16Plan, got {type(plan).__name__}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"x must be a 2-D tensor [M, K], got {getattr(x, 'shape', type(x).__name__)}")
+    m = x.shape[0]
+    if m > plan.max_rows:
+        raise ValueError(f"x has {m} rows, more than the plan's max_rows={plan.max_rows}")
+    dev = plan.device
+    require_matrix(x, "x", (torch.bfloat16,), (m, plan.k), dev)
+    require_matrix(w, "w", (plan.weight_dtype,), (plan.n, plan.k), dev)
+    require_matrix(out, "out", (torch.float32,), (m, plan.n), dev)
+    if m == 0:
+        return
+    t = plan.tile(m)
+    part = plan.partials
+    _ll_bf16_kernel[(plan.n_tiles, plan.split)](
+        x, w, out, part, plan.counters, m, plan.n, plan.k,
+        x.stride(0), w.stride(0), out.stride(0), part.stride(0), part.stride(1),
+        K_PER_SPLIT=plan.k_per_split, SPLIT=plan.split, BLOCK_M=t.block_m, BLOCK_N=plan.block_n,
+        BLOCK_K=t.block_k, MODE=t.mode, NUM_STAGES=t.num_stages, num_warps=t.num_warps,
+        num_stages=t.num_stages,
+    )
+
+
+def ll_bf16(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
+            plan: LlBf16Plan | None = None) -> torch.Tensor:
+    """y = x.float() @ w.float()^T in FP32: x [M, K] bfloat16 (M <= 64), w [N, K] bfloat16 or float32.
+
+    out: optional [M, N] float32 buffer; plan: optional `LlBf16Plan` (default: built here, which
+    allocates; pass one for CUDA graphs). Returns out (or a new [M, N] float32 tensor).
+    """
+    if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor) or x.dim() != 2 or w.dim() != 2:
+        raise ValueError("x and w must be 2-D tensors: x [M, K], w [N, K]")
+    if w.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"w must have dtype torch.bfloat16 or torch.float32, got {w.dtype}")
+    if x.shape[0] > 64:
+        raise ValueError(f"x has {x.shape[0]} rows; ll_bf16 serves at most 64 (the low-batch limit)")
+    if plan is None:
+        plan = LlBf16Plan.build(w.shape[0], w.shape[1], max(1, x.shape[0]), w.dtype, x.device)
+    if out is None:
+        out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32, device=x.device)
+    ll_bf16_(plan, x, w, out)
+    return out

@@ -1,0 +1,285 @@
+"""Grouped `wo_a` at low batch: inverse RoPE and the 8-group output projection in one launch.
+
+z[m, g*R:(g+1)*R] = bf16(o'_g[m] @ wo_a_g^T), where o' is o with the conjugate rotation at row
+m's position applied to the last `rope_dim` channels of every head (FP32 math, rounded to BF16),
+o'_g the H/G consecutive heads of group g flattened ((H/G)*512 wide) and R = o_lora_rank: the
+contract of `reference.attention.grouped_wo_a` (spec section 3 step 9).
+
+The input stays BF16; it is never quantized. The weight streams either as BF16 or as FP8 E4M3
+with 32x32 UE8M0 scales, dequantized in registers: each 32-deep partial is scaled by its block's
+power-of-two scale before it joins the FP32 accumulator, which is exact when the checkpoint ships
+`wo_a` in FP8. Products are exact: the operands (rotated BF16 activations, BF16 or E4M3 weights)
+fit TF32's 11 significant bits, so the FP32 `tl.dot` runs at TF32 input precision on the tensor
+cores (and is right in the interpreter, where BF16 dots are not).
+
+The grid is (G*R / BLOCK_N output tiles, split): under tensor parallelism a rank holds H/tp heads
+and G/tp groups (one group of 1024 rows at TP8), so K (the group width, 4096) is split across
+programs and reduced deterministically by `ll_bf16.splitk_reduce` (the last program of a tile
+adds the FP32 partials in split order, then rounds to BF16). The launch turns off FMA
+contraction so that the rotation rounds exactly as torch's complex product on the CPU; the GEMM
+runs on the tensor cores, which that does not touch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..formats import fp8_block_quantize
+from .act_quant import require_matrix
+from .ll_bf16 import num_sms, splitk_reduce
+from .rounding import bf16_rne_bits, ue8m0_to_fp32
+
+_BLOCK_K = 128   # K per loop step: four 32-wide scale blocks
+
+
+@triton.jit
+def _inverse_rope_bf16(x, cos_ptr, sin_ptr, rm, m_ok, pair0, stride_cm, stride_sm, BLOCK_M: tl.constexpr):
+    """bf16(conj rotation) of a [BLOCK_M, 32] chunk x of rotary channels, as exact FP32 values.
+
+    The chunk holds the adjacent pairs (2i, 2i+1) for i = pair0 .. pair0 + 15 (spec section 5);
+    the pairs are split in registers, so no second load of o is needed. Each sum rounds as in
+    torch's complex product, fl(fl(a c) + fl(b s)), provided the launch turns off FMA contraction.
+    """
+    rp = tl.arange(0, 16)
+    c = tl.load(cos_ptr + rm[:, None] * stride_cm + (pair0 + rp)[None, :], mask=m_ok[:, None], other=0.0)
+    s = tl.load(sin_ptr + rm[:, None] * stride_sm + (pair0 + rp)[None, :], mask=m_ok[:, None], other=0.0)
+    a, b = tl.split(tl.reshape(x, (BLOCK_M, 16, 2)))
+    # (a + jb)(c - js) = (a c + b s) + j (b c - a s)
+    rot = tl.reshape(tl.join(a * c + b * s, b * c - a * s), (BLOCK_M, 32))
+    return (bf16_rne_bits(rot).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _wo_a_kernel(
+    o_ptr, cos_ptr, sin_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, M,
+    stride_om, stride_oh, stride_cm, stride_sm, stride_wn, stride_sn, stride_zm, stride_ps, stride_pm,
+    R: tl.constexpr, HEADS_PER_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr,
+    K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, FP8: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    NOPE: tl.constexpr = HEAD_DIM - ROPE_DIM
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)   # output columns, all in group g
+    rc = tl.arange(0, 32)
+    m_ok = rm < M
+    g = (pid_n * BLOCK_N) // R
+    k_lo = pid_k * K_PER_SPLIT
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kk in tl.range(0, K_PER_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
+        k0 = k_lo + kk
+        for j in tl.static_range(BLOCK_K // 32):
+            kc = k0 + 32 * j                   # first channel of the chunk within the group
+            d0 = tl.multiple_of(kc % HEAD_DIM, 32)   # lets the activation loads vectorize
+            o_ptrs = o_ptr + rm[:, None] * stride_om + (g * HEADS_PER_GROUP + kc // HEAD_DIM) * stride_oh \
+                + (d0 + rc)[None, :]
+            x = tl.load(o_ptrs, mask=m_ok[:, None], other=0.0).to(tl.float32)
+            if d0 >= NOPE:
+                x = _inverse_rope_bf16(x, cos_ptr, sin_ptr, rm, m_ok, (d0 - NOPE) // 2,
+                                       stride_cm, stride_sm, BLOCK_M)
+            w = tl.load(w_ptr + rn[:, None] * stride_wn + (kc + rc)[None, :]).to(tl.float32)
+            if FP8:
+                scale = ue8m0_to_fp32(tl.load(s_ptr + (rn // 32) * stride_sn + kc // 32))
+                acc += tl.dot(x, tl.trans(w), input_precision="tf32") * scale[None, :]
+            else:
+                acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32")
+
+    mask = tl.broadcast_to(m_ok[:, None], (BLOCK_M, BLOCK_N))
+    z_ptrs = z_ptr + rm[:, None] * stride_zm + rn[None, :]
+    if SPLIT == 1:
+        tl.store(z_ptrs, bf16_rne_bits(acc), mask=mask)
+    else:
+        part_ptrs = part_ptr + rm[:, None] * stride_pm + rn[None, :]
+        last, total = splitk_reduce(acc, part_ptrs, stride_ps, mask, count_ptr + pid_n, pid_k, SPLIT)
+        tl.store(z_ptrs, bf16_rne_bits(total), mask=mask & last)
+
+
+@dataclass(frozen=True, eq=False)
+class WoAPlan:
+    """Split and tiles of `wo_a` for one rank's shape, and the split-K workspace it owns.
+
+    Build once with `WoAPlan.build`; launches reuse it. Not for concurrent launches on two streams.
+
+    heads, o_groups: this rank's H and G (H/tp and o_groups/tp under TP; H/G heads per group).
+    rank: R = o_lora_rank, outputs per group; head_dim, rope_dim: 512 and 64 in V4.1.
+    max_rows: the most rows a launch may pass (1..64); weight_dtype: bfloat16 or float8_e4m3fn.
+    block_n: output columns per program; k_per_split: group channels per program; split: programs
+    along K per output tile; num_warps, num_stages: launch options.
+    partials: [split, max_rows, G*R] FP32; counters: [G*R / block_n] int32, all 0 between launches.
+    """
+    heads: int
+    o_groups: int
+    rank: int
+    head_dim: int
+    rope_dim: int
+    max_rows: int
+    weight_dtype: torch.dtype
+    block_n: int
+    k_per_split: int
+    split: int
+    num_warps: int
+    num_stages: int
+    partials: torch.Tensor
+    counters: torch.Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.partials.device
+
+    @property
+    def group_width(self) -> int:
+        """K of each group's GEMM: (H/G) * head_dim."""
+        return self.heads // self.o_groups * self.head_dim
+
+    @property
+    def n_out(self) -> int:
+        return self.o_groups * self.rank
+
+    @classmethod
+    def build(cls, heads: int, o_groups: int, rank: int, max_rows: int, weight_dtype: torch.dtype,
+              device: torch.device | str = "cuda", *, head_dim: int = 512, rope_dim: int = 64,
+              split: int | None = None, num_warps: int = 4, num_stages: int = 3) -> "WoAPlan":
+        """Choose the split for about two programs per SM and allocate the workspace.
+
+        split: programs along K (default: the largest divisor of group_width / 128 at most
+        2 * SMs / output tiles); num_warps: warps per program up to 16 rows, twice that above
+        (4: one m16 MMA row of 64 columns; 32-64 rows at 4 warps spill); num_stages: K steps in
+        flight (3: 3 x 8 KB of FP8 weight per program).
+        """
+        for name, v in (("heads", heads), ("o_groups", o_groups), ("rank", rank), ("max_rows", max_rows),
+                        ("head_dim", head_dim), ("rope_dim", rope_dim)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if heads % o_groups:
+            raise ValueError(f"heads={heads} must be a multiple of o_groups={o_groups}")
+        if rank % 32:
+            raise ValueError(f"rank={rank} must be a multiple of 32 (the weight's scale blocks)")
+        if head_dim % 128 or rope_dim % 32 or rope_dim > head_dim:
+            raise ValueError(f"head_dim={head_dim} must be a multiple of 128 and rope_dim={rope_dim} "
+                             f"a multiple of 32 no larger")
+        if max_rows > 64:
+            raise ValueError(f"max_rows must be at most 64 (the low-batch limit), got {max_rows}")
+        if weight_dtype not in (torch.bfloat16, torch.float8_e4m3fn):
+            raise TypeError(f"weight_dtype must be torch.bfloat16 or torch.float8_e4m3fn, got {weight_dtype}")
+        device = torch.device(device)
+        block_n = 64 if rank % 64 == 0 else 32
+        n_tiles = o_groups * rank // block_n
+        grains = heads // o_groups * head_dim // _BLOCK_K
+        if split is None:
+            target = max(1, round(2 * num_sms(device) / n_tiles))
+            split = max(d for d in range(1, grains + 1) if grains % d == 0 and d <= target)
+        elif not isinstance(split, int) or split < 1 or grains % split:
+            raise ValueError(f"split must be a positive divisor of group_width / {_BLOCK_K} = {grains}, "
+                             f"got {split!r}")
+        partials = torch.empty(split if split > 1 else 0, max_rows, o_groups * rank, dtype=torch.float32,
+                               device=device)
+        counters = torch.zeros(n_tiles, dtype=torch.int32, device=device)
+        return cls(heads, o_groups, rank, head_dim, rope_dim, max_rows, weight_dtype, block_n,
+                   grains // split * _BLOCK_K, split, num_warps, num_stages, partials, counters)
+
+
+def wo_a_(plan: WoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
+          scale: torch.Tensor | None, out: torch.Tensor) -> None:
+    """Write z = `reference.attention.grouped_wo_a(o, cos + j sin, weight', G, rope_dim)` into out.
+
+    plan: from `WoAPlan.build(H, G, R, max_rows, weight.dtype, device)`.
+    o: [M, H, head_dim] bfloat16, 1 <= M <= plan.max_rows (M = 0 writes nothing), unit stride in
+       the last dimension (any row and head strides).
+    cos, sin: [M, rope_dim/2] float32, the real and imaginary parts of `reference.rope.rope_cis` at
+       each row's position (built once per step by the caller); unit stride in the last dimension.
+    weight: [G*R, (H/G)*head_dim] bfloat16, or float8_e4m3fn with `scale` (weight' = its
+       `formats.fp8_block_dequantize`); unit stride in the last dimension.
+    scale: [G*R/32, (H/G)*head_dim/32] UE8M0 bytes (uint8 or float8_e8m0fnu) for an FP8 weight,
+       None for BF16. Bytes must be 1..254 (unchecked; the checkpoint's scale rule gives no others).
+    out: [M, G*R] bfloat16, unit stride in the last dimension. All on plan.device.
+    """
+    if not isinstance(plan, WoAPlan):
+        raise TypeError(f"plan must be a WoAPlan, got {type(plan).__name__}")
+    if not isinstance(o, torch.Tensor) or o.dim() != 3:
+        raise ValueError(f"o must be a 3-D tensor [M, H, head_dim], got {getattr(o, 'shape', type(o).__name__)}")
+    m = o.shape[0]
+    dev = plan.device
+    if o.dtype != torch.bfloat16:
+        raise TypeError(f"o must have dtype torch.bfloat16, got {o.dtype}")
+    if tuple(o.shape[1:]) != (plan.heads, plan.head_dim):
+        raise ValueError(f"o must have shape [M, {plan.heads}, {plan.head_dim}], got {tuple(o.shape)}")
+    if m > plan.max_rows:
+        raise ValueError(f"o has {m} rows, more than the plan's max_rows={plan.max_rows}")
+    if o.stride(2) != 1 or o.device != dev:
+        raise ValueError(f"o must have unit stride in its last dimension and be on {dev}, got strides "
+                         f"{o.stride()} on {o.device}")
+    require_matrix(cos, "cos", (torch.float32,), (m, plan.rope_dim // 2), dev)
+    require_matrix(sin, "sin", (torch.float32,), (m, plan.rope_dim // 2), dev)
+    require_matrix(weight, "weight", (plan.weight_dtype,), (plan.n_out, plan.group_width), dev)
+    fp8 = plan.weight_dtype == torch.float8_e4m3fn
+    if fp8:
+        if scale is None:
+            raise ValueError("scale is required with an FP8 weight")
+        require_matrix(scale, "scale", (torch.uint8, torch.float8_e8m0fnu),
+                       (plan.n_out // 32, plan.group_width // 32), dev)
+        scale = scale.view(torch.uint8)
+    elif scale is not None:
+        raise ValueError("scale must be None with a BF16 weight")
+    require_matrix(out, "out", (torch.bfloat16,), (m, plan.n_out), dev)
+    if m == 0:
+        return
+    part = plan.partials
+    s_arg = scale if fp8 else weight
+    block_m = max(16, triton.next_power_of_2(m))
+    _wo_a_kernel[(plan.n_out // plan.block_n, plan.split)](
+        o, cos, sin, weight, s_arg, out.view(torch.int16), part, plan.counters, m,
+        o.stride(0), o.stride(1), cos.stride(0), sin.stride(0), weight.stride(0), s_arg.stride(0),
+        out.stride(0), part.stride(0), part.stride(1),
+        R=plan.rank, HEADS_PER_GROUP=plan.heads // plan.o_groups, HEAD_DIM=plan.head_dim,
+        ROPE_DIM=plan.rope_dim, K_PER_SPLIT=plan.k_per_split, SPLIT=plan.split,
+        BLOCK_M=block_m, BLOCK_N=plan.block_n, BLOCK_K=_BLOCK_K, FP8=fp8, NUM_STAGES=plan.num_stages,
+        num_warps=plan.num_warps * (2 if block_m > 16 else 1), num_stages=plan.num_stages,
+        enable_fp_fusion=False,   # the rotation's sums rounded as torch rounds them (no FMA)
+    )
+
+
+def wo_a(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor, o_groups: int,
+         scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+         plan: WoAPlan | None = None) -> torch.Tensor:
+    """z = `reference.attention.grouped_wo_a`: o [M, H, 512] bfloat16 -> [M, G*R] bfloat16.
+
+    Operands as in `wo_a_`; o_groups: G on this rank (R = weight.shape[0] / G). plan: optional
+    (default: built here, which allocates; pass one for CUDA graphs). Returns out or a new tensor.
+    """
+    if not isinstance(o, torch.Tensor) or o.dim() != 3:
+        raise ValueError(f"o must be a 3-D tensor [M, H, head_dim], got {getattr(o, 'shape', type(o).__name__)}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"weight must be a 2-D tensor, got {getattr(weight, 'shape', type(weight).__name__)}")
+    if not isinstance(o_groups, int) or o_groups < 1 or weight.shape[0] % o_groups:
+        raise ValueError(f"o_groups={o_groups!r} must be a positive int dividing weight rows {weight.shape[0]}")
+    if o.shape[0] > 64:
+        raise ValueError(f"o has {o.shape[0]} rows; wo_a serves at most 64 (the low-batch limit)")
+    if plan is None:
+        plan = WoAPlan.build(o.shape[1], o_groups, weight.shape[0] // o_groups, max(1, o.shape[0]),
+                             weight.dtype, o.device, head_dim=o.shape[2],
+                             rope_dim=2 * cos.shape[-1] if isinstance(cos, torch.Tensor) else 64)
+    if out is None:
+        out = torch.empty(o.shape[0], plan.n_out, dtype=torch.bfloat16, device=o.device)
+    wo_a_(plan, o, cos, sin, weight, scale, out)
+    return out
+
+
+def quantize_wo_a(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 E4M3 codes and 32x32 UE8M0 scales of a BF16 `wo_a` weight (`formats.fp8_block_quantize`).
+
+    This changes the numbers: the official inference layout ships `wo_a` in BF16 and the spec
+    multiplies by those values, so quantizing rounds every weight to 4 significant bits (a relative
+    error up to 2^-4; about 2.6% relative RMS in z for Gaussian weights). Use it only when the user
+    asks for FP8 `wo_a` (half the bytes to stream); a checkpoint that ships `wo_a` in FP8 needs no
+    call and stays exact.
+
+    w: [G*R, (H/G)*512] bfloat16 (or float). Returns (weight float8_e4m3fn, scale float8_e8m0fnu
+    [G*R/32, (H/G)*512/32]).
+    """
+    return fp8_block_quantize(w)

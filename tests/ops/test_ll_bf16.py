@@ -1,0 +1,178 @@
+"""ops/ll_bf16.py against float64 products (interpreter on the CPU; GPU at the real shapes).
+
+Bounds: each product x*w is exact in FP32 for a BF16 weight and one FP32 rounding for an FP32
+weight, and K of them are added in FP32 in some order (split-K partials included), so
+|y - y64| <= gamma_(K+1) * (|x| @ |w|^T) with gamma_n = n 2^-24 / (1 - n 2^-24) (Higham), whatever
+the order. On top, rel RMS < 1e-5 (issue 3, item 3): against float64 for FP32 weights (a TF32
+product would miss it by ~10x) and against `x.float() @ w.float().T` for BF16 weights.
+"""
+
+import pytest
+import torch
+
+from dsv41_decode.ops.ll_bf16 import MODE_FMA, MODE_IEEE, MODE_TF32, LlBf16Plan, ll_bf16, ll_bf16_
+from dsv41_decode.testing.compare import rel_rms
+
+_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+U = 2.0 ** -24
+
+
+def _operands(m: int, n: int, k: int, dtype: torch.dtype, seed: int):
+    """x BF16 [m, k] with a per-row magnitude, w [n, k] of `dtype` with a per-row magnitude."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-4, 5, (m, 1), generator=g).float())
+    w = torch.randn(n, k, generator=g) * torch.exp2(torch.randint(-8, 0, (n, 1), generator=g).float())
+    return x.bfloat16().to(_DEVICE), w.to(dtype).to(_DEVICE)
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    k = x.shape[1]
+    exact = x.double() @ w.double().T
+    gamma = (k + 1) * U / (1 - (k + 1) * U)
+    bound = gamma * (x.double().abs() @ w.double().abs().T)
+    err = (y.double() - exact).abs()
+    assert y.dtype == torch.float32 and y.shape == exact.shape
+    assert bool((err <= bound).all()), f"worst error / bound {float((err / bound.clamp(min=1e-300)).max()):.3g}"
+    if w.dtype == torch.float32:
+        assert rel_rms(y, exact) < 1e-5
+    else:
+        assert rel_rms(y, x.float() @ w.float().T) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("n, k", [(32, 64), (96, 512), (160, 512), (40, 200)])
+@pytest.mark.parametrize("m", [1, 3, 37, 64])
+def test_matches_float64(m, n, k, dtype):
+    x, w = _operands(m, n, k, dtype, seed=m * 1000 + n + k)
+    plan = LlBf16Plan.build(n, k, 64, dtype, _DEVICE, split=4)   # K=512: 4 programs along K
+    _check(ll_bf16(x, w, plan=plan), x, w)
+    assert not plan.counters.any(), "the last program of every tile resets its counter"
+
+
+def test_plan_modes_and_split():
+    bf, fp = (LlBf16Plan.build(96, 512, 64, dt, "cpu") for dt in (torch.bfloat16, torch.float32))
+    assert [bf.tile(m).mode for m in (1, 16, 64)] == [MODE_TF32] * 3
+    assert [fp.tile(m).mode for m in (1, 8, 9, 64)] == [MODE_FMA, MODE_FMA, MODE_IEEE, MODE_IEEE]
+    assert bf.tile(1).block_m == 16 and fp.tile(3).block_m == 4 and fp.tile(37).block_m == 64
+    assert (bf.n_tiles, bf.split, bf.k_per_split) == (3, 1, 512)
+    # The real shapes: about two programs per SM of an H200, but at least 4 K steps per program.
+    shapes = {(1024, 5120, torch.float32): (32, 8), (512, 5120, torch.bfloat16): (16, 10),
+              (32, 5120, torch.bfloat16): (1, 10), (128, 512, torch.bfloat16): (4, 1)}
+    for (n, k, dt), want in shapes.items():
+        p = LlBf16Plan.build(n, k, 64, dt, "cpu")
+        assert (p.n_tiles, p.split) == want
+        assert p.partials.shape == ((p.split, 64, n) if p.split > 1 else (0, 64, n))
+        assert p.k_per_split * (p.split - 1) < k <= p.k_per_split * p.split
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [5, 37])
+def test_any_split_is_right(m, dtype):
+    x, w = _operands(m, 64, 640, dtype, seed=m)
+    for split in (1, 2, 5):
+        plan = LlBf16Plan.build(64, 640, 64, dtype, _DEVICE, split=split)
+        assert plan.split == split
+        _check(ll_bf16(x, w, plan=plan), x, w)
+
+
+def test_replaying_a_plan_is_deterministic():
+    plan = LlBf16Plan.build(96, 512, 16, torch.bfloat16, _DEVICE, split=4)
+    (x1, w), (x2, _) = _operands(7, 96, 512, torch.bfloat16, 1), _operands(7, 96, 512, torch.bfloat16, 2)
+    out = torch.empty(7, 96, device=_DEVICE)
+    ll_bf16_(plan, x1, w, out)
+    first = out.clone()
+    ll_bf16_(plan, x2, w, out)
+    _check(out, x2, w)
+    ll_bf16_(plan, x1, w, out)
+    assert torch.equal(out, first)
+    assert not plan.counters.any()
+
+
+def test_strided_rows_in_and_out():
+    x, w = _operands(3, 32, 256, torch.bfloat16, seed=9)
+    xs = torch.zeros(3, 300, dtype=torch.bfloat16, device=_DEVICE)[:, 20:276]
+    xs.copy_(x)
+    out = torch.full((3, 50), float("nan"), device=_DEVICE)
+    ll_bf16(xs, w, out=out[:, 10:42])
+    _check(out[:, 10:42], x, w)
+    assert out[:, :10].isnan().all() and out[:, 42:].isnan().all()
+
+
+def _meta(t):
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+@pytest.mark.parametrize("case, match", [
+    (lambda x, w, o: (x.float(), w, o), "x must have dtype"),
+    (lambda x, w, o: (x[:, :32], w, o), "x must have shape"),
+    (lambda x, w, o: (x[0], w, o), "x must be a 2-D"),
+    (lambda x, w, o: (torch.zeros(9, 64, dtype=torch.bfloat16), w, torch.zeros(9, 32)), "x has 9 rows"),
+    (lambda x, w, o: (torch.zeros(64, 3, dtype=torch.bfloat16).t(), w, o), "x must have unit stride"),
+    (lambda x, w, o: (x, w.bfloat16(), o), "w must have dtype"),
+    (lambda x, w, o: (x, w[:16], o), "w must have shape"),
+    (lambda x, w, o: (x, _meta(w), o), "w must be on"),
+    (lambda x, w, o: (x, w, o.double()), "out must have dtype"),
+    (lambda x, w, o: (x, w, o[:, :8]), "out must have shape"),
+    (lambda x, w, o: (x, w, torch.zeros(32, 3).t()), "out must have unit stride"),
+])
+def test_bad_inputs_raise_naming_the_argument(case, match):
+    plan = LlBf16Plan.build(32, 64, 8, torch.float32, "cpu")
+    x, w = _operands(3, 32, 64, torch.float32, seed=0)
+    with pytest.raises((TypeError, ValueError), match=match):
+        ll_bf16_(plan, *case(x.cpu(), w.cpu(), torch.empty(3, 32)))
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(weight_dtype=torch.float16), "weight_dtype must be"),
+    (dict(max_rows=65), "max_rows must be at most 64"),
+    (dict(n=0), "n must be a positive int"),
+    (dict(block_n=24), "block_n must be a power of two"),
+    (dict(split=0), "split must be a positive int"),
+])
+def test_bad_plans_raise_naming_the_field(kw, match):
+    args = dict(n=32, k=64, max_rows=8, weight_dtype=torch.bfloat16, device="cpu") | kw
+    with pytest.raises((TypeError, ValueError), match=match):
+        LlBf16Plan.build(**args)
+
+
+def test_convenience_rejects_what_no_plan_serves():
+    x = torch.zeros(3, 64, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="w must have dtype"):
+        ll_bf16(x, torch.zeros(32, 64, dtype=torch.float16))
+    with pytest.raises(ValueError, match="x has 65 rows"):
+        ll_bf16(torch.zeros(65, 64, dtype=torch.bfloat16), torch.zeros(32, 64))
+
+
+# The side projections of V4.1-Flash (spec section 3 steps 4, 5, 7).
+_REAL = [(1024, 5120, torch.float32), (512, 5120, torch.bfloat16), (32, 5120, torch.bfloat16),
+         (128, 512, torch.bfloat16)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k, dtype", _REAL)
+def test_gpu_real_shapes_every_row_count(n, k, dtype):
+    plan = LlBf16Plan.build(n, k, 64, dtype, "cuda")
+    x, w = _operands(64, n, k, dtype, seed=n + k)
+    out = torch.empty(64, n, device="cuda")
+    for m in range(1, 65):
+        ll_bf16_(plan, x[:m], w, out[:m])
+        _check(out[:m], x[:m], w)
+    assert not plan.counters.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k, dtype", _REAL)
+def test_gpu_cuda_graph_replay(n, k, dtype):
+    plan = LlBf16Plan.build(n, k, 16, dtype, "cuda")
+    x, w = _operands(16, n, k, dtype, seed=3)
+    out = torch.empty(16, n, device="cuda")
+    ll_bf16_(plan, x, w, out)   # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ll_bf16_(plan, x, w, out)
+    for seed in (4, 5):
+        x.copy_(_operands(16, n, k, dtype, seed=seed)[0])
+        graph.replay()
+        torch.cuda.synchronize()
+        _check(out, x, w)
+    assert not plan.counters.any()
