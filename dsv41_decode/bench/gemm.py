@@ -155,8 +155,13 @@ def plot_gemm(rows: list[dict], path, floor_gbps: float) -> None:
         ax.set_ylabel("GB/s")
     for ax in list(axes.flat)[len(keys):]:
         ax.axis("off")
-    axes.flat[0].legend(fontsize=7)
-    fig.suptitle(f"bench gemm on {rows[0]['gpu']} ({rows[0]['commit']}, {rows[0]['date']})")
-    fig.tight_layout()
+    handles = {}
+    for ax in axes.flat:
+        for h, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, h)
+    fig.legend(handles.values(), handles.keys(), loc="lower right", fontsize=9)
+    fig.suptitle(f"bench gemm on {rows[0]['gpu']} ({rows[0]['commit']}, {rows[0]['date']}): GB/s counts the "
+                 f"bytes our op moves (FP8 weights), for every line")
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
     fig.savefig(path, dpi=90)
     plt.close(fig)
