@@ -129,6 +129,9 @@ def run_gemm_bench(ops, rows=ROWS, shapes: list[Shape] | None = None, out_dir="d
     path = write_jsonl(results, out_dir, "gemm")
     plot_gemm(results, path.with_suffix(".png"), floor)
     print(format_table(results, ["op", "tp", "rows", "weight_mb"]))
+    cross = crossover(results)
+    if cross:
+        print("low_latency_mm beats the regular path up to rows: " + ", ".join(f"{k}: {v}" for k, v in cross.items()))
     return results
 
 
@@ -165,3 +168,18 @@ def plot_gemm(rows: list[dict], path, floor_gbps: float) -> None:
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def crossover(rows: list[dict]) -> dict[str, int]:
+    """Per FP8 shape, the largest row count up to which low_latency_mm beats the regular path at
+    every row count (0 when it never does)."""
+    out = {}
+    for key in sorted({(r["case"]["op"], r["case"]["tp"]) for r in rows if "regular" in r["baselines"]}):
+        sel = sorted((r for r in rows if (r["case"]["op"], r["case"]["tp"]) == key), key=lambda r: r["case"]["rows"])
+        best = 0
+        for r in sel:
+            if r["us"] > r["baselines"]["regular"]:
+                break
+            best = r["case"]["rows"]
+        out[f"{key[0]} tp{key[1]}"] = best
+    return out
