@@ -10,9 +10,10 @@ Math: every product is formed and accumulated in FP32. For a BF16 weight the ker
 operands pass unchanged and every product is exact, as in an FP32 FMA, but on the tensor cores
 (and right in the interpreter, where BF16 dots are not). The tensor cores add in FP32 with their
 own rounding (about 1e-6 relative here, against ~1e-7 for FMAs) and may flush subnormal inputs
-(below 2^-126). An FP32 weight would lose bits in TF32, so it takes FP32 FMAs: a register-blocked
-multiply-accumulate for up to 8 rows (no padding of M to 16) and an IEEE-precision `tl.dot` (FMA
-lowering) above.
+(below 2^-126). An FP32 weight would lose bits in TF32: up to 8 rows it takes FP32 FMAs (register-blocked, no
+padding of M to 16); above, a `tf32x3` dot (W = big + small TF32 parts, x exact in TF32), whose
+products are within ~2^-22 relative of FP32's exact ones, on the tensor cores - an IEEE FP32 dot
+lowers to FMAs and measured 4x slower at 16 rows on an H200.
 
 Split K: each program owns BLOCK_N rows of W and a K range, writes its FP32 partial to the plan's
 workspace, and the last program of a tile to arrive (an atomic counter per tile) adds the
@@ -34,7 +35,7 @@ import triton.language as tl
 from .act_quant import require_matrix
 
 MODE_TF32 = 0   # tl.dot, TF32 inputs: exact products of BF16-valued operands, tensor cores
-MODE_IEEE = 1   # tl.dot, IEEE FP32 (FMA lowering): FP32 weights, 16+ rows
+MODE_IEEE = 1   # tl.dot, tf32x3 (split FP32 weight, tensor cores): FP32 weights, 16+ rows
 MODE_FMA = 2    # register-blocked FMA, reduced over K once at the end: FP32 weights, <= 8 rows
 
 _K_GRAIN = 128  # every split but the last covers a multiple of this, so every BLOCK_K divides it
@@ -101,7 +102,7 @@ def _ll_bf16_kernel(
         if MODE == 0:
             acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32")
         elif MODE == 1:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32x3")
         else:
             acc += x[:, None, :] * w[None, :, :]
     if MODE == 2:
