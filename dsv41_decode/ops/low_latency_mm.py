@@ -1,0 +1,370 @@
+"""The low-batch MXFP8 linear: y[M, N] BF16 = MXFP8 activation x FP8 weight with 32x32 UE8M0 block
+scales, FP32 accumulation, for 1 <= M <= 64 rows (the contract of `reference.linear.mxfp8_mm`).
+
+At these row counts the op is bound by streaming the weight once, so the kernel is laid out for
+that (docs/notes-low-latency-mm.md has the reasoning and the measurements):
+
+- swap AB: each program computes a y^T tile [BLOCK_N, BLOCK_M] = W[BLOCK_N, K] @ x^T, so the large
+  N is the MMA's M dimension (64 per warpgroup) and the few rows, padded to 16, 32 or 64, are its
+  N dimension; one M tile covers every row, so the weight is read exactly once;
+- the scales are applied in registers per 32-wide K block, either to the FP32 result of one
+  32-deep FP8 `tl.dot` (`dequant=False`: the block partial is scaled by sx * sw and added in K
+  order, as the reference does) or by dequantizing both operands to BF16 with their scales folded
+  in, which is exact, and running one BLOCK_K-deep BF16 dot (`dequant=True`);
+- split-K where N / BLOCK_N tiles are too few to keep the GPU's memory system busy: each split
+  writes its FP32 partial to a plan-owned workspace; the last split of a tile to arrive (an atomic
+  counter per tile) sums the partials in split order, so the result does not depend on which split
+  finished last, writes y and resets its counter, so the op replays inside a CUDA graph with no
+  memset.
+
+A `LowLatencyMM` plan binds one weight, chooses the launch configuration per row bucket and owns
+the workspace, once; calling it only launches. `low_latency_mm` is the allocating convenience form.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .rounding import bf16_rne_bits, ue8m0_to_fp32
+
+MAX_ROWS = 64
+_ROW_BUCKETS = (16, 32, 64)   # BLOCK_M: the MMA's N dimension, at least 16 for tl.dot
+
+
+@triton.jit
+def _store_y(y_ptr, acc, rn, rm, M, N, stride_ym):
+    """y[m, n] = bf16(acc[n, m]) for m < M, n < N; y_ptr points at int16 (the BF16 bits)."""
+    mask = (rn[:, None] < N) & (rm[None, :] < M)
+    tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], bf16_rne_bits(acc), mask=mask)
+
+
+# The row count, split sizes and scale strides take no part in vectorization: leaving them
+# unspecialized keeps one compiled kernel per configuration for every shape and row count.
+@triton.jit(do_not_specialize=["M", "stride_sxm", "stride_swn", "steps_per_split", "n_split"])
+def _mxfp8_ll_mm_kernel(
+    x_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, ws_ptr, cnt_ptr,
+    M, N, K, stride_xm, stride_sxm, stride_wn, stride_swn, stride_ym, steps_per_split, n_split,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, DEQUANT: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    # Grid: (N tiles, K splits). Program (t, s) covers rows [t*BLOCK_N, +BLOCK_N) of W and the K
+    # range [s*steps_per_split*BLOCK_K, +steps_per_split*BLOCK_K); every row of x is in its one
+    # BLOCK_M tile.
+    SUB: tl.constexpr = BLOCK_K // 32
+    pid_n = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = tl.arange(0, BLOCK_M)
+    # Rows past N or M read the last valid row and are masked at the store, so the K loop's loads
+    # need no masks and stay 16-byte vectors.
+    w_rows = w_ptr + tl.minimum(rn, N - 1) * stride_wn                 # [BN]
+    sw_rows = sw_ptr + (tl.minimum(rn, N - 1) // 32) * stride_swn      # [BN]
+    x_rows = x_ptr + tl.minimum(rm, M - 1) * stride_xm                 # [BM]
+    sx_rows = sx_ptr + tl.minimum(rm, M - 1) * stride_sxm              # [BM]
+
+    step_lo = pid_s * steps_per_split
+    step_hi = tl.minimum(step_lo + steps_per_split, K // BLOCK_K)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for step in range(step_lo, step_hi):
+        # A multiple of BLOCK_K by construction: the compiler can prove the loads 16-byte aligned.
+        k0 = step * BLOCK_K
+        if DEQUANT:
+            rk = k0 + tl.arange(0, BLOCK_K)
+            rkb = k0 // 32 + tl.arange(0, SUB)
+            w = tl.load(w_rows[:, None] + rk[None, :])                                  # [BN, BK]
+            sw = ue8m0_to_fp32(tl.load(sw_rows[:, None] + rkb[None, :]))                # [BN, SUB]
+            wd = tl.reshape(tl.reshape(w.to(tl.float32), [BLOCK_N, SUB, 32]) * sw[:, :, None],
+                            [BLOCK_N, BLOCK_K])
+            xt = tl.load(x_rows[None, :] + rk[:, None])                                 # [BK, BM]
+            sx = ue8m0_to_fp32(tl.load(sx_rows[None, :] + rkb[:, None]))                # [SUB, BM]
+            xd = tl.reshape(tl.reshape(xt.to(tl.float32), [SUB, 32, BLOCK_M]) * sx[:, None, :],
+                            [BLOCK_K, BLOCK_M])
+            # Codes times power-of-two scales are exact in BF16, and BF16 products are exact in
+            # FP32; the interpreter's BF16 dot is wrong, so there the same values go through FP32.
+            if DOT_F32:
+                acc = tl.dot(wd, xd, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(wd.to(tl.bfloat16), xd.to(tl.bfloat16), acc)
+        else:
+            for j in tl.static_range(SUB):
+                rk = k0 + j * 32 + tl.arange(0, 32)
+                kb = k0 // 32 + j
+                w = tl.load(w_rows[:, None] + rk[None, :])                              # [BN, 32]
+                xt = tl.load(x_rows[None, :] + rk[:, None])                             # [32, BM]
+                sw = ue8m0_to_fp32(tl.load(sw_rows + kb))                               # [BN]
+                sx = ue8m0_to_fp32(tl.load(sx_rows + kb))                               # [BM]
+                part = tl.dot(w, xt)                                                    # [BN, BM]
+                # The reference's order: partial * sx * sw, then the K-ordered FP32 sum.
+                acc += (part * sx[None, :]) * sw[:, None]
+
+    if SPLIT_K:
+        # Partial s of tile t lives at ws[(t * n_split + s) * M * BN + m * BN + n]: only the M real
+        # rows, n contiguous.
+        rn_l = tl.arange(0, BLOCK_N)
+        m_ok = rm[None, :] < M
+        tile_ws = ws_ptr + pid_n * n_split * M * BLOCK_N + rm[None, :] * BLOCK_N + rn_l[:, None]
+        tl.store(tile_ws + pid_s * M * BLOCK_N, acc, mask=m_ok)
+        # Every thread's partial is written before one thread's release of the counter.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == n_split - 1:
+            tl.debug_barrier()
+            total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+            for s in range(n_split):
+                # .cg: from L2, never from a line this SM's L1 kept from an earlier launch.
+                total += tl.load(tile_ws + s * M * BLOCK_N, mask=m_ok, other=0.0, cache_modifier=".cg")
+            _store_y(y_ptr, total, rn, rm, M, N, stride_ym)
+            tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+    else:
+        _store_y(y_ptr, acc, rn, rm, M, N, stride_ym)
+
+
+@dataclass(frozen=True)
+class LowLatencyConfig:
+    """One launch configuration of the kernel.
+
+    block_n: W rows per program, a power of two: the MMA's M (wgmma from 64 up; 32 and below fall
+    back to mma.sync). block_k: K per loop iteration, 32 times a power of two, dividing K. split: K splits requested (the plan may use fewer so that none is
+    empty). num_warps, num_stages: Triton's. dequant: the BF16-dequantize variant instead of the
+    per-block FP8 dots.
+    """
+
+    block_n: int = 128
+    block_k: int = 128
+    split: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+    dequant: bool = False
+
+    def __post_init__(self):
+        for name in ("block_n", "block_k", "split", "num_warps", "num_stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"LowLatencyConfig.{name} must be a positive int, got {value!r}")
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"LowLatencyConfig.block_n must be a power of two >= 16, got {self.block_n}")
+        if self.block_k % 32 or (self.block_k // 32) & (self.block_k // 32 - 1):
+            raise ValueError(f"LowLatencyConfig.block_k must be 32 times a power of two, got {self.block_k}")
+
+
+# Measured on an H200 (docs/notes-low-latency-mm.md, run 2 of 2026-11-30): per (N, K, BLOCK_M) the
+# configuration with the least time summed over the bucket's measured rows (1 and 16; 32; 64), over
+# 30 kernel variants x 2-4 split counts, CUDA-graph replay over weights rotated beyond L2.
+_TUNED: dict[tuple[int, int, int], LowLatencyConfig] = {
+    (1792, 5120, 16): LowLatencyConfig(block_n=64, block_k=128, split=8, num_warps=4, num_stages=3),
+    (1792, 5120, 32): LowLatencyConfig(block_n=64, block_k=128, split=8, num_warps=4, num_stages=3),
+    (1792, 5120, 64): LowLatencyConfig(block_n=64, block_k=64, split=9, num_warps=4, num_stages=6),
+    (4096, 1280, 16): LowLatencyConfig(block_n=64, block_k=64, split=4, num_warps=4, num_stages=4),
+    (4096, 1280, 32): LowLatencyConfig(block_n=64, block_k=128, split=4, num_warps=4, num_stages=3),
+    (4096, 1280, 64): LowLatencyConfig(block_n=64, block_k=128, split=2, num_warps=4, num_stages=3),
+    (5120, 1024, 16): LowLatencyConfig(block_n=64, block_k=128, split=3, num_warps=4, num_stages=3),
+    (5120, 1024, 32): LowLatencyConfig(block_n=64, block_k=128, split=4, num_warps=4, num_stages=4, dequant=True),
+    (5120, 1024, 64): LowLatencyConfig(block_n=64, block_k=128, split=3, num_warps=4, num_stages=4, dequant=True),
+    (5120, 2048, 16): LowLatencyConfig(block_n=64, block_k=128, split=4, num_warps=4, num_stages=3),
+    (5120, 2048, 32): LowLatencyConfig(block_n=64, block_k=128, split=4, num_warps=4, num_stages=4, dequant=True),
+    (5120, 2048, 64): LowLatencyConfig(block_n=64, block_k=128, split=3, num_warps=4, num_stages=4, dequant=True),
+    (5120, 4096, 16): LowLatencyConfig(block_n=64, block_k=256, split=3, num_warps=4, num_stages=3, dequant=True),
+    (5120, 4096, 32): LowLatencyConfig(block_n=64, block_k=128, split=3, num_warps=4, num_stages=4, dequant=True),
+    (5120, 4096, 64): LowLatencyConfig(block_n=64, block_k=128, split=3, num_warps=4, num_stages=4, dequant=True),
+    (5120, 8192, 16): LowLatencyConfig(block_n=64, block_k=128, split=7, num_warps=4, num_stages=4, dequant=True),
+    (5120, 8192, 32): LowLatencyConfig(block_n=64, block_k=128, split=3, num_warps=4, num_stages=4, dequant=True),
+    (5120, 8192, 64): LowLatencyConfig(block_n=128, block_k=128, split=7, num_warps=4, num_stages=3),
+    (8192, 1280, 16): LowLatencyConfig(block_n=64, block_k=128, split=4, num_warps=4, num_stages=3),
+    (8192, 1280, 32): LowLatencyConfig(block_n=64, block_k=128, split=1, num_warps=4, num_stages=4),
+    (8192, 1280, 64): LowLatencyConfig(block_n=64, block_k=64, split=1, num_warps=4, num_stages=6),
+    (16384, 1280, 16): LowLatencyConfig(block_n=64, block_k=128, split=1, num_warps=4, num_stages=3),
+    (16384, 1280, 32): LowLatencyConfig(block_n=128, block_k=64, split=1, num_warps=8, num_stages=4),
+    (16384, 1280, 64): LowLatencyConfig(block_n=64, block_k=128, split=1, num_warps=4, num_stages=4, dequant=True),
+    (32768, 1280, 16): LowLatencyConfig(block_n=64, block_k=128, split=1, num_warps=4, num_stages=3),
+    (32768, 1280, 32): LowLatencyConfig(block_n=128, block_k=64, split=1, num_warps=8, num_stages=4),
+    (32768, 1280, 64): LowLatencyConfig(block_n=128, block_k=128, split=1, num_warps=4, num_stages=3),
+}
+
+
+def _default_config(n: int, k: int, block_m: int, sms: int) -> LowLatencyConfig:
+    """A configuration for shapes without a measured entry, following what won the sweep: 64-row
+    tiles, 128-deep K steps, 3 stages, and enough K splits for about two programs per SM (all of
+    them resident in one wave)."""
+    block_n = 64
+    block_k = next(b for b in (128, 64, 32) if k % b == 0)
+    tiles = -(-n // block_n)
+    split = max(1, min(k // block_k, round(2 * sms / tiles)))
+    return LowLatencyConfig(block_n=block_n, block_k=block_k, split=split, num_warps=4, num_stages=3)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _require(x, name: str, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...]) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {x.dtype}")
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
+    if x.stride(-1) != 1:
+        raise ValueError(f"{name} must have unit stride in its last dimension, got strides {x.stride()}")
+
+
+_UE8M0 = (torch.uint8, torch.float8_e8m0fnu)
+
+
+@dataclass(frozen=True)
+class _Launch:
+    block_m: int
+    config: LowLatencyConfig
+    split: int
+    k_per_split: int
+    grid: tuple[int, int]
+
+
+class LowLatencyMM:
+    """y[M, N] = bf16(sum over 32-wide K blocks kb of (codes[:, kb] . weight[:, kb]) * sx * sw) for
+    1 <= M <= max_rows <= 64, with the weight bound once.
+
+    weight: [N, K] float8_e4m3fn, unit stride along K; K a multiple of 32.
+    w_scale: [ceil(N/32), K/32] UE8M0 (float8_e8m0fnu or uint8), unit stride along K.
+    max_rows: the most rows a call may bring (1..64).
+    config: a LowLatencyConfig for every row bucket, or a dict {16|32|64: LowLatencyConfig}, instead
+        of the measured choice (the sweep and the tests use it).
+
+    The plan owns an FP32 workspace and one int32 counter per N tile; the counters are zero between
+    calls. Calls must not overlap in time (one stream, or ordered streams): two concurrent calls of
+    one plan would share the counters.
+    """
+
+    def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int = MAX_ROWS,
+                 config: LowLatencyConfig | dict[int, LowLatencyConfig] | None = None):
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise ValueError(f"weight must be a 2-D [N, K] tensor, got "
+                             f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
+        n, k = weight.shape
+        if k % 32 or k == 0 or n == 0:
+            raise ValueError(f"weight must be [N, K] with N >= 1 and K a positive multiple of 32, got {(n, k)}")
+        _require(weight, "weight", (torch.float8_e4m3fn,), (n, k))
+        _require(w_scale, "w_scale", _UE8M0, (-(-n // 32), k // 32))
+        if w_scale.device != weight.device:
+            raise ValueError(f"w_scale is on {w_scale.device} but weight is on {weight.device}")
+        if weight.device.type != "cuda" and not _interpreting():
+            raise ValueError(f"weight must be on a CUDA device (or TRITON_INTERPRET=1), got {weight.device}")
+        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or not 1 <= max_rows <= MAX_ROWS:
+            raise ValueError(f"max_rows must be an int in [1, {MAX_ROWS}] (use ops.fp8_mm above), got {max_rows!r}")
+        if n * max(weight.stride(0), k) >= 2**31:
+            raise ValueError(f"weight {(n, k)} is too large for 32-bit offsets")
+        self.weight, self.w_scale = weight, w_scale.view(torch.uint8)
+        self.n, self.k, self.max_rows = n, k, max_rows
+        self.device = weight.device
+        sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
+               if self.device.type == "cuda" else 132)
+
+        self._launches: dict[int, _Launch] = {}
+        for block_m in _ROW_BUCKETS:
+            if block_m // 2 >= max_rows and block_m > _ROW_BUCKETS[0]:
+                break
+            if isinstance(config, dict):
+                cfg = config.get(block_m)
+                if cfg is None:
+                    raise ValueError(f"config has no entry for the row bucket {block_m}")
+            else:
+                cfg = config or _TUNED.get((n, k, block_m)) or _default_config(n, k, block_m, sms)
+            if not isinstance(cfg, LowLatencyConfig):
+                raise TypeError(f"config must be a LowLatencyConfig, got {type(cfg).__name__}")
+            if k % cfg.block_k:
+                raise ValueError(f"config.block_k={cfg.block_k} must divide K={k}")
+            steps = k // cfg.block_k
+            k_per_split = -(-steps // min(cfg.split, steps)) * cfg.block_k
+            split = -(-k // k_per_split)          # no empty split
+            grid = (-(-n // cfg.block_n), split)
+            self._launches[block_m] = _Launch(block_m, cfg, split, k_per_split, grid)
+
+        ws_elems = max((l.grid[0] * l.split * min(l.block_m, max_rows) * l.config.block_n
+                        for l in self._launches.values() if l.split > 1), default=1)
+        self._workspace = torch.empty(ws_elems, dtype=torch.float32, device=self.device)
+        self._counters = torch.zeros(max(l.grid[0] for l in self._launches.values()),
+                                     dtype=torch.int32, device=self.device)
+        self._dot_f32 = _interpreting()
+
+    def launch_for(self, rows: int) -> _Launch:
+        """The launch (row bucket, configuration, split, grid) used for `rows` rows."""
+        return self._launches[max(16, 1 << (rows - 1).bit_length())]
+
+    def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """y = codes x weight^T with both block scales, into out.
+
+        codes: [M, K] float8_e4m3fn, unit stride along K; 1 <= M <= max_rows.
+        x_scale: [M, K/32] UE8M0 (uint8 or float8_e8m0fnu), unit stride along K.
+        out: [M, N] BF16, unit stride along N; allocated when None.
+        Returns out.
+        """
+        if not isinstance(codes, torch.Tensor) or codes.dim() != 2:
+            raise ValueError(f"codes must be a 2-D [M, K] tensor, got "
+                             f"{tuple(codes.shape) if isinstance(codes, torch.Tensor) else type(codes).__name__}")
+        m = codes.shape[0]
+        if m > MAX_ROWS:
+            raise ValueError(f"codes has M={m} rows; low_latency_mm takes at most {MAX_ROWS}: "
+                             f"use the regular path ops.fp8_mm for more")
+        if not 1 <= m <= self.max_rows:
+            raise ValueError(f"codes has M={m} rows; this plan takes 1..{self.max_rows}")
+        _require(codes, "codes", (torch.float8_e4m3fn,), (m, self.k))
+        _require(x_scale, "x_scale", _UE8M0, (m, self.k // 32))
+        if out is None:
+            out = torch.empty(m, self.n, dtype=torch.bfloat16, device=self.device)
+        _require(out, "out", (torch.bfloat16,), (m, self.n))
+        for name, t in (("codes", codes), ("x_scale", x_scale), ("out", out)):
+            if t.device != self.device:
+                raise ValueError(f"{name} is on {t.device} but the weight is on {self.device}")
+        launch = self.launch_for(m)
+        cfg = launch.config
+        _mxfp8_ll_mm_kernel[launch.grid](
+            codes, x_scale.view(torch.uint8), self.weight, self.w_scale, out.view(torch.int16),
+            self._workspace, self._counters,
+            m, self.n, self.k, codes.stride(0), x_scale.stride(0), self.weight.stride(0),
+            self.w_scale.stride(0), out.stride(0), launch.k_per_split // cfg.block_k, launch.split,
+            BLOCK_N=cfg.block_n, BLOCK_M=launch.block_m, BLOCK_K=cfg.block_k,
+            SPLIT_K=launch.split > 1, DEQUANT=cfg.dequant, DOT_F32=self._dot_f32,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return out
+
+
+class _Operands:
+    """A weight and its scale, equal to another when both are the same memory viewed the same way."""
+
+    __slots__ = ("weight", "w_scale", "key")
+
+    def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor):
+        self.weight, self.w_scale = weight, w_scale
+        self.key = tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, str(t.device)) for t in (weight, w_scale))
+
+    def __hash__(self):
+        return hash(self.key)
+
+    def __eq__(self, other):
+        return isinstance(other, _Operands) and self.key == other.key
+
+
+@functools.lru_cache(maxsize=64)
+def _plan_for(operands: _Operands) -> LowLatencyMM:
+    # The cached plan holds the tensors, so their memory cannot be reused under the same key.
+    return LowLatencyMM(operands.weight, operands.w_scale)
+
+
+def low_latency_mm(codes: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """y[M, N] BF16 = MXFP8 codes [M, K] (+ x_scale [M, K/32]) x FP8 weight [N, K] (+ w_scale
+    [ceil(N/32), K/32]) with FP32 accumulation; see `LowLatencyMM` for the arguments.
+
+    Builds a plan on first use for these weight tensors and keeps it (up to 64 weights); code that
+    captures CUDA graphs should build its `LowLatencyMM` plans itself.
+    """
+    for name, t in (("weight", weight), ("w_scale", w_scale)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return _plan_for(_Operands(weight, w_scale))(codes, x_scale, out)

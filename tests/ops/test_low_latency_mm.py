@@ -1,0 +1,187 @@
+"""ops.low_latency_mm against reference.linear.mxfp8_mm (tight, same operands) and against the
+unquantized BF16 product (loose), in the interpreter at small shapes and on the GPU at the
+V4.1-Flash shapes.
+
+Thresholds: the kernel and the reference add the same FP32 block partials (each exact up to one
+FP32 rounding), so without split-K they add them in the same order and can differ only where a
+partial's rounding tips a BF16 rounding: at most one BF16 ulp. Split-K regroups the FP32 sum, which
+moves it by a few FP32 ulps of the row's largest terms: at most one BF16 ulp of the row's largest
+output. The loose comparison (BF16 activations times the stored FP8 weight) is bounded by MXFP8's
+3 mantissa bits: rel RMS < 3e-2.
+"""
+
+import pytest
+import torch
+
+from dsv41_decode.formats import fp8_block_dequantize, fp8_block_quantize, mxfp8_quantize
+from dsv41_decode.ops.low_latency_mm import LowLatencyConfig, LowLatencyMM, low_latency_mm
+from dsv41_decode.reference.linear import mxfp8_mm
+from dsv41_decode.testing.compare import bits_differ, rel_rms, row_ulp_distance, ulp_distance
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _operands(gen: torch.Generator, m: int, n: int, k: int, device: str = DEVICE):
+    """(x BF16, w FP32, codes, x_scale, weight, w_scale): activations whose 32-blocks span six orders of
+    magnitude and a weight whose 32x32 tiles differ by up to 2^6, so that every scale matters."""
+    blocks = 10.0 ** torch.empty(m, k // 32).uniform_(-3, 3, generator=gen)
+    x = torch.randn(m, k, generator=gen) * blocks.repeat_interleave(32, 1)
+    w = torch.randn(n, k, generator=gen) * k ** -0.5
+    tiles = 2.0 ** torch.randint(-3, 4, (-(-n // 32), k // 32), generator=gen).float()
+    w = w * tiles.repeat_interleave(32, 0).repeat_interleave(32, 1)[:n]
+    x = x.to(torch.bfloat16)
+    codes, x_scale = mxfp8_quantize(x)
+    weight, w_scale = fp8_block_quantize(w)
+    on = lambda *ts: [t.to(device) for t in ts]  # noqa: E731
+    return (x, w, *on(codes, x_scale, weight, w_scale))
+
+
+def _poisoned(m: int, n: int) -> torch.Tensor:
+    return torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+
+
+# Small tiles so that the tiny shapes have several N tiles (partial last ones) and K steps.
+_NO_SPLIT = LowLatencyConfig(block_n=64, block_k=64, split=1)
+_SPLIT = LowLatencyConfig(block_n=32, block_k=32, split=4)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["nosplit", "splitk"])
+@pytest.mark.parametrize("m", [1, 3, 16, 37, 64])
+@pytest.mark.parametrize("n,k", [(32, 256), (96, 64), (160, 256)])
+def test_matches_reference_on_the_same_operands(m, n, k, split):
+    _, _, codes, x_scale, weight, w_scale = _operands(_gen(m * 1000 + n + k), m, n, k)
+    plan = LowLatencyMM(weight, w_scale, config=_SPLIT if split else _NO_SPLIT)
+    assert (plan.launch_for(m).split > 1) == split
+    y = plan(codes, x_scale, _poisoned(m, n))
+    ref = mxfp8_mm(codes, x_scale, weight, w_scale)
+    assert not torch.isnan(y).any(), "unwritten output elements"
+    assert rel_rms(y, ref) < 1e-3
+    if split:
+        assert row_ulp_distance(y, ref) <= 1
+    else:
+        assert ulp_distance(y, ref) <= 1
+
+
+@pytest.mark.parametrize("m", [3, 37])
+def test_dequant_variant_matches_reference(m):
+    n, k = 96, 256
+    _, _, codes, x_scale, weight, w_scale = _operands(_gen(7 + m), m, n, k)
+    ref = mxfp8_mm(codes, x_scale, weight, w_scale)
+    for cfg in (LowLatencyConfig(block_n=64, block_k=128, split=1, dequant=True),
+                LowLatencyConfig(block_n=32, block_k=64, split=2, dequant=True)):
+        y = LowLatencyMM(weight, w_scale, config=cfg)(codes, x_scale, _poisoned(m, n))
+        assert rel_rms(y, ref) < 1e-3 and row_ulp_distance(y, ref) <= 1, cfg
+
+
+def test_against_unquantized_bf16():
+    # The weight is FP8 in the checkpoint: "unquantized" is the BF16 activation times the weight
+    # as stored. Plain Gaussian activations (the spread blocks of _operands put many codes in
+    # E4M3's subnormal range, which is the format's error, not the kernel's): MXFP8's 3 mantissa
+    # bits alone give about 2.6e-2 relative RMS on them.
+    m, n, k = 5, 96, 256
+    g = _gen(3)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16)
+    weight, w_scale = fp8_block_quantize(torch.randn(n, k, generator=g) * k ** -0.5)
+    exact = x.double() @ fp8_block_dequantize(weight, w_scale).double().T
+    codes, x_scale = (t.to(DEVICE) for t in mxfp8_quantize(x))
+    weight, w_scale = weight.to(DEVICE), w_scale.to(DEVICE)
+    for y in (low_latency_mm(codes, x_scale, weight, w_scale),
+              LowLatencyMM(weight, w_scale, config=_SPLIT)(codes, x_scale)):
+        assert rel_rms(y.cpu(), exact) < 3e-2
+
+
+def test_replay_resets_the_counters():
+    m, n, k = 3, 96, 256
+    _, _, codes, x_scale, weight, w_scale = _operands(_gen(4), m, n, k)
+    plan = LowLatencyMM(weight, w_scale, config=_SPLIT)
+    first = plan(codes, x_scale, _poisoned(m, n))
+    assert int(plan._counters.abs().sum()) == 0
+    second = plan(codes, x_scale, _poisoned(m, n))
+    assert bits_differ(first, second) == 0
+    # Other inputs through the same plan: the counters do not carry state between calls.
+    _, _, codes2, x_scale2, _, _ = _operands(_gen(5), m, n, k)
+    y2 = plan(codes2, x_scale2)
+    assert row_ulp_distance(y2, mxfp8_mm(codes2, x_scale2, weight, w_scale)) <= 1
+
+
+def test_function_form_caches_the_plan_and_takes_scale_bytes():
+    m, n, k = 2, 32, 64
+    _, _, codes, x_scale, weight, w_scale = _operands(_gen(6), m, n, k)
+    a = low_latency_mm(codes, x_scale, weight, w_scale)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device=DEVICE)
+    b = low_latency_mm(codes, x_scale, weight, w_scale.view(torch.uint8), out=out)
+    assert b is out and bits_differ(a, b) == 0
+
+
+def test_bad_inputs_name_the_argument():
+    m, n, k = 2, 64, 128
+    _, _, codes, x_scale, weight, w_scale = _operands(_gen(8), m, n, k)
+    plan = LowLatencyMM(weight, w_scale, max_rows=8)
+
+    def raises(match, fn):
+        with pytest.raises((TypeError, ValueError), match=match):
+            fn()
+
+    raises("codes must have dtype", lambda: plan(codes.float(), x_scale))
+    raises("codes must have shape", lambda: plan(codes[:, :96], x_scale))
+    raises("codes must have unit stride", lambda: plan(codes.repeat(1, 2)[:, ::2], x_scale))
+    raises("x_scale must have shape", lambda: plan(codes, x_scale[:, :2]))
+    raises("x_scale must have dtype", lambda: plan(codes, x_scale.float()))
+    raises("out must have dtype", lambda: plan(codes, x_scale, torch.empty(m, n, device=DEVICE)))
+    raises("out must have shape", lambda: plan(codes, x_scale, _poisoned(m, n + 1)))
+    raises("ops.fp8_mm", lambda: plan(codes.repeat(33, 1), x_scale.repeat(33, 1)))
+    raises("this plan takes 1..8", lambda: plan(codes.repeat(5, 1), x_scale.repeat(5, 1)))
+    raises("M=0", lambda: plan(codes[:0], x_scale[:0]))
+    raises("codes is on meta", lambda: plan(codes.to("meta"), x_scale))
+    raises("weight must have dtype", lambda: LowLatencyMM(weight.view(torch.uint8), w_scale))
+    raises("K a positive multiple of 32", lambda: LowLatencyMM(weight[:, :100], w_scale))
+    raises("w_scale must have shape", lambda: LowLatencyMM(weight, w_scale[:1]))
+    raises("w_scale must have dtype", lambda: LowLatencyMM(weight, w_scale.float()))
+    raises("weight must have unit stride", lambda: LowLatencyMM(weight.t().contiguous().t(), w_scale))
+    raises("max_rows", lambda: LowLatencyMM(weight, w_scale, max_rows=65))
+    raises("block_k=256 must divide", lambda: LowLatencyMM(weight, w_scale, config=LowLatencyConfig(block_k=256)))
+    raises("block_n must be a power of two", lambda: LowLatencyConfig(block_n=96))
+    raises("weight must be a torch.Tensor", lambda: low_latency_mm(codes, x_scale, None, w_scale))
+
+
+# (name, N, K) of the V4.1-Flash attention linears the op serves, with the TP shards of wq_b
+# (N / tp) and wo_b (K / tp); the indexer's wq_b is wq_b's TP8 shape.
+FLASH_SHAPES = [
+    ("fused_wqa_wkv", 1792, 5120),
+    ("wq_b", 32768, 1280), ("wq_b_tp2", 16384, 1280), ("wq_b_tp4", 8192, 1280), ("wq_b_tp8", 4096, 1280),
+    ("wo_b", 5120, 8192), ("wo_b_tp2", 5120, 4096), ("wo_b_tp4", 5120, 2048), ("wo_b_tp8", 5120, 1024),
+]
+
+
+def test_plans_for_the_flash_shapes_are_consistent():
+    # Host-side only: every row bucket of every shape gets a launch that covers K with no empty split.
+    for _, n, k in FLASH_SHAPES:
+        weight = torch.empty(n, k, dtype=torch.float8_e4m3fn, device=DEVICE)
+        plan = LowLatencyMM(weight, torch.empty(-(-n // 32), k // 32, dtype=torch.uint8, device=weight.device))
+        for m in (1, 2, 4, 8, 16, 32, 64):
+            launch = plan.launch_for(m)
+            assert launch.block_m >= m and k % launch.config.block_k == 0
+            assert launch.k_per_split % launch.config.block_k == 0
+            assert (launch.split - 1) * launch.k_per_split < k <= launch.split * launch.k_per_split
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,n,k", FLASH_SHAPES, ids=[s[0] for s in FLASH_SHAPES])
+def test_flash_shapes_on_gpu(name, n, k):
+    gen = _gen(n + k)
+    x_all, _, codes_all, sx_all, weight, w_scale = _operands(gen, 64, n, k)
+    plan = LowLatencyMM(weight, w_scale)
+    for m in (1, 2, 4, 8, 16, 32, 64):
+        codes, x_scale = codes_all[:m], sx_all[:m]
+        ref = mxfp8_mm(codes, x_scale, weight, w_scale)
+        for _ in range(2):   # the second call replays the split-K counters
+            y = plan(codes, x_scale, _poisoned(m, n))
+            assert not torch.isnan(y).any(), f"{name} M={m}: unwritten output elements"
+            assert rel_rms(y, ref) < 1e-3, (name, m)
+            # FP8 MMAs keep fewer than 24 bits while adding a block's 32 products: allow 2 ulps.
+            assert row_ulp_distance(y, ref) <= 2, (name, m, row_ulp_distance(y, ref))
+        assert int(plan._counters.abs().sum()) == 0
