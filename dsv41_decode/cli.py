@@ -68,6 +68,16 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--tp", default="1,2,4,8", help="tensor-parallel shards to include (default: 1,2,4,8)")
     g.add_argument("--out", type=Path, default=Path("docs/results"), help="results folder (default: docs/results)")
 
+    at = bsub.add_parser("attn", help="the sparse-attention kernels (sparse MLA, indexer + top-k, record writes) "
+                         "on synthetic state, against the reference on the GPU and FlashMLA's Hopper sparse decode",
+                         description="Times by CUDA-graph replay (median of 50); writes docs/results/attn-<gpu>.jsonl. "
+                         "FlashMLA is timed when the `flash_mla` package (sgl-flash-mla 1.0.0) imports.")
+    at.add_argument("--rows", default="1,4,16,64", help="rows (default: 1,4,16,64)")
+    at.add_argument("--heads", default="8,16,32,64", help="local heads of sparse MLA (default: 8,16,32,64)")
+    at.add_argument("--contexts", default="4096,32768,131072,1048576", help="contexts of the indexer "
+                    "(default: 4096,32768,131072,1048576)")
+    at.add_argument("--out", type=Path, default=Path("docs/results"), help="results folder (default: docs/results)")
+
     pl = sub.add_parser("plan", help="print a configuration's layer plan (kind and sources per layer)")
     _config_arg(pl, "v41-flash")
     return ap
@@ -143,6 +153,12 @@ def _bench(args, console: Console) -> int:
     if not torch.cuda.is_available():
         console.print("[red]bench needs a CUDA GPU; none is visible[/red]")
         return 2
+    if args.bench_cmd == "attn":
+        from .bench.attn import run_attn_bench
+        from .bench.attn_ops import AttnOps
+        run_attn_bench(AttnOps(), _ints(args.rows, "rows"), _ints(args.heads, "heads"),
+                       _ints(args.contexts, "contexts"), args.out, progress=console.print)
+        return 0
     from .bench.gemm import flash_shapes, run_gemm_bench
     from .bench.gemm_ops import GemmOps
     tps = _ints(args.tp, "tp")
