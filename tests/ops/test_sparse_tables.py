@@ -1,0 +1,91 @@
+"""Sparse-index tables against torch references, bit-exact (interpreter here; GPU under `gpu`)."""
+
+import pytest
+import torch
+
+from dsv41_decode.ops.sparse_tables import topk_slots_, window_table_
+
+
+def ref_window_table(req_slot, positions, window):
+    q = positions[:, None] - window + 1 + torch.arange(window, device=positions.device)
+    ring = req_slot[:, None] * window + q.remainder(window)
+    return torch.where(q >= 0, ring, -1).to(torch.int32)
+
+
+def ref_topk_slots(topk, req_slot, block_table, page):
+    j = topk.long()
+    ok = j >= 0
+    jj = j.clamp(min=0)
+    pages = block_table.long()[req_slot[:, None], jj // page]
+    out = torch.where(ok, pages * page + jj % page, -1).to(torch.int32)
+    return out, ok.sum(1).to(torch.int32)
+
+
+def _devices():
+    return ["cpu"] + ([pytest.param("cuda", marks=pytest.mark.gpu)])
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("window", [1, 16, 128, 100])
+def test_window_table(device, window):
+    g = torch.Generator().manual_seed(window)
+    n = 7
+    req_slot = torch.tensor([0, 3, 3, 1, 2, 5, 4], dtype=torch.int64)
+    positions = torch.randint(0, 3 * window, (n,), generator=g)
+    positions[0] = 0
+    positions[1] = window - 2 if window > 1 else 0    # window not yet full
+    positions[2] = positions[1] + 1                   # the next (draft) row of the same request
+    req_slot, positions = req_slot.to(device), positions.to(device)
+    out = torch.full((n, window), 12345, dtype=torch.int32, device=device)
+    window_table_(req_slot, positions, window, out)
+    assert torch.equal(out.cpu(), ref_window_table(req_slot, positions, window).cpu())
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("k,page", [(8, 4), (40, 16), (512, 64), (1, 1)])
+def test_topk_slots(device, k, page):
+    g = torch.Generator().manual_seed(k + page)
+    n, r, p = 5, 6, 12
+    block_table = torch.randperm(r * p, generator=g).to(torch.int32).reshape(r, p)
+    req_slot = torch.tensor([2, 2, 0, 5, 3], dtype=torch.int64)
+    topk = torch.randint(0, p * page, (n, k), generator=g).to(torch.int32)
+    topk[topk.float().uniform_(generator=g) < 0.3] = -1
+    topk[3] = -1                                       # no entries yet
+    req_slot, block_table, topk = req_slot.to(device), block_table.to(device), topk.to(device)
+    out = torch.full((n, k), 777, dtype=torch.int32, device=device)
+    lengths = torch.full((n,), 777, dtype=torch.int32, device=device)
+    topk_slots_(topk, req_slot, block_table, page, out, lengths)
+    ref, ref_len = ref_topk_slots(topk, req_slot, block_table, page)
+    assert torch.equal(out.cpu(), ref.cpu())
+    assert torch.equal(lengths.cpu(), ref_len.cpu())
+
+
+def test_bad_inputs_name_the_argument():
+    n, w = 3, 8
+    slot = torch.zeros(n, dtype=torch.int64)
+    pos = torch.zeros(n, dtype=torch.int64)
+    out = torch.zeros(n, w, dtype=torch.int32)
+    with pytest.raises(TypeError, match="positions"):
+        window_table_(slot, pos.int(), w, out)
+    with pytest.raises(ValueError, match="out"):
+        window_table_(slot, pos, w, out[:, :4])
+    with pytest.raises(ValueError, match="window"):
+        window_table_(slot, pos, 0, out)
+    with pytest.raises(TypeError, match="req_slot"):
+        window_table_(slot.int(), pos, w, out)
+    topk = torch.zeros(n, 4, dtype=torch.int32)
+    bt = torch.zeros(2, 3, dtype=torch.int32)
+    o = torch.zeros(n, 4, dtype=torch.int32)
+    ln = torch.zeros(n, dtype=torch.int32)
+    with pytest.raises(TypeError, match="topk"):
+        topk_slots_(topk.long(), slot, bt, 4, o, ln)
+    with pytest.raises(TypeError, match="block_table"):
+        topk_slots_(topk, slot, bt.long(), 4, o, ln)
+    with pytest.raises(ValueError, match="page_size"):
+        topk_slots_(topk, slot, bt, 0, o, ln)
+    with pytest.raises(ValueError, match="lengths_out"):
+        topk_slots_(topk, slot, bt, 4, o, ln[:2])
+    with pytest.raises(ValueError, match="out"):
+        topk_slots_(topk, slot, bt, 4, o[:, :2], ln)
+    with pytest.raises(ValueError, match="req_slot"):
+        topk_slots_(topk, slot[:2], bt, 4, o, ln)
