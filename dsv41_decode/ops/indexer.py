@@ -1,0 +1,148 @@
+"""Indexer logits over 68-byte MXFP4 index keys (spec section 3, step 7), dense or candidate-restricted.
+
+score[n, j] = bf16(sum_h bf16(w[n, h] * relu(bf16(iq[n, h] . key[j])))) for the visible entries
+j < n_vis[n] of request slot req_slot[n]; -inf past n_vis and (with a candidate mask) outside it.
+Entry j of slot s is pool record block_table[s, j // page] * page + j % page.
+
+Grid: (rows, entry blocks). Each program loads BLOCK_E records once as 17 int32 words each (16
+words of E2M1 pairs, one of the four UE8M0 scales), decodes them to [BLOCK_E, 128] and scores
+them for every head with one [H, 128] x [128, BLOCK_E] dot. Operands are exact in BF16 (E2M1 codes
+times powers of two; iq is MXFP4 fake-quantized), so the GPU uses a BF16 dot with FP32
+accumulation; the interpreter (whose BF16 dots are wrong) uses an FP32 dot. Products are exact
+either way; only the FP32 summation order over the 128 terms and over the heads may differ from
+the reference (torch sums in its own order), so a score may rarely be one BF16 ulp off.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..formats import INDEX_KEY_BYTES
+from .rounding import bf16_rne_bits
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_HEAD_DIM = 128
+
+
+@triton.jit
+def _bf16_round(x):
+    """x rounded to the nearest BF16 (ties to even), kept as FP32."""
+    return (bf16_rne_bits(x).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_ptr, cand_ptr, out_ptr,
+                         heads, max_entries, page, bt_stride, iq_sn, iq_sh, w_sn, cand_sn, out_sn,
+                         BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, HAS_CAND: tl.constexpr,
+                         DOT_BF16: tl.constexpr):
+    n = tl.program_id(0)
+    offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    in_row = offs_e < max_entries
+    n_vis = tl.load(nvis_ptr + n)
+    vis = offs_e < n_vis
+    if HAS_CAND:
+        cand = tl.load(cand_ptr + n.to(tl.int64) * cand_sn + offs_e, mask=vis, other=0)
+        vis = vis & (cand != 0)
+    score = tl.full((BLOCK_E,), float("-inf"), tl.float32)
+    if tl.max(vis.to(tl.int32), 0) > 0:
+        slot = tl.load(slot_ptr + n).to(tl.int64)
+        blk = tl.load(bt_ptr + slot * bt_stride + offs_e // page, mask=vis, other=0)
+        rec = blk.to(tl.int64) * page + offs_e % page                       # [E]
+        words = tl.load(pool_ptr + rec[:, None] * 17 + tl.arange(0, 16)[None, :],
+                        mask=vis[:, None], other=0)                         # [E, 16] int32
+        sw = tl.load(pool_ptr + rec * 17 + 16, mask=vis, other=0)           # [E] 4 scale bytes
+        nib = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF   # [E, 16, 8]
+        mag = nib & 7
+        e = mag >> 1
+        m = (mag & 1).to(tl.float32)
+        val = tl.where(e == 0, m * 0.5,
+                       (2.0 + m) * tl.where(e == 1, 0.5, tl.where(e == 2, 1.0, 2.0)))
+        val = tl.where((nib & 8) != 0, -val, val)
+        sbyte = (sw[:, None] >> ((tl.arange(0, 16) // 4) * 8)[None, :]) & 0xFF     # [E, 16]
+        scale = (sbyte << 23).to(tl.float32, bitcast=True)
+        key = tl.reshape(val * scale[:, :, None], (BLOCK_E, 128))          # [E, 128] FP32
+        offs_h = tl.arange(0, BLOCK_H)
+        hmask = offs_h < heads
+        q = tl.load(iq_ptr + n.to(tl.int64) * iq_sn + offs_h[:, None] * iq_sh + tl.arange(0, 128)[None, :],
+                    mask=hmask[:, None], other=0.0).to(tl.float32)         # [H, 128]
+        if DOT_BF16:
+            logits = tl.dot(q.to(tl.bfloat16), tl.trans(key.to(tl.bfloat16)))
+        else:
+            logits = tl.dot(q, tl.trans(key), input_precision="ieee")       # [H, E]
+        wv = tl.load(w_ptr + n.to(tl.int64) * w_sn + offs_h, mask=hmask, other=0.0).to(tl.float32)
+        term = _bf16_round(tl.maximum(_bf16_round(logits), 0.0) * wv[:, None])
+        score = tl.where(vis, _bf16_round(tl.sum(term, 0)), float("-inf"))
+    tl.store(out_ptr + n.to(tl.int64) * out_sn + offs_e, score, mask=in_row)
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor,
+                        page: int, req_slot: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor,
+                        cand_mask: torch.Tensor | None = None, block_e: int = 64, num_warps: int = 4) -> torch.Tensor:
+    """Write the indexer scores of N decode rows into `out` (see the module docstring).
+
+    iq: [N, Hi, 128] BF16, MXFP4 fake-quantized (unchecked: other values lose bits in the BF16 dot).
+    w: [N, Hi] BF16 head weights (already scaled).
+    pool: [S, 68] uint8 index-key records, contiguous, 4-byte aligned.
+    block_table: [slots, pages] int32; page: entries per page (> 0).
+    req_slot: [N] int32/int64 request slot of each row; n_vis: [N] int32 visible entries ((p+1)//r).
+    out: [N, max_entries] FP32, last dim contiguous; receives BF16-representable values, -inf past n_vis.
+    cand_mask: optional [N, max_entries] bool/uint8; entries where it is 0 score -inf.
+    block_e: entries per program (power of two >= 16).
+    Unchecked: ids in block_table and req_slot lie inside pool/block_table; n_vis <= pages * page.
+    Returns out.
+    """
+    _check(iq.dim() == 3 and iq.shape[2] == _HEAD_DIM and iq.dtype == torch.bfloat16 and iq.stride(2) == 1,
+           f"iq must be [N, Hi, 128] BF16 with a contiguous last dim, got {tuple(iq.shape)} {iq.dtype}")
+    n_rows, heads = iq.shape[0], iq.shape[1]
+    _check(1 <= heads <= 128, f"iq: Hi={heads} must lie in 1..128")
+    _check(w.shape == (n_rows, heads) and w.dtype == torch.bfloat16 and w.stride(1) == 1,
+           f"w must be [N={n_rows}, Hi={heads}] BF16, got {tuple(w.shape)} {w.dtype}")
+    _check(pool.dim() == 2 and pool.shape[1] == INDEX_KEY_BYTES and pool.dtype == torch.uint8 and pool.is_contiguous()
+           and pool.storage_offset() % 4 == 0,
+           f"pool must be a contiguous [S, 68] uint8 tensor starting 4-byte aligned, got {tuple(pool.shape)} {pool.dtype}")
+    _check(block_table.dim() == 2 and block_table.dtype == torch.int32 and block_table.stride(1) == 1
+           and block_table.shape[1] > 0,
+           f"block_table must be [slots, pages>0] int32, got {tuple(block_table.shape)} {block_table.dtype}")
+    _check(isinstance(page, int) and page > 0, f"page must be a positive int, got {page!r}")
+    _check(req_slot.shape == (n_rows,) and req_slot.dtype in (torch.int32, torch.int64),
+           f"req_slot must be [N={n_rows}] int32/int64, got {tuple(req_slot.shape)} {req_slot.dtype}")
+    _check(n_vis.shape == (n_rows,) and n_vis.dtype == torch.int32,
+           f"n_vis must be [N={n_rows}] int32, got {tuple(n_vis.shape)} {n_vis.dtype}")
+    _check(out.dim() == 2 and out.shape[0] == n_rows and out.dtype == torch.float32 and out.stride(1) == 1,
+           f"out must be [N={n_rows}, max_entries] FP32, got {tuple(out.shape)} {out.dtype}")
+    if cand_mask is not None:
+        _check(cand_mask.shape == out.shape and cand_mask.dtype in (torch.bool, torch.uint8) and cand_mask.stride(1) == 1,
+               f"cand_mask must be [N, max_entries]={tuple(out.shape)} bool/uint8, got {tuple(cand_mask.shape)} {cand_mask.dtype}")
+    _check(block_e >= 16 and block_e & (block_e - 1) == 0, f"block_e must be a power of two >= 16, got {block_e}")
+    tensors = [iq, w, pool, block_table, req_slot, n_vis, out] + ([cand_mask] if cand_mask is not None else [])
+    _check(all(t.device == iq.device for t in tensors),
+           "iq, w, pool, block_table, req_slot, n_vis, out, cand_mask must share a device")
+    max_entries = out.shape[1]
+    if n_rows == 0 or max_entries == 0:
+        return out
+    cand = cand_mask.view(torch.uint8) if cand_mask is not None else out
+    grid = (n_rows, triton.cdiv(max_entries, block_e))
+    _index_scores_kernel[grid](
+        iq, w, pool.view(torch.int32), block_table, req_slot, n_vis, cand, out,
+        heads, max_entries, page, block_table.stride(0), iq.stride(0), iq.stride(1), w.stride(0),
+        cand.stride(0), out.stride(0),
+        BLOCK_H=max(16, triton.next_power_of_2(heads)), BLOCK_E=block_e, HAS_CAND=cand_mask is not None,
+        DOT_BF16=not _INTERPRET, num_warps=num_warps)
+    return out
+
+
+def index_scores_mxfp4(iq: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor,
+                       page: int, req_slot: torch.Tensor, n_vis: torch.Tensor, max_entries: int,
+                       cand_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Allocating form of `index_scores_mxfp4_`: returns scores [N, max_entries] FP32."""
+    out = torch.empty(iq.shape[0], max_entries, dtype=torch.float32, device=iq.device)
+    return index_scores_mxfp4_(iq, w, pool, block_table, page, req_slot, n_vis, out, cand_mask)
