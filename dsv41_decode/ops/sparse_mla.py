@@ -1,0 +1,381 @@
+"""Sparse MLA decode (issue 4 item 5; spec section 3 step 8): the contract of
+`reference.attention.sparse_attention`, for N rows at once, reading the cache records natively.
+
+Per row r and head h: o[r, h] = sum_j softmax_j(q[r, h] . K[j] * scale, sink[h]) K[j] (V = K), over
+the window records of window_table[r] (ring slots into a uint8 [S_w, 528] MXFP8 pool) then the
+compressed records of comp_table[r] (slots into a uint8 [S_c, 288] NVFP4 pool); -1 entries
+contribute nothing; a row without a valid key gives zeros.
+
+Kernel: one program per (row, head group, key split). A program holds BLOCK_H (>= 16) heads of the
+row and walks its share of the key blocks (BLOCK_KEYS keys each; window blocks, then compressed
+blocks): each key is gathered and dequantized once in registers (window: E4M3 code * 2^(e - 127)
+per 32; compressed: E2M1 * E4M3 scale per 16; the values are exact in BF16) and used by every head
+of the group: scores = q [BLOCK_H, 512] @ K^T, online softmax in FP32 (max from -1e30), P rounded
+to BF16 (round-to-nearest-even on the bits) before P @ K, FP32 accumulator. Both dots have exact
+products (BF16-valued operands) and FP32 sums: BF16 operands on the GPU, FP32 in the interpreter
+(its BF16 dot is wrong). With more than one split, each program writes (max, sum, valid count,
+acc) to the plan's workspace and the last program of the (row, head group) to arrive (an atomic
+counter, reset by it) combines the splits in split order - combined max, rescaled sums and
+accumulators, then the sink - and stores o = acc / sum as BF16 (RNE bits). One launch,
+deterministic.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ..formats import COMPRESSED_KV_BYTES, WINDOW_KV_BYTES
+from .ll_bf16 import num_sms
+from .rounding import bf16_rne_bits, ue8m0_to_fp32
+
+HEAD_DIM = 512
+SUPPORTED_HEADS = (8, 16, 32, 64)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@triton.jit
+def _e4m3_to_fp32(c, NATIVE: tl.constexpr):
+    """FP32 value of uint8 E4M3 (fn) codes; 0x7F / 0xFF are NaN."""
+    if NATIVE:
+        v = c.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        ci = c.to(tl.int32)
+        e = (ci >> 3) & 15
+        m = ci & 7
+        normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+        mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+        v = tl.where((ci & 0x80) != 0, -mag, mag)
+        v = tl.where((ci & 0x7F) == 0x7F, float("nan"), v)
+    return v
+
+
+@triton.jit
+def _e2m1_to_fp32(c):
+    """FP32 value of E2M1 codes 0..15 (int32): bit 3 sign, bits 2..1 exponent, bit 0 mantissa."""
+    e = (c >> 1) & 3
+    m = c & 1
+    normal = (((e + 126) << 23) | (m << 22)).to(tl.float32, bitcast=True)
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.5, normal)
+    return tl.where((c & 8) != 0, -mag, mag)
+
+
+@triton.jit
+def _round_bf16_f32(x):
+    """x rounded to BF16 (nearest even), kept as FP32 (same bits on the GPU and the interpreter)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _attend_block(q, kb, ok, m_i, l_i, acc, scale, BF16_DOT: tl.constexpr):
+    """One online-softmax step over a block of keys kb [BLOCK_KEYS, 512] (FP32, BF16-exact)."""
+    if BF16_DOT:
+        kd = kb.to(tl.bfloat16)
+        s = tl.dot(q, tl.trans(kd))
+    else:
+        kd = kb
+        s = tl.dot(q, tl.trans(kd), input_precision="ieee")
+    s = s * scale
+    s = tl.where(ok[None, :], s, float("-inf"))
+    new_max = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp(m_i - new_max)
+    p = tl.exp(s - new_max[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    pr = _round_bf16_f32(p)
+    if BF16_DOT:
+        acc = acc * alpha[:, None] + tl.dot(pr.to(tl.bfloat16), kd)
+    else:
+        acc = acc * alpha[:, None] + tl.dot(pr, kd, input_precision="ieee")
+    return new_max, l_i, acc
+
+
+@triton.jit
+def _sparse_mla_kernel(
+    q_ptr, wpool_ptr, cpool_ptr, wtab_ptr, ctab_ptr, sink_ptr, out_ptr,
+    part_acc_ptr, part_ml_ptr, count_ptr,
+    H, scale, stride_qn, stride_qh, stride_wt, stride_ct, stride_on, stride_oh,
+    W: tl.constexpr, KC: tl.constexpr, SPLIT: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_KEYS: tl.constexpr, BF16_DOT: tl.constexpr, NATIVE_FP8: tl.constexpr,
+):
+    D: tl.constexpr = 512
+    WREC: tl.constexpr = 528
+    CREC: tl.constexpr = 288
+    NB_W: tl.constexpr = (W + BLOCK_KEYS - 1) // BLOCK_KEYS
+    NB_C: tl.constexpr = (KC + BLOCK_KEYS - 1) // BLOCK_KEYS
+    HG = tl.num_programs(1)
+    r = tl.program_id(0)
+    g = tl.program_id(1)
+    sp = tl.program_id(2)
+
+    rh = g * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = rh < H
+    rd = tl.arange(0, D)
+    rk = tl.arange(0, BLOCK_KEYS)
+    q = tl.load(q_ptr + r * stride_qn + rh[:, None] * stride_qh + rd[None, :], mask=h_ok[:, None], other=0.0)
+    if not BF16_DOT:
+        q = q.to(tl.float32)
+
+    m_i = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_H, D), dtype=tl.float32)
+    nvalid = tl.zeros((BLOCK_KEYS,), dtype=tl.int32)
+
+    b_lo = sp * BLOCKS_PER_SPLIT
+    b_hi = tl.minimum(b_lo + BLOCKS_PER_SPLIT, NB_W + NB_C)
+    # Window blocks [b_lo, min(b_hi, NB_W)).
+    for b in range(b_lo, tl.minimum(b_hi, NB_W)):
+        kk = b * BLOCK_KEYS + rk
+        slot = tl.load(wtab_ptr + r * stride_wt + kk, mask=kk < W, other=-1)
+        ok = slot >= 0
+        base = wpool_ptr + tl.where(ok, slot, 0).to(tl.int64)[:, None] * WREC
+        codes = tl.load(base + rd[None, :], mask=ok[:, None], other=0)
+        sc = tl.load(base + D + (rd // 32)[None, :], mask=ok[:, None], other=127)
+        kb = _e4m3_to_fp32(codes, NATIVE_FP8) * ue8m0_to_fp32(sc)
+        kb = tl.where(ok[:, None], kb, 0.0)
+        nvalid += ok.to(tl.int32)
+        m_i, l_i, acc = _attend_block(q, kb, ok, m_i, l_i, acc, scale, BF16_DOT)
+    # Compressed blocks [max(b_lo, NB_W), b_hi).
+    for b in range(tl.maximum(b_lo, NB_W), b_hi):
+        kk = (b - NB_W) * BLOCK_KEYS + rk
+        slot = tl.load(ctab_ptr + r * stride_ct + kk, mask=kk < KC, other=-1)
+        ok = slot >= 0
+        base = cpool_ptr + tl.where(ok, slot, 0).to(tl.int64)[:, None] * CREC
+        byte = tl.load(base + (rd // 2)[None, :], mask=ok[:, None], other=0).to(tl.int32)
+        code = (byte >> ((rd % 2) * 4)[None, :]) & 15
+        sc = tl.load(base + D // 2 + (rd // 16)[None, :], mask=ok[:, None], other=0)
+        kb = _e2m1_to_fp32(code) * _e4m3_to_fp32(sc, NATIVE_FP8)
+        kb = tl.where(ok[:, None], kb, 0.0)
+        nvalid += ok.to(tl.int32)
+        m_i, l_i, acc = _attend_block(q, kb, ok, m_i, l_i, acc, scale, BF16_DOT)
+
+    nv = tl.sum(nvalid, axis=0)
+    out_ptrs = out_ptr + r * stride_on + rh[:, None] * stride_oh + rd[None, :]
+    sink = tl.load(sink_ptr + rh, mask=h_ok, other=0.0)
+    if SPLIT == 1:
+        l_f = l_i + tl.exp(sink - m_i)
+        o = acc / l_f[:, None]
+        o = tl.where(nv > 0, o, 0.0)
+        tl.store(out_ptrs, bf16_rne_bits(o), mask=h_ok[:, None])
+    else:
+        # Workspace: acc [N, HG, SPLIT, BLOCK_H, D]; ml [N, HG, SPLIT, 3, BLOCK_H] (max, sum, count).
+        tile = r * HG + g
+        acc_base = part_acc_ptr + tile.to(tl.int64) * (SPLIT * BLOCK_H * D)
+        ml_base = part_ml_ptr + tile.to(tl.int64) * (SPLIT * 3 * BLOCK_H)
+        lh = tl.arange(0, BLOCK_H)
+        acc_ptrs = acc_base + lh[:, None] * D + rd[None, :]
+        tl.store(acc_ptrs + sp * (BLOCK_H * D), acc)
+        ml_ptrs = ml_base + sp * (3 * BLOCK_H) + lh
+        tl.store(ml_ptrs, m_i)
+        tl.store(ml_ptrs + BLOCK_H, l_i)
+        tl.store(ml_ptrs + 2 * BLOCK_H, tl.zeros((BLOCK_H,), dtype=tl.float32) + nv.to(tl.float32))
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            tl.store(count_ptr + tile, 0)
+            m_all = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
+            n_all = tl.zeros((BLOCK_H,), dtype=tl.float32)
+            for s in tl.static_range(SPLIT):
+                m_all = tl.maximum(m_all, tl.load(ml_base + s * (3 * BLOCK_H) + lh, cache_modifier=".cg"))
+                n_all += tl.load(ml_base + s * (3 * BLOCK_H) + 2 * BLOCK_H + lh, cache_modifier=".cg")
+            l_all = tl.zeros((BLOCK_H,), dtype=tl.float32)
+            a_all = tl.zeros((BLOCK_H, D), dtype=tl.float32)
+            for s in tl.static_range(SPLIT):
+                m_s = tl.load(ml_base + s * (3 * BLOCK_H) + lh, cache_modifier=".cg")
+                l_s = tl.load(ml_base + s * (3 * BLOCK_H) + BLOCK_H + lh, cache_modifier=".cg")
+                f = tl.exp(m_s - m_all)
+                l_all += l_s * f
+                a_all += tl.load(acc_ptrs + s * (BLOCK_H * D), cache_modifier=".cg") * f[:, None]
+            l_all += tl.exp(sink - m_all)
+            o = a_all / l_all[:, None]
+            o = tl.where(n_all[:, None] > 0, o, 0.0)
+            tl.store(out_ptrs, bf16_rne_bits(o), mask=h_ok[:, None])
+
+
+@dataclass(frozen=True, eq=False)
+class SparseMlaPlan:
+    """Tiling, per-row-bucket splits and the workspace of `sparse_mla_` for one shape.
+
+    Build once with `SparseMlaPlan.build`; launches reuse it. Not for concurrent launches on two
+    streams (they share the workspace and counters).
+
+    max_rows: the most rows a launch may pass (1..256); heads: H (8, 16, 32 or 64);
+    window: W (window_table's width); topk: the compressed table's width.
+    block_h: heads per program (>= 16; H is padded up to it); block_keys: keys per block (>= 16);
+    splits: per row bucket 1, 2, 4, ... next_pow2(max_rows), the key splits (`split(n)`);
+    num_warps; bf16_dot: BF16 dot operands (the GPU), else FP32 (the interpreter);
+    native_fp8: decode E4M3 with Triton's FP8 cast (GPU only) instead of integer arithmetic.
+    part_acc / part_ml: the FP32 split workspace; counters: int32 per (row, head group), 0 between launches.
+    """
+    max_rows: int
+    heads: int
+    window: int
+    topk: int
+    block_h: int
+    block_keys: int
+    splits: tuple[int, ...]
+    num_warps: int
+    bf16_dot: bool
+    native_fp8: bool
+    part_acc: torch.Tensor
+    part_ml: torch.Tensor
+    counters: torch.Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.counters.device
+
+    @property
+    def head_groups(self) -> int:
+        return triton.cdiv(self.heads, self.block_h)
+
+    @property
+    def n_blocks(self) -> int:
+        return triton.cdiv(self.window, self.block_keys) + triton.cdiv(self.topk, self.block_keys)
+
+    def split(self, rows: int) -> int:
+        """Key splits of a launch with `rows` rows (1 <= rows <= max_rows)."""
+        return self.splits[(rows - 1).bit_length()]
+
+    @classmethod
+    def build(cls, max_rows: int, heads: int, window: int, topk: int,
+              device: torch.device | str = "cuda", *, block_h: int | None = None,
+              block_keys: int | None = None, splits: int | None = None, max_splits: int = 16,
+              num_warps: int | None = None, bf16_dot: bool | None = None,
+              native_fp8: bool = False) -> "SparseMlaPlan":
+        """Choose the tiling and, per row bucket, splits for about one program per SM.
+
+        splits: force one split count for every bucket (clipped to the number of key blocks);
+        default: ceil(SMs / (rows * head_groups)), at most max_splits and the number of key blocks.
+        """
+        for name, v in (("max_rows", max_rows), ("window", window), ("max_splits", max_splits)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if isinstance(topk, bool) or not isinstance(topk, int) or topk < 0:
+            raise ValueError(f"topk must be a non-negative int, got {topk!r}")
+        if max_rows > 256:
+            raise ValueError(f"max_rows must be at most 256, got {max_rows}")
+        if heads not in SUPPORTED_HEADS:
+            raise ValueError(f"heads must be one of {SUPPORTED_HEADS}, got {heads!r}")
+        device = torch.device(device)
+        if block_h is None:
+            block_h = max(16, min(heads, 64))
+        if block_h < 16 or block_h & (block_h - 1):
+            raise ValueError(f"block_h must be a power of two >= 16, got {block_h!r}")
+        if block_keys is None:
+            block_keys = 16 if block_h >= 64 else 32
+        if block_keys < 16 or block_keys & (block_keys - 1):
+            raise ValueError(f"block_keys must be a power of two >= 16, got {block_keys!r}")
+        if num_warps is None:
+            num_warps = 8 if block_h >= 32 else 4
+        if bf16_dot is None:
+            bf16_dot = device.type == "cuda" and not _interpreting()
+        hg = triton.cdiv(heads, block_h)
+        nb = triton.cdiv(window, block_keys) + triton.cdiv(topk, block_keys)
+        buckets = [1 << i for i in range((max_rows - 1).bit_length() + 1)]
+        if splits is None:
+            sms = num_sms(device)
+            chosen = tuple(max(1, min(triton.cdiv(sms, b * hg), max_splits, nb)) for b in buckets)
+        else:
+            if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1:
+                raise ValueError(f"splits must be a positive int, got {splits!r}")
+            chosen = tuple(min(splits, nb) for _ in buckets)
+        # Equalize: each split gets ceil(nb / s) blocks; drop splits left empty.
+        chosen = tuple(triton.cdiv(nb, triton.cdiv(nb, s)) for s in chosen)
+        ws = max(min(b, max_rows) * s for b, s in zip(buckets, chosen) if s > 1) if max(chosen) > 1 else 0
+        part_acc = torch.empty(ws * hg * block_h * HEAD_DIM, dtype=torch.float32, device=device)
+        part_ml = torch.empty(ws * hg * 3 * block_h, dtype=torch.float32, device=device)
+        counters = torch.zeros(max_rows * hg, dtype=torch.int32, device=device)
+        return cls(max_rows, heads, window, topk, block_h, block_keys, chosen, num_warps, bf16_dot,
+                   native_fp8, part_acc, part_ml, counters)
+
+
+def _require(t, name: str, dtype: torch.dtype, shape: tuple, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have unit stride in its last dimension, got strides {t.stride()}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device} like the other operands, got {t.device}")
+
+
+def sparse_mla_(plan: SparseMlaPlan, q: torch.Tensor, window_pool: torch.Tensor, comp_pool: torch.Tensor,
+                window_table: torch.Tensor, comp_table: torch.Tensor, sink: torch.Tensor, scale: float,
+                out: torch.Tensor) -> None:
+    """Write out[r, h] = sparse_attention(q[r, h], keys of row r, sink[h], scale) (see module doc).
+
+    plan: `SparseMlaPlan.build(max_rows, H, W, K, device)`.
+    q: [N, H, 512] bfloat16 (already rotated), unit stride in the last dim, 1 <= N <= max_rows.
+    window_pool: [S_w, 528] uint8 window records; comp_pool: [S_c, 288] uint8 compressed records
+      (both contiguous rows; S_c may be 0 when comp_table holds only -1).
+    window_table: [N, W] int32 ring slots (-1 = none); comp_table: [N, K] int32 slots (-1 = none).
+      Slots are not range-checked.
+    sink: [H] float32; scale: the softmax scale; out: [N, H, 512] bfloat16, unit stride in the last dim.
+    """
+    if not isinstance(plan, SparseMlaPlan):
+        raise TypeError(f"plan must be a SparseMlaPlan, got {type(plan).__name__}")
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError(f"q must be a 3-D tensor [N, H, 512], got {getattr(q, 'shape', type(q).__name__)}")
+    n = q.shape[0]
+    if n > plan.max_rows:
+        raise ValueError(f"q has {n} rows, more than the plan's max_rows={plan.max_rows}")
+    dev = plan.device
+    h = plan.heads
+    _require(q, "q", torch.bfloat16, (n, h, HEAD_DIM), dev)
+    for t, name, rec in ((window_pool, "window_pool", WINDOW_KV_BYTES), (comp_pool, "comp_pool", COMPRESSED_KV_BYTES)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(f"{name} must be a 2-D tensor [S, {rec}], got {getattr(t, 'shape', type(t).__name__)}")
+        _require(t, name, torch.uint8, (t.shape[0], rec), dev)
+        if t.shape[0] > 1 and t.stride(0) != rec:
+            raise ValueError(f"{name} must have contiguous records (row stride {rec}), got strides {t.stride()}")
+    _require(window_table, "window_table", torch.int32, (n, plan.window), dev)
+    _require(comp_table, "comp_table", torch.int32, (n, plan.topk), dev)
+    _require(sink, "sink", torch.float32, (h,), dev)
+    _require(out, "out", torch.bfloat16, (n, h, HEAD_DIM), dev)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float, got {type(scale).__name__}")
+    if n == 0:
+        return
+    if q.stride(1) == 0 or out.stride(1) == 0:
+        raise ValueError("q and out must not broadcast over heads")
+    split = plan.split(n)
+    bps = triton.cdiv(plan.n_blocks, split)
+    o16 = out.view(torch.int16)
+    _sparse_mla_kernel[(n, plan.head_groups, split)](
+        q, window_pool, comp_pool, window_table, comp_table, sink, o16,
+        plan.part_acc, plan.part_ml, plan.counters,
+        h, float(scale), q.stride(0), q.stride(1), window_table.stride(0), max(comp_table.stride(0), 1),
+        o16.stride(0), o16.stride(1),
+        W=plan.window, KC=plan.topk, SPLIT=split, BLOCKS_PER_SPLIT=bps, BLOCK_H=plan.block_h,
+        BLOCK_KEYS=plan.block_keys, BF16_DOT=plan.bf16_dot, NATIVE_FP8=plan.native_fp8,
+        num_warps=plan.num_warps,
+    )
+
+
+def sparse_mla(q: torch.Tensor, window_pool: torch.Tensor, comp_pool: torch.Tensor, window_table: torch.Tensor,
+               comp_table: torch.Tensor, sink: torch.Tensor, scale: float, **plan_options) -> torch.Tensor:
+    """Convenience: build a plan for these shapes, allocate out, launch; returns [N, H, 512] bfloat16."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError(f"q must be a 3-D tensor [N, H, 512], got {getattr(q, 'shape', type(q).__name__)}")
+    for t, name in ((window_table, "window_table"), (comp_table, "comp_table")):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(f"{name} must be a 2-D tensor [N, width], got {getattr(t, 'shape', type(t).__name__)}")
+    n = q.shape[0]
+    out = torch.empty(n, q.shape[1], HEAD_DIM, dtype=torch.bfloat16, device=q.device)
+    if n == 0:
+        return out
+    plan = SparseMlaPlan.build(n, q.shape[1], window_table.shape[1], comp_table.shape[1], q.device, **plan_options)
+    sparse_mla_(plan, q, window_pool, comp_pool, window_table, comp_table, sink, scale, out)
+    return out
