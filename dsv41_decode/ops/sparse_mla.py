@@ -267,11 +267,14 @@ class SparseMlaPlan:
             raise ValueError(f"heads must be one of {SUPPORTED_HEADS}, got {heads!r}")
         device = torch.device(device)
         if block_h is None:
-            block_h = max(16, min(heads, 64))
+            # 64 heads x 512 FP32 accumulators would take 128 registers per thread at 8 warps on
+            # their own (plus q and the key block): 64 heads run as two groups of 32, which read
+            # each key twice (the second time from L2) but do not spill.
+            block_h = max(16, min(heads, 32))
         if block_h < 16 or block_h & (block_h - 1):
             raise ValueError(f"block_h must be a power of two >= 16, got {block_h!r}")
         if block_keys is None:
-            block_keys = 16 if block_h >= 64 else 32
+            block_keys = 16   # a [16, 512] FP32 key block is 64 registers per thread at 4 warps
         if block_keys < 16 or block_keys & (block_keys - 1):
             raise ValueError(f"block_keys must be a power of two >= 16, got {block_keys!r}")
         if num_warps is None:

@@ -35,15 +35,16 @@ def make_case(n, h, w, k, *, device="cpu", seed=0, req_slot=None, window_fill=No
 
 
 def reference(q, wpool, cpool, wt, ct, sink, scale=SCALE):
-    wkeys = unpack_window_kv(wpool.cpu())
-    ckeys = unpack_compressed_kv(cpool.cpu())
+    """On q's device (the GPU tests' reference runs on the GPU); returned on the CPU."""
+    wkeys = unpack_window_kv(wpool)
+    ckeys = unpack_compressed_kv(cpool)
     outs = []
     for r in range(q.shape[0]):
-        widx, cidx = wt[r].cpu().long(), ct[r].cpu().long()
+        widx, cidx = wt[r].long(), ct[r].long()
         keys = torch.cat((wkeys[widx.clamp(min=0)], ckeys[cidx.clamp(min=0)]))
         valid = torch.cat((widx >= 0, cidx >= 0))
-        outs.append(sparse_attention(q[r].cpu(), keys, valid, sink.cpu().float(), scale))
-    return torch.stack(outs)
+        outs.append(sparse_attention(q[r], keys, valid, sink.float(), scale))
+    return torch.stack(outs).cpu()
 
 
 def check(out, ref):
@@ -65,6 +66,18 @@ def test_matches_reference(n, h, k, splits):
     case = make_case(n, h, w, k, seed=n * 100 + h + k, window_fill=[w, 5, w, 1, w][:n])
     out = sparse_mla(*case, SCALE, splits=splits, block_keys=16)
     check(out, reference(*case))
+
+
+def test_several_head_groups():
+    # H = 32 in programs of 16 heads: two head groups per row, each with its own split counters.
+    n, h, w, k = 2, 32, 16, 8
+    case = make_case(n, h, w, k, seed=21)
+    plan = SparseMlaPlan.build(n, h, w, k, "cpu", block_h=16, block_keys=16, splits=2)
+    assert plan.head_groups == 2 and plan.split(n) == 2
+    out = torch.empty(n, h, D, dtype=torch.bfloat16)
+    sparse_mla_(plan, *case, SCALE, out)
+    check(out, reference(*case))
+    assert int(plan.counters.abs().sum()) == 0
 
 
 def test_draft_rows_and_plan_reuse():
