@@ -1,0 +1,40 @@
+"""The ops `bench attn` times: each method builds plans and buffers once and returns launch-only
+callables (what a CUDA graph captures), or runs a family's whole sweep."""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops.sparse_mla import SparseMlaPlan, sparse_mla_
+
+
+class AttnOps:
+    """Our sparse-attention kernels behind the bench's interface."""
+
+    def sparse_mla(self, q, win, wtab, comp, ctab, sink, scale):
+        rows, heads = q.shape[0], q.shape[1]
+        plan = SparseMlaPlan.build(rows, heads, wtab.shape[1], ctab.shape[1], q.device)
+        out = torch.empty_like(q)
+        return lambda: sparse_mla_(plan, q, win, comp, wtab, ctab, sink, scale, out)
+
+    def sparse_mla_variants(self, q, win, wtab, comp, ctab, sink, scale):
+        """Plan options worth timing side by side (printed, not recorded)."""
+        rows, heads = q.shape[0], q.shape[1]
+        out = torch.empty_like(q)
+        variants = {}
+        for name, kw in (("splits4", dict(splits=4)), ("splits8", dict(splits=8)), ("block_h16", dict(block_h=16)),
+                         ("block_h64", dict(block_h=64)), ("native_fp8", dict(native_fp8=True))):
+            try:
+                plan = SparseMlaPlan.build(rows, heads, wtab.shape[1], ctab.shape[1], q.device, **kw)
+            except (ValueError, TypeError):
+                continue
+            variants[name] = (lambda p=plan: sparse_mla_(p, q, win, comp, wtab, ctab, sink, scale, out))
+        return variants
+
+    def bench_indexer(self, rows, contexts, floor, info, gen, progress):
+        from .attn_indexer import bench_indexer
+        return bench_indexer(rows, contexts, floor, info, gen, progress)
+
+    def bench_kv_write(self, rows, floor, info, gen, progress):
+        from .attn_kv_write import bench_kv_write
+        return bench_kv_write(rows, floor, info, gen, progress)
