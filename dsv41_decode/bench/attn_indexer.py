@@ -1,0 +1,64 @@
+"""`bench attn`, indexer family: logits over MXFP4 index keys (68-byte records) and top-512, per row
+count and context (ratio 1: one entry per token), on random valid records."""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import mxfp4_fake
+from ..ops.indexer import index_scores_mxfp4_
+from ..ops.topk import TopKPlan, topk_ascending_
+from .results import record
+from .timing import graph_time_us
+
+HEADS, PAGE = 32, 64
+
+
+def _state(rows: int, context: int, gen: torch.Generator):
+    """A pool of random records (E2M1 nibbles, UE8M0 scales 120..130), each row's own pages."""
+    pages = -(-context // PAGE)
+    pool = torch.randint(0, 256, (rows * pages * PAGE, 68), generator=gen, device="cuda", dtype=torch.uint8)
+    pool[:, 64:] = torch.randint(120, 131, (rows * pages * PAGE, 4), generator=gen, device="cuda",
+                                 dtype=torch.uint8)
+    table = torch.arange(rows * pages, device="cuda", dtype=torch.int32).view(rows, pages)
+    return pool, table
+
+
+def bench_indexer(rows_list, contexts, floor, info, gen, progress) -> list[dict]:
+    out = []
+    for context in contexts:
+        for rows in rows_list:
+            if rows * context > (64 << 20):      # 64M entries (4.4 GB of keys) at most
+                continue
+            pool, table = _state(rows, context, gen)
+            iq = mxfp4_fake(torch.randn(rows, HEADS, 128, generator=gen, device="cuda")).to(torch.bfloat16)
+            w = (torch.randn(rows, HEADS, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+            req = torch.arange(rows, device="cuda", dtype=torch.int64)
+            n_vis = torch.full((rows,), context, device="cuda", dtype=torch.int32)
+            scores = torch.empty(rows, context, device="cuda")
+            plan = TopKPlan.build(rows, 512, 1, "cuda")
+            idx = torch.empty(rows, 512, device="cuda", dtype=torch.int32)
+
+            def logits():
+                index_scores_mxfp4_(iq, w, pool, table, PAGE, req, n_vis, scores)
+
+            def topk():
+                topk_ascending_(scores, n_vis, idx, plan)
+
+            def both():
+                logits()
+                topk()
+
+            t_logits, t_topk, t_both = (graph_time_us(f, replays=30) for f in (logits, topk, both))
+            case = {"rows": rows, "context": context, "heads": HEADS, "ratio": 1}
+            key_bytes = rows * context * 68
+            score_bytes = rows * context * 4
+            out.append(record("attn", {"op": "indexer_logits", **case}, t_logits, key_bytes + score_bytes, floor,
+                              {}, info))
+            out.append(record("attn", {"op": "topk512", **case}, t_topk, score_bytes, floor, {}, info))
+            out.append(record("attn", {"op": "indexer+topk", **case}, t_both, key_bytes + 2 * score_bytes, floor,
+                              {}, info))
+            progress(f"indexer rows={rows} ctx={context}: logits {t_logits:.2f} us, top-k {t_topk:.2f} us, "
+                     f"both {t_both:.2f} us")
+            del pool, scores
+    return out
