@@ -1,0 +1,321 @@
+"""Cache-record writers of one decode step (spec section 3 steps 2-6, section 5 RoPE, section 6 records).
+
+- `qkv_rope_insert_`: query RoPE in place and window-KV RoPE + MXFP8 + insert of the 528-byte
+  record into the window ring, one launch;
+- `compressed_kv_store_` / `index_key_store_` / `compressed_entry_store_`: RoPE at each group's
+  first position + NVFP4 (288-byte record) and k_norm + RoPE + MXFP4 (68-byte index key), each
+  alone or both in one launch.
+
+Bit-exact with `formats.pack_window_kv(rope_tail(kv))`, `reference.rope.rope_tail` (queries),
+`formats.pack_compressed_kv(compressor.compressed_kv(...))` and `formats.pack_index_key(
+compressor.index_key(...))`, on the GPU and in Triton's interpreter (see the note on k_norm in
+`index_key_store_`). RoPE rotates the adjacent pairs (2i, 2i+1) of the 64-dim tail like torch's
+complex multiply: real = a*c - b*s, imag = a*s + b*c, every product and sum rounded to FP32 (the
+kernels are compiled with `enable_fp_fusion=False`, so no FMA contraction), then rounded to BF16.
+
+Every kernel keeps a vector's even and odd elements apart ([blocks, block/2] each): RoPE works on
+the pairs, a scale block is the maximum over both halves, and E2M1 nibbles pack as even | odd << 4.
+
+Slots: `slots[r]` is the record row to write; a slot outside [0, S) (e.g. -1 for a padding row, or
+for a row whose ring slot a later row of the same request overwrites in the same call) writes
+nothing. Two rows given the same valid slot race: the caller must not do that.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..formats import COMPRESSED_KV_BYTES, INDEX_KEY_BYTES, WINDOW_KV_BYTES
+from .fp4 import (
+    bf16_rne_bits,
+    bf16_round,
+    mx_dequant_pairs,
+    mx_quant_pairs,
+    nvfp4_dequant_pairs,
+    nvfp4_quant_pairs,
+)
+
+DIM = 512          # head_dim (window and compressed KV, queries)
+ROPE_DIM = 64      # the rotated tail
+INDEX_DIM = 128    # index_head_dim
+_HALF_ROPE = ROPE_DIM // 2
+
+
+@triton.jit
+def _bits_to_fp32(b):
+    """FP32 value of BF16 bits held as int16 (exact)."""
+    return (b.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rope_pairs(xe, xo, cs_ptr_row, sn_ptr_row, j, FIRST: tl.constexpr):
+    """(even, odd) of pairs j rotated by cos/sin[j - FIRST] where j >= FIRST, rounded to BF16 (as
+    FP32); other pairs unchanged. xe, xo: FP32 holding BF16 values."""
+    rot = j >= FIRST
+    c = tl.load(cs_ptr_row + (j - FIRST), mask=rot, other=1.0)
+    s = tl.load(sn_ptr_row + (j - FIRST), mask=rot, other=0.0)
+    re = xe * c - xo * s
+    im = xe * s + xo * c
+    return tl.where(rot, bf16_round(re), xe), tl.where(rot, bf16_round(im), xo)
+
+
+@triton.jit
+def _window_record(xe, xo, rec_ptr, ok, REQUANT: tl.constexpr):
+    """Store the MXFP8 window record of the pairs (xe, xo) [16 blocks, 16 pairs] (FP32 holding BF16
+    values) at rec_ptr where `ok`: codes at bytes 2j, 2j+1, scales at 512 + block. REQUANT:
+    quantize the dequantized values once more (`pack_window_kv(mxfp8_fake(x))`, as the reference
+    stores them)."""
+    ce, co, sb = mx_quant_pairs(xe, xo, True)
+    if REQUANT:
+        ye, yo = mx_dequant_pairs(ce, co, sb, True)
+        ce, co, sb = mx_quant_pairs(ye, yo, True)
+    j = tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :]
+    tl.store(rec_ptr + 2 * j, ce, mask=ok)
+    tl.store(rec_ptr + 2 * j + 1, co, mask=ok)
+    tl.store(rec_ptr + 512 + tl.arange(0, 16), sb.to(tl.uint8), mask=ok)
+
+
+@triton.jit
+def _qkv_rope_insert_kernel(
+    q_ptr, kv_ptr, cos_ptr, sin_ptr, slots_ptr, pool_ptr,
+    H, S, stride_qn, stride_qh, stride_kvn, stride_cn, stride_sn, stride_pool,
+    HB: tl.constexpr, REQUANT: tl.constexpr,
+):
+    n = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1)
+    cs_row = cos_ptr + n * stride_cn
+    sn_row = sin_ptr + n * stride_sn
+    if b == 0:
+        # Window KV: RoPE on pairs 224..255, MXFP8 blocks of 32 = 16 pairs, insert at the slot.
+        j = tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :]  # [16 blocks, 16 pairs]
+        row = kv_ptr + n * stride_kvn
+        xe = tl.load(row + 2 * j).to(tl.float32)
+        xo = tl.load(row + 2 * j + 1).to(tl.float32)
+        xe, xo = _rope_pairs(xe, xo, cs_row, sn_row, j, 224)
+        slot = tl.load(slots_ptr + n)
+        ok = (slot >= 0) & (slot < S)
+        rec = pool_ptr + tl.where(ok, slot, 0) * stride_pool
+        _window_record(xe, xo, rec, ok, REQUANT)
+    else:
+        # Queries: heads (b-1)*HB .. +HB, dims 448..511 in place (int16 bits of BF16).
+        h = (b - 1) * HB + tl.arange(0, HB)
+        i = tl.arange(0, 32)
+        ptr = q_ptr + n * stride_qn + h[:, None].to(tl.int64) * stride_qh + 448 + 2 * i[None, :]
+        m = h[:, None] < H
+        qe = _bits_to_fp32(tl.load(ptr, mask=m, other=0))
+        qo = _bits_to_fp32(tl.load(ptr + 1, mask=m, other=0))
+        c = tl.load(cs_row + i)[None, :]
+        s = tl.load(sn_row + i)[None, :]
+        tl.store(ptr, bf16_rne_bits(qe * c - qo * s), mask=m)
+        tl.store(ptr + 1, bf16_rne_bits(qe * s + qo * c), mask=m)
+
+
+@triton.jit
+def _compressed_entry_kernel(
+    lat_ptr, wk_ptr, knw_ptr, cos_ptr, sin_ptr, slots_ptr, ckv_ptr, ik_ptr,
+    S_CKV, S_IK, eps, stride_lat, stride_wk, stride_cn, stride_sn, stride_ckv, stride_ik,
+    DO_CKV: tl.constexpr, DO_IK: tl.constexpr, IK_PID: tl.constexpr, REQUANT: tl.constexpr,
+):
+    g = tl.program_id(0).to(tl.int64)
+    cs_row = cos_ptr + g * stride_cn
+    sn_row = sin_ptr + g * stride_sn
+    slot = tl.load(slots_ptr + g)
+    pid1 = tl.program_id(1)
+    if DO_CKV and pid1 == 0:
+        # Compressed KV: RoPE on pairs 224..255, NVFP4 groups of 16 = 8 pairs.
+        j = tl.arange(0, 32)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [32 groups, 8 pairs]
+        row = lat_ptr + g * stride_lat
+        xe = tl.load(row + 2 * j).to(tl.float32)
+        xo = tl.load(row + 2 * j + 1).to(tl.float32)
+        xe, xo = _rope_pairs(xe, xo, cs_row, sn_row, j, 224)
+        ce, co, code = nvfp4_quant_pairs(xe, xo)
+        if REQUANT:
+            ye, yo = nvfp4_dequant_pairs(ce, co, code)
+            ce, co, code = nvfp4_quant_pairs(ye, yo)
+        ok = (slot >= 0) & (slot < S_CKV)
+        rec = ckv_ptr + tl.where(ok, slot, 0) * stride_ckv
+        tl.store(rec + j, (ce | (co << 4)).to(tl.uint8), mask=ok)
+        tl.store(rec + 256 + tl.arange(0, 32), code, mask=ok)
+    if DO_IK and pid1 == IK_PID:
+        # Index key: bf16(wk out), k_norm, RoPE on pairs 32..63, MXFP4 blocks of 32 = 16 pairs.
+        j = tl.arange(0, 4)[:, None] * 16 + tl.arange(0, 16)[None, :]  # [4 blocks, 16 pairs]
+        row = wk_ptr + g * stride_wk
+        xe = bf16_round(tl.load(row + 2 * j))
+        xo = bf16_round(tl.load(row + 2 * j + 1))
+        ss = tl.sum(tl.sum(xe * xe, axis=1), axis=0) + tl.sum(tl.sum(xo * xo, axis=1), axis=0)
+        ms = ss * 0.0078125  # mean over 128: exact
+        r = tl.div_rn(1.0, tl.sqrt_rn(ms + eps))
+        we = tl.load(knw_ptr + 2 * j).to(tl.float32)
+        wo = tl.load(knw_ptr + 2 * j + 1).to(tl.float32)
+        ye = bf16_round(we * (xe * r))
+        yo = bf16_round(wo * (xo * r))
+        ye, yo = _rope_pairs(ye, yo, cs_row, sn_row, j, 32)
+        ce, co, scale_byte = mx_quant_pairs(ye, yo, False)
+        if REQUANT:
+            ye, yo = mx_dequant_pairs(ce, co, scale_byte, False)
+            ce, co, scale_byte = mx_quant_pairs(ye, yo, False)
+        ok = (slot >= 0) & (slot < S_IK)
+        rec = ik_ptr + tl.where(ok, slot, 0) * stride_ik
+        tl.store(rec + j, (ce | (co << 4)).to(tl.uint8), mask=ok)
+        tl.store(rec + 64 + tl.arange(0, 4), scale_byte.to(tl.uint8), mask=ok)
+
+
+# --- argument checks ------------------------------------------------------------------------------
+
+
+def _check(t, name: str, dtypes, shape, device=None) -> None:
+    """Raise naming `name` unless t is a tensor of one of dtypes, the given shape (None: any size),
+    unit stride in its last dimension, on `device` (None: any)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
+    if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
+        want = tuple("*" if s is None else s for s in shape)
+        raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{name} must have unit stride in its last dimension, got strides {t.stride()}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device} like the other operands, got {t.device}")
+
+
+def _check_rope(cos, sin, n: int, device) -> None:
+    _check(cos, "cos", (torch.float32,), (n, _HALF_ROPE), device)
+    _check(sin, "sin", (torch.float32,), (n, _HALF_ROPE), device)
+
+
+def _check_slots(slots, n: int, device) -> None:
+    _check(slots, "slots", (torch.int64,), (n,), device)
+
+
+# --- launchers ------------------------------------------------------------------------------------
+
+
+def qkv_rope_insert_(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     slots: torch.Tensor, window: torch.Tensor, requant: bool = True) -> None:
+    """Query RoPE in place and window-KV insert, one launch.
+
+    q: [N, H, 512] bfloat16, unit stride in the last dim; dims 448..511 of every head are rotated in
+        place (`rope_tail(q, cis, 64)`).
+    kv: [N, 512] bfloat16 (after kv_norm), unit stride in the last dim; not modified.
+    cos, sin: [N, 32] float32: `cis.real`, `cis.imag` of `rope_cis(freqs, positions)`.
+    slots: [N] int64 ring slot of each row (`req_slot * W + p % W`); outside [0, S): not written.
+    window: [S, 528] uint8 pool; row slots[r] gets `pack_window_kv(rope_tail(kv, cis, 64))[r]`.
+    """
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError(f"q must be a 3-D tensor [N, H, 512], got {getattr(q, 'shape', type(q).__name__)}")
+    n, h = q.shape[0], q.shape[1]
+    dev = q.device
+    _check(q, "q", (torch.bfloat16,), (n, h, DIM))
+    _check(kv, "kv", (torch.bfloat16,), (n, DIM), dev)
+    _check_rope(cos, sin, n, dev)
+    _check_slots(slots, n, dev)
+    _check(window, "window", (torch.uint8,), (None, WINDOW_KV_BYTES), dev)
+    if n == 0:
+        return
+    hb = min(triton.next_power_of_2(max(h, 1)), 16)
+    grid = (n, 1 + triton.cdiv(h, hb))
+    _qkv_rope_insert_kernel[grid](
+        q.view(torch.int16), kv, cos, sin, slots, window,
+        h, window.shape[0], q.stride(0), q.stride(1), kv.stride(0), cos.stride(0), sin.stride(0),
+        window.stride(0), HB=hb, REQUANT=bool(requant), num_warps=4, enable_fp_fusion=False,
+    )
+
+
+def compressed_entry_store_(lat: torch.Tensor | None, wk_out: torch.Tensor | None,
+                            k_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                            slots: torch.Tensor, compressed: torch.Tensor | None,
+                            index_keys: torch.Tensor | None, eps: float | None = None,
+                            requant: bool = True) -> None:
+    """Compressed-KV record and/or index key of G completed groups, one launch.
+
+    lat: [G, 512] bfloat16 latent (compressor output, before RoPE); with `compressed`.
+    wk_out: [G, 128] float32 = lat @ wk^T (FP32 accumulation); with `index_keys`.
+    k_norm: [128] bfloat16 (or float32) k_norm weight; eps: its epsilon; with `index_keys`.
+    cos, sin: [G, 32] float32 at each group's first position.
+    slots: [G] int64 global entry slot (the same row of both pools); outside a pool's rows: skipped.
+    compressed: [S, 288] uint8 pool or None; index_keys: [S', 68] uint8 pool or None.
+
+    Index keys: k_norm's mean of squares is summed in a different order from torch's reduction and
+    1/sqrt is taken as IEEE sqrt then IEEE division (as torch's CPU rsqrt; CUDA's rsqrtf is
+    approximate), so a 1-ulp difference in the FP32 norm factor is possible; it changes a record
+    only when it moves a BF16 rounding that then moves an E2M1 code or scale (not seen in tests).
+    """
+    do_ckv, do_ik = compressed is not None, index_keys is not None
+    if not (do_ckv or do_ik):
+        raise ValueError("compressed and index_keys are both None: nothing to store")
+    _check(slots, "slots", (torch.int64,), (None,))
+    g, dev = slots.shape[0], slots.device
+    _check_rope(cos, sin, g, dev)
+    if do_ckv:
+        _check(lat, "lat", (torch.bfloat16,), (g, DIM), dev)
+        _check(compressed, "compressed", (torch.uint8,), (None, COMPRESSED_KV_BYTES), dev)
+    if do_ik:
+        _check(wk_out, "wk_out", (torch.float32,), (g, INDEX_DIM), dev)
+        _check(k_norm, "k_norm", (torch.bfloat16, torch.float32), (INDEX_DIM,), dev)
+        _check(index_keys, "index_keys", (torch.uint8,), (None, INDEX_KEY_BYTES), dev)
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+            raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    if g == 0:
+        return
+    _compressed_entry_kernel[(g, int(do_ckv) + int(do_ik))](
+        lat if do_ckv else cos, wk_out if do_ik else cos, k_norm if do_ik else cos, cos, sin, slots,
+        compressed if do_ckv else slots, index_keys if do_ik else slots,
+        compressed.shape[0] if do_ckv else 0, index_keys.shape[0] if do_ik else 0,
+        float(eps) if do_ik else 0.0,
+        lat.stride(0) if do_ckv else 0, wk_out.stride(0) if do_ik else 0, cos.stride(0), sin.stride(0),
+        compressed.stride(0) if do_ckv else 0, index_keys.stride(0) if do_ik else 0,
+        DO_CKV=do_ckv, DO_IK=do_ik, IK_PID=int(do_ckv), REQUANT=bool(requant), num_warps=4, enable_fp_fusion=False,
+    )
+
+
+def compressed_kv_store_(lat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                         compressed: torch.Tensor, requant: bool = True) -> None:
+    """Write `pack_compressed_kv(compressor.compressed_kv(lat, cis, 64))[g]` at row slots[g] of
+    `compressed` [S, 288] uint8; lat [G, 512] bfloat16, cos/sin [G, 32] float32, slots [G] int64."""
+    compressed_entry_store_(lat, None, None, cos, sin, slots, compressed, None, requant=requant)
+
+
+def index_key_store_(wk_out: torch.Tensor, k_norm: torch.Tensor, eps: float, cos: torch.Tensor,
+                     sin: torch.Tensor, slots: torch.Tensor, index_keys: torch.Tensor,
+                     requant: bool = True) -> None:
+    """Write `pack_index_key(compressor.index_key(lat, wk, k_norm, cis, 64, eps))[g]` at row
+    slots[g] of `index_keys` [S, 68] uint8, from wk_out = lat @ wk^T [G, 128] float32."""
+    compressed_entry_store_(None, wk_out, k_norm, cos, sin, slots, None, index_keys, eps, requant)
+
+
+# --- allocating conveniences (tests, one-off use) -------------------------------------------------
+
+
+def rope_cos_sin(cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [n, 32] float32, contiguous, of `rope_cis(...)` [n, 32] complex64."""
+    return cis.real.contiguous(), cis.imag.contiguous()
+
+
+def qkv_rope_insert(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rotated copy of q, window records [N, 528] uint8 of kv, row r at slot r)."""
+    q2 = q.clone()
+    rec = torch.zeros(kv.shape[0], WINDOW_KV_BYTES, dtype=torch.uint8, device=kv.device)
+    slots = torch.arange(kv.shape[0], dtype=torch.int64, device=kv.device)
+    qkv_rope_insert_(q2, kv, cos, sin, slots, rec)
+    return q2, rec
+
+
+def compressed_kv_records(lat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """288-byte records [G, 288] uint8 of `compressed_kv_store_` at slots 0..G-1."""
+    rec = torch.zeros(lat.shape[0], COMPRESSED_KV_BYTES, dtype=torch.uint8, device=lat.device)
+    slots = torch.arange(lat.shape[0], dtype=torch.int64, device=lat.device)
+    compressed_kv_store_(lat, cos, sin, slots, rec)
+    return rec
+
+
+def index_key_records(wk_out: torch.Tensor, k_norm: torch.Tensor, eps: float, cos: torch.Tensor,
+                      sin: torch.Tensor) -> torch.Tensor:
+    """68-byte index keys [G, 68] uint8 of `index_key_store_` at slots 0..G-1."""
+    rec = torch.zeros(wk_out.shape[0], INDEX_KEY_BYTES, dtype=torch.uint8, device=wk_out.device)
+    slots = torch.arange(wk_out.shape[0], dtype=torch.int64, device=wk_out.device)
+    index_key_store_(wk_out, k_norm, eps, cos, sin, slots, rec)
+    return rec
