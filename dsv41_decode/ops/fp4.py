@@ -170,7 +170,8 @@ def nvfp4_quant_pairs(xe, xo):
     amax = tl.maximum(tl.max(abs_nan_inf(xe), axis=1), tl.max(abs_nan_inf(xo), axis=1))
     has_nan = (tl.sum((xe != xe).to(tl.int32), axis=1) + tl.sum((xo != xo).to(tl.int32), axis=1)) > 0
     code = nvfp4_scale_code(amax, has_nan)
-    s = e4m3_code_to_fp32(code)[:, None]
+    # div_rn does not broadcast (on the GPU): give it the full shape
+    s = tl.broadcast_to(e4m3_code_to_fp32(code)[:, None], xe.shape)
     return e2m1_rne_code(tl.div_rn(xe, s)), e2m1_rne_code(tl.div_rn(xo, s)), code
 
 

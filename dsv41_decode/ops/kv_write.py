@@ -123,43 +123,46 @@ def _compressed_entry_kernel(
     sn_row = sin_ptr + g * stride_sn
     slot = tl.load(slots_ptr + g)
     pid1 = tl.program_id(1)
-    if DO_CKV and pid1 == 0:
-        # Compressed KV: RoPE on pairs 224..255, NVFP4 groups of 16 = 8 pairs.
-        j = tl.arange(0, 32)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [32 groups, 8 pairs]
-        row = lat_ptr + g * stride_lat
-        xe = tl.load(row + 2 * j).to(tl.float32)
-        xo = tl.load(row + 2 * j + 1).to(tl.float32)
-        xe, xo = _rope_pairs(xe, xo, cs_row, sn_row, j, 224)
-        ce, co, code = nvfp4_quant_pairs(xe, xo)
-        if REQUANT:
-            ye, yo = nvfp4_dequant_pairs(ce, co, code)
-            ce, co, code = nvfp4_quant_pairs(ye, yo)
-        ok = (slot >= 0) & (slot < S_CKV)
-        rec = ckv_ptr + tl.where(ok, slot, 0) * stride_ckv
-        tl.store(rec + j, (ce | (co << 4)).to(tl.uint8), mask=ok)
-        tl.store(rec + 256 + tl.arange(0, 32), code, mask=ok)
-    if DO_IK and pid1 == IK_PID:
-        # Index key: bf16(wk out), k_norm, RoPE on pairs 32..63, MXFP4 blocks of 32 = 16 pairs.
-        j = tl.arange(0, 4)[:, None] * 16 + tl.arange(0, 16)[None, :]  # [4 blocks, 16 pairs]
-        row = wk_ptr + g * stride_wk
-        xe = bf16_round(tl.load(row + 2 * j))
-        xo = bf16_round(tl.load(row + 2 * j + 1))
-        ss = tl.sum(tl.sum(xe * xe, axis=1), axis=0) + tl.sum(tl.sum(xo * xo, axis=1), axis=0)
-        ms = ss * 0.0078125  # mean over 128: exact
-        r = tl.div_rn(1.0, tl.sqrt_rn(ms + eps))
-        we = tl.load(knw_ptr + 2 * j).to(tl.float32)
-        wo = tl.load(knw_ptr + 2 * j + 1).to(tl.float32)
-        ye = bf16_round(we * (xe * r))
-        yo = bf16_round(wo * (xo * r))
-        ye, yo = _rope_pairs(ye, yo, cs_row, sn_row, j, 32)
-        ce, co, scale_byte = mx_quant_pairs(ye, yo, False)
-        if REQUANT:
-            ye, yo = mx_dequant_pairs(ce, co, scale_byte, False)
+    if DO_CKV:
+        if pid1 == 0:
+            # Compressed KV: RoPE on pairs 224..255, NVFP4 groups of 16 = 8 pairs.
+            j = tl.arange(0, 32)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [32 groups, 8 pairs]
+            row = lat_ptr + g * stride_lat
+            xe = tl.load(row + 2 * j).to(tl.float32)
+            xo = tl.load(row + 2 * j + 1).to(tl.float32)
+            xe, xo = _rope_pairs(xe, xo, cs_row, sn_row, j, 224)
+            ce, co, code = nvfp4_quant_pairs(xe, xo)
+            if REQUANT:
+                ye, yo = nvfp4_dequant_pairs(ce, co, code)
+                ce, co, code = nvfp4_quant_pairs(ye, yo)
+            ok = (slot >= 0) & (slot < S_CKV)
+            rec = ckv_ptr + tl.where(ok, slot, 0) * stride_ckv
+            tl.store(rec + j, (ce | (co << 4)).to(tl.uint8), mask=ok)
+            tl.store(rec + 256 + tl.arange(0, 32), code, mask=ok)
+    if DO_IK:
+        if pid1 == IK_PID:
+            # Index key: bf16(wk out), k_norm, RoPE on pairs 32..63, MXFP4 blocks of 32 = 16 pairs.
+            j = tl.arange(0, 4)[:, None] * 16 + tl.arange(0, 16)[None, :]  # [4 blocks, 16 pairs]
+            row = wk_ptr + g * stride_wk
+            xe = bf16_round(tl.load(row + 2 * j))
+            xo = bf16_round(tl.load(row + 2 * j + 1))
+            ss = tl.sum(tl.sum(xe * xe, axis=1), axis=0) + tl.sum(tl.sum(xo * xo, axis=1), axis=0)
+            ms = ss * 0.0078125  # mean over 128: exact
+            root = tl.sqrt_rn(ms + eps)
+            r = tl.div_rn(tl.where(root == root, 1.0, 1.0), root)  # 1 / sqrt, both IEEE (as torch CPU rsqrt)
+            we = tl.load(knw_ptr + 2 * j).to(tl.float32)
+            wo = tl.load(knw_ptr + 2 * j + 1).to(tl.float32)
+            ye = bf16_round(we * (xe * r))
+            yo = bf16_round(wo * (xo * r))
+            ye, yo = _rope_pairs(ye, yo, cs_row, sn_row, j, 32)
             ce, co, scale_byte = mx_quant_pairs(ye, yo, False)
-        ok = (slot >= 0) & (slot < S_IK)
-        rec = ik_ptr + tl.where(ok, slot, 0) * stride_ik
-        tl.store(rec + j, (ce | (co << 4)).to(tl.uint8), mask=ok)
-        tl.store(rec + 64 + tl.arange(0, 4), scale_byte.to(tl.uint8), mask=ok)
+            if REQUANT:
+                ye, yo = mx_dequant_pairs(ce, co, scale_byte, False)
+                ce, co, scale_byte = mx_quant_pairs(ye, yo, False)
+            ok = (slot >= 0) & (slot < S_IK)
+            rec = ik_ptr + tl.where(ok, slot, 0) * stride_ik
+            tl.store(rec + j, (ce | (co << 4)).to(tl.uint8), mask=ok)
+            tl.store(rec + 64 + tl.arange(0, 4), scale_byte.to(tl.uint8), mask=ok)
 
 
 # --- argument checks ------------------------------------------------------------------------------
