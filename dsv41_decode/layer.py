@@ -78,7 +78,9 @@ class AttentionLayer:
         qr = rms_norm(self._fp8(x, "wq_a"), w["attn.q_norm.weight"], eps)            # [N, q_lora]
         kv = rms_norm(self._fp8(x, "wkv"), w["attn.kv_norm.weight"], eps)            # [N, 512]
         q = rope_tail(self._fp8(qr, "wq_b").view(-1, cfg.n_heads, cfg.head_dim), cis, rd)  # [N, H, 512]
-        window_kv = mxfp8_fake(rope_tail(kv, cis, rd))                               # [N, 512]
+        # The cache stores the codes of the rotated values, quantized once; they decode to window_kv.
+        window_rot = rope_tail(kv, cis, rd)                                           # [N, 512]
+        window_kv = mxfp8_fake(window_rot)
         if spec.runs_indexer:
             iq = ref_idx.index_query(qr, w["attn.indexer.wq_b.weight"], w["attn.indexer.wq_b.scale"],
                                      cis, cfg.index_n_heads, rd)                    # [N, Hi, 128]
@@ -87,7 +89,7 @@ class AttentionLayer:
         for i, rid in enumerate(step.req_ids):
             rows = step.request_rows(i)
             slot, start, p_rows = state.slot(rid), step.starts[i], pos[rows]
-            keys_w, pos_w = self._window(state, slot, start, p_rows, window_kv[rows])
+            keys_w, pos_w = self._window(state, slot, start, p_rows, window_kv[rows], window_rot[rows])
             if spec.owns_compressor:
                 self._compress(x[rows], p_rows, state, rid, ctx)
             comp = None
@@ -109,13 +111,14 @@ class AttentionLayer:
                                           cfg.o_groups, rd)
 
     def _window(self, state: DecodeState, slot: int, start: int, p_rows: torch.Tensor,
-                new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write this request's new window rows; return (keys, positions) of the window the rows see."""
+                new: torch.Tensor, new_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this request's new window rows (their rotated values `new_rot`, which the records
+        quantize once to exactly `new`); return (keys, positions) of the window the rows see."""
         W = self.cfg.window_size
         past = torch.arange(max(0, start - W + 1), start, dtype=torch.long, device=new.device)
         keys = torch.cat([state.read_window(self.spec.layer, slot, past), new]) if past.numel() else new
         keep = slice(max(0, new.shape[0] - W), None)  # the ring holds only the last W positions
-        state.write_window(self.spec.layer, slot, p_rows[keep], new[keep])
+        state.write_window(self.spec.layer, slot, p_rows[keep], new_rot[keep])
         return keys, torch.cat([past, p_rows])
 
     def _compress(self, x: torch.Tensor, p_rows: torch.Tensor, state: DecodeState, req_id: object,
@@ -135,9 +138,10 @@ class AttentionLayer:
         lat = ref_comp.latent(c, w["attn.compressor.norm.weight"], cfg.norm_eps)
         first = p_rows[done] + 1 - r                                # each group's first position
         cis = rope_cis(self.freqs, first)
-        ik = ref_comp.index_key(lat, w["attn.indexer.wk.weight"], w["attn.indexer.k_norm.weight"], cis,
-                                cfg.rope_head_dim, cfg.norm_eps)
-        ckv = ref_comp.compressed_kv(lat, cis, cfg.rope_head_dim)
+        # the records quantize the rotated values once (to exactly compressed_kv / index_key)
+        ik = ref_comp.index_key_rotated(lat, w["attn.indexer.wk.weight"], w["attn.indexer.k_norm.weight"], cis,
+                                        cfg.rope_head_dim, cfg.norm_eps)
+        ckv = rope_tail(lat, cis, cfg.rope_head_dim)
         state.write_entries(self.spec.layer, slot, (p_rows[done] + 1) // r - 1, ckv, ik)
         ctx.put(self.spec.layer, "compressor_latent", req_id, lat)
 

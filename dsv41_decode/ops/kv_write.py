@@ -6,10 +6,12 @@
   first position + NVFP4 (288-byte record) and k_norm + RoPE + MXFP4 (68-byte index key), each
   alone or both in one launch.
 
-Bit-exact with `formats.pack_window_kv(rope_tail(kv))`, `reference.rope.rope_tail` (queries),
-`formats.pack_compressed_kv(compressor.compressed_kv(...))` and `formats.pack_index_key(
-compressor.index_key(...))`, on the GPU and in Triton's interpreter (see the note on k_norm in
-`index_key_store_`). RoPE rotates the adjacent pairs (2i, 2i+1) of the 64-dim tail like torch's
+Bit-exact, by default (requant=False: the values quantized once, what `DecodeState` stores and
+what the spec's "real codes" are), with `formats.pack_window_kv(rope_tail(kv))`,
+`reference.rope.rope_tail` (queries), `formats.pack_compressed_kv(rope_tail(lat))` and
+`formats.pack_index_key(compressor.index_key_rotated(...))`; requant=True packs the fake-quantized
+values again (the same decoded values for MXFP8/MXFP4, not always for NVFP4), kept for comparison.
+On the GPU and in Triton's interpreter (see the note on k_norm in `index_key_store_`). RoPE rotates the adjacent pairs (2i, 2i+1) of the 64-dim tail like torch's
 complex multiply: real = a*c - b*s, imag = a*s + b*c, every product and sum rounded to FP32 (the
 kernels are compiled with `enable_fp_fusion=False`, so no FMA contraction), then rounded to BF16.
 
@@ -197,7 +199,7 @@ def _check_slots(slots, n: int, device) -> None:
 
 
 def qkv_rope_insert_(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     slots: torch.Tensor, window: torch.Tensor, requant: bool = True) -> None:
+                     slots: torch.Tensor, window: torch.Tensor, requant: bool = False) -> None:
     """Query RoPE in place and window-KV insert, one launch.
 
     q: [N, H, 512] bfloat16, unit stride in the last dim; dims 448..511 of every head are rotated in
@@ -231,7 +233,7 @@ def compressed_entry_store_(lat: torch.Tensor | None, wk_out: torch.Tensor | Non
                             k_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                             slots: torch.Tensor, compressed: torch.Tensor | None,
                             index_keys: torch.Tensor | None, eps: float | None = None,
-                            requant: bool = True) -> None:
+                            requant: bool = False) -> None:
     """Compressed-KV record and/or index key of G completed groups, one launch.
 
     lat: [G, 512] bfloat16 latent (compressor output, before RoPE); with `compressed`.
@@ -275,7 +277,7 @@ def compressed_entry_store_(lat: torch.Tensor | None, wk_out: torch.Tensor | Non
 
 
 def compressed_kv_store_(lat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                         compressed: torch.Tensor, requant: bool = True) -> None:
+                         compressed: torch.Tensor, requant: bool = False) -> None:
     """Write `pack_compressed_kv(compressor.compressed_kv(lat, cis, 64))[g]` at row slots[g] of
     `compressed` [S, 288] uint8; lat [G, 512] bfloat16, cos/sin [G, 32] float32, slots [G] int64."""
     compressed_entry_store_(lat, None, None, cos, sin, slots, compressed, None, requant=requant)
@@ -283,7 +285,7 @@ def compressed_kv_store_(lat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 def index_key_store_(wk_out: torch.Tensor, k_norm: torch.Tensor, eps: float, cos: torch.Tensor,
                      sin: torch.Tensor, slots: torch.Tensor, index_keys: torch.Tensor,
-                     requant: bool = True) -> None:
+                     requant: bool = False) -> None:
     """Write `pack_index_key(compressor.index_key(lat, wk, k_norm, cis, 64, eps))[g]` at row
     slots[g] of `index_keys` [S, 68] uint8, from wk_out = lat @ wk^T [G, 128] float32."""
     compressed_entry_store_(None, wk_out, k_norm, cos, sin, slots, None, index_keys, eps, requant)

@@ -45,13 +45,22 @@ def latent(c: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tens
     return rms_norm(c.to(torch.bfloat16), norm_weight, eps)
 
 
+def index_key_rotated(lat: torch.Tensor, wk: torch.Tensor, k_norm: torch.Tensor, cis: torch.Tensor,
+                      rope_dim: int, eps: float) -> torch.Tensor:
+    """rope(k_norm(lat @ wk^T)) -> [g, 128] BF16, before its MXFP4 quantization (what a cache packs)."""
+    return rope_tail(rms_norm(bf16_linear(lat, wk), k_norm, eps), cis, rope_dim)
+
+
 def index_key(lat: torch.Tensor, wk: torch.Tensor, k_norm: torch.Tensor, cis: torch.Tensor,
               rope_dim: int, eps: float) -> torch.Tensor:
     """mxfp4(rope(k_norm(lat @ wk^T))) -> [g, 128] BF16; `cis` [g, rope_dim/2] at each group's first position."""
-    k = rms_norm(bf16_linear(lat, wk), k_norm, eps)
-    return mxfp4_fake(rope_tail(k, cis, rope_dim))
+    return mxfp4_fake(index_key_rotated(lat, wk, k_norm, cis, rope_dim, eps))
 
 
 def compressed_kv(lat: torch.Tensor, cis: torch.Tensor, rope_dim: int) -> torch.Tensor:
-    """nvfp4(rope(lat)) -> [g, 512] BF16: the compressed-KV entry (RoPE on the last rope_dim dims)."""
+    """nvfp4(rope(lat)) -> [g, 512] BF16: the compressed-KV entry (RoPE on the last rope_dim dims).
+
+    A cache stores the codes of `rope_tail(lat, cis, rope_dim)` (quantized once); they decode to
+    exactly these values.
+    """
     return nvfp4_fake(rope_tail(lat, cis, rope_dim))
