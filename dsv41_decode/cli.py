@@ -76,6 +76,9 @@ def _parser() -> argparse.ArgumentParser:
     at.add_argument("--heads", default="8,16,32,64", help="local heads of sparse MLA (default: 8,16,32,64)")
     at.add_argument("--contexts", default="4096,32768,131072,1048576", help="contexts of the indexer "
                     "(default: 4096,32768,131072,1048576)")
+    at.add_argument("--families", default="sparse_mla,indexer,kv_write",
+                    help="kernel families to run (default: sparse_mla,indexer,kv_write)")
+    at.add_argument("--name", default="attn", help="results file stem: <out>/<name>-<gpu>.jsonl (default: attn)")
     at.add_argument("--out", type=Path, default=Path("docs/results"), help="results folder (default: docs/results)")
 
     pl = sub.add_parser("plan", help="print a configuration's layer plan (kind and sources per layer)")
@@ -157,7 +160,8 @@ def _bench(args, console: Console) -> int:
         from .bench.attn import run_attn_bench
         from .bench.attn_ops import AttnOps
         run_attn_bench(AttnOps(), _ints(args.rows, "rows"), _ints(args.heads, "heads"),
-                       _ints(args.contexts, "contexts"), args.out, progress=console.print)
+                       _ints(args.contexts, "contexts"), args.out, progress=console.print,
+                       families=tuple(args.families.split(",")), bench_name=args.name)
         return 0
     from .bench.gemm import flash_shapes, run_gemm_bench
     from .bench.gemm_ops import GemmOps

@@ -100,7 +100,8 @@ def _reference_rows(q, win, wtab, comp, ctab, sink):
 
 
 def run_attn_bench(ops, rows=(1, 4, 16, 64), heads=(8, 16, 32, 64), contexts=(4096, 32768, 131072, 1 << 20),
-                   out_dir="docs/results", progress=print) -> list[dict]:
+                   out_dir="docs/results", progress=print, families=("sparse_mla", "indexer", "kv_write"),
+                   bench_name="attn") -> list[dict]:
     """Each kernel family at each size; families whose op is missing or fails are reported and skipped."""
     info = run_info()
     floor = read_bandwidth_gbps()
@@ -110,6 +111,8 @@ def run_attn_bench(ops, rows=(1, 4, 16, 64), heads=(8, 16, 32, 64), contexts=(40
     for name, fn in (("sparse_mla", lambda: bench_sparse_mla(ops, rows, heads, floor, info, gen, progress)),
                      ("indexer", lambda: ops.bench_indexer(rows, contexts, floor, info, gen, progress)),
                      ("kv_write", lambda: ops.bench_kv_write(rows, floor, info, gen, progress))):
+        if name not in families:
+            continue
         try:
             results += fn()
         except Exception:  # report and go on: one family's failure must not hide the others' numbers
@@ -117,6 +120,6 @@ def run_attn_bench(ops, rows=(1, 4, 16, 64), heads=(8, 16, 32, 64), contexts=(40
     for r in results:
         r["read_gbps"] = round(floor, 1)
     if results:
-        write_jsonl(results, out_dir, "attn")
+        write_jsonl(results, out_dir, bench_name)
         print(format_table(results, ["op", "rows", "heads", "context"]))
     return results

@@ -34,7 +34,10 @@ def _bf16_round(x):
     return (bf16_rne_bits(x).to(tl.int32) << 16).to(tl.float32, bitcast=True)
 
 
-@triton.jit
+# `page` is not specialized: with a page divisible by 16, Triton would take every record id
+# `blk * page + e % page` for a multiple of 16 and vectorize the 17-word record loads past their
+# 4-byte alignment (a misaligned-address fault on the H200).
+@triton.jit(do_not_specialize=["page"])
 def _index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_ptr, cand_ptr, out_ptr,
                          heads, max_entries, page, bt_stride, iq_sn, iq_sh, w_sn, cand_sn, out_sn,
                          BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, HAS_CAND: tl.constexpr,
