@@ -32,6 +32,7 @@ import triton.language as tl
 from ..formats import COMPRESSED_KV_BYTES, WINDOW_KV_BYTES
 from .ll_bf16 import num_sms
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
+from .sparse_tables import require_tensor
 
 HEAD_DIM = 512
 SUPPORTED_HEADS = (8, 16, 32, 64)
@@ -301,19 +302,6 @@ class SparseMlaPlan:
                    native_fp8, part_acc, part_ml, counters)
 
 
-def _require(t, name: str, dtype: torch.dtype, shape: tuple, device) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != dtype:
-        raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
-    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(f"{name} must have unit stride in its last dimension, got strides {t.stride()}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name} must be on {device} like the other operands, got {t.device}")
-
-
 def sparse_mla_(plan: SparseMlaPlan, q: torch.Tensor, window_pool: torch.Tensor, comp_pool: torch.Tensor,
                 window_table: torch.Tensor, comp_table: torch.Tensor, sink: torch.Tensor, scale: float,
                 out: torch.Tensor) -> None:
@@ -336,17 +324,17 @@ def sparse_mla_(plan: SparseMlaPlan, q: torch.Tensor, window_pool: torch.Tensor,
         raise ValueError(f"q has {n} rows, more than the plan's max_rows={plan.max_rows}")
     dev = plan.device
     h = plan.heads
-    _require(q, "q", torch.bfloat16, (n, h, HEAD_DIM), dev)
+    require_tensor(q, "q", torch.bfloat16, (n, h, HEAD_DIM), dev)
     for t, name, rec in ((window_pool, "window_pool", WINDOW_KV_BYTES), (comp_pool, "comp_pool", COMPRESSED_KV_BYTES)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
             raise ValueError(f"{name} must be a 2-D tensor [S, {rec}], got {getattr(t, 'shape', type(t).__name__)}")
-        _require(t, name, torch.uint8, (t.shape[0], rec), dev)
+        require_tensor(t, name, torch.uint8, (t.shape[0], rec), dev)
         if t.shape[0] > 1 and t.stride(0) != rec:
             raise ValueError(f"{name} must have contiguous records (row stride {rec}), got strides {t.stride()}")
-    _require(window_table, "window_table", torch.int32, (n, plan.window), dev)
-    _require(comp_table, "comp_table", torch.int32, (n, plan.topk), dev)
-    _require(sink, "sink", torch.float32, (h,), dev)
-    _require(out, "out", torch.bfloat16, (n, h, HEAD_DIM), dev)
+    require_tensor(window_table, "window_table", torch.int32, (n, plan.window), dev)
+    require_tensor(comp_table, "comp_table", torch.int32, (n, plan.topk), dev)
+    require_tensor(sink, "sink", torch.float32, (h,), dev)
+    require_tensor(out, "out", torch.bfloat16, (n, h, HEAD_DIM), dev)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float, got {type(scale).__name__}")
     if n == 0:

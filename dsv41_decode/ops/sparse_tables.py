@@ -49,7 +49,8 @@ def _topk_slots_kernel(topk_ptr, slot_ptr, bt_ptr, out_ptr, len_ptr, stride_t, s
     tl.store(len_ptr + r, tl.sum(count, axis=0))
 
 
-def _require(t, name: str, dtype: torch.dtype, shape: tuple, device=None) -> None:
+def require_tensor(t, name: str, dtype: torch.dtype, shape: tuple, device=None) -> None:
+    """Raise TypeError/ValueError naming `name` unless t is a tensor of dtype, shape, unit last stride, device."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dtype != dtype:
@@ -78,9 +79,9 @@ def window_table_(req_slot: torch.Tensor, positions: torch.Tensor, window: int, 
     n = req_slot.shape[0]
     _require_int(window, "window")
     dev = req_slot.device
-    _require(req_slot, "req_slot", torch.int64, (n,))
-    _require(positions, "positions", torch.int64, (n,), dev)
-    _require(out, "out", torch.int32, (n, window), dev)
+    require_tensor(req_slot, "req_slot", torch.int64, (n,))
+    require_tensor(positions, "positions", torch.int64, (n,), dev)
+    require_tensor(out, "out", torch.int32, (n, window), dev)
     if n == 0:
         return
     _window_table_kernel[(n,)](req_slot, positions, out, out.stride(0), W=window,
@@ -100,14 +101,14 @@ def topk_slots_(topk: torch.Tensor, req_slot: torch.Tensor, block_table: torch.T
     n, k = topk.shape
     dev = topk.device
     _require_int(page_size, "page_size")
-    _require(topk, "topk", torch.int32, (n, k))
-    _require(req_slot, "req_slot", torch.int64, (n,), dev)
+    require_tensor(topk, "topk", torch.int32, (n, k))
+    require_tensor(req_slot, "req_slot", torch.int64, (n,), dev)
     if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
         raise ValueError(f"block_table must be a 2-D tensor [R, P], got "
                          f"{getattr(block_table, 'shape', type(block_table).__name__)}")
-    _require(block_table, "block_table", torch.int32, tuple(block_table.shape), dev)
-    _require(out, "out", torch.int32, (n, k), dev)
-    _require(lengths_out, "lengths_out", torch.int32, (n,), dev)
+    require_tensor(block_table, "block_table", torch.int32, tuple(block_table.shape), dev)
+    require_tensor(out, "out", torch.int32, (n, k), dev)
+    require_tensor(lengths_out, "lengths_out", torch.int32, (n,), dev)
     if n == 0:
         return
     if k == 0:
