@@ -4,9 +4,10 @@ score[n, j] = bf16(sum_h bf16(w[n, h] * relu(bf16(iq[n, h] . key[j])))) for the 
 j < n_vis[n] of request slot req_slot[n]; -inf past n_vis and (with a candidate mask) outside it.
 Entry j of slot s is pool record block_table[s, j // page] * page + j % page.
 
-Grid: (rows, entry blocks). Each program loads BLOCK_E records once as 17 int32 words each (16
-words of E2M1 pairs, one of the four UE8M0 scales), decodes them to [BLOCK_E, 128] and scores
-them for every head with one [H, 128] x [128, BLOCK_E] dot. Operands are exact in BF16 (E2M1 codes
+Grid: (rows, programs per row, capped near programs_per_sm * SMs in all); each program loops over
+its row's entry blocks. A block loads BLOCK_E records as 17 int32 words each (16 words of E2M1
+pairs, one of the four UE8M0 scales), decodes them with 2-D ops only (nibble j of the [E, 16]
+words is key dims w * 8 + j) and scores them for every head with eight [E, 16] x [16, H] dots. Operands are exact in BF16 (E2M1 codes
 times powers of two; iq is MXFP4 fake-quantized), so the GPU uses a BF16 dot with FP32
 accumulation; the interpreter (whose BF16 dots are wrong) uses an FP32 dot. Products are exact
 either way; only the FP32 summation order over the 128 terms and over the heads may differ from
@@ -15,6 +16,7 @@ the reference (torch sums in its own order), so a score may rarely be one BF16 u
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -34,6 +36,32 @@ def _bf16_round(x):
     return (bf16_rne_bits(x).to(tl.int32) << 16).to(tl.float32, bitcast=True)
 
 
+@triton.jit
+def _e2m1_times_scale(words, j: tl.constexpr, scale):
+    """Nibble j of every int32 word as FP32 E2M1 value times `scale` (2-D, same shape as words)."""
+    nib = words >> (4 * j)
+    mag = nib & 7
+    bits = tl.where(mag >= 2, (mag << 22) + (126 << 23), tl.where(mag == 1, 126 << 23, 0))
+    bits = bits | ((words << (28 - 4 * j)) & (-2147483648))                  # the nibble's sign bit
+    return bits.to(tl.float32, bitcast=True) * scale
+
+
+@triton.jit
+def _q_slice(iq_ptr, n, iq_sn, iq_sh, heads, j: tl.constexpr, BLOCK_H: tl.constexpr, DOT_BF16: tl.constexpr):
+    """q[n, h, w * 8 + j] as [16 (w), BLOCK_H]: the dims that nibble j of the 16 key words feeds."""
+    offs_h = tl.arange(0, BLOCK_H)
+    q = tl.load(iq_ptr + n.to(tl.int64) * iq_sn + offs_h[None, :] * iq_sh + (tl.arange(0, 16) * 8 + j)[:, None],
+                mask=(offs_h < heads)[None, :], other=0.0)
+    return q
+
+
+@triton.jit
+def _dot_acc(key, q, acc, DOT_BF16: tl.constexpr):
+    if DOT_BF16:
+        return tl.dot(key.to(tl.bfloat16), q, acc)
+    return tl.dot(key, q.to(tl.float32), acc, input_precision="ieee")
+
+
 # `page` is not specialized: with a page divisible by 16, Triton would take every record id
 # `blk * page + e % page` for a multiple of 16 and vectorize the 17-word record loads past their
 # 4-byte alignment (a misaligned-address fault on the H200).
@@ -43,43 +71,58 @@ def _index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_ptr, ca
                          BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, HAS_CAND: tl.constexpr,
                          DOT_BF16: tl.constexpr):
     n = tl.program_id(0)
-    offs_e = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
-    in_row = offs_e < max_entries
-    n_vis = tl.load(nvis_ptr + n)
-    vis = offs_e < n_vis
-    if HAS_CAND:
-        cand = tl.load(cand_ptr + n.to(tl.int64) * cand_sn + offs_e, mask=vis, other=0)
-        vis = vis & (cand != 0)
-    score = tl.full((BLOCK_E,), float("-inf"), tl.float32)
-    if tl.max(vis.to(tl.int32), 0) > 0:
-        slot = tl.load(slot_ptr + n).to(tl.int64)
+    pid = tl.program_id(1)
+    nprog = tl.num_programs(1)
+    n_vis = tl.minimum(tl.load(nvis_ptr + n), max_entries)
+    slot = tl.load(slot_ptr + n).to(tl.int64)
+    out_row = out_ptr + n.to(tl.int64) * out_sn
+    offs_h = tl.arange(0, BLOCK_H)
+    wv = tl.load(w_ptr + n.to(tl.int64) * w_sn + offs_h, mask=offs_h < heads, other=0.0).to(tl.float32)
+    q0 = _q_slice(iq_ptr, n, iq_sn, iq_sh, heads, 0, BLOCK_H, DOT_BF16)
+    q1 = _q_slice(iq_ptr, n, iq_sn, iq_sh, heads, 1, BLOCK_H, DOT_BF16)
+    q2 = _q_slice(iq_ptr, n, iq_sn, iq_sh, heads, 2, BLOCK_H, DOT_BF16)
+    q3 = _q_slice(iq_ptr, n, iq_sn, iq_sh, heads, 3, BLOCK_H, DOT_BF16)
+    q4 = _q_slice(iq_ptr, n, iq_sn, iq_sh, heads, 4, BLOCK_H, DOT_BF16)
+    q5 = _q_slice(iq_ptr, n, iq_sn, iq_sh, heads, 5, BLOCK_H, DOT_BF16)
+    q6 = _q_slice(iq_ptr, n, iq_sn, iq_sh, heads, 6, BLOCK_H, DOT_BF16)
+    q7 = _q_slice(iq_ptr, n, iq_sn, iq_sh, heads, 7, BLOCK_H, DOT_BF16)
+    sshift = ((tl.arange(0, 16) // 4) * 8)[None, :]
+    n_vis_blocks = tl.cdiv(n_vis, BLOCK_E)
+    for b in tl.range(pid, n_vis_blocks, nprog):
+        offs_e = b * BLOCK_E + tl.arange(0, BLOCK_E)
+        vis = offs_e < n_vis
+        if HAS_CAND:
+            cand = tl.load(cand_ptr + n.to(tl.int64) * cand_sn + offs_e, mask=vis, other=0)
+            vis = vis & (cand != 0)
         blk = tl.load(bt_ptr + slot * bt_stride + offs_e // page, mask=vis, other=0)
         rec = blk.to(tl.int64) * page + offs_e % page                       # [E]
         words = tl.load(pool_ptr + rec[:, None] * 17 + tl.arange(0, 16)[None, :],
                         mask=vis[:, None], other=0)                         # [E, 16] int32
         sw = tl.load(pool_ptr + rec * 17 + 16, mask=vis, other=0)           # [E] 4 scale bytes
-        nib = (words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF   # [E, 16, 8]
-        mag = nib & 7
-        e = mag >> 1
-        m = (mag & 1).to(tl.float32)
-        val = tl.where(e == 0, m * 0.5,
-                       (2.0 + m) * tl.where(e == 1, 0.5, tl.where(e == 2, 1.0, 2.0)))
-        val = tl.where((nib & 8) != 0, -val, val)
-        sbyte = (sw[:, None] >> ((tl.arange(0, 16) // 4) * 8)[None, :]) & 0xFF     # [E, 16]
-        scale = (sbyte << 23).to(tl.float32, bitcast=True)
-        key = tl.reshape(val * scale[:, :, None], (BLOCK_E, 128))          # [E, 128] FP32
-        offs_h = tl.arange(0, BLOCK_H)
-        hmask = offs_h < heads
-        q = tl.load(iq_ptr + n.to(tl.int64) * iq_sn + offs_h[:, None] * iq_sh + tl.arange(0, 128)[None, :],
-                    mask=hmask[:, None], other=0.0).to(tl.float32)         # [H, 128]
-        if DOT_BF16:
-            logits = tl.dot(q.to(tl.bfloat16), tl.trans(key.to(tl.bfloat16)))
-        else:
-            logits = tl.dot(q, tl.trans(key), input_precision="ieee")       # [H, E]
-        wv = tl.load(w_ptr + n.to(tl.int64) * w_sn + offs_h, mask=hmask, other=0.0).to(tl.float32)
-        term = _bf16_round(tl.maximum(_bf16_round(logits), 0.0) * wv[:, None])
-        score = tl.where(vis, _bf16_round(tl.sum(term, 0)), float("-inf"))
-    tl.store(out_ptr + n.to(tl.int64) * out_sn + offs_e, score, mask=in_row)
+        scale = (((sw[:, None] >> sshift) & 0xFF) << 23).to(tl.float32, bitcast=True)  # [E, 16]
+        # key dim w * 8 + j is nibble j of word w: 8 dots over K = 16 words, one per nibble position
+        acc = tl.zeros((BLOCK_E, BLOCK_H), tl.float32)
+        acc = _dot_acc(_e2m1_times_scale(words, 0, scale), q0, acc, DOT_BF16)
+        acc = _dot_acc(_e2m1_times_scale(words, 1, scale), q1, acc, DOT_BF16)
+        acc = _dot_acc(_e2m1_times_scale(words, 2, scale), q2, acc, DOT_BF16)
+        acc = _dot_acc(_e2m1_times_scale(words, 3, scale), q3, acc, DOT_BF16)
+        acc = _dot_acc(_e2m1_times_scale(words, 4, scale), q4, acc, DOT_BF16)
+        acc = _dot_acc(_e2m1_times_scale(words, 5, scale), q5, acc, DOT_BF16)
+        acc = _dot_acc(_e2m1_times_scale(words, 6, scale), q6, acc, DOT_BF16)
+        acc = _dot_acc(_e2m1_times_scale(words, 7, scale), q7, acc, DOT_BF16)   # [E, H]
+        term = _bf16_round(tl.maximum(_bf16_round(acc), 0.0) * wv[None, :])
+        score = tl.where(vis, _bf16_round(tl.sum(term, 1)), float("-inf"))
+        tl.store(out_row + offs_e, score, mask=offs_e < max_entries)
+    for b in tl.range(n_vis_blocks + pid, tl.cdiv(max_entries, BLOCK_E), nprog):
+        offs_e = b * BLOCK_E + tl.arange(0, BLOCK_E)
+        tl.store(out_row + offs_e, tl.full((BLOCK_E,), float("-inf"), tl.float32), mask=offs_e < max_entries)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -89,7 +132,8 @@ def _check(cond: bool, msg: str) -> None:
 
 def index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor,
                         page: int, req_slot: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor,
-                        cand_mask: torch.Tensor | None = None, block_e: int = 64, num_warps: int = 4) -> torch.Tensor:
+                        cand_mask: torch.Tensor | None = None, block_e: int = 128, num_warps: int = 4,
+                        programs_per_sm: int = 4) -> torch.Tensor:
     """Write the indexer scores of N decode rows into `out` (see the module docstring).
 
     iq: [N, Hi, 128] BF16, MXFP4 fake-quantized (unchecked: other values lose bits in the BF16 dot).
@@ -99,7 +143,8 @@ def index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, b
     req_slot: [N] int32/int64 request slot of each row; n_vis: [N] int32 visible entries ((p+1)//r).
     out: [N, max_entries] FP32, last dim contiguous; receives BF16-representable values, -inf past n_vis.
     cand_mask: optional [N, max_entries] bool/uint8; entries where it is 0 score -inf.
-    block_e: entries per program (power of two >= 16).
+    block_e: entries per loop step of a program (power of two >= 16); each row gets at most
+    ceil(programs_per_sm * SMs / N) programs, which loop over its entry blocks.
     Unchecked: ids in block_table and req_slot lie inside pool/block_table; n_vis <= pages * page.
     Returns out.
     """
@@ -133,7 +178,8 @@ def index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, b
     if n_rows == 0 or max_entries == 0:
         return out
     cand = cand_mask.view(torch.uint8) if cand_mask is not None else out
-    grid = (n_rows, triton.cdiv(max_entries, block_e))
+    per_row = max(1, -(-programs_per_sm * _sm_count(iq.device) // n_rows))
+    grid = (n_rows, min(triton.cdiv(max_entries, block_e), per_row))
     _index_scores_kernel[grid](
         iq, w, pool.view(torch.int32), block_table, req_slot, n_vis, cand, out,
         heads, max_entries, page, block_table.stride(0), iq.stride(0), iq.stride(1), w.stride(0),
