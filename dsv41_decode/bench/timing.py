@@ -8,13 +8,18 @@ from typing import Callable
 import torch
 
 
-def graph_time_us(fn: Callable[[], None], calls_per_graph: int = 1, replays: int = 50, warmup: int = 3) -> float:
-    """Median time of one `fn` call in microseconds, from replays of a CUDA graph of `fn`.
+def graph_time_us(fn: Callable[[], None], calls_per_graph: int = 1, replays: int = 50, warmup: int = 3,
+                  min_calls: int = 32) -> float:
+    """Median time of one op call in microseconds, from replays of a CUDA graph of `fn`.
 
-    `fn` is captured once (it may loop over rotated inputs: pass `calls_per_graph` = how many
-    op calls one `fn` makes, and the per-call time is returned). It is run eagerly `warmup` times
-    first, so compilation and allocation stay out of the capture.
+    `fn` makes `calls_per_graph` op calls (it may loop over rotated inputs). The graph holds `fn`
+    repeated until it makes at least `min_calls` calls, so that the time between the events is the
+    GPU's: with a graph of one short kernel, the GPU sits idle while the host submits the replay,
+    and that latency (~10 us) would be counted as the kernel's. What remains per call is the
+    launch gap between kernels inside a graph, as in a captured decode step. `fn` is run eagerly
+    `warmup` times first, so compilation and allocation stay out of the capture.
     """
+    repeat = max(1, -(-min_calls // calls_per_graph))
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -24,7 +29,8 @@ def graph_time_us(fn: Callable[[], None], calls_per_graph: int = 1, replays: int
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        for _ in range(repeat):
+            fn()
     graph.replay()
     torch.cuda.synchronize()
     times = []
@@ -34,7 +40,7 @@ def graph_time_us(fn: Callable[[], None], calls_per_graph: int = 1, replays: int
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls_per_graph)
+        times.append(start.elapsed_time(end) * 1e3 / (calls_per_graph * repeat))
     return statistics.median(times)
 
 
