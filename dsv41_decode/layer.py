@@ -71,7 +71,7 @@ class AttentionLayer:
         cfg, spec, w = self.cfg, self.spec, self.w
         if x.shape != (step.n_rows, cfg.dim):
             raise ValueError(f"layer {spec.layer}: x must be [{step.n_rows}, {cfg.dim}], got {tuple(x.shape)}")
-        L, eps, rd = spec.layer, cfg.norm_eps, cfg.rope_head_dim
+        eps, rd = cfg.norm_eps, cfg.rope_head_dim
         dev = x.device
         pos = step.positions.to(dev)
         cis = rope_cis(self.freqs, pos)
