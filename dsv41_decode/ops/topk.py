@@ -13,7 +13,9 @@ k_eff = min(k, n_elem, finite elements) of its n_elem elements. Launches, all ov
   4. (top-k only) one program per row sorts its k_eff <= 1024 indices ascending and pads with -1.
 Candidate mode ranks blocks of GROUP=8 entries by their max (the newest visible entry's block
 forced to +inf) and writes the mask of the kept blocks' entries directly in step 3.
-The workspace ([max_rows, 520] int32) is zeroed by one memset per launch.
+Top-k: rows of <= _SMALL_MAX columns take one launch (`_row_topk_kernel`, in-order compaction, no
+sort); wider rows replace 3-4 by a count pass and an ordered write (no sort, no memset: the write
+leaves the histograms zero). Candidate mode zeroes the workspace by one memset per launch.
 """
 
 from __future__ import annotations
@@ -24,7 +26,15 @@ import torch
 import triton
 import triton.language as tl
 
-_WS = 520          # 256 high-byte bins, 256 low-byte bins, counters of > T and == T, padding
+_WS = 520 + 2 * 1024   # 256 high-byte bins, 256 low-byte bins, counters of > T and == T, padding,
+                       # then (top-k, ordered path) per-chunk counts of > T and == T for up to 1024 chunks
+_MAX_CHUNKS = 1024
+_WS_C = tl.constexpr(_WS)
+_MAXC = tl.constexpr(_MAX_CHUNKS)
+_SMALL_MAX = 4096      # top-k rows of at most this many columns take the one-launch row kernel (its
+                       # per-block cost, ~9 us per 4096 on the H200, loses to the multi-program path past 4K)
+_SMALL_BLOCK = 4096
+_SMALL_WARPS = 16
 
 
 @triton.jit
@@ -65,7 +75,7 @@ def _hist_hi_kernel(s_ptr, nvis_ptr, ws_ptr, s_sn, GROUP: tl.constexpr, CHUNK: t
     if start * GROUP < n_vis:
         key, ok = _keys(s_ptr, n.to(tl.int64) * s_sn, start + tl.arange(0, CHUNK), n_vis, GROUP)
         h = tl.histogram(key >> 8, 256, mask=ok)
-        tl.atomic_add(ws_ptr + n * 520 + tl.arange(0, 256), h, sem="relaxed")
+        tl.atomic_add(ws_ptr + n * _WS_C + tl.arange(0, 256), h, sem="relaxed")
 
 
 @triton.jit
@@ -73,7 +83,7 @@ def _hist_lo_kernel(s_ptr, nvis_ptr, ws_ptr, s_sn, K: tl.constexpr, GROUP: tl.co
     n = tl.program_id(0)
     n_vis = tl.load(nvis_ptr + n)
     start = tl.program_id(1) * CHUNK
-    ws_row = ws_ptr + n * 520
+    ws_row = ws_ptr + n * _WS_C
     k_eff, h1 = _k_eff(ws_row, n_vis, K, GROUP)
     if (start * GROUP < n_vis) & (k_eff > 0):
         b1, _ = _level(h1, k_eff)
@@ -88,7 +98,7 @@ def _select_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, max_entries,
     n = tl.program_id(0)
     n_vis = tl.load(nvis_ptr + n)
     offs = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
-    ws_row = ws_ptr + n * 520
+    ws_row = ws_ptr + n * _WS_C
     k_eff, h1 = _k_eff(ws_row, n_vis, K, GROUP)
     b1, above1 = _level(h1, k_eff)
     h2 = tl.load(ws_row + 256 + tl.arange(0, 256))
@@ -120,12 +130,110 @@ def _select_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, max_entries,
 @triton.jit
 def _sort_kernel(nvis_ptr, ws_ptr, out_ptr, out_sn, width, K: tl.constexpr, BLOCK_K: tl.constexpr):
     n = tl.program_id(0)
-    k_eff, _ = _k_eff(ws_ptr + n * 520, tl.load(nvis_ptr + n), K, 1)
+    k_eff, _ = _k_eff(ws_ptr + n * _WS_C, tl.load(nvis_ptr + n), K, 1)
     r = tl.arange(0, BLOCK_K)
     row = out_ptr + n.to(tl.int64) * out_sn
     idx = tl.load(row + r, mask=r < k_eff, other=2147483647)
     idx = tl.sort(idx, 0)
     tl.store(row + r, tl.where(r < k_eff, idx, -1), mask=r < width)
+
+
+@triton.jit
+def _row_topk_kernel(s_ptr, nvis_ptr, out_ptr, s_sn, out_sn, width,
+                     K: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One program per row does the whole top-k: two histogram passes, then an in-order compaction
+    that writes the selected indices ascending (no sort), then the -1 padding."""
+    n = tl.program_id(0)
+    n_vis = tl.load(nvis_ptr + n)
+    row_off = n.to(tl.int64) * s_sn
+    r = tl.arange(0, BLOCK)
+    h1 = tl.zeros([256], dtype=tl.int32)
+    for start in range(0, n_vis, BLOCK):
+        key, ok = _keys(s_ptr, row_off, start + r, n_vis, 1)
+        h1 += tl.histogram(key >> 8, 256, mask=ok)
+    k_eff = tl.minimum(tl.minimum(n_vis, K), tl.sum(h1, 0))
+    b1, above1 = _level(h1, k_eff)
+    h2 = tl.zeros([256], dtype=tl.int32)
+    if k_eff > 0:
+        for start in range(0, n_vis, BLOCK):
+            key, ok = _keys(s_ptr, row_off, start + r, n_vis, 1)
+            h2 += tl.histogram(key & 0xFF, 256, mask=ok & ((key >> 8) == b1))
+    b2, above2 = _level(h2, k_eff - above1)
+    need_eq = k_eff - above1 - above2
+    thr = b1 * 256 + b2
+    out_row = out_ptr + n.to(tl.int64) * out_sn
+    n_sel = 0
+    n_eq = 0
+    if k_eff > 0:
+        for start in range(0, n_vis, BLOCK):
+            key, ok = _keys(s_ptr, row_off, start + r, n_vis, 1)
+            eq = ok & (key == thr)
+            eqi = eq.to(tl.int32)
+            sel = (ok & (key > thr)) | (eq & (n_eq + tl.cumsum(eqi, 0) - 1 < need_eq))
+            seli = sel.to(tl.int32)
+            tl.store(out_row + n_sel + tl.cumsum(seli, 0) - 1, start + r, mask=sel)
+            n_sel += tl.sum(seli, 0)
+            n_eq += tl.sum(eqi, 0)
+    rk = tl.arange(0, BLOCK_K)
+    for p in range(0, width, BLOCK_K):
+        tl.store(out_row + p + rk, tl.full([BLOCK_K], -1, tl.int32), mask=(p + rk >= k_eff) & (p + rk < width))
+
+
+@triton.jit
+def _count_kernel(s_ptr, nvis_ptr, ws_ptr, s_sn, K: tl.constexpr, CHUNK: tl.constexpr):
+    """Per (row, chunk): counts of keys > T and == T into the workspace; program (row, 0) also
+    saves (k_eff, > T total, ties to take, T) for `_write_kernel`."""
+    n = tl.program_id(0)
+    c = tl.program_id(1)
+    n_vis = tl.load(nvis_ptr + n)
+    ws_row = ws_ptr + n * _WS_C
+    k_eff, h1 = _k_eff(ws_row, n_vis, K, 1)
+    b1, above1 = _level(h1, k_eff)
+    h2 = tl.load(ws_row + 256 + tl.arange(0, 256))
+    b2, above2 = _level(h2, k_eff - above1)
+    thr = b1 * 256 + b2
+    key, ok = _keys(s_ptr, n.to(tl.int64) * s_sn, c * CHUNK + tl.arange(0, CHUNK), n_vis, 1)
+    n_gt = tl.sum((ok & (key > thr)).to(tl.int32), 0)
+    n_eq = tl.sum((ok & (key == thr)).to(tl.int32), 0)
+    tl.store(ws_row + 520 + c, n_gt)
+    tl.store(ws_row + 520 + _MAXC + c, n_eq)
+    if c == 0:
+        tl.store(ws_row + 514, k_eff)
+        tl.store(ws_row + 515, above1 + above2)
+        tl.store(ws_row + 516, k_eff - above1 - above2)
+        tl.store(ws_row + 517, thr)
+
+
+@triton.jit
+def _write_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width,
+                  CHUNK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Per (row, chunk): writes the chunk's selected indices ascending at offsets from the counts of
+    the chunks before it; program (row, 0) pads with -1 and zeroes the histograms for the next call."""
+    n = tl.program_id(0)
+    c = tl.program_id(1)
+    n_vis = tl.load(nvis_ptr + n)
+    ws_row = ws_ptr + n * _WS_C
+    k_eff = tl.load(ws_row + 514)
+    need_eq = tl.load(ws_row + 516)
+    thr = tl.load(ws_row + 517)
+    rc = tl.arange(0, _MAXC)
+    before = rc < c
+    base_gt = tl.sum(tl.load(ws_row + 520 + rc, mask=before, other=0), 0)
+    base_eq = tl.sum(tl.load(ws_row + 520 + _MAXC + rc, mask=before, other=0), 0)
+    out_row = out_ptr + n.to(tl.int64) * out_sn
+    if (k_eff > 0) & (c * CHUNK < n_vis):
+        offs = c * CHUNK + tl.arange(0, CHUNK)
+        key, ok = _keys(s_ptr, n.to(tl.int64) * s_sn, offs, n_vis, 1)
+        eq = ok & (key == thr)
+        sel = (ok & (key > thr)) | (eq & (base_eq + tl.cumsum(eq.to(tl.int32), 0) - 1 < need_eq))
+        pos = base_gt + tl.minimum(base_eq, need_eq) + tl.cumsum(sel.to(tl.int32), 0) - 1
+        tl.store(out_row + pos, offs, mask=sel)
+    if c == 0:
+        rk = tl.arange(0, BLOCK_K)
+        for p in range(0, width, BLOCK_K):
+            tl.store(out_row + p + rk, tl.full([BLOCK_K], -1, tl.int32), mask=(p + rk >= k_eff) & (p + rk < width))
+        r5 = tl.arange(0, 512)
+        tl.store(ws_row + r5, tl.zeros([512], dtype=tl.int32))
 
 
 @dataclass(frozen=True)
@@ -172,7 +280,7 @@ def _validate(scores, n_vis, out, plan, out_dtype, out_name):
 
 def _radix(scores, n_vis, out, plan, n_out_elems, mask_out):
     n_rows = scores.shape[0]
-    plan.ws[:n_rows].zero_()
+    plan.ws[:n_rows, :520].zero_()
     g = plan.group
     n_elem = triton.cdiv(scores.shape[1], g)
     grid = (n_rows, triton.cdiv(max(n_elem, n_out_elems), plan.chunk))
@@ -197,12 +305,25 @@ def topk_ascending_(scores: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor
         raise ValueError(f"out: width {out.shape[1]} must equal plan.k={plan.k}")
     if scores.shape[0] == 0:
         return out
-    if scores.shape[1] > 0:
-        _radix(scores, n_vis, out, plan, 0, False)
+    n_rows, n_cols = scores.shape
+    if n_cols == 0:
+        out.fill_(-1)
+    elif n_cols <= _SMALL_MAX:
+        _row_topk_kernel[(n_rows,)](scores, n_vis, out, scores.stride(0), out.stride(0), out.shape[1],
+                                    K=plan.k, BLOCK=_SMALL_BLOCK, BLOCK_K=1024, num_warps=_SMALL_WARPS)
+    elif triton.cdiv(n_cols, plan.chunk) <= _MAX_CHUNKS:
+        # the histograms are zero on entry (zeroed at build and by `_write_kernel`), so no memset
+        grid = (n_rows, triton.cdiv(n_cols, plan.chunk))
+        _hist_hi_kernel[grid](scores, n_vis, plan.ws, scores.stride(0), GROUP=1, CHUNK=plan.chunk)
+        _hist_lo_kernel[grid](scores, n_vis, plan.ws, scores.stride(0), K=plan.k, GROUP=1, CHUNK=plan.chunk)
+        _count_kernel[grid](scores, n_vis, plan.ws, scores.stride(0), K=plan.k, CHUNK=plan.chunk)
+        _write_kernel[grid](scores, n_vis, plan.ws, out, scores.stride(0), out.stride(0), out.shape[1],
+                            CHUNK=plan.chunk, BLOCK_K=1024)
     else:
-        plan.ws[:scores.shape[0]].zero_()
-    _sort_kernel[(scores.shape[0],)](n_vis, plan.ws, out, out.stride(0), out.shape[1], K=plan.k,
-                                     BLOCK_K=triton.next_power_of_2(plan.k))
+        _radix(scores, n_vis, out, plan, 0, False)
+        _sort_kernel[(n_rows,)](n_vis, plan.ws, out, out.stride(0), out.shape[1], K=plan.k,
+                                BLOCK_K=triton.next_power_of_2(plan.k))
+        plan.ws[:n_rows, :512].zero_()
     return out
 
 
@@ -226,6 +347,8 @@ def candidate_mask_(scores: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor
         raise ValueError(f"out: width {out.shape[1]} must equal scores' {scores.shape[1]}")
     if scores.shape[0] and scores.shape[1]:
         _radix(scores, n_vis, out, plan, 0, True)
+        if plan.group == 1:   # a top-k plan: leave its histograms zero, as the top-k expects
+            plan.ws[:scores.shape[0], :512].zero_()
     return out
 
 

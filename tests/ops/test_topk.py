@@ -150,3 +150,36 @@ def test_gpu_large(rows, entries):
         if torch.unique(bm).numel() == bm.numel():
             assert torch.equal(mask[i, :m].bool(), r)
         assert int(mask[i, :m].sum()) == int(r.sum())
+
+
+@pytest.mark.parametrize("small_max,max_chunks", [(0, 1024), (0, 1)])
+def test_topk_multi_program_paths(monkeypatch, small_max, max_chunks):
+    """The multi-program paths (ordered compaction; radix + sort past the chunk cap), forced at CPU
+    sizes, with plan reuse (the ordered path relies on its histograms being left zero)."""
+    from dsv41_decode.ops import topk as topk_mod
+    monkeypatch.setattr(topk_mod, "_SMALL_MAX", small_max)
+    monkeypatch.setattr(topk_mod, "_MAX_CHUNKS", max_chunks)
+    plan = TopKPlan.build(3, 64, device=_DEVICE, chunk=64)
+    out = torch.empty(3, 64, dtype=torch.int32, device=_DEVICE)
+    for seed, distinct, nv in ((1, True, [300, 299, 9]), (2, False, [300, 0, 170]), (3, True, [64, 65, 1])):
+        s = _scores(3, 300, seed=seed, distinct=distinct, neg_inf_frac=0.0 if distinct else 0.3).to(_DEVICE)
+        topk_ascending_(s, torch.tensor(nv, dtype=torch.int32, device=_DEVICE), out, plan)
+        for i in range(3):
+            _check_row(out[i].cpu(), s[i, :nv[i]].cpu(), 64, exact=distinct)
+    cplan = TopKPlan.build(3, 5, 1, device=_DEVICE, chunk=64)   # a group-1 plan used for a mask, then top-k
+    candidate_mask_(s, torch.tensor(nv, dtype=torch.int32, device=_DEVICE), torch.empty(3, 300, dtype=torch.uint8, device=_DEVICE), cplan)
+    out5 = torch.empty(3, 5, dtype=torch.int32, device=_DEVICE)
+    topk_ascending_(s, torch.tensor(nv, dtype=torch.int32, device=_DEVICE), out5, cplan)
+    for i in range(3):
+        _check_row(out5[i].cpu(), s[i, :nv[i]].cpu(), 5, exact=True)
+
+
+def test_topk_row_kernel_many_blocks(monkeypatch):
+    """The one-program row kernel looping over several blocks (carried counts across blocks)."""
+    from dsv41_decode.ops import topk as topk_mod
+    monkeypatch.setattr(topk_mod, "_SMALL_BLOCK", 64)
+    for seed, distinct, nv in ((4, True, [300, 299, 9]), (5, False, [300, 0, 170])):
+        s = _scores(3, 300, seed=seed, distinct=distinct, neg_inf_frac=0.0 if distinct else 0.3).to(_DEVICE)
+        out = topk_ascending(s, torch.tensor(nv, dtype=torch.int32, device=_DEVICE), 64).cpu()
+        for i in range(3):
+            _check_row(out[i], s[i, :nv[i]].cpu(), 64, exact=distinct)
