@@ -43,12 +43,14 @@ def _block_partials(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
     return p.permute(1, 2, 0).float()
 
 
-def mxfp8_mm(codes: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def mxfp8_mm(codes: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+             out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """y = bf16(sum_kb (xq[:, kb] . wq[:, kb]) * sx[:, kb] * sw[:, kb]): an MXFP8 activation times an
     FP8 weight with 32x32 UE8M0 block scales (the contract of `ops.low_latency_mm`).
 
     codes: [n, K] float8_e4m3fn; x_scale: [n, K/32] UE8M0 (uint8); weight: [N, K] float8_e4m3fn;
-    scale: [ceil(N/32), K/32] UE8M0 (float8_e8m0fnu or uint8). Returns [n, N] BF16.
+    scale: [ceil(N/32), K/32] UE8M0 (float8_e8m0fnu or uint8). Returns [n, N] in `out_dtype`
+    (BF16; FP32 gives the unrounded sum, a tensor-parallel partial that is reduced before rounding).
     """
     n, k = codes.shape
     out = weight.shape[0]
@@ -61,19 +63,20 @@ def mxfp8_mm(codes: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, s
     acc = torch.zeros(n, out, dtype=torch.float32, device=codes.device)
     for b in range(kb):  # K order
         acc = acc + partial[:, :, b] * sxf[:, b:b + 1] * sw[None, :, b]
-    return acc.to(torch.bfloat16)
+    return acc.to(out_dtype)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """An FP8 linear: quantize x [n, K] BF16 per row to MXFP8 (blocks of 32), then `mxfp8_mm`.
 
     weight: [N, K] float8_e4m3fn; scale: [ceil(N/32), ceil(K/32)] UE8M0. Requires K % 32 == 0.
-    Returns [n, N] BF16.
+    Returns [n, N] in out_dtype (BF16, or the FP32 sum before rounding).
     """
     if weight.shape[1] != x.shape[1]:
         raise ValueError(f"fp8_linear: x has K={x.shape[1]} but weight is {tuple(weight.shape)}")
     codes, sx = mxfp8_quantize(x)                                   # [n, K], [n, K/32]
-    return mxfp8_mm(codes, sx, weight, scale)
+    return mxfp8_mm(codes, sx, weight, scale, out_dtype)
 
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,55 @@
+"""Tensor-parallel shards of one attention layer's checkpoint tensors (issue 6, item 1).
+
+Rank r of `tp` holds: `wq_b` rows and `attn_sink` entries of its heads (H/tp consecutive heads),
+`wo_a` rows of its groups (o_groups/tp consecutive groups, whose heads are exactly the rank's
+heads), `wo_b` input columns of those groups' outputs; everything else (`wq_a`, `wkv`, norms, the
+compressor, the indexer, the mHC tensors) is replicated. FP8 scales are sliced with their 32x32
+blocks; every cut falls on a block boundary. Under TP the rank's `wo_b` output is a partial sum,
+reduced across ranks in FP32 (rank order) before the BF16 rounding (spec section 3, step 9).
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+
+from .config import ModelConfig
+
+_BLOCK = 32
+
+
+def _rows(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    return t[start:stop].contiguous()
+
+
+def _cols(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    return t[:, start:stop].contiguous()
+
+
+def shard_layer(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor], tp: int, rank: int) -> dict[str, torch.Tensor]:
+    """The tensors rank `rank` of `tp` holds for one layer (names as in `Checkpoint.layer`).
+
+    Raises ConfigError (via `cfg.check_tp`) when heads or groups do not split, and ValueError for a
+    rank out of range or a cut that would split a 32x32 scale block.
+    """
+    cfg.check_tp(tp)
+    if not 0 <= rank < tp:
+        raise ValueError(f"rank must lie in [0, {tp}), got {rank}")
+    heads, groups = cfg.n_heads // tp, cfg.o_groups // tp
+    q_rows = heads * cfg.head_dim                     # wq_b rows of the rank's heads
+    a_rows = groups * cfg.o_lora_rank                 # wo_a rows of the rank's groups (= wo_b columns)
+    for what, n in (("wq_b rows", q_rows), ("wo_a rows / wo_b columns", a_rows)):
+        if n % _BLOCK:
+            raise ValueError(f"tp={tp}: {what} per rank ({n}) is not a multiple of the {_BLOCK}-wide scale blocks")
+    out = dict(tensors)
+    q0, a0 = rank * q_rows, rank * a_rows
+    out["attn.wq_b.weight"] = _rows(tensors["attn.wq_b.weight"], q0, q0 + q_rows)
+    out["attn.wq_b.scale"] = _rows(tensors["attn.wq_b.scale"], q0 // _BLOCK, (q0 + q_rows) // _BLOCK)
+    out["attn.attn_sink"] = _rows(tensors["attn.attn_sink"], rank * heads, (rank + 1) * heads)
+    out["attn.wo_a.weight"] = _rows(tensors["attn.wo_a.weight"], a0, a0 + a_rows)
+    if "attn.wo_a.scale" in tensors:
+        out["attn.wo_a.scale"] = _rows(tensors["attn.wo_a.scale"], a0 // _BLOCK, (a0 + a_rows) // _BLOCK)
+    out["attn.wo_b.weight"] = _cols(tensors["attn.wo_b.weight"], a0, a0 + a_rows)
+    out["attn.wo_b.scale"] = _cols(tensors["attn.wo_b.scale"], a0 // _BLOCK, (a0 + a_rows) // _BLOCK)
+    return out
