@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ..formats import E4M3_MAX, MXFP8_AMAX_FLOOR
+from .checks import require_tensor
 from .rounding import e4m3_rne_code
 
 # fp32(1/448), the constant of the spec's bit rule; exact as a Python float, so Triton's own
@@ -61,21 +62,6 @@ def _act_quant_config(m: int) -> tuple[int, int]:
     return block_m, min(max(4096 // block_m, 256), 1024)
 
 
-def require_matrix(t, name: str, dtypes: tuple[torch.dtype, ...], shape: tuple[int, int], device) -> None:
-    """Raise naming `name` unless t is a 2-D tensor of one of dtypes, the given shape, unit stride
-    in its last dimension, and on `device` (None: any)."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
-    if t.shape[1] > 1 and t.stride(1) != 1:
-        raise ValueError(f"{name} must have unit stride in its last dimension, got strides {t.stride()}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name} must be on {device} like the other operands, got {t.device}")
-
-
 def act_quant_mxfp8_(x: torch.Tensor, codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
     """Write the MXFP8 quantization of x (`formats.mxfp8_quantize`, blocks of 32) into the buffers.
 
@@ -89,9 +75,9 @@ def act_quant_mxfp8_(x: torch.Tensor, codes_out: torch.Tensor, scales_out: torch
     m, k = x.shape
     if k % 32:
         raise ValueError(f"x: K={k} must be a multiple of 32 (the MXFP8 block)")
-    require_matrix(x, "x", (torch.bfloat16,), (m, k), None)
-    require_matrix(codes_out, "codes_out", (torch.float8_e4m3fn, torch.uint8), (m, k), x.device)
-    require_matrix(scales_out, "scales_out", (torch.uint8, torch.float8_e8m0fnu), (m, k // 32), x.device)
+    require_tensor(x, "x", (torch.bfloat16,), (m, k), None)
+    require_tensor(codes_out, "codes_out", (torch.float8_e4m3fn, torch.uint8), (m, k), x.device)
+    require_tensor(scales_out, "scales_out", (torch.uint8, torch.float8_e8m0fnu), (m, k // 32), x.device)
     if m == 0 or k == 0:
         return
     block_m, block_k = _act_quant_config(m)

@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .act_quant import act_quant_mxfp8, require_matrix
+from .act_quant import act_quant_mxfp8
+from .checks import require_tensor
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
 
 
@@ -122,11 +123,11 @@ def fp8_mm_(codes: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_
     fp8 = (torch.float8_e4m3fn, torch.uint8)
     ue8m0 = (torch.uint8, torch.float8_e8m0fnu)
     dev = codes.device
-    require_matrix(codes, "codes", fp8, (m, k), dev)
-    require_matrix(x_scale, "x_scale", ue8m0, (m, k // 32), dev)
-    require_matrix(weight, "weight", fp8, (n, k), dev)
-    require_matrix(w_scale, "w_scale", ue8m0, (triton.cdiv(n, 32), k // 32), dev)
-    require_matrix(out, "out", (torch.bfloat16,), (m, n), dev)
+    require_tensor(codes, "codes", fp8, (m, k), dev)
+    require_tensor(x_scale, "x_scale", ue8m0, (m, k // 32), dev)
+    require_tensor(weight, "weight", fp8, (n, k), dev)
+    require_tensor(w_scale, "w_scale", ue8m0, (triton.cdiv(n, 32), k // 32), dev)
+    require_tensor(out, "out", (torch.bfloat16,), (m, n), dev)
     if m == 0 or n == 0:
         return
     if k == 0:

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ..formats import COMPRESSED_KV_BYTES, INDEX_KEY_BYTES, WINDOW_KV_BYTES
+from .checks import require_tensor
 from .fp4 import (
     bf16_rne_bits,
     bf16_round,
@@ -170,29 +171,13 @@ def _compressed_entry_kernel(
 # --- argument checks ------------------------------------------------------------------------------
 
 
-def _check(t, name: str, dtypes, shape, device=None) -> None:
-    """Raise naming `name` unless t is a tensor of one of dtypes, the given shape (None: any size),
-    unit stride in its last dimension, on `device` (None: any)."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
-    if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
-        want = tuple("*" if s is None else s for s in shape)
-        raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
-    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(f"{name} must have unit stride in its last dimension, got strides {t.stride()}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name} must be on {device} like the other operands, got {t.device}")
-
-
 def _check_rope(cos, sin, n: int, device) -> None:
-    _check(cos, "cos", (torch.float32,), (n, _HALF_ROPE), device)
-    _check(sin, "sin", (torch.float32,), (n, _HALF_ROPE), device)
+    require_tensor(cos, "cos", (torch.float32,), (n, _HALF_ROPE), device)
+    require_tensor(sin, "sin", (torch.float32,), (n, _HALF_ROPE), device)
 
 
 def _check_slots(slots, n: int, device) -> None:
-    _check(slots, "slots", (torch.int64,), (n,), device)
+    require_tensor(slots, "slots", (torch.int64,), (n,), device)
 
 
 # --- launchers ------------------------------------------------------------------------------------
@@ -213,11 +198,11 @@ def qkv_rope_insert_(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: 
         raise ValueError(f"q must be a 3-D tensor [N, H, 512], got {getattr(q, 'shape', type(q).__name__)}")
     n, h = q.shape[0], q.shape[1]
     dev = q.device
-    _check(q, "q", (torch.bfloat16,), (n, h, DIM))
-    _check(kv, "kv", (torch.bfloat16,), (n, DIM), dev)
+    require_tensor(q, "q", (torch.bfloat16,), (n, h, DIM))
+    require_tensor(kv, "kv", (torch.bfloat16,), (n, DIM), dev)
     _check_rope(cos, sin, n, dev)
     _check_slots(slots, n, dev)
-    _check(window, "window", (torch.uint8,), (None, WINDOW_KV_BYTES), dev)
+    require_tensor(window, "window", (torch.uint8,), (None, WINDOW_KV_BYTES), dev)
     if n == 0:
         return
     hb = min(triton.next_power_of_2(max(h, 1)), 16)
@@ -251,16 +236,16 @@ def compressed_entry_store_(lat: torch.Tensor | None, wk_out: torch.Tensor | Non
     do_ckv, do_ik = compressed is not None, index_keys is not None
     if not (do_ckv or do_ik):
         raise ValueError("compressed and index_keys are both None: nothing to store")
-    _check(slots, "slots", (torch.int64,), (None,))
+    require_tensor(slots, "slots", (torch.int64,), (None,))
     g, dev = slots.shape[0], slots.device
     _check_rope(cos, sin, g, dev)
     if do_ckv:
-        _check(lat, "lat", (torch.bfloat16,), (g, DIM), dev)
-        _check(compressed, "compressed", (torch.uint8,), (None, COMPRESSED_KV_BYTES), dev)
+        require_tensor(lat, "lat", (torch.bfloat16,), (g, DIM), dev)
+        require_tensor(compressed, "compressed", (torch.uint8,), (None, COMPRESSED_KV_BYTES), dev)
     if do_ik:
-        _check(wk_out, "wk_out", (torch.float32,), (g, INDEX_DIM), dev)
-        _check(k_norm, "k_norm", (torch.bfloat16, torch.float32), (INDEX_DIM,), dev)
-        _check(index_keys, "index_keys", (torch.uint8,), (None, INDEX_KEY_BYTES), dev)
+        require_tensor(wk_out, "wk_out", (torch.float32,), (g, INDEX_DIM), dev)
+        require_tensor(k_norm, "k_norm", (torch.bfloat16, torch.float32), (INDEX_DIM,), dev)
+        require_tensor(index_keys, "index_keys", (torch.uint8,), (None, INDEX_KEY_BYTES), dev)
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
             raise ValueError(f"eps must be a non-negative float, got {eps!r}")
     if g == 0:

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .act_quant import require_matrix
+from .checks import require_tensor
 
 MODE_TF32 = 0   # tl.dot, TF32 inputs: exact products of BF16-valued operands, tensor cores
 MODE_IEEE = 1   # tl.dot, tf32x3 (split FP32 weight, tensor cores): FP32 weights, 16+ rows
@@ -239,9 +239,9 @@ def ll_bf16_(plan: LlBf16Plan, x: torch.Tensor, w: torch.Tensor, out: torch.Tens
     if m > plan.max_rows:
         raise ValueError(f"x has {m} rows, more than the plan's max_rows={plan.max_rows}")
     dev = plan.device
-    require_matrix(x, "x", (torch.bfloat16,), (m, plan.k), dev)
-    require_matrix(w, "w", (plan.weight_dtype,), (plan.n, plan.k), dev)
-    require_matrix(out, "out", (torch.float32,), (m, plan.n), dev)
+    require_tensor(x, "x", (torch.bfloat16,), (m, plan.k), dev)
+    require_tensor(w, "w", (plan.weight_dtype,), (plan.n, plan.k), dev)
+    require_tensor(out, "out", (torch.float32,), (m, plan.n), dev)
     if m == 0:
         return
     t = plan.tile(m)

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .checks import require_tensor
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
 
 MAX_ROWS = 64
@@ -202,17 +203,6 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _require(x, name: str, dtypes: tuple[torch.dtype, ...], shape: tuple[int, ...]) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {x.dtype}")
-    if tuple(x.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
-    if x.stride(-1) != 1:
-        raise ValueError(f"{name} must have unit stride in its last dimension, got strides {x.stride()}")
-
-
 _UE8M0 = (torch.uint8, torch.float8_e8m0fnu)
 
 
@@ -248,8 +238,8 @@ class LowLatencyMM:
         n, k = weight.shape
         if k % 32 or k == 0 or n == 0:
             raise ValueError(f"weight must be [N, K] with N >= 1 and K a positive multiple of 32, got {(n, k)}")
-        _require(weight, "weight", (torch.float8_e4m3fn,), (n, k))
-        _require(w_scale, "w_scale", _UE8M0, (-(-n // 32), k // 32))
+        require_tensor(weight, "weight", (torch.float8_e4m3fn,), (n, k))
+        require_tensor(w_scale, "w_scale", _UE8M0, (-(-n // 32), k // 32))
         if w_scale.device != weight.device:
             raise ValueError(f"w_scale is on {w_scale.device} but weight is on {weight.device}")
         if weight.device.type != "cuda" and not _interpreting():
@@ -312,11 +302,11 @@ class LowLatencyMM:
                              f"use the regular path ops.fp8_mm for more")
         if not 1 <= m <= self.max_rows:
             raise ValueError(f"codes has M={m} rows; this plan takes 1..{self.max_rows}")
-        _require(codes, "codes", (torch.float8_e4m3fn,), (m, self.k))
-        _require(x_scale, "x_scale", _UE8M0, (m, self.k // 32))
+        require_tensor(codes, "codes", (torch.float8_e4m3fn,), (m, self.k))
+        require_tensor(x_scale, "x_scale", _UE8M0, (m, self.k // 32))
         if out is None:
             out = torch.empty(m, self.n, dtype=torch.bfloat16, device=self.device)
-        _require(out, "out", (torch.bfloat16,), (m, self.n))
+        require_tensor(out, "out", (torch.bfloat16,), (m, self.n))
         for name, t in (("codes", codes), ("x_scale", x_scale), ("out", out)):
             if t.device != self.device:
                 raise ValueError(f"{name} is on {t.device} but the weight is on {self.device}")

@@ -32,7 +32,7 @@ import triton.language as tl
 from ..formats import COMPRESSED_KV_BYTES, WINDOW_KV_BYTES
 from .ll_bf16 import num_sms
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
-from .sparse_tables import require_tensor
+from .checks import require_tensor
 
 HEAD_DIM = 512
 SUPPORTED_HEADS = (8, 16, 32, 64)

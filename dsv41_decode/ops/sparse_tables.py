@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .checks import require_tensor
+
 
 @triton.jit
 def _window_table_kernel(slot_ptr, pos_ptr, out_ptr, stride_o, W: tl.constexpr, BLOCK_W: tl.constexpr):
@@ -47,20 +49,6 @@ def _topk_slots_kernel(topk_ptr, slot_ptr, bt_ptr, out_ptr, len_ptr, stride_t, s
         tl.store(out_ptr + r * stride_o + i, val.to(tl.int32), mask=in_k)
         count += (ok & in_k).to(tl.int32)
     tl.store(len_ptr + r, tl.sum(count, axis=0))
-
-
-def require_tensor(t, name: str, dtype: torch.dtype, shape: tuple, device=None) -> None:
-    """Raise TypeError/ValueError naming `name` unless t is a tensor of dtype, shape, unit last stride, device."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != dtype:
-        raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
-    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(f"{name} must have unit stride in its last dimension, got strides {t.stride()}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name} must be on {device} like the other operands, got {t.device}")
 
 
 def _require_int(v, name: str) -> None:

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ..formats import fp8_block_quantize
-from .act_quant import require_matrix
+from .checks import require_tensor
 from .ll_bf16 import num_sms, splitk_reduce
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
 
@@ -214,19 +214,19 @@ def wo_a_(plan: WoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     if o.stride(2) != 1 or o.device != dev:
         raise ValueError(f"o must have unit stride in its last dimension and be on {dev}, got strides "
                          f"{o.stride()} on {o.device}")
-    require_matrix(cos, "cos", (torch.float32,), (m, plan.rope_dim // 2), dev)
-    require_matrix(sin, "sin", (torch.float32,), (m, plan.rope_dim // 2), dev)
-    require_matrix(weight, "weight", (plan.weight_dtype,), (plan.n_out, plan.group_width), dev)
+    require_tensor(cos, "cos", (torch.float32,), (m, plan.rope_dim // 2), dev)
+    require_tensor(sin, "sin", (torch.float32,), (m, plan.rope_dim // 2), dev)
+    require_tensor(weight, "weight", (plan.weight_dtype,), (plan.n_out, plan.group_width), dev)
     fp8 = plan.weight_dtype == torch.float8_e4m3fn
     if fp8:
         if scale is None:
             raise ValueError("scale is required with an FP8 weight")
-        require_matrix(scale, "scale", (torch.uint8, torch.float8_e8m0fnu),
+        require_tensor(scale, "scale", (torch.uint8, torch.float8_e8m0fnu),
                        (plan.n_out // 32, plan.group_width // 32), dev)
         scale = scale.view(torch.uint8)
     elif scale is not None:
         raise ValueError("scale must be None with a BF16 weight")
-    require_matrix(out, "out", (torch.bfloat16,), (m, plan.n_out), dev)
+    require_tensor(out, "out", (torch.bfloat16,), (m, plan.n_out), dev)
     if m == 0:
         return
     part = plan.partials
