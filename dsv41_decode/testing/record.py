@@ -18,7 +18,7 @@ from ..reference.linear import rowwise_dot
 from ..stack import AttentionStack
 from ..state import DecodeState
 from ..weights import Checkpoint
-from .trace import _window_positions
+from .trace import window_positions
 
 
 class SyntheticFfn:
@@ -96,7 +96,7 @@ def _putter(tensors, prefix, batch, s):
 
 def _record_layer(tensors, prefix, cfg, L, state, reqs, last, ctx, batch, s) -> None:
     spec = cfg.plan[L]
-    wpos = _window_positions(last, cfg.window_size)
+    wpos = window_positions(last, cfg.window_size)
     held = wpos >= 0
     win = torch.zeros(batch, cfg.window_size, cfg.head_dim, dtype=torch.bfloat16)
     for b, r in enumerate(reqs):

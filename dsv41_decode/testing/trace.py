@@ -77,7 +77,7 @@ def read_case(path: Path) -> dict:
     return case
 
 
-def _window_positions(last: int, window: int) -> torch.Tensor:
+def window_positions(last: int, window: int) -> torch.Tensor:
     """Position held by each ring slot after a call ending at `last` (-1 where none yet)."""
     t = torch.arange(window)
     pos = last - ((last - t) % window)
@@ -98,8 +98,8 @@ def verify_trace(folder: str | Path, progress: bool = False) -> list[CallLayerRe
     layers = {i: AttentionLayer(cfg, plan[i], ckpt.layer(i)) for i in ckpt.layers}
     T = safe_open(str(folder / "trace.safetensors"), framework="pt")
     keys = set(T.keys())
-    first_pos = T.get_tensor(f"{case['calls'][-1]}.positions")
-    state = DecodeState(cfg, max_requests=B, max_context=int(first_pos[-1]) + 1, page_size=16)
+    last_pos = T.get_tensor(f"{case['calls'][-1]}.positions")
+    state = DecodeState(cfg, max_requests=B, max_context=int(last_pos[-1]) + 1, page_size=16)
     reqs = [f"b{b}" for b in range(B)]
     for r in reqs:
         state.admit(r)
@@ -154,7 +154,7 @@ def verify_trace(folder: str | Path, progress: bool = False) -> list[CallLayerRe
 def _compare_state(res, cfg, L, state, reqs, pos, get, ctx) -> None:
     spec = cfg.plan[L]
     last = int(pos[-1])
-    wpos = _window_positions(last, cfg.window_size)
+    wpos = window_positions(last, cfg.window_size)
     held = wpos >= 0
     win_ref = get(L, "window_kv")
     for b, r in enumerate(reqs):
