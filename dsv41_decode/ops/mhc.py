@@ -1,0 +1,482 @@
+"""The mHC boundary of a site (spec section 4): the post-mix after an attention sublayer fused with the
+collapse, RMSNorm and MXFP8 quantization of the next input, and the mixer (pre, post, comb) of a site.
+
+- `mhc_boundary_`: one launch, one program per row. Contract: `reference.mhc.hc_post`, then
+  `reference.linear.rms_norm(reference.mhc.hc_pre(x_out, pre), norm_weight, eps)`, then
+  `formats.mxfp8_quantize` of that. The new streams and the collapse are bit-exact: every product
+  and sum is one FP32 rounding in the reference's order (the kernel is compiled with
+  `enable_fp_fusion=False`, so no FMA contraction; torch's CPU `.sum(1)` over the 4 streams adds
+  them sequentially, ((t0 + t1) + t2) + t3, checked in the tests), and every BF16 rounding is
+  `rounding.bf16_rne_bits`. The RMSNorm adds the squares in its own order and takes 1/sqrt as an
+  IEEE sqrt then an IEEE division (torch's CPU rsqrt does that on short tensors, and differs by
+  up to 2 FP32 ulps on its vectorized path, seen on an AVX-512 CPU), so `u` may differ from the reference by
+  one BF16 ulp where the FP32 value lies next to a rounding midpoint. The codes and scales are
+  bit-exact with `formats.mxfp8_quantize` of the `u` the kernel wrote.
+- `hc_mix_`: one launch. Contract: `reference.mhc.hc_mixes`. The [24, hc*dim] projection and the
+  sum of squares run split over K: each program writes an FP32 partial [rows, 25] (the 24
+  projections, then the sum of squares packed in column 24) to the plan's workspace, and the last
+  program of a row tile to arrive (`ll_bf16.splitk_reduce`: an atomic counter that it resets, so a
+  CUDA-graph replay needs no memset) adds the partials in split order, then computes the sigmoids
+  and the Sinkhorn rounds. Deterministic: the summation order depends on the plan and the row
+  bucket only. Sums are in a different order than the reference's (and on the GPU the products
+  may be FMA-contracted or tf32x3 dot products, within ~2^-22 relative, and exp and division
+  approximate to a few ulps), so the outputs agree with
+  the reference within 1e-5 absolute, not bit for bit (measured in the interpreter at dims 64-5120,
+  1-70 rows: at most 4.8e-7; see tests/ops/test_mhc.py).
+
+Both ops take hc = 4 streams (the model's hc_mult; config.py rejects others).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ..formats import E4M3_MAX, MXFP8_AMAX_FLOOR
+from .checks import require_tensor
+from .fp4 import INV_E4M3_MAX, abs_nan_inf, pow2_ceil_exponent, pow2_inv
+from .ll_bf16 import MODE_FMA, MODE_IEEE, num_sms, splitk_reduce
+from .rounding import bf16_rne_bits, e4m3_rne_code
+
+HC = 4                     # streams
+N_MIX = HC * (2 + HC)      # mixer outputs per row: pre (4) + post (4) + comb (16) = 24
+_MIX_COLS = 32             # the outputs padded to a power of two; column N_MIX carries the sum of squares
+
+_K_GRAIN = 128  # every split but the last covers a multiple of this, so every BLOCK_K divides it
+_MAX_BLOCK_M = 64
+
+_MXFP8_FLOOR = tl.constexpr(MXFP8_AMAX_FLOOR)
+_E4M3_MAX = tl.constexpr(E4M3_MAX)
+
+
+# --- boundary: hc_post + hc_pre + rms_norm + MXFP8 ------------------------------------------------
+
+
+@triton.jit
+def _widen(bits):
+    """FP32 value of int16 BF16 bits (exact)."""
+    return (bits.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _new_stream_bits(j: tl.constexpr, y, x0, x1, x2, x3, post_row, comb_row, stride_ci):
+    """int16 BF16 bits of new stream j = bf16(post[j] * y + (((c0j x0 + c1j x1) + c2j x2) + c3j x3)),
+    comb_row pointing at comb[n, 0, 0] (comb[n, i, j] at comb_row + i * stride_ci + j)."""
+    mixed = tl.load(comb_row + j) * x0
+    mixed = mixed + tl.load(comb_row + stride_ci + j) * x1
+    mixed = mixed + tl.load(comb_row + 2 * stride_ci + j) * x2
+    mixed = mixed + tl.load(comb_row + 3 * stride_ci + j) * x3
+    return bf16_rne_bits(tl.load(post_row + j) * y + mixed)
+
+
+@triton.jit
+def _boundary_chunk(y_row, x_row, stride_xh, post_row, comb_row, stride_ci, pre_row, d, mask):
+    """The new streams' bits (4 x [BLOCK_D] int16) and the collapse bf16(sum_i pre[i] * x_out[i])
+    widened to FP32, at the columns d of one row."""
+    y = tl.load(y_row + d, mask=mask, other=0.0).to(tl.float32)
+    x0 = tl.load(x_row + d, mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(x_row + stride_xh + d, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + 2 * stride_xh + d, mask=mask, other=0.0).to(tl.float32)
+    x3 = tl.load(x_row + 3 * stride_xh + d, mask=mask, other=0.0).to(tl.float32)
+    b0 = _new_stream_bits(0, y, x0, x1, x2, x3, post_row, comb_row, stride_ci)
+    b1 = _new_stream_bits(1, y, x0, x1, x2, x3, post_row, comb_row, stride_ci)
+    b2 = _new_stream_bits(2, y, x0, x1, x2, x3, post_row, comb_row, stride_ci)
+    b3 = _new_stream_bits(3, y, x0, x1, x2, x3, post_row, comb_row, stride_ci)
+    c = tl.load(pre_row) * _widen(b0)
+    c = c + tl.load(pre_row + 1) * _widen(b1)
+    c = c + tl.load(pre_row + 2) * _widen(b2)
+    c = c + tl.load(pre_row + 3) * _widen(b3)
+    return b0, b1, b2, b3, _widen(bf16_rne_bits(c))
+
+
+@triton.jit
+def _mxfp8_blocks(v):
+    """MXFP8 of FP32 blocks v [NB, 32] as `formats.mxfp8_quantize` (and `act_quant_mxfp8_`):
+    (uint8 E4M3 codes [NB, 32], int32 UE8M0 scale bytes [NB]); a non-finite block gets scale
+    byte 255 and codes 0x7F."""
+    amax = tl.maximum(tl.max(abs_nan_inf(v), axis=1), _MXFP8_FLOOR)
+    k = pow2_ceil_exponent(amax, INV_E4M3_MAX)
+    scale_byte = tl.minimum(k + 127, 255)  # a finite amax gives at most 247
+    # v * 2^-k is exactly v / 2^k; the clamp to +-448 only matters for non-finite blocks.
+    q = tl.minimum(tl.maximum(v * pow2_inv(k)[:, None], -_E4M3_MAX), _E4M3_MAX)
+    codes = tl.where(scale_byte[:, None] == 255, 0x7F, e4m3_rne_code(q)).to(tl.uint8)
+    return codes, scale_byte
+
+
+@triton.jit
+def _mhc_boundary_kernel(
+    y_ptr, x_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, xo_ptr, u_ptr, codes_ptr, scales_ptr, eps,
+    stride_y, stride_xn, stride_xh, stride_post, stride_cn, stride_ci, stride_pre,
+    stride_xon, stride_xoh, stride_u, stride_codes, stride_scales,
+    D: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    NB: tl.constexpr = BLOCK_D // 32
+    n = tl.program_id(0).to(tl.int64)
+    y_row = y_ptr + n * stride_y
+    x_row = x_ptr + n * stride_xn
+    post_row = post_ptr + n * stride_post
+    comb_row = comb_ptr + n * stride_cn
+    pre_row = pre_ptr + n * stride_pre
+    offs = tl.arange(0, BLOCK_D)
+
+    # Pass 1: the sum of squares of the collapse. Pass 2 recomputes the chunks (the same bits; x and
+    # y come back from L1/L2) rather than keeping the row in registers or a scratch buffer.
+    ss = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for d0 in tl.range(0, D, BLOCK_D):
+        d = d0 + offs
+        mask = d < D
+        _, _, _, _, c = _boundary_chunk(y_row, x_row, stride_xh, post_row, comb_row, stride_ci, pre_row, d, mask)
+        ss += c * c
+    total = tl.sum(ss, axis=0)
+    ms = tl.div_rn(total, tl.where(total == total, D * 1.0, D * 1.0))  # mean = sum / D, IEEE (as torch's CPU mean)
+    root = tl.sqrt_rn(ms + eps)
+    r = tl.div_rn(tl.where(root == root, 1.0, 1.0), root)  # 1 / sqrt, both IEEE
+
+    xo_row = xo_ptr + n * stride_xon
+    u_row = u_ptr + n * stride_u
+    for d0 in tl.range(0, D, BLOCK_D):
+        d = d0 + offs
+        mask = d < D
+        b0, b1, b2, b3, c = _boundary_chunk(y_row, x_row, stride_xh, post_row, comb_row, stride_ci, pre_row,
+                                            d, mask)
+        tl.store(xo_row + d, b0, mask=mask)
+        tl.store(xo_row + stride_xoh + d, b1, mask=mask)
+        tl.store(xo_row + 2 * stride_xoh + d, b2, mask=mask)
+        tl.store(xo_row + 3 * stride_xoh + d, b3, mask=mask)
+        w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
+        u_bits = bf16_rne_bits(w * (c * r))
+        tl.store(u_row + d, u_bits, mask=mask)
+        codes, scale_byte = _mxfp8_blocks(tl.reshape(_widen(u_bits), (NB, 32)))
+        tl.store(codes_ptr + n * stride_codes + d, tl.reshape(codes, (BLOCK_D,)), mask=mask)
+        kb = d0 // 32 + tl.arange(0, NB)
+        tl.store(scales_ptr + n * stride_scales + kb, scale_byte.to(tl.uint8), mask=kb < D // 32)
+
+
+def _require_disjoint(out: torch.Tensor, out_name: str, inp: torch.Tensor, in_name: str) -> None:
+    """Raise ValueError unless the memory spans of out and inp do not overlap (no host sync)."""
+    def span(t):
+        lo = t.data_ptr() + t.element_size() * sum(s * (n - 1) for s, n in zip(t.stride(), t.shape) if s < 0)
+        hi = t.data_ptr() + t.element_size() * (1 + sum(s * (n - 1) for s, n in zip(t.stride(), t.shape) if s > 0))
+        return lo, hi
+    if out.numel() == 0 or inp.numel() == 0:
+        return
+    (a0, a1), (b0, b1) = span(out), span(inp)
+    if a0 < b1 and b0 < a1:
+        raise ValueError(f"{out_name} must not overlap {in_name} in memory (the kernel reads {in_name} "
+                         f"after writing parts of {out_name})")
+
+
+def _boundary_block_d(dim: int) -> int:
+    """Columns per chunk: 1024 (8 per thread at 4 warps; 5 chunks at dim 5120), less for small dims."""
+    return min(1024, triton.next_power_of_2(dim))
+
+
+def mhc_boundary_(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor,
+                  norm_weight: torch.Tensor, eps: float, x_out: torch.Tensor, u_out: torch.Tensor,
+                  codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
+    """x_out = hc_post(y, x, post, comb); u_out = rms_norm(hc_pre(x_out, pre), norm_weight, eps);
+    (codes_out, scales_out) = mxfp8_quantize(u_out). One launch, nothing allocated, no host sync.
+
+    y: [N, dim] bfloat16, the site's output; dim a multiple of 32.
+    x: [N, 4, dim] bfloat16, the streams that entered the site.
+    post: [N, 4] float32; comb: [N, 4, 4] float32, comb[n, i, j] = weight of stream i in new stream j.
+    pre: [N, 4] float32, the carried collapse weights of the next site.
+    norm_weight: [dim] bfloat16 or float32, the next site's norm; eps: its epsilon (a float).
+    x_out: [N, 4, dim] bfloat16, the new streams: bitwise hc_post.
+    u_out: [N, dim] bfloat16, the next site's input: the collapse bitwise as hc_pre, the RMSNorm
+        within one BF16 ulp of rms_norm (the mean of squares is summed in another order).
+    codes_out: [N, dim] float8_e4m3fn (or uint8 holding its bytes); scales_out: [N, dim/32] uint8
+        UE8M0 bytes (or float8_e8m0fnu): bitwise formats.mxfp8_quantize(u_out).
+    Every tensor has unit stride in its last dimension (x, x_out and comb: any other strides).
+    The outputs must not overlap y or x (checked).
+    """
+    if not isinstance(y, torch.Tensor) or y.dim() != 2:
+        raise ValueError(f"y must be a 2-D tensor [N, dim], got {getattr(y, 'shape', type(y).__name__)}")
+    n, dim = y.shape
+    if dim % 32:
+        raise ValueError(f"y: dim={dim} must be a multiple of 32 (the MXFP8 block)")
+    dev = y.device
+    require_tensor(y, "y", (torch.bfloat16,), (n, dim), dev)
+    require_tensor(x, "x", (torch.bfloat16,), (n, HC, dim), dev)
+    require_tensor(post, "post", (torch.float32,), (n, HC), dev)
+    require_tensor(comb, "comb", (torch.float32,), (n, HC, HC), dev)
+    require_tensor(pre, "pre", (torch.float32,), (n, HC), dev)
+    require_tensor(norm_weight, "norm_weight", (torch.bfloat16, torch.float32), (dim,), dev)
+    require_tensor(x_out, "x_out", (torch.bfloat16,), (n, HC, dim), dev)
+    require_tensor(u_out, "u_out", (torch.bfloat16,), (n, dim), dev)
+    require_tensor(codes_out, "codes_out", (torch.float8_e4m3fn, torch.uint8), (n, dim), dev)
+    require_tensor(scales_out, "scales_out", (torch.uint8, torch.float8_e8m0fnu), (n, dim // 32), dev)
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    for out, out_name in ((x_out, "x_out"), (u_out, "u_out"), (codes_out, "codes_out"), (scales_out, "scales_out")):
+        for inp, in_name in ((x, "x"), (y, "y")):
+            _require_disjoint(out, out_name, inp, in_name)
+    if n == 0:
+        return
+    xo, u = x_out.view(torch.int16), u_out.view(torch.int16)
+    codes, scales = codes_out.view(torch.uint8), scales_out.view(torch.uint8)
+    _mhc_boundary_kernel[(n,)](
+        y, x, post, comb, pre, norm_weight, xo, u, codes, scales, float(eps),
+        y.stride(0), x.stride(0), x.stride(1), post.stride(0), comb.stride(0), comb.stride(1), pre.stride(0),
+        xo.stride(0), xo.stride(1), u.stride(0), codes.stride(0), scales.stride(0),
+        D=dim, BLOCK_D=_boundary_block_d(dim), num_warps=4, enable_fp_fusion=False,
+    )
+
+
+def mhc_boundary(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor,
+                 norm_weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x_out, u, codes, scales) of `mhc_boundary_`: new streams [N, 4, dim] bfloat16, the next input
+    [N, dim] bfloat16, its MXFP8 codes [N, dim] float8_e4m3fn and scales [N, dim/32] uint8."""
+    if not isinstance(y, torch.Tensor) or y.dim() != 2:
+        raise ValueError(f"y must be a 2-D tensor [N, dim], got {getattr(y, 'shape', type(y).__name__)}")
+    n, dim = y.shape
+    x_out = torch.empty(n, HC, dim, dtype=torch.bfloat16, device=y.device)
+    u = torch.empty(n, dim, dtype=torch.bfloat16, device=y.device)
+    codes = torch.empty(n, dim, dtype=torch.float8_e4m3fn, device=y.device)
+    scales = torch.empty(n, dim // 32, dtype=torch.uint8, device=y.device)
+    mhc_boundary_(y, x, post, comb, pre, norm_weight, eps, x_out, u, codes, scales)
+    return x_out, u, codes, scales
+
+
+# --- mixer: projection + sigmoid + Sinkhorn ---------------------------------------------------------
+
+
+@triton.jit
+def _mix_epilogue(total, rm, m_ok, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr,
+                  stride_pre, stride_post, stride_cn, norm_eps, hc_eps,
+                  K: tl.constexpr, ITERS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """pre, post, comb of the rows rm from total [BLOCK_M, 32] = (x @ fn^T | sum x^2 | 0...)."""
+    col = tl.arange(0, 32)[None, :]
+    ss = tl.sum(tl.where(col == 24, total, 0.0), axis=1)  # the other terms are +0: exact
+    ms = tl.div_rn(ss, tl.full([BLOCK_M], K, tl.float32))
+    root = tl.sqrt_rn(ms + norm_eps)
+    inv = tl.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), root)
+    # Group g of 4 columns: 0 pre, 1 post, 2..5 rows i = g - 2 of comb, 6..7 padding.
+    g = tl.arange(0, 8)[None, :, None]
+    j = tl.arange(0, 4)[None, None, :]
+    m3 = tl.reshape(total * inv[:, None], (BLOCK_M, 8, 4))
+    sc = tl.load(scale_ptr + tl.minimum(g, 2))
+    bs = tl.load(base_ptr + g * 4 + j, mask=g < 6, other=0.0)
+    z = m3 * sc + bs
+    sig = tl.sigmoid(z)
+    row = rm[:, None, None]
+    ok = m_ok[:, None, None]
+    tl.store(pre_ptr + row * stride_pre + j + g * 0, sig + hc_eps, mask=ok & (g == 0))
+    tl.store(post_ptr + row * stride_post + j + g * 0, 2.0 * sig, mask=ok & (g == 1))
+    is_c = (g >= 2) & (g < 6)
+    e = tl.exp(z - tl.max(z, axis=2, keep_dims=True))
+    c = e / tl.sum(e, axis=2, keep_dims=True) + hc_eps
+    c = c / (tl.sum(tl.where(is_c, c, 0.0), axis=1, keep_dims=True) + hc_eps)
+    for _ in range(ITERS - 1):
+        c = c / (tl.sum(c, axis=2, keep_dims=True) + hc_eps)
+        c = c / (tl.sum(tl.where(is_c, c, 0.0), axis=1, keep_dims=True) + hc_eps)
+    tl.store(comb_ptr + row * stride_cn + (g - 2) * 4 + j, c, mask=ok & is_c)
+
+
+@triton.jit
+def _hc_mix_kernel(
+    x_ptr, fn_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, part_ptr, count_ptr, M, norm_eps, hc_eps,
+    stride_xm, stride_fn, stride_pre, stride_post, stride_cn, stride_ps, stride_pm,
+    K: tl.constexpr, ITERS: tl.constexpr, K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.arange(0, 32)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < 24
+    k_lo = pid_k * K_PER_SPLIT
+    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
+    w_ptrs = fn_ptr + rn[:, None] * stride_fn + rk[None, :]
+
+    if MODE == 2:
+        acc = tl.zeros((BLOCK_M, 32, BLOCK_K), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, 32), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    for kk in tl.range(0, K_PER_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
+        k0 = k_lo + kk
+        k_ok = (k0 + rk) < K
+        x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        sq += x * x
+        if MODE == 2:
+            acc += x[:, None, :] * w[None, :, :]
+        else:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32x3")
+    if MODE == 2:
+        y = tl.sum(acc, axis=2)
+    else:
+        y = acc
+    y = tl.where(rn[None, :] == 24, tl.sum(sq, axis=1)[:, None], y)
+
+    if SPLIT == 1:
+        _mix_epilogue(y, rm, m_ok, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, stride_pre, stride_post,
+                      stride_cn, norm_eps, hc_eps, K, ITERS, BLOCK_M)
+    else:
+        mask = m_ok[:, None] & (rn[None, :] <= 24)
+        part_ptrs = part_ptr + rm[:, None] * stride_pm + rn[None, :]
+        last, total = splitk_reduce(y, part_ptrs, stride_ps, mask, count_ptr + pid_m, pid_k, SPLIT)
+        if last:
+            _mix_epilogue(total, rm, m_ok, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, stride_pre,
+                          stride_post, stride_cn, norm_eps, hc_eps, K, ITERS, BLOCK_M)
+
+
+class HcMixTile(NamedTuple):
+    """Kernel tile and launch options for one power-of-two bucket of rows."""
+    block_m: int
+    block_k: int
+    mode: int          # ll_bf16.MODE_IEEE (tf32x3 dot: 16+ rows) or ll_bf16.MODE_FMA (<= 8 rows)
+    num_warps: int
+    num_stages: int
+
+
+def _mix_tile(rows: int) -> HcMixTile:
+    bm = triton.next_power_of_2(rows)
+    if bm <= 8:
+        # The [BLOCK_M, 32, BLOCK_K] accumulator at <= 64 FP32 registers per thread (4 warps).
+        return HcMixTile(bm, min(128, 256 // bm), MODE_FMA, 4, 3)
+    return HcMixTile(min(bm, _MAX_BLOCK_M), 32, MODE_IEEE, 4, 3)
+
+
+@dataclass(frozen=True, eq=False)
+class HcMixPlan:
+    """Split and tiles of `hc_mix_` for one model dim and row capacity, and the workspace it owns.
+
+    Build once with `HcMixPlan.build`; launches reuse it. Not for concurrent launches on two
+    streams (they would share the workspace and counters).
+
+    dim: the model dim (K = 4 * dim); max_rows: the most rows a launch may pass.
+    k_per_split: K columns per program (a multiple of 128); split: programs per row tile.
+    tiles: per row bucket 1, 2, 4, ... up to next_pow2(max_rows), the kernel tile (`tile(m)`).
+    partials: [split, max_rows, 32] FP32 workspace (empty when split = 1); counters:
+    [ceil(max_rows / 64)] int32, one per row tile, all 0 between launches.
+    """
+    dim: int
+    max_rows: int
+    k_per_split: int
+    split: int
+    tiles: tuple[HcMixTile, ...]
+    partials: torch.Tensor
+    counters: torch.Tensor
+
+    @property
+    def k(self) -> int:
+        return HC * self.dim
+
+    @property
+    def device(self) -> torch.device:
+        return self.counters.device
+
+    def tile(self, rows: int) -> HcMixTile:
+        """The tile of a launch with `rows` rows (1 <= rows <= max_rows)."""
+        return self.tiles[(rows - 1).bit_length()]
+
+    @classmethod
+    def build(cls, dim: int, max_rows: int, device: torch.device | str = "cuda", *,
+              split: int | None = None) -> "HcMixPlan":
+        """Choose the split and allocate the workspace.
+
+        dim: the model dim, a multiple of 32; max_rows: >= 1.
+        split: programs along K (default: about 2 * SMs / row tiles, at least 2 K grains of 128
+        per program: 80 programs of 256 columns at dim 5120 and up to 64 rows; not tuned on a GPU).
+        """
+        for name, v in (("dim", dim), ("max_rows", max_rows)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if dim % 32:
+            raise ValueError(f"dim={dim} must be a multiple of 32")
+        device = torch.device(device)
+        grains = triton.cdiv(HC * dim, _K_GRAIN)
+        row_tiles = triton.cdiv(max_rows, _MAX_BLOCK_M)
+        if split is None:
+            split = max(1, min(round(2 * num_sms(device) / row_tiles), triton.cdiv(grains, 2)))
+        elif not isinstance(split, int) or isinstance(split, bool) or split < 1:
+            raise ValueError(f"split must be a positive int, got {split!r}")
+        k_per_split = triton.cdiv(grains, min(split, grains)) * _K_GRAIN
+        split = triton.cdiv(HC * dim, k_per_split)
+        tiles = tuple(_mix_tile(1 << i) for i in range((max_rows - 1).bit_length() + 1))
+        partials = torch.empty(split if split > 1 else 0, max_rows, _MIX_COLS, dtype=torch.float32, device=device)
+        counters = torch.zeros(row_tiles, dtype=torch.int32, device=device)
+        return cls(dim, max_rows, k_per_split, split, tiles, partials, counters)
+
+
+def hc_mix_(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
+            hc_eps: float, sinkhorn_iters: int, pre_out: torch.Tensor, post_out: torch.Tensor,
+            comb_out: torch.Tensor, plan: HcMixPlan) -> None:
+    """A site's mixer (`reference.mhc.hc_mixes`) into the buffers, one launch, using the plan's workspace:
+    m = (flatten(x) @ fn^T) * rsqrt(mean(flatten(x)^2) + norm_eps);
+    pre = sigmoid(m[0:4] scale[0] + base[0:4]) + hc_eps; post = 2 sigmoid(m[4:8] scale[1] + base[4:8]);
+    comb = sinkhorn(m[8:24] scale[2] + base[8:24] as [4, 4], sinkhorn_iters, hc_eps).
+
+    x: [M, 4, dim] bfloat16, 0 <= M <= plan.max_rows, each row contiguous (any row stride).
+    fn: [24, 4*dim] float32; scale: [3] float32; base: [24] float32 (unit stride in the last dim).
+    norm_eps, hc_eps: floats; sinkhorn_iters: int >= 1 (a compile-time constant of the kernel).
+    pre_out, post_out: [M, 4] float32; comb_out: [M, 4, 4] float32, comb[i, j] = weight of stream i
+        in new stream j; unit stride in the last dim (comb_out: in the last two).
+    plan: from `HcMixPlan.build(dim, max_rows, device)`; all tensors on plan.device.
+    Within 1e-5 of the reference (not bitwise); rows do not depend on each other; the summation
+    order depends on the plan and on the row bucket (next power of two of M) only.
+    """
+    if not isinstance(plan, HcMixPlan):
+        raise TypeError(f"plan must be an HcMixPlan, got {type(plan).__name__}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        raise ValueError(f"x must be a 3-D tensor [M, 4, dim], got {getattr(x, 'shape', type(x).__name__)}")
+    m = x.shape[0]
+    if m > plan.max_rows:
+        raise ValueError(f"x has {m} rows, more than the plan's max_rows={plan.max_rows}")
+    dev, dim = plan.device, plan.dim
+    require_tensor(x, "x", (torch.bfloat16,), (m, HC, dim), dev)
+    if x.stride(1) != dim:
+        raise ValueError(f"x must have each row contiguous ([4, dim] strides ({dim}, 1)), got strides {x.stride()}")
+    require_tensor(fn, "fn", (torch.float32,), (N_MIX, HC * dim), dev)
+    require_tensor(scale, "scale", (torch.float32,), (3,), dev)
+    require_tensor(base, "base", (torch.float32,), (N_MIX,), dev)
+    require_tensor(pre_out, "pre_out", (torch.float32,), (m, HC), dev)
+    require_tensor(post_out, "post_out", (torch.float32,), (m, HC), dev)
+    require_tensor(comb_out, "comb_out", (torch.float32,), (m, HC, HC), dev)
+    if comb_out.stride(1) != HC:
+        raise ValueError(f"comb_out must have each row's [4, 4] contiguous, got strides {comb_out.stride()}")
+    for v, name in ((norm_eps, "norm_eps"), (hc_eps, "hc_eps")):
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise TypeError(f"{name} must be a float, got {type(v).__name__}")
+    if not isinstance(sinkhorn_iters, int) or isinstance(sinkhorn_iters, bool) or sinkhorn_iters < 1:
+        raise ValueError(f"sinkhorn_iters must be a positive int, got {sinkhorn_iters!r}")
+    if m == 0:
+        return
+    t = plan.tile(m)
+    part = plan.partials
+    _hc_mix_kernel[(triton.cdiv(m, t.block_m), plan.split)](
+        x, fn, scale, base, pre_out, post_out, comb_out, part, plan.counters, m, float(norm_eps), float(hc_eps),
+        x.stride(0), fn.stride(0), pre_out.stride(0), post_out.stride(0), comb_out.stride(0),
+        part.stride(0), part.stride(1),
+        K=plan.k, ITERS=sinkhorn_iters, K_PER_SPLIT=plan.k_per_split, SPLIT=plan.split,
+        BLOCK_M=t.block_m, BLOCK_K=t.block_k, MODE=t.mode, NUM_STAGES=t.num_stages,
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )
+
+
+def hc_mix(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
+           hc_eps: float, sinkhorn_iters: int, plan: HcMixPlan | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pre [M, 4], post [M, 4], comb [M, 4, 4]) float32 of `hc_mix_`; x [M, 4, dim] bfloat16.
+
+    plan: optional `HcMixPlan` (default: built here for M rows, which allocates; pass one for CUDA graphs).
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        raise ValueError(f"x must be a 3-D tensor [M, 4, dim], got {getattr(x, 'shape', type(x).__name__)}")
+    m = x.shape[0]
+    if plan is None:
+        plan = HcMixPlan.build(x.shape[2], max(1, m), x.device)
+    pre = torch.empty(m, HC, dtype=torch.float32, device=x.device)
+    post = torch.empty(m, HC, dtype=torch.float32, device=x.device)
+    comb = torch.empty(m, HC, HC, dtype=torch.float32, device=x.device)
+    hc_mix_(x, fn, scale, base, norm_eps, hc_eps, sinkhorn_iters, pre, post, comb, plan)
+    return pre, post, comb

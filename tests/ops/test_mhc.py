@@ -1,0 +1,409 @@
+"""ops/mhc.py against reference/mhc.py, reference/linear.rms_norm and formats.mxfp8_quantize
+(interpreter on the CPU at small dims; GPU at dim 5120).
+
+Bounds: the new streams and the collapse are bitwise (the kernel adds in the reference's order,
+without FMA); random inputs rarely tell orders apart after the BF16 rounding, so a cancelling case
+(`_cancelling_case`) makes the outputs pure FP32 rounding errors, where they do. u may differ by
+one BF16 ulp: the RMSNorm's mean of squares is summed in another order (and torch's vectorized
+CPU rsqrt differs from an IEEE 1/sqrt by up to 2 FP32 ulps), which moves an FP32 value next to a
+BF16 rounding midpoint across it; no such case showed in ~1e5 values here. Codes and scales are
+bitwise formats.mxfp8_quantize of the u the kernel wrote. The mixer sums in another order than
+the reference (split-K partials, a tree sum), so its outputs are compared within 1e-5 absolute
+(the task's bound); measured at most 4.8e-7 at dims 64-5120.
+"""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from dsv41_decode.formats import mxfp8_quantize
+from dsv41_decode.ops.ll_bf16 import MODE_FMA, MODE_IEEE
+from dsv41_decode.ops.mhc import (
+    HcMixPlan,
+    _boundary_chunk,
+    hc_mix,
+    hc_mix_,
+    mhc_boundary,
+    mhc_boundary_,
+)
+from dsv41_decode.ops.rounding import bf16_rne_bits
+from dsv41_decode.reference.linear import rms_norm
+from dsv41_decode.reference.mhc import hc_mixes, hc_post, hc_pre, sinkhorn
+
+_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+_EPS = 1e-20      # the model's norm_eps
+_HC_EPS = 1e-6
+_ITERS = 20
+_MIX_TOL = 1e-5
+
+
+def _boundary_case(n: int, dim: int, seed: int, w_dtype=torch.bfloat16):
+    """(y, x, post, comb, pre, norm_weight) on the CPU: streams and y ~ N(0, 1) BF16, post and pre as
+    the mixer's sigmoids, comb from the reference Sinkhorn of logits of spread 2."""
+    g = torch.Generator().manual_seed(seed)
+    y = torch.randn(n, dim, generator=g).bfloat16()
+    x = torch.randn(n, 4, dim, generator=g).bfloat16()
+    post = 2 * torch.sigmoid(torch.randn(n, 4, generator=g))
+    comb = sinkhorn(2 * torch.randn(n, 4, 4, generator=g), _ITERS, _HC_EPS)
+    pre = torch.sigmoid(torch.randn(n, 4, generator=g)) + _HC_EPS
+    w = (1 + 0.2 * torch.randn(dim, generator=g)).to(w_dtype)
+    return y, x, post, comb, pre, w
+
+
+def _mix_case(n: int, dim: int, seed: int):
+    """(x, fn, scale, base) on the CPU as the synthetic checkpoints draw them (weights.py)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, dim, generator=g).bfloat16()
+    fn = torch.randn(24, 4 * dim, generator=g) * dim ** -0.5
+    scale = (0.5 + 0.5 * torch.rand(3, generator=g)).bfloat16().float()
+    base = 0.5 * torch.randn(24, generator=g)
+    return x, fn, scale, base
+
+
+def _dev(*ts):
+    return [t.to(_DEVICE) for t in ts]
+
+
+def _ulps_bf16(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance in BF16 steps between same-signed finite BF16 tensors (0 when bitwise equal)."""
+    ia, ib = a.view(torch.int16).int(), b.view(torch.int16).int()
+    return int((ia - ib).abs().max()) if a.numel() else 0
+
+
+def _check_boundary(y, x, post, comb, pre, w, out) -> None:
+    """out = (x_out, u, codes, scales) of the kernel, against the reference run on the CPU."""
+    x_out, u, codes, scales = (t.cpu() for t in out)
+    want_x = hc_post(y, x, post, comb)
+    assert torch.equal(x_out.view(torch.int16), want_x.view(torch.int16)), "x_out differs from hc_post"
+    want_u = rms_norm(hc_pre(want_x, pre), w, _EPS)
+    assert _ulps_bf16(u, want_u) <= 1, f"u is {_ulps_bf16(u, want_u)} BF16 ulps from rms_norm(hc_pre(...))"
+    want_codes, want_scales = mxfp8_quantize(u)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)), "codes differ from mxfp8_quantize(u)"
+    assert torch.equal(scales.view(torch.uint8), want_scales), "scales differ from mxfp8_quantize(u)"
+
+
+def _check_mix(got, x, fn, scale, base, iters: int = _ITERS) -> None:
+    want = hc_mixes(x, fn, scale, base, _EPS, _HC_EPS, iters)
+    for name, a, b in zip(("pre", "post", "comb"), got, want):
+        assert a.shape == b.shape and a.dtype == torch.float32
+        err = float((a.cpu() - b).abs().max())
+        assert err <= _MIX_TOL, f"{name}: max abs error {err:.3g} > {_MIX_TOL}"
+
+
+# --- boundary --------------------------------------------------------------------------------------
+
+
+def test_reference_adds_the_streams_sequentially():
+    """The kernel's order, ((t0 + t1) + t2) + t3, is what torch's CPU .sum(1) over 4 streams gives
+    (and a pairwise order is not, on these inputs: the check discriminates)."""
+    y, x, post, comb, pre, _ = _boundary_case(5, 256, seed=1)
+    t = comb.unsqueeze(-1) * x.float().unsqueeze(2)              # [n, i, j, dim]
+    assert torch.equal(t.sum(1), ((t[:, 0] + t[:, 1]) + t[:, 2]) + t[:, 3])
+    assert not torch.equal(t.sum(1), (t[:, 0] + t[:, 1]) + (t[:, 2] + t[:, 3]))
+    p = pre.unsqueeze(-1) * hc_post(y, x, post, comb).float()     # [n, i, dim]
+    assert torch.equal(p.sum(1), ((p[:, 0] + p[:, 1]) + p[:, 2]) + p[:, 3])
+
+
+def _cancelling_case(n: int, dim: int, seed: int):
+    """Inputs whose outputs are FP32 rounding errors, so that any other order of the sums (or an FMA)
+    changes them: x2 = -x0, x3 = -x1 and comb rows 2, 3 = rows 0, 1, so each sum over the streams
+    is ((t0 + t1) - t0) - t1, the rounding error of t0 + t1 in the reference's order and exactly 0
+    in a pairwise one; y = 0 in every other column, where that error is the new stream. Comb
+    columns 2, 3 and post[2:] are the negatives of columns 0, 1 and post[:2] (new streams 2, 3 =
+    -streams 0, 1) and pre = (p, q, p, q), so the collapse is such an error too. Not a mixer's output
+    (negative weights), just a probe of the order."""
+    g = torch.Generator().manual_seed(seed)
+    x01 = torch.randn(n, 2, dim, generator=g) * torch.exp2(torch.randint(-6, 7, (n, 2, dim), generator=g).float())
+    x = torch.cat([x01, -x01], 1).bfloat16()
+    ab = 0.1 + torch.rand(n, 2, 2, generator=g)                    # [n, i in (0, 1), j in (0, 1)]
+    rows = torch.cat([ab, -ab], 2)                                  # columns 2, 3 = -columns 0, 1
+    comb = torch.cat([rows, rows], 1)                               # rows 2, 3 = rows 0, 1
+    p01 = 2 * torch.sigmoid(torch.randn(n, 2, generator=g))
+    post = torch.cat([p01, -p01], 1)
+    q = torch.sigmoid(torch.randn(n, 2, generator=g))
+    pre = torch.cat([q, q], 1)
+    y = torch.randn(n, dim, generator=g).bfloat16()
+    y[:, ::2] = 0
+    w = (1 + 0.2 * torch.randn(dim, generator=g)).bfloat16()
+    return y, x, post, comb, pre, w
+
+
+def test_cancelling_case_discriminates():
+    """The reference's order leaves nonzero rounding errors where a pairwise order gives exact zeros."""
+    y, x, post, comb, pre, w = _cancelling_case(3, 256, seed=3)
+    x_new = hc_post(y, x, post, comb)
+    assert bool((x_new[:, :, ::2] != 0).any()) and torch.equal(x_new[:, 2:], -x_new[:, :2])
+    t = comb.unsqueeze(-1) * x.float().unsqueeze(2)
+    assert bool(((t[:, 0] + t[:, 1]) + (t[:, 2] + t[:, 3]) == 0).all())
+    assert bool((hc_pre(x_new, pre) != 0).any())
+
+
+@pytest.mark.parametrize("n, dim", [(1, 64), (3, 256)])
+def test_boundary_matches_reference_in_the_cancelling_case(n, dim):
+    case = _cancelling_case(n, dim, seed=10 * n + dim)
+    _check_boundary(*case, mhc_boundary(*_dev(*case), _EPS))
+
+
+@pytest.mark.parametrize("dim", [64, 96, 256])
+@pytest.mark.parametrize("n", [1, 3, 5])
+def test_boundary_matches_reference(n, dim):
+    case = _boundary_case(n, dim, seed=100 * n + dim)
+    _check_boundary(*case, mhc_boundary(*_dev(*case), _EPS))
+
+
+@triton.jit
+def _collapse_kernel(y_ptr, x_ptr, post_ptr, comb_ptr, pre_ptr, c_ptr, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    n = tl.program_id(0)
+    d = tl.arange(0, BLOCK_D)
+    mask = d < D
+    _, _, _, _, c = _boundary_chunk(y_ptr + n * D, x_ptr + n * 4 * D, D, post_ptr + n * 4, comb_ptr + n * 16, 4,
+                                    pre_ptr + n * 4, d, mask)
+    tl.store(c_ptr + n * D + d, bf16_rne_bits(c), mask=mask)  # c is BF16-valued: exact
+
+
+def _check_collapse(y, x, post, comb, pre):
+    n, dim = y.shape
+    c = torch.empty(n, dim, dtype=torch.bfloat16, device=_DEVICE)
+    _collapse_kernel[(n,)](*_dev(y, x, post, comb, pre), c.view(torch.int16), D=dim,
+                           BLOCK_D=triton.next_power_of_2(dim), enable_fp_fusion=False)
+    want = hc_pre(hc_post(y, x, post, comb), pre)
+    assert torch.equal(c.cpu().view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.parametrize("n, dim", [(1, 64), (3, 96), (5, 256)])
+def test_collapse_is_bitwise_hc_pre(n, dim):
+    """The collapse the kernel normalizes is bitwise hc_pre(hc_post(...), pre) (the chunk helper the
+    boundary kernel runs, applied to one chunk that covers the row)."""
+    for y, x, post, comb, pre, _ in (_boundary_case(n, dim, seed=7 * n + dim), _cancelling_case(n, dim, seed=n)):
+        _check_collapse(y, x, post, comb, pre)
+
+
+def test_boundary_real_dim_one_row():
+    case = _boundary_case(1, 5120, seed=5120)   # 5 chunks of 1024, as on the GPU
+    _check_boundary(*case, mhc_boundary(*_dev(*case), _EPS))
+
+
+def test_boundary_writes_into_strided_buffers():
+    """Strided views of y, x, post, comb (unit stride in the last dim) and x_out, FP32 norm weight,
+    uint8 codes and float8_e8m0fnu scales: the same bits as the reference."""
+    n, dim = 3, 128
+    y, x, post, comb, pre, w = _boundary_case(n, dim, seed=11, w_dtype=torch.float32)
+    y_wide = torch.zeros(n, dim + 64, dtype=torch.bfloat16)
+    y_wide[:, 32:32 + dim] = y
+    x_wide = torch.zeros(n, 4, dim + 32, dtype=torch.bfloat16)
+    x_wide[:, :, :dim] = x
+    comb_wide = torch.zeros(n, 4, 8)
+    comb_wide[:, :, 2:6] = comb                                   # comb[n, i] rows 8 apart
+    post_wide = torch.zeros(n, 8)
+    post_wide[:, 4:] = post
+    yd, xd, postd, combd, pred, wd = _dev(y_wide, x_wide, post_wide, comb_wide, pre, w)
+    yd, xd, postd, combd = yd[:, 32:32 + dim], xd[:, :, :dim], postd[:, 4:], combd[:, :, 2:6]
+    x_out = torch.empty(n, 4, dim + 32, dtype=torch.bfloat16, device=_DEVICE)[:, :, 16:16 + dim]
+    u = torch.empty(n, dim, dtype=torch.bfloat16, device=_DEVICE)
+    codes = torch.empty(n, dim, dtype=torch.uint8, device=_DEVICE)
+    scales = torch.empty(n, dim // 32, dtype=torch.float8_e8m0fnu, device=_DEVICE)
+    mhc_boundary_(yd, xd, postd, combd, pred, wd, _EPS, x_out, u, codes, scales)
+    _check_boundary(y, x, post, comb, pre, w, (x_out, u, codes, scales))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # the interpreter's NaN math
+def test_boundary_non_finite_output_as_reference():
+    """An inf in the site's output: the new streams carry it bitwise; u is NaN where the collapse is
+    inf and 0 elsewhere (rsqrt(inf) = 0), as rms_norm gives; its block gets scale 255, codes 0x7F."""
+    y, x, post, comb, pre, w = _boundary_case(2, 64, seed=13)
+    y[1, 5] = float("inf")
+    x_out, u, codes, scales = (t.cpu() for t in mhc_boundary(*_dev(y, x, post, comb, pre, w), _EPS))
+    want_x = hc_post(y, x, post, comb)
+    assert torch.equal(x_out.view(torch.int16), want_x.view(torch.int16))
+    want_u = rms_norm(hc_pre(want_x, pre), w, _EPS)
+    assert torch.equal(u.isnan(), want_u.isnan()) and bool(u[1].isnan().any())
+    assert torch.equal(torch.nan_to_num(u), torch.nan_to_num(want_u))
+    want_codes, want_scales = mxfp8_quantize(u)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8)) and torch.equal(scales, want_scales)
+    assert int(scales[1, 0]) == 255
+
+
+def _boundary_args(n=3, dim=64):
+    y, x, post, comb, pre, w = _dev(*_boundary_case(n, dim, seed=17))
+    outs = (torch.empty(n, 4, dim, dtype=torch.bfloat16, device=_DEVICE),
+            torch.empty(n, dim, dtype=torch.bfloat16, device=_DEVICE),
+            torch.empty(n, dim, dtype=torch.float8_e4m3fn, device=_DEVICE),
+            torch.empty(n, dim // 32, dtype=torch.uint8, device=_DEVICE))
+    return dict(y=y, x=x, post=post, comb=comb, pre=pre, norm_weight=w, eps=_EPS, x_out=outs[0], u_out=outs[1],
+                codes_out=outs[2], scales_out=outs[3])
+
+
+@pytest.mark.parametrize("name, bad, exc", [
+    ("x", lambda a: a["x"].float(), TypeError),
+    ("x", lambda a: a["x"][:, :3], ValueError),
+    ("post", lambda a: a["post"].double(), TypeError),
+    ("comb", lambda a: a["comb"][:, :, :2], ValueError),
+    ("pre", lambda a: a["pre"][:2], ValueError),
+    ("norm_weight", lambda a: a["norm_weight"].half(), TypeError),
+    ("norm_weight", lambda a: a["norm_weight"][:32], ValueError),
+    ("x_out", lambda a: a["x_out"].float(), TypeError),
+    ("u_out", lambda a: a["u_out"][:, :32], ValueError),
+    ("codes_out", lambda a: a["codes_out"].view(torch.int8), TypeError),
+    ("scales_out", lambda a: a["scales_out"][:, :1], ValueError),
+    ("y", lambda a: a["y"].float(), TypeError),
+])
+def test_boundary_rejects_bad_arguments(name, bad, exc):
+    args = _boundary_args()
+    args[name] = bad(args)
+    with pytest.raises(exc, match=name):
+        mhc_boundary_(**args)
+
+
+def test_boundary_rejects_aliasing_and_bad_dim():
+    args = _boundary_args()
+    args["x_out"] = args["x"]
+    with pytest.raises(ValueError, match="x_out must not overlap x"):
+        mhc_boundary_(**args)
+    args = _boundary_args()
+    args["u_out"] = args["y"]
+    with pytest.raises(ValueError, match="u_out must not overlap y"):
+        mhc_boundary_(**args)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        mhc_boundary(*_dev(*_boundary_case(1, 48, seed=1)), _EPS)
+
+
+# --- mixer -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("split", [None, 3])
+@pytest.mark.parametrize("dim", [64, 256])
+@pytest.mark.parametrize("n", [1, 3, 5])
+def test_mix_matches_reference(n, dim, split):
+    x, fn, scale, base = _mix_case(n, dim, seed=1000 * n + dim)
+    plan = HcMixPlan.build(dim, 8, _DEVICE, split=split)
+    _check_mix(hc_mix(*_dev(x, fn, scale, base), _EPS, _HC_EPS, _ITERS, plan=plan), x, fn, scale, base)
+    assert not plan.counters.any(), "the last program of every row tile resets its counter"
+
+
+@pytest.mark.parametrize("iters", [1, 2, 3])
+def test_mix_few_sinkhorn_rounds(iters):
+    """Few rounds, where each round still moves comb by far more than the tolerance (at 20 the
+    last round moves it by less than 1e-5): the kernel runs exactly `sinkhorn_iters` rounds."""
+    x, fn, scale, base = _mix_case(5, 64, seed=50 + iters)
+    plan = HcMixPlan.build(64, 8, _DEVICE, split=2)
+    got = hc_mix(*_dev(x, fn, scale, base), _EPS, _HC_EPS, iters, plan=plan)
+    _check_mix(got, x, fn, scale, base, iters)
+
+
+def test_mix_dot_mode_row_tiles_and_determinism():
+    """16 rows (tf32x3 dot tile) and 70 rows (two row tiles of 64, two counters); a second launch on
+    the same plan (counters reset by the last arrivers) gives the same bits; rows of a launch in the
+    same row bucket do not depend on the other rows."""
+    dim = 64
+    plan = HcMixPlan.build(dim, 70, _DEVICE, split=2)
+    assert plan.split == 2 and plan.counters.numel() == 2
+    x, fn, scale, base = _mix_case(70, dim, seed=21)
+    xd, fnd, scd, bd = _dev(x, fn, scale, base)
+    for n in (16, 70):
+        assert plan.tile(n).mode == MODE_IEEE
+        first = hc_mix(xd[:n], fnd, scd, bd, _EPS, _HC_EPS, _ITERS, plan=plan)
+        _check_mix(first, x[:n], fn, scale, base)
+        again = hc_mix(xd[:n], fnd, scd, bd, _EPS, _HC_EPS, _ITERS, plan=plan)
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+        assert not plan.counters.any()
+    four = hc_mix(xd[:4], fnd, scd, bd, _EPS, _HC_EPS, _ITERS, plan=plan)
+    three = hc_mix(xd[:3], fnd, scd, bd, _EPS, _HC_EPS, _ITERS, plan=plan)   # the same bucket (4)
+    assert all(torch.equal(a[:3], b) for a, b in zip(four, three))
+
+
+def test_mix_real_dim():
+    """dim 5120 with the default plan (80 programs of 256 columns), 3 rows."""
+    x, fn, scale, base = _mix_case(3, 5120, seed=31)
+    plan = HcMixPlan.build(5120, 64, _DEVICE)
+    _check_mix(hc_mix(*_dev(x, fn, scale, base), _EPS, _HC_EPS, _ITERS, plan=plan), x, fn, scale, base)
+
+
+def test_mix_plan():
+    plan = HcMixPlan.build(5120, 64, "cpu")
+    assert (plan.k, plan.split, plan.k_per_split) == (20480, 80, 256)
+    assert tuple(plan.partials.shape) == (80, 64, 32) and plan.counters.tolist() == [0]
+    assert [plan.tile(m).mode for m in (1, 8, 9, 64)] == [MODE_FMA, MODE_FMA, MODE_IEEE, MODE_IEEE]
+    assert [plan.tile(m).block_m for m in (1, 3, 9, 64)] == [1, 4, 16, 64]
+    one = HcMixPlan.build(64, 4, "cpu")     # K = 256: two grains, one program
+    assert (one.split, one.k_per_split, one.partials.numel()) == (1, 256, 0)
+    with pytest.raises(ValueError, match="dim"):
+        HcMixPlan.build(40, 4, "cpu")
+    with pytest.raises(ValueError, match="split"):
+        HcMixPlan.build(64, 4, "cpu", split=0)
+
+
+def _mix_args(n=3, dim=64):
+    x, fn, scale, base = _dev(*_mix_case(n, dim, seed=41))
+    return dict(x=x, fn=fn, scale=scale, base=base, norm_eps=_EPS, hc_eps=_HC_EPS, sinkhorn_iters=_ITERS,
+                pre_out=torch.empty(n, 4, device=_DEVICE), post_out=torch.empty(n, 4, device=_DEVICE),
+                comb_out=torch.empty(n, 4, 4, device=_DEVICE), plan=HcMixPlan.build(dim, 4, _DEVICE))
+
+
+@pytest.mark.parametrize("name, bad, exc", [
+    ("x", lambda a: a["x"].float(), TypeError),
+    ("x", lambda a: a["x"][:, :, :32], ValueError),
+    ("fn", lambda a: a["fn"].bfloat16(), TypeError),
+    ("fn", lambda a: a["fn"][:8], ValueError),
+    ("scale", lambda a: a["scale"][:2], ValueError),
+    ("base", lambda a: a["base"].double(), TypeError),
+    ("pre_out", lambda a: a["pre_out"][:2], ValueError),
+    ("post_out", lambda a: a["post_out"].half(), TypeError),
+    ("comb_out", lambda a: a["comb_out"][:, :2], ValueError),
+    ("sinkhorn_iters", lambda a: 0, ValueError),
+    ("plan", lambda a: None, TypeError),
+])
+def test_mix_rejects_bad_arguments(name, bad, exc):
+    args = _mix_args()
+    args[name] = bad(args)
+    with pytest.raises(exc, match=name):
+        hc_mix_(**args)
+
+
+def test_mix_rejects_rows_past_the_plan():
+    args = _mix_args(n=3)
+    args["plan"] = HcMixPlan.build(64, 2, _DEVICE)
+    with pytest.raises(ValueError, match="max_rows=2"):
+        hc_mix_(**args)
+
+
+# --- GPU at dim 5120 ---------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 16, 64])
+def test_gpu_real_dim(n):
+    case = _boundary_case(n, 5120, seed=9000 + n)
+    _check_boundary(*case, mhc_boundary(*_dev(*case), _EPS))
+    x, fn, scale, base = _mix_case(n, 5120, seed=9100 + n)
+    plan = HcMixPlan.build(5120, 64, _DEVICE)
+    _check_mix(hc_mix(*_dev(x, fn, scale, base), _EPS, _HC_EPS, _ITERS, plan=plan), x, fn, scale, base)
+    assert not plan.counters.any()
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_replay():
+    """Both launchers captured once and replayed on new inputs copied into the captured buffers."""
+    n, dim = 16, 5120
+    args = _boundary_args(n, dim)
+    margs = _mix_args(n, dim)
+    margs["plan"] = HcMixPlan.build(dim, 64, _DEVICE)
+    mhc_boundary_(**args)                      # compile outside the capture
+    hc_mix_(**margs)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mhc_boundary_(**args)
+        hc_mix_(**margs)
+    for seed in (1, 2):
+        case = _boundary_case(n, dim, seed=seed)
+        for key, t in zip(("y", "x", "post", "comb", "pre", "norm_weight"), case):
+            args[key].copy_(t)
+        mix_case = _mix_case(n, dim, seed=seed)
+        for key, t in zip(("x", "fn", "scale", "base"), mix_case):
+            margs[key].copy_(t)
+        graph.replay()
+        torch.cuda.synchronize()
+        _check_boundary(*case, (args["x_out"], args["u_out"], args["codes_out"], args["scales_out"]))
+        _check_mix((margs["pre_out"], margs["post_out"], margs["comb_out"]), *mix_case)
+        assert not margs["plan"].counters.any()
