@@ -92,3 +92,12 @@ class AttentionStack:
                 observe(i, rec)
         state.advance(step)
         return x, pre
+
+    def decode_step(self, state: DecodeState, max_rows: int = 16, **options):
+        """The specialized decode step of this stack over `state` (`decode.DecodeStep`): plans,
+        buffers and CUDA graphs (one per row bucket up to max_rows) are built here, once.
+
+        options: buckets, overlap_inputs, overlap_candidates, graphs, wo_a_fp8 (see DecodeStep).
+        """
+        from .decode import DecodeStep   # decode/ composes the stack, not the other way round
+        return DecodeStep(self, state, max_rows=max_rows, **options)

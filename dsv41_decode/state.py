@@ -107,10 +107,14 @@ class DecodeState:
         `max_requests * max_context`); sizes the page pools. It is not checked on its own: a call
         fails with `CapacityError` when the pages it needs are not free.
     page_size: compressed entries per page.
+    stage_rows: window records past the rings, where a decode step stages its own rows' records
+        (row i at `stage_base + i`) until its attention has read the old ring slots they replace
+        (a request's later rows would otherwise overwrite positions its earlier rows still see).
     device: where every buffer lives.
 
     Buffers (allocated here, never reallocated; all on `device`):
-      window[L]: uint8 [max_requests * W, 528] for every layer L.
+      window[L]: uint8 [max_requests * W + stage_rows, 528] for every layer L: the rings, then the
+        staging rows from `stage_base = max_requests * W`.
       compressed[L]: uint8 [pages_r * page_size, 288] for every KV source L of ratio r.
       index_keys[L]: uint8 [pages_r * page_size, 68] for every KV source L of ratio r.
       block_table[r]: int32 [max_requests, ceil(max_context / r / page_size)], -1 where unallocated;
@@ -126,11 +130,13 @@ class DecodeState:
 
     def __init__(self, cfg: ModelConfig, max_requests: int, max_context: int,
                  max_tokens: int | None = None, page_size: int = 64,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", stage_rows: int = 64) -> None:
         for name, v in (("max_requests", max_requests), ("max_context", max_context),
                         ("page_size", page_size)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"DecodeState: {name} must be a positive integer, got {v!r}")
+        if not isinstance(stage_rows, int) or isinstance(stage_rows, bool) or stage_rows < 0:
+            raise ValueError(f"DecodeState: stage_rows must be a non-negative integer, got {stage_rows!r}")
         if max_tokens is None:
             max_tokens = max_requests * max_context
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
@@ -145,6 +151,8 @@ class DecodeState:
         self.device = torch.device(device)
         self.window_size = cfg.window_size
         self.head_dim = cfg.head_dim
+        self.stage_rows = stage_rows
+        self.stage_base = max_requests * cfg.window_size
 
         W, dev = self.window_size, self.device
         self.kv_sources: tuple[int, ...] = tuple(
@@ -154,7 +162,7 @@ class DecodeState:
             r: _cdiv(max_tokens, r * page_size) + max_requests for r in self.ratios}
 
         self.window: dict[int, torch.Tensor] = {
-            s.layer: torch.zeros(max_requests * W, WINDOW_KV_BYTES, dtype=torch.uint8, device=dev)
+            s.layer: torch.zeros(max_requests * W + stage_rows, WINDOW_KV_BYTES, dtype=torch.uint8, device=dev)
             for s in self.layer_plan}
         self.compressed: dict[int, torch.Tensor] = {}
         self.index_keys: dict[int, torch.Tensor] = {}

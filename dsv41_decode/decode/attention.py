@@ -1,0 +1,276 @@
+"""AttentionStep: one layer of the specialized decode step, in the order of design section 2.
+
+Built once per layer from the layer's own weights (`AttentionLayer.w`), the stack's `DecodeState`
+and the step's shared `StepMeta`/`Scratch`/`Lanes`; `run(rows)` enqueues the layer's work for the
+first `rows` rows (a row bucket) and is what the CUDA graph captures. Host work - eligibility,
+fused weights, kernel plans and their workspaces - happens in the constructor, never in `run`.
+
+Eligibility (decided here, once): every linear of the step must be an FP8 weight with 32x32 UE8M0
+scales (the low-latency MXFP8 GEMM) or a BF16/FP32 side projection (`ll_bf16`); `wo_a` streams as
+stored (BF16, or FP8 + scale when the checkpoint ships it so) unless the step was built with
+`wo_a_fp8=True`, which quantizes a BF16 `wo_a` once and changes the numbers (ops.wo_a.quantize_wo_a).
+A layer that is not eligible raises `NotEligible`, and the caller keeps the generic path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from ..config import SWA, ModelConfig
+from ..formats import mxfp4_fake
+from ..layer import AttentionLayer
+from ..ops import LOW_BATCH_MAX_ROWS
+from ..ops.act_quant import act_quant_mxfp8_
+from ..ops.compressor import compress_ratio2_
+from ..ops.indexer import index_scores_mxfp4_
+from ..ops.kv_write import compressed_entry_store_, qkv_rope_insert_
+from ..ops.ll_bf16 import LlBf16Plan, ll_bf16_
+from ..ops.low_latency_mm import LowLatencyConfig, LowLatencyMM
+from ..ops.sparse_mla import SUPPORTED_HEADS, SparseMlaPlan, sparse_mla_
+from ..ops.sparse_tables import topk_slots_
+from ..ops.topk import TopKPlan, candidate_mask_, topk_ascending_
+from ..ops.wo_a import WoAPlan, quantize_wo_a, wo_a_
+from ..reference.compressor import latent
+from ..reference.linear import rms_norm
+from ..reference.rope import rope_tail
+from ..state import DecodeState
+from .lanes import AUX_COMPRESSOR, AUX_INDEX_Q, AUX_INDEX_W, Lanes
+from .tables import StepMeta
+
+
+class NotEligible(ValueError):
+    """A layer's weights do not suit the specialized step (the message names the tensor)."""
+
+
+def _few_programs(device: torch.device) -> bool:
+    """On the CPU the kernels run in Triton's interpreter, where each program costs ~0.1 s whatever
+    its size: plans there use one split and wide tiles (the numbers are the same contract)."""
+    return device.type != "cuda"
+
+
+def _mm_plan(weight: torch.Tensor, scale: torch.Tensor, max_rows: int) -> LowLatencyMM:
+    config = None
+    if _few_programs(weight.device):
+        n, k = weight.shape
+        config = LowLatencyConfig(block_n=min(512, triton.next_power_of_2(n)),
+                                  block_k=next(b for b in (256, 128, 64, 32) if k % b == 0), split=1)
+    return LowLatencyMM(weight, scale, max_rows, config)
+
+
+def _fp8_plan(w: dict, name: str, max_rows: int) -> LowLatencyMM:
+    weight, scale = w.get(f"attn.{name}.weight"), w.get(f"attn.{name}.scale")
+    if weight is None or scale is None or weight.dtype != torch.float8_e4m3fn:
+        raise NotEligible(f"attn.{name} must be an FP8 weight with 32x32 UE8M0 scales for the low-latency GEMM")
+    return _mm_plan(weight, scale, max_rows)
+
+
+class Scratch:
+    """Per-step buffers shared by all layers (layers run one after another on the main stream and
+    join their side work before the next layer writes these). Sized for `max_rows` rows."""
+
+    def __init__(self, cfg: ModelConfig, state: DecodeState, max_rows: int):
+        dev, B = state.device, max_rows
+        H, D, ql = cfg.n_heads, cfg.head_dim, cfg.q_lora_rank
+        self.qkv_a = torch.zeros(B, ql + D, dtype=torch.bfloat16, device=dev)
+        self.qr_codes = torch.zeros(B, ql, dtype=torch.float8_e4m3fn, device=dev)
+        self.qr_scales = torch.zeros(B, ql // 32, dtype=torch.uint8, device=dev)
+        self.q = torch.zeros(B, H, D, dtype=torch.bfloat16, device=dev)
+        self.o = torch.zeros(B, H, D, dtype=torch.bfloat16, device=dev)
+        rank = cfg.o_groups * cfg.o_lora_rank
+        self.z = torch.zeros(B, rank, dtype=torch.bfloat16, device=dev)
+        self.z_codes = torch.zeros(B, rank, dtype=torch.float8_e4m3fn, device=dev)
+        self.z_scales = torch.zeros(B, rank // 32, dtype=torch.uint8, device=dev)
+        self.kv_score = torch.zeros(B, 2 * D, dtype=torch.float32, device=dev)
+        self.c = torch.zeros(B, D, dtype=torch.float32, device=dev)
+        self.done = torch.zeros(B, dtype=torch.int32, device=dev)
+        self.wk_out = torch.zeros(B, cfg.index_head_dim, dtype=torch.float32, device=dev)
+        self.iq_raw = torch.zeros(B, cfg.index_n_heads * cfg.index_head_dim, dtype=torch.bfloat16, device=dev)
+        self.iq = torch.zeros(B, cfg.index_n_heads, cfg.index_head_dim, dtype=torch.bfloat16, device=dev)
+        self.wproj = torch.zeros(B, cfg.index_n_heads, dtype=torch.float32, device=dev)
+        self.iw = torch.zeros(B, cfg.index_n_heads, dtype=torch.bfloat16, device=dev)
+        # the one buffer that grows with the context: the indexer's scores over the visible entries
+        width = max([-(-state.max_context // r) for r in state.ratios], default=0)
+        self.scores = torch.zeros(B, width, dtype=torch.float32, device=dev)
+        self.empty_comp = torch.zeros(0, 288, dtype=torch.uint8, device=dev)
+        self.empty_table = torch.zeros(B, 0, dtype=torch.int32, device=dev)
+
+
+@dataclass
+class IndexSelection:
+    """What an index source leaves for the layers after it: its top-k, its sparse-index table (global
+    compressed slots) with per-row lengths, and the event that marks the table built."""
+
+    topk: torch.Tensor
+    table: torch.Tensor
+    lengths: torch.Tensor
+    ready: torch.cuda.Event | None = None
+
+
+class AttentionStep:
+    """Layer `layer.spec.layer` of the specialized step (see the module docstring)."""
+
+    def __init__(self, layer: AttentionLayer, state: DecodeState, meta: StepMeta, scratch: Scratch,
+                 lanes: Lanes, selections: dict[int, IndexSelection], candidates: dict[int, torch.Tensor],
+                 max_rows: int, wo_a_fp8: bool = False):
+        cfg, spec, w = layer.cfg, layer.spec, layer.w
+        if not 1 <= max_rows <= LOW_BATCH_MAX_ROWS:
+            raise NotEligible(f"max_rows={max_rows}: the specialized step serves 1..{LOW_BATCH_MAX_ROWS} rows")
+        if cfg.n_heads not in SUPPORTED_HEADS:
+            raise NotEligible(f"n_heads={cfg.n_heads}: sparse MLA runs {SUPPORTED_HEADS} local heads")
+        self.cfg, self.spec, self.w, self.layer = cfg, spec, w, layer
+        self.state, self.meta, self.s, self.lanes = state, meta, scratch, lanes
+        self.selections, self.candidates = selections, candidates
+        dev = state.device
+        L = spec.layer
+        # fused_wqa_wkv: one low-latency GEMM over the stacked weights (both FP8, 32-row blocks)
+        if cfg.q_lora_rank % 32:
+            raise NotEligible(f"q_lora_rank={cfg.q_lora_rank} must be a multiple of 32 to stack wq_a and wkv")
+        for name in ("wq_a", "wkv"):
+            if w[f"attn.{name}.weight"].dtype != torch.float8_e4m3fn or f"attn.{name}.scale" not in w:
+                raise NotEligible(f"attn.{name} must be an FP8 weight with 32x32 UE8M0 scales")
+        self.w_qkv = torch.cat([w["attn.wq_a.weight"], w["attn.wkv.weight"]])
+        self.s_qkv = torch.cat([w["attn.wq_a.scale"].view(torch.uint8), w["attn.wkv.scale"].view(torch.uint8)])
+        self.mm_qkv = _mm_plan(self.w_qkv, self.s_qkv, max_rows)
+        self.mm_wq_b = _fp8_plan(w, "wq_b", max_rows)
+        self.mm_wo_b = _fp8_plan(w, "wo_b", max_rows)
+        if "attn.wo_a.scale" in w:
+            self.wo_a_w, self.wo_a_s = w["attn.wo_a.weight"], w["attn.wo_a.scale"]
+        elif wo_a_fp8:
+            self.wo_a_w, self.wo_a_s = quantize_wo_a(w["attn.wo_a.weight"])
+        else:
+            self.wo_a_w, self.wo_a_s = w["attn.wo_a.weight"].to(torch.bfloat16), None
+        few = {"split": 1} if _few_programs(dev) else {}
+        self.wo_a_plan = WoAPlan.build(cfg.n_heads, cfg.o_groups, cfg.o_lora_rank, max_rows, self.wo_a_w.dtype,
+                                       dev, head_dim=cfg.head_dim, rope_dim=cfg.rope_head_dim, **few)
+        topk_w = 0 if spec.kind == SWA else cfg.index_topk
+        self.mla_plan = SparseMlaPlan.build(max_rows, cfg.n_heads, cfg.window_size, topk_w, dev,
+                                            **({"splits": 1} if few else {}))
+        wide = {"split": 1, "block_n": 256} if few else {}
+        self.sink = w["attn.attn_sink"].float().contiguous()
+        if spec.owns_compressor:
+            if spec.ratio == 2:
+                self.w_comp = torch.cat([w["attn.compressor.wkv.weight"], w["attn.compressor.wgate.weight"]]).float()
+            else:
+                self.w_comp = w["attn.compressor.wkv.weight"]
+            self.comp_plan = LlBf16Plan.build(self.w_comp.shape[0], cfg.dim, max_rows, self.w_comp.dtype, dev, **wide)
+            self.w_wk = w["attn.indexer.wk.weight"]
+            self.wk_plan = LlBf16Plan.build(cfg.index_head_dim, cfg.head_dim, max_rows, self.w_wk.dtype, dev, **wide)
+        if spec.runs_indexer:
+            self.mm_idx_wq_b = _fp8_plan(w, "indexer.wq_b", max_rows)
+            self.w_proj = w["attn.indexer.weights_proj.weight"]
+            self.proj_plan = LlBf16Plan.build(cfg.index_n_heads, cfg.dim, max_rows, self.w_proj.dtype, dev, **wide)
+            self.topk_plan = TopKPlan.build(max_rows, cfg.index_topk, 1, dev)
+            selections[L] = IndexSelection(
+                torch.full((max_rows, cfg.index_topk), -1, dtype=torch.int32, device=dev),
+                torch.full((max_rows, cfg.index_topk), -1, dtype=torch.int32, device=dev),
+                torch.zeros(max_rows, dtype=torch.int32, device=dev))
+            if spec.candidate_role == "source":
+                self.cand_plan = TopKPlan.build(max_rows, cfg.candidate_topk_blocks, cfg.candidate_block_size,
+                                                dev, chunk=512)
+                candidates[L] = torch.zeros(max_rows, self.s.scores.shape[1], dtype=torch.uint8, device=dev)
+
+    # ------------------------------------------------------------------ the schedule
+    def run(self, rows: int, u: torch.Tensor, u_codes: torch.Tensor, u_scales: torch.Tensor,
+            y: torch.Tensor, shared: dict) -> None:
+        """Enqueue the layer for rows [0, rows): inputs u [rows, dim] BF16 and its MXFP8 codes/scales
+        (written by the boundary), output y [rows, dim] BF16 (this rank's partial).
+
+        shared: the step's cross-layer events (`candidates`: the pending candidate expansion).
+        """
+        cfg, spec, s, m, lanes = self.cfg, self.spec, self.s, self.meta, self.lanes
+        st, L, r = self.state, spec.layer, spec.ratio
+        B = rows
+        # 1. input projections; the side projections start at once on their lanes
+        start = lanes.mark()                                  # protects u (written by the boundary)
+        ev_latent = ev_wproj = ev_iq = None
+        if spec.owns_compressor:
+            with lanes.side(AUX_COMPRESSOR):
+                lanes.wait(start)
+                kv_score = s.kv_score[:B, :self.w_comp.shape[0]]
+                ll_bf16_(self.comp_plan, u, self.w_comp, kv_score)
+        if spec.runs_indexer:
+            with lanes.side(AUX_INDEX_W):
+                lanes.wait(start)
+                ll_bf16_(self.proj_plan, u, self.w_proj, s.wproj[:B])
+                ev_wproj = lanes.mark()                       # protects wproj
+        qkv = self.mm_qkv(u_codes, u_scales, s.qkv_a[:B])
+        # 2. split and norm
+        ql = cfg.q_lora_rank
+        qr = rms_norm(qkv[:, :ql], self.w["attn.q_norm.weight"], cfg.norm_eps)
+        kv = rms_norm(qkv[:, ql:], self.w["attn.kv_norm.weight"], cfg.norm_eps)
+        act_quant_mxfp8_(qr, s.qr_codes[:B], s.qr_scales[:B])
+        qr_ready = lanes.mark()                               # protects qr codes
+        # 3. prepare: index query (aux 2), compressor + index key (aux 0), query + window (main)
+        if spec.runs_indexer:
+            with lanes.side(AUX_INDEX_Q):
+                lanes.wait(qr_ready)
+                self.mm_idx_wq_b(s.qr_codes[:B], s.qr_scales[:B], s.iq_raw[:B])
+                iq = rope_tail(s.iq_raw[:B].view(B, cfg.index_n_heads, cfg.index_head_dim), m.cis[r][:B],
+                               cfg.rope_head_dim)
+                s.iq[:B] = mxfp4_fake(iq)
+                lanes.wait(ev_wproj)
+                scale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
+                s.iw[:B] = s.wproj[:B].to(torch.bfloat16) * scale
+                ev_iq = lanes.mark()                          # protects iq, iw
+        if spec.owns_compressor:
+            with lanes.side(AUX_COMPRESSOR):
+                if r == 2:
+                    compress_ratio2_(kv_score, m.record[0, :B], m.record[1, :B], st.comp_kv[L],
+                                     st.comp_score[L], s.c[:B], s.done[:B])
+                    c = s.c[:B]
+                else:
+                    c = kv_score
+                lat = latent(c, self.w["attn.compressor.norm.weight"], cfg.norm_eps)
+                ll_bf16_(self.wk_plan, lat, self.w_wk, s.wk_out[:B])
+                compressed_entry_store_(lat, s.wk_out[:B], self.w["attn.indexer.k_norm.weight"],
+                                        m.group_cos[r][:B], m.group_sin[r][:B], m.entry_slot[r][:B],
+                                        st.compressed[L], st.index_keys[L], cfg.norm_eps)
+                ev_latent = lanes.mark()                      # protects compressed + index-key records
+        q = s.q[:B]
+        self.mm_wq_b(s.qr_codes[:B], s.qr_scales[:B], q.view(B, -1))
+        qkv_rope_insert_(q, kv, m.cos[r][:B], m.sin[r][:B], m.stage_slot[:B], st.window[L])
+        lanes.wait(ev_latent)
+        # 4. indexer
+        if spec.runs_indexer:
+            lanes.wait(ev_iq, shared.get("candidates"))       # the expansion still reads the scores
+            shared["candidates"] = None
+            sel = self.selections[L]
+            n_vis = m.n_vis[r][:B]
+            width = -(-st.max_context // r)
+            scores = s.scores[:B, :width]
+            cand = None
+            if spec.candidate_role == "consumer":
+                cand = self.candidates[spec.kv_source][:B, :width]
+            index_scores_mxfp4_(s.iq[:B], s.iw[:B], st.index_keys[spec.kv_source], st.block_table[r],
+                                st.page_size, m.kernel_slot[:B], n_vis, scores, cand)
+            topk_ascending_(scores, n_vis, sel.topk[:B], self.topk_plan)
+            if spec.candidate_role == "source":
+                scored = lanes.mark()                         # protects scores (read by the expansion)
+                with lanes.side(AUX_INDEX_W, candidates=True):
+                    lanes.wait(scored)
+                    candidate_mask_(scores, n_vis, self.candidates[L][:B, :width], self.cand_plan)
+                    shared["candidates"] = lanes.mark()       # protects the candidate mask, frees scores
+            topk_ready = lanes.mark()                         # protects sel.topk
+            with lanes.side(AUX_INDEX_Q):
+                lanes.wait(topk_ready)
+                topk_slots_(sel.topk[:B], m.kernel_slot[:B], st.block_table[r], st.page_size,
+                            sel.table[:B], sel.lengths[:B])
+                sel.ready = lanes.mark()                      # protects sel.table
+        # 5. sparse MLA over the window and the index source's selection
+        if spec.kind == SWA:
+            comp_pool, comp_table = s.empty_comp, s.empty_table[:B]
+        else:
+            sel = self.selections[spec.index_source]
+            lanes.wait(sel.ready)
+            comp_pool, comp_table = st.compressed[spec.kv_source], sel.table[:B]
+        o = s.o[:B]
+        sparse_mla_(self.mla_plan, q, st.window[L], comp_pool, m.window_table[:B], comp_table, self.sink,
+                    cfg.softmax_scale, o)
+        m.copy_staged(st.window[L], B)
+        # 6. output: inverse RoPE + grouped wo_a, then wo_b
+        wo_a_(self.wo_a_plan, o, m.cos[r][:B], m.sin[r][:B], self.wo_a_w, self.wo_a_s, s.z[:B])
+        act_quant_mxfp8_(s.z[:B], s.z_codes[:B], s.z_scales[:B])
+        self.mm_wo_b(s.z_codes[:B], s.z_scales[:B], y)

@@ -1,0 +1,75 @@
+"""The single-GPU boundary of the specialized step (design section 3; spec section 4).
+
+Between attention sublayer i and i+1 (no FFN plugged in): the post-mix of layer i's output into
+the streams with the `post`/`comb` of site i, the collapse of the new streams with site i's `pre`
+(the carried pre), the next layer's attn_norm and the MXFP8 quantization of the next input - one
+fused launch on the main stream (`ops.mhc.mhc_boundary_`). Site i+1's mixer depends only on the
+streams entering it, so it runs on a side lane (`ops.mhc.hc_mix_`) from the moment those streams
+are written, and is joined where its post/comb/pre are first read (the end of layer i+1).
+
+Buffers are double-buffered by site parity: site k's mixer writes set k % 2 while the boundary of
+site k-1 reads set (k-1) % 2.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops.act_quant import act_quant_mxfp8_
+from ..ops.mhc import HcMixPlan, hc_mix_, mhc_boundary_
+from ..reference.linear import rms_norm
+from ..reference.mhc import hc_pre
+from .lanes import AUX_INDEX_W, Lanes
+
+
+class Boundary:
+    """The streams, mixer outputs and next-layer inputs of a step, and the ops between layers."""
+
+    def __init__(self, stack, max_rows: int, device: torch.device):
+        cfg = stack.cfg
+        self.cfg, self.stack = cfg, stack
+        B, hc, d = max_rows, cfg.hc_mult, cfg.dim
+        self.u = torch.zeros(B, d, dtype=torch.bfloat16, device=device)
+        self.codes = torch.zeros(B, d, dtype=torch.float8_e4m3fn, device=device)
+        self.scales = torch.zeros(B, d // 32, dtype=torch.uint8, device=device)
+        self.streams = [torch.zeros(B, hc, d, dtype=torch.bfloat16, device=device) for _ in range(2)]
+        self.pre = [torch.zeros(B, hc, dtype=torch.float32, device=device) for _ in range(2)]
+        self.post = [torch.zeros(B, hc, dtype=torch.float32, device=device) for _ in range(2)]
+        self.comb = [torch.zeros(B, hc, hc, dtype=torch.float32, device=device) for _ in range(2)]
+        # one plan per parity: two sites' mixers may be in flight at once
+        self.plans = [HcMixPlan.build(d, B, device, **({"split": 1} if device.type != "cuda" else {}))
+                      for _ in range(2)]
+
+    def _w(self, layer: int, name: str) -> torch.Tensor:
+        return self.stack.layers[layer].w[name]
+
+    def mix(self, layer: int, x: torch.Tensor, slot: int, rows: int, lanes: Lanes):
+        """Enqueue site `layer`'s mixer of streams x [rows, hc, dim] on the side lane into set `slot`;
+        returns the event that marks post/comb/pre written (None when it ran inline)."""
+        cfg = self.cfg
+        x_ready = lanes.mark()                                 # protects x (the new streams)
+        with lanes.side(AUX_INDEX_W):
+            lanes.wait(x_ready)
+            hc_mix_(x, self._w(layer, "hc_attn_fn"), self._w(layer, "hc_attn_scale"),
+                    self._w(layer, "hc_attn_base"), cfg.norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters,
+                    self.pre[slot][:rows], self.post[slot][:rows], self.comb[slot][:rows], self.plans[slot])
+            return lanes.mark()
+
+    def enter(self, layer: int, x: torch.Tensor, pre_in: torch.Tensor, rows: int) -> None:
+        """The first layer's input: attn_norm(collapse(x, pre_in)) as BF16 and MXFP8."""
+        u = rms_norm(hc_pre(x, pre_in), self._w(layer, "attn_norm.weight"), self.cfg.norm_eps)
+        self.u[:rows] = u
+        act_quant_mxfp8_(self.u[:rows], self.codes[:rows], self.scales[:rows])
+
+    def exit(self, layer: int, nxt: int | None, y: torch.Tensor, x: torch.Tensor, slot: int,
+             x_new: torch.Tensor, rows: int) -> None:
+        """Post-mix layer `layer`'s output y into x_new; when a next layer follows, write its input
+        (collapse with this site's pre, its attn_norm, MXFP8) into u/codes/scales."""
+        norm = self._w(nxt if nxt is not None else layer, "attn_norm.weight")
+        mhc_boundary_(y, x, self.post[slot][:rows], self.comb[slot][:rows], self.pre[slot][:rows], norm,
+                      self.cfg.norm_eps, x_new, self.u[:rows], self.codes[:rows], self.scales[:rows])
+
+    def memory_bytes(self) -> int:
+        ts = [self.u, self.codes, self.scales, *self.streams, *self.pre, *self.post, *self.comb]
+        ts += [t for p in self.plans for t in (p.partials, p.counters)]
+        return sum(t.numel() * t.element_size() for t in ts)

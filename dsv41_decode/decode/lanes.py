@@ -1,0 +1,52 @@
+"""The step's streams: the main stream and three auxiliary lanes, and the events between them.
+
+Every cross-lane handoff is one event, recorded where the protected tensor is written and waited on
+where it is first read. On the CPU, or with overlap off, every lane is the current stream and the
+events are None (waiting on None is a no-op), so the same schedule runs serially.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+AUX_COMPRESSOR = 0   # compressor kv_score, state update, latent, index key
+AUX_INDEX_W = 1      # indexer weights_proj; the next site's mHC mixer; candidate expansion
+AUX_INDEX_Q = 2      # indexer query; sparse-index table builds
+
+
+class Lanes:
+    """Lanes of one DecodeStep, shared by all its layers.
+
+    device: the step's device; side lanes exist only on CUDA.
+    overlap_inputs: side projections and prepare work on lanes 0-2 (else on the main stream).
+    overlap_candidates: the candidate expansion on lane 1 (else inline on the main stream).
+    """
+
+    def __init__(self, device: torch.device, overlap_inputs: bool, overlap_candidates: bool):
+        cuda = device.type == "cuda"
+        self.device = device
+        self.overlap_inputs = cuda and overlap_inputs
+        self.overlap_candidates = cuda and overlap_candidates
+        self._aux = [torch.cuda.Stream(device) for _ in range(3)] if cuda else []
+
+    def side(self, lane: int, candidates: bool = False):
+        """Context running the enclosed ops on aux lane `lane` (or inline when that overlap is off)."""
+        on = self.overlap_candidates if candidates else self.overlap_inputs
+        return torch.cuda.stream(self._aux[lane]) if on else contextlib.nullcontext()
+
+    def mark(self) -> torch.cuda.Event | None:
+        """An event recorded on the current stream (None when nothing runs concurrently)."""
+        if not (self.overlap_inputs or self.overlap_candidates):
+            return None
+        ev = torch.cuda.Event()
+        ev.record()
+        return ev
+
+    @staticmethod
+    def wait(*events: torch.cuda.Event | None) -> None:
+        """Make the current stream wait for every given event (None: already ordered)."""
+        for ev in events:
+            if ev is not None:
+                torch.cuda.current_stream().wait_event(ev)

@@ -1,0 +1,196 @@
+"""DecodeStep: one decode step over every attention layer of a stack, captured per row bucket.
+
+    step = stack.decode_step(state, max_rows=16)        # plans, buffers, graphs: once
+    x, pre = step(x, [("a", 1), ("b", 4)])               # one step: 1 row of "a", 1 + 3 draft rows of "b"
+
+A call plans the step's rows in the `DecodeState` (page allocation, capacity checks), loads one
+small record per row to the device, replays the CUDA graph of the smallest bucket that holds the
+rows (rows past the step's are padding that writes nothing), and advances the state. Requests are
+admitted and freed on the state between steps; nothing is recaptured. Eager mode (`graphs=False`,
+and always on the CPU) runs the same schedule without a graph.
+
+The step leaves the tensors of the generic path (`AttentionStack.forward`) at every boundary, up to
+the kernels' rounding (see tests/decode); it does not run an FFN between the attention sublayers.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ..ops import LOW_BATCH_MAX_ROWS
+from ..state import DecodeState
+from .attention import AttentionStep, IndexSelection, Scratch
+from .boundary import Boundary
+from .lanes import Lanes
+from .tables import StepMeta
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+class StepError(ValueError):
+    """A step the captured DecodeStep cannot run (the message names the rows, request or bucket)."""
+
+
+class DecodeStep:
+    """The specialized decode step of `stack` over `state` (design section 1).
+
+    buckets: row counts captured as CUDA graphs (ascending, each 1..LOW_BATCH_MAX_ROWS); default
+        1, 2, 4, ... up to max_rows.
+    overlap_inputs / overlap_candidates: side work on auxiliary streams (design section 1, plan).
+    graphs: capture and replay CUDA graphs (CUDA only); False runs eagerly (debugging).
+    wo_a_fp8: quantize a BF16 `wo_a` to FP8 once at build (changes the numbers; see ops.wo_a).
+    """
+
+    def __init__(self, stack, state: DecodeState, max_rows: int = 16, buckets: Sequence[int] | None = None,
+                 overlap_inputs: bool = True, overlap_candidates: bool = True, graphs: bool = True,
+                 wo_a_fp8: bool = False):
+        if buckets is None:
+            buckets = tuple(b for b in DEFAULT_BUCKETS if b < max_rows) + (max_rows,)
+        buckets = tuple(sorted(set(buckets)))
+        if not buckets or buckets[0] < 1 or buckets[-1] > LOW_BATCH_MAX_ROWS:
+            raise StepError(f"buckets must lie in 1..{LOW_BATCH_MAX_ROWS} (LOW_BATCH_MAX_ROWS), got {buckets}")
+        if state.cfg is not stack.cfg and state.cfg != stack.cfg:
+            raise StepError("the state was built for another configuration than the stack")
+        self.stack, self.state, self.cfg = stack, state, stack.cfg
+        self.buckets, self.max_rows = buckets, buckets[-1]
+        dev = state.device
+        self.device = dev
+        self.plan = dict(low_batch=True, overlap_inputs=overlap_inputs, overlap_candidates=overlap_candidates,
+                         layers=[(i, stack.cfg.plan[i].label) for i in stack.ids])
+        B, cfg = self.max_rows, self.cfg
+        self.meta = StepMeta(cfg, state, B)
+        self.scratch = Scratch(cfg, state, B)
+        self.lanes = Lanes(dev, overlap_inputs, overlap_candidates)
+        self.selections: dict[int, IndexSelection] = {}
+        self.candidate_masks: dict[int, torch.Tensor] = {}
+        self.layers = {i: AttentionStep(stack.layers[i], state, self.meta, self.scratch, self.lanes,
+                                        self.selections, self.candidate_masks, B, wo_a_fp8)
+                       for i in stack.ids}
+        self.boundary = Boundary(stack, B, dev)
+        hc, d = cfg.hc_mult, cfg.dim
+        self.x_in = torch.zeros(B, hc, d, dtype=torch.bfloat16, device=dev)
+        self.pre_in = torch.zeros(B, hc, dtype=torch.float32, device=dev)
+        self.x_out = torch.zeros(B, hc, d, dtype=torch.bfloat16, device=dev)
+        self.y = torch.zeros(B, d, dtype=torch.bfloat16, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.use_graphs = graphs and dev.type == "cuda"
+        if self.use_graphs:
+            self._capture()
+
+    # ------------------------------------------------------------------ schedule
+    def _body(self, rows: int) -> None:
+        """Every layer for rows [0, rows) from x_in/pre_in into x_out/pre_out (what a graph holds)."""
+        B, lanes, bd = rows, self.lanes, self.boundary
+        self.meta.derive(B)
+        shared: dict = {}
+        ids = self.stack.ids
+        x = self.x_in[:B]
+        mix_ready = bd.mix(ids[0], x, 0, B, lanes)
+        bd.enter(ids[0], x, self.pre_in[:B], B)
+        for k, i in enumerate(ids):
+            self.layers[i].run(B, bd.u[:B], bd.codes[:B], bd.scales[:B], self.y[:B], shared)
+            lanes.wait(mix_ready)                             # post/comb/pre of this site
+            nxt = ids[k + 1] if k + 1 < len(ids) else None
+            x_new = self.x_out[:B] if nxt is None else bd.streams[k % 2][:B]
+            bd.exit(i, nxt, self.y[:B], x, k % 2, x_new, B)
+            if nxt is not None:
+                mix_ready = bd.mix(nxt, x_new, (k + 1) % 2, B, lanes)
+            x = x_new
+        self.pre_out = bd.pre[(len(ids) - 1) % 2]
+        lanes.wait(shared.get("candidates"), *(s.ready for s in self.selections.values()))
+
+    def _capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        for b in self.buckets:
+            self._padding(b)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):       # compile and allocate outside the capture
+                self._body(b)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                self._body(b)
+            self.graphs[b] = g
+        torch.cuda.synchronize(self.device)
+
+    def _padding(self, rows: int) -> None:
+        """A record of `rows` padding rows: a run with it writes no cache or state."""
+        rec = self.meta.record
+        rec[0, :rows] = -1
+        rec[1, :rows] = -1
+        rec[2, :rows] = 0
+        rec[3, :rows] = torch.arange(rows, device=self.device)
+        rec[4, :rows] = -1
+
+    # ------------------------------------------------------------------ public call
+    def bucket_for(self, rows: int) -> int:
+        """The smallest captured bucket holding `rows` rows; StepError past the largest."""
+        for b in self.buckets:
+            if rows <= b:
+                return b
+        raise StepError(f"the step has {rows} rows, more than the largest captured bucket "
+                        f"{self.buckets[-1]} (buckets {self.buckets}); run the generic path "
+                        f"(AttentionStack.forward) or build the step with more rows")
+
+    def __call__(self, x: torch.Tensor, rows: Sequence[tuple], pre: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run one decode step; returns (streams [N, hc, dim] BF16, carried pre [N, hc] FP32).
+
+        x: [N, hc, dim] BF16 streams entering the first layer (N = total rows).
+        rows: per request in row order, (req_id, count) or (req_id, count, first_position); count is
+            1 + draft rows; a given first_position must equal the request's cached length
+            (StepError otherwise: positions that go backwards or skip).
+        pre: [N, hc] FP32 carried pre (default: one-hot on stream 0, as the stack's first block).
+        Errors: KeyError for an unknown request, CapacityError past the state's capacities (both
+        from DecodeState.plan), StepError for more rows than the largest bucket.
+        """
+        plan_rows = []
+        for entry in rows:
+            if len(entry) == 3:
+                req, count, first = entry
+                have = self.state.length(req)
+                if first != have:
+                    raise StepError(f"request {req!r}: the step starts at position {first} but the "
+                                    f"request holds {have} tokens; positions must continue it")
+            elif len(entry) == 2:
+                req, count = entry
+            else:
+                raise StepError(f"rows entries must be (req_id, count[, first_position]), got {entry!r}")
+            plan_rows.append((req, count))
+        n = sum(c for _, c in plan_rows)
+        bucket = self.bucket_for(n)
+        cfg = self.cfg
+        if x.shape != (n, cfg.hc_mult, cfg.dim) or x.dtype != torch.bfloat16:
+            raise StepError(f"x must be [{n}, {cfg.hc_mult}, {cfg.dim}] bfloat16, got {tuple(x.shape)} {x.dtype}")
+        step = self.state.plan(plan_rows)
+        self.meta.load(step, bucket)
+        self.x_in[:n].copy_(x)
+        if pre is None:
+            self.pre_in[:n] = self.stack.initial_pre(n, self.device)
+        else:
+            self.pre_in[:n].copy_(pre)
+        if self.use_graphs:
+            self.graphs[bucket].replay()
+        else:
+            self._body(bucket)
+        out = self.x_out[:n].clone(), self.pre_out[:n].clone()
+        self.state.advance(step)
+        return out
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Device bytes the step owns beyond the stack's weights and the state's caches (by family)."""
+        def size(ts) -> int:
+            return sum(t.numel() * t.element_size() for t in ts)
+        scratch = [t for t in vars(self.scratch).values() if isinstance(t, torch.Tensor)]
+        sel = [t for s in self.selections.values() for t in (s.topk, s.table, s.lengths)]
+        return {"scratch": size(scratch) - self.scratch.scores.numel() * 4,
+                "scores": self.scratch.scores.numel() * 4,
+                "selections": size(sel) + size(self.candidate_masks.values()),
+                "streams": size([self.x_in, self.x_out, self.pre_in, self.y]) + self.boundary.memory_bytes()}
+
+    def __repr__(self) -> str:
+        return (f"DecodeStep({len(self.layers)} layers, buckets {self.buckets}, graphs={self.use_graphs}, "
+                f"overlap_inputs={self.lanes.overlap_inputs}, overlap_candidates={self.lanes.overlap_candidates})")
