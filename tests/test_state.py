@@ -377,8 +377,8 @@ def test_memory_does_not_grow_with_max_context(small):
         if k != "tables":
             assert ma[k] == mb[k], k
     assert mb["tables"] > ma["tables"]
-    # window: 12 layers x 4 slots x 32 ring slots x 528 B; compressor: 2 layers x 2 x [4, 2, 512] FP32
-    assert ma["window"] == 12 * 4 * 32 * 528
+    # window: 12 layers x (4 slots x 32 ring slots + 64 staging rows) x 528 B; compressor: 2 layers x 2 x [4, 2, 512] FP32
+    assert ma["window"] == 12 * (4 * 32 + 64) * 528   # + 64 staging rows per layer (stage_rows)
     assert ma["compressor"] == 2 * 2 * 4 * 2 * 512 * 4
     # ratio 2: ceil(1024/2/64) + 4 = 12 pages for layers 2, 4; ratio 1: 16 + 4 = 20 pages for layer 6
     assert ma["compressed"] == (2 * 12 + 20) * 64 * 288
