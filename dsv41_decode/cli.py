@@ -81,6 +81,18 @@ def _parser() -> argparse.ArgumentParser:
     at.add_argument("--name", default="attn", help="results file stem: <out>/<name>-<gpu>.jsonl (default: attn)")
     at.add_argument("--out", type=Path, default=Path("docs/results"), help="results folder (default: docs/results)")
 
+    st = bsub.add_parser("step", help="the 40-layer V4.1-Flash decode step (random weights, synthetic state): "
+                         "specialized step vs no overlap vs the generic path, per-layer-kind breakdown, timeline",
+                         description="Times by CUDA-graph replay (median of 20); writes docs/results/step-<gpu>.jsonl, "
+                         "step-timeline-<gpu>.json (profiler trace) and step-timeline-<gpu>.png.")
+    st.add_argument("--rows", default="1,2,4,8,16,32,64", help="row buckets (default: 1,2,4,8,16,32,64)")
+    st.add_argument("--contexts", default="4096,32768,131072", help="contexts (default: 4096,32768,131072)")
+    st.add_argument("--generic-rows", default="1,8", help="rows at which the generic path is timed (default: 1,8)")
+    st.add_argument("--generic-contexts", default="32768", help="contexts of the generic path, the layer "
+                    "breakdown and the timeline (default: 32768)")
+    st.add_argument("--name", default="step", help="results file stem (default: step)")
+    st.add_argument("--out", type=Path, default=Path("docs/results"), help="results folder (default: docs/results)")
+
     pl = sub.add_parser("plan", help="print a configuration's layer plan (kind and sources per layer)")
     _config_arg(pl, "v41-flash")
     return ap
@@ -162,6 +174,12 @@ def _bench(args, console: Console) -> int:
         run_attn_bench(AttnOps(), _ints(args.rows, "rows"), _ints(args.heads, "heads"),
                        _ints(args.contexts, "contexts"), args.out, progress=console.print,
                        families=tuple(args.families.split(",")), bench_name=args.name)
+        return 0
+    if args.bench_cmd == "step":
+        from .bench.step import run_step_bench
+        run_step_bench(_ints(args.rows, "rows"), _ints(args.contexts, "contexts"), args.out, console.print,
+                       _ints(args.generic_rows, "generic rows"), _ints(args.generic_contexts, "generic contexts"),
+                       bench_name=args.name)
         return 0
     from .bench.gemm import flash_shapes, run_gemm_bench
     from .bench.gemm_ops import GemmOps

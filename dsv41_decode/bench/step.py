@@ -1,0 +1,176 @@
+"""`dsv41-decode bench step`: the 40-layer decode step of V4.1-Flash on one GPU, by CUDA-graph replay.
+
+Random weights (`testing.synthetic`), synthetic state at each context (random valid records, no
+prefill), one row per request (and 4 requests x (1 + 3 draft rows)). Variants, in the same run:
+`full` (the specialized step), `no_overlap` (the same kernels, every lane on the main stream) and
+`generic` (the stack's own forward, eager: serial reference ops, tables rebuilt per layer).
+Each row reports the step time, GB/s and percent of the step floor (design section 5: the bytes a
+step must read once over the streaming-read bandwidth measured in the same run); the per-layer-kind
+rows time one layer's schedule alone (graph of repeated calls); the memory rows give the device
+bytes of weights, caches per request and the step's own buffers.
+"""
+
+from __future__ import annotations
+
+import statistics
+import torch
+
+from ..config import FULL, REINDEX, SWA, ModelConfig
+from ..stack import AttentionStack
+from ..state import DecodeState
+from ..testing.synthetic import fill_state, random_checkpoint
+from .attn import eager_time_us
+from .floor import read_bandwidth_gbps
+from .results import format_table, record, run_info, write_jsonl
+from .timing import graph_time_us
+
+ROWS = (1, 2, 4, 8, 16, 32, 64)
+CONTEXTS = (4096, 32768, 131072)
+_SKIP = ("hc_ffn", "ffn_norm")   # the FFN site's tensors: not read by an attention step
+
+
+def weight_bytes(stack: AttentionStack) -> int:
+    """Bytes of every tensor an attention step reads (all layers; FFN-site tensors excluded)."""
+    return sum(t.numel() * t.element_size() for layer in stack.layers.values()
+               for name, t in layer.w.items() if not name.startswith(_SKIP))
+
+
+def kv_bytes(cfg: ModelConfig, context: int, rows: int) -> int:
+    """Cache bytes a step must read for `rows` rows at `context`: window records, selected compressed
+    entries, and index keys over the visible entries (Full) or the candidate pool (Reindex)."""
+    return sum(kv_bytes_layer(cfg, L, context, rows) for L in range(cfg.n_layers))
+
+
+def _replay_us(graph: torch.cuda.CUDAGraph, replays: int = 20) -> float:
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def _arm(step, rows: list[tuple], gen: torch.Generator) -> int:
+    """Plan `rows` in the state and load them into the step without advancing; returns the bucket."""
+    sr = step.state.plan(rows)
+    bucket = step.bucket_for(sr.n_rows)
+    step.meta.load(sr, bucket)
+    n, cfg = sr.n_rows, step.cfg
+    step.x_in[:n] = torch.randn(n, cfg.hc_mult, cfg.dim, generator=gen, device=step.device).to(torch.bfloat16)
+    step.pre_in[:n] = step.stack.initial_pre(n, step.device)
+    return bucket
+
+
+def _layer_kinds(cfg: ModelConfig) -> dict[str, int]:
+    """One representative layer per kind label and ratio (first occurrence)."""
+    out: dict[str, int] = {}
+    for spec in cfg.plan:
+        if spec.layer < cfg.n_layers:
+            out.setdefault(f"{spec.label}/r{spec.ratio}", spec.layer)
+    return out
+
+
+def run_step_bench(rows=ROWS, contexts=CONTEXTS, out_dir="docs/results", progress=print, generic_rows=(1, 8),
+                   generic_contexts=(32768,), kinds_rows=(1, 8), timeline: bool = True,
+                   bench_name: str = "step") -> list[dict]:
+    """Every variant at every (context, rows); returns and writes the result rows."""
+    info = run_info()
+    floor = read_bandwidth_gbps()
+    progress(f"streaming read: {floor:.0f} GB/s on {info['gpu']}")
+    cfg = ModelConfig.preset("v41-flash")
+    torch.cuda.reset_peak_memory_stats()
+    stack = AttentionStack(random_checkpoint(cfg, "cuda"))
+    wbytes = weight_bytes(stack)
+    progress(f"weights read per step: {wbytes / 1e9:.3f} GB ({wbytes / (floor * 1e9) * 1e6:.0f} us at the floor)")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    results: list[dict] = []
+    max_rows = max(rows)
+    cases = [(f"{n}x1", [(i, 1) for i in range(n)]) for n in rows] + [("4x(1+3)", [(i, 4) for i in range(4)])]
+    for ctx in contexts:
+        state = DecodeState(cfg, max_requests=max_rows, max_context=ctx + 1024, page_size=64, device="cuda")
+        fill_state(state, {i: ctx for i in range(max_rows)})
+        mem_state = sum(state.memory_bytes().values())
+        steps = {}
+        for variant, opts in (("full", {}), ("no_overlap", dict(overlap_inputs=False, overlap_candidates=False))):
+            progress(f"context {ctx}: building + capturing the {variant} step")
+            steps[variant] = stack.decode_step(state, max_rows=max_rows, buckets=rows, **opts)
+        times: dict[tuple[str, str], float] = {}
+        for name, case_rows in cases:
+            for variant, step in steps.items():
+                bucket = _arm(step, case_rows, gen)
+                times[(name, variant)] = _replay_us(step.graphs[bucket])
+            n = sum(c for _, c in case_rows)
+            base = {"no_overlap": times[(name, "no_overlap")]}
+            if ctx in generic_contexts and n in generic_rows and "+" not in name:
+                x = torch.randn(n, cfg.hc_mult, cfg.dim, device="cuda").to(torch.bfloat16)
+
+                def generic(x=x, state=state, case_rows=case_rows):
+                    stack.forward(x, state.plan(case_rows), state)
+                base["generic"] = eager_time_us(generic, reps=2)
+            nbytes = wbytes + kv_bytes(cfg, ctx, n)
+            step = steps["full"]
+            rec = record(bench_name, {"op": "step_40_layers", "rows": n, "requests": name, "context": ctx,
+                                      "tp": 1}, times[(name, "full")], nbytes, floor, base, info)
+            rec["memory_mb"] = {"state": round(mem_state / 2**20, 1),
+                                "state_per_request": round(mem_state / max_rows / 2**20, 2),
+                                "step_buffers": round(sum(step.memory_bytes().values()) / 2**20, 1)}
+            results.append(rec)
+            progress(f"ctx {ctx} rows {name}: full {times[(name, 'full')]:.1f} us, {base}")
+        if ctx in generic_contexts:
+            results += _kind_breakdown(steps, cfg, ctx, kinds_rows, floor, info, gen, bench_name, progress)
+        if timeline and ctx == generic_contexts[0]:
+            from .step_timeline import write_timeline
+            _arm(steps["full"], [(0, 1)], gen)
+            write_timeline(steps["full"], 1, out_dir, info, progress)
+        del steps, state
+        torch.cuda.empty_cache()
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    progress(f"peak GPU memory: {peak:.1f} GiB")
+    for r in results:
+        r["read_gbps"] = round(floor, 1)
+        r["peak_gib"] = round(peak, 1)
+    write_jsonl(results, out_dir, bench_name)
+    print(format_table(results, ["op", "rows", "requests", "context", "kind"]))
+    return results
+
+
+def _kind_breakdown(steps, cfg, ctx, kinds_rows, floor, info, gen, bench_name, progress) -> list[dict]:
+    """One layer of each kind alone, full vs no-overlap (graphs of repeated calls)."""
+    out = []
+    for n in kinds_rows:
+        for label, L in _layer_kinds(cfg).items():
+            us = {}
+            for variant, step in steps.items():
+                bucket = _arm(step, [(i, 1) for i in range(n)], gen)
+                step.meta.derive(bucket)
+                layer, bd = step.layers[L], step.boundary
+
+                def call(layer=layer, bd=bd, step=step, bucket=bucket):
+                    layer.run(bucket, bd.u[:bucket], bd.codes[:bucket], bd.scales[:bucket], step.y[:bucket], {})
+                    step.lanes.wait(*(s.ready for s in step.selections.values()))
+                us[variant] = graph_time_us(call, replays=20, min_calls=8)
+            lw = sum(t.numel() * t.element_size() for k, t in step.layers[L].w.items() if not k.startswith(_SKIP))
+            nbytes = lw + kv_bytes_layer(cfg, L, ctx, n)
+            out.append(record(bench_name, {"op": "layer", "kind": label, "layer": L, "rows": n, "context": ctx,
+                                           "tp": 1}, us["full"], nbytes, floor, {"no_overlap": us["no_overlap"]}, info))
+            progress(f"  layer {L} {label} rows {n}: full {us['full']:.1f} us, no overlap {us['no_overlap']:.1f} us")
+    return out
+
+
+def kv_bytes_layer(cfg: ModelConfig, layer: int, context: int, rows: int) -> int:
+    """`kv_bytes` of one layer."""
+    spec = cfg.plan[layer]
+    total = min(cfg.window_size, context) * 528
+    if spec.kind != SWA:
+        n_vis = context // spec.ratio
+        total += min(cfg.index_topk, n_vis) * 288
+        if spec.kind == FULL:
+            total += n_vis * 68
+        elif spec.kind == REINDEX:
+            total += min(n_vis, cfg.candidate_topk_blocks * cfg.candidate_block_size) * 68
+    return total * rows

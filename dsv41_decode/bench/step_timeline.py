@@ -1,0 +1,64 @@
+"""A timeline of one decode step: a profiler trace of one CUDA-graph replay and a PNG of the kernels
+per stream around one Full layer (the side lanes overlapping the main stream)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .results import gpu_slug
+
+
+def _kernels(trace: dict) -> list[dict]:
+    return [e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel" and "dur" in e]
+
+
+def write_timeline(step, bucket: int, out_dir: str, info: dict, progress=print) -> None:
+    """Profile one replay of `step.graphs[bucket]`; write `step-timeline-<gpu>.json` (chrome trace)
+    and `step-timeline-<gpu>.png` (kernels per stream during the first Full layer)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    slug = gpu_slug(info["gpu"])
+    graph = step.graphs[bucket]
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    path = out / f"step-timeline-{slug}.json"
+    prof.export_chrome_trace(str(path))
+    kernels = _kernels(json.loads(path.read_text()))
+    if not kernels:
+        progress("timeline: the profiler saw no kernels of the graph replay")
+        return
+    kernels.sort(key=lambda e: e["ts"])
+    bounds = [e for e in kernels if "mhc_boundary" in e["name"]]
+    full = [i for i, L in enumerate(step.stack.ids) if step.stack.cfg.plan[L].kind == "full"]
+    k = full[0] if full else 0
+    t0 = bounds[k - 1]["ts"] + bounds[k - 1]["dur"] if k >= 1 and len(bounds) >= k else kernels[0]["ts"]
+    t1 = bounds[k]["ts"] + bounds[k]["dur"] if len(bounds) > k else kernels[-1]["ts"]
+    window = [e for e in kernels if t0 - 2 <= e["ts"] <= t1]
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    streams = sorted({e.get("args", {}).get("stream", e.get("tid")) for e in window})
+    fig, ax = plt.subplots(figsize=(14, 1.2 + 0.8 * len(streams)))
+    for y, s in enumerate(streams):
+        for e in window:
+            if e.get("args", {}).get("stream", e.get("tid")) != s:
+                continue
+            ax.broken_barh([(e["ts"] - t0, e["dur"])], (y - 0.4, 0.8), color=f"C{hash(e['name']) % 10}")
+            if e["dur"] > (t1 - t0) / 40:
+                ax.text(e["ts"] - t0 + e["dur"] / 2, y, e["name"].strip("_")[:18], ha="center", va="center",
+                        fontsize=6)
+    ax.set_yticks(range(len(streams)), [f"stream {s}" for s in streams])
+    ax.set_xlabel("us from the end of the previous boundary")
+    L = step.stack.ids[k]
+    ax.set_title(f"layer {L} ({step.stack.cfg.plan[L].label}), 1 row, one CUDA-graph replay on {info['gpu']} "
+                 f"(commit {info['commit']}, {info['date']}); total step {kernels[-1]['ts'] + kernels[-1]['dur'] - kernels[0]['ts']:.0f} us")
+    fig.tight_layout()
+    fig.savefig(out / f"step-timeline-{slug}.png", dpi=120)
+    plt.close(fig)
+    progress(f"timeline: {len(kernels)} kernels, {len(streams)} streams in layer {L}; wrote {path} and the PNG")
