@@ -28,3 +28,36 @@ for k in range(40):
     ref, pref = stack.forward(x, states[2].plan(rows), states[2])
     err = ((og.float() - ref.float()).norm() / ref.float().norm()).item()
     print(f"step {k}: graph==eager {torch.equal(og, oe) and torch.equal(pg, pe)}, rel rms vs generic {err:.2e}")
+
+# teacher-forced: each layer of one eager step against the reference layer on the same input
+from dsv41_decode.decode.attention import AttentionStep  # noqa: E402
+from dsv41_decode.layer import CallContext  # noqa: E402
+
+cap = {}
+orig = AttentionStep.run
+
+
+def run(self, rows, u, c, s, y, shared):
+    uu = u.clone()
+    orig(self, rows, u, c, s, y, shared)
+    cap[self.spec.layer] = (uu, y.clone())
+    if self.spec.runs_indexer:
+        cap[("topk", self.spec.layer)] = self.selections[self.spec.layer].topk[:rows].clone()
+
+
+AttentionStep.run = run
+base = copy.deepcopy(states[1])
+rows = [("a", 1), ("b", 4), ("c", 2)]
+x = torch.randn(7, cfg.hc_mult, cfg.dim, generator=g, device="cuda").to(torch.bfloat16)
+eager_step(x, rows)
+sp = base.plan(rows)
+ctx = CallContext()
+for i in stack.ids:
+    u, y = cap[i]
+    yr = stack.layers[i].forward(u[:7], sp, base, ctx)
+    msg = f"layer {i} {cfg.plan[i].label}: y rel {((y[:7].float() - yr.float()).norm() / yr.float().norm()).item():.2e}"
+    if ("topk", i) in cap:
+        mine = [set(t[t >= 0].tolist()) for t in cap[("topk", i)][:7]]
+        ref = [set(t[t >= 0].tolist()) for t in ctx.topk[i]]
+        msg += f", top-k rows equal {sum(a == b for a, b in zip(mine, ref))}/7"
+    print(msg)

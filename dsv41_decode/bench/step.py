@@ -90,7 +90,9 @@ def run_step_bench(rows=ROWS, contexts=CONTEXTS, out_dir="docs/results", progres
     gen = torch.Generator(device="cuda").manual_seed(1)
     results: list[dict] = []
     max_rows = max(rows)
-    cases = [(f"{n}x1", [(i, 1) for i in range(n)]) for n in rows] + [("4x(1+3)", [(i, 4) for i in range(4)])]
+    cases = [(f"{n}x1", [(i, 1) for i in range(n)]) for n in rows]
+    if max_rows >= 16:
+        cases.append(("4x(1+3)", [(i, 4) for i in range(4)]))
     for ctx in contexts:
         state = DecodeState(cfg, max_requests=max_rows, max_context=ctx + 1024, page_size=64, device="cuda")
         fill_state(state, {i: ctx for i in range(max_rows)})
