@@ -28,13 +28,12 @@ from ..ops.compressor import compress_ratio2_
 from ..ops.indexer import index_scores_mxfp4_
 from ..ops.kv_write import compressed_entry_store_, qkv_rope_insert_
 from ..ops.ll_bf16 import LlBf16Plan, ll_bf16_
+from ..ops.rms_norm import rms_norm_
 from ..ops.low_latency_mm import LowLatencyConfig, LowLatencyMM
 from ..ops.sparse_mla import SUPPORTED_HEADS, SparseMlaPlan, sparse_mla_
 from ..ops.sparse_tables import topk_slots_
 from ..ops.topk import TopKPlan, candidate_mask_, topk_ascending_
 from ..ops.wo_a import WoAPlan, quantize_wo_a, wo_a_
-from ..reference.compressor import latent
-from ..reference.linear import rms_norm
 from ..reference.rope import rope_tail
 from ..state import DecodeState
 from .lanes import AUX_COMPRESSOR, AUX_INDEX_Q, AUX_INDEX_W, Lanes
@@ -75,6 +74,9 @@ class Scratch:
         dev, B = state.device, max_rows
         H, D, ql = cfg.n_heads, cfg.head_dim, cfg.q_lora_rank
         self.qkv_a = torch.zeros(B, ql + D, dtype=torch.bfloat16, device=dev)
+        self.qr = torch.zeros(B, ql, dtype=torch.bfloat16, device=dev)
+        self.kv = torch.zeros(B, D, dtype=torch.bfloat16, device=dev)
+        self.lat = torch.zeros(B, D, dtype=torch.bfloat16, device=dev)
         self.qr_codes = torch.zeros(B, ql, dtype=torch.float8_e4m3fn, device=dev)
         self.qr_scales = torch.zeros(B, ql // 32, dtype=torch.uint8, device=dev)
         self.q = torch.zeros(B, H, D, dtype=torch.bfloat16, device=dev)
@@ -199,9 +201,9 @@ class AttentionStep:
         qkv = self.mm_qkv(u_codes, u_scales, s.qkv_a[:B])
         # 2. split and norm
         ql = cfg.q_lora_rank
-        qr = rms_norm(qkv[:, :ql], self.w["attn.q_norm.weight"], cfg.norm_eps)
-        kv = rms_norm(qkv[:, ql:], self.w["attn.kv_norm.weight"], cfg.norm_eps)
-        act_quant_mxfp8_(qr, s.qr_codes[:B], s.qr_scales[:B])
+        rms_norm_(qkv[:, :ql], self.w["attn.q_norm.weight"], cfg.norm_eps, s.qr[:B], s.qr_codes[:B], s.qr_scales[:B])
+        kv = s.kv[:B]
+        rms_norm_(qkv[:, ql:], self.w["attn.kv_norm.weight"], cfg.norm_eps, kv)
         qr_ready = lanes.mark()                               # protects qr codes
         # 3. prepare: index query (aux 2), compressor + index key (aux 0), query + window (main)
         if spec.runs_indexer:
@@ -223,7 +225,8 @@ class AttentionStep:
                     c = s.c[:B]
                 else:
                     c = kv_score
-                lat = latent(c, self.w["attn.compressor.norm.weight"], cfg.norm_eps)
+                lat = s.lat[:B]
+                rms_norm_(c, self.w["attn.compressor.norm.weight"], cfg.norm_eps, lat)   # reference latent()
                 ll_bf16_(self.wk_plan, lat, self.w_wk, s.wk_out[:B])
                 compressed_entry_store_(lat, s.wk_out[:B], self.w["attn.indexer.k_norm.weight"],
                                         m.group_cos[r][:B], m.group_sin[r][:B], m.entry_slot[r][:B],

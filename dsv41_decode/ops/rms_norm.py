@@ -1,0 +1,89 @@
+"""RMSNorm of short rows (q_norm, kv_norm, the compressor norm), optionally with the MXFP8
+quantization of its output, one launch: the contract of `reference.linear.rms_norm` (and of
+`formats.mxfp8_quantize` of its output).
+
+One program per row; the row (D <= 4096) stays in registers. The mean of squares is summed in
+another order than torch's and 1/sqrt is an IEEE sqrt then an IEEE division (torch's CUDA rsqrt
+is approximate), so an output may differ from the reference by one BF16 ulp; the codes and
+scales are bitwise those of the output the kernel wrote.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import require_tensor
+from .mhc import _mxfp8_blocks, _widen
+from .rounding import bf16_rne_bits
+
+MAX_DIM = 4096
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, codes_ptr, scales_ptr, eps, stride_x, stride_o, stride_c, stride_s,
+                     D: tl.constexpr, BLOCK: tl.constexpr, ROUND_IN: tl.constexpr, QUANT: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK)
+    mask = d < D
+    x = tl.load(x_ptr + n * stride_x + d, mask=mask, other=0.0).to(tl.float32)
+    if ROUND_IN:   # an FP32 input is rounded to BF16 first (`latent`: rms_norm(c.to(bf16)))
+        x = _widen(bf16_rne_bits(x))
+    total = tl.sum(x * x, axis=0)
+    ms = tl.div_rn(total, tl.where(total == total, D * 1.0, D * 1.0))
+    root = tl.sqrt_rn(ms + eps)
+    r = tl.div_rn(tl.where(root == root, 1.0, 1.0), root)
+    w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
+    bits = bf16_rne_bits(w * (x * r))
+    tl.store(out_ptr + n * stride_o + d, bits, mask=mask)
+    if QUANT:
+        NB: tl.constexpr = BLOCK // 32
+        codes, scale_byte = _mxfp8_blocks(tl.reshape(_widen(bits), (NB, 32)))
+        tl.store(codes_ptr + n * stride_c + d, tl.reshape(codes, (BLOCK,)), mask=mask)
+        kb = tl.arange(0, NB)
+        tl.store(scales_ptr + n * stride_s + kb, scale_byte.to(tl.uint8), mask=kb < D // 32)
+
+
+def rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
+              codes_out: torch.Tensor | None = None, scales_out: torch.Tensor | None = None) -> None:
+    """out = rms_norm(x, weight, eps) (BF16); with codes_out/scales_out also its MXFP8 quantization.
+
+    x: [N, D] bfloat16, or float32 (rounded to BF16 first, as `reference.compressor.latent`), unit
+       stride in D, any row stride; D <= 4096 (a multiple of 32 when quantizing).
+    weight: [D] bfloat16 or float32; eps: a float.
+    out: [N, D] bfloat16; codes_out: [N, D] float8_e4m3fn or uint8; scales_out: [N, D/32] uint8 or
+       float8_e8m0fnu. All on x's device.
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"x must be a 2-D tensor [N, D], got {getattr(x, 'shape', type(x).__name__)}")
+    n, dim = x.shape
+    dev = x.device
+    if dim > MAX_DIM:
+        raise ValueError(f"x: D={dim} exceeds {MAX_DIM} (a row is held in registers)")
+    require_tensor(x, "x", (torch.bfloat16, torch.float32), (n, dim), dev)
+    require_tensor(weight, "weight", (torch.bfloat16, torch.float32), (dim,), dev)
+    require_tensor(out, "out", (torch.bfloat16,), (n, dim), dev)
+    quant = codes_out is not None or scales_out is not None
+    if quant:
+        if dim % 32:
+            raise ValueError(f"x: D={dim} must be a multiple of 32 to quantize")
+        require_tensor(codes_out, "codes_out", (torch.float8_e4m3fn, torch.uint8), (n, dim), dev)
+        require_tensor(scales_out, "scales_out", (torch.uint8, torch.float8_e8m0fnu), (n, dim // 32), dev)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    if n == 0:
+        return
+    o = out.view(torch.int16)
+    c = codes_out.view(torch.uint8) if quant else o
+    s = scales_out.view(torch.uint8) if quant else o
+    _rms_norm_kernel[(n,)](x, weight, o, c, s, float(eps), x.stride(0), o.stride(0), c.stride(0), s.stride(0),
+                           D=dim, BLOCK=max(32, triton.next_power_of_2(dim)), ROUND_IN=x.dtype == torch.float32,
+                           QUANT=quant, num_warps=4, enable_fp_fusion=False)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Allocating form of `rms_norm_`: [N, D] bfloat16."""
+    out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    rms_norm_(x, weight, eps, out)
+    return out
