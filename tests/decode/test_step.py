@@ -5,19 +5,21 @@ SWA, ratio-2 Full + Reuse, ratio-1 Full as the candidate source, a Reindex candi
 Reuse of it - with a window of 8, top-k 8 and a candidate pool of 3 blocks of 4, so that window
 wraps, group completions, top-k saturation and candidate pruning all happen within a few steps.
 
-- Teacher forcing, one layer at a time: before each layer of a step runs, the state is snapshotted;
-  the generic layer forward then runs on the snapshot with the input the step gave that layer. So
-  each comparison sees the same caches (including the records the step's earlier layers wrote in
-  this step) and measures that layer alone. The mHC boundaries are checked the same way (reference
-  mixer and post-mix on the step's streams and layer outputs), and the records the layer wrote
-  against those the reference wrote.
-- Bookkeeping: lengths advance by the row counts; a freed slot is re-admitted (stale ring, pages and
-  compressor state) without rebuilding the step.
-- Errors: StepError / KeyError / ValueError before anything is planned.
+- Teacher forcing, one layer at a time: just before each layer of a step runs, the state is
+  snapshotted; the generic layer forward then runs on the snapshot with the input the step gave
+  that layer. So each comparison sees the same caches (including what the step's earlier layers
+  wrote in this step) and measures that layer alone: its output, its attention output, its top-k
+  and the records it wrote. The mHC boundaries are checked the same way (reference mixer and
+  post-mix on the step's streams and layer outputs).
+- Bookkeeping: lengths advance by the row counts; a freed slot taken by a new request (stale ring,
+  pages and compressor state) works without rebuilding the step.
+- Errors: StepError / KeyError / ValueError, raised before anything is planned.
 
-GPU (marked `gpu`; the `small` preset, all 12 layers, state on CUDA):
-- >= 256 steps of 1-16 rows over requests that are admitted, prefilled (generic path), decoded with
-  draft rows and freed, side by side with the generic path on a twin state;
+GPU (marked `gpu`; the `small` preset, all 12 layers, state on CUDA; ~2.5 min on an H200):
+- the same per-layer teacher forcing at contexts up to 300;
+- 256 graph-replayed steps of 1..16 rows over requests that are admitted, prefilled (generic
+  path), decoded with draft rows and freed, against the generic path on a twin state fed the
+  step's selections (see test_gpu_long_run_vs_generic for why);
 - graph replay bitwise equal to the eager step, and two graph runs bitwise equal.
 """
 
@@ -32,14 +34,13 @@ import pytest
 import torch
 
 from dsv41_decode.config import ModelConfig
-from dsv41_decode.decode import AttentionStep, DecodeStep, StepError
+from dsv41_decode.decode import AttentionStep, StepError
 from dsv41_decode.decode.boundary import Boundary
 from dsv41_decode.decode.tables import StepMeta
 from dsv41_decode.formats import unpack_compressed_kv, unpack_index_key, unpack_window_kv
 from dsv41_decode.layer import CallContext
 from dsv41_decode.reference import attention as ref_attention
 from dsv41_decode.reference.attention import output_projection
-from dsv41_decode.reference.indexer import topk_ascending
 from dsv41_decode.reference.linear import rms_norm
 from dsv41_decode.reference.mhc import hc_mixes, hc_post, hc_pre
 from dsv41_decode.reference.rope import rope_cis
@@ -186,20 +187,18 @@ def _completed_entry_slots(state: DecodeState, rows, ratio: int) -> torch.Tensor
 TF_STEPS = [[("b", 3), ("c", 1)], [("a", 1), ("c", 2, 7)]]
 
 
-@interpreter
-def test_teacher_forced_layers(cpu_setup, monkeypatch):
-    """Every layer's output, top-k, records and every boundary vs the generic path, per step."""
-    cfg, stack, base, _ = cpu_setup
-    state = copy.deepcopy(base)
-    step = stack.decode_step(state, max_rows=4)
-    assert step.buckets == (1, 2, 4)
-    rec = Recorder(stack, monkeypatch)
-    g = torch.Generator().manual_seed(1)
-    free_before = {L: state.window[L][3 * cfg.window_size:4 * cfg.window_size].clone() for L in state.window}
-    kinds, report, rates, bounds = set(), [], {}, []
-    for rows in TF_STEPS:
+# Tolerances of the teacher-forced comparison (what each bounds is explained in teacher_forced).
+CPU_TOL = dict(o=5e-3, proj=5e-3, y=2e-2, window_bytes=0.99, entry_bytes=0.99, boundary=1e-3)
+
+
+def teacher_forced(stack, state, step, rec: Recorder, steps, g, tol) -> dict:
+    """Run `steps` (rows lists) through `step` on `state` with `rec` installed and check, for each
+    step, every layer alone and every boundary against the generic path. Returns the measurements."""
+    cfg, dev = stack.cfg, state.device
+    m = dict(kinds=set(), layers=[], window=[], compressed=[], index_keys=[], u=[], streams=[])
+    for rows in steps:
         n = sum(r[1] for r in rows)
-        x = streams(n, cfg, g)
+        x = streams(n, cfg, g, dev)
         rec.reset()
         out, pre = step(x, rows)
         sr = rec.step_rows
@@ -208,97 +207,110 @@ def test_teacher_forced_layers(cpu_setup, monkeypatch):
         # -- every layer alone: output, top-k, records
         for L in stack.ids:
             spec, got = cfg.plan[L], rec.layers[L]
-            kinds.add(spec.label)
+            m["kinds"].add(spec.label)
             e, e_o, e_proj = (rel(got["y"], got["y_ref"]), rel(got["o"], got["o_ref"]),
                               rel(got["y"], got["y_of_o"]))
-            report.append((L, spec.label, e, e_o, e_proj))
+            m["layers"].append((L, spec.label, e, e_o, e_proj))
             where = f"layer {L} ({spec.label}) rows {rows}"
             # attention output o: the sparse MLA kernel rounds P to BF16 per 16-key block (the
-            # reference per 64) and q's FP32 GEMM sums in another order. Measured ~1e-3.
-            assert e_o <= 5e-3, f"{where}: attention output rel RMS {e_o:.2e}"
-            # inverse RoPE + wo_a + MXFP8 + wo_b on the step's own o: the kernels' contract is the
-            # reference's bits (measured: bitwise equal); a rare BF16 flip of z is allowed.
-            assert e_proj <= 5e-3, f"{where}: output projection of the step's o, rel RMS {e_proj:.2e}"
-            # y: the MXFP8 quantization of z turns o's ~1e-3 into ~sqrt(1e-3 * 2^-3 E4M3 step):
-            # measured 4e-3..1.1e-2 (4e-3..7e-3 on the `small` preset, whose 48 keys per row
-            # average o's rounding more than the 16 here)
-            assert e <= 2e-2, f"{where}: y rel RMS {e:.2e}"
+            # reference per 64) and q's FP32 GEMM sums in another order. Measured 1e-3 (CPU,
+            # reduced config), 1.4e-3..3.4e-3 (H200, small).
+            assert e_o <= tol["o"], f"{where}: attention output rel RMS {e_o:.2e}"
+            # inverse RoPE + wo_a + MXFP8 + wo_b on the step's own o vs the reference projection:
+            # measured bitwise equal on the CPU, 3e-4..6e-4 on the H200 (the reference's GPU
+            # matmul sums z in another order, and a z that rounds the other way moves an E4M3 code)
+            assert e_proj <= tol["proj"], f"{where}: output projection of the step's o, rel RMS {e_proj:.2e}"
+            # y: the MXFP8 quantization of z turns o's ~1e-3 into ~sqrt(1e-3 * 2^-3 E4M3 step).
+            # Measured 3e-3..1.3e-2 (CPU, reduced config), 8.8e-3..1.5e-2 (H200, small).
+            assert e <= tol["y"], f"{where}: y rel RMS {e:.2e}"
             if spec.runs_indexer:
                 scores = rec.ctx.record[f"layers.{L}.index_scores"]
                 for row in range(n):
                     assert same_selection(got["topk"][row], rec.ctx.topk[L][row], scores[row]), (
-                        f"layer {L} row {row}: top-k {got['topk'][row].tolist()} vs reference "
+                        f"{where} row {row}: top-k {got['topk'][row].tolist()} vs reference "
                         f"{rec.ctx.topk[L][row].tolist()}")
             snap = got["snap"]      # holds the reference layer's records now
             # window records of the step's rows: MXFP8 of RoPE'd BF16 kv; kv comes from the fused
-            # wq_a/wkv GEMM whose FP32 sums may differ in the last bit, so a BF16 value can round
-            # the other way and move one E4M3 code (or a block's scale). Measured: 100% of the
-            # records' bytes equal. Asserted: >= 99% of the bytes, and the decoded records close.
+            # wq_a/wkv GEMM whose FP32 sums differ in the last bits, so a BF16 value can round the
+            # other way and move one E4M3 code (or a block's scale byte). Measured: 100% of the
+            # records' bytes equal (CPU), >= 99.48% (H200). Asserted: the byte rate, and the
+            # decoded records close.
             ring = _written_ring_slots(state, sr)
             a, b = state.window[L][ring], snap.window[L][ring]
-            rates.setdefault("window", []).append((a == b).float().mean().item())
-            assert rates["window"][-1] >= 0.99, f"layer {L}: window record bytes differ"
+            m["window"].append((a == b).float().mean().item())
+            assert m["window"][-1] >= tol["window_bytes"], f"{where}: window record bytes differ"
             assert rel(unpack_window_kv(a), unpack_window_kv(b)) <= 1e-2
-            # nothing else in the rings (other slots, the free slot 3) changed
-            ring_end = state.stage_base
-            keep = torch.ones(ring_end, dtype=torch.bool)
+            # nothing else in the rings changed (other requests, free slots, padding rows)
+            keep = torch.ones(state.stage_base, dtype=torch.bool, device=dev)
             keep[ring] = False
-            assert torch.equal(state.window[L][:ring_end][keep], snap.window[L][:ring_end][keep]), (
-                f"layer {L}: the step wrote ring slots outside its rows")
+            assert torch.equal(state.window[L][:state.stage_base][keep], snap.window[L][:state.stage_base][keep]), (
+                f"{where}: the step wrote ring slots outside its rows")
             if spec.owns_compressor:
                 done = _completed_entry_slots(state, sr, spec.ratio)
                 assert done.numel() > 0
-                # NVFP4 (E2M1 + E4M3 group scale) compressed KV and MXFP4 index keys from FP32
-                # latents that may differ in the last bits, so a 4-bit code could move one step.
-                # Measured: 100% of the bytes equal. Asserted: >= 99%, and the decoded entries close.
+                # NVFP4 compressed KV and MXFP4 index keys of FP32 latents that may differ in the
+                # last bits: a 4-bit code can move one step. Measured: 100% of the bytes equal (CPU).
                 ca, cb = state.compressed[L][done], snap.compressed[L][done]
                 ia, ib = state.index_keys[L][done], snap.index_keys[L][done]
-                rates.setdefault("compressed", []).append((ca == cb).float().mean().item())
-                rates.setdefault("index_keys", []).append((ia == ib).float().mean().item())
-                assert rates["compressed"][-1] >= 0.99, f"layer {L}: compressed records differ"
-                assert rates["index_keys"][-1] >= 0.99, f"layer {L}: index-key records differ"
+                m["compressed"].append((ca == cb).float().mean().item())
+                m["index_keys"].append((ia == ib).float().mean().item())
+                assert m["compressed"][-1] >= tol["entry_bytes"], f"{where}: compressed records differ"
+                assert m["index_keys"][-1] >= tol["entry_bytes"], f"{where}: index-key records differ"
                 assert rel(unpack_compressed_kv(ca), unpack_compressed_kv(cb)) <= 5e-2
                 assert rel(unpack_index_key(ia), unpack_index_key(ib)) <= 5e-2
-                others = torch.ones(state.compressed[L].shape[0], dtype=torch.bool)
+                others = torch.ones(state.compressed[L].shape[0], dtype=torch.bool, device=dev)
                 others[done] = False
                 assert torch.equal(state.compressed[L][others], snap.compressed[L][others])
                 assert torch.equal(state.index_keys[L][others], snap.index_keys[L][others])
                 if spec.ratio == 2:      # the open group of every request slot
-                    for t in (state.comp_kv[L], state.comp_score[L]):
-                        assert torch.isfinite(t[:3]).any()
                     torch.testing.assert_close(state.comp_kv[L], snap.comp_kv[L], rtol=1e-4, atol=1e-4)
                     torch.testing.assert_close(state.comp_score[L], snap.comp_score[L], rtol=1e-4, atol=1e-4)
 
         # -- every boundary: the reference mixer and post-mix on the step's streams and outputs
+        # (measured on the CPU: u bitwise, streams 3e-5)
         w = {L: stack.layers[L].w for L in stack.ids}
-        pre_prev = stack.initial_pre(n)
+        pre_prev = stack.initial_pre(n, dev)
         for k, L in enumerate(stack.ids):
-            x_k = x if k == 0 else rec.x_in[L]
+            x_k = rec.x_in[L]
             if k == 0:
-                assert torch.equal(rec.x_in[L], x)
+                assert torch.equal(x_k, x)
             mix = hc_mixes(x_k, w[L]["hc_attn_fn"], w[L]["hc_attn_scale"], w[L]["hc_attn_base"],
                            cfg.norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
             u_ref = rms_norm(hc_pre(x_k, pre_prev), w[L]["attn_norm.weight"], cfg.norm_eps)
             nxt = rec.x_in[stack.ids[k + 1]] if k + 1 < len(stack.ids) else out
-            e_u, e_x = rel(rec.layers[L]["u"], u_ref), rel(nxt, hc_post(rec.layers[L]["y"], x_k, mix.post, mix.comb))
-            bounds.append((e_u, e_x))
-            assert e_u <= 1e-3, f"layer {L}: input u rel RMS {e_u:.2e}"
-            assert e_x <= 1e-3, f"streams after layer {L}: rel RMS {e_x:.2e}"
+            m["u"].append(rel(rec.layers[L]["u"], u_ref))
+            m["streams"].append(rel(nxt, hc_post(rec.layers[L]["y"], x_k, mix.post, mix.comb)))
+            assert m["u"][-1] <= tol["boundary"], f"layer {L}: input u rel RMS {m['u'][-1]:.2e}"
+            assert m["streams"][-1] <= tol["boundary"], f"streams after layer {L}: rel RMS {m['streams'][-1]:.2e}"
             pre_prev = mix.pre
         torch.testing.assert_close(pre, pre_prev, rtol=1e-4, atol=1e-5)
 
-    assert kinds == {"swa", "full", "full+cand", "reindex", "reuse"}
+    print("\n" + "\n".join(f"layer {L} {label}: rel RMS y {e:.2e}, o {e_o:.2e}, y vs proj(o) {e_p:.2e}"
+                            for L, label, e, e_o, e_p in m["layers"]))
+    print("record bytes equal (min): " + ", ".join(
+        f"{k} {min(m[k]):.4f}" for k in ("window", "compressed", "index_keys") if m[k]))
+    print(f"boundaries: u rel RMS max {max(m['u']):.2e}, streams {max(m['streams']):.2e}")
+    return m
+
+
+@interpreter
+def test_teacher_forced_layers(cpu_setup, monkeypatch):
+    """Every layer's output, top-k, records and every boundary vs the generic path, per step."""
+    cfg, stack, base, _ = cpu_setup
+    state = copy.deepcopy(base)
+    step = stack.decode_step(state, max_rows=4)
+    assert step.buckets == (1, 2, 4)
+    rec = Recorder(stack, monkeypatch)
+    free_before = {L: state.window[L][3 * cfg.window_size:4 * cfg.window_size].clone() for L in state.window}
+    m = teacher_forced(stack, state, step, rec, TF_STEPS, torch.Generator().manual_seed(1), CPU_TOL)
+    assert m["kinds"] == {"swa", "full", "full+cand", "reindex", "reuse"}
     for r, total in (("a", 22), ("b", 17), ("c", 9)):
         assert state.length(r) == total
     for L in state.window:                            # padding rows wrote nothing to the free slot
         assert torch.equal(state.window[L][3 * cfg.window_size:4 * cfg.window_size], free_before[L])
     for L in state.comp_kv:
+        assert torch.isfinite(state.comp_score[L][:3]).any()
         assert not state.comp_kv[L][3].any() and torch.isinf(state.comp_score[L][3]).all()
-    print("\n" + "\n".join(f"layer {L} {label}: rel RMS y {e:.2e}, o {e_o:.2e}, y vs proj(o) {e_p:.2e}"
-                            for L, label, e, e_o, e_p in report))
-    print("record bytes equal (min over layers and steps): "
-          + ", ".join(f"{k} {min(v):.4f}" for k, v in rates.items()))
-    print(f"boundaries: u rel RMS max {max(b[0] for b in bounds):.2e}, streams {max(b[1] for b in bounds):.2e}")
 
 
 @interpreter
@@ -473,51 +485,65 @@ def _serve(stack, states, sched: Schedule, n_steps: int, steppers, log=None):
 
 
 @pytest.mark.gpu
-def test_gpu_long_run_vs_generic(gpu_setup):
-    """288 graph-replayed steps vs the generic path on a twin state: no step off, no drift.
+def test_gpu_teacher_forced_layers(gpu_setup, monkeypatch):
+    """The CPU test's per-layer and boundary checks on the H200 (eager: the recorder snapshots the
+    state inside the step; graph replay equals eager bit for bit, tested below), `small` preset,
+    contexts 20..300 (top-k and candidate pool saturated, window wrapping at 32 for d)."""
+    cfg, stack, base = gpu_setup
+    st = copy.deepcopy(base)
+    prompts = {"a": 300, "b": 150, "c": 20, "d": 31}
+    for r in prompts:
+        st.admit(r)
+    g = torch.Generator().manual_seed(0)
+    stack.forward(streams(sum(prompts.values()), cfg, g, "cuda"), st.plan(list(prompts.items())), st)
+    step = stack.decode_step(st, max_rows=16, graphs=False)
+    rec = Recorder(stack, monkeypatch)
+    tol = dict(CPU_TOL, proj=2e-3, y=2.5e-2, entry_bytes=0.95, boundary=2e-3)
+    steps = [[("a", 4), ("b", 2), ("c", 1)], [("c", 4), ("a", 1), ("b", 3), ("d", 4)]]
+    m = teacher_forced(stack, st, step, rec, steps, g, tol)
+    assert m["kinds"] == {"swa", "full", "full+cand", "reindex", "reuse"}
 
-    The index scores are BF16, so ties and near-ties are everywhere: the ~1e-2 rounding differences
-    of each layer move a few selections, and one moved selection changes a row's output by O(0.1)
-    and every layer after it (measured without forcing: 0.2 rel RMS from the first step on). So
-    the generic path is fed the step's own top-k of every index source (`CallContext.force_topk`),
-    and its own choice is checked against the step's separately: equal as sets, or a BF16 tie, in
-    nearly every row.
+
+@pytest.mark.gpu
+def test_gpu_long_run_vs_generic(gpu_setup):
+    """256 graph-replayed steps vs the generic path on a twin state: no step far off, no drift.
+
+    The generic path is chaotic on these random weights: a 6e-4 relative perturbation of its input
+    streams moves its output by 0.14 (rel RMS, one step, H200), mostly because the BF16 index
+    scores tie and nearly tie everywhere, so any rounding difference moves a few selections. So
+    the generic path is fed the step's own top-k of every index source (`CallContext.force_topk`;
+    the selections themselves are checked per layer in test_gpu_teacher_forced_layers). What
+    remains compounds each layer's ~1e-2 over 12 layers and through the twin's caches, written
+    from its own diverging inputs. Measured (H200): 4.3e-2 on the first step (caches equal after
+    the prefill), 6.6e-2 mean and 8.7e-2 max over the run, first 32 steps 5.0e-2, last 32 7.5e-2
+    (the twin's caches drift apart over the first window's worth of tokens, then stay put).
     """
     cfg, stack, base = gpu_setup
     st, twin = copy.deepcopy(base), copy.deepcopy(base)
     step = stack.decode_step(st, max_rows=16)
     assert step.use_graphs and step.buckets == (1, 2, 4, 8, 16)
     sources = [L for L in stack.ids if cfg.plan[L].runs_indexer]
-    moved, checked = [0], [0]
 
     def generic(x, rows):
         n = x.shape[0]
         force = {L: [t[t >= 0].long() for t in step.selections[L].topk[:n]] for L in sources}
-        ctx = CallContext(record={}, force_topk=force)
-        out = stack.forward(x, twin.plan(rows), twin, ctx=ctx)
-        for L in sources:
-            for row, scores in enumerate(ctx.record[f"layers.{L}.index_scores"]):
-                own = topk_ascending(scores, min(cfg.index_topk, scores.numel()))
-                moved[0] += not same_selection(force[L][row], own, scores)
-                checked[0] += 1
-        return out
+        return stack.forward(x, twin.plan(rows), twin, ctx=CallContext(force_topk=force))
 
-    n_steps = 288
+    n_steps = 256
     t0 = time.time()
     rows = []
     outs = _serve(stack, [st, twin], Schedule(cfg, seed=11), n_steps, [step, generic], rows)
     errs = [rel(o, r) for (o, _), (r, _) in zip(*outs)]
     pre_errs = [rel(p, q) for (_, p), (_, q) in zip(*outs)]
-    first, last = sum(errs[:32]) / 32, sum(errs[-32:]) / 32
+    mean, first, last = sum(errs) / n_steps, sum(errs[:32]) / 32, sum(errs[-32:]) / 32
     order = sorted(range(n_steps), key=errs.__getitem__, reverse=True)
     print(f"\n{n_steps} steps in {time.time() - t0:.1f} s; streams rel RMS per step: max {max(errs):.2e}, "
-          f"mean {sum(errs) / n_steps:.2e}, first 32 {first:.2e}, last 32 {last:.2e}; pre max "
-          f"{max(pre_errs):.2e}; selections moved {moved[0]} of {checked[0]} (row, index source); "
+          f"mean {mean:.2e}, first 32 {first:.2e}, last 32 {last:.2e}; pre max {max(pre_errs):.2e}; "
           f"worst steps {[(k, round(errs[k], 4), rows[k]) for k in order[:6]]}")
     worst = order[0]
-    assert max(errs) <= 5e-2, f"step {worst}: streams rel RMS {errs[worst]:.2e}, rows {rows[worst]}"
+    assert max(errs) <= 0.15, f"step {worst}: streams rel RMS {errs[worst]:.2e}, rows {rows[worst]}"
+    assert mean <= 0.1, f"mean streams rel RMS {mean:.2e}"
     assert last <= 2 * first, f"error grows: first 32 steps {first:.2e}, last 32 {last:.2e}"
-    assert moved[0] <= 0.1 * checked[0], f"{moved[0]} of {checked[0]} selections differ beyond ties"
     for r in st.live_requests:
         assert st.length(r) == twin.length(r)
 
