@@ -157,7 +157,8 @@ def _kind_breakdown(steps, cfg, ctx, kinds_rows, floor, info, gen, bench_name, p
                         sel.ready = None       # events of the step's capture are not this graph's
                     shared: dict = {}
                     layer.run(bucket, bd.u[:bucket], bd.codes[:bucket], bd.scales[:bucket], step.y[:bucket], shared)
-                    step.lanes.wait(shared.get("candidates"), *(s.ready for s in step.selections.values()))
+                    step.lanes.wait(shared.get("candidates"), *shared.get("staged", ()),
+                                    *(s.ready for s in step.selections.values()))
                 us[variant] = graph_time_us(call, replays=20, min_calls=8)
             lw = sum(t.numel() * t.element_size() for k, t in step.layers[L].w.items() if not k.startswith(_SKIP))
             nbytes = lw + kv_bytes_layer(cfg, L, ctx, n)

@@ -20,11 +20,11 @@ import torch
 import triton
 
 from ..config import SWA, ModelConfig
-from ..formats import mxfp4_fake
 from ..layer import AttentionLayer
 from ..ops import LOW_BATCH_MAX_ROWS
 from ..ops.act_quant import act_quant_mxfp8_
 from ..ops.compressor import compress_ratio2_
+from ..ops.index_query import index_query_
 from ..ops.indexer import index_scores_mxfp4_
 from ..ops.kv_write import compressed_entry_store_, qkv_rope_insert_
 from ..ops.ll_bf16 import LlBf16Plan, ll_bf16_
@@ -34,7 +34,6 @@ from ..ops.sparse_mla import SUPPORTED_HEADS, SparseMlaPlan, sparse_mla_
 from ..ops.sparse_tables import topk_slots_
 from ..ops.topk import TopKPlan, candidate_mask_, topk_ascending_
 from ..ops.wo_a import WoAPlan, quantize_wo_a, wo_a_
-from ..reference.rope import rope_tail
 from ..state import DecodeState
 from .lanes import AUX_COMPRESSOR, AUX_INDEX_Q, AUX_INDEX_W, Lanes
 from .tables import StepMeta
@@ -120,6 +119,9 @@ class AttentionStep:
         cfg, spec, w = layer.cfg, layer.spec, layer.w
         if not 1 <= max_rows <= LOW_BATCH_MAX_ROWS:
             raise NotEligible(f"max_rows={max_rows}: the specialized step serves 1..{LOW_BATCH_MAX_ROWS} rows")
+        if (cfg.head_dim, cfg.rope_head_dim, cfg.index_head_dim) != (512, 64, 128):
+            raise NotEligible(f"head_dim/rope_head_dim/index_head_dim = {cfg.head_dim}/{cfg.rope_head_dim}/"
+                              f"{cfg.index_head_dim}: the kernels are built for V4.1's 512/64/128")
         if cfg.n_heads not in SUPPORTED_HEADS:
             raise NotEligible(f"n_heads={cfg.n_heads}: sparse MLA runs {SUPPORTED_HEADS} local heads")
         self.cfg, self.spec, self.w, self.layer = cfg, spec, w, layer
@@ -210,12 +212,9 @@ class AttentionStep:
             with lanes.side(AUX_INDEX_Q):
                 lanes.wait(qr_ready)
                 self.mm_idx_wq_b(s.qr_codes[:B], s.qr_scales[:B], s.iq_raw[:B])
-                iq = rope_tail(s.iq_raw[:B].view(B, cfg.index_n_heads, cfg.index_head_dim), m.cis[r][:B],
-                               cfg.rope_head_dim)
-                s.iq[:B] = mxfp4_fake(iq)
                 lanes.wait(ev_wproj)
-                scale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
-                s.iw[:B] = s.wproj[:B].to(torch.bfloat16) * scale
+                index_query_(s.iq_raw[:B], s.wproj[:B], m.cos[r][:B], m.sin[r][:B],
+                             cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5, s.iq[:B], s.iw[:B])
                 ev_iq = lanes.mark()                          # protects iq, iw
         if spec.owns_compressor:
             with lanes.side(AUX_COMPRESSOR):
@@ -272,7 +271,11 @@ class AttentionStep:
         o = s.o[:B]
         sparse_mla_(self.mla_plan, q, st.window[L], comp_pool, m.window_table[:B], comp_table, self.sink,
                     cfg.softmax_scale, o)
-        m.copy_staged(st.window[L], B)
+        mla_done = lanes.mark()                               # protects the ring slots the copy overwrites
+        with lanes.side(AUX_INDEX_Q):
+            lanes.wait(mla_done)
+            m.copy_staged(st.window[L], B)
+            shared.setdefault("staged", []).append(lanes.mark())   # joined at the end of the step
         # 6. output: inverse RoPE + grouped wo_a, then wo_b
         wo_a_(self.wo_a_plan, o, m.cos[r][:B], m.sin[r][:B], self.wo_a_w, self.wo_a_s, s.z[:B])
         act_quant_mxfp8_(s.z[:B], s.z_codes[:B], s.z_scales[:B])

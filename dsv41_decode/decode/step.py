@@ -99,7 +99,7 @@ class DecodeStep:
                 mix_ready = bd.mix(nxt, x_new, (k + 1) % 2, B, lanes)
             x = x_new
         self.pre_out = bd.pre[(len(ids) - 1) % 2]
-        lanes.wait(shared.get("candidates"), *(s.ready for s in self.selections.values()))
+        lanes.wait(shared.get("candidates"), *shared.get("staged", ()), *(s.ready for s in self.selections.values()))
 
     def _capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()

@@ -1,0 +1,92 @@
+"""The indexer's query and head weights of a decode step, one launch (spec section 3 step 7):
+
+    iq = mxfp4_fake(rope_tail(indexer.wq_b(qr) viewed [N, Hi, 128], cis, 64))   # BF16
+    w  = bf16(bf16(weights_proj(x)) * scale)                                     # BF16
+
+the contract of `reference.indexer.index_query` after its linear and of `index_weights` after its
+linear (their FP32 sums come from `low_latency_mm` and `ll_bf16`). Bit-exact: RoPE as torch's
+complex multiply without FMA contraction (`kv_write._rope_pairs`), MXFP4 by `fp4.mx_quant_pairs`
+and its exact dequantization, the weight scale rounded as torch rounds a BF16 tensor times a float.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import require_tensor
+from .fp4 import mx_dequant_pairs, mx_quant_pairs
+from .kv_write import _bits_to_fp32, _rope_pairs
+from .rounding import bf16_rne_bits
+
+HEAD_DIM = 128
+
+
+@triton.jit
+def _index_query_kernel(raw_ptr, wp_ptr, cos_ptr, sin_ptr, iq_ptr, w_ptr, scale, H,
+                        stride_raw, stride_wp, stride_cn, stride_sn, stride_iqn, stride_iqh, stride_w,
+                        HB: tl.constexpr, BLOCK_H: tl.constexpr):
+    n = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    # [HB heads x 4 blocks, 16 pairs]: row = head * 4 + block, pair in head = block * 16 + col
+    r = tl.arange(0, HB * 4)[:, None]
+    col = tl.arange(0, 16)[None, :]
+    head = hb * HB + r // 4
+    j = (r % 4) * 16 + col
+    ok = head < H
+    src = raw_ptr + n * stride_raw + head * HEAD_DIM + 2 * j
+    xe = _bits_to_fp32(tl.load(src, mask=ok, other=0))
+    xo = _bits_to_fp32(tl.load(src + 1, mask=ok, other=0))
+    xe, xo = _rope_pairs(xe, xo, cos_ptr + n * stride_cn, sin_ptr + n * stride_sn, j, 32)
+    ce, co, sb = mx_quant_pairs(xe, xo, False)
+    ye, yo = mx_dequant_pairs(ce, co, sb, False)
+    dst = iq_ptr + n * stride_iqn + head * stride_iqh + 2 * j
+    tl.store(dst, bf16_rne_bits(ye), mask=ok)
+    tl.store(dst + 1, bf16_rne_bits(yo), mask=ok)
+    if hb == 0:
+        h = tl.arange(0, BLOCK_H)
+        wp = tl.load(wp_ptr + n * stride_wp + h, mask=h < H, other=0.0)
+        wb = _bits_to_fp32(bf16_rne_bits(wp))
+        tl.store(w_ptr + n * stride_w + h, bf16_rne_bits(wb * scale), mask=h < H)
+
+
+def index_query_(iq_raw: torch.Tensor, wproj: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float,
+                 iq_out: torch.Tensor, w_out: torch.Tensor) -> None:
+    """Write iq_out and w_out (see the module docstring) for N rows.
+
+    iq_raw: [N, Hi*128] bfloat16 (the indexer's wq_b output), unit stride in the last dim.
+    wproj: [N, Hi] float32 (weights_proj output, FP32 sums); scale: head_dim^-0.5 * Hi^-0.5.
+    cos, sin: [N, 32] float32 at each row's position. iq_out: [N, Hi, 128] bfloat16 (last dim
+    contiguous); w_out: [N, Hi] bfloat16. All on one device.
+    """
+    if not isinstance(wproj, torch.Tensor) or wproj.dim() != 2:
+        raise ValueError(f"wproj must be a 2-D tensor [N, Hi], got {getattr(wproj, 'shape', type(wproj).__name__)}")
+    n, h = wproj.shape
+    dev = wproj.device
+    require_tensor(wproj, "wproj", (torch.float32,), (n, h), dev)
+    require_tensor(iq_raw, "iq_raw", (torch.bfloat16,), (n, h * HEAD_DIM), dev)
+    require_tensor(cos, "cos", (torch.float32,), (n, 32), dev)
+    require_tensor(sin, "sin", (torch.float32,), (n, 32), dev)
+    require_tensor(iq_out, "iq_out", (torch.bfloat16,), (n, h, HEAD_DIM), dev)
+    require_tensor(w_out, "w_out", (torch.bfloat16,), (n, h), dev)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float, got {type(scale).__name__}")
+    if n == 0 or h == 0:
+        return
+    hb = min(8, triton.next_power_of_2(h))
+    iq16, w16, raw16 = iq_out.view(torch.int16), w_out.view(torch.int16), iq_raw.view(torch.int16)
+    _index_query_kernel[(n, triton.cdiv(h, hb))](
+        raw16, wproj, cos, sin, iq16, w16, float(scale), h, raw16.stride(0), wproj.stride(0), cos.stride(0),
+        sin.stride(0), iq16.stride(0), iq16.stride(1), w16.stride(0),
+        HB=hb, BLOCK_H=triton.next_power_of_2(h), num_warps=4, enable_fp_fusion=False)
+
+
+def index_query(iq_raw: torch.Tensor, wproj: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allocating form of `index_query_`: (iq [N, Hi, 128] bfloat16, w [N, Hi] bfloat16)."""
+    n, h = wproj.shape
+    iq = torch.empty(n, h, HEAD_DIM, dtype=torch.bfloat16, device=wproj.device)
+    w = torch.empty(n, h, dtype=torch.bfloat16, device=wproj.device)
+    index_query_(iq_raw, wproj, cos, sin, scale, iq, w)
+    return iq, w
