@@ -53,6 +53,9 @@ class DecodeStep:
             raise StepError(f"buckets must lie in 1..{LOW_BATCH_MAX_ROWS} (LOW_BATCH_MAX_ROWS), got {buckets}")
         if state.cfg is not stack.cfg and state.cfg != stack.cfg:
             raise StepError("the state was built for another configuration than the stack")
+        if buckets[-1] > state.stage_rows:
+            raise StepError(f"buckets up to {buckets[-1]} rows exceed the state's stage_rows={state.stage_rows}; "
+                            f"build the DecodeState with stage_rows >= {buckets[-1]}")
         self.stack, self.state, self.cfg = stack, state, stack.cfg
         self.buckets, self.max_rows = buckets, buckets[-1]
         dev = state.device
@@ -165,6 +168,10 @@ class DecodeStep:
         cfg = self.cfg
         if x.shape != (n, cfg.hc_mult, cfg.dim) or x.dtype != torch.bfloat16:
             raise StepError(f"x must be [{n}, {cfg.hc_mult}, {cfg.dim}] bfloat16, got {tuple(x.shape)} {x.dtype}")
+        if pre is not None and (not isinstance(pre, torch.Tensor) or pre.shape != (n, cfg.hc_mult)
+                                or pre.dtype != torch.float32):
+            raise StepError(f"pre must be [{n}, {cfg.hc_mult}] float32, got "
+                            f"{tuple(getattr(pre, 'shape', ()))} {getattr(pre, 'dtype', type(pre).__name__)}")
         step = self.state.plan(plan_rows)
         self.meta.load(step, bucket)
         self.x_in[:n].copy_(x)

@@ -386,6 +386,8 @@ def test_errors(cpu_setup):
         step(streams(1, cfg, g).float(), [("a", 1)])
     with pytest.raises(StepError, match="rows entries"):
         step(streams(1, cfg, g), [("a",)])
+    with pytest.raises(StepError, match=r"pre must be \[1, 4\] float32"):   # would broadcast over rows
+        step(streams(1, cfg, g), [("a", 1)], pre=torch.ones(4))
     assert {r: st.length(r) for r in PREFILL} == lengths           # nothing planned or advanced
     assert {(r, k): st.pages_of(r, k) for r in PREFILL for k in (1, 2)} == pages
 
@@ -395,7 +397,7 @@ def test_errors(cpu_setup):
         stack.decode_step(st, buckets=(1, 65))
     with pytest.raises(StepError, match=r"1\.\.64"):
         stack.decode_step(st, buckets=(0, 2))
-    with pytest.raises(ValueError, match="stage_rows"):            # 8 rows, 4 staging rows
+    with pytest.raises(StepError, match="stage_rows"):             # 8 rows, 4 staging rows
         stack.decode_step(st, max_rows=8)
     tiny = DecodeState(ModelConfig.preset("tiny"), max_requests=1, max_context=8, stage_rows=4)
     with pytest.raises(StepError, match="another configuration"):

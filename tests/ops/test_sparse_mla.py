@@ -164,6 +164,20 @@ def test_gpu_shapes(h, n):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 4, 8])
+def test_gpu_block_h16_at_64_heads(n):
+    # the decode step's plan for <= 8 rows at 64 heads: four head groups of 16
+    w, k = 128, 512
+    case = make_case(n, 64, w, k, device="cuda", seed=77 + n, comp_valid=0.95, s_w=4096, s_c=8192)
+    plan = SparseMlaPlan.build(n, 64, w, k, "cuda", block_h=16)
+    out = torch.empty(n, 64, D, dtype=torch.bfloat16, device="cuda")
+    sparse_mla_(plan, *case, SCALE, out)
+    torch.cuda.synchronize()
+    check(out, reference(*case))
+    assert int(plan.counters.abs().sum()) == 0
+
+
+@pytest.mark.gpu
 def test_gpu_edge_cases_and_fp32_path():
     n, h, w, k = 5, 64, 128, 512
     q, wpool, cpool, wt, ct, sink = make_case(n, h, w, k, device="cuda", seed=5, s_w=1024, s_c=2048)
