@@ -3,7 +3,7 @@
 Between attention sublayer i and i+1 (no FFN plugged in): the post-mix of layer i's output into
 the streams with the `post`/`comb` of site i, the collapse of the new streams with site i's `pre`
 (the carried pre), the next layer's attn_norm and the MXFP8 quantization of the next input - one
-fused launch on the main stream (`ops.mhc.mhc_boundary_`). Site i+1's mixer depends only on the
+fused launch on the main stream (`ops.mhc.mhc_boundary_`, each row spread over chunks). Site i+1's mixer depends only on the
 streams entering it, so it runs on a side lane (`ops.mhc.hc_mix_`) from the moment those streams
 are written, and is joined where its post/comb/pre are first read (the end of layer i+1).
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..ops.act_quant import act_quant_mxfp8_
-from ..ops.mhc import HcMixPlan, hc_mix_, mhc_boundary_
+from ..ops.mhc import HcMixPlan, MhcBoundaryPlan, hc_mix_, mhc_boundary_
 from ..reference.linear import rms_norm
 from ..reference.mhc import hc_pre
 from .lanes import AUX_INDEX_W, Lanes
@@ -36,6 +36,7 @@ class Boundary:
         self.pre = [torch.zeros(B, hc, dtype=torch.float32, device=device) for _ in range(2)]
         self.post = [torch.zeros(B, hc, dtype=torch.float32, device=device) for _ in range(2)]
         self.comb = [torch.zeros(B, hc, hc, dtype=torch.float32, device=device) for _ in range(2)]
+        self.exit_plan = MhcBoundaryPlan.build(d, B, device)   # each row over chunks of 512 columns
         # one plan per parity: two sites' mixers may be in flight at once
         self.plans = [HcMixPlan.build(d, B, device, **({"split": 1} if device.type != "cuda" else {}))
                       for _ in range(2)]
@@ -67,9 +68,9 @@ class Boundary:
         (collapse with this site's pre, its attn_norm, MXFP8) into u/codes/scales."""
         norm = self._w(nxt if nxt is not None else layer, "attn_norm.weight")
         mhc_boundary_(y, x, self.post[slot][:rows], self.comb[slot][:rows], self.pre[slot][:rows], norm,
-                      self.cfg.norm_eps, x_new, self.u[:rows], self.codes[:rows], self.scales[:rows])
+                      self.cfg.norm_eps, x_new, self.u[:rows], self.codes[:rows], self.scales[:rows], self.exit_plan)
 
     def memory_bytes(self) -> int:
         ts = [self.u, self.codes, self.scales, *self.streams, *self.pre, *self.post, *self.comb]
-        ts += [t for p in self.plans for t in (p.partials, p.counters)]
+        ts += [t for p in self.plans for t in (p.partials, p.counters)] + [self.exit_plan.ws, self.exit_plan.counters]
         return sum(t.numel() * t.element_size() for t in ts)

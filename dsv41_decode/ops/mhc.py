@@ -156,6 +156,87 @@ def _mhc_boundary_kernel(
         tl.store(scales_ptr + n * stride_scales + kb, scale_byte.to(tl.uint8), mask=kb < D // 32)
 
 
+@triton.jit
+def _mhc_boundary_split_kernel(
+    y_ptr, x_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, xo_ptr, u_ptr, codes_ptr, scales_ptr, ws_ptr, cnt_ptr, eps,
+    stride_y, stride_xn, stride_xh, stride_post, stride_cn, stride_ci, stride_pre,
+    stride_xon, stride_xoh, stride_u, stride_codes, stride_scales, stride_ws,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, NCH: tl.constexpr, NCH_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # Program (row n, chunk ch): the new streams and the collapse of one chunk; the collapse (BF16,
+    # exact) parks in u_out and its sum of squares in the plan's workspace; the last chunk of the
+    # row to arrive sums the NCH partials in chunk order and normalizes + quantizes the whole row.
+    n = tl.program_id(0).to(tl.int64)
+    ch = tl.program_id(1)
+    d = ch * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = d < D
+    b0, b1, b2, b3, c = _boundary_chunk(y_ptr + n * stride_y, x_ptr + n * stride_xn, stride_xh,
+                                        post_ptr + n * stride_post, comb_ptr + n * stride_cn, stride_ci,
+                                        pre_ptr + n * stride_pre, d, mask)
+    xo_row = xo_ptr + n * stride_xon
+    tl.store(xo_row + d, b0, mask=mask)
+    tl.store(xo_row + stride_xoh + d, b1, mask=mask)
+    tl.store(xo_row + 2 * stride_xoh + d, b2, mask=mask)
+    tl.store(xo_row + 3 * stride_xoh + d, b3, mask=mask)
+    u_row = u_ptr + n * stride_u
+    tl.store(u_row + d, bf16_rne_bits(c), mask=mask)          # exact: c holds a BF16 value
+    tl.store(ws_ptr + n * stride_ws + ch, tl.sum(c * c, axis=0))
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt_ptr + n, 1, sem="acq_rel", scope="gpu")
+    if arrived == NCH - 1:
+        tl.store(cnt_ptr + n, 0)
+        k = tl.arange(0, NCH_P2)
+        parts = tl.load(ws_ptr + n * stride_ws + k, mask=k < NCH, other=0.0, cache_modifier=".cg")
+        total = tl.sum(parts, axis=0)
+        ms = tl.div_rn(total, tl.where(total == total, D * 1.0, D * 1.0))
+        root = tl.sqrt_rn(ms + eps)
+        r = tl.div_rn(tl.where(root == root, 1.0, 1.0), root)
+        NB: tl.constexpr = BLOCK_N // 32
+        for d0 in tl.range(0, D, BLOCK_N):
+            dd = d0 + tl.arange(0, BLOCK_N)
+            mm = dd < D
+            cc = _widen(tl.load(u_row + dd, mask=mm, other=0, cache_modifier=".cg"))
+            w = tl.load(w_ptr + dd, mask=mm, other=0.0).to(tl.float32)
+            bits = bf16_rne_bits(w * (cc * r))
+            tl.store(u_row + dd, bits, mask=mm)
+            codes, scale_byte = _mxfp8_blocks(tl.reshape(_widen(bits), (NB, 32)))
+            tl.store(codes_ptr + n * stride_codes + dd, tl.reshape(codes, (BLOCK_N,)), mask=mm)
+            kb = d0 // 32 + tl.arange(0, NB)
+            tl.store(scales_ptr + n * stride_scales + kb, scale_byte.to(tl.uint8), mask=kb < D // 32)
+
+
+@dataclass(frozen=True, eq=False)
+class MhcBoundaryPlan:
+    """The split of `mhc_boundary_` over chunks of each row, and its workspace (build once).
+
+    dim: the model dim; max_rows: the most rows a launch may pass; block_d: columns per program;
+    ws: [max_rows, chunks] FP32 partial sums of squares; counters: [max_rows] int32, 0 between
+    launches (the last program of a row resets its counter, so graph replays need no memset).
+    Not for concurrent launches on two streams.
+    """
+    dim: int
+    max_rows: int
+    block_d: int
+    ws: torch.Tensor
+    counters: torch.Tensor
+
+    @property
+    def chunks(self) -> int:
+        return triton.cdiv(self.dim, self.block_d)
+
+    @classmethod
+    def build(cls, dim: int, max_rows: int, device: torch.device | str = "cuda", block_d: int = 512
+              ) -> "MhcBoundaryPlan":
+        for name, v in (("dim", dim), ("max_rows", max_rows), ("block_d", block_d)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if dim % 32 or block_d % 32 or block_d & (block_d - 1):
+            raise ValueError(f"dim={dim} must be a multiple of 32 and block_d={block_d} a power of two >= 32")
+        chunks = triton.cdiv(dim, block_d)
+        return cls(dim, max_rows, block_d, torch.zeros(max_rows, chunks, dtype=torch.float32, device=device),
+                   torch.zeros(max_rows, dtype=torch.int32, device=device))
+
+
 def _require_disjoint(out: torch.Tensor, out_name: str, inp: torch.Tensor, in_name: str) -> None:
     """Raise ValueError unless the memory spans of out and inp do not overlap (no host sync)."""
     def span(t):
@@ -177,9 +258,13 @@ def _boundary_block_d(dim: int) -> int:
 
 def mhc_boundary_(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor,
                   norm_weight: torch.Tensor, eps: float, x_out: torch.Tensor, u_out: torch.Tensor,
-                  codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
+                  codes_out: torch.Tensor, scales_out: torch.Tensor, plan: MhcBoundaryPlan | None = None) -> None:
     """x_out = hc_post(y, x, post, comb); u_out = rms_norm(hc_pre(x_out, pre), norm_weight, eps);
     (codes_out, scales_out) = mxfp8_quantize(u_out). One launch, nothing allocated, no host sync.
+
+    plan: None runs one program per row; an `MhcBoundaryPlan` spreads each row over chunks of
+    plan.block_d columns (the last chunk to arrive normalizes the row): the same x_out bits, u within
+    the same one-ulp contract (its sum of squares is added in chunk order).
 
     y: [N, dim] bfloat16, the site's output; dim a multiple of 32.
     x: [N, 4, dim] bfloat16, the streams that entered the site.
@@ -219,6 +304,20 @@ def mhc_boundary_(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: to
         return
     xo, u = x_out.view(torch.int16), u_out.view(torch.int16)
     codes, scales = codes_out.view(torch.uint8), scales_out.view(torch.uint8)
+    if plan is not None:
+        if not isinstance(plan, MhcBoundaryPlan):
+            raise TypeError(f"plan must be an MhcBoundaryPlan, got {type(plan).__name__}")
+        if plan.dim != dim or n > plan.max_rows or plan.ws.device != dev:
+            raise ValueError(f"plan is for dim={plan.dim}, {plan.max_rows} rows on {plan.ws.device}; "
+                             f"the call has dim={dim}, {n} rows on {dev}")
+        _mhc_boundary_split_kernel[(n, plan.chunks)](
+            y, x, post, comb, pre, norm_weight, xo, u, codes, scales, plan.ws, plan.counters, float(eps),
+            y.stride(0), x.stride(0), x.stride(1), post.stride(0), comb.stride(0), comb.stride(1), pre.stride(0),
+            xo.stride(0), xo.stride(1), u.stride(0), codes.stride(0), scales.stride(0), plan.ws.stride(0),
+            D=dim, BLOCK_D=plan.block_d, NCH=plan.chunks, NCH_P2=triton.next_power_of_2(plan.chunks),
+            BLOCK_N=_boundary_block_d(dim), num_warps=4, enable_fp_fusion=False,
+        )
+        return
     _mhc_boundary_kernel[(n,)](
         y, x, post, comb, pre, norm_weight, xo, u, codes, scales, float(eps),
         y.stride(0), x.stride(0), x.stride(1), post.stride(0), comb.stride(0), comb.stride(1), pre.stride(0),
@@ -228,7 +327,7 @@ def mhc_boundary_(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: to
 
 
 def mhc_boundary(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor,
-                 norm_weight: torch.Tensor, eps: float
+                 norm_weight: torch.Tensor, eps: float, plan: MhcBoundaryPlan | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x_out, u, codes, scales) of `mhc_boundary_`: new streams [N, 4, dim] bfloat16, the next input
     [N, dim] bfloat16, its MXFP8 codes [N, dim] float8_e4m3fn and scales [N, dim/32] uint8."""
@@ -239,7 +338,7 @@ def mhc_boundary(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: tor
     u = torch.empty(n, dim, dtype=torch.bfloat16, device=y.device)
     codes = torch.empty(n, dim, dtype=torch.float8_e4m3fn, device=y.device)
     scales = torch.empty(n, dim // 32, dtype=torch.uint8, device=y.device)
-    mhc_boundary_(y, x, post, comb, pre, norm_weight, eps, x_out, u, codes, scales)
+    mhc_boundary_(y, x, post, comb, pre, norm_weight, eps, x_out, u, codes, scales, plan)
     return x_out, u, codes, scales
 
 

@@ -24,6 +24,7 @@ from dsv41_decode.ops.mhc import (
     _boundary_chunk,
     hc_mix,
     hc_mix_,
+    MhcBoundaryPlan,
     mhc_boundary,
     mhc_boundary_,
 )
@@ -150,6 +151,36 @@ def test_boundary_matches_reference_in_the_cancelling_case(n, dim):
 def test_boundary_matches_reference(n, dim):
     case = _boundary_case(n, dim, seed=100 * n + dim)
     _check_boundary(*case, mhc_boundary(*_dev(*case), _EPS))
+
+
+@pytest.mark.parametrize("dim, block_d", [(64, 32), (256, 64), (320, 128)])
+@pytest.mark.parametrize("n", [1, 3])
+def test_split_boundary_matches_reference(n, dim, block_d):
+    # a row spread over chunks; the last chunk to arrive normalizes; two launches (counters reset)
+    plan = MhcBoundaryPlan.build(dim, 4, _DEVICE, block_d=block_d)
+    for seed in (1, 2):
+        case = _boundary_case(n, dim, seed=seed * 1000 + 10 * n + dim)
+        _check_boundary(*case, mhc_boundary(*_dev(*case), _EPS, plan=plan))
+    assert int(plan.counters.abs().sum()) == 0
+    case = _cancelling_case(n, dim, seed=5 + n)
+    _check_boundary(*case, mhc_boundary(*_dev(*case), _EPS, plan=plan))
+
+
+def test_split_boundary_rejects_a_plan_of_another_shape():
+    case = _dev(*_boundary_case(3, 64, seed=1))
+    with pytest.raises(ValueError, match="plan is for dim=128"):
+        mhc_boundary(*case, _EPS, plan=MhcBoundaryPlan.build(128, 4, _DEVICE))
+    with pytest.raises(ValueError, match="2 rows"):
+        mhc_boundary(*case, _EPS, plan=MhcBoundaryPlan.build(64, 2, _DEVICE))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 16, 64])
+def test_gpu_split_boundary_real_dim(n):
+    plan = MhcBoundaryPlan.build(5120, 64, "cuda")
+    case = _boundary_case(n, 5120, seed=n)
+    _check_boundary(*case, mhc_boundary(*_dev(*case), _EPS, plan=plan))
+    _check_boundary(*case, mhc_boundary(*_dev(*case), _EPS, plan=plan))
 
 
 @triton.jit
