@@ -21,6 +21,7 @@ import torch
 
 from ..config import ModelConfig
 from ..reference.rope import rope_cis, rope_freqs
+from ..ops.sparse_tables import step_rows_
 from ..state import DecodeState, StepRows
 
 FIELDS = ("req_slot", "position", "start", "first_row", "last_position")
@@ -57,8 +58,8 @@ class StepMeta:
       stage_src / ring_dst int64 [max_rows]: the post-attention copy (padding and rows whose ring
         slot a later row of the same request takes copy onto themselves);
       kernel_slot int64 [max_rows]: the request slot, 0 for padding (for kernels that index tables);
-      cis[ratio] complex64, cos/sin[ratio] FP32 [max_rows, rope/2]: RoPE at the row's position, for
-        each ratio in the stack (padding rows at position 0);
+      cos/sin[ratio] FP32 [max_rows, rope/2]: RoPE at the row's position, for each ratio in the
+        stack (padding rows at position 0);
       n_vis[r] int32 [max_rows]: visible compressed entries (p + 1) // r, 0 for padding;
       entry_slot[r] int64 [max_rows]: global slot of the entry the row completes, else -1;
       group_cos/group_sin[r]: RoPE at the completed group's first position p + 1 - r.
@@ -80,55 +81,73 @@ class StepMeta:
         self.stage_src = torch.arange(max_rows, device=dev) + state.stage_base
         self.ring_dst = self.stage_src.clone()
         self.kernel_slot = torch.zeros(max_rows, dtype=torch.int64, device=dev)
-        ratios = sorted({s.ratio for s in cfg.plan})
-        self.freqs = {r: rope_freqs(cfg, r).to(dev) for r in ratios}
+        # RoPE rotations: one (frequencies, position offset) combination per use - each ratio at the
+        # row's position, and each compressed ratio at its group's first position p + 1 - r -
+        # stacked so that one polar() serves them all; cos/sin[...] are views of `_cs`.
         half = cfg.rope_head_dim // 2
-        self.cos = {r: torch.zeros(max_rows, half, device=dev) for r in ratios}
-        self.sin = {r: torch.zeros(max_rows, half, device=dev) for r in ratios}
-        self.cis = {r: torch.zeros(max_rows, half, dtype=torch.complex64, device=dev) for r in ratios}
-        self.n_vis = {r: torch.zeros(max_rows, dtype=torch.int32, device=dev) for r in state.ratios}
-        self.entry_slot = {r: torch.full((max_rows,), -1, dtype=torch.int64, device=dev) for r in state.ratios}
-        self.group_cos = {r: torch.zeros(max_rows, half, device=dev) for r in state.ratios}
-        self.group_sin = {r: torch.zeros(max_rows, half, device=dev) for r in state.ratios}
-        self._offsets = torch.arange(W, device=dev) - (W - 1)
+        uses = [("pos", r, 0) for r in sorted({s.ratio for s in cfg.plan})]
+        uses += [("group", r, 1 - r) for r in state.ratios]
+        self._use_freqs = torch.stack([rope_freqs(cfg, r) for _, r, _ in uses]).to(dev)      # [K, half]
+        self._use_offset = torch.tensor([off for _, _, off in uses], dtype=torch.int64, device=dev)
+        self._cs = torch.zeros(2, len(uses), max_rows, half, device=dev)
+        self.cos, self.sin, self.group_cos, self.group_sin = {}, {}, {}, {}
+        for k, (what, r, _) in enumerate(uses):
+            cos, sin = (self.cos, self.sin) if what == "pos" else (self.group_cos, self.group_sin)
+            cos[r], sin[r] = self._cs[0, k], self._cs[1, k]
+        self._ratios = state.ratios
+        self._nvis = torch.zeros(len(state.ratios), max_rows, dtype=torch.int32, device=dev)
+        self._entry = torch.full((len(state.ratios), max_rows), -1, dtype=torch.int64, device=dev)
+        self.n_vis = {r: self._nvis[k] for k, r in enumerate(state.ratios)}
+        self.entry_slot = {r: self._entry[k] for k, r in enumerate(state.ratios)}
 
     def load(self, step: StepRows, bucket: int) -> None:
         """Copy the step's host record into `record[:, :bucket]`, ordered on the current stream."""
         self.record[:, :bucket].copy_(host_record(step, bucket))
 
     def derive(self, rows: int) -> None:
-        """Fill the derived buffers of the first `rows` rows from `record` (device ops only)."""
+        """Fill the derived buffers of the first `rows` rows from `record`: one table kernel and one
+        batched RoPE (device ops only; `derive_reference` is the readable form)."""
+        st = self.state
+        step_rows_(self.record[:, :rows], self.cfg.window_size, st.stage_base,
+                   [(r, st.block_table[r]) for r in self._ratios], st.page_size, self.window_table[:rows],
+                   self.stage_slot[:rows], self.ring_dst[:rows], self.kernel_slot[:rows], self._nvis,
+                   self._entry)
+        # the same FP32 products and polar() as reference.rope.rope_cis, for every use at once
+        p = (self.record[1, :rows][None, :] + self._use_offset[:, None]).clamp(min=0)       # [K, rows]
+        angles = p.to(torch.float32)[:, :, None] * self._use_freqs[:, None, :]              # [K, rows, half]
+        cis = torch.polar(torch.ones_like(angles), angles)
+        self._cs[:, :, :rows] = torch.view_as_real(cis).permute(3, 0, 1, 2)
+
+    def derive_reference(self, rows: int) -> dict[str, torch.Tensor]:
+        """What `derive` writes for the first `rows` rows, in plain torch (tests compare the two)."""
         st, W = self.state, self.cfg.window_size
         slot, pos, start, first, last = (self.record[i, :rows] for i in range(len(FIELDS)))
         live = slot >= 0
         row = torch.arange(rows, device=slot.device)
-        q = pos[:, None] + self._offsets[None, :]                                 # [rows, W]
+        q = pos[:, None] + torch.arange(W, device=slot.device)[None, :] - (W - 1)        # [rows, W]
         ring = slot[:, None] * W + torch.remainder(q, W)
         stage = st.stage_base + first[:, None] + (q - start[:, None])
         table = torch.where(q >= start[:, None], stage, ring)
-        self.window_table[:rows] = torch.where(q >= 0, table, -1).to(torch.int32)
-        self.stage_slot[:rows] = torch.where(live, st.stage_base + row, -1)
-        keep = live & (pos > last - W)          # a later row of the request does not take the slot
-        self.ring_dst[:rows] = torch.where(keep, slot * W + torch.remainder(pos, W), self.stage_src[:rows])
-        self.kernel_slot[:rows] = slot.clamp(min=0)
-        p0 = pos.clamp(min=0)
-        for r, f in self.freqs.items():
-            cis = rope_cis(f, p0)
-            self.cis[r][:rows] = cis
-            self.cos[r][:rows] = cis.real
-            self.sin[r][:rows] = cis.imag
+        out = {"window_table": torch.where(q >= 0, table, -1).to(torch.int32),
+               "stage_slot": torch.where(live, st.stage_base + row, -1),
+               "ring_dst": torch.where(live & (pos > last - W), slot * W + torch.remainder(pos, W),
+                                       st.stage_base + row),
+               "kernel_slot": slot.clamp(min=0)}
         page = st.page_size
         for r in st.ratios:
-            self.n_vis[r][:rows] = torch.div(pos + 1, r, rounding_mode="floor").clamp(min=0).to(torch.int32)
+            out[f"n_vis{r}"] = torch.div(pos + 1, r, rounding_mode="floor").clamp(min=0).to(torch.int32)
             e = torch.div(pos + 1, r, rounding_mode="floor") - 1
             done = live & (torch.remainder(pos + 1, r) == 0)
             table_r = st.block_table[r]
             col = (e.clamp(min=0) // page).clamp(max=table_r.shape[1] - 1)
-            pg = table_r[self.kernel_slot[:rows], col].to(torch.int64)
-            self.entry_slot[r][:rows] = torch.where(done & (pg >= 0), pg * page + e.clamp(min=0) % page, -1)
-            g = rope_cis(self.freqs[r], (pos + 1 - r).clamp(min=0))
-            self.group_cos[r][:rows] = g.real
-            self.group_sin[r][:rows] = g.imag
+            pg = table_r[slot.clamp(min=0), col].to(torch.int64)
+            out[f"entry_slot{r}"] = torch.where(done & (pg >= 0), pg * page + e.clamp(min=0) % page, -1)
+            g = rope_cis(rope_freqs(self.cfg, r).to(slot.device), (pos + 1 - r).clamp(min=0))
+            out[f"group_cos{r}"], out[f"group_sin{r}"] = g.real, g.imag
+        for r in self.cos:
+            c = rope_cis(rope_freqs(self.cfg, r).to(slot.device), pos.clamp(min=0))
+            out[f"cos{r}"], out[f"sin{r}"] = c.real, c.imag
+        return out
 
     def copy_staged(self, window: torch.Tensor, rows: int) -> None:
         """Move the step's staged window records of one layer's pool into their ring slots."""

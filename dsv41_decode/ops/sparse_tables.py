@@ -105,3 +105,91 @@ def topk_slots_(topk: torch.Tensor, req_slot: torch.Tensor, block_table: torch.T
     block_k = min(1024, triton.next_power_of_2(k))
     _topk_slots_kernel[(n,)](topk, req_slot, block_table, out, lengths_out, topk.stride(0),
                              block_table.stride(0), out.stride(0), k, PAGE=page_size, BLOCK_K=block_k)
+
+
+@triton.jit
+def _ratio_rows(pos, slot, live, r, bt_ptr, stride_bt, cols, nvis_ptr, entry_ptr, PAGE: tl.constexpr):
+    q = pos + 1
+    tl.store(nvis_ptr, tl.maximum(q // r, 0).to(tl.int32))
+    e = tl.maximum(q // r - 1, 0)
+    col = tl.minimum(e // PAGE, cols - 1)
+    pg = tl.load(bt_ptr + tl.maximum(slot, 0) * stride_bt + col).to(tl.int64)
+    done = live & (q > 0) & (q % r == 0) & (pg >= 0)
+    tl.store(entry_ptr, tl.where(done, pg * PAGE + e % PAGE, -1))
+
+
+@triton.jit
+def _step_rows_kernel(rec_ptr, stride_rec, wt_ptr, stride_wt, stage_ptr, ring_ptr, kslot_ptr,
+                      bt1_ptr, stride_bt1, cols1, r1, bt2_ptr, stride_bt2, cols2, r2, nvis_ptr, entry_ptr, stride_nr,
+                      stage_base, W: tl.constexpr, BLOCK_W: tl.constexpr, PAGE: tl.constexpr, NR: tl.constexpr):
+    i = tl.program_id(0)
+    slot = tl.load(rec_ptr + i)
+    pos = tl.load(rec_ptr + stride_rec + i)
+    start = tl.load(rec_ptr + 2 * stride_rec + i)
+    first = tl.load(rec_ptr + 3 * stride_rec + i)
+    last = tl.load(rec_ptr + 4 * stride_rec + i)
+    live = slot >= 0
+    k = tl.arange(0, BLOCK_W)
+    q = pos - (W - 1) + k                                   # ascending positions p-W+1 .. p
+    ring = slot * W + (q % W + W) % W                        # floor modulo (q < 0 is masked below)
+    stage = stage_base + first + (q - start)
+    val = tl.where(q >= start, stage, ring)
+    tl.store(wt_ptr + i * stride_wt + k, tl.where(q >= 0, val, -1).to(tl.int32), mask=k < W)
+    tl.store(stage_ptr + i, tl.where(live, stage_base + i, -1))
+    keep = live & (pos > last - W)                          # no later row of the request takes the slot
+    tl.store(ring_ptr + i, tl.where(keep, slot * W + (pos % W + W) % W, stage_base + i))
+    tl.store(kslot_ptr + i, tl.maximum(slot, 0))
+    if NR >= 1:
+        _ratio_rows(pos, slot, live, r1, bt1_ptr, stride_bt1, cols1, nvis_ptr + i, entry_ptr + i, PAGE)
+    if NR >= 2:
+        _ratio_rows(pos, slot, live, r2, bt2_ptr, stride_bt2, cols2, nvis_ptr + stride_nr + i,
+                    entry_ptr + stride_nr + i, PAGE)
+
+
+def step_rows_(record: torch.Tensor, window: int, stage_base: int, block_tables: list[tuple[int, torch.Tensor]],
+               page_size: int, window_table: torch.Tensor, stage_slot: torch.Tensor, ring_dst: torch.Tensor,
+               kernel_slot: torch.Tensor, n_vis: torch.Tensor, entry_slot: torch.Tensor) -> None:
+    """A decode step's per-row tables from its rows' record, one launch (`decode.tables.StepMeta`).
+
+    record: int64 [5, N] rows (request slot or -1 for padding, position or -1, the request's first
+      position in the step, its first row, its last position), any row stride.
+    window: W; stage_base: the first staging row of the window pools.
+    block_tables: up to two (ratio, int32 [R, P] block table); page_size: entries per page.
+    Writes, for the N rows: window_table [N, W] int32 (positions p-W+1..p: staged rows
+      `stage_base + first + (q - start)` for q >= start, ring slots `slot*W + q % W` below, -1 for
+      q < 0); stage_slot [N] int64 (`stage_base + row`, -1 for padding); ring_dst [N] int64 (the
+      row's ring slot, or its own staging row for padding and for rows a later row of the request
+      replaces); kernel_slot [N] int64 (slot, 0 for padding); per ratio k: n_vis[k] int32
+      ((p + 1) // r, 0 for padding) and entry_slot[k] int64 (the global slot of the entry the row
+      completes, -1 if none or its page is unallocated). n_vis, entry_slot: [len(block_tables), >= N].
+    """
+    if not isinstance(record, torch.Tensor) or record.dim() != 2 or record.shape[0] != 5:
+        raise ValueError(f"record must be a [5, N] tensor, got {getattr(record, 'shape', type(record).__name__)}")
+    n, dev = record.shape[1], record.device
+    _require_int(window, "window")
+    _require_int(page_size, "page_size")
+    if len(block_tables) > 2:
+        raise ValueError(f"block_tables: at most two ratios, got {len(block_tables)}")
+    require_tensor(record, "record", torch.int64, (5, n), dev)
+    require_tensor(window_table, "window_table", torch.int32, (n, window), dev)
+    for t, name in ((stage_slot, "stage_slot"), (ring_dst, "ring_dst"), (kernel_slot, "kernel_slot")):
+        require_tensor(t, name, torch.int64, (n,), dev)
+    nr = len(block_tables)
+    require_tensor(n_vis, "n_vis", torch.int32, (nr, None), dev)
+    require_tensor(entry_slot, "entry_slot", torch.int64, (nr, None), dev)
+    if nr and (n_vis.shape[1] < n or entry_slot.shape[1] < n or n_vis.stride(0) != entry_slot.stride(0)):
+        raise ValueError("n_vis and entry_slot must hold N rows per ratio with the same row stride")
+    for r, bt in block_tables:
+        _require_int(r, "ratio")
+        if not isinstance(bt, torch.Tensor) or bt.dim() != 2:
+            raise ValueError(f"block table of ratio {r} must be a 2-D int32 tensor")
+        require_tensor(bt, f"block table of ratio {r}", torch.int32, tuple(bt.shape), dev)
+    if n == 0:
+        return
+    bts = list(block_tables) + [(1, window_table)] * (2 - nr)    # unused slots: any int32 tensor
+    (r1, bt1), (r2, bt2) = bts
+    _step_rows_kernel[(n,)](
+        record, record.stride(0), window_table, window_table.stride(0), stage_slot, ring_dst, kernel_slot,
+        bt1, bt1.stride(0), bt1.shape[1], r1, bt2, bt2.stride(0), bt2.shape[1], r2,
+        n_vis, entry_slot, n_vis.stride(0) if nr else 0, stage_base,
+        W=window, BLOCK_W=triton.next_power_of_2(window), PAGE=page_size, NR=nr)
