@@ -3,7 +3,9 @@
 Random weights (`testing.synthetic`), synthetic state at each context (random valid records, no
 prefill), one row per request (and 4 requests x (1 + 3 draft rows)). Variants, in the same run:
 `full` (the specialized step), `no_overlap` (the same kernels, every lane on the main stream) and
-`generic` (the stack's own forward, eager: serial reference ops, tables rebuilt per layer).
+`generic` (the stack's own forward, eager: serial reference ops, tables rebuilt per layer), and at
+the generic contexts `wo_a_fp8` (the full step with `wo_a` quantized to FP8 once at build, which
+changes the numbers: what streaming half of its bytes would give).
 Each row reports the step time, GB/s and percent of the step floor (design section 5: the bytes a
 step must read once over the streaming-read bandwidth measured in the same run); the per-layer-kind
 rows time one layer's schedule alone (graph of repeated calls); the memory rows give the device
@@ -98,7 +100,10 @@ def run_step_bench(rows=ROWS, contexts=CONTEXTS, out_dir="docs/results", progres
         fill_state(state, {i: ctx for i in range(max_rows)})
         mem_state = sum(state.memory_bytes().values())
         steps = {}
-        for variant, opts in (("full", {}), ("no_overlap", dict(overlap_inputs=False, overlap_candidates=False))):
+        variants = [("full", {}), ("no_overlap", dict(overlap_inputs=False, overlap_candidates=False))]
+        if ctx in generic_contexts:   # FP8 wo_a (quantized once at build: changes the numbers)
+            variants.append(("wo_a_fp8", dict(wo_a_fp8=True)))
+        for variant, opts in variants:
             progress(f"context {ctx}: building + capturing the {variant} step")
             steps[variant] = stack.decode_step(state, max_rows=max_rows, buckets=rows, **opts)
         times: dict[tuple[str, str], float] = {}
@@ -107,7 +112,7 @@ def run_step_bench(rows=ROWS, contexts=CONTEXTS, out_dir="docs/results", progres
                 bucket = _arm(step, case_rows, gen)
                 times[(name, variant)] = _replay_us(step.graphs[bucket])
             n = sum(c for _, c in case_rows)
-            base = {"no_overlap": times[(name, "no_overlap")]}
+            base = {v: times[(name, v)] for v in steps if v != "full"}
             if ctx in generic_contexts and n in generic_rows and "+" not in name:
                 x = torch.randn(n, cfg.hc_mult, cfg.dim, device="cuda").to(torch.bfloat16)
 
@@ -147,7 +152,8 @@ def _kind_breakdown(steps, cfg, ctx, kinds_rows, floor, info, gen, bench_name, p
     for n in kinds_rows:
         for label, L in _layer_kinds(cfg).items():
             us = {}
-            for variant, step in steps.items():
+            for variant in ("full", "no_overlap"):
+                step = steps[variant]
                 bucket = _arm(step, [(i, 1) for i in range(n)], gen)
                 step.meta.derive(bucket)
                 layer, bd = step.layers[L], step.boundary
