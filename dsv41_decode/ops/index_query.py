@@ -21,6 +21,7 @@ from .kv_write import _bits_to_fp32, _rope_pairs
 from .rounding import bf16_rne_bits
 
 HEAD_DIM = 128
+_HD = tl.constexpr(HEAD_DIM)   # the kernel's copy (Triton reads only constexpr globals)
 
 
 @triton.jit
@@ -35,7 +36,7 @@ def _index_query_kernel(raw_ptr, wp_ptr, cos_ptr, sin_ptr, iq_ptr, w_ptr, scale,
     head = hb * HB + r // 4
     j = (r % 4) * 16 + col
     ok = head < H
-    src = raw_ptr + n * stride_raw + head * HEAD_DIM + 2 * j
+    src = raw_ptr + n * stride_raw + head * _HD + 2 * j
     xe = _bits_to_fp32(tl.load(src, mask=ok, other=0))
     xo = _bits_to_fp32(tl.load(src + 1, mask=ok, other=0))
     xe, xo = _rope_pairs(xe, xo, cos_ptr + n * stride_cn, sin_ptr + n * stride_sn, j, 32)
