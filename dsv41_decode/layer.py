@@ -20,6 +20,8 @@ from .reference import compressor as ref_comp
 from .reference import indexer as ref_idx
 from .reference.linear import fp8_linear, rms_norm
 from .reference.rope import rope_cis, rope_freqs, rope_tail
+from .parallel import TensorParallel
+from .sharding import shard_layer
 from .state import DecodeState, StepRows
 from .weights import dequantized
 
@@ -52,7 +54,21 @@ class CallContext:
 class AttentionLayer:
     """Layer `spec.layer` of the stack: its checkpoint tensors (names without `layers.N.`) and forward."""
 
-    def __init__(self, cfg: ModelConfig, spec: LayerSpec, weights: dict[str, torch.Tensor]):
+    def __init__(self, cfg: ModelConfig, spec: LayerSpec, weights: dict[str, torch.Tensor],
+                 tp: TensorParallel | None = None):
+        """cfg: the model's configuration; weights: the layer's full tensors, or this rank's shard
+        (`sharding.shard_layer`) when `tp` has more than one rank and they are already sliced.
+
+        Under tensor parallelism the layer runs its rank's heads and `wo_a` groups (`self.cfg` is
+        the rank-local view: n_heads / tp, o_groups / tp), and its output is the rank-ordered FP32
+        reduction of every rank's `wo_b` partial, rounded to BF16 once.
+        """
+        self.tp = tp or TensorParallel()
+        if self.tp.tp > 1:
+            cfg.check_tp(self.tp.tp)
+            if weights["attn.attn_sink"].shape[0] == cfg.n_heads:
+                weights = shard_layer(cfg, weights, self.tp.tp, self.tp.rank)
+            cfg = cfg.replace(n_heads=cfg.n_heads // self.tp.tp, o_groups=cfg.o_groups // self.tp.tp)
         self.cfg, self.spec, self.w = cfg, spec, weights
         self.device = weights["attn.attn_sink"].device
         self.freqs = rope_freqs(cfg, spec.ratio).to(self.device)
@@ -107,8 +123,12 @@ class AttentionLayer:
                     valid = torch.cat([valid, sel >= 0])
                 o[r] = ref_attn.sparse_attention(q[r], keys, valid, w["attn.attn_sink"],
                                                  cfg.softmax_scale)
-        return ref_attn.output_projection(o, cis, self.wo_a, w["attn.wo_b.weight"], w["attn.wo_b.scale"],
-                                          cfg.o_groups, rd)
+        if self.tp.tp == 1:
+            return ref_attn.output_projection(o, cis, self.wo_a, w["attn.wo_b.weight"], w["attn.wo_b.scale"],
+                                              cfg.o_groups, rd)
+        z = ref_attn.grouped_wo_a(o, cis, self.wo_a, cfg.o_groups, rd)
+        partial = fp8_linear(z, w["attn.wo_b.weight"], w["attn.wo_b.scale"], out_dtype=torch.float32)
+        return self.tp.reduce_partials(partial).to(torch.bfloat16)
 
     def _window(self, state: DecodeState, slot: int, start: int, p_rows: torch.Tensor,
                 new: torch.Tensor, new_rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,6 +16,7 @@ import torch
 
 from .config import ModelConfig
 from .layer import AttentionLayer, CallContext
+from .parallel import TensorParallel
 from .reference.linear import rms_norm
 from .reference.mhc import Mix, hc_mixes, hc_post, hc_pre
 from .state import DecodeState, StepRows
@@ -36,8 +37,12 @@ class BlockRecord:
 class AttentionStack:
     """Layers `layer_ids` (ascending; every KV and index source they need must be among them)."""
 
-    def __init__(self, ckpt: Checkpoint, layer_ids: Sequence[int] | None = None):
-        """Build the layers from a loaded checkpoint (its tensors stay on the device they were loaded to)."""
+    def __init__(self, ckpt: Checkpoint, layer_ids: Sequence[int] | None = None, tp: TensorParallel | None = None):
+        """Build the layers from a loaded checkpoint (its tensors stay on the device they were loaded to).
+
+        tp: this rank's place in a tensor-parallel group (default: one rank); each layer keeps its
+        rank's shard and reduces its output across the ranks (AttentionLayer).
+        """
         cfg = ckpt.config
         ids = list(range(cfg.n_layers)) if layer_ids is None else sorted(layer_ids)
         for i in ids:
@@ -47,7 +52,8 @@ class AttentionStack:
                     raise ValueError(f"layer {i} needs its {what} layer {src} in the stack; got {ids}")
         self.cfg: ModelConfig = cfg
         self.ids = ids
-        self.layers = {i: AttentionLayer(cfg, cfg.plan[i], ckpt.layer(i)) for i in ids}
+        self.tp = tp or TensorParallel()
+        self.layers = {i: AttentionLayer(cfg, cfg.plan[i], ckpt.layer(i), self.tp) for i in ids}
 
     def initial_pre(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """The carried `pre` entering the first block: one-hot on stream 0, [n, hc] FP32."""

@@ -51,6 +51,9 @@ class DecodeStep:
         buckets = tuple(sorted(set(buckets)))
         if not buckets or buckets[0] < 1 or buckets[-1] > LOW_BATCH_MAX_ROWS:
             raise StepError(f"buckets must lie in 1..{LOW_BATCH_MAX_ROWS} (LOW_BATCH_MAX_ROWS), got {buckets}")
+        if stack.tp.tp > 1:
+            raise StepError(f"the specialized step runs one rank (tp=1) for now; this stack has tp={stack.tp.tp} "
+                            f"(its fused all-reduce boundary is issue 6): use the generic path")
         if state.cfg is not stack.cfg and state.cfg != stack.cfg:
             raise StepError("the state was built for another configuration than the stack")
         if buckets[-1] > state.stage_rows:

@@ -1,0 +1,69 @@
+"""Tensor parallelism at the edges: the process group, this rank's place in it, and the one
+collective the attention stack needs (the reduction of `wo_b`'s FP32 partial outputs).
+
+Every rank must hold bitwise the same result (spec section 3 step 9: the partials are reduced in
+FP32 before the BF16 rounding), so the reduction here gathers the partials and adds them in rank
+order on every rank, rather than trusting a collective's summation order. This is the portable
+path (gloo on the CPU, NCCL on GPUs); the fused one-shot all-reduce over peer-to-peer memory of the
+specialized step is a GPU kernel of its own.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """Rank `rank` of `tp` ranks in `group` (None: the default group; unused when tp == 1)."""
+
+    tp: int = 1
+    rank: int = 0
+    group: object | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.tp, bool) or not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"tp must be a positive int, got {self.tp!r}")
+        if not 0 <= self.rank < self.tp:
+            raise ValueError(f"rank must lie in [0, {self.tp}), got {self.rank}")
+
+    def reduce_partials(self, partial: torch.Tensor) -> torch.Tensor:
+        """sum over ranks r = 0, 1, ... of rank r's `partial` (FP32), added in rank order: the same
+        bits on every rank. tp == 1 returns `partial` itself."""
+        if partial.dtype != torch.float32:
+            raise TypeError(f"partial must be float32 (reduced before the BF16 rounding), got {partial.dtype}")
+        if self.tp == 1:
+            return partial
+        parts = [torch.empty_like(partial) for _ in range(self.tp)]
+        dist.all_gather(parts, partial.contiguous(), group=self.group)
+        total = parts[0].clone()
+        for p in parts[1:]:
+            total += p
+        return total
+
+    def same_on_all_ranks(self, t: torch.Tensor) -> bool:
+        """True when every rank holds bitwise the same `t` (a check for tests and the demo)."""
+        if self.tp == 1:
+            return True
+        parts = [torch.empty_like(t) for _ in range(self.tp)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        view = t.dtype.itemsize
+        as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[view]
+        return all(torch.equal(p.view(as_int), parts[0].view(as_int)) for p in parts)
+
+
+def from_environment(backend: str | None = None) -> TensorParallel:
+    """Join the process group a launcher (torchrun) describes in RANK / WORLD_SIZE / MASTER_ADDR;
+    a single process (no WORLD_SIZE) gets TensorParallel(1, 0). backend: default NCCL with a GPU,
+    gloo without."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return TensorParallel()
+    if not dist.is_initialized():
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        dist.init_process_group(backend)
+    return TensorParallel(dist.get_world_size(), dist.get_rank())

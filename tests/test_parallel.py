@@ -1,0 +1,97 @@
+"""Tensor parallelism of the reference on the CPU: 2 and 4 gloo processes against one.
+
+Each rank runs the same calls (a prefill of two requests, then decode steps with draft rows) with
+every layer teacher-forced: layer i of the TP run takes the TP1 run's input to layer i. The
+replicated work (projections, caches, compressor, indexer) must then be bitwise equal to TP1's, the
+layer outputs (rank-ordered FP32 reductions of the ranks' wo_b partials) within one BF16 ulp of
+each row's largest value, and every rank must hold the same bits.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dsv41_decode.config import ModelConfig
+from dsv41_decode.layer import CallContext
+from dsv41_decode.parallel import TensorParallel
+from dsv41_decode.stack import AttentionStack
+from dsv41_decode.state import DecodeState
+from dsv41_decode.testing.compare import row_ulp_distance
+from dsv41_decode.weights import load_checkpoint, write_synthetic_checkpoint
+
+CALLS = [[("a", 21), ("b", 6)], [("a", 1), ("b", 3)], [("a", 2), ("b", 1)], [("a", 4)], [("b", 2), ("a", 1)]]
+
+
+def _new_state(cfg):
+    st = DecodeState(cfg, max_requests=2, max_context=64, page_size=4)
+    st.admit("a")
+    st.admit("b")
+    return st
+
+
+def _rank(rank: int, world: int, ckpt_dir: str, store: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        ckpt = load_checkpoint(ckpt_dir)
+        cfg = ckpt.config
+        tp = TensorParallel(world, rank)
+        one, many = AttentionStack(ckpt), AttentionStack(ckpt, tp=tp)
+        assert many.layers[one.ids[0]].cfg.n_heads == cfg.n_heads // world
+        s1, s2 = _new_state(cfg), _new_state(cfg)
+        g = torch.Generator().manual_seed(5)
+        for call in CALLS:
+            n = sum(c for _, c in call)
+            x = torch.randn(n, cfg.hc_mult, cfg.dim, generator=g).to(torch.bfloat16)
+            rec1, c1 = {}, CallContext()
+            one.forward(x, s1.plan(call), s1, ctx=c1, observe=lambda i, r: rec1.__setitem__(i, r))
+            step2, c2 = s2.plan(call), CallContext()
+            for i in many.ids:                               # teacher-forced with TP1's inputs
+                y = many.layers[i].forward(rec1[i].attn_in, step2, s2, c2)
+                assert row_ulp_distance(y, rec1[i].attn_out) <= 1.0, f"layer {i}: more than one ulp"
+                assert tp.same_on_all_ranks(y), f"layer {i}: ranks differ"
+                if cfg.plan[i].runs_indexer:
+                    for a, b in zip(c2.topk[i], c1.topk[i]):
+                        assert torch.equal(a, b), f"layer {i}: top-k differs"
+            s2.advance(step2)
+            for name in ("window", "compressed", "index_keys", "comp_kv", "comp_score"):
+                for key, t in getattr(s1, name).items():
+                    assert torch.equal(t, getattr(s2, name)[key]), f"{name}[{key}] differs"
+    finally:
+        dist.destroy_process_group()
+
+
+def _checkpoint(tmp_path_factory, preset: str) -> str:
+    d = tmp_path_factory.mktemp(preset)
+    write_synthetic_checkpoint(ModelConfig.preset(preset), d, seed=9)
+    return str(d)
+
+
+# tiny: 4 heads, 2 wo_a groups (TP2); small: 8 heads, 4 groups, every layer kind (TP4, issue 7's
+# CPU check of the 4-rank layout)
+@pytest.mark.parametrize("preset, world", [("tiny", 2), ("small", 4)])
+def test_tp_reference_matches_tp1(preset, world, tmp_path_factory, tmp_path):
+    ckpt_dir = _checkpoint(tmp_path_factory, preset)
+    mp.spawn(_rank, args=(world, ckpt_dir, str(tmp_path / "store")), nprocs=world, join=True)
+
+
+def test_reduce_partials_is_rank_ordered_and_rejects_bf16():
+    tp = TensorParallel()
+    p = torch.randn(3, 8)
+    assert tp.reduce_partials(p) is p
+    with pytest.raises(TypeError, match="float32"):
+        tp.reduce_partials(p.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="rank"):
+        TensorParallel(2, 2)
+
+
+def test_single_process_environment(monkeypatch):
+    from dsv41_decode.parallel import from_environment
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert from_environment() == TensorParallel()
+    assert os.environ.get("WORLD_SIZE") is None
