@@ -38,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
                    "one per prompt (default: 2,0,3,0)")
     d.add_argument("--steps", type=int, default=6, help="decode steps (default: 6)")
     d.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights and inputs (default: 0)")
+    d.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: N > 1 runs N gloo processes on "
+                   "the CPU, each with its shard of the heads (default: 1)")
 
     t = sub.add_parser("trace", help="golden traces: verify one, or record one from our own stack")
     tsub = t.add_subparsers(dest="trace_cmd", required=True)
@@ -204,8 +206,14 @@ def main(argv: list[str] | None = None) -> int:
                 raise SystemExit(f"--drafts needs one entry per prompt ({len(prompts)}), got {len(drafts)}")
             if min(prompts) < 1:
                 raise SystemExit("--prompts: every prompt needs at least one token")
-            stats = run_demo(ModelConfig.load(args.config), DemoPlan(prompts, drafts, args.steps, args.seed),
-                             args.device, console)
+            cfg, plan = ModelConfig.load(args.config), DemoPlan(prompts, drafts, args.steps, args.seed)
+            if args.tp > 1:
+                from .demo import run_demo_tp
+                if args.device != "cpu":
+                    raise SystemExit("--tp runs gloo processes on the CPU; drop --device")
+                cfg.check_tp(args.tp)
+                return 0 if run_demo_tp(cfg, plan, args.tp, console) else 1
+            stats = run_demo(cfg, plan, args.device, console)
             return 0 if all(s.bitwise == s.rows for s in stats.values()) else 1
         if args.cmd == "trace":
             return _verify(args, console) if args.trace_cmd == "verify" else _record(args, console)

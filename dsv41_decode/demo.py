@@ -21,6 +21,7 @@ from rich.table import Table
 
 from .config import ModelConfig
 from .layer import CallContext
+from .parallel import TensorParallel
 from .stack import AttentionStack
 from .state import DecodeState
 from .testing.compare import ulp_distance
@@ -75,9 +76,15 @@ def _run(stack, state, calls, embed, stats, progress, task):
     return out
 
 
-def run_demo(cfg: ModelConfig, plan: DemoPlan, device: str = "cpu", console: Console | None = None) -> dict:
-    """Run the demo and print its table; returns the per-kind figures."""
-    console = console or Console()
+def run_demo(cfg: ModelConfig, plan: DemoPlan, device: str = "cpu", console: Console | None = None,
+             tp: TensorParallel | None = None) -> dict:
+    """Run the demo and print its table (rank 0 under tensor parallelism); returns the per-kind figures.
+
+    tp: this process's rank of a tensor-parallel group: every rank runs the demo on its shard of
+    the heads and groups, and the table adds whether every rank holds the same outputs.
+    """
+    tp = tp or TensorParallel()
+    console = console or Console(quiet=tp.rank != 0)
     if len(plan.prompts) != len(plan.drafts):
         raise ValueError("prompts and drafts need one entry per request")
     reqs = [f"req{i}" for i in range(len(plan.prompts))]
@@ -87,7 +94,7 @@ def run_demo(cfg: ModelConfig, plan: DemoPlan, device: str = "cpu", console: Con
     with tempfile.TemporaryDirectory() as tmp:
         write_synthetic_checkpoint(cfg, tmp, seed=plan.seed)
         ckpt = load_checkpoint(tmp, device=device)
-    stack = AttentionStack(ckpt)
+    stack = AttentionStack(ckpt, tp=tp)
     stats: dict[str, KindStats] = defaultdict(KindStats)
     for s in cfg.plan:
         stats[s.label].layers.add(s.layer)
@@ -102,7 +109,7 @@ def run_demo(cfg: ModelConfig, plan: DemoPlan, device: str = "cpu", console: Con
     serve += [("decode_s", [(r, plan.prompts[i] + k * (1 + d), 1 + d)
                             for i, (r, d) in enumerate(zip(reqs, plan.drafts))]) for k in range(plan.steps)]
     oneshot = [("prefill_s", [(r, 0, total[r])]) for r in reqs]
-    with Progress(console=console, transient=True) as progress:
+    with Progress(console=console, transient=True, disable=tp.rank != 0) as progress:
         task = progress.add_task("demo: serve, then prefill each request", total=len(serve) + len(oneshot))
         a = _run(stack, new_state(), serve, embed, stats, progress, task)
         b = _run(stack, new_state(), oneshot, embed, stats, progress, task)
@@ -116,13 +123,15 @@ def run_demo(cfg: ModelConfig, plan: DemoPlan, device: str = "cpu", console: Con
         if ta is not None:
             st.topk_rows += 1
             st.topk_equal += int(sorted(ta[ta >= 0].tolist()) == sorted(tb[tb >= 0].tolist()))
-    _print(console, cfg, plan, stats, sum(total.values()))
+    same = tp.same_on_all_ranks(torch.stack([a[k][0] for k in sorted(a, key=str)]))
+    _print(console, cfg, plan, stats, sum(total.values()), tp, same)
     return dict(stats)
 
 
-def _print(console, cfg, plan, stats, n_tokens) -> None:
+def _print(console, cfg, plan, stats, n_tokens, tp: TensorParallel, ranks_same: bool) -> None:
+    where = f", tp={tp.tp} (gloo processes)" if tp.tp > 1 else ""
     t = Table(title=f"decode vs prefill, {len(cfg.plan)} layers, {len(plan.prompts)} requests, "
-                    f"{plan.steps} steps (drafts {list(plan.drafts)})")
+                    f"{plan.steps} steps (drafts {list(plan.drafts)}){where}")
     for col in ("layer kind", "layers", "decoded rows", "bitwise equal", "max ulp", "top-k sets equal",
                 "decode ms/step", "prefill ms/token"):
         t.add_column(col, justify="right")
@@ -138,3 +147,37 @@ def _print(console, cfg, plan, stats, n_tokens) -> None:
     ok = all(s.bitwise == s.rows for s in stats.values())
     console.print("[green]decode equals prefill at every decoded position[/green]" if ok else
                   "[red]decode differs from prefill: see the table[/red]")
+    if tp.tp > 1:
+        console.print(f"[green]all {tp.tp} ranks hold the same outputs[/green]" if ranks_same else
+                      f"[red]the {tp.tp} ranks' outputs differ[/red]")
+
+
+def run_demo_tp(cfg: ModelConfig, plan: DemoPlan, tp: int, console: Console) -> bool:
+    """Run the demo on `tp` gloo processes of this machine (CPU); True when decode equals prefill on
+    every rank and the ranks agree. Rank 0 prints."""
+    import torch.multiprocessing as mp
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.get_context("spawn")
+        results = ctx.Queue()
+        procs = [ctx.Process(target=_demo_rank, args=(r, tp, cfg, plan, f"{tmp}/store", results, console.width))
+                 for r in range(tp)]
+        for p in procs:
+            p.start()
+        oks = [results.get() for _ in procs]
+        for p in procs:
+            p.join()
+    return all(oks) and all(p.exitcode == 0 for p in procs)
+
+
+def _demo_rank(rank, world, cfg, plan, store, results, width) -> None:
+    import torch.distributed as dist
+    ok = False
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+        tp = TensorParallel(world, rank)
+        stats = run_demo(cfg, plan, "cpu", Console(width=width, quiet=rank != 0), tp)
+        ok = all(s.bitwise == s.rows for s in stats.values())
+        dist.destroy_process_group()
+    finally:
+        results.put(ok)

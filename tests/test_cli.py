@@ -19,6 +19,22 @@ def test_demo_exits_0_and_prints_table(capsys):
     assert "decode equals prefill at every decoded position" in out
 
 
+def test_demo_tp2_runs_gloo_processes():
+    # the rank processes print to their own stdout: run the CLI as a subprocess and read it
+    r = subprocess.run([sys.executable, "-m", "dsv41_decode", "demo", "--tp", "2", "--config", "tiny",
+                        "--prompts", "9,20", "--drafts", "1,0", "--steps", "3"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "tp=2 (gloo processes)" in r.stdout
+    assert "decode equals prefill at every decoded position" in r.stdout
+    assert "all 2 ranks hold the same outputs" in r.stdout
+
+
+def test_demo_tp_that_does_not_split_is_rejected(capsys):
+    assert main(["demo", "--tp", "3"]) != 0
+    assert "8 heads do not split over tp=3 ranks" in capsys.readouterr().out
+
+
 def test_python_dash_m_help_lists_commands():
     out = subprocess.run([sys.executable, "-m", "dsv41_decode", "--help"], capture_output=True, text=True,
                          check=True).stdout
