@@ -55,9 +55,9 @@ class AttentionLayer:
     """Layer `spec.layer` of the stack: its checkpoint tensors (names without `layers.N.`) and forward."""
 
     def __init__(self, cfg: ModelConfig, spec: LayerSpec, weights: dict[str, torch.Tensor],
-                 tp: TensorParallel | None = None):
-        """cfg: the model's configuration; weights: the layer's full tensors, or this rank's shard
-        (`sharding.shard_layer`) when `tp` has more than one rank and they are already sliced.
+                 tp: TensorParallel | None = None, sharded: bool = False):
+        """cfg: the model's configuration; weights: the layer's full tensors, or (sharded=True) this
+        rank's part of them (`load_checkpoint(..., tp=, rank=)` or `sharding.shard_layer`).
 
         Under tensor parallelism the layer runs its rank's heads and `wo_a` groups (`self.cfg` is
         the rank-local view: n_heads / tp, o_groups / tp), and its output is the rank-ordered FP32
@@ -66,7 +66,7 @@ class AttentionLayer:
         self.tp = tp or TensorParallel()
         if self.tp.tp > 1:
             cfg.check_tp(self.tp.tp)
-            if weights["attn.attn_sink"].shape[0] == cfg.n_heads:
+            if not sharded:
                 weights = shard_layer(cfg, weights, self.tp.tp, self.tp.rank)
             cfg = cfg.replace(n_heads=cfg.n_heads // self.tp.tp, o_groups=cfg.o_groups // self.tp.tp)
         self.cfg, self.spec, self.w = cfg, spec, weights

@@ -19,16 +19,9 @@ from .config import ModelConfig
 _BLOCK = 32
 
 
-def _rows(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    return t[start:stop].contiguous()
-
-
-def _cols(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-    return t[:, start:stop].contiguous()
-
-
-def shard_layer(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor], tp: int, rank: int) -> dict[str, torch.Tensor]:
-    """The tensors rank `rank` of `tp` holds for one layer (names as in `Checkpoint.layer`).
+def shard_ranges(cfg: ModelConfig, tp: int, rank: int) -> dict[str, tuple[int, int, int]]:
+    """name (without `layers.N.`) -> (axis, start, stop) of the part rank `rank` of `tp` holds, for
+    every sharded tensor (`attn.wo_a.scale` included; absent from a BF16-wo_a checkpoint).
 
     Raises ConfigError (via `cfg.check_tp`) when heads or groups do not split, and ValueError for a
     rank out of range or a cut that would split a 32x32 scale block.
@@ -42,14 +35,28 @@ def shard_layer(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor], tp: int, 
     for what, n in (("wq_b rows", q_rows), ("wo_a rows / wo_b columns", a_rows)):
         if n % _BLOCK:
             raise ValueError(f"tp={tp}: {what} per rank ({n}) is not a multiple of the {_BLOCK}-wide scale blocks")
-    out = dict(tensors)
     q0, a0 = rank * q_rows, rank * a_rows
-    out["attn.wq_b.weight"] = _rows(tensors["attn.wq_b.weight"], q0, q0 + q_rows)
-    out["attn.wq_b.scale"] = _rows(tensors["attn.wq_b.scale"], q0 // _BLOCK, (q0 + q_rows) // _BLOCK)
-    out["attn.attn_sink"] = _rows(tensors["attn.attn_sink"], rank * heads, (rank + 1) * heads)
-    out["attn.wo_a.weight"] = _rows(tensors["attn.wo_a.weight"], a0, a0 + a_rows)
-    if "attn.wo_a.scale" in tensors:
-        out["attn.wo_a.scale"] = _rows(tensors["attn.wo_a.scale"], a0 // _BLOCK, (a0 + a_rows) // _BLOCK)
-    out["attn.wo_b.weight"] = _cols(tensors["attn.wo_b.weight"], a0, a0 + a_rows)
-    out["attn.wo_b.scale"] = _cols(tensors["attn.wo_b.scale"], a0 // _BLOCK, (a0 + a_rows) // _BLOCK)
+    return {
+        "attn.wq_b.weight": (0, q0, q0 + q_rows),
+        "attn.wq_b.scale": (0, q0 // _BLOCK, (q0 + q_rows) // _BLOCK),
+        "attn.attn_sink": (0, rank * heads, (rank + 1) * heads),
+        "attn.wo_a.weight": (0, a0, a0 + a_rows),
+        "attn.wo_a.scale": (0, a0 // _BLOCK, (a0 + a_rows) // _BLOCK),
+        "attn.wo_b.weight": (1, a0, a0 + a_rows),
+        "attn.wo_b.scale": (1, a0 // _BLOCK, (a0 + a_rows) // _BLOCK),
+    }
+
+
+def take(t: torch.Tensor, axis: int, start: int, stop: int) -> torch.Tensor:
+    """t[start:stop] along `axis` (0 or 1), contiguous."""
+    return (t[start:stop] if axis == 0 else t[:, start:stop]).contiguous()
+
+
+def shard_layer(cfg: ModelConfig, tensors: Mapping[str, torch.Tensor], tp: int, rank: int) -> dict[str, torch.Tensor]:
+    """The tensors rank `rank` of `tp` holds for one layer (names as in `Checkpoint.layer`); see
+    `shard_ranges` for the cuts and the errors."""
+    out = dict(tensors)
+    for name, (axis, start, stop) in shard_ranges(cfg, tp, rank).items():
+        if name in tensors:
+            out[name] = take(tensors[name], axis, start, stop)
     return out

@@ -53,7 +53,11 @@ class AttentionStack:
         self.cfg: ModelConfig = cfg
         self.ids = ids
         self.tp = tp or TensorParallel()
-        self.layers = {i: AttentionLayer(cfg, cfg.plan[i], ckpt.layer(i), self.tp) for i in ids}
+        if ckpt.shard != (1, 0) and ckpt.shard != (self.tp.tp, self.tp.rank):
+            raise ValueError(f"the checkpoint holds the part of (tp, rank) = {ckpt.shard}, but this stack is "
+                             f"rank {self.tp.rank} of tp={self.tp.tp}")
+        sharded = ckpt.shard != (1, 0)
+        self.layers = {i: AttentionLayer(cfg, cfg.plan[i], ckpt.layer(i), self.tp, sharded) for i in ids}
 
     def initial_pre(self, n: int, device: torch.device | str = "cpu") -> torch.Tensor:
         """The carried `pre` entering the first block: one-hot on stream 0, [n, hc] FP32."""

@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 
 from .config import FULL, REINDEX, ModelConfig
 from .formats import fp8_block_dequantize, fp8_block_quantize
+from .sharding import shard_ranges
 
 FP8 = torch.float8_e4m3fn
 UE8M0 = torch.float8_e8m0fnu
@@ -151,11 +152,14 @@ class Checkpoint:
     layers: layer id -> {name without `layers.N.` (e.g. `attn.wq_a.weight`) -> tensor}, in the
         storage dtypes of spec section 7, on the device given to `load_checkpoint`.
     path: the directory it was loaded from (None when built in memory).
+    shard: (tp, rank): the tensor-parallel part the sharded tensors hold (`sharding.shard_ranges`);
+        (1, 0) for whole tensors.
     """
 
     config: ModelConfig
     layers: Mapping[int, Mapping[str, torch.Tensor]]
     path: Path | None = None
+    shard: tuple[int, int] = (1, 0)
 
     def layer(self, i: int) -> Mapping[str, torch.Tensor]:
         """Layer i's tensors; LayerNotLoadedError (a KeyError) naming i when it was not loaded."""
@@ -249,6 +253,10 @@ class _Shards:
                     self._by_layer.setdefault(int(m.group(1)), []).append(name)
         return self._by_layer.get(layer, [])
 
+    def get_shape(self, name: str) -> list[int]:
+        """The stored shape of a present tensor (from the header)."""
+        return self._slice(name).get_shape()
+
     def dtype_code(self, name: str) -> str:
         """The stored safetensors dtype code (`F8_E4M3`, `BF16`, ...) of a present tensor."""
         return self._slice(name).get_dtype()
@@ -259,6 +267,15 @@ class _Shards:
             return h.get_slice(name)
         except Exception as e:
             raise CheckpointError(f"{name}: listed in {self.source} but not readable from "
+                                  f"{self.where[name]}: {e}") from None
+
+    def get_part(self, name: str, axis: int, start: int, stop: int) -> torch.Tensor:
+        """Rows (axis 0) or columns (axis 1) start:stop of a tensor, reading only those bytes."""
+        sl = self._slice(name)
+        try:
+            return sl[start:stop] if axis == 0 else sl[:, start:stop]
+        except Exception as e:
+            raise CheckpointError(f"{name}: cannot read part {start}:{stop} of axis {axis} from "
                                   f"{self.where[name]}: {e}") from None
 
     def get(self, name: str) -> torch.Tensor:
@@ -301,8 +318,8 @@ def _check_tensor(name: str, file: Path, t: torch.Tensor, dtype: torch.dtype,
                                   f"{_first_bad(bad)}")
 
 
-def _load_layer(cfg: ModelConfig, layer: int, shards: _Shards,
-                device: torch.device) -> dict[str, torch.Tensor]:
+def _load_layer(cfg: ModelConfig, layer: int, shards: _Shards, device: torch.device,
+                parts: Mapping[str, tuple[int, int, int]] | None = None) -> dict[str, torch.Tensor]:
     prefix = f"layers.{layer}."
     wo_a = f"{prefix}attn.wo_a.weight"
     wo_a_fp8 = wo_a in shards.where and shards.dtype_code(wo_a) == "F8_E4M3"
@@ -323,7 +340,17 @@ def _load_layer(cfg: ModelConfig, layer: int, shards: _Shards,
 
     out: dict[str, torch.Tensor] = {}
     for name, (dtype, shape) in expected.items():
-        t = shards.get(name)
+        part = (parts or {}).get(name[len(prefix):])
+        if part is None:
+            t = shards.get(name)
+        else:   # this rank's rows or columns only; the check sees the part's shape
+            axis, start, stop = part
+            stored = shards.get_shape(name)
+            if list(stored) != list(shape):
+                raise CheckpointError(f"{name} in {shards.where[name]}: expected shape {list(shape)}, "
+                                      f"found {list(stored)}")
+            t = shards.get_part(name, axis, start, stop)
+            shape = tuple(stop - start if a == axis else n for a, n in enumerate(shape))
         why = ""
         if name.endswith("compressor.wkv.weight"):
             why = f" (compress ratio {cfg.ratio(layer)} stores it in {dtype})"
@@ -344,7 +371,7 @@ def _select(cfg: ModelConfig, layers: Iterable[int] | None) -> list[int]:
 
 def load_checkpoint(path: str | Path, layers: Iterable[int] | None = None,
                     device: str | torch.device = "cpu",
-                    config: ModelConfig | None = None) -> Checkpoint:
+                    config: ModelConfig | None = None, tp: int = 1, rank: int = 0) -> Checkpoint:
     """Read and validate the attention-side tensors of the selected layers of a checkpoint.
 
     path: a directory holding `config.json` (official or HF keys) and either `model.safetensors`,
@@ -358,12 +385,16 @@ def load_checkpoint(path: str | Path, layers: Iterable[int] | None = None,
     indexer tensors its kind does not own. Each fault raises CheckpointError naming the tensor and
     the file; an unreadable (truncated, corrupt) file raises CheckpointError naming the file.
     Tensors of other layers and non-attention tensors are ignored.
+    tp, rank: read only rank `rank`'s part of the tensors tensor parallelism shards
+    (`sharding.shard_ranges`: wq_b and attn_sink by heads, wo_a by groups, wo_b by input columns);
+    the result's `shard` is (tp, rank).
     """
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"{root}: not a checkpoint directory")
     cfg = config if config is not None else ModelConfig.from_json(root)
     sel = _select(cfg, layers)
+    parts = shard_ranges(cfg, tp, rank) if tp > 1 else None
     dev = torch.device(device)
     console = Console(stderr=True)
     out: dict[int, dict[str, torch.Tensor]] = {}
@@ -373,9 +404,9 @@ def load_checkpoint(path: str | Path, layers: Iterable[int] | None = None,
                       disable=len(sel) <= 4 or not console.is_terminal) as progress:
             task = progress.add_task(f"loading {root.name}", total=len(sel))
             for i in sel:
-                out[i] = _load_layer(cfg, i, shards, dev)
+                out[i] = _load_layer(cfg, i, shards, dev, parts)
                 progress.advance(task)
-    return Checkpoint(config=cfg, layers=out, path=root)
+    return Checkpoint(config=cfg, layers=out, path=root, shard=(tp, rank) if tp > 1 else (1, 0))
 
 
 # ----------------------------------------------------------------------------- synthetic

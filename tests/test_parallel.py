@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 from dsv41_decode.config import ModelConfig
 from dsv41_decode.layer import CallContext
 from dsv41_decode.parallel import TensorParallel
+from dsv41_decode.sharding import shard_layer
 from dsv41_decode.stack import AttentionStack
 from dsv41_decode.state import DecodeState
 from dsv41_decode.testing.compare import row_ulp_distance
@@ -41,7 +42,9 @@ def _rank(rank: int, world: int, ckpt_dir: str, store: str) -> None:
         ckpt = load_checkpoint(ckpt_dir)
         cfg = ckpt.config
         tp = TensorParallel(world, rank)
-        one, many = AttentionStack(ckpt), AttentionStack(ckpt, tp=tp)
+        # rank 0 shards the whole checkpoint in memory; the others read only their slices
+        part = ckpt if rank == 0 else load_checkpoint(ckpt_dir, tp=world, rank=rank)
+        one, many = AttentionStack(ckpt), AttentionStack(part, tp=tp)
         assert many.layers[one.ids[0]].cfg.n_heads == cfg.n_heads // world
         s1, s2 = _new_state(cfg), _new_state(cfg)
         g = torch.Generator().manual_seed(5)
@@ -88,6 +91,21 @@ def test_reduce_partials_is_rank_ordered_and_rejects_bf16():
         tp.reduce_partials(p.to(torch.bfloat16))
     with pytest.raises(ValueError, match="rank"):
         TensorParallel(2, 2)
+
+
+def test_loading_a_shard_reads_the_rank_slices(tmp_path_factory):
+    d = _checkpoint(tmp_path_factory, "small")
+    full = load_checkpoint(d, layers=[2])
+    for rank in range(4):
+        part = load_checkpoint(d, layers=[2], tp=4, rank=rank)
+        assert part.shard == (4, rank)
+        want = shard_layer(full.config, full.layer(2), 4, rank)
+        got = part.layer(2)
+        assert set(got) == set(want)
+        for name, t in want.items():
+            assert torch.equal(got[name].view(torch.uint8), t.view(torch.uint8)), name
+    with pytest.raises(ValueError, match="rank 1 of tp=4"):
+        AttentionStack(load_checkpoint(d, layers=[0], tp=4, rank=0), tp=TensorParallel(4, 1))
 
 
 def test_single_process_environment(monkeypatch):
