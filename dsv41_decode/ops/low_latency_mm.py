@@ -39,10 +39,14 @@ _ROW_BUCKETS = (16, 32, 64)   # BLOCK_M: the MMA's N dimension, at least 16 for 
 
 
 @triton.jit
-def _store_y(y_ptr, acc, rn, rm, M, N, stride_ym):
-    """y[m, n] = bf16(acc[n, m]) for m < M, n < N; y_ptr points at int16 (the BF16 bits)."""
+def _store_y(y_ptr, acc, rn, rm, M, N, stride_ym, OUT_F32: tl.constexpr):
+    """y[m, n] = bf16(acc[n, m]) (y_ptr at int16: the BF16 bits), or acc itself with OUT_F32 (a
+    tensor-parallel partial, reduced before its rounding), for m < M, n < N."""
     mask = (rn[:, None] < N) & (rm[None, :] < M)
-    tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], bf16_rne_bits(acc), mask=mask)
+    if OUT_F32:
+        tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], acc, mask=mask)
+    else:
+        tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], bf16_rne_bits(acc), mask=mask)
 
 
 # The row count, split sizes and scale strides take no part in vectorization: leaving them
@@ -52,7 +56,7 @@ def _mxfp8_ll_mm_kernel(
     x_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, ws_ptr, cnt_ptr,
     M, N, K, stride_xm, stride_sxm, stride_wn, stride_swn, stride_ym, steps_per_split, n_split,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, DEQUANT: tl.constexpr, DOT_F32: tl.constexpr,
+    SPLIT_K: tl.constexpr, DEQUANT: tl.constexpr, DOT_F32: tl.constexpr, OUT_F32: tl.constexpr,
 ):
     # Grid: (N tiles, K splits). Program (t, s) covers rows [t*BLOCK_N, +BLOCK_N) of W and the K
     # range [s*steps_per_split*BLOCK_K, +steps_per_split*BLOCK_K); every row of x is in its one
@@ -120,10 +124,10 @@ def _mxfp8_ll_mm_kernel(
             for s in range(n_split):
                 # .cg: from L2, never from a line this SM's L1 kept from an earlier launch.
                 total += tl.load(tile_ws + s * M * BLOCK_N, mask=m_ok, other=0.0, cache_modifier=".cg")
-            _store_y(y_ptr, total, rn, rm, M, N, stride_ym)
+            _store_y(y_ptr, total, rn, rm, M, N, stride_ym, OUT_F32)
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
     else:
-        _store_y(y_ptr, acc, rn, rm, M, N, stride_ym)
+        _store_y(y_ptr, acc, rn, rm, M, N, stride_ym, OUT_F32)
 
 
 @dataclass(frozen=True)
@@ -290,7 +294,8 @@ class LowLatencyMM:
 
         codes: [M, K] float8_e4m3fn, unit stride along K; 1 <= M <= max_rows.
         x_scale: [M, K/32] UE8M0 (uint8 or float8_e8m0fnu), unit stride along K.
-        out: [M, N] BF16, unit stride along N; allocated when None.
+        out: [M, N] BF16, unit stride along N; allocated when None. A float32 out receives the
+            unrounded FP32 sums (a tensor-parallel partial).
         Returns out.
         """
         if not isinstance(codes, torch.Tensor) or codes.dim() != 2:
@@ -306,19 +311,20 @@ class LowLatencyMM:
         require_tensor(x_scale, "x_scale", _UE8M0, (m, self.k // 32))
         if out is None:
             out = torch.empty(m, self.n, dtype=torch.bfloat16, device=self.device)
-        require_tensor(out, "out", (torch.bfloat16,), (m, self.n))
+        require_tensor(out, "out", (torch.bfloat16, torch.float32), (m, self.n))
         for name, t in (("codes", codes), ("x_scale", x_scale), ("out", out)):
             if t.device != self.device:
                 raise ValueError(f"{name} is on {t.device} but the weight is on {self.device}")
         launch = self.launch_for(m)
         cfg = launch.config
         _mxfp8_ll_mm_kernel[launch.grid](
-            codes, x_scale.view(torch.uint8), self.weight, self.w_scale, out.view(torch.int16),
+            codes, x_scale.view(torch.uint8), self.weight, self.w_scale,
+            out if out.dtype == torch.float32 else out.view(torch.int16),
             self._workspace, self._counters,
             m, self.n, self.k, codes.stride(0), x_scale.stride(0), self.weight.stride(0),
             self.w_scale.stride(0), out.stride(0), launch.k_per_split // cfg.block_k, launch.split,
             BLOCK_N=cfg.block_n, BLOCK_M=launch.block_m, BLOCK_K=cfg.block_k,
-            SPLIT_K=launch.split > 1, DEQUANT=cfg.dequant, DOT_F32=self._dot_f32,
+            SPLIT_K=launch.split > 1, DEQUANT=cfg.dequant, DOT_F32=self._dot_f32, OUT_F32=out.dtype == torch.float32,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return out

@@ -66,6 +66,20 @@ def test_matches_reference_on_the_same_operands(m, n, k, split):
         assert ulp_distance(y, ref) <= 1
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["nosplit", "splitk"])
+def test_fp32_out_is_the_unrounded_partial(split):
+    # a tensor-parallel partial: the FP32 sums, which round to the BF16 output of the same plan
+    m, n, k = 5, 96, 256
+    _, _, codes, x_scale, weight, w_scale = _operands(_gen(7), m, n, k)
+    plan = LowLatencyMM(weight, w_scale, config=_SPLIT if split else _NO_SPLIT)
+    y32 = plan(codes, x_scale, torch.full((m, n), float("nan"), device=DEVICE))
+    y16 = plan(codes, x_scale, _poisoned(m, n))
+    assert y32.dtype == torch.float32 and not torch.isnan(y32).any()
+    assert torch.equal(y32.to(torch.bfloat16), y16)
+    ref = mxfp8_mm(codes, x_scale, weight, w_scale, out_dtype=torch.float32)
+    assert rel_rms(y32, ref) < 1e-6
+
+
 @pytest.mark.parametrize("m", [3, 37])
 def test_dequant_variant_matches_reference(m):
     n, k = 96, 256
@@ -131,7 +145,7 @@ def test_bad_inputs_name_the_argument():
     raises("codes must have unit stride", lambda: plan(codes.repeat(1, 2)[:, ::2], x_scale))
     raises("x_scale must have shape", lambda: plan(codes, x_scale[:, :2]))
     raises("x_scale must have dtype", lambda: plan(codes, x_scale.float()))
-    raises("out must have dtype", lambda: plan(codes, x_scale, torch.empty(m, n, device=DEVICE)))
+    raises("out must have dtype", lambda: plan(codes, x_scale, torch.empty(m, n, dtype=torch.float16, device=DEVICE)))
     raises("out must have shape", lambda: plan(codes, x_scale, _poisoned(m, n + 1)))
     raises("ops.fp8_mm", lambda: plan(codes.repeat(33, 1), x_scale.repeat(33, 1)))
     raises("this plan takes 1..8", lambda: plan(codes.repeat(5, 1), x_scale.repeat(5, 1)))
