@@ -67,7 +67,8 @@ def _fp8_plan(w: dict, name: str, max_rows: int) -> LowLatencyMM:
 
 class Scratch:
     """Per-step buffers shared by all layers (layers run one after another on the main stream and
-    join their side work before the next layer writes these). Sized for `max_rows` rows."""
+    join their side work before the next layer writes these). Sized for `max_rows` rows; `cfg` is
+    the rank-local view of the configuration (its heads and wo_a groups under TP)."""
 
     def __init__(self, cfg: ModelConfig, state: DecodeState, max_rows: int):
         dev, B = state.device, max_rows
@@ -84,6 +85,7 @@ class Scratch:
         self.z = torch.zeros(B, rank, dtype=torch.bfloat16, device=dev)
         self.z_codes = torch.zeros(B, rank, dtype=torch.float8_e4m3fn, device=dev)
         self.z_scales = torch.zeros(B, rank // 32, dtype=torch.uint8, device=dev)
+        self.y_partial = torch.zeros(B, cfg.dim, dtype=torch.float32, device=dev)   # wo_b's, under TP
         self.kv_score = torch.zeros(B, 2 * D, dtype=torch.float32, device=dev)
         self.c = torch.zeros(B, D, dtype=torch.float32, device=dev)
         self.done = torch.zeros(B, dtype=torch.int32, device=dev)
@@ -287,4 +289,10 @@ class AttentionStep:
         # 6. output: inverse RoPE + grouped wo_a, then wo_b
         wo_a_(self.wo_a_plan, o, m.cos[r][:B], m.sin[r][:B], self.wo_a_w, self.wo_a_s, s.z[:B])
         act_quant_mxfp8_(s.z[:B], s.z_codes[:B], s.z_scales[:B])
-        self.mm_wo_b(s.z_codes[:B], s.z_scales[:B], y)
+        if self.layer.tp.tp > 1:
+            # the collective fallback boundary: each rank's FP32 partial, reduced in rank order
+            # (identical bits on every rank), rounded once (parallel.TensorParallel)
+            self.mm_wo_b(s.z_codes[:B], s.z_scales[:B], s.y_partial[:B])
+            y.copy_(self.layer.tp.reduce_partials(s.y_partial[:B]))
+        else:
+            self.mm_wo_b(s.z_codes[:B], s.z_scales[:B], y)

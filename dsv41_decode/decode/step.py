@@ -11,6 +11,10 @@ and always on the CPU) runs the same schedule without a graph.
 
 The step leaves the tensors of the generic path (`AttentionStack.forward`) at every boundary, up to
 the kernels' rounding (see tests/decode); it does not run an FFN between the attention sublayers.
+Under tensor parallelism (a stack built with `tp`) each rank runs its heads and groups and reduces
+`wo_b`'s FP32 partials with `TensorParallel.reduce_partials` (gather + rank-ordered sum, NCCL or
+gloo) before the single-GPU boundary: the collective fallback of design section 3; the fused
+one-shot all-reduce over peer memory is not built yet.
 """
 
 from __future__ import annotations
@@ -51,9 +55,6 @@ class DecodeStep:
         buckets = tuple(sorted(set(buckets)))
         if not buckets or buckets[0] < 1 or buckets[-1] > LOW_BATCH_MAX_ROWS:
             raise StepError(f"buckets must lie in 1..{LOW_BATCH_MAX_ROWS} (LOW_BATCH_MAX_ROWS), got {buckets}")
-        if stack.tp.tp > 1:
-            raise StepError(f"the specialized step runs one rank (tp=1) for now; this stack has tp={stack.tp.tp} "
-                            f"(its fused all-reduce boundary is issue 6): use the generic path")
         if state.cfg is not stack.cfg and state.cfg != stack.cfg:
             raise StepError("the state was built for another configuration than the stack")
         if buckets[-1] > state.stage_rows:
@@ -67,7 +68,7 @@ class DecodeStep:
                          layers=[(i, stack.cfg.plan[i].label) for i in stack.ids])
         B, cfg = self.max_rows, self.cfg
         self.meta = StepMeta(cfg, state, B)
-        self.scratch = Scratch(cfg, state, B)
+        self.scratch = Scratch(stack.layers[stack.ids[0]].cfg, state, B)   # this rank's heads and groups
         self.lanes = Lanes(dev, overlap_inputs, overlap_candidates)
         self.selections: dict[int, IndexSelection] = {}
         self.candidate_masks: dict[int, torch.Tensor] = {}

@@ -1,0 +1,73 @@
+"""The specialized step under tensor parallelism on the CPU: 2 gloo processes, eager, interpreter.
+
+Each rank runs its 8 of 16 heads and 2 of 4 wo_a groups and reduces wo_b's FP32 partials through
+`TensorParallel.reduce_partials` (the collective fallback boundary). Against the one-rank step on
+the same inputs: every rank holds the same bits, the first layer's cache records (replicated work
+on identical inputs) are bitwise equal, and the streams agree to the rounding of the reordered
+partial sums as it compounds over the layers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from dsv41_decode.parallel import TensorParallel
+from dsv41_decode.stack import AttentionStack
+from dsv41_decode.state import DecodeState
+from dsv41_decode.weights import load_checkpoint, write_synthetic_checkpoint
+
+from safetensors.torch import load_file, save_file
+from test_step import reduced_config, rel, streams   # tests/decode is on sys.path (no package)
+
+STEPS = [[("a", 1), ("b", 3)]]
+
+
+def _state(cfg):
+    st = DecodeState(cfg, max_requests=2, max_context=64, page_size=4, stage_rows=4)
+    st.admit("a")
+    st.admit("b")
+    return st
+
+
+def _rank(rank: int, world: int, ckpt_dir: str, store: str, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        ckpt = load_checkpoint(ckpt_dir)
+        cfg, tp = ckpt.config, TensorParallel(world, rank)
+        one, many = AttentionStack(ckpt), AttentionStack(ckpt, tp=tp)
+        s1, s2 = _state(cfg), _state(cfg)
+        g = torch.Generator().manual_seed(1)
+        x = streams(19, cfg, g)
+        for stack, st in ((one, s1), (many, s2)):
+            stack.forward(x, st.plan([("a", 13), ("b", 6)]), st)
+        step1, step2 = one.decode_step(s1, max_rows=4), many.decode_step(s2, max_rows=4)
+        errs = []
+        for rows in STEPS:
+            x = streams(sum(c for _, c in rows), cfg, g)
+            y1, p1 = step1(x, rows)
+            y2, p2 = step2(x, rows)
+            assert tp.same_on_all_ranks(y2) and tp.same_on_all_ranks(p2), "ranks differ"
+            # each rank ran half the heads, and its wo_b partial alone is far from the reduced output
+            assert step2.scratch.q.shape[1] == cfg.n_heads // world
+            assert rel(step2.scratch.y_partial[:4].to(torch.bfloat16), step2.y[:4]) > 0.1, "no reduction"
+            L0 = one.ids[0]
+            assert torch.equal(s1.window[L0], s2.window[L0]), "first layer's window records differ"
+            errs.append(rel(y2, y1))
+        if rank == 0:
+            save_file({"errs": torch.tensor(errs)}, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_tp2_step_matches_tp1(tmp_path_factory, tmp_path):
+    cfg = reduced_config().replace(n_heads=16, o_groups=4)
+    d = write_synthetic_checkpoint(cfg, tmp_path_factory.mktemp("tp_step"), seed=4)
+    out = tmp_path / "errs.safetensors"
+    mp.spawn(_rank, args=(2, str(d), str(tmp_path / "store"), str(out)), nprocs=2, join=True)
+    errs = load_file(out)["errs"]
+    print(f"TP2 vs TP1 streams rel RMS per step: {errs.tolist()}")
+    assert float(errs.max()) <= 2e-2
