@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import SWA, LayerSpec, ModelConfig
+from .config import FULL, SWA, LayerSpec, ModelConfig
 from .formats import mxfp8_fake
 from .reference import attention as ref_attn
 from .reference import compressor as ref_comp
@@ -70,6 +70,8 @@ class AttentionLayer:
                 weights = shard_layer(cfg, weights, self.tp.tp, self.tp.rank)
             cfg = cfg.replace(n_heads=cfg.n_heads // self.tp.tp, o_groups=cfg.o_groups // self.tp.tp)
         self.cfg, self.spec, self.w = cfg, spec, weights
+        # the dense indexer of a Full layer scores only this rank's share of the rows (design 2.4)
+        self.row_sharded = self.tp.tp > 1 and spec.kind == FULL
         self.device = weights["attn.attn_sink"].device
         self.freqs = rope_freqs(cfg, spec.ratio).to(self.device)
         # wo_a is a BF16 matmul with BF16 weights; an FP8 checkpoint's values are exact in BF16.
@@ -102,6 +104,7 @@ class AttentionLayer:
                                      cis, cfg.index_n_heads, rd)                    # [N, Hi, 128]
             iw = ref_idx.index_weights(x, w["attn.indexer.weights_proj.weight"], cfg.index_head_dim)
         o = torch.zeros(step.n_rows, cfg.n_heads, cfg.head_dim, dtype=torch.bfloat16, device=dev)
+        prepared = []
         for i, rid in enumerate(step.req_ids):
             rows = step.request_rows(i)
             slot, start, p_rows = state.slot(rid), step.starts[i], pos[rows]
@@ -112,8 +115,13 @@ class AttentionLayer:
             if spec.kind != SWA:
                 n_vis = (int(p_rows[-1]) + 1) // spec.ratio
                 comp = state.read_entries(spec.kv_source, slot, n_vis) if n_vis else None
-            topk = self._select(rows, step.n_rows, p_rows, comp, iq if spec.runs_indexer else None,
-                                iw if spec.runs_indexer else None, ctx)
+            self._select(rows, step.n_rows, p_rows, comp, iq if spec.runs_indexer else None,
+                         iw if spec.runs_indexer else None, ctx)
+            prepared.append((rows, p_rows, keys_w, pos_w, comp))
+        if self.row_sharded:
+            self._exchange_rows(step, ctx)
+        for rows, p_rows, keys_w, pos_w, comp in prepared:
+            topk = None if spec.kind == SWA else ctx.topk[spec.index_source][rows]
             for r, p in zip(range(rows.start, rows.stop), p_rows.tolist()):
                 in_window = (pos_w > p - cfg.window_size) & (pos_w <= p)
                 keys, valid = keys_w[in_window], torch.ones(int(in_window.sum()), dtype=torch.bool, device=dev)
@@ -165,15 +173,20 @@ class AttentionLayer:
         state.write_entries(self.spec.layer, slot, (p_rows[done] + 1) // r - 1, ckv, ik)
         ctx.put(self.spec.layer, "compressor_latent", req_id, lat)
 
-    def _select(self, rows: slice, n_rows: int, p_rows: torch.Tensor, comp, iq, iw, ctx: CallContext):
-        """Per row of one request, the compressed entries this layer attends to (None for SWA layers)."""
+    def _select(self, rows: slice, n_rows: int, p_rows: torch.Tensor, comp, iq, iw, ctx: CallContext) -> None:
+        """Per row of one request, the compressed entries this layer attends to, into `ctx.topk`
+        (an index source; a Reuse layer reads its source's). With the row-sharded indexer, rows of
+        other ranks get empty placeholders until `_exchange_rows`."""
         spec, cfg = self.spec, self.cfg
-        if spec.kind == SWA:
-            return None
-        if not spec.runs_indexer:  # Reuse: the index source's choice, unchanged
-            return ctx.topk[spec.index_source][rows]
+        if spec.kind == SWA or not spec.runs_indexer:
+            return
         out, masks, all_scores = [], [], []
         for r, p in zip(range(rows.start, rows.stop), p_rows.tolist()):
+            if self.row_sharded and r % self.tp.tp != self.tp.rank:   # another rank scores this row
+                out.append(torch.zeros(0, dtype=torch.long, device=self.device))
+                masks.append(torch.zeros(0, dtype=torch.bool, device=self.device))
+                all_scores.append(None)
+                continue
             m = (p + 1) // spec.ratio
             scores = ref_idx.index_scores(iq[r], iw[r], comp[1][:m]) if m else torch.zeros(0, device=self.device)
             if spec.candidate_role == "source":
@@ -190,4 +203,12 @@ class AttentionLayer:
         if spec.layer in ctx.force_topk:
             out = ctx.force_topk[spec.layer][rows]
         ctx.put_rows(ctx.topk, spec.layer, n_rows, rows, out)
-        return out
+
+    def _exchange_rows(self, step: StepRows, ctx: CallContext) -> None:
+        """Row-sharded dense indexer: rank r % tp scored row r; every rank gets every row's top-k
+        (and, at the candidate source, its pool) from its owner (`TensorParallel.exchange_rows`)."""
+        spec, tp, L = self.spec, self.tp, self.spec.layer
+        ctx.topk[L] = tp.exchange_rows(ctx.topk[L], pad=-2)
+        if spec.candidate_role == "source":
+            masks = tp.exchange_rows([t.to(torch.int64) for t in ctx.candidates[L]], pad=-2)
+            ctx.candidates[L] = [t.to(torch.bool) for t in masks]

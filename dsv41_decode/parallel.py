@@ -45,6 +45,29 @@ class TensorParallel:
             total += p
         return total
 
+    def exchange_rows(self, rows: list[torch.Tensor], pad: int) -> list[torch.Tensor]:
+        """Row r of the result is row r of rank r % tp's `rows` (1-D int64 tensors of any lengths;
+        `pad` must not occur in them): each rank computed only its own rows."""
+        if self.tp == 1:
+            return rows
+        n = len(rows)
+        width = torch.tensor([max((t.numel() for t in rows), default=0)])
+        widths = [torch.zeros_like(width) for _ in range(self.tp)]
+        dist.all_gather(widths, width, group=self.group)
+        w = int(max(widths).item())
+        dev = rows[0].device if rows else torch.device("cpu")
+        packed = torch.full((n, w), pad, dtype=torch.int64, device=dev)
+        for r, t in enumerate(rows):
+            if r % self.tp == self.rank:
+                packed[r, :t.numel()] = t
+        parts = [torch.empty_like(packed) for _ in range(self.tp)]
+        dist.all_gather(parts, packed, group=self.group)
+        out = []
+        for r in range(n):
+            row = parts[r % self.tp][r]
+            out.append(row[row != pad])
+        return out
+
     def same_on_all_ranks(self, t: torch.Tensor) -> bool:
         """True when every rank holds bitwise the same `t` (a check for tests and the demo)."""
         if self.tp == 1:

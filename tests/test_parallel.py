@@ -2,7 +2,9 @@
 
 Each rank runs the same calls (a prefill of two requests, then decode steps with draft rows) with
 every layer teacher-forced: layer i of the TP run takes the TP1 run's input to layer i. The
-replicated work (projections, caches, compressor, indexer) must then be bitwise equal to TP1's, the
+replicated work (projections, caches, compressor, indexer) must then be bitwise equal to TP1's - also
+the top-k of the Full layers, whose rows each rank scores only its share of (r % tp == rank) and
+exchanges - the
 layer outputs (rank-ordered FP32 reductions of the ranks' wo_b partials) within one BF16 ulp of
 each row's largest value, and every rank must hold the same bits.
 """
@@ -46,6 +48,8 @@ def _rank(rank: int, world: int, ckpt_dir: str, store: str) -> None:
         part = ckpt if rank == 0 else load_checkpoint(ckpt_dir, tp=world, rank=rank)
         one, many = AttentionStack(ckpt), AttentionStack(part, tp=tp)
         assert many.layers[one.ids[0]].cfg.n_heads == cfg.n_heads // world
+        # the dense indexers (Full layers) score only this rank's share of the rows
+        assert all(many.layers[i].row_sharded == (cfg.plan[i].kind == "full") for i in many.ids)
         s1, s2 = _new_state(cfg), _new_state(cfg)
         g = torch.Generator().manual_seed(5)
         for call in CALLS:
