@@ -78,6 +78,12 @@ def _boundary_chunk(y_row, x_row, stride_xh, post_row, comb_row, stride_ci, pre_
     """The new streams' bits (4 x [BLOCK_D] int16) and the collapse bf16(sum_i pre[i] * x_out[i])
     widened to FP32, at the columns d of one row."""
     y = tl.load(y_row + d, mask=mask, other=0.0).to(tl.float32)
+    return mix_chunk(y, x_row, stride_xh, post_row, comb_row, stride_ci, pre_row, d, mask)
+
+
+@triton.jit
+def mix_chunk(y, x_row, stride_xh, post_row, comb_row, stride_ci, pre_row, d, mask):
+    """`_boundary_chunk` for a site output y (FP32 holding BF16 values) already in registers."""
     x0 = tl.load(x_row + d, mask=mask, other=0.0).to(tl.float32)
     x1 = tl.load(x_row + stride_xh + d, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_row + 2 * stride_xh + d, mask=mask, other=0.0).to(tl.float32)
@@ -173,6 +179,17 @@ def _mhc_boundary_split_kernel(
     b0, b1, b2, b3, c = _boundary_chunk(y_ptr + n * stride_y, x_ptr + n * stride_xn, stride_xh,
                                         post_ptr + n * stride_post, comb_ptr + n * stride_cn, stride_ci,
                                         pre_ptr + n * stride_pre, d, mask)
+    split_finish(b0, b1, b2, b3, c, n, ch, d, mask, w_ptr, xo_ptr, u_ptr, codes_ptr, scales_ptr, ws_ptr, cnt_ptr,
+                 eps, stride_xon, stride_xoh, stride_u, stride_codes, stride_scales, stride_ws,
+                 D, NCH, NCH_P2, BLOCK_N)
+
+
+@triton.jit
+def split_finish(b0, b1, b2, b3, c, n, ch, d, mask, w_ptr, xo_ptr, u_ptr, codes_ptr, scales_ptr, ws_ptr, cnt_ptr,
+                 eps, stride_xon, stride_xoh, stride_u, stride_codes, stride_scales, stride_ws,
+                 D: tl.constexpr, NCH: tl.constexpr, NCH_P2: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Store one chunk's new streams, park its collapse in u and its sum of squares in the workspace;
+    the row's last chunk to arrive normalizes and quantizes the whole row (see the split kernel)."""
     xo_row = xo_ptr + n * stride_xon
     tl.store(xo_row + d, b0, mask=mask)
     tl.store(xo_row + stride_xoh + d, b1, mask=mask)

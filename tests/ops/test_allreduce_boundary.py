@@ -1,0 +1,94 @@
+"""ops.allreduce_boundary with simulated ranks in one process (the mailboxes are plain tensors):
+the rank-ordered sum of the published partials, then bitwise the boundary of ops.mhc on it; every
+rank gets the same bits; a rank that never publishes is named after the bounded wait."""
+
+import pytest
+import torch
+
+from dsv41_decode.ops.allreduce_boundary import Mailbox, allreduce_boundary_
+from dsv41_decode.ops.mhc import MhcBoundaryPlan, mhc_boundary
+
+_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+EPS = 1e-6
+
+
+def _case(n, dim, tp, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, dim, generator=g).to(torch.bfloat16)
+    post = 2 * torch.rand(n, 4, generator=g)
+    comb = torch.softmax(torch.randn(n, 4, 4, generator=g), -1)
+    pre = torch.rand(n, 4, generator=g) + 0.1
+    w = (1 + 0.1 * torch.randn(dim, generator=g)).to(torch.bfloat16)
+    parts = [torch.randn(n, dim, generator=g) * 3 for _ in range(tp)]
+    return [t.to(_DEVICE) for t in (x, post, comb, pre, w)], [p.to(_DEVICE) for p in parts]
+
+
+def _outputs(n, dim):
+    return (torch.empty(n, 4, dim, dtype=torch.bfloat16, device=_DEVICE),
+            torch.empty(n, dim, dtype=torch.bfloat16, device=_DEVICE),
+            torch.empty(n, dim, dtype=torch.uint8, device=_DEVICE),
+            torch.empty(n, dim // 32, dtype=torch.uint8, device=_DEVICE),
+            torch.empty(n, dim, dtype=torch.bfloat16, device=_DEVICE))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_every_rank_gets_the_boundary_of_the_rank_ordered_sum(tp):
+    n, dim, layers, k = 3, 256, 4, 2
+    boxes = Mailbox.local_group(tp, 4, dim, layers, _DEVICE)
+    (x, post, comb, pre, w), parts = _case(n, dim, tp, seed=tp)
+    for box, p in zip(boxes, parts):              # every rank's wo_b publishes into its slot
+        box.slot(k)[:n] = p
+    total = parts[0].clone()
+    for p in parts[1:]:
+        total += p
+    want = mhc_boundary(total.to(torch.bfloat16), x, post, comb, pre, w, EPS,
+                        plan=MhcBoundaryPlan.build(dim, 4, _DEVICE, block_d=64))
+    gen = k + 1                                   # epoch 0
+    got = []
+    for r, box in enumerate(boxes):
+        for other in boxes[r + 1:]:               # ranks that have not run yet have arrived elsewhere
+            other.flag.fill_(gen)
+        out = _outputs(n, dim)
+        allreduce_boundary_(box, k, n, x, post, comb, pre, w, EPS, *out,
+                            plan=MhcBoundaryPlan.build(dim, 4, _DEVICE, block_d=64), max_spin=4)
+        box.check()
+        assert int(box.flag) == gen
+        assert torch.equal(out[4], total.to(torch.bfloat16))
+        for a, b in zip(out[:4], want):
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        got.append(out)
+    for out in got[1:]:
+        for a, b in zip(out, got[0]):
+            assert torch.equal(a, b)
+
+
+def test_a_missing_rank_is_named_after_the_bounded_wait():
+    n, dim = 2, 64
+    boxes = Mailbox.local_group(3, 2, dim, 4, _DEVICE)
+    (x, post, comb, pre, w), parts = _case(n, dim, 3, seed=7)
+    boxes[1].flag.fill_(1)                        # rank 1 published generation 1; rank 2 nothing
+    out = _outputs(n, dim)
+    allreduce_boundary_(boxes[0], 0, n, x, post, comb, pre, w, EPS, *out,
+                        plan=MhcBoundaryPlan.build(dim, 2, _DEVICE), max_spin=3)
+    with pytest.raises(RuntimeError, match="rank 2 of 3 did not publish"):
+        boxes[0].check()
+
+
+def test_generations_advance_per_step_and_keep_slot_parity():
+    box = Mailbox.local_group(2, 1, 32, 5, _DEVICE)[0]
+    assert box.gen_stride == 6 and box.gen_stride % 2 == 0
+    assert box.slot(0).data_ptr() == box.data[1].data_ptr() and box.slot(1).data_ptr() == box.data[0].data_ptr()
+    box.next_step()
+    assert int(box.epoch) == 1
+
+
+def test_bad_arguments():
+    box = Mailbox.local_group(2, 2, 64, 2, _DEVICE)[0]
+    (x, post, comb, pre, w), _ = _case(2, 64, 2, seed=1)
+    out = _outputs(2, 64)
+    with pytest.raises(ValueError, match="layer_index"):
+        allreduce_boundary_(box, 2, 2, x, post, comb, pre, w, EPS, *out, plan=MhcBoundaryPlan.build(64, 2, _DEVICE))
+    with pytest.raises(ValueError, match="rows=3"):
+        allreduce_boundary_(box, 0, 3, x, post, comb, pre, w, EPS, *out, plan=MhcBoundaryPlan.build(64, 4, _DEVICE))
+    with pytest.raises(ValueError, match="plan is for dim=128"):
+        allreduce_boundary_(box, 0, 2, x, post, comb, pre, w, EPS, *out, plan=MhcBoundaryPlan.build(128, 2, _DEVICE))
