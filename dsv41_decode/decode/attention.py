@@ -163,6 +163,7 @@ class AttentionStep:
                                                       **({"splits": 1} if few else {})))
         wide = {"split": 1, "block_n": 256} if few else {}
         self.sink = w["attn.attn_sink"].float().contiguous()
+        self.publish: torch.Tensor | None = None   # set by DecodeStep with the fused TP boundary
         if spec.owns_compressor:
             if spec.ratio == 2:
                 self.w_comp = torch.cat([w["attn.compressor.wkv.weight"], w["attn.compressor.wgate.weight"]]).float()
@@ -289,7 +290,10 @@ class AttentionStep:
         # 6. output: inverse RoPE + grouped wo_a, then wo_b
         wo_a_(self.wo_a_plan, o, m.cos[r][:B], m.sin[r][:B], self.wo_a_w, self.wo_a_s, s.z[:B])
         act_quant_mxfp8_(s.z[:B], s.z_codes[:B], s.z_scales[:B])
-        if self.layer.tp.tp > 1:
+        if self.publish is not None:
+            # the fused boundary: the FP32 partial goes straight into this rank's mailbox slot
+            self.mm_wo_b(s.z_codes[:B], s.z_scales[:B], self.publish[:B])
+        elif self.layer.tp.tp > 1:
             # the collective fallback boundary: each rank's FP32 partial, reduced in rank order
             # (identical bits on every rank), rounded once (parallel.TensorParallel)
             self.mm_wo_b(s.z_codes[:B], s.z_scales[:B], s.y_partial[:B])

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..ops.act_quant import act_quant_mxfp8_
+from ..ops.allreduce_boundary import Mailbox, allreduce_boundary_
 from ..ops.mhc import HcMixPlan, MhcBoundaryPlan, hc_mix_, mhc_boundary_
 from ..reference.linear import rms_norm
 from ..reference.mhc import hc_pre
@@ -25,9 +26,11 @@ from .lanes import AUX_INDEX_W, Lanes
 class Boundary:
     """The streams, mixer outputs and next-layer inputs of a step, and the ops between layers."""
 
-    def __init__(self, stack, max_rows: int, device: torch.device):
+    def __init__(self, stack, max_rows: int, device: torch.device, mailbox: Mailbox | None = None):
+        """mailbox: the tensor-parallel mailbox of the fused all-reduce boundary (None: one rank, or
+        the collective fallback, where the layer hands over its already reduced output)."""
         cfg = stack.cfg
-        self.cfg, self.stack = cfg, stack
+        self.cfg, self.stack, self.mailbox = cfg, stack, mailbox
         B, hc, d = max_rows, cfg.hc_mult, cfg.dim
         self.u = torch.zeros(B, d, dtype=torch.bfloat16, device=device)
         self.codes = torch.zeros(B, d, dtype=torch.float8_e4m3fn, device=device)
@@ -63,10 +66,17 @@ class Boundary:
         act_quant_mxfp8_(self.u[:rows], self.codes[:rows], self.scales[:rows])
 
     def exit(self, layer: int, nxt: int | None, y: torch.Tensor, x: torch.Tensor, slot: int,
-             x_new: torch.Tensor, rows: int) -> None:
+             x_new: torch.Tensor, rows: int, index: int = 0) -> None:
         """Post-mix layer `layer`'s output y into x_new; when a next layer follows, write its input
-        (collapse with this site's pre, its attn_norm, MXFP8) into u/codes/scales."""
+        (collapse with this site's pre, its attn_norm, MXFP8) into u/codes/scales. With a mailbox,
+        y is first the rank-ordered sum of the ranks' partials of the `index`-th boundary (written
+        to y)."""
         norm = self._w(nxt if nxt is not None else layer, "attn_norm.weight")
+        if self.mailbox is not None:
+            allreduce_boundary_(self.mailbox, index, rows, x, self.post[slot][:rows], self.comb[slot][:rows],
+                                self.pre[slot][:rows], norm, self.cfg.norm_eps, x_new, self.u[:rows],
+                                self.codes[:rows], self.scales[:rows], y, self.exit_plan)
+            return
         mhc_boundary_(y, x, self.post[slot][:rows], self.comb[slot][:rows], self.pre[slot][:rows], norm,
                       self.cfg.norm_eps, x_new, self.u[:rows], self.codes[:rows], self.scales[:rows], self.exit_plan)
 

@@ -24,6 +24,7 @@ from typing import Sequence
 import torch
 
 from ..ops import LOW_BATCH_MAX_ROWS
+from ..ops.allreduce_boundary import Mailbox
 from ..state import DecodeState
 from .attention import AttentionStep, IndexSelection, Scratch
 from .boundary import Boundary
@@ -45,11 +46,14 @@ class DecodeStep:
     overlap_inputs / overlap_candidates: side work on auxiliary streams (design section 1, plan).
     graphs: capture and replay CUDA graphs (CUDA only); False runs eagerly (debugging).
     wo_a_fp8: quantize a BF16 `wo_a` to FP8 once at build (changes the numbers; see ops.wo_a).
+    tp_boundary: under tensor parallelism, "collective" (gather + rank-ordered sum, then the
+        boundary) or "fused" (CUDA only: `ops.allreduce_boundary` over a symmetric-memory mailbox,
+        `wo_b` publishing into it; not yet run on GPUs, docs/tp.md).
     """
 
     def __init__(self, stack, state: DecodeState, max_rows: int = 16, buckets: Sequence[int] | None = None,
                  overlap_inputs: bool = True, overlap_candidates: bool = True, graphs: bool = True,
-                 wo_a_fp8: bool = False):
+                 wo_a_fp8: bool = False, tp_boundary: str = "collective"):
         if buckets is None:
             buckets = tuple(b for b in DEFAULT_BUCKETS if b < max_rows) + (max_rows,)
         buckets = tuple(sorted(set(buckets)))
@@ -75,7 +79,17 @@ class DecodeStep:
         self.layers = {i: AttentionStep(stack.layers[i], state, self.meta, self.scratch, self.lanes,
                                         self.selections, self.candidate_masks, B, wo_a_fp8)
                        for i in stack.ids}
-        self.boundary = Boundary(stack, B, dev)
+        if tp_boundary not in ("collective", "fused"):
+            raise StepError(f"tp_boundary must be 'collective' or 'fused', got {tp_boundary!r}")
+        mailbox = None
+        if tp_boundary == "fused" and stack.tp.tp > 1:
+            if dev.type != "cuda":
+                raise StepError("tp_boundary='fused' needs CUDA symmetric memory; on the CPU use 'collective'")
+            mailbox = Mailbox.symmetric(stack.tp, B, cfg.dim, len(stack.ids), dev)
+            for k, i in enumerate(stack.ids):
+                self.layers[i].publish = mailbox.slot(k)
+        self.mailbox = mailbox
+        self.boundary = Boundary(stack, B, dev, mailbox)
         hc, d = cfg.hc_mult, cfg.dim
         self.x_in = torch.zeros(B, hc, d, dtype=torch.bfloat16, device=dev)
         self.pre_in = torch.zeros(B, hc, dtype=torch.float32, device=dev)
@@ -91,6 +105,8 @@ class DecodeStep:
         """Every layer for rows [0, rows) from x_in/pre_in into x_out/pre_out (what a graph holds)."""
         B, lanes, bd = rows, self.lanes, self.boundary
         self.meta.derive(B)
+        if self.mailbox is not None:
+            self.mailbox.next_step()                          # this step's generations
         shared: dict = {}
         ids = self.stack.ids
         x = self.x_in[:B]
@@ -101,7 +117,7 @@ class DecodeStep:
             lanes.wait(mix_ready)                             # post/comb/pre of this site
             nxt = ids[k + 1] if k + 1 < len(ids) else None
             x_new = self.x_out[:B] if nxt is None else bd.streams[k % 2][:B]
-            bd.exit(i, nxt, self.y[:B], x, k % 2, x_new, B)
+            bd.exit(i, nxt, self.y[:B], x, k % 2, x_new, B, index=k)
             if nxt is not None:
                 mix_ready = bd.mix(nxt, x_new, (k + 1) % 2, B, lanes)
             x = x_new
@@ -188,6 +204,8 @@ class DecodeStep:
         else:
             self._body(bucket)
         out = self.x_out[:n].clone(), self.pre_out[:n].clone()
+        if self.mailbox is not None:
+            self.mailbox.check()                              # a rank that never arrived: raise
         self.state.advance(step)
         return out
 
