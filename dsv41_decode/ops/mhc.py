@@ -114,13 +114,26 @@ def _mxfp8_blocks(v):
 
 
 @triton.jit
+def _store_normed(c, r, w_ptr, u_row, codes_row, scales_row, d0, d, mask, D: tl.constexpr, BLOCK: tl.constexpr):
+    """u = bf16(w * (c * r)) at the columns d = d0 + [0, BLOCK) of one row, and its MXFP8 codes and
+    scale bytes (blocks of 32 from d0)."""
+    NB: tl.constexpr = BLOCK // 32
+    w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
+    bits = bf16_rne_bits(w * (c * r))
+    tl.store(u_row + d, bits, mask=mask)
+    codes, scale_byte = _mxfp8_blocks(tl.reshape(_widen(bits), (NB, 32)))
+    tl.store(codes_row + d, tl.reshape(codes, (BLOCK,)), mask=mask)
+    kb = d0 // 32 + tl.arange(0, NB)
+    tl.store(scales_row + kb, scale_byte.to(tl.uint8), mask=kb < D // 32)
+
+
+@triton.jit
 def _mhc_boundary_kernel(
     y_ptr, x_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, xo_ptr, u_ptr, codes_ptr, scales_ptr, eps,
     stride_y, stride_xn, stride_xh, stride_post, stride_cn, stride_ci, stride_pre,
     stride_xon, stride_xoh, stride_u, stride_codes, stride_scales,
     D: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    NB: tl.constexpr = BLOCK_D // 32
     n = tl.program_id(0).to(tl.int64)
     y_row = y_ptr + n * stride_y
     x_row = x_ptr + n * stride_xn
@@ -153,13 +166,8 @@ def _mhc_boundary_kernel(
         tl.store(xo_row + stride_xoh + d, b1, mask=mask)
         tl.store(xo_row + 2 * stride_xoh + d, b2, mask=mask)
         tl.store(xo_row + 3 * stride_xoh + d, b3, mask=mask)
-        w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
-        u_bits = bf16_rne_bits(w * (c * r))
-        tl.store(u_row + d, u_bits, mask=mask)
-        codes, scale_byte = _mxfp8_blocks(tl.reshape(_widen(u_bits), (NB, 32)))
-        tl.store(codes_ptr + n * stride_codes + d, tl.reshape(codes, (BLOCK_D,)), mask=mask)
-        kb = d0 // 32 + tl.arange(0, NB)
-        tl.store(scales_ptr + n * stride_scales + kb, scale_byte.to(tl.uint8), mask=kb < D // 32)
+        _store_normed(c, r, w_ptr, u_row, codes_ptr + n * stride_codes, scales_ptr + n * stride_scales, d0, d, mask,
+                      D, BLOCK_D)
 
 
 @triton.jit
@@ -208,18 +216,12 @@ def split_finish(b0, b1, b2, b3, c, n, ch, d, mask, w_ptr, xo_ptr, u_ptr, codes_
         ms = tl.div_rn(total, tl.where(total == total, D * 1.0, D * 1.0))
         root = tl.sqrt_rn(ms + eps)
         r = tl.div_rn(tl.where(root == root, 1.0, 1.0), root)
-        NB: tl.constexpr = BLOCK_N // 32
         for d0 in tl.range(0, D, BLOCK_N):
             dd = d0 + tl.arange(0, BLOCK_N)
             mm = dd < D
             cc = _widen(tl.load(u_row + dd, mask=mm, other=0, cache_modifier=".cg"))
-            w = tl.load(w_ptr + dd, mask=mm, other=0.0).to(tl.float32)
-            bits = bf16_rne_bits(w * (cc * r))
-            tl.store(u_row + dd, bits, mask=mm)
-            codes, scale_byte = _mxfp8_blocks(tl.reshape(_widen(bits), (NB, 32)))
-            tl.store(codes_ptr + n * stride_codes + dd, tl.reshape(codes, (BLOCK_N,)), mask=mm)
-            kb = d0 // 32 + tl.arange(0, NB)
-            tl.store(scales_ptr + n * stride_scales + kb, scale_byte.to(tl.uint8), mask=kb < D // 32)
+            _store_normed(cc, r, w_ptr, u_row, codes_ptr + n * stride_codes, scales_ptr + n * stride_scales, d0, dd,
+                          mm, D, BLOCK_N)
 
 
 @dataclass(frozen=True, eq=False)
