@@ -4,8 +4,8 @@ Between attention sublayer i and i+1 (no FFN plugged in): the post-mix of layer 
 the streams with the `post`/`comb` of site i, the collapse of the new streams with site i's `pre`
 (the carried pre), the next layer's attn_norm and the MXFP8 quantization of the next input - one
 fused launch on the main stream (`ops.mhc.mhc_boundary_`, each row spread over chunks). Site i+1's mixer depends only on the
-streams entering it, so it runs on a side lane (`ops.mhc.hc_mix_`) from the moment those streams
-are written, and is joined where its post/comb/pre are first read (the end of layer i+1).
+streams entering it, so it runs on a side lane (`ops.hc_mix.hc_mix_`) from the moment those
+streams are written, and is joined where its post/comb/pre are first read (the end of layer i+1).
 
 Buffers are double-buffered by site parity: site k's mixer writes set k % 2 while the boundary of
 site k-1 reads set (k-1) % 2.
@@ -17,7 +17,8 @@ import torch
 
 from ..ops.act_quant import act_quant_mxfp8_
 from ..ops.allreduce_boundary import Mailbox, allreduce_boundary_
-from ..ops.mhc import HcMixPlan, MhcBoundaryPlan, hc_mix_, mhc_boundary_
+from ..ops.hc_mix import HcMixPlan, hc_mix_
+from ..ops.mhc import MhcBoundaryPlan, mhc_boundary_
 from ..reference.linear import rms_norm
 from ..reference.mhc import hc_pre
 from .lanes import AUX_INDEX_W, Lanes

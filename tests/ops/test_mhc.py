@@ -1,4 +1,4 @@
-"""ops/mhc.py against reference/mhc.py, reference/linear.rms_norm and formats.mxfp8_quantize
+"""ops/mhc.py and ops/hc_mix.py against reference/mhc.py, reference/linear.rms_norm and formats.mxfp8_quantize
 (interpreter on the CPU at small dims; GPU at dim 5120).
 
 Bounds: the new streams and the collapse are bitwise (the kernel adds in the reference's order,
@@ -19,15 +19,8 @@ import triton.language as tl
 
 from dsv41_decode.formats import mxfp8_quantize
 from dsv41_decode.ops.ll_bf16 import MODE_FMA, MODE_IEEE
-from dsv41_decode.ops.mhc import (
-    HcMixPlan,
-    _boundary_chunk,
-    hc_mix,
-    hc_mix_,
-    MhcBoundaryPlan,
-    mhc_boundary,
-    mhc_boundary_,
-)
+from dsv41_decode.ops.hc_mix import HcMixPlan, hc_mix, hc_mix_
+from dsv41_decode.ops.mhc import MhcBoundaryPlan, _boundary_chunk, mhc_boundary, mhc_boundary_
 from dsv41_decode.ops.rounding import bf16_rne_bits
 from dsv41_decode.reference.linear import rms_norm
 from dsv41_decode.reference.mhc import hc_mixes, hc_post, hc_pre, sinkhorn

@@ -1,0 +1,269 @@
+"""The mixer of an mHC site (spec section 4; `reference.mhc.hc_mixes`): pre, post and comb from the
+streams entering the site, one launch.
+
+The [24, hc*dim] projection and the sum of squares run split over K: each program writes an FP32 partial [rows, 25] (the 24
+  projections, then the sum of squares packed in column 24) to the plan's workspace, and the last
+  program of a row tile to arrive (`ll_bf16.splitk_reduce`: an atomic counter that it resets, so a
+  CUDA-graph replay needs no memset) adds the partials in split order, then computes the sigmoids
+  and the Sinkhorn rounds. Deterministic: the summation order depends on the plan and the row
+  bucket only. Sums are in a different order than the reference's (and on the GPU the products
+  may be FMA-contracted or tf32x3 dot products, within ~2^-22 relative, and exp and division
+  approximate to a few ulps), so the outputs agree with
+  the reference within 1e-5 absolute, not bit for bit (measured in the interpreter at dims 64-5120,
+  1-70 rows: at most 4.8e-7; see tests/ops/test_mhc.py).
+
+Takes hc = 4 streams (the model's hc_mult; config.py rejects others).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import require_tensor
+from .ll_bf16 import MODE_FMA, MODE_IEEE, num_sms, splitk_reduce
+from .mhc import HC, N_MIX
+
+_MIX_COLS = 32             # the outputs padded to a power of two; column N_MIX carries the sum of squares
+_K_GRAIN = 128  # every split but the last covers a multiple of this, so every BLOCK_K divides it
+_MAX_BLOCK_M = 64
+
+
+@triton.jit
+def _mix_epilogue(total, rm, m_ok, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr,
+                  stride_pre, stride_post, stride_cn, norm_eps, hc_eps,
+                  K: tl.constexpr, ITERS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """pre, post, comb of the rows rm from total [BLOCK_M, 32] = (x @ fn^T | sum x^2 | 0...)."""
+    col = tl.arange(0, 32)[None, :]
+    ss = tl.sum(tl.where(col == 24, total, 0.0), axis=1)  # the other terms are +0: exact
+    ms = tl.div_rn(ss, tl.full([BLOCK_M], K, tl.float32))
+    root = tl.sqrt_rn(ms + norm_eps)
+    inv = tl.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), root)
+    # Group g of 4 columns: 0 pre, 1 post, 2..5 rows i = g - 2 of comb, 6..7 padding.
+    g = tl.arange(0, 8)[None, :, None]
+    j = tl.arange(0, 4)[None, None, :]
+    m3 = tl.reshape(total * inv[:, None], (BLOCK_M, 8, 4))
+    sc = tl.load(scale_ptr + tl.minimum(g, 2))
+    bs = tl.load(base_ptr + g * 4 + j, mask=g < 6, other=0.0)
+    z = m3 * sc + bs
+    sig = tl.sigmoid(z)
+    row = rm[:, None, None]
+    ok = m_ok[:, None, None]
+    tl.store(pre_ptr + row * stride_pre + j + g * 0, sig + hc_eps, mask=ok & (g == 0))
+    tl.store(post_ptr + row * stride_post + j + g * 0, 2.0 * sig, mask=ok & (g == 1))
+    is_c = (g >= 2) & (g < 6)
+    e = tl.exp(z - tl.max(z, axis=2, keep_dims=True))
+    c = e / tl.sum(e, axis=2, keep_dims=True) + hc_eps
+    c = c / (tl.sum(tl.where(is_c, c, 0.0), axis=1, keep_dims=True) + hc_eps)
+    for _ in range(ITERS - 1):
+        c = c / (tl.sum(c, axis=2, keep_dims=True) + hc_eps)
+        c = c / (tl.sum(tl.where(is_c, c, 0.0), axis=1, keep_dims=True) + hc_eps)
+    tl.store(comb_ptr + row * stride_cn + (g - 2) * 4 + j, c, mask=ok & is_c)
+
+
+@triton.jit
+def _hc_mix_kernel(
+    x_ptr, fn_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, part_ptr, count_ptr, M, norm_eps, hc_eps,
+    stride_xm, stride_fn, stride_pre, stride_post, stride_cn, stride_ps, stride_pm,
+    K: tl.constexpr, ITERS: tl.constexpr, K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.arange(0, 32)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < 24
+    k_lo = pid_k * K_PER_SPLIT
+    x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
+    w_ptrs = fn_ptr + rn[:, None] * stride_fn + rk[None, :]
+
+    if MODE == 2:
+        acc = tl.zeros((BLOCK_M, 32, BLOCK_K), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, 32), dtype=tl.float32)
+    sq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    for kk in tl.range(0, K_PER_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
+        k0 = k_lo + kk
+        k_ok = (k0 + rk) < K
+        x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        sq += x * x
+        if MODE == 2:
+            acc += x[:, None, :] * w[None, :, :]
+        else:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32x3")
+    if MODE == 2:
+        y = tl.sum(acc, axis=2)
+    else:
+        y = acc
+    y = tl.where(rn[None, :] == 24, tl.sum(sq, axis=1)[:, None], y)
+
+    if SPLIT == 1:
+        _mix_epilogue(y, rm, m_ok, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, stride_pre, stride_post,
+                      stride_cn, norm_eps, hc_eps, K, ITERS, BLOCK_M)
+    else:
+        mask = m_ok[:, None] & (rn[None, :] <= 24)
+        part_ptrs = part_ptr + rm[:, None] * stride_pm + rn[None, :]
+        last, total = splitk_reduce(y, part_ptrs, stride_ps, mask, count_ptr + pid_m, pid_k, SPLIT)
+        if last:
+            _mix_epilogue(total, rm, m_ok, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, stride_pre,
+                          stride_post, stride_cn, norm_eps, hc_eps, K, ITERS, BLOCK_M)
+
+
+class HcMixTile(NamedTuple):
+    """Kernel tile and launch options for one power-of-two bucket of rows."""
+    block_m: int
+    block_k: int
+    mode: int          # ll_bf16.MODE_IEEE (tf32x3 dot: 16+ rows) or ll_bf16.MODE_FMA (<= 8 rows)
+    num_warps: int
+    num_stages: int
+
+
+def _mix_tile(rows: int) -> HcMixTile:
+    bm = triton.next_power_of_2(rows)
+    if bm <= 8:
+        # The [BLOCK_M, 32, BLOCK_K] accumulator at <= 64 FP32 registers per thread (4 warps).
+        return HcMixTile(bm, min(128, 256 // bm), MODE_FMA, 4, 3)
+    return HcMixTile(min(bm, _MAX_BLOCK_M), 32, MODE_IEEE, 4, 3)
+
+
+@dataclass(frozen=True, eq=False)
+class HcMixPlan:
+    """Split and tiles of `hc_mix_` for one model dim and row capacity, and the workspace it owns.
+
+    Build once with `HcMixPlan.build`; launches reuse it. Not for concurrent launches on two
+    streams (they would share the workspace and counters).
+
+    dim: the model dim (K = 4 * dim); max_rows: the most rows a launch may pass.
+    k_per_split: K columns per program (a multiple of 128); split: programs per row tile.
+    tiles: per row bucket 1, 2, 4, ... up to next_pow2(max_rows), the kernel tile (`tile(m)`).
+    partials: [split, max_rows, 32] FP32 workspace (empty when split = 1); counters:
+    [ceil(max_rows / 64)] int32, one per row tile, all 0 between launches.
+    """
+    dim: int
+    max_rows: int
+    k_per_split: int
+    split: int
+    tiles: tuple[HcMixTile, ...]
+    partials: torch.Tensor
+    counters: torch.Tensor
+
+    @property
+    def k(self) -> int:
+        return HC * self.dim
+
+    @property
+    def device(self) -> torch.device:
+        return self.counters.device
+
+    def tile(self, rows: int) -> HcMixTile:
+        """The tile of a launch with `rows` rows (1 <= rows <= max_rows)."""
+        return self.tiles[(rows - 1).bit_length()]
+
+    @classmethod
+    def build(cls, dim: int, max_rows: int, device: torch.device | str = "cuda", *,
+              split: int | None = None) -> "HcMixPlan":
+        """Choose the split and allocate the workspace.
+
+        dim: the model dim, a multiple of 32; max_rows: >= 1.
+        split: programs along K (default: about 2 * SMs / row tiles, at least 2 K grains of 128
+        per program: 80 programs of 256 columns at dim 5120 and up to 64 rows; not tuned on a GPU).
+        """
+        for name, v in (("dim", dim), ("max_rows", max_rows)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if dim % 32:
+            raise ValueError(f"dim={dim} must be a multiple of 32")
+        device = torch.device(device)
+        grains = triton.cdiv(HC * dim, _K_GRAIN)
+        row_tiles = triton.cdiv(max_rows, _MAX_BLOCK_M)
+        if split is None:
+            split = max(1, min(round(2 * num_sms(device) / row_tiles), triton.cdiv(grains, 2)))
+        elif not isinstance(split, int) or isinstance(split, bool) or split < 1:
+            raise ValueError(f"split must be a positive int, got {split!r}")
+        k_per_split = triton.cdiv(grains, min(split, grains)) * _K_GRAIN
+        split = triton.cdiv(HC * dim, k_per_split)
+        tiles = tuple(_mix_tile(1 << i) for i in range((max_rows - 1).bit_length() + 1))
+        partials = torch.empty(split if split > 1 else 0, max_rows, _MIX_COLS, dtype=torch.float32, device=device)
+        counters = torch.zeros(row_tiles, dtype=torch.int32, device=device)
+        return cls(dim, max_rows, k_per_split, split, tiles, partials, counters)
+
+
+def hc_mix_(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
+            hc_eps: float, sinkhorn_iters: int, pre_out: torch.Tensor, post_out: torch.Tensor,
+            comb_out: torch.Tensor, plan: HcMixPlan) -> None:
+    """A site's mixer (`reference.mhc.hc_mixes`) into the buffers, one launch, using the plan's workspace:
+    m = (flatten(x) @ fn^T) * rsqrt(mean(flatten(x)^2) + norm_eps);
+    pre = sigmoid(m[0:4] scale[0] + base[0:4]) + hc_eps; post = 2 sigmoid(m[4:8] scale[1] + base[4:8]);
+    comb = sinkhorn(m[8:24] scale[2] + base[8:24] as [4, 4], sinkhorn_iters, hc_eps).
+
+    x: [M, 4, dim] bfloat16, 0 <= M <= plan.max_rows, each row contiguous (any row stride).
+    fn: [24, 4*dim] float32; scale: [3] float32; base: [24] float32 (unit stride in the last dim).
+    norm_eps, hc_eps: floats; sinkhorn_iters: int >= 1 (a compile-time constant of the kernel).
+    pre_out, post_out: [M, 4] float32; comb_out: [M, 4, 4] float32, comb[i, j] = weight of stream i
+        in new stream j; unit stride in the last dim (comb_out: in the last two).
+    plan: from `HcMixPlan.build(dim, max_rows, device)`; all tensors on plan.device.
+    Within 1e-5 of the reference (not bitwise); rows do not depend on each other; the summation
+    order depends on the plan and on the row bucket (next power of two of M) only.
+    """
+    if not isinstance(plan, HcMixPlan):
+        raise TypeError(f"plan must be an HcMixPlan, got {type(plan).__name__}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        raise ValueError(f"x must be a 3-D tensor [M, 4, dim], got {getattr(x, 'shape', type(x).__name__)}")
+    m = x.shape[0]
+    if m > plan.max_rows:
+        raise ValueError(f"x has {m} rows, more than the plan's max_rows={plan.max_rows}")
+    dev, dim = plan.device, plan.dim
+    require_tensor(x, "x", (torch.bfloat16,), (m, HC, dim), dev)
+    if x.stride(1) != dim:
+        raise ValueError(f"x must have each row contiguous ([4, dim] strides ({dim}, 1)), got strides {x.stride()}")
+    require_tensor(fn, "fn", (torch.float32,), (N_MIX, HC * dim), dev)
+    require_tensor(scale, "scale", (torch.float32,), (3,), dev)
+    require_tensor(base, "base", (torch.float32,), (N_MIX,), dev)
+    require_tensor(pre_out, "pre_out", (torch.float32,), (m, HC), dev)
+    require_tensor(post_out, "post_out", (torch.float32,), (m, HC), dev)
+    require_tensor(comb_out, "comb_out", (torch.float32,), (m, HC, HC), dev)
+    if comb_out.stride(1) != HC:
+        raise ValueError(f"comb_out must have each row's [4, 4] contiguous, got strides {comb_out.stride()}")
+    for v, name in ((norm_eps, "norm_eps"), (hc_eps, "hc_eps")):
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise TypeError(f"{name} must be a float, got {type(v).__name__}")
+    if not isinstance(sinkhorn_iters, int) or isinstance(sinkhorn_iters, bool) or sinkhorn_iters < 1:
+        raise ValueError(f"sinkhorn_iters must be a positive int, got {sinkhorn_iters!r}")
+    if m == 0:
+        return
+    t = plan.tile(m)
+    part = plan.partials
+    _hc_mix_kernel[(triton.cdiv(m, t.block_m), plan.split)](
+        x, fn, scale, base, pre_out, post_out, comb_out, part, plan.counters, m, float(norm_eps), float(hc_eps),
+        x.stride(0), fn.stride(0), pre_out.stride(0), post_out.stride(0), comb_out.stride(0),
+        part.stride(0), part.stride(1),
+        K=plan.k, ITERS=sinkhorn_iters, K_PER_SPLIT=plan.k_per_split, SPLIT=plan.split,
+        BLOCK_M=t.block_m, BLOCK_K=t.block_k, MODE=t.mode, NUM_STAGES=t.num_stages,
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )
+
+
+def hc_mix(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, norm_eps: float,
+           hc_eps: float, sinkhorn_iters: int, plan: HcMixPlan | None = None
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pre [M, 4], post [M, 4], comb [M, 4, 4]) float32 of `hc_mix_`; x [M, 4, dim] bfloat16.
+
+    plan: optional `HcMixPlan` (default: built here for M rows, which allocates; pass one for CUDA graphs).
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        raise ValueError(f"x must be a 3-D tensor [M, 4, dim], got {getattr(x, 'shape', type(x).__name__)}")
+    m = x.shape[0]
+    if plan is None:
+        plan = HcMixPlan.build(x.shape[2], max(1, m), x.device)
+    pre = torch.empty(m, HC, dtype=torch.float32, device=x.device)
+    post = torch.empty(m, HC, dtype=torch.float32, device=x.device)
+    comb = torch.empty(m, HC, HC, dtype=torch.float32, device=x.device)
+    hc_mix_(x, fn, scale, base, norm_eps, hc_eps, sinkhorn_iters, pre, post, comb, plan)
+    return pre, post, comb
