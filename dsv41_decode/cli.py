@@ -92,6 +92,8 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--generic-rows", default="1,8", help="rows at which the generic path is timed (default: 1,8)")
     st.add_argument("--generic-contexts", default="32768", help="contexts of the generic path, the layer "
                     "breakdown and the timeline (default: 32768)")
+    st.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs: N > 1 runs the TP step (collective "
+                    "vs fused boundary) and the boundary alone; launch with torchrun --nproc-per-node N (default: 1)")
     st.add_argument("--name", default="step", help="results file stem (default: step)")
     st.add_argument("--out", type=Path, default=Path("docs/results"), help="results folder (default: docs/results)")
 
@@ -176,6 +178,11 @@ def _bench(args, console: Console) -> int:
         run_attn_bench(AttnOps(), _ints(args.rows, "rows"), _ints(args.heads, "heads"),
                        _ints(args.contexts, "contexts"), args.out, progress=console.print,
                        families=tuple(args.families.split(",")), bench_name=args.name)
+        return 0
+    if args.bench_cmd == "step" and args.tp > 1:
+        from .bench.step_tp import run_step_bench_tp
+        run_step_bench_tp(args.tp, _ints(args.rows, "rows"), _ints(args.generic_contexts, "contexts"), args.out,
+                          console.print)
         return 0
     if args.bench_cmd == "step":
         from .bench.step import run_step_bench
