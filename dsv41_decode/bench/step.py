@@ -31,10 +31,14 @@ CONTEXTS = (4096, 32768, 131072)
 _SKIP = ("hc_ffn", "ffn_norm")   # the FFN site's tensors: not read by an attention step
 
 
+def layer_weight_bytes(layer) -> int:
+    """Bytes of every tensor of one layer an attention step reads (FFN-site tensors excluded)."""
+    return sum(t.numel() * t.element_size() for name, t in layer.w.items() if not name.startswith(_SKIP))
+
+
 def weight_bytes(stack: AttentionStack) -> int:
-    """Bytes of every tensor an attention step reads (all layers; FFN-site tensors excluded)."""
-    return sum(t.numel() * t.element_size() for layer in stack.layers.values()
-               for name, t in layer.w.items() if not name.startswith(_SKIP))
+    """`layer_weight_bytes` over every layer of the stack."""
+    return sum(layer_weight_bytes(layer) for layer in stack.layers.values())
 
 
 def kv_bytes(cfg: ModelConfig, context: int, rows: int) -> int:
@@ -166,8 +170,7 @@ def _kind_breakdown(steps, cfg, ctx, kinds_rows, floor, info, gen, bench_name, p
                     step.lanes.wait(shared.get("candidates"), *shared.get("staged", ()),
                                     *(s.ready for s in step.selections.values()))
                 us[variant] = graph_time_us(call, replays=20, min_calls=8)
-            lw = sum(t.numel() * t.element_size() for k, t in step.layers[L].w.items() if not k.startswith(_SKIP))
-            nbytes = lw + kv_bytes_layer(cfg, L, ctx, n)
+            nbytes = layer_weight_bytes(step.layers[L]) + kv_bytes_layer(cfg, L, ctx, n)
             out.append(record(bench_name, {"op": "layer", "kind": label, "layer": L, "rows": n, "context": ctx,
                                            "tp": 1}, us["full"], nbytes, floor, {"no_overlap": us["no_overlap"]}, info))
             progress(f"  layer {L} {label} rows {n}: full {us['full']:.1f} us, no overlap {us['no_overlap']:.1f} us")

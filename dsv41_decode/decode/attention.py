@@ -58,11 +58,16 @@ def _mm_plan(weight: torch.Tensor, scale: torch.Tensor, max_rows: int) -> LowLat
     return LowLatencyMM(weight, scale, max_rows, config)
 
 
-def _fp8_plan(w: dict, name: str, max_rows: int) -> LowLatencyMM:
+def _fp8_weight(w: dict, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weight, scale bytes) of an FP8 linear; NotEligible naming it otherwise."""
     weight, scale = w.get(f"attn.{name}.weight"), w.get(f"attn.{name}.scale")
     if weight is None or scale is None or weight.dtype != torch.float8_e4m3fn:
         raise NotEligible(f"attn.{name} must be an FP8 weight with 32x32 UE8M0 scales for the low-latency GEMM")
-    return _mm_plan(weight, scale, max_rows)
+    return weight, scale.view(torch.uint8)
+
+
+def _fp8_plan(w: dict, name: str, max_rows: int) -> LowLatencyMM:
+    return _mm_plan(*_fp8_weight(w, name), max_rows)
 
 
 class Scratch:
@@ -134,11 +139,8 @@ class AttentionStep:
         # fused_wqa_wkv: one low-latency GEMM over the stacked weights (both FP8, 32-row blocks)
         if cfg.q_lora_rank % 32:
             raise NotEligible(f"q_lora_rank={cfg.q_lora_rank} must be a multiple of 32 to stack wq_a and wkv")
-        for name in ("wq_a", "wkv"):
-            if w[f"attn.{name}.weight"].dtype != torch.float8_e4m3fn or f"attn.{name}.scale" not in w:
-                raise NotEligible(f"attn.{name} must be an FP8 weight with 32x32 UE8M0 scales")
-        self.w_qkv = torch.cat([w["attn.wq_a.weight"], w["attn.wkv.weight"]])
-        self.s_qkv = torch.cat([w["attn.wq_a.scale"].view(torch.uint8), w["attn.wkv.scale"].view(torch.uint8)])
+        (wq_a, s_q), (wkv, s_kv) = _fp8_weight(w, "wq_a"), _fp8_weight(w, "wkv")
+        self.w_qkv, self.s_qkv = torch.cat([wq_a, wkv]), torch.cat([s_q, s_kv])
         self.mm_qkv = _mm_plan(self.w_qkv, self.s_qkv, max_rows)
         self.mm_wq_b = _fp8_plan(w, "wq_b", max_rows)
         self.mm_wo_b = _fp8_plan(w, "wo_b", max_rows)

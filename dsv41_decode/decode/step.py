@@ -127,7 +127,7 @@ class DecodeStep:
     def _capture(self) -> None:
         pool = torch.cuda.graph_pool_handle()
         for b in self.buckets:
-            self._padding(b)
+            self.meta.pad(b)
             side = torch.cuda.Stream(self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):       # compile and allocate outside the capture
@@ -138,15 +138,6 @@ class DecodeStep:
                 self._body(b)
             self.graphs[b] = g
         torch.cuda.synchronize(self.device)
-
-    def _padding(self, rows: int) -> None:
-        """A record of `rows` padding rows: a run with it writes no cache or state."""
-        rec = self.meta.record
-        rec[0, :rows] = -1
-        rec[1, :rows] = -1
-        rec[2, :rows] = 0
-        rec[3, :rows] = torch.arange(rows, device=self.device)
-        rec[4, :rows] = -1
 
     # ------------------------------------------------------------------ public call
     def bucket_for(self, rows: int) -> int:

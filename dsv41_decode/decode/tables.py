@@ -27,17 +27,21 @@ from ..state import DecodeState, StepRows
 FIELDS = ("req_slot", "position", "start", "first_row", "last_position")
 
 
+def padding_record(rows: int) -> torch.Tensor:
+    """The int64 [len(FIELDS), rows] record of `rows` padding rows (CPU): slot -1, position -1,
+    start 0, each its own first row, last position -1. A run over them writes no cache or state."""
+    rec = torch.full((len(FIELDS), rows), -1, dtype=torch.int64)
+    rec[2].zero_()
+    rec[3] = torch.arange(rows)
+    return rec
+
+
 def host_record(step: StepRows, bucket: int) -> torch.Tensor:
     """The int64 [len(FIELDS), bucket] record of a planned step padded to `bucket` rows (CPU)."""
     n = step.n_rows
     if n > bucket:
         raise ValueError(f"the step has {n} rows, more than its bucket {bucket}")
-    rec = torch.empty(len(FIELDS), bucket, dtype=torch.int64)
-    rec[0].fill_(-1)
-    rec[1].fill_(-1)
-    rec[2].zero_()
-    rec[3] = torch.arange(bucket)
-    rec[4].fill_(-1)
+    rec = padding_record(bucket)
     rec[0, :n] = step.req_slot.cpu()
     rec[1, :n] = step.positions.cpu()
     for i, (start, count) in enumerate(zip(step.starts, step.counts)):
@@ -72,10 +76,7 @@ class StepMeta:
         self.cfg, self.state, self.max_rows = cfg, state, max_rows
         dev = state.device
         W = cfg.window_size
-        self.record = torch.zeros(len(FIELDS), max_rows, dtype=torch.int64, device=dev)
-        self.record[0].fill_(-1)
-        self.record[1].fill_(-1)
-        self.record[3] = torch.arange(max_rows, device=dev)
+        self.record = padding_record(max_rows).to(dev)
         self.window_table = torch.full((max_rows, W), -1, dtype=torch.int32, device=dev)
         self.stage_slot = torch.full((max_rows,), -1, dtype=torch.int64, device=dev)
         self.stage_src = torch.arange(max_rows, device=dev) + state.stage_base
@@ -99,6 +100,10 @@ class StepMeta:
         self._entry = torch.full((len(state.ratios), max_rows), -1, dtype=torch.int64, device=dev)
         self.n_vis = {r: self._nvis[k] for k, r in enumerate(state.ratios)}
         self.entry_slot = {r: self._entry[k] for k, r in enumerate(state.ratios)}
+
+    def pad(self, rows: int) -> None:
+        """Make the first `rows` rows padding (warm-up and capture runs write nothing)."""
+        self.record[:, :rows].copy_(padding_record(rows))
 
     def load(self, step: StepRows, bucket: int) -> None:
         """Copy the step's host record into `record[:, :bucket]`, ordered on the current stream."""

@@ -86,6 +86,15 @@ def _compress_ratio2_kernel(kvs_ptr, slot_ptr, pos_ptr, skv_ptr, ssc_ptr, out_pt
 _INTERPRETED = isinstance(_compress_ratio2_kernel, InterpretedFunction)
 
 
+def _require_ranks(kv_score, state_kv) -> None:
+    if not isinstance(state_kv, torch.Tensor) or state_kv.dim() != 3:
+        raise ValueError(f"state_kv must be a 3-D tensor [R, 2, D], got "
+                         f"{getattr(state_kv, 'shape', type(state_kv).__name__)}")
+    if not isinstance(kv_score, torch.Tensor) or kv_score.dim() != 2:
+        raise ValueError(f"kv_score must be a 2-D tensor [N, 2D], got "
+                         f"{getattr(kv_score, 'shape', type(kv_score).__name__)}")
+
+
 def compress_ratio2_(kv_score: torch.Tensor, req_slot: torch.Tensor, positions: torch.Tensor,
                      state_kv: torch.Tensor, state_score: torch.Tensor, out: torch.Tensor,
                      done: torch.Tensor) -> None:
@@ -100,12 +109,7 @@ def compress_ratio2_(kv_score: torch.Tensor, req_slot: torch.Tensor, positions: 
     Unchecked: rows of one request are consecutive and in position order, at consecutive positions
     >= 0; a slot appears in one run of rows only; 0 <= slot < R; out and done alias nothing else.
     """
-    if not isinstance(state_kv, torch.Tensor) or state_kv.dim() != 3:
-        raise ValueError(f"state_kv must be a 3-D tensor [R, 2, D], got "
-                         f"{getattr(state_kv, 'shape', type(state_kv).__name__)}")
-    if not isinstance(kv_score, torch.Tensor) or kv_score.dim() != 2:
-        raise ValueError(f"kv_score must be a 2-D tensor [N, 2D], got "
-                         f"{getattr(kv_score, 'shape', type(kv_score).__name__)}")
+    _require_ranks(kv_score, state_kv)
     n_req, _, d = state_kv.shape
     n = kv_score.shape[0]
     dev = kv_score.device
@@ -129,12 +133,7 @@ def compress_ratio2_(kv_score: torch.Tensor, req_slot: torch.Tensor, positions: 
 def compress_ratio2(kv_score: torch.Tensor, req_slot: torch.Tensor, positions: torch.Tensor,
                     state_kv: torch.Tensor, state_score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`compress_ratio2_` into new buffers: (out [N, D] FP32, done [N] int32); the state in place."""
-    if not isinstance(state_kv, torch.Tensor) or state_kv.dim() != 3:
-        raise ValueError(f"state_kv must be a 3-D tensor [R, 2, D], got "
-                         f"{getattr(state_kv, 'shape', type(state_kv).__name__)}")
-    if not isinstance(kv_score, torch.Tensor) or kv_score.dim() != 2:
-        raise ValueError(f"kv_score must be a 2-D tensor [N, 2D], got "
-                         f"{getattr(kv_score, 'shape', type(kv_score).__name__)}")
+    _require_ranks(kv_score, state_kv)
     n, d = kv_score.shape[0], state_kv.shape[2]
     out = torch.empty((n, d), dtype=torch.float32, device=kv_score.device)
     done = torch.empty((n,), dtype=torch.int32, device=kv_score.device)
