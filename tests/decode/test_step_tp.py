@@ -9,7 +9,6 @@ partial sums as it compounds over the layers.
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
