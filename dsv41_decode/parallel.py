@@ -68,6 +68,30 @@ class TensorParallel:
             out.append(row[row != pad])
         return out
 
+    def peer_access(self, device: torch.device) -> str | None:
+        """None when every rank's GPU can read every other rank's memory directly (what the fused
+        one-shot boundary needs), else a sentence saying which pair cannot or why not. Collective:
+        every rank must call it; every rank gets the same answer."""
+        device = torch.device(device)
+        if self.tp == 1:
+            return None
+        if device.type != "cuda":
+            return f"the ranks run on {device.type}, not CUDA"
+        idx = torch.tensor([torch.cuda.current_device() if device.index is None else device.index],
+                           dtype=torch.int64, device=device)
+        parts = [torch.empty_like(idx) for _ in range(self.tp)]
+        dist.all_gather(parts, idx, group=self.group)
+        mine = int(idx.item())
+        bad = [int(p.item()) for p in parts if int(p.item()) != mine
+               and not torch.cuda.can_device_access_peer(mine, int(p.item()))]
+        verdict = torch.tensor([len(bad)], dtype=torch.int64, device=device)
+        dist.all_reduce(verdict, group=self.group)
+        if bad:
+            return f"GPU {mine} (rank {self.rank}) cannot access GPU(s) {bad} peer-to-peer"
+        if int(verdict.item()):
+            return "some rank's GPU cannot access another rank's GPU peer-to-peer"
+        return None
+
     def same_on_all_ranks(self, t: torch.Tensor) -> bool:
         """True when every rank holds bitwise the same `t` (a check for tests and the demo)."""
         if self.tp == 1:

@@ -56,6 +56,7 @@ def run_step_bench_tp(tp_size: int, rows=(1, 2, 4, 8, 16, 32, 64), contexts=(327
         fill_state(state, {i: ctx for i in range(max_rows)})
         steps = {v: stack.decode_step(state, max_rows=max_rows, buckets=rows, tp_boundary=v)
                  for v in ("collective", "fused")}
+        say(f"boundary modes: {[s.boundary_mode for s in steps.values()]}")
         for n in rows:
             times = {}
             for v, step in steps.items():
@@ -68,6 +69,10 @@ def run_step_bench_tp(tp_size: int, rows=(1, 2, 4, 8, 16, 32, 64), contexts=(327
             say(f"ctx {ctx} rows {n}: fused {times['fused']:.1f} us, collective {times['collective']:.1f} us")
         del steps, state
         torch.cuda.empty_cache()
+        dist.barrier()
+        if tp.rank == 0:
+            results += _tp1_reference(cfg, ctx, rows, floor, info, gen, say)
+        dist.barrier()
     if tp.rank == 0:
         for r in results:
             r["read_gbps"] = round(floor, 1)
@@ -76,6 +81,24 @@ def run_step_bench_tp(tp_size: int, rows=(1, 2, 4, 8, 16, 32, 64), contexts=(327
     dist.barrier()
     dist.destroy_process_group()
     return results
+
+
+def _tp1_reference(cfg: ModelConfig, ctx: int, rows, floor, info, gen, say) -> list[dict]:
+    """The one-GPU step on rank 0's GPU in the same run (the TP speedup's denominator)."""
+    stack = AttentionStack(random_checkpoint(cfg, "cuda", progress=False))
+    wbytes, max_rows = weight_bytes(stack), max(rows)
+    state = DecodeState(cfg, max_requests=max_rows, max_context=ctx + 1024, page_size=64, device="cuda")
+    fill_state(state, {i: ctx for i in range(max_rows)})
+    step = stack.decode_step(state, max_rows=max_rows, buckets=rows)
+    out = []
+    for n in rows:
+        t = _replay_us(step.graphs[_arm(step, [(i, 1) for i in range(n)], gen)])
+        out.append(record("step_tp", {"op": "step_40_layers", "rows": n, "context": ctx, "tp": 1}, t,
+                          wbytes + kv_bytes(cfg, ctx, n), floor, {}, info))
+        say(f"ctx {ctx} rows {n}: TP1 {t:.1f} us")
+    del step, state, stack
+    torch.cuda.empty_cache()
+    return out
 
 
 def _bench_boundary(tp, cfg: ModelConfig, rows, floor, info, say) -> list[dict]:

@@ -13,8 +13,9 @@ The step leaves the tensors of the generic path (`AttentionStack.forward`) at ev
 the kernels' rounding (see tests/decode); it does not run an FFN between the attention sublayers.
 Under tensor parallelism (a stack built with `tp`) each rank runs its heads and groups and reduces
 `wo_b`'s FP32 partials with `TensorParallel.reduce_partials` (gather + rank-ordered sum, NCCL or
-gloo) before the single-GPU boundary: the collective fallback of design section 3; the fused
-one-shot all-reduce over peer memory is not built yet.
+gloo) before the single-GPU boundary: the collective fallback of design section 3; with `tp_boundary="fused"` (or "auto" and peer access
+between the ranks' GPUs) `wo_b` publishes its partial into a symmetric-memory mailbox instead and one
+kernel does the one-shot all-reduce with the boundary (`ops.allreduce_boundary`).
 """
 
 from __future__ import annotations
@@ -38,6 +39,26 @@ class StepError(ValueError):
     """A step the captured DecodeStep cannot run (the message names the rows, request or bucket)."""
 
 
+_FALLBACK_REPORTED: set[str] = set()
+
+
+def _fused_mailbox(tp, rows: int, dim: int, layers: int, dev: torch.device) -> Mailbox | None:
+    """The fused boundary's mailbox, or None (after one warning per reason) when the ranks' GPUs
+    cannot reach each other peer-to-peer or symmetric memory cannot be set up. Collective."""
+    import warnings
+    why = tp.peer_access(dev)
+    if why is None:
+        try:
+            return Mailbox.symmetric(tp, rows, dim, layers, dev)
+        except (RuntimeError, NotImplementedError) as err:   # every rank fails alike (rendezvous)
+            why = f"symmetric memory is not available ({err})"
+    if why not in _FALLBACK_REPORTED:
+        _FALLBACK_REPORTED.add(why)
+        warnings.warn(f"fused TP boundary unavailable: {why}; using NCCL gather + the single-GPU boundary",
+                      RuntimeWarning, stacklevel=3)
+    return None
+
+
 class DecodeStep:
     """The specialized decode step of `stack` over `state` (design section 1).
 
@@ -47,8 +68,10 @@ class DecodeStep:
     graphs: capture and replay CUDA graphs (CUDA only); False runs eagerly (debugging).
     wo_a_fp8: quantize a BF16 `wo_a` to FP8 once at build (changes the numbers; see ops.wo_a).
     tp_boundary: under tensor parallelism, "collective" (gather + rank-ordered sum, then the
-        boundary) or "fused" (CUDA only: `ops.allreduce_boundary` over a symmetric-memory mailbox,
-        `wo_b` publishing into it; not yet run on GPUs, docs/tp.md).
+        boundary), "fused" (CUDA: `ops.allreduce_boundary` over a symmetric-memory mailbox, `wo_b`
+        publishing into it) or "auto" (fused when the ranks' GPUs reach each other peer-to-peer).
+        When the fused boundary cannot be built (no peer access, no symmetric memory) the step
+        falls back to "collective" and says why once (a warning); `boundary_mode` tells which ran.
     """
 
     def __init__(self, stack, state: DecodeState, max_rows: int = 16, buckets: Sequence[int] | None = None,
@@ -79,16 +102,17 @@ class DecodeStep:
         self.layers = {i: AttentionStep(stack.layers[i], state, self.meta, self.scratch, self.lanes,
                                         self.selections, self.candidate_masks, B, wo_a_fp8)
                        for i in stack.ids}
-        if tp_boundary not in ("collective", "fused"):
-            raise StepError(f"tp_boundary must be 'collective' or 'fused', got {tp_boundary!r}")
+        if tp_boundary not in ("auto", "collective", "fused"):
+            raise StepError(f"tp_boundary must be 'auto', 'collective' or 'fused', got {tp_boundary!r}")
+        if tp_boundary == "fused" and stack.tp.tp > 1 and dev.type != "cuda":
+            raise StepError("tp_boundary='fused' needs CUDA symmetric memory; on the CPU use 'collective'")
         mailbox = None
-        if tp_boundary == "fused" and stack.tp.tp > 1:
-            if dev.type != "cuda":
-                raise StepError("tp_boundary='fused' needs CUDA symmetric memory; on the CPU use 'collective'")
-            mailbox = Mailbox.symmetric(stack.tp, B, cfg.dim, len(stack.ids), dev)
-            for k, i in enumerate(stack.ids):
-                self.layers[i].publish = mailbox.slot(k)
+        if tp_boundary != "collective" and stack.tp.tp > 1 and dev.type == "cuda":
+            mailbox = _fused_mailbox(stack.tp, B, cfg.dim, len(stack.ids), dev)
+        for k, i in enumerate(stack.ids if mailbox is not None else ()):
+            self.layers[i].publish = mailbox.slot(k)
         self.mailbox = mailbox
+        self.boundary_mode = "single" if stack.tp.tp == 1 else ("fused" if mailbox is not None else "collective")
         self.boundary = Boundary(stack, B, dev, mailbox)
         hc, d = cfg.hc_mult, cfg.dim
         self.x_in = torch.zeros(B, hc, d, dtype=torch.bfloat16, device=dev)

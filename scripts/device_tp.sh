@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# On the 2-GPU machine (nvidia-h200-x2): the TP GPU tests, then `bench step --tp 2` (results under $OUT).
+set -x
+export PYTHONPATH=. TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT/results"
+nvidia-smi topo -m 2>&1 | head -8
+timeout ${TEST_S:-300} python -m pytest -q -s -m gpu tests/decode/test_step_tp_gpu.py ${TESTS:-} 2>&1 | tail -30
+if [ -n "${BENCH:-}" ]; then
+  timeout ${BENCH_S:-420} torchrun --nproc-per-node 2 -m dsv41_decode bench step --tp 2 --out "$OUT/results" $BENCH 2>&1 \
+    | grep -v "^\s*$" | tail -60
+fi
