@@ -8,9 +8,11 @@ its `wo_b` writes the rank's FP32 partial into its own data slot g % 2 (fixed pe
 graph can bake the address), then the boundary kernel
 
 1. sets the rank's flag to g (one program; release, system scope),
-2. in every program, waits until every rank's flag is >= g (acquire; at most `max_spin` polls - a
-   rank that does not arrive in time is written to the error word as rank + 1 and the program
-   carries on, so nothing hangs; `Mailbox.check()` raises the error naming it),
+2. in every program, waits until every rank's flag is >= g (acquire; at most `Mailbox.wait_ns` of
+   GPU time by `%globaltimer`, and at most `max_spin` polls - the interpreter's only bound). A rank
+   that does not arrive in time is written to the error word as rank + 1 and the program carries
+   on, so nothing hangs; once the error word is set, later boundaries do not wait at all (a dead
+   rank costs one bound per step, not one per layer); `Mailbox.check()` raises the error naming it,
 3. adds the ranks' partials of its chunk in rank order in FP32 (the same bits on every rank) and
    rounds once to BF16: the site output y,
 4. runs the mHC boundary on y exactly as `ops.mhc.mhc_boundary_` with a plan (post-mix, collapse,
@@ -29,20 +31,32 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import require_tensor
+from .checks import interpreting, require_tensor
 from .mhc import HC, MhcBoundaryPlan, _boundary_block_d, _widen, mix_chunk, split_finish
 from .rounding import bf16_rne_bits
+
+
+
+@triton.jit
+def _now_ns(TIMER: tl.constexpr):
+    """The GPU's global nanosecond timer (0 in the interpreter, which has no inline assembly)."""
+    if TIMER:
+        t = tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64, is_pure=False, pack=1)
+    else:
+        t = tl.zeros((), dtype=tl.int64)
+    return t
 
 
 @triton.jit
 def _allreduce_boundary_kernel(
     data_ptrs, flag_ptrs, epoch_ptr, err_ptr, y_ptr,
     x_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, xo_ptr, u_ptr, codes_ptr, scales_ptr, ws_ptr, cnt_ptr, eps,
-    max_spin, stride_x_slot, stride_dn,
+    max_spin, wait_ns, stride_x_slot, stride_dn,
     stride_xn, stride_xh, stride_post, stride_cn, stride_ci, stride_pre,
     stride_xon, stride_xoh, stride_u, stride_codes, stride_scales, stride_ws, stride_y,
     RANK: tl.constexpr, TP: tl.constexpr, GEN_STRIDE: tl.constexpr, LAYER_GEN: tl.constexpr,
     D: tl.constexpr, BLOCK_D: tl.constexpr, NCH: tl.constexpr, NCH_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+    TIMER: tl.constexpr,
 ):
     n = tl.program_id(0).to(tl.int64)
     ch = tl.program_id(1)
@@ -54,10 +68,14 @@ def _allreduce_boundary_kernel(
         if r != RANK:
             flag = tl.load(flag_ptrs + r).to(tl.pointer_type(tl.int64))
             seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
+            failed = tl.atomic_add(err_ptr, 0, sem="relaxed", scope="gpu")
+            start = _now_ns(TIMER)
             spins = 0
-            while (seen < gen) & (spins < max_spin):
+            waiting = (seen < gen) & (failed == 0)
+            while waiting:
                 seen = tl.atomic_add(flag, 0, sem="acquire", scope="sys")
                 spins += 1
+                waiting = (seen < gen) & (spins < max_spin) & (_now_ns(TIMER) - start < wait_ns)
             if seen < gen:
                 tl.atomic_max(err_ptr, r + 1)
     d = ch * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -82,7 +100,8 @@ class Mailbox:
 
     data: this rank's [2, max_rows, dim] FP32 slots; flag: its int64 [1] flag; data_ptrs / flag_ptrs:
     int64 [tp] addresses of every rank's data and flag (peer-readable); epoch: int64 [1] step counter;
-    error: int32 [1], 0 or (missing rank + 1); layers: the boundaries per step (generation stride).
+    error: int32 [1], 0 or (missing rank + 1); layers: the boundaries per step (generation stride);
+    wait_ns: the bounded wait of a boundary for a peer's flag, in GPU nanoseconds.
     """
 
     tp: int
@@ -96,6 +115,7 @@ class Mailbox:
     flag_ptrs: torch.Tensor
     epoch: torch.Tensor
     error: torch.Tensor
+    wait_ns: int = 1_000_000_000
 
     @property
     def gen_stride(self) -> int:
@@ -153,7 +173,7 @@ class Mailbox:
 def allreduce_boundary_(box: Mailbox, layer_index: int, rows: int, x: torch.Tensor, post: torch.Tensor,
                         comb: torch.Tensor, pre: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                         x_out: torch.Tensor, u_out: torch.Tensor, codes_out: torch.Tensor, scales_out: torch.Tensor,
-                        y_out: torch.Tensor, plan: MhcBoundaryPlan, max_spin: int = 1 << 22) -> None:
+                        y_out: torch.Tensor, plan: MhcBoundaryPlan, max_spin: int = 1 << 40) -> None:
     """y = bf16(sum over ranks in rank order of their published partials of `layer_index`), then
     `ops.mhc.mhc_boundary_(y, x, post, comb, pre, norm_weight, eps, x_out, u_out, codes_out,
     scales_out, plan)`; y is also written to y_out. Shapes as in `mhc_boundary_` with N = rows;
@@ -185,10 +205,11 @@ def allreduce_boundary_(box: Mailbox, layer_index: int, rows: int, x: torch.Tens
     _allreduce_boundary_kernel[(rows, plan.chunks)](
         box.data_ptrs, box.flag_ptrs, box.epoch, box.error, y16,
         x, post, comb, pre, norm_weight, xo, u, codes, scales, plan.ws, plan.counters, float(eps),
-        int(max_spin), box.data.stride(0), box.data.stride(1),
+        int(max_spin), int(box.wait_ns), box.data.stride(0), box.data.stride(1),
         x.stride(0), x.stride(1), post.stride(0), comb.stride(0), comb.stride(1), pre.stride(0),
         xo.stride(0), xo.stride(1), u.stride(0), codes.stride(0), scales.stride(0), plan.ws.stride(0), y16.stride(0),
         RANK=box.rank, TP=box.tp, GEN_STRIDE=box.gen_stride, LAYER_GEN=layer_index + 1,
         D=dim, BLOCK_D=plan.block_d, NCH=plan.chunks, NCH_P2=triton.next_power_of_2(plan.chunks),
-        BLOCK_N=_boundary_block_d(dim), num_warps=4, enable_fp_fusion=False,
+        BLOCK_N=_boundary_block_d(dim), TIMER=dev.type == "cuda" and not interpreting(),
+        num_warps=4, enable_fp_fusion=False,
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -21,3 +23,8 @@ def require_tensor(t, name: str, dtypes, shape, device=None) -> None:
         raise ValueError(f"{name} must have unit stride in its last dimension, got strides {t.stride()}")
     if device is not None and t.device != device:
         raise ValueError(f"{name} must be on {device} like the other operands, got {t.device}")
+
+
+def interpreting() -> bool:
+    """True under the Triton interpreter (TRITON_INTERPRET=1): kernels run on the CPU in NumPy."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

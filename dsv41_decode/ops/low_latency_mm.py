@@ -24,14 +24,13 @@ the workspace, once; calling it only launches. `low_latency_mm` is the allocatin
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .checks import require_tensor
+from .checks import interpreting, require_tensor
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
 
 MAX_ROWS = 64
@@ -203,9 +202,6 @@ def _default_config(n: int, k: int, block_m: int, sms: int) -> LowLatencyConfig:
     return LowLatencyConfig(block_n=block_n, block_k=block_k, split=split, num_warps=4, num_stages=3)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
 
 _UE8M0 = (torch.uint8, torch.float8_e8m0fnu)
 
@@ -246,7 +242,7 @@ class LowLatencyMM:
         require_tensor(w_scale, "w_scale", _UE8M0, (-(-n // 32), k // 32))
         if w_scale.device != weight.device:
             raise ValueError(f"w_scale is on {w_scale.device} but weight is on {weight.device}")
-        if weight.device.type != "cuda" and not _interpreting():
+        if weight.device.type != "cuda" and not interpreting():
             raise ValueError(f"weight must be on a CUDA device (or TRITON_INTERPRET=1), got {weight.device}")
         if isinstance(max_rows, bool) or not isinstance(max_rows, int) or not 1 <= max_rows <= MAX_ROWS:
             raise ValueError(f"max_rows must be an int in [1, {MAX_ROWS}] (use ops.fp8_mm above), got {max_rows!r}")
@@ -283,7 +279,7 @@ class LowLatencyMM:
         self._workspace = torch.empty(ws_elems, dtype=torch.float32, device=self.device)
         self._counters = torch.zeros(max(l.grid[0] for l in self._launches.values()),
                                      dtype=torch.int32, device=self.device)
-        self._dot_f32 = _interpreting()
+        self._dot_f32 = interpreting()
 
     def launch_for(self, rows: int) -> _Launch:
         """The launch (row bucket, configuration, split, grid) used for `rows` rows."""

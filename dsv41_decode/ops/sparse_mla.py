@@ -22,7 +22,6 @@ deterministic.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -32,14 +31,11 @@ import triton.language as tl
 from ..formats import COMPRESSED_KV_BYTES, WINDOW_KV_BYTES
 from .ll_bf16 import num_sms
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
-from .checks import require_tensor
+from .checks import interpreting, require_tensor
 
 HEAD_DIM = 512
 SUPPORTED_HEADS = (8, 16, 32, 64)
 
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 @triton.jit
@@ -281,7 +277,7 @@ class SparseMlaPlan:
         if num_warps is None:
             num_warps = 8 if block_h >= 32 else 4
         if bf16_dot is None:
-            bf16_dot = device.type == "cuda" and not _interpreting()
+            bf16_dot = device.type == "cuda" and not interpreting()
         hg = triton.cdiv(heads, block_h)
         nb = triton.cdiv(window, block_keys) + triton.cdiv(topk, block_keys)
         buckets = [1 << i for i in range((max_rows - 1).bit_length() + 1)]

@@ -1,0 +1,63 @@
+"""Probe the sparse MLA kernel on a GPU: plan variants timed side by side (graph replay, 32+ calls
+per graph), at the shapes of the decode step. `--once` launches the default plan a few times only
+(for `ncu`). Prints; writes nothing."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from dsv41_decode.bench.attn import _records
+from dsv41_decode.bench.timing import graph_time_us
+from dsv41_decode.formats import pack_compressed_kv, pack_window_kv
+from dsv41_decode.ops.sparse_mla import HEAD_DIM, SparseMlaPlan, sparse_mla_
+
+W, K = 128, 512
+
+
+def inputs(rows: int, heads: int, gen):
+    n_w, n_c = rows * W * 2, 64 * 1024
+    win, comp = _records(n_w, gen, pack_window_kv), _records(n_c, gen, pack_compressed_kv)
+    wtab = torch.randint(0, n_w, (rows, W), generator=gen, device="cuda", dtype=torch.int32)
+    ctab = torch.randint(0, n_c, (rows, K), generator=gen, device="cuda", dtype=torch.int32)
+    q = (torch.randn(rows, heads, HEAD_DIM, generator=gen, device="cuda") * 0.5).to(torch.bfloat16)
+    sink = torch.randn(heads, generator=gen, device="cuda")
+    return q, win, comp, wtab, ctab, sink
+
+
+def main() -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    once = "--once" in sys.argv
+    cases = [(1, 64), (1, 16)] if once else [(1, 16), (1, 64), (8, 16), (16, 64), (64, 64)]
+    for rows, heads in cases:
+        q, win, comp, wtab, ctab, sink = inputs(rows, heads, gen)
+        out = torch.empty_like(q)
+        variants = {"default": {}} if once else {
+            "default": {}, "splits1": dict(splits=1), "splits2": dict(splits=2), "splits4": dict(splits=4),
+            "splits8": dict(splits=8), "keys32": dict(block_keys=32), "keys64": dict(block_keys=64),
+            "warps4": dict(num_warps=4), "warps8": dict(num_warps=8), "bh16": dict(block_h=16),
+            "bh64": dict(block_h=64), "fp8cast": dict(native_fp8=True),
+            "keys32_s4": dict(block_keys=32, splits=4), "keys64_s2": dict(block_keys=64, splits=2)}
+        ref = None
+        for name, kw in variants.items():
+            try:
+                plan = SparseMlaPlan.build(rows, heads, W, K, "cuda", **kw)
+                fn = lambda p=plan: sparse_mla_(p, q, win, comp, wtab, ctab, sink, HEAD_DIM ** -0.5, out)
+                if once:
+                    for _ in range(3):
+                        fn()
+                    torch.cuda.synchronize()
+                    continue
+                us = graph_time_us(fn, replays=30)
+                o = out.float()
+                ref = o if ref is None else ref
+                err = float((o - ref).abs().max())
+                print(f"rows {rows:3d} heads {heads:2d} {name:10s} {us:8.2f} us  splits {plan.split(rows):2d} "
+                      f"block_h {plan.block_h} keys {plan.block_keys} warps {plan.num_warps}  |d| {err:.1e}", flush=True)
+            except Exception as e:  # report, keep probing
+                print(f"rows {rows} heads {heads} {name}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
