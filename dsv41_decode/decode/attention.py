@@ -154,15 +154,9 @@ class AttentionStep:
         self.wo_a_plan = WoAPlan.build(cfg.n_heads, cfg.o_groups, cfg.o_lora_rank, max_rows, self.wo_a_w.dtype,
                                        dev, head_dim=cfg.head_dim, rope_dim=cfg.rope_head_dim, **few)
         topk_w = 0 if spec.kind == SWA else cfg.index_topk
-        # Up to 8 rows, 16-head programs (4 head groups at 64 heads) keep more SMs busy: measured
-        # 43.6 vs 58.0 us at 1 row and 64 heads (docs/attn.md); above, the default tiling.
-        self.mla_plans = []
-        if not few and cfg.n_heads > 16:
-            self.mla_plans.append(SparseMlaPlan.build(min(max_rows, 8), cfg.n_heads, cfg.window_size, topk_w,
-                                                      dev, block_h=16))
-        if few or not self.mla_plans or max_rows > 8:
-            self.mla_plans.append(SparseMlaPlan.build(max_rows, cfg.n_heads, cfg.window_size, topk_w, dev,
-                                                      **({"splits": 1} if few else {})))
+        # One plan for every bucket (16-head programs, key splits per bucket; docs/attn.md).
+        self.mla_plans = [SparseMlaPlan.build(max_rows, cfg.n_heads, cfg.window_size, topk_w, dev,
+                                              **({"splits": 1} if few else {}))]
         wide = {"split": 1, "block_n": 256} if few else {}
         self.sink = w["attn.attn_sink"].float().contiguous()
         self.publish: torch.Tensor | None = None   # set by DecodeStep with the fused TP boundary

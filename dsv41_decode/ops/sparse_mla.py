@@ -10,8 +10,11 @@ Kernel: one program per (row, head group, key split). A program holds BLOCK_H (>
 row and walks its share of the key blocks (BLOCK_KEYS keys each; window blocks, then compressed
 blocks): each key is gathered and dequantized once in registers (window: E4M3 code * 2^(e - 127)
 per 32; compressed: E2M1 * E4M3 scale per 16; the values are exact in BF16) and used by every head
-of the group: scores = q [BLOCK_H, 512] @ K^T, online softmax in FP32 (max from -1e30), P rounded
-to BF16 (round-to-nearest-even on the bits) before P @ K, FP32 accumulator. Both dots have exact
+of the group. The 512 dims are handled as four chunks of 128 (q, the decoded keys and the
+accumulator each as four tiles: no decode temporary spans the whole record, which kept the first
+version at 255 registers with spills): scores = sum over the chunks in order of q_c @ k_c^T, online
+softmax in FP32 (max from -1e30), P rounded to BF16 (round-to-nearest-even on the bits), then
+acc_c = acc_c * alpha + P @ k_c, FP32 accumulators. Both dots have exact
 products (BF16-valued operands) and FP32 sums: BF16 operands on the GPU, FP32 in the interpreter
 (its BF16 dot is wrong). With more than one split, each program writes (max, sum, valid count,
 acc) to the plan's workspace and the last program of the (row, head group) to arrive (an atomic
@@ -73,26 +76,80 @@ def _round_bf16_f32(x):
 
 
 @triton.jit
-def _attend_block(q, kb, ok, m_i, l_i, acc, scale, BF16_DOT: tl.constexpr):
-    """One online-softmax step over a block of keys kb [BLOCK_KEYS, 512] (FP32, BF16-exact)."""
+def _key_chunk(pool_ptr, base, ok, C: tl.constexpr, DC: tl.constexpr, WINDOW: tl.constexpr,
+               BF16_DOT: tl.constexpr, NATIVE_FP8: tl.constexpr):
+    """Dims [C*DC, (C+1)*DC) of a block of records (byte offsets `base` [BLOCK_KEYS], int64; rows
+    with ok False give 0), dequantized exactly: BF16 on the GPU, FP32 in the interpreter."""
+    rc = C * DC + tl.arange(0, DC)
+    rows = pool_ptr + base[:, None]
+    if WINDOW:      # 512 E4M3 codes, then 16 UE8M0 scales (one per 32)
+        codes = tl.load(rows + rc[None, :], mask=ok[:, None], other=0)
+        sc = tl.load(rows + 512 + (rc // 32)[None, :], mask=ok[:, None], other=127)
+        k = _e4m3_to_fp32(codes, NATIVE_FP8) * ue8m0_to_fp32(sc)
+    else:           # 256 bytes of E2M1 pairs (low nibble first), then 32 E4M3 scales (one per 16)
+        byte = tl.load(rows + (rc // 2)[None, :], mask=ok[:, None], other=0).to(tl.int32)
+        code = (byte >> ((rc % 2) * 4)[None, :]) & 15
+        sc = tl.load(rows + 256 + (rc // 16)[None, :], mask=ok[:, None], other=0)
+        k = _e2m1_to_fp32(code) * _e4m3_to_fp32(sc, NATIVE_FP8)
+    k = tl.where(ok[:, None], k, 0.0)
     if BF16_DOT:
-        kd = kb.to(tl.bfloat16)
-        s = tl.dot(q, tl.trans(kd))
+        k = k.to(tl.bfloat16)
+    return k
+
+
+@triton.jit
+def _qk(q, k, s, BF16_DOT: tl.constexpr):
+    if BF16_DOT:
+        s = tl.dot(q, tl.trans(k), s)
     else:
-        kd = kb
-        s = tl.dot(q, tl.trans(kd), input_precision="ieee")
+        s = tl.dot(q, tl.trans(k), s, input_precision="ieee")
+    return s
+
+
+@triton.jit
+def _pv(p, k, acc, BF16_DOT: tl.constexpr):
+    if BF16_DOT:
+        acc = tl.dot(p.to(tl.bfloat16), k, acc)
+    else:
+        acc = tl.dot(p, k, acc, input_precision="ieee")
+    return acc
+
+
+@triton.jit
+def _attend_block(pool_ptr, base, ok, q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, scale,
+                  WINDOW: tl.constexpr, BF16_DOT: tl.constexpr, NATIVE_FP8: tl.constexpr):
+    """One online-softmax step over a block of keys (V = K), the 512 dims in four chunks of 128:
+    scores = sum over chunks in order of q_c . k_c, then acc_c = acc_c * alpha + P @ k_c."""
+    DC: tl.constexpr = 128
+    k0 = _key_chunk(pool_ptr, base, ok, 0, DC, WINDOW, BF16_DOT, NATIVE_FP8)
+    k1 = _key_chunk(pool_ptr, base, ok, 1, DC, WINDOW, BF16_DOT, NATIVE_FP8)
+    k2 = _key_chunk(pool_ptr, base, ok, 2, DC, WINDOW, BF16_DOT, NATIVE_FP8)
+    k3 = _key_chunk(pool_ptr, base, ok, 3, DC, WINDOW, BF16_DOT, NATIVE_FP8)
+    s = tl.zeros((q0.shape[0], base.shape[0]), dtype=tl.float32)
+    s = _qk(q0, k0, s, BF16_DOT)
+    s = _qk(q1, k1, s, BF16_DOT)
+    s = _qk(q2, k2, s, BF16_DOT)
+    s = _qk(q3, k3, s, BF16_DOT)
     s = s * scale
     s = tl.where(ok[None, :], s, float("-inf"))
     new_max = tl.maximum(m_i, tl.max(s, axis=1))
     alpha = tl.exp(m_i - new_max)
     p = tl.exp(s - new_max[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
-    pr = _round_bf16_f32(p)
-    if BF16_DOT:
-        acc = acc * alpha[:, None] + tl.dot(pr.to(tl.bfloat16), kd)
-    else:
-        acc = acc * alpha[:, None] + tl.dot(pr, kd, input_precision="ieee")
-    return new_max, l_i, acc
+    p = _round_bf16_f32(p)
+    a0 = _pv(p, k0, a0 * alpha[:, None], BF16_DOT)
+    a1 = _pv(p, k1, a1 * alpha[:, None], BF16_DOT)
+    a2 = _pv(p, k2, a2 * alpha[:, None], BF16_DOT)
+    a3 = _pv(p, k3, a3 * alpha[:, None], BF16_DOT)
+    return new_max, l_i, a0, a1, a2, a3
+
+
+@triton.jit
+def _slots(tab_ptr, kk, n_keys, REC: tl.constexpr):
+    """Record byte offsets (int64) and validity of table entries kk (< n_keys)."""
+    slot = tl.load(tab_ptr + kk, mask=kk < n_keys, other=-1)
+    ok = slot >= 0
+    return tl.where(ok, slot, 0).to(tl.int64) * REC, ok
 
 
 @triton.jit
@@ -104,8 +161,7 @@ def _sparse_mla_kernel(
     BLOCK_H: tl.constexpr, BLOCK_KEYS: tl.constexpr, BF16_DOT: tl.constexpr, NATIVE_FP8: tl.constexpr,
 ):
     D: tl.constexpr = 512
-    WREC: tl.constexpr = 528
-    CREC: tl.constexpr = 288
+    DC: tl.constexpr = 128
     NB_W: tl.constexpr = (W + BLOCK_KEYS - 1) // BLOCK_KEYS
     NB_C: tl.constexpr = (KC + BLOCK_KEYS - 1) // BLOCK_KEYS
     HG = tl.num_programs(1)
@@ -115,61 +171,54 @@ def _sparse_mla_kernel(
 
     rh = g * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = rh < H
-    rd = tl.arange(0, D)
+    rc = tl.arange(0, DC)
     rk = tl.arange(0, BLOCK_KEYS)
-    q = tl.load(q_ptr + r * stride_qn + rh[:, None] * stride_qh + rd[None, :], mask=h_ok[:, None], other=0.0)
+    q_rows = q_ptr + r * stride_qn + rh[:, None] * stride_qh + rc[None, :]
+    q0 = tl.load(q_rows, mask=h_ok[:, None], other=0.0)
+    q1 = tl.load(q_rows + DC, mask=h_ok[:, None], other=0.0)
+    q2 = tl.load(q_rows + 2 * DC, mask=h_ok[:, None], other=0.0)
+    q3 = tl.load(q_rows + 3 * DC, mask=h_ok[:, None], other=0.0)
     if not BF16_DOT:
-        q = q.to(tl.float32)
+        q0, q1, q2, q3 = q0.to(tl.float32), q1.to(tl.float32), q2.to(tl.float32), q3.to(tl.float32)
 
     m_i = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
     l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    acc = tl.zeros((BLOCK_H, D), dtype=tl.float32)
+    a0 = tl.zeros((BLOCK_H, DC), dtype=tl.float32)
+    a1 = tl.zeros((BLOCK_H, DC), dtype=tl.float32)
+    a2 = tl.zeros((BLOCK_H, DC), dtype=tl.float32)
+    a3 = tl.zeros((BLOCK_H, DC), dtype=tl.float32)
     nvalid = tl.zeros((BLOCK_KEYS,), dtype=tl.int32)
 
     b_lo = sp * BLOCKS_PER_SPLIT
     b_hi = tl.minimum(b_lo + BLOCKS_PER_SPLIT, NB_W + NB_C)
-    # Window blocks [b_lo, min(b_hi, NB_W)).
-    for b in range(b_lo, tl.minimum(b_hi, NB_W)):
-        kk = b * BLOCK_KEYS + rk
-        slot = tl.load(wtab_ptr + r * stride_wt + kk, mask=kk < W, other=-1)
-        ok = slot >= 0
-        base = wpool_ptr + tl.where(ok, slot, 0).to(tl.int64)[:, None] * WREC
-        codes = tl.load(base + rd[None, :], mask=ok[:, None], other=0)
-        sc = tl.load(base + D + (rd // 32)[None, :], mask=ok[:, None], other=127)
-        kb = _e4m3_to_fp32(codes, NATIVE_FP8) * ue8m0_to_fp32(sc)
-        kb = tl.where(ok[:, None], kb, 0.0)
+    for b in range(b_lo, tl.minimum(b_hi, NB_W)):           # window blocks
+        base, ok = _slots(wtab_ptr + r * stride_wt, b * BLOCK_KEYS + rk, W, 528)
         nvalid += ok.to(tl.int32)
-        m_i, l_i, acc = _attend_block(q, kb, ok, m_i, l_i, acc, scale, BF16_DOT)
-    # Compressed blocks [max(b_lo, NB_W), b_hi).
-    for b in range(tl.maximum(b_lo, NB_W), b_hi):
-        kk = (b - NB_W) * BLOCK_KEYS + rk
-        slot = tl.load(ctab_ptr + r * stride_ct + kk, mask=kk < KC, other=-1)
-        ok = slot >= 0
-        base = cpool_ptr + tl.where(ok, slot, 0).to(tl.int64)[:, None] * CREC
-        byte = tl.load(base + (rd // 2)[None, :], mask=ok[:, None], other=0).to(tl.int32)
-        code = (byte >> ((rd % 2) * 4)[None, :]) & 15
-        sc = tl.load(base + D // 2 + (rd // 16)[None, :], mask=ok[:, None], other=0)
-        kb = _e2m1_to_fp32(code) * _e4m3_to_fp32(sc, NATIVE_FP8)
-        kb = tl.where(ok[:, None], kb, 0.0)
+        m_i, l_i, a0, a1, a2, a3 = _attend_block(wpool_ptr, base, ok, q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3,
+                                                 scale, True, BF16_DOT, NATIVE_FP8)
+    for b in range(tl.maximum(b_lo, NB_W), b_hi):           # compressed blocks
+        base, ok = _slots(ctab_ptr + r * stride_ct, (b - NB_W) * BLOCK_KEYS + rk, KC, 288)
         nvalid += ok.to(tl.int32)
-        m_i, l_i, acc = _attend_block(q, kb, ok, m_i, l_i, acc, scale, BF16_DOT)
+        m_i, l_i, a0, a1, a2, a3 = _attend_block(cpool_ptr, base, ok, q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3,
+                                                 scale, False, BF16_DOT, NATIVE_FP8)
 
     nv = tl.sum(nvalid, axis=0)
-    out_ptrs = out_ptr + r * stride_on + rh[:, None] * stride_oh + rd[None, :]
+    lh = tl.arange(0, BLOCK_H)
+    out_rows = out_ptr + r * stride_on + rh[:, None] * stride_oh + rc[None, :]
     sink = tl.load(sink_ptr + rh, mask=h_ok, other=0.0)
     if SPLIT == 1:
-        l_f = l_i + tl.exp(sink - m_i)
-        o = acc / l_f[:, None]
-        o = tl.where(nv > 0, o, 0.0)
-        tl.store(out_ptrs, bf16_rne_bits(o), mask=h_ok[:, None])
+        _store_o(out_rows, a0, a1, a2, a3, l_i + tl.exp(sink - m_i), nv > 0, h_ok, DC)
     else:
         # Workspace: acc [N, HG, SPLIT, BLOCK_H, D]; ml [N, HG, SPLIT, 3, BLOCK_H] (max, sum, count).
         tile = r * HG + g
         acc_base = part_acc_ptr + tile.to(tl.int64) * (SPLIT * BLOCK_H * D)
         ml_base = part_ml_ptr + tile.to(tl.int64) * (SPLIT * 3 * BLOCK_H)
-        lh = tl.arange(0, BLOCK_H)
-        acc_ptrs = acc_base + lh[:, None] * D + rd[None, :]
-        tl.store(acc_ptrs + sp * (BLOCK_H * D), acc)
+        acc_rows = acc_base + lh[:, None] * D + rc[None, :]
+        mine = acc_rows + sp * (BLOCK_H * D)
+        tl.store(mine, a0)
+        tl.store(mine + DC, a1)
+        tl.store(mine + 2 * DC, a2)
+        tl.store(mine + 3 * DC, a3)
         ml_ptrs = ml_base + sp * (3 * BLOCK_H) + lh
         tl.store(ml_ptrs, m_i)
         tl.store(ml_ptrs + BLOCK_H, l_i)
@@ -177,6 +226,7 @@ def _sparse_mla_kernel(
         tl.debug_barrier()
         arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT - 1:
+            # the last program of (row, head group) to arrive combines the splits in split order
             tl.store(count_ptr + tile, 0)
             m_all = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
             n_all = tl.zeros((BLOCK_H,), dtype=tl.float32)
@@ -184,17 +234,31 @@ def _sparse_mla_kernel(
                 m_all = tl.maximum(m_all, tl.load(ml_base + s * (3 * BLOCK_H) + lh, cache_modifier=".cg"))
                 n_all += tl.load(ml_base + s * (3 * BLOCK_H) + 2 * BLOCK_H + lh, cache_modifier=".cg")
             l_all = tl.zeros((BLOCK_H,), dtype=tl.float32)
-            a_all = tl.zeros((BLOCK_H, D), dtype=tl.float32)
+            a0 = tl.zeros((BLOCK_H, DC), dtype=tl.float32)
+            a1 = tl.zeros((BLOCK_H, DC), dtype=tl.float32)
+            a2 = tl.zeros((BLOCK_H, DC), dtype=tl.float32)
+            a3 = tl.zeros((BLOCK_H, DC), dtype=tl.float32)
             for s in tl.static_range(SPLIT):
                 m_s = tl.load(ml_base + s * (3 * BLOCK_H) + lh, cache_modifier=".cg")
                 l_s = tl.load(ml_base + s * (3 * BLOCK_H) + BLOCK_H + lh, cache_modifier=".cg")
                 f = tl.exp(m_s - m_all)
                 l_all += l_s * f
-                a_all += tl.load(acc_ptrs + s * (BLOCK_H * D), cache_modifier=".cg") * f[:, None]
-            l_all += tl.exp(sink - m_all)
-            o = a_all / l_all[:, None]
-            o = tl.where(n_all[:, None] > 0, o, 0.0)
-            tl.store(out_ptrs, bf16_rne_bits(o), mask=h_ok[:, None])
+                part = acc_rows + s * (BLOCK_H * D)
+                a0 += tl.load(part, cache_modifier=".cg") * f[:, None]
+                a1 += tl.load(part + DC, cache_modifier=".cg") * f[:, None]
+                a2 += tl.load(part + 2 * DC, cache_modifier=".cg") * f[:, None]
+                a3 += tl.load(part + 3 * DC, cache_modifier=".cg") * f[:, None]
+            _store_o(out_rows, a0, a1, a2, a3, l_all + tl.exp(sink - m_all), n_all > 0, h_ok, DC)
+
+
+@triton.jit
+def _store_o(out_rows, a0, a1, a2, a3, l_f, valid, h_ok, DC: tl.constexpr):
+    """o = acc / sum as BF16 bits (RNE), chunk by chunk; zeros where the row had no valid key."""
+    d = tl.where(valid, l_f, float("inf"))[:, None]     # no valid key: acc is 0, o is 0
+    tl.store(out_rows, bf16_rne_bits(a0 / d), mask=h_ok[:, None])
+    tl.store(out_rows + DC, bf16_rne_bits(a1 / d), mask=h_ok[:, None])
+    tl.store(out_rows + 2 * DC, bf16_rne_bits(a2 / d), mask=h_ok[:, None])
+    tl.store(out_rows + 3 * DC, bf16_rne_bits(a3 / d), mask=h_ok[:, None])
 
 
 @dataclass(frozen=True, eq=False)
@@ -264,10 +328,9 @@ class SparseMlaPlan:
             raise ValueError(f"heads must be one of {SUPPORTED_HEADS}, got {heads!r}")
         device = torch.device(device)
         if block_h is None:
-            # 64 heads x 512 FP32 accumulators would take 128 registers per thread at 8 warps on
-            # their own (plus q and the key block): 64 heads run as two groups of 32, which read
-            # each key twice (the second time from L2) but do not spill.
-            block_h = max(16, min(heads, 32))
+            # 16 heads x 512 FP32 accumulators are 64 registers per thread at 4 warps; wider head
+            # groups read each key fewer times but hold more (measured in docs/attn.md).
+            block_h = 16
         if block_h < 16 or block_h & (block_h - 1):
             raise ValueError(f"block_h must be a power of two >= 16, got {block_h!r}")
         if block_keys is None:
