@@ -154,9 +154,9 @@ class AttentionStep:
         self.wo_a_plan = WoAPlan.build(cfg.n_heads, cfg.o_groups, cfg.o_lora_rank, max_rows, self.wo_a_w.dtype,
                                        dev, head_dim=cfg.head_dim, rope_dim=cfg.rope_head_dim, **few)
         topk_w = 0 if spec.kind == SWA else cfg.index_topk
-        # One plan for every bucket (16-head programs, key splits per bucket; docs/attn.md).
-        self.mla_plans = [SparseMlaPlan.build(max_rows, cfg.n_heads, cfg.window_size, topk_w, dev,
-                                              **({"splits": 1} if few else {}))]
+        # Per row count the tiling measured best (ops.sparse_mla.STEP_TILINGS; docs/attn.md).
+        self.mla_plans = ([SparseMlaPlan.build(max_rows, cfg.n_heads, cfg.window_size, topk_w, dev, splits=1)]
+                          if few else SparseMlaPlan.for_step(max_rows, cfg.n_heads, cfg.window_size, topk_w, dev))
         wide = {"split": 1, "block_n": 256} if few else {}
         self.sink = w["attn.attn_sink"].float().contiguous()
         self.publish: torch.Tensor | None = None   # set by DecodeStep with the fused TP boundary

@@ -261,6 +261,14 @@ def _store_o(out_rows, a0, a1, a2, a3, l_f, valid, h_ok, DC: tl.constexpr):
     tl.store(out_rows + 3 * DC, bf16_rne_bits(a3 / d), mask=h_ok[:, None])
 
 
+# Per row-count tiling of the decode step's plans, from the plan sweep on an H200 (64 heads,
+# 128 + 512 keys; scripts/probe_sparse_mla.py, docs/attn.md): up to 2 rows 16-head programs at 8
+# warps (31.9 us at 1 row vs 38.3 at 4 warps), up to 8 rows 32-head programs at 8 warps (51.7 us at
+# 8 rows vs 86.6), above 32-head programs at 4 warps (96.7 us at 16 rows, 235.8 at 64, vs 132 / 248).
+STEP_TILINGS = ((2, dict(block_h=16, num_warps=8)), (8, dict(block_h=32, num_warps=8)),
+                (256, dict(block_h=32, num_warps=4)))
+
+
 @dataclass(frozen=True, eq=False)
 class SparseMlaPlan:
     """Tiling, per-row-bucket splits and the workspace of `sparse_mla_` for one shape.
@@ -273,7 +281,7 @@ class SparseMlaPlan:
     block_h: heads per program (>= 16; H is padded up to it); block_keys: keys per block (>= 16);
     splits: per row bucket 1, 2, 4, ... next_pow2(max_rows), the key splits (`split(n)`);
     num_warps; bf16_dot: BF16 dot operands (the GPU), else FP32 (the interpreter);
-    native_fp8: decode E4M3 with Triton's FP8 cast (GPU only) instead of integer arithmetic.
+    native_fp8: decode E4M3 with Triton's FP8 cast (the GPU's default) instead of integer arithmetic.
     part_acc / part_ml: the FP32 split workspace; counters: int32 per (row, head group), 0 between launches.
     """
     max_rows: int
@@ -307,11 +315,24 @@ class SparseMlaPlan:
         return self.splits[(rows - 1).bit_length()]
 
     @classmethod
+    def for_step(cls, max_rows: int, heads: int, window: int, topk: int, device) -> list["SparseMlaPlan"]:
+        """Plans covering rows 1..max_rows with the tiling of STEP_TILINGS (ascending max_rows; use
+        the first plan whose max_rows holds the launch's rows)."""
+        plans, lo = [], 0
+        for hi, opts in STEP_TILINGS:
+            if lo >= max_rows:
+                break
+            opts = dict(opts, block_h=min(opts["block_h"], max(16, heads)))
+            plans.append(cls.build(min(hi, max_rows), heads, window, topk, device, **opts))
+            lo = hi
+        return plans
+
+    @classmethod
     def build(cls, max_rows: int, heads: int, window: int, topk: int,
               device: torch.device | str = "cuda", *, block_h: int | None = None,
               block_keys: int | None = None, splits: int | None = None, max_splits: int = 16,
               num_warps: int | None = None, bf16_dot: bool | None = None,
-              native_fp8: bool = False) -> "SparseMlaPlan":
+              native_fp8: bool | None = None) -> "SparseMlaPlan":
         """Choose the tiling and, per row bucket, splits for about one program per SM.
 
         splits: force one split count for every bucket (clipped to the number of key blocks);
@@ -341,6 +362,8 @@ class SparseMlaPlan:
             num_warps = 8 if block_h >= 32 else 4
         if bf16_dot is None:
             bf16_dot = device.type == "cuda" and not interpreting()
+        if native_fp8 is None:   # the hardware's exact E4M3 -> FP32 conversion (same bits, 5-12 % faster)
+            native_fp8 = device.type == "cuda" and not interpreting()
         hg = triton.cdiv(heads, block_h)
         nb = triton.cdiv(window, block_keys) + triton.cdiv(topk, block_keys)
         buckets = [1 << i for i in range((max_rows - 1).bit_length() + 1)]

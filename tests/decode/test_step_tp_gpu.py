@@ -49,12 +49,15 @@ def _rank(rank: int, world: int, store: str) -> None:
             y2, p2 = fused(x, rows)
             assert torch.equal(y1, y2) and torch.equal(p1, p2), f"step {k}: fused != collective"
             assert tp.same_on_all_ranks(y2), f"step {k}: ranks differ"
+            print(f"rank {rank}: step {k} fused == collective", flush=True)
         # rank 1 stops publishing: rank 0's next call names it within the bounded wait
         dist.barrier()
         if rank == 0:
             with pytest.raises(RuntimeError, match="rank 1 of 2 did not publish"):
                 fused(x, rows)
+            print("rank 0: the stalled rank was named", flush=True)
     finally:
+        print(f"rank {rank}: destroying the process group", flush=True)
         dist.destroy_process_group()
 
 
