@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 
 import pytest
 import torch
@@ -50,14 +51,23 @@ def _rank(rank: int, world: int, store: str) -> None:
             assert torch.equal(y1, y2) and torch.equal(p1, p2), f"step {k}: fused != collective"
             assert tp.same_on_all_ranks(y2), f"step {k}: ranks differ"
             print(f"rank {rank}: step {k} fused == collective", flush=True)
-        # rank 1 stops publishing: rank 0's next call names it within the bounded wait
+        # rank 1 stays alive but stops publishing: rank 0's next call names it after the bounded
+        # wait (one bound per step: later boundaries skip the wait). Rank 1 keeps its process group
+        # until rank 0 is done (on the GPUs, tearing NCCL down under a live peer blocked the peer).
         dist.barrier()
+        named = store + ".named"
         if rank == 0:
+            t0 = time.monotonic()
             with pytest.raises(RuntimeError, match="rank 1 of 2 did not publish"):
                 fused(x, rows)
-            print("rank 0: the stalled rank was named", flush=True)
+            print(f"rank 0: the stalled rank was named after {time.monotonic() - t0:.2f} s", flush=True)
+            open(named, "w").close()
+        else:
+            deadline = time.monotonic() + 120
+            while not os.path.exists(named) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        dist.barrier()
     finally:
-        print(f"rank {rank}: destroying the process group", flush=True)
         dist.destroy_process_group()
 
 
