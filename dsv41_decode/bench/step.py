@@ -104,7 +104,8 @@ def run_step_bench(rows=ROWS, contexts=CONTEXTS, out_dir="docs/results", progres
         fill_state(state, {i: ctx for i in range(max_rows)})
         mem_state = sum(state.memory_bytes().values())
         steps = {}
-        variants = [("full", {}), ("no_overlap", dict(overlap_inputs=False, overlap_candidates=False))]
+        variants = [("full", {}), ("no_overlap", dict(overlap_inputs=False, overlap_candidates=False)),
+                    ("pdl", dict(pdl=True))]
         if ctx in generic_contexts:   # FP8 wo_a (quantized once at build: changes the numbers)
             variants.append(("wo_a_fp8", dict(wo_a_fp8=True)))
         for variant, opts in variants:

@@ -25,6 +25,7 @@ from typing import Sequence
 import torch
 
 from ..ops import LOW_BATCH_MAX_ROWS
+from ..ops import pdl as pdl_launch
 from ..ops.allreduce_boundary import Mailbox
 from ..state import DecodeState
 from .attention import AttentionStep, IndexSelection, Scratch
@@ -73,11 +74,14 @@ class DecodeStep:
         peer-to-peer, on 2 H200s bitwise equal to "collective" and 1.7x faster per boundary).
         When the fused boundary cannot be built (no peer access, no symmetric memory) the step
         falls back to "collective" and says why once (a warning); `boundary_mode` tells which ran.
+    pdl: launch the main chain's Triton kernels with programmatic dependent launch (`ops.pdl`:
+        each waits for its predecessor in-kernel, GEMMs prefetch their weights into L2 first);
+        Hopper and later, ignored elsewhere. Off by default until measured on the GPU.
     """
 
     def __init__(self, stack, state: DecodeState, max_rows: int = 16, buckets: Sequence[int] | None = None,
                  overlap_inputs: bool = True, overlap_candidates: bool = True, graphs: bool = True,
-                 wo_a_fp8: bool = False, tp_boundary: str = "auto"):
+                 wo_a_fp8: bool = False, tp_boundary: str = "auto", pdl: bool = False):
         if buckets is None:
             buckets = tuple(b for b in DEFAULT_BUCKETS if b < max_rows) + (max_rows,)
         buckets = tuple(sorted(set(buckets)))
@@ -89,6 +93,7 @@ class DecodeStep:
             raise StepError(f"buckets up to {buckets[-1]} rows exceed the state's stage_rows={state.stage_rows}; "
                             f"build the DecodeState with stage_rows >= {buckets[-1]}")
         self.stack, self.state, self.cfg = stack, state, stack.cfg
+        self.pdl = bool(pdl)
         self.buckets, self.max_rows = buckets, buckets[-1]
         dev = state.device
         self.device = dev
@@ -128,6 +133,10 @@ class DecodeStep:
     # ------------------------------------------------------------------ schedule
     def _body(self, rows: int) -> None:
         """Every layer for rows [0, rows) from x_in/pre_in into x_out/pre_out (what a graph holds)."""
+        with pdl_launch.launching(self.pdl, self.device):
+            self._schedule(rows)
+
+    def _schedule(self, rows: int) -> None:
         B, lanes, bd = rows, self.lanes, self.boundary
         self.meta.derive(B)
         if self.mailbox is not None:

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ..formats import E4M3_MAX, MXFP8_AMAX_FLOOR
+from . import pdl
 from .checks import require_tensor
 from .rounding import e4m3_rne_code
 
@@ -24,8 +25,9 @@ _INV_E4M3_MAX = float(np.float32(1.0 / E4M3_MAX))
 def _act_quant_mxfp8_kernel(
     x_ptr, codes_ptr, scales_ptr, M, K, stride_xm, stride_cm, stride_sm,
     AMAX_FLOOR: tl.constexpr, INV_QMAX: tl.constexpr, QMAX: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     NB: tl.constexpr = BLOCK_K // 32
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -86,7 +88,7 @@ def act_quant_mxfp8_(x: torch.Tensor, codes_out: torch.Tensor, scales_out: torch
         x, codes_out.view(torch.uint8), scales_out.view(torch.uint8), m, k,
         x.stride(0), codes_out.stride(0), scales_out.stride(0),
         AMAX_FLOOR=MXFP8_AMAX_FLOOR, INV_QMAX=_INV_E4M3_MAX, QMAX=E4M3_MAX,
-        BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4,
+        BLOCK_M=block_m, BLOCK_K=block_k, PDL=pdl.active(), num_warps=4, **pdl.launch_options(),
     )
 
 

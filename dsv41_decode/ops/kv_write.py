@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ..formats import COMPRESSED_KV_BYTES, INDEX_KEY_BYTES, WINDOW_KV_BYTES
+from . import pdl
 from .checks import require_tensor
 from .fp4 import (
     bf16_rne_bits,
@@ -84,8 +85,9 @@ def _window_record(xe, xo, rec_ptr, ok, REQUANT: tl.constexpr):
 def _qkv_rope_insert_kernel(
     q_ptr, kv_ptr, cos_ptr, sin_ptr, slots_ptr, pool_ptr,
     H, S, stride_qn, stride_qh, stride_kvn, stride_cn, stride_sn, stride_pool,
-    HB: tl.constexpr, REQUANT: tl.constexpr,
+    HB: tl.constexpr, REQUANT: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     n = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     cs_row = cos_ptr + n * stride_cn
@@ -210,7 +212,8 @@ def qkv_rope_insert_(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: 
     _qkv_rope_insert_kernel[grid](
         q.view(torch.int16), kv, cos, sin, slots, window,
         h, window.shape[0], q.stride(0), q.stride(1), kv.stride(0), cos.stride(0), sin.stride(0),
-        window.stride(0), HB=hb, REQUANT=bool(requant), num_warps=4, enable_fp_fusion=False,
+        window.stride(0), HB=hb, REQUANT=bool(requant), PDL=pdl.active(), num_warps=4, enable_fp_fusion=False,
+        **pdl.launch_options(),
     )
 
 

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .checks import interpreting, require_tensor
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
 
@@ -56,6 +57,7 @@ def _mxfp8_ll_mm_kernel(
     M, N, K, stride_xm, stride_sxm, stride_wn, stride_swn, stride_ym, steps_per_split, n_split,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, DEQUANT: tl.constexpr, DOT_F32: tl.constexpr, OUT_F32: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     # Grid: (N tiles, K splits). Program (t, s) covers rows [t*BLOCK_N, +BLOCK_N) of W and the K
     # range [s*steps_per_split*BLOCK_K, +steps_per_split*BLOCK_K); every row of x is in its one
@@ -74,6 +76,9 @@ def _mxfp8_ll_mm_kernel(
 
     step_lo = pid_s * steps_per_split
     step_hi = tl.minimum(step_lo + steps_per_split, K // BLOCK_K)
+    # With PDL: the program's weight bytes start towards L2 while the predecessor still runs.
+    pdl.prefetch_rows_l2(w_rows + step_lo * BLOCK_K, (step_hi - step_lo) * BLOCK_K, PDL)
+    pdl.enter(PDL)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for step in range(step_lo, step_hi):
         # A multiple of BLOCK_K by construction: the compiler can prove the loads 16-byte aligned.
@@ -321,7 +326,7 @@ class LowLatencyMM:
             self.w_scale.stride(0), out.stride(0), launch.k_per_split // cfg.block_k, launch.split,
             BLOCK_N=cfg.block_n, BLOCK_M=launch.block_m, BLOCK_K=cfg.block_k,
             SPLIT_K=launch.split > 1, DEQUANT=cfg.dequant, DOT_F32=self._dot_f32, OUT_F32=out.dtype == torch.float32,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            PDL=pdl.active(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(),
         )
         return out
 

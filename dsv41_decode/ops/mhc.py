@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from ..formats import E4M3_MAX, MXFP8_AMAX_FLOOR
+from . import pdl
 from .checks import require_tensor
 from .fp4 import INV_E4M3_MAX, abs_nan_inf, pow2_ceil_exponent, pow2_inv
 from .rounding import bf16_rne_bits, e4m3_rne_code
@@ -161,7 +162,9 @@ def _mhc_boundary_split_kernel(
     stride_y, stride_xn, stride_xh, stride_post, stride_cn, stride_ci, stride_pre,
     stride_xon, stride_xoh, stride_u, stride_codes, stride_scales, stride_ws,
     D: tl.constexpr, BLOCK_D: tl.constexpr, NCH: tl.constexpr, NCH_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     # Program (row n, chunk ch): the new streams and the collapse of one chunk; the collapse (BF16,
     # exact) parks in u_out and its sum of squares in the plan's workspace; the last chunk of the
     # row to arrive sums the NCH partials in chunk order and normalizes + quantizes the whole row.
@@ -319,7 +322,8 @@ def mhc_boundary_(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: to
             y.stride(0), x.stride(0), x.stride(1), post.stride(0), comb.stride(0), comb.stride(1), pre.stride(0),
             xo.stride(0), xo.stride(1), u.stride(0), codes.stride(0), scales.stride(0), plan.ws.stride(0),
             D=dim, BLOCK_D=plan.block_d, NCH=plan.chunks, NCH_P2=triton.next_power_of_2(plan.chunks),
-            BLOCK_N=_boundary_block_d(dim), num_warps=4, enable_fp_fusion=False,
+            BLOCK_N=_boundary_block_d(dim), PDL=pdl.active(), num_warps=4, enable_fp_fusion=False,
+            **pdl.launch_options(),
         )
         return
     _mhc_boundary_kernel[(n,)](

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl
 from .checks import require_tensor
 from .mhc import _mxfp8_blocks, _widen
 from .rounding import bf16_rne_bits
@@ -23,7 +24,9 @@ MAX_DIM = 4096
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, codes_ptr, scales_ptr, eps, stride_x, stride_o, stride_c, stride_s,
-                     D: tl.constexpr, BLOCK: tl.constexpr, ROUND_IN: tl.constexpr, QUANT: tl.constexpr):
+                     D: tl.constexpr, BLOCK: tl.constexpr, ROUND_IN: tl.constexpr, QUANT: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     n = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     mask = d < D
@@ -79,7 +82,8 @@ def rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tens
     s = scales_out.view(torch.uint8) if quant else o
     _rms_norm_kernel[(n,)](x, weight, o, c, s, float(eps), x.stride(0), o.stride(0), c.stride(0), s.stride(0),
                            D=dim, BLOCK=max(32, triton.next_power_of_2(dim)), ROUND_IN=x.dtype == torch.float32,
-                           QUANT=quant, num_warps=4, enable_fp_fusion=False)
+                           QUANT=quant, PDL=pdl.active(), num_warps=4, enable_fp_fusion=False,
+                           **pdl.launch_options())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

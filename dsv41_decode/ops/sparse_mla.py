@@ -34,6 +34,7 @@ import triton.language as tl
 from ..formats import COMPRESSED_KV_BYTES, WINDOW_KV_BYTES
 from .ll_bf16 import num_sms
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
+from . import pdl
 from .checks import interpreting, require_tensor
 
 HEAD_DIM = 512
@@ -159,7 +160,9 @@ def _sparse_mla_kernel(
     H, scale, stride_qn, stride_qh, stride_wt, stride_ct, stride_on, stride_oh,
     W: tl.constexpr, KC: tl.constexpr, SPLIT: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KEYS: tl.constexpr, BF16_DOT: tl.constexpr, NATIVE_FP8: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    pdl.enter(PDL)
     D: tl.constexpr = 512
     DC: tl.constexpr = 128
     NB_W: tl.constexpr = (W + BLOCK_KEYS - 1) // BLOCK_KEYS
@@ -433,7 +436,7 @@ def sparse_mla_(plan: SparseMlaPlan, q: torch.Tensor, window_pool: torch.Tensor,
         o16.stride(0), o16.stride(1),
         W=plan.window, KC=plan.topk, SPLIT=split, BLOCKS_PER_SPLIT=bps, BLOCK_H=plan.block_h,
         BLOCK_KEYS=plan.block_keys, BF16_DOT=plan.bf16_dot, NATIVE_FP8=plan.native_fp8,
-        num_warps=plan.num_warps,
+        PDL=pdl.active(), num_warps=plan.num_warps, **pdl.launch_options(),
     )
 
 

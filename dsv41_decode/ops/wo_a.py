@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from ..formats import fp8_block_quantize
+from . import pdl
 from .checks import require_tensor
 from .ll_bf16 import num_sms, splitk_reduce
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
@@ -59,7 +60,7 @@ def _wo_a_kernel(
     stride_om, stride_oh, stride_cm, stride_sm, stride_wn, stride_sn, stride_zm, stride_ps, stride_pm,
     R: tl.constexpr, HEADS_PER_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr,
     K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, FP8: tl.constexpr, NUM_STAGES: tl.constexpr,
+    BLOCK_K: tl.constexpr, FP8: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr = False,
 ):
     NOPE: tl.constexpr = HEAD_DIM - ROPE_DIM
     pid_n = tl.program_id(0)
@@ -71,6 +72,9 @@ def _wo_a_kernel(
     g = (pid_n * BLOCK_N) // R
     k_lo = pid_k * K_PER_SPLIT
 
+    # With PDL: the program's weight bytes start towards L2 while the predecessor still runs.
+    pdl.prefetch_rows_l2(w_ptr + rn * stride_wn + k_lo, K_PER_SPLIT * (1 if FP8 else 2), PDL)
+    pdl.enter(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kk in tl.range(0, K_PER_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
         k0 = k_lo + kk
@@ -241,6 +245,7 @@ def wo_a_(plan: WoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
         BLOCK_M=block_m, BLOCK_N=plan.block_n, BLOCK_K=_BLOCK_K, FP8=fp8, NUM_STAGES=plan.num_stages,
         num_warps=plan.num_warps * (2 if block_m > 16 else 1), num_stages=plan.num_stages,
         enable_fp_fusion=False,   # the rotation's sums rounded as torch rounds them (no FMA)
+        PDL=pdl.active(), **pdl.launch_options(),
     )
 
 

@@ -169,11 +169,13 @@ def test_gpu_long_run_vs_generic(gpu_setup):
 
 @pytest.fixture(scope="module")
 def gpu_graph_runs(gpu_setup):
-    """16 steps of one schedule on three copies of a state: graphs twice, eager once."""
+    """16 steps of one schedule on four copies of a state: graphs twice, eager once, and graphs
+    with programmatic dependent launch (ops.pdl)."""
     cfg, stack, base = gpu_setup
-    states = [copy.deepcopy(base) for _ in range(3)]
+    states = [copy.deepcopy(base) for _ in range(4)]
     steps = [stack.decode_step(states[0], max_rows=16), stack.decode_step(states[1], max_rows=16),
-             stack.decode_step(states[2], max_rows=16, graphs=False)]
+             stack.decode_step(states[2], max_rows=16, graphs=False),
+             stack.decode_step(states[3], max_rows=16, pdl=True)]
     assert steps[0].use_graphs and steps[1].use_graphs and not steps[2].use_graphs
     outs = _serve(stack, states, Schedule(cfg, seed=5), 16, steps)
     torch.cuda.synchronize()
@@ -198,3 +200,11 @@ def test_gpu_graph_equals_eager(gpu_graph_runs):
 def test_gpu_graph_runs_repeat(gpu_graph_runs):
     states, outs = gpu_graph_runs
     _assert_same_run(states[0], states[1], outs[0], outs[1])
+
+
+@pytest.mark.gpu
+def test_gpu_pdl_equals_plain_launches(gpu_graph_runs):
+    """With PDL every kernel waits for its predecessor before its first dependent access: the
+    results are the same bits as with plain launches (a race would show as a difference)."""
+    states, outs = gpu_graph_runs
+    _assert_same_run(states[0], states[3], outs[0], outs[3])

@@ -1,0 +1,84 @@
+"""Programmatic dependent launch (PDL, Hopper and later) for the decode step's main-stream kernels.
+
+In a decode step at small batch most kernels are short and depend on the one before, so each pays
+its launch and ramp-up latency in series. With PDL a kernel launched with the
+`CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION` attribute (Triton: `launch_pdl=True`) may
+start while its predecessor still runs, once every program of the predecessor has executed
+`griddepcontrol.launch_dependents` (or exited). Its programs then run what does not depend on the
+predecessor - a GEMM prefetches the first part of its weight into L2 (`prefetch_rows_l2`) - and
+execute `griddepcontrol.wait`, which returns once the predecessor has completed and its memory is
+visible, before they touch anything the predecessor writes or reads.
+
+The contract of a PDL-aware kernel (constexpr `PDL`, see `enter`): before `enter` it reads only
+constant data (weights) and writes nothing; `enter` waits for the predecessor, then lets the
+successor launch. Because every PDL-launched kernel waits before its first dependent access,
+ordering is transitive: when kernel n + 2 passes its wait, kernel n + 1 has completed, and it
+completed only after its own wait saw kernel n complete. Kernels launched without the attribute
+(torch ops, side-stream kernels) keep full stream serialization.
+
+Off unless enabled: `DecodeStep(pdl=True)` runs its launches inside `launching(True)`; each launcher
+reads `active()` for its kernel's `PDL` constexpr and passes `launch_options()` to the launch. Never
+in the interpreter (the instructions are inline PTX) or below sm_90.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import interpreting
+
+_ACTIVE = False
+
+
+def supported(device: torch.device | str) -> bool:
+    """PDL can be used on `device`: CUDA, compute capability 9.0 or later, not the interpreter."""
+    device = torch.device(device)
+    return (device.type == "cuda" and not interpreting() and torch.cuda.is_available()
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+@contextmanager
+def launching(enabled: bool, device: torch.device | str = "cuda"):
+    """Within the block, PDL-aware launchers launch with PDL (when `enabled` and `supported`)."""
+    global _ACTIVE
+    previous = _ACTIVE
+    _ACTIVE = bool(enabled) and supported(device)
+    try:
+        yield _ACTIVE
+    finally:
+        _ACTIVE = previous
+
+
+def active() -> bool:
+    """The value of a PDL-aware kernel's `PDL` constexpr for a launch made now."""
+    return _ACTIVE
+
+
+def launch_options() -> dict:
+    """Extra keyword arguments of a Triton launch made now ({} or {"launch_pdl": True})."""
+    return {"launch_pdl": True} if _ACTIVE else {}
+
+
+@triton.jit
+def enter(PDL: tl.constexpr):
+    """Wait for the predecessor kernel (its writes visible), then allow the successor to launch.
+    A no-op without PDL."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_rows_l2(row_ptrs, nbytes, PDL: tl.constexpr):
+    """Ask L2 to fetch `nbytes` (a multiple of 16) from each 16-byte aligned address of
+    `row_ptrs` (one bulk prefetch per row: `cp.async.bulk.prefetch.L2`, sm_90). Only with PDL,
+    where it overlaps the predecessor; results are never read, so it changes no value."""
+    if PDL:
+        n = tl.zeros(row_ptrs.shape, dtype=tl.int32) + nbytes
+        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+                                  [row_ptrs.to(tl.int64), n], dtype=tl.int32,
+                                  is_pure=False, pack=1)

@@ -1,0 +1,97 @@
+"""Run by tests/ops/test_pdl.py in a subprocess without the Triton interpreter (the kernels must be
+real JIT functions to compile): compiles the PDL-aware kernels for sm_90 with Triton's own ptxas
+and checks their PTX. Exits non-zero, naming the kernel, on a violation."""
+
+from __future__ import annotations
+
+import re
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+import triton.language as tl
+
+from dsv41_decode.ops import low_latency_mm, pdl, sparse_mla, wo_a
+
+
+@triton.jit
+def _loads_too_early(x_ptr, y_ptr, PDL: tl.constexpr):
+    v = tl.load(x_ptr + tl.arange(0, 128))      # a dependent load before the wait: a violation
+    pdl.enter(PDL)
+    tl.store(y_ptr + tl.arange(0, 128), v)
+
+
+def check_the_checker():
+    try:
+        _assert_waits_first(_ptx(_loads_too_early, {"x_ptr": "*fp32", "y_ptr": "*fp32"}, dict(PDL=True)))
+    except AssertionError:
+        return
+    raise AssertionError("a load before griddepcontrol.wait went unnoticed")
+
+
+def _ptx(fn, types: dict, consts: dict, num_warps: int = 4) -> str:
+    """PTX of `fn` for sm_90 with PDL on: `types` maps runtime arguments to Triton types (default
+    i32); every pointer and stride is marked 16-divisible, as the launcher would find it."""
+    sig = {a: ("constexpr" if a in consts else types.get(a, "i32")) for a in fn.arg_names}
+    div = [a for a in fn.arg_names if sig[a].startswith("*") or a.startswith("stride_")]
+    src = ASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()},
+                    {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": num_warps, "launch_pdl": True})
+    return k.asm["ptx"]
+
+
+def _assert_waits_first(ptx: str) -> None:
+    body = ptx[ptx.index(".entry"):]
+    wait = body.index("griddepcontrol.wait")
+    before = body[:wait]
+    for pattern in (r"\bld\.global", r"\bst\.global", r"\batom\.", r"\bred\.", r"cp\.async\.c[ag]\b",
+                    r"cp\.async\.bulk\.tensor"):
+        assert not re.search(pattern, before), f"{pattern} before griddepcontrol.wait"
+    assert body.index("griddepcontrol.launch_dependents") > wait
+
+
+def check_low_latency_mm(dequant):
+    fn = low_latency_mm._mxfp8_ll_mm_kernel
+    types = {"x_ptr": "*u8", "sx_ptr": "*u8", "w_ptr": "*fp8e4nv", "sw_ptr": "*u8", "y_ptr": "*i16",
+             "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+    consts = dict(BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, SPLIT_K=True, DEQUANT=dequant, DOT_F32=False,
+                  OUT_F32=False, PDL=True)
+    types["x_ptr"] = "*fp8e4nv"
+    ptx = _ptx(fn, types, consts)
+    _assert_waits_first(ptx)
+    assert "cp.async.bulk.prefetch.L2" in ptx[:ptx.index("griddepcontrol.wait")]
+
+
+def check_wo_a():
+    fn = wo_a._wo_a_kernel
+    types = {"o_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "w_ptr": "*bf16", "s_ptr": "*bf16",
+             "z_ptr": "*i16", "part_ptr": "*fp32", "count_ptr": "*i32"}
+    consts = dict(R=1024, HEADS_PER_GROUP=8, HEAD_DIM=512, ROPE_DIM=64, K_PER_SPLIT=2048, SPLIT=2,
+                  BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, FP8=False, NUM_STAGES=3, PDL=True)
+    _assert_waits_first(_ptx(fn, types, consts))
+
+
+def check_sparse_mla():
+    fn = sparse_mla._sparse_mla_kernel
+    types = {"q_ptr": "*bf16", "wpool_ptr": "*u8", "cpool_ptr": "*u8", "wtab_ptr": "*i32", "ctab_ptr": "*i32",
+             "sink_ptr": "*fp32", "out_ptr": "*i16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
+             "count_ptr": "*i32", "scale": "fp32"}
+    consts = dict(W=128, KC=512, SPLIT=4, BLOCKS_PER_SPLIT=10, BLOCK_H=16, BLOCK_KEYS=16, BF16_DOT=True,
+                  NATIVE_FP8=True, PDL=True)
+    _assert_waits_first(_ptx(fn, types, consts))
+
+
+
+if __name__ == "__main__":
+    check_the_checker()
+    for name, check in (("low_latency_mm f8", lambda: check_low_latency_mm(False)),
+                        ("low_latency_mm dequant", lambda: check_low_latency_mm(True)),
+                        ("wo_a", check_wo_a), ("sparse_mla", check_sparse_mla)):
+        try:
+            check()
+        except AssertionError as e:
+            sys.exit(f"{name}: {e}")
+        print(f"{name}: waits before its first dependent access")

@@ -1,0 +1,54 @@
+"""ops.pdl: the switch, and the contract of the PDL-aware kernels checked in their sm_90 PTX,
+compiled on the CPU with Triton's own ptxas (no GPU): before `griddepcontrol.wait` a kernel may
+only prefetch (`cp.async.bulk.prefetch.L2`); every global load, store and atomic comes after it,
+and `griddepcontrol.launch_dependents` follows the wait."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from dsv41_decode.ops import pdl, sparse_mla
+
+
+def test_switch_is_off_by_default_and_on_cpu():
+    assert not pdl.active() and pdl.launch_options() == {}
+    assert not pdl.supported("cpu")
+    with pdl.launching(True, "cpu") as on:      # never on the CPU or in the interpreter
+        assert not on and not pdl.active() and pdl.launch_options() == {}
+    assert not pdl.active()
+
+
+def test_kernels_wait_before_dependent_accesses():
+    """The sm_90 PTX of low_latency_mm (both variants), wo_a and sparse_mla (tests/ops/_pdl_ptx_check.py,
+    in a subprocess without the interpreter)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("_pdl_ptx_check.py")
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    assert res.stdout.count("waits before") == 4
+
+
+def test_default_launches_carry_no_pdl(monkeypatch):
+    """Outside `launching(True)` a launcher passes PDL=False and no launch attribute."""
+    seen = {}
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.update(kwargs)
+            return launch
+
+    monkeypatch.setattr(sparse_mla, "_sparse_mla_kernel", Spy())
+    plan = sparse_mla.SparseMlaPlan.build(1, 16, 16, 0, "cpu", splits=1)
+    q = torch.zeros(1, 16, 512, dtype=torch.bfloat16)
+    sparse_mla.sparse_mla_(plan, q, torch.zeros(4, 528, dtype=torch.uint8), torch.zeros(0, 288, dtype=torch.uint8),
+                           torch.zeros(1, 16, dtype=torch.int32), torch.zeros(1, 0, dtype=torch.int32),
+                           torch.zeros(16), 0.1, torch.zeros_like(q))
+    assert seen["PDL"] is False and "launch_pdl" not in seen
