@@ -38,7 +38,10 @@ def main() -> None:
             "splits8": dict(splits=8), "splits16": dict(splits=16, max_splits=16), "keys32": dict(block_keys=32),
             "keys32_s4": dict(block_keys=32, splits=4), "bh32": dict(block_h=32), "bh32_w4": dict(block_h=32, num_warps=4),
             "bh64": dict(block_h=64), "warps2": dict(num_warps=2), "warps8": dict(num_warps=8),
-            "fp8cast": dict(native_fp8=True)}
+            "intdecode": dict(native_fp8=False), "sep": dict(separate_combine=True),
+            "sep_w8": dict(separate_combine=True, num_warps=8), "sep_k32": dict(separate_combine=True, block_keys=32),
+            "sep_bh32_w8": dict(separate_combine=True, block_h=32, num_warps=8),
+            "sep_bh32_w4": dict(separate_combine=True, block_h=32, num_warps=4)}
         ref = None
         for name, kw in variants.items():
             try:

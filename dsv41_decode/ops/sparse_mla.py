@@ -160,7 +160,7 @@ def _sparse_mla_kernel(
     H, scale, stride_qn, stride_qh, stride_wt, stride_ct, stride_on, stride_oh,
     W: tl.constexpr, KC: tl.constexpr, SPLIT: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_KEYS: tl.constexpr, BF16_DOT: tl.constexpr, NATIVE_FP8: tl.constexpr,
-    PDL: tl.constexpr = False,
+    SEPARATE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL)
     D: tl.constexpr = 512
@@ -226,6 +226,8 @@ def _sparse_mla_kernel(
         tl.store(ml_ptrs, m_i)
         tl.store(ml_ptrs + BLOCK_H, l_i)
         tl.store(ml_ptrs + 2 * BLOCK_H, tl.zeros((BLOCK_H,), dtype=tl.float32) + nv.to(tl.float32))
+        if SEPARATE:     # `_sparse_mla_combine_kernel` combines, launched next
+            return
         tl.debug_barrier()
         arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT - 1:
@@ -252,6 +254,46 @@ def _sparse_mla_kernel(
                 a2 += tl.load(part + 2 * DC, cache_modifier=".cg") * f[:, None]
                 a3 += tl.load(part + 3 * DC, cache_modifier=".cg") * f[:, None]
             _store_o(out_rows, a0, a1, a2, a3, l_all + tl.exp(sink - m_all), n_all > 0, h_ok, DC)
+
+
+@triton.jit
+def _sparse_mla_combine_kernel(
+    part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, H, HG, stride_on, stride_oh,
+    SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """The splits' combination of `_sparse_mla_kernel` with SEPARATE, spread over programs: one per
+    (row, head group, 128-dim chunk) instead of the last arriver of each (row, head group). The
+    same arithmetic in the same split order as the inline combination."""
+    pdl.enter(PDL)
+    D: tl.constexpr = 512
+    DC: tl.constexpr = 128
+    tile = tl.program_id(0)
+    c = tl.program_id(1)
+    r = tile // HG
+    g = tile % HG
+    lh = tl.arange(0, BLOCK_H)
+    rh = g * BLOCK_H + lh
+    h_ok = rh < H
+    rc = c * DC + tl.arange(0, DC)
+    acc_rows = part_acc_ptr + tile.to(tl.int64) * (SPLIT * BLOCK_H * D) + lh[:, None] * D + rc[None, :]
+    ml_base = part_ml_ptr + tile.to(tl.int64) * (SPLIT * 3 * BLOCK_H)
+    m_all = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
+    n_all = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for s in range(SPLIT):
+        m_all = tl.maximum(m_all, tl.load(ml_base + s * (3 * BLOCK_H) + lh))
+        n_all += tl.load(ml_base + s * (3 * BLOCK_H) + 2 * BLOCK_H + lh)
+    l_all = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    a = tl.zeros((BLOCK_H, DC), dtype=tl.float32)
+    for s in range(SPLIT):
+        m_s = tl.load(ml_base + s * (3 * BLOCK_H) + lh)
+        l_s = tl.load(ml_base + s * (3 * BLOCK_H) + BLOCK_H + lh)
+        f = tl.exp(m_s - m_all)
+        l_all += l_s * f
+        a += tl.load(acc_rows + s * (BLOCK_H * D)) * f[:, None]
+    sink = tl.load(sink_ptr + rh, mask=h_ok, other=0.0)
+    d = tl.where(n_all > 0, l_all + tl.exp(sink - m_all), float("inf"))[:, None]
+    tl.store(out_ptr + r * stride_on + rh[:, None] * stride_oh + rc[None, :], bf16_rne_bits(a / d),
+             mask=h_ok[:, None])
 
 
 @triton.jit
@@ -285,6 +327,8 @@ class SparseMlaPlan:
     splits: per row bucket 1, 2, 4, ... next_pow2(max_rows), the key splits (`split(n)`);
     num_warps; bf16_dot: BF16 dot operands (the GPU), else FP32 (the interpreter);
     native_fp8: decode E4M3 with Triton's FP8 cast (the GPU's default) instead of integer arithmetic.
+    separate_combine: split programs only store their partials and a second launch combines them,
+    one program per (row, head group, 128-dim chunk); else the last split to arrive combines.
     part_acc / part_ml: the FP32 split workspace; counters: int32 per (row, head group), 0 between launches.
     """
     max_rows: int
@@ -297,6 +341,7 @@ class SparseMlaPlan:
     num_warps: int
     bf16_dot: bool
     native_fp8: bool
+    separate_combine: bool
     part_acc: torch.Tensor
     part_ml: torch.Tensor
     counters: torch.Tensor
@@ -335,11 +380,13 @@ class SparseMlaPlan:
               device: torch.device | str = "cuda", *, block_h: int | None = None,
               block_keys: int | None = None, splits: int | None = None, max_splits: int = 16,
               num_warps: int | None = None, bf16_dot: bool | None = None,
-              native_fp8: bool | None = None) -> "SparseMlaPlan":
+              native_fp8: bool | None = None, separate_combine: bool = False) -> "SparseMlaPlan":
         """Choose the tiling and, per row bucket, splits for about one program per SM.
 
         splits: force one split count for every bucket (clipped to the number of key blocks);
-        default: ceil(SMs / (rows * head_groups)), at most max_splits and the number of key blocks.
+        default: ceil(SMs / (rows * head_groups)), at most max_splits and the number of key blocks;
+        with separate_combine, ceil(2 * SMs / (rows * head_groups)) up to one block per split (the
+        combination no longer runs in one program per (row, head group), so more, shorter splits pay).
         """
         for name, v in (("max_rows", max_rows), ("window", window), ("max_splits", max_splits)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -370,7 +417,10 @@ class SparseMlaPlan:
         hg = triton.cdiv(heads, block_h)
         nb = triton.cdiv(window, block_keys) + triton.cdiv(topk, block_keys)
         buckets = [1 << i for i in range((max_rows - 1).bit_length() + 1)]
-        if splits is None:
+        if splits is None and separate_combine:
+            sms = num_sms(device)
+            chosen = tuple(max(1, min(triton.cdiv(2 * sms, b * hg), nb)) for b in buckets)
+        elif splits is None:
             sms = num_sms(device)
             chosen = tuple(max(1, min(triton.cdiv(sms, b * hg), max_splits, nb)) for b in buckets)
         else:
@@ -384,7 +434,7 @@ class SparseMlaPlan:
         part_ml = torch.empty(ws * hg * 3 * block_h, dtype=torch.float32, device=device)
         counters = torch.zeros(max_rows * hg, dtype=torch.int32, device=device)
         return cls(max_rows, heads, window, topk, block_h, block_keys, chosen, num_warps, bf16_dot,
-                   native_fp8, part_acc, part_ml, counters)
+                   native_fp8, bool(separate_combine), part_acc, part_ml, counters)
 
 
 def sparse_mla_(plan: SparseMlaPlan, q: torch.Tensor, window_pool: torch.Tensor, comp_pool: torch.Tensor,
@@ -428,6 +478,7 @@ def sparse_mla_(plan: SparseMlaPlan, q: torch.Tensor, window_pool: torch.Tensor,
         raise ValueError("q and out must not broadcast over heads")
     split = plan.split(n)
     bps = triton.cdiv(plan.n_blocks, split)
+    separate = plan.separate_combine and split > 1
     o16 = out.view(torch.int16)
     _sparse_mla_kernel[(n, plan.head_groups, split)](
         q, window_pool, comp_pool, window_table, comp_table, sink, o16,
@@ -436,8 +487,13 @@ def sparse_mla_(plan: SparseMlaPlan, q: torch.Tensor, window_pool: torch.Tensor,
         o16.stride(0), o16.stride(1),
         W=plan.window, KC=plan.topk, SPLIT=split, BLOCKS_PER_SPLIT=bps, BLOCK_H=plan.block_h,
         BLOCK_KEYS=plan.block_keys, BF16_DOT=plan.bf16_dot, NATIVE_FP8=plan.native_fp8,
-        PDL=pdl.active(), num_warps=plan.num_warps, **pdl.launch_options(),
+        SEPARATE=separate, PDL=pdl.active(), num_warps=plan.num_warps, **pdl.launch_options(),
     )
+    if separate:
+        _sparse_mla_combine_kernel[(n * plan.head_groups, HEAD_DIM // 128)](
+            plan.part_acc, plan.part_ml, sink, o16, h, plan.head_groups, o16.stride(0), o16.stride(1),
+            SPLIT=split, BLOCK_H=plan.block_h, PDL=pdl.active(), num_warps=4, **pdl.launch_options(),
+        )
 
 
 def sparse_mla(q: torch.Tensor, window_pool: torch.Tensor, comp_pool: torch.Tensor, window_table: torch.Tensor,

@@ -110,6 +110,37 @@ def test_edge_cases(splits):
     check(out, reference(q, wpool, cpool, wt, ct, sink))
 
 
+@pytest.mark.parametrize("splits", [2, 3])
+def test_separate_combine_matches_reference_and_inline(splits):
+    # the splits combined by a second launch (one program per row, head group, 128-dim chunk):
+    # edge rows included, the same values as the last-arriver combination
+    n, h, w, k = 3, 32, 16, 32
+    q, wpool, cpool, wt, ct, sink = make_case(n, h, w, k, seed=13, sink_inf=True)
+    wt[0] = -1
+    ct[0] = -1
+    wt[2, :13] = -1
+    outs = []
+    for sep in (False, True):
+        plan = SparseMlaPlan.build(n, h, w, k, "cpu", block_h=16, block_keys=16, splits=splits,
+                                   separate_combine=sep)
+        assert plan.separate_combine is sep and plan.split(n) == splits
+        out = torch.empty(n, h, D, dtype=torch.bfloat16)
+        sparse_mla_(plan, q, wpool, cpool, wt, ct, sink, SCALE, out)
+        outs.append(out)
+        assert int(plan.counters.abs().sum()) == 0
+    check(outs[1], reference(q, wpool, cpool, wt, ct, sink))
+    assert torch.equal(outs[1][0].float(), torch.zeros(h, D))
+    assert (outs[0].float() - outs[1].float()).abs().max() <= 2 ** -7 * outs[0].float().abs().max()
+
+
+def test_step_tilings_cover_every_row_count():
+    plans = SparseMlaPlan.for_step(64, 64, 16, 16, "cpu")
+    assert [p.max_rows for p in plans] == [2, 8, 64]
+    assert [p.block_h for p in plans] == [16, 32, 32]
+    assert [p.max_rows for p in SparseMlaPlan.for_step(4, 8, 16, 16, "cpu")] == [2, 4]
+    assert all(p.block_h == 16 for p in SparseMlaPlan.for_step(4, 8, 16, 16, "cpu"))   # 8 heads pad to 16
+
+
 def test_all_invalid_gives_zeros_with_finite_sink():
     n, h, w, k = 1, 8, 16, 8
     q, wpool, cpool, wt, ct, sink = make_case(n, h, w, k, seed=3)
@@ -164,12 +195,12 @@ def test_gpu_shapes(h, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n", [1, 4, 8])
-def test_gpu_block_h16_at_64_heads(n):
-    # the decode step's plan for <= 8 rows at 64 heads: four head groups of 16
+@pytest.mark.parametrize("n", [1, 4, 8, 16, 64])
+def test_gpu_step_tilings_at_64_heads(n):
+    # the decode step's plans (STEP_TILINGS) at 64 heads, each row count through its plan
     w, k = 128, 512
     case = make_case(n, 64, w, k, device="cuda", seed=77 + n, comp_valid=0.95, s_w=4096, s_c=8192)
-    plan = SparseMlaPlan.build(n, 64, w, k, "cuda", block_h=16)
+    plan = next(p for p in SparseMlaPlan.for_step(64, 64, w, k, "cuda") if n <= p.max_rows)
     out = torch.empty(n, 64, D, dtype=torch.bfloat16, device="cuda")
     sparse_mla_(plan, *case, SCALE, out)
     torch.cuda.synchronize()
@@ -187,7 +218,8 @@ def test_gpu_edge_cases_and_fp32_path():
     wt[2, :100] = -1
     sink[: h // 2] = float("-inf")
     ref = reference(q, wpool, cpool, wt, ct, sink)
-    for opts in ({}, {"bf16_dot": False}, {"native_fp8": True}, {"splits": 1}):
+    for opts in ({}, {"bf16_dot": False}, {"native_fp8": False}, {"splits": 1}, {"separate_combine": True},
+                 {"separate_combine": True, "block_h": 32, "num_warps": 8}):
         out = sparse_mla(q, wpool, cpool, wt, ct, sink, SCALE, **opts)
         torch.cuda.synchronize()
         assert torch.equal(out[0].float().cpu(), torch.zeros(h, D)), opts
