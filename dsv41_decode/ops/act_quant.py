@@ -19,6 +19,33 @@ from .rounding import e4m3_rne_code
 # fp32(1/448), the constant of the spec's bit rule; exact as a Python float, so Triton's own
 # FP32 conversion of the literal cannot change it.
 _INV_E4M3_MAX = float(np.float32(1.0 / E4M3_MAX))
+INV_E4M3_MAX = _INV_E4M3_MAX   # for kernels that call mxfp8_quantize_tile
+
+
+@triton.jit
+def mxfp8_quantize_tile(x, AMAX_FLOOR: tl.constexpr, INV_QMAX: tl.constexpr, QMAX: tl.constexpr):
+    """MXFP8 of a [BLOCK_M, BLOCK_K] FP32 tile of BF16 values (BLOCK_K a multiple of 32), blocks of
+    32 along K, as `formats.mxfp8_quantize`: returns (codes [BLOCK_M, BLOCK_K] uint8, scale bytes
+    [BLOCK_M, BLOCK_K / 32] int32). For kernels that quantize their own output (ops.wo_a)."""
+    BLOCK_M: tl.constexpr = x.shape[0]
+    BLOCK_K: tl.constexpr = x.shape[1]
+    NB: tl.constexpr = BLOCK_K // 32
+    xb = tl.reshape(x, (BLOCK_M, NB, 32))
+    # NaN -> inf before the max, since max's NaN handling differs between back ends; a non-finite
+    # block then gets amax = inf and the NaN scale byte 255, as in formats.py.
+    ax = tl.abs(xb)
+    ax = tl.where(ax == ax, ax, float("inf"))
+    amax = tl.maximum(tl.max(ax, axis=2), AMAX_FLOOR)  # [BLOCK_M, NB]
+    p_bits = (amax * INV_QMAX).to(tl.int32, bitcast=True)  # positive: the sign bit is clear
+    exponent = (p_bits >> 23) - 127 + ((p_bits & 0x7FFFFF) != 0).to(tl.int32)
+    scale_byte = tl.minimum(exponent + 127, 255)  # finite amax gives at most 247
+    # x * 2^-exponent is exactly x / 2^exponent (a power of two; the floor keeps exponent >= -22).
+    # The clamp only guards non-finite blocks, whose codes are replaced below.
+    inv_scale = ((127 - tl.minimum(exponent, 126)) << 23).to(tl.float32, bitcast=True)
+    v = xb * inv_scale[:, :, None]
+    v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
+    codes = tl.where(scale_byte[:, :, None] == 255, 0x7F, e4m3_rne_code(v)).to(tl.uint8)
+    return tl.reshape(codes, (BLOCK_M, BLOCK_K)), scale_byte
 
 
 @triton.jit
@@ -33,25 +60,9 @@ def _act_quant_mxfp8_kernel(
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    xb = tl.reshape(x, (BLOCK_M, NB, 32))
+    codes, scale_byte = mxfp8_quantize_tile(x, AMAX_FLOOR, INV_QMAX, QMAX)
 
-    # NaN -> inf before the max, since max's NaN handling differs between back ends; a non-finite
-    # block then gets amax = inf and the NaN scale byte 255, as in formats.py.
-    ax = tl.abs(xb)
-    ax = tl.where(ax == ax, ax, float("inf"))
-    amax = tl.maximum(tl.max(ax, axis=2), AMAX_FLOOR)  # [BLOCK_M, NB]
-    p_bits = (amax * INV_QMAX).to(tl.int32, bitcast=True)  # positive: the sign bit is clear
-    exponent = (p_bits >> 23) - 127 + ((p_bits & 0x7FFFFF) != 0).to(tl.int32)
-    scale_byte = tl.minimum(exponent + 127, 255)  # finite amax gives at most 247
-
-    # x * 2^-exponent is exactly x / 2^exponent (a power of two; the floor keeps exponent >= -22).
-    # The clamp only guards non-finite blocks, whose codes are replaced below.
-    inv_scale = ((127 - tl.minimum(exponent, 126)) << 23).to(tl.float32, bitcast=True)
-    v = xb * inv_scale[:, :, None]
-    v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
-    codes = tl.where(scale_byte[:, :, None] == 255, 0x7F, e4m3_rne_code(v)).to(tl.uint8)
-
-    tl.store(codes_ptr + rows[:, None] * stride_cm + cols[None, :], tl.reshape(codes, (BLOCK_M, BLOCK_K)), mask=mask)
+    tl.store(codes_ptr + rows[:, None] * stride_cm + cols[None, :], codes, mask=mask)
     kb = tl.program_id(1) * NB + tl.arange(0, NB)
     s_mask = (rows[:, None] < M) & (kb[None, :] < K // 32)
     tl.store(scales_ptr + rows[:, None] * stride_sm + kb[None, :], scale_byte.to(tl.uint8), mask=s_mask)

@@ -28,13 +28,18 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats import fp8_block_quantize
+from ..formats import E4M3_MAX, MXFP8_AMAX_FLOOR, fp8_block_quantize
 from . import pdl
+from .act_quant import INV_E4M3_MAX, mxfp8_quantize_tile
 from .checks import require_tensor
 from .ll_bf16 import num_sms, splitk_reduce
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
 
 _BLOCK_K = 128   # K per loop step: four 32-wide scale blocks
+# the MXFP8 constants of the fused output quantization (kernels may read only constexpr globals)
+_AMAX_FLOOR = tl.constexpr(MXFP8_AMAX_FLOOR)
+_INV_QMAX = tl.constexpr(INV_E4M3_MAX)
+_QMAX = tl.constexpr(E4M3_MAX)
 
 
 @triton.jit
@@ -56,11 +61,13 @@ def _inverse_rope_bf16(x, cos_ptr, sin_ptr, rm, m_ok, pair0, stride_cm, stride_s
 
 @triton.jit
 def _wo_a_kernel(
-    o_ptr, cos_ptr, sin_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, M,
+    o_ptr, cos_ptr, sin_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, codes_ptr, scales_ptr, M,
     stride_om, stride_oh, stride_cm, stride_sm, stride_wn, stride_sn, stride_zm, stride_ps, stride_pm,
+    stride_codes, stride_scales,
     R: tl.constexpr, HEADS_PER_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr,
     K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, FP8: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_K: tl.constexpr, FP8: tl.constexpr, NUM_STAGES: tl.constexpr, QUANT: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     NOPE: tl.constexpr = HEAD_DIM - ROPE_DIM
     pid_n = tl.program_id(0)
@@ -97,11 +104,24 @@ def _wo_a_kernel(
     mask = tl.broadcast_to(m_ok[:, None], (BLOCK_M, BLOCK_N))
     z_ptrs = z_ptr + rm[:, None] * stride_zm + rn[None, :]
     if SPLIT == 1:
-        tl.store(z_ptrs, bf16_rne_bits(acc), mask=mask)
+        total = acc
     else:
         part_ptrs = part_ptr + rm[:, None] * stride_pm + rn[None, :]
         last, total = splitk_reduce(acc, part_ptrs, stride_ps, mask, count_ptr + pid_n, pid_k, SPLIT)
-        tl.store(z_ptrs, bf16_rne_bits(total), mask=mask & last)
+        mask = mask & last
+    z_bits = bf16_rne_bits(total)
+    tl.store(z_ptrs, z_bits, mask=mask)
+    if QUANT:
+        # the MXFP8 of z for wo_b, from the BF16 values just rounded: act_quant_mxfp8_ fused here
+        # (BLOCK_N is a multiple of 32, so the tile holds whole blocks)
+        z = (z_bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        codes, sbytes = mxfp8_quantize_tile(z, _AMAX_FLOOR, _INV_QMAX, _QMAX)
+        tl.store(codes_ptr + rm[:, None] * stride_codes + rn[None, :], codes, mask=mask)
+        rb = pid_n * (BLOCK_N // 32) + tl.arange(0, BLOCK_N // 32)
+        s_mask = tl.broadcast_to(m_ok[:, None], (BLOCK_M, BLOCK_N // 32))
+        if SPLIT > 1:
+            s_mask = s_mask & last
+        tl.store(scales_ptr + rm[:, None] * stride_scales + rb[None, :], sbytes.to(tl.uint8), mask=s_mask)
 
 
 @dataclass(frozen=True, eq=False)
@@ -189,7 +209,8 @@ class WoAPlan:
 
 
 def wo_a_(plan: WoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
-          scale: torch.Tensor | None, out: torch.Tensor) -> None:
+          scale: torch.Tensor | None, out: torch.Tensor, codes_out: torch.Tensor | None = None,
+          scales_out: torch.Tensor | None = None) -> None:
     """Write z = `reference.attention.grouped_wo_a(o, cos + j sin, weight', G, rope_dim)` into out.
 
     plan: from `WoAPlan.build(H, G, R, max_rows, weight.dtype, device)`.
@@ -202,6 +223,9 @@ def wo_a_(plan: WoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     scale: [G*R/32, (H/G)*head_dim/32] UE8M0 bytes (uint8 or float8_e8m0fnu) for an FP8 weight,
        None for BF16. Bytes must be 1..254 (unchecked; the checkpoint's scale rule gives no others).
     out: [M, G*R] bfloat16, unit stride in the last dimension. All on plan.device.
+    codes_out, scales_out: optionally also the MXFP8 of out (`act_quant_mxfp8_(out, codes_out,
+       scales_out)`, bit for bit, in the same launch): [M, G*R] float8_e4m3fn (or uint8) and
+       [M, G*R/32] uint8 (or float8_e8m0fnu), unit stride in the last dimension.
     """
     if not isinstance(plan, WoAPlan):
         raise TypeError(f"plan must be a WoAPlan, got {type(plan).__name__}")
@@ -231,17 +255,26 @@ def wo_a_(plan: WoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     elif scale is not None:
         raise ValueError("scale must be None with a BF16 weight")
     require_tensor(out, "out", (torch.bfloat16,), (m, plan.n_out), dev)
+    quant = codes_out is not None or scales_out is not None
+    if quant:
+        if codes_out is None or scales_out is None:
+            raise ValueError("codes_out and scales_out go together (the MXFP8 of out)")
+        require_tensor(codes_out, "codes_out", (torch.float8_e4m3fn, torch.uint8), (m, plan.n_out), dev)
+        require_tensor(scales_out, "scales_out", (torch.uint8, torch.float8_e8m0fnu), (m, plan.n_out // 32), dev)
+        codes_out, scales_out = codes_out.view(torch.uint8), scales_out.view(torch.uint8)
+    else:
+        codes_out = scales_out = plan.counters     # unused pointers
     if m == 0:
         return
     part = plan.partials
     s_arg = scale if fp8 else weight
     block_m = max(16, triton.next_power_of_2(m))
     _wo_a_kernel[(plan.n_out // plan.block_n, plan.split)](
-        o, cos, sin, weight, s_arg, out.view(torch.int16), part, plan.counters, m,
+        o, cos, sin, weight, s_arg, out.view(torch.int16), part, plan.counters, codes_out, scales_out, m,
         o.stride(0), o.stride(1), cos.stride(0), sin.stride(0), weight.stride(0), s_arg.stride(0),
-        out.stride(0), part.stride(0), part.stride(1),
+        out.stride(0), part.stride(0), part.stride(1), codes_out.stride(0), scales_out.stride(0),
         R=plan.rank, HEADS_PER_GROUP=plan.heads // plan.o_groups, HEAD_DIM=plan.head_dim,
-        ROPE_DIM=plan.rope_dim, K_PER_SPLIT=plan.k_per_split, SPLIT=plan.split,
+        ROPE_DIM=plan.rope_dim, K_PER_SPLIT=plan.k_per_split, SPLIT=plan.split, QUANT=quant,
         BLOCK_M=block_m, BLOCK_N=plan.block_n, BLOCK_K=_BLOCK_K, FP8=fp8, NUM_STAGES=plan.num_stages,
         num_warps=plan.num_warps * (2 if block_m > 16 else 1), num_stages=plan.num_stages,
         enable_fp_fusion=False,   # the rotation's sums rounded as torch rounds them (no FMA)

@@ -68,9 +68,9 @@ def check_low_latency_mm(dequant):
 def check_wo_a():
     fn = wo_a._wo_a_kernel
     types = {"o_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "w_ptr": "*bf16", "s_ptr": "*bf16",
-             "z_ptr": "*i16", "part_ptr": "*fp32", "count_ptr": "*i32"}
+             "z_ptr": "*i16", "part_ptr": "*fp32", "count_ptr": "*i32", "codes_ptr": "*u8", "scales_ptr": "*u8"}
     consts = dict(R=1024, HEADS_PER_GROUP=8, HEAD_DIM=512, ROPE_DIM=64, K_PER_SPLIT=2048, SPLIT=2,
-                  BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, FP8=False, NUM_STAGES=3, PDL=True)
+                  BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, FP8=False, NUM_STAGES=3, QUANT=True, PDL=True)
     _assert_waits_first(_ptx(fn, types, consts))
 
 

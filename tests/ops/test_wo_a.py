@@ -85,6 +85,33 @@ def test_any_split_and_strided_input():
         _check(wo_a(big[:, :, 64:576], cos, sin, w, groups, plan=plan), ref)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("split, rank, m", [(1, 64, 3), (2, 32, 5), (4, 64, 1)])
+def test_fused_mxfp8_output_equals_act_quant(split, rank, m, fp8):
+    # codes_out / scales_out: the MXFP8 of z from the same launch, bit for bit act_quant_mxfp8_(z);
+    # rows past M untouched
+    from dsv41_decode.ops.act_quant import act_quant_mxfp8_
+    heads, groups = 4, 2
+    o, _, cos, sin, w = _inputs(m, heads, groups, rank, seed=31 + split)
+    weight, scale = quantize_wo_a(w) if fp8 else (w, None)
+    plan = WoAPlan.build(heads, groups, rank, 8, weight.dtype, _DEVICE, split=split)
+    n = groups * rank
+    z = torch.empty(m, n, dtype=torch.bfloat16, device=_DEVICE)
+    codes = torch.full((m + 1, n), 0xAA, dtype=torch.uint8, device=_DEVICE)
+    scales = torch.full((m + 1, n // 32), 0xAA, dtype=torch.uint8, device=_DEVICE)
+    wo_a_(plan, o, cos, sin, weight, scale, z, codes[:m], scales[:m])
+    want_c = torch.empty(m, n, dtype=torch.uint8, device=_DEVICE)
+    want_s = torch.empty(m, n // 32, dtype=torch.uint8, device=_DEVICE)
+    act_quant_mxfp8_(z, want_c, want_s)
+    assert torch.equal(codes[:m], want_c) and torch.equal(scales[:m], want_s)
+    assert (codes[m] == 0xAA).all() and (scales[m] == 0xAA).all()
+    z2 = torch.empty_like(z)
+    wo_a_(plan, o, cos, sin, weight, scale, z2)
+    assert torch.equal(z, z2), "the fused quantization does not change z"
+    with pytest.raises(ValueError, match="go together"):
+        wo_a_(plan, o, cos, sin, weight, scale, z, codes[:m])
+
+
 def test_replaying_a_plan_is_deterministic():
     plan = WoAPlan.build(4, 2, 64, 8, torch.float8_e4m3fn, _DEVICE)
     o1, _, cos1, sin1, w = _inputs(4, 4, 2, 64, seed=21)
