@@ -27,7 +27,7 @@ from ..ops.index_query import index_query_
 from ..ops.indexer import index_scores_mxfp4_
 from ..ops.kv_write import compressed_entry_store_, qkv_rope_insert_
 from ..ops.ll_bf16 import LlBf16Plan, ll_bf16_
-from ..ops.rms_norm import rms_norm_
+from ..ops.rms_norm import rms_norm_, rms_norm_pair_
 from ..ops.low_latency_mm import LowLatencyConfig, LowLatencyMM
 from ..ops.sparse_mla import SUPPORTED_HEADS, SparseMlaPlan, sparse_mla_
 from ..ops.sparse_tables import topk_slots_
@@ -208,9 +208,9 @@ class AttentionStep:
         qkv = self.mm_qkv(u_codes, u_scales, s.qkv_a[:B])
         # 2. split and norm
         ql = cfg.q_lora_rank
-        rms_norm_(qkv[:, :ql], self.w["attn.q_norm.weight"], cfg.norm_eps, s.qr[:B], s.qr_codes[:B], s.qr_scales[:B])
         kv = s.kv[:B]
-        rms_norm_(qkv[:, ql:], self.w["attn.kv_norm.weight"], cfg.norm_eps, kv)
+        rms_norm_pair_(qkv[:, :ql], self.w["attn.q_norm.weight"], s.qr[:B], s.qr_codes[:B], s.qr_scales[:B],
+                       qkv[:, ql:], self.w["attn.kv_norm.weight"], kv, cfg.norm_eps)   # one launch
         qr_ready = lanes.mark()                               # protects qr codes
         # 3. prepare: index query (aux 2), compressor + index key (aux 0), query + window (main)
         if spec.runs_indexer:

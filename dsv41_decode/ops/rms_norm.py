@@ -23,14 +23,12 @@ MAX_DIM = 4096
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, codes_ptr, scales_ptr, eps, stride_x, stride_o, stride_c, stride_s,
-                     D: tl.constexpr, BLOCK: tl.constexpr, ROUND_IN: tl.constexpr, QUANT: tl.constexpr,
-                     PDL: tl.constexpr = False):
-    pdl.enter(PDL)
-    n = tl.program_id(0).to(tl.int64)
+def _rms_norm_row(x_row, w_ptr, o_row, c_row, s_row, eps, D: tl.constexpr, BLOCK: tl.constexpr,
+                  ROUND_IN: tl.constexpr, QUANT: tl.constexpr):
+    """One row: o = bf16(w * (x * 1/sqrt(mean(x^2) + eps))), optionally its MXFP8 codes and scales."""
     d = tl.arange(0, BLOCK)
     mask = d < D
-    x = tl.load(x_ptr + n * stride_x + d, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_row + d, mask=mask, other=0.0).to(tl.float32)
     if ROUND_IN:   # an FP32 input is rounded to BF16 first (`latent`: rms_norm(c.to(bf16)))
         x = _widen(bf16_rne_bits(x))
     total = tl.sum(x * x, axis=0)
@@ -39,13 +37,39 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, codes_ptr, scales_ptr, eps, stride_x
     r = tl.div_rn(tl.where(root == root, 1.0, 1.0), root)
     w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
     bits = bf16_rne_bits(w * (x * r))
-    tl.store(out_ptr + n * stride_o + d, bits, mask=mask)
+    tl.store(o_row + d, bits, mask=mask)
     if QUANT:
         NB: tl.constexpr = BLOCK // 32
         codes, scale_byte = _mxfp8_blocks(tl.reshape(_widen(bits), (NB, 32)))
-        tl.store(codes_ptr + n * stride_c + d, tl.reshape(codes, (BLOCK,)), mask=mask)
+        tl.store(c_row + d, tl.reshape(codes, (BLOCK,)), mask=mask)
         kb = tl.arange(0, NB)
-        tl.store(scales_ptr + n * stride_s + kb, scale_byte.to(tl.uint8), mask=kb < D // 32)
+        tl.store(s_row + kb, scale_byte.to(tl.uint8), mask=kb < D // 32)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, codes_ptr, scales_ptr, eps, stride_x, stride_o, stride_c, stride_s,
+                     D: tl.constexpr, BLOCK: tl.constexpr, ROUND_IN: tl.constexpr, QUANT: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    pdl.enter(PDL)
+    n = tl.program_id(0).to(tl.int64)
+    _rms_norm_row(x_ptr + n * stride_x, w_ptr, out_ptr + n * stride_o, codes_ptr + n * stride_c,
+                  scales_ptr + n * stride_s, eps, D, BLOCK, ROUND_IN, QUANT)
+
+
+@triton.jit
+def _rms_norm_pair_kernel(xa_ptr, wa_ptr, oa_ptr, ca_ptr, sa_ptr, xb_ptr, wb_ptr, ob_ptr, eps,
+                          stride_xa, stride_oa, stride_ca, stride_sa, stride_xb, stride_ob,
+                          D_A: tl.constexpr, BLOCK_A: tl.constexpr, D_B: tl.constexpr, BLOCK_B: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    # Program (row n, 0): row n of a with its MXFP8; program (row n, 1): row n of b.
+    pdl.enter(PDL)
+    n = tl.program_id(0).to(tl.int64)
+    if tl.program_id(1) == 0:
+        _rms_norm_row(xa_ptr + n * stride_xa, wa_ptr, oa_ptr + n * stride_oa, ca_ptr + n * stride_ca,
+                      sa_ptr + n * stride_sa, eps, D_A, BLOCK_A, False, True)
+    else:
+        _rms_norm_row(xb_ptr + n * stride_xb, wb_ptr, ob_ptr + n * stride_ob, ob_ptr, ob_ptr, eps,
+                      D_B, BLOCK_B, False, False)
 
 
 def rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
@@ -91,3 +115,42 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
     rms_norm_(x, weight, eps, out)
     return out
+
+
+def rms_norm_pair_(x_a: torch.Tensor, w_a: torch.Tensor, out_a: torch.Tensor, codes_a: torch.Tensor,
+                   scales_a: torch.Tensor, x_b: torch.Tensor, w_b: torch.Tensor, out_b: torch.Tensor,
+                   eps: float) -> None:
+    """`rms_norm_(x_a, w_a, eps, out_a, codes_a, scales_a)` and `rms_norm_(x_b, w_b, eps, out_b)` in
+    one launch (the step's q_norm with the MXFP8 of qr, and kv_norm), bit for bit the same.
+    x_a, x_b: [N, D_a], [N, D_b] bfloat16 (same N; D_a a multiple of 32); shapes and dtypes of the
+    others as in `rms_norm_`."""
+    for name, t in (("x_a", x_a), ("x_b", x_b)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype != torch.bfloat16:
+            raise ValueError(f"{name} must be a 2-D bfloat16 tensor [N, D], got "
+                             f"{getattr(t, 'shape', type(t).__name__)} {getattr(t, 'dtype', '')}")
+    n, da = x_a.shape
+    db = x_b.shape[1]
+    dev = x_a.device
+    if x_b.shape[0] != n:
+        raise ValueError(f"x_a and x_b must have the same rows, got {n} and {x_b.shape[0]}")
+    if max(da, db) > MAX_DIM or da % 32:
+        raise ValueError(f"D_a={da} must be a multiple of 32 and both at most {MAX_DIM}, got D_b={db}")
+    require_tensor(x_a, "x_a", (torch.bfloat16,), (n, da), dev)
+    require_tensor(x_b, "x_b", (torch.bfloat16,), (n, db), dev)
+    require_tensor(w_a, "w_a", (torch.bfloat16, torch.float32), (da,), dev)
+    require_tensor(w_b, "w_b", (torch.bfloat16, torch.float32), (db,), dev)
+    require_tensor(out_a, "out_a", (torch.bfloat16,), (n, da), dev)
+    require_tensor(out_b, "out_b", (torch.bfloat16,), (n, db), dev)
+    require_tensor(codes_a, "codes_a", (torch.float8_e4m3fn, torch.uint8), (n, da), dev)
+    require_tensor(scales_a, "scales_a", (torch.uint8, torch.float8_e8m0fnu), (n, da // 32), dev)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    if n == 0:
+        return
+    oa, ob = out_a.view(torch.int16), out_b.view(torch.int16)
+    ca, sa = codes_a.view(torch.uint8), scales_a.view(torch.uint8)
+    _rms_norm_pair_kernel[(n, 2)](
+        x_a, w_a, oa, ca, sa, x_b, w_b, ob, float(eps), x_a.stride(0), oa.stride(0), ca.stride(0), sa.stride(0),
+        x_b.stride(0), ob.stride(0), D_A=da, BLOCK_A=max(32, triton.next_power_of_2(da)), D_B=db,
+        BLOCK_B=max(32, triton.next_power_of_2(db)), PDL=pdl.active(), num_warps=4, enable_fp_fusion=False,
+        **pdl.launch_options())

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dsv41_decode.formats import mxfp8_quantize
-from dsv41_decode.ops.rms_norm import rms_norm, rms_norm_
+from dsv41_decode.ops.rms_norm import rms_norm, rms_norm_, rms_norm_pair_
 from dsv41_decode.reference.compressor import latent
 from dsv41_decode.reference.linear import rms_norm as ref_rms_norm
 
@@ -35,6 +35,32 @@ def test_fp32_input_is_the_compressor_latent():
     c = torch.randn(4, 512, generator=g)
     w = (1 + 0.1 * torch.randn(512, generator=g)).to(torch.bfloat16)
     assert _ulps(rms_norm(c.to(_DEVICE), w.to(_DEVICE), 1e-20).cpu(), latent(c, w, 1e-20)) <= 1
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_pair_equals_two_launches(n):
+    # the step's q_norm (with MXFP8) and kv_norm in one launch, from one strided qkv buffer
+    g = torch.Generator().manual_seed(7 + n)
+    qkv = (3 * torch.randn(n, 1024 + 512, generator=g)).to(torch.bfloat16).to(_DEVICE)
+    wq = (1 + 0.1 * torch.randn(1024, generator=g)).to(torch.bfloat16).to(_DEVICE)
+    wkv = (1 + 0.1 * torch.randn(512, generator=g)).to(torch.bfloat16).to(_DEVICE)
+    outs = []
+    for pair in (False, True):
+        qr = torch.empty(n, 1024, dtype=torch.bfloat16, device=_DEVICE)
+        codes = torch.empty(n, 1024, dtype=torch.uint8, device=_DEVICE)
+        scales = torch.empty(n, 32, dtype=torch.uint8, device=_DEVICE)
+        kv = torch.empty(n, 512, dtype=torch.bfloat16, device=_DEVICE)
+        if pair:
+            rms_norm_pair_(qkv[:, :1024], wq, qr, codes, scales, qkv[:, 1024:], wkv, kv, 1e-6)
+        else:
+            rms_norm_(qkv[:, :1024], wq, 1e-6, qr, codes, scales)
+            rms_norm_(qkv[:, 1024:], wkv, 1e-6, kv)
+        outs.append((qr, codes, scales, kv))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="same rows"):
+        rms_norm_pair_(qkv[:, :1024], wq, qr, codes, scales, qkv.new_zeros(n + 1, 512), wkv,
+                       kv.new_zeros(n + 1, 512), 1e-6)
 
 
 def test_bad_arguments_name_the_argument():
