@@ -8,22 +8,9 @@ import sys
 
 import torch
 
-from dsv41_decode.bench.attn import _records
+from dsv41_decode.bench.attn import TOPK as K, WINDOW as W, sparse_mla_inputs
 from dsv41_decode.bench.timing import graph_time_us
-from dsv41_decode.formats import pack_compressed_kv, pack_window_kv
 from dsv41_decode.ops.sparse_mla import HEAD_DIM, SparseMlaPlan, sparse_mla_
-
-W, K = 128, 512
-
-
-def inputs(rows: int, heads: int, gen):
-    n_w, n_c = rows * W * 2, 64 * 1024
-    win, comp = _records(n_w, gen, pack_window_kv), _records(n_c, gen, pack_compressed_kv)
-    wtab = torch.randint(0, n_w, (rows, W), generator=gen, device="cuda", dtype=torch.int32)
-    ctab = torch.randint(0, n_c, (rows, K), generator=gen, device="cuda", dtype=torch.int32)
-    q = (torch.randn(rows, heads, HEAD_DIM, generator=gen, device="cuda") * 0.5).to(torch.bfloat16)
-    sink = torch.randn(heads, generator=gen, device="cuda")
-    return q, win, comp, wtab, ctab, sink
 
 
 def main() -> None:
@@ -31,7 +18,7 @@ def main() -> None:
     once = "--once" in sys.argv
     cases = [(1, 64)] if once else [(1, 64), (1, 16), (4, 64), (8, 64), (16, 64), (64, 64)]
     for rows, heads in cases:
-        q, win, comp, wtab, ctab, sink = inputs(rows, heads, gen)
+        q, win, comp, wtab, ctab, sink = sparse_mla_inputs(rows, heads, gen)
         out = torch.empty_like(q)
         variants = {"default": {}} if once else {
             "default": {}, "splits1": dict(splits=1), "splits2": dict(splits=2), "splits4": dict(splits=4),

@@ -60,16 +60,24 @@ def _flash_mla_v4(rows: int, heads: int, gen: torch.Generator) -> Callable[[], N
     return run
 
 
+def sparse_mla_inputs(rows: int, heads: int, gen: torch.Generator):
+    """Synthetic sparse-MLA operands on the GPU: q [rows, heads, 512], a window pool of 2 x WINDOW
+    records per row, a 64K-record compressed pool, random tables of WINDOW + TOPK valid slots per
+    row, a sink. Returns (q, win, comp, wtab, ctab, sink)."""
+    n_w, n_c = rows * WINDOW * 2, 64 * 1024
+    win, comp = _records(n_w, gen, pack_window_kv), _records(n_c, gen, pack_compressed_kv)
+    wtab = torch.randint(0, n_w, (rows, WINDOW), generator=gen, device="cuda", dtype=torch.int32)
+    ctab = torch.randint(0, n_c, (rows, TOPK), generator=gen, device="cuda", dtype=torch.int32)
+    q = (torch.randn(rows, heads, HEAD_DIM, generator=gen, device="cuda") * 0.5).to(torch.bfloat16)
+    sink = torch.randn(heads, generator=gen, device="cuda")
+    return q, win, comp, wtab, ctab, sink
+
+
 def bench_sparse_mla(ops, rows_list, heads_list, floor, info, gen, progress) -> list[dict]:
     out = []
     for heads in heads_list:
         for rows in rows_list:
-            n_w, n_c = rows * WINDOW * 2, 64 * 1024
-            win, comp = _records(n_w, gen, pack_window_kv), _records(n_c, gen, pack_compressed_kv)
-            wtab = torch.randint(0, n_w, (rows, WINDOW), generator=gen, device="cuda", dtype=torch.int32)
-            ctab = torch.randint(0, n_c, (rows, TOPK), generator=gen, device="cuda", dtype=torch.int32)
-            q = (torch.randn(rows, heads, HEAD_DIM, generator=gen, device="cuda") * 0.5).to(torch.bfloat16)
-            sink = torch.randn(heads, generator=gen, device="cuda")
+            q, win, comp, wtab, ctab, sink = sparse_mla_inputs(rows, heads, gen)
             ours = ops.sparse_mla(q, win, wtab, comp, ctab, sink, HEAD_DIM ** -0.5)
             us = graph_time_us(ours, replays=50)
             base = {}

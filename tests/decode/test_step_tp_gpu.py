@@ -27,17 +27,23 @@ pytestmark = [pytest.mark.gpu,
 NO_MULTICAST = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def _rank(rank: int, world: int, store: str) -> None:
+def _join(rank: int, world: int, store: str, seed: int, lengths: dict):
+    """This rank in an NCCL group of `world`; the small config with 16 heads (8 per rank at TP2), its
+    random weights (the same on every rank: same seed) and a filled state."""
     os.environ.update(NO_MULTICAST)
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world)
+    cfg = ModelConfig.preset("small").replace(n_heads=16, o_groups=4)
+    ckpt = random_checkpoint(cfg, "cuda", seed=seed, progress=False)
+    base = DecodeState(cfg, max_requests=4, max_context=1024, page_size=16, device="cuda", stage_rows=16)
+    fill_state(base, lengths)
+    return cfg, TensorParallel(world, rank), ckpt, base
+
+
+def _rank(rank: int, world: int, store: str) -> None:
+    cfg, tp, ckpt, base = _join(rank, world, store, 3, {"a": 300, "b": 77, "c": 5})
     try:
-        cfg = ModelConfig.preset("small").replace(n_heads=16, o_groups=4)
-        tp = TensorParallel(world, rank)
-        ckpt = random_checkpoint(cfg, "cuda", seed=3, progress=False)   # same seed: same weights
         stack = AttentionStack(ckpt, tp=tp)
-        base = DecodeState(cfg, max_requests=4, max_context=1024, page_size=16, device="cuda", stage_rows=16)
-        fill_state(base, {"a": 300, "b": 77, "c": 5})
         s_col, s_fused = copy.deepcopy(base), copy.deepcopy(base)
         col = stack.decode_step(s_col, max_rows=8)
         fused = stack.decode_step(s_fused, max_rows=8, tp_boundary="fused")
@@ -81,16 +87,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _tp_vs_tp1(rank: int, world: int, store: str, out: str) -> None:
-    os.environ.update(NO_MULTICAST)
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank, world_size=world)
+    cfg, tp, ckpt, base = _join(rank, world, store, 5, {"a": 200, "b": 31, "c": 2})
     try:
-        cfg = ModelConfig.preset("small").replace(n_heads=16, o_groups=4)
-        tp = TensorParallel(world, rank)
-        ckpt = random_checkpoint(cfg, "cuda", seed=5, progress=False)
         stack_tp, stack_1 = AttentionStack(ckpt, tp=tp), AttentionStack(ckpt)
-        base = DecodeState(cfg, max_requests=4, max_context=1024, page_size=16, device="cuda", stage_rows=16)
-        fill_state(base, {"a": 200, "b": 31, "c": 2})
         s_tp, s_1 = copy.deepcopy(base), copy.deepcopy(base)
         step_tp = stack_tp.decode_step(s_tp, max_rows=8, tp_boundary="auto")
         step_1 = stack_1.decode_step(s_1, max_rows=8)
