@@ -45,8 +45,9 @@ def _rank(rank: int, world: int, store: str) -> None:
     try:
         stack = AttentionStack(ckpt, tp=tp)
         s_col, s_fused = copy.deepcopy(base), copy.deepcopy(base)
-        col = stack.decode_step(s_col, max_rows=8)
+        col = stack.decode_step(s_col, max_rows=8, tp_boundary="collective")
         fused = stack.decode_step(s_fused, max_rows=8, tp_boundary="fused")
+        assert (col.boundary_mode, fused.boundary_mode) == ("collective", "fused")
         g = torch.Generator(device="cuda").manual_seed(0)
         for k in range(12):
             rows = [("a", 1), ("b", 4), ("c", 2)] if k % 2 else [("a", 3), ("c", 1)]
