@@ -97,6 +97,10 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--name", default="step", help="results file stem (default: step)")
     st.add_argument("--out", type=Path, default=Path("docs/results"), help="results folder (default: docs/results)")
 
+    pt = sub.add_parser("plot", help="plot committed `bench step` results (JSON lines) as a PNG; no GPU needed")
+    pt.add_argument("jsonl", type=Path, help="a results file, e.g. docs/results/step-h200.jsonl")
+    pt.add_argument("--out", type=Path, help="the PNG (default: the results file with .png)")
+
     pl = sub.add_parser("plan", help="print a configuration's layer plan (kind and sources per layer)")
     _config_arg(pl, "v41-flash")
     return ap
@@ -226,6 +230,16 @@ def main(argv: list[str] | None = None) -> int:
             return _verify(args, console) if args.trace_cmd == "verify" else _record(args, console)
         if args.cmd == "bench":
             return _bench(args, console)
+        if args.cmd == "plot":
+            from .bench.step_plot import load_jsonl, plot_step
+            if not args.jsonl.is_file():
+                raise SystemExit(f"plot: no results file {args.jsonl}")
+            try:
+                out = plot_step(load_jsonl(args.jsonl), args.out or args.jsonl.with_suffix(".png"))
+            except ValueError as e:
+                raise SystemExit(f"plot: {e}") from None
+            console.print(f"wrote {out}")
+            return 0
         if args.cmd == "plan":
             cfg = ModelConfig.load(args.config)
             console.print(cfg.plan.summary())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -70,3 +71,18 @@ def test_demo_rejects_bad_arguments(args, msg):
     with pytest.raises(SystemExit) as e:
         main(["demo"] + args)
     assert msg in str(e.value.code)
+
+
+def test_plot_committed_step_results(tmp_path):
+    # re-plot committed `bench step` results on the CPU: a PNG per file, a clear error without one
+    results = Path(__file__).resolve().parents[1] / "docs" / "results"
+    for name in ("step-h200.jsonl", "step-tp2-h200.jsonl"):
+        out = tmp_path / name.replace(".jsonl", ".png")
+        assert main(["plot", str(results / name), "--out", str(out)]) == 0
+        assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit, match="no results file"):
+        main(["plot", str(tmp_path / "missing.jsonl")])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"case": {"op": "other"}}\n')
+    with pytest.raises(SystemExit, match="nothing|no step"):
+        main(["plot", str(bad)])

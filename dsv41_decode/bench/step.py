@@ -146,7 +146,9 @@ def run_step_bench(rows=ROWS, contexts=CONTEXTS, out_dir="docs/results", progres
     for r in results:
         r["read_gbps"] = round(floor, 1)
         r["peak_gib"] = round(peak, 1)
-    write_jsonl(results, out_dir, bench_name)
+    path = write_jsonl(results, out_dir, bench_name)
+    from .step_plot import plot_step
+    plot_step(results, path.with_suffix(".png"))
     print(format_table(results, ["op", "rows", "requests", "context", "kind"]))
     return results
 

@@ -76,7 +76,9 @@ def run_step_bench_tp(tp_size: int, rows=(1, 2, 4, 8, 16, 32, 64), contexts=(327
     if tp.rank == 0:
         for r in results:
             r["read_gbps"] = round(floor, 1)
-        write_jsonl(results, out_dir, f"step-tp{tp.tp}")
+        path = write_jsonl(results, out_dir, f"step-tp{tp.tp}")
+        from .step_plot import plot_step
+        plot_step(results, path.with_suffix(".png"))
         print(format_table(results, ["op", "rows", "context", "tp"]))
     dist.barrier()
     dist.destroy_process_group()
