@@ -3,6 +3,7 @@
 #   tests  the GPU tests of the sparse MLA (separate combine, step tilings), the step (PDL == plain
 #          launches, graph == eager, teacher forcing, the 256-step run) and the TP-free ops
 #   probe  the sparse-MLA plan sweep (scripts/probe_sparse_mla.py: inline vs separate combine)
+#   iprobe the indexer logits' launch knobs (scripts/probe_indexer.py)
 #   bench  `bench step` at every row count and context, variants full / no_overlap / pdl / wo_a_fp8
 # Run it twice within one session's device time: STAGES="tests probe", then STAGES=bench.
 export PYTHONPATH=.
@@ -16,6 +17,8 @@ for stage in $STAGES; do
         tests/ops/test_low_latency_mm.py tests/ops/test_wo_a.py tests/ops/test_mhc.py 2>&1 | tail -15 | tee "$OUT/tests.txt" ;;
     probe)
       timeout ${PROBE_S:-300} python scripts/probe_sparse_mla.py 2>&1 | tee "$OUT/probe_sparse_mla.txt" | tail -90 ;;
+    iprobe)
+      timeout ${PROBE_S:-300} python scripts/probe_indexer.py 2>&1 | tee "$OUT/probe_indexer.txt" | tail -100 ;;
     bench)
       timeout ${BENCH_S:-560} python -m dsv41_decode bench step --out "$OUT/results" ${BENCH:-} 2>&1 \
         | grep -v "^\s*$" | tail -70 ;;

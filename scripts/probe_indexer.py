@@ -1,0 +1,46 @@
+"""Probe the indexer logits kernel on a GPU: its launch knobs (block_e, num_warps, programs per SM)
+timed side by side at rows 1 / 4 / 16 and contexts 32K / 128K / 1M (ratio 1, 32 heads), graph
+replay with >= 32 calls per graph, GB/s of the key bytes. Prints; writes nothing."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from dsv41_decode.bench.attn_indexer import HEADS, PAGE, _state
+from dsv41_decode.bench.timing import graph_time_us
+from dsv41_decode.formats import mxfp4_fake
+from dsv41_decode.ops.indexer import index_scores_mxfp4_
+
+
+def main() -> None:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for rows, context in ((1, 32768), (1, 131072), (1, 1 << 20), (4, 131072), (16, 32768)):
+        pool, table = _state(rows, context, gen)
+        iq = mxfp4_fake(torch.randn(rows, HEADS, 128, generator=gen, device="cuda")).to(torch.bfloat16)
+        w = (torch.randn(rows, HEADS, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+        req = torch.arange(rows, device="cuda", dtype=torch.int64)
+        n_vis = torch.full((rows,), context, device="cuda", dtype=torch.int32)
+        scores = torch.empty(rows, context, device="cuda")
+        ref = None
+        for block_e, warps, per_sm in itertools.product((64, 128, 256), (4, 8), (2, 4, 8)):
+            def run(b=block_e, nw=warps, p=per_sm):
+                index_scores_mxfp4_(iq, w, pool, table, PAGE, req, n_vis, scores, block_e=b, num_warps=nw,
+                                    programs_per_sm=p)
+            try:
+                us = graph_time_us(run, replays=20)
+            except Exception as e:  # report, keep probing
+                print(f"rows {rows} ctx {context} block_e {block_e} warps {warps} per_sm {per_sm}: "
+                      f"{type(e).__name__}: {str(e)[:120]}", flush=True)
+                continue
+            ref = scores.clone() if ref is None else ref
+            same = torch.equal(scores, ref)
+            gbps = rows * context * 68 / us / 1e3
+            print(f"rows {rows:2d} ctx {context:8d} block_e {block_e:3d} warps {warps} per_sm {per_sm}: "
+                  f"{us:8.2f} us {gbps:7.0f} GB/s {'same' if same else 'DIFFERENT'}", flush=True)
+        del pool, scores
+
+
+if __name__ == "__main__":
+    main()
