@@ -74,11 +74,12 @@ def enter(PDL: tl.constexpr):
 
 @triton.jit
 def prefetch_rows_l2(row_ptrs, nbytes, PDL: tl.constexpr):
-    """Ask L2 to fetch `nbytes` (a multiple of 16) from each 16-byte aligned address of
-    `row_ptrs` (one bulk prefetch per row: `cp.async.bulk.prefetch.L2`, sm_90). Only with PDL,
+    """Ask L2 to fetch `nbytes` (a multiple of 16; none when <= 0) from each 16-byte aligned address
+    of `row_ptrs` (one bulk prefetch per row: `cp.async.bulk.prefetch.L2`, sm_90). Only with PDL,
     where it overlaps the predecessor; results are never read, so it changes no value."""
     if PDL:
         n = tl.zeros(row_ptrs.shape, dtype=tl.int32) + nbytes
-        tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;", "=r,l,r",
+        tl.inline_asm_elementwise("{\n\t.reg .pred p;\n\tsetp.gt.s32 p, $2, 0;\n\t"
+                                  "@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;\n\t}", "=r,l,r",
                                   [row_ptrs.to(tl.int64), n], dtype=tl.int32,
                                   is_pure=False, pack=1)
