@@ -20,7 +20,9 @@ products (BF16-valued operands) and FP32 sums: BF16 operands on the GPU, FP32 in
 acc) to the plan's workspace and the last program of the (row, head group) to arrive (an atomic
 counter, reset by it) combines the splits in split order - combined max, rescaled sums and
 accumulators, then the sink - and stores o = acc / sum as BF16 (RNE bits). One launch,
-deterministic.
+deterministic. With `separate_combine` the splits only store, and a second launch
+(`_sparse_mla_combine_kernel`, one program per row, head group and 128-dim chunk) combines them the
+same way: many short splits no longer funnel every partial through one program.
 """
 
 from __future__ import annotations
@@ -39,7 +41,6 @@ from .checks import interpreting, require_tensor
 
 HEAD_DIM = 512
 SUPPORTED_HEADS = (8, 16, 32, 64)
-
 
 
 @triton.jit
