@@ -13,7 +13,7 @@ from triton.compiler import ASTSource
 
 import triton.language as tl
 
-from dsv41_decode.ops import low_latency_mm, pdl, sparse_mla, wo_a
+from dsv41_decode.ops import act_quant, kv_write, low_latency_mm, mhc, pdl, rms_norm, sparse_mla, wo_a
 
 
 @triton.jit
@@ -85,11 +85,50 @@ def check_sparse_mla():
 
 
 
+def check_sparse_mla_combine():
+    types = {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*i16"}
+    _assert_waits_first(_ptx(sparse_mla._sparse_mla_combine_kernel, types, dict(SPLIT=20, BLOCK_H=16, PDL=True)))
+
+
+def check_rms_norm():
+    types = {"xa_ptr": "*bf16", "wa_ptr": "*bf16", "oa_ptr": "*i16", "ca_ptr": "*u8", "sa_ptr": "*u8",
+             "xb_ptr": "*bf16", "wb_ptr": "*bf16", "ob_ptr": "*i16", "eps": "fp32"}
+    _assert_waits_first(_ptx(rms_norm._rms_norm_pair_kernel, types,
+                             dict(D_A=1024, BLOCK_A=1024, D_B=512, BLOCK_B=512, PDL=True)))
+    types = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*i16", "codes_ptr": "*u8", "scales_ptr": "*u8",
+             "eps": "fp32"}
+    _assert_waits_first(_ptx(rms_norm._rms_norm_kernel, types,
+                             dict(D=512, BLOCK=512, ROUND_IN=False, QUANT=True, PDL=True)))
+
+
+def check_act_quant():
+    types = {"x_ptr": "*bf16", "codes_ptr": "*u8", "scales_ptr": "*u8"}
+    consts = dict(AMAX_FLOOR=act_quant.MXFP8_AMAX_FLOOR, INV_QMAX=act_quant.INV_E4M3_MAX,
+                  QMAX=act_quant.E4M3_MAX, BLOCK_M=16, BLOCK_K=256, PDL=True)
+    _assert_waits_first(_ptx(act_quant._act_quant_mxfp8_kernel, types, consts))
+
+
+def check_kv_write():
+    types = {"q_ptr": "*i16", "kv_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slots_ptr": "*i64",
+             "pool_ptr": "*u8"}
+    _assert_waits_first(_ptx(kv_write._qkv_rope_insert_kernel, types, dict(HB=16, REQUANT=False, PDL=True)))
+
+
+def check_mhc():
+    types = {"y_ptr": "*bf16", "x_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32", "pre_ptr": "*fp32",
+             "w_ptr": "*bf16", "xo_ptr": "*i16", "u_ptr": "*i16", "codes_ptr": "*u8", "scales_ptr": "*u8",
+             "ws_ptr": "*fp32", "cnt_ptr": "*i32", "eps": "fp32"}
+    consts = dict(D=4096, BLOCK_D=1024, NCH=4, NCH_P2=4, BLOCK_N=1024, PDL=True)
+    _assert_waits_first(_ptx(mhc._mhc_boundary_split_kernel, types, consts))
+
+
 if __name__ == "__main__":
     check_the_checker()
     for name, check in (("low_latency_mm f8", lambda: check_low_latency_mm(False)),
                         ("low_latency_mm dequant", lambda: check_low_latency_mm(True)),
-                        ("wo_a", check_wo_a), ("sparse_mla", check_sparse_mla)):
+                        ("wo_a", check_wo_a), ("sparse_mla", check_sparse_mla),
+                        ("sparse_mla combine", check_sparse_mla_combine), ("rms_norm", check_rms_norm),
+                        ("act_quant", check_act_quant), ("kv_write", check_kv_write), ("mhc boundary", check_mhc)):
         try:
             check()
         except AssertionError as e:
