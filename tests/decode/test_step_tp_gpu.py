@@ -82,6 +82,36 @@ def test_fused_boundary_equals_collective_on_two_gpus(tmp_path):
     mp.spawn(_rank, args=(2, str(tmp_path / "store")), nprocs=2, join=True)
 
 
+def _killed(rank: int, world: int, store: str, out: str) -> None:
+    cfg, tp, ckpt, base = _join(rank, world, store, 4, {"a": 100, "b": 9})
+    step = AttentionStack(ckpt, tp=tp).decode_step(base, max_rows=4, tp_boundary="fused")
+    rows = [("a", 1), ("b", 2)]
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(3, cfg.hc_mult, cfg.dim, generator=g, device="cuda").to(torch.bfloat16)
+    step(x, rows)                                      # one step together
+    dist.barrier()
+    if rank == 1:
+        os._exit(0)                                    # killed: no teardown, its memory goes with it
+    time.sleep(2.0)
+    t0 = time.monotonic()
+    try:
+        step(x, rows)
+        verdict = "no error"
+    except RuntimeError as e:
+        verdict = str(e)
+    with open(out, "w") as f:
+        f.write(f"{time.monotonic() - t0:.2f} s: {verdict}")
+    os._exit(0)                                        # NCCL cannot be torn down without the peer
+
+
+def test_killed_rank_is_named_within_the_bound(tmp_path):
+    out = tmp_path / "verdict.txt"
+    mp.spawn(_killed, args=(2, str(tmp_path / "store"), str(out)), nprocs=2, join=True)
+    verdict = out.read_text()
+    print("killed rank:", verdict)
+    assert "rank 1 of 2 did not publish" in verdict, verdict
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.float(), b.float()
     return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
