@@ -8,21 +8,15 @@ import itertools
 
 import torch
 
-from dsv41_decode.bench.attn_indexer import HEADS, PAGE, _state
+from dsv41_decode.bench.attn_indexer import PAGE, indexer_inputs
 from dsv41_decode.bench.timing import graph_time_us
-from dsv41_decode.formats import mxfp4_fake
 from dsv41_decode.ops.indexer import index_scores_mxfp4_
 
 
 def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     for rows, context in ((1, 32768), (1, 131072), (1, 1 << 20), (4, 131072), (16, 32768)):
-        pool, table = _state(rows, context, gen)
-        iq = mxfp4_fake(torch.randn(rows, HEADS, 128, generator=gen, device="cuda")).to(torch.bfloat16)
-        w = (torch.randn(rows, HEADS, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
-        req = torch.arange(rows, device="cuda", dtype=torch.int64)
-        n_vis = torch.full((rows,), context, device="cuda", dtype=torch.int32)
-        scores = torch.empty(rows, context, device="cuda")
+        pool, table, iq, w, req, n_vis, scores = indexer_inputs(rows, context, gen)
         ref = None
         for block_e, warps, per_sm in itertools.product((64, 128, 256), (4, 8), (2, 4, 8)):
             def run(b=block_e, nw=warps, p=per_sm):

@@ -24,18 +24,25 @@ def _state(rows: int, context: int, gen: torch.Generator):
     return pool, table
 
 
+def indexer_inputs(rows: int, context: int, gen: torch.Generator):
+    """Synthetic indexer operands on the GPU, every row seeing `context` entries of its own pages:
+    (pool, block table, MXFP4 query [rows, 32, 128], head weights, request slots, n_vis, scores)."""
+    pool, table = _state(rows, context, gen)
+    iq = mxfp4_fake(torch.randn(rows, HEADS, 128, generator=gen, device="cuda")).to(torch.bfloat16)
+    w = (torch.randn(rows, HEADS, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
+    req = torch.arange(rows, device="cuda", dtype=torch.int64)
+    n_vis = torch.full((rows,), context, device="cuda", dtype=torch.int32)
+    scores = torch.empty(rows, context, device="cuda")
+    return pool, table, iq, w, req, n_vis, scores
+
+
 def bench_indexer(rows_list, contexts, floor, info, gen, progress) -> list[dict]:
     out = []
     for context in contexts:
         for rows in rows_list:
             if rows * context > (64 << 20):      # 64M entries (4.4 GB of keys) at most
                 continue
-            pool, table = _state(rows, context, gen)
-            iq = mxfp4_fake(torch.randn(rows, HEADS, 128, generator=gen, device="cuda")).to(torch.bfloat16)
-            w = (torch.randn(rows, HEADS, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
-            req = torch.arange(rows, device="cuda", dtype=torch.int64)
-            n_vis = torch.full((rows,), context, device="cuda", dtype=torch.int32)
-            scores = torch.empty(rows, context, device="cuda")
+            pool, table, iq, w, req, n_vis, scores = indexer_inputs(rows, context, gen)
             plan = TopKPlan.build(rows, 512, 1, "cuda")
             idx = torch.empty(rows, 512, device="cuda", dtype=torch.int32)
 
