@@ -231,27 +231,38 @@ def _sparse_mla_kernel(
         if arrived == SPLIT - 1:
             # the last program of (row, head group) to arrive combines the splits in split order
             tl.store(count_ptr + tile, 0)
-            m_all = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
-            n_all = tl.zeros((BLOCK_H,), dtype=tl.float32)
-            for s in tl.static_range(SPLIT):
-                m_all = tl.maximum(m_all, tl.load(ml_base + s * (3 * BLOCK_H) + lh, cache_modifier=".cg"))
-                n_all += tl.load(ml_base + s * (3 * BLOCK_H) + 2 * BLOCK_H + lh, cache_modifier=".cg")
-            l_all = tl.zeros((BLOCK_H,), dtype=tl.float32)
-            a0 = tl.zeros((BLOCK_H, DC), dtype=tl.float32)
-            a1 = tl.zeros((BLOCK_H, DC), dtype=tl.float32)
-            a2 = tl.zeros((BLOCK_H, DC), dtype=tl.float32)
-            a3 = tl.zeros((BLOCK_H, DC), dtype=tl.float32)
-            for s in tl.static_range(SPLIT):
-                m_s = tl.load(ml_base + s * (3 * BLOCK_H) + lh, cache_modifier=".cg")
-                l_s = tl.load(ml_base + s * (3 * BLOCK_H) + BLOCK_H + lh, cache_modifier=".cg")
-                f = tl.exp(m_s - m_all)
-                l_all += l_s * f
-                part = acc_rows + s * (BLOCK_H * D)
-                a0 += tl.load(part, cache_modifier=".cg") * f[:, None]
-                a1 += tl.load(part + DC, cache_modifier=".cg") * f[:, None]
-                a2 += tl.load(part + 2 * DC, cache_modifier=".cg") * f[:, None]
-                a3 += tl.load(part + 3 * DC, cache_modifier=".cg") * f[:, None]
+            m_all, n_all = _split_totals(ml_base, lh, SPLIT, BLOCK_H)
+            a0, l_all = _combine_chunk(acc_rows, ml_base, lh, m_all, SPLIT, BLOCK_H)
+            a1, _ = _combine_chunk(acc_rows + DC, ml_base, lh, m_all, SPLIT, BLOCK_H)
+            a2, _ = _combine_chunk(acc_rows + 2 * DC, ml_base, lh, m_all, SPLIT, BLOCK_H)
+            a3, _ = _combine_chunk(acc_rows + 3 * DC, ml_base, lh, m_all, SPLIT, BLOCK_H)
             _store_o(out_rows, a0, a1, a2, a3, l_all + tl.exp(sink - m_all), n_all > 0, h_ok, DC)
+
+
+@triton.jit
+def _split_totals(ml_base, lh, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr):
+    """(max, valid-key count) over the splits of one (row, head group), from the workspace's
+    per-split statistics (`.cg`: from L2, never a stale L1 line of this SM)."""
+    m_all = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
+    n_all = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for s in range(SPLIT):
+        m_all = tl.maximum(m_all, tl.load(ml_base + s * (3 * BLOCK_H) + lh, cache_modifier=".cg"))
+        n_all += tl.load(ml_base + s * (3 * BLOCK_H) + 2 * BLOCK_H + lh, cache_modifier=".cg")
+    return m_all, n_all
+
+
+@triton.jit
+def _combine_chunk(part_rows, ml_base, lh, m_all, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr):
+    """One 128-dim chunk of the splits' accumulators, each rescaled by exp(m_s - m_all) and added in
+    split order (part_rows: split 0's [BLOCK_H, 128] pointers), and the sums rescaled alike."""
+    D: tl.constexpr = 512
+    l_all = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    a = tl.zeros((BLOCK_H, 128), dtype=tl.float32)
+    for s in range(SPLIT):
+        f = tl.exp(tl.load(ml_base + s * (3 * BLOCK_H) + lh, cache_modifier=".cg") - m_all)
+        l_all += tl.load(ml_base + s * (3 * BLOCK_H) + BLOCK_H + lh, cache_modifier=".cg") * f
+        a += tl.load(part_rows + s * (BLOCK_H * D), cache_modifier=".cg") * f[:, None]
+    return a, l_all
 
 
 @triton.jit
@@ -275,33 +286,27 @@ def _sparse_mla_combine_kernel(
     rc = c * DC + tl.arange(0, DC)
     acc_rows = part_acc_ptr + tile.to(tl.int64) * (SPLIT * BLOCK_H * D) + lh[:, None] * D + rc[None, :]
     ml_base = part_ml_ptr + tile.to(tl.int64) * (SPLIT * 3 * BLOCK_H)
-    m_all = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
-    n_all = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for s in range(SPLIT):
-        m_all = tl.maximum(m_all, tl.load(ml_base + s * (3 * BLOCK_H) + lh))
-        n_all += tl.load(ml_base + s * (3 * BLOCK_H) + 2 * BLOCK_H + lh)
-    l_all = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    a = tl.zeros((BLOCK_H, DC), dtype=tl.float32)
-    for s in range(SPLIT):
-        m_s = tl.load(ml_base + s * (3 * BLOCK_H) + lh)
-        l_s = tl.load(ml_base + s * (3 * BLOCK_H) + BLOCK_H + lh)
-        f = tl.exp(m_s - m_all)
-        l_all += l_s * f
-        a += tl.load(acc_rows + s * (BLOCK_H * D)) * f[:, None]
+    m_all, n_all = _split_totals(ml_base, lh, SPLIT, BLOCK_H)
+    a, l_all = _combine_chunk(acc_rows, ml_base, lh, m_all, SPLIT, BLOCK_H)
     sink = tl.load(sink_ptr + rh, mask=h_ok, other=0.0)
-    d = tl.where(n_all > 0, l_all + tl.exp(sink - m_all), float("inf"))[:, None]
-    tl.store(out_ptr + r * stride_on + rh[:, None] * stride_oh + rc[None, :], bf16_rne_bits(a / d),
-             mask=h_ok[:, None])
+    _store_chunk(out_ptr + r * stride_on + rh[:, None] * stride_oh + rc[None, :], a,
+                 l_all + tl.exp(sink - m_all), n_all > 0, h_ok)
 
 
 @triton.jit
 def _store_o(out_rows, a0, a1, a2, a3, l_f, valid, h_ok, DC: tl.constexpr):
     """o = acc / sum as BF16 bits (RNE), chunk by chunk; zeros where the row had no valid key."""
+    _store_chunk(out_rows, a0, l_f, valid, h_ok)
+    _store_chunk(out_rows + DC, a1, l_f, valid, h_ok)
+    _store_chunk(out_rows + 2 * DC, a2, l_f, valid, h_ok)
+    _store_chunk(out_rows + 3 * DC, a3, l_f, valid, h_ok)
+
+
+@triton.jit
+def _store_chunk(out_rows, a, l_f, valid, h_ok):
+    """One chunk of o = acc / sum as BF16 bits (RNE); zeros where the row had no valid key."""
     d = tl.where(valid, l_f, float("inf"))[:, None]     # no valid key: acc is 0, o is 0
-    tl.store(out_rows, bf16_rne_bits(a0 / d), mask=h_ok[:, None])
-    tl.store(out_rows + DC, bf16_rne_bits(a1 / d), mask=h_ok[:, None])
-    tl.store(out_rows + 2 * DC, bf16_rne_bits(a2 / d), mask=h_ok[:, None])
-    tl.store(out_rows + 3 * DC, bf16_rne_bits(a3 / d), mask=h_ok[:, None])
+    tl.store(out_rows, bf16_rne_bits(a / d), mask=h_ok[:, None])
 
 
 def sparse_mla_(plan: SparseMlaPlan, q: torch.Tensor, window_pool: torch.Tensor, comp_pool: torch.Tensor,
