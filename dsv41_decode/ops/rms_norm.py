@@ -72,6 +72,29 @@ def _rms_norm_pair_kernel(xa_ptr, wa_ptr, oa_ptr, ca_ptr, sa_ptr, xb_ptr, wb_ptr
                       D_B, BLOCK_B, False, False)
 
 
+def _check_norm(x, weight, out, codes, scales, quant: bool, eps, x_dtypes, names, device=None) -> tuple[int, int]:
+    """The argument checks of one normed tensor (names: x, weight, out, codes, scales as the caller
+    calls them); returns (N, D)."""
+    nx, nw, no, nc, ns = names
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"{nx} must be a 2-D tensor [N, D], got {getattr(x, 'shape', type(x).__name__)}")
+    n, dim = x.shape
+    dev = x.device if device is None else device
+    if dim > MAX_DIM:
+        raise ValueError(f"{nx}: D={dim} exceeds {MAX_DIM} (a row is held in registers)")
+    require_tensor(x, nx, x_dtypes, (n, dim), dev)
+    require_tensor(weight, nw, (torch.bfloat16, torch.float32), (dim,), dev)
+    require_tensor(out, no, (torch.bfloat16,), (n, dim), dev)
+    if quant:
+        if dim % 32:
+            raise ValueError(f"{nx}: D={dim} must be a multiple of 32 to quantize")
+        require_tensor(codes, nc, (torch.float8_e4m3fn, torch.uint8), (n, dim), dev)
+        require_tensor(scales, ns, (torch.uint8, torch.float8_e8m0fnu), (n, dim // 32), dev)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    return n, dim
+
+
 def rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor,
               codes_out: torch.Tensor | None = None, scales_out: torch.Tensor | None = None) -> None:
     """out = rms_norm(x, weight, eps) (BF16); with codes_out/scales_out also its MXFP8 quantization.
@@ -82,23 +105,9 @@ def rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tens
     out: [N, D] bfloat16; codes_out: [N, D] float8_e4m3fn or uint8; scales_out: [N, D/32] uint8 or
        float8_e8m0fnu. All on x's device.
     """
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        raise ValueError(f"x must be a 2-D tensor [N, D], got {getattr(x, 'shape', type(x).__name__)}")
-    n, dim = x.shape
-    dev = x.device
-    if dim > MAX_DIM:
-        raise ValueError(f"x: D={dim} exceeds {MAX_DIM} (a row is held in registers)")
-    require_tensor(x, "x", (torch.bfloat16, torch.float32), (n, dim), dev)
-    require_tensor(weight, "weight", (torch.bfloat16, torch.float32), (dim,), dev)
-    require_tensor(out, "out", (torch.bfloat16,), (n, dim), dev)
     quant = codes_out is not None or scales_out is not None
-    if quant:
-        if dim % 32:
-            raise ValueError(f"x: D={dim} must be a multiple of 32 to quantize")
-        require_tensor(codes_out, "codes_out", (torch.float8_e4m3fn, torch.uint8), (n, dim), dev)
-        require_tensor(scales_out, "scales_out", (torch.uint8, torch.float8_e8m0fnu), (n, dim // 32), dev)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    n, dim = _check_norm(x, weight, out, codes_out, scales_out, quant, eps, (torch.bfloat16, torch.float32),
+                         ("x", "weight", "out", "codes_out", "scales_out"))
     if n == 0:
         return
     o = out.view(torch.int16)
@@ -124,27 +133,12 @@ def rms_norm_pair_(x_a: torch.Tensor, w_a: torch.Tensor, out_a: torch.Tensor, co
     one launch (the step's q_norm with the MXFP8 of qr, and kv_norm), bit for bit the same.
     x_a, x_b: [N, D_a], [N, D_b] bfloat16 (same N; D_a a multiple of 32); shapes and dtypes of the
     others as in `rms_norm_`."""
-    for name, t in (("x_a", x_a), ("x_b", x_b)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype != torch.bfloat16:
-            raise ValueError(f"{name} must be a 2-D bfloat16 tensor [N, D], got "
-                             f"{getattr(t, 'shape', type(t).__name__)} {getattr(t, 'dtype', '')}")
-    n, da = x_a.shape
-    db = x_b.shape[1]
-    dev = x_a.device
-    if x_b.shape[0] != n:
-        raise ValueError(f"x_a and x_b must have the same rows, got {n} and {x_b.shape[0]}")
-    if max(da, db) > MAX_DIM or da % 32:
-        raise ValueError(f"D_a={da} must be a multiple of 32 and both at most {MAX_DIM}, got D_b={db}")
-    require_tensor(x_a, "x_a", (torch.bfloat16,), (n, da), dev)
-    require_tensor(x_b, "x_b", (torch.bfloat16,), (n, db), dev)
-    require_tensor(w_a, "w_a", (torch.bfloat16, torch.float32), (da,), dev)
-    require_tensor(w_b, "w_b", (torch.bfloat16, torch.float32), (db,), dev)
-    require_tensor(out_a, "out_a", (torch.bfloat16,), (n, da), dev)
-    require_tensor(out_b, "out_b", (torch.bfloat16,), (n, db), dev)
-    require_tensor(codes_a, "codes_a", (torch.float8_e4m3fn, torch.uint8), (n, da), dev)
-    require_tensor(scales_a, "scales_a", (torch.uint8, torch.float8_e8m0fnu), (n, da // 32), dev)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
-        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    n, da = _check_norm(x_a, w_a, out_a, codes_a, scales_a, True, eps, (torch.bfloat16,),
+                        ("x_a", "w_a", "out_a", "codes_a", "scales_a"))
+    nb, db = _check_norm(x_b, w_b, out_b, None, None, False, eps, (torch.bfloat16,),
+                         ("x_b", "w_b", "out_b", "", ""), device=x_a.device)
+    if nb != n:
+        raise ValueError(f"x_a and x_b must have the same rows, got {n} and {nb}")
     if n == 0:
         return
     oa, ob = out_a.view(torch.int16), out_b.view(torch.int16)
