@@ -17,16 +17,15 @@ the reference (torch sums in its own order), so a score may rarely be one BF16 u
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from ..formats import INDEX_KEY_BYTES
+from .checks import interpreting
 from .rounding import bf16_rne_bits
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 _HEAD_DIM = 128
 
 
@@ -185,7 +184,7 @@ def index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, b
         heads, max_entries, page, block_table.stride(0), iq.stride(0), iq.stride(1), w.stride(0),
         cand.stride(0), out.stride(0),
         BLOCK_H=max(16, triton.next_power_of_2(heads)), BLOCK_E=block_e, HAS_CAND=cand_mask is not None,
-        DOT_BF16=not _INTERPRET, num_warps=num_warps)
+        DOT_BF16=not interpreting(), num_warps=num_warps)
     return out
 
 
