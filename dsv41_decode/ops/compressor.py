@@ -19,9 +19,8 @@ import torch
 import triton
 import triton.language as tl
 from triton.language.extra import libdevice
-from triton.runtime.interpreter import InterpretedFunction
 
-from .checks import require_tensor
+from .checks import interpreting, require_tensor
 
 _BLOCK_C = 128
 
@@ -82,10 +81,6 @@ def _compress_ratio2_kernel(kvs_ptr, slot_ptr, pos_ptr, skv_ptr, ssc_ptr, out_pt
     tl.store(sc_base + stride_sc1, sc1, mask=ld)
 
 
-# The interpreter has no libdevice; there tl.exp is NumPy's FP32 exp.
-_INTERPRETED = isinstance(_compress_ratio2_kernel, InterpretedFunction)
-
-
 def _require_ranks(kv_score, state_kv) -> None:
     if not isinstance(state_kv, torch.Tensor) or state_kv.dim() != 3:
         raise ValueError(f"state_kv must be a 3-D tensor [R, 2, D], got "
@@ -123,10 +118,11 @@ def compress_ratio2_(kv_score: torch.Tensor, req_slot: torch.Tensor, positions: 
     if n == 0 or d == 0:
         return
     grid = (n, triton.cdiv(d, _BLOCK_C))
+    # the interpreter has no libdevice: there tl.exp is NumPy's FP32 exp
     _compress_ratio2_kernel[grid](
         kv_score, req_slot, positions, state_kv, state_score, out, done, n,
         kv_score.stride(0), state_kv.stride(0), state_kv.stride(1), state_score.stride(0),
-        state_score.stride(1), out.stride(0), D=d, BLOCK_C=_BLOCK_C, LIBDEVICE_EXP=not _INTERPRETED,
+        state_score.stride(1), out.stride(0), D=d, BLOCK_C=_BLOCK_C, LIBDEVICE_EXP=not interpreting(),
         num_warps=1, enable_fp_fusion=False)
 
 
