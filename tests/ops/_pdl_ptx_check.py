@@ -8,12 +8,10 @@ import re
 import sys
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-
 import triton.language as tl
 
 from dsv41_decode.ops import act_quant, kv_write, low_latency_mm, mhc, pdl, rms_norm, sparse_mla, wo_a
+from dsv41_decode.testing.sm90 import compile_sm90
 
 
 @triton.jit
@@ -32,15 +30,8 @@ def check_the_checker():
 
 
 def _ptx(fn, types: dict, consts: dict, num_warps: int = 4) -> str:
-    """PTX of `fn` for sm_90 with PDL on: `types` maps runtime arguments to Triton types (default
-    i32); every pointer and stride is marked 16-divisible, as the launcher would find it."""
-    sig = {a: ("constexpr" if a in consts else types.get(a, "i32")) for a in fn.arg_names}
-    div = [a for a in fn.arg_names if sig[a].startswith("*") or a.startswith("stride_")]
-    src = ASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()},
-                    {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in div})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                       options={"num_warps": num_warps, "launch_pdl": True})
-    return k.asm["ptx"]
+    """PTX of `fn` for sm_90 with PDL on (`testing.sm90.compile_sm90`)."""
+    return compile_sm90(fn, types, consts, num_warps=num_warps, launch_pdl=True).asm["ptx"]
 
 
 def _assert_waits_first(ptx: str) -> None:
