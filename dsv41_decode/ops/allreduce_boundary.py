@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from .checks import interpreting, require_tensor
-from .mhc import HC, MhcBoundaryPlan, _boundary_block_d, _widen, mix_chunk, split_finish
+from .mhc import MhcBoundaryPlan, _boundary_block_d, _widen, check_boundary_operands, mix_chunk, split_finish
 from .rounding import bf16_rne_bits
 
 
@@ -190,15 +190,7 @@ def allreduce_boundary_(box: Mailbox, layer_index: int, rows: int, x: torch.Tens
     dim, dev = box.dim, box.data.device
     if plan.dim != dim:
         raise ValueError(f"plan is for dim={plan.dim}, the mailbox for dim={dim}")
-    require_tensor(x, "x", (torch.bfloat16,), (rows, HC, dim), dev)
-    require_tensor(post, "post", (torch.float32,), (rows, HC), dev)
-    require_tensor(comb, "comb", (torch.float32,), (rows, HC, HC), dev)
-    require_tensor(pre, "pre", (torch.float32,), (rows, HC), dev)
-    require_tensor(norm_weight, "norm_weight", (torch.bfloat16, torch.float32), (dim,), dev)
-    require_tensor(x_out, "x_out", (torch.bfloat16,), (rows, HC, dim), dev)
-    require_tensor(u_out, "u_out", (torch.bfloat16,), (rows, dim), dev)
-    require_tensor(codes_out, "codes_out", (torch.float8_e4m3fn, torch.uint8), (rows, dim), dev)
-    require_tensor(scales_out, "scales_out", (torch.uint8, torch.float8_e8m0fnu), (rows, dim // 32), dev)
+    check_boundary_operands(rows, dim, dev, x, post, comb, pre, norm_weight, x_out, u_out, codes_out, scales_out)
     require_tensor(y_out, "y_out", (torch.bfloat16,), (rows, dim), dev)
     xo, u, y16 = x_out.view(torch.int16), u_out.view(torch.int16), y_out.view(torch.int16)
     codes, scales = codes_out.view(torch.uint8), scales_out.view(torch.uint8)

@@ -263,6 +263,21 @@ def _boundary_block_d(dim: int) -> int:
     return min(1024, triton.next_power_of_2(dim))
 
 
+def check_boundary_operands(n: int, dim: int, dev, x, post, comb, pre, norm_weight, x_out, u_out, codes_out,
+                            scales_out) -> None:
+    """The shapes, dtypes and device of a boundary's streams, mixer coefficients, norm weight and
+    outputs for n rows of width dim (shared by `mhc_boundary_` and `ops.allreduce_boundary`)."""
+    require_tensor(x, "x", (torch.bfloat16,), (n, HC, dim), dev)
+    require_tensor(post, "post", (torch.float32,), (n, HC), dev)
+    require_tensor(comb, "comb", (torch.float32,), (n, HC, HC), dev)
+    require_tensor(pre, "pre", (torch.float32,), (n, HC), dev)
+    require_tensor(norm_weight, "norm_weight", (torch.bfloat16, torch.float32), (dim,), dev)
+    require_tensor(x_out, "x_out", (torch.bfloat16,), (n, HC, dim), dev)
+    require_tensor(u_out, "u_out", (torch.bfloat16,), (n, dim), dev)
+    require_tensor(codes_out, "codes_out", (torch.float8_e4m3fn, torch.uint8), (n, dim), dev)
+    require_tensor(scales_out, "scales_out", (torch.uint8, torch.float8_e8m0fnu), (n, dim // 32), dev)
+
+
 def mhc_boundary_(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor,
                   norm_weight: torch.Tensor, eps: float, x_out: torch.Tensor, u_out: torch.Tensor,
                   codes_out: torch.Tensor, scales_out: torch.Tensor, plan: MhcBoundaryPlan | None = None) -> None:
@@ -293,15 +308,7 @@ def mhc_boundary_(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: to
         raise ValueError(f"y: dim={dim} must be a multiple of 32 (the MXFP8 block)")
     dev = y.device
     require_tensor(y, "y", (torch.bfloat16,), (n, dim), dev)
-    require_tensor(x, "x", (torch.bfloat16,), (n, HC, dim), dev)
-    require_tensor(post, "post", (torch.float32,), (n, HC), dev)
-    require_tensor(comb, "comb", (torch.float32,), (n, HC, HC), dev)
-    require_tensor(pre, "pre", (torch.float32,), (n, HC), dev)
-    require_tensor(norm_weight, "norm_weight", (torch.bfloat16, torch.float32), (dim,), dev)
-    require_tensor(x_out, "x_out", (torch.bfloat16,), (n, HC, dim), dev)
-    require_tensor(u_out, "u_out", (torch.bfloat16,), (n, dim), dev)
-    require_tensor(codes_out, "codes_out", (torch.float8_e4m3fn, torch.uint8), (n, dim), dev)
-    require_tensor(scales_out, "scales_out", (torch.uint8, torch.float8_e8m0fnu), (n, dim // 32), dev)
+    check_boundary_operands(n, dim, dev, x, post, comb, pre, norm_weight, x_out, u_out, codes_out, scales_out)
     if not isinstance(eps, (int, float)) or isinstance(eps, bool):
         raise TypeError(f"eps must be a float, got {type(eps).__name__}")
     for out, out_name in ((x_out, "x_out"), (u_out, "u_out"), (codes_out, "codes_out"), (scales_out, "scales_out")):
