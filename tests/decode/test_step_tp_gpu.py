@@ -19,6 +19,7 @@ from dsv41_decode.config import ModelConfig
 from dsv41_decode.parallel import TensorParallel
 from dsv41_decode.stack import AttentionStack
 from dsv41_decode.state import DecodeState
+from dsv41_decode.testing.compare import rel_rms
 from dsv41_decode.testing.synthetic import fill_state, random_checkpoint
 
 pytestmark = [pytest.mark.gpu,
@@ -112,11 +113,6 @@ def test_killed_rank_is_named_within_the_bound(tmp_path):
     assert "rank 1 of 2 did not publish" in verdict, verdict
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30))
-
-
 def _tp_vs_tp1(rank: int, world: int, store: str, out: str) -> None:
     cfg, tp, ckpt, base = _join(rank, world, store, 5, {"a": 200, "b": 31, "c": 2})
     try:
@@ -133,7 +129,7 @@ def _tp_vs_tp1(rank: int, world: int, store: str, out: str) -> None:
             x = x.to(torch.bfloat16)
             y_tp, p_tp = step_tp(x, rows)
             y_1, p_1 = step_1(x, rows)
-            errs.append((_rel(y_tp, y_1), _rel(p_tp, p_1)))
+            errs.append((rel_rms(y_tp, y_1), rel_rms(p_tp, p_1)))
             assert tp.same_on_all_ranks(y_tp) and tp.same_on_all_ranks(p_tp), f"step {k}: ranks differ"
         if rank == 0:
             with open(out, "w") as f:
