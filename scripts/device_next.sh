@@ -4,6 +4,7 @@
 #          launches, graph == eager, teacher forcing, the 256-step run) and the TP-free ops
 #   probe  the sparse-MLA plan sweep (scripts/probe_sparse_mla.py: inline vs separate combine)
 #   iprobe the indexer logits' launch knobs (scripts/probe_indexer.py)
+#   ncu    ncu on one launch of the sparse MLA's default plan (1 row, 64 heads): registers, spills, stalls
 #   bench  `bench step` at every row count and context, variants full / no_overlap / pdl / wo_a_fp8
 # Run it twice within one session's device time: STAGES="tests probe", then STAGES=bench.
 export PYTHONPATH=.
@@ -19,6 +20,14 @@ for stage in $STAGES; do
       timeout ${PROBE_S:-300} python scripts/probe_sparse_mla.py 2>&1 | tee "$OUT/probe_sparse_mla.txt" | tail -90 ;;
     iprobe)
       timeout ${PROBE_S:-300} python scripts/probe_indexer.py 2>&1 | tee "$OUT/probe_indexer.txt" | tail -100 ;;
+    ncu)
+      NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      timeout 240 "$NCU" --clock-control none -k regex:_sparse_mla_kernel -c 1 \
+        --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
+        --section SchedulerStats --section MemoryWorkloadAnalysis \
+        python scripts/probe_sparse_mla.py --once > "$OUT/ncu_sparse_mla.txt" 2>&1
+      grep "Duration\|Registers Per\|Spilling Requests \|_sparse_mla_kernel (\|Warp Cycles Per Issued" \
+        "$OUT/ncu_sparse_mla.txt" ;;
     bench)
       timeout ${BENCH_S:-560} python -m dsv41_decode bench step --out "$OUT/results" ${BENCH:-} 2>&1 \
         | grep -v "^\s*$" | tail -70 ;;
