@@ -3,6 +3,7 @@
 #   tests  the GPU tests of the sparse MLA (separate combine, step tilings), the step (PDL == plain
 #          launches, graph == eager, teacher forcing, the 256-step run) and the TP-free ops
 #   probe  the sparse-MLA plan sweep (scripts/probe_sparse_mla.py: inline vs separate combine)
+#   qprobe the step's sparse-MLA tilings next to the separate-combine variants (short)
 #   iprobe the indexer logits' launch knobs (scripts/probe_indexer.py)
 #   ncu    ncu on one launch of the sparse MLA's default plan (1 row, 64 heads): registers, spills, stalls
 #   bench  `bench step` at every row count and context, variants full / no_overlap / pdl / wo_a_fp8
@@ -14,8 +15,12 @@ STAGES=${STAGES:-"tests probe"}
 for stage in $STAGES; do
   case $stage in
     tests)
-      timeout ${TEST_S:-300} python -m pytest -q -m gpu tests/ops/test_sparse_mla.py tests/decode/test_step_gpu.py \
-        tests/ops/test_low_latency_mm.py tests/ops/test_wo_a.py tests/ops/test_mhc.py 2>&1 | tail -15 | tee "$OUT/tests.txt" ;;
+      timeout ${TEST_S:-300} python -m pytest -q -rfE --durations=8 -m gpu ${TESTS:-tests/ops/test_sparse_mla.py \
+        tests/decode/test_step_gpu.py tests/ops/test_low_latency_mm.py tests/ops/test_wo_a.py tests/ops/test_mhc.py} \
+        > "$OUT/tests.txt" 2>&1; tail -25 "$OUT/tests.txt" ;;
+    qprobe)   # the step's tilings next to the separate-combine variants (PROBE_ARGS to pick)
+      timeout ${PROBE_S:-120} python scripts/probe_sparse_mla.py ${PROBE_ARGS:-"--only=step,sep,sep_k32,sep_k32_s10,sep_k32_w8,sep_k64,sep_bh32_k32,sep_bh32_w4" "--cases=1x64,1x8,2x64,4x64,8x64,16x64,64x64"} \
+        2>&1 | tee "$OUT/qprobe_sparse_mla.txt" | tail -60 ;;
     probe)
       timeout ${PROBE_S:-300} python scripts/probe_sparse_mla.py 2>&1 | tee "$OUT/probe_sparse_mla.txt" | tail -90 ;;
     iprobe)
@@ -30,6 +35,6 @@ for stage in $STAGES; do
         "$OUT/ncu_sparse_mla.txt" ;;
     bench)
       timeout ${BENCH_S:-560} python -m dsv41_decode bench step --out "$OUT/results" ${BENCH:-} 2>&1 \
-        | grep -v "^\s*$" | tail -70 ;;
+        > "$OUT/bench.txt" 2>&1; grep -v "^\s*$" "$OUT/bench.txt" | tail -70 ;;
   esac
 done

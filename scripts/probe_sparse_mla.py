@@ -1,6 +1,6 @@
 """Probe the sparse MLA kernel on a GPU: plan variants timed side by side (graph replay, 32+ calls
 per graph), at the shapes of the decode step. `--once` launches the default plan a few times only
-(for `ncu`). Prints; writes nothing."""
+(for `ncu`). `--only=a,b` picks variants, `--cases=1x64,4x16` picks rows x heads. Prints; writes nothing."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     once = "--once" in sys.argv
     cases = [(1, 64)] if once else [(1, 64), (1, 16), (4, 64), (8, 64), (16, 64), (64, 64)]
+    for a in sys.argv:   # --cases=1x64,8x8: rows x heads
+        if a.startswith("--cases="):
+            cases = [tuple(int(v) for v in c.split("x")) for c in a.split("=", 1)[1].split(",")]
     for rows, heads in cases:
         q, win, comp, wtab, ctab, sink = sparse_mla_inputs(rows, heads, gen)
         out = torch.empty_like(q)
@@ -28,11 +31,20 @@ def main() -> None:
             "intdecode": dict(native_fp8=False), "sep": dict(separate_combine=True),
             "sep_w8": dict(separate_combine=True, num_warps=8), "sep_k32": dict(separate_combine=True, block_keys=32),
             "sep_bh32_w8": dict(separate_combine=True, block_h=32, num_warps=8),
-            "sep_bh32_w4": dict(separate_combine=True, block_h=32, num_warps=4)}
+            "sep_bh32_w4": dict(separate_combine=True, block_h=32, num_warps=4),
+            "sep_k32_s10": dict(separate_combine=True, block_keys=32, splits=10),
+            "sep_k32_w8": dict(separate_combine=True, block_keys=32, num_warps=8),
+            "sep_k64": dict(separate_combine=True, block_keys=64),
+            "sep_bh32_k32": dict(separate_combine=True, block_h=32, block_keys=32, num_warps=4),
+            "step": "STEP_TILINGS"}
+        only = [a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--only=")]
+        if only:
+            variants = {k: v for k, v in variants.items() if k in only[0]}
         ref = None
         for name, kw in variants.items():
             try:
-                plan = SparseMlaPlan.build(rows, heads, W, K, "cuda", **kw)
+                plan = (next(p for p in SparseMlaPlan.for_step(rows, heads, W, K, "cuda") if p.max_rows >= rows)
+                        if kw == "STEP_TILINGS" else SparseMlaPlan.build(rows, heads, W, K, "cuda", **kw))
                 fn = lambda p=plan: sparse_mla_(p, q, win, comp, wtab, ctab, sink, HEAD_DIM ** -0.5, out)
                 if once:
                     for _ in range(3):

@@ -16,10 +16,14 @@ SUPPORTED_HEADS = (8, 16, 32, 64)
 
 
 # Per row-count tiling of the decode step's plans, from the plan sweep on an H200 (64 heads,
-# 128 + 512 keys; scripts/probe_sparse_mla.py, docs/attn.md): up to 2 rows 16-head programs at 8
-# warps (31.9 us at 1 row vs 38.3 at 4 warps), up to 8 rows 32-head programs at 8 warps (51.7 us at
-# 8 rows vs 86.6), above 32-head programs at 4 warps (96.7 us at 16 rows, 235.8 at 64, vs 132 / 248).
-STEP_TILINGS = ((2, dict(block_h=16, num_warps=8)), (8, dict(block_h=32, num_warps=8)),
+# 128 + 512 keys; scripts/probe_sparse_mla.py, docs/results/sparse-mla-probe-h200.txt, commit
+# a9527c9): the split programs store partials and a second launch combines them up to 16 rows
+# (1 row: 32-key blocks, 18.3 us vs 33.5 inline; 4 rows 29.0 vs 36.0; 8 rows 39.6 vs 66.0; 16 rows
+# with 32-head programs 57.6 vs 96.1); above, the last split combines, 32-head programs at 4 warps
+# (64 rows 206 us vs 237).
+STEP_TILINGS = ((2, dict(block_h=16, block_keys=32, num_warps=4, separate_combine=True)),
+                (8, dict(block_h=16, num_warps=4, separate_combine=True)),
+                (16, dict(block_h=32, num_warps=4, separate_combine=True)),
                 (256, dict(block_h=32, num_warps=4)))
 
 

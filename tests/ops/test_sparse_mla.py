@@ -135,8 +135,10 @@ def test_separate_combine_matches_reference_and_inline(splits):
 
 def test_step_tilings_cover_every_row_count():
     plans = SparseMlaPlan.for_step(64, 64, 16, 16, "cpu")
-    assert [p.max_rows for p in plans] == [2, 8, 64]
-    assert [p.block_h for p in plans] == [16, 32, 32]
+    assert [p.max_rows for p in plans] == [2, 8, 16, 64]
+    assert [p.block_h for p in plans] == [16, 16, 32, 32]
+    assert [p.separate_combine for p in plans] == [True, True, True, False]
+    assert plans[0].block_keys == 32
     assert [p.max_rows for p in SparseMlaPlan.for_step(4, 8, 16, 16, "cpu")] == [2, 4]
     assert all(p.block_h == 16 for p in SparseMlaPlan.for_step(4, 8, 16, 16, "cpu"))   # 8 heads pad to 16
 
