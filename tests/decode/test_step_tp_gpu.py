@@ -41,46 +41,52 @@ def _join(rank: int, world: int, store: str, seed: int, lengths: dict):
     return cfg, TensorParallel(world, rank), ckpt, base
 
 
-def _rank(rank: int, world: int, store: str) -> None:
+def _rank(rank: int, world: int, store: str, out: str) -> None:
     cfg, tp, ckpt, base = _join(rank, world, store, 3, {"a": 300, "b": 77, "c": 5})
-    try:
-        stack = AttentionStack(ckpt, tp=tp)
-        s_col, s_fused = copy.deepcopy(base), copy.deepcopy(base)
-        col = stack.decode_step(s_col, max_rows=8, tp_boundary="collective")
-        fused = stack.decode_step(s_fused, max_rows=8, tp_boundary="fused")
-        assert (col.boundary_mode, fused.boundary_mode) == ("collective", "fused")
-        g = torch.Generator(device="cuda").manual_seed(0)
-        for k in range(12):
-            rows = [("a", 1), ("b", 4), ("c", 2)] if k % 2 else [("a", 3), ("c", 1)]
-            x = torch.randn(sum(c for _, c in rows), cfg.hc_mult, cfg.dim, generator=g, device="cuda")
-            x = x.to(torch.bfloat16)
-            y1, p1 = col(x, rows)
-            y2, p2 = fused(x, rows)
-            assert torch.equal(y1, y2) and torch.equal(p1, p2), f"step {k}: fused != collective"
-            assert tp.same_on_all_ranks(y2), f"step {k}: ranks differ"
-            print(f"rank {rank}: step {k} fused == collective", flush=True)
-        # rank 1 stays alive but stops publishing: rank 0's next call names it after the bounded
-        # wait (one bound per step: later boundaries skip the wait). Rank 1 keeps its process group
-        # until rank 0 is done (on the GPUs, tearing NCCL down under a live peer blocked the peer).
-        dist.barrier()
-        named = store + ".named"
-        if rank == 0:
-            t0 = time.monotonic()
-            with pytest.raises(RuntimeError, match="rank 1 of 2 did not publish"):
-                fused(x, rows)
-            print(f"rank 0: the stalled rank was named after {time.monotonic() - t0:.2f} s", flush=True)
-            open(named, "w").close()
-        else:
-            deadline = time.monotonic() + 120
-            while not os.path.exists(named) and time.monotonic() < deadline:
-                time.sleep(0.05)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    stack = AttentionStack(ckpt, tp=tp)
+    s_col, s_fused = copy.deepcopy(base), copy.deepcopy(base)
+    col = stack.decode_step(s_col, max_rows=8, tp_boundary="collective")
+    fused = stack.decode_step(s_fused, max_rows=8, tp_boundary="fused")
+    assert (col.boundary_mode, fused.boundary_mode) == ("collective", "fused")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for k in range(12):
+        rows = [("a", 1), ("b", 4), ("c", 2)] if k % 2 else [("a", 3), ("c", 1)]
+        x = torch.randn(sum(c for _, c in rows), cfg.hc_mult, cfg.dim, generator=g, device="cuda")
+        x = x.to(torch.bfloat16)
+        y1, p1 = col(x, rows)
+        y2, p2 = fused(x, rows)
+        assert torch.equal(y1, y2) and torch.equal(p1, p2), f"step {k}: fused != collective"
+        assert tp.same_on_all_ranks(y2), f"step {k}: ranks differ"
+        print(f"rank {rank}: step {k} fused == collective", flush=True)
+    # rank 1 stays alive but stops publishing: rank 0's next call names it after the bounded wait
+    # (one bound per step: later boundaries skip the wait). A group whose boundary failed is not
+    # reused: on the GPUs an NCCL barrier or teardown after the failure blocked (H200 x2, commit
+    # fd99d7c), so both ranks leave through the file system and os._exit, like a serving engine
+    # that aborts the group.
+    dist.barrier()
+    if rank == 0:
+        t0 = time.monotonic()
+        try:
+            fused(x, rows)
+            verdict = "no error"
+        except RuntimeError as e:
+            verdict = str(e)
+        with open(out, "w") as f:
+            f.write(f"{time.monotonic() - t0:.2f} s: {verdict}")
+        print(f"rank 0: {verdict[:80]!r} after {time.monotonic() - t0:.2f} s", flush=True)
+    else:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(out) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    os._exit(0)
 
 
 def test_fused_boundary_equals_collective_on_two_gpus(tmp_path):
-    mp.spawn(_rank, args=(2, str(tmp_path / "store")), nprocs=2, join=True)
+    out = tmp_path / "verdict.txt"
+    mp.spawn(_rank, args=(2, str(tmp_path / "store"), str(out)), nprocs=2, join=True)
+    verdict = out.read_text()          # absent if a rank failed before the stall (spawn raised then)
+    print("stalled rank:", verdict)
+    assert "rank 1 of 2 did not publish" in verdict, verdict
 
 
 def _killed(rank: int, world: int, store: str, out: str) -> None:
