@@ -78,7 +78,8 @@ def check_sparse_mla():
 
 def check_sparse_mla_combine():
     types = {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*i16"}
-    _assert_waits_first(_ptx(sparse_mla._sparse_mla_combine_kernel, types, dict(SPLIT=20, BLOCK_H=16, PDL=True)))
+    _assert_waits_first(_ptx(sparse_mla._sparse_mla_combine_kernel, types,
+                             dict(SPLIT=20, BLOCK_H=16, CHUNK=16, PDL=True)))
 
 
 def check_rms_norm():
