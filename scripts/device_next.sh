@@ -4,6 +4,7 @@
 #          launches, graph == eager, teacher forcing, the 256-step run) and the TP-free ops
 #   probe  the sparse-MLA plan sweep (scripts/probe_sparse_mla.py: inline vs separate combine)
 #   qprobe the step's sparse-MLA tilings next to the separate-combine variants (short)
+#   wprobe the grouped wo_a's plan variants (scripts/probe_wo_a.py)
 #   iprobe the indexer logits' launch knobs (scripts/probe_indexer.py)
 #   ncu    ncu on one launch of the sparse MLA's default plan (1 row, 64 heads): registers, spills, stalls
 #   bench  `bench step` at every row count and context, variants full / no_overlap / pdl / wo_a_fp8
@@ -23,6 +24,8 @@ for stage in $STAGES; do
         2>&1 | tee "$OUT/qprobe_sparse_mla.txt" | tail -60 ;;
     probe)
       timeout ${PROBE_S:-300} python scripts/probe_sparse_mla.py 2>&1 | tee "$OUT/probe_sparse_mla.txt" | tail -90 ;;
+    wprobe)   # the grouped wo_a's plan variants (BF16 tensor-core operands, splits, stages)
+      timeout ${PROBE_S:-180} python scripts/probe_wo_a.py ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe_wo_a.txt" | tail -70 ;;
     iprobe)
       timeout ${PROBE_S:-300} python scripts/probe_indexer.py 2>&1 | tee "$OUT/probe_indexer.txt" | tail -100 ;;
     ncu)

@@ -62,7 +62,8 @@ def check_wo_a():
              "z_ptr": "*i16", "part_ptr": "*fp32", "count_ptr": "*i32", "codes_ptr": "*u8", "scales_ptr": "*u8"}
     consts = dict(R=1024, HEADS_PER_GROUP=8, HEAD_DIM=512, ROPE_DIM=64, K_PER_SPLIT=2048, SPLIT=2,
                   BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, FP8=False, NUM_STAGES=3, QUANT=True, PDL=True)
-    _assert_waits_first(_ptx(fn, types, consts))
+    for bf16_dot in (False, True):
+        _assert_waits_first(_ptx(fn, types, dict(consts, BF16_DOT=bf16_dot)))
 
 
 def check_sparse_mla():

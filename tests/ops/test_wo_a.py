@@ -183,14 +183,16 @@ def test_bf16_plan_rejects_a_scale_and_bad_plans_name_the_field():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("bf16_dot", [False, True])
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("heads", [64, 32, 16, 8])
-def test_gpu_real_shapes(heads, fp8):
+def test_gpu_real_shapes(heads, fp8, bf16_dot):
     groups = heads // 8   # this rank's share of the 8 groups under TP1/2/4/8
     o, cis, cos, sin, w = _inputs(64, heads, groups, 1024, seed=heads)
     weight, scale = quantize_wo_a(w) if fp8 else (w, None)
     w_ref = fp8_block_dequantize(weight, scale).bfloat16() if fp8 else w
-    plan = WoAPlan.build(heads, groups, 1024, 64, weight.dtype, "cuda")
+    plan = WoAPlan.build(heads, groups, 1024, 64, weight.dtype, "cuda", bf16_dot=bf16_dot)
+    assert plan.bf16_dot is bf16_dot
     out = torch.empty(64, groups * 1024, dtype=torch.bfloat16, device="cuda")
     for m in (1, 2, 3, 4, 8, 16, 37, 64):
         wo_a_(plan, o[:m], cos[:m], sin[:m], weight, scale, out[:m])
@@ -218,3 +220,9 @@ def test_gpu_rotation_bit_exact_and_graph_replay():
         # The reference's rotation on the CPU (torch's CUDA complex product may contract to FMA).
         assert torch.equal(out.cpu(), rope_tail(o.cpu(), cis2.cpu(), 64, inverse=True).reshape(m, -1))
     assert not plan.counters.any()
+
+
+def test_bf16_dot_is_a_gpu_option():
+    # the interpreter's BF16 dots are wrong: off the GPU the plan keeps TF32 on FP32 operands
+    plan = WoAPlan.build(8, 4, 64, 4, torch.bfloat16, "cpu", bf16_dot=True)
+    assert plan.bf16_dot is False

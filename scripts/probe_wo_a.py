@@ -1,0 +1,68 @@
+"""Probe the grouped `wo_a` kernel on a GPU: plan variants side by side (graph replay over weight
+copies rotated beyond L2, 32+ calls per graph) at the step's shape (64 heads, 8 groups of 1024
+outputs, BF16 and FP8 weights), rows 1, 4, 16. Every variant's output is compared with the
+default plan's (max abs difference). `--only=a,b` picks variants, `--rows=1,4` the rows.
+Prints; writes nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+from dsv41_decode.bench.timing import graph_time_us, l2_rotation
+from dsv41_decode.ops.wo_a import WoAPlan, quantize_wo_a, wo_a_
+
+HEADS, GROUPS, RANK = 64, 8, 1024
+VARIANTS = {
+    "default": {}, "bf16dot": dict(bf16_dot=True),
+    "split1": dict(split=1), "split4": dict(split=4), "split8": dict(split=8),
+    "stages2": dict(num_stages=2), "stages4": dict(num_stages=4), "stages6": dict(num_stages=6),
+    "warps8": dict(num_warps=8), "bf16dot_split4": dict(bf16_dot=True, split=4),
+    "bf16dot_stages4": dict(bf16_dot=True, num_stages=4),
+}
+
+
+def _arg(name: str, default: str) -> str:
+    return next((a.split("=", 1)[1] for a in sys.argv if a.startswith(f"--{name}=")), default)
+
+
+def main() -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = [int(r) for r in _arg("rows", "1,4,16").split(",")]
+    names = _arg("only", ",".join(VARIANTS)).split(",")
+    k = HEADS // GROUPS * 512
+    w = torch.randn(GROUPS * RANK, k, generator=g, device="cuda") * k ** -0.5
+    for fp8 in (False, True):
+        weight, scale = quantize_wo_a(w) if fp8 else (w.bfloat16(), None)
+        nbytes = weight.numel() * weight.element_size() + (scale.numel() if fp8 else 0)
+        copies = l2_rotation(nbytes)
+        ws = [weight.clone() for _ in range(copies)]
+        for m in rows:
+            o = torch.randn(m, HEADS, 512, generator=g, device="cuda").bfloat16()
+            ang = torch.rand(m, 32, generator=g, device="cuda") * 2 * math.pi
+            cos, sin = torch.cos(ang), torch.sin(ang)
+            out = torch.empty(m, GROUPS * RANK, dtype=torch.bfloat16, device="cuda")
+            ref = None
+            for name in names:
+                try:
+                    plan = WoAPlan.build(HEADS, GROUPS, RANK, 64, weight.dtype, "cuda", **VARIANTS[name])
+
+                    def fn(plan=plan):
+                        for wc in ws:
+                            wo_a_(plan, o, cos, sin, wc, scale, out)
+                    us = graph_time_us(fn, calls_per_graph=copies, replays=30)
+                    ref = out.float().clone() if ref is None else ref
+                    err = float((out.float() - ref).abs().max())
+                    print(f"{'fp8 ' if fp8 else 'bf16'} rows {m:2d} {name:16s} {us:7.2f} us "
+                          f"{nbytes / us / 1e3:6.0f} GB/s  split {plan.split} stages {plan.num_stages} "
+                          f"warps {plan.num_warps} bf16_dot {plan.bf16_dot}  |d| {err:.1e}", flush=True)
+                except Exception as e:  # report, keep probing
+                    print(f"{'fp8' if fp8 else 'bf16'} rows {m} {name}: {type(e).__name__}: {str(e)[:160]}",
+                          flush=True)
+
+
+if __name__ == "__main__":
+    main()
