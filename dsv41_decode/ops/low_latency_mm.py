@@ -78,7 +78,7 @@ def _mxfp8_ll_mm_kernel(
     step_hi = tl.minimum(step_lo + steps_per_split, K // BLOCK_K)
     # With PDL: the program's weight bytes start towards L2 while the predecessor still runs.
     pdl.prefetch_rows_l2(w_rows + step_lo * BLOCK_K, (step_hi - step_lo) * BLOCK_K, PDL)
-    pdl.enter(PDL)
+    pdl.enter(PDL, RELEASE=False)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for step in range(step_lo, step_hi):
         # A multiple of BLOCK_K by construction: the compiler can prove the loads 16-byte aligned.
@@ -111,6 +111,7 @@ def _mxfp8_ll_mm_kernel(
                 part = tl.dot(w, xt)                                                    # [BN, BM]
                 # The reference's order: partial * sx * sw, then the K-ordered FP32 sum.
                 acc += (part * sx[None, :]) * sw[:, None]
+    pdl.release(PDL)   # the successor may launch once every program is past its K loop
 
     if SPLIT_K:
         # Partial s of tile t lives at ws[(t * n_split + s) * M * BN + m * BN + n]: only the M real

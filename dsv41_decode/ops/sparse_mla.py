@@ -160,7 +160,7 @@ def _sparse_mla_kernel(
     BLOCK_H: tl.constexpr, BLOCK_KEYS: tl.constexpr, BF16_DOT: tl.constexpr, NATIVE_FP8: tl.constexpr,
     SEPARATE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
-    pdl.enter(PDL)
+    pdl.enter(PDL, RELEASE=False)
     D: tl.constexpr = 512
     DC: tl.constexpr = 128
     NB_W: tl.constexpr = (W + BLOCK_KEYS - 1) // BLOCK_KEYS
@@ -204,6 +204,7 @@ def _sparse_mla_kernel(
                                                  scale, False, BF16_DOT, NATIVE_FP8)
 
     nv = tl.sum(nvalid, axis=0)
+    pdl.release(PDL)   # the successor (the combination, or the next op) may launch
     lh = tl.arange(0, BLOCK_H)
     out_rows = out_ptr + r * stride_on + rh[:, None] * stride_oh + rc[None, :]
     sink = tl.load(sink_ptr + rh, mask=h_ok, other=0.0)

@@ -81,7 +81,7 @@ def _wo_a_kernel(
 
     # With PDL: the program's weight bytes start towards L2 while the predecessor still runs.
     pdl.prefetch_rows_l2(w_ptr + rn * stride_wn + k_lo, K_PER_SPLIT * (1 if FP8 else 2), PDL)
-    pdl.enter(PDL)
+    pdl.enter(PDL, RELEASE=False)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kk in tl.range(0, K_PER_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
         k0 = k_lo + kk
@@ -106,6 +106,7 @@ def _wo_a_kernel(
                 acc += tl.dot(xd, wt, input_precision="tf32") * scale[None, :]
             else:
                 acc = tl.dot(xd, wt, acc, input_precision="tf32")
+    pdl.release(PDL)   # the successor may launch once every program is past its K loop
 
     mask = tl.broadcast_to(m_ok[:, None], (BLOCK_M, BLOCK_N))
     z_ptrs = z_ptr + rm[:, None] * stride_zm + rn[None, :]

@@ -44,6 +44,13 @@ def _assert_waits_first(ptx: str) -> None:
     assert body.index("griddepcontrol.launch_dependents") > wait
 
 
+def _assert_releases_after_main_loop(ptx: str, marker: str) -> None:
+    """A long kernel lets its successor launch only after its main loop (the last `marker`)."""
+    body = ptx[ptx.index(".entry"):]
+    assert body.rindex(marker) < body.index("griddepcontrol.launch_dependents"), \
+        f"griddepcontrol.launch_dependents before the last {marker}"
+
+
 def check_low_latency_mm(dequant):
     fn = low_latency_mm._mxfp8_ll_mm_kernel
     types = {"x_ptr": "*u8", "sx_ptr": "*u8", "w_ptr": "*fp8e4nv", "sw_ptr": "*u8", "y_ptr": "*i16",
@@ -53,6 +60,7 @@ def check_low_latency_mm(dequant):
     types["x_ptr"] = "*fp8e4nv"
     ptx = _ptx(fn, types, consts)
     _assert_waits_first(ptx)
+    _assert_releases_after_main_loop(ptx, "mma")
     assert "cp.async.bulk.prefetch.L2" in ptx[:ptx.index("griddepcontrol.wait")]
 
 
@@ -63,7 +71,9 @@ def check_wo_a():
     consts = dict(R=1024, HEADS_PER_GROUP=8, HEAD_DIM=512, ROPE_DIM=64, K_PER_SPLIT=2048, SPLIT=2,
                   BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, FP8=False, NUM_STAGES=3, QUANT=True, PDL=True)
     for bf16_dot in (False, True):
-        _assert_waits_first(_ptx(fn, types, dict(consts, BF16_DOT=bf16_dot)))
+        ptx = _ptx(fn, types, dict(consts, BF16_DOT=bf16_dot))
+        _assert_waits_first(ptx)
+        _assert_releases_after_main_loop(ptx, "mma")
 
 
 def check_sparse_mla():
@@ -73,7 +83,9 @@ def check_sparse_mla():
              "count_ptr": "*i32", "scale": "fp32"}
     consts = dict(W=128, KC=512, SPLIT=4, BLOCKS_PER_SPLIT=10, BLOCK_H=16, BLOCK_KEYS=16, BF16_DOT=True,
                   NATIVE_FP8=True, PDL=True)
-    _assert_waits_first(_ptx(fn, types, consts))
+    ptx = _ptx(fn, types, consts)
+    _assert_waits_first(ptx)
+    _assert_releases_after_main_loop(ptx, "mma")
 
 
 
