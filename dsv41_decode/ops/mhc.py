@@ -100,11 +100,10 @@ def _mxfp8_blocks(v):
 
 
 @triton.jit
-def _store_normed(c, r, w_ptr, u_row, codes_row, scales_row, d0, d, mask, D: tl.constexpr, BLOCK: tl.constexpr):
-    """u = bf16(w * (c * r)) at the columns d = d0 + [0, BLOCK) of one row, and its MXFP8 codes and
-    scale bytes (blocks of 32 from d0)."""
+def _store_normed(c, r, w, u_row, codes_row, scales_row, d0, d, mask, D: tl.constexpr, BLOCK: tl.constexpr):
+    """u = bf16(w * (c * r)) at the columns d = d0 + [0, BLOCK) of one row (w: the norm weight there,
+    FP32), and its MXFP8 codes and scale bytes (blocks of 32 from d0)."""
     NB: tl.constexpr = BLOCK // 32
-    w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
     bits = bf16_rne_bits(w * (c * r))
     tl.store(u_row + d, bits, mask=mask)
     codes, scale_byte = _mxfp8_blocks(tl.reshape(_widen(bits), (NB, 32)))
@@ -152,7 +151,8 @@ def _mhc_boundary_kernel(
         tl.store(xo_row + stride_xoh + d, b1, mask=mask)
         tl.store(xo_row + 2 * stride_xoh + d, b2, mask=mask)
         tl.store(xo_row + 3 * stride_xoh + d, b3, mask=mask)
-        _store_normed(c, r, w_ptr, u_row, codes_ptr + n * stride_codes, scales_ptr + n * stride_scales, d0, d, mask,
+        w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
+        _store_normed(c, r, w, u_row, codes_ptr + n * stride_codes, scales_ptr + n * stride_scales, d0, d, mask,
                       D, BLOCK_D)
 
 
@@ -204,12 +204,26 @@ def split_finish(b0, b1, b2, b3, c, n, ch, d, mask, w_ptr, xo_ptr, u_ptr, codes_
         ms = tl.div_rn(total, tl.where(total == total, D * 1.0, D * 1.0))
         root = tl.sqrt_rn(ms + eps)
         r = tl.div_rn(tl.where(root == root, 1.0, 1.0), root)
-        for d0 in tl.range(0, D, BLOCK_N):
+        # The row's serial tail, unrolled with the next slice's loads (u and the norm weight) issued
+        # before this slice's stores (a runtime loop paid one dependent L2 round trip per slice; u
+        # is both read and written, so the compiler cannot hoist the loads itself).
+        NS: tl.constexpr = (D + BLOCK_N - 1) // BLOCK_N
+        scales_row = scales_ptr + n * stride_scales
+        codes_row = codes_ptr + n * stride_codes
+        dd = tl.arange(0, BLOCK_N)
+        cc = _widen(tl.load(u_row + dd, mask=dd < D, other=0, cache_modifier=".cg"))
+        ww = tl.load(w_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
+        for i in tl.static_range(NS):
+            d0 = i * BLOCK_N
             dd = d0 + tl.arange(0, BLOCK_N)
-            mm = dd < D
-            cc = _widen(tl.load(u_row + dd, mask=mm, other=0, cache_modifier=".cg"))
-            _store_normed(cc, r, w_ptr, u_row, codes_ptr + n * stride_codes, scales_ptr + n * stride_scales, d0, dd,
-                          mm, D, BLOCK_N)
+            if i + 1 < NS:
+                dn = dd + BLOCK_N
+                cc_next = _widen(tl.load(u_row + dn, mask=dn < D, other=0, cache_modifier=".cg"))
+                ww_next = tl.load(w_ptr + dn, mask=dn < D, other=0.0).to(tl.float32)
+            _store_normed(cc, r, ww, u_row, codes_row, scales_row, d0, dd, dd < D, D, BLOCK_N)
+            if i + 1 < NS:
+                cc = cc_next
+                ww = ww_next
 
 
 @dataclass(frozen=True, eq=False)
