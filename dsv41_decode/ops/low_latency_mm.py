@@ -51,11 +51,11 @@ def _store_y(y_ptr, acc, rn, rm, M, N, stride_ym, OUT_F32: tl.constexpr):
 
 # The row count, split sizes and scale strides take no part in vectorization: leaving them
 # unspecialized keeps one compiled kernel per configuration for every shape and row count.
-@triton.jit(do_not_specialize=["M", "stride_sxm", "stride_swn", "steps_per_split", "n_split"])
+@triton.jit(do_not_specialize=["M", "stride_sxm", "stride_swn", "steps_per_split"])
 def _mxfp8_ll_mm_kernel(
     x_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, ws_ptr, cnt_ptr,
-    M, N, K, stride_xm, stride_sxm, stride_wn, stride_swn, stride_ym, steps_per_split, n_split,
-    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    M, N, K, stride_xm, stride_sxm, stride_wn, stride_swn, stride_ym, steps_per_split,
+    N_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, DEQUANT: tl.constexpr, DOT_F32: tl.constexpr, OUT_F32: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
@@ -114,19 +114,21 @@ def _mxfp8_ll_mm_kernel(
     pdl.release(PDL)   # the successor may launch once every program is past its K loop
 
     if SPLIT_K:
-        # Partial s of tile t lives at ws[(t * n_split + s) * M * BN + m * BN + n]: only the M real
+        # Partial s of tile t lives at ws[(t * N_SPLIT + s) * M * BN + m * BN + n]: only the M real
         # rows, n contiguous.
         rn_l = tl.arange(0, BLOCK_N)
         m_ok = rm[None, :] < M
-        tile_ws = ws_ptr + pid_n * n_split * M * BLOCK_N + rm[None, :] * BLOCK_N + rn_l[:, None]
+        tile_ws = ws_ptr + pid_n * N_SPLIT * M * BLOCK_N + rm[None, :] * BLOCK_N + rn_l[:, None]
         tl.store(tile_ws + pid_s * M * BLOCK_N, acc, mask=m_ok)
         # Every thread's partial is written before one thread's release of the counter.
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == n_split - 1:
+        if arrived == N_SPLIT - 1:
             tl.debug_barrier()
             total = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-            for s in range(n_split):
+            # Unrolled (N_SPLIT is a constexpr): the loads are independent straight-line code that
+            # goes out together, one L2 round trip instead of one per split on the serial tail.
+            for s in tl.static_range(N_SPLIT):
                 # .cg: from L2, never from a line this SM's L1 kept from an earlier launch.
                 total += tl.load(tile_ws + s * M * BLOCK_N, mask=m_ok, other=0.0, cache_modifier=".cg")
             _store_y(y_ptr, total, rn, rm, M, N, stride_ym, OUT_F32)
@@ -324,8 +326,8 @@ class LowLatencyMM:
             out if out.dtype == torch.float32 else out.view(torch.int16),
             self._workspace, self._counters,
             m, self.n, self.k, codes.stride(0), x_scale.stride(0), self.weight.stride(0),
-            self.w_scale.stride(0), out.stride(0), launch.k_per_split // cfg.block_k, launch.split,
-            BLOCK_N=cfg.block_n, BLOCK_M=launch.block_m, BLOCK_K=cfg.block_k,
+            self.w_scale.stride(0), out.stride(0), launch.k_per_split // cfg.block_k,
+            N_SPLIT=launch.split, BLOCK_N=cfg.block_n, BLOCK_M=launch.block_m, BLOCK_K=cfg.block_k,
             SPLIT_K=launch.split > 1, DEQUANT=cfg.dequant, DOT_F32=self._dot_f32, OUT_F32=out.dtype == torch.float32,
             PDL=pdl.active(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(),
         )

@@ -55,7 +55,7 @@ def check_low_latency_mm(dequant):
     fn = low_latency_mm._mxfp8_ll_mm_kernel
     types = {"x_ptr": "*u8", "sx_ptr": "*u8", "w_ptr": "*fp8e4nv", "sw_ptr": "*u8", "y_ptr": "*i16",
              "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
-    consts = dict(BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, SPLIT_K=True, DEQUANT=dequant, DOT_F32=False,
+    consts = dict(N_SPLIT=4, BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, SPLIT_K=True, DEQUANT=dequant, DOT_F32=False,
                   OUT_F32=False, PDL=True)
     types["x_ptr"] = "*fp8e4nv"
     ptx = _ptx(fn, types, consts)
