@@ -41,6 +41,18 @@ def _join(rank: int, world: int, store: str, seed: int, lengths: dict):
     return cfg, TensorParallel(world, rank), ckpt, base
 
 
+def _write_verdict(call, out: str) -> None:
+    """Time `call` (a step expected to fail on a missing peer) and write "<seconds> s: <error>"."""
+    t0 = time.monotonic()
+    try:
+        call()
+        verdict = "no error"
+    except RuntimeError as e:
+        verdict = str(e)
+    with open(out, "w") as f:
+        f.write(f"{time.monotonic() - t0:.2f} s: {verdict}")
+
+
 def _rank(rank: int, world: int, store: str, out: str) -> None:
     cfg, tp, ckpt, base = _join(rank, world, store, 3, {"a": 300, "b": 77, "c": 5})
     stack = AttentionStack(ckpt, tp=tp)
@@ -65,15 +77,7 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
     # that aborts the group.
     dist.barrier()
     if rank == 0:
-        t0 = time.monotonic()
-        try:
-            fused(x, rows)
-            verdict = "no error"
-        except RuntimeError as e:
-            verdict = str(e)
-        with open(out, "w") as f:
-            f.write(f"{time.monotonic() - t0:.2f} s: {verdict}")
-        print(f"rank 0: {verdict[:80]!r} after {time.monotonic() - t0:.2f} s", flush=True)
+        _write_verdict(lambda: fused(x, rows), out)
     else:
         deadline = time.monotonic() + 120
         while not os.path.exists(out) and time.monotonic() < deadline:
@@ -100,14 +104,7 @@ def _killed(rank: int, world: int, store: str, out: str) -> None:
     if rank == 1:
         os._exit(0)                                    # killed: no teardown, its memory goes with it
     time.sleep(2.0)
-    t0 = time.monotonic()
-    try:
-        step(x, rows)
-        verdict = "no error"
-    except RuntimeError as e:
-        verdict = str(e)
-    with open(out, "w") as f:
-        f.write(f"{time.monotonic() - t0:.2f} s: {verdict}")
+    _write_verdict(lambda: step(x, rows), out)
     os._exit(0)                                        # NCCL cannot be torn down without the peer
 
 
