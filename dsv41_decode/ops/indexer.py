@@ -61,14 +61,74 @@ def _dot_acc(key, q, acc, DOT_BF16: tl.constexpr):
     return tl.dot(key, q.to(tl.float32), acc, input_precision="ieee")
 
 
+# --- the FP8 path (`fp8_dot=True`): E2M1 nibbles as E4M3 bytes, one K=32 FP8 dot per scale block ---
+#
+# The byte ((c & 7) << 2) | ((c & 8) << 4) is, read as E4M3, exactly E2M1(c) * 2^-6 (subnormal for
+# c's exponent 0, normal above), so a record's 64 code bytes become 128 E4M3 operands with a few
+# bit operations per four bytes and no float arithmetic. The index query is MXFP4 too: each of its
+# 32-dim blocks, times 2^-(s + 6) for s = floor(log2 max|block|) - 2, is E4M3-exact (E2M1 values
+# times a power of two, at most 2^-3, none below 2^-7). Per block the dot of the two is then a
+# K = 32 FP8 tensor-core product (exact products, FP32 sum of 32 terms), scaled back by the two
+# powers of two; the four blocks add in order.
+
+
+@triton.jit
+def _e4m3_of_nibbles(b, ASM: tl.constexpr):
+    """(lo, hi): for uint8 code bytes b, the E4M3 bytes of their low and high E2M1 nibbles (times
+    2^-6, exact). ASM: four bytes per 32-bit operation in inline PTX (the GPU); else per byte."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "{\n\t.reg .b32 t0, t1;\n\t"
+            "and.b32 t0, $2, 0x07070707;\n\tshl.b32 t0, t0, 2;\n\t"
+            "and.b32 t1, $2, 0x08080808;\n\tshl.b32 t1, t1, 4;\n\tor.b32 $0, t0, t1;\n\t"
+            "shr.b32 t0, $2, 2;\n\tand.b32 t0, t0, 0x1C1C1C1C;\n\t"
+            "and.b32 t1, $2, 0x80808080;\n\tor.b32 $1, t0, t1;\n\t}",
+            "=r,=r,r", [b], dtype=(tl.uint8, tl.uint8), is_pure=True, pack=4)
+    lo = ((b & 7) << 2) | ((b & 8) << 4)
+    hi = ((b >> 2) & 0x1C) | (b & 0x80)
+    return lo.to(tl.uint8), hi.to(tl.uint8)
+
+
+@triton.jit
+def _q_block_e4m3(iq_ptr, n, iq_sn, iq_sh, heads, blk: tl.constexpr, BLOCK_H: tl.constexpr):
+    """(q', f): query dims 32 blk .. 32 blk + 31 of row n as [32, BLOCK_H] E4M3 values q' and the
+    per-head power of two f with q = q' * f exactly (see above; an all-zero block gives q' = 0)."""
+    offs_h = tl.arange(0, BLOCK_H)
+    q = tl.load(iq_ptr + n.to(tl.int64) * iq_sn + offs_h[None, :] * iq_sh + (blk * 32 + tl.arange(0, 32))[:, None],
+                mask=(offs_h < heads)[None, :], other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(q), axis=0)
+    e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF          # biased exponent of max|q|
+    e = tl.minimum(tl.maximum(e, 1), 250)                        # zero (or subnormal) blocks: any s
+    # s = e - 129: q * 2^-(s + 6) = q * 2^(123 - e); f = 2^(s + 6) = 2^(e - 123)
+    down = ((250 - e) << 23).to(tl.float32, bitcast=True)
+    up = ((e + 4) << 23).to(tl.float32, bitcast=True)
+    return (q * down[None, :]).to(tl.float8e4nv), up
+
+
+@triton.jit
+def _block_scores_fp8(pool8_ptr, rec, vis, blk: tl.constexpr, kscale, qb, qf, DOT_FP8: tl.constexpr,
+                      ASM: tl.constexpr, BLOCK_E: tl.constexpr):
+    """[E, H] FP32: key block blk (dims 32 blk ..) of the records rec dotted with the query block
+    (qb, qf), exact per block; kscale [E]: the keys' block scales as 2^(byte - 121)."""
+    b = tl.load(pool8_ptr + rec[:, None] * 68 + blk * 16 + tl.arange(0, 16)[None, :],
+                mask=vis[:, None], other=0)                                   # [E, 16] code bytes
+    lo, hi = _e4m3_of_nibbles(b, ASM)
+    k = tl.reshape(tl.join(lo, hi), (BLOCK_E, 32)).to(tl.float8e4nv, bitcast=True)   # dims in order
+    if DOT_FP8:
+        d = tl.dot(k, qb)
+    else:    # the interpreter: the same exact products through FP32
+        d = tl.dot(k.to(tl.float32), qb.to(tl.float32), input_precision="ieee")
+    return (d * qf[None, :]) * kscale[:, None]
+
+
 # `page` is not specialized: with a page divisible by 16, Triton would take every record id
 # `blk * page + e % page` for a multiple of 16 and vectorize the 17-word record loads past their
 # 4-byte alignment (a misaligned-address fault on the H200).
 @triton.jit(do_not_specialize=["page"])
-def _index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_ptr, cand_ptr, out_ptr,
+def _index_scores_kernel(iq_ptr, w_ptr, pool_ptr, pool8_ptr, bt_ptr, slot_ptr, nvis_ptr, cand_ptr, out_ptr,
                          heads, max_entries, page, bt_stride, iq_sn, iq_sh, w_sn, cand_sn, out_sn,
                          BLOCK_H: tl.constexpr, BLOCK_E: tl.constexpr, HAS_CAND: tl.constexpr,
-                         DOT_BF16: tl.constexpr):
+                         DOT_BF16: tl.constexpr, FP8: tl.constexpr = False, ASM: tl.constexpr = False):
     n = tl.program_id(0)
     pid = tl.program_id(1)
     nprog = tl.num_programs(1)
@@ -77,14 +137,20 @@ def _index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_ptr, ca
     out_row = out_ptr + n.to(tl.int64) * out_sn
     offs_h = tl.arange(0, BLOCK_H)
     wv = tl.load(w_ptr + n.to(tl.int64) * w_sn + offs_h, mask=offs_h < heads, other=0.0).to(tl.float32)
-    q0 = _q_slice(iq_ptr, n, iq_sn, iq_sh, heads, 0, BLOCK_H, DOT_BF16)
-    q1 = _q_slice(iq_ptr, n, iq_sn, iq_sh, heads, 1, BLOCK_H, DOT_BF16)
-    q2 = _q_slice(iq_ptr, n, iq_sn, iq_sh, heads, 2, BLOCK_H, DOT_BF16)
-    q3 = _q_slice(iq_ptr, n, iq_sn, iq_sh, heads, 3, BLOCK_H, DOT_BF16)
-    q4 = _q_slice(iq_ptr, n, iq_sn, iq_sh, heads, 4, BLOCK_H, DOT_BF16)
-    q5 = _q_slice(iq_ptr, n, iq_sn, iq_sh, heads, 5, BLOCK_H, DOT_BF16)
-    q6 = _q_slice(iq_ptr, n, iq_sn, iq_sh, heads, 6, BLOCK_H, DOT_BF16)
-    q7 = _q_slice(iq_ptr, n, iq_sn, iq_sh, heads, 7, BLOCK_H, DOT_BF16)
+    if FP8:
+        qa, fa = _q_block_e4m3(iq_ptr, n, iq_sn, iq_sh, heads, 0, BLOCK_H)
+        qb, fb = _q_block_e4m3(iq_ptr, n, iq_sn, iq_sh, heads, 1, BLOCK_H)
+        qc, fc = _q_block_e4m3(iq_ptr, n, iq_sn, iq_sh, heads, 2, BLOCK_H)
+        qd, fd = _q_block_e4m3(iq_ptr, n, iq_sn, iq_sh, heads, 3, BLOCK_H)
+    else:
+        q0 = _q_slice(iq_ptr, n, iq_sn, iq_sh, heads, 0, BLOCK_H, DOT_BF16)
+        q1 = _q_slice(iq_ptr, n, iq_sn, iq_sh, heads, 1, BLOCK_H, DOT_BF16)
+        q2 = _q_slice(iq_ptr, n, iq_sn, iq_sh, heads, 2, BLOCK_H, DOT_BF16)
+        q3 = _q_slice(iq_ptr, n, iq_sn, iq_sh, heads, 3, BLOCK_H, DOT_BF16)
+        q4 = _q_slice(iq_ptr, n, iq_sn, iq_sh, heads, 4, BLOCK_H, DOT_BF16)
+        q5 = _q_slice(iq_ptr, n, iq_sn, iq_sh, heads, 5, BLOCK_H, DOT_BF16)
+        q6 = _q_slice(iq_ptr, n, iq_sn, iq_sh, heads, 6, BLOCK_H, DOT_BF16)
+        q7 = _q_slice(iq_ptr, n, iq_sn, iq_sh, heads, 7, BLOCK_H, DOT_BF16)
     sshift = ((tl.arange(0, 16) // 4) * 8)[None, :]
     n_vis_blocks = tl.cdiv(n_vis, BLOCK_E)
     for b in tl.range(pid, n_vis_blocks, nprog):
@@ -95,20 +161,31 @@ def _index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_ptr, ca
             vis = vis & (cand != 0)
         blk = tl.load(bt_ptr + slot * bt_stride + offs_e // page, mask=vis, other=0)
         rec = blk.to(tl.int64) * page + offs_e % page                       # [E]
-        words = tl.load(pool_ptr + rec[:, None] * 17 + tl.arange(0, 16)[None, :],
-                        mask=vis[:, None], other=0)                         # [E, 16] int32
         sw = tl.load(pool_ptr + rec * 17 + 16, mask=vis, other=0)           # [E] 4 scale bytes
-        scale = (((sw[:, None] >> sshift) & 0xFF) << 23).to(tl.float32, bitcast=True)  # [E, 16]
-        # key dim w * 8 + j is nibble j of word w: 8 dots over K = 16 words, one per nibble position
-        acc = tl.zeros((BLOCK_E, BLOCK_H), tl.float32)
-        acc = _dot_acc(_e2m1_times_scale(words, 0, scale), q0, acc, DOT_BF16)
-        acc = _dot_acc(_e2m1_times_scale(words, 1, scale), q1, acc, DOT_BF16)
-        acc = _dot_acc(_e2m1_times_scale(words, 2, scale), q2, acc, DOT_BF16)
-        acc = _dot_acc(_e2m1_times_scale(words, 3, scale), q3, acc, DOT_BF16)
-        acc = _dot_acc(_e2m1_times_scale(words, 4, scale), q4, acc, DOT_BF16)
-        acc = _dot_acc(_e2m1_times_scale(words, 5, scale), q5, acc, DOT_BF16)
-        acc = _dot_acc(_e2m1_times_scale(words, 6, scale), q6, acc, DOT_BF16)
-        acc = _dot_acc(_e2m1_times_scale(words, 7, scale), q7, acc, DOT_BF16)   # [E, H]
+        if FP8:
+            # key block j's scale 2^(byte - 127), times the 2^6 of the E4M3 operands: 2^(byte - 121)
+            ka = (((sw & 0xFF) + 6) << 23).to(tl.float32, bitcast=True)
+            kb = ((((sw >> 8) & 0xFF) + 6) << 23).to(tl.float32, bitcast=True)
+            kc = ((((sw >> 16) & 0xFF) + 6) << 23).to(tl.float32, bitcast=True)
+            kd = ((((sw >> 24) & 0xFF) + 6) << 23).to(tl.float32, bitcast=True)
+            acc = _block_scores_fp8(pool8_ptr, rec, vis, 0, ka, qa, fa, DOT_BF16, ASM, BLOCK_E)
+            acc += _block_scores_fp8(pool8_ptr, rec, vis, 1, kb, qb, fb, DOT_BF16, ASM, BLOCK_E)
+            acc += _block_scores_fp8(pool8_ptr, rec, vis, 2, kc, qc, fc, DOT_BF16, ASM, BLOCK_E)
+            acc += _block_scores_fp8(pool8_ptr, rec, vis, 3, kd, qd, fd, DOT_BF16, ASM, BLOCK_E)
+        else:
+            words = tl.load(pool_ptr + rec[:, None] * 17 + tl.arange(0, 16)[None, :],
+                            mask=vis[:, None], other=0)                     # [E, 16] int32
+            scale = (((sw[:, None] >> sshift) & 0xFF) << 23).to(tl.float32, bitcast=True)  # [E, 16]
+            # key dim w * 8 + j is nibble j of word w: 8 dots over K = 16 words, one per nibble
+            acc = tl.zeros((BLOCK_E, BLOCK_H), tl.float32)
+            acc = _dot_acc(_e2m1_times_scale(words, 0, scale), q0, acc, DOT_BF16)
+            acc = _dot_acc(_e2m1_times_scale(words, 1, scale), q1, acc, DOT_BF16)
+            acc = _dot_acc(_e2m1_times_scale(words, 2, scale), q2, acc, DOT_BF16)
+            acc = _dot_acc(_e2m1_times_scale(words, 3, scale), q3, acc, DOT_BF16)
+            acc = _dot_acc(_e2m1_times_scale(words, 4, scale), q4, acc, DOT_BF16)
+            acc = _dot_acc(_e2m1_times_scale(words, 5, scale), q5, acc, DOT_BF16)
+            acc = _dot_acc(_e2m1_times_scale(words, 6, scale), q6, acc, DOT_BF16)
+            acc = _dot_acc(_e2m1_times_scale(words, 7, scale), q7, acc, DOT_BF16)   # [E, H]
         term = _bf16_round(tl.maximum(_bf16_round(acc), 0.0) * wv[None, :])
         score = tl.where(vis, _bf16_round(tl.sum(term, 1)), float("-inf"))
         tl.store(out_row + offs_e, score, mask=offs_e < max_entries)
@@ -132,7 +209,7 @@ def _check(cond: bool, msg: str) -> None:
 def index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor,
                         page: int, req_slot: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor,
                         cand_mask: torch.Tensor | None = None, block_e: int = 128, num_warps: int = 4,
-                        programs_per_sm: int = 4) -> torch.Tensor:
+                        programs_per_sm: int = 4, fp8_dot: bool = False) -> torch.Tensor:
     """Write the indexer scores of N decode rows into `out` (see the module docstring).
 
     iq: [N, Hi, 128] BF16, MXFP4 fake-quantized (unchecked: other values lose bits in the BF16 dot).
@@ -144,6 +221,9 @@ def index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, b
     cand_mask: optional [N, max_entries] bool/uint8; entries where it is 0 score -inf.
     block_e: entries per loop step of a program (power of two >= 16); each row gets at most
     ceil(programs_per_sm * SMs / N) programs, which loop over its entry blocks.
+    fp8_dot: the FP8 path (one K=32 E4M3 tensor-core dot per scale block, the codes turned into
+    E4M3 bytes by bit operations; see above): per block exact, the four blocks added in order,
+    so the FP32 dot sums 4 exact terms instead of 128 products. Off until measured on a GPU.
     Unchecked: ids in block_table and req_slot lie inside pool/block_table; n_vis <= pages * page.
     Returns out.
     """
@@ -180,11 +260,11 @@ def index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, b
     per_row = max(1, -(-programs_per_sm * _sm_count(iq.device) // n_rows))
     grid = (n_rows, min(triton.cdiv(max_entries, block_e), per_row))
     _index_scores_kernel[grid](
-        iq, w, pool.view(torch.int32), block_table, req_slot, n_vis, cand, out,
+        iq, w, pool.view(torch.int32), pool, block_table, req_slot, n_vis, cand, out,
         heads, max_entries, page, block_table.stride(0), iq.stride(0), iq.stride(1), w.stride(0),
         cand.stride(0), out.stride(0),
         BLOCK_H=max(16, triton.next_power_of_2(heads)), BLOCK_E=block_e, HAS_CAND=cand_mask is not None,
-        DOT_BF16=not interpreting(), num_warps=num_warps)
+        DOT_BF16=not interpreting(), FP8=bool(fp8_dot), ASM=not interpreting(), num_warps=num_warps)
     return out
 
 

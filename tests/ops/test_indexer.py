@@ -66,21 +66,44 @@ def _check(got, ref):
         assert float((got[fin] == ref[fin]).float().mean()) >= 0.99
 
 
+def _scores(args, max_entries, cand_mask=None, fp8_dot=False):
+    out = torch.empty(args[0].shape[0], max_entries, dtype=torch.float32, device=args[0].device)
+    return index_scores_mxfp4_(*args[:4], _PAGE, *args[4:], out, cand_mask=cand_mask, fp8_dot=fp8_dot)
+
+
+@pytest.mark.parametrize("fp8_dot", [False, True])
 @pytest.mark.parametrize("rows,heads,n_vis,max_entries", [
     (1, 4, [1], 1), (1, 32, [7], 7), (3, 16, [40, 0, 33], 40), (3, 8, [300, 299, 1], 320), (1, 32, [2000], 2000),
 ])
-def test_dense_matches_reference(rows, heads, n_vis, max_entries):
+def test_dense_matches_reference(rows, heads, n_vis, max_entries, fp8_dot):
     args = make_inputs(rows, heads, n_vis, seed=rows * 1000 + max_entries)
-    got = index_scores_mxfp4(*args[:4], _PAGE, *args[4:], max_entries)
+    got = _scores(args, max_entries, fp8_dot=fp8_dot)
     _check(got, reference_scores(*args, max_entries))
 
 
-def test_candidate_restricted():
+@pytest.mark.parametrize("fp8_dot", [False, True])
+def test_candidate_restricted(fp8_dot):
     args = make_inputs(3, 16, [300, 120, 5], seed=7)
     g = torch.Generator().manual_seed(3)
     cand = (torch.rand(3, 320, generator=g) < 0.3).to(_DEVICE)
-    got = index_scores_mxfp4(*args[:4], _PAGE, *args[4:], 320, cand_mask=cand)
+    got = _scores(args, 320, cand_mask=cand, fp8_dot=fp8_dot)
     _check(got, reference_scores(*args, 320, cand=cand))
+
+
+def test_fp8_path_exact_at_the_scale_extremes():
+    # query blocks of very different magnitudes (one all zero), key scales far from 1: the E4M3
+    # operands and the powers of two that restore them stay exact
+    iq, w, pool, bt, slot, nv = make_inputs(2, 8, [64, 50], seed=11)
+    iq = iq.float().cpu()
+    iq[0, :, :32] *= 2.0 ** -40
+    iq[0, :, 32:64] = 0.0
+    iq[1, :, 64:96] *= 2.0 ** 40
+    iq = iq.bfloat16().to(_DEVICE)
+    pool = pool.cpu().clone()
+    pool[:, 64] = torch.randint(90, 160, (pool.shape[0],), dtype=torch.uint8)    # block 0's scale byte
+    pool = pool.to(_DEVICE)
+    args = (iq, w, pool, bt, slot, nv)
+    _check(_scores(args, 64, fp8_dot=True), reference_scores(*args, 64))
 
 
 def test_bad_inputs_named():
@@ -108,9 +131,10 @@ def test_bad_inputs_named():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows,entries", [(1, 131072), (1, 1 << 20), (1, 32768), (4, 32768), (16, 32768), (64, 32768)])
-def test_gpu_large(rows, entries):
+@pytest.mark.parametrize("fp8_dot", [False, True])
+def test_gpu_large(rows, entries, fp8_dot):
     args = make_inputs(rows, 32, [entries - i for i in range(rows)], seed=entries + rows)
-    got = index_scores_mxfp4(*args[:4], _PAGE, *args[4:], entries)
+    got = _scores(args, entries, fp8_dot=fp8_dot)
     iq, w, pool, bt, slot, nv = args
     j = torch.randint(0, entries - rows, (4096,), device=_DEVICE)   # a sample: the reference is slow
     for i in range(rows):
