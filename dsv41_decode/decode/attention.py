@@ -121,7 +121,8 @@ class AttentionStep:
 
     def __init__(self, layer: AttentionLayer, state: DecodeState, meta: StepMeta, scratch: Scratch,
                  lanes: Lanes, selections: dict[int, IndexSelection], candidates: dict[int, torch.Tensor],
-                 max_rows: int, wo_a_fp8: bool = False):
+                 max_rows: int, wo_a_fp8: bool = False, wo_a_bf16_dot: bool = False,
+                 indexer_fp8: bool = False):
         cfg, spec, w = layer.cfg, layer.spec, layer.w
         if not 1 <= max_rows <= LOW_BATCH_MAX_ROWS:
             raise NotEligible(f"max_rows={max_rows}: the specialized step serves 1..{LOW_BATCH_MAX_ROWS} rows")
@@ -151,7 +152,9 @@ class AttentionStep:
             self.wo_a_w, self.wo_a_s = w["attn.wo_a.weight"].to(torch.bfloat16), None
         few = {"split": 1} if _few_programs(dev) else {}
         self.wo_a_plan = WoAPlan.build(cfg.n_heads, cfg.o_groups, cfg.o_lora_rank, max_rows, self.wo_a_w.dtype,
-                                       dev, head_dim=cfg.head_dim, rope_dim=cfg.rope_head_dim, **few)
+                                       dev, head_dim=cfg.head_dim, rope_dim=cfg.rope_head_dim,
+                                       bf16_dot=wo_a_bf16_dot, **few)
+        self.indexer_fp8 = bool(indexer_fp8)
         topk_w = 0 if spec.kind == SWA else cfg.index_topk
         # Per row count the tiling measured best (ops.sparse_mla.STEP_TILINGS; docs/attn.md).
         self.mla_plans = ([SparseMlaPlan.build(max_rows, cfg.n_heads, cfg.window_size, topk_w, dev, splits=1)]
@@ -252,7 +255,7 @@ class AttentionStep:
             if spec.candidate_role == "consumer":
                 cand = self.candidates[spec.kv_source][:B, :width]
             index_scores_mxfp4_(s.iq[:B], s.iw[:B], st.index_keys[spec.kv_source], st.block_table[r],
-                                st.page_size, m.kernel_slot[:B], n_vis, scores, cand)
+                                st.page_size, m.kernel_slot[:B], n_vis, scores, cand, fp8_dot=self.indexer_fp8)
             topk_ascending_(scores, n_vis, sel.topk[:B], self.topk_plan)
             if spec.candidate_role == "source":
                 scored = lanes.mark()                         # protects scores (read by the expansion)

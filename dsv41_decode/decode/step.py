@@ -77,11 +77,15 @@ class DecodeStep:
     pdl: launch the main chain's Triton kernels with programmatic dependent launch (`ops.pdl`:
         each waits for its predecessor in-kernel, GEMMs prefetch their weights into L2 first);
         Hopper and later, ignored elsewhere. Off by default until measured on the GPU.
+    wo_a_bf16_dot, indexer_fp8: the kernels' unmeasured fast paths (`WoAPlan(bf16_dot=True)`,
+        `index_scores_mxfp4_(fp8_dot=True)`; docs/gemm.md, docs/attn.md), off until `bench step`
+        measures them.
     """
 
     def __init__(self, stack, state: DecodeState, max_rows: int = 16, buckets: Sequence[int] | None = None,
                  overlap_inputs: bool = True, overlap_candidates: bool = True, graphs: bool = True,
-                 wo_a_fp8: bool = False, tp_boundary: str = "auto", pdl: bool = False):
+                 wo_a_fp8: bool = False, tp_boundary: str = "auto", pdl: bool = False,
+                 wo_a_bf16_dot: bool = False, indexer_fp8: bool = False):
         if buckets is None:
             buckets = tuple(b for b in DEFAULT_BUCKETS if b < max_rows) + (max_rows,)
         buckets = tuple(sorted(set(buckets)))
@@ -106,7 +110,8 @@ class DecodeStep:
         self.selections: dict[int, IndexSelection] = {}
         self.candidate_masks: dict[int, torch.Tensor] = {}
         self.layers = {i: AttentionStep(stack.layers[i], state, self.meta, self.scratch, self.lanes,
-                                        self.selections, self.candidate_masks, B, wo_a_fp8)
+                                        self.selections, self.candidate_masks, B, wo_a_fp8,
+                                        wo_a_bf16_dot=wo_a_bf16_dot, indexer_fp8=indexer_fp8)
                        for i in stack.ids}
         if tp_boundary not in ("auto", "collective", "fused"):
             raise StepError(f"tp_boundary must be 'auto', 'collective' or 'fused', got {tp_boundary!r}")
