@@ -2,6 +2,7 @@
 # On the H200 (one GPU), in stages picked by STAGES (default "tests probe"); results under $OUT:
 #   tests  the GPU tests of the sparse MLA (separate combine, step tilings), the step (PDL == plain
 #          launches, graph == eager, teacher forcing, the 256-step run) and the TP-free ops
+#          (GEMMs, wo_a with both dot paths, mhc, the indexer with both paths); TEST_S=540 for all
 #   probe  the sparse-MLA plan sweep (scripts/probe_sparse_mla.py: inline vs separate combine)
 #   qprobe the step's sparse-MLA tilings next to the separate-combine variants (short)
 #   wprobe the grouped wo_a's plan variants (scripts/probe_wo_a.py)
@@ -17,7 +18,8 @@ for stage in $STAGES; do
   case $stage in
     tests)
       timeout ${TEST_S:-300} python -m pytest -q -rfE --durations=8 -m gpu ${TESTS:-tests/ops/test_sparse_mla.py \
-        tests/decode/test_step_gpu.py tests/ops/test_low_latency_mm.py tests/ops/test_wo_a.py tests/ops/test_mhc.py} \
+        tests/decode/test_step_gpu.py tests/ops/test_low_latency_mm.py tests/ops/test_wo_a.py tests/ops/test_mhc.py \
+        tests/ops/test_indexer.py} \
         > "$OUT/tests.txt" 2>&1; tail -25 "$OUT/tests.txt" ;;
     qprobe)   # the step's tilings next to the separate-combine variants (PROBE_ARGS to pick)
       timeout ${PROBE_S:-120} python scripts/probe_sparse_mla.py ${PROBE_ARGS:-"--only=step,sep,sep_k32,sep_k32_s10,sep_k32_w8,sep_k64,sep_bh32_k32,sep_bh32_w4" "--cases=1x64,1x8,2x64,4x64,8x64,16x64,64x64"} \
