@@ -92,16 +92,19 @@ def _e4m3_of_nibbles(b, ASM: tl.constexpr):
 @triton.jit
 def _q_block_e4m3(iq_ptr, n, iq_sn, iq_sh, heads, blk: tl.constexpr, BLOCK_H: tl.constexpr):
     """(q', f): query dims 32 blk .. 32 blk + 31 of row n as [32, BLOCK_H] E4M3 values q' and the
-    per-head power of two f with q = q' * f exactly (see above; an all-zero block gives q' = 0)."""
+    per-head power of two f with q = q' * f / 2^6 exactly (the 2^6 undoes the keys' 2^-6; see
+    above; an all-zero block gives q' = 0)."""
     offs_h = tl.arange(0, BLOCK_H)
     q = tl.load(iq_ptr + n.to(tl.int64) * iq_sn + offs_h[None, :] * iq_sh + (blk * 32 + tl.arange(0, 32))[:, None],
                 mask=(offs_h < heads)[None, :], other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(q), axis=0)
     e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF          # biased exponent of max|q|
-    e = tl.minimum(tl.maximum(e, 1), 250)                        # zero (or subnormal) blocks: any s
-    # s = e - 129: q * 2^-(s + 6) = q * 2^(123 - e); f = 2^(s + 6) = 2^(e - 123)
+    e = tl.minimum(tl.maximum(e, 1), 244)                        # zero (or subnormal) blocks: any s
+    # s = e - 129: q' = q * 2^-(s + 6) = q * 2^(123 - e); q = q' * 2^(e - 123), and f also carries
+    # the keys' 2^6 (their E4M3 operands are E2M1 * 2^-6): f = 2^(e - 117). Both factors are
+    # normal FP32 powers of two for 1 <= e <= 244.
     down = ((250 - e) << 23).to(tl.float32, bitcast=True)
-    up = ((e + 4) << 23).to(tl.float32, bitcast=True)
+    up = ((e + 10) << 23).to(tl.float32, bitcast=True)
     return (q * down[None, :]).to(tl.float8e4nv), up
 
 
@@ -109,7 +112,7 @@ def _q_block_e4m3(iq_ptr, n, iq_sn, iq_sh, heads, blk: tl.constexpr, BLOCK_H: tl
 def _block_scores_fp8(pool8_ptr, rec, vis, blk: tl.constexpr, kscale, qb, qf, DOT_FP8: tl.constexpr,
                       ASM: tl.constexpr, BLOCK_E: tl.constexpr):
     """[E, H] FP32: key block blk (dims 32 blk ..) of the records rec dotted with the query block
-    (qb, qf), exact per block; kscale [E]: the keys' block scales as 2^(byte - 121)."""
+    (qb, qf), exact per block; kscale [E]: the keys' block scales 2^(byte - 127)."""
     b = tl.load(pool8_ptr + rec[:, None] * 68 + blk * 16 + tl.arange(0, 16)[None, :],
                 mask=vis[:, None], other=0)                                   # [E, 16] code bytes
     lo, hi = _e4m3_of_nibbles(b, ASM)
@@ -163,11 +166,11 @@ def _index_scores_kernel(iq_ptr, w_ptr, pool_ptr, pool8_ptr, bt_ptr, slot_ptr, n
         rec = blk.to(tl.int64) * page + offs_e % page                       # [E]
         sw = tl.load(pool_ptr + rec * 17 + 16, mask=vis, other=0)           # [E] 4 scale bytes
         if FP8:
-            # key block j's scale 2^(byte - 127), times the 2^6 of the E4M3 operands: 2^(byte - 121)
-            ka = (((sw & 0xFF) + 6) << 23).to(tl.float32, bitcast=True)
-            kb = ((((sw >> 8) & 0xFF) + 6) << 23).to(tl.float32, bitcast=True)
-            kc = ((((sw >> 16) & 0xFF) + 6) << 23).to(tl.float32, bitcast=True)
-            kd = ((((sw >> 24) & 0xFF) + 6) << 23).to(tl.float32, bitcast=True)
+            # key block j's scale 2^(byte - 127), as the BF16 path reads it
+            ka = ((sw & 0xFF) << 23).to(tl.float32, bitcast=True)
+            kb = (((sw >> 8) & 0xFF) << 23).to(tl.float32, bitcast=True)
+            kc = (((sw >> 16) & 0xFF) << 23).to(tl.float32, bitcast=True)
+            kd = (((sw >> 24) & 0xFF) << 23).to(tl.float32, bitcast=True)
             acc = _block_scores_fp8(pool8_ptr, rec, vis, 0, ka, qa, fa, DOT_BF16, ASM, BLOCK_E)
             acc += _block_scores_fp8(pool8_ptr, rec, vis, 1, kb, qb, fb, DOT_BF16, ASM, BLOCK_E)
             acc += _block_scores_fp8(pool8_ptr, rec, vis, 2, kc, qc, fc, DOT_BF16, ASM, BLOCK_E)
@@ -208,7 +211,7 @@ def _check(cond: bool, msg: str) -> None:
 
 def index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor,
                         page: int, req_slot: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor,
-                        cand_mask: torch.Tensor | None = None, block_e: int = 128, num_warps: int = 4,
+                        cand_mask: torch.Tensor | None = None, block_e: int = 128, num_warps: int | None = None,
                         programs_per_sm: int = 4, fp8_dot: bool = False) -> torch.Tensor:
     """Write the indexer scores of N decode rows into `out` (see the module docstring).
 
@@ -220,7 +223,8 @@ def index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, b
     out: [N, max_entries] FP32, last dim contiguous; receives BF16-representable values, -inf past n_vis.
     cand_mask: optional [N, max_entries] bool/uint8; entries where it is 0 score -inf.
     block_e: entries per loop step of a program (power of two >= 16); each row gets at most
-    ceil(programs_per_sm * SMs / N) programs, which loop over its entry blocks.
+    ceil(programs_per_sm * SMs / N) programs, which loop over its entry blocks. num_warps: 4, or 8
+    for the FP8 path above 32 heads (at 64 heads and 4 warps it spills on sm_90).
     fp8_dot: the FP8 path (one K=32 E4M3 tensor-core dot per scale block, the codes turned into
     E4M3 bytes by bit operations; see above): per block exact, the four blocks added in order,
     so the FP32 dot sums 4 exact terms instead of 128 products. Off until measured on a GPU.
@@ -257,13 +261,16 @@ def index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, b
     if n_rows == 0 or max_entries == 0:
         return out
     cand = cand_mask.view(torch.uint8) if cand_mask is not None else out
+    block_h = max(16, triton.next_power_of_2(heads))
+    if num_warps is None:
+        num_warps = 8 if fp8_dot and block_h > 32 else 4
     per_row = max(1, -(-programs_per_sm * _sm_count(iq.device) // n_rows))
     grid = (n_rows, min(triton.cdiv(max_entries, block_e), per_row))
     _index_scores_kernel[grid](
         iq, w, pool.view(torch.int32), pool, block_table, req_slot, n_vis, cand, out,
         heads, max_entries, page, block_table.stride(0), iq.stride(0), iq.stride(1), w.stride(0),
         cand.stride(0), out.stride(0),
-        BLOCK_H=max(16, triton.next_power_of_2(heads)), BLOCK_E=block_e, HAS_CAND=cand_mask is not None,
+        BLOCK_H=block_h, BLOCK_E=block_e, HAS_CAND=cand_mask is not None,
         DOT_BF16=not interpreting(), FP8=bool(fp8_dot), ASM=not interpreting(), num_warps=num_warps)
     return out
 

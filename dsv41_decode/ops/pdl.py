@@ -66,10 +66,11 @@ def launch_options() -> dict:
 @triton.jit
 def enter(PDL: tl.constexpr, RELEASE: tl.constexpr = True):
     """Wait for the predecessor kernel (its writes visible), then (RELEASE) allow the successor to
-    launch. A kernel with a long main loop passes RELEASE=False and calls `release` after the loop:
-    released at entry, the successor's programs launched while this kernel's first wave ran and
-    held SM slots in their own wait, starving its later waves (`DecodeStep(pdl=True)` measured
-    4-15 % slower on an H200, commit 481f49a). A no-op without PDL."""
+    launch. A kernel with a long main loop passes RELEASE=False and calls `release` after the loop,
+    so that its successor launches (and starts its weight prefetch) only near its end: released at
+    entry, with whole-weight prefetches, `DecodeStep(pdl=True)` measured 4-15 % slower on an H200
+    (commit 481f49a; the cause is not profiled yet - the successor's L2 prefetch competing with this
+    kernel's own weight stream is the likely one). A no-op without PDL."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         if RELEASE:

@@ -21,8 +21,8 @@ acc) to the plan's workspace and the last program of the (row, head group) to ar
 counter, reset by it) combines the splits in split order - combined max, rescaled sums and
 accumulators, then the sink - and stores o = acc / sum as BF16 (RNE bits). One launch,
 deterministic. With `separate_combine` the splits only store, and a second launch
-(`_sparse_mla_combine_kernel`, one program per row, head group and 128-dim chunk) combines them the
-same way: many short splits no longer funnel every partial through one program.
+(`_sparse_mla_combine_kernel`, one program per row, head group and slice of 16-128 dims, every
+split's loads in flight together) combines them the same way, to the same bits: many short splits no longer funnel every partial through one program.
 """
 
 from __future__ import annotations

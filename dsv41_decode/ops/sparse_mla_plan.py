@@ -41,7 +41,7 @@ class SparseMlaPlan:
     num_warps; bf16_dot: BF16 dot operands (the GPU), else FP32 (the interpreter);
     native_fp8: decode E4M3 with Triton's FP8 cast (the GPU's default) instead of integer arithmetic.
     separate_combine: split programs only store their partials and a second launch combines them,
-    one program per (row, head group, 128-dim chunk); else the last split to arrive combines.
+    one program per (row, head group, slice of 16-128 dims); else the last split to arrive combines.
     part_acc / part_ml: the FP32 split workspace; counters: int32 per (row, head group), 0 between launches.
     """
     max_rows: int

@@ -146,10 +146,12 @@ def test_boundary_matches_reference(n, dim):
     _check_boundary(*case, mhc_boundary(*_dev(*case), _EPS))
 
 
-@pytest.mark.parametrize("dim, block_d", [(64, 32), (256, 64), (320, 128)])
+@pytest.mark.parametrize("dim, block_d", [(64, 32), (256, 64), (320, 128), (2560, 512)])
 @pytest.mark.parametrize("n", [1, 3])
 def test_split_boundary_matches_reference(n, dim, block_d):
-    # a row spread over chunks; the last chunk to arrive normalizes; two launches (counters reset)
+    # a row spread over chunks; the last chunk to arrive normalizes (at dim 2560 in three 1024-wide
+    # slices, the last one partial, each slice's loads issued before the previous one's stores);
+    # two launches (counters reset)
     plan = MhcBoundaryPlan.build(dim, 4, _DEVICE, block_d=block_d)
     for seed in (1, 2):
         case = _boundary_case(n, dim, seed=seed * 1000 + 10 * n + dim)

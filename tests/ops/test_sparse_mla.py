@@ -227,3 +227,19 @@ def test_gpu_edge_cases_and_fp32_path():
         torch.cuda.synchronize()
         assert torch.equal(out[0].float().cpu(), torch.zeros(h, D)), opts
         check(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, splits, block_keys", [(1, 20, 32), (4, 14, 16), (16, 5, 16)])
+def test_gpu_separate_combine_gives_the_inline_bits(n, splits, block_keys):
+    # the second launch does the inline combination's arithmetic in its split order (spec decision 26)
+    h, w, k = 64, 128, 512
+    case = make_case(n, h, w, k, device="cuda", seed=300 + n, comp_valid=0.95, s_w=4096, s_c=8192)
+    outs = []
+    for sep in (False, True):
+        plan = SparseMlaPlan.build(n, h, w, k, "cuda", block_keys=block_keys, splits=splits, separate_combine=sep)
+        out = torch.empty(n, h, D, dtype=torch.bfloat16, device="cuda")
+        sparse_mla_(plan, *case, SCALE, out)
+        outs.append(out)
+    torch.cuda.synchronize()
+    assert torch.equal(outs[0], outs[1])
