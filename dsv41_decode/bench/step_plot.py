@@ -51,12 +51,7 @@ def plot_step(rows: list[dict], path: str | Path) -> Path:
                 ax.plot(*zip(*pts), ".--", label=f"TP{tp} {b}" if tp > 1 else b)
             ax.plot(xs, [r["floor_us"] / 1e3 for r in cur], ":", color="gray",
                     label="step floor" if tp == 1 else f"TP{tp} floor (per GPU)")
-        ax.set_xscale("log", base=2)
-        ax.set_ylim(bottom=0)
-        ax.set_xlabel("rows (one per request)")
-        ax.set_ylabel("ms per step")
-        ax.set_title(f"context {ctx // 1024}K", fontsize=10)
-        ax.legend(fontsize=7)
+        _style(ax, "rows (one per request)", "ms per step", f"context {ctx // 1024}K")
     if bounds:
         ax = axes[0][-1]
         cur = sorted(bounds, key=lambda r: r["case"]["rows"])
@@ -64,17 +59,22 @@ def plot_step(rows: list[dict], path: str | Path) -> Path:
         ax.plot(xs, [r["us"] for r in cur], "o-", label="fused one-shot boundary")
         for b in sorted({b for r in cur for b in r["baselines"]}):
             ax.plot(xs, [r["baselines"][b] for r in cur], ".--", label=f"{b} + separate boundary")
-        ax.set_xscale("log", base=2)
-        ax.set_ylim(bottom=0)
-        ax.set_xlabel("rows")
-        ax.set_ylabel("us per boundary")
-        ax.set_title(f"TP{cur[0]['case'].get('tp', '?')} boundary", fontsize=10)
-        ax.legend(fontsize=7)
+        _style(ax, "rows", "us per boundary", f"TP{cur[0]['case'].get('tp', '?')} boundary")
     first = (steps or bounds)[0]
-    fig.suptitle(f"{first['bench']} on {first['gpu']} (commit {first['commit']}, {first['date']}; "
+    fig.suptitle(f"{first['bench']} on {first['gpu']}\n(commit {first['commit']}, {first['date']}; "
                  f"read {first.get('read_gbps', '?')} GB/s)", fontsize=10)
-    fig.tight_layout(rect=(0, 0, 1, 0.94))
+    fig.tight_layout(rect=(0, 0, 1, 0.92))
     path = Path(path)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def _style(ax, xlabel: str, ylabel: str, title: str) -> None:
+    """Rows on a log2 axis, times from zero, the labels and a small legend."""
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7)
