@@ -1,6 +1,7 @@
 """Compile a Triton kernel for sm_90 on any machine - no GPU: Triton ships ptxas and cuobjdump - to
-read what the GPU would run: its PTX (tests/ops/test_pdl.py checks the PDL contract there) and its
-registers, stack and shared memory (scripts/sm90_resources.py)."""
+read what the GPU would run: its PTX (tests/ops/test_pdl.py checks the PDL contract there), its
+registers, stack and shared memory (scripts/sm90_resources.py) and its SASS instructions
+(scripts/sm90_sass.py)."""
 
 from __future__ import annotations
 
@@ -29,15 +30,50 @@ def compile_sm90(fn, types: dict, consts: dict, divisible=None, **options):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def resources(kernel) -> dict[str, int]:
-    """REG, STACK, SHARED, LOCAL of a compiled kernel, from cuobjdump's resource usage."""
+def _cuobjdump(kernel, flag: str) -> str:
+    """cuobjdump's output for the compiled kernel's cubin with `flag` (Triton ships the tool)."""
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.TemporaryDirectory() as d:
         cubin = Path(d) / "k.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
-        out = subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], capture_output=True, text=True,
-                             check=True).stdout
+        return subprocess.run([str(tool), flag, str(cubin)], capture_output=True, text=True, check=True).stdout
+
+
+def resources(kernel) -> dict[str, int]:
+    """REG, STACK, SHARED, LOCAL of a compiled kernel, from cuobjdump's resource usage."""
+    out = _cuobjdump(kernel, "--dump-resource-usage")
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
     if m is None:
         raise RuntimeError(f"no resource usage in cuobjdump's output: {out[:300]}")
     return dict(zip(("REG", "STACK", "SHARED", "LOCAL"), map(int, m.groups())))
+
+
+_SASS_LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+
+
+def sass(kernel) -> list[tuple[int, str]]:
+    """The kernel's SASS instructions as (address, text), in order."""
+    return [(int(m.group(1), 16), m.group(2)) for m in map(_SASS_LINE.match, _cuobjdump(kernel, "-sass").splitlines())
+            if m]
+
+
+def main_loop(kernel) -> list[str]:
+    """The instructions of the kernel's longest backward-branch loop (its main loop), [] if none."""
+    ins = sass(kernel)
+    index = {addr: i for i, (addr, _) in enumerate(ins)}
+    best = (0, -1)
+    for i, (addr, text) in enumerate(ins):
+        m = re.search(r"\bBRA (?:`\()?0x([0-9a-f]+)", text)
+        target = int(m.group(1), 16) if m else None
+        if target is not None and target < addr and target in index and i - index[target] > best[1] - best[0]:
+            best = (index[target], i)
+    return [text for _, text in ins[best[0]:best[1] + 1]]
+
+
+def opcode_counts(texts: list[str]) -> dict[str, int]:
+    """How many of each opcode (predicates and modifiers dropped) the instructions hold."""
+    counts: dict[str, int] = {}
+    for t in texts:
+        op = re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
+        counts[op] = counts.get(op, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))

@@ -1,0 +1,79 @@
+"""Compile kernels for sm_90 on any machine (no GPU: Triton's own ptxas and cuobjdump) and print the
+SASS instruction counts that docs/attn.md, docs/gemm.md and docs/step.md cite: per kernel the
+registers, the whole kernel's instructions, and the main loop's (per entry for the indexer).
+Usage: python scripts/sm90_sass.py [indexer] [combine] [wo_a] [ll_tail]   (default: all)."""
+
+from __future__ import annotations
+
+import sys
+
+import triton
+
+from dsv41_decode.ops import indexer, low_latency_mm, sparse_mla, wo_a
+from dsv41_decode.testing.sm90 import compile_sm90, main_loop, opcode_counts, resources, sass
+
+
+def _line(name: str, kernel, loop_note: str = "") -> str:
+    loop = main_loop(kernel)
+    top = ", ".join(f"{op} {n}" for op, n in list(opcode_counts(loop or [t for _, t in sass(kernel)]).items())[:6])
+    return (f"{name:34s} regs {resources(kernel)['REG']:3d}  instructions {len(sass(kernel)):5d}  "
+            f"main loop {len(loop):5d}{loop_note}  [{top}]")
+
+
+def indexer_paths() -> None:
+    types = {"iq_ptr": "*bf16", "w_ptr": "*bf16", "pool_ptr": "*i32", "pool8_ptr": "*u8", "bt_ptr": "*i32",
+             "slot_ptr": "*i32", "nvis_ptr": "*i32", "cand_ptr": "*fp32", "out_ptr": "*fp32"}
+    for fp8 in (False, True):
+        for block_e, warps in ((128, 4), (128, 8)):
+            k = compile_sm90(indexer._index_scores_kernel, types,
+                             dict(BLOCK_H=32, BLOCK_E=block_e, HAS_CAND=False, DOT_BF16=True, FP8=fp8, ASM=True),
+                             num_warps=warps)
+            per_entry = len(main_loop(k)) * warps / block_e
+            print(_line(f"indexer {'fp8' if fp8 else 'bf16'} E{block_e} w{warps}", k,
+                        f" ({per_entry:.1f} warp-instr/entry)"), flush=True)
+
+
+def combine() -> None:
+    types = {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*i16"}
+    for split, block_h in ((20, 16), (14, 16), (5, 32)):
+        chunk = sparse_mla.combine_chunk(split, block_h)
+        k = compile_sm90(sparse_mla._sparse_mla_combine_kernel, types,
+                         dict(SPLIT=split, BLOCK_H=block_h, CHUNK=chunk, PDL=False), num_warps=4)
+        print(_line(f"sparse-MLA combine S{split} H{block_h} C{chunk}", k), flush=True)
+
+
+def wo_a_paths() -> None:
+    types = {"o_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "w_ptr": "*bf16", "s_ptr": "*u8",
+             "z_ptr": "*i16", "part_ptr": "*fp32", "count_ptr": "*i32", "codes_ptr": "*u8", "scales_ptr": "*u8"}
+    for fp8 in (False, True):
+        for bf16_dot in (False, True):
+            consts = dict(R=1024, HEADS_PER_GROUP=8, HEAD_DIM=512, ROPE_DIM=64, K_PER_SPLIT=2048, SPLIT=2,
+                          BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, FP8=fp8, NUM_STAGES=3, QUANT=True, PDL=False,
+                          BF16_DOT=bf16_dot)
+            k = compile_sm90(wo_a._wo_a_kernel, dict(types, w_ptr="*fp8e4nv" if fp8 else "*bf16"), consts,
+                             num_warps=4, num_stages=3, enable_fp_fusion=False)
+            print(_line(f"wo_a {'fp8' if fp8 else 'bf16'} weight, {'bf16' if bf16_dot else 'tf32'} dot", k),
+                  flush=True)
+
+
+def ll_tail() -> None:
+    types = {"x_ptr": "*fp8e4nv", "sx_ptr": "*u8", "w_ptr": "*fp8e4nv", "sw_ptr": "*u8", "y_ptr": "*i16",
+             "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+    k = compile_sm90(low_latency_mm._mxfp8_ll_mm_kernel, types,
+                     dict(N_SPLIT=7, BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, SPLIT_K=True, DEQUANT=True,
+                          DOT_F32=False, OUT_F32=False, PDL=False), num_warps=4, num_stages=4)
+    texts = [t for _, t in sass(k)]
+    first_atom = next(i for i, t in enumerate(texts) if "ATOM" in t or t.startswith("RED"))
+    tail = texts[first_atom:]
+    first_add = next(i for i, t in enumerate(tail) if t.split()[0].startswith("FADD"))
+    loads = sum("LDG" in t for t in tail[:first_add])
+    print(f"{'low_latency_mm split-K tail, 7 splits':34s} partial loads issued before the first add: {loads}",
+          flush=True)
+
+
+STAGES = {"indexer": indexer_paths, "combine": combine, "wo_a": wo_a_paths, "ll_tail": ll_tail}
+
+if __name__ == "__main__":
+    print(f"sm_90 SASS, Triton {triton.__version__}")
+    for name in sys.argv[1:] or list(STAGES):
+        STAGES[name]()
