@@ -232,37 +232,43 @@ def _sparse_mla_kernel(
         if arrived == SPLIT - 1:
             # the last program of (row, head group) to arrive combines the splits in split order
             tl.store(count_ptr + tile, 0)
-            m_all, n_all = _split_totals(ml_base, lh, SPLIT, BLOCK_H)
-            a0, l_all = _combine_chunk(acc_rows, ml_base, lh, m_all, SPLIT, BLOCK_H)
-            a1, _ = _combine_chunk(acc_rows + DC, ml_base, lh, m_all, SPLIT, BLOCK_H)
-            a2, _ = _combine_chunk(acc_rows + 2 * DC, ml_base, lh, m_all, SPLIT, BLOCK_H)
-            a3, _ = _combine_chunk(acc_rows + 3 * DC, ml_base, lh, m_all, SPLIT, BLOCK_H)
-            _store_o(out_rows, a0, a1, a2, a3, l_all + tl.exp(sink - m_all), n_all > 0, h_ok, DC)
+            ml = ml_base + lh[:, None]
+            m_all, n_all = _split_totals(ml, SPLIT, BLOCK_H)
+            a0, l_all = _combine_chunk(acc_rows, ml, m_all, SPLIT, BLOCK_H)
+            a1, _ = _combine_chunk(acc_rows + DC, ml, m_all, SPLIT, BLOCK_H)
+            a2, _ = _combine_chunk(acc_rows + 2 * DC, ml, m_all, SPLIT, BLOCK_H)
+            a3, _ = _combine_chunk(acc_rows + 3 * DC, ml, m_all, SPLIT, BLOCK_H)
+            m_all = tl.reshape(m_all, (BLOCK_H,))
+            _store_o(out_rows, a0, a1, a2, a3, tl.reshape(l_all, (BLOCK_H,)) + tl.exp(sink - m_all),
+                     tl.reshape(n_all, (BLOCK_H,)) > 0, h_ok, DC)
 
 
 @triton.jit
-def _split_totals(ml_base, lh, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr):
+def _split_totals(ml, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr):
     """(max, valid-key count) over the splits of one (row, head group), from the workspace's
-    per-split statistics (`.cg`: from L2, never a stale L1 line of this SM)."""
-    m_all = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
-    n_all = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    for s in range(SPLIT):
-        m_all = tl.maximum(m_all, tl.load(ml_base + s * (3 * BLOCK_H) + lh, cache_modifier=".cg"))
-        n_all += tl.load(ml_base + s * (3 * BLOCK_H) + 2 * BLOCK_H + lh, cache_modifier=".cg")
+    per-split statistics; ml: split 0's max of each head, as [BLOCK_H, 1] column pointers (the
+    values come out in the layout of the accumulators they scale). Unrolled: every split's loads
+    are independent and go out together (`.cg`: from L2, never a stale L1 line of this SM)."""
+    m_all = tl.full(ml.shape, -1e30, dtype=tl.float32)
+    n_all = tl.zeros(ml.shape, dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        m_all = tl.maximum(m_all, tl.load(ml + s * (3 * BLOCK_H), cache_modifier=".cg"))
+        n_all += tl.load(ml + s * (3 * BLOCK_H) + 2 * BLOCK_H, cache_modifier=".cg")
     return m_all, n_all
 
 
 @triton.jit
-def _combine_chunk(part_rows, ml_base, lh, m_all, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr):
-    """One 128-dim chunk of the splits' accumulators, each rescaled by exp(m_s - m_all) and added in
-    split order (part_rows: split 0's [BLOCK_H, 128] pointers), and the sums rescaled alike."""
+def _combine_chunk(part, ml, m_all, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr):
+    """A slice of the splits' accumulators, each rescaled by exp(m_s - m_all) and added in split
+    order (part: split 0's [BLOCK_H, C] pointers; ml, m_all as in `_split_totals`), and the sums
+    rescaled alike: (acc [BLOCK_H, C], sum [BLOCK_H, 1])."""
     D: tl.constexpr = 512
-    l_all = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    a = tl.zeros((BLOCK_H, 128), dtype=tl.float32)
-    for s in range(SPLIT):
-        f = tl.exp(tl.load(ml_base + s * (3 * BLOCK_H) + lh, cache_modifier=".cg") - m_all)
-        l_all += tl.load(ml_base + s * (3 * BLOCK_H) + BLOCK_H + lh, cache_modifier=".cg") * f
-        a += tl.load(part_rows + s * (BLOCK_H * D), cache_modifier=".cg") * f[:, None]
+    l_all = tl.zeros(ml.shape, dtype=tl.float32)
+    a = tl.zeros(part.shape, dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        f = tl.exp(tl.load(ml + s * (3 * BLOCK_H), cache_modifier=".cg") - m_all)
+        l_all += tl.load(ml + s * (3 * BLOCK_H) + BLOCK_H, cache_modifier=".cg") * f
+        a += tl.load(part + s * (BLOCK_H * D), cache_modifier=".cg") * f
     return a, l_all
 
 
@@ -291,17 +297,8 @@ def _sparse_mla_combine_kernel(
     # Workspace: acc [N, HG, SPLIT, BLOCK_H, D]; ml [N, HG, SPLIT, 3, BLOCK_H] (max, sum, count).
     ml = part_ml_ptr + tile.to(tl.int64) * (SPLIT * 3 * BLOCK_H) + hd
     acc = part_acc_ptr + tile.to(tl.int64) * (SPLIT * BLOCK_H * D) + hd * D + dd
-    m_all = tl.full((BLOCK_H, 1), -1e30, dtype=tl.float32)
-    n_all = tl.zeros((BLOCK_H, 1), dtype=tl.float32)
-    for s in tl.static_range(SPLIT):
-        m_all = tl.maximum(m_all, tl.load(ml + s * (3 * BLOCK_H), cache_modifier=".cg"))
-        n_all += tl.load(ml + s * (3 * BLOCK_H) + 2 * BLOCK_H, cache_modifier=".cg")
-    l_all = tl.zeros((BLOCK_H, 1), dtype=tl.float32)
-    a = tl.zeros((BLOCK_H, CHUNK), dtype=tl.float32)
-    for s in tl.static_range(SPLIT):
-        f = tl.exp(tl.load(ml + s * (3 * BLOCK_H), cache_modifier=".cg") - m_all)
-        l_all += tl.load(ml + s * (3 * BLOCK_H) + BLOCK_H, cache_modifier=".cg") * f
-        a += tl.load(acc + s * (BLOCK_H * D), cache_modifier=".cg") * f
+    m_all, n_all = _split_totals(ml, SPLIT, BLOCK_H)
+    a, l_all = _combine_chunk(acc, ml, m_all, SPLIT, BLOCK_H)
     sink = tl.load(sink_ptr + rh, mask=h_ok, other=0.0)
     d = tl.where(n_all > 0, l_all + tl.exp(sink - m_all), float("inf"))     # no valid key: o is 0
     tl.store(out_ptr + r * stride_on + rh * stride_oh + dd, bf16_rne_bits(a / d), mask=h_ok)
