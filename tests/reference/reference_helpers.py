@@ -1,5 +1,16 @@
 """Shared by the reference tests (tests/reference/test_*.py): seeded inputs, the one-BF16-rounding
-check, the tolerance constants, and the float64 RoPE and the FP8 weights both files use."""
+check, the tolerance constants, and the float64 RoPE and the FP8 weights both files use.
+
+Every expected value is computed in these tests from the spec's formulas, in float64 unless a
+rounding the spec names is the point (then the rounding is applied explicitly), never by calling
+the function under test. Inputs are fresh seeded random tensors per check. Tolerances:
+
+- one BF16 rounding of a value computed in FP32: |err| <= 2^-8 |ref| (half an ulp of a number in
+  [2^e, 2^(e+1)) is 2^(e-8)), plus the FP32 accumulation error, bounded by
+  (terms + blocks) * 2^-24 * sum|terms| where a sum may cancel;
+- FP32 results: a few 2^-24 relative to the magnitude of the terms;
+- sparse attention: the project's kernel tolerances (max abs <= 2e-2 max|ref|, rel RMS <= 5e-3),
+  plus a tighter rel RMS for the reference, which only rounds P and the output to BF16."""
 
 from __future__ import annotations
 
