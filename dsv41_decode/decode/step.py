@@ -77,15 +77,15 @@ class DecodeStep:
     pdl: launch the main chain's Triton kernels with programmatic dependent launch (`ops.pdl`:
         each waits for its predecessor in-kernel, GEMMs prefetch their weights into L2 first);
         Hopper and later, ignored elsewhere. Off by default until measured on the GPU.
-    wo_a_bf16_dot, indexer_fp8: the kernels' unmeasured fast paths (`WoAPlan(bf16_dot=True)`,
-        `index_scores_mxfp4_(fp8_dot=True)`; docs/gemm.md, docs/attn.md), off until `bench step`
-        measures them.
+    wo_a_bf16_dot: BF16 instead of TF32 dot operands in `wo_a` (None: the plan's measured default,
+        on for a BF16 weight; docs/gemm.md). indexer_fp8: the indexer's FP8 dot path
+        (`index_scores_mxfp4_(fp8_dot=True)`, docs/attn.md), off until `bench step` measures it.
     """
 
     def __init__(self, stack, state: DecodeState, max_rows: int = 16, buckets: Sequence[int] | None = None,
                  overlap_inputs: bool = True, overlap_candidates: bool = True, graphs: bool = True,
                  wo_a_fp8: bool = False, tp_boundary: str = "auto", pdl: bool = False,
-                 wo_a_bf16_dot: bool = False, indexer_fp8: bool = False):
+                 wo_a_bf16_dot: bool | None = None, indexer_fp8: bool = False):
         if buckets is None:
             buckets = tuple(b for b in DEFAULT_BUCKETS if b < max_rows) + (max_rows,)
         buckets = tuple(sorted(set(buckets)))

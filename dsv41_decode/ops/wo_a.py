@@ -143,8 +143,8 @@ class WoAPlan:
     block_n: output columns per program; k_per_split: group channels per program; split: programs
     along K per output tile; num_warps, num_stages: launch options; bf16_dot: BF16 tensor-core
     operands instead of TF32 on FP32 ones (equally exact: the rotated input holds BF16 values, the
-    weight BF16 or E4M3; 21 % fewer instructions for a BF16 weight when compiled for sm_90; off
-    until measured on a GPU, and never under the interpreter, whose BF16 dots are wrong).
+    weight BF16 or E4M3; the sums' order inside the MMA differs, so outputs move by BF16 ulps).
+    Never under the interpreter, whose BF16 dots are wrong.
     partials: [split, max_rows, G*R] FP32; counters: [G*R / block_n] int32, all 0 between launches.
     """
     heads: int
@@ -180,11 +180,15 @@ class WoAPlan:
     def build(cls, heads: int, o_groups: int, rank: int, max_rows: int, weight_dtype: torch.dtype,
               device: torch.device | str = "cuda", *, head_dim: int = 512, rope_dim: int = 64,
               split: int | None = None, num_warps: int = 4, num_stages: int = 3,
-              bf16_dot: bool = False) -> "WoAPlan":
-        """Choose the split for about two programs per SM and allocate the workspace.
+              bf16_dot: bool | None = None) -> "WoAPlan":
+        """Choose the split and the dot operands, and allocate the workspace.
 
+        Defaults measured on an H200 at 64 heads, 1-16 rows (scripts/probe_wo_a.py,
+        docs/results/wo-a-probe-h200.txt): a BF16 weight streams best at about 2 programs per SM
+        with BF16 dot operands (23.7 vs 25.7 us at 1 row), an FP8 weight at about 4 programs per SM
+        with TF32 dots (21.5 vs 23.7 us; BF16 operands gain nothing there).
         split: programs along K (default: the largest divisor of group_width / 128 at most
-        2 * SMs / output tiles); num_warps: warps per program up to 16 rows, twice that above
+        (2 for BF16, 4 for FP8) * SMs / output tiles); bf16_dot: None = on for a BF16 weight; num_warps: warps per program up to 16 rows, twice that above
         (4: one m16 MMA row of 64 columns; 32-64 rows at 4 warps spill); num_stages: K steps in
         flight (3: 3 x 8 KB of FP8 weight per program).
         """
@@ -207,8 +211,11 @@ class WoAPlan:
         block_n = 64 if rank % 64 == 0 else 32
         n_tiles = o_groups * rank // block_n
         grains = heads // o_groups * head_dim // _BLOCK_K
+        fp8 = weight_dtype == torch.float8_e4m3fn
+        if bf16_dot is None:
+            bf16_dot = not fp8
         if split is None:
-            target = max(1, round(2 * num_sms(device) / n_tiles))
+            target = max(1, round((4 if fp8 else 2) * num_sms(device) / n_tiles))
             split = max(d for d in range(1, grains + 1) if grains % d == 0 and d <= target)
         elif not isinstance(split, int) or split < 1 or grains % split:
             raise ValueError(f"split must be a positive divisor of group_width / {_BLOCK_K} = {grains}, "

@@ -128,11 +128,15 @@ def test_replaying_a_plan_is_deterministic():
 
 
 def test_plan_split_for_each_tp_degree():
-    # The real shapes (R = 1024, 8 heads per group): about two programs per SM of an H200.
-    for heads, split in ((64, 2), (32, 4), (16, 8), (8, 16)):
-        p = WoAPlan.build(heads, heads // 8, 1024, 64, torch.float8_e4m3fn, "cpu")
-        assert (p.split, p.k_per_split, p.group_width) == (split, 4096 // split, 4096)
-        assert p.n_out // p.block_n * p.split == 256
+    # The real shapes (R = 1024, 8 heads per group): about two programs per SM of an H200 for a
+    # BF16 weight, four for an FP8 one (the measured defaults); BF16 dots by default for BF16 only.
+    for dtype, per_sm in ((torch.bfloat16, 2), (torch.float8_e4m3fn, 4)):
+        for heads in (64, 32, 16, 8):
+            p = WoAPlan.build(heads, heads // 8, 1024, 64, dtype, "cpu")
+            split = per_sm * 128 // (heads * 2)
+            assert (p.split, p.k_per_split, p.group_width) == (split, 4096 // split, 4096)
+            assert p.n_out // p.block_n * p.split == 128 * per_sm
+            assert not p.bf16_dot                       # never on the CPU / under the interpreter
 
 
 def _meta(t):
