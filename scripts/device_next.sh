@@ -17,7 +17,7 @@ STAGES=${STAGES:-"tests probe"}
 for stage in $STAGES; do
   case $stage in
     tests)
-      timeout ${TEST_S:-300} python -m pytest -q -rfE --durations=8 -m gpu ${TESTS:-tests/ops/test_sparse_mla.py \
+      timeout ${TEST_S:-300} python -m pytest -v -rfE --durations=12 -m gpu ${TESTS:-tests/ops/test_sparse_mla.py \
         tests/decode/test_step_gpu.py tests/ops/test_low_latency_mm.py tests/ops/test_wo_a.py tests/ops/test_mhc.py \
         tests/ops/test_indexer.py} \
         > "$OUT/tests.txt" 2>&1; tail -25 "$OUT/tests.txt" ;;
