@@ -95,6 +95,8 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs: N > 1 runs the TP step (collective "
                     "vs fused boundary) and the boundary alone; launch with torchrun --nproc-per-node N (default: 1)")
     st.add_argument("--name", default="step", help="results file stem (default: step)")
+    st.add_argument("--variants", default=None, help="step variants timed next to the default one, comma-separated "
+                    "(names in bench.step.VARIANTS; default: bench.step.DEFAULT_VARIANTS)")
     st.add_argument("--out", type=Path, default=Path("docs/results"), help="results folder (default: docs/results)")
 
     pt = sub.add_parser("plot", help="plot committed `bench step` results (JSON lines) as a PNG; no GPU needed")
@@ -189,10 +191,11 @@ def _bench(args, console: Console) -> int:
                           console.print)
         return 0
     if args.bench_cmd == "step":
-        from .bench.step import run_step_bench
+        from .bench.step import DEFAULT_VARIANTS, run_step_bench
+        variants = DEFAULT_VARIANTS if args.variants is None else tuple(v for v in args.variants.split(",") if v)
         run_step_bench(_ints(args.rows, "rows"), _ints(args.contexts, "contexts"), args.out, console.print,
                        _ints(args.generic_rows, "generic rows"), _ints(args.generic_contexts, "generic contexts"),
-                       bench_name=args.name)
+                       bench_name=args.name, extra_variants=variants)
         return 0
     from .bench.gemm import flash_shapes, run_gemm_bench
     from .bench.gemm_ops import GemmOps

@@ -4,8 +4,8 @@ Random weights (`testing.synthetic`), synthetic state at each context (random va
 prefill), one row per request (and 4 requests x (1 + 3 draft rows)). Variants, in the same run:
 `full` (the specialized step), `no_overlap` (the same kernels, every lane on the main stream) and
 `generic` (the stack's own forward, eager: serial reference ops, tables rebuilt per layer), and at
-the generic contexts `wo_a_fp8` (the full step with `wo_a` quantized to FP8 once at build, which
-changes the numbers: what streaming half of its bytes would give).
+the generic contexts the options in `VARIANTS` picked by `--variants` (e.g. `wo_a_fp8`: `wo_a`
+quantized to FP8 once at build, which changes the numbers; `l2pf_50`: L2 prefetches on a side lane).
 Each row reports the step time, GB/s and percent of the step floor (design section 5: the bytes a
 step must read once over the streaming-read bandwidth measured in the same run); the per-layer-kind
 rows time one layer's schedule alone (graph of repeated calls); the memory rows give the device
@@ -81,10 +81,30 @@ def _layer_kinds(cfg: ModelConfig) -> dict[str, int]:
     return out
 
 
+# Step variants timed next to the default ("full") one; every one but no_overlap only at the
+# generic contexts. wo_a_fp8 changes the numbers (FP8 wo_a quantized at build); the rest do not.
+VARIANTS = {
+    "no_overlap": dict(overlap_inputs=False, overlap_candidates=False),
+    "pdl": dict(pdl=True),                                  # measured slower (docs/step.md)
+    "wo_a_fp8": dict(wo_a_fp8=True),
+    "wo_a_tf32": dict(wo_a_bf16_dot=False),                 # the default before it was measured
+    "indexer_fp8": dict(indexer_fp8=True),
+    "l2pf_25": dict(l2_prefetch=0.25),                      # ops.l2_prefetch on a side lane
+    "l2pf_50": dict(l2_prefetch=0.5),
+    "l2pf_50_ifp8": dict(l2_prefetch=0.5, indexer_fp8=True),
+}
+DEFAULT_VARIANTS = ("no_overlap", "wo_a_fp8", "indexer_fp8", "l2pf_25", "l2pf_50", "l2pf_50_ifp8")
+
+
 def run_step_bench(rows=ROWS, contexts=CONTEXTS, out_dir="docs/results", progress=print, generic_rows=(1, 8),
                    generic_contexts=(32768,), kinds_rows=(1, 8), timeline: bool = True,
-                   bench_name: str = "step") -> list[dict]:
-    """Every variant at every (context, rows); returns and writes the result rows."""
+                   bench_name: str = "step", extra_variants=DEFAULT_VARIANTS) -> list[dict]:
+    """Every variant at every (context, rows); returns and writes the result rows.
+
+    extra_variants: names in VARIANTS timed next to the default step ("full")."""
+    unknown = [v for v in extra_variants if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown step variants {unknown}; known: {sorted(VARIANTS)}")
     info = run_info()
     floor = read_bandwidth_gbps()
     progress(f"streaming read: {floor:.0f} GB/s on {info['gpu']}")
@@ -104,13 +124,8 @@ def run_step_bench(rows=ROWS, contexts=CONTEXTS, out_dir="docs/results", progres
         fill_state(state, {i: ctx for i in range(max_rows)})
         mem_state = sum(state.memory_bytes().values())
         steps = {}
-        variants = [("full", {}), ("no_overlap", dict(overlap_inputs=False, overlap_candidates=False)),
-                    ("pdl", dict(pdl=True))]
-        if ctx in generic_contexts:   # FP8 wo_a (quantized once at build: changes the numbers)
-            variants.append(("wo_a_fp8", dict(wo_a_fp8=True)))
-            # TF32 wo_a operands (the default before it was measured) and the FP8 indexer (off so far)
-            variants.append(("wo_a_tf32", dict(wo_a_bf16_dot=False)))
-            variants.append(("indexer_fp8", dict(indexer_fp8=True)))
+        variants = [("full", {})] + [(v, VARIANTS[v]) for v in extra_variants
+                                     if ctx in generic_contexts or v == "no_overlap"]
         for variant, opts in variants:
             progress(f"context {ctx}: building + capturing the {variant} step")
             steps[variant] = stack.decode_step(state, max_rows=max_rows, buckets=rows, **opts)

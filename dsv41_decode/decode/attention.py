@@ -26,6 +26,7 @@ from ..ops.compressor import compress_ratio2_
 from ..ops.index_query import index_query_
 from ..ops.indexer import index_scores_mxfp4_
 from ..ops.kv_write import compressed_entry_store_, qkv_rope_insert_
+from ..ops.l2_prefetch import L2Prefetch
 from ..ops.ll_bf16 import LlBf16Plan, ll_bf16_
 from ..ops.rms_norm import rms_norm_, rms_norm_pair_
 from ..ops.low_latency_mm import LowLatencyConfig, LowLatencyMM
@@ -122,7 +123,7 @@ class AttentionStep:
     def __init__(self, layer: AttentionLayer, state: DecodeState, meta: StepMeta, scratch: Scratch,
                  lanes: Lanes, selections: dict[int, IndexSelection], candidates: dict[int, torch.Tensor],
                  max_rows: int, wo_a_fp8: bool = False, wo_a_bf16_dot: bool | None = None,
-                 indexer_fp8: bool = False):
+                 indexer_fp8: bool = False, l2_prefetch: float = 0.0):
         cfg, spec, w = layer.cfg, layer.spec, layer.w
         if not 1 <= max_rows <= LOW_BATCH_MAX_ROWS:
             raise NotEligible(f"max_rows={max_rows}: the specialized step serves 1..{LOW_BATCH_MAX_ROWS} rows")
@@ -155,6 +156,17 @@ class AttentionStep:
                                        dev, head_dim=cfg.head_dim, rope_dim=cfg.rope_head_dim,
                                        bf16_dot=wo_a_bf16_dot, **few)
         self.indexer_fp8 = bool(indexer_fp8)
+        # L2 prefetches per row bucket of the GEMMs (each segment = one program's K range)
+        self.prefetches: dict[int, tuple[tuple[L2Prefetch, ...], tuple[L2Prefetch, ...]]] = {}
+        if l2_prefetch > 0 and dev.type == "cuda":
+            wo_a_seg = self.wo_a_plan.k_per_split
+            for bm in sorted({self.mm_wq_b.launch_for(b).block_m for b in range(1, max_rows + 1)}):
+                q_seg = self.mm_wq_b.launch_for(bm).k_per_split
+                o_seg = self.mm_wo_b.launch_for(bm).k_per_split
+                wo_a_2d = self.wo_a_w.view(-1, self.wo_a_w.shape[-1])
+                self.prefetches[bm] = ((L2Prefetch(self.mm_wq_b.weight, q_seg, l2_prefetch),),
+                                       (L2Prefetch(wo_a_2d, wo_a_seg, l2_prefetch, max_fraction=0.5),
+                                        L2Prefetch(self.mm_wo_b.weight, o_seg, l2_prefetch, max_fraction=0.3)))
         topk_w = 0 if spec.kind == SWA else cfg.index_topk
         # Per row count the tiling measured best (ops.sparse_mla.STEP_TILINGS; docs/attn.md).
         self.mla_plans = ([SparseMlaPlan.build(max_rows, cfg.n_heads, cfg.window_size, topk_w, dev, splits=1)]
@@ -197,6 +209,9 @@ class AttentionStep:
         B = rows
         # 1. input projections; the side projections start at once on their lanes
         start = lanes.mark()                                  # protects u (written by the boundary)
+        prefetch = self.prefetches.get(self.mm_wq_b.launch_for(B).block_m) if self.prefetches else None
+        if prefetch:                                          # wq_b's stream heads, during wqa + norm
+            shared.setdefault("staged", []).append(lanes.prefetch(*prefetch[0]))
         ev_latent = ev_wproj = ev_iq = None
         if spec.owns_compressor:
             with lanes.side(AUX_COMPRESSOR):
@@ -241,6 +256,8 @@ class AttentionStep:
                 ev_latent = lanes.mark()                      # protects compressed + index-key records
         q = s.q[:B]
         self.mm_wq_b(s.qr_codes[:B], s.qr_scales[:B], q.view(B, -1))
+        if prefetch:                                          # wo_a's and wo_b's, during RoPE .. sparse MLA
+            shared.setdefault("staged", []).append(lanes.prefetch(*prefetch[1]))
         qkv_rope_insert_(q, kv, m.cos[r][:B], m.sin[r][:B], m.stage_slot[:B], st.window[L])
         lanes.wait(ev_latent)
         # 4. indexer

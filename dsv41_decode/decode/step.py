@@ -85,7 +85,8 @@ class DecodeStep:
     def __init__(self, stack, state: DecodeState, max_rows: int = 16, buckets: Sequence[int] | None = None,
                  overlap_inputs: bool = True, overlap_candidates: bool = True, graphs: bool = True,
                  wo_a_fp8: bool = False, tp_boundary: str = "auto", pdl: bool = False,
-                 wo_a_bf16_dot: bool | None = None, indexer_fp8: bool = False):
+                 wo_a_bf16_dot: bool | None = None, indexer_fp8: bool = False,
+                 l2_prefetch: float = 0.0):
         if buckets is None:
             buckets = tuple(b for b in DEFAULT_BUCKETS if b < max_rows) + (max_rows,)
         buckets = tuple(sorted(set(buckets)))
@@ -106,12 +107,15 @@ class DecodeStep:
         B, cfg = self.max_rows, self.cfg
         self.meta = StepMeta(cfg, state, B)
         self.scratch = Scratch(stack.layers[stack.ids[0]].cfg, state, B)   # this rank's heads and groups
-        self.lanes = Lanes(dev, overlap_inputs, overlap_candidates)
+        if not (isinstance(l2_prefetch, (int, float)) and 0.0 <= l2_prefetch <= 1.0):
+            raise StepError(f"l2_prefetch must be a fraction in [0, 1], got {l2_prefetch!r}")
+        self.lanes = Lanes(dev, overlap_inputs, overlap_candidates, l2_prefetch > 0)
         self.selections: dict[int, IndexSelection] = {}
         self.candidate_masks: dict[int, torch.Tensor] = {}
         self.layers = {i: AttentionStep(stack.layers[i], state, self.meta, self.scratch, self.lanes,
                                         self.selections, self.candidate_masks, B, wo_a_fp8,
-                                        wo_a_bf16_dot=wo_a_bf16_dot, indexer_fp8=indexer_fp8)
+                                        wo_a_bf16_dot=wo_a_bf16_dot, indexer_fp8=indexer_fp8,
+                                        l2_prefetch=float(l2_prefetch))
                        for i in stack.ids}
         if tp_boundary not in ("auto", "collective", "fused"):
             raise StepError(f"tp_boundary must be 'auto', 'collective' or 'fused', got {tp_boundary!r}")
