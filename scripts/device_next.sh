@@ -7,6 +7,7 @@
 #   qprobe the step's sparse-MLA tilings next to the separate-combine variants (short)
 #   wprobe the grouped wo_a's plan variants (scripts/probe_wo_a.py)
 #   iprobe the indexer logits' launch knobs (scripts/probe_indexer.py)
+#   l2probe what an L2 prefetch during idle time buys the big GEMMs (scripts/probe_l2.py)
 #   ncu    ncu on one launch of the sparse MLA's default plan (1 row, 64 heads): registers, spills, stalls
 #   bench  `bench step` at every row count and context, variants full / no_overlap / pdl / wo_a_fp8
 # Run it twice within one session's device time: STAGES="tests probe", then STAGES=bench.
@@ -28,6 +29,8 @@ for stage in $STAGES; do
       timeout ${PROBE_S:-300} python scripts/probe_sparse_mla.py 2>&1 | tee "$OUT/probe_sparse_mla.txt" | tail -90 ;;
     wprobe)   # the grouped wo_a's plan variants (BF16 tensor-core operands, splits, stages)
       timeout ${PROBE_S:-180} python scripts/probe_wo_a.py ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe_wo_a.txt" | tail -70 ;;
+    l2probe)
+      timeout ${PROBE_S:-120} python scripts/probe_l2.py ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe_l2.txt" | tail -60 ;;
     iprobe)
       timeout ${PROBE_S:-300} python scripts/probe_indexer.py 2>&1 | tee "$OUT/probe_indexer.txt" | tail -100 ;;
     ncu)
