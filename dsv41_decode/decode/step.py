@@ -79,13 +79,19 @@ class DecodeStep:
         Hopper and later, ignored elsewhere. Off by default until measured on the GPU.
     wo_a_bf16_dot: BF16 instead of TF32 dot operands in `wo_a` (None: the plan's measured default,
         on for a BF16 weight; docs/gemm.md). indexer_fp8: the indexer's FP8 dot path
-        (`index_scores_mxfp4_(fp8_dot=True)`, docs/attn.md), off until `bench step` measures it.
+        (`index_scores_mxfp4_(fp8_dot=True)`, docs/attn.md); on by default (`bench step` on an H200:
+        the step 1-8 % faster at 1-64 rows, 32K); False: the BF16 dot path.
+    l2_prefetch: 0 (the default) or the part (0, 1] of every GEMM program's weight stream that
+        `ops.l2_prefetch` warms in L2 on a side lane while the main stream runs kernels that barely
+        read DRAM: wq_b's from the layer's start, wo_a's and wo_b's once wq_b is done. Changes no
+        value. Off: measured slower on an H200 (docs/step.md: the GEMMs take nearly as long on
+        L2-resident weights, and the prefetches compete with them).
     """
 
     def __init__(self, stack, state: DecodeState, max_rows: int = 16, buckets: Sequence[int] | None = None,
                  overlap_inputs: bool = True, overlap_candidates: bool = True, graphs: bool = True,
                  wo_a_fp8: bool = False, tp_boundary: str = "auto", pdl: bool = False,
-                 wo_a_bf16_dot: bool | None = None, indexer_fp8: bool = False,
+                 wo_a_bf16_dot: bool | None = None, indexer_fp8: bool = True,
                  l2_prefetch: float = 0.0):
         if buckets is None:
             buckets = tuple(b for b in DEFAULT_BUCKETS if b < max_rows) + (max_rows,)

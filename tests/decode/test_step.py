@@ -356,16 +356,17 @@ def test_bookkeeping_free_and_admit(cpu_setup):
 
 @interpreter
 def test_fast_paths_step(cpu_setup):
-    """The step with the kernels' opt-in fast paths (the FP8 indexer; `wo_a`'s BF16 operands are a
-    GPU-only option, ignored here) gives the default step's bits over two steps on these inputs
-    (the two indexer paths sum in different FP32 orders, so in general a score may move by one
-    BF16 ulp). Layers 1, 3, 4 (both ratios, the candidate source and its consumer)."""
+    """The step with the indexer's BF16 dot path gives the default (FP8 path) step's bits over two
+    steps on these inputs (the two paths sum in different FP32 orders, so in general a score may
+    move by one BF16 ulp); `wo_a`'s BF16 operands are GPU-only, ignored here. Layers 1, 3, 4 (both
+    ratios, the candidate source and its consumer)."""
     cfg, _, base, ckpt = cpu_setup
     stack = AttentionStack(ckpt, [1, 3, 4])
     st_a, st_b = copy.deepcopy(base), copy.deepcopy(base)
     plain = stack.decode_step(st_a, max_rows=4)
-    fast = stack.decode_step(st_b, max_rows=4, indexer_fp8=True, wo_a_bf16_dot=True)
-    assert all(a.indexer_fp8 for a in fast.layers.values())
+    fast = stack.decode_step(st_b, max_rows=4, indexer_fp8=False, wo_a_bf16_dot=True)
+    assert all(a.indexer_fp8 for a in plain.layers.values())
+    assert not any(a.indexer_fp8 for a in fast.layers.values())
     assert not any(a.wo_a_plan.bf16_dot for a in fast.layers.values())     # not in the interpreter
     g = torch.Generator().manual_seed(4)
     for rows in ([("a", 1), ("b", 2)], [("c", 3), ("a", 1)]):
