@@ -57,7 +57,7 @@ def _mxfp8_ll_mm_kernel(
     M, N, K, stride_xm, stride_sxm, stride_wn, stride_swn, stride_ym, steps_per_split,
     N_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, DEQUANT: tl.constexpr, DOT_F32: tl.constexpr, OUT_F32: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, SCALE_WORDS: tl.constexpr = False,
 ):
     # Grid: (N tiles, K splits). Program (t, s) covers rows [t*BLOCK_N, +BLOCK_N) of W and the K
     # range [s*steps_per_split*BLOCK_K, +steps_per_split*BLOCK_K); every row of x is in its one
@@ -80,6 +80,15 @@ def _mxfp8_ll_mm_kernel(
     pdl.prefetch_rows_l2(w_rows + step_lo * BLOCK_K, (step_hi - step_lo) * BLOCK_K, PDL)
     pdl.enter(PDL, RELEASE=False)
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    if SCALE_WORDS:
+        # The SUB scale bytes of one step are one aligned word per row (the launcher checked the
+        # alignment), loaded one step ahead: single-byte loads cannot go through cp.async, so
+        # Triton issues them in the step that uses them, which exposes their latency every step.
+        WORD: tl.constexpr = tl.int32 if SUB == 4 else tl.int64
+        sw_words = sw_rows.to(tl.pointer_type(WORD))
+        sx_words = sx_rows.to(tl.pointer_type(WORD))
+        sw_next = tl.load(sw_words + step_lo)                                          # [BN]
+        sx_next = tl.load(sx_words + step_lo)                                          # [BM]
     for step in range(step_lo, step_hi):
         # A multiple of BLOCK_K by construction: the compiler can prove the loads 16-byte aligned.
         k0 = step * BLOCK_K
@@ -101,13 +110,22 @@ def _mxfp8_ll_mm_kernel(
             else:
                 acc = tl.dot(wd.to(tl.bfloat16), xd.to(tl.bfloat16), acc)
         else:
+            if SCALE_WORDS:
+                sw_word, sx_word = sw_next, sx_next
+                nxt = tl.minimum(step + 1, step_hi - 1)
+                sw_next = tl.load(sw_words + nxt)
+                sx_next = tl.load(sx_words + nxt)
             for j in tl.static_range(SUB):
                 rk = k0 + j * 32 + tl.arange(0, 32)
                 kb = k0 // 32 + j
                 w = tl.load(w_rows[:, None] + rk[None, :])                              # [BN, 32]
                 xt = tl.load(x_rows[None, :] + rk[:, None])                             # [32, BM]
-                sw = ue8m0_to_fp32(tl.load(sw_rows + kb))                               # [BN]
-                sx = ue8m0_to_fp32(tl.load(sx_rows + kb))                               # [BM]
+                if SCALE_WORDS:                                                         # byte j (little-endian)
+                    sw = ue8m0_to_fp32(((sw_word >> (8 * j)) & 255).to(tl.int32))       # [BN]
+                    sx = ue8m0_to_fp32(((sx_word >> (8 * j)) & 255).to(tl.int32))       # [BM]
+                else:
+                    sw = ue8m0_to_fp32(tl.load(sw_rows + kb))                           # [BN]
+                    sx = ue8m0_to_fp32(tl.load(sx_rows + kb))                           # [BM]
                 part = tl.dot(w, xt)                                                    # [BN, BM]
                 # The reference's order: partial * sx * sw, then the K-ordered FP32 sum.
                 acc += (part * sx[None, :]) * sw[:, None]
@@ -142,9 +160,12 @@ class LowLatencyConfig:
     """One launch configuration of the kernel.
 
     block_n: W rows per program, a power of two: the MMA's M (wgmma from 64 up; 32 and below fall
-    back to mma.sync). block_k: K per loop iteration, 32 times a power of two, dividing K. split: K splits requested (the plan may use fewer so that none is
-    empty). num_warps, num_stages: Triton's. dequant: the BF16-dequantize variant instead of the
-    per-block FP8 dots.
+    back to mma.sync). block_k: K per loop iteration, 32 times a power of two, dividing K. split:
+    K splits requested (the plan may use fewer so that none is empty). num_warps, num_stages:
+    Triton's. dequant: the BF16-dequantize variant instead of the per-block FP8 dots.
+    scale_words: (FP8 dots, block_k 128 or 256) load each step's scale bytes as one word per row,
+    one step ahead, where both scale tensors' rows are word-aligned (else byte loads, issued in the
+    step that uses them); same values, same bits.
     """
 
     block_n: int = 128
@@ -153,6 +174,7 @@ class LowLatencyConfig:
     num_warps: int = 4
     num_stages: int = 4
     dequant: bool = False
+    scale_words: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "block_k", "split", "num_warps", "num_stages"):
@@ -321,6 +343,9 @@ class LowLatencyMM:
                 raise ValueError(f"{name} is on {t.device} but the weight is on {self.device}")
         launch = self.launch_for(m)
         cfg = launch.config
+        word = cfg.block_k // 32
+        scale_words = (cfg.scale_words and not cfg.dequant and word in (4, 8)
+                       and all(t.stride(0) % word == 0 and t.data_ptr() % word == 0 for t in (x_scale, self.w_scale)))
         _mxfp8_ll_mm_kernel[launch.grid](
             codes, x_scale.view(torch.uint8), self.weight, self.w_scale,
             out if out.dtype == torch.float32 else out.view(torch.int16),
@@ -329,7 +354,8 @@ class LowLatencyMM:
             self.w_scale.stride(0), out.stride(0), launch.k_per_split // cfg.block_k,
             N_SPLIT=launch.split, BLOCK_N=cfg.block_n, BLOCK_M=launch.block_m, BLOCK_K=cfg.block_k,
             SPLIT_K=launch.split > 1, DEQUANT=cfg.dequant, DOT_F32=self._dot_f32, OUT_F32=out.dtype == torch.float32,
-            PDL=pdl.active(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(),
+            PDL=pdl.active(), SCALE_WORDS=scale_words, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **pdl.launch_options(),
         )
         return out
 

@@ -10,6 +10,8 @@ output. The loose comparison (BF16 activations times the stored FP8 weight) is b
 3 mantissa bits: rel RMS < 3e-2.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -89,6 +91,21 @@ def test_dequant_variant_matches_reference(m):
                 LowLatencyConfig(block_n=32, block_k=64, split=2, dequant=True)):
         y = LowLatencyMM(weight, w_scale, config=cfg)(codes, x_scale, _poisoned(m, n))
         assert rel_rms(y, ref) < 1e-3 and row_ulp_distance(y, ref) <= 1, cfg
+
+
+@pytest.mark.parametrize("block_k, split", [(128, 1), (128, 3), (256, 1)])
+def test_scale_words_give_the_byte_path_bits(block_k, split):
+    """scale_words loads the same scale bytes as words one step ahead: the same bits, also with
+    split-K and at block_k 256 (64-bit words); a misaligned x_scale row falls back to byte loads."""
+    m, n, k = 5, 96, 768
+    _, _, codes, x_scale, weight, w_scale = _operands(_gen(11 + block_k + split), m, n, k)
+    base = dict(block_n=32, block_k=block_k, split=split)
+    ref = LowLatencyMM(weight, w_scale, config=LowLatencyConfig(**base))(codes, x_scale, _poisoned(m, n))
+    words = LowLatencyMM(weight, w_scale, config=LowLatencyConfig(**base, scale_words=True))
+    assert torch.equal(words(codes, x_scale, _poisoned(m, n)), ref)
+    wide = torch.zeros(m, k // 32 + 1, dtype=x_scale.dtype, device=x_scale.device)
+    wide[:, 1:] = x_scale                            # rows start at an odd byte: no word loads
+    assert torch.equal(words(codes, wide[:, 1:], _poisoned(m, n)), ref)
 
 
 def test_against_unquantized_bf16():
@@ -199,3 +216,17 @@ def test_flash_shapes_on_gpu(name, n, k):
             # FP8 MMAs keep fewer than 24 bits while adding a block's 32 products: allow 2 ulps.
             assert row_ulp_distance(y, ref) <= 2, (name, m, row_ulp_distance(y, ref))
         assert int(plan._counters.abs().sum()) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,n,k", [s for s in FLASH_SHAPES if s[0] in ("fused_wqa_wkv", "wq_b", "wo_b")],
+                         ids=["fused_wqa_wkv", "wq_b", "wo_b"])
+def test_gpu_scale_words_give_the_byte_path_bits(name, n, k):
+    """At the real shapes, every row bucket: the word-loaded scales give the tuned plan's bits."""
+    x_all, _, codes_all, sx_all, weight, w_scale = _operands(_gen(n + k + 1), 64, n, k)
+    plan = LowLatencyMM(weight, w_scale)
+    words = LowLatencyMM(weight, w_scale, config={b: dataclasses.replace(plan.launch_for(b).config, scale_words=True)
+                                                   for b in (16, 32, 64)})
+    for m in (1, 5, 16, 33, 64):
+        y = plan(codes_all[:m], sx_all[:m], _poisoned(m, n))
+        assert torch.equal(words(codes_all[:m], sx_all[:m], _poisoned(m, n)), y), (name, m)
