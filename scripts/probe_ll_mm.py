@@ -1,5 +1,6 @@
-"""Probe `low_latency_mm` on a GPU: the tuned plan against the same plan with `scale_words` (each
-step's scale bytes loaded as one word per row, one step ahead), at the V4.1-Flash shapes of the
+"""Probe `low_latency_mm` on a GPU: the tuned plan with byte-loaded scales ("tuned", scale_words=False)
+against the same plan with `scale_words` (each step's scale bytes loaded as one word per row, one
+step ahead; the default), at the V4.1-Flash shapes of the
 step's GEMMs, rows 1, 8, 16: CUDA-graph replay over weight copies rotated beyond L2 (32+ calls per
 graph), median; outputs compared bit for bit. `--rows=1,16` and `--only=wq_b,wo_b` narrow it.
 Prints; writes nothing.
@@ -36,9 +37,9 @@ def main() -> None:
         nbytes = n * k + s.numel()
         copies = l2_rotation(nbytes)
         ws = [(w.clone(), s.clone()) for _ in range(copies)]
-        base = [LowLatencyMM(wc, sc, 64) for wc, sc in ws]
-        words = [LowLatencyMM(wc, sc, 64, {b: dataclasses.replace(base[0].launch_for(b).config, scale_words=True)
-                                           for b in (16, 32, 64)}) for wc, sc in ws]
+        words = [LowLatencyMM(wc, sc, 64) for wc, sc in ws]
+        base = [LowLatencyMM(wc, sc, 64, {b: dataclasses.replace(words[0].launch_for(b).config, scale_words=False)
+                                          for b in (16, 32, 64)}) for wc, sc in ws]
         for m in rows:
             codes = torch.randn(m, k, generator=g, device="cuda").to(torch.float8_e4m3fn)
             xs = torch.randint(120, 130, (m, k // 32), generator=g, device="cuda", dtype=torch.uint8)

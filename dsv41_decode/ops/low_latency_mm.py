@@ -165,7 +165,9 @@ class LowLatencyConfig:
     Triton's. dequant: the BF16-dequantize variant instead of the per-block FP8 dots.
     scale_words: (FP8 dots, block_k 128 or 256) load each step's scale bytes as one word per row,
     one step ahead, where both scale tensors' rows are word-aligned (else byte loads, issued in the
-    step that uses them); same values, same bits.
+    step that uses them); same values, same bits. On by default: on an H200 1.11-1.24x faster on
+    fused_wqa_wkv, 1.02-1.13x on wq_b and its TP2 shard, never slower
+    (docs/results/ll-mm-scale-words-h200.txt).
     """
 
     block_n: int = 128
@@ -174,7 +176,7 @@ class LowLatencyConfig:
     num_warps: int = 4
     num_stages: int = 4
     dequant: bool = False
-    scale_words: bool = False
+    scale_words: bool = True
 
     def __post_init__(self):
         for name in ("block_n", "block_k", "split", "num_warps", "num_stages"):

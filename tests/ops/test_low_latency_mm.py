@@ -100,7 +100,8 @@ def test_scale_words_give_the_byte_path_bits(block_k, split):
     m, n, k = 5, 96, 768
     _, _, codes, x_scale, weight, w_scale = _operands(_gen(11 + block_k + split), m, n, k)
     base = dict(block_n=32, block_k=block_k, split=split)
-    ref = LowLatencyMM(weight, w_scale, config=LowLatencyConfig(**base))(codes, x_scale, _poisoned(m, n))
+    bytewise = LowLatencyConfig(**base, scale_words=False)
+    ref = LowLatencyMM(weight, w_scale, config=bytewise)(codes, x_scale, _poisoned(m, n))
     words = LowLatencyMM(weight, w_scale, config=LowLatencyConfig(**base, scale_words=True))
     assert torch.equal(words(codes, x_scale, _poisoned(m, n)), ref)
     wide = torch.zeros(m, k // 32 + 1, dtype=x_scale.dtype, device=x_scale.device)
@@ -222,11 +223,12 @@ def test_flash_shapes_on_gpu(name, n, k):
 @pytest.mark.parametrize("name,n,k", [s for s in FLASH_SHAPES if s[0] in ("fused_wqa_wkv", "wq_b", "wo_b")],
                          ids=["fused_wqa_wkv", "wq_b", "wo_b"])
 def test_gpu_scale_words_give_the_byte_path_bits(name, n, k):
-    """At the real shapes, every row bucket: the word-loaded scales give the tuned plan's bits."""
+    """At the real shapes, every row bucket: the tuned plan (word-loaded scales) gives the bits of
+    the same plan with byte-loaded scales."""
     x_all, _, codes_all, sx_all, weight, w_scale = _operands(_gen(n + k + 1), 64, n, k)
-    plan = LowLatencyMM(weight, w_scale)
-    words = LowLatencyMM(weight, w_scale, config={b: dataclasses.replace(plan.launch_for(b).config, scale_words=True)
-                                                   for b in (16, 32, 64)})
+    words = LowLatencyMM(weight, w_scale)
+    plan = LowLatencyMM(weight, w_scale, config={b: dataclasses.replace(words.launch_for(b).config, scale_words=False)
+                                                  for b in (16, 32, 64)})
     for m in (1, 5, 16, 33, 64):
         y = plan(codes_all[:m], sx_all[:m], _poisoned(m, n))
         assert torch.equal(words(codes_all[:m], sx_all[:m], _poisoned(m, n)), y), (name, m)
