@@ -16,8 +16,9 @@ from dsv41_decode.bench.timing import graph_time_us, l2_rotation
 from dsv41_decode.ops.wo_a import WoAPlan, quantize_wo_a, wo_a_
 
 HEADS, GROUPS, RANK = 64, 8, 1024
+# "+quant": the launch also writes the MXFP8 of z for wo_b (codes_out / scales_out), as the step does
 VARIANTS = {
-    "default": {}, "bf16dot": dict(bf16_dot=True),
+    "default": {}, "default+quant": {}, "bf16dot": dict(bf16_dot=True),
     "split1": dict(split=1), "split4": dict(split=4), "split8": dict(split=8),
     "stages2": dict(num_stages=2), "stages4": dict(num_stages=4), "stages6": dict(num_stages=6),
     "warps8": dict(num_warps=8), "bf16dot_split4": dict(bf16_dot=True, split=4),
@@ -45,14 +46,18 @@ def main() -> None:
             ang = torch.rand(m, 32, generator=g, device="cuda") * 2 * math.pi
             cos, sin = torch.cos(ang), torch.sin(ang)
             out = torch.empty(m, GROUPS * RANK, dtype=torch.bfloat16, device="cuda")
+            codes = torch.empty(m, GROUPS * RANK, dtype=torch.float8_e4m3fn, device="cuda")
+            sbytes = torch.empty(m, GROUPS * RANK // 32, dtype=torch.uint8, device="cuda")
             ref = None
             for name in names:
                 try:
                     plan = WoAPlan.build(HEADS, GROUPS, RANK, 64, weight.dtype, "cuda", **VARIANTS[name])
 
-                    def fn(plan=plan):
+                    quant = (codes, sbytes) if name.endswith("+quant") else (None, None)
+
+                    def fn(plan=plan, quant=quant):
                         for wc in ws:
-                            wo_a_(plan, o, cos, sin, wc, scale, out)
+                            wo_a_(plan, o, cos, sin, wc, scale, out, *quant)
                     us = graph_time_us(fn, calls_per_graph=copies, replays=30)
                     ref = out.float().clone() if ref is None else ref
                     err = float((out.float() - ref).abs().max())
