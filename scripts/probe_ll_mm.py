@@ -1,6 +1,7 @@
-"""Probe `low_latency_mm` on a GPU: the tuned plan with byte-loaded scales ("tuned", scale_words=False)
-against the same plan with `scale_words` (each step's scale bytes loaded as one word per row, one
-step ahead; the default), at the V4.1-Flash shapes of the
+"""Probe `low_latency_mm` on a GPU: the tuned configs with byte-loaded scales ("tuned",
+scale_words=False) against the same configs with `scale_words=True` (each step's scale bytes loaded
+as one word per row, one step ahead; the default for the FP8-dot loop, forced here for the
+dequantize loop too), at the V4.1-Flash shapes of the
 step's GEMMs, rows 1, 8, 16: CUDA-graph replay over weight copies rotated beyond L2 (32+ calls per
 graph), median; outputs compared bit for bit. `--rows=1,16` and `--only=wq_b,wo_b` narrow it.
 Prints; writes nothing.
@@ -37,9 +38,9 @@ def main() -> None:
         nbytes = n * k + s.numel()
         copies = l2_rotation(nbytes)
         ws = [(w.clone(), s.clone()) for _ in range(copies)]
-        words = [LowLatencyMM(wc, sc, 64) for wc, sc in ws]
-        base = [LowLatencyMM(wc, sc, 64, {b: dataclasses.replace(words[0].launch_for(b).config, scale_words=False)
-                                          for b in (16, 32, 64)}) for wc, sc in ws]
+        tuned = LowLatencyMM(w, s, 64)
+        words, base = ([LowLatencyMM(wc, sc, 64, {b: dataclasses.replace(tuned.launch_for(b).config, scale_words=on)
+                                                  for b in (16, 32, 64)}) for wc, sc in ws] for on in (True, False))
         for m in rows:
             codes = torch.randn(m, k, generator=g, device="cuda").to(torch.float8_e4m3fn)
             xs = torch.randint(120, 130, (m, k // 32), generator=g, device="cuda", dtype=torch.uint8)

@@ -1,7 +1,7 @@
 """Compile kernels for sm_90 on any machine (no GPU: Triton's own ptxas and cuobjdump) and print the
 SASS instruction counts that docs/attn.md, docs/gemm.md and docs/step.md cite: per kernel the
 registers, the whole kernel's instructions, and the main loop's (per entry for the indexer).
-Usage: python scripts/sm90_sass.py [indexer] [combine] [wo_a] [ll_tail]   (default: all)."""
+Usage: python scripts/sm90_sass.py [indexer] [combine] [wo_a] [ll_tail] [ll_scales]   (default: all)."""
 
 from __future__ import annotations
 
@@ -71,7 +71,23 @@ def ll_tail() -> None:
           flush=True)
 
 
-STAGES = {"indexer": indexer_paths, "combine": combine, "wo_a": wo_a_paths, "ll_tail": ll_tail}
+def ll_scales() -> None:
+    """low_latency_mm's K loop with byte-loaded vs word-loaded scales (scale_words), both loops."""
+    types = {"x_ptr": "*fp8e4nv", "sx_ptr": "*u8", "w_ptr": "*fp8e4nv", "sw_ptr": "*u8", "y_ptr": "*i16",
+             "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+    for dq, split, stages in ((False, 1, 3), (True, 7, 4)):
+        for words in (False, True):
+            k = compile_sm90(low_latency_mm._mxfp8_ll_mm_kernel, types,
+                             dict(N_SPLIT=split, BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, SPLIT_K=split > 1,
+                                  DEQUANT=dq, DOT_F32=False, OUT_F32=False, PDL=False, SCALE_WORDS=words),
+                             num_warps=4, num_stages=stages)
+            loads = sum(t.startswith("LDG.") for t in main_loop(k))
+            print(_line(f"low_latency_mm {'dq' if dq else 'f8'} BK128 {'words' if words else 'bytes'}", k,
+                        f" ({loads} LDG)"), flush=True)
+
+
+STAGES = {"indexer": indexer_paths, "combine": combine, "wo_a": wo_a_paths, "ll_tail": ll_tail,
+          "ll_scales": ll_scales}
 
 if __name__ == "__main__":
     print(f"sm_90 SASS, Triton {triton.__version__}")

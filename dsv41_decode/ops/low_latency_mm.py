@@ -92,15 +92,27 @@ def _mxfp8_ll_mm_kernel(
     for step in range(step_lo, step_hi):
         # A multiple of BLOCK_K by construction: the compiler can prove the loads 16-byte aligned.
         k0 = step * BLOCK_K
+        if SCALE_WORDS:
+            sw_word, sx_word = sw_next, sx_next
+            nxt = tl.minimum(step + 1, step_hi - 1)
+            sw_next = tl.load(sw_words + nxt)
+            sx_next = tl.load(sx_words + nxt)
         if DEQUANT:
             rk = k0 + tl.arange(0, BLOCK_K)
             rkb = k0 // 32 + tl.arange(0, SUB)
             w = tl.load(w_rows[:, None] + rk[None, :])                                  # [BN, BK]
-            sw = ue8m0_to_fp32(tl.load(sw_rows[:, None] + rkb[None, :]))                # [BN, SUB]
+            if SCALE_WORDS:                                                             # bytes 0..SUB-1
+                shifts = 8 * tl.arange(0, SUB)
+                sw = ue8m0_to_fp32(((sw_word[:, None] >> shifts[None, :]) & 255).to(tl.int32))
+            else:
+                sw = ue8m0_to_fp32(tl.load(sw_rows[:, None] + rkb[None, :]))            # [BN, SUB]
             wd = tl.reshape(tl.reshape(w.to(tl.float32), [BLOCK_N, SUB, 32]) * sw[:, :, None],
                             [BLOCK_N, BLOCK_K])
             xt = tl.load(x_rows[None, :] + rk[:, None])                                 # [BK, BM]
-            sx = ue8m0_to_fp32(tl.load(sx_rows[None, :] + rkb[:, None]))                # [SUB, BM]
+            if SCALE_WORDS:
+                sx = ue8m0_to_fp32(((sx_word[None, :] >> shifts[:, None]) & 255).to(tl.int32))
+            else:
+                sx = ue8m0_to_fp32(tl.load(sx_rows[None, :] + rkb[:, None]))            # [SUB, BM]
             xd = tl.reshape(tl.reshape(xt.to(tl.float32), [SUB, 32, BLOCK_M]) * sx[:, None, :],
                             [BLOCK_K, BLOCK_M])
             # Codes times power-of-two scales are exact in BF16, and BF16 products are exact in
@@ -110,11 +122,6 @@ def _mxfp8_ll_mm_kernel(
             else:
                 acc = tl.dot(wd.to(tl.bfloat16), xd.to(tl.bfloat16), acc)
         else:
-            if SCALE_WORDS:
-                sw_word, sx_word = sw_next, sx_next
-                nxt = tl.minimum(step + 1, step_hi - 1)
-                sw_next = tl.load(sw_words + nxt)
-                sx_next = tl.load(sx_words + nxt)
             for j in tl.static_range(SUB):
                 rk = k0 + j * 32 + tl.arange(0, 32)
                 kb = k0 // 32 + j
@@ -163,11 +170,13 @@ class LowLatencyConfig:
     back to mma.sync). block_k: K per loop iteration, 32 times a power of two, dividing K. split:
     K splits requested (the plan may use fewer so that none is empty). num_warps, num_stages:
     Triton's. dequant: the BF16-dequantize variant instead of the per-block FP8 dots.
-    scale_words: (FP8 dots, block_k 128 or 256) load each step's scale bytes as one word per row,
-    one step ahead, where both scale tensors' rows are word-aligned (else byte loads, issued in the
-    step that uses them); same values, same bits. On by default: on an H200 1.11-1.24x faster on
-    fused_wqa_wkv, 1.02-1.13x on wq_b and its TP2 shard, never slower
-    (docs/results/ll-mm-scale-words-h200.txt).
+    scale_words: (block_k 128 or 256) load each step's scale bytes as one word per row, one step
+    ahead, where both scale tensors' rows are word-aligned (else byte loads, issued in the step
+    that uses them); same values, same bits. None (the default) = the measured choice: on for the
+    FP8-dot loop (on an H200 1.11-1.24x faster on fused_wqa_wkv, 1.02-1.13x on wq_b and its TP2
+    shard, never slower: docs/results/ll-mm-scale-words-h200.txt), off for the dequantize loop
+    until measured there (sm_90 SASS: 368 instead of 414 instructions per step, no same-step
+    scale loads); True / False force it.
     """
 
     block_n: int = 128
@@ -176,7 +185,7 @@ class LowLatencyConfig:
     num_warps: int = 4
     num_stages: int = 4
     dequant: bool = False
-    scale_words: bool = True
+    scale_words: bool | None = None
 
     def __post_init__(self):
         for name in ("block_n", "block_k", "split", "num_warps", "num_stages"):
@@ -346,7 +355,8 @@ class LowLatencyMM:
         launch = self.launch_for(m)
         cfg = launch.config
         word = cfg.block_k // 32
-        scale_words = (cfg.scale_words and not cfg.dequant and word in (4, 8)
+        wanted = (not cfg.dequant) if cfg.scale_words is None else cfg.scale_words
+        scale_words = (wanted and word in (4, 8)
                        and all(t.stride(0) % word == 0 and t.data_ptr() % word == 0 for t in (x_scale, self.w_scale)))
         _mxfp8_ll_mm_kernel[launch.grid](
             codes, x_scale.view(torch.uint8), self.weight, self.w_scale,

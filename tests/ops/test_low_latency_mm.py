@@ -93,13 +93,15 @@ def test_dequant_variant_matches_reference(m):
         assert rel_rms(y, ref) < 1e-3 and row_ulp_distance(y, ref) <= 1, cfg
 
 
+@pytest.mark.parametrize("dequant", [False, True], ids=["f8", "dq"])
 @pytest.mark.parametrize("block_k, split", [(128, 1), (128, 3), (256, 1)])
-def test_scale_words_give_the_byte_path_bits(block_k, split):
-    """scale_words loads the same scale bytes as words one step ahead: the same bits, also with
-    split-K and at block_k 256 (64-bit words); a misaligned x_scale row falls back to byte loads."""
+def test_scale_words_give_the_byte_path_bits(block_k, split, dequant):
+    """scale_words loads the same scale bytes as words one step ahead: the same bits, in both
+    loops, also with split-K and at block_k 256 (64-bit words); a misaligned x_scale row falls back
+    to byte loads."""
     m, n, k = 5, 96, 768
     _, _, codes, x_scale, weight, w_scale = _operands(_gen(11 + block_k + split), m, n, k)
-    base = dict(block_n=32, block_k=block_k, split=split)
+    base = dict(block_n=32, block_k=block_k, split=split, dequant=dequant)
     bytewise = LowLatencyConfig(**base, scale_words=False)
     ref = LowLatencyMM(weight, w_scale, config=bytewise)(codes, x_scale, _poisoned(m, n))
     words = LowLatencyMM(weight, w_scale, config=LowLatencyConfig(**base, scale_words=True))
@@ -223,12 +225,13 @@ def test_flash_shapes_on_gpu(name, n, k):
 @pytest.mark.parametrize("name,n,k", [s for s in FLASH_SHAPES if s[0] in ("fused_wqa_wkv", "wq_b", "wo_b")],
                          ids=["fused_wqa_wkv", "wq_b", "wo_b"])
 def test_gpu_scale_words_give_the_byte_path_bits(name, n, k):
-    """At the real shapes, every row bucket: the tuned plan (word-loaded scales) gives the bits of
-    the same plan with byte-loaded scales."""
+    """At the real shapes, every row bucket, both loops (the tuned table dequantizes on some): the
+    tuned configs with word-loaded scales give the bits of the same configs with byte loads."""
     x_all, _, codes_all, sx_all, weight, w_scale = _operands(_gen(n + k + 1), 64, n, k)
-    words = LowLatencyMM(weight, w_scale)
-    plan = LowLatencyMM(weight, w_scale, config={b: dataclasses.replace(words.launch_for(b).config, scale_words=False)
-                                                  for b in (16, 32, 64)})
+    tuned = LowLatencyMM(weight, w_scale)
+    words, plan = (LowLatencyMM(weight, w_scale, config={b: dataclasses.replace(tuned.launch_for(b).config,
+                                                                                scale_words=on)
+                                                         for b in (16, 32, 64)}) for on in (True, False))
     for m in (1, 5, 16, 33, 64):
         y = plan(codes_all[:m], sx_all[:m], _poisoned(m, n))
         assert torch.equal(words(codes_all[:m], sx_all[:m], _poisoned(m, n)), y), (name, m)
