@@ -86,3 +86,12 @@ def test_plot_committed_step_results(tmp_path):
     bad.write_text('{"case": {"op": "other"}}\n')
     with pytest.raises(SystemExit, match="nothing|no step"):
         main(["plot", str(bad)])
+
+
+def test_bench_step_help_names_every_variant(capsys):
+    from dsv41_decode.bench.step import DEFAULT_VARIANTS, VARIANTS
+    with pytest.raises(SystemExit):
+        main(["bench", "step", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(name in text for name in VARIANTS)
+    assert f"default: {','.join(DEFAULT_VARIANTS)}" in text
