@@ -159,13 +159,12 @@ class AttentionStep:
         # L2 prefetches per row bucket of the GEMMs (each segment = one program's K range)
         self.prefetches: dict[int, tuple[tuple[L2Prefetch, ...], tuple[L2Prefetch, ...]]] = {}
         if l2_prefetch > 0 and dev.type == "cuda":
-            wo_a_seg = self.wo_a_plan.k_per_split
+            wo_a = L2Prefetch(self.wo_a_w, self.wo_a_plan.k_per_split, l2_prefetch, max_fraction=0.5)
             for bm in sorted({self.mm_wq_b.launch_for(b).block_m for b in range(1, max_rows + 1)}):
                 q_seg = self.mm_wq_b.launch_for(bm).k_per_split
                 o_seg = self.mm_wo_b.launch_for(bm).k_per_split
-                wo_a_2d = self.wo_a_w.view(-1, self.wo_a_w.shape[-1])
                 self.prefetches[bm] = ((L2Prefetch(self.mm_wq_b.weight, q_seg, l2_prefetch),),
-                                       (L2Prefetch(wo_a_2d, wo_a_seg, l2_prefetch, max_fraction=0.5),
+                                       (wo_a,
                                         L2Prefetch(self.mm_wo_b.weight, o_seg, l2_prefetch, max_fraction=0.3)))
         topk_w = 0 if spec.kind == SWA else cfg.index_topk
         # Per row count the tiling measured best (ops.sparse_mla.STEP_TILINGS; docs/attn.md).

@@ -192,6 +192,8 @@ class LowLatencyConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"LowLatencyConfig.{name} must be a positive int, got {value!r}")
+        if self.scale_words is not None and not isinstance(self.scale_words, bool):
+            raise ValueError(f"LowLatencyConfig.scale_words must be None, True or False, got {self.scale_words!r}")
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"LowLatencyConfig.block_n must be a power of two >= 16, got {self.block_n}")
         if self.block_k % 32 or (self.block_k // 32) & (self.block_k // 32 - 1):

@@ -179,6 +179,7 @@ def test_bad_inputs_name_the_argument():
     raises("max_rows", lambda: LowLatencyMM(weight, w_scale, max_rows=65))
     raises("block_k=256 must divide", lambda: LowLatencyMM(weight, w_scale, config=LowLatencyConfig(block_k=256)))
     raises("block_n must be a power of two", lambda: LowLatencyConfig(block_n=96))
+    raises("scale_words must be None, True or False", lambda: LowLatencyConfig(scale_words="yes"))
     raises("weight must be a torch.Tensor", lambda: low_latency_mm(codes, x_scale, None, w_scale))
 
 
