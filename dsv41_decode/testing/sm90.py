@@ -22,6 +22,12 @@ def compile_sm90(fn, types: dict, consts: dict, divisible=None, **options):
     constexpr arguments; divisible: arguments marked 16-divisible as the launcher would find them
     (default: every pointer and every argument named stride_*); options: Triton's (num_warps, ...).
     """
+    # constexpr parameters with a default take it when not given (else they would compile as
+    # runtime i32 arguments and a `if FLAG:` would trace both branches); the others must be given
+    missing = [p.name for p in fn.params if p.is_constexpr and not p.has_default and p.name not in consts]
+    if missing:
+        raise ValueError(f"constexpr arguments without a default must be given: {missing}")
+    consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
     sig = {a: ("constexpr" if a in consts else types.get(a, "i32")) for a in fn.arg_names}
     if divisible is None:
         divisible = [a for a in fn.arg_names if sig[a].startswith("*") or a.startswith("stride_")]

@@ -58,10 +58,11 @@ def check_low_latency_mm(dequant):
     consts = dict(N_SPLIT=4, BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, SPLIT_K=True, DEQUANT=dequant, DOT_F32=False,
                   OUT_F32=False, PDL=True)
     types["x_ptr"] = "*fp8e4nv"
-    ptx = _ptx(fn, types, consts)
-    _assert_waits_first(ptx)
-    _assert_releases_after_main_loop(ptx, "mma")
-    assert "cp.async.bulk.prefetch.L2" in ptx[:ptx.index("griddepcontrol.wait")]
+    for words in (False, True):    # the scales read before the loop with scale_words: after the wait
+        ptx = _ptx(fn, types, dict(consts, SCALE_WORDS=words))
+        _assert_waits_first(ptx)
+        _assert_releases_after_main_loop(ptx, "mma")
+        assert "cp.async.bulk.prefetch.L2" in ptx[:ptx.index("griddepcontrol.wait")]
 
 
 def check_wo_a():
