@@ -23,6 +23,8 @@ VARIANTS = {
     "stages2": dict(num_stages=2), "stages4": dict(num_stages=4), "stages6": dict(num_stages=6),
     "warps8": dict(num_warps=8), "bf16dot_split4": dict(bf16_dot=True, split=4),
     "bf16dot_stages4": dict(bf16_dot=True, num_stages=4),
+    "swap": dict(swap_ab=True), "swap+quant": dict(swap_ab=True), "swap_split4": dict(swap_ab=True, split=4),
+    "swap_stages4": dict(swap_ab=True, num_stages=4),
 }
 
 

@@ -67,7 +67,7 @@ def _wo_a_kernel(
     R: tl.constexpr, HEADS_PER_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr,
     K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, FP8: tl.constexpr, NUM_STAGES: tl.constexpr, QUANT: tl.constexpr = False,
-    PDL: tl.constexpr = False, BF16_DOT: tl.constexpr = False,
+    PDL: tl.constexpr = False, BF16_DOT: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
 ):
     NOPE: tl.constexpr = HEAD_DIM - ROPE_DIM
     pid_n = tl.program_id(0)
@@ -82,7 +82,10 @@ def _wo_a_kernel(
     # With PDL: the program's weight bytes start towards L2 while the predecessor still runs.
     pdl.prefetch_rows_l2(w_ptr + rn * stride_wn + k_lo, K_PER_SPLIT * (1 if FP8 else 2), PDL)
     pdl.enter(PDL, RELEASE=False)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:   # acc^T = W x^T: the weight rows are the MMA's M (wgmma on sm_90, W read from shared memory)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for kk in tl.range(0, K_PER_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
         k0 = k_lo + kk
         for j in tl.static_range(BLOCK_K // 32):
@@ -96,17 +99,24 @@ def _wo_a_kernel(
                                        stride_cm, stride_sm, BLOCK_M)
             w = tl.load(w_ptr + rn[:, None] * stride_wn + (kc + rc)[None, :])
             if BF16_DOT:   # BF16 operands: exact too (x holds BF16 values; E4M3 fits BF16)
-                wt = tl.trans(w.to(tl.bfloat16))
+                wd = w.to(tl.bfloat16)
                 xd = x.to(tl.bfloat16)
             else:          # TF32 on FP32 operands (the interpreter: its BF16 dots are wrong)
-                wt = tl.trans(w.to(tl.float32))
+                wd = w.to(tl.float32)
                 xd = x
             if FP8:
                 scale = ue8m0_to_fp32(tl.load(s_ptr + (rn // 32) * stride_sn + kc // 32))
-                acc += tl.dot(xd, wt, input_precision="tf32") * scale[None, :]
+                if SWAP_AB:
+                    acc += tl.dot(wd, tl.trans(xd), input_precision="tf32") * scale[:, None]
+                else:
+                    acc += tl.dot(xd, tl.trans(wd), input_precision="tf32") * scale[None, :]
+            elif SWAP_AB:
+                acc = tl.dot(wd, tl.trans(xd), acc, input_precision="tf32")
             else:
-                acc = tl.dot(xd, wt, acc, input_precision="tf32")
+                acc = tl.dot(xd, tl.trans(wd), acc, input_precision="tf32")
     pdl.release(PDL)   # the successor may launch once every program is past its K loop
+    if SWAP_AB:
+        acc = tl.trans(acc)   # [BLOCK_M, BLOCK_N] for the epilogue (one exchange per program)
 
     mask = tl.broadcast_to(m_ok[:, None], (BLOCK_M, BLOCK_N))
     z_ptrs = z_ptr + rm[:, None] * stride_zm + rn[None, :]
@@ -144,7 +154,10 @@ class WoAPlan:
     along K per output tile; num_warps, num_stages: launch options; bf16_dot: BF16 tensor-core
     operands instead of TF32 on FP32 ones (equally exact: the rotated input holds BF16 values, the
     weight BF16 or E4M3; the sums' order inside the MMA differs, so outputs move by BF16 ulps).
-    Never under the interpreter, whose BF16 dots are wrong.
+    Never under the interpreter, whose BF16 dots are wrong. swap_ab: compute z^T = W o'^T (the
+    weight rows as the MMA's M: wgmma on sm_90 reading W from shared memory, instead of mma.sync
+    with W through registers); the same products, another summation order inside the MMA. Off
+    until measured on a GPU (scripts/probe_wo_a.py, variants `swap*`).
     partials: [split, max_rows, G*R] FP32; counters: [G*R / block_n] int32, all 0 between launches.
     """
     heads: int
@@ -162,6 +175,7 @@ class WoAPlan:
     partials: torch.Tensor
     counters: torch.Tensor
     bf16_dot: bool = False
+    swap_ab: bool = False
 
     @property
     def device(self) -> torch.device:
@@ -180,7 +194,7 @@ class WoAPlan:
     def build(cls, heads: int, o_groups: int, rank: int, max_rows: int, weight_dtype: torch.dtype,
               device: torch.device | str = "cuda", *, head_dim: int = 512, rope_dim: int = 64,
               split: int | None = None, num_warps: int = 4, num_stages: int = 3,
-              bf16_dot: bool | None = None) -> "WoAPlan":
+              bf16_dot: bool | None = None, swap_ab: bool = False) -> "WoAPlan":
         """Choose the split and the dot operands, and allocate the workspace.
 
         Defaults measured on an H200 at 64 heads, 1-16 rows (scripts/probe_wo_a.py,
@@ -225,7 +239,7 @@ class WoAPlan:
         counters = torch.zeros(n_tiles, dtype=torch.int32, device=device)
         return cls(heads, o_groups, rank, head_dim, rope_dim, max_rows, weight_dtype, block_n,
                    grains // split * _BLOCK_K, split, num_warps, num_stages, partials, counters,
-                   bool(bf16_dot) and device.type == "cuda" and not interpreting())
+                   bool(bf16_dot) and device.type == "cuda" and not interpreting(), bool(swap_ab))
 
 
 def wo_a_(plan: WoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
@@ -298,7 +312,7 @@ def wo_a_(plan: WoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
         BLOCK_M=block_m, BLOCK_N=plan.block_n, BLOCK_K=_BLOCK_K, FP8=fp8, NUM_STAGES=plan.num_stages,
         num_warps=plan.num_warps * (2 if block_m > 16 else 1), num_stages=plan.num_stages,
         enable_fp_fusion=False,   # the rotation's sums rounded as torch rounds them (no FMA)
-        PDL=pdl.active(), BF16_DOT=plan.bf16_dot, **pdl.launch_options(),
+        PDL=pdl.active(), BF16_DOT=plan.bf16_dot, SWAP_AB=plan.swap_ab, **pdl.launch_options(),
     )
 
 

@@ -86,6 +86,31 @@ def test_any_split_and_strided_input():
 
 
 @pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("split, m", [(1, 3), (2, 37)])
+def test_swap_ab_matches_reference_and_quantizes_the_same(split, m, fp8):
+    """swap_ab (z^T = W o'^T, transposed back for the epilogue): the reference's values, and its
+    fused MXFP8 output equals act_quant of its own z."""
+    from dsv41_decode.ops.act_quant import act_quant_mxfp8_
+    heads, groups, rank = 8, 4, 64
+    o, cis, cos, sin, w = _inputs(m, heads, groups, rank, seed=41 + split)
+    weight, scale = quantize_wo_a(w) if fp8 else (w, None)
+    w_ref = fp8_block_dequantize(weight, scale).bfloat16() if fp8 else w
+    plan = WoAPlan.build(heads, groups, rank, 64, weight.dtype, _DEVICE, split=split, swap_ab=True)
+    assert plan.swap_ab
+    n = groups * rank
+    z = torch.empty(m, n, dtype=torch.bfloat16, device=_DEVICE)
+    codes = torch.empty(m, n, dtype=torch.uint8, device=_DEVICE)
+    sbytes = torch.empty(m, n // 32, dtype=torch.uint8, device=_DEVICE)
+    wo_a_(plan, o, cos, sin, weight, scale, z, codes, sbytes)
+    _check(z, grouped_wo_a(o, cis, w_ref, groups, 64))
+    want_codes = torch.empty_like(codes)
+    want_scales = torch.empty_like(sbytes)
+    act_quant_mxfp8_(z, want_codes, want_scales)
+    assert torch.equal(codes, want_codes) and torch.equal(sbytes, want_scales)
+    assert not plan.counters.any()
+
+
+@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("split, rank, m", [(1, 64, 3), (2, 32, 5), (4, 64, 1)])
 def test_fused_mxfp8_output_equals_act_quant(split, rank, m, fp8):
     # codes_out / scales_out: the MXFP8 of z from the same launch, bit for bit act_quant_mxfp8_(z);
@@ -187,16 +212,17 @@ def test_bf16_plan_rejects_a_scale_and_bad_plans_name_the_field():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("swap_ab", [False, True], ids=["mma", "swap"])
 @pytest.mark.parametrize("bf16_dot", [False, True])
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("heads", [64, 32, 16, 8])
-def test_gpu_real_shapes(heads, fp8, bf16_dot):
+def test_gpu_real_shapes(heads, fp8, bf16_dot, swap_ab):
     groups = heads // 8   # this rank's share of the 8 groups under TP1/2/4/8
     o, cis, cos, sin, w = _inputs(64, heads, groups, 1024, seed=heads)
     weight, scale = quantize_wo_a(w) if fp8 else (w, None)
     w_ref = fp8_block_dequantize(weight, scale).bfloat16() if fp8 else w
-    plan = WoAPlan.build(heads, groups, 1024, 64, weight.dtype, "cuda", bf16_dot=bf16_dot)
-    assert plan.bf16_dot is bf16_dot
+    plan = WoAPlan.build(heads, groups, 1024, 64, weight.dtype, "cuda", bf16_dot=bf16_dot, swap_ab=swap_ab)
+    assert plan.bf16_dot is bf16_dot and plan.swap_ab is swap_ab
     out = torch.empty(64, groups * 1024, dtype=torch.bfloat16, device="cuda")
     for m in (1, 2, 3, 4, 8, 16, 37, 64):
         wo_a_(plan, o[:m], cos[:m], sin[:m], weight, scale, out[:m])
