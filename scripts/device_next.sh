@@ -8,9 +8,12 @@
 #   wprobe the grouped wo_a's plan variants (scripts/probe_wo_a.py)
 #   iprobe the indexer logits' launch knobs (scripts/probe_indexer.py)
 #   l2probe what an L2 prefetch during idle time buys the big GEMMs (scripts/probe_l2.py)
+#   llprobe low_latency_mm with byte- vs word-loaded scales, both loops (scripts/probe_ll_mm.py)
+#   gemm   `bench gemm` at every shape and row count (results under $OUT/results)
 #   ncu    ncu on one launch of the sparse MLA's default plan (1 row, 64 heads): registers, spills, stalls
 #   bench  `bench step` at every row count and context, variants full / no_overlap / pdl / wo_a_fp8
-# Run it twice within one session's device time: STAGES="tests probe", then STAGES=bench.
+# Next session (docs/step.md): TESTS="<the list there>" STAGES="tests llprobe wprobe" first, then
+# STAGES="gemm bench" with the defaults the probes pick.
 export PYTHONPATH=.
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/results"
@@ -29,6 +32,11 @@ for stage in $STAGES; do
       timeout ${PROBE_S:-300} python scripts/probe_sparse_mla.py 2>&1 | tee "$OUT/probe_sparse_mla.txt" | tail -90 ;;
     wprobe)   # the grouped wo_a's plan variants (BF16 tensor-core operands, splits, stages)
       timeout ${PROBE_S:-180} python scripts/probe_wo_a.py ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe_wo_a.txt" | tail -70 ;;
+    llprobe)
+      timeout ${PROBE_S:-120} python scripts/probe_ll_mm.py ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe_ll_mm.txt" | tail -30 ;;
+    gemm)
+      timeout ${GEMM_S:-240} python -m dsv41_decode bench gemm --out "$OUT/results" ${GEMM:-} > "$OUT/gemm.txt" 2>&1
+      grep -v "^\s*$" "$OUT/gemm.txt" | tail -40 ;;
     l2probe)
       timeout ${PROBE_S:-120} python scripts/probe_l2.py ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe_l2.txt" | tail -60 ;;
     iprobe)
