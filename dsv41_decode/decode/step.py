@@ -76,7 +76,8 @@ class DecodeStep:
         falls back to "collective" and says why once (a warning); `boundary_mode` tells which ran.
     pdl: launch the main chain's Triton kernels with programmatic dependent launch (`ops.pdl`:
         each waits for its predecessor in-kernel, GEMMs prefetch their weights into L2 first);
-        Hopper and later, ignored elsewhere. Off by default until measured on the GPU.
+        Hopper and later, ignored elsewhere. Off: measured 3-15 % slower below 64 rows on an H200
+        (docs/step.md).
     wo_a_bf16_dot: BF16 instead of TF32 dot operands in `wo_a` (None: the plan's measured default,
         on for a BF16 weight; docs/gemm.md). indexer_fp8: the indexer's FP8 dot path
         (`index_scores_mxfp4_(fp8_dot=True)`, docs/attn.md); on by default (`bench step` on an H200:

@@ -9,8 +9,9 @@ The input stays BF16; it is never quantized. The weight streams either as BF16 o
 with 32x32 UE8M0 scales, dequantized in registers: each 32-deep partial is scaled by its block's
 power-of-two scale before it joins the FP32 accumulator, which is exact when the checkpoint ships
 `wo_a` in FP8. Products are exact: the operands (rotated BF16 activations, BF16 or E4M3 weights)
-fit TF32's 11 significant bits, so the FP32 `tl.dot` runs at TF32 input precision on the tensor
-cores (and is right in the interpreter, where BF16 dots are not).
+fit BF16's and TF32's significant bits, so the dots run on the tensor cores with BF16 operands (the
+measured default for a BF16 weight) or at TF32 input precision on FP32 operands (an FP8 weight, and
+always in the interpreter, where BF16 dots are wrong).
 
 The grid is (G*R / BLOCK_N output tiles, split): under tensor parallelism a rank holds H/tp heads
 and G/tp groups (one group of 1024 rows at TP8), so K (the group width, 4096) is split across
