@@ -15,7 +15,6 @@ Writes nothing; `--rows=1,8` and `--sleep-us=20` pick the cases.
 
 from __future__ import annotations
 
-import sys
 
 import torch
 
@@ -24,9 +23,8 @@ from dsv41_decode.ops.l2_prefetch import L2Prefetch
 from dsv41_decode.ops.low_latency_mm import LowLatencyMM
 from dsv41_decode.ops.wo_a import WoAPlan, wo_a_
 
+from _args import arg   # scripts/ is on sys.path when run as python scripts/<probe>.py
 
-def _arg(name: str, default: str) -> str:
-    return next((a.split("=", 1)[1] for a in sys.argv if a.startswith(f"--{name}=")), default)
 
 
 def _fp8(n: int, k: int, g: torch.Generator):
@@ -37,8 +35,8 @@ def _fp8(n: int, k: int, g: torch.Generator):
 
 def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
-    rows_list = [int(r) for r in _arg("rows", "1,8").split(",")]
-    sleep_us = float(_arg("sleep-us", "20"))
+    rows_list = [int(r) for r in arg("rows", "1,8").split(",")]
+    sleep_us = float(arg("sleep-us", "20"))
     clock_khz = torch.cuda.get_device_properties(0).clock_rate if hasattr(
         torch.cuda.get_device_properties(0), "clock_rate") else 1_980_000
     cycles = int(sleep_us * clock_khz / 1e3)

@@ -10,7 +10,6 @@ Prints; writes nothing.
 from __future__ import annotations
 
 import dataclasses
-import sys
 
 import torch
 
@@ -18,18 +17,17 @@ from dsv41_decode.bench.floor import read_bandwidth_gbps
 from dsv41_decode.bench.timing import graph_time_us, l2_rotation
 from dsv41_decode.ops.low_latency_mm import LowLatencyMM
 
+from _args import arg   # scripts/ is on sys.path when run as python scripts/<probe>.py
+
 SHAPES = {"fused_wqa_wkv": (1792, 5120), "wq_b": (32768, 1280), "idx_wq_b": (4096, 1280),
           "wo_b": (5120, 8192), "wo_b_tp2": (5120, 4096), "wq_b_tp2": (16384, 1280)}
 
 
-def _arg(name: str, default: str) -> str:
-    return next((a.split("=", 1)[1] for a in sys.argv if a.startswith(f"--{name}=")), default)
-
 
 def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
-    rows = [int(r) for r in _arg("rows", "1,8,16").split(",")]
-    names = _arg("only", ",".join(SHAPES)).split(",")
+    rows = [int(r) for r in arg("rows", "1,8,16").split(",")]
+    names = arg("only", ",".join(SHAPES)).split(",")
     print(f"streaming read: {read_bandwidth_gbps():.0f} GB/s on {torch.cuda.get_device_name()}", flush=True)
     for name in names:
         n, k = SHAPES[name]

@@ -8,12 +8,13 @@ Prints; writes nothing.
 from __future__ import annotations
 
 import math
-import sys
 
 import torch
 
 from dsv41_decode.bench.timing import graph_time_us, l2_rotation
 from dsv41_decode.ops.wo_a import WoAPlan, quantize_wo_a, wo_a_
+
+from _args import arg   # scripts/ is on sys.path when run as python scripts/<probe>.py
 
 HEADS, GROUPS, RANK = 64, 8, 1024
 # "+quant": the launch also writes the MXFP8 of z for wo_b (codes_out / scales_out), as the step does
@@ -28,14 +29,11 @@ VARIANTS = {
 }
 
 
-def _arg(name: str, default: str) -> str:
-    return next((a.split("=", 1)[1] for a in sys.argv if a.startswith(f"--{name}=")), default)
-
 
 def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
-    rows = [int(r) for r in _arg("rows", "1,4,16").split(",")]
-    names = _arg("only", ",".join(VARIANTS)).split(",")
+    rows = [int(r) for r in arg("rows", "1,4,16").split(",")]
+    names = arg("only", ",".join(VARIANTS)).split(",")
     k = HEADS // GROUPS * 512
     w = torch.randn(GROUPS * RANK, k, generator=g, device="cuda") * k ** -0.5
     for fp8 in (False, True):
