@@ -29,6 +29,16 @@ MAX_PREFETCH = 65520     # bytes per instruction (the size travels as a 16-bit c
 
 
 @triton.jit
+def bulk_prefetch_l2(addr, size):
+    """Ask L2 for `size` bytes (int32, a multiple of 16; none when <= 0) at each 16-byte aligned
+    int64 address `addr` (`cp.async.bulk.prefetch.L2`, sm_90; inline PTX, so never in the
+    interpreter). Reads nothing back, writes nothing."""
+    tl.inline_asm_elementwise("{\n\t.reg .pred p;\n\tsetp.gt.s32 p, $2, 0;\n\t"
+                              "@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;\n\t}",
+                              "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _l2_prefetch_kernel(base_ptr, n_items, segs, row_bytes, seg_bytes, pf_bytes,
                         ITERS: tl.constexpr, LANES: tl.constexpr):
     """Item i = (row i // segs, segment i % segs): ask L2 for the first pf_bytes of the segment
@@ -42,10 +52,7 @@ def _l2_prefetch_kernel(base_ptr, n_items, segs, row_bytes, seg_bytes, pf_bytes,
         start = (item - row * segs).to(tl.int64) * seg_bytes
         size = tl.minimum(pf_bytes, row_bytes - start)
         size = tl.where(item < n_items, size, 0).to(tl.int32)
-        addr = base + row.to(tl.int64) * row_bytes + start
-        tl.inline_asm_elementwise("{\n\t.reg .pred p;\n\tsetp.gt.s32 p, $2, 0;\n\t"
-                                  "@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;\n\t}",
-                                  "=r,l,r", [addr.to(tl.int64), size], dtype=tl.int32, is_pure=False, pack=1)
+        bulk_prefetch_l2((base + row.to(tl.int64) * row_bytes + start).to(tl.int64), size)
 
 
 def l2_bytes(device: torch.device) -> int:

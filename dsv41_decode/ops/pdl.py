@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .checks import interpreting
+from .l2_prefetch import bulk_prefetch_l2
 
 _ACTIVE = False
 
@@ -93,8 +94,5 @@ def prefetch_rows_l2(row_ptrs, nbytes, PDL: tl.constexpr, MAX_BYTES: tl.constexp
     running kernel's stream for L2). Only with PDL, where it overlaps the predecessor; results are
     never read, so it changes no value."""
     if PDL:
-        n = tl.zeros(row_ptrs.shape, dtype=tl.int32) + tl.minimum(nbytes, MAX_BYTES)
-        tl.inline_asm_elementwise("{\n\t.reg .pred p;\n\tsetp.gt.s32 p, $2, 0;\n\t"
-                                  "@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;\n\t}", "=r,l,r",
-                                  [row_ptrs.to(tl.int64), n], dtype=tl.int32,
-                                  is_pure=False, pack=1)
+        size = tl.zeros(row_ptrs.shape, dtype=tl.int32) + tl.minimum(nbytes, MAX_BYTES)
+        bulk_prefetch_l2(row_ptrs.to(tl.int64), size)
