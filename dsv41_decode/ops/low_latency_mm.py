@@ -256,6 +256,7 @@ class _Launch:
     split: int
     k_per_split: int
     grid: tuple[int, int]
+    scale_word: int = 0      # bytes per scale word when the config and the weight allow words, else 0
 
 
 class LowLatencyMM:
@@ -315,7 +316,11 @@ class LowLatencyMM:
             k_per_split = -(-steps // min(cfg.split, steps)) * cfg.block_k
             split = -(-k // k_per_split)          # no empty split
             grid = (-(-n // cfg.block_n), split)
-            self._launches[block_m] = _Launch(block_m, cfg, split, k_per_split, grid)
+            word = cfg.block_k // 32
+            wanted = (not cfg.dequant) if cfg.scale_words is None else cfg.scale_words
+            word_ok = wanted and word in (4, 8) and self.w_scale.stride(0) % word == 0 \
+                and self.w_scale.data_ptr() % word == 0
+            self._launches[block_m] = _Launch(block_m, cfg, split, k_per_split, grid, word if word_ok else 0)
 
         ws_elems = max((l.grid[0] * l.split * min(l.block_m, max_rows) * l.config.block_n
                         for l in self._launches.values() if l.split > 1), default=1)
@@ -356,10 +361,8 @@ class LowLatencyMM:
                 raise ValueError(f"{name} is on {t.device} but the weight is on {self.device}")
         launch = self.launch_for(m)
         cfg = launch.config
-        word = cfg.block_k // 32
-        wanted = (not cfg.dequant) if cfg.scale_words is None else cfg.scale_words
-        scale_words = (wanted and word in (4, 8)
-                       and all(t.stride(0) % word == 0 and t.data_ptr() % word == 0 for t in (x_scale, self.w_scale)))
+        word = launch.scale_word      # the weight side was checked at build; here the activation's
+        scale_words = word > 0 and x_scale.stride(0) % word == 0 and x_scale.data_ptr() % word == 0
         _mxfp8_ll_mm_kernel[launch.grid](
             codes, x_scale.view(torch.uint8), self.weight, self.w_scale,
             out if out.dtype == torch.float32 else out.view(torch.int16),
