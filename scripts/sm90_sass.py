@@ -56,9 +56,13 @@ def wo_a_paths() -> None:
                   flush=True)
 
 
+# low_latency_mm's runtime pointer arguments, as its launcher passes them
+LL_TYPES = {"x_ptr": "*fp8e4nv", "sx_ptr": "*u8", "w_ptr": "*fp8e4nv", "sw_ptr": "*u8", "y_ptr": "*i16",
+            "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+
+
 def ll_tail() -> None:
-    types = {"x_ptr": "*fp8e4nv", "sx_ptr": "*u8", "w_ptr": "*fp8e4nv", "sw_ptr": "*u8", "y_ptr": "*i16",
-             "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+    types = LL_TYPES
     k = compile_sm90(low_latency_mm._mxfp8_ll_mm_kernel, types,
                      dict(N_SPLIT=7, BLOCK_N=64, BLOCK_M=16, BLOCK_K=128, SPLIT_K=True, DEQUANT=True,
                           DOT_F32=False, OUT_F32=False, PDL=False), num_warps=4, num_stages=4)
@@ -73,8 +77,7 @@ def ll_tail() -> None:
 
 def ll_scales() -> None:
     """low_latency_mm's K loop with byte-loaded vs word-loaded scales (scale_words), both loops."""
-    types = {"x_ptr": "*fp8e4nv", "sx_ptr": "*u8", "w_ptr": "*fp8e4nv", "sw_ptr": "*u8", "y_ptr": "*i16",
-             "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+    types = LL_TYPES
     for dq, split, stages in ((False, 1, 3), (True, 7, 4)):
         for words in (False, True):
             k = compile_sm90(low_latency_mm._mxfp8_ll_mm_kernel, types,
