@@ -157,8 +157,7 @@ class WoAPlan:
     weight BF16 or E4M3; the sums' order inside the MMA differs, so outputs move by BF16 ulps).
     Never under the interpreter, whose BF16 dots are wrong. swap_ab: compute z^T = W o'^T (the
     weight rows as the MMA's M: wgmma on sm_90 reading W from shared memory, instead of mma.sync
-    with W through registers); the same products, another summation order inside the MMA. Off
-    until measured on a GPU (scripts/probe_wo_a.py, variants `swap*`).
+    with W through registers); the same products, another summation order inside the MMA.
     partials: [split, max_rows, G*R] FP32; counters: [G*R / block_n] int32, all 0 between launches.
     """
     heads: int
@@ -194,18 +193,20 @@ class WoAPlan:
     @classmethod
     def build(cls, heads: int, o_groups: int, rank: int, max_rows: int, weight_dtype: torch.dtype,
               device: torch.device | str = "cuda", *, head_dim: int = 512, rope_dim: int = 64,
-              split: int | None = None, num_warps: int = 4, num_stages: int = 3,
-              bf16_dot: bool | None = None, swap_ab: bool = False) -> "WoAPlan":
+              split: int | None = None, num_warps: int = 4, num_stages: int | None = None,
+              bf16_dot: bool | None = None, swap_ab: bool | None = None) -> "WoAPlan":
         """Choose the split and the dot operands, and allocate the workspace.
 
         Defaults measured on an H200 at 64 heads, 1-16 rows (scripts/probe_wo_a.py,
         docs/results/wo-a-probe-h200.txt): a BF16 weight streams best at about 2 programs per SM
-        with BF16 dot operands (23.7 vs 25.7 us at 1 row), an FP8 weight at about 4 programs per SM
-        with TF32 dots (21.5 vs 23.7 us; BF16 operands gain nothing there).
+        with BF16 dot operands (23.7 vs 25.7 us at 1 row) read by a swapped wgmma (21.6 vs 23.4 us at
+        1 row, 23.1 vs 24.5 at 4, 25.4 vs 26.2 at 16; session 6), an FP8 weight at about 4 programs
+        per SM with TF32 dots, unswapped (21.3 us; swapped 27.4; BF16 operands gain nothing there)
+        and 2 stages (20.5 vs 21.3 us at 1 row, 22.0 vs 22.8 at 16).
         split: programs along K (default: the largest divisor of group_width / 128 at most
         (2 for BF16, 4 for FP8) * SMs / output tiles); bf16_dot: None = on for a BF16 weight; num_warps: warps per program up to 16 rows, twice that above
         (4: one m16 MMA row of 64 columns; 32-64 rows at 4 warps spill); num_stages: K steps in
-        flight (3: 3 x 8 KB of FP8 weight per program).
+        flight (None: 2 for FP8, 3 for BF16); swap_ab: None = on for a BF16 weight on a GPU.
         """
         for name, v in (("heads", heads), ("o_groups", o_groups), ("rank", rank), ("max_rows", max_rows),
                         ("head_dim", head_dim), ("rope_dim", rope_dim)):
@@ -229,6 +230,10 @@ class WoAPlan:
         fp8 = weight_dtype == torch.float8_e4m3fn
         if bf16_dot is None:
             bf16_dot = not fp8
+        if swap_ab is None:
+            swap_ab = not fp8 and device.type == "cuda" and not interpreting()
+        if num_stages is None:
+            num_stages = 2 if fp8 else 3
         if split is None:
             target = max(1, round((4 if fp8 else 2) * num_sms(device) / n_tiles))
             split = max(d for d in range(1, grains + 1) if grains % d == 0 and d <= target)
