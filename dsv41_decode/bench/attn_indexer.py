@@ -1,5 +1,6 @@
 """`bench attn`, indexer family: logits over MXFP4 index keys (68-byte records) and top-512, per row
-count and context (ratio 1: one entry per token), on random valid records."""
+count and context (ratio 1: one entry per token), on random valid records. The logits are the
+decode step's FP8 path, with the BF16 path as the baseline column `bf16_path`."""
 
 from __future__ import annotations
 
@@ -46,7 +47,10 @@ def bench_indexer(rows_list, contexts, floor, info, gen, progress) -> list[dict]
             plan = TopKPlan.build(rows, 512, 1, "cuda")
             idx = torch.empty(rows, 512, device="cuda", dtype=torch.int32)
 
-            def logits():
+            def logits():     # the decode step's path (DecodeStep(indexer_fp8=True))
+                index_scores_mxfp4_(iq, w, pool, table, PAGE, req, n_vis, scores, fp8_dot=True)
+
+            def logits_bf16():
                 index_scores_mxfp4_(iq, w, pool, table, PAGE, req, n_vis, scores)
 
             def topk():
@@ -56,16 +60,16 @@ def bench_indexer(rows_list, contexts, floor, info, gen, progress) -> list[dict]
                 logits()
                 topk()
 
-            t_logits, t_topk, t_both = (graph_time_us(f, replays=30) for f in (logits, topk, both))
+            t_logits, t_topk, t_both, t_bf16 = (graph_time_us(f, replays=30) for f in (logits, topk, both, logits_bf16))
             case = {"rows": rows, "context": context, "heads": HEADS, "ratio": 1}
             key_bytes = rows * context * 68
             score_bytes = rows * context * 4
             out.append(record("attn", {"op": "indexer_logits", **case}, t_logits, key_bytes + score_bytes, floor,
-                              {}, info))
+                              {"bf16_path": t_bf16}, info))
             out.append(record("attn", {"op": "topk512", **case}, t_topk, score_bytes, floor, {}, info))
             out.append(record("attn", {"op": "indexer+topk", **case}, t_both, key_bytes + 2 * score_bytes, floor,
                               {}, info))
-            progress(f"indexer rows={rows} ctx={context}: logits {t_logits:.2f} us, top-k {t_topk:.2f} us, "
-                     f"both {t_both:.2f} us")
+            progress(f"indexer rows={rows} ctx={context}: logits {t_logits:.2f} us (BF16 path {t_bf16:.2f}), "
+                     f"top-k {t_topk:.2f} us, both {t_both:.2f} us")
             del pool, scores
     return out

@@ -12,8 +12,10 @@ class AttnOps:
     """Our sparse-attention kernels behind the bench's interface."""
 
     def sparse_mla(self, q, win, wtab, comp, ctab, sink, scale):
+        """The decode step's plan for this row count (`SparseMlaPlan.for_step`: STEP_TILINGS)."""
         rows, heads = q.shape[0], q.shape[1]
-        plan = SparseMlaPlan.build(rows, heads, wtab.shape[1], ctab.shape[1], q.device)
+        plan = next(p for p in SparseMlaPlan.for_step(rows, heads, wtab.shape[1], ctab.shape[1], q.device)
+                    if p.max_rows >= rows)
         out = torch.empty_like(q)
         return lambda: sparse_mla_(plan, q, win, comp, wtab, ctab, sink, scale, out)
 
@@ -22,7 +24,7 @@ class AttnOps:
         rows, heads = q.shape[0], q.shape[1]
         out = torch.empty_like(q)
         variants = {}
-        for name, kw in (("splits4", dict(splits=4)), ("splits8", dict(splits=8)), ("block_h16", dict(block_h=16)),
+        for name, kw in (("build_default", {}), ("splits4", dict(splits=4)), ("splits8", dict(splits=8)), ("block_h16", dict(block_h=16)),
                          ("block_h64", dict(block_h=64)), ("native_fp8", dict(native_fp8=True))):
             try:
                 plan = SparseMlaPlan.build(rows, heads, wtab.shape[1], ctab.shape[1], q.device, **kw)
