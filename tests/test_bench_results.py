@@ -34,3 +34,16 @@ def test_flash_shapes_bytes():
     assert shapes[("wo_a", 8)].groups == 1 and shapes[("wo_a_bf16", 1)].weight_bytes() == 8 * 1024 * 4096 * 2
     assert shapes[("wk", 1)].weight_bytes() == 128 * 512 * 2 and shapes[("compressor_r2", 1)].weight_bytes() == 1024 * 5120 * 4
     assert l2_rotation(42_000_000, l2_bytes=50_000_000) == 4
+
+
+def test_attn_plot_from_committed_records(tmp_path):
+    """The committed `bench attn` records hold every family the PNG draws, and it renders them."""
+    from pathlib import Path
+
+    from dsv41_decode.bench.attn_plot import plot_attn
+    lines = (Path(__file__).parent.parent / "docs/results/attn-h200.jsonl").read_text().splitlines()
+    rows = [json.loads(l) for l in lines]
+    assert {r["case"]["op"] for r in rows} >= {"sparse_mla", "indexer_logits", "topk512"}
+    assert all("bf16_path" in r["baselines"] for r in rows if r["case"]["op"] == "indexer_logits")
+    plot_attn(rows, tmp_path / "attn.png")
+    assert (tmp_path / "attn.png").stat().st_size > 1000

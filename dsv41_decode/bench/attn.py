@@ -13,6 +13,7 @@ import torch
 from ..formats import pack_compressed_kv, pack_window_kv
 from ..reference.attention import sparse_attention
 from .floor import read_bandwidth_gbps
+from .attn_plot import plot_attn
 from .results import format_table, record, run_info, write_jsonl
 from .timing import graph_time_us
 
@@ -128,6 +129,7 @@ def run_attn_bench(ops, rows=(1, 4, 16, 64), heads=(8, 16, 32, 64), contexts=(40
     for r in results:
         r["read_gbps"] = round(floor, 1)
     if results:
-        write_jsonl(results, out_dir, bench_name)
+        path = write_jsonl(results, out_dir, bench_name)
+        plot_attn(results, path.with_suffix(".png"))
         print(format_table(results, ["op", "rows", "heads", "context"]))
     return results
