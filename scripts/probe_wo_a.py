@@ -21,7 +21,7 @@ HEADS, GROUPS, RANK = 64, 8, 1024
 VARIANTS = {
     "default": {}, "default+quant": {}, "bf16dot": dict(bf16_dot=True),
     "split1": dict(split=1), "split4": dict(split=4), "split8": dict(split=8),
-    "stages2": dict(num_stages=2), "stages4": dict(num_stages=4), "stages6": dict(num_stages=6),
+    "stages2": dict(num_stages=2), "stages3": dict(num_stages=3), "stages4": dict(num_stages=4), "stages6": dict(num_stages=6),
     "warps8": dict(num_warps=8), "bf16dot_split4": dict(bf16_dot=True, split=4),
     "bf16dot_stages4": dict(bf16_dot=True, num_stages=4),
     "swap": dict(swap_ab=True), "swap+quant": dict(swap_ab=True), "swap_split4": dict(swap_ab=True, split=4),
@@ -62,7 +62,7 @@ def main() -> None:
                     ref = out.float().clone() if ref is None else ref
                     err = float((out.float() - ref).abs().max())
                     print(f"{'fp8 ' if fp8 else 'bf16'} rows {m:2d} {name:16s} {us:7.2f} us "
-                          f"{nbytes / us / 1e3:6.0f} GB/s  split {plan.split} stages {plan.num_stages} "
+                          f"{nbytes / us / 1e3:6.0f} GB/s  split {plan.split} stages {plan.stages(m)} "
                           f"warps {plan.num_warps} bf16_dot {plan.bf16_dot}  |d| {err:.1e}", flush=True)
                 except Exception as e:  # report, keep probing
                     print(f"{'fp8' if fp8 else 'bf16'} rows {m} {name}: {type(e).__name__}: {str(e)[:160]}",

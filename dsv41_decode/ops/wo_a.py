@@ -171,7 +171,7 @@ class WoAPlan:
     k_per_split: int
     split: int
     num_warps: int
-    num_stages: int
+    num_stages: int | None
     partials: torch.Tensor
     counters: torch.Tensor
     bf16_dot: bool = False
@@ -180,6 +180,14 @@ class WoAPlan:
     @property
     def device(self) -> torch.device:
         return self.partials.device
+
+    def stages(self, rows: int) -> int:
+        """K steps in flight for a launch of `rows` rows: num_stages when given, else 2 for an FP8
+        weight up to 16 rows (measured, see `build`) and 3 otherwise (above 16 rows 2 stages were
+        not measured)."""
+        if self.num_stages is not None:
+            return self.num_stages
+        return 2 if self.weight_dtype == torch.float8_e4m3fn and rows <= 16 else 3
 
     @property
     def group_width(self) -> int:
@@ -206,7 +214,7 @@ class WoAPlan:
         split: programs along K (default: the largest divisor of group_width / 128 at most
         (2 for BF16, 4 for FP8) * SMs / output tiles); bf16_dot: None = on for a BF16 weight; num_warps: warps per program up to 16 rows, twice that above
         (4: one m16 MMA row of 64 columns; 32-64 rows at 4 warps spill); num_stages: K steps in
-        flight (None: 2 for FP8, 3 for BF16); swap_ab: None = on for a BF16 weight on a GPU.
+        flight (None: `stages(rows)` picks per launch); swap_ab: None = on for a BF16 weight on a GPU.
         """
         for name, v in (("heads", heads), ("o_groups", o_groups), ("rank", rank), ("max_rows", max_rows),
                         ("head_dim", head_dim), ("rope_dim", rope_dim)):
@@ -232,8 +240,6 @@ class WoAPlan:
             bf16_dot = not fp8
         if swap_ab is None:
             swap_ab = not fp8 and device.type == "cuda" and not interpreting()
-        if num_stages is None:
-            num_stages = 2 if fp8 else 3
         if split is None:
             target = max(1, round((4 if fp8 else 2) * num_sms(device) / n_tiles))
             split = max(d for d in range(1, grains + 1) if grains % d == 0 and d <= target)
@@ -309,14 +315,15 @@ def wo_a_(plan: WoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     part = plan.partials
     s_arg = scale if fp8 else weight
     block_m = max(16, triton.next_power_of_2(m))
+    stages = plan.stages(m)
     _wo_a_kernel[(plan.n_out // plan.block_n, plan.split)](
         o, cos, sin, weight, s_arg, out.view(torch.int16), part, plan.counters, codes_out, scales_out, m,
         o.stride(0), o.stride(1), cos.stride(0), sin.stride(0), weight.stride(0), s_arg.stride(0),
         out.stride(0), part.stride(0), part.stride(1), codes_out.stride(0), scales_out.stride(0),
         R=plan.rank, HEADS_PER_GROUP=plan.heads // plan.o_groups, HEAD_DIM=plan.head_dim,
         ROPE_DIM=plan.rope_dim, K_PER_SPLIT=plan.k_per_split, SPLIT=plan.split, QUANT=quant,
-        BLOCK_M=block_m, BLOCK_N=plan.block_n, BLOCK_K=_BLOCK_K, FP8=fp8, NUM_STAGES=plan.num_stages,
-        num_warps=plan.num_warps * (2 if block_m > 16 else 1), num_stages=plan.num_stages,
+        BLOCK_M=block_m, BLOCK_N=plan.block_n, BLOCK_K=_BLOCK_K, FP8=fp8, NUM_STAGES=stages,
+        num_warps=plan.num_warps * (2 if block_m > 16 else 1), num_stages=stages,
         enable_fp_fusion=False,   # the rotation's sums rounded as torch rounds them (no FMA)
         PDL=pdl.active(), BF16_DOT=plan.bf16_dot, SWAP_AB=plan.swap_ab, **pdl.launch_options(),
     )

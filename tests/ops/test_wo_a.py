@@ -256,3 +256,13 @@ def test_bf16_dot_is_a_gpu_option():
     # the interpreter's BF16 dots are wrong: off the GPU the plan keeps TF32 on FP32 operands
     plan = WoAPlan.build(8, 4, 64, 4, torch.bfloat16, "cpu", bf16_dot=True)
     assert plan.bf16_dot is False
+
+
+def test_stages_per_launch():
+    """num_stages=None: 2 stages for an FP8 weight up to 16 rows, 3 above and for BF16; a given
+    num_stages holds for every launch."""
+    fp8 = WoAPlan.build(8, 4, 64, 64, torch.float8_e4m3fn, _DEVICE)
+    bf16 = WoAPlan.build(8, 4, 64, 64, torch.bfloat16, _DEVICE)
+    assert [fp8.stages(m) for m in (1, 16, 17, 64)] == [2, 2, 3, 3]
+    assert [bf16.stages(m) for m in (1, 16, 64)] == [3, 3, 3]
+    assert WoAPlan.build(8, 4, 64, 64, torch.float8_e4m3fn, _DEVICE, num_stages=4).stages(1) == 4
