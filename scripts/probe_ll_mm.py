@@ -4,6 +4,8 @@ as one word per row, one step ahead; the default for the FP8-dot loop, forced he
 dequantize loop too), at the V4.1-Flash shapes of the
 step's GEMMs, rows 1, 8, 16: CUDA-graph replay over weight copies rotated beyond L2 (32+ calls per
 graph), median; outputs compared bit for bit. `--rows=1,16` and `--only=wq_b,wo_b` narrow it.
+`--alt=bn:bk:split:warps:stages:dequant:words,...` also times these configs (every block_m) against
+the tuned one, with the largest |difference| to its output (another split sums in another order).
 Prints; writes nothing.
 """
 
@@ -15,7 +17,7 @@ import torch
 
 from dsv41_decode.bench.floor import read_bandwidth_gbps
 from dsv41_decode.bench.timing import graph_time_us, l2_rotation
-from dsv41_decode.ops.low_latency_mm import LowLatencyMM
+from dsv41_decode.ops.low_latency_mm import LowLatencyConfig, LowLatencyMM
 
 from _args import arg   # scripts/ is on sys.path when run as python scripts/<probe>.py
 
@@ -48,6 +50,19 @@ def main() -> None:
                 us = graph_time_us(lambda plans=plans: [p(codes, xs, out) for p in plans],
                                    calls_per_graph=copies, replays=30)
                 res[label] = (us, plans[0](codes, xs, out).clone())
+            for spec in filter(None, arg("alt", "").split(",")):
+                bn, bk, split, warps, stages, deq, sw = (int(v) for v in spec.split(":"))
+                cfg = LowLatencyConfig(block_n=bn, block_k=bk, split=split, num_warps=warps, num_stages=stages,
+                                       dequant=bool(deq), scale_words=bool(sw))
+                try:
+                    alt = [LowLatencyMM(wc, sc, 64, {b: cfg for b in (16, 32, 64)}) for wc, sc in ws]
+                    us = graph_time_us(lambda plans=alt: [p(codes, xs, out) for p in plans],
+                                       calls_per_graph=copies, replays=30)
+                    d = float((alt[0](codes, xs, out).float() - res["tuned"][1].float()).abs().max())
+                    print(f"{name:14s} M={m:2d}  alt {spec:22s} {us:7.2f} us ({nbytes / us / 1e3:5.0f} GB/s)  "
+                          f"x{res['tuned'][0] / us:.2f} vs tuned  |d| {d:.1e}", flush=True)
+                except Exception as e:  # report, keep probing
+                    print(f"{name} M={m} alt {spec}: {type(e).__name__}: {str(e)[:160]}", flush=True)
             same = torch.equal(res["tuned"][1], res["scale_words"][1])
             t0, t1 = res["tuned"][0], res["scale_words"][0]
             print(f"{name:14s} M={m:2d}  tuned {t0:7.2f} us ({nbytes / t0 / 1e3:5.0f} GB/s)  scale_words {t1:7.2f} us "
