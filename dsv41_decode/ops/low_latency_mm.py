@@ -219,7 +219,10 @@ _TUNED: dict[tuple[int, int, int], LowLatencyConfig] = {
     (5120, 4096, 16): LowLatencyConfig(block_n=64, block_k=256, split=3, num_warps=4, num_stages=3, dequant=True),
     (5120, 4096, 32): LowLatencyConfig(block_n=64, block_k=128, split=3, num_warps=4, num_stages=4, dequant=True),
     (5120, 4096, 64): LowLatencyConfig(block_n=64, block_k=128, split=3, num_warps=4, num_stages=4, dequant=True),
-    (5120, 8192, 16): LowLatencyConfig(block_n=64, block_k=128, split=7, num_warps=4, num_stages=4, dequant=True),
+    # wo_b up to 16 rows: the FP8-dot loop with word-loaded scales, 8 splits, 3 stages (sixth session,
+    # scripts/probe_ll_mm.py --alt: 20.07 vs 22.69 us at 1 row, 23.56 vs 24.43 at 16; the dequantize
+    # loop's entry was the sweep's pick before scale_words; docs/results/ll-mm-alt-h200.txt)
+    (5120, 8192, 16): LowLatencyConfig(block_n=64, block_k=128, split=8, num_warps=4, num_stages=3),
     (5120, 8192, 32): LowLatencyConfig(block_n=64, block_k=128, split=3, num_warps=4, num_stages=4, dequant=True),
     (5120, 8192, 64): LowLatencyConfig(block_n=128, block_k=128, split=7, num_warps=4, num_stages=3),
     (8192, 1280, 16): LowLatencyConfig(block_n=64, block_k=128, split=4, num_warps=4, num_stages=3),

@@ -175,11 +175,21 @@ class WoAPlan:
     partials: torch.Tensor
     counters: torch.Tensor
     bf16_dot: bool = False
-    swap_ab: bool = False
+    swap_ab: bool | None = None
 
     @property
     def device(self) -> torch.device:
         return self.partials.device
+
+    def swapped(self, rows: int) -> bool:
+        """Whether a launch of `rows` rows runs the swapped wgmma: swap_ab when given, else on for a
+        BF16 weight and for an FP8 one above 16 rows (measured, see `build`); the default is off
+        off the GPU and in the interpreter."""
+        if self.swap_ab is not None:
+            return self.swap_ab
+        if self.device.type != "cuda" or interpreting():
+            return False
+        return self.weight_dtype == torch.bfloat16 or rows > 16
 
     def stages(self, rows: int) -> int:
         """K steps in flight for a launch of `rows` rows: num_stages when given, else 2 for an FP8
@@ -214,7 +224,9 @@ class WoAPlan:
         split: programs along K (default: the largest divisor of group_width / 128 at most
         (2 for BF16, 4 for FP8) * SMs / output tiles); bf16_dot: None = on for a BF16 weight; num_warps: warps per program up to 16 rows, twice that above
         (4: one m16 MMA row of 64 columns; 32-64 rows at 4 warps spill); num_stages: K steps in
-        flight (None: `stages(rows)` picks per launch); swap_ab: None = on for a BF16 weight on a GPU.
+        flight (None: `stages(rows)` picks per launch); swap_ab: None = `swapped(rows)` picks per
+        launch (a BF16 weight always, an FP8 one above 16 rows: 45.6 vs 48.0 us at 32 rows, 61.2 vs
+        85.6 at 64; session 6, docs/results/wo-a-probe-h200.txt).
         """
         for name, v in (("heads", heads), ("o_groups", o_groups), ("rank", rank), ("max_rows", max_rows),
                         ("head_dim", head_dim), ("rope_dim", rope_dim)):
@@ -238,8 +250,6 @@ class WoAPlan:
         fp8 = weight_dtype == torch.float8_e4m3fn
         if bf16_dot is None:
             bf16_dot = not fp8
-        if swap_ab is None:
-            swap_ab = not fp8 and device.type == "cuda" and not interpreting()
         if split is None:
             target = max(1, round((4 if fp8 else 2) * num_sms(device) / n_tiles))
             split = max(d for d in range(1, grains + 1) if grains % d == 0 and d <= target)
@@ -251,7 +261,8 @@ class WoAPlan:
         counters = torch.zeros(n_tiles, dtype=torch.int32, device=device)
         return cls(heads, o_groups, rank, head_dim, rope_dim, max_rows, weight_dtype, block_n,
                    grains // split * _BLOCK_K, split, num_warps, num_stages, partials, counters,
-                   bool(bf16_dot) and device.type == "cuda" and not interpreting(), bool(swap_ab))
+                   bool(bf16_dot) and device.type == "cuda" and not interpreting(),
+                   None if swap_ab is None else bool(swap_ab))
 
 
 def wo_a_(plan: WoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
@@ -325,7 +336,7 @@ def wo_a_(plan: WoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
         BLOCK_M=block_m, BLOCK_N=plan.block_n, BLOCK_K=_BLOCK_K, FP8=fp8, NUM_STAGES=stages,
         num_warps=plan.num_warps * (2 if block_m > 16 else 1), num_stages=stages,
         enable_fp_fusion=False,   # the rotation's sums rounded as torch rounds them (no FMA)
-        PDL=pdl.active(), BF16_DOT=plan.bf16_dot, SWAP_AB=plan.swap_ab, **pdl.launch_options(),
+        PDL=pdl.active(), BF16_DOT=plan.bf16_dot, SWAP_AB=plan.swapped(m), **pdl.launch_options(),
     )
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from dsv41_decode.formats import fp8_block_dequantize
+from dsv41_decode.ops.checks import interpreting
 from dsv41_decode.ops.wo_a import WoAPlan, quantize_wo_a, wo_a, wo_a_
 from dsv41_decode.reference.attention import grouped_wo_a
 from dsv41_decode.reference.rope import rope_cis, rope_tail
@@ -266,3 +267,15 @@ def test_stages_per_launch():
     assert [fp8.stages(m) for m in (1, 16, 17, 64)] == [2, 2, 3, 3]
     assert [bf16.stages(m) for m in (1, 16, 64)] == [3, 3, 3]
     assert WoAPlan.build(8, 4, 64, 64, torch.float8_e4m3fn, _DEVICE, num_stages=4).stages(1) == 4
+
+
+def test_swap_per_launch():
+    """swap_ab=None: the launch picks (on a GPU: BF16 always, FP8 above 16 rows; off elsewhere);
+    a given swap_ab holds for every launch, on any device."""
+    plan = WoAPlan.build(8, 4, 64, 64, torch.float8_e4m3fn, _DEVICE)
+    assert plan.swap_ab is None
+    on_gpu = _DEVICE == "cuda" and not interpreting()
+    assert [plan.swapped(m) for m in (1, 16, 17)] == [False, False, on_gpu]
+    assert WoAPlan.build(8, 4, 64, 64, torch.bfloat16, _DEVICE).swapped(1) is on_gpu
+    assert WoAPlan.build(8, 4, 64, 64, torch.bfloat16, _DEVICE, swap_ab=False).swapped(1) is False
+    assert WoAPlan.build(8, 4, 64, 64, torch.float8_e4m3fn, _DEVICE, swap_ab=True).swapped(1) is True
