@@ -44,16 +44,17 @@ def combine() -> None:
 
 def wo_a_paths() -> None:
     types = {"o_ptr": "*bf16", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "w_ptr": "*bf16", "s_ptr": "*u8",
-             "z_ptr": "*i16", "part_ptr": "*fp32", "count_ptr": "*i32", "codes_ptr": "*u8", "scales_ptr": "*u8"}
-    for fp8 in (False, True):
-        for bf16_dot in (False, True):
-            consts = dict(R=1024, HEADS_PER_GROUP=8, HEAD_DIM=512, ROPE_DIM=64, K_PER_SPLIT=2048, SPLIT=2,
-                          BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, FP8=fp8, NUM_STAGES=3, QUANT=True, PDL=False,
-                          BF16_DOT=bf16_dot)
-            k = compile_sm90(wo_a._wo_a_kernel, dict(types, w_ptr="*fp8e4nv" if fp8 else "*bf16"), consts,
-                             num_warps=4, num_stages=3, enable_fp_fusion=False)
-            print(_line(f"wo_a {'fp8' if fp8 else 'bf16'} weight, {'bf16' if bf16_dot else 'tf32'} dot", k),
-                  flush=True)
+             "z_ptr": "*i16", "part_ptr": "*fp32", "count_ptr": "*i32", "codes_ptr": "*u8", "scales_ptr": "*u8",
+             "cp_pool_ptr": "*i32", "cp_src_ptr": "*i64", "cp_dst_ptr": "*i64"}
+    for fp8, bf16_dot, swap, copy in ((False, False, False, 0), (False, True, False, 0), (True, False, False, 0),
+                                      (True, True, False, 0), (False, True, True, 0), (False, True, True, 132)):
+        consts = dict(R=1024, HEADS_PER_GROUP=8, HEAD_DIM=512, ROPE_DIM=64, K_PER_SPLIT=2048, SPLIT=2,
+                      BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, FP8=fp8, NUM_STAGES=3, QUANT=True, PDL=False,
+                      BF16_DOT=bf16_dot, SWAP_AB=swap, COPY_WORDS=copy, COPY_BLOCK=256 if copy else 1)
+        k = compile_sm90(wo_a._wo_a_kernel, dict(types, w_ptr="*fp8e4nv" if fp8 else "*bf16"), consts,
+                         num_warps=4, num_stages=3, enable_fp_fusion=False)
+        print(_line(f"wo_a {'fp8' if fp8 else 'bf16'} weight, {'bf16' if bf16_dot else 'tf32'} dot"
+                    f"{', swap' if swap else ''}{', window copy' if copy else ''}", k), flush=True)
 
 
 # low_latency_mm's runtime pointer arguments, as its launcher passes them

@@ -91,6 +91,7 @@ VARIANTS = {
     "indexer_bf16": dict(indexer_fp8=False),                # the default before it was measured
     "l2pf_25": dict(l2_prefetch=0.25),                      # ops.l2_prefetch on a side lane: slower
     "l2pf_50": dict(l2_prefetch=0.5),
+    "window_copy_in_wo_a": dict(window_copy_in_wo_a=True),  # not yet measured
 }
 DEFAULT_VARIANTS = ("no_overlap", "wo_a_fp8")
 

@@ -123,7 +123,7 @@ class AttentionStep:
     def __init__(self, layer: AttentionLayer, state: DecodeState, meta: StepMeta, scratch: Scratch,
                  lanes: Lanes, selections: dict[int, IndexSelection], candidates: dict[int, torch.Tensor],
                  max_rows: int, wo_a_fp8: bool = False, wo_a_bf16_dot: bool | None = None,
-                 indexer_fp8: bool = True, l2_prefetch: float = 0.0):
+                 indexer_fp8: bool = True, l2_prefetch: float = 0.0, window_copy_in_wo_a: bool = False):
         cfg, spec, w = layer.cfg, layer.spec, layer.w
         if not 1 <= max_rows <= LOW_BATCH_MAX_ROWS:
             raise NotEligible(f"max_rows={max_rows}: the specialized step serves 1..{LOW_BATCH_MAX_ROWS} rows")
@@ -156,6 +156,7 @@ class AttentionStep:
                                        dev, head_dim=cfg.head_dim, rope_dim=cfg.rope_head_dim,
                                        bf16_dot=wo_a_bf16_dot, **few)
         self.indexer_fp8 = bool(indexer_fp8)
+        self.window_copy_in_wo_a = bool(window_copy_in_wo_a)
         # L2 prefetches per row bucket of the GEMMs (each segment = one program's K range)
         self.prefetches: dict[int, tuple[tuple[L2Prefetch, ...], tuple[L2Prefetch, ...]]] = {}
         if l2_prefetch > 0 and dev.type == "cuda":
@@ -296,14 +297,19 @@ class AttentionStep:
         plan = next(p for p in self.mla_plans if B <= p.max_rows)
         sparse_mla_(plan, q, st.window[L], comp_pool, m.window_table[:B], comp_table, self.sink,
                     cfg.softmax_scale, o)
-        mla_done = lanes.mark()                               # protects the ring slots the copy overwrites
-        with lanes.side(AUX_INDEX_Q):
-            lanes.wait(mla_done)
-            m.copy_staged(st.window[L], B)
-            shared.setdefault("staged", []).append(lanes.mark())   # joined at the end of the step
+        if self.window_copy_in_wo_a:
+            # the staged records move into their ring slots inside wo_a's launch (after the MLA)
+            copy = (st.window[L], m.stage_src, m.ring_dst)
+        else:
+            copy = None
+            mla_done = lanes.mark()                           # protects the ring slots the copy overwrites
+            with lanes.side(AUX_INDEX_Q):
+                lanes.wait(mla_done)
+                m.copy_staged(st.window[L], B)
+                shared.setdefault("staged", []).append(lanes.mark())   # joined at the end of the step
         # 6. output: inverse RoPE + grouped wo_a, then wo_b
         wo_a_(self.wo_a_plan, o, m.cos[r][:B], m.sin[r][:B], self.wo_a_w, self.wo_a_s, s.z[:B],
-              s.z_codes[:B], s.z_scales[:B])                  # + the MXFP8 of z for wo_b, same launch
+              s.z_codes[:B], s.z_scales[:B], window_copy=copy)   # + the MXFP8 of z for wo_b, same launch
         if self.publish is not None:
             # the fused boundary: the FP32 partial goes straight into this rank's mailbox slot
             self.mm_wo_b(s.z_codes[:B], s.z_scales[:B], self.publish[:B])

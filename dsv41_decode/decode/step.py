@@ -87,13 +87,17 @@ class DecodeStep:
         read DRAM: wq_b's from the layer's start, wo_a's and wo_b's once wq_b is done. Changes no
         value. Off: measured slower on an H200 (docs/step.md: the GEMMs take nearly as long on
         L2-resident weights, and the prefetches compete with them).
+    window_copy_in_wo_a: move each layer's staged window records into their ring slots inside its
+        `wo_a` launch (`ops.wo_a.wo_a_(window_copy=...)`) instead of two torch kernels on a side
+        lane beside `wo_a` (the timeline shows them there, and `wo_a` 3 us slower in the step than
+        alone). Same values. Off until measured (`bench step --variants window_copy_in_wo_a`).
     """
 
     def __init__(self, stack, state: DecodeState, max_rows: int = 16, buckets: Sequence[int] | None = None,
                  overlap_inputs: bool = True, overlap_candidates: bool = True, graphs: bool = True,
                  wo_a_fp8: bool = False, tp_boundary: str = "auto", pdl: bool = False,
                  wo_a_bf16_dot: bool | None = None, indexer_fp8: bool = True,
-                 l2_prefetch: float = 0.0):
+                 l2_prefetch: float = 0.0, window_copy_in_wo_a: bool = False):
         if buckets is None:
             buckets = tuple(b for b in DEFAULT_BUCKETS if b < max_rows) + (max_rows,)
         buckets = tuple(sorted(set(buckets)))
@@ -122,7 +126,8 @@ class DecodeStep:
         self.layers = {i: AttentionStep(stack.layers[i], state, self.meta, self.scratch, self.lanes,
                                         self.selections, self.candidate_masks, B, wo_a_fp8,
                                         wo_a_bf16_dot=wo_a_bf16_dot, indexer_fp8=indexer_fp8,
-                                        l2_prefetch=float(l2_prefetch))
+                                        l2_prefetch=float(l2_prefetch),
+                                        window_copy_in_wo_a=window_copy_in_wo_a)
                        for i in stack.ids}
         if tp_boundary not in ("auto", "collective", "fused"):
             raise StepError(f"tp_boundary must be 'auto', 'collective' or 'fused', got {tp_boundary!r}")

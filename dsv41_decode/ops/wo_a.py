@@ -62,13 +62,15 @@ def _inverse_rope_bf16(x, cos_ptr, sin_ptr, rm, m_ok, pair0, stride_cm, stride_s
 
 @triton.jit
 def _wo_a_kernel(
-    o_ptr, cos_ptr, sin_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, codes_ptr, scales_ptr, M,
+    o_ptr, cos_ptr, sin_ptr, w_ptr, s_ptr, z_ptr, part_ptr, count_ptr, codes_ptr, scales_ptr,
+    cp_pool_ptr, cp_src_ptr, cp_dst_ptr, M,
     stride_om, stride_oh, stride_cm, stride_sm, stride_wn, stride_sn, stride_zm, stride_ps, stride_pm,
     stride_codes, stride_scales,
     R: tl.constexpr, HEADS_PER_GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr,
     K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, FP8: tl.constexpr, NUM_STAGES: tl.constexpr, QUANT: tl.constexpr = False,
     PDL: tl.constexpr = False, BF16_DOT: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
+    COPY_WORDS: tl.constexpr = 0, COPY_BLOCK: tl.constexpr = 1,
 ):
     NOPE: tl.constexpr = HEAD_DIM - ROPE_DIM
     pid_n = tl.program_id(0)
@@ -140,6 +142,16 @@ def _wo_a_kernel(
         if SPLIT > 1:
             s_mask = s_mask & last
         tl.store(scales_ptr + rm[:, None] * stride_scales + rb[None, :], sbytes.to(tl.uint8), mask=s_mask)
+    if COPY_WORDS > 0:
+        # the piggybacked record copy (`window_copy`): program (r, 0) moves row r's record; this
+        # launch starts after its stream's earlier kernels (the readers of the destinations) end
+        if pid_k == 0:
+            rw = tl.arange(0, COPY_BLOCK)
+            for r in range(pid_n, M, tl.num_programs(0)):
+                src = tl.load(cp_src_ptr + r)
+                dst = tl.load(cp_dst_ptr + r)
+                rec = tl.load(cp_pool_ptr + src * COPY_WORDS + rw, mask=rw < COPY_WORDS)
+                tl.store(cp_pool_ptr + dst * COPY_WORDS + rw, rec, mask=rw < COPY_WORDS)
 
 
 @dataclass(frozen=True, eq=False)
@@ -265,9 +277,31 @@ class WoAPlan:
                    None if swap_ab is None else bool(swap_ab))
 
 
+def _window_copy_args(window_copy, m: int, dev: torch.device, dummy: torch.Tensor):
+    """(pool as int32 words, src, dst, words per record) of a `window_copy`, or unused pointers."""
+    if window_copy is None:
+        return dummy, dummy, dummy, 0
+    if not isinstance(window_copy, tuple) or len(window_copy) != 3:
+        raise ValueError("window_copy must be a tuple (pool, src, dst)")
+    pool, src, dst = window_copy
+    if not isinstance(pool, torch.Tensor) or pool.dim() != 2 or pool.dtype != torch.uint8:
+        raise ValueError(f"window_copy: pool must be a 2-D uint8 tensor [slots, record bytes], got "
+                         f"{getattr(pool, 'shape', type(pool).__name__)} {getattr(pool, 'dtype', '')}")
+    if not pool.is_contiguous() or pool.shape[1] % 4 or pool.storage_offset() % 4 or pool.device != dev:
+        raise ValueError(f"window_copy: pool must be contiguous on {dev} with records of a multiple of 4 bytes "
+                         f"at a 4-byte aligned offset, got {tuple(pool.shape)} on {pool.device}")
+    for t, name in ((src, "src"), (dst, "dst")):
+        if (not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int64 or t.shape[0] < m
+                or t.stride(0) != 1 or t.device != dev):
+            raise ValueError(f"window_copy: {name} must be a contiguous int64 vector of at least {m} slots "
+                             f"on {dev}, got {getattr(t, 'shape', type(t).__name__)} {getattr(t, 'dtype', '')}")
+    return pool.view(torch.int32), src, dst, pool.shape[1] // 4
+
+
 def wo_a_(plan: WoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
           scale: torch.Tensor | None, out: torch.Tensor, codes_out: torch.Tensor | None = None,
-          scales_out: torch.Tensor | None = None) -> None:
+          scales_out: torch.Tensor | None = None,
+          window_copy: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """Write z = `reference.attention.grouped_wo_a(o, cos + j sin, weight', G, rope_dim)` into out.
 
     plan: from `WoAPlan.build(H, G, R, max_rows, weight.dtype, device)`.
@@ -283,6 +317,13 @@ def wo_a_(plan: WoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     codes_out, scales_out: optionally also the MXFP8 of out (`act_quant_mxfp8_(out, codes_out,
        scales_out)`, bit for bit, in the same launch): [M, G*R] float8_e4m3fn (or uint8) and
        [M, G*R/32] uint8 (or float8_e8m0fnu), unit stride in the last dimension.
+    window_copy: optionally (pool, src, dst): also do `pool.index_copy_(0, dst[:M],
+       pool.index_select(0, src[:M]))` in the same launch (the decode step's staged window records
+       moved into their ring slots, without two side-stream kernels beside this one). pool: [S, B]
+       uint8, contiguous, B a multiple of 4; src, dst: int64 [>= M]; unchecked: the ids lie in
+       0..S-1, no dst is another row's src and the dsts are distinct (the step's tables give that).
+       The launch starts after the kernels before it on its stream, so it is safe to overwrite
+       what they read; the copy is not ordered against this kernel's other programs.
     """
     if not isinstance(plan, WoAPlan):
         raise TypeError(f"plan must be a WoAPlan, got {type(plan).__name__}")
@@ -321,6 +362,7 @@ def wo_a_(plan: WoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
         codes_out, scales_out = codes_out.view(torch.uint8), scales_out.view(torch.uint8)
     else:
         codes_out = scales_out = plan.counters     # unused pointers
+    cp_pool, cp_src, cp_dst, copy_words = _window_copy_args(window_copy, m, dev, plan.counters)
     if m == 0:
         return
     part = plan.partials
@@ -328,7 +370,8 @@ def wo_a_(plan: WoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     block_m = max(16, triton.next_power_of_2(m))
     stages = plan.stages(m)
     _wo_a_kernel[(plan.n_out // plan.block_n, plan.split)](
-        o, cos, sin, weight, s_arg, out.view(torch.int16), part, plan.counters, codes_out, scales_out, m,
+        o, cos, sin, weight, s_arg, out.view(torch.int16), part, plan.counters, codes_out, scales_out,
+        cp_pool, cp_src, cp_dst, m,
         o.stride(0), o.stride(1), cos.stride(0), sin.stride(0), weight.stride(0), s_arg.stride(0),
         out.stride(0), part.stride(0), part.stride(1), codes_out.stride(0), scales_out.stride(0),
         R=plan.rank, HEADS_PER_GROUP=plan.heads // plan.o_groups, HEAD_DIM=plan.head_dim,
@@ -336,7 +379,8 @@ def wo_a_(plan: WoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
         BLOCK_M=block_m, BLOCK_N=plan.block_n, BLOCK_K=_BLOCK_K, FP8=fp8, NUM_STAGES=stages,
         num_warps=plan.num_warps * (2 if block_m > 16 else 1), num_stages=stages,
         enable_fp_fusion=False,   # the rotation's sums rounded as torch rounds them (no FMA)
-        PDL=pdl.active(), BF16_DOT=plan.bf16_dot, SWAP_AB=plan.swapped(m), **pdl.launch_options(),
+        PDL=pdl.active(), BF16_DOT=plan.bf16_dot, SWAP_AB=plan.swapped(m),
+        COPY_WORDS=copy_words, COPY_BLOCK=triton.next_power_of_2(max(copy_words, 1)), **pdl.launch_options(),
     )
 
 

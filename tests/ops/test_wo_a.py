@@ -279,3 +279,68 @@ def test_swap_per_launch():
     assert WoAPlan.build(8, 4, 64, 64, torch.bfloat16, _DEVICE).swapped(1) is on_gpu
     assert WoAPlan.build(8, 4, 64, 64, torch.bfloat16, _DEVICE, swap_ab=False).swapped(1) is False
     assert WoAPlan.build(8, 4, 64, 64, torch.float8_e4m3fn, _DEVICE, swap_ab=True).swapped(1) is True
+
+
+def _copy_case(m: int, slots: int, seed: int):
+    """A window pool of `slots` random 528-byte records and the step's kind of copy: rows' staged
+    records (the last m+1 slots) into distinct ring slots below them; returns (pool, src, dst, ref)."""
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.randint(0, 256, (slots, 528), generator=g, dtype=torch.uint8)
+    src = torch.arange(slots - m - 1, slots)
+    dst = torch.randperm(slots - m - 1, generator=g)[: m + 1]
+    ref = pool.clone()
+    ref.index_copy_(0, dst[:m], ref.index_select(0, src[:m]))
+    return tuple(t.to(_DEVICE) for t in (pool, src, dst, ref))
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("groups, rank, m", [(4, 64, 3), (2, 64, 5), (2, 32, 37)])
+def test_window_copy_rides_along(groups, rank, m, fp8):
+    """window_copy: the pool afterwards equals index_copy_ of the rows' records (also with fewer
+    output tiles than rows: programs loop over rows), z and its MXFP8 unchanged."""
+    heads = 2 * groups
+    o, cis, cos, sin, w = _inputs(m, heads, groups, rank, seed=m + groups)
+    weight, scale = quantize_wo_a(w) if fp8 else (w, None)
+    plan = WoAPlan.build(heads, groups, rank, 64, weight.dtype, _DEVICE, split=2)
+    pool, src, dst, ref = _copy_case(m, 3 * m + 8, seed=m)
+    outs = []
+    for copy in (None, (pool, src, dst)):
+        z = torch.empty(m, groups * rank, dtype=torch.bfloat16, device=_DEVICE)
+        codes = torch.empty(m, groups * rank, dtype=torch.uint8, device=_DEVICE)
+        sc = torch.empty(m, groups * rank // 32, dtype=torch.uint8, device=_DEVICE)
+        wo_a_(plan, o, cos, sin, weight, scale, z, codes, sc, window_copy=copy)
+        outs.append((z, codes, sc))
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    assert torch.equal(pool, ref)
+
+
+@pytest.mark.parametrize("case, match", [
+    (lambda p, s, d: (p.view(torch.int8), s, d), "uint8"),
+    (lambda p, s, d: (p[:, :526], s, d), "contiguous"),
+    (lambda p, s, d: (p, s.int(), d), "src must be a contiguous int64"),
+    (lambda p, s, d: (p, s, d[:1]), "dst must be a contiguous int64 vector of at least 3"),
+    (lambda p, s, d: (p, s), "tuple"),
+])
+def test_window_copy_rejects_bad_input(case, match):
+    o, cis, cos, sin, w = _inputs(3, 8, 4, 64, seed=1)
+    plan = WoAPlan.build(8, 4, 64, 64, torch.bfloat16, _DEVICE)
+    pool, src, dst, _ = _copy_case(3, 17, seed=2)
+    out = torch.empty(3, 256, dtype=torch.bfloat16, device=_DEVICE)
+    with pytest.raises(ValueError, match=match):
+        wo_a_(plan, o, cos, sin, w, None, out, window_copy=case(pool, src, dst))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_window_copy_at_step_shape(fp8):
+    """64 heads, 8 groups of 1024 (the step's shape), every row count's defaults: the copy lands,
+    z is unchanged."""
+    o, cis, cos, sin, w = _inputs(64, 64, 8, 1024, seed=9)
+    weight, scale = quantize_wo_a(w) if fp8 else (w, None)
+    plan = WoAPlan.build(64, 8, 1024, 64, weight.dtype, "cuda")
+    for m in (1, 5, 16, 33, 64):
+        pool, src, dst, ref = _copy_case(m, 2 * m + 200, seed=m)
+        z0, z1 = (torch.empty(m, 8192, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+        wo_a_(plan, o[:m], cos[:m], sin[:m], weight, scale, z0)
+        wo_a_(plan, o[:m], cos[:m], sin[:m], weight, scale, z1, window_copy=(pool, src, dst))
+        assert torch.equal(z0, z1) and torch.equal(pool, ref), m
