@@ -10,10 +10,12 @@
 #   l2probe what an L2 prefetch during idle time buys the big GEMMs (scripts/probe_l2.py)
 #   llprobe low_latency_mm with byte- vs word-loaded scales, both loops (scripts/probe_ll_mm.py)
 #   gemm   `bench gemm` at every shape and row count (results under $OUT/results)
-#   ncu    ncu on one launch of the sparse MLA's default plan (1 row, 64 heads): registers, spills, stalls
+#   ncu    ncu on one launch of the sparse MLA's step plan (NCU_CASES, default 1x64: rows x heads):
+#          registers, spills, stalls
 #   bench  `bench step` at every row count and context, variants full / no_overlap / pdl / wo_a_fp8
-# Next session (docs/step.md): TESTS="<the list there>" STAGES="tests llprobe wprobe" first, then
-# STAGES="gemm bench" with the defaults the probes pick.
+# Next session (docs/step.md, "Sixth session"): TESTS="tests/decode/test_step_gpu.py tests/ops/test_wo_a.py
+# tests/ops/test_low_latency_mm.py" TEST_S=420 STAGES=tests; then STAGES="bench gemm" with
+# BENCH="--variants no_overlap,wo_a_fp8,window_copy_in_wo_a" (the whole matrix); NCU_CASES=64x64 STAGES=ncu.
 export PYTHONPATH=.
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/results"
@@ -46,7 +48,7 @@ for stage in $STAGES; do
       timeout 240 "$NCU" --clock-control none -k regex:_sparse_mla_kernel -c 1 \
         --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \
         --section SchedulerStats --section MemoryWorkloadAnalysis \
-        python scripts/probe_sparse_mla.py --once > "$OUT/ncu_sparse_mla.txt" 2>&1
+        python scripts/probe_sparse_mla.py --once --cases=${NCU_CASES:-1x64} > "$OUT/ncu_sparse_mla.txt" 2>&1
       grep "Duration\|Registers Per\|Spilling Requests \|_sparse_mla_kernel (\|Warp Cycles Per Issued" \
         "$OUT/ncu_sparse_mla.txt" ;;
     bench)

@@ -1,6 +1,6 @@
 """Probe the sparse MLA kernel on a GPU: plan variants timed side by side (graph replay, 32+ calls
-per graph), at the shapes of the decode step. `--once` launches the default plan a few times only
-(for `ncu`). `--only=a,b` picks variants, `--cases=1x64,4x16` picks rows x heads. Prints; writes nothing."""
+per graph), at the shapes of the decode step. `--once` launches the step's plan (STEP_TILINGS) a few
+times only (for `ncu`; 1 row x 64 heads unless `--cases` says otherwise). `--only=a,b` picks variants, `--cases=1x64,4x16` picks rows x heads. Prints; writes nothing."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def main() -> None:
     for rows, heads in cases:
         q, win, comp, wtab, ctab, sink = sparse_mla_inputs(rows, heads, gen)
         out = torch.empty_like(q)
-        variants = {"default": {}} if once else {
+        variants = {"step": "STEP_TILINGS"} if once else {
             "default": {}, "splits1": dict(splits=1), "splits2": dict(splits=2), "splits4": dict(splits=4),
             "splits8": dict(splits=8), "splits16": dict(splits=16, max_splits=16), "keys32": dict(block_keys=32),
             "keys32_s4": dict(block_keys=32, splits=4), "bh32": dict(block_h=32), "bh32_w4": dict(block_h=32, num_warps=4),
