@@ -12,10 +12,10 @@
 #   gemm   `bench gemm` at every shape and row count (results under $OUT/results)
 #   ncu    ncu on one launch of the sparse MLA's step plan (NCU_CASES, default 1x64: rows x heads):
 #          registers, spills, stalls
-#   bench  `bench step` at every row count and context, variants full / no_overlap / pdl / wo_a_fp8
+#   bench  `bench step` (BENCH: its options; default every row count and context, default variants)
 # Next session (docs/step.md, "Sixth session"): TESTS="tests/decode/test_step_gpu.py tests/ops/test_wo_a.py
-# tests/ops/test_low_latency_mm.py" TEST_S=420 STAGES=tests; then STAGES="bench gemm" with
-# BENCH="--variants no_overlap,wo_a_fp8,window_copy_in_wo_a" (the whole matrix); NCU_CASES=64x64 STAGES=ncu.
+# tests/ops/test_low_latency_mm.py" TEST_S=420 STAGES=tests; then STAGES="bench gemm" (the whole
+# matrix; default variants no_overlap, wo_a_fp8, window_copy_in_wo_a); NCU_CASES=64x64 STAGES=ncu.
 export PYTHONPATH=.
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/results"

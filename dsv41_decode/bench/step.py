@@ -93,7 +93,7 @@ VARIANTS = {
     "l2pf_50": dict(l2_prefetch=0.5),
     "window_copy_in_wo_a": dict(window_copy_in_wo_a=True),  # not yet measured
 }
-DEFAULT_VARIANTS = ("no_overlap", "wo_a_fp8")
+DEFAULT_VARIANTS = ("no_overlap", "wo_a_fp8", "window_copy_in_wo_a")
 
 
 def run_step_bench(rows=ROWS, contexts=CONTEXTS, out_dir="docs/results", progress=print, generic_rows=(1, 8),
