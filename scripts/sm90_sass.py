@@ -50,7 +50,8 @@ def wo_a_paths() -> None:
                                       (True, True, False, 0), (False, True, True, 0), (False, True, True, 132)):
         consts = dict(R=1024, HEADS_PER_GROUP=8, HEAD_DIM=512, ROPE_DIM=64, K_PER_SPLIT=2048, SPLIT=2,
                       BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, FP8=fp8, NUM_STAGES=3, QUANT=True, PDL=False,
-                      BF16_DOT=bf16_dot, SWAP_AB=swap, COPY_WORDS=copy, COPY_BLOCK=256 if copy else 1)
+                      BF16_DOT=bf16_dot, SWAP_AB=swap, COPY_WORDS=copy, COPY_BLOCK=256 if copy else 1,
+                      N_TILES=128)
         k = compile_sm90(wo_a._wo_a_kernel, dict(types, w_ptr="*fp8e4nv" if fp8 else "*bf16"), consts,
                          num_warps=4, num_stages=3, enable_fp_fusion=False)
         print(_line(f"wo_a {'fp8' if fp8 else 'bf16'} weight, {'bf16' if bf16_dot else 'tf32'} dot"

@@ -70,7 +70,7 @@ def _wo_a_kernel(
     K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, FP8: tl.constexpr, NUM_STAGES: tl.constexpr, QUANT: tl.constexpr = False,
     PDL: tl.constexpr = False, BF16_DOT: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
-    COPY_WORDS: tl.constexpr = 0, COPY_BLOCK: tl.constexpr = 1,
+    COPY_WORDS: tl.constexpr = 0, COPY_BLOCK: tl.constexpr = 1, N_TILES: tl.constexpr = 1,
 ):
     NOPE: tl.constexpr = HEAD_DIM - ROPE_DIM
     pid_n = tl.program_id(0)
@@ -143,15 +143,19 @@ def _wo_a_kernel(
             s_mask = s_mask & last
         tl.store(scales_ptr + rm[:, None] * stride_scales + rb[None, :], sbytes.to(tl.uint8), mask=s_mask)
     if COPY_WORDS > 0:
-        # the piggybacked record copy (`window_copy`): program (r, 0) moves row r's record; this
-        # launch starts after its stream's earlier kernels (the readers of the destinations) end
+        # the piggybacked record copy (`window_copy`): the programs of split 0 move rows pid_n,
+        # pid_n + N_TILES, ...; it must stay after pdl.enter: under PDL that is what orders it
+        # after the predecessors (the readers of the destinations), without PDL stream order does
         if pid_k == 0:
             rw = tl.arange(0, COPY_BLOCK)
-            for r in range(pid_n, M, tl.num_programs(0)):
-                src = tl.load(cp_src_ptr + r)
-                dst = tl.load(cp_dst_ptr + r)
-                rec = tl.load(cp_pool_ptr + src * COPY_WORDS + rw, mask=rw < COPY_WORDS)
-                tl.store(cp_pool_ptr + dst * COPY_WORDS + rw, rec, mask=rw < COPY_WORDS)
+            for r0 in tl.static_range(0, BLOCK_M, N_TILES):   # BLOCK_M >= M rows, masked
+                r = r0 + pid_n
+                ok = r < M
+                src = tl.load(cp_src_ptr + r, mask=ok, other=0)
+                dst = tl.load(cp_dst_ptr + r, mask=ok, other=0)
+                w_ok = (rw < COPY_WORDS) & ok
+                rec = tl.load(cp_pool_ptr + src * COPY_WORDS + rw, mask=w_ok)
+                tl.store(cp_pool_ptr + dst * COPY_WORDS + rw, rec, mask=w_ok)
 
 
 @dataclass(frozen=True, eq=False)
@@ -164,12 +168,14 @@ class WoAPlan:
     rank: R = o_lora_rank, outputs per group; head_dim, rope_dim: 512 and 64 in V4.1.
     max_rows: the most rows a launch may pass (1..64); weight_dtype: bfloat16 or float8_e4m3fn.
     block_n: output columns per program; k_per_split: group channels per program; split: programs
-    along K per output tile; num_warps, num_stages: launch options; bf16_dot: BF16 tensor-core
+    along K per output tile; num_warps, num_stages: launch options (num_stages None: `stages(rows)`
+    picks per launch); bf16_dot: BF16 tensor-core
     operands instead of TF32 on FP32 ones (equally exact: the rotated input holds BF16 values, the
     weight BF16 or E4M3; the sums' order inside the MMA differs, so outputs move by BF16 ulps).
     Never under the interpreter, whose BF16 dots are wrong. swap_ab: compute z^T = W o'^T (the
     weight rows as the MMA's M: wgmma on sm_90 reading W from shared memory, instead of mma.sync
-    with W through registers); the same products, another summation order inside the MMA.
+    with W through registers); the same products, another summation order inside the MMA. None:
+    `swapped(rows)` picks per launch.
     partials: [split, max_rows, G*R] FP32; counters: [G*R / block_n] int32, all 0 between launches.
     """
     heads: int
@@ -194,14 +200,17 @@ class WoAPlan:
         return self.partials.device
 
     def swapped(self, rows: int) -> bool:
-        """Whether a launch of `rows` rows runs the swapped wgmma: swap_ab when given, else on for a
-        BF16 weight and for an FP8 one above 16 rows (measured, see `build`); the default is off
-        off the GPU and in the interpreter."""
+        """Whether a launch of `rows` rows runs the swapped wgmma: swap_ab when given, else what was
+        measured (see `build`): on for a BF16 weight with BF16 dots, on for an FP8 weight above 16
+        rows, off otherwise (a BF16 weight with TF32 dots was not measured swapped); off off the
+        GPU and in the interpreter."""
         if self.swap_ab is not None:
             return self.swap_ab
         if self.device.type != "cuda" or interpreting():
             return False
-        return self.weight_dtype == torch.bfloat16 or rows > 16
+        if self.weight_dtype == torch.bfloat16:
+            return self.bf16_dot
+        return rows > 16
 
     def stages(self, rows: int) -> int:
         """K steps in flight for a launch of `rows` rows: num_stages when given, else 2 for an FP8
@@ -232,7 +241,7 @@ class WoAPlan:
         with BF16 dot operands (23.7 vs 25.7 us at 1 row) read by a swapped wgmma (21.6 vs 23.4 us at
         1 row, 23.1 vs 24.5 at 4, 25.4 vs 26.2 at 16; session 6), an FP8 weight at about 4 programs
         per SM with TF32 dots, unswapped (21.3 us; swapped 27.4; BF16 operands gain nothing there)
-        and 2 stages (20.5 vs 21.3 us at 1 row, 22.0 vs 22.8 at 16).
+        and 2 stages (20.5 vs 21.3 us at 1 row, 21.6 vs 22.7 at 16).
         split: programs along K (default: the largest divisor of group_width / 128 at most
         (2 for BF16, 4 for FP8) * SMs / output tiles); bf16_dot: None = on for a BF16 weight; num_warps: warps per program up to 16 rows, twice that above
         (4: one m16 MMA row of 64 columns; 32-64 rows at 4 warps spill); num_stages: K steps in
@@ -281,20 +290,24 @@ def _window_copy_args(window_copy, m: int, dev: torch.device, dummy: torch.Tenso
     """(pool as int32 words, src, dst, words per record) of a `window_copy`, or unused pointers."""
     if window_copy is None:
         return dummy, dummy, dummy, 0
-    if not isinstance(window_copy, tuple) or len(window_copy) != 3:
+    if not isinstance(window_copy, (tuple, list)) or len(window_copy) != 3:
         raise ValueError("window_copy must be a tuple (pool, src, dst)")
     pool, src, dst = window_copy
-    if not isinstance(pool, torch.Tensor) or pool.dim() != 2 or pool.dtype != torch.uint8:
-        raise ValueError(f"window_copy: pool must be a 2-D uint8 tensor [slots, record bytes], got "
-                         f"{getattr(pool, 'shape', type(pool).__name__)} {getattr(pool, 'dtype', '')}")
+    if not isinstance(pool, torch.Tensor) or pool.dtype != torch.uint8:
+        raise TypeError(f"window_copy: pool must be a uint8 tensor, got {type(pool).__name__} "
+                        f"{getattr(pool, 'dtype', '')}")
+    if pool.dim() != 2:
+        raise ValueError(f"window_copy: pool must be 2-D [slots, record bytes], got {tuple(pool.shape)}")
     if not pool.is_contiguous() or pool.shape[1] % 4 or pool.storage_offset() % 4 or pool.device != dev:
         raise ValueError(f"window_copy: pool must be contiguous on {dev} with records of a multiple of 4 bytes "
                          f"at a 4-byte aligned offset, got {tuple(pool.shape)} on {pool.device}")
     for t, name in ((src, "src"), (dst, "dst")):
-        if (not isinstance(t, torch.Tensor) or t.dim() != 1 or t.dtype != torch.int64 or t.shape[0] < m
-                or t.stride(0) != 1 or t.device != dev):
-            raise ValueError(f"window_copy: {name} must be a contiguous int64 vector of at least {m} slots "
-                             f"on {dev}, got {getattr(t, 'shape', type(t).__name__)} {getattr(t, 'dtype', '')}")
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int64:
+            raise TypeError(f"window_copy: {name} must be an int64 tensor, got {type(t).__name__} "
+                            f"{getattr(t, 'dtype', '')}")
+        if t.dim() != 1 or t.shape[0] < m or t.stride(0) != 1 or t.device != dev:
+            raise ValueError(f"window_copy: {name} must be a contiguous vector of at least {m} entries "
+                             f"on {dev}, got shape {tuple(t.shape)} strides {t.stride()} on {t.device}")
     return pool.view(torch.int32), src, dst, pool.shape[1] // 4
 
 
@@ -322,8 +335,9 @@ def wo_a_(plan: WoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
        moved into their ring slots, without two side-stream kernels beside this one). pool: [S, B]
        uint8, contiguous, B a multiple of 4; src, dst: int64 [>= M]; unchecked: the ids lie in
        0..S-1, no dst is another row's src and the dsts are distinct (the step's tables give that).
-       The launch starts after the kernels before it on its stream, so it is safe to overwrite
-       what they read; the copy is not ordered against this kernel's other programs.
+       The copy runs after the kernel's wait for its predecessors (stream order; `pdl.enter` under
+       programmatic dependent launch), so it may overwrite what they read; it is not ordered
+       against this kernel's other programs.
     """
     if not isinstance(plan, WoAPlan):
         raise TypeError(f"plan must be a WoAPlan, got {type(plan).__name__}")
@@ -380,7 +394,8 @@ def wo_a_(plan: WoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
         num_warps=plan.num_warps * (2 if block_m > 16 else 1), num_stages=stages,
         enable_fp_fusion=False,   # the rotation's sums rounded as torch rounds them (no FMA)
         PDL=pdl.active(), BF16_DOT=plan.bf16_dot, SWAP_AB=plan.swapped(m),
-        COPY_WORDS=copy_words, COPY_BLOCK=triton.next_power_of_2(max(copy_words, 1)), **pdl.launch_options(),
+        COPY_WORDS=copy_words, COPY_BLOCK=triton.next_power_of_2(max(copy_words, 1)),
+        N_TILES=plan.n_out // plan.block_n, **pdl.launch_options(),
     )
 
 

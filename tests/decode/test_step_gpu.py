@@ -169,16 +169,18 @@ def test_gpu_long_run_vs_generic(gpu_setup):
 
 @pytest.fixture(scope="module")
 def gpu_graph_runs(gpu_setup):
-    """16 steps of one schedule on six copies of a state: graphs twice, eager once, graphs with
+    """16 steps of one schedule on seven copies of a state: graphs twice, eager once, graphs with
     programmatic dependent launch (ops.pdl), graphs with L2 prefetches on a side lane, graphs with
-    the window copies inside wo_a."""
+    the window copies inside wo_a, and with both PDL and those copies (the copy is ordered after
+    the sparse MLA only by wo_a's PDL wait there)."""
     cfg, stack, base = gpu_setup
-    states = [copy.deepcopy(base) for _ in range(6)]
+    states = [copy.deepcopy(base) for _ in range(7)]
     steps = [stack.decode_step(states[0], max_rows=16), stack.decode_step(states[1], max_rows=16),
              stack.decode_step(states[2], max_rows=16, graphs=False),
              stack.decode_step(states[3], max_rows=16, pdl=True),
              stack.decode_step(states[4], max_rows=16, l2_prefetch=0.5),
-             stack.decode_step(states[5], max_rows=16, window_copy_in_wo_a=True)]
+             stack.decode_step(states[5], max_rows=16, window_copy_in_wo_a=True),
+             stack.decode_step(states[6], max_rows=16, window_copy_in_wo_a=True, pdl=True)]
     assert all(a.prefetches for a in steps[4].layers.values())
     assert steps[0].use_graphs and steps[1].use_graphs and not steps[2].use_graphs
     outs = _serve(stack, states, Schedule(cfg, seed=5), 16, steps)
@@ -223,6 +225,8 @@ def test_gpu_l2_prefetch_changes_no_value(gpu_graph_runs):
 
 @pytest.mark.gpu
 def test_gpu_window_copy_in_wo_a_changes_no_value(gpu_graph_runs):
-    """The staged window records moved inside wo_a's launch: the same bits and state."""
+    """The staged window records moved inside wo_a's launch, with plain launches and with PDL: the
+    same bits and state."""
     states, outs = gpu_graph_runs
     _assert_same_run(states[0], states[5], outs[0], outs[5])
+    _assert_same_run(states[0], states[6], outs[0], outs[6])

@@ -270,13 +270,14 @@ def test_stages_per_launch():
 
 
 def test_swap_per_launch():
-    """swap_ab=None: the launch picks (on a GPU: BF16 always, FP8 above 16 rows; off elsewhere);
-    a given swap_ab holds for every launch, on any device."""
+    """swap_ab=None: the launch picks (on a GPU: BF16 with BF16 dots always, FP8 above 16 rows; off
+    elsewhere); a given swap_ab holds for every launch, on any device."""
     plan = WoAPlan.build(8, 4, 64, 64, torch.float8_e4m3fn, _DEVICE)
     assert plan.swap_ab is None
     on_gpu = _DEVICE == "cuda" and not interpreting()
     assert [plan.swapped(m) for m in (1, 16, 17)] == [False, False, on_gpu]
     assert WoAPlan.build(8, 4, 64, 64, torch.bfloat16, _DEVICE).swapped(1) is on_gpu
+    assert WoAPlan.build(8, 4, 64, 64, torch.bfloat16, _DEVICE, bf16_dot=False).swapped(1) is False
     assert WoAPlan.build(8, 4, 64, 64, torch.bfloat16, _DEVICE, swap_ab=False).swapped(1) is False
     assert WoAPlan.build(8, 4, 64, 64, torch.float8_e4m3fn, _DEVICE, swap_ab=True).swapped(1) is True
 
@@ -314,19 +315,20 @@ def test_window_copy_rides_along(groups, rank, m, fp8):
     assert torch.equal(pool, ref)
 
 
-@pytest.mark.parametrize("case, match", [
-    (lambda p, s, d: (p.view(torch.int8), s, d), "uint8"),
-    (lambda p, s, d: (p[:, :526], s, d), "contiguous"),
-    (lambda p, s, d: (p, s.int(), d), "src must be a contiguous int64"),
-    (lambda p, s, d: (p, s, d[:1]), "dst must be a contiguous int64 vector of at least 3"),
-    (lambda p, s, d: (p, s), "tuple"),
+@pytest.mark.parametrize("case, exc, match", [
+    (lambda p, s, d: (p.view(torch.int8), s, d), TypeError, "pool must be a uint8"),
+    (lambda p, s, d: (p[0], s, d), ValueError, "pool must be 2-D"),
+    (lambda p, s, d: (p[:, :526], s, d), ValueError, "contiguous"),
+    (lambda p, s, d: (p, s.int(), d), TypeError, "src must be an int64"),
+    (lambda p, s, d: (p, s, d[:1]), ValueError, "dst must be a contiguous vector of at least 3 entries"),
+    (lambda p, s, d: (p, s), ValueError, "tuple"),
 ])
-def test_window_copy_rejects_bad_input(case, match):
+def test_window_copy_rejects_bad_input(case, exc, match):
     o, cis, cos, sin, w = _inputs(3, 8, 4, 64, seed=1)
     plan = WoAPlan.build(8, 4, 64, 64, torch.bfloat16, _DEVICE)
     pool, src, dst, _ = _copy_case(3, 17, seed=2)
     out = torch.empty(3, 256, dtype=torch.bfloat16, device=_DEVICE)
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(exc, match=match):
         wo_a_(plan, o, cos, sin, w, None, out, window_copy=case(pool, src, dst))
 
 
