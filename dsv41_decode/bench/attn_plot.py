@@ -17,7 +17,7 @@ def plot_attn(rows: list[dict], path: str | Path) -> None:
     mla = [r for r in rows if r["case"]["op"] == "sparse_mla"]
     for heads in sorted({r["case"]["heads"] for r in mla}):
         sel = sorted((r for r in mla if r["case"]["heads"] == heads), key=lambda r: r["case"]["rows"])
-        line, = a_mla.plot([r["case"]["rows"] for r in sel], [r["us"] for r in sel], "o-", label=f"ours, {heads} heads")
+        a_mla.plot([r["case"]["rows"] for r in sel], [r["us"] for r in sel], "o-", label=f"ours, {heads} heads")
     fm = sorted((r for r in mla if r["case"]["heads"] == 64 and "flash_mla_v4_64h" in r["baselines"]),
                 key=lambda r: r["case"]["rows"])
     if fm:

@@ -167,25 +167,31 @@ def test_gpu_long_run_vs_generic(gpu_setup):
         assert st.length(r) == twin.length(r)
 
 
+# Step options that must change no value: each runs the same 16 steps as the plain graphed step
+# ("graph") and must give its bits and state. "graph_again": two runs repeat; "eager": graph ==
+# eager; "pdl": every kernel waits for its predecessor before its first dependent access (a race
+# would show as a difference); "l2_prefetch": the prefetch lane only warms L2; "window_copy": the
+# staged window records moved inside wo_a's launch, with plain launches and with PDL (where only
+# wo_a's PDL wait orders the copy after the sparse MLA).
+SAME_BITS = {"graph_again": {}, "eager": dict(graphs=False), "pdl": dict(pdl=True),
+             "l2_prefetch": dict(l2_prefetch=0.5), "window_copy": dict(window_copy_in_wo_a=True),
+             "window_copy_pdl": dict(window_copy_in_wo_a=True, pdl=True)}
+
+
 @pytest.fixture(scope="module")
 def gpu_graph_runs(gpu_setup):
-    """16 steps of one schedule on seven copies of a state: graphs twice, eager once, graphs with
-    programmatic dependent launch (ops.pdl), graphs with L2 prefetches on a side lane, graphs with
-    the window copies inside wo_a, and with both PDL and those copies (the copy is ordered after
-    the sparse MLA only by wo_a's PDL wait there)."""
+    """16 steps of one schedule on a copy of the state per variant: {name: (state, outputs)} for
+    "graph" and every SAME_BITS variant."""
     cfg, stack, base = gpu_setup
-    states = [copy.deepcopy(base) for _ in range(7)]
-    steps = [stack.decode_step(states[0], max_rows=16), stack.decode_step(states[1], max_rows=16),
-             stack.decode_step(states[2], max_rows=16, graphs=False),
-             stack.decode_step(states[3], max_rows=16, pdl=True),
-             stack.decode_step(states[4], max_rows=16, l2_prefetch=0.5),
-             stack.decode_step(states[5], max_rows=16, window_copy_in_wo_a=True),
-             stack.decode_step(states[6], max_rows=16, window_copy_in_wo_a=True, pdl=True)]
-    assert all(a.prefetches for a in steps[4].layers.values())
-    assert steps[0].use_graphs and steps[1].use_graphs and not steps[2].use_graphs
+    options = {"graph": {}, **SAME_BITS}
+    states = [copy.deepcopy(base) for _ in options]
+    steps = [stack.decode_step(st, max_rows=16, **kw) for st, kw in zip(states, options.values())]
+    named = dict(zip(options, steps))
+    assert all(a.prefetches for a in named["l2_prefetch"].layers.values())
+    assert named["graph"].use_graphs and named["graph_again"].use_graphs and not named["eager"].use_graphs
     outs = _serve(stack, states, Schedule(cfg, seed=5), 16, steps)
     torch.cuda.synchronize()
-    return states, outs
+    return dict(zip(options, zip(states, outs)))
 
 
 def _assert_same_run(a, b, outs_a, outs_b):
@@ -197,36 +203,7 @@ def _assert_same_run(a, b, outs_a, outs_b):
 
 
 @pytest.mark.gpu
-def test_gpu_graph_equals_eager(gpu_graph_runs):
-    states, outs = gpu_graph_runs
-    _assert_same_run(states[0], states[2], outs[0], outs[2])
-
-
-@pytest.mark.gpu
-def test_gpu_graph_runs_repeat(gpu_graph_runs):
-    states, outs = gpu_graph_runs
-    _assert_same_run(states[0], states[1], outs[0], outs[1])
-
-
-@pytest.mark.gpu
-def test_gpu_pdl_equals_plain_launches(gpu_graph_runs):
-    """With PDL every kernel waits for its predecessor before its first dependent access: the
-    results are the same bits as with plain launches (a race would show as a difference)."""
-    states, outs = gpu_graph_runs
-    _assert_same_run(states[0], states[3], outs[0], outs[3])
-
-
-@pytest.mark.gpu
-def test_gpu_l2_prefetch_changes_no_value(gpu_graph_runs):
-    """The prefetch lane only warms L2: the same bits as without it."""
-    states, outs = gpu_graph_runs
-    _assert_same_run(states[0], states[4], outs[0], outs[4])
-
-
-@pytest.mark.gpu
-def test_gpu_window_copy_in_wo_a_changes_no_value(gpu_graph_runs):
-    """The staged window records moved inside wo_a's launch, with plain launches and with PDL: the
-    same bits and state."""
-    states, outs = gpu_graph_runs
-    _assert_same_run(states[0], states[5], outs[0], outs[5])
-    _assert_same_run(states[0], states[6], outs[0], outs[6])
+@pytest.mark.parametrize("variant", list(SAME_BITS))
+def test_gpu_variant_gives_the_graph_step_bits(gpu_graph_runs, variant):
+    (st_a, outs_a), (st_b, outs_b) = gpu_graph_runs["graph"], gpu_graph_runs[variant]
+    _assert_same_run(st_a, st_b, outs_a, outs_b)
