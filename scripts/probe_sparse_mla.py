@@ -36,6 +36,10 @@ def main() -> None:
             "sep_k32_w8": dict(separate_combine=True, block_keys=32, num_warps=8),
             "sep_k64": dict(separate_combine=True, block_keys=64),
             "sep_bh32_k32": dict(separate_combine=True, block_h=32, block_keys=32, num_warps=4),
+            "bh32_w4_s2": dict(block_h=32, num_warps=4, splits=2), "bh32_w4_s4": dict(block_h=32, num_warps=4, splits=4),
+            "sep_bh32_w4_s4": dict(separate_combine=True, block_h=32, num_warps=4, splits=4),
+            "sep_bh32_w4_s8": dict(separate_combine=True, block_h=32, num_warps=4, splits=8),
+            "sep_s4": dict(separate_combine=True, splits=4), "sep_s8": dict(separate_combine=True, splits=8),
             "step": "STEP_TILINGS"}
         only = [a.split("=", 1)[1].split(",") for a in sys.argv if a.startswith("--only=")]
         if only:

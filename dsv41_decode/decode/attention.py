@@ -123,7 +123,7 @@ class AttentionStep:
     def __init__(self, layer: AttentionLayer, state: DecodeState, meta: StepMeta, scratch: Scratch,
                  lanes: Lanes, selections: dict[int, IndexSelection], candidates: dict[int, torch.Tensor],
                  max_rows: int, wo_a_fp8: bool = False, wo_a_bf16_dot: bool | None = None,
-                 indexer_fp8: bool = True, l2_prefetch: float = 0.0, window_copy_in_wo_a: bool = False):
+                 indexer_fp8: bool = True, l2_prefetch: float = 0.0, window_copy_in_wo_a: bool = True):
         cfg, spec, w = layer.cfg, layer.spec, layer.w
         if not 1 <= max_rows <= LOW_BATCH_MAX_ROWS:
             raise NotEligible(f"max_rows={max_rows}: the specialized step serves 1..{LOW_BATCH_MAX_ROWS} rows")

@@ -90,14 +90,16 @@ class DecodeStep:
     window_copy_in_wo_a: move each layer's staged window records into their ring slots inside its
         `wo_a` launch (`ops.wo_a.wo_a_(window_copy=...)`) instead of two torch kernels on a side
         lane beside `wo_a` (the timeline shows them there, and `wo_a` 3 us slower in the step than
-        alone). Same values. Off until measured (`bench step --variants window_copy_in_wo_a`).
+        alone). Same values. On by default: `bench step` on an H200 (docs/results/step-s7-h200.*)
+        measured it 1-2 % faster at 1-64 rows and 5 % at 32 rows (32K); False: the torch copy on the
+        side lane (`bench step --variants window_copy_torch`).
     """
 
     def __init__(self, stack, state: DecodeState, max_rows: int = 16, buckets: Sequence[int] | None = None,
                  overlap_inputs: bool = True, overlap_candidates: bool = True, graphs: bool = True,
                  wo_a_fp8: bool = False, tp_boundary: str = "auto", pdl: bool = False,
                  wo_a_bf16_dot: bool | None = None, indexer_fp8: bool = True,
-                 l2_prefetch: float = 0.0, window_copy_in_wo_a: bool = False):
+                 l2_prefetch: float = 0.0, window_copy_in_wo_a: bool = True):
         if buckets is None:
             buckets = tuple(b for b in DEFAULT_BUCKETS if b < max_rows) + (max_rows,)
         buckets = tuple(sorted(set(buckets)))

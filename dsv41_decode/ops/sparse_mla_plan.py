@@ -20,10 +20,13 @@ SUPPORTED_HEADS = (8, 16, 32, 64)
 # a9527c9): the split programs store partials and a second launch combines them up to 16 rows
 # (1 row: 32-key blocks, 18.3 us vs 33.5 inline; 4 rows 29.0 vs 36.0; 8 rows 39.6 vs 66.0; 16 rows
 # with 32-head programs 57.6 vs 96.1); above, the last split combines, 32-head programs at 4 warps
-# (64 rows 206 us vs 237).
+# (64 rows 206 us vs 237). 17-32 rows: 4 key splits, one wave of two programs per SM (32 rows x 2
+# head groups x 4 = 256 programs; 109 us vs 131 with the default 3 splits, which leave a second
+# wave; scripts/probe_sparse_mla.py at commit ba1d831, docs/results/sparse-mla-probe32-h200.txt).
 STEP_TILINGS = ((2, dict(block_h=16, block_keys=32, num_warps=4, separate_combine=True)),
                 (8, dict(block_h=16, num_warps=4, separate_combine=True)),
                 (16, dict(block_h=32, num_warps=4, separate_combine=True)),
+                (32, dict(block_h=32, num_warps=4, splits=4)),
                 (256, dict(block_h=32, num_warps=4)))
 
 

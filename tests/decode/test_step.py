@@ -378,17 +378,19 @@ def test_fast_paths_step(cpu_setup):
 
 @interpreter
 def test_window_copy_in_wo_a_step(cpu_setup):
-    """DecodeStep(window_copy_in_wo_a=True): the staged window records move inside wo_a's launch;
-    over four steps with several rows per request (whose ring slots the copy overwrites and the
-    next step reads), the last one of 1 row after 4-row ones (entries past its rows hold the
-    earlier step's slots and must not be copied), the outputs and every layer's window pool equal
-    the default step's bit for bit."""
+    """DecodeStep(window_copy_in_wo_a=True, the default): the staged window records move inside
+    wo_a's launch; over four steps with several rows per request (whose ring slots the copy
+    overwrites and the next step reads), the last one of 1 row after 4-row ones (entries past its
+    rows hold the earlier step's slots and must not be copied), the outputs and every layer's
+    window pool equal those of the torch copy on a side lane (window_copy_in_wo_a=False) bit for
+    bit."""
     cfg, _, base, ckpt = cpu_setup
     stack = AttentionStack(ckpt, [0, 1, 3])
     st_a, st_b = copy.deepcopy(base), copy.deepcopy(base)
-    plain = stack.decode_step(st_a, max_rows=4)
-    fused = stack.decode_step(st_b, max_rows=4, window_copy_in_wo_a=True)
+    plain = stack.decode_step(st_a, max_rows=4, window_copy_in_wo_a=False)
+    fused = stack.decode_step(st_b, max_rows=4)
     assert all(a.window_copy_in_wo_a for a in fused.layers.values())
+    assert not any(a.window_copy_in_wo_a for a in plain.layers.values())
     g = torch.Generator().manual_seed(5)
     for rows in ([("a", 1), ("b", 3)], [("c", 2), ("b", 2)], [("b", 1), ("a", 2)], [("c", 1)]):
         x = streams(sum(c for _, c in rows), cfg, g)

@@ -170,12 +170,13 @@ def test_gpu_long_run_vs_generic(gpu_setup):
 # Step options that must change no value: each runs the same 16 steps as the plain graphed step
 # ("graph") and must give its bits and state. "graph_again": two runs repeat; "eager": graph ==
 # eager; "pdl": every kernel waits for its predecessor before its first dependent access (a race
-# would show as a difference); "l2_prefetch": the prefetch lane only warms L2; "window_copy": the
-# staged window records moved inside wo_a's launch, with plain launches and with PDL (where only
-# wo_a's PDL wait orders the copy after the sparse MLA).
+# would show as a difference; by default the staged window records move inside wo_a's launch, so
+# only wo_a's PDL wait orders that copy after the sparse MLA); "l2_prefetch": the prefetch lane
+# only warms L2; "window_copy_torch": the staged records copied by torch kernels on a side lane
+# instead, with plain launches and with PDL.
 SAME_BITS = {"graph_again": {}, "eager": dict(graphs=False), "pdl": dict(pdl=True),
-             "l2_prefetch": dict(l2_prefetch=0.5), "window_copy": dict(window_copy_in_wo_a=True),
-             "window_copy_pdl": dict(window_copy_in_wo_a=True, pdl=True)}
+             "l2_prefetch": dict(l2_prefetch=0.5), "window_copy_torch": dict(window_copy_in_wo_a=False),
+             "window_copy_torch_pdl": dict(window_copy_in_wo_a=False, pdl=True)}
 
 
 @pytest.fixture(scope="module")

@@ -136,10 +136,13 @@ def test_separate_combine_matches_reference_and_inline(splits):
 
 def test_step_tilings_cover_every_row_count():
     plans = SparseMlaPlan.for_step(64, 64, 16, 16, "cpu")
-    assert [p.max_rows for p in plans] == [2, 8, 16, 64]
-    assert [p.block_h for p in plans] == [16, 16, 32, 32]
-    assert [p.separate_combine for p in plans] == [True, True, True, False]
+    assert [p.max_rows for p in plans] == [2, 8, 16, 32, 64]
+    assert [p.block_h for p in plans] == [16, 16, 32, 32, 32]
+    assert [p.separate_combine for p in plans] == [True, True, True, False, False]
     assert plans[0].block_keys == 32
+    assert plans[3].split(32) == 2                     # 4 splits, clipped to the 2 key blocks here
+    big = SparseMlaPlan.for_step(32, 64, 128, 512, "cpu")[-1]
+    assert (big.max_rows, big.split(17), big.split(32)) == (32, 4, 4)
     assert [p.max_rows for p in SparseMlaPlan.for_step(4, 8, 16, 16, "cpu")] == [2, 4]
     assert all(p.block_h == 16 for p in SparseMlaPlan.for_step(4, 8, 16, 16, "cpu"))   # 8 heads pad to 16
 
@@ -198,7 +201,7 @@ def test_gpu_shapes(h, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n", [1, 4, 8, 16, 64])
+@pytest.mark.parametrize("n", [1, 4, 8, 16, 32, 64])
 def test_gpu_step_tilings_at_64_heads(n):
     # the decode step's plans (STEP_TILINGS) at 64 heads, each row count through its plan
     w, k = 128, 512
