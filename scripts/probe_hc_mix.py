@@ -1,3 +1,9 @@
+"""The mHC mixer (`ops.hc_mix`) alone at the V4.1-Flash dim, rows 1-64, by CUDA-graph replay: what
+the side lane's `hc_mix` costs without the step's kernels beside it (the step's profile shows it
+longer, e.g. 61 us at 64 rows, because it shares the SMs). Prints; writes nothing.
+
+    PYTHONPATH=. python scripts/probe_hc_mix.py
+"""
 import torch
 from dsv41_decode.bench.timing import graph_time_us
 from dsv41_decode.config import ModelConfig
