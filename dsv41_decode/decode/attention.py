@@ -123,7 +123,8 @@ class AttentionStep:
     def __init__(self, layer: AttentionLayer, state: DecodeState, meta: StepMeta, scratch: Scratch,
                  lanes: Lanes, selections: dict[int, IndexSelection], candidates: dict[int, torch.Tensor],
                  max_rows: int, wo_a_fp8: bool = False, wo_a_bf16_dot: bool | None = None,
-                 indexer_fp8: bool = True, l2_prefetch: float = 0.0, window_copy_in_wo_a: bool = True):
+                 indexer_fp8: bool = True, l2_prefetch: float = 0.0, window_copy_in_wo_a: bool = True,
+                 indexer_first: bool = False):
         cfg, spec, w = layer.cfg, layer.spec, layer.w
         if not 1 <= max_rows <= LOW_BATCH_MAX_ROWS:
             raise NotEligible(f"max_rows={max_rows}: the specialized step serves 1..{LOW_BATCH_MAX_ROWS} rows")
@@ -156,6 +157,7 @@ class AttentionStep:
                                        dev, head_dim=cfg.head_dim, rope_dim=cfg.rope_head_dim,
                                        bf16_dot=wo_a_bf16_dot, **few)
         self.indexer_fp8 = bool(indexer_fp8)
+        self.indexer_first = bool(indexer_first)
         self.window_copy_in_wo_a = bool(window_copy_in_wo_a)
         # L2 prefetches per row bucket of the GEMMs (each segment = one program's K range)
         self.prefetches: dict[int, tuple[tuple[L2Prefetch, ...], tuple[L2Prefetch, ...]]] = {}
@@ -232,9 +234,16 @@ class AttentionStep:
         qr_ready = lanes.mark()                               # protects qr codes
         # 3. prepare: index query (aux 2), compressor + index key (aux 0), query + window (main)
         if spec.runs_indexer:
-            with lanes.side(AUX_INDEX_Q):
-                lanes.wait(qr_ready)
+            iq_raw_ready = qr_ready
+            if self.indexer_first:
+                # the index query's GEMM alone on the main stream before wq_b: the indexer chain
+                # (scores, top-k) is this layer's critical path; wq_b is read only by the sparse MLA
                 self.mm_idx_wq_b(s.qr_codes[:B], s.qr_scales[:B], s.iq_raw[:B])
+                iq_raw_ready = lanes.mark()                   # protects iq_raw
+            with lanes.side(AUX_INDEX_Q):
+                lanes.wait(iq_raw_ready)
+                if not self.indexer_first:
+                    self.mm_idx_wq_b(s.qr_codes[:B], s.qr_scales[:B], s.iq_raw[:B])
                 lanes.wait(ev_wproj)
                 index_query_(s.iq_raw[:B], s.wproj[:B], m.cos[r][:B], m.sin[r][:B],
                              cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5, s.iq[:B], s.iw[:B])

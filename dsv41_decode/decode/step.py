@@ -93,13 +93,20 @@ class DecodeStep:
         alone). Same values. On by default: `bench step` on an H200 (docs/results/step-s7-h200.*)
         measured it 1-2 % faster at 1-64 rows and 5 % at 32 rows (32K); False: the torch copy on the
         side lane (`bench step --variants window_copy_torch`).
+    indexer_first: in the layers that run the indexer, launch the index query's GEMM (indexer.wq_b)
+        on the main stream before wq_b instead of beside it on a side lane, so it runs with the
+        whole GPU and the scoring and top-k chain (the critical path of those layers in the
+        timeline: the main stream waits for the top-k) starts sooner, while wq_b is only read by
+        the sparse MLA after the top-k. Same values. Off until measured (`bench step --variants
+        indexer_first`).
     """
 
     def __init__(self, stack, state: DecodeState, max_rows: int = 16, buckets: Sequence[int] | None = None,
                  overlap_inputs: bool = True, overlap_candidates: bool = True, graphs: bool = True,
                  wo_a_fp8: bool = False, tp_boundary: str = "auto", pdl: bool = False,
                  wo_a_bf16_dot: bool | None = None, indexer_fp8: bool = True,
-                 l2_prefetch: float = 0.0, window_copy_in_wo_a: bool = True):
+                 l2_prefetch: float = 0.0, window_copy_in_wo_a: bool = True,
+                 indexer_first: bool = False):
         if buckets is None:
             buckets = tuple(b for b in DEFAULT_BUCKETS if b < max_rows) + (max_rows,)
         buckets = tuple(sorted(set(buckets)))
@@ -129,7 +136,7 @@ class DecodeStep:
                                         self.selections, self.candidate_masks, B, wo_a_fp8,
                                         wo_a_bf16_dot=wo_a_bf16_dot, indexer_fp8=indexer_fp8,
                                         l2_prefetch=float(l2_prefetch),
-                                        window_copy_in_wo_a=window_copy_in_wo_a)
+                                        window_copy_in_wo_a=window_copy_in_wo_a, indexer_first=indexer_first)
                        for i in stack.ids}
         if tp_boundary not in ("auto", "collective", "fused"):
             raise StepError(f"tp_boundary must be 'auto', 'collective' or 'fused', got {tp_boundary!r}")

@@ -377,28 +377,33 @@ def test_fast_paths_step(cpu_setup):
 
 
 @interpreter
-def test_window_copy_in_wo_a_step(cpu_setup):
+def test_window_copy_and_indexer_first_give_the_same_bits(cpu_setup):
     """DecodeStep(window_copy_in_wo_a=True, the default): the staged window records move inside
     wo_a's launch; over four steps with several rows per request (whose ring slots the copy
     overwrites and the next step reads), the last one of 1 row after 4-row ones (entries past its
     rows hold the earlier step's slots and must not be copied), the outputs and every layer's
     window pool equal those of the torch copy on a side lane (window_copy_in_wo_a=False) bit for
-    bit."""
+    bit. The indexer_first schedule (layers 1 and 3 run the indexer) gives the same bits too."""
     cfg, _, base, ckpt = cpu_setup
     stack = AttentionStack(ckpt, [0, 1, 3])
-    st_a, st_b = copy.deepcopy(base), copy.deepcopy(base)
+    st_a, st_b, st_c = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
     plain = stack.decode_step(st_a, max_rows=4, window_copy_in_wo_a=False)
     fused = stack.decode_step(st_b, max_rows=4)
+    first = stack.decode_step(st_c, max_rows=4, indexer_first=True)
     assert all(a.window_copy_in_wo_a for a in fused.layers.values())
     assert not any(a.window_copy_in_wo_a for a in plain.layers.values())
+    assert all(a.indexer_first for a in first.layers.values())
     g = torch.Generator().manual_seed(5)
     for rows in ([("a", 1), ("b", 3)], [("c", 2), ("b", 2)], [("b", 1), ("a", 2)], [("c", 1)]):
         x = streams(sum(c for _, c in rows), cfg, g)
         out_a, pre_a = plain(x, rows)
         out_b, pre_b = fused(x, rows)
+        out_c, pre_c = first(x, rows)
         assert torch.equal(out_a, out_b) and torch.equal(pre_a, pre_b)
+        assert torch.equal(out_a, out_c) and torch.equal(pre_a, pre_c)
         for L in st_a.window:
             assert torch.equal(st_a.window[L], st_b.window[L]), L
+            assert torch.equal(st_a.window[L], st_c.window[L]), L
 
 
 @interpreter

@@ -173,10 +173,12 @@ def test_gpu_long_run_vs_generic(gpu_setup):
 # would show as a difference; by default the staged window records move inside wo_a's launch, so
 # only wo_a's PDL wait orders that copy after the sparse MLA); "l2_prefetch": the prefetch lane
 # only warms L2; "window_copy_torch": the staged records copied by torch kernels on a side lane
-# instead, with plain launches and with PDL.
+# instead, with plain launches and with PDL; "indexer_first": the index query's GEMM on the main
+# stream before wq_b.
 SAME_BITS = {"graph_again": {}, "eager": dict(graphs=False), "pdl": dict(pdl=True),
              "l2_prefetch": dict(l2_prefetch=0.5), "window_copy_torch": dict(window_copy_in_wo_a=False),
-             "window_copy_torch_pdl": dict(window_copy_in_wo_a=False, pdl=True)}
+             "window_copy_torch_pdl": dict(window_copy_in_wo_a=False, pdl=True),
+             "indexer_first": dict(indexer_first=True)}
 
 
 @pytest.fixture(scope="module")
