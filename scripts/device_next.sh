@@ -13,9 +13,10 @@
 #   ncu    ncu on one launch of the sparse MLA's step plan (NCU_CASES, default 1x64: rows x heads):
 #          registers, spills, stalls
 #   bench  `bench step` (BENCH: its options; default every row count and context, default variants)
-# Next session (docs/step.md, "Sixth session"): TESTS="tests/decode/test_step_gpu.py tests/ops/test_wo_a.py
-# tests/ops/test_low_latency_mm.py" TEST_S=420 STAGES=tests; then STAGES="bench gemm" (the whole
-# matrix; default variants no_overlap, wo_a_fp8, window_copy_in_wo_a); NCU_CASES=64x64 STAGES=ncu.
+#   kprobe kernel time per name over one step replay per row bucket (scripts/probe_step_kernels.py;
+#          PROBE_ARGS, default --rows=1,8,32,64 --context=32768)
+# The seventh session ran: TESTS=... STAGES=tests, STAGES=bench (the whole matrix), kprobe, a
+# sparse-MLA probe at 32 rows and STAGES=gemm (docs/step.md, "Seventh session").
 export PYTHONPATH=.
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT/results"
@@ -39,6 +40,9 @@ for stage in $STAGES; do
     gemm)
       timeout ${GEMM_S:-240} python -m dsv41_decode bench gemm --out "$OUT/results" ${GEMM:-} > "$OUT/gemm.txt" 2>&1
       grep -v "^\s*$" "$OUT/gemm.txt" | tail -40 ;;
+    kprobe)
+      timeout ${PROBE_S:-120} python scripts/probe_step_kernels.py ${PROBE_ARGS:-"--rows=1,8,32,64" "--context=32768"} \
+        2>&1 | grep -v -i warn | tee "$OUT/probe_step_kernels.txt" | tail -40 ;;
     l2probe)
       timeout ${PROBE_S:-120} python scripts/probe_l2.py ${PROBE_ARGS:-} 2>&1 | tee "$OUT/probe_l2.txt" | tail -60 ;;
     iprobe)
