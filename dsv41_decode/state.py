@@ -29,7 +29,7 @@ from typing import Hashable, Sequence
 import torch
 
 from .config import FULL, ModelConfig
-from .formats import (
+from .records import (
     COMPRESSED_KV_BYTES,
     INDEX_KEY_BYTES,
     WINDOW_KV_BYTES,

@@ -1,6 +1,6 @@
 """dsv41_decode.formats against spec section 6, bit for bit.
 
-The expected codes come from an independent oracle written here: the scale exponent from an exact
+The expected codes come from an independent oracle (tests/format_oracle.py): the scale exponent from an exact
 float64 product and frexp, and round-to-nearest-even by searching the sorted table of every
 representable value (ties to the even code), instead of the module's bit tricks and comparisons.
 """
@@ -13,88 +13,20 @@ import pytest
 import torch
 
 from dsv41_decode import formats as fm
-
-# --- oracle ---------------------------------------------------------------------------------------
-
-_E4M3_BYTES = torch.arange(127, dtype=torch.uint8)  # 0x00..0x7E: every non-negative finite code
-_E4M3_GRID = _E4M3_BYTES.view(torch.float8_e4m3fn).double()  # ascending, index == byte
-_E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
-
-
-def _finite_e4m3_bytes() -> torch.Tensor:
-    """All 254 bytes of finite E4M3 values (both signs, +0 and -0; not 0x7F / 0xFF)."""
-    return torch.cat((_E4M3_BYTES, _E4M3_BYTES | 0x80))
-
-
-def _nearest_even_index(v: torch.Tensor, grid: torch.Tensor) -> torch.Tensor:
-    """Index into the ascending grid of the nearest grid value to |v| (ties to the even index)."""
-    a = v.double().abs().clamp(max=float(grid[-1]))
-    hi = torch.searchsorted(grid, a).clamp(1, len(grid) - 1)
-    lo = hi - 1
-    d_lo, d_hi = a - grid[lo], grid[hi] - a
-    return torch.where((d_hi < d_lo) | ((d_hi == d_lo) & (hi % 2 == 0)), hi, lo)
-
-
-def _ref_e4m3_bytes(v: torch.Tensor) -> torch.Tensor:
-    sign = torch.signbit(v).to(torch.uint8) << 7
-    return _nearest_even_index(v, _E4M3_GRID).to(torch.uint8) | sign
-
-
-def _ref_e2m1_codes(v: torch.Tensor) -> torch.Tensor:
-    sign = torch.signbit(v).to(torch.uint8) << 3
-    return _nearest_even_index(v, _E2M1_GRID).to(torch.uint8) | sign
-
-
-def _ref_ceil_log2_scale(amax: torch.Tensor, inv_qmax: float) -> torch.Tensor:
-    """ceil(log2(fp32(amax * fp32(inv_qmax)))): exact float64 product, one rounding to FP32."""
-    p = (amax.double() * float(torch.tensor(inv_qmax, dtype=torch.float32))).float().double()
-    mantissa, exponent = torch.frexp(p)  # p = mantissa * 2^exponent, mantissa in [0.5, 1)
-    return (exponent - (mantissa == 0.5).to(exponent.dtype)).to(torch.int32)
-
-
-def _ref_mx(x: torch.Tensor, block: int, floor: float, qmax: float, ref_codes):
-    """(codes, UE8M0 bytes) of an MX format, from the oracle."""
-    xb = x.float().reshape(*x.shape[:-1], -1, block)
-    amax = xb.abs().amax(-1).clamp(min=floor)
-    k = _ref_ceil_log2_scale(amax, 1.0 / qmax)
-    s = torch.tensor(2.0, dtype=torch.float64) ** k.double()
-    codes = ref_codes((xb.double() / s.unsqueeze(-1)).float())
-    return codes.reshape(x.shape), (k + 127).to(torch.uint8)
-
-
-def _ref_nvfp4(x: torch.Tensor, group: int = 16):
-    """(E2M1 codes, E4M3 scale bytes) of NVFP4, from the oracle."""
-    xg = x.float().reshape(*x.shape[:-1], -1, group)
-    amax = xg.abs().amax(-1).clamp(min=fm.NVFP4_AMAX_FLOOR)
-    # The FP32 quotient amax / 6: a float64 quotient rounded once to FP32 is the correctly rounded
-    # FP32 quotient (53 >= 2 * 24 + 2 bits), then RNE to E4M3.
-    scale_bytes = _ref_e4m3_bytes((amax.double() / 6.0).float())
-    s = scale_bytes.view(torch.float8_e4m3fn).double()
-    codes = _ref_e2m1_codes((xg.double() / s.unsqueeze(-1)).float())
-    return codes.reshape(x.shape), scale_bytes
-
-
-def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    return torch.stack((packed & 0xF, packed >> 4), dim=-1).reshape(*packed.shape[:-1], -1)
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bits of t, so that equality is bit equality (NaN, -0.0 included)."""
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
-
-
-def _varied(shape, seed: int, dtype=torch.float32, decades: int = 30) -> torch.Tensor:
-    """Random values whose blocks of 16 span 1e-decades .. 1e+decades, some mixing tiny and huge."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(*shape, generator=g, dtype=torch.float64)
-    blocks = x.reshape(-1, 16)
-    magnitude = 10.0 ** torch.randint(-decades, decades + 1, (blocks.shape[0], 1), generator=g).double()
-    mixed = torch.rand(blocks.shape, generator=g) < 0.1
-    spread = 10.0 ** torch.randint(-decades, decades + 1, blocks.shape, generator=g).double()
-    blocks = torch.where(mixed, blocks * spread, blocks * magnitude)
-    blocks[::7, 3] = 0.0
-    blocks[::5, 4] = -0.0
-    return blocks.reshape(shape).to(dtype)
+from dsv41_decode.records import pack_window_kv
+from format_oracle import (
+    E4M3_GRID,
+    E2M1_GRID,
+    finite_e4m3_bytes,
+    ref_e4m3_bytes,
+    ref_e2m1_codes,
+    ref_ceil_log2_scale,
+    ref_mx,
+    ref_nvfp4,
+    unpack_nibbles,
+    raw_bits,
+    varied,
+)
 
 
 # --- torch's E4M3 cast ----------------------------------------------------------------------------
@@ -102,14 +34,14 @@ def _varied(shape, seed: int, dtype=torch.float32, decades: int = 30) -> torch.T
 
 def _e4m3_midpoints() -> torch.Tensor:
     """Midpoints between adjacent non-negative E4M3 values (exact in FP32)."""
-    return ((_E4M3_GRID[:-1] + _E4M3_GRID[1:]) / 2).float()
+    return ((E4M3_GRID[:-1] + E4M3_GRID[1:]) / 2).float()
 
 
 def test_torch_e4m3_cast_rounds_midpoints_to_even():
     mid = _e4m3_midpoints()
     mid = torch.cat((mid, -mid))
     got = mid.to(torch.float8_e4m3fn).view(torch.uint8)
-    assert torch.equal(got, _ref_e4m3_bytes(mid))
+    assert torch.equal(got, ref_e4m3_bytes(mid))
     # Sanity of the oracle: every midpoint lands on an even byte (the grid index is the byte).
     assert torch.all(got & 1 == 0)
 
@@ -119,7 +51,7 @@ def test_torch_e4m3_cast_rounds_near_midpoints_to_nearest():
     for toward in (0.0, math.inf):
         v = torch.nextafter(mid, torch.full_like(mid, toward))
         v = torch.cat((v, -v))
-        assert torch.equal(v.to(torch.float8_e4m3fn).view(torch.uint8), _ref_e4m3_bytes(v))
+        assert torch.equal(v.to(torch.float8_e4m3fn).view(torch.uint8), ref_e4m3_bytes(v))
 
 
 # --- UE8M0 and the scale rule ---------------------------------------------------------------------
@@ -129,9 +61,9 @@ def test_ue8m0_every_byte():
     b = torch.arange(256, dtype=torch.uint8)
     got = fm.ue8m0_decode(b)
     expected = torch.tensor([math.ldexp(1.0, i - 127) for i in range(255)], dtype=torch.float32)
-    assert torch.equal(_bits(got[:255]), _bits(expected))
+    assert torch.equal(raw_bits(got[:255]), raw_bits(expected))
     assert torch.isnan(got[255])
-    assert torch.equal(_bits(fm.ue8m0_decode(b.view(torch.float8_e8m0fnu))), _bits(got))
+    assert torch.equal(raw_bits(fm.ue8m0_decode(b.view(torch.float8_e8m0fnu))), raw_bits(got))
     # Byte 0 decodes to the FP32 subnormal 2^-127: the bit rule reads it back through its subnormal path.
     k = fm.pow2_ceil_scale(got[:255], 1.0)
     assert torch.equal(k, torch.arange(-127, 128, dtype=torch.int32))
@@ -169,7 +101,7 @@ def test_scale_rule_matches_exact_ceil_log2_on_random_bits():
     for inv_qmax in (1.0, 1.0 / 448, 1.0 / 6):
         got = fm.pow2_ceil_scale(amax, inv_qmax)
         live = amax.double() * float(torch.tensor(inv_qmax, dtype=torch.float32)) >= 2.0**-149
-        assert torch.equal(got[live], _ref_ceil_log2_scale(amax, inv_qmax)[live])
+        assert torch.equal(got[live], ref_ceil_log2_scale(amax, inv_qmax)[live])
     # ceil(log2(m * 2^-149)) for subnormal p = m * 2^-149, checked with integer arithmetic.
     m = torch.cat((sub, edges[:-1]))
     expected = torch.tensor([(int(v) - 1).bit_length() - 149 for v in m], dtype=torch.int32)
@@ -182,7 +114,7 @@ def test_scale_rule_matches_exact_ceil_log2_on_random_bits():
 def test_e2m1_every_code():
     codes = torch.arange(16, dtype=torch.uint8)
     values = fm.e2m1_decode(codes)
-    grid = _E2M1_GRID.float()
+    grid = E2M1_GRID.float()
     assert torch.equal(values, torch.cat((grid, -grid)))
     assert torch.equal(torch.signbit(values), codes >= 8)  # code 8 is -0.0
     assert torch.equal(fm.e2m1_encode(values), codes)
@@ -197,13 +129,13 @@ def test_e2m1_rounds_midpoints_to_even():
     for toward in (0.0, math.inf):
         v = torch.nextafter(mid, torch.full_like(mid, toward))
         v = torch.cat((v, -v))
-        assert torch.equal(fm.e2m1_encode(v), _ref_e2m1_codes(v))
+        assert torch.equal(fm.e2m1_encode(v), ref_e2m1_codes(v))
 
 
 def test_e2m1_encode_matches_oracle_and_saturates():
     g = torch.Generator().manual_seed(2)
     v = torch.cat((torch.randn(20000, generator=g) * 3, torch.tensor([6.0, 7.0, 1e30, -6.5, -math.inf])))
-    assert torch.equal(fm.e2m1_encode(v), _ref_e2m1_codes(v))
+    assert torch.equal(fm.e2m1_encode(v), ref_e2m1_codes(v))
     assert torch.equal(fm.e2m1_encode(torch.tensor([7.0, -1e30])), torch.tensor([7, 15], dtype=torch.uint8))
     nan = torch.tensor([math.nan, -math.nan])
     assert torch.equal(fm.e2m1_encode(nan), torch.zeros(2, dtype=torch.uint8))
@@ -231,14 +163,14 @@ def _blocks_with_anchor(values: torch.Tensor, anchor: float, block: int) -> torc
 
 @pytest.mark.parametrize("k", [-20, -1, 0, 7])
 def test_mxfp8_every_code_round_trips_with_fixed_scale(k):
-    codes = _finite_e4m3_bytes()
+    codes = finite_e4m3_bytes()
     values = codes.view(torch.float8_e4m3fn).float() * 2.0**k
     x = _blocks_with_anchor(values, 448.0 * 2.0**k, 32)  # amax 448 * 2^k: scale 2^k exactly
     got_codes, scales = fm.mxfp8_quantize(x)
     assert torch.all(scales == 127 + k)
     assert torch.equal(got_codes[:, 1:].reshape(-1)[: len(codes)].view(torch.uint8), codes)
-    assert torch.equal(_bits(fm.mxfp8_dequantize(got_codes, scales)), _bits(x))
-    assert torch.equal(_bits(fm.mxfp8_fake(x.bfloat16())), _bits(x.bfloat16()))
+    assert torch.equal(raw_bits(fm.mxfp8_dequantize(got_codes, scales)), raw_bits(x))
+    assert torch.equal(raw_bits(fm.mxfp8_fake(x.bfloat16())), raw_bits(x.bfloat16()))
 
 
 def test_mxfp8_rounds_midpoints_to_even():
@@ -248,15 +180,15 @@ def test_mxfp8_rounds_midpoints_to_even():
     codes, scales = fm.mxfp8_quantize(x)
     assert torch.all(scales == 127 - 3)
     got = codes[:, 1:].reshape(-1)[: len(mid)].view(torch.uint8)
-    assert torch.equal(got, _ref_e4m3_bytes(mid * 8.0))
+    assert torch.equal(got, ref_e4m3_bytes(mid * 8.0))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_mxfp8_matches_oracle_on_varied_data(dtype):
-    x = _varied((6, 4, 256), seed=3, dtype=dtype, decades=4 if dtype == torch.float16 else 30)
+    x = varied((6, 4, 256), seed=3, dtype=dtype, decades=4 if dtype == torch.float16 else 30)
     assert torch.isfinite(x).all()
     codes, scales = fm.mxfp8_quantize(x)
-    ref_codes, ref_scales = _ref_mx(x, 32, fm.MXFP8_AMAX_FLOOR, 448.0, _ref_e4m3_bytes)
+    ref_codes, ref_scales = ref_mx(x, 32, fm.MXFP8_AMAX_FLOOR, 448.0, ref_e4m3_bytes)
     assert codes.dtype == torch.float8_e4m3fn and codes.shape == x.shape
     assert scales.dtype == torch.uint8 and scales.shape == (6, 4, 8)
     assert torch.equal(scales, ref_scales)
@@ -274,7 +206,7 @@ def test_mxfp8_amax_floor():
     out = fm.mxfp8_dequantize(codes, scales)
     assert not torch.isnan(out).any()
     assert torch.equal(out[0, :32], torch.zeros(32))
-    expected_tiny = _ref_e4m3_bytes(x[1, 32:64] * 2.0**22).view(torch.float8_e4m3fn).float() * 2.0**-22
+    expected_tiny = ref_e4m3_bytes(x[1, 32:64] * 2.0**22).view(torch.float8_e4m3fn).float() * 2.0**-22
     assert torch.equal(out[1, 32:64], expected_tiny)
 
 
@@ -286,7 +218,7 @@ def test_mxfp8_nonfinite_block_decodes_to_nan():
     x[1, 41] = -math.nan
     out = fm.mxfp8_fake(x)
     assert torch.isnan(out[0, :32]).all() and torch.isnan(out[1, 32:]).all()
-    rec = fm.pack_window_kv(torch.cat((x, x), dim=1).repeat(1, 4))
+    rec = pack_window_kv(torch.cat((x, x), dim=1).repeat(1, 4))
     assert torch.all(rec[1, 32:64] == 0x7F)  # one canonical NaN code, whatever the sign of the NaN
     assert torch.all(rec[0, 512::2] == 255) and torch.all(rec[1, 513::2] == 255)
     assert not torch.isnan(out[0, 32:]).any() and not torch.isnan(out[1, :32]).any()
@@ -302,8 +234,8 @@ def test_mxfp4_every_code_round_trips_with_fixed_scale(k):
     x = _blocks_with_anchor(values, 6.0 * 2.0**k, 32)  # amax 6 * 2^k: scale 2^k exactly
     packed, scales = fm.mxfp4_quantize(x)
     assert torch.all(scales == 127 + k)
-    assert torch.equal(_unpack_nibbles(packed)[0, 1:], codes)
-    assert torch.equal(_bits(fm.mxfp4_dequantize(packed, scales)), _bits(x))
+    assert torch.equal(unpack_nibbles(packed)[0, 1:], codes)
+    assert torch.equal(raw_bits(fm.mxfp4_dequantize(packed, scales)), raw_bits(x))
 
 
 def test_mxfp4_rounds_midpoints_to_even():
@@ -312,18 +244,18 @@ def test_mxfp4_rounds_midpoints_to_even():
     x = _blocks_with_anchor(mid, 6.0 * 2.0**5, 32)
     packed, scales = fm.mxfp4_quantize(x)
     assert torch.all(scales == 127 + 5)
-    got = fm.e2m1_decode(_unpack_nibbles(packed)[0, 1 : 1 + len(mid)])
+    got = fm.e2m1_decode(unpack_nibbles(packed)[0, 1 : 1 + len(mid)])
     expected = torch.tensor([0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0])
     assert torch.equal(got, torch.cat((expected, -expected)))
 
 
 def test_mxfp4_matches_oracle_on_varied_data():
-    x = _varied((5, 3, 128), seed=6, dtype=torch.bfloat16)
+    x = varied((5, 3, 128), seed=6, dtype=torch.bfloat16)
     packed, scales = fm.mxfp4_quantize(x)
-    ref_codes, ref_scales = _ref_mx(x, 32, fm.MXFP4_AMAX_FLOOR, 6.0, _ref_e2m1_codes)
+    ref_codes, ref_scales = ref_mx(x, 32, fm.MXFP4_AMAX_FLOOR, 6.0, ref_e2m1_codes)
     assert packed.shape == (5, 3, 64) and scales.shape == (5, 3, 4)
     assert torch.equal(scales, ref_scales)
-    assert torch.equal(_unpack_nibbles(packed), ref_codes)
+    assert torch.equal(unpack_nibbles(packed), ref_codes)
 
 
 def test_mxfp4_amax_floor_and_tiny_values():
@@ -337,7 +269,7 @@ def test_mxfp4_amax_floor_and_tiny_values():
     assert not torch.isnan(out).any()
     assert torch.equal(out[0, :32].abs(), torch.zeros(32))
     # Codes times 2^-126 reach 2^-127, a BF16 subnormal: still exact in BF16.
-    assert torch.equal(_bits(out.bfloat16().float()), _bits(out))
+    assert torch.equal(raw_bits(out.bfloat16().float()), raw_bits(out))
     assert torch.count_nonzero(out[1, :32]) > 0
 
 
@@ -348,21 +280,21 @@ def test_nvfp4_every_code_round_trips_with_fixed_scale():
         x = _blocks_with_anchor(fm.e2m1_decode(codes) * s, 6.0 * s, 16)
         packed, scales = fm.nvfp4_quantize(x)
         assert torch.all(scales.view(torch.uint8) == scale_byte)
-        assert torch.equal(_unpack_nibbles(packed)[0, 1:], codes)
-        assert torch.equal(_bits(fm.nvfp4_dequantize(packed, scales)), _bits(x))
+        assert torch.equal(unpack_nibbles(packed)[0, 1:], codes)
+        assert torch.equal(raw_bits(fm.nvfp4_dequantize(packed, scales)), raw_bits(x))
 
 
 def test_nvfp4_matches_oracle_on_varied_data():
-    x = _varied((4, 2, 512), seed=8, dtype=torch.float32)
+    x = varied((4, 2, 512), seed=8, dtype=torch.float32)
     x = x / x.abs().amax(-1, keepdim=True) * 2000.0  # inside the E4M3 scale range (amax <= 2688)
     x[0, 0, :16] = 0.0
     x[1, 1, :16] *= 1e-9
     packed, scales = fm.nvfp4_quantize(x)
-    ref_codes, ref_scales = _ref_nvfp4(x)
+    ref_codes, ref_scales = ref_nvfp4(x)
     assert packed.shape == (4, 2, 256) and scales.shape == (4, 2, 32)
     assert scales.dtype == torch.float8_e4m3fn
     assert torch.equal(scales.view(torch.uint8), ref_scales)
-    assert torch.equal(_unpack_nibbles(packed), ref_codes)
+    assert torch.equal(unpack_nibbles(packed), ref_codes)
     assert scales.view(torch.uint8)[0, 0, 0] == 0x01  # floor: 6 * 2^-9 / 6 = 2^-9, the least E4M3 subnormal
 
 
@@ -398,11 +330,11 @@ def test_fp8_block_round_trip(shape):
         for j in range(cols):
             tile = wf[32 * i : 32 * i + 32, 32 * j : 32 * j + 32]
             amax = tile.abs().amax().clamp(min=fm.MXFP8_AMAX_FLOOR)
-            k = int(_ref_ceil_log2_scale(amax, 1 / 448.0))
+            k = int(ref_ceil_log2_scale(amax, 1 / 448.0))
             assert int(scale.view(torch.uint8)[i, j]) == 127 + k
-            ref = _ref_e4m3_bytes(tile * 2.0**-k)
+            ref = ref_e4m3_bytes(tile * 2.0**-k)
             assert torch.equal(weight[32 * i : 32 * i + 32, 32 * j : 32 * j + 32].view(torch.uint8), ref)
-    assert torch.equal(_bits(out.bfloat16().float()), _bits(out))
+    assert torch.equal(raw_bits(out.bfloat16().float()), raw_bits(out))
 
 
 def test_fp8_block_dequantize_rejects_bad_scale_shape():
@@ -413,83 +345,6 @@ def test_fp8_block_dequantize_rejects_bad_scale_shape():
         fm.fp8_block_quantize(torch.randn(2, 3, 4))
     with pytest.raises(TypeError, match="weight must have dtype"):
         fm.fp8_block_dequantize(weight.float(), scale)
-
-
-# --- cache records --------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_window_kv_record(dtype):
-    x = _varied((3, 5, 512), seed=12, dtype=dtype)
-    rec = fm.pack_window_kv(x)
-    assert rec.dtype == torch.uint8 and rec.shape == (3, 5, fm.WINDOW_KV_BYTES) == (3, 5, 528)
-    codes, scales = fm.mxfp8_quantize(x)
-    assert torch.equal(rec[..., :512], codes.view(torch.uint8))
-    assert torch.equal(rec[..., 512:], scales)
-    out = fm.unpack_window_kv(rec)
-    assert out.dtype == torch.bfloat16 and out.shape == x.shape
-    assert torch.equal(_bits(out), _bits(fm.mxfp8_fake(x).bfloat16()))
-    assert torch.equal(_bits(out.float()), _bits(fm.mxfp8_dequantize(codes, scales)))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compressed_kv_record(dtype):
-    x = _varied((2, 7, 512), seed=13, dtype=dtype).float()
-    x = (x / x.abs().amax(-1, keepdim=True) * 100.0).to(dtype)
-    rec = fm.pack_compressed_kv(x)
-    assert rec.dtype == torch.uint8 and rec.shape == (2, 7, fm.COMPRESSED_KV_BYTES) == (2, 7, 288)
-    packed, scales = fm.nvfp4_quantize(x)
-    assert torch.equal(rec[..., :256], packed)
-    assert torch.equal(rec[..., 256:], scales.view(torch.uint8))
-    out = fm.unpack_compressed_kv(rec)
-    assert out.dtype == torch.bfloat16 and out.shape == x.shape
-    assert torch.equal(_bits(out), _bits(fm.nvfp4_fake(x).bfloat16()))
-    assert torch.equal(_bits(out.float()), _bits(fm.nvfp4_dequantize(packed, scales)))
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_index_key_record(dtype):
-    x = _varied((4, 3, 128), seed=14, dtype=dtype)
-    rec = fm.pack_index_key(x)
-    assert rec.dtype == torch.uint8 and rec.shape == (4, 3, fm.INDEX_KEY_BYTES) == (4, 3, 68)
-    packed, scales = fm.mxfp4_quantize(x)
-    assert torch.equal(rec[..., :64], packed)
-    assert torch.equal(rec[..., 64:], scales)
-    out = fm.unpack_index_key(rec)
-    assert out.dtype == torch.bfloat16 and out.shape == x.shape
-    assert torch.equal(_bits(out), _bits(fm.mxfp4_fake(x).bfloat16()))
-    assert torch.equal(_bits(out.float()), _bits(fm.mxfp4_dequantize(packed, scales)))
-
-
-def test_fp4_records_put_the_even_element_in_the_low_nibble():
-    g = torch.Generator().manual_seed(15)
-    x = torch.randn(128, generator=g)
-    x[0], x[1] = 6.0, -0.5  # with amax in [3, 6]: scale 1, codes 0x7 and 0x9
-    x[2:32] = x[2:32].clamp(-6.0, 6.0)
-    rec = fm.pack_index_key(x)
-    assert rec[64] == 127 and rec[0] == 0x97
-    y = torch.randn(512, generator=g).clamp(-5.0, 5.0)
-    y[0], y[1] = 1.0, 6.0  # group amax 6: E4M3 scale 1.0 (byte 0x38), codes 0x2 and 0x7
-    rec = fm.pack_compressed_kv(y)
-    assert rec[256] == 0x38 and rec[0] == 0x72
-
-
-def test_records_of_empty_batches():
-    assert fm.pack_window_kv(torch.randn(0, 512)).shape == (0, 528)
-    assert fm.unpack_compressed_kv(torch.zeros(0, 288, dtype=torch.uint8)).shape == (0, 512)
-
-
-def test_record_errors_name_the_argument():
-    with pytest.raises(ValueError, match=r"x must have last dimension 512, got shape \(2, 511\)"):
-        fm.pack_window_kv(torch.randn(2, 511))
-    with pytest.raises(ValueError, match="x must have last dimension 128"):
-        fm.pack_index_key(torch.randn(2, 512))
-    with pytest.raises(TypeError, match="x must be a floating-point tensor, got dtype torch.int64"):
-        fm.pack_compressed_kv(torch.ones(2, 512, dtype=torch.int64))
-    with pytest.raises(ValueError, match="rec must have last dimension 288"):
-        fm.unpack_compressed_kv(torch.zeros(3, 528, dtype=torch.uint8))
-    with pytest.raises(TypeError, match="rec must have dtype torch.uint8, got torch.int32"):
-        fm.unpack_window_kv(torch.zeros(3, 528, dtype=torch.int32))
 
 
 def test_quantizer_errors_name_the_argument():

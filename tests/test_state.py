@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dsv41_decode.config import ModelConfig
-from dsv41_decode.formats import (
+from dsv41_decode.records import (
     pack_compressed_kv,
     pack_index_key,
     pack_window_kv,

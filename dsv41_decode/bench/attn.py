@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from ..formats import pack_compressed_kv, pack_window_kv
+from ..records import pack_compressed_kv, pack_window_kv
 from ..reference.attention import sparse_attention
 from .floor import read_bandwidth_gbps
 from .attn_plot import plot_attn
@@ -101,7 +101,7 @@ def bench_sparse_mla(ops, rows_list, heads_list, floor, info, gen, progress) -> 
 
 
 def _reference_rows(q, win, wtab, comp, ctab, sink):
-    from ..formats import unpack_compressed_kv, unpack_window_kv
+    from ..records import unpack_compressed_kv, unpack_window_kv
     for r in range(q.shape[0]):
         keys = torch.cat([unpack_window_kv(win[wtab[r].long()]), unpack_compressed_kv(comp[ctab[r].long()])])
         sparse_attention(q[r], keys, torch.ones(keys.shape[0], dtype=torch.bool, device=q.device), sink,

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats import INDEX_KEY_BYTES
+from ..records import INDEX_KEY_BYTES
 from .checks import interpreting
 from .rounding import bf16_rne_bits
 

@@ -7,9 +7,9 @@
   alone or both in one launch.
 
 Bit-exact, by default (requant=False: the values quantized once, what `DecodeState` stores and
-what the spec's "real codes" are), with `formats.pack_window_kv(rope_tail(kv))`,
-`reference.rope.rope_tail` (queries), `formats.pack_compressed_kv(rope_tail(lat))` and
-`formats.pack_index_key(compressor.index_key_rotated(...))`; requant=True packs the fake-quantized
+what the spec's "real codes" are), with `records.pack_window_kv(rope_tail(kv))`,
+`reference.rope.rope_tail` (queries), `records.pack_compressed_kv(rope_tail(lat))` and
+`records.pack_index_key(compressor.index_key_rotated(...))`; requant=True packs the fake-quantized
 values again (the same decoded values for MXFP8/MXFP4, not always for NVFP4), kept for comparison.
 On the GPU and in Triton's interpreter (see the note on k_norm in `index_key_store_`). RoPE rotates the adjacent pairs (2i, 2i+1) of the 64-dim tail like torch's
 complex multiply: real = a*c - b*s, imag = a*s + b*c, every product and sum rounded to FP32 (the
@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats import COMPRESSED_KV_BYTES, INDEX_KEY_BYTES, WINDOW_KV_BYTES
+from ..records import COMPRESSED_KV_BYTES, INDEX_KEY_BYTES, WINDOW_KV_BYTES
 from . import pdl
 from .checks import require_tensor
 from .fp4 import (

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats import COMPRESSED_KV_BYTES, WINDOW_KV_BYTES
+from ..records import COMPRESSED_KV_BYTES, WINDOW_KV_BYTES
 from . import pdl
 from .checks import require_tensor
 from .rounding import bf16_rne_bits, ue8m0_to_fp32

@@ -15,7 +15,8 @@ from typing import Hashable, Mapping
 import torch
 
 from ..config import ModelConfig
-from ..formats import fp8_block_quantize, pack_compressed_kv, pack_index_key, pack_window_kv
+from ..formats import fp8_block_quantize
+from ..records import pack_compressed_kv, pack_index_key, pack_window_kv
 from ..state import DecodeState
 from ..weights import FP8, UE8M0, Checkpoint, expected_tensors
 

@@ -30,7 +30,7 @@ from dsv41_decode.config import ModelConfig
 from dsv41_decode.decode import AttentionStep, StepError
 from dsv41_decode.decode.boundary import Boundary
 from dsv41_decode.decode.tables import StepMeta
-from dsv41_decode.formats import unpack_compressed_kv, unpack_index_key, unpack_window_kv
+from dsv41_decode.records import unpack_compressed_kv, unpack_index_key, unpack_window_kv
 from dsv41_decode.layer import CallContext
 from dsv41_decode.reference import attention as ref_attention
 from dsv41_decode.reference.attention import output_projection

@@ -10,7 +10,8 @@ heads; such sums of few-bit terms are almost always exact, so scores are bit-exa
 import pytest
 import torch
 
-from dsv41_decode.formats import mxfp4_fake, pack_index_key, unpack_index_key
+from dsv41_decode.formats import mxfp4_fake
+from dsv41_decode.records import pack_index_key, unpack_index_key
 from dsv41_decode.ops.indexer import index_scores_mxfp4, index_scores_mxfp4_
 from dsv41_decode.reference.indexer import index_scores
 from dsv41_decode.testing.compare import row_ulp_distance

@@ -1,4 +1,4 @@
-"""ops/kv_write.py against formats.py and the reference, bit for bit (interpreter on the CPU; GPU at
+"""ops/kv_write.py against records.py and the reference, bit for bit (interpreter on the CPU; GPU at
 V4.1-Flash sizes).
 
 requant=True records equal what the reference state stores (`pack_*(reference fake-quantized
@@ -9,8 +9,8 @@ the reference's fake-quantized values for MXFP8/MXFP4; for NVFP4 only requant=Tr
 import pytest
 import torch
 
-from dsv41_decode.formats import (
-    mxfp8_fake as _mxfp8_fake,
+from dsv41_decode.formats import mxfp8_fake as _mxfp8_fake
+from dsv41_decode.records import (
     pack_compressed_kv,
     pack_index_key,
     pack_window_kv,

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from dsv41_decode.formats import pack_compressed_kv, pack_window_kv, unpack_compressed_kv, unpack_window_kv
+from dsv41_decode.records import pack_compressed_kv, pack_window_kv, unpack_compressed_kv, unpack_window_kv
 from dsv41_decode.ops.sparse_mla import SparseMlaPlan, sparse_mla, sparse_mla_
 from dsv41_decode.reference.attention import sparse_attention
 
