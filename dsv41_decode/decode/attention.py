@@ -329,3 +329,31 @@ class AttentionStep:
             y.copy_(self.layer.tp.reduce_partials(s.y_partial[:B]))
         else:
             self.mm_wo_b(s.z_codes[:B], s.z_scales[:B], y)
+
+    # attributes that hold what the step or the stack shares between layers (not this layer's own)
+    _SHARED = frozenset(("state", "meta", "s", "lanes", "selections", "candidates", "layer", "w", "cfg",
+                         "spec", "publish", "prefetches"))
+
+    def memory_bytes(self) -> int:
+        """Device bytes this layer's step owns: its copies of weights (the fused wq_a|wkv, the FP32
+        compressor weights at ratio 2, a converted or quantized wo_a, the FP32 sink) and its kernels'
+        plan workspaces (split-K partials and counters). Not the stack's weights (storages of
+        `layer.w`), the state, or what the step shares between layers (scratch, tables, selections)."""
+        theirs = {t.untyped_storage().data_ptr() for t in self.w.values()}
+        mine: dict[int, int] = {}
+
+        def visit(v) -> None:
+            if isinstance(v, torch.Tensor):
+                storage = v.untyped_storage()
+                if storage.data_ptr() not in theirs:
+                    mine[storage.data_ptr()] = storage.nbytes()
+
+        for name, v in vars(self).items():
+            if name in self._SHARED:
+                continue
+            for item in (v if isinstance(v, (list, tuple)) else (v,)):
+                visit(item)
+                if type(item).__module__.startswith("dsv41_decode.ops") and hasattr(item, "__dict__"):
+                    for u in vars(item).values():   # a plan: its workspace, counters and tables
+                        visit(u)
+        return sum(mine.values())

@@ -265,15 +265,28 @@ class DecodeStep:
         return out
 
     def memory_bytes(self) -> dict[str, int]:
-        """Device bytes the step owns beyond the stack's weights and the state's caches (by family)."""
+        """Device bytes the step owns beyond the stack's weights and the state's caches (by family):
+        the shared scratch and scores, the selections, the streams and boundary, the per-step tables
+        (`StepMeta`), and per layer its weight copies and kernel workspaces (`AttentionStep.memory_bytes`)."""
         def size(ts) -> int:
             return sum(t.numel() * t.element_size() for t in ts)
-        scratch = [t for t in vars(self.scratch).values() if isinstance(t, torch.Tensor)]
+
+        def tensors(obj) -> list[torch.Tensor]:
+            out = []
+            for v in vars(obj).values():
+                items = v if isinstance(v, (list, tuple)) else v.values() if isinstance(v, dict) else (v,)
+                out += [t for t in items if isinstance(t, torch.Tensor)]
+            return out
+
+        def storages(ts) -> int:   # views (StepMeta's cos/sin per ratio) count once
+            return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ts}.values())
         sel = [t for s in self.selections.values() for t in (s.topk, s.table, s.lengths)]
-        return {"scratch": size(scratch) - self.scratch.scores.numel() * 4,
+        return {"scratch": size(tensors(self.scratch)) - self.scratch.scores.numel() * 4,
                 "scores": self.scratch.scores.numel() * 4,
                 "selections": size(sel) + size(self.candidate_masks.values()),
-                "streams": size([self.x_in, self.x_out, self.pre_in, self.y]) + self.boundary.memory_bytes()}
+                "streams": size([self.x_in, self.x_out, self.pre_in, self.y]) + self.boundary.memory_bytes(),
+                "tables": storages(tensors(self.meta)),
+                "layers": sum(layer.memory_bytes() for layer in self.layers.values())}
 
     def __repr__(self) -> str:
         return (f"DecodeStep({len(self.layers)} layers, buckets {self.buckets}, graphs={self.use_graphs}, "

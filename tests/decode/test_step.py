@@ -406,6 +406,33 @@ def test_window_copy_and_indexer_first_give_the_same_bits(cpu_setup):
             assert torch.equal(st_a.window[L], st_c.window[L]), L
 
 
+def _plan_tensor_bytes(plan) -> int:
+    return sum(t.numel() * t.element_size() for t in vars(plan).values() if isinstance(t, torch.Tensor))
+
+
+@interpreter
+def test_memory_bytes_counts_the_layers_copies_and_workspaces(cpu_setup):
+    """DecodeStep.memory_bytes: every family; per layer at least the fused wq_a|wkv copy and the
+    sparse MLA and wo_a workspaces; the stack's weights are not counted (an FP8 wo_a quantized at
+    build adds exactly its codes, scales and the change of wo_a's workspace: the BF16 default
+    reads the stack's own wo_a)."""
+    _, stack, base, _ = cpu_setup
+    plain = stack.decode_step(copy.deepcopy(base), max_rows=4)
+    fp8 = stack.decode_step(copy.deepcopy(base), max_rows=4, wo_a_fp8=True)
+    mem = plain.memory_bytes()
+    assert set(mem) == {"scratch", "scores", "selections", "streams", "tables", "layers"}
+    assert all(v > 0 for v in mem.values()), mem
+    assert mem["layers"] == sum(a.memory_bytes() for a in plain.layers.values())
+    for L, a in plain.layers.items():
+        assert a.wo_a_w.data_ptr() == a.w["attn.wo_a.weight"].data_ptr()   # the stack's BF16 weight
+        least = a.w_qkv.nbytes + a.s_qkv.nbytes + _plan_tensor_bytes(a.wo_a_plan)
+        least += sum(_plan_tensor_bytes(p) for p in a.mla_plans)
+        assert a.memory_bytes() >= least, L
+        b = fp8.layers[L]
+        added = b.wo_a_w.nbytes + b.wo_a_s.nbytes + _plan_tensor_bytes(b.wo_a_plan) - _plan_tensor_bytes(a.wo_a_plan)
+        assert b.memory_bytes() - a.memory_bytes() == added, L
+
+
 @interpreter
 def test_errors(cpu_setup):
     cfg, stack, base, _ = cpu_setup
