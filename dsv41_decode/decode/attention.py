@@ -232,12 +232,14 @@ class AttentionStep:
         rms_norm_pair_(qkv[:, :ql], self.w["attn.q_norm.weight"], s.qr[:B], s.qr_codes[:B], s.qr_scales[:B],
                        qkv[:, ql:], self.w["attn.kv_norm.weight"], kv, cfg.norm_eps)   # one launch
         qr_ready = lanes.mark()                               # protects qr codes
-        # 3. prepare: index query (aux 2), compressor + index key (aux 0), query + window (main)
+        # 3. prepare: index query (aux 2; its GEMM on main with indexer_first), compressor + index
+        #    key (aux 0), query + window (main)
         if spec.runs_indexer:
             iq_raw_ready = qr_ready
             if self.indexer_first:
-                # the index query's GEMM alone on the main stream before wq_b: the indexer chain
-                # (scores, top-k) is this layer's critical path; wq_b is read only by the sparse MLA
+                # the index query's GEMM alone on the main stream before wq_b (the scores and top-k
+                # are this layer's critical path); wq_b and the RoPE insert still come before the
+                # scores on the main stream, so the GEMM now sits in series ahead of them
                 self.mm_idx_wq_b(s.qr_codes[:B], s.qr_scales[:B], s.iq_raw[:B])
                 iq_raw_ready = lanes.mark()                   # protects iq_raw
             with lanes.side(AUX_INDEX_Q):

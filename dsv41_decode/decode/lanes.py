@@ -14,7 +14,7 @@ import torch
 
 AUX_COMPRESSOR = 0   # compressor kv_score, state update, latent, index key
 AUX_INDEX_W = 1      # indexer weights_proj; the next site's mHC mixer; candidate expansion
-AUX_INDEX_Q = 2      # indexer query; sparse-index table builds
+AUX_INDEX_Q = 2      # indexer query; sparse-index table builds; the torch window copy (window_copy_in_wo_a=False)
 
 
 class Lanes:

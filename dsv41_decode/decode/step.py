@@ -96,9 +96,10 @@ class DecodeStep:
     indexer_first: in the layers that run the indexer, launch the index query's GEMM (indexer.wq_b)
         on the main stream before wq_b instead of beside it on a side lane, so it runs with the
         whole GPU and the scoring and top-k chain (the critical path of those layers in the
-        timeline: the main stream waits for the top-k) starts sooner, while wq_b is only read by
-        the sparse MLA after the top-k. Same values. Off: measured 1 % slower at 1-16 rows, 32K
-        (docs/results/step-s7c-h200.txt; wq_b then starts later and the chain gains less).
+        timeline: the main stream waits for the top-k) starts sooner. Same values. Off: measured 1 %
+        slower at 1-16 rows, 32K (docs/results/step-s7c-h200.txt): wq_b and the RoPE insert, which
+        the main stream enqueues before the scores, start later, and the chain after the GEMM
+        (scores, top-k, tables) is most of the wait.
     """
 
     def __init__(self, stack, state: DecodeState, max_rows: int = 16, buckets: Sequence[int] | None = None,

@@ -23,6 +23,8 @@ SUPPORTED_HEADS = (8, 16, 32, 64)
 # (64 rows 206 us vs 237). 17-32 rows: 4 key splits, one wave of two programs per SM (32 rows x 2
 # head groups x 4 = 256 programs; 109 us vs 131 with the default 3 splits, which leave a second
 # wave; scripts/probe_sparse_mla.py at commit ba1d831, docs/results/sparse-mla-probe32-h200.txt).
+# Forced split counts were measured at 64 heads only: with fewer heads (tensor-parallel shards)
+# `for_step` leaves the splits to `build`'s rule.
 STEP_TILINGS = ((2, dict(block_h=16, block_keys=32, num_warps=4, separate_combine=True)),
                 (8, dict(block_h=16, num_warps=4, separate_combine=True)),
                 (16, dict(block_h=32, num_warps=4, separate_combine=True)),
@@ -87,6 +89,8 @@ class SparseMlaPlan:
             if lo >= max_rows:
                 break
             opts = dict(opts, block_h=min(opts["block_h"], max(16, heads)))
+            if heads != 64:
+                opts.pop("splits", None)
             plans.append(cls.build(min(hi, max_rows), heads, window, topk, device, **opts))
             lo = hi
         return plans

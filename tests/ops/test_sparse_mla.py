@@ -143,6 +143,8 @@ def test_step_tilings_cover_every_row_count():
     assert plans[3].split(32) == 2                     # 4 splits, clipped to the 2 key blocks here
     big = SparseMlaPlan.for_step(32, 64, 128, 512, "cpu")[-1]
     assert (big.max_rows, big.split(17), big.split(32)) == (32, 4, 4)
+    shard = SparseMlaPlan.for_step(32, 16, 128, 512, "cpu")[-1]   # TP4: the build rule, 1 head group
+    assert shard.split(32) == SparseMlaPlan.build(32, 16, 128, 512, "cpu", block_h=16, num_warps=4).split(32) == 5
     assert [p.max_rows for p in SparseMlaPlan.for_step(4, 8, 16, 16, "cpu")] == [2, 4]
     assert all(p.block_h == 16 for p in SparseMlaPlan.for_step(4, 8, 16, 16, "cpu"))   # 8 heads pad to 16
 
