@@ -16,6 +16,7 @@ import tempfile
 import torch
 
 from dsv41_decode.bench.step import _arm, _replay_us
+from dsv41_decode.bench.step_timeline import _kernels
 from dsv41_decode.config import ModelConfig
 from dsv41_decode.stack import AttentionStack
 from dsv41_decode.state import DecodeState
@@ -31,15 +32,14 @@ def kernel_times(graph: torch.cuda.CUDAGraph) -> tuple[dict[str, float], dict[st
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name)).get("traceEvents", [])
+        kernels = _kernels(json.load(open(f.name)))
     dur, cnt, per_stream = collections.Counter(), collections.Counter(), collections.Counter()
-    for e in events:
-        if e.get("cat") == "kernel" and "dur" in e:
-            name = e["name"].replace("void ", "").replace("(anonymous namespace)::", "")
-            name = name.split("(")[0].split("<")[0][:48]
-            dur[name] += e["dur"]
-            cnt[name] += 1
-            per_stream[e.get("args", {}).get("stream", e.get("tid"))] += e["dur"]
+    for e in kernels:
+        name = e["name"].replace("void ", "").replace("(anonymous namespace)::", "")
+        name = name.split("(")[0].split("<")[0][:48]
+        dur[name] += e["dur"]
+        cnt[name] += 1
+        per_stream[e.get("args", {}).get("stream", e.get("tid"))] += e["dur"]
     return dur, cnt, per_stream
 
 

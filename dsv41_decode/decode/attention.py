@@ -39,6 +39,13 @@ from .lanes import AUX_COMPRESSOR, AUX_INDEX_Q, AUX_INDEX_W, Lanes
 from .tables import StepMeta
 
 
+def storage_bytes(tensors, exclude: frozenset[int] | set[int] = frozenset()) -> int:
+    """Bytes of the distinct storages behind `tensors` (views count once), skipping the storages
+    whose data pointers are in `exclude`."""
+    found = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(n for ptr, n in found.items() if ptr not in exclude)
+
+
 class NotEligible(ValueError):
     """A layer's weights do not suit the specialized step (the message names the tensor)."""
 
@@ -341,21 +348,13 @@ class AttentionStep:
         compressor weights at ratio 2, a converted or quantized wo_a, the FP32 sink) and its kernels'
         plan workspaces (split-K partials and counters). Not the stack's weights (storages of
         `layer.w`), the state, or what the step shares between layers (scratch, tables, selections)."""
-        theirs = {t.untyped_storage().data_ptr() for t in self.w.values()}
-        mine: dict[int, int] = {}
-
-        def visit(v) -> None:
-            if isinstance(v, torch.Tensor):
-                storage = v.untyped_storage()
-                if storage.data_ptr() not in theirs:
-                    mine[storage.data_ptr()] = storage.nbytes()
-
+        found = []
         for name, v in vars(self).items():
             if name in self._SHARED:
                 continue
             for item in (v if isinstance(v, (list, tuple)) else (v,)):
-                visit(item)
+                found.append(item)
                 if type(item).__module__.startswith("dsv41_decode.ops") and hasattr(item, "__dict__"):
-                    for u in vars(item).values():   # a plan: its workspace, counters and tables
-                        visit(u)
-        return sum(mine.values())
+                    found += vars(item).values()   # a plan: its workspace, counters and tables
+        theirs = {t.untyped_storage().data_ptr() for t in self.w.values()}
+        return storage_bytes([t for t in found if isinstance(t, torch.Tensor)], theirs)

@@ -28,7 +28,7 @@ from ..ops import LOW_BATCH_MAX_ROWS
 from ..ops import pdl as pdl_launch
 from ..ops.allreduce_boundary import Mailbox
 from ..state import DecodeState
-from .attention import AttentionStep, IndexSelection, Scratch
+from .attention import AttentionStep, IndexSelection, Scratch, storage_bytes
 from .boundary import Boundary
 from .lanes import Lanes
 from .tables import StepMeta
@@ -278,15 +278,12 @@ class DecodeStep:
                 items = v if isinstance(v, (list, tuple)) else v.values() if isinstance(v, dict) else (v,)
                 out += [t for t in items if isinstance(t, torch.Tensor)]
             return out
-
-        def storages(ts) -> int:   # views (StepMeta's cos/sin per ratio) count once
-            return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in ts}.values())
         sel = [t for s in self.selections.values() for t in (s.topk, s.table, s.lengths)]
         return {"scratch": size(tensors(self.scratch)) - self.scratch.scores.numel() * 4,
                 "scores": self.scratch.scores.numel() * 4,
                 "selections": size(sel) + size(self.candidate_masks.values()),
                 "streams": size([self.x_in, self.x_out, self.pre_in, self.y]) + self.boundary.memory_bytes(),
-                "tables": storages(tensors(self.meta)),
+                "tables": storage_bytes(tensors(self.meta)),   # cos/sin per ratio are views
                 "layers": sum(layer.memory_bytes() for layer in self.layers.values())}
 
     def __repr__(self) -> str:
