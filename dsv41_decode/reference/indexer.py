@@ -33,11 +33,26 @@ def index_scores(iq: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch
     return weighted.float().sum(0).to(torch.bfloat16)
 
 
+def rank_descending(values: torch.Tensor) -> torch.Tensor:
+    """Indices of `values` [m] ordered by value, largest first; among equal values the higher index
+    first (the tie rule: the newer entry wins). int64 [m].
+
+    The order is total and explicit: a stable sort, descending, of the values read from the end
+    (index m - 1 first), so equal values keep that high-to-low index order. Equal means equal as
+    numbers: -0.0 is made +0.0 first (x + 0.0), so no sort implementation can order the two zeros.
+    Values must not be NaN.
+    """
+    m = values.shape[0]
+    order = torch.sort((values.float() + 0.0).flip(0), descending=True, stable=True).indices
+    return (m - 1) - order
+
+
 def candidate_mask(scores: torch.Tensor, block_size: int, topk_blocks: int) -> torch.Tensor:
     """The candidate source's pool: entries of the top `topk_blocks` blocks by block max.
 
     scores: [m] the row's scores over its m visible entries. The block holding the newest entry
-    (m - 1) is forced in; blocks whose max is -inf are never kept. Returns a bool mask [m].
+    (m - 1) is forced in; blocks whose max is -inf are never kept. At equal block maxima the higher
+    block wins (`rank_descending`). Returns a bool mask [m].
     """
     m = scores.shape[0]
     n_blocks = -(-m // block_size)
@@ -47,7 +62,7 @@ def candidate_mask(scores: torch.Tensor, block_size: int, topk_blocks: int) -> t
     if n_blocks:
         block[-1] = float("inf")
     k = min(topk_blocks, n_blocks)
-    top = torch.topk(block, k).indices
+    top = rank_descending(block)[:k]
     top = top[block[top] != float("-inf")]
     keep = torch.zeros(n_blocks, dtype=torch.bool, device=scores.device)
     keep[top] = True
@@ -55,13 +70,15 @@ def candidate_mask(scores: torch.Tensor, block_size: int, topk_blocks: int) -> t
 
 
 def topk_ascending(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices [k] (int64) of the k largest scores, sorted ascending; entries scored -inf become -1.
+    """Indices [k] (int64) of the k largest scores, sorted ascending; entries scored -inf become -1
+    (placed after the valid indices).
 
-    scores: [m] with k <= m. Ties between equal BF16 scores are broken arbitrarily (compare as sets).
+    scores: [m] with k <= m. At equal scores the higher index wins (`rank_descending`): of the
+    entries tied at the k-th largest score, those with the highest indices are taken.
     """
     if k == 0:
         return torch.zeros(0, dtype=torch.long, device=scores.device)
-    vals, idx = torch.topk(scores.float(), k)
-    idx = torch.where(vals == float("-inf"), torch.full_like(idx, -1), idx)
+    idx = rank_descending(scores)[:k]
+    idx = torch.where(scores[idx].float() == float("-inf"), torch.full_like(idx, -1), idx)
     idx, _ = torch.sort(idx)
     return torch.cat([idx[idx >= 0], idx[idx < 0]])

@@ -171,6 +171,76 @@ def test_candidate_mask_keeps_an_all_minus_inf_newest_block_and_no_other():
     assert mask.tolist() == [True] * 4 + [False] * 4 + [True] * 2
 
 
+# The tie rule (spec 3.7, "Ties"): at equal scores the higher index wins, for entries and blocks alike.
+
+def _ranks_brute(values: torch.Tensor) -> torch.Tensor:
+    """rank[i] = how many entries rank above i: a larger value, or an equal one at a higher index."""
+    v = values.double()
+    i = torch.arange(v.numel())
+    above = (v[None, :] > v[:, None]) | ((v[None, :] == v[:, None]) & (i[None, :] > i[:, None]))
+    return above.sum(1)
+
+
+def _topk_brute(scores: torch.Tensor, k: int) -> list[int]:
+    """The spec's top-k by definition: entries of rank < k, ascending, -inf ones as -1 at the end."""
+    sel = torch.nonzero(_ranks_brute(scores) < k).flatten()
+    finite = [int(j) for j in sel if float(scores[j]) != float("-inf")]
+    return finite + [-1] * (k - len(finite))
+
+
+def _candidates_brute(scores: torch.Tensor, bs: int, t: int) -> list[bool]:
+    m = scores.shape[0]
+    nb = -(-m // bs)
+    bmax = torch.tensor([max(float(scores[i]) for i in range(b * bs, min(m, (b + 1) * bs))) for b in range(nb)])
+    bmax[-1] = float("inf")
+    keep = (_ranks_brute(bmax) < t) & (bmax != float("-inf"))
+    return [bool(keep[j // bs]) for j in range(m)]
+
+
+def _few_values(gen: torch.Generator, m: int, values: list[float], neg_inf: float = 0.0) -> torch.Tensor:
+    """[m] BF16 scores drawn from `values` (hundreds of equal scores at any threshold), a fraction
+    `neg_inf` of them -inf."""
+    s = torch.tensor(values)[torch.randint(0, len(values), (m,), generator=gen)]
+    s[torch.rand(m, generator=gen) < neg_inf] = float("-inf")
+    return s.to(BF16)
+
+
+def test_topk_ascending_ties_go_to_the_higher_index():
+    s = torch.tensor([1.0, 3.0, 2.0, 3.0, 2.0, 2.0, 0.5], dtype=BF16)
+    assert topk_ascending(s, 3).tolist() == [1, 3, 5]              # 2.0 at 2, 4, 5: index 5 wins
+    assert topk_ascending(s, 4).tolist() == [1, 3, 4, 5]
+    z = torch.tensor([0.0, -0.0, 0.0, -0.0, -1.0], dtype=BF16)      # -0.0 == +0.0: a tie
+    assert topk_ascending(z, 2).tolist() == [2, 3]
+
+
+@pytest.mark.parametrize("m,k,neg_inf", [(600, 512, 0.0), (1000, 512, 0.3), (700, 40, 0.0), (300, 300, 0.5),
+                                         (50, 50, 0.9), (1, 1, 0.0)])
+def test_topk_ascending_against_brute_force(m, k, neg_inf):
+    g = _gen(46 + m + k)
+    for values in ([1.0, 0.5, -2.0], [3.0, 0.0, -0.0, 0.25, 1.0, -1.0, 2.0], [7.0]):
+        scores = _few_values(g, m, values, neg_inf)
+        idx = topk_ascending(scores, k)
+        assert idx.tolist() == _topk_brute(scores, k)
+        check_topk_invariants(idx, scores, min(k, int(torch.isfinite(scores.float()).sum())))
+
+
+def test_candidate_mask_ties_go_to_the_higher_block():
+    # blocks of 4: maxima 2, 2, 1, 2, [newest] -> with 3 kept: the newest, then blocks 3 and 1
+    s = torch.tensor([2.0, 0, 0, 0, 0, 2.0, 0, 0, 1.0, 0, 0, 0, 0, 0, 0, 2.0, 0, 0], dtype=BF16)
+    assert candidate_mask(s, 4, 3).tolist() == [False] * 4 + [True] * 4 + [False] * 4 + [True] * 6
+
+
+@pytest.mark.parametrize("m,bs,t,neg_inf", [(2000, 8, 60, 0.0), (2000, 8, 60, 0.8), (37, 4, 5, 0.3),
+                                            (64, 8, 8, 0.0), (63, 8, 100, 0.5), (1, 8, 3, 0.0)])
+def test_candidate_mask_against_brute_force(m, bs, t, neg_inf):
+    g = _gen(47 + m + t)
+    for values in ([1.0, 0.5, -2.0], [3.0, 0.0, -0.0, 0.25, 1.0, -1.0, 2.0]):
+        scores = _few_values(g, m, values, neg_inf)
+        mask = candidate_mask(scores, bs, t)
+        assert mask.tolist() == _candidates_brute(scores, bs, t)
+        _check_candidates(mask, scores, bs, t)
+
+
 # =========================================================================== attention (section 3.8)
 
 
