@@ -59,20 +59,21 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--batch", type=int, default=1, help="requests, all at the same positions (default: 1)")
     r.add_argument("--seed", type=int, default=0, help="seed of the weights, inputs and FFN stand-in (default: 0)")
 
-    b = sub.add_parser("bench", help="GPU benchmarks (results under docs/results/)")
+    b = sub.add_parser("bench", help="GPU benchmarks (results under out/ unless --out says otherwise)")
     bsub = b.add_subparsers(dest="bench_cmd", required=True)
     g = bsub.add_parser("gemm", help="every V4.1-Flash attention linear (and TP2/4/8 shards) at 1-64 rows: ours vs "
                         "the regular path, cuBLAS BF16 and torch._scaled_mm FP8, against the measured read floor",
                         description="Times by CUDA-graph replay with the weights rotated beyond L2 (median of 50), "
-                        "prints a table, writes docs/results/gemm-<gpu>.jsonl and a PNG of GB/s vs rows.")
+                        "prints a table, writes <out>/gemm-<gpu>.jsonl and a PNG of GB/s vs rows.")
     g.add_argument("--rows", default="1,2,4,8,16,32,64", help="row counts (default: 1,2,4,8,16,32,64)")
     g.add_argument("--ops", default="", help="only these ops, comma-separated (e.g. wq_b,wo_b; default: all)")
     g.add_argument("--tp", default="1,2,4,8", help="tensor-parallel shards to include (default: 1,2,4,8)")
-    g.add_argument("--out", type=Path, default=Path("docs/results"), help="results folder (default: docs/results)")
+    g.add_argument("--out", type=Path, default=Path("out"),
+                   help="results folder (default: out, git-ignored; canonical runs: docs/results)")
 
     at = bsub.add_parser("attn", help="the sparse-attention kernels (sparse MLA, indexer + top-k, record writes) "
                          "on synthetic state, against the reference on the GPU and FlashMLA's Hopper sparse decode",
-                         description="Times by CUDA-graph replay (median of 50); writes docs/results/attn-<gpu>.jsonl. "
+                         description="Times by CUDA-graph replay (median of 50); writes <out>/attn-<gpu>.jsonl. "
                          "FlashMLA is timed when the `flash_mla` package (sgl-flash-mla 1.0.0) imports.")
     at.add_argument("--rows", default="1,4,16,64", help="rows (default: 1,4,16,64)")
     at.add_argument("--heads", default="8,16,32,64", help="local heads of sparse MLA (default: 8,16,32,64)")
@@ -81,11 +82,12 @@ def _parser() -> argparse.ArgumentParser:
     at.add_argument("--families", default="sparse_mla,indexer,kv_write",
                     help="kernel families to run (default: sparse_mla,indexer,kv_write)")
     at.add_argument("--name", default="attn", help="results file stem: <out>/<name>-<gpu>.jsonl (default: attn)")
-    at.add_argument("--out", type=Path, default=Path("docs/results"), help="results folder (default: docs/results)")
+    at.add_argument("--out", type=Path, default=Path("out"),
+                    help="results folder (default: out, git-ignored; canonical runs: docs/results)")
 
     st = bsub.add_parser("step", help="the 40-layer V4.1-Flash decode step (random weights, synthetic state): "
                          "specialized step vs no overlap vs the generic path, per-layer-kind breakdown, timeline",
-                         description="Times by CUDA-graph replay (median of 20); writes docs/results/step-<gpu>.jsonl, "
+                         description="Times by CUDA-graph replay (median of 20); writes <out>/step-<gpu>.jsonl, "
                          "step-timeline-<gpu>.json (profiler trace) and step-timeline-<gpu>.png.")
     st.add_argument("--rows", default="1,2,4,8,16,32,64", help="row buckets (default: 1,2,4,8,16,32,64)")
     st.add_argument("--contexts", default="4096,32768,131072", help="contexts (default: 4096,32768,131072)")
@@ -99,7 +101,8 @@ def _parser() -> argparse.ArgumentParser:
                     "of no_overlap, pdl, wo_a_fp8, wo_a_tf32, indexer_bf16, l2pf_25, l2pf_50, window_copy_torch, "
                     "indexer_first "
                     "(bench.step.VARIANTS; default: no_overlap,wo_a_fp8,window_copy_torch)")
-    st.add_argument("--out", type=Path, default=Path("docs/results"), help="results folder (default: docs/results)")
+    st.add_argument("--out", type=Path, default=Path("out"),
+                    help="results folder (default: out, git-ignored; canonical runs: docs/results)")
 
     pt = sub.add_parser("plot", help="plot committed `bench step` results (JSON lines) as a PNG; no GPU needed")
     pt.add_argument("jsonl", type=Path, help="a results file, e.g. docs/results/step-h200.jsonl")

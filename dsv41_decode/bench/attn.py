@@ -109,7 +109,7 @@ def _reference_rows(q, win, wtab, comp, ctab, sink):
 
 
 def run_attn_bench(ops, rows=(1, 4, 16, 64), heads=(8, 16, 32, 64), contexts=(4096, 32768, 131072, 1 << 20),
-                   out_dir="docs/results", progress=print, families=("sparse_mla", "indexer", "kv_write"),
+                   out_dir="out", progress=print, families=("sparse_mla", "indexer", "kv_write"),
                    bench_name="attn") -> list[dict]:
     """Each kernel family at each size; families whose op is missing or fails are reported and skipped."""
     info = run_info()

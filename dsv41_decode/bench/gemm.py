@@ -109,7 +109,7 @@ def bench_shape(shape: Shape, m: int, ops, gen: torch.Generator) -> tuple[float,
     return times.pop("ours"), times
 
 
-def run_gemm_bench(ops, rows=ROWS, shapes: list[Shape] | None = None, out_dir="docs/results",
+def run_gemm_bench(ops, rows=ROWS, shapes: list[Shape] | None = None, out_dir="out",
                    progress=print) -> list[dict]:
     """Benchmark every shape at every row count; write JSON lines and a PNG; return the rows."""
     info = run_info()

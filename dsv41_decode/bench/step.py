@@ -97,7 +97,7 @@ VARIANTS = {
 DEFAULT_VARIANTS = ("no_overlap", "wo_a_fp8", "window_copy_torch")
 
 
-def run_step_bench(rows=ROWS, contexts=CONTEXTS, out_dir="docs/results", progress=print, generic_rows=(1, 8),
+def run_step_bench(rows=ROWS, contexts=CONTEXTS, out_dir="out", progress=print, generic_rows=(1, 8),
                    generic_contexts=(32768,), kinds_rows=(1, 8), timeline: bool = True,
                    bench_name: str = "step", extra_variants=DEFAULT_VARIANTS) -> list[dict]:
     """Every variant at every (context, rows); returns and writes the result rows.
