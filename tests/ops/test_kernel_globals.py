@@ -19,8 +19,14 @@ import types
 import pytest
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 import dsv41_decode.ops as ops_pkg
+
+# What @triton.jit returns: a JITFunction on a GPU, an InterpretedFunction under TRITON_INTERPRET=1.
+# The interpreter module is imported explicitly: on a GPU nothing else imports it, so it is not an
+# attribute of triton.runtime there.
+_JIT_TYPES = (triton.runtime.JITFunction, InterpretedFunction)
 
 
 def _jit_functions():
@@ -28,14 +34,13 @@ def _jit_functions():
         mod = importlib.import_module(f"dsv41_decode.ops.{info.name}")
         for name, obj in vars(mod).items():
             fn = getattr(obj, "fn", None)
-            if isinstance(obj, (triton.runtime.JITFunction, triton.runtime.interpreter.InterpretedFunction)) \
-                    and fn is not None and getattr(fn, "__module__", None) == mod.__name__:
+            if isinstance(obj, _JIT_TYPES) and fn is not None and getattr(fn, "__module__", None) == mod.__name__:
                 yield f"{info.name}.{name}", fn
 
 
 def _allowed(value) -> bool:
     return (isinstance(value, (tl.constexpr, types.ModuleType))
-            or isinstance(value, (triton.runtime.JITFunction, triton.runtime.interpreter.InterpretedFunction))
+            or isinstance(value, _JIT_TYPES)
             or getattr(value, "__module__", "").startswith("triton"))
 
 
