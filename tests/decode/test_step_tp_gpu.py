@@ -69,7 +69,6 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
         y2, p2 = fused(x, rows)
         assert torch.equal(y1, y2) and torch.equal(p1, p2), f"step {k}: fused != collective"
         assert tp.same_on_all_ranks(y2), f"step {k}: ranks differ"
-        print(f"rank {rank}: step {k} fused == collective", flush=True)
     # rank 1 stays alive but stops publishing: rank 0's next call names it after the bounded wait
     # (one bound per step: later boundaries skip the wait). A group whose boundary failed is not
     # reused: on the GPUs an NCCL barrier or teardown after the failure blocked (H200 x2, commit
@@ -89,7 +88,6 @@ def test_fused_boundary_equals_collective_on_two_gpus(tmp_path):
     out = tmp_path / "verdict.txt"
     mp.spawn(_rank, args=(2, str(tmp_path / "store"), str(out)), nprocs=2, join=True)
     verdict = out.read_text()          # absent if a rank failed before the stall (spawn raised then)
-    print("stalled rank:", verdict)
     assert "rank 1 of 2 did not publish" in verdict, verdict
 
 
@@ -112,7 +110,6 @@ def test_killed_rank_is_named_within_the_bound(tmp_path):
     out = tmp_path / "verdict.txt"
     mp.spawn(_killed, args=(2, str(tmp_path / "store"), str(out)), nprocs=2, join=True)
     verdict = out.read_text()
-    print("killed rank:", verdict)
     assert "rank 1 of 2 did not publish" in verdict, verdict
 
 
@@ -150,4 +147,5 @@ def _tp_vs_tp1(rank: int, world: int, store: str, out: str) -> None:
 def test_tp2_step_equals_tp1_over_64_steps(tmp_path):
     out = tmp_path / "errs.txt"
     mp.spawn(_tp_vs_tp1, args=(2, str(tmp_path / "store"), str(out)), nprocs=2, join=True)
-    print("TP2 vs TP1 relative RMS per step (streams, pre):", out.read_text().replace("\n", "; "))
+    # rank 0 writes its 64 per-step figures (streams, pre) after its own checks passed
+    assert len(out.read_text().splitlines()) == 64, out.read_text()
