@@ -1,6 +1,6 @@
 """dsv41_decode.formats against spec section 6, bit for bit.
 
-The expected codes come from an independent oracle (tests/format_oracle.py): the scale exponent from an exact
+The expected codes come from an independent oracle (tests/helpers.py): the scale exponent from an exact
 float64 product and frexp, and round-to-nearest-even by searching the sorted table of every
 representable value (ties to the even code), instead of the module's bit tricks and comparisons.
 """
@@ -14,7 +14,7 @@ import torch
 
 from dsv41_decode import formats as fm
 from dsv41_decode.records import pack_window_kv
-from format_oracle import (
+from helpers import (
     E4M3_GRID,
     E2M1_GRID,
     finite_e4m3_bytes,

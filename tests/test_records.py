@@ -10,7 +10,7 @@ import torch
 
 from dsv41_decode import formats as fm
 from dsv41_decode import records as rc
-from format_oracle import (
+from helpers import (
     raw_bits,
     varied,
 )
