@@ -1,8 +1,16 @@
-"""`dsv41-decode`: demo | trace verify | trace record | plan."""
+"""`dsv41-decode`: demo | trace verify | trace record | plan | plot | bench.
+
+Errors: a failure prints one line on stderr, `dsv41-decode <command>: error: <what>`, naming the
+option, value, file or tensor at fault, and exits 2 for a usage error (an option or value that
+cannot work, a missing input file) or 1 for a failure while running (a checkpoint that does not
+match its config, a capacity exceeded, a trace past the tolerances). `--debug` shows the traceback
+instead. CPU work runs on `runtime.cpu_threads()` threads (`--threads`, `OMP_NUM_THREADS`).
+"""
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -10,126 +18,228 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from . import __version__
 from .config import PRESETS, ConfigError, ModelConfig
 
 
-def _config_arg(p: argparse.ArgumentParser, default: str) -> None:
+class UsageError(Exception):
+    """A command line that cannot work as given (exit 2); the message names the option or value."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line usage errors (raised, so `main` prints them and returns 2)."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def _int_at_least(lo: int):
+    def parse(s: str) -> int:
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {s!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {v}")
+        return v
+    parse.__name__ = f"integer >= {lo}"
+    return parse
+
+
+def _int_list(lo: int):
+    """Comma-separated integers, each >= lo (at least one)."""
+    def parse(s: str) -> tuple[int, ...]:
+        try:
+            vals = tuple(int(v) for v in s.split(",") if v.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}") from None
+        if not vals:
+            raise argparse.ArgumentTypeError(f"expected at least one integer, got {s!r}")
+        bad = [v for v in vals if v < lo]
+        if bad:
+            raise argparse.ArgumentTypeError(f"expected integers >= {lo}, got {bad[0]} in {s!r}")
+        return vals
+    parse.__name__ = "list"
+    return parse
+
+
+def _name_list(known, allow_empty: bool = False):
+    """Comma-separated names out of `known`."""
+    def parse(s: str) -> tuple[str, ...]:
+        vals = tuple(v.strip() for v in s.split(",") if v.strip())
+        if not vals and not allow_empty:
+            raise argparse.ArgumentTypeError(f"expected at least one of {', '.join(known)}")
+        bad = [v for v in vals if v not in known]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown name {bad[0]!r}; choose from {', '.join(known)}")
+        return vals
+    parse.__name__ = "list"
+    return parse
+
+
+def _device(s: str) -> str:
+    head, _, idx = s.partition(":")
+    if head not in ("cpu", "cuda") or (idx and not (head == "cuda" and idx.isdigit())):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {s!r}")
+    return s
+
+
+def _common(p: argparse.ArgumentParser, threads: bool = False) -> None:
+    """Options every command takes: --debug, and --threads for the commands that run CPU work."""
+    p.add_argument("--debug", action="store_true", help="on an error, show the Python traceback")
+    if threads:
+        p.add_argument("--threads", type=_int_at_least(1), default=None,
+                       help="torch CPU threads (default: OMP_NUM_THREADS if set, else min(4, physical "
+                            "cores, idle cores))")
+
+
+def _config_arg(p: argparse.ArgumentParser, default: str | None, extra: str = "") -> None:
     p.add_argument("--config", default=default,
                    help=f"a preset ({', '.join(sorted(PRESETS))}) or a config.json (official or Hugging Face "
-                        f"keys) or a folder holding one (default: {default})")
+                        f"keys) or a folder holding one (default: {default or extra})")
+
+
+PLAN_LEGEND = """\
+legend:
+  kind      swa: sliding window only; full: a KV source (runs the compressor, owns compressed KV and index keys,
+            runs the indexer); full+cand: the KV source that also picks the candidate pool; reindex: its own
+            indexer over a source's entries (over the candidates when the source picks them); reuse: a source's
+            top-k as is
+  r=        compress ratio: tokens per compressed entry (0: no compressed attention)
+  kv_src=   the layer whose compressed KV and index keys this layer reads (None: window only)
+  idx_src=  the layer whose top-k selection this layer attends to (itself when it runs the indexer)"""
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="dsv41-decode", description="DeepSeek-V4.1 attention decode: reference, "
-                                 "golden traces and the CPU demo.")
-    sub = ap.add_subparsers(dest="cmd", required=True)
+    ap = _Parser(prog="dsv41-decode", description="DeepSeek-V4.1 attention decode: reference, "
+                 "golden traces and the CPU demo. Errors print one line on stderr (exit 2: usage, "
+                 "1: failure); --debug shows the traceback.")
+    ap.add_argument("--version", action="version", version=f"dsv41-decode {__version__}")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     d = sub.add_parser("demo", help="serve several requests (prefill, then decode steps with draft rows) "
-                       "through the reference stack on a synthetic checkpoint and check decode against prefill",
-                       description="Writes a synthetic checkpoint to a temporary folder, loads it, admits several "
-                       "requests of different lengths, prefills them, decodes with draft rows on some requests, "
-                       "then prefills each whole sequence at once and prints, per layer kind, how the decoded "
-                       "rows agree with the prefill and the time per step.")
-    _config_arg(d, "small")
-    d.add_argument("--device", default="cpu", help="torch device to run on, e.g. cpu or cuda (default: cpu)")
-    d.add_argument("--prompts", default="37,64,5,90", help="prompt length per request, comma-separated "
-                   "(default: 37,64,5,90)")
-    d.add_argument("--drafts", default="2,0,3,0", help="draft rows per decode step per request, comma-separated, "
-                   "one per prompt (default: 2,0,3,0)")
-    d.add_argument("--steps", type=int, default=6, help="decode steps (default: 6)")
+                       "through the reference stack and check decode against prefill",
+                       description="Writes a synthetic checkpoint to a temporary folder (or loads --checkpoint), "
+                       "admits several requests of different lengths, prefills them, decodes with draft rows on "
+                       "some requests, then prefills each whole sequence at once and prints, per layer kind, how "
+                       "the decoded rows agree with the prefill and the time per step. Exit 1 when they differ.")
+    _config_arg(d, None, "small; with --checkpoint: its config.json")
+    d.add_argument("--checkpoint", type=Path, help="a checkpoint folder (config.json and model.safetensors or "
+                   "shards with model.safetensors.index.json; README 'Checkpoints') instead of synthetic weights")
+    d.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N (default: cpu)")
+    d.add_argument("--prompts", type=_int_list(1), default=(37, 64, 5, 90),
+                   help="prompt length per request, comma-separated, each >= 1 (default: 37,64,5,90)")
+    d.add_argument("--drafts", type=_int_list(0), default=None, help="draft rows per decode step per request, "
+                   "comma-separated, one per prompt (default: 2,0,3,0 with the default prompts, else 0 each)")
+    d.add_argument("--steps", type=_int_at_least(1), default=6, help="decode steps (default: 6)")
     d.add_argument("--seed", type=int, default=0, help="seed of the synthetic weights and inputs (default: 0)")
-    d.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: N > 1 runs N gloo processes on "
-                   "the CPU, each with its shard of the heads (default: 1)")
+    d.add_argument("--tp", type=_int_at_least(1), default=1, help="tensor-parallel ranks: N > 1 runs N gloo "
+                   "processes on the CPU, each with its shard of the heads (default: 1)")
+    _common(d, threads=True)
 
     t = sub.add_parser("trace", help="golden traces: verify one, or record one from our own stack")
-    tsub = t.add_subparsers(dest="trace_cmd", required=True)
+    tsub = t.add_subparsers(dest="trace_cmd", required=True, metavar="ACTION")
     v = tsub.add_parser("verify", help="replay a trace folder teacher-forced, layer by layer; exit 1 past the "
                         "spec's tolerances", description="DIR holds config.json, model.safetensors and "
                         "trace.safetensors (the format of the README). Prints per call and layer: attn_out error "
                         "(BF16 ulps, relative RMS), quantized values not bit-exact, top-k agreement (equal / "
                         "equal up to tied scores / different), candidate rows that differ and the mHC boundary error.")
-    v.add_argument("dir", type=Path)
-    v.add_argument("--quiet", action="store_true", help="print only the summary line")
-    r = tsub.add_parser("record", help="record a trace folder from our own stack (same format)")
-    r.add_argument("out", type=Path, help="output folder (created)")
-    _config_arg(r, "tiny")
+    v.add_argument("dir", type=Path, help="the trace folder")
+    v.add_argument("--quiet", action="store_true", help="print only the summary line (PASS, or FAIL with the "
+                   "count of failures and the first one)")
+    _common(v, threads=True)
+    r = tsub.add_parser("record", help="record a trace folder from our own stack (same format)",
+                        description="Records into a temporary folder beside OUT and renames it to OUT at the end, "
+                        "so a failure leaves nothing behind. OUT must not exist or be empty, unless --force "
+                        "(which replaces it whole).")
+    r.add_argument("out", type=Path, help="output folder (created; refused if it holds files, unless --force)")
+    r.add_argument("--force", action="store_true", help="replace OUT even if it holds files (it is removed whole)")
+    _config_arg(r, None, "tiny; with --checkpoint: its config.json")
     r.add_argument("--checkpoint", type=Path, help="a checkpoint folder to use instead of synthetic weights")
-    r.add_argument("--prefill", type=int, default=40, help="prefill length (default: 40)")
-    r.add_argument("--decode", type=int, default=14, help="single-token decode calls after it (default: 14)")
-    r.add_argument("--batch", type=int, default=1, help="requests, all at the same positions (default: 1)")
+    r.add_argument("--prefill", type=_int_at_least(1), default=40, help="prefill length (default: 40)")
+    r.add_argument("--decode", type=_int_at_least(0), default=14,
+                   help="single-token decode calls after it (default: 14)")
+    r.add_argument("--batch", type=_int_at_least(1), default=1,
+                   help="requests, all at the same positions (default: 1)")
     r.add_argument("--seed", type=int, default=0, help="seed of the weights, inputs and FFN stand-in (default: 0)")
+    _common(r, threads=True)
 
-    b = sub.add_parser("bench", help="GPU benchmarks (results under out/ unless --out says otherwise)")
-    bsub = b.add_subparsers(dest="bench_cmd", required=True)
+    b = sub.add_parser("bench", help="GPU benchmarks (results under docs/results/)")
+    bsub = b.add_subparsers(dest="bench_cmd", required=True, metavar="BENCH")
+    rows = _int_list(1)
     g = bsub.add_parser("gemm", help="every V4.1-Flash attention linear (and TP2/4/8 shards) at 1-64 rows: ours vs "
                         "the regular path, cuBLAS BF16 and torch._scaled_mm FP8, against the measured read floor",
                         description="Times by CUDA-graph replay with the weights rotated beyond L2 (median of 50), "
-                        "prints a table, writes <out>/gemm-<gpu>.jsonl and a PNG of GB/s vs rows.")
-    g.add_argument("--rows", default="1,2,4,8,16,32,64", help="row counts (default: 1,2,4,8,16,32,64)")
+                        "prints a table, writes docs/results/gemm-<gpu>.jsonl and a PNG of GB/s vs rows.")
+    g.add_argument("--rows", type=rows, default=(1, 2, 4, 8, 16, 32, 64),
+                   help="row counts (default: 1,2,4,8,16,32,64)")
     g.add_argument("--ops", default="", help="only these ops, comma-separated (e.g. wq_b,wo_b; default: all)")
-    g.add_argument("--tp", default="1,2,4,8", help="tensor-parallel shards to include (default: 1,2,4,8)")
-    g.add_argument("--out", type=Path, default=Path("out"),
-                   help="results folder (default: out, git-ignored; canonical runs: docs/results)")
+    g.add_argument("--tp", type=_int_list(1), default=(1, 2, 4, 8),
+                   help="tensor-parallel shards to include (default: 1,2,4,8)")
+    g.add_argument("--out", type=Path, default=Path("docs/results"), help="results folder (default: docs/results)")
+    _common(g)
 
     at = bsub.add_parser("attn", help="the sparse-attention kernels (sparse MLA, indexer + top-k, record writes) "
                          "on synthetic state, against the reference on the GPU and FlashMLA's Hopper sparse decode",
-                         description="Times by CUDA-graph replay (median of 50); writes <out>/attn-<gpu>.jsonl. "
+                         description="Times by CUDA-graph replay (median of 50); writes docs/results/attn-<gpu>.jsonl. "
                          "FlashMLA is timed when the `flash_mla` package (sgl-flash-mla 1.0.0) imports.")
-    at.add_argument("--rows", default="1,4,16,64", help="rows (default: 1,4,16,64)")
-    at.add_argument("--heads", default="8,16,32,64", help="local heads of sparse MLA (default: 8,16,32,64)")
-    at.add_argument("--contexts", default="4096,32768,131072,1048576", help="contexts of the indexer "
-                    "(default: 4096,32768,131072,1048576)")
-    at.add_argument("--families", default="sparse_mla,indexer,kv_write",
+    at.add_argument("--rows", type=rows, default=(1, 4, 16, 64), help="rows (default: 1,4,16,64)")
+    at.add_argument("--heads", type=rows, default=(8, 16, 32, 64),
+                    help="local heads of sparse MLA (default: 8,16,32,64)")
+    at.add_argument("--contexts", type=rows, default=(4096, 32768, 131072, 1048576),
+                    help="contexts of the indexer (default: 4096,32768,131072,1048576)")
+    at.add_argument("--families", type=_name_list(("sparse_mla", "indexer", "kv_write")),
+                    default=("sparse_mla", "indexer", "kv_write"),
                     help="kernel families to run (default: sparse_mla,indexer,kv_write)")
     at.add_argument("--name", default="attn", help="results file stem: <out>/<name>-<gpu>.jsonl (default: attn)")
-    at.add_argument("--out", type=Path, default=Path("out"),
-                    help="results folder (default: out, git-ignored; canonical runs: docs/results)")
+    at.add_argument("--out", type=Path, default=Path("docs/results"), help="results folder (default: docs/results)")
+    _common(at)
 
     st = bsub.add_parser("step", help="the 40-layer V4.1-Flash decode step (random weights, synthetic state): "
                          "specialized step vs no overlap vs the generic path, per-layer-kind breakdown, timeline",
-                         description="Times by CUDA-graph replay (median of 20); writes <out>/step-<gpu>.jsonl, "
+                         description="Times by CUDA-graph replay (median of 20); writes docs/results/step-<gpu>.jsonl, "
                          "step-timeline-<gpu>.json (profiler trace) and step-timeline-<gpu>.png.")
-    st.add_argument("--rows", default="1,2,4,8,16,32,64", help="row buckets (default: 1,2,4,8,16,32,64)")
-    st.add_argument("--contexts", default="4096,32768,131072", help="contexts (default: 4096,32768,131072)")
-    st.add_argument("--generic-rows", default="1,8", help="rows at which the generic path is timed (default: 1,8)")
-    st.add_argument("--generic-contexts", default="32768", help="contexts of the generic path, the layer "
-                    "breakdown and the timeline (default: 32768)")
-    st.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs: N > 1 runs the TP step (collective "
-                    "vs fused boundary) and the boundary alone; launch with torchrun --nproc-per-node N (default: 1)")
+    st.add_argument("--rows", type=rows, default=(1, 2, 4, 8, 16, 32, 64),
+                    help="row buckets (default: 1,2,4,8,16,32,64)")
+    st.add_argument("--contexts", type=rows, default=(4096, 32768, 131072),
+                    help="contexts (default: 4096,32768,131072)")
+    st.add_argument("--generic-rows", type=rows, default=(1, 8),
+                    help="rows at which the generic path is timed (default: 1,8)")
+    st.add_argument("--generic-contexts", type=rows, default=(32768,), help="contexts of the generic path, the "
+                    "layer breakdown and the timeline (default: 32768)")
+    st.add_argument("--tp", type=_int_at_least(1), default=1, help="tensor-parallel GPUs: N > 1 runs the TP step "
+                    "(collective vs fused boundary) and the boundary alone; launch with torchrun --nproc-per-node N "
+                    "(default: 1)")
     st.add_argument("--name", default="step", help="results file stem (default: step)")
     st.add_argument("--variants", default=None, help="step variants timed next to the default one, comma-separated "
                     "of no_overlap, pdl, wo_a_fp8, wo_a_tf32, indexer_bf16, l2pf_25, l2pf_50, window_copy_torch, "
                     "indexer_first "
                     "(bench.step.VARIANTS; default: no_overlap,wo_a_fp8,window_copy_torch)")
-    st.add_argument("--out", type=Path, default=Path("out"),
-                    help="results folder (default: out, git-ignored; canonical runs: docs/results)")
+    st.add_argument("--out", type=Path, default=Path("docs/results"), help="results folder (default: docs/results)")
+    _common(st)
 
-    pt = sub.add_parser("plot", help="plot committed `bench step` results (JSON lines) as a PNG; no GPU needed")
+    pt = sub.add_parser("plot", help="plot committed bench results (JSON lines of bench gemm, attn or step) as a "
+                        "PNG; no GPU needed", description="Redraws the PNG that the bench wrote, from its JSON "
+                        "lines: bench gemm (GB/s vs rows per op and TP shard), bench attn (sparse MLA time, indexer "
+                        "GB/s, top-k time), bench step (step time vs rows per context; with --tp N the boundary too). "
+                        "The bench is read from each line's `bench` field.")
     pt.add_argument("jsonl", type=Path, help="a results file, e.g. docs/results/step-h200.jsonl")
     pt.add_argument("--out", type=Path, help="the PNG (default: the results file with .png)")
+    _common(pt)
 
-    pl = sub.add_parser("plan", help="print a configuration's layer plan (kind and sources per layer)")
+    pl = sub.add_parser("plan", help="print a configuration's layer plan (kind and sources per layer)",
+                        description="One line per layer: index, kind, r=, kv_src=, idx_src= (legend printed below).")
     _config_arg(pl, "v41-flash")
+    _common(pl)
     return ap
-
-
-def _ints(s: str, what: str) -> tuple[int, ...]:
-    try:
-        vals = tuple(int(v) for v in s.split(",") if v.strip())
-    except ValueError:
-        raise SystemExit(f"--{what}: expected comma-separated integers, got {s!r}") from None
-    if not vals or min(vals) < 0:
-        raise SystemExit(f"--{what}: expected non-negative integers, got {s!r}")
-    return vals
 
 
 def _verify(args, console: Console) -> int:
     from .testing.trace import verify_trace
     for f in ("config.json", "model.safetensors", "trace.safetensors"):
         if not (args.dir / f).exists():
-            console.print(f"[red]{args.dir}: missing {f}[/red]")
-            return 2
-    results = verify_trace(args.dir, progress=console.is_terminal)
+            raise UsageError(f"{args.dir}: not a trace folder: missing {f}")
+    results = verify_trace(args.dir, progress=not args.quiet)
     table = Table(title=f"trace verify {args.dir}", caption="out: attn_out (BF16 ulps, relative RMS); quant!=: "
                   "quantized values (window, compressed KV, index keys) not bit-exact; top-k: rows with equal sets "
                   "(+ rows equal only up to tied scores, x rows that differ); cand!=: candidate rows that differ; "
@@ -151,8 +261,13 @@ def _verify(args, console: Console) -> int:
     ties = sum(r.topk.get("tie", 0) for r in results)
     calls = len({r.call for r in results})
     if bad:
-        for call, layer, f in bad:
-            console.print(f"[red]FAIL {call} layer {layer}: {f}[/red]")
+        if not args.quiet:
+            for call, layer, f in bad:
+                console.print(f"[red]FAIL {call} layer {layer}: {f}[/red]")
+        call, layer, f = bad[0]
+        console.print(f"[red]FAIL[/red] {len(bad)} failure(s) in {len({(c, L) for c, L, _ in bad})} of "
+                      f"{len(results)} call-layers ({calls} calls x {len({r.layer for r in results})} layers); "
+                      f"first: {call} layer {layer}: {f}")
         return 1
     console.print(f"[green]PASS[/green] {calls} calls x {len({r.layer for r in results})} layers; "
                   f"max attn_out error {max(r.attn_out_ulp for r in results):g} ulp; "
@@ -160,20 +275,74 @@ def _verify(args, console: Console) -> int:
     return 0
 
 
-def _record(args, console: Console) -> int:
-    from rich.progress import Progress
-    from .testing.record import record_trace
+def _config(args, default: str) -> ModelConfig:
+    """The configuration of --config, else of --checkpoint's config.json, else the preset `default`."""
+    if args.config is not None:
+        return ModelConfig.load(args.config)
+    if args.checkpoint is not None:
+        return ModelConfig.from_json(args.checkpoint)
+    return ModelConfig.preset(default)
+
+
+def _checkpoint_dir(args) -> Path | None:
+    """--checkpoint, checked to be a folder with a config.json (or --config given)."""
+    ck = args.checkpoint
+    if ck is None:
+        return None
+    if not ck.is_dir():
+        raise UsageError(f"--checkpoint {ck}: no such folder")
+    if args.config is None and not (ck / "config.json").is_file():
+        raise UsageError(f"--checkpoint {ck}: no config.json in it (or give --config)")
+    return ck
+
+
+def _load(args, cfg: ModelConfig, tmp: str, device: str = "cpu", seed: int = 0):
+    """The checkpoint of --checkpoint (with --config's configuration if given), or a synthetic one of
+    `cfg` written to `tmp`."""
     from .weights import load_checkpoint, write_synthetic_checkpoint
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.checkpoint is None:
-            write_synthetic_checkpoint(ModelConfig.load(args.config), tmp, seed=args.seed)
-        ckpt = load_checkpoint(args.checkpoint or tmp)
-    n = (1 + args.decode) * len(ckpt.layers)
-    with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("recording", total=n)
-        record_trace(ckpt, args.out, args.prefill, args.decode, args.batch, args.seed,
-                     progress=lambda: progress.advance(task))
-    console.print(f"wrote {args.out}/config.json, model.safetensors, trace.safetensors "
+    ck = _checkpoint_dir(args)
+    if ck is None:
+        write_synthetic_checkpoint(cfg, tmp, seed=seed)
+        return load_checkpoint(tmp, device=device)
+    return load_checkpoint(ck, device=device, config=cfg if args.config is not None else None)
+
+
+def _record(args, console: Console) -> int:
+    from .runtime import Steps
+    from .testing.record import record_trace
+    out = args.out
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{out}: exists and is not a folder")
+    if out.is_dir() and any(out.iterdir()) and not args.force:
+        held = sorted(p.name for p in out.iterdir())
+        raise UsageError(f"{out}: folder is not empty ({len(held)} entries: {', '.join(held[:4])}"
+                         f"{', ...' if len(held) > 4 else ''}); choose another OUT, or --force to replace it")
+    if not out.parent.is_dir():
+        raise UsageError(f"{out}: its parent folder {out.parent} does not exist")
+    _checkpoint_dir(args)
+    cfg = _config(args, "tiny")
+    # record beside OUT, then rename: a failure or an interrupt leaves OUT as it was
+    part = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            ckpt = _load(args, cfg, tmp, seed=args.seed)
+        n_layers = len(ckpt.layers)
+        calls = ["prefill"] + [f"decode{i:02d}" for i in range(args.decode)]
+        with Steps("trace record: call", len(calls), Console(stderr=True)) as steps:
+            done = [0]
+
+            def layer_done() -> None:
+                done[0] += 1
+                if done[0] % n_layers == 0:
+                    steps.advance(calls[done[0] // n_layers - 1])
+            record_trace(ckpt, part, args.prefill, args.decode, args.batch, args.seed, progress=layer_done)
+        if out.exists():
+            shutil.rmtree(out)
+        part.rename(out)
+    except BaseException:
+        shutil.rmtree(part, ignore_errors=True)
+        raise
+    console.print(f"wrote {out}/config.json, model.safetensors, trace.safetensors "
                   f"(prefill {args.prefill}, {args.decode} decode calls, batch {args.batch})")
     return 0
 
@@ -181,81 +350,148 @@ def _record(args, console: Console) -> int:
 def _bench(args, console: Console) -> int:
     import torch
     if not torch.cuda.is_available():
-        console.print("[red]bench needs a CUDA GPU; none is visible[/red]")
-        return 2
+        raise UsageError(f"bench {args.bench_cmd} needs a CUDA GPU; none is visible (torch {torch.__version__})")
     if args.bench_cmd == "attn":
         from .bench.attn import run_attn_bench
         from .bench.attn_ops import AttnOps
-        run_attn_bench(AttnOps(), _ints(args.rows, "rows"), _ints(args.heads, "heads"),
-                       _ints(args.contexts, "contexts"), args.out, progress=console.print,
-                       families=tuple(args.families.split(",")), bench_name=args.name)
+        run_attn_bench(AttnOps(), args.rows, args.heads, args.contexts, args.out, progress=console.print,
+                       families=args.families, bench_name=args.name)
         return 0
     if args.bench_cmd == "step" and args.tp > 1:
         from .bench.step_tp import run_step_bench_tp
-        run_step_bench_tp(args.tp, _ints(args.rows, "rows"), _ints(args.generic_contexts, "contexts"), args.out,
-                          console.print)
+        run_step_bench_tp(args.tp, args.rows, args.generic_contexts, args.out, console.print)
         return 0
     if args.bench_cmd == "step":
-        from .bench.step import DEFAULT_VARIANTS, run_step_bench
+        from .bench.step import DEFAULT_VARIANTS, VARIANTS, run_step_bench
         variants = DEFAULT_VARIANTS if args.variants is None else tuple(v for v in args.variants.split(",") if v)
-        run_step_bench(_ints(args.rows, "rows"), _ints(args.contexts, "contexts"), args.out, console.print,
-                       _ints(args.generic_rows, "generic rows"), _ints(args.generic_contexts, "generic contexts"),
-                       bench_name=args.name, extra_variants=variants)
+        bad = [v for v in variants if v not in VARIANTS]
+        if bad:
+            raise UsageError(f"--variants: unknown variant {bad[0]!r}; choose from {', '.join(VARIANTS)}")
+        run_step_bench(args.rows, args.contexts, args.out, console.print, args.generic_rows,
+                       args.generic_contexts, bench_name=args.name, extra_variants=variants)
         return 0
     from .bench.gemm import flash_shapes, run_gemm_bench
     from .bench.gemm_ops import GemmOps
-    tps = _ints(args.tp, "tp")
     ops = {o for o in args.ops.split(",") if o}
-    shapes = [s for s in flash_shapes(tps) if not ops or s.name in ops]
-    if not shapes:
-        raise SystemExit(f"--ops: no shape named {sorted(ops)}")
-    run_gemm_bench(GemmOps(), _ints(args.rows, "rows"), shapes, args.out, progress=console.print)
+    shapes = flash_shapes(args.tp)
+    bad = sorted(ops - {s.name for s in shapes})
+    if bad:
+        raise UsageError(f"--ops: no shape named {bad[0]!r}; choose from "
+                         f"{', '.join(sorted({s.name for s in shapes}))}")
+    shapes = [s for s in shapes if not ops or s.name in ops]
+    run_gemm_bench(GemmOps(), args.rows, shapes, args.out, progress=console.print)
     return 0
 
 
+def _demo(args, console: Console) -> int:
+    from .demo import DemoPlan, run_demo
+    prompts = args.prompts
+    drafts = args.drafts if args.drafts is not None else \
+        ((2, 0, 3, 0) if prompts == (37, 64, 5, 90) else (0,) * len(prompts))
+    if len(prompts) != len(drafts):
+        raise UsageError(f"--drafts: needs one entry per --prompts entry ({len(prompts)}), got {len(drafts)}")
+    if args.device != "cpu":
+        import torch
+        if not torch.cuda.is_available():
+            why = "a CPU-only build" if torch.version.cuda is None else "no GPU is visible"
+            raise UsageError(f"--device {args.device}: CUDA is not available (torch {torch.__version__}: {why})")
+        idx = args.device.partition(":")[2]
+        if idx and int(idx) >= torch.cuda.device_count():
+            raise UsageError(f"--device {args.device}: only {torch.cuda.device_count()} GPU(s) visible")
+    ck = _checkpoint_dir(args)
+    cfg, plan = _config(args, "small"), DemoPlan(prompts, drafts, args.steps, args.seed)
+    if args.tp > 1:
+        from .demo import run_demo_tp
+        if args.device != "cpu":
+            raise UsageError("--tp: runs gloo processes on the CPU; drop --device")
+        cfg.check_tp(args.tp)
+        return 0 if run_demo_tp(cfg, plan, args.tp, console, checkpoint=ck) else 1
+    stats = run_demo(cfg, plan, args.device, console, checkpoint=ck)
+    return 0 if all(s.bitwise == s.rows for s in stats.values()) else 1
+
+
+def _plot(args, console: Console) -> int:
+    from .bench.results import plot_results
+    from .bench.step_plot import load_jsonl
+    if not args.jsonl.is_file():
+        raise UsageError(f"{args.jsonl}: no such results file")
+    try:
+        out = plot_results(load_jsonl(args.jsonl), args.out or args.jsonl.with_suffix(".png"))
+    except ValueError as e:
+        raise UsageError(f"{args.jsonl}: {e}") from None
+    console.print(f"wrote {out}")
+    return 0
+
+
+def _run(args, console: Console) -> int:
+    if args.cmd == "demo":
+        return _demo(args, console)
+    if args.cmd == "trace":
+        return _verify(args, console) if args.trace_cmd == "verify" else _record(args, console)
+    if args.cmd == "bench":
+        return _bench(args, console)
+    if args.cmd == "plot":
+        return _plot(args, console)
+    cfg = ModelConfig.load(args.config)   # plan
+    console.print(cfg.plan.summary())
+    console.print(PLAN_LEGEND, highlight=False)
+    return 0
+
+
+# Errors whose message already says what is wrong: printed as they are (others get their type name).
+def _domain_errors() -> tuple[type, ...]:
+    from .state import CapacityError
+    from .weights import CheckpointError
+    return (CheckpointError, CapacityError, ValueError, KeyError, OSError)
+
+
+def _one_line(e: BaseException) -> str:
+    msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+    msg = " ".join(str(msg).split())
+    return msg or type(e).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    """Run the command line `argv` (default: sys.argv[1:]); returns the exit status (0, 1 or 2)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = _parser().parse_args(argv)
+    except UsageError as e:
+        print(f"dsv41-decode: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    prog = "dsv41-decode " + " ".join(a for a in (args.cmd, getattr(args, "trace_cmd", None),
+                                                   getattr(args, "bench_cmd", None)) if a)
     # a pipe or a CI log gets a fixed width wide enough for the tables
     console = Console(width=None if sys.stdout.isatty() else 140)
+    threads = None
     try:
-        if args.cmd == "demo":
-            from .demo import DemoPlan, run_demo
-            prompts, drafts = _ints(args.prompts, "prompts"), _ints(args.drafts, "drafts")
-            if len(prompts) != len(drafts):
-                raise SystemExit(f"--drafts needs one entry per prompt ({len(prompts)}), got {len(drafts)}")
-            if min(prompts) < 1:
-                raise SystemExit("--prompts: every prompt needs at least one token")
-            cfg, plan = ModelConfig.load(args.config), DemoPlan(prompts, drafts, args.steps, args.seed)
-            if args.tp > 1:
-                from .demo import run_demo_tp
-                if args.device != "cpu":
-                    raise SystemExit("--tp runs gloo processes on the CPU; drop --device")
-                cfg.check_tp(args.tp)
-                return 0 if run_demo_tp(cfg, plan, args.tp, console) else 1
-            stats = run_demo(cfg, plan, args.device, console)
-            return 0 if all(s.bitwise == s.rows for s in stats.values()) else 1
-        if args.cmd == "trace":
-            return _verify(args, console) if args.trace_cmd == "verify" else _record(args, console)
-        if args.cmd == "bench":
-            return _bench(args, console)
-        if args.cmd == "plot":
-            from .bench.step_plot import load_jsonl, plot_step
-            if not args.jsonl.is_file():
-                raise SystemExit(f"plot: no results file {args.jsonl}")
-            try:
-                out = plot_step(load_jsonl(args.jsonl), args.out or args.jsonl.with_suffix(".png"))
-            except ValueError as e:
-                raise SystemExit(f"plot: {e}") from None
-            console.print(f"wrote {out}")
-            return 0
-        if args.cmd == "plan":
-            cfg = ModelConfig.load(args.config)
-            console.print(cfg.plan.summary())
-            return 0
-    except ConfigError as e:
-        console.print(f"[red]config error: {e}[/red]")
+        if hasattr(args, "threads"):
+            import torch
+            from .runtime import cpu_threads
+            n, why = cpu_threads(args.threads)
+            threads = torch.get_num_threads()
+            torch.set_num_threads(n)
+            if args.debug:
+                print(f"{prog}: {n} CPU thread(s) ({why})", file=sys.stderr)
+        return _run(args, console)
+    except (UsageError, ConfigError) as e:
+        if args.debug:
+            raise
+        print(f"{prog}: error: {_one_line(e)}", file=sys.stderr)
         return 2
-    return 2
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if args.debug:
+            raise
+        what = _one_line(e) if isinstance(e, _domain_errors()) else f"{type(e).__name__}: {_one_line(e)} (--debug shows the traceback)"
+        print(f"{prog}: error: {what}", file=sys.stderr)
+        return 1
+    finally:
+        if threads is not None:
+            import torch
+            torch.set_num_threads(threads)
 
 
 if __name__ == "__main__":

@@ -13,15 +13,16 @@ import tempfile
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.progress import Progress
 from rich.table import Table
 
 from .config import ModelConfig
 from .layer import CallContext
 from .parallel import TensorParallel
+from .runtime import Steps
 from .stack import AttentionStack
 from .state import DecodeState
 from .testing.compare import ulp_distance
@@ -48,7 +49,10 @@ class KindStats:
     prefill_s: float = 0.0
 
 
-def _run(stack, state, calls, embed, stats, progress, task):
+_PHASE = {None: "prefill", "decode_s": "decode step", "prefill_s": "whole-sequence prefill"}
+
+
+def _run(stack, state, calls, embed, stats, progress):
     """Run `calls` ((phase, [(req_id, start, count)]) pairs; the time of each layer kind is added to
     `stats[kind].<phase>` unless phase is None); return {(layer, req, pos): (attn_out, topk)}."""
     cfg = stack.cfg
@@ -72,16 +76,18 @@ def _run(stack, state, calls, embed, stats, progress, task):
             last[0] = time.perf_counter()
 
         stack.forward(x, step, state, ctx=ctx, observe=observe)
-        progress.advance(task)
+        progress.advance(f"{_PHASE[phase]}, {len(call)} request(s), {len(keys)} rows")
     return out
 
 
 def run_demo(cfg: ModelConfig, plan: DemoPlan, device: str = "cpu", console: Console | None = None,
-             tp: TensorParallel | None = None) -> dict:
+             tp: TensorParallel | None = None, checkpoint: str | Path | None = None) -> dict:
     """Run the demo and print its table (rank 0 under tensor parallelism); returns the per-kind figures.
 
     tp: this process's rank of a tensor-parallel group: every rank runs the demo on its shard of
     the heads and groups, and the table adds whether every rank holds the same outputs.
+    checkpoint: a checkpoint folder to load (its configuration must be `cfg`'s plan) instead of
+    writing a synthetic one of `cfg`. Progress: a line per call on stderr when it is not a terminal.
     """
     tp = tp or TensorParallel()
     console = console or Console(quiet=tp.rank != 0)
@@ -91,9 +97,12 @@ def run_demo(cfg: ModelConfig, plan: DemoPlan, device: str = "cpu", console: Con
     total = {r: p + plan.steps * (1 + d) for r, p, d in zip(reqs, plan.prompts, plan.drafts)}
     g = torch.Generator().manual_seed(plan.seed)
     embed = {r: torch.randn(total[r], cfg.dim, generator=g).to(torch.bfloat16) for r in reqs}
-    with tempfile.TemporaryDirectory() as tmp:
-        write_synthetic_checkpoint(cfg, tmp, seed=plan.seed)
-        ckpt = load_checkpoint(tmp, device=device)
+    if checkpoint is not None:
+        ckpt = load_checkpoint(checkpoint, device=device, config=cfg)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            write_synthetic_checkpoint(cfg, tmp, seed=plan.seed)
+            ckpt = load_checkpoint(tmp, device=device)
     stack = AttentionStack(ckpt, tp=tp)
     stats: dict[str, KindStats] = defaultdict(KindStats)
     for s in cfg.plan:
@@ -109,10 +118,10 @@ def run_demo(cfg: ModelConfig, plan: DemoPlan, device: str = "cpu", console: Con
     serve += [("decode_s", [(r, plan.prompts[i] + k * (1 + d), 1 + d)
                             for i, (r, d) in enumerate(zip(reqs, plan.drafts))]) for k in range(plan.steps)]
     oneshot = [("prefill_s", [(r, 0, total[r])]) for r in reqs]
-    with Progress(console=console, transient=True, disable=tp.rank != 0) as progress:
-        task = progress.add_task("demo: serve, then prefill each request", total=len(serve) + len(oneshot))
-        a = _run(stack, new_state(), serve, embed, stats, progress, task)
-        b = _run(stack, new_state(), oneshot, embed, stats, progress, task)
+    with Steps("demo: call", len(serve) + len(oneshot),
+               Console(stderr=True), quiet=tp.rank != 0) as progress:
+        a = _run(stack, new_state(), serve, embed, stats, progress)
+        b = _run(stack, new_state(), oneshot, embed, stats, progress)
     decoded = {(i, r, p) for (i, r, p) in a if p >= plan.prompts[reqs.index(r)]}
     for key in sorted(decoded, key=str):
         st = stats[cfg.plan[key[0]].label]
@@ -129,7 +138,7 @@ def run_demo(cfg: ModelConfig, plan: DemoPlan, device: str = "cpu", console: Con
 
 
 def _print(console, cfg, plan, stats, n_tokens, tp: TensorParallel, ranks_same: bool) -> None:
-    where = f", tp={tp.tp} (gloo processes)" if tp.tp > 1 else ""
+    where = f", tp={tp.tp} (gloo processes)" if tp.tp > 1 else f", {torch.get_num_threads()} CPU thread(s)"
     t = Table(title=f"decode vs prefill, {len(cfg.plan)} layers, {len(plan.prompts)} requests, "
                     f"{plan.steps} steps (drafts {list(plan.drafts)}){where}")
     for col in ("layer kind", "layers", "decoded rows", "bitwise equal", "max ulp", "top-k sets equal",
@@ -152,14 +161,16 @@ def _print(console, cfg, plan, stats, n_tokens, tp: TensorParallel, ranks_same: 
                       f"[red]the {tp.tp} ranks' outputs differ[/red]")
 
 
-def run_demo_tp(cfg: ModelConfig, plan: DemoPlan, tp: int, console: Console) -> bool:
+def run_demo_tp(cfg: ModelConfig, plan: DemoPlan, tp: int, console: Console,
+                checkpoint: str | Path | None = None) -> bool:
     """Run the demo on `tp` gloo processes of this machine (CPU); True when decode equals prefill on
     every rank and the ranks agree. Rank 0 prints."""
     import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.get_context("spawn")
         results = ctx.Queue()
-        procs = [ctx.Process(target=_demo_rank, args=(r, tp, cfg, plan, f"{tmp}/store", results, console.width))
+        procs = [ctx.Process(target=_demo_rank, args=(r, tp, cfg, plan, f"{tmp}/store", results, console.width,
+                                                         checkpoint))
                  for r in range(tp)]
         for p in procs:
             p.start()
@@ -169,14 +180,14 @@ def run_demo_tp(cfg: ModelConfig, plan: DemoPlan, tp: int, console: Console) -> 
     return all(oks) and all(p.exitcode == 0 for p in procs)
 
 
-def _demo_rank(rank, world, cfg, plan, store, results, width) -> None:
+def _demo_rank(rank, world, cfg, plan, store, results, width, checkpoint=None) -> None:
     import torch.distributed as dist
     ok = False
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
         tp = TensorParallel(world, rank)
-        stats = run_demo(cfg, plan, "cpu", Console(width=width, quiet=rank != 0), tp)
+        stats = run_demo(cfg, plan, "cpu", Console(width=width, quiet=rank != 0), tp, checkpoint)
         ok = all(s.bitwise == s.rows for s in stats.values())
         dist.destroy_process_group()
     finally:

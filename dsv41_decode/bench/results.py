@@ -57,3 +57,38 @@ def format_table(rows: list[dict], case_keys: list[str]) -> str:
     widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(head)]
     fmt = "  ".join(f"{{:>{w}}}" for w in widths)
     return "\n".join([fmt.format(*head)] + [fmt.format(*l) for l in lines])
+
+
+PLOTTED = {"gemm": "bench gemm: GB/s vs rows, one panel per op and TP shard, with its baselines and the read floor",
+           "attn": "bench attn: sparse MLA time vs rows per head count, indexer-logits GB/s vs context, top-k time",
+           "step": "bench step: step time vs rows per context, with its variants and the step floor",
+           "step_tp": "bench step --tp N: the TP step per context and the fused vs collective boundary"}
+_STEP_BENCHES = ("step", "step_tp", "boundary")
+
+
+def plot_results(rows: list[dict], path: str | Path) -> Path:
+    """Redraw the PNG of one bench's result rows (the JSON lines it wrote), chosen by their `bench`
+    field (`PLOTTED` says what each plot shows); returns the path. ValueError when the rows hold no
+    bench this can plot, or rows of several benches."""
+    benches = {r.get("bench") for r in rows if isinstance(r, dict)}
+    if not benches:
+        raise ValueError("no result rows to plot")
+    if None in benches:
+        raise ValueError("a line carries no 'bench' field: not the results of dsv41-decode bench")
+    kinds = {"step" if b in _STEP_BENCHES else b for b in benches}
+    if len(kinds) > 1:
+        raise ValueError(f"rows of several benches ({', '.join(sorted(map(str, benches)))}); plot one bench's file")
+    kind = kinds.pop()
+    path = Path(path)
+    if kind == "gemm":
+        from .gemm import plot_gemm
+        plot_gemm(rows, path, rows[0].get("read_gbps", 0.0))
+    elif kind == "attn":
+        from .attn_plot import plot_attn
+        plot_attn(rows, path)
+    elif kind == "step":
+        from .step_plot import plot_step
+        plot_step(rows, path)
+    else:
+        raise ValueError(f"bench {kind!r} has no plot; plotted: {', '.join(sorted(PLOTTED))}")
+    return path
