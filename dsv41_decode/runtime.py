@@ -103,6 +103,8 @@ class Steps:
             self._bar.stop()
             self._bar = None
 
+    stop = close
+
     def __enter__(self) -> "Steps":
         return self
 

@@ -65,16 +65,67 @@ class CallLayerResult:
         return out
 
 
+class TraceError(ValueError):
+    """A trace file that cannot be replayed: unreadable, without its case, or missing a tensor (named)."""
+
+
 def read_case(path: Path) -> dict:
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
+    """The `case` metadata of trace.safetensors: calls (names, in order) and batch. TraceError
+    naming the file when it is unreadable (truncated, corrupt) or carries no valid case."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except Exception as e:  # SafetensorError (truncated, bad header) or OSError
+        raise TraceError(f"{path}: not a readable safetensors file (truncated or corrupt?): {e}") from None
     if "case" not in meta:
-        raise ValueError(f"{path}: no 'case' metadata (expected calls and batch)")
-    case = json.loads(meta["case"])
-    calls = case["calls"]
-    case["calls"] = json.loads(calls) if isinstance(calls, str) else list(calls)
-    case["batch"] = int(case.get("batch", 1))
+        raise TraceError(f"{path}: no 'case' metadata (expected calls and batch)")
+    try:
+        case = json.loads(meta["case"])
+        calls = case["calls"]
+        case["calls"] = json.loads(calls) if isinstance(calls, str) else list(calls)
+        case["batch"] = int(case.get("batch", 1))
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+        raise TraceError(f"{path}: 'case' metadata is not a JSON object with calls and batch ({e!r})") from None
+    if not case["calls"] or case["batch"] < 1:
+        raise TraceError(f"{path}: 'case' metadata names no calls or a batch < 1")
     return case
+
+
+def required_tensors(cfg: ModelConfig, calls: list[str], layers) -> list[str]:
+    """The trace tensors a replay of `calls` over `layers` reads (the boundary's are optional as a
+    group: checked when `block_in` is present)."""
+    out = []
+    for call in calls:
+        out.append(f"{call}.positions")
+        for L in sorted(layers):
+            spec = cfg.plan[L]
+            names = ["attn_in", "attn_out", "window_kv"]
+            if spec.runs_indexer:
+                names.append("indexer_topk")
+            elif spec.kind != "swa":
+                names.append("compress_topk")
+            if spec.owns_compressor:
+                names += ["compress_kv", "index_k"]
+            if spec.candidate_role == "source":
+                names.append("candidates")
+            out += [f"{call}.layers.{L}.{n}" for n in names]
+    return out
+
+
+BOUNDARY_TENSORS = ("pre_mix_in", "ffn_out", "block_out", "attn_pre", "attn_post", "attn_comb", "pre_mix_out")
+
+
+def check_tensors(path: Path, keys: set, cfg: ModelConfig, calls: list[str], layers) -> None:
+    """TraceError naming the first tensor a replay needs that `path` (with tensor names `keys`)
+    lacks, and how many are missing."""
+    need = required_tensors(cfg, calls, layers)
+    need += [k.rsplit(".", 1)[0] + f".{n}" for k in sorted(keys)
+             if k.endswith(".block_in") and k.split(".layers.")[0] in calls for n in BOUNDARY_TENSORS]
+    missing = [k for k in need if k not in keys]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise TraceError(f"{path}: missing tensor {missing[0]}{more}; the format is in the README "
+                         f"('Golden trace format')")
 
 
 def window_positions(last: int, window: int) -> torch.Tensor:
@@ -98,6 +149,7 @@ def verify_trace(folder: str | Path, progress: bool = False) -> list[CallLayerRe
     layers = {i: AttentionLayer(cfg, plan[i], ckpt.layer(i)) for i in ckpt.layers}
     T = safe_open(str(folder / "trace.safetensors"), framework="pt")
     keys = set(T.keys())
+    check_tensors(folder / "trace.safetensors", keys, cfg, case["calls"], layers)
     last_pos = T.get_tensor(f"{case['calls'][-1]}.positions")
     state = DecodeState(cfg, max_requests=B, max_context=int(last_pos[-1]) + 1, page_size=16)
     reqs = [f"b{b}" for b in range(B)]
@@ -199,7 +251,7 @@ def _compare_boundary(res, cfg, w, get, B, s) -> None:
 def _progress(enabled: bool, total: int):
     if not enabled:
         return None
-    from rich.progress import Progress
-    p = Progress(transient=True)
-    p.start()
-    return p, p.add_task("replaying", total=total)
+    from rich.console import Console
+    from ..runtime import Steps   # a bar on a terminal, a line per layer on stderr otherwise
+    p = Steps("trace verify: layer", total, Console(stderr=True))
+    return p, ""
