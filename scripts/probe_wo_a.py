@@ -63,7 +63,7 @@ def main() -> None:
                     err = float((out.float() - ref).abs().max())
                     print(f"{'fp8 ' if fp8 else 'bf16'} rows {m:2d} {name:16s} {us:7.2f} us "
                           f"{nbytes / us / 1e3:6.0f} GB/s  split {plan.split} stages {plan.stages(m)} "
-                          f"warps {plan.num_warps} bf16_dot {plan.bf16_dot} swap {plan.swapped(m)}  |d| {err:.1e}", flush=True)
+                          f"warps {plan.num_warps} bf16_dot {plan.bf16_dot} swap {plan.swapped}  |d| {err:.1e}", flush=True)
                 except Exception as e:  # report, keep probing
                     print(f"{'fp8' if fp8 else 'bf16'} rows {m} {name}: {type(e).__name__}: {str(e)[:160]}",
                           flush=True)

@@ -5,12 +5,16 @@ The [24, hc*dim] projection and the sum of squares run split over K: each progra
   projections, then the sum of squares packed in column 24) to the plan's workspace, and the last
   program of a row tile to arrive (`ll_bf16.splitk_reduce`: an atomic counter that it resets, so a
   CUDA-graph replay needs no memset) adds the partials in split order, then computes the sigmoids
-  and the Sinkhorn rounds. Deterministic: the summation order depends on the plan and the row
-  bucket only. Sums are in a different order than the reference's (and on the GPU the products
-  may be FMA-contracted or tf32x3 dot products, within ~2^-22 relative, and exp and division
-  approximate to a few ulps), so the outputs agree with
-  the reference within 1e-5 absolute, not bit for bit (measured in the interpreter at dims 64-5120,
-  1-70 rows: at most 4.8e-7; see tests/ops/test_mhc.py).
+  and the Sinkhorn rounds. Deterministic and batch-invariant: a row's outputs do not depend on the
+  other rows or the row count. Every row count runs the same arithmetic: FP32 products (FMA on the
+  GPU) accumulated in 32 lanes along K, one lane per K residue mod 32, in K order, then the lanes
+  added in a fixed pairwise tree, and the epilogue's sums over 4 and 8 terms in fixed trees too
+  (`_pair_sum`: never `tl.sum`, whose tree follows the register layout, and that follows the tile's
+  shape); a program takes at most 8 rows, more rows take more row tiles. Sums are in a different
+  order than the reference's (and on the GPU the products may be FMA-contracted, and exp and
+  division approximate to a few ulps), so the outputs agree with the reference within 1e-5
+  absolute, not bit for bit (measured in the interpreter at dims 64-5120, 1-70 rows: at most
+  4.8e-7; see tests/ops/test_mhc.py).
 
 Takes hc = 4 streams (the model's hc_mult; config.py rejects others).
 """
@@ -25,12 +29,55 @@ import triton
 import triton.language as tl
 
 from .checks import require_tensor
-from .ll_bf16 import MODE_FMA, MODE_IEEE, num_sms, splitk_reduce
+from .ll_bf16 import num_sms, splitk_reduce
 from .mhc import HC, N_MIX
 
 _MIX_COLS = 32             # the outputs padded to a power of two; column N_MIX carries the sum of squares
 _K_GRAIN = 128  # every split but the last covers a multiple of this, so every BLOCK_K divides it
-_MAX_BLOCK_M = 64
+_BLOCK_K = 32     # K lanes of the FMA accumulator, at every row count
+_MAX_BLOCK_M = 8  # the [BLOCK_M, 32, 32] accumulator at <= 64 FP32 registers per thread (4 warps)
+
+
+@triton.jit
+def _halve(x):
+    """[R, C] -> [R, C/2]: x[:, 2i] + x[:, 2i + 1]."""
+    R: tl.constexpr = x.shape[0]
+    C: tl.constexpr = x.shape[1]
+    a, b = tl.split(tl.reshape(x, (R, C // 2, 2)))
+    return a + b
+
+
+@triton.jit
+def _pair_sum(x):
+    """[R, C] -> [R]: each row summed in one fixed pairwise tree ((x0 + x1) + (x2 + x3)) + ...,
+    C a power of two from 2 to 32. Unlike `tl.sum`, whose tree follows the register layout (which
+    Triton picks from the whole tile's shape), the same bits whatever R is."""
+    R: tl.constexpr = x.shape[0]
+    C: tl.constexpr = x.shape[1]
+    if C >= 32:
+        x = _halve(x)
+    if C >= 16:
+        x = _halve(x)
+    if C >= 8:
+        x = _halve(x)
+    if C >= 4:
+        x = _halve(x)
+    return tl.reshape(_halve(x), (R,))
+
+
+@triton.jit
+def _pair_sum_last(x):
+    """[A, B, C] -> [A, B, 1]: `_pair_sum` over the last axis."""
+    A: tl.constexpr = x.shape[0]
+    B: tl.constexpr = x.shape[1]
+    C: tl.constexpr = x.shape[2]
+    return tl.reshape(_pair_sum(tl.reshape(x, (A * B, C))), (A, B, 1))
+
+
+@triton.jit
+def _pair_sum_groups(x):
+    """[A, B, C] -> [A, 1, C]: `_pair_sum` over the middle axis."""
+    return tl.permute(_pair_sum_last(tl.permute(x, (0, 2, 1))), (0, 2, 1))
 
 
 @triton.jit
@@ -57,11 +104,12 @@ def _mix_epilogue(total, rm, m_ok, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_
     tl.store(post_ptr + row * stride_post + j + g * 0, 2.0 * sig, mask=ok & (g == 1))
     is_c = (g >= 2) & (g < 6)
     e = tl.exp(z - tl.max(z, axis=2, keep_dims=True))
-    c = e / tl.sum(e, axis=2, keep_dims=True) + hc_eps
-    c = c / (tl.sum(tl.where(is_c, c, 0.0), axis=1, keep_dims=True) + hc_eps)
+    # The row and column sums in fixed trees (the padding groups add exact zeros to the column sums)
+    c = e / _pair_sum_last(e) + hc_eps
+    c = c / (_pair_sum_groups(tl.where(is_c, c, 0.0)) + hc_eps)
     for _ in range(ITERS - 1):
-        c = c / (tl.sum(c, axis=2, keep_dims=True) + hc_eps)
-        c = c / (tl.sum(tl.where(is_c, c, 0.0), axis=1, keep_dims=True) + hc_eps)
+        c = c / (_pair_sum_last(c) + hc_eps)
+        c = c / (_pair_sum_groups(tl.where(is_c, c, 0.0)) + hc_eps)
     tl.store(comb_ptr + row * stride_cn + (g - 2) * 4 + j, c, mask=ok & is_c)
 
 
@@ -70,7 +118,7 @@ def _hc_mix_kernel(
     x_ptr, fn_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, part_ptr, count_ptr, M, norm_eps, hc_eps,
     stride_xm, stride_fn, stride_pre, stride_post, stride_cn, stride_ps, stride_pm,
     K: tl.constexpr, ITERS: tl.constexpr, K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr, NUM_STAGES: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -83,26 +131,20 @@ def _hc_mix_kernel(
     x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
     w_ptrs = fn_ptr + rn[:, None] * stride_fn + rk[None, :]
 
-    if MODE == 2:
-        acc = tl.zeros((BLOCK_M, 32, BLOCK_K), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, 32), dtype=tl.float32)
+    # One FP32 accumulator per (row, output, K lane): pure FMAs in the loop, then each lane set
+    # summed in a fixed tree (the same arithmetic for a row at every BLOCK_M).
+    acc = tl.zeros((BLOCK_M, 32, BLOCK_K), dtype=tl.float32)
     sq = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
+    # The loop's own num_stages makes Triton pipeline the loads (cp.async) without a dot.
     for kk in tl.range(0, K_PER_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
         k0 = k_lo + kk
         k_ok = (k0 + rk) < K
         x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         sq += x * x
-        if MODE == 2:
-            acc += x[:, None, :] * w[None, :, :]
-        else:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32x3")
-    if MODE == 2:
-        y = tl.sum(acc, axis=2)
-    else:
-        y = acc
-    y = tl.where(rn[None, :] == 24, tl.sum(sq, axis=1)[:, None], y)
+        acc += x[:, None, :] * w[None, :, :]
+    y = tl.reshape(_pair_sum(tl.reshape(acc, (BLOCK_M * 32, BLOCK_K))), (BLOCK_M, 32))
+    y = tl.where(rn[None, :] == 24, _pair_sum(sq)[:, None], y)
 
     if SPLIT == 1:
         _mix_epilogue(y, rm, m_ok, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, stride_pre, stride_post,
@@ -120,17 +162,14 @@ class HcMixTile(NamedTuple):
     """Kernel tile and launch options for one power-of-two bucket of rows."""
     block_m: int
     block_k: int
-    mode: int          # ll_bf16.MODE_IEEE (tf32x3 dot: 16+ rows) or ll_bf16.MODE_FMA (<= 8 rows)
     num_warps: int
     num_stages: int
 
 
 def _mix_tile(rows: int) -> HcMixTile:
-    bm = triton.next_power_of_2(rows)
-    if bm <= 8:
-        # The [BLOCK_M, 32, BLOCK_K] accumulator at <= 64 FP32 registers per thread (4 warps).
-        return HcMixTile(bm, min(128, 256 // bm), MODE_FMA, 4, 3)
-    return HcMixTile(min(bm, _MAX_BLOCK_M), 32, MODE_IEEE, 4, 3)
+    # Only BLOCK_M follows the rows (1-8; more rows take more row tiles): the K lanes, which order
+    # the FP32 sums, are the same at every row count (batch invariance).
+    return HcMixTile(min(triton.next_power_of_2(rows), _MAX_BLOCK_M), _BLOCK_K, 4, 3)
 
 
 @dataclass(frozen=True, eq=False)
@@ -144,7 +183,7 @@ class HcMixPlan:
     k_per_split: K columns per program (a multiple of 128); split: programs per row tile.
     tiles: per row bucket 1, 2, 4, ... up to next_pow2(max_rows), the kernel tile (`tile(m)`).
     partials: [split, max_rows, 32] FP32 workspace (empty when split = 1); counters:
-    [ceil(max_rows / 64)] int32, one per row tile, all 0 between launches.
+    [ceil(max_rows / 8)] int32, one per row tile, all 0 between launches.
     """
     dim: int
     max_rows: int
@@ -172,8 +211,9 @@ class HcMixPlan:
         """Choose the split and allocate the workspace.
 
         dim: the model dim, a multiple of 32; max_rows: >= 1.
-        split: programs along K (default: about 2 * SMs / row tiles, at least 2 K grains of 128
-        per program: 80 programs of 256 columns at dim 5120 and up to 64 rows; not tuned on a GPU).
+        split: programs along K per row tile (default: about 2 * SMs, at least 2 K grains of 128
+        per program: 80 programs of 256 columns at dim 5120; not tuned on a GPU). Not a function
+        of max_rows, so that a row's bits do not depend on the plan's capacity either.
         """
         for name, v in (("dim", dim), ("max_rows", max_rows)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -184,7 +224,7 @@ class HcMixPlan:
         grains = triton.cdiv(HC * dim, _K_GRAIN)
         row_tiles = triton.cdiv(max_rows, _MAX_BLOCK_M)
         if split is None:
-            split = max(1, min(round(2 * num_sms(device) / row_tiles), triton.cdiv(grains, 2)))
+            split = max(1, min(2 * num_sms(device), triton.cdiv(grains, 2)))
         elif not isinstance(split, int) or isinstance(split, bool) or split < 1:
             raise ValueError(f"split must be a positive int, got {split!r}")
         k_per_split = triton.cdiv(grains, min(split, grains)) * _K_GRAIN
@@ -209,8 +249,8 @@ def hc_mix_(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     pre_out, post_out: [M, 4] float32; comb_out: [M, 4, 4] float32, comb[i, j] = weight of stream i
         in new stream j; unit stride in the last dim (comb_out: in the last two).
     plan: from `HcMixPlan.build(dim, max_rows, device)`; all tensors on plan.device.
-    Within 1e-5 of the reference (not bitwise); rows do not depend on each other; the summation
-    order depends on the plan and on the row bucket (next power of two of M) only.
+    Within 1e-5 of the reference (not bitwise); batch-invariant: a row's outputs do not depend on
+    the other rows or on M (the summation order is the plan's for every row count).
     """
     if not isinstance(plan, HcMixPlan):
         raise TypeError(f"plan must be an HcMixPlan, got {type(plan).__name__}")
@@ -245,7 +285,7 @@ def hc_mix_(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
         x.stride(0), fn.stride(0), pre_out.stride(0), post_out.stride(0), comb_out.stride(0),
         part.stride(0), part.stride(1),
         K=plan.k, ITERS=sinkhorn_iters, K_PER_SPLIT=plan.k_per_split, SPLIT=plan.split,
-        BLOCK_M=t.block_m, BLOCK_K=t.block_k, MODE=t.mode, NUM_STAGES=t.num_stages,
+        BLOCK_M=t.block_m, BLOCK_K=t.block_k, NUM_STAGES=t.num_stages,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
 

@@ -10,10 +10,16 @@ Math: every product is formed and accumulated in FP32. For a BF16 weight the ker
 operands pass unchanged and every product is exact, as in an FP32 FMA, but on the tensor cores
 (and right in the interpreter, where BF16 dots are not). The tensor cores add in FP32 with their
 own rounding (about 1e-6 relative here, against ~1e-7 for FMAs) and may flush subnormal inputs
-(below 2^-126). An FP32 weight would lose bits in TF32: up to 8 rows it takes FP32 FMAs (register-blocked, no
-padding of M to 16); above, a `tf32x3` dot (W = big + small TF32 parts, x exact in TF32), whose
-products are within ~2^-22 relative of FP32's exact ones, on the tensor cores - an IEEE FP32 dot
-lowers to FMAs and measured 4x slower at 16 rows on an H200.
+(below 2^-126). An FP32 weight would lose bits in TF32: it takes a `tf32x3` dot (W = big + small
+TF32 parts, x exact in TF32), whose products are within ~2^-22 relative of FP32's exact ones, on
+the tensor cores - an IEEE FP32 dot lowers to FMAs and measured 4x slower at 16 rows on an H200.
+
+Batch invariance: a row's outputs do not depend on the other rows or the row count. Per weight
+dtype one arithmetic serves every row count (the FP32 weight's register-blocked FMAs at 1-8 rows
+are gone: their K depth, and so their summation tree, changed with the rows), the K split is the
+plan's, and a program takes at most 32 rows (BLOCK_M 16 or 32; more rows run as more row tiles):
+at BLOCK_M = 64 Triton lowers the dot to wgmma instead of mma.sync m16n8k8 (sm_90 PTX), another
+MMA whose sums inside may round differently.
 
 Split K: each program owns BLOCK_N rows of W and a K range, writes its FP32 partial to the plan's
 workspace, and the last program of a tile to arrive (an atomic counter per tile) adds the
@@ -35,8 +41,9 @@ import triton.language as tl
 from .checks import require_tensor
 
 MODE_TF32 = 0   # tl.dot, TF32 inputs: exact products of BF16-valued operands, tensor cores
-MODE_IEEE = 1   # tl.dot, tf32x3 (split FP32 weight, tensor cores): FP32 weights, 16+ rows
-MODE_FMA = 2    # register-blocked FMA, reduced over K once at the end: FP32 weights, <= 8 rows
+MODE_IEEE = 1   # tl.dot, tf32x3 (split FP32 weight, tensor cores): FP32 weights
+MODE_FMA = 2    # register-blocked FMA, reduced over K once at the end (ops.hc_mix)
+MAX_BLOCK_M = 32  # rows per program: mma.sync m16n8k8 at 16 and 32 (wgmma from 64)
 
 _K_GRAIN = 128  # every split but the last covers a multiple of this, so every BLOCK_K divides it
 
@@ -75,9 +82,11 @@ def _ll_bf16_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr,
     NUM_STAGES: tl.constexpr,
 ):
+    # Grid: (N tiles, K splits, row tiles of BLOCK_M rows).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rm = tl.arange(0, BLOCK_M)
+    pid_m = tl.program_id(2)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
@@ -86,14 +95,8 @@ def _ll_bf16_kernel(
     x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
     w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
 
-    if MODE == 2:
-        # One FP32 accumulator per (row, weight element) lane: pure FMAs in the loop, one K
-        # reduction after it.
-        acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # A constant trip count; past K (only in the last split) the loads are masked off. The loop's
-    # own num_stages makes Triton pipeline the loads (cp.async) in the FMA mode too, which has no dot.
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # A constant trip count; past K (only in the last split) the loads are masked off.
     for kk in tl.range(0, K_PER_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
         k0 = k_lo + kk
         k_ok = (k0 + rk) < K
@@ -101,14 +104,9 @@ def _ll_bf16_kernel(
         w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         if MODE == 0:
             acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32")
-        elif MODE == 1:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32x3")
         else:
-            acc += x[:, None, :] * w[None, :, :]
-    if MODE == 2:
-        y = tl.sum(acc, axis=2)
-    else:
-        y = acc
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32x3")
+    y = acc
 
     mask = m_ok[:, None] & n_ok[None, :]
     out_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
@@ -116,7 +114,8 @@ def _ll_bf16_kernel(
         tl.store(out_ptrs, y, mask=mask)
     else:
         part_ptrs = part_ptr + rm[:, None] * stride_pm + rn[None, :]
-        last, total = splitk_reduce(y, part_ptrs, stride_ps, mask, count_ptr + pid_n, pid_k, SPLIT)
+        last, total = splitk_reduce(y, part_ptrs, stride_ps, mask, count_ptr + pid_m * tl.num_programs(0) + pid_n,
+                                    pid_k, SPLIT)
         tl.store(out_ptrs, total, mask=mask & last)
 
 
@@ -124,7 +123,7 @@ class LlBf16Tile(NamedTuple):
     """Kernel tile and launch options for one power-of-two bucket of rows."""
     block_m: int
     block_k: int
-    mode: int          # MODE_TF32, MODE_IEEE or MODE_FMA
+    mode: int          # MODE_TF32 or MODE_IEEE
     num_warps: int
     num_stages: int
 
@@ -138,12 +137,12 @@ def num_sms(device: torch.device) -> int:
 
 
 def _tile_for(rows: int, weight_dtype: torch.dtype) -> LlBf16Tile:
-    bm = triton.next_power_of_2(rows)
+    # Only BLOCK_M follows the rows (16 or 32; more rows take more row tiles): the mode and the K
+    # depth of each dot, which order the FP32 sums (tf32x3 sums its small-part products per dot),
+    # are the weight dtype's for every row count.
+    bm = min(max(16, triton.next_power_of_2(rows)), MAX_BLOCK_M)
     if weight_dtype == torch.bfloat16:
-        return LlBf16Tile(max(16, bm), 128, MODE_TF32, 4, 3)
-    if bm <= 8:
-        # The [BLOCK_M, 32, BLOCK_K] accumulator at <= 64 FP32 registers per thread (4 warps).
-        return LlBf16Tile(bm, min(128, 256 // bm), MODE_FMA, 4, 3)
+        return LlBf16Tile(bm, 128, MODE_TF32, 4, 3)
     return LlBf16Tile(bm, 32, MODE_IEEE, 4, 3)
 
 
@@ -159,8 +158,8 @@ class LlBf16Plan:
     block_n: weight rows per program; k_per_split: K columns per program (a multiple of 128);
     split: programs per block of rows (ceil(K / k_per_split)).
     tiles: per row bucket 1, 2, 4, ... up to next_pow2(max_rows), the kernel tile (`tile(m)`).
-    partials: [split, max_rows, n] FP32 workspace; counters: [ceil(n / block_n)] int32, all 0
-    between launches.
+    partials: [split, max_rows, n] FP32 workspace; counters: [ceil(max_rows / MAX_BLOCK_M) *
+    ceil(n / block_n)] int32 (per row tile and N tile), all 0 between launches.
     """
     n: int
     k: int
@@ -216,7 +215,7 @@ class LlBf16Plan:
         split = triton.cdiv(k, k_per_split)
         tiles = tuple(_tile_for(1 << i, weight_dtype) for i in range((max_rows - 1).bit_length() + 1))
         partials = torch.empty(split if split > 1 else 0, max_rows, n, dtype=torch.float32, device=device)
-        counters = torch.zeros(n_tiles, dtype=torch.int32, device=device)
+        counters = torch.zeros(triton.cdiv(max_rows, MAX_BLOCK_M) * n_tiles, dtype=torch.int32, device=device)
         return cls(n, k, max_rows, weight_dtype, block_n, k_per_split, split, tiles, partials, counters)
 
 
@@ -228,8 +227,8 @@ def ll_bf16_(plan: LlBf16Plan, x: torch.Tensor, w: torch.Tensor, out: torch.Tens
     w: [N, K] plan.weight_dtype: bfloat16, or float32 for the ratio-2 compressor, whose FP32
        weights keep FP32 semantics (the products are FP32 roundings, the sums FP32).
     out: [M, N] float32, unit stride in N. All on plan.device.
-    Rows do not depend on each other; the FP32 summation order depends on the plan and on the row
-    bucket (next power of two of M), not on other rows' values.
+    Batch-invariant: a row's outputs do not depend on the other rows or on M (the FP32 summation
+    order is the plan's for every row count; see the module docstring).
     """
     if not isinstance(plan, LlBf16Plan):
         raise TypeError(f"plan must be an LlBf16Plan, got {type(plan).__name__}")
@@ -246,7 +245,7 @@ def ll_bf16_(plan: LlBf16Plan, x: torch.Tensor, w: torch.Tensor, out: torch.Tens
         return
     t = plan.tile(m)
     part = plan.partials
-    _ll_bf16_kernel[(plan.n_tiles, plan.split)](
+    _ll_bf16_kernel[(plan.n_tiles, plan.split, triton.cdiv(m, t.block_m))](
         x, w, out, part, plan.counters, m, plan.n, plan.k,
         x.stride(0), w.stride(0), out.stride(0), part.stride(0), part.stride(1),
         K_PER_SPLIT=plan.k_per_split, SPLIT=plan.split, BLOCK_M=t.block_m, BLOCK_N=plan.block_n,

@@ -202,39 +202,81 @@ class LowLatencyConfig:
 
 # Measured on an H200 (docs/notes-low-latency-mm.md, run 2 of 2026-11-30): per (N, K, BLOCK_M) the
 # configuration with the least time summed over the bucket's measured rows (1 and 16; 32; 64), over
-# 30 kernel variants x 2-4 split counts, CUDA-graph replay over weights rotated beyond L2.
+# 30 kernel variants x 2-4 split counts, CUDA-graph replay over weights rotated beyond L2; then made
+# batch-invariant: every bucket of one (N, K) has the same `reduction_order` (the loop, FP8 dots or
+# dequantize, and the K split boundaries), so a row's bits do not depend on how many rows share the
+# call (docs/step.md, "Batch invariance"). Where the buckets disagreed, the 1-16-row bucket's order
+# was kept and the others take the nearest measured configuration with that order (marked "bi:";
+# the sweep's figures for the change are in docs/step.md).
 _TUNED: dict[tuple[int, int, int], LowLatencyConfig] = {
+    # fused wq_a|wkv: FP8 loop, 8 splits of 640
     (1792, 5120, 16): LowLatencyConfig(block_n=64, block_k=128, split=8, num_warps=4, num_stages=3),
     (1792, 5120, 32): LowLatencyConfig(block_n=64, block_k=128, split=8, num_warps=4, num_stages=3),
-    (1792, 5120, 64): LowLatencyConfig(block_n=64, block_k=64, split=9, num_warps=4, num_stages=6),
+    # bi: 8 splits of 640 (was 9 of 576: 224 instead of 252 programs)
+    (1792, 5120, 64): LowLatencyConfig(block_n=64, block_k=64, split=8, num_warps=4, num_stages=6),
+    # indexer wq_b (and wq_b under TP8): FP8 loop, 4 splits of 320
     (4096, 1280, 16): LowLatencyConfig(block_n=64, block_k=64, split=4, num_warps=4, num_stages=4),
-    (4096, 1280, 32): LowLatencyConfig(block_n=64, block_k=128, split=4, num_warps=4, num_stages=3),
-    (4096, 1280, 64): LowLatencyConfig(block_n=64, block_k=128, split=2, num_warps=4, num_stages=3),
+    # bi: the 16-row configuration (was 4 splits of 384 and 2 of 640; the sweep's best with
+    # 64-deep steps 8.92 vs 8.89 us at 32 rows, 11.17 vs 10.99 at 64)
+    (4096, 1280, 32): LowLatencyConfig(block_n=64, block_k=64, split=4, num_warps=4, num_stages=4),
+    (4096, 1280, 64): LowLatencyConfig(block_n=64, block_k=64, split=4, num_warps=4, num_stages=4),
+    # wo_b under TP8: FP8 loop, 3 splits of 384
     (5120, 1024, 16): LowLatencyConfig(block_n=64, block_k=128, split=3, num_warps=4, num_stages=3),
-    (5120, 1024, 32): LowLatencyConfig(block_n=64, block_k=128, split=4, num_warps=4, num_stages=4, dequant=True),
-    (5120, 1024, 64): LowLatencyConfig(block_n=64, block_k=128, split=3, num_warps=4, num_stages=4, dequant=True),
+    # bi: the FP8 loop (was the dequantize loop, 4 splits of 256 and 3 of 384; the sweep's best FP8
+    # 128-deep loop 9.39 vs 9.00 us at 32 rows, 12.15 vs 11.49 at 64)
+    (5120, 1024, 32): LowLatencyConfig(block_n=64, block_k=128, split=3, num_warps=4, num_stages=3),
+    (5120, 1024, 64): LowLatencyConfig(block_n=64, block_k=128, split=3, num_warps=4, num_stages=3),
+    # wo_b under TP4: FP8 loop, 4 splits of 512
     (5120, 2048, 16): LowLatencyConfig(block_n=64, block_k=128, split=4, num_warps=4, num_stages=3),
-    (5120, 2048, 32): LowLatencyConfig(block_n=64, block_k=128, split=4, num_warps=4, num_stages=4, dequant=True),
-    (5120, 2048, 64): LowLatencyConfig(block_n=64, block_k=128, split=3, num_warps=4, num_stages=4, dequant=True),
-    (5120, 4096, 16): LowLatencyConfig(block_n=64, block_k=256, split=3, num_warps=4, num_stages=3, dequant=True),
+    # bi: the FP8 loop (was the dequantize loop, 4 splits of 512 and 3 of 768; the sweep's best FP8
+    # 128-deep loop 14.04 vs 12.04 us at 32 rows, 19.11 vs 16.70 at 64)
+    (5120, 2048, 32): LowLatencyConfig(block_n=64, block_k=128, split=4, num_warps=4, num_stages=3),
+    (5120, 2048, 64): LowLatencyConfig(block_n=64, block_k=128, split=4, num_warps=4, num_stages=3),
+    # wo_b under TP2: dequantize loop, 3 splits of 1408
+    # bi: 128-deep steps (was 256: 3 splits of 1536; the dequantize loop's step depth changes no
+    # bit, docs/results/ll-mm-alt-h200.txt, but its split bounds do; 256 was the sweep's best at 16
+    # rows, 15.60 us, 128 not timed there)
+    (5120, 4096, 16): LowLatencyConfig(block_n=64, block_k=128, split=3, num_warps=4, num_stages=4, dequant=True),
     (5120, 4096, 32): LowLatencyConfig(block_n=64, block_k=128, split=3, num_warps=4, num_stages=4, dequant=True),
     (5120, 4096, 64): LowLatencyConfig(block_n=64, block_k=128, split=3, num_warps=4, num_stages=4, dequant=True),
-    # wo_b up to 16 rows: the FP8-dot loop with word-loaded scales, 8 splits, 3 stages (sixth session,
+    # wo_b: FP8 loop with word-loaded scales, 8 splits of 1024, 3 stages (sixth session,
     # scripts/probe_ll_mm.py --alt: 20.07 vs 22.69 us at 1 row, 23.56 vs 24.43 at 16; the dequantize
     # loop's entry was the sweep's pick before scale_words; docs/results/ll-mm-alt-h200.txt)
     (5120, 8192, 16): LowLatencyConfig(block_n=64, block_k=128, split=8, num_warps=4, num_stages=3),
-    (5120, 8192, 32): LowLatencyConfig(block_n=64, block_k=128, split=3, num_warps=4, num_stages=4, dequant=True),
-    (5120, 8192, 64): LowLatencyConfig(block_n=128, block_k=128, split=7, num_warps=4, num_stages=3),
-    (8192, 1280, 16): LowLatencyConfig(block_n=64, block_k=128, split=4, num_warps=4, num_stages=3),
+    # bi: the 16-row configuration (was the dequantize loop, 3 splits of 2816: the sweep's 31.21 us
+    # vs 36.88 for the FP8 loop before word-loaded scales, which made that loop 1.04x faster at 16 rows)
+    (5120, 8192, 32): LowLatencyConfig(block_n=64, block_k=128, split=8, num_warps=4, num_stages=3),
+    # bi: 8 splits of 1024 (was 7 of 1280: 320 instead of 280 programs; the sweep's 45.38 us)
+    (5120, 8192, 64): LowLatencyConfig(block_n=128, block_k=128, split=8, num_warps=4, num_stages=3),
+    # wq_b under TP4: FP8 loop, one split
+    # bi: one split (was 4 of 384: the table's 8.64 / 10.39 us at 1 / 16 rows; the sweep's one-split
+    # best 8.54 at 1 row, 10.71 for this loop at 16)
+    (8192, 1280, 16): LowLatencyConfig(block_n=64, block_k=128, split=1, num_warps=4, num_stages=4),
     (8192, 1280, 32): LowLatencyConfig(block_n=64, block_k=128, split=1, num_warps=4, num_stages=4),
     (8192, 1280, 64): LowLatencyConfig(block_n=64, block_k=64, split=1, num_warps=4, num_stages=6),
+    # wq_b under TP2: FP8 loop, one split
     (16384, 1280, 16): LowLatencyConfig(block_n=64, block_k=128, split=1, num_warps=4, num_stages=3),
     (16384, 1280, 32): LowLatencyConfig(block_n=128, block_k=64, split=1, num_warps=8, num_stages=4),
-    (16384, 1280, 64): LowLatencyConfig(block_n=64, block_k=128, split=1, num_warps=4, num_stages=4, dequant=True),
+    # bi: the FP8 loop (was the dequantize loop: the sweep's 19.85 vs 19.14 us at 64 rows)
+    (16384, 1280, 64): LowLatencyConfig(block_n=64, block_k=128, split=1, num_warps=4, num_stages=3),
+    # wq_b: FP8 loop, one split
     (32768, 1280, 16): LowLatencyConfig(block_n=64, block_k=128, split=1, num_warps=4, num_stages=3),
     (32768, 1280, 32): LowLatencyConfig(block_n=128, block_k=64, split=1, num_warps=8, num_stages=4),
     (32768, 1280, 64): LowLatencyConfig(block_n=128, block_k=128, split=1, num_warps=4, num_stages=3),
 }
+
+
+def reduction_order(config: LowLatencyConfig, k: int) -> tuple[bool, int]:
+    """What fixes the FP32 summation of every output element under `config` for K = k: (dequant,
+    K per split). Two configurations with the same pair give the same bits for a row whatever else
+    differs (block_n, block_k, warps, stages, scale words, the row bucket): the FP8 loop adds each
+    32-deep block's FP32 partial in K order within a split, the dequantize loop chains 16-deep BF16
+    MMAs in K order within a split, and the splits' partials are added in split order. Measured on an
+    H200 at one row count: block_n, block_k and scale_words change no bit, the split and the loop do
+    (docs/results/ll-mm-alt-h200.txt); across row buckets the MMA is always wgmma m64nBMk32 (FP8)
+    or k16 (BF16), N = the bucket (sm_90 PTX; the GPU batch-invariance test checks the bits)."""
+    steps = k // config.block_k
+    return config.dequant, -(-steps // min(config.split, steps)) * config.block_k
 
 
 def _default_config(n: int, k: int, block_m: int, sms: int) -> LowLatencyConfig:
@@ -315,8 +357,7 @@ class LowLatencyMM:
                 raise TypeError(f"config must be a LowLatencyConfig, got {type(cfg).__name__}")
             if k % cfg.block_k:
                 raise ValueError(f"config.block_k={cfg.block_k} must divide K={k}")
-            steps = k // cfg.block_k
-            k_per_split = -(-steps // min(cfg.split, steps)) * cfg.block_k
+            k_per_split = reduction_order(cfg, k)[1]
             split = -(-k // k_per_split)          # no empty split
             grid = (-(-n // cfg.block_n), split)
             word = cfg.block_k // 32
@@ -335,6 +376,11 @@ class LowLatencyMM:
     def launch_for(self, rows: int) -> _Launch:
         """The launch (row bucket, configuration, split, grid) used for `rows` rows."""
         return self._launches[max(16, 1 << (rows - 1).bit_length())]
+
+    def reduction_order(self, rows: int) -> tuple[bool, int]:
+        """`reduction_order` of the launch for `rows` rows: equal for every row count (the measured
+        table's and the default rule's plans) means a row's outputs do not depend on the others."""
+        return reduction_order(self.launch_for(rows).config, self.k)
 
     def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """y = codes x weight^T with both block scales, into out.

@@ -37,6 +37,7 @@ from .ll_bf16 import num_sms, splitk_reduce
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
 
 _BLOCK_K = 128   # K per loop step: four 32-wide scale blocks
+MAX_UNSWAPPED_ROWS = 32   # rows per unswapped launch: mma.sync up to BLOCK_M 32, wgmma at 64
 # the MXFP8 constants of the fused output quantization (kernels may read only constexpr globals)
 _AMAX_FLOOR = tl.constexpr(MXFP8_AMAX_FLOOR)
 _INV_QMAX = tl.constexpr(INV_E4M3_MAX)
@@ -175,8 +176,14 @@ class WoAPlan:
     Never under the interpreter, whose BF16 dots are wrong. swap_ab: compute z^T = W o'^T (the
     weight rows as the MMA's M: wgmma on sm_90 reading W from shared memory, instead of mma.sync
     with W through registers); the same products, another summation order inside the MMA. None:
-    `swapped(rows)` picks per launch.
+    `swapped` picks, the same for every row count.
     partials: [split, max_rows, G*R] FP32; counters: [G*R / block_n] int32, all 0 between launches.
+
+    Batch invariance: a row's outputs do not depend on the other rows or the row count. The split,
+    the dot operands and the swap are the plan's, not the launch's; a swapped launch is wgmma
+    m64nBMk8 / k16 at every row count (N = 16, 32 or 64 rows), and an unswapped one takes at most
+    32 rows (`MAX_UNSWAPPED_ROWS`; 33-64 rows run as two launches), where Triton lowers the dot to
+    mma.sync m16n8k8 / k16: at BLOCK_M = 64 it would pick wgmma, another MMA (sm_90 PTX).
     """
     heads: int
     o_groups: int
@@ -199,18 +206,18 @@ class WoAPlan:
     def device(self) -> torch.device:
         return self.partials.device
 
-    def swapped(self, rows: int) -> bool:
-        """Whether a launch of `rows` rows runs the swapped wgmma: swap_ab when given, else what was
-        measured (see `build`): on for a BF16 weight with BF16 dots, on for an FP8 weight above 16
-        rows, off otherwise (a BF16 weight with TF32 dots was not measured swapped); off off the
+    @property
+    def swapped(self) -> bool:
+        """Whether the launches run the swapped wgmma, at every row count: swap_ab when given, else
+        what was measured at 1-16 rows (see `build`): on for a BF16 weight with BF16 dots, off for
+        an FP8 weight (swapped measured faster only above 16 rows, and a row's bits must not depend
+        on the row count) and for a BF16 weight with TF32 dots (not measured swapped); off off the
         GPU and in the interpreter."""
         if self.swap_ab is not None:
             return self.swap_ab
         if self.device.type != "cuda" or interpreting():
             return False
-        if self.weight_dtype == torch.bfloat16:
-            return self.bf16_dot
-        return rows > 16
+        return self.weight_dtype == torch.bfloat16 and self.bf16_dot
 
     def stages(self, rows: int) -> int:
         """K steps in flight for a launch of `rows` rows: num_stages when given, else 2 for an FP8
@@ -245,9 +252,11 @@ class WoAPlan:
         split: programs along K (default: the largest divisor of group_width / 128 at most
         (2 for BF16, 4 for FP8) * SMs / output tiles); bf16_dot: None = on for a BF16 weight; num_warps: warps per program up to 16 rows, twice that above
         (4: one m16 MMA row of 64 columns; 32-64 rows at 4 warps spill); num_stages: K steps in
-        flight (None: `stages(rows)` picks per launch); swap_ab: None = `swapped(rows)` picks per
-        launch (a BF16 weight always, an FP8 one above 16 rows: 45.6 vs 48.0 us at 32 rows, 61.2 vs
-        85.6 at 64; session 6, docs/results/wo-a-probe-h200.txt).
+        flight (None: `stages(rows)` picks per launch); swap_ab: None = `swapped` picks (a BF16
+        weight with BF16 dots swapped, an FP8 one unswapped at every row count, for batch
+        invariance: swapped measured 45.6 vs 48.0 us at 32 rows and 61.2 vs 85.6 at 64, but 27.4
+        vs 21.3 at 1; unswapped, 33-64 rows now run as two launches of at most 32; session 6,
+        docs/results/wo-a-probe-h200.txt).
         """
         for name, v in (("heads", heads), ("o_groups", o_groups), ("rank", rank), ("max_rows", max_rows),
                         ("head_dim", head_dim), ("rope_dim", rope_dim)):
@@ -381,22 +390,28 @@ def wo_a_(plan: WoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
         return
     part = plan.partials
     s_arg = scale if fp8 else weight
-    block_m = max(16, triton.next_power_of_2(m))
+    swap = plan.swapped
     stages = plan.stages(m)
-    _wo_a_kernel[(plan.n_out // plan.block_n, plan.split)](
-        o, cos, sin, weight, s_arg, out.view(torch.int16), part, plan.counters, codes_out, scales_out,
-        cp_pool, cp_src, cp_dst, m,
-        o.stride(0), o.stride(1), cos.stride(0), sin.stride(0), weight.stride(0), s_arg.stride(0),
-        out.stride(0), part.stride(0), part.stride(1), codes_out.stride(0), scales_out.stride(0),
-        R=plan.rank, HEADS_PER_GROUP=plan.heads // plan.o_groups, HEAD_DIM=plan.head_dim,
-        ROPE_DIM=plan.rope_dim, K_PER_SPLIT=plan.k_per_split, SPLIT=plan.split, QUANT=quant,
-        BLOCK_M=block_m, BLOCK_N=plan.block_n, BLOCK_K=_BLOCK_K, FP8=fp8, NUM_STAGES=stages,
-        num_warps=plan.num_warps * (2 if block_m > 16 else 1), num_stages=stages,
-        enable_fp_fusion=False,   # the rotation's sums rounded as torch rounds them (no FMA)
-        PDL=pdl.active(), BF16_DOT=plan.bf16_dot, SWAP_AB=plan.swapped(m),
-        COPY_WORDS=copy_words, COPY_BLOCK=triton.next_power_of_2(max(copy_words, 1)),
-        N_TILES=plan.n_out // plan.block_n, **pdl.launch_options(),
-    )
+    chunk = m if swap else MAX_UNSWAPPED_ROWS   # see the class docstring (batch invariance)
+    for r0 in range(0, m, chunk):
+        r1 = min(m, r0 + chunk)
+        block_m = max(16, triton.next_power_of_2(r1 - r0))
+        codes, scales = (codes_out[r0:r1], scales_out[r0:r1]) if quant else (codes_out, scales_out)
+        src, dst = (cp_src[r0:r1], cp_dst[r0:r1]) if copy_words else (cp_src, cp_dst)
+        _wo_a_kernel[(plan.n_out // plan.block_n, plan.split)](
+            o[r0:r1], cos[r0:r1], sin[r0:r1], weight, s_arg, out[r0:r1].view(torch.int16), part, plan.counters,
+            codes, scales, cp_pool, src, dst, r1 - r0,
+            o.stride(0), o.stride(1), cos.stride(0), sin.stride(0), weight.stride(0), s_arg.stride(0),
+            out.stride(0), part.stride(0), part.stride(1), codes.stride(0), scales.stride(0),
+            R=plan.rank, HEADS_PER_GROUP=plan.heads // plan.o_groups, HEAD_DIM=plan.head_dim,
+            ROPE_DIM=plan.rope_dim, K_PER_SPLIT=plan.k_per_split, SPLIT=plan.split, QUANT=quant,
+            BLOCK_M=block_m, BLOCK_N=plan.block_n, BLOCK_K=_BLOCK_K, FP8=fp8, NUM_STAGES=stages,
+            num_warps=plan.num_warps * (2 if block_m > 16 else 1), num_stages=stages,
+            enable_fp_fusion=False,   # the rotation's sums rounded as torch rounds them (no FMA)
+            PDL=pdl.active(), BF16_DOT=plan.bf16_dot, SWAP_AB=swap,
+            COPY_WORDS=copy_words, COPY_BLOCK=triton.next_power_of_2(max(copy_words, 1)),
+            N_TILES=plan.n_out // plan.block_n, **pdl.launch_options(),
+        )
 
 
 def wo_a(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor, o_groups: int,

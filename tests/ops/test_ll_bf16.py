@@ -10,7 +10,7 @@ product would miss it by ~10x) and against `x.float() @ w.float().T` for BF16 we
 import pytest
 import torch
 
-from dsv41_decode.ops.ll_bf16 import MODE_FMA, MODE_IEEE, MODE_TF32, LlBf16Plan, ll_bf16, ll_bf16_
+from dsv41_decode.ops.ll_bf16 import MODE_IEEE, MODE_TF32, LlBf16Plan, ll_bf16, ll_bf16_
 from dsv41_decode.testing.compare import rel_rms
 
 _DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -52,8 +52,13 @@ def test_matches_float64(m, n, k, dtype):
 def test_plan_modes_and_split():
     bf, fp = (LlBf16Plan.build(96, 512, 64, dt, "cpu") for dt in (torch.bfloat16, torch.float32))
     assert [bf.tile(m).mode for m in (1, 16, 64)] == [MODE_TF32] * 3
-    assert [fp.tile(m).mode for m in (1, 8, 9, 64)] == [MODE_FMA, MODE_FMA, MODE_IEEE, MODE_IEEE]
-    assert bf.tile(1).block_m == 16 and fp.tile(3).block_m == 4 and fp.tile(37).block_m == 64
+    # one arithmetic per weight dtype at every row count (batch invariance), at most 32 rows per
+    # program (mma.sync; BLOCK_M 64 would be wgmma)
+    assert [fp.tile(m).mode for m in (1, 8, 9, 64)] == [MODE_IEEE] * 4
+    assert {t.block_k for t in bf.tiles} == {128} and {t.block_k for t in fp.tiles} == {32}
+    assert [bf.tile(m).block_m for m in (1, 16, 17, 37, 64)] == [16, 16, 32, 32, 32]
+    assert fp.tile(3).block_m == 16 and fp.tile(37).block_m == 32
+    assert bf.counters.numel() == 2 * bf.n_tiles   # per row tile and N tile
     assert (bf.n_tiles, bf.split, bf.k_per_split) == (3, 1, 512)
     # The real shapes: about two programs per SM of an H200, but at least 4 K steps per program.
     shapes = {(1024, 5120, torch.float32): (32, 8), (512, 5120, torch.bfloat16): (16, 10),

@@ -269,17 +269,16 @@ def test_stages_per_launch():
     assert WoAPlan.build(8, 4, 64, 64, torch.float8_e4m3fn, _DEVICE, num_stages=4).stages(1) == 4
 
 
-def test_swap_per_launch():
-    """swap_ab=None: the launch picks (on a GPU: BF16 with BF16 dots always, FP8 above 16 rows; off
-    elsewhere); a given swap_ab holds for every launch, on any device."""
+def test_swap_per_plan():
+    """swap_ab=None: the plan picks, the same for every row count (batch invariance; on a GPU: BF16
+    with BF16 dots swapped, FP8 not; off elsewhere); a given swap_ab holds on any device."""
     plan = WoAPlan.build(8, 4, 64, 64, torch.float8_e4m3fn, _DEVICE)
-    assert plan.swap_ab is None
+    assert plan.swap_ab is None and plan.swapped is False
     on_gpu = _DEVICE == "cuda" and not interpreting()
-    assert [plan.swapped(m) for m in (1, 16, 17)] == [False, False, on_gpu]
-    assert WoAPlan.build(8, 4, 64, 64, torch.bfloat16, _DEVICE).swapped(1) is on_gpu
-    assert WoAPlan.build(8, 4, 64, 64, torch.bfloat16, _DEVICE, bf16_dot=False).swapped(1) is False
-    assert WoAPlan.build(8, 4, 64, 64, torch.bfloat16, _DEVICE, swap_ab=False).swapped(1) is False
-    assert WoAPlan.build(8, 4, 64, 64, torch.float8_e4m3fn, _DEVICE, swap_ab=True).swapped(1) is True
+    assert WoAPlan.build(8, 4, 64, 64, torch.bfloat16, _DEVICE).swapped is on_gpu
+    assert WoAPlan.build(8, 4, 64, 64, torch.bfloat16, _DEVICE, bf16_dot=False).swapped is False
+    assert WoAPlan.build(8, 4, 64, 64, torch.bfloat16, _DEVICE, swap_ab=False).swapped is False
+    assert WoAPlan.build(8, 4, 64, 64, torch.float8_e4m3fn, _DEVICE, swap_ab=True).swapped is True
 
 
 def _copy_case(m: int, slots: int, seed: int):
