@@ -87,6 +87,7 @@ class AttentionLayer:
         into `state`; `step.starts` are the lengths before the call (state.advance comes later).
         """
         cfg, spec, w = self.cfg, self.spec, self.w
+        state.check_step(step, f"layer {spec.layer}")   # before any cache is written
         if x.shape != (step.n_rows, cfg.dim):
             raise ValueError(f"layer {spec.layer}: x must be [{step.n_rows}, {cfg.dim}], got {tuple(x.shape)}")
         eps, rd = cfg.norm_eps, cfg.rope_head_dim

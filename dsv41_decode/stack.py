@@ -90,10 +90,19 @@ class AttentionStack:
         x: [N, hc, dim] BF16 streams entering the first layer; pre_in: [N, hc] FP32 (default one-hot).
         observe(layer, record) is called after each block. Returns (streams [N, hc, dim] BF16,
         carried pre [N, hc] FP32).
+        Everything is checked before any cache is written (`DecodeState.check_step`: a stale, foreign
+        or replaced step, a freed request; the state's layer plan; the shapes of x and pre_in).
         """
-        if x.dim() != 3 or x.shape[0] != step.n_rows or x.shape[1:] != (self.cfg.hc_mult, self.cfg.dim):
-            raise ValueError(f"streams must be [{step.n_rows}, {self.cfg.hc_mult}, {self.cfg.dim}], "
-                             f"got {tuple(x.shape)}")
+        state.check_step(step, "forward")
+        if state.layer_plan != self.cfg.plan:
+            raise ValueError("forward: the DecodeState was built for another configuration's layer plan")
+        if x.dim() != 3 or x.shape[0] != step.n_rows or x.shape[1:] != (self.cfg.hc_mult, self.cfg.dim) \
+                or x.dtype != torch.bfloat16:
+            raise ValueError(f"streams must be [{step.n_rows}, {self.cfg.hc_mult}, {self.cfg.dim}] bfloat16, "
+                             f"got {tuple(x.shape)} {x.dtype}")
+        if pre_in is not None and (pre_in.shape != (step.n_rows, self.cfg.hc_mult) or pre_in.dtype != torch.float32):
+            raise ValueError(f"pre_in must be [{step.n_rows}, {self.cfg.hc_mult}] float32, got "
+                             f"{tuple(pre_in.shape)} {pre_in.dtype}")
         ctx = ctx if ctx is not None else CallContext()
         pre = self.initial_pre(step.n_rows, x.device) if pre_in is None else pre_in
         for i in self.ids:

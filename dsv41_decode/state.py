@@ -191,6 +191,7 @@ class DecodeState:
         self._free_slots: list[int] = list(range(max_requests))
         self._lengths: list[int] = [0] * max_requests
         self._pending: list[int] = [0] * max_requests  # rows of the planned, not yet advanced call
+        self._planned: StepRows | None = None  # the last plan() not yet advanced (check_step)
         self._pages: dict[int, list[list[int]]] = {
             r: [[] for _ in range(max_requests)] for r in self.ratios}
         self._free_pages: dict[int, list[int]] = {
@@ -338,23 +339,44 @@ class DecodeState:
             n += count
             slot_rows.extend([s] * count)
             pos_rows.extend(range(start, start + count))
-        return StepRows(
+        self._planned = StepRows(
             req_ids=tuple(ids), counts=tuple(counts), starts=tuple(starts),
             req_slot=torch.tensor(slot_rows, dtype=torch.int64).to(self.device),
             positions=torch.tensor(pos_rows, dtype=torch.int64).to(self.device),
             row_start=tuple(row_start))
+        return self._planned
+
+    def check_step(self, step: StepRows, what: str = "step") -> list[int]:
+        """Raise unless `step` is this state's current plan; return its requests' slots.
+
+        KeyError when one of its requests was freed; ValueError when it is stale (advanced already: a
+        request's length no longer equals its start), planned by another DecodeState, replaced by a
+        later `plan()`, or when a request was re-admitted since. Reads host bookkeeping only, so
+        callers check before they write any cache (`AttentionStack.forward`, `advance`).
+        """
+        if not isinstance(step, StepRows):
+            raise TypeError(f"{what}: expected the StepRows of DecodeState.plan, got {type(step).__name__}")
+        slots = [self.slot(req_id) for req_id in step.req_ids]
+        for req_id, s, start in zip(step.req_ids, slots, step.starts):
+            if self._lengths[s] != start:
+                raise ValueError(f"{what}: stale step: request {req_id!r} holds "
+                                 f"{self._lengths[s]} tokens but the step starts at {start}")
+        if step is not self._planned:
+            raise ValueError(f"{what}: the step is not this state's current plan (planned by another "
+                             f"DecodeState, or replaced by a later plan())")
+        for req_id, s, count in zip(step.req_ids, slots, step.counts):
+            if self._pending[s] != count:
+                raise ValueError(f"{what}: request {req_id!r} was freed or re-admitted after the step was planned")
+        return slots
 
     def advance(self, step: StepRows) -> None:
         """Commit a planned call after every layer ran: each request's length += its count.
 
-        ValueError when `step` is stale (a request's length no longer equals its start), KeyError
-        when one of its requests was freed.
+        `check_step` first (nothing changes on an error): ValueError when `step` is stale or not the
+        current plan, KeyError when one of its requests was freed.
         """
-        slots = [self.slot(req_id) for req_id in step.req_ids]
-        for req_id, s, start in zip(step.req_ids, slots, step.starts):
-            if self._lengths[s] != start:
-                raise ValueError(f"advance: stale step: request {req_id!r} holds "
-                                 f"{self._lengths[s]} tokens but the step starts at {start}")
+        slots = self.check_step(step, "advance")
+        self._planned = None
         for s, count in zip(slots, step.counts):
             self._lengths[s] += count
             self._pending[s] = 0

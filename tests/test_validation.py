@@ -1,0 +1,192 @@
+"""Every public call of the state, layer and stack checks before it mutates: a rejected call leaves
+every cache buffer and every piece of bookkeeping exactly as it was, and the next call computes
+what it would have computed had the rejected call never been made."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from dsv41_decode.config import ModelConfig
+from dsv41_decode.layer import CallContext
+from dsv41_decode.stack import AttentionStack
+from dsv41_decode.state import CapacityError, DecodeState, StepRows
+from dsv41_decode.weights import load_checkpoint, write_synthetic_checkpoint
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    cfg = ModelConfig.preset("tiny")
+    return AttentionStack(load_checkpoint(write_synthetic_checkpoint(cfg, tmp_path_factory.mktemp("ck"), seed=3)))
+
+
+def _copy(v):
+    if isinstance(v, torch.Tensor):
+        return v.clone()
+    if isinstance(v, dict):
+        return {k: _copy(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(_copy(x) for x in v)
+    if isinstance(v, (StepRows, ModelConfig)) or hasattr(v, "layers"):
+        return v                      # compared by identity
+    return copy.deepcopy(v)
+
+
+def _same(a, b, where="state") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b), f"{where} changed"   # the state holds no NaN (-inf compares equal)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), f"{where}: keys changed"
+        for k in a:
+            _same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{where}: length changed"
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]")
+    elif isinstance(a, StepRows) or hasattr(a, "layers"):
+        assert a is b, f"{where} changed"
+    else:
+        assert a == b, f"{where}: {a!r} -> {b!r}"
+
+
+def snapshot(state: DecodeState) -> dict:
+    """Every attribute of the state: buffers cloned, bookkeeping copied."""
+    return {k: _copy(v) for k, v in vars(state).items()}
+
+
+def unchanged(state: DecodeState, snap: dict) -> None:
+    now = vars(state)
+    assert now.keys() == snap.keys()
+    for k in snap:
+        _same(snap[k], now[k], k)
+
+
+def streams(n: int, cfg: ModelConfig, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, cfg.hc_mult, cfg.dim, generator=g).to(torch.bfloat16)
+
+
+def served(stack, reqs=(("a", 9), ("b", 5))) -> DecodeState:
+    """A state with `reqs` admitted and prefilled (deterministic inputs)."""
+    st = DecodeState(stack.cfg, max_requests=3, max_context=32, page_size=4)
+    for r, _ in reqs:
+        st.admit(r)
+    stack.forward(streams(sum(n for _, n in reqs), stack.cfg, 0), st.plan(list(reqs)), st)
+    return st
+
+
+def test_stale_step_is_rejected_before_any_cache_is_written(stack):
+    st, clean = served(stack), served(stack)
+    step = st.plan([("a", 1), ("b", 2)])
+    x = streams(3, stack.cfg, 1)
+    stack.forward(x, step, st)
+    clean_step = clean.plan([("a", 1), ("b", 2)])
+    stack.forward(x, clean_step, clean)
+    snap = snapshot(st)
+    with pytest.raises(ValueError, match=r"forward: stale step: request 'a' holds 10 tokens but the step starts at 9"):
+        stack.forward(x, step, st)
+    unchanged(st, snap)
+    with pytest.raises(ValueError, match="layer 0: stale step"):
+        stack.layers[0].forward(x[:, 0], step, st, CallContext())
+    unchanged(st, snap)
+    with pytest.raises(ValueError, match="advance: stale step"):
+        st.advance(step)
+    unchanged(st, snap)
+    # the next call computes exactly what a state that never saw the rejected calls computes
+    y = stack.forward(streams(1, stack.cfg, 2), st.plan([("b", 1)]), st)[0]
+    y_clean = stack.forward(streams(1, stack.cfg, 2), clean.plan([("b", 1)]), clean)[0]
+    assert torch.equal(y, y_clean)
+
+
+def test_foreign_and_replaced_steps_are_rejected(stack):
+    st, other = served(stack), served(stack)
+    foreign = other.plan([("a", 1)])             # same ids and lengths, another state
+    mine = st.plan([("a", 1)])
+    snap = snapshot(st)
+    with pytest.raises(ValueError, match="not this state's current plan"):
+        stack.forward(streams(1, stack.cfg, 1), foreign, st)
+    unchanged(st, snap)
+    newer = st.plan([("a", 2)])                  # replaces `mine`
+    snap = snapshot(st)
+    with pytest.raises(ValueError, match="not this state's current plan"):
+        stack.forward(streams(1, stack.cfg, 1), mine, st)
+    with pytest.raises(ValueError, match="not this state's current plan"):
+        st.advance(mine)
+    unchanged(st, snap)
+    stack.forward(streams(2, stack.cfg, 1), newer, st)
+    assert st.length("a") == 11
+
+
+def test_freed_and_readmitted_requests_are_rejected(stack):
+    st = served(stack)
+    step = st.plan([("a", 1), ("b", 1)])
+    st.free("b")
+    snap = snapshot(st)
+    with pytest.raises(KeyError, match="'b' is not live"):
+        stack.forward(streams(2, stack.cfg, 1), step, st)
+    with pytest.raises(KeyError, match="'b' is not live"):
+        st.advance(step)
+    unchanged(st, snap)
+    st.admit("b")                                # same id, a fresh request at length 0
+    step = st.plan([("b", 2)])
+    st.free("b")
+    st.admit("b")
+    snap = snapshot(st)
+    with pytest.raises(ValueError, match="'b' was freed or re-admitted"):
+        stack.forward(streams(2, stack.cfg, 1), step, st)
+    unchanged(st, snap)
+
+
+def test_bad_inputs_to_forward_change_nothing(stack):
+    st = served(stack)
+    step = st.plan([("a", 2)])
+    snap = snapshot(st)
+    for x, pre, msg in ((streams(3, stack.cfg, 1), None, r"streams must be \[2, 4, 128\]"),
+                        (streams(2, stack.cfg, 1).float(), None, "bfloat16"),
+                        (streams(2, stack.cfg, 1), torch.ones(4), r"pre_in must be \[2, 4\] float32")):
+        with pytest.raises(ValueError, match=msg):
+            stack.forward(x, step, st, pre_in=pre)
+        unchanged(st, snap)
+    small = DecodeState(ModelConfig.preset("small"), max_requests=1, max_context=8)
+    small.admit("a")
+    other = small.plan([("a", 2)])
+    snap_small = snapshot(small)
+    with pytest.raises(ValueError, match="another configuration"):
+        stack.forward(streams(2, stack.cfg, 1), other, small)
+    unchanged(small, snap_small)
+    stack.forward(streams(2, stack.cfg, 1), step, st)      # the planned step still runs
+    assert st.length("a") == 11
+
+
+def test_rejected_plans_admits_and_frees_change_nothing(stack):
+    st = served(stack)
+    st.admit("c")
+    snap = snapshot(st)
+    calls = [
+        (CapacityError, "requests: all 3", lambda: st.admit("d")),
+        (ValueError, "already live", lambda: st.admit("a")),
+        (KeyError, "'zz' is not live", lambda: st.free("zz")),
+        (CapacityError, "context: request 'a' would hold 33", lambda: st.plan([("b", 1), ("a", 24)])),
+        (KeyError, "'zz'", lambda: st.plan([("a", 1), ("zz", 1)])),
+        (ValueError, "listed twice", lambda: st.plan([("a", 1), ("a", 1)])),
+        (ValueError, "count 0", lambda: st.plan([("a", 1), ("b", 0)])),
+        (ValueError, "no rows", lambda: st.plan([])),
+    ]
+    for exc, msg, call in calls:
+        with pytest.raises(exc, match=msg):
+            call()
+        unchanged(st, snap)
+
+
+def test_page_capacity_is_checked_before_any_page_is_taken(stack):
+    cfg = stack.cfg
+    st = DecodeState(cfg, max_requests=2, max_context=32, max_tokens=8, page_size=4)
+    st.admit("a"), st.admit("b")
+    stack.forward(streams(8, cfg, 0), st.plan([("a", 8)]), st)
+    snap = snapshot(st)
+    with pytest.raises(CapacityError, match="pages of ratio"):
+        st.plan([("b", 4), ("a", 12)])           # b's pages would fit, a's do not: neither is taken
+    unchanged(st, snap)
