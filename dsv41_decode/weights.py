@@ -56,6 +56,8 @@ KNOWN_SUFFIXES = frozenset({
 })
 
 _LAYER_NAME = re.compile(r"layers\.(\d+)\.")
+_PREFIXED_LAYER = re.compile(r"(.+?)layers\.\d+\.")
+_HF_MARKERS = ("self_attn.", "q_a_proj", "kv_a_proj", "o_proj", "weight_scale_inv")
 
 TensorSpec = tuple[torch.dtype, tuple[int, ...]]
 
@@ -212,6 +214,42 @@ class _Shards:
                 raise CheckpointError(f"{root}: no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors shard")
             self.source = f"the {len(files)} *.safetensors shard(s) of {root}"
             self._scan(files)
+        self.stored: dict[str, str] = {}   # official name -> the name in the file, where they differ
+        self._strip_prefix()
+
+    def _strip_prefix(self) -> None:
+        """Map a checkpoint whose layer tensors all carry one prefix before `layers.N.` (the `model.`
+        of a Hugging Face folder) onto the official names, keeping the stored names for reading."""
+        if any(_LAYER_NAME.match(n) for n in self.where):
+            return
+        prefixes = {m.group(1) for n in self.where if (m := _PREFIXED_LAYER.match(n))}
+        if len(prefixes) != 1:
+            return
+        (pre,) = prefixes
+        mapped = {n[len(pre):]: n for n in self.where if n.startswith(pre)}
+        if not any(_LAYER_NAME.sub("", k, count=1) in KNOWN_SUFFIXES for k in mapped):
+            return   # another naming altogether: _naming_hint explains it
+        self.where = {k: self.where[v] for k, v in mapped.items()}
+        self.stored = mapped
+        self.source += f" (names read without their {pre!r} prefix)"
+
+    def naming_hint(self, layer: int) -> str:
+        """For a layer with missing tensors: what the folder holds instead and what to rename ("" when
+        it holds the layer under the official names, so the missing ones are simply missing)."""
+        held = [self.stored.get(n, n) for n in self.layer_names(layer)]
+        hf = [n for n in (held or sorted(self.where)) if any(k in n for k in _HF_MARKERS)]
+        if hf:
+            return (f" (its names, e.g. {hf[0]}, are a Hugging Face transformers naming: convert the "
+                    f"checkpoint to the official inference names first, e.g. "
+                    f"model.layers.N.self_attn.q_a_proj.weight -> layers.N.attn.wq_a.weight and "
+                    f"weight_scale_inv -> scale; README 'Checkpoints' lists every name read)")
+        if held:
+            return ""
+        if not self.where:
+            return " (the folder holds no tensors)"
+        mine = [n for n in sorted(self.where) if f".{layer}." in n] or sorted(self.where)
+        return (f" (the folder holds no layers.{layer}.* tensors; its names look like {mine[0]}; expected e.g. "
+                f"layers.{layer}.attn.wq_a.weight: rename them as README 'Checkpoints' lists)")
 
     def _read_index(self, index: Path) -> None:
         try:
@@ -264,7 +302,7 @@ class _Shards:
     def _slice(self, name: str):
         h = self._open(self.where[name])
         try:
-            return h.get_slice(name)
+            return h.get_slice(self.stored.get(name, name))
         except Exception as e:
             raise CheckpointError(f"{name}: listed in {self.source} but not readable from "
                                   f"{self.where[name]}: {e}") from None
@@ -282,7 +320,7 @@ class _Shards:
         file = self.where[name]
         h = self._open(file)
         try:
-            return h.get_tensor(name)
+            return h.get_tensor(self.stored.get(name, name))
         except Exception as e:
             raise CheckpointError(f"{name}: listed in {self.source} but not readable from "
                                   f"{file}: {e}") from None
@@ -328,8 +366,9 @@ def _load_layer(cfg: ModelConfig, layer: int, shards: _Shards, device: torch.dev
 
     missing = [n for n in expected if n not in shards.where]
     if missing:
-        raise CheckpointError(f"missing tensor(s) {', '.join(missing)} for {what}; "
-                              f"looked in {shards.source}")
+        hint = shards.naming_hint(layer)
+        names = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
+        raise CheckpointError(f"missing tensor(s) {names} for {what}; looked in {shards.source}{hint}")
     for name in shards.layer_names(layer):
         if name not in expected and name[len(prefix):] in KNOWN_SUFFIXES:
             hint = (" (attn.wo_a.weight is BF16, so it takes no scale)"

@@ -336,3 +336,42 @@ def test_checkpoint_is_frozen(tiny_ckpt):
     assert isinstance(ck, Checkpoint)
     with pytest.raises(AttributeError):
         ck.config = None  # type: ignore[misc]
+
+
+# ----- other namings: a `model.` prefix is read through; other names get a hint -----
+
+def _renamed_shards(src: Path, dst: Path, rename: Callable[[str], str]) -> Path:
+    """A copy of the sharded checkpoint `src` with every tensor name passed through `rename`."""
+    dst.mkdir()
+    shutil.copy(src / "config.json", dst / "config.json")
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    for f in sorted(set(index["weight_map"].values())):
+        with safe_open(str(src / f), framework="pt") as h:
+            save_file({rename(k): h.get_tensor(k) for k in h.keys()}, str(dst / f))
+    index["weight_map"] = {rename(k): v for k, v in index["weight_map"].items()}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    return dst
+
+
+def test_model_prefix_is_mapped_in_a_sharded_folder(tmp_path):
+    cfg = ModelConfig.preset("tiny")
+    src = write_synthetic_checkpoint(cfg, tmp_path / "official", seed=1, shards=3)
+    hf = _renamed_shards(src, tmp_path / "hf", lambda k: f"model.{k}")
+    a, b = load_checkpoint(src), load_checkpoint(hf)
+    for i in range(cfg.n_layers):
+        assert a.layer(i).keys() == b.layer(i).keys()
+        for k in a.layer(i):
+            assert torch.equal(a.layer(i)[k].view(torch.uint8), b.layer(i)[k].view(torch.uint8)), (i, k)
+
+
+def test_other_namings_get_a_hint(tmp_path):
+    cfg = ModelConfig.preset("tiny")
+    src = write_synthetic_checkpoint(cfg, tmp_path / "official", seed=1, shards=2)
+    hf = _renamed_shards(src, tmp_path / "hf", lambda k: "model." + k.replace(".attn.", ".self_attn.")
+                         .replace("wq_a.weight", "q_a_proj.weight").replace(".scale", ".weight_scale_inv"))
+    with pytest.raises(CheckpointError, match=r"missing tensor\(s\) layers\.0\.\S+, .* and \d+ more for .*prefix\) \(its names, e\.g\. model\.layers\.0\.self_attn.*"
+                       r"Hugging Face transformers naming.*self_attn\.q_a_proj\.weight -> layers\.N\.attn\.wq_a"):
+        load_checkpoint(hf)
+    odd = _renamed_shards(src, tmp_path / "odd", lambda k: k.replace("layers.", "blocks."))
+    with pytest.raises(CheckpointError, match=r"no layers\.0\.\* tensors; its names look like blocks\.0\..*rename"):
+        load_checkpoint(odd)
