@@ -147,6 +147,14 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("dir", type=Path, help="the trace folder")
     v.add_argument("--quiet", action="store_true", help="print only the summary line (PASS, or FAIL with the "
                    "count of failures and the first one)")
+    v.add_argument("--path", choices=("reference", "step", "both"), default="reference",
+                   help="what replays the decode calls: the generic reference layers, the specialized step "
+                   "(DecodeStep, one layer at a time; the prefill still through the reference; a head count the "
+                   "step does not run is padded with zero heads), or both, one after the other (default: reference)")
+    v.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N; on the CPU the step's "
+                   "kernels run in Triton's interpreter (TRITON_INTERPRET=1, ~1 min per decode call) (default: cpu)")
+    v.add_argument("--calls", type=_int_at_least(0), default=None,
+                   help="replay only the first call and the N calls after it (default: all)")
     _common(v, threads=True)
     r = tsub.add_parser("record", help="record a trace folder from our own stack (same format)",
                         description="Records into a temporary folder beside OUT and renames it to OUT at the end, "
@@ -235,16 +243,35 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _verify(args, console: Console) -> int:
-    from .testing.trace import verify_trace
     for f in ("config.json", "model.safetensors", "trace.safetensors"):
         if not (args.dir / f).exists():
             raise UsageError(f"{args.dir}: not a trace folder: missing {f}")
-    results = verify_trace(args.dir, progress=not args.quiet)
-    table = Table(title=f"trace verify {args.dir}", caption="out: attn_out (BF16 ulps, relative RMS); quant!=: "
-                  "quantized values (window, compressed KV, index keys) not bit-exact; top-k: rows with equal sets "
-                  "(+ rows equal only up to tied scores, x rows that differ); cand!=: candidate rows that differ; "
-                  "bnd: mHC streams (ulps); mix: mHC coefficients (abs)")
-    for col in ("call", "L", "kind", "out ulp", "out rRMS", "quant!=", "top-k", "cand!=", "bnd", "mix"):
+    if args.device != "cpu":
+        import torch
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device {args.device}: CUDA is not available")
+    paths = ("reference", "step") if args.path == "both" else (args.path,)
+    if "step" in paths and args.device == "cpu":
+        import os
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise UsageError("--path step on the CPU runs the step's Triton kernels in the interpreter: "
+                             "set TRITON_INTERPRET=1 (or use --device cuda)")
+    return max(_verify_path(args, p, console) for p in paths)
+
+
+def _verify_path(args, path: str, console: Console) -> int:
+    from .testing.trace import verify_trace
+    note = console.print if not args.quiet else (lambda line: console.print(f"note: {line}"))
+    results = verify_trace(args.dir, progress=not args.quiet, path=path, device=args.device, calls=args.calls,
+                           log=note)
+    table = Table(title=f"trace verify {args.dir} --path {path}", caption="path: what ran the call (the prefill "
+                  "always the reference); out: attn_out (BF16 ulps, relative RMS); flip: rows past 2 ulps explained "
+                  "by one FP8 code flip of wo_b's input (ulps left after it); quant!=: quantized values (window, "
+                  "compressed KV, index keys) not bit-exact; top-k: rows with equal sets (+ rows equal only up to "
+                  "tied scores, x rows that differ); cand!=: candidate rows that differ; bnd: mHC streams (ulps); "
+                  "mix: mHC coefficients (abs, and / the derived bound)")
+    for col in ("call", "L", "kind", "path", "out ulp", "out rRMS", "flip", "quant!=", "top-k", "cand!=", "bnd",
+                "mix"):
         table.add_column(col, justify="right")
     for res in results:
         n_rows = sum(res.topk.values())
@@ -252,26 +279,32 @@ def _verify(args, console: Console) -> int:
             (f" +{res.topk['tie']}" if res.topk.get("tie") else "") + \
             (f" x{res.topk['differ']}" if res.topk.get("differ") else "")
         quant = " ".join(f"{k}={v}" for k, v in res.quant_bits.items() if v) or "0"
-        table.add_row(res.call, str(res.layer), res.kind, f"{res.attn_out_ulp:g}", f"{res.attn_out_rel_rms:.1e}",
-                      quant, topk, str(res.candidate_rows_differ), f"{res.boundary_ulp:.2g}",
-                      f"{res.mix_abs:.0e}", style="red" if res.failures else None)
+        flip = f"{len(res.flips)} ({res.attn_out_unexplained_ulp:g})" if res.flips else "-"
+        table.add_row(res.call, str(res.layer), res.kind, res.path, f"{res.attn_out_ulp:g}",
+                      f"{res.attn_out_rel_rms:.1e}", flip, quant, topk, str(res.candidate_rows_differ),
+                      f"{res.boundary_ulp:.2g}", f"{res.mix_abs:.0e} {res.mix_ratio:.2f}",
+                      style="red" if res.failures else None)
     if not args.quiet:
         console.print(table)
     bad = [(r.call, r.layer, f) for r in results for f in r.failures]
     ties = sum(r.topk.get("tie", 0) for r in results)
+    flips = sum(len(r.flips) for r in results)
     calls = len({r.call for r in results})
+    shape = f"{calls} calls x {len({r.layer for r in results})} layers"
     if bad:
         if not args.quiet:
             for call, layer, f in bad:
                 console.print(f"[red]FAIL {call} layer {layer}: {f}[/red]")
         call, layer, f = bad[0]
-        console.print(f"[red]FAIL[/red] {len(bad)} failure(s) in {len({(c, L) for c, L, _ in bad})} of "
-                      f"{len(results)} call-layers ({calls} calls x {len({r.layer for r in results})} layers); "
-                      f"first: {call} layer {layer}: {f}")
+        console.print(f"[red]FAIL[/red] --path {path}: {len(bad)} failure(s) in {len({(c, L) for c, L, _ in bad})} "
+                      f"of {len(results)} call-layers ({shape}); first: {call} layer {layer}: {f}")
         return 1
-    console.print(f"[green]PASS[/green] {calls} calls x {len({r.layer for r in results})} layers; "
-                  f"max attn_out error {max(r.attn_out_ulp for r in results):g} ulp; "
-                  f"{ties} top-k rows equal only up to tied scores (compared on the recorded selection)")
+    console.print(f"[green]PASS[/green] --path {path}: {shape}; "
+                  f"max attn_out error {max(r.attn_out_ulp for r in results):g} ulp"
+                  + (f" ({flips} rows explained by one FP8 code flip of wo_b's input, then "
+                     f"<= {max(r.attn_out_unexplained_ulp for r in results):g} ulp)" if flips else "")
+                  + f"; mHC coefficients <= {max(r.mix_ratio for r in results):.2g} of their bound; "
+                  f"{ties} top-k rows equal only up to tied scores")
     return 0
 
 

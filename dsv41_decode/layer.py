@@ -132,6 +132,8 @@ class AttentionLayer:
                     valid = torch.cat([valid, sel >= 0])
                 o[r] = ref_attn.sparse_attention(q[r], keys, valid, w["attn.attn_sink"],
                                                  cfg.softmax_scale)
+        if ctx.record is not None:
+            ctx.record[f"layers.{spec.layer}.o"] = o     # the attention output before wo_a (trace verifier)
         if self.tp.tp == 1:
             return ref_attn.output_projection(o, cis, self.wo_a, w["attn.wo_b.weight"], w["attn.wo_b.scale"],
                                               cfg.o_groups, rd)

@@ -1,0 +1,140 @@
+"""The specialized step (`decode.DecodeStep`) teacher-forced on a golden trace, one layer at a time.
+
+`StepReplay` builds the step eagerly (no CUDA graph) over a `DecodeState` and, for one decode call,
+runs each layer's `AttentionStep` on the trace's recorded `attn_in` (quantized to MXFP8 as the
+step's boundary would) instead of the streams its boundary computes: what `DecodeStep._schedule`
+does per layer, minus the mHC boundary, so every layer sees the recorded input whatever the
+earlier layers produced. The layers still share the step's tables, selections and candidate pool
+within the call, as in the captured step.
+
+`pad_heads`: the step runs 8, 16, 32 or 64 local heads; a checkpoint with fewer gets zero heads,
+which contribute exactly nothing (see there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..ops import pdl as pdl_launch
+from ..ops.act_quant import act_quant_mxfp8_
+from ..ops.sparse_mla import SUPPORTED_HEADS
+from ..weights import Checkpoint
+
+
+def step_heads(n_heads: int, o_groups: int) -> int:
+    """The smallest head count the step runs that holds `n_heads` with whole `wo_a` groups."""
+    for h in SUPPORTED_HEADS:
+        if h >= n_heads and h % o_groups == 0:
+            return h
+    raise ValueError(f"n_heads={n_heads}: the step runs {SUPPORTED_HEADS} local heads; no padding fits "
+                     f"{o_groups} wo_a groups")
+
+
+def pad_heads(ckpt: Checkpoint, heads: int) -> Checkpoint:
+    """`ckpt` with `heads` query heads: each `wo_a` group g keeps its heads first and gets
+    heads - n_heads zero heads after them (heads_per_group grows from H/G to heads/G).
+
+    A padded head's query is zero (zero rows in `wq_b`, scale byte 1.0), so its attention output is
+    some average of the keys, and its `wo_a` columns are zero, so each of its products in `wo_a` is
+    exactly +-0: an FP32 sum of the real heads' products plus zeros is bit for bit the same sum,
+    and z, `wo_b` and attn_out are unchanged (tests/test_trace_step.py checks this on the reference
+    layers: every attn_out of official-tiny bitwise equal with and without the padding). The sink
+    of a padded head is 0 (any finite value: the head's output is multiplied by zeros).
+    Nothing else depends on the head count (the indexer has its own heads).
+    """
+    cfg = ckpt.config
+    H, G, D = cfg.n_heads, cfg.o_groups, cfg.head_dim
+    if heads == H:
+        return ckpt
+    if heads < H or heads % G:
+        raise ValueError(f"cannot pad {H} heads in {G} groups to {heads}")
+    hpg, new_hpg = H // G, heads // G
+    # new head index of each old head: group g keeps slots g*new_hpg .. g*new_hpg + hpg - 1
+    keep = torch.tensor([g * new_hpg + j for g in range(G) for j in range(hpg)])
+
+    def as_bytes(t: torch.Tensor) -> torch.Tensor:          # FP8 / UE8M0 tensors are moved as bytes
+        return t.view(torch.uint8) if t.element_size() == 1 and t.is_floating_point() else t
+
+    def rows_by_head(t: torch.Tensor, per_head: int, fill: int = 0) -> torch.Tensor:
+        src = as_bytes(t)
+        out = src.new_full((heads * per_head, *src.shape[1:]), fill)
+        out.view(heads, per_head, *src.shape[1:])[keep.to(src.device)] = src.view(H, per_head, *src.shape[1:])
+        return out.view(t.dtype)
+
+    def cols_by_group(t: torch.Tensor, per_head: int, fill: int = 0) -> torch.Tensor:
+        src = as_bytes(t)
+        n = src.shape[0]
+        out = src.new_full((n, new_hpg, per_head), fill)     # row r of group r // o_lora_rank
+        out[:, :hpg] = src.view(n, hpg, per_head)
+        return out.reshape(n, new_hpg * per_head).view(t.dtype)
+
+    layers = {}
+    for i, w in ckpt.layers.items():
+        w = dict(w)
+        one = 127                                             # UE8M0 byte of 2^0
+        w["attn.wq_b.weight"] = rows_by_head(w["attn.wq_b.weight"], D)
+        w["attn.wq_b.scale"] = rows_by_head(w["attn.wq_b.scale"], D // 32, one)
+        w["attn.attn_sink"] = rows_by_head(w["attn.attn_sink"], 1)
+        w["attn.wo_a.weight"] = cols_by_group(w["attn.wo_a.weight"], D)
+        if "attn.wo_a.scale" in w:
+            w["attn.wo_a.scale"] = cols_by_group(w["attn.wo_a.scale"], D // 32, one)
+        layers[i] = w
+    return Checkpoint(cfg.replace(n_heads=heads), layers, ckpt.path, ckpt.shard)
+
+
+@dataclass
+class StepLayerOut:
+    """What one layer of the step left for the verifier (CPU tensors, the call's n rows)."""
+
+    y: torch.Tensor                      # [n, dim] BF16 attention output
+    z: torch.Tensor                      # [n, o_groups * o_lora_rank] BF16, wo_b's input
+    topk: torch.Tensor | None            # [n, k] this layer's own selection (index sources)
+    scores: torch.Tensor | None          # [n, width] the indexer's scores (index sources)
+    latent: torch.Tensor | None          # [n, 512] the compressor latent (KV sources)
+    candidates: torch.Tensor | None      # [n, width] bool candidate pool (candidate source)
+
+
+class StepReplay:
+    """A `DecodeStep` of `stack` over `state` (eager), driven one layer at a time."""
+
+    def __init__(self, stack, state, max_rows: int):
+        self.stack, self.state = stack, state
+        self.step = stack.decode_step(state, max_rows=max_rows, graphs=False)
+        self.rows = self.bucket = 0
+        self.shared: dict = {}
+
+    def begin(self, planned) -> None:
+        """Load a planned call's rows (`DecodeState.plan`) into the step's tables."""
+        step = self.step
+        self.rows, self.bucket = planned.n_rows, step.bucket_for(planned.n_rows)
+        step.meta.load(planned, self.bucket)
+        with pdl_launch.launching(step.pdl, step.device):
+            step.meta.derive(self.bucket)
+        self.shared = {}
+
+    def run_layer(self, layer: int, u: torch.Tensor) -> StepLayerOut:
+        """Run layer `layer` on inputs u [n, dim] BF16 (the recorded attn_in) and read its outputs."""
+        step, n, b = self.step, self.rows, self.bucket
+        bd, s = step.boundary, step.scratch
+        bd.u[:n].copy_(u)
+        bd.u[n:b].zero_()                                    # the bucket's padding rows
+        act_quant_mxfp8_(bd.u[:b], bd.codes[:b], bd.scales[:b])
+        with pdl_launch.launching(step.pdl, step.device):
+            step.layers[layer].run(b, bd.u[:b], bd.codes[:b], bd.scales[:b], step.y[:b], self.shared)
+        if step.device.type == "cuda":
+            torch.cuda.synchronize(step.device)             # side lanes included
+        spec = step.layers[layer].spec
+        sel = step.selections.get(layer) if spec.runs_indexer else None
+        cand = step.candidate_masks.get(layer)
+        return StepLayerOut(
+            y=step.y[:n].cpu().clone(), z=s.z[:n].cpu().clone(),
+            topk=None if sel is None else sel.topk[:n].cpu().long(),
+            scores=None if sel is None else s.scores[:n].cpu().clone(),
+            latent=s.lat[:n].cpu().clone() if spec.owns_compressor else None,
+            candidates=None if cand is None else cand[:n].cpu().bool())
+
+    def selection(self, layer: int) -> torch.Tensor:
+        """Index source `layer`'s selection of the current call: [n, k] int64, -1 padded."""
+        return self.step.selections[layer].topk[:self.rows].cpu().long()
