@@ -148,7 +148,7 @@ class AttentionLayer:
         W = self.cfg.window_size
         past = torch.arange(max(0, start - W + 1), start, dtype=torch.long, device=new.device)
         keys = torch.cat([state.read_window(self.spec.layer, slot, past), new]) if past.numel() else new
-        keep = slice(max(0, new.shape[0] - W), None)  # the ring holds only the last W positions
+        keep = slice(max(0, new.shape[0] - state.ring_size), None)  # the ring holds the last M positions
         state.write_window(self.spec.layer, slot, p_rows[keep], new_rot[keep])
         return keys, torch.cat([past, p_rows])
 
@@ -158,10 +158,11 @@ class AttentionLayer:
         cfg, w, r = self.cfg, self.w, self.spec.ratio
         slot = state.slot(req_id)
         if r == 2:
-            c, done = ref_comp.compress_ratio2(x, p_rows, w["attn.compressor.wkv.weight"],
-                                               w["attn.compressor.wgate.weight"],
-                                               state.comp_kv[self.spec.layer][slot],
-                                               state.comp_score[self.spec.layer][slot])
+            kv, score = ref_comp.ratio2_inputs(x, w["attn.compressor.wkv.weight"],
+                                               w["attn.compressor.wgate.weight"])
+            c, done = ref_comp.compress_ratio2_rows(kv, score, p_rows, state.comp_kv[self.spec.layer][slot],
+                                                    state.comp_score[self.spec.layer][slot])
+            state.write_compressor_rows(self.spec.layer, slot, p_rows, kv, score)  # what accept restores
         else:
             c, done = ref_comp.compress_ratio1(x, w["attn.compressor.wkv.weight"]), torch.arange(x.shape[0], device=x.device)
         if not done.numel():

@@ -3,13 +3,16 @@
 `DecodeState` owns every cache buffer of the stack, allocated once at construction from explicit
 capacities (spec sections 2, 3 and 6):
 
-- a window ring per layer (every layer has one): 528-byte MXFP8 records, `W = window_size` slots
-  per request slot; position p of request slot s lives at ring slot `s * W + p % W`;
+- a window ring per layer (every layer has one): 528-byte MXFP8 records, `M = W + max_drafts`
+  slots per request slot (`W = window_size`); position p of request slot s lives at ring slot
+  `s * M + p % M`;
 - for each KV source (kind "full") of ratio r: a paged compressed-KV cache (288-byte NVFP4 records)
   and a paged index-key cache (68-byte MXFP4 records), both addressed through the block table of
   ratio r, which the KV sources of that ratio share (they complete their entries on the same
   tokens, so one page list per request serves them all);
-- the open-group state of each ratio-2 compressor (spec section 3, step 4);
+- the open-group state of each ratio-2 compressor (spec section 3, step 4) and, when the state
+  takes drafts, the compressor's last `max_drafts + 2` input rows per request, which `accept`
+  restores the open group from;
 - the tokens held per request slot, on the host and mirrored on the device (`seq_lens`).
 
 Only the block tables (int32) grow with `max_context`; the record pools are sized by `max_tokens`,
@@ -17,14 +20,17 @@ the total held over all live requests, plus one partly-filled page per request s
 
 A call (a prefill chunk or a decode step) is `plan()`ned, run through every layer, then
 `advance()`d. Between the two, the call's rows are *pending*: layers may write the window records
-and completed compressed entries of the planned positions, and read them back.
+and completed compressed entries of the planned positions, and read them back. After `advance`,
+`accept({req: kept})` keeps only the first `kept` rows of a request's call (speculative decoding:
+the sampler accepted a prefix of the 1 + d rows) and leaves the state a run fed only the kept rows
+would hold (spec decision 12).
 """
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Hashable, Mapping, Sequence
 
 import torch
 
@@ -110,11 +116,15 @@ class DecodeState:
     stage_rows: window records past the rings, where a decode step stages its own rows' records
         (row i at `stage_base + i`) until its attention has read the old ring slots they replace
         (a request's later rows would otherwise overwrite positions its earlier rows still see).
+    max_drafts: the most rows of one request's call that `accept` may reject (0: every row is
+        committed). Each ring gets `max_drafts` extra slots, so that the rows a call writes past the
+        kept ones never overwrite the W positions the kept length still needs, and the ratio-2
+        compressors keep their last `max_drafts + 2` input rows per request (`comp_rows`).
     device: where every buffer lives.
 
     Buffers (allocated here, never reallocated; all on `device`):
-      window[L]: uint8 [max_requests * W + stage_rows, 528] for every layer L: the rings, then the
-        staging rows from `stage_base = max_requests * W`.
+      window[L]: uint8 [max_requests * M + stage_rows, 528] for every layer L (`M = ring_size =
+        W + max_drafts`): the rings, then the staging rows from `stage_base = max_requests * M`.
       compressed[L]: uint8 [pages_r * page_size, 288] for every KV source L of ratio r.
       index_keys[L]: uint8 [pages_r * page_size, 68] for every KV source L of ratio r.
       block_table[r]: int32 [max_requests, ceil(max_context / r / page_size)], -1 where unallocated;
@@ -122,7 +132,11 @@ class DecodeState:
         `block_table[r][s, j // page_size] * page_size + j % page_size`.
       comp_kv[L]: float32 [max_requests, 2, head_dim], zeros; comp_score[L]: float32
         [max_requests, 2, head_dim], -inf: the open group of every ratio-2 KV source L, row `p % 2`;
-        reset when a slot is admitted.
+        reset when a slot is admitted. Views of one buffer over all ratio-2 sources (any strides
+        but the last), so that `accept` restores every layer's in one indexed copy.
+      comp_rows[L] (max_drafts > 0 only): float32 [max_requests, max_drafts + 2, 2 * head_dim]: the
+        FP32 inputs `kv | score` of the compressor's rows at positions p, at row `p % (max_drafts
+        + 2)`, written by every call (the generic layer and the step's compressor kernel alike).
       seq_lens: int32 [max_requests], the tokens each slot held after the last `advance` (0 for a
         free slot); the host-side `length()` is the source of truth.
     with `pages_r = ceil(max_tokens / r / page_size) + max_requests`.
@@ -130,13 +144,15 @@ class DecodeState:
 
     def __init__(self, cfg: ModelConfig, max_requests: int, max_context: int,
                  max_tokens: int | None = None, page_size: int = 64,
-                 device: str | torch.device = "cpu", stage_rows: int = 64) -> None:
+                 device: str | torch.device = "cpu", stage_rows: int = 64, max_drafts: int = 0) -> None:
         for name, v in (("max_requests", max_requests), ("max_context", max_context),
                         ("page_size", page_size)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"DecodeState: {name} must be a positive integer, got {v!r}")
         if not isinstance(stage_rows, int) or isinstance(stage_rows, bool) or stage_rows < 0:
             raise ValueError(f"DecodeState: stage_rows must be a non-negative integer, got {stage_rows!r}")
+        if not isinstance(max_drafts, int) or isinstance(max_drafts, bool) or max_drafts < 0:
+            raise ValueError(f"DecodeState: max_drafts must be a non-negative integer, got {max_drafts!r}")
         if max_tokens is None:
             max_tokens = max_requests * max_context
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
@@ -152,9 +168,14 @@ class DecodeState:
         self.window_size = cfg.window_size
         self.head_dim = cfg.head_dim
         self.stage_rows = stage_rows
-        self.stage_base = max_requests * cfg.window_size
+        self.max_drafts = max_drafts
+        self.ring_size = cfg.window_size + max_drafts
+        self.stage_base = max_requests * self.ring_size
+        # rows of compressor input kept per request: the kept length's last two positions survive
+        # any call that rejects at most max_drafts rows (spec decision 12)
+        self.comp_history = max_drafts + 2 if max_drafts else 0
 
-        W, dev = self.window_size, self.device
+        M, dev = self.ring_size, self.device
         self.kv_sources: tuple[int, ...] = tuple(
             s.layer for s in self.layer_plan if s.kind == FULL)
         self.ratios: tuple[int, ...] = tuple(sorted({cfg.ratio(L) for L in self.kv_sources}))
@@ -162,23 +183,33 @@ class DecodeState:
             r: _cdiv(max_tokens, r * page_size) + max_requests for r in self.ratios}
 
         self.window: dict[int, torch.Tensor] = {
-            s.layer: torch.zeros(max_requests * W + stage_rows, WINDOW_KV_BYTES, dtype=torch.uint8, device=dev)
+            s.layer: torch.zeros(max_requests * M + stage_rows, WINDOW_KV_BYTES, dtype=torch.uint8, device=dev)
             for s in self.layer_plan}
         self.compressed: dict[int, torch.Tensor] = {}
         self.index_keys: dict[int, torch.Tensor] = {}
         self.comp_kv: dict[int, torch.Tensor] = {}
         self.comp_score: dict[int, torch.Tensor] = {}
+        self.comp_rows: dict[int, torch.Tensor] = {}
         for L in self.kv_sources:
             r = cfg.ratio(L)
             slots = self.n_pages[r] * page_size
             self.compressed[L] = torch.zeros(slots, COMPRESSED_KV_BYTES, dtype=torch.uint8,
                                              device=dev)
             self.index_keys[L] = torch.zeros(slots, INDEX_KEY_BYTES, dtype=torch.uint8, device=dev)
-            if r == 2:
-                self.comp_kv[L] = torch.zeros(max_requests, 2, self.head_dim,
-                                              dtype=torch.float32, device=dev)
-                self.comp_score[L] = torch.full((max_requests, 2, self.head_dim), float("-inf"),
-                                                dtype=torch.float32, device=dev)
+        r2 = [L for L in self.kv_sources if cfg.ratio(L) == 2]
+        # [slot, p % 2, ratio-2 source, kv | score, channel]; the rows' ring [slot, p % H, source,
+        # kv | score, channel] has one more slot row (index max_requests): a fresh group's values
+        self._comp = torch.zeros(max_requests, 2, len(r2), 2, self.head_dim, dtype=torch.float32, device=dev)
+        self._comp[:, :, :, 1] = float("-inf")
+        H = self.comp_history
+        self._comp_rows = torch.zeros(max_requests + 1, H, len(r2), 2, self.head_dim,
+                                      dtype=torch.float32, device=dev)
+        self._comp_rows[max_requests, :, :, 1] = float("-inf")
+        for k, L in enumerate(r2):
+            self.comp_kv[L] = self._comp[:, :, k, 0]
+            self.comp_score[L] = self._comp[:, :, k, 1]
+            if H:
+                self.comp_rows[L] = self._comp_rows[:max_requests, :, k].flatten(2)
         self.block_table: dict[int, torch.Tensor] = {
             r: torch.full((max_requests, _cdiv(max_context, r * page_size)), -1,
                           dtype=torch.int32, device=dev)
@@ -192,6 +223,7 @@ class DecodeState:
         self._lengths: list[int] = [0] * max_requests
         self._pending: list[int] = [0] * max_requests  # rows of the planned, not yet advanced call
         self._planned: StepRows | None = None  # the last plan() not yet advanced (check_step)
+        self._accepting: dict[int, tuple[int, int]] = {}  # slot -> (start, count) of the last advanced call
         self._pages: dict[int, list[list[int]]] = {
             r: [[] for _ in range(max_requests)] for r in self.ratios}
         self._free_pages: dict[int, list[int]] = {
@@ -219,11 +251,11 @@ class DecodeState:
         self._slot_req[s] = req_id
         self._lengths[s] = 0
         self._pending[s] = 0
+        self._accepting.pop(s, None)
         for hi in self._window_hi.values():
             hi[s] = 0
-        for L in self.comp_kv:
-            self.comp_kv[L][s].zero_()
-            self.comp_score[L][s].fill_(float("-inf"))
+        self._comp[s, :, :, 0] = 0.0
+        self._comp[s, :, :, 1] = float("-inf")
         self.seq_lens[s] = 0
         return s
 
@@ -239,6 +271,7 @@ class DecodeState:
         self._slot_req[s] = None
         self._lengths[s] = 0
         self._pending[s] = 0
+        self._accepting.pop(s, None)
         self.seq_lens[s] = 0
         heapq.heappush(self._free_slots, s)
 
@@ -331,6 +364,7 @@ class DecodeState:
                 self.block_table[r][where] = torch.tensor(t_pages, dtype=torch.int32).to(self.device)
 
         self._pending = [0] * self.max_requests
+        self._accepting = {}   # a new call: the last one can no longer be accepted
         row_start, n = [], 0
         slot_rows, pos_rows = [], []
         for s, start, count in zip(slots, starts, counts):
@@ -377,18 +411,80 @@ class DecodeState:
         """
         slots = self.check_step(step, "advance")
         self._planned = None
-        for s, count in zip(slots, step.counts):
+        for s, start, count in zip(slots, step.starts, step.counts):
             self._lengths[s] += count
             self._pending[s] = 0
+            self._accepting[s] = (start, count)
         self.seq_lens.copy_(torch.tensor(self._lengths, dtype=torch.int32))
+
+    def accept(self, kept: Mapping[Hashable, int]) -> None:
+        """Keep only the first `kept[req]` rows of each listed request's last advanced call.
+
+        Speculative decoding: a call scored 1 + d rows of a request (its next token and d drafts)
+        and the sampler accepted a prefix of them. kept: {req_id: rows kept}, each in
+        `count - max_drafts .. count` and >= 1; requests not listed keep every row. Afterwards the
+        state is what a run that only ever saw the kept rows holds, in everything a later call
+        reads (spec decision 12): the request's length is `start + kept`; the window ring holds
+        positions `length - W .. length - 1` (the rejected rows' records sit in ring slots of
+        positions below `length - W`, or of positions >= length, rewritten before they are read);
+        compressed entries and index keys that rejected rows published lie at entries >= length // r
+        (rewritten when their positions come again) and the pages past the kept entries go back to
+        the pools; each ratio-2 compressor's open group (both rows, bit for bit) is restored from
+        `comp_rows`. Device work: one small host-to-device copy, one indexed copy over every
+        ratio-2 source, the `seq_lens` mirror; nothing waits for the device.
+
+        Once per call and request: the next `plan` (or a second `accept` of the request) ends it.
+        KeyError for a request that is not live; ValueError for a request that was not in the last
+        advanced call, a kept count outside `1 .. count`, or more rejected rows than `max_drafts`.
+        """
+        todo = []
+        for req_id, k in kept.items():
+            s = self.slot(req_id)
+            if s not in self._accepting:
+                raise ValueError(f"accept: request {req_id!r} was not in the last advanced call "
+                                 f"(or its rows were already accepted); accept after advance, "
+                                 f"before the next plan")
+            start, count = self._accepting[s]
+            if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= count:
+                raise ValueError(f"accept: request {req_id!r} keeps {k!r} rows; its call had {count} "
+                                 f"rows and keeps 1..{count}")
+            if count - k > self.max_drafts:
+                raise ValueError(f"accept: request {req_id!r} rejects {count - k} of its {count} rows, "
+                                 f"more than max_drafts={self.max_drafts} (build the DecodeState with "
+                                 f"max_drafts >= {count - k})")
+            todo.append((s, start + k, start + count))
+        restore = []   # (slot, p % 2, source slot, p % H) of the open group's two rows
+        for s, n, old in todo:
+            self._accepting.pop(s)
+            if n == old:
+                continue
+            self._lengths[s] = n
+            for hi in self._window_hi.values():
+                hi[s] = min(hi[s], n)
+            for r in self.ratios:
+                held, want = self._pages[r][s], _cdiv(n // r, self.page_size)
+                if len(held) > want:
+                    self._free_pages[r].extend(reversed(held[want:]))
+                    del held[want:]
+                    self.block_table[r][s, want:].fill_(-1)
+            if self.comp_rows:
+                for p in (n - 1, n - 2):
+                    restore.append((s, p % 2) + ((s, p % self.comp_history) if p >= 0
+                                                 else (self.max_requests, 0)))
+        if restore:
+            idx = torch.tensor(restore, dtype=torch.int64).T.to(self.device)
+            self._comp[idx[0], idx[1]] = self._comp_rows[idx[2], idx[3]]
+        if todo:
+            self.seq_lens.copy_(torch.tensor(self._lengths, dtype=torch.int32))
 
     # ----- window cache (generic path) -----
     def window_slots(self, req_slot: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Global ring slots `req_slot * W + positions % W`, int64, shaped like the inputs.
+        """Global ring slots `req_slot * M + positions % M` (M = ring_size), int64, shaped like the
+        inputs.
 
         req_slot, positions: int64 tensors of one shape. Unchecked: slots live, positions >= 0.
         """
-        return req_slot.to(torch.int64) * self.window_size + positions.to(torch.int64) % self.window_size
+        return req_slot.to(torch.int64) * self.ring_size + positions.to(torch.int64) % self.ring_size
 
     def write_window(self, layer: int, req_slot: int, positions: torch.Tensor,
                      values: torch.Tensor) -> None:
@@ -397,7 +493,8 @@ class DecodeState:
         layer: any layer of the stack.
         req_slot: a live request slot.
         positions: int64 [n], strictly increasing, each below the slot's length plus its planned
-            rows. When n > W only the last W positions are stored (the others would be overwritten).
+            rows. When n > M (ring_size) only the last M positions are stored (the others would be
+            overwritten).
         values: bf16 [n, 512], RoPE'd (the record's MXFP8 quantization happens here).
         A call of several rows overwrites ring slots its earlier rows still need: read the cached
         positions (below the call's start) before writing the call's rows.
@@ -417,12 +514,12 @@ class DecodeState:
                 f"write_window: layer {layer}, slot {req_slot}: positions {pos[0]}..{pos[-1]} are "
                 f"outside 0..{end - 1} (length {self._lengths[req_slot]} + "
                 f"{self._pending[req_slot]} planned rows)")
-        keep = [i for i, p in enumerate(pos) if p > pos[-1] - self.window_size]
+        M = self.ring_size
+        keep = [i for i, p in enumerate(pos) if p > pos[-1] - M]
         if len(keep) < n:
             values = values[keep[0]:]
             pos = pos[keep[0]:]
-        idx = torch.tensor([req_slot * self.window_size + p % self.window_size for p in pos],
-                           dtype=torch.int64, device=self.device)
+        idx = torch.tensor([req_slot * M + p % M for p in pos], dtype=torch.int64, device=self.device)
         self.window[layer].index_copy_(0, idx, pack_window_kv(values))
         hi = self._window_hi[layer]
         hi[req_slot] = max(hi[req_slot], pos[-1] + 1)
@@ -445,9 +542,33 @@ class DecodeState:
             raise ValueError(
                 f"read_window: layer {layer}, slot {req_slot}: position {bad[0]} is not held in "
                 f"the window ring, which holds positions {lo}..{top - 1} (W={self.window_size})")
-        idx = torch.tensor([req_slot * self.window_size + p % self.window_size for p in pos],
-                           dtype=torch.int64, device=self.device)
-        return unpack_window_kv(self.window[layer][idx])
+        idx = self.window_slots(torch.full((len(pos),), req_slot), torch.tensor(pos, dtype=torch.int64))
+        return unpack_window_kv(self.window[layer][idx.to(self.device)])
+
+    # ----- compressor rows (generic path) -----
+    def write_compressor_rows(self, layer: int, req_slot: int, positions: torch.Tensor,
+                              kv: torch.Tensor, score: torch.Tensor) -> None:
+        """Keep the FP32 compressor inputs of a ratio-2 KV source's rows in `comp_rows[layer]`
+        (row `p % (max_drafts + 2)`), where `accept` restores the open group from. A no-op when
+        the state takes no drafts (max_drafts = 0).
+
+        positions: int64 [n], consecutive, of the slot's current call; kv, score: float32 [n, 512]
+        (x @ wkv^T, x @ wgate^T). Only the last max_drafts + 2 rows are stored (the others would be
+        overwritten).
+        """
+        r = self._check_source(layer, "write_compressor_rows")
+        if r != 2:
+            raise ValueError(f"write_compressor_rows: layer {layer} has ratio {r}; only ratio-2 "
+                             f"compressors keep an open group")
+        self._check_slot(req_slot, "write_compressor_rows")
+        H = self.comp_history
+        if not H or positions.numel() == 0:
+            return
+        pos = self._positions(positions, "write_compressor_rows")[-H:]
+        n = len(pos)
+        rows = torch.cat([kv[-n:], score[-n:]], dim=1)
+        idx = torch.tensor([p % H for p in pos], dtype=torch.int64, device=self.device)
+        self.comp_rows[layer][req_slot].index_copy_(0, idx, rows.to(torch.float32))
 
     # ----- compressed caches (generic path) -----
     def entry_slots(self, ratio: int, req_slot: int, entries: torch.Tensor) -> torch.Tensor:
@@ -526,14 +647,14 @@ class DecodeState:
     # ----- reporting -----
     def memory_bytes(self) -> dict[str, int]:
         """Bytes per buffer family: window, compressed, index_keys, compressor (comp_kv +
-        comp_score), tables (block tables + seq_lens)."""
+        comp_score + comp_rows), tables (block tables + seq_lens)."""
         def size(ts) -> int:
             return sum(t.numel() * t.element_size() for t in ts)
         return {
             "window": size(self.window.values()),
             "compressed": size(self.compressed.values()),
             "index_keys": size(self.index_keys.values()),
-            "compressor": size(self.comp_kv.values()) + size(self.comp_score.values()),
+            "compressor": size([self._comp, self._comp_rows]),
             "tables": size(self.block_table.values()) + size([self.seq_lens]),
         }
 

@@ -261,7 +261,7 @@ class AttentionStep:
             with lanes.side(AUX_COMPRESSOR):
                 if r == 2:
                     compress_ratio2_(kv_score, m.record[0, :B], m.record[1, :B], st.comp_kv[L],
-                                     st.comp_score[L], s.c[:B], s.done[:B])
+                                     st.comp_score[L], s.c[:B], s.done[:B], st.comp_rows.get(L))
                     c = s.c[:B]
                 else:
                     c = kv_score

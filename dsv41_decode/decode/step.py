@@ -2,11 +2,14 @@
 
     step = stack.decode_step(state, max_rows=16)        # plans, buffers, graphs: once
     x, pre = step(x, [("a", 1), ("b", 4)])               # one step: 1 row of "a", 1 + 3 draft rows of "b"
+    step.accept({"b": 2})                                # speculative decoding: keep "b"'s first 2 rows
 
 A call plans the step's rows in the `DecodeState` (page allocation, capacity checks), loads one
 small record per row to the device, replays the CUDA graph of the smallest bucket that holds the
-rows (rows past the step's are padding that writes nothing), and advances the state. Requests are
-admitted and freed on the state between steps; nothing is recaptured. Eager mode (`graphs=False`,
+rows (rows past the step's are padding that writes nothing), and advances the state by every row;
+`accept` then keeps a prefix of each request's rows (speculative decoding: `DecodeState.accept`,
+on a state built with `max_drafts`). Requests are admitted and freed on the state between steps;
+nothing is recaptured. Eager mode (`graphs=False`,
 and always on the CPU) runs the same schedule without a graph.
 
 The step leaves the tensors of the generic path (`AttentionStack.forward`) at every boundary, up to
@@ -264,6 +267,13 @@ class DecodeStep:
             self.mailbox.check()                              # a rank that never arrived: raise
         self.state.advance(step)
         return out
+
+    def accept(self, kept) -> None:
+        """Keep only the first `kept[req]` of each listed request's rows of the last step
+        (`DecodeState.accept`: the state is then what a run fed only the kept rows holds). Host
+        bookkeeping plus a few small device copies outside the graphs; nothing waits for the device.
+        Later steps that replay the same buckets give the kept-only run's bits (spec decision 12)."""
+        self.state.accept(kept)
 
     def memory_bytes(self) -> dict[str, int]:
         """Device bytes the step owns beyond the stack's weights and the state's caches (by family):

@@ -57,7 +57,8 @@ class StepMeta:
 
     record: int64 [5, max_rows] (FIELDS), loaded by the host before each replay.
     Derived on the device by `derive(rows)`:
-      window_table int32 [max_rows, W]: the ring or staging slot of each position p-W+1..p, -1 none;
+      window_table int32 [max_rows, W]: the ring or staging slot of each position p-W+1..p, -1 none
+        (ring slot `s * M + q % M`, M = `state.ring_size`);
       stage_slot int64 [max_rows]: where `qkv_rope_insert_` writes the row's window record (-1: pad);
       stage_src / ring_dst int64 [max_rows]: the post-attention copy (padding and rows whose ring
         slot a later row of the same request takes copy onto themselves);
@@ -116,7 +117,7 @@ class StepMeta:
         step_rows_(self.record[:, :rows], self.cfg.window_size, st.stage_base,
                    [(r, st.block_table[r]) for r in self._ratios], st.page_size, self.window_table[:rows],
                    self.stage_slot[:rows], self.ring_dst[:rows], self.kernel_slot[:rows], self._nvis,
-                   self._entry)
+                   self._entry, ring=st.ring_size)
         # the same FP32 products and polar() as reference.rope.rope_cis, for every use at once
         p = (self.record[1, :rows][None, :] + self._use_offset[:, None]).clamp(min=0)       # [K, rows]
         angles = p.to(torch.float32)[:, :, None] * self._use_freqs[:, None, :]              # [K, rows, half]
@@ -125,17 +126,17 @@ class StepMeta:
 
     def derive_reference(self, rows: int) -> dict[str, torch.Tensor]:
         """What `derive` writes for the first `rows` rows, in plain torch (tests compare the two)."""
-        st, W = self.state, self.cfg.window_size
+        st, W, M = self.state, self.cfg.window_size, self.state.ring_size
         slot, pos, start, first, last = (self.record[i, :rows] for i in range(len(FIELDS)))
         live = slot >= 0
         row = torch.arange(rows, device=slot.device)
         q = pos[:, None] + torch.arange(W, device=slot.device)[None, :] - (W - 1)        # [rows, W]
-        ring = slot[:, None] * W + torch.remainder(q, W)
+        ring = slot[:, None] * M + torch.remainder(q, M)
         stage = st.stage_base + first[:, None] + (q - start[:, None])
         table = torch.where(q >= start[:, None], stage, ring)
         out = {"window_table": torch.where(q >= 0, table, -1).to(torch.int32),
                "stage_slot": torch.where(live, st.stage_base + row, -1),
-               "ring_dst": torch.where(live & (pos > last - W), slot * W + torch.remainder(pos, W),
+               "ring_dst": torch.where(live & (pos > last - M), slot * M + torch.remainder(pos, M),
                                        st.stage_base + row),
                "kernel_slot": slot.clamp(min=0)}
         page = st.page_size

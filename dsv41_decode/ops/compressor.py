@@ -26,9 +26,11 @@ _BLOCK_C = 128
 
 
 @triton.jit
-def _compress_ratio2_kernel(kvs_ptr, slot_ptr, pos_ptr, skv_ptr, ssc_ptr, out_ptr, done_ptr, N,
+def _compress_ratio2_kernel(kvs_ptr, slot_ptr, pos_ptr, skv_ptr, ssc_ptr, out_ptr, done_ptr, hist_ptr, N,
                             stride_x, stride_kv0, stride_kv1, stride_sc0, stride_sc1, stride_o,
-                            D: tl.constexpr, BLOCK_C: tl.constexpr, LIBDEVICE_EXP: tl.constexpr):
+                            stride_h0, stride_h1, H,
+                            D: tl.constexpr, BLOCK_C: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
+                            HISTORY: tl.constexpr):
     r = tl.program_id(0)
     cb = tl.program_id(1)
     c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -54,6 +56,10 @@ def _compress_ratio2_kernel(kvs_ptr, slot_ptr, pos_ptr, skv_ptr, ssc_ptr, out_pt
         kv = tl.load(kvs_ptr + i * stride_x + c, mask=in_c, other=0.0)
         sc = tl.load(kvs_ptr + i * stride_x + D + c, mask=in_c, other=0.0)
         odd = (p % 2) == 1
+        if HISTORY:                       # the row's inputs, bit for bit, at its ring row p % H
+            h_row = hist_ptr + s.to(tl.int64) * stride_h0 + (p % H) * stride_h1 + c
+            tl.store(h_row, kv, mask=in_c)
+            tl.store(h_row + D, sc, mask=in_c)
         kv0 = tl.where(odd, kv0, kv)
         sc0 = tl.where(odd, sc0, sc)
         kv1 = tl.where(odd, kv, kv1)
@@ -92,9 +98,11 @@ def _require_ranks(kv_score, state_kv) -> None:
 
 def compress_ratio2_(kv_score: torch.Tensor, req_slot: torch.Tensor, positions: torch.Tensor,
                      state_kv: torch.Tensor, state_score: torch.Tensor, out: torch.Tensor,
-                     done: torch.Tensor) -> None:
+                     done: torch.Tensor, history: torch.Tensor | None = None) -> None:
     """out[r] = sum_j state_kv[s, j] * softmax_j(state_score[s, j]) once row r (slot s, position p,
     odd) has written state[s, p % 2] = kv_score[r, :D], kv_score[r, D:]; out[r] = 0 at even p.
+    With `history` [R, H, 2D] FP32 (`DecodeState.comp_rows`), row r also stores its kv_score row
+    there at [s, p % H] (what `DecodeState.accept` restores an open group from).
 
     kv_score: [N, 2D] FP32, x @ wkv^T then x @ wgate^T (D = 512 in the model; any row stride);
     req_slot: [N] int64 request slot per row, -1 = padding (ignored: out 0, done 0);
@@ -115,14 +123,23 @@ def compress_ratio2_(kv_score: torch.Tensor, req_slot: torch.Tensor, positions: 
     require_tensor(state_score, "state_score", torch.float32, (n_req, 2, d), dev)
     require_tensor(out, "out", torch.float32, (n, d), dev)
     require_tensor(done, "done", torch.int32, (n,), dev)
+    if history is not None:
+        if not isinstance(history, torch.Tensor) or history.dim() != 3 or history.shape[1] < 1:
+            raise ValueError(f"history must be a 3-D tensor [R, H >= 1, 2D], got "
+                             f"{getattr(history, 'shape', type(history).__name__)}")
+        require_tensor(history, "history", torch.float32, (n_req, history.shape[1], 2 * d), dev)
     if n == 0 or d == 0:
         return
     grid = (n, triton.cdiv(d, _BLOCK_C))
     # the interpreter has no libdevice: there tl.exp is NumPy's FP32 exp
     _compress_ratio2_kernel[grid](
-        kv_score, req_slot, positions, state_kv, state_score, out, done, n,
+        kv_score, req_slot, positions, state_kv, state_score, out, done,
+        out if history is None else history, n,
         kv_score.stride(0), state_kv.stride(0), state_kv.stride(1), state_score.stride(0),
-        state_score.stride(1), out.stride(0), D=d, BLOCK_C=_BLOCK_C, LIBDEVICE_EXP=not interpreting(),
+        state_score.stride(1), out.stride(0),
+        0 if history is None else history.stride(0), 0 if history is None else history.stride(1),
+        1 if history is None else history.shape[1],
+        D=d, BLOCK_C=_BLOCK_C, LIBDEVICE_EXP=not interpreting(), HISTORY=history is not None,
         num_warps=1, enable_fp_fusion=False)
 
 

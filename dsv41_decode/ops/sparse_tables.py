@@ -1,8 +1,8 @@
 """Sparse-index tables (issue 4 item 4): the per-row key slots that sparse MLA reads.
 
 * `window_table_`: for each row (request slot s, position p) the global window-ring slots of
-  positions p-W+1 .. p in ascending position order (ring slot s * W + q % W, `state.py`), -1 for
-  positions < 0 (a window not yet full).
+  positions p-W+1 .. p in ascending position order (ring slot s * M + q % M with the ring's
+  M = W + max_drafts slots per request, `state.py`), -1 for positions < 0 (a window not yet full).
 * `topk_slots_`: top-k compressed entry ids of each row (-1 = none) -> global compressed-cache slots
   through the request's block table: entry j -> block_table[s, j // page] * page + j % page; -1
   stays -1; lengths_out = the number of valid entries of the row.
@@ -21,13 +21,13 @@ from .checks import require_tensor
 
 
 @triton.jit
-def _window_table_kernel(slot_ptr, pos_ptr, out_ptr, stride_o, W: tl.constexpr, BLOCK_W: tl.constexpr):
+def _window_table_kernel(slot_ptr, pos_ptr, out_ptr, stride_o, M, W: tl.constexpr, BLOCK_W: tl.constexpr):
     r = tl.program_id(0)
     s = tl.load(slot_ptr + r)
     p = tl.load(pos_ptr + r)
     i = tl.arange(0, BLOCK_W)
     q = p - (W - 1) + i                       # ascending positions p-W+1 .. p
-    ring = s * W + q % W                      # q >= 0 where used: % is exact
+    ring = s * M + q % M                      # q >= 0 where used: % is exact
     val = tl.where(q >= 0, ring, -1).to(tl.int32)
     tl.store(out_ptr + r * stride_o + i, val, mask=i < W)
 
@@ -56,23 +56,32 @@ def _require_int(v, name: str) -> None:
         raise ValueError(f"{name} must be a positive int, got {v!r}")
 
 
-def window_table_(req_slot: torch.Tensor, positions: torch.Tensor, window: int, out: torch.Tensor) -> None:
-    """out[r, i] = req_slot[r] * window + q % window for q = positions[r] - window + 1 + i, -1 if q < 0.
+def _require_ring(ring, window: int) -> None:
+    if isinstance(ring, bool) or not isinstance(ring, int) or ring < window:
+        raise ValueError(f"ring must be an int >= window={window} (slots per request), got {ring!r}")
 
-    req_slot, positions: [N] int64 (positions >= 0, unchecked); window: W >= 1;
-    out: [N, W] int32, unit stride in W. All on one device.
+
+def window_table_(req_slot: torch.Tensor, positions: torch.Tensor, window: int, out: torch.Tensor,
+                  ring: int | None = None) -> None:
+    """out[r, i] = req_slot[r] * M + q % M for q = positions[r] - window + 1 + i, -1 if q < 0.
+
+    req_slot, positions: [N] int64 (positions >= 0, unchecked); window: W >= 1; ring: the ring's
+    slots per request M >= W (`DecodeState.ring_size`; default W); out: [N, W] int32, unit stride
+    in W. All on one device.
     """
     if not isinstance(req_slot, torch.Tensor) or req_slot.dim() != 1:
         raise ValueError(f"req_slot must be a 1-D tensor [N], got {getattr(req_slot, 'shape', type(req_slot).__name__)}")
     n = req_slot.shape[0]
     _require_int(window, "window")
+    ring = window if ring is None else ring
+    _require_ring(ring, window)
     dev = req_slot.device
     require_tensor(req_slot, "req_slot", torch.int64, (n,))
     require_tensor(positions, "positions", torch.int64, (n,), dev)
     require_tensor(out, "out", torch.int32, (n, window), dev)
     if n == 0:
         return
-    _window_table_kernel[(n,)](req_slot, positions, out, out.stride(0), W=window,
+    _window_table_kernel[(n,)](req_slot, positions, out, out.stride(0), ring, W=window,
                                BLOCK_W=triton.next_power_of_2(window))
 
 
@@ -121,7 +130,7 @@ def _ratio_rows(pos, slot, live, r, bt_ptr, stride_bt, cols, nvis_ptr, entry_ptr
 @triton.jit
 def _step_rows_kernel(rec_ptr, stride_rec, wt_ptr, stride_wt, stage_ptr, ring_ptr, kslot_ptr,
                       bt1_ptr, stride_bt1, cols1, r1, bt2_ptr, stride_bt2, cols2, r2, nvis_ptr, entry_ptr, stride_nr,
-                      stage_base, W: tl.constexpr, BLOCK_W: tl.constexpr, PAGE: tl.constexpr, NR: tl.constexpr):
+                      stage_base, M, W: tl.constexpr, BLOCK_W: tl.constexpr, PAGE: tl.constexpr, NR: tl.constexpr):
     i = tl.program_id(0)
     slot = tl.load(rec_ptr + i)
     pos = tl.load(rec_ptr + stride_rec + i)
@@ -131,13 +140,13 @@ def _step_rows_kernel(rec_ptr, stride_rec, wt_ptr, stride_wt, stage_ptr, ring_pt
     live = slot >= 0
     k = tl.arange(0, BLOCK_W)
     q = pos - (W - 1) + k                                   # ascending positions p-W+1 .. p
-    ring = slot * W + (q % W + W) % W                        # floor modulo (q < 0 is masked below)
+    ring = slot * M + (q % M + M) % M                        # floor modulo (q < 0 is masked below)
     stage = stage_base + first + (q - start)
     val = tl.where(q >= start, stage, ring)
     tl.store(wt_ptr + i * stride_wt + k, tl.where(q >= 0, val, -1).to(tl.int32), mask=k < W)
     tl.store(stage_ptr + i, tl.where(live, stage_base + i, -1))
-    keep = live & (pos > last - W)                          # no later row of the request takes the slot
-    tl.store(ring_ptr + i, tl.where(keep, slot * W + (pos % W + W) % W, stage_base + i))
+    keep = live & (pos > last - M)                          # no later row of the request takes the slot
+    tl.store(ring_ptr + i, tl.where(keep, slot * M + (pos % M + M) % M, stage_base + i))
     tl.store(kslot_ptr + i, tl.maximum(slot, 0))
     if NR >= 1:
         _ratio_rows(pos, slot, live, r1, bt1_ptr, stride_bt1, cols1, nvis_ptr + i, entry_ptr + i, PAGE)
@@ -148,18 +157,20 @@ def _step_rows_kernel(rec_ptr, stride_rec, wt_ptr, stride_wt, stage_ptr, ring_pt
 
 def step_rows_(record: torch.Tensor, window: int, stage_base: int, block_tables: list[tuple[int, torch.Tensor]],
                page_size: int, window_table: torch.Tensor, stage_slot: torch.Tensor, ring_dst: torch.Tensor,
-               kernel_slot: torch.Tensor, n_vis: torch.Tensor, entry_slot: torch.Tensor) -> None:
+               kernel_slot: torch.Tensor, n_vis: torch.Tensor, entry_slot: torch.Tensor,
+               ring: int | None = None) -> None:
     """A decode step's per-row tables from its rows' record, one launch (`decode.tables.StepMeta`).
 
     record: int64 [5, N] rows (request slot or -1 for padding, position or -1, the request's first
       position in the step, its first row, its last position), any row stride.
-    window: W; stage_base: the first staging row of the window pools.
+    window: W; stage_base: the first staging row of the window pools; ring: M, the ring slots per
+      request (`DecodeState.ring_size`, >= W; default W).
     block_tables: up to two (ratio, int32 [R, P] block table); page_size: entries per page.
     Writes, for the N rows: window_table [N, W] int32 (positions p-W+1..p: staged rows
-      `stage_base + first + (q - start)` for q >= start, ring slots `slot*W + q % W` below, -1 for
+      `stage_base + first + (q - start)` for q >= start, ring slots `slot*M + q % M` below, -1 for
       q < 0); stage_slot [N] int64 (`stage_base + row`, -1 for padding); ring_dst [N] int64 (the
       row's ring slot, or its own staging row for padding and for rows a later row of the request
-      replaces); kernel_slot [N] int64 (slot, 0 for padding); per ratio k: n_vis[k] int32
+      replaces: p <= last - M); kernel_slot [N] int64 (slot, 0 for padding); per ratio k: n_vis[k] int32
       ((p + 1) // r, 0 for padding) and entry_slot[k] int64 (the global slot of the entry the row
       completes, -1 if none or its page is unallocated). n_vis, entry_slot: [len(block_tables), >= N].
     """
@@ -168,6 +179,8 @@ def step_rows_(record: torch.Tensor, window: int, stage_base: int, block_tables:
     n, dev = record.shape[1], record.device
     _require_int(window, "window")
     _require_int(page_size, "page_size")
+    ring = window if ring is None else ring
+    _require_ring(ring, window)
     if len(block_tables) > 2:
         raise ValueError(f"block_tables: at most two ratios, got {len(block_tables)}")
     require_tensor(record, "record", torch.int64, (5, n), dev)
@@ -191,5 +204,5 @@ def step_rows_(record: torch.Tensor, window: int, stage_base: int, block_tables:
     _step_rows_kernel[(n,)](
         record, record.stride(0), window_table, window_table.stride(0), stage_slot, ring_dst, kernel_slot,
         bt1, bt1.stride(0), bt1.shape[1], r1, bt2, bt2.stride(0), bt2.shape[1], r2,
-        n_vis, entry_slot, n_vis.stride(0) if nr else 0, stage_base,
+        n_vis, entry_slot, n_vis.stride(0) if nr else 0, stage_base, ring,
         W=window, BLOCK_W=triton.next_power_of_2(window), PAGE=page_size, NR=nr)

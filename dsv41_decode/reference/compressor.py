@@ -22,8 +22,19 @@ def compress_ratio2(x: torch.Tensor, positions: torch.Tensor, wkv: torch.Tensor,
     group's rows at slot p % 2. Returns (c [g, 512] FP32 for each completed group, the completing
     rows' indices [g] into the n rows). c = sum_j softmax_j(score_j) * kv_j per channel.
     """
-    kv = fp32_linear(x, wkv)      # [n, 512]
-    score = fp32_linear(x, wgate)  # [n, 512]
+    kv, score = ratio2_inputs(x, wkv, wgate)
+    return compress_ratio2_rows(kv, score, positions, state_kv, state_score)
+
+
+def ratio2_inputs(x: torch.Tensor, wkv: torch.Tensor, wgate: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ratio-2 compressor's per-row inputs: (kv = x @ wkv^T, score = x @ wgate^T), FP32 [n, 512]."""
+    return fp32_linear(x, wkv), fp32_linear(x, wgate)
+
+
+def compress_ratio2_rows(kv: torch.Tensor, score: torch.Tensor, positions: torch.Tensor,
+                         state_kv: torch.Tensor, state_score: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`compress_ratio2` from the rows' inputs (`ratio2_inputs`): row p writes state[p % 2] (a bit
+    copy) and, at odd p, completes a group. Returns (c [g, 512] FP32, completing rows [g])."""
     out, rows = [], []
     for i, p in enumerate(positions.tolist()):
         state_kv[p % 2] = kv[i]
@@ -32,7 +43,7 @@ def compress_ratio2(x: torch.Tensor, positions: torch.Tensor, wkv: torch.Tensor,
             out.append((state_kv * torch.softmax(state_score, dim=0)).sum(0))
             rows.append(i)
     c = torch.stack(out) if out else kv.new_zeros(0, kv.shape[1])
-    return c, torch.tensor(rows, dtype=torch.long, device=x.device)
+    return c, torch.tensor(rows, dtype=torch.long, device=kv.device)
 
 
 def compress_ratio1(x: torch.Tensor, wkv: torch.Tensor) -> torch.Tensor:

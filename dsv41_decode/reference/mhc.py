@@ -41,12 +41,20 @@ def hc_mixes(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch
     m = (flatten(x) @ fn^T) * rsqrt(mean(flatten(x)^2) + norm_eps).
     """
     n, hc, _ = x.shape
+    # Batch invariance: torch's CPU kernels evaluate exp/sigmoid/rsqrt with vector code in chunks
+    # of up to 32 floats and the last partial chunk with scalar code, which can differ by an ulp;
+    # the rows are padded with zeros to a multiple of 32, so every element takes the vector code
+    # whatever n is (a zero row's m is 0: rsqrt(norm_eps) is finite).
     v = x.flatten(1).float()                                             # [n, hc*dim]
-    m = rowwise_dot(v, fn.float()) * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + norm_eps)  # [n, 24]
+    v = torch.cat([v, v.new_zeros(-n % _ROWS, v.shape[1])]) if n % _ROWS else v
+    m = rowwise_dot(v, fn.float()) * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + norm_eps)  # [n', 24]
     pre = torch.sigmoid(m[:, :hc] * scale[0] + base[:hc]) + hc_eps
     post = 2 * torch.sigmoid(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
-    logits = (m[:, 2 * hc:] * scale[2] + base[2 * hc:]).reshape(n, hc, hc)
-    return Mix(pre, post, sinkhorn(logits, sinkhorn_iters, hc_eps))
+    logits = (m[:, 2 * hc:] * scale[2] + base[2 * hc:]).reshape(-1, hc, hc)
+    return Mix(pre[:n], post[:n], sinkhorn(logits, sinkhorn_iters, hc_eps)[:n])
+
+
+_ROWS = 32   # hc_mixes pads its rows to a multiple of this (see there)
 
 
 def hc_pre(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

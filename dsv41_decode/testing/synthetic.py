@@ -80,9 +80,8 @@ def fill_state(state: DecodeState, lengths: Mapping[Hashable, int], seed: int = 
         state.admit(req)
         step = state.plan([(req, n)])
         s = state.slot(req)
-        W = state.window_size
-        keep = min(n, W)
-        ring = torch.tensor([s * W + p % W for p in range(n - keep, n)], device=dev)
+        keep = min(n, state.window_size)
+        ring = state.window_slots(torch.full((keep,), s), torch.arange(n - keep, n)).to(dev)
         for L, pool in state.window.items():
             pool[ring] = _random_records(keep, pack_window_kv, cfg.head_dim, dev, gen)
         for L in state.kv_sources:
@@ -93,7 +92,11 @@ def fill_state(state: DecodeState, lengths: Mapping[Hashable, int], seed: int = 
             slots = state.entry_slots(r, s, torch.arange(m, device=dev))
             state.compressed[L][slots] = _random_records(m, pack_compressed_kv, cfg.head_dim, dev, gen)
             state.index_keys[L][slots] = _random_records(m, pack_index_key, cfg.index_head_dim, dev, gen)
-            if r == 2 and n % 2:
-                state.comp_kv[L][s, 0] = torch.randn(cfg.head_dim, generator=gen, device=dev)
-                state.comp_score[L][s, 0] = torch.randn(cfg.head_dim, generator=gen, device=dev)
+            if r == 2:   # the open group's rows (positions n-2, n-1), kept for accept as a run would
+                pos = torch.arange(max(0, n - 2), n, device=dev)
+                kv = torch.randn(len(pos), cfg.head_dim, generator=gen, device=dev)
+                score = torch.randn(len(pos), cfg.head_dim, generator=gen, device=dev)
+                state.comp_kv[L][s, pos % 2] = kv
+                state.comp_score[L][s, pos % 2] = score
+                state.write_compressor_rows(L, s, pos, kv, score)
         state.advance(step)
