@@ -494,8 +494,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     prog = "dsv41-decode " + " ".join(a for a in (args.cmd, getattr(args, "trace_cmd", None),
                                                    getattr(args, "bench_cmd", None)) if a)
-    # a pipe or a CI log gets a fixed width wide enough for the tables
-    console = Console(width=None if sys.stdout.isatty() else 140)
+    # a pipe or a CI log gets a fixed width wide enough for the tables; a line of text stays one line
+    console = Console(width=None if sys.stdout.isatty() else 140, soft_wrap=True)
     threads = None
     try:
         if hasattr(args, "threads"):
