@@ -14,6 +14,7 @@ import triton.language as tl
 from ..formats import E4M3_MAX, MXFP8_AMAX_FLOOR
 from . import pdl
 from .checks import require_tensor
+from .fp4 import abs_nan_inf, pow2_ceil_exponent, pow2_inv
 from .rounding import e4m3_rne_code
 
 # fp32(1/448), the constant of the spec's bit rule; exact as a Python float, so Triton's own
@@ -26,26 +27,37 @@ INV_E4M3_MAX = _INV_E4M3_MAX   # for kernels that call mxfp8_quantize_tile
 def mxfp8_quantize_tile(x, AMAX_FLOOR: tl.constexpr, INV_QMAX: tl.constexpr, QMAX: tl.constexpr):
     """MXFP8 of a [BLOCK_M, BLOCK_K] FP32 tile of BF16 values (BLOCK_K a multiple of 32), blocks of
     32 along K, as `formats.mxfp8_quantize`: returns (codes [BLOCK_M, BLOCK_K] uint8, scale bytes
-    [BLOCK_M, BLOCK_K / 32] int32). For kernels that quantize their own output (ops.wo_a)."""
+    [BLOCK_M, BLOCK_K / 32] int32); a non-finite block gets scale byte 255 and codes 0x7F. The one
+    MXFP8 quantizer of the kernels that quantize their own output (ops.wo_a, ops.mhc, ops.rms_norm)."""
     BLOCK_M: tl.constexpr = x.shape[0]
     BLOCK_K: tl.constexpr = x.shape[1]
     NB: tl.constexpr = BLOCK_K // 32
     xb = tl.reshape(x, (BLOCK_M, NB, 32))
-    # NaN -> inf before the max, since max's NaN handling differs between back ends; a non-finite
-    # block then gets amax = inf and the NaN scale byte 255, as in formats.py.
-    ax = tl.abs(xb)
-    ax = tl.where(ax == ax, ax, float("inf"))
-    amax = tl.maximum(tl.max(ax, axis=2), AMAX_FLOOR)  # [BLOCK_M, NB]
-    p_bits = (amax * INV_QMAX).to(tl.int32, bitcast=True)  # positive: the sign bit is clear
-    exponent = (p_bits >> 23) - 127 + ((p_bits & 0x7FFFFF) != 0).to(tl.int32)
+    # A NaN counts as inf in the max (abs_nan_inf), so a non-finite block gets amax = inf and the
+    # NaN scale byte 255, as in formats.py.
+    amax = tl.maximum(tl.max(abs_nan_inf(xb), axis=2), AMAX_FLOOR)  # [BLOCK_M, NB]
+    exponent = pow2_ceil_exponent(amax, INV_QMAX)
     scale_byte = tl.minimum(exponent + 127, 255)  # finite amax gives at most 247
     # x * 2^-exponent is exactly x / 2^exponent (a power of two; the floor keeps exponent >= -22).
     # The clamp only guards non-finite blocks, whose codes are replaced below.
-    inv_scale = ((127 - tl.minimum(exponent, 126)) << 23).to(tl.float32, bitcast=True)
-    v = xb * inv_scale[:, :, None]
+    v = xb * pow2_inv(exponent)[:, :, None]
     v = tl.minimum(tl.maximum(v, -QMAX), QMAX)
     codes = tl.where(scale_byte[:, :, None] == 255, 0x7F, e4m3_rne_code(v)).to(tl.uint8)
     return tl.reshape(codes, (BLOCK_M, BLOCK_K)), scale_byte
+
+
+_MXFP8_FLOOR = tl.constexpr(MXFP8_AMAX_FLOOR)
+_E4M3_MAX = tl.constexpr(E4M3_MAX)
+_INV_E4M3 = tl.constexpr(_INV_E4M3_MAX)
+
+
+@triton.jit
+def mxfp8_blocks(v):
+    """MXFP8 of FP32 blocks v [NB, 32], one block per row (`mxfp8_quantize_tile`): (uint8 E4M3
+    codes [NB, 32], int32 UE8M0 scale bytes [NB])."""
+    NB: tl.constexpr = v.shape[0]
+    codes, scale_byte = mxfp8_quantize_tile(v, _MXFP8_FLOOR, _INV_E4M3, _E4M3_MAX)
+    return codes, tl.reshape(scale_byte, (NB,))
 
 
 @triton.jit

@@ -32,8 +32,8 @@ import triton
 import triton.language as tl
 
 from .checks import interpreting, require_tensor
-from .mhc import MhcBoundaryPlan, _boundary_block_d, _widen, check_boundary_operands, mix_chunk, split_finish
-from .rounding import bf16_rne_bits
+from .mhc import MhcBoundaryPlan, _boundary_block_d, check_boundary_operands, mix_chunk, split_finish
+from .rounding import bf16_rne_bits, bf16_widen
 
 
 
@@ -87,7 +87,7 @@ def _allreduce_boundary_kernel(
         acc += tl.load(base + slot_off + d, mask=mask, other=0.0, cache_modifier=".cv")
     y_bits = bf16_rne_bits(acc)
     tl.store(y_ptr + n * stride_y + d, y_bits, mask=mask)
-    b0, b1, b2, b3, c = mix_chunk(_widen(y_bits), x_ptr + n * stride_xn, stride_xh, post_ptr + n * stride_post,
+    b0, b1, b2, b3, c = mix_chunk(bf16_widen(y_bits), x_ptr + n * stride_xn, stride_xh, post_ptr + n * stride_post,
                                   comb_ptr + n * stride_cn, stride_ci, pre_ptr + n * stride_pre, d, mask)
     split_finish(b0, b1, b2, b3, c, n, ch, d, mask, w_ptr, xo_ptr, u_ptr, codes_ptr, scales_ptr, ws_ptr, cnt_ptr,
                  eps, stride_xon, stride_xoh, stride_u, stride_codes, stride_scales, stride_ws,

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ..formats import E2M1_MAX, E4M3_MAX, MXFP4_AMAX_FLOOR, MXFP8_AMAX_FLOOR, NVFP4_AMAX_FLOOR
-from .rounding import bf16_rne_bits, e4m3_rne_code
+from .rounding import bf16_rne_bits, bf16_widen, e4m3_rne_code, ue8m0_to_fp32
 
 # fp32(1/6) and fp32(1/448), the constants of the spec's power-of-two bit rule; exact as Python
 # floats, so Triton's own FP32 conversion of the literals cannot change them.
@@ -23,8 +23,8 @@ INV_E4M3_MAX = tl.constexpr(float(np.float32(1.0 / E4M3_MAX)))
 
 __all__ = [
     "E2M1_MAX", "E4M3_MAX", "INV_E2M1_MAX", "INV_E4M3_MAX", "MXFP4_AMAX_FLOOR", "MXFP8_AMAX_FLOOR",
-    "NVFP4_AMAX_FLOOR", "abs_nan_inf", "bf16_rne_bits", "e4m3_rne_code", "bf16_round", "e2m1_rne_code", "e4m3_code_to_fp32",
-    "pow2_ceil_exponent", "pow2_inv", "nvfp4_scale_code", "e4m3_value", "e2m1_value", "ue8m0_value",
+    "NVFP4_AMAX_FLOOR", "abs_nan_inf", "bf16_round", "e2m1_rne_code", "e4m3_code_to_fp32",
+    "pow2_ceil_exponent", "pow2_inv", "nvfp4_scale_code", "e4m3_value", "e2m1_value",
     "mx_quant_pairs", "mx_dequant_pairs", "nvfp4_quant_pairs", "nvfp4_dequant_pairs",
 ]
 
@@ -32,8 +32,7 @@ __all__ = [
 @triton.jit
 def bf16_round(x):
     """x rounded to BF16 (nearest even, `rounding.bf16_rne_bits`) and widened back to FP32 (exact)."""
-    bits = bf16_rne_bits(x).to(tl.uint16, bitcast=True).to(tl.uint32) << 16
-    return bits.to(tl.float32, bitcast=True)
+    return bf16_widen(bf16_rne_bits(x))
 
 
 @triton.jit
@@ -123,13 +122,6 @@ def e2m1_value(code):
 
 
 @triton.jit
-def ue8m0_value(scale_byte):
-    """FP32 2^(b - 127) of int32 scale bytes b in 1..255; 255 gives NaN."""
-    value = (scale_byte << 23).to(tl.float32, bitcast=True)
-    return tl.where(scale_byte == 255, float("nan"), value)
-
-
-@triton.jit
 def mx_quant_pairs(xe, xo, IS_FP8: tl.constexpr):
     """MX quantization (blocks = rows of the [NB, block/2] halves xe, xo, FP32) as formats.py's
     mxfp8_quantize (IS_FP8) or mxfp4_quantize: (even codes, odd codes, int32 scale bytes [NB]).
@@ -156,7 +148,7 @@ def mx_quant_pairs(xe, xo, IS_FP8: tl.constexpr):
 @triton.jit
 def mx_dequant_pairs(ce, co, scale_byte, IS_FP8: tl.constexpr):
     """(even, odd) FP32 values of `mx_quant_pairs`' output (exact; NaN for scale byte 255)."""
-    s = ue8m0_value(scale_byte)[:, None]
+    s = ue8m0_to_fp32(scale_byte)[:, None]
     if IS_FP8:
         return e4m3_value(ce) * s, e4m3_value(co) * s
     else:

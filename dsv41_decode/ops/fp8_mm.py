@@ -8,7 +8,6 @@ accumulator; every scale is a power of two, so the scaling itself is exact.
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple
 
 import torch
@@ -17,6 +16,7 @@ import triton.language as tl
 
 from .act_quant import act_quant_mxfp8
 from .checks import require_tensor
+from .common import num_sms
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
 
 
@@ -79,17 +79,10 @@ class Fp8MmConfig(NamedTuple):
 _TILES = ((128, 128, 8), (64, 128, 4), (64, 64, 4))
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # an H200; the interpreter just needs a deterministic choice
-
-
 def fp8_mm_config(m: int, n: int, k: int, device: torch.device | str = "cuda") -> Fp8MmConfig:
     """The fixed config for an [m, k] x [n, k]^T product on `device`: the largest tile that still
     gives every SM a tile, else the smallest; BLOCK_K four 32-blocks when K allows it."""
-    sms = _num_sms(torch.device(device))
+    sms = num_sms(torch.device(device))
     block_m, block_n, warps = _TILES[-1]
     for bm, bn, w in _TILES:
         if triton.cdiv(m, bm) * triton.cdiv(n, bn) >= sms:

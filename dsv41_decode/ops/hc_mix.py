@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .checks import require_tensor
-from .ll_bf16 import num_sms, splitk_reduce
+from .common import num_sms, splitk_reduce
 from .mhc import HC, N_MIX
 
 _MIX_COLS = 32             # the outputs padded to a power of two; column N_MIX carries the sum of squares

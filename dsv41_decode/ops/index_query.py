@@ -5,7 +5,7 @@
 
 the contract of `reference.indexer.index_query` after its linear and of `index_weights` after its
 linear (their FP32 sums come from `low_latency_mm` and `ll_bf16`). Bit-exact: RoPE as torch's
-complex multiply without FMA contraction (`kv_write._rope_pairs`), MXFP4 by `fp4.mx_quant_pairs`
+complex multiply without FMA contraction (`kv_write.rope_pairs`), MXFP4 by `fp4.mx_quant_pairs`
 and its exact dequantization, the weight scale rounded as torch rounds a BF16 tensor times a float.
 """
 
@@ -16,9 +16,9 @@ import triton
 import triton.language as tl
 
 from .checks import require_tensor
-from .fp4 import mx_dequant_pairs, mx_quant_pairs
-from .kv_write import _bits_to_fp32, _rope_pairs
-from .rounding import bf16_rne_bits
+from .fp4 import bf16_round, mx_dequant_pairs, mx_quant_pairs
+from .kv_write import rope_pairs
+from .rounding import bf16_rne_bits, bf16_widen
 
 HEAD_DIM = 128
 _HD = tl.constexpr(HEAD_DIM)   # the kernel's copy (Triton reads only constexpr globals)
@@ -37,9 +37,9 @@ def _index_query_kernel(raw_ptr, wp_ptr, cos_ptr, sin_ptr, iq_ptr, w_ptr, scale,
     j = (r % 4) * 16 + col
     ok = head < H
     src = raw_ptr + n * stride_raw + head * _HD + 2 * j
-    xe = _bits_to_fp32(tl.load(src, mask=ok, other=0))
-    xo = _bits_to_fp32(tl.load(src + 1, mask=ok, other=0))
-    xe, xo = _rope_pairs(xe, xo, cos_ptr + n * stride_cn, sin_ptr + n * stride_sn, j, 32)
+    xe = bf16_widen(tl.load(src, mask=ok, other=0))
+    xo = bf16_widen(tl.load(src + 1, mask=ok, other=0))
+    xe, xo = rope_pairs(xe, xo, cos_ptr + n * stride_cn, sin_ptr + n * stride_sn, j, 32)
     ce, co, sb = mx_quant_pairs(xe, xo, False)
     ye, yo = mx_dequant_pairs(ce, co, sb, False)
     dst = iq_ptr + n * stride_iqn + head * stride_iqh + 2 * j
@@ -48,7 +48,7 @@ def _index_query_kernel(raw_ptr, wp_ptr, cos_ptr, sin_ptr, iq_ptr, w_ptr, scale,
     if hb == 0:
         h = tl.arange(0, BLOCK_H)
         wp = tl.load(wp_ptr + n * stride_wp + h, mask=h < H, other=0.0)
-        wb = _bits_to_fp32(bf16_rne_bits(wp))
+        wb = bf16_round(wp)
         tl.store(w_ptr + n * stride_w + h, bf16_rne_bits(wb * scale), mask=h < H)
 
 

@@ -16,7 +16,6 @@ the reference (torch sums in its own order), so a score may rarely be one BF16 u
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
@@ -24,15 +23,10 @@ import triton.language as tl
 
 from ..records import INDEX_KEY_BYTES
 from .checks import interpreting
-from .rounding import bf16_rne_bits
+from .common import num_sms
+from .fp4 import bf16_round
 
 _HEAD_DIM = 128
-
-
-@triton.jit
-def _bf16_round(x):
-    """x rounded to the nearest BF16 (ties to even), kept as FP32."""
-    return (bf16_rne_bits(x).to(tl.int32) << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -189,19 +183,12 @@ def _index_scores_kernel(iq_ptr, w_ptr, pool_ptr, pool8_ptr, bt_ptr, slot_ptr, n
             acc = _dot_acc(_e2m1_times_scale(words, 5, scale), q5, acc, DOT_BF16)
             acc = _dot_acc(_e2m1_times_scale(words, 6, scale), q6, acc, DOT_BF16)
             acc = _dot_acc(_e2m1_times_scale(words, 7, scale), q7, acc, DOT_BF16)   # [E, H]
-        term = _bf16_round(tl.maximum(_bf16_round(acc), 0.0) * wv[None, :])
-        score = tl.where(vis, _bf16_round(tl.sum(term, 1)), float("-inf"))
+        term = bf16_round(tl.maximum(bf16_round(acc), 0.0) * wv[None, :])
+        score = tl.where(vis, bf16_round(tl.sum(term, 1)), float("-inf"))
         tl.store(out_row + offs_e, score, mask=offs_e < max_entries)
     for b in tl.range(n_vis_blocks + pid, tl.cdiv(max_entries, BLOCK_E), nprog):
         offs_e = b * BLOCK_E + tl.arange(0, BLOCK_E)
         tl.store(out_row + offs_e, tl.full((BLOCK_E,), float("-inf"), tl.float32), mask=offs_e < max_entries)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -265,7 +252,7 @@ def index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, b
     block_h = max(16, triton.next_power_of_2(heads))
     if num_warps is None:
         num_warps = 8 if fp8_dot and block_h > 32 else 4
-    per_row = max(1, -(-programs_per_sm * _sm_count(iq.device) // n_rows))
+    per_row = max(1, -(-programs_per_sm * num_sms(iq.device) // n_rows))
     grid = (n_rows, min(triton.cdiv(max_entries, block_e), per_row))
     _index_scores_kernel[grid](
         iq, w, pool.view(torch.int32), pool, block_table, req_slot, n_vis, cand, out,

@@ -32,14 +32,8 @@ import triton.language as tl
 from ..records import COMPRESSED_KV_BYTES, INDEX_KEY_BYTES, WINDOW_KV_BYTES
 from . import pdl
 from .checks import require_tensor
-from .fp4 import (
-    bf16_rne_bits,
-    bf16_round,
-    mx_dequant_pairs,
-    mx_quant_pairs,
-    nvfp4_dequant_pairs,
-    nvfp4_quant_pairs,
-)
+from .fp4 import bf16_round, mx_dequant_pairs, mx_quant_pairs, nvfp4_dequant_pairs, nvfp4_quant_pairs
+from .rounding import bf16_rne_bits, bf16_widen
 
 DIM = 512          # head_dim (window and compressed KV, queries)
 ROPE_DIM = 64      # the rotated tail
@@ -48,13 +42,7 @@ _HALF_ROPE = ROPE_DIM // 2
 
 
 @triton.jit
-def _bits_to_fp32(b):
-    """FP32 value of BF16 bits held as int16 (exact)."""
-    return (b.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _rope_pairs(xe, xo, cs_ptr_row, sn_ptr_row, j, FIRST: tl.constexpr):
+def rope_pairs(xe, xo, cs_ptr_row, sn_ptr_row, j, FIRST: tl.constexpr):
     """(even, odd) of pairs j rotated by cos/sin[j - FIRST] where j >= FIRST, rounded to BF16 (as
     FP32); other pairs unchanged. xe, xo: FP32 holding BF16 values."""
     rot = j >= FIRST
@@ -98,7 +86,7 @@ def _qkv_rope_insert_kernel(
         row = kv_ptr + n * stride_kvn
         xe = tl.load(row + 2 * j).to(tl.float32)
         xo = tl.load(row + 2 * j + 1).to(tl.float32)
-        xe, xo = _rope_pairs(xe, xo, cs_row, sn_row, j, 224)
+        xe, xo = rope_pairs(xe, xo, cs_row, sn_row, j, 224)
         slot = tl.load(slots_ptr + n)
         ok = (slot >= 0) & (slot < S)
         rec = pool_ptr + tl.where(ok, slot, 0) * stride_pool
@@ -109,8 +97,8 @@ def _qkv_rope_insert_kernel(
         i = tl.arange(0, 32)
         ptr = q_ptr + n * stride_qn + h[:, None].to(tl.int64) * stride_qh + 448 + 2 * i[None, :]
         m = h[:, None] < H
-        qe = _bits_to_fp32(tl.load(ptr, mask=m, other=0))
-        qo = _bits_to_fp32(tl.load(ptr + 1, mask=m, other=0))
+        qe = bf16_widen(tl.load(ptr, mask=m, other=0))
+        qo = bf16_widen(tl.load(ptr + 1, mask=m, other=0))
         c = tl.load(cs_row + i)[None, :]
         s = tl.load(sn_row + i)[None, :]
         tl.store(ptr, bf16_rne_bits(qe * c - qo * s), mask=m)
@@ -135,7 +123,7 @@ def _compressed_entry_kernel(
             row = lat_ptr + g * stride_lat
             xe = tl.load(row + 2 * j).to(tl.float32)
             xo = tl.load(row + 2 * j + 1).to(tl.float32)
-            xe, xo = _rope_pairs(xe, xo, cs_row, sn_row, j, 224)
+            xe, xo = rope_pairs(xe, xo, cs_row, sn_row, j, 224)
             ce, co, code = nvfp4_quant_pairs(xe, xo)
             if REQUANT:
                 ye, yo = nvfp4_dequant_pairs(ce, co, code)
@@ -159,7 +147,7 @@ def _compressed_entry_kernel(
             wo = tl.load(knw_ptr + 2 * j + 1).to(tl.float32)
             ye = bf16_round(we * (xe * r))
             yo = bf16_round(wo * (xo * r))
-            ye, yo = _rope_pairs(ye, yo, cs_row, sn_row, j, 32)
+            ye, yo = rope_pairs(ye, yo, cs_row, sn_row, j, 32)
             ce, co, scale_byte = mx_quant_pairs(ye, yo, False)
             if REQUANT:
                 ye, yo = mx_dequant_pairs(ce, co, scale_byte, False)

@@ -30,7 +30,6 @@ second reduction kernel would cost another launch (~1.3 us in a CUDA graph) on o
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -39,6 +38,7 @@ import triton
 import triton.language as tl
 
 from .checks import require_tensor
+from .common import num_sms, splitk_reduce
 
 MODE_TF32 = 0   # tl.dot, TF32 inputs: exact products of BF16-valued operands, tensor cores
 MODE_IEEE = 1   # tl.dot, tf32x3 (split FP32 weight, tensor cores): FP32 weights
@@ -46,32 +46,6 @@ MODE_FMA = 2    # register-blocked FMA, reduced over K once at the end (ops.hc_m
 MAX_BLOCK_M = 32  # rows per program: mma.sync m16n8k8 at 16 and 32 (wgmma from 64)
 
 _K_GRAIN = 128  # every split but the last covers a multiple of this, so every BLOCK_K divides it
-
-
-@triton.jit
-def splitk_reduce(y, part_ptrs, stride_ps, mask, count_ptr, pid_k, SPLIT: tl.constexpr):
-    """Publish this program's FP32 partial y; the last of the tile's SPLIT programs to arrive sums them.
-
-    part_ptrs: [BLOCK_M, BLOCK_N] pointers to split 0's partial, split s at + s * stride_ps; mask:
-    [BLOCK_M, BLOCK_N] elements to store. count_ptr: the tile's int32 counter, 0 at launch; the last
-    program resets it, so the next launch (stream-ordered, or a graph replay) finds it clean.
-    Returns (last, total): in the last program, total = the partials added in split order (the same
-    bits whichever program comes last); elsewhere total = y. The sum is unrolled, so the loads are
-    independent straight-line code that the compiler issues together (one L2 round trip, not SPLIT).
-    The barrier orders every thread's partial store before thread 0's release (the CUTLASS
-    semaphore pattern); `.cg` loads read the partials from L2, never a stale L1 line.
-    """
-    tl.store(part_ptrs + pid_k * stride_ps, y, mask=mask)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-    last = arrived == SPLIT - 1
-    total = y
-    if last:
-        tl.store(count_ptr, 0)
-        total = tl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-        for s in tl.static_range(1, SPLIT):
-            total += tl.load(part_ptrs + s * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
-    return last, total
 
 
 @triton.jit
@@ -126,14 +100,6 @@ class LlBf16Tile(NamedTuple):
     mode: int          # MODE_TF32 or MODE_IEEE
     num_warps: int
     num_stages: int
-
-
-@functools.lru_cache(maxsize=None)
-def num_sms(device: torch.device) -> int:
-    """SMs of a CUDA device; 132 (an H200) elsewhere, so the interpreter plans like the GPU."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132
 
 
 def _tile_for(rows: int, weight_dtype: torch.dtype) -> LlBf16Tile:

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from . import pdl
 from .checks import interpreting, require_tensor
+from .common import num_sms
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
 
 MAX_ROWS = 64
@@ -340,8 +341,7 @@ class LowLatencyMM:
         self.weight, self.w_scale = weight, w_scale.view(torch.uint8)
         self.n, self.k, self.max_rows = n, k, max_rows
         self.device = weight.device
-        sms = (torch.cuda.get_device_properties(self.device).multi_processor_count
-               if self.device.type == "cuda" else 132)
+        sms = num_sms(self.device)
 
         self._launches: dict[int, _Launch] = {}
         for block_m in _ROW_BUCKETS:

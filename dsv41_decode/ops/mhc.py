@@ -25,27 +25,18 @@ import torch
 import triton
 import triton.language as tl
 
-from ..formats import E4M3_MAX, MXFP8_AMAX_FLOOR
 from . import pdl
 from .checks import require_tensor
-from .fp4 import INV_E4M3_MAX, abs_nan_inf, pow2_ceil_exponent, pow2_inv
-from .rounding import bf16_rne_bits, e4m3_rne_code
+from .act_quant import mxfp8_blocks
+from .rounding import bf16_rne_bits, bf16_widen
 
 HC = 4                     # streams
 N_MIX = HC * (2 + HC)      # mixer outputs per row: pre (4) + post (4) + comb (16) = 24
 
 
-_MXFP8_FLOOR = tl.constexpr(MXFP8_AMAX_FLOOR)
-_E4M3_MAX = tl.constexpr(E4M3_MAX)
 
 
 # --- boundary: hc_post + hc_pre + rms_norm + MXFP8 ------------------------------------------------
-
-
-@triton.jit
-def _widen(bits):
-    """FP32 value of int16 BF16 bits (exact)."""
-    return (bits.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -78,25 +69,11 @@ def mix_chunk(y, x_row, stride_xh, post_row, comb_row, stride_ci, pre_row, d, ma
     b1 = _new_stream_bits(1, y, x0, x1, x2, x3, post_row, comb_row, stride_ci)
     b2 = _new_stream_bits(2, y, x0, x1, x2, x3, post_row, comb_row, stride_ci)
     b3 = _new_stream_bits(3, y, x0, x1, x2, x3, post_row, comb_row, stride_ci)
-    c = tl.load(pre_row) * _widen(b0)
-    c = c + tl.load(pre_row + 1) * _widen(b1)
-    c = c + tl.load(pre_row + 2) * _widen(b2)
-    c = c + tl.load(pre_row + 3) * _widen(b3)
-    return b0, b1, b2, b3, _widen(bf16_rne_bits(c))
-
-
-@triton.jit
-def _mxfp8_blocks(v):
-    """MXFP8 of FP32 blocks v [NB, 32] as `formats.mxfp8_quantize` (and `act_quant_mxfp8_`):
-    (uint8 E4M3 codes [NB, 32], int32 UE8M0 scale bytes [NB]); a non-finite block gets scale
-    byte 255 and codes 0x7F."""
-    amax = tl.maximum(tl.max(abs_nan_inf(v), axis=1), _MXFP8_FLOOR)
-    k = pow2_ceil_exponent(amax, INV_E4M3_MAX)
-    scale_byte = tl.minimum(k + 127, 255)  # a finite amax gives at most 247
-    # v * 2^-k is exactly v / 2^k; the clamp to +-448 only matters for non-finite blocks.
-    q = tl.minimum(tl.maximum(v * pow2_inv(k)[:, None], -_E4M3_MAX), _E4M3_MAX)
-    codes = tl.where(scale_byte[:, None] == 255, 0x7F, e4m3_rne_code(q)).to(tl.uint8)
-    return codes, scale_byte
+    c = tl.load(pre_row) * bf16_widen(b0)
+    c = c + tl.load(pre_row + 1) * bf16_widen(b1)
+    c = c + tl.load(pre_row + 2) * bf16_widen(b2)
+    c = c + tl.load(pre_row + 3) * bf16_widen(b3)
+    return b0, b1, b2, b3, bf16_widen(bf16_rne_bits(c))
 
 
 @triton.jit
@@ -106,7 +83,7 @@ def _store_normed(c, r, w, u_row, codes_row, scales_row, d0, d, mask, D: tl.cons
     NB: tl.constexpr = BLOCK // 32
     bits = bf16_rne_bits(w * (c * r))
     tl.store(u_row + d, bits, mask=mask)
-    codes, scale_byte = _mxfp8_blocks(tl.reshape(_widen(bits), (NB, 32)))
+    codes, scale_byte = mxfp8_blocks(tl.reshape(bf16_widen(bits), (NB, 32)))
     tl.store(codes_row + d, tl.reshape(codes, (BLOCK,)), mask=mask)
     kb = d0 // 32 + tl.arange(0, NB)
     tl.store(scales_row + kb, scale_byte.to(tl.uint8), mask=kb < D // 32)
@@ -211,14 +188,14 @@ def split_finish(b0, b1, b2, b3, c, n, ch, d, mask, w_ptr, xo_ptr, u_ptr, codes_
         scales_row = scales_ptr + n * stride_scales
         codes_row = codes_ptr + n * stride_codes
         dd = tl.arange(0, BLOCK_N)
-        cc = _widen(tl.load(u_row + dd, mask=dd < D, other=0, cache_modifier=".cg"))
+        cc = bf16_widen(tl.load(u_row + dd, mask=dd < D, other=0, cache_modifier=".cg"))
         ww = tl.load(w_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
         for i in tl.static_range(NS):
             d0 = i * BLOCK_N
             dd = d0 + tl.arange(0, BLOCK_N)
             if i + 1 < NS:
                 dn = dd + BLOCK_N
-                cc_next = _widen(tl.load(u_row + dn, mask=dn < D, other=0, cache_modifier=".cg"))
+                cc_next = bf16_widen(tl.load(u_row + dn, mask=dn < D, other=0, cache_modifier=".cg"))
                 ww_next = tl.load(w_ptr + dn, mask=dn < D, other=0.0).to(tl.float32)
             _store_normed(cc, r, ww, u_row, codes_row, scales_row, d0, dd, dd < D, D, BLOCK_N)
             if i + 1 < NS:

@@ -16,8 +16,9 @@ import triton.language as tl
 
 from . import pdl
 from .checks import require_tensor
-from .mhc import _mxfp8_blocks, _widen
-from .rounding import bf16_rne_bits
+from .act_quant import mxfp8_blocks
+from .fp4 import bf16_round
+from .rounding import bf16_rne_bits, bf16_widen
 
 MAX_DIM = 4096
 
@@ -30,7 +31,7 @@ def _rms_norm_row(x_row, w_ptr, o_row, c_row, s_row, eps, D: tl.constexpr, BLOCK
     mask = d < D
     x = tl.load(x_row + d, mask=mask, other=0.0).to(tl.float32)
     if ROUND_IN:   # an FP32 input is rounded to BF16 first (`latent`: rms_norm(c.to(bf16)))
-        x = _widen(bf16_rne_bits(x))
+        x = bf16_round(x)
     total = tl.sum(x * x, axis=0)
     ms = tl.div_rn(total, tl.where(total == total, D * 1.0, D * 1.0))
     root = tl.sqrt_rn(ms + eps)
@@ -40,7 +41,7 @@ def _rms_norm_row(x_row, w_ptr, o_row, c_row, s_row, eps, D: tl.constexpr, BLOCK
     tl.store(o_row + d, bits, mask=mask)
     if QUANT:
         NB: tl.constexpr = BLOCK // 32
-        codes, scale_byte = _mxfp8_blocks(tl.reshape(_widen(bits), (NB, 32)))
+        codes, scale_byte = mxfp8_blocks(tl.reshape(bf16_widen(bits), (NB, 32)))
         tl.store(c_row + d, tl.reshape(codes, (BLOCK,)), mask=mask)
         kb = tl.arange(0, NB)
         tl.store(s_row + kb, scale_byte.to(tl.uint8), mask=kb < D // 32)

@@ -1,4 +1,5 @@
-"""Bit-exact roundings as `@triton.jit` helpers: the same bits on the GPU and in Triton's interpreter.
+"""Bit-exact roundings (and their inverses) as `@triton.jit` helpers: the same bits on the GPU and in
+Triton's interpreter. The E2M1 / MX / NVFP4 block helpers, built on these, are in `fp4.py`.
 
 The interpreter truncates FP32 -> BF16 and mis-rounds FP32 -> E4M3 (architecture.md section 5), so
 every rounding that must match `formats.py` or torch's casts is done here with integer arithmetic
@@ -26,6 +27,12 @@ def bf16_rne_bits(x):
     is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
     rounded = tl.where(is_nan, 0x7FC0, rounded)
     return rounded.to(tl.uint16).to(tl.int16, bitcast=True)
+
+
+@triton.jit
+def bf16_widen(bits):
+    """FP32 value of BF16 bits held as int16 (exact): the inverse of `bf16_rne_bits`."""
+    return (bits.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -58,7 +65,7 @@ def e4m3_rne_code(x):
 def ue8m0_to_fp32(b):
     """2^(b - 127) as FP32 for UE8M0 bytes b in 1..254; byte 255 (UE8M0's NaN) gives NaN.
 
-    b: uint8 tensor. Byte 0 gives 0.0, not 2^-127 (the MX scale rule never produces it). Built from
+    b: uint8 or int32 tensor of bytes 0..255. Byte 0 gives 0.0, not 2^-127 (the MX scale rule never produces it). Built from
     the FP32 bits because Triton 3.6 decodes bytes 0 and 255 wrongly through tl.float8e8m0.
     """
     value = (b.to(tl.int32) << 23).to(tl.float32, bitcast=True)

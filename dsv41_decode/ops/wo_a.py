@@ -33,7 +33,7 @@ from ..formats import E4M3_MAX, MXFP8_AMAX_FLOOR, fp8_block_quantize
 from . import pdl
 from .act_quant import INV_E4M3_MAX, mxfp8_quantize_tile
 from .checks import interpreting, require_tensor
-from .ll_bf16 import num_sms, splitk_reduce
+from .common import num_sms, splitk_reduce
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
 
 _BLOCK_K = 128   # K per loop step: four 32-wide scale blocks

@@ -1,0 +1,50 @@
+"""Helpers shared by the kernel families: the SM count that plans size their grids by, and the
+split-K reduction that lets one launch sum its programs' partials.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+# The SM count plans assume off the GPU: an H200's, so that the interpreter (and a CPU tool computing
+# a GPU step's workspaces) builds the same plans, splits and grids as the GPU it stands in for.
+CPU_SMS = 132
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    """SMs of a CUDA device; `CPU_SMS` (an H200's 132) on any other device."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return CPU_SMS
+
+
+@triton.jit
+def splitk_reduce(y, part_ptrs, stride_ps, mask, count_ptr, pid_k, SPLIT: tl.constexpr):
+    """Publish this program's FP32 partial y; the last of the tile's SPLIT programs to arrive sums them.
+
+    part_ptrs: [BLOCK_M, BLOCK_N] pointers to split 0's partial, split s at + s * stride_ps; mask:
+    [BLOCK_M, BLOCK_N] elements to store. count_ptr: the tile's int32 counter, 0 at launch; the last
+    program resets it, so the next launch (stream-ordered, or a graph replay) finds it clean.
+    Returns (last, total): in the last program, total = the partials added in split order (the same
+    bits whichever program comes last); elsewhere total = y. The sum is unrolled, so the loads are
+    independent straight-line code that the compiler issues together (one L2 round trip, not SPLIT).
+    The barrier orders every thread's partial store before thread 0's release (the CUTLASS
+    semaphore pattern); `.cg` loads read the partials from L2, never a stale L1 line.
+    """
+    tl.store(part_ptrs + pid_k * stride_ps, y, mask=mask)
+    tl.debug_barrier()
+    arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+    last = arrived == SPLIT - 1
+    total = y
+    if last:
+        tl.store(count_ptr, 0)
+        total = tl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+        for s in tl.static_range(1, SPLIT):
+            total += tl.load(part_ptrs + s * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
+    return last, total
