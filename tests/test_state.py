@@ -386,3 +386,130 @@ def test_memory_does_not_grow_with_max_context(small):
     assert "MB" in a.describe() and "ratio 2: 12 pages" in a.describe()
     for t in list(a.window.values()) + list(a.compressed.values()) + list(a.block_table.values()):
         assert t.device == torch.device("cpu")
+
+
+# ----- speculative decoding: accept -----
+def _call(st, rows):
+    step = st.plan(rows)
+    st.advance(step)
+    return step
+
+
+def test_accept_bookkeeping_and_pages(tiny):
+    st = DecodeState(tiny, max_requests=3, max_context=64, page_size=2, max_drafts=3)
+    assert st.ring_size == tiny.window_size + 3 and st.stage_base == 3 * st.ring_size
+    assert st.window[0].shape[0] == 3 * st.ring_size + st.stage_rows
+    assert sorted(st.comp_rows) == [1] and st.comp_rows[1].shape == (3, 5, 1024)
+    for r in ("a", "b", "c"):
+        st.admit(r)
+    _call(st, [("a", 3), ("b", 2)])
+    _call(st, [("a", 4), ("b", 4), ("c", 1)])        # a: 3..6, b: 2..5, c: 0
+    pages = {r: st.pages_of("a", r) for r in st.ratios}
+    free = {r: st.free_pages(r) for r in st.ratios}
+    st.accept({"a": 1, "b": 4})                       # "c" not listed: keeps its row
+    assert [st.length(r) for r in "abc"] == [4, 6, 1]
+    assert st.seq_lens.tolist() == [4, 6, 1]
+    # a holds 4 tokens: ratio 1 entries 0..3 (2 pages of 2), ratio 2 entries 0..1 (1 page)
+    assert st.pages_of("a", 1) == pages[1][:2] and st.pages_of("a", 2) == pages[2][:1]
+    assert st.free_pages(1) == free[1] + 2 and st.free_pages(2) == free[2] + 1
+    assert st.block_table[1][0, 2:].eq(-1).all() and st.block_table[2][0, 1:].eq(-1).all()
+    with pytest.raises(ValueError, match="request 'a' was not in the last advanced call"):
+        st.accept({"a": 1})                           # once per call and request
+    st.accept({"c": 1})                               # the others still can, once
+    _call(st, [("a", 2)])
+    with pytest.raises(ValueError, match="request 'b' was not in the last advanced call"):
+        st.accept({"b": 1})
+    st.plan([("a", 1)])
+    with pytest.raises(ValueError, match="request 'a' was not in the last advanced call"):
+        st.accept({"a": 1})                           # a new plan ends the last call's acceptance
+
+
+@pytest.mark.parametrize("kept, match", [
+    (0, r"keeps 0 rows; its call had 4 rows and keeps 1..4"),
+    (5, r"keeps 5 rows"),
+    (True, r"keeps True rows"),
+])
+def test_accept_rejects_bad_counts(tiny, kept, match):
+    st = DecodeState(tiny, max_requests=1, max_context=64, max_drafts=3)
+    st.admit("a")
+    _call(st, [("a", 4)])
+    with pytest.raises(ValueError, match=match):
+        st.accept({"a": kept})
+    assert st.length("a") == 4
+    with pytest.raises(KeyError, match="'z' is not live"):
+        st.accept({"z": 1})
+
+
+def test_accept_needs_max_drafts(tiny):
+    st = DecodeState(tiny, max_requests=1, max_context=64, max_drafts=1)
+    st.admit("a")
+    _call(st, [("a", 3)])
+    with pytest.raises(ValueError, match=r"rejects 2 of its 3 rows, more than max_drafts=1 .*max_drafts >= 2"):
+        st.accept({"a": 1})
+    st.accept({"a": 2})
+    assert st.length("a") == 2
+    plain = DecodeState(tiny, max_requests=1, max_context=64)
+    assert plain.ring_size == tiny.window_size and not plain.comp_rows
+    plain.admit("a")
+    _call(plain, [("a", 2)])
+    with pytest.raises(ValueError, match="more than max_drafts=0"):
+        plain.accept({"a": 1})
+    plain.accept({"a": 2})                              # keeping every row is always allowed
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="max_drafts must be a non-negative integer"):
+            DecodeState(tiny, max_requests=1, max_context=64, max_drafts=bad)
+
+
+def test_accept_restores_the_open_group(tiny):
+    """Both rows of the ratio-2 open group come back bit for bit: from this call's kept rows, the
+    previous call's last row, or a fresh group (kept length 1)."""
+    gen = torch.Generator().manual_seed(4)
+    L = 1
+    for start, count, kept in [(0, 4, 1), (0, 3, 2), (5, 4, 1), (5, 4, 2), (6, 4, 3), (6, 2, 1)]:
+        st = DecodeState(tiny, max_requests=2, max_context=64, max_drafts=3)
+        st.admit("pad")
+        s = st.admit("a")
+        kv = torch.randn(start + count, 512, generator=gen)
+        score = torch.randn(start + count, 512, generator=gen)
+        for lo, hi in ((0, start), (start, start + count)):
+            if hi > lo:
+                step = st.plan([("a", hi - lo)])
+                pos = step.positions
+                st.comp_kv[L][s, pos % 2] = kv[lo:hi]       # as the compressor leaves them
+                st.comp_score[L][s, pos % 2] = score[lo:hi]
+                st.write_compressor_rows(L, s, pos, kv[lo:hi], score[lo:hi])
+                st.advance(step)
+        st.accept({"a": kept})
+        n = start + kept
+        for p in (n - 1, n - 2):
+            want_kv = kv[p] if p >= 0 else torch.zeros(512)
+            want_sc = score[p] if p >= 0 else torch.full((512,), float("-inf"))
+            assert torch.equal(st.comp_kv[L][s, p % 2], want_kv), (start, count, kept, p)
+            assert torch.equal(st.comp_score[L][s, p % 2], want_sc), (start, count, kept, p)
+        assert st.comp_kv[L][0].eq(0).all() and st.comp_score[L][0].isneginf().all()   # other slots untouched
+
+
+def test_window_ring_with_drafts(tiny):
+    """Rejected rows overwrite only ring slots of positions below length - W: the W positions the
+    kept length needs stay readable; the rejected positions are not."""
+    gen = torch.Generator().manual_seed(6)
+    W, layer = tiny.window_size, 3
+    st = DecodeState(tiny, max_requests=1, max_context=64, max_drafts=3)
+    s = st.admit("a")
+    want = {}
+    n = 0
+    for count, kept in [(4, 1), (4, 2), (3, 3), (4, 1)] * 7:
+        step = st.plan([("a", count)])
+        x = rand_bf16(gen, count, 512)
+        st.write_window(layer, s, step.positions, x)
+        st.advance(step)
+        st.accept({"a": kept})
+        for i in range(kept):
+            want[n + i] = unpack_window_kv(pack_window_kv(x[i:i + 1]))[0]
+        n += kept
+        held = torch.arange(max(0, n - W), n)
+        got = st.read_window(layer, s, held)
+        assert torch.equal(bits(got), bits(torch.stack([want[p] for p in held.tolist()])))
+        with pytest.raises(ValueError, match=f"position {n} is not held"):
+            st.read_window(layer, s, torch.tensor([n]))
+    assert n > 2 * st.ring_size

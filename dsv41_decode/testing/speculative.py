@@ -73,20 +73,20 @@ def needed_tokens(plan: Sequence[Mapping[Hashable, tuple[int, int]]]) -> dict[Ha
     return out
 
 
-def serve(run: Run, truth: Mapping[Hashable, torch.Tensor], plan, starts: Mapping[Hashable, int] | None = None,
-          junk_seed: int | None = None, accept: Callable[[dict], None] | None = None
+def serve(run: Run, truth: Mapping[Hashable, torch.Tensor], plan, junk_seed: int | None = None,
+          accept: Callable[[dict], None] | None = None, after: Callable[[int], None] | None = None
           ) -> dict[Hashable, list[tuple[torch.Tensor, torch.Tensor]]]:
     """Serve `plan` and return, per request, (streams, pre) of each kept row in position order.
 
-    truth[r][i]: the input of request r's i-th accepted token after its `starts[r]` cached ones
-    (default 0). junk_seed None: the accepted-only run (k rows per request and call). Otherwise the
+    truth[r][i]: the input of request r's i-th accepted token in this run (after whatever it held
+    before). junk_seed None: the accepted-only run (k rows per request and call). Otherwise the
     drafted run: 1 + d rows, the first k of them the true inputs, the rest junk (random, never a
-    true input), then `accept({r: k})`.
+    true input), then `accept({r: k})`. after(k) is called once call k is done (and accepted).
     """
     gen = torch.Generator().manual_seed(junk_seed) if junk_seed is not None else None
     done = {r: 0 for r in truth}
     out: dict[Hashable, list] = {r: [] for r in truth}
-    for call in plan:
+    for step, call in enumerate(plan):
         xs, rows = [], []
         for r, (d, k) in call.items():
             x = truth[r][done[r]:done[r] + k]
@@ -103,6 +103,8 @@ def serve(run: Run, truth: Mapping[Hashable, torch.Tensor], plan, starts: Mappin
             done[r] += k
         if gen is not None and accept is not None:
             accept({r: k for r, (_, k) in call.items()})
+        if after is not None:
+            after(step)
     return out
 
 
