@@ -282,7 +282,7 @@ def _verify_path(args, path: str, console: Console) -> int:
         flip = f"{len(res.flips)} ({res.attn_out_unexplained_ulp:g})" if res.flips else "-"
         table.add_row(res.call, str(res.layer), res.kind, res.path, f"{res.attn_out_ulp:g}",
                       f"{res.attn_out_rel_rms:.1e}", flip, quant, topk, str(res.candidate_rows_differ),
-                      f"{res.boundary_ulp:.2g}", f"{res.mix_abs:.0e} {res.mix_ratio:.2f}",
+                      f"{res.boundary_ulp:.2g}", f"{res.mix_abs:.0e} {res.mix_ratio:.2g}",
                       style="red" if res.failures else None)
     if not args.quiet:
         console.print(table)
@@ -297,14 +297,14 @@ def _verify_path(args, path: str, console: Console) -> int:
                 console.print(f"[red]FAIL {call} layer {layer}: {f}[/red]")
         call, layer, f = bad[0]
         console.print(f"[red]FAIL[/red] --path {path}: {len(bad)} failure(s) in {len({(c, L) for c, L, _ in bad})} "
-                      f"of {len(results)} call-layers ({shape}); first: {call} layer {layer}: {f}")
+                      f"of {len(results)} call-layers ({shape}); first: {call} layer {layer}: {f}", soft_wrap=True)
         return 1
     console.print(f"[green]PASS[/green] --path {path}: {shape}; "
                   f"max attn_out error {max(r.attn_out_ulp for r in results):g} ulp"
                   + (f" ({flips} rows explained by one FP8 code flip of wo_b's input, then "
                      f"<= {max(r.attn_out_unexplained_ulp for r in results):g} ulp)" if flips else "")
                   + f"; mHC coefficients <= {max(r.mix_ratio for r in results):.2g} of their bound; "
-                  f"{ties} top-k rows equal only up to tied scores")
+                  f"{ties} top-k rows equal only up to tied scores", soft_wrap=True)
     return 0
 
 

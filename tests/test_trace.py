@@ -62,15 +62,15 @@ def _flip_one(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-@pytest.mark.parametrize("key,expect", [
-    ("decode05.layers.3.window_kv", "window_kv"),
-    ("decode05.layers.3.compress_kv", "compress_kv"),
-    ("prefill.layers.1.index_k", "index_k"),
-    ("decode02.layers.6.attn_out", "attn_out"),
+@pytest.mark.parametrize("key,expect,calls", [        # calls: replay up to the corrupted call
+    ("decode05.layers.3.window_kv", "window_kv", 6),
+    ("decode05.layers.3.compress_kv", "compress_kv", 6),
+    ("prefill.layers.1.index_k", "index_k", 0),
+    ("decode02.layers.6.attn_out", "attn_out", 3),
 ])
-def test_corrupted_trace_fails(tmp_path, key, expect, capsys):
+def test_corrupted_trace_fails(tmp_path, key, expect, calls, capsys):
     _corrupt(OFFICIAL, tmp_path / "bad", key, _flip_one)
-    assert main(["trace", "verify", str(tmp_path / "bad"), "--quiet"]) == 1
+    assert main(["trace", "verify", str(tmp_path / "bad"), "--quiet", "--calls", str(calls)]) == 1
     assert expect in capsys.readouterr().out
 
 
@@ -80,7 +80,7 @@ def test_wrong_topk_is_caught(tmp_path):
         t[0, 0] = t[0, 0].sort().values
         return t
     _corrupt(OFFICIAL, tmp_path / "bad", "decode00.layers.3.indexer_topk", swap_to_worst)
-    res = verify_trace(tmp_path / "bad")
+    res = verify_trace(tmp_path / "bad", calls=1)
     assert any("top-k" in f for r in res for f in r.failures)
 
 
@@ -112,3 +112,36 @@ def test_record_then_verify_round_trip(tmp_path):
     res = verify_trace(out)
     assert not [f for r in res for f in r.failures]
     assert max(r.attn_out_ulp for r in res) == 0.0
+
+
+def test_zero_head_padding_changes_no_output(official_results):
+    """The step path pads official-tiny's 4 heads to 8; on the reference layers the padded
+    checkpoint gives every attn_out of the prefill and the first decode call bit for bit."""
+    notes = []
+    padded = verify_trace(OFFICIAL, heads=8, calls=1, log=notes.append)
+    assert len(notes) == 1 and "padded" in notes[0] and "4 query heads to 8" in notes[0]
+    plain = {(r.call, r.layer): r.attn_out for r in official_results}
+    assert len(padded) == 2 * 7
+    for r in padded:
+        assert torch.equal(r.attn_out, plain[(r.call, r.layer)]), f"{r.call} layer {r.layer}"
+        assert not r.failures
+
+
+def test_quiet_prints_only_the_summary(tmp_path, capsys):
+    def scale_all(t):   # layer 0's attn_out off by 1 %
+        return (t.float() * 1.01).to(t.dtype)
+    _corrupt(OFFICIAL, tmp_path / "bad", "decode00.layers.0.attn_out", scale_all)
+    assert main(["trace", "verify", str(tmp_path / "bad"), "--quiet", "--calls", "1"]) == 1
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("FAIL") and "decode00 layer 0: attn_out" in lines[0]
+
+
+def test_corrupted_mixer_coefficient_fails(tmp_path):
+    """A coefficient 1e-4 off (the old fixed tolerance) is past its derived bound."""
+    def nudge(t):
+        t.view(-1)[5] += 1e-4
+        return t
+    _corrupt(OFFICIAL, tmp_path / "bad", "decode01.layers.2.attn_comb", nudge)
+    res = verify_trace(tmp_path / "bad", calls=2)
+    bad = [(r.call, r.layer) for r in res if any("mHC coefficients" in f for f in r.failures)]
+    assert bad == [("decode01", 2)]
