@@ -24,8 +24,9 @@ class AttnOps:
         rows, heads = q.shape[0], q.shape[1]
         out = torch.empty_like(q)
         variants = {}
-        for name, kw in (("build_default", {}), ("splits4", dict(splits=4)), ("splits8", dict(splits=8)), ("block_h16", dict(block_h=16)),
-                         ("block_h64", dict(block_h=64)), ("native_fp8", dict(native_fp8=True))):
+        for name, kw in (("unsplit_bh16", dict(split=False)), ("unsplit_bh32", dict(split=False, block_h=32)),
+                         ("split_bh16", dict(block_h=16)), ("split_bh16_sep", dict(block_h=16, separate_combine=True)),
+                         ("split_bh32", dict(block_h=32)), ("split_bh64", dict(block_h=64))):
             try:
                 plan = SparseMlaPlan.build(rows, heads, wtab.shape[1], ctab.shape[1], q.device, **kw)
             except (ValueError, TypeError):

@@ -178,7 +178,7 @@ class AttentionStep:
                                         L2Prefetch(self.mm_wo_b.weight, o_seg, l2_prefetch, max_fraction=0.3)))
         topk_w = 0 if spec.kind == SWA else cfg.index_topk
         # Per row count the tiling measured best (ops.sparse_mla.STEP_TILINGS; docs/attn.md).
-        self.mla_plans = ([SparseMlaPlan.build(max_rows, cfg.n_heads, cfg.window_size, topk_w, dev, splits=1)]
+        self.mla_plans = ([SparseMlaPlan.build(max_rows, cfg.n_heads, cfg.window_size, topk_w, dev, split=False)]
                           if few else SparseMlaPlan.for_step(max_rows, cfg.n_heads, cfg.window_size, topk_w, dev))
         wide = {"split": 1, "block_n": 256} if few else {}
         self.sink = w["attn.attn_sink"].float().contiguous()

@@ -1,28 +1,34 @@
-"""Sparse MLA decode (issue 4 item 5; spec section 3 step 8): the contract of
-`reference.attention.sparse_attention`, for N rows at once, reading the cache records natively.
+"""Sparse MLA decode (spec section 3 step 8): the contract of `reference.attention.sparse_attention`,
+for N rows at once, reading the cache records natively.
 
 Per row r and head h: o[r, h] = sum_j softmax_j(q[r, h] . K[j] * scale, sink[h]) K[j] (V = K), over
-the window records of window_table[r] (ring slots into a uint8 [S_w, 528] MXFP8 pool) then the
-compressed records of comp_table[r] (slots into a uint8 [S_c, 288] NVFP4 pool); -1 entries
-contribute nothing; a row without a valid key gives zeros.
+the row's joined key list: its window keys (the valid suffix of window_table[r]: ring slots into a
+uint8 [S_w, 528] MXFP8 pool, oldest first) followed by its compressed entries comp_table[r] (slots
+into a uint8 [S_c, 288] NVFP4 pool); -1 entries contribute nothing; a row without a valid key gives
+zeros.
 
-Kernel: one program per (row, head group, key split). A program holds BLOCK_H (>= 16) heads of the
-row and walks its share of the key blocks (BLOCK_KEYS keys each; window blocks, then compressed
-blocks): each key is gathered and dequantized once in registers (window: E4M3 code * 2^(e - 127)
-per 32; compressed: E2M1 * E4M3 scale per 16; the values are exact in BF16) and used by every head
-of the group. The 512 dims are handled as four chunks of 128 (q, the decoded keys and the
-accumulator each as four tiles: no decode temporary spans the whole record, which kept the first
-version at 255 registers with spills): scores = sum over the chunks in order of q_c @ k_c^T, online
-softmax in FP32 (max from -1e30), P rounded to BF16 (round-to-nearest-even on the bits), then
-acc_c = acc_c * alpha + P @ k_c, FP32 accumulators. Both dots have exact
-products (BF16-valued operands) and FP32 sums: BF16 operands on the GPU, FP32 in the interpreter
-(its BF16 dot is wrong). With more than one split, each program writes (max, sum, valid count,
-acc) to the plan's workspace and the last program of the (row, head group) to arrive (an atomic
-counter, reset by it) combines the splits in split order - combined max, rescaled sums and
-accumulators, then the sink - and stores o = acc / sum as BF16 (RNE bits). One launch,
-deterministic. With `separate_combine` the splits only store, and a second launch
-(`_sparse_mla_combine_kernel`, one program per row, head group and slice of 16-128 dims, every
-split's loads in flight together) combines them the same way, to the same bits: many short splits no longer funnel every partial through one program.
+The contract's online softmax runs over blocks of 64 keys of the joined list (a block may hold
+window and compressed keys together), with P rounded to BF16 against the running max at each
+block; the kernel keeps those blocks. One program per (row, head group, key split) holds BLOCK_H
+(>= 16) heads of the row and walks its share of the blocks: each key is gathered and dequantized
+once into registers (window: E4M3 code * 2^(e - 127) per 32; compressed: E2M1 * E4M3 scale per 16;
+exact in BF16) and used by every head of the group, the 512 dims as four chunks of 128. Per block:
+s = sum over the chunks in order of q_c @ k_c^T, new max, P = bf16(exp(s - max)) (exp the CUDA math
+library's expf, as torch's; rounded to nearest even on the bits), acc_c = acc_c * alpha + P @ k_c
+in FP32. Both dots have exact products
+(BF16-valued operands) and FP32 sums: BF16 operands on the GPU, FP32 in the interpreter (its BF16
+dot is wrong).
+
+Key splits: a split that starts at block b must round P against the running max the sequential
+loop has there, max(-1e30, the maxima of blocks 0..b-1). With more than one split a first launch
+(`_block_max_kernel`, one program per (row, head group, block)) computes every block's score max
+with the same score code, and each split starts from the prefix max of the blocks before it, so
+every block's P is the sequential loop's. The splits' (max, sum, acc) are then combined in split
+order (the last program to arrive through an atomic counter, or with `separate_combine` a second
+launch, `_sparse_mla_combine_kernel`, to the same bits): the combination's FP32 rounding differs
+from the sequential accumulator's, so a split row is within 1 BF16 ulp of the reference and an
+unsplit row follows the sequential loop. The split count is fixed per plan, not per row count, so
+a row's bits never depend on the other rows of the launch.
 """
 
 from __future__ import annotations
@@ -30,69 +36,77 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from ..records import COMPRESSED_KV_BYTES, WINDOW_KV_BYTES
 from . import pdl
-from .checks import require_tensor
+from .checks import interpreting, require_tensor
+from .fp4 import bf16_round, e2m1_value, e4m3_value
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
-from .sparse_mla_plan import HEAD_DIM, STEP_TILINGS, SUPPORTED_HEADS, SparseMlaPlan
+from .sparse_mla_plan import BLOCK_KEYS, HEAD_DIM, STEP_TILINGS, SUPPORTED_HEADS, SparseMlaPlan
 
-__all__ = ["HEAD_DIM", "STEP_TILINGS", "SUPPORTED_HEADS", "SparseMlaPlan", "sparse_mla", "sparse_mla_"]
+__all__ = ["BLOCK_KEYS", "HEAD_DIM", "STEP_TILINGS", "SUPPORTED_HEADS", "SparseMlaPlan", "sparse_mla", "sparse_mla_"]
+
+_WREC: tl.constexpr = tl.constexpr(WINDOW_KV_BYTES)
+_CREC: tl.constexpr = tl.constexpr(COMPRESSED_KV_BYTES)
+_KEYS: tl.constexpr = tl.constexpr(BLOCK_KEYS)
+_COMPILED: tl.constexpr = tl.constexpr(not interpreting())
 
 
 @triton.jit
-def _e4m3_to_fp32(c, NATIVE: tl.constexpr):
-    """FP32 value of uint8 E4M3 (fn) codes; 0x7F / 0xFF are NaN."""
+def _e4m3(c, NATIVE: tl.constexpr):
+    """FP32 value of uint8 E4M3 (fn) codes: the hardware conversion, or `fp4.e4m3_value`."""
     if NATIVE:
         v = c.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     else:
-        ci = c.to(tl.int32)
-        e = (ci >> 3) & 15
-        m = ci & 7
-        normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-        mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
-        v = tl.where((ci & 0x80) != 0, -mag, mag)
-        v = tl.where((ci & 0x7F) == 0x7F, float("nan"), v)
+        v = e4m3_value(c)
     return v
 
 
 @triton.jit
-def _e2m1_to_fp32(c):
-    """FP32 value of E2M1 codes 0..15 (int32): bit 3 sign, bits 2..1 exponent, bit 0 mantissa."""
-    e = (c >> 1) & 3
-    m = c & 1
-    normal = (((e + 126) << 23) | (m << 22)).to(tl.float32, bitcast=True)
-    mag = tl.where(e == 0, m.to(tl.float32) * 0.5, normal)
-    return tl.where((c & 8) != 0, -mag, mag)
+def _exp(x):
+    """exp as torch computes it on the GPU (the CUDA math library's expf); numpy's in the
+    interpreter, which has no libdevice."""
+    if _COMPILED:
+        return libdevice.exp(x)
+    else:
+        return tl.exp(x)
 
 
 @triton.jit
-def _round_bf16_f32(x):
-    """x rounded to BF16 (nearest even), kept as FP32 (same bits on the GPU and the interpreter)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _key_chunk(pool_ptr, base, ok, C: tl.constexpr, DC: tl.constexpr, WINDOW: tl.constexpr,
-               BF16_DOT: tl.constexpr, NATIVE_FP8: tl.constexpr):
-    """Dims [C*DC, (C+1)*DC) of a block of records (byte offsets `base` [BLOCK_KEYS], int64; rows
+def _key_chunk(pool_ptr, base, ok, C: tl.constexpr, WINDOW: tl.constexpr, BF16_DOT: tl.constexpr,
+               NATIVE_FP8: tl.constexpr):
+    """Dims [128 C, 128 C + 128) of a block of records (byte offsets `base` [_KEYS], int64; keys
     with ok False give 0), dequantized exactly: BF16 on the GPU, FP32 in the interpreter."""
-    rc = C * DC + tl.arange(0, DC)
+    rc = C * 128 + tl.arange(0, 128)
     rows = pool_ptr + base[:, None]
     if WINDOW:      # 512 E4M3 codes, then 16 UE8M0 scales (one per 32)
         codes = tl.load(rows + rc[None, :], mask=ok[:, None], other=0)
         sc = tl.load(rows + 512 + (rc // 32)[None, :], mask=ok[:, None], other=127)
-        k = _e4m3_to_fp32(codes, NATIVE_FP8) * ue8m0_to_fp32(sc)
+        k = _e4m3(codes, NATIVE_FP8) * ue8m0_to_fp32(sc)
     else:           # 256 bytes of E2M1 pairs (low nibble first), then 32 E4M3 scales (one per 16)
         byte = tl.load(rows + (rc // 2)[None, :], mask=ok[:, None], other=0).to(tl.int32)
         code = (byte >> ((rc % 2) * 4)[None, :]) & 15
         sc = tl.load(rows + 256 + (rc // 16)[None, :], mask=ok[:, None], other=0)
-        k = _e2m1_to_fp32(code) * _e4m3_to_fp32(sc, NATIVE_FP8)
+        k = e2m1_value(code) * _e4m3(sc, NATIVE_FP8)
     k = tl.where(ok[:, None], k, 0.0)
     if BF16_DOT:
         k = k.to(tl.bfloat16)
+    return k
+
+
+@triton.jit
+def _joined_chunk(wpool_ptr, cpool_ptr, wbase, w_ok, cbase, c_ok, kind, C: tl.constexpr,
+                  BF16_DOT: tl.constexpr, NATIVE_FP8: tl.constexpr):
+    """Dims [128 C, 128 C + 128) of a block of the joined list, decoded; kind 0: window keys only,
+    1: compressed entries only, 2: both (the block where the window ends)."""
+    if kind == 0:
+        k = _key_chunk(wpool_ptr, wbase, w_ok, C, True, BF16_DOT, NATIVE_FP8)
+    elif kind == 1:
+        k = _key_chunk(cpool_ptr, cbase, c_ok, C, False, BF16_DOT, NATIVE_FP8)
+    else:   # each decode is 0 where its keys are not: the sum is exact
+        k = (_key_chunk(wpool_ptr, wbase, w_ok, C, True, BF16_DOT, NATIVE_FP8)
+             + _key_chunk(cpool_ptr, cbase, c_ok, C, False, BF16_DOT, NATIVE_FP8))
     return k
 
 
@@ -115,72 +129,89 @@ def _pv(p, k, acc, BF16_DOT: tl.constexpr):
 
 
 @triton.jit
-def _attend_block(pool_ptr, base, ok, q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3, scale,
-                  WINDOW: tl.constexpr, BF16_DOT: tl.constexpr, NATIVE_FP8: tl.constexpr):
-    """One online-softmax step over a block of keys (V = K), the 512 dims in four chunks of 128:
-    scores = sum over chunks in order of q_c . k_c, then acc_c = acc_c * alpha + P @ k_c."""
-    DC: tl.constexpr = 128
-    k0 = _key_chunk(pool_ptr, base, ok, 0, DC, WINDOW, BF16_DOT, NATIVE_FP8)
-    k1 = _key_chunk(pool_ptr, base, ok, 1, DC, WINDOW, BF16_DOT, NATIVE_FP8)
-    k2 = _key_chunk(pool_ptr, base, ok, 2, DC, WINDOW, BF16_DOT, NATIVE_FP8)
-    k3 = _key_chunk(pool_ptr, base, ok, 3, DC, WINDOW, BF16_DOT, NATIVE_FP8)
-    s = tl.zeros((q0.shape[0], base.shape[0]), dtype=tl.float32)
+def _block(wpool_ptr, cpool_ptr, wtab_row, ctab_row, b, nw, q0, q1, q2, q3, scale,
+           W: tl.constexpr, KC: tl.constexpr, BF16_DOT: tl.constexpr, NATIVE_FP8: tl.constexpr):
+    """Block b of the row's joined key list (window keys j < nw: window_table[W - nw + j]; then
+    comp_table[j - nw]): its keys decoded (four 128-dim chunks), their validity, and the scores
+    s = (sum over the chunks in order of q_c . k_c) * scale, -inf where a key is invalid."""
+    j = b * _KEYS + tl.arange(0, _KEYS)
+    ws = tl.load(wtab_row + (W - nw) + j, mask=j < nw, other=-1)
+    jc = j - nw
+    cs = tl.load(ctab_row + jc, mask=(jc >= 0) & (jc < KC), other=-1)
+    w_ok = ws >= 0
+    c_ok = cs >= 0
+    wbase = tl.where(w_ok, ws, 0).to(tl.int64) * _WREC
+    cbase = tl.where(c_ok, cs, 0).to(tl.int64) * _CREC
+    start = b * _KEYS
+    kind = tl.where(start + _KEYS <= nw, 0, tl.where(start >= nw, 1, 2))
+    k0 = _joined_chunk(wpool_ptr, cpool_ptr, wbase, w_ok, cbase, c_ok, kind, 0, BF16_DOT, NATIVE_FP8)
+    k1 = _joined_chunk(wpool_ptr, cpool_ptr, wbase, w_ok, cbase, c_ok, kind, 1, BF16_DOT, NATIVE_FP8)
+    k2 = _joined_chunk(wpool_ptr, cpool_ptr, wbase, w_ok, cbase, c_ok, kind, 2, BF16_DOT, NATIVE_FP8)
+    k3 = _joined_chunk(wpool_ptr, cpool_ptr, wbase, w_ok, cbase, c_ok, kind, 3, BF16_DOT, NATIVE_FP8)
+    ok = w_ok | c_ok
+    s = tl.zeros((q0.shape[0], _KEYS), dtype=tl.float32)
     s = _qk(q0, k0, s, BF16_DOT)
     s = _qk(q1, k1, s, BF16_DOT)
     s = _qk(q2, k2, s, BF16_DOT)
     s = _qk(q3, k3, s, BF16_DOT)
-    s = s * scale
-    s = tl.where(ok[None, :], s, float("-inf"))
-    new_max = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp(m_i - new_max)
-    p = tl.exp(s - new_max[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    p = _round_bf16_f32(p)
-    a0 = _pv(p, k0, a0 * alpha[:, None], BF16_DOT)
-    a1 = _pv(p, k1, a1 * alpha[:, None], BF16_DOT)
-    a2 = _pv(p, k2, a2 * alpha[:, None], BF16_DOT)
-    a3 = _pv(p, k3, a3 * alpha[:, None], BF16_DOT)
-    return new_max, l_i, a0, a1, a2, a3
+    s = tl.where(ok[None, :], s * scale, float("-inf"))
+    return k0, k1, k2, k3, ok, s
 
 
 @triton.jit
-def _slots(tab_ptr, kk, n_keys, REC: tl.constexpr):
-    """Record byte offsets (int64) and validity of table entries kk (< n_keys)."""
-    slot = tl.load(tab_ptr + kk, mask=kk < n_keys, other=-1)
-    ok = slot >= 0
-    return tl.where(ok, slot, 0).to(tl.int64) * REC, ok
+def _row_setup(q_ptr, wtab_ptr, ctab_ptr, r, g, H, stride_qn, stride_qh, stride_wt, stride_ct,
+               W: tl.constexpr, W_P2: tl.constexpr, BLOCK_H: tl.constexpr, BF16_DOT: tl.constexpr):
+    """The program's heads (indices, in range), q as four [BLOCK_H, 128] chunks, the row's table
+    rows and its window key count nw (the valid suffix of its window table)."""
+    rh = g * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = rh < H
+    rc = tl.arange(0, 128)
+    q_rows = q_ptr + r * stride_qn + rh[:, None] * stride_qh + rc[None, :]
+    q0 = tl.load(q_rows, mask=h_ok[:, None], other=0.0)
+    q1 = tl.load(q_rows + 128, mask=h_ok[:, None], other=0.0)
+    q2 = tl.load(q_rows + 256, mask=h_ok[:, None], other=0.0)
+    q3 = tl.load(q_rows + 384, mask=h_ok[:, None], other=0.0)
+    if not BF16_DOT:
+        q0, q1, q2, q3 = q0.to(tl.float32), q1.to(tl.float32), q2.to(tl.float32), q3.to(tl.float32)
+    wtab_row = wtab_ptr + r * stride_wt
+    rw = tl.arange(0, W_P2)
+    nw = tl.sum((tl.load(wtab_row + rw, mask=rw < W, other=-1) >= 0).to(tl.int32), axis=0)
+    return rh, h_ok, q0, q1, q2, q3, wtab_row, ctab_ptr + r * stride_ct, nw
 
 
 @triton.jit
 def _sparse_mla_kernel(
     q_ptr, wpool_ptr, cpool_ptr, wtab_ptr, ctab_ptr, sink_ptr, out_ptr,
-    part_acc_ptr, part_ml_ptr, count_ptr,
-    H, scale, stride_qn, stride_qh, stride_wt, stride_ct, stride_on, stride_oh,
-    W: tl.constexpr, KC: tl.constexpr, SPLIT: tl.constexpr, BLOCKS_PER_SPLIT: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_KEYS: tl.constexpr, BF16_DOT: tl.constexpr, NATIVE_FP8: tl.constexpr,
+    part_acc_ptr, part_ml_ptr, block_max_ptr, flag_ptr, count_ptr, ticket_ptr,
+    N, H, scale, stride_qn, stride_qh, stride_wt, stride_ct, stride_on, stride_oh,
+    W: tl.constexpr, W_P2: tl.constexpr, KC: tl.constexpr, HG: tl.constexpr, SPLIT: tl.constexpr,
+    NB_P2: tl.constexpr, BLOCK_H: tl.constexpr, BF16_DOT: tl.constexpr, NATIVE_FP8: tl.constexpr,
     SEPARATE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     pdl.enter(PDL, RELEASE=False)
     D: tl.constexpr = 512
     DC: tl.constexpr = 128
-    NB_W: tl.constexpr = (W + BLOCK_KEYS - 1) // BLOCK_KEYS
-    NB_C: tl.constexpr = (KC + BLOCK_KEYS - 1) // BLOCK_KEYS
-    HG = tl.num_programs(1)
-    r = tl.program_id(0)
-    g = tl.program_id(1)
-    sp = tl.program_id(2)
-
-    rh = g * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = rh < H
+    NB: tl.constexpr = (W + KC + _KEYS - 1) // _KEYS
+    if SPLIT:
+        # One program per (row, head group, block). Tickets, taken in the order the programs start,
+        # give the blocks in ascending order, so a program only waits for programs already running.
+        ticket = tl.atomic_add(ticket_ptr, 1, sem="relaxed", scope="gpu")
+        if ticket == N * HG * NB - 1:
+            tl.store(ticket_ptr, 0)      # every program has its ticket: ready for the next launch
+        b_lo = ticket // (N * HG)
+        r = (ticket // HG) % N
+        g = ticket % HG
+        b_hi = b_lo + 1
+    else:
+        r = tl.program_id(0)
+        g = tl.program_id(1)
+        b_lo = 0
+        b_hi = NB
+    tile = r * HG + g
+    rh, h_ok, q0, q1, q2, q3, wtab_row, ctab_row, nw = _row_setup(
+        q_ptr, wtab_ptr, ctab_ptr, r, g, H, stride_qn, stride_qh, stride_wt, stride_ct, W, W_P2, BLOCK_H, BF16_DOT)
     rc = tl.arange(0, DC)
-    rk = tl.arange(0, BLOCK_KEYS)
-    q_rows = q_ptr + r * stride_qn + rh[:, None] * stride_qh + rc[None, :]
-    q0 = tl.load(q_rows, mask=h_ok[:, None], other=0.0)
-    q1 = tl.load(q_rows + DC, mask=h_ok[:, None], other=0.0)
-    q2 = tl.load(q_rows + 2 * DC, mask=h_ok[:, None], other=0.0)
-    q3 = tl.load(q_rows + 3 * DC, mask=h_ok[:, None], other=0.0)
-    if not BF16_DOT:
-        q0, q1, q2, q3 = q0.to(tl.float32), q1.to(tl.float32), q2.to(tl.float32), q3.to(tl.float32)
+    lh = tl.arange(0, BLOCK_H)
 
     m_i = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
     l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
@@ -188,33 +219,46 @@ def _sparse_mla_kernel(
     a1 = tl.zeros((BLOCK_H, DC), dtype=tl.float32)
     a2 = tl.zeros((BLOCK_H, DC), dtype=tl.float32)
     a3 = tl.zeros((BLOCK_H, DC), dtype=tl.float32)
-    nvalid = tl.zeros((BLOCK_KEYS,), dtype=tl.int32)
-
-    b_lo = sp * BLOCKS_PER_SPLIT
-    b_hi = tl.minimum(b_lo + BLOCKS_PER_SPLIT, NB_W + NB_C)
-    for b in range(b_lo, tl.minimum(b_hi, NB_W)):           # window blocks
-        base, ok = _slots(wtab_ptr + r * stride_wt, b * BLOCK_KEYS + rk, W, 528)
+    nvalid = tl.zeros((_KEYS,), dtype=tl.int32)
+    for b in range(b_lo, b_hi):
+        k0, k1, k2, k3, ok, s = _block(wpool_ptr, cpool_ptr, wtab_row, ctab_row, b, nw, q0, q1, q2, q3,
+                                       scale, W, KC, BF16_DOT, NATIVE_FP8)
         nvalid += ok.to(tl.int32)
-        m_i, l_i, a0, a1, a2, a3 = _attend_block(wpool_ptr, base, ok, q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3,
-                                                 scale, True, BF16_DOT, NATIVE_FP8)
-    for b in range(tl.maximum(b_lo, NB_W), b_hi):           # compressed blocks
-        base, ok = _slots(ctab_ptr + r * stride_ct, (b - NB_W) * BLOCK_KEYS + rk, KC, 288)
-        nvalid += ok.to(tl.int32)
-        m_i, l_i, a0, a1, a2, a3 = _attend_block(cpool_ptr, base, ok, q0, q1, q2, q3, m_i, l_i, a0, a1, a2, a3,
-                                                 scale, False, BF16_DOT, NATIVE_FP8)
+        s_max = tl.max(s, axis=1)
+        if SPLIT:
+            # publish this block's max; the running max of the sequential loop before this block is
+            # the max over the blocks before it, each published by its own program
+            mx = block_max_ptr + tile.to(tl.int64) * (NB * BLOCK_H) + lh
+            tl.store(mx + b * BLOCK_H, s_max)
+            tl.debug_barrier()
+            flags = flag_ptr + tile * NB
+            tl.atomic_xchg(flags + b, 1, sem="release", scope="gpu")
+            for bb in range(0, b):
+                while tl.atomic_add(flags + bb, 0, sem="acquire", scope="gpu") == 0:
+                    pass
+                m_i = tl.maximum(m_i, tl.load(mx + bb * BLOCK_H, cache_modifier=".cg"))
+        new_max = tl.maximum(m_i, s_max)
+        alpha = _exp(m_i - new_max)
+        p = _exp(s - new_max[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p = bf16_round(p)
+        a0 = _pv(p, k0, a0 * alpha[:, None], BF16_DOT)
+        a1 = _pv(p, k1, a1 * alpha[:, None], BF16_DOT)
+        a2 = _pv(p, k2, a2 * alpha[:, None], BF16_DOT)
+        a3 = _pv(p, k3, a3 * alpha[:, None], BF16_DOT)
+        m_i = new_max
 
     nv = tl.sum(nvalid, axis=0)
     pdl.release(PDL)   # the successor (the combination, or the next op) may launch
-    lh = tl.arange(0, BLOCK_H)
     out_rows = out_ptr + r * stride_on + rh[:, None] * stride_oh + rc[None, :]
     sink = tl.load(sink_ptr + rh, mask=h_ok, other=0.0)
-    if SPLIT == 1:
-        _store_o(out_rows, a0, a1, a2, a3, l_i + tl.exp(sink - m_i), nv > 0, h_ok, DC)
+    if not SPLIT:
+        _store_o(out_rows, a0, a1, a2, a3, l_i + _exp(sink - m_i), nv > 0, h_ok, DC)
     else:
-        # Workspace: acc [N, HG, SPLIT, BLOCK_H, D]; ml [N, HG, SPLIT, 3, BLOCK_H] (max, sum, count).
-        tile = r * HG + g
-        acc_base = part_acc_ptr + tile.to(tl.int64) * (SPLIT * BLOCK_H * D)
-        ml_base = part_ml_ptr + tile.to(tl.int64) * (SPLIT * 3 * BLOCK_H)
+        # Workspace: acc [N, HG, NB, BLOCK_H, D]; ml [N, HG, NB, 3, BLOCK_H] (max, sum, count).
+        sp = b_lo
+        acc_base = part_acc_ptr + tile.to(tl.int64) * (NB * BLOCK_H * D)
+        ml_base = part_ml_ptr + tile.to(tl.int64) * (NB * 3 * BLOCK_H)
         acc_rows = acc_base + lh[:, None] * D + rc[None, :]
         mine = acc_rows + sp * (BLOCK_H * D)
         tl.store(mine, a0)
@@ -225,21 +269,24 @@ def _sparse_mla_kernel(
         tl.store(ml_ptrs, m_i)
         tl.store(ml_ptrs + BLOCK_H, l_i)
         tl.store(ml_ptrs + 2 * BLOCK_H, tl.zeros((BLOCK_H,), dtype=tl.float32) + nv.to(tl.float32))
-        if SEPARATE:     # `_sparse_mla_combine_kernel` combines, launched next
+        if SEPARATE:     # `_sparse_mla_combine_kernel` combines (and clears the flags), launched next
             return
         tl.debug_barrier()
         arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT - 1:
-            # the last program of (row, head group) to arrive combines the splits in split order
+        if arrived == NB - 1:
+            # the last program of (row, head group) to arrive: every block's program has read the
+            # flags it waited for; clear them and the counter, and combine the blocks in order
             tl.store(count_ptr + tile, 0)
+            tl.store(flag_ptr + tile * NB + tl.arange(0, NB_P2), tl.zeros((NB_P2,), dtype=tl.int32),
+                     mask=tl.arange(0, NB_P2) < NB)
             ml = ml_base + lh[:, None]
-            m_all, n_all = _split_totals(ml, SPLIT, BLOCK_H)
-            a0, l_all = _combine_chunk(acc_rows, ml, m_all, SPLIT, BLOCK_H)
-            a1, _ = _combine_chunk(acc_rows + DC, ml, m_all, SPLIT, BLOCK_H)
-            a2, _ = _combine_chunk(acc_rows + 2 * DC, ml, m_all, SPLIT, BLOCK_H)
-            a3, _ = _combine_chunk(acc_rows + 3 * DC, ml, m_all, SPLIT, BLOCK_H)
+            m_all, n_all = _split_totals(ml, NB, BLOCK_H)
+            a0, l_all = _combine_chunk(acc_rows, ml, m_all, NB, BLOCK_H)
+            a1, _ = _combine_chunk(acc_rows + DC, ml, m_all, NB, BLOCK_H)
+            a2, _ = _combine_chunk(acc_rows + 2 * DC, ml, m_all, NB, BLOCK_H)
+            a3, _ = _combine_chunk(acc_rows + 3 * DC, ml, m_all, NB, BLOCK_H)
             m_all = tl.reshape(m_all, (BLOCK_H,))
-            _store_o(out_rows, a0, a1, a2, a3, tl.reshape(l_all, (BLOCK_H,)) + tl.exp(sink - m_all),
+            _store_o(out_rows, a0, a1, a2, a3, tl.reshape(l_all, (BLOCK_H,)) + _exp(sink - m_all),
                      tl.reshape(n_all, (BLOCK_H,)) > 0, h_ok, DC)
 
 
@@ -266,7 +313,7 @@ def _combine_chunk(part, ml, m_all, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr):
     l_all = tl.zeros(ml.shape, dtype=tl.float32)
     a = tl.zeros(part.shape, dtype=tl.float32)
     for s in tl.static_range(SPLIT):
-        f = tl.exp(tl.load(ml + s * (3 * BLOCK_H), cache_modifier=".cg") - m_all)
+        f = _exp(tl.load(ml + s * (3 * BLOCK_H), cache_modifier=".cg") - m_all)
         l_all += tl.load(ml + s * (3 * BLOCK_H) + BLOCK_H, cache_modifier=".cg") * f
         a += tl.load(part + s * (BLOCK_H * D), cache_modifier=".cg") * f
     return a, l_all
@@ -274,12 +321,13 @@ def _combine_chunk(part, ml, m_all, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr):
 
 @triton.jit
 def _sparse_mla_combine_kernel(
-    part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, H, HG, stride_on, stride_oh,
-    SPLIT: tl.constexpr, BLOCK_H: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr = False,
+    part_acc_ptr, part_ml_ptr, flag_ptr, sink_ptr, out_ptr, H, HG, stride_on, stride_oh,
+    SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, BLOCK_H: tl.constexpr, CHUNK: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
-    """The splits' combination of `_sparse_mla_kernel` with SEPARATE, spread over programs: one per
-    (row, head group, CHUNK-dim slice of the 512); the inline combination's arithmetic in its split
-    order (the same bits). The split loops are unrolled (SPLIT is a constexpr) and every per-head
+    """The blocks' combination of `_sparse_mla_kernel` with SEPARATE, spread over programs: one per
+    (row, head group, CHUNK-dim slice of the 512); the inline combination's arithmetic in its block
+    order (the same bits). The first slice's program clears the (row, head group)'s flags. The split loops are unrolled (SPLIT is a constexpr) and every per-head
     value is a [BLOCK_H, 1] column of the accumulator's own layout, so the loads of all splits are
     independent and in flight together, with no layout exchange through shared memory between
     them (the first version looped over 128-dim chunks and the splits, one dependent L2 round trip
@@ -294,13 +342,16 @@ def _sparse_mla_combine_kernel(
     rh = g * BLOCK_H + hd
     h_ok = rh < H
     dd = c * CHUNK + tl.arange(0, CHUNK)[None, :]                              # [1, CHUNK]
+    if c == 0:
+        fl = tl.arange(0, SPLIT_P2)
+        tl.store(flag_ptr + tile * SPLIT + fl, tl.zeros((SPLIT_P2,), dtype=tl.int32), mask=fl < SPLIT)
     # Workspace: acc [N, HG, SPLIT, BLOCK_H, D]; ml [N, HG, SPLIT, 3, BLOCK_H] (max, sum, count).
     ml = part_ml_ptr + tile.to(tl.int64) * (SPLIT * 3 * BLOCK_H) + hd
     acc = part_acc_ptr + tile.to(tl.int64) * (SPLIT * BLOCK_H * D) + hd * D + dd
     m_all, n_all = _split_totals(ml, SPLIT, BLOCK_H)
     a, l_all = _combine_chunk(acc, ml, m_all, SPLIT, BLOCK_H)
     sink = tl.load(sink_ptr + rh, mask=h_ok, other=0.0)
-    d = tl.where(n_all > 0, l_all + tl.exp(sink - m_all), float("inf"))     # no valid key: o is 0
+    d = tl.where(n_all > 0, l_all + _exp(sink - m_all), float("inf"))     # no valid key: o is 0
     tl.store(out_ptr + r * stride_on + rh * stride_oh + dd, bf16_rne_bits(a / d), mask=h_ok)
 
 
@@ -335,8 +386,10 @@ def sparse_mla_(plan: SparseMlaPlan, q: torch.Tensor, window_pool: torch.Tensor,
     q: [N, H, 512] bfloat16 (already rotated), unit stride in the last dim, 1 <= N <= max_rows.
     window_pool: [S_w, 528] uint8 window records; comp_pool: [S_c, 288] uint8 compressed records
       (both contiguous rows; S_c may be 0 when comp_table holds only -1).
-    window_table: [N, W] int32 ring slots (-1 = none); comp_table: [N, K] int32 slots (-1 = none).
-      Slots are not range-checked.
+    window_table: [N, W] int32 ring slots, oldest first, -1 only before the first valid one (a window
+      not yet full: `sparse_tables.window_table_`); comp_table: [N, K] int32 slots (-1 = none). The
+      joined key list of a row is its valid window slots, then its K compressed entries. Neither the
+      slots' range nor the window table's -1 prefix is checked.
     sink: [H] float32; scale: the softmax scale; out: [N, H, 512] bfloat16, unit stride in the last dim.
     """
     if not isinstance(plan, SparseMlaPlan):
@@ -365,25 +418,26 @@ def sparse_mla_(plan: SparseMlaPlan, q: torch.Tensor, window_pool: torch.Tensor,
         return
     if q.stride(1) == 0 or out.stride(1) == 0:
         raise ValueError("q and out must not broadcast over heads")
-    split = plan.split(n)
-    bps = triton.cdiv(plan.n_blocks, split)
-    separate = plan.separate_combine and split > 1
+    nb = plan.n_blocks
+    hg = plan.head_groups
+    separate = plan.separate_combine and plan.split
     o16 = out.view(torch.int16)
-    _sparse_mla_kernel[(n, plan.head_groups, split)](
+    _sparse_mla_kernel[(n, hg, nb) if plan.split else (n, hg)](
         q, window_pool, comp_pool, window_table, comp_table, sink, o16,
-        plan.part_acc, plan.part_ml, plan.counters,
-        h, float(scale), q.stride(0), q.stride(1), window_table.stride(0), max(comp_table.stride(0), 1),
+        plan.part_acc, plan.part_ml, plan.block_max, plan.flags, plan.counters, plan.ticket,
+        n, h, float(scale), q.stride(0), q.stride(1), window_table.stride(0), max(comp_table.stride(0), 1),
         o16.stride(0), o16.stride(1),
-        W=plan.window, KC=plan.topk, SPLIT=split, BLOCKS_PER_SPLIT=bps, BLOCK_H=plan.block_h,
-        BLOCK_KEYS=plan.block_keys, BF16_DOT=plan.bf16_dot, NATIVE_FP8=plan.native_fp8,
-        SEPARATE=separate, PDL=pdl.active(), num_warps=plan.num_warps, **pdl.launch_options(),
+        W=plan.window, W_P2=triton.next_power_of_2(plan.window), KC=plan.topk, HG=hg, SPLIT=plan.split,
+        NB_P2=triton.next_power_of_2(nb), BLOCK_H=plan.block_h, BF16_DOT=plan.bf16_dot,
+        NATIVE_FP8=plan.native_fp8, SEPARATE=separate, PDL=pdl.active(), num_warps=plan.num_warps,
+        **pdl.launch_options(),
     )
     if separate:
-        chunk = combine_chunk(split, plan.block_h)
-        _sparse_mla_combine_kernel[(n * plan.head_groups, HEAD_DIM // chunk)](
-            plan.part_acc, plan.part_ml, sink, o16, h, plan.head_groups, o16.stride(0), o16.stride(1),
-            SPLIT=split, BLOCK_H=plan.block_h, CHUNK=chunk, PDL=pdl.active(), num_warps=4,
-            **pdl.launch_options(),
+        chunk = combine_chunk(nb, plan.block_h)
+        _sparse_mla_combine_kernel[(n * hg, HEAD_DIM // chunk)](
+            plan.part_acc, plan.part_ml, plan.flags, sink, o16, h, hg, o16.stride(0), o16.stride(1),
+            SPLIT=nb, SPLIT_P2=triton.next_power_of_2(nb), BLOCK_H=plan.block_h, CHUNK=chunk,
+            PDL=pdl.active(), num_warps=4, **pdl.launch_options(),
         )
 
 
