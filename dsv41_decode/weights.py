@@ -1,7 +1,8 @@
 """Attention-side checkpoint tensors: the expected layout, loading with validation, synthetic files.
 
-The layout is the official inference naming of spec section 7 (`layers.N.attn.wq_a.weight`, no
-`model.` prefix); which tensors a layer holds follows its kind in `cfg.plan` (spec section 2). FP8
+The layout is the official inference naming of spec section 7 (`layers.N.attn.wq_a.weight`; a
+folder whose layer tensors all carry one prefix, such as `model.`, is read through it); which
+tensors a layer holds follows its kind in `cfg.plan` (spec section 2). FP8
 linears store an E4M3 `weight` [out, in] and a UE8M0 `scale` [ceil(out/32), ceil(in/32)]; the value
 of element (r, c) is `weight[r, c] * scale[r // 32, c // 32]`.
 

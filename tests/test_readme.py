@@ -60,3 +60,25 @@ def test_readme_keeps_the_trace_format_marker_and_the_knobs_table():
     assert "## Golden trace format" in text
     assert "## Environment knobs" in text and "`TRITON_INTERPRET`" in text
     assert "`<what>_<dtype>[_<variant>]`" in text
+
+
+def test_python_api_example_runs(tmp_path, monkeypatch):
+    # the README's Python API block, as a user would paste it (on a GPU it runs the specialized step)
+    text = (ROOT / "README.md").read_text()
+    m = re.search(r"## Python API\n.*?```python\n(.*?)```", text, re.S)
+    assert m, "README.md has no python block under ## Python API"
+    monkeypatch.chdir(tmp_path)
+    exec(compile(m.group(1), "README.md (Python API)", "exec"), {"__name__": "readme_example"})
+    assert (tmp_path / "ckpt-small" / "config.json").is_file()
+
+
+def test_public_api_is_lazy_and_complete():
+    import subprocess
+    import sys
+
+    import dsv41_decode as dd
+    code = "import sys, dsv41_decode; assert 'torch' not in sys.modules, 'import dsv41_decode imported torch'"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert all(getattr(dd, n) is not None for n in dd.__all__) and len(dd.__all__) >= 17
+    assert dd.DecodeState.__module__ == "dsv41_decode.state" and "load_checkpoint" in dir(dd)
