@@ -4,7 +4,7 @@ allocates. Each op's reference lives in `dsv41_decode/reference/` and its test i
 """
 
 # Rows up to which the MXFP8 linears take `low_latency_mm` instead of the regular `fp8_mm`: the
-# measured crossover on an H200 (docs/gemm.md, docs/results/gemm-h200.jsonl): low_latency_mm is
-# 1.2-12.9x faster at every M <= 32 on every V4.1-Flash shape and TP shard, and at M = 64 faster
-# on 8 of 10 shapes (1.0-3.5x) and within 6% on the other two.
+# crossover measured on an H200 (docs/gemm.md, docs/results/gemm-h200.jsonl): low_latency_mm is
+# 1.3-13.9x faster at every M <= 32 on every V4.1-Flash shape and TP shard; at M = 64 it is
+# 1.0-3.9x faster on 9 of the 10 shapes and 9 % slower on wo_b's TP8 shard.
 LOW_BATCH_MAX_ROWS = 64
