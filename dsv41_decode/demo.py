@@ -190,5 +190,9 @@ def _demo_rank(rank, world, cfg, plan, store, results, width, checkpoint=None) -
         stats = run_demo(cfg, plan, "cpu", Console(width=width, quiet=rank != 0), tp, checkpoint)
         ok = all(s.bitwise == s.rows for s in stats.values())
         dist.destroy_process_group()
+    except Exception as e:   # one line per rank, as the command line prints its own errors
+        import sys
+        sys.stderr.write(f"dsv41-decode demo: rank {rank}: error: {' '.join(str(e).split())}\n")
+        sys.stderr.flush()
     finally:
         results.put(ok)
