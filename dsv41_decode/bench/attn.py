@@ -11,7 +11,7 @@ from typing import Callable
 import torch
 
 from ..records import pack_compressed_kv, pack_window_kv
-from ..reference.attention import sparse_attention
+from ..reference.attention import sparse_attention_records
 from .floor import read_bandwidth_gbps
 from .attn_plot import plot_attn
 from .results import format_table, record, run_info, write_jsonl
@@ -101,11 +101,7 @@ def bench_sparse_mla(ops, rows_list, heads_list, floor, info, gen, progress) -> 
 
 
 def _reference_rows(q, win, wtab, comp, ctab, sink):
-    from ..records import unpack_compressed_kv, unpack_window_kv
-    for r in range(q.shape[0]):
-        keys = torch.cat([unpack_window_kv(win[wtab[r].long()]), unpack_compressed_kv(comp[ctab[r].long()])])
-        sparse_attention(q[r], keys, torch.ones(keys.shape[0], dtype=torch.bool, device=q.device), sink,
-                         HEAD_DIM ** -0.5)
+    sparse_attention_records(q, win, comp, wtab, ctab, sink, HEAD_DIM ** -0.5)
 
 
 def run_attn_bench(ops, rows=(1, 4, 16, 64), heads=(8, 16, 32, 64), contexts=(4096, 32768, 131072, 1 << 20),

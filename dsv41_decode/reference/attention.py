@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..records import unpack_compressed_kv, unpack_window_kv
 from .linear import fp8_linear, rowwise_dot
 from .rope import rope_tail
 
@@ -38,6 +39,29 @@ def sparse_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, s
         run_max = new_max
     run_sum = run_sum + torch.exp(sink.float() - run_max)
     return (acc / run_sum.unsqueeze(-1)).to(torch.bfloat16)
+
+
+def sparse_attention_records(q: torch.Tensor, window_pool: torch.Tensor, comp_pool: torch.Tensor,
+                             window_table: torch.Tensor, comp_table: torch.Tensor, sink: torch.Tensor,
+                             scale: float) -> torch.Tensor:
+    """`sparse_attention` of each row over its cache records: the arguments of `ops.sparse_mla_`.
+
+    q: [N, H, 512] BF16; window_pool: [S_w, 528] uint8 window records; comp_pool: [S_c, 288] uint8
+    compressed records; window_table: [N, W] int32 ring slots, oldest first (-1 = none);
+    comp_table: [N, K] int32 slots (-1 = none); sink: [H] FP32. Row r's key list joins its valid
+    window keys (in table order) and its K top-k entries (-1 entries stay as invalid positions, so
+    the 64-key blocks fall where the kernel's do). Returns [N, H, 512] BF16.
+    """
+    window_keys, comp_keys = unpack_window_kv(window_pool), unpack_compressed_kv(comp_pool)
+    out = []
+    for r in range(q.shape[0]):
+        w = window_table[r].long()
+        w = w[w >= 0]
+        c = comp_table[r].long()
+        keys = torch.cat((window_keys[w], comp_keys[c.clamp(min=0)]))           # [m, 512]
+        valid = torch.cat((torch.ones_like(w, dtype=torch.bool), c >= 0))      # [m]
+        out.append(sparse_attention(q[r], keys, valid, sink.float(), scale))
+    return torch.stack(out) if out else q.new_zeros(0, q.shape[1], q.shape[2])
 
 
 def grouped_wo_a(o: torch.Tensor, cis: torch.Tensor, wo_a: torch.Tensor, o_groups: int,

@@ -31,7 +31,7 @@ import torch
 import dsv41_decode.reference.attention as ref_attention
 from dsv41_decode.ops.sparse_mla import BLOCK_KEYS, STEP_TILINGS, SparseMlaPlan, sparse_mla, sparse_mla_
 from dsv41_decode.records import pack_compressed_kv, pack_window_kv, unpack_compressed_kv, unpack_window_kv
-from dsv41_decode.reference.attention import sparse_attention
+from dsv41_decode.reference.attention import sparse_attention_records
 
 D = 512
 SCALE = 1.0 / math.sqrt(576)
@@ -70,27 +70,19 @@ def make_case(n, h, w, k, *, device="cpu", seed=0, window_fill=None, comp_valid=
     return tuple(x.to(device) for x in (q, wpool, cpool, wt, ct, sink))
 
 
-def joined_keys(wpool, cpool, wt_row, ct_row):
-    """The row's joined key list as the reference takes it: its valid window keys, then its top-k
-    entries (-1 entries kept as invalid positions). Returns (keys [m, 512], valid [m])."""
-    w = wt_row.long()
-    w = w[w >= 0]
-    c = ct_row.long()
-    keys = torch.cat((unpack_window_kv(wpool)[w], unpack_compressed_kv(cpool)[c.clamp(min=0)]))
-    return keys, torch.cat((torch.ones_like(w, dtype=torch.bool), c >= 0))
-
-
 def reference(q, wpool, cpool, wt, ct, sink, scale=SCALE):
     """On q's device (the GPU tests' reference runs on the GPU); returned on the CPU."""
-    return torch.stack([sparse_attention(q[r], *joined_keys(wpool, cpool, wt[r], ct[r]), sink.float(), scale)
-                        for r in range(q.shape[0])]).cpu()
+    return sparse_attention_records(q, wpool, cpool, wt, ct, sink, scale).cpu()
 
 
 def flip_bound(q, wpool, cpool, wt, ct, sink, ref, scale=SCALE):
     """Elementwise 2^-7 * sum_j softmax_j |K_j| + 1 ulp of ref (module doc), on the CPU."""
     bounds = []
+    wkeys, ckeys = unpack_window_kv(wpool), unpack_compressed_kv(cpool)
     for r in range(q.shape[0]):
-        keys, valid = joined_keys(wpool, cpool, wt[r], ct[r])
+        w, c = wt[r].long(), ct[r].long()
+        keys = torch.cat((wkeys[w[w >= 0]], ckeys[c.clamp(min=0)]))          # the joined key list
+        valid = torch.cat((torch.ones(int((w >= 0).sum()), dtype=torch.bool, device=w.device), c >= 0))
         s = (q[r].float() @ keys.float().T * scale).masked_fill(~valid, float("-inf"))   # [H, m]
         s = torch.cat((s, sink.float()[:, None]), 1)
         w = torch.softmax(s, 1)[:, :-1].nan_to_num(0.0)
