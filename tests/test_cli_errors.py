@@ -221,3 +221,19 @@ def test_plot_gemm_and_attn_results(name, tmp_path):
     out = tmp_path / f"{name}.png"
     assert main(["plot", str(results), "--out", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_argument_has_help():
+    import argparse
+
+    from dsv41_decode.cli import _parser
+
+    def walk(p, path):
+        for a in p._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for name, sub in a.choices.items():
+                    yield from walk(sub, path + [name])
+            elif not isinstance(a, (argparse._HelpAction, argparse._VersionAction)):
+                yield " ".join(path), a
+    missing = [f"{cmd}: {a.dest}" for cmd, a in walk(_parser(), []) if not a.help]
+    assert not missing, missing
