@@ -29,6 +29,7 @@ would hold (spec decision 12).
 from __future__ import annotations
 
 import heapq
+import uuid
 from dataclasses import dataclass
 from typing import Hashable, Mapping, Sequence
 
@@ -66,6 +67,8 @@ class StepRows:
     positions: int64 [N] on the state's device: each row's absolute position (p, p+1, ... within a
         request).
     row_start: the index of each request's first row among the N rows.
+    plan_key: which plan of which state made these rows (`DecodeState.check_step` compares it; a
+        deep copy of the state keeps its key, so a snapshot accepts the rows planned before it).
     """
 
     req_ids: tuple
@@ -74,6 +77,7 @@ class StepRows:
     req_slot: torch.Tensor
     positions: torch.Tensor
     row_start: tuple[int, ...]
+    plan_key: tuple = ()
 
     @property
     def n_rows(self) -> int:
@@ -222,7 +226,9 @@ class DecodeState:
         self._free_slots: list[int] = list(range(max_requests))
         self._lengths: list[int] = [0] * max_requests
         self._pending: list[int] = [0] * max_requests  # rows of the planned, not yet advanced call
-        self._planned: StepRows | None = None  # the last plan() not yet advanced (check_step)
+        # (this state's id, plan number) of the last plan() not yet advanced (check_step)
+        self._plan_key: tuple[str, int] = (uuid.uuid4().hex, 0)
+        self._planned: tuple | None = None
         self._accepting: dict[int, tuple[int, int]] = {}  # slot -> (start, count) of the last advanced call
         self._pages: dict[int, list[list[int]]] = {
             r: [[] for _ in range(max_requests)] for r in self.ratios}
@@ -373,12 +379,13 @@ class DecodeState:
             n += count
             slot_rows.extend([s] * count)
             pos_rows.extend(range(start, start + count))
-        self._planned = StepRows(
+        self._plan_key = (self._plan_key[0], self._plan_key[1] + 1)
+        self._planned = self._plan_key
+        return StepRows(
             req_ids=tuple(ids), counts=tuple(counts), starts=tuple(starts),
             req_slot=torch.tensor(slot_rows, dtype=torch.int64).to(self.device),
             positions=torch.tensor(pos_rows, dtype=torch.int64).to(self.device),
-            row_start=tuple(row_start))
-        return self._planned
+            row_start=tuple(row_start), plan_key=self._plan_key)
 
     def check_step(self, step: StepRows, what: str = "step") -> list[int]:
         """Raise unless `step` is this state's current plan; return its requests' slots.
@@ -395,7 +402,7 @@ class DecodeState:
             if self._lengths[s] != start:
                 raise ValueError(f"{what}: stale step: request {req_id!r} holds "
                                  f"{self._lengths[s]} tokens but the step starts at {start}")
-        if step is not self._planned:
+        if step.plan_key != self._planned:
             raise ValueError(f"{what}: the step is not this state's current plan (planned by another "
                              f"DecodeState, or replaced by a later plan())")
         for req_id, s, count in zip(step.req_ids, slots, step.counts):
