@@ -1,0 +1,168 @@
+"""Speculative decoding on the specialized step (CPU, Triton interpreter): a drafted run with
+`accept` against the run fed only the accepted tokens (spec decision 12).
+
+- The step's state writes, driven alone over many calls (fast): `StepMeta`'s table kernel (window
+  tables, staging and ring slots for a ring of W + max_drafts), the staged window records moved
+  into the ring as `wo_a`'s copy does, the ratio-2 compressor kernel with its row history
+  (`comp_rows`) and the compressed entries stored at the step's entry slots. Every acceptance
+  pattern of 1-3 drafts, several ring wraps, many group boundaries; after every call the state
+  and the window records each kept row's table points at equal the accepted-only run's.
+- The whole `DecodeStep`, a few calls: both runs replay the same single bucket, and the step is
+  batch-invariant at a fixed bucket (one reduction order per shape, `ops.low_latency_mm`), so the
+  kept rows' outputs and the state must agree bit for bit.
+
+GPU, V4.1-Flash sizes and CUDA graphs: test_speculative_gpu.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from dsv41_decode.config import ModelConfig
+from dsv41_decode.decode.tables import StepMeta
+from dsv41_decode.ops.compressor import compress_ratio2_
+from dsv41_decode.records import pack_compressed_kv, pack_index_key, pack_window_kv
+from dsv41_decode.stack import AttentionStack
+from dsv41_decode.state import DecodeState
+from dsv41_decode.testing import speculative as sp
+from dsv41_decode.weights import load_checkpoint, write_synthetic_checkpoint
+
+interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                 reason="CPU tensors need TRITON_INTERPRET=1")
+
+REQS = ("a", "b")
+PREFILL = {"a": 5, "b": 0}
+BUCKET = 8
+
+
+def mini_config() -> ModelConfig:
+    """Two layers: SWA, then a ratio-2 Full layer (compressor, indexer, top-k 4); window 4."""
+    return ModelConfig.preset("tiny").replace(
+        n_layers=2, compress_ratios=(0, 2), kv_source_layers=(1,), index_source_layers=(1,),
+        candidate_source_layer=None, n_heads=8, window_size=4, index_topk=4, o_lora_rank=64)
+
+
+# ------------------------------------------------------------------ the step's state writes alone
+class StepWrites:
+    """What a step writes into the state, through the step's own table kernel and compressor
+    kernel: window records (staged, then moved into the ring), compressor state and rows, and the
+    compressed-KV / index-key records of completed groups (from the compressor's output)."""
+
+    def __init__(self, state: DecodeState):
+        self.state = state
+        self.meta = StepMeta(state.cfg, state, BUCKET)
+        self.out = torch.zeros(BUCKET, 512)
+        self.done = torch.zeros(BUCKET, dtype=torch.int32)
+        self.seen: list[dict] = []     # per call, per kept row (req, position): the window it reads
+
+    def __call__(self, values: torch.Tensor, rows: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """values: [n, 1024] FP32 per row: the compressor's kv | score, whose first 512 also give
+        the row's window record."""
+        st, m, n = self.state, self.meta, values.shape[0]
+        step = st.plan(rows)
+        m.load(step, BUCKET)
+        m.derive(BUCKET)
+        for pool in st.window.values():
+            pool[m.stage_slot[:n]] = pack_window_kv(values[:, :512].to(torch.bfloat16))
+        reads = {}
+        for row in range(n):   # what sparse MLA reads: the records at the row's window table
+            t = m.window_table[row]
+            reads[row] = {L: pool[t[t >= 0].long()].clone() for L, pool in st.window.items()}
+        for pool in st.window.values():
+            m.copy_staged(pool, BUCKET)
+        kv_score = torch.zeros(BUCKET, 1024)
+        kv_score[:n] = values
+        for L in st.comp_kv:
+            compress_ratio2_(kv_score, m.record[0], m.record[1], st.comp_kv[L], st.comp_score[L],
+                             self.out, self.done, st.comp_rows.get(L))
+            e = m.entry_slot[2][:BUCKET]
+            ok = e >= 0
+            lat = self.out[ok].to(torch.bfloat16)
+            st.compressed[L][e[ok]] = pack_compressed_kv(lat)
+            st.index_keys[L][e[ok]] = pack_index_key(lat[:, :128].contiguous())
+        st.advance(step)
+        positions = step.positions.tolist()
+        self.seen.append({(step.req_ids[i], p): reads[r] for i in range(step.n_requests)
+                          for r, p in zip(range(step.request_rows(i).start, step.request_rows(i).stop),
+                                          positions[step.request_rows(i)])})
+        return values[:, None, :4].to(torch.bfloat16), values[:, :4]     # stand-in outputs
+
+
+def _writes_state(cfg, max_drafts):
+    st = DecodeState(cfg, max_requests=3, max_context=128, page_size=4, stage_rows=BUCKET,
+                     max_drafts=max_drafts)
+    for r in REQS:
+        st.admit(r)
+    return st
+
+
+@interpreter
+def test_step_state_writes_with_drafts_equal_accepted_only():
+    cfg = mini_config()
+    plan = sp.acceptance_plan(REQS, 12, max_drafts=3, seed=4)
+    need = sp.needed_tokens(plan)
+    g = torch.Generator().manual_seed(5)
+    truth = {r: torch.randn(n, 1024, generator=g) for r, n in need.items()}
+    # two wraps of the 7-slot ring and 10 groups for every request
+    assert min(need.values()) >= max(2 * (cfg.window_size + 3), 20)
+    runs = {}
+    for md, drafted in ((3, True), (0, False)):
+        st = _writes_state(cfg, md)
+        w = StepWrites(st)
+        held = []
+        sp.serve(w, truth, plan, junk_seed=6 if drafted else None, accept=st.accept if drafted else None,
+                 after=lambda _: held.append({r: sp.held_state(st, r) for r in REQS}))
+        runs[drafted] = st, w, held
+    (st_d, w_d, held_d), (st_o, w_o, held_o) = runs[True], runs[False]
+    for k, (a, b) in enumerate(zip(held_d, held_o)):
+        for r in REQS:
+            for key, v in a[r].items():
+                same = v == b[r][key] if isinstance(v, int) else torch.equal(v, b[r][key])
+                assert same, f"after call {k}: request {r!r}: {key} differs"
+        # every kept row's window table points at the accepted-only run's records
+        for key, reads in w_o.seen[k].items():
+            for L, rec in reads.items():
+                assert torch.equal(w_d.seen[k][key][L], rec), f"call {k}, row {key}, layer {L}"
+    rejected = sum(d + 1 - kk for call in plan for d, kk in call.values())
+    assert rejected >= 20
+
+
+# ------------------------------------------------------------------ the whole DecodeStep
+@pytest.fixture(scope="module")
+def mini_stack(tmp_path_factory):
+    cfg = mini_config()
+    d = tmp_path_factory.mktemp("spec_step_ckpt")
+    write_synthetic_checkpoint(cfg, d, seed=5)
+    return cfg, AttentionStack(load_checkpoint(d))
+
+
+def _step_state(cfg, stack, max_drafts):
+    st = DecodeState(cfg, max_requests=2, max_context=64, page_size=4, stage_rows=4, max_drafts=max_drafts)
+    st.admit("a")
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(PREFILL["a"], cfg.hc_mult, cfg.dim, generator=g).to(torch.bfloat16)
+    stack.forward(x, st.plan([("a", PREFILL["a"])]), st)
+    return st
+
+
+@interpreter
+def test_decode_step_with_drafts_equals_accepted_only(mini_stack):
+    """Request a at positions 5..8 keeps 5: it rejects a first half of a pair (6, then 8) and a
+    completed group (7, publishing entry 3), and the 7-slot ring wraps; the second call
+    re-decodes the rejected positions 6..8 and keeps them. (Several requests per call, fresh
+    groups and every pattern: the state-writes test above and the GPU test.)"""
+    cfg, stack = mini_stack
+    plan = [{"a": (3, 1)}, {"a": (2, 3)}]
+    truth = sp.true_inputs(cfg, sp.needed_tokens(plan), seed=1)
+    outs, states = [], []
+    for md, drafted in ((3, True), (0, False)):
+        st = _step_state(cfg, stack, md)
+        step = stack.decode_step(st, max_rows=4, buckets=(4,), graphs=False)
+        outs.append(sp.serve(step, truth, plan, junk_seed=2 if drafted else None,
+                             accept=step.accept if drafted else None))
+        states.append(st)
+    assert sp.first_difference(*outs) is None, sp.first_difference(*outs)
+    assert sp.state_difference(*states, ["a"]) is None, sp.state_difference(*states, ["a"])
