@@ -1,7 +1,11 @@
 """`dsv41-decode bench step`: the 40-layer decode step of V4.1-Flash on one GPU, by CUDA-graph replay.
 
 Random weights (`testing.synthetic`), synthetic state at each context (random valid records, no
-prefill), one row per request (and 4 requests x (1 + 3 draft rows)). Variants, in the same run:
+prefill; built with `max_drafts=3`, as a speculative server would: rings of W + 3 slots, the ratio-2
+compressors' row history), one row per request (and 4 requests x (1 + 3 draft rows), whose
+acceptance - `DecodeStep.accept` of the patterns 1..4 rows kept - is timed per step as
+`step_accept` rows: host wall time from the call to its device copies done, against the whole
+step call, `step_call`, as its baseline). Variants, in the same run:
 `full` (the specialized step), `no_overlap` (the same kernels, every lane on the main stream) and
 `generic` (the stack's own forward, eager: serial reference ops, tables rebuilt per layer), and at
 the generic contexts the options in `VARIANTS` picked by `--variants` (e.g. `wo_a_fp8`: `wo_a`
@@ -15,6 +19,8 @@ bytes of weights, caches per request and the step's own buffers.
 from __future__ import annotations
 
 import statistics
+import time
+
 import torch
 
 from ..config import FULL, REINDEX, SWA, ModelConfig
@@ -121,7 +127,8 @@ def run_step_bench(rows=ROWS, contexts=CONTEXTS, out_dir="out", progress=print, 
     if max_rows >= 16:
         cases.append(("4x(1+3)", [(i, 4) for i in range(4)]))
     for ctx in contexts:
-        state = DecodeState(cfg, max_requests=max_rows, max_context=ctx + 1024, page_size=64, device="cuda")
+        state = DecodeState(cfg, max_requests=max_rows, max_context=ctx + 1024, page_size=64, device="cuda",
+                            max_drafts=3)
         fill_state(state, {i: ctx for i in range(max_rows)})
         mem_state = sum(state.memory_bytes().values())
         steps = {}
@@ -152,6 +159,8 @@ def run_step_bench(rows=ROWS, contexts=CONTEXTS, out_dir="out", progress=print, 
                                 "step_buffers": round(sum(step.memory_bytes().values()) / 2**20, 1)}
             results.append(rec)
             progress(f"ctx {ctx} rows {name}: full {times[(name, 'full')]:.1f} us, {base}")
+        if max_rows >= 16:
+            results.append(_accept_cost(steps["full"], ctx, floor, info, gen, bench_name, progress))
         if ctx in generic_contexts:
             results += _kind_breakdown(steps, cfg, ctx, kinds_rows, floor, info, gen, bench_name, progress)
         if timeline and ctx == generic_contexts[0]:
@@ -170,6 +179,32 @@ def run_step_bench(rows=ROWS, contexts=CONTEXTS, out_dir="out", progress=print, 
     plot_step(results, path.with_suffix(".png"))
     print(format_table(results, ["op", "rows", "requests", "context", "kind"]))
     return results
+
+
+def _accept_cost(step, ctx, floor, info, gen, bench_name, progress, reps: int = 20) -> dict:
+    """`step_accept`: the cost per step of `DecodeStep.accept` after a 4 x (1 + 3 drafts) step
+    (each request keeps 1, 2, 3 or 4 rows, rotating): host wall time from the call until its device
+    work is done (synchronized before and after), median of `reps`; baseline `step_call`: the whole
+    step call (plan, record load, graph replay, advance) timed the same way."""
+    rows = [(i, 4) for i in range(4)]
+    n, cfg = 16, step.cfg
+    call_us, accept_us = [], []
+    for k in range(reps):
+        x = torch.randn(n, cfg.hc_mult, cfg.dim, generator=gen, device=step.device).to(torch.bfloat16)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step(x, rows)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        step.accept({i: 1 + (i + k) % 4 for i in range(4)})
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        call_us.append((t1 - t0) * 1e6)
+        accept_us.append((t2 - t1) * 1e6)
+    us, base = statistics.median(accept_us), statistics.median(call_us)
+    progress(f"ctx {ctx} 4x(1+3): accept {us:.1f} us per step (the step call {base:.1f} us)")
+    return record(bench_name, {"op": "step_accept", "rows": n, "requests": "4x(1+3)", "context": ctx, "tp": 1},
+                  us, 0, floor, {"step_call": base}, info)
 
 
 def _kind_breakdown(steps, cfg, ctx, kinds_rows, floor, info, gen, bench_name, progress) -> list[dict]:
