@@ -26,6 +26,7 @@ from dsv41_decode.stack import AttentionStack
 from dsv41_decode.state import DecodeState
 from dsv41_decode.testing.compare import row_ulp_distance
 from dsv41_decode.weights import load_checkpoint, write_synthetic_checkpoint
+from helpers import reduced_config
 
 CALLS = [[("a", 21), ("b", 6)], [("a", 1), ("b", 3)], [("a", 2), ("b", 1)], [("a", 4)], [("b", 2), ("a", 1)]]
 
@@ -75,13 +76,15 @@ def _rank(rank: int, world: int, ckpt_dir: str, store: str) -> None:
 
 def _checkpoint(tmp_path_factory, preset: str) -> str:
     d = tmp_path_factory.mktemp(preset)
-    write_synthetic_checkpoint(ModelConfig.preset(preset), d, seed=9)
+    cfg = reduced_config() if preset == "every-kind" else ModelConfig.preset(preset)
+    write_synthetic_checkpoint(cfg, d, seed=9)
     return str(d)
 
 
-# tiny: 4 heads, 2 wo_a groups (TP2); small: 8 heads, 4 groups, every layer kind (TP4, issue 7's
-# CPU check of the 4-rank layout)
-@pytest.mark.parametrize("preset, world", [("tiny", 2), ("small", 4)])
+# tiny: 4 heads, 2 wo_a groups (TP2); every-kind: `small` cut to one layer of each kind (8 heads, 4
+# groups, window 8, top-k 8, so that the calls wrap the window and saturate the top-k), the 4-rank
+# layout (TP4)
+@pytest.mark.parametrize("preset, world", [("tiny", 2), ("every-kind", 4)])
 def test_tp_reference_matches_tp1(preset, world, tmp_path_factory, tmp_path):
     ckpt_dir = _checkpoint(tmp_path_factory, preset)
     mp.spawn(_rank, args=(world, ckpt_dir, str(tmp_path / "store")), nprocs=world, join=True)

@@ -95,7 +95,8 @@ def _check_qkv(n: int, h: int, seed: int, requant: bool = True) -> None:
     assert torch.equal(unpack_window_kv(poold[slotsd].cpu()), _mxfp8_fake(rot))
 
 
-@pytest.mark.parametrize("n", [1, 3, 37])
+# 1 row, a few, and 11 (odd, no power of two): one program per row, so more rows only repeat a path
+@pytest.mark.parametrize("n", [1, 3, 11])
 def test_qkv_rope_insert_bit_exact(n):
     _check_qkv(n, 4, seed=10 + n)
 
@@ -150,7 +151,7 @@ def _entries(g: int, seed: int):
     return lat, wk, k_norm, wk_out, _cis(g, seed)
 
 
-@pytest.mark.parametrize("g", [1, 3, 37])
+@pytest.mark.parametrize("g", [1, 3, 11])
 @pytest.mark.parametrize("requant", [True, False])
 def test_compressed_entries_bit_exact(g, requant):
     lat, wk, k_norm, wk_out, cis = _entries(g, seed=100 + g)
