@@ -267,17 +267,20 @@ _TUNED: dict[tuple[int, int, int], LowLatencyConfig] = {
 }
 
 
-def reduction_order(config: LowLatencyConfig, k: int) -> tuple[bool, int]:
+def reduction_order(config: LowLatencyConfig, k: int) -> tuple[bool, int, int]:
     """What fixes the FP32 summation of every output element under `config` for K = k: (dequant,
-    K per split). Two configurations with the same pair give the same bits for a row whatever else
-    differs (block_n, block_k, warps, stages, scale words, the row bucket): the FP8 loop adds each
-    32-deep block's FP32 partial in K order within a split, the dequantize loop chains 16-deep BF16
-    MMAs in K order within a split, and the splits' partials are added in split order. Measured on an
-    H200 at one row count: block_n, block_k and scale_words change no bit, the split and the loop do
+    K per split, depth of one dot). Two configurations with the same triple give the same bits for
+    a row whatever else differs (block_n, warps, stages, scale words, the row bucket): the FP8 loop
+    adds each 32-deep block's FP32 partial in K order within a split (its dots are 32 deep at any
+    block_k), the dequantize loop adds one block_k-deep BF16 dot per step (on the GPU a chain of
+    16-deep MMAs in K order, the same at any block_k; the interpreter sums each dot whole, so
+    block_k counts there), and the splits' partials are added in split order. Measured on an H200
+    at one row count: block_n, block_k and scale_words change no bit, the split and the loop do
     (docs/results/ll-mm-alt-h200.txt); across row buckets the MMA is always wgmma m64nBMk32 (FP8)
     or k16 (BF16), N = the bucket (sm_90 PTX; the GPU batch-invariance test checks the bits)."""
     steps = k // config.block_k
-    return config.dequant, -(-steps // min(config.split, steps)) * config.block_k
+    return (config.dequant, -(-steps // min(config.split, steps)) * config.block_k,
+            config.block_k if config.dequant else 32)
 
 
 def _default_config(n: int, k: int, block_m: int, sms: int) -> LowLatencyConfig:
@@ -377,7 +380,7 @@ class LowLatencyMM:
         """The launch (row bucket, configuration, split, grid) used for `rows` rows."""
         return self._launches[max(16, 1 << (rows - 1).bit_length())]
 
-    def reduction_order(self, rows: int) -> tuple[bool, int]:
+    def reduction_order(self, rows: int) -> tuple[bool, int, int]:
         """`reduction_order` of the launch for `rows` rows: equal for every row count (the measured
         table's and the default rule's plans) means a row's outputs do not depend on the others."""
         return reduction_order(self.launch_for(rows).config, self.k)

@@ -1,8 +1,10 @@
-"""RMSNorm of short rows (q_norm, kv_norm, the compressor norm), optionally with the MXFP8
-quantization of its output, one launch: the contract of `reference.linear.rms_norm` (and of
-`formats.mxfp8_quantize` of its output).
+"""RMSNorm of rows up to 8192 wide (q_norm, kv_norm, the compressor norm, the decode step's first
+`attn_norm`), optionally with the MXFP8 quantization of its output, one launch: the contract of
+`reference.linear.rms_norm` (and of `formats.mxfp8_quantize` of its output).
 
-One program per row; the row (D <= 4096) stays in registers. The mean of squares is summed in
+One program per row; the row (D <= 8192; 96 registers per thread at D = 5120, no spills on
+sm_90) stays in registers, so a row's result does not depend on the other rows (torch's CUDA
+reduction spreads a row over more or fewer threads as the rows are fewer or more). The mean of squares is summed in
 another order than torch's and 1/sqrt is an IEEE sqrt then an IEEE division (torch's CUDA rsqrt
 is approximate), so an output may differ from the reference by one BF16 ulp; the codes and
 scales are bitwise those of the output the kernel wrote.
@@ -20,7 +22,7 @@ from .act_quant import mxfp8_blocks
 from .fp4 import bf16_round
 from .rounding import bf16_rne_bits, bf16_widen
 
-MAX_DIM = 4096
+MAX_DIM = 8192
 
 
 @triton.jit
@@ -101,7 +103,7 @@ def rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tens
     """out = rms_norm(x, weight, eps) (BF16); with codes_out/scales_out also its MXFP8 quantization.
 
     x: [N, D] bfloat16, or float32 (rounded to BF16 first, as `reference.compressor.latent`), unit
-       stride in D, any row stride; D <= 4096 (a multiple of 32 when quantizing).
+       stride in D, any row stride; D <= 8192 (a multiple of 32 when quantizing).
     weight: [D] bfloat16 or float32; eps: a float.
     out: [N, D] bfloat16; codes_out: [N, D] float8_e4m3fn or uint8; scales_out: [N, D/32] uint8 or
        float8_e8m0fnu. All on x's device.
