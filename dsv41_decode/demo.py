@@ -1,10 +1,12 @@
 """The demo: serve several requests through the reference stack and check decode against prefill.
 
 Run A serves the requests as an engine would: one call prefills every prompt (of different
-lengths), then K decode steps, some requests carrying draft rows (1 + d rows at p, p+1, ...).
-Run B prefills each request's whole sequence in one call. The reference is batch-invariant, so
-every layer's output at every decoded position must agree bit for bit; the demo prints the
-agreement and the time per step for each layer kind.
+lengths), then K decode steps, some requests carrying draft rows (1 + d rows at p, p+1, ...) of
+which a random prefix is accepted (speculative decoding: the rejected rows get junk inputs, and
+`DecodeState.accept` drops them). Run B prefills each request's accepted sequence in one call: the
+run that never saw a rejected token. The reference is batch-invariant, so every layer's output at
+every decoded position must agree bit for bit; the demo prints the agreement and the time per step
+for each layer kind.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class DemoPlan:
     prompts: tuple[int, ...] = (37, 64, 5, 90)     # prompt lengths (odd, across the window, ...)
     drafts: tuple[int, ...] = (2, 0, 3, 0)          # draft rows per decode step, per request
     steps: int = 6
-    seed: int = 0
+    seed: int = 0                                   # weights, inputs and which drafts are accepted
 
 
 @dataclass
@@ -52,17 +54,20 @@ class KindStats:
 _PHASE = {None: "prefill", "decode_s": "decode step", "prefill_s": "whole-sequence prefill"}
 
 
-def _run(stack, state, calls, embed, stats, progress):
-    """Run `calls` ((phase, [(req_id, start, count)]) pairs; the time of each layer kind is added to
-    `stats[kind].<phase>` unless phase is None); return {(layer, req, pos): (attn_out, topk)}."""
+def _run(stack, state, calls, embed, stats, progress, junk=None):
+    """Run `calls` ((phase, [(req_id, start, count, kept)]) pairs; the time of each layer kind is
+    added to `stats[kind].<phase>` unless phase is None); return {(layer, req, pos): (attn_out,
+    topk)}. A request's first `kept` rows take its tokens `embed[r][start:start + kept]`, the other
+    rows (rejected drafts) random inputs from `junk`, and `state.accept` keeps the first `kept`."""
     cfg = stack.cfg
     out = {}
     for phase, call in calls:
-        step = state.plan([(r, n) for r, _, n in call])
-        x = torch.cat([embed[r][s:s + n] for r, s, n in call]).to(state.device)
+        step = state.plan([(r, n) for r, _, n, _ in call])
+        x = torch.cat([torch.cat([embed[r][s:s + k], torch.randn(n - k, cfg.dim, generator=junk).to(torch.bfloat16)])
+                       for r, s, n, k in call]).to(state.device)
         x = x[:, None].expand(-1, cfg.hc_mult, -1).contiguous()
         ctx = CallContext()
-        keys = [(r, s + j) for r, s, n in call for j in range(n)]
+        keys = [(r, s + j) for r, s, n, _ in call for j in range(n)]
         last = [time.perf_counter()]
 
         def observe(i, rec, keys=keys, ctx=ctx, last=last, phase=phase):
@@ -76,6 +81,7 @@ def _run(stack, state, calls, embed, stats, progress):
             last[0] = time.perf_counter()
 
         stack.forward(x, step, state, ctx=ctx, observe=observe)
+        state.accept({r: k for r, _, n, k in call if k < n})
         progress.advance(f"{_PHASE[phase]}, {len(call)} request(s), {len(keys)} rows")
     return out
 
@@ -94,8 +100,10 @@ def run_demo(cfg: ModelConfig, plan: DemoPlan, device: str = "cpu", console: Con
     if len(plan.prompts) != len(plan.drafts):
         raise ValueError("prompts and drafts need one entry per request")
     reqs = [f"req{i}" for i in range(len(plan.prompts))]
-    total = {r: p + plan.steps * (1 + d) for r, p, d in zip(reqs, plan.prompts, plan.drafts)}
     g = torch.Generator().manual_seed(plan.seed)
+    # the sampler's verdict: each step keeps a random prefix (1 .. 1 + d rows) of each request's rows
+    kept = [[int(torch.randint(1, d + 2, (1,), generator=g)) for d in plan.drafts] for _ in range(plan.steps)]
+    total = {r: p + sum(k[i] for k in kept) for i, (r, p) in enumerate(zip(reqs, plan.prompts))}
     embed = {r: torch.randn(total[r], cfg.dim, generator=g).to(torch.bfloat16) for r in reqs}
     if checkpoint is not None:
         ckpt = load_checkpoint(checkpoint, device=device, config=cfg)
@@ -109,20 +117,24 @@ def run_demo(cfg: ModelConfig, plan: DemoPlan, device: str = "cpu", console: Con
         stats[s.label].layers.add(s.layer)
 
     def new_state():
-        st = DecodeState(cfg, max_requests=len(reqs), max_context=max(total.values()), device=device)
+        st = DecodeState(cfg, max_requests=len(reqs), max_context=max(total.values()) + max(plan.drafts),
+                         device=device, max_drafts=max(plan.drafts))
         for r in reqs:
             st.admit(r)
         return st
 
-    serve = [(None, [(r, 0, p) for r, p in zip(reqs, plan.prompts)])]
-    serve += [("decode_s", [(r, plan.prompts[i] + k * (1 + d), 1 + d)
-                            for i, (r, d) in enumerate(zip(reqs, plan.drafts))]) for k in range(plan.steps)]
-    oneshot = [("prefill_s", [(r, 0, total[r])]) for r in reqs]
+    serve = [(None, [(r, 0, p, p) for r, p in zip(reqs, plan.prompts)])]
+    start = list(plan.prompts)
+    for k in range(plan.steps):
+        serve.append(("decode_s", [(r, start[i], 1 + d, kept[k][i]) for i, (r, d) in enumerate(zip(reqs, plan.drafts))]))
+        start = [s + kept[k][i] for i, s in enumerate(start)]
+    oneshot = [("prefill_s", [(r, 0, total[r], total[r])]) for r in reqs]
     with Steps("demo: call", len(serve) + len(oneshot),
                Console(stderr=True), quiet=tp.rank != 0) as progress:
-        a = _run(stack, new_state(), serve, embed, stats, progress)
+        a = _run(stack, new_state(), serve, embed, stats, progress, torch.Generator().manual_seed(plan.seed + 1))
         b = _run(stack, new_state(), oneshot, embed, stats, progress)
-    decoded = {(i, r, p) for (i, r, p) in a if p >= plan.prompts[reqs.index(r)]}
+    # every kept position (a rejected row's position is decoded again later, or lies past the end)
+    decoded = {(i, r, p) for (i, r, p) in a if plan.prompts[reqs.index(r)] <= p < total[r]}
     for key in sorted(decoded, key=str):
         st = stats[cfg.plan[key[0]].label]
         (ya, ta), (yb, tb) = a[key], b[key]
@@ -133,14 +145,18 @@ def run_demo(cfg: ModelConfig, plan: DemoPlan, device: str = "cpu", console: Con
             st.topk_rows += 1
             st.topk_equal += int(sorted(ta[ta >= 0].tolist()) == sorted(tb[tb >= 0].tolist()))
     same = tp.same_on_all_ranks(torch.stack([a[k][0] for k in sorted(a, key=str)]))
-    _print(console, cfg, plan, stats, sum(total.values()), tp, same)
+    drafted = plan.steps * sum(plan.drafts)
+    accepted = sum(k - 1 for step in kept for k in step)
+    _print(console, cfg, plan, stats, sum(total.values()), tp, same, (accepted, drafted))
     return dict(stats)
 
 
-def _print(console, cfg, plan, stats, n_tokens, tp: TensorParallel, ranks_same: bool) -> None:
+def _print(console, cfg, plan, stats, n_tokens, tp: TensorParallel, ranks_same: bool,
+           drafts_accepted: tuple[int, int] = (0, 0)) -> None:
     where = f", tp={tp.tp} (gloo processes)" if tp.tp > 1 else f", {torch.get_num_threads()} CPU thread(s)"
     t = Table(title=f"decode vs prefill, {len(cfg.plan)} layers, {len(plan.prompts)} requests, "
-                    f"{plan.steps} steps (drafts {list(plan.drafts)}){where}")
+                    f"{plan.steps} steps (drafts {list(plan.drafts)}, {drafts_accepted[0]} of "
+                    f"{drafts_accepted[1]} draft rows accepted){where}")
     for col in ("layer kind", "layers", "decoded rows", "bitwise equal", "max ulp", "top-k sets equal",
                 "decode ms/step", "prefill ms/token"):
         t.add_column(col, justify="right")
@@ -156,6 +172,9 @@ def _print(console, cfg, plan, stats, n_tokens, tp: TensorParallel, ranks_same: 
     ok = all(s.bitwise == s.rows for s in stats.values())
     console.print("[green]decode equals prefill at every decoded position[/green]" if ok else
                   "[red]decode differs from prefill: see the table[/red]")
+    if drafts_accepted[1]:
+        console.print(f"(speculative decoding: {drafts_accepted[0]} of {drafts_accepted[1]} draft rows accepted at "
+                      f"random, the rest dropped by DecodeState.accept; the prefill saw only the accepted tokens)")
     if tp.tp > 1:
         console.print(f"[green]all {tp.tp} ranks hold the same outputs[/green]" if ranks_same else
                       f"[red]the {tp.tp} ranks' outputs differ[/red]")
