@@ -1,4 +1,4 @@
-"""Tensor-parallel shards of one attention layer's checkpoint tensors (issue 6, item 1).
+"""Tensor-parallel shards of one attention layer's checkpoint tensors.
 
 Rank r of `tp` holds: `wq_b` rows and `attn_sink` entries of its heads (H/tp consecutive heads),
 `wo_a` rows of its groups (o_groups/tp consecutive groups, whose heads are exactly the rank's

@@ -1,5 +1,5 @@
 """`torchrun --nproc-per-node N -m dsv41_decode bench step --tp N`: the tensor-parallel step and the
-boundary on N GPUs of one host (issue 6 item 6). Written before any multi-GPU run (docs/tp.md).
+boundary on N GPUs of one host (docs/tp.md).
 
 Every rank builds the same random V4.1-Flash weights (same seed) and keeps its shard, fills the same
 synthetic state, and builds the step twice: with the collective boundary (gather + rank-ordered sum)

@@ -201,7 +201,7 @@ class LowLatencyConfig:
             raise ValueError(f"LowLatencyConfig.block_k must be 32 times a power of two, got {self.block_k}")
 
 
-# Measured on an H200 (docs/notes-low-latency-mm.md, run 2 of 2026-11-30): per (N, K, BLOCK_M) the
+# Measured on an H200 (scripts/sweep_low_latency_mm.py, docs/results/ll-mm-sweep-h200.txt): per (N, K, BLOCK_M) the
 # configuration with the least time summed over the bucket's measured rows (1 and 16; 32; 64), over
 # 30 kernel variants x 2-4 split counts, CUDA-graph replay over weights rotated beyond L2; then made
 # batch-invariant: every bucket of one (N, K) has the same `reduction_order` (the loop, FP8 dots or
@@ -240,8 +240,7 @@ _TUNED: dict[tuple[int, int, int], LowLatencyConfig] = {
     (5120, 4096, 16): LowLatencyConfig(block_n=64, block_k=128, split=3, num_warps=4, num_stages=4, dequant=True),
     (5120, 4096, 32): LowLatencyConfig(block_n=64, block_k=128, split=3, num_warps=4, num_stages=4, dequant=True),
     (5120, 4096, 64): LowLatencyConfig(block_n=64, block_k=128, split=3, num_warps=4, num_stages=4, dequant=True),
-    # wo_b: FP8 loop with word-loaded scales, 8 splits of 1024, 3 stages (sixth session,
-    # scripts/probe_ll_mm.py --alt: 20.07 vs 22.69 us at 1 row, 23.56 vs 24.43 at 16; the dequantize
+    # wo_b: FP8 loop with word-loaded scales, 8 splits of 1024, 3 stages (scripts/probe_ll_mm.py --alt: 20.07 vs 22.69 us at 1 row, 23.56 vs 24.43 at 16; the dequantize
     # loop's entry was the sweep's pick before scale_words; docs/results/ll-mm-alt-h200.txt)
     (5120, 8192, 16): LowLatencyConfig(block_n=64, block_k=128, split=8, num_warps=4, num_stages=3),
     # bi: the 16-row configuration (was the dequantize loop, 3 splits of 2816: the sweep's 31.21 us

@@ -1,4 +1,4 @@
-"""Sparse-index tables (issue 4 item 4): the per-row key slots that sparse MLA reads.
+"""Sparse-index tables: the per-row key slots that sparse MLA reads.
 
 * `window_table_`: for each row (request slot s, position p) the global window-ring slots of
   positions p-W+1 .. p in ascending position order (ring slot s * M + q % M with the ring's

@@ -246,7 +246,7 @@ class WoAPlan:
         Defaults measured on an H200 at 64 heads, 1-16 rows (scripts/probe_wo_a.py,
         docs/results/wo-a-probe-h200.txt): a BF16 weight streams best at about 2 programs per SM
         with BF16 dot operands (23.7 vs 25.7 us at 1 row) read by a swapped wgmma (21.6 vs 23.4 us at
-        1 row, 23.1 vs 24.5 at 4, 25.4 vs 26.2 at 16; session 6), an FP8 weight at about 4 programs
+        1 row, 23.1 vs 24.5 at 4, 25.4 vs 26.2 at 16), an FP8 weight at about 4 programs
         per SM with TF32 dots, unswapped (21.3 us; swapped 27.4; BF16 operands gain nothing there)
         and 2 stages (20.5 vs 21.3 us at 1 row, 21.6 vs 22.7 at 16).
         split: programs along K (default: the largest divisor of group_width / 128 at most
@@ -255,7 +255,7 @@ class WoAPlan:
         flight (None: `stages(rows)` picks per launch); swap_ab: None = `swapped` picks (a BF16
         weight with BF16 dots swapped, an FP8 one unswapped at every row count, for batch
         invariance: swapped measured 45.6 vs 48.0 us at 32 rows and 61.2 vs 85.6 at 64, but 27.4
-        vs 21.3 at 1; unswapped, 33-64 rows now run as two launches of at most 32; session 6,
+        vs 21.3 at 1; unswapped, 33-64 rows run as two launches of at most 32;
         docs/results/wo-a-probe-h200.txt).
         """
         for name, v in (("heads", heads), ("o_groups", o_groups), ("rank", rank), ("max_rows", max_rows),

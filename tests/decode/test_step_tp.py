@@ -1,7 +1,7 @@
 """The specialized step under tensor parallelism on the CPU: 2 or 4 gloo processes, eager, interpreter.
 
-TP2: each rank runs its 8 of 16 heads and 2 of 4 wo_a groups; TP4 (issue 7's CPU check of the
-4-rank layout): 8 of 32 heads and 1 of 4 groups. Each reduces wo_b's FP32 partials through
+TP2: each rank runs its 8 of 16 heads and 2 of 4 wo_a groups; TP4 (the 4-rank layout): 8 of 32
+heads and 1 of 4 groups. Each reduces wo_b's FP32 partials through
 `TensorParallel.reduce_partials` (the collective fallback boundary). Against the one-rank step on
 the same inputs (run on rank 0): every rank holds the same bits, the first layer's cache records
 (replicated work on identical inputs) are bitwise equal, and the streams agree to the rounding of

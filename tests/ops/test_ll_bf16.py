@@ -3,7 +3,7 @@
 Bounds: each product x*w is exact in FP32 for a BF16 weight and one FP32 rounding for an FP32
 weight, and K of them are added in FP32 in some order (split-K partials included), so
 |y - y64| <= gamma_(K+1) * (|x| @ |w|^T) with gamma_n = n 2^-24 / (1 - n 2^-24) (Higham), whatever
-the order. On top, rel RMS < 1e-5 (issue 3, item 3): against float64 for FP32 weights (a TF32
+the order. On top, rel RMS < 1e-5: against float64 for FP32 weights (a TF32
 product would miss it by ~10x) and against `x.float() @ w.float().T` for BF16 weights.
 """
 
