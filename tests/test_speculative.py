@@ -93,3 +93,15 @@ def test_without_accept_the_drafts_leave_a_trace(setup):
     out_d, _ = _serve(stack, st_d, truth, short, drafted=True, accept=False)
     out_o, _ = _serve(stack, st_o, truth, short, drafted=False)
     assert sp.first_difference(out_d, out_o) is not None
+
+
+def test_readme_speculative_example_runs(tmp_path, monkeypatch):
+    import re
+    from pathlib import Path
+    text = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    m = re.search(r"## Speculative decoding\n.*?```python\n(.*?)```", text, re.S)
+    assert m, "README.md has no python block under ## Speculative decoding"
+    monkeypatch.chdir(tmp_path)
+    scope: dict = {"__name__": "readme_speculative"}
+    exec(compile(m.group(1), "README.md (Speculative decoding)", "exec"), scope)
+    assert scope["state"].length("a") == 2 and scope["state"].max_drafts == 3
