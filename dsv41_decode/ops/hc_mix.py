@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import require_tensor
+from .checks import planned_rows, require_tensor
 from .common import num_sms, splitk_reduce
 from .mhc import HC, N_MIX
 
@@ -252,13 +252,7 @@ def hc_mix_(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     Within 1e-5 of the reference (not bitwise); batch-invariant: a row's outputs do not depend on
     the other rows or on M (the summation order is the plan's for every row count).
     """
-    if not isinstance(plan, HcMixPlan):
-        raise TypeError(f"plan must be an HcMixPlan, got {type(plan).__name__}")
-    if not isinstance(x, torch.Tensor) or x.dim() != 3:
-        raise ValueError(f"x must be a 3-D tensor [M, 4, dim], got {getattr(x, 'shape', type(x).__name__)}")
-    m = x.shape[0]
-    if m > plan.max_rows:
-        raise ValueError(f"x has {m} rows, more than the plan's max_rows={plan.max_rows}")
+    m = planned_rows(plan, HcMixPlan, x, "x", "[M, 4, dim]")
     dev, dim = plan.device, plan.dim
     require_tensor(x, "x", (torch.bfloat16,), (m, HC, dim), dev)
     if x.stride(1) != dim:

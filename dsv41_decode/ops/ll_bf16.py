@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import require_tensor
+from .checks import planned_rows, require_tensor
 from .common import num_sms, splitk_reduce
 
 MODE_TF32 = 0   # tl.dot, TF32 inputs: exact products of BF16-valued operands, tensor cores
@@ -196,13 +196,7 @@ def ll_bf16_(plan: LlBf16Plan, x: torch.Tensor, w: torch.Tensor, out: torch.Tens
     Batch-invariant: a row's outputs do not depend on the other rows or on M (the FP32 summation
     order is the plan's for every row count; see the module docstring).
     """
-    if not isinstance(plan, LlBf16Plan):
-        raise TypeError(f"plan must be an LlBf16Plan, got {type(plan).__name__}")
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        raise ValueError(f"x must be a 2-D tensor [M, K], got {getattr(x, 'shape', type(x).__name__)}")
-    m = x.shape[0]
-    if m > plan.max_rows:
-        raise ValueError(f"x has {m} rows, more than the plan's max_rows={plan.max_rows}")
+    m = planned_rows(plan, LlBf16Plan, x, "x", "[M, K]")
     dev = plan.device
     require_tensor(x, "x", (torch.bfloat16,), (m, plan.k), dev)
     require_tensor(w, "w", (plan.weight_dtype,), (plan.n, plan.k), dev)

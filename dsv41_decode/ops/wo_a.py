@@ -32,7 +32,7 @@ import triton.language as tl
 from ..formats import E4M3_MAX, MXFP8_AMAX_FLOOR, fp8_block_quantize
 from . import pdl
 from .act_quant import INV_E4M3_MAX, mxfp8_quantize_tile
-from .checks import interpreting, require_tensor
+from .checks import interpreting, planned_rows, require_tensor
 from .common import num_sms, splitk_reduce
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
 
@@ -348,18 +348,12 @@ def wo_a_(plan: WoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
        programmatic dependent launch), so it may overwrite what they read; it is not ordered
        against this kernel's other programs.
     """
-    if not isinstance(plan, WoAPlan):
-        raise TypeError(f"plan must be a WoAPlan, got {type(plan).__name__}")
-    if not isinstance(o, torch.Tensor) or o.dim() != 3:
-        raise ValueError(f"o must be a 3-D tensor [M, H, head_dim], got {getattr(o, 'shape', type(o).__name__)}")
-    m = o.shape[0]
+    m = planned_rows(plan, WoAPlan, o, "o", "[M, H, head_dim]")
     dev = plan.device
     if o.dtype != torch.bfloat16:
         raise TypeError(f"o must have dtype torch.bfloat16, got {o.dtype}")
     if tuple(o.shape[1:]) != (plan.heads, plan.head_dim):
         raise ValueError(f"o must have shape [M, {plan.heads}, {plan.head_dim}], got {tuple(o.shape)}")
-    if m > plan.max_rows:
-        raise ValueError(f"o has {m} rows, more than the plan's max_rows={plan.max_rows}")
     if o.stride(2) != 1 or o.device != dev:
         raise ValueError(f"o must have unit stride in its last dimension and be on {dev}, got strides "
                          f"{o.stride()} on {o.device}")
