@@ -135,6 +135,33 @@ def test_compress_ratio2_steps_chain():
     _check(b2, out, done, state_kv, state_score)
 
 
+@pytest.mark.parametrize("hist", [3])
+def test_compress_ratio2_history_rows(hist):
+    """With `history` (DecodeState.comp_rows), each row's kv_score row lands bit for bit at
+    [slot, p % H] (the last H rows of a request survive); padding rows and other slots write
+    nothing; out, done and the state are what they are without it."""
+    b = _batch(_LAYOUTS["mixed"], n_slots=6, d=512, dim=32, fresh=False, seed=21)
+    n = b["kv_score"].shape[0]
+    history = torch.full((6, hist, 1024), float("nan"))
+    sentinel = history.clone()
+    state = (b["state_kv"].clone(), b["state_score"].clone())
+    out, done = torch.zeros(n, 512), torch.zeros(n, dtype=torch.int32)
+    compress_ratio2_(b["kv_score"], b["req_slot"], b["positions"], *state, out, done, history)
+    want = sentinel.clone()
+    for r in range(n):
+        s, p = int(b["req_slot"][r]), int(b["positions"][r])
+        if s >= 0:
+            want[s, p % hist] = b["kv_score"][r]
+    assert torch.equal(history.view(torch.int32), want.view(torch.int32))
+    state0 = (b["state_kv"].clone(), b["state_score"].clone())
+    out0, done0 = compress_ratio2(b["kv_score"], b["req_slot"], b["positions"], *state0)
+    assert torch.equal(out, out0) and torch.equal(done, done0)
+    assert torch.equal(state[0], state0[0]) and torch.equal(state[1], state0[1])
+    for bad, err in ((history[:5], ValueError), (history.double(), TypeError), (history[:, :, :512], ValueError)):
+        with pytest.raises(err, match="history"):
+            compress_ratio2_(b["kv_score"], b["req_slot"], b["positions"], *state, out, done, bad)
+
+
 def test_empty_batch():
     state_kv, state_score = torch.zeros(2, 2, 512), torch.zeros(2, 2, 512)
     out, done = compress_ratio2(torch.zeros(0, 1024), torch.zeros(0, dtype=torch.int64),
