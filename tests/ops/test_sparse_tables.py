@@ -6,9 +6,10 @@ import torch
 from dsv41_decode.ops.sparse_tables import topk_slots_, window_table_
 
 
-def ref_window_table(req_slot, positions, window):
+def ref_window_table(req_slot, positions, window, ring=None):
+    m = window if ring is None else ring      # the ring's slots per request (W + max_drafts)
     q = positions[:, None] - window + 1 + torch.arange(window, device=positions.device)
-    ring = req_slot[:, None] * window + q.remainder(window)
+    ring = req_slot[:, None] * m + q.remainder(m)
     return torch.where(q >= 0, ring, -1).to(torch.int32)
 
 
@@ -26,8 +27,8 @@ def _devices():
 
 
 @pytest.mark.parametrize("device", _devices())
-@pytest.mark.parametrize("window", [1, 16, 128, 100])
-def test_window_table(device, window):
+@pytest.mark.parametrize("window, ring", [(1, None), (16, None), (128, None), (100, None), (16, 19), (1, 4)])
+def test_window_table(device, window, ring):
     g = torch.Generator().manual_seed(window)
     n = 7
     req_slot = torch.tensor([0, 3, 3, 1, 2, 5, 4], dtype=torch.int64)
@@ -37,8 +38,8 @@ def test_window_table(device, window):
     positions[2] = positions[1] + 1                   # the next (draft) row of the same request
     req_slot, positions = req_slot.to(device), positions.to(device)
     out = torch.full((n, window), 12345, dtype=torch.int32, device=device)
-    window_table_(req_slot, positions, window, out)
-    assert torch.equal(out.cpu(), ref_window_table(req_slot, positions, window).cpu())
+    window_table_(req_slot, positions, window, out, ring=ring)
+    assert torch.equal(out.cpu(), ref_window_table(req_slot, positions, window, ring).cpu())
 
 
 @pytest.mark.parametrize("device", _devices())
@@ -73,6 +74,8 @@ def test_bad_inputs_name_the_argument():
         window_table_(slot, pos, 0, out)
     with pytest.raises(TypeError, match="req_slot"):
         window_table_(slot.int(), pos, w, out)
+    with pytest.raises(ValueError, match="ring must be an int >= window=8"):
+        window_table_(slot, pos, w, out, ring=7)
     topk = torch.zeros(n, 4, dtype=torch.int32)
     bt = torch.zeros(2, 3, dtype=torch.int32)
     o = torch.zeros(n, 4, dtype=torch.int32)
