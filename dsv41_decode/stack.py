@@ -85,7 +85,8 @@ class AttentionStack:
     def forward(self, x: torch.Tensor, step: StepRows, state: DecodeState, pre_in: torch.Tensor | None = None,
                 ffn: FfnHook | None = None, ctx: CallContext | None = None,
                 observe: Callable[[int, BlockRecord], None] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run every layer of the stack on one call's rows, then advance the state.
+        """Run every layer of the stack on one call's rows, then advance the state (by every row;
+        speculative decoding then keeps a prefix of each request's rows with `state.accept`).
 
         x: [N, hc, dim] BF16 streams entering the first layer; pre_in: [N, hc] FP32 (default one-hot).
         observe(layer, record) is called after each block. Returns (streams [N, hc, dim] BF16,
