@@ -17,20 +17,26 @@ the order they land in.
 Launches. A top-k row of <= _SMALL_MAX columns takes one program (`_row_topk_kernel`: two histogram
 loops, then an in-order compaction that is ascending without a sort). Otherwise four launches over
 (row, chunk):
-  1. `_hist_hi_kernel`: histogram of the keys' high bytes (atomics into the workspace);
+  1. `_hist_hi_kernel`: histogram of the keys' high bytes (atomics into the workspace); the
+     candidate mask also keeps each block's 16-bit key in the first two of its entries' bytes in
+     the mask row, so the next passes read 2 bytes a block instead of its 8 scores (32
+     bytes); the last pass overwrites them with the mask;
   2. `_hist_lo_kernel`: each program finds the high byte b1 holding the k_eff-th largest key and
      histograms the low bytes of the keys whose high byte is b1;
   3. `_count_kernel`: each program finds T, need and skip and counts its chunk's keys > T and == T
-     into the workspace; program (row, 0) saves (k_eff, #(> T), need, skip, T). The candidate mask
-     needs no > T counts, and no == T counts when every tie is taken (skip == 0): its programs then
-     return without reading the scores;
+     into the workspace; program (row, 0) saves (k_eff, skip, T). The candidate mask needs no
+     > T counts, and no == T counts when every tie is taken (skip == 0): its programs then return
+     without reading the keys;
   4. `_write_kernel`: the top-k writes each chunk's selected indices at the offset given by the
      counts of the chunks before it (ascending: no sort); the candidate mask writes its chunk's
      entries (1 in a kept block, else 0). Program (row, 0) pads the top-k with -1 and zeroes the
      histograms, so a call needs no memset (the workspace is zero at build).
 A row of more than _MAX_CHUNKS chunks takes chunks of the next power of two that fits.
 Candidate mode ranks blocks of GROUP entries by their max, the newest visible entry's block forced
-to +inf.
+to +inf. Against the previous kernels (ties claimed through an atomic counter, in no fixed order):
+the top-k has the same launches and passes over the scores; the candidate mask has one launch more
+(the count, which reads only 2 bytes a block, and only when a tie is split) and no memset, and
+reads the scores once instead of three times.
 
 Workspace per row (int32, `_WS` words): the two histograms, the row's saved selection, then the
 per-chunk counts (offsets `_WS_*` below).
@@ -48,15 +54,14 @@ _MAX_CHUNKS = 1024     # per-chunk count slots per row; wider rows take larger c
 _WS_HI = tl.constexpr(0)                      # [256] histogram of the keys' high bytes
 _WS_LO = tl.constexpr(256)                    # [256] histogram of the low bytes under high byte b1
 _WS_K_EFF = tl.constexpr(512)                 # elements selected: min(k, n_elem, selectable)
-_WS_ABOVE = tl.constexpr(513)                 # keys > T
-_WS_NEED = tl.constexpr(514)                  # ties (keys == T) taken: k_eff - keys > T
-_WS_SKIP = tl.constexpr(515)                  # ties not taken: the lowest-indexed `skip` of them
-_WS_THR = tl.constexpr(516)                   # the threshold key T
+_WS_SKIP = tl.constexpr(513)                  # ties (keys == T) not taken: the lowest-indexed `skip`
+_WS_THR = tl.constexpr(514)                   # the threshold key T
 _WS_CHUNK_GT = tl.constexpr(520)              # [_MAX_CHUNKS] per chunk: keys > T
 _WS_CHUNK_EQ = tl.constexpr(520 + _MAX_CHUNKS)   # [_MAX_CHUNKS] per chunk: keys == T
 _WS = 520 + 2 * _MAX_CHUNKS
 _WS_C = tl.constexpr(_WS)
 _MAXC = tl.constexpr(_MAX_CHUNKS)
+_KEY_INF = tl.constexpr(0xFF80)   # the key of +inf (BF16 0x7F80); key 0 (a NaN's) is never selectable
 _SMALL_MAX = 4096      # top-k rows of at most this many columns take the one-launch row kernel (its
                        # per-block cost, ~9 us per 4096 on the H200, loses to the multi-program path past 4K)
 _SMALL_BLOCK = 4096
@@ -79,6 +84,31 @@ def _keys(s_ptr, row_off, offs, n_vis, GROUP: tl.constexpr):
 
 
 @triton.jit
+def _stored_keys(k_row, offs, n_vis, width, GROUP: tl.constexpr):
+    """(keys, selectable flags) of blocks `offs` from the keys `_hist_hi_kernel` kept in the mask
+    row k_row (block b's key in bytes GROUP*b, GROUP*b + 1; 0 where not selectable). The newest
+    visible block's key is +inf's, without a load (it may be the one block with no room for a key:
+    a last block with one column)."""
+    kb = offs * GROUP
+    forced = (offs == (n_vis - 1) // GROUP) & (n_vis > 0)
+    m = (kb < n_vis) & (kb + 1 < width) & ~forced
+    lo = tl.load(k_row + kb, mask=m, other=0).to(tl.int32)
+    hi = tl.load(k_row + kb + 1, mask=m, other=0).to(tl.int32)
+    key = tl.where(forced, _KEY_INF, hi * 256 + lo)
+    return key, key != 0
+
+
+@triton.jit
+def _chunk_keys(s_ptr, out_ptr, n, s_sn, out_sn, width, offs, n_vis, GROUP: tl.constexpr, SCRATCH: tl.constexpr):
+    """Keys of elements `offs` of row n: from the scores, or (SCRATCH) from the mask row."""
+    if SCRATCH:
+        key, ok = _stored_keys(out_ptr + n.to(tl.int64) * out_sn, offs, n_vis, width, GROUP)
+    else:
+        key, ok = _keys(s_ptr, n.to(tl.int64) * s_sn, offs, n_vis, GROUP)
+    return key, ok
+
+
+@triton.jit
 def _level(h, need):
     """(bin b holding the need-th largest element of histogram h [256], count in bins above b)."""
     r = tl.arange(0, 256)
@@ -96,30 +126,40 @@ def _k_eff(ws_row, n_vis, K: tl.constexpr, GROUP: tl.constexpr):
 
 @triton.jit
 def _threshold(h1, h2, k_eff):
-    """(T, keys > T, ties taken, ties skipped) from the two histograms; ties taken are the
-    highest-indexed `need` of the n_tie keys == T, so the lowest-indexed `skip` are left out."""
+    """(T, skip) from the two histograms: of the n_tie keys == T, the highest-indexed
+    need = k_eff - #(> T) are taken, so the lowest-indexed skip = n_tie - need are left out."""
     b1, above1 = _level(h1, k_eff)
     b2, above2 = _level(h2, k_eff - above1)
-    above = above1 + above2
-    need = k_eff - above
+    need = k_eff - above1 - above2
     n_tie = tl.sum(tl.where(tl.arange(0, 256) == b2, h2, 0), 0)
-    skip = tl.where(k_eff > 0, n_tie - need, 0)
-    return b1 * 256 + b2, above, need, skip
+    return b1 * 256 + b2, tl.where(k_eff > 0, n_tie - need, 0)
 
 
 @triton.jit
-def _hist_hi_kernel(s_ptr, nvis_ptr, ws_ptr, s_sn, GROUP: tl.constexpr, CHUNK: tl.constexpr):
+def _hist_hi_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width,
+                    GROUP: tl.constexpr, CHUNK: tl.constexpr, SCRATCH: tl.constexpr):
+    """Histogram of the keys' high bytes; with SCRATCH each block's key is also kept in the first
+    two bytes of its entries in the mask row, for the later passes to read instead of the scores."""
     n = tl.program_id(0)
     n_vis = tl.load(nvis_ptr + n)
     start = tl.program_id(1) * CHUNK
     if start * GROUP < n_vis:
-        key, ok = _keys(s_ptr, n.to(tl.int64) * s_sn, start + tl.arange(0, CHUNK), n_vis, GROUP)
+        offs = start + tl.arange(0, CHUNK)
+        key, ok = _keys(s_ptr, n.to(tl.int64) * s_sn, offs, n_vis, GROUP)
         h = tl.histogram(key >> 8, 256, mask=ok)
         tl.atomic_add(ws_ptr + n * _WS_C + _WS_HI + tl.arange(0, 256), h, sem="relaxed")
+        if SCRATCH:
+            k_row = out_ptr + n.to(tl.int64) * out_sn
+            kb = offs * GROUP
+            kept = tl.where(ok, key, 0)
+            m = (kb < n_vis) & (kb + 1 < width)
+            tl.store(k_row + kb, (kept & 0xFF).to(tl.uint8), mask=m)
+            tl.store(k_row + kb + 1, (kept >> 8).to(tl.uint8), mask=m)
 
 
 @triton.jit
-def _hist_lo_kernel(s_ptr, nvis_ptr, ws_ptr, s_sn, K: tl.constexpr, GROUP: tl.constexpr, CHUNK: tl.constexpr):
+def _hist_lo_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width,
+                    K: tl.constexpr, GROUP: tl.constexpr, CHUNK: tl.constexpr, SCRATCH: tl.constexpr):
     n = tl.program_id(0)
     n_vis = tl.load(nvis_ptr + n)
     start = tl.program_id(1) * CHUNK
@@ -127,7 +167,8 @@ def _hist_lo_kernel(s_ptr, nvis_ptr, ws_ptr, s_sn, K: tl.constexpr, GROUP: tl.co
     k_eff, h1 = _k_eff(ws_row, n_vis, K, GROUP)
     if (start * GROUP < n_vis) & (k_eff > 0):
         b1, _ = _level(h1, k_eff)
-        key, ok = _keys(s_ptr, n.to(tl.int64) * s_sn, start + tl.arange(0, CHUNK), n_vis, GROUP)
+        key, ok = _chunk_keys(s_ptr, out_ptr, n, s_sn, out_sn, width, start + tl.arange(0, CHUNK), n_vis,
+                              GROUP, SCRATCH)
         h = tl.histogram(key & 0xFF, 256, mask=ok & ((key >> 8) == b1))
         tl.atomic_add(ws_row + _WS_LO + tl.arange(0, 256), h, sem="relaxed")
 
@@ -152,7 +193,7 @@ def _row_topk_kernel(s_ptr, nvis_ptr, out_ptr, s_sn, out_sn, width,
         for start in range(0, n_vis, BLOCK):
             key, ok = _keys(s_ptr, row_off, start + r, n_vis, 1)
             h2 += tl.histogram(key & 0xFF, 256, mask=ok & ((key >> 8) == b1))
-    thr, _, _, skip = _threshold(h1, h2, k_eff)
+    thr, skip = _threshold(h1, h2, k_eff)
     out_row = out_ptr + n.to(tl.int64) * out_sn
     n_sel = 0
     n_eq = 0
@@ -172,8 +213,8 @@ def _row_topk_kernel(s_ptr, nvis_ptr, out_ptr, s_sn, out_sn, width,
 
 
 @triton.jit
-def _count_kernel(s_ptr, nvis_ptr, ws_ptr, s_sn, K: tl.constexpr, GROUP: tl.constexpr, CHUNK: tl.constexpr,
-                  MASK_OUT: tl.constexpr):
+def _count_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width, K: tl.constexpr, GROUP: tl.constexpr,
+                  CHUNK: tl.constexpr, MASK_OUT: tl.constexpr, SCRATCH: tl.constexpr):
     """Per (row, chunk): counts of keys > T and == T into the workspace (the mask: only == T, and
     only when some tie is skipped); program (row, 0) also saves the row's selection for
     `_write_kernel`."""
@@ -183,16 +224,15 @@ def _count_kernel(s_ptr, nvis_ptr, ws_ptr, s_sn, K: tl.constexpr, GROUP: tl.cons
     ws_row = ws_ptr + n * _WS_C
     k_eff, h1 = _k_eff(ws_row, n_vis, K, GROUP)
     h2 = tl.load(ws_row + _WS_LO + tl.arange(0, 256))
-    thr, above, need, skip = _threshold(h1, h2, k_eff)
+    thr, skip = _threshold(h1, h2, k_eff)
     if c == 0:
         tl.store(ws_row + _WS_K_EFF, k_eff)
-        tl.store(ws_row + _WS_ABOVE, above)
-        tl.store(ws_row + _WS_NEED, need)
         tl.store(ws_row + _WS_SKIP, skip)
         tl.store(ws_row + _WS_THR, thr)
     if MASK_OUT:
         if skip > 0:
-            key, ok = _keys(s_ptr, n.to(tl.int64) * s_sn, c * CHUNK + tl.arange(0, CHUNK), n_vis, GROUP)
+            key, ok = _chunk_keys(s_ptr, out_ptr, n, s_sn, out_sn, width, c * CHUNK + tl.arange(0, CHUNK), n_vis,
+                                  GROUP, SCRATCH)
             tl.store(ws_row + _WS_CHUNK_EQ + c, tl.sum((ok & (key == thr)).to(tl.int32), 0))
     else:
         key, ok = _keys(s_ptr, n.to(tl.int64) * s_sn, c * CHUNK + tl.arange(0, CHUNK), n_vis, GROUP)
@@ -202,7 +242,7 @@ def _count_kernel(s_ptr, nvis_ptr, ws_ptr, s_sn, K: tl.constexpr, GROUP: tl.cons
 
 @triton.jit
 def _write_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width, GROUP: tl.constexpr,
-                  CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, MASK_OUT: tl.constexpr):
+                  CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, MASK_OUT: tl.constexpr, SCRATCH: tl.constexpr):
     """Per (row, chunk): the chunk's selection, its ties ranked by the counts of the chunks before
     it. Top-k: the selected indices ascending, at offsets from those counts; program (row, 0) pads
     with -1. Mask: every entry of the chunk's blocks < width (1 if kept and < n_vis). Program
@@ -220,7 +260,9 @@ def _write_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width, GROUP: 
     out_row = out_ptr + n.to(tl.int64) * out_sn
     if MASK_OUT:   # the tie counts exist only where skip > 0 (else every tie is kept: rank unused)
         base_eq = tl.sum(tl.load(ws_row + _WS_CHUNK_EQ + rc, mask=before & (skip > 0), other=0), 0)
-        key, ok = _keys(s_ptr, n.to(tl.int64) * s_sn, offs, n_vis, GROUP)
+        # the stores below overwrite the kept keys of this chunk's blocks only, each after its key
+        # was read: a block's mask bytes depend on its own key (a data dependence orders them)
+        key, ok = _chunk_keys(s_ptr, out_ptr, n, s_sn, out_sn, width, offs, n_vis, GROUP, SCRATCH)
         eq = ok & (key == thr) & (k_eff > 0)
         sel = (ok & (key > thr) & (k_eff > 0)) | (eq & (base_eq + tl.cumsum(eq.to(tl.int32), 0) - 1 >= skip))
         e = offs[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
@@ -301,13 +343,14 @@ def _select(scores, n_vis, out, plan, mask_out):
     # (sm_90, 4 warps: 128 registers for the write kernel at 4096; 229 at 8192, 164 with 8 warps)
     warps = min(16, 4 * (chunk // plan.chunk))
     grid = (scores.shape[0], triton.cdiv(n_elem, chunk))
-    _hist_hi_kernel[grid](scores, n_vis, plan.ws, scores.stride(0), GROUP=g, CHUNK=chunk, num_warps=warps)
-    _hist_lo_kernel[grid](scores, n_vis, plan.ws, scores.stride(0), K=plan.k, GROUP=g, CHUNK=chunk,
-                          num_warps=warps)
-    _count_kernel[grid](scores, n_vis, plan.ws, scores.stride(0), K=plan.k, GROUP=g, CHUNK=chunk,
-                        MASK_OUT=mask_out, num_warps=warps)
-    _write_kernel[grid](scores, n_vis, plan.ws, out, scores.stride(0), out.stride(0), out.shape[1],
-                        GROUP=g, CHUNK=chunk, BLOCK_K=1024, MASK_OUT=mask_out, num_warps=warps)
+    scratch = mask_out and g >= 2      # block keys kept in the mask row between the passes
+    args = (scores, n_vis, plan.ws, out, scores.stride(0), out.stride(0), out.shape[1])
+    _hist_hi_kernel[grid](*args, GROUP=g, CHUNK=chunk, SCRATCH=scratch, num_warps=warps)
+    _hist_lo_kernel[grid](*args, K=plan.k, GROUP=g, CHUNK=chunk, SCRATCH=scratch, num_warps=warps)
+    _count_kernel[grid](*args, K=plan.k, GROUP=g, CHUNK=chunk, MASK_OUT=mask_out, SCRATCH=scratch,
+                        num_warps=warps)
+    _write_kernel[grid](*args, GROUP=g, CHUNK=chunk, BLOCK_K=1024, MASK_OUT=mask_out, SCRATCH=scratch,
+                        num_warps=warps)
 
 
 def topk_ascending_(scores: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor, plan: TopKPlan) -> torch.Tensor:
@@ -350,7 +393,8 @@ def candidate_mask_(scores: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor
     At equal block maxima the higher block wins, as `reference.indexer.candidate_mask`.
 
     scores: [N, max_entries] FP32 (BF16-representable, unchecked); n_vis: [N] int32 (<= max_entries,
-    unchecked); out: [N, max_entries] uint8 (a bool tensor viewed as uint8 works); plan: TopKPlan
+    unchecked); out: [N, max_entries] uint8 (a bool tensor viewed as uint8 works; between the
+    launches it holds the blocks' keys, so nothing may read it before the last one); plan: TopKPlan
     with group 8 and k 2048 in V4.1. Returns out.
     """
     _validate(scores, n_vis, out, plan, torch.uint8, "out")

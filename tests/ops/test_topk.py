@@ -233,10 +233,10 @@ def test_candidate_mask_block_ties_equal_the_reference(monkeypatch, max_chunks):
     row; four rows, then one row alone through the same plan."""
     from dsv41_decode.ops import topk as topk_mod
     monkeypatch.setattr(topk_mod, "_MAX_CHUNKS", max_chunks)
-    entries = 603                                   # 76 blocks of 8, the last partial
+    entries = 601                                   # 76 blocks of 8, the last of one column (no room for a kept key)
     plan = TopKPlan.build(4, 20, 8, device=_DEVICE, chunk=32)
     s = _rows_of(entries, _MASK_ROWS)
-    for rows, nv in ((4, [entries, 161, 600, 0]), (1, [entries])):
+    for rows, nv in ((4, [entries, 161, 598, 0]), (1, [entries])):
         nv = torch.tensor(nv, dtype=torch.int32, device=_DEVICE)
         out = torch.full((rows, entries), 7, dtype=torch.uint8, device=_DEVICE)
         candidate_mask_(s[:rows], nv, out, plan)
