@@ -261,9 +261,14 @@ def _verify(args, console: Console) -> int:
 
 def _verify_path(args, path: str, console: Console) -> int:
     from .testing.trace import verify_trace
-    note = console.print if not args.quiet else (lambda line: console.print(f"note: {line}"))
+    notes: list[str] = []
     results = verify_trace(args.dir, progress=not args.quiet, path=path, device=args.device, calls=args.calls,
-                           log=note)
+                           log=notes.append)
+    # the notes (the head padding): in full before the table, their first clause in the summary
+    what = f"--path {path}" + "".join(f", {n.split(' (')[0]}" for n in notes)
+    if not args.quiet:
+        for n in notes:
+            console.print(n, soft_wrap=True)
     table = Table(title=f"trace verify {args.dir} --path {path}", caption="path: what ran the call (the prefill "
                   "always the reference); out: attn_out (BF16 ulps, relative RMS); flip: rows past 2 ulps explained "
                   "by one FP8 code flip of wo_b's input (ulps left after it); quant!=: quantized values (window, "
@@ -296,10 +301,10 @@ def _verify_path(args, path: str, console: Console) -> int:
             for call, layer, f in bad:
                 console.print(f"[red]FAIL {call} layer {layer}: {f}[/red]")
         call, layer, f = bad[0]
-        console.print(f"[red]FAIL[/red] --path {path}: {len(bad)} failure(s) in {len({(c, L) for c, L, _ in bad})} "
+        console.print(f"[red]FAIL[/red] {what}: {len(bad)} failure(s) in {len({(c, L) for c, L, _ in bad})} "
                       f"of {len(results)} call-layers ({shape}); first: {call} layer {layer}: {f}", soft_wrap=True)
         return 1
-    console.print(f"[green]PASS[/green] --path {path}: {shape}; "
+    console.print(f"[green]PASS[/green] {what}: {shape}; "
                   f"max attn_out error {max(r.attn_out_ulp for r in results):g} ulp"
                   + (f" ({flips} rows explained by one FP8 code flip of wo_b's input, then "
                      f"<= {max(r.attn_out_unexplained_ulp for r in results):g} ulp)" if flips else "")

@@ -183,6 +183,9 @@ class AttentionStep:
         wide = {"split": 1, "block_n": 256} if few else {}
         self.sink = w["attn.attn_sink"].float().contiguous()
         self.publish: torch.Tensor | None = None   # set by DecodeStep with the fused TP boundary
+        # a selection [rows, index_topk] int32 that replaces this layer's own top-k in an eager run
+        # (the trace verifier's teacher forcing at a tie, testing.trace_step); None in a step
+        self.forced_topk: torch.Tensor | None = None
         if spec.owns_compressor:
             if spec.ratio == 2:
                 self.w_comp = torch.cat([w["attn.compressor.wkv.weight"], w["attn.compressor.wgate.weight"]]).float()
@@ -292,6 +295,8 @@ class AttentionStep:
             index_scores_mxfp4_(s.iq[:B], s.iw[:B], st.index_keys[spec.kv_source], st.block_table[r],
                                 st.page_size, m.kernel_slot[:B], n_vis, scores, cand, fp8_dot=self.indexer_fp8)
             topk_ascending_(scores, n_vis, sel.topk[:B], self.topk_plan)
+            if self.forced_topk is not None:
+                sel.topk[:B].copy_(self.forced_topk[:B])
             if spec.candidate_role == "source":
                 scored = lanes.mark()                         # protects scores (read by the expansion)
                 with lanes.side(AUX_INDEX_W, candidates=True):
@@ -341,7 +346,7 @@ class AttentionStep:
 
     # attributes that hold what the step or the stack shares between layers (not this layer's own)
     _SHARED = frozenset(("state", "meta", "s", "lanes", "selections", "candidates", "layer", "w", "cfg",
-                         "spec", "publish", "prefetches"))
+                         "spec", "publish", "prefetches", "forced_topk"))
 
     def memory_bytes(self) -> int:
         """Device bytes this layer's step owns: its copies of weights (the fused wq_a|wkv, the FP32

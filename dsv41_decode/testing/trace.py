@@ -163,8 +163,8 @@ def verify_trace(folder: str | Path, progress: bool = False, path: str = "refere
         the step path pads on its own when it does not run the trace's head count natively.
     log: called with a line of text for what the reader should know (the padding).
     Rows whose top-k differs from the recorded one only by tied scores are re-run with the recorded
-    selection on the reference path, so that attn_out is compared on the same keys (the step path
-    counts them and compares on its own selection).
+    selection (on either path), so that attn_out is compared on the same keys, and the layers that
+    reuse the selection read the recorded one.
     """
     from .trace_step import StepReplay, pad_heads, step_heads
     if path not in PATHS:
@@ -177,9 +177,9 @@ def verify_trace(folder: str | Path, progress: bool = False, path: str = "refere
     if heads is not None and heads != cfg0.n_heads:
         ckpt = pad_heads(ckpt, heads)
         if log is not None:
-            log(f"padded the checkpoint's {cfg0.n_heads} query heads to {heads} with zero heads "
+            log(f"{cfg0.n_heads} query heads padded to {heads} with zero heads "
                 f"({cfg0.n_heads // cfg0.o_groups} real + {(heads - cfg0.n_heads) // cfg0.o_groups} zero per wo_a "
-                f"group: zero wq_b rows and wo_a columns, so they add exactly nothing)")
+                f"group: zero wq_b rows and wo_a columns, which add exactly nothing)")
     cfg: ModelConfig = ckpt.config
     case = read_case(folder / "trace.safetensors")
     B, plan = case["batch"], cfg.plan
@@ -223,8 +223,10 @@ def verify_trace(folder: str | Path, progress: bool = False, path: str = "refere
                 latent = None if out.latent is None else list(out.latent.reshape(B, s, -1))
                 if spec.runs_indexer:
                     n_vis = (int(pos[-1]) + 1) // spec.ratio
-                    ours, scores = out.topk, out.scores[:, :n_vis]
-                    _topk_verdicts(res, ours, get(L, "indexer_topk").reshape(B * s, -1).long(), scores)
+                    theirs = get(L, "indexer_topk").reshape(B * s, -1).long()
+                    if _topk_verdicts(res, out.topk, theirs, out.scores[:, :n_vis]):
+                        out = replay.run_layer(L, u, forced=[t[t >= 0] for t in theirs])
+                        y, z = out.y, out.z
                 elif spec.kind != "swa":
                     _reuse_agreement(res, replay.selection(spec.index_source),
                                      get(L, "compress_topk").reshape(B * s, -1).long())

@@ -114,15 +114,31 @@ class StepReplay:
             step.meta.derive(self.bucket)
         self.shared = {}
 
-    def run_layer(self, layer: int, u: torch.Tensor) -> StepLayerOut:
-        """Run layer `layer` on inputs u [n, dim] BF16 (the recorded attn_in) and read its outputs."""
+    def run_layer(self, layer: int, u: torch.Tensor, forced: list[torch.Tensor] | None = None) -> StepLayerOut:
+        """Run layer `layer` on inputs u [n, dim] BF16 (the recorded attn_in) and read its outputs.
+
+        forced: per row, a selection (entry ids) that replaces the index source's own top-k (the
+        recorded one, where ours differs only by tied scores); the layers after it that reuse the
+        selection read it too. Running a layer again is safe: every write of a layer goes to a
+        place fixed by the row's position (ring and staging slots, entry slots, the compressor's
+        p % 2 state), with the same values."""
         step, n, b = self.step, self.rows, self.bucket
         bd, s = step.boundary, step.scratch
         bd.u[:n].copy_(u)
         bd.u[n:b].zero_()                                    # the bucket's padding rows
         act_quant_mxfp8_(bd.u[:b], bd.codes[:b], bd.scales[:b])
-        with pdl_launch.launching(step.pdl, step.device):
-            step.layers[layer].run(b, bd.u[:b], bd.codes[:b], bd.scales[:b], step.y[:b], self.shared)
+        att = step.layers[layer]
+        if forced is not None:
+            k = att.cfg.index_topk
+            table = torch.full((b, k), -1, dtype=torch.int32)
+            for r, ids in enumerate(forced):
+                table[r, :ids.numel()] = ids.sort().values.to(torch.int32)
+            att.forced_topk = table.to(step.device)
+        try:
+            with pdl_launch.launching(step.pdl, step.device):
+                att.run(b, bd.u[:b], bd.codes[:b], bd.scales[:b], step.y[:b], self.shared)
+        finally:
+            att.forced_topk = None
         if step.device.type == "cuda":
             torch.cuda.synchronize(step.device)             # side lanes included
         spec = step.layers[layer].spec
