@@ -39,9 +39,10 @@ BUCKET = 8
 
 
 def mini_config() -> ModelConfig:
-    """Two layers: SWA, then a ratio-2 Full layer (compressor, indexer, top-k 4); window 4."""
+    """One ratio-2 Full layer (window, compressor, indexer, top-k 4); window 4. Every layer's ring
+    and staging work alike, so one layer exercises them (the interpreter's cost is per layer)."""
     return ModelConfig.preset("tiny").replace(
-        n_layers=2, compress_ratios=(0, 2), kv_source_layers=(1,), index_source_layers=(1,),
+        n_layers=1, compress_ratios=(2,), kv_source_layers=(0,), index_source_layers=(0,),
         candidate_source_layer=None, n_heads=8, window_size=4, index_topk=4, o_lora_rank=64)
 
 
