@@ -154,8 +154,9 @@ def verify_trace(folder: str | Path, progress: bool = False, path: str = "refere
     """Replay a trace folder teacher-forced (every layer gets the recorded `attn_in`) and compare.
 
     path: "reference" (every call through the generic layers) or "step" (calls of one token per
-        request through the specialized step, `trace_step.StepReplay`; longer calls - the prefill -
-        through the generic layers, which write the same caches).
+        request through the specialized step, `trace_step.StepReplay`, and their mHC boundary
+        through the step's kernels, `trace_step.StepBoundaryOps`; longer calls - the prefill -
+        through the generic layers and the reference boundary, which write the same caches).
     device: where the checkpoint, the state and the path run ("cpu" runs the step's kernels in
         Triton's interpreter).
     calls: replay only the first `calls` calls after the first one (None: all).
@@ -166,7 +167,7 @@ def verify_trace(folder: str | Path, progress: bool = False, path: str = "refere
     selection (on either path), so that attn_out is compared on the same keys, and the layers that
     reuse the selection read the recorded one.
     """
-    from .trace_step import StepReplay, pad_heads, step_heads
+    from .trace_step import StepBoundaryOps, StepReplay, pad_heads, step_heads
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     folder = Path(folder)
@@ -196,6 +197,7 @@ def verify_trace(folder: str | Path, progress: bool = False, path: str = "refere
     for r in reqs:
         state.admit(r)
     replay = StepReplay(stack, state, B) if path == "step" else None
+    boundary_ops = StepBoundaryOps(cfg.dim, B, device) if path == "step" else None
     results: list[CallLayerResult] = []
     bar = _progress(progress, len(names) * len(layers))
     for call in names:
@@ -254,7 +256,12 @@ def verify_trace(folder: str | Path, progress: bool = False, path: str = "refere
             res.attn_out_ulp, res.attn_out_rel_rms = ulp_distance(y, ref), rel_rms(y, ref)
             _attribute_attn_out(res, y, z.cpu(), ref, layers[L].w)
             _compare_state(res, cfg, L, state, reqs, pos, get, latent, cands)
-            _compare_boundary(res, cfg, ckpt.layer(L), get, B, s)
+            if on_step:
+                nxt = L + 1 if L + 1 in layers else None
+                _compare_boundary(res, cfg, ckpt.layer(L), get, B, s, kernels=boundary_ops,
+                                  next_norm=None if nxt is None else ckpt.layer(nxt)["attn_norm.weight"].cpu())
+            else:
+                _compare_boundary(res, cfg, ckpt.layer(L), get, B, s)
             results.append(res)
             if bar is not None:
                 bar[0].advance(bar[1])
@@ -330,34 +337,57 @@ def _compare_state(res, cfg, L, state, reqs, pos, get, latent, cands) -> None:
         res.candidate_rows_differ = sum(bool((cand[r][:m.numel()] != m.cpu()).any()) for r, m in enumerate(cands))
 
 
-def _compare_boundary(res, cfg, w, get, B, s) -> None:
+def _compare_boundary(res, cfg, w, get, B, s, next_norm=None, kernels=None) -> None:
     """Recompute attn_in, the attention site's mixer, the FFN site's mixer (pre_mix_out) and
     block_out from the recorded tensors, teacher-forced as the layers are: the FFN site's input
     streams are rebuilt from the recorded attn_out, block_in and attn_post/attn_comb (the official
     code's own coefficients), so each mixer is compared on the streams the trace's was computed
-    from (our own attention-site coefficients are compared with the recorded ones first)."""
+    from (our own attention-site coefficients are compared with the recorded ones first).
+
+    kernels: a `trace_step.StepBoundaryOps` - the step's mixer and fused boundary kernels do the
+    work instead of the reference (the step has no FFN, but its boundary is the same op at either
+    site); its exit of this block also yields the next layer's input (norm `next_norm`), compared
+    with the next layer's recorded attn_in (the step computes every input after the first so).
+    """
     block_in = get(res.layer, "block_in")
     if block_in is None:
         return
-    w = {k: v.cpu() for k, v in w.items() if k.startswith(("hc_", "attn_norm"))}
+    w = {k: v.cpu() for k, v in w.items() if k.startswith(("hc_", "attn_norm", "ffn_norm"))}
     n = B * s
     x = block_in.reshape(n, cfg.hc_mult, cfg.dim)
+    rec = {name: get(res.layer, name) for name in ("attn_out", "attn_pre", "attn_post", "attn_comb", "ffn_out",
+                                                  "pre_mix_in", "pre_mix_out", "block_out", "attn_in")}
+    a_post, a_comb = rec["attn_post"].reshape(n, -1), rec["attn_comb"].reshape(n, cfg.hc_mult, cfg.hc_mult)
     args = (cfg.norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
-    mix = hc_mixes(x, w["hc_attn_fn"], w["hc_attn_scale"], w["hc_attn_base"], *args)
-    u = rms_norm(hc_pre(x, get(res.layer, "pre_mix_in").reshape(n, -1)), w["attn_norm.weight"], cfg.norm_eps)
-    mid = hc_post(get(res.layer, "attn_out").reshape(n, -1), x, get(res.layer, "attn_post").reshape(n, -1),
-                  get(res.layer, "attn_comb").reshape(n, cfg.hc_mult, cfg.hc_mult))
-    f = hc_mixes(mid, w["hc_ffn_fn"], w["hc_ffn_scale"], w["hc_ffn_base"], *args)
-    out = hc_post(get(res.layer, "ffn_out").reshape(n, -1), mid, f.post, f.comb)
+    u_err = 0.0
+    if kernels is None:
+        mix = hc_mixes(x, w["hc_attn_fn"], w["hc_attn_scale"], w["hc_attn_base"], *args)
+        u = rms_norm(hc_pre(x, rec["pre_mix_in"].reshape(n, -1)), w["attn_norm.weight"], cfg.norm_eps)
+        u_err = ulp_distance(u, rec["attn_in"].reshape(n, -1))
+        mid = hc_post(rec["attn_out"].reshape(n, -1), x, a_post, a_comb)
+        f = hc_mixes(mid, w["hc_ffn_fn"], w["hc_ffn_scale"], w["hc_ffn_base"], *args)
+        out = hc_post(rec["ffn_out"].reshape(n, -1), mid, f.post, f.comb)
+    else:
+        mix = kernels.mixer(x, w["hc_attn_fn"], w["hc_attn_scale"], w["hc_attn_base"], cfg)
+        if res.layer == 0:       # the step's first input: Boundary.enter, the reference collapse and norm
+            u = rms_norm(hc_pre(x, rec["pre_mix_in"].reshape(n, -1)), w["attn_norm.weight"], cfg.norm_eps)
+            u_err = ulp_distance(u, rec["attn_in"].reshape(n, -1))
+        mid, _ = kernels.exit(rec["attn_out"].reshape(n, -1), x, a_post, a_comb, rec["attn_pre"].reshape(n, -1),
+                              w["ffn_norm.weight"], cfg.norm_eps)
+        f = kernels.mixer(mid, w["hc_ffn_fn"], w["hc_ffn_scale"], w["hc_ffn_base"], cfg)
+        out, u_next = kernels.exit(rec["ffn_out"].reshape(n, -1), mid, f.post, f.comb, rec["pre_mix_out"].reshape(n, -1),
+                                   next_norm if next_norm is not None else w["attn_norm.weight"], cfg.norm_eps)
+        nxt = get(res.layer + 1, "attn_in")
+        if next_norm is not None and nxt is not None:
+            u_err = ulp_distance(u_next, nxt.reshape(n, -1))
     # the post-mix sums cancel: measure it against each stream's largest value
-    res.boundary_ulp = max(ulp_distance(u, get(res.layer, "attn_in").reshape(n, -1)),
-                           row_ulp_distance(out, get(res.layer, "block_out").reshape(n, cfg.hc_mult, -1)))
+    res.boundary_ulp = max(u_err, row_ulp_distance(out, rec["block_out"].reshape(n, cfg.hc_mult, -1)))
     bound_args = (cfg.norm_eps, cfg.hc_sinkhorn_iters, cfg.hc_eps)
     b_attn = mix_bounds(x, w["hc_attn_fn"], w["hc_attn_scale"], w["hc_attn_base"], *bound_args)
     b_ffn = mix_bounds(mid, w["hc_ffn_fn"], w["hc_ffn_scale"], w["hc_ffn_base"], *bound_args)
     for a, bound, name in ((mix.pre, b_attn.pre, "attn_pre"), (mix.post, b_attn.post, "attn_post"),
                            (mix.comb, b_attn.comb, "attn_comb"), (f.pre, b_ffn.pre, "pre_mix_out")):
-        d = (a - get(res.layer, name).reshape(a.shape)).abs()
+        d = (a - rec[name].reshape(a.shape)).abs()
         res.mix_abs = max(res.mix_abs, float(d.max()))
         res.mix_ratio = max(res.mix_ratio, float((d.double() / bound).max()))
 

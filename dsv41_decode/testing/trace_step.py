@@ -154,3 +154,42 @@ class StepReplay:
     def selection(self, layer: int) -> torch.Tensor:
         """Index source `layer`'s selection of the current call: [n, k] int64, -1 padded."""
         return self.step.selections[layer].topk[:self.rows].cpu().long()
+
+
+class StepBoundaryOps:
+    """The step's boundary kernels on a trace's recorded tensors: its mixer (`ops.hc_mix.hc_mix_`)
+    and its fused post-mix + collapse + norm + MXFP8 (`ops.mhc.mhc_boundary_`), with the plans the
+    step builds (`decode.boundary.Boundary`), for `rows` rows on `device`."""
+
+    def __init__(self, dim: int, rows: int, device: torch.device | str):
+        from ..ops.hc_mix import HcMixPlan
+        from ..ops.mhc import MhcBoundaryPlan
+        dev = torch.device(device)
+        self.dim, self.rows, self.device = dim, rows, dev
+        self.mix_plan = HcMixPlan.build(dim, rows, dev, **({"split": 1} if dev.type != "cuda" else {}))
+        self.exit_plan = MhcBoundaryPlan.build(dim, rows, dev)
+
+    def mixer(self, x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, cfg):
+        """(pre, post, comb) of the site with weights fn/scale/base for streams x [n, hc, dim] (CPU out)."""
+        from ..ops.hc_mix import hc_mix_
+        from ..reference.mhc import Mix
+        n, hc, dev = x.shape[0], x.shape[1], self.device
+        pre, post = torch.zeros(n, hc, device=dev), torch.zeros(n, hc, device=dev)
+        comb = torch.zeros(n, hc, hc, device=dev)
+        hc_mix_(x.to(dev).contiguous(), fn.to(dev), scale.to(dev), base.to(dev), cfg.norm_eps, cfg.hc_eps,
+                cfg.hc_sinkhorn_iters, pre, post, comb, self.mix_plan)
+        return Mix(pre.cpu(), post.cpu(), comb.cpu())
+
+    def exit(self, y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor,
+             norm: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(new streams [n, hc, dim], next input u [n, dim]) of `mhc_boundary_` (CPU out)."""
+        from ..ops.mhc import mhc_boundary_
+        dev = self.device
+        n, hc, d = x.shape
+        x_out = torch.zeros(n, hc, d, dtype=torch.bfloat16, device=dev)
+        u = torch.zeros(n, d, dtype=torch.bfloat16, device=dev)
+        codes = torch.zeros(n, d, dtype=torch.float8_e4m3fn, device=dev)
+        scales = torch.zeros(n, d // 32, dtype=torch.uint8, device=dev)
+        mhc_boundary_(y.to(dev), x.to(dev).contiguous(), post.to(dev), comb.to(dev), pre.to(dev), norm.to(dev), eps,
+                      x_out, u, codes, scales, self.exit_plan)
+        return x_out.cpu(), u.cpu()
