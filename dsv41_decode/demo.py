@@ -126,7 +126,8 @@ def run_demo(cfg: ModelConfig, plan: DemoPlan, device: str = "cpu", console: Con
     serve = [(None, [(r, 0, p, p) for r, p in zip(reqs, plan.prompts)])]
     start = list(plan.prompts)
     for k in range(plan.steps):
-        serve.append(("decode_s", [(r, start[i], 1 + d, kept[k][i]) for i, (r, d) in enumerate(zip(reqs, plan.drafts))]))
+        serve.append(("decode_s", [(r, start[i], 1 + d, kept[k][i])
+                                   for i, (r, d) in enumerate(zip(reqs, plan.drafts))]))
         start = [s + kept[k][i] for i, s in enumerate(start)]
     oneshot = [("prefill_s", [(r, 0, total[r], total[r])]) for r in reqs]
     with Steps("demo: call", len(serve) + len(oneshot),
