@@ -245,7 +245,8 @@ def verify_trace(folder: str | Path, progress: bool = False, path: str = "refere
                         ctx.force_topk[L] = [t[t >= 0] for t in theirs]
                         y = layers[L].forward(u, step, state, ctx)
                 elif spec.kind != "swa":
-                    _reuse_agreement(res, ctx.topk[spec.index_source], get(L, "compress_topk").reshape(B * s, -1).long())
+                    _reuse_agreement(res, ctx.topk[spec.index_source],
+                                     get(L, "compress_topk").reshape(B * s, -1).long())
                 z = _wo_b_input(layers[L], ctx.record[f"layers.{L}.o"], step.positions)
                 lat = ctx.record.get(f"layers.{L}.compressor_latent")
                 latent = None if lat is None else [lat[r] for r in reqs]
@@ -375,7 +376,8 @@ def _compare_boundary(res, cfg, w, get, B, s, next_norm=None, kernels=None) -> N
         mid, _ = kernels.exit(rec["attn_out"].reshape(n, -1), x, a_post, a_comb, rec["attn_pre"].reshape(n, -1),
                               w["ffn_norm.weight"], cfg.norm_eps)
         f = kernels.mixer(mid, w["hc_ffn_fn"], w["hc_ffn_scale"], w["hc_ffn_base"], cfg)
-        out, u_next = kernels.exit(rec["ffn_out"].reshape(n, -1), mid, f.post, f.comb, rec["pre_mix_out"].reshape(n, -1),
+        out, u_next = kernels.exit(rec["ffn_out"].reshape(n, -1), mid, f.post, f.comb,
+                                   rec["pre_mix_out"].reshape(n, -1),
                                    next_norm if next_norm is not None else w["attn_norm.weight"], cfg.norm_eps)
         nxt = get(res.layer + 1, "attn_in")
         if next_norm is not None and nxt is not None:
