@@ -3,10 +3,12 @@ heads), CUDA graphs, a stack of every layer kind.
 
 A drafted run (4 requests, every acceptance pattern of 1-3 drafts and then random ones, junk inputs
 in the rejected rows, `DecodeStep.accept` after every step) against the run fed only the accepted
-tokens, on a state built without drafts (a ring of exactly W). Both replay the same single bucket
-(16 rows): the step is batch-invariant at a fixed bucket (one reduction order per shape), so the
-kept rows' outputs and the held state must agree bit for bit. 160 steps: every request crosses
-two wraps of the 131-slot ring and 60+ ratio-2 groups.
+tokens, on a state built without drafts (a ring of exactly W). The step is batch-invariant (a
+request's rows give the same bits whatever rows share the step and whatever bucket it replays:
+docs/step.md, tests/decode/test_step_batch_invariance.py), so the kept rows' outputs and the held
+state must agree bit for bit: once with both runs on one bucket (16 rows), once with the default
+buckets (the drafted run's steps replay larger buckets than the accepted-only run's). 160 steps:
+every request crosses two wraps of the 131-slot ring and 60+ ratio-2 groups.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ def _state(cfg, max_drafts):
 
 
 @pytest.mark.gpu
-def test_gpu_drafted_run_equals_accepted_only(flash):
+@pytest.mark.parametrize("buckets", [(16,), None], ids=["one_bucket", "default_buckets"])
+def test_gpu_drafted_run_equals_accepted_only(flash, buckets):
     cfg, stack = flash
     plan = sp.acceptance_plan(REQS, STEPS, max_drafts=3, seed=7)
     need = sp.needed_tokens(plan)
@@ -60,7 +63,7 @@ def test_gpu_drafted_run_equals_accepted_only(flash):
     outs, states = [], []
     for md, drafted in ((3, True), (0, False)):
         st = _state(cfg, md)
-        step = stack.decode_step(st, max_rows=16, buckets=(16,))
+        step = stack.decode_step(st, max_rows=16, buckets=buckets)
         assert step.use_graphs
         outs.append(sp.serve(step, truth, plan, junk_seed=2 if drafted else None,
                              accept=step.accept if drafted else None))
