@@ -10,7 +10,9 @@ import torch
 
 from dsv41_decode.formats import mxfp8_quantize
 from dsv41_decode.reference.linear import fp8_linear
-from dsv41_decode.testing.attribution import bf16_steps, explain_wo_b_row
+from dsv41_decode.reference.attention import output_projection
+from dsv41_decode.reference.rope import rope_cis, rope_freqs
+from dsv41_decode.testing.attribution import bf16_steps, explain_o_row, explain_wo_b_row
 from dsv41_decode.testing.compare import ulp_distance
 from dsv41_decode.testing.trace import MAX_ULP, verify_trace
 from dsv41_decode.weights import load_checkpoint
@@ -87,6 +89,45 @@ def test_wrong_outputs_are_not_explained(wo_b):
     y2 = fp8_linear(both[None], W, S)[0]
     assert ulp_distance(y2, y1) > MAX_ULP
     assert explain_wo_b_row(z, y2, W, S, MAX_ULP) is None
+
+
+@pytest.fixture(scope="module")
+def projection():
+    """official-tiny layer 3's output projection and a random attention output o at position 40."""
+    ck = load_checkpoint(DATA / "official-tiny", layers=[3])
+    cfg, w = ck.config, ck.layer(3)
+    cis = rope_cis(rope_freqs(cfg, cfg.plan[3].ratio), torch.tensor([40]))[0]
+    o = torch.randn(cfg.n_heads, cfg.head_dim, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    args = (w["attn.wo_a.weight"], w["attn.wo_b.weight"], w["attn.wo_b.scale"], cfg.o_groups, cfg.rope_head_dim)
+
+    def y_of(o_row):
+        return output_projection(o_row[None], cis[None], *args)[0]
+    return o, cis, y_of, cfg, w
+
+
+def test_one_o_move_is_explained(projection):
+    """An attention output one ulp off at one element: wo_a spreads it over z, MXFP8 flips codes
+    of z elements that cancel, and attn_out moves past 2 ulp - explained at o."""
+    o, cis, y_of, cfg, w = projection
+    y0 = y_of(o)
+    found = None
+    for e in range(0, o.numel(), 37):
+        moved = o.clone()
+        moved.view(-1)[e] = bf16_steps(o.view(-1)[e:e + 1], torch.tensor([1]))[0][0][0]
+        y = y_of(moved)
+        if ulp_distance(y, y0) > MAX_ULP:
+            found = (e, y)
+            break
+    assert found is not None, "no one-ulp move of this o is visible past 2 ulp"
+    e, y = found
+    args = (w["attn.wo_a.weight"], cfg.o_groups, cfg.rope_head_dim)
+    flip = explain_o_row(o, cis, *args, y, w["attn.wo_b.weight"], w["attn.wo_b.scale"], MAX_ULP, row=4)
+    assert flip is not None and flip.where == "o" and flip.row == 4 and flip.residual_ulp <= MAX_ULP
+    neg = y0.clone()
+    neg[5] = -neg[5] if neg[5] != 0 else 1.0
+    assert explain_o_row(o, cis, *args, neg, w["attn.wo_b.weight"], w["attn.wo_b.scale"], MAX_ULP) is None
+    other = y_of(o.roll(1, 0))                                # the heads swapped round
+    assert explain_o_row(o, cis, *args, other, w["attn.wo_b.weight"], w["attn.wo_b.scale"], MAX_ULP) is None
 
 
 @pytest.fixture(scope="module")

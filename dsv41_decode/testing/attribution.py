@@ -19,6 +19,15 @@ formats explain, with a criterion derived below that a genuinely wrong value fai
    wrong by anything else - a wrong head, a wrong selection, a sign, a corrupted element - is not
    explained (tests/test_trace_attribution.py shows such cases failing).
 
+   One op upstream, the same argument for the attention output o (`explain_o_row`): the
+   sparse attention sums its scores in an order of its own (the step's kernel in chunks of 128
+   dims), so its o may be an ulp off the reference's at an element (the kernel's contract);
+   `wo_a` turns that into an absolute change |W| ulp(o) of z, which is many BF16 ulps of the z
+   elements whose sums cancel, and MXFP8 then moves their codes. The criterion: moving ONE
+   element of o by at most FLIP_ULPS BF16 ulps, through the reference's inverse RoPE, `wo_a`,
+   MXFP8 and `wo_b`, lands within MAX_ULP of the recorded row (measured: the step on
+   official-batch2, decode03 layer 2, one o element 1 ulp off -> three codes of z -> 224 ulp).
+
 2. `mix_bounds`: the mHC mixer coefficients (pre, post, Sinkhorn comb) computed from the same
    recorded streams differ only by the FP32 evaluation order of both sides. The bound, per
    coefficient, from the formats (u = 2^-24, n = hc * dim products):
@@ -70,12 +79,15 @@ LAMBDA = 8.0       # the probabilistic bound's confidence (module docstring, ite
 
 @dataclass(frozen=True)
 class Flip:
-    """One MXFP8 code (or block scale) flip of wo_b's input that explains a row of attn_out."""
+    """One MXFP8 code (or block scale) flip of wo_b's input that explains a row of attn_out, and
+    where the ulp-level move that caused it sits (`where`: "z", wo_b's input, or "o", the attention
+    output)."""
 
     row: int
-    column: int        # the element of z (wo_b's input) that moved
+    column: int        # the element that moved: of z (wo_b's input), or of o (flat h * 512 + d)
     ulps: int          # by how many BF16 ulps (signed, along the real line)
     residual_ulp: float   # attn_out's distance to the recorded row after the flip (<= MAX_ULP)
+    where: str = "z"
 
 
 def bf16_steps(z: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
@@ -116,6 +128,51 @@ def explain_wo_b_row(z: torch.Tensor, recorded: torch.Tensor, wo_b: torch.Tensor
             if d <= max_ulp and (best is None or d < best.residual_ulp):
                 s, c = divmod(i, z.numel())
                 best = Flip(row, c, int(steps[s]), d)
+    return best
+
+
+def explain_o_row(o: torch.Tensor, cis: torch.Tensor, wo_a: torch.Tensor, o_groups: int, rope_dim: int,
+                  recorded: torch.Tensor, wo_b: torch.Tensor, wo_b_scale: torch.Tensor, max_ulp: float,
+                  row: int = 0) -> Flip | None:
+    """The single element of `o` ([H, 512] BF16, one row's attention output; `cis` its RoPE
+    [rope_dim/2]) whose move by at most FLIP_ULPS BF16 ulps brings `output_projection(o)` within
+    `max_ulp` of `recorded` ([N]) at every element (module docstring), or None. Flip.column is
+    the element's flat index h * 512 + d.
+
+    The moves that change z's MXFP8 codes are found in FP64 (z of the moved o per wo_a group, one
+    BLAS product), then confirmed through the reference `output_projection` (CPU)."""
+    from ..reference.attention import output_projection
+    from ..reference.rope import rope_tail
+    o, cis, recorded = o.detach().cpu(), cis.detach().cpu(), recorded.detach().cpu()
+    wo_a, wo_b, wo_b_scale = wo_a.cpu(), wo_b.cpu(), wo_b_scale.cpu()
+    H, D = o.shape
+    hpg, R = H // o_groups, wo_a.shape[0] // o_groups
+    wa = wo_a.double().view(o_groups, R, hpg * D)
+    steps = torch.tensor([s for k in range(1, FLIP_ULPS + 1) for s in (-k, k)])
+
+    def z_of(batch: torch.Tensor) -> torch.Tensor:          # [M, H, D] BF16 -> [M, G*R] BF16 via FP64
+        rot = rope_tail(batch, cis.expand(batch.shape[0], -1), rope_dim, inverse=True).double()
+        rot = rot.view(batch.shape[0], o_groups, hpg * D)
+        return torch.einsum("mgk,grk->mgr", rot, wa).reshape(batch.shape[0], -1).to(torch.bfloat16)
+
+    codes0, scales0 = mxfp8_quantize(z_of(o[None]))
+    live = (wa.abs().amax(1) > 0).view(o_groups, hpg, D).any(-1).flatten()   # heads with wo_a columns
+    best: Flip | None = None
+    for h in live.nonzero().flatten().tolist():
+        moved = bf16_steps(o[h], steps).reshape(-1, D)                        # [S*D, D]
+        batch = o[None].repeat(moved.shape[0], 1, 1)
+        batch[:, h] = moved
+        codes, scales = mxfp8_quantize(z_of(batch))
+        changed = ((codes.view(torch.uint8) != codes0.view(torch.uint8)).any(-1) | (scales != scales0).any(-1))
+        idx = changed.nonzero().flatten()
+        if not idx.numel():
+            continue
+        y = output_projection(batch[idx], cis.expand(idx.numel(), -1), wo_a, wo_b, wo_b_scale, o_groups, rope_dim)
+        for i, y_row in zip(idx.tolist(), y):
+            d = ulp_distance(y_row, recorded)
+            if d <= max_ulp and (best is None or d < best.residual_ulp):
+                st, dim = divmod(i, D)
+                best = Flip(row, h * D + dim, int(steps[st]), d, "o")
     return best
 
 

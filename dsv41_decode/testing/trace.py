@@ -26,7 +26,7 @@ from ..reference.rope import rope_cis
 from ..stack import AttentionStack
 from ..state import DecodeState
 from ..weights import load_checkpoint
-from .attribution import Flip, explain_wo_b_row, mix_bounds
+from .attribution import Flip, explain_o_row, explain_wo_b_row, mix_bounds
 from .compare import bits_differ, rel_rms, row_ulp_distance, topk_agreement, ulp_distance
 
 # Spec section 9: quantized values bit-exact, top-k equal as sets (of scores when BF16 scores tie),
@@ -221,14 +221,14 @@ def verify_trace(folder: str | Path, progress: bool = False, path: str = "refere
             u = get(L, "attn_in").reshape(B * s, cfg.dim).to(device)
             if on_step:
                 out = replay.run_layer(L, u)
-                y, z = out.y, out.z
+                y, z, o = out.y, out.z, out.o
                 latent = None if out.latent is None else list(out.latent.reshape(B, s, -1))
                 if spec.runs_indexer:
                     n_vis = (int(pos[-1]) + 1) // spec.ratio
                     theirs = get(L, "indexer_topk").reshape(B * s, -1).long()
                     if _topk_verdicts(res, out.topk, theirs, out.scores[:, :n_vis]):
                         out = replay.run_layer(L, u, forced=[t[t >= 0] for t in theirs])
-                        y, z = out.y, out.z
+                        y, z, o = out.y, out.z, out.o
                 elif spec.kind != "swa":
                     _reuse_agreement(res, replay.selection(spec.index_source),
                                      get(L, "compress_topk").reshape(B * s, -1).long())
@@ -247,7 +247,8 @@ def verify_trace(folder: str | Path, progress: bool = False, path: str = "refere
                 elif spec.kind != "swa":
                     _reuse_agreement(res, ctx.topk[spec.index_source],
                                      get(L, "compress_topk").reshape(B * s, -1).long())
-                z = _wo_b_input(layers[L], ctx.record[f"layers.{L}.o"], step.positions)
+                o = ctx.record[f"layers.{L}.o"]
+                z = _wo_b_input(layers[L], o, step.positions)
                 lat = ctx.record.get(f"layers.{L}.compressor_latent")
                 latent = None if lat is None else [lat[r] for r in reqs]
                 cands = ctx.candidates.get(L)
@@ -255,7 +256,7 @@ def verify_trace(folder: str | Path, progress: bool = False, path: str = "refere
             res.attn_out = y
             ref = get(L, "attn_out").reshape(B * s, cfg.dim)
             res.attn_out_ulp, res.attn_out_rel_rms = ulp_distance(y, ref), rel_rms(y, ref)
-            _attribute_attn_out(res, y, z.cpu(), ref, layers[L].w)
+            _attribute_attn_out(res, y, z.cpu(), o.cpu(), step.positions, layers[L], ref)
             _compare_state(res, cfg, L, state, reqs, pos, get, latent, cands)
             if on_step:
                 nxt = L + 1 if L + 1 in layers else None
@@ -292,13 +293,19 @@ def _wo_b_input(layer: AttentionLayer, o: torch.Tensor, positions: torch.Tensor)
     return grouped_wo_a(o, cis, layer.wo_a, layer.cfg.o_groups, layer.cfg.rope_head_dim)
 
 
-def _attribute_attn_out(res, y, z, ref, w) -> None:
-    """Rows of attn_out past MAX_ULP: explained by one FP8 flip of wo_b's input, or not."""
+def _attribute_attn_out(res, y, z, o, positions, layer: AttentionLayer, ref) -> None:
+    """Rows of attn_out past MAX_ULP: explained by one FP8 flip of wo_b's input caused by an
+    ulp-level move of z or of o (attribution.explain_wo_b_row, explain_o_row), or not."""
     worst = 0.0
+    w, cfg = layer.w, layer.cfg
     for r in range(y.shape[0]):
         d = ulp_distance(y[r], ref[r])
         if d > MAX_ULP:
             flip = explain_wo_b_row(z[r], ref[r], w["attn.wo_b.weight"], w["attn.wo_b.scale"], MAX_ULP, r)
+            if flip is None:
+                cis = rope_cis(layer.freqs.cpu(), positions[r:r + 1].cpu())[0]
+                flip = explain_o_row(o[r], cis, layer.wo_a, cfg.o_groups, cfg.rope_head_dim, ref[r],
+                                     w["attn.wo_b.weight"], w["attn.wo_b.scale"], MAX_ULP, r)
             if flip is not None:
                 res.flips.append(flip)
                 d = flip.residual_ulp

@@ -90,6 +90,7 @@ class StepLayerOut:
 
     y: torch.Tensor                      # [n, dim] BF16 attention output
     z: torch.Tensor                      # [n, o_groups * o_lora_rank] BF16, wo_b's input
+    o: torch.Tensor                      # [n, H, 512] BF16, the sparse MLA's output
     topk: torch.Tensor | None            # [n, k] this layer's own selection (index sources)
     scores: torch.Tensor | None          # [n, width] the indexer's scores (index sources)
     latent: torch.Tensor | None          # [n, 512] the compressor latent (KV sources)
@@ -145,7 +146,7 @@ class StepReplay:
         sel = step.selections.get(layer) if spec.runs_indexer else None
         cand = step.candidate_masks.get(layer)
         return StepLayerOut(
-            y=step.y[:n].cpu().clone(), z=s.z[:n].cpu().clone(),
+            y=step.y[:n].cpu().clone(), z=s.z[:n].cpu().clone(), o=s.o[:n].cpu().clone(),
             topk=None if sel is None else sel.topk[:n].cpu().long(),
             scores=None if sel is None else s.scores[:n].cpu().clone(),
             latent=s.lat[:n].cpu().clone() if spec.owns_compressor else None,
