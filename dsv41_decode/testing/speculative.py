@@ -121,34 +121,48 @@ def first_difference(a: Mapping[Hashable, list], b: Mapping[Hashable, list]) -> 
     return None
 
 
-def held_state(state: DecodeState, req_id: Hashable) -> dict[str, torch.Tensor | int]:
+def held_state(state: DecodeState, req_id: Hashable, layers: Sequence[int] | None = None
+               ) -> dict[str, torch.Tensor | int]:
     """What a later call can read of `req_id`, as raw bytes / bits (for equality across states of
     any ring size): its length, per layer the window records of positions length-W .. length-1,
     per KV source the compressed-KV and index-key records of entries 0 .. length // r - 1, and
-    per ratio-2 source the compressor's open group (both rows)."""
+    per ratio-2 source the compressor's open group (both rows).
+
+    layers: the layers the calls run (`AttentionStack.ids`; None: every layer of the state). A
+    state holds buffers for every layer of the configuration, but a stack of some layers never
+    writes or reads the others: their rings hold only what was there before the calls (a cached
+    prefix's records at the slots of `p % ring_size`, which alias other positions under another
+    ring size) and their open groups whatever `accept` copied from rows no call wrote, in either
+    run, so they are not held state and are left out."""
     s, n, W = state.slot(req_id), state.length(req_id), state.window_size
     dev = state.device
+    keep = set(state.window) if layers is None else set(layers)
     out: dict[str, torch.Tensor | int] = {"length": n}
     pos = torch.arange(max(0, n - W), n, device=dev)
     ring = state.window_slots(torch.full_like(pos, s), pos)
     for L, pool in state.window.items():
-        out[f"window.{L}"] = pool[ring]
+        if L in keep:
+            out[f"window.{L}"] = pool[ring]
     for L in state.kv_sources:
+        if L not in keep:
+            continue
         r = state.cfg.ratio(L)
         idx = state.entry_slots(r, s, torch.arange(n // r, device=dev))
         out[f"compressed.{L}"] = state.compressed[L][idx]
         out[f"index_keys.{L}"] = state.index_keys[L][idx]
     for L in state.comp_kv:
-        out[f"comp_kv.{L}"] = state.comp_kv[L][s].view(torch.int32)
-        out[f"comp_score.{L}"] = state.comp_score[L][s].view(torch.int32)
+        if L in keep:
+            out[f"comp_kv.{L}"] = state.comp_kv[L][s].view(torch.int32)
+            out[f"comp_score.{L}"] = state.comp_score[L][s].view(torch.int32)
     return out
 
 
-def state_difference(a: DecodeState, b: DecodeState, requests: Sequence[Hashable]) -> str | None:
-    """None when `held_state` of every request is bit-identical in both states, else a line naming
-    the first request and buffer that differ."""
+def state_difference(a: DecodeState, b: DecodeState, requests: Sequence[Hashable],
+                     layers: Sequence[int] | None = None) -> str | None:
+    """None when `held_state` (of `layers`: the stack's; None: every layer) of every request is
+    bit-identical in both states, else a line naming the first request and buffer that differ."""
     for r in requests:
-        ha, hb = held_state(a, r), held_state(b, r)
+        ha, hb = held_state(a, r, layers), held_state(b, r, layers)
         for key, va in ha.items():
             vb = hb[key]
             same = va == vb if isinstance(va, int) else (va.shape == vb.shape and torch.equal(va, vb))

@@ -70,5 +70,8 @@ def test_gpu_drafted_run_equals_accepted_only(flash, buckets):
         states.append(st)
     torch.cuda.synchronize()
     assert sp.first_difference(*outs) is None, sp.first_difference(*outs)
-    assert sp.state_difference(*states, REQS) is None, sp.state_difference(*states, REQS)
+    # the stack's layers: the state holds every layer of V4.1-Flash, the others are never written
+    # (their rings keep fill_state's records, aliased differently under W + 3 and W slots)
+    diff = sp.state_difference(*states, REQS, layers=stack.ids)
+    assert diff is None, diff
 
