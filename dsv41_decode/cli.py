@@ -220,9 +220,7 @@ def _parser() -> argparse.ArgumentParser:
                     "(default: 1)")
     st.add_argument("--name", default="step", help="results file stem (default: step)")
     st.add_argument("--variants", default=None, help="step variants timed next to the default one, comma-separated "
-                    "of no_overlap, pdl, wo_a_fp8, wo_a_tf32, indexer_bf16, l2pf_25, l2pf_50, window_copy_torch, "
-                    "indexer_first "
-                    "(bench.step.VARIANTS; default: no_overlap,wo_a_fp8,window_copy_torch)")
+                    "of no_overlap, wo_a_fp8 (bench.step.VARIANTS; default: no_overlap,wo_a_fp8)")
     st.add_argument("--out", type=Path, default=Path("docs/results"), help="results folder (default: docs/results)")
     _common(st)
 

@@ -117,9 +117,8 @@ class AttentionStack:
         """The specialized decode step of this stack over `state` (`decode.DecodeStep`): plans,
         buffers and CUDA graphs (one per row bucket up to max_rows) are built here, once.
 
-        options: the keyword arguments of DecodeStep (buckets, overlap_inputs, overlap_candidates,
-        graphs, wo_a_fp8, tp_boundary, pdl, wo_a_bf16_dot, indexer_fp8, l2_prefetch,
-        window_copy_in_wo_a, indexer_first), documented there.
+        options: the keyword arguments of DecodeStep (buckets, graphs, overlap, tp_boundary,
+        wo_a_fp8), documented there.
         """
         from .decode import DecodeStep   # decode/ composes the stack, not the other way round
         return DecodeStep(self, state, max_rows=max_rows, **options)

@@ -59,7 +59,7 @@ def main() -> None:
     table = {}
     for n in rows:
         bucket = _arm(step, [(i, 1) for i in range(n)], gen)
-        wall = _replay_us(step.graphs[bucket])
+        wall = _replay_us(step, bucket)
         dur, cnt, streams = kernel_times(step.graphs[bucket])
         table[n] = (dur, cnt)
         print(f"rows {n}: replay {wall:.0f} us; kernel us per stream "

@@ -164,10 +164,10 @@ class Recorder:
         rec = self
         run, mix, load = AttentionStep.run, Boundary.mix, StepMeta.load
 
-        def run_(self, rows, u, codes, scales, y, shared):
+        def run_(self, rows, u, codes, scales, y, events):
             L, n = self.spec.layer, rec.step_rows.n_rows
             snap = copy.deepcopy(self.state)
-            run(self, rows, u, codes, scales, y, shared)
+            run(self, rows, u, codes, scales, y, events)
             y_ref = rec.stack.layers[L].forward(u[:n].clone(), rec.step_rows, snap, rec.ctx)
             layer = rec.stack.layers[L]
             # the reference output projection applied to the step's attention output
@@ -176,7 +176,7 @@ class Recorder:
                                        layer.w["attn.wo_b.scale"], layer.cfg.o_groups, layer.cfg.rope_head_dim)
             rec.layers[L] = dict(u=u[:n].clone(), y=y[:n].clone(), y_ref=y_ref, snap=snap,
                                  o=self.s.o[:n].clone(), o_ref=rec.o_ref, y_of_o=y_of_o,
-                                 topk=self.selections[L].topk[:n].clone() if self.spec.runs_indexer else None)
+                                 topk=self.selection.topk[:n].clone() if self.spec.runs_indexer else None)
 
         def projection_(o, *args):
             rec.o_ref = o.clone()

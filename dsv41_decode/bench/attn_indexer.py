@@ -47,7 +47,7 @@ def bench_indexer(rows_list, contexts, floor, info, gen, progress) -> list[dict]
             plan = TopKPlan.build(rows, 512, 1, "cuda")
             idx = torch.empty(rows, 512, device="cuda", dtype=torch.int32)
 
-            def logits():     # the decode step's path (DecodeStep(indexer_fp8=True))
+            def logits():     # the decode step's path (the FP8 dots)
                 index_scores_mxfp4_(iq, w, pool, table, PAGE, req, n_vis, scores, fp8_dot=True)
 
             def logits_bf16():

@@ -9,7 +9,7 @@ step call, `step_call`, as its baseline). Variants, in the same run:
 `full` (the specialized step), `no_overlap` (the same kernels, every lane on the main stream) and
 `generic` (the stack's own forward, eager: serial reference ops, tables rebuilt per layer), and at
 the generic contexts the options in `VARIANTS` picked by `--variants` (e.g. `wo_a_fp8`: `wo_a`
-quantized to FP8 once at build, which changes the numbers; `l2pf_50`: L2 prefetches on a side lane).
+quantized to FP8 once at build, which changes the numbers).
 Each row reports the step time, GB/s and percent of the step floor (design section 5: the bytes a
 step must read once over the streaming-read bandwidth measured in the same run); the per-layer-kind
 rows time one layer's schedule alone (graph of repeated calls); the memory rows give the device
@@ -53,14 +53,15 @@ def kv_bytes(cfg: ModelConfig, context: int, rows: int) -> int:
     return sum(kv_bytes_layer(cfg, L, context, rows) for L in range(cfg.n_layers))
 
 
-def _replay_us(graph: torch.cuda.CUDAGraph, replays: int = 20) -> float:
-    graph.replay()
+def _replay_us(step, bucket: int, replays: int = 20) -> float:
+    """Median device time of `step.replay(bucket)` (a prepared step's CUDA graph) over `replays`."""
+    step.replay(bucket)
     torch.cuda.synchronize()
     times = []
     for _ in range(replays):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        graph.replay()
+        step.replay(bucket)
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3)
@@ -68,14 +69,11 @@ def _replay_us(graph: torch.cuda.CUDAGraph, replays: int = 20) -> float:
 
 
 def _arm(step, rows: list[tuple], gen: torch.Generator) -> int:
-    """Plan `rows` in the state and load them into the step without advancing; returns the bucket."""
-    sr = step.state.plan(rows)
-    bucket = step.bucket_for(sr.n_rows)
-    step.meta.load(sr, bucket)
-    n, cfg = sr.n_rows, step.cfg
-    step.x_in[:n] = torch.randn(n, cfg.hc_mult, cfg.dim, generator=gen, device=step.device).to(torch.bfloat16)
-    step.pre_in[:n] = step.stack.initial_pre(n, step.device)
-    return bucket
+    """Prepare a step of `rows` with random streams (`DecodeStep.prepare`: the state is not
+    advanced); returns the bucket to replay."""
+    n, cfg = sum(c for _, c in rows), step.cfg
+    x = torch.randn(n, cfg.hc_mult, cfg.dim, generator=gen, device=step.device).to(torch.bfloat16)
+    return step.prepare(rows, x)
 
 
 def _layer_kinds(cfg: ModelConfig) -> dict[str, int]:
@@ -87,20 +85,13 @@ def _layer_kinds(cfg: ModelConfig) -> dict[str, int]:
     return out
 
 
-# Step variants timed next to the default ("full") one; every one but no_overlap only at the
-# generic contexts. wo_a_fp8 changes the numbers (FP8 wo_a quantized at build); the rest do not.
+# Step variants timed next to the default ("full") one; no_overlap at every context, the others
+# only at the generic contexts. wo_a_fp8 changes the numbers (FP8 wo_a quantized at build).
 VARIANTS = {
-    "no_overlap": dict(overlap_inputs=False, overlap_candidates=False),
-    "pdl": dict(pdl=True),                                  # measured slower (docs/step.md)
+    "no_overlap": dict(overlap=False),
     "wo_a_fp8": dict(wo_a_fp8=True),
-    "wo_a_tf32": dict(wo_a_bf16_dot=False),                 # the default before it was measured
-    "indexer_bf16": dict(indexer_fp8=False),                # the default before it was measured
-    "l2pf_25": dict(l2_prefetch=0.25),                      # ops.l2_prefetch on a side lane: slower
-    "l2pf_50": dict(l2_prefetch=0.5),
-    "window_copy_torch": dict(window_copy_in_wo_a=False),   # the default until step-s7 measured it
-    "indexer_first": dict(indexer_first=True),              # measured 1 % slower (step-s7c)
 }
-DEFAULT_VARIANTS = ("no_overlap", "wo_a_fp8", "window_copy_torch")
+DEFAULT_VARIANTS = ("no_overlap", "wo_a_fp8")
 
 
 def run_step_bench(rows=ROWS, contexts=CONTEXTS, out_dir="out", progress=print, generic_rows=(1, 8),
@@ -141,7 +132,7 @@ def run_step_bench(rows=ROWS, contexts=CONTEXTS, out_dir="out", progress=print, 
         for name, case_rows in cases:
             for variant, step in steps.items():
                 bucket = _arm(step, case_rows, gen)
-                times[(name, variant)] = _replay_us(step.graphs[bucket])
+                times[(name, variant)] = _replay_us(step, bucket)
             n = sum(c for _, c in case_rows)
             base = {v: times[(name, v)] for v in steps if v != "full"}
             if ctx in generic_contexts and n in generic_rows and "+" not in name:
@@ -216,17 +207,7 @@ def _kind_breakdown(steps, cfg, ctx, kinds_rows, floor, info, gen, bench_name, p
             for variant in ("full", "no_overlap"):
                 step = steps[variant]
                 bucket = _arm(step, [(i, 1) for i in range(n)], gen)
-                step.meta.derive(bucket)
-                layer, bd = step.layers[L], step.boundary
-
-                def call(layer=layer, bd=bd, step=step, bucket=bucket):
-                    for sel in step.selections.values():
-                        sel.ready = None       # events of the step's capture are not this graph's
-                    shared: dict = {}
-                    layer.run(bucket, bd.u[:bucket], bd.codes[:bucket], bd.scales[:bucket], step.y[:bucket], shared)
-                    step.lanes.wait(shared.get("candidates"), *shared.get("staged", ()),
-                                    *(s.ready for s in step.selections.values()))
-                us[variant] = graph_time_us(call, replays=20, min_calls=8)
+                us[variant] = graph_time_us(step.layer_call(L, bucket), replays=20, min_calls=8)
             nbytes = layer_weight_bytes(step.layers[L]) + kv_bytes_layer(cfg, L, ctx, n)
             out.append(record(bench_name, {"op": "layer", "kind": label, "layer": L, "rows": n, "context": ctx,
                                            "tp": 1}, us["full"], nbytes, floor, {"no_overlap": us["no_overlap"]}, info))

@@ -2,7 +2,7 @@
 any machine: `dsv41-decode plot docs/results/step-h200.jsonl`).
 
 One panel per context: the 40-layer step time against the rows (one row per request), the
-specialized step and each baseline variant the file holds (no_overlap, pdl, wo_a_fp8, and, for a
+specialized step and each baseline variant the file holds (no_overlap, wo_a_fp8, and, for a
 TP file, the collective boundary and the TP1 step), with the step floor (weights and cache bytes
 over the measured read bandwidth) as a dashed line. A TP file adds a panel of the boundary alone.
 """

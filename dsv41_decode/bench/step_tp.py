@@ -62,7 +62,7 @@ def run_step_bench_tp(tp_size: int, rows=(1, 2, 4, 8, 16, 32, 64), contexts=(327
             for v, step in steps.items():
                 bucket = _arm(step, [(i, 1) for i in range(n)], gen)
                 dist.barrier()
-                times[v] = _replay_us(step.graphs[bucket])
+                times[v] = _replay_us(step, bucket)
             nbytes = wbytes + kv_bytes(cfg, ctx, n)
             results.append(record("step_tp", {"op": "step_40_layers", "rows": n, "context": ctx, "tp": tp.tp},
                                   times["fused"], nbytes, floor, {"collective": times["collective"]}, info))
@@ -94,7 +94,7 @@ def _tp1_reference(cfg: ModelConfig, ctx: int, rows, floor, info, gen, say) -> l
     step = stack.decode_step(state, max_rows=max_rows, buckets=rows)
     out = []
     for n in rows:
-        t = _replay_us(step.graphs[_arm(step, [(i, 1) for i in range(n)], gen)])
+        t = _replay_us(step, _arm(step, [(i, 1) for i in range(n)], gen))
         out.append(record("step_tp", {"op": "step_40_layers", "rows": n, "context": ctx, "tp": 1}, t,
                           wbytes + kv_bytes(cfg, ctx, n), floor, {}, info))
         say(f"ctx {ctx} rows {n}: TP1 {t:.1f} us")

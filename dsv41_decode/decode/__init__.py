@@ -2,8 +2,10 @@
 
 `DecodeStep` (step.py) runs one decode step over every attention layer of an `AttentionStack`,
 captured as one CUDA graph per row bucket; `AttentionStep` (attention.py) is one layer in the order
-of design section 2; `StepMeta` (tables.py) the per-step metadata and tables; `Boundary`
-(boundary.py) the fused mHC boundary; `Lanes` (lanes.py) the streams and events.
+of design section 2, in named phases; `StepMeta` (tables.py) the per-step metadata and tables;
+`Scratch`, `IndexSelection`, `StepIO` (buffers.py) the step's buffers; `Boundary` (boundary.py)
+the fused mHC boundary; `Lanes` and `StepEvents` (lanes.py) the streams and the events one step
+carries between its layers.
 """
 
 from .attention import AttentionStep, NotEligible

@@ -14,19 +14,18 @@ A layer that is not eligible raises `NotEligible`, and the caller keeps the gene
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 import triton
 
-from ..config import SWA, ModelConfig
+from ..config import SWA
 from ..layer import AttentionLayer
 from ..ops import LOW_BATCH_MAX_ROWS
 from ..ops.compressor import compress_ratio2_
 from ..ops.index_query import index_query_
 from ..ops.indexer import index_scores_mxfp4_
 from ..ops.kv_write import compressed_entry_store_, qkv_rope_insert_
-from ..ops.l2_prefetch import L2Prefetch
 from ..ops.ll_bf16 import LlBf16Plan, ll_bf16_
 from ..ops.rms_norm import rms_norm_, rms_norm_pair_
 from ..ops.low_latency_mm import LowLatencyConfig, LowLatencyMM
@@ -35,15 +34,9 @@ from ..ops.sparse_tables import topk_slots_
 from ..ops.topk import TopKPlan, candidate_mask_, topk_ascending_
 from ..ops.wo_a import WoAPlan, quantize_wo_a, wo_a_
 from ..state import DecodeState
-from .lanes import AUX_COMPRESSOR, AUX_INDEX_Q, AUX_INDEX_W, Lanes
+from .buffers import IndexSelection, Scratch, storage_bytes
+from .lanes import AUX_COMPRESSOR, AUX_INDEX_Q, AUX_INDEX_W, Lanes, StepEvents
 from .tables import StepMeta
-
-
-def storage_bytes(tensors, exclude: frozenset[int] | set[int] = frozenset()) -> int:
-    """Bytes of the distinct storages behind `tensors` (views count once), skipping the storages
-    whose data pointers are in `exclude`."""
-    found = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
-    return sum(n for ptr, n in found.items() if ptr not in exclude)
 
 
 class NotEligible(ValueError):
@@ -77,61 +70,16 @@ def _fp8_plan(w: dict, name: str, max_rows: int) -> LowLatencyMM:
     return _mm_plan(*_fp8_weight(w, name), max_rows)
 
 
-class Scratch:
-    """Per-step buffers shared by all layers (layers run one after another on the main stream and
-    join their side work before the next layer writes these). Sized for `max_rows` rows; `cfg` is
-    the rank-local view of the configuration (its heads and wo_a groups under TP)."""
-
-    def __init__(self, cfg: ModelConfig, state: DecodeState, max_rows: int):
-        dev, B = state.device, max_rows
-        H, D, ql = cfg.n_heads, cfg.head_dim, cfg.q_lora_rank
-        self.qkv_a = torch.zeros(B, ql + D, dtype=torch.bfloat16, device=dev)
-        self.qr = torch.zeros(B, ql, dtype=torch.bfloat16, device=dev)
-        self.kv = torch.zeros(B, D, dtype=torch.bfloat16, device=dev)
-        self.lat = torch.zeros(B, D, dtype=torch.bfloat16, device=dev)
-        self.qr_codes = torch.zeros(B, ql, dtype=torch.float8_e4m3fn, device=dev)
-        self.qr_scales = torch.zeros(B, ql // 32, dtype=torch.uint8, device=dev)
-        self.q = torch.zeros(B, H, D, dtype=torch.bfloat16, device=dev)
-        self.o = torch.zeros(B, H, D, dtype=torch.bfloat16, device=dev)
-        rank = cfg.o_groups * cfg.o_lora_rank
-        self.z = torch.zeros(B, rank, dtype=torch.bfloat16, device=dev)
-        self.z_codes = torch.zeros(B, rank, dtype=torch.float8_e4m3fn, device=dev)
-        self.z_scales = torch.zeros(B, rank // 32, dtype=torch.uint8, device=dev)
-        self.y_partial = torch.zeros(B, cfg.dim, dtype=torch.float32, device=dev)   # wo_b's, under TP
-        self.kv_score = torch.zeros(B, 2 * D, dtype=torch.float32, device=dev)
-        self.c = torch.zeros(B, D, dtype=torch.float32, device=dev)
-        self.done = torch.zeros(B, dtype=torch.int32, device=dev)
-        self.wk_out = torch.zeros(B, cfg.index_head_dim, dtype=torch.float32, device=dev)
-        self.iq_raw = torch.zeros(B, cfg.index_n_heads * cfg.index_head_dim, dtype=torch.bfloat16, device=dev)
-        self.iq = torch.zeros(B, cfg.index_n_heads, cfg.index_head_dim, dtype=torch.bfloat16, device=dev)
-        self.wproj = torch.zeros(B, cfg.index_n_heads, dtype=torch.float32, device=dev)
-        self.iw = torch.zeros(B, cfg.index_n_heads, dtype=torch.bfloat16, device=dev)
-        # the one buffer that grows with the context: the indexer's scores over the visible entries
-        width = max([-(-state.max_context // r) for r in state.ratios], default=0)
-        self.scores = torch.zeros(B, width, dtype=torch.float32, device=dev)
-        self.empty_comp = torch.zeros(0, 288, dtype=torch.uint8, device=dev)
-        self.empty_table = torch.zeros(B, 0, dtype=torch.int32, device=dev)
-
-
-@dataclass
-class IndexSelection:
-    """What an index source leaves for the layers after it: its top-k, its sparse-index table (global
-    compressed slots) with per-row lengths, and the event that marks the table built."""
-
-    topk: torch.Tensor
-    table: torch.Tensor
-    lengths: torch.Tensor
-    ready: torch.cuda.Event | None = None
-
-
 class AttentionStep:
     """Layer `layer.spec.layer` of the specialized step (see the module docstring)."""
 
     def __init__(self, layer: AttentionLayer, state: DecodeState, meta: StepMeta, scratch: Scratch,
-                 lanes: Lanes, selections: dict[int, IndexSelection], candidates: dict[int, torch.Tensor],
-                 max_rows: int, wo_a_fp8: bool = False, wo_a_bf16_dot: bool | None = None,
-                 indexer_fp8: bool = True, l2_prefetch: float = 0.0, window_copy_in_wo_a: bool = True,
-                 indexer_first: bool = False):
+                 lanes: Lanes, max_rows: int, sources: Mapping[int, "AttentionStep"] | None = None,
+                 wo_a_fp8: bool = False):
+        """sources: the step's layers built before this one (by id), among them this layer's index and
+        KV sources: a layer that reuses a selection or a candidate pool reads its source's buffers.
+        The layer's own selection and candidate pool (when it makes them) are its attributes
+        `selection` and `candidate_mask`."""
         cfg, spec, w = layer.cfg, layer.spec, layer.w
         if not 1 <= max_rows <= LOW_BATCH_MAX_ROWS:
             raise NotEligible(f"max_rows={max_rows}: the specialized step serves 1..{LOW_BATCH_MAX_ROWS} rows")
@@ -142,9 +90,7 @@ class AttentionStep:
             raise NotEligible(f"n_heads={cfg.n_heads}: sparse MLA runs {SUPPORTED_HEADS} local heads")
         self.cfg, self.spec, self.w, self.layer = cfg, spec, w, layer
         self.state, self.meta, self.s, self.lanes = state, meta, scratch, lanes
-        self.selections, self.candidates = selections, candidates
         dev = state.device
-        L = spec.layer
         # fused_wqa_wkv: one low-latency GEMM over the stacked weights (both FP8, 32-row blocks)
         if cfg.q_lora_rank % 32:
             raise NotEligible(f"q_lora_rank={cfg.q_lora_rank} must be a multiple of 32 to stack wq_a and wkv")
@@ -162,20 +108,7 @@ class AttentionStep:
         few = {"split": 1} if _few_programs(dev) else {}
         self.wo_a_plan = WoAPlan.build(cfg.n_heads, cfg.o_groups, cfg.o_lora_rank, max_rows, self.wo_a_w.dtype,
                                        dev, head_dim=cfg.head_dim, rope_dim=cfg.rope_head_dim,
-                                       bf16_dot=wo_a_bf16_dot, **few)
-        self.indexer_fp8 = bool(indexer_fp8)
-        self.indexer_first = bool(indexer_first)
-        self.window_copy_in_wo_a = bool(window_copy_in_wo_a)
-        # L2 prefetches per row bucket of the GEMMs (each segment = one program's K range)
-        self.prefetches: dict[int, tuple[tuple[L2Prefetch, ...], tuple[L2Prefetch, ...]]] = {}
-        if l2_prefetch > 0 and dev.type == "cuda":
-            wo_a = L2Prefetch(self.wo_a_w, self.wo_a_plan.k_per_split, l2_prefetch, max_fraction=0.5)
-            for bm in sorted({self.mm_wq_b.launch_for(b).block_m for b in range(1, max_rows + 1)}):
-                q_seg = self.mm_wq_b.launch_for(bm).k_per_split
-                o_seg = self.mm_wo_b.launch_for(bm).k_per_split
-                self.prefetches[bm] = ((L2Prefetch(self.mm_wq_b.weight, q_seg, l2_prefetch),),
-                                       (wo_a,
-                                        L2Prefetch(self.mm_wo_b.weight, o_seg, l2_prefetch, max_fraction=0.3)))
+                                       **few)
         topk_w = 0 if spec.kind == SWA else cfg.index_topk
         # Per row count the tiling measured best (ops.sparse_mla.STEP_TILINGS; docs/attn.md).
         self.mla_plans = ([SparseMlaPlan.build(max_rows, cfg.n_heads, cfg.window_size, topk_w, dev, split=False)]
@@ -194,37 +127,62 @@ class AttentionStep:
             self.comp_plan = LlBf16Plan.build(self.w_comp.shape[0], cfg.dim, max_rows, self.w_comp.dtype, dev, **wide)
             self.w_wk = w["attn.indexer.wk.weight"]
             self.wk_plan = LlBf16Plan.build(cfg.index_head_dim, cfg.head_dim, max_rows, self.w_wk.dtype, dev, **wide)
+        self.selection: IndexSelection | None = None          # this layer's, when it runs the indexer
+        self.candidate_mask: torch.Tensor | None = None      # this layer's, when it is the candidate source
         if spec.runs_indexer:
             self.mm_idx_wq_b = _fp8_plan(w, "indexer.wq_b", max_rows)
             self.w_proj = w["attn.indexer.weights_proj.weight"]
             self.proj_plan = LlBf16Plan.build(cfg.index_n_heads, cfg.dim, max_rows, self.w_proj.dtype, dev, **wide)
             self.topk_plan = TopKPlan.build(max_rows, cfg.index_topk, 1, dev)
-            selections[L] = IndexSelection(
-                torch.full((max_rows, cfg.index_topk), -1, dtype=torch.int32, device=dev),
-                torch.full((max_rows, cfg.index_topk), -1, dtype=torch.int32, device=dev),
-                torch.zeros(max_rows, dtype=torch.int32, device=dev))
+            self.selection = IndexSelection.empty(max_rows, cfg.index_topk, dev)
             if spec.candidate_role == "source":
                 self.cand_plan = TopKPlan.build(max_rows, cfg.candidate_topk_blocks, cfg.candidate_block_size,
                                                 dev, chunk=512)
-                candidates[L] = torch.zeros(max_rows, self.s.scores.shape[1], dtype=torch.uint8, device=dev)
+                self.candidate_mask = torch.zeros(max_rows, self.s.scores.shape[1], dtype=torch.uint8, device=dev)
+        # the selection this layer's sparse MLA reads (its index source's) and, for a candidate
+        # consumer, the candidate pool its indexer scores (its KV source's)
+        self.source_selection = self._source(sources, spec.index_source, "selection")
+        self.source_candidates = (self._source(sources, spec.kv_source, "candidate_mask")
+                                  if spec.candidate_role == "consumer" else None)
+
+    def _source(self, sources, layer: int | None, name: str):
+        if layer is None:
+            return None
+        if layer == self.spec.layer:
+            return getattr(self, name)
+        found = getattr((sources or {}).get(layer), name, None)
+        if found is None:
+            raise NotEligible(f"layer {self.spec.layer} reads the {name} of layer {layer}, which is not "
+                              f"among the step's layers built before it")
+        return found
 
     # ------------------------------------------------------------------ the schedule
     def run(self, rows: int, u: torch.Tensor, u_codes: torch.Tensor, u_scales: torch.Tensor,
-            y: torch.Tensor, shared: dict) -> None:
+            y: torch.Tensor, events: StepEvents) -> None:
         """Enqueue the layer for rows [0, rows): inputs u [rows, dim] BF16 and its MXFP8 codes/scales
-        (written by the boundary), output y [rows, dim] BF16 (this rank's partial).
+        (written by the boundary), output y [rows, dim] BF16 (this rank's partial, reduced here
+        under the collective TP boundary). events: the step's cross-layer events, read and updated.
 
-        shared: the step's cross-layer events (`candidates`: the pending candidate expansion).
+        Phases (design section 2), each enqueued in order on the main stream with its side work on
+        the lanes: `_inputs` (the fused wq_a|wkv GEMM and the norms; the side projections),
+        `_prepare` (index query, compressor and index key, query RoPE and window insert),
+        `_select` (index scores, top-k, candidate pool, sparse-index table), `_attend` (sparse MLA),
+        `_output` (wo_a with the staged window copy, wo_b).
         """
-        cfg, spec, s, m, lanes = self.cfg, self.spec, self.s, self.meta, self.lanes
-        st, L, r = self.state, spec.layer, spec.ratio
-        B = rows
-        # 1. input projections; the side projections start at once on their lanes
+        kv_score, wproj_ready, qr_ready = self._inputs(rows, u, u_codes, u_scales)
+        iq_ready = self._prepare(rows, kv_score, wproj_ready, qr_ready)
+        if self.spec.runs_indexer:
+            self._select(rows, iq_ready, events)
+        o = self._attend(rows, events)
+        self._output(rows, o, y)
+
+    def _inputs(self, B: int, u, u_codes, u_scales):
+        """The input projections: the compressor's and the indexer's side projections start at once on
+        their lanes, the fused wq_a|wkv GEMM and the q/kv norm run on the main stream. Returns
+        (the compressor's kv_score or None, the event of the indexer weights, the event of qr)."""
+        cfg, spec, s, lanes = self.cfg, self.spec, self.s, self.lanes
         start = lanes.mark()                                  # protects u (written by the boundary)
-        prefetch = self.prefetches.get(self.mm_wq_b.launch_for(B).block_m) if self.prefetches else None
-        if prefetch:                                          # wq_b's stream heads, during wqa + norm
-            shared.setdefault("staged", []).append(lanes.prefetch(*prefetch[0]))
-        ev_latent = ev_wproj = ev_iq = None
+        kv_score = wproj_ready = None
         if spec.owns_compressor:
             with lanes.side(AUX_COMPRESSOR):
                 lanes.wait(start)
@@ -234,32 +192,28 @@ class AttentionStep:
             with lanes.side(AUX_INDEX_W):
                 lanes.wait(start)
                 ll_bf16_(self.proj_plan, u, self.w_proj, s.wproj[:B])
-                ev_wproj = lanes.mark()                       # protects wproj
+                wproj_ready = lanes.mark()                    # protects wproj
         qkv = self.mm_qkv(u_codes, u_scales, s.qkv_a[:B])
-        # 2. split and norm
         ql = cfg.q_lora_rank
-        kv = s.kv[:B]
         rms_norm_pair_(qkv[:, :ql], self.w["attn.q_norm.weight"], s.qr[:B], s.qr_codes[:B], s.qr_scales[:B],
-                       qkv[:, ql:], self.w["attn.kv_norm.weight"], kv, cfg.norm_eps)   # one launch
-        qr_ready = lanes.mark()                               # protects qr codes
-        # 3. prepare: index query (aux 2; its GEMM on main with indexer_first), compressor + index
-        #    key (aux 0), query + window (main)
+                       qkv[:, ql:], self.w["attn.kv_norm.weight"], s.kv[:B], cfg.norm_eps)   # one launch
+        return kv_score, wproj_ready, lanes.mark()            # the last protects qr codes
+
+    def _prepare(self, B: int, kv_score, wproj_ready, qr_ready):
+        """The index query (lane 2), the compressor's state update, latent and index key (lane 0), the
+        query (wq_b) and its RoPE with the window insert (main); the main stream then waits for the
+        compressed and index-key records. Returns the event of the index query (None without)."""
+        cfg, spec, s, m, lanes = self.cfg, self.spec, self.s, self.meta, self.lanes
+        st, L, r = self.state, spec.layer, spec.ratio
+        iq_ready = latent_ready = None
         if spec.runs_indexer:
-            iq_raw_ready = qr_ready
-            if self.indexer_first:
-                # the index query's GEMM alone on the main stream before wq_b (the scores and top-k
-                # are this layer's critical path); wq_b and the RoPE insert still come before the
-                # scores on the main stream, so the GEMM now sits in series ahead of them
-                self.mm_idx_wq_b(s.qr_codes[:B], s.qr_scales[:B], s.iq_raw[:B])
-                iq_raw_ready = lanes.mark()                   # protects iq_raw
             with lanes.side(AUX_INDEX_Q):
-                lanes.wait(iq_raw_ready)
-                if not self.indexer_first:
-                    self.mm_idx_wq_b(s.qr_codes[:B], s.qr_scales[:B], s.iq_raw[:B])
-                lanes.wait(ev_wproj)
+                lanes.wait(qr_ready)
+                self.mm_idx_wq_b(s.qr_codes[:B], s.qr_scales[:B], s.iq_raw[:B])
+                lanes.wait(wproj_ready)
                 index_query_(s.iq_raw[:B], s.wproj[:B], m.cos[r][:B], m.sin[r][:B],
                              cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5, s.iq[:B], s.iw[:B])
-                ev_iq = lanes.mark()                          # protects iq, iw
+                iq_ready = lanes.mark()                       # protects iq, iw
         if spec.owns_compressor:
             with lanes.side(AUX_COMPRESSOR):
                 if r == 2:
@@ -274,65 +228,65 @@ class AttentionStep:
                 compressed_entry_store_(lat, s.wk_out[:B], self.w["attn.indexer.k_norm.weight"],
                                         m.group_cos[r][:B], m.group_sin[r][:B], m.entry_slot[r][:B],
                                         st.compressed[L], st.index_keys[L], cfg.norm_eps)
-                ev_latent = lanes.mark()                      # protects compressed + index-key records
+                latent_ready = lanes.mark()                   # protects compressed + index-key records
         q = s.q[:B]
         self.mm_wq_b(s.qr_codes[:B], s.qr_scales[:B], q.view(B, -1))
-        if prefetch:                                          # wo_a's and wo_b's, during RoPE .. sparse MLA
-            shared.setdefault("staged", []).append(lanes.prefetch(*prefetch[1]))
-        qkv_rope_insert_(q, kv, m.cos[r][:B], m.sin[r][:B], m.stage_slot[:B], st.window[L])
-        lanes.wait(ev_latent)
-        # 4. indexer
-        if spec.runs_indexer:
-            lanes.wait(ev_iq, shared.get("candidates"))       # the expansion still reads the scores
-            shared["candidates"] = None
-            sel = self.selections[L]
-            n_vis = m.n_vis[r][:B]
-            width = -(-st.max_context // r)
-            scores = s.scores[:B, :width]
-            cand = None
-            if spec.candidate_role == "consumer":
-                cand = self.candidates[spec.kv_source][:B, :width]
-            index_scores_mxfp4_(s.iq[:B], s.iw[:B], st.index_keys[spec.kv_source], st.block_table[r],
-                                st.page_size, m.kernel_slot[:B], n_vis, scores, cand, fp8_dot=self.indexer_fp8)
-            topk_ascending_(scores, n_vis, sel.topk[:B], self.topk_plan)
-            if self.forced_topk is not None:
-                sel.topk[:B].copy_(self.forced_topk[:B])
-            if spec.candidate_role == "source":
-                scored = lanes.mark()                         # protects scores (read by the expansion)
-                with lanes.side(AUX_INDEX_W, candidates=True):
-                    lanes.wait(scored)
-                    candidate_mask_(scores, n_vis, self.candidates[L][:B, :width], self.cand_plan)
-                    shared["candidates"] = lanes.mark()       # protects the candidate mask, frees scores
-            topk_ready = lanes.mark()                         # protects sel.topk
-            with lanes.side(AUX_INDEX_Q):
-                lanes.wait(topk_ready)
-                topk_slots_(sel.topk[:B], m.kernel_slot[:B], st.block_table[r], st.page_size,
-                            sel.table[:B], sel.lengths[:B])
-                sel.ready = lanes.mark()                      # protects sel.table
-        # 5. sparse MLA over the window and the index source's selection
+        qkv_rope_insert_(q, s.kv[:B], m.cos[r][:B], m.sin[r][:B], m.stage_slot[:B], st.window[L])
+        lanes.wait(latent_ready)
+        return iq_ready
+
+    def _select(self, B: int, iq_ready, events: StepEvents) -> None:
+        """The indexer (main): scores over the visible entries (or the candidate pool), top-k; the
+        candidate pool (lane 1, a candidate source) and the sparse-index table (lane 2) follow
+        on the side, their events left in `events`."""
+        cfg, spec, s, m, lanes = self.cfg, self.spec, self.s, self.meta, self.lanes
+        st, L, r = self.state, spec.layer, spec.ratio
+        lanes.wait(iq_ready, events.candidates)               # the expansion still reads the scores
+        events.candidates = None
+        sel = self.selection
+        n_vis = m.n_vis[r][:B]
+        width = -(-st.max_context // r)
+        scores = s.scores[:B, :width]
+        cand = self.source_candidates[:B, :width] if self.source_candidates is not None else None
+        index_scores_mxfp4_(s.iq[:B], s.iw[:B], st.index_keys[spec.kv_source], st.block_table[r],
+                            st.page_size, m.kernel_slot[:B], n_vis, scores, cand, fp8_dot=True)
+        topk_ascending_(scores, n_vis, sel.topk[:B], self.topk_plan)
+        if self.forced_topk is not None:
+            sel.topk[:B].copy_(self.forced_topk[:B])
+        if spec.candidate_role == "source":
+            scored = lanes.mark()                             # protects scores (read by the expansion)
+            with lanes.side(AUX_INDEX_W):
+                lanes.wait(scored)
+                candidate_mask_(scores, n_vis, self.candidate_mask[:B, :width], self.cand_plan)
+                events.candidates = lanes.mark()              # protects the candidate mask, frees scores
+        topk_ready = lanes.mark()                             # protects sel.topk
+        with lanes.side(AUX_INDEX_Q):
+            lanes.wait(topk_ready)
+            topk_slots_(sel.topk[:B], m.kernel_slot[:B], st.block_table[r], st.page_size,
+                        sel.table[:B], sel.lengths[:B])
+            events.tables[L] = lanes.mark()                   # protects sel.table
+
+    def _attend(self, B: int, events: StepEvents) -> torch.Tensor:
+        """Sparse MLA over the window and the index source's selection; returns o [B, heads, 512]."""
+        cfg, spec, s, m, st = self.cfg, self.spec, self.s, self.meta, self.state
         if spec.kind == SWA:
             comp_pool, comp_table = s.empty_comp, s.empty_table[:B]
         else:
-            sel = self.selections[spec.index_source]
-            lanes.wait(sel.ready)
-            comp_pool, comp_table = st.compressed[spec.kv_source], sel.table[:B]
+            self.lanes.wait(events.tables.get(spec.index_source))
+            comp_pool, comp_table = st.compressed[spec.kv_source], self.source_selection.table[:B]
         o = s.o[:B]
         plan = next(p for p in self.mla_plans if B <= p.max_rows)
-        sparse_mla_(plan, q, st.window[L], comp_pool, m.window_table[:B], comp_table, self.sink,
+        sparse_mla_(plan, s.q[:B], st.window[spec.layer], comp_pool, m.window_table[:B], comp_table, self.sink,
                     cfg.softmax_scale, o)
-        if self.window_copy_in_wo_a:
-            # the staged records move into their ring slots inside wo_a's launch (after the MLA)
-            copy = (st.window[L], m.stage_src, m.ring_dst)
-        else:
-            copy = None
-            mla_done = lanes.mark()                           # protects the ring slots the copy overwrites
-            with lanes.side(AUX_INDEX_Q):
-                lanes.wait(mla_done)
-                m.copy_staged(st.window[L], B)
-                shared.setdefault("staged", []).append(lanes.mark())   # joined at the end of the step
-        # 6. output: inverse RoPE + grouped wo_a, then wo_b
+        return o
+
+    def _output(self, B: int, o: torch.Tensor, y: torch.Tensor) -> None:
+        """Inverse RoPE + grouped wo_a (which also moves the staged window records into their ring
+        slots, after the sparse MLA has read the ring, and quantizes z to MXFP8), then wo_b."""
+        s, m, r = self.s, self.meta, self.spec.ratio
+        copy = (self.state.window[self.spec.layer], m.stage_src, m.ring_dst)
         wo_a_(self.wo_a_plan, o, m.cos[r][:B], m.sin[r][:B], self.wo_a_w, self.wo_a_s, s.z[:B],
-              s.z_codes[:B], s.z_scales[:B], window_copy=copy)   # + the MXFP8 of z for wo_b, same launch
+              s.z_codes[:B], s.z_scales[:B], window_copy=copy)
         if self.publish is not None:
             # the fused boundary: the FP32 partial goes straight into this rank's mailbox slot
             self.mm_wo_b(s.z_codes[:B], s.z_scales[:B], self.publish[:B])
@@ -345,8 +299,8 @@ class AttentionStep:
             self.mm_wo_b(s.z_codes[:B], s.z_scales[:B], y)
 
     # attributes that hold what the step or the stack shares between layers (not this layer's own)
-    _SHARED = frozenset(("state", "meta", "s", "lanes", "selections", "candidates", "layer", "w", "cfg",
-                         "spec", "publish", "prefetches", "forced_topk"))
+    _SHARED = frozenset(("state", "meta", "s", "lanes", "selection", "candidate_mask", "source_selection",
+                         "source_candidates", "layer", "w", "cfg", "spec", "publish", "forced_topk"))
 
     def memory_bytes(self) -> int:
         """Device bytes this layer's step owns: its copies of weights (the fused wq_a|wkv, the FP32

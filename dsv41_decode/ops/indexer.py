@@ -214,8 +214,8 @@ def index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, b
     for the FP8 path above 32 heads (at 64 heads and 4 warps it spills on sm_90).
     fp8_dot: the FP8 path (one K=32 E4M3 tensor-core dot per scale block, the codes turned into
     E4M3 bytes by bit operations; see above): per block exact, the four blocks added in order,
-    so the FP32 dot sums 4 exact terms instead of 128 products. The decode step's default
-    (`DecodeStep(indexer_fp8=True)`; measured on an H200, docs/attn.md); off here by default.
+    so the FP32 dot sums 4 exact terms instead of 128 products. The decode step's path (measured
+    faster on an H200, docs/attn.md); off here by default.
     Unchecked: ids in block_table and req_slot lie inside pool/block_table; n_vis <= pages * page.
     Returns out.
     """

@@ -200,8 +200,7 @@ def qkv_rope_insert_(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: 
     _qkv_rope_insert_kernel[grid](
         q.view(torch.int16), kv, cos, sin, slots, window,
         h, window.shape[0], q.stride(0), q.stride(1), kv.stride(0), cos.stride(0), sin.stride(0),
-        window.stride(0), HB=hb, REQUANT=bool(requant), PDL=pdl.active(), num_warps=4, enable_fp_fusion=False,
-        **pdl.launch_options(),
+        window.stride(0), HB=hb, REQUANT=bool(requant), PDL=False, num_warps=4, enable_fp_fusion=False,
     )
 
 

@@ -422,8 +422,7 @@ class LowLatencyMM:
             self.w_scale.stride(0), out.stride(0), launch.k_per_split // cfg.block_k,
             N_SPLIT=launch.split, BLOCK_N=cfg.block_n, BLOCK_M=launch.block_m, BLOCK_K=cfg.block_k,
             SPLIT_K=launch.split > 1, DEQUANT=cfg.dequant, DOT_F32=self._dot_f32, OUT_F32=out.dtype == torch.float32,
-            PDL=pdl.active(), SCALE_WORDS=scale_words, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **pdl.launch_options(),
+            PDL=False, SCALE_WORDS=scale_words, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return out
 

@@ -320,8 +320,7 @@ def mhc_boundary_(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: to
             y.stride(0), x.stride(0), x.stride(1), post.stride(0), comb.stride(0), comb.stride(1), pre.stride(0),
             xo.stride(0), xo.stride(1), u.stride(0), codes.stride(0), scales.stride(0), plan.ws.stride(0),
             D=dim, BLOCK_D=plan.block_d, NCH=plan.chunks, NCH_P2=triton.next_power_of_2(plan.chunks),
-            BLOCK_N=_boundary_block_d(dim), PDL=pdl.active(), num_warps=4, enable_fp_fusion=False,
-            **pdl.launch_options(),
+            BLOCK_N=_boundary_block_d(dim), PDL=False, num_warps=4, enable_fp_fusion=False,
         )
         return
     _mhc_boundary_kernel[(n,)](

@@ -16,23 +16,19 @@ ordering is transitive: when kernel n + 2 passes its wait, kernel n + 1 has comp
 completed only after its own wait saw kernel n complete. Kernels launched without the attribute
 (torch ops, side-stream kernels) keep full stream serialization.
 
-Off unless enabled: `DecodeStep(pdl=True)` runs its launches inside `launching(True)`; each launcher
-reads `active()` for its kernel's `PDL` constexpr and passes `launch_options()` to the launch. Never
-in the interpreter (the instructions are inline PTX) or below sm_90.
+Off everywhere by default: a launcher passes `PDL=False` (and no launch attribute) unless its caller
+asks for PDL on that launch. PDL never works in the interpreter (the instructions are inline PTX)
+or below sm_90 (`supported`). Measured on an H200, the decode step with PDL on every main-stream
+kernel was slower (docs/step.md), so the step launches without it.
 """
 
 from __future__ import annotations
-
-from contextlib import contextmanager
 
 import torch
 import triton
 import triton.language as tl
 
 from .checks import interpreting
-from .l2_prefetch import bulk_prefetch_l2
-
-_ACTIVE = False
 
 
 def supported(device: torch.device | str) -> bool:
@@ -42,36 +38,32 @@ def supported(device: torch.device | str) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
-@contextmanager
-def launching(enabled: bool, device: torch.device | str = "cuda"):
-    """Within the block, PDL-aware launchers launch with PDL (when `enabled` and `supported`)."""
-    global _ACTIVE
-    previous = _ACTIVE
-    _ACTIVE = bool(enabled) and supported(device)
-    try:
-        yield _ACTIVE
-    finally:
-        _ACTIVE = previous
-
-
 def active() -> bool:
-    """The value of a PDL-aware kernel's `PDL` constexpr for a launch made now."""
-    return _ACTIVE
+    """The `PDL` constexpr of a launch that does not ask for PDL: False (no global switch)."""
+    return False
 
 
-def launch_options() -> dict:
-    """Extra keyword arguments of a Triton launch made now ({} or {"launch_pdl": True})."""
-    return {"launch_pdl": True} if _ACTIVE else {}
+def launch_options(pdl: bool = False) -> dict:
+    """Extra keyword arguments of a Triton launch: {"launch_pdl": True} with `pdl`, else {}."""
+    return {"launch_pdl": True} if pdl else {}
+
+
+@triton.jit
+def bulk_prefetch_l2(addr, size):
+    """Ask L2 for `size` bytes (int32, a multiple of 16; none when <= 0) at each 16-byte aligned
+    int64 address `addr` (`cp.async.bulk.prefetch.L2`, sm_90; inline PTX, so never in the
+    interpreter). Reads nothing back, writes nothing."""
+    tl.inline_asm_elementwise("{\n\t.reg .pred p;\n\tsetp.gt.s32 p, $2, 0;\n\t"
+                              "@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;\n\t}",
+                              "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
 def enter(PDL: tl.constexpr, RELEASE: tl.constexpr = True):
     """Wait for the predecessor kernel (its writes visible), then (RELEASE) allow the successor to
     launch. A kernel with a long main loop passes RELEASE=False and calls `release` after the loop,
-    so that its successor launches (and starts its weight prefetch) only near its end: released at
-    entry, with whole-weight prefetches, `DecodeStep(pdl=True)` measured 4-15 % slower on an H200
-    (commit 481f49a; the cause is not profiled yet - the successor's L2 prefetch competing with this
-    kernel's own weight stream is the likely one). A no-op without PDL."""
+    so that its successor launches (and starts its weight prefetch) only near its end. A no-op
+    without PDL."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         if RELEASE:

@@ -118,8 +118,7 @@ def rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tens
     s = scales_out.view(torch.uint8) if quant else o
     _rms_norm_kernel[(n,)](x, weight, o, c, s, float(eps), x.stride(0), o.stride(0), c.stride(0), s.stride(0),
                            D=dim, BLOCK=max(32, triton.next_power_of_2(dim)), ROUND_IN=x.dtype == torch.float32,
-                           QUANT=quant, PDL=pdl.active(), num_warps=4, enable_fp_fusion=False,
-                           **pdl.launch_options())
+                           QUANT=quant, PDL=False, num_warps=4, enable_fp_fusion=False)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -149,5 +148,4 @@ def rms_norm_pair_(x_a: torch.Tensor, w_a: torch.Tensor, out_a: torch.Tensor, co
     _rms_norm_pair_kernel[(n, 2)](
         x_a, w_a, oa, ca, sa, x_b, w_b, ob, float(eps), x_a.stride(0), oa.stride(0), ca.stride(0), sa.stride(0),
         x_b.stride(0), ob.stride(0), D_A=da, BLOCK_A=max(32, triton.next_power_of_2(da)), D_B=db,
-        BLOCK_B=max(32, triton.next_power_of_2(db)), PDL=pdl.active(), num_warps=4, enable_fp_fusion=False,
-        **pdl.launch_options())
+        BLOCK_B=max(32, triton.next_power_of_2(db)), PDL=False, num_warps=4, enable_fp_fusion=False)

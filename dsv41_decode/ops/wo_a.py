@@ -402,9 +402,9 @@ def wo_a_(plan: WoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
             BLOCK_M=block_m, BLOCK_N=plan.block_n, BLOCK_K=_BLOCK_K, FP8=fp8, NUM_STAGES=stages,
             num_warps=plan.num_warps * (2 if block_m > 16 else 1), num_stages=stages,
             enable_fp_fusion=False,   # the rotation's sums rounded as torch rounds them (no FMA)
-            PDL=pdl.active(), BF16_DOT=plan.bf16_dot, SWAP_AB=swap,
+            PDL=False, BF16_DOT=plan.bf16_dot, SWAP_AB=swap,
             COPY_WORDS=copy_words, COPY_BLOCK=triton.next_power_of_2(max(copy_words, 1)),
-            N_TILES=plan.n_out // plan.block_n, **pdl.launch_options(),
+            N_TILES=plan.n_out // plan.block_n,
         )
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops import pdl as pdl_launch
+from ..decode.lanes import StepEvents
 from ..ops.act_quant import act_quant_mxfp8_
 from ..ops.sparse_mla import SUPPORTED_HEADS
 from ..weights import Checkpoint
@@ -104,16 +104,15 @@ class StepReplay:
         self.stack, self.state = stack, state
         self.step = stack.decode_step(state, max_rows=max_rows, graphs=False)
         self.rows = self.bucket = 0
-        self.shared: dict = {}
+        self.events = StepEvents()
 
     def begin(self, planned) -> None:
         """Load a planned call's rows (`DecodeState.plan`) into the step's tables."""
         step = self.step
         self.rows, self.bucket = planned.n_rows, step.bucket_for(planned.n_rows)
         step.meta.load(planned, self.bucket)
-        with pdl_launch.launching(step.pdl, step.device):
-            step.meta.derive(self.bucket)
-        self.shared = {}
+        step.meta.derive(self.bucket)
+        self.events = StepEvents()
 
     def run_layer(self, layer: int, u: torch.Tensor, forced: list[torch.Tensor] | None = None) -> StepLayerOut:
         """Run layer `layer` on inputs u [n, dim] BF16 (the recorded attn_in) and read its outputs.
@@ -136,15 +135,13 @@ class StepReplay:
                 table[r, :ids.numel()] = ids.sort().values.to(torch.int32)
             att.forced_topk = table.to(step.device)
         try:
-            with pdl_launch.launching(step.pdl, step.device):
-                att.run(b, bd.u[:b], bd.codes[:b], bd.scales[:b], step.y[:b], self.shared)
+            att.run(b, bd.u[:b], bd.codes[:b], bd.scales[:b], step.y[:b], self.events)
         finally:
             att.forced_topk = None
         if step.device.type == "cuda":
             torch.cuda.synchronize(step.device)             # side lanes included
         spec = step.layers[layer].spec
-        sel = step.selections.get(layer) if spec.runs_indexer else None
-        cand = step.candidate_masks.get(layer)
+        sel, cand = att.selection, att.candidate_mask
         return StepLayerOut(
             y=step.y[:n].cpu().clone(), z=s.z[:n].cpu().clone(), o=s.o[:n].cpu().clone(),
             topk=None if sel is None else sel.topk[:n].cpu().long(),

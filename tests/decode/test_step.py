@@ -137,58 +137,6 @@ def test_bookkeeping_free_and_admit(cpu_setup):
     assert st.seq_lens.tolist() == [3, 17, 6, 0]
 
 
-@interpreter
-def test_fast_paths_step(cpu_setup):
-    """The step with the indexer's BF16 dot path gives the default (FP8 path) step's bits over two
-    steps on these inputs (the two paths sum in different FP32 orders, so in general a score may
-    move by one BF16 ulp); `wo_a`'s BF16 operands are GPU-only, ignored here. Layers 1, 3, 4 (both
-    ratios, the candidate source and its consumer)."""
-    cfg, _, base, ckpt = cpu_setup
-    stack = AttentionStack(ckpt, [1, 3, 4])
-    st_a, st_b = copy.deepcopy(base), copy.deepcopy(base)
-    plain = stack.decode_step(st_a, max_rows=4)
-    fast = stack.decode_step(st_b, max_rows=4, indexer_fp8=False, wo_a_bf16_dot=True)
-    assert all(a.indexer_fp8 for a in plain.layers.values())
-    assert not any(a.indexer_fp8 for a in fast.layers.values())
-    assert not any(a.wo_a_plan.bf16_dot for a in fast.layers.values())     # not in the interpreter
-    g = torch.Generator().manual_seed(4)
-    for rows in ([("a", 1), ("b", 2)], [("c", 3), ("a", 1)]):
-        x = streams(sum(c for _, c in rows), cfg, g)
-        out_a, pre_a = plain(x, rows)
-        out_b, pre_b = fast(x, rows)
-        assert torch.equal(out_a, out_b) and torch.equal(pre_a, pre_b)
-
-
-@interpreter
-def test_window_copy_and_indexer_first_give_the_same_bits(cpu_setup):
-    """DecodeStep(window_copy_in_wo_a=True, the default): the staged window records move inside
-    wo_a's launch; over four steps with several rows per request (whose ring slots the copy
-    overwrites and the next step reads), the last one of 1 row after 4-row ones (entries past its
-    rows hold the earlier step's slots and must not be copied), the outputs and every layer's
-    window pool equal those of the torch copy on a side lane (window_copy_in_wo_a=False) bit for
-    bit. The indexer_first schedule (layers 1 and 3 run the indexer) gives the same bits too."""
-    cfg, _, base, ckpt = cpu_setup
-    stack = AttentionStack(ckpt, [0, 1, 3])
-    st_a, st_b, st_c = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
-    plain = stack.decode_step(st_a, max_rows=4, window_copy_in_wo_a=False)
-    fused = stack.decode_step(st_b, max_rows=4)
-    first = stack.decode_step(st_c, max_rows=4, indexer_first=True)
-    assert all(a.window_copy_in_wo_a for a in fused.layers.values())
-    assert not any(a.window_copy_in_wo_a for a in plain.layers.values())
-    assert all(a.indexer_first for a in first.layers.values())
-    g = torch.Generator().manual_seed(5)
-    for rows in ([("a", 1), ("b", 3)], [("c", 2), ("b", 2)], [("b", 1), ("a", 2)], [("c", 1)]):
-        x = streams(sum(c for _, c in rows), cfg, g)
-        out_a, pre_a = plain(x, rows)
-        out_b, pre_b = fused(x, rows)
-        out_c, pre_c = first(x, rows)
-        assert torch.equal(out_a, out_b) and torch.equal(pre_a, pre_b)
-        assert torch.equal(out_a, out_c) and torch.equal(pre_a, pre_c)
-        for L in st_a.window:
-            assert torch.equal(st_a.window[L], st_b.window[L]), L
-            assert torch.equal(st_a.window[L], st_c.window[L]), L
-
-
 def _plan_tensor_bytes(plan) -> int:
     return sum(t.numel() * t.element_size() for t in vars(plan).values() if isinstance(t, torch.Tensor))
 
@@ -245,6 +193,12 @@ def test_errors(cpu_setup):
         step(streams(1, cfg, g), [("a", 1)], pre=torch.ones(4))
     assert {r: st.length(r) for r in PREFILL} == lengths           # nothing planned or advanced
     assert {(r, k): st.pages_of(r, k) for r in PREFILL for k in (1, 2)} == pages
+    assert step.prepare([("a", 1), ("b", 2)], streams(3, cfg, g)) == 4      # planned and loaded ...
+    assert {r: st.length(r) for r in PREFILL} == lengths                      # ... not advanced
+    with pytest.raises(StepError, match="bucket 3 is not one of the step's buckets"):
+        step.replay(3)
+    with pytest.raises(StepError, match="layer 99 is not one of the step's layers"):
+        step.layer_call(99, 4)
 
     with pytest.raises(StepError, match=r"1\.\.64"):
         stack.decode_step(st, max_rows=128)
@@ -252,6 +206,11 @@ def test_errors(cpu_setup):
         stack.decode_step(st, buckets=(1, 65))
     with pytest.raises(StepError, match=r"1\.\.64"):
         stack.decode_step(st, buckets=(0, 2))
+    with pytest.raises(StepError, match="tp_boundary"):
+        stack.decode_step(st, max_rows=4, tp_boundary="nccl")
+    for settled in ("pdl", "l2_prefetch", "indexer_first", "overlap_inputs"):   # not options
+        with pytest.raises(TypeError, match=settled):
+            stack.decode_step(st, **{settled: True})
     with pytest.raises(StepError, match="stage_rows"):             # 8 rows, 4 staging rows
         stack.decode_step(st, max_rows=8)
     tiny = DecodeState(ModelConfig.preset("tiny"), max_requests=1, max_context=8, stage_rows=4)

@@ -1,4 +1,4 @@
-"""ops.pdl: the switch, and the contract of the PDL-aware kernels checked in their sm_90 PTX,
+"""ops.pdl: off unless a launch asks for it, and the contract of the PDL-aware kernels checked in their sm_90 PTX,
 compiled on the CPU with Triton's own ptxas (no GPU): before `griddepcontrol.wait` a kernel may
 only prefetch (`cp.async.bulk.prefetch.L2`); every global load, store and atomic comes after it,
 and `griddepcontrol.launch_dependents` follows the wait."""
@@ -15,12 +15,10 @@ import torch
 from dsv41_decode.ops import pdl, sparse_mla
 
 
-def test_switch_is_off_by_default_and_on_cpu():
+def test_off_unless_asked_per_launch():
     assert not pdl.active() and pdl.launch_options() == {}
-    assert not pdl.supported("cpu")
-    with pdl.launching(True, "cpu") as on:      # never on the CPU or in the interpreter
-        assert not on and not pdl.active() and pdl.launch_options() == {}
-    assert not pdl.active()
+    assert pdl.launch_options(pdl=True) == {"launch_pdl": True}
+    assert not pdl.supported("cpu")      # never on the CPU or in the interpreter
 
 
 def test_kernels_wait_before_dependent_accesses():
@@ -37,7 +35,7 @@ def test_kernels_wait_before_dependent_accesses():
 
 
 def test_default_launches_carry_no_pdl(monkeypatch):
-    """Outside `launching(True)` a launcher passes PDL=False and no launch attribute."""
+    """A launcher passes PDL=False and no launch attribute (no global switch turns it on)."""
     seen = {}
 
     class Spy:
