@@ -19,16 +19,19 @@ in FP32. Both dots have exact products
 (BF16-valued operands) and FP32 sums: BF16 operands on the GPU, FP32 in the interpreter (its BF16
 dot is wrong).
 
-Key splits: a split that starts at block b must round P against the running max the sequential
-loop has there, max(-1e30, the maxima of blocks 0..b-1). With more than one split a first launch
-(`_block_max_kernel`, one program per (row, head group, block)) computes every block's score max
-with the same score code, and each split starts from the prefix max of the blocks before it, so
-every block's P is the sequential loop's. The splits' (max, sum, acc) are then combined in split
-order (the last program to arrive through an atomic counter, or with `separate_combine` a second
-launch, `_sparse_mla_combine_kernel`, to the same bits): the combination's FP32 rounding differs
-from the sequential accumulator's, so a split row is within 1 BF16 ulp of the reference and an
-unsplit row follows the sequential loop. The split count is fixed per plan, not per row count, so
-a row's bits never depend on the other rows of the launch.
+Key splits (`plan.split`, the GPU's): one program per (row, head group, 64-key block). A block's P
+must be rounded against the running max the sequential loop has there, max(-1e30, the maxima of
+the blocks before it), so each program publishes its block's score max (workspace + a flag) and
+waits for the flags of the blocks before it (decoupled look-back: programs take their (row, head
+group, block) from an atomic ticket in the order they start, blocks in ascending order, so a
+program only waits for programs that already run). The blocks' (max, sum, acc) are then combined
+in block order (by the last program to arrive through an atomic counter, or with
+`separate_combine` by a second launch, `_sparse_mla_combine_kernel`, to the same bits). Without the
+split one program per (row, head group) runs the sequential loop. Either way P is the contract's
+for the kernel's scores; the scores' FP32 summation order (four 128-dim dots), exp's last bit and
+the accumulation order are the implementation's (tests/ops/test_sparse_mla.py derives the
+tolerance). Every row count combines the same blocks in the same order, so a row's bits never
+depend on the other rows of the launch.
 """
 
 from __future__ import annotations
