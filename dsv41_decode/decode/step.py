@@ -68,10 +68,10 @@ class DecodeStep:
     """The specialized decode step of `stack` over `state` (design section 1): kernel plans, buffers
     and (on CUDA) one CUDA graph per row bucket, built here once.
 
-    max_rows: the most rows one step may hold (the largest bucket by default).
-    buckets: the row counts captured (ascending, each 1..LOW_BATCH_MAX_ROWS, at most the state's
-        stage_rows); default 1, 2, 4, ... below max_rows, and max_rows. A step runs in the smallest
-        bucket that holds its rows.
+    max_rows: the largest bucket when `buckets` is not given.
+    buckets: the row counts captured (each 1..LOW_BATCH_MAX_ROWS, at most the state's stage_rows);
+        default 1, 2, 4, ... below max_rows, and max_rows. A step runs in the smallest bucket that
+        holds its rows; the largest is the most rows a step may hold (`max_rows` afterwards).
     graphs: capture and replay CUDA graphs (CUDA only); False runs the same schedule eagerly.
     overlap: run the side work (side projections, index query, compressor, candidate pool,
         sparse-index tables, the next site's mixer) on auxiliary streams beside the main chain;

@@ -81,8 +81,9 @@ def check_sparse_mla():
     fn = sparse_mla._sparse_mla_kernel
     types = {"q_ptr": "*bf16", "wpool_ptr": "*u8", "cpool_ptr": "*u8", "wtab_ptr": "*i32", "ctab_ptr": "*i32",
              "sink_ptr": "*fp32", "out_ptr": "*i16", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32",
-             "count_ptr": "*i32", "scale": "fp32"}
-    consts = dict(W=128, KC=512, SPLIT=4, BLOCKS_PER_SPLIT=10, BLOCK_H=16, BLOCK_KEYS=16, BF16_DOT=True,
+             "block_max_ptr": "*fp32", "flag_ptr": "*i32", "count_ptr": "*i32", "ticket_ptr": "*i32",
+             "scale": "fp32"}
+    consts = dict(W=128, W_P2=128, KC=512, HG=1, SPLIT=True, NB_P2=16, BLOCK_H=16, BF16_DOT=True,
                   NATIVE_FP8=True, PDL=True)
     ptx = _ptx(fn, types, consts)
     _assert_waits_first(ptx)
@@ -91,9 +92,10 @@ def check_sparse_mla():
 
 
 def check_sparse_mla_combine():
-    types = {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "sink_ptr": "*fp32", "out_ptr": "*i16"}
+    types = {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "flag_ptr": "*i32", "sink_ptr": "*fp32",
+             "out_ptr": "*i16"}
     _assert_waits_first(_ptx(sparse_mla._sparse_mla_combine_kernel, types,
-                             dict(SPLIT=20, BLOCK_H=16, CHUNK=16, PDL=True)))
+                             dict(SPLIT=20, SPLIT_P2=32, BLOCK_H=16, CHUNK=16, PDL=True)))
 
 
 def check_rms_norm():

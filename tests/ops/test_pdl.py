@@ -45,7 +45,7 @@ def test_default_launches_carry_no_pdl(monkeypatch):
             return launch
 
     monkeypatch.setattr(sparse_mla, "_sparse_mla_kernel", Spy())
-    plan = sparse_mla.SparseMlaPlan.build(1, 16, 16, 0, "cpu", splits=1)
+    plan = sparse_mla.SparseMlaPlan.build(1, 16, 16, 0, "cpu", split=False)
     q = torch.zeros(1, 16, 512, dtype=torch.bfloat16)
     sparse_mla.sparse_mla_(plan, q, torch.zeros(4, 528, dtype=torch.uint8), torch.zeros(0, 288, dtype=torch.uint8),
                            torch.zeros(1, 16, dtype=torch.int32), torch.zeros(1, 0, dtype=torch.int32),
