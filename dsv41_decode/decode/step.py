@@ -24,6 +24,7 @@ doing the one-shot all-reduce with the boundary (`ops.allreduce_boundary`).
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Sequence
 
 import torch
@@ -44,23 +45,18 @@ class StepError(ValueError):
     """A step the captured DecodeStep cannot run (the message names the rows, request or bucket)."""
 
 
-_FALLBACK_REPORTED: set[str] = set()
-
-
 def _fused_mailbox(tp, rows: int, dim: int, layers: int, dev: torch.device) -> Mailbox | None:
-    """The fused boundary's mailbox, or None (after one warning per reason) when the ranks' GPUs
-    cannot reach each other peer-to-peer or symmetric memory cannot be set up. Collective."""
-    import warnings
+    """The fused boundary's mailbox, or None (after a RuntimeWarning naming the reason; Python's
+    default filter shows it once per reason and call site) when the ranks' GPUs cannot reach each
+    other peer-to-peer or symmetric memory cannot be set up. Collective."""
     why = tp.peer_access(dev)
     if why is None:
         try:
             return Mailbox.symmetric(tp, rows, dim, layers, dev)
         except (RuntimeError, NotImplementedError) as err:   # every rank fails alike (rendezvous)
             why = f"symmetric memory is not available ({err})"
-    if why not in _FALLBACK_REPORTED:
-        _FALLBACK_REPORTED.add(why)
-        warnings.warn(f"fused TP boundary unavailable: {why}; using NCCL gather + the single-GPU boundary",
-                      RuntimeWarning, stacklevel=3)
+    warnings.warn(f"fused TP boundary unavailable: {why}; using NCCL gather + the single-GPU boundary",
+                  RuntimeWarning, stacklevel=3)
     return None
 
 
@@ -80,7 +76,7 @@ class DecodeStep:
         boundary), "fused" (CUDA: `ops.allreduce_boundary` over a symmetric-memory mailbox that
         `wo_b` publishes into) or "auto" (fused when the ranks' GPUs reach each other peer-to-peer).
         Both give the same bits. When the fused boundary cannot be built the step falls back to
-        "collective" and says why once (a warning); `boundary_mode` tells which runs.
+        "collective" and says why (a RuntimeWarning); `boundary_mode` tells which runs.
     wo_a_fp8: quantize a BF16 `wo_a` to FP8 once at build (changes the numbers; `ops.wo_a`).
 
     Errors: StepError for buckets outside 1..LOW_BATCH_MAX_ROWS or past the state's stage_rows, a
