@@ -6,7 +6,8 @@ GPU (marked `gpu`; the `small` preset, all 12 layers, state on CUDA; ~2.5 min on
 - 256 graph-replayed steps of 1..16 rows over requests that are admitted, prefilled (generic
   path), decoded with draft rows and freed, against the generic path on a twin state fed the
   step's selections (see test_gpu_long_run_vs_generic for why);
-- graph replay bitwise equal to the eager step, and two graph runs bitwise equal.
+- graph replay bitwise equal to the eager step and to the step without overlap, and two graph
+  runs bitwise equal.
 """
 
 from __future__ import annotations
