@@ -315,3 +315,12 @@ def teacher_forced(stack, state, step, rec: Recorder, steps, g, tol) -> dict:
         torch.testing.assert_close(pre, pre_prev, rtol=1e-4, atol=1e-5)
 
     return m
+
+
+def one_line_error(capsys) -> str:
+    """stderr of a failed command: exactly one line, no traceback, nothing on stdout; returned."""
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert " error: " in lines[0] and not out.strip(), (out, err)
+    return lines[0]

@@ -9,15 +9,7 @@ from pathlib import Path
 import pytest
 
 from dsv41_decode.cli import main
-
-
-def one_line_error(capsys) -> str:
-    """stderr of a failed command: exactly one line, no traceback, nothing on stdout; returned."""
-    out, err = capsys.readouterr()
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    assert " error: " in lines[0] and not out.strip(), (out, err)
-    return lines[0]
+from helpers import one_line_error
 
 
 def test_demo_exits_0_and_prints_table(capsys):

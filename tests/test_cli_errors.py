@@ -15,20 +15,12 @@ from safetensors.torch import save_file
 
 from dsv41_decode import __version__
 from dsv41_decode.cli import main
+from helpers import one_line_error
 from dsv41_decode.config import ModelConfig
 from dsv41_decode.runtime import MAX_THREADS, cpu_threads
 from dsv41_decode.weights import CheckpointError, write_synthetic_checkpoint
 
 CUDA = torch.cuda.is_available()
-
-
-def one_line_error(capsys) -> str:
-    """stderr of a failed command: exactly one line, no traceback, nothing on stdout; returned."""
-    out, err = capsys.readouterr()
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in err, err
-    assert " error: " in lines[0] and not out.strip(), (out, err)
-    return lines[0]
 
 
 def test_version(capsys):
