@@ -13,10 +13,11 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 
 
 def compile_sm90(fn, types: dict, consts: dict, divisible=None, **options):
-    """`fn` (a @triton.jit function, not the interpreter's) compiled for sm_90.
+    """`fn` (a @triton.jit or @gluon.jit function, not the interpreter's) compiled for sm_90.
 
     types: Triton types of runtime arguments ("*bf16", "fp32", ...; default "i32"); consts: the
     constexpr arguments; divisible: arguments marked 16-divisible as the launcher would find them
@@ -31,7 +32,7 @@ def compile_sm90(fn, types: dict, consts: dict, divisible=None, **options):
     sig = {a: ("constexpr" if a in consts else types.get(a, "i32")) for a in fn.arg_names}
     if divisible is None:
         divisible = [a for a in fn.arg_names if sig[a].startswith("*") or a.startswith("stride_")]
-    src = ASTSource(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()},
+    src = (GluonASTSource if fn.is_gluon() else ASTSource)(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()},
                     {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in divisible})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
