@@ -99,6 +99,9 @@ def bench_shape(shape: Shape, m: int, ops, gen: torch.Generator) -> tuple[float,
             runs["ours"] = lambda: [f() for f in ours]
             regular = [ops.regular(x, q, s) for q, s in ws]
             runs["regular"] = lambda: [f() for f in regular]
+            gluon = [ops.gluon(x, q, s) for q, s in ws] if hasattr(ops, "gluon") else [None]
+            if None not in gluon:
+                runs["gluon"] = lambda: [f() for f in gluon]
             runs["cublas_bf16"] = lambda: [torch.nn.functional.linear(x, d) for d in deq]
             # _scaled_mm needs rows in multiples of 16; per-tensor scales of one
             xs = torch.randn(max(16, m), shape.k, generator=gen, device="cuda").to(torch.float8_e4m3fn)

@@ -11,6 +11,7 @@ import torch
 from ..formats import fp8_block_dequantize
 from ..ops.act_quant import act_quant_mxfp8
 from ..ops.fp8_mm import fp8_mm_, fp8_mm_config
+from ..ops.gluon_mm import GluonMM
 from ..ops.ll_bf16 import LlBf16Plan, ll_bf16_
 from ..ops.low_latency_mm import LowLatencyMM
 from ..ops.wo_a import WoAPlan, wo_a_
@@ -27,6 +28,16 @@ class GemmOps:
     def fp8(self, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> Launch:
         """low_latency_mm on the step's MXFP8 input (the boundary quantizes it, so it is not timed here)."""
         plan = LowLatencyMM(q, s, max_rows=64)
+        codes, sx = act_quant_mxfp8(x)
+        out = torch.empty(x.shape[0], q.shape[0], dtype=torch.bfloat16, device=x.device)
+        return lambda: plan(codes, sx, out)
+
+    def gluon(self, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> Launch | None:
+        """The Gluon tier (ops.gluon_mm) on the same MXFP8 input; None where it does not run (not an
+        sm_90 GPU, or K not a multiple of 128)."""
+        if torch.cuda.get_device_capability(x.device) != (9, 0) or q.shape[1] % 128:
+            return None
+        plan = GluonMM(q, s, max_rows=64)
         codes, sx = act_quant_mxfp8(x)
         out = torch.empty(x.shape[0], q.shape[0], dtype=torch.bfloat16, device=x.device)
         return lambda: plan(codes, sx, out)

@@ -23,12 +23,13 @@ What Gluon gives here that `tl.dot` does not (docs/notes-low-latency-mm.md, "Wha
   Why per block and not per 128 (DeepGEMM's promotion interval): the contract scales each 32-wide
   block's partial by that block's two scales before it joins the sum (spec-decisions, decision 1),
   and the scales differ per block, so the partial cannot be longer than one block. Within one
-  block the wgmma k32 adds the 32 products in the tensor core: the exact sum needs up to 41 bits
-  (products of E4M3 codes are multiples of 2^-18 below 2^18), more than FP32's 24, and Hopper's FP8
-  MMA keeps fewer than 24 bits while aligning the products; so the block partial is the hardware's
-  (the same instruction, with a zero accumulator, that `low_latency_mm`'s 32-deep `tl.dot`
-  compiles to: wgmma m64nNk32 e4m3 x e4m3 -> f32), and it is the only step that is not exactly the
-  reference's. The scaling by two powers of two is exact (outside FP32's subnormal range) and the
+  block the wgmma k32 adds the 32 products in the tensor core. The exact sum needs up to 41 bits
+  (products of E4M3 codes are multiples of 2^-18 below 2^18; the reference forms it in FP64 and
+  rounds once to FP32), so no FP32 result is exact in general: at best the correctly rounded sum,
+  and Hopper's FP8 MMA does not promise even that (it aligns the products to the largest with a
+  limited number of bits). The block partial is therefore the hardware's - the same instruction,
+  from a zero accumulator (SASS: QGMMA.64xNx32.F32.E4M3.E4M3 ... RZ), that `low_latency_mm`'s
+  32-deep `tl.dot` compiles to - and it is the only step that is not exactly the reference's. The scaling by two powers of two is exact (outside FP32's subnormal range) and the
   K-ordered FP32 adds are the reference's adds.
 - **The scales** of a step (four UE8M0 bytes per weight-row block and per activation row) are
   loaded as one 32-bit word per row, one step ahead of their use (loop-carried registers), and
@@ -54,7 +55,6 @@ import functools
 from dataclasses import dataclass
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
@@ -273,8 +273,9 @@ class GluonMM:
         require_tensor(w_scale, "w_scale", _UE8M0, (-(-n // 32), k // 32))
         if w_scale.device != weight.device:
             raise ValueError(f"w_scale is on {w_scale.device} but weight is on {weight.device}")
-        if weight.device.type != "cuda":
-            raise ValueError(f"weight must be on a CUDA device (the Gluon tier runs on sm_90 only), got {weight.device}")
+        if weight.device.type != "cuda" or torch.cuda.get_device_capability(weight.device) != (9, 0):
+            raise ValueError(f"weight must be on a CUDA device of compute capability 9.0 (the Gluon tier is "
+                             f"sm_90 code: TMA, wgmma), got {weight.device}")
         if weight.stride(0) % 16 or weight.data_ptr() % 16:
             raise ValueError(f"weight rows must be 16-byte aligned for TMA (row stride {weight.stride(0)}, "
                              f"address {weight.data_ptr():#x})")
@@ -292,8 +293,8 @@ class GluonMM:
         self.grid = (-(-n // BLOCK_N), self.split)
         w_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.float8e4nv)
         self._w_desc = TensorDescriptor.from_tensor(weight, [BLOCK_N, BLOCK_K], w_layout)
-        self._workspace = torch.empty(max(1, self.grid[0] * self.split * max_rows * BLOCK_N) if self.split > 1 else 1,
-                                      dtype=torch.float32, device=self.device)
+        ws_elems = self.grid[0] * self.split * max_rows * BLOCK_N if self.split > 1 else 1
+        self._workspace = torch.empty(ws_elems, dtype=torch.float32, device=self.device)
         self._counters = torch.zeros(self.grid[0], dtype=torch.int32, device=self.device)
 
     def block_t(self, rows: int) -> int:

@@ -32,8 +32,9 @@ def compile_sm90(fn, types: dict, consts: dict, divisible=None, **options):
     sig = {a: ("constexpr" if a in consts else types.get(a, "i32")) for a in fn.arg_names}
     if divisible is None:
         divisible = [a for a in fn.arg_names if sig[a].startswith("*") or a.startswith("stride_")]
-    src = (GluonASTSource if fn.is_gluon() else ASTSource)(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()},
-                    {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in divisible})
+    source = GluonASTSource if fn.is_gluon() else ASTSource
+    src = source(fn, sig, {(fn.arg_names.index(k),): v for k, v in consts.items()},
+                 {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in divisible})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 

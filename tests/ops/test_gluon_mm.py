@@ -1,0 +1,174 @@
+"""ops.gluon_mm, the Gluon tier of the low-batch MXFP8 linear (sm_90 only).
+
+On the CPU: the kernel compiles for sm_90 (Triton's own ptxas) in the configurations the plans for
+the real shapes use, with no spills, and its SASS holds the FP8 wgmma (QGMMA), the TMA loads
+(UTMALDG) and a wait that leaves one wgmma group in flight; the plan's bad arguments raise errors
+that name them. On the GPU (`-m gpu`): every real shape at every row count 1..64 against the
+reference, against the Triton tier `low_latency_mm`, and against itself run to run.
+
+Thresholds against `reference.linear.mxfp8_mm` (the same operands):
+- the kernel scales and adds the block partials in the reference's K order, so if each block
+  partial were the exactly rounded FP32 of its 32 products, it would differ from the reference only
+  through split-K's regrouping of the FP32 sum (a few FP32 ulps of the row's largest terms), which
+  can tip one BF16 rounding of an output: 1 BF16 ulp of the row's largest output;
+- but the block partial is the tensor core's: Hopper's FP8 MMA keeps fewer than 24 bits while
+  aligning the 32 products, so a partial can be a few FP32 ulps of its largest product off the
+  rounded exact sum, which can tip one more BF16 rounding. Hence 2 BF16 ulps of the row's largest
+  output, the bound `low_latency_mm`'s GPU test uses for the same instruction (tests/ops/
+  test_low_latency_mm.py), and a relative RMS below 1e-3 (measured error is FP32-sized, ~1e-6).
+Against `low_latency_mm` the bound is bitwise: with the same K split bounds (`reduction_order`)
+both run the same instruction (wgmma m64 k32 e4m3 with a zero accumulator) on the same 32-block,
+scale its partial by the same two powers of two in the same order, add in the same K order and the
+splits in the same order, and round with round-to-nearest-even. The wgmma's N (the row bucket: 8
+here, 16 there at 1 row) changes how many columns one instruction computes, not the arithmetic of
+one output element; the GPU test is what confirms it.
+"""
+
+import pytest
+import torch
+from test_low_latency_mm import _gen, _operands, _poisoned
+from triton.experimental.gluon import language as gl
+
+from dsv41_decode.ops import gluon_mm as G
+from dsv41_decode.ops.low_latency_mm import LowLatencyConfig, LowLatencyMM
+from dsv41_decode.reference.linear import mxfp8_mm
+from dsv41_decode.testing import sm90
+from dsv41_decode.testing.compare import bits_differ, rel_rms, row_ulp_distance
+
+# The real shapes the tier serves (TP1 unless named), and the H200's SM count for the default split.
+REAL_SHAPES = [("wq_b", 16384, 1280), ("wo_b", 5120, 8192), ("fused_wqa_wkv", 1792, 5120), ("idx_wq_b", 4096, 1280)]
+H200_SMS = 132
+
+
+def _desc(block) -> str:
+    """The signature of a Gluon TMA descriptor of FP8 tiles `block`, as the launcher specializes it."""
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
+    return f"tensordesc<fp8e4nv[{block[0]}, {block[1]}],{layout!r}>"
+
+
+def _compile(split: int, bt: int, out_f32: bool = False):
+    types = {"w_desc": _desc([G.BLOCK_N, G.BLOCK_K]), "x_desc": _desc([bt, G.BLOCK_K]), "sx_ptr": "*i32",
+             "sw_ptr": "*i32", "y_ptr": "*fp32" if out_f32 else "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+    return sm90.compile_sm90(G._gluon_mxfp8_mm_kernel, types,
+                             {"N_SPLIT": split, "BT": bt, "STAGES": 4, "OUT_F32": out_f32}, num_warps=4)
+
+
+# One compile per real shape (its plan's split on an H200), the four row buckets spread over them,
+# so that every split count and every bucket compiles once: ~1.5 s each.
+@pytest.mark.parametrize("name,n,k,bt", [(*s, bt) for s, bt in zip(REAL_SHAPES, G.ROW_BUCKETS)],
+                         ids=[s[0] for s in REAL_SHAPES])
+def test_compiles_for_sm90_without_spills(name, n, k, bt):
+    _, split = G.split_bounds(G._default_split(n, k, H200_SMS), k)
+    kernel = _compile(split, bt)
+    res = sm90.resources(kernel)
+    assert res["LOCAL"] == 0 and res["STACK"] == 0, (name, res)
+    ins = [t for _, t in sm90.sass(kernel)]
+    ops = sm90.opcode_counts(ins)
+    assert ops.get("STL", 0) == 0 and ops.get("LDL", 0) == 0, (name, ops)
+    # Four FP8 wgmmas per 128-deep step, m64 n{bt} k32, from a zero accumulator (RZ).
+    gmma = [t for t in ins if t.startswith("QGMMA")]
+    assert len(gmma) == 4 and all(f"QGMMA.64x{bt}x32.F32.E4M3.E4M3" in t and " RZ," in t for t in gmma), gmma
+    assert ops.get("UTMALDG", 0) == 2, ops        # the producer's weight and activation tiles
+    assert ops.get("SYNCS", 0) > 0, ops           # the mbarrier ring
+    # More than one group in flight: a wait that leaves one outstanding, besides the drain.
+    assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in ins and "WARPGROUP.DEPBAR.LE gsb0, 0x0" in ins
+    # The producer warp gives its registers to the consumer warpgroup.
+    assert any(t.startswith("USETMAXREG.DEALLOC") for t in ins), name
+    assert kernel.metadata.shared <= 4 * (G.BLOCK_N + bt) * G.BLOCK_K + 1024, kernel.metadata.shared
+    assert (split > 1) == (ops.get("ATOMG", 0) > 0), (name, split, ops)   # the last-arriver counter
+
+
+def test_split_bounds_match_the_triton_tier():
+    # Same rule as low_latency_mm.reduction_order at block_k 128: equal bounds give equal bits.
+    from dsv41_decode.ops.low_latency_mm import reduction_order
+    for _, n, k in REAL_SHAPES:
+        for split in (1, 2, 3, 4, 8, 9, 64, 100):
+            per, used = G.split_bounds(split, k)
+            assert reduction_order(LowLatencyConfig(block_n=64, block_k=128, split=split), k)[1] == per
+            assert (used - 1) * per < k <= used * per and per % G.BLOCK_K == 0
+
+
+def test_bad_plan_arguments_name_the_argument():
+    fp8 = torch.float8_e4m3fn
+    w = torch.zeros(64, 256, dtype=fp8)
+    s = torch.zeros(2, 8, dtype=torch.uint8)
+    cases = [
+        (lambda: G.GluonMM(w[0], s), "weight"),
+        (lambda: G.GluonMM(torch.zeros(64, 96, dtype=fp8), torch.zeros(2, 3, dtype=torch.uint8)), "weight"),
+        (lambda: G.GluonMM(w.to(torch.bfloat16), s), "weight"),
+        (lambda: G.GluonMM(w, torch.zeros(2, 7, dtype=torch.uint8)), "w_scale"),
+        (lambda: G.GluonMM(w, s.float()), "w_scale"),
+        (lambda: G.GluonMM(w, s), "CUDA"),               # the CPU copy: the tier runs on sm_90 only
+        (lambda: G.GluonMMConfig(split=0), "split"),
+        (lambda: G.GluonMMConfig(stages=2), "stages"),
+    ]
+    for make, word in cases:
+        with pytest.raises((ValueError, TypeError), match=word):
+            make()
+
+
+def _gpu_plans(n, k, seed):
+    x_all, _, codes_all, sx_all, weight, w_scale = _operands(_gen(seed), 64, n, k)
+    plan = G.GluonMM(weight, w_scale)
+    # The Triton tier with the same K split bounds (its FP8 loop): the same reduction order.
+    cfg = LowLatencyConfig(block_n=64, block_k=128, split=plan.split, num_warps=4, num_stages=3, dequant=False)
+    triton_plan = LowLatencyMM(weight, w_scale, config={b: cfg for b in (16, 32, 64)})
+    assert triton_plan.reduction_order(1) == plan.reduction_order()
+    return codes_all, sx_all, weight, w_scale, plan, triton_plan
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,n,k", REAL_SHAPES, ids=[s[0] for s in REAL_SHAPES])
+def test_real_shapes_on_gpu(name, n, k):
+    codes_all, sx_all, weight, w_scale, plan, triton_plan = _gpu_plans(n, k, n + k)
+    ref_all = mxfp8_mm(codes_all, sx_all, weight, w_scale)   # row by row: any row count's rows
+    for m in range(1, 65):
+        codes, x_scale, ref = codes_all[:m], sx_all[:m], ref_all[:m]
+        y = plan(codes, x_scale, _poisoned(m, n))
+        assert not torch.isnan(y).any(), f"{name} M={m}: unwritten output elements"
+        assert rel_rms(y, ref) < 1e-3, (name, m)
+        assert row_ulp_distance(y, ref) <= 2, (name, m, row_ulp_distance(y, ref))   # module doc
+        again = plan(codes, x_scale, _poisoned(m, n))       # replays the split-K counters
+        assert bits_differ(again, y) == 0, f"{name} M={m}: not bitwise run to run"
+        tri = triton_plan(codes, x_scale, _poisoned(m, n))
+        assert bits_differ(y, tri) == 0, f"{name} M={m}: {bits_differ(y, tri)} outputs differ from low_latency_mm"
+        # Batch invariance: a row's bits do not depend on the rows beside it.
+        assert bits_differ(y, plan(codes_all, sx_all)[:m]) == 0, f"{name} M={m}: depends on the row count"
+    assert int(plan._counters.abs().sum()) == 0
+
+
+@pytest.mark.gpu
+def test_fp32_out_is_the_unrounded_partial_on_gpu():
+    name, n, k = REAL_SHAPES[1]     # wo_b: split-K
+    codes_all, sx_all, weight, w_scale, plan, triton_plan = _gpu_plans(n, k, 7)
+    for m in (1, 17, 64):
+        y = plan(codes_all[:m], sx_all[:m], torch.full((m, n), float("nan"), device="cuda"))
+        tri = triton_plan(codes_all[:m], sx_all[:m], torch.full((m, n), float("nan"), device="cuda"))
+        assert bits_differ(y, tri) == 0, m
+        assert bits_differ(y.to(torch.bfloat16), plan(codes_all[:m], sx_all[:m])) == 0, m
+
+
+@pytest.mark.gpu
+def test_bad_call_arguments_name_the_argument_on_gpu():
+    n, k = 128, 256
+    _, _, codes, sx, weight, w_scale = _operands(_gen(3), 8, n, k)
+    plan = G.GluonMM(weight, w_scale, max_rows=8)
+    raw = torch.zeros(8 * k + 16, dtype=torch.uint8, device="cuda")
+    misaligned = raw[1:1 + 8 * k].view(torch.float8_e4m3fn).view(8, k)
+    sraw = torch.zeros(8 * (k // 32) + 4, dtype=torch.uint8, device="cuda")
+    sx_misaligned = sraw[1:1 + 8 * (k // 32)].view(8, k // 32)
+    cases = [
+        (lambda: plan(codes[0], sx), "codes"),
+        (lambda: plan(torch.cat([codes, codes]), torch.cat([sx, sx])), "codes"),      # 16 > max_rows
+        (lambda: plan(codes.view(torch.uint8), sx), "codes"),
+        (lambda: plan(misaligned, sx), "codes"),
+        (lambda: plan(codes, sx[:, :-1]), "x_scale"),
+        (lambda: plan(codes, sx_misaligned), "x_scale"),
+        (lambda: plan(codes, sx, torch.empty(8, n, dtype=torch.float16, device="cuda")), "out"),
+        (lambda: plan(codes, sx, torch.empty(8, n + 1, dtype=torch.bfloat16, device="cuda")), "out"),
+        (lambda: plan(codes.cpu(), sx), "codes"),
+    ]
+    for make, word in cases:
+        with pytest.raises((ValueError, TypeError), match=word):
+            make()
+    assert torch.isfinite(plan(codes, sx)).all()
