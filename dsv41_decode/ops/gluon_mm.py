@@ -203,6 +203,16 @@ def _gluon_mxfp8_mm_kernel(
             gl.store(y_ptrs, acc.to(gl.bfloat16), mask=mask)
 
 
+def maxnreg(block_t: int) -> int:
+    """The launch's register cap per thread for row bucket `block_t`. The kernel runs 8 warps (the
+    consumer warpgroup and the producer's, padded to a warpgroup), and a CTA holds 256 x this many
+    registers however `setmaxnreg` moves them between the two (the producer drops to 24, the
+    consumer rises to 2 x cap - 24): 80 keeps 3 CTAs per SM resident (128 would keep 2, and
+    Triton's default of 256 one), and the 64-row bucket, whose FP32 tiles need more, spills below
+    128 (sm_90 compile: 200 bytes of stack at 80)."""
+    return 128 if block_t > 32 else 80
+
+
 @dataclass(frozen=True)
 class GluonMMConfig:
     """split: K splits requested (the plan may use fewer so that none is empty); stages: ring slots
@@ -342,6 +352,7 @@ class GluonMM:
             m, self.n, sx_words.stride(0), self._sw_words.stride(0), out.stride(0),
             self.k_per_split // BLOCK_K, self.k // BLOCK_K,
             N_SPLIT=self.split, BT=bt, STAGES=self.stages, OUT_F32=out.dtype == torch.float32, num_warps=4,
+            maxnreg=maxnreg(bt),
         )
         return out
 

@@ -26,7 +26,7 @@ one output element; the GPU test is what confirms it.
 
 import pytest
 import torch
-from test_low_latency_mm import _gen, _operands, _poisoned
+from test_low_latency_mm import FLASH_SHAPES, _gen, _operands, _poisoned
 from triton.experimental.gluon import language as gl
 
 from dsv41_decode.ops import gluon_mm as G
@@ -35,9 +35,23 @@ from dsv41_decode.reference.linear import mxfp8_mm
 from dsv41_decode.testing import sm90
 from dsv41_decode.testing.compare import bits_differ, rel_rms, row_ulp_distance
 
-# The real shapes the tier serves (TP1 unless named), and the H200's SM count for the default split.
-REAL_SHAPES = [("wq_b", 16384, 1280), ("wo_b", 5120, 8192), ("fused_wqa_wkv", 1792, 5120), ("idx_wq_b", 4096, 1280)]
+# The real shapes (the V4.1-Flash linears and their TP shards; the indexer's wq_b is wq_b_tp8's
+# 4096 x 1280), and the H200's SM count for the default split.
+REAL_SHAPES = FLASH_SHAPES
 H200_SMS = 132
+
+
+def _compile_cases() -> list[tuple[str, int, int]]:
+    """(shape, split, row bucket): one compile per distinct split of the real shapes' plans on an
+    H200 (1, 8, 4, 2, 3: ~1 s each), the row buckets taken in turn, so that each split count and
+    each bucket compiles at least once."""
+    cases, seen = [], set()
+    for name, n, k in REAL_SHAPES:
+        split = G.split_bounds(G._default_split(n, k, H200_SMS), k)[1]
+        if split not in seen:
+            seen.add(split)
+            cases.append((name, split, G.ROW_BUCKETS[len(cases) % len(G.ROW_BUCKETS)]))
+    return cases
 
 
 def _desc(block) -> str:
@@ -50,18 +64,17 @@ def _compile(split: int, bt: int, out_f32: bool = False):
     types = {"w_desc": _desc([G.BLOCK_N, G.BLOCK_K]), "x_desc": _desc([bt, G.BLOCK_K]), "sx_ptr": "*i32",
              "sw_ptr": "*i32", "y_ptr": "*fp32" if out_f32 else "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
     return sm90.compile_sm90(G._gluon_mxfp8_mm_kernel, types,
-                             {"N_SPLIT": split, "BT": bt, "STAGES": 4, "OUT_F32": out_f32}, num_warps=4)
+                             {"N_SPLIT": split, "BT": bt, "STAGES": 4, "OUT_F32": out_f32}, num_warps=4,
+                             maxnreg=G.maxnreg(bt))
 
 
-# One compile per real shape (its plan's split on an H200), the four row buckets spread over them,
-# so that every split count and every bucket compiles once: ~1.5 s each.
-@pytest.mark.parametrize("name,n,k,bt", [(*s, bt) for s, bt in zip(REAL_SHAPES, G.ROW_BUCKETS)],
-                         ids=[s[0] for s in REAL_SHAPES])
-def test_compiles_for_sm90_without_spills(name, n, k, bt):
-    _, split = G.split_bounds(G._default_split(n, k, H200_SMS), k)
+@pytest.mark.parametrize("name,split,bt", _compile_cases(), ids=[c[0] for c in _compile_cases()])
+def test_compiles_for_sm90_without_spills(name, split, bt):
     kernel = _compile(split, bt)
     res = sm90.resources(kernel)
     assert res["LOCAL"] == 0 and res["STACK"] == 0, (name, res)
+    # The launch's registers set the residency: 256 threads x REG per CTA out of 64K per SM.
+    assert res["REG"] <= G.maxnreg(bt) and 65536 // (256 * res["REG"]) >= (3 if bt <= 32 else 2), (name, res)
     ins = [t for _, t in sm90.sass(kernel)]
     ops = sm90.opcode_counts(ins)
     assert ops.get("STL", 0) == 0 and ops.get("LDL", 0) == 0, (name, ops)
@@ -82,6 +95,7 @@ def test_split_bounds_match_the_triton_tier():
     # Same rule as low_latency_mm.reduction_order at block_k 128: equal bounds give equal bits.
     from dsv41_decode.ops.low_latency_mm import reduction_order
     for _, n, k in REAL_SHAPES:
+        assert k % G.BLOCK_K == 0      # every real shape takes the Gluon tier
         for split in (1, 2, 3, 4, 8, 9, 64, 100):
             per, used = G.split_bounds(split, k)
             assert reduction_order(LowLatencyConfig(block_n=64, block_k=128, split=split), k)[1] == per
@@ -139,7 +153,7 @@ def test_real_shapes_on_gpu(name, n, k):
 
 @pytest.mark.gpu
 def test_fp32_out_is_the_unrounded_partial_on_gpu():
-    name, n, k = REAL_SHAPES[1]     # wo_b: split-K
+    n, k = 5120, 8192     # wo_b: split-K
     codes_all, sx_all, weight, w_scale, plan, triton_plan = _gpu_plans(n, k, 7)
     for m in (1, 17, 64):
         y = plan(codes_all[:m], sx_all[:m], torch.full((m, n), float("nan"), device="cuda"))
