@@ -174,11 +174,18 @@ def _gluon_mxfp8_mm_kernel(
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
 
+    # The epilogue in a layout where each thread holds 8 consecutive n of one row m (16-byte
+    # stores of y and of the workspace, both n-contiguous) instead of the wgmma's scattered pairs.
+    out_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[8, 4],
+                                           warps_per_cta=[1, 4], order=[0, 1])
+    acc = gl.convert_layout(acc, out_l)
+    rn = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, out_l))
+    rm = gl.arange(0, BT, layout=gl.SliceLayout(0, out_l))
     mask = (rn[:, None] < N) & (rm[None, :] < M)
     y_ptrs = y_ptr + rm[None, :] * stride_ym + rn[:, None]
     if N_SPLIT > 1:
         # Partial s of tile t at ws[(t * N_SPLIT + s) * M * BN + m * BN + n]: the M real rows.
-        rn_l = gl.arange(0, BN, layout=rows_l)
+        rn_l = gl.arange(0, BN, layout=gl.SliceLayout(1, out_l))
         m_ok = (rm[None, :] < M) & (rn_l[:, None] < BN)
         tile_ws = ws_ptr + pid_n * N_SPLIT * M * BN + rm[None, :] * BN + rn_l[:, None]
         gl.store(tile_ws + pid_s * M * BN, acc, mask=m_ok)
@@ -187,7 +194,7 @@ def _gluon_mxfp8_mm_kernel(
         arrived = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if arrived == N_SPLIT - 1:
             gl.thread_barrier()
-            total = gl.zeros([BN, BT], gl.float32, mma_layout)
+            total = gl.zeros([BN, BT], gl.float32, out_l)
             for s in gl.static_range(N_SPLIT):
                 # .cg: from L2, never from a line this SM's L1 kept from an earlier launch.
                 total += gl.load(tile_ws + s * M * BN, mask=m_ok, other=0.0, cache_modifier=".cg")
