@@ -4,7 +4,10 @@ On the CPU: the kernel compiles for sm_90 (Triton's own ptxas) in the configurat
 the real shapes use, with no spills, and its SASS holds the FP8 wgmma (QGMMA), the TMA loads
 (UTMALDG) and a wait that leaves one wgmma group in flight; the plan's bad arguments raise errors
 that name them. On the GPU (`-m gpu`): every real shape at every row count 1..64 against the
-reference, against the Triton tier `low_latency_mm`, and against itself run to run.
+reference, against the Triton tier `low_latency_mm`, against itself run to run and across row
+counts. The real shapes are `low_latency_mm`'s: the V4.1-Flash FP8 linears and their TP shards
+(wq_b 32768 x 1280 and its 16384 / 8192 / 4096 shards, the last also the indexer's wq_b; wo_b
+5120 x 8192 / 4096 / 2048 / 1024; fused wq_a|wkv 1792 x 5120).
 
 Thresholds against `reference.linear.mxfp8_mm` (the same operands):
 - the kernel scales and adds the block partials in the reference's K order, so if each block
