@@ -113,6 +113,15 @@ class AttentionStack:
         state.advance(step)
         return x, pre
 
+    def prefill(self, state: DecodeState, request, x: torch.Tensor, chunk: int = 64, path: str = "auto",
+                pre: torch.Tensor | None = None, step=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fill `request`'s decode state from its prompt streams x [n, hc, dim] BF16, `chunk` rows per
+        call: through the step's kernels on CUDA (path "auto" or "kernels"), through `forward`
+        elsewhere ("reference"). Returns the streams and carried pre leaving the last layer; see
+        `prefill.prefill` for the paths' numbers, `step=` reuse and the errors."""
+        from .prefill import prefill
+        return prefill(self, state, request, x, chunk=chunk, path=path, pre=pre, step=step)
+
     def decode_step(self, state: DecodeState, max_rows: int = 16, **options):
         """The specialized decode step of this stack over `state` (`decode.DecodeStep`): plans,
         buffers and CUDA graphs (one per row bucket up to max_rows) are built here, once.

@@ -1,0 +1,119 @@
+"""Prefill: fill one request's decode state from its prompt, chunk by chunk.
+
+    streams, pre = stack.prefill(state, "a", x, chunk=64)          # x: [n, hc, dim] BF16 prompt streams
+
+Two paths write the same cache records (window rings, compressed KV, index keys, the ratio-2
+compressors' open groups) and advance the request by the prompt's length:
+
+- "reference": `AttentionStack.forward` over each chunk (the readable reference of `layer.py`;
+  exact and batch-invariant, serial per row: ~0.1 s per token at V4.1-Flash sizes on an H200);
+- "kernels": the specialized step's kernels (`decode.DecodeStep`, one CUDA graph of `chunk` rows)
+  over each chunk: a chunk is a step of `chunk` rows of one request at consecutive positions, the
+  shape a speculative step already has. The step stages each row's window record past the rings and
+  moves it into its ring slot only after the layer's sparse MLA has read the ring, so rows of a
+  chunk longer than the ring still see the positions p-W+1..p they need; the compressor's open
+  group, the published entries and index keys, the indexer's scores over every visible entry and
+  the per-row top-k are the step's own. On the CPU the kernels run in Triton's interpreter (what
+  the tests use at small configurations; far too slow at V4.1-Flash sizes).
+
+"auto" (the default) takes "kernels" on CUDA and "reference" elsewhere.
+
+What the kernel path's numbers are, relative to the reference (the step's contract, measured in
+tests/decode and tests/test_prefill.py): given the same layer input, a layer writes the reference's
+records (bitwise on the CPU; >= 99.48 % of the window-record bytes on the H200, where the fused
+wq_a|wkv GEMM sums in another order and a BF16 value can round the other way), the reference's
+top-k up to ties, and an output within the step's tolerance (`tests/helpers.CPU_TOL`). Over the
+whole stack the layers' inputs then drift by the earlier layers' output differences, so later
+layers' records are close but not bitwise the reference's. The kernel path is deterministic and
+batch-invariant: its records and outputs do not depend on the chunk size (a chunk's rows give the
+bits they give alone, spec decision 12), and a decode step after it continues it exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable
+
+import torch
+
+from .ops import LOW_BATCH_MAX_ROWS
+from .state import DecodeState
+
+PATHS = ("auto", "kernels", "reference")
+DEFAULT_CHUNK = 64
+
+
+def prefill_path(path: str, device: torch.device) -> str:
+    """The path `path` resolves to on `device` ("auto": "kernels" on CUDA, else "reference")."""
+    if path not in PATHS:
+        raise ValueError(f"prefill: path must be one of {PATHS}, got {path!r}")
+    if path == "auto":
+        return "kernels" if device.type == "cuda" else "reference"
+    return path
+
+
+def prefill_step(stack, state: DecodeState, chunk: int = DEFAULT_CHUNK, graphs: bool = True):
+    """The kernel path's `DecodeStep` for chunks of up to `chunk` rows (buckets 1, 2, 4, ... below
+    `chunk`, and `chunk`: a shorter last chunk runs in the smallest that holds it, with padding rows
+    that write nothing). Build it once and pass it to `prefill(..., step=)` to prefill several
+    requests without rebuilding plans and graphs (graphs=False: eager, as on the CPU)."""
+    _check_chunk(chunk, "kernels")
+    if chunk > state.stage_rows:
+        raise ValueError(f"prefill: chunk={chunk} exceeds the state's stage_rows={state.stage_rows} (the "
+                         f"kernel path stages a chunk's window records there); build the DecodeState "
+                         f"with stage_rows >= {chunk} or pass a smaller chunk")
+    return stack.decode_step(state, max_rows=chunk, graphs=graphs)
+
+
+def _check_chunk(chunk: int, path: str) -> None:
+    if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
+        raise ValueError(f"prefill: chunk must be a positive integer, got {chunk!r}")
+    if path == "kernels" and chunk > LOW_BATCH_MAX_ROWS:
+        raise ValueError(f"prefill: the kernel path runs chunks of 1..{LOW_BATCH_MAX_ROWS} rows "
+                         f"(LOW_BATCH_MAX_ROWS), got chunk={chunk}")
+
+
+def prefill(stack, state: DecodeState, request: Hashable, x: torch.Tensor, *, chunk: int = DEFAULT_CHUNK,
+            path: str = "auto", pre: torch.Tensor | None = None, step=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the prompt rows `x` of an admitted `request` through every layer of `stack`, in chunks of
+    `chunk` rows, writing their cache records into `state` and advancing the request by len(x).
+
+    x: [n, hc, dim] BF16 streams entering the stack's first layer, at positions
+        state.length(request) .. + n - 1 (a prefill may continue a request that holds tokens).
+    pre: [n, hc] FP32 carried pre (default one-hot on stream 0, as `AttentionStack.forward`).
+    path: "auto", "kernels" or "reference" (module docstring). chunk: rows per call (kernel path:
+        1..LOW_BATCH_MAX_ROWS and at most the state's stage_rows).
+    step: the kernel path's `prefill_step(stack, state, c)` with c >= chunk, reused across calls
+        (default: built here for this call).
+    Returns (streams [n, hc, dim] BF16, carried pre [n, hc] FP32) leaving the last layer.
+    Errors (before any cache is written): ValueError for a bad path, chunk, step, x or pre;
+    KeyError for a request the state does not hold; CapacityError past the state's capacities
+    (raised by the chunk that would exceed them; earlier chunks stay written).
+    """
+    cfg = stack.cfg
+    path = prefill_path(path, state.device)
+    _check_chunk(chunk, path)
+    if x.dim() != 3 or x.shape[1:] != (cfg.hc_mult, cfg.dim) or x.dtype != torch.bfloat16 or x.shape[0] < 1:
+        raise ValueError(f"prefill: x must be [n >= 1, {cfg.hc_mult}, {cfg.dim}] bfloat16, got "
+                         f"{tuple(x.shape)} {x.dtype}")
+    n = x.shape[0]
+    if pre is not None and (pre.shape != (n, cfg.hc_mult) or pre.dtype != torch.float32):
+        raise ValueError(f"prefill: pre must be [{n}, {cfg.hc_mult}] float32, got {tuple(pre.shape)} {pre.dtype}")
+    state.slot(request)                                   # KeyError naming an unknown request
+    if path == "kernels":
+        if step is None:
+            step = prefill_step(stack, state, chunk)
+        elif step.state is not state or step.stack is not stack:
+            raise ValueError("prefill: the given step was built for another stack or state")
+        elif step.max_rows < chunk:
+            raise ValueError(f"prefill: the given step holds {step.max_rows} rows, fewer than chunk={chunk}")
+    outs, pres = [], []
+    for a in range(0, n, chunk):
+        b = min(n, a + chunk)
+        p = None if pre is None else pre[a:b]
+        if path == "kernels":
+            o, q = step(x[a:b], [(request, b - a, state.length(request))], p)
+        else:
+            o, q = stack.forward(x[a:b], state.plan([(request, b - a)]), state, pre_in=p)
+        outs.append(o)
+        pres.append(q)
+    return torch.cat(outs), torch.cat(pres)
