@@ -224,6 +224,20 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--out", type=Path, default=Path("docs/results"), help="results folder (default: docs/results)")
     _common(st)
 
+    pf = bsub.add_parser("prefill", help="one request's prompt (4K / 32K / 128K tokens) through the 40-layer V4.1-Flash "
+                         "stack by the kernel prefill (random weights): tokens per second, time per layer kind, floors",
+                         description="Wall time of each prefill (CUDA graphs of the step's kernels over chunks), the "
+                         "bytes and compute floors, one layer of each kind alone per chunk; writes "
+                         "docs/results/prefill-<gpu>.jsonl.")
+    pf.add_argument("--prompts", type=rows, default=(4096, 32768, 131072),
+                    help="prompt lengths (default: 4096,32768,131072)")
+    pf.add_argument("--chunk", type=_int_at_least(1), default=64, help="rows per call, 1..64 (default: 64)")
+    pf.add_argument("--reference-tokens", type=_int_at_least(0), default=32, help="prompt length on which the "
+                    "reference path's time per token is measured for the baseline; 0 skips it (default: 32)")
+    pf.add_argument("--name", default="prefill", help="results file stem (default: prefill)")
+    pf.add_argument("--out", type=Path, default=Path("docs/results"), help="results folder (default: docs/results)")
+    _common(pf)
+
     pt = sub.add_parser("plot", help="plot committed bench results (JSON lines of bench gemm, attn or step) as a "
                         "PNG; no GPU needed", description="Redraws the PNG that the bench wrote, from its JSON "
                         "lines: bench gemm (GB/s vs rows per op and TP shard), bench attn (sparse MLA time, indexer "
@@ -392,6 +406,12 @@ def _bench(args, console: Console) -> int:
         from .bench.attn_ops import AttnOps
         run_attn_bench(AttnOps(), args.rows, args.heads, args.contexts, args.out, progress=console.print,
                        families=args.families, bench_name=args.name)
+        return 0
+    if args.bench_cmd == "prefill":
+        from .bench.prefill import run_prefill_bench
+        if args.chunk > 64:
+            raise UsageError(f"--chunk: the kernel prefill runs 1..64 rows per call, got {args.chunk}")
+        run_prefill_bench(args.prompts, args.chunk, args.out, console.print, args.reference_tokens, args.name)
         return 0
     if args.bench_cmd == "step" and args.tp > 1:
         from .bench.step_tp import run_step_bench_tp

@@ -7,7 +7,7 @@ compressors' open groups) and advance the request by the prompt's length:
 
 - "reference": `AttentionStack.forward` over each chunk (the readable reference of `layer.py`;
   exact and batch-invariant, serial per row: ~0.1 s per token at V4.1-Flash sizes on an H200);
-- "kernels": the specialized step's kernels (`decode.DecodeStep`, one CUDA graph of `chunk` rows)
+- "kernels": the specialized step's kernels (`decode.DecodeStep`, CUDA graphs of up to `chunk` rows)
   over each chunk: a chunk is a step of `chunk` rows of one request at consecutive positions, the
   shape a speculative step already has. The step stages each row's window record past the rings and
   moves it into its ring slot only after the layer's sparse MLA has read the ring, so rows of a
