@@ -38,11 +38,6 @@ def supported(device: torch.device | str) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
-def active() -> bool:
-    """The `PDL` constexpr of a launch that does not ask for PDL: False (no global switch)."""
-    return False
-
-
 def launch_options(pdl: bool = False) -> dict:
     """Extra keyword arguments of a Triton launch: {"launch_pdl": True} with `pdl`, else {}."""
     return {"launch_pdl": True} if pdl else {}

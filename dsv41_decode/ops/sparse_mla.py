@@ -432,15 +432,14 @@ def sparse_mla_(plan: SparseMlaPlan, q: torch.Tensor, window_pool: torch.Tensor,
         o16.stride(0), o16.stride(1),
         W=plan.window, W_P2=triton.next_power_of_2(plan.window), KC=plan.topk, HG=hg, SPLIT=plan.split,
         NB_P2=triton.next_power_of_2(nb), BLOCK_H=plan.block_h, BF16_DOT=plan.bf16_dot,
-        NATIVE_FP8=plan.native_fp8, SEPARATE=separate, PDL=pdl.active(), num_warps=plan.num_warps,
-        **pdl.launch_options(),
+        NATIVE_FP8=plan.native_fp8, SEPARATE=separate, PDL=False, num_warps=plan.num_warps,
     )
     if separate:
         chunk = combine_chunk(nb, plan.block_h)
         _sparse_mla_combine_kernel[(n * hg, HEAD_DIM // chunk)](
             plan.part_acc, plan.part_ml, plan.flags, sink, o16, h, hg, o16.stride(0), o16.stride(1),
             SPLIT=nb, SPLIT_P2=triton.next_power_of_2(nb), BLOCK_H=plan.block_h, CHUNK=chunk,
-            PDL=pdl.active(), num_warps=4, **pdl.launch_options(),
+            PDL=False, num_warps=4,
         )
 
 
