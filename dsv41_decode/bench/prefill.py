@@ -7,10 +7,11 @@ prompt length (4K, 32K, 128K by default), prefilled through the kernel path (`At
 - `prefill` (one per prompt length): wall time of the whole prefill (host planning per chunk
   included, synchronized before and after; the step's plans and graphs are built beforehand, as a
   server builds them once), tokens per second, and two floors: the bytes floor (every chunk reads
-  every layer's weights once, plus the caches its rows read: window records, selected compressed
-  entries, the index keys over the visible entries) over the streaming-read bandwidth measured in
-  the same run, and the compute floor (the GEMM FLOPs at the H200's dense FP8 rate plus the
-  attention and indexer FLOPs at its dense BF16 rate, both from the data sheet: `PEAK_TFLOPS`).
+  every layer's weights once, plus the caches its last row reads - window records, selected
+  compressed entries, the index keys over the visible entries - which hold what its other rows
+  read) over the streaming-read bandwidth measured in the same run, and the compute floor (the
+  GEMM FLOPs at the H200's dense FP8 rate plus the attention and indexer FLOPs at its dense BF16
+  rate, both from the data sheet: `PEAK_TFLOPS`).
   `pct_floor` is against the larger of the two. Baseline `reference_est`: the reference path's
   measured time per token on a short prompt (`--reference-tokens`) times the prompt length (an
   estimate: the reference's per-row work grows with the context, so it is a lower bound).
@@ -40,6 +41,19 @@ PROMPTS = (4096, 32768, 131072)
 PEAK_TFLOPS = {"fp8": 1979.0, "bf16": 989.0}
 
 
+def _visible(cfg: ModelConfig, layer: int, positions) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row at `positions` (a range or a tensor; float64): the window keys and the visible
+    compressed entries."""
+    if isinstance(positions, range):
+        p = torch.arange(positions.start, positions.stop, positions.step, dtype=torch.float64)
+    else:
+        p = positions.to(torch.float64)
+    window = torch.clamp(p + 1, max=cfg.window_size)
+    ratio = cfg.plan[layer].ratio
+    n_vis = torch.div(p + 1, ratio, rounding_mode="floor") if cfg.plan[layer].kind != SWA else torch.zeros_like(p)
+    return window, n_vis
+
+
 def layer_flops(cfg: ModelConfig, layer: int, positions: range) -> tuple[float, float]:
     """(GEMM FLOPs, attention + indexer FLOPs) of one layer over the rows at `positions`."""
     spec, n = cfg.plan[layer], len(positions)
@@ -47,48 +61,41 @@ def layer_flops(cfg: ModelConfig, layer: int, positions: range) -> tuple[float, 
     gemm = 2 * n * (cfg.dim * (cfg.q_lora_rank + D) + cfg.q_lora_rank * H * D   # wq_a|wkv, wq_b
                     + H * D * cfg.o_lora_rank                                    # wo_a (grouped)
                     + cfg.o_groups * cfg.o_lora_rank * cfg.dim)                  # wo_b
-    attn = 0.0
-    for p in (positions[0], positions[-1]):          # the work per row grows linearly with p: mean of the ends
-        keys = min(cfg.window_size, p + 1)
-        if spec.kind != SWA:
-            n_vis = (p + 1) // spec.ratio
-            keys += min(cfg.index_topk, n_vis)
-            if spec.runs_indexer:
-                attn += 2 * cfg.index_n_heads * cfg.index_head_dim * n_vis * n / 2
-        attn += 2 * 2 * H * D * keys * n / 2          # q.K and P.V
     if spec.runs_indexer:
         gemm += 2 * n * cfg.q_lora_rank * cfg.index_n_heads * cfg.index_head_dim
     if spec.owns_compressor:
         gemm += 2 * n * cfg.dim * D * (2 if spec.ratio == 2 else 1)
-    return gemm, attn
+    window, n_vis = _visible(cfg, layer, positions)
+    keys = window + torch.clamp(n_vis, max=cfg.index_topk)
+    attn = 2 * 2 * H * D * keys.sum().item()                                     # q.K and P.V
+    if spec.runs_indexer:
+        attn += 2 * cfg.index_n_heads * cfg.index_head_dim * n_vis.sum().item()
+    return float(gemm), attn
 
 
-def layer_cache_bytes(cfg: ModelConfig, layer: int, positions: range) -> float:
-    """Cache bytes the rows at `positions` read in one layer (window records, selected compressed
-    entries, index keys over the visible entries of a Full layer), mean of the ends times rows."""
-    spec, n, total = cfg.plan[layer], len(positions), 0.0
-    for p in (positions[0], positions[-1]):
-        b = min(cfg.window_size, p + 1) * 528
-        if spec.kind != SWA:
-            n_vis = (p + 1) // spec.ratio
-            b += min(cfg.index_topk, n_vis) * 288
-            if spec.runs_indexer:
-                b += n_vis * 68
-        total += b * n / 2
-    return total
+def layer_cache_bytes(cfg: ModelConfig, layer: int, positions) -> float:
+    """Cache bytes the rows at `positions` read in one layer: window records, selected compressed
+    entries, and the index keys over the visible entries of a Full layer (a Reindex layer's
+    candidate pool counted whole, an upper bound)."""
+    window, n_vis = _visible(cfg, layer, positions)
+    total = 528 * window + 288 * torch.clamp(n_vis, max=cfg.index_topk)
+    if cfg.plan[layer].runs_indexer:
+        total = total + 68 * n_vis
+    return total.sum().item()
 
 
 def floors_us(stack: AttentionStack, n: int, chunk: int, read_gbps: float) -> tuple[float, float, float]:
-    """(bytes, bytes floor us, compute floor us) of a prefill of n tokens in chunks of `chunk`."""
-    cfg, wbytes = stack.cfg, weight_bytes(stack)
-    nbytes, gemm, attn = 0.0, 0.0, 0.0
-    for a in range(0, n, chunk):
-        pos = range(a, min(n, a + chunk))
-        nbytes += wbytes
-        for L in stack.ids:
-            nbytes += layer_cache_bytes(cfg, L, pos)
-            g, t = layer_flops(cfg, L, pos)
-            gemm, attn = gemm + g, attn + t
+    """(bytes, bytes floor us, compute floor us) of a prefill of n tokens in chunks of `chunk`: every
+    chunk reads every layer's weights once, and the caches its last row reads once (what its other
+    rows read is a part of that); the FLOPs are every row's."""
+    cfg = stack.cfg
+    nbytes = -(-n // chunk) * weight_bytes(stack)
+    last = torch.tensor([min(n, a + chunk) - 1 for a in range(0, n, chunk)])
+    gemm = attn = 0.0
+    for L in stack.ids:
+        nbytes += layer_cache_bytes(cfg, L, last)
+        g, t = layer_flops(cfg, L, range(n))
+        gemm, attn = gemm + g, attn + t
     compute_us = (gemm / (PEAK_TFLOPS["fp8"] * 1e12) + attn / (PEAK_TFLOPS["bf16"] * 1e12)) * 1e6
     return nbytes, nbytes / (read_gbps * 1e9) * 1e6, compute_us
 
@@ -164,8 +171,7 @@ def _kind_rows(stack, step, state, n, chunk, floor, info, gen, bench_name, progr
              for label in _layer_kinds(cfg)}
     for label, L in _layer_kinds(cfg).items():
         us = graph_time_us(step.layer_call(L, bucket), replays=20, min_calls=4)
-        pos = range(n, n + chunk)
-        nbytes = layer_weight_bytes(stack.layers[L]) + layer_cache_bytes(cfg, L, pos)
+        nbytes = layer_weight_bytes(stack.layers[L]) + layer_cache_bytes(cfg, L, torch.tensor([n + chunk - 1]))
         rec = record(bench_name, {"op": "prefill_layer", "kind": label, "layer": L, "tokens": n, "chunk": chunk},
                      us, nbytes, floor, {}, info)
         rec["share_s"] = round(us * 1e-6 * chunks * count[label], 3)   # an upper estimate: the last chunk's cost
