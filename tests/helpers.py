@@ -15,6 +15,8 @@ works from every test folder.
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -33,6 +35,8 @@ from dsv41_decode.reference.rope import rope_cis
 from dsv41_decode.stack import AttentionStack
 from dsv41_decode.state import DecodeState
 from dsv41_decode.testing.compare import rel_rms as rel
+from dsv41_decode.testing.compare import row_ulp_distance, ulp_distance
+from dsv41_decode.testing.trace import MAX_ULP, _attribute_attn_out, _wo_b_input
 
 
 # ------------------------------------------------------------------------ the format oracle
@@ -216,8 +220,45 @@ def completed_entry_slots(state: DecodeState, rows, ratio: int) -> torch.Tensor:
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.int64)
 
 
-# Tolerances of the teacher-forced comparison (what each bounds is explained in teacher_forced).
-CPU_TOL = dict(o=5e-3, proj=5e-3, y=2e-2, window_bytes=0.99, entry_bytes=0.99, boundary=1e-3)
+@dataclass(frozen=True)
+class Ulps:
+    """A tolerance in BF16 ulps (`testing.compare.ulp_distance`; 0: bit for bit), where a bare float
+    in a tolerance dict is a relative RMS."""
+
+    n: float
+
+
+# The criteria of the teacher-forced comparison, on the CPU (the interpreter): those of
+# `trace verify` (testing/trace.py, spec section 9), which the step meets against the official
+# traces, applied to one layer at a time on the same caches and input. What each bounds, and why,
+# is next to its assertion in teacher_forced. Measured here (reduced config, TF_STEPS): records,
+# o and u bit for bit; y bitwise except one layer-4 row of 161 elements up to 96 ulps (one FP8
+# code flip of wo_b's input, explained); the post-mixed streams 1 ulp of the row's largest value
+# at 4 elements.
+CPU_TOL = dict(o=Ulps(0), proj=Ulps(MAX_ULP), y=Ulps(MAX_ULP), window_bytes=1.0, entry_bytes=1.0,
+               boundary=Ulps(MAX_ULP))
+
+
+def attn_out_ulps(y: torch.Tensor, y_ref: torch.Tensor, o_ref: torch.Tensor, positions: torch.Tensor,
+                  layer) -> float:
+    """The worst row of `y` (a layer's attn_out, [n, dim]) against the reference's `y_ref` in BF16
+    ulps, a row past MAX_ULP counted at its residual when ONE FP8 code flip of wo_b's input explains
+    it (`testing.attribution`: z = grouped_wo_a(o_ref) moved at one element by <= FLIP_ULPS ulps, or
+    o_ref moved so, through wo_b lands within MAX_ULP of y), at its distance otherwise."""
+    res = SimpleNamespace(flips=[], attn_out_unexplained_ulp=0.0)
+    o_ref, positions = o_ref.cpu(), positions.cpu()
+    z_ref = _wo_b_input(layer, o_ref.to(layer.device), positions.to(layer.device)).cpu()
+    _attribute_attn_out(res, y_ref.cpu(), z_ref, o_ref, positions, layer, y.cpu())
+    return res.attn_out_unexplained_ulp
+
+
+def _within(a: torch.Tensor, b: torch.Tensor, tol, ulps=ulp_distance) -> tuple[bool, str]:
+    """(a within tol of b, the figure): tol an Ulps (measured by `ulps`) or a relative RMS."""
+    if isinstance(tol, Ulps):
+        d = ulps(a, b)
+        return d <= tol.n, f"{d:.3g} ulp"
+    e = rel(a, b)
+    return e <= tol, f"rel RMS {e:.2e}"
 
 
 def teacher_forced(stack, state, step, rec: Recorder, steps, g, tol) -> dict:
@@ -241,17 +282,30 @@ def teacher_forced(stack, state, step, rec: Recorder, steps, g, tol) -> dict:
                               rel(got["y"], got["y_of_o"]))
             m["layers"].append((L, spec.label, e, e_o, e_proj))
             where = f"layer {L} ({spec.label}) rows {rows}"
-            # attention output o: the sparse MLA kernel rounds P to BF16 per 16-key block (the
-            # reference per 64) and q's FP32 GEMM sums in another order. Measured 1e-3 (CPU,
-            # reduced config), 1.4e-3..3.4e-3 (H200, small).
-            assert e_o <= tol["o"], f"{where}: attention output rel RMS {e_o:.2e}"
-            # inverse RoPE + wo_a + MXFP8 + wo_b on the step's own o vs the reference projection:
-            # measured bitwise equal on the CPU, 3e-4..6e-4 on the H200 (the reference's GPU
-            # matmul sums z in another order, and a z that rounds the other way moves an E4M3 code)
-            assert e_proj <= tol["proj"], f"{where}: output projection of the step's o, rel RMS {e_proj:.2e}"
-            # y: the MXFP8 quantization of z turns o's ~1e-3 into ~sqrt(1e-3 * 2^-3 E4M3 step).
-            # Measured 3e-3..1.3e-2 (CPU, reduced config), 8.8e-3..1.5e-2 (H200, small).
-            assert e <= tol["y"], f"{where}: y rel RMS {e:.2e}"
+            # attention output o, bit for bit on the CPU: the sparse MLA fixes every BF16 rounding as
+            # the reference does (64-key blocks of the joined key list, P against the running max,
+            # o once), its inputs are the same records (asserted below) and q (its projections add
+            # the reference's FP32 block partials in the reference's order: they could differ only
+            # where a partial's last bit tips a BF16 rounding, tests/ops/test_low_latency_mm.py, and
+            # none does here). What the order of the FP32 sums may still move is o across a BF16
+            # boundary where acc / sum lies within a few FP32 ulps of one (about 2^-14 per element,
+            # tests/ops/test_sparse_mla.py), and none does here: measured bitwise at every layer.
+            # Ulps(0) is that; a GPU passes its measured relative RMS instead.
+            ok, fig = _within(got["o"], got["o_ref"], tol["o"])
+            assert ok, f"{where}: attention output {fig}"
+            # wo_a + MXFP8 + wo_b on the step's own o vs the reference projection of it, then y vs
+            # the reference layer: as `trace verify` checks attn_out. The step's wo_a sums z's FP32
+            # dots in another order, so z may be an ulp off at an element; each side rounds y once,
+            # so MAX_ULP = 2 ulps - unless that z element sits at an E4M3 rounding boundary of its
+            # MXFP8 block, where the ulp moves its code by 1/8 of a binade and wo_b spreads the step
+            # over the row (measured: layer 4, 161 elements up to 96 ulps, o bitwise). Such a row
+            # passes only when ONE code flip of z (or an ulp move of one o element) explains it at
+            # MAX_ULP (attn_out_ulps; testing/attribution.py derives the criterion).
+            y_ulps = lambda a, b: attn_out_ulps(a, b, got["o_ref"], sr.positions, stack.layers[L])
+            ok, fig = _within(got["y"], got["y_of_o"], tol["proj"], y_ulps)
+            assert ok, f"{where}: output projection of the step's o, {fig}"
+            ok, fig = _within(got["y"], got["y_ref"], tol["y"], y_ulps)
+            assert ok, f"{where}: y {fig}"
             if spec.runs_indexer:
                 scores = rec.ctx.record[f"layers.{L}.index_scores"]
                 for row in range(n):
@@ -259,16 +313,19 @@ def teacher_forced(stack, state, step, rec: Recorder, steps, g, tol) -> dict:
                         f"{where} row {row}: top-k {got['topk'][row].tolist()} vs reference "
                         f"{rec.ctx.topk[L][row].tolist()}")
             snap = got["snap"]      # holds the reference layer's records now
-            # window records of the step's rows: MXFP8 of RoPE'd BF16 kv; kv comes from the fused
-            # wq_a/wkv GEMM whose FP32 sums differ in the last bits, so a BF16 value can round the
-            # other way and move one E4M3 code (or a block's scale byte). Measured: 100% of the
-            # records' bytes equal (CPU), >= 99.48% (H200). Asserted: the byte rate, and the
-            # decoded records close.
+            # window records of the step's rows: the contract's MXFP8 of the RoPE'd BF16 kv, spec
+            # section 9's quantized values, which `trace verify` requires bit for bit against the
+            # official trace; so every byte equal (window_bytes 1.0; measured 100 % on the CPU,
+            # where kv's GEMM adds the reference's FP32 block partials in its order). A GPU passes
+            # its measured byte rate: there kv's FP32 sums may differ in the last bit, and a BF16 kv
+            # that rounds the other way can move one E4M3 code (>= 99.48 % of the bytes equal on the
+            # H200), so the decoded records are also compared.
             ring = written_ring_slots(state, sr)
             a, b = state.window[L][ring], snap.window[L][ring]
             m["window"].append((a == b).float().mean().item())
             assert m["window"][-1] >= tol["window_bytes"], f"{where}: window record bytes differ"
-            assert rel(unpack_window_kv(a), unpack_window_kv(b)) <= 1e-2
+            if tol["window_bytes"] < 1.0:
+                assert rel(unpack_window_kv(a), unpack_window_kv(b)) <= 1e-2
             # nothing else in the rings changed (other requests, free slots, padding rows)
             keep = torch.ones(state.stage_base, dtype=torch.bool, device=dev)
             keep[ring] = False
@@ -277,26 +334,41 @@ def teacher_forced(stack, state, step, rec: Recorder, steps, g, tol) -> dict:
             if spec.owns_compressor:
                 done = completed_entry_slots(state, sr, spec.ratio)
                 assert done.numel() > 0
-                # NVFP4 compressed KV and MXFP4 index keys of FP32 latents that may differ in the
-                # last bits: a 4-bit code can move one step. Measured: 100% of the bytes equal (CPU).
+                # NVFP4 compressed KV and MXFP4 index keys: the contract's quantized values of the
+                # group's FP32 latent, bit for bit as the window records (measured 100 % of the bytes
+                # on the CPU). A GPU passes its measured byte rate: FP32 latents that differ in the
+                # last bits can move a 4-bit code one step, and the decoded records are compared.
                 ca, cb = state.compressed[L][done], snap.compressed[L][done]
                 ia, ib = state.index_keys[L][done], snap.index_keys[L][done]
                 m["compressed"].append((ca == cb).float().mean().item())
                 m["index_keys"].append((ia == ib).float().mean().item())
                 assert m["compressed"][-1] >= tol["entry_bytes"], f"{where}: compressed records differ"
                 assert m["index_keys"][-1] >= tol["entry_bytes"], f"{where}: index-key records differ"
-                assert rel(unpack_compressed_kv(ca), unpack_compressed_kv(cb)) <= 5e-2
-                assert rel(unpack_index_key(ia), unpack_index_key(ib)) <= 5e-2
+                if tol["entry_bytes"] < 1.0:
+                    assert rel(unpack_compressed_kv(ca), unpack_compressed_kv(cb)) <= 5e-2
+                    assert rel(unpack_index_key(ia), unpack_index_key(ib)) <= 5e-2
                 others = torch.ones(state.compressed[L].shape[0], dtype=torch.bool, device=dev)
                 others[done] = False
                 assert torch.equal(state.compressed[L][others], snap.compressed[L][others])
                 assert torch.equal(state.index_keys[L][others], snap.index_keys[L][others])
                 if spec.ratio == 2:      # the open group of every request slot
+                    # kv = u @ wkv^T and score = u @ wgate^T: FP32 dots of a BF16 row with FP32
+                    # weights over dim terms in an order of each side's own, so |a - b| <=
+                    # 2 gamma_(dim+1) sum_c |u_c w_c| (Higham 3.1; gamma_n = n 2^-24 / (1 - n 2^-24)),
+                    # 2.5e-4..3.8e-4 here: looser than the figure kept below at 95 % of the entries,
+                    # so the figure stays (measured on the CPU: at most 7e-7, 0.23 % of the bound;
+                    # the entries the step's rows did not write are equal).
                     torch.testing.assert_close(state.comp_kv[L], snap.comp_kv[L], rtol=1e-4, atol=1e-4)
                     torch.testing.assert_close(state.comp_score[L], snap.comp_score[L], rtol=1e-4, atol=1e-4)
 
-        # -- every boundary: the reference mixer and post-mix on the step's streams and outputs
-        # (measured on the CPU: u bitwise, streams 3e-5)
+        # -- every boundary: the reference mixer and post-mix on the step's streams and outputs, as
+        # `trace verify` checks them. The step's mixer sums its FP32 dots in another order
+        # (split-K partials), so its coefficients are within attribution.mix_bounds of the
+        # reference's (measured 3e-7 relative on the carried pre below), a change that moves
+        # the FP32 collapse and post-mix far less than a BF16 ulp: each side then rounds once, so
+        # u within MAX_ULP = 2 ulps (measured bitwise on the CPU); the post-mix sums cancel, so the
+        # streams are measured in ulps of each stream's largest value (row_ulp_distance), 2 as
+        # well (measured 1 ulp at 4 elements). A GPU passes its measured relative RMS instead.
         w = {L: stack.layers[L].w for L in stack.ids}
         pre_prev = stack.initial_pre(n, dev)
         for k, L in enumerate(stack.ids):
@@ -307,11 +379,17 @@ def teacher_forced(stack, state, step, rec: Recorder, steps, g, tol) -> dict:
                            cfg.norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters)
             u_ref = rms_norm(hc_pre(x_k, pre_prev), w[L]["attn_norm.weight"], cfg.norm_eps)
             nxt = rec.x_in[stack.ids[k + 1]] if k + 1 < len(stack.ids) else out
+            post_ref = hc_post(rec.layers[L]["y"], x_k, mix.post, mix.comb)
             m["u"].append(rel(rec.layers[L]["u"], u_ref))
-            m["streams"].append(rel(nxt, hc_post(rec.layers[L]["y"], x_k, mix.post, mix.comb)))
-            assert m["u"][-1] <= tol["boundary"], f"layer {L}: input u rel RMS {m['u'][-1]:.2e}"
-            assert m["streams"][-1] <= tol["boundary"], f"streams after layer {L}: rel RMS {m['streams'][-1]:.2e}"
+            m["streams"].append(rel(nxt, post_ref))
+            ok, fig = _within(rec.layers[L]["u"], u_ref, tol["boundary"])
+            assert ok, f"layer {L}: input u {fig}"
+            ok, fig = _within(nxt, post_ref, tol["boundary"], row_ulp_distance)
+            assert ok, f"streams after layer {L}: {fig}"
             pre_prev = mix.pre
+        # the carried pre: the step's mixer and the reference's are two FP32 evaluation orders of
+        # the same coefficients; the bound the verifier derives for that (attribution.mix_bounds)
+        # is 1.7e-4..1.9e-4 here, looser than the figure kept (measured 6e-8, 3e-7 relative).
         torch.testing.assert_close(pre, pre_prev, rtol=1e-4, atol=1e-5)
 
     return m
