@@ -149,12 +149,16 @@ def _parser() -> argparse.ArgumentParser:
                    "count of failures and the first one)")
     v.add_argument("--path", choices=("reference", "step", "both"), default="reference",
                    help="what replays the decode calls: the generic reference layers, the specialized step "
-                   "(DecodeStep, one layer at a time; the prefill still through the reference; a head count the "
-                   "step does not run is padded with zero heads), or both, one after the other (default: reference)")
+                   "(DecodeStep, one layer at a time; the prefill through the reference unless --prefill kernels; "
+                   "a head count the step does not run is padded with zero heads), or both, one after the other "
+                   "(default: reference)")
     v.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or cuda:N; on the CPU the step's "
                    "kernels run in Triton's interpreter (TRITON_INTERPRET=1, ~1 min per decode call) (default: cpu)")
     v.add_argument("--calls", type=_int_at_least(0), default=None,
                    help="replay only the first call and the N calls after it (default: all)")
+    v.add_argument("--prefill", choices=("reference", "kernels"), default="reference",
+                   help="with --path step: what replays the prefill call: the reference layers, or the step's "
+                   "kernels as the kernel prefill runs it (stack.prefill; at most 64 rows) (default: reference)")
     _common(v, threads=True)
     r = tsub.add_parser("record", help="record a trace folder from our own stack (same format)",
                         description="Records into a temporary folder beside OUT and renames it to OUT at the end, "
@@ -224,8 +228,9 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--out", type=Path, default=Path("docs/results"), help="results folder (default: docs/results)")
     _common(st)
 
-    pf = bsub.add_parser("prefill", help="one request's prompt (4K / 32K / 128K tokens) through the 40-layer V4.1-Flash "
-                         "stack by the kernel prefill (random weights): tokens per second, time per layer kind, floors",
+    pf = bsub.add_parser("prefill", help="one request's prompt (4K / 32K / 128K tokens) through the 40-layer "
+                         "V4.1-Flash stack by the kernel prefill (random weights): tokens per second, time per "
+                         "layer kind, floors",
                          description="Wall time of each prefill (CUDA graphs of the step's kernels over chunks), the "
                          "bytes and compute floors, one layer of each kind alone per chunk; writes "
                          "docs/results/prefill-<gpu>.jsonl.")
@@ -274,15 +279,19 @@ def _verify(args, console: Console) -> int:
 def _verify_path(args, path: str, console: Console) -> int:
     from .testing.trace import verify_trace
     notes: list[str] = []
+    if args.prefill == "kernels" and args.path != "step":
+        raise UsageError(f"--prefill kernels runs the prefill through the step: use it with --path step, "
+                         f"not --path {args.path}")
     results = verify_trace(args.dir, progress=not args.quiet, path=path, device=args.device, calls=args.calls,
-                           log=notes.append)
+                           log=notes.append, prefill=args.prefill)
     # the notes (the head padding): in full before the table, their first clause in the summary
     what = f"--path {path}" + "".join(f", {n.split(' (')[0]}" for n in notes)
     if not args.quiet:
         for n in notes:
             console.print(n, soft_wrap=True)
     table = Table(title=f"trace verify {args.dir} --path {path}", caption="path: what ran the call (the prefill "
-                  "always the reference); out: attn_out (BF16 ulps, relative RMS); flip: rows past 2 ulps explained "
+                  f"through {'the step' if args.prefill == 'kernels' else 'the reference'}); out: "
+                  "attn_out (BF16 ulps, relative RMS); flip: rows past 2 ulps explained "
                   "by one FP8 code flip of wo_b's input (ulps left after it); quant!=: quantized values (window, "
                   "compressed KV, index keys) not bit-exact; top-k: rows with equal sets (+ rows equal only up to "
                   "tied scores, x rows that differ); cand!=: candidate rows that differ; bnd: mHC streams (ulps); "

@@ -18,6 +18,7 @@ from safetensors import safe_open
 
 from ..config import ModelConfig
 from ..layer import AttentionLayer, CallContext
+from ..ops import LOW_BATCH_MAX_ROWS
 from ..records import unpack_window_kv
 from ..reference.attention import grouped_wo_a
 from ..reference.linear import rms_norm
@@ -150,13 +151,17 @@ def window_positions(last: int, window: int) -> torch.Tensor:
 
 
 def verify_trace(folder: str | Path, progress: bool = False, path: str = "reference", device: str = "cpu",
-                 calls: int | None = None, heads: int | None = None, log=None) -> list[CallLayerResult]:
+                 calls: int | None = None, heads: int | None = None, log=None,
+                 prefill: str = "reference") -> list[CallLayerResult]:
     """Replay a trace folder teacher-forced (every layer gets the recorded `attn_in`) and compare.
 
     path: "reference" (every call through the generic layers) or "step" (calls of one token per
         request through the specialized step, `trace_step.StepReplay`, and their mHC boundary
         through the step's kernels, `trace_step.StepBoundaryOps`; longer calls - the prefill -
-        through the generic layers and the reference boundary, which write the same caches).
+        through the generic layers and the reference boundary, which write the same caches; with
+        prefill="kernels", through the step as well: the kernel prefill's chunk, `prefill.py`).
+    prefill: "reference" or "kernels" (path "step" only: the longer calls through the step too;
+        ValueError when one holds more rows than the step runs, LOW_BATCH_MAX_ROWS).
     device: where the checkpoint, the state and the path run ("cpu" runs the step's kernels in
         Triton's interpreter).
     calls: replay only the first `calls` calls after the first one (None: all).
@@ -170,6 +175,9 @@ def verify_trace(folder: str | Path, progress: bool = False, path: str = "refere
     from .trace_step import StepBoundaryOps, StepReplay, pad_heads, step_heads
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    if prefill not in ("reference", "kernels") or (prefill == "kernels" and path != "step"):
+        raise ValueError(f"prefill must be 'reference', or 'kernels' with path 'step'; got {prefill!r} "
+                         f"with path {path!r}")
     folder = Path(folder)
     ckpt = load_checkpoint(folder, device=device)
     cfg0: ModelConfig = ckpt.config
@@ -191,13 +199,18 @@ def verify_trace(folder: str | Path, progress: bool = False, path: str = "refere
     keys = set(T.keys())
     check_tensors(folder / "trace.safetensors", keys, cfg, names, layers)
     last_pos = T.get_tensor(f"{names[-1]}.positions")
+    # the most rows a call through the step holds: B, or with the kernel prefill every call's B * s
+    rows = B if prefill == "reference" else max(B * T.get_tensor(f"{c}.positions").numel() for c in names)
+    if rows > LOW_BATCH_MAX_ROWS:
+        raise ValueError(f"prefill='kernels': a call of {rows} rows exceeds the step's {LOW_BATCH_MAX_ROWS} "
+                         f"(LOW_BATCH_MAX_ROWS); verify it with prefill='reference'")
     state = DecodeState(cfg, max_requests=B, max_context=int(last_pos[-1]) + 1, page_size=16, device=device,
-                        stage_rows=B)
+                        stage_rows=rows)
     reqs = [f"b{b}" for b in range(B)]
     for r in reqs:
         state.admit(r)
-    replay = StepReplay(stack, state, B) if path == "step" else None
-    boundary_ops = StepBoundaryOps(cfg.dim, B, device) if path == "step" else None
+    replay = StepReplay(stack, state, rows) if path == "step" else None
+    boundary_ops = StepBoundaryOps(cfg.dim, rows, device) if path == "step" else None
     results: list[CallLayerResult] = []
     bar = _progress(progress, len(names) * len(layers))
     for call in names:
@@ -207,7 +220,7 @@ def verify_trace(folder: str | Path, progress: bool = False, path: str = "refere
         if step.positions.tolist() != pos.tolist() * B:
             raise ValueError(f"{call}: positions {pos.tolist()} do not continue the earlier calls")
         ctx = CallContext(record={})
-        on_step = replay is not None and s == 1
+        on_step = replay is not None and (s == 1 or prefill == "kernels")
         if on_step:
             replay.begin(step)
 
@@ -223,6 +236,8 @@ def verify_trace(folder: str | Path, progress: bool = False, path: str = "refere
                 out = replay.run_layer(L, u)
                 y, z, o = out.y, out.z, out.o
                 latent = None if out.latent is None else list(out.latent.reshape(B, s, -1))
+                if latent is not None and s > 1:          # a prefill call: the rows that complete a group
+                    latent = [lat[((pos + 1) % spec.ratio) == 0] for lat in latent]
                 if spec.runs_indexer:
                     n_vis = (int(pos[-1]) + 1) // spec.ratio
                     theirs = get(L, "indexer_topk").reshape(B * s, -1).long()
@@ -233,9 +248,9 @@ def verify_trace(folder: str | Path, progress: bool = False, path: str = "refere
                     _reuse_agreement(res, replay.selection(spec.index_source),
                                      get(L, "compress_topk").reshape(B * s, -1).long())
                 cands = None
-                if spec.candidate_role == "source":
-                    n_vis = (int(pos[-1]) + 1) // spec.ratio
-                    cands = list(out.candidates[:, :n_vis])
+                if spec.candidate_role == "source":       # per row, over the entries it sees
+                    cands = [out.candidates[i, :(int(p) + 1) // spec.ratio]
+                             for i, p in enumerate(step.positions.tolist())]
             else:
                 y = layers[L].forward(u, step, state, ctx)
                 if spec.runs_indexer:
