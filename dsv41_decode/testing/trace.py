@@ -257,7 +257,7 @@ def verify_trace(folder: str | Path, progress: bool = False, path: str = "refere
                     theirs = get(L, "indexer_topk").reshape(B * s, -1).long()
                     scores = ctx.record[f"layers.{L}.index_scores"]
                     if _topk_verdicts(res, ctx.topk[L], theirs, scores):  # compare on the recorded selection
-                        ctx.force_topk[L] = [t[t >= 0] for t in theirs]
+                        ctx.force_topk[L] = [t[t >= 0].to(u.device) for t in theirs]   # the layer's device
                         y = layers[L].forward(u, step, state, ctx)
                 elif spec.kind != "swa":
                     _reuse_agreement(res, ctx.topk[spec.index_source],
