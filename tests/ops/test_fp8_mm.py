@@ -2,11 +2,13 @@
 
 Two references (architecture.md section 3): tight, rel RMS < 1e-3, against `mxfp8_mm` on the same
 codes and scales (isolates the kernel: only the FP32 summation order and, on the GPU, the FP8
-tensor-core accumulation inside a 32-deep dot may differ, about 1e-7, then the BF16 output
-rounding, a rare one-ulp flip); loose, rel RMS < 3e-2, against the BF16 product of the
-unquantized activation and the checkpoint's weight values (FP8 in the checkpoint, dequantized):
-that bounds the error the op adds by quantizing its input, about 2.7% RMS for Gaussian data (E4M3
-keeps 3 mantissa bits: spacing / sqrt(12) against the value).
+tensor-core accumulation inside a 32-deep dot may differ, about 1e-7, then the BF16 output rounding,
+a rare one-ulp flip: a share f of elements one ulp off, at most 2^-7 of the element, gives a
+relative RMS of at most 2^-7 sqrt(f), so 1e-3 allows f up to 1.6 %, while a flip needs a sum within
+~1e-7 relative of a BF16 rounding midpoint, about 2^-14 of the elements); loose, rel RMS < 3e-2,
+against the BF16 product of the unquantized activation and the checkpoint's weight values (FP8 in
+the checkpoint, dequantized): that bounds the error the op adds by quantizing its input, about 2.7%
+RMS for Gaussian data (E4M3 keeps 3 mantissa bits: spacing / sqrt(12) against the value).
 """
 
 import pytest

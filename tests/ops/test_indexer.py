@@ -5,6 +5,11 @@ Tolerance: every product in the kernel is exact (E2M1 codes times powers of two,
 the only difference from the reference is the FP32 summation order over the 128 dims and over the
 heads; such sums of few-bit terms are almost always exact, so scores are bit-exact in practice
 (asserted on >= 99% of entries) and everywhere within one BF16 ulp of the row's largest |score|.
+Where a head sum does round, the two orders' FP32 scores differ by a few FP32 ulps (~2^-21
+relative), and the BF16 scores differ only where that straddles a BF16 rounding midpoint (spacing
+2^-8..2^-7 relative): a chance of about 2^-13 per score. So a correct kernel leaves ~1e-4 of the
+scores unequal, 100x under the 1 % allowed, while a wrong head, weight, key or scale moves most of
+them.
 """
 
 import pytest

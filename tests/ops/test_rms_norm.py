@@ -11,6 +11,11 @@ from dsv41_decode.reference.linear import rms_norm as ref_rms_norm
 _DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+# One BF16 ulp: the kernel sums the squares in another order than the reference (a few FP32 ulps
+# of the mean, ~2^-21 relative), and torch's vectorized CPU rsqrt differs from an IEEE 1/sqrt by up
+# to 2 FP32 ulps; so the FP32 x * r * w of the two sides differ by a few parts in 2^21, far under
+# a BF16 ulp (2^-8..2^-7 relative): the BF16 roundings can differ only by the one step where that
+# straddles a rounding midpoint.
 def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((a.view(torch.int16).int() - b.view(torch.int16).int()).abs().max())
 

@@ -3,13 +3,15 @@ shapes).
 
 Tolerances: the kernel rounds the rotated input to BF16 exactly as the reference does (bit-exact,
 checked through an identity weight) and forms exact products; only the FP32 summation order of the
-(H/G)*512-term dots differs (~1e-7 of the terms' magnitude), so z may differ from the reference by
-a rare one-ulp flip of the BF16 output rounding: rel RMS < 1e-3 and max |diff| <= 1 BF16 ulp of
-the row's largest |z|. Per element the ulp bound cannot hold where a dot cancels (a
-result of 6e-6 from terms summing to 13 in magnitude carries FP32 noise of ~1e-6 in any order).
-The FP8 variant is held to the same against the reference fed its dequantized weight; against
-the BF16 weight it was quantized from, rel RMS < 3e-2 (the loose bound of architecture's two references; E4M3 keeps 3
-mantissa bits, about 2.6% RMS here).
+(H/G)*512-term dots differs (~1e-7 of the terms' magnitude), so z may differ from the reference by a
+rare one-ulp flip of the BF16 output rounding: rel RMS < 1e-3 and max |diff| <= 1 BF16 ulp of the
+row's largest |z|. (The rel RMS says flips are rare: a share f of elements one ulp off, at most 2^-7
+of the element, gives at most 2^-7 sqrt(f), so 1e-3 allows f up to 1.6 %; a flip needs the dot
+within ~1e-7 relative of a BF16 rounding midpoint, about 2^-14 of the elements.) Per element the ulp
+bound cannot hold where a dot cancels (a result of 6e-6 from terms summing to 13 in magnitude
+carries FP32 noise of ~1e-6 in any order). The FP8 variant is held to the same against the reference
+fed its dequantized weight; against the BF16 weight it was quantized from, rel RMS < 3e-2 (the loose
+bound of architecture's two references; E4M3 keeps 3 mantissa bits, about 2.6% RMS here).
 """
 
 import pytest
