@@ -122,11 +122,14 @@ def test_bookkeeping_free_and_admit(cpu_setup):
     ref, _ = stack.forward(x2, twin.plan(rows), twin)
     # nothing of a's is read: bit for bit the run in the clean slot
     assert torch.equal(out, out_fresh) and torch.equal(pre, pre_fresh)
-    # and close to the generic path: d's 3-token context holds fewer entries than top-k and the
-    # candidate pool, so no selection can differ; the kernels' rounding compounds over the 3 layers
-    # and their boundaries (measured 4e-2; a stale record would be O(1) off)
+    # and the generic path's bits: d's 3-token context holds fewer entries than top-k and the
+    # candidate pool, so no selection can differ, and on the CPU every layer's o, records, u and
+    # streams give the reference's bits (test_teacher_forced_layers). The one difference the
+    # contract admits is an FP8 code flip of wo_b's input where a z element sits at an E4M3
+    # rounding boundary (teacher_forced's attribution accepts it); none does on these rows, so
+    # bit for bit (measured; a stale record would be O(1) off)
     e = rel(out[:3], ref[:3])
-    assert e <= 0.1, f"new request in a freed slot: rel RMS {e:.2e} vs the generic path"
+    assert torch.equal(out[:3], ref[:3]), f"new request in a freed slot: rel RMS {e:.2e} vs the generic path"
     assert (st.length("d"), st.length("b")) == (3, 17)
     assert st.seq_lens.tolist() == [3, 17, 6, 0]
     for r in (1, 2):
