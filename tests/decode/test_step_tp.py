@@ -77,4 +77,7 @@ def test_tp_step_matches_tp1(world, heads, tmp_path_factory, tmp_path):
     out = tmp_path / "errs.safetensors"
     mp.spawn(_rank, args=(world, str(d), str(tmp_path / "store"), str(out)), nprocs=world, join=True)
     errs = load_file(out)["errs"]
+    # 2e-2 is not derived: the ranks' wo_b partials are added in another order than the one-rank
+    # sum, which can tip a BF16 rounding of y, and such a flip compounds through the boundaries
+    # and later layers in a way no format bound covers. Measured: 0 (bit for bit) at TP2 and TP4.
     assert len(errs) == len(STEPS) and float(errs.max()) <= 2e-2, f"TP{world} vs TP1 streams rel RMS per step: {errs.tolist()}"
