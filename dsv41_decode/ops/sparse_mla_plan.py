@@ -19,10 +19,10 @@ BLOCK_KEYS = 64
 # Per row-count tiling of the decode step's plans (H200, 64 heads, 128 + 512 keys, graph replay:
 # 16-head programs 25.5 us at 1-2 rows against 27.6 with 32; 32-head programs 28.6 / 40.6 / 66.1 /
 # 132 / 262 us at 4 / 8 / 16 / 32 / 64 rows, the separate combination 1-9 us faster than the last
-# block combining; docs/attn.md). Every plan splits the keys into their 64-key blocks (`split`), so every row count
-# combines the blocks' partials in the same order and a row's outputs do not depend on the other
-# rows of the step; only what leaves the bits unchanged varies with the row count (heads per program,
-# warps, where the blocks are combined).
+# block combining; docs/results/sparse-mla-probe-h200.txt). Every plan splits the keys into their
+# 64-key blocks (`split`), so every row count combines the blocks' partials in the same order and a
+# row's outputs do not depend on the other rows of the step; only what leaves the bits unchanged
+# varies with the row count (heads per program, warps, where the blocks are combined).
 STEP_TILINGS = ((2, dict(block_h=16, num_warps=8, separate_combine=True)),
                 (256, dict(block_h=32, num_warps=8, separate_combine=True)))
 
