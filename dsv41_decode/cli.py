@@ -176,24 +176,24 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0, help="seed of the weights, inputs and FFN stand-in (default: 0)")
     _common(r, threads=True)
 
-    b = sub.add_parser("bench", help="GPU benchmarks (results under docs/results/)")
+    b = sub.add_parser("bench", help="GPU benchmarks (results under out/, or --out docs/results for the canonical set)")
     bsub = b.add_subparsers(dest="bench_cmd", required=True, metavar="BENCH")
     rows = _int_list(1)
     g = bsub.add_parser("gemm", help="every V4.1-Flash attention linear (and TP2/4/8 shards) at 1-64 rows: ours vs "
                         "the regular path, cuBLAS BF16 and torch._scaled_mm FP8, against the measured read floor",
                         description="Times by CUDA-graph replay with the weights rotated beyond L2 (median of 50), "
-                        "prints a table, writes docs/results/gemm-<gpu>.jsonl and a PNG of GB/s vs rows.")
+                        "prints a table, writes <out>/gemm-<gpu>.jsonl and a PNG of GB/s vs rows.")
     g.add_argument("--rows", type=rows, default=(1, 2, 4, 8, 16, 32, 64),
                    help="row counts (default: 1,2,4,8,16,32,64)")
     g.add_argument("--ops", default="", help="only these ops, comma-separated (e.g. wq_b,wo_b; default: all)")
     g.add_argument("--tp", type=_int_list(1), default=(1, 2, 4, 8),
                    help="tensor-parallel shards to include (default: 1,2,4,8)")
-    g.add_argument("--out", type=Path, default=Path("docs/results"), help="results folder (default: docs/results)")
+    g.add_argument("--out", type=Path, default=Path("out"), help="results folder (default: out/, git-ignored; --out docs/results for the canonical set)")
     _common(g)
 
     at = bsub.add_parser("attn", help="the sparse-attention kernels (sparse MLA, indexer + top-k, record writes) "
                          "on synthetic state, against the reference on the GPU and FlashMLA's Hopper sparse decode",
-                         description="Times by CUDA-graph replay (median of 50); writes docs/results/attn-<gpu>.jsonl. "
+                         description="Times by CUDA-graph replay (median of 50); writes <out>/attn-<gpu>.jsonl. "
                          "FlashMLA is timed when the `flash_mla` package (sgl-flash-mla 1.0.0) imports.")
     at.add_argument("--rows", type=rows, default=(1, 4, 16, 64), help="rows (default: 1,4,16,64)")
     at.add_argument("--heads", type=rows, default=(8, 16, 32, 64),
@@ -204,12 +204,12 @@ def _parser() -> argparse.ArgumentParser:
                     default=("sparse_mla", "indexer", "kv_write"),
                     help="kernel families to run (default: sparse_mla,indexer,kv_write)")
     at.add_argument("--name", default="attn", help="results file stem: <out>/<name>-<gpu>.jsonl (default: attn)")
-    at.add_argument("--out", type=Path, default=Path("docs/results"), help="results folder (default: docs/results)")
+    at.add_argument("--out", type=Path, default=Path("out"), help="results folder (default: out/, git-ignored; --out docs/results for the canonical set)")
     _common(at)
 
     st = bsub.add_parser("step", help="the 40-layer V4.1-Flash decode step (random weights, synthetic state): "
                          "specialized step vs no overlap vs the generic path, per-layer-kind breakdown, timeline",
-                         description="Times by CUDA-graph replay (median of 20); writes docs/results/step-<gpu>.jsonl, "
+                         description="Times by CUDA-graph replay (median of 20); writes <out>/step-<gpu>.jsonl, "
                          "step-timeline-<gpu>.json (profiler trace) and step-timeline-<gpu>.png.")
     st.add_argument("--rows", type=rows, default=(1, 2, 4, 8, 16, 32, 64),
                     help="row buckets (default: 1,2,4,8,16,32,64)")
@@ -225,7 +225,7 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--name", default="step", help="results file stem (default: step)")
     st.add_argument("--variants", default=None, help="step variants timed next to the default one, comma-separated "
                     "of no_overlap, wo_a_fp8 (bench.step.VARIANTS; default: no_overlap,wo_a_fp8)")
-    st.add_argument("--out", type=Path, default=Path("docs/results"), help="results folder (default: docs/results)")
+    st.add_argument("--out", type=Path, default=Path("out"), help="results folder (default: out/, git-ignored; --out docs/results for the canonical set)")
     _common(st)
 
     pf = bsub.add_parser("prefill", help="one request's prompt (4K / 32K / 128K tokens) through the 40-layer "
@@ -233,14 +233,14 @@ def _parser() -> argparse.ArgumentParser:
                          "layer kind, floors",
                          description="Wall time of each prefill (CUDA graphs of the step's kernels over chunks), the "
                          "bytes and compute floors, one layer of each kind alone per chunk; writes "
-                         "docs/results/prefill-<gpu>.jsonl.")
+                         "<out>/prefill-<gpu>.jsonl.")
     pf.add_argument("--prompts", type=rows, default=(4096, 32768, 131072),
                     help="prompt lengths (default: 4096,32768,131072)")
     pf.add_argument("--chunk", type=_int_at_least(1), default=64, help="rows per call, 1..64 (default: 64)")
     pf.add_argument("--reference-tokens", type=_int_at_least(0), default=32, help="prompt length on which the "
                     "reference path's time per token is measured for the baseline; 0 skips it (default: 32)")
     pf.add_argument("--name", default="prefill", help="results file stem (default: prefill)")
-    pf.add_argument("--out", type=Path, default=Path("docs/results"), help="results folder (default: docs/results)")
+    pf.add_argument("--out", type=Path, default=Path("out"), help="results folder (default: out/, git-ignored; --out docs/results for the canonical set)")
     _common(pf)
 
     pt = sub.add_parser("plot", help="plot committed bench results (JSON lines of bench gemm, attn or step) as a "
