@@ -40,6 +40,30 @@ def planned_rows(plan, plan_type: type, t, name: str, dims: str) -> int:
     return m
 
 
+UE8M0_DTYPES = (torch.uint8, torch.float8_e8m0fnu)
+
+
+def mxfp8_linear_args(codes, x_scale, out, n: int, k: int, max_rows: int, device: torch.device) -> torch.Tensor:
+    """Check the activation side of an MXFP8 x FP8 linear launch (codes [M, K] float8_e4m3fn,
+    x_scale [M, K/32] UE8M0, out [M, N] BF16 or FP32, all on `device`, 1 <= M <= max_rows) with
+    errors naming the argument; returns out, allocated as BF16 when None."""
+    if not isinstance(codes, torch.Tensor) or codes.dim() != 2:
+        raise ValueError(f"codes must be a 2-D [M, K] tensor, got "
+                         f"{tuple(codes.shape) if isinstance(codes, torch.Tensor) else type(codes).__name__}")
+    m = codes.shape[0]
+    if not 1 <= m <= max_rows:
+        raise ValueError(f"codes has M={m} rows; this plan takes 1..{max_rows}")
+    require_tensor(codes, "codes", (torch.float8_e4m3fn,), (m, k))
+    require_tensor(x_scale, "x_scale", UE8M0_DTYPES, (m, k // 32))
+    if out is None:
+        out = torch.empty(m, n, dtype=torch.bfloat16, device=device)
+    require_tensor(out, "out", (torch.bfloat16, torch.float32), (m, n))
+    for name, t in (("codes", codes), ("x_scale", x_scale), ("out", out)):
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device} but the weight is on {device}")
+    return out
+
+
 def interpreting() -> bool:
     """True under the Triton interpreter (TRITON_INTERPRET=1): kernels run on the CPU in NumPy."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -60,7 +60,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .checks import require_tensor
+from .checks import UE8M0_DTYPES, mxfp8_linear_args, require_tensor
 from .common import num_sms
 from .low_latency_mm import _Operands   # the plan cache's key: same memory, same view
 
@@ -250,7 +250,6 @@ def split_bounds(split: int, k: int) -> tuple[int, int]:
     return per * BLOCK_K, -(-steps // per)
 
 
-_UE8M0 = (torch.uint8, torch.float8_e8m0fnu)
 
 
 def _words(scale: torch.Tensor, name: str) -> torch.Tensor:
@@ -287,7 +286,7 @@ class GluonMM:
             raise ValueError(f"weight must be [N, K] with N >= 1 and K a positive multiple of {BLOCK_K}, "
                              f"got {(n, k)} (use ops.low_latency_mm)")
         require_tensor(weight, "weight", (torch.float8_e4m3fn,), (n, k))
-        require_tensor(w_scale, "w_scale", _UE8M0, (-(-n // 32), k // 32))
+        require_tensor(w_scale, "w_scale", UE8M0_DTYPES, (-(-n // 32), k // 32))
         if w_scale.device != weight.device:
             raise ValueError(f"w_scale is on {w_scale.device} but weight is on {weight.device}")
         if weight.device.type != "cuda" or torch.cuda.get_device_capability(weight.device) != (9, 0):
@@ -333,20 +332,8 @@ class GluonMM:
             unrounded FP32 sums (a tensor-parallel partial).
         Returns out.
         """
-        if not isinstance(codes, torch.Tensor) or codes.dim() != 2:
-            raise ValueError(f"codes must be a 2-D [M, K] tensor, got "
-                             f"{tuple(codes.shape) if isinstance(codes, torch.Tensor) else type(codes).__name__}")
+        out = mxfp8_linear_args(codes, x_scale, out, self.n, self.k, self.max_rows, self.device)
         m = codes.shape[0]
-        if not 1 <= m <= self.max_rows:
-            raise ValueError(f"codes has M={m} rows; this plan takes 1..{self.max_rows}")
-        require_tensor(codes, "codes", (torch.float8_e4m3fn,), (m, self.k))
-        require_tensor(x_scale, "x_scale", _UE8M0, (m, self.k // 32))
-        if out is None:
-            out = torch.empty(m, self.n, dtype=torch.bfloat16, device=self.device)
-        require_tensor(out, "out", (torch.bfloat16, torch.float32), (m, self.n))
-        for name, t in (("codes", codes), ("x_scale", x_scale), ("out", out)):
-            if t.device != self.device:
-                raise ValueError(f"{name} is on {t.device} but the weight is on {self.device}")
         if codes.stride(0) % 16 or codes.data_ptr() % 16:
             raise ValueError(f"codes rows must be 16-byte aligned for TMA (row stride {codes.stride(0)}, "
                              f"address {codes.data_ptr():#x})")

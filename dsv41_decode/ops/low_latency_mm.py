@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .checks import interpreting, require_tensor
+from .checks import UE8M0_DTYPES, interpreting, mxfp8_linear_args, require_tensor
 from .common import num_sms
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
 
@@ -294,7 +294,6 @@ def _default_config(n: int, k: int, block_m: int, sms: int) -> LowLatencyConfig:
 
 
 
-_UE8M0 = (torch.uint8, torch.float8_e8m0fnu)
 
 
 @dataclass(frozen=True)
@@ -331,7 +330,7 @@ class LowLatencyMM:
         if k % 32 or k == 0 or n == 0:
             raise ValueError(f"weight must be [N, K] with N >= 1 and K a positive multiple of 32, got {(n, k)}")
         require_tensor(weight, "weight", (torch.float8_e4m3fn,), (n, k))
-        require_tensor(w_scale, "w_scale", _UE8M0, (-(-n // 32), k // 32))
+        require_tensor(w_scale, "w_scale", UE8M0_DTYPES, (-(-n // 32), k // 32))
         if w_scale.device != weight.device:
             raise ValueError(f"w_scale is on {w_scale.device} but weight is on {weight.device}")
         if weight.device.type != "cuda" and not interpreting():
@@ -393,23 +392,11 @@ class LowLatencyMM:
             unrounded FP32 sums (a tensor-parallel partial).
         Returns out.
         """
-        if not isinstance(codes, torch.Tensor) or codes.dim() != 2:
-            raise ValueError(f"codes must be a 2-D [M, K] tensor, got "
-                             f"{tuple(codes.shape) if isinstance(codes, torch.Tensor) else type(codes).__name__}")
-        m = codes.shape[0]
-        if m > MAX_ROWS:
-            raise ValueError(f"codes has M={m} rows; low_latency_mm takes at most {MAX_ROWS}: "
+        if isinstance(codes, torch.Tensor) and codes.dim() == 2 and codes.shape[0] > MAX_ROWS:
+            raise ValueError(f"codes has M={codes.shape[0]} rows; low_latency_mm takes at most {MAX_ROWS}: "
                              f"use the regular path ops.fp8_mm for more")
-        if not 1 <= m <= self.max_rows:
-            raise ValueError(f"codes has M={m} rows; this plan takes 1..{self.max_rows}")
-        require_tensor(codes, "codes", (torch.float8_e4m3fn,), (m, self.k))
-        require_tensor(x_scale, "x_scale", _UE8M0, (m, self.k // 32))
-        if out is None:
-            out = torch.empty(m, self.n, dtype=torch.bfloat16, device=self.device)
-        require_tensor(out, "out", (torch.bfloat16, torch.float32), (m, self.n))
-        for name, t in (("codes", codes), ("x_scale", x_scale), ("out", out)):
-            if t.device != self.device:
-                raise ValueError(f"{name} is on {t.device} but the weight is on {self.device}")
+        out = mxfp8_linear_args(codes, x_scale, out, self.n, self.k, self.max_rows, self.device)
+        m = codes.shape[0]
         launch = self.launch_for(m)
         cfg = launch.config
         word = launch.scale_word      # the weight side was checked at build; here the activation's
