@@ -36,7 +36,7 @@ from dsv41_decode.stack import AttentionStack
 from dsv41_decode.state import DecodeState
 from dsv41_decode.testing.compare import rel_rms as rel
 from dsv41_decode.testing.compare import row_ulp_distance, ulp_distance
-from dsv41_decode.testing.trace import MAX_ULP, _attribute_attn_out, _wo_b_input
+from dsv41_decode.testing.trace import MAX_ULP, attribute_attn_out, wo_b_input
 
 
 # ------------------------------------------------------------------------ the format oracle
@@ -247,8 +247,8 @@ def attn_out_ulps(y: torch.Tensor, y_ref: torch.Tensor, o_ref: torch.Tensor, pos
     o_ref moved so, through wo_b lands within MAX_ULP of y), at its distance otherwise."""
     res = SimpleNamespace(flips=[], attn_out_unexplained_ulp=0.0)
     o_ref, positions = o_ref.cpu(), positions.cpu()
-    z_ref = _wo_b_input(layer, o_ref.to(layer.device), positions.to(layer.device)).cpu()
-    _attribute_attn_out(res, y_ref.cpu(), z_ref, o_ref, positions, layer, y.cpu())
+    z_ref = wo_b_input(layer, o_ref.to(layer.device), positions.to(layer.device)).cpu()
+    attribute_attn_out(res, y_ref.cpu(), z_ref, o_ref, positions, layer, y.cpu())
     return res.attn_out_unexplained_ulp
 
 

@@ -263,7 +263,7 @@ def verify_trace(folder: str | Path, progress: bool = False, path: str = "refere
                     _reuse_agreement(res, ctx.topk[spec.index_source],
                                      get(L, "compress_topk").reshape(B * s, -1).long())
                 o = ctx.record[f"layers.{L}.o"]
-                z = _wo_b_input(layers[L], o, step.positions)
+                z = wo_b_input(layers[L], o, step.positions)
                 lat = ctx.record.get(f"layers.{L}.compressor_latent")
                 latent = None if lat is None else [lat[r] for r in reqs]
                 cands = ctx.candidates.get(L)
@@ -271,7 +271,7 @@ def verify_trace(folder: str | Path, progress: bool = False, path: str = "refere
             res.attn_out = y
             ref = get(L, "attn_out").reshape(B * s, cfg.dim)
             res.attn_out_ulp, res.attn_out_rel_rms = ulp_distance(y, ref), rel_rms(y, ref)
-            _attribute_attn_out(res, y, z.cpu(), o.cpu(), step.positions, layers[L], ref)
+            attribute_attn_out(res, y, z.cpu(), o.cpu(), step.positions, layers[L], ref)
             _compare_state(res, cfg, L, state, reqs, pos, get, latent, cands)
             if on_step:
                 nxt = L + 1 if L + 1 in layers else None
@@ -302,13 +302,13 @@ def _reuse_agreement(res, src, theirs) -> None:
     res.topk["differ"] = theirs.shape[0] - res.topk["equal"]
 
 
-def _wo_b_input(layer: AttentionLayer, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def wo_b_input(layer: AttentionLayer, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """z = grouped_wo_a(o), the BF16 input of wo_b, as the generic layer computed it."""
     cis = rope_cis(layer.freqs, positions.to(o.device))
     return grouped_wo_a(o, cis, layer.wo_a, layer.cfg.o_groups, layer.cfg.rope_head_dim)
 
 
-def _attribute_attn_out(res, y, z, o, positions, layer: AttentionLayer, ref) -> None:
+def attribute_attn_out(res, y, z, o, positions, layer: AttentionLayer, ref) -> None:
     """Rows of attn_out past MAX_ULP: explained by one FP8 flip of wo_b's input caused by an
     ulp-level move of z or of o (attribution.explain_wo_b_row, explain_o_row), or not."""
     worst = 0.0
