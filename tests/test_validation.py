@@ -101,21 +101,25 @@ def test_stale_step_is_rejected_before_any_cache_is_written(stack):
     assert torch.equal(y, y_clean)
 
 
+def rejected(stack, st, step, rows: int, exc, match: str, advance: bool = True) -> None:
+    """stack.forward of `rows` rows under `step` (and, with advance, st.advance(step)) raise exc
+    matching `match`, and leave every buffer and bookkeeping entry of st as it was."""
+    snap = snapshot(st)
+    with pytest.raises(exc, match=match):
+        stack.forward(streams(rows, stack.cfg, 1), step, st)
+    if advance:
+        with pytest.raises(exc, match=match):
+            st.advance(step)
+    unchanged(st, snap)
+
+
 def test_foreign_and_replaced_steps_are_rejected(stack):
     st, other = served(stack), served(stack)
     foreign = other.plan([("a", 1)])             # same ids and lengths, another state
     mine = st.plan([("a", 1)])
-    snap = snapshot(st)
-    with pytest.raises(ValueError, match="not this state's current plan"):
-        stack.forward(streams(1, stack.cfg, 1), foreign, st)
-    unchanged(st, snap)
+    rejected(stack, st, foreign, 1, ValueError, "not this state's current plan", advance=False)
     newer = st.plan([("a", 2)])                  # replaces `mine`
-    snap = snapshot(st)
-    with pytest.raises(ValueError, match="not this state's current plan"):
-        stack.forward(streams(1, stack.cfg, 1), mine, st)
-    with pytest.raises(ValueError, match="not this state's current plan"):
-        st.advance(mine)
-    unchanged(st, snap)
+    rejected(stack, st, mine, 1, ValueError, "not this state's current plan")
     stack.forward(streams(2, stack.cfg, 1), newer, st)
     assert st.length("a") == 11
 
@@ -124,20 +128,12 @@ def test_freed_and_readmitted_requests_are_rejected(stack):
     st = served(stack)
     step = st.plan([("a", 1), ("b", 1)])
     st.free("b")
-    snap = snapshot(st)
-    with pytest.raises(KeyError, match="'b' is not live"):
-        stack.forward(streams(2, stack.cfg, 1), step, st)
-    with pytest.raises(KeyError, match="'b' is not live"):
-        st.advance(step)
-    unchanged(st, snap)
+    rejected(stack, st, step, 2, KeyError, "'b' is not live")
     st.admit("b")                                # same id, a fresh request at length 0
     step = st.plan([("b", 2)])
     st.free("b")
     st.admit("b")
-    snap = snapshot(st)
-    with pytest.raises(ValueError, match="'b' was freed or re-admitted"):
-        stack.forward(streams(2, stack.cfg, 1), step, st)
-    unchanged(st, snap)
+    rejected(stack, st, step, 2, ValueError, "'b' was freed or re-admitted", advance=False)
 
 
 def test_bad_inputs_to_forward_change_nothing(stack):

@@ -146,12 +146,16 @@ def test_ll_bf16_row_bits(dtype):
     _assert_same_row(_row_results(run, _mxfp8_rows(k), 6))
 
 
-def test_hc_mix_row_bits():
-    dim = 128
+HC_DIM = 128
+
+
+def _hc_mix_run(max_rows: int, split: int):
+    """hc_mix_ at dim 128 with fixed random mixer weights: a function of the streams [m, 4, dim]
+    returning (pre, post, comb) on the CPU."""
     gen = torch.Generator().manual_seed(3)
-    fn = (torch.randn(24, 4 * dim, generator=gen) / dim ** 0.5).to(DEVICE)
+    fn = (torch.randn(24, 4 * HC_DIM, generator=gen) / HC_DIM ** 0.5).to(DEVICE)
     scale, base = (0.5 + torch.rand(3, generator=gen)).to(DEVICE), (0.5 * torch.randn(24, generator=gen)).to(DEVICE)
-    plan = HcMixPlan.build(dim, 64, DEVICE, split=2)
+    plan = HcMixPlan.build(HC_DIM, max_rows, DEVICE, split=split)
 
     def run(x):
         m = x.shape[0]
@@ -159,7 +163,15 @@ def test_hc_mix_row_bits():
         hc_mix_(x.to(DEVICE), fn, scale, base, 1e-6, 1e-6, 20, pre, post, comb, plan)
         return pre.cpu(), post.cpu(), comb.cpu()
 
-    _assert_same_row(_row_results(run, lambda n, g: torch.randn(n, 4, dim, generator=g).bfloat16(), 7))
+    return run
+
+
+def _hc_streams(n, g):
+    return torch.randn(n, 4, HC_DIM, generator=g).bfloat16()
+
+
+def test_hc_mix_row_bits():
+    _assert_same_row(_row_results(_hc_mix_run(64, 2), _hc_streams, 7))
 
 
 def test_hc_mix_old_per_bucket_lanes_would_differ(monkeypatch):
@@ -171,19 +183,7 @@ def test_hc_mix_old_per_bucket_lanes_would_differ(monkeypatch):
         return hc_mix_mod.HcMixTile(bm, 16 if bm <= 2 else 32, 4, 3)
 
     monkeypatch.setattr(hc_mix_mod, "_mix_tile", old_tile)
-    dim = 128
-    gen = torch.Generator().manual_seed(3)
-    fn = (torch.randn(24, 4 * dim, generator=gen) / dim ** 0.5).to(DEVICE)
-    scale, base = (0.5 + torch.rand(3, generator=gen)).to(DEVICE), (0.5 * torch.randn(24, generator=gen)).to(DEVICE)
-    plan = HcMixPlan.build(dim, 8, DEVICE, split=1)
-
-    def run(x):
-        m = x.shape[0]
-        pre, post, comb = (torch.empty(m, *s, device=DEVICE) for s in ((4,), (4,), (4, 4)))
-        hc_mix_(x.to(DEVICE), fn, scale, base, 1e-6, 1e-6, 20, pre, post, comb, plan)
-        return pre.cpu(), post.cpu(), comb.cpu()
-
-    outs = _row_results(run, lambda n, g: torch.randn(n, 4, dim, generator=g).bfloat16(), 7, counts=[(1, 0), (8, 5)])
+    outs = _row_results(_hc_mix_run(8, 1), _hc_streams, 7, counts=[(1, 0), (8, 5)])
     assert any(not torch.equal(a, b) for a, b in zip(*outs))
 
 
