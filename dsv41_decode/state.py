@@ -47,6 +47,7 @@ from .records import (
     unpack_index_key,
     unpack_window_kv,
 )
+from .upload import HostUpload
 
 
 class CapacityError(RuntimeError):
@@ -69,6 +70,8 @@ class StepRows:
     row_start: the index of each request's first row among the N rows.
     plan_key: which plan of which state made these rows (`DecodeState.check_step` compares it; a
         deep copy of the state keeps its key, so a snapshot accepts the rows planned before it).
+    slots: each request's slot, on the host (what a caller builds host tables from without reading
+        `req_slot` back from the device).
     """
 
     req_ids: tuple
@@ -78,6 +81,7 @@ class StepRows:
     positions: torch.Tensor
     row_start: tuple[int, ...]
     plan_key: tuple = ()
+    slots: tuple[int, ...] = ()
 
     @property
     def n_rows(self) -> int:
@@ -144,6 +148,11 @@ class DecodeState:
       seq_lens: int32 [max_requests], the tokens each slot held after the last `advance` (0 for a
         free slot); the host-side `length()` is the source of truth.
     with `pages_r = ceil(max_tokens / r / page_size) + max_requests`.
+
+    The host tables a call writes to the device (its rows' slots and positions, new block-table
+    entries, `seq_lens`, the rows `accept` restores) go through pinned host memory
+    (`upload.HostUpload`), ordered on the current stream: `plan`, `advance` and `accept` enqueue
+    their device work and never wait for the device.
     """
 
     def __init__(self, cfg: ModelConfig, max_requests: int, max_context: int,
@@ -219,6 +228,10 @@ class DecodeState:
                           dtype=torch.int32, device=dev)
             for r in self.ratios}
         self.seq_lens = torch.zeros(max_requests, dtype=torch.int32, device=dev)
+        # a slot holds the largest table of a call of up to stage_rows rows: its rows' slots and
+        # positions (16 B a row), a ratio's new pages (16 B each, at most 2 a row), the restored
+        # rows of accept (64 B a request)
+        self._upload = HostUpload(dev, slot_bytes=max(4096, 64 * max_requests, 32 * stage_rows))
 
         # Host bookkeeping. Slots are handed out lowest first; pages from a LIFO free list.
         self._req_slot: dict[Hashable, int] = {}
@@ -357,17 +370,17 @@ class DecodeState:
                     f"max_tokens={self.max_tokens})")
             grants[r] = todo
         for r, todo in grants.items():
-            t_rows, t_cols, t_pages = [], [], []
+            table = self.block_table[r]
+            t_flat, t_pages = [], []      # flat index of (slot, column) in the table, page
             for s, n in todo:
                 held = self._pages[r][s]
                 for _ in range(n):
-                    t_rows.append(s)
-                    t_cols.append(len(held))
+                    t_flat.append(s * table.shape[1] + len(held))
                     held.append(self._free_pages[r].pop())
                     t_pages.append(held[-1])
-            if t_rows:
-                where = (torch.tensor(t_rows).to(self.device), torch.tensor(t_cols).to(self.device))
-                self.block_table[r][where] = torch.tensor(t_pages, dtype=torch.int32).to(self.device)
+            if t_flat:
+                grant = self._upload.tensor([t_flat, t_pages], torch.int64)
+                table.view(-1).index_copy_(0, grant[0], grant[1].to(torch.int32))
 
         self._pending = [0] * self.max_requests
         self._accepting = {}   # a new call: the last one can no longer be accepted
@@ -381,11 +394,11 @@ class DecodeState:
             pos_rows.extend(range(start, start + count))
         self._plan_key = (self._plan_key[0], self._plan_key[1] + 1)
         self._planned = self._plan_key
+        slot_pos = self._upload.tensor([slot_rows, pos_rows], torch.int64)
         return StepRows(
             req_ids=tuple(ids), counts=tuple(counts), starts=tuple(starts),
-            req_slot=torch.tensor(slot_rows, dtype=torch.int64).to(self.device),
-            positions=torch.tensor(pos_rows, dtype=torch.int64).to(self.device),
-            row_start=tuple(row_start), plan_key=self._plan_key)
+            req_slot=slot_pos[0], positions=slot_pos[1],
+            row_start=tuple(row_start), plan_key=self._plan_key, slots=tuple(slots))
 
     def check_step(self, step: StepRows, what: str = "step") -> list[int]:
         """Raise unless `step` is this state's current plan; return its requests' slots.
@@ -422,7 +435,7 @@ class DecodeState:
             self._lengths[s] += count
             self._pending[s] = 0
             self._accepting[s] = (start, count)
-        self.seq_lens.copy_(torch.tensor(self._lengths, dtype=torch.int32))
+        self._upload.copy_(self.seq_lens, self._lengths)
 
     def accept(self, kept: Mapping[Hashable, int]) -> None:
         """Keep only the first `kept[req]` rows of each listed request's last advanced call.
@@ -479,10 +492,10 @@ class DecodeState:
                     restore.append((s, p % 2) + ((s, p % self.comp_history) if p >= 0
                                                  else (self.max_requests, 0)))
         if restore:
-            idx = torch.tensor(restore, dtype=torch.int64).T.to(self.device)
+            idx = self._upload.tensor(list(zip(*restore)), torch.int64)
             self._comp[idx[0], idx[1]] = self._comp_rows[idx[2], idx[3]]
         if todo:
-            self.seq_lens.copy_(torch.tensor(self._lengths, dtype=torch.int32))
+            self._upload.copy_(self.seq_lens, self._lengths)
 
     # ----- window cache (generic path) -----
     def window_slots(self, req_slot: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

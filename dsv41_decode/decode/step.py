@@ -6,7 +6,9 @@
 
 A call plans the step's rows in the `DecodeState` (page allocation, capacity checks), loads one
 small record per row to the device, replays the CUDA graph of the smallest bucket that holds the
-rows (rows past the step's are padding that writes nothing), and advances the state by every row;
+rows (rows past the step's are padding that writes nothing), and advances the state by every row.
+None of it waits for the device: the host tables go up from pinned memory (`upload.HostUpload`)
+ordered on the current stream, so the host prepares the next step while the device runs this one;
 `accept` then keeps a prefix of each request's rows (speculative decoding: `DecodeState.accept`,
 on a state built with `max_drafts`). Requests are admitted and freed on the state between steps;
 nothing is recaptured. Eager mode (`graphs=False`, and always on the CPU) runs the same schedule
@@ -203,6 +205,12 @@ class DecodeStep:
         pre: [N, hc] FP32 carried pre (default: one-hot on stream 0, as the stack's first block).
         Errors: KeyError for an unknown request, CapacityError past the state's capacities (both
         from DecodeState.plan), StepError for more rows than the largest bucket or a wrong x/pre.
+
+        On the host: the plan (Python bookkeeping), the rows' record (numpy), a few copies and small
+        kernels enqueued on the current stream (the tables from pinned memory, x and pre into the
+        step's inputs, the outputs' clones) and the graph's replay. It does not synchronize with
+        the device (tests/decode/test_step_call.py), except under the fused TP boundary, whose
+        check for a rank that never arrived reads the mailbox's error flag.
         """
         planned, bucket = self._upload(rows, x, pre)
         self.replay(bucket)

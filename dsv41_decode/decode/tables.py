@@ -1,7 +1,8 @@
 """Per-step metadata and sparse-index tables of the specialized decode step (design section 2.4-2.5).
 
 `StepMeta` owns every per-row quantity of a step in persistent device buffers sized for the largest
-row bucket. The host fills one small int64 record per row before a replay (`load`, one copy);
+row bucket. The host fills one small int64 record per row before a replay (`load`: built with numpy
+from the plan's host fields, one copy from pinned memory that does not wait for the device);
 everything else - window tables, ring and staging slots, RoPE rotations, visible-entry counts,
 compressed-entry slots - is derived on the device inside the captured step (`derive`), once per
 step, and shared by every layer.
@@ -17,12 +18,14 @@ request's later rows would otherwise overwrite ring slots its earlier rows still
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..config import ModelConfig
 from ..reference.rope import rope_cis, rope_freqs
 from ..ops.sparse_tables import step_rows_
 from ..state import DecodeState, StepRows
+from ..upload import HostUpload
 
 FIELDS = ("req_slot", "position", "start", "first_row", "last_position")
 
@@ -30,32 +33,42 @@ FIELDS = ("req_slot", "position", "start", "first_row", "last_position")
 def padding_record(rows: int) -> torch.Tensor:
     """The int64 [len(FIELDS), rows] record of `rows` padding rows (CPU): slot -1, position -1,
     start 0, each its own first row, last position -1. A run over them writes no cache or state."""
-    rec = torch.full((len(FIELDS), rows), -1, dtype=torch.int64)
-    rec[2].zero_()
-    rec[3] = torch.arange(rows)
+    return torch.from_numpy(_padding(rows))
+
+
+def _padding(rows: int) -> np.ndarray:
+    rec = np.full((len(FIELDS), rows), -1, dtype=np.int64)
+    rec[2] = 0
+    rec[3] = np.arange(rows)
     return rec
 
 
-def host_record(step: StepRows, bucket: int) -> torch.Tensor:
-    """The int64 [len(FIELDS), bucket] record of a planned step padded to `bucket` rows (CPU)."""
+def host_record(step: StepRows, bucket: int) -> np.ndarray:
+    """The int64 [len(FIELDS), bucket] record of a planned step padded to `bucket` rows, as a numpy
+    array built from the step's host fields (slots, starts, counts, row_start): nothing is read
+    from the device. ValueError for more rows than `bucket`, or a step without host slots."""
     n = step.n_rows
     if n > bucket:
         raise ValueError(f"the step has {n} rows, more than its bucket {bucket}")
-    rec = padding_record(bucket)
-    rec[0, :n] = step.req_slot.cpu()
-    rec[1, :n] = step.positions.cpu()
-    for i, (start, count) in enumerate(zip(step.starts, step.counts)):
-        rows = step.request_rows(i)
-        rec[2, rows] = start
-        rec[3, rows] = rows.start
-        rec[4, rows] = start + count - 1
+    if len(step.slots) != step.n_requests:
+        raise ValueError("the step carries no host slots: plan it with DecodeState.plan")
+    rec = _padding(bucket)
+    counts = np.asarray(step.counts, dtype=np.int64)
+    starts = np.asarray(step.starts, dtype=np.int64)
+    first = np.asarray(step.row_start, dtype=np.int64)
+    rec[0, :n] = np.repeat(np.asarray(step.slots, dtype=np.int64), counts)
+    rec[1, :n] = np.repeat(starts - first, counts) + np.arange(n)     # start + (row - first row)
+    rec[2, :n] = np.repeat(starts, counts)
+    rec[3, :n] = np.repeat(first, counts)
+    rec[4, :n] = np.repeat(starts + counts - 1, counts)
     return rec
 
 
 class StepMeta:
     """Persistent per-row buffers of a step, on the state's device; views `[:bucket]` per bucket.
 
-    record: int64 [5, max_rows] (FIELDS), loaded by the host before each replay.
+    record: int64 [5, max_rows] (FIELDS), loaded by the host before each replay (rows past the
+      step's: padding) from pinned memory the StepMeta owns, without waiting for the device.
     Derived on the device by `derive(rows)`:
       window_table int32 [max_rows, W]: the ring or staging slot of each position p-W+1..p, -1 none
         (ring slot `s * M + q % M`, M = `state.ring_size`);
@@ -78,6 +91,7 @@ class StepMeta:
         dev = state.device
         W = cfg.window_size
         self.record = padding_record(max_rows).to(dev)
+        self._upload = HostUpload(dev, slot_bytes=self.record.numel() * 8, slots=4)
         self.window_table = torch.full((max_rows, W), -1, dtype=torch.int32, device=dev)
         self.stage_slot = torch.full((max_rows,), -1, dtype=torch.int64, device=dev)
         self.stage_src = torch.arange(max_rows, device=dev) + state.stage_base
@@ -107,8 +121,12 @@ class StepMeta:
         self.record[:, :rows].copy_(padding_record(rows))
 
     def load(self, step: StepRows, bucket: int) -> None:
-        """Copy the step's host record into `record[:, :bucket]`, ordered on the current stream."""
-        self.record[:, :bucket].copy_(host_record(step, bucket))
+        """Load the step's host record into `record` (its rows past the step's: padding), ordered on
+        the current stream; the host does not wait for the device (`HostUpload`). ValueError when
+        the step has more rows than `bucket`."""
+        if step.n_rows > bucket:
+            raise ValueError(f"the step has {step.n_rows} rows, more than its bucket {bucket}")
+        self._upload.copy_(self.record, host_record(step, self.max_rows))
 
     def derive(self, rows: int) -> None:
         """Fill the derived buffers of the first `rows` rows from `record`: one table kernel and one
