@@ -210,7 +210,8 @@ def _parser() -> argparse.ArgumentParser:
 
     st = bsub.add_parser("step", help="the 40-layer V4.1-Flash decode step (random weights, synthetic state): "
                          "specialized step vs no overlap vs the generic path, per-layer-kind breakdown, timeline",
-                         description="Times by CUDA-graph replay (median of 20); writes <out>/step-<gpu>.jsonl, "
+                         description="Times by CUDA-graph replay (median of 20), and the public call step(x, rows) in a "
+                         "loop against its replay (step_call rows); writes <out>/step-<gpu>.jsonl, "
                          "step-timeline-<gpu>.json (profiler trace) and step-timeline-<gpu>.png.")
     st.add_argument("--rows", type=rows, default=(1, 2, 4, 8, 16, 32, 64),
                     help="row buckets (default: 1,2,4,8,16,32,64)")

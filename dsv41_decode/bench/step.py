@@ -5,7 +5,10 @@ prefill; built with `max_drafts=3`, as a speculative server would: rings of W + 
 compressors' row history), one row per request (and 4 requests x (1 + 3 draft rows), whose
 acceptance - `DecodeStep.accept` of the patterns 1..4 rows kept - is timed per step as
 `step_accept` rows: host wall time from the call to its device copies done, against the whole
-step call, `step_call`, as its baseline). Variants, in the same run:
+step call, `step_call`, as its baseline); and the public call in a loop: `step_call` rows, the
+median wall time per call of `step(x, rows)` called back to back (the device synchronized before
+the first call and after the last only), against `graph_replay`, the same rows' graph replay alone
+timed just before on the same state. Variants, in the same run:
 `full` (the specialized step), `no_overlap` (the same kernels, every lane on the main stream) and
 `generic` (the stack's own forward, eager: serial reference ops, tables rebuilt per layer), and at
 the generic contexts the options in `VARIANTS` picked by `--variants` (e.g. `wo_a_fp8`: `wo_a`
@@ -158,6 +161,12 @@ def run_step_bench(rows=ROWS, contexts=CONTEXTS, out_dir="out", progress=print, 
             from .step_timeline import write_timeline
             _arm(steps["full"], [(0, 1)], gen)
             write_timeline(steps["full"], 1, out_dir, info, progress)
+        # last: the calls advance the state, which the rows above time as filled
+        for name, case_rows in cases:
+            if "+" not in name:
+                nbytes = wbytes + kv_bytes(cfg, ctx, sum(c for _, c in case_rows))
+                results.append(_call_cost(steps["full"], case_rows, name, ctx, nbytes, floor, info, gen,
+                                          bench_name, progress))
         del steps, state
         torch.cuda.empty_cache()
     peak = torch.cuda.max_memory_allocated() / 2**30
@@ -196,6 +205,31 @@ def _accept_cost(step, ctx, floor, info, gen, bench_name, progress, reps: int = 
     progress(f"ctx {ctx} 4x(1+3): accept {us:.1f} us per step (the step call {base:.1f} us)")
     return record(bench_name, {"op": "step_accept", "rows": n, "requests": "4x(1+3)", "context": ctx, "tp": 1},
                   us, 0, floor, {"step_call": base}, info)
+
+
+def _call_cost(step, rows, name, ctx, nbytes, floor, info, gen, bench_name, progress, calls: int = 10,
+               repeats: int = 5) -> dict:
+    """`step_call`: the public call's wall time per step, `step(x, rows)` called `calls` times back
+    to back (the device synchronized before the first call and after the last only: what the host
+    adds that does not overlap the device shows), median over `repeats`; baseline `graph_replay`:
+    the same rows' CUDA graph replayed alone (`_replay_us`), on the same state just before. Each
+    call advances the state by its rows (1 + calls * repeats steps in all)."""
+    n, cfg = sum(c for _, c in rows), step.cfg
+    replay = _replay_us(step, _arm(step, rows, gen))
+    x = torch.randn(n, cfg.hc_mult, cfg.dim, generator=gen, device=step.device).to(torch.bfloat16)
+    step(x, rows)                                   # the outputs' first allocation
+    per_call = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            step(x, rows)
+        torch.cuda.synchronize()
+        per_call.append((time.perf_counter() - t0) / calls * 1e6)
+    us = statistics.median(per_call)
+    progress(f"ctx {ctx} rows {name}: step call {us:.1f} us per step in a loop, graph replay {replay:.1f} us")
+    return record(bench_name, {"op": "step_call", "rows": n, "requests": name, "context": ctx, "tp": 1},
+                  us, nbytes, floor, {"graph_replay": replay}, info)
 
 
 def _kind_breakdown(steps, cfg, ctx, kinds_rows, floor, info, gen, bench_name, progress) -> list[dict]:
