@@ -13,6 +13,7 @@ from dsv41_decode.config import ModelConfig
 from dsv41_decode.layer import CallContext
 from dsv41_decode.stack import AttentionStack
 from dsv41_decode.state import CapacityError, DecodeState, StepRows
+from dsv41_decode.upload import HostUpload
 from dsv41_decode.weights import load_checkpoint, write_synthetic_checkpoint
 
 
@@ -29,8 +30,8 @@ def _copy(v):
         return {k: _copy(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
         return type(v)(_copy(x) for x in v)
-    if isinstance(v, (StepRows, ModelConfig)) or hasattr(v, "layers"):
-        return v                      # compared by identity
+    if isinstance(v, (StepRows, ModelConfig, HostUpload)) or hasattr(v, "layers"):
+        return v                      # compared by identity (HostUpload: machinery, not state)
     return copy.deepcopy(v)
 
 
@@ -46,7 +47,7 @@ def _same(a, b, where="state") -> None:
         assert len(a) == len(b), f"{where}: length changed"
         for i, (x, y) in enumerate(zip(a, b)):
             _same(x, y, f"{where}[{i}]")
-    elif isinstance(a, StepRows) or hasattr(a, "layers"):
+    elif isinstance(a, (StepRows, HostUpload)) or hasattr(a, "layers"):
         assert a is b, f"{where} changed"
     else:
         assert a == b, f"{where}: {a!r} -> {b!r}"
