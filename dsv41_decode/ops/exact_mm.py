@@ -1,0 +1,306 @@
+"""The contract-exact low-batch MXFP8 linear on CUDA cores: y[M, N] = MXFP8 activation x FP8 weight
+with 32x32 UE8M0 block scales, for 1 <= M <= 64 rows, bitwise equal to `reference.linear.mxfp8_mm`.
+
+The contract (docs/contract.md, docs/spec-decisions.md decision 1): each 32-wide K block's dot
+product of E4M3 codes is computed exactly and rounded once to FP32 (round to nearest even), scaled
+by sx[m, kb] then sw[n // 32, kb], and added in K order into an FP32 accumulator that starts at 0;
+the sum is rounded to BF16 (or left FP32). Hopper's FP8 tensor-core MMA truncates while it adds a
+block's products, so `ops.low_latency_mm` misses that bit pattern on a few percent of its outputs;
+this op gets it on CUDA cores:
+
+- a product p of two E4M3 values is exact in FP32 (4 + 4 significant bits), a multiple of 2^-18
+  with |p| <= 448^2 < 2^18;
+- with S = 1.5 * 2^23, h = (p + S) - S is p rounded to an integer (p + S lies in [2^23, 2^24), where
+  the FP32 spacing is 1) and l = p - h is exact (a multiple of 2^-18, |l| <= 1/2);
+- the 32 h of a block sum exactly in FP32 in any order (integers, |sum| <= 32 * 448^2 < 2^23), and so
+  do the 32 l (multiples of 2^-18 of magnitude <= 16: 22 bits); RN(H + L) is then the exact block
+  sum rounded once, the contract's block partial. FMA contraction keeps every step exact: fma(w, x,
+  S) = RN(p + S) because p is exact, and fma(w, x, -h) = p - h, which is representable.
+
+Layout: each program owns BLOCK_N weight rows and every row of x, and streams K in steps of
+BLOCK_K bytes per weight row (16-byte loads, `num_stages` pipelining); the threads of a program
+split a step's K among them (the block sums are order-free), then the step's BLOCK_K / 32 block
+terms are gathered per weight row and added to the accumulator one by one in K order. There is no
+split-K across programs, so the FP32 sum is the reference's sequential one. The rows of x go
+through in groups of ROWS (a constexpr, 1..8) that share each converted weight tile; with more
+rows than a group the program streams its weight rows once per group (the repeats come from L2).
+Every configuration and every row count gives the same bits (`reduction_order`).
+
+An `ExactMM` plan binds one weight and its launch configurations once; calling it only launches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import UE8M0_DTYPES, interpreting, mxfp8_linear_args, require_tensor
+from .rounding import bf16_rne_bits, ue8m0_to_fp32
+
+MAX_ROWS = 64
+
+
+@triton.jit
+def _block_sums(w, x, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """part[n, j] = RN(sum over the 32 k of block j of w[n, k] * x[k]), exact before its one rounding.
+
+    w: [BLOCK_N, BLOCK_K] FP32 E4M3 values; x: [BLOCK_K] FP32 E4M3 values."""
+    S: tl.constexpr = 12582912.0          # 1.5 * 2^23: p + S rounds p to an integer (|p| < 2^18)
+    p = w * x[None, :]                    # exact
+    h = (p + S) - S                       # p rounded to an integer
+    lo = p - h                            # exact: a multiple of 2^-18, |lo| <= 1/2
+    h = tl.reshape(h, [BLOCK_N, BLOCK_K // 32, 32])
+    lo = tl.reshape(lo, [BLOCK_N, BLOCK_K // 32, 32])
+    return tl.sum(h, axis=2) + tl.sum(lo, axis=2)
+
+
+@triton.jit
+def _col(t, j: tl.constexpr, SUB: tl.constexpr):
+    """Column j of t [BLOCK_N, SUB] (SUB a power of two <= 8) as [BLOCK_N]: tl.split halves the last
+    dimension into its even and odd columns."""
+    if SUB == 1:
+        return tl.reshape(t, [t.shape[0]])
+    else:
+        even, odd = tl.split(tl.reshape(t, [t.shape[0], SUB // 2, 2]))
+        if j % 2 == 0:
+            return _col(even, j // 2, SUB // 2)
+        else:
+            return _col(odd, j // 2, SUB // 2)
+
+
+@triton.jit
+def _mul_rn(a, b, ASM: tl.constexpr):
+    """a * b rounded to FP32, never fused into a following add (inline PTX `mul.rn`, which ptxas
+    does not contract; the interpreter never contracts)."""
+    if ASM:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
+                                         is_pure=True, pack=1)
+    else:
+        return a * b
+
+
+@triton.jit
+def _row_step(acc, w, x_row, sx_row, sw, k0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+    """acc + the step's block terms of one row of x, added in K order: acc [BLOCK_N] FP32; w the
+    step's [BLOCK_N, BLOCK_K] weight tile in FP32, sw its [BLOCK_N, BLOCK_K / 32] scales in FP32;
+    x_row / sx_row this row's codes and scale bytes."""
+    SUB: tl.constexpr = BLOCK_K // 32
+    x = tl.load(x_row + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
+    part = _block_sums(w, x, BLOCK_N, BLOCK_K)                                  # [BN, SUB]
+    sx = ue8m0_to_fp32(tl.load(sx_row + k0 // 32 + tl.arange(0, SUB)).to(tl.int32))   # [SUB]
+    # The reference's order: partial * sx * sw, then the K-ordered FP32 sum.
+    term = _mul_rn(part * sx[None, :], sw, ASM)
+    for j in tl.static_range(SUB):
+        acc += _col(term, j, SUB)
+    return acc
+
+
+@triton.jit
+def _store_row(y_ptr, acc, rn, row, M, N, stride_ym, OUT_F32: tl.constexpr):
+    mask = (rn < N) & (row < M)
+    if OUT_F32:
+        tl.store(y_ptr + row * stride_ym + rn, acc, mask=mask)
+    else:
+        tl.store(y_ptr + row * stride_ym + rn, bf16_rne_bits(acc), mask=mask)
+
+
+# The row count and the scale strides take no part in vectorization: leaving them unspecialized
+# keeps one compiled kernel per configuration for every row count.
+@triton.jit(do_not_specialize=["M", "stride_sxm", "stride_swn"])
+def _exact_mm_kernel(
+    x_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr,
+    M, N, K, stride_xm, stride_sxm, stride_wn, stride_swn, stride_ym,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, OUT_F32: tl.constexpr,
+    STAGES: tl.constexpr = 3, ASM: tl.constexpr = True,
+):
+    # Grid: (N tiles,). Program t covers W rows [t*BLOCK_N, +BLOCK_N) over all of K and every row
+    # of x, ROWS at a time.
+    pid = tl.program_id(0)
+    rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    rs = tl.arange(0, BLOCK_K // 32)
+    # Rows past N or M read the last valid row and are masked at the store, so the K loop's loads
+    # need no masks and stay 16-byte vectors.
+    w_rows = w_ptr + tl.minimum(rn, N - 1) * stride_wn                 # [BN]
+    sw_rows = sw_ptr + (tl.minimum(rn, N - 1) // 32) * stride_swn      # [BN]
+    for m0 in range(0, M, ROWS):
+        r0 = tl.minimum(m0, M - 1)
+        r1 = tl.minimum(m0 + 1, M - 1)
+        r2 = tl.minimum(m0 + 2, M - 1)
+        r3 = tl.minimum(m0 + 3, M - 1)
+        acc0 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+            w = tl.load(w_rows[:, None] + k0 + rk[None, :]).to(tl.float32)           # [BN, BK]
+            sw = ue8m0_to_fp32(tl.load(sw_rows[:, None] + k0 // 32 + rs[None, :]).to(tl.int32))   # [BN, SUB]
+            acc0 = _row_step(acc0, w, x_ptr + r0 * stride_xm, sx_ptr + r0 * stride_sxm, sw, k0,
+                             BLOCK_N, BLOCK_K, ASM)
+            if ROWS >= 2:
+                acc1 = _row_step(acc1, w, x_ptr + r1 * stride_xm, sx_ptr + r1 * stride_sxm, sw, k0,
+                                 BLOCK_N, BLOCK_K, ASM)
+            if ROWS >= 4:
+                acc2 = _row_step(acc2, w, x_ptr + r2 * stride_xm, sx_ptr + r2 * stride_sxm, sw, k0,
+                                 BLOCK_N, BLOCK_K, ASM)
+                acc3 = _row_step(acc3, w, x_ptr + r3 * stride_xm, sx_ptr + r3 * stride_sxm, sw, k0,
+                                 BLOCK_N, BLOCK_K, ASM)
+        _store_row(y_ptr, acc0, rn, m0, M, N, stride_ym, OUT_F32)
+        if ROWS >= 2:
+            _store_row(y_ptr, acc1, rn, m0 + 1, M, N, stride_ym, OUT_F32)
+        if ROWS >= 4:
+            _store_row(y_ptr, acc2, rn, m0 + 2, M, N, stride_ym, OUT_F32)
+            _store_row(y_ptr, acc3, rn, m0 + 3, M, N, stride_ym, OUT_F32)
+
+
+@dataclass(frozen=True)
+class ExactConfig:
+    """One launch configuration of the kernel; every configuration gives the same bits.
+
+    block_n: W rows per program, a power of two (>= 2). block_k: K bytes per weight row per loop
+    step, 32 times a power of two (32 .. 256), dividing K. rows: x rows per pass over the weight
+    (1, 2 or 4; more rows take several passes). num_warps, num_stages: Triton's (the K loop's
+    loads are software-pipelined num_stages - 1 steps ahead through shared memory).
+    """
+
+    block_n: int = 16
+    block_k: int = 256
+    rows: int = 4
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self):
+        for name in ("block_n", "block_k", "rows", "num_warps", "num_stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ExactConfig.{name} must be a positive int, got {value!r}")
+        if self.block_n < 2 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"ExactConfig.block_n must be a power of two >= 2, got {self.block_n}")
+        if self.block_k not in (32, 64, 128, 256):
+            raise ValueError(f"ExactConfig.block_k must be 32, 64, 128 or 256, got {self.block_k}")
+        if self.rows not in (1, 2, 4):
+            raise ValueError(f"ExactConfig.rows must be 1, 2 or 4, got {self.rows}")
+
+
+# Per (N, K, row bucket): the configuration to use, once measured on an H200
+# (scripts/probe_exact_mm.py). Shapes and buckets without an entry take `_default_config`.
+_TUNED: dict[tuple[int, int, int], ExactConfig] = {}
+
+_ROW_BUCKETS = (1, 2, 4)     # rows per pass: a call with M rows uses the bucket min(4, 2^ceil(log2 M))
+
+
+def _default_config(n: int, k: int, rows: int) -> ExactConfig:
+    """256-deep K steps (the deepest that divides K), 16 weight rows per program of 4 warps (two
+    per thread: 16 threads split each step's 256 bytes), 4 stages."""
+    block_k = next(b for b in (256, 128, 64, 32) if k % b == 0)
+    return ExactConfig(block_n=16, block_k=block_k, rows=rows, num_warps=4, num_stages=4)
+
+
+def reduction_order(k: int) -> tuple[str, int, int]:
+    """What fixes the FP32 summation of every output element: ("exact", K, 32): each 32-wide block's
+    exact dot rounded once, the K / 32 block terms added one by one in K order from 0, over the
+    whole of K in one program. The same for every configuration and row count: a row's bits
+    depend on nothing but its own operands (and equal `reference.linear.mxfp8_mm`'s)."""
+    return ("exact", k, 32)
+
+
+@dataclass(frozen=True)
+class _Launch:
+    config: ExactConfig
+    grid: tuple[int]
+
+
+class ExactMM:
+    """y[M, N] = bf16(sum over 32-wide K blocks kb, in K order, of RN(codes[:, kb] . weight[:, kb])
+    * sx * sw) for 1 <= M <= max_rows <= 64, with the weight bound once: bitwise the contract of
+    `reference.linear.mxfp8_mm` (module docstring). Reduction order: see `reduction_order`.
+
+    weight: [N, K] float8_e4m3fn, unit stride along K; K a multiple of 32.
+    w_scale: [ceil(N/32), K/32] UE8M0 (float8_e8m0fnu or uint8), unit stride along K.
+    max_rows: the most rows a call may bring (1..64).
+    config: an ExactConfig for every row bucket, or a dict {1|2|4: ExactConfig}, instead of the
+        measured / default choice (the probe and the tests use it); its `rows` is then the pass
+        size of that bucket (it may not exceed the bucket).
+
+    The plan owns no buffers: calls may overlap in time.
+    """
+
+    def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int = MAX_ROWS,
+                 config: ExactConfig | dict[int, ExactConfig] | None = None):
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise ValueError(f"weight must be a 2-D [N, K] tensor, got "
+                             f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
+        n, k = weight.shape
+        if k % 32 or k == 0 or n == 0:
+            raise ValueError(f"weight must be [N, K] with N >= 1 and K a positive multiple of 32, got {(n, k)}")
+        require_tensor(weight, "weight", (torch.float8_e4m3fn,), (n, k))
+        require_tensor(w_scale, "w_scale", UE8M0_DTYPES, (-(-n // 32), k // 32))
+        if w_scale.device != weight.device:
+            raise ValueError(f"w_scale is on {w_scale.device} but weight is on {weight.device}")
+        if weight.device.type != "cuda" and not interpreting():
+            raise ValueError(f"weight must be on a CUDA device (or TRITON_INTERPRET=1), got {weight.device}")
+        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or not 1 <= max_rows <= MAX_ROWS:
+            raise ValueError(f"max_rows must be an int in [1, {MAX_ROWS}] (use ops.fp8_mm above), got {max_rows!r}")
+        if n * max(weight.stride(0), k) >= 2**31:
+            raise ValueError(f"weight {(n, k)} is too large for 32-bit offsets")
+        self.weight, self.w_scale = weight, w_scale.view(torch.uint8)
+        self.n, self.k, self.max_rows = n, k, max_rows
+        self.device = weight.device
+
+        self._launches: dict[int, _Launch] = {}
+        for bucket in _ROW_BUCKETS:
+            if bucket > 1 and bucket // 2 >= max_rows:
+                break
+            if isinstance(config, dict):
+                cfg = config.get(bucket)
+                if cfg is None:
+                    raise ValueError(f"config has no entry for the row bucket {bucket}")
+            elif config is not None:
+                cfg = config
+            else:
+                cfg = _TUNED.get((n, k, bucket)) or _default_config(n, k, bucket)
+            if not isinstance(cfg, ExactConfig):
+                raise TypeError(f"config must be an ExactConfig, got {type(cfg).__name__}")
+            if k % cfg.block_k:
+                raise ValueError(f"config.block_k={cfg.block_k} must divide K={k}")
+            if cfg.rows > bucket:
+                cfg = ExactConfig(cfg.block_n, cfg.block_k, bucket, cfg.num_warps, cfg.num_stages)
+            self._launches[bucket] = _Launch(cfg, (-(-n // cfg.block_n),))
+        self._asm = not interpreting()
+
+    def launch_for(self, rows: int) -> _Launch:
+        """The launch (configuration, grid) used for `rows` rows."""
+        return self._launches[min(4, 1 << (rows - 1).bit_length())]
+
+    def reduction_order(self, rows: int) -> tuple[str, int, int]:
+        """`reduction_order(K)`: the same for every row count (batch invariance)."""
+        return reduction_order(self.k)
+
+    def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """y = codes x weight^T with both block scales, into out.
+
+        codes: [M, K] float8_e4m3fn, unit stride along K; 1 <= M <= max_rows.
+        x_scale: [M, K/32] UE8M0 (uint8 or float8_e8m0fnu), unit stride along K.
+        out: [M, N] BF16, unit stride along N; allocated when None. A float32 out receives the
+            unrounded FP32 sums (a tensor-parallel partial).
+        Returns out.
+        """
+        if isinstance(codes, torch.Tensor) and codes.dim() == 2 and codes.shape[0] > MAX_ROWS:
+            raise ValueError(f"codes has M={codes.shape[0]} rows; exact_mm takes at most {MAX_ROWS}: "
+                             f"use the regular path ops.fp8_mm for more")
+        out = mxfp8_linear_args(codes, x_scale, out, self.n, self.k, self.max_rows, self.device)
+        m = codes.shape[0]
+        launch = self.launch_for(m)
+        cfg = launch.config
+        _exact_mm_kernel[launch.grid](
+            codes, x_scale.view(torch.uint8), self.weight, self.w_scale,
+            out if out.dtype == torch.float32 else out.view(torch.int16),
+            m, self.n, self.k, codes.stride(0), x_scale.stride(0), self.weight.stride(0),
+            self.w_scale.stride(0), out.stride(0),
+            BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS=cfg.rows, OUT_F32=out.dtype == torch.float32,
+            STAGES=cfg.num_stages, ASM=self._asm, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return out
