@@ -199,6 +199,11 @@ def _default_config(n: int, k: int, rows: int) -> ExactConfig:
     return ExactConfig(block_n=16, block_k=block_k, rows=rows, num_warps=4, num_stages=4)
 
 
+def planned_config(n: int, k: int, bucket: int) -> ExactConfig:
+    """The configuration a plan without `config` uses for N x K and the row bucket (1, 2 or 4)."""
+    return _TUNED.get((n, k, bucket)) or _default_config(n, k, bucket)
+
+
 def reduction_order(k: int) -> tuple[str, int, int]:
     """What fixes the FP32 summation of every output element: ("exact", K, 32): each 32-wide block's
     exact dot rounded once, the K / 32 block terms added one by one in K order from 0, over the
@@ -261,7 +266,7 @@ class ExactMM:
             elif config is not None:
                 cfg = config
             else:
-                cfg = _TUNED.get((n, k, bucket)) or _default_config(n, k, bucket)
+                cfg = planned_config(n, k, bucket)
             if not isinstance(cfg, ExactConfig):
                 raise TypeError(f"config must be an ExactConfig, got {type(cfg).__name__}")
             if k % cfg.block_k:

@@ -1,0 +1,84 @@
+"""Probe `exact_mm` on a GPU: `ExactMM` in a few configurations against `LowLatencyMM` (its tuned
+table) at the four V4.1-Flash shapes of the step's GEMMs (TP1), rows 1, 2, 4, 8, 16: time per call
+from CUDA-graph replay (20 calls per graph, median of 10 replays; one weight copy, so a weight that
+fits in L2 is read from it), and the bits of each against `reference.linear.mxfp8_mm` (every
+ExactMM configuration must be bitwise; low_latency_mm's differing BF16 outputs are counted).
+One line per (shape, rows, configuration). `--rows=1,2` and `--only=wq_b,wo_b` narrow it;
+`--alt=bn:bk:rows:warps:stages,...` replaces the built-in candidates (every shape). Prints; writes
+nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv41_decode.bench.timing import graph_time_us
+from dsv41_decode.formats import fp8_block_quantize, mxfp8_quantize
+from dsv41_decode.ops.exact_mm import ExactConfig, ExactMM
+from dsv41_decode.ops.low_latency_mm import LowLatencyMM
+from dsv41_decode.reference.linear import mxfp8_mm
+
+from _args import arg   # scripts/ is on sys.path when run as python scripts/<probe>.py
+
+SHAPES = {"fused_wqa_wkv": (1792, 5120), "wq_b": (32768, 1280), "idx_wq_b": (4096, 1280), "wo_b": (5120, 8192)}
+
+# (block_n, block_k, rows, num_warps, num_stages): the default first, then candidates chosen by the
+# parallelism each shape offers without split-K (programs = N / block_n; a step's K is split over
+# block_k / 16 threads, so 256-deep steps put 16 threads on each weight row).
+CANDIDATES = {
+    "fused_wqa_wkv": ["16:256:4:4:4", "8:256:4:2:6", "16:256:4:2:6", "8:128:4:1:8", "32:256:4:4:4", "16:256:2:4:4"],
+    "wq_b": ["16:256:4:4:4", "32:256:4:4:3", "64:128:4:4:3", "64:256:4:8:3", "32:128:4:2:4"],
+    "idx_wq_b": ["16:256:4:4:4", "8:256:4:2:6", "16:128:4:2:4", "32:256:4:4:4"],
+    "wo_b": ["16:256:4:4:4", "32:256:4:4:4", "16:256:4:2:6", "8:256:4:2:6"],
+}
+
+
+def _config(spec: str) -> ExactConfig:
+    bn, bk, rows, warps, stages = (int(v) for v in spec.split(":"))
+    return ExactConfig(block_n=bn, block_k=bk, rows=rows, num_warps=warps, num_stages=stages)
+
+
+def _time(fn) -> float:
+    return graph_time_us(fn, calls_per_graph=1, replays=10, min_calls=20)
+
+
+def main() -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = [int(r) for r in arg("rows", "1,2,4,8,16").split(",")]
+    names = arg("only", ",".join(SHAPES)).split(",")
+    alt = [s for s in arg("alt", "").split(",") if s]
+    print(f"{torch.cuda.get_device_name()}", flush=True)
+    for name in names:
+        n, k = SHAPES[name]
+        weight, w_scale = fp8_block_quantize(torch.randn(n, k, generator=g, device="cuda") * 0.02)
+        ll = LowLatencyMM(weight, w_scale, 64)
+        plans = {}
+        for spec in alt or CANDIDATES[name]:
+            try:
+                plans[spec] = ExactMM(weight, w_scale, 64, config=_config(spec))
+            except Exception as e:  # report, keep probing
+                print(f"{name} {spec}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+        for m in rows:
+            x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+            codes, x_scale = mxfp8_quantize(x)
+            ref = mxfp8_mm(codes, x_scale, weight, w_scale).view(torch.int16)
+            out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+            t_ll = _time(lambda: ll(codes, x_scale, out))
+            diff = int((ll(codes, x_scale, out).view(torch.int16) != ref).sum())
+            print(f"{name:14s} N={n:6d} K={k:5d} M={m:2d}  low_latency_mm {t_ll:7.2f} us  "
+                  f"{diff} of {out.numel()} BF16 outputs differ from the contract", flush=True)
+            for spec, plan in plans.items():
+                try:
+                    t = _time(lambda plan=plan: plan(codes, x_scale, out))
+                    out.fill_(float("nan"))
+                    y = plan(codes, x_scale, out).view(torch.int16)
+                    bad = int((y != ref).sum())
+                    print(f"{name:14s} N={n:6d} K={k:5d} M={m:2d}  exact {spec:14s} {t:7.2f} us  "
+                          f"x{t / t_ll:5.2f} of low_latency_mm  {'bitwise' if bad == 0 else f'DIFF {bad}'}",
+                          flush=True)
+                except Exception as e:  # report, keep probing
+                    print(f"{name} M={m} {spec}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,209 @@
+"""ops.exact_mm against reference.linear.mxfp8_mm: bitwise (BF16 and FP32 outputs), in the interpreter
+at small shapes and on the GPU at the V4.1-Flash shapes; plus batch invariance, configuration
+invariance, the argument errors, and (in a subprocess without the interpreter) the sm_90 build.
+
+No tolerance anywhere: the op computes the contract's arithmetic exactly (each 32-block's dot exact,
+rounded once to FP32; the block terms scaled and added in K order; one rounding to BF16), so any
+difference from the reference is a bug. The data includes operands on which a plain FP32 sum of a
+block's 32 products is not the exactly rounded one (heavy-tailed values and uniformly random E4M3
+codes, whose products span 2^-18 .. 2^17.6), and the tests check that it is not, so that an inexact
+block sum cannot pass them.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_low_latency_mm import FLASH_SHAPES, _operands
+
+from dsv41_decode.ops.exact_mm import MAX_ROWS, ExactConfig, ExactMM
+from dsv41_decode.reference.linear import mxfp8_mm
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _codes(gen: torch.Generator, shape, kind: str) -> torch.Tensor:
+    """E4M3 codes: "uniform" = every byte but the two NaNs equally likely; "heavy" = randn^3 with
+    each row's largest magnitude at 448 (values from 448 down to the subnormals)."""
+    if kind == "uniform":
+        b = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+        b[(b & 0x7F) == 0x7F] ^= 0x01          # 0x7F / 0xFF (NaN) -> 0x7E / 0xFE (+-448)
+        return b.view(torch.float8_e4m3fn)
+    v = torch.randn(shape, generator=gen) ** 3
+    return (v * (448 / v.abs().amax(-1, keepdim=True))).to(torch.float8_e4m3fn)
+
+
+def _exact_operands(gen, m: int, n: int, k: int, kind: str):
+    """(codes, x_scale, weight, w_scale) of `kind` codes and UE8M0 scales 2^-8 .. 2^7."""
+    codes, weight = _codes(gen, (m, k), kind), _codes(gen, (n, k), kind)
+    x_scale = torch.randint(119, 135, (m, k // 32), dtype=torch.uint8, generator=gen)
+    w_scale = torch.randint(119, 135, (-(-n // 32), k // 32), dtype=torch.uint8, generator=gen)
+    return [t.to(DEVICE) for t in (codes, x_scale, weight, w_scale)]
+
+
+def _naive_fp32(codes, x_scale, weight, w_scale) -> torch.Tensor:
+    """The contract's FP32 output but with each block's 32 products added one by one in FP32 (what
+    an FP32 CUDA-core dot does): the inexact sum the tests must tell apart from the exact one."""
+    m, k = codes.shape
+    n = weight.shape[0]
+    p = codes.float().cpu().reshape(m, 1, k // 32, 32) * weight.float().cpu().reshape(1, n, k // 32, 32)
+    part = torch.zeros(m, n, k // 32)
+    for c in range(32):
+        part = part + p[..., c]
+    sx = (x_scale.cpu().view(torch.uint8).int() << 23).view(torch.float32)
+    sw = (w_scale.cpu().view(torch.uint8).int() << 23).view(torch.float32).repeat_interleave(32, 0)[:n]
+    acc = torch.zeros(m, n)
+    for b in range(k // 32):
+        acc = acc + part[:, :, b] * sx[:, b:b + 1] * sw[None, :, b]
+    return acc
+
+
+def _bits(y: torch.Tensor) -> torch.Tensor:
+    return y.view(torch.int16) if y.dtype == torch.bfloat16 else y.view(torch.int32)
+
+
+def _poisoned(m: int, n: int, dtype=torch.bfloat16) -> torch.Tensor:
+    return torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
+
+
+# Small tiles so that the tiny shapes have several programs (a partial last one) and K steps.
+_CONFIGS = {
+    "bn16-bk64-r4": ExactConfig(block_n=16, block_k=64, rows=4, num_warps=1, num_stages=2),
+    "bn32-bk128-r2": ExactConfig(block_n=32, block_k=128, rows=2, num_warps=2, num_stages=3),
+    "bn8-bk256-r4": ExactConfig(block_n=8, block_k=256, rows=4, num_warps=2, num_stages=2),
+}
+
+
+@pytest.mark.parametrize("kind", ["heavy", "uniform"])
+def test_data_defeats_a_plain_fp32_block_sum(kind):
+    # The exactness tests below can fail: on their data, adding a block's products in FP32 gives
+    # other FP32 outputs than the contract's.
+    codes, x_scale, weight, w_scale = _exact_operands(_gen(1), 3, 40, 256, kind)
+    ref = mxfp8_mm(codes, x_scale, weight, w_scale, torch.float32).cpu()
+    assert (_naive_fp32(codes, x_scale, weight, w_scale) != ref).any()
+
+
+@pytest.mark.parametrize("m,n,k,config,kind", [
+    (1, 40, 256, "bn16-bk64-r4", "heavy"), (1, 40, 256, "bn32-bk128-r2", "uniform"),
+    (3, 40, 384, "bn32-bk128-r2", "heavy"), (6, 24, 256, "bn8-bk256-r4", "uniform"),
+    (5, 40, 256, None, "quantized"), (2, 24, 384, None, "heavy"),
+])
+def test_bitwise_equal_to_the_reference(m, n, k, config, kind):
+    if kind == "quantized":   # MXFP8 activations and a block-quantized weight, as the model has them
+        _, _, codes, x_scale, weight, w_scale = _operands(_gen(m + n + k), m, n, k)
+    else:
+        codes, x_scale, weight, w_scale = _exact_operands(_gen(m + n + k), m, n, k, kind)
+    plan = ExactMM(weight, w_scale, config=_CONFIGS.get(config))
+    for dtype in (torch.bfloat16, torch.float32):
+        y = plan(codes, x_scale, _poisoned(m, n, dtype))
+        ref = mxfp8_mm(codes, x_scale, weight, w_scale, dtype)
+        assert torch.equal(_bits(y), _bits(ref)), (m, n, k, config, kind, dtype)
+
+
+def test_batch_and_configuration_invariance():
+    # A row's bits do not depend on the rows beside it, on the row bucket, or on the configuration.
+    m, n, k = 7, 40, 256
+    codes, x_scale, weight, w_scale = _exact_operands(_gen(3), m, n, k, "uniform")
+    plans = [ExactMM(weight, w_scale, config=c) for c in _CONFIGS.values()]
+    together = plans[0](codes, x_scale)
+    for plan in plans[1:]:
+        assert torch.equal(_bits(plan(codes, x_scale)), _bits(together))
+    for i in (0, 4, 6):
+        alone = plans[1](codes[i:i + 1], x_scale[i:i + 1])
+        assert torch.equal(_bits(alone), _bits(together[i:i + 1])), i
+    pair = plans[2](codes[5:7], x_scale[5:7])
+    assert torch.equal(_bits(pair), _bits(together[5:7]))
+    assert plans[0].reduction_order(1) == plans[0].reduction_order(64) == plans[1].reduction_order(3)
+
+
+def test_launches_cover_the_row_buckets():
+    weight = torch.zeros(100, 1280, dtype=torch.float8_e4m3fn, device=DEVICE)
+    w_scale = torch.full((4, 40), 127, dtype=torch.uint8, device=DEVICE)
+    plan = ExactMM(weight, w_scale)
+    assert [plan.launch_for(m).config.rows for m in (1, 2, 3, 4, 37, 64)] == [1, 2, 4, 4, 4, 4]
+    assert plan.launch_for(1).grid == (-(-100 // plan.launch_for(1).config.block_n),)
+    small = ExactMM(weight, w_scale, max_rows=2, config=ExactConfig(rows=4))
+    assert small.launch_for(2).config.rows == 2 and 4 not in small._launches
+
+
+def test_bad_inputs_name_the_argument():
+    m, n, k = 2, 64, 128
+    _, _, codes, x_scale, weight, w_scale = _operands(_gen(8), m, n, k)
+    plan = ExactMM(weight, w_scale, max_rows=8)
+
+    def raises(match, fn):
+        with pytest.raises((TypeError, ValueError), match=match):
+            fn()
+
+    raises("codes must have dtype", lambda: plan(codes.float(), x_scale))
+    raises("codes must have shape", lambda: plan(codes[:, :96], x_scale))
+    raises("codes must have unit stride", lambda: plan(codes.repeat(1, 2)[:, ::2], x_scale))
+    raises("x_scale must have shape", lambda: plan(codes, x_scale[:, :2]))
+    raises("x_scale must have dtype", lambda: plan(codes, x_scale.float()))
+    raises("out must have dtype", lambda: plan(codes, x_scale, torch.empty(m, n, dtype=torch.float16, device=DEVICE)))
+    raises("out must have shape", lambda: plan(codes, x_scale, _poisoned(m, n + 1)))
+    raises("ops.fp8_mm", lambda: plan(codes.repeat(33, 1), x_scale.repeat(33, 1)))
+    raises("this plan takes 1..8", lambda: plan(codes.repeat(5, 1), x_scale.repeat(5, 1)))
+    raises("M=0", lambda: plan(codes[:0], x_scale[:0]))
+    raises("codes is on meta", lambda: plan(codes.to("meta"), x_scale))
+    raises("weight must have dtype", lambda: ExactMM(weight.view(torch.uint8), w_scale))
+    raises("K a positive multiple of 32", lambda: ExactMM(weight[:, :100], w_scale))
+    raises("w_scale must have shape", lambda: ExactMM(weight, w_scale[:1]))
+    raises("w_scale must have dtype", lambda: ExactMM(weight, w_scale.float()))
+    raises("weight must have unit stride", lambda: ExactMM(weight.t().contiguous().t(), w_scale))
+    raises("max_rows", lambda: ExactMM(weight, w_scale, max_rows=MAX_ROWS + 1))
+    raises("block_k=256 must divide K=128", lambda: ExactMM(weight, w_scale, config=ExactConfig(block_k=256)))
+    raises("config has no entry for the row bucket 2", lambda: ExactMM(weight, w_scale, config={1: ExactConfig(block_k=128)}))
+    raises("config must be an ExactConfig", lambda: ExactMM(weight, w_scale, config="fast"))
+    raises("block_n must be a power of two", lambda: ExactConfig(block_n=24))
+    raises("block_k must be 32, 64, 128 or 256", lambda: ExactConfig(block_k=512))
+    raises("rows must be 1, 2 or 4", lambda: ExactConfig(rows=3))
+    raises("num_stages must be a positive int", lambda: ExactConfig(num_stages=0))
+
+
+def test_compiles_for_sm90_without_spills():
+    """Every configuration the plans for the real shapes use, compiled for sm_90 (Triton's own ptxas,
+    in a subprocess without the interpreter: tests/ops/_exact_mm_sm90.py): no local memory, the K
+    loop's weight loads pipelined through shared memory (cp.async), the block terms' last multiply
+    kept apart from the accumulator's add (mul.rn in the PTX: an FMA there would round once instead
+    of twice), and at most 9 FP32-pipe instructions per weight element and row in the main loop at
+    one row (measured 7.4: 5 for the exact split and sums, 1.5 for the E4M3 -> FP32 conversion)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, str(Path(__file__).with_name("_exact_mm_sm90.py")), "--json"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    assert rows, res.stdout
+    for r in rows:
+        assert r["LOCAL"] == 0 and r["STACK"] == 0, r
+        assert r["LDGSTS"] > 0 and r["mul_rn"], r
+        if r["rows"] == 1:
+            assert r["fp32_per_elem_row"] <= 9, r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,n,k", [s for s in FLASH_SHAPES if s[0] in ("fused_wqa_wkv", "wq_b", "wq_b_tp8", "wo_b")],
+                         ids=["fused_wqa_wkv", "wq_b", "idx_wq_b", "wo_b"])
+def test_flash_shapes_on_gpu(name, n, k):
+    _, _, codes_all, sx_all, weight, w_scale = _operands(_gen(n + k), 64, n, k)
+    plan = ExactMM(weight, w_scale)
+    for m in (1, 3, 16, 64):
+        codes, x_scale = codes_all[:m], sx_all[:m]
+        for dtype in (torch.bfloat16, torch.float32):
+            y = plan(codes, x_scale, _poisoned(m, n, dtype))
+            ref = mxfp8_mm(codes, x_scale, weight, w_scale, dtype)
+            assert torch.equal(_bits(y), _bits(ref)), (name, m, dtype, int((_bits(y) != _bits(ref)).sum()))
+    # Heavy-tailed codes, where an inexact block sum shows.
+    codes, x_scale, weight, w_scale = _exact_operands(_gen(n), 16, n, k, "heavy")
+    y = ExactMM(weight, w_scale)(codes, x_scale)
+    assert torch.equal(_bits(y), _bits(mxfp8_mm(codes, x_scale, weight, w_scale))), name
