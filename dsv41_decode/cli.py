@@ -160,6 +160,9 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--prefill", choices=("reference", "kernels"), default="reference",
                    help="with --path step: what replays the prefill call: the reference layers, or the step's "
                    "kernels as the kernel prefill runs it (stack.prefill; at most 64 rows) (default: reference)")
+    v.add_argument("--exact-linears", action="store_true",
+                   help="with --path step: build the step with exact_linears=True (the FP8 linears on CUDA cores "
+                   "with the contract's bits instead of FP8 tensor cores, whose block sums truncate)")
     _common(v, threads=True)
     r = tsub.add_parser("record", help="record a trace folder from our own stack (same format)",
                         description="Records into a temporary folder beside OUT and renames it to OUT at the end, "
@@ -285,8 +288,13 @@ def _verify_path(args, path: str, console: Console) -> int:
     if args.prefill == "kernels" and args.path != "step":
         raise UsageError(f"--prefill kernels runs the prefill through the step: use it with --path step, "
                          f"not --path {args.path}")
+    if args.exact_linears and args.path == "reference":
+        raise UsageError("--exact-linears builds the step's linears: use it with --path step or both")
     results = verify_trace(args.dir, progress=not args.quiet, path=path, device=args.device, calls=args.calls,
-                           log=notes.append, prefill=args.prefill)
+                           log=notes.append, prefill=args.prefill,
+                           exact_linears=args.exact_linears and path == "step")
+    if args.exact_linears and path == "step":
+        notes.append("the step's FP8 linears exact (exact_linears=True: ops.exact_mm)")
     # the notes (the head padding): in full before the table, their first clause in the summary
     what = f"--path {path}" + "".join(f", {n.split(' (')[0]}" for n in notes)
     if not args.quiet:

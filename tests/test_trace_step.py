@@ -3,7 +3,10 @@ traces, one layer at a time, at the verifier's tolerances.
 
 CPU (Triton interpreter): official-tiny's prefill (reference layers) and its first three decode
 calls through the step, the checkpoint's 4 heads padded to 8 (~7 s per decode call on 2 cores).
-GPU (marked gpu): every call of both public official cases through the step on CUDA.
+CPU, also with the step's exact linears (`exact_linears=True`, `ops.exact_mm`): the first decode
+call. GPU (marked gpu): every call of both public official cases through the step on CUDA with the
+exact linears (the default FP8 tensor-core linears truncate their block sums, so a record's code
+can differ: docs/gemm.md, "Exactness").
 """
 
 from __future__ import annotations
@@ -66,13 +69,36 @@ def test_step_replay_within_tolerances(step_results):
     assert not failures
 
 
+@interpreter
+def test_step_replay_with_exact_linears():
+    """The step built with exact_linears=True runs ExactMM plans and passes the verifier's checks."""
+    from dsv41_decode.ops.exact_mm import ExactMM
+    from dsv41_decode.testing import trace_step
+    built = []
+    real = trace_step.StepReplay.__init__
+
+    def spy(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        built.append(self.step)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(trace_step.StepReplay, "__init__", spy)
+        res = verify_trace(OFFICIAL, path="step", calls=1, exact_linears=True)
+    layer = next(iter(built[0].layers.values()))
+    assert all(isinstance(p, ExactMM) for p in (layer.mm_qkv, layer.mm_wq_b, layer.mm_wo_b))
+    assert [r.call for r in res if r.path == "step"] == ["decode00"] * 7
+    assert not [(r.call, r.layer, f) for r in res for f in r.failures]
+    with pytest.raises(ValueError, match="exact_linears builds the step's linears"):
+        verify_trace(OFFICIAL, path="reference", exact_linears=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES, ids=lambda p: p.name)
 def test_step_path_cuda(case, capsys):
-    assert main(["trace", "verify", str(case), "--path", "step", "--device", "cuda", "--quiet"]) == 0
+    assert main(["trace", "verify", str(case), "--path", "step", "--device", "cuda", "--exact-linears",
+                 "--quiet"]) == 0
     out = capsys.readouterr().out
     lines = out.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("PASS --path step")
-    res = verify_trace(case, path="step", device="cuda")
+    res = verify_trace(case, path="step", device="cuda", exact_linears=True)
     assert {r.path for r in res if r.call != "prefill"} == {"step"}
     assert not [(r.call, r.layer, f) for r in res for f in r.failures]

@@ -9,6 +9,9 @@ Eligibility (decided here, once): every linear of the step must be an FP8 weight
 scales (the low-latency MXFP8 GEMM) or a BF16/FP32 side projection (`ll_bf16`); `wo_a` streams as
 stored (BF16, or FP8 + scale when the checkpoint ships it so) unless the step was built with
 `wo_a_fp8=True`, which quantizes a BF16 `wo_a` once and changes the numbers (ops.wo_a.quantize_wo_a).
+The FP8 linears run on FP8 tensor cores (`GluonMM` on sm_90, else `LowLatencyMM`), or with
+`exact_linears=True` on CUDA cores with the contract's bits (`ExactMM`: each 32-deep block sum
+rounded once, then K order).
 A layer that is not eligible raises `NotEligible`, and the caller keeps the generic path.
 """
 
@@ -26,6 +29,7 @@ from ..ops.compressor import compress_ratio2_
 from ..ops.index_query import index_query_
 from ..ops.indexer import index_scores_mxfp4_
 from ..ops.kv_write import compressed_entry_store_, qkv_rope_insert_
+from ..ops.gluon_mm import GluonMM
 from ..ops.ll_bf16 import LlBf16Plan, ll_bf16_
 from ..ops.rms_norm import rms_norm_, rms_norm_pair_
 from ..ops.low_latency_mm import LowLatencyConfig, LowLatencyMM
@@ -49,7 +53,24 @@ def _few_programs(device: torch.device) -> bool:
     return device.type != "cuda"
 
 
-def _mm_plan(weight: torch.Tensor, scale: torch.Tensor, max_rows: int) -> LowLatencyMM:
+def _mm_plan(weight: torch.Tensor, scale: torch.Tensor, max_rows: int, exact: bool = False):
+    """The GEMM plan of one FP8 linear, the same call whichever it is: `ops.exact_mm.ExactMM` (the
+    contract's bits, on CUDA cores) when `exact`; else FP8 tensor cores, whose 32-deep block sums
+    truncate (docs/gemm.md, "Exactness"): the Gluon tier `ops.gluon_mm.GluonMM` on an sm_90 GPU
+    where it builds (K a multiple of 128, aligned rows), otherwise the Triton tier
+    `ops.low_latency_mm.LowLatencyMM`. Each plan's reduction order is fixed per weight, whatever
+    the rows (batch invariance)."""
+    if exact:
+        from ..ops.exact_mm import ExactConfig, ExactMM
+        n, k = weight.shape
+        few = ExactConfig(block_n=min(512, triton.next_power_of_2(n)),
+                          block_k=next(b for b in (256, 128, 64, 32) if k % b == 0), rows=4)
+        return ExactMM(weight, scale, max_rows, few if _few_programs(weight.device) else None)
+    if weight.device.type == "cuda" and torch.cuda.get_device_capability(weight.device) == (9, 0):
+        try:
+            return GluonMM(weight, scale, max_rows)
+        except ValueError:          # a shape or alignment the Gluon tier does not take
+            pass
     config = None
     if _few_programs(weight.device):
         n, k = weight.shape
@@ -66,8 +87,8 @@ def _fp8_weight(w: dict, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     return weight, scale.view(torch.uint8)
 
 
-def _fp8_plan(w: dict, name: str, max_rows: int) -> LowLatencyMM:
-    return _mm_plan(*_fp8_weight(w, name), max_rows)
+def _fp8_plan(w: dict, name: str, max_rows: int, exact: bool = False):
+    return _mm_plan(*_fp8_weight(w, name), max_rows, exact)
 
 
 class AttentionStep:
@@ -75,7 +96,7 @@ class AttentionStep:
 
     def __init__(self, layer: AttentionLayer, state: DecodeState, meta: StepMeta, scratch: Scratch,
                  lanes: Lanes, max_rows: int, sources: Mapping[int, "AttentionStep"] | None = None,
-                 wo_a_fp8: bool = False):
+                 wo_a_fp8: bool = False, exact_linears: bool = False):
         """sources: the step's layers built before this one (by id), among them this layer's index and
         KV sources: a layer that reuses a selection or a candidate pool reads its source's buffers.
         The layer's own selection and candidate pool (when it makes them) are its attributes
@@ -96,9 +117,9 @@ class AttentionStep:
             raise NotEligible(f"q_lora_rank={cfg.q_lora_rank} must be a multiple of 32 to stack wq_a and wkv")
         (wq_a, s_q), (wkv, s_kv) = _fp8_weight(w, "wq_a"), _fp8_weight(w, "wkv")
         self.w_qkv, self.s_qkv = torch.cat([wq_a, wkv]), torch.cat([s_q, s_kv])
-        self.mm_qkv = _mm_plan(self.w_qkv, self.s_qkv, max_rows)
-        self.mm_wq_b = _fp8_plan(w, "wq_b", max_rows)
-        self.mm_wo_b = _fp8_plan(w, "wo_b", max_rows)
+        self.mm_qkv = _mm_plan(self.w_qkv, self.s_qkv, max_rows, exact_linears)
+        self.mm_wq_b = _fp8_plan(w, "wq_b", max_rows, exact_linears)
+        self.mm_wo_b = _fp8_plan(w, "wo_b", max_rows, exact_linears)
         if "attn.wo_a.scale" in w:
             self.wo_a_w, self.wo_a_s = w["attn.wo_a.weight"], w["attn.wo_a.scale"]
         elif wo_a_fp8:
@@ -130,7 +151,7 @@ class AttentionStep:
         self.selection: IndexSelection | None = None          # this layer's, when it runs the indexer
         self.candidate_mask: torch.Tensor | None = None      # this layer's, when it is the candidate source
         if spec.runs_indexer:
-            self.mm_idx_wq_b = _fp8_plan(w, "indexer.wq_b", max_rows)
+            self.mm_idx_wq_b = _fp8_plan(w, "indexer.wq_b", max_rows, exact_linears)
             self.w_proj = w["attn.indexer.weights_proj.weight"]
             self.proj_plan = LlBf16Plan.build(cfg.index_n_heads, cfg.dim, max_rows, self.w_proj.dtype, dev, **wide)
             self.topk_plan = TopKPlan.build(max_rows, cfg.index_topk, 1, dev)

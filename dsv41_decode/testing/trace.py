@@ -152,7 +152,7 @@ def window_positions(last: int, window: int) -> torch.Tensor:
 
 def verify_trace(folder: str | Path, progress: bool = False, path: str = "reference", device: str = "cpu",
                  calls: int | None = None, heads: int | None = None, log=None,
-                 prefill: str = "reference") -> list[CallLayerResult]:
+                 prefill: str = "reference", exact_linears: bool = False) -> list[CallLayerResult]:
     """Replay a trace folder teacher-forced (every layer gets the recorded `attn_in`) and compare.
 
     path: "reference" (every call through the generic layers) or "step" (calls of one token per
@@ -168,6 +168,8 @@ def verify_trace(folder: str | Path, progress: bool = False, path: str = "refere
     heads: pad the checkpoint to this many query heads with zero heads (`trace_step.pad_heads`);
         the step path pads on its own when it does not run the trace's head count natively.
     log: called with a line of text for what the reader should know (the padding).
+    exact_linears: path "step" only: the step built with `exact_linears=True` (its FP8 linears with the
+        contract's bits, `ops.exact_mm`).
     Rows whose top-k differs from the recorded one only by tied scores are re-run with the recorded
     selection (on either path), so that attn_out is compared on the same keys, and the layers that
     reuse the selection read the recorded one.
@@ -209,7 +211,9 @@ def verify_trace(folder: str | Path, progress: bool = False, path: str = "refere
     reqs = [f"b{b}" for b in range(B)]
     for r in reqs:
         state.admit(r)
-    replay = StepReplay(stack, state, rows) if path == "step" else None
+    if exact_linears and path != "step":
+        raise ValueError("exact_linears builds the step's linears: use it with path 'step'")
+    replay = StepReplay(stack, state, rows, exact_linears=exact_linears) if path == "step" else None
     boundary_ops = StepBoundaryOps(cfg.dim, rows, device) if path == "step" else None
     results: list[CallLayerResult] = []
     bar = _progress(progress, len(names) * len(layers))
