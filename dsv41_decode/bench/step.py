@@ -89,10 +89,12 @@ def _layer_kinds(cfg: ModelConfig) -> dict[str, int]:
 
 
 # Step variants timed next to the default ("full") one; no_overlap at every context, the others
-# only at the generic contexts. wo_a_fp8 changes the numbers (FP8 wo_a quantized at build).
+# only at the generic contexts. wo_a_fp8 changes the numbers (FP8 wo_a quantized at build);
+# exact_linears gives the contract's bits (the FP8 linears on CUDA cores, ops.exact_mm).
 VARIANTS = {
     "no_overlap": dict(overlap=False),
     "wo_a_fp8": dict(wo_a_fp8=True),
+    "exact_linears": dict(exact_linears=True),
 }
 DEFAULT_VARIANTS = ("no_overlap", "wo_a_fp8")
 
