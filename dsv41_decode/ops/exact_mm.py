@@ -43,23 +43,77 @@ from .rounding import bf16_rne_bits, ue8m0_to_fp32
 MAX_ROWS = 64
 
 
+def _chain_asm(n: int) -> str:
+    """Inline PTX summing n products exactly, chained: operands $2 .. $(n+1) the weights and
+    $(n+2) .. $(2n+1) the activations (FP32 E4M3 values); results $0 = H, an integer, and $1 = L, a
+    multiple of 2^-18, with H + L the exact sum. q runs from S = 1.5 * 2^23 through q' = RN(q + p),
+    an integer in [2^23, 2^24) (|the sum of n rounded products| <= n * 448^2 < 2^22 for n <= 16); each
+    step's residue p - (q' - q) is exact (a multiple of 2^-18, at most 1/2 in magnitude, by one FMA);
+    H = q - S, L = the residues' sum (below 8 in magnitude: 21 bits, exact). 4 FP32 instructions per
+    product (3 for the first), 1 more for H."""
+    s = "0f4B400000"
+    lines = ["{", ".reg .f32 q, t, d, r;", f"fma.rn.f32 q, $2, ${n + 2}, {s};", f"sub.rn.f32 d, {s}, q;",
+             f"fma.rn.f32 $1, $2, ${n + 2}, d;"]
+    for i in range(1, n):
+        lines += [f"fma.rn.f32 t, ${2 + i}, ${n + 2 + i}, q;", "sub.rn.f32 d, q, t;",
+                  f"fma.rn.f32 r, ${2 + i}, ${n + 2 + i}, d;", "add.rn.f32 $1, $1, r;", "mov.f32 q, t;"]
+    return "\n\t".join(lines + [f"sub.rn.f32 $0, q, {s};", "}"])
+
+
+_CHAIN16_ASM: tl.constexpr = tl.constexpr(_chain_asm(16))
+_CHAIN16_CONSTRAINTS: tl.constexpr = tl.constexpr("=f,=f," + ",".join(["f"] * 32))
+
 @triton.jit
-def _block_sums(w, x, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _split16(t):
+    """The 16 tensors t[..., 16 i + c] for c = 0 .. 15 (in a fixed order), of t [..., 16 I]: each thread
+    holds 16 consecutive K of the loaded tile, so the splits move no data."""
+    t = tl.reshape(t, t.shape[:-1] + [t.shape[-1] // 16, 2, 2, 2, 2])
+    a, b = tl.split(t)
+    a0, a1 = tl.split(a)
+    b0, b1 = tl.split(b)
+    a00, a01 = tl.split(a0)
+    a10, a11 = tl.split(a1)
+    b00, b01 = tl.split(b0)
+    b10, b11 = tl.split(b1)
+    c0, c1 = tl.split(a00)
+    c2, c3 = tl.split(a01)
+    c4, c5 = tl.split(a10)
+    c6, c7 = tl.split(a11)
+    c8, c9 = tl.split(b00)
+    c10, c11 = tl.split(b01)
+    c12, c13 = tl.split(b10)
+    c14, c15 = tl.split(b11)
+    return c0, c1, c2, c3, c4, c5, c6, c7, c8, c9, c10, c11, c12, c13, c14, c15
+
+
+@triton.jit
+def _block_sums(w, x, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
     """part[n, j] = RN(sum over the 32 k of block j of w[n, k] * x[k]), exact before its one rounding.
 
-    w: [BLOCK_N, BLOCK_K] FP32 E4M3 values; x: [BLOCK_K] FP32 E4M3 values."""
-    S: tl.constexpr = 12582912.0          # 1.5 * 2^23: p + S rounds p to an integer (|p| < 2^18)
-    p = w * x[None, :]                    # exact
-    h = (p + S) - S                       # p rounded to an integer
-    lo = p - h                            # exact: a multiple of 2^-18, |lo| <= 1/2
-    h = tl.reshape(h, [BLOCK_N, BLOCK_K // 32, 32])
-    lo = tl.reshape(lo, [BLOCK_N, BLOCK_K // 32, 32])
+    w: [BLOCK_N, BLOCK_K] FP32 E4M3 values; x: [BLOCK_K] FP32 E4M3 values. ASM: each thread's 16
+    products of a block half summed by the chained split (`_chain_asm`); else (the interpreter) by
+    the plain split, the same values: h = (p + S) - S, lo = p - h, summed separately."""
+    SUB: tl.constexpr = BLOCK_K // 32
+    if ASM:
+        ws = _split16(w)
+        xs = _split16(tl.broadcast_to(x[None, :], [BLOCK_N, BLOCK_K]))
+        h, lo = tl.inline_asm_elementwise(_CHAIN16_ASM, _CHAIN16_CONSTRAINTS, ws + xs,
+                                          dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+        h = tl.reshape(h, [BLOCK_N, SUB, 2])
+        lo = tl.reshape(lo, [BLOCK_N, SUB, 2])
+    else:
+        S: tl.constexpr = 12582912.0      # 1.5 * 2^23: p + S rounds p to an integer (|p| < 2^18)
+        p = w * x[None, :]                # exact
+        h = (p + S) - S                   # p rounded to an integer
+        lo = p - h                        # exact: a multiple of 2^-18, |lo| <= 1/2
+        h = tl.reshape(h, [BLOCK_N, SUB, 32])
+        lo = tl.reshape(lo, [BLOCK_N, SUB, 32])
     return tl.sum(h, axis=2) + tl.sum(lo, axis=2)
 
 
 @triton.jit
 def _col(t, j: tl.constexpr, SUB: tl.constexpr):
-    """Column j of t [BLOCK_N, SUB] (SUB a power of two <= 8) as [BLOCK_N]: tl.split halves the last
+    """Column j of t [BLOCK_N, SUB] (SUB a power of two) as [BLOCK_N]: tl.split halves the last
     dimension into its even and odd columns."""
     if SUB == 1:
         return tl.reshape(t, [t.shape[0]])
@@ -89,10 +143,15 @@ def _row_step(acc, w, x_row, sx_row, sw, k0, BLOCK_N: tl.constexpr, BLOCK_K: tl.
     x_row / sx_row this row's codes and scale bytes."""
     SUB: tl.constexpr = BLOCK_K // 32
     x = tl.load(x_row + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
-    part = _block_sums(w, x, BLOCK_N, BLOCK_K)                                  # [BN, SUB]
-    sx = ue8m0_to_fp32(tl.load(sx_row + k0 // 32 + tl.arange(0, SUB)).to(tl.int32))   # [SUB]
+    part = _block_sums(w, x, BLOCK_N, BLOCK_K, ASM)                                  # [BN, SUB]
+    # The block scales in the layout of the partials: loaded per (row, block, half) like the split's
+    # outputs and reduced over the two halves (equal bytes), which moves no data between layouts.
+    r2 = tl.arange(0, 2)
+    sx_ptrs = sx_row + k0 // 32 + (tl.arange(0, SUB)[:, None] + 0 * r2[None, :])[None, :, :] \
+        + 0 * tl.arange(0, BLOCK_N)[:, None, None]
+    sx = ue8m0_to_fp32(tl.max(tl.load(sx_ptrs), axis=2).to(tl.int32))                   # [BN, SUB]
     # The reference's order: partial * sx * sw, then the K-ordered FP32 sum.
-    term = _mul_rn(part * sx[None, :], sw, ASM)
+    term = _mul_rn(part * sx, sw, ASM)
     for j in tl.static_range(SUB):
         acc += _col(term, j, SUB)
     return acc
@@ -126,6 +185,8 @@ def _exact_mm_kernel(
     # need no masks and stay 16-byte vectors.
     w_rows = w_ptr + tl.minimum(rn, N - 1) * stride_wn                 # [BN]
     sw_rows = sw_ptr + (tl.minimum(rn, N - 1) // 32) * stride_swn      # [BN]
+    # [BN, SUB, 2]: the scale byte of each (row, block, block half), in the layout of `_block_sums`
+    sw_ptrs = sw_rows[:, None, None] + rs[None, :, None] + 0 * tl.arange(0, 2)[None, None, :]
     for m0 in range(0, M, ROWS):
         r0 = tl.minimum(m0, M - 1)
         r1 = tl.minimum(m0 + 1, M - 1)
@@ -137,7 +198,7 @@ def _exact_mm_kernel(
         acc3 = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
             w = tl.load(w_rows[:, None] + k0 + rk[None, :]).to(tl.float32)           # [BN, BK]
-            sw = ue8m0_to_fp32(tl.load(sw_rows[:, None] + k0 // 32 + rs[None, :]).to(tl.int32))   # [BN, SUB]
+            sw = ue8m0_to_fp32(tl.max(tl.load(sw_ptrs + k0 // 32), axis=2).to(tl.int32))   # [BN, SUB]
             acc0 = _row_step(acc0, w, x_ptr + r0 * stride_xm, sx_ptr + r0 * stride_sxm, sw, k0,
                              BLOCK_N, BLOCK_K, ASM)
             if ROWS >= 2:
@@ -179,8 +240,8 @@ class ExactConfig:
                 raise ValueError(f"ExactConfig.{name} must be a positive int, got {value!r}")
         if self.block_n < 2 or self.block_n & (self.block_n - 1):
             raise ValueError(f"ExactConfig.block_n must be a power of two >= 2, got {self.block_n}")
-        if self.block_k not in (32, 64, 128, 256):
-            raise ValueError(f"ExactConfig.block_k must be 32, 64, 128 or 256, got {self.block_k}")
+        if self.block_k not in (32, 64, 128, 256, 512, 1024):
+            raise ValueError(f"ExactConfig.block_k must be 32 times a power of two up to 1024, got {self.block_k}")
         if self.rows not in (1, 2, 4):
             raise ValueError(f"ExactConfig.rows must be 1, 2 or 4, got {self.rows}")
 

@@ -164,7 +164,7 @@ def test_bad_inputs_name_the_argument():
     raises("config has no entry for the row bucket 2", lambda: ExactMM(weight, w_scale, config={1: ExactConfig(block_k=128)}))
     raises("config must be an ExactConfig", lambda: ExactMM(weight, w_scale, config="fast"))
     raises("block_n must be a power of two", lambda: ExactConfig(block_n=24))
-    raises("block_k must be 32, 64, 128 or 256", lambda: ExactConfig(block_k=512))
+    raises("block_k must be 32 times a power of two up to 1024", lambda: ExactConfig(block_k=2048))
     raises("rows must be 1, 2 or 4", lambda: ExactConfig(rows=3))
     raises("num_stages must be a positive int", lambda: ExactConfig(num_stages=0))
 
