@@ -4,7 +4,8 @@ from CUDA-graph replay (20 calls per graph, median of 10 replays; one weight cop
 fits in L2 is read from it), and the bits of each against `reference.linear.mxfp8_mm` (every
 ExactMM configuration must be bitwise; low_latency_mm's differing BF16 outputs are counted).
 One line per (shape, rows, configuration). `--rows=1,2` and `--only=wq_b,wo_b` narrow it;
-`--alt=bn:bk:rows:warps:stages,...` replaces the built-in candidates (every shape). Prints; writes
+`--alt=bn:bk:rows:warps:stages,...` (or `default`) replaces the built-in candidates (every
+shape). Prints; writes
 nothing.
 """
 
@@ -22,18 +23,21 @@ from _args import arg   # scripts/ is on sys.path when run as python scripts/<pr
 
 SHAPES = {"fused_wqa_wkv": (1792, 5120), "wq_b": (32768, 1280), "idx_wq_b": (4096, 1280), "wo_b": (5120, 8192)}
 
-# (block_n, block_k, rows, num_warps, num_stages): the default first, then candidates chosen by the
-# parallelism each shape offers without split-K (programs = N / block_n; a step's K is split over
-# block_k / 16 threads, so 256-deep steps put 16 threads on each weight row).
+# (block_n, block_k, rows, num_warps, num_stages), "default" = the plan's own choice (the measured
+# table, else the rule), first. On sm_90 each thread holds 32 consecutive K (one block) of
+# block_n * block_k / (1024 * num_warps) weight rows (R); programs = N / block_n, no split-K.
 CANDIDATES = {
-    "fused_wqa_wkv": ["16:256:4:4:4", "8:256:4:2:6", "16:256:4:2:6", "8:128:4:1:8", "32:256:4:4:4", "16:256:2:4:4"],
-    "wq_b": ["16:256:4:4:4", "32:256:4:4:3", "64:128:4:4:3", "64:256:4:8:3", "32:128:4:2:4"],
-    "idx_wq_b": ["16:256:4:4:4", "8:256:4:2:6", "16:128:4:2:4", "32:256:4:4:4"],
-    "wo_b": ["16:256:4:4:4", "32:256:4:4:4", "16:256:4:2:6", "8:256:4:2:6"],
+    "fused_wqa_wkv": ["default", "8:1024:4:4:3", "4:1024:4:4:3", "2:1024:4:2:3", "8:512:4:2:4", "4:512:4:1:4",
+                      "16:256:4:2:4"],
+    "wq_b": ["default", "32:256:4:4:3", "64:256:2:4:3", "16:256:4:2:3", "32:256:4:2:3", "16:256:4:4:3"],
+    "idx_wq_b": ["default", "16:256:4:2:3", "8:256:4:2:3", "4:256:4:1:3", "16:256:4:4:3", "8:128:4:1:4"],
+    "wo_b": ["default", "8:1024:4:4:4", "4:1024:4:2:3", "8:512:4:2:4", "16:512:4:4:4", "4:1024:4:4:3"],
 }
 
 
-def _config(spec: str) -> ExactConfig:
+def _config(spec: str) -> ExactConfig | None:
+    if spec == "default":
+        return None
     bn, bk, rows, warps, stages = (int(v) for v in spec.split(":"))
     return ExactConfig(block_n=bn, block_k=bk, rows=rows, num_warps=warps, num_stages=stages)
 
@@ -58,6 +62,9 @@ def main() -> None:
                 plans[spec] = ExactMM(weight, w_scale, 64, config=_config(spec))
             except Exception as e:  # report, keep probing
                 print(f"{name} {spec}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+        if "default" in plans:
+            print(f"{name:14s} default: " + ", ".join(f"rows {b}: {plans['default'].launch_for(b).config}"
+                                                      for b in (1, 2, 4)), flush=True)
         for m in rows:
             x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
             codes, x_scale = mxfp8_quantize(x)

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from .checks import UE8M0_DTYPES, interpreting, mxfp8_linear_args, require_tensor
+from .common import CPU_SMS, num_sms
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
 
 MAX_ROWS = 64
@@ -253,16 +254,31 @@ _TUNED: dict[tuple[int, int, int], ExactConfig] = {}
 _ROW_BUCKETS = (1, 2, 4)     # rows per pass: a call with M rows uses the bucket min(4, 2^ceil(log2 M))
 
 
-def _default_config(n: int, k: int, rows: int) -> ExactConfig:
-    """256-deep K steps (the deepest that divides K), 16 weight rows per program of 4 warps (two
-    per thread: 16 threads split each step's 256 bytes), 4 stages."""
-    block_k = next(b for b in (256, 128, 64, 32) if k % b == 0)
-    return ExactConfig(block_n=16, block_k=block_k, rows=rows, num_warps=4, num_stages=4)
+def _default_config(n: int, k: int, rows: int, sms: int) -> ExactConfig:
+    """A configuration by rule (until measured): the deepest K step up to 1024 that divides K, 4
+    warps, and four weight rows per thread, two with 4 rows of x per pass (on sm_90 Triton gives each
+    thread 32 consecutive K of a weight row, one whole block, and the program's weight rows in
+    turn: a thread's activation conversion is shared by its weight rows; 4 x 4 would take all 255
+    registers); with fewer than two programs per SM, two weight rows per thread, then fewer warps,
+    so that more programs share the weight. 3 stages (two steps in flight), 4 where K takes 8
+    steps or more and a step is at most 4 KB."""
+    block_k = next(b for b in (1024, 512, 256, 128, 64, 32) if k % b == 0)
+    warps, per_thread = 4, (4 if rows <= 2 else 2)
+    block_n = lambda: max(2, per_thread * 32 * 32 * warps // block_k)  # noqa: E731
+    while -(-n // block_n()) < 2 * sms and (per_thread > 2 or warps > 1):
+        if per_thread > 2:
+            per_thread //= 2
+        else:
+            warps //= 2
+    bn = block_n()
+    return ExactConfig(block_n=bn, block_k=block_k, rows=rows, num_warps=warps,
+                       num_stages=4 if k // block_k >= 8 and bn * block_k <= 4096 else 3)
 
 
-def planned_config(n: int, k: int, bucket: int) -> ExactConfig:
-    """The configuration a plan without `config` uses for N x K and the row bucket (1, 2 or 4)."""
-    return _TUNED.get((n, k, bucket)) or _default_config(n, k, bucket)
+def planned_config(n: int, k: int, bucket: int, sms: int = CPU_SMS) -> ExactConfig:
+    """The configuration a plan without `config` uses for N x K and the row bucket (1, 2 or 4) on a
+    GPU of `sms` SMs."""
+    return _TUNED.get((n, k, bucket)) or _default_config(n, k, bucket, sms)
 
 
 def reduction_order(k: int) -> tuple[str, int, int]:
@@ -327,7 +343,7 @@ class ExactMM:
             elif config is not None:
                 cfg = config
             else:
-                cfg = planned_config(n, k, bucket)
+                cfg = planned_config(n, k, bucket, num_sms(self.device))
             if not isinstance(cfg, ExactConfig):
                 raise TypeError(f"config must be an ExactConfig, got {type(cfg).__name__}")
             if k % cfg.block_k:

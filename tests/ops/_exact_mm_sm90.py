@@ -1,9 +1,11 @@
 """Run by tests/ops/test_exact_mm.py in a subprocess without the Triton interpreter (the kernel must
 be a real JIT function to compile), and by hand: compiles `ops.exact_mm`'s kernel for sm_90 in
-every configuration the plans for the real shapes use (or those given as bn:bk:rows:warps:stages
-arguments) and prints, per configuration, its registers, stack and local memory, the main loop's
-instruction mix and the FP32-pipe instructions (FFMA, FADD, FMUL, HADD2, HFMA2, HMUL2) per weight
-element and row. `--json`: one JSON object per line instead."""
+the configurations the plans for the four TP1 shapes use, the row buckets 1 and 4 taken in turn
+(`--all`: every bucket of every real shape, TP shards included; or the configurations given as
+bn:bk:rows:warps:stages arguments) and prints, per configuration, its registers, stack, local
+memory and spill instructions, the main loop's instruction mix and the FP32-pipe instructions
+(FFMA, FADD, FMUL, HADD2, HFMA2, HMUL2) per weight element and row. `--json`: one JSON object per
+line instead."""
 
 from __future__ import annotations
 
@@ -11,11 +13,12 @@ import json
 import sys
 
 from dsv41_decode.ops import exact_mm as E
-from dsv41_decode.testing.sm90 import compile_sm90, main_loop, opcode_counts, resources
+from dsv41_decode.testing.sm90 import compile_sm90, main_loop, opcode_counts, resources, sass
 
 # The V4.1-Flash shapes the op serves (N, K), with the TP shards of wq_b and wo_b.
 REAL_SHAPES = [(1792, 5120), (32768, 1280), (16384, 1280), (8192, 1280), (4096, 1280),
                (5120, 8192), (5120, 4096), (5120, 2048), (5120, 1024)]
+TP1_SHAPES = [(1792, 5120), (32768, 1280), (4096, 1280), (5120, 8192)]
 FP32_PIPE = ("FFMA", "FADD", "FMUL", "HADD2", "HFMA2", "HMUL2")
 TYPES = {"x_ptr": "*fp8e4nv", "sx_ptr": "*u8", "w_ptr": "*fp8e4nv", "sw_ptr": "*u8", "y_ptr": "*i16"}
 
@@ -31,11 +34,13 @@ def measure(cfg: E.ExactConfig) -> dict:
                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     loop = main_loop(kernel)
     ops = opcode_counts(loop)
+    whole = opcode_counts([t for _, t in sass(kernel)])
     elems = cfg.block_n * cfg.block_k / (32 * cfg.num_warps)     # weight elements per thread per step
     fp32 = sum(ops.get(o, 0) for o in FP32_PIPE)
     return dict(config=f"{cfg.block_n}:{cfg.block_k}:{cfg.rows}:{cfg.num_warps}:{cfg.num_stages}", rows=cfg.rows,
                 **resources(kernel), loop=len(loop), per_elem_row=round(len(loop) / elems / cfg.rows, 2),
                 fp32_per_elem_row=round(fp32 / elems / cfg.rows, 2), LDGSTS=ops.get("LDGSTS", 0),
+                spills=whole.get("STL", 0) + whole.get("LDL", 0),
                 mul_rn="mul.rn.f32" in kernel.asm["ptx"], top=dict(list(ops.items())[:14]))
 
 
@@ -43,15 +48,17 @@ def main() -> None:
     specs = [a for a in sys.argv[1:] if not a.startswith("--")]
     if specs:
         configs = [E.ExactConfig(*(int(v) for v in s.split(":"))) for s in specs]
-    else:
+    elif "--all" in sys.argv:
         configs = list(dict.fromkeys(E.planned_config(n, k, b) for n, k in REAL_SHAPES for b in (1, 2, 4)))
+    else:   # the TP1 shapes' plans, the row buckets 1 and 4 taken in turn
+        configs = [E.planned_config(n, k, (1, 4)[i % 2]) for i, (n, k) in enumerate(TP1_SHAPES)]
     for cfg in configs:
         r = measure(cfg)
         if "--json" in sys.argv:
             print(json.dumps(r), flush=True)
         else:
-            print(f"{r['config']:14s} REG {r['REG']:3d} STACK {r['STACK']} LOCAL {r['LOCAL']}  main loop {r['loop']:4d} "
-                  f"instructions, {r['per_elem_row']:5.2f} per weight element and row, FP32 pipe "
+            print(f"{r['config']:14s} REG {r['REG']:3d} STACK {r['STACK']} LOCAL {r['LOCAL']} STL/LDL {r['spills']}  "
+                  f"main loop {r['loop']:4d} instructions, {r['per_elem_row']:5.2f} per weight element and row, FP32 pipe "
                   f"{r['fp32_per_elem_row']:5.2f}  {r['top']}", flush=True)
 
 
