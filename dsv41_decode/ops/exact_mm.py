@@ -88,27 +88,38 @@ def _split16(t):
 
 
 @triton.jit
+def _chain16(ws, xs):
+    """(H, L) of `_chain_asm(16)` from Triton operations (the interpreter's path, which runs no
+    inline PTX): the same values, since each product w * x is exact in FP32, so rounding it and then
+    adding rounds exactly like the FMA."""
+    S: tl.constexpr = 12582912.0          # 1.5 * 2^23
+    q = ws[0] * xs[0] + S
+    lo = ws[0] * xs[0] + (S - q)
+    for i in tl.static_range(1, 16):
+        t = ws[i] * xs[i] + q
+        lo += ws[i] * xs[i] + (q - t)
+        q = t
+    return q - S, lo
+
+
+@triton.jit
 def _block_sums(w, x, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
     """part[n, j] = RN(sum over the 32 k of block j of w[n, k] * x[k]), exact before its one rounding.
 
-    w: [BLOCK_N, BLOCK_K] FP32 E4M3 values; x: [BLOCK_K] FP32 E4M3 values. ASM: each thread's 16
-    products of a block half summed by the chained split (`_chain_asm`); else (the interpreter) by
-    the plain split, the same values: h = (p + S) - S, lo = p - h, summed separately."""
+    w: [BLOCK_N, BLOCK_K] FP32 E4M3 values; x: [BLOCK_K] FP32 E4M3 values. Each 16 consecutive k
+    of a weight row go through the chained split (`_chain_asm`: inline PTX with ASM, else the same
+    steps as Triton operations); a block's two H (integers below 2^22) and two L (multiples of
+    2^-18 below 8) add exactly, and H + L is rounded once."""
     SUB: tl.constexpr = BLOCK_K // 32
+    ws = _split16(w)
+    xs = _split16(tl.broadcast_to(x[None, :], [BLOCK_N, BLOCK_K]))
     if ASM:
-        ws = _split16(w)
-        xs = _split16(tl.broadcast_to(x[None, :], [BLOCK_N, BLOCK_K]))
         h, lo = tl.inline_asm_elementwise(_CHAIN16_ASM, _CHAIN16_CONSTRAINTS, ws + xs,
                                           dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
-        h = tl.reshape(h, [BLOCK_N, SUB, 2])
-        lo = tl.reshape(lo, [BLOCK_N, SUB, 2])
     else:
-        S: tl.constexpr = 12582912.0      # 1.5 * 2^23: p + S rounds p to an integer (|p| < 2^18)
-        p = w * x[None, :]                # exact
-        h = (p + S) - S                   # p rounded to an integer
-        lo = p - h                        # exact: a multiple of 2^-18, |lo| <= 1/2
-        h = tl.reshape(h, [BLOCK_N, SUB, 32])
-        lo = tl.reshape(lo, [BLOCK_N, SUB, 32])
+        h, lo = _chain16(ws, xs)
+    h = tl.reshape(h, [BLOCK_N, SUB, 2])
+    lo = tl.reshape(lo, [BLOCK_N, SUB, 2])
     return tl.sum(h, axis=2) + tl.sum(lo, axis=2)
 
 
