@@ -1,11 +1,11 @@
 """Run by tests/ops/test_exact_mm.py in a subprocess without the Triton interpreter (the kernel must
 be a real JIT function to compile), and by hand: compiles `ops.exact_mm`'s kernel for sm_90 in
-the configurations the plans for the four TP1 shapes use, the row buckets 1 and 4 taken in turn
-(`--all`: every bucket of every real shape, TP shards included; or the configurations given as
-bn:bk:rows:warps:stages arguments) and prints, per configuration, its registers, stack, local
-memory and spill instructions, the main loop's instruction mix and the FP32-pipe instructions
-(FFMA, FADD, FMUL, HADD2, HFMA2, HMUL2) per weight element and row. `--json`: one JSON object per
-line instead."""
+the configurations of fused wq_a|wkv's plan at 1 row and wo_b's at 4 rows (`--tp1`: the four
+TP1 shapes' plans at 1, 2 and 4 rows; `--all`: every real shape's, TP shards included; or the
+configurations given as bn:bk:rows:warps:stages arguments) and prints, per configuration, its
+registers, stack, local memory and spill instructions, the main loop's instruction mix and the
+FP32-pipe instructions (FFMA, FADD, FMUL, HADD2, HFMA2, HMUL2) per weight element and row.
+`--json`: one JSON object per line instead."""
 
 from __future__ import annotations
 
@@ -48,10 +48,11 @@ def main() -> None:
     specs = [a for a in sys.argv[1:] if not a.startswith("--")]
     if specs:
         configs = [E.ExactConfig(*(int(v) for v in s.split(":"))) for s in specs]
-    elif "--all" in sys.argv:
-        configs = list(dict.fromkeys(E.planned_config(n, k, b) for n, k in REAL_SHAPES for b in (1, 2, 4)))
-    else:   # the TP1 shapes' plans, the row buckets 1 and 4 taken in turn
-        configs = [E.planned_config(n, k, (1, 4)[i % 2]) for i, (n, k) in enumerate(TP1_SHAPES)]
+    elif "--all" in sys.argv or "--tp1" in sys.argv:
+        shapes = REAL_SHAPES if "--all" in sys.argv else TP1_SHAPES
+        configs = list(dict.fromkeys(E.planned_config(n, k, b) for n, k in shapes for b in (1, 2, 4)))
+    else:   # fused wq_a|wkv's plan at 1 row and wo_b's at 4 (its registers are the most)
+        configs = [E.planned_config(1792, 5120, 1), E.planned_config(5120, 8192, 4)]
     for cfg in configs:
         r = measure(cfg)
         if "--json" in sys.argv:
