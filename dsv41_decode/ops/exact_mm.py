@@ -12,19 +12,30 @@ this op gets it on CUDA cores:
   with |p| <= 448^2 < 2^18;
 - with S = 1.5 * 2^23, h = (p + S) - S is p rounded to an integer (p + S lies in [2^23, 2^24), where
   the FP32 spacing is 1) and l = p - h is exact (a multiple of 2^-18, |l| <= 1/2);
-- the 32 h of a block sum exactly in FP32 in any order (integers, |sum| <= 32 * 448^2 < 2^23), and so
-  do the 32 l (multiples of 2^-18 of magnitude <= 16: 22 bits); RN(H + L) is then the exact block
-  sum rounded once, the contract's block partial. FMA contraction keeps every step exact: fma(w, x,
-  S) = RN(p + S) because p is exact, and fma(w, x, -h) = p - h, which is representable.
+- the h of a block sum exactly in FP32 in any order (integers, |sum| <= 32 * 448^2 < 2^23), and so
+  do the l (multiples of 2^-18 of magnitude <= 16: 22 bits); RN(H + L) is then the exact block sum
+  rounded once, the contract's block partial.
+
+The kernel chains the split over 16 consecutive products (`_chain_asm`): q starts at S and takes
+q' = RN(q + p), one FMA, which is S plus an integer as long as the 16 rounded products stay below
+2^22 in magnitude; the residue p - (q' - q) is exact, one more FMA, so H = q - S and L = the sum
+of the residues are exact: 4 FP32 instructions per product (FMA, subtract, FMA, add) against 5 for
+the split above. On the GPU it is inline PTX with explicit rounding (nothing contracts into or out
+of it); the interpreter runs the same steps as Triton operations, which round the same way because
+each product is exact.
 
 Layout: each program owns BLOCK_N weight rows and every row of x, and streams K in steps of
-BLOCK_K bytes per weight row (16-byte loads, `num_stages` pipelining); the threads of a program
-split a step's K among them (the block sums are order-free), then the step's BLOCK_K / 32 block
-terms are gathered per weight row and added to the accumulator one by one in K order. There is no
+BLOCK_K bytes per weight row (16-byte cp.async loads, `num_stages` pipelining). On sm_90 Triton
+gives each thread 32 consecutive K of a weight row (one whole block, two chains) for
+BLOCK_N * BLOCK_K / (1024 * num_warps) weight rows, which share the thread's converted activation;
+the threads of a program split a step's K among them. Each block's partial is scaled where it was
+computed (by sx, then by sw in a separate `mul.rn`, so that it is never fused into the
+accumulator's add), then the step's BLOCK_K / 32 block terms of a weight row are gathered (one
+trip through shared memory) and added to the accumulator one by one in K order. There is no
 split-K across programs, so the FP32 sum is the reference's sequential one. The rows of x go
-through in groups of ROWS (a constexpr, 1..8) that share each converted weight tile; with more
-rows than a group the program streams its weight rows once per group (the repeats come from L2).
-Every configuration and every row count gives the same bits (`reduction_order`).
+through in passes of ROWS (1, 2 or 4) that share each converted weight tile; with more rows than
+a pass the program streams its weight rows once per pass (the repeats come from L2). Every
+configuration and every row count gives the same bits (`reduction_order`).
 
 An `ExactMM` plan binds one weight and its launch configurations once; calling it only launches.
 """
@@ -48,10 +59,10 @@ def _chain_asm(n: int) -> str:
     """Inline PTX summing n products exactly, chained: operands $2 .. $(n+1) the weights and
     $(n+2) .. $(2n+1) the activations (FP32 E4M3 values); results $0 = H, an integer, and $1 = L, a
     multiple of 2^-18, with H + L the exact sum. q runs from S = 1.5 * 2^23 through q' = RN(q + p),
-    an integer in [2^23, 2^24) (|the sum of n rounded products| <= n * 448^2 < 2^22 for n <= 16); each
-    step's residue p - (q' - q) is exact (a multiple of 2^-18, at most 1/2 in magnitude, by one FMA);
-    H = q - S, L = the residues' sum (below 8 in magnitude: 21 bits, exact). 4 FP32 instructions per
-    product (3 for the first), 1 more for H."""
+    an integer in [2^23, 2^24): each step moves q by at most |p| + 1/2, so |q - S| <= n * (448^2 +
+    1/2) < 2^22 for n <= 16; each step's residue p - (q' - q) is exact (a multiple of 2^-18, at
+    most 1/2 in magnitude, by one FMA); H = q - S, L = the residues' sum (at most 8 in magnitude:
+    21 bits, exact). 4 FP32 instructions per product (3 for the first), 1 more for H."""
     s = "0f4B400000"
     lines = ["{", ".reg .f32 q, t, d, r;", f"fma.rn.f32 q, $2, ${n + 2}, {s};", f"sub.rn.f32 d, {s}, q;",
              f"fma.rn.f32 $1, $2, ${n + 2}, d;"]
