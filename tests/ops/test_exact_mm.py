@@ -221,15 +221,15 @@ def test_bad_inputs_name_the_argument():
 
 
 def test_compiles_for_sm90_without_spills():
-    """The plans' configurations for fused wq_a|wkv at 1 row and wo_b at 4 (the most registers;
-    `python tests/ops/_exact_mm_sm90.py --all` for every shape, shard and bucket), compiled for sm_90 (Triton's own ptxas,
-    in a subprocess without the interpreter: tests/ops/_exact_mm_sm90.py): no local memory (no
-    spill stores or loads), the K
-    loop's weight loads pipelined through shared memory (cp.async), the block terms' last multiply
-    kept apart from the accumulator's add (mul.rn in the PTX: an FMA there would round once instead
-    of twice), and at most 7 FP32-pipe instructions per weight element and row in the main loop at
-    one row (measured 5.5-6.2: 4 for the chained exact split, 1 for the E4M3 -> FP32 conversion of
-    the weight, the rest for the activation's, the block sums and the block terms)."""
+    """The plans' configurations for fused wq_a|wkv at 1 row and wo_b at 4 rows (the most
+    registers; `python tests/ops/_exact_mm_sm90.py --all` for every shape, shard and bucket),
+    compiled for sm_90 by Triton's own ptxas in a subprocess without the interpreter
+    (tests/ops/_exact_mm_sm90.py): no local memory and no spill stores or loads; the K loop's
+    weight loads pipelined through shared memory (cp.async); the block terms' last multiply kept
+    apart from the accumulator's add (mul.rn in the PTX: an FMA there would round once instead of
+    twice); at one row at most 7 FP32-pipe instructions per weight element in the main loop
+    (measured 5.5-6.2 on the real shapes: 4 for the chained exact split, 1 for the weight's E4M3
+    -> FP32 conversion, the rest for the activation's, the block sums and the block terms)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[2]
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
