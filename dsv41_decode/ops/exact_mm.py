@@ -21,8 +21,9 @@ q' = RN(q + p), one FMA, which is S plus an integer as long as the 16 rounded pr
 2^22 in magnitude; the residue p - (q' - q) is exact, one more FMA, so H = q - S and L = the sum
 of the residues are exact: 4 FP32 instructions per product (FMA, subtract, FMA, add) against 5 for
 the split above. On the GPU it is inline PTX with explicit rounding (nothing contracts into or out
-of it); the interpreter runs the same steps as Triton operations, which round the same way because
-each product is exact.
+of it); the interpreter runs the plain split by default (the same block sums, fewer operations)
+and the chain's steps as Triton operations when asked (the tests), which round as the FMAs do
+because each product is exact.
 
 Layout: each program owns BLOCK_N weight rows and every row of x, and streams K in steps of
 BLOCK_K bytes per weight row (16-byte cp.async loads, `num_stages` pipelining). On sm_90 Triton
@@ -114,23 +115,33 @@ def _chain16(ws, xs):
 
 
 @triton.jit
-def _block_sums(w, x, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+def _block_sums(w, x, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHAIN: tl.constexpr, ASM: tl.constexpr):
     """part[n, j] = RN(sum over the 32 k of block j of w[n, k] * x[k]), exact before its one rounding.
 
-    w: [BLOCK_N, BLOCK_K] FP32 E4M3 values; x: [BLOCK_K] FP32 E4M3 values. Each 16 consecutive k
-    of a weight row go through the chained split (`_chain_asm`: inline PTX with ASM, else the same
-    steps as Triton operations); a block's two H (integers below 2^22) and two L (multiples of
-    2^-18 below 8) add exactly, and H + L is rounded once."""
+    w: [BLOCK_N, BLOCK_K] FP32 E4M3 values; x: [BLOCK_K] FP32 E4M3 values. CHAIN: each 16
+    consecutive k of a weight row go through the chained split (`_chain_asm`: inline PTX with ASM,
+    else the same steps as Triton operations); a block's two H (integers below 2^22) and two L
+    (multiples of 2^-18 below 8) add exactly. Else (the interpreter's default: fewer, larger
+    operations) the plain split of every product. Either way H + L is the exact block sum, rounded
+    once: the same part."""
     SUB: tl.constexpr = BLOCK_K // 32
-    ws = _split16(w)
-    xs = _split16(tl.broadcast_to(x[None, :], [BLOCK_N, BLOCK_K]))
-    if ASM:
-        h, lo = tl.inline_asm_elementwise(_CHAIN16_ASM, _CHAIN16_CONSTRAINTS, ws + xs,
-                                          dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+    if CHAIN:
+        ws = _split16(w)
+        xs = _split16(tl.broadcast_to(x[None, :], [BLOCK_N, BLOCK_K]))
+        if ASM:
+            h, lo = tl.inline_asm_elementwise(_CHAIN16_ASM, _CHAIN16_CONSTRAINTS, ws + xs,
+                                              dtype=(tl.float32, tl.float32), is_pure=True, pack=1)
+        else:
+            h, lo = _chain16(ws, xs)
+        h = tl.reshape(h, [BLOCK_N, SUB, 2])
+        lo = tl.reshape(lo, [BLOCK_N, SUB, 2])
     else:
-        h, lo = _chain16(ws, xs)
-    h = tl.reshape(h, [BLOCK_N, SUB, 2])
-    lo = tl.reshape(lo, [BLOCK_N, SUB, 2])
+        S: tl.constexpr = 12582912.0      # 1.5 * 2^23
+        p = w * x[None, :]                # exact
+        h = (p + S) - S                   # p rounded to an integer
+        lo = p - h                        # exact: a multiple of 2^-18, |lo| <= 1/2
+        h = tl.reshape(h, [BLOCK_N, SUB, 32])
+        lo = tl.reshape(lo, [BLOCK_N, SUB, 32])
     return tl.sum(h, axis=2) + tl.sum(lo, axis=2)
 
 
@@ -160,13 +171,14 @@ def _mul_rn(a, b, ASM: tl.constexpr):
 
 
 @triton.jit
-def _row_step(acc, w, x_row, sx_row, sw, k0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+def _row_step(acc, w, x_row, sx_row, sw, k0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              CHAIN: tl.constexpr, ASM: tl.constexpr):
     """acc + the step's block terms of one row of x, added in K order: acc [BLOCK_N] FP32; w the
     step's [BLOCK_N, BLOCK_K] weight tile in FP32, sw its [BLOCK_N, BLOCK_K / 32] scales in FP32;
     x_row / sx_row this row's codes and scale bytes."""
     SUB: tl.constexpr = BLOCK_K // 32
     x = tl.load(x_row + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
-    part = _block_sums(w, x, BLOCK_N, BLOCK_K, ASM)                                  # [BN, SUB]
+    part = _block_sums(w, x, BLOCK_N, BLOCK_K, CHAIN, ASM)                                  # [BN, SUB]
     # The block scales in the layout of the partials: loaded per (row, block, half) like the split's
     # outputs and reduced over the two halves (equal bytes), which moves no data between layouts.
     r2 = tl.arange(0, 2)
@@ -196,7 +208,7 @@ def _exact_mm_kernel(
     x_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr,
     M, N, K, stride_xm, stride_sxm, stride_wn, stride_swn, stride_ym,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, OUT_F32: tl.constexpr,
-    STAGES: tl.constexpr = 3, ASM: tl.constexpr = True,
+    STAGES: tl.constexpr = 3, CHAIN: tl.constexpr = True, ASM: tl.constexpr = True,
 ):
     # Grid: (N tiles,). Program t covers W rows [t*BLOCK_N, +BLOCK_N) over all of K and every row
     # of x, ROWS at a time.
@@ -223,15 +235,15 @@ def _exact_mm_kernel(
             w = tl.load(w_rows[:, None] + k0 + rk[None, :]).to(tl.float32)           # [BN, BK]
             sw = ue8m0_to_fp32(tl.max(tl.load(sw_ptrs + k0 // 32), axis=2).to(tl.int32))   # [BN, SUB]
             acc0 = _row_step(acc0, w, x_ptr + r0 * stride_xm, sx_ptr + r0 * stride_sxm, sw, k0,
-                             BLOCK_N, BLOCK_K, ASM)
+                             BLOCK_N, BLOCK_K, CHAIN, ASM)
             if ROWS >= 2:
                 acc1 = _row_step(acc1, w, x_ptr + r1 * stride_xm, sx_ptr + r1 * stride_sxm, sw, k0,
-                                 BLOCK_N, BLOCK_K, ASM)
+                                 BLOCK_N, BLOCK_K, CHAIN, ASM)
             if ROWS >= 4:
                 acc2 = _row_step(acc2, w, x_ptr + r2 * stride_xm, sx_ptr + r2 * stride_sxm, sw, k0,
-                                 BLOCK_N, BLOCK_K, ASM)
+                                 BLOCK_N, BLOCK_K, CHAIN, ASM)
                 acc3 = _row_step(acc3, w, x_ptr + r3 * stride_xm, sx_ptr + r3 * stride_sxm, sw, k0,
-                                 BLOCK_N, BLOCK_K, ASM)
+                                 BLOCK_N, BLOCK_K, CHAIN, ASM)
         _store_row(y_ptr, acc0, rn, m0, M, N, stride_ym, OUT_F32)
         if ROWS >= 2:
             _store_row(y_ptr, acc1, rn, m0 + 1, M, N, stride_ym, OUT_F32)
@@ -373,7 +385,10 @@ class ExactMM:
             if cfg.rows > bucket:
                 cfg = ExactConfig(cfg.block_n, cfg.block_k, bucket, cfg.num_warps, cfg.num_stages)
             self._launches[bucket] = _Launch(cfg, (-(-n // cfg.block_n),))
+        # On the GPU the chained split in inline PTX; the interpreter runs the plain split (the same
+        # values, fewer operations), or with `_chain` (tests) the chained split's steps.
         self._asm = not interpreting()
+        self._chain = self._asm
 
     def launch_for(self, rows: int) -> _Launch:
         """The launch (configuration, grid) used for `rows` rows."""
@@ -405,6 +420,6 @@ class ExactMM:
             m, self.n, self.k, codes.stride(0), x_scale.stride(0), self.weight.stride(0),
             self.w_scale.stride(0), out.stride(0),
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS=cfg.rows, OUT_F32=out.dtype == torch.float32,
-            STAGES=cfg.num_stages, ASM=self._asm, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            STAGES=cfg.num_stages, CHAIN=self._chain, ASM=self._asm, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return out

@@ -106,6 +106,12 @@ def test_bitwise_equal_to_the_reference(m, n, k, config, kind):
         y = plan(codes, x_scale, _poisoned(m, n, dtype))
         ref = mxfp8_mm(codes, x_scale, weight, w_scale, dtype)
         assert torch.equal(_bits(y), _bits(ref)), (m, n, k, config, kind, dtype)
+    if DEVICE == "cpu":
+        # The GPU's block sums: the chained split over 16-element slices of the thread's block (its
+        # steps as Triton operations here, its PTX text in test_chained_split_ptx_is_exact).
+        plan._chain = True
+        y = plan(codes, x_scale, _poisoned(m, n, torch.float32))
+        assert torch.equal(_bits(y), _bits(ref)), (m, n, k, config, kind, "chain")
 
 
 def _run_ptx(asm: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
