@@ -4,8 +4,8 @@ from CUDA-graph replay (20 calls per graph, median of 10 replays; one weight cop
 fits in L2 is read from it), and the bits of each against `reference.linear.mxfp8_mm` (every
 ExactMM configuration must be bitwise; low_latency_mm's differing BF16 outputs are counted).
 One line per (shape, rows, configuration). `--rows=1,2` and `--only=wq_b,wo_b` narrow it;
-`--alt=bn:bk:rows:warps:stages,...` (or `default`) replaces the built-in candidates (every
-shape). Prints; writes
+`--alt=bn:bk:rows:warps:stages[:split],...` (or `default`) replaces the built-in candidates
+(every shape). Prints; writes
 nothing.
 """
 
@@ -23,23 +23,25 @@ from _args import arg   # scripts/ is on sys.path when run as python scripts/<pr
 
 SHAPES = {"fused_wqa_wkv": (1792, 5120), "wq_b": (32768, 1280), "idx_wq_b": (4096, 1280), "wo_b": (5120, 8192)}
 
-# (block_n, block_k, rows, num_warps, num_stages), "default" = the plan's own choice (the measured
-# table, else the rule), first. On sm_90 each thread holds 32 consecutive K (one block) of
-# block_n * block_k / (1024 * num_warps) weight rows (R); programs = N / block_n, no split-K.
+# (block_n, block_k, rows, num_warps, num_stages[, split]), "default" = the plan's own choice (the
+# measured table, else the rule), first. On sm_90 each thread holds 32 consecutive K (one block) of
+# block_n * block_k / (1024 * num_warps) weight rows (R); programs = N / block_n (x split at up to
+# 4 rows: the tile's last program adds the block terms in K order from a workspace).
 CANDIDATES = {
     "fused_wqa_wkv": ["default", "8:1024:4:4:3", "4:1024:4:4:3", "2:1024:4:2:3", "8:512:4:2:4", "4:512:4:1:4",
-                      "16:256:4:2:4"],
+                      "8:1024:4:4:3:2", "4:1024:4:2:3:2", "8:512:4:2:4:2", "8:1024:4:4:3:5"],
     "wq_b": ["default", "32:256:4:4:3", "64:256:2:4:3", "16:256:4:2:3", "32:256:4:2:3", "16:256:4:4:3"],
-    "idx_wq_b": ["default", "16:256:4:2:3", "8:256:4:2:3", "4:256:4:1:3", "16:256:4:4:3", "8:128:4:1:4"],
-    "wo_b": ["default", "8:1024:4:4:4", "4:1024:4:2:3", "8:512:4:2:4", "16:512:4:4:4", "4:1024:4:4:3"],
+    "idx_wq_b": ["default", "16:256:4:2:3", "8:256:4:2:3", "4:256:4:1:3", "16:256:4:4:3", "16:256:4:2:3:2",
+                 "32:256:4:4:3:5"],
+    "wo_b": ["default", "8:1024:4:4:4", "4:1024:4:2:3", "8:512:4:2:4", "16:512:4:4:4", "16:1024:4:4:3:2"],
 }
 
 
 def _config(spec: str) -> ExactConfig | None:
     if spec == "default":
         return None
-    bn, bk, rows, warps, stages = (int(v) for v in spec.split(":"))
-    return ExactConfig(block_n=bn, block_k=bk, rows=rows, num_warps=warps, num_stages=stages)
+    bn, bk, rows, warps, stages, split = ([int(v) for v in spec.split(":")] + [1])[:6]
+    return ExactConfig(block_n=bn, block_k=bk, rows=rows, num_warps=warps, num_stages=stages, split=split)
 
 
 def _time(fn) -> float:
@@ -80,7 +82,7 @@ def main() -> None:
                     out.fill_(float("nan"))
                     y = plan(codes, x_scale, out).view(torch.int16)
                     bad = int((y != ref).sum())
-                    print(f"{name:14s} N={n:6d} K={k:5d} M={m:2d}  exact {spec:14s} {t:7.2f} us  "
+                    print(f"{name:14s} N={n:6d} K={k:5d} M={m:2d}  exact {spec:16s} {t:7.2f} us  "
                           f"x{t / t_ll:5.2f} of low_latency_mm  {'bitwise' if bad == 0 else f'DIFF {bad}'}",
                           flush=True)
                 except Exception as e:  # report, keep probing

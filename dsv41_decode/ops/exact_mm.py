@@ -43,6 +43,7 @@ An `ExactMM` plan binds one weight and its launch configurations once; calling i
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -171,11 +172,12 @@ def _mul_rn(a, b, ASM: tl.constexpr):
 
 
 @triton.jit
-def _row_step(acc, w, x_row, sx_row, sw, k0, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-              CHAIN: tl.constexpr, ASM: tl.constexpr):
+def _row_step(acc, w, x_row, sx_row, sw, k0, ws_row, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              SPLIT: tl.constexpr, CHAIN: tl.constexpr, ASM: tl.constexpr):
     """acc + the step's block terms of one row of x, added in K order: acc [BLOCK_N] FP32; w the
     step's [BLOCK_N, BLOCK_K] weight tile in FP32, sw its [BLOCK_N, BLOCK_K / 32] scales in FP32;
-    x_row / sx_row this row's codes and scale bytes."""
+    x_row / sx_row this row's codes and scale bytes. With SPLIT > 1 the terms are stored instead,
+    at ws_row[kb * BLOCK_N + n], for the tile's last program to add (`_sum_terms`)."""
     SUB: tl.constexpr = BLOCK_K // 32
     x = tl.load(x_row + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
     part = _block_sums(w, x, BLOCK_N, BLOCK_K, CHAIN, ASM)                                  # [BN, SUB]
@@ -187,8 +189,24 @@ def _row_step(acc, w, x_row, sx_row, sw, k0, BLOCK_N: tl.constexpr, BLOCK_K: tl.
     sx = ue8m0_to_fp32(tl.max(tl.load(sx_ptrs), axis=2).to(tl.int32))                   # [BN, SUB]
     # The reference's order: partial * sx * sw, then the K-ordered FP32 sum.
     term = _mul_rn(part * sx, sw, ASM)
-    for j in tl.static_range(SUB):
-        acc += _col(term, j, SUB)
+    if SPLIT > 1:
+        tl.store(ws_row + (k0 // 32 + tl.arange(0, SUB))[None, :] * BLOCK_N + tl.arange(0, BLOCK_N)[:, None], term)
+    else:
+        for j in tl.static_range(SUB):
+            acc += _col(term, j, SUB)
+    return acc
+
+
+@triton.jit
+def _sum_terms(ws_row, KB, BLOCK_N: tl.constexpr, SUB: tl.constexpr):
+    """The K-ordered FP32 sum from 0 of the KB block terms of one row of x, ws_row[kb * BLOCK_N + n],
+    [BLOCK_N]: SUB of them per load (from L2, .cg: written by the tile's other programs)."""
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    offs = tl.arange(0, SUB)[None, :] * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
+    for kb0 in range(0, KB, SUB):
+        t = tl.load(ws_row + kb0 * BLOCK_N + offs, cache_modifier=".cg")
+        for j in tl.static_range(SUB):
+            acc += _col(t, j, SUB)
     return acc
 
 
@@ -201,27 +219,35 @@ def _store_row(y_ptr, acc, rn, row, M, N, stride_ym, OUT_F32: tl.constexpr):
         tl.store(y_ptr + row * stride_ym + rn, bf16_rne_bits(acc), mask=mask)
 
 
-# The row count and the scale strides take no part in vectorization: leaving them unspecialized
-# keeps one compiled kernel per configuration for every row count.
-@triton.jit(do_not_specialize=["M", "stride_sxm", "stride_swn"])
+# The row count, the scale strides and the split size take no part in vectorization: leaving them
+# unspecialized keeps one compiled kernel per configuration for every row count.
+@triton.jit(do_not_specialize=["M", "stride_sxm", "stride_swn", "steps_per_split"])
 def _exact_mm_kernel(
-    x_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr,
-    M, N, K, stride_xm, stride_sxm, stride_wn, stride_swn, stride_ym,
+    x_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, ws_ptr, cnt_ptr,
+    M, N, K, stride_xm, stride_sxm, stride_wn, stride_swn, stride_ym, steps_per_split,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, OUT_F32: tl.constexpr,
-    STAGES: tl.constexpr = 3, CHAIN: tl.constexpr = True, ASM: tl.constexpr = True,
+    SPLIT: tl.constexpr = 1, STAGES: tl.constexpr = 3, CHAIN: tl.constexpr = True, ASM: tl.constexpr = True,
 ):
-    # Grid: (N tiles,). Program t covers W rows [t*BLOCK_N, +BLOCK_N) over all of K and every row
-    # of x, ROWS at a time.
+    # Grid: (N tiles, K splits). Program (t, s) covers W rows [t*BLOCK_N, +BLOCK_N) over the K steps
+    # [s*steps_per_split, +steps_per_split) and every row of x, ROWS at a time. With one split it
+    # adds its block terms in K order itself; with more (one pass: M <= ROWS) every program stores
+    # its terms and the tile's last program to arrive adds all of them in K order.
     pid = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    SUB: tl.constexpr = BLOCK_K // 32
     rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
-    rs = tl.arange(0, BLOCK_K // 32)
+    rs = tl.arange(0, SUB)
     # Rows past N or M read the last valid row and are masked at the store, so the K loop's loads
     # need no masks and stay 16-byte vectors.
     w_rows = w_ptr + tl.minimum(rn, N - 1) * stride_wn                 # [BN]
     sw_rows = sw_ptr + (tl.minimum(rn, N - 1) // 32) * stride_swn      # [BN]
     # [BN, SUB, 2]: the scale byte of each (row, block, block half), in the layout of `_block_sums`
     sw_ptrs = sw_rows[:, None, None] + rs[None, :, None] + 0 * tl.arange(0, 2)[None, None, :]
+    step_lo = pid_s * steps_per_split
+    step_hi = tl.minimum(step_lo + steps_per_split, K // BLOCK_K)
+    KB = K // 32
+    ws_tile = ws_ptr + pid * (ROWS * KB * BLOCK_N)                     # [ROWS, KB, BN] terms
     for m0 in range(0, M, ROWS):
         r0 = tl.minimum(m0, M - 1)
         r1 = tl.minimum(m0 + 1, M - 1)
@@ -231,25 +257,44 @@ def _exact_mm_kernel(
         acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
         acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
         acc3 = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
+        for step in tl.range(step_lo, step_hi, num_stages=STAGES):
+            # A multiple of BLOCK_K by construction: the compiler can prove the loads 16-byte aligned.
+            k0 = step * BLOCK_K
             w = tl.load(w_rows[:, None] + k0 + rk[None, :]).to(tl.float32)           # [BN, BK]
             sw = ue8m0_to_fp32(tl.max(tl.load(sw_ptrs + k0 // 32), axis=2).to(tl.int32))   # [BN, SUB]
-            acc0 = _row_step(acc0, w, x_ptr + r0 * stride_xm, sx_ptr + r0 * stride_sxm, sw, k0,
-                             BLOCK_N, BLOCK_K, CHAIN, ASM)
+            acc0 = _row_step(acc0, w, x_ptr + r0 * stride_xm, sx_ptr + r0 * stride_sxm, sw, k0, ws_tile,
+                             BLOCK_N, BLOCK_K, SPLIT, CHAIN, ASM)
             if ROWS >= 2:
                 acc1 = _row_step(acc1, w, x_ptr + r1 * stride_xm, sx_ptr + r1 * stride_sxm, sw, k0,
-                                 BLOCK_N, BLOCK_K, CHAIN, ASM)
+                                 ws_tile + KB * BLOCK_N, BLOCK_N, BLOCK_K, SPLIT, CHAIN, ASM)
             if ROWS >= 4:
                 acc2 = _row_step(acc2, w, x_ptr + r2 * stride_xm, sx_ptr + r2 * stride_sxm, sw, k0,
-                                 BLOCK_N, BLOCK_K, CHAIN, ASM)
+                                 ws_tile + 2 * KB * BLOCK_N, BLOCK_N, BLOCK_K, SPLIT, CHAIN, ASM)
                 acc3 = _row_step(acc3, w, x_ptr + r3 * stride_xm, sx_ptr + r3 * stride_sxm, sw, k0,
-                                 BLOCK_N, BLOCK_K, CHAIN, ASM)
-        _store_row(y_ptr, acc0, rn, m0, M, N, stride_ym, OUT_F32)
-        if ROWS >= 2:
-            _store_row(y_ptr, acc1, rn, m0 + 1, M, N, stride_ym, OUT_F32)
-        if ROWS >= 4:
-            _store_row(y_ptr, acc2, rn, m0 + 2, M, N, stride_ym, OUT_F32)
-            _store_row(y_ptr, acc3, rn, m0 + 3, M, N, stride_ym, OUT_F32)
+                                 ws_tile + 3 * KB * BLOCK_N, BLOCK_N, BLOCK_K, SPLIT, CHAIN, ASM)
+        last = True
+        if SPLIT > 1:
+            # Every thread's terms are written before one thread's release of the counter.
+            tl.debug_barrier()
+            arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
+            last = arrived == SPLIT - 1
+            if last:
+                tl.debug_barrier()
+                acc0 = _sum_terms(ws_tile, KB, BLOCK_N, SUB)
+                if ROWS >= 2:
+                    acc1 = _sum_terms(ws_tile + KB * BLOCK_N, KB, BLOCK_N, SUB)
+                if ROWS >= 4:
+                    acc2 = _sum_terms(ws_tile + 2 * KB * BLOCK_N, KB, BLOCK_N, SUB)
+                    acc3 = _sum_terms(ws_tile + 3 * KB * BLOCK_N, KB, BLOCK_N, SUB)
+                # Zero again for the next call (and a CUDA graph's replay).
+                tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
+        if last:
+            _store_row(y_ptr, acc0, rn, m0, M, N, stride_ym, OUT_F32)
+            if ROWS >= 2:
+                _store_row(y_ptr, acc1, rn, m0 + 1, M, N, stride_ym, OUT_F32)
+            if ROWS >= 4:
+                _store_row(y_ptr, acc2, rn, m0 + 2, M, N, stride_ym, OUT_F32)
+                _store_row(y_ptr, acc3, rn, m0 + 3, M, N, stride_ym, OUT_F32)
 
 
 @dataclass(frozen=True)
@@ -257,9 +302,12 @@ class ExactConfig:
     """One launch configuration of the kernel; every configuration gives the same bits.
 
     block_n: W rows per program, a power of two (>= 2). block_k: K bytes per weight row per loop
-    step, 32 times a power of two (32 .. 256), dividing K. rows: x rows per pass over the weight
+    step, 32 times a power of two (32 .. 1024), dividing K. rows: x rows per pass over the weight
     (1, 2 or 4; more rows take several passes). num_warps, num_stages: Triton's (the K loop's
-    loads are software-pipelined num_stages - 1 steps ahead through shared memory).
+    loads are software-pipelined num_stages - 1 steps ahead through shared memory). split: K
+    splits (programs per N tile) for calls of at most 4 rows, which then take one pass; their block
+    terms go through a workspace and the tile's last program adds them, in K order (the plan may
+    use fewer splits so that none is empty; calls of more than 4 rows take one split).
     """
 
     block_n: int = 16
@@ -267,9 +315,10 @@ class ExactConfig:
     rows: int = 4
     num_warps: int = 4
     num_stages: int = 4
+    split: int = 1
 
     def __post_init__(self):
-        for name in ("block_n", "block_k", "rows", "num_warps", "num_stages"):
+        for name in ("block_n", "block_k", "rows", "num_warps", "num_stages", "split"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ExactConfig.{name} must be a positive int, got {value!r}")
@@ -285,7 +334,8 @@ class ExactConfig:
 # (scripts/probe_exact_mm.py). Shapes and buckets without an entry take `_default_config`.
 _TUNED: dict[tuple[int, int, int], ExactConfig] = {}
 
-_ROW_BUCKETS = (1, 2, 4)     # rows per pass: a call with M rows uses the bucket min(4, 2^ceil(log2 M))
+# Row buckets: a call of M <= 4 rows uses the bucket 2^ceil(log2 M), one of more rows the bucket 64.
+_ROW_BUCKETS = (1, 2, 4, 64)
 
 
 def _default_config(n: int, k: int, rows: int, sms: int) -> ExactConfig:
@@ -297,7 +347,7 @@ def _default_config(n: int, k: int, rows: int, sms: int) -> ExactConfig:
     so that more programs share the weight. 3 stages (two steps in flight), 4 where K takes 8
     steps or more and a step is at most 4 KB."""
     block_k = next(b for b in (1024, 512, 256, 128, 64, 32) if k % b == 0)
-    warps, per_thread = 4, (4 if rows <= 2 else 2)
+    warps, per_thread = 4, (4 if rows <= 2 else 2)   # rows: the row bucket
     block_n = lambda: max(2, per_thread * 32 * 32 * warps // block_k)  # noqa: E731
     while -(-n // block_n()) < 2 * sms and (per_thread > 2 or warps > 1):
         if per_thread > 2:
@@ -305,13 +355,13 @@ def _default_config(n: int, k: int, rows: int, sms: int) -> ExactConfig:
         else:
             warps //= 2
     bn = block_n()
-    return ExactConfig(block_n=bn, block_k=block_k, rows=rows, num_warps=warps,
+    return ExactConfig(block_n=bn, block_k=block_k, rows=min(rows, 4), num_warps=warps,
                        num_stages=4 if k // block_k >= 8 and bn * block_k <= 4096 else 3)
 
 
 def planned_config(n: int, k: int, bucket: int, sms: int = CPU_SMS) -> ExactConfig:
-    """The configuration a plan without `config` uses for N x K and the row bucket (1, 2 or 4) on a
-    GPU of `sms` SMs."""
+    """The configuration a plan without `config` uses for N x K and the row bucket (1, 2, 4 or 64)
+    on a GPU of `sms` SMs."""
     return _TUNED.get((n, k, bucket)) or _default_config(n, k, bucket, sms)
 
 
@@ -326,7 +376,9 @@ def reduction_order(k: int) -> tuple[str, int, int]:
 @dataclass(frozen=True)
 class _Launch:
     config: ExactConfig
-    grid: tuple[int]
+    split: int
+    steps_per_split: int
+    grid: tuple[int, int]
 
 
 class ExactMM:
@@ -337,11 +389,13 @@ class ExactMM:
     weight: [N, K] float8_e4m3fn, unit stride along K; K a multiple of 32.
     w_scale: [ceil(N/32), K/32] UE8M0 (float8_e8m0fnu or uint8), unit stride along K.
     max_rows: the most rows a call may bring (1..64).
-    config: an ExactConfig for every row bucket, or a dict {1|2|4: ExactConfig}, instead of the
-        measured / default choice (the probe and the tests use it); its `rows` is then the pass
-        size of that bucket (it may not exceed the bucket).
+    config: an ExactConfig for every row bucket, or a dict {1|2|4|64: ExactConfig} (64: calls of
+        more than 4 rows), instead of the measured / default choice (the probe and the tests use
+        it); a bucket takes min(rows, bucket) rows per pass (the bucket with a split).
 
-    The plan owns no buffers: calls may overlap in time.
+    A plan whose launches split K owns an FP32 workspace for the block terms and one int32 counter
+    per N tile, zero between calls; its calls must not overlap in time (one stream, or ordered
+    streams). Without splits it owns nothing that calls share.
     """
 
     def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int = MAX_ROWS,
@@ -368,8 +422,8 @@ class ExactMM:
 
         self._launches: dict[int, _Launch] = {}
         for bucket in _ROW_BUCKETS:
-            if bucket > 1 and bucket // 2 >= max_rows:
-                break
+            if not (bucket == 1 or (bucket <= 4 and bucket // 2 < max_rows) or (bucket == 64 and max_rows > 4)):
+                continue
             if isinstance(config, dict):
                 cfg = config.get(bucket)
                 if cfg is None:
@@ -382,17 +436,29 @@ class ExactMM:
                 raise TypeError(f"config must be an ExactConfig, got {type(cfg).__name__}")
             if k % cfg.block_k:
                 raise ValueError(f"config.block_k={cfg.block_k} must divide K={k}")
-            if cfg.rows > bucket:
-                cfg = ExactConfig(cfg.block_n, cfg.block_k, bucket, cfg.num_warps, cfg.num_stages)
-            self._launches[bucket] = _Launch(cfg, (-(-n // cfg.block_n),))
+            steps = k // cfg.block_k
+            split = 1 if bucket > 4 else min(cfg.split, steps)
+            # A split launch takes its rows in one pass (the bucket's), so that the workspace holds
+            # one pass's terms; more rows than a bucket of 4 pass 4 at a time with one split.
+            rows = bucket if split > 1 else min(cfg.rows, bucket)
+            per_split = -(-steps // split)
+            split = -(-steps // per_split)    # no empty split
+            cfg = dataclasses.replace(cfg, rows=rows, split=split)
+            self._launches[bucket] = _Launch(cfg, split, per_split, (-(-n // cfg.block_n), split))
+        ws = max((l.grid[0] * l.config.block_n * l.config.rows * (k // 32)
+                  for l in self._launches.values() if l.split > 1), default=1)
+        self._workspace = torch.empty(ws, dtype=torch.float32, device=self.device)
+        self._counters = torch.zeros(max(l.grid[0] for l in self._launches.values() if l.split > 1)
+                                     if any(l.split > 1 for l in self._launches.values()) else 1,
+                                     dtype=torch.int32, device=self.device)
         # On the GPU the chained split in inline PTX; the interpreter runs the plain split (the same
         # values, fewer operations), or with `_chain` (tests) the chained split's steps.
         self._asm = not interpreting()
         self._chain = self._asm
 
     def launch_for(self, rows: int) -> _Launch:
-        """The launch (configuration, grid) used for `rows` rows."""
-        return self._launches[min(4, 1 << (rows - 1).bit_length())]
+        """The launch (configuration, split, grid) used for `rows` rows."""
+        return self._launches[1 << (rows - 1).bit_length() if rows <= 4 else 64]
 
     def reduction_order(self, rows: int) -> tuple[str, int, int]:
         """`reduction_order(K)`: the same for every row count (batch invariance)."""
@@ -416,10 +482,11 @@ class ExactMM:
         cfg = launch.config
         _exact_mm_kernel[launch.grid](
             codes, x_scale.view(torch.uint8), self.weight, self.w_scale,
-            out if out.dtype == torch.float32 else out.view(torch.int16),
+            out if out.dtype == torch.float32 else out.view(torch.int16), self._workspace, self._counters,
             m, self.n, self.k, codes.stride(0), x_scale.stride(0), self.weight.stride(0),
-            self.w_scale.stride(0), out.stride(0),
+            self.w_scale.stride(0), out.stride(0), launch.steps_per_split,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS=cfg.rows, OUT_F32=out.dtype == torch.float32,
+            SPLIT=launch.split,
             STAGES=cfg.num_stages, CHAIN=self._chain, ASM=self._asm, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return out

@@ -1,8 +1,9 @@
 """Run by tests/ops/test_exact_mm.py in a subprocess without the Triton interpreter (the kernel must
 be a real JIT function to compile), and by hand: compiles `ops.exact_mm`'s kernel for sm_90 in
-the configurations of fused wq_a|wkv's plan at 1 row and wo_b's at 4 rows (`--tp1`: the four
+the configurations of fused wq_a|wkv's plan at 1 row and wo_b's at 4 rows, and one with a K
+split (`--tp1`: the four
 TP1 shapes' plans at 1, 2 and 4 rows; `--all`: every real shape's, TP shards included; or the
-configurations given as bn:bk:rows:warps:stages arguments) and prints, per configuration, its
+configurations given as bn:bk:rows:warps:stages[:split] arguments) and prints, per configuration, its
 registers, stack, local memory and spill instructions, the main loop's instruction mix and the
 FP32-pipe instructions (FFMA, FADD, FMUL, HADD2, HFMA2, HMUL2) per weight element and row.
 `--json`: one JSON object per line instead."""
@@ -20,13 +21,14 @@ REAL_SHAPES = [(1792, 5120), (32768, 1280), (16384, 1280), (8192, 1280), (4096, 
                (5120, 8192), (5120, 4096), (5120, 2048), (5120, 1024)]
 TP1_SHAPES = [(1792, 5120), (32768, 1280), (4096, 1280), (5120, 8192)]
 FP32_PIPE = ("FFMA", "FADD", "FMUL", "HADD2", "HFMA2", "HMUL2")
-TYPES = {"x_ptr": "*fp8e4nv", "sx_ptr": "*u8", "w_ptr": "*fp8e4nv", "sw_ptr": "*u8", "y_ptr": "*i16"}
+TYPES = {"x_ptr": "*fp8e4nv", "sx_ptr": "*u8", "w_ptr": "*fp8e4nv", "sw_ptr": "*u8", "y_ptr": "*i16",
+         "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
 
 
 def measure(cfg: E.ExactConfig) -> dict:
     fn = E._exact_mm_kernel
     kernel = compile_sm90(fn, TYPES, dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS=cfg.rows, OUT_F32=False,
-                                          STAGES=cfg.num_stages, ASM=True),
+                                          SPLIT=cfg.split, STAGES=cfg.num_stages, CHAIN=True, ASM=True),
                           # as the launcher sees the real shapes: K and the codes' / weight's / y's
                           # row strides multiples of 16 (M and the scale strides are not specialized)
                           divisible=[a for a in fn.arg_names
@@ -37,7 +39,8 @@ def measure(cfg: E.ExactConfig) -> dict:
     whole = opcode_counts([t for _, t in sass(kernel)])
     elems = cfg.block_n * cfg.block_k / (32 * cfg.num_warps)     # weight elements per thread per step
     fp32 = sum(ops.get(o, 0) for o in FP32_PIPE)
-    return dict(config=f"{cfg.block_n}:{cfg.block_k}:{cfg.rows}:{cfg.num_warps}:{cfg.num_stages}", rows=cfg.rows,
+    return dict(config=f"{cfg.block_n}:{cfg.block_k}:{cfg.rows}:{cfg.num_warps}:{cfg.num_stages}:{cfg.split}",
+                rows=cfg.rows,
                 **resources(kernel), loop=len(loop), per_elem_row=round(len(loop) / elems / cfg.rows, 2),
                 fp32_per_elem_row=round(fp32 / elems / cfg.rows, 2), LDGSTS=ops.get("LDGSTS", 0),
                 spills=whole.get("STL", 0) + whole.get("LDL", 0),
@@ -51,16 +54,17 @@ def main() -> None:
     elif "--all" in sys.argv or "--tp1" in sys.argv:
         shapes = REAL_SHAPES if "--all" in sys.argv else TP1_SHAPES
         configs = list(dict.fromkeys(E.planned_config(n, k, b) for n, k in shapes for b in (1, 2, 4)))
-    else:   # fused wq_a|wkv's plan at 1 row and wo_b's at 4 (its registers are the most)
-        configs = [E.planned_config(1792, 5120, 1), E.planned_config(5120, 8192, 4)]
+    else:   # fused wq_a|wkv's plan at 1 row, wo_b's at 4 (its registers are the most), a K split
+        configs = [E.planned_config(1792, 5120, 1), E.planned_config(5120, 8192, 4),
+                   E.ExactConfig(block_n=8, block_k=1024, rows=2, num_warps=4, num_stages=3, split=2)]
     for cfg in configs:
         r = measure(cfg)
         if "--json" in sys.argv:
             print(json.dumps(r), flush=True)
         else:
-            print(f"{r['config']:14s} REG {r['REG']:3d} STACK {r['STACK']} LOCAL {r['LOCAL']} STL/LDL {r['spills']}  "
-                  f"main loop {r['loop']:4d} instructions, {r['per_elem_row']:5.2f} per weight element and row, FP32 pipe "
-                  f"{r['fp32_per_elem_row']:5.2f}  {r['top']}", flush=True)
+            print(f"{r['config']:16s} REG {r['REG']:3d} STACK {r['STACK']} LOCAL {r['LOCAL']} STL/LDL {r['spills']}  "
+                  f"main loop {r['loop']:4d} instructions, {r['per_elem_row']:5.2f} per weight element and row, "
+                  f"FP32 pipe {r['fp32_per_elem_row']:5.2f}  {r['top']}", flush=True)
 
 
 if __name__ == "__main__":

@@ -79,6 +79,8 @@ _CONFIGS = {
     "bn16-bk64-r4": ExactConfig(block_n=16, block_k=64, rows=4, num_warps=1, num_stages=2),
     "bn32-bk128-r2": ExactConfig(block_n=32, block_k=128, rows=2, num_warps=2, num_stages=3),
     "bn8-bk256-r4": ExactConfig(block_n=8, block_k=256, rows=4, num_warps=2, num_stages=2),
+    # K split over programs (calls of at most 4 rows): the tile's last program adds the terms
+    "bn16-bk64-split3": ExactConfig(block_n=16, block_k=64, rows=1, num_warps=1, num_stages=2, split=3),
 }
 
 
@@ -95,6 +97,7 @@ def test_data_defeats_a_plain_fp32_block_sum(kind):
     (1, 40, 256, "bn16-bk64-r4", "heavy"), (1, 40, 256, "bn32-bk128-r2", "uniform"),
     (3, 40, 384, "bn32-bk128-r2", "heavy"), (6, 24, 256, "bn8-bk256-r4", "uniform"),
     (5, 24, 256, None, "quantized"), (2, 40, 384, None, "heavy"),
+    (3, 40, 256, "bn16-bk64-split3", "uniform"), (1, 24, 384, "bn16-bk64-split3", "heavy"),
 ])
 def test_bitwise_equal_to_the_reference(m, n, k, config, kind):
     if kind == "quantized":   # MXFP8 activations and a block-quantized weight, as the model has them
@@ -106,6 +109,7 @@ def test_bitwise_equal_to_the_reference(m, n, k, config, kind):
         y = plan(codes, x_scale, _poisoned(m, n, dtype))
         ref = mxfp8_mm(codes, x_scale, weight, w_scale, dtype)
         assert torch.equal(_bits(y), _bits(ref)), (m, n, k, config, kind, dtype)
+    assert int(plan._counters.abs().sum()) == 0     # split launches leave their counters at zero
     if DEVICE == "cpu":
         # The GPU's block sums: the chained split over 16-element slices of the thread's block (its
         # steps as Triton operations here, its PTX text in test_chained_split_ptx_is_exact).
@@ -169,14 +173,17 @@ def test_batch_and_configuration_invariance():
     m, n, k = 6, 24, 256
     codes, x_scale, weight, w_scale = _exact_operands(_gen(3), m, n, k, "uniform")
     plans = [ExactMM(weight, w_scale, config=c) for c in _CONFIGS.values()]
-    together = plans[0](codes, x_scale)
-    for plan in plans[1:]:
+    together = plans[0](codes, x_scale)     # 6 rows: two passes
+    for plan in plans[1:3]:
         assert torch.equal(_bits(plan(codes, x_scale)), _bits(together))
     for i in (0, 5):
         alone = plans[1](codes[i:i + 1], x_scale[i:i + 1])
         assert torch.equal(_bits(alone), _bits(together[i:i + 1])), i
     pair = plans[2](codes[4:6], x_scale[4:6])
     assert torch.equal(_bits(pair), _bits(together[4:6]))
+    split = plans[3]                        # K split in 2 at up to 4 rows, one program per tile above
+    assert split.launch_for(3).split == 2 and split.launch_for(6).split == 1
+    assert torch.equal(_bits(split(codes[1:4], x_scale[1:4])), _bits(together[1:4]))
     assert plans[0].reduction_order(1) == plans[0].reduction_order(64) == plans[1].reduction_order(3)
 
 
@@ -185,9 +192,16 @@ def test_launches_cover_the_row_buckets():
     w_scale = torch.full((4, 40), 127, dtype=torch.uint8, device=DEVICE)
     plan = ExactMM(weight, w_scale)
     assert [plan.launch_for(m).config.rows for m in (1, 2, 3, 4, 37, 64)] == [1, 2, 4, 4, 4, 4]
-    assert plan.launch_for(1).grid == (-(-100 // plan.launch_for(1).config.block_n),)
+    assert plan.launch_for(1).grid == (-(-100 // plan.launch_for(1).config.block_n), 1)
+    assert plan.launch_for(37) is plan.launch_for(64) is not plan.launch_for(4)
     small = ExactMM(weight, w_scale, max_rows=2, config=ExactConfig(rows=4))
-    assert small.launch_for(2).config.rows == 2 and 4 not in small._launches
+    assert small.launch_for(2).config.rows == 2 and set(small._launches) == {1, 2}
+    # A split launch takes its bucket's rows in one pass; calls of more than 4 rows take one split.
+    split = ExactMM(weight, w_scale, config=ExactConfig(block_k=128, rows=1, split=4))
+    assert [(split.launch_for(m).split, split.launch_for(m).config.rows) for m in (1, 2, 4, 5)] == \
+        [(4, 1), (4, 2), (4, 4), (1, 1)]
+    assert split.launch_for(1).steps_per_split == 3 and split.launch_for(1).grid[1] == 4   # 10 steps: 3 3 3 1
+    assert split._workspace.numel() >= split.launch_for(4).grid[0] * 16 * 4 * 40
 
 
 def test_bad_inputs_name_the_argument():
@@ -224,11 +238,13 @@ def test_bad_inputs_name_the_argument():
     raises("block_k must be 32 times a power of two up to 1024", lambda: ExactConfig(block_k=2048))
     raises("rows must be 1, 2 or 4", lambda: ExactConfig(rows=3))
     raises("num_stages must be a positive int", lambda: ExactConfig(num_stages=0))
+    raises("split must be a positive int", lambda: ExactConfig(split=0))
 
 
 def test_compiles_for_sm90_without_spills():
     """The plans' configurations for fused wq_a|wkv at 1 row and wo_b at 4 rows (the most
-    registers; `python tests/ops/_exact_mm_sm90.py --all` for every shape, shard and bucket),
+    registers) and a K-split one (`python tests/ops/_exact_mm_sm90.py --all` for every shape,
+    shard and bucket),
     compiled for sm_90 by Triton's own ptxas in a subprocess without the interpreter
     (tests/ops/_exact_mm_sm90.py): no local memory and no spill stores or loads; the K loop's
     weight loads pipelined through shared memory (cp.async); the block terms' last multiply kept
@@ -244,6 +260,7 @@ def test_compiles_for_sm90_without_spills():
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     assert rows, res.stdout
+    assert len(rows) == 3, res.stdout
     for r in rows:
         assert r["LOCAL"] == 0 and r["spills"] == 0, r
         assert r["LDGSTS"] > 0 and r["mul_rn"], r
@@ -263,6 +280,13 @@ def test_flash_shapes_on_gpu(name, n, k):
             y = plan(codes, x_scale, _poisoned(m, n, dtype))
             ref = mxfp8_mm(codes, x_scale, weight, w_scale, dtype)
             assert torch.equal(_bits(y), _bits(ref)), (name, m, dtype, int((_bits(y) != _bits(ref)).sum()))
+    # K split over programs (the tile's last one adds the terms): the same bits, counters back at 0.
+    split = ExactMM(weight, w_scale, config=ExactConfig(block_n=8, block_k=256, rows=4, num_warps=2, split=3))
+    for m in (1, 3):
+        for _ in range(2):
+            y = split(codes_all[:m], sx_all[:m], _poisoned(m, n))
+            assert torch.equal(_bits(y), _bits(mxfp8_mm(codes_all[:m], sx_all[:m], weight, w_scale))), (name, m)
+        assert int(split._counters.abs().sum()) == 0
     # Heavy-tailed codes, where an inexact block sum shows.
     codes, x_scale, weight, w_scale = _exact_operands(_gen(n), 16, n, k, "heavy")
     y = ExactMM(weight, w_scale)(codes, x_scale)
