@@ -1,5 +1,6 @@
-"""Tensor parallelism at the edges: the process group, this rank's place in it, and the one
-collective the attention stack needs (the reduction of `wo_b`'s FP32 partial outputs).
+"""Tensor parallelism at the edges: the process group, this rank's place in it, and the collectives
+the attention stack needs (the reduction of `wo_b`'s FP32 partial outputs; the exchange of a
+row-sharded dense indexer's selections).
 
 Every rank must hold bitwise the same result (spec section 3 step 9: the partials are reduced in
 FP32 before the BF16 rounding), so the reduction here gathers the partials and adds them in rank
@@ -67,6 +68,38 @@ class TensorParallel:
             row = parts[r % self.tp][r]
             out.append(row[row != pad])
         return out
+
+    def row_share(self, rows: int) -> tuple[int, int, int]:
+        """This rank's share of `rows` rows in a row-sharded computation: (lo, hi, chunk), with
+        chunk = ceil(rows / tp) and rank r owning rows [r * chunk, min((r + 1) * chunk, rows)), empty
+        where r * chunk >= rows (rank 3 of 4 at 5 rows: 2 + 2 + 1 + 0). Contiguous
+        shares keep every rank's rows a view of the step's buffers and let `gather_row_shares`
+        place them with one collective."""
+        if rows < 0:
+            raise ValueError(f"rows must be >= 0, got {rows}")
+        chunk = -(-rows // self.tp)
+        lo = min(rows, self.rank * chunk)
+        return lo, min(rows, lo + chunk), chunk
+
+    def gather_row_shares(self, part: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out[r * c:(r + 1) * c] = rank r's `part` for every rank r, c = part.shape[0]: each rank's
+        rows of a row-sharded computation (`row_share`), gathered to every rank. A copy, so every
+        rank holds the same bits whatever the collective's algorithm. part: [c, ...] contiguous,
+        the same shape and dtype on every rank (a rank whose share is shorter pads it); out: at
+        least tp * c rows of part's row shape, contiguous. Returns out[:tp * c]. Collective (NCCL
+        or gloo; inside a CUDA graph under NCCL as `reduce_partials`). tp == 1 copies part into out."""
+        c = part.shape[0]
+        if out.shape[1:] != part.shape[1:] or out.dtype != part.dtype or out.shape[0] < self.tp * c:
+            raise ValueError(f"out {tuple(out.shape)} {out.dtype} cannot hold {self.tp} shares of "
+                             f"{tuple(part.shape)} {part.dtype}")
+        dst = out[:self.tp * c]
+        if not (part.is_contiguous() and dst.is_contiguous()):
+            raise ValueError("gather_row_shares: part and out must be contiguous")
+        if self.tp == 1:
+            return dst.copy_(part)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor   # renamed in torch 2.13
+        gather(dst, part, group=self.group)
+        return dst
 
     def peer_access(self, device: torch.device) -> str | None:
         """None when every rank's GPU can read every other rank's memory directly (what the fused

@@ -22,7 +22,7 @@ from typing import Mapping
 import torch
 import triton
 
-from ..config import SWA
+from ..config import FULL, SWA
 from ..layer import AttentionLayer
 from ..ops import LOW_BATCH_MAX_ROWS
 from ..ops.compressor import compress_ratio2_
@@ -150,16 +150,28 @@ class AttentionStep:
             self.wk_plan = LlBf16Plan.build(cfg.index_head_dim, cfg.head_dim, max_rows, self.w_wk.dtype, dev, **wide)
         self.selection: IndexSelection | None = None          # this layer's, when it runs the indexer
         self.candidate_mask: torch.Tensor | None = None      # this layer's, when it is the candidate source
+        # Under TP a Full layer's dense indexer may run row-sharded (`run(shard=True)`): each rank
+        # scores its `TensorParallel.row_share` of the rows into the `*_part` buffers and
+        # `gather_row_shares` places every rank's share in the selection (and candidate pool),
+        # which then hold tp * ceil(max_rows / tp) rows (the last rank's share padded).
+        tp = layer.tp.tp
+        self.row_shardable = tp > 1 and spec.kind == FULL
+        sel_rows = tp * -(-max_rows // tp) if self.row_shardable else max_rows
         if spec.runs_indexer:
             self.mm_idx_wq_b = _fp8_plan(w, "indexer.wq_b", max_rows, exact_linears)
             self.w_proj = w["attn.indexer.weights_proj.weight"]
             self.proj_plan = LlBf16Plan.build(cfg.index_n_heads, cfg.dim, max_rows, self.w_proj.dtype, dev, **wide)
             self.topk_plan = TopKPlan.build(max_rows, cfg.index_topk, 1, dev)
-            self.selection = IndexSelection.empty(max_rows, cfg.index_topk, dev)
+            self.selection = IndexSelection.empty(sel_rows, cfg.index_topk, dev)
             if spec.candidate_role == "source":
                 self.cand_plan = TopKPlan.build(max_rows, cfg.candidate_topk_blocks, cfg.candidate_block_size,
                                                 dev, chunk=512)
-                self.candidate_mask = torch.zeros(max_rows, self.s.scores.shape[1], dtype=torch.uint8, device=dev)
+                self.candidate_mask = torch.zeros(sel_rows, self.s.scores.shape[1], dtype=torch.uint8, device=dev)
+            if self.row_shardable:
+                share = -(-max_rows // tp)
+                self.topk_part = torch.full((share, cfg.index_topk), -1, dtype=torch.int32, device=dev)
+                if self.candidate_mask is not None:
+                    self.cand_part = torch.zeros(share, self.candidate_mask.shape[1], dtype=torch.uint8, device=dev)
         # the selection this layer's sparse MLA reads (its index source's) and, for a candidate
         # consumer, the candidate pool its indexer scores (its KV source's)
         self.source_selection = self._source(sources, spec.index_source, "selection")
@@ -179,10 +191,15 @@ class AttentionStep:
 
     # ------------------------------------------------------------------ the schedule
     def run(self, rows: int, u: torch.Tensor, u_codes: torch.Tensor, u_scales: torch.Tensor,
-            y: torch.Tensor, events: StepEvents) -> None:
+            y: torch.Tensor, events: StepEvents, shard: bool = False) -> None:
         """Enqueue the layer for rows [0, rows): inputs u [rows, dim] BF16 and its MXFP8 codes/scales
         (written by the boundary), output y [rows, dim] BF16 (this rank's partial, reduced here
         under the collective TP boundary). events: the step's cross-layer events, read and updated.
+        shard: under TP, a Full layer's dense indexer scores only this rank's share of the rows
+        (index query, scores, top-k, candidate pool) and gathers every rank's share of the top-k
+        and candidate pool before the sparse-index table (`_select`); the same bits as the
+        replicated indexer, whose kernels are batch-invariant per row. Ignored by other layers and
+        at TP1; every rank must pass the same value (the gather is a collective).
 
         Phases (design section 2), each enqueued in order on the main stream with its side work on
         the lanes: `_inputs` (the fused wq_a|wkv GEMM and the norms; the side projections),
@@ -190,17 +207,23 @@ class AttentionStep:
         `_select` (index scores, top-k, candidate pool, sparse-index table), `_attend` (sparse MLA),
         `_output` (wo_a with the staged window copy, wo_b).
         """
-        kv_score, wproj_ready, qr_ready = self._inputs(rows, u, u_codes, u_scales)
-        iq_ready = self._prepare(rows, kv_score, wproj_ready, qr_ready)
+        part = self.layer.tp.row_share(rows) if shard and self.row_shardable else None
+        own = slice(0, rows) if part is None else slice(part[0], part[1])   # the rows this rank indexes
+        kv_score, wproj_ready, qr_ready = self._inputs(rows, u, u_codes, u_scales, own)
+        iq_ready = self._prepare(rows, kv_score, wproj_ready, qr_ready, own)
         if self.spec.runs_indexer:
-            self._select(rows, iq_ready, events)
+            if part is None:
+                self._select(rows, iq_ready, events)
+            else:
+                self._select_shared(rows, part, iq_ready, events)
         o = self._attend(rows, events)
         self._output(rows, o, y)
 
-    def _inputs(self, B: int, u, u_codes, u_scales):
+    def _inputs(self, B: int, u, u_codes, u_scales, own: slice):
         """The input projections: the compressor's and the indexer's side projections start at once on
-        their lanes, the fused wq_a|wkv GEMM and the q/kv norm run on the main stream. Returns
-        (the compressor's kv_score or None, the event of the indexer weights, the event of qr)."""
+        their lanes (the indexer's for the rows `own` only), the fused wq_a|wkv GEMM and the q/kv
+        norm run on the main stream. Returns (the compressor's kv_score or None, the event of the
+        indexer weights, the event of qr)."""
         cfg, spec, s, lanes = self.cfg, self.spec, self.s, self.lanes
         start = lanes.mark()                                  # protects u (written by the boundary)
         kv_score = wproj_ready = None
@@ -212,7 +235,8 @@ class AttentionStep:
         if spec.runs_indexer:
             with lanes.side(AUX_INDEX_W):
                 lanes.wait(start)
-                ll_bf16_(self.proj_plan, u, self.w_proj, s.wproj[:B])
+                if own.stop > own.start:
+                    ll_bf16_(self.proj_plan, u[own], self.w_proj, s.wproj[own])
                 wproj_ready = lanes.mark()                    # protects wproj
         qkv = self.mm_qkv(u_codes, u_scales, s.qkv_a[:B])
         ql = cfg.q_lora_rank
@@ -220,20 +244,23 @@ class AttentionStep:
                        qkv[:, ql:], self.w["attn.kv_norm.weight"], s.kv[:B], cfg.norm_eps)   # one launch
         return kv_score, wproj_ready, lanes.mark()            # the last protects qr codes
 
-    def _prepare(self, B: int, kv_score, wproj_ready, qr_ready):
-        """The index query (lane 2), the compressor's state update, latent and index key (lane 0), the
-        query (wq_b) and its RoPE with the window insert (main); the main stream then waits for the
-        compressed and index-key records. Returns the event of the index query (None without)."""
+    def _prepare(self, B: int, kv_score, wproj_ready, qr_ready, own: slice):
+        """The index query of the rows `own` (lane 2), the compressor's state update, latent and
+        index key (lane 0), the query (wq_b) and its RoPE with the window insert (main); the main
+        stream then waits for the compressed and index-key records. Returns the event of the index
+        query (None without)."""
         cfg, spec, s, m, lanes = self.cfg, self.spec, self.s, self.meta, self.lanes
         st, L, r = self.state, spec.layer, spec.ratio
         iq_ready = latent_ready = None
         if spec.runs_indexer:
             with lanes.side(AUX_INDEX_Q):
                 lanes.wait(qr_ready)
-                self.mm_idx_wq_b(s.qr_codes[:B], s.qr_scales[:B], s.iq_raw[:B])
+                if own.stop > own.start:
+                    self.mm_idx_wq_b(s.qr_codes[own], s.qr_scales[own], s.iq_raw[own])
                 lanes.wait(wproj_ready)
-                index_query_(s.iq_raw[:B], s.wproj[:B], m.cos[r][:B], m.sin[r][:B],
-                             cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5, s.iq[:B], s.iw[:B])
+                if own.stop > own.start:
+                    index_query_(s.iq_raw[own], s.wproj[own], m.cos[r][own], m.sin[r][own],
+                                 cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5, s.iq[own], s.iw[own])
                 iq_ready = lanes.mark()                       # protects iq, iw
         if spec.owns_compressor:
             with lanes.side(AUX_COMPRESSOR):
@@ -280,12 +307,44 @@ class AttentionStep:
                 lanes.wait(scored)
                 candidate_mask_(scores, n_vis, self.candidate_mask[:B, :width], self.cand_plan)
                 events.candidates = lanes.mark()              # protects the candidate mask, frees scores
+        self._tables(B, events)
+
+    def _select_shared(self, B: int, part: tuple[int, int, int], iq_ready, events: StepEvents) -> None:
+        """The row-sharded dense indexer (main): scores, top-k and (a candidate source) candidate
+        pool of this rank's rows [lo, hi) into the `*_part` buffers, then every rank's share
+        gathered into the selection and the candidate pool (`TensorParallel.gather_row_shares`;
+        rows [rows, tp * chunk) are padding), and the sparse-index table of every row (lane 2)."""
+        spec, s, m, st = self.spec, self.s, self.meta, self.state
+        lo, hi, chunk = part
+        tp, r = self.layer.tp, spec.ratio
+        self.lanes.wait(iq_ready, events.candidates)          # the expansion still reads the scores
+        events.candidates = None
+        width = -(-st.max_context // r)
+        if hi > lo:
+            n_vis = m.n_vis[r][lo:hi]
+            scores = s.scores[lo:hi, :width]
+            index_scores_mxfp4_(s.iq[lo:hi], s.iw[lo:hi], st.index_keys[spec.kv_source], st.block_table[r],
+                                st.page_size, m.kernel_slot[lo:hi], n_vis, scores, None, fp8_dot=True)
+            topk_ascending_(scores, n_vis, self.topk_part[:hi - lo], self.topk_plan)
+            if spec.candidate_role == "source":
+                candidate_mask_(scores, n_vis, self.cand_part[:hi - lo, :width], self.cand_plan)
+        sel = self.selection
+        tp.gather_row_shares(self.topk_part[:chunk], sel.topk)
+        if self.forced_topk is not None:
+            sel.topk[:B].copy_(self.forced_topk[:B])
+        if spec.candidate_role == "source":
+            tp.gather_row_shares(self.cand_part[:chunk], self.candidate_mask)
+        self._tables(B, events)
+
+    def _tables(self, B: int, events: StepEvents) -> None:
+        """The sparse-index table of the selection's rows [0, B) (lane 2), its event in `events`."""
+        m, st, r, sel, lanes = self.meta, self.state, self.spec.ratio, self.selection, self.lanes
         topk_ready = lanes.mark()                             # protects sel.topk
         with lanes.side(AUX_INDEX_Q):
             lanes.wait(topk_ready)
             topk_slots_(sel.topk[:B], m.kernel_slot[:B], st.block_table[r], st.page_size,
                         sel.table[:B], sel.lengths[:B])
-            events.tables[L] = lanes.mark()                   # protects sel.table
+            events.tables[self.spec.layer] = lanes.mark()     # protects sel.table
 
     def _attend(self, B: int, events: StepEvents) -> torch.Tensor:
         """Sparse MLA over the window and the index source's selection; returns o [B, heads, 512]."""

@@ -42,6 +42,16 @@ from .tables import StepMeta
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
+# From this many rows (a bucket's) up, a TP step row-shards its Full layers' dense indexers: each
+# rank scores ceil(rows / tp) rows and the ranks gather the top-k and candidate pools (one or two
+# all-gathers per Full layer, a few us on NVLink). The indexer and top-k cost ~15 us per row per
+# layer at 128K on one H200 (~240 us at 16 rows, ~1 ms at 64) and ~4 us at 32K, so at 16 rows TP2
+# saves ~30 us per Full layer at 32K (~120 us at 128K) against the gather's few us; at 8 rows and
+# 32K the saving (~15 us) is within a few gathers' latency plus the overlap the replicated path
+# keeps (its index query runs beside wq_b), and shorter contexts save less. Not measured on two
+# GPUs yet (scripts/indexer_shard_tp.py measures where it pays).
+INDEXER_SHARD_ROWS = 16
+
 
 class StepError(ValueError):
     """A step the captured DecodeStep cannot run (the message names the rows, request or bucket)."""
@@ -87,6 +97,10 @@ class DecodeStep:
     Errors: StepError for buckets outside 1..LOW_BATCH_MAX_ROWS or past the state's stage_rows, a
     state of another configuration, or an unknown tp_boundary; `NotEligible` for a layer whose
     weights do not suit the step.
+
+    Under TP the Full layers' dense indexers run row-sharded in the buckets of at least
+    `indexer_shard_rows` rows (default `INDEXER_SHARD_ROWS`; `AttentionStep.run(shard=)`) and
+    replicated (every rank scores every row) below; the same bits either way.
     """
 
     def __init__(self, stack, state: DecodeState, *, max_rows: int = 16, buckets: Sequence[int] | None = None,
@@ -111,7 +125,8 @@ class DecodeStep:
         self.buckets, self.max_rows = buckets, buckets[-1]
         self.device = dev
         self.plan = dict(low_batch=True, overlap=bool(overlap),
-                         layers=[(i, stack.cfg.plan[i].label) for i in stack.ids])
+                         layers=[(i, stack.cfg.plan[i].label) for i in stack.ids],
+                         indexer_shard_rows=INDEXER_SHARD_ROWS)
         B, cfg = self.max_rows, self.cfg
         self.meta = StepMeta(cfg, state, B)
         self.scratch = Scratch(stack.layers[stack.ids[0]].cfg, state, B)   # this rank's heads and groups
@@ -134,6 +149,28 @@ class DecodeStep:
         self.use_graphs = graphs and dev.type == "cuda"
         if self.use_graphs:
             self._capture()
+
+    @property
+    def indexer_shard_rows(self) -> int:
+        """The fewest rows (a bucket's) at which a TP step row-shards its dense indexers
+        (`plan["indexer_shard_rows"]`, default `INDEXER_SHARD_ROWS`). Setting it (an int >= 1)
+        recaptures the CUDA graphs; under TP every rank must set the same value (the gathers are
+        collectives)."""
+        return self.plan["indexer_shard_rows"]
+
+    @indexer_shard_rows.setter
+    def indexer_shard_rows(self, rows: int) -> None:
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise StepError(f"indexer_shard_rows must be an int >= 1, got {rows!r}")
+        self.plan["indexer_shard_rows"] = rows
+        if self.use_graphs:
+            self._capture()
+
+    def indexer_sharded(self, rows: int) -> bool:
+        """Whether a step of `rows` rows (a bucket) runs the dense indexers row-sharded: under TP,
+        with a Full layer among the step's, at `indexer_shard_rows` rows or more."""
+        return (self.stack.tp.tp > 1 and rows >= self.indexer_shard_rows
+                and any(a.row_shardable for a in self.layers.values()))
 
     @property
     def y(self) -> torch.Tensor:
@@ -159,11 +196,12 @@ class DecodeStep:
             self.mailbox.next_step()                          # this step's generations
         events = StepEvents()
         ids = self.stack.ids
+        shard = self.indexer_sharded(B)
         x = io.x_in[:B]
         mix_ready = bd.mix(ids[0], x, 0, B, lanes)
         bd.enter(ids[0], x, io.pre_in[:B], B)
         for k, i in enumerate(ids):
-            self.layers[i].run(B, bd.u[:B], bd.codes[:B], bd.scales[:B], io.y[:B], events)
+            self.layers[i].run(B, bd.u[:B], bd.codes[:B], bd.scales[:B], io.y[:B], events, shard)
             lanes.wait(mix_ready)                             # post/comb/pre of this site
             nxt = ids[k + 1] if k + 1 < len(ids) else None
             x_new = io.x_out[:B] if nxt is None else bd.streams[k % 2][:B]
@@ -250,10 +288,11 @@ class DecodeStep:
             raise StepError(f"layer {layer} is not one of the step's layers {list(self.layers)}")
         self.meta.derive(bucket)
         att, bd, y = self.layers[layer], self.boundary, self.io.y
+        shard = self.indexer_sharded(bucket)
 
         def call() -> None:
             events = StepEvents()
-            att.run(bucket, bd.u[:bucket], bd.codes[:bucket], bd.scales[:bucket], y[:bucket], events)
+            att.run(bucket, bd.u[:bucket], bd.codes[:bucket], bd.scales[:bucket], y[:bucket], events, shard)
             events.join(self.lanes)
         return call
 
