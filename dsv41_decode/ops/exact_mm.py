@@ -219,6 +219,16 @@ def _store_row(y_ptr, acc, rn, row, M, N, stride_ym, OUT_F32: tl.constexpr):
         tl.store(y_ptr + row * stride_ym + rn, bf16_rne_bits(acc), mask=mask)
 
 
+@triton.jit
+def _store_rows(y_ptr, acc0, acc1, acc2, acc3, rn, m0, M, N, stride_ym, ROWS: tl.constexpr, OUT_F32: tl.constexpr):
+    _store_row(y_ptr, acc0, rn, m0, M, N, stride_ym, OUT_F32)
+    if ROWS >= 2:
+        _store_row(y_ptr, acc1, rn, m0 + 1, M, N, stride_ym, OUT_F32)
+    if ROWS >= 4:
+        _store_row(y_ptr, acc2, rn, m0 + 2, M, N, stride_ym, OUT_F32)
+        _store_row(y_ptr, acc3, rn, m0 + 3, M, N, stride_ym, OUT_F32)
+
+
 # The row count, the scale strides and the split size take no part in vectorization: leaving them
 # unspecialized keeps one compiled kernel per configuration for every row count.
 @triton.jit(do_not_specialize=["M", "stride_sxm", "stride_swn", "steps_per_split"])
@@ -244,8 +254,12 @@ def _exact_mm_kernel(
     sw_rows = sw_ptr + (tl.minimum(rn, N - 1) // 32) * stride_swn      # [BN]
     # [BN, SUB, 2]: the scale byte of each (row, block, block half), in the layout of `_block_sums`
     sw_ptrs = sw_rows[:, None, None] + rs[None, :, None] + 0 * tl.arange(0, 2)[None, None, :]
-    step_lo = pid_s * steps_per_split
-    step_hi = tl.minimum(step_lo + steps_per_split, K // BLOCK_K)
+    if SPLIT > 1:
+        k_lo = pid_s * steps_per_split * BLOCK_K
+        k_hi = tl.minimum(k_lo + steps_per_split * BLOCK_K, K)
+    else:
+        k_lo = 0
+        k_hi = K
     KB = K // 32
     ws_tile = ws_ptr + pid * (ROWS * KB * BLOCK_N)                     # [ROWS, KB, BN] terms
     for m0 in range(0, M, ROWS):
@@ -257,9 +271,7 @@ def _exact_mm_kernel(
         acc1 = tl.zeros([BLOCK_N], dtype=tl.float32)
         acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
         acc3 = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for step in tl.range(step_lo, step_hi, num_stages=STAGES):
-            # A multiple of BLOCK_K by construction: the compiler can prove the loads 16-byte aligned.
-            k0 = step * BLOCK_K
+        for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
             w = tl.load(w_rows[:, None] + k0 + rk[None, :]).to(tl.float32)           # [BN, BK]
             sw = ue8m0_to_fp32(tl.max(tl.load(sw_ptrs + k0 // 32), axis=2).to(tl.int32))   # [BN, SUB]
             acc0 = _row_step(acc0, w, x_ptr + r0 * stride_xm, sx_ptr + r0 * stride_sxm, sw, k0, ws_tile,
@@ -272,13 +284,11 @@ def _exact_mm_kernel(
                                  ws_tile + 2 * KB * BLOCK_N, BLOCK_N, BLOCK_K, SPLIT, CHAIN, ASM)
                 acc3 = _row_step(acc3, w, x_ptr + r3 * stride_xm, sx_ptr + r3 * stride_sxm, sw, k0,
                                  ws_tile + 3 * KB * BLOCK_N, BLOCK_N, BLOCK_K, SPLIT, CHAIN, ASM)
-        last = True
         if SPLIT > 1:
             # Every thread's terms are written before one thread's release of the counter.
             tl.debug_barrier()
             arrived = tl.atomic_add(cnt_ptr + pid, 1, sem="acq_rel", scope="gpu")
-            last = arrived == SPLIT - 1
-            if last:
+            if arrived == SPLIT - 1:
                 tl.debug_barrier()
                 acc0 = _sum_terms(ws_tile, KB, BLOCK_N, SUB)
                 if ROWS >= 2:
@@ -286,15 +296,11 @@ def _exact_mm_kernel(
                 if ROWS >= 4:
                     acc2 = _sum_terms(ws_tile + 2 * KB * BLOCK_N, KB, BLOCK_N, SUB)
                     acc3 = _sum_terms(ws_tile + 3 * KB * BLOCK_N, KB, BLOCK_N, SUB)
+                _store_rows(y_ptr, acc0, acc1, acc2, acc3, rn, m0, M, N, stride_ym, ROWS, OUT_F32)
                 # Zero again for the next call (and a CUDA graph's replay).
                 tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
-        if last:
-            _store_row(y_ptr, acc0, rn, m0, M, N, stride_ym, OUT_F32)
-            if ROWS >= 2:
-                _store_row(y_ptr, acc1, rn, m0 + 1, M, N, stride_ym, OUT_F32)
-            if ROWS >= 4:
-                _store_row(y_ptr, acc2, rn, m0 + 2, M, N, stride_ym, OUT_F32)
-                _store_row(y_ptr, acc3, rn, m0 + 3, M, N, stride_ym, OUT_F32)
+        else:
+            _store_rows(y_ptr, acc0, acc1, acc2, acc3, rn, m0, M, N, stride_ym, ROWS, OUT_F32)
 
 
 @dataclass(frozen=True)
