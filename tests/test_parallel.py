@@ -100,6 +100,20 @@ def test_reduce_partials_is_rank_ordered_and_rejects_bf16():
         TensorParallel(2, 2)
 
 
+def test_row_shares_cover_the_rows_once_in_rank_order():
+    for tp, rows in ((2, 3), (4, 5), (4, 16), (2, 1), (8, 64)):
+        shares = [TensorParallel(tp, r).row_share(rows) for r in range(tp)]
+        chunk = -(-rows // tp)
+        assert all(c == chunk and hi - lo <= chunk for lo, hi, c in shares)
+        assert [i for lo, hi, _ in shares for i in range(lo, hi)] == list(range(rows)), (tp, rows, shares)
+    assert [TensorParallel(4, r).row_share(5)[:2] for r in range(4)] == [(0, 2), (2, 4), (4, 5), (5, 5)]
+    one = TensorParallel()
+    part, out = torch.arange(6, dtype=torch.int32).view(2, 3), torch.full((4, 3), -1, dtype=torch.int32)
+    assert torch.equal(one.gather_row_shares(part, out), part) and int(out[2:].max()) == -1
+    with pytest.raises(ValueError, match="cannot hold"):
+        TensorParallel(2, 0).gather_row_shares(part, out[:3])
+
+
 def test_loading_a_shard_reads_the_rank_slices(tmp_path_factory):
     d = _checkpoint(tmp_path_factory, "small")
     full = load_checkpoint(d, layers=[2])
