@@ -32,8 +32,11 @@ BLOCK_N * BLOCK_K / (1024 * num_warps) weight rows, which share the thread's con
 the threads of a program split a step's K among them. Each block's partial is scaled where it was
 computed (by sx, then by sw in a separate `mul.rn`, so that it is never fused into the
 accumulator's add), then the step's BLOCK_K / 32 block terms of a weight row are gathered (one
-trip through shared memory) and added to the accumulator one by one in K order. There is no
-split-K across programs, so the FP32 sum is the reference's sequential one. The rows of x go
+trip through shared memory) and added to the accumulator one by one in K order: the FP32 sum is
+the reference's sequential one. Optionally (ExactConfig.split, calls of at most 4 rows) several
+programs share a tile's K: each stores its block terms in a plan-owned workspace and the tile's
+last program to arrive (an atomic counter, reset for the next call) adds all of them in K order
+from 0, the same sequential sum (never partial sums added together). The rows of x go
 through in passes of ROWS (1, 2 or 4) that share each converted weight tile; with more rows than
 a pass the program streams its weight rows once per pass (the repeats come from L2). Every
 configuration and every row count gives the same bits (`reduction_order`).
@@ -373,9 +376,10 @@ def planned_config(n: int, k: int, bucket: int, sms: int = CPU_SMS) -> ExactConf
 
 def reduction_order(k: int) -> tuple[str, int, int]:
     """What fixes the FP32 summation of every output element: ("exact", K, 32): each 32-wide block's
-    exact dot rounded once, the K / 32 block terms added one by one in K order from 0, over the
-    whole of K in one program. The same for every configuration and row count: a row's bits
-    depend on nothing but its own operands (and equal `reference.linear.mxfp8_mm`'s)."""
+    exact dot rounded once, the K / 32 block terms added one by one in K order from 0 by one
+    program (the tile's; with a K split, the tile's last to arrive). The same for every
+    configuration, split and row count: a row's bits depend on nothing but its own operands (and
+    equal `reference.linear.mxfp8_mm`'s)."""
     return ("exact", k, 32)
 
 
