@@ -21,7 +21,9 @@ Under tensor parallelism (a stack built with `tp`) each rank runs its heads and 
 `wo_b`'s FP32 partials before the single-GPU boundary: either `TensorParallel.reduce_partials`
 (gather + rank-ordered sum, NCCL or gloo; the collective fallback of design section 3) or, with
 the fused boundary, `wo_b` publishing its partial into a symmetric-memory mailbox and one kernel
-doing the one-shot all-reduce with the boundary (`ops.allreduce_boundary`).
+doing the one-shot all-reduce with the boundary (`ops.allreduce_boundary`). In the buckets of at
+least `indexer_shard_rows` rows the Full layers' dense indexers score only the rank's share of the
+rows and the ranks gather the selections (`AttentionStep.run(shard=)`).
 """
 
 from __future__ import annotations
@@ -43,13 +45,14 @@ from .tables import StepMeta
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 # From this many rows (a bucket's) up, a TP step row-shards its Full layers' dense indexers: each
-# rank scores ceil(rows / tp) rows and the ranks gather the top-k and candidate pools (one or two
-# all-gathers per Full layer, a few us on NVLink). The indexer and top-k cost ~15 us per row per
-# layer at 128K on one H200 (~240 us at 16 rows, ~1 ms at 64) and ~4 us at 32K, so at 16 rows TP2
-# saves ~30 us per Full layer at 32K (~120 us at 128K) against the gather's few us; at 8 rows and
-# 32K the saving (~15 us) is within a few gathers' latency plus the overlap the replicated path
-# keeps (its index query runs beside wq_b), and shorter contexts save less. Not measured on two
-# GPUs yet (scripts/indexer_shard_tp.py measures where it pays).
+# rank scores ceil(rows / tp) rows and the ranks all-gather the top-k and candidate pools (one or
+# two collectives per Full layer, a few us each on NVLink). On one H200 the indexer and top-k of a
+# Full layer at 128K take ~240 us at 16 rows and ~1 ms at 64 (~15 us a row; a quarter of that at
+# 32K), so at 16 rows TP2 saves ~120 us per Full layer at 128K and ~30 us at 32K against the
+# gathers' few us; at 8 rows and short contexts the saving shrinks to the gathers' cost (on the
+# main stream, where the sharded candidate pool runs too: the replicated one runs on a side lane).
+# Not yet measured on two GPUs:
+# scripts/indexer_shard_tp.py measures where it pays (spec decision 28).
 INDEXER_SHARD_ROWS = 16
 
 
