@@ -197,7 +197,7 @@ class AttentionStep:
         under the collective TP boundary). events: the step's cross-layer events, read and updated.
         shard: under TP, a Full layer's dense indexer scores only this rank's share of the rows
         (index query, scores, top-k, candidate pool) and gathers every rank's share of the top-k
-        and candidate pool before the sparse-index table (`_select`); the same bits as the
+        and candidate pool before the sparse-index table (`_select_shared`); the same bits as the
         replicated indexer, whose kernels are batch-invariant per row. Ignored by other layers and
         at TP1; every rank must pass the same value (the gather is a collective).
 
@@ -313,7 +313,7 @@ class AttentionStep:
         """The row-sharded dense indexer (main): scores, top-k and (a candidate source) candidate
         pool of this rank's rows [lo, hi) into the `*_part` buffers, then every rank's share
         gathered into the selection and the candidate pool (`TensorParallel.gather_row_shares`;
-        rows [rows, tp * chunk) are padding), and the sparse-index table of every row (lane 2)."""
+        rows [B, tp * chunk) are padding), and the sparse-index table of every row (lane 2)."""
         spec, s, m, st = self.spec, self.s, self.meta, self.state
         lo, hi, chunk = part
         tp, r = self.layer.tp, spec.ratio
