@@ -3,7 +3,8 @@ table) at the four V4.1-Flash shapes of the step's GEMMs (TP1), rows 1, 2, 4, 8,
 from CUDA-graph replay (20 calls per graph, median of 10 replays; one weight copy, so a weight that
 fits in L2 is read from it), and the bits of each against `reference.linear.mxfp8_mm` (every
 ExactMM configuration must be bitwise; low_latency_mm's differing BF16 outputs are counted).
-One line per (shape, rows, configuration). `--rows=1,2` and `--only=wq_b,wo_b` narrow it;
+One line per (shape, rows, configuration), then per shape and row bucket the fastest bitwise
+configuration as an `ops.exact_mm._TUNED` entry (least time summed over the bucket's rows). `--rows=1,2` and `--only=wq_b,wo_b` narrow it;
 `--alt=bn:bk:rows:warps:stages[:split],...` (or `default`) replaces the built-in candidates
 (every shape). Prints; writes
 nothing.
@@ -67,6 +68,7 @@ def main() -> None:
         if "default" in plans:
             print(f"{name:14s} default: " + ", ".join(f"rows {b}: {plans['default'].launch_for(b).config}"
                                                       for b in (1, 2, 4)), flush=True)
+        times: dict[tuple[int, str], float] = {}
         for m in rows:
             x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
             codes, x_scale = mxfp8_quantize(x)
@@ -82,11 +84,23 @@ def main() -> None:
                     out.fill_(float("nan"))
                     y = plan(codes, x_scale, out).view(torch.int16)
                     bad = int((y != ref).sum())
+                    if bad == 0:
+                        times[(m, spec)] = t
                     print(f"{name:14s} N={n:6d} K={k:5d} M={m:2d}  exact {spec:16s} {t:7.2f} us  "
                           f"x{t / t_ll:5.2f} of low_latency_mm  {'bitwise' if bad == 0 else f'DIFF {bad}'}",
                           flush=True)
                 except Exception as e:  # report, keep probing
                     print(f"{name} M={m} {spec}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+        # Per row bucket, the bitwise configuration with the least time summed over the bucket's
+        # measured rows (every configuration gives the same bits, so buckets may differ freely).
+        for bucket in (1, 2, 4, 64):
+            ms = [m for m in rows if (1 << (m - 1).bit_length() if m <= 4 else 64) == bucket]
+            specs = [sp for sp in plans if all((m, sp) in times for m in ms)]
+            if ms and specs:
+                best = min(specs, key=lambda sp: sum(times[(m, sp)] for m in ms))
+                cfg = plans[best].launch_for(ms[0]).config
+                print(f"_TUNED ({n}, {k}, {bucket}): {cfg!r}  # {best}: "
+                      + ", ".join(f"{times[(m, best)]:.2f} us at {m}" for m in ms), flush=True)
 
 
 if __name__ == "__main__":
