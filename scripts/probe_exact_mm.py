@@ -4,10 +4,9 @@ from CUDA-graph replay (20 calls per graph, median of 10 replays; one weight cop
 fits in L2 is read from it), and the bits of each against `reference.linear.mxfp8_mm` (every
 ExactMM configuration must be bitwise; low_latency_mm's differing BF16 outputs are counted).
 One line per (shape, rows, configuration), then per shape and row bucket the fastest bitwise
-configuration as an `ops.exact_mm._TUNED` entry (least time summed over the bucket's rows). `--rows=1,2` and `--only=wq_b,wo_b` narrow it;
-`--alt=bn:bk:rows:warps:stages[:split],...` (or `default`) replaces the built-in candidates
-(every shape). Prints; writes
-nothing.
+configuration as an `ops.exact_mm._TUNED` entry (least time summed over the bucket's rows).
+`--rows=1,2` and `--only=wq_b,wo_b` narrow it; `--alt=bn:bk:rows:warps:stages[:split],...` (or
+`default`) replaces the built-in candidates (every shape). Prints; writes nothing.
 """
 
 from __future__ import annotations
