@@ -339,9 +339,23 @@ class ExactConfig:
             raise ValueError(f"ExactConfig.rows must be 1, 2 or 4, got {self.rows}")
 
 
-# Per (N, K, row bucket): the configuration to use, once measured on an H200
-# (scripts/probe_exact_mm.py). Shapes and buckets without an entry take `_default_config`.
-_TUNED: dict[tuple[int, int, int], ExactConfig] = {}
+# Per (N, K, row bucket): the fastest configuration measured on an H200 (scripts/probe_exact_mm.py
+# --rows=1,4,16, commit 3a051ea; every configuration gives the same bits). Shapes and buckets
+# without an entry (bucket 2, the TP shards) take `_default_config`.
+_TUNED: dict[tuple[int, int, int], ExactConfig] = {
+    (1792, 5120, 1): ExactConfig(block_n=4, block_k=1024, rows=1, num_warps=2, num_stages=3, split=1),   # default: 5.88 us at 1
+    (1792, 5120, 4): ExactConfig(block_n=8, block_k=1024, rows=4, num_warps=4, num_stages=3, split=1),   # 8:1024:4:4:3: 14.64 us at 4
+    (1792, 5120, 64): ExactConfig(block_n=8, block_k=1024, rows=4, num_warps=4, num_stages=3, split=1),   # 8:1024:4:4:3:2: 53.58 us at 16
+    (32768, 1280, 1): ExactConfig(block_n=32, block_k=256, rows=1, num_warps=2, num_stages=3, split=1),   # 32:256:4:2:3: 13.97 us at 1
+    (32768, 1280, 4): ExactConfig(block_n=32, block_k=256, rows=4, num_warps=2, num_stages=3, split=1),   # 32:256:4:2:3: 42.90 us at 4
+    (32768, 1280, 64): ExactConfig(block_n=16, block_k=256, rows=4, num_warps=2, num_stages=3, split=1),   # 16:256:4:2:3: 162.25 us at 16
+    (4096, 1280, 1): ExactConfig(block_n=4, block_k=256, rows=1, num_warps=1, num_stages=3, split=1),   # 4:256:4:1:3: 3.90 us at 1
+    (4096, 1280, 4): ExactConfig(block_n=4, block_k=256, rows=4, num_warps=1, num_stages=3, split=1),   # 4:256:4:1:3: 8.12 us at 4
+    (4096, 1280, 64): ExactConfig(block_n=4, block_k=256, rows=4, num_warps=1, num_stages=3, split=1),   # 4:256:4:1:3: 27.51 us at 16
+    (5120, 8192, 1): ExactConfig(block_n=4, block_k=1024, rows=1, num_warps=2, num_stages=3, split=1),   # 4:1024:4:2:3: 15.63 us at 1
+    (5120, 8192, 4): ExactConfig(block_n=8, block_k=512, rows=4, num_warps=2, num_stages=4, split=1),   # 8:512:4:2:4: 53.27 us at 4
+    (5120, 8192, 64): ExactConfig(block_n=8, block_k=512, rows=4, num_warps=2, num_stages=4, split=1),   # 8:512:4:2:4: 203.52 us at 16
+}
 
 # Row buckets: a call of M <= 4 rows uses the bucket 2^ceil(log2 M), one of more rows the bucket 64.
 _ROW_BUCKETS = (1, 2, 4, 64)
