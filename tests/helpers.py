@@ -168,10 +168,10 @@ class Recorder:
         rec = self
         run, mix, load = AttentionStep.run, Boundary.mix, StepMeta.load
 
-        def run_(self, rows, u, codes, scales, y, events):
+        def run_(self, rows, u, codes, scales, y, events, shard=False):
             L, n = self.spec.layer, rec.step_rows.n_rows
             snap = copy.deepcopy(self.state)
-            run(self, rows, u, codes, scales, y, events)
+            run(self, rows, u, codes, scales, y, events, shard)
             y_ref = rec.stack.layers[L].forward(u[:n].clone(), rec.step_rows, snap, rec.ctx)
             layer = rec.stack.layers[L]
             # the reference output projection applied to the step's attention output
