@@ -122,6 +122,30 @@ def varied(shape, seed: int, dtype=torch.float32, decades: int = 30) -> torch.Te
 
 
 # ------------------------------------------------------------------------ the decode step
+# (name, N, K) of the V4.1-Flash attention linears the low-batch GEMM plans serve, with the TP
+# shards of wq_b (N / tp) and wo_b (K / tp); the indexer's wq_b is wq_b's TP8 shape.
+FLASH_LINEAR_SHAPES = [
+    ("fused_wqa_wkv", 1792, 5120),
+    ("wq_b", 32768, 1280), ("wq_b_tp2", 16384, 1280), ("wq_b_tp4", 8192, 1280), ("wq_b_tp8", 4096, 1280),
+    ("wo_b", 5120, 8192), ("wo_b_tp2", 5120, 4096), ("wo_b_tp4", 5120, 2048), ("wo_b_tp8", 5120, 1024),
+]
+
+
+def linear_operands(gen: torch.Generator, m: int, n: int, k: int, device: str = "cpu"):
+    """(x BF16, w FP32, codes, x_scale, weight, w_scale) of an MXFP8 x FP8 linear: activations whose
+    32-blocks span six orders of magnitude and a weight whose 32x32 tiles differ by up to 2^6, so
+    that every scale matters; the last four on `device`."""
+    blocks = 10.0 ** torch.empty(m, k // 32).uniform_(-3, 3, generator=gen)
+    x = torch.randn(m, k, generator=gen) * blocks.repeat_interleave(32, 1)
+    w = torch.randn(n, k, generator=gen) * k ** -0.5
+    tiles = 2.0 ** torch.randint(-3, 4, (-(-n // 32), k // 32), generator=gen).float()
+    w = w * tiles.repeat_interleave(32, 0).repeat_interleave(32, 1)[:n]
+    x = x.to(torch.bfloat16)
+    codes, x_scale = fm.mxfp8_quantize(x)
+    weight, w_scale = fm.fp8_block_quantize(w)
+    return (x, w, *(t.to(device) for t in (codes, x_scale, weight, w_scale)))
+
+
 def reduced_config() -> ModelConfig:
     """`small` cut to 6 layers, one of each kind (layer: kind, ratio, sources):
     0 SWA; 1 Full r2; 2 Reuse of 1; 3 Full r1 + candidate source; 4 Reindex (consumer of 3);

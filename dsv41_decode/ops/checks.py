@@ -43,6 +43,31 @@ def planned_rows(plan, plan_type: type, t, name: str, dims: str) -> int:
 UE8M0_DTYPES = (torch.uint8, torch.float8_e8m0fnu)
 
 
+def mxfp8_weight_args(weight, w_scale, max_rows, max_rows_limit: int) -> tuple[int, int]:
+    """Check the weight side of a low-batch MXFP8 x FP8 linear plan (weight [N, K] float8_e4m3fn
+    with K a positive multiple of 32, w_scale [ceil(N/32), K/32] UE8M0 on the weight's device, the
+    weight on CUDA or under the interpreter, 32-bit offsets, 1 <= max_rows <= max_rows_limit) with
+    errors naming the argument; returns (N, K)."""
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"weight must be a 2-D [N, K] tensor, got "
+                         f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
+    n, k = weight.shape
+    if k % 32 or k == 0 or n == 0:
+        raise ValueError(f"weight must be [N, K] with N >= 1 and K a positive multiple of 32, got {(n, k)}")
+    require_tensor(weight, "weight", (torch.float8_e4m3fn,), (n, k))
+    require_tensor(w_scale, "w_scale", UE8M0_DTYPES, (-(-n // 32), k // 32))
+    if w_scale.device != weight.device:
+        raise ValueError(f"w_scale is on {w_scale.device} but weight is on {weight.device}")
+    if weight.device.type != "cuda" and not interpreting():
+        raise ValueError(f"weight must be on a CUDA device (or TRITON_INTERPRET=1), got {weight.device}")
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) or not 1 <= max_rows <= max_rows_limit:
+        raise ValueError(f"max_rows must be an int in [1, {max_rows_limit}] (use ops.fp8_mm above), "
+                         f"got {max_rows!r}")
+    if n * max(weight.stride(0), k) >= 2**31:
+        raise ValueError(f"weight {(n, k)} is too large for 32-bit offsets")
+    return n, k
+
+
 def mxfp8_linear_args(codes, x_scale, out, n: int, k: int, max_rows: int, device: torch.device) -> torch.Tensor:
     """Check the activation side of an MXFP8 x FP8 linear launch (codes [M, K] float8_e4m3fn,
     x_scale [M, K/32] UE8M0, out [M, N] BF16 or FP32, all on `device`, 1 <= M <= max_rows) with

@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .checks import UE8M0_DTYPES, interpreting, mxfp8_linear_args, require_tensor
+from .checks import interpreting, mxfp8_linear_args, mxfp8_weight_args
 from .common import num_sms
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
 
@@ -323,22 +323,7 @@ class LowLatencyMM:
 
     def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int = MAX_ROWS,
                  config: LowLatencyConfig | dict[int, LowLatencyConfig] | None = None):
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-            raise ValueError(f"weight must be a 2-D [N, K] tensor, got "
-                             f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
-        n, k = weight.shape
-        if k % 32 or k == 0 or n == 0:
-            raise ValueError(f"weight must be [N, K] with N >= 1 and K a positive multiple of 32, got {(n, k)}")
-        require_tensor(weight, "weight", (torch.float8_e4m3fn,), (n, k))
-        require_tensor(w_scale, "w_scale", UE8M0_DTYPES, (-(-n // 32), k // 32))
-        if w_scale.device != weight.device:
-            raise ValueError(f"w_scale is on {w_scale.device} but weight is on {weight.device}")
-        if weight.device.type != "cuda" and not interpreting():
-            raise ValueError(f"weight must be on a CUDA device (or TRITON_INTERPRET=1), got {weight.device}")
-        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or not 1 <= max_rows <= MAX_ROWS:
-            raise ValueError(f"max_rows must be an int in [1, {MAX_ROWS}] (use ops.fp8_mm above), got {max_rows!r}")
-        if n * max(weight.stride(0), k) >= 2**31:
-            raise ValueError(f"weight {(n, k)} is too large for 32-bit offsets")
+        n, k = mxfp8_weight_args(weight, w_scale, max_rows, MAX_ROWS)
         self.weight, self.w_scale = weight, w_scale.view(torch.uint8)
         self.n, self.k, self.max_rows = n, k, max_rows
         self.device = weight.device

@@ -18,12 +18,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_low_latency_mm import FLASH_SHAPES, _operands
+from helpers import FLASH_LINEAR_SHAPES as FLASH_SHAPES
+from helpers import linear_operands
 
 from dsv41_decode.ops.exact_mm import MAX_ROWS, ExactConfig, ExactMM, _chain_asm
 from dsv41_decode.reference.linear import mxfp8_mm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _operands(gen: torch.Generator, m: int, n: int, k: int, device: str = DEVICE):
+    return linear_operands(gen, m, n, k, device)
 
 
 def _gen(seed: int) -> torch.Generator:

@@ -29,7 +29,6 @@ one output element; the GPU test is what confirms it.
 
 import pytest
 import torch
-from test_low_latency_mm import FLASH_SHAPES, _gen, _operands, _poisoned
 from triton.experimental.gluon import language as gl
 
 from dsv41_decode.ops import gluon_mm as G
@@ -37,11 +36,25 @@ from dsv41_decode.ops.low_latency_mm import LowLatencyConfig, LowLatencyMM
 from dsv41_decode.reference.linear import mxfp8_mm
 from dsv41_decode.testing import sm90
 from dsv41_decode.testing.compare import bits_differ, rel_rms, row_ulp_distance
+from helpers import FLASH_LINEAR_SHAPES, linear_operands
 
 # The real shapes (the V4.1-Flash linears and their TP shards; the indexer's wq_b is wq_b_tp8's
 # 4096 x 1280), and the H200's SM count for the default split.
-REAL_SHAPES = FLASH_SHAPES
+REAL_SHAPES = FLASH_LINEAR_SHAPES
 H200_SMS = 132
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _operands(gen: torch.Generator, m: int, n: int, k: int):
+    return linear_operands(gen, m, n, k, DEVICE)
+
+
+def _poisoned(m: int, n: int) -> torch.Tensor:
+    return torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
 
 
 def _compile_cases() -> list[tuple[str, int, int]]:

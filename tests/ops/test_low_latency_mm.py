@@ -26,6 +26,7 @@ from dsv41_decode.formats import fp8_block_dequantize, fp8_block_quantize, mxfp8
 from dsv41_decode.ops.low_latency_mm import LowLatencyConfig, LowLatencyMM, low_latency_mm
 from dsv41_decode.reference.linear import mxfp8_mm
 from dsv41_decode.testing.compare import bits_differ, rel_rms, row_ulp_distance, ulp_distance
+from helpers import FLASH_LINEAR_SHAPES, linear_operands
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -35,18 +36,7 @@ def _gen(seed: int) -> torch.Generator:
 
 
 def _operands(gen: torch.Generator, m: int, n: int, k: int, device: str = DEVICE):
-    """(x BF16, w FP32, codes, x_scale, weight, w_scale): activations whose 32-blocks span six orders of
-    magnitude and a weight whose 32x32 tiles differ by up to 2^6, so that every scale matters."""
-    blocks = 10.0 ** torch.empty(m, k // 32).uniform_(-3, 3, generator=gen)
-    x = torch.randn(m, k, generator=gen) * blocks.repeat_interleave(32, 1)
-    w = torch.randn(n, k, generator=gen) * k ** -0.5
-    tiles = 2.0 ** torch.randint(-3, 4, (-(-n // 32), k // 32), generator=gen).float()
-    w = w * tiles.repeat_interleave(32, 0).repeat_interleave(32, 1)[:n]
-    x = x.to(torch.bfloat16)
-    codes, x_scale = mxfp8_quantize(x)
-    weight, w_scale = fp8_block_quantize(w)
-    on = lambda *ts: [t.to(device) for t in ts]  # noqa: E731
-    return (x, w, *on(codes, x_scale, weight, w_scale))
+    return linear_operands(gen, m, n, k, device)
 
 
 def _poisoned(m: int, n: int) -> torch.Tensor:
@@ -192,11 +182,7 @@ def test_bad_inputs_name_the_argument():
 
 # (name, N, K) of the V4.1-Flash attention linears the op serves, with the TP shards of wq_b
 # (N / tp) and wo_b (K / tp); the indexer's wq_b is wq_b's TP8 shape.
-FLASH_SHAPES = [
-    ("fused_wqa_wkv", 1792, 5120),
-    ("wq_b", 32768, 1280), ("wq_b_tp2", 16384, 1280), ("wq_b_tp4", 8192, 1280), ("wq_b_tp8", 4096, 1280),
-    ("wo_b", 5120, 8192), ("wo_b_tp2", 5120, 4096), ("wo_b_tp4", 5120, 2048), ("wo_b_tp8", 5120, 1024),
-]
+FLASH_SHAPES = FLASH_LINEAR_SHAPES   # the real shapes and TP shards (tests/helpers.py)
 
 
 def test_plans_for_the_flash_shapes_are_consistent():
