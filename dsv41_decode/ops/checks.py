@@ -76,6 +76,9 @@ def mxfp8_linear_args(codes, x_scale, out, n: int, k: int, max_rows: int, device
         raise ValueError(f"codes must be a 2-D [M, K] tensor, got "
                          f"{tuple(codes.shape) if isinstance(codes, torch.Tensor) else type(codes).__name__}")
     m = codes.shape[0]
+    if m > 64:
+        raise ValueError(f"codes has M={m} rows; the low-batch linears take at most 64: use the regular "
+                         f"path ops.fp8_mm for more")
     if not 1 <= m <= max_rows:
         raise ValueError(f"codes has M={m} rows; this plan takes 1..{max_rows}")
     require_tensor(codes, "codes", (torch.float8_e4m3fn,), (m, k))
