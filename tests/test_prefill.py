@@ -77,11 +77,11 @@ class TeacherForcing:
             tf.rows, tf.ctx = step, CallContext(record={})
             return load(meta, step, bucket)
 
-        def run_(att, rows, u, codes, scales, y, events):
+        def run_(att, rows, u, codes, scales, y, events, shard=False):
             L, sr = att.spec.layer, tf.rows
             n = sr.n_rows
             snap = copy.deepcopy(att.state)
-            run(att, rows, u, codes, scales, y, events)
+            run(att, rows, u, codes, scales, y, events, shard)
             if y.is_cuda:
                 torch.cuda.synchronize()
             y_ref = stack.layers[L].forward(u[:n].clone(), sr, snap, tf.ctx)
