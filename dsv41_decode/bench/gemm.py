@@ -99,9 +99,10 @@ def bench_shape(shape: Shape, m: int, ops, gen: torch.Generator) -> tuple[float,
             runs["ours"] = lambda: [f() for f in ours]
             regular = [ops.regular(x, q, s) for q, s in ws]
             runs["regular"] = lambda: [f() for f in regular]
-            gluon = [ops.gluon(x, q, s) for q, s in ws] if hasattr(ops, "gluon") else [None]
-            if None not in gluon:
-                runs["gluon"] = lambda: [f() for f in gluon]
+            triton_tier = [ops.triton(x, q, s) for q, s in ws]
+            runs["triton"] = lambda: [f() for f in triton_tier]
+            exact = [ops.exact(x, q, s) for q, s in ws]
+            runs["exact"] = lambda: [f() for f in exact]
             runs["cublas_bf16"] = lambda: [torch.nn.functional.linear(x, d) for d in deq]
             # _scaled_mm needs rows in multiples of 16; per-tensor scales of one
             xs = torch.randn(max(16, m), shape.k, generator=gen, device="cuda").to(torch.float8_e4m3fn)
@@ -134,7 +135,7 @@ def run_gemm_bench(ops, rows=ROWS, shapes: list[Shape] | None = None, out_dir="o
     print(format_table(results, ["op", "tp", "rows", "weight_mb"]))
     cross = crossover(results)
     if cross:
-        print("low_latency_mm beats the regular path up to rows: " + ", ".join(f"{k}: {v}" for k, v in cross.items()))
+        print("the step's FP8 linear beats the regular path up to rows: " + ", ".join(f"{k}: {v}" for k, v in cross.items()))
     return results
 
 
@@ -174,7 +175,7 @@ def plot_gemm(rows: list[dict], path, floor_gbps: float) -> None:
 
 
 def crossover(rows: list[dict]) -> dict[str, int]:
-    """Per FP8 shape, the largest row count up to which low_latency_mm beats the regular path at
+    """Per FP8 shape, the largest row count up to which the step's FP8 linear beats the regular path at
     every row count (0 when it never does)."""
     out = {}
     for key in sorted({(r["case"]["op"], r["case"]["tp"]) for r in rows if "regular" in r["baselines"]}):

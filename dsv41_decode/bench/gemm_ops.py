@@ -11,7 +11,8 @@ import torch
 from ..formats import fp8_block_dequantize
 from ..ops.act_quant import act_quant_mxfp8
 from ..ops.fp8_mm import fp8_mm_, fp8_mm_config
-from ..ops.gluon_mm import GluonMM
+from ..decode.attention import fp8_linear_plan
+from ..ops.exact_mm import ExactMM
 from ..ops.ll_bf16 import LlBf16Plan, ll_bf16_
 from ..ops.low_latency_mm import LowLatencyMM
 from ..ops.wo_a import WoAPlan, wo_a_
@@ -25,22 +26,24 @@ class GemmOps:
     def dequant(self, q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
         return fp8_block_dequantize(q, s)
 
-    def fp8(self, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> Launch:
-        """low_latency_mm on the step's MXFP8 input (the boundary quantizes it, so it is not timed here)."""
-        plan = LowLatencyMM(q, s, max_rows=64)
+    def _launch(self, plan, x: torch.Tensor, n: int) -> Launch:
+        """A launch of `plan` on x's MXFP8 (the boundary quantizes it in the step, so not timed)."""
         codes, sx = act_quant_mxfp8(x)
-        out = torch.empty(x.shape[0], q.shape[0], dtype=torch.bfloat16, device=x.device)
+        out = torch.empty(x.shape[0], n, dtype=torch.bfloat16, device=x.device)
         return lambda: plan(codes, sx, out)
 
-    def gluon(self, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> Launch | None:
-        """The Gluon tier (ops.gluon_mm) on the same MXFP8 input; None where it does not run (not an
-        sm_90 GPU, or K not a multiple of 128)."""
-        if torch.cuda.get_device_capability(x.device) != (9, 0) or q.shape[1] % 128:
-            return None
-        plan = GluonMM(q, s, max_rows=64)
-        codes, sx = act_quant_mxfp8(x)
-        out = torch.empty(x.shape[0], q.shape[0], dtype=torch.bfloat16, device=x.device)
-        return lambda: plan(codes, sx, out)
+    def fp8(self, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> Launch:
+        """The step's FP8 linear (`decode.attention.fp8_linear_plan`: the Gluon tier on sm_90 where
+        it builds, else the Triton tier)."""
+        return self._launch(fp8_linear_plan(q, s, 64), x, q.shape[0])
+
+    def triton(self, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> Launch:
+        """The Triton tier (`ops.low_latency_mm`) on the same operands."""
+        return self._launch(LowLatencyMM(q, s, max_rows=64), x, q.shape[0])
+
+    def exact(self, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> Launch:
+        """The exact linear (`ops.exact_mm`, the step's `exact_linears=True`) on the same operands."""
+        return self._launch(ExactMM(q, s, max_rows=64), x, q.shape[0])
 
     def regular(self, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> Launch:
         """The regular path (fp8_mm) on the same operands, for the low-batch crossover."""

@@ -53,7 +53,7 @@ def _few_programs(device: torch.device) -> bool:
     return device.type != "cuda"
 
 
-def _mm_plan(weight: torch.Tensor, scale: torch.Tensor, max_rows: int, exact: bool = False):
+def fp8_linear_plan(weight: torch.Tensor, scale: torch.Tensor, max_rows: int, exact: bool = False):
     """The GEMM plan of one FP8 linear, the same call whichever it is: `ops.exact_mm.ExactMM` (the
     contract's bits, on CUDA cores) when `exact`; else FP8 tensor cores, whose 32-deep block sums
     truncate (docs/gemm.md, "Exactness"): the Gluon tier `ops.gluon_mm.GluonMM` on an sm_90 GPU
@@ -88,7 +88,7 @@ def _fp8_weight(w: dict, name: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _fp8_plan(w: dict, name: str, max_rows: int, exact: bool = False):
-    return _mm_plan(*_fp8_weight(w, name), max_rows, exact)
+    return fp8_linear_plan(*_fp8_weight(w, name), max_rows, exact)
 
 
 class AttentionStep:
@@ -117,7 +117,7 @@ class AttentionStep:
             raise NotEligible(f"q_lora_rank={cfg.q_lora_rank} must be a multiple of 32 to stack wq_a and wkv")
         (wq_a, s_q), (wkv, s_kv) = _fp8_weight(w, "wq_a"), _fp8_weight(w, "wkv")
         self.w_qkv, self.s_qkv = torch.cat([wq_a, wkv]), torch.cat([s_q, s_kv])
-        self.mm_qkv = _mm_plan(self.w_qkv, self.s_qkv, max_rows, exact_linears)
+        self.mm_qkv = fp8_linear_plan(self.w_qkv, self.s_qkv, max_rows, exact_linears)
         self.mm_wq_b = _fp8_plan(w, "wq_b", max_rows, exact_linears)
         self.mm_wo_b = _fp8_plan(w, "wo_b", max_rows, exact_linears)
         if "attn.wo_a.scale" in w:
