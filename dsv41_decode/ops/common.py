@@ -1,5 +1,6 @@
-"""Helpers shared by the kernel families: the SM count that plans size their grids by, and the
-split-K reduction that lets one launch sum its programs' partials.
+"""Helpers shared by the kernel families: the SM count that plans size their grids by, the
+workspaces plans own or take from a shared pool, and the split-K reduction that lets one launch sum
+its programs' partials.
 """
 
 from __future__ import annotations
@@ -22,6 +23,22 @@ def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return CPU_SMS
+
+
+def plan_workspace(workspace, slot: int, shape: int | tuple[int, ...], dtype: torch.dtype,
+                   device: torch.device) -> torch.Tensor:
+    """A plan's workspace of `shape` (an int: 1-D), contiguous: its own (`torch.empty`; integer
+    dtypes zeroed: flags and counters start at 0) when `workspace` is None, else a view taken from
+    the shared pool `workspace` (`take(slot, shape, dtype)`, e.g. `decode.buffers.Workspaces`, zero
+    when taken), which must be on `device` (ValueError otherwise). A plan takes its simultaneous
+    workspaces from distinct slots; the pool's contract says who else may hold the memory."""
+    device = torch.device(device)
+    if workspace is None:
+        alloc = torch.empty if dtype.is_floating_point else torch.zeros
+        return alloc(shape, dtype=dtype, device=device)
+    if torch.device(workspace.device).type != device.type:
+        raise ValueError(f"the workspace pool is on {workspace.device} but the plan on {device}")
+    return workspace.take(slot, shape, dtype)
 
 
 @triton.jit

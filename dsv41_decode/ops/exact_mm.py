@@ -54,7 +54,7 @@ import triton
 import triton.language as tl
 
 from .checks import interpreting, mxfp8_linear_args, mxfp8_weight_args
-from .common import CPU_SMS, num_sms
+from .common import CPU_SMS, num_sms, plan_workspace
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
 
 MAX_ROWS = 64
@@ -416,14 +416,20 @@ class ExactMM:
     config: an ExactConfig for every row bucket, or a dict {1|2|4|64: ExactConfig} (64: calls of
         more than 4 rows), instead of the measured / default choice (the probe and the tests use
         it); a bucket takes min(rows, bucket) rows per pass (the bucket with a split).
+    workspace: None - the plan allocates its split-K workspace and counters; else a pool
+        (`ops.common.plan_workspace`: `decode.buffers.Workspaces`) that it takes them from (FP32
+        slot 0, int32 slot 0), shared with the pool's other takers: the caller guarantees that no
+        two launches using the pool overlap in time (one stream, in order). The counters are zero
+        between calls and the workspace is written before it is read within a call, so the bits
+        do not depend on who else used the memory.
 
-    A plan whose launches split K owns an FP32 workspace for the block terms and one int32 counter
-    per N tile, zero between calls; its calls must not overlap in time (one stream, or ordered
-    streams). Without splits it owns nothing that calls share.
+    A plan whose launches split K owns (or takes) an FP32 workspace for the block terms and one
+    int32 counter per N tile, zero between calls; its calls must not overlap in time (one stream,
+    or ordered streams). Without splits it owns nothing that calls share.
     """
 
     def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int = MAX_ROWS,
-                 config: ExactConfig | dict[int, ExactConfig] | None = None):
+                 config: ExactConfig | dict[int, ExactConfig] | None = None, workspace=None):
         n, k = mxfp8_weight_args(weight, w_scale, max_rows, MAX_ROWS)
         self.weight, self.w_scale = weight, w_scale.view(torch.uint8)
         self.n, self.k, self.max_rows = n, k, max_rows
@@ -456,10 +462,10 @@ class ExactMM:
             self._launches[bucket] = _Launch(cfg, split, per_split, (-(-n // cfg.block_n), split))
         ws = max((l.grid[0] * l.config.block_n * l.config.rows * (k // 32)
                   for l in self._launches.values() if l.split > 1), default=1)
-        self._workspace = torch.empty(ws, dtype=torch.float32, device=self.device)
-        self._counters = torch.zeros(max(l.grid[0] for l in self._launches.values() if l.split > 1)
-                                     if any(l.split > 1 for l in self._launches.values()) else 1,
-                                     dtype=torch.int32, device=self.device)
+        self._workspace = plan_workspace(workspace, 0, ws, torch.float32, self.device)
+        self._counters = plan_workspace(workspace, 0, max(l.grid[0] for l in self._launches.values() if l.split > 1)
+                                        if any(l.split > 1 for l in self._launches.values()) else 1,
+                                        torch.int32, self.device)
         # On the GPU the chained split in inline PTX; the interpreter runs the plain split (the same
         # values, fewer operations), or with `_chain` (tests) the chained split's steps.
         self._asm = not interpreting()

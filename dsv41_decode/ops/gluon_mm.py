@@ -61,7 +61,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .checks import UE8M0_DTYPES, mxfp8_linear_args, require_tensor
-from .common import num_sms
+from .common import num_sms, plan_workspace
 from .low_latency_mm import _Operands   # the plan cache's key: same memory, same view
 
 MAX_ROWS = 64
@@ -271,13 +271,19 @@ class GluonMM:
         4-byte boundaries.
     max_rows: the most rows a call may bring (1..64).
     config: a GluonMMConfig (the K split and the ring depth), else the default rule.
+    workspace: None - the plan allocates its split-K workspace and counters; else a pool
+        (`ops.common.plan_workspace`: `decode.buffers.Workspaces`) that it takes them from (FP32
+        slot 0, int32 slot 0), shared with the pool's other takers: the caller guarantees that no
+        two launches using the pool overlap in time (one stream, in order). The counters are zero
+        between calls and the workspace is written before it is read within a call, so the bits
+        do not depend on who else used the memory.
 
-    The plan owns an FP32 workspace and one int32 counter per N tile (zero between calls). Calls
-    must not overlap in time (one stream, or ordered streams).
+    The plan owns (or takes) an FP32 workspace and one int32 counter per N tile (zero between
+    calls). Calls must not overlap in time (one stream, or ordered streams).
     """
 
     def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int = MAX_ROWS,
-                 config: GluonMMConfig | None = None):
+                 config: GluonMMConfig | None = None, workspace=None):
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
             raise ValueError(f"weight must be a 2-D [N, K] tensor, got "
                              f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
@@ -310,8 +316,8 @@ class GluonMM:
         w_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.float8e4nv)
         self._w_desc = TensorDescriptor.from_tensor(weight, [BLOCK_N, BLOCK_K], w_layout)
         ws_elems = self.grid[0] * self.split * max_rows * BLOCK_N if self.split > 1 else 1
-        self._workspace = torch.empty(ws_elems, dtype=torch.float32, device=self.device)
-        self._counters = torch.zeros(self.grid[0], dtype=torch.int32, device=self.device)
+        self._workspace = plan_workspace(workspace, 0, ws_elems, torch.float32, self.device)
+        self._counters = plan_workspace(workspace, 0, self.grid[0], torch.int32, self.device)
 
     def block_t(self, rows: int) -> int:
         """The row bucket (the wgmma's N) used for `rows` rows."""

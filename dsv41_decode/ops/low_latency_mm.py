@@ -32,7 +32,7 @@ import triton.language as tl
 
 from . import pdl
 from .checks import interpreting, mxfp8_linear_args, mxfp8_weight_args
-from .common import num_sms
+from .common import num_sms, plan_workspace
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
 
 MAX_ROWS = 64
@@ -315,14 +315,20 @@ class LowLatencyMM:
     max_rows: the most rows a call may bring (1..64).
     config: a LowLatencyConfig for every row bucket, or a dict {16|32|64: LowLatencyConfig}, instead
         of the measured choice (the sweep and the tests use it).
+    workspace: None - the plan allocates its split-K workspace and counters; else a pool
+        (`ops.common.plan_workspace`: `decode.buffers.Workspaces`) that it takes them from (FP32
+        slot 0, int32 slot 0), shared with the pool's other takers: the caller guarantees that no
+        two launches using the pool overlap in time (one stream, in order). The counters are zero
+        between calls and the workspace is written before it is read within a call, so the bits
+        do not depend on who else used the memory.
 
-    The plan owns an FP32 workspace and one int32 counter per N tile; the counters are zero between
-    calls. Calls must not overlap in time (one stream, or ordered streams): two concurrent calls of
-    one plan would share the counters.
+    The plan owns (or takes) an FP32 workspace and one int32 counter per N tile; the counters are
+    zero between calls. Calls must not overlap in time (one stream, or ordered streams): two
+    concurrent calls of one plan would share the counters.
     """
 
     def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int = MAX_ROWS,
-                 config: LowLatencyConfig | dict[int, LowLatencyConfig] | None = None):
+                 config: LowLatencyConfig | dict[int, LowLatencyConfig] | None = None, workspace=None):
         n, k = mxfp8_weight_args(weight, w_scale, max_rows, MAX_ROWS)
         self.weight, self.w_scale = weight, w_scale.view(torch.uint8)
         self.n, self.k, self.max_rows = n, k, max_rows
@@ -354,9 +360,9 @@ class LowLatencyMM:
 
         ws_elems = max((l.grid[0] * l.split * min(l.block_m, max_rows) * l.config.block_n
                         for l in self._launches.values() if l.split > 1), default=1)
-        self._workspace = torch.empty(ws_elems, dtype=torch.float32, device=self.device)
-        self._counters = torch.zeros(max(l.grid[0] for l in self._launches.values()),
-                                     dtype=torch.int32, device=self.device)
+        self._workspace = plan_workspace(workspace, 0, ws_elems, torch.float32, self.device)
+        self._counters = plan_workspace(workspace, 0, max(l.grid[0] for l in self._launches.values()),
+                                        torch.int32, self.device)
         self._dot_f32 = interpreting()
 
     def launch_for(self, rows: int) -> _Launch:

@@ -9,6 +9,7 @@ import torch
 import triton
 
 from .checks import interpreting
+from .common import plan_workspace
 
 HEAD_DIM = 512
 SUPPORTED_HEADS = (8, 16, 32, 64)
@@ -48,7 +49,10 @@ class SparseMlaPlan:
     part_acc / part_ml: the FP32 per-block partials; block_max: FP32 per (row, head group, block,
     head) the block's score max; flags: int32 per (row, head group, block), set when its max is
     published; counters: int32 per (row, head group); ticket: int32 [1]; flags, counters and ticket
-    are 0 between launches.
+    are 0 between launches (the launch that sets them clears them: the last program to take a
+    ticket zeroes the ticket; the combination, or the last block to arrive, zeroes its flags and
+    counter), and the FP32 workspaces are written before they are read within a launch, so plans
+    whose launches never overlap may share them (`build(workspace=)`).
     """
     max_rows: int
     heads: int
@@ -81,15 +85,18 @@ class SparseMlaPlan:
         return triton.cdiv(self.window + self.topk, BLOCK_KEYS)
 
     @classmethod
-    def for_step(cls, max_rows: int, heads: int, window: int, topk: int, device) -> list["SparseMlaPlan"]:
+    def for_step(cls, max_rows: int, heads: int, window: int, topk: int, device,
+                 workspace=None) -> list["SparseMlaPlan"]:
         """Plans covering rows 1..max_rows with the tiling of STEP_TILINGS (ascending max_rows; use
-        the first plan whose max_rows holds the launch's rows); all split into 64-key blocks."""
+        the first plan whose max_rows holds the launch's rows); all split into 64-key blocks.
+        workspace: as for `build` (the plans then share it with each other too)."""
         plans, lo = [], 0
         for hi, opts in STEP_TILINGS:
             if lo >= max_rows:
                 break
             opts = dict(opts, block_h=min(opts["block_h"], max(16, heads)))
-            plans.append(cls.build(min(hi, max_rows), heads, window, topk, device, split=True, **opts))
+            plans.append(cls.build(min(hi, max_rows), heads, window, topk, device, split=True,
+                                   workspace=workspace, **opts))
             lo = hi
         return plans
 
@@ -97,9 +104,15 @@ class SparseMlaPlan:
     def build(cls, max_rows: int, heads: int, window: int, topk: int,
               device: torch.device | str = "cuda", *, block_h: int = 16, split: bool = True,
               num_warps: int = 8, bf16_dot: bool | None = None, native_fp8: bool | None = None,
-              separate_combine: bool = False) -> "SparseMlaPlan":
+              separate_combine: bool = False, workspace=None) -> "SparseMlaPlan":
         """A plan for launches of up to max_rows rows (see the class doc for the options; 8 warps:
-        64 decoded keys x 512 dims in BF16 are 128 registers a thread at 4 warps)."""
+        64 decoded keys x 512 dims in BF16 are 128 registers a thread at 4 warps).
+
+        workspace: None - the plan allocates its own workspaces; else a pool on `device` with
+        `take(slot, numel, dtype) -> 1-D tensor` (`decode.buffers.Workspaces`) from which the plan
+        takes part_acc, part_ml, block_max (FP32 slots 0-2) and flags, counters, ticket (int32 slots
+        0-2; zero when taken). The pool's other takers may hold the same memory, so the caller
+        guarantees that no two launches using it overlap in time (one stream, in order)."""
         for name, v in (("max_rows", max_rows), ("window", window), ("num_warps", num_warps)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -121,11 +134,12 @@ class SparseMlaPlan:
         hg = triton.cdiv(heads, block_h)
         nb = triton.cdiv(window + topk, BLOCK_KEYS)
         ws = max_rows * hg * nb if split else 0
-        part_acc = torch.empty(ws * block_h * HEAD_DIM, dtype=torch.float32, device=device)
-        part_ml = torch.empty(ws * 3 * block_h, dtype=torch.float32, device=device)
-        block_max = torch.empty(ws * block_h, dtype=torch.float32, device=device)
-        flags = torch.zeros(ws, dtype=torch.int32, device=device)
-        counters = torch.zeros(max_rows * hg, dtype=torch.int32, device=device)
-        ticket = torch.zeros(1, dtype=torch.int32, device=device)
+        f32, i32 = torch.float32, torch.int32
+        part_acc = plan_workspace(workspace, 0, ws * block_h * HEAD_DIM, f32, device)
+        part_ml = plan_workspace(workspace, 1, ws * 3 * block_h, f32, device)
+        block_max = plan_workspace(workspace, 2, ws * block_h, f32, device)
+        flags = plan_workspace(workspace, 0, ws, i32, device)
+        counters = plan_workspace(workspace, 1, max_rows * hg, i32, device)
+        ticket = plan_workspace(workspace, 2, 1, i32, device)
         return cls(max_rows, heads, window, topk, block_h, split, num_warps, bf16_dot, native_fp8,
                    bool(separate_combine), part_acc, part_ml, block_max, flags, counters, ticket)

@@ -33,7 +33,7 @@ from ..formats import E4M3_MAX, MXFP8_AMAX_FLOOR, fp8_block_quantize
 from . import pdl
 from .act_quant import INV_E4M3_MAX, mxfp8_quantize_tile
 from .checks import interpreting, planned_rows, require_tensor
-from .common import num_sms, splitk_reduce
+from .common import num_sms, plan_workspace, splitk_reduce
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
 
 _BLOCK_K = 128   # K per loop step: four 32-wide scale blocks
@@ -161,7 +161,8 @@ def _wo_a_kernel(
 
 @dataclass(frozen=True, eq=False)
 class WoAPlan:
-    """Split and tiles of `wo_a` for one rank's shape, and the split-K workspace it owns.
+    """Split and tiles of `wo_a` for one rank's shape, and its split-K workspace (its own, or views
+    of a shared pool: `build(workspace=)`).
 
     Build once with `WoAPlan.build`; launches reuse it. Not for concurrent launches on two streams.
 
@@ -240,8 +241,8 @@ class WoAPlan:
     def build(cls, heads: int, o_groups: int, rank: int, max_rows: int, weight_dtype: torch.dtype,
               device: torch.device | str = "cuda", *, head_dim: int = 512, rope_dim: int = 64,
               split: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-              bf16_dot: bool | None = None, swap_ab: bool | None = None) -> "WoAPlan":
-        """Choose the split and the dot operands, and allocate the workspace.
+              bf16_dot: bool | None = None, swap_ab: bool | None = None, workspace=None) -> "WoAPlan":
+        """Choose the split and the dot operands, and allocate the workspace (or take it: `workspace`).
 
         Defaults measured on an H200 at 64 heads, 1-16 rows (scripts/probe_wo_a.py,
         docs/results/wo-a-probe-h200.txt): a BF16 weight streams best at about 2 programs per SM
@@ -257,6 +258,12 @@ class WoAPlan:
         invariance: swapped measured 45.6 vs 48.0 us at 32 rows and 61.2 vs 85.6 at 64, but 27.4
         vs 21.3 at 1; unswapped, 33-64 rows run as two launches of at most 32;
         docs/results/wo-a-probe-h200.txt).
+        workspace: None - the plan allocates its partials and counters; else a pool
+        (`ops.common.plan_workspace`: `decode.buffers.Workspaces`) that it takes them from (FP32
+        slot 0, int32 slot 0), shared with the pool's other takers: the caller guarantees that no
+        two launches using the pool overlap in time (one stream, in order). The counters are zero
+        between launches and the partials are written before they are read within a launch
+        (`splitk_reduce`), so the bits do not depend on who else used the memory.
         """
         for name, v in (("heads", heads), ("o_groups", o_groups), ("rank", rank), ("max_rows", max_rows),
                         ("head_dim", head_dim), ("rope_dim", rope_dim)):
@@ -286,9 +293,9 @@ class WoAPlan:
         elif not isinstance(split, int) or split < 1 or grains % split:
             raise ValueError(f"split must be a positive divisor of group_width / {_BLOCK_K} = {grains}, "
                              f"got {split!r}")
-        partials = torch.empty(split if split > 1 else 0, max_rows, o_groups * rank, dtype=torch.float32,
-                               device=device)
-        counters = torch.zeros(n_tiles, dtype=torch.int32, device=device)
+        partials = plan_workspace(workspace, 0, (split if split > 1 else 0, max_rows, o_groups * rank),
+                                  torch.float32, device)
+        counters = plan_workspace(workspace, 0, n_tiles, torch.int32, device)
         return cls(heads, o_groups, rank, head_dim, rope_dim, max_rows, weight_dtype, block_n,
                    grains // split * _BLOCK_K, split, num_warps, num_stages, partials, counters,
                    bool(bf16_dot) and device.type == "cuda" and not interpreting(),

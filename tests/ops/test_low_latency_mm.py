@@ -139,6 +139,22 @@ def test_replay_resets_the_counters():
     assert row_ulp_distance(y2, mxfp8_mm(codes2, x_scale2, weight, w_scale)) <= 1
 
 
+def test_plans_sharing_a_workspace_give_their_own_bits():
+    # two weights' split plans taking their workspace and counters from one pool (the decode step's
+    # main-stream linears: decode.buffers.Workspaces), called in turn: each gives its own plan's
+    # bits and leaves the shared counters at zero
+    from dsv41_decode.decode.buffers import Workspaces
+    pool = Workspaces(DEVICE)
+    ops = [_operands(_gen(6 + i), 3, n, k) for i, (n, k) in enumerate(((96, 256), (160, 64)))]
+    shared = [LowLatencyMM(o[4], o[5], 16, _SPLIT, workspace=pool) for o in ops]
+    assert shared[0]._workspace.untyped_storage().data_ptr() == shared[1]._workspace.untyped_storage().data_ptr()
+    for i in (0, 1, 0):
+        _, _, codes, x_scale, weight, w_scale = ops[i]
+        own = LowLatencyMM(weight, w_scale, 16, _SPLIT)(codes, x_scale, _poisoned(3, weight.shape[0]))
+        assert bits_differ(shared[i](codes, x_scale, _poisoned(3, weight.shape[0])), own) == 0
+        assert int(shared[0]._counters.abs().sum()) == int(shared[1]._counters.abs().sum()) == 0
+
+
 def test_function_form_caches_the_plan_and_takes_scale_bytes():
     m, n, k = 2, 32, 64
     _, _, codes, x_scale, weight, w_scale = _operands(_gen(6), m, n, k)

@@ -193,6 +193,29 @@ def test_a_row_alone_gives_its_bits_among_others():
     assert workspace_is_clear(plan)
 
 
+def test_plans_sharing_a_workspace_give_their_own_bits():
+    # what the decode step does (decode.buffers.Workspaces): plans of two shapes (2 and 4 blocks of
+    # 64 keys; the second grows the pool's buffers, re-seating the first's views) and both
+    # combinations take their workspaces from one pool and run in turn; each gives
+    # the bits of a plan with its own workspace, and the flags, counters and ticket they share are
+    # zero after every launch (the contract that makes the sharing safe)
+    from dsv41_decode.decode.buffers import Workspaces
+    pool = Workspaces("cpu")
+    n, h, w = 1, 16, 16
+    shapes = [(72, False), (200, True)]
+    cases = [make_case(n, h, w, k, seed=20 + k, window_fill=[5], exact=True) for k, _ in shapes]
+    shared = [SparseMlaPlan.build(n, h, w, k, "cpu", split=True, separate_combine=sep, workspace=pool)
+              for k, sep in shapes]
+    own = [SparseMlaPlan.build(n, h, w, k, "cpu", split=True, separate_combine=sep) for k, sep in shapes]
+    for a, b in (("part_acc", "flags"), ("ticket", "counters")):
+        assert getattr(shared[0], a).untyped_storage().data_ptr() == getattr(shared[1], a).untyped_storage().data_ptr()
+        assert getattr(own[0], b).untyped_storage().data_ptr() != getattr(own[1], b).untyped_storage().data_ptr()
+    expected = [run(p, c, EXACT_SCALE) for p, c in zip(own, cases)]
+    for i in (1, 0, 1):
+        assert torch.equal(run(shared[i], cases[i], EXACT_SCALE), expected[i])
+        assert all(workspace_is_clear(p) for p in shared)
+
+
 def test_step_tilings_cover_every_row_count():
     plans = SparseMlaPlan.for_step(64, 64, 128, 512, "cpu")
     assert [p.max_rows for p in plans] == [hi for hi, _ in STEP_TILINGS if hi < 64] + [64]

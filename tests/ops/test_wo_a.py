@@ -155,6 +155,24 @@ def test_replaying_a_plan_is_deterministic():
     assert not plan.counters.any()
 
 
+def test_plans_sharing_a_workspace_give_their_own_bits():
+    # the decode step's layers (decode.buffers.Workspaces): two shapes' split plans take their
+    # partials (3-D views) and counters from one pool, the second growing it (re-seating the
+    # first's views), and run in turn: each gives its own plan's bits, the counters left at zero
+    from dsv41_decode.decode.buffers import Workspaces
+    pool = Workspaces(_DEVICE)
+    shapes = [(4, 2, 32), (8, 4, 64)]
+    cases = [_inputs(3, h, g, r, seed=30 + r) for h, g, r in shapes]
+    shared = [WoAPlan.build(h, g, r, 4, torch.bfloat16, _DEVICE, split=2, workspace=pool) for h, g, r in shapes]
+    assert shared[0].partials.untyped_storage().data_ptr() == shared[1].partials.untyped_storage().data_ptr()
+    expected = [wo_a(o, cos, sin, w, g, plan=WoAPlan.build(h, g, r, 4, torch.bfloat16, _DEVICE, split=2))
+                for (h, g, r), (o, _, cos, sin, w) in zip(shapes, cases)]
+    for i in (1, 0, 1):
+        o, _, cos, sin, w = cases[i]
+        assert torch.equal(wo_a(o, cos, sin, w, shapes[i][1], plan=shared[i]), expected[i])
+        assert not shared[0].counters.any() and not shared[1].counters.any()
+
+
 def test_plan_split_for_each_tp_degree():
     # The real shapes (R = 1024, 8 heads per group): about two programs per SM of an H200 for a
     # BF16 weight, four for an FP8 one (the measured defaults); BF16 dots by default for BF16 only.
