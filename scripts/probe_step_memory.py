@@ -5,9 +5,12 @@ one layer of each kind and ratio, scaled to the 40 layers by the kinds' counts.
     TRITON_INTERPRET=1 PYTHONPATH=. python scripts/probe_step_memory.py [--max-rows 64]
 
 The per-layer figures cover the layer's weight copies (the fused wq_a|wkv, the FP32 ratio-2
-compressor weights) and its kernels' workspaces; the shared families (scratch, scores, tables,
-streams, selections) are printed as this subset's step builds them (the scores buffer grows with
-the state's max_context, set small here). Builds random weights for six layers (about 1 GB).
+compressor weights) and its kernels' own workspaces (the side lanes' plans); the main-stream
+kernels' workspaces (sparse MLA, wq_a|wkv, wq_b, wo_a, wo_b) are one pool for all layers, sized for
+the largest taker (`decode.buffers.Workspaces`: the same for this subset as for the 40 layers, whose
+shapes it holds) and counted once. The other shared families (scratch, scores, tables, streams,
+selections) are printed as this subset's step builds them (the scores buffer grows with the state's
+max_context, set small here). Builds random weights for six layers (about 1 GB).
 """
 
 from __future__ import annotations
@@ -48,8 +51,13 @@ def main() -> None:
         print(f"layer {L:2d} {kind:13s} x{counts[kind]:2d}: {mb:7.1f} MiB per layer")
     print(f"40 layers at max_rows={args.max_rows}: {total:.0f} MiB of weight copies and kernel workspaces")
     mem = step.memory_bytes()
+    pool = mem["workspaces"] / 2**20
+    print(f"the main-stream kernels' workspaces, shared by all layers (once): {pool:.1f} MiB")
+    others = sum(v for k, v in mem.items() if k not in ("layers", "workspaces")) / 2**20
     print("shared families of this subset's step (MiB):",
           {k: round(v / 2**20, 1) for k, v in mem.items() if k != "layers"})
+    print(f"the step's own memory at max_rows={args.max_rows}: about {total + pool + others:.0f} MiB "
+          f"(40 layers, the pool, this subset's other shared families)")
 
 
 if __name__ == "__main__":

@@ -53,22 +53,24 @@ def _few_programs(device: torch.device) -> bool:
     return device.type != "cuda"
 
 
-def fp8_linear_plan(weight: torch.Tensor, scale: torch.Tensor, max_rows: int, exact: bool = False):
+def fp8_linear_plan(weight: torch.Tensor, scale: torch.Tensor, max_rows: int, exact: bool = False,
+                    workspace=None):
     """The GEMM plan of one FP8 linear, the same call whichever it is: `ops.exact_mm.ExactMM` (the
     contract's bits, on CUDA cores) when `exact`; else FP8 tensor cores, whose 32-deep block sums
     truncate (docs/gemm.md, "Exactness"): the Gluon tier `ops.gluon_mm.GluonMM` on an sm_90 GPU
     where it builds (K a multiple of 128, aligned rows), otherwise the Triton tier
     `ops.low_latency_mm.LowLatencyMM`. Each plan's reduction order is fixed per weight, whatever
-    the rows (batch invariance)."""
+    the rows (batch invariance). workspace: None (the plan's own split-K workspace) or the step's
+    `Workspaces` pool, for a linear on the main stream only (the plans' `workspace` contract)."""
     if exact:
         from ..ops.exact_mm import ExactConfig, ExactMM
         n, k = weight.shape
         few = ExactConfig(block_n=min(512, triton.next_power_of_2(n)),
                           block_k=next(b for b in (256, 128, 64, 32) if k % b == 0), rows=4)
-        return ExactMM(weight, scale, max_rows, few if _few_programs(weight.device) else None)
+        return ExactMM(weight, scale, max_rows, few if _few_programs(weight.device) else None, workspace)
     if weight.device.type == "cuda" and torch.cuda.get_device_capability(weight.device) == (9, 0):
         try:
-            return GluonMM(weight, scale, max_rows)
+            return GluonMM(weight, scale, max_rows, workspace=workspace)
         except ValueError:          # a shape or alignment the Gluon tier does not take
             pass
     config = None
@@ -76,7 +78,7 @@ def fp8_linear_plan(weight: torch.Tensor, scale: torch.Tensor, max_rows: int, ex
         n, k = weight.shape
         config = LowLatencyConfig(block_n=min(512, triton.next_power_of_2(n)),
                                   block_k=next(b for b in (256, 128, 64, 32) if k % b == 0), split=1)
-    return LowLatencyMM(weight, scale, max_rows, config)
+    return LowLatencyMM(weight, scale, max_rows, config, workspace)
 
 
 def _fp8_weight(w: dict, name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,8 +89,8 @@ def _fp8_weight(w: dict, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     return weight, scale.view(torch.uint8)
 
 
-def _fp8_plan(w: dict, name: str, max_rows: int, exact: bool = False):
-    return fp8_linear_plan(*_fp8_weight(w, name), max_rows, exact)
+def _fp8_plan(w: dict, name: str, max_rows: int, exact: bool = False, workspace=None):
+    return fp8_linear_plan(*_fp8_weight(w, name), max_rows, exact, workspace)
 
 
 class AttentionStep:
@@ -117,9 +119,15 @@ class AttentionStep:
             raise NotEligible(f"q_lora_rank={cfg.q_lora_rank} must be a multiple of 32 to stack wq_a and wkv")
         (wq_a, s_q), (wkv, s_kv) = _fp8_weight(w, "wq_a"), _fp8_weight(w, "wkv")
         self.w_qkv, self.s_qkv = torch.cat([wq_a, wkv]), torch.cat([s_q, s_kv])
-        self.mm_qkv = fp8_linear_plan(self.w_qkv, self.s_qkv, max_rows, exact_linears)
-        self.mm_wq_b = _fp8_plan(w, "wq_b", max_rows, exact_linears)
-        self.mm_wo_b = _fp8_plan(w, "wo_b", max_rows, exact_linears)
+        # The main stream's kernels take their split workspaces from the step's shared pool (they
+        # run one after another, these and every other layer's: `buffers.Workspaces`): the fused
+        # wq_a|wkv, wq_b, wo_a, wo_b and the sparse MLA. The plans of the side lanes (the indexer's
+        # wq_b, the BF16 side projections, the candidate pool) keep their own, and so does the
+        # top-k's (main stream, under a MiB).
+        pool = scratch.workspaces
+        self.mm_qkv = fp8_linear_plan(self.w_qkv, self.s_qkv, max_rows, exact_linears, pool)
+        self.mm_wq_b = _fp8_plan(w, "wq_b", max_rows, exact_linears, pool)
+        self.mm_wo_b = _fp8_plan(w, "wo_b", max_rows, exact_linears, pool)
         if "attn.wo_a.scale" in w:
             self.wo_a_w, self.wo_a_s = w["attn.wo_a.weight"], w["attn.wo_a.scale"]
         elif wo_a_fp8:
@@ -129,11 +137,13 @@ class AttentionStep:
         few = {"split": 1} if _few_programs(dev) else {}
         self.wo_a_plan = WoAPlan.build(cfg.n_heads, cfg.o_groups, cfg.o_lora_rank, max_rows, self.wo_a_w.dtype,
                                        dev, head_dim=cfg.head_dim, rope_dim=cfg.rope_head_dim,
-                                       **few)
+                                       workspace=pool, **few)
         topk_w = 0 if spec.kind == SWA else cfg.index_topk
         # Per row count the tiling measured best (ops.sparse_mla.STEP_TILINGS; docs/attn.md).
-        self.mla_plans = ([SparseMlaPlan.build(max_rows, cfg.n_heads, cfg.window_size, topk_w, dev, split=False)]
-                          if few else SparseMlaPlan.for_step(max_rows, cfg.n_heads, cfg.window_size, topk_w, dev))
+        self.mla_plans = ([SparseMlaPlan.build(max_rows, cfg.n_heads, cfg.window_size, topk_w, dev, split=False,
+                                               workspace=pool)]
+                          if few else SparseMlaPlan.for_step(max_rows, cfg.n_heads, cfg.window_size, topk_w, dev,
+                                                             workspace=pool))
         wide = {"split": 1, "block_n": 256} if few else {}
         self.sink = w["attn.attn_sink"].float().contiguous()
         self.publish: torch.Tensor | None = None   # set by DecodeStep with the fused TP boundary
@@ -385,8 +395,9 @@ class AttentionStep:
     def memory_bytes(self) -> int:
         """Device bytes this layer's step owns: its copies of weights (the fused wq_a|wkv, the FP32
         compressor weights at ratio 2, a converted or quantized wo_a, the FP32 sink) and its kernels'
-        plan workspaces (split-K partials and counters). Not the stack's weights (storages of
-        `layer.w`), the state, or what the step shares between layers (scratch, tables, selections)."""
+        own plan workspaces (split-K partials and counters). Not the stack's weights (storages of
+        `layer.w`), the state, or what the step shares between layers (scratch, tables, selections,
+        and the workspaces its main-stream plans take from `scratch.workspaces`)."""
         found = []
         for name, v in vars(self).items():
             if name in self._SHARED:
@@ -395,5 +406,5 @@ class AttentionStep:
                 found.append(item)
                 if type(item).__module__.startswith("dsv41_decode.ops") and hasattr(item, "__dict__"):
                     found += vars(item).values()   # a plan: its workspace, counters and tables
-        theirs = {t.untyped_storage().data_ptr() for t in self.w.values()}
+        theirs = {t.untyped_storage().data_ptr() for t in self.w.values()} | self.s.workspaces.storages()
         return storage_bytes([t for t in found if isinstance(t, torch.Tensor)], theirs)

@@ -1,7 +1,8 @@
 """The buffers of the specialized decode step, built once and shared by its layers.
 
 `Scratch` holds the per-layer intermediates (layers run one after another on the main stream and
-join their side work before the next layer writes them); `IndexSelection` what an index source
+join their side work before the next layer writes them) and `Workspaces`, the main-stream kernels'
+workspaces that every layer takes views of; `IndexSelection` what an index source
 leaves for the layers after it; `StepIO` the streams entering and leaving the step and the
 attention output handed to the boundary. All are sized for the step's largest row bucket and read
 as views `[:rows]`.
@@ -24,13 +25,71 @@ def storage_bytes(tensors, exclude: frozenset[int] | set[int] = frozenset()) -> 
     return sum(n for ptr, n in found.items() if ptr not in exclude)
 
 
+class Workspaces:
+    """Kernel workspaces shared by the layers of one step: one buffer per (dtype, slot), sized for its
+    largest taker, of which every taker gets a view of the start (`take`).
+
+    The contract of a taker (a kernel plan built with `workspace=` this pool): its kernels run on
+    the step's main stream only, so stream order serialises every launch that reads or writes a
+    view (a layer's main-stream kernels run one after another, and the layers in order); within a
+    launch a floating-point view is scratch, written before it is read (split partials, block
+    maxima); an integer view (flags, counters, tickets) is zero between launches: the kernel that
+    sets it clears it before it ends. A plan that needs several workspaces at once takes them from
+    distinct slots. Kernels on the side lanes keep their own workspaces (they overlap the main
+    stream). Taking happens while the step is built: a buffer that must grow is reallocated (zeros)
+    and the views already handed out are re-seated on it (`Tensor.set_`), so every taker ends on the
+    final buffer; `seal` (before graph capture) forbids further takes.
+    """
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self._buffers: dict[tuple[torch.dtype, int], torch.Tensor] = {}
+        self._views: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
+        self.sealed = False
+
+    def take(self, slot: int, shape: int | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous view of `shape` (an int: 1-D) over the start of the buffer (`dtype`, `slot`),
+        zero at build."""
+        if self.sealed:
+            raise RuntimeError("Workspaces.take after seal: the step's graphs hold the buffers' addresses")
+        shape = (shape,) if isinstance(shape, int) and not isinstance(shape, bool) else tuple(shape)
+        if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
+            raise ValueError(f"shape must hold non-negative ints, got {shape!r}")
+        numel = 1
+        for d in shape:
+            numel *= d
+        key = (dtype, slot)
+        buf = self._buffers.get(key)
+        if buf is None or buf.numel() < numel:
+            buf = torch.zeros(max(numel, 1), dtype=dtype, device=self.device)
+            for v in self._views.get(key, ()):
+                v.set_(buf.untyped_storage(), 0, v.shape)
+            self._buffers[key] = buf
+        view = buf[:numel].view(shape)
+        self._views.setdefault(key, []).append(view)
+        return view
+
+    def seal(self) -> None:
+        """No more takes (the step calls it once its layers are built, before it captures)."""
+        self.sealed = True
+
+    def storages(self) -> set[int]:
+        """The data pointers of the pool's buffers (the storages behind every view it handed out)."""
+        return {b.untyped_storage().data_ptr() for b in self._buffers.values()}
+
+    def memory_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
 class Scratch:
     """Per-step buffers shared by all layers (layers run one after another on the main stream and
     join their side work before the next layer writes these). Sized for `max_rows` rows; `cfg` is
-    the rank-local view of the configuration (its heads and wo_a groups under TP)."""
+    the rank-local view of the configuration (its heads and wo_a groups under TP). `workspaces`:
+    the pool of the main-stream kernels' workspaces, filled by the layers' plans."""
 
     def __init__(self, cfg: ModelConfig, state: DecodeState, max_rows: int):
         dev, B = state.device, max_rows
+        self.workspaces = Workspaces(dev)
         H, D, ql = cfg.n_heads, cfg.head_dim, cfg.q_lora_rank
         self.qkv_a = torch.zeros(B, ql + D, dtype=torch.bfloat16, device=dev)
         self.qr = torch.zeros(B, ql, dtype=torch.bfloat16, device=dev)

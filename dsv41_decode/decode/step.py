@@ -138,6 +138,7 @@ class DecodeStep:
         for i in stack.ids:                       # ascending: a layer's sources are built before it
             self.layers[i] = AttentionStep(stack.layers[i], state, self.meta, self.scratch, self.lanes, B,
                                            self.layers, wo_a_fp8=wo_a_fp8, exact_linears=exact_linears)
+        self.scratch.workspaces.seal()           # every plan has its view; the graphs take the addresses
         mailbox = None
         if tp_boundary != "collective" and stack.tp.tp > 1 and dev.type == "cuda":
             mailbox = _fused_mailbox(stack.tp, B, cfg.dim, len(stack.ids), dev)
@@ -340,8 +341,10 @@ class DecodeStep:
 
     def memory_bytes(self) -> dict[str, int]:
         """Device bytes the step owns beyond the stack's weights and the state's caches (by family):
-        the shared scratch and scores, the selections, the streams and boundary, the per-step tables
-        (`StepMeta`), and per layer its weight copies and kernel workspaces (`AttentionStep.memory_bytes`)."""
+        the shared scratch and scores, the main-stream kernels' workspaces that every layer shares
+        (`Workspaces`, counted once), the selections, the streams and boundary, the per-step tables
+        (`StepMeta`), and per layer its weight copies and its kernels' own workspaces
+        (`AttentionStep.memory_bytes`)."""
         def size(ts) -> int:
             return sum(t.numel() * t.element_size() for t in ts)
 
@@ -354,6 +357,7 @@ class DecodeStep:
         sel = [t for s in self.selections.values() for t in (s.topk, s.table, s.lengths)]
         return {"scratch": size(tensors(self.scratch)) - self.scratch.scores.numel() * 4,
                 "scores": self.scratch.scores.numel() * 4,
+                "workspaces": self.scratch.workspaces.memory_bytes(),
                 "selections": size(sel) + size(self.candidate_masks.values()),
                 "streams": self.io.memory_bytes() + self.boundary.memory_bytes(),
                 "tables": storage_bytes(tensors(self.meta)),   # cos/sin per ratio are views

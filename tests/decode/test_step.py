@@ -140,31 +140,75 @@ def test_bookkeeping_free_and_admit(cpu_setup):
     assert st.seq_lens.tolist() == [3, 17, 6, 0]
 
 
-def _plan_tensor_bytes(plan) -> int:
-    return sum(t.numel() * t.element_size() for t in vars(plan).values() if isinstance(t, torch.Tensor))
-
-
 @interpreter
 def test_memory_bytes_counts_the_layers_copies_and_workspaces(cpu_setup):
-    """DecodeStep.memory_bytes: every family; per layer at least the fused wq_a|wkv copy and the
-    sparse MLA and wo_a workspaces; the stack's weights are not counted (an FP8 wo_a quantized at
-    build adds exactly its codes, scales and the change of wo_a's workspace: the BF16 default
-    reads the stack's own wo_a)."""
+    """DecodeStep.memory_bytes: every family; per layer at least the fused wq_a|wkv copy; the
+    stack's weights are not counted (an FP8 wo_a quantized at build adds exactly its codes and
+    scales to each layer: the BF16 default reads the stack's own wo_a, and wo_a's workspace is the
+    step's shared one, `test_main_stream_workspaces_are_shared_once`)."""
     _, stack, base, _ = cpu_setup
     plain = stack.decode_step(copy.deepcopy(base), max_rows=4)
     fp8 = stack.decode_step(copy.deepcopy(base), max_rows=4, wo_a_fp8=True)
     mem = plain.memory_bytes()
-    assert set(mem) == {"scratch", "scores", "selections", "streams", "tables", "layers"}
+    assert set(mem) == {"scratch", "scores", "workspaces", "selections", "streams", "tables", "layers"}
     assert all(v > 0 for v in mem.values()), mem
     assert mem["layers"] == sum(a.memory_bytes() for a in plain.layers.values())
     for L, a in plain.layers.items():
         assert a.wo_a_w.data_ptr() == a.w["attn.wo_a.weight"].data_ptr()   # the stack's BF16 weight
-        least = a.w_qkv.nbytes + a.s_qkv.nbytes + _plan_tensor_bytes(a.wo_a_plan)
-        least += sum(_plan_tensor_bytes(p) for p in a.mla_plans)
-        assert a.memory_bytes() >= least, L
+        assert a.memory_bytes() >= a.w_qkv.nbytes + a.s_qkv.nbytes, L
         b = fp8.layers[L]
-        added = b.wo_a_w.nbytes + b.wo_a_s.nbytes + _plan_tensor_bytes(b.wo_a_plan) - _plan_tensor_bytes(a.wo_a_plan)
-        assert b.memory_bytes() - a.memory_bytes() == added, L
+        assert b.memory_bytes() - a.memory_bytes() == b.wo_a_w.nbytes + b.wo_a_s.nbytes, L
+
+
+def _pooled_bytes(a, pool) -> int:
+    """Bytes of the views layer step `a`'s plans hold in the pool's buffers."""
+    plans = [*a.mla_plans, a.mm_qkv, a.mm_wq_b, a.wo_a_plan, a.mm_wo_b]
+    return sum(t.nbytes for p in plans for t in vars(p).values()
+               if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in pool.storages())
+
+
+@interpreter
+def test_main_stream_workspaces_are_shared_once(cpu_setup, monkeypatch):
+    """The sparse MLA's and the main-stream linears' (wq_a|wkv, wq_b, wo_a, wo_b) workspaces are
+    views of the step's one pool (`Workspaces`), counted once in `memory_bytes`; the side lanes'
+    plans keep their own. Built with the GPU's split plans (the step is only built here, not run)."""
+    from dsv41_decode.decode import attention
+    from dsv41_decode.decode.buffers import Workspaces
+    _, stack, base, _ = cpu_setup
+    monkeypatch.setattr(attention, "_few_programs", lambda device: False)
+    shared = stack.decode_step(copy.deepcopy(base), max_rows=4, graphs=False)
+    pool, mem, layers = shared.scratch.workspaces, shared.memory_bytes(), shared.layers
+    assert mem["workspaces"] == pool.memory_bytes() > 0
+
+    def ptr(t):
+        return t.untyped_storage().data_ptr()
+    swa, full, cand = layers[0].mla_plans[-1], layers[1].mla_plans[-1], layers[3].mla_plans[-1]
+    assert full.split and full.n_blocks >= 1 and full.part_acc.numel() > 0
+    for name in ("part_acc", "part_ml", "block_max", "flags", "counters", "ticket"):
+        assert ptr(getattr(swa, name)) == ptr(getattr(full, name)) == ptr(getattr(cand, name)), name
+    assert ptr(layers[2].mm_wo_b._workspace) == ptr(layers[5].mm_qkv._workspace) == ptr(full.part_acc)
+    assert ptr(layers[4].mm_wq_b._counters) == ptr(layers[0].wo_a_plan.counters) == ptr(full.flags)
+    assert ptr(layers[3].wo_a_plan.partials) == ptr(full.part_acc) and layers[3].wo_a_plan.split > 1
+    # the side lanes' plans: their own, never the pool's or another layer's
+    side = [t for L in (1, 3, 4) for t in (layers[L].mm_idx_wq_b._workspace, layers[L].mm_idx_wq_b._counters,
+                                          layers[L].proj_plan.counters)]
+    side += [layers[L].comp_plan.counters for L in (1, 3)] + [layers[3].cand_plan.ws]
+    assert len({ptr(t) for t in side}) == len(side) and not {ptr(t) for t in side} & pool.storages()
+    with pytest.raises(RuntimeError, match="after seal"):
+        pool.take(0, 1, torch.float32)
+
+    # the same step with every plan owning its workspaces: the layers count their views, the pool
+    # is gone, and the total exceeds the shared one by the views less the pool counted once
+    monkeypatch.setattr(Workspaces, "take", lambda self, slot, shape, dtype:
+                        torch.zeros(shape, dtype=dtype, device=self.device))
+    alone = stack.decode_step(copy.deepcopy(base), max_rows=4, graphs=False)
+    mem_alone = alone.memory_bytes()
+    assert mem_alone["workspaces"] == 0
+    views = {L: _pooled_bytes(a, pool) for L, a in layers.items()}
+    for L, a in layers.items():
+        assert alone.layers[L].memory_bytes() == a.memory_bytes() + views[L], L
+    assert sum(mem_alone.values()) - sum(mem.values()) == sum(views.values()) - mem["workspaces"]
+    assert mem["workspaces"] < sum(views.values()) / 2
 
 
 @interpreter
