@@ -31,7 +31,11 @@ def plan_workspace(workspace, slot: int, shape: int | tuple[int, ...], dtype: to
     dtypes zeroed: flags and counters start at 0) when `workspace` is None, else a view taken from
     the shared pool `workspace` (`take(slot, shape, dtype)`, e.g. `decode.buffers.Workspaces`, zero
     when taken), which must be on `device` (ValueError otherwise). A plan takes its simultaneous
-    workspaces from distinct slots; the pool's contract says who else may hold the memory."""
+    workspaces from distinct slots; the pool's contract says who else may hold the memory. Sharing
+    is sound for plans whose launches never overlap in time (one stream, in order; the caller
+    guarantees it) and that leave their counters and flags at zero and write their FP32 scratch
+    before reading it within a launch (the GEMM plans and the sparse MLA do), so the bits do not
+    depend on who else used the memory."""
     device = torch.device(device)
     if workspace is None:
         alloc = torch.empty if dtype.is_floating_point else torch.zeros

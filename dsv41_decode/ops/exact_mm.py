@@ -416,12 +416,8 @@ class ExactMM:
     config: an ExactConfig for every row bucket, or a dict {1|2|4|64: ExactConfig} (64: calls of
         more than 4 rows), instead of the measured / default choice (the probe and the tests use
         it); a bucket takes min(rows, bucket) rows per pass (the bucket with a split).
-    workspace: None - the plan allocates its split-K workspace and counters; else a pool
-        (`ops.common.plan_workspace`: `decode.buffers.Workspaces`) that it takes them from (FP32
-        slot 0, int32 slot 0), shared with the pool's other takers: the caller guarantees that no
-        two launches using the pool overlap in time (one stream, in order). The counters are zero
-        between calls and the workspace is written before it is read within a call, so the bits
-        do not depend on who else used the memory.
+    workspace: None (the plan allocates its split-K workspace and counters) or a shared pool, as
+        `ops.common.plan_workspace` says (FP32 slot 0, int32 slot 0).
 
     A plan whose launches split K owns (or takes) an FP32 workspace for the block terms and one
     int32 counter per N tile, zero between calls; its calls must not overlap in time (one stream,

@@ -271,12 +271,8 @@ class GluonMM:
         4-byte boundaries.
     max_rows: the most rows a call may bring (1..64).
     config: a GluonMMConfig (the K split and the ring depth), else the default rule.
-    workspace: None - the plan allocates its split-K workspace and counters; else a pool
-        (`ops.common.plan_workspace`: `decode.buffers.Workspaces`) that it takes them from (FP32
-        slot 0, int32 slot 0), shared with the pool's other takers: the caller guarantees that no
-        two launches using the pool overlap in time (one stream, in order). The counters are zero
-        between calls and the workspace is written before it is read within a call, so the bits
-        do not depend on who else used the memory.
+    workspace: None (the plan allocates its split-K workspace and counters) or a shared pool, as
+        `ops.common.plan_workspace` says (FP32 slot 0, int32 slot 0).
 
     The plan owns (or takes) an FP32 workspace and one int32 counter per N tile (zero between
     calls). Calls must not overlap in time (one stream, or ordered streams).

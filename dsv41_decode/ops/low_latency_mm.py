@@ -315,12 +315,8 @@ class LowLatencyMM:
     max_rows: the most rows a call may bring (1..64).
     config: a LowLatencyConfig for every row bucket, or a dict {16|32|64: LowLatencyConfig}, instead
         of the measured choice (the sweep and the tests use it).
-    workspace: None - the plan allocates its split-K workspace and counters; else a pool
-        (`ops.common.plan_workspace`: `decode.buffers.Workspaces`) that it takes them from (FP32
-        slot 0, int32 slot 0), shared with the pool's other takers: the caller guarantees that no
-        two launches using the pool overlap in time (one stream, in order). The counters are zero
-        between calls and the workspace is written before it is read within a call, so the bits
-        do not depend on who else used the memory.
+    workspace: None (the plan allocates its split-K workspace and counters) or a shared pool, as
+        `ops.common.plan_workspace` says (FP32 slot 0, int32 slot 0).
 
     The plan owns (or takes) an FP32 workspace and one int32 counter per N tile; the counters are
     zero between calls. Calls must not overlap in time (one stream, or ordered streams): two
