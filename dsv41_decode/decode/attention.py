@@ -29,6 +29,7 @@ from ..ops.compressor import compress_ratio2_
 from ..ops.index_query import index_query_
 from ..ops.indexer import index_scores_mxfp4_
 from ..ops.kv_write import compressed_entry_store_, qkv_rope_insert_
+from ..ops.exact_mm import ExactConfig, ExactMM
 from ..ops.gluon_mm import GluonMM
 from ..ops.ll_bf16 import LlBf16Plan, ll_bf16_
 from ..ops.rms_norm import rms_norm_, rms_norm_pair_
@@ -62,22 +63,19 @@ def fp8_linear_plan(weight: torch.Tensor, scale: torch.Tensor, max_rows: int, ex
     `ops.low_latency_mm.LowLatencyMM`. Each plan's reduction order is fixed per weight, whatever
     the rows (batch invariance). workspace: None (the plan's own split-K workspace) or the step's
     `Workspaces` pool, for a linear on the main stream only (the plans' `workspace` contract)."""
+    n, k = weight.shape
+    few = _few_programs(weight.device)
+    # in the interpreter: one program per 512 weight rows, the deepest K step that divides K
+    wide_n, deep_k = min(512, triton.next_power_of_2(n)), next((b for b in (256, 128, 64) if k % b == 0), 32)
     if exact:
-        from ..ops.exact_mm import ExactConfig, ExactMM
-        n, k = weight.shape
-        few = ExactConfig(block_n=min(512, triton.next_power_of_2(n)),
-                          block_k=next(b for b in (256, 128, 64, 32) if k % b == 0), rows=4)
-        return ExactMM(weight, scale, max_rows, few if _few_programs(weight.device) else None, workspace)
+        config = ExactConfig(block_n=wide_n, block_k=deep_k, rows=4) if few else None
+        return ExactMM(weight, scale, max_rows, config, workspace)
     if weight.device.type == "cuda" and torch.cuda.get_device_capability(weight.device) == (9, 0):
         try:
             return GluonMM(weight, scale, max_rows, workspace=workspace)
         except ValueError:          # a shape or alignment the Gluon tier does not take
             pass
-    config = None
-    if _few_programs(weight.device):
-        n, k = weight.shape
-        config = LowLatencyConfig(block_n=min(512, triton.next_power_of_2(n)),
-                                  block_k=next(b for b in (256, 128, 64, 32) if k % b == 0), split=1)
+    config = LowLatencyConfig(block_n=wide_n, block_k=deep_k, split=1) if few else None
     return LowLatencyMM(weight, scale, max_rows, config, workspace)
 
 

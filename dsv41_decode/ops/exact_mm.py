@@ -399,10 +399,13 @@ def reduction_order(k: int) -> tuple[str, int, int]:
 
 @dataclass(frozen=True)
 class _Launch:
-    config: ExactConfig
-    split: int
+    config: ExactConfig          # with the launch's rows per pass and its split
     steps_per_split: int
     grid: tuple[int, int]
+
+    @property
+    def split(self) -> int:
+        return self.config.split
 
 
 class ExactMM:
@@ -455,12 +458,11 @@ class ExactMM:
             per_split = -(-steps // split)
             split = -(-steps // per_split)    # no empty split
             cfg = dataclasses.replace(cfg, rows=rows, split=split)
-            self._launches[bucket] = _Launch(cfg, split, per_split, (-(-n // cfg.block_n), split))
-        ws = max((l.grid[0] * l.config.block_n * l.config.rows * (k // 32)
-                  for l in self._launches.values() if l.split > 1), default=1)
+            self._launches[bucket] = _Launch(cfg, per_split, (-(-n // cfg.block_n), split))
+        split = [l for l in self._launches.values() if l.split > 1]
+        ws = max((l.grid[0] * l.config.block_n * l.config.rows * (k // 32) for l in split), default=1)
         self._workspace = plan_workspace(workspace, 0, ws, torch.float32, self.device)
-        self._counters = plan_workspace(workspace, 0, max(l.grid[0] for l in self._launches.values() if l.split > 1)
-                                        if any(l.split > 1 for l in self._launches.values()) else 1,
+        self._counters = plan_workspace(workspace, 0, max((l.grid[0] for l in split), default=1),
                                         torch.int32, self.device)
         # On the GPU the chained split in inline PTX; the interpreter runs the plain split (the same
         # values, fewer operations), or with `_chain` (tests) the chained split's steps.
@@ -476,25 +478,18 @@ class ExactMM:
         return reduction_order(self.k)
 
     def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """y = codes x weight^T with both block scales, into out.
-
-        codes: [M, K] float8_e4m3fn, unit stride along K; 1 <= M <= max_rows.
-        x_scale: [M, K/32] UE8M0 (uint8 or float8_e8m0fnu), unit stride along K.
-        out: [M, N] BF16, unit stride along N; allocated when None. A float32 out receives the
-            unrounded FP32 sums (a tensor-parallel partial).
-        Returns out.
-        """
+        """y = codes x weight^T with both block scales, into out: the arguments and the result of
+        `LowLatencyMM.__call__` (a float32 out receives the unrounded FP32 sums)."""
         out = mxfp8_linear_args(codes, x_scale, out, self.n, self.k, self.max_rows, self.device)
-        m = codes.shape[0]
-        launch = self.launch_for(m)
+        launch = self.launch_for(codes.shape[0])
         cfg = launch.config
         _exact_mm_kernel[launch.grid](
             codes, x_scale.view(torch.uint8), self.weight, self.w_scale,
             out if out.dtype == torch.float32 else out.view(torch.int16), self._workspace, self._counters,
-            m, self.n, self.k, codes.stride(0), x_scale.stride(0), self.weight.stride(0),
+            codes.shape[0], self.n, self.k, codes.stride(0), x_scale.stride(0), self.weight.stride(0),
             self.w_scale.stride(0), out.stride(0), launch.steps_per_split,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS=cfg.rows, OUT_F32=out.dtype == torch.float32,
-            SPLIT=launch.split,
-            STAGES=cfg.num_stages, CHAIN=self._chain, ASM=self._asm, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            SPLIT=cfg.split, STAGES=cfg.num_stages, CHAIN=self._chain, ASM=self._asm,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return out
