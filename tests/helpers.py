@@ -131,10 +131,11 @@ FLASH_LINEAR_SHAPES = [
 ]
 
 
-def linear_operands(gen: torch.Generator, m: int, n: int, k: int, device: str = "cpu"):
+def linear_operands(gen: torch.Generator, m: int, n: int, k: int, device: str | None = None):
     """(x BF16, w FP32, codes, x_scale, weight, w_scale) of an MXFP8 x FP8 linear: activations whose
     32-blocks span six orders of magnitude and a weight whose 32x32 tiles differ by up to 2^6, so
-    that every scale matters; the last four on `device`."""
+    that every scale matters; the last four on `device` (default: CUDA when there is one)."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     blocks = 10.0 ** torch.empty(m, k // 32).uniform_(-3, 3, generator=gen)
     x = torch.randn(m, k, generator=gen) * blocks.repeat_interleave(32, 1)
     w = torch.randn(n, k, generator=gen) * k ** -0.5

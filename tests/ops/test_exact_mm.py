@@ -27,10 +27,6 @@ from dsv41_decode.reference.linear import mxfp8_mm
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _operands(gen: torch.Generator, m: int, n: int, k: int, device: str = DEVICE):
-    return linear_operands(gen, m, n, k, device)
-
-
 def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
@@ -106,7 +102,7 @@ def test_data_defeats_a_plain_fp32_block_sum(kind):
 ])
 def test_bitwise_equal_to_the_reference(m, n, k, config, kind):
     if kind == "quantized":   # MXFP8 activations and a block-quantized weight, as the model has them
-        _, _, codes, x_scale, weight, w_scale = _operands(_gen(m + n + k), m, n, k)
+        _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(m + n + k), m, n, k)
     else:
         codes, x_scale, weight, w_scale = _exact_operands(_gen(m + n + k), m, n, k, kind)
     plan = ExactMM(weight, w_scale, config=_CONFIGS.get(config))
@@ -211,7 +207,7 @@ def test_launches_cover_the_row_buckets():
 
 def test_bad_inputs_name_the_argument():
     m, n, k = 2, 64, 128
-    _, _, codes, x_scale, weight, w_scale = _operands(_gen(8), m, n, k)
+    _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(8), m, n, k)
     plan = ExactMM(weight, w_scale, max_rows=8)
 
     def raises(match, fn):
@@ -277,7 +273,7 @@ def test_compiles_for_sm90_without_spills():
 @pytest.mark.parametrize("name,n,k", [s for s in FLASH_SHAPES if s[0] in ("fused_wqa_wkv", "wq_b", "wq_b_tp8", "wo_b")],
                          ids=["fused_wqa_wkv", "wq_b", "idx_wq_b", "wo_b"])
 def test_flash_shapes_on_gpu(name, n, k):
-    _, _, codes_all, sx_all, weight, w_scale = _operands(_gen(n + k), 64, n, k)
+    _, _, codes_all, sx_all, weight, w_scale = linear_operands(_gen(n + k), 64, n, k)
     plan = ExactMM(weight, w_scale)
     for m in (1, 3, 16, 64):
         codes, x_scale = codes_all[:m], sx_all[:m]

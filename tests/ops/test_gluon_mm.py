@@ -49,10 +49,6 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _operands(gen: torch.Generator, m: int, n: int, k: int):
-    return linear_operands(gen, m, n, k, DEVICE)
-
-
 def _poisoned(m: int, n: int) -> torch.Tensor:
     return torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
 
@@ -145,7 +141,7 @@ def test_bad_plan_arguments_name_the_argument():
 
 
 def _gpu_plans(n, k, seed):
-    x_all, _, codes_all, sx_all, weight, w_scale = _operands(_gen(seed), 64, n, k)
+    x_all, _, codes_all, sx_all, weight, w_scale = linear_operands(_gen(seed), 64, n, k)
     plan = G.GluonMM(weight, w_scale)
     # The Triton tier with the same K split bounds (its FP8 loop): the same reduction order.
     cfg = LowLatencyConfig(block_n=64, block_k=128, split=plan.split, num_warps=4, num_stages=3, dequant=False)
@@ -188,7 +184,7 @@ def test_fp32_out_is_the_unrounded_partial_on_gpu():
 @pytest.mark.gpu
 def test_bad_call_arguments_name_the_argument_on_gpu():
     n, k = 128, 256
-    _, _, codes, sx, weight, w_scale = _operands(_gen(3), 8, n, k)
+    _, _, codes, sx, weight, w_scale = linear_operands(_gen(3), 8, n, k)
     plan = G.GluonMM(weight, w_scale, max_rows=8)
     raw = torch.zeros(8 * k + 16, dtype=torch.uint8, device="cuda")
     misaligned = raw[1:1 + 8 * k].view(torch.float8_e4m3fn).view(8, k)

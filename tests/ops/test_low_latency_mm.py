@@ -35,10 +35,6 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _operands(gen: torch.Generator, m: int, n: int, k: int, device: str = DEVICE):
-    return linear_operands(gen, m, n, k, device)
-
-
 def _poisoned(m: int, n: int) -> torch.Tensor:
     return torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
 
@@ -52,7 +48,7 @@ _SPLIT = LowLatencyConfig(block_n=32, block_k=32, split=4)
 @pytest.mark.parametrize("m", [1, 3, 16, 37, 64])
 @pytest.mark.parametrize("n,k", [(32, 256), (96, 64), (160, 256)])
 def test_matches_reference_on_the_same_operands(m, n, k, split):
-    _, _, codes, x_scale, weight, w_scale = _operands(_gen(m * 1000 + n + k), m, n, k)
+    _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(m * 1000 + n + k), m, n, k)
     plan = LowLatencyMM(weight, w_scale, config=_SPLIT if split else _NO_SPLIT)
     assert (plan.launch_for(m).split > 1) == split
     y = plan(codes, x_scale, _poisoned(m, n))
@@ -69,7 +65,7 @@ def test_matches_reference_on_the_same_operands(m, n, k, split):
 def test_fp32_out_is_the_unrounded_partial(split):
     # a tensor-parallel partial: the FP32 sums, which round to the BF16 output of the same plan
     m, n, k = 5, 96, 256
-    _, _, codes, x_scale, weight, w_scale = _operands(_gen(7), m, n, k)
+    _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(7), m, n, k)
     plan = LowLatencyMM(weight, w_scale, config=_SPLIT if split else _NO_SPLIT)
     y32 = plan(codes, x_scale, torch.full((m, n), float("nan"), device=DEVICE))
     y16 = plan(codes, x_scale, _poisoned(m, n))
@@ -82,7 +78,7 @@ def test_fp32_out_is_the_unrounded_partial(split):
 @pytest.mark.parametrize("m", [3, 37])
 def test_dequant_variant_matches_reference(m):
     n, k = 96, 256
-    _, _, codes, x_scale, weight, w_scale = _operands(_gen(7 + m), m, n, k)
+    _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(7 + m), m, n, k)
     ref = mxfp8_mm(codes, x_scale, weight, w_scale)
     for cfg in (LowLatencyConfig(block_n=64, block_k=128, split=1, dequant=True),
                 LowLatencyConfig(block_n=32, block_k=64, split=2, dequant=True)):
@@ -97,7 +93,7 @@ def test_scale_words_give_the_byte_path_bits(block_k, split, dequant):
     loops, also with split-K and at block_k 256 (64-bit words); a misaligned x_scale row falls back
     to byte loads."""
     m, n, k = 5, 96, 768
-    _, _, codes, x_scale, weight, w_scale = _operands(_gen(11 + block_k + split), m, n, k)
+    _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(11 + block_k + split), m, n, k)
     base = dict(block_n=32, block_k=block_k, split=split, dequant=dequant)
     bytewise = LowLatencyConfig(**base, scale_words=False)
     ref = LowLatencyMM(weight, w_scale, config=bytewise)(codes, x_scale, _poisoned(m, n))
@@ -127,14 +123,14 @@ def test_against_unquantized_bf16():
 
 def test_replay_resets_the_counters():
     m, n, k = 3, 96, 256
-    _, _, codes, x_scale, weight, w_scale = _operands(_gen(4), m, n, k)
+    _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(4), m, n, k)
     plan = LowLatencyMM(weight, w_scale, config=_SPLIT)
     first = plan(codes, x_scale, _poisoned(m, n))
     assert int(plan._counters.abs().sum()) == 0
     second = plan(codes, x_scale, _poisoned(m, n))
     assert bits_differ(first, second) == 0
     # Other inputs through the same plan: the counters do not carry state between calls.
-    _, _, codes2, x_scale2, _, _ = _operands(_gen(5), m, n, k)
+    _, _, codes2, x_scale2, _, _ = linear_operands(_gen(5), m, n, k)
     y2 = plan(codes2, x_scale2)
     assert row_ulp_distance(y2, mxfp8_mm(codes2, x_scale2, weight, w_scale)) <= 1
 
@@ -145,7 +141,7 @@ def test_plans_sharing_a_workspace_give_their_own_bits():
     # bits and leaves the shared counters at zero
     from dsv41_decode.decode.buffers import Workspaces
     pool = Workspaces(DEVICE)
-    ops = [_operands(_gen(6 + i), 3, n, k) for i, (n, k) in enumerate(((96, 256), (160, 64)))]
+    ops = [linear_operands(_gen(6 + i), 3, n, k) for i, (n, k) in enumerate(((96, 256), (160, 64)))]
     shared = [LowLatencyMM(o[4], o[5], 16, _SPLIT, workspace=pool) for o in ops]
     assert shared[0]._workspace.untyped_storage().data_ptr() == shared[1]._workspace.untyped_storage().data_ptr()
     for i in (0, 1, 0):
@@ -157,7 +153,7 @@ def test_plans_sharing_a_workspace_give_their_own_bits():
 
 def test_function_form_caches_the_plan_and_takes_scale_bytes():
     m, n, k = 2, 32, 64
-    _, _, codes, x_scale, weight, w_scale = _operands(_gen(6), m, n, k)
+    _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(6), m, n, k)
     a = low_latency_mm(codes, x_scale, weight, w_scale)
     out = torch.empty(m, n, dtype=torch.bfloat16, device=DEVICE)
     b = low_latency_mm(codes, x_scale, weight, w_scale.view(torch.uint8), out=out)
@@ -166,7 +162,7 @@ def test_function_form_caches_the_plan_and_takes_scale_bytes():
 
 def test_bad_inputs_name_the_argument():
     m, n, k = 2, 64, 128
-    _, _, codes, x_scale, weight, w_scale = _operands(_gen(8), m, n, k)
+    _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(8), m, n, k)
     plan = LowLatencyMM(weight, w_scale, max_rows=8)
 
     def raises(match, fn):
@@ -217,7 +213,7 @@ def test_plans_for_the_flash_shapes_are_consistent():
 @pytest.mark.parametrize("name,n,k", FLASH_SHAPES, ids=[s[0] for s in FLASH_SHAPES])
 def test_flash_shapes_on_gpu(name, n, k):
     gen = _gen(n + k)
-    x_all, _, codes_all, sx_all, weight, w_scale = _operands(gen, 64, n, k)
+    x_all, _, codes_all, sx_all, weight, w_scale = linear_operands(gen, 64, n, k)
     plan = LowLatencyMM(weight, w_scale)
     for m in (1, 2, 4, 8, 16, 32, 64):
         codes, x_scale = codes_all[:m], sx_all[:m]
@@ -237,7 +233,7 @@ def test_flash_shapes_on_gpu(name, n, k):
 def test_gpu_scale_words_give_the_byte_path_bits(name, n, k):
     """At the real shapes, every row bucket, both loops (the tuned table dequantizes on some): the
     tuned configs with word-loaded scales give the bits of the same configs with byte loads."""
-    x_all, _, codes_all, sx_all, weight, w_scale = _operands(_gen(n + k + 1), 64, n, k)
+    x_all, _, codes_all, sx_all, weight, w_scale = linear_operands(_gen(n + k + 1), 64, n, k)
     tuned = LowLatencyMM(weight, w_scale)
     words, plan = (LowLatencyMM(weight, w_scale, config={b: dataclasses.replace(tuned.launch_for(b).config,
                                                                                 scale_words=on)
