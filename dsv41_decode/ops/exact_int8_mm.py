@@ -1,0 +1,207 @@
+"""The contract-exact MXFP8 linear on integer tensor cores: y[M, N] = MXFP8 activation x FP8 weight
+with 32x32 UE8M0 block scales, for 1 <= M <= 64 rows, bitwise equal to `reference.linear.mxfp8_mm`.
+
+The contract (docs/spec-decisions.md decision 1): each 32-wide K block's dot product of E4M3 codes
+is computed exactly and rounded once to FP32 (round to nearest even), scaled by sx[m, kb] then
+sw[n // 32, kb], and added in K order into an FP32 accumulator that starts at 0; the sum is rounded
+to BF16 (or left FP32). Hopper's FP8 tensor-core MMA truncates while it adds (decision 38), and
+`ops.exact_mm` forms the exact sum on CUDA cores at ~4 FP32 instructions per product. This op forms
+it on the integer MMA, which adds exactly:
+
+- an E4M3 value v with exponent field e and mantissa field m is X * 2^-9 with the integer
+  X = (8 + m) * 2^(e - 1) (e >= 1) or X = m (e = 0): |X| <= 15 * 2^14 < 2^18;
+- X splits into three base-2^7 digits, X = X0 + 2^7 X1 + 2^14 X2, each carrying X's sign, so
+  |Xi| <= 127: int8 operands (`_digits`);
+- a block's exact dot sum_k X_k Y_k * 2^-18 is then sum over digit pairs (i, j) of
+  2^(7 (i + j)) D_ij with D_ij = sum_k Xi_k Yj_k, each an int8 x int8 MMA with an int32 sum, exact
+  (|D_ij| <= 32 * 127^2 < 2^19): nine MMAs per block into five accumulators by the shift
+  i + j = 0 .. 4 (still exact: at most three products per accumulator);
+- low = D0 + 2^7 D1 and mid = D2 + 2^7 (D3 + 2^7 D4) are exact in int32 (< 2^28, the digits of
+  X2 being at most 15), and S = low + 2^14 mid (< 2^42) is exact in FP64; one conversion to FP32
+  rounds it once to nearest even, and the power-of-two factor 2^-18 is exact: the block partial.
+
+Each program owns BLOCK_N weight rows and BLOCK_M rows of x (the weight rows on the MMA's M side,
+the tokens as its N: swap-AB) and walks K one 32-wide block at a time (`num_stages` pipelined
+loads), adding each block's term partial * sx * sw (a `mul.rn` for the last factor, so that it is
+never fused into the add) to its FP32 accumulator in K order from 0: the reference's sequential
+sum. Every configuration and row count gives the same bits (`exact_mm.reduction_order`).
+
+An `ExactInt8MM` plan binds one weight and its launch configurations once; calling it only launches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import interpreting, mxfp8_linear_args, mxfp8_weight_args
+from .exact_mm import _mul_rn, reduction_order
+from .rounding import bf16_rne_bits, ue8m0_to_fp32
+
+MAX_ROWS = 64
+
+
+@triton.jit
+def _digits(c):
+    """(X0, X1, X2) int8 of E4M3 codes c (uint8): 2^9 * value = X0 + 2^7 X1 + 2^14 X2, each digit
+    with the value's sign and magnitude <= 127 (X2 <= 15)."""
+    c = c.to(tl.int32)
+    e = (c >> 3) & 15
+    m = c & 7
+    a = tl.where(e == 0, m, (m | 8) << tl.maximum(e - 1, 0))
+    neg = c >= 128
+    d0 = a & 127
+    d1 = (a >> 7) & 127
+    d2 = a >> 14
+    d0 = tl.where(neg, -d0, d0).to(tl.int8)
+    d1 = tl.where(neg, -d1, d1).to(tl.int8)
+    d2 = tl.where(neg, -d2, d2).to(tl.int8)
+    return d0, d1, d2
+
+
+@triton.jit
+def _block_partial(w0, w1, w2, x0, x1, x2):
+    """RN_fp32(sum_k w_k x_k) for one 32-wide block: w digits [BN, 32], x digits [32, BM] (int8);
+    [BN, BM] FP32, exact before its one rounding (module docstring)."""
+    z = tl.zeros([w0.shape[0], x0.shape[1]], dtype=tl.int32)
+    s0 = tl.dot(w0, x0, z, out_dtype=tl.int32)
+    s1 = tl.dot(w1, x0, tl.dot(w0, x1, z, out_dtype=tl.int32), out_dtype=tl.int32)
+    s2 = tl.dot(w2, x0, tl.dot(w1, x1, tl.dot(w0, x2, z, out_dtype=tl.int32), out_dtype=tl.int32),
+                out_dtype=tl.int32)
+    s3 = tl.dot(w2, x1, tl.dot(w1, x2, z, out_dtype=tl.int32), out_dtype=tl.int32)
+    s4 = tl.dot(w2, x2, z, out_dtype=tl.int32)
+    low = s0 + (s1 << 7)
+    mid = s2 + ((s3 + (s4 << 7)) << 7)
+    s = low.to(tl.float64) + mid.to(tl.float64) * 16384.0
+    return s.to(tl.float32) * 3.814697265625e-06          # 2^-18: exact
+
+
+@triton.jit(do_not_specialize=["M", "stride_sxm", "stride_swn"])
+def _exact_int8_mm_kernel(
+    x_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr,
+    M, N, K, stride_xm, stride_sxm, stride_wn, stride_swn, stride_ym,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, OUT_F32: tl.constexpr, STAGES: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    # Grid: (N tiles, M tiles). Program (t, u) covers W rows [t*BLOCK_N, +BLOCK_N) and x rows
+    # [u*BLOCK_M, +BLOCK_M) over all of K, one 32-wide block per step. Rows past N or M read the
+    # last valid row (no masks in the loop) and are masked at the store.
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, 32)
+    rn_c = tl.minimum(rn, N - 1)
+    rm_c = tl.minimum(rm, M - 1)
+    w_ptrs = w_ptr + rn_c[:, None] * stride_wn + rk[None, :]           # [BN, 32]
+    x_ptrs = x_ptr + rm_c[None, :] * stride_xm + rk[:, None]           # [32, BM]
+    sw_ptrs = sw_ptr + (rn_c // 32) * stride_swn                       # [BN]
+    sx_ptrs = sx_ptr + rm_c * stride_sxm                               # [BM]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for kb in tl.range(0, K // 32, num_stages=STAGES):
+        w0, w1, w2 = _digits(tl.load(w_ptrs + kb * 32))
+        x0, x1, x2 = _digits(tl.load(x_ptrs + kb * 32))
+        part = _block_partial(w0, w1, w2, x0, x1, x2)
+        sw = ue8m0_to_fp32(tl.load(sw_ptrs + kb).to(tl.int32))
+        sx = ue8m0_to_fp32(tl.load(sx_ptrs + kb).to(tl.int32))
+        # The reference's order: partial * sx * sw, then the K-ordered FP32 sum.
+        acc += _mul_rn(part * sx[None, :], tl.broadcast_to(sw[:, None], [BLOCK_N, BLOCK_M]), ASM)
+    mask = (rn[:, None] < N) & (rm[None, :] < M)
+    y_ptrs = y_ptr + rm[None, :] * stride_ym + rn[:, None]
+    if OUT_F32:
+        tl.store(y_ptrs, acc, mask=mask)
+    else:
+        tl.store(y_ptrs, bf16_rne_bits(acc), mask=mask)
+
+
+@dataclass(frozen=True)
+class Int8Config:
+    """One launch configuration; every configuration gives the same bits.
+
+    block_n: weight rows per program (16, 32, 64 or 128: the MMA's M side); block_m: x rows per
+    program (16, 32 or 64: the MMA's N side; a call's rows are padded up to a multiple of it).
+    num_warps, num_stages: Triton's (the K loop's loads run num_stages - 1 blocks ahead).
+    """
+
+    block_n: int = 64
+    block_m: int = 16
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self):
+        for name in ("block_n", "block_m", "num_warps", "num_stages"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Int8Config.{name} must be a positive int, got {value!r}")
+        if self.block_n not in (16, 32, 64, 128):
+            raise ValueError(f"Int8Config.block_n must be 16, 32, 64 or 128, got {self.block_n}")
+        if self.block_m not in (16, 32, 64):
+            raise ValueError(f"Int8Config.block_m must be 16, 32 or 64, got {self.block_m}")
+
+
+def planned_config(n: int, k: int, rows: int) -> Int8Config:
+    """The configuration a plan without `config` uses for N x K and a call of `rows` rows: the x
+    rows in one tile (16, 32 or 64), 64 weight rows per program (32 for N <= 4096, so that the
+    grid fills the GPU)."""
+    block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
+    return Int8Config(block_n=64 if n > 4096 else 32, block_m=block_m)
+
+
+class ExactInt8MM:
+    """y[M, N] = bf16(sum over 32-wide K blocks kb, in K order, of RN(codes[:, kb] . weight[:, kb])
+    * sx * sw) for 1 <= M <= max_rows <= 64, with the weight bound once: bitwise the contract of
+    `reference.linear.mxfp8_mm`, on the integer MMA (module docstring). Reduction order:
+    `exact_mm.reduction_order`, the same for every row count.
+
+    weight: [N, K] float8_e4m3fn, unit stride along K; K a multiple of 32.
+    w_scale: [ceil(N/32), K/32] UE8M0 (float8_e8m0fnu or uint8), unit stride along K.
+    max_rows: the most rows a call may bring (1..64).
+    config: an Int8Config for every call, or a callable rows -> Int8Config, instead of
+        `planned_config` (the probe and the tests use it).
+    The plan owns no memory that calls share: its calls may overlap in time.
+    """
+
+    def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int = MAX_ROWS,
+                 config: Int8Config | None = None):
+        n, k = mxfp8_weight_args(weight, w_scale, max_rows, MAX_ROWS)
+        if config is not None and not isinstance(config, Int8Config) and not callable(config):
+            raise TypeError(f"config must be an Int8Config or a callable rows -> Int8Config, got "
+                            f"{type(config).__name__}")
+        self.weight, self.w_scale = weight, w_scale.view(torch.uint8)
+        self.n, self.k, self.max_rows = n, k, max_rows
+        self.device = weight.device
+        self._configs = {}
+        for rows in range(1, max_rows + 1):
+            cfg = config(rows) if callable(config) else (config or planned_config(n, k, rows))
+            if not isinstance(cfg, Int8Config):
+                raise TypeError(f"config({rows}) must be an Int8Config, got {type(cfg).__name__}")
+            self._configs[rows] = cfg
+        self._asm = not interpreting()
+
+    def config_for(self, rows: int) -> Int8Config:
+        """The launch configuration used for `rows` rows."""
+        return self._configs[rows]
+
+    def reduction_order(self, rows: int) -> tuple[str, int, int]:
+        """`exact_mm.reduction_order(K)`: the same for every row count (batch invariance)."""
+        return reduction_order(self.k)
+
+    def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """y = codes x weight^T with both block scales, into out: the arguments and the result of
+        `LowLatencyMM.__call__` (a float32 out receives the unrounded FP32 sums)."""
+        out = mxfp8_linear_args(codes, x_scale, out, self.n, self.k, self.max_rows, self.device)
+        m = codes.shape[0]
+        cfg = self._configs[m]
+        grid = (triton.cdiv(self.n, cfg.block_n), triton.cdiv(m, cfg.block_m))
+        _exact_int8_mm_kernel[grid](
+            codes.view(torch.uint8), x_scale.view(torch.uint8), self.weight.view(torch.uint8), self.w_scale,
+            out if out.dtype == torch.float32 else out.view(torch.int16),
+            m, self.n, self.k, codes.stride(0), x_scale.stride(0), self.weight.stride(0),
+            self.w_scale.stride(0), out.stride(0),
+            BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, OUT_F32=out.dtype == torch.float32,
+            STAGES=cfg.num_stages, ASM=self._asm, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return out

@@ -1,0 +1,83 @@
+"""Probe `exact_int8_mm` on a GPU: `ExactInt8MM` in a few configurations against `ExactMM` (the exact
+linear on CUDA cores, its tuned table) and the step's default FP8 plan (`fp8_linear_plan`: the
+Gluon tier on sm_90, FP8 tensor cores, not exact) at the four V4.1-Flash shapes of the step's GEMMs
+(TP1): time per call from CUDA-graph replay (median of 10 replays of 20 calls; one weight copy),
+and the bits of every ExactInt8MM configuration against `reference.linear.mxfp8_mm` (must be 0
+differing outputs, on model-like and on heavy-tailed operands). One line per (shape, rows), then per
+shape and row count the fastest configuration.
+
+    PYTHONPATH=. python scripts/probe_exact_int8_mm.py --rows=1,4,16,64 --only=wq_b --alt=64:4:4,128:8:4
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv41_decode.bench.timing import graph_time_us
+from dsv41_decode.decode.attention import fp8_linear_plan
+from dsv41_decode.formats import fp8_block_quantize, mxfp8_quantize
+from dsv41_decode.ops.exact_int8_mm import ExactInt8MM, Int8Config
+from dsv41_decode.ops.exact_mm import ExactMM
+from dsv41_decode.reference.linear import mxfp8_mm
+
+from _args import arg   # scripts/ is on sys.path when run as python scripts/<probe>.py
+
+SHAPES = {"fused_wqa_wkv": (1792, 5120), "wq_b": (32768, 1280), "idx_wq_b": (4096, 1280), "wo_b": (5120, 8192)}
+# block_n:num_warps:num_stages (block_m: the rows' tile, 16 / 32 / 64)
+CANDIDATES = ["16:4:4", "32:4:4", "64:4:4", "64:4:6", "128:4:4", "128:8:4"]
+
+
+def _time(fn) -> float:
+    return graph_time_us(fn, calls_per_graph=1, replays=10, min_calls=20)
+
+
+def _heavy(g, shape):
+    v = torch.randn(shape, generator=g, device="cuda") ** 3
+    return (v * (448 / v.abs().amax(-1, keepdim=True))).to(torch.float8_e4m3fn)
+
+
+def main() -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = [int(r) for r in arg("rows", "1,4,8,16,32,64").split(",")]
+    names = arg("only", ",".join(SHAPES)).split(",")
+    specs = [s for s in arg("alt", ",".join(CANDIDATES)).split(",") if s]
+    print(f"{torch.cuda.get_device_name()}", flush=True)
+    for name in names:
+        n, k = SHAPES[name]
+        weight, w_scale = fp8_block_quantize(torch.randn(n, k, generator=g, device="cuda") * 0.02)
+        ex = ExactMM(weight, w_scale, 64)
+        default = fp8_linear_plan(weight, w_scale, 64)
+        for m in rows:
+            block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+            x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+            codes, x_scale = mxfp8_quantize(x)
+            ref = mxfp8_mm(codes, x_scale, weight, w_scale).view(torch.int16)
+            hc, hw = _heavy(g, (m, k)), _heavy(g, (n, k))
+            href = mxfp8_mm(hc, x_scale, hw, w_scale).view(torch.int16)
+            out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+            t_def = _time(lambda: default(codes, x_scale, out))
+            t_ex = _time(lambda: ex(codes, x_scale, out))
+            line = [f"{name:14s} M={m:2d}  default(TC) {t_def:7.2f}  exact_mm {t_ex:7.2f}"]
+            best = None
+            for spec in specs:
+                bn, warps, stages = (int(v) for v in spec.split(":"))
+                cfg = Int8Config(block_n=bn, block_m=block_m, num_warps=warps, num_stages=stages)
+                try:
+                    plan = ExactInt8MM(weight, w_scale, 64, config=cfg)
+                    bad = int((plan(codes, x_scale, out).view(torch.int16) != ref).sum())
+                    bad += int((ExactInt8MM(hw, w_scale, 64, config=cfg)(hc, x_scale).view(torch.int16) != href).sum())
+                    t = _time(lambda: plan(codes, x_scale, out))
+                except Exception as e:  # report, keep probing
+                    line.append(f"{spec}: {type(e).__name__} {str(e)[:100]}")
+                    continue
+                line.append(f"{spec} {t:7.2f}{'' if bad == 0 else f' ({bad} DIFFER)'}")
+                if bad == 0 and (best is None or t < best[1]):
+                    best = (spec, t)
+            print("  ".join(line), flush=True)
+            if best:
+                print(f"BEST {name} M={m} int8 {best[0]}:{block_m} {best[1]:.2f} us  vs exact_mm {t_ex:.2f}, "
+                      f"default {t_def:.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
