@@ -23,8 +23,9 @@ from dsv41_decode.reference.linear import mxfp8_mm
 from _args import arg   # scripts/ is on sys.path when run as python scripts/<probe>.py
 
 SHAPES = {"fused_wqa_wkv": (1792, 5120), "wq_b": (32768, 1280), "idx_wq_b": (4096, 1280), "wo_b": (5120, 8192)}
-# block_n:num_warps:num_stages (block_m: the rows' tile, 16 / 32 / 64)
-CANDIDATES = ["16:4:4", "32:4:4", "64:4:4", "64:4:6", "128:4:4", "128:8:4"]
+# block_n:num_warps:num_stages[:d] (block_m: the rows' tile, 16 / 32 / 64; d: the weight's digit
+# planes read instead of decoded, `ExactInt8MM(digits=True)`)
+CANDIDATES = ["16:4:4", "32:4:4", "64:4:4", "64:4:6", "128:4:4", "128:8:4", "32:4:4:d", "64:4:4:d", "128:8:4:d"]
 
 
 def _time(fn) -> float:
@@ -60,12 +61,15 @@ def main() -> None:
             line = [f"{name:14s} M={m:2d}  default(TC) {t_def:7.2f}  exact_mm {t_ex:7.2f}"]
             best = None
             for spec in specs:
-                bn, warps, stages = (int(v) for v in spec.split(":"))
+                bn, warps, stages = (int(v) for v in spec.split(":")[:3])
+                digits = spec.endswith(":d")
                 cfg = Int8Config(block_n=bn, block_m=block_m, num_warps=warps, num_stages=stages)
                 try:
-                    plan = ExactInt8MM(weight, w_scale, 64, config=cfg)
+                    plan = ExactInt8MM(weight, w_scale, 64, config=cfg, digits=digits)
                     bad = int((plan(codes, x_scale, out).view(torch.int16) != ref).sum())
-                    bad += int((ExactInt8MM(hw, w_scale, 64, config=cfg)(hc, x_scale).view(torch.int16) != href).sum())
+                    heavy = ExactInt8MM(hw, w_scale, 64, config=cfg, digits=digits)
+                    bad += int((heavy(hc, x_scale).view(torch.int16) != href).sum())
+                    del heavy
                     t = _time(lambda: plan(codes, x_scale, out))
                 except Exception as e:  # report, keep probing
                     line.append(f"{spec}: {type(e).__name__} {str(e)[:100]}")

@@ -44,6 +44,16 @@ from .rounding import bf16_rne_bits, ue8m0_to_fp32
 MAX_ROWS = 64
 
 
+def weight_digits(weight: torch.Tensor) -> torch.Tensor:
+    """The three int8 digit planes [3, N, K] of an E4M3 weight [N, K] (`_digits`, in torch): for a
+    plan that reads them instead of decoding the codes in the kernel (three times the bytes)."""
+    c = weight.view(torch.uint8).to(torch.int32)
+    e, m = (c >> 3) & 15, c & 7
+    a = torch.where(e == 0, m, (m | 8) << (e - 1).clamp(min=0))
+    sign = torch.where(c >= 128, -1, 1)
+    return torch.stack([sign * (a & 127), sign * ((a >> 7) & 127), sign * (a >> 14)]).to(torch.int8).contiguous()
+
+
 @triton.jit
 def _digits(c):
     """(X0, X1, X2) int8 of E4M3 codes c (uint8): 2^9 * value = X0 + 2^7 X1 + 2^14 X2, each digit
@@ -84,7 +94,7 @@ def _exact_int8_mm_kernel(
     x_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr,
     M, N, K, stride_xm, stride_sxm, stride_wn, stride_swn, stride_ym,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, OUT_F32: tl.constexpr, STAGES: tl.constexpr,
-    ASM: tl.constexpr,
+    ASM: tl.constexpr, DIGITS: tl.constexpr = False,
 ):
     # Grid: (N tiles, M tiles). Program (t, u) covers W rows [t*BLOCK_N, +BLOCK_N) and x rows
     # [u*BLOCK_M, +BLOCK_M) over all of K, one 32-wide block per step. Rows past N or M read the
@@ -102,7 +112,12 @@ def _exact_int8_mm_kernel(
     sx_ptrs = sx_ptr + rm_c * stride_sxm                               # [BM]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for kb in tl.range(0, K // 32, num_stages=STAGES):
-        w0, w1, w2 = _digits(tl.load(w_ptrs + kb * 32))
+        if DIGITS:      # the weight's three digit planes [3, N, K] int8, decoded once by the plan
+            w0 = tl.load(w_ptrs + kb * 32).to(tl.int8, bitcast=True)
+            w1 = tl.load(w_ptrs + N * stride_wn + kb * 32).to(tl.int8, bitcast=True)
+            w2 = tl.load(w_ptrs + 2 * N * stride_wn + kb * 32).to(tl.int8, bitcast=True)
+        else:
+            w0, w1, w2 = _digits(tl.load(w_ptrs + kb * 32))
         x0, x1, x2 = _digits(tl.load(x_ptrs + kb * 32))
         part = _block_partial(w0, w1, w2, x0, x1, x2)
         sw = ue8m0_to_fp32(tl.load(sw_ptrs + kb).to(tl.int32))
@@ -161,17 +176,20 @@ class ExactInt8MM:
     max_rows: the most rows a call may bring (1..64).
     config: an Int8Config for every call, or a callable rows -> Int8Config, instead of
         `planned_config` (the probe and the tests use it).
+    digits: keep the weight as its three int8 digit planes (`weight_digits`, 3x the bytes) and read
+        those instead of decoding the codes in the kernel.
     The plan owns no memory that calls share: its calls may overlap in time.
     """
 
     def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int = MAX_ROWS,
-                 config: Int8Config | None = None):
+                 config: Int8Config | None = None, digits: bool = False):
         n, k = mxfp8_weight_args(weight, w_scale, max_rows, MAX_ROWS)
         if config is not None and not isinstance(config, Int8Config) and not callable(config):
             raise TypeError(f"config must be an Int8Config or a callable rows -> Int8Config, got "
                             f"{type(config).__name__}")
         self.weight, self.w_scale = weight, w_scale.view(torch.uint8)
         self.n, self.k, self.max_rows = n, k, max_rows
+        self._digits = weight_digits(weight) if digits else None
         self.device = weight.device
         self._configs = {}
         for rows in range(1, max_rows + 1):
@@ -197,11 +215,12 @@ class ExactInt8MM:
         cfg = self._configs[m]
         grid = (triton.cdiv(self.n, cfg.block_n), triton.cdiv(m, cfg.block_m))
         _exact_int8_mm_kernel[grid](
-            codes.view(torch.uint8), x_scale.view(torch.uint8), self.weight.view(torch.uint8), self.w_scale,
+            codes.view(torch.uint8), x_scale.view(torch.uint8),
+            self.weight.view(torch.uint8) if self._digits is None else self._digits.view(torch.uint8), self.w_scale,
             out if out.dtype == torch.float32 else out.view(torch.int16),
             m, self.n, self.k, codes.stride(0), x_scale.stride(0), self.weight.stride(0),
             self.w_scale.stride(0), out.stride(0),
             BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, OUT_F32=out.dtype == torch.float32,
-            STAGES=cfg.num_stages, ASM=self._asm, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            STAGES=cfg.num_stages, ASM=self._asm, DIGITS=self._digits is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return out
