@@ -23,9 +23,11 @@ from dsv41_decode.reference.linear import mxfp8_mm
 from _args import arg   # scripts/ is on sys.path when run as python scripts/<probe>.py
 
 SHAPES = {"fused_wqa_wkv": (1792, 5120), "wq_b": (32768, 1280), "idx_wq_b": (4096, 1280), "wo_b": (5120, 8192)}
-# block_n:num_warps:num_stages[:d] (block_m: the rows' tile, 16 / 32 / 64; d: the weight's digit
-# planes read instead of decoded, `ExactInt8MM(digits=True)`)
-CANDIDATES = ["16:4:4", "32:4:4", "64:4:4", "64:4:6", "128:4:4", "128:8:4", "32:4:4:d", "64:4:4:d", "128:8:4:d"]
+# block_n:block_m:num_warps:num_stages:flags (block_m 0: the rows' tile, 16 / 32 / 64; flags: d =
+# the weight's digit planes read instead of decoded, `ExactInt8MM(digits=True)`; t = the x rows on the
+# MMA's M side, `Int8Config(tokens_m=True)`)
+CANDIDATES = ["64:0:4:4:", "32:0:4:4:d", "64:0:4:4:d", "32:64:4:4:dt", "64:64:8:4:dt", "64:0:4:4:dt",
+              "128:0:4:4:dt", "32:0:1:4:dt", "64:0:4:4:t", "128:0:4:4:t"]
 
 
 def _time(fn) -> float:
@@ -61,9 +63,11 @@ def main() -> None:
             line = [f"{name:14s} M={m:2d}  default(TC) {t_def:7.2f}  exact_mm {t_ex:7.2f}"]
             best = None
             for spec in specs:
-                bn, warps, stages = (int(v) for v in spec.split(":")[:3])
-                digits = spec.endswith(":d")
-                cfg = Int8Config(block_n=bn, block_m=block_m, num_warps=warps, num_stages=stages)
+                bn, bm, warps, stages = (int(v) for v in spec.split(":")[:4])
+                flags = spec.split(":")[4]
+                digits = "d" in flags
+                cfg = Int8Config(block_n=bn, block_m=bm or block_m, num_warps=warps, num_stages=stages,
+                                 tokens_m="t" in flags)
                 try:
                     plan = ExactInt8MM(weight, w_scale, 64, config=cfg, digits=digits)
                     bad = int((plan(codes, x_scale, out).view(torch.int16) != ref).sum())
@@ -79,7 +83,7 @@ def main() -> None:
                     best = (spec, t)
             print("  ".join(line), flush=True)
             if best:
-                print(f"BEST {name} M={m} int8 {best[0]}:{block_m} {best[1]:.2f} us  vs exact_mm {t_ex:.2f}, "
+                print(f"BEST {name} M={m} int8 {best[0]} (block_m {block_m}) {best[1]:.2f} us  vs exact_mm {t_ex:.2f}, "
                       f"default {t_def:.2f}", flush=True)
 
 

@@ -112,10 +112,10 @@ def _exact_int8_mm_kernel(
     sx_ptrs = sx_ptr + rm_c * stride_sxm                               # [BM]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for kb in tl.range(0, K // 32, num_stages=STAGES):
-        if DIGITS:      # the weight's three digit planes [3, N, K] int8, decoded once by the plan
-            w0 = tl.load(w_ptrs + kb * 32).to(tl.int8, bitcast=True)
-            w1 = tl.load(w_ptrs + N * stride_wn + kb * 32).to(tl.int8, bitcast=True)
-            w2 = tl.load(w_ptrs + 2 * N * stride_wn + kb * 32).to(tl.int8, bitcast=True)
+        if DIGITS:      # w_ptr: the weight's three digit planes [3, N, K] int8, decoded once by the plan
+            w0 = tl.load(w_ptrs + kb * 32)
+            w1 = tl.load(w_ptrs + N * stride_wn + kb * 32)
+            w2 = tl.load(w_ptrs + 2 * N * stride_wn + kb * 32)
         else:
             w0, w1, w2 = _digits(tl.load(w_ptrs + kb * 32))
         x0, x1, x2 = _digits(tl.load(x_ptrs + kb * 32))
@@ -132,6 +132,48 @@ def _exact_int8_mm_kernel(
         tl.store(y_ptrs, bf16_rne_bits(acc), mask=mask)
 
 
+@triton.jit(do_not_specialize=["M", "stride_sxm", "stride_swn"])
+def _exact_int8_mm_tm_kernel(
+    x_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr,
+    M, N, K, stride_xm, stride_sxm, stride_wn, stride_swn, stride_ym,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, OUT_F32: tl.constexpr, STAGES: tl.constexpr,
+    ASM: tl.constexpr, DIGITS: tl.constexpr = False,
+):
+    # `_exact_int8_mm_kernel` with the x rows on the MMA's M side: their digits, decoded in
+    # registers, are the MMA's register operand (no trip through shared memory per MMA), the
+    # weight's digits its shared-memory operand. The same bits.
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, 32)
+    rn_c = tl.minimum(rn, N - 1)
+    rm_c = tl.minimum(rm, M - 1)
+    w_ptrs = w_ptr + rn_c[None, :] * stride_wn + rk[:, None]           # [32, BN]
+    x_ptrs = x_ptr + rm_c[:, None] * stride_xm + rk[None, :]           # [BM, 32]
+    sw_ptrs = sw_ptr + (rn_c // 32) * stride_swn                       # [BN]
+    sx_ptrs = sx_ptr + rm_c * stride_sxm                               # [BM]
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kb in tl.range(0, K // 32, num_stages=STAGES):
+        if DIGITS:
+            w0 = tl.load(w_ptrs + kb * 32)
+            w1 = tl.load(w_ptrs + N * stride_wn + kb * 32)
+            w2 = tl.load(w_ptrs + 2 * N * stride_wn + kb * 32)
+        else:
+            w0, w1, w2 = _digits(tl.load(w_ptrs + kb * 32))
+        x0, x1, x2 = _digits(tl.load(x_ptrs + kb * 32))
+        part = _block_partial(x0, x1, x2, w0, w1, w2)          # the digit products commute
+        sw = ue8m0_to_fp32(tl.load(sw_ptrs + kb).to(tl.int32))
+        sx = ue8m0_to_fp32(tl.load(sx_ptrs + kb).to(tl.int32))
+        acc += _mul_rn(part * sx[:, None], tl.broadcast_to(sw[None, :], [BLOCK_M, BLOCK_N]), ASM)
+    mask = (rn[None, :] < N) & (rm[:, None] < M)
+    y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+    if OUT_F32:
+        tl.store(y_ptrs, acc, mask=mask)
+    else:
+        tl.store(y_ptrs, bf16_rne_bits(acc), mask=mask)
+
+
 @dataclass(frozen=True)
 class Int8Config:
     """One launch configuration; every configuration gives the same bits.
@@ -139,14 +181,18 @@ class Int8Config:
     block_n: weight rows per program (16, 32, 64 or 128: the MMA's M side); block_m: x rows per
     program (16, 32 or 64: the MMA's N side; a call's rows are padded up to a multiple of it).
     num_warps, num_stages: Triton's (the K loop's loads run num_stages - 1 blocks ahead).
+    tokens_m: the x rows on the MMA's M side, as its register operand (`_exact_int8_mm_tm_kernel`).
     """
 
     block_n: int = 64
     block_m: int = 16
     num_warps: int = 4
     num_stages: int = 4
+    tokens_m: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.tokens_m, bool):
+            raise ValueError(f"Int8Config.tokens_m must be a bool, got {self.tokens_m!r}")
         for name in ("block_n", "block_m", "num_warps", "num_stages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -214,9 +260,10 @@ class ExactInt8MM:
         m = codes.shape[0]
         cfg = self._configs[m]
         grid = (triton.cdiv(self.n, cfg.block_n), triton.cdiv(m, cfg.block_m))
-        _exact_int8_mm_kernel[grid](
+        kernel = _exact_int8_mm_tm_kernel if cfg.tokens_m else _exact_int8_mm_kernel
+        kernel[grid](
             codes.view(torch.uint8), x_scale.view(torch.uint8),
-            self.weight.view(torch.uint8) if self._digits is None else self._digits.view(torch.uint8), self.w_scale,
+            self.weight.view(torch.uint8) if self._digits is None else self._digits, self.w_scale,
             out if out.dtype == torch.float32 else out.view(torch.int16),
             m, self.n, self.k, codes.stride(0), x_scale.stride(0), self.weight.stride(0),
             self.w_scale.stride(0), out.stride(0),
