@@ -10,8 +10,8 @@ scales (the low-latency MXFP8 GEMM) or a BF16/FP32 side projection (`ll_bf16`); 
 stored (BF16, or FP8 + scale when the checkpoint ships it so) unless the step was built with
 `wo_a_fp8=True`, which quantizes a BF16 `wo_a` once and changes the numbers (ops.wo_a.quantize_wo_a).
 The FP8 linears run on FP8 tensor cores (`GluonMM` on sm_90, else `LowLatencyMM`), or with
-`exact_linears=True` on CUDA cores with the contract's bits (`ExactMM`: each 32-deep block sum
-rounded once, then K order).
+`exact_linears=True` with the contract's bits (`ExactLinear`: each 32-deep block sum exact and
+rounded once, then K order; on CUDA cores, or on the integer MMA where that is faster).
 A layer that is not eligible raises `NotEligible`, and the caller keeps the generic path.
 """
 
@@ -29,7 +29,8 @@ from ..ops.compressor import compress_ratio2_
 from ..ops.index_query import index_query_
 from ..ops.indexer import index_scores_mxfp4_
 from ..ops.kv_write import compressed_entry_store_, qkv_rope_insert_
-from ..ops.exact_mm import ExactConfig, ExactMM
+from ..ops.exact_int8_mm import ExactLinear
+from ..ops.exact_mm import ExactConfig
 from ..ops.gluon_mm import GluonMM
 from ..ops.ll_bf16 import LlBf16Plan, ll_bf16_
 from ..ops.rms_norm import rms_norm_, rms_norm_pair_
@@ -56,8 +57,9 @@ def _few_programs(device: torch.device) -> bool:
 
 def fp8_linear_plan(weight: torch.Tensor, scale: torch.Tensor, max_rows: int, exact: bool = False,
                     workspace=None):
-    """The GEMM plan of one FP8 linear, the same call whichever it is: `ops.exact_mm.ExactMM` (the
-    contract's bits, on CUDA cores) when `exact`; else FP8 tensor cores, whose 32-deep block sums
+    """The GEMM plan of one FP8 linear, the same call whichever it is: `ops.exact_int8_mm.ExactLinear`
+    (the contract's bits: `ExactMM` on CUDA cores, and on sm_90 `ExactInt8MM` on the integer MMA
+    where that measured faster) when `exact`; else FP8 tensor cores, whose 32-deep block sums
     truncate (docs/gemm.md, "Exactness"): the Gluon tier `ops.gluon_mm.GluonMM` on an sm_90 GPU
     where it builds (K a multiple of 128, aligned rows), otherwise the Triton tier
     `ops.low_latency_mm.LowLatencyMM`. Each plan's reduction order is fixed per weight, whatever
@@ -69,7 +71,7 @@ def fp8_linear_plan(weight: torch.Tensor, scale: torch.Tensor, max_rows: int, ex
     wide_n, deep_k = min(512, triton.next_power_of_2(n)), next((b for b in (256, 128, 64) if k % b == 0), 32)
     if exact:
         config = ExactConfig(block_n=wide_n, block_k=deep_k, rows=4) if few else None
-        return ExactMM(weight, scale, max_rows, config, workspace)
+        return ExactLinear(weight, scale, max_rows, config, workspace)
     if weight.device.type == "cuda" and torch.cuda.get_device_capability(weight.device) == (9, 0):
         try:
             return GluonMM(weight, scale, max_rows, workspace=workspace)

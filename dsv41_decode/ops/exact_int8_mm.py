@@ -203,12 +203,41 @@ class Int8Config:
             raise ValueError(f"Int8Config.block_m must be 16, 32 or 64, got {self.block_m}")
 
 
+# Per (N, K): above how many rows the integer-MMA op beats `ExactMM` on an H200, and its fastest
+# measured configuration per row tile (scripts/probe_exact_int8_mm.py --rows=1,4,16,32,64, commit
+# 6bbf6f8; weight digit planes read, `digits=True`). Below the threshold (and for shapes without an
+# entry) `ExactMM` is faster: this op's programs walk K one block at a time, so a call takes about
+# 0.8 us per 32-deep block whatever the rows (wo_b: 210 us at 1-16 rows).
+_TUNED: dict[tuple[int, int], tuple[int, dict[int, Int8Config]]] = {
+    (1792, 5120): (32, {64: Int8Config(block_n=32, block_m=64, num_warps=4, num_stages=4)}),             # 145 vs 210 us at 64
+    (32768, 1280): (4, {16: Int8Config(block_n=64, block_m=16, num_warps=4, num_stages=4),                # 68 vs 163 us at 16
+                        32: Int8Config(block_n=128, block_m=32, num_warps=4, num_stages=4, tokens_m=True),  # 115 vs 322 at 32
+                        64: Int8Config(block_n=64, block_m=64, num_warps=4, num_stages=4, tokens_m=True)}),  # 188 vs 640 at 64
+    (4096, 1280): (16, {32: Int8Config(block_n=32, block_m=64, num_warps=4, num_stages=4, tokens_m=True),    # 48 vs 54 at 32
+                        64: Int8Config(block_n=32, block_m=64, num_warps=4, num_stages=4)}),                # 38 vs 104 at 64
+    (5120, 8192): (16, {32: Int8Config(block_n=64, block_m=32, num_warps=4, num_stages=4),                  # 310 vs 407 at 32
+                        64: Int8Config(block_n=32, block_m=64, num_warps=4, num_stages=4)}),                # 381 vs 814 at 64
+}
+
+
+def int8_rows(n: int, k: int) -> int | None:
+    """Above how many rows `ExactLinear` runs N x K on the integer MMA on an sm_90 GPU (None: never)."""
+    entry = _TUNED.get((n, k))
+    return None if entry is None else entry[0]
+
+
 def planned_config(n: int, k: int, rows: int) -> Int8Config:
-    """The configuration a plan without `config` uses for N x K and a call of `rows` rows: the x
-    rows in one tile (16, 32 or 64), 64 weight rows per program (32 for N <= 4096, so that the
-    grid fills the GPU)."""
-    block_m = 16 if rows <= 16 else (32 if rows <= 32 else 64)
-    return Int8Config(block_n=64 if n > 4096 else 32, block_m=block_m)
+    """The configuration a plan without `config` uses for N x K and a call of `rows` rows: the
+    measured one of the smallest row tile (16, 32, 64) that holds them (`_TUNED`), else the x rows
+    in one tile and 64 weight rows per program (32 for N <= 4096, so that the grid fills the GPU)."""
+    tile = 16 if rows <= 16 else (32 if rows <= 32 else 64)
+    entry = _TUNED.get((n, k))
+    if entry is not None:
+        tiles = entry[1]
+        fit = [t for t in sorted(tiles) if t >= tile]
+        if fit:
+            return tiles[fit[0]]
+    return Int8Config(block_n=64 if n > 4096 else 32, block_m=tile)
 
 
 class ExactInt8MM:
@@ -271,3 +300,39 @@ class ExactInt8MM:
             STAGES=cfg.num_stages, ASM=self._asm, DIGITS=self._digits is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return out
+
+
+class ExactLinear:
+    """The contract-exact MXFP8 linear for 1..max_rows rows, whichever exact op is faster per call:
+    `ExactMM` (CUDA cores) and, on an sm_90 GPU at the shapes and row counts `_TUNED` lists,
+    `ExactInt8MM` (integer MMA, weight digit planes: three more bytes per weight element). Both
+    give the reference's bits, so a row's result does not depend on which runs (batch
+    invariance). Arguments, errors and the call: `ExactMM`'s; workspace goes to `ExactMM`.
+    int8_from: override the row threshold (None: `int8_rows`, and only on sm_90; 0: always the
+    integer MMA; a value >= max_rows: never), for tests and probes."""
+
+    def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int = MAX_ROWS,
+                 exact_config=None, workspace=None, int8_from: int | None = None):
+        from .exact_mm import ExactMM
+        self.cuda_cores = ExactMM(weight, w_scale, max_rows, exact_config, workspace)
+        n, k = self.cuda_cores.n, self.cuda_cores.k
+        self.n, self.k, self.max_rows, self.device = n, k, max_rows, weight.device
+        if int8_from is None:
+            sm90 = weight.device.type == "cuda" and torch.cuda.get_device_capability(weight.device) == (9, 0)
+            int8_from = int8_rows(n, k) if sm90 else None
+        self.int8_from = int8_from if int8_from is not None and int8_from < max_rows else None
+        self.int8 = None if self.int8_from is None else ExactInt8MM(weight, w_scale, max_rows, digits=True)
+
+    def reduction_order(self, rows: int) -> tuple[str, int, int]:
+        """`exact_mm.reduction_order(K)`: the same for every row count and either op."""
+        return reduction_order(self.k)
+
+    def op_for(self, rows: int):
+        """The op that runs a call of `rows` rows."""
+        return self.int8 if self.int8_from is not None and rows > self.int8_from else self.cuda_cores
+
+    def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """`ExactMM.__call__`'s arguments and result."""
+        if not isinstance(codes, torch.Tensor) or codes.dim() != 2:
+            return self.cuda_cores(codes, x_scale, out)     # its error names the argument
+        return self.op_for(codes.shape[0])(codes, x_scale, out)
