@@ -111,19 +111,34 @@ def _exact_int8_mm_kernel(
     sw_ptrs = sw_ptr + (rn_c // 32) * stride_swn                       # [BN]
     sx_ptrs = sx_ptr + rm_c * stride_sxm                               # [BM]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for kb in tl.range(0, K // 32, num_stages=STAGES):
+    KB = K // 32
+    # The loads that the MMAs do not take straight from memory (x's codes, both scales, the
+    # weight's codes when decoded here) are issued one block ahead, into registers.
+    xc = tl.load(x_ptrs)
+    sxb = tl.load(sx_ptrs)
+    swb = tl.load(sw_ptrs)
+    if not DIGITS:
+        wc = tl.load(w_ptrs)
+    for kb in tl.range(0, KB, num_stages=STAGES):
+        nk = tl.minimum(kb + 1, KB - 1)
+        xc_next = tl.load(x_ptrs + nk * 32)
+        sxb_next = tl.load(sx_ptrs + nk)
+        swb_next = tl.load(sw_ptrs + nk)
         if DIGITS:      # w_ptr: the weight's three digit planes [3, N, K] int8, decoded once by the plan
             w0 = tl.load(w_ptrs + kb * 32)
             w1 = tl.load(w_ptrs + N * stride_wn + kb * 32)
             w2 = tl.load(w_ptrs + 2 * N * stride_wn + kb * 32)
         else:
-            w0, w1, w2 = _digits(tl.load(w_ptrs + kb * 32))
-        x0, x1, x2 = _digits(tl.load(x_ptrs + kb * 32))
+            wc_next = tl.load(w_ptrs + nk * 32)
+            w0, w1, w2 = _digits(wc)
+            wc = wc_next
+        x0, x1, x2 = _digits(xc)
         part = _block_partial(w0, w1, w2, x0, x1, x2)
-        sw = ue8m0_to_fp32(tl.load(sw_ptrs + kb).to(tl.int32))
-        sx = ue8m0_to_fp32(tl.load(sx_ptrs + kb).to(tl.int32))
+        sw = ue8m0_to_fp32(swb.to(tl.int32))
+        sx = ue8m0_to_fp32(sxb.to(tl.int32))
         # The reference's order: partial * sx * sw, then the K-ordered FP32 sum.
         acc += _mul_rn(part * sx[None, :], tl.broadcast_to(sw[:, None], [BLOCK_N, BLOCK_M]), ASM)
+        xc, sxb, swb = xc_next, sxb_next, swb_next
     mask = (rn[:, None] < N) & (rm[None, :] < M)
     y_ptrs = y_ptr + rm[None, :] * stride_ym + rn[:, None]
     if OUT_F32:
@@ -154,18 +169,31 @@ def _exact_int8_mm_tm_kernel(
     sw_ptrs = sw_ptr + (rn_c // 32) * stride_swn                       # [BN]
     sx_ptrs = sx_ptr + rm_c * stride_sxm                               # [BM]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for kb in tl.range(0, K // 32, num_stages=STAGES):
+    KB = K // 32
+    xc = tl.load(x_ptrs)
+    sxb = tl.load(sx_ptrs)
+    swb = tl.load(sw_ptrs)
+    if not DIGITS:
+        wc = tl.load(w_ptrs)
+    for kb in tl.range(0, KB, num_stages=STAGES):
+        nk = tl.minimum(kb + 1, KB - 1)
+        xc_next = tl.load(x_ptrs + nk * 32)
+        sxb_next = tl.load(sx_ptrs + nk)
+        swb_next = tl.load(sw_ptrs + nk)
         if DIGITS:
             w0 = tl.load(w_ptrs + kb * 32)
             w1 = tl.load(w_ptrs + N * stride_wn + kb * 32)
             w2 = tl.load(w_ptrs + 2 * N * stride_wn + kb * 32)
         else:
-            w0, w1, w2 = _digits(tl.load(w_ptrs + kb * 32))
-        x0, x1, x2 = _digits(tl.load(x_ptrs + kb * 32))
+            wc_next = tl.load(w_ptrs + nk * 32)
+            w0, w1, w2 = _digits(wc)
+            wc = wc_next
+        x0, x1, x2 = _digits(xc)
         part = _block_partial(x0, x1, x2, w0, w1, w2)          # the digit products commute
-        sw = ue8m0_to_fp32(tl.load(sw_ptrs + kb).to(tl.int32))
-        sx = ue8m0_to_fp32(tl.load(sx_ptrs + kb).to(tl.int32))
+        sw = ue8m0_to_fp32(swb.to(tl.int32))
+        sx = ue8m0_to_fp32(sxb.to(tl.int32))
         acc += _mul_rn(part * sx[:, None], tl.broadcast_to(sw[None, :], [BLOCK_M, BLOCK_N]), ASM)
+        xc, sxb, swb = xc_next, sxb_next, swb_next
     mask = (rn[None, :] < N) & (rm[:, None] < M)
     y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
     if OUT_F32:
