@@ -46,9 +46,11 @@ from . import pdl
 from .checks import interpreting, require_tensor
 from .fp4 import bf16_round, e2m1_value, e4m3_value
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
-from .sparse_mla_plan import BLOCK_KEYS, HEAD_DIM, STEP_TILINGS, SUPPORTED_HEADS, SparseMlaPlan
+from .sparse_mla_plan import (BLOCK_KEYS, FP32_STEP_TILING, HEAD_DIM, STEP_TILINGS, SUPPORTED_HEADS,
+                              SparseMlaPlan)
 
-__all__ = ["BLOCK_KEYS", "HEAD_DIM", "STEP_TILINGS", "SUPPORTED_HEADS", "SparseMlaPlan", "sparse_mla", "sparse_mla_"]
+__all__ = ["BLOCK_KEYS", "FP32_STEP_TILING", "HEAD_DIM", "STEP_TILINGS", "SUPPORTED_HEADS", "SparseMlaPlan",
+           "sparse_mla", "sparse_mla_"]
 
 _WREC: tl.constexpr = tl.constexpr(WINDOW_KV_BYTES)
 _CREC: tl.constexpr = tl.constexpr(COMPRESSED_KV_BYTES)
@@ -78,10 +80,10 @@ def _exp(x):
 
 @triton.jit
 def _key_chunk(pool_ptr, base, ok, C: tl.constexpr, WINDOW: tl.constexpr, BF16_DOT: tl.constexpr,
-               NATIVE_FP8: tl.constexpr):
-    """Dims [128 C, 128 C + 128) of a block of records (byte offsets `base` [_KEYS], int64; keys
-    with ok False give 0), dequantized exactly: BF16 on the GPU, FP32 in the interpreter."""
-    rc = C * 128 + tl.arange(0, 128)
+               NATIVE_FP8: tl.constexpr, DC: tl.constexpr = 128):
+    """Dims [DC C, DC C + DC) of a block of records (byte offsets `base` [_KEYS], int64; keys
+    with ok False give 0), dequantized exactly: BF16 operands or FP32 ones (BF16_DOT)."""
+    rc = C * DC + tl.arange(0, DC)
     rows = pool_ptr + base[:, None]
     if WINDOW:      # 512 E4M3 codes, then 16 UE8M0 scales (one per 32)
         codes = tl.load(rows + rc[None, :], mask=ok[:, None], other=0)
@@ -100,16 +102,16 @@ def _key_chunk(pool_ptr, base, ok, C: tl.constexpr, WINDOW: tl.constexpr, BF16_D
 
 @triton.jit
 def _joined_chunk(wpool_ptr, cpool_ptr, wbase, w_ok, cbase, c_ok, kind, C: tl.constexpr,
-                  BF16_DOT: tl.constexpr, NATIVE_FP8: tl.constexpr):
-    """Dims [128 C, 128 C + 128) of a block of the joined list, decoded; kind 0: window keys only,
+                  BF16_DOT: tl.constexpr, NATIVE_FP8: tl.constexpr, DC: tl.constexpr = 128):
+    """Dims [DC C, DC C + DC) of a block of the joined list, decoded; kind 0: window keys only,
     1: compressed entries only, 2: both (the block where the window ends)."""
     if kind == 0:
-        k = _key_chunk(wpool_ptr, wbase, w_ok, C, True, BF16_DOT, NATIVE_FP8)
+        k = _key_chunk(wpool_ptr, wbase, w_ok, C, True, BF16_DOT, NATIVE_FP8, DC)
     elif kind == 1:
-        k = _key_chunk(cpool_ptr, cbase, c_ok, C, False, BF16_DOT, NATIVE_FP8)
+        k = _key_chunk(cpool_ptr, cbase, c_ok, C, False, BF16_DOT, NATIVE_FP8, DC)
     else:   # each decode is 0 where its keys are not: the sum is exact
-        k = (_key_chunk(wpool_ptr, wbase, w_ok, C, True, BF16_DOT, NATIVE_FP8)
-             + _key_chunk(cpool_ptr, cbase, c_ok, C, False, BF16_DOT, NATIVE_FP8))
+        k = (_key_chunk(wpool_ptr, wbase, w_ok, C, True, BF16_DOT, NATIVE_FP8, DC)
+             + _key_chunk(cpool_ptr, cbase, c_ok, C, False, BF16_DOT, NATIVE_FP8, DC))
     return k
 
 
@@ -132,11 +134,10 @@ def _pv(p, k, acc, BF16_DOT: tl.constexpr):
 
 
 @triton.jit
-def _block(wpool_ptr, cpool_ptr, wtab_row, ctab_row, b, nw, q0, q1, q2, q3, scale,
-           W: tl.constexpr, KC: tl.constexpr, BF16_DOT: tl.constexpr, NATIVE_FP8: tl.constexpr):
+def _block_keys(wtab_row, ctab_row, b, nw, W: tl.constexpr, KC: tl.constexpr):
     """Block b of the row's joined key list (window keys j < nw: window_table[W - nw + j]; then
-    comp_table[j - nw]): its keys decoded (four 128-dim chunks), their validity, and the scores
-    s = (sum over the chunks in order of q_c . k_c) * scale, -inf where a key is invalid."""
+    comp_table[j - nw]): the keys' record offsets and validity in either pool, and the block's
+    kind (`_joined_chunk`)."""
     j = b * _KEYS + tl.arange(0, _KEYS)
     ws = tl.load(wtab_row + (W - nw) + j, mask=j < nw, other=-1)
     jc = j - nw
@@ -147,6 +148,16 @@ def _block(wpool_ptr, cpool_ptr, wtab_row, ctab_row, b, nw, q0, q1, q2, q3, scal
     cbase = tl.where(c_ok, cs, 0).to(tl.int64) * _CREC
     start = b * _KEYS
     kind = tl.where(start + _KEYS <= nw, 0, tl.where(start >= nw, 1, 2))
+    return wbase, w_ok, cbase, c_ok, kind
+
+
+@triton.jit
+def _block(wpool_ptr, cpool_ptr, wtab_row, ctab_row, b, nw, q0, q1, q2, q3, scale,
+           W: tl.constexpr, KC: tl.constexpr, BF16_DOT: tl.constexpr, NATIVE_FP8: tl.constexpr):
+    """Block b of the row's joined key list (`_block_keys`): its keys decoded (four 128-dim
+    chunks), their validity, and the scores s = (sum over the chunks in order of q_c . k_c) * scale,
+    -inf where a key is invalid."""
+    wbase, w_ok, cbase, c_ok, kind = _block_keys(wtab_row, ctab_row, b, nw, W, KC)
     k0 = _joined_chunk(wpool_ptr, cpool_ptr, wbase, w_ok, cbase, c_ok, kind, 0, BF16_DOT, NATIVE_FP8)
     k1 = _joined_chunk(wpool_ptr, cpool_ptr, wbase, w_ok, cbase, c_ok, kind, 1, BF16_DOT, NATIVE_FP8)
     k2 = _joined_chunk(wpool_ptr, cpool_ptr, wbase, w_ok, cbase, c_ok, kind, 2, BF16_DOT, NATIVE_FP8)
@@ -159,6 +170,41 @@ def _block(wpool_ptr, cpool_ptr, wtab_row, ctab_row, b, nw, q0, q1, q2, q3, scal
     s = _qk(q3, k3, s, BF16_DOT)
     s = tl.where(ok[None, :], s * scale, float("-inf"))
     return k0, k1, k2, k3, ok, s
+
+
+@triton.jit
+def _streamed_scores(q_rows, h_ok, wpool_ptr, cpool_ptr, wtab_row, ctab_row, b, nw, scale,
+                     W: tl.constexpr, KC: tl.constexpr, NATIVE_FP8: tl.constexpr, DOT_DIMS: tl.constexpr,
+                     BLOCK_H: tl.constexpr):
+    """Block b's scores with FP32 operands in dots of DOT_DIMS dims (`SparseMlaPlan.dot_dims` <
+    128): s = (sum over the chunks in order of q_c . k_c) * scale, -inf where a key is invalid, each
+    chunk's q loaded and its keys decoded just before its dot (q [BLOCK_H, 512] rows at q_rows).
+    Nothing is held across the dots: an FMA dot's operands are replicated per thread over the dot's
+    depth, so a chunk's fit in registers where the 512 dims do not. Returns (the block's
+    `_block_keys`, the keys' validity, s)."""
+    wbase, w_ok, cbase, c_ok, kind = _block_keys(wtab_row, ctab_row, b, nw, W, KC)
+    rd = tl.arange(0, DOT_DIMS)
+    s = tl.zeros((BLOCK_H, _KEYS), dtype=tl.float32)
+    for c in tl.static_range(512 // DOT_DIMS):
+        q_c = tl.load(q_rows + c * DOT_DIMS + rd[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
+        k_c = _joined_chunk(wpool_ptr, cpool_ptr, wbase, w_ok, cbase, c_ok, kind, c, False, NATIVE_FP8, DOT_DIMS)
+        s = tl.dot(q_c, tl.trans(k_c), s, input_precision="ieee")
+    ok = w_ok | c_ok
+    s = tl.where(ok[None, :], s * scale, float("-inf"))
+    return wbase, w_ok, cbase, c_ok, kind, ok, s
+
+
+@triton.jit
+def _streamed_pv(p, wpool_ptr, cpool_ptr, wbase, w_ok, cbase, c_ok, kind, acc_rows,
+                 NATIVE_FP8: tl.constexpr, DOT_DIMS: tl.constexpr):
+    """The block's P @ V with FP32 operands, DOT_DIMS dims a dot, the keys decoded again per chunk;
+    each chunk of acc = P @ k_c (from zero: this tiling runs one block per program) stored at
+    acc_rows ([BLOCK_H, 512] FP32 pointers) as soon as it is summed."""
+    rd = tl.arange(0, DOT_DIMS)
+    for c in tl.static_range(512 // DOT_DIMS):
+        k_c = _joined_chunk(wpool_ptr, cpool_ptr, wbase, w_ok, cbase, c_ok, kind, c, False, NATIVE_FP8, DOT_DIMS)
+        a_c = tl.dot(p, k_c, tl.zeros((p.shape[0], DOT_DIMS), dtype=tl.float32), input_precision="ieee")
+        tl.store(acc_rows + c * DOT_DIMS + rd[None, :], a_c)
 
 
 @triton.jit
@@ -189,11 +235,13 @@ def _sparse_mla_kernel(
     N, H, scale, stride_qn, stride_qh, stride_wt, stride_ct, stride_on, stride_oh,
     W: tl.constexpr, W_P2: tl.constexpr, KC: tl.constexpr, HG: tl.constexpr, SPLIT: tl.constexpr,
     NB_P2: tl.constexpr, BLOCK_H: tl.constexpr, BF16_DOT: tl.constexpr, NATIVE_FP8: tl.constexpr,
-    SEPARATE: tl.constexpr = False, PDL: tl.constexpr = False,
+    SEPARATE: tl.constexpr = False, PDL: tl.constexpr = False, DOT_DIMS: tl.constexpr = 128,
 ):
     pdl.enter(PDL, RELEASE=False)
     D: tl.constexpr = 512
     DC: tl.constexpr = 128
+    STREAMED: tl.constexpr = DOT_DIMS < DC    # `_streamed_scores`: FP32 operands, split only
+    tl.static_assert(not STREAMED or (SPLIT and not BF16_DOT))
     NB: tl.constexpr = (W + KC + _KEYS - 1) // _KEYS
     if SPLIT:
         # One program per (row, head group, block). Tickets, taken in the order the programs start,
@@ -215,6 +263,12 @@ def _sparse_mla_kernel(
         q_ptr, wtab_ptr, ctab_ptr, r, g, H, stride_qn, stride_qh, stride_wt, stride_ct, W, W_P2, BLOCK_H, BF16_DOT)
     rc = tl.arange(0, DC)
     lh = tl.arange(0, BLOCK_H)
+    if SPLIT:   # Workspace: acc [N, HG, NB, BLOCK_H, D]; ml [N, HG, NB, 3, BLOCK_H] (max, sum, count).
+        acc_base = part_acc_ptr + tile.to(tl.int64) * (NB * BLOCK_H * D)
+        ml_base = part_ml_ptr + tile.to(tl.int64) * (NB * 3 * BLOCK_H)
+        mine_h = acc_base + b_lo * (BLOCK_H * D) + lh[:, None] * D   # this block's partial [BLOCK_H, 1]
+        acc_rows = acc_base + lh[:, None] * D + rc[None, :]
+        mine = mine_h + rc[None, :]
 
     m_i = tl.full((BLOCK_H,), -1e30, dtype=tl.float32)
     l_i = tl.zeros((BLOCK_H,), dtype=tl.float32)
@@ -224,8 +278,14 @@ def _sparse_mla_kernel(
     a3 = tl.zeros((BLOCK_H, DC), dtype=tl.float32)
     nvalid = tl.zeros((_KEYS,), dtype=tl.int32)
     for b in range(b_lo, b_hi):
-        k0, k1, k2, k3, ok, s = _block(wpool_ptr, cpool_ptr, wtab_row, ctab_row, b, nw, q0, q1, q2, q3,
-                                       scale, W, KC, BF16_DOT, NATIVE_FP8)
+        if STREAMED:
+            q_rows = q_ptr + r * stride_qn + rh[:, None] * stride_qh
+            wbase, w_ok, cbase, c_ok, kind, ok, s = _streamed_scores(
+                q_rows, h_ok, wpool_ptr, cpool_ptr, wtab_row, ctab_row, b, nw, scale, W, KC, NATIVE_FP8,
+                DOT_DIMS, BLOCK_H)
+        else:
+            k0, k1, k2, k3, ok, s = _block(wpool_ptr, cpool_ptr, wtab_row, ctab_row, b, nw, q0, q1, q2, q3,
+                                           scale, W, KC, BF16_DOT, NATIVE_FP8)
         nvalid += ok.to(tl.int32)
         s_max = tl.max(s, axis=1)
         if SPLIT:
@@ -245,10 +305,13 @@ def _sparse_mla_kernel(
         p = _exp(s - new_max[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         p = bf16_round(p)
-        a0 = _pv(p, k0, a0 * alpha[:, None], BF16_DOT)
-        a1 = _pv(p, k1, a1 * alpha[:, None], BF16_DOT)
-        a2 = _pv(p, k2, a2 * alpha[:, None], BF16_DOT)
-        a3 = _pv(p, k3, a3 * alpha[:, None], BF16_DOT)
+        if STREAMED:    # one block per program: acc is P @ V, its chunks stored as they are summed
+            _streamed_pv(p, wpool_ptr, cpool_ptr, wbase, w_ok, cbase, c_ok, kind, mine_h, NATIVE_FP8, DOT_DIMS)
+        else:
+            a0 = _pv(p, k0, a0 * alpha[:, None], BF16_DOT)
+            a1 = _pv(p, k1, a1 * alpha[:, None], BF16_DOT)
+            a2 = _pv(p, k2, a2 * alpha[:, None], BF16_DOT)
+            a3 = _pv(p, k3, a3 * alpha[:, None], BF16_DOT)
         m_i = new_max
 
     nv = tl.sum(nvalid, axis=0)
@@ -258,17 +321,12 @@ def _sparse_mla_kernel(
     if not SPLIT:
         _store_o(out_rows, a0, a1, a2, a3, l_i + _exp(sink - m_i), nv > 0, h_ok, DC)
     else:
-        # Workspace: acc [N, HG, NB, BLOCK_H, D]; ml [N, HG, NB, 3, BLOCK_H] (max, sum, count).
-        sp = b_lo
-        acc_base = part_acc_ptr + tile.to(tl.int64) * (NB * BLOCK_H * D)
-        ml_base = part_ml_ptr + tile.to(tl.int64) * (NB * 3 * BLOCK_H)
-        acc_rows = acc_base + lh[:, None] * D + rc[None, :]
-        mine = acc_rows + sp * (BLOCK_H * D)
-        tl.store(mine, a0)
-        tl.store(mine + DC, a1)
-        tl.store(mine + 2 * DC, a2)
-        tl.store(mine + 3 * DC, a3)
-        ml_ptrs = ml_base + sp * (3 * BLOCK_H) + lh
+        if not STREAMED:
+            tl.store(mine, a0)
+            tl.store(mine + DC, a1)
+            tl.store(mine + 2 * DC, a2)
+            tl.store(mine + 3 * DC, a3)
+        ml_ptrs = ml_base + b_lo * (3 * BLOCK_H) + lh
         tl.store(ml_ptrs, m_i)
         tl.store(ml_ptrs + BLOCK_H, l_i)
         tl.store(ml_ptrs + 2 * BLOCK_H, tl.zeros((BLOCK_H,), dtype=tl.float32) + nv.to(tl.float32))
@@ -432,7 +490,8 @@ def sparse_mla_(plan: SparseMlaPlan, q: torch.Tensor, window_pool: torch.Tensor,
         o16.stride(0), o16.stride(1),
         W=plan.window, W_P2=triton.next_power_of_2(plan.window), KC=plan.topk, HG=hg, SPLIT=plan.split,
         NB_P2=triton.next_power_of_2(nb), BLOCK_H=plan.block_h, BF16_DOT=plan.bf16_dot,
-        NATIVE_FP8=plan.native_fp8, SEPARATE=separate, PDL=False, num_warps=plan.num_warps,
+        NATIVE_FP8=plan.native_fp8, SEPARATE=separate, PDL=False, DOT_DIMS=plan.dot_dims,
+        num_warps=plan.num_warps,
     )
     if separate:
         chunk = combine_chunk(nb, plan.block_h)

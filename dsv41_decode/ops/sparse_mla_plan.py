@@ -26,6 +26,14 @@ BLOCK_KEYS = 64
 # varies with the row count (heads per program, warps, where the blocks are combined).
 STEP_TILINGS = ((2, dict(block_h=16, num_warps=8, separate_combine=True)),
                 (256, dict(block_h=32, num_warps=8, separate_combine=True)))
+# The tiling of the step's plans with FP32 dots (`for_step(fp32_dots=True)`: the exact step), the
+# same at every row count: FP32 operands, 64 dims a dot (`dot_dims`), 16 heads and 8 warps a
+# program. Compiled for sm_90 (scripts/sm90_resources.py fp32): 195 registers, no spills; 32 dims a
+# dot 170; 16 heads with the 512 dims in one go (the BF16 tiling's four 128-dim chunks, held) 10 KB
+# of spills, 32 heads a program at 64 dims 264 bytes.
+FP32_DOT_DIMS = 64
+FP32_STEP_TILING = dict(block_h=16, num_warps=8, separate_combine=True, bf16_dot=False, dot_dims=FP32_DOT_DIMS)
+DOT_DIMS = (16, 32, 64, 128)
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,7 +50,15 @@ class SparseMlaPlan:
     running max the sequential loop has there, published by the earlier blocks' programs; the
     blocks' partials combined in block order), else one program per (row, head group) running the
     sequential loop; num_warps;
-    bf16_dot: BF16 dot operands (the GPU), else FP32 (the interpreter);
+    bf16_dot: BF16 dot operands (the GPU's default: tensor cores), else FP32 operands with IEEE dots
+    (on the GPU CUDA-core FMAs: exact products, FP32 round-to-nearest sums, where a tensor-core MMA
+    truncates while it adds; the interpreter's only path);
+    dot_dims: the dims of each score and P.V dot: 128, the four 128-dim chunks of the block decoded
+    once and held; or 16-64 with FP32 operands and the split (the GPU's FP32 tiling: each chunk's
+    keys decoded before its score dot and again before its P.V dot, q loaded per chunk, each chunk
+    of the block's P.V stored as it is summed; an FMA dot's operands are replicated per thread over
+    its depth, so only a short chunk fits the registers). Only the score's FP32 summation order
+    depends on it;
     native_fp8: decode E4M3 with Triton's FP8 cast (the GPU's default) instead of integer arithmetic.
     separate_combine: block programs only store their partials and a second launch combines them,
     one program per (row, head group, slice of 16-128 dims); else the last block to arrive combines.
@@ -70,6 +86,7 @@ class SparseMlaPlan:
     flags: torch.Tensor
     counters: torch.Tensor
     ticket: torch.Tensor
+    dot_dims: int = 128
 
     @property
     def device(self) -> torch.device:
@@ -86,10 +103,17 @@ class SparseMlaPlan:
 
     @classmethod
     def for_step(cls, max_rows: int, heads: int, window: int, topk: int, device,
-                 workspace=None) -> list["SparseMlaPlan"]:
+                 workspace=None, fp32_dots: bool = False) -> list["SparseMlaPlan"]:
         """Plans covering rows 1..max_rows with the tiling of STEP_TILINGS (ascending max_rows; use
         the first plan whose max_rows holds the launch's rows); all split into 64-key blocks.
-        workspace: as for `build` (the plans then share it with each other too)."""
+        workspace: as for `build` (the plans then share it with each other too).
+        fp32_dots: one plan with FP32_STEP_TILING instead (FP32 operands, IEEE dots: the exact
+        step's), for every row count."""
+        if not isinstance(fp32_dots, bool):
+            raise TypeError(f"fp32_dots must be a bool, got {type(fp32_dots).__name__}")
+        if fp32_dots:
+            opts = dict(FP32_STEP_TILING, block_h=max(16, min(FP32_STEP_TILING["block_h"], heads)))
+            return [cls.build(max_rows, heads, window, topk, device, split=True, workspace=workspace, **opts)]
         plans, lo = [], 0
         for hi, opts in STEP_TILINGS:
             if lo >= max_rows:
@@ -104,9 +128,11 @@ class SparseMlaPlan:
     def build(cls, max_rows: int, heads: int, window: int, topk: int,
               device: torch.device | str = "cuda", *, block_h: int = 16, split: bool = True,
               num_warps: int = 8, bf16_dot: bool | None = None, native_fp8: bool | None = None,
-              separate_combine: bool = False, workspace=None) -> "SparseMlaPlan":
+              separate_combine: bool = False, workspace=None, dot_dims: int | None = None) -> "SparseMlaPlan":
         """A plan for launches of up to max_rows rows (see the class doc for the options; 8 warps:
-        64 decoded keys x 512 dims in BF16 are 128 registers a thread at 4 warps).
+        64 decoded keys x 512 dims in BF16 are 128 registers a thread at 4 warps). bf16_dot None:
+        on for a CUDA device outside the interpreter. dot_dims None: FP32_DOT_DIMS for FP32
+        operands on the GPU with the split, else 128 (the interpreter keeps its one tiling).
 
         workspace: None - the plan allocates its own workspaces; else a pool on `device` with
         `take(slot, numel, dtype) -> 1-D tensor` (`decode.buffers.Workspaces`) from which the plan
@@ -127,8 +153,16 @@ class SparseMlaPlan:
         if not isinstance(split, bool):
             raise TypeError(f"split must be a bool, got {type(split).__name__}")
         device = torch.device(device)
+        gpu = device.type == "cuda" and not interpreting()
         if bf16_dot is None:
-            bf16_dot = device.type == "cuda" and not interpreting()
+            bf16_dot = gpu
+        if dot_dims is None:
+            dot_dims = FP32_DOT_DIMS if gpu and split and not bf16_dot else 128
+        if dot_dims not in DOT_DIMS:
+            raise ValueError(f"dot_dims must be one of {DOT_DIMS}, got {dot_dims!r}")
+        if dot_dims < 128 and (bf16_dot or not split):
+            raise ValueError(f"dot_dims={dot_dims} needs FP32 operands (bf16_dot=False) and the split "
+                             f"(split=True): the chunked tiling runs one block per program")
         if native_fp8 is None:   # the hardware's exact E4M3 -> FP32 conversion (same bits)
             native_fp8 = device.type == "cuda" and not interpreting()
         hg = triton.cdiv(heads, block_h)
@@ -141,5 +175,5 @@ class SparseMlaPlan:
         flags = plan_workspace(workspace, 0, ws, i32, device)
         counters = plan_workspace(workspace, 1, max_rows * hg, i32, device)
         ticket = plan_workspace(workspace, 2, 1, i32, device)
-        return cls(max_rows, heads, window, topk, block_h, split, num_warps, bf16_dot, native_fp8,
-                   bool(separate_combine), part_acc, part_ml, block_max, flags, counters, ticket)
+        return cls(max_rows, heads, window, topk, block_h, split, num_warps, bool(bf16_dot), native_fp8,
+                   bool(separate_combine), part_acc, part_ml, block_max, flags, counters, ticket, dot_dims)

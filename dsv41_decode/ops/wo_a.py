@@ -11,14 +11,18 @@ power-of-two scale before it joins the FP32 accumulator, which is exact when the
 `wo_a` in FP8. Products are exact: the operands (rotated BF16 activations, BF16 or E4M3 weights)
 fit BF16's and TF32's significant bits, so the dots run on the tensor cores with BF16 operands (the
 measured default for a BF16 weight) or at TF32 input precision on FP32 operands (an FP8 weight, and
-always in the interpreter, where BF16 dots are wrong).
+always in the interpreter, where BF16 dots are wrong). A tensor-core MMA truncates while it adds its
+products, so its sums are not FP32 round-to-nearest sums; with `ieee_dot` (the exact step's
+option) the dots take FP32 operands at IEEE precision, CUDA-core FMAs whose every add rounds to
+nearest, in K order.
 
 The grid is (G*R / BLOCK_N output tiles, split): under tensor parallelism a rank holds H/tp heads
 and G/tp groups (one group of 1024 rows at TP8), so K (the group width, 4096) is split across
 programs and reduced deterministically by `ll_bf16.splitk_reduce` (the last program of a tile
 adds the FP32 partials in split order, then rounds to BF16). The launch turns off FMA
 contraction so that the rotation rounds exactly as torch's complex product on the CPU; the GEMM
-runs on the tensor cores, which that does not touch.
+runs on the tensor cores, which that does not touch, or with `ieee_dot` as FMAs, which it may split
+into a multiply and an add: the same bits, the product being exact.
 """
 
 from __future__ import annotations
@@ -72,7 +76,9 @@ def _wo_a_kernel(
     BLOCK_K: tl.constexpr, FP8: tl.constexpr, NUM_STAGES: tl.constexpr, QUANT: tl.constexpr = False,
     PDL: tl.constexpr = False, BF16_DOT: tl.constexpr = False, SWAP_AB: tl.constexpr = False,
     COPY_WORDS: tl.constexpr = 0, COPY_BLOCK: tl.constexpr = 1, N_TILES: tl.constexpr = 1,
+    IEEE_DOT: tl.constexpr = False,
 ):
+    PRECISION: tl.constexpr = "ieee" if IEEE_DOT else "tf32"   # FP32 operands: CUDA-core FMAs or TF32 MMAs
     NOPE: tl.constexpr = HEAD_DIM - ROPE_DIM
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -105,19 +111,19 @@ def _wo_a_kernel(
             if BF16_DOT:   # BF16 operands: exact too (x holds BF16 values; E4M3 fits BF16)
                 wd = w.to(tl.bfloat16)
                 xd = x.to(tl.bfloat16)
-            else:          # TF32 on FP32 operands (the interpreter: its BF16 dots are wrong)
+            else:          # FP32 operands: TF32 MMAs, or FMAs with IEEE_DOT (the interpreter: FP32 either way)
                 wd = w.to(tl.float32)
                 xd = x
             if FP8:
                 scale = ue8m0_to_fp32(tl.load(s_ptr + (rn // 32) * stride_sn + kc // 32))
                 if SWAP_AB:
-                    acc += tl.dot(wd, tl.trans(xd), input_precision="tf32") * scale[:, None]
+                    acc += tl.dot(wd, tl.trans(xd), input_precision=PRECISION) * scale[:, None]
                 else:
-                    acc += tl.dot(xd, tl.trans(wd), input_precision="tf32") * scale[None, :]
+                    acc += tl.dot(xd, tl.trans(wd), input_precision=PRECISION) * scale[None, :]
             elif SWAP_AB:
-                acc = tl.dot(wd, tl.trans(xd), acc, input_precision="tf32")
+                acc = tl.dot(wd, tl.trans(xd), acc, input_precision=PRECISION)
             else:
-                acc = tl.dot(xd, tl.trans(wd), acc, input_precision="tf32")
+                acc = tl.dot(xd, tl.trans(wd), acc, input_precision=PRECISION)
     pdl.release(PDL)   # the successor may launch once every program is past its K loop
     if SWAP_AB:
         acc = tl.trans(acc)   # [BLOCK_M, BLOCK_N] for the epilogue (one exchange per program)
@@ -177,14 +183,20 @@ class WoAPlan:
     Never under the interpreter, whose BF16 dots are wrong. swap_ab: compute z^T = W o'^T (the
     weight rows as the MMA's M: wgmma on sm_90 reading W from shared memory, instead of mma.sync
     with W through registers); the same products, another summation order inside the MMA. None:
-    `swapped` picks, the same for every row count.
+    `swapped` picks, the same for every row count. ieee_dot: FP32 operands with IEEE dots, for
+    either weight (CUDA-core FMAs: every product exact, every sum an FP32 round-to-nearest add; a
+    tensor-core MMA, BF16 or TF32, truncates while it adds its products: the exact step's option,
+    docs/spec-decisions.md); excludes bf16_dot; its launches tile by `ieee_tile`. In the interpreter
+    the same numbers as TF32 (its dots are NumPy's FP32 products and sums either way).
     partials: [split, max_rows, G*R] FP32; counters: [G*R / block_n] int32, all 0 between launches.
 
     Batch invariance: a row's outputs do not depend on the other rows or the row count. The split,
     the dot operands and the swap are the plan's, not the launch's; a swapped launch is wgmma
     m64nBMk8 / k16 at every row count (N = 16, 32 or 64 rows), and an unswapped one takes at most
     32 rows (`MAX_UNSWAPPED_ROWS`; 33-64 rows run as two launches), where Triton lowers the dot to
-    mma.sync m16n8k8 / k16: at BLOCK_M = 64 it would pick wgmma, another MMA (sm_90 PTX).
+    mma.sync m16n8k8 / k16: at BLOCK_M = 64 it would pick wgmma, another MMA (sm_90 PTX). With
+    ieee_dot each output's sum runs in K order whatever the tile (an FMA chain per output), so the
+    tile may follow the launch's rows.
     """
     heads: int
     o_groups: int
@@ -202,10 +214,20 @@ class WoAPlan:
     counters: torch.Tensor
     bf16_dot: bool = False
     swap_ab: bool | None = None
+    ieee_dot: bool = False
 
     @property
     def device(self) -> torch.device:
         return self.partials.device
+
+    def ieee_tile(self, rows: int) -> tuple[int, int]:
+        """(BLOCK_M, num_warps) of a launch of `rows` rows with ieee_dot: BLOCK_M the rows' power of
+        two, at least 8, and four outputs a thread (an FMA dot's operands are replicated per thread
+        over its 32-deep chunk). Compiled for sm_90 with 64-column tiles (scripts/sm90_resources.py
+        wo_a): 126-128 registers at 8 and 16 rows, 96-104 at 32, no spills for either weight; at
+        16 rows and 4 warps (eight outputs a thread) 240-252, and 4 rows at 4 warps spill."""
+        block_m = max(8, triton.next_power_of_2(rows))
+        return block_m, max(1, block_m * self.block_n // 128)
 
     @property
     def swapped(self) -> bool:
@@ -241,7 +263,8 @@ class WoAPlan:
     def build(cls, heads: int, o_groups: int, rank: int, max_rows: int, weight_dtype: torch.dtype,
               device: torch.device | str = "cuda", *, head_dim: int = 512, rope_dim: int = 64,
               split: int | None = None, num_warps: int = 4, num_stages: int | None = None,
-              bf16_dot: bool | None = None, swap_ab: bool | None = None, workspace=None) -> "WoAPlan":
+              bf16_dot: bool | None = None, swap_ab: bool | None = None, workspace=None,
+              ieee_dot: bool = False) -> "WoAPlan":
         """Choose the split and the dot operands, and allocate the workspace (or take it: `workspace`).
 
         Defaults measured on an H200 at 64 heads, 1-16 rows (scripts/probe_wo_a.py,
@@ -252,12 +275,14 @@ class WoAPlan:
         and 2 stages (20.5 vs 21.3 us at 1 row, 21.6 vs 22.7 at 16).
         split: programs along K (default: the largest divisor of group_width / 128 at most
         (2 for BF16, 4 for FP8) * SMs / output tiles); bf16_dot: None = on for a BF16 weight; num_warps: warps per program up to 16 rows, twice that above
-        (4: one m16 MMA row of 64 columns; 32-64 rows at 4 warps spill); num_stages: K steps in
+        (4: one m16 MMA row of 64 columns; 32-64 rows at 4 warps spill; not used with ieee_dot,
+        whose launches take `ieee_tile`); num_stages: K steps in
         flight (None: `stages(rows)` picks per launch); swap_ab: None = `swapped` picks (a BF16
         weight with BF16 dots swapped, an FP8 one unswapped at every row count, for batch
         invariance: swapped measured 45.6 vs 48.0 us at 32 rows and 61.2 vs 85.6 at 64, but 27.4
         vs 21.3 at 1; unswapped, 33-64 rows run as two launches of at most 32;
-        docs/results/wo-a-probe-h200.txt).
+        docs/results/wo-a-probe-h200.txt); ieee_dot: FP32 operands with IEEE dots (the class doc;
+        bf16_dot None then means off, and True is an error).
         workspace: None - the plan allocates its partials and counters; else a pool
         (`ops.common.plan_workspace`: `decode.buffers.Workspaces`) that it takes them from (FP32
         slot 0, int32 slot 0), shared with the pool's other takers: the caller guarantees that no
@@ -285,8 +310,12 @@ class WoAPlan:
         n_tiles = o_groups * rank // block_n
         grains = heads // o_groups * head_dim // _BLOCK_K
         fp8 = weight_dtype == torch.float8_e4m3fn
+        if not isinstance(ieee_dot, bool):
+            raise TypeError(f"ieee_dot must be a bool, got {type(ieee_dot).__name__}")
+        if ieee_dot and bf16_dot:
+            raise ValueError("ieee_dot and bf16_dot exclude each other: IEEE dots take FP32 operands")
         if bf16_dot is None:
-            bf16_dot = not fp8
+            bf16_dot = not fp8 and not ieee_dot
         if split is None:
             target = max(1, round((4 if fp8 else 2) * num_sms(device) / n_tiles))
             split = max(d for d in range(1, grains + 1) if grains % d == 0 and d <= target)
@@ -299,7 +328,7 @@ class WoAPlan:
         return cls(heads, o_groups, rank, head_dim, rope_dim, max_rows, weight_dtype, block_n,
                    grains // split * _BLOCK_K, split, num_warps, num_stages, partials, counters,
                    bool(bf16_dot) and device.type == "cuda" and not interpreting(),
-                   None if swap_ab is None else bool(swap_ab))
+                   None if swap_ab is None else bool(swap_ab), ieee_dot)
 
 
 def _window_copy_args(window_copy, m: int, dev: torch.device, dummy: torch.Tensor):
@@ -396,7 +425,11 @@ def wo_a_(plan: WoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     chunk = m if swap else MAX_UNSWAPPED_ROWS   # see the class docstring (batch invariance)
     for r0 in range(0, m, chunk):
         r1 = min(m, r0 + chunk)
-        block_m = max(16, triton.next_power_of_2(r1 - r0))
+        if plan.ieee_dot:
+            block_m, warps = plan.ieee_tile(r1 - r0)
+        else:
+            block_m = max(16, triton.next_power_of_2(r1 - r0))
+            warps = plan.num_warps * (2 if block_m > 16 else 1)
         codes, scales = (codes_out[r0:r1], scales_out[r0:r1]) if quant else (codes_out, scales_out)
         src, dst = (cp_src[r0:r1], cp_dst[r0:r1]) if copy_words else (cp_src, cp_dst)
         _wo_a_kernel[(plan.n_out // plan.block_n, plan.split)](
@@ -407,9 +440,9 @@ def wo_a_(plan: WoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
             R=plan.rank, HEADS_PER_GROUP=plan.heads // plan.o_groups, HEAD_DIM=plan.head_dim,
             ROPE_DIM=plan.rope_dim, K_PER_SPLIT=plan.k_per_split, SPLIT=plan.split, QUANT=quant,
             BLOCK_M=block_m, BLOCK_N=plan.block_n, BLOCK_K=_BLOCK_K, FP8=fp8, NUM_STAGES=stages,
-            num_warps=plan.num_warps * (2 if block_m > 16 else 1), num_stages=stages,
+            num_warps=warps, num_stages=stages,
             enable_fp_fusion=False,   # the rotation's sums rounded as torch rounds them (no FMA)
-            PDL=False, BF16_DOT=plan.bf16_dot, SWAP_AB=swap,
+            PDL=False, BF16_DOT=plan.bf16_dot, SWAP_AB=swap, IEEE_DOT=plan.ieee_dot,
             COPY_WORDS=copy_words, COPY_BLOCK=triton.next_power_of_2(max(copy_words, 1)),
             N_TILES=plan.n_out // plan.block_n,
         )

@@ -29,7 +29,8 @@ import pytest
 import torch
 
 import dsv41_decode.reference.attention as ref_attention
-from dsv41_decode.ops.sparse_mla import BLOCK_KEYS, STEP_TILINGS, SparseMlaPlan, sparse_mla, sparse_mla_
+from dsv41_decode.ops.sparse_mla import (BLOCK_KEYS, FP32_STEP_TILING, STEP_TILINGS, SparseMlaPlan, sparse_mla,
+                                         sparse_mla_)
 from dsv41_decode.records import pack_compressed_kv, pack_window_kv, unpack_compressed_kv, unpack_window_kv
 from dsv41_decode.reference.attention import sparse_attention_records
 
@@ -224,6 +225,43 @@ def test_step_tilings_cover_every_row_count():
     assert all(p.block_h == 16 for p in SparseMlaPlan.for_step(4, 8, 16, 16, "cpu"))   # 8 heads pad to 16
 
 
+def test_fp32_tiling_in_the_interpreter():
+    # The exact step's plan (`for_step(fp32_dots=True)`: FP32 operands, dots of 64 dims, the keys
+    # decoded per chunk, each chunk of P.V stored as it is summed) and a 32-dim variant. Exact-score
+    # inputs: every score is exact whatever the chunks, so P is the contract's, and each P.V output
+    # is the same 64-long NumPy dot of the same operands: the default tiling's bits (and the
+    # reference's, `check_exact`), the inline combination's too. Random inputs: only the score's
+    # FP32 order differs from the default's (128-dim dots), within the flip bound.
+    n, h, w, k = 3, 16, 16, 72
+    case = make_case(n, h, w, k, seed=31, window_fill=[16, 5, 1], exact=True)
+    (plan,) = SparseMlaPlan.for_step(4, 8, w, k, "cpu", fp32_dots=True)     # 8 heads pad to 16
+    assert (plan.max_rows, plan.block_h, plan.num_warps, plan.split, plan.separate_combine) == (4, 16, 8, True, True)
+    assert plan.bf16_dot is False and plan.dot_dims == FP32_STEP_TILING["dot_dims"] == 64
+    plan = SparseMlaPlan.for_step(4, h, w, k, "cpu", fp32_dots=True)[0]
+    default = run(SparseMlaPlan.build(n, h, w, k, "cpu", split=True), case, EXACT_SCALE)
+    out = run(plan, case, EXACT_SCALE)
+    assert torch.equal(out, default)
+    assert torch.equal(run(SparseMlaPlan.build(n, h, w, k, "cpu", bf16_dot=False, dot_dims=32), case, EXACT_SCALE),
+                       default)
+    check_exact(out, reference(*case, EXACT_SCALE))
+    assert workspace_is_clear(plan)
+    case = make_case(2, 32, 128, 40, seed=32, window_fill=[128, 3])
+    check_bound(run(SparseMlaPlan.build(2, 32, 128, 40, "cpu", bf16_dot=False, dot_dims=64), case), case,
+                reference(*case))
+
+
+def test_dot_dims_needs_fp32_operands_and_the_split():
+    assert SparseMlaPlan.build(2, 16, 16, 8, "cpu").dot_dims == 128          # the interpreter's one tiling
+    with pytest.raises(ValueError, match="dot_dims=64 needs FP32 operands"):
+        SparseMlaPlan.build(2, 16, 16, 8, "cpu", split=False, dot_dims=64)
+    with pytest.raises(ValueError, match="dot_dims=32 needs FP32 operands"):
+        SparseMlaPlan.build(2, 16, 16, 8, "cpu", bf16_dot=True, dot_dims=32)
+    with pytest.raises(ValueError, match="dot_dims must be one of"):
+        SparseMlaPlan.build(2, 16, 16, 8, "cpu", dot_dims=48)
+    with pytest.raises(TypeError, match="fp32_dots"):
+        SparseMlaPlan.for_step(2, 16, 16, 8, "cpu", fp32_dots="yes")
+
+
 def test_bad_inputs_name_the_argument():
     n, h, w, k = 2, 8, 16, 8
     q, wpool, cpool, wt, ct, sink = make_case(n, h, w, k, seed=1)
@@ -314,4 +352,44 @@ def test_gpu_a_row_alone_gives_its_bits_among_others(others):
     together = run(next(p for p in plans if n <= p.max_rows), case)
     for r in (0, 1, n - 1):
         alone = run(plans[0], tuple(t[r:r + 1] if i in (0, 3, 4) else t for i, t in enumerate(case)))
+        assert torch.equal(alone[0], together[r]), r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", [64, 8])
+@pytest.mark.parametrize("n", [1, 16, 64])
+def test_gpu_fp32_step_plan(h, n):
+    # the exact step's plan (FP32 operands, IEEE dots: CUDA-core FMAs) at the V4.1-Flash shape (64
+    # heads, a TP8 rank's 8; 128 window + 512 top-k keys): exact-score bits as the step's BF16 plans
+    # are held to (`check_exact_gpu`), the random-input flip bound, two launches give the same bits,
+    # the workspace is clear
+    w, k = 128, 512
+    (plan,) = SparseMlaPlan.for_step(64, h, w, k, "cuda", fp32_dots=True)
+    assert plan.bf16_dot is False and plan.dot_dims == 64
+    case = make_case(n, h, w, k, seed=h * 1000 + n + 7, window_fill=gpu_tables(n), exact=True, **GPU_POOLS)
+    out = run(plan, case, EXACT_SCALE)
+    assert torch.equal(out, run(plan, case, EXACT_SCALE))
+    check_exact_gpu(out, case, reference(*case, EXACT_SCALE), EXACT_SCALE)
+    case = make_case(n, h, w, k, seed=h * 1000 + n + 8, window_fill=gpu_tables(n), **GPU_POOLS)
+    out = run(plan, case)
+    assert torch.equal(out, run(plan, case))
+    check_bound(out, case, reference(*case))
+    torch.cuda.synchronize()
+    assert workspace_is_clear(plan)
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_tilings_agree_and_rows_are_invariant():
+    # With FMA dots each score is one FMA chain over the 512 dims in order and each P.V output one
+    # over the block's 64 keys, whatever the chunk width: dots of 32 and 64 dims and both
+    # combinations give the same bits; and a row alone gives its bits among 63 others
+    n, h, w, k = 64, 64, 128, 512
+    case = make_case(n, h, w, k, seed=77, window_fill=gpu_tables(n), **GPU_POOLS)
+    (plan,) = SparseMlaPlan.for_step(64, h, w, k, "cuda", fp32_dots=True)
+    together = run(plan, case)
+    for opts in (dict(dot_dims=32), dict(separate_combine=False)):
+        other = SparseMlaPlan.build(n, h, w, k, "cuda", **dict(FP32_STEP_TILING, **opts))
+        assert torch.equal(run(other, case), together), opts
+    for r in (0, 1, n - 1):
+        alone = run(plan, tuple(t[r:r + 1] if i in (0, 3, 4) else t for i, t in enumerate(case)))
         assert torch.equal(alone[0], together[r]), r

@@ -365,3 +365,69 @@ def test_gpu_window_copy_at_step_shape(fp8):
         wo_a_(plan, o[:m], cos[:m], sin[:m], weight, scale, z0)
         wo_a_(plan, o[:m], cos[:m], sin[:m], weight, scale, z1, window_copy=(pool, src, dst))
         assert torch.equal(z0, z1) and torch.equal(pool, ref), m
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_ieee_dot_in_the_interpreter_gives_the_default_bits(fp8):
+    """ieee_dot (FP32 operands, IEEE dots: the exact step's) in the interpreter: its dots are NumPy's
+    FP32 products and sums whatever the precision asked for, and the launch's tile (`ieee_tile`)
+    does not change a row's sums (each output is one dot along K), so the bits are the default
+    plan's; and the reference's within the module's tolerance. Rows 3 and 37 (tiles of 8 rows,
+    and 37 as 32 + 5)."""
+    if _DEVICE == "cuda":
+        pytest.skip("the interpreter's check; the GPU's is test_gpu_ieee_dot_real_shapes")
+    heads, groups, rank = 4, 2, 64
+    o, cis, cos, sin, w = _inputs(37, heads, groups, rank, seed=41 + fp8)
+    weight, scale = quantize_wo_a(w) if fp8 else (w, None)
+    w_ref = fp8_block_dequantize(weight, scale).bfloat16() if fp8 else w
+    ieee = WoAPlan.build(heads, groups, rank, 64, weight.dtype, "cpu", ieee_dot=True)
+    default = WoAPlan.build(heads, groups, rank, 64, weight.dtype, "cpu")
+    assert ieee.ieee_dot and not ieee.bf16_dot and not ieee.swapped
+    for m in (3, 37):
+        z = wo_a(o[:m], cos[:m], sin[:m], weight, groups, scale=scale, plan=ieee)
+        assert torch.equal(z, wo_a(o[:m], cos[:m], sin[:m], weight, groups, scale=scale, plan=default))
+        _check(z, grouped_wo_a(o[:m], cis[:m], w_ref, groups, rank))
+    assert not ieee.counters.any()
+
+
+def test_ieee_dot_plan_and_tiles():
+    """ieee_dot excludes BF16 dots and must be a bool; its launches take BLOCK_M = the rows' power
+    of two (at least 8) and four outputs a thread (`ieee_tile`, the no-spill tiles of sm_90:
+    tests/ops/test_fp32_dots_sm90.py)."""
+    with pytest.raises(ValueError, match="ieee_dot and bf16_dot"):
+        WoAPlan.build(8, 4, 64, 4, torch.bfloat16, "cpu", ieee_dot=True, bf16_dot=True)
+    with pytest.raises(TypeError, match="ieee_dot must be a bool"):
+        WoAPlan.build(8, 4, 64, 4, torch.bfloat16, "cpu", ieee_dot=1)
+    plan = WoAPlan.build(64, 8, 1024, 64, torch.bfloat16, "cpu", ieee_dot=True)
+    assert plan.block_n == 64 and not plan.bf16_dot
+    assert [plan.ieee_tile(m) for m in (1, 8, 9, 16, 17, 32)] == [(8, 4), (8, 4), (16, 8), (16, 8), (32, 16),
+                                                                   (32, 16)]
+    assert WoAPlan.build(8, 4, 32, 4, torch.bfloat16, "cpu", ieee_dot=True).ieee_tile(16) == (16, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("heads", [64, 8])
+def test_gpu_ieee_dot_real_shapes(heads, fp8):
+    """The exact step's wo_a (ieee_dot: CUDA-core FMAs) at the V4.1-Flash shapes (64 heads, and a
+    TP8 rank's 8): the reference's within the module's tolerance at 1-64 rows, a second launch's
+    bits the same, and a row's bits the same at every row count (each output one FMA chain along K,
+    whatever the launch's tile)."""
+    groups = heads // 8
+    o, cis, cos, sin, w = _inputs(64, heads, groups, 1024, seed=heads + 7)
+    weight, scale = quantize_wo_a(w) if fp8 else (w, None)
+    w_ref = fp8_block_dequantize(weight, scale).bfloat16() if fp8 else w
+    plan = WoAPlan.build(heads, groups, 1024, 64, weight.dtype, "cuda", ieee_dot=True)
+    assert plan.ieee_dot and not plan.bf16_dot and not plan.swapped
+    out = torch.empty(64, groups * 1024, dtype=torch.bfloat16, device="cuda")
+    again = torch.empty_like(out)
+    full = None
+    for m in (64, 1, 2, 3, 8, 16, 17, 37):
+        wo_a_(plan, o[:m], cos[:m], sin[:m], weight, scale, out[:m])
+        wo_a_(plan, o[:m], cos[:m], sin[:m], weight, scale, again[:m])
+        assert torch.equal(out[:m], again[:m]), m
+        _check(out[:m], grouped_wo_a(o[:m], cis[:m], w_ref, groups, 64))
+        if full is None:
+            full = out.clone()
+        assert torch.equal(out[:m], full[:m]), m
+    assert not plan.counters.any()
