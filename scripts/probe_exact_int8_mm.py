@@ -23,11 +23,12 @@ from dsv41_decode.reference.linear import mxfp8_mm
 from _args import arg   # scripts/ is on sys.path when run as python scripts/<probe>.py
 
 SHAPES = {"fused_wqa_wkv": (1792, 5120), "wq_b": (32768, 1280), "idx_wq_b": (4096, 1280), "wo_b": (5120, 8192)}
-# block_n:block_m:num_warps:num_stages:flags (block_m 0: the rows' tile, 16 / 32 / 64; flags: d =
-# the weight's digit planes read instead of decoded, `ExactInt8MM(digits=True)`; t = the x rows on the
-# MMA's M side, `Int8Config(tokens_m=True)`)
-CANDIDATES = ["64:0:4:4:", "32:0:4:4:d", "64:0:4:4:d", "32:64:4:4:dt", "64:64:8:4:dt", "64:0:4:4:dt",
-              "128:0:4:4:dt", "32:0:1:4:dt", "64:0:4:4:t", "128:0:4:4:t"]
+# block_n:block_m:num_warps:num_stages:flags[:split_blocks] (block_m 0: the rows' tile, 16 / 32 / 64;
+# flags: d = the weight's digit planes read instead of decoded, `ExactInt8MM(digits=True)`; t = the x
+# rows on the MMA's M side, `Int8Config(tokens_m=True)`; split_blocks: 32-wide blocks per program,
+# the K splits chained in order)
+CANDIDATES = ["64:16:4:4:dt", "64:16:4:1:dt:2", "64:16:4:1:dt:4", "64:16:4:1:dt:8", "32:16:4:1:dt:4",
+              "32:16:4:1:dt:8", "64:16:4:1:t:4", "64:16:4:1:t:8"]
 
 
 def _time(fn) -> float:
@@ -65,14 +66,16 @@ def main() -> None:
             for spec in specs:
                 bn, bm, warps, stages = (int(v) for v in spec.split(":")[:4])
                 flags = spec.split(":")[4]
+                sb = int(spec.split(":")[5]) if len(spec.split(":")) > 5 else 0
                 digits = "d" in flags
                 cfg = Int8Config(block_n=bn, block_m=bm or block_m, num_warps=warps, num_stages=stages,
-                                 tokens_m="t" in flags)
+                                 tokens_m="t" in flags, split_blocks=sb)
                 try:
                     plan = ExactInt8MM(weight, w_scale, 64, config=cfg, digits=digits)
                     bad = int((plan(codes, x_scale, out).view(torch.int16) != ref).sum())
                     heavy = ExactInt8MM(hw, w_scale, 64, config=cfg, digits=digits)
                     bad += int((heavy(hc, x_scale).view(torch.int16) != href).sum())
+                    bad += int((heavy(hc, x_scale).view(torch.int16) != href).sum())    # counters reset
                     del heavy
                     t = _time(lambda: plan(codes, x_scale, out))
                 except Exception as e:  # report, keep probing

@@ -31,6 +31,7 @@ An `ExactInt8MM` plan binds one weight and its launch configurations once; calli
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,7 @@ import triton
 import triton.language as tl
 
 from .checks import interpreting, mxfp8_linear_args, mxfp8_weight_args
+from .common import plan_workspace
 from .exact_mm import _mul_rn, reduction_order
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
 
@@ -202,6 +204,111 @@ def _exact_int8_mm_tm_kernel(
         tl.store(y_ptrs, bf16_rne_bits(acc), mask=mask)
 
 
+@triton.jit
+def _term(x_ptrs, sx_ptrs, w_ptrs, sw_ptrs, plane, kb, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          ASM: tl.constexpr, DIGITS: tl.constexpr):
+    """Block kb's term RN(partial) * sx * sw [BM, BN] (x rows on the MMA's M side); `plane` the
+    offset between the weight's digit planes (DIGITS)."""
+    if DIGITS:
+        w0 = tl.load(w_ptrs + kb * 32)
+        w1 = tl.load(w_ptrs + plane + kb * 32)
+        w2 = tl.load(w_ptrs + 2 * plane + kb * 32)
+    else:
+        w0, w1, w2 = _digits(tl.load(w_ptrs + kb * 32))
+    x0, x1, x2 = _digits(tl.load(x_ptrs + kb * 32))
+    part = _block_partial(x0, x1, x2, w0, w1, w2)
+    sw = ue8m0_to_fp32(tl.load(sw_ptrs + kb).to(tl.int32))
+    sx = ue8m0_to_fp32(tl.load(sx_ptrs + kb).to(tl.int32))
+    return _mul_rn(part * sx[:, None], tl.broadcast_to(sw[None, :], [BLOCK_M, BLOCK_N]), ASM)
+
+
+@triton.jit
+def _terms(x_ptrs, sx_ptrs, w_ptrs, sw_ptrs, plane, kb, LOG: tl.constexpr, BLOCK_M: tl.constexpr,
+           BLOCK_N: tl.constexpr, ASM: tl.constexpr, DIGITS: tl.constexpr):
+    """The terms of blocks kb .. kb + 2^LOG - 1, joined: [BM, BN, 2, ..., 2] (LOG trailing 2s, the
+    last one splitting the range in halves); straight-line code, so every block's loads and MMAs
+    are independent of the others'."""
+    if LOG == 0:
+        return _term(x_ptrs, sx_ptrs, w_ptrs, sw_ptrs, plane, kb, BLOCK_M, BLOCK_N, ASM, DIGITS)
+    else:
+        HALF: tl.constexpr = 1 << (LOG - 1)
+        lo = _terms(x_ptrs, sx_ptrs, w_ptrs, sw_ptrs, plane, kb, LOG - 1, BLOCK_M, BLOCK_N, ASM, DIGITS)
+        hi = _terms(x_ptrs, sx_ptrs, w_ptrs, sw_ptrs, plane, kb + HALF, LOG - 1, BLOCK_M, BLOCK_N, ASM, DIGITS)
+        return tl.join(lo, hi)
+
+
+@triton.jit
+def _add_terms(acc, t, LOG: tl.constexpr):
+    """acc + each term of `_terms`' t in block order, one FP32 add at a time."""
+    if LOG == 0:
+        return acc + t
+    else:
+        lo, hi = tl.split(t)
+        return _add_terms(_add_terms(acc, lo, LOG - 1), hi, LOG - 1)
+
+
+@triton.jit(do_not_specialize=["M", "stride_sxm", "stride_swn"])
+def _exact_int8_mm_split_kernel(
+    x_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, ws_ptr, cnt_ptr,
+    M, N, K, stride_xm, stride_sxm, stride_wn, stride_swn, stride_ym,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, LOG_BLOCKS: tl.constexpr, OUT_F32: tl.constexpr,
+    ASM: tl.constexpr, DIGITS: tl.constexpr,
+):
+    # One program per (N tile, M tile, K split) of 2^LOG_BLOCKS consecutive 32-wide blocks (K / 32
+    # a multiple of it). Each program forms its blocks' terms (unrolled: their loads and MMAs
+    # overlap), then waits for the running sum of the splits before it, adds its terms to it in
+    # block order and publishes the sum for the next split (ws, a flag per split), the last split
+    # storing y: the sequential K-ordered FP32 sum from 0, whatever the split. Programs take their
+    # (tile, split) from an atomic ticket in the order they start, splits in ascending order, so a
+    # program only waits for programs already running. cnt_ptr: [ticket, flags per (tile, split)].
+    B: tl.constexpr = 1 << LOG_BLOCKS
+    S = (K // 32) // B
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    total = tl.cdiv(N, BLOCK_N) * m_tiles * S
+    ticket = tl.atomic_add(cnt_ptr, 1, sem="relaxed", scope="gpu")
+    if ticket == total - 1:
+        tl.store(cnt_ptr, 0)          # every program has its ticket: ready for the next launch
+    tile = ticket // S
+    split = ticket % S
+    pid_n = tile // m_tiles
+    pid_m = tile % m_tiles
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rk = tl.arange(0, 32)
+    rn_c = tl.minimum(rn, N - 1)
+    rm_c = tl.minimum(rm, M - 1)
+    w_ptrs = w_ptr + rn_c[None, :] * stride_wn + rk[:, None]           # [32, BN]
+    x_ptrs = x_ptr + rm_c[:, None] * stride_xm + rk[None, :]           # [BM, 32]
+    sw_ptrs = sw_ptr + (rn_c // 32) * stride_swn                       # [BN]
+    sx_ptrs = sx_ptr + rm_c * stride_sxm                               # [BM]
+    t = _terms(x_ptrs, sx_ptrs, w_ptrs, sw_ptrs, N * stride_wn, split * B, LOG_BLOCKS, BLOCK_M, BLOCK_N,
+               ASM, DIGITS)
+    offs = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    flags = cnt_ptr + 1 + tile * S
+    slots = ws_ptr + tile.to(tl.int64) * (S * BLOCK_M * BLOCK_N)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if split > 0:
+        while tl.atomic_add(flags + split - 1, 0, sem="acquire", scope="gpu") == 0:
+            pass
+        acc = tl.load(slots + (split - 1) * (BLOCK_M * BLOCK_N) + offs, cache_modifier=".cg")
+    acc = _add_terms(acc, t, LOG_BLOCKS)
+    if split < S - 1:
+        tl.store(slots + split * (BLOCK_M * BLOCK_N) + offs, acc)
+        tl.debug_barrier()
+        tl.atomic_xchg(flags + split, 1, sem="release", scope="gpu")
+    else:
+        # every split before this one has published and been read: clear their flags
+        for j0 in range(0, S - 1, 64):
+            j = j0 + tl.arange(0, 64)
+            tl.store(flags + j, tl.zeros([64], dtype=tl.int32), mask=j < S - 1)
+        mask = (rn[None, :] < N) & (rm[:, None] < M)
+        y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+        if OUT_F32:
+            tl.store(y_ptrs, acc, mask=mask)
+        else:
+            tl.store(y_ptrs, bf16_rne_bits(acc), mask=mask)
+
+
 @dataclass(frozen=True)
 class Int8Config:
     """One launch configuration; every configuration gives the same bits.
@@ -210,6 +317,9 @@ class Int8Config:
     program (16, 32 or 64: the MMA's N side; a call's rows are padded up to a multiple of it).
     num_warps, num_stages: Triton's (the K loop's loads run num_stages - 1 blocks ahead).
     tokens_m: the x rows on the MMA's M side, as its register operand (`_exact_int8_mm_tm_kernel`).
+    split_blocks: 0 (one program walks all of K), or 2^j consecutive 32-wide blocks per program, the
+        K splits chained in order (`_exact_int8_mm_split_kernel`; x rows on the M side; 2^j must
+        divide K / 32, else the plan halves it until it does).
     """
 
     block_n: int = 64
@@ -217,10 +327,14 @@ class Int8Config:
     num_warps: int = 4
     num_stages: int = 4
     tokens_m: bool = False
+    split_blocks: int = 0
 
     def __post_init__(self):
         if not isinstance(self.tokens_m, bool):
             raise ValueError(f"Int8Config.tokens_m must be a bool, got {self.tokens_m!r}")
+        sb = self.split_blocks
+        if isinstance(sb, bool) or not isinstance(sb, int) or sb < 0 or sb & (sb - 1) or sb > 64:
+            raise ValueError(f"Int8Config.split_blocks must be 0 or a power of two up to 64, got {sb!r}")
         for name in ("block_n", "block_m", "num_warps", "num_stages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -281,11 +395,15 @@ class ExactInt8MM:
         `planned_config` (the probe and the tests use it).
     digits: keep the weight as its three int8 digit planes (`weight_digits`, 3x the bytes) and read
         those instead of decoding the codes in the kernel.
-    The plan owns no memory that calls share: its calls may overlap in time.
+    workspace: None (the plan allocates what its K-split configurations need: the splits' running
+        sums and an int32 ticket and flags, zero between calls) or a shared pool, as
+        `ops.common.plan_workspace` says (FP32 slot 0, int32 slot 0). A plan with K splits must not
+        have calls overlapping in time (one stream, or ordered streams); without, it owns nothing
+        that calls share.
     """
 
     def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int = MAX_ROWS,
-                 config: Int8Config | None = None, digits: bool = False):
+                 config: Int8Config | None = None, digits: bool = False, workspace=None):
         n, k = mxfp8_weight_args(weight, w_scale, max_rows, MAX_ROWS)
         if config is not None and not isinstance(config, Int8Config) and not callable(config):
             raise TypeError(f"config must be an Int8Config or a callable rows -> Int8Config, got "
@@ -299,7 +417,19 @@ class ExactInt8MM:
             cfg = config(rows) if callable(config) else (config or planned_config(n, k, rows))
             if not isinstance(cfg, Int8Config):
                 raise TypeError(f"config({rows}) must be an Int8Config, got {type(cfg).__name__}")
+            if cfg.split_blocks:
+                b = cfg.split_blocks
+                while (k // 32) % b:
+                    b //= 2
+                cfg = dataclasses.replace(cfg, split_blocks=b, tokens_m=True)
             self._configs[rows] = cfg
+        ws, cnt = 1, 1
+        for rows, cfg in self._configs.items():
+            if cfg.split_blocks:
+                slots = triton.cdiv(n, cfg.block_n) * triton.cdiv(rows, cfg.block_m) * ((k // 32) // cfg.split_blocks)
+                ws, cnt = max(ws, slots * cfg.block_m * cfg.block_n), max(cnt, 1 + slots)
+        self._workspace = plan_workspace(workspace, 0, ws, torch.float32, self.device)
+        self._counters = plan_workspace(workspace, 0, cnt, torch.int32, self.device)
         self._asm = not interpreting()
 
     def config_for(self, rows: int) -> Int8Config:
@@ -316,12 +446,25 @@ class ExactInt8MM:
         out = mxfp8_linear_args(codes, x_scale, out, self.n, self.k, self.max_rows, self.device)
         m = codes.shape[0]
         cfg = self._configs[m]
+        w = self.weight.view(torch.uint8) if self._digits is None else self._digits
+        y = out if out.dtype == torch.float32 else out.view(torch.int16)
+        if cfg.split_blocks:
+            log = cfg.split_blocks.bit_length() - 1
+            splits = (self.k // 32) // cfg.split_blocks
+            grid = (triton.cdiv(self.n, cfg.block_n) * triton.cdiv(m, cfg.block_m) * splits,)
+            _exact_int8_mm_split_kernel[grid](
+                codes.view(torch.uint8), x_scale.view(torch.uint8), w, self.w_scale, y,
+                self._workspace, self._counters,
+                m, self.n, self.k, codes.stride(0), x_scale.stride(0), self.weight.stride(0),
+                self.w_scale.stride(0), out.stride(0),
+                BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, LOG_BLOCKS=log, OUT_F32=out.dtype == torch.float32,
+                ASM=self._asm, DIGITS=self._digits is not None, num_warps=cfg.num_warps, num_stages=1,
+            )
+            return out
         grid = (triton.cdiv(self.n, cfg.block_n), triton.cdiv(m, cfg.block_m))
         kernel = _exact_int8_mm_tm_kernel if cfg.tokens_m else _exact_int8_mm_kernel
         kernel[grid](
-            codes.view(torch.uint8), x_scale.view(torch.uint8),
-            self.weight.view(torch.uint8) if self._digits is None else self._digits, self.w_scale,
-            out if out.dtype == torch.float32 else out.view(torch.int16),
+            codes.view(torch.uint8), x_scale.view(torch.uint8), w, self.w_scale, y,
             m, self.n, self.k, codes.stride(0), x_scale.stride(0), self.weight.stride(0),
             self.w_scale.stride(0), out.stride(0),
             BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, OUT_F32=out.dtype == torch.float32,
@@ -335,7 +478,8 @@ class ExactLinear:
     `ExactMM` (CUDA cores) and, on an sm_90 GPU at the shapes and row counts `_TUNED` lists,
     `ExactInt8MM` (integer MMA, weight digit planes: three more bytes per weight element). Both
     give the reference's bits, so a row's result does not depend on which runs (batch
-    invariance). Arguments, errors and the call: `ExactMM`'s; workspace goes to `ExactMM`.
+    invariance). Arguments, errors and the call: `ExactMM`'s; workspace goes to both (they never
+    run at once).
     int8_from: override the row threshold (None: `int8_rows`, and only on sm_90; 0: always the
     integer MMA; a value >= max_rows: never), for tests and probes."""
 
@@ -349,7 +493,8 @@ class ExactLinear:
             sm90 = weight.device.type == "cuda" and torch.cuda.get_device_capability(weight.device) == (9, 0)
             int8_from = int8_rows(n, k) if sm90 else None
         self.int8_from = int8_from if int8_from is not None and int8_from < max_rows else None
-        self.int8 = None if self.int8_from is None else ExactInt8MM(weight, w_scale, max_rows, digits=True)
+        self.int8 = None if self.int8_from is None else ExactInt8MM(weight, w_scale, max_rows, digits=True,
+                                                                    workspace=workspace)
 
     def reduction_order(self, rows: int) -> tuple[str, int, int]:
         """`exact_mm.reduction_order(K)`: the same for every row count and either op."""
