@@ -71,7 +71,8 @@ def test_step_replay_within_tolerances(step_results):
 
 @interpreter
 def test_step_replay_with_exact_linears():
-    """The step built with exact_linears=True runs ExactMM plans and passes the verifier's checks."""
+    """The step built with exact_linears=True runs ExactMM plans, wo_a with IEEE dots and the sparse
+    MLA with FP32 operands, and passes the verifier's checks."""
     from dsv41_decode.ops.exact_mm import ExactMM
     from dsv41_decode.testing import trace_step
     built = []
@@ -84,6 +85,7 @@ def test_step_replay_with_exact_linears():
         mp.setattr(trace_step.StepReplay, "__init__", spy)
         res = verify_trace(OFFICIAL, path="step", calls=1, exact_linears=True)
     layer = next(iter(built[0].layers.values()))
+    assert layer.wo_a_plan.ieee_dot and not any(p.bf16_dot for p in layer.mla_plans)
     assert all(isinstance(p, ExactMM) for p in (layer.mm_qkv, layer.mm_wq_b, layer.mm_wo_b))
     assert [r.call for r in res if r.path == "step"] == ["decode00"] * 7
     assert not [(r.call, r.layer, f) for r in res for f in r.failures]

@@ -11,7 +11,10 @@ stored (BF16, or FP8 + scale when the checkpoint ships it so) unless the step wa
 `wo_a_fp8=True`, which quantizes a BF16 `wo_a` once and changes the numbers (ops.wo_a.quantize_wo_a).
 The FP8 linears run on FP8 tensor cores (`GluonMM` on sm_90, else `LowLatencyMM`), or with
 `exact_linears=True` with the contract's bits (`ExactLinear`: each 32-deep block sum exact and
-rounded once, then K order; on CUDA cores, or on the integer MMA where that is faster).
+rounded once, then K order; on CUDA cores, or on the integer MMA where that is faster);
+`exact_linears` also gives the sparse MLA and `wo_a` FP32 operands with IEEE dots (CUDA-core FMAs:
+FP32 round-to-nearest sums where a tensor-core MMA truncates; `SparseMlaPlan.for_step(fp32_dots=
+True)`, `WoAPlan.build(ieee_dot=True)`).
 A layer that is not eligible raises `NotEligible`, and the caller keeps the generic path.
 """
 
@@ -137,13 +140,14 @@ class AttentionStep:
         few = {"split": 1} if _few_programs(dev) else {}
         self.wo_a_plan = WoAPlan.build(cfg.n_heads, cfg.o_groups, cfg.o_lora_rank, max_rows, self.wo_a_w.dtype,
                                        dev, head_dim=cfg.head_dim, rope_dim=cfg.rope_head_dim,
-                                       workspace=pool, **few)
+                                       workspace=pool, ieee_dot=exact_linears, **few)
         topk_w = 0 if spec.kind == SWA else cfg.index_topk
-        # Per row count the tiling measured best (ops.sparse_mla.STEP_TILINGS; docs/attn.md).
+        # Per row count the tiling measured best (ops.sparse_mla.STEP_TILINGS; docs/attn.md); with
+        # exact_linears FP32 dots at every row count (FP32_STEP_TILING; the interpreter's are FP32).
         self.mla_plans = ([SparseMlaPlan.build(max_rows, cfg.n_heads, cfg.window_size, topk_w, dev, split=False,
                                                workspace=pool)]
                           if few else SparseMlaPlan.for_step(max_rows, cfg.n_heads, cfg.window_size, topk_w, dev,
-                                                             workspace=pool))
+                                                             workspace=pool, fp32_dots=exact_linears))
         wide = {"split": 1, "block_n": 256} if few else {}
         self.sink = w["attn.attn_sink"].float().contiguous()
         self.publish: torch.Tensor | None = None   # set by DecodeStep with the fused TP boundary

@@ -29,8 +29,8 @@ STEP_TILINGS = ((2, dict(block_h=16, num_warps=8, separate_combine=True)),
 # The tiling of the step's plans with FP32 dots (`for_step(fp32_dots=True)`: the exact step), the
 # same at every row count: FP32 operands, 64 dims a dot (`dot_dims`), 16 heads and 8 warps a
 # program. Compiled for sm_90 (scripts/sm90_resources.py fp32): 195 registers, no spills; 32 dims a
-# dot 170; 16 heads with the 512 dims in one go (the BF16 tiling's four 128-dim chunks, held) 10 KB
-# of spills, 32 heads a program at 64 dims 264 bytes.
+# dot 170; the BF16 tiling's four 128-dim chunks held in FP32 10 KB of stack (spills), 32 heads a
+# program at 64 dims 264 bytes. One tiling for every row count: a row's bits never depend on it.
 FP32_DOT_DIMS = 64
 FP32_STEP_TILING = dict(block_h=16, num_warps=8, separate_combine=True, bf16_dot=False, dot_dims=FP32_DOT_DIMS)
 DOT_DIMS = (16, 32, 64, 128)

@@ -223,9 +223,9 @@ class WoAPlan:
     def ieee_tile(self, rows: int) -> tuple[int, int]:
         """(BLOCK_M, num_warps) of a launch of `rows` rows with ieee_dot: BLOCK_M the rows' power of
         two, at least 8, and four outputs a thread (an FMA dot's operands are replicated per thread
-        over its 32-deep chunk). Compiled for sm_90 with 64-column tiles (scripts/sm90_resources.py
-        wo_a): 126-128 registers at 8 and 16 rows, 96-104 at 32, no spills for either weight; at
-        16 rows and 4 warps (eight outputs a thread) 240-252, and 4 rows at 4 warps spill."""
+        over its 32-deep chunk). Compiled for sm_90 with 64-column tiles (tests/ops/_fp32_dots_sm90.py):
+        126-128 registers at 8 and 16 rows, 96-104 at 32, no spills for either weight; at 16 rows
+        and 4 warps (eight outputs a thread) 240-252, and 2 or 4 rows at two outputs a thread spill."""
         block_m = max(8, triton.next_power_of_2(rows))
         return block_m, max(1, block_m * self.block_n // 128)
 
