@@ -162,7 +162,8 @@ def _parser() -> argparse.ArgumentParser:
                    "kernels as the kernel prefill runs it (stack.prefill; at most 64 rows) (default: reference)")
     v.add_argument("--exact-linears", action="store_true",
                    help="with --path step: build the step with exact_linears=True (the FP8 linears on CUDA cores "
-                   "with the contract's bits instead of FP8 tensor cores, whose block sums truncate)")
+                   "with the contract's bits instead of FP8 tensor cores, whose block sums truncate; the sparse "
+                   "MLA and wo_a with FP32 dots)")
     _common(v, threads=True)
     r = tsub.add_parser("record", help="record a trace folder from our own stack (same format)",
                         description="Records into a temporary folder beside OUT and renames it to OUT at the end, "
@@ -294,7 +295,8 @@ def _verify_path(args, path: str, console: Console) -> int:
                            log=notes.append, prefill=args.prefill,
                            exact_linears=args.exact_linears and path == "step")
     if args.exact_linears and path == "step":
-        notes.append("the step's FP8 linears exact (exact_linears=True: ops.exact_mm)")
+        notes.append("the step's FP8 linears exact (exact_linears=True: ops.exact_mm; the sparse MLA and wo_a "
+                     "with FP32 dots)")
     # the notes (the head padding): in full before the table, their first clause in the summary
     what = f"--path {path}" + "".join(f", {n.split(' (')[0]}" for n in notes)
     if not args.quiet:

@@ -90,7 +90,8 @@ def _layer_kinds(cfg: ModelConfig) -> dict[str, int]:
 
 # Step variants timed next to the default ("full") one; no_overlap at every context, the others
 # only at the generic contexts. wo_a_fp8 changes the numbers (FP8 wo_a quantized at build);
-# exact_linears gives the contract's bits (the FP8 linears on CUDA cores, ops.exact_mm).
+# exact_linears gives the contract's bits (the FP8 linears on CUDA cores, ops.exact_mm; the sparse MLA
+# and wo_a with FP32 dots).
 VARIANTS = {
     "no_overlap": dict(overlap=False),
     "wo_a_fp8": dict(wo_a_fp8=True),

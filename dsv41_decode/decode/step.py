@@ -95,7 +95,9 @@ class DecodeStep:
     wo_a_fp8: quantize a BF16 `wo_a` to FP8 once at build (changes the numbers; `ops.wo_a`).
     exact_linears: run the FP8 linears with the contract's bits (`ops.exact_mm`, CUDA cores) instead
         of on FP8 tensor cores (`ops.low_latency_mm`, faster; its 32-deep block sums truncate, so about
-        3 % of its BF16 outputs land one ulp off the contract's: docs/gemm.md, "Exactness").
+        3 % of its BF16 outputs land one ulp off the contract's: docs/gemm.md, "Exactness"), and the
+        sparse MLA and `wo_a` with FP32 operands and IEEE dots (CUDA-core FMAs: FP32 round-to-nearest
+        sums, where the default's BF16 / TF32 tensor-core dots truncate; spec decision 40).
 
     Errors: StepError for buckets outside 1..LOW_BATCH_MAX_ROWS or past the state's stage_rows, a
     state of another configuration, or an unknown tp_boundary; `NotEligible` for a layer whose

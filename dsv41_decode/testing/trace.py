@@ -169,7 +169,7 @@ def verify_trace(folder: str | Path, progress: bool = False, path: str = "refere
         the step path pads on its own when it does not run the trace's head count natively.
     log: called with a line of text for what the reader should know (the padding).
     exact_linears: path "step" only: the step built with `exact_linears=True` (its FP8 linears with the
-        contract's bits, `ops.exact_mm`).
+        contract's bits, `ops.exact_mm`; its sparse MLA and `wo_a` with FP32 dots).
     Rows whose top-k differs from the recorded one only by tied scores are re-run with the recorded
     selection (on either path), so that attn_out is compared on the same keys, and the layers that
     reuse the selection read the recorded one.
