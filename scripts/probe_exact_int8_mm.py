@@ -4,9 +4,10 @@ Gluon tier on sm_90, FP8 tensor cores, not exact) at the four V4.1-Flash shapes 
 (TP1): time per call from CUDA-graph replay (median of 10 replays of 20 calls; one weight copy),
 and the bits of every ExactInt8MM configuration against `reference.linear.mxfp8_mm` (must be 0
 differing outputs, on model-like and on heavy-tailed operands). One line per (shape, rows), then per
-shape and row count the fastest configuration.
+shape and row count the fastest configuration (`ops.exact_int8_mm._INT8_ABOVE` takes the row
+count from which it beats ExactMM).
 
-    PYTHONPATH=. python scripts/probe_exact_int8_mm.py --rows=1,4,16,64 --only=wq_b --alt=64:4:4,128:8:4
+    PYTHONPATH=. python scripts/probe_exact_int8_mm.py --rows=1,4,16,64 --only=wq_b --alt=64:16:4:4,32:64:4:4
 """
 
 from __future__ import annotations
@@ -23,12 +24,9 @@ from dsv41_decode.reference.linear import mxfp8_mm
 from _args import arg   # scripts/ is on sys.path when run as python scripts/<probe>.py
 
 SHAPES = {"fused_wqa_wkv": (1792, 5120), "wq_b": (32768, 1280), "idx_wq_b": (4096, 1280), "wo_b": (5120, 8192)}
-# block_n:block_m:num_warps:num_stages:flags[:split_blocks] (block_m 0: the rows' tile, 16 / 32 / 64;
-# flags: d = the weight's digit planes read instead of decoded, `ExactInt8MM(digits=True)`; t = the x
-# rows on the MMA's M side, `Int8Config(tokens_m=True)`; split_blocks: 32-wide blocks per program,
-# the K splits chained in order)
-CANDIDATES = ["64:16:4:4:dt", "64:16:4:1:dt:2", "64:16:4:1:dt:4", "64:16:4:1:dt:8", "32:16:4:1:dt:4",
-              "32:16:4:1:dt:8", "64:16:4:1:t:4", "64:16:4:1:t:8"]
+# block_n:block_m:num_warps:num_stages[:c] (c: the weight's codes decoded in the kernel instead of
+# its digit planes read, `ExactInt8MM(digits=False)`)
+CANDIDATES = ["64:16:4:4", "64:16:4:4:c", "32:16:4:4", "128:16:4:4", "32:64:4:4", "64:16:8:4"]
 
 
 def _time(fn) -> float:
@@ -52,7 +50,6 @@ def main() -> None:
         ex = ExactMM(weight, w_scale, 64)
         default = fp8_linear_plan(weight, w_scale, 64)
         for m in rows:
-            block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
             x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
             codes, x_scale = mxfp8_quantize(x)
             ref = mxfp8_mm(codes, x_scale, weight, w_scale).view(torch.int16)
@@ -65,17 +62,13 @@ def main() -> None:
             best = None
             for spec in specs:
                 bn, bm, warps, stages = (int(v) for v in spec.split(":")[:4])
-                flags = spec.split(":")[4]
-                sb = int(spec.split(":")[5]) if len(spec.split(":")) > 5 else 0
-                digits = "d" in flags
-                cfg = Int8Config(block_n=bn, block_m=bm or block_m, num_warps=warps, num_stages=stages,
-                                 tokens_m="t" in flags, split_blocks=sb)
+                digits = not spec.endswith(":c")
+                cfg = Int8Config(block_n=bn, block_m=bm, num_warps=warps, num_stages=stages)
                 try:
                     plan = ExactInt8MM(weight, w_scale, 64, config=cfg, digits=digits)
                     bad = int((plan(codes, x_scale, out).view(torch.int16) != ref).sum())
                     heavy = ExactInt8MM(hw, w_scale, 64, config=cfg, digits=digits)
                     bad += int((heavy(hc, x_scale).view(torch.int16) != href).sum())
-                    bad += int((heavy(hc, x_scale).view(torch.int16) != href).sum())    # counters reset
                     del heavy
                     t = _time(lambda: plan(codes, x_scale, out))
                 except Exception as e:  # report, keep probing
@@ -86,7 +79,7 @@ def main() -> None:
                     best = (spec, t)
             print("  ".join(line), flush=True)
             if best:
-                print(f"BEST {name} M={m} int8 {best[0]} (block_m {block_m}) {best[1]:.2f} us  vs exact_mm {t_ex:.2f}, "
+                print(f"BEST {name} M={m} int8 {best[0]} {best[1]:.2f} us  vs exact_mm {t_ex:.2f}, "
                       f"default {t_def:.2f}", flush=True)
 
 

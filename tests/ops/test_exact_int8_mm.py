@@ -1,6 +1,6 @@
 """ops.exact_int8_mm against reference.linear.mxfp8_mm: bitwise (BF16 and FP32 outputs), in the
-interpreter at small shapes and on the GPU at the V4.1-Flash shapes, both MMA orientations, with
-and without the weight's digit planes; the digit decomposition itself over every E4M3 code;
+interpreter at small shapes and on the GPU at the V4.1-Flash shapes, with and without the weight's
+digit planes; the digit decomposition itself over every E4M3 code;
 `ExactLinear`'s choice between the two exact ops; the argument errors; the sm_90 build.
 
 No tolerance anywhere: the op computes the contract's arithmetic exactly (each 32-block's dot as
@@ -22,7 +22,7 @@ from helpers import FLASH_LINEAR_SHAPES as FLASH_SHAPES
 from helpers import linear_operands
 from test_exact_mm import _bits, _exact_operands, _gen, _poisoned
 
-from dsv41_decode.ops.exact_int8_mm import ExactInt8MM, ExactLinear, Int8Config, _TUNED, weight_digits
+from dsv41_decode.ops.exact_int8_mm import _INT8_ABOVE, ExactInt8MM, ExactLinear, Int8Config, weight_digits
 from dsv41_decode.reference.linear import mxfp8_mm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -41,9 +41,8 @@ def test_digits_rebuild_every_code():
     (1, 40, 256, Int8Config(block_n=16, block_m=16), False, "heavy"),
     (3, 70, 384, Int8Config(block_n=32, block_m=16), True, "uniform"),
     (20, 40, 128, Int8Config(block_n=16, block_m=16), False, "uniform"),        # two row tiles
-    (5, 40, 256, Int8Config(block_n=16, block_m=16, tokens_m=True), False, "heavy"),
-    (20, 24, 128, Int8Config(block_n=16, block_m=16, tokens_m=True), True, "uniform"),
-    (6, 64, 256, None, False, "quantized"),
+    (5, 40, 256, Int8Config(block_n=16, block_m=32), True, "heavy"),
+    (6, 64, 256, None, True, "quantized"),
 ])
 def test_bitwise_equal_to_the_reference(m, n, k, cfg, digits, kind):
     if kind == "quantized":   # MXFP8 activations and a block-quantized weight, as the model has them
@@ -58,11 +57,11 @@ def test_bitwise_equal_to_the_reference(m, n, k, cfg, digits, kind):
 
 
 def test_exact_linear_switches_ops_with_the_same_bits():
-    # ExactLinear runs ExactMM up to int8_from rows and ExactInt8MM above: a row gives the same bits
+    # ExactLinear runs ExactMM up to int8_above rows and ExactInt8MM above: a row gives the same bits
     # alone (CUDA cores) and among 5 others (integer MMA).
     m, n, k = 6, 40, 128
     codes, x_scale, weight, w_scale = _exact_operands(_gen(5), m, n, k, "uniform")
-    plan = ExactLinear(weight, w_scale, max_rows=8, int8_from=2)
+    plan = ExactLinear(weight, w_scale, max_rows=8, int8_above=2)
     assert plan.op_for(2) is plan.cuda_cores and plan.op_for(3) is plan.int8
     assert plan.int8._digits is not None                      # reads the weight's digit planes
     together = plan(codes, x_scale)
@@ -71,7 +70,7 @@ def test_exact_linear_switches_ops_with_the_same_bits():
         assert torch.equal(_bits(plan(codes[i:i + 1], x_scale[i:i + 1])), _bits(together[i:i + 1])), i
     assert plan.reduction_order(1) == plan.reduction_order(6)
     # Off sm_90 (and for a threshold at or past max_rows) only the CUDA-core op is built.
-    assert ExactLinear(weight, w_scale, max_rows=8, int8_from=8).int8 is None
+    assert ExactLinear(weight, w_scale, max_rows=8, int8_above=8).int8 is None
     if DEVICE == "cpu":
         assert ExactLinear(weight, w_scale, max_rows=64).int8 is None
 
@@ -92,15 +91,16 @@ def test_bad_inputs_name_the_argument():
     raises("config must be an Int8Config", lambda: ExactInt8MM(weight, w_scale, config="fast"))
     raises("block_n must be 16, 32, 64 or 128", lambda: Int8Config(block_n=24))
     raises("block_m must be 16, 32 or 64", lambda: Int8Config(block_m=8))
-    raises("tokens_m must be a bool", lambda: Int8Config(tokens_m=1))
-    raises("codes must have dtype", lambda: ExactLinear(weight, w_scale, 8, int8_from=1)(codes.float(), x_scale))
+    raises("num_warps must be a positive int", lambda: Int8Config(num_warps=0))
+    raises("codes must have dtype", lambda: ExactLinear(weight, w_scale, 8, int8_above=1)(codes.float(), x_scale))
 
 
 def test_compiles_for_sm90_without_spills():
-    """The measured configurations of wq_b (both orientations) and wo_b, compiled for sm_90 by
-    Triton's own ptxas in a subprocess without the interpreter (tests/ops/_exact_int8_mm_sm90.py):
-    no local memory, no spill stores or loads, the integer MMA in the SASS (IGMMA: wgmma s8; IMMA:
-    mma.sync s8), and the block terms' last multiply kept apart from the accumulator's add (mul.rn)."""
+    """The plans' configuration with digit planes and with codes decoded in the kernel, and a wgmma
+    one (64 x rows), compiled for sm_90 by Triton's own ptxas in a subprocess without the
+    interpreter (tests/ops/_exact_int8_mm_sm90.py): no local memory, no spill stores or loads, the
+    integer MMA in the SASS (IMMA: mma.sync s8; IGMMA: wgmma s8), and the block terms' last multiply
+    kept apart from the accumulator's add (mul.rn)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[2]
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
@@ -119,8 +119,7 @@ def test_compiles_for_sm90_without_spills():
                          ids=["fused_wqa_wkv", "wq_b", "idx_wq_b", "wo_b"])
 def test_flash_shapes_on_gpu(name, n, k):
     _, _, codes_all, sx_all, weight, w_scale = linear_operands(_gen(n + k), 64, n, k)
-    configs = [None] + [c for c in _TUNED[(n, k)][1].values()]
-    for cfg in configs:
+    for cfg in (None, Int8Config(block_n=32, block_m=64)):      # mma.sync and wgmma
         for digits in (False, True):
             plan = ExactInt8MM(weight, w_scale, config=cfg, digits=digits)
             for m in (1, 5, 16, 33, 64):
@@ -129,11 +128,11 @@ def test_flash_shapes_on_gpu(name, n, k):
                     ref = mxfp8_mm(codes_all[:m], sx_all[:m], weight, w_scale, dtype)
                     assert torch.equal(_bits(y), _bits(ref)), (name, cfg, digits, m, dtype)
     linear = ExactLinear(weight, w_scale)          # the step's exact plan: the integer MMA above a threshold
-    assert linear.int8 is not None
+    assert linear.int8 is not None and linear.int8_above == _INT8_ABOVE[(n, k)]
     together = linear(codes_all, sx_all)
-    for m in (1, linear.int8_from, linear.int8_from + 1, 64):
+    for m in (1, linear.int8_above, linear.int8_above + 1, 64):
         assert torch.equal(_bits(linear(codes_all[:m], sx_all[:m])), _bits(together[:m])), (name, m)
     # Heavy-tailed codes, where an inexact block sum shows.
     codes, x_scale, weight, w_scale = _exact_operands(_gen(n), 40, n, k, "heavy")
-    y = ExactInt8MM(weight, w_scale, digits=True)(codes, x_scale)
+    y = ExactInt8MM(weight, w_scale)(codes, x_scale)
     assert torch.equal(_bits(y), _bits(mxfp8_mm(codes, x_scale, weight, w_scale))), name
