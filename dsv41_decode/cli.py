@@ -246,6 +246,8 @@ def _parser() -> argparse.ArgumentParser:
     pf.add_argument("--reference-tokens", type=_int_at_least(0), default=32, help="prompt length on which the "
                     "reference path's time per token is measured for the baseline; 0 skips it (default: 32)")
     pf.add_argument("--name", default="prefill", help="results file stem (default: prefill)")
+    pf.add_argument("--exact-linears", action="store_true", help="build the prefill's step with exact_linears=True "
+                    "(the contract's bits: the caches the reference writes; slower per chunk, docs/prefill.md)")
     pf.add_argument("--out", type=Path, default=Path("out"), help="results folder (default: out/, git-ignored; --out docs/results for the canonical set)")
     _common(pf)
 
@@ -433,7 +435,8 @@ def _bench(args, console: Console) -> int:
         from .bench.prefill import run_prefill_bench
         if args.chunk > 64:
             raise UsageError(f"--chunk: the kernel prefill runs 1..64 rows per call, got {args.chunk}")
-        run_prefill_bench(args.prompts, args.chunk, args.out, console.print, args.reference_tokens, args.name)
+        run_prefill_bench(args.prompts, args.chunk, args.out, console.print, args.reference_tokens, args.name,
+                          exact_linears=args.exact_linears)
         return 0
     if args.bench_cmd == "step" and args.tp > 1:
         from .bench.step_tp import run_step_bench_tp

@@ -51,17 +51,18 @@ def prefill_path(path: str, device: torch.device) -> str:
     return path
 
 
-def prefill_step(stack, state: DecodeState, chunk: int = DEFAULT_CHUNK, graphs: bool = True):
+def prefill_step(stack, state: DecodeState, chunk: int = DEFAULT_CHUNK, graphs: bool = True, **options):
     """The kernel path's `DecodeStep` for chunks of up to `chunk` rows (buckets 1, 2, 4, ... below
     `chunk`, and `chunk`: a shorter last chunk runs in the smallest that holds it, with padding rows
     that write nothing). Build it once and pass it to `prefill(..., step=)` to prefill several
-    requests without rebuilding plans and graphs (graphs=False: eager, as on the CPU)."""
+    requests without rebuilding plans and graphs (graphs=False: eager, as on the CPU). options:
+    DecodeStep's other keyword arguments (e.g. exact_linears=True: the contract's bits)."""
     _check_chunk(chunk, "kernels")
     if chunk > state.stage_rows:
         raise ValueError(f"prefill: chunk={chunk} exceeds the state's stage_rows={state.stage_rows} (the "
                          f"kernel path stages a chunk's window records there); build the DecodeState "
                          f"with stage_rows >= {chunk} or pass a smaller chunk")
-    return stack.decode_step(state, max_rows=chunk, graphs=graphs)
+    return stack.decode_step(state, max_rows=chunk, graphs=graphs, **options)
 
 
 def _check_chunk(chunk: int, path: str) -> None:
