@@ -2,11 +2,12 @@
 `exact_linears=True` (FP8 linears with the contract's bits, the sparse MLA and `wo_a` with FP32
 operands and IEEE dots), its prefill call through the kernels as well: the failing call-layers, if
 any; (2) what the FP32 dots cost: the sparse MLA's exact plan (`SparseMlaPlan.for_step(fp32_dots=
-True)`) and `wo_a` with `ieee_dot` (BF16 and FP8 weights) against the step's default plans at the
-V4.1-Flash shape (64 heads, 128 window + 512 top-k keys; 8 groups of 1024 outputs), rows 1, 16, 64:
-CUDA-graph replay timed with CUDA events, the median of 50 replays (`bench.timing.graph_time_us`;
-wo_a's weight rotated beyond L2). Each option's output is compared with the default's (max |d|:
-they differ by the tensor cores' truncated sums, at most a few BF16 ulps).
+True)`; beside it two other FP32 tilings without spills, 32-dim dots and 32-head programs, and
+whether they give its bits) and `wo_a` with `ieee_dot` (BF16 and FP8 weights) against the step's
+default plans at the V4.1-Flash shape (64 heads, 128 window + 512 top-k keys; 8 groups of 1024
+outputs), rows 1, 16, 64: CUDA-graph replay timed with CUDA events, the median of 50 replays
+(`bench.timing.graph_time_us`; wo_a's weight rotated beyond L2). Each option's output is compared
+with the default's (max |d|: the tensor cores' sums round differently).
 
     PYTHONPATH=. python scripts/probe_exact_attention.py [--case=tests/data/official-tiny]
         [--rows=1,16,64] [--only=trace|timing]
@@ -56,8 +57,12 @@ def time_sparse_mla(rows_list: list[int], gen: torch.Generator) -> None:
         plans = {"default": next(p for p in SparseMlaPlan.for_step(64, HEADS, WINDOW, TOPK, "cuda")
                                  if rows <= p.max_rows),
                  "fp32": SparseMlaPlan.for_step(64, HEADS, WINDOW, TOPK, "cuda", fp32_dots=True)[0],
-                 "fp32_d32": SparseMlaPlan.build(64, HEADS, WINDOW, TOPK, "cuda", block_h=16, num_warps=8,
-                                                 separate_combine=True, bf16_dot=False, dot_dims=32)}
+                 # other FP32 tilings (no spills on sm_90): a candidate for some row counts only if
+                 # it gives the step plan's bits (printed)
+                 "fp32_d32": SparseMlaPlan.build(64, HEADS, WINDOW, TOPK, "cuda", bf16_dot=False, dot_dims=32,
+                                                 block_h=16, num_warps=8, separate_combine=True),
+                 "fp32_bh32_d32": SparseMlaPlan.build(64, HEADS, WINDOW, TOPK, "cuda", bf16_dot=False, dot_dims=32,
+                                                      block_h=32, num_warps=8, separate_combine=True)}
         outs = {}
         for name, plan in plans.items():
             out = torch.empty_like(q)
@@ -65,8 +70,9 @@ def time_sparse_mla(rows_list: list[int], gen: torch.Generator) -> None:
                                                                  HEAD_DIM ** -0.5, o), replays=50)
             outs[name] = out.float()
             d = float((outs[name] - outs["default"]).abs().max())
-            print(f"sparse_mla rows {rows:2d} {name:8s} {us:8.2f} us  block_h {plan.block_h} warps {plan.num_warps} "
-                  f"bf16_dot {plan.bf16_dot} dot_dims {plan.dot_dims}  |d| vs default {d:.1e}", flush=True)
+            same = "" if name in ("default", "fp32") else f"  bits of fp32: {torch.equal(outs[name], outs['fp32'])}"
+            print(f"sparse_mla rows {rows:2d} {name:13s} {us:8.2f} us  block_h {plan.block_h} warps {plan.num_warps} "
+                  f"bf16_dot {plan.bf16_dot} dot_dims {plan.dot_dims}  |d| vs default {d:.1e}{same}", flush=True)
 
 
 def time_wo_a(rows_list: list[int], gen: torch.Generator) -> None:
