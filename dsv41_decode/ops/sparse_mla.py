@@ -16,8 +16,13 @@ exact in BF16) and used by every head of the group, the 512 dims as four chunks 
 s = sum over the chunks in order of q_c @ k_c^T, new max, P = bf16(exp(s - max)) (exp the CUDA math
 library's expf, as torch's; rounded to nearest even on the bits), acc_c = acc_c * alpha + P @ k_c
 in FP32. Both dots have exact products
-(BF16-valued operands) and FP32 sums: BF16 operands on the GPU, FP32 in the interpreter (its BF16
-dot is wrong).
+(BF16-valued operands) and FP32 accumulators: BF16 operands on the GPU's tensor cores by default
+(whose MMA truncates while it adds the products, so the sums are not FP32 round-to-nearest ones),
+FP32 operands with IEEE dots with `plan.bf16_dot` False (CUDA-core FMAs, every add rounded to
+nearest: the exact step's, `SparseMlaPlan.for_step(fp32_dots=True)`) and always in the interpreter
+(its BF16 dot is wrong). FP32 operands on the GPU take dots of `plan.dot_dims` < 128 dims
+(`_streamed_scores`, `_streamed_pv`): an FMA dot's operands are replicated per thread over its
+depth, so the four 128-dim chunks held in FP32 would spill.
 
 Key splits (`plan.split`, the GPU's): one program per (row, head group, 64-key block). A block's P
 must be rounded against the running max the sequential loop has there, max(-1e30, the maxima of
