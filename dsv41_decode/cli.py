@@ -161,9 +161,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="with --path step: what replays the prefill call: the reference layers, or the step's "
                    "kernels as the kernel prefill runs it (stack.prefill; at most 64 rows) (default: reference)")
     v.add_argument("--exact-linears", action="store_true",
-                   help="with --path step: build the step with exact_linears=True (the FP8 linears on CUDA cores "
-                   "with the contract's bits instead of FP8 tensor cores, whose block sums truncate; the sparse "
-                   "MLA and wo_a with FP32 dots)")
+                   help="with --path step: build the step with exact_linears=True (the FP8 linears with the "
+                   "contract's bits instead of on FP8 tensor cores, whose block sums truncate)")
+    v.add_argument("--fp32-dots", action="store_true",
+                   help="with --path step: build the step with fp32_dots=True (the sparse MLA and wo_a with FP32 "
+                   "IEEE dots instead of tensor-core ones, which truncate; on a GPU the official cases pass with "
+                   "both options)")
     _common(v, threads=True)
     r = tsub.add_parser("record", help="record a trace folder from our own stack (same format)",
                         description="Records into a temporary folder beside OUT and renames it to OUT at the end, "
@@ -247,7 +250,10 @@ def _parser() -> argparse.ArgumentParser:
                     "reference path's time per token is measured for the baseline; 0 skips it (default: 32)")
     pf.add_argument("--name", default="prefill", help="results file stem (default: prefill)")
     pf.add_argument("--exact-linears", action="store_true", help="build the prefill's step with exact_linears=True "
-                    "(the contract's bits: the caches the reference writes; slower per chunk, docs/prefill.md)")
+                    "(the FP8 linears with the contract's bits: each layer writes the reference's records for its "
+                    "input; slower per chunk, docs/prefill.md)")
+    pf.add_argument("--fp32-dots", action="store_true", help="build the prefill's step with fp32_dots=True too "
+                    "(the sparse MLA and wo_a with FP32 IEEE dots; much slower per chunk)")
     pf.add_argument("--out", type=Path, default=Path("out"), help="results folder (default: out/, git-ignored; --out docs/results for the canonical set)")
     _common(pf)
 
@@ -291,14 +297,17 @@ def _verify_path(args, path: str, console: Console) -> int:
     if args.prefill == "kernels" and args.path != "step":
         raise UsageError(f"--prefill kernels runs the prefill through the step: use it with --path step, "
                          f"not --path {args.path}")
-    if args.exact_linears and args.path == "reference":
-        raise UsageError("--exact-linears builds the step's linears: use it with --path step or both")
+    for flag, on in (("--exact-linears", args.exact_linears), ("--fp32-dots", args.fp32_dots)):
+        if on and args.path == "reference":
+            raise UsageError(f"{flag} builds the step's kernels: use it with --path step or both")
     results = verify_trace(args.dir, progress=not args.quiet, path=path, device=args.device, calls=args.calls,
                            log=notes.append, prefill=args.prefill,
-                           exact_linears=args.exact_linears and path == "step")
+                           exact_linears=args.exact_linears and path == "step",
+                           fp32_dots=args.fp32_dots and path == "step")
     if args.exact_linears and path == "step":
-        notes.append("the step's FP8 linears exact (exact_linears=True: ops.exact_mm; the sparse MLA and wo_a "
-                     "with FP32 dots)")
+        notes.append("the step's FP8 linears exact (exact_linears=True: ops.exact_int8_mm.ExactLinear)")
+    if args.fp32_dots and path == "step":
+        notes.append("the step's sparse MLA and wo_a with FP32 IEEE dots (fp32_dots=True)")
     # the notes (the head padding): in full before the table, their first clause in the summary
     what = f"--path {path}" + "".join(f", {n.split(' (')[0]}" for n in notes)
     if not args.quiet:
@@ -436,7 +445,7 @@ def _bench(args, console: Console) -> int:
         if args.chunk > 64:
             raise UsageError(f"--chunk: the kernel prefill runs 1..64 rows per call, got {args.chunk}")
         run_prefill_bench(args.prompts, args.chunk, args.out, console.print, args.reference_tokens, args.name,
-                          exact_linears=args.exact_linears)
+                          exact_linears=args.exact_linears, fp32_dots=args.fp32_dots)
         return 0
     if args.bench_cmd == "step" and args.tp > 1:
         from .bench.step_tp import run_step_bench_tp

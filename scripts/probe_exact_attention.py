@@ -1,5 +1,5 @@
 """The exact step's attention on a GPU, in one run: (1) the official trace through the step built with
-`exact_linears=True` (FP8 linears with the contract's bits, the sparse MLA and `wo_a` with FP32
+`exact_linears=True, fp32_dots=True` (FP8 linears with the contract's bits, the sparse MLA and `wo_a` with FP32
 operands and IEEE dots), its prefill call through the kernels as well: the failing call-layers, if
 any; (2) what the FP32 dots cost: the sparse MLA's exact plan (`SparseMlaPlan.for_step(fp32_dots=
 True)`; beside it two other FP32 tilings without spills, 32-dim dots and 32-head programs, and
@@ -37,9 +37,9 @@ def trace(case: str) -> bool:
     """verify_trace through the exact step, prefill through the kernels; True when every call-layer passes."""
     from dsv41_decode.testing.trace import MAX_ULP, verify_trace
     t0 = time.time()
-    res = verify_trace(case, path="step", device="cuda", prefill="kernels", exact_linears=True)
+    res = verify_trace(case, path="step", device="cuda", prefill="kernels", exact_linears=True, fp32_dots=True)
     bad = [r for r in res if r.failures]
-    print(f"trace {case}: {len(res)} call-layers, path step, prefill kernels, exact_linears, "
+    print(f"trace {case}: {len(res)} call-layers, path step, prefill kernels, exact_linears + fp32_dots, "
           f"{time.time() - t0:.0f} s", flush=True)
     worst = max(res, key=lambda r: r.attn_out_unexplained_ulp)
     print(f"  largest attn_out distance once flips are applied: {worst.attn_out_unexplained_ulp:.3g} ulp "

@@ -3,10 +3,10 @@ traces, one layer at a time, at the verifier's tolerances.
 
 CPU (Triton interpreter): official-tiny's prefill (reference layers) and its first three decode
 calls through the step, the checkpoint's 4 heads padded to 8 (~7 s per decode call on 2 cores).
-CPU, also with the step's exact linears (`exact_linears=True`, `ops.exact_mm`): the first decode
-call. GPU (marked gpu): every call of both public official cases through the step on CUDA with the
-exact linears (the default FP8 tensor-core linears truncate their block sums, so a record's code
-can differ: docs/gemm.md, "Exactness").
+CPU, also with the step's exact linears and FP32 dots (`exact_linears=True, fp32_dots=True`): the
+first decode call. GPU (marked gpu): every call of both public official cases through the step on
+CUDA with both options (the default tensor-core linears and dots truncate their sums, so a record's
+code can differ: docs/gemm.md, "Exactness").
 """
 
 from __future__ import annotations
@@ -71,9 +71,10 @@ def test_step_replay_within_tolerances(step_results):
 
 @interpreter
 def test_step_replay_with_exact_linears():
-    """The step built with exact_linears=True runs ExactMM plans, wo_a with IEEE dots and the sparse
-    MLA with FP32 operands, and passes the verifier's checks."""
-    from dsv41_decode.ops.exact_mm import ExactMM
+    """The step built with exact_linears=True and fp32_dots=True runs ExactLinear plans (ExactMM
+    alone off sm_90), wo_a with IEEE dots and the sparse MLA with FP32 operands, and passes the
+    verifier's checks."""
+    from dsv41_decode.ops.exact_int8_mm import ExactLinear
     from dsv41_decode.testing import trace_step
     built = []
     real = trace_step.StepReplay.__init__
@@ -83,24 +84,25 @@ def test_step_replay_with_exact_linears():
         built.append(self.step)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(trace_step.StepReplay, "__init__", spy)
-        res = verify_trace(OFFICIAL, path="step", calls=1, exact_linears=True)
+        res = verify_trace(OFFICIAL, path="step", calls=1, exact_linears=True, fp32_dots=True)
     layer = next(iter(built[0].layers.values()))
     assert layer.wo_a_plan.ieee_dot and not any(p.bf16_dot for p in layer.mla_plans)
-    assert all(isinstance(p, ExactMM) for p in (layer.mm_qkv, layer.mm_wq_b, layer.mm_wo_b))
+    assert all(isinstance(p, ExactLinear) and p.int8 is None for p in (layer.mm_qkv, layer.mm_wq_b, layer.mm_wo_b))
     assert [r.call for r in res if r.path == "step"] == ["decode00"] * 7
     assert not [(r.call, r.layer, f) for r in res for f in r.failures]
-    with pytest.raises(ValueError, match="exact_linears builds the step's linears"):
-        verify_trace(OFFICIAL, path="reference", exact_linears=True)
+    for option in ("exact_linears", "fp32_dots"):
+        with pytest.raises(ValueError, match="exact_linears and fp32_dots build the step's kernels"):
+            verify_trace(OFFICIAL, path="reference", **{option: True})
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES, ids=lambda p: p.name)
 def test_step_path_cuda(case, capsys):
     assert main(["trace", "verify", str(case), "--path", "step", "--device", "cuda", "--exact-linears",
-                 "--quiet"]) == 0
+                 "--fp32-dots", "--quiet"]) == 0
     out = capsys.readouterr().out
     lines = out.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("PASS --path step")
-    res = verify_trace(case, path="step", device="cuda", exact_linears=True)
+    res = verify_trace(case, path="step", device="cuda", exact_linears=True, fp32_dots=True)
     assert {r.path for r in res if r.call != "prefill"} == {"step"}
     assert not [(r.call, r.layer, f) for r in res for f in r.failures]

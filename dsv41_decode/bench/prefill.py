@@ -115,10 +115,10 @@ def _reference_us_per_token(stack: AttentionStack, tokens: int, gen: torch.Gener
 
 def run_prefill_bench(prompts=PROMPTS, chunk: int = 64, out_dir="docs/results", progress=print,
                       reference_tokens: int = 32, bench_name: str = "prefill", kinds: bool = True,
-                      exact_linears: bool = False) -> list[dict]:
-    """Every prompt length through the kernel prefill (exact_linears: its step built with
-    `exact_linears=True`, the contract's bits; the rows' key says `linears: "exact"`); returns and
-    writes the result rows."""
+                      exact_linears: bool = False, fp32_dots: bool = False) -> list[dict]:
+    """Every prompt length through the kernel prefill (exact_linears, fp32_dots: its step built with
+    those options, the rows' key says `linears: "exact"`, `dots: "fp32"`); returns and writes the
+    result rows."""
     info = run_info()
     floor = read_bandwidth_gbps()
     progress(f"streaming read: {floor:.0f} GB/s on {info['gpu']}")
@@ -134,7 +134,7 @@ def run_prefill_bench(prompts=PROMPTS, chunk: int = 64, out_dir="docs/results", 
                             stage_rows=chunk)
         state.admit(0)
         progress(f"prompt {n}: building + capturing the step ({chunk}-row chunks)")
-        step = prefill_step(stack, state, chunk, exact_linears=exact_linears)
+        step = prefill_step(stack, state, chunk, exact_linears=exact_linears, fp32_dots=fp32_dots)
         x = torch.randn(n, cfg.hc_mult, cfg.dim, generator=gen, device="cuda").to(torch.bfloat16)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -144,9 +144,7 @@ def run_prefill_bench(prompts=PROMPTS, chunk: int = 64, out_dir="docs/results", 
         del x
         nbytes, bytes_us, compute_us = floors_us(stack, n, chunk, floor)
         base = {"reference_est": ref_us * n} if ref_us is not None else {}
-        key = {"op": "prefill", "tokens": n, "chunk": chunk, "layers": len(stack.ids)}
-        if exact_linears:
-            key["linears"] = "exact"
+        key = {"op": "prefill", "tokens": n, "chunk": chunk, "layers": len(stack.ids), **_options(exact_linears, fp32_dots)}
         rec = record(bench_name, key, us, nbytes, floor, base, info)
         rec.update(tokens_per_s=round(n / (us * 1e-6), 1), s=round(us * 1e-6, 3),
                    bytes_floor_us=round(bytes_us, 1), compute_floor_us=round(compute_us, 1),
@@ -156,19 +154,24 @@ def run_prefill_bench(prompts=PROMPTS, chunk: int = 64, out_dir="docs/results", 
                  f"{bytes_us * 1e-6:.2f} s, compute {compute_us * 1e-6:.2f} s)")
         if kinds:
             results += _kind_rows(stack, step, state, n, chunk, floor, info, gen, bench_name, progress,
-                                  exact_linears)
+                                  _options(exact_linears, fp32_dots))
         del step, state
         torch.cuda.empty_cache()
     for r in results:
         r["read_gbps"] = round(floor, 1)
     path = write_jsonl(results, out_dir, bench_name)
     progress(f"wrote {path}")
-    print(format_table(results, ["op", "tokens", "chunk", "kind", "linears"]))
+    print(format_table(results, ["op", "tokens", "chunk", "kind", "linears", "dots"]))
     return results
 
 
+def _options(exact_linears: bool, fp32_dots: bool) -> dict:
+    """The step options' part of a row's key (none for the default step)."""
+    return {**({"linears": "exact"} if exact_linears else {}), **({"dots": "fp32"} if fp32_dots else {})}
+
+
 def _kind_rows(stack, step, state, n, chunk, floor, info, gen, bench_name, progress,
-               exact_linears: bool = False) -> list[dict]:
+               options: dict | None = None) -> list[dict]:
     """One layer of each kind alone for one chunk at the end of the prompt (graph of repeated calls)."""
     cfg, out = stack.cfg, []
     x = torch.randn(chunk, cfg.hc_mult, cfg.dim, generator=gen, device="cuda").to(torch.bfloat16)
@@ -179,9 +182,7 @@ def _kind_rows(stack, step, state, n, chunk, floor, info, gen, bench_name, progr
     for label, L in _layer_kinds(cfg).items():
         us = graph_time_us(step.layer_call(L, bucket), replays=20, min_calls=4)
         nbytes = layer_weight_bytes(stack.layers[L]) + layer_cache_bytes(cfg, L, torch.tensor([n + chunk - 1]))
-        key = {"op": "prefill_layer", "kind": label, "layer": L, "tokens": n, "chunk": chunk}
-        if exact_linears:
-            key["linears"] = "exact"
+        key = {"op": "prefill_layer", "kind": label, "layer": L, "tokens": n, "chunk": chunk, **(options or {})}
         rec = record(bench_name, key, us, nbytes, floor, {}, info)
         rec["share_s"] = round(us * 1e-6 * chunks * count[label], 3)   # an upper estimate: the last chunk's cost
         out.append(rec)

@@ -96,6 +96,7 @@ VARIANTS = {
     "no_overlap": dict(overlap=False),
     "wo_a_fp8": dict(wo_a_fp8=True),
     "exact_linears": dict(exact_linears=True),
+    "exact": dict(exact_linears=True, fp32_dots=True),
 }
 DEFAULT_VARIANTS = ("no_overlap", "wo_a_fp8")
 

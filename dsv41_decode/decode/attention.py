@@ -12,7 +12,7 @@ stored (BF16, or FP8 + scale when the checkpoint ships it so) unless the step wa
 The FP8 linears run on FP8 tensor cores (`GluonMM` on sm_90, else `LowLatencyMM`), or with
 `exact_linears=True` with the contract's bits (`ExactLinear`: each 32-deep block sum exact and
 rounded once, then K order; on CUDA cores, or on the integer MMA where that is faster);
-`exact_linears` also gives the sparse MLA and `wo_a` FP32 operands with IEEE dots (CUDA-core FMAs:
+`fp32_dots=True` gives the sparse MLA and `wo_a` FP32 operands with IEEE dots (CUDA-core FMAs:
 FP32 round-to-nearest sums where a tensor-core MMA truncates; `SparseMlaPlan.for_step(fp32_dots=
 True)`, `WoAPlan.build(ieee_dot=True)`).
 A layer that is not eligible raises `NotEligible`, and the caller keeps the generic path.
@@ -101,7 +101,7 @@ class AttentionStep:
 
     def __init__(self, layer: AttentionLayer, state: DecodeState, meta: StepMeta, scratch: Scratch,
                  lanes: Lanes, max_rows: int, sources: Mapping[int, "AttentionStep"] | None = None,
-                 wo_a_fp8: bool = False, exact_linears: bool = False):
+                 wo_a_fp8: bool = False, exact_linears: bool = False, fp32_dots: bool = False):
         """sources: the step's layers built before this one (by id), among them this layer's index and
         KV sources: a layer that reuses a selection or a candidate pool reads its source's buffers.
         The layer's own selection and candidate pool (when it makes them) are its attributes
@@ -140,14 +140,14 @@ class AttentionStep:
         few = {"split": 1} if _few_programs(dev) else {}
         self.wo_a_plan = WoAPlan.build(cfg.n_heads, cfg.o_groups, cfg.o_lora_rank, max_rows, self.wo_a_w.dtype,
                                        dev, head_dim=cfg.head_dim, rope_dim=cfg.rope_head_dim,
-                                       workspace=pool, ieee_dot=exact_linears, **few)
+                                       workspace=pool, ieee_dot=fp32_dots, **few)
         topk_w = 0 if spec.kind == SWA else cfg.index_topk
         # Per row count the tiling measured best (ops.sparse_mla.STEP_TILINGS; docs/attn.md); with
-        # exact_linears FP32 dots at every row count (FP32_STEP_TILING; the interpreter's are FP32).
+        # fp32_dots FP32 dots at every row count (FP32_STEP_TILING; the interpreter's are FP32).
         self.mla_plans = ([SparseMlaPlan.build(max_rows, cfg.n_heads, cfg.window_size, topk_w, dev, split=False,
                                                workspace=pool)]
                           if few else SparseMlaPlan.for_step(max_rows, cfg.n_heads, cfg.window_size, topk_w, dev,
-                                                             workspace=pool, fp32_dots=exact_linears))
+                                                             workspace=pool, fp32_dots=fp32_dots))
         wide = {"split": 1, "block_n": 256} if few else {}
         self.sink = w["attn.attn_sink"].float().contiguous()
         self.publish: torch.Tensor | None = None   # set by DecodeStep with the fused TP boundary

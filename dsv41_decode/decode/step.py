@@ -93,11 +93,15 @@ class DecodeStep:
         Both give the same bits. When the fused boundary cannot be built the step falls back to
         "collective" and says why (a RuntimeWarning); `boundary_mode` tells which runs.
     wo_a_fp8: quantize a BF16 `wo_a` to FP8 once at build (changes the numbers; `ops.wo_a`).
-    exact_linears: run the FP8 linears with the contract's bits (`ops.exact_mm`, CUDA cores) instead
-        of on FP8 tensor cores (`ops.low_latency_mm`, faster; its 32-deep block sums truncate, so about
-        3 % of its BF16 outputs land one ulp off the contract's: docs/gemm.md, "Exactness"), and the
-        sparse MLA and `wo_a` with FP32 operands and IEEE dots (CUDA-core FMAs: FP32 round-to-nearest
-        sums, where the default's BF16 / TF32 tensor-core dots truncate; spec decision 40).
+    exact_linears: run the FP8 linears with the contract's bits (`ops.exact_int8_mm.ExactLinear`:
+        CUDA cores, or the integer MMA from a number of rows on) instead of on FP8 tensor cores
+        (faster; their 32-deep block sums truncate, so about 3 % of their BF16 outputs land one ulp
+        off the contract's: docs/gemm.md, "Exactness"). The cache records a layer writes then are
+        the reference's, bit for bit, given its input.
+    fp32_dots: run the sparse MLA and `wo_a` with FP32 operands and IEEE dots (CUDA-core FMAs: FP32
+        round-to-nearest sums, where the default's BF16 / TF32 tensor-core dots truncate; spec
+        decision 40): their outputs then differ from the reference's only by FP32 summation order.
+        With both, `trace verify --path step --device cuda` passes the official cases.
 
     Errors: StepError for buckets outside 1..LOW_BATCH_MAX_ROWS or past the state's stage_rows, a
     state of another configuration, or an unknown tp_boundary; `NotEligible` for a layer whose
@@ -110,7 +114,7 @@ class DecodeStep:
 
     def __init__(self, stack, state: DecodeState, *, max_rows: int = 16, buckets: Sequence[int] | None = None,
                  graphs: bool = True, overlap: bool = True, tp_boundary: str = "auto", wo_a_fp8: bool = False,
-                 exact_linears: bool = False):
+                 exact_linears: bool = False, fp32_dots: bool = False):
         if buckets is None:
             buckets = tuple(b for b in DEFAULT_BUCKETS if b < max_rows) + (max_rows,)
         buckets = tuple(sorted(set(buckets)))
@@ -139,7 +143,8 @@ class DecodeStep:
         self.layers: dict[int, AttentionStep] = {}
         for i in stack.ids:                       # ascending: a layer's sources are built before it
             self.layers[i] = AttentionStep(stack.layers[i], state, self.meta, self.scratch, self.lanes, B,
-                                           self.layers, wo_a_fp8=wo_a_fp8, exact_linears=exact_linears)
+                                           self.layers, wo_a_fp8=wo_a_fp8, exact_linears=exact_linears,
+                                           fp32_dots=fp32_dots)
         self.scratch.workspaces.seal()           # every plan has its view; the graphs take the addresses
         mailbox = None
         if tp_boundary != "collective" and stack.tp.tp > 1 and dev.type == "cuda":

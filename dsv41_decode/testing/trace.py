@@ -152,7 +152,8 @@ def window_positions(last: int, window: int) -> torch.Tensor:
 
 def verify_trace(folder: str | Path, progress: bool = False, path: str = "reference", device: str = "cpu",
                  calls: int | None = None, heads: int | None = None, log=None,
-                 prefill: str = "reference", exact_linears: bool = False) -> list[CallLayerResult]:
+                 prefill: str = "reference", exact_linears: bool = False,
+                 fp32_dots: bool = False) -> list[CallLayerResult]:
     """Replay a trace folder teacher-forced (every layer gets the recorded `attn_in`) and compare.
 
     path: "reference" (every call through the generic layers) or "step" (calls of one token per
@@ -169,7 +170,9 @@ def verify_trace(folder: str | Path, progress: bool = False, path: str = "refere
         the step path pads on its own when it does not run the trace's head count natively.
     log: called with a line of text for what the reader should know (the padding).
     exact_linears: path "step" only: the step built with `exact_linears=True` (its FP8 linears with the
-        contract's bits, `ops.exact_mm`; its sparse MLA and `wo_a` with FP32 dots).
+        contract's bits, `ops.exact_int8_mm.ExactLinear`).
+    fp32_dots: path "step" only: the step built with `fp32_dots=True` (its sparse MLA and `wo_a` with
+        FP32 IEEE dots). On a GPU the official cases pass with both (the tensor cores truncate).
     Rows whose top-k differs from the recorded one only by tied scores are re-run with the recorded
     selection (on either path), so that attn_out is compared on the same keys, and the layers that
     reuse the selection read the recorded one.
@@ -211,9 +214,10 @@ def verify_trace(folder: str | Path, progress: bool = False, path: str = "refere
     reqs = [f"b{b}" for b in range(B)]
     for r in reqs:
         state.admit(r)
-    if exact_linears and path != "step":
-        raise ValueError("exact_linears builds the step's linears: use it with path 'step'")
-    replay = StepReplay(stack, state, rows, exact_linears=exact_linears) if path == "step" else None
+    if (exact_linears or fp32_dots) and path != "step":
+        raise ValueError("exact_linears and fp32_dots build the step's kernels: use them with path 'step'")
+    replay = StepReplay(stack, state, rows, exact_linears=exact_linears, fp32_dots=fp32_dots) \
+        if path == "step" else None
     boundary_ops = StepBoundaryOps(cfg.dim, rows, device) if path == "step" else None
     results: list[CallLayerResult] = []
     bar = _progress(progress, len(names) * len(layers))
