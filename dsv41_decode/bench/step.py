@@ -163,8 +163,9 @@ def run_step_bench(rows=ROWS, contexts=CONTEXTS, out_dir="out", progress=print, 
             results += _kind_breakdown(steps, cfg, ctx, kinds_rows, floor, info, gen, bench_name, progress)
         if timeline and ctx == generic_contexts[0]:
             from .step_timeline import write_timeline
-            _arm(steps["full"], [(0, 1)], gen)
-            write_timeline(steps["full"], 1, out_dir, info, progress)
+            first = steps["full"].buckets[0]          # 1 row unless --rows leaves it out
+            _arm(steps["full"], [(i, 1) for i in range(first)], gen)
+            write_timeline(steps["full"], first, out_dir, info, progress)
         # last: the calls advance the state, which the rows above time as filled
         for name, case_rows in cases:
             if "+" not in name:
