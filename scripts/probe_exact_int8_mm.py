@@ -24,9 +24,9 @@ from dsv41_decode.reference.linear import mxfp8_mm
 from _args import arg   # scripts/ is on sys.path when run as python scripts/<probe>.py
 
 SHAPES = {"fused_wqa_wkv": (1792, 5120), "wq_b": (32768, 1280), "idx_wq_b": (4096, 1280), "wo_b": (5120, 8192)}
-# block_n:block_m:num_warps:num_stages[:c] (c: the weight's codes decoded in the kernel instead of
-# its digit planes read, `ExactInt8MM(digits=False)`)
-CANDIDATES = ["64:16:4:4", "64:16:4:4:c", "32:16:4:4", "128:16:4:4", "32:64:4:4", "64:16:8:4"]
+# block_n:block_m:num_warps:num_stages[:c|:p] (c: the weight's codes decoded in the kernel instead of
+# its digit planes read, `ExactInt8MM(digits=False)`; p: two blocks a step, `Int8Config(pairs=True)`)
+CANDIDATES = ["64:16:4:4", "64:16:4:4:p", "64:16:4:3:p", "32:16:4:4:p", "64:16:4:4:c", "32:16:4:4", "32:64:4:4"]
 
 
 def _time(fn) -> float:
@@ -63,7 +63,7 @@ def main() -> None:
             for spec in specs:
                 bn, bm, warps, stages = (int(v) for v in spec.split(":")[:4])
                 digits = not spec.endswith(":c")
-                cfg = Int8Config(block_n=bn, block_m=bm, num_warps=warps, num_stages=stages)
+                cfg = Int8Config(block_n=bn, block_m=bm, num_warps=warps, num_stages=stages, pairs=spec.endswith(":p"))
                 try:
                     plan = ExactInt8MM(weight, w_scale, 64, config=cfg, digits=digits)
                     bad = int((plan(codes, x_scale, out).view(torch.int16) != ref).sum())

@@ -92,12 +92,23 @@ def _block_partial(w0, w1, w2, x0, x1, x2):
     return s.to(tl.float32) * 3.814697265625e-06          # 2^-18: exact
 
 
+@triton.jit
+def _term(xc, sxb, swb, w0, w1, w2, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr):
+    """One block's term RN(partial) * sx * sw [BM, BN] (the reference's order; `mul.rn` for the
+    last factor) from x's codes [BM, 32], the scale bytes and the weight's digits [32, BN]."""
+    x0, x1, x2 = _digits(xc)
+    part = _block_partial(x0, x1, x2, w0, w1, w2)
+    sw = ue8m0_to_fp32(swb.to(tl.int32))
+    sx = ue8m0_to_fp32(sxb.to(tl.int32))
+    return _mul_rn(part * sx[:, None], tl.broadcast_to(sw[None, :], [BLOCK_M, BLOCK_N]), ASM)
+
+
 @triton.jit(do_not_specialize=["M", "stride_sxm", "stride_swn"])
 def _exact_int8_mm_kernel(
     x_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr,
     M, N, K, stride_xm, stride_sxm, stride_wn, stride_swn, stride_ym,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, OUT_F32: tl.constexpr, STAGES: tl.constexpr,
-    ASM: tl.constexpr, DIGITS: tl.constexpr,
+    ASM: tl.constexpr, DIGITS: tl.constexpr, PAIRS: tl.constexpr = False,
 ):
     # Grid: (N tiles, M tiles). Program (t, u) covers W rows [t*BLOCK_N, +BLOCK_N) and x rows
     # [u*BLOCK_M, +BLOCK_M) over all of K, one 32-wide block per step. Rows past N or M read the
@@ -118,6 +129,45 @@ def _exact_int8_mm_kernel(
     plane = N * stride_wn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     KB = K // 32
+    if PAIRS:
+        # Two blocks a step (K / 32 even, digit planes): their loads and MMAs are independent of
+        # each other, so the second block's overlap the first's; the terms are still added one by
+        # one in K order. x's codes and the scales of the next pair are loaded a step ahead.
+        xa = tl.load(x_ptrs)
+        xb = tl.load(x_ptrs + 32)
+        sxa = tl.load(sx_ptrs)
+        sxb2 = tl.load(sx_ptrs + 1)
+        swa = tl.load(sw_ptrs)
+        swb2 = tl.load(sw_ptrs + 1)
+        for kb in tl.range(0, KB, 2, num_stages=STAGES):
+            nk = tl.minimum(kb + 2, KB - 2)
+            xa_next = tl.load(x_ptrs + nk * 32)
+            xb_next = tl.load(x_ptrs + nk * 32 + 32)
+            sxa_next = tl.load(sx_ptrs + nk)
+            sxb_next = tl.load(sx_ptrs + nk + 1)
+            swa_next = tl.load(sw_ptrs + nk)
+            swb_next = tl.load(sw_ptrs + nk + 1)
+            ta = _term(xa, sxa, swa, tl.load(w_ptrs + kb * 32), tl.load(w_ptrs + plane + kb * 32),
+                       tl.load(w_ptrs + 2 * plane + kb * 32), BLOCK_M, BLOCK_N, ASM)
+            tb = _term(xb, sxb2, swb2, tl.load(w_ptrs + kb * 32 + 32), tl.load(w_ptrs + plane + kb * 32 + 32),
+                       tl.load(w_ptrs + 2 * plane + kb * 32 + 32), BLOCK_M, BLOCK_N, ASM)
+            acc += ta
+            acc += tb
+            xa, xb, sxa, sxb2, swa, swb2 = xa_next, xb_next, sxa_next, sxb_next, swa_next, swb_next
+    else:
+        acc = _walk(acc, x_ptrs, sx_ptrs, sw_ptrs, w_ptrs, plane, KB, BLOCK_M, BLOCK_N, STAGES, ASM, DIGITS)
+    mask = (rn[None, :] < N) & (rm[:, None] < M)
+    y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+    if OUT_F32:
+        tl.store(y_ptrs, acc, mask=mask)
+    else:
+        tl.store(y_ptrs, bf16_rne_bits(acc), mask=mask)
+
+
+@triton.jit
+def _walk(acc, x_ptrs, sx_ptrs, sw_ptrs, w_ptrs, plane, KB, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          STAGES: tl.constexpr, ASM: tl.constexpr, DIGITS: tl.constexpr):
+    """acc + the K blocks' terms in K order, one block a step."""
     # The loads that the MMAs do not take straight from memory (x's codes, both scales, the
     # weight's codes when decoded here) are issued one block ahead, into registers.
     xc = tl.load(x_ptrs)
@@ -138,19 +188,9 @@ def _exact_int8_mm_kernel(
             wc_next = tl.load(w_ptrs + nk * 32)
             w0, w1, w2 = _digits(wc)
             wc = wc_next
-        x0, x1, x2 = _digits(xc)
-        part = _block_partial(x0, x1, x2, w0, w1, w2)
-        sw = ue8m0_to_fp32(swb.to(tl.int32))
-        sx = ue8m0_to_fp32(sxb.to(tl.int32))
-        # The reference's order: partial * sx * sw, then the K-ordered FP32 sum.
-        acc += _mul_rn(part * sx[:, None], tl.broadcast_to(sw[None, :], [BLOCK_M, BLOCK_N]), ASM)
+        acc += _term(xc, sxb, swb, w0, w1, w2, BLOCK_M, BLOCK_N, ASM)
         xc, sxb, swb = xc_next, sxb_next, swb_next
-    mask = (rn[None, :] < N) & (rm[:, None] < M)
-    y_ptrs = y_ptr + rm[:, None] * stride_ym + rn[None, :]
-    if OUT_F32:
-        tl.store(y_ptrs, acc, mask=mask)
-    else:
-        tl.store(y_ptrs, bf16_rne_bits(acc), mask=mask)
+    return acc
 
 
 @dataclass(frozen=True)
@@ -160,18 +200,23 @@ class Int8Config:
     block_n: weight rows per program (16, 32, 64 or 128); block_m: x rows per program (16, 32 or 64:
     the MMA's M side, 16 on mma.sync, 64 on wgmma; a call's rows are padded up to a multiple of it).
     num_warps, num_stages: Triton's (the weight digit planes' loads run num_stages - 1 blocks ahead).
+    pairs: two 32-wide blocks a step, their loads and MMAs independent (K / 32 even and the digit
+        planes read; the terms still added one by one in K order).
     """
 
     block_n: int = 64
     block_m: int = 16
     num_warps: int = 4
     num_stages: int = 4
+    pairs: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "block_m", "num_warps", "num_stages"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Int8Config.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.pairs, bool):
+            raise ValueError(f"Int8Config.pairs must be a bool, got {self.pairs!r}")
         if self.block_n not in (16, 32, 64, 128):
             raise ValueError(f"Int8Config.block_n must be 16, 32, 64 or 128, got {self.block_n}")
         if self.block_m not in (16, 32, 64):
@@ -218,6 +263,8 @@ class ExactInt8MM:
         if config is not None and not isinstance(config, Int8Config):
             raise TypeError(f"config must be an Int8Config, got {type(config).__name__}")
         self.config = config or Int8Config()
+        if self.config.pairs and ((k // 32) % 2 or not digits):
+            raise ValueError(f"Int8Config(pairs=True) needs K / 32 even and digits=True, got K={k}, digits={digits}")
         self.weight, self.w_scale = weight, w_scale.view(torch.uint8)
         self.n, self.k, self.max_rows = n, k, max_rows
         self.device = weight.device
@@ -240,7 +287,7 @@ class ExactInt8MM:
             m, self.n, self.k, codes.stride(0), x_scale.stride(0), self.weight.stride(0),
             self.w_scale.stride(0), out.stride(0),
             BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, OUT_F32=out.dtype == torch.float32,
-            STAGES=cfg.num_stages, ASM=self._asm, DIGITS=self._digits is not None,
+            STAGES=cfg.num_stages, ASM=self._asm, DIGITS=self._digits is not None, PAIRS=cfg.pairs,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return out

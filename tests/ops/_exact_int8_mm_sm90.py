@@ -1,7 +1,7 @@
 """Run by tests/ops/test_exact_int8_mm.py in a subprocess without the Triton interpreter (the kernel
 must be a real JIT function to compile), and by hand: compiles `ops.exact_int8_mm`'s kernel for
 sm_90 in the plans' configuration (`Int8Config()`) with the weight's digit planes and with its codes
-decoded in the kernel, and with 64 x rows per program (wgmma), and prints per configuration its
+decoded in the kernel, with two blocks a step (`pairs`), and with 64 x rows per program (wgmma), and prints per configuration its
 registers, stack, local memory, spill instructions, main-loop length and integer MMA instructions.
 `--json`: one JSON object per line.
 """
@@ -20,7 +20,7 @@ def measure(cfg: E.Int8Config, digits: bool) -> dict:
     fn = E._exact_int8_mm_kernel
     types = {"x_ptr": "*u8", "sx_ptr": "*u8", "w_ptr": "*i8" if digits else "*u8", "sw_ptr": "*u8", "y_ptr": "*i16"}
     kernel = compile_sm90(fn, types, dict(BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, OUT_F32=False,
-                                          STAGES=cfg.num_stages, ASM=True, DIGITS=digits),
+                                          STAGES=cfg.num_stages, ASM=True, DIGITS=digits, PAIRS=cfg.pairs),
                           divisible=[a for a in fn.arg_names
                                      if a.endswith("_ptr") or a in ("K", "stride_xm", "stride_wn", "stride_ym")],
                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -31,7 +31,8 @@ def measure(cfg: E.Int8Config, digits: bool) -> dict:
 
 
 def main() -> None:
-    configs = [(E.Int8Config(), True), (E.Int8Config(), False), (E.Int8Config(block_n=32, block_m=64), True)]
+    configs = [(E.Int8Config(), True), (E.Int8Config(), False), (E.Int8Config(pairs=True), True),
+               (E.Int8Config(block_n=32, block_m=64), True)]
     for cfg, digits in configs:
         r = measure(cfg, digits)
         if "--json" in sys.argv:

@@ -43,6 +43,8 @@ def test_digits_rebuild_every_code():
     (20, 40, 128, Int8Config(block_n=16, block_m=16), False, "uniform"),        # two row tiles
     (5, 40, 256, Int8Config(block_n=16, block_m=32), True, "heavy"),
     (6, 64, 256, None, True, "quantized"),
+    (3, 40, 256, Int8Config(block_n=16, block_m=16, pairs=True), True, "heavy"),       # two blocks a step
+    (20, 24, 128, Int8Config(block_n=16, block_m=16, pairs=True), True, "uniform"),
 ])
 def test_bitwise_equal_to_the_reference(m, n, k, cfg, digits, kind):
     if kind == "quantized":   # MXFP8 activations and a block-quantized weight, as the model has them
@@ -92,12 +94,17 @@ def test_bad_inputs_name_the_argument():
     raises("block_n must be 16, 32, 64 or 128", lambda: Int8Config(block_n=24))
     raises("block_m must be 16, 32 or 64", lambda: Int8Config(block_m=8))
     raises("num_warps must be a positive int", lambda: Int8Config(num_warps=0))
+    raises("pairs must be a bool", lambda: Int8Config(pairs=1))
+    raises(r"pairs=True\) needs K / 32 even and digits=True", lambda: ExactInt8MM(weight[:, :96], w_scale[:, :3],
+                                                                              config=Int8Config(pairs=True)))
+    raises(r"pairs=True\) needs K / 32 even and digits=True", lambda: ExactInt8MM(weight, w_scale, digits=False,
+                                                                              config=Int8Config(pairs=True)))
     raises("codes must have dtype", lambda: ExactLinear(weight, w_scale, 8, int8_above=1)(codes.float(), x_scale))
 
 
 def test_compiles_for_sm90_without_spills():
-    """The plans' configuration with digit planes and with codes decoded in the kernel, and a wgmma
-    one (64 x rows), compiled for sm_90 by Triton's own ptxas in a subprocess without the
+    """The plans' configuration with digit planes and with codes decoded in the kernel, with two
+    blocks a step, and a wgmma one (64 x rows), compiled for sm_90 by Triton's own ptxas in a subprocess without the
     interpreter (tests/ops/_exact_int8_mm_sm90.py): no local memory, no spill stores or loads, the
     integer MMA in the SASS (IMMA: mma.sync s8; IGMMA: wgmma s8), and the block terms' last multiply
     kept apart from the accumulator's add (mul.rn)."""
@@ -108,7 +115,7 @@ def test_compiles_for_sm90_without_spills():
                          capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 3, res.stdout
+    assert len(rows) == 4, res.stdout
     for r in rows:
         assert r["LOCAL"] == 0 and r["spills"] == 0, r
         assert r["int_mma"] > 0 and r["mul_rn"], r
@@ -119,8 +126,8 @@ def test_compiles_for_sm90_without_spills():
                          ids=["fused_wqa_wkv", "wq_b", "idx_wq_b", "wo_b"])
 def test_flash_shapes_on_gpu(name, n, k):
     _, _, codes_all, sx_all, weight, w_scale = linear_operands(_gen(n + k), 64, n, k)
-    for cfg in (None, Int8Config(block_n=32, block_m=64)):      # mma.sync and wgmma
-        for digits in (False, True):
+    for cfg in (None, Int8Config(pairs=True), Int8Config(block_n=32, block_m=64)):   # mma.sync, wgmma
+        for digits in (False, True) if cfg is None or not cfg.pairs else (True,):
             plan = ExactInt8MM(weight, w_scale, config=cfg, digits=digits)
             for m in (1, 5, 16, 33, 64):
                 for dtype in (torch.bfloat16, torch.float32):
