@@ -398,17 +398,22 @@ class AttentionStep:
 
     def memory_bytes(self) -> int:
         """Device bytes this layer's step owns: its copies of weights (the fused wq_a|wkv, the FP32
-        compressor weights at ratio 2, a converted or quantized wo_a, the FP32 sink) and its kernels'
-        own plan workspaces (split-K partials and counters). Not the stack's weights (storages of
+        compressor weights at ratio 2, a converted or quantized wo_a, the FP32 sink, the exact
+        linears' int8 digit planes) and its kernels' own plan workspaces (split-K partials and
+        counters), plans within plans included. Not the stack's weights (storages of
         `layer.w`), the state, or what the step shares between layers (scratch, tables, selections,
         and the workspaces its main-stream plans take from `scratch.workspaces`)."""
         found = []
+
+        def visit(item) -> None:
+            found.append(item)
+            if type(item).__module__.startswith("dsv41_decode.ops") and hasattr(item, "__dict__"):
+                for v in vars(item).values():   # a plan: its workspace, counters, tables, inner plans
+                    visit(v)
         for name, v in vars(self).items():
             if name in self._SHARED:
                 continue
             for item in (v if isinstance(v, (list, tuple)) else (v,)):
-                found.append(item)
-                if type(item).__module__.startswith("dsv41_decode.ops") and hasattr(item, "__dict__"):
-                    found += vars(item).values()   # a plan: its workspace, counters and tables
+                visit(item)
         theirs = {t.untyped_storage().data_ptr() for t in self.w.values()} | self.s.workspaces.storages()
         return storage_bytes([t for t in found if isinstance(t, torch.Tensor)], theirs)

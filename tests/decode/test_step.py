@@ -160,6 +160,23 @@ def test_memory_bytes_counts_the_layers_copies_and_workspaces(cpu_setup):
         assert b.memory_bytes() - a.memory_bytes() == b.wo_a_w.nbytes + b.wo_a_s.nbytes, L
 
 
+def test_memory_bytes_counts_the_exact_linears_digit_planes(cpu_setup, monkeypatch):
+    """With exact_linears=True each FP8 linear's plan (`ExactLinear`) may hold an `ExactInt8MM` with
+    the weight's int8 digit planes (three bytes per weight element; built on sm_90 above a row
+    threshold, forced here): a plan within a plan, counted in the layer's memory_bytes."""
+    from functools import partial
+    from dsv41_decode.decode import attention
+    from dsv41_decode.ops.exact_int8_mm import ExactLinear
+    _, stack, base, _ = cpu_setup
+    monkeypatch.setattr(attention, "ExactLinear", partial(ExactLinear, int8_above=1))
+    exact = stack.decode_step(copy.deepcopy(base), max_rows=4, exact_linears=True, graphs=False)
+    for L, a in exact.layers.items():
+        plans = [a.mm_qkv, a.mm_wq_b, a.mm_wo_b] + ([a.mm_idx_wq_b] if hasattr(a, "mm_idx_wq_b") else [])
+        digits = sum(p.int8._digits.nbytes for p in plans)
+        assert digits == 3 * sum(p.n * p.k for p in plans), L
+        assert a.memory_bytes() >= digits + a.w_qkv.nbytes + a.s_qkv.nbytes, L
+
+
 def _pooled_bytes(a, pool) -> int:
     """Bytes of the views layer step `a`'s plans hold in the pool's buffers."""
     plans = [*a.mla_plans, a.mm_qkv, a.mm_wq_b, a.wo_a_plan, a.mm_wo_b]
