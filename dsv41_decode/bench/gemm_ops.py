@@ -12,7 +12,7 @@ from ..formats import fp8_block_dequantize
 from ..ops.act_quant import act_quant_mxfp8
 from ..ops.fp8_mm import fp8_mm_, fp8_mm_config
 from ..decode.attention import fp8_linear_plan
-from ..ops.exact_mm import ExactMM
+from ..ops.exact_int8_mm import ExactLinear
 from ..ops.ll_bf16 import LlBf16Plan, ll_bf16_
 from ..ops.low_latency_mm import LowLatencyMM
 from ..ops.wo_a import WoAPlan, wo_a_
@@ -42,8 +42,9 @@ class GemmOps:
         return self._launch(LowLatencyMM(q, s, max_rows=64), x, q.shape[0])
 
     def exact(self, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> Launch:
-        """The exact linear (`ops.exact_mm`, the step's `exact_linears=True`) on the same operands."""
-        return self._launch(ExactMM(q, s, max_rows=64), x, q.shape[0])
+        """The exact linear as the step's `exact_linears=True` builds it (`ops.exact_int8_mm.ExactLinear`:
+        `ExactMM` on CUDA cores, the integer MMA above its row threshold) on the same operands."""
+        return self._launch(ExactLinear(q, s, max_rows=64), x, q.shape[0])
 
     def regular(self, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> Launch:
         """The regular path (fp8_mm) on the same operands, for the low-batch crossover."""
