@@ -147,6 +147,40 @@ def linear_operands(gen: torch.Generator, m: int, n: int, k: int, device: str | 
     return (x, w, *(t.to(device) for t in (codes, x_scale, weight, w_scale)))
 
 
+def raises(match: str, fn) -> None:
+    """fn() raises a TypeError or ValueError whose message matches `match`."""
+    import pytest
+    with pytest.raises((TypeError, ValueError), match=match):
+        fn()
+
+
+def check_mxfp8_plan_errors(plan_type, codes, x_scale, weight, w_scale) -> None:
+    """The argument errors every low-batch MXFP8 x FP8 linear plan shares, each naming the
+    argument (`ops.checks.mxfp8_linear_args` on the call of `plan_type(weight, w_scale,
+    max_rows=8)`, `mxfp8_weight_args` at construction). codes: [m <= 4, 128] with its x_scale; weight
+    [n, 128] with its w_scale."""
+    m, n = codes.shape[0], weight.shape[0]
+    plan = plan_type(weight, w_scale, max_rows=8)
+    out = lambda dtype, cols: torch.empty(m, cols, dtype=dtype, device=codes.device)  # noqa: E731
+    raises("codes must have dtype", lambda: plan(codes.float(), x_scale))
+    raises("codes must have shape", lambda: plan(codes[:, :96], x_scale))
+    raises("codes must have unit stride", lambda: plan(codes.repeat(1, 2)[:, ::2], x_scale))
+    raises("x_scale must have shape", lambda: plan(codes, x_scale[:, :2]))
+    raises("x_scale must have dtype", lambda: plan(codes, x_scale.float()))
+    raises("out must have dtype", lambda: plan(codes, x_scale, out(torch.float16, n)))
+    raises("out must have shape", lambda: plan(codes, x_scale, out(torch.bfloat16, n + 1)))
+    raises("ops.fp8_mm", lambda: plan(codes.repeat(33, 1), x_scale.repeat(33, 1)))
+    raises("this plan takes 1..8", lambda: plan(codes.repeat(5, 1), x_scale.repeat(5, 1)))
+    raises("M=0", lambda: plan(codes[:0], x_scale[:0]))
+    raises("codes is on meta", lambda: plan(codes.to("meta"), x_scale))
+    raises("weight must have dtype", lambda: plan_type(weight.view(torch.uint8), w_scale))
+    raises("K a positive multiple of 32", lambda: plan_type(weight[:, :100], w_scale))
+    raises("w_scale must have shape", lambda: plan_type(weight, w_scale[:1]))
+    raises("w_scale must have dtype", lambda: plan_type(weight, w_scale.float()))
+    raises("weight must have unit stride", lambda: plan_type(weight.t().contiguous().t(), w_scale))
+    raises("max_rows", lambda: plan_type(weight, w_scale, max_rows=65))
+
+
 def reduced_config() -> ModelConfig:
     """`small` cut to 6 layers, one of each kind (layer: kind, ratio, sources):
     0 SWA; 1 Full r2; 2 Reuse of 1; 3 Full r1 + candidate source; 4 Reindex (consumer of 3);

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import FLASH_LINEAR_SHAPES as FLASH_SHAPES
-from helpers import linear_operands
+from helpers import check_mxfp8_plan_errors, linear_operands, raises
 from test_exact_mm import _bits, _exact_operands, _gen, _poisoned
 
 from dsv41_decode.ops.exact_int8_mm import _INT8_ABOVE, ExactInt8MM, ExactLinear, Int8Config, weight_digits
@@ -80,16 +80,7 @@ def test_exact_linear_switches_ops_with_the_same_bits():
 def test_bad_inputs_name_the_argument():
     m, n, k = 2, 64, 128
     _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(8), m, n, k)
-    plan = ExactInt8MM(weight, w_scale, max_rows=8)
-
-    def raises(match, fn):
-        with pytest.raises((TypeError, ValueError), match=match):
-            fn()
-
-    raises("codes must have dtype", lambda: plan(codes.float(), x_scale))
-    raises("x_scale must have shape", lambda: plan(codes, x_scale[:, :2]))
-    raises("this plan takes 1..8", lambda: plan(codes.repeat(5, 1), x_scale.repeat(5, 1)))
-    raises("weight must have dtype", lambda: ExactInt8MM(weight.view(torch.uint8), w_scale))
+    check_mxfp8_plan_errors(ExactInt8MM, codes, x_scale, weight, w_scale)
     raises("config must be an Int8Config", lambda: ExactInt8MM(weight, w_scale, config="fast"))
     raises("block_n must be 16, 32, 64 or 128", lambda: Int8Config(block_n=24))
     raises("block_m must be 16, 32 or 64", lambda: Int8Config(block_m=8))

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import FLASH_LINEAR_SHAPES as FLASH_SHAPES
-from helpers import linear_operands
+from helpers import check_mxfp8_plan_errors, linear_operands, raises
 
-from dsv41_decode.ops.exact_mm import MAX_ROWS, ExactConfig, ExactMM, _chain_asm
+from dsv41_decode.ops.exact_mm import ExactConfig, ExactMM, _chain_asm
 from dsv41_decode.reference.linear import mxfp8_mm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -208,29 +208,7 @@ def test_launches_cover_the_row_buckets():
 def test_bad_inputs_name_the_argument():
     m, n, k = 2, 64, 128
     _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(8), m, n, k)
-    plan = ExactMM(weight, w_scale, max_rows=8)
-
-    def raises(match, fn):
-        with pytest.raises((TypeError, ValueError), match=match):
-            fn()
-
-    raises("codes must have dtype", lambda: plan(codes.float(), x_scale))
-    raises("codes must have shape", lambda: plan(codes[:, :96], x_scale))
-    raises("codes must have unit stride", lambda: plan(codes.repeat(1, 2)[:, ::2], x_scale))
-    raises("x_scale must have shape", lambda: plan(codes, x_scale[:, :2]))
-    raises("x_scale must have dtype", lambda: plan(codes, x_scale.float()))
-    raises("out must have dtype", lambda: plan(codes, x_scale, torch.empty(m, n, dtype=torch.float16, device=DEVICE)))
-    raises("out must have shape", lambda: plan(codes, x_scale, _poisoned(m, n + 1)))
-    raises("ops.fp8_mm", lambda: plan(codes.repeat(33, 1), x_scale.repeat(33, 1)))
-    raises("this plan takes 1..8", lambda: plan(codes.repeat(5, 1), x_scale.repeat(5, 1)))
-    raises("M=0", lambda: plan(codes[:0], x_scale[:0]))
-    raises("codes is on meta", lambda: plan(codes.to("meta"), x_scale))
-    raises("weight must have dtype", lambda: ExactMM(weight.view(torch.uint8), w_scale))
-    raises("K a positive multiple of 32", lambda: ExactMM(weight[:, :100], w_scale))
-    raises("w_scale must have shape", lambda: ExactMM(weight, w_scale[:1]))
-    raises("w_scale must have dtype", lambda: ExactMM(weight, w_scale.float()))
-    raises("weight must have unit stride", lambda: ExactMM(weight.t().contiguous().t(), w_scale))
-    raises("max_rows", lambda: ExactMM(weight, w_scale, max_rows=MAX_ROWS + 1))
+    check_mxfp8_plan_errors(ExactMM, codes, x_scale, weight, w_scale)
     raises("block_k=256 must divide K=128", lambda: ExactMM(weight, w_scale, config=ExactConfig(block_k=256)))
     raises("config has no entry for the row bucket 2",
            lambda: ExactMM(weight, w_scale, config={1: ExactConfig(block_k=128)}))

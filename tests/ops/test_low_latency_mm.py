@@ -26,7 +26,7 @@ from dsv41_decode.formats import fp8_block_dequantize, fp8_block_quantize, mxfp8
 from dsv41_decode.ops.low_latency_mm import LowLatencyConfig, LowLatencyMM, low_latency_mm
 from dsv41_decode.reference.linear import mxfp8_mm
 from dsv41_decode.testing.compare import bits_differ, rel_rms, row_ulp_distance, ulp_distance
-from helpers import FLASH_LINEAR_SHAPES, linear_operands
+from helpers import FLASH_LINEAR_SHAPES, check_mxfp8_plan_errors, linear_operands, raises
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -163,29 +163,7 @@ def test_function_form_caches_the_plan_and_takes_scale_bytes():
 def test_bad_inputs_name_the_argument():
     m, n, k = 2, 64, 128
     _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(8), m, n, k)
-    plan = LowLatencyMM(weight, w_scale, max_rows=8)
-
-    def raises(match, fn):
-        with pytest.raises((TypeError, ValueError), match=match):
-            fn()
-
-    raises("codes must have dtype", lambda: plan(codes.float(), x_scale))
-    raises("codes must have shape", lambda: plan(codes[:, :96], x_scale))
-    raises("codes must have unit stride", lambda: plan(codes.repeat(1, 2)[:, ::2], x_scale))
-    raises("x_scale must have shape", lambda: plan(codes, x_scale[:, :2]))
-    raises("x_scale must have dtype", lambda: plan(codes, x_scale.float()))
-    raises("out must have dtype", lambda: plan(codes, x_scale, torch.empty(m, n, dtype=torch.float16, device=DEVICE)))
-    raises("out must have shape", lambda: plan(codes, x_scale, _poisoned(m, n + 1)))
-    raises("ops.fp8_mm", lambda: plan(codes.repeat(33, 1), x_scale.repeat(33, 1)))
-    raises("this plan takes 1..8", lambda: plan(codes.repeat(5, 1), x_scale.repeat(5, 1)))
-    raises("M=0", lambda: plan(codes[:0], x_scale[:0]))
-    raises("codes is on meta", lambda: plan(codes.to("meta"), x_scale))
-    raises("weight must have dtype", lambda: LowLatencyMM(weight.view(torch.uint8), w_scale))
-    raises("K a positive multiple of 32", lambda: LowLatencyMM(weight[:, :100], w_scale))
-    raises("w_scale must have shape", lambda: LowLatencyMM(weight, w_scale[:1]))
-    raises("w_scale must have dtype", lambda: LowLatencyMM(weight, w_scale.float()))
-    raises("weight must have unit stride", lambda: LowLatencyMM(weight.t().contiguous().t(), w_scale))
-    raises("max_rows", lambda: LowLatencyMM(weight, w_scale, max_rows=65))
+    check_mxfp8_plan_errors(LowLatencyMM, codes, x_scale, weight, w_scale)
     raises("block_k=256 must divide", lambda: LowLatencyMM(weight, w_scale, config=LowLatencyConfig(block_k=256)))
     raises("block_n must be a power of two", lambda: LowLatencyConfig(block_n=96))
     raises("scale_words must be None, True or False", lambda: LowLatencyConfig(scale_words="yes"))
