@@ -33,6 +33,7 @@ from ..ops.index_query import index_query_
 from ..ops.indexer import index_scores_mxfp4_
 from ..ops.kv_write import compressed_entry_store_, qkv_rope_insert_
 from ..ops.exact_int8_mm import ExactLinear
+from ..ops.common import is_sm90
 from ..ops.exact_mm import ExactConfig
 from ..ops.gluon_mm import GluonMM
 from ..ops.ll_bf16 import LlBf16Plan, ll_bf16_
@@ -75,7 +76,7 @@ def fp8_linear_plan(weight: torch.Tensor, scale: torch.Tensor, max_rows: int, ex
     if exact:
         config = ExactConfig(block_n=wide_n, block_k=deep_k, rows=4) if few else None
         return ExactLinear(weight, scale, max_rows, config, workspace)
-    if weight.device.type == "cuda" and torch.cuda.get_device_capability(weight.device) == (9, 0):
+    if is_sm90(weight.device):
         try:
             return GluonMM(weight, scale, max_rows, workspace=workspace)
         except ValueError:          # a shape or alignment the Gluon tier does not take

@@ -1,5 +1,5 @@
-"""Helpers shared by the kernel families: the SM count that plans size their grids by, the
-workspaces plans own or take from a shared pool, and the split-K reduction that lets one launch sum
+"""Helpers shared by the kernel families: the SM count that plans size their grids by, whether a
+device is sm_90 (the Hopper-only tiers), the workspaces plans own or take from a shared pool, and the split-K reduction that lets one launch sum
 its programs' partials.
 """
 
@@ -23,6 +23,12 @@ def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return CPU_SMS
+
+
+def is_sm90(device: torch.device) -> bool:
+    """A CUDA device of compute capability 9.0 (H100 / H200 / H20): the Gluon and integer-MMA tiers'."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
 
 
 def plan_workspace(workspace, slot: int, shape: int | tuple[int, ...], dtype: torch.dtype,

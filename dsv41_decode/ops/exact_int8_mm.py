@@ -41,7 +41,8 @@ import triton
 import triton.language as tl
 
 from .checks import interpreting, mxfp8_linear_args, mxfp8_weight_args
-from .exact_mm import _mul_rn, reduction_order
+from .common import is_sm90
+from .exact_mm import ExactMM, _mul_rn, reduction_order
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
 
 MAX_ROWS = 64
@@ -237,11 +238,6 @@ _INT8_ABOVE: dict[tuple[int, int], int] = {
 }
 
 
-def int8_rows(n: int, k: int) -> int | None:
-    """The most rows at which `ExactLinear` keeps N x K on CUDA cores on an sm_90 GPU (None: all)."""
-    return _INT8_ABOVE.get((n, k))
-
-
 class ExactInt8MM:
     """y[M, N] = bf16(sum over 32-wide K blocks kb, in K order, of RN(codes[:, kb] . weight[:, kb])
     * sx * sw) for 1 <= M <= max_rows <= 64, with the weight bound once: bitwise the contract of
@@ -299,18 +295,16 @@ class ExactLinear:
     shape, `ExactInt8MM` (integer MMA, weight digit planes: three more bytes per weight element).
     Both give the reference's bits, so a row's result does not depend on which runs (batch
     invariance). Arguments, errors and the call: `ExactMM`'s (exact_config its config; workspace
-    its workspace). int8_above: override the threshold (None: `int8_rows`, on sm_90 only; 0:
+    its workspace). int8_above: override the threshold (None: `_INT8_ABOVE`, on sm_90 only; 0:
     the integer MMA for every call; >= max_rows: never), for tests and probes."""
 
     def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int = MAX_ROWS,
                  exact_config=None, workspace=None, int8_above: int | None = None):
-        from .exact_mm import ExactMM
         self.cuda_cores = ExactMM(weight, w_scale, max_rows, exact_config, workspace)
         n, k = self.cuda_cores.n, self.cuda_cores.k
         self.n, self.k, self.max_rows, self.device = n, k, max_rows, weight.device
         if int8_above is None:
-            sm90 = weight.device.type == "cuda" and torch.cuda.get_device_capability(weight.device) == (9, 0)
-            int8_above = int8_rows(n, k) if sm90 else None
+            int8_above = _INT8_ABOVE.get((n, k)) if is_sm90(weight.device) else None
         self.int8_above = int8_above if int8_above is not None and int8_above < max_rows else None
         self.int8 = None if self.int8_above is None else ExactInt8MM(weight, w_scale, max_rows)
 

@@ -61,7 +61,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .checks import UE8M0_DTYPES, mxfp8_linear_args, require_tensor
-from .common import num_sms, plan_workspace
+from .common import is_sm90, num_sms, plan_workspace
 from .low_latency_mm import _Operands   # the plan cache's key: same memory, same view
 
 MAX_ROWS = 64
@@ -291,7 +291,7 @@ class GluonMM:
         require_tensor(w_scale, "w_scale", UE8M0_DTYPES, (-(-n // 32), k // 32))
         if w_scale.device != weight.device:
             raise ValueError(f"w_scale is on {w_scale.device} but weight is on {weight.device}")
-        if weight.device.type != "cuda" or torch.cuda.get_device_capability(weight.device) != (9, 0):
+        if not is_sm90(weight.device):
             raise ValueError(f"weight must be on a CUDA device of compute capability 9.0 (the Gluon tier is "
                              f"sm_90 code: TMA, wgmma), got {weight.device}")
         if weight.stride(0) % 16 or weight.data_ptr() % 16:
