@@ -17,20 +17,18 @@ Prints; writes nothing. Exit status 1 when a call-layer of the trace fails.
 
 from __future__ import annotations
 
-import math
 import sys
 import time
 
 import torch
 
 from dsv41_decode.bench.attn import TOPK, WINDOW, sparse_mla_inputs
-from dsv41_decode.bench.timing import graph_time_us, l2_rotation
+from dsv41_decode.bench.timing import graph_time_us
 from dsv41_decode.ops.sparse_mla import HEAD_DIM, SparseMlaPlan, sparse_mla_
-from dsv41_decode.ops.wo_a import WoAPlan, quantize_wo_a, wo_a_
+from dsv41_decode.ops.wo_a import WoAPlan, wo_a_
 
 from _args import arg   # scripts/ is on sys.path when run as python scripts/<probe>.py
-
-HEADS, GROUPS, RANK = 64, 8, 1024
+from probe_wo_a import GROUPS, HEADS, RANK, rotated_inputs, step_weight, weight_copies
 
 
 def trace(case: str) -> bool:
@@ -76,19 +74,14 @@ def time_sparse_mla(rows_list: list[int], gen: torch.Generator) -> None:
 
 
 def time_wo_a(rows_list: list[int], gen: torch.Generator) -> None:
-    k = HEADS // GROUPS * 512
-    w = torch.randn(GROUPS * RANK, k, generator=gen, device="cuda") * k ** -0.5
+    w = step_weight(gen)
     for fp8 in (False, True):
-        weight, scale = quantize_wo_a(w) if fp8 else (w.bfloat16(), None)
-        nbytes = weight.numel() * weight.element_size() + (scale.numel() if fp8 else 0)
-        copies = l2_rotation(nbytes)
-        ws = [weight.clone() for _ in range(copies)]
+        ws, scale, nbytes = weight_copies(w, fp8)
+        weight, copies = ws[0], len(ws)
         plans = {"default": WoAPlan.build(HEADS, GROUPS, RANK, 64, weight.dtype, "cuda"),
                  "ieee": WoAPlan.build(HEADS, GROUPS, RANK, 64, weight.dtype, "cuda", ieee_dot=True)}
         for m in rows_list:
-            o = torch.randn(m, HEADS, 512, generator=gen, device="cuda").bfloat16()
-            ang = torch.rand(m, 32, generator=gen, device="cuda") * 2 * math.pi
-            cos, sin = torch.cos(ang), torch.sin(ang)
+            o, cos, sin = rotated_inputs(m, gen)
             outs = {}
             for name, plan in plans.items():
                 out = torch.empty(m, GROUPS * RANK, dtype=torch.bfloat16, device="cuda")

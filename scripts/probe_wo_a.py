@@ -17,6 +17,27 @@ from dsv41_decode.ops.wo_a import WoAPlan, quantize_wo_a, wo_a_
 from _args import arg   # scripts/ is on sys.path when run as python scripts/<probe>.py
 
 HEADS, GROUPS, RANK = 64, 8, 1024
+
+
+def step_weight(gen: torch.Generator) -> torch.Tensor:
+    """An FP32 wo_a weight of the step's shape [G*R, H/G*512], unit-variance outputs."""
+    k = HEADS // GROUPS * 512
+    return torch.randn(GROUPS * RANK, k, generator=gen, device="cuda") * k ** -0.5
+
+
+def weight_copies(w: torch.Tensor, fp8: bool) -> tuple[list[torch.Tensor], torch.Tensor | None, int]:
+    """(copies of w as BF16 or FP8 codes, enough to rotate beyond L2; the FP8 scale or None; the
+    bytes one call reads)."""
+    weight, scale = quantize_wo_a(w) if fp8 else (w.bfloat16(), None)
+    nbytes = weight.numel() * weight.element_size() + (scale.numel() if fp8 else 0)
+    return [weight.clone() for _ in range(l2_rotation(nbytes))], scale, nbytes
+
+
+def rotated_inputs(m: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(o [m, H, 512] BF16, cos, sin [m, 32]) of random RoPE angles."""
+    o = torch.randn(m, HEADS, 512, generator=gen, device="cuda").bfloat16()
+    ang = torch.rand(m, 32, generator=gen, device="cuda") * 2 * math.pi
+    return o, torch.cos(ang), torch.sin(ang)
 # "+quant": the launch also writes the MXFP8 of z for wo_b (codes_out / scales_out), as the step does
 VARIANTS = {
     "default": {}, "default+quant": {}, "bf16dot": dict(bf16_dot=True),
@@ -34,17 +55,12 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     rows = [int(r) for r in arg("rows", "1,4,16").split(",")]
     names = arg("only", ",".join(VARIANTS)).split(",")
-    k = HEADS // GROUPS * 512
-    w = torch.randn(GROUPS * RANK, k, generator=g, device="cuda") * k ** -0.5
+    w = step_weight(g)
     for fp8 in (False, True):
-        weight, scale = quantize_wo_a(w) if fp8 else (w.bfloat16(), None)
-        nbytes = weight.numel() * weight.element_size() + (scale.numel() if fp8 else 0)
-        copies = l2_rotation(nbytes)
-        ws = [weight.clone() for _ in range(copies)]
+        ws, scale, nbytes = weight_copies(w, fp8)
+        weight, copies = ws[0], len(ws)
         for m in rows:
-            o = torch.randn(m, HEADS, 512, generator=g, device="cuda").bfloat16()
-            ang = torch.rand(m, 32, generator=g, device="cuda") * 2 * math.pi
-            cos, sin = torch.cos(ang), torch.sin(ang)
+            o, cos, sin = rotated_inputs(m, g)
             out = torch.empty(m, GROUPS * RANK, dtype=torch.bfloat16, device="cuda")
             codes = torch.empty(m, GROUPS * RANK, dtype=torch.float8_e4m3fn, device="cuda")
             sbytes = torch.empty(m, GROUPS * RANK // 32, dtype=torch.uint8, device="cuda")
