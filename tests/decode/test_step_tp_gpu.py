@@ -113,6 +113,14 @@ def test_killed_rank_is_named_within_the_bound(tmp_path):
     assert "rank 1 of 2 did not publish" in verdict, verdict
 
 
+def _step_inputs(k: int, cfg, g: torch.Generator) -> tuple[list, torch.Tensor]:
+    """Step k's rows (requests a, b, c: 1-4 rows each, drafts included, a missing some steps) and
+    its random BF16 streams."""
+    rows = [("a", 1), ("b", 1 + k % 4), ("c", 2)] if k % 3 else [("a", 4), ("c", 1)]
+    x = torch.randn(sum(c for _, c in rows), cfg.hc_mult, cfg.dim, generator=g, device="cuda")
+    return rows, x.to(torch.bfloat16)
+
+
 def _tp_vs_tp1(rank: int, world: int, store: str, out: str) -> None:
     cfg, tp, ckpt, base = _join(rank, world, store, 5, {"a": 200, "b": 31, "c": 2})
     try:
@@ -124,9 +132,7 @@ def _tp_vs_tp1(rank: int, world: int, store: str, out: str) -> None:
         g = torch.Generator(device="cuda").manual_seed(1)
         errs = []
         for k in range(64):
-            rows = [("a", 1), ("b", 1 + k % 4), ("c", 2)] if k % 3 else [("a", 4), ("c", 1)]
-            x = torch.randn(sum(c for _, c in rows), cfg.hc_mult, cfg.dim, generator=g, device="cuda")
-            x = x.to(torch.bfloat16)
+            rows, x = _step_inputs(k, cfg, g)
             y_tp, p_tp = step_tp(x, rows)
             y_1, p_1 = step_1(x, rows)
             errs.append((rel_rms(y_tp, y_1), rel_rms(p_tp, p_1)))
@@ -163,9 +169,7 @@ def _sharded_vs_replicated(rank: int, world: int, store: str, out: str) -> None:
         assert all(sh.indexer_sharded(b) for b in sh.buckets)
         g = torch.Generator(device="cuda").manual_seed(3)
         for k in range(16):
-            rows = [("a", 1), ("b", 1 + k % 4), ("c", 2)] if k % 3 else [("a", 4), ("c", 1)]
-            x = torch.randn(sum(c for _, c in rows), cfg.hc_mult, cfg.dim, generator=g, device="cuda")
-            x = x.to(torch.bfloat16)
+            rows, x = _step_inputs(k, cfg, g)
             y_r, p_r = rep(x, rows)
             y_s, p_s = sh(x, rows)
             n = x.shape[0]
