@@ -114,7 +114,7 @@ def test_killed_rank_is_named_within_the_bound(tmp_path):
 
 
 def _step_inputs(k: int, cfg, g: torch.Generator) -> tuple[list, torch.Tensor]:
-    """Step k's rows (requests a, b, c: 1-4 rows each, drafts included, a missing some steps) and
+    """Step k's rows (requests a, b, c: 1-4 rows each, drafts included; b absent every third step) and
     its random BF16 streams."""
     rows = [("a", 1), ("b", 1 + k % 4), ("c", 2)] if k % 3 else [("a", 4), ("c", 1)]
     x = torch.randn(sum(c for _, c in rows), cfg.hc_mult, cfg.dim, generator=g, device="cuda")
