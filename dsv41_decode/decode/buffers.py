@@ -10,6 +10,7 @@ as views `[:rows]`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -55,9 +56,7 @@ class Workspaces:
         shape = (shape,) if isinstance(shape, int) and not isinstance(shape, bool) else tuple(shape)
         if any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape):
             raise ValueError(f"shape must hold non-negative ints, got {shape!r}")
-        numel = 1
-        for d in shape:
-            numel *= d
+        numel = math.prod(shape)
         key = (dtype, slot)
         buf = self._buffers.get(key)
         if buf is None or buf.numel() < numel:
