@@ -443,23 +443,11 @@ def _store_chunk(out_rows, a, l_f, valid, h_ok):
     tl.store(out_rows, bf16_rne_bits(a / d), mask=h_ok[:, None])
 
 
-def sparse_mla_(plan: SparseMlaPlan, q: torch.Tensor, window_pool: torch.Tensor, comp_pool: torch.Tensor,
-                window_table: torch.Tensor, comp_table: torch.Tensor, sink: torch.Tensor, scale: float,
-                out: torch.Tensor) -> None:
-    """Write out[r, h] = sparse_attention(q[r, h], keys of row r, sink[h], scale) (see module doc).
-
-    plan: `SparseMlaPlan.build(max_rows, H, W, K, device)`.
-    q: [N, H, 512] bfloat16 (already rotated), unit stride in the last dim, 1 <= N <= max_rows.
-    window_pool: [S_w, 528] uint8 window records; comp_pool: [S_c, 288] uint8 compressed records
-      (both contiguous rows; S_c may be 0 when comp_table holds only -1).
-    window_table: [N, W] int32 ring slots, oldest first, -1 only before the first valid one (a window
-      not yet full: `sparse_tables.window_table_`); comp_table: [N, K] int32 slots (-1 = none). The
-      joined key list of a row is its valid window slots, then its K compressed entries. Neither the
-      slots' range nor the window table's -1 prefix is checked.
-    sink: [H] float32; scale: the softmax scale; out: [N, H, 512] bfloat16, unit stride in the last dim.
-    """
-    if not isinstance(plan, SparseMlaPlan):
-        raise TypeError(f"plan must be a SparseMlaPlan, got {type(plan).__name__}")
+def check_sparse_mla_args(plan: SparseMlaPlan, q, window_pool, comp_pool, window_table, comp_table, sink, scale,
+                          out) -> int:
+    """The row count N of a `sparse_mla_` launch (or of another kernel's with the same arguments,
+    `ops.gluon_sparse_mla`), after checking every argument against `plan` (errors name the
+    argument)."""
     if not isinstance(q, torch.Tensor) or q.dim() != 3:
         raise ValueError(f"q must be a 3-D tensor [N, H, 512], got {getattr(q, 'shape', type(q).__name__)}")
     n = q.shape[0]
@@ -480,11 +468,33 @@ def sparse_mla_(plan: SparseMlaPlan, q: torch.Tensor, window_pool: torch.Tensor,
     require_tensor(out, "out", torch.bfloat16, (n, h, HEAD_DIM), dev)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float, got {type(scale).__name__}")
+    if n and (q.stride(1) == 0 or out.stride(1) == 0):
+        raise ValueError("q and out must not broadcast over heads")
+    return n
+
+
+def sparse_mla_(plan: SparseMlaPlan, q: torch.Tensor, window_pool: torch.Tensor, comp_pool: torch.Tensor,
+                window_table: torch.Tensor, comp_table: torch.Tensor, sink: torch.Tensor, scale: float,
+                out: torch.Tensor) -> None:
+    """Write out[r, h] = sparse_attention(q[r, h], keys of row r, sink[h], scale) (see module doc).
+
+    plan: `SparseMlaPlan.build(max_rows, H, W, K, device)`.
+    q: [N, H, 512] bfloat16 (already rotated), unit stride in the last dim, 1 <= N <= max_rows.
+    window_pool: [S_w, 528] uint8 window records; comp_pool: [S_c, 288] uint8 compressed records
+      (both contiguous rows; S_c may be 0 when comp_table holds only -1).
+    window_table: [N, W] int32 ring slots, oldest first, -1 only before the first valid one (a window
+      not yet full: `sparse_tables.window_table_`); comp_table: [N, K] int32 slots (-1 = none). The
+      joined key list of a row is its valid window slots, then its K compressed entries. Neither the
+      slots' range nor the window table's -1 prefix is checked.
+    sink: [H] float32; scale: the softmax scale; out: [N, H, 512] bfloat16, unit stride in the last dim.
+    """
+    if not isinstance(plan, SparseMlaPlan):
+        raise TypeError(f"plan must be a SparseMlaPlan, got {type(plan).__name__}")
+    n = check_sparse_mla_args(plan, q, window_pool, comp_pool, window_table, comp_table, sink, scale, out)
     if n == 0:
         return
-    if q.stride(1) == 0 or out.stride(1) == 0:
-        raise ValueError("q and out must not broadcast over heads")
     nb = plan.n_blocks
+    h = plan.heads
     hg = plan.head_groups
     separate = plan.separate_combine and plan.split
     o16 = out.view(torch.int16)

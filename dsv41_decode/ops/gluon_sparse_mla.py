@@ -1,0 +1,295 @@
+"""The sparse MLA decode in Gluon for Hopper (sm_90), key-major: the contract of `ops.sparse_mla`
+(spec section 3 step 8; that module's doc is the contract as implemented) with every record read
+and decoded once per row, for all local heads of the row at once.
+
+One program per (row, 64-key block of the row's joined key list): the split of `ops.sparse_mla`'s
+split plans, with its decoupled look-back for the running max and its workspace layout, so the
+blocks' partials are combined by the same second launch (`sparse_mla._sparse_mla_combine_kernel`,
+in block order). A program:
+
+- takes its (row, block) from the plan's atomic ticket (blocks in ascending order, so it only
+  waits for programs already running), loads q [H, 512] of its row into shared memory (heads past
+  H as zeros: the wgmma's M is 64, so 8, 16 and 32 heads are padded to 64 rows);
+- gathers its block's 64 records (window: ring slots into the [S_w, 528] MXFP8 pool; compressed:
+  slots into the [S_c, 288] NVFP4 pool; -1 entries masked to zero) with plain loads into registers,
+  decodes them exactly to BF16 (E4M3 code * 2^(e - 127) per 32 dims; E2M1 * E4M3 scale per 16) and
+  stores the 64 x 512 keys into shared memory, four 128-dim chunks (K = V);
+- S = sum over the chunks in order of q_c k_c^T on `warpgroup_mma` (BF16 operands from shared
+  memory, FP32 accumulator; 8 warps: the two warpgroups take 32 keys each, every key's 512-long sum
+  in one warpgroup), scaled, -inf where a key is invalid;
+- publishes its block's score max per head and takes the running max of the sequential loop there
+  (the maxima of the blocks before it, each published by its own program), then
+  P = bf16(exp(s - max)) with exp the CUDA math library's expf (torch's), the block's sum of the
+  unrounded exp, and acc = P V, one 128-dim chunk at a time on `warpgroup_mma` (P from shared
+  memory, each warpgroup 64 of the chunk's dims), stored to the plan's FP32 workspace as summed.
+
+The arithmetic is `sparse_mla`'s split plans': the same blocks, the same running max per block, P
+rounded to BF16 against it, the same sums stored per block and combined by the same kernel. What
+the hardware decides is the FP32 order of the tensor cores' sums (the score's 512 products, P.V's
+64, as `sparse_mla`'s BF16 dots) and of the block's exp sum (a tree over the 64 keys in this
+kernel's layout), which the tolerance of tests/ops/test_sparse_mla.py covers. Nothing depends on
+the other rows of the launch: a row's blocks, their order and their arithmetic are the same at
+every row count.
+
+Gluon (Triton 3.6.0) has no gather TMA on sm_90 (Hopper's TMA has no gather mode), so the records
+are loaded with `gl.load` into registers and stored to shared memory by the 8 warps themselves.
+
+The plan is a `SparseMlaPlan` with `split=True`, `separate_combine=True` and all heads in one
+group (`block_h` = max(16, H): the workspace holds the real heads only), built by `build_plan()`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.extra import libdevice
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+
+from ..records import COMPRESSED_KV_BYTES, WINDOW_KV_BYTES
+from .common import is_sm90
+from .sparse_mla import _sparse_mla_combine_kernel, check_sparse_mla_args, combine_chunk
+from .sparse_mla_plan import BLOCK_KEYS, HEAD_DIM, SparseMlaPlan
+
+# The reductions go through `gl.reduce` with the Gluon combines below, not gl.sum / gl.max: those wrap
+# `triton.language.standard`'s, whose combine functions are interpreted functions under
+# TRITON_INTERPRET=1 (the CPU tests' setting), which the Gluon compiler rejects; the compile test
+# runs there.
+
+__all__ = ["NUM_WARPS", "build_plan", "gluon_sparse_mla_", "gluon_sparse_mla"]
+
+# Two warpgroups: the scores' 64 keys and each P.V chunk's 128 dims split between them (the wgmma's
+# M is 64, one warpgroup's; 8 warps also spread the gather and decode of 64 x 512 values).
+NUM_WARPS = 8
+_WARPS: gl.constexpr = gl.constexpr(NUM_WARPS)
+_M: gl.constexpr = gl.constexpr(64)          # the wgmma's M: the heads, padded
+_DC: gl.constexpr = gl.constexpr(128)        # dims per chunk of the keys in shared memory and of each P.V MMA
+_KEYS: gl.constexpr = gl.constexpr(BLOCK_KEYS)
+_WREC: gl.constexpr = gl.constexpr(WINDOW_KV_BYTES)
+_CREC: gl.constexpr = gl.constexpr(COMPRESSED_KV_BYTES)
+
+
+@gluon.jit
+def _add(a, b):
+    return a + b
+
+
+@gluon.jit
+def _max(a, b):
+    return gl.maximum(a, b)
+
+
+@gluon.jit
+def _e2m1(c):
+    """FP32 value of E2M1 codes 0..15 (int32; bit 3 sign; magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6), as
+    `fp4.e2m1_value`."""
+    e = (c >> 1) & 3
+    m = c & 1
+    normal = ((e + 126) << 23 | (m << 22)).to(gl.float32, bitcast=True)
+    mag = gl.where(e == 0, m.to(gl.float32) * 0.5, normal).to(gl.uint32, bitcast=True)
+    return (mag | ((c & 8).to(gl.uint32) << 28)).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _decode_chunk(pool_ptr, base, ok, C: gl.constexpr, WINDOW: gl.constexpr, layout: gl.constexpr):
+    """Dims [128 C, 128 C + 128) of 64 records (byte offsets `base` [64] int64 in the rows' slice of
+    `layout`; keys with ok False give 0), decoded exactly: FP32 [64, 128] in `layout`."""
+    rc = C * _DC + gl.arange(0, _DC, layout=gl.SliceLayout(0, layout))
+    rows = pool_ptr + base[:, None]
+    okb = ok[:, None]
+    if WINDOW:      # 512 E4M3 codes, then 16 UE8M0 scales (one per 32)
+        codes = gl.load(rows + rc[None, :], mask=okb, other=0)
+        sc = gl.load(rows + 512 + (rc // 32)[None, :], mask=okb, other=127)
+        # 2^(e - 127) from the FP32 bits, byte 255 (UE8M0's NaN) NaN, as `rounding.ue8m0_to_fp32`
+        sv = gl.where(sc == 255, float("nan"), (sc.to(gl.int32) << 23).to(gl.float32, bitcast=True))
+        k = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sv
+    else:           # 256 bytes of E2M1 pairs (low nibble first), then 32 E4M3 scales (one per 16)
+        byte = gl.load(rows + (rc // 2)[None, :], mask=okb, other=0).to(gl.int32)
+        code = (byte >> ((rc % 2) * 4)[None, :]) & 15
+        sc = gl.load(rows + 256 + (rc // 16)[None, :], mask=okb, other=0)
+        k = _e2m1(code) * sc.to(gl.float8e4nv, bitcast=True).to(gl.float32)
+    return gl.where(okb, k, 0.0)
+
+
+@gluon.jit
+def _block_slots(wtab_row, ctab_row, b, nw, W: gl.constexpr, KC: gl.constexpr, layout: gl.constexpr):
+    """Block b of the row's joined key list (window keys j < nw: window_table[W - nw + j]; then
+    comp_table[j - nw]) in the 1-D `layout`: the keys' window and compressed slots (-1: none)."""
+    j = b * _KEYS + gl.arange(0, _KEYS, layout=layout)
+    ws = gl.load(wtab_row + (W - nw) + j, mask=j < nw, other=-1)
+    jc = j - nw
+    cs = gl.load(ctab_row + jc, mask=(jc >= 0) & (jc < KC), other=-1)
+    return ws, cs
+
+
+@gluon.jit
+def _gluon_sparse_mla_kernel(
+    q_ptr, wpool_ptr, cpool_ptr, wtab_ptr, ctab_ptr,
+    part_acc_ptr, part_ml_ptr, block_max_ptr, flag_ptr, ticket_ptr,
+    N, H, scale, stride_qn, stride_qh, stride_wt, stride_ct,
+    W: gl.constexpr, W_P2: gl.constexpr, KC: gl.constexpr, NB: gl.constexpr, PH: gl.constexpr,
+):
+    # Workspaces (`SparseMlaPlan` with one head group of PH = block_h heads): acc [N, NB, PH, 512],
+    # ml [N, NB, 3, PH] (max, sum, valid-key count), block_max [N, NB, PH], flags [N, NB].
+    D: gl.constexpr = 512
+    NC: gl.constexpr = D // _DC
+    # One ticket per program, in the order the programs start: block-major, so a program's earlier
+    # blocks belong to programs that already run.
+    ticket = gl.atomic_add(ticket_ptr, 1, sem="relaxed", scope="gpu")
+    if ticket == N * NB - 1:
+        gl.store(ticket_ptr, 0)          # every program has its ticket: ready for the next launch
+    b = ticket // N
+    r = ticket % N
+
+    # Layouts: loads of 16 consecutive bytes or values per thread; the MMAs' accumulators (two
+    # warpgroups side by side along N).
+    ld: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [_WARPS, 1], [1, 0])
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 64, 16])
+    chunk_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_M, _DC], gl.bfloat16)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_M, _KEYS], gl.bfloat16)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [NC, _M, _DC], chunk_sl)
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [NC, _KEYS, _DC], chunk_sl)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [_M, _KEYS], p_sl)
+
+    # The row's window key count: the valid suffix of its window table.
+    wtab_row = wtab_ptr + r * stride_wt
+    ctab_row = ctab_ptr + r * stride_ct
+    rw = gl.arange(0, W_P2, layout=gl.SliceLayout(0, ld))
+    nw = gl.reduce((gl.load(wtab_row + rw, mask=rw < W, other=-1) >= 0).to(gl.int32), 0, _add)
+
+    # q [64, 512] of the row (heads past H: zeros), chunk by chunk.
+    rh = gl.arange(0, _M, layout=gl.SliceLayout(1, ld))
+    rd = gl.arange(0, _DC, layout=gl.SliceLayout(0, ld))
+    q_rows = q_ptr + r * stride_qn + rh[:, None] * stride_qh + rd[None, :]
+    for c in gl.static_range(NC):
+        q_smem.index(c).store(gl.load(q_rows + c * _DC, mask=(rh < H)[:, None], other=0.0))
+
+    # The block's records, decoded into shared memory.
+    ws, cs = _block_slots(wtab_row, ctab_row, b, nw, W, KC, gl.SliceLayout(1, ld))
+    w_ok = ws >= 0
+    c_ok = cs >= 0
+    wbase = gl.where(w_ok, ws, 0).to(gl.int64) * _WREC
+    cbase = gl.where(c_ok, cs, 0).to(gl.int64) * _CREC
+    start = b * _KEYS
+    for c in gl.static_range(NC):
+        if start + _KEYS <= nw:       # window keys only
+            k = _decode_chunk(wpool_ptr, wbase, w_ok, c, True, ld)
+        elif start >= nw:                  # compressed entries only
+            k = _decode_chunk(cpool_ptr, cbase, c_ok, c, False, ld)
+        else:                              # the block where the window ends: each decode is 0
+            k = (_decode_chunk(wpool_ptr, wbase, w_ok, c, True, ld)          # where its keys are
+                 + _decode_chunk(cpool_ptr, cbase, c_ok, c, False, ld))      # not: the sum is exact
+        k_smem.index(c).store(k.to(gl.bfloat16))
+    fence_async_shared()
+    gl.thread_barrier()
+
+    # S = sum over the chunks in order of q_c k_c^T, then scaled; -inf where a key is invalid.
+    s = gl.zeros([_M, _KEYS], gl.float32, s_l)
+    for c in gl.static_range(NC):
+        s = warpgroup_mma(q_smem.index(c), k_smem.index(c).permute((1, 0)), s)
+    ws_s, cs_s = _block_slots(wtab_row, ctab_row, b, nw, W, KC, gl.SliceLayout(0, s_l))
+    ok = (ws_s >= 0) | (cs_s >= 0)
+    s = gl.where(ok[None, :], s * scale, float("-inf"))
+    s_max = gl.reduce(s, 1, _max)
+
+    # Publish this block's max; the running max of the sequential loop before this block is the
+    # max over the blocks before it, each published by its own program.
+    hs = gl.arange(0, _M, layout=gl.SliceLayout(1, s_l))
+    h_st = hs < PH
+    tile = r.to(gl.int64) * NB
+    mx = block_max_ptr + tile * PH + hs
+    gl.store(mx + b * PH, s_max, mask=h_st)
+    gl.thread_barrier()
+    flags = flag_ptr + tile
+    gl.atomic_xchg(flags + b, 1, sem="release", scope="gpu")
+    m_i = gl.full([_M], -1e30, gl.float32, gl.SliceLayout(1, s_l))
+    for bb in range(0, b):
+        while gl.atomic_add(flags + bb, 0, sem="acquire", scope="gpu") == 0:
+            pass
+        m_i = gl.maximum(m_i, gl.load(mx + bb * PH, mask=h_st, other=-1e30, cache_modifier=".cg"))
+    new_max = gl.maximum(m_i, s_max)
+    p = libdevice.exp(s - new_max[:, None])
+    l_i = gl.reduce(p, 1, _add)
+    nv = gl.reduce(ok.to(gl.int32), 0, _add)
+    p_smem.store(p.to(gl.bfloat16))          # round to nearest even: the contract's P
+    fence_async_shared()
+    gl.thread_barrier()
+
+    # acc = P V, chunk by chunk, each stored as summed: this block's partial [PH, 512].
+    ho = gl.arange(0, _M, layout=gl.SliceLayout(1, o_l))
+    do = gl.arange(0, _DC, layout=gl.SliceLayout(0, o_l))
+    acc_rows = part_acc_ptr + (tile + b) * (PH * D) + ho[:, None] * D + do[None, :]
+    zero = gl.zeros([_M, _DC], gl.float32, o_l)
+    for c in gl.static_range(NC):
+        a = warpgroup_mma(p_smem, k_smem.index(c), zero, use_acc=False)
+        gl.store(acc_rows + c * _DC, a, mask=(ho < PH)[:, None])
+    ml = part_ml_ptr + (tile + b) * (3 * PH) + hs
+    gl.store(ml, new_max, mask=h_st)
+    gl.store(ml + PH, l_i, mask=h_st)
+    gl.store(ml + 2 * PH, gl.zeros([_M], gl.float32, gl.SliceLayout(1, s_l)) + nv.to(gl.float32), mask=h_st)
+
+
+def build_plan(max_rows: int, heads: int, window: int, topk: int, device="cuda", *, workspace=None) -> SparseMlaPlan:
+    """The `SparseMlaPlan` this kernel takes: split into 64-key blocks, combined by the separate
+    launch, all heads in one group of block_h = max(16, heads) (the workspace's heads; the kernel
+    pads them to the wgmma's 64). Its options as `SparseMlaPlan.build`'s."""
+    if heads not in (8, 16, 32, 64):
+        raise ValueError(f"heads must be one of (8, 16, 32, 64), got {heads!r}")
+    return SparseMlaPlan.build(max_rows, heads, window, topk, device, block_h=max(16, heads), split=True,
+                               separate_combine=True, workspace=workspace)
+
+
+def _check_plan(p) -> None:
+    if not isinstance(p, SparseMlaPlan):
+        raise TypeError(f"plan must be a SparseMlaPlan (gluon_sparse_mla.build_plan), got {type(p).__name__}")
+    if not (p.split and p.separate_combine and p.head_groups == 1 and p.block_h == max(16, p.heads)):
+        raise ValueError(f"plan must be built by gluon_sparse_mla.build_plan (split, separate_combine, one head group "
+                         f"of max(16, heads)), got split={p.split} separate_combine={p.separate_combine} "
+                         f"block_h={p.block_h} heads={p.heads}")
+
+
+def gluon_sparse_mla_(plan: SparseMlaPlan, q: torch.Tensor, window_pool: torch.Tensor, comp_pool: torch.Tensor,
+                      window_table: torch.Tensor, comp_table: torch.Tensor, sink: torch.Tensor, scale: float,
+                      out: torch.Tensor) -> None:
+    """`sparse_mla.sparse_mla_`'s contract and arguments (see its doc), with a plan from `build_plan()`:
+    out[r, h] = sparse_attention(q[r, h], keys of row r, sink[h], scale). sm_90 only."""
+    _check_plan(plan)
+    n = check_sparse_mla_args(plan, q, window_pool, comp_pool, window_table, comp_table, sink, scale, out)
+    if not is_sm90(plan.device):
+        raise ValueError(f"plan and operands must be on a CUDA device of compute capability 9.0 (the kernel is "
+                         f"sm_90 code: wgmma), got {plan.device}")
+    if n == 0:
+        return
+    nb = plan.n_blocks
+    _gluon_sparse_mla_kernel[(n * nb, )](
+        q, window_pool, comp_pool, window_table, comp_table,
+        plan.part_acc, plan.part_ml, plan.block_max, plan.flags, plan.ticket,
+        n, plan.heads, float(scale), q.stride(0), q.stride(1), window_table.stride(0), max(comp_table.stride(0), 1),
+        W=plan.window, W_P2=triton.next_power_of_2(plan.window), KC=plan.topk, NB=nb, PH=plan.block_h,
+        num_warps=NUM_WARPS,
+    )
+    o16 = out.view(torch.int16)
+    chunk = combine_chunk(nb, plan.block_h)
+    _sparse_mla_combine_kernel[(n, HEAD_DIM // chunk)](
+        plan.part_acc, plan.part_ml, plan.flags, sink, o16, plan.heads, 1, o16.stride(0), o16.stride(1),
+        SPLIT=nb, SPLIT_P2=triton.next_power_of_2(nb), BLOCK_H=plan.block_h, CHUNK=chunk, PDL=False, num_warps=4,
+    )
+
+
+def gluon_sparse_mla(q: torch.Tensor, window_pool: torch.Tensor, comp_pool: torch.Tensor, window_table: torch.Tensor,
+                     comp_table: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
+    """Convenience: build a plan for these shapes, allocate out, launch; returns [N, H, 512] bfloat16."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError(f"q must be a 3-D tensor [N, H, 512], got {getattr(q, 'shape', type(q).__name__)}")
+    for t, name in ((window_table, "window_table"), (comp_table, "comp_table")):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            raise ValueError(f"{name} must be a 2-D tensor [N, width], got {getattr(t, 'shape', type(t).__name__)}")
+    n = q.shape[0]
+    out = torch.empty(n, q.shape[1], HEAD_DIM, dtype=torch.bfloat16, device=q.device)
+    if n == 0:
+        return out
+    p = build_plan(n, q.shape[1], window_table.shape[1], comp_table.shape[1], q.device)
+    gluon_sparse_mla_(p, q, window_pool, comp_pool, window_table, comp_table, sink, scale, out)
+    return out

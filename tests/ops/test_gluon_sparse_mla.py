@@ -1,0 +1,198 @@
+"""ops.gluon_sparse_mla, the key-major sparse MLA in Gluon (sm_90 only).
+
+On the CPU: the kernel compiles for sm_90 (Triton's own ptxas) at the plans' shapes with no spills,
+its SASS holds the BF16 wgmmas of both dots (m64 n32 per warpgroup for the scores, m64 n64 for
+P.V), and bad arguments raise errors that name them. On the GPU (`-m gpu`): against the reference
+at 1-64 rows and 8-64 heads, window-only and window + compressed keys, -1 entries, rows with no
+valid key; bitwise run to run; a row alone gives its bits among others.
+
+Tolerances: those of tests/ops/test_sparse_mla.py (its module doc derives them), for the same
+reason. The kernel keeps the contract's blocks, the running max per block (the same look-back as
+`sparse_mla`'s split plans), P rounded to BF16 against it and the same per-block partials combined
+by the same kernel in block order; what it leaves to the hardware is the FP32 order of the tensor
+cores' sums (the score's 512 products, P.V's 64 keys: the same class of MMA as `sparse_mla`'s BF16
+dots) and of the block's exp sum. So on exact-score inputs P is the contract's except where the GPU's
+expf and torch's differ in the last bit (`check_exact_gpu`: the flip bound and 99.5 % of the
+elements bitwise), and on random inputs the flip bound (`check_bound`).
+"""
+
+import pytest
+import torch
+
+from dsv41_decode.ops import gluon_sparse_mla as G
+from dsv41_decode.ops.sparse_mla import HEAD_DIM as D, SparseMlaPlan, sparse_mla_
+from dsv41_decode.testing import sm90
+from test_sparse_mla import (EXACT_SCALE, GPU_POOLS, SCALE, check_bound, check_exact_gpu, gpu_tables, make_case,
+                             reference, ulps)
+
+_TYPES = {"q_ptr": "*bf16", "wpool_ptr": "*u8", "cpool_ptr": "*u8", "wtab_ptr": "*i32", "ctab_ptr": "*i32",
+          "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "block_max_ptr": "*fp32", "flag_ptr": "*i32",
+          "ticket_ptr": "*i32", "scale": "fp32"}
+# Hopper's shared memory per block (227 KB) is the only bound on the kernel's: q and the keys as
+# four [64, 128] BF16 chunks each (64 KB + 64 KB) and P (8 KB).
+SMEM_LIMIT = 227 * 1024
+
+
+def _compile(heads, w, k):
+    p = G.build_plan(1, heads, w, k, "cpu")
+    consts = {"W": w, "W_P2": 1 << (w - 1).bit_length(), "KC": k, "NB": p.n_blocks, "PH": p.block_h}
+    return sm90.compile_sm90(G._gluon_sparse_mla_kernel, _TYPES, consts, num_warps=G.NUM_WARPS)
+
+
+# V4.1-Flash (128 window + 512 top-k keys) at 64 heads and a TP8 rank's 8; a window ending inside a
+# block with a top-k not a multiple of 64 at 32 heads.
+@pytest.mark.parametrize("heads,w,k", [(64, 128, 512), (8, 128, 512), (32, 16, 72)])
+def test_compiles_for_sm90_without_spills(heads, w, k):
+    kernel = _compile(heads, w, k)
+    res = sm90.resources(kernel)
+    assert res["LOCAL"] == 0 and res["STACK"] == 0, res
+    assert kernel.metadata.shared <= SMEM_LIMIT, kernel.metadata.shared
+    ins = [t for _, t in sm90.sass(kernel)]
+    ops = sm90.opcode_counts(ins)
+    assert ops.get("STL", 0) == 0 and ops.get("LDL", 0) == 0, ops
+    gmma = [t.split()[0] for t in ins if "GMMA" in t]
+    # scores: 512 / 16 steps of m64 n32 per warpgroup; P.V: four 128-dim chunks of 64 / 16 steps
+    assert gmma.count("HGMMA.64x32x16.F32.BF16") == 32, sorted(set(gmma))
+    assert gmma.count("HGMMA.64x64x16.F32.BF16") == 16, sorted(set(gmma))
+    assert len(gmma) == 48
+    assert ops.get("ATOMG", 0) + ops.get("ATOM", 0) + ops.get("RED", 0) > 0, ops   # ticket and flags
+
+
+def test_plan_is_one_head_group_of_the_real_heads():
+    for heads in (8, 16, 32, 64):
+        p = G.build_plan(4, heads, 128, 512, "cpu")
+        assert (p.split, p.separate_combine, p.head_groups, p.block_h, p.n_blocks) == \
+            (True, True, 1, max(16, heads), 10)
+        assert p.part_acc.numel() == 4 * 10 * max(16, heads) * D
+
+
+def test_bad_arguments_name_the_argument():
+    n, h, w, k = 2, 16, 16, 8
+    q, wpool, cpool, wt, ct, sink = make_case(n, h, w, k, seed=1)
+    plan = G.build_plan(2, h, w, k, "cpu")
+    out = torch.empty(n, h, D, dtype=torch.bfloat16)
+    args = dict(q=q, window_pool=wpool, comp_pool=cpool, window_table=wt, comp_table=ct, sink=sink,
+                scale=SCALE, out=out)
+    bad = {
+        "q": (q.float(), TypeError),
+        "window_pool": (wpool[:, :512], ValueError),
+        "comp_pool": (cpool.to(torch.int8), TypeError),
+        "window_table": (wt.long(), TypeError),
+        "comp_table": (ct[:, :4], ValueError),
+        "sink": (sink[:4], ValueError),
+        "out": (out.float(), TypeError),
+        "scale": ("0.1", TypeError),
+    }
+    for name, (value, exc) in bad.items():
+        with pytest.raises(exc, match=name):
+            G.gluon_sparse_mla_(plan, **{**args, name: value})
+    with pytest.raises(ValueError, match="max_rows"):
+        G.gluon_sparse_mla_(plan, **{**args, "q": torch.cat((q, q))})
+    with pytest.raises(TypeError, match="plan"):
+        G.gluon_sparse_mla_(None, **args)
+    with pytest.raises(ValueError, match="plan must be built by gluon_sparse_mla.build_plan"):
+        G.gluon_sparse_mla_(SparseMlaPlan.build(2, h, w, k, "cpu"), **args)
+    with pytest.raises(ValueError, match="heads"):
+        G.build_plan(2, 12, w, k, "cpu")
+    with pytest.raises(ValueError, match="compute capability 9.0"):     # good arguments, on the CPU
+        G.gluon_sparse_mla_(plan, **args)
+
+
+def run(plan, case, scale=SCALE):
+    out = torch.full((case[0].shape[0], plan.heads, D), float("nan"), dtype=torch.bfloat16, device=case[0].device)
+    G.gluon_sparse_mla_(plan, *case, scale, out)
+    return out
+
+
+def workspace_is_clear(plan):
+    return int(plan.flags.abs().sum()) == 0 and int(plan.ticket) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", [8, 16, 32, 64])
+@pytest.mark.parametrize("n", [1, 2, 4, 16, 64])
+def test_gpu_against_the_reference(h, n):
+    # window + compressed keys (V4.1-Flash: 128 + 512, 5 % of the top-k entries -1; windows full,
+    # ending inside a block, a single key): exact-score bits, the random-input bound, two launches
+    # give the same bits, the workspace is clear after each
+    w, k = 128, 512
+    plan = G.build_plan(64, h, w, k, "cuda")
+    case = make_case(n, h, w, k, seed=h * 1000 + n, window_fill=gpu_tables(n), exact=True, **GPU_POOLS)
+    out = run(plan, case, EXACT_SCALE)
+    assert torch.equal(out, run(plan, case, EXACT_SCALE))
+    check_exact_gpu(out, case, reference(*case, EXACT_SCALE), EXACT_SCALE)
+    case = make_case(n, h, w, k, seed=h * 1000 + n + 1, window_fill=gpu_tables(n), **GPU_POOLS)
+    out = run(plan, case)
+    assert torch.equal(out, run(plan, case))
+    check_bound(out, case, reference(*case))
+    torch.cuda.synchronize()
+    assert workspace_is_clear(plan)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", [8, 64])
+@pytest.mark.parametrize("n", [1, 4, 16])
+def test_gpu_window_only(h, n):
+    # no compressed keys at all (top-k width 0: the two blocks of a 128-key window), and a top-k
+    # table of -1 only (the same keys, then six blocks without a valid key)
+    w = 128
+    for k, comp_valid in ((0, 1.0), (384, 0.0)):
+        plan = G.build_plan(n, h, w, k, "cuda")
+        case = make_case(n, h, w, k, seed=h + n + k, window_fill=gpu_tables(n), exact=True,
+                         **dict(GPU_POOLS, comp_valid=comp_valid))
+        check_exact_gpu(run(plan, case, EXACT_SCALE), case, reference(*case, EXACT_SCALE), EXACT_SCALE)
+        case = make_case(n, h, w, k, seed=h + n + k + 1, window_fill=gpu_tables(n),
+                         **dict(GPU_POOLS, comp_valid=comp_valid))
+        check_bound(run(plan, case), case, reference(*case))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", [16, 64])
+def test_gpu_edge_rows(h):
+    # row 0: nothing valid -> zeros; row 1: no top-k entries; row 2: a window not yet full (3 keys)
+    # with half the top-k entries -1; sinks of -inf; the reference's bits on exact scores
+    n, w, k = 3, 128, 512
+    q, wpool, cpool, wt, ct, sink = case = make_case(n, h, w, k, seed=11 + h, sink_inf=True, exact=True,
+                                                     **GPU_POOLS)
+    wt[0] = -1
+    ct[0] = -1
+    ct[1] = -1
+    wt[2, :125] = -1
+    ct[2, ::2] = -1
+    out = run(G.build_plan(n, h, w, k, "cuda"), case, EXACT_SCALE)
+    assert torch.equal(out[0].float().cpu(), torch.zeros(h, D))
+    check_exact_gpu(out, case, reference(*case, EXACT_SCALE), EXACT_SCALE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", [8, 64])
+@pytest.mark.parametrize("others", [1, 3, 15, 63])
+def test_gpu_a_row_alone_gives_its_bits_among_others(h, others):
+    # batch invariance: the launch of 1 row against the launch of 1 + others (the programs take
+    # their (row, block) from tickets: a wrong mapping mixes rows up)
+    w, k = 128, 512
+    n = 1 + others
+    case = make_case(n, h, w, k, seed=900 + n + h, window_fill=gpu_tables(n), **GPU_POOLS)
+    plan = G.build_plan(64, h, w, k, "cuda")
+    together = run(plan, case)
+    for r in (0, 1, n - 1):
+        alone = run(plan, tuple(t[r:r + 1] if i in (0, 3, 4) else t for i, t in enumerate(case)))
+        assert torch.equal(alone[0], together[r]), r
+
+
+@pytest.mark.gpu
+def test_gpu_bits_against_the_triton_kernel_are_measured():
+    # Not a requirement (module doc): the Triton step plan's bits and this kernel's may differ in the
+    # tensor cores' FP32 sums; both are within the flip bound. Prints the share of equal elements
+    # and the largest distance for the record.
+    n, h, w, k = 16, 64, 128, 512
+    case = make_case(n, h, w, k, seed=4242, window_fill=gpu_tables(n), **GPU_POOLS)
+    ours = run(G.build_plan(n, h, w, k, "cuda"), case)
+    tri = torch.empty_like(ours)
+    plan = next(p for p in SparseMlaPlan.for_step(64, h, w, k, "cuda") if n <= p.max_rows)
+    sparse_mla_(plan, *case, SCALE, tri)
+    u = ulps(ours, tri)
+    print(f"gluon vs triton step plan: {float((u == 0).float().mean()) * 100:.3f} % bitwise equal, max {int(u.max())} ulp")
+    ref = reference(*case)
+    check_bound(ours, case, ref)
+    check_bound(tri, case, ref)
