@@ -1,9 +1,10 @@
 """Probe the Gluon sparse MLA (`ops.gluon_sparse_mla`) on an H200 against the Triton kernel's step
 tiling (`SparseMlaPlan.for_step`) and FlashMLA's Hopper sparse decode on the V4 record (when
 `flash_mla` imports; `bench.attn`'s baseline): 128 window + 512 compressed keys, CUDA-graph replay,
-per (heads, rows) cell the time of each, the max BF16 ulp distance of each from the reference on the
-GPU, and whether the two kernels give the same bits. `--heads=64,16`, `--rows=1,2,4,8,16,32,64`.
-Prints; writes nothing."""
+per (heads, rows) cell the time of each (the Gluon kernel in its default configuration and with q in
+four buffers and the compressed codes loaded per byte, `q4b`), the max BF16 ulp distance of each
+from the reference on the GPU, and whether the Gluon and Triton kernels give the same bits.
+`--heads=64,16`, `--rows=1,2,4,8,16,32,64`. Prints; writes nothing."""
 
 from __future__ import annotations
 
@@ -37,25 +38,31 @@ def main() -> None:
     rows_list = [int(v) for v in arg("rows", "1,2,4,8,16,32,64").split(",")]
     gen = torch.Generator(device="cuda").manual_seed(0)
     scale = HEAD_DIM ** -0.5
-    print("heads rows | gluon us  triton us  flash_mla_v4 us | gluon/triton | ulp gluon  ulp triton | gluon == triton")
+    alt = G.GluonSparseMlaConfig(q_buffers=4, fp4_packed=False)
+    print("heads rows | gluon us  q4b us  triton us  flash_mla_v4 us | gluon/triton gluon/flash | ulp gluon  ulp q4b  "
+          "ulp triton | gluon == triton")
     for heads in heads_list:
         gplan = G.build_plan(max(rows_list), heads, W, K, "cuda")
         tplans = SparseMlaPlan.for_step(max(rows_list), heads, W, K, "cuda")
         for rows in rows_list:
             q, win, comp, wtab, ctab, sink = sparse_mla_inputs(rows, heads, gen)
-            og, ot = torch.empty_like(q), torch.empty_like(q)
+            og, oa, ot = torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
             tplan = next(p for p in tplans if rows <= p.max_rows)
             fg = lambda: G.gluon_sparse_mla_(gplan, q, win, comp, wtab, ctab, sink, scale, og)  # noqa: E731
+            fa = lambda: G.gluon_sparse_mla_(gplan, q, win, comp, wtab, ctab, sink, scale, oa, alt)  # noqa: E731
             ft = lambda: sparse_mla_(tplan, q, win, comp, wtab, ctab, sink, scale, ot)  # noqa: E731
             us_g = graph_time_us(fg, replays=30)
+            us_a = graph_time_us(fa, replays=30)
             us_t = graph_time_us(ft, replays=30)
             fm = _flash_mla_v4(rows, heads, gen)
             us_f = graph_time_us(fm, replays=30) if fm is not None else float("nan")
             fg()
+            fa()
             ft()
             ref = sparse_attention_records(q, win, comp, wtab, ctab, sink, scale)
-            print(f"{heads:5d} {rows:4d} | {us_g:8.2f} {us_t:10.2f} {us_f:15.2f} | {us_g / us_t:12.2f} | "
-                  f"{ulp_max(og, ref):9d} {ulp_max(ot, ref):11d} | {bool(torch.equal(og, ot))}", flush=True)
+            print(f"{heads:5d} {rows:4d} | {us_g:8.2f} {us_a:6.2f} {us_t:10.2f} {us_f:15.2f} | {us_g / us_t:12.2f} "
+                  f"{us_g / us_f:11.2f} | {ulp_max(og, ref):9d} {ulp_max(oa, ref):7d} {ulp_max(ot, ref):10d} | "
+                  f"{bool(torch.equal(og, ot))}", flush=True)
     print(f"done in {time.time() - t0:.1f} s")
 
 

@@ -8,12 +8,17 @@ blocks' partials are combined by the same second launch (`sparse_mla._sparse_mla
 in block order). A program:
 
 - takes its (row, block) from the plan's atomic ticket (blocks in ascending order, so it only
-  waits for programs already running), loads q [H, 512] of its row into shared memory (heads past
-  H as zeros: the wgmma's M is 64, so 8, 16 and 32 heads are padded to 64 rows);
+  waits for programs already running), loads q [H, 512] of its row into shared memory as four
+  [64, 128] chunks (heads past H as zeros: the wgmma's M is 64, so 8, 16 and 32 heads are padded
+  to 64 rows; `GluonSparseMlaConfig.q_buffers` 2: the last two chunks reuse the first two's
+  buffers once their score MMAs have read them, 104 KB of shared memory instead of 136, two
+  programs per SM);
 - gathers its block's 64 records (window: ring slots into the [S_w, 528] MXFP8 pool; compressed:
-  slots into the [S_c, 288] NVFP4 pool; -1 entries masked to zero) with plain loads into registers,
-  decodes them exactly to BF16 (E4M3 code * 2^(e - 127) per 32 dims; E2M1 * E4M3 scale per 16) and
-  stores the 64 x 512 keys into shared memory, four 128-dim chunks (K = V);
+  slots into the [S_c, 288] NVFP4 pool; -1 entries masked to zero) with plain loads into registers
+  (16 code bytes a thread for the window, 8 for the compressed codes with `fp4_packed`, whose
+  nibbles are split and interleaved in registers), decodes them exactly to BF16 (E4M3 code *
+  2^(e - 127) per 32 dims; E2M1 * E4M3 scale per 16) and stores the 64 x 512 keys into shared
+  memory, four 128-dim chunks (K = V);
 - S = sum over the chunks in order of q_c k_c^T on `warpgroup_mma` (BF16 operands from shared
   memory, FP32 accumulator; 8 warps: the two warpgroups take 32 keys each, every key's 512-long sum
   in one warpgroup), scaled, -inf where a key is invalid;
@@ -40,12 +45,14 @@ group (`block_h` = max(16, H): the workspace holds the real heads only), built b
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.extra import libdevice
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from ..records import COMPRESSED_KV_BYTES, WINDOW_KV_BYTES
 from .common import is_sm90
@@ -57,7 +64,7 @@ from .sparse_mla_plan import BLOCK_KEYS, HEAD_DIM, SparseMlaPlan
 # TRITON_INTERPRET=1 (the CPU tests' setting), which the Gluon compiler rejects; the compile test
 # runs there.
 
-__all__ = ["NUM_WARPS", "build_plan", "gluon_sparse_mla_", "gluon_sparse_mla"]
+__all__ = ["NUM_WARPS", "GluonSparseMlaConfig", "build_plan", "gluon_sparse_mla_", "gluon_sparse_mla"]
 
 # Two warpgroups: the scores' 64 keys and each P.V chunk's 128 dims split between them (the wgmma's
 # M is 64, one warpgroup's; 8 warps also spread the gather and decode of 64 x 512 values).
@@ -92,9 +99,13 @@ def _e2m1(c):
 
 
 @gluon.jit
-def _decode_chunk(pool_ptr, base, ok, C: gl.constexpr, WINDOW: gl.constexpr, layout: gl.constexpr):
+def _decode_chunk(pool_ptr, base, ok, C: gl.constexpr, WINDOW: gl.constexpr, FP4_PACKED: gl.constexpr,
+                  layout: gl.constexpr):
     """Dims [128 C, 128 C + 128) of 64 records (byte offsets `base` [64] int64 in the rows' slice of
-    `layout`; keys with ok False give 0), decoded exactly: FP32 [64, 128] in `layout`."""
+    `layout`, a [64, 128] layout of 16 consecutive dims per thread; keys with ok False give 0),
+    decoded exactly: FP32 [64, 128] in `layout`. FP4_PACKED: the compressed records' code bytes are
+    loaded 8 to a thread (64 bytes a key) and their nibbles split and interleaved in registers (low
+    nibble first: `gl.join` then `gl.reshape`), else one byte load per dim."""
     rc = C * _DC + gl.arange(0, _DC, layout=gl.SliceLayout(0, layout))
     rows = pool_ptr + base[:, None]
     okb = ok[:, None]
@@ -103,13 +114,24 @@ def _decode_chunk(pool_ptr, base, ok, C: gl.constexpr, WINDOW: gl.constexpr, lay
         sc = gl.load(rows + 512 + (rc // 32)[None, :], mask=okb, other=127)
         # 2^(e - 127) from the FP32 bits, byte 255 (UE8M0's NaN) NaN, as `rounding.ue8m0_to_fp32`
         sv = gl.where(sc == 255, float("nan"), (sc.to(gl.int32) << 23).to(gl.float32, bitcast=True))
-        k = codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sv
-    else:           # 256 bytes of E2M1 pairs (low nibble first), then 32 E4M3 scales (one per 16)
+        k = gl.where(okb, codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sv, 0.0)
+    elif FP4_PACKED:  # 256 bytes of E2M1 pairs (low nibble first), then 32 E4M3 scales (one per 16)
+        lb: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [_WARPS, 1], [1, 0])
+        rb = C * (_DC // 2) + gl.arange(0, _DC // 2, layout=gl.SliceLayout(0, lb))
+        ok_b = gl.convert_layout(ok, gl.SliceLayout(1, lb), assert_trivial=True)[:, None]
+        rows_b = pool_ptr + gl.convert_layout(base, gl.SliceLayout(1, lb), assert_trivial=True)[:, None]
+        byte = gl.load(rows_b + rb[None, :], mask=ok_b, other=0).to(gl.int32)
+        sv = gl.load(rows_b + 256 + (rb // 8)[None, :], mask=ok_b, other=0).to(gl.float8e4nv, bitcast=True)
+        sv = sv.to(gl.float32)
+        lo = gl.where(ok_b, _e2m1(byte & 15) * sv, 0.0)
+        hi = gl.where(ok_b, _e2m1(byte >> 4) * sv, 0.0)
+        k = gl.convert_layout(gl.reshape(gl.join(lo, hi), [_KEYS, _DC]), layout, assert_trivial=True)
+    else:
         byte = gl.load(rows + (rc // 2)[None, :], mask=okb, other=0).to(gl.int32)
         code = (byte >> ((rc % 2) * 4)[None, :]) & 15
         sc = gl.load(rows + 256 + (rc // 16)[None, :], mask=okb, other=0)
-        k = _e2m1(code) * sc.to(gl.float8e4nv, bitcast=True).to(gl.float32)
-    return gl.where(okb, k, 0.0)
+        k = gl.where(okb, _e2m1(code) * sc.to(gl.float8e4nv, bitcast=True).to(gl.float32), 0.0)
+    return k
 
 
 @gluon.jit
@@ -129,11 +151,13 @@ def _gluon_sparse_mla_kernel(
     part_acc_ptr, part_ml_ptr, block_max_ptr, flag_ptr, ticket_ptr,
     N, H, scale, stride_qn, stride_qh, stride_wt, stride_ct,
     W: gl.constexpr, W_P2: gl.constexpr, KC: gl.constexpr, NB: gl.constexpr, PH: gl.constexpr,
+    Q_BUFFERS: gl.constexpr = 4, FP4_PACKED: gl.constexpr = False,
 ):
     # Workspaces (`SparseMlaPlan` with one head group of PH = block_h heads): acc [N, NB, PH, 512],
     # ml [N, NB, 3, PH] (max, sum, valid-key count), block_max [N, NB, PH], flags [N, NB].
     D: gl.constexpr = 512
     NC: gl.constexpr = D // _DC
+    gl.static_assert(Q_BUFFERS == NC or Q_BUFFERS == 2)
     # One ticket per program, in the order the programs start: block-major, so a program's earlier
     # blocks belong to programs that already run.
     ticket = gl.atomic_add(ticket_ptr, 1, sem="relaxed", scope="gpu")
@@ -149,46 +173,63 @@ def _gluon_sparse_mla_kernel(
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 64, 16])
     chunk_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_M, _DC], gl.bfloat16)
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_M, _KEYS], gl.bfloat16)
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [NC, _M, _DC], chunk_sl)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [Q_BUFFERS, _M, _DC], chunk_sl)
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [NC, _KEYS, _DC], chunk_sl)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [_M, _KEYS], p_sl)
 
-    # The row's window key count: the valid suffix of its window table.
+    # The row's window key count (the valid suffix of its window table), then the block's slots.
     wtab_row = wtab_ptr + r * stride_wt
     ctab_row = ctab_ptr + r * stride_ct
     rw = gl.arange(0, W_P2, layout=gl.SliceLayout(0, ld))
     nw = gl.reduce((gl.load(wtab_row + rw, mask=rw < W, other=-1) >= 0).to(gl.int32), 0, _add)
-
-    # q [64, 512] of the row (heads past H: zeros), chunk by chunk.
-    rh = gl.arange(0, _M, layout=gl.SliceLayout(1, ld))
-    rd = gl.arange(0, _DC, layout=gl.SliceLayout(0, ld))
-    q_rows = q_ptr + r * stride_qn + rh[:, None] * stride_qh + rd[None, :]
-    for c in gl.static_range(NC):
-        q_smem.index(c).store(gl.load(q_rows + c * _DC, mask=(rh < H)[:, None], other=0.0))
-
-    # The block's records, decoded into shared memory.
     ws, cs = _block_slots(wtab_row, ctab_row, b, nw, W, KC, gl.SliceLayout(1, ld))
     w_ok = ws >= 0
     c_ok = cs >= 0
     wbase = gl.where(w_ok, ws, 0).to(gl.int64) * _WREC
     cbase = gl.where(c_ok, cs, 0).to(gl.int64) * _CREC
+
+    # q [64, 512] of the row (heads past H: zeros), chunk by chunk: all four into shared memory, or
+    # (Q_BUFFERS == 2) the first two, the last two into the same buffers once the first two's
+    # score MMAs have read them.
+    rh = gl.arange(0, _M, layout=gl.SliceLayout(1, ld))
+    rd = gl.arange(0, _DC, layout=gl.SliceLayout(0, ld))
+    q_rows = q_ptr + r * stride_qn + rh[:, None] * stride_qh + rd[None, :]
+    h_in = (rh < H)[:, None]
+    for c in gl.static_range(Q_BUFFERS):
+        q_smem.index(c).store(gl.load(q_rows + c * _DC, mask=h_in, other=0.0))
+
+    # The block's records, decoded into shared memory.
     start = b * _KEYS
     for c in gl.static_range(NC):
         if start + _KEYS <= nw:       # window keys only
-            k = _decode_chunk(wpool_ptr, wbase, w_ok, c, True, ld)
-        elif start >= nw:                  # compressed entries only
-            k = _decode_chunk(cpool_ptr, cbase, c_ok, c, False, ld)
-        else:                              # the block where the window ends: each decode is 0
-            k = (_decode_chunk(wpool_ptr, wbase, w_ok, c, True, ld)          # where its keys are
-                 + _decode_chunk(cpool_ptr, cbase, c_ok, c, False, ld))      # not: the sum is exact
+            k = _decode_chunk(wpool_ptr, wbase, w_ok, c, True, FP4_PACKED, ld)
+        elif start >= nw:             # compressed entries only
+            k = _decode_chunk(cpool_ptr, cbase, c_ok, c, False, FP4_PACKED, ld)
+        else:                         # the block where the window ends: each decode is 0 where its
+            k = (_decode_chunk(wpool_ptr, wbase, w_ok, c, True, FP4_PACKED, ld)        # keys are not:
+                 + _decode_chunk(cpool_ptr, cbase, c_ok, c, False, FP4_PACKED, ld))    # the sum is exact
         k_smem.index(c).store(k.to(gl.bfloat16))
     fence_async_shared()
     gl.thread_barrier()
 
     # S = sum over the chunks in order of q_c k_c^T, then scaled; -inf where a key is invalid.
     s = gl.zeros([_M, _KEYS], gl.float32, s_l)
-    for c in gl.static_range(NC):
-        s = warpgroup_mma(q_smem.index(c), k_smem.index(c).permute((1, 0)), s)
+    if Q_BUFFERS == NC:
+        for c in gl.static_range(NC):
+            s = warpgroup_mma(q_smem.index(c), k_smem.index(c).permute((1, 0)), s)
+    else:
+        acc = warpgroup_mma(q_smem.index(0), k_smem.index(0).permute((1, 0)), s, is_async=True)
+        acc = warpgroup_mma(q_smem.index(1), k_smem.index(1).permute((1, 0)), acc, is_async=True)
+        q2 = gl.load(q_rows + 2 * _DC, mask=h_in, other=0.0)     # in flight with the MMAs
+        q3 = gl.load(q_rows + 3 * _DC, mask=h_in, other=0.0)
+        s = warpgroup_mma_wait(0, deps=[acc])
+        gl.thread_barrier()           # both warpgroups' MMAs have read the buffers
+        q_smem.index(0).store(q2)
+        q_smem.index(1).store(q3)
+        fence_async_shared()
+        gl.thread_barrier()
+        s = warpgroup_mma(q_smem.index(0), k_smem.index(2).permute((1, 0)), s)
+        s = warpgroup_mma(q_smem.index(1), k_smem.index(3).permute((1, 0)), s)
     ws_s, cs_s = _block_slots(wtab_row, ctab_row, b, nw, W, KC, gl.SliceLayout(0, s_l))
     ok = (ws_s >= 0) | (cs_s >= 0)
     s = gl.where(ok[None, :], s * scale, float("-inf"))
@@ -231,6 +272,24 @@ def _gluon_sparse_mla_kernel(
     gl.store(ml + 2 * PH, gl.zeros([_M], gl.float32, gl.SliceLayout(1, s_l)) + nv.to(gl.float32), mask=h_st)
 
 
+@dataclass(frozen=True)
+class GluonSparseMlaConfig:
+    """What leaves the bits alone: q_buffers, the [64, 128] q chunks held in shared memory (4: all
+    of q, 136 KB a program, one program per SM; 2: the last two chunks loaded while the first two's
+    score MMAs run and stored into the same buffers, 104 KB, two programs per SM); fp4_packed, the
+    compressed records' codes loaded 8 bytes to a thread and their nibbles split in registers (else
+    one byte load per dim)."""
+
+    q_buffers: int = 2
+    fp4_packed: bool = True
+
+    def __post_init__(self):
+        if self.q_buffers not in (2, 4) or isinstance(self.q_buffers, bool):
+            raise ValueError(f"GluonSparseMlaConfig.q_buffers must be 2 or 4, got {self.q_buffers!r}")
+        if not isinstance(self.fp4_packed, bool):
+            raise TypeError(f"GluonSparseMlaConfig.fp4_packed must be a bool, got {type(self.fp4_packed).__name__}")
+
+
 def build_plan(max_rows: int, heads: int, window: int, topk: int, device="cuda", *, workspace=None) -> SparseMlaPlan:
     """The `SparseMlaPlan` this kernel takes: split into 64-key blocks, combined by the separate
     launch, all heads in one group of block_h = max(16, heads) (the workspace's heads; the kernel
@@ -252,10 +311,15 @@ def _check_plan(p) -> None:
 
 def gluon_sparse_mla_(plan: SparseMlaPlan, q: torch.Tensor, window_pool: torch.Tensor, comp_pool: torch.Tensor,
                       window_table: torch.Tensor, comp_table: torch.Tensor, sink: torch.Tensor, scale: float,
-                      out: torch.Tensor) -> None:
+                      out: torch.Tensor, config: GluonSparseMlaConfig | None = None) -> None:
     """`sparse_mla.sparse_mla_`'s contract and arguments (see its doc), with a plan from `build_plan()`:
-    out[r, h] = sparse_attention(q[r, h], keys of row r, sink[h], scale). sm_90 only."""
+    out[r, h] = sparse_attention(q[r, h], keys of row r, sink[h], scale). sm_90 only. config: a
+    `GluonSparseMlaConfig` (None: the default one); every config gives the same bits."""
     _check_plan(plan)
+    if config is None:
+        config = GluonSparseMlaConfig()
+    if not isinstance(config, GluonSparseMlaConfig):
+        raise TypeError(f"config must be a GluonSparseMlaConfig, got {type(config).__name__}")
     n = check_sparse_mla_args(plan, q, window_pool, comp_pool, window_table, comp_table, sink, scale, out)
     if not is_sm90(plan.device):
         raise ValueError(f"plan and operands must be on a CUDA device of compute capability 9.0 (the kernel is "
@@ -268,7 +332,7 @@ def gluon_sparse_mla_(plan: SparseMlaPlan, q: torch.Tensor, window_pool: torch.T
         plan.part_acc, plan.part_ml, plan.block_max, plan.flags, plan.ticket,
         n, plan.heads, float(scale), q.stride(0), q.stride(1), window_table.stride(0), max(comp_table.stride(0), 1),
         W=plan.window, W_P2=triton.next_power_of_2(plan.window), KC=plan.topk, NB=nb, PH=plan.block_h,
-        num_warps=NUM_WARPS,
+        Q_BUFFERS=config.q_buffers, FP4_PACKED=config.fp4_packed, num_warps=NUM_WARPS,
     )
     o16 = out.view(torch.int16)
     chunk = combine_chunk(nb, plan.block_h)

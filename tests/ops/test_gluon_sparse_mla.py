@@ -33,20 +33,35 @@ _TYPES = {"q_ptr": "*bf16", "wpool_ptr": "*u8", "cpool_ptr": "*u8", "wtab_ptr": 
 SMEM_LIMIT = 227 * 1024
 
 
-def _compile(heads, w, k):
+def _compile(heads, w, k, config):
     p = G.build_plan(1, heads, w, k, "cpu")
-    consts = {"W": w, "W_P2": 1 << (w - 1).bit_length(), "KC": k, "NB": p.n_blocks, "PH": p.block_h}
+    consts = {"W": w, "W_P2": 1 << (w - 1).bit_length(), "KC": k, "NB": p.n_blocks, "PH": p.block_h,
+              "Q_BUFFERS": config.q_buffers, "FP4_PACKED": config.fp4_packed}
     return sm90.compile_sm90(G._gluon_sparse_mla_kernel, _TYPES, consts, num_warps=G.NUM_WARPS)
 
 
-# V4.1-Flash (128 window + 512 top-k keys) at 64 heads and a TP8 rank's 8; a window ending inside a
-# block with a top-k not a multiple of 64 at 32 heads.
-@pytest.mark.parametrize("heads,w,k", [(64, 128, 512), (8, 128, 512), (32, 16, 72)])
-def test_compiles_for_sm90_without_spills(heads, w, k):
-    kernel = _compile(heads, w, k)
+DEFAULT = G.GluonSparseMlaConfig()
+# every configuration: q in four buffers or two, the compressed codes loaded per byte or packed
+CONFIGS = [G.GluonSparseMlaConfig(q, f) for q in (2, 4) for f in (True, False)]
+
+
+# V4.1-Flash (128 window + 512 top-k keys) at 64 heads and a TP8 rank's 8 with the default
+# configuration and q in four buffers; a window ending inside a block with a top-k not a multiple
+# of 64 at 32 heads, codes loaded per byte.
+@pytest.mark.parametrize("heads,w,k,config", [(64, 128, 512, DEFAULT), (8, 128, 512, DEFAULT),
+                                               (64, 128, 512, G.GluonSparseMlaConfig(4, True)),
+                                               (32, 16, 72, G.GluonSparseMlaConfig(2, False))],
+                         ids=["64h", "8h", "64h-q4", "32h-bytes"])
+def test_compiles_for_sm90_without_spills(heads, w, k, config):
+    kernel = _compile(heads, w, k, config)
     res = sm90.resources(kernel)
     assert res["LOCAL"] == 0 and res["STACK"] == 0, res
-    assert kernel.metadata.shared <= SMEM_LIMIT, kernel.metadata.shared
+    # shared memory: q (four or two [64, 128] BF16 chunks), the keys (four) and P [64, 64] BF16;
+    # with two q buffers two programs fit an SM (228 KB, 1 KB reserved per program), and so do
+    # their registers (8 warps x 32 threads x REG <= 64K / 2)
+    assert kernel.metadata.shared == (config.q_buffers + 4) * 16384 + 8192, kernel.metadata.shared
+    if config.q_buffers == 2:
+        assert 2 * (kernel.metadata.shared + 1024) <= 228 * 1024 and res["REG"] <= 128, (res, kernel.metadata.shared)
     ins = [t for _, t in sm90.sass(kernel)]
     ops = sm90.opcode_counts(ins)
     assert ops.get("STL", 0) == 0 and ops.get("LDL", 0) == 0, ops
@@ -55,7 +70,10 @@ def test_compiles_for_sm90_without_spills(heads, w, k):
     assert gmma.count("HGMMA.64x32x16.F32.BF16") == 32, sorted(set(gmma))
     assert gmma.count("HGMMA.64x64x16.F32.BF16") == 16, sorted(set(gmma))
     assert len(gmma) == 48
-    assert ops.get("ATOMG", 0) + ops.get("ATOM", 0) + ops.get("RED", 0) > 0, ops   # ticket and flags
+    assert ops.get("ATOMG", 0) > 0, ops                     # the ticket and the flags
+    loads = [t.split()[1] if t.startswith("@") else t.split()[0] for t in ins if "LDG" in t]
+    # the window codes 16 bytes a load; the compressed codes 8 (packed) or 1
+    assert "LDG.E.128" in loads and (("LDG.E.64" in loads) == config.fp4_packed), sorted(set(loads))
 
 
 def test_plan_is_one_head_group_of_the_real_heads():
@@ -94,13 +112,19 @@ def test_bad_arguments_name_the_argument():
         G.gluon_sparse_mla_(SparseMlaPlan.build(2, h, w, k, "cpu"), **args)
     with pytest.raises(ValueError, match="heads"):
         G.build_plan(2, 12, w, k, "cpu")
+    with pytest.raises(TypeError, match="config"):
+        G.gluon_sparse_mla_(plan, **args, config={"q_buffers": 2})
+    with pytest.raises(ValueError, match="q_buffers"):
+        G.GluonSparseMlaConfig(q_buffers=3)
+    with pytest.raises(TypeError, match="fp4_packed"):
+        G.GluonSparseMlaConfig(fp4_packed=1)
     with pytest.raises(ValueError, match="compute capability 9.0"):     # good arguments, on the CPU
         G.gluon_sparse_mla_(plan, **args)
 
 
-def run(plan, case, scale=SCALE):
+def run(plan, case, scale=SCALE, config=None):
     out = torch.full((case[0].shape[0], plan.heads, D), float("nan"), dtype=torch.bfloat16, device=case[0].device)
-    G.gluon_sparse_mla_(plan, *case, scale, out)
+    G.gluon_sparse_mla_(plan, *case, scale, out, config=config)
     return out
 
 
@@ -178,6 +202,27 @@ def test_gpu_a_row_alone_gives_its_bits_among_others(h, others):
     for r in (0, 1, n - 1):
         alone = run(plan, tuple(t[r:r + 1] if i in (0, 3, 4) else t for i, t in enumerate(case)))
         assert torch.equal(alone[0], together[r]), r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", [8, 64])
+def test_gpu_every_config_gives_the_same_bits(h):
+    # the configurations change where q waits and how the codes are loaded, not one value (module
+    # doc); exact-score and random inputs, 16 rows, a window ending inside a block
+    n, w, k = 16, 128, 512
+    plan = G.build_plan(n, h, w, k, "cuda")
+    for exact in (True, False):
+        case = make_case(n, h, w, k, seed=77 + h, window_fill=gpu_tables(n), exact=exact, **GPU_POOLS)
+        scale = EXACT_SCALE if exact else SCALE
+        ref = reference(*case, scale)
+        outs = [run(plan, case, scale, config) for config in CONFIGS]
+        for config, out in zip(CONFIGS, outs):     # each against the reference first: which one fails
+            if exact:
+                check_exact_gpu(out, case, ref, scale)
+            else:
+                check_bound(out, case, ref)
+        for config, out in zip(CONFIGS, outs):
+            assert torch.equal(out, outs[0]), (config, int((ulps(out, outs[0]) > 0).sum()))
 
 
 @pytest.mark.gpu
