@@ -224,17 +224,26 @@ class Int8Config:
             raise ValueError(f"Int8Config.block_m must be 16, 32 or 64, got {self.block_m}")
 
 
-# Per (N, K): the most rows at which `ExactMM` (CUDA cores) is still faster; above it `ExactLinear`
-# runs this op (`Int8Config()`: 64 weight rows and 16 x rows per program, digit planes). Measured on
-# an H200 (scripts/probe_exact_int8_mm.py --rows=1,4,16,32,64, commit 7d39e47; docs/gemm.md
-# "Exactness"): this op's programs walk K one 32-deep block at a time, ~0.6 us a block whatever the
-# rows, so it pays only where ExactMM's per-row cost has grown past that. Shapes without an entry
-# (the TP shards) keep ExactMM.
-_INT8_ABOVE: dict[tuple[int, int], int] = {
-    (1792, 5120): 16,      # fused wq_a|wkv: 77 vs 106 us at 32 rows, 77 vs 209 at 64 (ExactMM 54 at 16)
-    (32768, 1280): 4,      # wq_b: 57 vs 163 us at 16 rows, 204 vs 641 at 64 (ExactMM 43 at 4)
-    (4096, 1280): 8,       # the indexer's wq_b: 21 vs 28 us at 16 rows, 27 vs 104 at 64 (ExactMM 15 at 8)
-    (5120, 8192): 12,      # wo_b: 155 vs 204 us at 16 rows, 243 vs 808 at 64 (ExactMM 103 at 8)
+# Per (N, K): the most rows at which `ExactMM` (CUDA cores) is still faster, and the configuration
+# per row count above it (`{most rows: Int8Config}`, smallest first) with which `ExactLinear` runs
+# this op. Measured on an H200 (scripts/probe_exact_int8_mm.py --rows=1,4,8,16,32,64, commit c4f13aa,
+# us; docs/gemm.md "Exactness"): this op's programs walk K one 32-deep block at a time (or two with
+# `pairs`), so it pays only where ExactMM's per-row cost has grown past that walk; thresholds between
+# measured row counts are where ExactMM's time, linear in the rows, crosses this op's. Shapes without
+# an entry (the TP shards) keep ExactMM. Every configuration gives the same bits.
+_PAIRS32 = Int8Config(block_n=32, pairs=True)
+_INT8_PLAN: dict[tuple[int, int], tuple[int, dict[int, Int8Config]]] = {
+    # fused wq_a|wkv: pairs at 32 weight rows 48.8 / 48.9 / 74.4 us at 16 / 32 / 64 rows (64 weight
+    # rows: 77.8 / 79.6 / 83.7); ExactMM 27.8 at 8, 54.2 at 16
+    (1792, 5120): (14, {64: _PAIRS32}),
+    # wq_b: the default 53.5 / 96.4 / 190.4 at 16 / 32 / 64 (the others 0-35 % slower); ExactMM 43.4 at 4
+    (32768, 1280): (4, {64: Int8Config()}),
+    # the indexer's wq_b: pairs at 32 weight rows 13.7 / 13.6 / 20.4 at 8 / 16 / 32 (default 20.7 /
+    # 20.4 / 20.7), the default 26.5 at 64 (pairs 34.6); ExactMM 8.3 at 4, 14.8 at 8
+    (4096, 1280): (7, {32: _PAIRS32, 64: Int8Config()}),
+    # wo_b: pairs at 32 weight rows 132.0 at 16 (default 155.2), the default 165.3 at 32, pairs at 64
+    # weight rows and 3 stages 233.3 at 64 (default 241.3); ExactMM 103.2 at 8, 203.6 at 16
+    (5120, 8192): (10, {16: _PAIRS32, 32: Int8Config(), 64: Int8Config(num_stages=3, pairs=True)}),
 }
 
 
@@ -247,20 +256,26 @@ class ExactInt8MM:
     weight: [N, K] float8_e4m3fn, unit stride along K; K a multiple of 32.
     w_scale: [ceil(N/32), K/32] UE8M0 (float8_e8m0fnu or uint8), unit stride along K.
     max_rows: the most rows a call may bring (1..64).
-    config: an Int8Config for every call instead of `Int8Config()` (the probe and the tests).
+    config: the launch configuration: one Int8Config for every call (default `Int8Config()`), or
+        `{most rows: Int8Config}` for calls of up to that many rows (smallest key first; the largest
+        key >= max_rows). Every configuration gives the same bits.
     digits: keep the weight's three int8 digit planes (`weight_digits`: three more bytes per weight
         element) and read those, instead of decoding the codes in the kernel (slower).
     The plan owns no memory that calls share: its calls may overlap in time.
     """
 
     def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int = MAX_ROWS,
-                 config: Int8Config | None = None, digits: bool = True):
+                 config: Int8Config | dict[int, Int8Config] | None = None, digits: bool = True):
         n, k = mxfp8_weight_args(weight, w_scale, max_rows, MAX_ROWS)
-        if config is not None and not isinstance(config, Int8Config):
-            raise TypeError(f"config must be an Int8Config, got {type(config).__name__}")
-        self.config = config or Int8Config()
-        if self.config.pairs and ((k // 32) % 2 or not digits):
-            raise ValueError(f"Int8Config(pairs=True) needs K / 32 even and digits=True, got K={k}, digits={digits}")
+        configs = config if isinstance(config, dict) else {max_rows: config or Int8Config()}
+        for c in configs.values():
+            if not isinstance(c, Int8Config):
+                raise TypeError(f"config must be an Int8Config or a dict of them, got {type(c).__name__}")
+            if c.pairs and ((k // 32) % 2 or not digits):
+                raise ValueError(f"Int8Config(pairs=True) needs K / 32 even and digits=True, got K={k}, digits={digits}")
+        if not configs or max(configs) < max_rows:
+            raise ValueError(f"config must cover max_rows={max_rows} rows, got keys {sorted(configs)}")
+        self._configs = sorted(configs.items())
         self.weight, self.w_scale = weight, w_scale.view(torch.uint8)
         self.n, self.k, self.max_rows = n, k, max_rows
         self.device = weight.device
@@ -271,11 +286,16 @@ class ExactInt8MM:
         """`exact_mm.reduction_order(K)`: the same for every row count (batch invariance)."""
         return reduction_order(self.k)
 
+    def config_for(self, rows: int) -> Int8Config:
+        """The configuration a call of `rows` rows launches with."""
+        return next(c for most, c in self._configs if rows <= most)
+
     def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """y = codes x weight^T with both block scales, into out: the arguments and the result of
         `LowLatencyMM.__call__` (a float32 out receives the unrounded FP32 sums)."""
         out = mxfp8_linear_args(codes, x_scale, out, self.n, self.k, self.max_rows, self.device)
-        m, cfg = codes.shape[0], self.config
+        m = codes.shape[0]
+        cfg = self.config_for(m)
         _exact_int8_mm_kernel[(triton.cdiv(self.n, cfg.block_n), triton.cdiv(m, cfg.block_m))](
             codes.view(torch.uint8), x_scale.view(torch.uint8),
             self.weight.view(torch.uint8) if self._digits is None else self._digits, self.w_scale,
@@ -291,22 +311,25 @@ class ExactInt8MM:
 
 class ExactLinear:
     """The contract-exact MXFP8 linear for 1..max_rows rows, whichever exact op is faster per call:
-    `ExactMM` (CUDA cores) and, on an sm_90 GPU above the row counts `_INT8_ABOVE` lists for the
-    shape, `ExactInt8MM` (integer MMA, weight digit planes: three more bytes per weight element).
+    `ExactMM` (CUDA cores) and, on an sm_90 GPU above the row count `_INT8_PLAN` lists for the
+    shape, `ExactInt8MM` in the configurations listed there (integer MMA, weight digit planes: three
+    more bytes per weight element).
     Both give the reference's bits, so a row's result does not depend on which runs (batch
     invariance). Arguments, errors and the call: `ExactMM`'s (exact_config its config; workspace
-    its workspace). int8_above: override the threshold (None: `_INT8_ABOVE`, on sm_90 only; 0:
-    the integer MMA for every call; >= max_rows: never), for tests and probes."""
+    its workspace). int8_above: override the threshold (None: `_INT8_PLAN`'s, on sm_90 only; 0:
+    the integer MMA for every call, in `Int8Config()` unless the shape is listed; >= max_rows:
+    never), for tests and probes."""
 
     def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int = MAX_ROWS,
                  exact_config=None, workspace=None, int8_above: int | None = None):
         self.cuda_cores = ExactMM(weight, w_scale, max_rows, exact_config, workspace)
         n, k = self.cuda_cores.n, self.cuda_cores.k
         self.n, self.k, self.max_rows, self.device = n, k, max_rows, weight.device
+        above, configs = _INT8_PLAN.get((n, k), (None, None))
         if int8_above is None:
-            int8_above = _INT8_ABOVE.get((n, k)) if is_sm90(weight.device) else None
+            int8_above = above if is_sm90(weight.device) else None
         self.int8_above = int8_above if int8_above is not None and int8_above < max_rows else None
-        self.int8 = None if self.int8_above is None else ExactInt8MM(weight, w_scale, max_rows)
+        self.int8 = None if self.int8_above is None else ExactInt8MM(weight, w_scale, max_rows, configs)
 
     def reduction_order(self, rows: int) -> tuple[str, int, int]:
         """`exact_mm.reduction_order(K)`: the same for every row count and either op."""

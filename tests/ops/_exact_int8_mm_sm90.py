@@ -1,7 +1,8 @@
 """Run by tests/ops/test_exact_int8_mm.py in a subprocess without the Triton interpreter (the kernel
 must be a real JIT function to compile), and by hand: compiles `ops.exact_int8_mm`'s kernel for
-sm_90 in the plans' configuration (`Int8Config()`) with the weight's digit planes and with its codes
-decoded in the kernel, with two blocks a step (`pairs`), and with 64 x rows per program (wgmma), and prints per configuration its
+sm_90 in the plans' configurations (`Int8Config()`, and `pairs` at 32 and 64 weight rows, 3 and 4
+stages: `_INT8_PLAN`) with the weight's digit planes, with its codes decoded in the kernel, and
+with 64 x rows per program (wgmma), and prints per configuration its
 registers, stack, local memory, spill instructions, main-loop length and integer MMA instructions.
 `--json`: one JSON object per line.
 """
@@ -31,8 +32,9 @@ def measure(cfg: E.Int8Config, digits: bool) -> dict:
 
 
 def main() -> None:
-    configs = [(E.Int8Config(), True), (E.Int8Config(), False), (E.Int8Config(pairs=True), True),
-               (E.Int8Config(block_n=32, block_m=64), True)]
+    planned = {c for _, table in E._INT8_PLAN.values() for c in table.values()}
+    configs = [(E.Int8Config(), False), (E.Int8Config(block_n=32, block_m=64), True)]
+    configs += [(c, True) for c in sorted(planned | {E.Int8Config()}, key=str)]
     for cfg, digits in configs:
         r = measure(cfg, digits)
         if "--json" in sys.argv:

@@ -22,7 +22,7 @@ from helpers import FLASH_LINEAR_SHAPES as FLASH_SHAPES
 from helpers import check_mxfp8_plan_errors, linear_operands, raises
 from test_exact_mm import _bits, _exact_operands, _gen, _poisoned
 
-from dsv41_decode.ops.exact_int8_mm import _INT8_ABOVE, ExactInt8MM, ExactLinear, Int8Config, weight_digits
+from dsv41_decode.ops.exact_int8_mm import _INT8_PLAN, ExactInt8MM, ExactLinear, Int8Config, weight_digits
 from dsv41_decode.reference.linear import mxfp8_mm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -71,6 +71,12 @@ def test_exact_linear_switches_ops_with_the_same_bits():
     for i in (0, 5):
         assert torch.equal(_bits(plan(codes[i:i + 1], x_scale[i:i + 1])), _bits(together[i:i + 1])), i
     assert plan.reduction_order(1) == plan.reduction_order(6)
+    # Per row count configurations (`{most rows: Int8Config}`): each call launches its own, same bits.
+    per_rows = ExactInt8MM(weight, w_scale, max_rows=8, config={2: Int8Config(block_n=16, pairs=True),
+                                                                8: Int8Config(block_n=32)})
+    assert [per_rows.config_for(m).block_n for m in (1, 2, 3, 8)] == [16, 16, 32, 32]
+    assert torch.equal(_bits(per_rows(codes, x_scale)), _bits(together))
+    assert torch.equal(_bits(per_rows(codes[:2], x_scale[:2])), _bits(together[:2]))
     # Off sm_90 (and for a threshold at or past max_rows) only the CUDA-core op is built.
     assert ExactLinear(weight, w_scale, max_rows=8, int8_above=8).int8 is None
     if DEVICE == "cpu":
@@ -82,6 +88,9 @@ def test_bad_inputs_name_the_argument():
     _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(8), m, n, k)
     check_mxfp8_plan_errors(ExactInt8MM, codes, x_scale, weight, w_scale)
     raises("config must be an Int8Config", lambda: ExactInt8MM(weight, w_scale, config="fast"))
+    raises("config must be an Int8Config or a dict", lambda: ExactInt8MM(weight, w_scale, config={64: "fast"}))
+    raises(r"config must cover max_rows=64 rows, got keys \[16\]", lambda: ExactInt8MM(weight, w_scale,
+                                                                                  config={16: Int8Config()}))
     raises("block_n must be 16, 32, 64 or 128", lambda: Int8Config(block_n=24))
     raises("block_m must be 16, 32 or 64", lambda: Int8Config(block_m=8))
     raises("num_warps must be a positive int", lambda: Int8Config(num_warps=0))
@@ -94,8 +103,8 @@ def test_bad_inputs_name_the_argument():
 
 
 def test_compiles_for_sm90_without_spills():
-    """The plans' configuration with digit planes and with codes decoded in the kernel, with two
-    blocks a step, and a wgmma one (64 x rows), compiled for sm_90 by Triton's own ptxas in a subprocess without the
+    """The plans' configurations (`_INT8_PLAN`, `Int8Config()`) with digit planes, the default with
+    codes decoded in the kernel, and a wgmma one (64 x rows), compiled for sm_90 by Triton's own ptxas in a subprocess without the
     interpreter (tests/ops/_exact_int8_mm_sm90.py): no local memory, no spill stores or loads, the
     integer MMA in the SASS (IMMA: mma.sync s8; IGMMA: wgmma s8), and the block terms' last multiply
     kept apart from the accumulator's add (mul.rn)."""
@@ -106,7 +115,7 @@ def test_compiles_for_sm90_without_spills():
                          capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 4, res.stdout
+    assert len(rows) == 2 + len({c for _, t in _INT8_PLAN.values() for c in t.values()} | {Int8Config()}), res.stdout
     for r in rows:
         assert r["LOCAL"] == 0 and r["spills"] == 0, r
         assert r["int_mma"] > 0 and r["mul_rn"], r
@@ -126,7 +135,10 @@ def test_flash_shapes_on_gpu(name, n, k):
                     ref = mxfp8_mm(codes_all[:m], sx_all[:m], weight, w_scale, dtype)
                     assert torch.equal(_bits(y), _bits(ref)), (name, cfg, digits, m, dtype)
     linear = ExactLinear(weight, w_scale)          # the step's exact plan: the integer MMA above a threshold
-    assert linear.int8 is not None and linear.int8_above == _INT8_ABOVE[(n, k)]
+    above, configs = _INT8_PLAN[(n, k)]
+    assert linear.int8 is not None and linear.int8_above == above
+    assert [linear.int8.config_for(m) for m in (above + 1, 64)] == [next(c for r, c in sorted(configs.items())
+                                                                        if m <= r) for m in (above + 1, 64)]
     together = linear(codes_all, sx_all)
     for m in (1, linear.int8_above, linear.int8_above + 1, 64):
         assert torch.equal(_bits(linear(codes_all[:m], sx_all[:m])), _bits(together[:m])), (name, m)
