@@ -150,11 +150,12 @@ def _gluon_sparse_mla_kernel(
     q_ptr, wpool_ptr, cpool_ptr, wtab_ptr, ctab_ptr,
     part_acc_ptr, part_ml_ptr, block_max_ptr, flag_ptr, ticket_ptr,
     N, H, scale, stride_qn, stride_qh, stride_wt, stride_ct,
-    W: gl.constexpr, W_P2: gl.constexpr, KC: gl.constexpr, NB: gl.constexpr, PH: gl.constexpr,
+    W: gl.constexpr, W_P2: gl.constexpr, KC: gl.constexpr, NB: gl.constexpr, NB_P2: gl.constexpr, PH: gl.constexpr,
     Q_BUFFERS: gl.constexpr = 4, FP4_PACKED: gl.constexpr = False,
 ):
     # Workspaces (`SparseMlaPlan` with one head group of PH = block_h heads): acc [N, NB, PH, 512],
-    # ml [N, NB, 3, PH] (max, sum, valid-key count), block_max [N, NB, PH], flags [N, NB].
+    # ml [N, NB, 3, PH] (max, sum, valid-key count), block_max [N, NB, PH], flags [N, NB] (here a
+    # bit per block: the row's first ceil(NB / 32) words; the combination zeroes all NB).
     D: gl.constexpr = 512
     NC: gl.constexpr = D // _DC
     gl.static_assert(Q_BUFFERS == NC or Q_BUFFERS == 2)
@@ -235,21 +236,30 @@ def _gluon_sparse_mla_kernel(
     s = gl.where(ok[None, :], s * scale, float("-inf"))
     s_max = gl.reduce(s, 1, _max)
 
-    # Publish this block's max; the running max of the sequential loop before this block is the
-    # max over the blocks before it, each published by its own program.
+    # Publish this block's max (bit b % 32 of the row's flag word b // 32, set with release once
+    # every thread's store is done); the running max of the sequential loop before this block is the
+    # max over the blocks before it, each published by its own program. Waiting on the row's words
+    # (one for up to 32 blocks), then loading every earlier block's maxima at once, costs two
+    # round trips to L2 whatever b is, where a flag per block waited and read in turn costs two per
+    # earlier block; the max is exact, so the order in which the maxima are combined does not matter.
     hs = gl.arange(0, _M, layout=gl.SliceLayout(1, s_l))
     h_st = hs < PH
     tile = r.to(gl.int64) * NB
-    mx = block_max_ptr + tile * PH + hs
-    gl.store(mx + b * PH, s_max, mask=h_st)
+    gl.store(block_max_ptr + (tile + b) * PH + hs, s_max, mask=h_st)
     gl.thread_barrier()
     flags = flag_ptr + tile
-    gl.atomic_xchg(flags + b, 1, sem="release", scope="gpu")
-    m_i = gl.full([_M], -1e30, gl.float32, gl.SliceLayout(1, s_l))
-    for bb in range(0, b):
-        while gl.atomic_add(flags + bb, 0, sem="acquire", scope="gpu") == 0:
+    gl.atomic_or(flags + b // 32, 1 << (b % 32), sem="release", scope="gpu")
+    for w in range(0, b // 32 + 1):
+        need = -1                      # the words below b's: every bit
+        if w == b // 32:
+            need = (1 << (b % 32)) - 1  # b's word: the bits of the blocks below b
+        while (gl.atomic_add(flags + w, 0, sem="acquire", scope="gpu") & need) != need:
             pass
-        m_i = gl.maximum(m_i, gl.load(mx + bb * PH, mask=h_st, other=-1e30, cache_modifier=".cg"))
+    mb = gl.arange(0, NB_P2, layout=gl.SliceLayout(1, ld))
+    mh = gl.arange(0, _M, layout=gl.SliceLayout(0, ld))
+    earlier = gl.load(block_max_ptr + tile * PH + mb[:, None] * PH + mh[None, :],
+                      mask=(mb < b)[:, None] & (mh < PH)[None, :], other=-1e30, cache_modifier=".cg")
+    m_i = gl.convert_layout(gl.reduce(earlier, 0, _max), gl.SliceLayout(1, s_l))
     new_max = gl.maximum(m_i, s_max)
     p = libdevice.exp(s - new_max[:, None])
     l_i = gl.reduce(p, 1, _add)
@@ -331,7 +341,7 @@ def gluon_sparse_mla_(plan: SparseMlaPlan, q: torch.Tensor, window_pool: torch.T
         q, window_pool, comp_pool, window_table, comp_table,
         plan.part_acc, plan.part_ml, plan.block_max, plan.flags, plan.ticket,
         n, plan.heads, float(scale), q.stride(0), q.stride(1), window_table.stride(0), max(comp_table.stride(0), 1),
-        W=plan.window, W_P2=triton.next_power_of_2(plan.window), KC=plan.topk, NB=nb, PH=plan.block_h,
+        W=plan.window, W_P2=triton.next_power_of_2(plan.window), KC=plan.topk, NB=nb, NB_P2=triton.next_power_of_2(nb), PH=plan.block_h,
         Q_BUFFERS=config.q_buffers, FP4_PACKED=config.fp4_packed, num_warps=NUM_WARPS,
     )
     o16 = out.view(torch.int16)

@@ -35,7 +35,8 @@ SMEM_LIMIT = 227 * 1024
 
 def _compile(heads, w, k, config):
     p = G.build_plan(1, heads, w, k, "cpu")
-    consts = {"W": w, "W_P2": 1 << (w - 1).bit_length(), "KC": k, "NB": p.n_blocks, "PH": p.block_h,
+    consts = {"W": w, "W_P2": 1 << (w - 1).bit_length(), "KC": k, "NB": p.n_blocks,
+              "NB_P2": 1 << (p.n_blocks - 1).bit_length(), "PH": p.block_h,
               "Q_BUFFERS": config.q_buffers, "FP4_PACKED": config.fp4_packed}
     return sm90.compile_sm90(G._gluon_sparse_mla_kernel, _TYPES, consts, num_warps=G.NUM_WARPS)
 
