@@ -8,17 +8,23 @@ What Gluon gives here that `tl.dot` does not (docs/notes-low-latency-mm.md, "Wha
 - **Swap AB.** A program computes y^T[BLOCK_N = 64, BLOCK_T] = W[64 rows, K range] @ x^T: the
   weight rows are the wgmma's M (one warpgroup, m64), the rows of x (padded to BLOCK_T = 8, 16, 32
   or 64; TMA fills the rows past M with zeros) its N. One program reads its weight bytes once.
+  (`GluonMMConfig.warpgroups=2`: 128 weight rows per program, two consumer warpgroups of 64.)
 - **A TMA producer warp.** `warp_specialize` splits the program into a 1-warp producer that
   streams 64 x 128 FP8 weight tiles (8 KB) and the matching [BLOCK_T, 128] activation tiles
   through a ring of STAGES >= 3 shared-memory slots, each completed on its `ready` mbarrier (TMA
   transaction bytes) and handed back on its `empty` mbarrier, and a 4-warp consumer warpgroup.
+  (`GluonMMConfig.block_k=256`: 256-deep slots, eight K blocks each.)
 - **Per-32-block FP8 wgmma with FP32 promotion, two groups in flight.** A 128-deep step holds
   four 32-wide K blocks. For each block kb the consumer issues one asynchronous wgmma
   m64 n{BLOCK_T} k32 over the 32-column slice of the slot (`use_acc=False`: the block's partial
   alone, from zero), then retires the previous block's group (`warpgroup_mma_wait(1)`: at most one
   group left in flight) and promotes it: `acc += (part * sx[m, kb]) * sw[n // 32, kb]` in FP32,
   the reference's order. So block kb+1's MMA runs while block kb is scaled, and the FP32
-  accumulator only ever receives scaled block partials, in K order.
+  accumulator only ever receives scaled block partials, in K order. `GluonMMConfig.mma` keeps
+  more groups in flight with the same partials and the same adds: "slot" issues a slot's blocks
+  back to back into separate zero-started partials and then retires and promotes them in K order;
+  "ahead" does so for two slots at once. Where a mode's partials do not fit the registers of the
+  launch's residency, the next shallower mode runs (`launch_mode`).
 
   Why per block and not per 128 (DeepGEMM's promotion interval): the contract scales each 32-wide
   block's partial by that block's two scales before it joins the sum (spec-decisions, decision 1),
@@ -29,11 +35,12 @@ What Gluon gives here that `tl.dot` does not (docs/notes-low-latency-mm.md, "Wha
   and Hopper's FP8 MMA does not promise even that (it aligns the products to the largest with a
   limited number of bits). The block partial is therefore the hardware's - the same instruction,
   from a zero accumulator (SASS: QGMMA.64xNx32.F32.E4M3.E4M3 ... RZ), that `low_latency_mm`'s
-  32-deep `tl.dot` compiles to - and it is the only step that is not exactly the reference's. The scaling by two powers of two is exact (outside FP32's subnormal range) and the
-  K-ordered FP32 adds are the reference's adds.
-- **The scales** of a step (four UE8M0 bytes per weight-row block and per activation row) are
-  loaded as one 32-bit word per row, one step ahead of their use (loop-carried registers), and
-  split with shifts; the plan requires K % 128 == 0 and word-aligned scale rows.
+  32-deep `tl.dot` compiles to - and it is the only step that is not exactly the reference's. The
+  scaling by two powers of two is exact (outside FP32's subnormal range) and the K-ordered FP32
+  adds are the reference's adds.
+- **The scales** of a step (four UE8M0 bytes per weight-row block and per activation row, per 128
+  of K) are loaded as one 32-bit word per row, one step ahead of their use (loop-carried
+  registers), and split with shifts; the plan requires K % 128 == 0 and word-aligned scale rows.
 - **Split-K with a deterministic reduction**, as `low_latency_mm`: grid (N tiles, K splits); each
   split stores its FP32 partial of the M real rows to the plan's workspace, then one acq_rel
   atomic on the tile's counter; the last split to arrive adds the partials in split order (from
@@ -41,12 +48,13 @@ What Gluon gives here that `tl.dot` does not (docs/notes-low-latency-mm.md, "Wha
   CUDA graph with no memset).
 
 With the same K split bounds the kernel adds the same FP32 values in the same order as
-`low_latency_mm`'s FP8 loop, so the two give the same bits (tests/ops/test_gluon_mm.py checks it
-on the GPU); `GluonMM.reduction_order` names the bounds.
+`low_latency_mm`'s FP8 loop, whatever the config's MMA mode, warpgroups, slot depth, ring and
+register cap, so the two give the same bits (tests/ops/test_gluon_mm.py checks it on the GPU);
+`GluonMM.reduction_order` names the bounds.
 
 A `GluonMM` plan binds one weight (its TMA descriptor, the split, the workspace and counters)
-once; calling it validates and launches. `gluon_mm` is the allocating convenience form. The plan
-is not yet used by the decode step.
+once; calling it validates and launches. `gluon_mm` is the allocating convenience form. The
+decode step builds its FP8 linears with it on sm_90 (`decode.attention.fp8_linear_plan`).
 """
 
 from __future__ import annotations
@@ -96,57 +104,189 @@ def _scale(word, j: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n_steps,
-              STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, mma_layout: gl.constexpr):
-    """The consumer warpgroup: per step, four 32-deep FP8 wgmmas, each block partial scaled by its
-    two scales and added to the FP32 accumulator in K order (see the module doc). Returns (acc, )."""
-    SUB: gl.constexpr = 4
+def _slot_words(sw_words, sx_words, step, WORDS: gl.constexpr):
+    """The scale words of ring slot `step` ([BN] weight, [BT] activation int32 words, four UE8M0
+    bytes each): (sw0, sw1, sx0, sx1), word 1 for K blocks 4..7 of a 256-deep slot (= word 0 when
+    the slot is 128 deep)."""
+    sw0 = gl.load(sw_words + step * WORDS)
+    sx0 = gl.load(sx_words + step * WORDS)
+    if WORDS == 2:
+        sw1 = gl.load(sw_words + step * WORDS + 1)
+        sx1 = gl.load(sx_words + step * WORDS + 1)
+    else:
+        sw1 = sw0
+        sx1 = sx0
+    return sw0, sw1, sx0, sx1
+
+
+@gluon.jit
+def _issue(w_tile, x_tile, zero, j: gl.constexpr):
+    """The asynchronous wgmma m{BN} n{BT} k32 of the slot's K block j, from a zero accumulator (the
+    block's partial alone)."""
+    return warpgroup_mma(w_tile.slice(32 * j, 32, dim=1), x_tile.slice(32 * j, 32, dim=1).permute((1, 0)), zero,
+                         use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _promote(acc, part, words, j: gl.constexpr):
+    """acc + (part * sx[m, block j]) * sw[n // 32, block j]: the reference's scaling and add of the
+    slot's K block j (words: `_slot_words`)."""
+    sw0, sw1, sx0, sx1 = words
+    if j < 4:
+        sw = sw0
+        sx = sx0
+    else:
+        sw = sw1
+        sx = sx1
+    return acc + (part * _scale(sx, j % 4)[None, :]) * _scale(sw, j % 4)[:, None]
+
+
+@gluon.jit
+def _consumer_pairs(w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n_steps,
+                    STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, SUB: gl.constexpr,
+                    mma_layout: gl.constexpr):
+    """The consumer warpgroup(s), MMA mode "pairs": per slot, the SUB = BLOCK_K / 32 block wgmmas,
+    block j+1's issued before block j's is retired (at most two groups in flight) and the slot
+    drained before the next; each block partial scaled by its two scales and added to the FP32
+    accumulator in K order (see the module doc). Returns acc."""
     acc = gl.zeros([BN, BT], gl.float32, mma_layout)
     zero = gl.zeros([BN, BT], gl.float32, mma_layout)
-    sw_next = gl.load(sw_words + step_lo)          # [BN] int32: the step's four weight scale bytes
-    sx_next = gl.load(sx_words + step_lo)          # [BT] int32: the step's four activation scale bytes
+    words_next = _slot_words(sw_words, sx_words, step_lo, SUB // 4)
     for i in range(n_steps):
-        sw_word = sw_next
-        sx_word = sx_next
-        nxt = step_lo + gl.minimum(i + 1, n_steps - 1)
-        sw_next = gl.load(sw_words + nxt)
-        sx_next = gl.load(sx_words + nxt)
+        words = words_next
+        words_next = _slot_words(sw_words, sx_words, step_lo + gl.minimum(i + 1, n_steps - 1), SUB // 4)
         s = i % STAGES
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
         w_tile = w_smem.index(s)
         x_tile = x_smem.index(s)
-        prev = warpgroup_mma(w_tile.slice(0, 32, dim=1), x_tile.slice(0, 32, dim=1).permute((1, 0)), zero,
-                             use_acc=False, is_async=True)
+        prev = _issue(w_tile, x_tile, zero, 0)
         for j in gl.static_range(1, SUB):
-            cur = warpgroup_mma(w_tile.slice(32 * j, 32, dim=1), x_tile.slice(32 * j, 32, dim=1).permute((1, 0)),
-                                zero, use_acc=False, is_async=True)
+            cur = _issue(w_tile, x_tile, zero, j)
             part = warpgroup_mma_wait(num_outstanding=1, deps=(prev, ))
-            acc += (part * _scale(sx_word, j - 1)[None, :]) * _scale(sw_word, j - 1)[:, None]
+            acc = _promote(acc, part, words, j - 1)
             prev = cur
         part = warpgroup_mma_wait(num_outstanding=0, deps=(prev, ))
         # Every wgmma reading slot s has retired: hand it back to the producer.
         mbarrier.arrive(empty.index(s), count=1)
-        acc += (part * _scale(sx_word, SUB - 1)[None, :]) * _scale(sw_word, SUB - 1)[:, None]
+        acc = _promote(acc, part, words, SUB - 1)
+    return acc
+
+
+@gluon.jit
+def _issue_slot(w_smem, x_smem, ready, s, phase, zero, SUB: gl.constexpr):
+    """Wait for slot s's tiles, then issue its SUB block wgmmas: their SUB tokens, in K order."""
+    mbarrier.wait(ready.index(s), phase)
+    w_tile = w_smem.index(s)
+    x_tile = x_smem.index(s)
+    toks = (_issue(w_tile, x_tile, zero, 0), )
+    for j in gl.static_range(1, SUB):
+        toks = toks + (_issue(w_tile, x_tile, zero, j), )
+    return toks
+
+
+@gluon.jit
+def _retire_slot(acc, toks, words, empty, s, LATER: gl.constexpr, SUB: gl.constexpr):
+    """Retire the slot's SUB block groups in K order, each promoted as soon as it is done, while
+    LATER younger groups stay in flight; slot s goes back to the producer once its last MMA has
+    retired, before that block's promotion."""
+    for j in gl.static_range(SUB):
+        part = warpgroup_mma_wait(num_outstanding=SUB - 1 - j + LATER, deps=(toks[j], ))
+        if j == SUB - 1:
+            mbarrier.arrive(empty.index(s), count=1)
+        acc = _promote(acc, part, words, j)
+    return acc
+
+
+@gluon.jit
+def _consumer_slot(w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n_steps,
+                   STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, SUB: gl.constexpr,
+                   mma_layout: gl.constexpr):
+    """MMA mode "slot": all SUB block wgmmas of a slot issued back to back into SUB zero-started
+    partials (SUB groups in flight), then retired and promoted in K order. Returns acc."""
+    acc = gl.zeros([BN, BT], gl.float32, mma_layout)
+    zero = gl.zeros([BN, BT], gl.float32, mma_layout)
+    words_next = _slot_words(sw_words, sx_words, step_lo, SUB // 4)
+    for i in range(n_steps):
+        words = words_next
+        words_next = _slot_words(sw_words, sx_words, step_lo + gl.minimum(i + 1, n_steps - 1), SUB // 4)
+        s = i % STAGES
+        toks = _issue_slot(w_smem, x_smem, ready, s, (i // STAGES) & 1, zero, SUB)
+        acc = _retire_slot(acc, toks, words, empty, s, 0, SUB)
+    return acc
+
+
+@gluon.jit
+def _consumer_ahead(w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n_steps,
+                    STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, SUB: gl.constexpr,
+                    mma_layout: gl.constexpr):
+    """MMA mode "ahead": the slots in pairs, slot i+1's SUB block wgmmas issued right after slot i's
+    and before any is retired (2 x SUB groups in flight, 2 x SUB partials live), then both retired
+    and promoted in K order, slot i handed back as soon as its last MMA has retired; an odd last
+    slot alone. Returns acc.
+
+    The pipeline drains at the end of each pair: wgmma tokens carried in flight across the loop's
+    back edge become register copies of in-flight accumulators in the PTX, and ptxas then
+    serializes every wgmma of the kernel (its C7514 "wgmma.mma_async instructions are
+    serialized")."""
+    acc = gl.zeros([BN, BT], gl.float32, mma_layout)
+    zero = gl.zeros([BN, BT], gl.float32, mma_layout)
+    last = n_steps - 1
+    next_a = _slot_words(sw_words, sx_words, step_lo, SUB // 4)
+    next_b = _slot_words(sw_words, sx_words, step_lo + gl.minimum(1, last), SUB // 4)
+    for i in range(0, last, 2):
+        words_a = next_a
+        words_b = next_b
+        next_a = _slot_words(sw_words, sx_words, step_lo + gl.minimum(i + 2, last), SUB // 4)
+        next_b = _slot_words(sw_words, sx_words, step_lo + gl.minimum(i + 3, last), SUB // 4)
+        toks_a = _issue_slot(w_smem, x_smem, ready, i % STAGES, (i // STAGES) & 1, zero, SUB)
+        toks_b = _issue_slot(w_smem, x_smem, ready, (i + 1) % STAGES, ((i + 1) // STAGES) & 1, zero, SUB)
+        acc = _retire_slot(acc, toks_a, words_a, empty, i % STAGES, SUB, SUB)
+        acc = _retire_slot(acc, toks_b, words_b, empty, (i + 1) % STAGES, 0, SUB)
+    if n_steps % 2 == 1:
+        toks = _issue_slot(w_smem, x_smem, ready, last % STAGES, (last // STAGES) & 1, zero, SUB)
+        acc = _retire_slot(acc, toks, next_a, empty, last % STAGES, 0, SUB)
+    return acc
+
+
+@gluon.jit
+def _consumer(w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n_steps,
+              STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, SUB: gl.constexpr, MMA: gl.constexpr,
+              mma_layout: gl.constexpr):
+    """The consumer warpgroup(s) in MMA mode MMA (`GluonMMConfig.mma`). Returns (acc, ): [BN, BT]
+    FP32, the scaled block partials of the program's K range added in K order."""
+    if MMA == "slot":
+        acc = _consumer_slot(w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n_steps,
+                             STAGES, BN, BT, SUB, mma_layout)
+    elif MMA == "ahead":
+        acc = _consumer_ahead(w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n_steps,
+                              STAGES, BN, BT, SUB, mma_layout)
+    else:
+        acc = _consumer_pairs(w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n_steps,
+                              STAGES, BN, BT, SUB, mma_layout)
     return (acc, )
 
 
-@gluon.jit(do_not_specialize=["M", "stride_sxm", "stride_swn", "steps_per_split"])
+@gluon.jit(do_not_specialize=["M", "stride_sxm", "stride_swn", "steps_per_split", "n_steps_total", "n_split"])
 def _gluon_mxfp8_mm_kernel(
     w_desc, x_desc, sx_ptr, sw_ptr, y_ptr, ws_ptr, cnt_ptr,
-    M, N, stride_sxm, stride_swn, stride_ym, steps_per_split, n_steps_total,
-    N_SPLIT: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr, OUT_F32: gl.constexpr,
+    M, N, stride_sxm, stride_swn, stride_ym, steps_per_split, n_steps_total, n_split,
+    SPLIT_K: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr, MMA: gl.constexpr, OUT_F32: gl.constexpr,
 ):
-    # Grid (N tiles, K splits): program (t, s) covers weight rows [t*64, +64) and K steps
-    # [s*steps_per_split, +steps_per_split) of 128; sx_ptr and sw_ptr point at the scales as int32
-    # words (four UE8M0 bytes, one step), strides in words.
+    # Grid (N tiles, n_split K splits): program (t, s) covers weight rows [t*BN, +BN) and K steps
+    # [s*steps_per_split, +steps_per_split) of BLOCK_K (the descriptor's box: BN = 64 per consumer
+    # warpgroup, BLOCK_K = 128 or 256); sx_ptr and sw_ptr point at the scales as int32 words (four
+    # UE8M0 bytes, 128 of K), strides in words. SPLIT_K: n_split > 1.
     BN: gl.constexpr = w_desc.block_type.shape[0]
+    SUB: gl.constexpr = w_desc.block_type.shape[1] // 32
+    WG: gl.constexpr = BN // 64
     pid_n = gl.program_id(0)
     pid_s = gl.program_id(1)
     off_n = pid_n * BN
     step_lo = pid_s * steps_per_split
     n_steps = gl.minimum(steps_per_split, n_steps_total - step_lo)
 
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+    # One m64 wgmma per consumer warpgroup (warps [4 * WG, 1]: warpgroup g takes rows [64g, +64)).
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * WG, 1],
                                                          instr_shape=[16, BT, 32])
     rows_l: gl.constexpr = gl.SliceLayout(1, mma_layout)
     cols_l: gl.constexpr = gl.SliceLayout(0, mma_layout)
@@ -166,7 +306,7 @@ def _gluon_mxfp8_mm_kernel(
 
     acc, = gl.warp_specialize([
         (_consumer, (w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n_steps,
-                     STAGES, BN, BT, mma_layout)),
+                     STAGES, BN, BT, SUB, MMA, mma_layout)),
         (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, step_lo, n_steps, STAGES)),
     ], [1], [24])
 
@@ -177,25 +317,25 @@ def _gluon_mxfp8_mm_kernel(
     # The epilogue in a layout where each thread holds 8 consecutive n of one row m (16-byte
     # stores of y and of the workspace, both n-contiguous) instead of the wgmma's scattered pairs.
     out_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[8, 4],
-                                           warps_per_cta=[1, 4], order=[0, 1])
+                                           warps_per_cta=[WG, 4], order=[0, 1])
     acc = gl.convert_layout(acc, out_l)
     rn = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, out_l))
     rm = gl.arange(0, BT, layout=gl.SliceLayout(0, out_l))
     mask = (rn[:, None] < N) & (rm[None, :] < M)
     y_ptrs = y_ptr + rm[None, :] * stride_ym + rn[:, None]
-    if N_SPLIT > 1:
-        # Partial s of tile t at ws[(t * N_SPLIT + s) * M * BN + m * BN + n]: the M real rows.
+    if SPLIT_K:
+        # Partial s of tile t at ws[(t * n_split + s) * M * BN + m * BN + n]: the M real rows.
         rn_l = gl.arange(0, BN, layout=gl.SliceLayout(1, out_l))
         m_ok = (rm[None, :] < M) & (rn_l[:, None] < BN)
-        tile_ws = ws_ptr + pid_n * N_SPLIT * M * BN + rm[None, :] * BN + rn_l[:, None]
+        tile_ws = ws_ptr + pid_n * n_split * M * BN + rm[None, :] * BN + rn_l[:, None]
         gl.store(tile_ws + pid_s * M * BN, acc, mask=m_ok)
         # Every thread's partial is written before one thread's release of the counter.
         gl.thread_barrier()
         arrived = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == N_SPLIT - 1:
+        if arrived == n_split - 1:
             gl.thread_barrier()
             total = gl.zeros([BN, BT], gl.float32, out_l)
-            for s in gl.static_range(N_SPLIT):
+            for s in range(n_split):
                 # .cg: from L2, never from a line this SM's L1 kept from an earlier launch.
                 total += gl.load(tile_ws + s * M * BN, mask=m_ok, other=0.0, cache_modifier=".cg")
             if OUT_F32:
@@ -210,46 +350,136 @@ def _gluon_mxfp8_mm_kernel(
             gl.store(y_ptrs, acc.to(gl.bfloat16), mask=mask)
 
 
-def maxnreg(block_t: int) -> int:
-    """The launch's register cap per thread for row bucket `block_t`. The kernel runs 8 warps (the
-    consumer warpgroup and the producer's, padded to a warpgroup), and a CTA holds 256 x this many
-    registers however `setmaxnreg` moves them between the two (the producer drops to 24, the
-    consumer rises to 2 x cap - 24): 80 keeps 3 CTAs per SM resident (128 would keep 2, and
-    Triton's default of 256 one), and the 64-row bucket, whose FP32 tiles need more, spills below
-    128 (sm_90 compile: 200 bytes of stack at 80)."""
-    return 128 if block_t > 32 else 80
+MMA_MODES = ("pairs", "slot", "ahead")
 
 
 @dataclass(frozen=True)
 class GluonMMConfig:
-    """split: K splits requested (the plan may use fewer so that none is empty); stages: ring slots
-    (>= 3); None = the default rule (`_default_split`, 4 stages)."""
+    """How a plan runs (the bits depend on the split bounds alone: `GluonMM.reduction_order`).
+
+    split: K splits requested (the plan may use fewer so that none is empty); None = the default
+        rule (`_default_split`).
+    stages: ring slots, 3..8.
+    mma: how many block wgmmas the consumer keeps in flight. "pairs": block j+1's issued before
+        block j's retires, each slot drained before the next (two groups); "slot": a slot's
+        block_k / 32 wgmmas issued back to back into separate zero-started partials, then retired
+        and promoted in K order; "ahead": as "slot", and the next slot's issued before this slot's
+        are promoted (twice as many groups and live partials).
+    warpgroups: consumer warpgroups per program, 1 or 2 (64 or 128 weight rows per program and
+        per TMA box, one producer warp feeding them).
+    block_k: K depth of a ring slot, 128 or 256 (the weight box [64 x warpgroups, block_k]).
+    maxnreg: the launch's register cap per thread, forcing `mma` at every row bucket; None = the
+        table of `launch_mode`.
+    """
 
     split: int | None = None
     stages: int = 4
+    mma: str = "pairs"
+    warpgroups: int = 1
+    block_k: int = 128
+    maxnreg: int | None = None
 
     def __post_init__(self):
-        if self.split is not None and (isinstance(self.split, bool) or not isinstance(self.split, int)
-                                       or self.split < 1):
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+        if self.split is not None and (not is_int(self.split) or self.split < 1):
             raise ValueError(f"GluonMMConfig.split must be None or a positive int, got {self.split!r}")
-        if isinstance(self.stages, bool) or not isinstance(self.stages, int) or not 3 <= self.stages <= 8:
+        if not is_int(self.stages) or not 3 <= self.stages <= 8:
             raise ValueError(f"GluonMMConfig.stages must be an int in [3, 8], got {self.stages!r}")
+        if self.mma not in MMA_MODES:
+            raise ValueError(f"GluonMMConfig.mma must be one of {MMA_MODES}, got {self.mma!r}")
+        if self.warpgroups not in (1, 2) or not is_int(self.warpgroups):
+            raise ValueError(f"GluonMMConfig.warpgroups must be 1 or 2, got {self.warpgroups!r}")
+        if self.block_k not in (128, 256) or not is_int(self.block_k):
+            raise ValueError(f"GluonMMConfig.block_k must be 128 or 256, got {self.block_k!r}")
+        if self.mma == "ahead" and self.block_k != 128:
+            raise ValueError(f"GluonMMConfig.mma='ahead' needs block_k=128 (16 partials in flight do not fit "
+                             f"the registers), got block_k={self.block_k}")
+        if self.maxnreg is not None and (not is_int(self.maxnreg) or not 24 <= self.maxnreg <= 256
+                                         or self.maxnreg % 8):
+            raise ValueError(f"GluonMMConfig.maxnreg must be None or a multiple of 8 in [24, 256], "
+                             f"got {self.maxnreg!r}")
+
+    @property
+    def block_n(self) -> int:
+        """Weight rows per program: 64 per consumer warpgroup."""
+        return BLOCK_N * self.warpgroups
 
 
-def _default_split(n: int, k: int, sms: int) -> int:
+# The register cap per thread of a launch, per (warpgroups, block_k) and row bucket (8, 16, 32, 64):
+# the smallest at which "pairs" compiles for sm_90 without spills, raised to what keeps the same
+# residency. A CTA holds (4 x warpgroups + 4) warps x the cap: with one warpgroup, 80 keeps 3 CTAs
+# per SM resident, 128 two, more one; with two (12 warps), 80 keeps 2, more one.
+_CAP = {(1, 128): (80, 80, 80, 128), (1, 256): (80, 80, 80, 128),
+        (2, 128): (80, 80, 80, 168), (2, 256): (80, 80, 128, 168)}
+# The smallest cap (multiples of 8 from a residency step: 64, 80, 128, 168, 232) at which each MMA
+# mode compiles without spills, per bucket; None: none does (the mode's live partials, [BN, BT] FP32
+# each, BT / 2 registers per thread, exceed what a thread can hold). tests/ops/test_gluon_mm.py
+# compiles the variants at their tightest buckets.
+_MIN_CAP = {
+    (1, 128): {"pairs": (80, 80, 80, 128), "slot": (80, 80, 80, 168), "ahead": (80, 80, 128, None)},
+    (1, 256): {"pairs": (80, 80, 80, 128), "slot": (80, 80, 128, None)},
+    (2, 128): {"pairs": (64, 64, 80, 168), "slot": (64, 64, 128, 168), "ahead": (64, 128, 168, None)},
+    (2, 256): {"pairs": (64, 64, 128, 168), "slot": (64, 128, 168, None)},
+}
+
+
+def launch_mode(config: GluonMMConfig, block_t: int) -> tuple[str, int]:
+    """(MMA mode run, register cap per thread) for `config` at row bucket `block_t`: the cap is
+    `config.maxnreg`, else the table's; the mode is the requested one where it compiles without
+    spills under that cap, else the next shallower that does ("pairs" at worst). So a deeper mode
+    never costs residency unless the cap is forced, and the bits do not depend on the mode."""
+    key, b = (config.warpgroups, config.block_k), ROW_BUCKETS.index(block_t)
+    cap = config.maxnreg or _CAP[key][b]
+    for mode in MMA_MODES[MMA_MODES.index(config.mma)::-1]:     # requested, then shallower
+        need = _MIN_CAP[key][mode][b]
+        if mode == "pairs" or (need is not None and need <= cap):
+            return mode, cap
+    raise AssertionError("unreachable: pairs always runs")
+
+
+def maxnreg(block_t: int, config: GluonMMConfig = GluonMMConfig()) -> int:
+    """The launch's register cap per thread for row bucket `block_t` under `config`. With the
+    default config: the kernel runs 8 warps (the consumer warpgroup and the producer's, padded to a
+    warpgroup), and a CTA holds 256 x this many registers however `setmaxnreg` moves them between
+    the two (the producer drops to 24, the consumer rises to 2 x cap - 24): 80 keeps 3 CTAs per SM
+    resident (128 would keep 2, and Triton's default of 256 one), and the 64-row bucket, whose FP32
+    tiles need more, spills below 128 (sm_90 compile: 200 bytes of stack at 80). Other configs:
+    `launch_mode`."""
+    return launch_mode(config, block_t)[1]
+
+
+def launch_options(config: GluonMMConfig, block_t: int, split: int) -> dict:
+    """The kernel's constexpr arguments and launch options for `config` at row bucket `block_t` and
+    `split` K splits (the plan's launch and the sm_90 compile test share them)."""
+    mode, cap = launch_mode(config, block_t)
+    return {"SPLIT_K": split > 1, "BT": block_t, "STAGES": config.stages, "MMA": mode,
+            "num_warps": 4 * config.warpgroups, "maxnreg": cap}
+
+
+def _default_split(n: int, k: int, sms: int, block_n: int = BLOCK_N, block_k: int = BLOCK_K) -> int:
     """About two programs per SM (all resident in one wave), as `low_latency_mm`'s default rule."""
-    tiles = -(-n // BLOCK_N)
-    return max(1, min(k // BLOCK_K, round(2 * sms / tiles)))
+    tiles = -(-n // block_n)
+    return max(1, min(k // block_k, round(2 * sms / tiles)))
 
 
-def split_bounds(split: int, k: int) -> tuple[int, int]:
-    """(k_per_split, splits actually used) for `split` requested K splits of 128-deep steps: the
-    same rule as `low_latency_mm.reduction_order` with block_k 128, so equal bounds give equal bits."""
-    steps = k // BLOCK_K
+def split_bounds(split: int, k: int, block_k: int = BLOCK_K) -> tuple[int, int]:
+    """(k_per_split, splits actually used) for `split` requested K splits of block_k-deep steps: the
+    same rule as `low_latency_mm.reduction_order` with that block_k, so equal bounds give equal
+    bits."""
+    steps = k // block_k
     per = -(-steps // min(split, steps))
-    return per * BLOCK_K, -(-steps // per)
+    return per * block_k, -(-steps // per)
 
 
+def shared_bytes(config: GluonMMConfig, block_t: int) -> int:
+    """The shared memory of a launch of `config` at row bucket `block_t`: the ring's weight and
+    activation tiles, and 1 KB for the mbarriers and what the compiler adds (sm_90 compiles: 116-180
+    bytes)."""
+    return config.stages * (config.block_n + block_t) * config.block_k + 1024
+
+
+SHARED_LIMIT = 227 * 1024     # sm_90's dynamic shared memory per block
 
 
 def _words(scale: torch.Tensor, name: str) -> torch.Tensor:
@@ -266,11 +496,12 @@ class GluonMM:
     1 <= M <= max_rows <= 64, with the weight bound once; sm_90 only.
 
     weight: [N, K] float8_e4m3fn, unit stride along K, 16-byte aligned rows (TMA); K a multiple of
-        128.
+        128 (of the config's block_k).
     w_scale: [ceil(N/32), K/32] UE8M0 (float8_e8m0fnu or uint8), unit stride along K, rows on
         4-byte boundaries.
     max_rows: the most rows a call may bring (1..64).
-    config: a GluonMMConfig (the K split and the ring depth), else the default rule.
+    config: a GluonMMConfig (the K split, the ring, the MMA pipeline, the program's shape), else
+        the default rule.
     workspace: None (the plan allocates its split-K workspace and counters) or a shared pool, as
         `ops.common.plan_workspace` says (FP32 slot 0, int32 slot 0).
 
@@ -291,6 +522,11 @@ class GluonMM:
         require_tensor(w_scale, "w_scale", UE8M0_DTYPES, (-(-n // 32), k // 32))
         if w_scale.device != weight.device:
             raise ValueError(f"w_scale is on {w_scale.device} but weight is on {weight.device}")
+        if config is not None and not isinstance(config, GluonMMConfig):
+            raise TypeError(f"config must be a GluonMMConfig, got {type(config).__name__}")
+        config = config or GluonMMConfig()
+        if k % config.block_k:
+            raise ValueError(f"weight's K = {k} is not a multiple of config.block_k = {config.block_k}")
         if not is_sm90(weight.device):
             raise ValueError(f"weight must be on a CUDA device of compute capability 9.0 (the Gluon tier is "
                              f"sm_90 code: TMA, wgmma), got {weight.device}")
@@ -299,19 +535,22 @@ class GluonMM:
                              f"address {weight.data_ptr():#x})")
         if isinstance(max_rows, bool) or not isinstance(max_rows, int) or not 1 <= max_rows <= MAX_ROWS:
             raise ValueError(f"max_rows must be an int in [1, {MAX_ROWS}], got {max_rows!r}")
-        if config is not None and not isinstance(config, GluonMMConfig):
-            raise TypeError(f"config must be a GluonMMConfig, got {type(config).__name__}")
-        config = config or GluonMMConfig()
+        need = shared_bytes(config, self.block_t(max_rows))
+        if need > SHARED_LIMIT:
+            raise ValueError(f"config.stages = {config.stages} needs {need} bytes of shared memory at "
+                             f"max_rows = {max_rows} (block_n {config.block_n}, block_k {config.block_k}); "
+                             f"sm_90 has {SHARED_LIMIT}")
+        self.config = config
         self.weight, self.w_scale = weight, w_scale.view(torch.uint8)
         self._sw_words = _words(self.w_scale, "w_scale")
         self.n, self.k, self.max_rows, self.device = n, k, max_rows, weight.device
-        self.stages = config.stages
-        want = config.split or _default_split(n, k, num_sms(self.device))
-        self.k_per_split, self.split = split_bounds(want, k)
-        self.grid = (-(-n // BLOCK_N), self.split)
-        w_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.float8e4nv)
-        self._w_desc = TensorDescriptor.from_tensor(weight, [BLOCK_N, BLOCK_K], w_layout)
-        ws_elems = self.grid[0] * self.split * max_rows * BLOCK_N if self.split > 1 else 1
+        bn, bk = config.block_n, config.block_k
+        want = config.split or _default_split(n, k, num_sms(self.device), bn, bk)
+        self.k_per_split, self.split = split_bounds(want, k, bk)
+        self.grid = (-(-n // bn), self.split)
+        w_layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float8e4nv)
+        self._w_desc = TensorDescriptor.from_tensor(weight, [bn, bk], w_layout)
+        ws_elems = self.grid[0] * self.split * max_rows * bn if self.split > 1 else 1
         self._workspace = plan_workspace(workspace, 0, ws_elems, torch.float32, self.device)
         self._counters = plan_workspace(workspace, 0, self.grid[0], torch.int32, self.device)
 
@@ -341,14 +580,14 @@ class GluonMM:
                              f"address {codes.data_ptr():#x})")
         sx_words = _words(x_scale, "x_scale")
         bt = self.block_t(m)
-        x_layout = gl.NVMMASharedLayout.get_default_for([bt, BLOCK_K], gl.float8e4nv)
-        x_desc = TensorDescriptor.from_tensor(codes, [bt, BLOCK_K], x_layout)
+        bk = self.config.block_k
+        x_layout = gl.NVMMASharedLayout.get_default_for([bt, bk], gl.float8e4nv)
+        x_desc = TensorDescriptor.from_tensor(codes, [bt, bk], x_layout)
         _gluon_mxfp8_mm_kernel[self.grid](
             self._w_desc, x_desc, sx_words, self._sw_words, out, self._workspace, self._counters,
             m, self.n, sx_words.stride(0), self._sw_words.stride(0), out.stride(0),
-            self.k_per_split // BLOCK_K, self.k // BLOCK_K,
-            N_SPLIT=self.split, BT=bt, STAGES=self.stages, OUT_F32=out.dtype == torch.float32, num_warps=4,
-            maxnreg=maxnreg(bt),
+            self.k_per_split // bk, self.k // bk, self.split,
+            OUT_F32=out.dtype == torch.float32, **launch_options(self.config, bt, self.split),
         )
         return out
 

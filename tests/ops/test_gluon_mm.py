@@ -27,6 +27,8 @@ here, 16 there at 1 row) changes how many columns one instruction computes, not 
 one output element; the GPU test is what confirms it.
 """
 
+import dataclasses
+
 import pytest
 import torch
 from triton.experimental.gluon import language as gl
@@ -72,16 +74,18 @@ def _desc(block) -> str:
     return f"tensordesc<fp8e4nv[{block[0]}, {block[1]}],{layout!r}>"
 
 
-def _compile(split: int, bt: int, out_f32: bool = False):
-    types = {"w_desc": _desc([G.BLOCK_N, G.BLOCK_K]), "x_desc": _desc([bt, G.BLOCK_K]), "sx_ptr": "*i32",
-             "sw_ptr": "*i32", "y_ptr": "*fp32" if out_f32 else "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
-    return sm90.compile_sm90(G._gluon_mxfp8_mm_kernel, types,
-                             {"N_SPLIT": split, "BT": bt, "STAGES": 4, "OUT_F32": out_f32},
+def _compile(split: int, bt: int, out_f32: bool = False, config: G.GluonMMConfig = G.GluonMMConfig()):
+    opts = G.launch_options(config, bt, split)
+    num_warps, maxnreg = opts.pop("num_warps"), opts.pop("maxnreg")
+    types = {"w_desc": _desc([config.block_n, config.block_k]), "x_desc": _desc([bt, config.block_k]),
+             "sx_ptr": "*i32", "sw_ptr": "*i32", "y_ptr": "*fp32" if out_f32 else "*bf16", "ws_ptr": "*fp32",
+             "cnt_ptr": "*i32"}
+    return sm90.compile_sm90(G._gluon_mxfp8_mm_kernel, types, {**opts, "OUT_F32": out_f32},
                              # as the launcher sees the real shapes: N and y's row stride multiples
                              # of 16 (the scale strides are not specialized)
                              divisible=[a for a in G._gluon_mxfp8_mm_kernel.arg_names
                                         if a.endswith("_ptr") or a in ("N", "stride_ym")],
-                             num_warps=4, maxnreg=G.maxnreg(bt))
+                             num_warps=num_warps, maxnreg=maxnreg)
 
 
 @pytest.mark.parametrize("name,split,bt", _compile_cases(), ids=[c[0] for c in _compile_cases()])
@@ -110,6 +114,68 @@ def test_compiles_for_sm90_without_spills(name, split, bt):
     assert stores == {"STG.E.128"}, stores
 
 
+# The MMA pipelines and program shapes `GluonMMConfig` offers besides the default, each code path
+# at least once (modes x warpgroups x slot depth, an odd ring, a forced register cap); the GPU test
+# below checks each bitwise against the default.
+VARIANTS = [
+    G.GluonMMConfig(mma="slot"), G.GluonMMConfig(mma="ahead"), G.GluonMMConfig(mma="ahead", stages=3),
+    G.GluonMMConfig(mma="ahead", maxnreg=128), G.GluonMMConfig(warpgroups=2),
+    G.GluonMMConfig(warpgroups=2, mma="slot", stages=6), G.GluonMMConfig(warpgroups=2, mma="ahead"),
+    G.GluonMMConfig(block_k=256), G.GluonMMConfig(block_k=256, mma="slot"),
+    G.GluonMMConfig(warpgroups=2, block_k=256, mma="slot", stages=3),
+]
+
+
+def _variant_id(c: G.GluonMMConfig) -> str:
+    return f"{c.mma}-wg{c.warpgroups}-k{c.block_k}-s{c.stages}" + (f"-r{c.maxnreg}" if c.maxnreg else "")
+
+
+def _deepest_bucket(config: G.GluonMMConfig) -> int:
+    """The largest row bucket at which `config` runs its own MMA mode: its tightest registers."""
+    return max(b for b in G.ROW_BUCKETS if G.launch_mode(config, b)[0] == config.mma)
+
+
+@pytest.mark.parametrize("i,config", list(enumerate(VARIANTS)), ids=[_variant_id(c) for c in VARIANTS])
+def test_variants_compile_for_sm90_without_spills(i, config):
+    bt, split = _deepest_bucket(config), 1 + i % 2          # the split-K epilogue every other one
+    kernel = _compile(split, bt, config=config)
+    res = sm90.resources(kernel)
+    ins = [t for _, t in sm90.sass(kernel)]
+    ops = sm90.opcode_counts(ins)
+    assert res["LOCAL"] == 0 and res["STACK"] == 0 and ops.get("STL", 0) == 0, (res, ops)
+    assert res["REG"] <= G.maxnreg(bt, config), res
+    assert kernel.metadata.shared <= G.shared_bytes(config, bt) <= G.SHARED_LIMIT, kernel.metadata.shared
+    sub = config.block_k // 32
+    # One wgmma m64 per consumer warpgroup and 32-wide block, from zero: a "slot" step issues its
+    # sub blocks once, "ahead" a pair of slots and an odd last one (3 x sub), "pairs" sub.
+    per_wg = 3 * sub if config.mma == "ahead" else sub
+    gmma = [t for t in ins if t.startswith("QGMMA")]
+    assert len(gmma) == per_wg and all(f"QGMMA.64x{bt}x32.F32.E4M3.E4M3" in t and " RZ," in t for t in gmma), gmma
+    # The groups in flight: the deepest wait leaves all but one of the step's (or the pair's)
+    # blocks outstanding; ptxas did not serialize the wgmmas (it would wait for 0 after each).
+    depth = {"pairs": 2, "slot": sub, "ahead": 2 * sub}[config.mma]
+    waits = {int(t.split(",")[-1], 16) for t in ins if t.startswith("WARPGROUP.DEPBAR.LE gsb0")}
+    assert max(waits) == depth - 1, sorted(waits)
+    # Two TMA boxes per 128 of K and operand (the 128-byte swizzle's width): weight and activation.
+    assert ops.get("UTMALDG", 0) == 2 * config.block_k // 128, ops
+    assert (split > 1) == (ops.get("ATOMG", 0) > 0), ops
+
+
+def test_launch_table():
+    # Every (config, bucket) has a launch; the default is the one the plans have always used; a
+    # deeper mode never costs residency unless its cap is forced.
+    for config in [G.GluonMMConfig()] + VARIANTS:
+        for bt in G.ROW_BUCKETS:
+            mode, cap = G.launch_mode(config, bt)
+            assert G.MMA_MODES.index(mode) <= G.MMA_MODES.index(config.mma)
+            if config.maxnreg is None:
+                pairs = G.launch_mode(G.GluonMMConfig(warpgroups=config.warpgroups, block_k=config.block_k), bt)
+                assert cap == pairs[1] and pairs[0] == "pairs", (config, bt)
+    assert [G.launch_mode(G.GluonMMConfig(), b) for b in G.ROW_BUCKETS] == [("pairs", 80)] * 3 + [("pairs", 128)]
+    assert [G.launch_mode(G.GluonMMConfig(mma="ahead"), b)[0] for b in G.ROW_BUCKETS] == ["ahead"] * 2 + ["slot", "pairs"]
+    assert G.launch_mode(G.GluonMMConfig(mma="ahead", maxnreg=128), 32) == ("ahead", 128)
+
+
 def test_split_bounds_match_the_triton_tier():
     # Same rule as low_latency_mm.reduction_order at block_k 128: equal bounds give equal bits.
     from dsv41_decode.ops.low_latency_mm import reduction_order
@@ -134,6 +200,13 @@ def test_bad_plan_arguments_name_the_argument():
         (lambda: G.GluonMM(w, s), "CUDA"),               # the CPU copy: the tier runs on sm_90 only
         (lambda: G.GluonMMConfig(split=0), "split"),
         (lambda: G.GluonMMConfig(stages=2), "stages"),
+        (lambda: G.GluonMMConfig(mma="deep"), "mma"),
+        (lambda: G.GluonMMConfig(warpgroups=3), "warpgroups"),
+        (lambda: G.GluonMMConfig(block_k=64), "block_k"),
+        (lambda: G.GluonMMConfig(mma="ahead", block_k=256), "block_k"),
+        (lambda: G.GluonMMConfig(maxnreg=100), "maxnreg"),
+        (lambda: G.GluonMM(torch.zeros(64, 384, dtype=fp8), torch.zeros(2, 12, dtype=torch.uint8),
+                           config=G.GluonMMConfig(block_k=256)), "block_k"),
     ]
     for make, word in cases:
         with pytest.raises((ValueError, TypeError), match=word):
@@ -205,3 +278,31 @@ def test_bad_call_arguments_name_the_argument_on_gpu():
         with pytest.raises((ValueError, TypeError), match=word):
             make()
     assert torch.isfinite(plan(codes, sx)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", VARIANTS, ids=[_variant_id(c) for c in VARIANTS])
+def test_variants_match_the_triton_tier_on_gpu(config):
+    # Same split bounds, same bits: the MMA mode, the warpgroups, the slot depth, the ring and the
+    # register cap change when a block partial is computed and promoted, not its value or the order
+    # of the adds (module doc), so each variant gives low_latency_mm's FP8 loop's bits at the same
+    # bounds (block_k = the slot depth), as the default config does (test_real_shapes_on_gpu). Each
+    # variant at its default split and at one split, every real shape, rows across every bucket and
+    # its edges.
+    rows = (1, 5, 8, 9, 16, 17, 32, 33, 64)
+    for name, n, k in REAL_SHAPES:
+        _, _, codes_all, sx_all, weight, w_scale = linear_operands(_gen(n + k + 1), 64, n, k)
+        for split in (None, 1):
+            plan = G.GluonMM(weight, w_scale, config=dataclasses.replace(config, split=split))
+            cfg = LowLatencyConfig(block_n=64, block_k=config.block_k, split=plan.split, num_warps=4, num_stages=3,
+                                   dequant=False)
+            triton_plan = LowLatencyMM(weight, w_scale, config={b: cfg for b in (16, 32, 64)})
+            assert triton_plan.reduction_order(1) == plan.reduction_order(), (name, split)
+            for m in rows:
+                y = plan(codes_all[:m], sx_all[:m], _poisoned(m, n))
+                assert not torch.isnan(y).any(), f"{name} split {plan.split} M={m}: unwritten outputs"
+                tri = triton_plan(codes_all[:m], sx_all[:m], _poisoned(m, n))
+                assert bits_differ(y, tri) == 0, f"{name} split {plan.split} M={m}: {bits_differ(y, tri)} differ"
+                again = plan(codes_all[:m], sx_all[:m], _poisoned(m, n))
+                assert bits_differ(again, y) == 0, f"{name} split {plan.split} M={m}: not bitwise run to run"
+            assert int(plan._counters.abs().sum()) == 0
