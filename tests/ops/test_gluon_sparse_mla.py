@@ -172,6 +172,20 @@ def test_gpu_window_only(h, n):
 
 
 @pytest.mark.gpu
+def test_gpu_more_than_32_blocks():
+    # 128 window + 2112 top-k keys: 35 blocks, so the look-back's flag bits span two words per row
+    n, h, w, k = 3, 16, 128, 2112
+    plan = G.build_plan(n, h, w, k, "cuda")
+    assert plan.n_blocks == 35
+    case = make_case(n, h, w, k, seed=35, window_fill=gpu_tables(n), exact=True, **GPU_POOLS)
+    out = run(plan, case, EXACT_SCALE)
+    assert torch.equal(out, run(plan, case, EXACT_SCALE))
+    check_exact_gpu(out, case, reference(*case, EXACT_SCALE), EXACT_SCALE)
+    torch.cuda.synchronize()
+    assert workspace_is_clear(plan)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("h", [16, 64])
 def test_gpu_edge_rows(h):
     # row 0: nothing valid -> zeros; row 1: no top-k entries; row 2: a window not yet full (3 keys)
