@@ -1,0 +1,215 @@
+"""Probe `ops.gluon_mm.GluonMM`'s configurations on a GPU (sm_90), in one run of about two minutes:
+the MMA pipelines ("pairs", "slot", "ahead"), one or two consumer warpgroups, 128- or 256-deep
+ring slots and ring depths (`GluonMMConfig`), each at the K splits worth trying per shape, on the
+four TP1 linears of the step (wq_b, wo_b, the indexer's wq_b, the fused wq_a|wkv) at rows 1, 4, 8,
+16, 32, 64, next to today's default plan and `torch._scaled_mm` (one scale per tensor: a speed
+reference). CUDA-graph replay over weight copies rotated beyond L2 (as `bench gemm`), median; us
+and % of the streaming read measured in the same run (the bytes `bench gemm` counts: weights,
+scales, activation, output).
+
+Every candidate's output is compared bit for bit with the "pairs" plan of the same split bounds
+(slot depth and split: the bits depend on nothing else; "bits" in the lines, must be "=").
+
+First the kernels are compiled in parallel worker processes (Triton's disk cache then serves the
+main process), then each shape is timed; the run stops timing when `--budget=` seconds (default
+130) have passed and prints what it has. Prints the lines per (shape, rows), the best
+configuration per (shape, rows), and the best single configuration per shape over every row count
+(the split may not depend on the rows: batch invariance). Writes nothing. Options: `--only=wq_b,wo_b`,
+`--rows=1,16`, `--budget=130`, `--workers=14`, `--replays=20`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import multiprocessing as mp
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+
+from dsv41_decode.bench.floor import read_bandwidth_gbps
+from dsv41_decode.bench.gemm import Shape, _fp8_weights
+from dsv41_decode.bench.timing import graph_time_us, l2_rotation
+from dsv41_decode.formats import fp8_block_quantize
+from dsv41_decode.ops.act_quant import act_quant_mxfp8
+from dsv41_decode.ops.gluon_mm import ROW_BUCKETS, GluonMM, GluonMMConfig
+
+from _args import arg   # scripts/ is on sys.path when run as python scripts/<probe>.py
+
+SHAPES = {"wq_b": Shape("wq_b", 32768, 1280), "wo_b": Shape("wo_b", 5120, 8192),
+          "idx_wq_b": Shape("idx_wq_b", 4096, 1280), "fused_wqa_wkv": Shape("fused_wqa_wkv", 1792, 5120)}
+# K splits requested per shape (the same counts for every variant: with two warpgroups a split
+# count makes half as many programs). wq_b: 512 (256) tiles already fill the GPU; the others need
+# splits, around the default rule's (wo_b 3, idx 4, fused 9 for 64-row tiles).
+SPLITS = {"wq_b": (1, 2), "wo_b": (2, 3, 4, 8), "idx_wq_b": (2, 4, 5), "fused_wqa_wkv": (4, 8, 16)}
+# (mma, warpgroups, block_k, stages): today's pipeline at two ring depths, the deeper MMA modes, two
+# consumer warpgroups, 256-deep slots.
+VARIANTS = [("pairs", 1, 128, 4), ("pairs", 1, 128, 6), ("slot", 1, 128, 4), ("slot", 1, 128, 6),
+            ("ahead", 1, 128, 4), ("ahead", 1, 128, 6), ("pairs", 2, 128, 4), ("slot", 2, 128, 4),
+            ("ahead", 2, 128, 4), ("pairs", 1, 256, 3), ("slot", 1, 256, 3)]
+ROWS = (1, 4, 8, 16, 32, 64)
+
+
+def config_of(variant, split: int | None) -> GluonMMConfig:
+    mma, wg, bk, stages = variant
+    return GluonMMConfig(split=split, stages=stages, mma=mma, warpgroups=wg, block_k=bk)
+
+
+def label(config: GluonMMConfig) -> str:
+    return f"{config.mma}/wg{config.warpgroups}/k{config.block_k}/s{config.stages}/split{config.split}"
+
+
+def _operands(m: int, n: int, k: int, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q, s = fp8_block_quantize(torch.randn(n, k, generator=g, device="cuda") * k ** -0.5)
+    codes, sx = act_quant_mxfp8(torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16))
+    return codes, sx, q, s
+
+
+def compile_task(variant, bt: int, split_k: bool):
+    """Compile one (variant, row bucket, split-K or not) by launching it on a small problem (the
+    launcher's specialization is the real shapes': N a multiple of 16, the rest not specialized)."""
+    try:
+        t = time.time()
+        codes, sx, q, s = _operands(bt, 256, 1280, 1)
+        plan = GluonMM(q, s, config=config_of(variant, 2 if split_k else 1))
+        assert (plan.split > 1) == split_k and plan.block_t(bt) == bt
+        plan(codes, sx)
+        torch.cuda.synchronize()
+        return variant, bt, split_k, time.time() - t, None
+    except Exception as e:  # noqa: BLE001 - report, keep probing
+        return variant, bt, split_k, 0.0, f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def precompile(variants, splits_used: set[bool], workers: int) -> set[tuple]:
+    """Compile every (variant, bucket, split flag) in parallel workers; the failed ones."""
+    tasks = [(v, bt, f) for v in variants for bt in ROW_BUCKETS for f in sorted(splits_used)]
+    failed = set()
+    with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as ex:
+        for v, bt, f, secs, err in ex.map(compile_task, *zip(*tasks)):
+            if err:
+                failed.add((v, bt, f))
+                print(f"compile FAIL {v} BT={bt} split_k={f}: {err}", flush=True)
+    print(f"compiled {len(tasks)} kernels in {workers} workers, {len(failed)} failed", flush=True)
+    return failed
+
+
+def main() -> None:
+    t0 = time.time()
+    names = arg("only", ",".join(SHAPES)).split(",")
+    rows = [int(r) for r in arg("rows", ",".join(map(str, ROWS))).split(",")]
+    budget = float(arg("budget", "130"))
+    replays = int(arg("replays", "20"))
+    failed = precompile(VARIANTS, {s > 1 for name in names for s in SPLITS[name]} | {True},
+                        int(arg("workers", "14")))
+    floor = read_bandwidth_gbps()
+    print(f"streaming read: {floor:.0f} GB/s on {torch.cuda.get_device_name()} "
+          f"({time.time() - t0:.0f} s in)", flush=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    results: dict[tuple[str, int], dict[str, float]] = {}     # (shape, rows) -> {label: us}
+    base: dict[tuple[str, int], tuple[float, float, str]] = {}   # today's us, _scaled_mm us, today's label
+    out_of_time = False
+    for name in names:
+        shape = SHAPES[name]
+        copies = l2_rotation(shape.weight_bytes())
+        ws = _fp8_weights(shape, copies, gen)
+        for m in rows:
+            if time.time() - t0 > budget:
+                out_of_time = True
+                break
+            nbytes = shape.weight_bytes() + shape.io_bytes(m)
+            pct = lambda us: 100 * nbytes / (us * 1e3) / floor   # noqa: E731 - GB/s over the floor
+            x = torch.randn(m, shape.k, generator=gen, device="cuda").to(torch.bfloat16)
+            codes, sx = act_quant_mxfp8(x)
+            out = torch.empty(m, shape.n, dtype=torch.bfloat16, device="cuda")
+
+            def timed(plans):
+                return graph_time_us(lambda: [p(codes, sx, out) for p in plans], calls_per_graph=copies,
+                                     replays=replays)
+
+            today = [GluonMM(q, s) for q, s in ws]
+            t_today = timed(today)
+            xs = torch.randn(max(16, m), shape.k, generator=gen, device="cuda").to(torch.float8_e4m3fn)
+            one = torch.ones((), device="cuda")
+            t_cublas = graph_time_us(lambda: [torch._scaled_mm(xs, q.t(), scale_a=one, scale_b=one,
+                                                               out_dtype=torch.bfloat16) for q, _ in ws],
+                                     calls_per_graph=copies, replays=replays)
+            today_label = label(dataclasses.replace(today[0].config, split=today[0].split))
+            base[(name, m)] = (t_today, t_cublas, today_label)
+            print(f"{name:14s} M={m:2d}  today {today_label:34s} {t_today:7.2f} us ({pct(t_today):4.1f} %)  "
+                  f"_scaled_mm {t_cublas:7.2f} us ({pct(t_cublas):4.1f} %)", flush=True)
+            del today
+            refs: dict[tuple[int, int], torch.Tensor] = {}    # (k_per_split, splits) -> pairs bits
+            res = results.setdefault((name, m), {})
+            for variant in VARIANTS:
+                bt = next(b for b in ROW_BUCKETS if b >= m)
+                for split in SPLITS[name]:
+                    config = config_of(variant, split)
+                    if (variant, bt, split > 1) in failed:
+                        continue
+                    try:
+                        plans = [GluonMM(q, s, config=config) for q, s in ws]
+                        us = timed(plans)
+                        y = plans[0](codes, sx).clone()
+                        key = (plans[0].k_per_split, plans[0].split)
+                        if key not in refs:
+                            ref = ("pairs", 1, config.block_k, 4 if config.block_k == 128 else 3)
+                            ref_plan = GluonMM(*ws[0], config=config_of(ref, split))
+                            assert (ref_plan.k_per_split, ref_plan.split) == key
+                            refs[key] = ref_plan(codes, sx).clone()
+                        same = "=" if torch.equal(y.view(torch.int16), refs[key].view(torch.int16)) else "DIFFER"
+                        res[label(config)] = us
+                        print(f"{name:14s} M={m:2d}  {label(config):34s} {us:7.2f} us ({pct(us):4.1f} %)  "
+                              f"x{t_today / us:4.2f} today  x{t_cublas / us:4.2f} _scaled_mm  "
+                              f"[{plans[0].split} splits, {plans[0].grid[0] * plans[0].split} programs]  "
+                              f"bits {same}", flush=True)
+                        del plans
+                    except Exception as e:  # noqa: BLE001 - report, keep probing
+                        print(f"{name} M={m} {label(config)}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        del ws
+        torch.cuda.empty_cache()
+        if out_of_time:
+            print(f"(out of time budget {budget:.0f} s: stopped timing at {name})", flush=True)
+            break
+    summarize(results, base, floor)
+    print(f"total {time.time() - t0:.0f} s", flush=True)
+
+
+def summarize(results, base, floor) -> None:
+    print("\nbest per (shape, rows):")
+    print(f"{'shape':14s} {'rows':>4s}  {'today us':>8s}  {'best':34s} {'us':>7s} {'% read':>6s} {'x today':>7s} "
+          f"{'x _scaled_mm':>12s}")
+    for (name, m), res in results.items():
+        if not res:
+            continue
+        best = min(res, key=res.get)
+        t_today, t_cublas, _ = base[(name, m)]
+        shape = SHAPES[name]
+        pct = 100 * (shape.weight_bytes() + shape.io_bytes(m)) / (res[best] * 1e3) / floor
+        print(f"{name:14s} {m:4d}  {t_today:8.2f}  {best:34s} {res[best]:7.2f} {pct:6.1f} {t_today / res[best]:7.2f} "
+              f"{t_cublas / res[best]:12.2f}")
+    print("\nbest single configuration per shape, every row count (geometric mean of us over the rows "
+          "measured for every candidate; then the 1-16-row mean):")
+    for name in SHAPES:
+        per = [(m, res) for (n, m), res in results.items() if n == name and res]
+        if not per:
+            continue
+        common = set.intersection(*(set(res) for _, res in per))
+        def gmean(lbl, ms=None):
+            xs = [res[lbl] for m, res in per if ms is None or m in ms]
+            return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
+        ranked = sorted(common, key=gmean)
+        today = math.exp(sum(math.log(base[(name, m)][0]) for m, _ in per) / len(per))
+        for lbl in ranked[:4]:
+            times = "  ".join(f"{m}:{res[lbl]:.2f}" for m, res in per)
+            print(f"  {name:14s} {lbl:34s} gmean {gmean(lbl):6.2f} us (today {today:6.2f}, x{today / gmean(lbl):4.2f})"
+                  f"  1-16 rows {gmean(lbl, (1, 4, 8, 16)):6.2f}  [{times}]")
+        best = ranked[0]
+        mma, wg, bk, st, sp = best.split("/")
+        print(f"  DEFAULT {name}: GluonMMConfig(split={sp[5:]}, stages={st[1:]}, mma={mma!r}, warpgroups={wg[2:]}, "
+              f"block_k={bk[1:]})")
+
+
+if __name__ == "__main__":
+    main()
