@@ -16,7 +16,8 @@ in block order). A program:
 - gathers its block's 64 records (window: ring slots into the [S_w, 528] MXFP8 pool; compressed:
   slots into the [S_c, 288] NVFP4 pool; -1 entries masked to zero) with plain loads into registers
   (16 code bytes a thread for the window, 8 for the compressed codes with `fp4_packed`, whose
-  nibbles are split and interleaved in registers), decodes them exactly to BF16 (E4M3 code *
+  nibbles are split and interleaved in registers; with `prefetch` every chunk's loads are in flight
+  before the first is decoded), decodes them exactly to BF16 (E4M3 code *
   2^(e - 127) per 32 dims; E2M1 * E4M3 scale per 16) and stores the 64 x 512 keys into shared
   memory, four 128-dim chunks (K = V);
 - S = sum over the chunks in order of q_c k_c^T on `warpgroup_mma` (BF16 operands from shared
@@ -99,39 +100,84 @@ def _e2m1(c):
 
 
 @gluon.jit
-def _decode_chunk(pool_ptr, base, ok, C: gl.constexpr, WINDOW: gl.constexpr, FP4_PACKED: gl.constexpr,
-                  layout: gl.constexpr):
-    """Dims [128 C, 128 C + 128) of 64 records (byte offsets `base` [64] int64 in the rows' slice of
-    `layout`, a [64, 128] layout of 16 consecutive dims per thread; keys with ok False give 0),
-    decoded exactly: FP32 [64, 128] in `layout`. FP4_PACKED: the compressed records' code bytes are
-    loaded 8 to a thread (64 bytes a key) and their nibbles split and interleaved in registers (low
-    nibble first: `gl.join` then `gl.reshape`), else one byte load per dim."""
+def _load_chunk(pool_ptr, base, ok, C: gl.constexpr, WINDOW: gl.constexpr, FP4_PACKED: gl.constexpr,
+                layout: gl.constexpr):
+    """The bytes of dims [128 C, 128 C + 128) of 64 records (byte offsets `base` [64] int64 in the
+    rows' slice of `layout`, a [64, 128] layout of 16 consecutive dims per thread; keys with ok
+    False load nothing): (codes, scales) for `_decode_loaded`. Window: 512 E4M3 codes, then 16
+    UE8M0 scales (one per 32 dims). Compressed: 256 bytes of E2M1 pairs (low nibble first), then 32
+    E4M3 scales (one per 16 dims); FP4_PACKED: the chunk's 64 code bytes a key, 8 to a thread (and
+    a scale per byte), else a code byte and a scale per dim."""
     rc = C * _DC + gl.arange(0, _DC, layout=gl.SliceLayout(0, layout))
     rows = pool_ptr + base[:, None]
     okb = ok[:, None]
-    if WINDOW:      # 512 E4M3 codes, then 16 UE8M0 scales (one per 32)
+    if WINDOW:
         codes = gl.load(rows + rc[None, :], mask=okb, other=0)
         sc = gl.load(rows + 512 + (rc // 32)[None, :], mask=okb, other=127)
-        # 2^(e - 127) from the FP32 bits, byte 255 (UE8M0's NaN) NaN, as `rounding.ue8m0_to_fp32`
-        sv = gl.where(sc == 255, float("nan"), (sc.to(gl.int32) << 23).to(gl.float32, bitcast=True))
-        k = gl.where(okb, codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sv, 0.0)
-    elif FP4_PACKED:  # 256 bytes of E2M1 pairs (low nibble first), then 32 E4M3 scales (one per 16)
+    elif FP4_PACKED:
         lb: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [_WARPS, 1], [1, 0])
         rb = C * (_DC // 2) + gl.arange(0, _DC // 2, layout=gl.SliceLayout(0, lb))
         ok_b = gl.convert_layout(ok, gl.SliceLayout(1, lb), assert_trivial=True)[:, None]
         rows_b = pool_ptr + gl.convert_layout(base, gl.SliceLayout(1, lb), assert_trivial=True)[:, None]
-        byte = gl.load(rows_b + rb[None, :], mask=ok_b, other=0).to(gl.int32)
-        sv = gl.load(rows_b + 256 + (rb // 8)[None, :], mask=ok_b, other=0).to(gl.float8e4nv, bitcast=True)
-        sv = sv.to(gl.float32)
+        codes = gl.load(rows_b + rb[None, :], mask=ok_b, other=0)
+        sc = gl.load(rows_b + 256 + (rb // 8)[None, :], mask=ok_b, other=0)
+    else:
+        codes = gl.load(rows + (rc // 2)[None, :], mask=okb, other=0)
+        sc = gl.load(rows + 256 + (rc // 16)[None, :], mask=okb, other=0)
+    return codes, sc
+
+
+@gluon.jit
+def _decode_loaded(codes, sc, ok, C: gl.constexpr, WINDOW: gl.constexpr, FP4_PACKED: gl.constexpr,
+                   layout: gl.constexpr):
+    """`_load_chunk`'s bytes decoded exactly: FP32 [64, 128] in `layout`, 0 for keys with ok False
+    (window: E4M3 code * 2^(e - 127); compressed: E2M1 * E4M3 scale; with FP4_PACKED the nibbles
+    split and interleaved in registers, low nibble first: `gl.join` then `gl.reshape`)."""
+    okb = ok[:, None]
+    if WINDOW:
+        # 2^(e - 127) from the FP32 bits, byte 255 (UE8M0's NaN) NaN, as `rounding.ue8m0_to_fp32`
+        sv = gl.where(sc == 255, float("nan"), (sc.to(gl.int32) << 23).to(gl.float32, bitcast=True))
+        k = gl.where(okb, codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sv, 0.0)
+    elif FP4_PACKED:
+        lb: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [_WARPS, 1], [1, 0])
+        ok_b = gl.convert_layout(ok, gl.SliceLayout(1, lb), assert_trivial=True)[:, None]
+        byte = codes.to(gl.int32)
+        sv = sc.to(gl.float8e4nv, bitcast=True).to(gl.float32)
         lo = gl.where(ok_b, _e2m1(byte & 15) * sv, 0.0)
         hi = gl.where(ok_b, _e2m1(byte >> 4) * sv, 0.0)
         k = gl.convert_layout(gl.reshape(gl.join(lo, hi), [_KEYS, _DC]), layout, assert_trivial=True)
     else:
-        byte = gl.load(rows + (rc // 2)[None, :], mask=okb, other=0).to(gl.int32)
-        code = (byte >> ((rc % 2) * 4)[None, :]) & 15
-        sc = gl.load(rows + 256 + (rc // 16)[None, :], mask=okb, other=0)
+        rc = C * _DC + gl.arange(0, _DC, layout=gl.SliceLayout(0, layout))
+        code = (codes.to(gl.int32) >> ((rc % 2) * 4)[None, :]) & 15
         k = gl.where(okb, _e2m1(code) * sc.to(gl.float8e4nv, bitcast=True).to(gl.float32), 0.0)
     return k
+
+
+@gluon.jit
+def _decode_chunk(pool_ptr, base, ok, C: gl.constexpr, WINDOW: gl.constexpr, FP4_PACKED: gl.constexpr,
+                  layout: gl.constexpr):
+    """Dims [128 C, 128 C + 128) of 64 records loaded and decoded (`_load_chunk`, `_decode_loaded`)."""
+    codes, sc = _load_chunk(pool_ptr, base, ok, C, WINDOW, FP4_PACKED, layout)
+    return _decode_loaded(codes, sc, ok, C, WINDOW, FP4_PACKED, layout)
+
+
+@gluon.jit
+def _decode_block(k_smem, pool_ptr, base, ok, WINDOW: gl.constexpr, FP4_PACKED: gl.constexpr,
+                  PREFETCH: gl.constexpr, layout: gl.constexpr):
+    """The block's 64 records of one pool decoded into k_smem (four [64, 128] BF16 chunks); with
+    PREFETCH every chunk's loads are issued before the first decode (one memory latency, not four)."""
+    if PREFETCH:
+        c0, s0 = _load_chunk(pool_ptr, base, ok, 0, WINDOW, FP4_PACKED, layout)
+        c1, s1 = _load_chunk(pool_ptr, base, ok, 1, WINDOW, FP4_PACKED, layout)
+        c2, s2 = _load_chunk(pool_ptr, base, ok, 2, WINDOW, FP4_PACKED, layout)
+        c3, s3 = _load_chunk(pool_ptr, base, ok, 3, WINDOW, FP4_PACKED, layout)
+        k_smem.index(0).store(_decode_loaded(c0, s0, ok, 0, WINDOW, FP4_PACKED, layout).to(gl.bfloat16))
+        k_smem.index(1).store(_decode_loaded(c1, s1, ok, 1, WINDOW, FP4_PACKED, layout).to(gl.bfloat16))
+        k_smem.index(2).store(_decode_loaded(c2, s2, ok, 2, WINDOW, FP4_PACKED, layout).to(gl.bfloat16))
+        k_smem.index(3).store(_decode_loaded(c3, s3, ok, 3, WINDOW, FP4_PACKED, layout).to(gl.bfloat16))
+    else:
+        for c in gl.static_range(4):
+            k_smem.index(c).store(_decode_chunk(pool_ptr, base, ok, c, WINDOW, FP4_PACKED, layout).to(gl.bfloat16))
 
 
 @gluon.jit
@@ -151,7 +197,7 @@ def _gluon_sparse_mla_kernel(
     part_acc_ptr, part_ml_ptr, block_max_ptr, flag_ptr, ticket_ptr,
     N, H, scale, stride_qn, stride_qh, stride_wt, stride_ct,
     W: gl.constexpr, W_P2: gl.constexpr, KC: gl.constexpr, NB: gl.constexpr, NB_P2: gl.constexpr, PH: gl.constexpr,
-    Q_BUFFERS: gl.constexpr = 4, FP4_PACKED: gl.constexpr = False,
+    Q_BUFFERS: gl.constexpr = 4, FP4_PACKED: gl.constexpr = False, PREFETCH: gl.constexpr = False,
 ):
     # Workspaces (`SparseMlaPlan` with one head group of PH = block_h heads): acc [N, NB, PH, 512],
     # ml [N, NB, 3, PH] (max, sum, valid-key count), block_max [N, NB, PH], flags [N, NB] (here a
@@ -201,15 +247,15 @@ def _gluon_sparse_mla_kernel(
 
     # The block's records, decoded into shared memory.
     start = b * _KEYS
-    for c in gl.static_range(NC):
-        if start + _KEYS <= nw:       # window keys only
-            k = _decode_chunk(wpool_ptr, wbase, w_ok, c, True, FP4_PACKED, ld)
-        elif start >= nw:             # compressed entries only
-            k = _decode_chunk(cpool_ptr, cbase, c_ok, c, False, FP4_PACKED, ld)
-        else:                         # the block where the window ends: each decode is 0 where its
-            k = (_decode_chunk(wpool_ptr, wbase, w_ok, c, True, FP4_PACKED, ld)        # keys are not:
-                 + _decode_chunk(cpool_ptr, cbase, c_ok, c, False, FP4_PACKED, ld))    # the sum is exact
-        k_smem.index(c).store(k.to(gl.bfloat16))
+    if start + _KEYS <= nw:           # window keys only
+        _decode_block(k_smem, wpool_ptr, wbase, w_ok, True, FP4_PACKED, PREFETCH, ld)
+    elif start >= nw:                 # compressed entries only
+        _decode_block(k_smem, cpool_ptr, cbase, c_ok, False, FP4_PACKED, PREFETCH, ld)
+    else:                             # the block where the window ends: each decode is 0 where its
+        for c in gl.static_range(NC):     # keys are not, so the sum is exact
+            k = (_decode_chunk(wpool_ptr, wbase, w_ok, c, True, FP4_PACKED, ld)
+                 + _decode_chunk(cpool_ptr, cbase, c_ok, c, False, FP4_PACKED, ld))
+            k_smem.index(c).store(k.to(gl.bfloat16))
     fence_async_shared()
     gl.thread_barrier()
 
@@ -288,16 +334,20 @@ class GluonSparseMlaConfig:
     of q, 136 KB a program, one program per SM; 2: the last two chunks loaded while the first two's
     score MMAs run and stored into the same buffers, 104 KB, two programs per SM); fp4_packed, the
     compressed records' codes loaded 8 bytes to a thread and their nibbles split in registers (else
-    one byte load per dim)."""
+    one byte load per dim); prefetch, a block's loads of all four 128-dim chunks issued before the
+    first is decoded (one memory latency instead of four; the block where the window ends keeps
+    chunk by chunk)."""
 
     q_buffers: int = 2
     fp4_packed: bool = True
+    prefetch: bool = True
 
     def __post_init__(self):
         if self.q_buffers not in (2, 4) or isinstance(self.q_buffers, bool):
             raise ValueError(f"GluonSparseMlaConfig.q_buffers must be 2 or 4, got {self.q_buffers!r}")
-        if not isinstance(self.fp4_packed, bool):
-            raise TypeError(f"GluonSparseMlaConfig.fp4_packed must be a bool, got {type(self.fp4_packed).__name__}")
+        for name in ("fp4_packed", "prefetch"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"GluonSparseMlaConfig.{name} must be a bool, got {type(getattr(self, name)).__name__}")
 
 
 def build_plan(max_rows: int, heads: int, window: int, topk: int, device="cuda", *, workspace=None) -> SparseMlaPlan:
@@ -342,7 +392,8 @@ def gluon_sparse_mla_(plan: SparseMlaPlan, q: torch.Tensor, window_pool: torch.T
         plan.part_acc, plan.part_ml, plan.block_max, plan.flags, plan.ticket,
         n, plan.heads, float(scale), q.stride(0), q.stride(1), window_table.stride(0), max(comp_table.stride(0), 1),
         W=plan.window, W_P2=triton.next_power_of_2(plan.window), KC=plan.topk, NB=nb, NB_P2=triton.next_power_of_2(nb), PH=plan.block_h,
-        Q_BUFFERS=config.q_buffers, FP4_PACKED=config.fp4_packed, num_warps=NUM_WARPS,
+        Q_BUFFERS=config.q_buffers, FP4_PACKED=config.fp4_packed, PREFETCH=config.prefetch,
+        num_warps=NUM_WARPS,
     )
     o16 = out.view(torch.int16)
     chunk = combine_chunk(nb, plan.block_h)

@@ -37,22 +37,22 @@ def _compile(heads, w, k, config):
     p = G.build_plan(1, heads, w, k, "cpu")
     consts = {"W": w, "W_P2": 1 << (w - 1).bit_length(), "KC": k, "NB": p.n_blocks,
               "NB_P2": 1 << (p.n_blocks - 1).bit_length(), "PH": p.block_h,
-              "Q_BUFFERS": config.q_buffers, "FP4_PACKED": config.fp4_packed}
+              "Q_BUFFERS": config.q_buffers, "FP4_PACKED": config.fp4_packed, "PREFETCH": config.prefetch}
     return sm90.compile_sm90(G._gluon_sparse_mla_kernel, _TYPES, consts, num_warps=G.NUM_WARPS)
 
 
 DEFAULT = G.GluonSparseMlaConfig()
-# every configuration: q in four buffers or two, the compressed codes loaded per byte or packed
-CONFIGS = [G.GluonSparseMlaConfig(q, f) for q in (2, 4) for f in (True, False)]
+PLAIN = G.GluonSparseMlaConfig(q_buffers=4, fp4_packed=False, prefetch=False)
+# each option both ways: the default, the plainest, and two mixes
+CONFIGS = [DEFAULT, PLAIN, G.GluonSparseMlaConfig(2, False, True), G.GluonSparseMlaConfig(4, True, False)]
 
 
 # V4.1-Flash (128 window + 512 top-k keys) at 64 heads with the default configuration and at a TP8
-# rank's 8 with q in four buffers; a window ending inside a block with a top-k not a multiple of 64
-# at 32 heads, codes loaded per byte (~2 s each).
-@pytest.mark.parametrize("heads,w,k,config", [(64, 128, 512, DEFAULT),
-                                               (8, 128, 512, G.GluonSparseMlaConfig(4, True)),
-                                               (32, 16, 72, G.GluonSparseMlaConfig(2, False))],
-                         ids=["64h", "8h-q4", "32h-bytes"])
+# rank's 8 with the plainest; a window ending inside a block with a top-k not a multiple of 64 at
+# 32 heads, a mix (~2 s each).
+@pytest.mark.parametrize("heads,w,k,config", [(64, 128, 512, DEFAULT), (8, 128, 512, PLAIN),
+                                               (32, 16, 72, G.GluonSparseMlaConfig(2, False, True))],
+                         ids=["64h", "8h-plain", "32h-mix"])
 def test_compiles_for_sm90_without_spills(heads, w, k, config):
     kernel = _compile(heads, w, k, config)
     res = sm90.resources(kernel)
@@ -119,6 +119,8 @@ def test_bad_arguments_name_the_argument():
         G.GluonSparseMlaConfig(q_buffers=3)
     with pytest.raises(TypeError, match="fp4_packed"):
         G.GluonSparseMlaConfig(fp4_packed=1)
+    with pytest.raises(TypeError, match="prefetch"):
+        G.GluonSparseMlaConfig(prefetch=None)
     with pytest.raises(ValueError, match="compute capability 9.0"):     # good arguments, on the CPU
         G.gluon_sparse_mla_(plan, **args)
 
@@ -222,8 +224,8 @@ def test_gpu_a_row_alone_gives_its_bits_among_others(h, others):
 @pytest.mark.gpu
 @pytest.mark.parametrize("h", [8, 64])
 def test_gpu_every_config_gives_the_same_bits(h):
-    # the configurations change where q waits and how the codes are loaded, not one value (module
-    # doc); exact-score and random inputs, 16 rows, a window ending inside a block
+    # the configurations change where q waits and how and when the codes are loaded, not one value
+    # (module doc); exact-score and random inputs, 16 rows, a window ending inside a block
     n, w, k = 16, 128, 512
     plan = G.build_plan(n, h, w, k, "cuda")
     for exact in (True, False):
