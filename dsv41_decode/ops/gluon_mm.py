@@ -457,6 +457,18 @@ def launch_options(config: GluonMMConfig, block_t: int, split: int) -> dict:
             "num_warps": 4 * config.warpgroups, "maxnreg": cap}
 
 
+# Measured configurations per weight shape (N, K) on an H200 (`scripts/probe_gluon_mm.py`): one per
+# weight, whatever the rows (the split fixes the bits: batch invariance). Other shapes: the default
+# config with `_default_split`.
+_TUNED: dict[tuple[int, int], GluonMMConfig] = {}
+
+
+def default_config(n: int, k: int) -> GluonMMConfig:
+    """The config a plan for an [n, k] weight uses when given none: the measured one, else
+    `GluonMMConfig()` (the default split rule)."""
+    return _TUNED.get((n, k), GluonMMConfig())
+
+
 def _default_split(n: int, k: int, sms: int, block_n: int = BLOCK_N, block_k: int = BLOCK_K) -> int:
     """About two programs per SM (all resident in one wave), as `low_latency_mm`'s default rule."""
     tiles = -(-n // block_n)
@@ -501,7 +513,7 @@ class GluonMM:
         4-byte boundaries.
     max_rows: the most rows a call may bring (1..64).
     config: a GluonMMConfig (the K split, the ring, the MMA pipeline, the program's shape), else
-        the default rule.
+        `default_config(N, K)`.
     workspace: None (the plan allocates its split-K workspace and counters) or a shared pool, as
         `ops.common.plan_workspace` says (FP32 slot 0, int32 slot 0).
 
@@ -524,7 +536,7 @@ class GluonMM:
             raise ValueError(f"w_scale is on {w_scale.device} but weight is on {weight.device}")
         if config is not None and not isinstance(config, GluonMMConfig):
             raise TypeError(f"config must be a GluonMMConfig, got {type(config).__name__}")
-        config = config or GluonMMConfig()
+        config = config or default_config(n, k)
         if k % config.block_k:
             raise ValueError(f"weight's K = {k} is not a multiple of config.block_k = {config.block_k}")
         if not is_sm90(weight.device):

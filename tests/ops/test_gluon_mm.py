@@ -176,6 +176,17 @@ def test_launch_table():
     assert G.launch_mode(G.GluonMMConfig(mma="ahead", maxnreg=128), 32) == ("ahead", 128)
 
 
+def test_tuned_configs_fit_their_shapes():
+    # A measured entry names a real shape, a split (fixed per weight: batch invariance), a slot
+    # depth dividing K and a ring that fits shared memory at the largest row bucket.
+    real = {(n, k) for _, n, k in REAL_SHAPES}
+    for (n, k), config in G._TUNED.items():
+        assert (n, k) in real and config.split is not None and k % config.block_k == 0, ((n, k), config)
+        assert G.shared_bytes(config, G.ROW_BUCKETS[-1]) <= G.SHARED_LIMIT, ((n, k), config)
+        assert G.default_config(n, k) is config
+    assert G.default_config(96, 128) == G.GluonMMConfig()
+
+
 def test_split_bounds_match_the_triton_tier():
     # Same rule as low_latency_mm.reduction_order at block_k 128: equal bounds give equal bits.
     from dsv41_decode.ops.low_latency_mm import reduction_order
