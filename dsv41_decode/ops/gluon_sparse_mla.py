@@ -236,14 +236,17 @@ def _gluon_sparse_mla_kernel(
     cbase = gl.where(c_ok, cs, 0).to(gl.int64) * _CREC
 
     # q [64, 512] of the row (heads past H: zeros), chunk by chunk: all four into shared memory, or
-    # (Q_BUFFERS == 2) the first two, the last two into the same buffers once the first two's
-    # score MMAs have read them.
+    # (Q_BUFFERS == 2) the first two, the last two loaded now into registers and stored into the
+    # same buffers once the first two's score MMAs have read them.
     rh = gl.arange(0, _M, layout=gl.SliceLayout(1, ld))
     rd = gl.arange(0, _DC, layout=gl.SliceLayout(0, ld))
     q_rows = q_ptr + r * stride_qn + rh[:, None] * stride_qh + rd[None, :]
     h_in = (rh < H)[:, None]
     for c in gl.static_range(Q_BUFFERS):
         q_smem.index(c).store(gl.load(q_rows + c * _DC, mask=h_in, other=0.0))
+    if Q_BUFFERS < NC:                # in flight during the decode, stored after the first MMAs
+        q2 = gl.load(q_rows + 2 * _DC, mask=h_in, other=0.0)
+        q3 = gl.load(q_rows + 3 * _DC, mask=h_in, other=0.0)
 
     # The block's records, decoded into shared memory.
     start = b * _KEYS
@@ -267,8 +270,6 @@ def _gluon_sparse_mla_kernel(
     else:
         acc = warpgroup_mma(q_smem.index(0), k_smem.index(0).permute((1, 0)), s, is_async=True)
         acc = warpgroup_mma(q_smem.index(1), k_smem.index(1).permute((1, 0)), acc, is_async=True)
-        q2 = gl.load(q_rows + 2 * _DC, mask=h_in, other=0.0)     # in flight with the MMAs
-        q3 = gl.load(q_rows + 3 * _DC, mask=h_in, other=0.0)
         s = warpgroup_mma_wait(0, deps=[acc])
         gl.thread_barrier()           # both warpgroups' MMAs have read the buffers
         q_smem.index(0).store(q2)
