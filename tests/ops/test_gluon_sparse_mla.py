@@ -31,6 +31,7 @@ _TYPES = {"q_ptr": "*bf16", "wpool_ptr": "*u8", "cpool_ptr": "*u8", "wtab_ptr": 
 # Hopper's shared memory per block (227 KB) is the only bound on the kernel's: q and the keys as
 # four [64, 128] BF16 chunks each (64 KB + 64 KB) and P (8 KB).
 SMEM_LIMIT = 227 * 1024
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _compile(heads, w, k, config):
@@ -83,6 +84,55 @@ def test_plan_is_one_head_group_of_the_real_heads():
         assert (p.split, p.separate_combine, p.head_groups, p.block_h, p.n_blocks) == \
             (True, True, 1, max(16, heads), 10)
         assert p.part_acc.numel() == 4 * 10 * max(16, heads) * D
+
+
+def test_the_combination_reads_the_kernels_workspace():
+    # The kernel's per-block partials as it stores them (a torch model: acc [N, NB, PH, 512],
+    # ml [N, NB, 3, PH] of (running max at the block, sum of the unrounded exp, valid keys), PH =
+    # block_h real-or-padded heads, heads past H computed from zero q), combined by `sparse_mla`'s
+    # combination kernel (in the interpreter on the CPU) with one head group: the reference's bits
+    # on exact scores, and the flags cleared (here every word set, as a launch leaves them).
+    from dsv41_decode.ops.sparse_mla import _sparse_mla_combine_kernel, combine_chunk
+    from dsv41_decode.records import unpack_compressed_kv, unpack_window_kv
+    from test_sparse_mla import check_exact
+
+    n, h, w, k = 3, 8, 128, 100
+    case = make_case(n, h, w, k, seed=3, window_fill=[128, 60, 1], exact=True)
+    q, wpool, cpool, wt, ct, sink = case
+    plan = G.build_plan(n, h, w, k, DEVICE)
+    ph, nb = plan.block_h, plan.n_blocks
+    wkeys, ckeys = unpack_window_kv(wpool).float(), unpack_compressed_kv(cpool).float()
+    acc, ml = torch.empty(n, nb, ph, D), torch.empty(n, nb, 3, ph)
+    for r in range(n):
+        ws, cs = wt[r][wt[r] >= 0].long(), ct[r].long()
+        keys = torch.cat((wkeys[ws], ckeys[cs.clamp(min=0)], torch.zeros(nb * 64 - len(ws) - k, D)))
+        valid = torch.cat((torch.ones(len(ws), dtype=torch.bool), cs >= 0, torch.zeros(nb * 64 - len(ws) - k, dtype=torch.bool)))
+        q64 = torch.zeros(64, D)
+        q64[:h] = q[r].float()
+        maxima = []
+        for b in range(nb):
+            kb = keys[b * 64:(b + 1) * 64]
+            s = (q64 @ kb.T * EXACT_SCALE).masked_fill(~valid[b * 64:(b + 1) * 64], float("-inf"))
+            maxima.append(s.amax(1))
+            m = torch.stack([torch.full((64,), -1e30)] + maxima).amax(0)   # the look-back's running max
+            p = torch.exp(s - m[:, None])
+            acc[r, b] = (p.to(torch.bfloat16).float() @ kb)[:ph]
+            ml[r, b] = torch.stack((m, p.sum(1), torch.full((64,), float(valid[b * 64:(b + 1) * 64].sum()))))[:, :ph]
+    plan.part_acc.copy_(acc.flatten())
+    plan.part_ml.copy_(ml.flatten())
+    plan.flags.fill_(-1)
+    out = torch.empty(n, h, D, dtype=torch.bfloat16, device=DEVICE)
+    o16 = out.view(torch.int16)
+    chunk = combine_chunk(nb, ph)
+    _sparse_mla_combine_kernel[(n, D // chunk)](plan.part_acc, plan.part_ml, plan.flags, sink.to(DEVICE), o16, h, 1, o16.stride(0),
+                                                o16.stride(1), SPLIT=nb, SPLIT_P2=1 << (nb - 1).bit_length(),
+                                                BLOCK_H=ph, CHUNK=chunk, PDL=False, num_warps=4)
+    ref = reference(*case, EXACT_SCALE)
+    if DEVICE == "cuda":      # the combination's expf against the CPU's exp (module doc)
+        check_exact_gpu(out, case, ref, EXACT_SCALE)
+    else:
+        check_exact(out, ref)
+    assert workspace_is_clear(plan)
 
 
 def test_bad_arguments_name_the_argument():
