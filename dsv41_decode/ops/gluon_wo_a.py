@@ -1,0 +1,452 @@
+"""Grouped `wo_a` for a BF16 weight in Gluon for Hopper (sm_90): inverse RoPE and the 8-group output
+projection in one launch. Same contract and arguments as `ops.wo_a.wo_a_` (the Triton kernel, the
+portable path; `reference.attention.grouped_wo_a`, spec section 3 step 9):
+
+z[m, g*R:(g+1)*R] = bf16(o'_g[m] @ wo_a_g^T), o' = o with the conjugate rotation at row m's position
+applied to the last rope_dim = 64 channels of every head (FP32 math, rounded to BF16), o'_g the H/G
+consecutive heads of group g flattened ((H/G)*512 wide), R = o_lora_rank.
+
+How the kernel runs (one program per 64 x warpgroups weight rows and K split):
+
+- **Swap AB.** A program computes z^T[BN, BT] = W[BN rows of one group, K range] @ o'^T: the weight
+  rows are the wgmma's M (64 per consumer warpgroup), the rows of o (padded to BT = 8, 16, 32 or
+  64; TMA fills the rows past M with zeros) its N.
+- **A TMA producer warp** (`warp_specialize`) streams [BN, 64] BF16 weight tiles and the matching
+  [BT, 64] tiles of o (o viewed as [M, H*512]: a group's K range is contiguous in it) through a
+  ring of STAGES >= 3 shared-memory slots, each completed on its `ready` mbarrier and handed back
+  on its `empty` mbarrier.
+- **The inverse RoPE in shared memory, once per program and chunk.** With 64-deep slots and
+  rope_dim = 64, the last slot of every head (the head's channels 448..511) is exactly its rotary
+  part: the consumer loads that o tile from the slot, rotates each adjacent pair (2i, 2i+1) by the
+  conjugate of cis_i = cos_i + j sin_i in FP32 as `ops.wo_a`'s `_inverse_rope_bf16` does
+  (fl(fl(a c) + fl(b s)) and fl(fl(b c) - fl(a s)), the launch turning off FMA contraction),
+  rounds to BF16 (round to nearest even) and stores it back into the slot before the wgmma reads
+  it (a shared-memory fence and a barrier of the consumer warps). cos and sin are loaded once per
+  program. The other seven slots of a head go to the MMA as TMA wrote them.
+- **BF16 wgmma with FP32 accumulation, two groups in flight**: slot i's wgmma (m64 n{BT} k16 x 4
+  into the one FP32 accumulator, K order) is issued before slot i-1's is retired; slot i-1 then
+  goes back to the producer.
+- **Split-K with a deterministic reduction** (grid: N tiles x split; the split is the plan's, the
+  same for every row count): each split stores its FP32 partial of the M real rows to the plan's
+  workspace, one acq_rel atomic on the tile's counter; the last split to arrive adds the partials
+  in split order (from zero), rounds to BF16, stores z and resets the counter (replayable in a
+  CUDA graph with no memset).
+- **The staged window copy** (`window_copy`, as `ops.wo_a.wo_a_`): the programs of split 0 move
+  rows pid_n, pid_n + N tiles, ... after their K loop.
+- **The MXFP8 of z** (`codes_out`, `scales_out`) is not fused: the launcher runs
+  `act_quant_mxfp8_(out, codes_out, scales_out)` after the kernel (what `ops.wo_a`'s fused form
+  equals bit for bit), one more launch.
+
+Numerics: the products are exact (BF16 x BF16 in FP32) and a BF16 wgmma adds them as the Triton
+kernel's tensor-core dots do, truncating while it adds (`ops.wo_a`'s module doc); the FP32
+accumulator runs over the program's K range in K order, k16 instruction by k16 instruction. With
+the same split as the Triton plan (the default rule is the same) and the same K order the
+instruction sequence per output matches the Triton swapped kernel's (its 32-deep dots lower to two
+k16 wgmmas each); whether the bits match is the GPU test's to say, and not part of the contract.
+Batch invariance: the split, the slot depth and the instruction do not depend on the row count;
+the row bucket BT changes the wgmma's N (how many columns one instruction computes), not the
+arithmetic of an output element.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .act_quant import act_quant_mxfp8_
+from .checks import planned_rows, require_tensor
+from .common import is_sm90, num_sms, plan_workspace
+from .wo_a import _window_copy_args
+
+MAX_ROWS = 64
+BLOCK_K = 64                     # K per ring slot: 128 bytes of BF16 (the 128-byte swizzle); = rope_dim
+ROPE_DIM = 64                    # the rotary channels per head the kernel rotates: one slot
+ROW_BUCKETS = (8, 16, 32, 64)    # BT: the wgmma's N
+SHARED_LIMIT = 227 * 1024        # sm_90's dynamic shared memory per block
+
+
+@gluon.jit
+def _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_col, step_lo, n_steps,
+              STAGES: gl.constexpr):
+    """The 1-warp TMA producer: step i's weight tile [BN, 64] and o tile [BT, 64] into slot
+    i % STAGES once the consumer has released it."""
+    for i in range(n_steps):
+        s = i % STAGES
+        # A fresh barrier counts as having completed the phase before its first: the first pass
+        # over the ring does not wait.
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), w_desc.block_type.nbytes + x_desc.block_type.nbytes)
+        k = (step_lo + i) * w_desc.block_type.shape[1]
+        tma.async_copy_global_to_shared(w_desc, [off_n, k], ready.index(s), w_smem.index(s))
+        tma.async_copy_global_to_shared(x_desc, [0, x_col + k], ready.index(s), x_smem.index(s))
+
+
+@gluon.jit
+def _rotate_slot(x_tile, cos, sin, BT: gl.constexpr, rot_l: gl.constexpr):
+    """x_tile [BT, 64] BF16 in shared memory <- bf16(conj rotation of its 32 adjacent pairs) with
+    cos, sin [BT, 32] FP32 (`rot_l`'s pair slice): (a + jb)(c - js) = (a c + b s) + j (b c - a s),
+    each product and sum rounded to FP32 (no contraction: the launch's enable_fp_fusion=False), then
+    to BF16 with round to nearest even, as `ops.wo_a._inverse_rope_bf16`."""
+    x = x_tile.load(rot_l).to(gl.float32)
+    a, b = gl.split(gl.reshape(x, [BT, 32, 2]))
+    a = gl.convert_layout(a, cos.type.layout)
+    b = gl.convert_layout(b, cos.type.layout)
+    re = a * cos + b * sin
+    im = b * cos - a * sin
+    rot = gl.convert_layout(gl.reshape(gl.join(re, im), [BT, 64]), rot_l)
+    x_tile.store(rot.to(gl.bfloat16))
+
+
+@gluon.jit
+def _consumer(w_smem, x_smem, ready, empty, cos_ptr, sin_ptr, M, stride_cm, stride_sm, step_lo, n_steps,
+              STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, HEAD_STEPS: gl.constexpr,
+              mma_layout: gl.constexpr, rot_l: gl.constexpr, pair_l: gl.constexpr):
+    """The consumer warpgroup(s): per slot, the o tile rotated in place when it is a head's rotary
+    chunk, then the slot's wgmma issued before the previous slot's is retired (two groups in
+    flight). Returns (acc, ): [BN, BT] FP32 over the program's K range, in K order."""
+    rm = gl.arange(0, BT, layout=gl.SliceLayout(1, pair_l))
+    rp = gl.arange(0, 32, layout=gl.SliceLayout(0, pair_l))
+    ok = (rm < M)[:, None] & (rp < 32)[None, :]
+    cos = gl.load(cos_ptr + rm[:, None] * stride_cm + rp[None, :], mask=ok, other=0.0)
+    sin = gl.load(sin_ptr + rm[:, None] * stride_sm + rp[None, :], mask=ok, other=0.0)
+    acc = gl.zeros([BN, BT], gl.float32, mma_layout)
+    for i in range(n_steps):
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        x_tile = x_smem.index(s)
+        if (step_lo + i) % HEAD_STEPS == HEAD_STEPS - 1:
+            _rotate_slot(x_tile, cos, sin, BT, rot_l)
+            # the generic-proxy stores before the wgmma's (async proxy) reads, from every thread
+            fence_async_shared()
+            gl.thread_barrier()
+        acc = warpgroup_mma(w_smem.index(s), x_tile.permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))
+        if i > 0:
+            # slot i-1's wgmma has retired: hand it back to the producer
+            mbarrier.arrive(empty.index((i - 1) % STAGES), count=1)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    return (acc, )
+
+
+@gluon.jit(do_not_specialize=["M", "stride_cm", "stride_sm"])
+def _gluon_wo_a_kernel(
+    w_desc, x_desc, cos_ptr, sin_ptr, z_ptr, ws_ptr, cnt_ptr, cp_pool_ptr, cp_src_ptr, cp_dst_ptr,
+    M, stride_cm, stride_sm, stride_zm,
+    R: gl.constexpr, GW: gl.constexpr, HEAD_STEPS: gl.constexpr, STEPS_PER_SPLIT: gl.constexpr,
+    SPLIT: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr,
+    COPY_WORDS: gl.constexpr = 0, COPY_BLOCK: gl.constexpr = 1, N_TILES: gl.constexpr = 1,
+):
+    # Grid (G*R / BN tiles, SPLIT): program (t, s) covers weight rows [t*BN, +BN) (all in group
+    # g = t*BN // R) and the group's K steps [s*STEPS_PER_SPLIT, +STEPS_PER_SPLIT) of 64 channels;
+    # the o tile's columns are g*GW + k in o viewed as [M, H*512].
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    WG: gl.constexpr = BN // 64
+    pid_n = gl.program_id(0)
+    pid_s = gl.program_id(1)
+    off_n = pid_n * BN
+    x_col = (off_n // R) * GW
+    step_lo = pid_s * STEPS_PER_SPLIT
+
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * WG, 1],
+                                                         instr_shape=[16, BT, 16])
+    # the rotation's layouts: each thread two adjacent channels (one pair) of a row
+    rot_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 2], threads_per_warp=[1, 32],
+                                           warps_per_cta=[4 * WG, 1], order=[1, 0])
+    pair_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[1, 32],
+                                            warps_per_cta=[4 * WG, 1], order=[1, 0])
+
+    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+
+    acc, = gl.warp_specialize([
+        (_consumer, (w_smem, x_smem, ready, empty, cos_ptr, sin_ptr, M, stride_cm, stride_sm, step_lo,
+                     STEPS_PER_SPLIT, STAGES, BN, BT, HEAD_STEPS, mma_layout, rot_l, pair_l)),
+        (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_col, step_lo, STEPS_PER_SPLIT,
+                     STAGES)),
+    ], [1], [24])
+
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+
+    # The epilogue in a layout where each thread holds 8 consecutive n of one row m (16-byte
+    # stores of z and of the workspace, both n-contiguous) instead of the wgmma's scattered pairs.
+    out_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[8, 4],
+                                           warps_per_cta=[WG, 4], order=[0, 1])
+    acc = gl.convert_layout(acc, out_l)
+    rn_l = gl.arange(0, BN, layout=gl.SliceLayout(1, out_l))
+    rm = gl.arange(0, BT, layout=gl.SliceLayout(0, out_l))
+    mask = (rm[None, :] < M) & (rn_l[:, None] < BN)
+    z_ptrs = z_ptr + rm[None, :] * stride_zm + (off_n + rn_l)[:, None]
+    if SPLIT > 1:
+        # Partial s of tile t at ws[(t * SPLIT + s) * M * BN + m * BN + n]: the M real rows.
+        tile_ws = ws_ptr + pid_n * SPLIT * M * BN + rm[None, :] * BN + rn_l[:, None]
+        gl.store(tile_ws + pid_s * M * BN, acc, mask=mask)
+        # Every thread's partial is written before one thread's release of the counter.
+        gl.thread_barrier()
+        arrived = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT - 1:
+            gl.thread_barrier()
+            total = gl.zeros([BN, BT], gl.float32, out_l)
+            for s in range(SPLIT):
+                # .cg: from L2, never from a line this SM's L1 kept from an earlier launch.
+                total += gl.load(tile_ws + s * M * BN, mask=mask, other=0.0, cache_modifier=".cg")
+            gl.store(z_ptrs, total.to(gl.bfloat16), mask=mask)
+            gl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+    else:
+        gl.store(z_ptrs, acc.to(gl.bfloat16), mask=mask)
+
+    if COPY_WORDS > 0:
+        # the staged window copy (`window_copy`): the programs of split 0 move rows pid_n,
+        # pid_n + N_TILES, ... (stream order puts it after the kernel's predecessors, the readers
+        # of the destinations)
+        if pid_s == 0:
+            copy_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32],
+                                                    warps_per_cta=[4 * WG], order=[0])
+            rw = gl.arange(0, COPY_BLOCK, layout=copy_l)
+            w_ok = rw < COPY_WORDS
+            for r in range(pid_n, M, N_TILES):
+                src = gl.load(cp_src_ptr + r)
+                dst = gl.load(cp_dst_ptr + r)
+                rec = gl.load(cp_pool_ptr + src * COPY_WORDS + rw, mask=w_ok)
+                gl.store(cp_pool_ptr + dst * COPY_WORDS + rw, rec, mask=w_ok)
+
+
+@dataclass(frozen=True)
+class GluonWoAConfig:
+    """How a plan runs (the bits depend on the split alone, not on these).
+
+    split: programs along K per output tile; None = the default rule (the largest divisor of
+        group_width / 64 at most 2 x SMs / output tiles, `ops.wo_a.WoAPlan.build`'s rule for a BF16
+        weight).
+    stages: ring slots, 3..12 (each (64 x warpgroups + BT) x 64 BF16).
+    warpgroups: consumer warpgroups per program, 1 or 2 (64 or 128 weight rows per program).
+    maxnreg: the launch's register cap per thread. A CTA runs the consumer warpgroup(s) and the
+        producer's warp padded to a warpgroup, each thread holding this many registers however
+        `setmaxnreg` moves them (the producer drops to 24, the consumer rises): 80 keeps three
+        CTAs of one warpgroup per SM resident (8 warps x 32 x 80 of 64K registers; Triton's default
+        of 255 one), and every row bucket compiles without spills at 80 (sm_90 compile test).
+    """
+
+    split: int | None = None
+    stages: int = 6
+    warpgroups: int = 1
+    maxnreg: int = 80
+
+    def __post_init__(self):
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+        if self.split is not None and (not is_int(self.split) or self.split < 1):
+            raise ValueError(f"GluonWoAConfig.split must be None or a positive int, got {self.split!r}")
+        if not is_int(self.stages) or not 3 <= self.stages <= 12:
+            raise ValueError(f"GluonWoAConfig.stages must be an int in [3, 12], got {self.stages!r}")
+        if not is_int(self.warpgroups) or self.warpgroups not in (1, 2):
+            raise ValueError(f"GluonWoAConfig.warpgroups must be 1 or 2, got {self.warpgroups!r}")
+        if not is_int(self.maxnreg) or not 24 <= self.maxnreg <= 256 or self.maxnreg % 8:
+            raise ValueError(f"GluonWoAConfig.maxnreg must be a multiple of 8 in [24, 256], "
+                             f"got {self.maxnreg!r}")
+
+    @property
+    def block_n(self) -> int:
+        """Weight rows (outputs) per program: 64 per consumer warpgroup."""
+        return 64 * self.warpgroups
+
+
+def block_t(rows: int) -> int:
+    """The row bucket (the wgmma's N) of a launch of `rows` rows."""
+    return next(b for b in ROW_BUCKETS if b >= rows)
+
+
+def shared_bytes(config: GluonWoAConfig, bt: int) -> int:
+    """The shared memory of a launch at row bucket `bt`: the ring's weight and o tiles, and 1 KB
+    for the mbarriers and what the compiler adds."""
+    return config.stages * (config.block_n + bt) * BLOCK_K * 2 + 1024
+
+
+def default_split(group_width: int, n_tiles: int, sms: int) -> int:
+    """The largest divisor of the group's K steps at most round(2 x SMs / output tiles) (about two
+    programs per SM, `ops.wo_a.WoAPlan.build`'s rule for a BF16 weight)."""
+    steps = group_width // BLOCK_K
+    target = max(1, round(2 * sms / n_tiles))
+    return max(d for d in range(1, steps + 1) if steps % d == 0 and d <= target)
+
+
+def launch_options(plan: "GluonWoAPlan", bt: int) -> dict:
+    """The kernel's constexpr arguments and launch options at row bucket `bt` (the launch and the
+    sm_90 compile test share them)."""
+    opts = {"R": plan.rank, "GW": plan.group_width, "HEAD_STEPS": plan.head_dim // BLOCK_K,
+            "STEPS_PER_SPLIT": plan.k_per_split // BLOCK_K, "SPLIT": plan.split, "BT": bt,
+            "STAGES": plan.config.stages, "num_warps": 4 * plan.config.warpgroups,
+            "maxnreg": plan.config.maxnreg,
+            # the rotation's products and sums rounded as torch rounds them (no FMA)
+            "enable_fp_fusion": False}
+    return opts
+
+
+@dataclass(frozen=True, eq=False)
+class GluonWoAPlan:
+    """Tiles and split of the Gluon `wo_a` for one rank's shape with a BF16 weight, and its split-K
+    workspace (its own, or views of a shared pool: `build(workspace=)`). sm_90 launches only;
+    builds anywhere (the split rule takes an H200's SM count off the GPU).
+
+    heads, o_groups: this rank's H and G (H/G heads per group); rank: R = o_lora_rank (a multiple
+    of config.block_n); head_dim: a multiple of 64; rope_dim: 64 (one ring slot); max_rows: 1..64.
+    k_per_split: group channels per program; split: programs along K per output tile (the same at
+    every row count: batch invariance). partials: FP32 [N tiles * split * max_rows * block_n];
+    counters: [N tiles] int32, zero between launches. Not for concurrent launches on two streams.
+    """
+    heads: int
+    o_groups: int
+    rank: int
+    head_dim: int
+    rope_dim: int
+    max_rows: int
+    config: GluonWoAConfig
+    k_per_split: int
+    split: int
+    partials: torch.Tensor
+    counters: torch.Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.counters.device
+
+    @property
+    def group_width(self) -> int:
+        """K of each group's GEMM: (H/G) * head_dim."""
+        return self.heads // self.o_groups * self.head_dim
+
+    @property
+    def n_out(self) -> int:
+        return self.o_groups * self.rank
+
+    @property
+    def n_tiles(self) -> int:
+        return self.n_out // self.config.block_n
+
+    @classmethod
+    def build(cls, heads: int, o_groups: int, rank: int, max_rows: int, device: torch.device | str = "cuda", *,
+              head_dim: int = 512, rope_dim: int = 64, config: GluonWoAConfig | None = None,
+              workspace=None) -> "GluonWoAPlan":
+        """Choose the split and allocate the workspace (or take it from `workspace`: a pool as
+        `ops.common.plan_workspace` says, FP32 slot 0 and int32 slot 0, as `WoAPlan.build`)."""
+        for name, v in (("heads", heads), ("o_groups", o_groups), ("rank", rank), ("max_rows", max_rows),
+                        ("head_dim", head_dim), ("rope_dim", rope_dim)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if config is not None and not isinstance(config, GluonWoAConfig):
+            raise TypeError(f"config must be a GluonWoAConfig, got {type(config).__name__}")
+        config = config or GluonWoAConfig()
+        if heads % o_groups:
+            raise ValueError(f"heads={heads} must be a multiple of o_groups={o_groups}")
+        if rank % config.block_n:
+            raise ValueError(f"rank={rank} must be a multiple of {config.block_n} (the weight rows of a "
+                             f"program: 64 x config.warpgroups)")
+        if head_dim % BLOCK_K:
+            raise ValueError(f"head_dim={head_dim} must be a multiple of {BLOCK_K} (the ring's slot depth)")
+        if rope_dim != ROPE_DIM:
+            raise ValueError(f"rope_dim={rope_dim} must be {ROPE_DIM} (the kernel rotates one 64-deep slot "
+                             f"per head; use ops.wo_a)")
+        if max_rows > MAX_ROWS:
+            raise ValueError(f"max_rows must be at most {MAX_ROWS} (the low-batch limit), got {max_rows}")
+        need = shared_bytes(config, block_t(max_rows))
+        if need > SHARED_LIMIT:
+            raise ValueError(f"config.stages = {config.stages} needs {need} bytes of shared memory at "
+                             f"max_rows = {max_rows}; sm_90 has {SHARED_LIMIT}")
+        device = torch.device(device)
+        n_tiles = o_groups * rank // config.block_n
+        group_width = heads // o_groups * head_dim
+        steps = group_width // BLOCK_K
+        split = config.split
+        if split is None:
+            split = default_split(group_width, n_tiles, num_sms(device))
+        elif steps % split:
+            raise ValueError(f"config.split must divide group_width / {BLOCK_K} = {steps}, got {split}")
+        partials = plan_workspace(workspace, 0, n_tiles * split * max_rows * config.block_n if split > 1 else 1,
+                                  torch.float32, device)
+        counters = plan_workspace(workspace, 0, n_tiles, torch.int32, device)
+        return cls(heads, o_groups, rank, head_dim, rope_dim, max_rows, config, group_width // split, split,
+                   partials, counters)
+
+
+def _bf16_desc(t: torch.Tensor, block: list[int], name: str) -> TensorDescriptor:
+    """A TMA descriptor of the 2-D BF16 tensor t with box `block` (128-byte swizzled tiles)."""
+    if t.stride(0) * 2 % 16 or t.data_ptr() % 16:
+        raise ValueError(f"{name} rows must be 16-byte aligned for TMA (row stride {t.stride(0)} elements, "
+                         f"address {t.data_ptr():#x})")
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+    return TensorDescriptor.from_tensor(t, block, layout)
+
+
+def gluon_wo_a_(plan: GluonWoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
+                scale: torch.Tensor | None, out: torch.Tensor, codes_out: torch.Tensor | None = None,
+                scales_out: torch.Tensor | None = None,
+                window_copy: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Write z = `reference.attention.grouped_wo_a(o, cos + j sin, weight, G, 64)` into out: the
+    arguments of `ops.wo_a.wo_a_` (see there), with these limits:
+
+    o: [M, H, head_dim] BF16 whose heads are contiguous within a row (head stride = head_dim, unit
+       stride; rows 16-byte aligned: the kernel reads o as [M, H*head_dim] through TMA).
+    weight: [G*R, (H/G)*head_dim] BF16, rows 16-byte aligned (TMA); scale must be None (FP8 weights
+       run in `ops.wo_a`).
+    codes_out, scales_out: optionally the MXFP8 of out, written by `act_quant_mxfp8_` after the
+       kernel (a second launch; the same bits as `ops.wo_a`'s fused form).
+    window_copy: optionally (pool, src, dst), as `ops.wo_a.wo_a_` (same checks, same guarantees).
+    """
+    m = planned_rows(plan, GluonWoAPlan, o, "o", "[M, H, head_dim]")
+    dev = plan.device
+    if o.dtype != torch.bfloat16:
+        raise TypeError(f"o must have dtype torch.bfloat16, got {o.dtype}")
+    if tuple(o.shape[1:]) != (plan.heads, plan.head_dim):
+        raise ValueError(f"o must have shape [M, {plan.heads}, {plan.head_dim}], got {tuple(o.shape)}")
+    if o.device != dev:
+        raise ValueError(f"o must be on {dev} like the plan, got {o.device}")
+    if o.stride(2) != 1 or (plan.heads > 1 and o.stride(1) != plan.head_dim):
+        raise ValueError(f"o must have contiguous heads within a row (strides (*, {plan.head_dim}, 1)), got "
+                         f"strides {o.stride()}: the kernel reads each row's heads as one TMA row")
+    require_tensor(cos, "cos", (torch.float32,), (m, plan.rope_dim // 2), dev)
+    require_tensor(sin, "sin", (torch.float32,), (m, plan.rope_dim // 2), dev)
+    if isinstance(weight, torch.Tensor) and weight.dtype == torch.float8_e4m3fn:
+        raise TypeError("weight must have dtype torch.bfloat16, got torch.float8_e4m3fn: the Gluon wo_a runs "
+                        "BF16 weights (use ops.wo_a for FP8)")
+    require_tensor(weight, "weight", (torch.bfloat16,), (plan.n_out, plan.group_width), dev)
+    if scale is not None:
+        raise ValueError("scale must be None with a BF16 weight")
+    require_tensor(out, "out", (torch.bfloat16,), (m, plan.n_out), dev)
+    quant = codes_out is not None or scales_out is not None
+    if quant:
+        if codes_out is None or scales_out is None:
+            raise ValueError("codes_out and scales_out go together (the MXFP8 of out)")
+        require_tensor(codes_out, "codes_out", (torch.float8_e4m3fn, torch.uint8), (m, plan.n_out), dev)
+        require_tensor(scales_out, "scales_out", (torch.uint8, torch.float8_e8m0fnu), (m, plan.n_out // 32), dev)
+    cp_pool, cp_src, cp_dst, copy_words = _window_copy_args(window_copy, m, dev, plan.counters)
+    if not is_sm90(dev):
+        raise ValueError(f"the plan's device must be a CUDA device of compute capability 9.0 (the Gluon tier is "
+                         f"sm_90 code: TMA, wgmma), got {dev}")
+    if m == 0:
+        return
+    bt = block_t(m)
+    bn = plan.config.block_n
+    w_desc = _bf16_desc(weight, [bn, BLOCK_K], "weight")
+    o2 = o.as_strided((m, plan.heads * plan.head_dim), (o.stride(0), 1))
+    x_desc = _bf16_desc(o2, [bt, BLOCK_K], "o")
+    opts = launch_options(plan, bt)
+    _gluon_wo_a_kernel[(plan.n_tiles, plan.split)](
+        w_desc, x_desc, cos, sin, out, plan.partials, plan.counters, cp_pool, cp_src, cp_dst,
+        m, cos.stride(0), sin.stride(0), out.stride(0),
+        COPY_WORDS=copy_words, COPY_BLOCK=max(32, 1 << (max(copy_words, 1) - 1).bit_length()),
+        N_TILES=plan.n_tiles, **opts,
+    )
+    if quant:
+        act_quant_mxfp8_(out, codes_out, scales_out)

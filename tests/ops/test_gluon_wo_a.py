@@ -1,0 +1,231 @@
+"""ops.gluon_wo_a, the Gluon grouped `wo_a` for a BF16 weight (sm_90 only).
+
+On the CPU: the kernel compiles for sm_90 (Triton's own ptxas) at the real shapes' splits (TP1, 2,
+4, 8: 2, 4, 8, 16) and every row bucket, with the window copy, without spills, and its SASS holds
+the BF16 wgmma, the two TMA loads, a wait that leaves one wgmma group in flight and no fused
+multiply-add (the rotation's products and sums round separately, as torch's); bad arguments raise
+errors that name them. On the GPU (`-m gpu`): the real shapes at 1, 2, 4, 16, 33 and 64 rows against
+the reference, bitwise run to run, a row alone equal to the same row among others, the window copy
+and the MXFP8 of z equal to `ops.wo_a`'s.
+
+Tolerance against `reference.attention.grouped_wo_a`: the Triton kernel's (tests/ops/test_wo_a.py,
+`_check`): rel RMS < 1e-3 and at most 1 BF16 ulp of the row's largest |z|. Derivation: the rotated
+input is the reference's bit for bit (the same FP32 operations without contraction, the same
+rounding to BF16) and every product of two BF16 values is exact, so z differs from the reference
+only through the summation of the (H/G)*512 products in FP32: the wgmma's adds (which truncate, as
+the Triton kernel's tensor-core dots do) and split-K's regrouping, a few FP32 ulps of the terms'
+magnitude (~1e-7 relative); that can tip the BF16 rounding of an output by one ulp of its value, at
+most one ulp of the row's largest |z|, and rarely (a one-ulp flip needs the dot within ~1e-7
+relative of a BF16 rounding midpoint), hence the rel RMS bound (1e-3 allows up to 1.6 % of the
+elements one ulp off).
+"""
+
+import pytest
+import torch
+from triton.experimental.gluon import language as gl
+
+from dsv41_decode.ops import gluon_wo_a as W
+from dsv41_decode.ops.wo_a import WoAPlan, wo_a_
+from dsv41_decode.reference.attention import grouped_wo_a
+from dsv41_decode.testing import sm90
+from test_wo_a import _check, _inputs
+
+RANK = 1024        # o_lora_rank of V4.1; 8 heads per group: group width 4096
+REAL_HEADS = (64, 32, 16, 8)   # this rank's heads under TP1, 2, 4, 8 (heads // 8 groups)
+
+
+def _desc(block) -> str:
+    """The signature of a Gluon TMA descriptor of BF16 tiles `block`, as the launcher specializes it."""
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+    return f"tensordesc<bf16[{block[0]}, {block[1]}],{layout!r}>"
+
+
+def _compile(plan: W.GluonWoAPlan, bt: int, copy_words: int = 0):
+    opts = W.launch_options(plan, bt)
+    options = {k: opts.pop(k) for k in ("num_warps", "maxnreg", "enable_fp_fusion")}
+    types = {"w_desc": _desc([plan.config.block_n, W.BLOCK_K]), "x_desc": _desc([bt, W.BLOCK_K]),
+             "cos_ptr": "*fp32", "sin_ptr": "*fp32", "z_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
+             "cp_pool_ptr": "*i32", "cp_src_ptr": "*i64", "cp_dst_ptr": "*i64"}
+    consts = {**opts, "COPY_WORDS": copy_words, "COPY_BLOCK": 256 if copy_words else 1, "N_TILES": plan.n_tiles}
+    kernel = W._gluon_wo_a_kernel
+    # as the launcher sees the real shapes: pointers and z's row stride multiples of 16
+    return sm90.compile_sm90(kernel, types, consts,
+                             divisible=[a for a in kernel.arg_names if a.endswith("_ptr") or a == "stride_zm"],
+                             **options)
+
+
+# (heads, row bucket, warpgroups): each TP shard's split once, each bucket once, 128-row programs once;
+# the window copy in every compile (the step's 528-byte records: 132 words)
+COMPILE_CASES = [(64, 8, 1), (32, 16, 1), (16, 32, 1), (8, 64, 1), (64, 64, 2)]
+
+
+@pytest.mark.parametrize("heads,bt,wg", COMPILE_CASES, ids=[f"h{h}-bt{b}-wg{w}" for h, b, w in COMPILE_CASES])
+def test_compiles_for_sm90_without_spills(heads, bt, wg):
+    plan = W.GluonWoAPlan.build(heads, heads // 8, RANK, 64, "cpu", config=W.GluonWoAConfig(warpgroups=wg))
+    assert plan.n_tiles * plan.split == 256          # TP1..8: splits 2..16 (x2 with two warpgroups)
+    kernel = _compile(plan, bt, copy_words=132)
+    res = sm90.resources(kernel)
+    assert res["LOCAL"] == 0 and res["STACK"] == 0, res
+    assert res["REG"] <= plan.config.maxnreg, res
+    ins = [t for _, t in sm90.sass(kernel)]
+    ops = sm90.opcode_counts(ins)
+    assert ops.get("STL", 0) == 0 and ops.get("LDL", 0) == 0, ops
+    # One 64-deep slot: four BF16 wgmmas m64 n{bt} k16, FP32 accumulation (each warpgroup runs the
+    # same code on its 64 rows; ptxas may copy the slot's issue into both arms of the rotation's branch).
+    gmma = [t for t in ins if t.startswith("HGMMA")]
+    assert gmma and len(gmma) % 4 == 0 and all(f"HGMMA.64x{bt}x16.F32.BF16" in t for t in gmma), gmma
+    # the producer's weight and o tiles (its loop unrolled where the program's K range is short)
+    steps = plan.k_per_split // W.BLOCK_K
+    assert ops.get("UTMALDG", 0) in (2, 2 * steps), ops
+    assert ops.get("SYNCS", 0) > 0, ops           # the mbarrier ring
+    # More than one group in flight: a wait that leaves one outstanding, besides the drain.
+    assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in ins and "WARPGROUP.DEPBAR.LE gsb0, 0x0" in ins
+    assert any(t.startswith("USETMAXREG.DEALLOC") or "USETMAXREG" in t for t in ins)
+    # The rotation rounds each product and each sum (enable_fp_fusion=False): no FFMA anywhere.
+    assert ops.get("FFMA", 0) == 0 and ops.get("FMUL", 0) > 0, ops
+    assert kernel.metadata.shared <= W.shared_bytes(plan.config, bt), kernel.metadata.shared
+    assert (plan.split > 1) == (ops.get("ATOMG", 0) > 0), ops   # the last-arriver counter
+
+
+def test_plan_split_is_the_triton_plans_and_fits_shared_memory():
+    # The default split rule is WoAPlan's for a BF16 weight (about two programs per SM), the same at
+    # every row count; the ring at 64 rows fits twice in an SM's shared memory at the default stages.
+    for heads in REAL_HEADS:
+        plan = W.GluonWoAPlan.build(heads, heads // 8, RANK, 64, "cpu")
+        tri = WoAPlan.build(heads, heads // 8, RANK, 64, torch.bfloat16, "cpu")
+        assert (plan.split, plan.k_per_split) == (tri.split, tri.k_per_split)
+        assert plan.n_tiles * plan.split == 256
+        assert 2 * W.shared_bytes(plan.config, 64) <= 228 * 1024
+    wide = W.GluonWoAPlan.build(64, 8, RANK, 64, "cpu", config=W.GluonWoAConfig(warpgroups=2, split=4))
+    assert (wide.n_tiles, wide.split, wide.k_per_split) == (64, 4, 1024)
+
+
+def test_bad_plans_name_the_field():
+    for kw, match in ((dict(heads=5), "heads=5 must be a multiple of o_groups"), (dict(rank=96), "rank=96"),
+                      (dict(rope_dim=32), "rope_dim=32"), (dict(head_dim=96), "head_dim=96"),
+                      (dict(max_rows=65), "max_rows must be at most 64"), (dict(max_rows=0), "max_rows must be"),
+                      (dict(config=W.GluonWoAConfig(split=3)), "config.split must divide"),
+                      (dict(config=W.GluonWoAConfig(stages=12, warpgroups=2)), "shared memory"),
+                      (dict(config="fast"), "config must be a GluonWoAConfig")):
+        args = dict(heads=16, o_groups=2, rank=128, max_rows=64, device="cpu") | kw
+        with pytest.raises((TypeError, ValueError), match=match):
+            W.GluonWoAPlan.build(**args)
+    for kw, match in ((dict(stages=2), "stages"), (dict(warpgroups=3), "warpgroups"),
+                      (dict(split=0), "split"), (dict(maxnreg=100), "maxnreg")):
+        with pytest.raises(ValueError, match=f"GluonWoAConfig.{match}"):
+            W.GluonWoAConfig(**kw)
+
+
+def _meta(t):
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+@pytest.mark.parametrize("case, match", [
+    (lambda o, c, s, w, z: (o.float(), c, s, w, None, z), "o must have dtype"),
+    (lambda o, c, s, w, z: (o[:, :2], c, s, w, None, z), "o must have shape"),
+    (lambda o, c, s, w, z: (o[0], c, s, w, None, z), "o must be a 3-D"),
+    (lambda o, c, s, w, z: (torch.zeros(9, 4, 512, dtype=torch.bfloat16), c, s, w, None, z), "o has 9 rows"),
+    (lambda o, c, s, w, z: (o.transpose(0, 1).contiguous().transpose(0, 1), c, s, w, None, z),
+     "o must have contiguous heads"),
+    (lambda o, c, s, w, z: (o, c.double(), s, w, None, z), "cos must have dtype"),
+    (lambda o, c, s, w, z: (o, c, s[:, :16], w, None, z), "sin must have shape"),
+    (lambda o, c, s, w, z: (o, c, s, w.float(), None, z), "weight must have dtype"),
+    (lambda o, c, s, w, z: (o, c, s, w.to(torch.float8_e4m3fn), None, z), "use ops.wo_a for FP8"),
+    (lambda o, c, s, w, z: (o, c, s, w[:64], None, z), "weight must have shape"),
+    (lambda o, c, s, w, z: (o, c, s, _meta(w), None, z), "weight must be on"),
+    (lambda o, c, s, w, z: (o, c, s, w, torch.zeros(4, 32, dtype=torch.uint8), z), "scale must be None"),
+    (lambda o, c, s, w, z: (o, c, s, w, None, z.float()), "out must have dtype"),
+    (lambda o, c, s, w, z: (o, c, s, w, None, z[:, :64]), "out must have shape"),
+    (lambda o, c, s, w, z: (o, c, s, w, None, z), "compute capability 9.0"),
+])
+def test_bad_inputs_raise_naming_the_argument(case, match):
+    plan = W.GluonWoAPlan.build(4, 2, 64, 8, "cpu")
+    o, _, cos, sin, w = (t.cpu() for t in _inputs(3, 4, 2, 64, seed=0))
+    with pytest.raises((TypeError, ValueError), match=match):
+        W.gluon_wo_a_(plan, *case(o, cos, sin, w, torch.empty(3, 128, dtype=torch.bfloat16)))
+    z = torch.empty(3, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="go together"):
+        W.gluon_wo_a_(plan, o, cos, sin, w, None, z, codes_out=torch.empty(3, 128, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="window_copy must be a tuple"):
+        W.gluon_wo_a_(plan, o, cos, sin, w, None, z, window_copy=(z, ))
+    with pytest.raises(TypeError, match="plan must be of type GluonWoAPlan"):
+        W.gluon_wo_a_(WoAPlan.build(4, 2, 64, 8, torch.bfloat16, "cpu"), o, cos, sin, w, None, z)
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+GPU_ROWS = (1, 2, 4, 16, 33, 64)
+
+
+def _real(heads: int, seed: int):
+    groups = heads // 8
+    o, cis, cos, sin, w = _inputs(64, heads, groups, RANK, seed=seed)
+    plan = W.GluonWoAPlan.build(heads, groups, RANK, 64, "cuda")
+    return plan, o, cis, cos, sin, w, torch.empty(64, groups * RANK, dtype=torch.bfloat16, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", REAL_HEADS, ids=[f"tp{64 // h}" for h in REAL_HEADS])
+def test_gpu_real_shapes_match_reference(heads):
+    plan, o, cis, cos, sin, w, out = _real(heads, seed=heads)
+    groups = heads // 8
+    for m in GPU_ROWS:
+        out.fill_(float("nan"))
+        W.gluon_wo_a_(plan, o[:m], cos[:m], sin[:m], w, None, out[:m])
+        _check(out[:m], grouped_wo_a(o[:m], cis[:m], w, groups, 64))
+        assert out[m:].isnan().all(), "rows past M untouched"
+        assert not plan.counters.any(), "the last program of every tile resets its counter"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", (64, 8), ids=("tp1", "tp8"))
+def test_gpu_bitwise_run_to_run_and_batch_invariant(heads):
+    plan, o, cis, cos, sin, w, out = _real(heads, seed=100 + heads)
+    W.gluon_wo_a_(plan, o, cos, sin, w, None, out)
+    full = out.clone()
+    for _ in range(3):
+        W.gluon_wo_a_(plan, o, cos, sin, w, None, out)
+        assert torch.equal(out, full)
+    # a row's bits do not depend on the other rows of the call (every row bucket, and rows at
+    # several places in the call)
+    for m in GPU_ROWS:
+        W.gluon_wo_a_(plan, o[:m], cos[:m], sin[:m], w, None, out[:m])
+        assert torch.equal(out[:m], full[:m]), m
+    for r in (0, 5, 63):
+        W.gluon_wo_a_(plan, o[r:r + 1], cos[r:r + 1], sin[r:r + 1], w, None, out[:1])
+        assert torch.equal(out[0], full[r]), r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", (1, 16, 64))
+def test_gpu_window_copy_and_mxfp8_equal_the_triton_kernels(m):
+    # The step's call: the MXFP8 of z and the staged window copy (528-byte records) in the same
+    # call; both equal ops.wo_a's (codes and scales bit for bit given z's bits: compared on the
+    # Triton kernel's quantization of the Gluon z), rows past M and other slots untouched.
+    from dsv41_decode.ops.act_quant import act_quant_mxfp8_
+    heads, groups = 64, 8
+    plan, o, cis, cos, sin, w, out = _real(heads, seed=7 + m)
+    codes = torch.full((64, groups * RANK), 0xAA, dtype=torch.uint8, device="cuda")
+    scales = torch.full((64, groups * RANK // 32), 0xAA, dtype=torch.uint8, device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(m)
+    pool0 = torch.randint(0, 256, (200, 528), dtype=torch.uint8, device="cuda", generator=g)
+    src = torch.randperm(100, device="cuda", generator=g)[:64] + 100      # staged slots 100..199
+    dst = torch.randperm(100, device="cuda", generator=g)[:64]            # ring slots 0..99
+    want_pool = pool0.clone()
+    want_pool.index_copy_(0, dst[:m], want_pool.index_select(0, src[:m]))
+    pool = pool0.clone()
+    W.gluon_wo_a_(plan, o[:m], cos[:m], sin[:m], w, None, out[:m], codes[:m], scales[:m],
+                  window_copy=(pool, src, dst))
+    assert torch.equal(pool, want_pool)
+    _check(out[:m], grouped_wo_a(o[:m], cis[:m], w, groups, 64))
+    want_c = torch.empty(m, groups * RANK, dtype=torch.uint8, device="cuda")
+    want_s = torch.empty(m, groups * RANK // 32, dtype=torch.uint8, device="cuda")
+    act_quant_mxfp8_(out[:m], want_c, want_s)
+    assert torch.equal(codes[:m], want_c) and torch.equal(scales[:m], want_s)
+    assert (codes[m:] == 0xAA).all() and (scales[m:] == 0xAA).all()
+    # the Triton kernel's copy leaves the same pool
+    tri_pool = pool0.clone()
+    tri = WoAPlan.build(heads, groups, RANK, 64, torch.bfloat16, "cuda")
+    z_tri = torch.empty(m, groups * RANK, dtype=torch.bfloat16, device="cuda")
+    wo_a_(tri, o[:m], cos[:m], sin[:m], w, None, z_tri, window_copy=(tri_pool, src, dst))
+    assert torch.equal(tri_pool, pool)
