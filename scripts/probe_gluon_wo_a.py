@@ -1,0 +1,92 @@
+"""Probe the Gluon grouped `wo_a` (`ops.gluon_wo_a`, BF16 weight) on an H200 against the step's
+Triton plan (`ops.wo_a.WoAPlan`, its default for a BF16 weight: swapped BF16 wgmma, split 2) and
+cuBLAS BF16 (`torch.bmm` per group, no rotation: a speed reference), at the step's shape (64 heads,
+8 groups of 1024 outputs, K = 4096 per group: 67 MB of weight). CUDA-graph replay over weight copies
+rotated beyond L2 (`bench.timing`, as `bench gemm`), the streaming read of the same run
+(`bench.floor.read_bandwidth_gbps`) as the floor. Per row count: us and % of the read for each,
+the Gluon plan's variants (`--variants=`, names below), the max BF16 ulp (of the row's largest |z|)
+of the Gluon and Triton z from the reference, and how many of the Gluon z's elements differ
+bitwise from the Triton kernel's. "+quant" also writes the MXFP8 of z (the step's call: fused in
+the Triton kernel, a second launch after the Gluon one).
+`--rows=1,2,4,8,16,32,64`, `--variants=default,s4,s8,wg2`. Prints; writes nothing. About 30-60 s.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import arg  # noqa: E402
+from probe_wo_a import GROUPS, HEADS, RANK, rotated_inputs, step_weight, weight_copies  # noqa: E402
+
+from dsv41_decode.bench.floor import read_bandwidth_gbps  # noqa: E402
+from dsv41_decode.bench.timing import graph_time_us  # noqa: E402
+from dsv41_decode.ops import gluon_wo_a as G  # noqa: E402
+from dsv41_decode.ops.wo_a import WoAPlan, wo_a_  # noqa: E402
+from dsv41_decode.reference.attention import grouped_wo_a  # noqa: E402
+from dsv41_decode.testing.compare import bits_differ, row_ulp_distance  # noqa: E402
+
+VARIANTS = {
+    "default": G.GluonWoAConfig(),
+    "s4": G.GluonWoAConfig(stages=4), "s8": G.GluonWoAConfig(stages=8), "s10": G.GluonWoAConfig(stages=10),
+    "wg2": G.GluonWoAConfig(warpgroups=2, stages=4), "wg2s6": G.GluonWoAConfig(warpgroups=2, stages=6),
+    "split4": G.GluonWoAConfig(split=4), "r128": G.GluonWoAConfig(maxnreg=128),
+}
+
+
+def main() -> None:
+    t0 = time.time()
+    rows_list = [int(v) for v in arg("rows", "1,2,4,8,16,32,64").split(",")]
+    names = arg("variants", "default,s4,s8,wg2").split(",")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    read = read_bandwidth_gbps()
+    ws, _, nbytes = weight_copies(step_weight(gen), fp8=False)
+    floor_us = nbytes / (read * 1e3)
+    print(f"streaming read {read:.0f} GB/s; weight {nbytes / 1e6:.1f} MB, {len(ws)} copies; floor {floor_us:.2f} us",
+          flush=True)
+    tri = WoAPlan.build(HEADS, GROUPS, RANK, 64, torch.bfloat16, "cuda")
+    plans = {n: G.GluonWoAPlan.build(HEADS, GROUPS, RANK, 64, "cuda", config=VARIANTS[n]) for n in names}
+    dg = [w.view(GROUPS, RANK, -1) for w in ws]
+    for m in rows_list:
+        o, cos, sin = rotated_inputs(m, gen)
+        cis = torch.complex(cos, sin)
+        ref = grouped_wo_a(o, cis, ws[0], GROUPS, 64)
+        n = GROUPS * RANK
+        z_t = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+        z_g = torch.empty_like(z_t)
+        codes = torch.empty(m, n, dtype=torch.uint8, device="cuda")
+        sbytes = torch.empty(m, n // 32, dtype=torch.uint8, device="cuda")
+        og = o.view(m, GROUPS, -1).transpose(0, 1)
+        runs = {"triton": lambda: [wo_a_(tri, o, cos, sin, w, None, z_t) for w in ws],
+                "triton+quant": lambda: [wo_a_(tri, o, cos, sin, w, None, z_t, codes, sbytes) for w in ws],
+                "cublas_bmm": lambda: [torch.bmm(og, d.transpose(1, 2)) for d in dg]}
+        for name, plan in plans.items():
+            runs[f"gluon:{name}"] = lambda plan=plan: [G.gluon_wo_a_(plan, o, cos, sin, w, None, z_g) for w in ws]
+        runs["gluon:default+quant"] = lambda: [G.gluon_wo_a_(plans[names[0]], o, cos, sin, w, None, z_g, codes, sbytes)
+                                               for w in ws]
+        line = []
+        for name, fn in runs.items():
+            try:
+                us = graph_time_us(fn, calls_per_graph=len(ws))
+                line.append(f"{name} {us:6.2f} us ({100 * floor_us / us:3.0f} %)")
+            except Exception as e:  # report, keep probing
+                line.append(f"{name}: {type(e).__name__}: {str(e)[:200]}")
+        wo_a_(tri, o, cos, sin, ws[0], None, z_t)
+        acc = []
+        for name, plan in plans.items():
+            try:
+                G.gluon_wo_a_(plan, o, cos, sin, ws[0], None, z_g)
+                acc.append(f"{name}: ulp {row_ulp_distance(z_g, ref):.0f}, {bits_differ(z_g, z_t)} differ from triton")
+            except Exception as e:
+                acc.append(f"{name}: {type(e).__name__}: {str(e)[:200]}")
+        print(f"rows {m:2d}: " + "; ".join(line), flush=True)
+        print(f"         triton ulp {row_ulp_distance(z_t, ref):.0f}; " + "; ".join(acc), flush=True)
+    print(f"done in {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
