@@ -15,7 +15,8 @@ main process), then each shape is timed; the run stops timing when `--budget=` s
 130) have passed and prints what it has. Prints the lines per (shape, rows), the best
 configuration per (shape, rows), and the best single configuration per shape over every row count
 (the split may not depend on the rows: batch invariance). Writes nothing. Options: `--only=wq_b,wo_b`,
-`--rows=1,16`, `--budget=130`, `--workers=14`, `--replays=20`.
+`--rows=1,16`, `--budget=130`, `--workers=14`, `--replays=20`, `--compile_timeout=60` (seconds for all
+the workers' compiles and runs; a configuration not done by then is not timed).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import dataclasses
 import math
 import multiprocessing as mp
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, wait
 
 import torch
 
@@ -42,22 +43,27 @@ SHAPES = {"wq_b": Shape("wq_b", 32768, 1280), "wo_b": Shape("wo_b", 5120, 8192),
 # K splits requested per shape (the same counts for every variant: with two warpgroups a split
 # count makes half as many programs). wq_b: 512 (256) tiles already fill the GPU; the others need
 # splits, around the default rule's (wo_b 3, idx 4, fused 9 for 64-row tiles).
-SPLITS = {"wq_b": (1, 2), "wo_b": (2, 3, 4, 8), "idx_wq_b": (2, 4, 5), "fused_wqa_wkv": (4, 8, 16)}
-# (mma, warpgroups, block_k, stages): today's pipeline at two ring depths, the deeper MMA modes, two
-# consumer warpgroups, 256-deep slots.
-VARIANTS = [("pairs", 1, 128, 4), ("pairs", 1, 128, 6), ("slot", 1, 128, 4), ("slot", 1, 128, 6),
-            ("ahead", 1, 128, 4), ("ahead", 1, 128, 6), ("pairs", 2, 128, 4), ("slot", 2, 128, 4),
-            ("ahead", 2, 128, 4), ("pairs", 1, 256, 3), ("slot", 1, 256, 3)]
+# wq_b's 5 splits: 2560 two-step items, for the persistent grid's balance.
+SPLITS = {"wq_b": (1, 2, 5), "wo_b": (2, 3, 4, 8), "idx_wq_b": (2, 4, 5), "fused_wqa_wkv": (4, 8, 16)}
+# (mma, warpgroups, block_k, stages, persistent): today's pipeline, the deeper MMA modes, two
+# consumer warpgroups, 256-deep slots, a deeper ring, the persistent grid.
+VARIANTS = [("pairs", 1, 128, 4, False), ("slot", 1, 128, 4, False), ("ahead", 1, 128, 4, False),
+            ("ahead", 1, 128, 6, False), ("pairs", 2, 128, 4, False), ("slot", 2, 128, 4, False),
+            ("pairs", 1, 256, 3, False), ("slot", 1, 256, 3, False), ("pairs", 1, 128, 4, True),
+            ("ahead", 1, 128, 4, True), ("ahead", 1, 128, 6, True), ("pairs", 2, 128, 4, True),
+            ("slot", 2, 128, 4, True)]
 ROWS = (1, 4, 8, 16, 32, 64)
+CONFIGS: dict[str, GluonMMConfig] = {}    # label -> config, of what was timed
 
 
 def config_of(variant, split: int | None) -> GluonMMConfig:
-    mma, wg, bk, stages = variant
-    return GluonMMConfig(split=split, stages=stages, mma=mma, warpgroups=wg, block_k=bk)
+    mma, wg, bk, stages, persistent = variant
+    return GluonMMConfig(split=split, stages=stages, mma=mma, warpgroups=wg, block_k=bk, persistent=persistent)
 
 
 def label(config: GluonMMConfig) -> str:
-    return f"{config.mma}/wg{config.warpgroups}/k{config.block_k}/s{config.stages}/split{config.split}"
+    return (f"{config.mma}/wg{config.warpgroups}/k{config.block_k}/s{config.stages}"
+            f"{'/P' if config.persistent else ''}/split{config.split}")
 
 
 def _operands(m: int, n: int, k: int, seed: int):
@@ -69,10 +75,11 @@ def _operands(m: int, n: int, k: int, seed: int):
 
 def compile_task(variant, bt: int, split_k: bool):
     """Compile one (variant, row bucket, split-K or not) by launching it on a small problem (the
-    launcher's specialization is the real shapes': N a multiple of 16, the rest not specialized)."""
+    launcher's specialization is the real shapes': N a multiple of 16, the rest not specialized); a
+    persistent one on wq_b's shape, so that its programs take several items each."""
     try:
         t = time.time()
-        codes, sx, q, s = _operands(bt, 256, 1280, 1)
+        codes, sx, q, s = _operands(bt, 32768 if variant[4] else 256, 1280, 1)
         plan = GluonMM(q, s, config=config_of(variant, 2 if split_k else 1))
         assert (plan.split > 1) == split_k and plan.block_t(bt) == bt
         plan(codes, sx)
@@ -82,15 +89,27 @@ def compile_task(variant, bt: int, split_k: bool):
         return variant, bt, split_k, 0.0, f"{type(e).__name__}: {str(e)[:300]}"
 
 
-def precompile(variants, splits_used: set[bool], workers: int) -> set[tuple]:
-    """Compile every (variant, bucket, split flag) in parallel workers; the failed ones."""
+def precompile(variants, splits_used: set[bool], workers: int, timeout: float) -> set[tuple]:
+    """Compile and run every (variant, bucket, split flag) in parallel workers; the ones that failed
+    or did not finish within `timeout` seconds (a ring that deadlocks: never timed afterwards)."""
     tasks = [(v, bt, f) for v in variants for bt in ROW_BUCKETS for f in sorted(splits_used)]
-    failed = set()
-    with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as ex:
-        for v, bt, f, secs, err in ex.map(compile_task, *zip(*tasks)):
-            if err:
-                failed.add((v, bt, f))
-                print(f"compile FAIL {v} BT={bt} split_k={f}: {err}", flush=True)
+    failed = set(tasks)
+    ex = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"))
+    futs = [ex.submit(compile_task, *t) for t in tasks]
+    done, _ = wait(futs, timeout=timeout)
+    for f in done:
+        v, bt, flag, secs, err = f.result()
+        if err:
+            print(f"compile FAIL {v} BT={bt} split_k={flag}: {err}", flush=True)
+        else:
+            failed.discard((v, bt, flag))
+    for t, f in zip(tasks, futs):
+        if f not in done:
+            print(f"compile+run of {t} did not finish in {timeout:.0f} s: skipped", flush=True)
+    hung = len(done) < len(futs)
+    for proc in list(getattr(ex, "_processes", {}).values()) if hung else []:
+        proc.terminate()         # a worker stuck in a kernel: its context goes with it
+    ex.shutdown(wait=not hung, cancel_futures=True)
     print(f"compiled {len(tasks)} kernels in {workers} workers, {len(failed)} failed", flush=True)
     return failed
 
@@ -102,7 +121,7 @@ def main() -> None:
     budget = float(arg("budget", "130"))
     replays = int(arg("replays", "20"))
     failed = precompile(VARIANTS, {s > 1 for name in names for s in SPLITS[name]} | {True},
-                        int(arg("workers", "14")))
+                        int(arg("workers", "14")), float(arg("compile_timeout", "60")))
     floor = read_bandwidth_gbps()
     print(f"streaming read: {floor:.0f} GB/s on {torch.cuda.get_device_name()} "
           f"({time.time() - t0:.0f} s in)", flush=True)
@@ -154,15 +173,16 @@ def main() -> None:
                         y = plans[0](codes, sx).clone()
                         key = (plans[0].k_per_split, plans[0].split)
                         if key not in refs:
-                            ref = ("pairs", 1, config.block_k, 4 if config.block_k == 128 else 3)
+                            ref = ("pairs", 1, config.block_k, 4 if config.block_k == 128 else 3, False)
                             ref_plan = GluonMM(*ws[0], config=config_of(ref, split))
                             assert (ref_plan.k_per_split, ref_plan.split) == key
                             refs[key] = ref_plan(codes, sx).clone()
                         same = "=" if torch.equal(y.view(torch.int16), refs[key].view(torch.int16)) else "DIFFER"
                         res[label(config)] = us
+                        CONFIGS[label(config)] = config
                         print(f"{name:14s} M={m:2d}  {label(config):34s} {us:7.2f} us ({pct(us):4.1f} %)  "
                               f"x{t_today / us:4.2f} today  x{t_cublas / us:4.2f} _scaled_mm  "
-                              f"[{plans[0].split} splits, {plans[0].grid[0] * plans[0].split} programs]  "
+                              f"[{plans[0].split} splits, grid {plans[0].launch_grid(bt)}]  "
                               f"bits {same}", flush=True)
                         del plans
                     except Exception as e:  # noqa: BLE001 - report, keep probing
@@ -205,10 +225,7 @@ def summarize(results, base, floor) -> None:
             times = "  ".join(f"{m}:{res[lbl]:.2f}" for m, res in per)
             print(f"  {name:14s} {lbl:34s} gmean {gmean(lbl):6.2f} us (today {today:6.2f}, x{today / gmean(lbl):4.2f})"
                   f"  1-16 rows {gmean(lbl, (1, 4, 8, 16)):6.2f}  [{times}]")
-        best = ranked[0]
-        mma, wg, bk, st, sp = best.split("/")
-        print(f"  DEFAULT {name}: GluonMMConfig(split={sp[5:]}, stages={st[1:]}, mma={mma!r}, warpgroups={wg[2:]}, "
-              f"block_k={bk[1:]})")
+        print(f"  DEFAULT {name} {SHAPES[name].n}x{SHAPES[name].k}: {CONFIGS[ranked[0]]}")
 
 
 if __name__ == "__main__":

@@ -79,19 +79,42 @@ ROW_BUCKETS = (8, 16, 32, 64)   # BLOCK_T: the wgmma's N
 
 
 @gluon.jit
-def _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, step_lo, n_steps,
-              STAGES: gl.constexpr):
-    """The 1-warp TMA producer: step i's weight tile [64, 128] and activation tile [BLOCK_T, 128]
-    into slot i % STAGES once the consumer has released it."""
+def _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, step_lo, n_steps, c0, STAGES: gl.constexpr):
+    """The 1-warp TMA producer: step i's weight tile [BN, BLOCK_K] and activation tile [BLOCK_T,
+    BLOCK_K] into ring slot (c0 + i) % STAGES once the consumer has released it (c0: the slots the
+    program filled before, for the persistent loop; else 0)."""
     for i in range(n_steps):
-        s = i % STAGES
+        c = c0 + i
+        s = c % STAGES
         # A fresh barrier counts as having completed the phase before its first: the first pass
         # over the ring does not wait.
-        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), w_desc.block_type.nbytes + x_desc.block_type.nbytes)
         k = (step_lo + i) * w_desc.block_type.shape[1]
         tma.async_copy_global_to_shared(w_desc, [off_n, k], ready.index(s), w_smem.index(s))
         tma.async_copy_global_to_shared(x_desc, [0, k], ready.index(s), x_smem.index(s))
+
+
+@gluon.jit
+def _producer_persistent(w_desc, x_desc, w_smem, x_smem, ready, empty, N, steps_per_split, n_steps_total,
+                         n_split, STAGES: gl.constexpr):
+    """The producer of a persistent program: the steps of its work items (`_item`) one after the
+    other through the same ring."""
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    c0 = 0
+    for item in range(gl.program_id(0), (N + BN - 1) // BN * n_split, gl.num_programs(0)):
+        pid_n, step_lo, n_steps = _item(item, n_split, steps_per_split, n_steps_total)
+        _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, step_lo, n_steps, c0, STAGES)
+        c0 += n_steps
+
+
+@gluon.jit
+def _item(item, n_split, steps_per_split, n_steps_total):
+    """Work item `item` of a persistent grid: (N tile, first K step, K steps); the splits of a tile
+    are consecutive items."""
+    pid_n = item // n_split
+    step_lo = (item % n_split) * steps_per_split
+    return pid_n, step_lo, gl.minimum(steps_per_split, n_steps_total - step_lo)
 
 
 @gluon.jit
@@ -142,7 +165,7 @@ def _promote(acc, part, words, j: gl.constexpr):
 
 
 @gluon.jit
-def _consumer_pairs(w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n_steps,
+def _consumer_pairs(w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n_steps, c0,
                     STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, SUB: gl.constexpr,
                     mma_layout: gl.constexpr):
     """The consumer warpgroup(s), MMA mode "pairs": per slot, the SUB = BLOCK_K / 32 block wgmmas,
@@ -155,8 +178,8 @@ def _consumer_pairs(w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n
     for i in range(n_steps):
         words = words_next
         words_next = _slot_words(sw_words, sx_words, step_lo + gl.minimum(i + 1, n_steps - 1), SUB // 4)
-        s = i % STAGES
-        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        s = (c0 + i) % STAGES
+        mbarrier.wait(ready.index(s), ((c0 + i) // STAGES) & 1)
         w_tile = w_smem.index(s)
         x_tile = x_smem.index(s)
         prev = _issue(w_tile, x_tile, zero, 0)
@@ -198,7 +221,7 @@ def _retire_slot(acc, toks, words, empty, s, LATER: gl.constexpr, SUB: gl.conste
 
 
 @gluon.jit
-def _consumer_slot(w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n_steps,
+def _consumer_slot(w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n_steps, c0,
                    STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, SUB: gl.constexpr,
                    mma_layout: gl.constexpr):
     """MMA mode "slot": all SUB block wgmmas of a slot issued back to back into SUB zero-started
@@ -209,14 +232,14 @@ def _consumer_slot(w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n_
     for i in range(n_steps):
         words = words_next
         words_next = _slot_words(sw_words, sx_words, step_lo + gl.minimum(i + 1, n_steps - 1), SUB // 4)
-        s = i % STAGES
-        toks = _issue_slot(w_smem, x_smem, ready, s, (i // STAGES) & 1, zero, SUB)
+        s = (c0 + i) % STAGES
+        toks = _issue_slot(w_smem, x_smem, ready, s, ((c0 + i) // STAGES) & 1, zero, SUB)
         acc = _retire_slot(acc, toks, words, empty, s, 0, SUB)
     return acc
 
 
 @gluon.jit
-def _consumer_ahead(w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n_steps,
+def _consumer_ahead(w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n_steps, c0,
                     STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, SUB: gl.constexpr,
                     mma_layout: gl.constexpr):
     """MMA mode "ahead": the slots in pairs, slot i+1's SUB block wgmmas issued right after slot i's
@@ -238,13 +261,33 @@ def _consumer_ahead(w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n
         words_b = next_b
         next_a = _slot_words(sw_words, sx_words, step_lo + gl.minimum(i + 2, last), SUB // 4)
         next_b = _slot_words(sw_words, sx_words, step_lo + gl.minimum(i + 3, last), SUB // 4)
-        toks_a = _issue_slot(w_smem, x_smem, ready, i % STAGES, (i // STAGES) & 1, zero, SUB)
-        toks_b = _issue_slot(w_smem, x_smem, ready, (i + 1) % STAGES, ((i + 1) // STAGES) & 1, zero, SUB)
-        acc = _retire_slot(acc, toks_a, words_a, empty, i % STAGES, SUB, SUB)
-        acc = _retire_slot(acc, toks_b, words_b, empty, (i + 1) % STAGES, 0, SUB)
+        ca = c0 + i
+        toks_a = _issue_slot(w_smem, x_smem, ready, ca % STAGES, (ca // STAGES) & 1, zero, SUB)
+        toks_b = _issue_slot(w_smem, x_smem, ready, (ca + 1) % STAGES, ((ca + 1) // STAGES) & 1, zero, SUB)
+        acc = _retire_slot(acc, toks_a, words_a, empty, ca % STAGES, SUB, SUB)
+        acc = _retire_slot(acc, toks_b, words_b, empty, (ca + 1) % STAGES, 0, SUB)
     if n_steps % 2 == 1:
-        toks = _issue_slot(w_smem, x_smem, ready, last % STAGES, (last // STAGES) & 1, zero, SUB)
-        acc = _retire_slot(acc, toks, next_a, empty, last % STAGES, 0, SUB)
+        cl = c0 + last
+        toks = _issue_slot(w_smem, x_smem, ready, cl % STAGES, (cl // STAGES) & 1, zero, SUB)
+        acc = _retire_slot(acc, toks, next_a, empty, cl % STAGES, 0, SUB)
+    return acc
+
+
+@gluon.jit
+def _accumulate(w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n_steps, c0,
+                STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, SUB: gl.constexpr, MMA: gl.constexpr,
+                mma_layout: gl.constexpr):
+    """One work item's K range in MMA mode MMA (`GluonMMConfig.mma`), from ring slot c0 on: [BN, BT]
+    FP32, the scaled block partials added in K order."""
+    if MMA == "slot":
+        acc = _consumer_slot(w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n_steps, c0,
+                             STAGES, BN, BT, SUB, mma_layout)
+    elif MMA == "ahead":
+        acc = _consumer_ahead(w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n_steps, c0,
+                              STAGES, BN, BT, SUB, mma_layout)
+    else:
+        acc = _consumer_pairs(w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n_steps, c0,
+                              STAGES, BN, BT, SUB, mma_layout)
     return acc
 
 
@@ -252,74 +295,35 @@ def _consumer_ahead(w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n
 def _consumer(w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n_steps,
               STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, SUB: gl.constexpr, MMA: gl.constexpr,
               mma_layout: gl.constexpr):
-    """The consumer warpgroup(s) in MMA mode MMA (`GluonMMConfig.mma`). Returns (acc, ): [BN, BT]
-    FP32, the scaled block partials of the program's K range added in K order."""
-    if MMA == "slot":
-        acc = _consumer_slot(w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n_steps,
-                             STAGES, BN, BT, SUB, mma_layout)
-    elif MMA == "ahead":
-        acc = _consumer_ahead(w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n_steps,
-                              STAGES, BN, BT, SUB, mma_layout)
-    else:
-        acc = _consumer_pairs(w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n_steps,
-                              STAGES, BN, BT, SUB, mma_layout)
-    return (acc, )
+    """The consumer warpgroup(s) of a one-item program. Returns (acc, )."""
+    return (_accumulate(w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n_steps, 0,
+                        STAGES, BN, BT, SUB, MMA, mma_layout), )
 
 
-@gluon.jit(do_not_specialize=["M", "stride_sxm", "stride_swn", "steps_per_split", "n_steps_total", "n_split"])
-def _gluon_mxfp8_mm_kernel(
-    w_desc, x_desc, sx_ptr, sw_ptr, y_ptr, ws_ptr, cnt_ptr,
-    M, N, stride_sxm, stride_swn, stride_ym, steps_per_split, n_steps_total, n_split,
-    SPLIT_K: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr, MMA: gl.constexpr, OUT_F32: gl.constexpr,
-):
-    # Grid (N tiles, n_split K splits): program (t, s) covers weight rows [t*BN, +BN) and K steps
-    # [s*steps_per_split, +steps_per_split) of BLOCK_K (the descriptor's box: BN = 64 per consumer
-    # warpgroup, BLOCK_K = 128 or 256); sx_ptr and sw_ptr point at the scales as int32 words (four
-    # UE8M0 bytes, 128 of K), strides in words. SPLIT_K: n_split > 1.
-    BN: gl.constexpr = w_desc.block_type.shape[0]
-    SUB: gl.constexpr = w_desc.block_type.shape[1] // 32
-    WG: gl.constexpr = BN // 64
-    pid_n = gl.program_id(0)
-    pid_s = gl.program_id(1)
-    off_n = pid_n * BN
-    step_lo = pid_s * steps_per_split
-    n_steps = gl.minimum(steps_per_split, n_steps_total - step_lo)
-
-    # One m64 wgmma per consumer warpgroup (warps [4 * WG, 1]: warpgroup g takes rows [64g, +64)).
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * WG, 1],
-                                                         instr_shape=[16, BT, 32])
-    rows_l: gl.constexpr = gl.SliceLayout(1, mma_layout)
-    cols_l: gl.constexpr = gl.SliceLayout(0, mma_layout)
-    rn = off_n + gl.arange(0, BN, layout=rows_l)
-    rm = gl.arange(0, BT, layout=cols_l)
-    # Rows past N or M read the last valid row's scales and are masked at the store.
+@gluon.jit
+def _tile_scales(sw_ptr, sx_ptr, off_n, M, N, stride_swn, stride_sxm, BN: gl.constexpr, BT: gl.constexpr,
+                 mma_layout: gl.constexpr):
+    """Per weight row of the tile at off_n and per activation row, the pointer to its first scale
+    word. Rows past N or M read the last valid row's scales and are masked at the store."""
+    rn = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, mma_layout))
+    rm = gl.arange(0, BT, layout=gl.SliceLayout(0, mma_layout))
     sw_words = sw_ptr + (gl.minimum(rn, N - 1) // 32) * stride_swn
     sx_words = sx_ptr + gl.minimum(rm, M - 1) * stride_sxm
+    return sw_words, sx_words
 
-    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
 
-    acc, = gl.warp_specialize([
-        (_consumer, (w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n_steps,
-                     STAGES, BN, BT, SUB, MMA, mma_layout)),
-        (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, step_lo, n_steps, STAGES)),
-    ], [1], [24])
-
-    for i in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(i))
-        mbarrier.invalidate(empty.index(i))
-
+@gluon.jit
+def _epilogue(acc, y_ptr, ws_ptr, cnt_ptr, pid_n, pid_s, M, N, stride_ym, n_split,
+              BN: gl.constexpr, BT: gl.constexpr, SPLIT_K: gl.constexpr, OUT_F32: gl.constexpr):
+    """Store the item's [BN, BT] FP32 sums as y rows (BF16, or FP32 when OUT_F32), or, with SPLIT_K,
+    as split pid_s's partial, the last split of the tile to arrive adding the partials in split
+    order (from zero) and storing y."""
     # The epilogue in a layout where each thread holds 8 consecutive n of one row m (16-byte
     # stores of y and of the workspace, both n-contiguous) instead of the wgmma's scattered pairs.
     out_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[8, 4],
-                                           warps_per_cta=[WG, 4], order=[0, 1])
+                                           warps_per_cta=[BN // 64, 4], order=[0, 1])
     acc = gl.convert_layout(acc, out_l)
-    rn = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, out_l))
+    rn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, out_l))
     rm = gl.arange(0, BT, layout=gl.SliceLayout(0, out_l))
     mask = (rn[:, None] < N) & (rm[None, :] < M)
     y_ptrs = y_ptr + rm[None, :] * stride_ym + rn[:, None]
@@ -350,6 +354,84 @@ def _gluon_mxfp8_mm_kernel(
             gl.store(y_ptrs, acc.to(gl.bfloat16), mask=mask)
 
 
+@gluon.jit
+def _consumer_persistent(w_smem, x_smem, ready, empty, sx_ptr, sw_ptr, y_ptr, ws_ptr, cnt_ptr,
+                         M, N, stride_sxm, stride_swn, stride_ym, steps_per_split, n_steps_total, n_split,
+                         STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, SUB: gl.constexpr,
+                         MMA: gl.constexpr, SPLIT_K: gl.constexpr, OUT_F32: gl.constexpr,
+                         mma_layout: gl.constexpr):
+    """The consumer warpgroup(s) of a persistent program: its work items (`_item`) one after the
+    other, each accumulated and stored (`_epilogue`) while the producer already streams the next
+    item's tiles. Returns ()."""
+    c0 = 0
+    for item in range(gl.program_id(0), (N + BN - 1) // BN * n_split, gl.num_programs(0)):
+        pid_n, step_lo, n_steps = _item(item, n_split, steps_per_split, n_steps_total)
+        sw_words, sx_words = _tile_scales(sw_ptr, sx_ptr, pid_n * BN, M, N, stride_swn, stride_sxm, BN, BT,
+                                          mma_layout)
+        acc = _accumulate(w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n_steps, c0,
+                          STAGES, BN, BT, SUB, MMA, mma_layout)
+        _epilogue(acc, y_ptr, ws_ptr, cnt_ptr, pid_n, item % n_split, M, N, stride_ym, n_split,
+                  BN, BT, SPLIT_K, OUT_F32)
+        c0 += n_steps
+    return ()
+
+
+@gluon.jit(do_not_specialize=["M", "stride_sxm", "stride_swn", "steps_per_split", "n_steps_total", "n_split"])
+def _gluon_mxfp8_mm_kernel(
+    w_desc, x_desc, sx_ptr, sw_ptr, y_ptr, ws_ptr, cnt_ptr,
+    M, N, stride_sxm, stride_swn, stride_ym, steps_per_split, n_steps_total, n_split,
+    SPLIT_K: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr, MMA: gl.constexpr, OUT_F32: gl.constexpr,
+    PERSISTENT: gl.constexpr = False,
+):
+    # Grid (N tiles, n_split K splits): program (t, s) covers weight rows [t*BN, +BN) and K steps
+    # [s*steps_per_split, +steps_per_split) of BLOCK_K (the descriptor's box: BN = 64 per consumer
+    # warpgroup, BLOCK_K = 128 or 256); sx_ptr and sw_ptr point at the scales as int32 words (four
+    # UE8M0 bytes, 128 of K), strides in words. SPLIT_K: n_split > 1. PERSISTENT: grid (programs, )
+    # instead, each program taking the work items (tile, split) p, p + programs, ... in turn
+    # through one ring.
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    SUB: gl.constexpr = w_desc.block_type.shape[1] // 32
+    # One m64 wgmma per consumer warpgroup (warps [4 * WG, 1]: warpgroup g takes rows [64g, +64)).
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * (BN // 64), 1],
+                                                         instr_shape=[16, BT, 32])
+
+    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+
+    if PERSISTENT:
+        gl.warp_specialize([
+            (_consumer_persistent, (w_smem, x_smem, ready, empty, sx_ptr, sw_ptr, y_ptr, ws_ptr, cnt_ptr,
+                                    M, N, stride_sxm, stride_swn, stride_ym, steps_per_split, n_steps_total,
+                                    n_split, STAGES, BN, BT, SUB, MMA, SPLIT_K, OUT_F32, mma_layout)),
+            (_producer_persistent, (w_desc, x_desc, w_smem, x_smem, ready, empty, N, steps_per_split,
+                                    n_steps_total, n_split, STAGES)),
+        ], [1], [24])
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(i))
+            mbarrier.invalidate(empty.index(i))
+    else:
+        pid_n = gl.program_id(0)
+        pid_s = gl.program_id(1)
+        step_lo = pid_s * steps_per_split
+        n_steps = gl.minimum(steps_per_split, n_steps_total - step_lo)
+        sw_words, sx_words = _tile_scales(sw_ptr, sx_ptr, pid_n * BN, M, N, stride_swn, stride_sxm, BN, BT,
+                                          mma_layout)
+        acc, = gl.warp_specialize([
+            (_consumer, (w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n_steps,
+                         STAGES, BN, BT, SUB, MMA, mma_layout)),
+            (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, step_lo, n_steps, 0, STAGES)),
+        ], [1], [24])
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(ready.index(i))
+            mbarrier.invalidate(empty.index(i))
+        _epilogue(acc, y_ptr, ws_ptr, cnt_ptr, pid_n, pid_s, M, N, stride_ym, n_split, BN, BT, SPLIT_K, OUT_F32)
+
+
 MMA_MODES = ("pairs", "slot", "ahead")
 
 
@@ -370,6 +452,9 @@ class GluonMMConfig:
     block_k: K depth of a ring slot, 128 or 256 (the weight box [64 x warpgroups, block_k]).
     maxnreg: the launch's register cap per thread, forcing `mma` at every row bucket; None = the
         table of `launch_mode`.
+    persistent: one program per CTA the SMs hold at once (`resident_ctas`), each taking the work
+        items (N tile, K split) in turn through one ring, so the producer streams the next item's
+        tiles while the consumer finishes and stores the last (no wave tail, one ramp per program).
     """
 
     split: int | None = None
@@ -378,6 +463,7 @@ class GluonMMConfig:
     warpgroups: int = 1
     block_k: int = 128
     maxnreg: int | None = None
+    persistent: bool = False
 
     def __post_init__(self):
         def is_int(v):
@@ -395,6 +481,8 @@ class GluonMMConfig:
         if self.mma == "ahead" and self.block_k != 128:
             raise ValueError(f"GluonMMConfig.mma='ahead' needs block_k=128 (16 partials in flight do not fit "
                              f"the registers), got block_k={self.block_k}")
+        if not isinstance(self.persistent, bool):
+            raise ValueError(f"GluonMMConfig.persistent must be a bool, got {self.persistent!r}")
         if self.maxnreg is not None and (not is_int(self.maxnreg) or not 24 <= self.maxnreg <= 256
                                          or self.maxnreg % 8):
             raise ValueError(f"GluonMMConfig.maxnreg must be None or a multiple of 8 in [24, 256], "
@@ -424,16 +512,26 @@ _MIN_CAP = {
 }
 
 
+# Where the persistent loop (item pointers and counters live across the MMA loop) needs more than
+# `_MIN_CAP`: (warpgroups, block_k, mode, row bucket) -> the smallest cap without spills.
+_PERSISTENT_MIN_CAP = {(1, 128, "slot", 32): 88, (2, 128, "pairs", 32): 88, (2, 128, "slot", 64): 200}
+
+
 def launch_mode(config: GluonMMConfig, block_t: int) -> tuple[str, int]:
     """(MMA mode run, register cap per thread) for `config` at row bucket `block_t`: the cap is
-    `config.maxnreg`, else the table's; the mode is the requested one where it compiles without
-    spills under that cap, else the next shallower that does ("pairs" at worst). So a deeper mode
-    never costs residency unless the cap is forced, and the bits do not depend on the mode."""
+    `config.maxnreg`, else the table's (raised where "pairs" needs more); the mode is the requested
+    one where it compiles without spills under that cap, else the next shallower that does ("pairs"
+    at worst). So a deeper mode never costs residency unless the cap is forced, and the bits do not
+    depend on the mode."""
     key, b = (config.warpgroups, config.block_k), ROW_BUCKETS.index(block_t)
-    cap = config.maxnreg or _CAP[key][b]
+
+    def need(mode):
+        if config.persistent and (*key, mode, block_t) in _PERSISTENT_MIN_CAP:
+            return _PERSISTENT_MIN_CAP[(*key, mode, block_t)]
+        return _MIN_CAP[key][mode][b]
+    cap = config.maxnreg or max(_CAP[key][b], need("pairs"))
     for mode in MMA_MODES[MMA_MODES.index(config.mma)::-1]:     # requested, then shallower
-        need = _MIN_CAP[key][mode][b]
-        if mode == "pairs" or (need is not None and need <= cap):
+        if mode == "pairs" or (need(mode) is not None and need(mode) <= cap):
             return mode, cap
     raise AssertionError("unreachable: pairs always runs")
 
@@ -454,7 +552,15 @@ def launch_options(config: GluonMMConfig, block_t: int, split: int) -> dict:
     `split` K splits (the plan's launch and the sm_90 compile test share them)."""
     mode, cap = launch_mode(config, block_t)
     return {"SPLIT_K": split > 1, "BT": block_t, "STAGES": config.stages, "MMA": mode,
-            "num_warps": 4 * config.warpgroups, "maxnreg": cap}
+            "PERSISTENT": config.persistent, "num_warps": 4 * config.warpgroups, "maxnreg": cap}
+
+
+def resident_ctas(config: GluonMMConfig, block_t: int) -> int:
+    """CTAs of a launch of `config` at row bucket `block_t` that one SM holds at once: 64K registers
+    over (4 x warpgroups + 4) warps x the cap, 228 KB of shared memory over `shared_bytes` (each
+    CTA also reserves 1 KB)."""
+    regs = 65536 // (32 * (4 * config.warpgroups + 4) * launch_mode(config, block_t)[1])
+    return max(1, min(regs, (228 * 1024) // (shared_bytes(config, block_t) + 1024)))
 
 
 # Measured configurations per weight shape (N, K) on an H200 (`scripts/probe_gluon_mm.py`): one per
@@ -486,9 +592,11 @@ def split_bounds(split: int, k: int, block_k: int = BLOCK_K) -> tuple[int, int]:
 
 def shared_bytes(config: GluonMMConfig, block_t: int) -> int:
     """The shared memory of a launch of `config` at row bucket `block_t`: the ring's weight and
-    activation tiles, and 1 KB for the mbarriers and what the compiler adds (sm_90 compiles: 116-180
-    bytes)."""
-    return config.stages * (config.block_n + block_t) * config.block_k + 1024
+    activation tiles, 1 KB for the mbarriers and what the compiler adds (sm_90 compiles: 116-180
+    bytes), and, persistent, the epilogue's layout conversion of the FP32 tile (the ring is live
+    then)."""
+    scratch = config.block_n * block_t * 4 if config.persistent else 0
+    return config.stages * (config.block_n + block_t) * config.block_k + 1024 + scratch
 
 
 SHARED_LIMIT = 227 * 1024     # sm_90's dynamic shared memory per block
@@ -557,7 +665,8 @@ class GluonMM:
         self._sw_words = _words(self.w_scale, "w_scale")
         self.n, self.k, self.max_rows, self.device = n, k, max_rows, weight.device
         bn, bk = config.block_n, config.block_k
-        want = config.split or _default_split(n, k, num_sms(self.device), bn, bk)
+        self._sms = num_sms(self.device)
+        want = config.split or _default_split(n, k, self._sms, bn, bk)
         self.k_per_split, self.split = split_bounds(want, k, bk)
         self.grid = (-(-n // bn), self.split)
         w_layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float8e4nv)
@@ -569,6 +678,14 @@ class GluonMM:
     def block_t(self, rows: int) -> int:
         """The row bucket (the wgmma's N) used for `rows` rows."""
         return next(b for b in ROW_BUCKETS if b >= rows)
+
+    def launch_grid(self, block_t: int) -> tuple[int, int]:
+        """The launch's grid at row bucket `block_t`: (N tiles, K splits), or, persistent, (as many
+        programs as the SMs hold at once, up to the work items, 1)."""
+        if not self.config.persistent:
+            return self.grid
+        items = self.grid[0] * self.grid[1]
+        return (min(items, self._sms * resident_ctas(self.config, block_t)), 1)
 
     def reduction_order(self) -> tuple[bool, int, int]:
         """As `low_latency_mm.LowLatencyMM.reduction_order`: (dequantize loop, K per split, K per
@@ -595,7 +712,7 @@ class GluonMM:
         bk = self.config.block_k
         x_layout = gl.NVMMASharedLayout.get_default_for([bt, bk], gl.float8e4nv)
         x_desc = TensorDescriptor.from_tensor(codes, [bt, bk], x_layout)
-        _gluon_mxfp8_mm_kernel[self.grid](
+        _gluon_mxfp8_mm_kernel[self.launch_grid(bt)](
             self._w_desc, x_desc, sx_words, self._sw_words, out, self._workspace, self._counters,
             m, self.n, sx_words.stride(0), self._sw_words.stride(0), out.stride(0),
             self.k_per_split // bk, self.k // bk, self.split,

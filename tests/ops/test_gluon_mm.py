@@ -115,19 +115,22 @@ def test_compiles_for_sm90_without_spills(name, split, bt):
 
 
 # The MMA pipelines and program shapes `GluonMMConfig` offers besides the default, each code path
-# at least once (modes x warpgroups x slot depth, an odd ring, a forced register cap); the GPU test
-# below checks each bitwise against the default.
+# at least once (modes x warpgroups x slot depth, an odd ring, a forced register cap, the persistent
+# grid); the GPU test below checks each bitwise against the Triton tier.
 VARIANTS = [
     G.GluonMMConfig(mma="slot"), G.GluonMMConfig(mma="ahead"), G.GluonMMConfig(mma="ahead", stages=3),
     G.GluonMMConfig(mma="ahead", maxnreg=128), G.GluonMMConfig(warpgroups=2),
     G.GluonMMConfig(warpgroups=2, mma="slot", stages=6), G.GluonMMConfig(warpgroups=2, mma="ahead"),
     G.GluonMMConfig(block_k=256), G.GluonMMConfig(block_k=256, mma="slot"),
     G.GluonMMConfig(warpgroups=2, block_k=256, mma="slot", stages=3),
+    G.GluonMMConfig(persistent=True), G.GluonMMConfig(mma="ahead", stages=6, persistent=True),
+    G.GluonMMConfig(warpgroups=2, mma="slot", persistent=True),
 ]
 
 
 def _variant_id(c: G.GluonMMConfig) -> str:
-    return f"{c.mma}-wg{c.warpgroups}-k{c.block_k}-s{c.stages}" + (f"-r{c.maxnreg}" if c.maxnreg else "")
+    return (f"{c.mma}-wg{c.warpgroups}-k{c.block_k}-s{c.stages}" + (f"-r{c.maxnreg}" if c.maxnreg else "")
+            + ("-persistent" if c.persistent else ""))
 
 
 def _deepest_bucket(config: G.GluonMMConfig) -> int:
@@ -169,11 +172,16 @@ def test_launch_table():
             mode, cap = G.launch_mode(config, bt)
             assert G.MMA_MODES.index(mode) <= G.MMA_MODES.index(config.mma)
             if config.maxnreg is None:
-                pairs = G.launch_mode(G.GluonMMConfig(warpgroups=config.warpgroups, block_k=config.block_k), bt)
+                pairs = G.launch_mode(G.GluonMMConfig(warpgroups=config.warpgroups, block_k=config.block_k,
+                                                      persistent=config.persistent), bt)
                 assert cap == pairs[1] and pairs[0] == "pairs", (config, bt)
     assert [G.launch_mode(G.GluonMMConfig(), b) for b in G.ROW_BUCKETS] == [("pairs", 80)] * 3 + [("pairs", 128)]
     assert [G.launch_mode(G.GluonMMConfig(mma="ahead"), b)[0] for b in G.ROW_BUCKETS] == ["ahead"] * 2 + ["slot", "pairs"]
     assert G.launch_mode(G.GluonMMConfig(mma="ahead", maxnreg=128), 32) == ("ahead", 128)
+    # CTAs per SM (what the persistent grid launches per SM): registers or shared memory bound.
+    assert [G.resident_ctas(G.GluonMMConfig(), b) for b in G.ROW_BUCKETS] == [3, 3, 3, 2]
+    assert [G.resident_ctas(G.GluonMMConfig(warpgroups=2), b) for b in G.ROW_BUCKETS] == [2, 2, 2, 1]
+    assert G.resident_ctas(G.GluonMMConfig(block_k=256, stages=6), 64) == 1      # 197 KB of ring
 
 
 def test_tuned_configs_fit_their_shapes():
