@@ -33,9 +33,10 @@ How the kernel runs (one program per 64 x warpgroups weight rows and K split):
   CUDA graph with no memset).
 - **The staged window copy** (`window_copy`, as `ops.wo_a.wo_a_`): the programs of split 0 move
   rows pid_n, pid_n + N tiles, ... after their K loop.
-- **The MXFP8 of z** (`codes_out`, `scales_out`) is not fused: the launcher runs
-  `act_quant_mxfp8_(out, codes_out, scales_out)` after the kernel (what `ops.wo_a`'s fused form
-  equals bit for bit), one more launch.
+- **The MXFP8 of z** (`codes_out`, `scales_out`, for `wo_b`) in the epilogue that stores z: the
+  program that rounds a tile (the last split to arrive) quantizes it with
+  `act_quant.mxfp8_quantize_tile` (the quantizer of `act_quant_mxfp8_`, also fused in `ops.wo_a`)
+  from the BF16 values it just rounded, 32 outputs of a row per block (a tile holds whole blocks).
 
 Numerics: the products are exact (BF16 x BF16 in FP32) and a BF16 wgmma adds them as the Triton
 kernel's tensor-core dots do, truncating while it adds (`ops.wo_a`'s module doc); the FP32
@@ -59,7 +60,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                 warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .act_quant import act_quant_mxfp8_
+from ..formats import E4M3_MAX, MXFP8_AMAX_FLOOR
+from .act_quant import INV_E4M3_MAX, mxfp8_quantize_tile
 from .checks import planned_rows, require_tensor
 from .common import is_sm90, num_sms, plan_workspace
 from .wo_a import _window_copy_args
@@ -69,6 +71,10 @@ BLOCK_K = 64                     # K per ring slot: 128 bytes of BF16 (the 128-b
 ROPE_DIM = 64                    # the rotary channels per head the kernel rotates: one slot
 ROW_BUCKETS = (8, 16, 32, 64)    # BT: the wgmma's N
 SHARED_LIMIT = 227 * 1024        # sm_90's dynamic shared memory per block
+# the MXFP8 constants of the fused output quantization (kernels may read only constexpr globals)
+_AMAX_FLOOR = gl.constexpr(MXFP8_AMAX_FLOOR)
+_INV_QMAX = gl.constexpr(INV_E4M3_MAX)
+_QMAX = gl.constexpr(E4M3_MAX)
 
 
 @gluon.jit
@@ -134,12 +140,39 @@ def _consumer(w_smem, x_smem, ready, empty, cos_ptr, sin_ptr, M, stride_cm, stri
     return (acc, )
 
 
+@gluon.jit
+def _store_z(total, z_ptrs, mask, codes_ptr, scales_ptr, off_n, M, stride_codes, stride_scales,
+             QUANT: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, WG: gl.constexpr):
+    """Store bf16(total) ([BN, BT] FP32: outputs n x rows m) into z; with QUANT also its MXFP8
+    (blocks of 32 outputs of a row) through `act_quant.mxfp8_quantize_tile`, the quantizer of
+    `act_quant_mxfp8_` and of `ops.wo_a`'s fused form, on the BF16 values just rounded."""
+    zb = total.to(gl.bfloat16)
+    gl.store(z_ptrs, zb, mask=mask)
+    if QUANT:
+        codes, sbytes = mxfp8_quantize_tile(gl.permute(zb.to(gl.float32), [1, 0]), _AMAX_FLOOR, _INV_QMAX, _QMAX)
+        codes_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[8, 4],
+                                                 warps_per_cta=[4, WG], order=[1, 0])
+        scales_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[32, 1],
+                                                  warps_per_cta=[4 * WG, 1], order=[1, 0])
+        codes = gl.convert_layout(codes, codes_l)
+        sbytes = gl.convert_layout(sbytes, scales_l)
+        rm = gl.arange(0, BT, layout=gl.SliceLayout(1, codes_l))
+        rn = gl.arange(0, BN, layout=gl.SliceLayout(0, codes_l))
+        c_ok = (rm < M)[:, None] & (rn < BN)[None, :]
+        gl.store(codes_ptr + rm[:, None] * stride_codes + (off_n + rn)[None, :], codes, mask=c_ok)
+        rs = gl.arange(0, BT, layout=gl.SliceLayout(1, scales_l))
+        rb = gl.arange(0, BN // 32, layout=gl.SliceLayout(0, scales_l))
+        s_ok = (rs < M)[:, None] & (rb < BN // 32)[None, :]
+        gl.store(scales_ptr + rs[:, None] * stride_scales + (off_n // 32 + rb)[None, :], sbytes.to(gl.uint8),
+                 mask=s_ok)
+
+
 @gluon.jit(do_not_specialize=["M", "stride_cm", "stride_sm"])
 def _gluon_wo_a_kernel(
-    w_desc, x_desc, cos_ptr, sin_ptr, z_ptr, ws_ptr, cnt_ptr, cp_pool_ptr, cp_src_ptr, cp_dst_ptr,
-    M, stride_cm, stride_sm, stride_zm,
+    w_desc, x_desc, cos_ptr, sin_ptr, z_ptr, ws_ptr, cnt_ptr, codes_ptr, scales_ptr, cp_pool_ptr, cp_src_ptr,
+    cp_dst_ptr, M, stride_cm, stride_sm, stride_zm, stride_codes, stride_scales,
     R: gl.constexpr, GW: gl.constexpr, HEAD_STEPS: gl.constexpr, STEPS_PER_SPLIT: gl.constexpr,
-    SPLIT: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr,
+    SPLIT: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr, QUANT: gl.constexpr = False,
     COPY_WORDS: gl.constexpr = 0, COPY_BLOCK: gl.constexpr = 1, N_TILES: gl.constexpr = 1,
 ):
     # Grid (G*R / BN tiles, SPLIT): program (t, s) covers weight rows [t*BN, +BN) (all in group
@@ -202,10 +235,11 @@ def _gluon_wo_a_kernel(
             for s in range(SPLIT):
                 # .cg: from L2, never from a line this SM's L1 kept from an earlier launch.
                 total += gl.load(tile_ws + s * M * BN, mask=mask, other=0.0, cache_modifier=".cg")
-            gl.store(z_ptrs, total.to(gl.bfloat16), mask=mask)
+            _store_z(total, z_ptrs, mask, codes_ptr, scales_ptr, off_n, M, stride_codes, stride_scales,
+                     QUANT, BN, BT, WG)
             gl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
     else:
-        gl.store(z_ptrs, acc.to(gl.bfloat16), mask=mask)
+        _store_z(acc, z_ptrs, mask, codes_ptr, scales_ptr, off_n, M, stride_codes, stride_scales, QUANT, BN, BT, WG)
 
     if COPY_WORDS > 0:
         # the staged window copy (`window_copy`): the programs of split 0 move rows pid_n,
@@ -400,8 +434,8 @@ def gluon_wo_a_(plan: GluonWoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: tor
        stride; rows 16-byte aligned: the kernel reads o as [M, H*head_dim] through TMA).
     weight: [G*R, (H/G)*head_dim] BF16, rows 16-byte aligned (TMA); scale must be None (FP8 weights
        run in `ops.wo_a`).
-    codes_out, scales_out: optionally the MXFP8 of out, written by `act_quant_mxfp8_` after the
-       kernel (a second launch; the same bits as `ops.wo_a`'s fused form).
+    codes_out, scales_out: optionally the MXFP8 of out in the same launch (`act_quant_mxfp8_(out,
+       codes_out, scales_out)` bit for bit), as `ops.wo_a.wo_a_`.
     window_copy: optionally (pool, src, dst), as `ops.wo_a.wo_a_` (same checks, same guarantees).
     """
     m = planned_rows(plan, GluonWoAPlan, o, "o", "[M, H, head_dim]")
@@ -430,6 +464,9 @@ def gluon_wo_a_(plan: GluonWoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: tor
             raise ValueError("codes_out and scales_out go together (the MXFP8 of out)")
         require_tensor(codes_out, "codes_out", (torch.float8_e4m3fn, torch.uint8), (m, plan.n_out), dev)
         require_tensor(scales_out, "scales_out", (torch.uint8, torch.float8_e8m0fnu), (m, plan.n_out // 32), dev)
+        codes_out, scales_out = codes_out.view(torch.uint8), scales_out.view(torch.uint8)
+    else:
+        codes_out = scales_out = plan.counters     # unused pointers
     cp_pool, cp_src, cp_dst, copy_words = _window_copy_args(window_copy, m, dev, plan.counters)
     if not is_sm90(dev):
         raise ValueError(f"the plan's device must be a CUDA device of compute capability 9.0 (the Gluon tier is "
@@ -443,10 +480,8 @@ def gluon_wo_a_(plan: GluonWoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: tor
     x_desc = _bf16_desc(o2, [bt, BLOCK_K], "o")
     opts = launch_options(plan, bt)
     _gluon_wo_a_kernel[(plan.n_tiles, plan.split)](
-        w_desc, x_desc, cos, sin, out, plan.partials, plan.counters, cp_pool, cp_src, cp_dst,
-        m, cos.stride(0), sin.stride(0), out.stride(0),
+        w_desc, x_desc, cos, sin, out, plan.partials, plan.counters, codes_out, scales_out, cp_pool, cp_src, cp_dst,
+        m, cos.stride(0), sin.stride(0), out.stride(0), codes_out.stride(0), scales_out.stride(0), QUANT=quant,
         COPY_WORDS=copy_words, COPY_BLOCK=max(32, 1 << (max(copy_words, 1) - 1).bit_length()),
         N_TILES=plan.n_tiles, **opts,
     )
-    if quant:
-        act_quant_mxfp8_(out, codes_out, scales_out)

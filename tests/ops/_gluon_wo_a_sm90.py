@@ -1,0 +1,70 @@
+"""Run by tests/ops/test_gluon_wo_a.py in a subprocess without the Triton interpreter (the kernel calls
+`act_quant.mxfp8_quantize_tile`, a Triton JIT function that the interpreter would replace), and by
+hand: compiles `ops.gluon_wo_a`'s kernel for sm_90 at the real shapes' plans (CASES: each TP
+shard's split, each row bucket, one- and two-warpgroup programs), with the step's call (the fused
+MXFP8 of z and the window copy of 528-byte records), and prints one JSON object per case: its
+registers, stack, local memory and shared memory, the opcode counts, the wgmma instructions, the
+wgmma waits and the plan's split, steps per program and register cap. `python
+tests/ops/_gluon_wo_a_sm90.py [heads:bt:warpgroups ...]` compiles the given cases instead."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from triton.experimental.gluon import language as gl
+
+from dsv41_decode.ops import gluon_wo_a as W
+from dsv41_decode.testing import sm90
+
+RANK = 1024   # o_lora_rank of V4.1; 8 heads per group
+# (heads, row bucket, warpgroups): TP1, 2, 4, 8 (splits 2, 4, 8, 16), each bucket once, and 128-row
+# programs once
+CASES = [(64, 8, 1), (32, 16, 1), (16, 32, 1), (8, 64, 1), (64, 64, 2)]
+COPY_WORDS = 132   # the window record: 528 bytes
+
+
+def _desc(block) -> str:
+    """The signature of a Gluon TMA descriptor of BF16 tiles `block`, as the launcher specializes it."""
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+    return f"tensordesc<bf16[{block[0]}, {block[1]}],{layout!r}>"
+
+
+def compile_case(plan: W.GluonWoAPlan, bt: int, quant: bool = True, copy_words: int = COPY_WORDS):
+    """The kernel of `plan`'s launch at row bucket `bt`, compiled for sm_90 as the launcher would."""
+    opts = W.launch_options(plan, bt)
+    options = {k: opts.pop(k) for k in ("num_warps", "maxnreg", "enable_fp_fusion")}
+    types = {"w_desc": _desc([plan.config.block_n, W.BLOCK_K]), "x_desc": _desc([bt, W.BLOCK_K]),
+             "cos_ptr": "*fp32", "sin_ptr": "*fp32", "z_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
+             "codes_ptr": "*u8", "scales_ptr": "*u8", "cp_pool_ptr": "*i32", "cp_src_ptr": "*i64",
+             "cp_dst_ptr": "*i64"}
+    consts = {**opts, "QUANT": quant, "COPY_WORDS": copy_words,
+              "COPY_BLOCK": max(32, 1 << (max(copy_words, 1) - 1).bit_length()), "N_TILES": plan.n_tiles}
+    kernel = W._gluon_wo_a_kernel
+    # as the launcher sees the real shapes: pointers and the outputs' row strides multiples of 16
+    return sm90.compile_sm90(kernel, types, consts,
+                             divisible=[a for a in kernel.arg_names
+                                        if a.endswith("_ptr") or a in ("stride_zm", "stride_codes")],
+                             **options)
+
+
+def measure(heads: int, bt: int, wg: int) -> dict:
+    plan = W.GluonWoAPlan.build(heads, heads // 8, RANK, 64, "cpu", config=W.GluonWoAConfig(warpgroups=wg))
+    kernel = compile_case(plan, bt)
+    ins = [t for _, t in sm90.sass(kernel)]
+    return {"heads": heads, "bt": bt, "wg": wg, "split": plan.split, "n_tiles": plan.n_tiles,
+            "steps": plan.k_per_split // W.BLOCK_K, "maxnreg": plan.config.maxnreg,
+            "shared_limit": W.shared_bytes(plan.config, bt), "shared": kernel.metadata.shared,
+            **sm90.resources(kernel), "ops": sm90.opcode_counts(ins),
+            "gmma": [t for t in ins if "GMMA" in t and not t.startswith("WARPGROUP")],
+            "waits": sorted({t for t in ins if t.startswith("WARPGROUP.DEPBAR")})}
+
+
+def main() -> None:
+    cases = [tuple(map(int, a.split(":"))) for a in sys.argv[1:]] or CASES
+    for heads, bt, wg in cases:
+        print(json.dumps(measure(heads, bt, wg)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
