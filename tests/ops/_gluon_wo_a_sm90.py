@@ -5,7 +5,7 @@ shard's split, each row bucket, one- and two-warpgroup programs), with the step'
 MXFP8 of z and the window copy of 528-byte records), and prints one JSON object per case: its
 registers, stack, local memory and shared memory, the opcode counts, the wgmma instructions, the
 wgmma waits and the plan's split, steps per program and register cap. `python
-tests/ops/_gluon_wo_a_sm90.py [heads:bt:warpgroups ...]` compiles the given cases instead."""
+tests/ops/_gluon_wo_a_sm90.py [heads:bt:warpgroups[:split] ...]` compiles the given cases instead."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from dsv41_decode.ops import gluon_wo_a as W
 from dsv41_decode.testing import sm90
 
 RANK = 1024   # o_lora_rank of V4.1; 8 heads per group
-# (heads, row bucket, warpgroups): TP1, 2, 4, 8 (splits 2, 4, 8, 16), each bucket once, and 128-row
-# programs once
-CASES = [(64, 8, 1), (32, 16, 1), (16, 32, 1), (8, 64, 1), (64, 64, 2)]
+# (heads, row bucket, warpgroups, split or 0 for the plan's): TP1, 2, 4, 8 (splits 2, 4, 8, 16), each
+# bucket once, 128-row programs once, and the epilogue without split-K once
+CASES = [(64, 8, 1, 0), (32, 16, 1, 0), (16, 32, 1, 0), (8, 64, 1, 0), (64, 64, 2, 0), (8, 16, 1, 1)]
 COPY_WORDS = 132   # the window record: 528 bytes
 
 
@@ -48,11 +48,12 @@ def compile_case(plan: W.GluonWoAPlan, bt: int, quant: bool = True, copy_words: 
                              **options)
 
 
-def measure(heads: int, bt: int, wg: int) -> dict:
-    plan = W.GluonWoAPlan.build(heads, heads // 8, RANK, 64, "cpu", config=W.GluonWoAConfig(warpgroups=wg))
+def measure(heads: int, bt: int, wg: int, split: int = 0) -> dict:
+    config = W.GluonWoAConfig(warpgroups=wg, split=split or None)
+    plan = W.GluonWoAPlan.build(heads, heads // 8, RANK, 64, "cpu", config=config)
     kernel = compile_case(plan, bt)
     ins = [t for _, t in sm90.sass(kernel)]
-    return {"heads": heads, "bt": bt, "wg": wg, "split": plan.split, "n_tiles": plan.n_tiles,
+    return {"case": [heads, bt, wg, split], "bt": bt, "split": plan.split, "n_tiles": plan.n_tiles,
             "steps": plan.k_per_split // W.BLOCK_K, "maxnreg": plan.config.maxnreg,
             "shared_limit": W.shared_bytes(plan.config, bt), "shared": kernel.metadata.shared,
             **sm90.resources(kernel), "ops": sm90.opcode_counts(ins),
@@ -62,8 +63,8 @@ def measure(heads: int, bt: int, wg: int) -> dict:
 
 def main() -> None:
     cases = [tuple(map(int, a.split(":"))) for a in sys.argv[1:]] or CASES
-    for heads, bt, wg in cases:
-        print(json.dumps(measure(heads, bt, wg)), flush=True)
+    for case in cases:
+        print(json.dumps(measure(*case)), flush=True)
 
 
 if __name__ == "__main__":
