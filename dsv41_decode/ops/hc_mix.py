@@ -66,6 +66,7 @@ _BLOCK_K = 32     # K lanes of the FMA accumulator, at every row count
 _MAX_BLOCK_M = 8  # the [BLOCK_M, 32, 32] accumulator at <= 64 FP32 registers per thread (4 warps)
 _MMA_BLOCK_M = tl.constexpr(64)  # the tensor-core kernel's dot rows at every row count (wgmma m64 on sm_90)
 _MMA_BLOCK_K = tl.constexpr(64)  # its K block: one zero-started MMA chain per plane, then an FP32 add
+_MMA_EPI_M_MIN = 16    # its epilogue's fewest rows (`hc_mix_`)
 _MMA_K_PER_SPLIT = 512  # its default K per program: 40 programs at dim 5120 (not tuned on a GPU)
 
 
@@ -196,8 +197,8 @@ def _bf16_planes(w):
     """FP32 w -> (w0, w1, w2) BF16 with w0 + w1 + w2 == w exactly: w0 = bf16(w), w1 = bf16(w - w0),
     w2 = w - w0 - w1. Each subtraction is exact (w0 is w to 8 significant bits, so w - w0 needs at
     most 16 bits below w0's last, and w1 takes 8 of them), with round-to-nearest (the GPU) or
-    truncation (the interpreter) alike. Holds for normal w down to ~2^-110 (w2 then stays normal);
-    an inf or NaN w gives a NaN plane."""
+    truncation (the interpreter) alike. Holds for normal w down to ~2^-110 (w2 then stays normal)
+    whose BF16 rounding is finite; an inf or NaN w (or one that rounds to inf) gives a NaN plane."""
     w0 = w.to(tl.bfloat16)
     r = w - w0.to(tl.float32)
     w1 = r.to(tl.bfloat16)
@@ -405,13 +406,14 @@ def hc_mix_(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     t = plan.tile(m)
     part = plan.partials
     if plan.kernel == "mma":
-        # EPI_M: the epilogue's rows, the call's up to 64 (a row's arithmetic is the same at any)
+        # EPI_M: the epilogue's rows, 16, 32 or 64 to cover the call's (a row's arithmetic is the
+        # same at any; below 16 rows its latency, not its width, is the cost: three compiles, not seven)
         _hc_mix_mma_kernel[(plan.split, triton.cdiv(m, t.block_m))](
             x, fn, scale, base, pre_out, post_out, comb_out, part, plan.counters, m, float(norm_eps),
             float(hc_eps), x.stride(0), fn.stride(0), pre_out.stride(0), post_out.stride(0), comb_out.stride(0),
             part.stride(0), part.stride(1),
             K=plan.k, ITERS=sinkhorn_iters, K_PER_SPLIT=plan.k_per_split, SPLIT=plan.split,
-            EPI_M=min(triton.next_power_of_2(m), t.block_m), BF16_DOT=not interpreting(),
+            EPI_M=min(max(triton.next_power_of_2(m), _MMA_EPI_M_MIN), t.block_m), BF16_DOT=not interpreting(),
             NUM_STAGES=t.num_stages, num_warps=t.num_warps, num_stages=t.num_stages,
         )
         return

@@ -1,6 +1,6 @@
 """Run by tests/ops/test_mhc.py in a subprocess without the Triton interpreter (the kernel must be a
 real JIT function to compile), and by hand: compiles `ops.hc_mix`'s tensor-core kernel for sm_90 at
-the V4.1-Flash shape (dim 5120, the default split) with the epilogue of 1 and of 64 rows, and prints
+the V4.1-Flash shape (dim 5120, the default split) with the epilogue of 16 and of 64 rows, and prints
 per variant its registers, stack, local memory, spill instructions and MMA instructions (HGMMA:
 wgmma; HMMA: mma.sync). `--json`: one JSON object per line.
 """
@@ -31,7 +31,7 @@ def measure(epi_m: int, dim: int = 5120) -> dict:
 
 
 def main() -> None:
-    for epi_m in (1, 64):
+    for epi_m in (16, 64):
         r = measure(epi_m)
         if "--json" in sys.argv:
             print(json.dumps(r), flush=True)

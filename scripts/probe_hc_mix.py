@@ -1,0 +1,73 @@
+"""Probe the mHC mixer's two kernels (`ops.hc_mix`: "fma", the step's default, and "mma", the tensor
+cores) on an H200 at the V4.1-Flash shape (dim 5120: a [rows, 20480] x [24, 20480] product, the sum
+of squares, sigmoids and 20 Sinkhorn rounds): per row count the time per call (CUDA-graph replay,
+cycling through `--copies` weight copies so that the 2 MB weight comes from DRAM as in the 40-layer
+step, not from L2), the max abs error of pre, post and comb against `reference.mhc.hc_mixes`, and
+whether the MMA kernel's row 0 has the bits it has alone. `--rows=1,2,4,8,16,32,64`,
+`--splits=40,20,80` (the MMA kernel's K splits; the first is the plan default's), `--copies=40`.
+Prints; writes nothing. About 40 s, half of it compiling (one "fma" kernel per row bucket, three
+"mma" ones per split)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import arg  # noqa: E402
+
+from dsv41_decode.bench.timing import graph_time_us  # noqa: E402
+from dsv41_decode.ops.hc_mix import HcMixPlan, hc_mix_  # noqa: E402
+from dsv41_decode.reference.mhc import hc_mixes  # noqa: E402
+
+DIM, NORM_EPS, HC_EPS, ITERS = 5120, 1e-20, 1e-6, 20
+
+
+def main() -> None:
+    t0 = time.time()
+    rows_list = [int(v) for v in arg("rows", "1,2,4,8,16,32,64").split(",")]
+    splits = [int(v) for v in arg("splits", "40,20,80").split(",")]
+    copies = int(arg("copies", "40"))
+    max_rows = max(rows_list)
+    gen = torch.Generator().manual_seed(0)
+    x_all = torch.randn(max_rows, 4, DIM, generator=gen).bfloat16()
+    fn = torch.randn(24, 4 * DIM, generator=gen) * DIM ** -0.5
+    scale = (0.5 + 0.5 * torch.rand(3, generator=gen)).bfloat16().float()
+    base = 0.5 * torch.randn(24, generator=gen)
+    want = hc_mixes(x_all, fn, scale, base, NORM_EPS, HC_EPS, ITERS)
+    xd, scd, bd = x_all.cuda(), scale.cuda(), base.cuda()
+    fns = [fn.cuda() for _ in range(copies)]
+    plans = {"fma": HcMixPlan.build(DIM, max_rows, "cuda")}
+    plans |= {f"mma/{s}": HcMixPlan.build(DIM, max_rows, "cuda", kernel="mma", split=s) for s in splits}
+    outs = [torch.empty(max_rows, *s, device="cuda") for s in ((4,), (4,), (4, 4))]
+    print(f"dim {DIM}, {copies} weight copies; split: " + ", ".join(f"{k} {p.split} x {p.k_per_split}"
+                                                                     for k, p in plans.items()))
+    print("rows | " + "  ".join(f"{k:>9} us" for k in plans) + " | mma/fma | max abs err " +
+          "  ".join(f"{k:>9}" for k in plans) + " | mma row 0 alone == among")
+    for rows in rows_list:
+        o = [t[:rows] for t in outs]
+        us, err = {}, {}
+        for name, plan in plans.items():
+            def call(plan=plan):
+                for f in fns:
+                    hc_mix_(xd[:rows], f, scd, bd, NORM_EPS, HC_EPS, ITERS, *o, plan)
+            us[name] = graph_time_us(call, calls_per_graph=copies, replays=20)
+            hc_mix_(xd[:rows], fns[0], scd, bd, NORM_EPS, HC_EPS, ITERS, *o, plan)
+            err[name] = max(float((a.cpu() - b[:rows]).abs().max()) for a, b in zip(o, want))
+            assert not plan.counters.any(), f"{name}: counters left nonzero"
+        mma = plans[f"mma/{splits[0]}"]
+        hc_mix_(xd[:rows], fns[0], scd, bd, NORM_EPS, HC_EPS, ITERS, *o, mma)
+        among = [t[0].clone() for t in o]
+        hc_mix_(xd[:1], fns[0], scd, bd, NORM_EPS, HC_EPS, ITERS, *(t[:1] for t in o), mma)
+        same = all(torch.equal(a[0], b) for a, b in zip(o, among))
+        best = min(v for k, v in us.items() if k != "fma")
+        print(f"{rows:4d} | " + "  ".join(f"{v:12.2f}" for v in us.values()) + f" | {best / us['fma']:7.2f} | "
+              + "  ".join(f"{v:9.2e}" for v in err.values()) + f" | {same}", flush=True)
+    print(f"done in {time.time() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    main()
