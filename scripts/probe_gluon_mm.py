@@ -14,7 +14,9 @@ First the kernels are compiled in parallel worker processes (Triton's disk cache
 main process), then each shape is timed; the run stops timing when `--budget=` seconds (default
 130) have passed and prints what it has. Prints the lines per (shape, rows), the best
 configuration per (shape, rows), and the best single configuration per shape over every row count
-(the split may not depend on the rows: batch invariance). Writes nothing. Options: `--only=wq_b,wo_b`,
+(the split may not depend on the rows: batch invariance). Writes nothing. `PROBE_DRY=1` runs the
+script on the CPU with small shapes, the reference in place of the kernel and wall-clock times:
+it checks the script, not the kernel. Options: `--only=wq_b,wo_b`,
 `--rows=1,16`, `--budget=130`, `--workers=14`, `--replays=20`, `--compile_timeout=60` (seconds for all
 the workers' compiles and runs; a configuration not done by then is not timed).
 """
@@ -22,24 +24,33 @@ the workers' compiles and runs; a configuration not done by then is not timed).
 from __future__ import annotations
 
 import dataclasses
+import dataclasses
 import math
 import multiprocessing as mp
+import os
+import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor, wait
 
 import torch
 
 from dsv41_decode.bench.floor import read_bandwidth_gbps
-from dsv41_decode.bench.gemm import Shape, _fp8_weights
+from dsv41_decode.bench.gemm import Shape
 from dsv41_decode.bench.timing import graph_time_us, l2_rotation
 from dsv41_decode.formats import fp8_block_quantize
-from dsv41_decode.ops.act_quant import act_quant_mxfp8
+from dsv41_decode.formats import mxfp8_quantize
+from dsv41_decode.ops import gluon_mm as G
 from dsv41_decode.ops.gluon_mm import ROW_BUCKETS, GluonMM, GluonMMConfig
+from dsv41_decode.reference.linear import mxfp8_mm
 
 from _args import arg   # scripts/ is on sys.path when run as python scripts/<probe>.py
 
+DRY = os.environ.get("PROBE_DRY") == "1"
+DEV = "cpu" if DRY else "cuda"
 SHAPES = {"wq_b": Shape("wq_b", 32768, 1280), "wo_b": Shape("wo_b", 5120, 8192),
           "idx_wq_b": Shape("idx_wq_b", 4096, 1280), "fused_wqa_wkv": Shape("fused_wqa_wkv", 1792, 5120)}
+if DRY:
+    SHAPES = {name: Shape(name, 256, s.k) for name, s in SHAPES.items()}
 # K splits requested per shape (the same counts for every variant: with two warpgroups a split
 # count makes half as many programs). wq_b: 512 (256) tiles already fill the GPU; the others need
 # splits, around the default rule's (wo_b 3, idx 4, fused 9 for 64-row tiles).
@@ -66,10 +77,62 @@ def label(config: GluonMMConfig) -> str:
             f"{'/P' if config.persistent else ''}/split{config.split}")
 
 
+class _DryPlan:
+    """PROBE_DRY's stand-in for GluonMM on the CPU: the plan's split, grid and config as an H200's
+    (132 SMs), the reference's output."""
+
+    def __init__(self, weight, w_scale, config=None):
+        self.weight, self.w_scale = weight, w_scale
+        self.config = config or G.default_config(*weight.shape)
+        n, k = weight.shape
+        bn, bk = self.config.block_n, self.config.block_k
+        want = self.config.split or G._default_split(n, k, 132, bn, bk)
+        self.k_per_split, self.split = G.split_bounds(want, k, bk)
+        self.grid = (-(-n // bn), self.split)
+
+    def launch_grid(self, block_t):
+        items = self.grid[0] * self.grid[1]
+        return (min(items, 132 * G.resident_ctas(self.config, block_t)), 1) if self.config.persistent else self.grid
+
+    def block_t(self, rows):
+        return next(b for b in ROW_BUCKETS if b >= rows)
+
+    def __call__(self, codes, x_scale, out=None):
+        y = mxfp8_mm(codes, x_scale, self.weight, self.w_scale)
+        return y if out is None else out.copy_(y)
+
+
+Plan = _DryPlan if DRY else GluonMM
+
+
+def _act(m: int, k: int, g: torch.Generator):
+    """MXFP8 codes and scales of a random [m, k] activation."""
+    return mxfp8_quantize(torch.randn(m, k, generator=g, device=DEV).to(torch.bfloat16))
+
+
+def _weights(shape: Shape, copies: int, g: torch.Generator):
+    """`copies` random FP8 weights with 32x32 UE8M0 scales (as `bench gemm`)."""
+    return [fp8_block_quantize(torch.randn(shape.n, shape.k, generator=g, device=DEV) * shape.k ** -0.5)
+            for _ in range(copies)]
+
+
+def _time(fn, copies: int, replays: int) -> float:
+    """Median us per call of `fn` (which makes `copies` calls): CUDA-graph replay, or (PROBE_DRY)
+    the wall clock."""
+    if not DRY:
+        return graph_time_us(fn, calls_per_graph=copies, replays=replays)
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e6 / copies)
+    return statistics.median(times)
+
+
 def _operands(m: int, n: int, k: int, seed: int):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q, s = fp8_block_quantize(torch.randn(n, k, generator=g, device="cuda") * k ** -0.5)
-    codes, sx = act_quant_mxfp8(torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16))
+    g = torch.Generator(device=DEV).manual_seed(seed)
+    q, s = _weights(Shape("task", n, k), 1, g)[0]
+    codes, sx = _act(m, k, g)
     return codes, sx, q, s
 
 
@@ -80,10 +143,11 @@ def compile_task(variant, bt: int, split_k: bool):
     try:
         t = time.time()
         codes, sx, q, s = _operands(bt, 32768 if variant[4] else 256, 1280, 1)
-        plan = GluonMM(q, s, config=config_of(variant, 2 if split_k else 1))
+        plan = Plan(q, s, config=config_of(variant, 2 if split_k else 1))
         assert (plan.split > 1) == split_k and plan.block_t(bt) == bt
         plan(codes, sx)
-        torch.cuda.synchronize()
+        if not DRY:
+            torch.cuda.synchronize()
         return variant, bt, split_k, time.time() - t, None
     except Exception as e:  # noqa: BLE001 - report, keep probing
         return variant, bt, split_k, 0.0, f"{type(e).__name__}: {str(e)[:300]}"
@@ -121,39 +185,41 @@ def main() -> None:
     budget = float(arg("budget", "130"))
     replays = int(arg("replays", "20"))
     failed = precompile(VARIANTS, {s > 1 for name in names for s in SPLITS[name]} | {True},
-                        int(arg("workers", "14")), float(arg("compile_timeout", "60")))
-    floor = read_bandwidth_gbps()
-    print(f"streaming read: {floor:.0f} GB/s on {torch.cuda.get_device_name()} "
+                        int(arg("workers", "2" if DRY else "14")), float(arg("compile_timeout", "60")))
+    floor = 4400.0 if DRY else read_bandwidth_gbps()
+    print(f"streaming read: {floor:.0f} GB/s on {'the CPU (dry run)' if DRY else torch.cuda.get_device_name()} "
           f"({time.time() - t0:.0f} s in)", flush=True)
-    gen = torch.Generator(device="cuda").manual_seed(0)
+    gen = torch.Generator(device=DEV).manual_seed(0)
     results: dict[tuple[str, int], dict[str, float]] = {}     # (shape, rows) -> {label: us}
     base: dict[tuple[str, int], tuple[float, float, str]] = {}   # today's us, _scaled_mm us, today's label
     out_of_time = False
     for name in names:
         shape = SHAPES[name]
-        copies = l2_rotation(shape.weight_bytes())
-        ws = _fp8_weights(shape, copies, gen)
+        copies = 2 if DRY else l2_rotation(shape.weight_bytes())
+        ws = _weights(shape, copies, gen)
         for m in rows:
             if time.time() - t0 > budget:
                 out_of_time = True
                 break
             nbytes = shape.weight_bytes() + shape.io_bytes(m)
             pct = lambda us: 100 * nbytes / (us * 1e3) / floor   # noqa: E731 - GB/s over the floor
-            x = torch.randn(m, shape.k, generator=gen, device="cuda").to(torch.bfloat16)
-            codes, sx = act_quant_mxfp8(x)
-            out = torch.empty(m, shape.n, dtype=torch.bfloat16, device="cuda")
+            codes, sx = _act(m, shape.k, gen)
+            out = torch.empty(m, shape.n, dtype=torch.bfloat16, device=DEV)
 
             def timed(plans):
-                return graph_time_us(lambda: [p(codes, sx, out) for p in plans], calls_per_graph=copies,
-                                     replays=replays)
+                return _time(lambda: [p(codes, sx, out) for p in plans], copies, replays)
 
-            today = [GluonMM(q, s) for q, s in ws]
+            today = [Plan(q, s) for q, s in ws]
             t_today = timed(today)
-            xs = torch.randn(max(16, m), shape.k, generator=gen, device="cuda").to(torch.float8_e4m3fn)
-            one = torch.ones((), device="cuda")
-            t_cublas = graph_time_us(lambda: [torch._scaled_mm(xs, q.t(), scale_a=one, scale_b=one,
-                                                               out_dtype=torch.bfloat16) for q, _ in ws],
-                                     calls_per_graph=copies, replays=replays)
+            xs = torch.randn(max(16, m), shape.k, generator=gen, device=DEV).to(torch.float8_e4m3fn)
+            one = torch.ones((), device=DEV)
+            if DRY:     # no FP8 GEMM on the CPU: a BF16 one of the same shape
+                t_cublas = _time(lambda: [xs.to(torch.bfloat16) @ q.to(torch.bfloat16).t() for q, _ in ws],
+                                 copies, replays)
+            else:
+                t_cublas = _time(lambda: [torch._scaled_mm(xs, q.t(), scale_a=one, scale_b=one,
+                                                           out_dtype=torch.bfloat16) for q, _ in ws],
+                                 copies, replays)
             today_label = label(dataclasses.replace(today[0].config, split=today[0].split))
             base[(name, m)] = (t_today, t_cublas, today_label)
             print(f"{name:14s} M={m:2d}  today {today_label:34s} {t_today:7.2f} us ({pct(t_today):4.1f} %)  "
@@ -168,13 +234,13 @@ def main() -> None:
                     if (variant, bt, split > 1) in failed:
                         continue
                     try:
-                        plans = [GluonMM(q, s, config=config) for q, s in ws]
+                        plans = [Plan(q, s, config=config) for q, s in ws]
                         us = timed(plans)
                         y = plans[0](codes, sx).clone()
                         key = (plans[0].k_per_split, plans[0].split)
                         if key not in refs:
                             ref = ("pairs", 1, config.block_k, 4 if config.block_k == 128 else 3, False)
-                            ref_plan = GluonMM(*ws[0], config=config_of(ref, split))
+                            ref_plan = Plan(*ws[0], config=config_of(ref, split))
                             assert (ref_plan.k_per_split, ref_plan.split) == key
                             refs[key] = ref_plan(codes, sx).clone()
                         same = "=" if torch.equal(y.view(torch.int16), refs[key].view(torch.int16)) else "DIFFER"
@@ -188,7 +254,8 @@ def main() -> None:
                     except Exception as e:  # noqa: BLE001 - report, keep probing
                         print(f"{name} M={m} {label(config)}: {type(e).__name__}: {str(e)[:200]}", flush=True)
         del ws
-        torch.cuda.empty_cache()
+        if not DRY:
+            torch.cuda.empty_cache()
         if out_of_time:
             print(f"(out of time budget {budget:.0f} s: stopped timing at {name})", flush=True)
             break
