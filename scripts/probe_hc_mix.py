@@ -4,7 +4,8 @@ of squares, sigmoids and 20 Sinkhorn rounds): per row count the time per call (C
 cycling through `--copies` weight copies so that the 2 MB weight comes from DRAM as in the 40-layer
 step, not from L2), the max abs error of pre, post and comb against `reference.mhc.hc_mixes`, and
 whether the MMA kernel's row 0 has the bits it has alone. `--rows=1,2,4,8,16,32,64`,
-`--splits=40,20,80` (the MMA kernel's K splits; the first is the plan default's), `--copies=40`.
+`--splits=40,20,80` (the MMA kernel's K splits; the first is the plan default's), `--stages=2` (the
+first split's plan also at these pipeline depths; the default is 4), `--copies=40`.
 Prints; writes nothing. About 40 s, half of it compiling (one "fma" kernel per row bucket, three
 "mma" ones per split)."""
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -31,6 +33,7 @@ def main() -> None:
     rows_list = [int(v) for v in arg("rows", "1,2,4,8,16,32,64").split(",")]
     splits = [int(v) for v in arg("splits", "40,20,80").split(",")]
     copies = int(arg("copies", "40"))
+    stages = [int(v) for v in arg("stages", "2").split(",") if v]
     max_rows = max(rows_list)
     gen = torch.Generator().manual_seed(0)
     x_all = torch.randn(max_rows, 4, DIM, generator=gen).bfloat16()
@@ -42,6 +45,12 @@ def main() -> None:
     fns = [fn.cuda() for _ in range(copies)]
     plans = {"fma": HcMixPlan.build(DIM, max_rows, "cuda")}
     plans |= {f"mma/{s}": HcMixPlan.build(DIM, max_rows, "cuda", kernel="mma", split=s) for s in splits}
+    first = plans[f"mma/{splits[0]}"]
+    for st in stages:        # the first split's plan with other pipeline depths
+        if st != first.tile(1).num_stages:
+            plans[f"mma/{splits[0]}/s{st}"] = replace(first, tiles=tuple(t._replace(num_stages=st) for t in first.tiles),
+                                                      counters=torch.zeros_like(first.counters),
+                                                      partials=torch.empty_like(first.partials))
     outs = [torch.empty(max_rows, *s, device="cuda") for s in ((4,), (4,), (4, 4))]
     print(f"dim {DIM}, {copies} weight copies; split: " + ", ".join(f"{k} {p.split} x {p.k_per_split}"
                                                                      for k, p in plans.items()))

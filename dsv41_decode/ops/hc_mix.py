@@ -253,15 +253,16 @@ def _hc_mix_mma_kernel(
 
     # Split-K as `splitk_reduce`, but the last program sums and finishes only the EPI_M rows the
     # call has (its epilogue's work and latency follow the rows, its per-row arithmetic does not).
+    # Whole 32-column rows (columns 25-31 hold zeros), so the loads need no column mask.
     part_ptrs = part_ptr + rm[:, None] * stride_pm + rn[None, :]
-    tl.store(part_ptrs + pid_k * stride_ps, y, mask=m_ok[:, None] & (rn[None, :] <= 24))
+    tl.store(part_ptrs + pid_k * stride_ps, y, mask=m_ok[:, None])
     tl.debug_barrier()
     arrived = tl.atomic_add(count_ptr + pid_m, 1, sem="acq_rel", scope="gpu")
     if arrived == SPLIT - 1:
         tl.store(count_ptr + pid_m, 0)
         re = pid_m * BLOCK_M + tl.arange(0, EPI_M)
         e_ok = re < M
-        mask = e_ok[:, None] & (rn[None, :] <= 24)
+        mask = e_ok[:, None]
         sum_ptrs = part_ptr + re[:, None] * stride_pm + rn[None, :]
         total = tl.load(sum_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
         for s in tl.static_range(1, SPLIT):
@@ -286,7 +287,7 @@ def _mix_tile(rows: int) -> HcMixTile:
 
 # The tensor-core kernel's one tile: the dot's rows and K block fix its arithmetic (4 warps: one
 # warpgroup, so one wgmma covers the 64 rows); only the epilogue's rows follow the call (`hc_mix_`).
-_MMA_TILE = HcMixTile(int(_MMA_BLOCK_M), int(_MMA_BLOCK_K), 4, 3)
+_MMA_TILE = HcMixTile(int(_MMA_BLOCK_M), int(_MMA_BLOCK_K), 4, 4)
 KERNELS = ("fma", "mma")
 
 
