@@ -1,14 +1,15 @@
-"""Probe the Gluon grouped `wo_a` (`ops.gluon_wo_a`, BF16 weight) on an H200 against the step's
-Triton plan (`ops.wo_a.WoAPlan`, its default for a BF16 weight: swapped BF16 wgmma, split 2) and
-cuBLAS BF16 (`torch.bmm` per group, no rotation: a speed reference), at the step's shape (64 heads,
-8 groups of 1024 outputs, K = 4096 per group: 67 MB of weight). CUDA-graph replay over weight copies
-rotated beyond L2 (`bench.timing`, as `bench gemm`), the streaming read of the same run
+"""Probe the Gluon grouped `wo_a` (`ops.gluon_wo_a`) on an H200 against the step's Triton plan
+(`ops.wo_a.WoAPlan`, its default: for a BF16 weight swapped BF16 wgmma at split 2, for FP8 TF32
+dots at split 4) and, for BF16, cuBLAS (`torch.bmm` per group, no rotation: a speed reference), at
+the step's shape (64 heads, 8 groups of 1024 outputs, K = 4096 per group: 67 MB of BF16 weight,
+34 MB of FP8 with its scales). CUDA-graph replay over weight copies rotated beyond L2 (`bench.timing`, as `bench gemm`), the streaming read of the same run
 (`bench.floor.read_bandwidth_gbps`) as the floor. Per row count: us and % of the read for each,
 the Gluon plan's variants (`--variants=`, names below), the max BF16 ulp (of the row's largest |z|)
 of the Gluon and Triton z from the reference, and how many of the Gluon z's elements differ
-bitwise from the Triton kernel's. "+quant" also writes the MXFP8 of z (the step's call: fused in
-the Triton kernel, a second launch after the Gluon one).
-`--rows=1,2,4,8,16,32,64`, `--variants=default,s4,s8,wg2`. Prints; writes nothing. About 30-60 s.
+bitwise from the Triton kernel's. "+quant" also writes the MXFP8 of z (the step's call; fused in
+both kernels).
+`--rows=1,2,4,8,16,32,64`, `--variants=default,s4,s8,wg2`, `--dtypes=bf16,fp8`. Prints; writes
+nothing. About 60-90 s.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from probe_wo_a import GROUPS, HEADS, RANK, rotated_inputs, step_weight, weight_
 
 from dsv41_decode.bench.floor import read_bandwidth_gbps  # noqa: E402
 from dsv41_decode.bench.timing import graph_time_us  # noqa: E402
+from dsv41_decode.formats import fp8_block_dequantize  # noqa: E402
 from dsv41_decode.ops import gluon_wo_a as G  # noqa: E402
 from dsv41_decode.ops.wo_a import WoAPlan, wo_a_  # noqa: E402
 from dsv41_decode.reference.attention import grouped_wo_a  # noqa: E402
@@ -42,49 +44,56 @@ def main() -> None:
     t0 = time.time()
     rows_list = [int(v) for v in arg("rows", "1,2,4,8,16,32,64").split(",")]
     names = arg("variants", "default,s4,s8,wg2").split(",")
+    dtypes = arg("dtypes", "bf16,fp8").split(",")
     gen = torch.Generator(device="cuda").manual_seed(0)
     read = read_bandwidth_gbps()
-    ws, _, nbytes = weight_copies(step_weight(gen), fp8=False)
-    floor_us = nbytes / (read * 1e3)
-    print(f"streaming read {read:.0f} GB/s; weight {nbytes / 1e6:.1f} MB, {len(ws)} copies; floor {floor_us:.2f} us",
-          flush=True)
-    tri = WoAPlan.build(HEADS, GROUPS, RANK, 64, torch.bfloat16, "cuda")
-    plans = {n: G.GluonWoAPlan.build(HEADS, GROUPS, RANK, 64, "cuda", config=VARIANTS[n]) for n in names}
-    dg = [w.view(GROUPS, RANK, -1) for w in ws]
-    for m in rows_list:
-        o, cos, sin = rotated_inputs(m, gen)
-        cis = torch.complex(cos, sin)
-        ref = grouped_wo_a(o, cis, ws[0], GROUPS, 64)
-        n = GROUPS * RANK
-        z_t = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-        z_g = torch.empty_like(z_t)
-        codes = torch.empty(m, n, dtype=torch.uint8, device="cuda")
-        sbytes = torch.empty(m, n // 32, dtype=torch.uint8, device="cuda")
-        og = o.view(m, GROUPS, -1).transpose(0, 1)
-        runs = {"triton": lambda: [wo_a_(tri, o, cos, sin, w, None, z_t) for w in ws],
-                "triton+quant": lambda: [wo_a_(tri, o, cos, sin, w, None, z_t, codes, sbytes) for w in ws],
-                "cublas_bmm": lambda: [torch.bmm(og, d.transpose(1, 2)) for d in dg]}
-        for name, plan in plans.items():
-            runs[f"gluon:{name}"] = lambda plan=plan: [G.gluon_wo_a_(plan, o, cos, sin, w, None, z_g) for w in ws]
-        runs["gluon:default+quant"] = lambda: [G.gluon_wo_a_(plans[names[0]], o, cos, sin, w, None, z_g, codes, sbytes)
-                                               for w in ws]
-        line = []
-        for name, fn in runs.items():
-            try:
-                us = graph_time_us(fn, calls_per_graph=len(ws))
-                line.append(f"{name} {us:6.2f} us ({100 * floor_us / us:3.0f} %)")
-            except Exception as e:  # report, keep probing
-                line.append(f"{name}: {type(e).__name__}: {str(e)[:200]}")
-        wo_a_(tri, o, cos, sin, ws[0], None, z_t)
-        acc = []
-        for name, plan in plans.items():
-            try:
-                G.gluon_wo_a_(plan, o, cos, sin, ws[0], None, z_g)
-                acc.append(f"{name}: ulp {row_ulp_distance(z_g, ref):.0f}, {bits_differ(z_g, z_t)} differ from triton")
-            except Exception as e:
-                acc.append(f"{name}: {type(e).__name__}: {str(e)[:200]}")
-        print(f"rows {m:2d}: " + "; ".join(line), flush=True)
-        print(f"         triton ulp {row_ulp_distance(z_t, ref):.0f}; " + "; ".join(acc), flush=True)
+    w32 = step_weight(gen)
+    print(f"streaming read {read:.0f} GB/s", flush=True)
+    for dname in dtypes:
+        fp8 = dname == "fp8"
+        dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+        ws, scale, nbytes = weight_copies(w32, fp8)
+        w_ref = fp8_block_dequantize(ws[0], scale).bfloat16() if fp8 else ws[0]
+        floor_us = nbytes / (read * 1e3)
+        print(f"{dname}: weight {nbytes / 1e6:.1f} MB, {len(ws)} copies; floor {floor_us:.2f} us", flush=True)
+        tri = WoAPlan.build(HEADS, GROUPS, RANK, 64, dtype, "cuda")
+        plans = {n: G.GluonWoAPlan.build(HEADS, GROUPS, RANK, 64, dtype, "cuda", config=VARIANTS[n]) for n in names}
+        dg = [w.view(GROUPS, RANK, -1) for w in ws] if not fp8 else []
+        for m in rows_list:
+            o, cos, sin = rotated_inputs(m, gen)
+            ref = grouped_wo_a(o, torch.complex(cos, sin), w_ref, GROUPS, 64)
+            n = GROUPS * RANK
+            z_t = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+            z_g = torch.empty_like(z_t)
+            codes = torch.empty(m, n, dtype=torch.uint8, device="cuda")
+            sbytes = torch.empty(m, n // 32, dtype=torch.uint8, device="cuda")
+            og = o.view(m, GROUPS, -1).transpose(0, 1)
+            runs = {"triton": lambda: [wo_a_(tri, o, cos, sin, w, scale, z_t) for w in ws],
+                    "triton+quant": lambda: [wo_a_(tri, o, cos, sin, w, scale, z_t, codes, sbytes) for w in ws]}
+            if not fp8:
+                runs["cublas_bmm"] = lambda: [torch.bmm(og, d.transpose(1, 2)) for d in dg]
+            for name, plan in plans.items():
+                runs[f"gluon:{name}"] = lambda plan=plan: [G.gluon_wo_a_(plan, o, cos, sin, w, scale, z_g) for w in ws]
+            runs[f"gluon:{names[0]}+quant"] = lambda: [G.gluon_wo_a_(plans[names[0]], o, cos, sin, w, scale, z_g,
+                                                                     codes, sbytes) for w in ws]
+            line = []
+            for name, fn in runs.items():
+                try:
+                    us = graph_time_us(fn, calls_per_graph=len(ws))
+                    line.append(f"{name} {us:6.2f} us ({100 * floor_us / us:3.0f} %)")
+                except Exception as e:  # report, keep probing
+                    line.append(f"{name}: {type(e).__name__}: {str(e)[:200]}")
+            wo_a_(tri, o, cos, sin, ws[0], scale, z_t)
+            acc = []
+            for name, plan in plans.items():
+                try:
+                    G.gluon_wo_a_(plan, o, cos, sin, ws[0], scale, z_g)
+                    acc.append(f"{name}: ulp {row_ulp_distance(z_g, ref):.0f}, "
+                               f"{bits_differ(z_g, z_t)} differ from triton")
+                except Exception as e:
+                    acc.append(f"{name}: {type(e).__name__}: {str(e)[:200]}")
+            print(f"{dname} rows {m:2d}: " + "; ".join(line), flush=True)
+            print(f"         triton ulp {row_ulp_distance(z_t, ref):.0f}; " + "; ".join(acc), flush=True)
     print(f"done in {time.time() - t0:.0f} s")
 
 

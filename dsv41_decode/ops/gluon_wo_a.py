@@ -1,5 +1,5 @@
-"""Grouped `wo_a` for a BF16 weight in Gluon for Hopper (sm_90): inverse RoPE and the 8-group output
-projection in one launch. Same contract and arguments as `ops.wo_a.wo_a_` (the Triton kernel, the
+"""Grouped `wo_a` in Gluon for Hopper (sm_90), BF16 or FP8 weight: inverse RoPE and the 8-group
+output projection in one launch. Same contract and arguments as `ops.wo_a.wo_a_` (the Triton kernel, the
 portable path; `reference.attention.grouped_wo_a`, spec section 3 step 9):
 
 z[m, g*R:(g+1)*R] = bf16(o'_g[m] @ wo_a_g^T), o' = o with the conjugate rotation at row m's position
@@ -11,7 +11,7 @@ How the kernel runs (one program per 64 x warpgroups weight rows and K split):
 - **Swap AB.** A program computes z^T[BN, BT] = W[BN rows of one group, K range] @ o'^T: the weight
   rows are the wgmma's M (64 per consumer warpgroup), the rows of o (padded to BT = 8, 16, 32 or
   64; TMA fills the rows past M with zeros) its N.
-- **A TMA producer warp** (`warp_specialize`) streams [BN, 64] BF16 weight tiles and the matching
+- **A TMA producer warp** (`warp_specialize`) streams [BN, 64] weight tiles and the matching
   [BT, 64] tiles of o (o viewed as [M, H*512]: a group's K range is contiguous in it) through a
   ring of STAGES >= 3 shared-memory slots, each completed on its `ready` mbarrier and handed back
   on its `empty` mbarrier.
@@ -26,6 +26,11 @@ How the kernel runs (one program per 64 x warpgroups weight rows and K split):
 - **BF16 wgmma with FP32 accumulation, two groups in flight**: slot i's wgmma (m64 n{BT} k16 x 4
   into the one FP32 accumulator, K order) is issued before slot i-1's is retired; slot i-1 then
   goes back to the producer.
+- **An FP8 weight** (E4M3 with 32x32 UE8M0 scales, as `ops.wo_a`): the consumer converts the
+  slot's E4M3 tile to BF16 (exact) into a staging tile in shared memory, then runs the slot's two
+  32-deep K blocks as two wgmmas from zero (both in flight) and adds each block's partial, scaled
+  by its power-of-two block scale, to the FP32 accumulator in K order: `ops.wo_a`'s
+  acc += dot(w_kb, o'_kb) * scale[n // 32, kb] (the scale bytes loaded one slot ahead).
 - **Split-K with a deterministic reduction** (grid: N tiles x split; the split is the plan's, the
   same for every row count): each split stores its FP32 partial of the M real rows to the plan's
   workspace, one acq_rel atomic on the tile's counter; the last split to arrive adds the partials
@@ -38,12 +43,14 @@ How the kernel runs (one program per 64 x warpgroups weight rows and K split):
   `act_quant.mxfp8_quantize_tile` (the quantizer of `act_quant_mxfp8_`, also fused in `ops.wo_a`)
   from the BF16 values it just rounded, 32 outputs of a row per block (a tile holds whole blocks).
 
-Numerics: the products are exact (BF16 x BF16 in FP32) and a BF16 wgmma adds them as the Triton
-kernel's tensor-core dots do, truncating while it adds (`ops.wo_a`'s module doc); the FP32
-accumulator runs over the program's K range in K order, k16 instruction by k16 instruction. With
-the same split as the Triton plan (the default rule is the same) and the same K order the
-instruction sequence per output matches the Triton swapped kernel's (its 32-deep dots lower to two
-k16 wgmmas each); whether the bits match is the GPU test's to say, and not part of the contract.
+Numerics: the products are exact (BF16 x BF16 in FP32; E4M3 values are exact in BF16) and a BF16
+wgmma adds them as the Triton kernel's tensor-core dots do, truncating while it adds (`ops.wo_a`'s
+module doc); the FP32 accumulator runs over the program's K range in K order, k16 instruction by
+k16 instruction (FP8: block partials, each scaled exactly, in K order). For a BF16 weight, with the
+same split as the Triton plan (the default rule is the same) and the same K order, the instruction
+sequence per output matches the Triton swapped kernel's (its 32-deep dots lower to two k16 wgmmas
+each); whether the bits match is the GPU test's to say, and not part of the contract. (The Triton
+plan of an FP8 weight runs TF32 dots, unswapped, at split 4: other sums, within the same bound.)
 Batch invariance: the split, the slot depth and the instruction do not depend on the row count;
 the row bucket BT changes the wgmma's N (how many columns one instruction computes), not the
 arithmetic of an output element.
@@ -64,6 +71,7 @@ from ..formats import E4M3_MAX, MXFP8_AMAX_FLOOR
 from .act_quant import INV_E4M3_MAX, mxfp8_quantize_tile
 from .checks import planned_rows, require_tensor
 from .common import is_sm90, num_sms, plan_workspace
+from .rounding import ue8m0_to_fp32
 from .wo_a import _window_copy_args
 
 MAX_ROWS = 64
@@ -110,17 +118,24 @@ def _rotate_slot(x_tile, cos, sin, BT: gl.constexpr, rot_l: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(w_smem, x_smem, ready, empty, cos_ptr, sin_ptr, M, stride_cm, stride_sm, step_lo, n_steps,
-              STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, HEAD_STEPS: gl.constexpr,
-              mma_layout: gl.constexpr, rot_l: gl.constexpr, pair_l: gl.constexpr):
-    """The consumer warpgroup(s): per slot, the o tile rotated in place when it is a head's rotary
-    chunk, then the slot's wgmma issued before the previous slot's is retired (two groups in
-    flight). Returns (acc, ): [BN, BT] FP32 over the program's K range, in K order."""
+def _load_cis(cos_ptr, sin_ptr, M, stride_cm, stride_sm, BT: gl.constexpr, pair_l: gl.constexpr):
+    """cos, sin [BT, 32] FP32 of the launch's rows in `pair_l` (0 for the rows past M)."""
     rm = gl.arange(0, BT, layout=gl.SliceLayout(1, pair_l))
     rp = gl.arange(0, 32, layout=gl.SliceLayout(0, pair_l))
     ok = (rm < M)[:, None] & (rp < 32)[None, :]
     cos = gl.load(cos_ptr + rm[:, None] * stride_cm + rp[None, :], mask=ok, other=0.0)
     sin = gl.load(sin_ptr + rm[:, None] * stride_sm + rp[None, :], mask=ok, other=0.0)
+    return cos, sin
+
+
+@gluon.jit
+def _consumer(w_smem, x_smem, ready, empty, cos_ptr, sin_ptr, M, stride_cm, stride_sm, step_lo, n_steps,
+              STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, HEAD_STEPS: gl.constexpr,
+              mma_layout: gl.constexpr, rot_l: gl.constexpr, pair_l: gl.constexpr):
+    """The consumer warpgroup(s) for a BF16 weight: per slot, the o tile rotated in place when it is
+    a head's rotary chunk, then the slot's wgmma issued before the previous slot's is retired (two
+    groups in flight). Returns (acc, ): [BN, BT] FP32 over the program's K range, in K order."""
+    cos, sin = _load_cis(cos_ptr, sin_ptr, M, stride_cm, stride_sm, BT, pair_l)
     acc = gl.zeros([BN, BT], gl.float32, mma_layout)
     for i in range(n_steps):
         s = i % STAGES
@@ -137,6 +152,56 @@ def _consumer(w_smem, x_smem, ready, empty, cos_ptr, sin_ptr, M, stride_cm, stri
             # slot i-1's wgmma has retired: hand it back to the producer
             mbarrier.arrive(empty.index((i - 1) % STAGES), count=1)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    return (acc, )
+
+
+@gluon.jit
+def _block_scales(s_rows, step):
+    """The FP32 scales 2^(b - 127) of K blocks 2 step and 2 step + 1 (one 64-deep slot) for the
+    weight rows whose scale rows `s_rows` points at ([BN] pointers to UE8M0 bytes)."""
+    return ue8m0_to_fp32(gl.load(s_rows + 2 * step)), ue8m0_to_fp32(gl.load(s_rows + 2 * step + 1))
+
+
+@gluon.jit
+def _consumer_fp8(w_smem, wb_smem, x_smem, ready, empty, cos_ptr, sin_ptr, s_ptr, M, stride_cm, stride_sm,
+                  stride_sn, off_n, step_lo, n_steps, STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr,
+                  HEAD_STEPS: gl.constexpr, mma_layout: gl.constexpr, rot_l: gl.constexpr,
+                  pair_l: gl.constexpr, cvt_l: gl.constexpr):
+    """The consumer warpgroup(s) for an FP8 weight: per slot, the E4M3 tile converted to BF16
+    (exact) into the staging tile wb_smem and the o tile rotated when it is a rotary chunk; then the
+    slot's two 32-deep K blocks as two wgmmas from zero (both in flight), each block's partial
+    scaled by its weight block's power-of-two scale as it joins the FP32 accumulator, in K order:
+    `ops.wo_a`'s acc += dot(w_kb, o'_kb) * scale[n // 32, kb]. Returns (acc, )."""
+    cos, sin = _load_cis(cos_ptr, sin_ptr, M, stride_cm, stride_sm, BT, pair_l)
+    rn = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, mma_layout))
+    s_rows = s_ptr + (rn // 32) * stride_sn
+    acc = gl.zeros([BN, BT], gl.float32, mma_layout)
+    zero = gl.zeros([BN, BT], gl.float32, mma_layout)
+    next_scales = _block_scales(s_rows, step_lo)
+    for i in range(n_steps):
+        sc0, sc1 = next_scales
+        next_scales = _block_scales(s_rows, step_lo + gl.minimum(i + 1, n_steps - 1))
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        x_tile = x_smem.index(s)
+        wb_smem.store(w_smem.index(s).load(cvt_l).to(gl.bfloat16))
+        if (step_lo + i) % HEAD_STEPS == HEAD_STEPS - 1:
+            _rotate_slot(x_tile, cos, sin, BT, rot_l)
+        # the generic-proxy stores before the wgmma's (async proxy) reads, from every thread
+        fence_async_shared()
+        gl.thread_barrier()
+        p0 = warpgroup_mma(wb_smem.slice(0, 32, dim=1), x_tile.slice(0, 32, dim=1).permute((1, 0)), zero,
+                           use_acc=False, is_async=True)
+        p1 = warpgroup_mma(wb_smem.slice(32, 32, dim=1), x_tile.slice(32, 32, dim=1).permute((1, 0)), zero,
+                           use_acc=False, is_async=True)
+        part = warpgroup_mma_wait(num_outstanding=1, deps=(p0, ))
+        acc = acc + part * sc0[:, None]
+        part = warpgroup_mma_wait(num_outstanding=0, deps=(p1, ))
+        # every warp's wgmmas of the slot have retired before the staging tile is rewritten and
+        # before the slot goes back to the producer
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(s), count=1)
+        acc = acc + part * sc1[:, None]
     return (acc, )
 
 
@@ -169,15 +234,17 @@ def _store_z(total, z_ptrs, mask, codes_ptr, scales_ptr, off_n, M, stride_codes,
 
 @gluon.jit(do_not_specialize=["M", "stride_cm", "stride_sm"])
 def _gluon_wo_a_kernel(
-    w_desc, x_desc, cos_ptr, sin_ptr, z_ptr, ws_ptr, cnt_ptr, codes_ptr, scales_ptr, cp_pool_ptr, cp_src_ptr,
-    cp_dst_ptr, M, stride_cm, stride_sm, stride_zm, stride_codes, stride_scales,
+    w_desc, x_desc, cos_ptr, sin_ptr, s_ptr, z_ptr, ws_ptr, cnt_ptr, codes_ptr, scales_ptr, cp_pool_ptr,
+    cp_src_ptr, cp_dst_ptr, M, stride_cm, stride_sm, stride_sn, stride_zm, stride_codes, stride_scales,
     R: gl.constexpr, GW: gl.constexpr, HEAD_STEPS: gl.constexpr, STEPS_PER_SPLIT: gl.constexpr,
-    SPLIT: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr, QUANT: gl.constexpr = False,
+    SPLIT: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr = False,
+    QUANT: gl.constexpr = False,
     COPY_WORDS: gl.constexpr = 0, COPY_BLOCK: gl.constexpr = 1, N_TILES: gl.constexpr = 1,
 ):
     # Grid (G*R / BN tiles, SPLIT): program (t, s) covers weight rows [t*BN, +BN) (all in group
     # g = t*BN // R) and the group's K steps [s*STEPS_PER_SPLIT, +STEPS_PER_SPLIT) of 64 channels;
-    # the o tile's columns are g*GW + k in o viewed as [M, H*512].
+    # the o tile's columns are g*GW + k in o viewed as [M, H*512]. FP8: the weight is E4M3 with
+    # UE8M0 scales at s_ptr ([G*R/32, GW/32] bytes, row stride stride_sn).
     BN: gl.constexpr = w_desc.block_type.shape[0]
     WG: gl.constexpr = BN // 64
     pid_n = gl.program_id(0)
@@ -202,12 +269,25 @@ def _gluon_wo_a_kernel(
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
 
-    acc, = gl.warp_specialize([
-        (_consumer, (w_smem, x_smem, ready, empty, cos_ptr, sin_ptr, M, stride_cm, stride_sm, step_lo,
-                     STEPS_PER_SPLIT, STAGES, BN, BT, HEAD_STEPS, mma_layout, rot_l, pair_l)),
-        (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_col, step_lo, STEPS_PER_SPLIT,
-                     STAGES)),
-    ], [1], [24])
+    if FP8:
+        # the BF16 staging tile of the converted weight (the o tile's 128-byte swizzle)
+        wb_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, 64], x_desc.layout)
+        cvt_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[16, 2],
+                                               warps_per_cta=[4 * WG, 1], order=[1, 0])
+        acc, = gl.warp_specialize([
+            (_consumer_fp8, (w_smem, wb_smem, x_smem, ready, empty, cos_ptr, sin_ptr, s_ptr, M, stride_cm,
+                             stride_sm, stride_sn, off_n, step_lo, STEPS_PER_SPLIT, STAGES, BN, BT, HEAD_STEPS,
+                             mma_layout, rot_l, pair_l, cvt_l)),
+            (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_col, step_lo, STEPS_PER_SPLIT,
+                         STAGES)),
+        ], [1], [24])
+    else:
+        acc, = gl.warp_specialize([
+            (_consumer, (w_smem, x_smem, ready, empty, cos_ptr, sin_ptr, M, stride_cm, stride_sm, step_lo,
+                         STEPS_PER_SPLIT, STAGES, BN, BT, HEAD_STEPS, mma_layout, rot_l, pair_l)),
+            (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_col, step_lo, STEPS_PER_SPLIT,
+                         STAGES)),
+        ], [1], [24])
 
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
@@ -264,19 +344,16 @@ class GluonWoAConfig:
     split: programs along K per output tile; None = the default rule (the largest divisor of
         group_width / 64 at most 2 x SMs / output tiles, `ops.wo_a.WoAPlan.build`'s rule for a BF16
         weight).
-    stages: ring slots, 3..12 (each (64 x warpgroups + BT) x 64 BF16).
+    stages: ring slots, 3..12 (each a [64 x warpgroups, 64] weight tile, BF16 or E4M3, and a
+        [BT, 64] BF16 o tile).
     warpgroups: consumer warpgroups per program, 1 or 2 (64 or 128 weight rows per program).
-    maxnreg: the launch's register cap per thread. A CTA runs the consumer warpgroup(s) and the
-        producer's warp padded to a warpgroup, each thread holding this many registers however
-        `setmaxnreg` moves them (the producer drops to 24, the consumer rises): 80 keeps three
-        CTAs of one warpgroup per SM resident (8 warps x 32 x 80 of 64K registers; Triton's default
-        of 255 one), and every row bucket compiles without spills at 80 (sm_90 compile test).
+    maxnreg: the launch's register cap per thread; None = `register_cap`'s rule.
     """
 
     split: int | None = None
     stages: int = 6
     warpgroups: int = 1
-    maxnreg: int = 80
+    maxnreg: int | None = None
 
     def __post_init__(self):
         def is_int(v):
@@ -287,8 +364,9 @@ class GluonWoAConfig:
             raise ValueError(f"GluonWoAConfig.stages must be an int in [3, 12], got {self.stages!r}")
         if not is_int(self.warpgroups) or self.warpgroups not in (1, 2):
             raise ValueError(f"GluonWoAConfig.warpgroups must be 1 or 2, got {self.warpgroups!r}")
-        if not is_int(self.maxnreg) or not 24 <= self.maxnreg <= 256 or self.maxnreg % 8:
-            raise ValueError(f"GluonWoAConfig.maxnreg must be a multiple of 8 in [24, 256], "
+        if self.maxnreg is not None and (not is_int(self.maxnreg) or not 24 <= self.maxnreg <= 256
+                                         or self.maxnreg % 8):
+            raise ValueError(f"GluonWoAConfig.maxnreg must be None or a multiple of 8 in [24, 256], "
                              f"got {self.maxnreg!r}")
 
     @property
@@ -297,15 +375,30 @@ class GluonWoAConfig:
         return 64 * self.warpgroups
 
 
+def register_cap(config: GluonWoAConfig, bt: int, fp8: bool) -> int:
+    """The launch's register cap per thread at row bucket `bt`: config.maxnreg, else 80, and 128 for
+    an FP8 weight at 64 rows. A CTA runs the consumer warpgroup(s) and the producer's warp padded to
+    a warpgroup, each thread holding the cap however `setmaxnreg` moves the registers (the producer
+    drops to 24, the consumer rises): 80 keeps three CTAs of one warpgroup per SM resident (8 warps
+    x 32 x 80 of 64K registers; Triton's default of 255 one). Every bucket compiles without spills
+    at 80 (sm_90 compile test), except the FP8 consumer at 64 rows (the accumulator and two block
+    partials, 32 registers each: 32 bytes of stack at 80), which needs 104 and runs at 128, the
+    same residency (two CTAs)."""
+    if config.maxnreg is not None:
+        return config.maxnreg
+    return 128 if fp8 and bt == 64 else 80
+
+
 def block_t(rows: int) -> int:
     """The row bucket (the wgmma's N) of a launch of `rows` rows."""
     return next(b for b in ROW_BUCKETS if b >= rows)
 
 
-def shared_bytes(config: GluonWoAConfig, bt: int) -> int:
-    """The shared memory of a launch at row bucket `bt`: the ring's weight and o tiles, and 1 KB
-    for the mbarriers and what the compiler adds."""
-    return config.stages * (config.block_n + bt) * BLOCK_K * 2 + 1024
+def shared_bytes(config: GluonWoAConfig, bt: int, fp8: bool = False) -> int:
+    """The shared memory of a launch at row bucket `bt`: the ring's weight and o tiles (with an FP8
+    weight, also the BF16 staging tile), and 1 KB for the mbarriers and what the compiler adds."""
+    w_bytes = config.block_n * BLOCK_K * (1 if fp8 else 2)
+    return config.stages * (w_bytes + bt * BLOCK_K * 2) + (config.block_n * BLOCK_K * 2 if fp8 else 0) + 1024
 
 
 def default_split(group_width: int, n_tiles: int, sms: int) -> int:
@@ -321,8 +414,8 @@ def launch_options(plan: "GluonWoAPlan", bt: int) -> dict:
     sm_90 compile test share them)."""
     opts = {"R": plan.rank, "GW": plan.group_width, "HEAD_STEPS": plan.head_dim // BLOCK_K,
             "STEPS_PER_SPLIT": plan.k_per_split // BLOCK_K, "SPLIT": plan.split, "BT": bt,
-            "STAGES": plan.config.stages, "num_warps": 4 * plan.config.warpgroups,
-            "maxnreg": plan.config.maxnreg,
+            "STAGES": plan.config.stages, "FP8": plan.fp8, "num_warps": 4 * plan.config.warpgroups,
+            "maxnreg": register_cap(plan.config, bt, plan.fp8),
             # the rotation's products and sums rounded as torch rounds them (no FMA)
             "enable_fp_fusion": False}
     return opts
@@ -330,12 +423,13 @@ def launch_options(plan: "GluonWoAPlan", bt: int) -> dict:
 
 @dataclass(frozen=True, eq=False)
 class GluonWoAPlan:
-    """Tiles and split of the Gluon `wo_a` for one rank's shape with a BF16 weight, and its split-K
-    workspace (its own, or views of a shared pool: `build(workspace=)`). sm_90 launches only;
-    builds anywhere (the split rule takes an H200's SM count off the GPU).
+    """Tiles and split of the Gluon `wo_a` for one rank's shape, and its split-K workspace (its own,
+    or views of a shared pool: `build(workspace=)`). sm_90 launches only; builds anywhere (the split
+    rule takes an H200's SM count off the GPU).
 
     heads, o_groups: this rank's H and G (H/G heads per group); rank: R = o_lora_rank (a multiple
-    of config.block_n); head_dim: a multiple of 64; rope_dim: 64 (one ring slot); max_rows: 1..64.
+    of config.block_n); head_dim: a multiple of 64; rope_dim: 64 (one ring slot); max_rows: 1..64;
+    weight_dtype: bfloat16 or float8_e4m3fn (with 32x32 UE8M0 scales, as `ops.wo_a`).
     k_per_split: group channels per program; split: programs along K per output tile (the same at
     every row count: batch invariance). partials: FP32 [N tiles * split * max_rows * block_n];
     counters: [N tiles] int32, zero between launches. Not for concurrent launches on two streams.
@@ -346,6 +440,7 @@ class GluonWoAPlan:
     head_dim: int
     rope_dim: int
     max_rows: int
+    weight_dtype: torch.dtype
     config: GluonWoAConfig
     k_per_split: int
     split: int
@@ -369,16 +464,24 @@ class GluonWoAPlan:
     def n_tiles(self) -> int:
         return self.n_out // self.config.block_n
 
+    @property
+    def fp8(self) -> bool:
+        return self.weight_dtype == torch.float8_e4m3fn
+
     @classmethod
-    def build(cls, heads: int, o_groups: int, rank: int, max_rows: int, device: torch.device | str = "cuda", *,
-              head_dim: int = 512, rope_dim: int = 64, config: GluonWoAConfig | None = None,
-              workspace=None) -> "GluonWoAPlan":
+    def build(cls, heads: int, o_groups: int, rank: int, max_rows: int, weight_dtype: torch.dtype = torch.bfloat16,
+              device: torch.device | str = "cuda", *, head_dim: int = 512, rope_dim: int = 64,
+              config: GluonWoAConfig | None = None, workspace=None) -> "GluonWoAPlan":
         """Choose the split and allocate the workspace (or take it from `workspace`: a pool as
-        `ops.common.plan_workspace` says, FP32 slot 0 and int32 slot 0, as `WoAPlan.build`)."""
+        `ops.common.plan_workspace` says, FP32 slot 0 and int32 slot 0), with `WoAPlan.build`'s
+        leading arguments."""
         for name, v in (("heads", heads), ("o_groups", o_groups), ("rank", rank), ("max_rows", max_rows),
                         ("head_dim", head_dim), ("rope_dim", rope_dim)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if weight_dtype not in (torch.bfloat16, torch.float8_e4m3fn):
+            raise TypeError(f"weight_dtype must be torch.bfloat16 or torch.float8_e4m3fn, got {weight_dtype}")
+        fp8 = weight_dtype == torch.float8_e4m3fn
         if config is not None and not isinstance(config, GluonWoAConfig):
             raise TypeError(f"config must be a GluonWoAConfig, got {type(config).__name__}")
         config = config or GluonWoAConfig()
@@ -394,7 +497,7 @@ class GluonWoAPlan:
                              f"per head; use ops.wo_a)")
         if max_rows > MAX_ROWS:
             raise ValueError(f"max_rows must be at most {MAX_ROWS} (the low-batch limit), got {max_rows}")
-        need = shared_bytes(config, block_t(max_rows))
+        need = shared_bytes(config, block_t(max_rows), fp8)
         if need > SHARED_LIMIT:
             raise ValueError(f"config.stages = {config.stages} needs {need} bytes of shared memory at "
                              f"max_rows = {max_rows}; sm_90 has {SHARED_LIMIT}")
@@ -410,16 +513,16 @@ class GluonWoAPlan:
         partials = plan_workspace(workspace, 0, n_tiles * split * max_rows * config.block_n if split > 1 else 1,
                                   torch.float32, device)
         counters = plan_workspace(workspace, 0, n_tiles, torch.int32, device)
-        return cls(heads, o_groups, rank, head_dim, rope_dim, max_rows, config, group_width // split, split,
-                   partials, counters)
+        return cls(heads, o_groups, rank, head_dim, rope_dim, max_rows, weight_dtype, config, group_width // split,
+                   split, partials, counters)
 
 
-def _bf16_desc(t: torch.Tensor, block: list[int], name: str) -> TensorDescriptor:
-    """A TMA descriptor of the 2-D BF16 tensor t with box `block` (128-byte swizzled tiles)."""
-    if t.stride(0) * 2 % 16 or t.data_ptr() % 16:
+def _tma_desc(t: torch.Tensor, block: list[int], name: str) -> TensorDescriptor:
+    """A TMA descriptor of the 2-D BF16 or E4M3 tensor t with box `block` (swizzled tiles)."""
+    if t.stride(0) * t.element_size() % 16 or t.data_ptr() % 16:
         raise ValueError(f"{name} rows must be 16-byte aligned for TMA (row stride {t.stride(0)} elements, "
                          f"address {t.data_ptr():#x})")
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float8e4nv)
     return TensorDescriptor.from_tensor(t, block, layout)
 
 
@@ -432,8 +535,8 @@ def gluon_wo_a_(plan: GluonWoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: tor
 
     o: [M, H, head_dim] BF16 whose heads are contiguous within a row (head stride = head_dim, unit
        stride; rows 16-byte aligned: the kernel reads o as [M, H*head_dim] through TMA).
-    weight: [G*R, (H/G)*head_dim] BF16, rows 16-byte aligned (TMA); scale must be None (FP8 weights
-       run in `ops.wo_a`).
+    weight: [G*R, (H/G)*head_dim] of plan.weight_dtype, rows 16-byte aligned (TMA); scale as
+       `ops.wo_a.wo_a_` (None for BF16; [G*R/32, (H/G)*head_dim/32] UE8M0 bytes for FP8).
     codes_out, scales_out: optionally the MXFP8 of out in the same launch (`act_quant_mxfp8_(out,
        codes_out, scales_out)` bit for bit), as `ops.wo_a.wo_a_`.
     window_copy: optionally (pool, src, dst), as `ops.wo_a.wo_a_` (same checks, same guarantees).
@@ -451,12 +554,17 @@ def gluon_wo_a_(plan: GluonWoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: tor
                          f"strides {o.stride()}: the kernel reads each row's heads as one TMA row")
     require_tensor(cos, "cos", (torch.float32,), (m, plan.rope_dim // 2), dev)
     require_tensor(sin, "sin", (torch.float32,), (m, plan.rope_dim // 2), dev)
-    if isinstance(weight, torch.Tensor) and weight.dtype == torch.float8_e4m3fn:
-        raise TypeError("weight must have dtype torch.bfloat16, got torch.float8_e4m3fn: the Gluon wo_a runs "
-                        "BF16 weights (use ops.wo_a for FP8)")
-    require_tensor(weight, "weight", (torch.bfloat16,), (plan.n_out, plan.group_width), dev)
-    if scale is not None:
+    require_tensor(weight, "weight", (plan.weight_dtype,), (plan.n_out, plan.group_width), dev)
+    if plan.fp8:
+        if scale is None:
+            raise ValueError("scale is required with an FP8 weight")
+        require_tensor(scale, "scale", (torch.uint8, torch.float8_e8m0fnu),
+                       (plan.n_out // 32, plan.group_width // 32), dev)
+        scale = scale.view(torch.uint8)
+    elif scale is not None:
         raise ValueError("scale must be None with a BF16 weight")
+    else:
+        scale = plan.counters     # an unused pointer
     require_tensor(out, "out", (torch.bfloat16,), (m, plan.n_out), dev)
     quant = codes_out is not None or scales_out is not None
     if quant:
@@ -475,13 +583,14 @@ def gluon_wo_a_(plan: GluonWoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: tor
         return
     bt = block_t(m)
     bn = plan.config.block_n
-    w_desc = _bf16_desc(weight, [bn, BLOCK_K], "weight")
+    w_desc = _tma_desc(weight, [bn, BLOCK_K], "weight")
     o2 = o.as_strided((m, plan.heads * plan.head_dim), (o.stride(0), 1))
-    x_desc = _bf16_desc(o2, [bt, BLOCK_K], "o")
+    x_desc = _tma_desc(o2, [bt, BLOCK_K], "o")
     opts = launch_options(plan, bt)
     _gluon_wo_a_kernel[(plan.n_tiles, plan.split)](
-        w_desc, x_desc, cos, sin, out, plan.partials, plan.counters, codes_out, scales_out, cp_pool, cp_src, cp_dst,
-        m, cos.stride(0), sin.stride(0), out.stride(0), codes_out.stride(0), scales_out.stride(0), QUANT=quant,
+        w_desc, x_desc, cos, sin, scale, out, plan.partials, plan.counters, codes_out, scales_out, cp_pool, cp_src,
+        cp_dst, m, cos.stride(0), sin.stride(0), scale.stride(0), out.stride(0), codes_out.stride(0),
+        scales_out.stride(0), QUANT=quant,
         COPY_WORDS=copy_words, COPY_BLOCK=max(32, 1 << (max(copy_words, 1) - 1).bit_length()),
         N_TILES=plan.n_tiles, **opts,
     )

@@ -5,37 +5,42 @@ shard's split, each row bucket, one- and two-warpgroup programs), with the step'
 MXFP8 of z and the window copy of 528-byte records), and prints one JSON object per case: its
 registers, stack, local memory and shared memory, the opcode counts, the wgmma instructions, the
 wgmma waits and the plan's split, steps per program and register cap. `python
-tests/ops/_gluon_wo_a_sm90.py [heads:bt:warpgroups[:split] ...]` compiles the given cases instead."""
+tests/ops/_gluon_wo_a_sm90.py [heads:bt:warpgroups[:split[:fp8]] ...]` compiles the given cases instead."""
 
 from __future__ import annotations
 
 import json
 import sys
 
+import torch
 from triton.experimental.gluon import language as gl
 
 from dsv41_decode.ops import gluon_wo_a as W
 from dsv41_decode.testing import sm90
 
 RANK = 1024   # o_lora_rank of V4.1; 8 heads per group
-# (heads, row bucket, warpgroups, split or 0 for the plan's): TP1, 2, 4, 8 (splits 2, 4, 8, 16), each
-# bucket once, 128-row programs once, and the epilogue without split-K once
-CASES = [(64, 8, 1, 0), (32, 16, 1, 0), (16, 32, 1, 0), (8, 64, 1, 0), (64, 64, 2, 0), (8, 16, 1, 1)]
+# (heads, row bucket, warpgroups, split or 0 for the plan's, FP8 weight): BF16 at TP1, 2, 4, 8 (splits
+# 2, 4, 8, 16), each bucket once, 128-row programs once, the epilogue without split-K once; FP8 at
+# its tightest bucket with one and two warpgroups, and at 1 row
+CASES = [(64, 8, 1, 0, 0), (32, 16, 1, 0, 0), (16, 32, 1, 0, 0), (8, 64, 1, 0, 0), (64, 64, 2, 0, 0),
+         (8, 16, 1, 1, 0), (64, 8, 1, 0, 1), (16, 64, 1, 0, 1), (64, 64, 2, 0, 1)]
 COPY_WORDS = 132   # the window record: 528 bytes
 
 
-def _desc(block) -> str:
-    """The signature of a Gluon TMA descriptor of BF16 tiles `block`, as the launcher specializes it."""
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16)
-    return f"tensordesc<bf16[{block[0]}, {block[1]}],{layout!r}>"
+def _desc(block, fp8: bool = False) -> str:
+    """The signature of a Gluon TMA descriptor of BF16 (or E4M3) tiles `block`, as the launcher
+    specializes it."""
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv if fp8 else gl.bfloat16)
+    return f"tensordesc<{'fp8e4nv' if fp8 else 'bf16'}[{block[0]}, {block[1]}],{layout!r}>"
 
 
 def compile_case(plan: W.GluonWoAPlan, bt: int, quant: bool = True, copy_words: int = COPY_WORDS):
     """The kernel of `plan`'s launch at row bucket `bt`, compiled for sm_90 as the launcher would."""
     opts = W.launch_options(plan, bt)
     options = {k: opts.pop(k) for k in ("num_warps", "maxnreg", "enable_fp_fusion")}
-    types = {"w_desc": _desc([plan.config.block_n, W.BLOCK_K]), "x_desc": _desc([bt, W.BLOCK_K]),
-             "cos_ptr": "*fp32", "sin_ptr": "*fp32", "z_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
+    w_block = [plan.config.block_n, W.BLOCK_K]
+    types = {"w_desc": _desc(w_block, plan.fp8), "x_desc": _desc([bt, W.BLOCK_K]),
+             "cos_ptr": "*fp32", "sin_ptr": "*fp32", "s_ptr": "*u8" if plan.fp8 else "*i32", "z_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
              "codes_ptr": "*u8", "scales_ptr": "*u8", "cp_pool_ptr": "*i32", "cp_src_ptr": "*i64",
              "cp_dst_ptr": "*i64"}
     consts = {**opts, "QUANT": quant, "COPY_WORDS": copy_words,
@@ -44,18 +49,19 @@ def compile_case(plan: W.GluonWoAPlan, bt: int, quant: bool = True, copy_words: 
     # as the launcher sees the real shapes: pointers and the outputs' row strides multiples of 16
     return sm90.compile_sm90(kernel, types, consts,
                              divisible=[a for a in kernel.arg_names
-                                        if a.endswith("_ptr") or a in ("stride_zm", "stride_codes")],
+                                        if a.endswith("_ptr") or a in ("stride_zm", "stride_codes", "stride_sn")],
                              **options)
 
 
-def measure(heads: int, bt: int, wg: int, split: int = 0) -> dict:
+def measure(heads: int, bt: int, wg: int, split: int = 0, fp8: int = 0) -> dict:
     config = W.GluonWoAConfig(warpgroups=wg, split=split or None)
-    plan = W.GluonWoAPlan.build(heads, heads // 8, RANK, 64, "cpu", config=config)
+    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    plan = W.GluonWoAPlan.build(heads, heads // 8, RANK, 64, dtype, "cpu", config=config)
     kernel = compile_case(plan, bt)
     ins = [t for _, t in sm90.sass(kernel)]
-    return {"case": [heads, bt, wg, split], "bt": bt, "split": plan.split, "n_tiles": plan.n_tiles,
-            "steps": plan.k_per_split // W.BLOCK_K, "maxnreg": plan.config.maxnreg,
-            "shared_limit": W.shared_bytes(plan.config, bt), "shared": kernel.metadata.shared,
+    return {"case": [heads, bt, wg, split, fp8], "bt": bt, "split": plan.split, "n_tiles": plan.n_tiles,
+            "steps": plan.k_per_split // W.BLOCK_K, "maxnreg": W.register_cap(plan.config, bt, plan.fp8),
+            "shared_limit": W.shared_bytes(plan.config, bt, plan.fp8), "shared": kernel.metadata.shared,
             **sm90.resources(kernel), "ops": sm90.opcode_counts(ins),
             "gmma": [t for t in ins if "GMMA" in t and not t.startswith("WARPGROUP")],
             "waits": sorted({t for t in ins if t.startswith("WARPGROUP.DEPBAR")})}

@@ -1,12 +1,13 @@
-"""ops.gluon_wo_a, the Gluon grouped `wo_a` for a BF16 weight (sm_90 only).
+"""ops.gluon_wo_a, the Gluon grouped `wo_a` for BF16 and FP8 weights (sm_90 only).
 
 On the CPU: the kernel compiles for sm_90 (Triton's own ptxas) at the real shapes' splits (TP1, 2,
-4, 8: 2, 4, 8, 16) and every row bucket, with the window copy, without spills, and its SASS holds
-the BF16 wgmma, the two TMA loads, a wait that leaves one wgmma group in flight and no fused
-multiply-add (the rotation's products and sums round separately, as torch's); bad arguments raise
-errors that name them. On the GPU (`-m gpu`): the real shapes at 1, 2, 4, 16, 33 and 64 rows against
-the reference, bitwise run to run, a row alone equal to the same row among others, the window copy
-and the MXFP8 of z equal to `ops.wo_a`'s.
+4, 8: 2, 4, 8, 16) and every row bucket, with the fused MXFP8 of z and the window copy, without
+spills, and its SASS holds the BF16 wgmma, the two TMA loads, a wait that leaves one wgmma group in
+flight and no fused multiply-add (the rotation's products and sums round separately, as torch's);
+bad arguments raise errors that name them. On the GPU (`-m gpu`): the real shapes at 1, 2, 4, 16, 33
+and 64 rows against the reference, bitwise run to run, a row alone equal to the same row among
+others, the window copy and the MXFP8 of z equal to `ops.wo_a`'s, the rotation bit-exact through
+an identity weight, and the z of the Triton kernel within the same tolerance.
 
 Tolerance against `reference.attention.grouped_wo_a`: the Triton kernel's (tests/ops/test_wo_a.py,
 `_check`): rel RMS < 1e-3 and at most 1 BF16 ulp of the row's largest |z|. Derivation: the rotated
@@ -17,7 +18,10 @@ the Triton kernel's tensor-core dots do) and split-K's regrouping, a few FP32 ul
 magnitude (~1e-7 relative); that can tip the BF16 rounding of an output by one ulp of its value, at
 most one ulp of the row's largest |z|, and rarely (a one-ulp flip needs the dot within ~1e-7
 relative of a BF16 rounding midpoint), hence the rel RMS bound (1e-3 allows up to 1.6 % of the
-elements one ulp off).
+elements one ulp off). An FP8 weight is held to the same against the reference fed its
+dequantized weight (`ops.wo_a`'s FP8 test): each 32-deep block's partial is the BF16 wgmma's sum
+of exact products (E4M3 codes are exact in BF16), scaled exactly by its power-of-two block scale,
+then added in K order: the same FP32 summation argument.
 """
 
 import json
@@ -30,7 +34,8 @@ import pytest
 import torch
 
 from dsv41_decode.ops import gluon_wo_a as W
-from dsv41_decode.ops.wo_a import WoAPlan, wo_a_
+from dsv41_decode.formats import fp8_block_dequantize
+from dsv41_decode.ops.wo_a import WoAPlan, quantize_wo_a, wo_a_
 from dsv41_decode.reference.attention import grouped_wo_a
 from _gluon_wo_a_sm90 import CASES
 from test_wo_a import _check, _inputs
@@ -54,11 +59,16 @@ def sm90_builds() -> dict:
     return {tuple(r["case"]): r for r in rows}
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"h{h}-bt{b}-wg{w}" + (f"-split{s}" if s else "") for h, b, w, s in CASES])
+def _case_id(case) -> str:
+    heads, bt, wg, split, fp8 = case
+    return f"{'fp8' if fp8 else 'bf16'}-h{heads}-bt{bt}-wg{wg}" + (f"-split{split}" if split else "")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
 def test_compiles_for_sm90_without_spills(sm90_builds, case):
-    """Each TP shard's split (TP1..8: 2..16, twice that with two warpgroups), each row bucket, and
-    one launch without split-K, with the fused MXFP8 of z and the window copy: no local memory or
-    spills within the register cap (three one-warpgroup CTAs per SM), the BF16 wgmma, the TMA loads,
+    """Each TP shard's split (TP1..8: 2..16, twice that with two warpgroups), each row bucket, one
+    launch without split-K and the FP8 consumer, with the fused MXFP8 of z and the window copy: no
+    local memory or spills within the register cap (`register_cap`), the BF16 wgmma, the TMA loads,
     two groups in flight, no FMA."""
     r = sm90_builds[case]
     assert r["n_tiles"] * r["split"] == (256 if case[3] == 0 else r["n_tiles"]), r
@@ -66,9 +76,12 @@ def test_compiles_for_sm90_without_spills(sm90_builds, case):
     ops = r["ops"]
     assert ops.get("STL", 0) == 0 and ops.get("LDL", 0) == 0, ops
     # One 64-deep slot: four BF16 wgmmas m64 n{bt} k16, FP32 accumulation (each warpgroup runs the
-    # same code on its 64 rows; ptxas may copy the slot's issue into both arms of the rotation's branch).
+    # same code on its 64 rows; ptxas may copy the slot's issue into both arms of the rotation's branch);
+    # with an FP8 weight two 32-deep block partials, each started from zero (RZ).
     gmma, bt = r["gmma"], r["bt"]
     assert gmma and len(gmma) % 4 == 0 and all(t.startswith(f"HGMMA.64x{bt}x16.F32.BF16") for t in gmma), gmma
+    if case[4]:
+        assert sum(", RZ" in t for t in gmma) == len(gmma) // 2, gmma
     # the producer's weight and o tiles (its loop unrolled where the program's K range is short)
     assert ops.get("UTMALDG", 0) in (2, 2 * r["steps"]), ops
     assert ops.get("SYNCS", 0) > 0, ops           # the mbarrier ring
@@ -85,12 +98,13 @@ def test_plan_split_is_the_triton_plans_and_fits_shared_memory():
     # The default split rule is WoAPlan's for a BF16 weight (about two programs per SM), the same at
     # every row count; the ring at 64 rows fits twice in an SM's shared memory at the default stages.
     for heads in REAL_HEADS:
-        plan = W.GluonWoAPlan.build(heads, heads // 8, RANK, 64, "cpu")
+        plan = W.GluonWoAPlan.build(heads, heads // 8, RANK, 64, torch.bfloat16, "cpu")
         tri = WoAPlan.build(heads, heads // 8, RANK, 64, torch.bfloat16, "cpu")
         assert (plan.split, plan.k_per_split) == (tri.split, tri.k_per_split)
         assert plan.n_tiles * plan.split == 256
         assert 2 * W.shared_bytes(plan.config, 64) <= 228 * 1024
-    wide = W.GluonWoAPlan.build(64, 8, RANK, 64, "cpu", config=W.GluonWoAConfig(warpgroups=2, split=4))
+    wide = W.GluonWoAPlan.build(64, 8, RANK, 64, torch.bfloat16, "cpu",
+                                config=W.GluonWoAConfig(warpgroups=2, split=4))
     assert (wide.n_tiles, wide.split, wide.k_per_split) == (64, 4, 1024)
 
 
@@ -100,8 +114,9 @@ def test_bad_plans_name_the_field():
                       (dict(max_rows=65), "max_rows must be at most 64"), (dict(max_rows=0), "max_rows must be"),
                       (dict(config=W.GluonWoAConfig(split=3)), "config.split must divide"),
                       (dict(config=W.GluonWoAConfig(stages=12, warpgroups=2)), "shared memory"),
-                      (dict(config="fast"), "config must be a GluonWoAConfig")):
-        args = dict(heads=16, o_groups=2, rank=128, max_rows=64, device="cpu") | kw
+                      (dict(config="fast"), "config must be a GluonWoAConfig"),
+                      (dict(weight_dtype=torch.float16), "weight_dtype must be")):
+        args = dict(heads=16, o_groups=2, rank=128, max_rows=64, weight_dtype=torch.bfloat16, device="cpu") | kw
         with pytest.raises((TypeError, ValueError), match=match):
             W.GluonWoAPlan.build(**args)
     for kw, match in ((dict(stages=2), "stages"), (dict(warpgroups=3), "warpgroups"),
@@ -124,7 +139,7 @@ def _meta(t):
     (lambda o, c, s, w, z: (o, c.double(), s, w, None, z), "cos must have dtype"),
     (lambda o, c, s, w, z: (o, c, s[:, :16], w, None, z), "sin must have shape"),
     (lambda o, c, s, w, z: (o, c, s, w.float(), None, z), "weight must have dtype"),
-    (lambda o, c, s, w, z: (o, c, s, w.to(torch.float8_e4m3fn), None, z), "use ops.wo_a for FP8"),
+    (lambda o, c, s, w, z: (o, c, s, w.to(torch.float8_e4m3fn), None, z), "weight must have dtype"),
     (lambda o, c, s, w, z: (o, c, s, w[:64], None, z), "weight must have shape"),
     (lambda o, c, s, w, z: (o, c, s, _meta(w), None, z), "weight must be on"),
     (lambda o, c, s, w, z: (o, c, s, w, torch.zeros(4, 32, dtype=torch.uint8), z), "scale must be None"),
@@ -133,7 +148,7 @@ def _meta(t):
     (lambda o, c, s, w, z: (o, c, s, w, None, z), "compute capability 9.0"),
 ])
 def test_bad_inputs_raise_naming_the_argument(case, match):
-    plan = W.GluonWoAPlan.build(4, 2, 64, 8, "cpu")
+    plan = W.GluonWoAPlan.build(4, 2, 64, 8, torch.bfloat16, "cpu")
     o, _, cos, sin, w = (t.cpu() for t in _inputs(3, 4, 2, 64, seed=0))
     with pytest.raises((TypeError, ValueError), match=match):
         W.gluon_wo_a_(plan, *case(o, cos, sin, w, torch.empty(3, 128, dtype=torch.bfloat16)))
@@ -146,47 +161,72 @@ def test_bad_inputs_raise_naming_the_argument(case, match):
         W.gluon_wo_a_(WoAPlan.build(4, 2, 64, 8, torch.bfloat16, "cpu"), o, cos, sin, w, None, z)
 
 
+def test_fp8_plan_needs_the_scale():
+    plan = W.GluonWoAPlan.build(4, 2, 64, 8, torch.float8_e4m3fn, "cpu")
+    o, _, cos, sin, w = (t.cpu() for t in _inputs(3, 4, 2, 64, seed=0))
+    weight, scale = quantize_wo_a(w)
+    z = torch.empty(3, 128, dtype=torch.bfloat16)
+    for bad, match in ((None, "scale is required"), (scale[:, :8], "scale must have shape"),
+                       (scale.float(), "scale must have dtype")):
+        with pytest.raises((TypeError, ValueError), match=match):
+            W.gluon_wo_a_(plan, o, cos, sin, weight, bad, z)
+    with pytest.raises(TypeError, match="weight must have dtype torch.float8_e4m3fn"):
+        W.gluon_wo_a_(plan, o, cos, sin, w, scale, z)
+    assert W.shared_bytes(plan.config, 64, True) < W.shared_bytes(plan.config, 64, False)
+
+
 # ---------------------------------------------------------------------------------------------- GPU
 
 GPU_ROWS = (1, 2, 4, 16, 33, 64)
+DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
 
-def _real(heads: int, seed: int):
+def _real(heads: int, seed: int, dtype=torch.bfloat16):
+    """(plan, o, cis, cos, sin, weight, scale, the weight the reference takes, out [64, G*R]) at the
+    real shape of `heads` heads (TP1..8), the weight BF16 or quantized to FP8."""
     groups = heads // 8
     o, cis, cos, sin, w = _inputs(64, heads, groups, RANK, seed=seed)
-    plan = W.GluonWoAPlan.build(heads, groups, RANK, 64, "cuda")
-    return plan, o, cis, cos, sin, w, torch.empty(64, groups * RANK, dtype=torch.bfloat16, device="cuda")
+    if dtype == torch.float8_e4m3fn:
+        weight, scale = quantize_wo_a(w)
+        w_ref = fp8_block_dequantize(weight, scale).bfloat16()
+    else:
+        weight, scale, w_ref = w, None, w
+    plan = W.GluonWoAPlan.build(heads, groups, RANK, 64, dtype, "cuda")
+    out = torch.empty(64, groups * RANK, dtype=torch.bfloat16, device="cuda")
+    return plan, o, cis, cos, sin, weight, scale, w_ref, out
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=("bf16", "fp8"))
 @pytest.mark.parametrize("heads", REAL_HEADS, ids=[f"tp{64 // h}" for h in REAL_HEADS])
-def test_gpu_real_shapes_match_reference(heads):
-    plan, o, cis, cos, sin, w, out = _real(heads, seed=heads)
+def test_gpu_real_shapes_match_reference(heads, dtype):
+    plan, o, cis, cos, sin, weight, scale, w_ref, out = _real(heads, seed=heads, dtype=dtype)
     groups = heads // 8
     for m in GPU_ROWS:
         out.fill_(float("nan"))
-        W.gluon_wo_a_(plan, o[:m], cos[:m], sin[:m], w, None, out[:m])
-        _check(out[:m], grouped_wo_a(o[:m], cis[:m], w, groups, 64))
+        W.gluon_wo_a_(plan, o[:m], cos[:m], sin[:m], weight, scale, out[:m])
+        _check(out[:m], grouped_wo_a(o[:m], cis[:m], w_ref, groups, 64))
         assert out[m:].isnan().all(), "rows past M untouched"
         assert not plan.counters.any(), "the last program of every tile resets its counter"
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=("bf16", "fp8"))
 @pytest.mark.parametrize("heads", (64, 8), ids=("tp1", "tp8"))
-def test_gpu_bitwise_run_to_run_and_batch_invariant(heads):
-    plan, o, cis, cos, sin, w, out = _real(heads, seed=100 + heads)
-    W.gluon_wo_a_(plan, o, cos, sin, w, None, out)
+def test_gpu_bitwise_run_to_run_and_batch_invariant(heads, dtype):
+    plan, o, cis, cos, sin, weight, scale, _, out = _real(heads, seed=100 + heads, dtype=dtype)
+    W.gluon_wo_a_(plan, o, cos, sin, weight, scale, out)
     full = out.clone()
     for _ in range(3):
-        W.gluon_wo_a_(plan, o, cos, sin, w, None, out)
+        W.gluon_wo_a_(plan, o, cos, sin, weight, scale, out)
         assert torch.equal(out, full)
     # a row's bits do not depend on the other rows of the call (every row bucket, and rows at
     # several places in the call)
     for m in GPU_ROWS:
-        W.gluon_wo_a_(plan, o[:m], cos[:m], sin[:m], w, None, out[:m])
+        W.gluon_wo_a_(plan, o[:m], cos[:m], sin[:m], weight, scale, out[:m])
         assert torch.equal(out[:m], full[:m]), m
     for r in (0, 5, 63):
-        W.gluon_wo_a_(plan, o[r:r + 1], cos[r:r + 1], sin[r:r + 1], w, None, out[:1])
+        W.gluon_wo_a_(plan, o[r:r + 1], cos[r:r + 1], sin[r:r + 1], weight, scale, out[:1])
         assert torch.equal(out[0], full[r]), r
 
 
@@ -198,7 +238,7 @@ def test_gpu_window_copy_and_mxfp8_equal_the_triton_kernels(m):
     # Triton kernel's quantization of the Gluon z), rows past M and other slots untouched.
     from dsv41_decode.ops.act_quant import act_quant_mxfp8_
     heads, groups = 64, 8
-    plan, o, cis, cos, sin, w, out = _real(heads, seed=7 + m)
+    plan, o, cis, cos, sin, w, _, _, out = _real(heads, seed=7 + m)
     codes = torch.full((64, groups * RANK), 0xAA, dtype=torch.uint8, device="cuda")
     scales = torch.full((64, groups * RANK // 32), 0xAA, dtype=torch.uint8, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(m)
@@ -234,7 +274,7 @@ def test_gpu_rotation_is_bit_exact_through_an_identity_weight(split):
     m, heads = 5, 2
     o, cis, cos, sin, _ = _inputs(m, heads, heads, 512, seed=3)
     w = torch.eye(512, dtype=torch.bfloat16, device="cuda").repeat(heads, 1)
-    plan = W.GluonWoAPlan.build(heads, heads, 512, m, "cuda", config=W.GluonWoAConfig(split=split))
+    plan = W.GluonWoAPlan.build(heads, heads, 512, m, torch.bfloat16, "cuda", config=W.GluonWoAConfig(split=split))
     z = torch.empty(m, heads * 512, dtype=torch.bfloat16, device="cuda")
     W.gluon_wo_a_(plan, o, cos, sin, w, None, z)
     want = rope_tail(o.cpu(), cis.cpu(), 64, inverse=True).reshape(m, -1)
@@ -243,17 +283,19 @@ def test_gpu_rotation_is_bit_exact_through_an_identity_weight(split):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=("bf16", "fp8"))
 @pytest.mark.parametrize("heads", REAL_HEADS, ids=[f"tp{64 // h}" for h in REAL_HEADS])
-def test_gpu_against_the_triton_kernel(heads):
-    # Within the reference's tolerance of the Triton kernel (both are that close to the reference);
-    # prints how many outputs are bitwise equal (same split and K order: possibly all; not required).
+def test_gpu_against_the_triton_kernel(heads, dtype):
+    # Within the reference's tolerance of the step's Triton plan (both are that close to the
+    # reference); prints how many outputs are bitwise equal (BF16: the same split and K order as the
+    # swapped Triton kernel, possibly all; FP8: the Triton plan runs TF32 dots at split 4; not required).
     from dsv41_decode.testing.compare import bits_differ
-    plan, o, cis, cos, sin, w, out = _real(heads, seed=200 + heads)
-    tri = WoAPlan.build(heads, heads // 8, RANK, 64, torch.bfloat16, "cuda")
+    plan, o, cis, cos, sin, weight, scale, _, out = _real(heads, seed=200 + heads, dtype=dtype)
+    tri = WoAPlan.build(heads, heads // 8, RANK, 64, dtype, "cuda")
     z_t = torch.empty_like(out)
     for m in GPU_ROWS:
-        W.gluon_wo_a_(plan, o[:m], cos[:m], sin[:m], w, None, out[:m])
-        wo_a_(tri, o[:m], cos[:m], sin[:m], w, None, z_t[:m])
+        W.gluon_wo_a_(plan, o[:m], cos[:m], sin[:m], weight, scale, out[:m])
+        wo_a_(tri, o[:m], cos[:m], sin[:m], weight, scale, z_t[:m])
         _check(out[:m], z_t[:m])
-        print(f"gluon vs triton wo_a, {heads} heads, {m} rows: {bits_differ(out[:m], z_t[:m])} of "
-              f"{out[:m].numel()} outputs differ bitwise")
+        print(f"gluon vs triton wo_a, {str(dtype)[6:]}, {heads} heads, {m} rows: {bits_differ(out[:m], z_t[:m])} "
+              f"of {out[:m].numel()} outputs differ bitwise")
