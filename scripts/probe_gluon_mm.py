@@ -56,25 +56,28 @@ if DRY:
 # splits, around the default rule's (wo_b 3, idx 4, fused 9 for 64-row tiles).
 # wq_b's 5 splits: 2560 two-step items, for the persistent grid's balance.
 SPLITS = {"wq_b": (1, 2, 5), "wo_b": (2, 3, 4, 8), "idx_wq_b": (2, 4, 5), "fused_wqa_wkv": (4, 8, 16)}
-# (mma, warpgroups, block_k, stages, persistent): today's pipeline, the deeper MMA modes, two
-# consumer warpgroups, 256-deep slots, a deeper ring, the persistent grid.
-VARIANTS = [("pairs", 1, 128, 4, False), ("slot", 1, 128, 4, False), ("ahead", 1, 128, 4, False),
-            ("ahead", 1, 128, 6, False), ("pairs", 2, 128, 4, False), ("slot", 2, 128, 4, False),
-            ("pairs", 1, 256, 3, False), ("slot", 1, 256, 3, False), ("pairs", 1, 128, 4, True),
-            ("ahead", 1, 128, 4, True), ("ahead", 1, 128, 6, True), ("pairs", 2, 128, 4, True),
-            ("slot", 2, 128, 4, True)]
+# (mma, warpgroups, block_k, stages, persistent, maxnreg): today's pipeline, the deeper MMA modes,
+# two consumer warpgroups, 256-deep slots, a deeper ring, the persistent grid, 4 CTAs per SM (64
+# registers, up to 32 rows).
+VARIANTS = [("pairs", 1, 128, 4, False, None), ("slot", 1, 128, 4, False, None), ("ahead", 1, 128, 4, False, None),
+            ("ahead", 1, 128, 6, False, None), ("pairs", 2, 128, 4, False, None), ("slot", 2, 128, 4, False, None),
+            ("pairs", 1, 256, 3, False, None), ("slot", 1, 256, 3, False, None), ("pairs", 1, 128, 4, True, None),
+            ("ahead", 1, 128, 4, True, None), ("ahead", 1, 128, 6, True, None), ("pairs", 2, 128, 4, True, None),
+            ("slot", 2, 128, 4, True, None), ("pairs", 1, 128, 4, False, 64), ("slot", 1, 128, 4, False, 64)]
 ROWS = (1, 4, 8, 16, 32, 64)
 CONFIGS: dict[str, GluonMMConfig] = {}    # label -> config, of what was timed
 
 
 def config_of(variant, split: int | None) -> GluonMMConfig:
-    mma, wg, bk, stages, persistent = variant
-    return GluonMMConfig(split=split, stages=stages, mma=mma, warpgroups=wg, block_k=bk, persistent=persistent)
+    mma, wg, bk, stages, persistent, maxnreg = variant
+    return GluonMMConfig(split=split, stages=stages, mma=mma, warpgroups=wg, block_k=bk, persistent=persistent,
+                         maxnreg=maxnreg)
 
 
 def label(config: GluonMMConfig) -> str:
     return (f"{config.mma}/wg{config.warpgroups}/k{config.block_k}/s{config.stages}"
-            f"{'/P' if config.persistent else ''}/split{config.split}")
+            f"{'/P' if config.persistent else ''}{f'/r{config.maxnreg}' if config.maxnreg else ''}"
+            f"/split{config.split}")
 
 
 class _DryPlan:
@@ -239,7 +242,7 @@ def main() -> None:
                         y = plans[0](codes, sx).clone()
                         key = (plans[0].k_per_split, plans[0].split)
                         if key not in refs:
-                            ref = ("pairs", 1, config.block_k, 4 if config.block_k == 128 else 3, False)
+                            ref = ("pairs", 1, config.block_k, 4 if config.block_k == 128 else 3, False, None)
                             ref_plan = Plan(*ws[0], config=config_of(ref, split))
                             assert (ref_plan.k_per_split, ref_plan.split) == key
                             refs[key] = ref_plan(codes, sx).clone()

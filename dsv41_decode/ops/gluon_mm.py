@@ -450,8 +450,8 @@ class GluonMMConfig:
     warpgroups: consumer warpgroups per program, 1 or 2 (64 or 128 weight rows per program and
         per TMA box, one producer warp feeding them).
     block_k: K depth of a ring slot, 128 or 256 (the weight box [64 x warpgroups, block_k]).
-    maxnreg: the launch's register cap per thread, forcing `mma` at every row bucket; None = the
-        table of `launch_mode`.
+    maxnreg: the launch's register cap per thread (raised where even "pairs" would spill; 64 keeps
+        4 CTAs of one warpgroup per SM); None = the table of `launch_mode`.
     persistent: one program per CTA the SMs hold at once (`resident_ctas`), each taking the work
         items (N tile, K split) in turn through one ring, so the producer streams the next item's
         tiles while the consumer finishes and stores the last (no wave tail, one ramp per program).
@@ -500,12 +500,13 @@ class GluonMMConfig:
 # per SM resident, 128 two, more one; with two (12 warps), 80 keeps 2, more one.
 _CAP = {(1, 128): (80, 80, 80, 128), (1, 256): (80, 80, 80, 128),
         (2, 128): (80, 80, 80, 168), (2, 256): (80, 80, 128, 168)}
-# The smallest cap (multiples of 8 from a residency step: 64, 80, 128, 168, 232) at which each MMA
-# mode compiles without spills, per bucket; None: none does (the mode's live partials, [BN, BT] FP32
-# each, BT / 2 registers per thread, exceed what a thread can hold). tests/ops/test_gluon_mm.py
-# compiles the variants at their tightest buckets.
+# The smallest cap (multiples of 8; tried from 64, the 4-CTA cap of one warpgroup, for one
+# warpgroup's 128-deep slots, else from 80) at which each MMA mode compiles without spills, per
+# bucket; None: none does (the mode's live partials, [BN, BT] FP32 each, BT / 2 registers per
+# thread, exceed what a thread can hold). tests/ops/test_gluon_mm.py compiles the variants at their
+# tightest buckets.
 _MIN_CAP = {
-    (1, 128): {"pairs": (80, 80, 80, 128), "slot": (80, 80, 80, 168), "ahead": (80, 80, 128, None)},
+    (1, 128): {"pairs": (64, 64, 64, 128), "slot": (64, 64, 80, 168), "ahead": (64, 72, 128, None)},
     (1, 256): {"pairs": (80, 80, 80, 128), "slot": (80, 80, 128, None)},
     (2, 128): {"pairs": (64, 64, 80, 168), "slot": (64, 64, 128, 168), "ahead": (64, 128, 168, None)},
     (2, 256): {"pairs": (64, 64, 128, 168), "slot": (64, 128, 168, None)},
@@ -514,22 +515,23 @@ _MIN_CAP = {
 
 # Where the persistent loop (item pointers and counters live across the MMA loop) needs more than
 # `_MIN_CAP`: (warpgroups, block_k, mode, row bucket) -> the smallest cap without spills.
-_PERSISTENT_MIN_CAP = {(1, 128, "slot", 32): 88, (2, 128, "pairs", 32): 88, (2, 128, "slot", 64): 200}
+_PERSISTENT_MIN_CAP = {(1, 128, "pairs", 32): 72, (1, 128, "slot", 32): 88, (1, 128, "ahead", 16): 80,
+                       (2, 128, "pairs", 32): 88, (2, 128, "slot", 64): 200}
 
 
 def launch_mode(config: GluonMMConfig, block_t: int) -> tuple[str, int]:
     """(MMA mode run, register cap per thread) for `config` at row bucket `block_t`: the cap is
-    `config.maxnreg`, else the table's (raised where "pairs" needs more); the mode is the requested
+    `config.maxnreg`, else the table's, raised where "pairs" needs more; the mode is the requested
     one where it compiles without spills under that cap, else the next shallower that does ("pairs"
-    at worst). So a deeper mode never costs residency unless the cap is forced, and the bits do not
-    depend on the mode."""
+    at worst). So a deeper mode never costs residency unless the cap is forced, nothing spills, and
+    the bits do not depend on the mode."""
     key, b = (config.warpgroups, config.block_k), ROW_BUCKETS.index(block_t)
 
     def need(mode):
         if config.persistent and (*key, mode, block_t) in _PERSISTENT_MIN_CAP:
             return _PERSISTENT_MIN_CAP[(*key, mode, block_t)]
         return _MIN_CAP[key][mode][b]
-    cap = config.maxnreg or max(_CAP[key][b], need("pairs"))
+    cap = max(config.maxnreg or _CAP[key][b], need("pairs"))
     for mode in MMA_MODES[MMA_MODES.index(config.mma)::-1]:     # requested, then shallower
         if mode == "pairs" or (need(mode) is not None and need(mode) <= cap):
             return mode, cap

@@ -124,7 +124,7 @@ VARIANTS = [
     G.GluonMMConfig(block_k=256), G.GluonMMConfig(block_k=256, mma="slot"),
     G.GluonMMConfig(warpgroups=2, block_k=256, mma="slot", stages=3),
     G.GluonMMConfig(persistent=True), G.GluonMMConfig(mma="ahead", stages=6, persistent=True),
-    G.GluonMMConfig(warpgroups=2, mma="slot", persistent=True),
+    G.GluonMMConfig(warpgroups=2, mma="slot", persistent=True), G.GluonMMConfig(mma="slot", maxnreg=64),
 ]
 
 
@@ -178,8 +178,12 @@ def test_launch_table():
     assert [G.launch_mode(G.GluonMMConfig(), b) for b in G.ROW_BUCKETS] == [("pairs", 80)] * 3 + [("pairs", 128)]
     assert [G.launch_mode(G.GluonMMConfig(mma="ahead"), b)[0] for b in G.ROW_BUCKETS] == ["ahead"] * 2 + ["slot", "pairs"]
     assert G.launch_mode(G.GluonMMConfig(mma="ahead", maxnreg=128), 32) == ("ahead", 128)
+    # A forced cap below what "pairs" needs is raised; under it a deeper mode runs where it fits.
+    assert [G.launch_mode(G.GluonMMConfig(mma="slot", maxnreg=64), b) for b in G.ROW_BUCKETS] == \
+        [("slot", 64), ("slot", 64), ("pairs", 64), ("pairs", 128)]
     # CTAs per SM (what the persistent grid launches per SM): registers or shared memory bound.
     assert [G.resident_ctas(G.GluonMMConfig(), b) for b in G.ROW_BUCKETS] == [3, 3, 3, 2]
+    assert [G.resident_ctas(G.GluonMMConfig(maxnreg=64), b) for b in G.ROW_BUCKETS] == [4, 4, 4, 2]
     assert [G.resident_ctas(G.GluonMMConfig(warpgroups=2), b) for b in G.ROW_BUCKETS] == [2, 2, 2, 1]
     assert G.resident_ctas(G.GluonMMConfig(block_k=256, stages=6), 64) == 1      # 197 KB of ring
 
