@@ -54,8 +54,8 @@ if DRY:
 # K splits requested per shape (the same counts for every variant: with two warpgroups a split
 # count makes half as many programs). wq_b: 512 (256) tiles already fill the GPU; the others need
 # splits, around the default rule's (wo_b 3, idx 4, fused 9 for 64-row tiles).
-# wq_b's 5 splits: 2560 two-step items, for the persistent grid's balance.
-SPLITS = {"wq_b": (1, 2, 5), "wo_b": (2, 3, 4, 8), "idx_wq_b": (2, 4, 5), "fused_wqa_wkv": (4, 8, 16)}
+# wq_b's 5 and wo_b's 16 splits: two- and four-step items, for the persistent grid's balance.
+SPLITS = {"wq_b": (1, 2, 5), "wo_b": (2, 3, 4, 8, 16), "idx_wq_b": (2, 4, 5), "fused_wqa_wkv": (4, 8, 16)}
 # (mma, warpgroups, block_k, stages, persistent, maxnreg): today's pipeline, the deeper MMA modes,
 # two consumer warpgroups, 256-deep slots, a deeper ring, the persistent grid, 4 CTAs per SM (64
 # registers, up to 32 rows).
