@@ -1,10 +1,12 @@
 """Probe the Gluon sparse MLA (`ops.gluon_sparse_mla`) on an H200 against the Triton kernel's step
 tiling (`SparseMlaPlan.for_step`) and FlashMLA's Hopper sparse decode on the V4 record (when
-`flash_mla` imports; `bench.attn`'s baseline): 128 window + 512 compressed keys, CUDA-graph replay,
-per (heads, rows) cell the time of each (the Gluon kernel in its default configuration and in the plainest,
-`plain`: q in four buffers, the compressed codes loaded per byte, no prefetch), the max BF16 ulp distance of each
-from the reference on the GPU, and whether the Gluon and Triton kernels give the same bits.
-`--heads=64,16`, `--rows=1,2,4,8,16,32,64`. Prints; writes nothing."""
+`flash_mla` imports; `bench.attn`'s baseline): 128 window + 512 compressed keys, CUDA-graph replay.
+Per (heads, rows) cell: the time of the Gluon kernel in each configuration of `--configs` (names
+in CONFIGS; default: default, plain, q4), of the Triton step tiling and of FlashMLA; the max BF16
+ulp distance of each Gluon configuration's and of the Triton kernel's outputs from the reference
+on the GPU; whether the Gluon configurations give the same bits as each other (`cfg==`) and the
+first one the Triton kernel's (`==triton`). `--heads=64,16`, `--rows=1,2,4,8,16,32,64`. Prints;
+writes nothing."""
 
 from __future__ import annotations
 
@@ -23,6 +25,14 @@ from dsv41_decode.ops import gluon_sparse_mla as G  # noqa: E402
 from dsv41_decode.ops.sparse_mla import HEAD_DIM, SparseMlaPlan, sparse_mla_  # noqa: E402
 from dsv41_decode.reference.attention import sparse_attention_records  # noqa: E402
 
+CONFIGS = {
+    "default": G.GluonSparseMlaConfig(),
+    "plain": G.GluonSparseMlaConfig(q_buffers=4, fp4_packed=False, prefetch=False),
+    "q4": G.GluonSparseMlaConfig(q_buffers=4),
+    "noprefetch": G.GluonSparseMlaConfig(prefetch=False),
+    "bytes": G.GluonSparseMlaConfig(fp4_packed=False),
+}
+
 
 def ulp_max(a: torch.Tensor, b: torch.Tensor) -> int:
     """The largest distance in BF16 ulps (the order-preserving integer mapping of the bits)."""
@@ -36,33 +46,38 @@ def main() -> None:
     t0 = time.time()
     heads_list = [int(v) for v in arg("heads", "64,16").split(",")]
     rows_list = [int(v) for v in arg("rows", "1,2,4,8,16,32,64").split(",")]
+    names = arg("configs", "default,plain,q4").split(",")
+    configs = [CONFIGS[n] for n in names]
     gen = torch.Generator(device="cuda").manual_seed(0)
     scale = HEAD_DIM ** -0.5
-    alt = G.GluonSparseMlaConfig(q_buffers=4, fp4_packed=False, prefetch=False)
-    print("heads rows | gluon us  plain us  triton us  flash_mla_v4 us | gluon/triton gluon/flash | ulp gluon  ulp plain  "
-          "ulp triton | gluon == triton")
+    print("us per call (graph replay), then max ulp from the reference")
+    print("heads rows | " + " ".join(f"{n:>10s}" for n in names) + "     triton  flash_mla | best/triton best/flash | "
+          + " ".join(f"{'ulp ' + n:>14s}" for n in names) + "  ulp triton | cfg== ==triton")
     for heads in heads_list:
         gplan = G.build_plan(max(rows_list), heads, W, K, "cuda")
         tplans = SparseMlaPlan.for_step(max(rows_list), heads, W, K, "cuda")
         for rows in rows_list:
             q, win, comp, wtab, ctab, sink = sparse_mla_inputs(rows, heads, gen)
-            og, oa, ot = torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
             tplan = next(p for p in tplans if rows <= p.max_rows)
-            fg = lambda: G.gluon_sparse_mla_(gplan, q, win, comp, wtab, ctab, sink, scale, og)  # noqa: E731
-            fa = lambda: G.gluon_sparse_mla_(gplan, q, win, comp, wtab, ctab, sink, scale, oa, alt)  # noqa: E731
+            outs, times = [], []
+            for cfg in configs:
+                o = torch.empty_like(q)
+                fn = lambda o=o, cfg=cfg: G.gluon_sparse_mla_(gplan, q, win, comp, wtab, ctab, sink, scale, o, cfg)  # noqa: E731
+                times.append(graph_time_us(fn, replays=30))
+                fn()
+                outs.append(o)
+            ot = torch.empty_like(q)
             ft = lambda: sparse_mla_(tplan, q, win, comp, wtab, ctab, sink, scale, ot)  # noqa: E731
-            us_g = graph_time_us(fg, replays=30)
-            us_a = graph_time_us(fa, replays=30)
             us_t = graph_time_us(ft, replays=30)
+            ft()
             fm = _flash_mla_v4(rows, heads, gen)
             us_f = graph_time_us(fm, replays=30) if fm is not None else float("nan")
-            fg()
-            fa()
-            ft()
             ref = sparse_attention_records(q, win, comp, wtab, ctab, sink, scale)
-            print(f"{heads:5d} {rows:4d} | {us_g:8.2f} {us_a:8.2f} {us_t:10.2f} {us_f:15.2f} | {us_g / us_t:12.2f} "
-                  f"{us_g / us_f:11.2f} | {ulp_max(og, ref):9d} {ulp_max(oa, ref):9d} {ulp_max(ot, ref):10d} | "
-                  f"{bool(torch.equal(og, ot))}", flush=True)
+            best = min(times)
+            same = all(torch.equal(o, outs[0]) for o in outs)
+            print(f"{heads:5d} {rows:4d} | " + " ".join(f"{t:10.2f}" for t in times) + f" {us_t:10.2f} {us_f:10.2f} | "
+                  f"{best / us_t:11.2f} {best / us_f:10.2f} | " + " ".join(f"{ulp_max(o, ref):14d}" for o in outs)
+                  + f" {ulp_max(ot, ref):11d} | {same!s:5s} {bool(torch.equal(outs[0], ot))}", flush=True)
     print(f"done in {time.time() - t0:.1f} s")
 
 
