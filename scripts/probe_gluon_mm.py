@@ -291,11 +291,16 @@ def summarize(results, base, floor) -> None:
             return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
         ranked = sorted(common, key=gmean)
         today = math.exp(sum(math.log(base[(name, m)][0]) for m, _ in per) / len(per))
+        def pct(m, us):
+            return 100 * (SHAPES[name].weight_bytes() + SHAPES[name].io_bytes(m)) / (us * 1e3) / floor
         for lbl in ranked[:4]:
-            times = "  ".join(f"{m}:{res[lbl]:.2f}" for m, res in per)
+            times = "  ".join(f"{m}:{res[lbl]:.2f} ({pct(m, res[lbl]):.0f} %)" for m, res in per)
             print(f"  {name:14s} {lbl:34s} gmean {gmean(lbl):6.2f} us (today {today:6.2f}, x{today / gmean(lbl):4.2f})"
                   f"  1-16 rows {gmean(lbl, (1, 4, 8, 16)):6.2f}  [{times}]")
         print(f"  DEFAULT {name} {SHAPES[name].n}x{SHAPES[name].k}: {CONFIGS[ranked[0]]}")
+        print(f"  today   {name}: " + "  ".join(f"{m}:{base[(name, m)][0]:.2f} ({pct(m, base[(name, m)][0]):.0f} %)"
+                                             for m, _ in per)
+              + "   _scaled_mm: " + "  ".join(f"{m}:{base[(name, m)][1]:.2f}" for m, _ in per))
 
 
 if __name__ == "__main__":
