@@ -14,7 +14,8 @@ First the kernels are compiled in parallel worker processes (Triton's disk cache
 main process), then each shape is timed; the run stops timing when `--budget=` seconds (default
 130) have passed and prints what it has. Prints the lines per (shape, rows), the best
 configuration per (shape, rows), and the best single configuration per shape over every row count
-(the split may not depend on the rows: batch invariance). Writes nothing. `PROBE_DRY=1` runs the
+(the split may not depend on the rows: batch invariance). `--only=wq_b_tp2,wo_b_tp8,...` times the
+TP shards instead. Writes nothing. `PROBE_DRY=1` runs the
 script on the CPU with small shapes, the reference in place of the kernel and wall-clock times:
 it checks the script, not the kernel. Options: `--only=wq_b,wo_b`,
 `--rows=1,16`, `--budget=130`, `--workers=14`, `--replays=20`, `--compile_timeout=60` (seconds for all
@@ -48,14 +49,21 @@ from _args import arg   # scripts/ is on sys.path when run as python scripts/<pr
 DRY = os.environ.get("PROBE_DRY") == "1"
 DEV = "cpu" if DRY else "cuda"
 SHAPES = {"wq_b": Shape("wq_b", 32768, 1280), "wo_b": Shape("wo_b", 5120, 8192),
-          "idx_wq_b": Shape("idx_wq_b", 4096, 1280), "fused_wqa_wkv": Shape("fused_wqa_wkv", 1792, 5120)}
+          "idx_wq_b": Shape("idx_wq_b", 4096, 1280), "fused_wqa_wkv": Shape("fused_wqa_wkv", 1792, 5120),
+          # the TP shards (wq_b's TP8 shard is the indexer's shape): only with --only=
+          "wq_b_tp2": Shape("wq_b", 16384, 1280, tp=2), "wq_b_tp4": Shape("wq_b", 8192, 1280, tp=4),
+          "wo_b_tp2": Shape("wo_b", 5120, 4096, tp=2), "wo_b_tp4": Shape("wo_b", 5120, 2048, tp=4),
+          "wo_b_tp8": Shape("wo_b", 5120, 1024, tp=8)}
+TP1 = ("wq_b", "wo_b", "idx_wq_b", "fused_wqa_wkv")
 if DRY:
     SHAPES = {name: Shape(name, 256, s.k) for name, s in SHAPES.items()}
 # K splits requested per shape (the same counts for every variant: with two warpgroups a split
 # count makes half as many programs). wq_b: 512 (256) tiles already fill the GPU; the others need
 # splits, around the default rule's (wo_b 3, idx 4, fused 9 for 64-row tiles).
 # wq_b's 5 and wo_b's 16 splits: two- and four-step items, for the persistent grid's balance.
-SPLITS = {"wq_b": (1, 2, 5), "wo_b": (2, 3, 4, 8, 16), "idx_wq_b": (2, 4, 5), "fused_wqa_wkv": (4, 8, 16)}
+SPLITS = {"wq_b": (1, 2, 5), "wo_b": (2, 3, 4, 8, 16), "idx_wq_b": (2, 4, 5), "fused_wqa_wkv": (4, 8, 16),
+          "wq_b_tp2": (1, 2, 5), "wq_b_tp4": (1, 2, 5), "wo_b_tp2": (2, 4, 8), "wo_b_tp4": (2, 4, 8),
+          "wo_b_tp8": (2, 4, 8)}
 # (mma, warpgroups, block_k, stages, persistent, maxnreg): today's pipeline, the deeper MMA modes,
 # two consumer warpgroups, 256-deep slots, a deeper ring, the persistent grid, 4 CTAs per SM (64
 # registers, up to 32 rows).
@@ -183,7 +191,7 @@ def precompile(variants, splits_used: set[bool], workers: int, timeout: float) -
 
 def main() -> None:
     t0 = time.time()
-    names = arg("only", ",".join(SHAPES)).split(",")
+    names = arg("only", ",".join(TP1)).split(",")
     rows = [int(r) for r in arg("rows", ",".join(map(str, ROWS))).split(",")]
     budget = float(arg("budget", "130"))
     replays = int(arg("replays", "20"))
@@ -281,7 +289,7 @@ def summarize(results, base, floor) -> None:
               f"{t_cublas / res[best]:12.2f}")
     print("\nbest single configuration per shape, every row count (geometric mean of us over the rows "
           "measured for every candidate; then the 1-16-row mean):")
-    for name in SHAPES:
+    for name in dict.fromkeys(n for n, _ in results):
         per = [(m, res) for (n, m), res in results.items() if n == name and res]
         if not per:
             continue
