@@ -392,7 +392,7 @@ def gluon_sparse_mla_(plan: SparseMlaPlan, q: torch.Tensor, window_pool: torch.T
         q, window_pool, comp_pool, window_table, comp_table,
         plan.part_acc, plan.part_ml, plan.block_max, plan.flags, plan.ticket,
         n, plan.heads, float(scale), q.stride(0), q.stride(1), window_table.stride(0), max(comp_table.stride(0), 1),
-        W=plan.window, W_P2=triton.next_power_of_2(plan.window), KC=plan.topk, NB=nb, NB_P2=triton.next_power_of_2(nb), PH=plan.block_h,
+        W=plan.window, W_P2=triton.next_power_of_2(plan.window), KC=plan.topk, NB=nb, NB_P2=max(2, triton.next_power_of_2(nb)), PH=plan.block_h,
         Q_BUFFERS=config.q_buffers, FP4_PACKED=config.fp4_packed, PREFETCH=config.prefetch,
         num_warps=NUM_WARPS,
     )

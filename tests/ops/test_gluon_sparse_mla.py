@@ -37,7 +37,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def _compile(heads, w, k, config):
     p = G.build_plan(1, heads, w, k, "cpu")
     consts = {"W": w, "W_P2": 1 << (w - 1).bit_length(), "KC": k, "NB": p.n_blocks,
-              "NB_P2": 1 << (p.n_blocks - 1).bit_length(), "PH": p.block_h,
+              "NB_P2": max(2, 1 << (p.n_blocks - 1).bit_length()), "PH": p.block_h,
               "Q_BUFFERS": config.q_buffers, "FP4_PACKED": config.fp4_packed, "PREFETCH": config.prefetch}
     return sm90.compile_sm90(G._gluon_sparse_mla_kernel, _TYPES, consts, num_warps=G.NUM_WARPS)
 
@@ -221,6 +221,22 @@ def test_gpu_window_only(h, n):
         case = make_case(n, h, w, k, seed=h + n + k + 1, window_fill=gpu_tables(n),
                          **dict(GPU_POOLS, comp_valid=comp_valid))
         check_bound(run(plan, case), case, reference(*case))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("w,k", [(16, 8), (16, 72)])
+def test_gpu_small_shapes(w, k):
+    # one block in all (16 + 8 keys), and a 16-key window with 72 top-k entries (two blocks, the
+    # first mixing window and compressed keys); windows full, partial, a single key
+    n, h = 3, 16
+    plan = G.build_plan(n, h, w, k, "cuda")
+    case = make_case(n, h, w, k, seed=w + k, window_fill=[16, 5, 1], exact=True, **GPU_POOLS)
+    out = run(plan, case, EXACT_SCALE)
+    check_exact_gpu(out, case, reference(*case, EXACT_SCALE), EXACT_SCALE)
+    case = make_case(n, h, w, k, seed=w + k + 1, window_fill=[16, 5, 1], **GPU_POOLS)
+    check_bound(run(plan, case), case, reference(*case))
+    torch.cuda.synchronize()
+    assert workspace_is_clear(plan)
 
 
 @pytest.mark.gpu
