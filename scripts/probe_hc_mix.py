@@ -3,7 +3,8 @@ cores) on an H200 at the V4.1-Flash shape (dim 5120: a [rows, 20480] x [24, 2048
 of squares, sigmoids and 20 Sinkhorn rounds): per row count the time per call (CUDA-graph replay,
 cycling through `--copies` weight copies so that the 2 MB weight comes from DRAM as in the 40-layer
 step, not from L2), the max abs error of pre, post and comb against `reference.mhc.hc_mixes`, and
-whether the MMA kernel's row 0 has the bits it has alone. `--rows=1,2,4,8,16,32,64`,
+whether the MMA kernel's row 0 has the bits it has alone; then the MMA kernel's fixed cost (at dim 32:
+launch, split-K arrival, sum and epilogue) at 1, 16 and the most rows. `--rows=1,2,4,8,16,32,64`,
 `--splits=40,20,80` (the MMA kernel's K splits; the first is the plan default's), `--stages=2` (the
 first split's plan also at these pipeline depths; the default is 4), `--copies=40`.
 Prints; writes nothing. About 40 s, half of it compiling (one "fma" kernel per row bucket, three
@@ -75,6 +76,15 @@ def main() -> None:
         best = min(v for k, v in us.items() if k != "fma")
         print(f"{rows:4d} | " + "  ".join(f"{v:12.2f}" for v in us.values()) + f" | {best / us['fma']:7.2f} | "
               + "  ".join(f"{v:9.2e}" for v in err.values()) + f" | {same}", flush=True)
+    # The MMA kernel's fixed cost: at dim 32 (K = 128: one program, two K blocks) what remains is
+    # the launch, the split-K arrival, the partials' sum and the epilogue (sigmoids, Sinkhorn).
+    small = HcMixPlan.build(32, max_rows, "cuda", kernel="mma")
+    xs = torch.randn(max_rows, 4, 32, generator=gen).bfloat16().cuda()
+    fs = (torch.randn(24, 128, generator=gen) * 32 ** -0.5).cuda()
+    fixed = {r: graph_time_us(lambda r=r: hc_mix_(xs[:r], fs, scd, bd, NORM_EPS, HC_EPS, ITERS,
+                                                  *(t[:r] for t in outs), small), replays=20)
+             for r in sorted({1, 16, max_rows})}
+    print("mma fixed cost (dim 32, one program): " + ", ".join(f"{r} rows {v:.2f} us" for r, v in fixed.items()))
     print(f"done in {time.time() - t0:.1f} s")
 
 
