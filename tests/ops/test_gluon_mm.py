@@ -55,16 +55,25 @@ def _poisoned(m: int, n: int) -> torch.Tensor:
     return torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
 
 
-def _compile_cases() -> list[tuple[str, int, int]]:
-    """(shape, split, row bucket): one compile per distinct split of the real shapes' plans on an
-    H200 (1, 8, 4, 2, 3: ~1 s each), the row buckets taken in turn, so that each split count and
-    each bucket compiles at least once."""
-    cases, seen = [], set()
+def _compile_cases() -> list[tuple[str, G.GluonMMConfig, int, int]]:
+    """(shape, config, split, row bucket): the configs the real shapes' plans use on an H200
+    (`default_config`, the default split rule), each compiled once per row bucket (the default)
+    or at 8 rows and its tightest bucket (a measured one), the split-K epilogue and the single-split
+    one taken in turn among the splits its shapes use (~0.7 s each)."""
+    used: dict[G.GluonMMConfig, list] = {}
     for name, n, k in REAL_SHAPES:
-        split = G.split_bounds(G._default_split(n, k, H200_SMS), k)[1]
-        if split not in seen:
-            seen.add(split)
-            cases.append((name, split, G.ROW_BUCKETS[len(cases) % len(G.ROW_BUCKETS)]))
+        config = G.default_config(n, k)
+        split = G.split_bounds(config.split or G._default_split(n, k, H200_SMS, config.block_n, config.block_k),
+                               k, config.block_k)[1]
+        used.setdefault(dataclasses.replace(config, split=None), []).append((name, split))
+    cases = []
+    for config, shapes in used.items():
+        flags = {split > 1: (name, split) for name, split in shapes}      # one shape per split flag
+        picks = list(flags.values())
+        buckets = G.ROW_BUCKETS if config == G.GluonMMConfig() else sorted({8, _deepest_bucket(config)})
+        for i, bt in enumerate(buckets):
+            name, split = picks[i % len(picks)]
+            cases.append((name, config, split, bt))
     return cases
 
 
@@ -88,30 +97,51 @@ def _compile(split: int, bt: int, out_f32: bool = False, config: G.GluonMMConfig
                              num_warps=num_warps, maxnreg=maxnreg)
 
 
-@pytest.mark.parametrize("name,split,bt", _compile_cases(), ids=[c[0] for c in _compile_cases()])
-def test_compiles_for_sm90_without_spills(name, split, bt):
-    kernel = _compile(split, bt)
+def _check_sm90(kernel, config: G.GluonMMConfig, bt: int, split: int):
+    """What an sm_90 compile of `config` at row bucket `bt` must show: no spills, the registers of
+    its residency, its shared memory, its wgmmas and their depth in flight, its TMA loads, the
+    mbarrier ring, the split-K counter iff split > 1, 16-byte stores."""
+    mode = G.launch_mode(config, bt)[0]
     res = sm90.resources(kernel)
-    assert res["LOCAL"] == 0 and res["STACK"] == 0, (name, res)
-    # The launch's registers set the residency: 256 threads x REG per CTA out of 64K per SM.
-    assert res["REG"] <= G.maxnreg(bt) and 65536 // (256 * res["REG"]) >= (3 if bt <= 32 else 2), (name, res)
     ins = [t for _, t in sm90.sass(kernel)]
     ops = sm90.opcode_counts(ins)
-    assert ops.get("STL", 0) == 0 and ops.get("LDL", 0) == 0, (name, ops)
-    # Four FP8 wgmmas per 128-deep step, m64 n{bt} k32, from a zero accumulator (RZ).
+    assert res["LOCAL"] == 0 and res["STACK"] == 0 and ops.get("STL", 0) == 0 and ops.get("LDL", 0) == 0, (res, ops)
+    # The launch's registers set the residency: (4 x warpgroups + 4) warps x REG per CTA of 64K.
+    assert res["REG"] <= G.maxnreg(bt, config), res
+    assert 65536 // (32 * (4 * config.warpgroups + 4) * res["REG"]) >= G.resident_ctas(config, bt), res
+    assert kernel.metadata.shared <= G.shared_bytes(config, bt) <= G.SHARED_LIMIT, kernel.metadata.shared
+    sub = config.block_k // 32
+    # One wgmma m64 n{bt} k32 per consumer warpgroup and 32-wide block, from a zero accumulator
+    # (RZ): a "pairs" or "slot" step issues its sub blocks once, "ahead" a pair of slots and an odd
+    # last one (3 x sub).
     gmma = [t for t in ins if t.startswith("QGMMA")]
-    assert len(gmma) == 4 and all(f"QGMMA.64x{bt}x32.F32.E4M3.E4M3" in t and " RZ," in t for t in gmma), gmma
-    assert ops.get("UTMALDG", 0) == 2, ops        # the producer's weight and activation tiles
+    assert len(gmma) == (3 * sub if mode == "ahead" else sub), gmma
+    assert all(f"QGMMA.64x{bt}x32.F32.E4M3.E4M3" in t and " RZ," in t for t in gmma), gmma
+    # The groups in flight: the deepest wait leaves all but one of the step's (or the pair's)
+    # blocks outstanding, the drain none; ptxas did not serialize the wgmmas (it would wait for 0
+    # after each: its C7514 warning).
+    depth = {"pairs": 2, "slot": sub, "ahead": 2 * sub}[mode]
+    waits = {int(t.split(",")[-1], 16) for t in ins if t.startswith("WARPGROUP.DEPBAR.LE gsb0")}
+    assert max(waits) == depth - 1 and 0 in waits, sorted(waits)
+    # Two TMA boxes per 128 of K (the 128-byte swizzle's width): weight and activation.
+    assert ops.get("UTMALDG", 0) == 2 * config.block_k // 128, ops
     assert ops.get("SYNCS", 0) > 0, ops           # the mbarrier ring
-    # More than one group in flight: a wait that leaves one outstanding, besides the drain.
-    assert "WARPGROUP.DEPBAR.LE gsb0, 0x1" in ins and "WARPGROUP.DEPBAR.LE gsb0, 0x0" in ins
-    # The producer warp gives its registers to the consumer warpgroup.
-    assert any(t.startswith("USETMAXREG.DEALLOC") for t in ins), name
-    assert kernel.metadata.shared <= 4 * (G.BLOCK_N + bt) * G.BLOCK_K + 1024, kernel.metadata.shared
-    assert (split > 1) == (ops.get("ATOMG", 0) > 0), (name, split, ops)   # the last-arriver counter
+    # The producer warp gives its registers to the consumer warpgroup(s).
+    assert any(t.startswith("USETMAXREG.DEALLOC") for t in ins)
+    assert (split > 1) == (ops.get("ATOMG", 0) > 0), (split, ops)   # the last-arriver counter
     # The epilogue stores y (and the split partials) as 16-byte vectors.
     stores = {t.split()[1] if t.startswith("@") else t.split()[0] for t in ins if "STG" in t}
     assert stores == {"STG.E.128"}, stores
+
+
+def _deepest_bucket(config: G.GluonMMConfig) -> int:
+    """The largest row bucket at which `config` runs its own MMA mode: its tightest registers."""
+    return max(b for b in G.ROW_BUCKETS if G.launch_mode(config, b)[0] == config.mma)
+
+
+@pytest.mark.parametrize("name,config,split,bt", _compile_cases(), ids=[f"{c[0]}-{c[3]}" for c in _compile_cases()])
+def test_compiles_for_sm90_without_spills(name, config, split, bt):
+    _check_sm90(_compile(split, bt, config=config), config, bt, split)
 
 
 # The MMA pipelines and program shapes `GluonMMConfig` offers besides the default, each code path
@@ -133,35 +163,10 @@ def _variant_id(c: G.GluonMMConfig) -> str:
             + ("-persistent" if c.persistent else ""))
 
 
-def _deepest_bucket(config: G.GluonMMConfig) -> int:
-    """The largest row bucket at which `config` runs its own MMA mode: its tightest registers."""
-    return max(b for b in G.ROW_BUCKETS if G.launch_mode(config, b)[0] == config.mma)
-
-
 @pytest.mark.parametrize("i,config", list(enumerate(VARIANTS)), ids=[_variant_id(c) for c in VARIANTS])
 def test_variants_compile_for_sm90_without_spills(i, config):
     bt, split = _deepest_bucket(config), 1 + i % 2          # the split-K epilogue every other one
-    kernel = _compile(split, bt, config=config)
-    res = sm90.resources(kernel)
-    ins = [t for _, t in sm90.sass(kernel)]
-    ops = sm90.opcode_counts(ins)
-    assert res["LOCAL"] == 0 and res["STACK"] == 0 and ops.get("STL", 0) == 0, (res, ops)
-    assert res["REG"] <= G.maxnreg(bt, config), res
-    assert kernel.metadata.shared <= G.shared_bytes(config, bt) <= G.SHARED_LIMIT, kernel.metadata.shared
-    sub = config.block_k // 32
-    # One wgmma m64 per consumer warpgroup and 32-wide block, from zero: a "slot" step issues its
-    # sub blocks once, "ahead" a pair of slots and an odd last one (3 x sub), "pairs" sub.
-    per_wg = 3 * sub if config.mma == "ahead" else sub
-    gmma = [t for t in ins if t.startswith("QGMMA")]
-    assert len(gmma) == per_wg and all(f"QGMMA.64x{bt}x32.F32.E4M3.E4M3" in t and " RZ," in t for t in gmma), gmma
-    # The groups in flight: the deepest wait leaves all but one of the step's (or the pair's)
-    # blocks outstanding; ptxas did not serialize the wgmmas (it would wait for 0 after each).
-    depth = {"pairs": 2, "slot": sub, "ahead": 2 * sub}[config.mma]
-    waits = {int(t.split(",")[-1], 16) for t in ins if t.startswith("WARPGROUP.DEPBAR.LE gsb0")}
-    assert max(waits) == depth - 1, sorted(waits)
-    # Two TMA boxes per 128 of K and operand (the 128-byte swizzle's width): weight and activation.
-    assert ops.get("UTMALDG", 0) == 2 * config.block_k // 128, ops
-    assert (split > 1) == (ops.get("ATOMG", 0) > 0), ops
+    _check_sm90(_compile(split, bt, config=config), config, bt, split)
 
 
 def test_launch_table():
