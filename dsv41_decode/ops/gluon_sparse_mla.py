@@ -76,6 +76,10 @@ _DC: gl.constexpr = gl.constexpr(128)        # dims per chunk of the keys in sha
 _KEYS: gl.constexpr = gl.constexpr(BLOCK_KEYS)
 _WREC: gl.constexpr = gl.constexpr(WINDOW_KV_BYTES)
 _CREC: gl.constexpr = gl.constexpr(COMPRESSED_KV_BYTES)
+# Polls of the look-back before a program gives up (about a microsecond each: seconds in all). The
+# blocks a program waits for belong to programs already running, so the wait always ends; the bound
+# turns a broken invariant (say a ticket not reset) into NaN outputs instead of a hung GPU.
+_SPIN_LIMIT: gl.constexpr = gl.constexpr(1 << 22)
 
 
 @gluon.jit
@@ -296,17 +300,21 @@ def _gluon_sparse_mla_kernel(
     gl.thread_barrier()
     flags = flag_ptr + tile
     gl.atomic_or(flags + b // 32, 1 << (b % 32), sem="release", scope="gpu")
+    stuck = 0
     for w in range(0, b // 32 + 1):
         need = -1                      # the words below b's: every bit
         if w == b // 32:
             need = (1 << (b % 32)) - 1  # b's word: the bits of the blocks below b
-        while (gl.atomic_add(flags + w, 0, sem="acquire", scope="gpu") & need) != need:
-            pass
+        polls = 0
+        while ((gl.atomic_add(flags + w, 0, sem="acquire", scope="gpu") & need) != need) & (polls < _SPIN_LIMIT):
+            polls += 1
+        stuck += (polls >= _SPIN_LIMIT).to(gl.int32)
     mb = gl.arange(0, NB_P2, layout=gl.SliceLayout(1, ld))
     mh = gl.arange(0, _M, layout=gl.SliceLayout(0, ld))
     earlier = gl.load(block_max_ptr + tile * PH + mb[:, None] * PH + mh[None, :],
                       mask=(mb < b)[:, None] & (mh < PH)[None, :], other=-1e30, cache_modifier=".cg")
     m_i = gl.convert_layout(gl.reduce(earlier, 0, _max), gl.SliceLayout(1, s_l))
+    m_i = gl.where(stuck > 0, float("nan"), m_i)    # never by design: a bug shows as NaN, not a hang
     new_max = gl.maximum(m_i, s_max)
     p = libdevice.exp(s - new_max[:, None])
     l_i = gl.reduce(p, 1, _add)
