@@ -12,13 +12,13 @@ Every candidate's output is compared bit for bit with the "pairs" plan of the sa
 
 First the kernels are compiled in parallel worker processes (Triton's disk cache then serves the
 main process), then each shape is timed; the run stops timing when `--budget=` seconds (default
-130) have passed and prints what it has. Prints the lines per (shape, rows), the best
+120) have passed and prints what it has. Prints the lines per (shape, rows), the best
 configuration per (shape, rows), and the best single configuration per shape over every row count
 (the split may not depend on the rows: batch invariance). `--only=wq_b_tp2,wo_b_tp8,...` times the
 TP shards instead. Writes nothing. `PROBE_DRY=1` runs the
 script on the CPU with small shapes, the reference in place of the kernel and wall-clock times:
 it checks the script, not the kernel. Options: `--only=wq_b,wo_b`,
-`--rows=1,16`, `--budget=130`, `--workers=14`, `--replays=20`, `--compile_timeout=60` (seconds for all
+`--rows=1,16`, `--budget=120`, `--workers=14`, `--replays=20`, `--compile_timeout=60` (seconds for all
 the workers' compiles and runs; a configuration not done by then is not timed).
 """
 
@@ -193,7 +193,7 @@ def main() -> None:
     t0 = time.time()
     names = arg("only", ",".join(TP1)).split(",")
     rows = [int(r) for r in arg("rows", ",".join(map(str, ROWS))).split(",")]
-    budget = float(arg("budget", "130"))
+    budget = float(arg("budget", "120"))
     replays = int(arg("replays", "20"))
     failed = precompile(VARIANTS, {s > 1 for name in names for s in SPLITS[name]} | {True},
                         int(arg("workers", "2" if DRY else "14")), float(arg("compile_timeout", "60")))
