@@ -23,8 +23,11 @@ in block order). A program:
 - S = sum over the chunks in order of q_c k_c^T on `warpgroup_mma` (BF16 operands from shared
   memory, FP32 accumulator; 8 warps: the two warpgroups take 32 keys each, every key's 512-long sum
   in one warpgroup), scaled, -inf where a key is invalid;
-- publishes its block's score max per head and takes the running max of the sequential loop there
-  (the maxima of the blocks before it, each published by its own program), then
+- publishes its block's score max per head (then a bit of the row's flag words) and takes the
+  running max of the sequential loop there: the max of the maxima of the blocks before it, each
+  published by its own program, read at once when every earlier block's bit is set (two round trips
+  to L2 whatever the block, where waiting on and reading one earlier block at a time costs two per
+  block; max is exact, so the bits are the same); then
   P = bf16(exp(s - max)) with exp the CUDA math library's expf (torch's), the block's sum of the
   unrounded exp, and acc = P V, one 128-dim chunk at a time on `warpgroup_mma` (P from shared
   memory, each warpgroup 64 of the chunk's dims), stored to the plan's FP32 workspace as summed.
@@ -41,7 +44,8 @@ Gluon (Triton 3.6.0) has no gather TMA on sm_90 (Hopper's TMA has no gather mode
 are loaded with `gl.load` into registers and stored to shared memory by the 8 warps themselves.
 
 The plan is a `SparseMlaPlan` with `split=True`, `separate_combine=True` and all heads in one
-group (`block_h` = max(16, H): the workspace holds the real heads only), built by `build_plan()`.
+group (`block_h` = max(16, H): the workspace holds the real heads, 8 padded to 16), built by
+`build_plan()`.
 """
 
 from __future__ import annotations
