@@ -245,7 +245,8 @@ def _gpu_plans(n, k, seed):
     x_all, _, codes_all, sx_all, weight, w_scale = linear_operands(_gen(seed), 64, n, k)
     plan = G.GluonMM(weight, w_scale)
     # The Triton tier with the same K split bounds (its FP8 loop): the same reduction order.
-    cfg = LowLatencyConfig(block_n=64, block_k=128, split=plan.split, num_warps=4, num_stages=3, dequant=False)
+    cfg = LowLatencyConfig(block_n=64, block_k=plan.config.block_k, split=plan.split, num_warps=4, num_stages=3,
+                           dequant=False)
     triton_plan = LowLatencyMM(weight, w_scale, config={b: cfg for b in (16, 32, 64)})
     assert triton_plan.reduction_order(1) == plan.reduction_order()
     return codes_all, sx_all, weight, w_scale, plan, triton_plan
