@@ -16,12 +16,12 @@ or the row count. Two kernels, the plan's `kernel`:
 - "mma": the tensor cores. x is BF16 and the FP32 weight splits exactly into three BF16 planes,
   w = w0 + w1 + w2 (`_bf16_planes`, in registers as it streams in: 4 bytes a weight read, not 6),
   so x . w = x . w2 + x . w1 + x . w0 with exact products. Every program runs [64, 64] x [64, 32]
-  dots whatever the call's rows (rows past it are zeros; wgmma m64n32k16 on sm_90, the same
-  instructions at every row count), so all the call's rows share one weight read; per 64-deep K
-  block one zero-started chain of 12 MMAs (the planes smallest first), then one FP32 add into
-  the program's accumulator; the sum of squares in 64 FP32 lanes beside it; the K split a plan
-  constant (512 columns a program by default). The last program sums and finishes only the
-  call's rows.
+  dots whatever the call's rows (rows past its own are zeros; wgmma m64n32k16 on sm_90, the same
+  instructions at every row count), so up to 64 rows share one weight read (how many a program
+  takes, 16, 32 or 64, is the plan's per row bucket and moves no bits); per 64-deep K block one
+  zero-started chain of 12 MMAs (the planes smallest first), then one FP32 add into the program's
+  accumulator; the sum of squares in 64 FP32 lanes beside it; the K split a plan constant (512
+  columns a program by default). The last program of a row group sums and finishes only its rows.
 
 Accuracy. Sums are in another order than the reference's (and on the GPU the products may be
 FMA-contracted, and exp and division approximate to a few ulps), so the outputs agree with the
@@ -65,7 +65,8 @@ _BLOCK_K = 32     # K lanes of the FMA accumulator, at every row count
 _MAX_BLOCK_M = 8  # the [BLOCK_M, 32, 32] accumulator at <= 64 FP32 registers per thread (4 warps)
 _MMA_BLOCK_M = tl.constexpr(64)  # the tensor-core kernel's dot rows at every row count (wgmma m64 on sm_90)
 _MMA_BLOCK_K = tl.constexpr(64)  # its K block: one zero-started MMA chain per plane, then an FP32 add
-_MMA_EPI_M_MIN = 16    # its epilogue's fewest rows (`hc_mix_`)
+_MMA_EPI_M_MIN = 16    # its epilogue's fewest rows (`hc_mix_`), and its programs' fewest rows
+_MMA_ROWS_PER_PROGRAM = 64  # the call's rows a program takes by default (`_mma_tile`)
 _MMA_K_PER_SPLIT = 512  # its default K per program: 40 programs at dim 5120 (not tuned on a GPU)
 
 
@@ -210,18 +211,19 @@ def _hc_mix_mma_kernel(
     x_ptr, fn_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, part_ptr, count_ptr, M, norm_eps, hc_eps,
     stride_xm, stride_fn, stride_pre, stride_post, stride_cn, stride_ps, stride_pm,
     K: tl.constexpr, ITERS: tl.constexpr, K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr,
-    EPI_M: tl.constexpr, BF16_DOT: tl.constexpr, NUM_STAGES: tl.constexpr,
+    ROWS: tl.constexpr, EPI_M: tl.constexpr, BF16_DOT: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    # Grid: (SPLIT, row groups of 64). Every dot is [64, 64] x [64, 32] whatever M is (rows past M
-    # load as zeros), so each row's sums run through the same MMA instructions at every row count.
+    # Grid: (SPLIT, row groups of ROWS <= 64). Every dot is [64, 64] x [64, 32] whatever M and ROWS
+    # are (rows past the group load as zeros), so each row's sums run through the same MMA
+    # instructions at every row count and every ROWS.
     BLOCK_M: tl.constexpr = _MMA_BLOCK_M
     BLOCK_K: tl.constexpr = _MMA_BLOCK_K
     pid_k = tl.program_id(0)
     pid_m = tl.program_id(1)
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rm = pid_m * ROWS + tl.arange(0, BLOCK_M)
     rn = tl.arange(0, 32)
     rk = tl.arange(0, BLOCK_K)
-    m_ok = rm < M
+    m_ok = (tl.arange(0, BLOCK_M) < ROWS) & (rm < M)
     n_ok = rn < 24
     k_lo = pid_k * K_PER_SPLIT
     x_ptrs = x_ptr + rm[:, None].to(tl.int64) * stride_xm + rk[None, :]
@@ -259,8 +261,8 @@ def _hc_mix_mma_kernel(
     arrived = tl.atomic_add(count_ptr + pid_m, 1, sem="acq_rel", scope="gpu")
     if arrived == SPLIT - 1:
         tl.store(count_ptr + pid_m, 0)
-        re = pid_m * BLOCK_M + tl.arange(0, EPI_M)
-        e_ok = re < M
+        re = pid_m * ROWS + tl.arange(0, EPI_M)
+        e_ok = (tl.arange(0, EPI_M) < ROWS) & (re < M)
         mask = e_ok[:, None]
         sum_ptrs = part_ptr + re[:, None] * stride_pm + rn[None, :]
         total = tl.load(sum_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
@@ -284,9 +286,12 @@ def _mix_tile(rows: int) -> HcMixTile:
     return HcMixTile(min(triton.next_power_of_2(rows), _MAX_BLOCK_M), _BLOCK_K, 4, 3)
 
 
-# The tensor-core kernel's one tile: the dot's rows and K block fix its arithmetic (4 warps: one
-# warpgroup, so one wgmma covers the 64 rows); only the epilogue's rows follow the call (`hc_mix_`).
-_MMA_TILE = HcMixTile(int(_MMA_BLOCK_M), int(_MMA_BLOCK_K), 4, 4)
+def _mma_tile(rows: int) -> HcMixTile:
+    # The dot's 64 rows and K block fix the arithmetic (4 warps: one warpgroup, so one wgmma covers
+    # the 64 rows); block_m is only how many of the call's rows a program takes (16, 32 or 64; the
+    # rest of its dot rows are zeros), which moves no bits: all of them while the weight read
+    # dominates, fewer where the last program's sum of the partials would (not yet measured).
+    return HcMixTile(_MMA_ROWS_PER_PROGRAM, int(_MMA_BLOCK_K), 4, 4)
 KERNELS = ("fma", "mma")
 
 
@@ -301,8 +306,8 @@ class HcMixPlan:
     k_per_split: K columns per program (a multiple of 128); split: programs per row tile.
     tiles: per row bucket 1, 2, 4, ... up to next_pow2(max_rows), the kernel tile (`tile(m)`).
     partials: [split, max_rows, 32] FP32 workspace (the FMA kernel: empty when split = 1);
-    counters: one int32 per row tile (the FMA kernel: 8 rows, the MMA kernel: 64), all 0 between
-    launches.
+    counters: one int32 per row tile (the FMA kernel: 8 rows, the MMA kernel: 16, its smallest
+    rows per program), all 0 between launches.
     kernel: "fma" (FP32 FMAs in 32 K lanes, at most 8 rows a program) or "mma" (tensor cores: x
     BF16 times the weight's three exact BF16 planes, 64 rows a program; module docstring).
     """
@@ -349,7 +354,7 @@ class HcMixPlan:
         mma = kernel == "mma"
         device = torch.device(device)
         grains = triton.cdiv(HC * dim, _K_GRAIN)
-        row_tiles = triton.cdiv(max_rows, int(_MMA_BLOCK_M) if mma else _MAX_BLOCK_M)
+        row_tiles = triton.cdiv(max_rows, _MMA_EPI_M_MIN if mma else _MAX_BLOCK_M)
         if split is None and mma:
             split = triton.cdiv(grains, _MMA_K_PER_SPLIT // _K_GRAIN)
         elif split is None:
@@ -358,7 +363,7 @@ class HcMixPlan:
             raise ValueError(f"split must be a positive int, got {split!r}")
         k_per_split = triton.cdiv(grains, min(split, grains)) * _K_GRAIN
         split = triton.cdiv(HC * dim, k_per_split)
-        tiles = tuple(_MMA_TILE if mma else _mix_tile(1 << i) for i in range((max_rows - 1).bit_length() + 1))
+        tiles = tuple((_mma_tile if mma else _mix_tile)(1 << i) for i in range((max_rows - 1).bit_length() + 1))
         # the MMA kernel's last program reads every split's partial back, its own included
         partials = torch.empty(split if split > 1 or mma else 0, max_rows, _MIX_COLS, dtype=torch.float32,
                                device=device)
@@ -413,7 +418,8 @@ def hc_mix_(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
             float(hc_eps), x.stride(0), fn.stride(0), pre_out.stride(0), post_out.stride(0), comb_out.stride(0),
             part.stride(0), part.stride(1),
             K=plan.k, ITERS=sinkhorn_iters, K_PER_SPLIT=plan.k_per_split, SPLIT=plan.split,
-            EPI_M=min(max(triton.next_power_of_2(m), _MMA_EPI_M_MIN), t.block_m), BF16_DOT=not interpreting(),
+            ROWS=t.block_m, EPI_M=min(max(triton.next_power_of_2(m), _MMA_EPI_M_MIN), t.block_m),
+            BF16_DOT=not interpreting(),
             NUM_STAGES=t.num_stages, num_warps=t.num_warps, num_stages=t.num_stages,
         )
         return

@@ -1,8 +1,8 @@
 """Run by tests/ops/test_mhc.py in a subprocess without the Triton interpreter (the kernel must be a
 real JIT function to compile), and by hand: compiles `ops.hc_mix`'s tensor-core kernel for sm_90 at
-the V4.1-Flash shape (dim 5120, the default split) with the epilogue of 16 and of 64 rows, and prints
-per variant its registers, stack, local memory, spill instructions and MMA instructions (HGMMA:
-wgmma; HMMA: mma.sync). `--json`: one JSON object per line.
+the V4.1-Flash shape (dim 5120, the default split), 64 rows a program, with the epilogue of 16 and
+of 64 rows, and prints per variant its registers, stack, local memory, spill instructions and MMA
+instructions (HGMMA: wgmma; HMMA: mma.sync). `--json`: one JSON object per line.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def measure(epi_m: int, dim: int = 5120) -> dict:
     t = plan.tile(64)
     fn = H._hc_mix_mma_kernel
     kernel = compile_sm90(fn, TYPES, dict(K=plan.k, ITERS=20, K_PER_SPLIT=plan.k_per_split, SPLIT=plan.split,
-                                          EPI_M=epi_m, BF16_DOT=True, NUM_STAGES=t.num_stages),
+                                          ROWS=64, EPI_M=epi_m, BF16_DOT=True, NUM_STAGES=t.num_stages),
                           num_warps=t.num_warps, num_stages=t.num_stages)
     ops = opcode_counts([text for _, text in sass(kernel)])
     return dict(epi_m=epi_m, split=plan.split, **resources(kernel), spills=ops.get("STL", 0) + ops.get("LDL", 0),

@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -415,6 +416,24 @@ def test_mma_mix_matches_reference(n, dim, split, iters):
     assert not plan.counters.any(), "the last program of every row group resets its counter"
 
 
+def _rows_per_program(plan: HcMixPlan, rows: int) -> HcMixPlan:
+    """The plan with every bucket's programs taking `rows` of the call's rows (the same counters)."""
+    return replace(plan, tiles=tuple(t._replace(block_m=rows) for t in plan.tiles))
+
+
+def test_mma_mix_rows_per_program_move_no_bits():
+    """16, 32 or 64 of the call's rows a program (70 rows: five, three or two row groups, each with
+    its counter and last program): the same bits, within the bounds of the reference."""
+    x, fn, scale, base = _mix_case(70, 64, seed=77)
+    plan = HcMixPlan.build(64, 70, _DEVICE, split=2, kernel="mma")
+    outs = [hc_mix(*_dev(x, fn, scale, base), _EPS, _HC_EPS, _ITERS, plan=_rows_per_program(plan, rows))
+            for rows in (16, 32, 64)]
+    assert not plan.counters.any()
+    _check_mix(outs[0], x, fn, scale, base)
+    for got in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], got))
+
+
 def test_mma_mix_real_dim():
     """dim 5120 with the default plan (40 programs of 512 columns), 2 rows."""
     x, fn, scale, base = _mix_case(2, 5120, seed=37)
@@ -425,10 +444,11 @@ def test_mma_mix_real_dim():
 def test_mma_mix_plan():
     plan = HcMixPlan.build(5120, 64, "cpu", kernel="mma")
     assert (plan.kernel, plan.split, plan.k_per_split) == ("mma", 40, 512)
-    assert tuple(plan.partials.shape) == (40, 64, 32) and plan.counters.tolist() == [0]   # one row group of 64
-    # one tile (the dot's rows and K block: the arithmetic) at every row count
-    assert len(set(plan.tiles)) == 1 and (plan.tile(1).block_m, plan.tile(1).block_k) == (64, 64)
-    assert HcMixPlan.build(5120, 70, "cpu", kernel="mma").counters.numel() == 2
+    # a counter per 16 rows (the fewest a program takes)
+    assert tuple(plan.partials.shape) == (40, 64, 32) and plan.counters.tolist() == [0] * 4
+    # one K block (with the dot's fixed 64 rows: the arithmetic) at every row count
+    assert {t.block_k for t in plan.tiles} == {64} and {t.block_m for t in plan.tiles} <= {16, 32, 64}
+    assert HcMixPlan.build(5120, 70, "cpu", kernel="mma").counters.numel() == 5
     one = HcMixPlan.build(64, 4, "cpu", kernel="mma")     # K = 256: one program, still a partial
     assert (one.split, one.partials.shape[0]) == (1, 1)
     assert HcMixPlan.build(5120, 64, "cpu").kernel == "fma"
@@ -533,9 +553,9 @@ def test_gpu_cuda_graph_replay():
 
 @pytest.mark.gpu
 def test_gpu_mma_mix_real_dim():
-    """The tensor-core mixer at dim 5120 (the default plan: 40 programs of 512 columns, one row group
-    of 64) at 1, 2, 7, 16, 33 and 64 rows: within the bounds of the reference, the same bits on a
-    second launch, counters left at 0."""
+    """The tensor-core mixer at dim 5120 (the default plan: 40 programs of 512 columns) at 1, 2, 7,
+    16, 33 and 64 rows: within the bounds of the reference, the same bits on a second launch and
+    with 16, 32 or 64 rows a program, counters left at 0."""
     plan = HcMixPlan.build(5120, 64, "cuda", kernel="mma")
     x, fn, scale, base = _mix_case(64, 5120, seed=9200)
     xd, fnd, scd, bd = _dev(x, fn, scale, base)
@@ -544,6 +564,9 @@ def test_gpu_mma_mix_real_dim():
         _check_mix(first, x[:n], fn, scale, base)
         again = hc_mix(xd[:n], fnd, scd, bd, _EPS, _HC_EPS, _ITERS, plan=plan)
         assert all(torch.equal(a, b) for a, b in zip(first, again)), f"{n} rows: a second launch differs"
+        for rows in (16, 32, 64):       # rows a program: no bits move
+            other = hc_mix(xd[:n], fnd, scd, bd, _EPS, _HC_EPS, _ITERS, plan=_rows_per_program(plan, rows))
+            assert all(torch.equal(a, b) for a, b in zip(first, other)), f"{n} rows, {rows} a program"
         assert not plan.counters.any()
 
 
