@@ -457,11 +457,12 @@ def test_mma_mix_plan():
 
 
 def test_mma_mix_compiles_for_sm90_without_spills():
-    """The tensor-core kernel at the V4.1-Flash shape, with the epilogue of 16 and of 64 rows,
-    compiled for sm_90 by Triton's own ptxas in a subprocess without the interpreter
+    """The tensor-core kernel at the V4.1-Flash shape, with 16 and with 64 rows a program, compiled
+    for sm_90 by Triton's own ptxas in a subprocess without the interpreter
     (tests/ops/_hc_mix_sm90.py, ~6 s): no local memory or spills, at most 168 registers (three
-    programs an SM at 4 warps), and the dots on wgmma (HGMMA: the same instruction at every row
-    count), no mma.sync."""
+    programs an SM at 4 warps), the dots on wgmma and no mma.sync: 12 HGMMA.64x32x16 (three planes
+    of a 64-deep block), a zero-started one, chained ones and the last that waits, the same forms
+    in both."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[2]
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
@@ -469,10 +470,11 @@ def test_mma_mix_compiles_for_sm90_without_spills():
                          capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
-    assert [r["epi_m"] for r in rows] == [16, 64], res.stdout
+    assert [r["rows"] for r in rows] == [16, 64], res.stdout
     for r in rows:
         assert r["LOCAL"] == 0 and r["STACK"] == 0 and r["spills"] == 0, r
-        assert r["REG"] <= 168 and r["hgmma"] > 0 and r["hmma"] == 0, r
+        assert r["REG"] <= 168 and r["hgmma"] == 12 and r["hmma"] == 0, r
+    assert rows[0]["mma_forms"] == rows[1]["mma_forms"] and len(rows[0]["mma_forms"]) == 3, rows
 
 
 def _mix_args(n=3, dim=64):
