@@ -244,10 +244,15 @@ def test_gpu_flash_prefill_teacher_forced(monkeypatch, exact_linears):
 
     On the H200 the tensor-core fused wq_a|wkv GEMM truncates its block sums, so a BF16 kv can
     round the other way and move an E4M3 code: window records are compared by byte rate (>= 99 %;
-    the step's teacher-forced GPU test at `small` asks the same); with exact_linears=True (the
-    contract's bits: ExactLinear, the integer MMA at 64-row chunks) they must be the reference's bit
-    for bit. Compressed entries and index keys (the BF16/FP32 side projections) >= 95 % either way,
-    y within 2.5e-2 (as there)."""
+    the step's teacher-forced GPU test at `small` asks the same). With exact_linears=True
+    (ExactLinear: the linears' outputs are the reference's bits) what is left is the kv norm's
+    documented one BF16 ulp (`ops.rms_norm`: its own summation order and IEEE 1/sqrt, where the
+    reference on the GPU runs torch's reduction and approximate rsqrt), which moves a record's E4M3
+    code only when the BF16 value sits next to a rounding boundary of the code, and then by one
+    step: so every differing byte must be a code one step from the reference's (same sign), no
+    scale byte may differ, and at most 1e-4 of the bytes (measured on the H200: 1 byte of 2107
+    records). Compressed entries and index keys (the BF16/FP32 side projections) >= 95 % either
+    way, y within 2.5e-2 (as there)."""
     from dsv41_decode.testing.synthetic import random_checkpoint
     cfg = ModelConfig.preset("v41-flash")
     ids = [0, 1, 2, 3, 20, 21, 24]
@@ -260,8 +265,15 @@ def test_gpu_flash_prefill_teacher_forced(monkeypatch, exact_linears):
         st, L, spec, sr = att.state, att.spec.layer, att.spec, self.rows
         M = st.ring_size
         ring = st.window_slots(sr.req_slot[-M:], sr.positions[-M:])   # the slots the call's rows hold
-        rates.append((st.window[L][ring] == snap.window[L][ring]).float().mean().item())
-        assert rates[-1] >= (1.0 if exact_linears else 0.99), f"layer {L}: window record bytes {rates[-1]:.4f}"
+        got, want = st.window[L][ring], snap.window[L][ring]
+        rates.append((got == want).float().mean().item())
+        assert rates[-1] >= (0.9999 if exact_linears else 0.99), f"layer {L}: window record bytes {rates[-1]:.5f}"
+        if exact_linears:
+            differ = got != want
+            assert not differ[:, 512:].any(), f"layer {L}: window record scales differ"
+            a, b = got[:, :512][differ[:, :512]].int(), want[:, :512][differ[:, :512]].int()
+            assert (((a ^ b) & 128) == 0).all() and (((a & 127) - (b & 127)).abs() == 1).all(), \
+                f"layer {L}: window codes {a.tolist()} vs {b.tolist()}: more than one E4M3 step apart"
         if spec.owns_compressor:
             r, start, cnt = spec.ratio, sr.starts[0], sr.counts[0]
             done = st.entry_slots(r, st.slot("a"), torch.arange(start // r, (start + cnt) // r))
