@@ -37,6 +37,12 @@ VARIANTS = {
     "s4": G.GluonWoAConfig(stages=4), "s8": G.GluonWoAConfig(stages=8), "s10": G.GluonWoAConfig(stages=10),
     "wg2": G.GluonWoAConfig(warpgroups=2, stages=4), "wg2s6": G.GluonWoAConfig(warpgroups=2, stages=6),
     "split4": G.GluonWoAConfig(split=4), "r128": G.GluonWoAConfig(maxnreg=128),
+    # one program per output tile (no split-K reduction), deeper rings to keep the bytes in flight
+    "split1": G.GluonWoAConfig(split=1), "split1s12": G.GluonWoAConfig(split=1, stages=12),
+    "s12": G.GluonWoAConfig(stages=12),
+    # 128 weight rows a program (o read half as often), one program per SM
+    "wg2split2": G.GluonWoAConfig(warpgroups=2, split=2), "wg2split2s8": G.GluonWoAConfig(warpgroups=2, split=2,
+                                                                                          stages=8),
 }
 
 

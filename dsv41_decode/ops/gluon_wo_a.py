@@ -402,11 +402,14 @@ def shared_bytes(config: GluonWoAConfig, bt: int, fp8: bool = False) -> int:
 
 
 def default_split(group_width: int, n_tiles: int, sms: int) -> int:
-    """The largest divisor of the group's K steps at most round(2 x SMs / output tiles) (about two
-    programs per SM, `ops.wo_a.WoAPlan.build`'s rule for a BF16 weight)."""
-    steps = group_width // BLOCK_K
+    """About two programs per SM: the largest divisor of group_width / 128 (of group_width / 64 when
+    128 does not divide it) at most round(2 x SMs / output tiles). For a group width that 128
+    divides this is `ops.wo_a.WoAPlan.build`'s rule for a BF16 weight (its K grain is 128), so both
+    plans take the same split and the same K ranges."""
+    grain = 128 if group_width % 128 == 0 else BLOCK_K
+    grains = group_width // grain
     target = max(1, round(2 * sms / n_tiles))
-    return max(d for d in range(1, steps + 1) if steps % d == 0 and d <= target)
+    return max(d for d in range(1, grains + 1) if grains % d == 0 and d <= target)
 
 
 def launch_options(plan: "GluonWoAPlan", bt: int) -> dict:

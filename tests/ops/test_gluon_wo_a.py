@@ -103,6 +103,11 @@ def test_plan_split_is_the_triton_plans_and_fits_shared_memory():
         assert (plan.split, plan.k_per_split) == (tri.split, tri.k_per_split)
         assert plan.n_tiles * plan.split == 256
         assert 2 * W.shared_bytes(plan.config, 64) <= 228 * 1024
+    # the small and tiny presets' shapes (2 heads a group, rank 128 / 64): the same split too
+    for heads, groups, rank in ((8, 4, 128), (4, 2, 64)):
+        plan = W.GluonWoAPlan.build(heads, groups, rank, 8, torch.bfloat16, "cpu")
+        tri = WoAPlan.build(heads, groups, rank, 8, torch.bfloat16, "cpu")
+        assert (plan.split, plan.k_per_split) == (tri.split, tri.k_per_split) == (8, 128)
     wide = W.GluonWoAPlan.build(64, 8, RANK, 64, torch.bfloat16, "cpu",
                                 config=W.GluonWoAConfig(warpgroups=2, split=4))
     assert (wide.n_tiles, wide.split, wide.k_per_split) == (64, 4, 1024)
