@@ -1,13 +1,13 @@
 """CPU: the error of `ops.hc_mix`'s tensor-core dot under a model of the MMA's truncation, at the
 tests' inputs (dim 5120, x ~ N(0, 1) BF16, w ~ N(0, 1/dim) FP32). The kernel's arithmetic: w split
-into three BF16 planes, per 64-deep block a zero-started chain of 12 k16 MMAs (w2, w1, w0 planes,
-K order), the block added in FP32 to its program's accumulator (8 blocks a program), the programs'
-partials added in FP32 in split order. One MMA: its accumulator and 16 exact products aligned to
-the largest exponent E among them, each truncated below 2^(E - 23) (`--extra=`: more alignment
-bits), summed exactly, the sum truncated to FP32 toward zero. Two truncations of the aligned terms:
-toward zero (sign-magnitude) and floor (two's complement). Prints, per model, the max |error| of
-m = (x . w) * rsqrt(mean x^2) against the exact value, its mean (a bias), and torch's FP32 matmul
-for comparison. `--rows=4`. Seconds."""
+into three BF16 planes by truncation (`ops.hc_mix._bf16_planes`), per 64-deep block a zero-started
+chain of 12 k16 MMAs (w2, w1, w0 planes, K order), the block added in FP32 to its program's
+accumulator (8 blocks a program), the programs' partials added in FP32 in split order. One MMA:
+its accumulator and 16 exact products aligned to the largest exponent E among them, each truncated
+below 2^(E - 23) (`--extra=`: more alignment bits), summed exactly, the sum truncated to FP32
+toward zero. Two truncations of the aligned terms: toward zero (sign-magnitude) and floor (two's
+complement). Prints, per model, the max |error| of m = (x . w) * rsqrt(mean x^2) against the exact
+value, its mean (a bias), and torch's FP32 matmul for comparison. `--rows=4`. Seconds."""
 
 from __future__ import annotations
 
@@ -22,6 +22,11 @@ from _args import arg  # noqa: E402
 
 DIM = 5120
 K = 4 * DIM
+
+
+def truncated_to_bf16(v: torch.Tensor) -> torch.Tensor:
+    """FP32 v with the low 16 bits of its encoding cleared (BF16-valued)."""
+    return (v.view(torch.int32) & -65536).view(torch.float32)
 
 
 def to_fp32_toward_zero(v: np.ndarray) -> np.ndarray:
@@ -57,10 +62,11 @@ def main() -> None:
     g = torch.Generator().manual_seed(31)
     x = torch.randn(rows, K, generator=g).bfloat16().double().numpy()
     w = torch.randn(24, K, generator=g) * DIM ** -0.5
-    w0 = w.bfloat16()
-    w1 = (w - w0.float()).bfloat16()
-    w2 = (w - w0.float() - w1.float()).bfloat16()
+    w0 = truncated_to_bf16(w)                               # as `ops.hc_mix._bf16_planes`
+    w1 = truncated_to_bf16(w - w0)
+    w2 = w - w0 - w1
     planes = [p.double().numpy() for p in (w2, w1, w0)]
+    assert all(torch.equal(p, p.bfloat16().float()) for p in (w0, w1, w2)), "a plane is not BF16-valued"
     assert np.array_equal(planes[0] + planes[1] + planes[2], w.double().numpy()), "the planes are not exact"
     exact = x @ w.double().numpy().T
     r = 1 / np.sqrt((x ** 2).mean(-1, keepdims=True))

@@ -14,7 +14,8 @@ or the row count. Two kernels, the plan's `kernel`:
   lane per K residue mod 32, in K order, then the lanes added in a fixed pairwise tree; a program
   takes at most 8 rows, more rows take more row tiles, so at 64 rows the weight is read 8 times.
 - "mma": the tensor cores. x is BF16 and the FP32 weight splits exactly into three BF16 planes,
-  w = w0 + w1 + w2 (`_bf16_planes`, in registers as it streams in: 4 bytes a weight read, not 6),
+  w = w0 + w1 + w2 (`_bf16_planes`: bit masks and subtractions in registers as the weight streams
+  in, 4 bytes a weight read, not 6),
   so x . w = x . w2 + x . w1 + x . w0 with exact products. Every program runs [64, 64] x [64, 32]
   dots whatever the call's rows (rows past its own are zeros; wgmma m64n32k16 on sm_90, the same
   instructions at every row count), so up to 64 rows share one weight read (how many a program
@@ -33,12 +34,12 @@ largest of them, T, truncating each below T's last FP32 bit, and truncates the n
 H100). One instruction so errs by < 18 * 2^-23 * S, S = its |acc| + sum of its |products|.
 Worst case: a block's chain carries at most A_b = sum over the block of |x_k| |w_k|; its four
 w0 instructions err by < 4 * 18 * 2^-23 A_b = 8.6e-6 A_b, the eight w1 and w2 ones (products and
-accumulator <= 2^-8 A_b, smallest first) by < 3e-8 A_b; with the FP32 adds of the blocks and the
+accumulator < 2^-7 A_b, smallest first) by < 6e-8 A_b; with the FP32 adds of the blocks and the
 splits (gamma_48) the dot errs by < 1.2e-5 * sum_k |x_k w_k|, below the FMA kernel's own bound
 (gamma_725 = 4.3e-5 times the same sum). Typical (the tests' inputs at dim 5120: x ~ N(0, 1),
 w ~ N(0, 1/dim), |m| ~ 1.6), from an emulation of the kernel's arithmetic under that model
-(scripts/hc_mix_mma_error_model.py): max |dm| 1.0e-6 when the aligned terms truncate toward zero,
-2.5e-6 (a bias of -1.7e-6) were they floored, against 1.6e-6 for torch's FP32 matmul. pre, post
+(scripts/hc_mix_mma_error_model.py): max |dm| 1.2e-6 when the aligned terms truncate toward zero,
+2.7e-6 (a bias of -1.7e-6) were they floored, against 1.6e-6 for torch's FP32 matmul. pre, post
 and comb move by at most |scale| / 4, |scale| / 2 and about |scale| / 4 of it (sigmoid' <= 1/4;
 the Sinkhorn map's Jacobian, `testing.attribution.mix_bounds`): < 1e-6, far inside the 1e-5
 bound. The GPU tests measure it at every row count.
@@ -194,16 +195,16 @@ def _hc_mix_kernel(
 
 @triton.jit
 def _bf16_planes(w):
-    """FP32 w -> (w0, w1, w2) BF16 with w0 + w1 + w2 == w exactly: w0 = bf16(w), w1 = bf16(w - w0),
-    w2 = w - w0 - w1. Each subtraction is exact (w0 is w to 8 significant bits, so w - w0 needs at
-    most 16 bits below w0's last, and w1 takes 8 of them), with round-to-nearest (the GPU) or
-    truncation (the interpreter) alike. Holds for normal w down to ~2^-110 (w2 then stays normal)
-    whose BF16 rounding is finite; an inf or NaN w (or one that rounds to inf) gives a NaN plane."""
-    w0 = w.to(tl.bfloat16)
-    r = w - w0.to(tl.float32)
-    w1 = r.to(tl.bfloat16)
-    w2 = (r - w1.to(tl.float32)).to(tl.bfloat16)
-    return w0, w1, w2
+    """FP32 w -> (w0, w1, w2) BF16 with w0 + w1 + w2 == w exactly: w0 = w truncated to BF16 (its
+    FP32 bits with the low 16 cleared), w1 = w - w0 truncated likewise, w2 = w - w0 - w1. Each
+    subtraction is exact and w2 fits BF16: w - w0 holds the 16 significand bits below w0's 8, w1
+    takes the top 8 of them. |w1| < 2^-7 |w|, |w2| < 2^-15 |w|. Bit masks and two FP32 subtractions
+    (no rounding to evaluate), the same in the interpreter. Holds for normal w down to ~2^-110 (w2
+    stays normal); an inf or NaN w gives a NaN plane."""
+    w0 = (w.to(tl.uint32, bitcast=True) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    r = w - w0
+    w1 = (r.to(tl.uint32, bitcast=True) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return w0.to(tl.bfloat16), w1.to(tl.bfloat16), (r - w1).to(tl.bfloat16)
 
 
 @triton.jit

@@ -386,8 +386,8 @@ def _planes_kernel(w_ptr, out_ptr, N: tl.constexpr):
 
 def test_bf16_planes_sum_to_the_weight_exactly():
     """w0 + w1 + w2 == w in exact arithmetic for FP32 weights of every exponent from 2^-60 to 2^60,
-    both signs, and values whose every significand bit is set, whose BF16 rounding carries or ties;
-    each plane BF16-valued, |w1| <= 2^-7 |w| and |w2| <= 2^-15 |w|."""
+    both signs, and values whose every significand bit is set or whose BF16 rounding would carry
+    or tie; each plane BF16-valued, |w1| <= 2^-7 |w| and |w2| <= 2^-15 |w|."""
     g = torch.Generator().manual_seed(5)
     w = torch.randn(1024, generator=g) * torch.exp2(torch.randint(-60, 61, (1024,), generator=g).float())
     special = torch.tensor([0x3F7FFFFF, 0x3F808081, 0x3FFFFFFF, 0x3F80FF80, 0x3F807FFF, 0x0C800001, 0x7F7F7FFF,
