@@ -15,14 +15,14 @@ or the row count. Two kernels, the plan's `kernel`:
   takes at most 8 rows, more rows take more row tiles, so at 64 rows the weight is read 8 times.
 - "mma": the tensor cores. x is BF16 and the FP32 weight splits exactly into three BF16 planes,
   w = w0 + w1 + w2 (`_bf16_planes`: bit masks and subtractions in registers as the weight streams
-  in, 4 bytes a weight read, not 6),
-  so x . w = x . w2 + x . w1 + x . w0 with exact products. Every program runs [64, 64] x [64, 32]
-  dots whatever the call's rows (rows past its own are zeros; wgmma m64n32k16 on sm_90, the same
-  instructions at every row count), so up to 64 rows share one weight read (how many a program
-  takes, 16, 32 or 64, is the plan's per row bucket and moves no bits); per 64-deep K block one
-  zero-started chain of 12 MMAs (the planes smallest first), then one FP32 add into the program's
-  accumulator; the sum of squares in 64 FP32 lanes beside it; the K split a plan constant (512
-  columns a program by default). The last program of a row group sums and finishes only its rows.
+  in, 4 bytes a weight read, not 6), so x . w = x . w2 + x . w1 + x . w0 with exact products.
+  Every program runs [64, 64] x [64, 32] dots whatever the call's rows (rows past its own are
+  zeros; wgmma m64n32k16 on sm_90, the same instructions at every row count), so up to 64 rows
+  share one weight read (how many a program takes, 16, 32 or 64, is the plan's per row bucket and
+  moves no bits); per 64-deep K block one zero-started chain of 12 MMAs (the planes smallest
+  first), then one FP32 add into the program's accumulator; the sum of squares in 64 FP32 lanes
+  beside it; the K split a plan constant (512 columns a program by default). The last program of
+  a row group sums and finishes only its rows.
 
 Accuracy. Sums are in another order than the reference's (and on the GPU the products may be
 FMA-contracted, and exp and division approximate to a few ulps), so the outputs agree with the
@@ -293,6 +293,8 @@ def _mma_tile(rows: int) -> HcMixTile:
     # rest of its dot rows are zeros), which moves no bits: all of them while the weight read
     # dominates, fewer where the last program's sum of the partials would (not yet measured).
     return HcMixTile(_MMA_ROWS_PER_PROGRAM, int(_MMA_BLOCK_K), 4, 4)
+
+
 KERNELS = ("fma", "mma")
 
 
