@@ -43,9 +43,9 @@ every row count.
 Gluon (Triton 3.6.0) has no gather TMA on sm_90 (Hopper's TMA has no gather mode), so the records
 are loaded with `gl.load` into registers and stored to shared memory by the 8 warps themselves.
 
-The plan is a `SparseMlaPlan` with `split=True`, `separate_combine=True` and all heads in one
-group (`block_h` = max(16, H): the workspace holds the real heads, 8 padded to 16), built by
-`build_plan()`.
+The plan, `GluonSparseMlaPlan`, holds a `SparseMlaPlan` with `split=True`, `separate_combine=True`
+and all heads in one group (`block_h` = max(16, H): the workspace holds the real heads, 8 padded to
+16) and the `GluonSparseMlaConfig`.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ from .sparse_mla_plan import BLOCK_KEYS, HEAD_DIM, SparseMlaPlan
 # TRITON_INTERPRET=1 (the CPU tests' setting), which the Gluon compiler rejects; the compile test
 # runs there.
 
-__all__ = ["NUM_WARPS", "GluonSparseMlaConfig", "build_plan", "gluon_sparse_mla_", "gluon_sparse_mla"]
+__all__ = ["NUM_WARPS", "GluonSparseMlaConfig", "GluonSparseMlaPlan", "gluon_sparse_mla_", "gluon_sparse_mla"]
 
 # Two warpgroups: the scores' 64 keys and each P.V chunk's 128 dims split between them (the wgmma's
 # M is 64, one warpgroup's; 8 warps also spread the gather and decode of 64 x 512 values).
@@ -363,56 +363,75 @@ class GluonSparseMlaConfig:
                 raise TypeError(f"GluonSparseMlaConfig.{name} must be a bool, got {type(getattr(self, name)).__name__}")
 
 
-def build_plan(max_rows: int, heads: int, window: int, topk: int, device="cuda", *, workspace=None) -> SparseMlaPlan:
-    """The `SparseMlaPlan` this kernel takes: split into 64-key blocks, combined by the separate
-    launch, all heads in one group of block_h = max(16, heads) (the workspace's heads; the kernel
-    pads them to the wgmma's 64). Its options as `SparseMlaPlan.build`'s."""
-    if heads not in (8, 16, 32, 64):
-        raise ValueError(f"heads must be one of (8, 16, 32, 64), got {heads!r}")
-    return SparseMlaPlan.build(max_rows, heads, window, topk, device, block_h=max(16, heads), split=True,
-                               separate_combine=True, workspace=workspace)
+@dataclass(frozen=True, eq=False)
+class GluonSparseMlaPlan:
+    """The kernel's plan: `base`, the `SparseMlaPlan` whose split, workspace and combination it
+    shares (split into 64-key blocks, combined by the separate launch, all heads in one group of
+    block_h = max(16, heads): the workspace's heads, which the kernel pads to the wgmma's 64), and
+    `config`. Build with `GluonSparseMlaPlan.build`; not for concurrent launches (as `base`)."""
+
+    base: SparseMlaPlan
+    config: GluonSparseMlaConfig
+
+    @classmethod
+    def build(cls, max_rows: int, heads: int, window: int, topk: int, device="cuda", *, workspace=None,
+              config: GluonSparseMlaConfig | None = None) -> "GluonSparseMlaPlan":
+        """A plan for launches of up to max_rows rows of `heads` (8, 16, 32 or 64) heads, `window`
+        window slots and `topk` compressed entries a row; workspace: as `SparseMlaPlan.build`'s
+        (the step's shared pool); config: None for the default `GluonSparseMlaConfig`."""
+        if heads not in (8, 16, 32, 64):
+            raise ValueError(f"heads must be one of (8, 16, 32, 64), got {heads!r}")
+        if config is None:
+            config = GluonSparseMlaConfig()
+        if not isinstance(config, GluonSparseMlaConfig):
+            raise TypeError(f"config must be a GluonSparseMlaConfig, got {type(config).__name__}")
+        base = SparseMlaPlan.build(max_rows, heads, window, topk, device, block_h=max(16, heads), split=True,
+                                   separate_combine=True, workspace=workspace)
+        return cls(base, config)
+
+    @property
+    def max_rows(self) -> int:
+        return self.base.max_rows
+
+    @property
+    def heads(self) -> int:
+        return self.base.heads
+
+    @property
+    def device(self) -> torch.device:
+        return self.base.device
 
 
-def _check_plan(p) -> None:
-    if not isinstance(p, SparseMlaPlan):
-        raise TypeError(f"plan must be a SparseMlaPlan (gluon_sparse_mla.build_plan), got {type(p).__name__}")
-    if not (p.split and p.separate_combine and p.head_groups == 1 and p.block_h == max(16, p.heads)):
-        raise ValueError(f"plan must be built by gluon_sparse_mla.build_plan (split, separate_combine, one head group "
-                         f"of max(16, heads)), got split={p.split} separate_combine={p.separate_combine} "
-                         f"block_h={p.block_h} heads={p.heads}")
-
-
-def gluon_sparse_mla_(plan: SparseMlaPlan, q: torch.Tensor, window_pool: torch.Tensor, comp_pool: torch.Tensor,
+def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: torch.Tensor, comp_pool: torch.Tensor,
                       window_table: torch.Tensor, comp_table: torch.Tensor, sink: torch.Tensor, scale: float,
-                      out: torch.Tensor, config: GluonSparseMlaConfig | None = None) -> None:
-    """`sparse_mla.sparse_mla_`'s contract and arguments (see its doc), with a plan from `build_plan()`:
-    out[r, h] = sparse_attention(q[r, h], keys of row r, sink[h], scale). sm_90 only. config: a
-    `GluonSparseMlaConfig` (None: the default one); every config gives the same bits."""
-    _check_plan(plan)
-    if config is None:
-        config = GluonSparseMlaConfig()
-    if not isinstance(config, GluonSparseMlaConfig):
-        raise TypeError(f"config must be a GluonSparseMlaConfig, got {type(config).__name__}")
-    n = check_sparse_mla_args(plan, q, window_pool, comp_pool, window_table, comp_table, sink, scale, out)
-    if not is_sm90(plan.device):
+                      out: torch.Tensor) -> None:
+    """`sparse_mla.sparse_mla_`'s contract and arguments (see its doc), with a `GluonSparseMlaPlan`:
+    out[r, h] = sparse_attention(q[r, h], keys of row r, sink[h], scale). sm_90 only; every config
+    gives the same bits."""
+    if not isinstance(plan, GluonSparseMlaPlan):
+        raise TypeError(f"plan must be a GluonSparseMlaPlan, got {type(plan).__name__}")
+    base, config = plan.base, plan.config
+    n = check_sparse_mla_args(base, q, window_pool, comp_pool, window_table, comp_table, sink, scale, out)
+    if not is_sm90(base.device):
         raise ValueError(f"plan and operands must be on a CUDA device of compute capability 9.0 (the kernel is "
-                         f"sm_90 code: wgmma), got {plan.device}")
+                         f"sm_90 code: wgmma), got {base.device}")
     if n == 0:
         return
-    nb = plan.n_blocks
+    nb = base.n_blocks
     _gluon_sparse_mla_kernel[(n * nb, )](
         q, window_pool, comp_pool, window_table, comp_table,
-        plan.part_acc, plan.part_ml, plan.block_max, plan.flags, plan.ticket,
-        n, plan.heads, float(scale), q.stride(0), q.stride(1), window_table.stride(0), max(comp_table.stride(0), 1),
-        W=plan.window, W_P2=triton.next_power_of_2(plan.window), KC=plan.topk, NB=nb, NB_P2=max(2, triton.next_power_of_2(nb)), PH=plan.block_h,
+        base.part_acc, base.part_ml, base.block_max, base.flags, base.ticket,
+        n, base.heads, float(scale), q.stride(0), q.stride(1), window_table.stride(0), max(comp_table.stride(0), 1),
+        W=base.window, W_P2=triton.next_power_of_2(base.window), KC=base.topk, NB=nb,
+        NB_P2=max(2, triton.next_power_of_2(nb)), PH=base.block_h,
         Q_BUFFERS=config.q_buffers, FP4_PACKED=config.fp4_packed, PREFETCH=config.prefetch,
         num_warps=NUM_WARPS,
     )
     o16 = out.view(torch.int16)
-    chunk = combine_chunk(nb, plan.block_h)
+    chunk = combine_chunk(nb, base.block_h)
     _sparse_mla_combine_kernel[(n, HEAD_DIM // chunk)](
-        plan.part_acc, plan.part_ml, plan.flags, sink, o16, plan.heads, 1, o16.stride(0), o16.stride(1),
-        SPLIT=nb, SPLIT_P2=triton.next_power_of_2(nb), BLOCK_H=plan.block_h, CHUNK=chunk, PDL=False, num_warps=4,
+        base.part_acc, base.part_ml, base.flags, sink, o16, base.heads, 1, o16.stride(0), o16.stride(1),
+        SPLIT=nb, SPLIT_P2=triton.next_power_of_2(nb), BLOCK_H=base.block_h, CHUNK=chunk, PDL=False, num_warps=4,
     )
 
 
@@ -428,6 +447,6 @@ def gluon_sparse_mla(q: torch.Tensor, window_pool: torch.Tensor, comp_pool: torc
     out = torch.empty(n, q.shape[1], HEAD_DIM, dtype=torch.bfloat16, device=q.device)
     if n == 0:
         return out
-    p = build_plan(n, q.shape[1], window_table.shape[1], comp_table.shape[1], q.device)
+    p = GluonSparseMlaPlan.build(n, q.shape[1], window_table.shape[1], comp_table.shape[1], q.device)
     gluon_sparse_mla_(p, q, window_pool, comp_pool, window_table, comp_table, sink, scale, out)
     return out

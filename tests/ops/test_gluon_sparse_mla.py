@@ -35,7 +35,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _compile(heads, w, k, config):
-    p = G.build_plan(1, heads, w, k, "cpu")
+    p = G.GluonSparseMlaPlan.build(1, heads, w, k, "cpu").base
     consts = {"W": w, "W_P2": 1 << (w - 1).bit_length(), "KC": k, "NB": p.n_blocks,
               "NB_P2": max(2, 1 << (p.n_blocks - 1).bit_length()), "PH": p.block_h,
               "Q_BUFFERS": config.q_buffers, "FP4_PACKED": config.fp4_packed, "PREFETCH": config.prefetch}
@@ -80,7 +80,7 @@ def test_compiles_for_sm90_without_spills(heads, w, k, config):
 
 def test_plan_is_one_head_group_of_the_real_heads():
     for heads in (8, 16, 32, 64):
-        p = G.build_plan(4, heads, 128, 512, "cpu")
+        p = G.GluonSparseMlaPlan.build(4, heads, 128, 512, "cpu").base
         assert (p.split, p.separate_combine, p.head_groups, p.block_h, p.n_blocks) == \
             (True, True, 1, max(16, heads), 10)
         assert p.part_acc.numel() == 4 * 10 * max(16, heads) * D
@@ -99,7 +99,7 @@ def test_the_combination_reads_the_kernels_workspace():
     n, h, w, k = 3, 8, 128, 100
     case = make_case(n, h, w, k, seed=3, window_fill=[128, 60, 1], exact=True)
     q, wpool, cpool, wt, ct, sink = case
-    plan = G.build_plan(n, h, w, k, DEVICE)
+    plan = G.GluonSparseMlaPlan.build(n, h, w, k, DEVICE).base
     ph, nb = plan.block_h, plan.n_blocks
     wkeys, ckeys = unpack_window_kv(wpool).float(), unpack_compressed_kv(cpool).float()
     acc, ml = torch.empty(n, nb, ph, D), torch.empty(n, nb, 3, ph)
@@ -138,7 +138,7 @@ def test_the_combination_reads_the_kernels_workspace():
 def test_bad_arguments_name_the_argument():
     n, h, w, k = 2, 16, 16, 8
     q, wpool, cpool, wt, ct, sink = make_case(n, h, w, k, seed=1)
-    plan = G.build_plan(2, h, w, k, "cpu")
+    plan = G.GluonSparseMlaPlan.build(2, h, w, k, "cpu")
     out = torch.empty(n, h, D, dtype=torch.bfloat16)
     args = dict(q=q, window_pool=wpool, comp_pool=cpool, window_table=wt, comp_table=ct, sink=sink,
                 scale=SCALE, out=out)
@@ -159,12 +159,12 @@ def test_bad_arguments_name_the_argument():
         G.gluon_sparse_mla_(plan, **{**args, "q": torch.cat((q, q))})
     with pytest.raises(TypeError, match="plan"):
         G.gluon_sparse_mla_(None, **args)
-    with pytest.raises(ValueError, match="plan must be built by gluon_sparse_mla.build_plan"):
+    with pytest.raises(TypeError, match="plan must be a GluonSparseMlaPlan"):
         G.gluon_sparse_mla_(SparseMlaPlan.build(2, h, w, k, "cpu"), **args)
     with pytest.raises(ValueError, match="heads"):
-        G.build_plan(2, 12, w, k, "cpu")
+        G.GluonSparseMlaPlan.build(2, 12, w, k, "cpu")
     with pytest.raises(TypeError, match="config"):
-        G.gluon_sparse_mla_(plan, **args, config={"q_buffers": 2})
+        G.GluonSparseMlaPlan.build(2, h, w, k, "cpu", config={"q_buffers": 2})
     with pytest.raises(ValueError, match="q_buffers"):
         G.GluonSparseMlaConfig(q_buffers=3)
     with pytest.raises(TypeError, match="fp4_packed"):
@@ -175,14 +175,16 @@ def test_bad_arguments_name_the_argument():
         G.gluon_sparse_mla_(plan, **args)
 
 
-def run(plan, case, scale=SCALE, config=None):
+def run(plan, case, scale=SCALE):
     out = torch.full((case[0].shape[0], plan.heads, D), float("nan"), dtype=torch.bfloat16, device=case[0].device)
-    G.gluon_sparse_mla_(plan, *case, scale, out, config=config)
+    G.gluon_sparse_mla_(plan, *case, scale, out)
     return out
 
 
 def workspace_is_clear(plan):
-    return int(plan.flags.abs().sum()) == 0 and int(plan.ticket) == 0
+    """Flags and ticket zero (a GluonSparseMlaPlan's or its base's)."""
+    base = getattr(plan, "base", plan)
+    return int(base.flags.abs().sum()) == 0 and int(base.ticket) == 0
 
 
 @pytest.mark.gpu
@@ -193,7 +195,7 @@ def test_gpu_against_the_reference(h, n):
     # ending inside a block, a single key): exact-score bits, the random-input bound, two launches
     # give the same bits, the workspace is clear after each
     w, k = 128, 512
-    plan = G.build_plan(64, h, w, k, "cuda")
+    plan = G.GluonSparseMlaPlan.build(64, h, w, k, "cuda")
     case = make_case(n, h, w, k, seed=h * 1000 + n, window_fill=gpu_tables(n), exact=True, **GPU_POOLS)
     out = run(plan, case, EXACT_SCALE)
     assert torch.equal(out, run(plan, case, EXACT_SCALE))
@@ -214,7 +216,7 @@ def test_gpu_window_only(h, n):
     # table of -1 only (the same keys, then six blocks without a valid key)
     w = 128
     for k, comp_valid in ((0, 1.0), (384, 0.0)):
-        plan = G.build_plan(n, h, w, k, "cuda")
+        plan = G.GluonSparseMlaPlan.build(n, h, w, k, "cuda")
         case = make_case(n, h, w, k, seed=h + n + k, window_fill=gpu_tables(n), exact=True,
                          **dict(GPU_POOLS, comp_valid=comp_valid))
         check_exact_gpu(run(plan, case, EXACT_SCALE), case, reference(*case, EXACT_SCALE), EXACT_SCALE)
@@ -229,7 +231,7 @@ def test_gpu_small_shapes(w, k):
     # one block in all (16 + 8 keys), and a 16-key window with 72 top-k entries (two blocks, the
     # first mixing window and compressed keys); windows full, partial, a single key
     n, h = 3, 16
-    plan = G.build_plan(n, h, w, k, "cuda")
+    plan = G.GluonSparseMlaPlan.build(n, h, w, k, "cuda")
     case = make_case(n, h, w, k, seed=w + k, window_fill=[16, 5, 1], exact=True, **GPU_POOLS)
     out = run(plan, case, EXACT_SCALE)
     check_exact_gpu(out, case, reference(*case, EXACT_SCALE), EXACT_SCALE)
@@ -243,7 +245,7 @@ def test_gpu_small_shapes(w, k):
 def test_gpu_more_than_32_blocks():
     # 128 window + 2112 top-k keys: 35 blocks, so the look-back's flag bits span two words per row
     n, h, w, k = 3, 16, 128, 2112
-    plan = G.build_plan(n, h, w, k, "cuda")
+    plan = G.GluonSparseMlaPlan.build(n, h, w, k, "cuda")
     assert plan.n_blocks == 35
     case = make_case(n, h, w, k, seed=35, window_fill=gpu_tables(n), exact=True, **GPU_POOLS)
     out = run(plan, case, EXACT_SCALE)
@@ -266,7 +268,7 @@ def test_gpu_edge_rows(h):
     ct[1] = -1
     wt[2, :125] = -1
     ct[2, ::2] = -1
-    out = run(G.build_plan(n, h, w, k, "cuda"), case, EXACT_SCALE)
+    out = run(G.GluonSparseMlaPlan.build(n, h, w, k, "cuda"), case, EXACT_SCALE)
     assert torch.equal(out[0].float().cpu(), torch.zeros(h, D))
     check_exact_gpu(out, case, reference(*case, EXACT_SCALE), EXACT_SCALE)
 
@@ -280,7 +282,7 @@ def test_gpu_a_row_alone_gives_its_bits_among_others(h, others):
     w, k = 128, 512
     n = 1 + others
     case = make_case(n, h, w, k, seed=900 + n + h, window_fill=gpu_tables(n), **GPU_POOLS)
-    plan = G.build_plan(64, h, w, k, "cuda")
+    plan = G.GluonSparseMlaPlan.build(64, h, w, k, "cuda")
     together = run(plan, case)
     for r in (0, 1, n - 1):
         alone = run(plan, tuple(t[r:r + 1] if i in (0, 3, 4) else t for i, t in enumerate(case)))
@@ -293,12 +295,12 @@ def test_gpu_every_config_gives_the_same_bits(h):
     # the configurations change where q waits and how and when the codes are loaded, not one value
     # (module doc); exact-score and random inputs, 16 rows, a window ending inside a block
     n, w, k = 16, 128, 512
-    plan = G.build_plan(n, h, w, k, "cuda")
+    plans = [G.GluonSparseMlaPlan.build(n, h, w, k, "cuda", config=config) for config in CONFIGS]
     for exact in (True, False):
         case = make_case(n, h, w, k, seed=77 + h, window_fill=gpu_tables(n), exact=exact, **GPU_POOLS)
         scale = EXACT_SCALE if exact else SCALE
         ref = reference(*case, scale)
-        outs = [run(plan, case, scale, config) for config in CONFIGS]
+        outs = [run(plan, case, scale) for plan in plans]
         for config, out in zip(CONFIGS, outs):     # each against the reference first: which one fails
             if exact:
                 check_exact_gpu(out, case, ref, scale)
@@ -315,7 +317,7 @@ def test_gpu_bits_against_the_triton_kernel_are_measured():
     # and the largest distance for the record.
     n, h, w, k = 16, 64, 128, 512
     case = make_case(n, h, w, k, seed=4242, window_fill=gpu_tables(n), **GPU_POOLS)
-    ours = run(G.build_plan(n, h, w, k, "cuda"), case)
+    ours = run(G.GluonSparseMlaPlan.build(n, h, w, k, "cuda"), case)
     tri = torch.empty_like(ours)
     plan = next(p for p in SparseMlaPlan.for_step(64, h, w, k, "cuda") if n <= p.max_rows)
     sparse_mla_(plan, *case, SCALE, tri)
