@@ -565,10 +565,20 @@ def resident_ctas(config: GluonMMConfig, block_t: int) -> int:
     return max(1, min(regs, (228 * 1024) // (shared_bytes(config, block_t) + 1024)))
 
 
-# Measured configurations per weight shape (N, K) on an H200 (`scripts/probe_gluon_mm.py`): one per
-# weight, whatever the rows (the split fixes the bits: batch invariance). Other shapes: the default
-# config with `_default_split`.
-_TUNED: dict[tuple[int, int], GluonMMConfig] = {}
+# Measured configurations per weight shape (N, K) on an H200 (`scripts/probe_gluon_mm.py`, the best
+# geometric mean over rows 1, 4, 8, 16, 32, 64; docs/notes-gluon-mm.md): one per weight, whatever
+# the rows (the split fixes the bits: batch invariance). Other shapes (the TP shards but wq_b's
+# TP8, which is the indexer's shape): the default config with `_default_split`.
+_TUNED: dict[tuple[int, int], GluonMMConfig] = {
+    # wq_b: 256 programs of 128 rows fit the SMs in one wave (512 of 64 took 1.3); 13.5 vs 16.1 us
+    (32768, 1280): GluonMMConfig(split=1, stages=4, mma="pairs", warpgroups=2, persistent=True),
+    # wo_b: the default's split (same bits), 256-deep slots; 14.3 vs 14.6 us
+    (5120, 8192): GluonMMConfig(split=3, stages=3, mma="pairs", block_k=256),
+    # the indexer's wq_b (and wq_b's TP8 shard): 2 splits instead of 4; 5.95 vs 6.05 us, 9.1 vs 11.3 at 64 rows
+    (4096, 1280): GluonMMConfig(split=2, stages=4, mma="slot"),
+    # fused wq_a|wkv: 4 splits of 1280 instead of 8 of 640, 256-deep slots; 6.84 vs 7.06 us, 12.4 vs 15.1 at 64
+    (1792, 5120): GluonMMConfig(split=4, stages=3, mma="slot", block_k=256),
+}
 
 
 def default_config(n: int, k: int) -> GluonMMConfig:
