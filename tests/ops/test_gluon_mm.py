@@ -58,8 +58,8 @@ def _poisoned(m: int, n: int) -> torch.Tensor:
 def _compile_cases() -> list[tuple[str, G.GluonMMConfig, int, int]]:
     """(shape, config, split, row bucket): the configs the real shapes' plans use on an H200
     (`default_config`, the default split rule), each compiled once per row bucket (the default)
-    or at 8 rows and its tightest bucket (a measured one), the split-K epilogue and the single-split
-    one taken in turn among the splits its shapes use (~0.7 s each)."""
+    or at its tightest bucket (a measured one), the split-K epilogue and the single-split one taken
+    in turn among the splits its shapes use (~0.7 s each)."""
     used: dict[G.GluonMMConfig, list] = {}
     for name, n, k in REAL_SHAPES:
         config = G.default_config(n, k)
@@ -70,7 +70,7 @@ def _compile_cases() -> list[tuple[str, G.GluonMMConfig, int, int]]:
     for config, shapes in used.items():
         flags = {split > 1: (name, split) for name, split in shapes}      # one shape per split flag
         picks = list(flags.values())
-        buckets = G.ROW_BUCKETS if config == G.GluonMMConfig() else sorted({8, _deepest_bucket(config)})
+        buckets = G.ROW_BUCKETS if config == G.GluonMMConfig() else [_deepest_bucket(config)]
         for i, bt in enumerate(buckets):
             name, split = picks[i % len(picks)]
             cases.append((name, config, split, bt))
