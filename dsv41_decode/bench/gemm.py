@@ -90,6 +90,8 @@ def bench_shape(shape: Shape, m: int, ops, gen: torch.Generator) -> tuple[float,
                 ws = [(d, None) for d in deq]
             ours = [ops.wo_a(o, q, s, shape.groups, shape.n) for q, s in ws]
             runs["ours"] = lambda: [f() for f in ours]
+            triton_tier = [ops.wo_a_triton(o, q, s, shape.groups, shape.n) for q, s in ws]
+            runs["triton"] = lambda: [f() for f in triton_tier]
             dg = [d.view(shape.groups, shape.n, shape.k) for d in deq]
             og = o.transpose(0, 1)
             runs["cublas_bf16"] = lambda: [torch.bmm(og, d.transpose(1, 2)) for d in dg]

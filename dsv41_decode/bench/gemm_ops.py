@@ -11,11 +11,11 @@ import torch
 from ..formats import fp8_block_dequantize
 from ..ops.act_quant import act_quant_mxfp8
 from ..ops.fp8_mm import fp8_mm_, fp8_mm_config
-from ..decode.attention import fp8_linear_plan
+from ..decode.attention import fp8_linear_plan, wo_a_launch, wo_a_plan
 from ..ops.exact_int8_mm import ExactLinear
 from ..ops.ll_bf16 import LlBf16Plan, ll_bf16_
 from ..ops.low_latency_mm import LowLatencyMM
-from ..ops.wo_a import WoAPlan, wo_a_
+from ..ops.wo_a import WoAPlan
 
 Launch = Callable[[], None]
 
@@ -58,14 +58,28 @@ class GemmOps:
         out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32, device=x.device)
         return lambda: ll_bf16_(plan, x, w, out)
 
-    def wo_a(self, o: torch.Tensor, q: torch.Tensor, s: torch.Tensor | None, groups: int, rank: int) -> Launch:
-        """o [M, groups, (H/G)*512] -> z [M, groups*rank]; weight FP8 (with s) or BF16 (s None)."""
+    def _wo_a(self, o: torch.Tensor, q: torch.Tensor, s: torch.Tensor | None, groups: int, rank: int,
+              triton_tier: bool) -> Launch:
         m = o.shape[0]
         heads = groups * o.shape[2] // 512
         g = torch.Generator(device=o.device).manual_seed(1)
         ang = torch.rand(m, 32, generator=g, device=o.device) * 2 * math.pi
         cos, sin = torch.cos(ang), torch.sin(ang)
-        plan = WoAPlan.build(heads, groups, rank, 64, q.dtype, o.device)
+        if triton_tier:
+            plan = WoAPlan.build(heads, groups, rank, 64, q.dtype, o.device)
+        else:
+            plan = wo_a_plan(heads, groups, rank, 64, q.dtype, o.device)
         out = torch.empty(m, groups * rank, dtype=torch.bfloat16, device=o.device)
         ov = o.view(m, heads, 512)
-        return lambda: wo_a_(plan, ov, cos, sin, q, s, out)
+        return lambda: wo_a_launch(plan, ov, cos, sin, q, s, out)
+
+    def wo_a(self, o: torch.Tensor, q: torch.Tensor, s: torch.Tensor | None, groups: int, rank: int) -> Launch:
+        """o [M, groups, (H/G)*512] -> z [M, groups*rank]; weight FP8 (with s) or BF16 (s None): the
+        step's plan (`decode.attention.wo_a_plan`: the Gluon kernel on sm_90 for a BF16 weight, else
+        the Triton plan)."""
+        return self._wo_a(o, q, s, groups, rank, triton_tier=False)
+
+    def wo_a_triton(self, o: torch.Tensor, q: torch.Tensor, s: torch.Tensor | None, groups: int,
+                    rank: int) -> Launch:
+        """The Triton plan (`ops.wo_a.WoAPlan`) on the same operands."""
+        return self._wo_a(o, q, s, groups, rank, triton_tier=True)

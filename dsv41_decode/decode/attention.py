@@ -14,7 +14,8 @@ The FP8 linears run on FP8 tensor cores (`GluonMM` on sm_90, else `LowLatencyMM`
 rounded once, then K order; on CUDA cores, or on the integer MMA where that is faster);
 `fp32_dots=True` gives the sparse MLA and `wo_a` FP32 operands with IEEE dots (CUDA-core FMAs:
 FP32 round-to-nearest sums where a tensor-core MMA truncates; `SparseMlaPlan.for_step(fp32_dots=
-True)`, `WoAPlan.build(ieee_dot=True)`).
+True)`, `WoAPlan.build(ieee_dot=True)`). A BF16 `wo_a` runs the Gluon kernel on sm_90 otherwise
+(`wo_a_plan`: the Triton plan's bits, faster).
 A layer that is not eligible raises `NotEligible`, and the caller keeps the generic path.
 """
 
@@ -36,6 +37,8 @@ from ..ops.exact_int8_mm import ExactLinear
 from ..ops.common import is_sm90
 from ..ops.exact_mm import ExactConfig
 from ..ops.gluon_mm import GluonMM
+from ..ops.gluon_wo_a import GluonWoAPlan, gluon_wo_a_
+from ..ops.gluon_sparse_mla import GluonSparseMlaPlan, gluon_sparse_mla_
 from ..ops.ll_bf16 import LlBf16Plan, ll_bf16_
 from ..ops.rms_norm import rms_norm_, rms_norm_pair_
 from ..ops.low_latency_mm import LowLatencyConfig, LowLatencyMM
@@ -83,6 +86,58 @@ def fp8_linear_plan(weight: torch.Tensor, scale: torch.Tensor, max_rows: int, ex
             pass
     config = LowLatencyConfig(block_n=wide_n, block_k=deep_k, split=1) if few else None
     return LowLatencyMM(weight, scale, max_rows, config, workspace)
+
+
+def wo_a_plan(heads: int, groups: int, rank: int, max_rows: int, weight_dtype: torch.dtype,
+              device: torch.device, *, head_dim: int = 512, rope_dim: int = 64, workspace=None,
+              fp32_dots: bool = False):
+    """The plan of the grouped `wo_a` (launched by `wo_a_launch`): on an sm_90 GPU a BF16 weight
+    without `fp32_dots` runs the Gluon kernel (`ops.gluon_wo_a.GluonWoAPlan`, where it builds: the
+    Triton plan's split and K order, the same bits on the H200 at every TP shard and 1-64 rows, and
+    19.7-25.4 us at 1-64 rows where the Triton plan takes 21.6-54.3: docs/gemm.md); otherwise
+    `ops.wo_a.WoAPlan` (an FP8 weight, FP32 IEEE dots with `fp32_dots`, other GPUs, the interpreter
+    with one split). The reduction order is fixed per plan, whatever the rows (batch invariance).
+    workspace: None or the step's `Workspaces` pool (the plans' `workspace` contract)."""
+    device = torch.device(device)
+    if is_sm90(device) and weight_dtype == torch.bfloat16 and not fp32_dots:
+        try:
+            return GluonWoAPlan.build(heads, groups, rank, max_rows, weight_dtype, device, head_dim=head_dim,
+                                      rope_dim=rope_dim, workspace=workspace)
+        except ValueError:          # a shape the Gluon kernel does not take
+            pass
+    few = {"split": 1} if _few_programs(device) else {}
+    return WoAPlan.build(heads, groups, rank, max_rows, weight_dtype, device, head_dim=head_dim,
+                         rope_dim=rope_dim, workspace=workspace, ieee_dot=fp32_dots, **few)
+
+
+def wo_a_launch(plan, *args, **kwargs) -> None:
+    """Launch the grouped `wo_a` of a `wo_a_plan` plan: `ops.gluon_wo_a.gluon_wo_a_` or
+    `ops.wo_a.wo_a_`, which take the same arguments."""
+    (gluon_wo_a_ if isinstance(plan, GluonWoAPlan) else wo_a_)(plan, *args, **kwargs)
+
+
+def sparse_mla_plans(max_rows: int, heads: int, window: int, topk: int, device: torch.device, *,
+                     workspace=None, fp32_dots: bool = False) -> list:
+    """The sparse MLA plans of a layer (ascending max_rows: a launch takes the first that holds its
+    rows; launched by `sparse_mla_launch`). On an sm_90 GPU without `fp32_dots` one Gluon plan for
+    every row count (`ops.gluon_sparse_mla`: key-major, each record decoded once per row; 17.6 /
+    19.0 / 35.1 / 100.4 us at 1 / 8 / 16 / 64 rows and 64 heads on the H200, where the Triton
+    tilings take 25.4 / 41.4 / 65.7 / 261.8: docs/attn.md); with `fp32_dots` the Triton FP32 plan
+    (`SparseMlaPlan.for_step(fp32_dots=True)`); other GPUs the Triton `STEP_TILINGS`; the
+    interpreter one unsplit plan. Each is one reduction order whatever the rows (batch invariance).
+    workspace: None or the step's `Workspaces` pool (the plans' `workspace` contract)."""
+    device = torch.device(device)
+    if _few_programs(device):
+        return [SparseMlaPlan.build(max_rows, heads, window, topk, device, split=False, workspace=workspace)]
+    if is_sm90(device) and not fp32_dots:
+        return [GluonSparseMlaPlan.build(max_rows, heads, window, topk, device, workspace=workspace)]
+    return SparseMlaPlan.for_step(max_rows, heads, window, topk, device, workspace=workspace, fp32_dots=fp32_dots)
+
+
+def sparse_mla_launch(plan, *args, **kwargs) -> None:
+    """Launch the sparse MLA of a `sparse_mla_plans` plan: `ops.gluon_sparse_mla.gluon_sparse_mla_`
+    or `ops.sparse_mla.sparse_mla_`, which take the same arguments."""
+    (gluon_sparse_mla_ if isinstance(plan, GluonSparseMlaPlan) else sparse_mla_)(plan, *args, **kwargs)
 
 
 def _fp8_weight(w: dict, name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,16 +194,13 @@ class AttentionStep:
         else:
             self.wo_a_w, self.wo_a_s = w["attn.wo_a.weight"].to(torch.bfloat16), None
         few = {"split": 1} if _few_programs(dev) else {}
-        self.wo_a_plan = WoAPlan.build(cfg.n_heads, cfg.o_groups, cfg.o_lora_rank, max_rows, self.wo_a_w.dtype,
-                                       dev, head_dim=cfg.head_dim, rope_dim=cfg.rope_head_dim,
-                                       workspace=pool, ieee_dot=fp32_dots, **few)
+        self.wo_a_plan = wo_a_plan(cfg.n_heads, cfg.o_groups, cfg.o_lora_rank, max_rows, self.wo_a_w.dtype, dev,
+                                   head_dim=cfg.head_dim, rope_dim=cfg.rope_head_dim, workspace=pool,
+                                   fp32_dots=fp32_dots)
         topk_w = 0 if spec.kind == SWA else cfg.index_topk
-        # Per row count the tiling measured best (ops.sparse_mla.STEP_TILINGS; docs/attn.md); with
-        # fp32_dots FP32 dots at every row count (FP32_STEP_TILING; the interpreter's are FP32).
-        self.mla_plans = ([SparseMlaPlan.build(max_rows, cfg.n_heads, cfg.window_size, topk_w, dev, split=False,
-                                               workspace=pool)]
-                          if few else SparseMlaPlan.for_step(max_rows, cfg.n_heads, cfg.window_size, topk_w, dev,
-                                                             workspace=pool, fp32_dots=fp32_dots))
+        # The Gluon kernel on sm_90, else the Triton tilings; FP32 dots with fp32_dots (`sparse_mla_plans`)
+        self.mla_plans = sparse_mla_plans(max_rows, cfg.n_heads, cfg.window_size, topk_w, dev, workspace=pool,
+                                          fp32_dots=fp32_dots)
         wide = {"split": 1, "block_n": 256} if few else {}
         self.sink = w["attn.attn_sink"].float().contiguous()
         self.publish: torch.Tensor | None = None   # set by DecodeStep with the fused TP boundary
@@ -371,8 +423,8 @@ class AttentionStep:
             comp_pool, comp_table = st.compressed[spec.kv_source], self.source_selection.table[:B]
         o = s.o[:B]
         plan = next(p for p in self.mla_plans if B <= p.max_rows)
-        sparse_mla_(plan, s.q[:B], st.window[spec.layer], comp_pool, m.window_table[:B], comp_table, self.sink,
-                    cfg.softmax_scale, o)
+        sparse_mla_launch(plan, s.q[:B], st.window[spec.layer], comp_pool, m.window_table[:B], comp_table, self.sink,
+                          cfg.softmax_scale, o)
         return o
 
     def _output(self, B: int, o: torch.Tensor, y: torch.Tensor) -> None:
@@ -380,7 +432,7 @@ class AttentionStep:
         slots, after the sparse MLA has read the ring, and quantizes z to MXFP8), then wo_b."""
         s, m, r = self.s, self.meta, self.spec.ratio
         copy = (self.state.window[self.spec.layer], m.stage_src, m.ring_dst)
-        wo_a_(self.wo_a_plan, o, m.cos[r][:B], m.sin[r][:B], self.wo_a_w, self.wo_a_s, s.z[:B],
+        wo_a_launch(self.wo_a_plan, o, m.cos[r][:B], m.sin[r][:B], self.wo_a_w, self.wo_a_s, s.z[:B],
               s.z_codes[:B], s.z_scales[:B], window_copy=copy)
         if self.publish is not None:
             # the fused boundary: the FP32 partial goes straight into this rank's mailbox slot

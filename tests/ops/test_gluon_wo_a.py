@@ -304,3 +304,32 @@ def test_gpu_against_the_triton_kernel(heads, dtype):
         _check(out[:m], z_t[:m])
         print(f"gluon vs triton wo_a, {str(dtype)[6:]}, {heads} heads, {m} rows: {bits_differ(out[:m], z_t[:m])} "
               f"of {out[:m].numel()} outputs differ bitwise")
+
+
+def test_step_plan_off_sm90_is_the_triton_plan():
+    # decode.attention.wo_a_plan: off sm_90 (here the CPU's interpreter) the Triton plan, one split
+    from dsv41_decode.decode.attention import wo_a_plan
+    for dtype in DTYPES:
+        plan = wo_a_plan(64, 8, RANK, 64, dtype, torch.device("cpu"))
+        assert isinstance(plan, WoAPlan) and plan.split == 1 and plan.weight_dtype == dtype
+
+
+@pytest.mark.gpu
+def test_gpu_step_plan_is_gluon_for_a_bf16_weight():
+    # On sm_90 the step's BF16 wo_a runs the Gluon kernel (the Triton plan's bits); FP8, fp32_dots
+    # and shapes the Gluon kernel does not take keep the Triton plan; wo_a_launch runs either.
+    from dsv41_decode.decode.attention import wo_a_launch, wo_a_plan
+    from dsv41_decode.ops.common import is_sm90
+    dev = torch.device("cuda")
+    plan = wo_a_plan(64, 8, RANK, 64, torch.bfloat16, dev)
+    assert isinstance(plan, W.GluonWoAPlan) is is_sm90(dev)
+    assert isinstance(wo_a_plan(64, 8, RANK, 64, torch.bfloat16, dev, fp32_dots=True), WoAPlan)
+    assert isinstance(wo_a_plan(64, 8, RANK, 64, torch.float8_e4m3fn, dev), WoAPlan)
+    assert isinstance(wo_a_plan(8, 4, 96, 64, torch.bfloat16, dev), WoAPlan)     # rank 96: not 64 rows a tile
+    _, o, _, cos, sin, w, _, _, out = _real(64, seed=300)
+    tri = WoAPlan.build(64, 8, RANK, 64, torch.bfloat16, "cuda")
+    z_t = torch.empty_like(out)
+    for m in (1, 16, 64):
+        wo_a_launch(plan, o[:m], cos[:m], sin[:m], w, None, out[:m])
+        wo_a_launch(tri, o[:m], cos[:m], sin[:m], w, None, z_t[:m])
+        _check(out[:m], z_t[:m])
