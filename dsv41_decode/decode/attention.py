@@ -433,7 +433,7 @@ class AttentionStep:
         s, m, r = self.s, self.meta, self.spec.ratio
         copy = (self.state.window[self.spec.layer], m.stage_src, m.ring_dst)
         wo_a_launch(self.wo_a_plan, o, m.cos[r][:B], m.sin[r][:B], self.wo_a_w, self.wo_a_s, s.z[:B],
-              s.z_codes[:B], s.z_scales[:B], window_copy=copy)
+                    s.z_codes[:B], s.z_scales[:B], window_copy=copy)
         if self.publish is not None:
             # the fused boundary: the FP32 partial goes straight into this rank's mailbox slot
             self.mm_wo_b(s.z_codes[:B], s.z_scales[:B], self.publish[:B])
