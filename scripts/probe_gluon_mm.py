@@ -19,7 +19,9 @@ TP shards instead. Writes nothing. `PROBE_DRY=1` runs the
 script on the CPU with small shapes, the reference in place of the kernel and wall-clock times:
 it checks the script, not the kernel. Options: `--only=wq_b,wo_b`,
 `--rows=1,16`, `--budget=120`, `--workers=14`, `--replays=20`, `--compile_timeout=60` (seconds for all
-the workers' compiles and runs; a configuration not done by then is not timed).
+the workers' compiles and runs; a configuration not done by then is not timed), `--match=/T,/P`
+(only the configurations whose label holds one of these, besides the "pairs" references; labels:
+mode/wg/k/s[/P persistent][/rN register cap][/T retiled]/split).
 """
 
 from __future__ import annotations
@@ -64,28 +66,32 @@ if DRY:
 SPLITS = {"wq_b": (1, 2, 5), "wo_b": (2, 3, 4, 8, 16), "idx_wq_b": (2, 4, 5), "fused_wqa_wkv": (4, 8, 16),
           "wq_b_tp2": (1, 2, 5), "wq_b_tp4": (1, 2, 5), "wo_b_tp2": (2, 4, 8), "wo_b_tp4": (2, 4, 8),
           "wo_b_tp8": (2, 4, 8)}
-# (mma, warpgroups, block_k, stages, persistent, maxnreg): today's pipeline, the deeper MMA modes,
-# two consumer warpgroups, 256-deep slots, a deeper ring, the persistent grid, 4 CTAs per SM (64
-# registers, up to 32 rows).
-VARIANTS = [("pairs", 1, 128, 4, False, None), ("slot", 1, 128, 4, False, None), ("ahead", 1, 128, 4, False, None),
-            ("ahead", 1, 128, 6, False, None), ("pairs", 2, 128, 4, False, None), ("slot", 2, 128, 4, False, None),
-            ("pairs", 1, 256, 3, False, None), ("slot", 1, 256, 3, False, None), ("pairs", 1, 128, 4, True, None),
-            ("ahead", 1, 128, 4, True, None), ("ahead", 1, 128, 6, True, None), ("pairs", 2, 128, 4, True, None),
-            ("slot", 2, 128, 4, True, None), ("pairs", 1, 128, 4, False, 64), ("slot", 1, 128, 4, False, 64)]
+# (mma, warpgroups, block_k, stages, persistent, maxnreg, retile): today's pipeline, the deeper MMA
+# modes, two consumer warpgroups, 256-deep slots, a deeper ring, the persistent grid, 4 CTAs per SM
+# (64 registers, up to 32 rows), the tile-contiguous weight copy.
+VARIANTS = [("pairs", 1, 128, 4, False, None, False), ("slot", 1, 128, 4, False, None, False),
+            ("ahead", 1, 128, 4, False, None, False), ("ahead", 1, 128, 6, False, None, False),
+            ("pairs", 2, 128, 4, False, None, False), ("slot", 2, 128, 4, False, None, False),
+            ("pairs", 1, 256, 3, False, None, False), ("slot", 1, 256, 3, False, None, False),
+            ("pairs", 1, 128, 4, True, None, False), ("ahead", 1, 128, 4, True, None, False),
+            ("ahead", 1, 128, 6, True, None, False), ("pairs", 2, 128, 4, True, None, False),
+            ("slot", 2, 128, 4, True, None, False), ("pairs", 1, 128, 4, False, 64, False),
+            ("slot", 1, 128, 4, False, 64, False), ("pairs", 1, 128, 4, False, None, True),
+            ("pairs", 1, 256, 3, False, None, True), ("pairs", 2, 128, 4, True, None, True)]
 ROWS = (1, 4, 8, 16, 32, 64)
 CONFIGS: dict[str, GluonMMConfig] = {}    # label -> config, of what was timed
 
 
 def config_of(variant, split: int | None) -> GluonMMConfig:
-    mma, wg, bk, stages, persistent, maxnreg = variant
+    mma, wg, bk, stages, persistent, maxnreg, retile = variant
     return GluonMMConfig(split=split, stages=stages, mma=mma, warpgroups=wg, block_k=bk, persistent=persistent,
-                         maxnreg=maxnreg)
+                         maxnreg=maxnreg, retile=retile)
 
 
 def label(config: GluonMMConfig) -> str:
     return (f"{config.mma}/wg{config.warpgroups}/k{config.block_k}/s{config.stages}"
             f"{'/P' if config.persistent else ''}{f'/r{config.maxnreg}' if config.maxnreg else ''}"
-            f"/split{config.split}")
+            f"{'/T' if config.retile else ''}/split{config.split}")
 
 
 class _DryPlan:
@@ -194,8 +200,11 @@ def main() -> None:
     names = arg("only", ",".join(TP1)).split(",")
     rows = [int(r) for r in arg("rows", ",".join(map(str, ROWS))).split(",")]
     budget = float(arg("budget", "120"))
+    match = [m for m in arg("match", "").split(",") if m]
+    variants = [v for v in VARIANTS if not match or any(m in label(config_of(v, 1)) for m in match)
+                or v[:4] in (("pairs", 1, 128, 4), ("pairs", 1, 256, 3)) and v[4:] == (False, None, False)]
     replays = int(arg("replays", "20"))
-    failed = precompile(VARIANTS, {s > 1 for name in names for s in SPLITS[name]} | {True},
+    failed = precompile(variants, {s > 1 for name in names for s in SPLITS[name]} | {True},
                         int(arg("workers", "2" if DRY else "14")), float(arg("compile_timeout", "60")))
     floor = 4400.0 if DRY else read_bandwidth_gbps()
     print(f"streaming read: {floor:.0f} GB/s on {'the CPU (dry run)' if DRY else torch.cuda.get_device_name()} "
@@ -238,7 +247,7 @@ def main() -> None:
             del today
             refs: dict[tuple[int, int], torch.Tensor] = {}    # (k_per_split, splits) -> pairs bits
             res = results.setdefault((name, m), {})
-            for variant in VARIANTS:
+            for variant in variants:
                 bt = next(b for b in ROW_BUCKETS if b >= m)
                 for split in SPLITS[name]:
                     config = config_of(variant, split)
@@ -250,7 +259,7 @@ def main() -> None:
                         y = plans[0](codes, sx).clone()
                         key = (plans[0].k_per_split, plans[0].split)
                         if key not in refs:
-                            ref = ("pairs", 1, config.block_k, 4 if config.block_k == 128 else 3, False, None)
+                            ref = ("pairs", 1, config.block_k, 4 if config.block_k == 128 else 3, False, None, False)
                             ref_plan = Plan(*ws[0], config=config_of(ref, split))
                             assert (ref_plan.k_per_split, ref_plan.split) == key
                             refs[key] = ref_plan(codes, sx).clone()

@@ -79,10 +79,14 @@ ROW_BUCKETS = (8, 16, 32, 64)   # BLOCK_T: the wgmma's N
 
 
 @gluon.jit
-def _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, step_lo, n_steps, c0, STAGES: gl.constexpr):
+def _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, step_lo, n_steps, c0, n_steps_total,
+              STAGES: gl.constexpr, RETILED: gl.constexpr):
     """The 1-warp TMA producer: step i's weight tile [BN, BLOCK_K] and activation tile [BLOCK_T,
     BLOCK_K] into ring slot (c0 + i) % STAGES once the consumer has released it (c0: the slots the
-    program filled before, for the persistent loop; else 0)."""
+    program filled before, for the persistent loop; else 0). RETILED: the weight descriptor is the
+    plan's tile-contiguous copy ([N tiles x K steps x BN, BLOCK_K]: tile t's step s at row
+    (t x n_steps_total + s) x BN)."""
+    BN: gl.constexpr = w_desc.block_type.shape[0]
     for i in range(n_steps):
         c = c0 + i
         s = c % STAGES
@@ -91,20 +95,25 @@ def _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, step_lo, n_st
         mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), w_desc.block_type.nbytes + x_desc.block_type.nbytes)
         k = (step_lo + i) * w_desc.block_type.shape[1]
-        tma.async_copy_global_to_shared(w_desc, [off_n, k], ready.index(s), w_smem.index(s))
+        if RETILED:
+            tma.async_copy_global_to_shared(w_desc, [off_n * n_steps_total + (step_lo + i) * BN, 0], ready.index(s),
+                                            w_smem.index(s))
+        else:
+            tma.async_copy_global_to_shared(w_desc, [off_n, k], ready.index(s), w_smem.index(s))
         tma.async_copy_global_to_shared(x_desc, [0, k], ready.index(s), x_smem.index(s))
 
 
 @gluon.jit
 def _producer_persistent(w_desc, x_desc, w_smem, x_smem, ready, empty, N, steps_per_split, n_steps_total,
-                         n_split, STAGES: gl.constexpr):
+                         n_split, STAGES: gl.constexpr, RETILED: gl.constexpr):
     """The producer of a persistent program: the steps of its work items (`_item`) one after the
     other through the same ring."""
     BN: gl.constexpr = w_desc.block_type.shape[0]
     c0 = 0
     for item in range(gl.program_id(0), (N + BN - 1) // BN * n_split, gl.num_programs(0)):
         pid_n, step_lo, n_steps = _item(item, n_split, steps_per_split, n_steps_total)
-        _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, step_lo, n_steps, c0, STAGES)
+        _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, step_lo, n_steps, c0, n_steps_total,
+                  STAGES, RETILED)
         c0 += n_steps
 
 
@@ -381,7 +390,7 @@ def _gluon_mxfp8_mm_kernel(
     w_desc, x_desc, sx_ptr, sw_ptr, y_ptr, ws_ptr, cnt_ptr,
     M, N, stride_sxm, stride_swn, stride_ym, steps_per_split, n_steps_total, n_split,
     SPLIT_K: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr, MMA: gl.constexpr, OUT_F32: gl.constexpr,
-    PERSISTENT: gl.constexpr = False,
+    PERSISTENT: gl.constexpr = False, RETILED: gl.constexpr = False,
 ):
     # Grid (N tiles, n_split K splits): program (t, s) covers weight rows [t*BN, +BN) and K steps
     # [s*steps_per_split, +steps_per_split) of BLOCK_K (the descriptor's box: BN = 64 per consumer
@@ -409,7 +418,7 @@ def _gluon_mxfp8_mm_kernel(
                                     M, N, stride_sxm, stride_swn, stride_ym, steps_per_split, n_steps_total,
                                     n_split, STAGES, BN, BT, SUB, MMA, SPLIT_K, OUT_F32, mma_layout)),
             (_producer_persistent, (w_desc, x_desc, w_smem, x_smem, ready, empty, N, steps_per_split,
-                                    n_steps_total, n_split, STAGES)),
+                                    n_steps_total, n_split, STAGES, RETILED)),
         ], [1], [24])
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
@@ -424,7 +433,8 @@ def _gluon_mxfp8_mm_kernel(
         acc, = gl.warp_specialize([
             (_consumer, (w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n_steps,
                          STAGES, BN, BT, SUB, MMA, mma_layout)),
-            (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, step_lo, n_steps, 0, STAGES)),
+            (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, step_lo, n_steps, 0,
+                         n_steps_total, STAGES, RETILED)),
         ], [1], [24])
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
@@ -455,6 +465,9 @@ class GluonMMConfig:
     persistent: one program per CTA the SMs hold at once (`resident_ctas`), each taking the work
         items (N tile, K split) in turn through one ring, so the producer streams the next item's
         tiles while the consumer finishes and stores the last (no wave tail, one ramp per program).
+    retile: the plan keeps a copy of the weight laid out tile by tile ([N tiles, K steps, block_n,
+        block_k], each ring slot's box one contiguous 8-16 KB run instead of block_n rows K bytes
+        apart) and streams that; N x K more bytes of device memory per plan.
     """
 
     split: int | None = None
@@ -464,6 +477,7 @@ class GluonMMConfig:
     block_k: int = 128
     maxnreg: int | None = None
     persistent: bool = False
+    retile: bool = False
 
     def __post_init__(self):
         def is_int(v):
@@ -481,8 +495,9 @@ class GluonMMConfig:
         if self.mma == "ahead" and self.block_k != 128:
             raise ValueError(f"GluonMMConfig.mma='ahead' needs block_k=128 (16 partials in flight do not fit "
                              f"the registers), got block_k={self.block_k}")
-        if not isinstance(self.persistent, bool):
-            raise ValueError(f"GluonMMConfig.persistent must be a bool, got {self.persistent!r}")
+        for name in ("persistent", "retile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"GluonMMConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.maxnreg is not None and (not is_int(self.maxnreg) or not 24 <= self.maxnreg <= 256
                                          or self.maxnreg % 8):
             raise ValueError(f"GluonMMConfig.maxnreg must be None or a multiple of 8 in [24, 256], "
@@ -554,7 +569,8 @@ def launch_options(config: GluonMMConfig, block_t: int, split: int) -> dict:
     `split` K splits (the plan's launch and the sm_90 compile test share them)."""
     mode, cap = launch_mode(config, block_t)
     return {"SPLIT_K": split > 1, "BT": block_t, "STAGES": config.stages, "MMA": mode,
-            "PERSISTENT": config.persistent, "num_warps": 4 * config.warpgroups, "maxnreg": cap}
+            "PERSISTENT": config.persistent, "RETILED": config.retile, "num_warps": 4 * config.warpgroups,
+            "maxnreg": cap}
 
 
 def resident_ctas(config: GluonMMConfig, block_t: int) -> int:
@@ -612,6 +628,16 @@ def shared_bytes(config: GluonMMConfig, block_t: int) -> int:
 
 
 SHARED_LIMIT = 227 * 1024     # sm_90's dynamic shared memory per block
+
+
+def _retiled(weight: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
+    """The weight [N, K] laid out tile by tile for `GluonMMConfig.retile`: [N tiles x K steps x
+    block_n, block_k], tile t's K step s at rows (t x K steps + s) x block_n (rows past N zero)."""
+    n, k = weight.shape
+    tiles, steps = -(-n // block_n), k // block_k
+    padded = weight.new_zeros(tiles * block_n, k)
+    padded[:n] = weight
+    return padded.view(tiles, block_n, steps, block_k).permute(0, 2, 1, 3).contiguous().view(-1, block_k)
 
 
 def _words(scale: torch.Tensor, name: str) -> torch.Tensor:
@@ -682,7 +708,9 @@ class GluonMM:
         self.k_per_split, self.split = split_bounds(want, k, bk)
         self.grid = (-(-n // bn), self.split)
         w_layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float8e4nv)
-        self._w_desc = TensorDescriptor.from_tensor(weight, [bn, bk], w_layout)
+        self._w_tiles = _retiled(weight, bn, bk) if config.retile else None
+        self._w_desc = TensorDescriptor.from_tensor(weight if self._w_tiles is None else self._w_tiles, [bn, bk],
+                                                    w_layout)
         ws_elems = self.grid[0] * self.split * max_rows * bn if self.split > 1 else 1
         self._workspace = plan_workspace(workspace, 0, ws_elems, torch.float32, self.device)
         self._counters = plan_workspace(workspace, 0, self.grid[0], torch.int32, self.device)

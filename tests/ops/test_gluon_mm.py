@@ -155,12 +155,14 @@ VARIANTS = [
     G.GluonMMConfig(warpgroups=2, block_k=256, mma="slot", stages=3),
     G.GluonMMConfig(persistent=True), G.GluonMMConfig(mma="ahead", stages=6, persistent=True),
     G.GluonMMConfig(warpgroups=2, mma="slot", persistent=True), G.GluonMMConfig(mma="slot", maxnreg=64),
+    G.GluonMMConfig(retile=True), G.GluonMMConfig(block_k=256, stages=3, retile=True),
+    G.GluonMMConfig(warpgroups=2, persistent=True, retile=True),
 ]
 
 
 def _variant_id(c: G.GluonMMConfig) -> str:
     return (f"{c.mma}-wg{c.warpgroups}-k{c.block_k}-s{c.stages}" + (f"-r{c.maxnreg}" if c.maxnreg else "")
-            + ("-persistent" if c.persistent else ""))
+            + ("-persistent" if c.persistent else "") + ("-retile" if c.retile else ""))
 
 
 @pytest.mark.parametrize("i,config", list(enumerate(VARIANTS)), ids=[_variant_id(c) for c in VARIANTS])
@@ -191,6 +193,21 @@ def test_launch_table():
     assert [G.resident_ctas(G.GluonMMConfig(maxnreg=64), b) for b in G.ROW_BUCKETS] == [4, 4, 4, 2]
     assert [G.resident_ctas(G.GluonMMConfig(warpgroups=2), b) for b in G.ROW_BUCKETS] == [2, 2, 2, 1]
     assert G.resident_ctas(G.GluonMMConfig(block_k=256, stages=6), 64) == 1      # 197 KB of ring
+
+
+def test_retiled_weight_puts_each_slot_box_in_one_run():
+    # Tile t's K step s is rows (t x steps + s) x block_n of the copy: the box the producer loads.
+    w = torch.randn(130, 512, generator=_gen(5)).to(torch.float8_e4m3fn)
+    for bn, bk in ((64, 128), (128, 256)):
+        padded = torch.zeros(-(-130 // bn) * bn, 512, dtype=torch.uint8)      # rows past N: zero
+        padded[:130] = w.view(torch.uint8)
+        tiles = G._retiled(w, bn, bk).view(torch.uint8)
+        steps = 512 // bk
+        assert tiles.shape == (-(-130 // bn) * steps * bn, bk) and tiles.is_contiguous()
+        for t in range(-(-130 // bn)):
+            for st in range(steps):
+                box = tiles[(t * steps + st) * bn:(t * steps + st + 1) * bn]
+                assert torch.equal(box, padded[t * bn:(t + 1) * bn, st * bk:(st + 1) * bk]), (bn, t, st)
 
 
 def test_tuned_configs_fit_their_shapes():
@@ -233,6 +250,7 @@ def test_bad_plan_arguments_name_the_argument():
         (lambda: G.GluonMMConfig(block_k=64), "block_k"),
         (lambda: G.GluonMMConfig(mma="ahead", block_k=256), "block_k"),
         (lambda: G.GluonMMConfig(maxnreg=100), "maxnreg"),
+        (lambda: G.GluonMMConfig(retile=1), "retile"),
         (lambda: G.GluonMM(torch.zeros(64, 384, dtype=fp8), torch.zeros(2, 12, dtype=torch.uint8),
                            config=G.GluonMMConfig(block_k=256)), "block_k"),
     ]
