@@ -12,12 +12,14 @@ class AttnOps:
     """Our sparse-attention kernels behind the bench's interface."""
 
     def sparse_mla(self, q, win, wtab, comp, ctab, sink, scale):
-        """The decode step's plan for this row count (`SparseMlaPlan.for_step`: STEP_TILINGS)."""
+        """The decode step's plan for this row count (`decode.attention.sparse_mla_plans`: the Gluon
+        kernel on sm_90, else the Triton STEP_TILINGS)."""
+        from ..decode.attention import sparse_mla_launch, sparse_mla_plans
         rows, heads = q.shape[0], q.shape[1]
-        plan = next(p for p in SparseMlaPlan.for_step(rows, heads, wtab.shape[1], ctab.shape[1], q.device)
+        plan = next(p for p in sparse_mla_plans(rows, heads, wtab.shape[1], ctab.shape[1], q.device)
                     if p.max_rows >= rows)
         out = torch.empty_like(q)
-        return lambda: sparse_mla_(plan, q, win, comp, wtab, ctab, sink, scale, out)
+        return lambda: sparse_mla_launch(plan, q, win, comp, wtab, ctab, sink, scale, out)
 
     def sparse_mla_variants(self, q, win, wtab, comp, ctab, sink, scale):
         """Plan options worth timing side by side (printed, not recorded)."""
@@ -32,6 +34,10 @@ class AttnOps:
             except (ValueError, TypeError):
                 continue
             variants[name] = (lambda p=plan: sparse_mla_(p, q, win, comp, wtab, ctab, sink, scale, out))
+        # the Triton kernel's step tilings (the step's plan off sm_90)
+        plan = next(p for p in SparseMlaPlan.for_step(rows, heads, wtab.shape[1], ctab.shape[1], q.device)
+                    if p.max_rows >= rows)
+        variants["triton_step"] = lambda: sparse_mla_(plan, q, win, comp, wtab, ctab, sink, scale, out)
         return variants
 
     def bench_indexer(self, rows, contexts, floor, info, gen, progress):
