@@ -326,3 +326,41 @@ def test_gpu_bits_against_the_triton_kernel_are_measured():
     ref = reference(*case)
     check_bound(ours, case, ref)
     check_bound(tri, case, ref)
+
+
+def test_the_steps_plan_choice_off_sm90(monkeypatch):
+    # the decode step's sparse MLA plans (decode.attention.sparse_mla_plans): in the interpreter one
+    # unsplit Triton plan; on another GPU the Triton step tilings (here the CPU standing in for one);
+    # sparse_mla_launch runs the Triton launcher for them and the Gluon launcher for a Gluon plan
+    from dsv41_decode.decode import attention
+    (plan,) = attention.sparse_mla_plans(4, 64, 128, 512, torch.device("cpu"))
+    assert type(plan) is SparseMlaPlan and not plan.split
+    monkeypatch.setattr(attention, "_few_programs", lambda device: False)
+    plans = attention.sparse_mla_plans(64, 64, 128, 512, torch.device("cpu"))
+    assert [p.max_rows for p in plans] == [p.max_rows for p in SparseMlaPlan.for_step(64, 64, 128, 512, "cpu")]
+    assert all(type(p) is SparseMlaPlan for p in plans)
+    calls = []
+    monkeypatch.setattr(attention, "sparse_mla_", lambda plan, *a: calls.append(("triton", plan)))
+    monkeypatch.setattr(attention, "gluon_sparse_mla_", lambda plan, *a: calls.append(("gluon", plan)))
+    gplan = G.GluonSparseMlaPlan.build(4, 64, 128, 512, "cpu")
+    attention.sparse_mla_launch(plans[0], 1, 2)
+    attention.sparse_mla_launch(gplan, 1, 2)
+    assert calls == [("triton", plans[0]), ("gluon", gplan)]
+
+
+@pytest.mark.gpu
+def test_gpu_the_steps_plan_choice_on_sm90():
+    # on sm_90 the step takes one Gluon plan for every row count (batch invariance: one reduction
+    # order), its workspace from the step's pool; with fp32_dots the Triton FP32 plan
+    from dsv41_decode.decode import attention
+    from dsv41_decode.decode.buffers import Workspaces
+    from dsv41_decode.ops.common import is_sm90
+    dev = torch.device("cuda")
+    if not is_sm90(dev):
+        pytest.skip("the Gluon sparse MLA is sm_90 code")
+    pool = Workspaces(dev)
+    (plan,) = attention.sparse_mla_plans(64, 64, 128, 512, dev, workspace=pool)
+    assert isinstance(plan, G.GluonSparseMlaPlan) and plan.max_rows == 64
+    assert plan.base.part_acc.untyped_storage().data_ptr() in pool.storages()
+    (fp32,) = attention.sparse_mla_plans(64, 64, 128, 512, dev, fp32_dots=True)
+    assert type(fp32) is SparseMlaPlan and not fp32.bf16_dot
