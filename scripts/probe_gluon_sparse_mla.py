@@ -2,11 +2,11 @@
 tiling (`SparseMlaPlan.for_step`) and FlashMLA's Hopper sparse decode on the V4 record (when
 `flash_mla` imports; `bench.attn`'s baseline): 128 window + 512 compressed keys, CUDA-graph replay.
 Per (heads, rows) cell: the time of the Gluon kernel in each configuration of `--configs` (names
-in CONFIGS; default: default, plain, q4), of the Triton step tiling and of FlashMLA; the max BF16
-ulp distance of each Gluon configuration's and of the Triton kernel's outputs from the reference
-on the GPU; whether the Gluon configurations give the same bits as each other (`cfg==`) and the
-first one the Triton kernel's (`==triton`). `--heads=64,16`, `--rows=1,2,4,8,16,32,64`. Prints;
-writes nothing."""
+in CONFIGS; default: default), of the Triton step tiling and of FlashMLA; the max BF16 ulp distance
+of each Gluon configuration's and of the Triton kernel's outputs from the reference on the GPU (on
+the first, middle and last rows: rows are independent, and the reference runs row by row); whether
+the Gluon configurations give the same bits as each other (`cfg==`) and the first one the Triton
+kernel's (`==triton`). `--heads=64,16`, `--rows=1,2,4,8,16,32,64`. Prints; writes nothing."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def main() -> None:
     t0 = time.time()
     heads_list = [int(v) for v in arg("heads", "64,16").split(",")]
     rows_list = [int(v) for v in arg("rows", "1,2,4,8,16,32,64").split(",")]
-    names = arg("configs", "default,plain,q4").split(",")
+    names = arg("configs", "default").split(",")
     configs = [CONFIGS[n] for n in names]
     gen = torch.Generator(device="cuda").manual_seed(0)
     scale = HEAD_DIM ** -0.5
@@ -63,18 +63,20 @@ def main() -> None:
             for gplan in gplans:
                 o = torch.empty_like(q)
                 fn = lambda o=o, p=gplan: G.gluon_sparse_mla_(p, q, win, comp, wtab, ctab, sink, scale, o)  # noqa: E731
-                times.append(graph_time_us(fn, replays=30))
+                times.append(graph_time_us(fn, replays=20))
                 fn()
                 outs.append(o)
             ot = torch.empty_like(q)
             ft = lambda: sparse_mla_(tplan, q, win, comp, wtab, ctab, sink, scale, ot)  # noqa: E731
-            us_t = graph_time_us(ft, replays=30)
+            us_t = graph_time_us(ft, replays=20)
             ft()
             fm = _flash_mla_v4(rows, heads, gen)
-            us_f = graph_time_us(fm, replays=30) if fm is not None else float("nan")
-            ref = sparse_attention_records(q, win, comp, wtab, ctab, sink, scale)
+            us_f = graph_time_us(fm, replays=20) if fm is not None else float("nan")
+            picked = sorted({0, rows // 2, rows - 1})
+            ref = sparse_attention_records(q[picked], win, comp, wtab[picked], ctab[picked], sink, scale)
+            outs, ot = [o[picked] for o in outs], ot[picked]
             best = min(times)
-            same = all(torch.equal(o, outs[0]) for o in outs)
+            same = all(torch.equal(o, outs[0]) for o in outs)     # on the picked rows
             print(f"{heads:5d} {rows:4d} | " + " ".join(f"{t:10.2f}" for t in times) + f" {us_t:10.2f} {us_f:10.2f} | "
                   f"{best / us_t:11.2f} {best / us_f:10.2f} | " + " ".join(f"{ulp_max(o, ref):14d}" for o in outs)
                   + f" {ulp_max(ot, ref):11d} | {same!s:5s} {bool(torch.equal(outs[0], ot))}", flush=True)
