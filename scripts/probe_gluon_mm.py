@@ -21,7 +21,7 @@ it checks the script, not the kernel. Options: `--only=wq_b,wo_b`,
 `--rows=1,16`, `--budget=120`, `--workers=14`, `--replays=20`, `--compile_timeout=60` (seconds for all
 the workers' compiles and runs; a configuration not done by then is not timed), `--match=/T,/P`
 (only the configurations whose label holds one of these, besides the "pairs" references; labels:
-mode/wg/k/s[/P persistent][/rN register cap][/T retiled]/split).
+mode/wg/k/s[/P persistent[N programs per SM]][/rN register cap][/T retiled]/split).
 """
 
 from __future__ import annotations
@@ -66,32 +66,27 @@ if DRY:
 SPLITS = {"wq_b": (1, 2, 5), "wo_b": (2, 3, 4, 8, 16), "idx_wq_b": (2, 4, 5), "fused_wqa_wkv": (4, 8, 16),
           "wq_b_tp2": (1, 2, 5), "wq_b_tp4": (1, 2, 5), "wo_b_tp2": (2, 4, 8), "wo_b_tp4": (2, 4, 8),
           "wo_b_tp8": (2, 4, 8)}
-# (mma, warpgroups, block_k, stages, persistent, maxnreg, retile): today's pipeline, the deeper MMA
-# modes, two consumer warpgroups, 256-deep slots, a deeper ring, the persistent grid, 4 CTAs per SM
-# (64 registers, up to 32 rows), the tile-contiguous weight copy.
-VARIANTS = [("pairs", 1, 128, 4, False, None, False), ("slot", 1, 128, 4, False, None, False),
-            ("ahead", 1, 128, 4, False, None, False), ("ahead", 1, 128, 6, False, None, False),
-            ("pairs", 2, 128, 4, False, None, False), ("slot", 2, 128, 4, False, None, False),
-            ("pairs", 1, 256, 3, False, None, False), ("slot", 1, 256, 3, False, None, False),
-            ("pairs", 1, 128, 4, True, None, False), ("ahead", 1, 128, 4, True, None, False),
-            ("ahead", 1, 128, 6, True, None, False), ("pairs", 2, 128, 4, True, None, False),
-            ("slot", 2, 128, 4, True, None, False), ("pairs", 1, 128, 4, False, 64, False),
-            ("slot", 1, 128, 4, False, 64, False), ("pairs", 1, 128, 4, False, None, True),
-            ("pairs", 1, 256, 3, False, None, True), ("pairs", 2, 128, 4, True, None, True)]
+# Today's pipeline, the deeper MMA modes, two consumer warpgroups, 256-deep slots, a deeper ring,
+# the persistent grid (also at 2 programs per SM), 4 CTAs per SM (64 registers, up to 32 rows), the
+# tile-contiguous weight copy. The split is set per shape (SPLITS).
+C = GluonMMConfig
+VARIANTS = [C(), C(mma="slot"), C(mma="ahead"), C(mma="ahead", stages=6), C(warpgroups=2),
+            C(warpgroups=2, mma="slot"), C(block_k=256, stages=3), C(block_k=256, stages=3, mma="slot"),
+            C(persistent=True), C(mma="ahead", persistent=True), C(mma="ahead", stages=6, persistent=True),
+            C(warpgroups=2, persistent=True), C(warpgroups=2, mma="slot", persistent=True),
+            C(maxnreg=64), C(mma="slot", maxnreg=64), C(retile=True), C(block_k=256, stages=3, retile=True),
+            C(warpgroups=2, persistent=True, retile=True), C(persistent=True, programs_per_sm=2),
+            C(persistent=True, programs_per_sm=1, stages=8)]
+# The "pairs" plans every other configuration's bits are compared with (same split bounds).
+REFS = {128: C(), 256: C(block_k=256, stages=3)}
 ROWS = (1, 4, 8, 16, 32, 64)
 CONFIGS: dict[str, GluonMMConfig] = {}    # label -> config, of what was timed
 
 
-def config_of(variant, split: int | None) -> GluonMMConfig:
-    mma, wg, bk, stages, persistent, maxnreg, retile = variant
-    return GluonMMConfig(split=split, stages=stages, mma=mma, warpgroups=wg, block_k=bk, persistent=persistent,
-                         maxnreg=maxnreg, retile=retile)
-
-
 def label(config: GluonMMConfig) -> str:
     return (f"{config.mma}/wg{config.warpgroups}/k{config.block_k}/s{config.stages}"
-            f"{'/P' if config.persistent else ''}{f'/r{config.maxnreg}' if config.maxnreg else ''}"
-            f"{'/T' if config.retile else ''}/split{config.split}")
+            f"{'/P' if config.persistent else ''}{f'{config.programs_per_sm}' if config.programs_per_sm else ''}"
+            f"{f'/r{config.maxnreg}' if config.maxnreg else ''}{'/T' if config.retile else ''}/split{config.split}")
 
 
 class _DryPlan:
@@ -109,7 +104,8 @@ class _DryPlan:
 
     def launch_grid(self, block_t):
         items = self.grid[0] * self.grid[1]
-        return (min(items, 132 * G.resident_ctas(self.config, block_t)), 1) if self.config.persistent else self.grid
+        per_sm = min(self.config.programs_per_sm or 64, G.resident_ctas(self.config, block_t))
+        return (min(items, 132 * per_sm), 1) if self.config.persistent else self.grid
 
     def block_t(self, rows):
         return next(b for b in ROW_BUCKETS if b >= rows)
@@ -153,14 +149,14 @@ def _operands(m: int, n: int, k: int, seed: int):
     return codes, sx, q, s
 
 
-def compile_task(variant, bt: int, split_k: bool):
-    """Compile one (variant, row bucket, split-K or not) by launching it on a small problem (the
+def compile_task(variant: GluonMMConfig, bt: int, split_k: bool):
+    """Compile one (configuration, row bucket, split-K or not) by launching it on a small problem (the
     launcher's specialization is the real shapes': N a multiple of 16, the rest not specialized); a
     persistent one on wq_b's shape, so that its programs take several items each."""
     try:
         t = time.time()
-        codes, sx, q, s = _operands(bt, 32768 if variant[4] else 256, 1280, 1)
-        plan = Plan(q, s, config=config_of(variant, 2 if split_k else 1))
+        codes, sx, q, s = _operands(bt, 32768 if variant.persistent else 256, 1280, 1)
+        plan = Plan(q, s, config=dataclasses.replace(variant, split=2 if split_k else 1))
         assert (plan.split > 1) == split_k and plan.block_t(bt) == bt
         plan(codes, sx)
         if not DRY:
@@ -201,8 +197,7 @@ def main() -> None:
     rows = [int(r) for r in arg("rows", ",".join(map(str, ROWS))).split(",")]
     budget = float(arg("budget", "120"))
     match = [m for m in arg("match", "").split(",") if m]
-    variants = [v for v in VARIANTS if not match or any(m in label(config_of(v, 1)) for m in match)
-                or v[:4] in (("pairs", 1, 128, 4), ("pairs", 1, 256, 3)) and v[4:] == (False, None, False)]
+    variants = [v for v in VARIANTS if not match or any(m in label(v) for m in match) or v in REFS.values()]
     replays = int(arg("replays", "20"))
     failed = precompile(variants, {s > 1 for name in names for s in SPLITS[name]} | {True},
                         int(arg("workers", "2" if DRY else "14")), float(arg("compile_timeout", "60")))
@@ -250,7 +245,7 @@ def main() -> None:
             for variant in variants:
                 bt = next(b for b in ROW_BUCKETS if b >= m)
                 for split in SPLITS[name]:
-                    config = config_of(variant, split)
+                    config = dataclasses.replace(variant, split=split)
                     if (variant, bt, split > 1) in failed:
                         continue
                     try:
@@ -259,8 +254,7 @@ def main() -> None:
                         y = plans[0](codes, sx).clone()
                         key = (plans[0].k_per_split, plans[0].split)
                         if key not in refs:
-                            ref = ("pairs", 1, config.block_k, 4 if config.block_k == 128 else 3, False, None, False)
-                            ref_plan = Plan(*ws[0], config=config_of(ref, split))
+                            ref_plan = Plan(*ws[0], config=dataclasses.replace(REFS[config.block_k], split=split))
                             assert (ref_plan.k_per_split, ref_plan.split) == key
                             refs[key] = ref_plan(codes, sx).clone()
                         same = "=" if torch.equal(y.view(torch.int16), refs[key].view(torch.int16)) else "DIFFER"

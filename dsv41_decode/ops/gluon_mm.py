@@ -468,6 +468,9 @@ class GluonMMConfig:
     retile: the plan keeps a copy of the weight laid out tile by tile ([N tiles, K steps, block_n,
         block_k], each ring slot's box one contiguous 8-16 KB run instead of block_n rows K bytes
         apart) and streams that; N x K more bytes of device memory per plan.
+    programs_per_sm: with `persistent`, launch this many programs per SM (at most what one SM
+        holds) instead of all it holds, so that the items divide evenly among the programs (e.g.
+        wo_b's 1280 four-step items at 16 splits: 4.8 per program at 2 per SM, 3.2 at 3).
     """
 
     split: int | None = None
@@ -478,6 +481,7 @@ class GluonMMConfig:
     maxnreg: int | None = None
     persistent: bool = False
     retile: bool = False
+    programs_per_sm: int | None = None
 
     def __post_init__(self):
         def is_int(v):
@@ -495,6 +499,10 @@ class GluonMMConfig:
         if self.mma == "ahead" and self.block_k != 128:
             raise ValueError(f"GluonMMConfig.mma='ahead' needs block_k=128 (16 partials in flight do not fit "
                              f"the registers), got block_k={self.block_k}")
+        if self.programs_per_sm is not None and (not is_int(self.programs_per_sm) or self.programs_per_sm < 1
+                                                 or not self.persistent):
+            raise ValueError(f"GluonMMConfig.programs_per_sm must be None or a positive int with persistent=True, "
+                             f"got {self.programs_per_sm!r} (persistent={self.persistent!r})")
         for name in ("persistent", "retile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GluonMMConfig.{name} must be a bool, got {getattr(self, name)!r}")
@@ -721,11 +729,12 @@ class GluonMM:
 
     def launch_grid(self, block_t: int) -> tuple[int, int]:
         """The launch's grid at row bucket `block_t`: (N tiles, K splits), or, persistent, (as many
-        programs as the SMs hold at once, up to the work items, 1)."""
+        programs as the SMs hold at once or `programs_per_sm` per SM, up to the work items, 1)."""
         if not self.config.persistent:
             return self.grid
         items = self.grid[0] * self.grid[1]
-        return (min(items, self._sms * resident_ctas(self.config, block_t)), 1)
+        per_sm = min(self.config.programs_per_sm or 64, resident_ctas(self.config, block_t))
+        return (min(items, self._sms * per_sm), 1)
 
     def reduction_order(self) -> tuple[bool, int, int]:
         """As `low_latency_mm.LowLatencyMM.reduction_order`: (dequantize loop, K per split, K per

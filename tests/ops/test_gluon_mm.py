@@ -157,12 +157,14 @@ VARIANTS = [
     G.GluonMMConfig(warpgroups=2, mma="slot", persistent=True), G.GluonMMConfig(mma="slot", maxnreg=64),
     G.GluonMMConfig(retile=True), G.GluonMMConfig(block_k=256, stages=3, retile=True),
     G.GluonMMConfig(warpgroups=2, persistent=True, retile=True),
+    G.GluonMMConfig(persistent=True, programs_per_sm=1, stages=8),     # several items per program
 ]
 
 
 def _variant_id(c: G.GluonMMConfig) -> str:
     return (f"{c.mma}-wg{c.warpgroups}-k{c.block_k}-s{c.stages}" + (f"-r{c.maxnreg}" if c.maxnreg else "")
-            + ("-persistent" if c.persistent else "") + ("-retile" if c.retile else ""))
+            + ("-persistent" if c.persistent else "") + (f"{c.programs_per_sm}" if c.programs_per_sm else "")
+            + ("-retile" if c.retile else ""))
 
 
 @pytest.mark.parametrize("i,config", list(enumerate(VARIANTS)), ids=[_variant_id(c) for c in VARIANTS])
@@ -251,6 +253,7 @@ def test_bad_plan_arguments_name_the_argument():
         (lambda: G.GluonMMConfig(mma="ahead", block_k=256), "block_k"),
         (lambda: G.GluonMMConfig(maxnreg=100), "maxnreg"),
         (lambda: G.GluonMMConfig(retile=1), "retile"),
+        (lambda: G.GluonMMConfig(programs_per_sm=2), "programs_per_sm"),      # without persistent
         (lambda: G.GluonMM(torch.zeros(64, 384, dtype=fp8), torch.zeros(2, 12, dtype=torch.uint8),
                            config=G.GluonMMConfig(block_k=256)), "block_k"),
     ]
