@@ -45,7 +45,9 @@ What Gluon gives here that `tl.dot` does not (docs/notes-low-latency-mm.md, "Wha
   split stores its FP32 partial of the M real rows to the plan's workspace, then one acq_rel
   atomic on the tile's counter; the last split to arrive adds the partials in split order (from
   zero), rounds to BF16 (round to nearest even), stores y and resets the counter (replayable in a
-  CUDA graph with no memset).
+  CUDA graph with no memset). (`GluonMMConfig.persistent`: one program per resident CTA takes the
+  (tile, split) items in turn through one ring, the epilogue in the consumer partition;
+  `GluonMMConfig.retile`: the plan streams a tile-contiguous copy of the weight.)
 
 With the same K split bounds the kernel adds the same FP32 values in the same order as
 `low_latency_mm`'s FP8 loop, whatever the config's MMA mode, warpgroups, slot depth, ring and
@@ -53,7 +55,8 @@ register cap, so the two give the same bits (tests/ops/test_gluon_mm.py checks i
 `GluonMM.reduction_order` names the bounds.
 
 A `GluonMM` plan binds one weight (its TMA descriptor, the split, the workspace and counters)
-once; calling it validates and launches. `gluon_mm` is the allocating convenience form. The
+once; calling it validates and launches. With no config it takes the measured one for its shape
+(`default_config`: `_TUNED`, one per weight whatever the rows, else the default rule). `gluon_mm` is the allocating convenience form. The
 decode step builds its FP8 linears with it on sm_90 (`decode.attention.fp8_linear_plan`).
 """
 
