@@ -43,6 +43,11 @@ every row count.
 Gluon (Triton 3.6.0) has no gather TMA on sm_90 (Hopper's TMA has no gather mode), so the records
 are loaded with `gl.load` into registers and stored to shared memory by the 8 warps themselves.
 
+With `GluonSparseMlaConfig.blocks_per_program` G > 1 a second kernel (`_gluon_sparse_mla_seq_kernel`,
+not the step's default) runs one program per G consecutive blocks of a row: the contract's
+sequential loop over them (running max, sum and accumulator carried from block to block), the
+look-back only at its first block, one partial per program for the same combination.
+
 The plan, `GluonSparseMlaPlan`, holds a `SparseMlaPlan` with `split=True`, `separate_combine=True`
 and all heads in one group (`block_h` = max(16, H): the workspace holds the real heads, 8 padded to
 16) and the `GluonSparseMlaConfig`.
@@ -109,22 +114,22 @@ def _e2m1(c):
 
 @gluon.jit
 def _load_chunk(pool_ptr, base, ok, C: gl.constexpr, WINDOW: gl.constexpr, FP4_PACKED: gl.constexpr,
-                layout: gl.constexpr):
-    """The bytes of dims [128 C, 128 C + 128) of 64 records (byte offsets `base` [64] int64 in the
-    rows' slice of `layout`, a [64, 128] layout of 16 consecutive dims per thread; keys with ok
+                layout: gl.constexpr, DW: gl.constexpr = 128):
+    """The bytes of dims [DW C, DW C + DW) of 64 records (byte offsets `base` [64] int64 in the
+    rows' slice of `layout`, a [64, DW] layout of DW / 8 consecutive dims per thread; keys with ok
     False load nothing): (codes, scales) for `_decode_loaded`. Window: 512 E4M3 codes, then 16
     UE8M0 scales (one per 32 dims). Compressed: 256 bytes of E2M1 pairs (low nibble first), then 32
-    E4M3 scales (one per 16 dims); FP4_PACKED: the chunk's 64 code bytes a key, 8 to a thread (and
-    a scale per byte), else a code byte and a scale per dim."""
-    rc = C * _DC + gl.arange(0, _DC, layout=gl.SliceLayout(0, layout))
+    E4M3 scales (one per 16 dims); FP4_PACKED: the chunk's DW / 2 code bytes a key, DW / 16 to a
+    thread (and a scale per byte), else a code byte and a scale per dim."""
+    rc = C * DW + gl.arange(0, DW, layout=gl.SliceLayout(0, layout))
     rows = pool_ptr + base[:, None]
     okb = ok[:, None]
     if WINDOW:
         codes = gl.load(rows + rc[None, :], mask=okb, other=0)
         sc = gl.load(rows + 512 + (rc // 32)[None, :], mask=okb, other=127)
     elif FP4_PACKED:
-        lb: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [_WARPS, 1], [1, 0])
-        rb = C * (_DC // 2) + gl.arange(0, _DC // 2, layout=gl.SliceLayout(0, lb))
+        lb: gl.constexpr = gl.BlockedLayout([1, DW // 16], [4, 8], [_WARPS, 1], [1, 0])
+        rb = C * (DW // 2) + gl.arange(0, DW // 2, layout=gl.SliceLayout(0, lb))
         ok_b = gl.convert_layout(ok, gl.SliceLayout(1, lb), assert_trivial=True)[:, None]
         rows_b = pool_ptr + gl.convert_layout(base, gl.SliceLayout(1, lb), assert_trivial=True)[:, None]
         codes = gl.load(rows_b + rb[None, :], mask=ok_b, other=0)
@@ -137,8 +142,8 @@ def _load_chunk(pool_ptr, base, ok, C: gl.constexpr, WINDOW: gl.constexpr, FP4_P
 
 @gluon.jit
 def _decode_loaded(codes, sc, ok, C: gl.constexpr, WINDOW: gl.constexpr, FP4_PACKED: gl.constexpr,
-                   layout: gl.constexpr):
-    """`_load_chunk`'s bytes decoded exactly: FP32 [64, 128] in `layout`, 0 for keys with ok False
+                   layout: gl.constexpr, DW: gl.constexpr = 128):
+    """`_load_chunk`'s bytes decoded exactly: FP32 [64, DW] in `layout`, 0 for keys with ok False
     (window: E4M3 code * 2^(e - 127); compressed: E2M1 * E4M3 scale; with FP4_PACKED the nibbles
     split and interleaved in registers, low nibble first: `gl.join` then `gl.reshape`)."""
     okb = ok[:, None]
@@ -147,15 +152,15 @@ def _decode_loaded(codes, sc, ok, C: gl.constexpr, WINDOW: gl.constexpr, FP4_PAC
         sv = gl.where(sc == 255, float("nan"), (sc.to(gl.int32) << 23).to(gl.float32, bitcast=True))
         k = gl.where(okb, codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sv, 0.0)
     elif FP4_PACKED:
-        lb: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [_WARPS, 1], [1, 0])
+        lb: gl.constexpr = gl.BlockedLayout([1, DW // 16], [4, 8], [_WARPS, 1], [1, 0])
         ok_b = gl.convert_layout(ok, gl.SliceLayout(1, lb), assert_trivial=True)[:, None]
         byte = codes.to(gl.int32)
         sv = sc.to(gl.float8e4nv, bitcast=True).to(gl.float32)
         lo = gl.where(ok_b, _e2m1(byte & 15) * sv, 0.0)
         hi = gl.where(ok_b, _e2m1(byte >> 4) * sv, 0.0)
-        k = gl.convert_layout(gl.reshape(gl.join(lo, hi), [_KEYS, _DC]), layout, assert_trivial=True)
+        k = gl.convert_layout(gl.reshape(gl.join(lo, hi), [_KEYS, DW]), layout, assert_trivial=True)
     else:
-        rc = C * _DC + gl.arange(0, _DC, layout=gl.SliceLayout(0, layout))
+        rc = C * DW + gl.arange(0, DW, layout=gl.SliceLayout(0, layout))
         code = (codes.to(gl.int32) >> ((rc % 2) * 4)[None, :]) & 15
         k = gl.where(okb, _e2m1(code) * sc.to(gl.float8e4nv, bitcast=True).to(gl.float32), 0.0)
     return k
@@ -163,10 +168,10 @@ def _decode_loaded(codes, sc, ok, C: gl.constexpr, WINDOW: gl.constexpr, FP4_PAC
 
 @gluon.jit
 def _decode_chunk(pool_ptr, base, ok, C: gl.constexpr, WINDOW: gl.constexpr, FP4_PACKED: gl.constexpr,
-                  layout: gl.constexpr):
-    """Dims [128 C, 128 C + 128) of 64 records loaded and decoded (`_load_chunk`, `_decode_loaded`)."""
-    codes, sc = _load_chunk(pool_ptr, base, ok, C, WINDOW, FP4_PACKED, layout)
-    return _decode_loaded(codes, sc, ok, C, WINDOW, FP4_PACKED, layout)
+                  layout: gl.constexpr, DW: gl.constexpr = 128):
+    """Dims [DW C, DW C + DW) of 64 records loaded and decoded (`_load_chunk`, `_decode_loaded`)."""
+    codes, sc = _load_chunk(pool_ptr, base, ok, C, WINDOW, FP4_PACKED, layout, DW)
+    return _decode_loaded(codes, sc, ok, C, WINDOW, FP4_PACKED, layout, DW)
 
 
 @gluon.jit
@@ -341,6 +346,150 @@ def _gluon_sparse_mla_kernel(
     gl.store(ml + 2 * PH, gl.zeros([_M], gl.float32, gl.SliceLayout(1, s_l)) + nv.to(gl.float32), mask=h_st)
 
 
+@gluon.jit
+def _gluon_sparse_mla_seq_kernel(
+    q_ptr, wpool_ptr, cpool_ptr, wtab_ptr, ctab_ptr,
+    part_acc_ptr, part_ml_ptr, block_max_ptr, flag_ptr, ticket_ptr,
+    N, H, scale, stride_qn, stride_qh, stride_wt, stride_ct,
+    W: gl.constexpr, W_P2: gl.constexpr, KC: gl.constexpr, NB: gl.constexpr, NB_P2: gl.constexpr, PH: gl.constexpr,
+    G: gl.constexpr, NP: gl.constexpr, FP4_PACKED: gl.constexpr = False,
+):
+    # `GluonSparseMlaConfig.blocks_per_program` G > 1: one program per (row, G consecutive 64-key
+    # blocks), NP = ceil(NB / G) a row, running the contract's sequential loop over its blocks (the
+    # running max, the sum and the FP32 accumulator acc = acc * alpha + P V carried from block to
+    # block: two 128-dim chunks in registers, two in shared memory), the running max at its first block
+    # from the look-back as in `_gluon_sparse_mla_kernel` (every block still publishes its own max
+    # and bit). One partial per program: acc [N, NP, PH, 512], ml [N, NP, 3, PH], combined by the
+    # same combination with NP splits; the flag words at the row's first ceil(NB / 32) <= NP
+    # entries of flags [N, NP] (the combination zeroes them); block_max [N, NB, PH]. q stays in
+    # four shared-memory buffers for all the blocks.
+    D: gl.constexpr = 512
+    NC: gl.constexpr = D // _DC
+    gl.static_assert((NB + 31) // 32 <= NP)
+    ticket = gl.atomic_add(ticket_ptr, 1, sem="relaxed", scope="gpu")
+    if ticket == N * NP - 1:
+        gl.store(ticket_ptr, 0)          # every program has its ticket: ready for the next launch
+    j = ticket // N                      # the row's j-th program: blocks [j G, j G + G)
+    r = ticket % N
+
+    ld: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [_WARPS, 1], [1, 0])
+    ld64: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [_WARPS, 1], [1, 0])
+    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 64, 16])
+    chunk_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_M, _DC], gl.bfloat16)
+    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_M, _KEYS], gl.bfloat16)
+    q_smem = gl.allocate_shared_memory(gl.bfloat16, [NC, _M, _DC], chunk_sl)
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [NC, _KEYS, _DC], chunk_sl)
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [_M, _KEYS], p_sl)
+    # the accumulator's last two 128-dim chunks live in shared memory between blocks (64 KB; 136 +
+    # 64 KB in all, one program per SM): in registers with the first two they spill
+    a_smem = gl.allocate_shared_memory(gl.float32, [2, _M, _DC], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+
+    wtab_row = wtab_ptr + r * stride_wt
+    ctab_row = ctab_ptr + r * stride_ct
+    rw = gl.arange(0, W_P2, layout=gl.SliceLayout(0, ld))
+    nw = gl.reduce((gl.load(wtab_row + rw, mask=rw < W, other=-1) >= 0).to(gl.int32), 0, _add)
+    rh = gl.arange(0, _M, layout=gl.SliceLayout(1, ld))
+    rd = gl.arange(0, _DC, layout=gl.SliceLayout(0, ld))
+    q_rows = q_ptr + r * stride_qn + rh[:, None] * stride_qh + rd[None, :]
+    for c in gl.static_range(NC):
+        q_smem.index(c).store(gl.load(q_rows + c * _DC, mask=(rh < H)[:, None], other=0.0))
+
+    hs = gl.arange(0, _M, layout=gl.SliceLayout(1, s_l))
+    h_st = hs < PH
+    tile_b = r.to(gl.int64) * NB
+    tile_p = r.to(gl.int64) * NP
+    flags = flag_ptr + tile_p
+    m_i = gl.full([_M], -1e30, gl.float32, gl.SliceLayout(1, s_l))
+    l_i = gl.zeros([_M], gl.float32, gl.SliceLayout(1, s_l))
+    nv = gl.zeros([_KEYS], gl.int32, gl.SliceLayout(0, s_l))
+    a0 = gl.zeros([_M, _DC], gl.float32, o_l)
+    a1 = gl.zeros([_M, _DC], gl.float32, o_l)
+    a_smem.index(0).store(a0)
+    a_smem.index(1).store(a1)
+    b0 = j * G
+    for b in range(b0, gl.minimum(b0 + G, NB)):
+        ws, cs = _block_slots(wtab_row, ctab_row, b, nw, W, KC, gl.SliceLayout(1, ld))
+        w_ok = ws >= 0
+        c_ok = cs >= 0
+        wbase = gl.where(w_ok, ws, 0).to(gl.int64) * _WREC
+        cbase = gl.where(c_ok, cs, 0).to(gl.int64) * _CREC
+        gl.thread_barrier()           # both warpgroups' MMAs of the block before have read k and P
+        # decoded in 64-dim pieces (16 values a thread: the accumulator holds 128 registers)
+        wbase = gl.convert_layout(wbase, gl.SliceLayout(1, ld64))
+        cbase = gl.convert_layout(cbase, gl.SliceLayout(1, ld64))
+        w_ok = gl.convert_layout(w_ok, gl.SliceLayout(1, ld64))
+        c_ok = gl.convert_layout(c_ok, gl.SliceLayout(1, ld64))
+        start = b * _KEYS
+        for c in gl.static_range(2 * NC):
+            piece = k_smem.index(c // 2).slice((c % 2) * (_DC // 2), _DC // 2, dim=1)
+            if start + _KEYS <= nw:
+                k = _decode_chunk(wpool_ptr, wbase, w_ok, c, True, FP4_PACKED, ld64, _DC // 2)
+            elif start >= nw:
+                k = _decode_chunk(cpool_ptr, cbase, c_ok, c, False, FP4_PACKED, ld64, _DC // 2)
+            else:
+                k = (_decode_chunk(wpool_ptr, wbase, w_ok, c, True, FP4_PACKED, ld64, _DC // 2)
+                     + _decode_chunk(cpool_ptr, cbase, c_ok, c, False, FP4_PACKED, ld64, _DC // 2))
+            piece.store(k.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+        s = gl.zeros([_M, _KEYS], gl.float32, s_l)
+        for c in gl.static_range(NC):
+            s = warpgroup_mma(q_smem.index(c), k_smem.index(c).permute((1, 0)), s)
+        ws_s, cs_s = _block_slots(wtab_row, ctab_row, b, nw, W, KC, gl.SliceLayout(0, s_l))
+        ok = (ws_s >= 0) | (cs_s >= 0)
+        s = gl.where(ok[None, :], s * scale, float("-inf"))
+        s_max = gl.reduce(s, 1, _max)
+        gl.store(block_max_ptr + (tile_b + b) * PH + hs, s_max, mask=h_st)
+        gl.thread_barrier()
+        gl.atomic_or(flags + b // 32, 1 << (b % 32), sem="release", scope="gpu")
+        if b == b0:                   # the running max before the program's first block
+            stuck = 0
+            for w in range(0, b // 32 + 1):
+                need = -1
+                if w == b // 32:
+                    need = (1 << (b % 32)) - 1
+                polls = 0
+                while ((gl.atomic_add(flags + w, 0, sem="acquire", scope="gpu") & need) != need) & (polls < _SPIN_LIMIT):
+                    polls += 1
+                stuck += (polls >= _SPIN_LIMIT).to(gl.int32)
+            mb = gl.arange(0, NB_P2, layout=gl.SliceLayout(1, ld))
+            mh = gl.arange(0, _M, layout=gl.SliceLayout(0, ld))
+            earlier = gl.load(block_max_ptr + tile_b * PH + mb[:, None] * PH + mh[None, :],
+                              mask=(mb < b)[:, None] & (mh < PH)[None, :], other=-1e30, cache_modifier=".cg")
+            m_i = gl.convert_layout(gl.reduce(earlier, 0, _max), gl.SliceLayout(1, s_l))
+            m_i = gl.where(stuck > 0, float("nan"), m_i)
+        new_max = gl.maximum(m_i, s_max)
+        alpha = libdevice.exp(m_i - new_max)
+        p = libdevice.exp(s - new_max[:, None])
+        l_i = l_i * alpha + gl.reduce(p, 1, _add)
+        nv += ok.to(gl.int32)
+        p_smem.store(p.to(gl.bfloat16))
+        fence_async_shared()
+        gl.thread_barrier()
+        al = gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
+        a0 = warpgroup_mma(p_smem, k_smem.index(0), a0 * al)
+        a1 = warpgroup_mma(p_smem, k_smem.index(1), a1 * al)
+        for c in gl.static_range(2):  # each thread reads back what it stored: no barrier
+            a = warpgroup_mma(p_smem, k_smem.index(2 + c), a_smem.index(c).load(o_l) * al)
+            a_smem.index(c).store(a)
+        m_i = new_max
+
+    ho = gl.arange(0, _M, layout=gl.SliceLayout(1, o_l))
+    do = gl.arange(0, _DC, layout=gl.SliceLayout(0, o_l))
+    acc_rows = part_acc_ptr + (tile_p + j) * (PH * D) + ho[:, None] * D + do[None, :]
+    h_o = (ho < PH)[:, None]
+    gl.store(acc_rows, a0, mask=h_o)
+    gl.store(acc_rows + _DC, a1, mask=h_o)
+    gl.store(acc_rows + 2 * _DC, a_smem.index(0).load(o_l), mask=h_o)
+    gl.store(acc_rows + 3 * _DC, a_smem.index(1).load(o_l), mask=h_o)
+    ml = part_ml_ptr + (tile_p + j) * (3 * PH) + hs
+    gl.store(ml, m_i, mask=h_st)
+    gl.store(ml + PH, l_i, mask=h_st)
+    nvf = gl.reduce(nv, 0, _add).to(gl.float32)
+    gl.store(ml + 2 * PH, gl.zeros([_M], gl.float32, gl.SliceLayout(1, s_l)) + nvf, mask=h_st)
+
+
 @dataclass(frozen=True)
 class GluonSparseMlaConfig:
     """What leaves the bits alone: q_buffers, the [64, 128] q chunks held in shared memory (4: all
@@ -349,15 +498,29 @@ class GluonSparseMlaConfig:
     compressed records' codes loaded 8 bytes to a thread and their nibbles split in registers (else
     one byte load per dim); prefetch, a block's loads of all four 128-dim chunks issued before the
     first is decoded (one memory latency instead of four; the block where the window ends keeps
-    chunk by chunk)."""
+    chunk by chunk). These three leave the bits alone.
+
+    blocks_per_program G > 1 (with q_buffers=4; prefetch is not used): one program per G
+    consecutive blocks of a row (`_gluon_sparse_mla_seq_kernel`), running the contract's sequential
+    loop over them, so G times fewer FP32 partials to write and combine (128 KB a partial at 64
+    heads) and G times fewer programs; 201 KB of shared memory and 253 registers, one program per
+    SM. Its accumulation order differs from G = 1's (the same tolerance of the reference), so a
+    step must keep one G at every row count (batch invariance)."""
 
     q_buffers: int = 2
     fp4_packed: bool = True
     prefetch: bool = True
+    blocks_per_program: int = 1
 
     def __post_init__(self):
         if self.q_buffers not in (2, 4) or isinstance(self.q_buffers, bool):
             raise ValueError(f"GluonSparseMlaConfig.q_buffers must be 2 or 4, got {self.q_buffers!r}")
+        g = self.blocks_per_program
+        if isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= 32:
+            raise ValueError(f"GluonSparseMlaConfig.blocks_per_program must be an int in [1, 32], got {g!r}")
+        if g > 1 and self.q_buffers != 4:
+            raise ValueError(f"GluonSparseMlaConfig.blocks_per_program={g} keeps q in four buffers for all its "
+                             f"blocks: it needs q_buffers=4, got {self.q_buffers}")
         for name in ("fp4_packed", "prefetch"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"GluonSparseMlaConfig.{name} must be a bool, got {type(getattr(self, name)).__name__}")
@@ -406,8 +569,8 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
                       window_table: torch.Tensor, comp_table: torch.Tensor, sink: torch.Tensor, scale: float,
                       out: torch.Tensor) -> None:
     """`sparse_mla.sparse_mla_`'s contract and arguments (see its doc), with a `GluonSparseMlaPlan`:
-    out[r, h] = sparse_attention(q[r, h], keys of row r, sink[h], scale). sm_90 only; every config
-    gives the same bits."""
+    out[r, h] = sparse_attention(q[r, h], keys of row r, sink[h], scale). sm_90 only; configs with
+    the same blocks_per_program give the same bits."""
     if not isinstance(plan, GluonSparseMlaPlan):
         raise TypeError(f"plan must be a GluonSparseMlaPlan, got {type(plan).__name__}")
     base, config = plan.base, plan.config
@@ -418,20 +581,25 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
     if n == 0:
         return
     nb = base.n_blocks
-    _gluon_sparse_mla_kernel[(n * nb, )](
-        q, window_pool, comp_pool, window_table, comp_table,
-        base.part_acc, base.part_ml, base.block_max, base.flags, base.ticket,
-        n, base.heads, float(scale), q.stride(0), q.stride(1), window_table.stride(0), max(comp_table.stride(0), 1),
-        W=base.window, W_P2=triton.next_power_of_2(base.window), KC=base.topk, NB=nb,
-        NB_P2=max(2, triton.next_power_of_2(nb)), PH=base.block_h,
-        Q_BUFFERS=config.q_buffers, FP4_PACKED=config.fp4_packed, PREFETCH=config.prefetch,
-        num_warps=NUM_WARPS,
-    )
+    g = config.blocks_per_program
+    splits = triton.cdiv(nb, g)          # partials a row: one per program
+    args = (q, window_pool, comp_pool, window_table, comp_table,
+            base.part_acc, base.part_ml, base.block_max, base.flags, base.ticket,
+            n, base.heads, float(scale), q.stride(0), q.stride(1), window_table.stride(0), max(comp_table.stride(0), 1))
+    shape = dict(W=base.window, W_P2=triton.next_power_of_2(base.window), KC=base.topk, NB=nb,
+                 NB_P2=max(2, triton.next_power_of_2(nb)), PH=base.block_h)
+    if g == 1:
+        _gluon_sparse_mla_kernel[(n * nb, )](*args, **shape, Q_BUFFERS=config.q_buffers, FP4_PACKED=config.fp4_packed,
+                                             PREFETCH=config.prefetch, num_warps=NUM_WARPS)
+    else:
+        _gluon_sparse_mla_seq_kernel[(n * splits, )](*args, **shape, G=g, NP=splits, FP4_PACKED=config.fp4_packed,
+                                                     num_warps=NUM_WARPS)
     o16 = out.view(torch.int16)
-    chunk = combine_chunk(nb, base.block_h)
+    chunk = combine_chunk(splits, base.block_h)
     _sparse_mla_combine_kernel[(n, HEAD_DIM // chunk)](
         base.part_acc, base.part_ml, base.flags, sink, o16, base.heads, 1, o16.stride(0), o16.stride(1),
-        SPLIT=nb, SPLIT_P2=triton.next_power_of_2(nb), BLOCK_H=base.block_h, CHUNK=chunk, PDL=False, num_warps=4,
+        SPLIT=splits, SPLIT_P2=triton.next_power_of_2(splits), BLOCK_H=base.block_h, CHUNK=chunk, PDL=False,
+        num_warps=4,
     )
 
 

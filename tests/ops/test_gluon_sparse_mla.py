@@ -78,6 +78,22 @@ def test_compiles_for_sm90_without_spills(heads, w, k, config):
     assert "LDG.E.128" in loads and (("LDG.E.64" in loads) == config.fp4_packed), sorted(set(loads))
 
 
+def test_sequential_kernel_compiles_for_sm90_without_spills():
+    # blocks_per_program > 1 (`_gluon_sparse_mla_seq_kernel`): the accumulator's first two chunks in
+    # registers and the last two in shared memory; one program per SM (~2 s)
+    base = G.GluonSparseMlaPlan.build(1, 64, 128, 512, "cpu").base
+    consts = {"W": 128, "W_P2": 128, "KC": 512, "NB": base.n_blocks, "NB_P2": 16, "PH": base.block_h, "G": 2,
+              "NP": 5, "FP4_PACKED": True}
+    kernel = sm90.compile_sm90(G._gluon_sparse_mla_seq_kernel, _TYPES, consts, num_warps=G.NUM_WARPS)
+    res = sm90.resources(kernel)
+    assert res["LOCAL"] == 0 and res["STACK"] == 0, res
+    # q and the keys (four [64, 128] BF16 chunks each), P, two [64, 128] FP32 accumulator chunks
+    # (and the reductions' scratch)
+    assert 8 * 16384 + 8192 + 2 * 32768 <= kernel.metadata.shared <= SMEM_LIMIT, kernel.metadata.shared
+    gmma = [t.split()[0] for _, t in sm90.sass(kernel) if "GMMA" in t]
+    assert gmma.count("HGMMA.64x32x16.F32.BF16") == 32 and gmma.count("HGMMA.64x64x16.F32.BF16") == 16, gmma
+
+
 def test_plan_is_one_head_group_of_the_real_heads():
     for heads in (8, 16, 32, 64):
         p = G.GluonSparseMlaPlan.build(4, heads, 128, 512, "cpu").base
@@ -171,6 +187,11 @@ def test_bad_arguments_name_the_argument():
         G.GluonSparseMlaConfig(fp4_packed=1)
     with pytest.raises(TypeError, match="prefetch"):
         G.GluonSparseMlaConfig(prefetch=None)
+    for g in (0, 33, 2.0):
+        with pytest.raises(ValueError, match="blocks_per_program"):
+            G.GluonSparseMlaConfig(q_buffers=4, blocks_per_program=g)
+    with pytest.raises(ValueError, match="q_buffers=4"):
+        G.GluonSparseMlaConfig(blocks_per_program=2)
     with pytest.raises(ValueError, match="compute capability 9.0"):     # good arguments, on the CPU
         G.gluon_sparse_mla_(plan, **args)
 
@@ -364,3 +385,43 @@ def test_gpu_the_steps_plan_choice_on_sm90():
     assert plan.base.part_acc.untyped_storage().data_ptr() in pool.storages()
     (fp32,) = attention.sparse_mla_plans(64, 64, 128, 512, dev, fp32_dots=True)
     assert type(fp32) is SparseMlaPlan and not fp32.bf16_dot
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", [8, 64])
+@pytest.mark.parametrize("g", [2, 5, 32])
+@pytest.mark.parametrize("n", [1, 16])
+def test_gpu_blocks_per_program(h, g, n):
+    # blocks_per_program G > 1: the sequential loop over G blocks a program (G = 32 > the 10 blocks:
+    # one program a row, no look-back), within the tolerance of the reference like G = 1, bitwise
+    # run to run, the workspace clear; windows full, ending inside a block, a single key
+    w, k = 128, 512
+    plan = G.GluonSparseMlaPlan.build(64, h, w, k, "cuda", config=G.GluonSparseMlaConfig(q_buffers=4, blocks_per_program=g))
+    case = make_case(n, h, w, k, seed=h * 100 + g * 10 + n, window_fill=gpu_tables(n), exact=True, **GPU_POOLS)
+    out = run(plan, case, EXACT_SCALE)
+    assert torch.equal(out, run(plan, case, EXACT_SCALE))
+    check_exact_gpu(out, case, reference(*case, EXACT_SCALE), EXACT_SCALE)
+    case = make_case(n, h, w, k, seed=h * 100 + g * 10 + n + 1, window_fill=gpu_tables(n), **GPU_POOLS)
+    check_bound(run(plan, case), case, reference(*case))
+    torch.cuda.synchronize()
+    assert workspace_is_clear(plan)
+
+
+@pytest.mark.gpu
+def test_gpu_blocks_per_program_rows_and_flag_words():
+    # G = 2: a row alone gives its bits among 15 others; 35 blocks (18 programs a row, the flag bits
+    # in two words) within the tolerance
+    config = G.GluonSparseMlaConfig(q_buffers=4, blocks_per_program=2)
+    h, w, k, n = 64, 128, 512, 16
+    case = make_case(n, h, w, k, seed=4040, window_fill=gpu_tables(n), **GPU_POOLS)
+    plan = G.GluonSparseMlaPlan.build(n, h, w, k, "cuda", config=config)
+    together = run(plan, case)
+    for r in (0, 1, n - 1):
+        alone = run(plan, tuple(t[r:r + 1] if i in (0, 3, 4) else t for i, t in enumerate(case)))
+        assert torch.equal(alone[0], together[r]), r
+    n, h, k = 3, 16, 2112
+    plan = G.GluonSparseMlaPlan.build(n, h, w, k, "cuda", config=config)
+    case = make_case(n, h, w, k, seed=35, window_fill=gpu_tables(n), exact=True, **GPU_POOLS)
+    check_exact_gpu(run(plan, case, EXACT_SCALE), case, reference(*case, EXACT_SCALE), EXACT_SCALE)
+    torch.cuda.synchronize()
+    assert workspace_is_clear(plan)
