@@ -505,7 +505,10 @@ class GluonSparseMlaConfig:
     loop over them, so G times fewer FP32 partials to write and combine (128 KB a partial at 64
     heads) and G times fewer programs; 201 KB of shared memory and 253 registers, one program per
     SM. Its accumulation order differs from G = 1's (the same tolerance of the reference), so a
-    step must keep one G at every row count (batch invariance)."""
+    step must keep one G at every row count (batch invariance). A program publishes its blocks'
+    maxima one block (decode and both dots) apart and the next program of the row waits for its
+    last one, so a row's programs run as a chain: meant for many rows, where other rows fill the
+    SMs, not for 1-8."""
 
     q_buffers: int = 2
     fp4_packed: bool = True
