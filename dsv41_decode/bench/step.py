@@ -97,7 +97,6 @@ VARIANTS = {
     "wo_a_fp8": dict(wo_a_fp8=True),
     "exact_linears": dict(exact_linears=True),
     "exact": dict(exact_linears=True, fp32_dots=True),
-    "mixer_mma": dict(mixer="mma"),
 }
 DEFAULT_VARIANTS = ("no_overlap", "wo_a_fp8")
 

@@ -25,11 +25,9 @@ from .lanes import AUX_INDEX_W, Lanes
 class Boundary:
     """The streams, mixer outputs and next-layer inputs of a step, and the ops between layers."""
 
-    def __init__(self, stack, max_rows: int, device: torch.device, mailbox: Mailbox | None = None,
-                 mixer: str = "fma"):
+    def __init__(self, stack, max_rows: int, device: torch.device, mailbox: Mailbox | None = None):
         """mailbox: the tensor-parallel mailbox of the fused all-reduce boundary (None: one rank, or
-        the collective fallback, where the layer hands over its already reduced output).
-        mixer: the mixers' kernel (`HcMixPlan.build(kernel=)`: "fma" or "mma")."""
+        the collective fallback, where the layer hands over its already reduced output)."""
         cfg = stack.cfg
         self.cfg, self.stack, self.mailbox = cfg, stack, mailbox
         B, hc, d = max_rows, cfg.hc_mult, cfg.dim
@@ -42,8 +40,7 @@ class Boundary:
         self.comb = [torch.zeros(B, hc, hc, dtype=torch.float32, device=device) for _ in range(2)]
         self.exit_plan = MhcBoundaryPlan.build(d, B, device)   # each row over chunks of 512 columns
         # one plan per parity: two sites' mixers may be in flight at once
-        self.plans = [HcMixPlan.build(d, B, device, kernel=mixer,
-                                      **({"split": 1} if device.type != "cuda" and mixer == "fma" else {}))
+        self.plans = [HcMixPlan.build(d, B, device, **({"split": 1} if device.type != "cuda" else {}))
                       for _ in range(2)]
 
     def _w(self, layer: int, name: str) -> torch.Tensor:

@@ -35,7 +35,6 @@ import torch
 
 from ..ops import LOW_BATCH_MAX_ROWS
 from ..ops.allreduce_boundary import Mailbox
-from ..ops.hc_mix import KERNELS as MIXER_KERNELS
 from ..state import DecodeState, StepRows
 from .attention import AttentionStep
 from .boundary import Boundary
@@ -103,12 +102,9 @@ class DecodeStep:
         round-to-nearest sums, where the default's BF16 / TF32 tensor-core dots truncate; spec
         decision 40): their outputs then differ from the reference's only by FP32 summation order.
         With both, `trace verify --path step --device cuda` passes the official cases.
-    mixer: the mHC mixers' kernel, "fma" (FP32 FMAs) or "mma" (tensor cores: the FP32 weight as
-        three exact BF16 planes, all rows on one weight read; `ops.hc_mix`). Both are within 1e-5
-        of the reference and batch-invariant; they give different bits.
 
     Errors: StepError for buckets outside 1..LOW_BATCH_MAX_ROWS or past the state's stage_rows, a
-    state of another configuration, or an unknown tp_boundary or mixer; `NotEligible` for a layer whose
+    state of another configuration, or an unknown tp_boundary; `NotEligible` for a layer whose
     weights do not suit the step.
 
     Under TP the Full layers' dense indexers run row-sharded in the buckets of at least
@@ -118,7 +114,7 @@ class DecodeStep:
 
     def __init__(self, stack, state: DecodeState, *, max_rows: int = 16, buckets: Sequence[int] | None = None,
                  graphs: bool = True, overlap: bool = True, tp_boundary: str = "auto", wo_a_fp8: bool = False,
-                 exact_linears: bool = False, fp32_dots: bool = False, mixer: str = "fma"):
+                 exact_linears: bool = False, fp32_dots: bool = False):
         if buckets is None:
             buckets = tuple(b for b in DEFAULT_BUCKETS if b < max_rows) + (max_rows,)
         buckets = tuple(sorted(set(buckets)))
@@ -131,8 +127,6 @@ class DecodeStep:
                             f"build the DecodeState with stage_rows >= {buckets[-1]}")
         if tp_boundary not in ("auto", "collective", "fused"):
             raise StepError(f"tp_boundary must be 'auto', 'collective' or 'fused', got {tp_boundary!r}")
-        if mixer not in MIXER_KERNELS:
-            raise StepError(f"mixer must be one of {MIXER_KERNELS}, got {mixer!r}")
         dev = state.device
         if tp_boundary == "fused" and stack.tp.tp > 1 and dev.type != "cuda":
             raise StepError("tp_boundary='fused' needs CUDA symmetric memory; on the CPU use 'collective'")
@@ -159,7 +153,7 @@ class DecodeStep:
             self.layers[i].publish = mailbox.slot(k)
         self.mailbox = mailbox
         self.boundary_mode = "single" if stack.tp.tp == 1 else ("fused" if mailbox is not None else "collective")
-        self.boundary = Boundary(stack, B, dev, mailbox, mixer=mixer)
+        self.boundary = Boundary(stack, B, dev, mailbox)
         self.io = StepIO(cfg, B, dev)
         self.pre_out = self.boundary.pre[(len(stack.ids) - 1) % 2]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}

@@ -272,9 +272,6 @@ def test_errors(cpu_setup):
         stack.decode_step(st, buckets=(0, 2))
     with pytest.raises(StepError, match="tp_boundary"):
         stack.decode_step(st, max_rows=4, tp_boundary="nccl")
-    with pytest.raises(StepError, match="mixer"):
-        stack.decode_step(st, max_rows=4, mixer="tc")
-    assert {p.kernel for p in stack.decode_step(st, max_rows=4, mixer="mma").boundary.plans} == {"mma"}
     for settled in ("pdl", "l2_prefetch", "indexer_first", "overlap_inputs"):   # not options
         with pytest.raises(TypeError, match=settled):
             stack.decode_step(st, **{settled: True})

@@ -67,16 +67,13 @@ def test_reduction_order_is_what_the_plan_launches():
 def test_side_projection_mixer_and_wo_a_plans_fix_their_order():
     """ll_bf16: one mode and K depth per weight dtype, at most 32 rows per program; hc_mix: the same
     K lanes at every row count, at most 8 rows per program, a split that is not a function of
-    max_rows (its tensor-core kernel: one tile and split for every plan); wo_a: the swap is the
-    plan's, not the launch's."""
+    max_rows; wo_a: the swap is the plan's, not the launch's."""
     for dt in (torch.bfloat16, torch.float32):
         plan = LlBf16Plan.build(1024, 5120, 64, dt, DEVICE)
         assert len({(t.mode, t.block_k) for t in plan.tiles}) == 1 and max(t.block_m for t in plan.tiles) == 32
     mixes = [HcMixPlan.build(5120, r, DEVICE) for r in (1, 16, 64)]
     assert {t.block_k for p in mixes for t in p.tiles} == {32} and max(t.block_m for t in mixes[-1].tiles) == 8
     assert len({(p.split, p.k_per_split) for p in mixes}) == 1
-    mmas = [HcMixPlan.build(5120, r, DEVICE, kernel="mma") for r in (1, 16, 64)]
-    assert len({(p.split, p.k_per_split, t) for p in mmas for t in p.tiles}) == 1
     for dt in (torch.bfloat16, torch.float8_e4m3fn):
         assert isinstance(WoAPlan.build(64, 8, 1024, 64, dt, DEVICE).swapped, bool)
 
@@ -152,13 +149,13 @@ def test_ll_bf16_row_bits(dtype):
 HC_DIM = 128
 
 
-def _hc_mix_run(max_rows: int, split: int, kernel: str = "fma"):
-    """hc_mix_ (`kernel`: the plan's) at dim 128 with fixed random mixer weights: a function of the
-    streams [m, 4, dim] returning (pre, post, comb) on the CPU."""
+def _hc_mix_run(max_rows: int, split: int):
+    """hc_mix_ at dim 128 with fixed random mixer weights: a function of the streams [m, 4, dim]
+    returning (pre, post, comb) on the CPU."""
     gen = torch.Generator().manual_seed(3)
     fn = (torch.randn(24, 4 * HC_DIM, generator=gen) / HC_DIM ** 0.5).to(DEVICE)
     scale, base = (0.5 + torch.rand(3, generator=gen)).to(DEVICE), (0.5 * torch.randn(24, generator=gen)).to(DEVICE)
-    plan = HcMixPlan.build(HC_DIM, max_rows, DEVICE, split=split, kernel=kernel)
+    plan = HcMixPlan.build(HC_DIM, max_rows, DEVICE, split=split)
 
     def run(x):
         m = x.shape[0]
@@ -175,12 +172,6 @@ def _hc_streams(n, g):
 
 def test_hc_mix_row_bits():
     _assert_same_row(_row_results(_hc_mix_run(64, 2), _hc_streams, 7))
-
-
-def test_hc_mix_mma_row_bits():
-    """The tensor-core kernel: the epilogue of 16, 32 and 64 rows, and a row in the second row group."""
-    counts = _COUNTS + [(70, 66)]
-    _assert_same_row(_row_results(_hc_mix_run(70, 2, "mma"), _hc_streams, 8, counts), counts)
 
 
 def test_hc_mix_old_per_bucket_lanes_would_differ(monkeypatch):

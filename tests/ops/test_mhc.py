@@ -13,20 +13,13 @@ the reference (split-K partials, a tree sum), so its outputs are compared within
 tighter where); measured at most 4.8e-7 at dims 64-5120.
 """
 
-import json
-import os
-import subprocess
-import sys
-from dataclasses import replace
-from pathlib import Path
-
 import pytest
 import torch
 import triton
 import triton.language as tl
 
 from dsv41_decode.formats import mxfp8_quantize
-from dsv41_decode.ops.hc_mix import HcMixPlan, _bf16_planes, hc_mix, hc_mix_
+from dsv41_decode.ops.hc_mix import HcMixPlan, hc_mix, hc_mix_
 from dsv41_decode.ops.mhc import MhcBoundaryPlan, _boundary_chunk, mhc_boundary, mhc_boundary_
 from dsv41_decode.ops.rounding import bf16_rne_bits
 from dsv41_decode.reference.linear import rms_norm
@@ -372,111 +365,6 @@ def test_mix_plan():
         HcMixPlan.build(64, 4, "cpu", split=0)
 
 
-# --- the tensor-core mixer (HcMixPlan(kernel="mma")) ----------------------------------------------
-
-
-@triton.jit
-def _planes_kernel(w_ptr, out_ptr, N: tl.constexpr):
-    i = tl.arange(0, N)
-    w0, w1, w2 = _bf16_planes(tl.load(w_ptr + i))
-    tl.store(out_ptr + i, w0.to(tl.float32))
-    tl.store(out_ptr + N + i, w1.to(tl.float32))
-    tl.store(out_ptr + 2 * N + i, w2.to(tl.float32))
-
-
-def test_bf16_planes_sum_to_the_weight_exactly():
-    """w0 + w1 + w2 == w in exact arithmetic for FP32 weights of every exponent from 2^-60 to 2^60,
-    both signs, and values whose every significand bit is set or whose BF16 rounding would carry
-    or tie; each plane BF16-valued, |w1| <= 2^-7 |w| and |w2| <= 2^-15 |w|."""
-    g = torch.Generator().manual_seed(5)
-    w = torch.randn(1024, generator=g) * torch.exp2(torch.randint(-60, 61, (1024,), generator=g).float())
-    special = torch.tensor([0x3F7FFFFF, 0x3F808081, 0x3FFFFFFF, 0x3F80FF80, 0x3F807FFF, 0x0C800001, 0x7F7F7FFF,
-                            0x3F818000, 0x3F808000, 0x3F800000, 0x00000000], dtype=torch.int32).view(torch.float32)
-    w[:special.numel()] = special
-    w[special.numel():2 * special.numel()] = -special
-    out = torch.empty(3, w.numel(), device=_DEVICE)
-    _planes_kernel[(1,)](w.to(_DEVICE), out, N=w.numel())
-    planes = out.cpu()
-    assert torch.equal(planes, planes.bfloat16().float()), "a plane is not BF16-valued"
-    assert torch.equal(planes.double().sum(0), w.double()), "the planes do not sum to the weight"
-    assert bool((planes[1].abs() <= w.abs() * 2 ** -7).all() & (planes[2].abs() <= w.abs() * 2 ** -15).all())
-
-
-@pytest.mark.parametrize("n, dim, split, iters", [(1, 64, None, _ITERS), (5, 256, 3, _ITERS), (16, 96, None, 2),
-                                                  (70, 64, 2, _ITERS)])
-def test_mma_mix_matches_reference(n, dim, split, iters):
-    """One row to two row groups of 64, one or more splits (the last one partial at dim 256 / 3),
-    few Sinkhorn rounds; a second launch gives the same bits and the counters end at 0."""
-    x, fn, scale, base = _mix_case(n, dim, seed=2000 * n + dim)
-    plan = HcMixPlan.build(dim, max(n, 8), _DEVICE, split=split, kernel="mma")
-    first = hc_mix(*_dev(x, fn, scale, base), _EPS, _HC_EPS, iters, plan=plan)
-    _check_mix(first, x, fn, scale, base, iters)
-    again = hc_mix(*_dev(x, fn, scale, base), _EPS, _HC_EPS, iters, plan=plan)
-    assert all(torch.equal(a, b) for a, b in zip(first, again))
-    assert not plan.counters.any(), "the last program of every row group resets its counter"
-
-
-def _rows_per_program(plan: HcMixPlan, rows: int) -> HcMixPlan:
-    """The plan with every bucket's programs taking `rows` of the call's rows (the same counters)."""
-    return replace(plan, tiles=tuple(t._replace(block_m=rows) for t in plan.tiles))
-
-
-def test_mma_mix_rows_per_program_move_no_bits():
-    """16, 32 or 64 of the call's rows a program (70 rows: five, three or two row groups, each with
-    its counter and last program): the same bits, within the bounds of the reference."""
-    x, fn, scale, base = _mix_case(70, 64, seed=77)
-    plan = HcMixPlan.build(64, 70, _DEVICE, split=2, kernel="mma")
-    outs = [hc_mix(*_dev(x, fn, scale, base), _EPS, _HC_EPS, _ITERS, plan=_rows_per_program(plan, rows))
-            for rows in (16, 32, 64)]
-    assert not plan.counters.any()
-    _check_mix(outs[0], x, fn, scale, base)
-    for got in outs[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(outs[0], got))
-
-
-def test_mma_mix_real_dim():
-    """dim 5120 with the default plan (40 programs of 512 columns), 2 rows."""
-    x, fn, scale, base = _mix_case(2, 5120, seed=37)
-    plan = HcMixPlan.build(5120, 64, _DEVICE, kernel="mma")
-    _check_mix(hc_mix(*_dev(x, fn, scale, base), _EPS, _HC_EPS, _ITERS, plan=plan), x, fn, scale, base)
-
-
-def test_mma_mix_plan():
-    plan = HcMixPlan.build(5120, 64, "cpu", kernel="mma")
-    assert (plan.kernel, plan.split, plan.k_per_split) == ("mma", 40, 512)
-    # a counter per 16 rows (the fewest a program takes)
-    assert tuple(plan.partials.shape) == (40, 64, 32) and plan.counters.tolist() == [0] * 4
-    # one K block (with the dot's fixed 64 rows: the arithmetic) at every row count
-    assert {t.block_k for t in plan.tiles} == {64} and {t.block_m for t in plan.tiles} <= {16, 32, 64}
-    assert HcMixPlan.build(5120, 70, "cpu", kernel="mma").counters.numel() == 5
-    one = HcMixPlan.build(64, 4, "cpu", kernel="mma")     # K = 256: one program, still a partial
-    assert (one.split, one.partials.shape[0]) == (1, 1)
-    assert HcMixPlan.build(5120, 64, "cpu").kernel == "fma"
-    with pytest.raises(ValueError, match="kernel"):
-        HcMixPlan.build(64, 4, "cpu", kernel="tc")
-
-
-def test_mma_mix_compiles_for_sm90_without_spills():
-    """The tensor-core kernel at the V4.1-Flash shape, with 16 and with 64 rows a program, compiled
-    for sm_90 by Triton's own ptxas in a subprocess without the interpreter
-    (tests/ops/_hc_mix_sm90.py, ~6 s): no local memory or spills, at most 168 registers (three
-    programs an SM at 4 warps), the dots on wgmma and no mma.sync: 12 HGMMA.64x32x16 (three planes
-    of a 64-deep block), a zero-started one, chained ones and the last that waits, the same forms
-    in both."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    res = subprocess.run([sys.executable, str(Path(__file__).with_name("_hc_mix_sm90.py")), "--json"],
-                         capture_output=True, text=True, env=env, timeout=600)
-    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
-    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
-    assert [r["rows"] for r in rows] == [16, 64], res.stdout
-    for r in rows:
-        assert r["LOCAL"] == 0 and r["STACK"] == 0 and r["spills"] == 0, r
-        assert r["REG"] <= 168 and r["hgmma"] == 12 and r["hmma"] == 0, r
-    assert rows[0]["mma_forms"] == rows[1]["mma_forms"] and len(rows[0]["mma_forms"]) == 3, rows
-
-
 def _mix_args(n=3, dim=64):
     x, fn, scale, base = _dev(*_mix_case(n, dim, seed=41))
     return dict(x=x, fn=fn, scale=scale, base=base, norm_eps=_EPS, hc_eps=_HC_EPS, sinkhorn_iters=_ITERS,
@@ -551,64 +439,3 @@ def test_gpu_cuda_graph_replay():
         _check_boundary(*case, (args["x_out"], args["u_out"], args["codes_out"], args["scales_out"]))
         _check_mix((margs["pre_out"], margs["post_out"], margs["comb_out"]), *mix_case)
         assert not margs["plan"].counters.any()
-
-
-@pytest.mark.gpu
-def test_gpu_mma_mix_real_dim():
-    """The tensor-core mixer at dim 5120 (the default plan: 40 programs of 512 columns) at 1, 2, 7,
-    16, 33 and 64 rows: within the bounds of the reference, the same bits on a second launch and
-    with 16, 32 or 64 rows a program, counters left at 0."""
-    plan = HcMixPlan.build(5120, 64, "cuda", kernel="mma")
-    x, fn, scale, base = _mix_case(64, 5120, seed=9200)
-    xd, fnd, scd, bd = _dev(x, fn, scale, base)
-    for n in (1, 2, 7, 16, 33, 64):
-        first = hc_mix(xd[:n], fnd, scd, bd, _EPS, _HC_EPS, _ITERS, plan=plan)
-        _check_mix(first, x[:n], fn, scale, base)
-        again = hc_mix(xd[:n], fnd, scd, bd, _EPS, _HC_EPS, _ITERS, plan=plan)
-        assert all(torch.equal(a, b) for a, b in zip(first, again)), f"{n} rows: a second launch differs"
-        for rows in (16, 32, 64):       # rows a program: no bits move
-            other = hc_mix(xd[:n], fnd, scd, bd, _EPS, _HC_EPS, _ITERS, plan=_rows_per_program(plan, rows))
-            assert all(torch.equal(a, b) for a, b in zip(first, other)), f"{n} rows, {rows} a program"
-        assert not plan.counters.any()
-
-
-@pytest.mark.gpu
-def test_gpu_mma_mix_rows_alone_and_among_others():
-    """Every row of every call of 1-64 rows has the bits it has alone (batch invariance: the same
-    [64, 64] x [64, 32] dots and split at every row count; the epilogue's 16, 32 or 64 rows)."""
-    plan = HcMixPlan.build(5120, 64, "cuda", kernel="mma")
-    x, fn, scale, base = _dev(*_mix_case(64, 5120, seed=9300))
-    outs = [torch.empty(64, *s, device="cuda") for s in ((4,), (4,), (4, 4))]
-    for r in range(64):
-        hc_mix_(x[r:r + 1], fn, scale, base, _EPS, _HC_EPS, _ITERS, *(o[r:r + 1] for o in outs), plan)
-    alone = [o.clone() for o in outs]
-    for m in range(1, 65):
-        hc_mix_(x[:m], fn, scale, base, _EPS, _HC_EPS, _ITERS, *(o[:m] for o in outs), plan)
-        for name, o, a in zip(("pre", "post", "comb"), outs, alone):
-            same = (o[:m] == a[:m]).flatten(1).all(1)
-            assert bool(same.all()), f"{name}: rows {(~same).nonzero().flatten().tolist()} differ at {m} rows"
-
-
-@pytest.mark.gpu
-def test_gpu_mma_mix_cuda_graph_replay():
-    """The tensor-core mixer captured at 16 and at 64 rows and replayed on new inputs copied into the
-    captured buffers: the eager launch's bits, within the bounds of the reference."""
-    for n in (16, 64):
-        margs = _mix_args(n, 5120)
-        margs["plan"] = HcMixPlan.build(5120, 64, _DEVICE, kernel="mma")
-        hc_mix_(**margs)                        # compile outside the capture
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            hc_mix_(**margs)
-        for seed in (1, 2):
-            mix_case = _mix_case(n, 5120, seed=seed)
-            for key, t in zip(("x", "fn", "scale", "base"), mix_case):
-                margs[key].copy_(t)
-            graph.replay()
-            torch.cuda.synchronize()
-            got = [margs[k].clone() for k in ("pre_out", "post_out", "comb_out")]
-            _check_mix(got, *mix_case)
-            hc_mix_(**margs)
-            assert all(torch.equal(a, margs[k]) for a, k in zip(got, ("pre_out", "post_out", "comb_out")))
-            assert not margs["plan"].counters.any()
