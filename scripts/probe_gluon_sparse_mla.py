@@ -5,8 +5,8 @@ Per (heads, rows) cell: the time of the Gluon kernel in each configuration of `-
 in CONFIGS; default: default), of the Triton step tiling and of FlashMLA; the max BF16 ulp distance
 of each Gluon configuration's and of the Triton kernel's outputs from the reference on the GPU (on
 the first, middle and last rows: rows are independent, and the reference runs row by row); whether
-the Gluon configurations give the same bits as each other (`cfg==`; seq2 and seq5, several blocks a
-program, sum in another order and are expected to differ) and the first one the Triton
+the Gluon configurations give the same bits as each other (`cfg==`; seq2, seq5 and their
+publish-first forms seq2p, seq5p, several blocks a program, sum in another order than default) and the first one the Triton
 kernel's (`==triton`). `--heads=64,16`, `--rows=1,2,4,8,16,32,64`. Prints; writes nothing."""
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ CONFIGS = {
     "bytes": G.GluonSparseMlaConfig(fp4_packed=False),
     "seq2": G.GluonSparseMlaConfig(q_buffers=4, blocks_per_program=2),     # other bits than G = 1
     "seq5": G.GluonSparseMlaConfig(q_buffers=4, blocks_per_program=5),
+    "seq2p": G.GluonSparseMlaConfig(q_buffers=4, blocks_per_program=2, publish_first=True),
+    "seq5p": G.GluonSparseMlaConfig(q_buffers=4, blocks_per_program=5, publish_first=True),
 }
 
 

@@ -347,12 +347,62 @@ def _gluon_sparse_mla_kernel(
 
 
 @gluon.jit
+def _seq_scores(k_smem, q_smem, wpool_ptr, cpool_ptr, wtab_row, ctab_row, b, nw, scale, W: gl.constexpr,
+                KC: gl.constexpr, FP4_PACKED: gl.constexpr, ld: gl.constexpr, ld64: gl.constexpr,
+                s_l: gl.constexpr):
+    """`_gluon_sparse_mla_seq_kernel`'s block b: its records decoded into k_smem in 64-dim pieces
+    (after a barrier: the MMAs of the block before have read k_smem), the scores S = sum over the
+    chunks in order of q_c k_c^T on wgmma, scaled, -inf where a key is invalid: (s, ok)."""
+    NC: gl.constexpr = 512 // _DC
+    ws, cs = _block_slots(wtab_row, ctab_row, b, nw, W, KC, gl.SliceLayout(1, ld))
+    w_ok = ws >= 0
+    c_ok = cs >= 0
+    wbase = gl.where(w_ok, ws, 0).to(gl.int64) * _WREC
+    cbase = gl.where(c_ok, cs, 0).to(gl.int64) * _CREC
+    gl.thread_barrier()           # both warpgroups' MMAs of the block before have read k and P
+    # decoded in 64-dim pieces (16 values a thread: the accumulator holds 128 registers)
+    wbase = gl.convert_layout(wbase, gl.SliceLayout(1, ld64))
+    cbase = gl.convert_layout(cbase, gl.SliceLayout(1, ld64))
+    w_ok = gl.convert_layout(w_ok, gl.SliceLayout(1, ld64))
+    c_ok = gl.convert_layout(c_ok, gl.SliceLayout(1, ld64))
+    start = b * _KEYS
+    for c in gl.static_range(2 * NC):
+        piece = k_smem.index(c // 2).slice((c % 2) * (_DC // 2), _DC // 2, dim=1)
+        if start + _KEYS <= nw:
+            k = _decode_chunk(wpool_ptr, wbase, w_ok, c, True, FP4_PACKED, ld64, _DC // 2)
+        elif start >= nw:
+            k = _decode_chunk(cpool_ptr, cbase, c_ok, c, False, FP4_PACKED, ld64, _DC // 2)
+        else:
+            k = (_decode_chunk(wpool_ptr, wbase, w_ok, c, True, FP4_PACKED, ld64, _DC // 2)
+                 + _decode_chunk(cpool_ptr, cbase, c_ok, c, False, FP4_PACKED, ld64, _DC // 2))
+        piece.store(k.to(gl.bfloat16))
+    fence_async_shared()
+    gl.thread_barrier()
+    s = gl.zeros([_M, _KEYS], gl.float32, s_l)
+    for c in gl.static_range(NC):
+        s = warpgroup_mma(q_smem.index(c), k_smem.index(c).permute((1, 0)), s)
+    ws_s, cs_s = _block_slots(wtab_row, ctab_row, b, nw, W, KC, gl.SliceLayout(0, s_l))
+    ok = (ws_s >= 0) | (cs_s >= 0)
+    s = gl.where(ok[None, :], s * scale, float("-inf"))
+    return s, ok
+
+
+@gluon.jit
+def _publish_max(block_max_ptr, flags, tile_b, b, s_max, hs, h_st, PH: gl.constexpr):
+    """Block b's score max per head into block_max, then bit b % 32 of the row's flag word b // 32
+    (release, once every thread's store is done)."""
+    gl.store(block_max_ptr + (tile_b + b) * PH + hs, s_max, mask=h_st)
+    gl.thread_barrier()
+    gl.atomic_or(flags + b // 32, 1 << (b % 32), sem="release", scope="gpu")
+
+
+@gluon.jit
 def _gluon_sparse_mla_seq_kernel(
     q_ptr, wpool_ptr, cpool_ptr, wtab_ptr, ctab_ptr,
     part_acc_ptr, part_ml_ptr, block_max_ptr, flag_ptr, ticket_ptr,
     N, H, scale, stride_qn, stride_qh, stride_wt, stride_ct,
     W: gl.constexpr, W_P2: gl.constexpr, KC: gl.constexpr, NB: gl.constexpr, NB_P2: gl.constexpr, PH: gl.constexpr,
-    G: gl.constexpr, NP: gl.constexpr, FP4_PACKED: gl.constexpr = False,
+    G: gl.constexpr, NP: gl.constexpr, FP4_PACKED: gl.constexpr = False, PUBLISH_FIRST: gl.constexpr = False,
 ):
     # `GluonSparseMlaConfig.blocks_per_program` G > 1: one program per (row, G consecutive 64-key
     # blocks), NP = ceil(NB / G) a row, running the contract's sequential loop over its blocks (the
@@ -408,41 +458,18 @@ def _gluon_sparse_mla_seq_kernel(
     a_smem.index(0).store(a0)
     a_smem.index(1).store(a1)
     b0 = j * G
-    for b in range(b0, gl.minimum(b0 + G, NB)):
-        ws, cs = _block_slots(wtab_row, ctab_row, b, nw, W, KC, gl.SliceLayout(1, ld))
-        w_ok = ws >= 0
-        c_ok = cs >= 0
-        wbase = gl.where(w_ok, ws, 0).to(gl.int64) * _WREC
-        cbase = gl.where(c_ok, cs, 0).to(gl.int64) * _CREC
-        gl.thread_barrier()           # both warpgroups' MMAs of the block before have read k and P
-        # decoded in 64-dim pieces (16 values a thread: the accumulator holds 128 registers)
-        wbase = gl.convert_layout(wbase, gl.SliceLayout(1, ld64))
-        cbase = gl.convert_layout(cbase, gl.SliceLayout(1, ld64))
-        w_ok = gl.convert_layout(w_ok, gl.SliceLayout(1, ld64))
-        c_ok = gl.convert_layout(c_ok, gl.SliceLayout(1, ld64))
-        start = b * _KEYS
-        for c in gl.static_range(2 * NC):
-            piece = k_smem.index(c // 2).slice((c % 2) * (_DC // 2), _DC // 2, dim=1)
-            if start + _KEYS <= nw:
-                k = _decode_chunk(wpool_ptr, wbase, w_ok, c, True, FP4_PACKED, ld64, _DC // 2)
-            elif start >= nw:
-                k = _decode_chunk(cpool_ptr, cbase, c_ok, c, False, FP4_PACKED, ld64, _DC // 2)
-            else:
-                k = (_decode_chunk(wpool_ptr, wbase, w_ok, c, True, FP4_PACKED, ld64, _DC // 2)
-                     + _decode_chunk(cpool_ptr, cbase, c_ok, c, False, FP4_PACKED, ld64, _DC // 2))
-            piece.store(k.to(gl.bfloat16))
-        fence_async_shared()
-        gl.thread_barrier()
-        s = gl.zeros([_M, _KEYS], gl.float32, s_l)
-        for c in gl.static_range(NC):
-            s = warpgroup_mma(q_smem.index(c), k_smem.index(c).permute((1, 0)), s)
-        ws_s, cs_s = _block_slots(wtab_row, ctab_row, b, nw, W, KC, gl.SliceLayout(0, s_l))
-        ok = (ws_s >= 0) | (cs_s >= 0)
-        s = gl.where(ok[None, :], s * scale, float("-inf"))
+    end = gl.minimum(b0 + G, NB)
+    if PUBLISH_FIRST:                 # every block's max published before any waiting: no chain
+        for b in range(b0, end):
+            s, ok = _seq_scores(k_smem, q_smem, wpool_ptr, cpool_ptr, wtab_row, ctab_row, b, nw, scale, W, KC,
+                                FP4_PACKED, ld, ld64, s_l)
+            _publish_max(block_max_ptr, flags, tile_b, b, gl.reduce(s, 1, _max), hs, h_st, PH)
+    for b in range(b0, end):
+        s, ok = _seq_scores(k_smem, q_smem, wpool_ptr, cpool_ptr, wtab_row, ctab_row, b, nw, scale, W, KC,
+                            FP4_PACKED, ld, ld64, s_l)
         s_max = gl.reduce(s, 1, _max)
-        gl.store(block_max_ptr + (tile_b + b) * PH + hs, s_max, mask=h_st)
-        gl.thread_barrier()
-        gl.atomic_or(flags + b // 32, 1 << (b % 32), sem="release", scope="gpu")
+        if not PUBLISH_FIRST:
+            _publish_max(block_max_ptr, flags, tile_b, b, s_max, hs, h_st, PH)
         if b == b0:                   # the running max before the program's first block
             stuck = 0
             for w in range(0, b // 32 + 1):
@@ -508,12 +535,15 @@ class GluonSparseMlaConfig:
     step must keep one G at every row count (batch invariance). A program publishes its blocks'
     maxima one block (decode and both dots) apart and the next program of the row waits for its
     last one, so a row's programs run as a chain: meant for many rows, where other rows fill the
-    SMs, not for 1-8."""
+    SMs, not for 1-8. publish_first (with G > 1): a first pass decodes each of the program's blocks
+    and publishes its max before the second pass waits and runs the loop, decoding them again:
+    no chain, twice the decode and score MMAs; the same bits as without it."""
 
     q_buffers: int = 2
     fp4_packed: bool = True
     prefetch: bool = True
     blocks_per_program: int = 1
+    publish_first: bool = False
 
     def __post_init__(self):
         if self.q_buffers not in (2, 4) or isinstance(self.q_buffers, bool):
@@ -524,7 +554,7 @@ class GluonSparseMlaConfig:
         if g > 1 and self.q_buffers != 4:
             raise ValueError(f"GluonSparseMlaConfig.blocks_per_program={g} keeps q in four buffers for all its "
                              f"blocks: it needs q_buffers=4, got {self.q_buffers}")
-        for name in ("fp4_packed", "prefetch"):
+        for name in ("fp4_packed", "prefetch", "publish_first"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"GluonSparseMlaConfig.{name} must be a bool, got {type(getattr(self, name)).__name__}")
 
@@ -596,7 +626,7 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
                                              PREFETCH=config.prefetch, num_warps=NUM_WARPS)
     else:
         _gluon_sparse_mla_seq_kernel[(n * splits, )](*args, **shape, G=g, NP=splits, FP4_PACKED=config.fp4_packed,
-                                                     num_warps=NUM_WARPS)
+                                                     PUBLISH_FIRST=config.publish_first, num_warps=NUM_WARPS)
     o16 = out.view(torch.int16)
     chunk = combine_chunk(splits, base.block_h)
     _sparse_mla_combine_kernel[(n, HEAD_DIM // chunk)](

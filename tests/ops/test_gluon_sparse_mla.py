@@ -79,11 +79,12 @@ def test_compiles_for_sm90_without_spills(heads, w, k, config):
 
 
 def test_sequential_kernel_compiles_for_sm90_without_spills():
-    # blocks_per_program > 1 (`_gluon_sparse_mla_seq_kernel`): the accumulator's first two chunks in
-    # registers and the last two in shared memory; one program per SM (~2 s)
+    # blocks_per_program > 1 (`_gluon_sparse_mla_seq_kernel`), with publish_first (its code is a
+    # superset of the kernel's without): the accumulator's first two chunks in registers and the
+    # last two in shared memory; one program per SM (~3 s)
     base = G.GluonSparseMlaPlan.build(1, 64, 128, 512, "cpu").base
     consts = {"W": 128, "W_P2": 128, "KC": 512, "NB": base.n_blocks, "NB_P2": 16, "PH": base.block_h, "G": 2,
-              "NP": 5, "FP4_PACKED": True}
+              "NP": 5, "FP4_PACKED": True, "PUBLISH_FIRST": True}
     kernel = sm90.compile_sm90(G._gluon_sparse_mla_seq_kernel, _TYPES, consts, num_warps=G.NUM_WARPS)
     res = sm90.resources(kernel)
     assert res["LOCAL"] == 0 and res["STACK"] == 0, res
@@ -91,7 +92,8 @@ def test_sequential_kernel_compiles_for_sm90_without_spills():
     # (and the reductions' scratch)
     assert 8 * 16384 + 8192 + 2 * 32768 <= kernel.metadata.shared <= SMEM_LIMIT, kernel.metadata.shared
     gmma = [t.split()[0] for _, t in sm90.sass(kernel) if "GMMA" in t]
-    assert gmma.count("HGMMA.64x32x16.F32.BF16") == 32 and gmma.count("HGMMA.64x64x16.F32.BF16") == 16, gmma
+    # the scores in both passes, P.V in the second
+    assert gmma.count("HGMMA.64x32x16.F32.BF16") == 64 and gmma.count("HGMMA.64x64x16.F32.BF16") == 16, gmma
 
 
 def test_plan_is_one_head_group_of_the_real_heads():
@@ -192,6 +194,8 @@ def test_bad_arguments_name_the_argument():
             G.GluonSparseMlaConfig(q_buffers=4, blocks_per_program=g)
     with pytest.raises(ValueError, match="q_buffers=4"):
         G.GluonSparseMlaConfig(blocks_per_program=2)
+    with pytest.raises(TypeError, match="publish_first"):
+        G.GluonSparseMlaConfig(q_buffers=4, blocks_per_program=2, publish_first=1)
     with pytest.raises(ValueError, match="compute capability 9.0"):     # good arguments, on the CPU
         G.gluon_sparse_mla_(plan, **args)
 
@@ -395,12 +399,16 @@ def test_gpu_blocks_per_program(h, g, n):
     # blocks_per_program G > 1: the sequential loop over G blocks a program (G = 32 > the 10 blocks:
     # one program a row, no look-back), within the tolerance of the reference like G = 1, bitwise
     # run to run, the workspace clear; windows full, ending inside a block, a single key
+    # (and publish_first, the same bits)
     w, k = 128, 512
     plan = G.GluonSparseMlaPlan.build(64, h, w, k, "cuda", config=G.GluonSparseMlaConfig(q_buffers=4, blocks_per_program=g))
     case = make_case(n, h, w, k, seed=h * 100 + g * 10 + n, window_fill=gpu_tables(n), exact=True, **GPU_POOLS)
     out = run(plan, case, EXACT_SCALE)
     assert torch.equal(out, run(plan, case, EXACT_SCALE))
     check_exact_gpu(out, case, reference(*case, EXACT_SCALE), EXACT_SCALE)
+    first = G.GluonSparseMlaPlan.build(64, h, w, k, "cuda", config=G.GluonSparseMlaConfig(
+        q_buffers=4, blocks_per_program=g, publish_first=True))
+    assert torch.equal(run(first, case, EXACT_SCALE), out)
     case = make_case(n, h, w, k, seed=h * 100 + g * 10 + n + 1, window_fill=gpu_tables(n), **GPU_POOLS)
     check_bound(run(plan, case), case, reference(*case))
     torch.cuda.synchronize()
