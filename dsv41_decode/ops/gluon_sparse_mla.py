@@ -519,9 +519,10 @@ def _gluon_sparse_mla_seq_kernel(
 
 @dataclass(frozen=True)
 class GluonSparseMlaConfig:
-    """What leaves the bits alone: q_buffers, the [64, 128] q chunks held in shared memory (4: all
-    of q, 136 KB a program, one program per SM; 2: the last two chunks loaded while the first two's
-    score MMAs run and stored into the same buffers, 104 KB, two programs per SM); fp4_packed, the
+    """The kernel's options. q_buffers, the [64, 128] q chunks held in shared memory (4: all of q,
+    136 KB a program, one program per SM; 2: the last two chunks held in registers from the start
+    and stored into the first two's buffers once their score MMAs have read them, 104 KB, two
+    programs per SM); fp4_packed, the
     compressed records' codes loaded 8 bytes to a thread and their nibbles split in registers (else
     one byte load per dim); prefetch, a block's loads of all four 128-dim chunks issued before the
     first is decoded (one memory latency instead of four; the block where the window ends keeps
