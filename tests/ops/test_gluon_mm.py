@@ -57,9 +57,9 @@ def _poisoned(m: int, n: int) -> torch.Tensor:
 
 def _compile_cases() -> list[tuple[str, G.GluonMMConfig, int, int]]:
     """(shape, config, split, row bucket): the configs the real shapes' plans use on an H200
-    (`default_config`, the default split rule), each compiled once per row bucket (the default)
-    or at its tightest bucket (a measured one), the split-K epilogue and the single-split one taken
-    in turn among the splits its shapes use (~0.7 s each)."""
+    (`default_config`, the default split rule), each compiled at its tightest bucket (the default
+    config: 8 and 64 rows, its two register caps), the split-K epilogue and the single-split one
+    taken in turn among the splits its shapes use (~0.7 s each)."""
     used: dict[G.GluonMMConfig, list] = {}
     for name, n, k in REAL_SHAPES:
         config = G.default_config(n, k)
@@ -70,7 +70,7 @@ def _compile_cases() -> list[tuple[str, G.GluonMMConfig, int, int]]:
     for config, shapes in used.items():
         flags = {split > 1: (name, split) for name, split in shapes}      # one shape per split flag
         picks = list(flags.values())
-        buckets = G.ROW_BUCKETS if config == G.GluonMMConfig() else [_deepest_bucket(config)]
+        buckets = (8, 64) if config == G.GluonMMConfig() else [_deepest_bucket(config)]
         for i, bt in enumerate(buckets):
             name, split = picks[i % len(picks)]
             cases.append((name, config, split, bt))
@@ -144,20 +144,18 @@ def test_compiles_for_sm90_without_spills(name, config, split, bt):
     _check_sm90(_compile(split, bt, config=config), config, bt, split)
 
 
-# The MMA pipelines and program shapes `GluonMMConfig` offers besides the default, each code path
-# at least once (modes x warpgroups x slot depth, an odd ring, a forced register cap, the persistent
-# grid); the GPU test below checks each bitwise against the Triton tier.
+# The MMA pipelines and program shapes `GluonMMConfig` offers besides the default and the measured
+# ones (the real shapes' tests cover those), combined so that each code path runs at least once in
+# few compiles: every mode with one and two warpgroups and 128- and 256-deep slots, the persistent
+# grid in every mode (one program per SM: several items each), the retiled weight, odd and deep
+# rings, forced register caps. The GPU test below checks each bitwise against the Triton tier.
+C = G.GluonMMConfig
 VARIANTS = [
-    G.GluonMMConfig(mma="slot"), G.GluonMMConfig(mma="ahead"), G.GluonMMConfig(mma="ahead", stages=3),
-    G.GluonMMConfig(mma="ahead", maxnreg=128), G.GluonMMConfig(warpgroups=2),
-    G.GluonMMConfig(warpgroups=2, mma="slot", stages=6), G.GluonMMConfig(warpgroups=2, mma="ahead"),
-    G.GluonMMConfig(block_k=256), G.GluonMMConfig(block_k=256, mma="slot"),
-    G.GluonMMConfig(warpgroups=2, block_k=256, mma="slot", stages=3),
-    G.GluonMMConfig(persistent=True), G.GluonMMConfig(mma="ahead", stages=6, persistent=True),
-    G.GluonMMConfig(warpgroups=2, mma="slot", persistent=True), G.GluonMMConfig(mma="slot", maxnreg=64),
-    G.GluonMMConfig(retile=True), G.GluonMMConfig(block_k=256, stages=3, retile=True),
-    G.GluonMMConfig(warpgroups=2, persistent=True, retile=True),
-    G.GluonMMConfig(persistent=True, programs_per_sm=1, stages=8),     # several items per program
+    C(mma="slot", retile=True), C(mma="ahead", stages=3), C(mma="ahead", maxnreg=128),
+    C(warpgroups=2, mma="slot", stages=6), C(warpgroups=2, mma="ahead", persistent=True, retile=True),
+    C(block_k=256, mma="slot", stages=3, retile=True), C(warpgroups=2, block_k=256, mma="slot", stages=3),
+    C(mma="ahead", stages=6, persistent=True), C(mma="slot", maxnreg=64, persistent=True),
+    C(persistent=True, programs_per_sm=1, stages=8),
 ]
 
 
