@@ -44,7 +44,7 @@ Gluon (Triton 3.6.0) has no gather TMA on sm_90 (Hopper's TMA has no gather mode
 are loaded with `gl.load` into registers and stored to shared memory by the 8 warps themselves.
 
 With `GluonSparseMlaConfig.blocks_per_program` G > 1 a second kernel (`_gluon_sparse_mla_seq_kernel`,
-not the step's default) runs one program per G consecutive blocks of a row: the contract's
+not the step's default, not yet run on a GPU) runs one program per G consecutive blocks of a row: the contract's
 sequential loop over them (running max, sum and accumulator carried from block to block), the
 look-back only at its first block, one partial per program for the same combination.
 
@@ -528,7 +528,8 @@ class GluonSparseMlaConfig:
     first is decoded (one memory latency instead of four; the block where the window ends keeps
     chunk by chunk). These three leave the bits alone.
 
-    blocks_per_program G > 1 (with q_buffers=4; prefetch is not used): one program per G
+    blocks_per_program G > 1 (with q_buffers=4; prefetch is not used; built and compiled for sm_90,
+    not yet run on a GPU: its GPU tests and the probe's seq* configurations await one): one program per G
     consecutive blocks of a row (`_gluon_sparse_mla_seq_kernel`), running the contract's sequential
     loop over them, so G times fewer FP32 partials to write and combine (128 KB a partial at 64
     heads) and G times fewer programs; 201 KB of shared memory and 253 registers, one program per
