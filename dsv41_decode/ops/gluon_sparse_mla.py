@@ -74,7 +74,7 @@ from .sparse_mla_plan import BLOCK_KEYS, HEAD_DIM, SparseMlaPlan
 # TRITON_INTERPRET=1 (the CPU tests' setting), which the Gluon compiler rejects; the compile test
 # runs there.
 
-__all__ = ["NUM_WARPS", "GluonSparseMlaConfig", "GluonSparseMlaPlan", "gluon_sparse_mla_", "gluon_sparse_mla"]
+__all__ = ["NUM_WARPS", "GluonSparseMlaConfig", "GluonSparseMlaPlan", "gluon_sparse_mla_"]
 
 # Two warpgroups: the scores' 64 keys and each P.V chunk's 128 dims split between them (the wgmma's
 # M is 64, one warpgroup's; 8 warps also spread the gather and decode of 64 x 512 values).
@@ -636,20 +636,3 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
         SPLIT=splits, SPLIT_P2=triton.next_power_of_2(splits), BLOCK_H=base.block_h, CHUNK=chunk, PDL=False,
         num_warps=4,
     )
-
-
-def gluon_sparse_mla(q: torch.Tensor, window_pool: torch.Tensor, comp_pool: torch.Tensor, window_table: torch.Tensor,
-                     comp_table: torch.Tensor, sink: torch.Tensor, scale: float) -> torch.Tensor:
-    """Convenience: build a plan for these shapes, allocate out, launch; returns [N, H, 512] bfloat16."""
-    if not isinstance(q, torch.Tensor) or q.dim() != 3:
-        raise ValueError(f"q must be a 3-D tensor [N, H, 512], got {getattr(q, 'shape', type(q).__name__)}")
-    for t, name in ((window_table, "window_table"), (comp_table, "comp_table")):
-        if not isinstance(t, torch.Tensor) or t.dim() != 2:
-            raise ValueError(f"{name} must be a 2-D tensor [N, width], got {getattr(t, 'shape', type(t).__name__)}")
-    n = q.shape[0]
-    out = torch.empty(n, q.shape[1], HEAD_DIM, dtype=torch.bfloat16, device=q.device)
-    if n == 0:
-        return out
-    p = GluonSparseMlaPlan.build(n, q.shape[1], window_table.shape[1], comp_table.shape[1], q.device)
-    gluon_sparse_mla_(p, q, window_pool, comp_pool, window_table, comp_table, sink, scale, out)
-    return out
