@@ -71,10 +71,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..formats import E4M3_MAX, MXFP8_AMAX_FLOOR
 from .act_quant import INV_E4M3_MAX, mxfp8_quantize_tile
-from .checks import planned_rows, require_tensor
 from .common import is_sm90, num_sms, plan_workspace
 from .rounding import ue8m0_to_fp32
-from .wo_a import _window_copy_args
+from .wo_a import wo_a_args
 
 MAX_ROWS = 64
 BLOCK_K = 64                     # K per ring slot: 128 bytes of BF16 (the 128-byte swizzle); = rope_dim
@@ -552,41 +551,14 @@ def gluon_wo_a_(plan: GluonWoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: tor
        codes_out, scales_out)` bit for bit), as `ops.wo_a.wo_a_`.
     window_copy: optionally (pool, src, dst), as `ops.wo_a.wo_a_` (same checks, same guarantees).
     """
-    m = planned_rows(plan, GluonWoAPlan, o, "o", "[M, H, head_dim]")
+    m, scale, quant, codes_out, scales_out, (cp_pool, cp_src, cp_dst, copy_words) = wo_a_args(
+        plan, GluonWoAPlan, o, cos, sin, weight, scale, out, codes_out, scales_out, window_copy)
     dev = plan.device
-    if o.dtype != torch.bfloat16:
-        raise TypeError(f"o must have dtype torch.bfloat16, got {o.dtype}")
-    if tuple(o.shape[1:]) != (plan.heads, plan.head_dim):
-        raise ValueError(f"o must have shape [M, {plan.heads}, {plan.head_dim}], got {tuple(o.shape)}")
-    if o.device != dev:
-        raise ValueError(f"o must be on {dev} like the plan, got {o.device}")
-    if o.stride(2) != 1 or (plan.heads > 1 and o.stride(1) != plan.head_dim):
+    if plan.heads > 1 and o.stride(1) != plan.head_dim:
         raise ValueError(f"o must have contiguous heads within a row (strides (*, {plan.head_dim}, 1)), got "
                          f"strides {o.stride()}: the kernel reads each row's heads as one TMA row")
-    require_tensor(cos, "cos", (torch.float32,), (m, plan.rope_dim // 2), dev)
-    require_tensor(sin, "sin", (torch.float32,), (m, plan.rope_dim // 2), dev)
-    require_tensor(weight, "weight", (plan.weight_dtype,), (plan.n_out, plan.group_width), dev)
-    if plan.fp8:
-        if scale is None:
-            raise ValueError("scale is required with an FP8 weight")
-        require_tensor(scale, "scale", (torch.uint8, torch.float8_e8m0fnu),
-                       (plan.n_out // 32, plan.group_width // 32), dev)
-        scale = scale.view(torch.uint8)
-    elif scale is not None:
-        raise ValueError("scale must be None with a BF16 weight")
-    else:
+    if scale is None:
         scale = plan.counters     # an unused pointer
-    require_tensor(out, "out", (torch.bfloat16,), (m, plan.n_out), dev)
-    quant = codes_out is not None or scales_out is not None
-    if quant:
-        if codes_out is None or scales_out is None:
-            raise ValueError("codes_out and scales_out go together (the MXFP8 of out)")
-        require_tensor(codes_out, "codes_out", (torch.float8_e4m3fn, torch.uint8), (m, plan.n_out), dev)
-        require_tensor(scales_out, "scales_out", (torch.uint8, torch.float8_e8m0fnu), (m, plan.n_out // 32), dev)
-        codes_out, scales_out = codes_out.view(torch.uint8), scales_out.view(torch.uint8)
-    else:
-        codes_out = scales_out = plan.counters     # unused pointers
-    cp_pool, cp_src, cp_dst, copy_words = _window_copy_args(window_copy, m, dev, plan.counters)
     if not is_sm90(dev):
         raise ValueError(f"the plan's device must be a CUDA device of compute capability 9.0 (the Gluon tier is "
                          f"sm_90 code: TMA, wgmma), got {dev}")

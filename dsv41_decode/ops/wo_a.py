@@ -28,6 +28,7 @@ into a multiply and an add: the same bits, the product being exact.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -356,6 +357,58 @@ def _window_copy_args(window_copy, m: int, dev: torch.device, dummy: torch.Tenso
     return pool.view(torch.int32), src, dst, pool.shape[1] // 4
 
 
+class WoAArgs(NamedTuple):
+    """`wo_a_args`' result: the call's rows and what a launch passes for the optional tensors (byte
+    views; the plan's counters stand in for the MXFP8 outputs a launch does not write)."""
+    m: int
+    scale: torch.Tensor | None      # the FP8 weight's scales as uint8, None for a BF16 weight
+    quant: bool                     # codes_out and scales_out given
+    codes_out: torch.Tensor
+    scales_out: torch.Tensor
+    window_copy: tuple              # `_window_copy_args`: (pool, src, dst, words per record)
+
+
+def wo_a_args(plan, plan_type: type, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
+              scale: torch.Tensor | None, out: torch.Tensor, codes_out: torch.Tensor | None,
+              scales_out: torch.Tensor | None, window_copy) -> WoAArgs:
+    """The checks of `wo_a_`'s arguments (see there), shared by the op's launchers (`wo_a_` and
+    `gluon_wo_a.gluon_wo_a_`): plan must be a plan_type with `WoAPlan`'s fields (heads, head_dim,
+    rope_dim, weight_dtype, n_out, group_width, device, counters). An error names the first bad
+    argument; nothing is launched or written."""
+    m = planned_rows(plan, plan_type, o, "o", "[M, H, head_dim]")
+    dev = plan.device
+    if o.dtype != torch.bfloat16:
+        raise TypeError(f"o must have dtype torch.bfloat16, got {o.dtype}")
+    if tuple(o.shape[1:]) != (plan.heads, plan.head_dim):
+        raise ValueError(f"o must have shape [M, {plan.heads}, {plan.head_dim}], got {tuple(o.shape)}")
+    if o.stride(2) != 1 or o.device != dev:
+        raise ValueError(f"o must have unit stride in its last dimension and be on {dev}, got strides "
+                         f"{o.stride()} on {o.device}")
+    require_tensor(cos, "cos", (torch.float32,), (m, plan.rope_dim // 2), dev)
+    require_tensor(sin, "sin", (torch.float32,), (m, plan.rope_dim // 2), dev)
+    require_tensor(weight, "weight", (plan.weight_dtype,), (plan.n_out, plan.group_width), dev)
+    if plan.weight_dtype == torch.float8_e4m3fn:
+        if scale is None:
+            raise ValueError("scale is required with an FP8 weight")
+        require_tensor(scale, "scale", (torch.uint8, torch.float8_e8m0fnu),
+                       (plan.n_out // 32, plan.group_width // 32), dev)
+        scale = scale.view(torch.uint8)
+    elif scale is not None:
+        raise ValueError("scale must be None with a BF16 weight")
+    require_tensor(out, "out", (torch.bfloat16,), (m, plan.n_out), dev)
+    quant = codes_out is not None or scales_out is not None
+    if quant:
+        if codes_out is None or scales_out is None:
+            raise ValueError("codes_out and scales_out go together (the MXFP8 of out)")
+        require_tensor(codes_out, "codes_out", (torch.float8_e4m3fn, torch.uint8), (m, plan.n_out), dev)
+        require_tensor(scales_out, "scales_out", (torch.uint8, torch.float8_e8m0fnu), (m, plan.n_out // 32), dev)
+        codes_out, scales_out = codes_out.view(torch.uint8), scales_out.view(torch.uint8)
+    else:
+        codes_out = scales_out = plan.counters     # unused pointers
+    copy = _window_copy_args(window_copy, m, dev, plan.counters)
+    return WoAArgs(m, scale, quant, codes_out, scales_out, copy)
+
+
 def wo_a_(plan: WoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
           scale: torch.Tensor | None, out: torch.Tensor, codes_out: torch.Tensor | None = None,
           scales_out: torch.Tensor | None = None,
@@ -384,38 +437,9 @@ def wo_a_(plan: WoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
        programmatic dependent launch), so it may overwrite what they read; it is not ordered
        against this kernel's other programs.
     """
-    m = planned_rows(plan, WoAPlan, o, "o", "[M, H, head_dim]")
-    dev = plan.device
-    if o.dtype != torch.bfloat16:
-        raise TypeError(f"o must have dtype torch.bfloat16, got {o.dtype}")
-    if tuple(o.shape[1:]) != (plan.heads, plan.head_dim):
-        raise ValueError(f"o must have shape [M, {plan.heads}, {plan.head_dim}], got {tuple(o.shape)}")
-    if o.stride(2) != 1 or o.device != dev:
-        raise ValueError(f"o must have unit stride in its last dimension and be on {dev}, got strides "
-                         f"{o.stride()} on {o.device}")
-    require_tensor(cos, "cos", (torch.float32,), (m, plan.rope_dim // 2), dev)
-    require_tensor(sin, "sin", (torch.float32,), (m, plan.rope_dim // 2), dev)
-    require_tensor(weight, "weight", (plan.weight_dtype,), (plan.n_out, plan.group_width), dev)
-    fp8 = plan.weight_dtype == torch.float8_e4m3fn
-    if fp8:
-        if scale is None:
-            raise ValueError("scale is required with an FP8 weight")
-        require_tensor(scale, "scale", (torch.uint8, torch.float8_e8m0fnu),
-                       (plan.n_out // 32, plan.group_width // 32), dev)
-        scale = scale.view(torch.uint8)
-    elif scale is not None:
-        raise ValueError("scale must be None with a BF16 weight")
-    require_tensor(out, "out", (torch.bfloat16,), (m, plan.n_out), dev)
-    quant = codes_out is not None or scales_out is not None
-    if quant:
-        if codes_out is None or scales_out is None:
-            raise ValueError("codes_out and scales_out go together (the MXFP8 of out)")
-        require_tensor(codes_out, "codes_out", (torch.float8_e4m3fn, torch.uint8), (m, plan.n_out), dev)
-        require_tensor(scales_out, "scales_out", (torch.uint8, torch.float8_e8m0fnu), (m, plan.n_out // 32), dev)
-        codes_out, scales_out = codes_out.view(torch.uint8), scales_out.view(torch.uint8)
-    else:
-        codes_out = scales_out = plan.counters     # unused pointers
-    cp_pool, cp_src, cp_dst, copy_words = _window_copy_args(window_copy, m, dev, plan.counters)
+    m, scale, quant, codes_out, scales_out, (cp_pool, cp_src, cp_dst, copy_words) = wo_a_args(
+        plan, WoAPlan, o, cos, sin, weight, scale, out, codes_out, scales_out, window_copy)
+    fp8 = scale is not None
     if m == 0:
         return
     part = plan.partials
