@@ -73,7 +73,7 @@ from ..formats import E4M3_MAX, MXFP8_AMAX_FLOOR
 from .act_quant import INV_E4M3_MAX, mxfp8_quantize_tile
 from .common import is_sm90, num_sms, plan_workspace
 from .rounding import ue8m0_to_fp32
-from .wo_a import wo_a_args
+from .wo_a import GroupedShape, wo_a_args
 
 MAX_ROWS = 64
 BLOCK_K = 64                     # K per ring slot: 128 bytes of BF16 (the 128-byte swizzle); = rope_dim
@@ -432,7 +432,7 @@ def launch_options(plan: "GluonWoAPlan", bt: int) -> dict:
 
 
 @dataclass(frozen=True, eq=False)
-class GluonWoAPlan:
+class GluonWoAPlan(GroupedShape):
     """Tiles and split of the Gluon `wo_a` for one rank's shape, and its split-K workspace (its own,
     or views of a shared pool: `build(workspace=)`). sm_90 launches only; builds anywhere (the split
     rule takes an H200's SM count off the GPU).
@@ -460,15 +460,6 @@ class GluonWoAPlan:
     @property
     def device(self) -> torch.device:
         return self.counters.device
-
-    @property
-    def group_width(self) -> int:
-        """K of each group's GEMM: (H/G) * head_dim."""
-        return self.heads // self.o_groups * self.head_dim
-
-    @property
-    def n_out(self) -> int:
-        return self.o_groups * self.rank
 
     @property
     def n_tiles(self) -> int:

@@ -166,8 +166,22 @@ def _wo_a_kernel(
                 tl.store(cp_pool_ptr + dst * COPY_WORDS + rw, rec, mask=w_ok)
 
 
+class GroupedShape:
+    """The shape properties every grouped-`wo_a` plan derives from its fields heads, o_groups,
+    rank and head_dim (`WoAPlan`, `gluon_wo_a.GluonWoAPlan`)."""
+
+    @property
+    def group_width(self) -> int:
+        """K of each group's GEMM: (H/G) * head_dim."""
+        return self.heads // self.o_groups * self.head_dim
+
+    @property
+    def n_out(self) -> int:
+        return self.o_groups * self.rank
+
+
 @dataclass(frozen=True, eq=False)
-class WoAPlan:
+class WoAPlan(GroupedShape):
     """Split and tiles of `wo_a` for one rank's shape, and its split-K workspace (its own, or views
     of a shared pool: `build(workspace=)`).
 
@@ -250,15 +264,6 @@ class WoAPlan:
         if self.num_stages is not None:
             return self.num_stages
         return 2 if self.weight_dtype == torch.float8_e4m3fn and rows <= 16 else 3
-
-    @property
-    def group_width(self) -> int:
-        """K of each group's GEMM: (H/G) * head_dim."""
-        return self.heads // self.o_groups * self.head_dim
-
-    @property
-    def n_out(self) -> int:
-        return self.o_groups * self.rank
 
     @classmethod
     def build(cls, heads: int, o_groups: int, rank: int, max_rows: int, weight_dtype: torch.dtype,
