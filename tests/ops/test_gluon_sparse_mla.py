@@ -22,8 +22,8 @@ import torch
 from dsv41_decode.ops import gluon_sparse_mla as G
 from dsv41_decode.ops.sparse_mla import HEAD_DIM as D, SparseMlaPlan, sparse_mla_
 from dsv41_decode.testing import sm90
-from test_sparse_mla import (EXACT_SCALE, GPU_POOLS, SCALE, check_bound, check_exact_gpu, gpu_tables, make_case,
-                             reference, ulps)
+from test_sparse_mla import (EXACT_SCALE, GPU_POOLS, SCALE, check_bound, check_exact_gpu, check_repeatable_on_gpu,
+                             gpu_tables, make_case, reference, ulps)
 
 _TYPES = {"q_ptr": "*bf16", "wpool_ptr": "*u8", "cpool_ptr": "*u8", "wtab_ptr": "*i32", "ctab_ptr": "*i32",
           "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "block_max_ptr": "*fp32", "flag_ptr": "*i32",
@@ -219,18 +219,8 @@ def test_gpu_against_the_reference(h, n):
     # window + compressed keys (V4.1-Flash: 128 + 512, 5 % of the top-k entries -1; windows full,
     # ending inside a block, a single key): exact-score bits, the random-input bound, two launches
     # give the same bits, the workspace is clear after each
-    w, k = 128, 512
-    plan = G.GluonSparseMlaPlan.build(64, h, w, k, "cuda")
-    case = make_case(n, h, w, k, seed=h * 1000 + n, window_fill=gpu_tables(n), exact=True, **GPU_POOLS)
-    out = run(plan, case, EXACT_SCALE)
-    assert torch.equal(out, run(plan, case, EXACT_SCALE))
-    check_exact_gpu(out, case, reference(*case, EXACT_SCALE), EXACT_SCALE)
-    case = make_case(n, h, w, k, seed=h * 1000 + n + 1, window_fill=gpu_tables(n), **GPU_POOLS)
-    out = run(plan, case)
-    assert torch.equal(out, run(plan, case))
-    check_bound(out, case, reference(*case))
-    torch.cuda.synchronize()
-    assert workspace_is_clear(plan)
+    plan = G.GluonSparseMlaPlan.build(64, h, 128, 512, "cuda")
+    check_repeatable_on_gpu(plan, n, h, h * 1000 + n, run, workspace_is_clear)
 
 
 @pytest.mark.gpu

@@ -363,14 +363,22 @@ def test_gpu_fp32_step_plan(h, n):
     # heads, a TP8 rank's 8; 128 window + 512 top-k keys): exact-score bits as the step's BF16 plans
     # are held to (`check_exact_gpu`), the random-input flip bound, two launches give the same bits,
     # the workspace is clear
-    w, k = 128, 512
-    (plan,) = SparseMlaPlan.for_step(64, h, w, k, "cuda", fp32_dots=True)
+    (plan,) = SparseMlaPlan.for_step(64, h, 128, 512, "cuda", fp32_dots=True)
     assert plan.bf16_dot is False and plan.dot_dims == 64
-    case = make_case(n, h, w, k, seed=h * 1000 + n + 7, window_fill=gpu_tables(n), exact=True, **GPU_POOLS)
+    check_repeatable_on_gpu(plan, n, h, h * 1000 + n + 7, run, workspace_is_clear)
+
+
+def check_repeatable_on_gpu(plan, n, h, seed, run, workspace_is_clear):
+    """A plan at the V4.1-Flash key shape (128 window + 512 top-k keys; n rows, h heads, windows
+    `gpu_tables(n)`): exact-score bits (`check_exact_gpu`, case seed `seed`) and the random-input
+    flip bound (seed + 1), two launches giving the same bits in each, the workspace clear after.
+    run(plan, case, scale) launches it; workspace_is_clear(plan) checks its flags."""
+    w, k = 128, 512
+    case = make_case(n, h, w, k, seed=seed, window_fill=gpu_tables(n), exact=True, **GPU_POOLS)
     out = run(plan, case, EXACT_SCALE)
     assert torch.equal(out, run(plan, case, EXACT_SCALE))
     check_exact_gpu(out, case, reference(*case, EXACT_SCALE), EXACT_SCALE)
-    case = make_case(n, h, w, k, seed=h * 1000 + n + 8, window_fill=gpu_tables(n), **GPU_POOLS)
+    case = make_case(n, h, w, k, seed=seed + 1, window_fill=gpu_tables(n), **GPU_POOLS)
     out = run(plan, case)
     assert torch.equal(out, run(plan, case))
     check_bound(out, case, reference(*case))
