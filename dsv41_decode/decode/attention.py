@@ -423,6 +423,7 @@ class AttentionStep:
             comp_pool, comp_table = st.compressed[spec.kv_source], self.source_selection.table[:B]
         o = s.o[:B]
         plan = next(p for p in self.mla_plans if B <= p.max_rows)
+        events.at_attend()              # side work that shares the SMs the sparse MLA leaves idle
         sparse_mla_launch(plan, s.q[:B], st.window[spec.layer], comp_pool, m.window_table[:B], comp_table, self.sink,
                           cfg.softmax_scale, o)
         return o

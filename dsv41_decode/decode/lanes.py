@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -61,10 +62,20 @@ class StepEvents:
         scores, which the next indexer overwrites; None when none is pending).
     tables: per index source layer, the event that marks its sparse-index table built (read by
         the layers that use its selection).
+    deferred: side work a layer enqueues when its sparse MLA is about to launch (`at_attend`):
+        the next site's mixer when the step starts it there (`DecodeStep(mixer_at="attend")`).
+    deferred_ready: the event `deferred` returned once it ran (None before, or when it ran inline).
     """
 
     candidates: Event | None = None
     tables: dict[int, Event | None] = field(default_factory=dict)
+    deferred: Callable[[], Event | None] | None = None
+    deferred_ready: Event | None = None
+
+    def at_attend(self) -> None:
+        """Enqueue the deferred side work, if any (once), keeping its event in `deferred_ready`."""
+        if self.deferred is not None:
+            self.deferred_ready, self.deferred = self.deferred(), None
 
     def join(self, lanes: Lanes) -> None:
         """The main stream waits for every side lane's pending work (the end of a step)."""

@@ -28,6 +28,8 @@ rows and the ranks gather the selections (`AttentionStep.run(shard=)`).
 
 from __future__ import annotations
 
+import functools
+
 import warnings
 from typing import Callable, Sequence
 
@@ -98,6 +100,10 @@ class DecodeStep:
         (faster; their 32-deep block sums truncate, so about 3 % of their BF16 outputs land one ulp
         off the contract's: docs/gemm.md, "Exactness"). The cache records a layer writes then are
         the reference's, bit for bit, given its input.
+    mixer_at: where a layer's side lane starts the next site's mHC mixer: "layer" (when the layer
+        starts, beside its input projections) or "attend" (when its sparse MLA launches, beside a
+        kernel that leaves most SMs idle at few rows). The mixer only has to be done by the
+        layer's boundary; same values either way.
     fp32_dots: run the sparse MLA and `wo_a` with FP32 operands and IEEE dots (CUDA-core FMAs: FP32
         round-to-nearest sums, where the default's BF16 / TF32 tensor-core dots truncate; spec
         decision 40): their outputs then differ from the reference's only by FP32 summation order.
@@ -114,7 +120,7 @@ class DecodeStep:
 
     def __init__(self, stack, state: DecodeState, *, max_rows: int = 16, buckets: Sequence[int] | None = None,
                  graphs: bool = True, overlap: bool = True, tp_boundary: str = "auto", wo_a_fp8: bool = False,
-                 exact_linears: bool = False, fp32_dots: bool = False):
+                 exact_linears: bool = False, fp32_dots: bool = False, mixer_at: str = "layer"):
         if buckets is None:
             buckets = tuple(b for b in DEFAULT_BUCKETS if b < max_rows) + (max_rows,)
         buckets = tuple(sorted(set(buckets)))
@@ -127,13 +133,15 @@ class DecodeStep:
                             f"build the DecodeState with stage_rows >= {buckets[-1]}")
         if tp_boundary not in ("auto", "collective", "fused"):
             raise StepError(f"tp_boundary must be 'auto', 'collective' or 'fused', got {tp_boundary!r}")
+        if mixer_at not in ("layer", "attend"):
+            raise StepError(f"mixer_at must be 'layer' or 'attend', got {mixer_at!r}")
         dev = state.device
         if tp_boundary == "fused" and stack.tp.tp > 1 and dev.type != "cuda":
             raise StepError("tp_boundary='fused' needs CUDA symmetric memory; on the CPU use 'collective'")
         self.stack, self.state, self.cfg = stack, state, stack.cfg
         self.buckets, self.max_rows = buckets, buckets[-1]
         self.device = dev
-        self.plan = dict(low_batch=True, overlap=bool(overlap),
+        self.plan = dict(low_batch=True, overlap=bool(overlap), mixer_at=mixer_at,
                          layers=[(i, stack.cfg.plan[i].label) for i in stack.ids],
                          indexer_shard_rows=INDEXER_SHARD_ROWS)
         B, cfg = self.max_rows, self.cfg
@@ -213,11 +221,15 @@ class DecodeStep:
         bd.enter(ids[0], x, io.pre_in[:B], B)
         for k, i in enumerate(ids):
             self.layers[i].run(B, bd.u[:B], bd.codes[:B], bd.scales[:B], io.y[:B], events, shard)
+            if k > 0 and self.plan["mixer_at"] == "attend":
+                mix_ready = events.deferred_ready
             lanes.wait(mix_ready)                             # post/comb/pre of this site
             nxt = ids[k + 1] if k + 1 < len(ids) else None
             x_new = io.x_out[:B] if nxt is None else bd.streams[k % 2][:B]
             bd.exit(i, nxt, io.y[:B], x, k % 2, x_new, B, index=k)
-            if nxt is not None:
+            if nxt is not None and self.plan["mixer_at"] == "attend":   # enqueued by the next _attend
+                events.deferred = functools.partial(bd.mix, nxt, x_new, (k + 1) % 2, B, lanes)
+            elif nxt is not None:
                 mix_ready = bd.mix(nxt, x_new, (k + 1) % 2, B, lanes)
             x = x_new
         events.join(lanes)
