@@ -30,8 +30,9 @@ How the kernel runs (one program per 64 x warpgroups weight rows and K split):
   slot's E4M3 tile to BF16 (exact) into a staging tile in shared memory, then runs the slot's two
   32-deep K blocks as two wgmmas from zero (both in flight) and adds each block's partial, scaled
   by its power-of-two block scale, to the FP32 accumulator in K order: `ops.wo_a`'s
-  acc += dot(w_kb, o'_kb) * scale[n // 32, kb] (the scale bytes loaded one slot ahead). Built and
-  compiled for sm_90 without spills, not yet run on a GPU (its GPU tests and probe exist); the
+  acc += dot(w_kb, o'_kb) * scale[n // 32, kb] (the scale bytes loaded one slot ahead). On an H200
+  (`scripts/probe_gluon_wo_a.py --dtypes=fp8`) it takes 22.5-23.8 us at 1-16 rows, 34 % of the
+  read, against 20.5-21.7 us for the Triton plan: the conversion, not the bytes, bounds it, so the
   step keeps the Triton plan for an FP8 `wo_a`.
 - **Split-K with a deterministic reduction** (grid: N tiles x split; the split is the plan's, the
   same for every row count): each split stores its FP32 partial of the M real rows to the plan's
