@@ -91,11 +91,11 @@ def _layer_kinds(cfg: ModelConfig) -> dict[str, int]:
 # Step variants timed next to the default ("full") one; no_overlap at every context, the others
 # only at the generic contexts. wo_a_fp8 changes the numbers (FP8 wo_a quantized at build);
 # exact_linears gives the contract's bits (the FP8 linears on CUDA cores, ops.exact_mm; the sparse MLA
-# and wo_a with FP32 dots); mixer_at_attend starts each next site's mixer beside the sparse MLA
-# instead of beside the layer's first GEMM (same values).
+# and wo_a with FP32 dots); side_late enqueues side work off the critical path late (the next site's
+# mixer beside the sparse MLA, the side projections after the first GEMM; same values).
 VARIANTS = {
     "no_overlap": dict(overlap=False),
-    "mixer_at_attend": dict(mixer_at="attend"),
+    "side_late": dict(side_work="late"),
     "wo_a_fp8": dict(wo_a_fp8=True),
     "exact_linears": dict(exact_linears=True),
     "exact": dict(exact_linears=True, fp32_dots=True),

@@ -26,12 +26,16 @@ class Lanes:
     device: the step's device; side lanes exist only on CUDA.
     overlap: side work (the side projections, the prepare work, the candidate expansion, the next
         site's mixer) on lanes 0-2; off (and always on the CPU) everything runs on the main stream.
+    late: side work off the critical path yields the SMs to the main chain: the next site's mixer
+        is enqueued when the sparse MLA launches (`StepEvents.deferred`), the side projections
+        after the layer's first GEMM. The schedule only; the same kernels and values.
     """
 
-    def __init__(self, device: torch.device, overlap: bool):
+    def __init__(self, device: torch.device, overlap: bool, late: bool = False):
         cuda = device.type == "cuda"
         self.device = device
         self.overlap = cuda and bool(overlap)
+        self.late = bool(late)
         self._aux = [torch.cuda.Stream(device) for _ in range(3)] if cuda else []
 
     def side(self, lane: int):
@@ -63,7 +67,7 @@ class StepEvents:
     tables: per index source layer, the event that marks its sparse-index table built (read by
         the layers that use its selection).
     deferred: side work a layer enqueues when its sparse MLA is about to launch (`at_attend`):
-        the next site's mixer when the step starts it there (`DecodeStep(mixer_at="attend")`).
+        the next site's mixer when the lanes are `late`.
     deferred_ready: the event `deferred` returned once it ran (None before, or when it ran inline).
     """
 
