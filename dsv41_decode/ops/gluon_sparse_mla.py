@@ -65,7 +65,7 @@ from triton.experimental.gluon.language.extra import libdevice
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from ..records import COMPRESSED_KV_BYTES, WINDOW_KV_BYTES
-from .common import is_sm90
+from .common import is_sm90, plan_workspace
 from .sparse_mla import _sparse_mla_combine_kernel, check_sparse_mla_args, combine_chunk
 from .sparse_mla_plan import BLOCK_KEYS, HEAD_DIM, SparseMlaPlan
 
@@ -74,7 +74,7 @@ from .sparse_mla_plan import BLOCK_KEYS, HEAD_DIM, SparseMlaPlan
 # TRITON_INTERPRET=1 (the CPU tests' setting), which the Gluon compiler rejects; the compile test
 # runs there.
 
-__all__ = ["NUM_WARPS", "GluonSparseMlaConfig", "GluonSparseMlaPlan", "gluon_sparse_mla_"]
+__all__ = ["NUM_WARPS", "PHASE_NAMES", "GluonSparseMlaConfig", "GluonSparseMlaPlan", "gluon_sparse_mla_"]
 
 # Two warpgroups: the scores' 64 keys and each P.V chunk's 128 dims split between them (the wgmma's
 # M is 64, one warpgroup's; 8 warps also spread the gather and decode of 64 x 512 values).
@@ -89,6 +89,7 @@ _CREC: gl.constexpr = gl.constexpr(COMPRESSED_KV_BYTES)
 # blocks a program waits for belong to programs already running, so the wait always ends; the bound
 # turns a broken invariant (say a ticket not reset) into NaN outputs instead of a hung GPU.
 _SPIN_LIMIT: gl.constexpr = gl.constexpr(1 << 22)
+_MAX_DSPLIT = 4                              # GluonSparseMlaConfig.dim_split's largest
 
 
 @gluon.jit
@@ -176,21 +177,25 @@ def _decode_chunk(pool_ptr, base, ok, C: gl.constexpr, WINDOW: gl.constexpr, FP4
 
 @gluon.jit
 def _decode_block(k_smem, pool_ptr, base, ok, WINDOW: gl.constexpr, FP4_PACKED: gl.constexpr,
-                  PREFETCH: gl.constexpr, layout: gl.constexpr):
+                  PREFETCH: gl.constexpr, layout: gl.constexpr, log_row, PHASES: gl.constexpr):
     """The block's 64 records of one pool decoded into k_smem (four [64, 128] BF16 chunks); with
-    PREFETCH every chunk's loads are issued before the first decode (one memory latency, not four)."""
+    PREFETCH every chunk's loads are issued before the first decode (one memory latency, not four).
+    PHASES: the phase log's `gathered` once the first chunk is stored (its bytes have arrived)."""
     if PREFETCH:
         c0, s0 = _load_chunk(pool_ptr, base, ok, 0, WINDOW, FP4_PACKED, layout)
         c1, s1 = _load_chunk(pool_ptr, base, ok, 1, WINDOW, FP4_PACKED, layout)
         c2, s2 = _load_chunk(pool_ptr, base, ok, 2, WINDOW, FP4_PACKED, layout)
         c3, s3 = _load_chunk(pool_ptr, base, ok, 3, WINDOW, FP4_PACKED, layout)
         k_smem.index(0).store(_decode_loaded(c0, s0, ok, 0, WINDOW, FP4_PACKED, layout).to(gl.bfloat16))
+        _stamp(log_row, 3, PHASES)
         k_smem.index(1).store(_decode_loaded(c1, s1, ok, 1, WINDOW, FP4_PACKED, layout).to(gl.bfloat16))
         k_smem.index(2).store(_decode_loaded(c2, s2, ok, 2, WINDOW, FP4_PACKED, layout).to(gl.bfloat16))
         k_smem.index(3).store(_decode_loaded(c3, s3, ok, 3, WINDOW, FP4_PACKED, layout).to(gl.bfloat16))
     else:
         for c in gl.static_range(4):
             k_smem.index(c).store(_decode_chunk(pool_ptr, base, ok, c, WINDOW, FP4_PACKED, layout).to(gl.bfloat16))
+            if c == 0:
+                _stamp(log_row, 3, PHASES)
 
 
 @gluon.jit
@@ -205,26 +210,118 @@ def _block_slots(wtab_row, ctab_row, b, nw, W: gl.constexpr, KC: gl.constexpr, l
 
 
 @gluon.jit
+def _stamp(log_row, SLOT: gl.constexpr, PHASES: gl.constexpr):
+    """PHASES (debug): once every warp has reached this point (a barrier; the phase's loads are
+    consumed before it), the SM's cycle counter into log_row[SLOT] (int64; one thread stores)."""
+    if PHASES:
+        gl.thread_barrier()
+        t = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+        gl.store(log_row + SLOT, t)
+
+
+@gluon.jit
+def _stamp_global(log_row, SLOT: gl.constexpr, ASM: gl.constexpr, PHASES: gl.constexpr):
+    """PHASES (debug): a special register read by `ASM` (globaltimer, smid) into log_row[SLOT]."""
+    if PHASES:
+        t = gl.inline_asm_elementwise(ASM, "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+        gl.store(log_row + SLOT, t)
+
+
+# The phase log's columns (`GluonSparseMlaConfig.phases`, one int64 row per ticket): clock64 at the
+# program's phase boundaries, then globaltimer at its start and end, the SM, whether it combined.
+PHASE_NAMES = ("start", "tables", "q_loaded", "gathered", "decoded", "scores", "look_back", "pv_stored",
+               "arrived", "combined")
+PHASE_COLS = 16
+_PH_GSTART: gl.constexpr = gl.constexpr(10)
+_PH_GEND: gl.constexpr = gl.constexpr(11)
+_PH_SM: gl.constexpr = gl.constexpr(12)
+_PH_COMBINER: gl.constexpr = gl.constexpr(13)
+_PH_COLS: gl.constexpr = gl.constexpr(PHASE_COLS)
+
+
+@gluon.jit
+def _combine_slice(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, r, H, stride_on, stride_oh, d_lo,
+                   NB: gl.constexpr, PH: gl.constexpr, DW: gl.constexpr):
+    """The row's NB block partials combined over dims [d_lo, d_lo + DW), out as BF16 bits: the
+    arithmetic of `sparse_mla._sparse_mla_combine_kernel` element for element (the maxima, the
+    valid-key counts, then each block's acc and sum rescaled by exp(m_b - m_all) and added in block
+    order, o = acc / (sum + exp(sink - m_all)) rounded to nearest even, zeros where the row had no
+    valid key), spread over the program's warps [PH, CW] at a time, every block's slice in flight
+    at once (`.cg`: the partials from L2, where their programs just wrote them)."""
+    D: gl.constexpr = 512
+    CW: gl.constexpr = 2048 // PH               # 8 values a thread per block and step
+    cl: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [_WARPS, 1], [1, 0])
+    hd = gl.arange(0, PH, layout=gl.SliceLayout(1, cl))
+    dd = gl.arange(0, CW, layout=gl.SliceLayout(0, cl))
+    ml = part_ml_ptr + (r.to(gl.int64) * NB) * (3 * PH) + hd
+    acc = part_acc_ptr + (r.to(gl.int64) * NB) * (PH * D) + hd[:, None] * D + d_lo + dd[None, :]
+    m_all = gl.full([PH], -1e30, gl.float32, gl.SliceLayout(1, cl))
+    n_all = gl.zeros([PH], gl.float32, gl.SliceLayout(1, cl))
+    for s in gl.static_range(NB):
+        m_all = gl.maximum(m_all, gl.load(ml + s * (3 * PH), cache_modifier=".cg"))
+        n_all += gl.load(ml + s * (3 * PH) + 2 * PH, cache_modifier=".cg")
+    l_all = gl.zeros([PH], gl.float32, gl.SliceLayout(1, cl))
+    for s in gl.static_range(NB):
+        f = libdevice.exp(gl.load(ml + s * (3 * PH), cache_modifier=".cg") - m_all)
+        l_all += gl.load(ml + s * (3 * PH) + PH, cache_modifier=".cg") * f
+    h_ok = hd < H
+    sink = gl.load(sink_ptr + hd, mask=h_ok, other=0.0)
+    den = gl.where(n_all > 0, l_all + libdevice.exp(sink - m_all), float("inf"))[:, None]  # no valid key: o is 0
+    out_rows = out_ptr + r * stride_on + hd[:, None] * stride_oh + d_lo + dd[None, :]
+    for i in range(DW // CW):
+        a = gl.zeros([PH, CW], gl.float32, cl)
+        for s in gl.static_range(NB):
+            f = libdevice.exp(gl.load(ml + s * (3 * PH), cache_modifier=".cg") - m_all)[:, None]
+            a += gl.load(acc + s * (PH * D) + i * CW, cache_modifier=".cg") * f
+        gl.store(out_rows + i * CW, _bf16_rne_bits(a / den), mask=h_ok[:, None])
+
+
+@gluon.jit
+def _bf16_rne_bits(x):
+    """`rounding.bf16_rne_bits` in Gluon: int16 bits of bf16(x), round to nearest even, NaN as 0x7FC0."""
+    bits = x.to(gl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    rounded = gl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, rounded)
+    return rounded.to(gl.uint16).to(gl.int16, bitcast=True)
+
+
+@gluon.jit
 def _gluon_sparse_mla_kernel(
     q_ptr, wpool_ptr, cpool_ptr, wtab_ptr, ctab_ptr,
     part_acc_ptr, part_ml_ptr, block_max_ptr, flag_ptr, ticket_ptr,
-    N, H, scale, stride_qn, stride_qh, stride_wt, stride_ct,
+    sink_ptr, out_ptr, count_ptr, log_ptr,
+    N, H, scale, stride_qn, stride_qh, stride_wt, stride_ct, stride_on, stride_oh,
     W: gl.constexpr, W_P2: gl.constexpr, KC: gl.constexpr, NB: gl.constexpr, NB_P2: gl.constexpr, PH: gl.constexpr,
     Q_BUFFERS: gl.constexpr = 4, FP4_PACKED: gl.constexpr = False, PREFETCH: gl.constexpr = False,
+    Q_EARLY: gl.constexpr = False, DSPLIT: gl.constexpr = 1, INLINE: gl.constexpr = False,
+    PHASES: gl.constexpr = False,
 ):
     # Workspaces (`SparseMlaPlan` with one head group of PH = block_h heads): acc [N, NB, PH, 512],
     # ml [N, NB, 3, PH] (max, sum, valid-key count), block_max [N, NB, PH], flags [N, NB] (here a
-    # bit per block: the row's first ceil(NB / 32) words; the combination zeroes all NB).
+    # bit per block: the row's first ceil(NB / 32) words; the combination zeroes them). INLINE:
+    # counters [N, DSPLIT + 1] (`GluonSparseMlaPlan.counters`): the arrivals per (row, dim slice),
+    # then the row's finished slices. PHASES: log [N * NB * DSPLIT, 16] int64 by ticket.
     D: gl.constexpr = 512
     NC: gl.constexpr = D // _DC
+    NCP: gl.constexpr = NC // DSPLIT        # the 128-dim chunks of P.V and of the partial a program does
     gl.static_assert(Q_BUFFERS == NC or Q_BUFFERS == 2)
-    # One ticket per program, in the order the programs start: block-major, so a program's earlier
-    # blocks belong to programs that already run.
+    gl.static_assert(DSPLIT == 1 or DSPLIT == 2 or DSPLIT == 4)
+    if PHASES:
+        t0 = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+        g0 = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
+    # One ticket per program, in the order the programs start: block-major (then row, then dim
+    # slice), so a program's earlier blocks belong to programs that already run.
     ticket = gl.atomic_add(ticket_ptr, 1, sem="relaxed", scope="gpu")
-    if ticket == N * NB - 1:
+    if ticket == N * NB * DSPLIT - 1:
         gl.store(ticket_ptr, 0)          # every program has its ticket: ready for the next launch
-    b = ticket // N
-    r = ticket % N
+    b = ticket // (N * DSPLIT)
+    r = (ticket // DSPLIT) % N
+    sl = ticket % DSPLIT                 # the dims of P.V and of the partial: chunks [sl NCP, sl NCP + NCP)
+    log_row = log_ptr + ticket.to(gl.int64) * _PH_COLS
+    if PHASES:
+        gl.store(log_row, t0)
+        gl.store(log_row + _PH_GSTART, g0)
+        _stamp_global(log_row, _PH_SM, "{ .reg .u32 t; mov.u32 t, %smid; cvt.u64.u32 $0, t; }", PHASES)
 
     # Layouts: loads of 16 consecutive bytes or values per thread; the MMAs' accumulators (two
     # warpgroups side by side along N).
@@ -237,6 +334,18 @@ def _gluon_sparse_mla_kernel(
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [NC, _KEYS, _DC], chunk_sl)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [_M, _KEYS], p_sl)
 
+    # q [64, 512] of the row (heads past H: zeros) as four [64, 128] chunks. Q_EARLY: all four
+    # loaded into registers now, in flight while the tables are read.
+    rh = gl.arange(0, _M, layout=gl.SliceLayout(1, ld))
+    rd = gl.arange(0, _DC, layout=gl.SliceLayout(0, ld))
+    q_rows = q_ptr + r * stride_qn + rh[:, None] * stride_qh + rd[None, :]
+    h_in = (rh < H)[:, None]
+    if Q_EARLY:
+        q0 = gl.load(q_rows, mask=h_in, other=0.0)
+        q1 = gl.load(q_rows + _DC, mask=h_in, other=0.0)
+        q2 = gl.load(q_rows + 2 * _DC, mask=h_in, other=0.0)
+        q3 = gl.load(q_rows + 3 * _DC, mask=h_in, other=0.0)
+
     # The row's window key count (the valid suffix of its window table), then the block's slots.
     wtab_row = wtab_ptr + r * stride_wt
     ctab_row = ctab_ptr + r * stride_ct
@@ -247,33 +356,40 @@ def _gluon_sparse_mla_kernel(
     c_ok = cs >= 0
     wbase = gl.where(w_ok, ws, 0).to(gl.int64) * _WREC
     cbase = gl.where(c_ok, cs, 0).to(gl.int64) * _CREC
+    _stamp(log_row, 1, PHASES)
 
-    # q [64, 512] of the row (heads past H: zeros), chunk by chunk: all four into shared memory, or
-    # (Q_BUFFERS == 2) the first two, the last two loaded now into registers and stored into the
-    # same buffers once the first two's score MMAs have read them.
-    rh = gl.arange(0, _M, layout=gl.SliceLayout(1, ld))
-    rd = gl.arange(0, _DC, layout=gl.SliceLayout(0, ld))
-    q_rows = q_ptr + r * stride_qn + rh[:, None] * stride_qh + rd[None, :]
-    h_in = (rh < H)[:, None]
-    for c in gl.static_range(Q_BUFFERS):
-        q_smem.index(c).store(gl.load(q_rows + c * _DC, mask=h_in, other=0.0))
-    if Q_BUFFERS < NC:                # in flight during the decode, stored after the first MMAs
-        q2 = gl.load(q_rows + 2 * _DC, mask=h_in, other=0.0)
-        q3 = gl.load(q_rows + 3 * _DC, mask=h_in, other=0.0)
+    # q into shared memory: all four chunks, or (Q_BUFFERS == 2) the first two, the last two held
+    # in registers and stored into the same buffers once the first two's score MMAs have read them.
+    if Q_EARLY:
+        q_smem.index(0).store(q0)
+        q_smem.index(1).store(q1)
+        if Q_BUFFERS == NC:
+            q_smem.index(2).store(q2)
+            q_smem.index(3).store(q3)
+    else:
+        for c in gl.static_range(Q_BUFFERS):
+            q_smem.index(c).store(gl.load(q_rows + c * _DC, mask=h_in, other=0.0))
+        if Q_BUFFERS < NC:            # in flight during the decode, stored after the first MMAs
+            q2 = gl.load(q_rows + 2 * _DC, mask=h_in, other=0.0)
+            q3 = gl.load(q_rows + 3 * _DC, mask=h_in, other=0.0)
+    _stamp(log_row, 2, PHASES)
 
     # The block's records, decoded into shared memory.
     start = b * _KEYS
     if start + _KEYS <= nw:           # window keys only
-        _decode_block(k_smem, wpool_ptr, wbase, w_ok, True, FP4_PACKED, PREFETCH, ld)
+        _decode_block(k_smem, wpool_ptr, wbase, w_ok, True, FP4_PACKED, PREFETCH, ld, log_row, PHASES)
     elif start >= nw:                 # compressed entries only
-        _decode_block(k_smem, cpool_ptr, cbase, c_ok, False, FP4_PACKED, PREFETCH, ld)
+        _decode_block(k_smem, cpool_ptr, cbase, c_ok, False, FP4_PACKED, PREFETCH, ld, log_row, PHASES)
     else:                             # the block where the window ends: each decode is 0 where its
         for c in gl.static_range(NC):     # keys are not, so the sum is exact
             k = (_decode_chunk(wpool_ptr, wbase, w_ok, c, True, FP4_PACKED, ld)
                  + _decode_chunk(cpool_ptr, cbase, c_ok, c, False, FP4_PACKED, ld))
             k_smem.index(c).store(k.to(gl.bfloat16))
+            if c == 0:
+                _stamp(log_row, 3, PHASES)
     fence_async_shared()
     gl.thread_barrier()
+    _stamp(log_row, 4, PHASES)
 
     # S = sum over the chunks in order of q_c k_c^T, then scaled; -inf where a key is invalid.
     s = gl.zeros([_M, _KEYS], gl.float32, s_l)
@@ -295,6 +411,7 @@ def _gluon_sparse_mla_kernel(
     ok = (ws_s >= 0) | (cs_s >= 0)
     s = gl.where(ok[None, :], s * scale, float("-inf"))
     s_max = gl.reduce(s, 1, _max)
+    _stamp(log_row, 5, PHASES)
 
     # Publish this block's max (bit b % 32 of the row's flag word b // 32, set with release once
     # every thread's store is done); the running max of the sequential loop before this block is the
@@ -302,6 +419,8 @@ def _gluon_sparse_mla_kernel(
     # (one for up to 32 blocks), then loading every earlier block's maxima at once, costs two
     # round trips to L2 whatever b is, where a flag per block waited and read in turn costs two per
     # earlier block; the max is exact, so the order in which the maxima are combined does not matter.
+    # With DSPLIT > 1 each of the block's programs publishes the same max (the same bits: the same
+    # scores) and sets the same bit; the first to do so releases the later blocks.
     hs = gl.arange(0, _M, layout=gl.SliceLayout(1, s_l))
     h_st = hs < PH
     tile = r.to(gl.int64) * NB
@@ -325,6 +444,7 @@ def _gluon_sparse_mla_kernel(
     m_i = gl.convert_layout(gl.reduce(earlier, 0, _max), gl.SliceLayout(1, s_l))
     m_i = gl.where(stuck > 0, float("nan"), m_i)    # never by design: a bug shows as NaN, not a hang
     new_max = gl.maximum(m_i, s_max)
+    _stamp(log_row, 6, PHASES)
     p = libdevice.exp(s - new_max[:, None])
     l_i = gl.reduce(p, 1, _add)
     nv = gl.reduce(ok.to(gl.int32), 0, _add)
@@ -332,231 +452,107 @@ def _gluon_sparse_mla_kernel(
     fence_async_shared()
     gl.thread_barrier()
 
-    # acc = P V, chunk by chunk, each stored as summed: this block's partial [PH, 512].
+    # acc = P V, chunk by chunk (this program's NCP chunks), each stored as summed: this block's
+    # partial [PH, 512] (or its dim slice).
     ho = gl.arange(0, _M, layout=gl.SliceLayout(1, o_l))
     do = gl.arange(0, _DC, layout=gl.SliceLayout(0, o_l))
     acc_rows = part_acc_ptr + (tile + b) * (PH * D) + ho[:, None] * D + do[None, :]
     zero = gl.zeros([_M, _DC], gl.float32, o_l)
-    for c in gl.static_range(NC):
-        a = warpgroup_mma(p_smem, k_smem.index(c), zero, use_acc=False)
-        gl.store(acc_rows + c * _DC, a, mask=(ho < PH)[:, None])
+    for c in gl.static_range(NCP):
+        if DSPLIT == 1:
+            a = warpgroup_mma(p_smem, k_smem.index(c), zero, use_acc=False)
+            gl.store(acc_rows + c * _DC, a, mask=(ho < PH)[:, None])
+        else:
+            a = warpgroup_mma(p_smem, k_smem.index(sl * NCP + c), zero, use_acc=False)
+            gl.store(acc_rows + (sl * NCP + c) * _DC, a, mask=(ho < PH)[:, None])
     ml = part_ml_ptr + (tile + b) * (3 * PH) + hs
     gl.store(ml, new_max, mask=h_st)
     gl.store(ml + PH, l_i, mask=h_st)
     gl.store(ml + 2 * PH, gl.zeros([_M], gl.float32, gl.SliceLayout(1, s_l)) + nv.to(gl.float32), mask=h_st)
+    _stamp(log_row, 7, PHASES)
 
-
-@gluon.jit
-def _seq_scores(k_smem, q_smem, wpool_ptr, cpool_ptr, wtab_row, ctab_row, b, nw, scale, W: gl.constexpr,
-                KC: gl.constexpr, FP4_PACKED: gl.constexpr, ld: gl.constexpr, ld64: gl.constexpr,
-                s_l: gl.constexpr):
-    """`_gluon_sparse_mla_seq_kernel`'s block b: its records decoded into k_smem in 64-dim pieces
-    (after a barrier: the MMAs of the block before have read k_smem), the scores S = sum over the
-    chunks in order of q_c k_c^T on wgmma, scaled, -inf where a key is invalid: (s, ok)."""
-    NC: gl.constexpr = 512 // _DC
-    ws, cs = _block_slots(wtab_row, ctab_row, b, nw, W, KC, gl.SliceLayout(1, ld))
-    w_ok = ws >= 0
-    c_ok = cs >= 0
-    wbase = gl.where(w_ok, ws, 0).to(gl.int64) * _WREC
-    cbase = gl.where(c_ok, cs, 0).to(gl.int64) * _CREC
-    gl.thread_barrier()           # both warpgroups' MMAs of the block before have read k and P
-    # decoded in 64-dim pieces (16 values a thread: the accumulator holds 128 registers)
-    wbase = gl.convert_layout(wbase, gl.SliceLayout(1, ld64))
-    cbase = gl.convert_layout(cbase, gl.SliceLayout(1, ld64))
-    w_ok = gl.convert_layout(w_ok, gl.SliceLayout(1, ld64))
-    c_ok = gl.convert_layout(c_ok, gl.SliceLayout(1, ld64))
-    start = b * _KEYS
-    for c in gl.static_range(2 * NC):
-        piece = k_smem.index(c // 2).slice((c % 2) * (_DC // 2), _DC // 2, dim=1)
-        if start + _KEYS <= nw:
-            k = _decode_chunk(wpool_ptr, wbase, w_ok, c, True, FP4_PACKED, ld64, _DC // 2)
-        elif start >= nw:
-            k = _decode_chunk(cpool_ptr, cbase, c_ok, c, False, FP4_PACKED, ld64, _DC // 2)
-        else:
-            k = (_decode_chunk(wpool_ptr, wbase, w_ok, c, True, FP4_PACKED, ld64, _DC // 2)
-                 + _decode_chunk(cpool_ptr, cbase, c_ok, c, False, FP4_PACKED, ld64, _DC // 2))
-        piece.store(k.to(gl.bfloat16))
-    fence_async_shared()
-    gl.thread_barrier()
-    s = gl.zeros([_M, _KEYS], gl.float32, s_l)
-    for c in gl.static_range(NC):
-        s = warpgroup_mma(q_smem.index(c), k_smem.index(c).permute((1, 0)), s)
-    ws_s, cs_s = _block_slots(wtab_row, ctab_row, b, nw, W, KC, gl.SliceLayout(0, s_l))
-    ok = (ws_s >= 0) | (cs_s >= 0)
-    s = gl.where(ok[None, :], s * scale, float("-inf"))
-    return s, ok
-
-
-@gluon.jit
-def _publish_max(block_max_ptr, flags, tile_b, b, s_max, hs, h_st, PH: gl.constexpr):
-    """Block b's score max per head into block_max, then bit b % 32 of the row's flag word b // 32
-    (release, once every thread's store is done)."""
-    gl.store(block_max_ptr + (tile_b + b) * PH + hs, s_max, mask=h_st)
-    gl.thread_barrier()
-    gl.atomic_or(flags + b // 32, 1 << (b % 32), sem="release", scope="gpu")
-
-
-@gluon.jit
-def _gluon_sparse_mla_seq_kernel(
-    q_ptr, wpool_ptr, cpool_ptr, wtab_ptr, ctab_ptr,
-    part_acc_ptr, part_ml_ptr, block_max_ptr, flag_ptr, ticket_ptr,
-    N, H, scale, stride_qn, stride_qh, stride_wt, stride_ct,
-    W: gl.constexpr, W_P2: gl.constexpr, KC: gl.constexpr, NB: gl.constexpr, NB_P2: gl.constexpr, PH: gl.constexpr,
-    G: gl.constexpr, NP: gl.constexpr, FP4_PACKED: gl.constexpr = False, PUBLISH_FIRST: gl.constexpr = False,
-):
-    # `GluonSparseMlaConfig.blocks_per_program` G > 1: one program per (row, G consecutive 64-key
-    # blocks), NP = ceil(NB / G) a row, running the contract's sequential loop over its blocks (the
-    # running max, the sum and the FP32 accumulator acc = acc * alpha + P V carried from block to
-    # block: two 128-dim chunks in registers, two in shared memory), the running max at its first block
-    # from the look-back as in `_gluon_sparse_mla_kernel` (every block still publishes its own max
-    # and bit). One partial per program: acc [N, NP, PH, 512], ml [N, NP, 3, PH], combined by the
-    # same combination with NP splits; the flag words at the row's first ceil(NB / 32) <= NP
-    # entries of flags [N, NP] (the combination zeroes them); block_max [N, NB, PH]. q stays in
-    # four shared-memory buffers for all the blocks.
-    D: gl.constexpr = 512
-    NC: gl.constexpr = D // _DC
-    gl.static_assert((NB + 31) // 32 <= NP)
-    ticket = gl.atomic_add(ticket_ptr, 1, sem="relaxed", scope="gpu")
-    if ticket == N * NP - 1:
-        gl.store(ticket_ptr, 0)          # every program has its ticket: ready for the next launch
-    j = ticket // N                      # the row's j-th program: blocks [j G, j G + G)
-    r = ticket % N
-
-    ld: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [_WARPS, 1], [1, 0])
-    ld64: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [_WARPS, 1], [1, 0])
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 64, 16])
-    chunk_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_M, _DC], gl.bfloat16)
-    p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_M, _KEYS], gl.bfloat16)
-    q_smem = gl.allocate_shared_memory(gl.bfloat16, [NC, _M, _DC], chunk_sl)
-    k_smem = gl.allocate_shared_memory(gl.bfloat16, [NC, _KEYS, _DC], chunk_sl)
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [_M, _KEYS], p_sl)
-    # the accumulator's last two 128-dim chunks live in shared memory between blocks (64 KB; 136 +
-    # 64 KB in all, one program per SM): in registers with the first two they spill
-    a_smem = gl.allocate_shared_memory(gl.float32, [2, _M, _DC], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-
-    wtab_row = wtab_ptr + r * stride_wt
-    ctab_row = ctab_ptr + r * stride_ct
-    rw = gl.arange(0, W_P2, layout=gl.SliceLayout(0, ld))
-    nw = gl.reduce((gl.load(wtab_row + rw, mask=rw < W, other=-1) >= 0).to(gl.int32), 0, _add)
-    rh = gl.arange(0, _M, layout=gl.SliceLayout(1, ld))
-    rd = gl.arange(0, _DC, layout=gl.SliceLayout(0, ld))
-    q_rows = q_ptr + r * stride_qn + rh[:, None] * stride_qh + rd[None, :]
-    for c in gl.static_range(NC):
-        q_smem.index(c).store(gl.load(q_rows + c * _DC, mask=(rh < H)[:, None], other=0.0))
-
-    hs = gl.arange(0, _M, layout=gl.SliceLayout(1, s_l))
-    h_st = hs < PH
-    tile_b = r.to(gl.int64) * NB
-    tile_p = r.to(gl.int64) * NP
-    flags = flag_ptr + tile_p
-    m_i = gl.full([_M], -1e30, gl.float32, gl.SliceLayout(1, s_l))
-    l_i = gl.zeros([_M], gl.float32, gl.SliceLayout(1, s_l))
-    nv = gl.zeros([_KEYS], gl.int32, gl.SliceLayout(0, s_l))
-    a0 = gl.zeros([_M, _DC], gl.float32, o_l)
-    a1 = gl.zeros([_M, _DC], gl.float32, o_l)
-    a_smem.index(0).store(a0)
-    a_smem.index(1).store(a1)
-    b0 = j * G
-    end = gl.minimum(b0 + G, NB)
-    if PUBLISH_FIRST:                 # every block's max published before any waiting: no chain
-        for b in range(b0, end):
-            s, ok = _seq_scores(k_smem, q_smem, wpool_ptr, cpool_ptr, wtab_row, ctab_row, b, nw, scale, W, KC,
-                                FP4_PACKED, ld, ld64, s_l)
-            _publish_max(block_max_ptr, flags, tile_b, b, gl.reduce(s, 1, _max), hs, h_st, PH)
-    for b in range(b0, end):
-        s, ok = _seq_scores(k_smem, q_smem, wpool_ptr, cpool_ptr, wtab_row, ctab_row, b, nw, scale, W, KC,
-                            FP4_PACKED, ld, ld64, s_l)
-        s_max = gl.reduce(s, 1, _max)
-        if not PUBLISH_FIRST:
-            _publish_max(block_max_ptr, flags, tile_b, b, s_max, hs, h_st, PH)
-        if b == b0:                   # the running max before the program's first block
-            stuck = 0
-            for w in range(0, b // 32 + 1):
-                need = -1
-                if w == b // 32:
-                    need = (1 << (b % 32)) - 1
-                polls = 0
-                while ((gl.atomic_add(flags + w, 0, sem="acquire", scope="gpu") & need) != need) & (polls < _SPIN_LIMIT):
-                    polls += 1
-                stuck += (polls >= _SPIN_LIMIT).to(gl.int32)
-            mb = gl.arange(0, NB_P2, layout=gl.SliceLayout(1, ld))
-            mh = gl.arange(0, _M, layout=gl.SliceLayout(0, ld))
-            earlier = gl.load(block_max_ptr + tile_b * PH + mb[:, None] * PH + mh[None, :],
-                              mask=(mb < b)[:, None] & (mh < PH)[None, :], other=-1e30, cache_modifier=".cg")
-            m_i = gl.convert_layout(gl.reduce(earlier, 0, _max), gl.SliceLayout(1, s_l))
-            m_i = gl.where(stuck > 0, float("nan"), m_i)
-        new_max = gl.maximum(m_i, s_max)
-        alpha = libdevice.exp(m_i - new_max)
-        p = libdevice.exp(s - new_max[:, None])
-        l_i = l_i * alpha + gl.reduce(p, 1, _add)
-        nv += ok.to(gl.int32)
-        p_smem.store(p.to(gl.bfloat16))
-        fence_async_shared()
+    if INLINE:
+        # The last of the row's programs of this dim slice to arrive (acq_rel: every earlier
+        # arrival's partial is visible to it) combines the slice; the last slice to finish clears
+        # the row's flag words (every program of the row has passed its look-back by then).
         gl.thread_barrier()
-        al = gl.convert_layout(alpha, gl.SliceLayout(1, o_l))[:, None]
-        a0 = warpgroup_mma(p_smem, k_smem.index(0), a0 * al)
-        a1 = warpgroup_mma(p_smem, k_smem.index(1), a1 * al)
-        for c in gl.static_range(2):  # each thread reads back what it stored: no barrier
-            a = warpgroup_mma(p_smem, k_smem.index(2 + c), a_smem.index(c).load(o_l) * al)
-            a_smem.index(c).store(a)
-        m_i = new_max
-
-    ho = gl.arange(0, _M, layout=gl.SliceLayout(1, o_l))
-    do = gl.arange(0, _DC, layout=gl.SliceLayout(0, o_l))
-    acc_rows = part_acc_ptr + (tile_p + j) * (PH * D) + ho[:, None] * D + do[None, :]
-    h_o = (ho < PH)[:, None]
-    gl.store(acc_rows, a0, mask=h_o)
-    gl.store(acc_rows + _DC, a1, mask=h_o)
-    gl.store(acc_rows + 2 * _DC, a_smem.index(0).load(o_l), mask=h_o)
-    gl.store(acc_rows + 3 * _DC, a_smem.index(1).load(o_l), mask=h_o)
-    ml = part_ml_ptr + (tile_p + j) * (3 * PH) + hs
-    gl.store(ml, m_i, mask=h_st)
-    gl.store(ml + PH, l_i, mask=h_st)
-    nvf = gl.reduce(nv, 0, _add).to(gl.float32)
-    gl.store(ml + 2 * PH, gl.zeros([_M], gl.float32, gl.SliceLayout(1, s_l)) + nvf, mask=h_st)
+        cnt = count_ptr + r * (DSPLIT + 1)
+        arrived = gl.atomic_add(cnt + sl, 1, sem="acq_rel", scope="gpu")
+        _stamp(log_row, 8, PHASES)
+        if arrived == NB - 1:
+            gl.store(cnt + sl, 0)
+            _combine_slice(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, r, H, stride_on, stride_oh,
+                           sl * (D // DSPLIT), NB, PH, D // DSPLIT)
+            if DSPLIT == 1:
+                gl.thread_barrier()   # every thread's flag reads are behind it (the look-back)
+                fw = gl.arange(0, NB_P2, layout=gl.SliceLayout(1, ld))
+                gl.store(flags + fw, gl.zeros([NB_P2], gl.int32, gl.SliceLayout(1, ld)), mask=fw < (NB + 31) // 32)
+            else:
+                gl.thread_barrier()
+                done = gl.atomic_add(cnt + DSPLIT, 1, sem="acq_rel", scope="gpu")
+                if done == DSPLIT - 1:
+                    gl.store(cnt + DSPLIT, 0)
+                    fw = gl.arange(0, NB_P2, layout=gl.SliceLayout(1, ld))
+                    gl.store(flags + fw, gl.zeros([NB_P2], gl.int32, gl.SliceLayout(1, ld)),
+                             mask=fw < (NB + 31) // 32)
+            _stamp(log_row, 9, PHASES)
+            if PHASES:
+                gl.store(log_row + _PH_COMBINER, 1)
+    if PHASES:
+        gl.thread_barrier()
+        _stamp_global(log_row, _PH_GEND, "mov.u64 $0, %globaltimer;", PHASES)
 
 
 @dataclass(frozen=True)
 class GluonSparseMlaConfig:
-    """The kernel's options. q_buffers, the [64, 128] q chunks held in shared memory (4: all of q,
-    136 KB a program, one program per SM; 2: the last two chunks held in registers from the start
-    and stored into the first two's buffers once their score MMAs have read them, 104 KB, two
-    programs per SM); fp4_packed, the
-    compressed records' codes loaded 8 bytes to a thread and their nibbles split in registers (else
-    one byte load per dim); prefetch, a block's loads of all four 128-dim chunks issued before the
-    first is decoded (one memory latency instead of four; the block where the window ends keeps
-    chunk by chunk). These three leave the bits alone.
+    """The kernel's options; none of them changes a bit of the output (tests/ops/test_gluon_sparse_mla.py
+    checks every one against the default on the GPU), so a step may pick them per row count.
 
-    blocks_per_program G > 1 (with q_buffers=4; prefetch is not used; built and compiled for sm_90,
-    not yet run on a GPU: its GPU tests and the probe's seq* configurations await one): one program per G
-    consecutive blocks of a row (`_gluon_sparse_mla_seq_kernel`), running the contract's sequential
-    loop over them, so G times fewer FP32 partials to write and combine (128 KB a partial at 64
-    heads) and G times fewer programs; 201 KB of shared memory and 253 registers, one program per
-    SM. Its accumulation order differs from G = 1's (the same tolerance of the reference), so a
-    step must keep one G at every row count (batch invariance). A program publishes its blocks'
-    maxima one block (decode and both dots) apart and the next program of the row waits for its
-    last one, so a row's programs run as a chain: meant for many rows, where other rows fill the
-    SMs, not for 1-8. publish_first (with G > 1): a first pass decodes each of the program's blocks
-    and publishes its max before the second pass waits and runs the loop, decoding them again:
-    no chain, twice the decode and score MMAs; the same bits as without it."""
+    q_buffers, the [64, 128] q chunks held in shared memory (4: all of q, 136 KB a program, one
+    program per SM; 2: the last two chunks held in registers from the start and stored into the
+    first two's buffers once their score MMAs have read them, 104 KB, two programs per SM);
+    fp4_packed, the compressed records' codes loaded 8 bytes to a thread and their nibbles split in
+    registers (else one byte load per dim); prefetch, a block's loads of all four 128-dim chunks
+    issued before the first is decoded (one memory latency instead of four; the block where the
+    window ends keeps chunk by chunk).
+
+    q_early: q's loads issued right after the ticket, in flight while the tables are read (the
+    window table for the row's key count, then the block's slots: two dependent round trips), where
+    without it they go out after the slots, one more round trip in each program's chain (all four
+    chunks in registers until the slots are known).
+
+    dim_split S (1, 2 or 4): S programs per (row, block), each computing the block's scores and
+    look-back in full (the same bits: the same MMAs on the same operands) and P.V and the partial
+    for 512 / S of V's dims: S times the programs (more SMs busy at 1-8 rows), each with 1 / S of
+    the P.V MMAs and of the partial's store; S times the decode and score work in all.
+
+    combine: "separate", the blocks' partials combined by a second launch
+    (`sparse_mla._sparse_mla_combine_kernel`); "inline", by the last-arriving program of each (row,
+    dim slice) in the same launch (an acq_rel counter per (row, slice) in `GluonSparseMlaPlan.counters`),
+    with the separate kernel's arithmetic in its block order (the same bits), its [heads, 512 / S]
+    spread over the program's 8 warps, the partials read from L2 right after they were written.
+
+    phases (debug; slower): each program writes its SM's cycle counter at its phase boundaries
+    (`PHASE_NAMES`; each after a barrier, so the time at which every warp has passed it), globaltimer
+    at its start and end, its SM and whether it combined into `GluonSparseMlaPlan.phase_log`, one
+    row per ticket (`scripts/probe_gluon_sparse_mla.py --phases` prints them)."""
 
     q_buffers: int = 2
     fp4_packed: bool = True
     prefetch: bool = True
-    blocks_per_program: int = 1
-    publish_first: bool = False
+    q_early: bool = False
+    dim_split: int = 1
+    combine: str = "separate"
+    phases: bool = False
 
     def __post_init__(self):
         if self.q_buffers not in (2, 4) or isinstance(self.q_buffers, bool):
             raise ValueError(f"GluonSparseMlaConfig.q_buffers must be 2 or 4, got {self.q_buffers!r}")
-        g = self.blocks_per_program
-        if isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= 32:
-            raise ValueError(f"GluonSparseMlaConfig.blocks_per_program must be an int in [1, 32], got {g!r}")
-        if g > 1 and self.q_buffers != 4:
-            raise ValueError(f"GluonSparseMlaConfig.blocks_per_program={g} keeps q in four buffers for all its "
-                             f"blocks: it needs q_buffers=4, got {self.q_buffers}")
-        for name in ("fp4_packed", "prefetch", "publish_first"):
+        if self.dim_split not in (1, 2, 4) or isinstance(self.dim_split, bool):
+            raise ValueError(f"GluonSparseMlaConfig.dim_split must be 1, 2 or 4, got {self.dim_split!r}")
+        if self.combine not in ("separate", "inline"):
+            raise ValueError(f"GluonSparseMlaConfig.combine must be 'separate' or 'inline', got {self.combine!r}")
+        for name in ("fp4_packed", "prefetch", "q_early", "phases"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"GluonSparseMlaConfig.{name} must be a bool, got {type(getattr(self, name)).__name__}")
 
@@ -565,18 +561,24 @@ class GluonSparseMlaConfig:
 class GluonSparseMlaPlan:
     """The kernel's plan: `base`, the `SparseMlaPlan` whose split, workspace and combination it
     shares (split into 64-key blocks, combined by the separate launch, all heads in one group of
-    block_h = max(16, heads): the workspace's heads, which the kernel pads to the wgmma's 64), and
-    `config`. Build with `GluonSparseMlaPlan.build`; not for concurrent launches (as `base`)."""
+    block_h = max(16, heads): the workspace's heads, which the kernel pads to the wgmma's 64),
+    `config`, `counters` (int32 [max_rows, 5], zero between launches: the inline combination's
+    arrivals per (row, dim slice) and finished slices per row) and `phase_log` (int64 [max_rows x
+    blocks x dim_split, 16] with `config.phases`, else None). Build with `GluonSparseMlaPlan.build`;
+    not for concurrent launches (as `base`)."""
 
     base: SparseMlaPlan
     config: GluonSparseMlaConfig
+    counters: torch.Tensor
+    phase_log: torch.Tensor | None = None
 
     @classmethod
     def build(cls, max_rows: int, heads: int, window: int, topk: int, device="cuda", *, workspace=None,
               config: GluonSparseMlaConfig | None = None) -> "GluonSparseMlaPlan":
         """A plan for launches of up to max_rows rows of `heads` (8, 16, 32 or 64) heads, `window`
         window slots and `topk` compressed entries a row; workspace: as `SparseMlaPlan.build`'s
-        (the step's shared pool); config: None for the default `GluonSparseMlaConfig`."""
+        (the step's shared pool; the counters from its int32 slot 3); config: None for the default
+        `GluonSparseMlaConfig`."""
         if heads not in (8, 16, 32, 64):
             raise ValueError(f"heads must be one of (8, 16, 32, 64), got {heads!r}")
         if config is None:
@@ -585,7 +587,12 @@ class GluonSparseMlaPlan:
             raise TypeError(f"config must be a GluonSparseMlaConfig, got {type(config).__name__}")
         base = SparseMlaPlan.build(max_rows, heads, window, topk, device, block_h=max(16, heads), split=True,
                                    separate_combine=True, workspace=workspace)
-        return cls(base, config)
+        counters = plan_workspace(workspace, 3, max_rows * (_MAX_DSPLIT + 1), torch.int32, base.device)
+        log = None
+        if config.phases:
+            log = torch.zeros(max_rows * base.n_blocks * config.dim_split, PHASE_COLS, dtype=torch.int64,
+                              device=base.device)
+        return cls(base, config, counters, log)
 
     @property
     def max_rows(self) -> int:
@@ -604,8 +611,8 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
                       window_table: torch.Tensor, comp_table: torch.Tensor, sink: torch.Tensor, scale: float,
                       out: torch.Tensor) -> None:
     """`sparse_mla.sparse_mla_`'s contract and arguments (see its doc), with a `GluonSparseMlaPlan`:
-    out[r, h] = sparse_attention(q[r, h], keys of row r, sink[h], scale). sm_90 only; configs with
-    the same blocks_per_program give the same bits."""
+    out[r, h] = sparse_attention(q[r, h], keys of row r, sink[h], scale). sm_90 only; every
+    configuration gives the same bits."""
     if not isinstance(plan, GluonSparseMlaPlan):
         raise TypeError(f"plan must be a GluonSparseMlaPlan, got {type(plan).__name__}")
     base, config = plan.base, plan.config
@@ -616,23 +623,22 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
     if n == 0:
         return
     nb = base.n_blocks
-    g = config.blocks_per_program
-    splits = triton.cdiv(nb, g)          # partials a row: one per program
-    args = (q, window_pool, comp_pool, window_table, comp_table,
-            base.part_acc, base.part_ml, base.block_max, base.flags, base.ticket,
-            n, base.heads, float(scale), q.stride(0), q.stride(1), window_table.stride(0), max(comp_table.stride(0), 1))
-    shape = dict(W=base.window, W_P2=triton.next_power_of_2(base.window), KC=base.topk, NB=nb,
-                 NB_P2=max(2, triton.next_power_of_2(nb)), PH=base.block_h)
-    if g == 1:
-        _gluon_sparse_mla_kernel[(n * nb, )](*args, **shape, Q_BUFFERS=config.q_buffers, FP4_PACKED=config.fp4_packed,
-                                             PREFETCH=config.prefetch, num_warps=NUM_WARPS)
-    else:
-        _gluon_sparse_mla_seq_kernel[(n * splits, )](*args, **shape, G=g, NP=splits, FP4_PACKED=config.fp4_packed,
-                                                     PUBLISH_FIRST=config.publish_first, num_warps=NUM_WARPS)
     o16 = out.view(torch.int16)
-    chunk = combine_chunk(splits, base.block_h)
-    _sparse_mla_combine_kernel[(n, HEAD_DIM // chunk)](
-        base.part_acc, base.part_ml, base.flags, sink, o16, base.heads, 1, o16.stride(0), o16.stride(1),
-        SPLIT=splits, SPLIT_P2=triton.next_power_of_2(splits), BLOCK_H=base.block_h, CHUNK=chunk, PDL=False,
-        num_warps=4,
-    )
+    inline = config.combine == "inline"
+    log = plan.phase_log if plan.phase_log is not None else plan.counters
+    _gluon_sparse_mla_kernel[(n * nb * config.dim_split, )](
+        q, window_pool, comp_pool, window_table, comp_table,
+        base.part_acc, base.part_ml, base.block_max, base.flags, base.ticket, sink, o16, plan.counters, log,
+        n, base.heads, float(scale), q.stride(0), q.stride(1), window_table.stride(0), max(comp_table.stride(0), 1),
+        o16.stride(0), o16.stride(1),
+        W=base.window, W_P2=triton.next_power_of_2(base.window), KC=base.topk, NB=nb,
+        NB_P2=max(2, triton.next_power_of_2(nb)), PH=base.block_h, Q_BUFFERS=config.q_buffers,
+        FP4_PACKED=config.fp4_packed, PREFETCH=config.prefetch, Q_EARLY=config.q_early, DSPLIT=config.dim_split,
+        INLINE=inline, PHASES=config.phases, num_warps=NUM_WARPS)
+    if not inline:
+        chunk = combine_chunk(nb, base.block_h)
+        _sparse_mla_combine_kernel[(n, HEAD_DIM // chunk)](
+            base.part_acc, base.part_ml, base.flags, sink, o16, base.heads, 1, o16.stride(0), o16.stride(1),
+            SPLIT=nb, SPLIT_P2=triton.next_power_of_2(nb), BLOCK_H=base.block_h, CHUNK=chunk, PDL=False,
+            num_warps=4,
+        )

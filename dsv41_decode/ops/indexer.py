@@ -196,6 +196,40 @@ def _check(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
+def index_scores_args(iq: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor,
+                      page: int, req_slot: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor,
+                      cand_mask: torch.Tensor | None) -> tuple[int, int]:
+    """The checks of `index_scores_mxfp4_`'s common arguments (its docstring), shared with the Gluon
+    scorer (`ops.gluon_indexer`); a ValueError names the first argument that fails. Returns
+    (N rows, Hi heads)."""
+    _check(iq.dim() == 3 and iq.shape[2] == _HEAD_DIM and iq.dtype == torch.bfloat16 and iq.stride(2) == 1,
+           f"iq must be [N, Hi, 128] BF16 with a contiguous last dim, got {tuple(iq.shape)} {iq.dtype}")
+    n_rows, heads = iq.shape[0], iq.shape[1]
+    _check(1 <= heads <= 128, f"iq: Hi={heads} must lie in 1..128")
+    _check(w.shape == (n_rows, heads) and w.dtype == torch.bfloat16 and w.stride(1) == 1,
+           f"w must be [N={n_rows}, Hi={heads}] BF16, got {tuple(w.shape)} {w.dtype}")
+    _check(pool.dim() == 2 and pool.shape[1] == INDEX_KEY_BYTES and pool.dtype == torch.uint8 and pool.is_contiguous()
+           and pool.storage_offset() % 4 == 0,
+           f"pool must be a contiguous [S, 68] uint8 tensor starting 4-byte aligned, got {tuple(pool.shape)} {pool.dtype}")
+    _check(block_table.dim() == 2 and block_table.dtype == torch.int32 and block_table.stride(1) == 1
+           and block_table.shape[1] > 0,
+           f"block_table must be [slots, pages>0] int32, got {tuple(block_table.shape)} {block_table.dtype}")
+    _check(isinstance(page, int) and page > 0, f"page must be a positive int, got {page!r}")
+    _check(req_slot.shape == (n_rows,) and req_slot.dtype in (torch.int32, torch.int64),
+           f"req_slot must be [N={n_rows}] int32/int64, got {tuple(req_slot.shape)} {req_slot.dtype}")
+    _check(n_vis.shape == (n_rows,) and n_vis.dtype == torch.int32,
+           f"n_vis must be [N={n_rows}] int32, got {tuple(n_vis.shape)} {n_vis.dtype}")
+    _check(out.dim() == 2 and out.shape[0] == n_rows and out.dtype == torch.float32 and out.stride(1) == 1,
+           f"out must be [N={n_rows}, max_entries] FP32, got {tuple(out.shape)} {out.dtype}")
+    if cand_mask is not None:
+        _check(cand_mask.shape == out.shape and cand_mask.dtype in (torch.bool, torch.uint8) and cand_mask.stride(1) == 1,
+               f"cand_mask must be [N, max_entries]={tuple(out.shape)} bool/uint8, got {tuple(cand_mask.shape)} {cand_mask.dtype}")
+    tensors = [iq, w, pool, block_table, req_slot, n_vis, out] + ([cand_mask] if cand_mask is not None else [])
+    _check(all(t.device == iq.device for t in tensors),
+           "iq, w, pool, block_table, req_slot, n_vis, out, cand_mask must share a device")
+    return n_rows, heads
+
+
 def index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor,
                         page: int, req_slot: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor,
                         cand_mask: torch.Tensor | None = None, block_e: int = 128, num_warps: int | None = None,
@@ -219,32 +253,8 @@ def index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, b
     Unchecked: ids in block_table and req_slot lie inside pool/block_table; n_vis <= pages * page.
     Returns out.
     """
-    _check(iq.dim() == 3 and iq.shape[2] == _HEAD_DIM and iq.dtype == torch.bfloat16 and iq.stride(2) == 1,
-           f"iq must be [N, Hi, 128] BF16 with a contiguous last dim, got {tuple(iq.shape)} {iq.dtype}")
-    n_rows, heads = iq.shape[0], iq.shape[1]
-    _check(1 <= heads <= 128, f"iq: Hi={heads} must lie in 1..128")
-    _check(w.shape == (n_rows, heads) and w.dtype == torch.bfloat16 and w.stride(1) == 1,
-           f"w must be [N={n_rows}, Hi={heads}] BF16, got {tuple(w.shape)} {w.dtype}")
-    _check(pool.dim() == 2 and pool.shape[1] == INDEX_KEY_BYTES and pool.dtype == torch.uint8 and pool.is_contiguous()
-           and pool.storage_offset() % 4 == 0,
-           f"pool must be a contiguous [S, 68] uint8 tensor starting 4-byte aligned, got {tuple(pool.shape)} {pool.dtype}")
-    _check(block_table.dim() == 2 and block_table.dtype == torch.int32 and block_table.stride(1) == 1
-           and block_table.shape[1] > 0,
-           f"block_table must be [slots, pages>0] int32, got {tuple(block_table.shape)} {block_table.dtype}")
-    _check(isinstance(page, int) and page > 0, f"page must be a positive int, got {page!r}")
-    _check(req_slot.shape == (n_rows,) and req_slot.dtype in (torch.int32, torch.int64),
-           f"req_slot must be [N={n_rows}] int32/int64, got {tuple(req_slot.shape)} {req_slot.dtype}")
-    _check(n_vis.shape == (n_rows,) and n_vis.dtype == torch.int32,
-           f"n_vis must be [N={n_rows}] int32, got {tuple(n_vis.shape)} {n_vis.dtype}")
-    _check(out.dim() == 2 and out.shape[0] == n_rows and out.dtype == torch.float32 and out.stride(1) == 1,
-           f"out must be [N={n_rows}, max_entries] FP32, got {tuple(out.shape)} {out.dtype}")
-    if cand_mask is not None:
-        _check(cand_mask.shape == out.shape and cand_mask.dtype in (torch.bool, torch.uint8) and cand_mask.stride(1) == 1,
-               f"cand_mask must be [N, max_entries]={tuple(out.shape)} bool/uint8, got {tuple(cand_mask.shape)} {cand_mask.dtype}")
+    n_rows, heads = index_scores_args(iq, w, pool, block_table, page, req_slot, n_vis, out, cand_mask)
     _check(block_e >= 16 and block_e & (block_e - 1) == 0, f"block_e must be a power of two >= 16, got {block_e}")
-    tensors = [iq, w, pool, block_table, req_slot, n_vis, out] + ([cand_mask] if cand_mask is not None else [])
-    _check(all(t.device == iq.device for t in tensors),
-           "iq, w, pool, block_table, req_slot, n_vis, out, cand_mask must share a device")
     max_entries = out.shape[1]
     if n_rows == 0 or max_entries == 0:
         return out

@@ -56,8 +56,11 @@ _WS_LO = tl.constexpr(256)                    # [256] histogram of the low bytes
 _WS_K_EFF = tl.constexpr(512)                 # elements selected: min(k, n_elem, selectable)
 _WS_SKIP = tl.constexpr(513)                  # ties (keys == T) not taken: the lowest-indexed `skip`
 _WS_THR = tl.constexpr(514)                   # the threshold key T
-_WS_CHUNK_GT = tl.constexpr(520)              # [_MAX_CHUNKS] per chunk: keys > T
-_WS_CHUNK_EQ = tl.constexpr(520 + _MAX_CHUNKS)   # [_MAX_CHUNKS] per chunk: keys == T
+_WS_ARRIVED = tl.constexpr(515)               # linked top-k: programs of the row done with the low-byte pass
+_WS_TICKET = tl.constexpr(516)                # linked top-k: chunks handed out in the write pass
+_WS_CHUNK_GT = tl.constexpr(520)              # [_MAX_CHUNKS] per chunk: keys > T (linked: | _LINKED)
+_WS_CHUNK_EQ = tl.constexpr(520 + _MAX_CHUNKS)   # [_MAX_CHUNKS] per chunk: keys == T (linked: | _LINKED)
+_LINKED = tl.constexpr(1 << 30)   # a linked write program's published count carries this bit (counts < 2**30)
 _WS = 520 + 2 * _MAX_CHUNKS
 _WS_C = tl.constexpr(_WS)
 _MAXC = tl.constexpr(_MAX_CHUNKS)
@@ -70,14 +73,18 @@ _SMALL_WARPS = 16
 
 @triton.jit
 def _keys(s_ptr, row_off, offs, n_vis, GROUP: tl.constexpr):
-    """(16-bit order-preserving keys, selectable flags) of elements `offs` of a row."""
+    """(16-bit order-preserving keys, selectable flags) of elements `offs` of a row (FP32 scores:
+    their top 16 bits; BF16 scores: their bits, the same key for the same number)."""
     if GROUP == 1:
         x = tl.load(s_ptr + row_off + offs, mask=offs < n_vis, other=float("-inf"))
     else:
         e = offs[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
         x = tl.max(tl.load(s_ptr + row_off + e, mask=e < n_vis, other=float("-inf")), 1)
         x = tl.where((offs == (n_vis - 1) // GROUP) & (n_vis > 0), float("inf"), x)
-    b = (x.to(tl.int32, bitcast=True) >> 16) & 0xFFFF
+    if x.dtype == tl.bfloat16:
+        b = x.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    else:
+        b = (x.to(tl.int32, bitcast=True) >> 16) & 0xFFFF
     b = tl.where(b == 0x8000, 0, b)                  # -0.0 ties with +0.0
     key = tl.where(b >= 0x8000, 0xFFFF - b, b | 0x8000)
     return key, x > float("-inf")
@@ -174,18 +181,23 @@ def _hist_lo_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width,
 
 
 @triton.jit
-def _row_topk_kernel(s_ptr, nvis_ptr, out_ptr, s_sn, out_sn, width,
-                     K: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
-    """One program per row does the whole top-k: two histogram passes, then an in-order compaction
-    that writes the selected indices ascending (no sort), then the -1 padding."""
+def _row_topk_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width,
+                     K: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, HIST_READY: tl.constexpr):
+    """One program per row does the whole top-k: two histogram passes (the first read from the
+    workspace with HIST_READY, which it then zeroes), then an in-order compaction that writes the
+    selected indices ascending (no sort), then the -1 padding."""
     n = tl.program_id(0)
     n_vis = tl.load(nvis_ptr + n)
     row_off = n.to(tl.int64) * s_sn
     r = tl.arange(0, BLOCK)
-    h1 = tl.zeros([256], dtype=tl.int32)
-    for start in range(0, n_vis, BLOCK):
-        key, ok = _keys(s_ptr, row_off, start + r, n_vis, 1)
-        h1 += tl.histogram(key >> 8, 256, mask=ok)
+    if HIST_READY:
+        h1 = tl.load(ws_ptr + n * _WS_C + _WS_HI + tl.arange(0, 256))
+        tl.store(ws_ptr + n * _WS_C + _WS_HI + tl.arange(0, 256), tl.zeros([256], dtype=tl.int32))
+    else:
+        h1 = tl.zeros([256], dtype=tl.int32)
+        for start in range(0, n_vis, BLOCK):
+            key, ok = _keys(s_ptr, row_off, start + r, n_vis, 1)
+            h1 += tl.histogram(key >> 8, 256, mask=ok)
     k_eff = tl.minimum(tl.minimum(n_vis, K), tl.sum(h1, 0))
     b1, _ = _level(h1, k_eff)
     h2 = tl.zeros([256], dtype=tl.int32)
@@ -285,6 +297,86 @@ def _write_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width, GROUP: 
         tl.store(ws_row + _WS_HI + tl.arange(0, 512), tl.zeros([512], dtype=tl.int32))
 
 
+@triton.jit
+def _lo_select_kernel(s_ptr, nvis_ptr, ws_ptr, s_sn, K: tl.constexpr, CHUNK: tl.constexpr):
+    """Linked top-k, pass 2 of 3 (after the high-byte histogram): per (row, chunk) the low-byte
+    histogram under b1 (as `_hist_lo_kernel`); the row's last program to arrive finds T, need and
+    skip from the two complete histograms and saves them for `_write_linked_kernel`. Each program
+    also clears its chunk's two count slots and the last one the row's ticket counter, for the
+    write pass that follows. Every thread's histogram atomics are ordered before thread 0's
+    acq_rel arrival by the barrier (the CUTLASS semaphore pattern, as `common.splitk_reduce`); the
+    last program reads the low histogram from L2 (`.cg`)."""
+    n = tl.program_id(0)
+    c = tl.program_id(1)
+    n_vis = tl.load(nvis_ptr + n)
+    ws_row = ws_ptr + n * _WS_C
+    k_eff, h1 = _k_eff(ws_row, n_vis, K, 1)
+    tl.store(ws_row + _WS_CHUNK_GT + c, 0)
+    tl.store(ws_row + _WS_CHUNK_EQ + c, 0)
+    if (c * CHUNK < n_vis) & (k_eff > 0):
+        b1, _ = _level(h1, k_eff)
+        key, ok = _keys(s_ptr, n.to(tl.int64) * s_sn, c * CHUNK + tl.arange(0, CHUNK), n_vis, 1)
+        h = tl.histogram(key & 0xFF, 256, mask=ok & ((key >> 8) == b1))
+        tl.atomic_add(ws_row + _WS_LO + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
+    tl.debug_barrier()
+    arrived = tl.atomic_add(ws_row + _WS_ARRIVED, 1, sem="acq_rel", scope="gpu")
+    if arrived == tl.num_programs(1) - 1:
+        tl.debug_barrier()
+        h2 = tl.load(ws_row + _WS_LO + tl.arange(0, 256), cache_modifier=".cg")
+        thr, skip = _threshold(h1, h2, k_eff)
+        tl.store(ws_row + _WS_K_EFF, k_eff)
+        tl.store(ws_row + _WS_SKIP, skip)
+        tl.store(ws_row + _WS_THR, thr)
+        tl.store(ws_row + _WS_ARRIVED, 0)
+        tl.store(ws_row + _WS_TICKET, 0)
+
+
+@triton.jit
+def _write_linked_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width,
+                         CHUNK: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Linked top-k, pass 3 of 3: each program takes the row's next chunk c (a ticket: chunks are
+    handed out in the order programs start), counts its keys > T and == T, publishes both counts
+    (with the _LINKED bit) in the chunk's slots, then waits until chunks 0..c-1 have published
+    theirs, and writes its chunk's selected indices at the offset their sums give (ascending, ties
+    ranked in index order as in `_write_kernel`). It cannot deadlock: a program waits only on
+    chunks whose tickets were taken before its own, by programs that were already running, and a
+    program publishes before it waits, so each awaited count arrives whatever the scheduler does
+    (no reliance on program-id order or on the whole grid being resident). The ticket-0 program
+    pads with -1 and zeroes the histograms for the next call."""
+    n = tl.program_id(0)
+    n_vis = tl.load(nvis_ptr + n)
+    ws_row = ws_ptr + n * _WS_C
+    k_eff = tl.load(ws_row + _WS_K_EFF)
+    skip = tl.load(ws_row + _WS_SKIP)
+    thr = tl.load(ws_row + _WS_THR)
+    c = tl.atomic_add(ws_row + _WS_TICKET, 1, sem="relaxed", scope="gpu")
+    out_row = out_ptr + n.to(tl.int64) * out_sn
+    if k_eff > 0:
+        offs = c * CHUNK + tl.arange(0, CHUNK)
+        key, ok = _keys(s_ptr, n.to(tl.int64) * s_sn, offs, n_vis, 1)
+        gt = ok & (key > thr)
+        eq = ok & (key == thr)
+        tl.atomic_xchg(ws_row + _WS_CHUNK_GT + c, tl.sum(gt.to(tl.int32), 0) | _LINKED, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(ws_row + _WS_CHUNK_EQ + c, tl.sum(eq.to(tl.int32), 0) | _LINKED, sem="relaxed", scope="gpu")
+        rc = tl.arange(0, _MAXC)
+        before = rc < c
+        g = tl.load(ws_row + _WS_CHUNK_GT + rc, mask=before, other=_LINKED, volatile=True)
+        e = tl.load(ws_row + _WS_CHUNK_EQ + rc, mask=before, other=_LINKED, volatile=True)
+        while tl.min(g & e, 0) < _LINKED:      # both counts of every earlier chunk carry the bit
+            g = tl.load(ws_row + _WS_CHUNK_GT + rc, mask=before, other=_LINKED, volatile=True)
+            e = tl.load(ws_row + _WS_CHUNK_EQ + rc, mask=before, other=_LINKED, volatile=True)
+        base_gt = tl.sum(g & (_LINKED - 1), 0)
+        base_eq = tl.sum(e & (_LINKED - 1), 0)
+        sel = gt | (eq & (base_eq + tl.cumsum(eq.to(tl.int32), 0) - 1 >= skip))
+        pos = base_gt + tl.maximum(base_eq - skip, 0) + tl.cumsum(sel.to(tl.int32), 0) - 1
+        tl.store(out_row + pos, offs, mask=sel)
+    if c == 0:
+        rk = tl.arange(0, BLOCK_K)
+        for p in range(0, width, BLOCK_K):
+            tl.store(out_row + p + rk, tl.full([BLOCK_K], -1, tl.int32), mask=(p + rk >= k_eff) & (p + rk < width))
+        tl.store(ws_row + _WS_HI + tl.arange(0, 512), tl.zeros([512], dtype=tl.int32))
+
+
 @dataclass(frozen=True)
 class TopKPlan:
     """Radix-select settings and the workspace they own.
@@ -313,15 +405,38 @@ class TopKPlan:
             raise ValueError(f"chunk must be a power of two >= 16, got {chunk}")
         return TopKPlan(max_rows, k, group, chunk, torch.zeros(max_rows, _WS, dtype=torch.int32, device=device))
 
+    @property
+    def hist_hi(self) -> torch.Tensor:
+        """[max_rows, 256] int32 view of the workspace's high-byte histograms (row stride _WS): where
+        a scorer adds `key_high_histogram`'s counts for `topk_ascending_(..., hist_ready=True)`."""
+        return self.ws[:, _WS_HI:_WS_HI + 256]
+
     def chunk_for(self, n_elem: int) -> int:
         """Elements per program for rows of n_elem elements: `chunk`, or the smallest power of two
         that covers them in _MAX_CHUNKS chunks."""
         return max(self.chunk, triton.next_power_of_2(triton.cdiv(n_elem, _MAX_CHUNKS)))
 
 
+def key_high_histogram(scores: torch.Tensor, n_vis: torch.Tensor) -> torch.Tensor:
+    """[N, 256] int32: per row, how many of scores[n, :n_vis[n]] have each high byte of `_keys`' key
+    (-0.0 as +0.0; -inf and NaN not counted), in torch: what a scorer adds into `TopKPlan.hist_hi`
+    for `topk_ascending_(..., hist_ready=True)`. scores: [N, max_entries] FP32 (BF16-representable)
+    or BF16; n_vis: [N] int32."""
+    if scores.dtype == torch.bfloat16:
+        b = scores.view(torch.int16).to(torch.int32) & 0xFFFF
+    else:                                   # the top 16 bits, as the kernels read them
+        b = (scores.view(torch.int32) >> 16) & 0xFFFF
+    b = torch.where(b == 0x8000, 0, b)
+    key = torch.where(b >= 0x8000, 0xFFFF - b, b | 0x8000)
+    cols = torch.arange(scores.shape[1], device=scores.device)
+    ok = (scores > float("-inf")) & (cols[None, :] < n_vis[:, None].to(cols.dtype))
+    hist = torch.zeros(scores.shape[0], 256, dtype=torch.int32, device=scores.device)
+    return hist.scatter_add_(1, (key >> 8).long(), ok.to(torch.int32))
+
+
 def _validate(scores, n_vis, out, plan, out_dtype, out_name):
-    if scores.dim() != 2 or scores.dtype != torch.float32 or scores.stride(1) != 1:
-        raise ValueError(f"scores must be [N, max_entries] FP32 with a contiguous last dim, got "
+    if scores.dim() != 2 or scores.dtype not in (torch.float32, torch.bfloat16) or scores.stride(1) != 1:
+        raise ValueError(f"scores must be [N, max_entries] FP32 or BF16 with a contiguous last dim, got "
                          f"{tuple(scores.shape)} {scores.dtype}")
     n_rows = scores.shape[0]
     if n_rows > plan.max_rows:
@@ -334,8 +449,9 @@ def _validate(scores, n_vis, out, plan, out_dtype, out_name):
         raise ValueError("scores, n_vis, out and plan.ws must share a device")
 
 
-def _select(scores, n_vis, out, plan, mask_out):
-    """Launches 1-4 of the module docstring over the plan's group (the top-k: group 1)."""
+def _select(scores, n_vis, out, plan, mask_out, hist_ready=False):
+    """Launches 1-4 of the module docstring over the plan's group (the top-k: group 1); the first
+    left out when the high-byte histogram is ready."""
     g = 1 if not mask_out else plan.group
     n_elem = triton.cdiv(scores.shape[1], g)
     chunk = plan.chunk_for(n_elem)
@@ -345,7 +461,8 @@ def _select(scores, n_vis, out, plan, mask_out):
     grid = (scores.shape[0], triton.cdiv(n_elem, chunk))
     scratch = mask_out and g >= 2      # block keys kept in the mask row between the passes
     args = (scores, n_vis, plan.ws, out, scores.stride(0), out.stride(0), out.shape[1])
-    _hist_hi_kernel[grid](*args, GROUP=g, CHUNK=chunk, SCRATCH=scratch, num_warps=warps)
+    if not hist_ready:
+        _hist_hi_kernel[grid](*args, GROUP=g, CHUNK=chunk, SCRATCH=scratch, num_warps=warps)
     _hist_lo_kernel[grid](*args, K=plan.k, GROUP=g, CHUNK=chunk, SCRATCH=scratch, num_warps=warps)
     _count_kernel[grid](*args, K=plan.k, GROUP=g, CHUNK=chunk, MASK_OUT=mask_out, SCRATCH=scratch,
                         num_warps=warps)
@@ -353,13 +470,36 @@ def _select(scores, n_vis, out, plan, mask_out):
                         num_warps=warps)
 
 
-def topk_ascending_(scores: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor, plan: TopKPlan) -> torch.Tensor:
+def _select_linked(scores, n_vis, out, plan, hist_ready):
+    """The linked top-k: the high-byte histogram (unless ready), `_lo_select_kernel`,
+    `_write_linked_kernel`."""
+    n_elem = scores.shape[1]
+    chunk = plan.chunk_for(n_elem)
+    warps = min(16, 4 * (chunk // plan.chunk))     # as in _select
+    grid = (scores.shape[0], triton.cdiv(n_elem, chunk))
+    if not hist_ready:
+        _hist_hi_kernel[grid](scores, n_vis, plan.ws, out, scores.stride(0), out.stride(0), out.shape[1],
+                              GROUP=1, CHUNK=chunk, SCRATCH=False, num_warps=warps)
+    _lo_select_kernel[grid](scores, n_vis, plan.ws, scores.stride(0), K=plan.k, CHUNK=chunk, num_warps=warps)
+    _write_linked_kernel[grid](scores, n_vis, plan.ws, out, scores.stride(0), out.stride(0), out.shape[1],
+                               CHUNK=chunk, BLOCK_K=1024, num_warps=warps)
+
+
+def topk_ascending_(scores: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor, plan: TopKPlan, *,
+                    hist_ready: bool = False, separate_count: bool = False) -> torch.Tensor:
     """out[n] = indices of the min(k, n_vis[n]) largest scores[n, :n_vis[n]], ascending; entries scored
     -inf become -1; -1 padded to out's width. At equal scores the higher index wins (of the entries
     tied at the threshold, the highest-indexed are taken), as `reference.indexer.topk_ascending`.
 
-    scores: [N, max_entries] FP32 (BF16-representable, unchecked); n_vis: [N] int32 (<= max_entries,
-    unchecked); out: [N, k] int32 (k = plan.k); plan: TopKPlan with group 1 and max_rows >= N.
+    scores: [N, max_entries] FP32 (BF16-representable, unchecked) or BF16 (the same selection for the
+    same numbers, half the bytes read); n_vis: [N] int32 (<= max_entries, unchecked); out: [N, k]
+    int32 (k = plan.k); plan: TopKPlan with group 1 and max_rows >= N.
+    hist_ready: the caller has already added each row's histogram of its keys' high bytes into
+    plan.ws[n, _WS_HI:_WS_HI + 256] (the key of `_keys`: -0.0 counted as +0.0; -inf, NaN and
+    entries at or past n_vis[n] not counted), in a launch before this call on the same stream; the
+    histogram pass is then left out (the call zeroes the histogram as usual).
+    separate_count: the four-launch path (count and write as separate launches, the module
+    docstring's launches 1-4) instead of the linked one; the same output, kept as its check.
     Returns out.
     """
     _validate(scores, n_vis, out, plan, torch.int32, "out")
@@ -373,10 +513,13 @@ def topk_ascending_(scores: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor
     if n_cols == 0:
         out.fill_(-1)
     elif n_cols <= _SMALL_MAX:
-        _row_topk_kernel[(n_rows,)](scores, n_vis, out, scores.stride(0), out.stride(0), out.shape[1],
-                                    K=plan.k, BLOCK=_SMALL_BLOCK, BLOCK_K=1024, num_warps=_SMALL_WARPS)
+        _row_topk_kernel[(n_rows,)](scores, n_vis, plan.ws, out, scores.stride(0), out.stride(0), out.shape[1],
+                                    K=plan.k, BLOCK=_SMALL_BLOCK, BLOCK_K=1024, HIST_READY=hist_ready,
+                                    num_warps=_SMALL_WARPS)
+    elif separate_count:
+        _select(scores, n_vis, out, plan, False, hist_ready)
     else:
-        _select(scores, n_vis, out, plan, False)
+        _select_linked(scores, n_vis, out, plan, hist_ready)
     return out
 
 

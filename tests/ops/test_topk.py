@@ -6,7 +6,8 @@ tie-heavy inputs too (scores drawn from a handful of BF16 values), and repeat bi
 import pytest
 import torch
 
-from dsv41_decode.ops.topk import TopKPlan, candidate_mask, candidate_mask_, topk_ascending, topk_ascending_
+from dsv41_decode.ops.topk import (TopKPlan, candidate_mask, candidate_mask_, key_high_histogram, topk_ascending,
+                                   topk_ascending_)
 from dsv41_decode.reference import indexer as ref
 from dsv41_decode.testing.compare import check_topk_invariants
 
@@ -275,3 +276,89 @@ def test_gpu_ties_equal_the_reference_and_repeat(rows, entries, dist):
     for r in range(1, 10):
         assert torch.equal(runs_t[r], runs_t[0]), f"top-k run {r} differs from run 0"
         assert torch.equal(runs_c[r], runs_c[0]), f"candidate mask run {r} differs from run 0"
+
+
+# ------------------------------------------------------------------ the linked top-k: hist_ready, BF16 scores
+
+def _edge_rows(entries, seed):
+    """Tie-heavy rows covering the key's edge cases: all equal; a handful of values; +0.0 and -0.0
+    tied at the threshold; NaN and -inf (never selected); BF16 values that differ only in the low
+    byte of the key (ties and near-ties within one high-byte bin); distinct values."""
+    nan = float("nan")
+    rows = [_few_values(1, entries, seed, (3.0,)),
+            _few_values(1, entries, seed + 1, _FEW),
+            _few_values(1, entries, seed + 2, (0.0, -0.0, 0.0, -1.0, 2.0), 0.1),
+            _few_values(1, entries, seed + 3, (1.0, 0.5, nan), 0.3),
+            _few_values(1, entries, seed + 4, (1.0, 1.0078125, 1.015625, 0.9921875)),
+            _scores(1, entries, seed + 5).to(_DEVICE)]
+    return torch.cat(rows)
+
+
+def _ref_topk_nan(s, nv, k):
+    """`_ref_topk` with NaN read as -inf (the kernels never select either; the reference takes no NaN)."""
+    return _ref_topk(torch.where(torch.isnan(s), float("-inf"), s), nv, k)
+
+
+def _add_hist(plan, s, nv):
+    """What a scorer does before `hist_ready=True`: add the rows' high-byte histograms into the plan."""
+    plan.hist_hi[:s.shape[0]] += key_high_histogram(s, nv)
+
+
+def test_key_high_histogram_equals_the_kernels():
+    """The torch histogram a scorer must add equals the high-byte pass's own, on -0.0, NaN, -inf
+    and entries past n_vis; BF16 scores give the FP32 ones' histogram."""
+    from dsv41_decode.ops import topk as topk_mod
+    s = _edge_rows(300, 21)
+    nv = torch.tensor([300, 0, 1, 299, 170, 64], dtype=torch.int32, device=_DEVICE)
+    plan = TopKPlan.build(6, 64, device=_DEVICE, chunk=64)
+    topk_mod._hist_hi_kernel[(6, 5)](s, nv, plan.ws, s, s.stride(0), 0, 0, GROUP=1, CHUNK=64, SCRATCH=False)
+    assert torch.equal(plan.hist_hi.clone(), key_high_histogram(s, nv))
+    assert torch.equal(key_high_histogram(s.bfloat16(), nv), key_high_histogram(s, nv))
+    assert int(key_high_histogram(s, nv)[1].sum()) == 0 and int(key_high_histogram(s, nv)[2].sum()) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("max_chunks", [1024, 2])
+def test_topk_linked_equals_separate_and_reference(monkeypatch, dtype, max_chunks):
+    """The linked path (count folded into the write, the threshold found by the last program of the
+    low-byte pass), with and without hist_ready, gives the four-launch path's and the reference's
+    selections: ties at the threshold spread over chunks (and over larger chunks past the chunk
+    cap), -0.0 vs +0.0, NaN, -inf, n_vis 0 / 1 / < k / not a multiple of the chunk; six rows, then
+    one row alone through the same plans (their workspaces left clean)."""
+    from dsv41_decode.ops import topk as topk_mod
+    monkeypatch.setattr(topk_mod, "_SMALL_MAX", 0)
+    monkeypatch.setattr(topk_mod, "_MAX_CHUNKS", max_chunks)
+    k, entries = 64, 300
+    s = _edge_rows(entries, 31).to(dtype)
+    plans = {mode: TopKPlan.build(6, k, device=_DEVICE, chunk=64) for mode in ("sep", "linked", "ready")}
+    for rows, nv in ((6, [entries, 0, 1, 40, 170, 299]), (1, [entries]), (6, [7, 300, 300, 300, 300, 65])):
+        nv = torch.tensor(nv, dtype=torch.int32, device=_DEVICE)
+        x = s[:rows]
+        outs = {mode: torch.full((rows, k), 5, dtype=torch.int32, device=_DEVICE) for mode in plans}
+        topk_ascending_(x, nv, outs["sep"], plans["sep"], separate_count=True)
+        topk_ascending_(x, nv, outs["linked"], plans["linked"])
+        _add_hist(plans["ready"], x, nv)
+        topk_ascending_(x, nv, outs["ready"], plans["ready"], hist_ready=True)
+        want = _ref_topk_nan(x.float(), nv, k)
+        for mode, out in outs.items():
+            assert torch.equal(out, want), f"{mode}, {rows} rows, n_vis {nv.tolist()}"
+    for plan in plans.values():
+        assert int(plan.ws[:, :512].abs().sum()) == 0, "histograms left non-zero"
+
+
+def test_topk_linked_64_rows_and_row_kernel_hist_ready(monkeypatch):
+    """64 rows through the linked path (with hist_ready, BF16), and the one-program row kernel with
+    hist_ready (it takes the workspace's histogram and zeroes it): the reference's selections."""
+    from dsv41_decode.ops import topk as topk_mod
+    k, entries = 32, 200
+    s = torch.cat([_edge_rows(entries, 41 + 6 * i) for i in range(11)])[:64]
+    nv = torch.tensor([entries - (i * 13) % entries for i in range(64)], dtype=torch.int32, device=_DEVICE)
+    want = _ref_topk_nan(s, nv, k)
+    plan = TopKPlan.build(64, k, device=_DEVICE, chunk=64)
+    for small_max in (4096, 0):                      # the row kernel, then the linked path
+        monkeypatch.setattr(topk_mod, "_SMALL_MAX", small_max)
+        for x in (s, s.bfloat16()):
+            _add_hist(plan, x, nv)
+            out = topk_ascending_(x, nv, torch.empty(64, k, dtype=torch.int32, device=_DEVICE), plan, hist_ready=True)
+            assert torch.equal(out, want), f"small_max {small_max}, {x.dtype}"
+            assert int(plan.ws[:, :512].abs().sum()) == 0
