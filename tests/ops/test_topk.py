@@ -317,8 +317,7 @@ def test_key_high_histogram_equals_the_kernels():
     assert int(key_high_histogram(s, nv)[1].sum()) == 0 and int(key_high_histogram(s, nv)[2].sum()) == 1
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("max_chunks", [1024, 2])
+@pytest.mark.parametrize("dtype,max_chunks", [(torch.float32, 1024), (torch.bfloat16, 2)])
 def test_topk_linked_equals_separate_and_reference(monkeypatch, dtype, max_chunks):
     """The linked path (count folded into the write, the threshold found by the last program of the
     low-byte pass), with and without hist_ready, gives the four-launch path's and the reference's
@@ -347,18 +346,19 @@ def test_topk_linked_equals_separate_and_reference(monkeypatch, dtype, max_chunk
 
 
 def test_topk_linked_64_rows_and_row_kernel_hist_ready(monkeypatch):
-    """64 rows through the linked path (with hist_ready, BF16), and the one-program row kernel with
-    hist_ready (it takes the workspace's histogram and zeroes it): the reference's selections."""
+    """64 rows through the one-program row kernel with hist_ready (it takes the workspace's
+    histogram and zeroes it), then through the linked path (hist_ready, BF16 scores, two chunks a
+    row): the reference's selections, and the histograms left zero."""
     from dsv41_decode.ops import topk as topk_mod
     k, entries = 32, 200
     s = torch.cat([_edge_rows(entries, 41 + 6 * i) for i in range(11)])[:64]
     nv = torch.tensor([entries - (i * 13) % entries for i in range(64)], dtype=torch.int32, device=_DEVICE)
     want = _ref_topk_nan(s, nv, k)
-    plan = TopKPlan.build(64, k, device=_DEVICE, chunk=64)
-    for small_max in (4096, 0):                      # the row kernel, then the linked path
+    plan = TopKPlan.build(64, k, device=_DEVICE, chunk=128)
+    monkeypatch.setattr(topk_mod, "_SMALL_BLOCK", 256)
+    for small_max, x in ((4096, s), (0, s.bfloat16())):      # the row kernel, then the linked path
         monkeypatch.setattr(topk_mod, "_SMALL_MAX", small_max)
-        for x in (s, s.bfloat16()):
-            _add_hist(plan, x, nv)
-            out = topk_ascending_(x, nv, torch.empty(64, k, dtype=torch.int32, device=_DEVICE), plan, hist_ready=True)
-            assert torch.equal(out, want), f"small_max {small_max}, {x.dtype}"
-            assert int(plan.ws[:, :512].abs().sum()) == 0
+        _add_hist(plan, x, nv)
+        out = topk_ascending_(x, nv, torch.empty(64, k, dtype=torch.int32, device=_DEVICE), plan, hist_ready=True)
+        assert torch.equal(out, want), f"small_max {small_max}, {x.dtype}"
+        assert int(plan.ws[:, :512].abs().sum()) == 0
