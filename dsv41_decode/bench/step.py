@@ -240,10 +240,10 @@ def _call_cost(step, rows, name, ctx, nbytes, floor, info, gen, bench_name, prog
 
 
 def _kind_breakdown(steps, cfg, ctx, kinds_rows, floor, info, gen, bench_name, progress) -> list[dict]:
-    """One layer of each kind alone, full vs no-overlap where that variant was built (graphs of
-    repeated calls)."""
+    """One layer of each kind alone, full vs the no_overlap and side_late variants where they were
+    built (graphs of repeated calls)."""
     out = []
-    variants = [v for v in ("full", "no_overlap") if v in steps]
+    variants = [v for v in ("full", "no_overlap", "side_late") if v in steps]
     for n in kinds_rows:
         for label, L in _layer_kinds(cfg).items():
             us = {}
@@ -252,11 +252,11 @@ def _kind_breakdown(steps, cfg, ctx, kinds_rows, floor, info, gen, bench_name, p
                 bucket = _arm(step, [(i, 1) for i in range(n)], gen)
                 us[variant] = graph_time_us(step.layer_call(L, bucket), replays=20, min_calls=8)
             nbytes = layer_weight_bytes(steps["full"].layers[L]) + kv_bytes_layer(cfg, L, ctx, n)
-            base = {"no_overlap": us["no_overlap"]} if "no_overlap" in us else {}
+            base = {v: us[v] for v in variants if v != "full"}
             out.append(record(bench_name, {"op": "layer", "kind": label, "layer": L, "rows": n, "context": ctx,
                                            "tp": 1}, us["full"], nbytes, floor, base, info))
             progress(f"  layer {L} {label} rows {n}: full {us['full']:.1f} us"
-                     + (f", no overlap {us['no_overlap']:.1f} us" if "no_overlap" in us else ""))
+                     + "".join(f", {v} {us[v]:.1f} us" for v in base))
     return out
 
 
