@@ -50,6 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import pdl as _pdl
+
 _MAX_CHUNKS = 1024     # per-chunk count slots per row; wider rows take larger chunks
 _WS_HI = tl.constexpr(0)                      # [256] histogram of the keys' high bytes
 _WS_LO = tl.constexpr(256)                    # [256] histogram of the low bytes under high byte b1
@@ -144,9 +146,10 @@ def _threshold(h1, h2, k_eff):
 
 @triton.jit
 def _hist_hi_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width,
-                    GROUP: tl.constexpr, CHUNK: tl.constexpr, SCRATCH: tl.constexpr):
+                    GROUP: tl.constexpr, CHUNK: tl.constexpr, SCRATCH: tl.constexpr, PDL: tl.constexpr = False):
     """Histogram of the keys' high bytes; with SCRATCH each block's key is also kept in the first
     two bytes of its entries in the mask row, for the later passes to read instead of the scores."""
+    _pdl.enter(PDL)
     n = tl.program_id(0)
     n_vis = tl.load(nvis_ptr + n)
     start = tl.program_id(1) * CHUNK
@@ -298,7 +301,7 @@ def _write_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width, GROUP: 
 
 
 @triton.jit
-def _lo_select_kernel(s_ptr, nvis_ptr, ws_ptr, s_sn, K: tl.constexpr, CHUNK: tl.constexpr):
+def _lo_select_kernel(s_ptr, nvis_ptr, ws_ptr, s_sn, K: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """Linked top-k, pass 2 of 3 (after the high-byte histogram): per (row, chunk) the low-byte
     histogram under b1 (as `_hist_lo_kernel`); the row's last program to arrive finds T, need and
     skip from the two complete histograms and saves them for `_write_linked_kernel`. Each program
@@ -306,6 +309,7 @@ def _lo_select_kernel(s_ptr, nvis_ptr, ws_ptr, s_sn, K: tl.constexpr, CHUNK: tl.
     write pass that follows. Every thread's histogram atomics are ordered before thread 0's
     acq_rel arrival by the barrier (the CUTLASS semaphore pattern, as `common.splitk_reduce`); the
     last program reads the low histogram from L2 (`.cg`)."""
+    _pdl.enter(PDL)
     n = tl.program_id(0)
     c = tl.program_id(1)
     n_vis = tl.load(nvis_ptr + n)
@@ -333,7 +337,7 @@ def _lo_select_kernel(s_ptr, nvis_ptr, ws_ptr, s_sn, K: tl.constexpr, CHUNK: tl.
 
 @triton.jit
 def _write_linked_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width,
-                         CHUNK: tl.constexpr, BLOCK_K: tl.constexpr):
+                         CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Linked top-k, pass 3 of 3: each program takes the row's next chunk c (a ticket: chunks are
     handed out in the order programs start), counts its keys > T and == T, publishes both counts
     (with the _LINKED bit) in the chunk's slots, then waits until chunks 0..c-1 have published
@@ -343,6 +347,7 @@ def _write_linked_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width,
     program publishes before it waits, so each awaited count arrives whatever the scheduler does
     (no reliance on program-id order or on the whole grid being resident). The ticket-0 program
     pads with -1 and zeroes the histograms for the next call."""
+    _pdl.enter(PDL)
     n = tl.program_id(0)
     n_vis = tl.load(nvis_ptr + n)
     ws_row = ws_ptr + n * _WS_C
@@ -383,18 +388,21 @@ class TopKPlan:
 
     max_rows: the most rows a launch may pass; k: 512 for the top-k, 2048 for candidate blocks;
     group: 1 (top-k over entries) or 8 (candidate blocks of 8 entries); chunk: elements per program
-    (more where a row would need more than _MAX_CHUNKS chunks).
-    ws: [max_rows, _WS] int32; its histograms are zero between calls (zeroed at build, left zero by
-    every call). Not for concurrent launches on two streams.
+    (more where a row would need more than _MAX_CHUNKS chunks); warps: per program at `chunk`
+    (proportionally more at larger chunks, at most 16).
+    ws: [max_rows, _WS] int32; its histograms and counters are zero between calls (zeroed at build,
+    left zero by every call). Not for concurrent launches on two streams.
     """
     max_rows: int
     k: int
     group: int
     chunk: int
     ws: torch.Tensor
+    warps: int = 4
 
     @staticmethod
-    def build(max_rows: int, k: int = 512, group: int = 1, device="cuda", chunk: int = 4096) -> "TopKPlan":
+    def build(max_rows: int, k: int = 512, group: int = 1, device="cuda", chunk: int = 4096,
+              warps: int = 4) -> "TopKPlan":
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         if not 1 <= k <= 4096:
@@ -403,7 +411,9 @@ class TopKPlan:
             raise ValueError(f"group must be a power of two, got {group}")
         if chunk < 16 or chunk & (chunk - 1):
             raise ValueError(f"chunk must be a power of two >= 16, got {chunk}")
-        return TopKPlan(max_rows, k, group, chunk, torch.zeros(max_rows, _WS, dtype=torch.int32, device=device))
+        if warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"warps must be a power of two in 1..16, got {warps}")
+        return TopKPlan(max_rows, k, group, chunk, torch.zeros(max_rows, _WS, dtype=torch.int32, device=device), warps)
 
     @property
     def hist_hi(self) -> torch.Tensor:
@@ -457,7 +467,7 @@ def _select(scores, n_vis, out, plan, mask_out, hist_ready=False):
     chunk = plan.chunk_for(n_elem)
     # a larger chunk takes proportionally more warps: the registers per thread stay as at plan.chunk
     # (sm_90, 4 warps: 128 registers for the write kernel at 4096; 229 at 8192, 164 with 8 warps)
-    warps = min(16, 4 * (chunk // plan.chunk))
+    warps = min(16, plan.warps * (chunk // plan.chunk))
     grid = (scores.shape[0], triton.cdiv(n_elem, chunk))
     scratch = mask_out and g >= 2      # block keys kept in the mask row between the passes
     args = (scores, n_vis, plan.ws, out, scores.stride(0), out.stride(0), out.shape[1])
@@ -470,23 +480,26 @@ def _select(scores, n_vis, out, plan, mask_out, hist_ready=False):
                         num_warps=warps)
 
 
-def _select_linked(scores, n_vis, out, plan, hist_ready):
+def _select_linked(scores, n_vis, out, plan, hist_ready, pdl):
     """The linked top-k: the high-byte histogram (unless ready), `_lo_select_kernel`,
-    `_write_linked_kernel`."""
+    `_write_linked_kernel`; each launched with PDL when asked (it waits for its predecessor before
+    its first access)."""
     n_elem = scores.shape[1]
     chunk = plan.chunk_for(n_elem)
-    warps = min(16, 4 * (chunk // plan.chunk))     # as in _select
+    warps = min(16, plan.warps * (chunk // plan.chunk))     # as in _select
     grid = (scores.shape[0], triton.cdiv(n_elem, chunk))
+    opt = _pdl.launch_options(pdl)
     if not hist_ready:
         _hist_hi_kernel[grid](scores, n_vis, plan.ws, out, scores.stride(0), out.stride(0), out.shape[1],
-                              GROUP=1, CHUNK=chunk, SCRATCH=False, num_warps=warps)
-    _lo_select_kernel[grid](scores, n_vis, plan.ws, scores.stride(0), K=plan.k, CHUNK=chunk, num_warps=warps)
+                              GROUP=1, CHUNK=chunk, SCRATCH=False, PDL=pdl, num_warps=warps, **opt)
+    _lo_select_kernel[grid](scores, n_vis, plan.ws, scores.stride(0), K=plan.k, CHUNK=chunk, PDL=pdl,
+                            num_warps=warps, **opt)
     _write_linked_kernel[grid](scores, n_vis, plan.ws, out, scores.stride(0), out.stride(0), out.shape[1],
-                               CHUNK=chunk, BLOCK_K=1024, num_warps=warps)
+                               CHUNK=chunk, BLOCK_K=1024, PDL=pdl, num_warps=warps, **opt)
 
 
 def topk_ascending_(scores: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor, plan: TopKPlan, *,
-                    hist_ready: bool = False, separate_count: bool = False) -> torch.Tensor:
+                    hist_ready: bool = False, separate_count: bool = False, pdl: bool = False) -> torch.Tensor:
     """out[n] = indices of the min(k, n_vis[n]) largest scores[n, :n_vis[n]], ascending; entries scored
     -inf become -1; -1 padded to out's width. At equal scores the higher index wins (of the entries
     tied at the threshold, the highest-indexed are taken), as `reference.indexer.topk_ascending`.
@@ -500,6 +513,8 @@ def topk_ascending_(scores: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor
     histogram pass is then left out (the call zeroes the histogram as usual).
     separate_count: the four-launch path (count and write as separate launches, the module
     docstring's launches 1-4) instead of the linked one; the same output, kept as its check.
+    pdl: launch the linked path's kernels with programmatic dependent launch (`ops.pdl`; sm_90 and
+    not the interpreter, else an error), so each one's launch overlaps its predecessor's tail.
     Returns out.
     """
     _validate(scores, n_vis, out, plan, torch.int32, "out")
@@ -507,6 +522,9 @@ def topk_ascending_(scores: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor
         raise ValueError(f"plan: top-k needs group 1, got {plan.group}")
     if out.shape[1] != plan.k:
         raise ValueError(f"out: width {out.shape[1]} must equal plan.k={plan.k}")
+    if pdl and not _pdl.supported(scores.device):
+        raise ValueError(f"pdl: programmatic dependent launch needs sm_90 or later outside the interpreter "
+                         f"(scores on {scores.device})")
     if scores.shape[0] == 0:
         return out
     n_rows, n_cols = scores.shape
@@ -519,7 +537,7 @@ def topk_ascending_(scores: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor
     elif separate_count:
         _select(scores, n_vis, out, plan, False, hist_ready)
     else:
-        _select_linked(scores, n_vis, out, plan, hist_ready)
+        _select_linked(scores, n_vis, out, plan, hist_ready, pdl)
     return out
 
 
