@@ -2,7 +2,8 @@
 step 7), by a two-pass radix select on the scores' BF16 bits; no buffer grows with the context.
 
 Ranking. Scores are FP32 holding BF16-representable values (unchecked: only the top 16 bits are
-ranked, so other values tie with their BF16 truncation). Each element gets an order-preserving
+ranked, so other values tie with their BF16 truncation), or BF16 (the same keys for the same
+numbers, half the bytes read per pass). Each element gets an order-preserving
 16-bit key (-0.0 keyed as +0.0: equal numbers tie); -inf, NaN and everything past n_vis are never
 selected, so a row selects k_eff = min(k, n_elem, selectable elements) of its n_elem elements.
 
@@ -12,11 +13,22 @@ need = k_eff - #(> T) with the highest indices: the tie of rank r in index order
 iff r >= skip = n_tie - need. A program knows r from the number of ties in the chunks before its
 own, a per-chunk count in the workspace summed in index order, so the selection is a function of
 the scores alone: the only atomics are integer histogram increments, whose totals do not depend on
-the order they land in.
+the order they land in, and the linked path's counters, which decide which program finds T or
+writes which chunk, never what is written.
 
 Launches. A top-k row of <= _SMALL_MAX columns takes one program (`_row_topk_kernel`: two histogram
-loops, then an in-order compaction that is ascending without a sort). Otherwise four launches over
-(row, chunk):
+loops, then an in-order compaction that is ascending without a sort). A longer top-k row takes the
+linked path, three launches over (row, chunk), two when the caller's scorer has already added the
+high-byte histogram into the workspace (`hist_ready`, `key_high_histogram` says what it holds):
+  1. `_hist_hi_kernel` (left out with hist_ready), as below;
+  2. `_lo_select_kernel`: the low-byte histogram under b1, as `_hist_lo_kernel`; the row's last
+     program to arrive (an acq_rel counter per row) finds T, need and skip, so no launch of its own;
+  3. `_write_linked_kernel`: each program takes the next chunk of its row by ticket, counts its
+     keys > T and == T, publishes the counts, sums those of the chunks before its own as they
+     arrive (a look-back that cannot deadlock: see the kernel), and writes its selected indices at
+     that offset. The scores are read once per launch: three (two) passes instead of four.
+The four-launch path below stays as `separate_count=True` (the same output) and is the candidate
+mask's. Four launches over (row, chunk):
   1. `_hist_hi_kernel`: histogram of the keys' high bytes (atomics into the workspace); the
      candidate mask also keeps each block's 16-bit key in the first two of its entries' bytes in
      the mask row, so the next passes read 2 bytes a block instead of its 8 scores (32
@@ -38,8 +50,9 @@ the top-k has the same launches and passes over the scores; the candidate mask h
 (the count, which reads only 2 bytes a block, and only when a tie is split) and no memset, and
 reads the scores once instead of three times.
 
-Workspace per row (int32, `_WS` words): the two histograms, the row's saved selection, then the
-per-chunk counts (offsets `_WS_*` below).
+Workspace per row (int32, `_WS` words): the two histograms, the row's saved selection and the
+linked path's two counters, then the per-chunk counts (offsets `_WS_*` below; the linked path's
+carry a flag bit, cleared by its low-byte pass for the write pass).
 """
 
 from __future__ import annotations
