@@ -1,7 +1,9 @@
 """Cache-record writers of one decode step (spec section 3 steps 2-6, section 5 RoPE, section 6 records).
 
 - `qkv_rope_insert_`: query RoPE in place and window-KV RoPE + MXFP8 + insert of the 528-byte
-  record into the window ring, one launch;
+  record into the window ring, one launch (`query_rope_`: the query half alone; `window_insert`:
+  the window half as a jit function, which `ops.rms_norm.rms_norm_pair_` also runs on the kv row it
+  has just normalized);
 - `compressed_kv_store_` / `index_key_store_` / `compressed_entry_store_`: RoPE at each group's
   first position + NVFP4 (288-byte record) and k_norm + RoPE + MXFP4 (68-byte index key), each
   alone or both in one launch.
@@ -42,15 +44,37 @@ _HALF_ROPE = ROPE_DIM // 2
 
 
 @triton.jit
+def rope_rotate(xe, xo, c, s):
+    """The rotation of spec section 5 in FP32, before the BF16 rounding: (re, im) = (xe c - xo s,
+    xe s + xo c), each product and sum rounded to FP32 as torch's complex multiply does, provided
+    the launch passes enable_fp_fusion=False (no FMA contraction; the interpreter never contracts).
+    The one Triton home of the formula; the Gluon GEMM's epilogue (`ops.gluon_mm._rope_tile`)
+    writes the same roundings with explicit round-to-nearest operations."""
+    return xe * c - xo * s, xe * s + xo * c
+
+
+@triton.jit
 def rope_pairs(xe, xo, cs_ptr_row, sn_ptr_row, j, FIRST: tl.constexpr):
     """(even, odd) of pairs j rotated by cos/sin[j - FIRST] where j >= FIRST, rounded to BF16 (as
     FP32); other pairs unchanged. xe, xo: FP32 holding BF16 values."""
     rot = j >= FIRST
     c = tl.load(cs_ptr_row + (j - FIRST), mask=rot, other=1.0)
     s = tl.load(sn_ptr_row + (j - FIRST), mask=rot, other=0.0)
-    re = xe * c - xo * s
-    im = xe * s + xo * c
+    re, im = rope_rotate(xe, xo, c, s)
     return tl.where(rot, bf16_round(re), xe), tl.where(rot, bf16_round(im), xo)
+
+
+@triton.jit
+def window_insert(xe, xo, cs_row, sn_row, slots_ptr, n, pool_ptr, S, stride_pool, REQUANT: tl.constexpr):
+    """Window KV of row n: RoPE on pairs 224..255 of (xe, xo) [16 blocks, 16 pairs] (FP32 holding
+    the BF16 kv after kv_norm, pair j = 16 * block + lane), MXFP8 blocks of 32 = 16 pairs, the
+    528-byte record stored at row slots[n] of the pool when that slot is in [0, S)."""
+    j = tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :]
+    xe, xo = rope_pairs(xe, xo, cs_row, sn_row, j, 224)
+    slot = tl.load(slots_ptr + n)
+    ok = (slot >= 0) & (slot < S)
+    rec = pool_ptr + tl.where(ok, slot, 0) * stride_pool
+    _window_record(xe, xo, rec, ok, REQUANT)
 
 
 @triton.jit
@@ -70,39 +94,46 @@ def _window_record(xe, xo, rec_ptr, ok, REQUANT: tl.constexpr):
 
 
 @triton.jit
+def _query_rope(q_ptr, cs_row, sn_row, n, hb0, H, stride_qn, stride_qh, HB: tl.constexpr):
+    """Queries of row n: heads hb0*HB .. +HB, dims 448..511 rotated in place (int16 bits of BF16)."""
+    h = hb0 * HB + tl.arange(0, HB)
+    i = tl.arange(0, 32)
+    ptr = q_ptr + n * stride_qn + h[:, None].to(tl.int64) * stride_qh + 448 + 2 * i[None, :]
+    m = h[:, None] < H
+    qe = bf16_widen(tl.load(ptr, mask=m, other=0))
+    qo = bf16_widen(tl.load(ptr + 1, mask=m, other=0))
+    c = tl.load(cs_row + i)[None, :]
+    s = tl.load(sn_row + i)[None, :]
+    re, im = rope_rotate(qe, qo, c, s)
+    tl.store(ptr, bf16_rne_bits(re), mask=m)
+    tl.store(ptr + 1, bf16_rne_bits(im), mask=m)
+
+
+@triton.jit
 def _qkv_rope_insert_kernel(
     q_ptr, kv_ptr, cos_ptr, sin_ptr, slots_ptr, pool_ptr,
     H, S, stride_qn, stride_qh, stride_kvn, stride_cn, stride_sn, stride_pool,
-    HB: tl.constexpr, REQUANT: tl.constexpr, PDL: tl.constexpr = False,
+    HB: tl.constexpr, REQUANT: tl.constexpr, PDL: tl.constexpr = False, WINDOW: tl.constexpr = True,
 ):
+    # Grid (rows, 1 + head blocks): program (n, 0) the window record of row n, (n, b) for b >= 1
+    # its queries' head block b - 1; WINDOW=False: (rows, head blocks), queries only.
     pdl.enter(PDL)
     n = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     cs_row = cos_ptr + n * stride_cn
     sn_row = sin_ptr + n * stride_sn
-    if b == 0:
-        # Window KV: RoPE on pairs 224..255, MXFP8 blocks of 32 = 16 pairs, insert at the slot.
-        j = tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :]  # [16 blocks, 16 pairs]
-        row = kv_ptr + n * stride_kvn
-        xe = tl.load(row + 2 * j).to(tl.float32)
-        xo = tl.load(row + 2 * j + 1).to(tl.float32)
-        xe, xo = rope_pairs(xe, xo, cs_row, sn_row, j, 224)
-        slot = tl.load(slots_ptr + n)
-        ok = (slot >= 0) & (slot < S)
-        rec = pool_ptr + tl.where(ok, slot, 0) * stride_pool
-        _window_record(xe, xo, rec, ok, REQUANT)
+    if WINDOW:
+        if b == 0:
+            # Window KV: RoPE on pairs 224..255, MXFP8 blocks of 32 = 16 pairs, insert at the slot.
+            j = tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :]  # [16 blocks, 16 pairs]
+            row = kv_ptr + n * stride_kvn
+            xe = tl.load(row + 2 * j).to(tl.float32)
+            xo = tl.load(row + 2 * j + 1).to(tl.float32)
+            window_insert(xe, xo, cs_row, sn_row, slots_ptr, n, pool_ptr, S, stride_pool, REQUANT)
+        else:
+            _query_rope(q_ptr, cs_row, sn_row, n, b - 1, H, stride_qn, stride_qh, HB)
     else:
-        # Queries: heads (b-1)*HB .. +HB, dims 448..511 in place (int16 bits of BF16).
-        h = (b - 1) * HB + tl.arange(0, HB)
-        i = tl.arange(0, 32)
-        ptr = q_ptr + n * stride_qn + h[:, None].to(tl.int64) * stride_qh + 448 + 2 * i[None, :]
-        m = h[:, None] < H
-        qe = bf16_widen(tl.load(ptr, mask=m, other=0))
-        qo = bf16_widen(tl.load(ptr + 1, mask=m, other=0))
-        c = tl.load(cs_row + i)[None, :]
-        s = tl.load(sn_row + i)[None, :]
-        tl.store(ptr, bf16_rne_bits(qe * c - qo * s), mask=m)
-        tl.store(ptr + 1, bf16_rne_bits(qe * s + qo * c), mask=m)
+        _query_rope(q_ptr, cs_row, sn_row, n, b, H, stride_qn, stride_qh, HB)
 
 
 @triton.jit
@@ -166,6 +197,15 @@ def _check_rope(cos, sin, n: int, device) -> None:
     require_tensor(sin, "sin", (torch.float32,), (n, _HALF_ROPE), device)
 
 
+def _check_query(q) -> tuple[int, int]:
+    """The checks of a query tensor [N, H, 512] bfloat16; returns (N, H)."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 3:
+        raise ValueError(f"q must be a 3-D tensor [N, H, 512], got {getattr(q, 'shape', type(q).__name__)}")
+    n, h = q.shape[0], q.shape[1]
+    require_tensor(q, "q", (torch.bfloat16,), (n, h, DIM))
+    return n, h
+
+
 def _check_slots(slots, n: int, device) -> None:
     require_tensor(slots, "slots", (torch.int64,), (n,), device)
 
@@ -184,11 +224,8 @@ def qkv_rope_insert_(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: 
     slots: [N] int64 ring slot of each row (`req_slot * W + p % W`); outside [0, S): not written.
     window: [S, 528] uint8 pool; row slots[r] gets `pack_window_kv(rope_tail(kv, cis, 64))[r]`.
     """
-    if not isinstance(q, torch.Tensor) or q.dim() != 3:
-        raise ValueError(f"q must be a 3-D tensor [N, H, 512], got {getattr(q, 'shape', type(q).__name__)}")
-    n, h = q.shape[0], q.shape[1]
+    n, h = _check_query(q)
     dev = q.device
-    require_tensor(q, "q", (torch.bfloat16,), (n, h, DIM))
     require_tensor(kv, "kv", (torch.bfloat16,), (n, DIM), dev)
     _check_rope(cos, sin, n, dev)
     _check_slots(slots, n, dev)
@@ -201,6 +238,21 @@ def qkv_rope_insert_(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: 
         q.view(torch.int16), kv, cos, sin, slots, window,
         h, window.shape[0], q.stride(0), q.stride(1), kv.stride(0), cos.stride(0), sin.stride(0),
         window.stride(0), HB=hb, REQUANT=bool(requant), PDL=False, num_warps=4, enable_fp_fusion=False,
+    )
+
+
+def query_rope_(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """The query half of `qkv_rope_insert_` alone (the step's path where the window insert ran in
+    `rms_norm_pair_` and the GEMM had no RoPE epilogue): dims 448..511 of every head of q [N, H,
+    512] bfloat16 rotated in place, the same bits."""
+    n, h = _check_query(q)
+    _check_rope(cos, sin, n, q.device)
+    if n == 0:
+        return
+    hb = min(triton.next_power_of_2(max(h, 1)), 16)
+    _qkv_rope_insert_kernel[(n, triton.cdiv(h, hb))](
+        q.view(torch.int16), cos, cos, sin, cos, cos, h, 0, q.stride(0), q.stride(1), 0, cos.stride(0),
+        sin.stride(0), 0, HB=hb, REQUANT=False, PDL=False, WINDOW=False, num_warps=4, enable_fp_fusion=False,
     )
 
 

@@ -20,6 +20,8 @@ from . import pdl
 from .checks import require_tensor
 from .act_quant import mxfp8_blocks
 from .fp4 import bf16_round
+from .kv_write import DIM as KV_DIM, ROPE_DIM, window_insert
+from ..records import WINDOW_KV_BYTES
 from .rounding import bf16_rne_bits, bf16_widen
 
 MAX_DIM = 8192
@@ -28,7 +30,8 @@ MAX_DIM = 8192
 @triton.jit
 def _rms_norm_row(x_row, w_ptr, o_row, c_row, s_row, eps, D: tl.constexpr, BLOCK: tl.constexpr,
                   ROUND_IN: tl.constexpr, QUANT: tl.constexpr):
-    """One row: o = bf16(w * (x * 1/sqrt(mean(x^2) + eps))), optionally its MXFP8 codes and scales."""
+    """One row: o = bf16(w * (x * 1/sqrt(mean(x^2) + eps))), optionally its MXFP8 codes and scales.
+    Returns o's int16 bits [BLOCK]."""
     d = tl.arange(0, BLOCK)
     mask = d < D
     x = tl.load(x_row + d, mask=mask, other=0.0).to(tl.float32)
@@ -47,6 +50,7 @@ def _rms_norm_row(x_row, w_ptr, o_row, c_row, s_row, eps, D: tl.constexpr, BLOCK
         tl.store(c_row + d, tl.reshape(codes, (BLOCK,)), mask=mask)
         kb = tl.arange(0, NB)
         tl.store(s_row + kb, scale_byte.to(tl.uint8), mask=kb < D // 32)
+    return bits
 
 
 @triton.jit
@@ -62,17 +66,23 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, codes_ptr, scales_ptr, eps, stride_x
 @triton.jit
 def _rms_norm_pair_kernel(xa_ptr, wa_ptr, oa_ptr, ca_ptr, sa_ptr, xb_ptr, wb_ptr, ob_ptr, eps,
                           stride_xa, stride_oa, stride_ca, stride_sa, stride_xb, stride_ob,
+                          cos_ptr, sin_ptr, slots_ptr, pool_ptr, S, stride_cn, stride_sn, stride_pool,
                           D_A: tl.constexpr, BLOCK_A: tl.constexpr, D_B: tl.constexpr, BLOCK_B: tl.constexpr,
-                          PDL: tl.constexpr = False):
-    # Program (row n, 0): row n of a with its MXFP8; program (row n, 1): row n of b.
+                          PDL: tl.constexpr = False, WINDOW: tl.constexpr = False):
+    # Program (row n, 0): row n of a with its MXFP8; program (row n, 1): row n of b, and with
+    # WINDOW its window record (`kv_write.window_insert`) from the BF16 values it just rounded.
     pdl.enter(PDL)
     n = tl.program_id(0).to(tl.int64)
     if tl.program_id(1) == 0:
         _rms_norm_row(xa_ptr + n * stride_xa, wa_ptr, oa_ptr + n * stride_oa, ca_ptr + n * stride_ca,
                       sa_ptr + n * stride_sa, eps, D_A, BLOCK_A, False, True)
     else:
-        _rms_norm_row(xb_ptr + n * stride_xb, wb_ptr, ob_ptr + n * stride_ob, ob_ptr, ob_ptr, eps,
-                      D_B, BLOCK_B, False, False)
+        bits = _rms_norm_row(xb_ptr + n * stride_xb, wb_ptr, ob_ptr + n * stride_ob, ob_ptr, ob_ptr, eps,
+                             D_B, BLOCK_B, False, False)
+        if WINDOW:   # D_B = BLOCK_B = 512: the pairs (2j, 2j+1) as [16 blocks, 16 pairs] each
+            xe, xo = tl.split(tl.reshape(bf16_widen(bits), (16, 16, 2)))
+            window_insert(xe, xo, cos_ptr + n * stride_cn, sin_ptr + n * stride_sn, slots_ptr, n, pool_ptr, S,
+                          stride_pool, False)
 
 
 def _check_norm(x, weight, out, codes, scales, quant: bool, eps, x_dtypes, names, device=None) -> tuple[int, int]:
@@ -130,22 +140,42 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rms_norm_pair_(x_a: torch.Tensor, w_a: torch.Tensor, out_a: torch.Tensor, codes_a: torch.Tensor,
                    scales_a: torch.Tensor, x_b: torch.Tensor, w_b: torch.Tensor, out_b: torch.Tensor,
-                   eps: float) -> None:
+                   eps: float, *, window: torch.Tensor | None = None, slots: torch.Tensor | None = None,
+                   cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> None:
     """`rms_norm_(x_a, w_a, eps, out_a, codes_a, scales_a)` and `rms_norm_(x_b, w_b, eps, out_b)` in
     one launch (the step's q_norm with the MXFP8 of qr, and kv_norm), bit for bit the same.
     x_a, x_b: [N, D_a], [N, D_b] bfloat16 (same N; D_a a multiple of 32); shapes and dtypes of the
-    others as in `rms_norm_`."""
+    others as in `rms_norm_`.
+
+    With `window` (then slots, cos, sin too; D_b = 512): also the window-KV insert of
+    `kv_write.qkv_rope_insert_(q, out_b, cos, sin, slots, window)` (requant=False), the same bytes,
+    from the normalized rows in registers: window [S, 528] uint8 pool, slots [N] int64 (a slot
+    outside [0, S) writes nothing), cos, sin [N, 32] float32."""
     n, da = _check_norm(x_a, w_a, out_a, codes_a, scales_a, True, eps, (torch.bfloat16,),
                         ("x_a", "w_a", "out_a", "codes_a", "scales_a"))
     nb, db = _check_norm(x_b, w_b, out_b, None, None, False, eps, (torch.bfloat16,),
                          ("x_b", "w_b", "out_b", "", ""), device=x_a.device)
     if nb != n:
         raise ValueError(f"x_a and x_b must have the same rows, got {n} and {nb}")
+    insert = window is not None
+    if insert:
+        if db != KV_DIM:
+            raise ValueError(f"x_b: D={db} must be {KV_DIM} (head_dim) for the window insert")
+        dev = x_a.device
+        require_tensor(window, "window", (torch.uint8,), (None, WINDOW_KV_BYTES), dev)
+        require_tensor(slots, "slots", (torch.int64,), (n,), dev)
+        require_tensor(cos, "cos", (torch.float32,), (n, ROPE_DIM // 2), dev)
+        require_tensor(sin, "sin", (torch.float32,), (n, ROPE_DIM // 2), dev)
+    elif slots is not None or cos is not None or sin is not None:
+        raise ValueError("slots, cos and sin come with window (the window insert); window is None")
     if n == 0:
         return
     oa, ob = out_a.view(torch.int16), out_b.view(torch.int16)
     ca, sa = codes_a.view(torch.uint8), scales_a.view(torch.uint8)
+    win = (cos, sin, slots, window, window.shape[0], cos.stride(0), sin.stride(0), window.stride(0)) if insert \
+        else (oa, oa, oa, oa, 0, 0, 0, 0)
     _rms_norm_pair_kernel[(n, 2)](
         x_a, w_a, oa, ca, sa, x_b, w_b, ob, float(eps), x_a.stride(0), oa.stride(0), ca.stride(0), sa.stride(0),
-        x_b.stride(0), ob.stride(0), D_A=da, BLOCK_A=max(32, triton.next_power_of_2(da)), D_B=db,
-        BLOCK_B=max(32, triton.next_power_of_2(db)), PDL=False, num_warps=4, enable_fp_fusion=False)
+        x_b.stride(0), ob.stride(0), *win, D_A=da, BLOCK_A=max(32, triton.next_power_of_2(da)), D_B=db,
+        BLOCK_B=max(32, triton.next_power_of_2(db)), PDL=False, WINDOW=insert, num_warps=4,
+        enable_fp_fusion=False)

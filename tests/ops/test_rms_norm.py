@@ -4,7 +4,10 @@ import pytest
 import torch
 
 from dsv41_decode.formats import mxfp8_quantize
+from dsv41_decode.ops.kv_write import qkv_rope_insert_, rope_cos_sin
 from dsv41_decode.ops.rms_norm import rms_norm, rms_norm_, rms_norm_pair_
+from dsv41_decode.records import WINDOW_KV_BYTES
+from dsv41_decode.reference.rope import rope_cis
 from dsv41_decode.reference.compressor import latent
 from dsv41_decode.reference.linear import rms_norm as ref_rms_norm
 
@@ -66,6 +69,80 @@ def test_pair_equals_two_launches(n):
     with pytest.raises(ValueError, match="same rows"):
         rms_norm_pair_(qkv[:, :1024], wq, qr, codes, scales, qkv.new_zeros(n + 1, 512), wkv,
                        kv.new_zeros(n + 1, 512), 1e-6)
+
+
+def _norm_insert_case(n: int, seed: int, fused: bool, pool_rows: int = 40):
+    """(qr, codes, scales, kv, window pool) of the step's q/kv norm pair and window insert, fused
+    (`rms_norm_pair_(window=...)`) or as before (`rms_norm_pair_` then `qkv_rope_insert_`), on a
+    pool poisoned with 0xA5; slots: the rows in a scattered order, one padding row (-1) and one
+    past the pool."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = (3 * torch.randn(n, 1024 + 512, generator=g)).to(torch.bfloat16).to(_DEVICE)
+    wq = (1 + 0.1 * torch.randn(1024, generator=g)).to(torch.bfloat16).to(_DEVICE)
+    wkv = (1 + 0.1 * torch.randn(512, generator=g)).to(torch.bfloat16).to(_DEVICE)
+    pos = torch.randint(0, 200000, (n,), generator=g)
+    cis = rope_cis(1.0 / (160000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)), pos)
+    cos, sin = (t.to(_DEVICE) for t in rope_cos_sin(cis))
+    slots = torch.randperm(pool_rows, generator=g)[:n].to(torch.int64)
+    if n > 2:
+        slots[1], slots[2] = -1, pool_rows          # written nowhere
+    slots = slots.to(_DEVICE)
+    qr = torch.empty(n, 1024, dtype=torch.bfloat16, device=_DEVICE)
+    codes = torch.empty(n, 1024, dtype=torch.uint8, device=_DEVICE)
+    scales = torch.empty(n, 32, dtype=torch.uint8, device=_DEVICE)
+    kv = torch.empty(n, 512, dtype=torch.bfloat16, device=_DEVICE)
+    pool = torch.full((pool_rows, WINDOW_KV_BYTES), 0xA5, dtype=torch.uint8, device=_DEVICE)
+    if fused:
+        rms_norm_pair_(qkv[:, :1024], wq, qr, codes, scales, qkv[:, 1024:], wkv, kv, 1e-6,
+                       window=pool, slots=slots, cos=cos, sin=sin)
+    else:
+        rms_norm_pair_(qkv[:, :1024], wq, qr, codes, scales, qkv[:, 1024:], wkv, kv, 1e-6)
+        q = torch.zeros(n, 1, 512, dtype=torch.bfloat16, device=_DEVICE)
+        qkv_rope_insert_(q, kv, cos, sin, slots, pool)
+    return qr, codes, scales, kv, pool
+
+
+@pytest.mark.parametrize("n", [1, 5])
+def test_pair_with_window_insert_equals_the_separate_insert(n):
+    # The window insert in the norm launch gives qkv_rope_insert_'s record bytes (RoPE on pairs
+    # 224..255 of the normalized kv, MXFP8, at slots[r]) and leaves the norms' outputs as they were.
+    fused, apart = _norm_insert_case(n, 11 + n, True), _norm_insert_case(n, 11 + n, False)
+    for name, a, b in zip(("qr", "codes", "scales", "kv", "window"), fused, apart):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+    written = (fused[4] != 0xA5).any(dim=1).sum()
+    assert int(written) == (n - 2 if n > 2 else n)      # the padding and out-of-pool rows write nothing
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 8, 17, 64])
+def test_pair_with_window_insert_on_gpu(n):
+    fused, apart = _norm_insert_case(n, 29 + n, True, 256), _norm_insert_case(n, 29 + n, False, 256)
+    for name, a, b in zip(("qr", "codes", "scales", "kv", "window"), fused, apart):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (name, n)
+
+
+def test_window_insert_arguments_name_the_argument():
+    x = torch.zeros(2, 1024, dtype=torch.bfloat16)
+    kv_in = torch.zeros(2, 512, dtype=torch.bfloat16)
+    w1, w2 = torch.ones(1024), torch.ones(512)
+    qr, kv = torch.empty_like(x), torch.empty_like(kv_in)
+    codes, scales = torch.empty(2, 1024, dtype=torch.uint8), torch.empty(2, 32, dtype=torch.uint8)
+    pool, slots, cs = torch.zeros(4, WINDOW_KV_BYTES, dtype=torch.uint8), torch.zeros(2, dtype=torch.int64), \
+        torch.zeros(2, 32)
+    base = (x, w1, qr, codes, scales, kv_in, w2, kv, 1e-6)
+    cases = [
+        (dict(window=pool[:, :500], slots=slots, cos=cs, sin=cs), "window"),
+        (dict(window=pool, slots=slots.int(), cos=cs, sin=cs), "slots"),
+        (dict(window=pool, slots=slots, cos=cs[:, :16], sin=cs), "cos"),
+        (dict(window=pool, slots=slots, cos=cs, sin=cs.double()), "sin"),
+        (dict(slots=slots), "window"),
+    ]
+    for kwargs, word in cases:
+        with pytest.raises((ValueError, TypeError), match=word):
+            rms_norm_pair_(*base, **kwargs)
+    with pytest.raises(ValueError, match="512"):
+        rms_norm_pair_(x, w1, qr, codes, scales, x[:, :256], w1[:256], qr[:, :256], 1e-6, window=pool,
+                       slots=slots, cos=cs, sin=cs)
 
 
 def test_bad_arguments_name_the_argument():
