@@ -17,8 +17,7 @@ import torch
 
 from ..ops.allreduce_boundary import Mailbox, allreduce_boundary_
 from ..ops.hc_mix import HcMixPlan, hc_mix_
-from ..ops.mhc import MhcBoundaryPlan, mhc_boundary_
-from ..ops.rms_norm import rms_norm_
+from ..ops.mhc import MhcBoundaryPlan, mhc_boundary_, mhc_enter_
 from .lanes import AUX_INDEX_W, Lanes
 
 
@@ -59,17 +58,11 @@ class Boundary:
             return lanes.mark()
 
     def enter(self, layer: int, x: torch.Tensor, pre_in: torch.Tensor, rows: int) -> None:
-        """The first layer's input: attn_norm(collapse(x, pre_in)) as BF16 and MXFP8. A row's bits
-        do not depend on the other rows: the collapse adds the streams elementwise in order,
-        ((t0 + t1) + t2) + t3 (as `reference.mhc.hc_pre` on the CPU and `ops.mhc`), and the norm
-        runs one program per row (`ops.rms_norm`; torch's CUDA mean spreads a row over more
-        threads when the rows are fewer)."""
-        xf = x.float()
-        c = pre_in[:, 0, None] * xf[:, 0]
-        for i in range(1, xf.shape[1]):
-            c = c + pre_in[:, i, None] * xf[:, i]
-        rms_norm_(c.to(torch.bfloat16), self._w(layer, "attn_norm.weight"), self.cfg.norm_eps, self.u[:rows],
-                  self.codes[:rows], self.scales[:rows])
+        """The first layer's input: attn_norm(collapse(x, pre_in)) as BF16 and MXFP8, one launch
+        (`ops.mhc.mhc_enter_`: the collapse adds the streams in the reference's order, ((t0 + t1) +
+        t2) + t3, the norm runs one program per row, so a row's bits do not depend on the others)."""
+        mhc_enter_(x, pre_in, self._w(layer, "attn_norm.weight"), self.cfg.norm_eps, self.u[:rows],
+                   self.codes[:rows], self.scales[:rows])
 
     def exit(self, layer: int, nxt: int | None, y: torch.Tensor, x: torch.Tensor, slot: int,
              x_new: torch.Tensor, rows: int, index: int = 0) -> None:

@@ -1,6 +1,8 @@
 """The mHC boundary of a site (spec section 4): the post-mix after an attention sublayer fused with the
 collapse, RMSNorm and MXFP8 quantization of the next input, and the mixer (pre, post, comb) of a site.
 
+- `mhc_enter_`: the first site's input (the collapse, RMSNorm and MXFP8 without a post-mix), as
+  `mhc_boundary_` computes them.
 - `mhc_boundary_`: one launch, one program per row. Contract: `reference.mhc.hc_post`, then
   `reference.linear.rms_norm(reference.mhc.hc_pre(x_out, pre), norm_weight, eps)`, then
   `formats.mxfp8_quantize` of that. The new streams and the collapse are bit-exact: every product
@@ -69,11 +71,30 @@ def mix_chunk(y, x_row, stride_xh, post_row, comb_row, stride_ci, pre_row, d, ma
     b1 = _new_stream_bits(1, y, x0, x1, x2, x3, post_row, comb_row, stride_ci)
     b2 = _new_stream_bits(2, y, x0, x1, x2, x3, post_row, comb_row, stride_ci)
     b3 = _new_stream_bits(3, y, x0, x1, x2, x3, post_row, comb_row, stride_ci)
-    c = tl.load(pre_row) * bf16_widen(b0)
-    c = c + tl.load(pre_row + 1) * bf16_widen(b1)
-    c = c + tl.load(pre_row + 2) * bf16_widen(b2)
-    c = c + tl.load(pre_row + 3) * bf16_widen(b3)
-    return b0, b1, b2, b3, bf16_widen(bf16_rne_bits(c))
+    c = collapse(pre_row, bf16_widen(b0), bf16_widen(b1), bf16_widen(b2), bf16_widen(b3))
+    return b0, b1, b2, b3, c
+
+
+@triton.jit
+def collapse(pre_row, s0, s1, s2, s3):
+    """hc_pre of one chunk: bf16(((pre[0] s0 + pre[1] s1) + pre[2] s2) + pre[3] s3) widened to FP32
+    (s_i: FP32 holding the streams' BF16 values; each product and sum one FP32 rounding when the
+    kernel is compiled with enable_fp_fusion=False)."""
+    c = tl.load(pre_row) * s0
+    c = c + tl.load(pre_row + 1) * s1
+    c = c + tl.load(pre_row + 2) * s2
+    c = c + tl.load(pre_row + 3) * s3
+    return bf16_widen(bf16_rne_bits(c))
+
+
+@triton.jit
+def _enter_chunk(x_row, stride_xh, pre_row, d, mask):
+    """The collapse of the streams x (no post-mix) at the columns d of one row, FP32."""
+    x0 = tl.load(x_row + d, mask=mask, other=0.0).to(tl.float32)
+    x1 = tl.load(x_row + stride_xh + d, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_row + 2 * stride_xh + d, mask=mask, other=0.0).to(tl.float32)
+    x3 = tl.load(x_row + 3 * stride_xh + d, mask=mask, other=0.0).to(tl.float32)
+    return collapse(pre_row, x0, x1, x2, x3)
 
 
 @triton.jit
@@ -203,6 +224,37 @@ def split_finish(b0, b1, b2, b3, c, n, ch, d, mask, w_ptr, xo_ptr, u_ptr, codes_
                 ww = ww_next
 
 
+@triton.jit
+def _mhc_enter_kernel(
+    x_ptr, pre_ptr, w_ptr, u_ptr, codes_ptr, scales_ptr, eps,
+    stride_xn, stride_xh, stride_pre, stride_u, stride_codes, stride_scales,
+    D: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # One program per row: pass 1 sums the squares of the collapse, pass 2 recomputes the chunks
+    # (the same bits) and stores the normalized row and its MXFP8, as `_mhc_boundary_kernel`.
+    n = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + n * stride_xn
+    pre_row = pre_ptr + n * stride_pre
+    offs = tl.arange(0, BLOCK_D)
+    ss = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for d0 in tl.range(0, D, BLOCK_D):
+        d = d0 + offs
+        c = _enter_chunk(x_row, stride_xh, pre_row, d, d < D)
+        ss += c * c
+    total = tl.sum(ss, axis=0)
+    ms = tl.div_rn(total, tl.where(total == total, D * 1.0, D * 1.0))  # mean = sum / D, IEEE
+    root = tl.sqrt_rn(ms + eps)
+    r = tl.div_rn(tl.where(root == root, 1.0, 1.0), root)  # 1 / sqrt, both IEEE
+    u_row = u_ptr + n * stride_u
+    for d0 in tl.range(0, D, BLOCK_D):
+        d = d0 + offs
+        mask = d < D
+        c = _enter_chunk(x_row, stride_xh, pre_row, d, mask)
+        w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
+        _store_normed(c, r, w, u_row, codes_ptr + n * stride_codes, scales_ptr + n * stride_scales, d0, d, mask,
+                      D, BLOCK_D)
+
+
 @dataclass(frozen=True, eq=False)
 class MhcBoundaryPlan:
     """The split of `mhc_boundary_` over chunks of each row, and its workspace (build once).
@@ -327,6 +379,44 @@ def mhc_boundary_(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: to
         y, x, post, comb, pre, norm_weight, xo, u, codes, scales, float(eps),
         y.stride(0), x.stride(0), x.stride(1), post.stride(0), comb.stride(0), comb.stride(1), pre.stride(0),
         xo.stride(0), xo.stride(1), u.stride(0), codes.stride(0), scales.stride(0),
+        D=dim, BLOCK_D=_boundary_block_d(dim), num_warps=4, enable_fp_fusion=False,
+    )
+
+
+def mhc_enter_(x: torch.Tensor, pre: torch.Tensor, norm_weight: torch.Tensor, eps: float, u_out: torch.Tensor,
+               codes_out: torch.Tensor, scales_out: torch.Tensor) -> None:
+    """The first site's input, without a post-mix before it: u_out = rms_norm(hc_pre(x, pre),
+    norm_weight, eps) and (codes_out, scales_out) = mxfp8_quantize(u_out). One launch, one program
+    per row (a row's bits do not depend on the other rows), nothing allocated, no host sync.
+
+    x: [N, 4, dim] bfloat16 streams (any strides but a unit last one); pre: [N, 4] float32;
+    norm_weight: [dim] bfloat16 or float32; eps: a float; u_out: [N, dim] bfloat16, the collapse
+    bitwise hc_pre, the RMSNorm within one BF16 ulp of rms_norm (as `mhc_boundary_`); codes_out:
+    [N, dim] float8_e4m3fn (or uint8); scales_out: [N, dim/32] uint8 (or float8_e8m0fnu): bitwise
+    formats.mxfp8_quantize(u_out). The outputs must not overlap x (checked).
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        raise ValueError(f"x must be a 3-D tensor [N, 4, dim], got {getattr(x, 'shape', type(x).__name__)}")
+    n, dim = x.shape[0], x.shape[2]
+    if dim % 32:
+        raise ValueError(f"x: dim={dim} must be a multiple of 32 (the MXFP8 block)")
+    dev = x.device
+    require_tensor(x, "x", (torch.bfloat16,), (n, HC, dim), dev)
+    require_tensor(pre, "pre", (torch.float32,), (n, HC), dev)
+    require_tensor(norm_weight, "norm_weight", (torch.bfloat16, torch.float32), (dim,), dev)
+    require_tensor(u_out, "u_out", (torch.bfloat16,), (n, dim), dev)
+    require_tensor(codes_out, "codes_out", (torch.float8_e4m3fn, torch.uint8), (n, dim), dev)
+    require_tensor(scales_out, "scales_out", (torch.uint8, torch.float8_e8m0fnu), (n, dim // 32), dev)
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    for out, out_name in ((u_out, "u_out"), (codes_out, "codes_out"), (scales_out, "scales_out")):
+        _require_disjoint(out, out_name, x, "x")
+    if n == 0:
+        return
+    u, codes, scales = u_out.view(torch.int16), codes_out.view(torch.uint8), scales_out.view(torch.uint8)
+    _mhc_enter_kernel[(n,)](
+        x, pre, norm_weight, u, codes, scales, float(eps),
+        x.stride(0), x.stride(1), pre.stride(0), u.stride(0), codes.stride(0), scales.stride(0),
         D=dim, BLOCK_D=_boundary_block_d(dim), num_warps=4, enable_fp_fusion=False,
     )
 

@@ -400,8 +400,8 @@ def _compare_boundary(res, cfg, w, get, B, s, next_norm=None, kernels=None) -> N
         out = hc_post(rec["ffn_out"].reshape(n, -1), mid, f.post, f.comb)
     else:
         mix = kernels.mixer(x, w["hc_attn_fn"], w["hc_attn_scale"], w["hc_attn_base"], cfg)
-        if res.layer == 0:       # the step's first input: Boundary.enter, the reference collapse and norm
-            u = rms_norm(hc_pre(x, rec["pre_mix_in"].reshape(n, -1)), w["attn_norm.weight"], cfg.norm_eps)
+        if res.layer == 0:       # the step's first input (Boundary.enter)
+            u = kernels.enter(x, rec["pre_mix_in"].reshape(n, -1), w["attn_norm.weight"], cfg.norm_eps)
             u_err = ulp_distance(u, rec["attn_in"].reshape(n, -1))
         mid, _ = kernels.exit(rec["attn_out"].reshape(n, -1), x, a_post, a_comb, rec["attn_pre"].reshape(n, -1),
                               w["ffn_norm.weight"], cfg.norm_eps)

@@ -156,8 +156,9 @@ class StepReplay:
 
 
 class StepBoundaryOps:
-    """The step's boundary kernels on a trace's recorded tensors: its mixer (`ops.hc_mix.hc_mix_`)
-    and its fused post-mix + collapse + norm + MXFP8 (`ops.mhc.mhc_boundary_`), with the plans the
+    """The step's boundary kernels on a trace's recorded tensors: its mixer (`ops.hc_mix.hc_mix_`),
+    its first input (`ops.mhc.mhc_enter_`) and its fused post-mix + collapse + norm + MXFP8
+    (`ops.mhc.mhc_boundary_`), with the plans the
     step builds (`decode.boundary.Boundary`), for `rows` rows on `device`."""
 
     def __init__(self, dim: int, rows: int, device: torch.device | str):
@@ -178,6 +179,17 @@ class StepBoundaryOps:
         hc_mix_(x.to(dev).contiguous(), fn.to(dev), scale.to(dev), base.to(dev), cfg.norm_eps, cfg.hc_eps,
                 cfg.hc_sinkhorn_iters, pre, post, comb, self.mix_plan)
         return Mix(pre.cpu(), post.cpu(), comb.cpu())
+
+    def enter(self, x: torch.Tensor, pre: torch.Tensor, norm: torch.Tensor, eps: float) -> torch.Tensor:
+        """The first layer's input u [n, dim] of `mhc_enter_` (the step's `Boundary.enter`; CPU out)."""
+        from ..ops.mhc import mhc_enter_
+        dev = self.device
+        n, _, d = x.shape
+        u = torch.zeros(n, d, dtype=torch.bfloat16, device=dev)
+        codes = torch.zeros(n, d, dtype=torch.float8_e4m3fn, device=dev)
+        scales = torch.zeros(n, d // 32, dtype=torch.uint8, device=dev)
+        mhc_enter_(x.to(dev).contiguous(), pre.to(dev), norm.to(dev), eps, u, codes, scales)
+        return u.cpu()
 
     def exit(self, y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor,
              norm: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,7 @@ import triton.language as tl
 
 from dsv41_decode.formats import mxfp8_quantize
 from dsv41_decode.ops.hc_mix import HcMixPlan, hc_mix, hc_mix_
-from dsv41_decode.ops.mhc import MhcBoundaryPlan, _boundary_chunk, mhc_boundary, mhc_boundary_
+from dsv41_decode.ops.mhc import MhcBoundaryPlan, _boundary_chunk, mhc_boundary, mhc_boundary_, mhc_enter_
 from dsv41_decode.ops.rounding import bf16_rne_bits
 from dsv41_decode.reference.linear import rms_norm
 from dsv41_decode.reference.mhc import hc_mixes, hc_post, hc_pre, sinkhorn
@@ -212,6 +212,41 @@ def test_collapse_is_bitwise_hc_pre(n, dim):
     boundary kernel runs, applied to one chunk that covers the row)."""
     for y, x, post, comb, pre, _ in (_boundary_case(n, dim, seed=7 * n + dim), _cancelling_case(n, dim, seed=n)):
         _check_collapse(y, x, post, comb, pre)
+
+
+@pytest.mark.parametrize("n, dim", [(1, 64), (3, 256), (2, 2560)])
+def test_enter_matches_reference(n, dim):
+    """The first site's input (no post-mix): the collapse bitwise hc_pre, u within one BF16 ulp of
+    rms_norm(hc_pre(x, pre)) (its sum of squares in the kernel's order, as `mhc_boundary_`), the
+    MXFP8 bitwise mxfp8_quantize(u); strided streams (a slice of a wider buffer)."""
+    _, x, _, _, pre, w = _boundary_case(n, dim, seed=31 * n + dim)
+    wide = torch.zeros(n, 6, dim, dtype=torch.bfloat16)
+    wide[:, 1:5] = x
+    xs, pre_d, w_d = _dev(wide[:, 1:5], pre, w)
+    u = torch.empty(n, dim, dtype=torch.bfloat16, device=_DEVICE)
+    codes = torch.empty(n, dim, dtype=torch.float8_e4m3fn, device=_DEVICE)
+    scales = torch.empty(n, dim // 32, dtype=torch.uint8, device=_DEVICE)
+    mhc_enter_(xs, pre_d, w_d, _EPS, u, codes, scales)
+    want_u = rms_norm(hc_pre(x, pre), w, _EPS)
+    assert _ulps_bf16(u.cpu(), want_u) <= 1, f"u is {_ulps_bf16(u.cpu(), want_u)} BF16 ulps from rms_norm(hc_pre(x))"
+    want_codes, want_scales = mxfp8_quantize(u.cpu())
+    assert torch.equal(codes.cpu().view(torch.uint8), want_codes.view(torch.uint8))
+    assert torch.equal(scales.cpu(), want_scales)
+
+
+def test_enter_rejects_bad_arguments():
+    x = torch.zeros(2, 4, 64, dtype=torch.bfloat16)
+    pre, w = torch.zeros(2, 4), torch.ones(64, dtype=torch.bfloat16)
+    u, codes, scales = torch.empty(2, 64, dtype=torch.bfloat16), torch.empty(2, 64, dtype=torch.uint8), \
+        torch.empty(2, 2, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="pre must"):
+        mhc_enter_(x, torch.zeros(2, 3), w, _EPS, u, codes, scales)
+    with pytest.raises(ValueError, match="x: dim=48"):
+        mhc_enter_(torch.zeros(2, 4, 48, dtype=torch.bfloat16), pre, w, _EPS, u, codes, scales)
+    with pytest.raises(ValueError, match="u_out must not overlap x"):
+        mhc_enter_(x, pre, w, _EPS, x[:, 0], codes, scales)
+    with pytest.raises(TypeError, match="eps must be a float"):
+        mhc_enter_(x, pre, w, None, u, codes, scales)
 
 
 def test_boundary_real_dim_one_row():
