@@ -47,3 +47,24 @@ def test_attn_plot_from_committed_records(tmp_path):
     assert all("bf16_path" in r["baselines"] for r in rows if r["case"]["op"] == "indexer_logits")
     plot_attn(rows, tmp_path / "attn.png")
     assert (tmp_path / "attn.png").stat().st_size > 1000
+
+
+def test_step_weight_bytes_counts_the_fp8_wo_a_a_step_reads(tmp_path):
+    """The FP8-wo_a headline's floor: the stack's bytes with each layer's BF16 wo_a replaced by the
+    step's FP8 copy and its UE8M0 scales (one byte per 32 x 32 block)."""
+    import torch
+    from helpers import reduced_config
+    from dsv41_decode.bench.step import step_weight_bytes, weight_bytes
+    from dsv41_decode.stack import AttentionStack
+    from dsv41_decode.state import DecodeState
+    from dsv41_decode.weights import load_checkpoint, write_synthetic_checkpoint
+    cfg = reduced_config()
+    stack = AttentionStack(load_checkpoint(write_synthetic_checkpoint(cfg, tmp_path, seed=1)))
+    state = DecodeState(cfg, max_requests=1, max_context=16, page_size=4, stage_rows=1)
+    plain = stack.decode_step(state, max_rows=1, graphs=False)
+    fp8 = stack.decode_step(state, max_rows=1, graphs=False, wo_a_fp8=True)
+    assert step_weight_bytes(plain, stack) == weight_bytes(stack)
+    wo_a = [layer.w["attn.wo_a.weight"] for layer in stack.layers.values()]
+    assert all(w.dtype == torch.bfloat16 for w in wo_a)
+    saved = sum(w.numel() * 2 - w.numel() - (w.shape[0] // 32) * (w.shape[1] // 32) for w in wo_a)
+    assert weight_bytes(stack) - step_weight_bytes(fp8, stack) == saved

@@ -4,7 +4,8 @@ any machine: `dsv41-decode plot docs/results/step-h200.jsonl`).
 One panel per context: the 40-layer step time against the rows (one row per request), the
 specialized step and each baseline variant the file holds (no_overlap, wo_a_fp8, and, for a
 TP file, the collective boundary and the TP1 step), with the step floor (weights and cache bytes
-over the measured read bandwidth) as a dashed line. A TP file adds a panel of the boundary alone.
+over the measured read bandwidth) as a dotted line, and the FP8-`wo_a` layout's own floor where the
+file holds its headline rows (`"wo_a": "fp8"`). A TP file adds a panel of the boundary alone.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ def plot_step(rows: list[dict], path: str | Path) -> Path:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    steps = [r for r in rows if r["case"].get("op") == "step_40_layers" and "+" not in r["case"].get("requests", "")]
+    steps = [r for r in rows if r["case"].get("op") == "step_40_layers" and "+" not in r["case"].get("requests", "")
+             and "wo_a" not in r["case"]]
+    fp8 = [r for r in rows if r["case"].get("op") == "step_40_layers" and r["case"].get("wo_a") == "fp8"]
     bounds = [r for r in rows if r["case"].get("op") == "boundary"]
     if not steps and not bounds:
         raise ValueError("no step_40_layers or boundary rows to plot")
@@ -51,6 +54,10 @@ def plot_step(rows: list[dict], path: str | Path) -> Path:
                 ax.plot(*zip(*pts), ".--", label=f"TP{tp} {b}" if tp > 1 else b)
             ax.plot(xs, [r["floor_us"] / 1e3 for r in cur], ":", color="gray",
                     label="step floor" if tp == 1 else f"TP{tp} floor (per GPU)")
+        own = sorted((r for r in fp8 if r["case"]["context"] == ctx), key=lambda r: r["case"]["rows"])
+        if own:      # the FP8-wo_a layout's own floor (its step is the wo_a_fp8 line)
+            ax.plot([r["case"]["rows"] for r in own], [r["floor_us"] / 1e3 for r in own], ":", color="silver",
+                    label="floor, FP8 wo_a")
         _style(ax, "rows (one per request)", "ms per step", f"context {ctx // 1024}K")
     if bounds:
         ax = axes[0][-1]
