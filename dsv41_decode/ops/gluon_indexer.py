@@ -1,0 +1,320 @@
+"""Indexer logits over 68-byte MXFP4 index keys in Gluon for Hopper (sm_90): the scores of
+`ops.indexer.index_scores_mxfp4_`'s FP8 path (`fp8_dot=True`, the decode step's) with the same
+arguments, on tensor cores at the keys' read speed (spec section 3, step 7; spec decision 5).
+
+score[n, j] = bf16(sum_h bf16(w[n, h] * relu(bf16(iq[n, h] . key[j])))) for the visible entries
+j < n_vis[n] of request slot req_slot[n]; -inf past n_vis and (with a candidate mask) outside it.
+
+How the kernel runs (one warpgroup a program; grid (rows, programs per row), each program looping
+over its row's tiles of BLOCK_E = 64 entries: tile p, p + P, ...):
+
+- **Records by cp.async.** A tile's records (entry j -> pool record block_table[slot, j // page] *
+  page + j % page: any page, 4-byte aligned records) are copied as 16 code words [64, 16] and the
+  scale word into a ring of STAGES shared-memory slots with the asynchronous copy (coalesced 4-byte
+  copies: a warp reads two whole records per instruction). STAGES - 1 tiles are in flight while a
+  program scores one; masked entries (past n_vis, outside the candidate mask) are not read.
+- **E2M1 -> E4M3 by integer ops, into shared memory.** Each code word (8 nibbles: key dims 8w ..
+  8w + 7) becomes two words of E4M3 bytes in dim order: `ops.indexer`'s byte trick (E4M3 byte
+  ((c & 7) << 2) | ((c & 8) << 4) is exactly E2M1(c) * 2^-6), four bytes an operation, then two
+  byte permutes (prmt) interleave the low and high nibbles' bytes. The [64, 128] E4M3 key tile is
+  stored 128-byte swizzled for the wgmma.
+- **Four FP8 wgmmas, one per scale block.** The keys are the wgmma's M (64), the row's heads its
+  N (BLOCK_H: the heads padded to a power of two >= 16, as `ops.indexer`), K = 32: a block's exact
+  partial (products of E2M1 values times 2^-12, a 32-term sum of 13 bits: exact in the tensor
+  core's accumulator) from a zero accumulator. The query is `ops.indexer._q_block_e4m3`'s per
+  block, computed once per program into shared memory: E4M3 q' and the per-head power of two f.
+- **The epilogue as `ops.indexer`'s FP8 path**: acc = (d_0 f_0) k_0, then acc += (d_b f_b) k_b for
+  blocks 1, 2, 3 in order (k_b the key's block scale 2^(byte - 127)); bf16, relu, times w, bf16,
+  the FP32 sum over heads (`gl.sum` in the wgmma's accumulator layout: the same layout as the
+  Triton path's dot result at BLOCK_H heads, so the same reduction order), bf16. Each scale is a
+  power of two and each block partial is exact, so every product above is exact (barring
+  overflow or subnormals) and the adds are the Triton path's adds in the Triton path's order.
+- **The optional histogram** (`hist`, a top-k workspace): each program histograms the high byte of
+  its visible scores' 16-bit order-preserving keys (`ops.topk._keys`, group 1: -0.0 keyed as +0.0;
+  -inf, NaN and entries past n_vis not counted) in registers, then adds its nonzero bins into
+  hist[row, 0:256] with one relaxed atomic each (integer sums: the totals do not depend on the
+  order they land in).
+
+Past the visible tiles, each program writes -inf to its share of the tiles up to max_entries.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+
+from .common import is_sm90, num_sms
+from .fp4 import bf16_round
+from .indexer import index_scores_args
+
+BLOCK_E = 64          # entries per tile: the wgmma's M (one warpgroup)
+HIST_BINS = 256       # the high byte of a score's 16-bit key
+MAX_STAGES = 12
+_BLOCK_E = gl.constexpr(BLOCK_E)
+_HIST_BINS = gl.constexpr(HIST_BINS)
+_WORDS = gl.constexpr(17)      # int32 words per 68-byte record: 16 code words, then the 4 scale bytes
+
+
+@gluon.jit
+def _widen(words):
+    """(lo, hi) int32: the E4M3 bytes of the 8 E2M1 nibbles of each code word (key dims 8w .. 8w+7,
+    low nibble first) in dim order: lo holds dims 8w .. 8w+3, hi dims 8w+4 .. 8w+7. The per-byte
+    maps are `ops.indexer._e4m3_of_nibbles`'s, four bytes an operation; prmt interleaves them."""
+    return gl.inline_asm_elementwise(
+        "{\n\t.reg .b32 l, h, t;\n\t"
+        "and.b32 l, $2, 0x07070707;\n\tshl.b32 l, l, 2;\n\t"
+        "and.b32 t, $2, 0x08080808;\n\tshl.b32 t, t, 4;\n\tor.b32 l, l, t;\n\t"
+        "shr.b32 h, $2, 2;\n\tand.b32 h, h, 0x1C1C1C1C;\n\t"
+        "and.b32 t, $2, 0x80808080;\n\tor.b32 h, h, t;\n\t"
+        "prmt.b32 $0, l, h, 0x5140;\n\tprmt.b32 $1, l, h, 0x7362;\n\t}",
+        "=r,=r,r", [words], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+
+
+@gluon.jit
+def _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, blk: gl.constexpr, BLOCK_H: gl.constexpr,
+             q_l: gl.constexpr, col_l: gl.constexpr):
+    """Query block blk (dims 32 blk ..) of row n as `ops.indexer._q_block_e4m3` makes it: E4M3 q'
+    [BLOCK_H, 32] stored into q_smem's columns 32 blk .. 32 blk + 31, and the per-head power of two
+    f (q = q' f / 2^6 exactly) returned in `col_l` (0 past `heads`: q' = 0 there)."""
+    rh = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_l))
+    rk = gl.arange(0, 32, layout=gl.SliceLayout(0, q_l))
+    q = gl.load(iq_ptr + n.to(gl.int64) * iq_sn + rh[:, None] * iq_sh + (blk * 32 + rk)[None, :],
+                mask=(rh < heads)[:, None] & (rk < 32)[None, :], other=0.0).to(gl.float32)
+    amax = gl.max(gl.abs(q), axis=1)
+    e = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
+    e = gl.minimum(gl.maximum(e, 1), 244)
+    down = ((250 - e) << 23).to(gl.float32, bitcast=True)
+    up = ((e + 10) << 23).to(gl.float32, bitcast=True)
+    q_smem.slice(blk * 32, 32, dim=1).store((q * down[:, None]).to(gl.float8e4nv))
+    return gl.convert_layout(up, col_l)
+
+
+@gluon.jit
+def _issue(raw_s, scl_s, pool_ptr, bt_ptr, slot, bt_stride, n_vis, cand_row, tile, PAGE: gl.constexpr,
+           HAS_CAND: gl.constexpr, copy_l: gl.constexpr, scl_l: gl.constexpr):
+    """Start the asynchronous copies of tile `tile`'s records into ring slot (raw_s [64, 16] code
+    words, scl_s [64, 2]: column 0 the scale word), one commit group; entries past n_vis (or outside
+    the candidate mask) are not read (a tile past the row's last is an empty group)."""
+    offs = tile * _BLOCK_E + gl.arange(0, _BLOCK_E, layout=gl.SliceLayout(1, copy_l))
+    vis = offs < n_vis
+    if HAS_CAND:
+        vis = vis & (gl.load(cand_row + offs, mask=vis, other=0) != 0)
+    blk = gl.load(bt_ptr + slot * bt_stride + offs // PAGE, mask=vis, other=0)
+    # Through an opaque move: Triton's alignment analysis would take every blk * PAGE + offs % PAGE
+    # for a multiple of PAGE and copy 16 bytes at a time from records that are 4-byte aligned (as
+    # `ops.indexer` avoids by not specializing the page).
+    rec = gl.inline_asm_elementwise("mov.b64 $0, $1;", "=l,l", [blk.to(gl.int64) * PAGE + offs % PAGE],
+                                    dtype=gl.int64, is_pure=True, pack=1)
+    rw = gl.arange(0, 16, layout=gl.SliceLayout(0, copy_l))
+    async_copy.async_copy_global_to_shared(raw_s, pool_ptr + rec[:, None] * _WORDS + rw[None, :],
+                                           mask=vis[:, None] & (rw < 16)[None, :])
+    rec_s = gl.convert_layout(rec, gl.SliceLayout(1, scl_l))
+    vis_s = gl.convert_layout(vis, gl.SliceLayout(1, scl_l))
+    rc = gl.arange(0, 2, layout=gl.SliceLayout(0, scl_l))
+    async_copy.async_copy_global_to_shared(scl_s, pool_ptr + rec_s[:, None] * _WORDS + 16 + rc[None, :],
+                                           mask=vis_s[:, None] & (rc == 0)[None, :])
+    async_copy.commit_group()
+
+
+@gluon.jit
+def _block_scale(sw, blk: gl.constexpr):
+    """2^(byte - 127) of scale byte blk of the scale words sw, as `ops.indexer` reads it."""
+    return (((sw >> (8 * blk)) & 0xFF) << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _score_keys_hi(score):
+    """The high byte of `ops.topk._keys`'s order-preserving 16-bit key of each score (group 1)."""
+    b = (score.to(gl.int32, bitcast=True) >> 16) & 0xFFFF
+    b = gl.where(b == 0x8000, 0, b)                  # -0.0 ties with +0.0
+    key = gl.where(b >= 0x8000, 0xFFFF - b, b | 0x8000)
+    return key >> 8
+
+
+@gluon.jit(do_not_specialize=["heads", "max_entries", "bt_stride", "iq_sn", "iq_sh", "w_sn", "cand_sn", "out_sn",
+                              "hist_sn"])
+def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_ptr, cand_ptr, out_ptr, hist_ptr,
+                               heads, max_entries, bt_stride, iq_sn, iq_sh, w_sn, cand_sn, out_sn, hist_sn,
+                               PAGE: gl.constexpr, BLOCK_H: gl.constexpr, STAGES: gl.constexpr,
+                               HAS_CAND: gl.constexpr, HIST: gl.constexpr):
+    n = gl.program_id(0)
+    pid = gl.program_id(1)
+    nprog = gl.num_programs(1)
+
+    # the records' copy: four words of one record a thread, a warp's lanes along 8 records' code
+    # words (512 contiguous bytes but for the scale words between records); two records a thread
+    copy_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[8, 4],
+                                            warps_per_cta=[4, 1], order=[1, 0])
+    scl_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[16, 2],
+                                           warps_per_cta=[4, 1], order=[1, 0])
+    q_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[8, 4],
+                                         warps_per_cta=[4, 1], order=[1, 0])
+    mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                    instr_shape=[16, BLOCK_H, 32])
+    row_l: gl.constexpr = gl.SliceLayout(1, mma_l)     # per entry
+    col_l: gl.constexpr = gl.SliceLayout(0, mma_l)     # per head
+    hist_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[2], threads_per_warp=[32], warps_per_cta=[4],
+                                            order=[0])
+
+    plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    raw = gl.allocate_shared_memory(gl.int32, [STAGES, _BLOCK_E, 16], plain)
+    scl = gl.allocate_shared_memory(gl.int32, [STAGES, _BLOCK_E, 2], plain)
+    # the E4M3 key tile, written as int32 words (4 bytes each) and read by the wgmma as bytes: the
+    # same 128-byte swizzle of 16-byte chunks either way
+    a_words = gl.allocate_shared_memory(gl.int32, [_BLOCK_E, 32],
+                                        gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
+    a8 = a_words._reinterpret(gl.float8e4nv, [_BLOCK_E, 128],
+                              gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
+    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_H, 128],
+                                       gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
+
+    n_vis = gl.minimum(gl.load(nvis_ptr + n), max_entries)
+    slot = gl.load(slot_ptr + n).to(gl.int64)
+    out_row = out_ptr + n.to(gl.int64) * out_sn
+    cand_row = cand_ptr + n.to(gl.int64) * cand_sn
+    n_tiles = gl.cdiv(n_vis, _BLOCK_E)
+
+    # the first STAGES - 1 tiles in flight before the query is prepared
+    for s in gl.static_range(STAGES - 1):
+        _issue(raw.index(s), scl.index(s), pool_ptr, bt_ptr, slot, bt_stride, n_vis, cand_row, pid + s * nprog,
+               PAGE, HAS_CAND, copy_l, scl_l)
+
+    f0 = _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, 0, BLOCK_H, q_l, col_l)
+    f1 = _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, 1, BLOCK_H, q_l, col_l)
+    f2 = _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, 2, BLOCK_H, q_l, col_l)
+    f3 = _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, 3, BLOCK_H, q_l, col_l)
+    rh = gl.arange(0, BLOCK_H, layout=col_l)
+    wv = gl.load(w_ptr + n.to(gl.int64) * w_sn + rh, mask=rh < heads, other=0.0).to(gl.float32)
+    zero = gl.zeros([_BLOCK_E, BLOCK_H], gl.float32, mma_l)
+    hist = gl.zeros([_HIST_BINS], gl.int32, hist_l)
+    rc = gl.arange(0, 2, layout=gl.SliceLayout(0, scl_l))
+
+    i = 0
+    for t in range(pid, n_tiles, nprog):
+        # tile t's copies (this thread's) have landed; the barrier makes every thread's visible and
+        # says that every thread is done with the slot refilled next (read one iteration ago)
+        async_copy.wait_group(STAGES - 2)
+        gl.thread_barrier()
+        nxt = (i + STAGES - 1) % STAGES
+        _issue(raw.index(nxt), scl.index(nxt), pool_ptr, bt_ptr, slot, bt_stride, n_vis, cand_row,
+               t + (STAGES - 1) * nprog, PAGE, HAS_CAND, copy_l, scl_l)
+        cur = i % STAGES
+        lo, hi = _widen(raw.index(cur).load(copy_l))
+        a_words.store(gl.reshape(gl.join(lo, hi), [_BLOCK_E, 32]))
+        sw2 = scl.index(cur).load(scl_l)
+        # the generic-proxy stores before the wgmma's (async proxy) reads, from every thread
+        fence_async_shared()
+        gl.thread_barrier()
+        d0 = warpgroup_mma(a8.slice(0, 32, dim=1), q_smem.slice(0, 32, dim=1).permute((1, 0)), zero,
+                           use_acc=False, is_async=True)
+        d1 = warpgroup_mma(a8.slice(32, 32, dim=1), q_smem.slice(32, 32, dim=1).permute((1, 0)), zero,
+                           use_acc=False, is_async=True)
+        d2 = warpgroup_mma(a8.slice(64, 32, dim=1), q_smem.slice(64, 32, dim=1).permute((1, 0)), zero,
+                           use_acc=False, is_async=True)
+        d3 = warpgroup_mma(a8.slice(96, 32, dim=1), q_smem.slice(96, 32, dim=1).permute((1, 0)), zero,
+                           use_acc=False, is_async=True)
+        sw = gl.convert_layout(gl.sum(gl.where((rc == 0)[None, :], sw2, 0), axis=1), row_l)
+        offs = t * _BLOCK_E + gl.arange(0, _BLOCK_E, layout=row_l)
+        vis = offs < n_vis
+        if HAS_CAND:
+            vis = vis & (gl.load(cand_row + offs, mask=vis, other=0) != 0)
+        d0, d1, d2, d3 = warpgroup_mma_wait(num_outstanding=0, deps=(d0, d1, d2, d3))
+        # `ops.indexer`'s FP8 path: each block's partial times the query's then the key's power of
+        # two, the four blocks added in order
+        acc = (d0 * f0[None, :]) * _block_scale(sw, 0)[:, None]
+        acc += (d1 * f1[None, :]) * _block_scale(sw, 1)[:, None]
+        acc += (d2 * f2[None, :]) * _block_scale(sw, 2)[:, None]
+        acc += (d3 * f3[None, :]) * _block_scale(sw, 3)[:, None]
+        # bf16 round trips by the hardware conversion (round to nearest even, as `fp4.bf16_round`;
+        # only a NaN's payload differs: the relu drops it, a NaN term makes the FP32 sum the
+        # canonical NaN either way); the score's rounding is `bf16_round` itself (its NaN bits)
+        term = gl.maximum(acc.to(gl.bfloat16).to(gl.float32), 0.0) * wv[None, :]
+        term = term.to(gl.bfloat16).to(gl.float32)
+        score = gl.where(vis, bf16_round(gl.sum(term, axis=1)), float("-inf"))
+        gl.store(out_row + offs, score, mask=offs < max_entries)
+        if HIST:
+            # one owner per entry (the wgmma layout repeats each entry on four lanes): a [64, 2]
+            # tile of which column 0 counts
+            sc2 = gl.convert_layout(score, gl.SliceLayout(1, scl_l))
+            ok2 = (sc2 > float("-inf"))[:, None] & (rc == 0)[None, :]
+            key2 = _score_keys_hi(sc2)[:, None] + gl.zeros([_BLOCK_E, 2], gl.int32, scl_l)
+            hist += gl.histogram(gl.reshape(key2, [2 * _BLOCK_E]), _HIST_BINS, mask=gl.reshape(ok2, [2 * _BLOCK_E]),
+                                 layout=hist_l)
+        i += 1
+    async_copy.wait_group(0)
+
+    if HIST:
+        bins = gl.arange(0, _HIST_BINS, layout=hist_l)
+        gl.atomic_add(hist_ptr + n.to(gl.int64) * hist_sn + bins, hist, mask=hist > 0, sem="relaxed")
+
+    neg = gl.full([_BLOCK_E], float("-inf"), gl.float32, row_l)
+    for t in range(n_tiles + pid, gl.cdiv(max_entries, _BLOCK_E), nprog):
+        offs = t * _BLOCK_E + gl.arange(0, _BLOCK_E, layout=row_l)
+        gl.store(out_row + offs, neg, mask=offs < max_entries)
+
+
+def block_h(heads: int) -> int:
+    """The wgmma's N for `heads` index heads: `ops.indexer`'s BLOCK_H (a power of two >= 16)."""
+    return max(16, triton.next_power_of_2(heads))
+
+
+def shared_bytes(stages: int, heads: int) -> int:
+    """A program's shared memory: the ring (stages x 64 records: 16 code words and 2 scale-column
+    words each), the E4M3 key tile, the E4M3 query and 1 KB for what the compiler adds."""
+    return stages * BLOCK_E * 18 * 4 + BLOCK_E * 128 + block_h(heads) * 128 + 1024
+
+
+def launch_options(heads: int, page: int, stages: int, cand: bool, hist: bool) -> dict:
+    """The kernel's constexpr arguments and launch options (the launch and the sm_90 compile test
+    share them). The page is a constant of the kernel (a record's place without a division)."""
+    return {"PAGE": page, "BLOCK_H": block_h(heads), "STAGES": stages, "HAS_CAND": cand, "HIST": hist,
+            "num_warps": 4}
+
+
+def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor,
+                              page: int, req_slot: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor,
+                              cand_mask: torch.Tensor | None = None, hist: torch.Tensor | None = None,
+                              stages: int = 4, programs_per_sm: int = 4) -> torch.Tensor:
+    """Write the indexer scores of N decode rows into `out`: `ops.indexer.index_scores_mxfp4_(...,
+    fp8_dot=True)`'s arguments and scores (see the module docstring), on an sm_90 device.
+
+    iq, w, pool, block_table, page, req_slot, n_vis, out, cand_mask: as `index_scores_mxfp4_`
+    (the same checks; iq is additionally limited to Hi <= 128 heads, as there).
+    hist: optional int32 [N, W] (W >= 256, last dim contiguous), a top-k workspace (`ops.topk`,
+      `_WS_HI` at column 0): the launch adds to hist[n, 0:256] the histogram of the high bytes of
+      row n's selectable scores' 16-bit keys (`ops.topk._keys`, group 1); the caller zeroes it.
+    stages: ring slots of 64 records (2..MAX_STAGES); STAGES - 1 tiles are in flight per program.
+    programs_per_sm: each row gets at most ceil(programs_per_sm * SMs / N) programs.
+    Unchecked: as `index_scores_mxfp4_`. Returns out.
+    """
+    n_rows, heads = index_scores_args(iq, w, pool, block_table, page, req_slot, n_vis, out, cand_mask)
+    if hist is not None and not (hist.dim() == 2 and hist.shape[0] == n_rows and hist.shape[1] >= HIST_BINS
+                                 and hist.dtype == torch.int32 and hist.stride(1) == 1):
+        raise ValueError(f"hist must be None or an int32 [N={n_rows}, >= {HIST_BINS}] tensor with a contiguous "
+                         f"last dim, got {tuple(hist.shape)} {hist.dtype}")
+    if hist is not None and hist.device != iq.device:
+        raise ValueError(f"hist must be on iq's device {iq.device}, got {hist.device}")
+    if isinstance(stages, bool) or not isinstance(stages, int) or not 2 <= stages <= MAX_STAGES:
+        raise ValueError(f"stages must be an int in [2, {MAX_STAGES}], got {stages!r}")
+    if isinstance(programs_per_sm, bool) or not isinstance(programs_per_sm, int) or programs_per_sm < 1:
+        raise ValueError(f"programs_per_sm must be a positive int, got {programs_per_sm!r}")
+    if not is_sm90(iq.device):
+        raise ValueError(f"iq's device must be a CUDA device of compute capability 9.0 (the Gluon scorer is sm_90 "
+                         f"code: wgmma), got {iq.device}; use ops.indexer.index_scores_mxfp4_")
+    max_entries = out.shape[1]
+    if n_rows == 0 or max_entries == 0:
+        return out
+    cand = cand_mask.view(torch.uint8) if cand_mask is not None else out
+    hist_t = hist if hist is not None else n_vis
+    per_row = max(1, -(-programs_per_sm * num_sms(iq.device) // n_rows))
+    grid = (n_rows, min(triton.cdiv(max_entries, BLOCK_E), per_row))
+    _gluon_index_scores_kernel[grid](
+        iq, w, pool.view(torch.int32), block_table, req_slot, n_vis, cand, out, hist_t,
+        heads, max_entries, block_table.stride(0), iq.stride(0), iq.stride(1), w.stride(0),
+        cand.stride(0), out.stride(0), hist_t.stride(0),
+        **launch_options(heads, page, stages, cand_mask is not None, hist is not None))
+    return out

@@ -1,0 +1,230 @@
+"""ops.gluon_indexer, the Gluon indexer scorer (sm_90 only).
+
+On the CPU: the kernel compiles for sm_90 (Triton's own ptxas) for the step's dense call with and
+without the fused histogram, the candidate-restricted call, 64 heads and a deep ring, without
+spills, and its SASS holds four FP8 wgmmas (m64 n{BLOCK_H} k32, each from a zero accumulator) and
+the asynchronous record copies (LDGSTS); bad arguments raise errors that name them.
+
+On the GPU (`-m gpu`): the scores against `ops.indexer.index_scores_mxfp4_(fp8_dot=True)` (the
+Triton FP8 path, the step's), bit for bit, at 1, 4, 16 and 64 rows, contexts 0..4103 (partial
+pages, n_vis not a multiple of the 64-entry tile, n_vis 0), pages of 16 and 64, dense and
+candidate-restricted, and at the scale extremes; against the reference at `test_indexer`'s
+tolerance; bitwise run to run; a row alone equal to the same row among others; the fused histogram
+equal to torch's histogram of the scores' key high bytes.
+
+Why bitwise against the Triton FP8 path: both compute each scale block's partial as one K = 32 FP8
+tensor-core product of the same E4M3 operands (exact: products of E2M1 values times 2^-12, a
+32-term sum of 13 bits), scale it by the same two powers of two in the same order (exact barring
+overflow or subnormals), add the four blocks in the same order, round, relu, weight and round with
+the same operations, and sum over the heads with `sum` on the same wgmma accumulator layout (the
+heads' order within a thread, then the quad's shuffles). Nothing in the arithmetic of one score
+depends on the tile (64 here, 128 there) or on the program that computes it; the GPU test is what
+confirms it. Against the reference the tolerance is `test_indexer._check`'s (the FP32 head sum's
+order: at most one BF16 ulp of the row's largest score, >= 99 % of scores equal).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv41_decode.ops import gluon_indexer as GI
+from dsv41_decode.ops.indexer import index_scores_mxfp4_
+from dsv41_decode.testing.compare import bits_differ
+from _gluon_indexer_sm90 import CASES
+import test_indexer as TI
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module")
+def sm90_builds() -> dict:
+    """tests/ops/_gluon_indexer_sm90.py's compiles of its CASES, by case tuple, run in a subprocess
+    without the interpreter (the kernel calls `fp4.bf16_round`, a Triton JIT function): ~1 s each."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, str(Path(__file__).with_name("_gluon_indexer_sm90.py"))],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    return {tuple(r["case"]): r for r in rows}
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"h{h}-p{p}-s{s}" + ("-cand" if c else "") + ("-hist" if g else "")
+                                             for h, p, s, c, g in CASES])
+def test_compiles_for_sm90_without_spills(sm90_builds, case):
+    r = sm90_builds[case]
+    assert r["LOCAL"] == 0 and r["STACK"] == 0, r
+    ops = r["ops"]
+    assert ops.get("STL", 0) == 0 and ops.get("LDL", 0) == 0, ops
+    # one FP8 wgmma per scale block, each from a zero accumulator (RZ): the block partials
+    gmma, bh = r["gmma"], r["block_h"]
+    assert len(gmma) == 4 and all(t.startswith(f"QGMMA.64x{bh}x32.F32.E4M3.E4M3") and ", RZ" in t for t in gmma), gmma
+    assert "WARPGROUP.DEPBAR.LE gsb0, 0x0" in r["waits"], r["waits"]
+    # the records arrive by asynchronous copies, waited on with tiles still in flight
+    loop = r["loop_ops"]
+    assert loop.get("QGMMA", 0) == 4, loop
+    # 4-byte copies only (records are 4-byte aligned): 8 code words and the scale word a thread
+    assert r["ldgsts"] and not any(".64" in t or ".128" in t for t in r["ldgsts"]), r["ldgsts"]
+    assert loop.get("LDGSTS", 0) == 9, loop
+    assert f"DEPBAR.LE SB0, {hex(case[2] - 2)}" in r["waits"], r["waits"]
+    # the widening's byte permutes
+    assert loop.get("PRMT", 0) >= 16, loop
+    assert r["shared"] <= r["shared_limit"], r
+    # the histogram's global adds only when asked for
+    assert (ops.get("REDG", 0) + ops.get("ATOMG", 0) > 0) == bool(case[4]), ops
+    # at the step's 32 heads, a register budget that keeps three programs resident per SM (the four
+    # block partials hold BLOCK_H / 2 registers each: 64 heads need more, without spilling)
+    if r["block_h"] <= 32:
+        assert r["REG"] <= 168, r
+
+
+def test_bad_inputs_raise_naming_the_argument():
+    iq, w, pool, bt, slot, nv = TI.make_inputs(2, 8, [10, 20], seed=1)
+    iq, w, pool, bt, slot, nv = (t.cpu() for t in (iq, w, pool, bt, slot, nv))
+    out = torch.empty(2, 32)
+    run = GI.gluon_index_scores_mxfp4_
+    for args, kw, match in (
+            ((iq.float(), w, pool, bt, 16, slot, nv, out), {}, "iq must be"),
+            ((iq, w[:, :2], pool, bt, 16, slot, nv, out), {}, "w must be"),
+            ((iq, w, pool[:, :64], bt, 16, slot, nv, out), {}, "pool must be"),
+            ((iq, w, pool, bt, 0, slot, nv, out), {}, "page must be"),
+            ((iq, w, pool, bt, 16, slot, nv.long(), out), {}, "n_vis must be"),
+            ((iq, w, pool, bt, 16, slot, nv, out), {"cand_mask": torch.ones(2, 3, dtype=torch.bool)}, "cand_mask"),
+            ((iq, w, pool, bt, 16, slot, nv, out), {"hist": torch.zeros(2, 100, dtype=torch.int32)}, "hist must be"),
+            ((iq, w, pool, bt, 16, slot, nv, out), {"hist": torch.zeros(2, 256)}, "hist must be"),
+            ((iq, w, pool, bt, 16, slot, nv, out), {"stages": 1}, "stages must be"),
+            ((iq, w, pool, bt, 16, slot, nv, out), {"stages": 13}, "stages must be"),
+            ((iq, w, pool, bt, 16, slot, nv, out), {"programs_per_sm": 0}, "programs_per_sm must be"),
+            ((iq, w, pool, bt, 16, slot, nv, out), {}, "compute capability 9.0")):
+        with pytest.raises(ValueError, match=match):
+            run(*args, **kw)
+
+
+# --- GPU ---------------------------------------------------------------------------------------
+
+def _inputs(rows: int, n_vis: list[int], seed: int, page: int = 16, heads: int = 32):
+    """test_indexer's operands at `page` entries a page (the module's page is rebound for the call)."""
+    old = TI._PAGE
+    TI._PAGE = page
+    try:
+        return TI.make_inputs(rows, heads, n_vis, seed)
+    finally:
+        TI._PAGE = old
+
+
+def _pair(args, page: int, max_entries: int, cand=None, hist=None, **kw):
+    """(Gluon scores, Triton FP8-path scores) of the same call."""
+    rows = args[0].shape[0]
+    got = torch.full((rows, max_entries), float("nan"), device=DEVICE)
+    ref = torch.full((rows, max_entries), float("nan"), device=DEVICE)
+    GI.gluon_index_scores_mxfp4_(*args[:4], page, *args[4:], got, cand_mask=cand, hist=hist, **kw)
+    index_scores_mxfp4_(*args[:4], page, *args[4:], ref, cand_mask=cand, fp8_dot=True)
+    return got, ref
+
+
+def _assert_bits_equal(got, ref, what: str):
+    n = bits_differ(got, ref)
+    assert n == 0, f"{what}: {n} of {got.numel()} scores differ from the Triton FP8 path's bits"
+
+
+def _contexts(rows: int, seed: int) -> list[int]:
+    """Row contexts 0..4103 covering n_vis 0, 1, a partial page, tile edges and a few K."""
+    edge = [0, 1, 15, 16, 17, 63, 64, 65, 127, 129, 1000, 4103]
+    g = torch.Generator().manual_seed(seed)
+    return [edge[i] if i < len(edge) else int(torch.randint(1, 4104, (1,), generator=g)) for i in range(rows)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [16, 64])
+@pytest.mark.parametrize("rows", [1, 4, 16, 64])
+def test_gpu_bits_equal_triton_fp8_path(rows, page):
+    n_vis = _contexts(rows, seed=rows) if rows > 1 else [4103]
+    args = _inputs(rows, n_vis, seed=rows + page, page=page)
+    got, ref = _pair(args, page, 4160)
+    _assert_bits_equal(got, ref, f"rows={rows} page={page}")
+    # and within test_indexer's tolerance of the reference (a few rows: the reference is slow)
+    pick = list(range(min(rows, 4)))
+    sub = tuple(t[pick] if i in (0, 1, 4, 5) else t for i, t in enumerate(args))
+    TI._PAGE, old = page, TI._PAGE
+    try:
+        TI._check(got[pick], TI.reference_scores(*sub, 4160))
+    finally:
+        TI._PAGE = old
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stages, programs_per_sm", [(2, 1), (4, 4), (8, 2), (12, 8)])
+def test_gpu_configurations_give_the_same_bits(stages, programs_per_sm):
+    args = _inputs(4, [4103, 777, 0, 64], seed=5)
+    got, ref = _pair(args, 16, 4200, stages=stages, programs_per_sm=programs_per_sm)
+    _assert_bits_equal(got, ref, f"stages={stages} programs_per_sm={programs_per_sm}")
+
+
+@pytest.mark.gpu
+def test_gpu_candidate_restricted():
+    args = _inputs(3, [4000, 333, 64], seed=7)
+    g = torch.Generator(device=DEVICE).manual_seed(7)
+    cand = torch.rand(3, 4096, generator=g, device=DEVICE) < 0.3
+    got, ref = _pair(args, 16, 4096, cand=cand)
+    _assert_bits_equal(got, ref, "candidate mask")
+    assert bool(torch.isneginf(got[~cand]).all())
+
+
+@pytest.mark.gpu
+def test_gpu_scale_extremes():
+    iq, w, pool, bt, slot, nv = TI.make_inputs(2, 8, [64, 50], seed=11)
+    iq = iq.float().cpu()
+    iq[0, :, :32] *= 2.0 ** -40
+    iq[0, :, 32:64] = 0.0
+    iq[1, :, 64:96] *= 2.0 ** 40
+    pool = pool.cpu().clone()
+    pool[:, 64] = torch.randint(90, 160, (pool.shape[0],), dtype=torch.uint8)
+    args = (iq.bfloat16().to(DEVICE), w, pool.to(DEVICE), bt, slot, nv)
+    got, ref = _pair(args, TI._PAGE, 64)
+    _assert_bits_equal(got, ref, "scale extremes (8 heads)")
+    TI._check(got, TI.reference_scores(*args, 64))
+
+
+@pytest.mark.gpu
+def test_gpu_repeatable_and_batch_invariant():
+    rows = 16
+    n_vis = _contexts(rows, seed=3)
+    args = _inputs(rows, n_vis, seed=3, page=64)
+    a, _ = _pair(args, 64, 4160)
+    b, _ = _pair(args, 64, 4160)
+    assert bits_differ(a, b) == 0
+    for i in (0, 7, rows - 1):
+        one = tuple(t[i:i + 1] if k in (0, 1, 4, 5) else t for k, t in enumerate(args))
+        alone, _ = _pair(one, 64, 4160)
+        assert bits_differ(alone[0], a[i]) == 0, f"row {i} alone differs from the same row among {rows}"
+
+
+def _key_hist(scores: torch.Tensor, n_vis: torch.Tensor) -> torch.Tensor:
+    """torch's histogram of the high bytes of `ops.topk`'s 16-bit keys of the selectable scores."""
+    b = (scores.contiguous().view(torch.int32) >> 16) & 0xFFFF
+    b = torch.where(b == 0x8000, torch.zeros_like(b), b)
+    key = torch.where(b >= 0x8000, 0xFFFF - b, b | 0x8000)
+    cols = torch.arange(scores.shape[1], device=scores.device)
+    ok = (scores > float("-inf")) & (cols[None, :] < n_vis[:, None])
+    return torch.stack([torch.bincount((key[i][ok[i]] >> 8).long(), minlength=256) for i in range(scores.shape[0])])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 16, 64])
+def test_gpu_histogram_of_the_key_high_bytes(rows):
+    n_vis = _contexts(rows, seed=rows + 100) if rows > 1 else [4103]
+    args = _inputs(rows, n_vis, seed=rows + 100, page=64)
+    # zeros, a negative zero and a NaN among the scores: w = 0 on a row gives +0.0 / -0.0 scores
+    args[1][0, :] = 0.0
+    hist = torch.zeros(rows, 2568, dtype=torch.int32, device=DEVICE)
+    hist[:, 256:] = 7                          # the rest of the workspace is left alone
+    got, ref = _pair(args, 64, 4160, hist=hist)
+    _assert_bits_equal(got, ref, "with the histogram")
+    assert torch.equal(hist[:, :256].cpu(), _key_hist(got, args[5]).int().cpu())
+    assert bool((hist[:, 256:] == 7).all())
