@@ -1,9 +1,22 @@
 """Probe the top-k and candidate-mask kernels (`ops/topk.py`) on a GPU at the step's plans (top-512,
 group 1; 2048 blocks of 8, chunk 512): graph-replay time per call and the determinism of 10 eager
 runs, rows x visible entries, on BF16 randn scores and on tie-heavy ones (a handful of BF16 values).
-`--module=PATH` times another copy of the module instead (e.g. an earlier version written out with
-`git show REV:dsv41_decode/ops/topk.py > /tmp/topk_rev.py`), so two versions compare side by side.
-`--rows=1,16,64`, `--entries=8192,131072,1048576`, `--dist=randn,few`. Prints; writes nothing.
+
+Top-k columns (us per call): `four` the four-launch path (`separate_count=True`, FP32 scores: the
+path before the linked one); per score dtype (fp32, bf16) `linked` the linked path's three
+launches and `ready` its two with `hist_ready`. A scorer adds the histogram in its own launch; here
+the graph copies a precomputed one into the plan before each call, so `ready` is that pair's time
+less the copy's alone (`copy`, printed once per case). `distinct`: how many different results 10
+runs of the linked path gave (1: deterministic); `same`: whether every path and dtype gave the
+four-launch path's bits. `mask` (with `--mask=1`): the candidate mask's time.
+
+Options: `--rows=1,4,16,64`, `--entries=32768,131072,1048576`, `--dist=randn` (or `randn,few`),
+`--chunks=4096` and `--warps=4` (lists: every pair is a plan for the linked columns; the four-launch
+path keeps chunk 4096, 4 warps), `--pdl=0` (1: the linked launches with PDL), `--mask=0`.
+`--module=PATH` times another copy of the module's `topk_ascending_` / `candidate_mask_` in the
+`four` column instead (e.g. an earlier version written out with `git show
+REV:dsv41_decode/ops/topk.py > /tmp/topk_rev.py`). Prints; writes nothing. The default set runs in
+about a minute on an H200.
 """
 
 from __future__ import annotations
@@ -14,7 +27,7 @@ import sys
 import torch
 
 from dsv41_decode.bench.timing import graph_time_us
-from dsv41_decode.ops import topk as topk_default
+from dsv41_decode.ops import topk
 
 from _args import arg   # scripts/ is on sys.path when run as python scripts/<probe>.py
 
@@ -23,7 +36,7 @@ FEW = (2.0, 1.0, 0.5, 0.0, -1.5, float("-inf"))
 
 def _module(path: str):
     if not path:
-        return topk_default
+        return None
     spec = importlib.util.spec_from_file_location("topk_probe_alt", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod          # dataclasses look their module up by name
@@ -38,37 +51,81 @@ def _scores(rows: int, entries: int, dist: str, g: torch.Generator) -> torch.Ten
     return torch.randn(rows, entries, generator=g, device="cuda").bfloat16().float()
 
 
+def _ints(name: str, default: str) -> list[int]:
+    return [int(v) for v in arg(name, default).split(",")]
+
+
 def main() -> None:
-    mod = _module(arg("module", ""))
-    rows_list = [int(r) for r in arg("rows", "1,4,16,64").split(",")]
-    entries_list = [int(e) for e in arg("entries", "8192,32768,131072,262144,1048576").split(",")]
-    dists = arg("dist", "randn,few").split(",")
+    alt = _module(arg("module", ""))
+    rows_list = _ints("rows", "1,4,16,64")
+    entries_list = _ints("entries", "32768,131072,1048576")
+    dists = arg("dist", "randn").split(",")
+    configs = [(c, w) for c in _ints("chunks", "4096") for w in _ints("warps", "4")]
+    pdl = arg("pdl", "0") == "1"
+    with_mask = arg("mask", "0") == "1"
     g = torch.Generator(device="cuda").manual_seed(0)
-    print(f"module {mod.__file__}")
-    print("distinct: how many different results 10 runs on the same scores gave (1: deterministic)")
-    print(f"{'dist':>5s} {'rows':>4s} {'entries':>8s} {'topk us':>8s} {'mask us':>8s} {'topk distinct':>13s} "
-          f"{'mask distinct':>13s}")
+    print(f"four-launch column: {alt.__file__ if alt else 'separate_count=True'}; linked with pdl={pdl}")
+    print(f"{'dist':>5s} {'rows':>4s} {'entries':>8s} {'chunk':>5s} {'warps':>5s} {'four':>7s} {'copy':>6s} "
+          f"{'fp32 linked':>11s} {'fp32 ready':>10s} {'bf16 linked':>11s} {'bf16 ready':>10s} {'distinct':>8s} "
+          f"{'same':>4s}" + (f" {'mask':>7s}" if with_mask else ""))
     for dist in dists:
         for entries in entries_list:
             for rows in rows_list:
                 if rows * entries > (64 << 20):
                     continue
                 s = _scores(rows, entries, dist, g)
+                sb = s.bfloat16()
                 nv = torch.full((rows,), entries, dtype=torch.int32, device="cuda")
                 nv[1::2] -= 7                                       # odd rows see a few entries fewer
-                tplan = mod.TopKPlan.build(rows, 512, 1, "cuda")
-                cplan = mod.TopKPlan.build(rows, 2048, 8, "cuda", chunk=512)
                 idx = torch.empty(rows, 512, dtype=torch.int32, device="cuda")
-                mask = torch.empty(rows, entries, dtype=torch.uint8, device="cuda")
-                t_topk = graph_time_us(lambda: mod.topk_ascending_(s, nv, idx, tplan), replays=30)
-                t_mask = graph_time_us(lambda: mod.candidate_mask_(s, nv, mask, cplan), replays=30)
-                tk = {mod.topk_ascending_(s, nv, torch.empty_like(idx), tplan).cpu().numpy().tobytes()
-                      for _ in range(10)}
-                mk = {mod.candidate_mask_(s, nv, torch.empty_like(mask), cplan).cpu().numpy().tobytes()
-                      for _ in range(10)}
-                print(f"{dist:>5s} {rows:4d} {entries:8d} {t_topk:8.2f} {t_mask:8.2f} {len(tk):13d} {len(mk):13d}",
-                      flush=True)
-                del s, mask
+                if alt:
+                    aplan = alt.TopKPlan.build(rows, 512, 1, "cuda")
+                    t_four = graph_time_us(lambda: alt.topk_ascending_(s, nv, idx, aplan), replays=30)
+                else:
+                    aplan = topk.TopKPlan.build(rows, 512, 1, "cuda")
+                    t_four = graph_time_us(lambda: topk.topk_ascending_(s, nv, idx, aplan, separate_count=True),
+                                           replays=30)
+                want = topk.topk_ascending_(s, nv, torch.empty_like(idx), topk.TopKPlan.build(rows, 512, 1, "cuda"),
+                                            separate_count=True)
+                hist = {x.dtype: topk.key_high_histogram(x, nv) for x in (s, sb)}
+                t_mask = 0.0
+                if with_mask:
+                    cplan = topk.TopKPlan.build(rows, 2048, 8, "cuda", chunk=512)
+                    mask = torch.empty(rows, entries, dtype=torch.uint8, device="cuda")
+                    t_mask = graph_time_us(lambda: topk.candidate_mask_(s, nv, mask, cplan), replays=30)
+                    del mask
+                t_copy = None
+                for chunk, warps in configs:
+                    times, same = {}, True
+                    for x in (s, sb):
+                        plan = topk.TopKPlan.build(rows, 512, 1, "cuda", chunk=chunk, warps=warps)
+                        h = hist[x.dtype]
+
+                        def copy(plan=plan, h=h):
+                            plan.hist_hi[:rows].copy_(h)
+
+                        def ready(x=x, plan=plan, copy=copy):
+                            copy()
+                            topk.topk_ascending_(x, nv, idx, plan, hist_ready=True, pdl=pdl)
+
+                        times[x.dtype, "linked"] = graph_time_us(
+                            lambda x=x, plan=plan: topk.topk_ascending_(x, nv, idx, plan, pdl=pdl), replays=30)
+                        if t_copy is None:
+                            t_copy = graph_time_us(copy, replays=30)
+                            plan.ws.zero_()
+                        times[x.dtype, "ready"] = graph_time_us(ready, replays=30) - t_copy
+                        ready()
+                        same &= torch.equal(idx, want)
+                        same &= torch.equal(topk.topk_ascending_(x, nv, torch.empty_like(idx), plan, pdl=pdl), want)
+                    plan = topk.TopKPlan.build(rows, 512, 1, "cuda", chunk=chunk, warps=warps)
+                    runs = {topk.topk_ascending_(s, nv, torch.empty_like(idx), plan, pdl=pdl).cpu().numpy().tobytes()
+                            for _ in range(10)}
+                    print(f"{dist:>5s} {rows:4d} {entries:8d} {chunk:5d} {warps:5d} {t_four:7.2f} {t_copy:6.2f} "
+                          f"{times[torch.float32, 'linked']:11.2f} {times[torch.float32, 'ready']:10.2f} "
+                          f"{times[torch.bfloat16, 'linked']:11.2f} {times[torch.bfloat16, 'ready']:10.2f} "
+                          f"{len(runs):8d} {'yes' if same else 'NO':>4s}" + (f" {t_mask:7.2f}" if with_mask else ""),
+                          flush=True)
+                del s, sb
 
 
 if __name__ == "__main__":

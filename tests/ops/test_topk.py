@@ -362,3 +362,47 @@ def test_topk_linked_64_rows_and_row_kernel_hist_ready(monkeypatch):
         out = topk_ascending_(x, nv, torch.empty(64, k, dtype=torch.int32, device=_DEVICE), plan, hist_ready=True)
         assert torch.equal(out, want), f"small_max {small_max}, {x.dtype}"
         assert int(plan.ws[:, :512].abs().sum()) == 0
+
+
+_GPU_LINKED_CASES = [(1, 32768), (4, 32768), (64, 32768), (1, 131072), (16, 131072), (64, 131072), (1, 1 << 20),
+                     (16, 1 << 20), (64, 1 << 20), (2, (4 << 20) + 4099)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dist", ["few", "randn"])
+@pytest.mark.parametrize("rows,entries", _GPU_LINKED_CASES)
+def test_gpu_linked_equals_four_launch_and_repeats(rows, entries, dist):
+    """The linked top-k at 1-64 rows and 32K-4M entries, FP32 and BF16 scores, with and without
+    hist_ready, with PDL, at chunks of 1024 / 4096 / 8192 (8 warps): the four-launch path's output
+    (itself checked against the reference above), bitwise, and 10 runs of the default give the same
+    bits (the look-back's arrival order varies, the output must not)."""
+    g = torch.Generator(device=_DEVICE).manual_seed(rows * 11 + entries)
+    if dist == "few":
+        vals = torch.tensor(_FEW + (float("-inf"), float("nan")), device=_DEVICE)
+        s = vals[torch.randint(0, len(vals), (rows, entries), generator=g, device=_DEVICE)]
+    else:
+        s = torch.randn(rows, entries, generator=g, device=_DEVICE).bfloat16().float()
+    nv = torch.tensor([entries - 7 * i if i % 5 else max(1, entries // (i + 1)) for i in range(rows)],
+                      dtype=torch.int32, device=_DEVICE)
+    if rows > 2:
+        nv[2] = 300                                  # fewer visible entries than k
+    want = topk_ascending_(s, nv, torch.empty(rows, 512, dtype=torch.int32, device=_DEVICE),
+                           TopKPlan.build(rows, 512, 1, _DEVICE), separate_count=True)
+    if dist == "randn":
+        assert torch.equal(want, _ref_topk(s, nv, 512))
+    plan = TopKPlan.build(rows, 512, 1, _DEVICE)
+    runs = [topk_ascending_(s, nv, torch.empty_like(want), plan) for _ in range(10)]
+    for r in range(10):
+        assert torch.equal(runs[r], want), f"linked run {r} differs from the four-launch path"
+    configs = [(torch.float32, True, False, 4096, 4), (torch.bfloat16, False, False, 4096, 4),
+               (torch.bfloat16, True, False, 4096, 4), (torch.float32, False, True, 4096, 4),
+               (torch.float32, True, True, 1024, 4), (torch.bfloat16, True, False, 8192, 8)]
+    for dtype, ready, pdl, chunk, warps in configs:
+        plan = TopKPlan.build(rows, 512, 1, _DEVICE, chunk=chunk, warps=warps)
+        x = s.to(dtype)
+        for _ in range(3):
+            if ready:
+                plan.hist_hi[:rows] += key_high_histogram(x, nv)
+            out = topk_ascending_(x, nv, torch.empty_like(want), plan, hist_ready=ready, pdl=pdl)
+            assert torch.equal(out, want), f"{dtype} hist_ready={ready} pdl={pdl} chunk={chunk} warps={warps}"
+        assert int(plan.ws[:, :512].abs().sum()) == 0, "histograms left non-zero"
