@@ -49,6 +49,14 @@ What Gluon gives here that `tl.dot` does not (docs/notes-low-latency-mm.md, "Wha
   (tile, split) items in turn through one ring, the epilogue in the consumer partition;
   `GluonMMConfig.retile`: the plan streams a tile-contiguous copy of the weight.)
 
+- **The query RoPE epilogue** (`GluonMM.__call__(rope=(cos, sin))`, the step's wq_b): y read as
+  [M, N / 512, 512] queries, the program that stores a tile (with split-K the last arriver) rotates
+  the pairs of every head's channels 448..511 on the BF16-rounded tile before its store, exactly
+  as `kv_write.query_rope_` would afterwards (`_rope_tile`: explicitly rounded FP32 products and
+  sums, then BF16), so the separate RoPE launch leaves the step's chain with the same bits. Tiles
+  without rotary channels skip it (with 128-row tiles, one in four holds a head's channels
+  384..511, half of them rotated).
+
 With the same K split bounds the kernel adds the same FP32 values in the same order as
 `low_latency_mm`'s FP8 loop, whatever the config's MMA mode, warpgroups, slot depth, ring and
 register cap, so the two give the same bits (tests/ops/test_gluon_mm.py checks it on the GPU);
@@ -68,6 +76,7 @@ from dataclasses import dataclass
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.extra import libdevice
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -325,11 +334,56 @@ def _tile_scales(sw_ptr, sx_ptr, off_n, M, N, stride_swn, stride_sxm, BN: gl.con
 
 
 @gluon.jit
+def _rope_tile(yb, off_n, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BN: gl.constexpr, BT: gl.constexpr,
+               out_l: gl.constexpr):
+    """The query RoPE of spec section 5 on a BF16 output tile yb [BN, BT] (dim 0: output columns
+    off_n + n, dim 1: rows m; in `out_l`): for every column c with c % 512 >= 448 (a head's rotary
+    channels 448..511), the pair (c, c + 1) = (2i, 2i + 1) of the tail is rotated by row m's
+    cos/sin[m, i] exactly as `ops.kv_write`'s query RoPE does on the stored BF16 values: widened to
+    FP32, re = e c - o s and im = e s + o c with each product and sum rounded to nearest in FP32
+    (libdevice mul_rn / add_rn / sub_rn: never contracted into an FMA, whatever the launch's
+    fp-fusion), then rounded to BF16 (nearest even). The pairs are split in registers (out_l gives
+    each thread 8 consecutive columns). Other columns, and rows past M, pass unchanged; returns
+    the tile in out_l."""
+    x = gl.reshape(gl.permute(yb.to(gl.float32), [1, 0]), [BT, BN // 2, 2])
+    e, o = gl.split(x)
+    pair_l: gl.constexpr = e.type.layout
+    p = gl.arange(0, BN // 2, layout=gl.SliceLayout(0, pair_l))
+    rm = gl.arange(0, BT, layout=gl.SliceLayout(1, pair_l))
+    col = (off_n + 2 * p) % 512
+    rot = (col >= 448)[None, :] & (rm < M)[:, None]
+    i = gl.maximum(col - 448, 0) // 2
+    c = gl.load(cos_ptr + rm[:, None] * stride_cm + i[None, :], mask=rot, other=1.0)
+    sn = gl.load(sin_ptr + rm[:, None] * stride_sm + i[None, :], mask=rot, other=0.0)
+    re = libdevice.sub_rn(libdevice.mul_rn(e, c), libdevice.mul_rn(o, sn))
+    im = libdevice.add_rn(libdevice.mul_rn(e, sn), libdevice.mul_rn(o, c))
+    re = gl.where(rot, re.to(gl.bfloat16).to(gl.float32), e)
+    im = gl.where(rot, im.to(gl.bfloat16).to(gl.float32), o)
+    y = gl.permute(gl.reshape(gl.join(re, im), [BT, BN]), [1, 0])
+    return gl.convert_layout(y, out_l).to(gl.bfloat16)
+
+
+@gluon.jit
+def _bf16_out(y, off_n, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BN: gl.constexpr, BT: gl.constexpr,
+              ROPE: gl.constexpr, out_l: gl.constexpr):
+    """The tile's FP32 sums y [BN, BT] rounded to BF16 (nearest even), and with ROPE the query
+    RoPE on the tiles that hold rotary channels (`_rope_tile`; the others skip it)."""
+    yb = y.to(gl.bfloat16)
+    if ROPE:
+        if off_n % 512 + BN > 448:
+            yb = _rope_tile(yb, off_n, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BN, BT, out_l)
+    return yb
+
+
+@gluon.jit
 def _epilogue(acc, y_ptr, ws_ptr, cnt_ptr, pid_n, pid_s, M, N, stride_ym, n_split,
-              BN: gl.constexpr, BT: gl.constexpr, SPLIT_K: gl.constexpr, OUT_F32: gl.constexpr):
+              cos_ptr, sin_ptr, stride_cm, stride_sm,
+              BN: gl.constexpr, BT: gl.constexpr, SPLIT_K: gl.constexpr, OUT_F32: gl.constexpr,
+              ROPE: gl.constexpr):
     """Store the item's [BN, BT] FP32 sums as y rows (BF16, or FP32 when OUT_F32), or, with SPLIT_K,
     as split pid_s's partial, the last split of the tile to arrive adding the partials in split
-    order (from zero) and storing y."""
+    order (from zero) and storing y. ROPE (BF16 y): the query RoPE on the rounded tile before its
+    store (`_bf16_out`), by the program that stores it (with SPLIT_K the last arriver)."""
     # The epilogue in a layout where each thread holds 8 consecutive n of one row m (16-byte
     # stores of y and of the workspace, both n-contiguous) instead of the wgmma's scattered pairs.
     out_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[8, 1], threads_per_warp=[8, 4],
@@ -357,20 +411,23 @@ def _epilogue(acc, y_ptr, ws_ptr, cnt_ptr, pid_n, pid_s, M, N, stride_ym, n_spli
             if OUT_F32:
                 gl.store(y_ptrs, total, mask=mask)
             else:
-                gl.store(y_ptrs, total.to(gl.bfloat16), mask=mask)
+                gl.store(y_ptrs, _bf16_out(total, pid_n * BN, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BN, BT,
+                                           ROPE, out_l), mask=mask)
             gl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
     else:
         if OUT_F32:
             gl.store(y_ptrs, acc, mask=mask)
         else:
-            gl.store(y_ptrs, acc.to(gl.bfloat16), mask=mask)
+            gl.store(y_ptrs, _bf16_out(acc, pid_n * BN, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BN, BT, ROPE,
+                                       out_l), mask=mask)
 
 
 @gluon.jit
 def _consumer_persistent(w_smem, x_smem, ready, empty, sx_ptr, sw_ptr, y_ptr, ws_ptr, cnt_ptr,
                          M, N, stride_sxm, stride_swn, stride_ym, steps_per_split, n_steps_total, n_split,
+                         cos_ptr, sin_ptr, stride_cm, stride_sm,
                          STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, SUB: gl.constexpr,
-                         MMA: gl.constexpr, SPLIT_K: gl.constexpr, OUT_F32: gl.constexpr,
+                         MMA: gl.constexpr, SPLIT_K: gl.constexpr, OUT_F32: gl.constexpr, ROPE: gl.constexpr,
                          mma_layout: gl.constexpr):
     """The consumer warpgroup(s) of a persistent program: its work items (`_item`) one after the
     other, each accumulated and stored (`_epilogue`) while the producer already streams the next
@@ -383,24 +440,27 @@ def _consumer_persistent(w_smem, x_smem, ready, empty, sx_ptr, sw_ptr, y_ptr, ws
         acc = _accumulate(w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n_steps, c0,
                           STAGES, BN, BT, SUB, MMA, mma_layout)
         _epilogue(acc, y_ptr, ws_ptr, cnt_ptr, pid_n, item % n_split, M, N, stride_ym, n_split,
-                  BN, BT, SPLIT_K, OUT_F32)
+                  cos_ptr, sin_ptr, stride_cm, stride_sm, BN, BT, SPLIT_K, OUT_F32, ROPE)
         c0 += n_steps
     return ()
 
 
-@gluon.jit(do_not_specialize=["M", "stride_sxm", "stride_swn", "steps_per_split", "n_steps_total", "n_split"])
+@gluon.jit(do_not_specialize=["M", "stride_sxm", "stride_swn", "steps_per_split", "n_steps_total", "n_split",
+                             "stride_cm", "stride_sm"])
 def _gluon_mxfp8_mm_kernel(
     w_desc, x_desc, sx_ptr, sw_ptr, y_ptr, ws_ptr, cnt_ptr,
     M, N, stride_sxm, stride_swn, stride_ym, steps_per_split, n_steps_total, n_split,
+    cos_ptr, sin_ptr, stride_cm, stride_sm,
     SPLIT_K: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr, MMA: gl.constexpr, OUT_F32: gl.constexpr,
-    PERSISTENT: gl.constexpr = False, RETILED: gl.constexpr = False,
+    PERSISTENT: gl.constexpr = False, RETILED: gl.constexpr = False, ROPE: gl.constexpr = False,
 ):
     # Grid (N tiles, n_split K splits): program (t, s) covers weight rows [t*BN, +BN) and K steps
     # [s*steps_per_split, +steps_per_split) of BLOCK_K (the descriptor's box: BN = 64 per consumer
     # warpgroup, BLOCK_K = 128 or 256); sx_ptr and sw_ptr point at the scales as int32 words (four
     # UE8M0 bytes, 128 of K), strides in words. SPLIT_K: n_split > 1. PERSISTENT: grid (programs, )
     # instead, each program taking the work items (tile, split) p, p + programs, ... in turn
-    # through one ring.
+    # through one ring. ROPE: the query RoPE epilogue (`_rope_tile`) with cos/sin [M, 32] FP32 at
+    # cos_ptr/sin_ptr (row strides stride_cm/stride_sm); unused without.
     BN: gl.constexpr = w_desc.block_type.shape[0]
     SUB: gl.constexpr = w_desc.block_type.shape[1] // 32
     # One m64 wgmma per consumer warpgroup (warps [4 * WG, 1]: warpgroup g takes rows [64g, +64)).
@@ -419,7 +479,8 @@ def _gluon_mxfp8_mm_kernel(
         gl.warp_specialize([
             (_consumer_persistent, (w_smem, x_smem, ready, empty, sx_ptr, sw_ptr, y_ptr, ws_ptr, cnt_ptr,
                                     M, N, stride_sxm, stride_swn, stride_ym, steps_per_split, n_steps_total,
-                                    n_split, STAGES, BN, BT, SUB, MMA, SPLIT_K, OUT_F32, mma_layout)),
+                                    n_split, cos_ptr, sin_ptr, stride_cm, stride_sm, STAGES, BN, BT, SUB, MMA,
+                                    SPLIT_K, OUT_F32, ROPE, mma_layout)),
             (_producer_persistent, (w_desc, x_desc, w_smem, x_smem, ready, empty, N, steps_per_split,
                                     n_steps_total, n_split, STAGES, RETILED)),
         ], [1], [24])
@@ -442,7 +503,8 @@ def _gluon_mxfp8_mm_kernel(
         for i in gl.static_range(STAGES):
             mbarrier.invalidate(ready.index(i))
             mbarrier.invalidate(empty.index(i))
-        _epilogue(acc, y_ptr, ws_ptr, cnt_ptr, pid_n, pid_s, M, N, stride_ym, n_split, BN, BT, SPLIT_K, OUT_F32)
+        _epilogue(acc, y_ptr, ws_ptr, cnt_ptr, pid_n, pid_s, M, N, stride_ym, n_split, cos_ptr, sin_ptr,
+                  stride_cm, stride_sm, BN, BT, SPLIT_K, OUT_F32, ROPE)
 
 
 MMA_MODES = ("pairs", "slot", "ahead")
@@ -744,7 +806,8 @@ class GluonMM:
         dot). Equal tuples mean equal bits."""
         return (False, self.k_per_split, 32)
 
-    def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None,
+                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """y = codes x weight^T with both block scales, into out.
 
         codes: [M, K] float8_e4m3fn, unit stride along K, 16-byte aligned rows; 1 <= M <= max_rows.
@@ -752,10 +815,28 @@ class GluonMM:
             boundaries.
         out: [M, N] BF16, unit stride along N; allocated when None. A float32 out receives the
             unrounded FP32 sums (a tensor-parallel partial).
+        rope: None, or (cos, sin) [M, 32] float32 of each row's position: y read as [M, N / 512,
+            512] queries (N a multiple of 512, BF16 out) gets the query RoPE of
+            `kv_write.query_rope_` (dims 448..511 of every head) in the epilogue, the same bits as
+            the GEMM followed by that op.
         Returns out.
         """
         out = mxfp8_linear_args(codes, x_scale, out, self.n, self.k, self.max_rows, self.device)
         m = codes.shape[0]
+        if rope is None:
+            cos = sin = self._workspace
+            stride_c = stride_s = 0
+        else:
+            if not isinstance(rope, tuple) or len(rope) != 2:
+                raise TypeError(f"rope must be None or a (cos, sin) tuple, got {type(rope).__name__}")
+            cos, sin = rope
+            if self.n % 512:
+                raise ValueError(f"rope: the weight's N = {self.n} is not a multiple of 512 (heads of 512)")
+            if out.dtype != torch.bfloat16:
+                raise ValueError(f"rope: out must be bfloat16 (the rotated query), got {out.dtype}")
+            require_tensor(cos, "cos", (torch.float32,), (m, 32), self.device)
+            require_tensor(sin, "sin", (torch.float32,), (m, 32), self.device)
+            stride_c, stride_s = cos.stride(0), sin.stride(0)
         if codes.stride(0) % 16 or codes.data_ptr() % 16:
             raise ValueError(f"codes rows must be 16-byte aligned for TMA (row stride {codes.stride(0)}, "
                              f"address {codes.data_ptr():#x})")
@@ -767,8 +848,8 @@ class GluonMM:
         _gluon_mxfp8_mm_kernel[self.launch_grid(bt)](
             self._w_desc, x_desc, sx_words, self._sw_words, out, self._workspace, self._counters,
             m, self.n, sx_words.stride(0), self._sw_words.stride(0), out.stride(0),
-            self.k_per_split // bk, self.k // bk, self.split,
-            OUT_F32=out.dtype == torch.float32, **launch_options(self.config, bt, self.split),
+            self.k_per_split // bk, self.k // bk, self.split, cos, sin, stride_c, stride_s,
+            OUT_F32=out.dtype == torch.float32, ROPE=rope is not None, **launch_options(self.config, bt, self.split),
         )
         return out
 

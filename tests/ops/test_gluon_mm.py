@@ -34,8 +34,10 @@ import torch
 from triton.experimental.gluon import language as gl
 
 from dsv41_decode.ops import gluon_mm as G
+from dsv41_decode.ops.kv_write import qkv_rope_insert_, rope_cos_sin
 from dsv41_decode.ops.low_latency_mm import LowLatencyConfig, LowLatencyMM
 from dsv41_decode.reference.linear import mxfp8_mm
+from dsv41_decode.reference.rope import rope_cis
 from dsv41_decode.testing import sm90
 from dsv41_decode.testing.compare import bits_differ, rel_rms, row_ulp_distance
 from helpers import FLASH_LINEAR_SHAPES, linear_operands
@@ -83,13 +85,14 @@ def _desc(block) -> str:
     return f"tensordesc<fp8e4nv[{block[0]}, {block[1]}],{layout!r}>"
 
 
-def _compile(split: int, bt: int, out_f32: bool = False, config: G.GluonMMConfig = G.GluonMMConfig()):
+def _compile(split: int, bt: int, out_f32: bool = False, config: G.GluonMMConfig = G.GluonMMConfig(),
+             rope: bool = False):
     opts = G.launch_options(config, bt, split)
     num_warps, maxnreg = opts.pop("num_warps"), opts.pop("maxnreg")
     types = {"w_desc": _desc([config.block_n, config.block_k]), "x_desc": _desc([bt, config.block_k]),
              "sx_ptr": "*i32", "sw_ptr": "*i32", "y_ptr": "*fp32" if out_f32 else "*bf16", "ws_ptr": "*fp32",
-             "cnt_ptr": "*i32"}
-    return sm90.compile_sm90(G._gluon_mxfp8_mm_kernel, types, {**opts, "OUT_F32": out_f32},
+             "cnt_ptr": "*i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
+    return sm90.compile_sm90(G._gluon_mxfp8_mm_kernel, types, {**opts, "OUT_F32": out_f32, "ROPE": rope},
                              # as the launcher sees the real shapes: N and y's row stride multiples
                              # of 16 (the scale strides are not specialized)
                              divisible=[a for a in G._gluon_mxfp8_mm_kernel.arg_names
@@ -169,6 +172,44 @@ def _variant_id(c: G.GluonMMConfig) -> str:
 def test_variants_compile_for_sm90_without_spills(i, config):
     bt, split = _deepest_bucket(config), 1 + i % 2          # the split-K epilogue every other one
     _check_sm90(_compile(split, bt, config=config), config, bt, split)
+
+
+WQ_B_SHAPES = [shape for shape in REAL_SHAPES if shape[0].startswith("wq_b")]
+
+
+def _rope_compile_cases() -> list[tuple[str, G.GluonMMConfig, int, int]]:
+    """(shape, config, split, bucket) of the query-RoPE epilogue: the configs wq_b and its TP shards
+    use on an H200, each once (its deepest bucket; wq_b's measured config, which runs the epilogue
+    in its persistent consumer, also at 8 rows): the persistent, the one-program single-split and
+    the split-K epilogue (~1.7 s each)."""
+    cases, seen = [], set()
+    for name, n, k in WQ_B_SHAPES:
+        config = G.default_config(n, k)
+        split = G.split_bounds(config.split or G._default_split(n, k, H200_SMS, config.block_n, config.block_k),
+                               k, config.block_k)[1]
+        if config in seen:
+            continue
+        seen.add(config)
+        buckets = (8, 64) if name == "wq_b" else (_deepest_bucket(config), )
+        cases += [(name, config, split, bt) for bt in buckets]
+    return cases
+
+
+@pytest.mark.parametrize("name,config,split,bt", _rope_compile_cases(),
+                         ids=[f"{c[0]}-split{c[2]}-{c[3]}" for c in _rope_compile_cases()])
+def test_rope_epilogue_compiles_for_sm90_without_spills(name, config, split, bt):
+    # The query RoPE in the epilogue keeps what the plain kernel shows (no spills, the residency's
+    # registers, its shared memory, 16-byte stores of y). Its rotation rounds every product and sum
+    # on its own (FMUL, FADD: libdevice's _rn operations), so it adds no FFMA to the kernel's (the
+    # promotions' exact scale-and-add): checked once, against the plain compile, at wq_b's 8 rows.
+    kernel = _compile(split, bt, config=config, rope=True)
+    _check_sm90(kernel, config, bt, split)
+    if (name, bt) == ("wq_b", 8):
+        ops = sm90.opcode_counts([t for _, t in sm90.sass(kernel)])
+        plain = sm90.opcode_counts([t for _, t in sm90.sass(_compile(split, bt, config=config))])
+        assert ops.get("FFMA", 0) == plain.get("FFMA", 0), (ops.get("FFMA"), plain.get("FFMA"))
+        assert ops.get("FMUL", 0) >= plain.get("FMUL", 0) + 4 and ops.get("LDG", 0) > plain.get("LDG", 0), \
+            (ops, plain)
 
 
 def test_launch_table():
@@ -367,3 +408,80 @@ def test_variants_match_the_triton_tier_on_gpu(config, real_operands):
                 again = plan(codes_all[:m], sx_all[:m], _poisoned(m, n))
                 assert bits_differ(again, y) == 0, f"{name} split {plan.split} M={m}: not bitwise run to run"
             assert int(plan._counters.abs().sum()) == 0
+
+
+def _rope_cos_sin(m: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [m, 32] FP32 of random positions up to 2^20 (YaRN-like frequencies), on the device."""
+    pos = torch.randint(0, 1 << 20, (m,), generator=_gen(seed))
+    cos, sin = rope_cos_sin(rope_cis(1.0 / (160000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)), pos))
+    return cos.to(DEVICE), sin.to(DEVICE)
+
+
+def _gemm_then_rope(plan: G.GluonMM, codes, sx, cos, sin) -> torch.Tensor:
+    """The unfused path: the plain GEMM, then `qkv_rope_insert_`'s query RoPE (no window record)."""
+    m = codes.shape[0]
+    y = plan(codes, sx, _poisoned(m, plan.n))
+    pool = torch.zeros(1, 528, dtype=torch.uint8, device=DEVICE)
+    qkv_rope_insert_(y.view(m, -1, 512), torch.zeros(m, 512, dtype=torch.bfloat16, device=DEVICE), cos, sin,
+                     torch.full((m,), -1, dtype=torch.int64, device=DEVICE), pool)
+    return y
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,n,k", WQ_B_SHAPES, ids=[s[0] for s in WQ_B_SHAPES])
+def test_rope_epilogue_matches_gemm_then_rope_on_gpu(name, n, k, real_operands):
+    # The epilogue's query RoPE gives the bits of the GEMM followed by qkv_rope_insert_'s query
+    # RoPE, at every row count, with each shape's plan (wq_b: persistent, one split; the shards:
+    # one or two splits, the last arriver rotating); the plain call's bits do not change.
+    codes_all, sx_all, weight, w_scale = real_operands(name, n, k)
+    cos_all, sin_all = _rope_cos_sin(64, n)
+    plan = G.GluonMM(weight, w_scale)
+    tail = (torch.arange(n, device=DEVICE) % 512) >= 448
+    for m in range(1, 65):
+        codes, sx, cos, sin = codes_all[:m], sx_all[:m], cos_all[:m], sin_all[:m]
+        plain = plan(codes, sx, _poisoned(m, n))
+        want = _gemm_then_rope(plan, codes, sx, cos, sin)
+        got = plan(codes, sx, _poisoned(m, n), rope=(cos, sin))
+        assert not torch.isnan(got).any(), f"{name} M={m}: unwritten outputs"
+        assert bits_differ(got, want) == 0, f"{name} M={m}: {bits_differ(got, want)} outputs differ from GEMM + RoPE"
+        assert bits_differ(got[:, ~tail], plain[:, ~tail]) == 0, f"{name} M={m}: non-rotary columns changed"
+        assert bits_differ(got[:, tail], plain[:, tail]) > 0, f"{name} M={m}: nothing rotated"
+        assert bits_differ(plan(codes, sx, _poisoned(m, n)), plain) == 0, f"{name} M={m}: plain bits moved"
+    assert int(plan._counters.abs().sum()) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [C(split=3), C(warpgroups=2, persistent=True, split=2), C(mma="slot", split=4),
+                                    C(block_k=256, split=2, mma="slot", stages=3)],
+                         ids=["split3", "persistent-wg2-split2", "slot-split4", "k256-split2"])
+def test_rope_epilogue_in_split_k_variants_on_gpu(config, real_operands):
+    # The split-K reduction's last arriver rotates, persistent or not, at wq_b's TP1 shape.
+    name, n, k = WQ_B_SHAPES[0]
+    codes_all, sx_all, weight, w_scale = real_operands(name, n, k)
+    cos_all, sin_all = _rope_cos_sin(64, 3)
+    plan = G.GluonMM(weight, w_scale, config=config)
+    assert plan.split > 1
+    for m in (1, 5, 8, 9, 16, 33, 64):
+        codes, sx, cos, sin = codes_all[:m], sx_all[:m], cos_all[:m], sin_all[:m]
+        want = _gemm_then_rope(plan, codes, sx, cos, sin)
+        got = plan(codes, sx, _poisoned(m, n), rope=(cos, sin))
+        assert bits_differ(got, want) == 0, f"split {plan.split} M={m}: {bits_differ(got, want)} outputs differ"
+    assert int(plan._counters.abs().sum()) == 0
+
+
+@pytest.mark.gpu
+def test_rope_epilogue_bad_arguments_on_gpu():
+    _, _, codes, sx, weight, w_scale = linear_operands(_gen(4), 8, 512, 256)
+    plan = G.GluonMM(weight, w_scale, max_rows=8)
+    cos, sin = _rope_cos_sin(8, 1)
+    odd = G.GluonMM(*linear_operands(_gen(5), 8, 384, 256)[4:], max_rows=8)
+    cases = [
+        (lambda: plan(codes, sx, rope=cos), "rope"),
+        (lambda: plan(codes, sx, rope=(cos[:4], sin)), "cos"),
+        (lambda: plan(codes, sx, rope=(cos, sin.double())), "sin"),
+        (lambda: plan(codes, sx, torch.empty(8, 512, device=DEVICE), rope=(cos, sin)), "bfloat16"),
+        (lambda: odd(codes, sx, rope=(cos, sin)), "512"),
+    ]
+    for make, word in cases:
+        with pytest.raises((ValueError, TypeError), match=word):
+            make()
