@@ -83,6 +83,7 @@ _KEY_INF = tl.constexpr(0xFF80)   # the key of +inf (BF16 0x7F80); key 0 (a NaN'
 _SMALL_MAX = 4096      # top-k rows of at most this many columns take the one-launch row kernel (its
                        # per-block cost, ~9 us per 4096 on the H200, loses to the multi-program path past 4K)
 _SMALL_BLOCK = 4096
+_GUESS_SHIFT = 0       # the linked write's guess of its chunk: its program id + this (tests: 1, every guess wrong)
 _SMALL_WARPS = 16
 
 
@@ -321,18 +322,19 @@ def _lo_select_kernel(s_ptr, nvis_ptr, ws_ptr, s_sn, K: tl.constexpr, CHUNK: tl.
     also clears its chunk's two count slots and the last one the row's ticket counter, for the
     write pass that follows. Every thread's histogram atomics are ordered before thread 0's
     acq_rel arrival by the barrier (the CUTLASS semaphore pattern, as `common.splitk_reduce`); the
-    last program reads the low histogram from L2 (`.cg`)."""
+    last program reads the low histogram from L2 (`.cg`). The scores are loaded before the
+    histogram's level is known (both loads in flight at once)."""
     _pdl.enter(PDL)
     n = tl.program_id(0)
     c = tl.program_id(1)
     n_vis = tl.load(nvis_ptr + n)
     ws_row = ws_ptr + n * _WS_C
+    key, ok = _keys(s_ptr, n.to(tl.int64) * s_sn, c * CHUNK + tl.arange(0, CHUNK), n_vis, 1)
     k_eff, h1 = _k_eff(ws_row, n_vis, K, 1)
     tl.store(ws_row + _WS_CHUNK_GT + c, 0)
     tl.store(ws_row + _WS_CHUNK_EQ + c, 0)
     if (c * CHUNK < n_vis) & (k_eff > 0):
         b1, _ = _level(h1, k_eff)
-        key, ok = _keys(s_ptr, n.to(tl.int64) * s_sn, c * CHUNK + tl.arange(0, CHUNK), n_vis, 1)
         h = tl.histogram(key & 0xFF, 256, mask=ok & ((key >> 8) == b1))
         tl.atomic_add(ws_row + _WS_LO + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
     tl.debug_barrier()
@@ -350,7 +352,7 @@ def _lo_select_kernel(s_ptr, nvis_ptr, ws_ptr, s_sn, K: tl.constexpr, CHUNK: tl.
 
 @triton.jit
 def _write_linked_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width,
-                         CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                         CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, GUESS_SHIFT: tl.constexpr):
     """Linked top-k, pass 3 of 3: each program takes the row's next chunk c (a ticket: chunks are
     handed out in the order programs start), counts its keys > T and == T, publishes both counts
     (with the _LINKED bit) in the chunk's slots, then waits until chunks 0..c-1 have published
@@ -359,19 +361,26 @@ def _write_linked_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width,
     chunks whose tickets were taken before its own, by programs that were already running, and a
     program publishes before it waits, so each awaited count arrives whatever the scheduler does
     (no reliance on program-id order or on the whole grid being resident). The ticket-0 program
-    pads with -1 and zeroes the histograms for the next call."""
+    pads with -1 and zeroes the histograms for the next call. The scores of the chunk the program
+    id names are loaded while the ticket is in flight (programs start about in id order, so the
+    ticket usually names the same chunk); a program whose ticket names another reloads
+    (GUESS_SHIFT: 0; tests shift the guess to take that path)."""
     _pdl.enter(PDL)
     n = tl.program_id(0)
     n_vis = tl.load(nvis_ptr + n)
     ws_row = ws_ptr + n * _WS_C
+    c = tl.atomic_add(ws_row + _WS_TICKET, 1, sem="relaxed", scope="gpu")
+    guess = (tl.program_id(1) + GUESS_SHIFT) % tl.num_programs(1)
+    offs = guess * CHUNK + tl.arange(0, CHUNK)
+    key, ok = _keys(s_ptr, n.to(tl.int64) * s_sn, offs, n_vis, 1)
     k_eff = tl.load(ws_row + _WS_K_EFF)
     skip = tl.load(ws_row + _WS_SKIP)
     thr = tl.load(ws_row + _WS_THR)
-    c = tl.atomic_add(ws_row + _WS_TICKET, 1, sem="relaxed", scope="gpu")
     out_row = out_ptr + n.to(tl.int64) * out_sn
     if k_eff > 0:
-        offs = c * CHUNK + tl.arange(0, CHUNK)
-        key, ok = _keys(s_ptr, n.to(tl.int64) * s_sn, offs, n_vis, 1)
+        if c != guess:
+            offs = c * CHUNK + tl.arange(0, CHUNK)
+            key, ok = _keys(s_ptr, n.to(tl.int64) * s_sn, offs, n_vis, 1)
         gt = ok & (key > thr)
         eq = ok & (key == thr)
         tl.atomic_xchg(ws_row + _WS_CHUNK_GT + c, tl.sum(gt.to(tl.int32), 0) | _LINKED, sem="relaxed", scope="gpu")
@@ -508,7 +517,7 @@ def _select_linked(scores, n_vis, out, plan, hist_ready, pdl):
     _lo_select_kernel[grid](scores, n_vis, plan.ws, scores.stride(0), K=plan.k, CHUNK=chunk, PDL=pdl,
                             num_warps=warps, **opt)
     _write_linked_kernel[grid](scores, n_vis, plan.ws, out, scores.stride(0), out.stride(0), out.shape[1],
-                               CHUNK=chunk, BLOCK_K=1024, PDL=pdl, num_warps=warps, **opt)
+                               CHUNK=chunk, BLOCK_K=1024, PDL=pdl, GUESS_SHIFT=_GUESS_SHIFT, num_warps=warps, **opt)
 
 
 def topk_ascending_(scores: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor, plan: TopKPlan, *,

@@ -317,15 +317,17 @@ def test_key_high_histogram_equals_the_kernels():
     assert int(key_high_histogram(s, nv)[1].sum()) == 0 and int(key_high_histogram(s, nv)[2].sum()) == 1
 
 
-@pytest.mark.parametrize("dtype,max_chunks", [(torch.float32, 1024), (torch.bfloat16, 2)])
-def test_topk_linked_equals_separate_and_reference(monkeypatch, dtype, max_chunks):
+@pytest.mark.parametrize("dtype,max_chunks,guess_shift", [(torch.float32, 1024, 0), (torch.bfloat16, 2, 1)])
+def test_topk_linked_equals_separate_and_reference(monkeypatch, dtype, max_chunks, guess_shift):
     """The linked path (count folded into the write, the threshold found by the last program of the
     low-byte pass), with and without hist_ready, gives the four-launch path's and the reference's
     selections: ties at the threshold spread over chunks (and over larger chunks past the chunk
     cap), -0.0 vs +0.0, NaN, -inf, n_vis 0 / 1 / < k / not a multiple of the chunk; six rows, then
-    one row alone through the same plans (their workspaces left clean)."""
+    one row alone through the same plans (their workspaces left clean). guess_shift 1: every write
+    program's ticket names another chunk than the one it loaded first (the reload path)."""
     from dsv41_decode.ops import topk as topk_mod
     monkeypatch.setattr(topk_mod, "_SMALL_MAX", 0)
+    monkeypatch.setattr(topk_mod, "_GUESS_SHIFT", guess_shift)
     monkeypatch.setattr(topk_mod, "_MAX_CHUNKS", max_chunks)
     k, entries = 64, 300
     s = _edge_rows(entries, 31).to(dtype)
