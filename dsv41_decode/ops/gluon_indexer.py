@@ -121,6 +121,19 @@ def _issue(raw_s, scl_s, pool_ptr, bt_ptr, slot, bt_stride, n_vis, cand_row, til
 
 
 @gluon.jit
+def _bf16_pair(x):
+    """x rounded to BF16 and widened back to FP32, two elements a conversion (cvt.rn.bf16x2.f32):
+    round to nearest even, as `fp4.bf16_round`, but for a NaN's payload (the canonical 0x7FFF
+    here, 0x7FC0 there). Used where that cannot show: the relu drops a NaN, and a NaN term makes
+    the FP32 head sum the canonical NaN either way."""
+    return gl.inline_asm_elementwise(
+        "{\n\t.reg .b32 p;\n\tcvt.rn.bf16x2.f32 p, $3, $2;\n\t"
+        "shl.b32 $0, p, 16;\n\tand.b32 $1, p, 0xFFFF0000;\n\t}",
+        "=r,=r,r,r", [x.to(gl.int32, bitcast=True)], dtype=gl.int32, is_pure=True,
+        pack=2).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
 def _block_scale(sw, blk: gl.constexpr):
     """2^(byte - 127) of scale byte blk of the scale words sw, as `ops.indexer` reads it."""
     return (((sw >> (8 * blk)) & 0xFF) << 23).to(gl.float32, bitcast=True)
@@ -229,11 +242,9 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
         acc += (d1 * f1[None, :]) * _block_scale(sw, 1)[:, None]
         acc += (d2 * f2[None, :]) * _block_scale(sw, 2)[:, None]
         acc += (d3 * f3[None, :]) * _block_scale(sw, 3)[:, None]
-        # bf16 round trips by the hardware conversion (round to nearest even, as `fp4.bf16_round`;
-        # only a NaN's payload differs: the relu drops it, a NaN term makes the FP32 sum the
-        # canonical NaN either way); the score's rounding is `bf16_round` itself (its NaN bits)
-        term = gl.maximum(acc.to(gl.bfloat16).to(gl.float32), 0.0) * wv[None, :]
-        term = term.to(gl.bfloat16).to(gl.float32)
+        # the per-(entry, head) bf16 round trips by the packed hardware conversion (`_bf16_pair`);
+        # the score's rounding is `bf16_round` itself (its NaN bits)
+        term = _bf16_pair(gl.maximum(_bf16_pair(acc), 0.0) * wv[None, :])
         score = gl.where(vis, bf16_round(gl.sum(term, axis=1)), float("-inf"))
         gl.store(out_row + offs, score, mask=offs < max_entries)
         if HIST:
@@ -268,17 +279,22 @@ def shared_bytes(stages: int, heads: int) -> int:
     return stages * BLOCK_E * 18 * 4 + BLOCK_E * 128 + block_h(heads) * 128 + 1024
 
 
-def launch_options(heads: int, page: int, stages: int, cand: bool, hist: bool) -> dict:
+def launch_options(heads: int, page: int, stages: int, cand: bool, hist: bool, maxnreg: int | None = None) -> dict:
     """The kernel's constexpr arguments and launch options (the launch and the sm_90 compile test
-    share them). The page is a constant of the kernel (a record's place without a division)."""
-    return {"PAGE": page, "BLOCK_H": block_h(heads), "STAGES": stages, "HAS_CAND": cand, "HIST": hist,
+    share them). The page is a constant of the kernel (a record's place without a division);
+    maxnreg: a register cap per thread (None: the compiler's choice, ~150 at 32 heads: three
+    programs an SM; 128 lets four stay resident)."""
+    opts = {"PAGE": page, "BLOCK_H": block_h(heads), "STAGES": stages, "HAS_CAND": cand, "HIST": hist,
             "num_warps": 4}
+    if maxnreg is not None:
+        opts["maxnreg"] = maxnreg
+    return opts
 
 
 def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor,
                               page: int, req_slot: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor,
                               cand_mask: torch.Tensor | None = None, hist: torch.Tensor | None = None,
-                              stages: int = 4, programs_per_sm: int = 4) -> torch.Tensor:
+                              stages: int = 4, programs_per_sm: int = 4, maxnreg: int | None = None) -> torch.Tensor:
     """Write the indexer scores of N decode rows into `out`: `ops.indexer.index_scores_mxfp4_(...,
     fp8_dot=True)`'s arguments and scores (see the module docstring), on an sm_90 device.
 
@@ -289,6 +305,7 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
       row n's selectable scores' 16-bit keys (`ops.topk._keys`, group 1); the caller zeroes it.
     stages: ring slots of 64 records (2..MAX_STAGES); STAGES - 1 tiles are in flight per program.
     programs_per_sm: each row gets at most ceil(programs_per_sm * SMs / N) programs.
+    maxnreg: the launch's register cap per thread (`launch_options`), None or a multiple of 8 in [64, 256].
     Unchecked: as `index_scores_mxfp4_`. Returns out.
     """
     n_rows, heads = index_scores_args(iq, w, pool, block_table, page, req_slot, n_vis, out, cand_mask)
@@ -302,6 +319,9 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
         raise ValueError(f"stages must be an int in [2, {MAX_STAGES}], got {stages!r}")
     if isinstance(programs_per_sm, bool) or not isinstance(programs_per_sm, int) or programs_per_sm < 1:
         raise ValueError(f"programs_per_sm must be a positive int, got {programs_per_sm!r}")
+    if maxnreg is not None and (isinstance(maxnreg, bool) or not isinstance(maxnreg, int) or not 64 <= maxnreg <= 256
+                                or maxnreg % 8):
+        raise ValueError(f"maxnreg must be None or a multiple of 8 in [64, 256], got {maxnreg!r}")
     if not is_sm90(iq.device):
         raise ValueError(f"iq's device must be a CUDA device of compute capability 9.0 (the Gluon scorer is sm_90 "
                          f"code: wgmma), got {iq.device}; use ops.indexer.index_scores_mxfp4_")
@@ -316,5 +336,5 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
         iq, w, pool.view(torch.int32), block_table, req_slot, n_vis, cand, out, hist_t,
         heads, max_entries, block_table.stride(0), iq.stride(0), iq.stride(1), w.stride(0),
         cand.stride(0), out.stride(0), hist_t.stride(0),
-        **launch_options(heads, page, stages, cand_mask is not None, hist is not None))
+        **launch_options(heads, page, stages, cand_mask is not None, hist is not None, maxnreg))
     return out

@@ -55,8 +55,8 @@ def sm90_builds() -> dict:
     return {tuple(r["case"]): r for r in rows}
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"h{h}-p{p}-s{s}" + ("-cand" if c else "") + ("-hist" if g else "")
-                                             for h, p, s, c, g in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[f"h{c[0]}-p{c[1]}-s{c[2]}" + ("-cand" if c[3] else "") + ("-hist" if c[4] else "")
+                                             + (f"-r{c[5]}" if len(c) > 5 else "") for c in CASES])
 def test_compiles_for_sm90_without_spills(sm90_builds, case):
     r = sm90_builds[case]
     assert r["LOCAL"] == 0 and r["STACK"] == 0, r
@@ -81,7 +81,7 @@ def test_compiles_for_sm90_without_spills(sm90_builds, case):
     # at the step's 32 heads, a register budget that keeps three programs resident per SM (the four
     # block partials hold BLOCK_H / 2 registers each: 64 heads need more, without spilling)
     if r["block_h"] <= 32:
-        assert r["REG"] <= 168, r
+        assert r["REG"] <= (r["maxnreg"] or 168), r
 
 
 def test_bad_inputs_raise_naming_the_argument():
@@ -101,6 +101,7 @@ def test_bad_inputs_raise_naming_the_argument():
             ((iq, w, pool, bt, 16, slot, nv, out), {"stages": 1}, "stages must be"),
             ((iq, w, pool, bt, 16, slot, nv, out), {"stages": 13}, "stages must be"),
             ((iq, w, pool, bt, 16, slot, nv, out), {"programs_per_sm": 0}, "programs_per_sm must be"),
+            ((iq, w, pool, bt, 16, slot, nv, out), {"maxnreg": 100}, "maxnreg must be"),
             ((iq, w, pool, bt, 16, slot, nv, out), {}, "compute capability 9.0")):
         with pytest.raises(ValueError, match=match):
             run(*args, **kw)
@@ -159,10 +160,11 @@ def test_gpu_bits_equal_triton_fp8_path(rows, page):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stages, programs_per_sm", [(2, 1), (4, 4), (8, 2), (12, 8)])
-def test_gpu_configurations_give_the_same_bits(stages, programs_per_sm):
+@pytest.mark.parametrize("stages, programs_per_sm, maxnreg", [(2, 1, None), (4, 4, None), (8, 2, None), (12, 8, None),
+                                                                (6, 4, 128)])
+def test_gpu_configurations_give_the_same_bits(stages, programs_per_sm, maxnreg):
     args = _inputs(4, [4103, 777, 0, 64], seed=5)
-    got, ref = _pair(args, 16, 4200, stages=stages, programs_per_sm=programs_per_sm)
+    got, ref = _pair(args, 16, 4200, stages=stages, programs_per_sm=programs_per_sm, maxnreg=maxnreg)
     _assert_bits_equal(got, ref, f"stages={stages} programs_per_sm={programs_per_sm}")
 
 
@@ -220,8 +222,10 @@ def _key_hist(scores: torch.Tensor, n_vis: torch.Tensor) -> torch.Tensor:
 def test_gpu_histogram_of_the_key_high_bytes(rows):
     n_vis = _contexts(rows, seed=rows + 100) if rows > 1 else [4103]
     args = _inputs(rows, n_vis, seed=rows + 100, page=64)
-    # zeros, a negative zero and a NaN among the scores: w = 0 on a row gives +0.0 / -0.0 scores
-    args[1][0, :] = 0.0
+    # -0.0 scores (row 0's weights -0.0: every term -0.0), +-inf and NaN scores (key scale byte 255:
+    # an infinite block scale, NaN where a block partial is 0), all keyed as ops.topk keys them
+    args[1][0, :] = -0.0
+    args[2][::97, 64] = 255
     hist = torch.zeros(rows, 2568, dtype=torch.int32, device=DEVICE)
     hist[:, 256:] = 7                          # the rest of the workspace is left alone
     got, ref = _pair(args, 64, 4160, hist=hist)

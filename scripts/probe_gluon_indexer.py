@@ -1,0 +1,82 @@
+"""Probe the Gluon indexer scorer (`ops.gluon_indexer`) on an H200 against the step's Triton FP8 path
+(`ops.indexer.index_scores_mxfp4_(fp8_dot=True)`), on `bench attn`'s indexer operands
+(`bench.attn_indexer.indexer_inputs`: ratio-1 keys, 32 index heads, pages of 64, each row its own
+pages). CUDA-graph replay (`bench.timing.graph_time_us`); the streaming read
+(`bench.floor.read_bandwidth_gbps`) as the floor. Per rows x context: us of the Triton path and of
+each Gluon variant (`--variants=stages:programs_per_sm[:h]`, h = with the fused histogram), GB/s and %
+of the read (68 key bytes read and 4 score bytes written per entry), and how many of the Gluon
+scores differ bitwise from the Triton path's (0 expected). `--rows=1,4,16,64`,
+`--contexts=32768,131072,1048576`. Prints; writes nothing. About 30-60 s.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _args import arg  # noqa: E402
+
+from dsv41_decode.bench.attn_indexer import PAGE, indexer_inputs  # noqa: E402
+from dsv41_decode.bench.floor import read_bandwidth_gbps  # noqa: E402
+from dsv41_decode.bench.timing import graph_time_us  # noqa: E402
+from dsv41_decode.ops.gluon_indexer import HIST_BINS, gluon_index_scores_mxfp4_  # noqa: E402
+from dsv41_decode.ops.indexer import index_scores_mxfp4_  # noqa: E402
+from dsv41_decode.testing.compare import bits_differ  # noqa: E402
+
+
+def main() -> None:
+    t0 = time.time()
+    rows_list = [int(v) for v in arg("rows", "1,4,16,64").split(",")]
+    contexts = [int(v) for v in arg("contexts", "32768,131072,1048576").split(",")]
+    variants = [v.split(":") for v in arg("variants", "4:4,6:4,8:2,4:4:h").split(",")]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    read = read_bandwidth_gbps()
+    print(f"streaming read {read:.0f} GB/s on {torch.cuda.get_device_name()}", flush=True)
+    names = [":".join(v) for v in variants]
+    print(f"{'rows':>4} {'context':>8} {'triton':>9} " + " ".join(f"{n:>16}" for n in names) + "  (us, % of read)",
+          flush=True)
+    for context in contexts:
+        for rows in rows_list:
+            if rows * context > (64 << 20):
+                continue
+            pool, table, iq, w, req, n_vis, scores = indexer_inputs(rows, context, gen)
+            nbytes = rows * context * (68 + 4)
+            ref = torch.empty_like(scores)
+            small = rows * context < (4 << 20)
+            kw = dict(replays=20 if small else 10, min_calls=32 if small else 4)
+
+            def triton():
+                index_scores_mxfp4_(iq, w, pool, table, PAGE, req, n_vis, ref, fp8_dot=True)
+
+            t_tri = graph_time_us(triton, **kw)
+            cells = []
+            for v in variants:
+                stages, pps = int(v[0]), int(v[1])
+                hist = torch.zeros(rows, HIST_BINS, dtype=torch.int32, device="cuda") if "h" in v[2:] else None
+
+                def gluon():
+                    gluon_index_scores_mxfp4_(iq, w, pool, table, PAGE, req, n_vis, scores, hist=hist, stages=stages,
+                                              programs_per_sm=pps)
+
+                t = graph_time_us(gluon, **kw)
+                scores.fill_(float("nan"))
+                gluon()
+                triton()
+                torch.cuda.synchronize()
+                diff = bits_differ(scores, ref)
+                pct = 100 * nbytes / (read * 1e9) / (t * 1e-6)
+                cells.append(f"{t:7.2f} {pct:3.0f}% d{diff}")
+            pct_tri = 100 * nbytes / (read * 1e9) / (t_tri * 1e-6)
+            print(f"{rows:>4} {context:>8} {t_tri:6.2f} {pct_tri:2.0f}% " + " ".join(f"{c:>16}" for c in cells),
+                  flush=True)
+            del pool, scores, ref
+            torch.cuda.empty_cache()
+    print(f"done in {time.time() - t0:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
