@@ -32,7 +32,7 @@ from ..ops import LOW_BATCH_MAX_ROWS
 from ..ops.compressor import compress_ratio2_
 from ..ops.index_query import index_query_
 from ..ops.indexer import index_scores_mxfp4_
-from ..ops.kv_write import compressed_entry_store_, qkv_rope_insert_
+from ..ops.kv_write import compressed_entry_store_, query_rope_
 from ..ops.exact_int8_mm import ExactLinear
 from ..ops.common import is_sm90
 from ..ops.exact_mm import ExactConfig
@@ -186,6 +186,9 @@ class AttentionStep:
         pool = scratch.workspaces
         self.mm_qkv = fp8_linear_plan(self.w_qkv, self.s_qkv, max_rows, exact_linears, pool)
         self.mm_wq_b = _fp8_plan(w, "wq_b", max_rows, exact_linears, pool)
+        # the query RoPE runs in wq_b's epilogue where its plan has one (the Gluon tier), else as
+        # its own launch after it; the window insert runs in the q/kv norm pair's launch
+        self.rope_in_wq_b = isinstance(self.mm_wq_b, GluonMM)
         self.mm_wo_b = _fp8_plan(w, "wo_b", max_rows, exact_linears, pool)
         if "attn.wo_a.scale" in w:
             self.wo_a_w, self.wo_a_s = w["attn.wo_a.weight"], w["attn.wo_a.scale"]
@@ -270,7 +273,7 @@ class AttentionStep:
 
         Phases (design section 2), each enqueued in order on the main stream with its side work on
         the lanes: `_inputs` (the fused wq_a|wkv GEMM and the norms; the side projections),
-        `_prepare` (index query, compressor and index key, query RoPE and window insert),
+        `_prepare` (index query, compressor and index key, the query with its RoPE),
         `_select` (index scores, top-k, candidate pool, sparse-index table), `_attend` (sparse MLA),
         `_output` (wo_a with the staged window copy, wo_b).
         """
@@ -316,13 +319,15 @@ class AttentionStep:
         if lanes.late:
             kv_score, wproj_ready = side_projections()
         ql = cfg.q_lora_rank
+        m, r = self.meta, spec.ratio     # one launch: q_norm (+ MXFP8), kv_norm + the window insert
         rms_norm_pair_(qkv[:, :ql], self.w["attn.q_norm.weight"], s.qr[:B], s.qr_codes[:B], s.qr_scales[:B],
-                       qkv[:, ql:], self.w["attn.kv_norm.weight"], s.kv[:B], cfg.norm_eps)   # one launch
+                       qkv[:, ql:], self.w["attn.kv_norm.weight"], s.kv[:B], cfg.norm_eps,
+                       window=self.state.window[spec.layer], slots=m.stage_slot[:B], cos=m.cos[r][:B], sin=m.sin[r][:B])
         return kv_score, wproj_ready, lanes.mark()            # the last protects qr codes
 
     def _prepare(self, B: int, kv_score, wproj_ready, qr_ready, own: slice):
         """The index query of the rows `own` (lane 2), the compressor's state update, latent and
-        index key (lane 0), the query (wq_b) and its RoPE with the window insert (main); the main
+        index key (lane 0), the query (wq_b) and its RoPE, in wq_b's epilogue or after it (main); the main
         stream then waits for the compressed and index-key records. Returns the event of the index
         query (None without)."""
         cfg, spec, s, m, lanes = self.cfg, self.spec, self.s, self.meta, self.lanes
@@ -354,8 +359,11 @@ class AttentionStep:
                                         st.compressed[L], st.index_keys[L], cfg.norm_eps)
                 latent_ready = lanes.mark()                   # protects compressed + index-key records
         q = s.q[:B]
-        self.mm_wq_b(s.qr_codes[:B], s.qr_scales[:B], q.view(B, -1))
-        qkv_rope_insert_(q, s.kv[:B], m.cos[r][:B], m.sin[r][:B], m.stage_slot[:B], st.window[L])
+        if self.rope_in_wq_b:       # the query RoPE in wq_b's epilogue (the window insert ran in the norm pair)
+            self.mm_wq_b(s.qr_codes[:B], s.qr_scales[:B], q.view(B, -1), rope=(m.cos[r][:B], m.sin[r][:B]))
+        else:
+            self.mm_wq_b(s.qr_codes[:B], s.qr_scales[:B], q.view(B, -1))
+            query_rope_(q, m.cos[r][:B], m.sin[r][:B])
         lanes.wait(latent_ready)
         return iq_ready
 

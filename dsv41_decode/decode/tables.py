@@ -72,7 +72,7 @@ class StepMeta:
     Derived on the device by `derive(rows)`:
       window_table int32 [max_rows, W]: the ring or staging slot of each position p-W+1..p, -1 none
         (ring slot `s * M + q % M`, M = `state.ring_size`);
-      stage_slot int64 [max_rows]: where `qkv_rope_insert_` writes the row's window record (-1: pad);
+      stage_slot int64 [max_rows]: where the window insert (`rms_norm_pair_`) writes the row's record (-1: pad);
       stage_src / ring_dst int64 [max_rows]: the post-attention copy (padding and rows whose ring
         slot a later row of the same request takes copy onto themselves);
       kernel_slot int64 [max_rows]: the request slot, 0 for padding (for kernels that index tables);
