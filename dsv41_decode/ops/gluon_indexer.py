@@ -94,12 +94,9 @@ def _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, blk: gl.constexpr, BLOCK_H:
 
 
 @gluon.jit
-def _issue(raw_s, scl_s, pool_ptr, bt_ptr, slot, bt_stride, n_vis, cand_row, tile, PAGE: gl.constexpr,
-           HAS_CAND: gl.constexpr, copy_l: gl.constexpr, scl_l: gl.constexpr):
-    """Start the asynchronous copies of tile `tile`'s records into ring slot (raw_s [64, 16] code
-    words, scl_s [64, 2]: column 0 the scale word), one commit group; entries past n_vis (or outside
-    the candidate mask) are not read (a tile past the row's last is an empty group)."""
-    offs = tile * _BLOCK_E + gl.arange(0, _BLOCK_E, layout=gl.SliceLayout(1, copy_l))
+def _records(bt_ptr, slot, bt_stride, n_vis, cand_row, offs, PAGE: gl.constexpr, HAS_CAND: gl.constexpr):
+    """(pool record ids, read flags) of the row's entries `offs` (any layout): entry j is record
+    block_table[slot, j // PAGE] * PAGE + j % PAGE; read where j < n_vis (and in the candidate mask)."""
     vis = offs < n_vis
     if HAS_CAND:
         vis = vis & (gl.load(cand_row + offs, mask=vis, other=0) != 0)
@@ -109,14 +106,27 @@ def _issue(raw_s, scl_s, pool_ptr, bt_ptr, slot, bt_stride, n_vis, cand_row, til
     # `ops.indexer` avoids by not specializing the page).
     rec = gl.inline_asm_elementwise("mov.b64 $0, $1;", "=l,l", [blk.to(gl.int64) * PAGE + offs % PAGE],
                                     dtype=gl.int64, is_pure=True, pack=1)
+    return rec, vis
+
+
+@gluon.jit
+def _issue(raw_s, scl_s, pool_ptr, bt_ptr, slot, bt_stride, n_vis, cand_row, tile, PAGE: gl.constexpr,
+           HAS_CAND: gl.constexpr, copy_l: gl.constexpr, scl_l: gl.constexpr):
+    """Start the asynchronous copies of tile `tile`'s records into a ring slot (raw_s [64, 16] code
+    words; scl_s [2, 64]: row 0 the scale words, row 1 unused, so that each of the 128 threads
+    copies one element or none), one commit group; entries past n_vis (or outside the candidate
+    mask) are not read (a tile past the row's last is an empty group). Each layout computes its own
+    record ids (cached block-table loads) rather than converting them through shared memory."""
+    offs = tile * _BLOCK_E + gl.arange(0, _BLOCK_E, layout=gl.SliceLayout(1, copy_l))
+    rec, vis = _records(bt_ptr, slot, bt_stride, n_vis, cand_row, offs, PAGE, HAS_CAND)
     rw = gl.arange(0, 16, layout=gl.SliceLayout(0, copy_l))
     async_copy.async_copy_global_to_shared(raw_s, pool_ptr + rec[:, None] * _WORDS + rw[None, :],
                                            mask=vis[:, None] & (rw < 16)[None, :])
-    rec_s = gl.convert_layout(rec, gl.SliceLayout(1, scl_l))
-    vis_s = gl.convert_layout(vis, gl.SliceLayout(1, scl_l))
-    rc = gl.arange(0, 2, layout=gl.SliceLayout(0, scl_l))
-    async_copy.async_copy_global_to_shared(scl_s, pool_ptr + rec_s[:, None] * _WORDS + 16 + rc[None, :],
-                                           mask=vis_s[:, None] & (rc == 0)[None, :])
+    offs_s = tile * _BLOCK_E + gl.arange(0, _BLOCK_E, layout=gl.SliceLayout(0, scl_l))
+    rec_s, vis_s = _records(bt_ptr, slot, bt_stride, n_vis, cand_row, offs_s, PAGE, HAS_CAND)
+    rr = gl.arange(0, 2, layout=gl.SliceLayout(1, scl_l))
+    async_copy.async_copy_global_to_shared(scl_s, pool_ptr + rec_s[None, :] * _WORDS + 16 + rr[:, None],
+                                           mask=vis_s[None, :] & (rr == 0)[:, None])
     async_copy.commit_group()
 
 
@@ -162,8 +172,9 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
     # words (512 contiguous bytes but for the scale words between records); two records a thread
     copy_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 4], threads_per_warp=[8, 4],
                                             warps_per_cta=[4, 1], order=[1, 0])
-    scl_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[16, 2],
-                                           warps_per_cta=[4, 1], order=[1, 0])
+    # the scale words' copy: [2, 64] (row 1 unused), one element a thread
+    scl_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[1, 32],
+                                           warps_per_cta=[2, 2], order=[1, 0])
     q_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[8, 4],
                                          warps_per_cta=[4, 1], order=[1, 0])
     mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -174,8 +185,9 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
                                             order=[0])
 
     plain: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    plain1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
     raw = gl.allocate_shared_memory(gl.int32, [STAGES, _BLOCK_E, 16], plain)
-    scl = gl.allocate_shared_memory(gl.int32, [STAGES, _BLOCK_E, 2], plain)
+    scl = gl.allocate_shared_memory(gl.int32, [STAGES, 2, _BLOCK_E], plain)
     # the E4M3 key tile, written as int32 words (4 bytes each) and read by the wgmma as bytes: the
     # same 128-byte swizzle of 16-byte chunks either way
     a_words = gl.allocate_shared_memory(gl.int32, [_BLOCK_E, 32],
@@ -204,7 +216,7 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
     wv = gl.load(w_ptr + n.to(gl.int64) * w_sn + rh, mask=rh < heads, other=0.0).to(gl.float32)
     zero = gl.zeros([_BLOCK_E, BLOCK_H], gl.float32, mma_l)
     hist = gl.zeros([_HIST_BINS], gl.int32, hist_l)
-    rc = gl.arange(0, 2, layout=gl.SliceLayout(0, scl_l))
+    rr = gl.arange(0, 2, layout=gl.SliceLayout(1, scl_l))
 
     i = 0
     for t in range(pid, n_tiles, nprog):
@@ -218,7 +230,7 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
         cur = i % STAGES
         lo, hi = _widen(raw.index(cur).load(copy_l))
         a_words.store(gl.reshape(gl.join(lo, hi), [_BLOCK_E, 32]))
-        sw2 = scl.index(cur).load(scl_l)
+        sw = scl.index(cur)._reinterpret(gl.int32, [2 * _BLOCK_E], plain1).slice(0, _BLOCK_E).load(row_l)
         # the generic-proxy stores before the wgmma's (async proxy) reads, from every thread
         fence_async_shared()
         gl.thread_barrier()
@@ -230,7 +242,6 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
                            use_acc=False, is_async=True)
         d3 = warpgroup_mma(a8.slice(96, 32, dim=1), q_smem.slice(96, 32, dim=1).permute((1, 0)), zero,
                            use_acc=False, is_async=True)
-        sw = gl.convert_layout(gl.sum(gl.where((rc == 0)[None, :], sw2, 0), axis=1), row_l)
         offs = t * _BLOCK_E + gl.arange(0, _BLOCK_E, layout=row_l)
         vis = offs < n_vis
         if HAS_CAND:
@@ -248,11 +259,11 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
         score = gl.where(vis, bf16_round(gl.sum(term, axis=1)), float("-inf"))
         gl.store(out_row + offs, score, mask=offs < max_entries)
         if HIST:
-            # one owner per entry (the wgmma layout repeats each entry on four lanes): a [64, 2]
-            # tile of which column 0 counts
-            sc2 = gl.convert_layout(score, gl.SliceLayout(1, scl_l))
-            ok2 = (sc2 > float("-inf"))[:, None] & (rc == 0)[None, :]
-            key2 = _score_keys_hi(sc2)[:, None] + gl.zeros([_BLOCK_E, 2], gl.int32, scl_l)
+            # one owner per entry (the wgmma layout repeats each entry on four lanes): a [2, 64]
+            # tile of which row 0 counts
+            sc2 = gl.convert_layout(score, gl.SliceLayout(0, scl_l))
+            ok2 = (sc2 > float("-inf"))[None, :] & (rr == 0)[:, None]
+            key2 = _score_keys_hi(sc2)[None, :] + gl.zeros([2, _BLOCK_E], gl.int32, scl_l)
             hist += gl.histogram(gl.reshape(key2, [2 * _BLOCK_E]), _HIST_BINS, mask=gl.reshape(ok2, [2 * _BLOCK_E]),
                                  layout=hist_l)
         i += 1
