@@ -335,8 +335,14 @@ def _lo_select_kernel(s_ptr, nvis_ptr, ws_ptr, s_sn, K: tl.constexpr, CHUNK: tl.
     tl.store(ws_row + _WS_CHUNK_EQ + c, 0)
     if (c * CHUNK < n_vis) & (k_eff > 0):
         b1, _ = _level(h1, k_eff)
-        h = tl.histogram(key & 0xFF, 256, mask=ok & ((key >> 8) == b1))
-        tl.atomic_add(ws_row + _WS_LO + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
+        under = ok & ((key >> 8) == b1)
+        # Few keys under b1 (the usual case: b1 is the top-k's binade): one atomic per such key, no
+        # histogram over the chunk; many (ties): the chunk's histogram. The same integer sums.
+        if tl.sum(under.to(tl.int32), 0) <= CHUNK // 16:
+            tl.atomic_add(ws_row + _WS_LO + (key & 0xFF), 1, mask=under, sem="relaxed")
+        else:
+            h = tl.histogram(key & 0xFF, 256, mask=under)
+            tl.atomic_add(ws_row + _WS_LO + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
     tl.debug_barrier()
     arrived = tl.atomic_add(ws_row + _WS_ARRIVED, 1, sem="acq_rel", scope="gpu")
     if arrived == tl.num_programs(1) - 1:
@@ -394,7 +400,10 @@ def _write_linked_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width,
             e = tl.load(ws_row + _WS_CHUNK_EQ + rc, mask=before, other=_LINKED, volatile=True)
         base_gt = tl.sum(g & (_LINKED - 1), 0)
         base_eq = tl.sum(e & (_LINKED - 1), 0)
-        sel = gt | (eq & (base_eq + tl.cumsum(eq.to(tl.int32), 0) - 1 >= skip))
+        if skip == 0:                          # every tie taken: no rank among them needed
+            sel = gt | eq
+        else:
+            sel = gt | (eq & (base_eq + tl.cumsum(eq.to(tl.int32), 0) - 1 >= skip))
         pos = base_gt + tl.maximum(base_eq - skip, 0) + tl.cumsum(sel.to(tl.int32), 0) - 1
         tl.store(out_row + pos, offs, mask=sel)
     if c == 0:
