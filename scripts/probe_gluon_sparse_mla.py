@@ -2,17 +2,26 @@
 tiling (`SparseMlaPlan.for_step`) and FlashMLA's Hopper sparse decode on the V4 record (when
 `flash_mla` imports; `bench.attn`'s baseline): 128 window + 512 compressed keys, CUDA-graph replay.
 Per (heads, rows) cell: the time of the Gluon kernel in each configuration of `--configs` (names
-in CONFIGS; default: default), of the Triton step tiling and of FlashMLA; the max BF16 ulp distance
-of each Gluon configuration's and of the Triton kernel's outputs from the reference on the GPU (on
-the first, middle and last rows: rows are independent, and the reference runs row by row); whether
-the Gluon configurations give the same bits as each other (`cfg==`; seq2, seq5 and their
-publish-first forms seq2p, seq5p, several blocks a program, sum in another order than default) and the first one the Triton
-kernel's (`==triton`). `--heads=64,16`, `--rows=1,2,4,8,16,32,64`. Prints; writes nothing."""
+in CONFIGS; default: default,inline,split2,split2i,split4i), of the Triton step tiling and of
+FlashMLA; the max BF16 ulp distance of each Gluon configuration's and of the Triton kernel's
+outputs from the reference on the GPU (on the first, middle and last rows: rows are independent,
+and the reference runs row by row); whether the Gluon configurations give the same bits as each
+other (`cfg==`: they must, every configuration leaves the bits alone) and the first one the Triton
+kernel's (`==triton`). `--heads=64,16`, `--rows=1,2,4,8,16,32,64`, `--replays=10`.
+
+`--phases`: then, for each configuration of `--configs` with the debug phase log
+(`GluonSparseMlaConfig.phases`) at each row count of `--phase-rows` (1,64) and the first head count,
+one launch's per-program phase durations (median, 90th percentile and max over the programs, us;
+each phase from the barrier ending the one before to its own: `ops.gluon_sparse_mla.PHASE_NAMES`),
+the programs' start offsets from the first program's start, and the launch's span (first start to
+last end, globaltimer; the stamps' barriers make it a little slower than the timed kernel).
+Prints; writes nothing. About 60-90 s on an H200 with the defaults."""
 
 from __future__ import annotations
 
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -32,10 +41,11 @@ CONFIGS = {
     "q4": G.GluonSparseMlaConfig(q_buffers=4),
     "noprefetch": G.GluonSparseMlaConfig(prefetch=False),
     "bytes": G.GluonSparseMlaConfig(fp4_packed=False),
-    "seq2": G.GluonSparseMlaConfig(q_buffers=4, blocks_per_program=2),     # other bits than G = 1
-    "seq5": G.GluonSparseMlaConfig(q_buffers=4, blocks_per_program=5),
-    "seq2p": G.GluonSparseMlaConfig(q_buffers=4, blocks_per_program=2, publish_first=True),
-    "seq5p": G.GluonSparseMlaConfig(q_buffers=4, blocks_per_program=5, publish_first=True),
+    "inline": G.GluonSparseMlaConfig(combine="inline"),
+    "split2": G.GluonSparseMlaConfig(dim_split=2),
+    "split4": G.GluonSparseMlaConfig(dim_split=4),
+    "split2i": G.GluonSparseMlaConfig(dim_split=2, combine="inline"),
+    "split4i": G.GluonSparseMlaConfig(dim_split=4, combine="inline"),
 }
 
 
@@ -47,44 +57,104 @@ def ulp_max(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((key(a) - key(b)).abs().max())
 
 
-def main() -> None:
-    t0 = time.time()
-    heads_list = [int(v) for v in arg("heads", "64,16").split(",")]
-    rows_list = [int(v) for v in arg("rows", "1,2,4,8,16,32,64").split(",")]
-    names = arg("configs", "default").split(",")
+def row_inputs(inputs, rows: int):
+    """The first `rows` rows of `sparse_mla_inputs(max_rows, ...)` (pools and sink shared)."""
+    q, win, comp, wtab, ctab, sink = inputs
+    return q[:rows], win, comp, wtab[:rows], ctab[:rows], sink
+
+
+def timings(heads_list, rows_list, names, replays):
     configs = [CONFIGS[n] for n in names]
     gen = torch.Generator(device="cuda").manual_seed(0)
     scale = HEAD_DIM ** -0.5
     print("us per call (graph replay), then max ulp from the reference")
     print("heads rows | " + " ".join(f"{n:>10s}" for n in names) + "     triton  flash_mla | best/triton best/flash | "
-          + " ".join(f"{'ulp ' + n:>14s}" for n in names) + "  ulp triton | cfg== ==triton")
+          + " ".join(f"{'ulp ' + n:>14s}" for n in names) + "  ulp triton | cfg== ==triton", flush=True)
     for heads in heads_list:
         gplans = [G.GluonSparseMlaPlan.build(max(rows_list), heads, W, K, "cuda", config=c) for c in configs]
         tplans = SparseMlaPlan.for_step(max(rows_list), heads, W, K, "cuda")
+        inputs = sparse_mla_inputs(max(rows_list), heads, gen)
         for rows in rows_list:
-            q, win, comp, wtab, ctab, sink = sparse_mla_inputs(rows, heads, gen)
+            q, win, comp, wtab, ctab, sink = row_inputs(inputs, rows)
             tplan = next(p for p in tplans if rows <= p.max_rows)
             outs, times = [], []
             for gplan in gplans:
                 o = torch.empty_like(q)
                 fn = lambda o=o, p=gplan: G.gluon_sparse_mla_(p, q, win, comp, wtab, ctab, sink, scale, o)  # noqa: E731
-                times.append(graph_time_us(fn, replays=20))
+                times.append(graph_time_us(fn, replays=replays))
                 fn()
                 outs.append(o)
             ot = torch.empty_like(q)
             ft = lambda: sparse_mla_(tplan, q, win, comp, wtab, ctab, sink, scale, ot)  # noqa: E731
-            us_t = graph_time_us(ft, replays=20)
+            us_t = graph_time_us(ft, replays=replays)
             ft()
             fm = _flash_mla_v4(rows, heads, gen)
-            us_f = graph_time_us(fm, replays=20) if fm is not None else float("nan")
+            us_f = graph_time_us(fm, replays=replays) if fm is not None else float("nan")
             picked = sorted({0, rows // 2, rows - 1})
             ref = sparse_attention_records(q[picked], win, comp, wtab[picked], ctab[picked], sink, scale)
+            same = all(torch.equal(o, outs[0]) for o in outs)     # on every row
             outs, ot = [o[picked] for o in outs], ot[picked]
             best = min(times)
-            same = all(torch.equal(o, outs[0]) for o in outs)     # on the picked rows
             print(f"{heads:5d} {rows:4d} | " + " ".join(f"{t:10.2f}" for t in times) + f" {us_t:10.2f} {us_f:10.2f} | "
                   f"{best / us_t:11.2f} {best / us_f:10.2f} | " + " ".join(f"{ulp_max(o, ref):14d}" for o in outs)
                   + f" {ulp_max(ot, ref):11d} | {same!s:5s} {bool(torch.equal(outs[0], ot))}", flush=True)
+
+
+def phase_table(log: torch.Tensor) -> list[str]:
+    """Lines summarizing one launch's phase log (`GluonSparseMlaPlan.phase_log`, its programs' rows)."""
+    log = log.double()
+    clock, g_start, g_end, c_end = log[:, :10], log[:, 10], log[:, 11], log[:, 14]
+    span_ns = g_end - g_start
+    ok = span_ns > 1000
+    rate = float(((c_end - clock[:, 0])[ok] / span_ns[ok]).median())      # cycles per ns
+    lines = [f"  {len(log)} programs, clock {rate:.2f} GHz, launch span {float(g_end.max() - g_start.min()) / 1e3:.2f} us, "
+             f"program span median {float(span_ns.median()) / 1e3:.2f} max {float(span_ns.max()) / 1e3:.2f} us, "
+             f"start offsets median {float((g_start - g_start.min()).median()) / 1e3:.2f} "
+             f"max {float((g_start - g_start.min()).max()) / 1e3:.2f} us, "
+             f"{int(log[:, 12].unique().numel())} SMs"]
+    lines.append(f"  {'phase':>10s} {'median':>8s} {'p90':>8s} {'max':>8s}  (us)")
+    combiners = log[:, 13] == 1
+    for k in range(1, 10):
+        d = (clock[:, k] - clock[:, k - 1]) / rate / 1e3
+        if k == 8:
+            d = d[clock[:, 8] > 0]                 # the inline combination's arrival only
+        if k == 9:
+            d = d[combiners]
+        if d.numel() == 0:
+            continue
+        lines.append(f"  {G.PHASE_NAMES[k]:>10s} {float(d.median()):8.2f} {float(d.quantile(0.9)):8.2f} {float(d.max()):8.2f}")
+    last = torch.where(clock[:, 8] > 0, clock[:, 8], clock[:, 7])
+    tail = (c_end - torch.where(combiners, clock[:, 9], last)) / rate / 1e3
+    lines.append(f"  {'to end':>10s} {float(tail.median()):8.2f} {float(tail.quantile(0.9)):8.2f} {float(tail.max()):8.2f}")
+    return lines
+
+
+def phases(heads: int, rows_list, names):
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    scale = HEAD_DIM ** -0.5
+    inputs = sparse_mla_inputs(max(rows_list), heads, gen)
+    for name in names:
+        plan = G.GluonSparseMlaPlan.build(max(rows_list), heads, W, K, "cuda", config=replace(CONFIGS[name], phases=True))
+        for rows in rows_list:
+            q, win, comp, wtab, ctab, sink = row_inputs(inputs, rows)
+            o = torch.empty_like(q)
+            for _ in range(3):                     # compiled, warm; the last launch's log
+                G.gluon_sparse_mla_(plan, q, win, comp, wtab, ctab, sink, scale, o)
+            torch.cuda.synchronize()
+            n_prog = rows * plan.base.n_blocks * plan.config.dim_split
+            print(f"phases: {name}, {heads} heads, {rows} rows", flush=True)
+            print("\n".join(phase_table(plan.phase_log[:n_prog].cpu())), flush=True)
+
+
+def main() -> None:
+    t0 = time.time()
+    heads_list = [int(v) for v in arg("heads", "64,16").split(",")]
+    rows_list = [int(v) for v in arg("rows", "1,2,4,8,16,32,64").split(",")]
+    names = arg("configs", "default,inline,split2,split2i,split4i").split(",")
+    replays = int(arg("replays", "10"))
+    timings(heads_list, rows_list, names, replays)
+    if "--phases" in sys.argv:
+        phases(heads_list[0], [int(v) for v in arg("phase-rows", "1,64").split(",")], names)
     print(f"done in {time.time() - t0:.1f} s")
 
 

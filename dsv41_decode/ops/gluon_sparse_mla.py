@@ -5,7 +5,8 @@ and decoded once per row, for all local heads of the row at once.
 One program per (row, 64-key block of the row's joined key list): the split of `ops.sparse_mla`'s
 split plans, with its decoupled look-back for the running max and its workspace layout, so the
 blocks' partials are combined by the same second launch (`sparse_mla._sparse_mla_combine_kernel`,
-in block order). A program:
+in block order), or with `GluonSparseMlaConfig.combine="inline"` by the last of the row's programs
+to arrive, with that kernel's arithmetic (the same bits). A program:
 
 - takes its (row, block) from the plan's atomic ticket (blocks in ascending order, so it only
   waits for programs already running), loads q [H, 512] of its row into shared memory as four
@@ -30,7 +31,11 @@ in block order). A program:
   block; max is exact, so the bits are the same); then
   P = bf16(exp(s - max)) with exp the CUDA math library's expf (torch's), the block's sum of the
   unrounded exp, and acc = P V, one 128-dim chunk at a time on `warpgroup_mma` (P from shared
-  memory, each warpgroup 64 of the chunk's dims), stored to the plan's FP32 workspace as summed.
+  memory, each warpgroup 64 of the chunk's dims), stored to the plan's FP32 workspace as summed
+  (with `dim_split` S, S programs share a block: each computes the scores and the look-back and
+  does P.V for 512 / S of the dims);
+- with the inline combination, counts its arrival on its (row, dim slice)'s counter (acq_rel);
+  the last to arrive combines the slice's partials of every block of the row in block order.
 
 The arithmetic is `sparse_mla`'s split plans': the same blocks, the same running max per block, P
 rounded to BF16 against it, the same sums stored per block and combined by the same kernel. What
@@ -43,14 +48,17 @@ every row count.
 Gluon (Triton 3.6.0) has no gather TMA on sm_90 (Hopper's TMA has no gather mode), so the records
 are loaded with `gl.load` into registers and stored to shared memory by the 8 warps themselves.
 
-With `GluonSparseMlaConfig.blocks_per_program` G > 1 a second kernel (`_gluon_sparse_mla_seq_kernel`,
-not the step's default, not yet run on a GPU) runs one program per G consecutive blocks of a row: the contract's
-sequential loop over them (running max, sum and accumulator carried from block to block), the
-look-back only at its first block, one partial per program for the same combination.
+Several blocks a program (the contract's sequential loop over them, the accumulator carried from
+block to block) would write fewer partials, but it sums in another FP32 order than the per-block
+partials' combination, so a step could only use it at every row count, where at 1-8 rows it runs
+a row's blocks in series instead of side by side; built and measured on an H200 (5-7x slower than
+one block a program at 1 row, 1.4x at 64 rows, its blocks decoded in eight dependent 64-dim
+round trips), it was removed. No configuration here changes a bit, so the step may pick one per
+row count.
 
 The plan, `GluonSparseMlaPlan`, holds a `SparseMlaPlan` with `split=True`, `separate_combine=True`
 and all heads in one group (`block_h` = max(16, H): the workspace holds the real heads, 8 padded to
-16) and the `GluonSparseMlaConfig`.
+16), the `GluonSparseMlaConfig`, the inline combination's counters and the debug phase log.
 """
 
 from __future__ import annotations
@@ -228,7 +236,9 @@ def _stamp_global(log_row, SLOT: gl.constexpr, ASM: gl.constexpr, PHASES: gl.con
 
 
 # The phase log's columns (`GluonSparseMlaConfig.phases`, one int64 row per ticket): clock64 at the
-# program's phase boundaries, then globaltimer at its start and end, the SM, whether it combined.
+# program's phase boundaries (0 where the program did not pass one: `combined` for all but the
+# combining programs, `arrived` without the inline combination), then globaltimer at its start and
+# end, its SM, whether it combined, and clock64 at its end (with globaltimer: the clock's rate).
 PHASE_NAMES = ("start", "tables", "q_loaded", "gathered", "decoded", "scores", "look_back", "pv_stored",
                "arrived", "combined")
 PHASE_COLS = 16
@@ -236,12 +246,13 @@ _PH_GSTART: gl.constexpr = gl.constexpr(10)
 _PH_GEND: gl.constexpr = gl.constexpr(11)
 _PH_SM: gl.constexpr = gl.constexpr(12)
 _PH_COMBINER: gl.constexpr = gl.constexpr(13)
+_PH_CEND: gl.constexpr = gl.constexpr(14)
 _PH_COLS: gl.constexpr = gl.constexpr(PHASE_COLS)
 
 
 @gluon.jit
 def _combine_slice(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, r, H, stride_on, stride_oh, d_lo,
-                   NB: gl.constexpr, PH: gl.constexpr, DW: gl.constexpr):
+                   NB: gl.constexpr, NB_P2: gl.constexpr, PH: gl.constexpr, DW: gl.constexpr):
     """The row's NB block partials combined over dims [d_lo, d_lo + DW), out as BF16 bits: the
     arithmetic of `sparse_mla._sparse_mla_combine_kernel` element for element (the maxima, the
     valid-key counts, then each block's acc and sum rescaled by exp(m_b - m_all) and added in block
@@ -249,30 +260,39 @@ def _combine_slice(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, r, H, stride_on
     valid key), spread over the program's warps [PH, CW] at a time, every block's slice in flight
     at once (`.cg`: the partials from L2, where their programs just wrote them)."""
     D: gl.constexpr = 512
-    CW: gl.constexpr = 2048 // PH               # 8 values a thread per block and step
-    cl: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [_WARPS, 1], [1, 0])
+    CW: gl.constexpr = 1024 // PH               # [PH, CW]: 4 values a thread per block and step
+    cl: gl.constexpr = gl.BlockedLayout([1, 4], [PH // 8, 256 // PH], [_WARPS, 1], [1, 0])
     hd = gl.arange(0, PH, layout=gl.SliceLayout(1, cl))
     dd = gl.arange(0, CW, layout=gl.SliceLayout(0, cl))
-    ml = part_ml_ptr + (r.to(gl.int64) * NB) * (3 * PH) + hd
-    acc = part_acc_ptr + (r.to(gl.int64) * NB) * (PH * D) + hd[:, None] * D + d_lo + dd[None, :]
-    m_all = gl.full([PH], -1e30, gl.float32, gl.SliceLayout(1, cl))
-    n_all = gl.zeros([PH], gl.float32, gl.SliceLayout(1, cl))
+    sb = gl.arange(0, NB_P2, layout=gl.SliceLayout(0, cl))
+    # the blocks' (max, sum, count) per head as [PH, NB_P2] tiles, loaded at once; the maximum and
+    # the count (whole numbers) are exact in any order
+    ml = part_ml_ptr + (r.to(gl.int64) * NB) * (3 * PH) + sb[None, :] * (3 * PH) + hd[:, None]
+    in_nb = (sb < NB)[None, :]
+    m2 = gl.load(ml, mask=in_nb, other=-1e30, cache_modifier=".cg")
+    l2 = gl.load(ml + PH, mask=in_nb, other=0.0, cache_modifier=".cg")
+    n_all = gl.reduce(gl.load(ml + 2 * PH, mask=in_nb, other=0.0, cache_modifier=".cg"), 1, _add)
+    m_all = gl.maximum(gl.reduce(m2, 1, _max), -1e30)
+    # each block's factor exp(m_b - m_all) and its rescaled sum, the sums added in block order
+    f_smem = gl.allocate_shared_memory(gl.float32, [PH, NB_P2], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    l_smem = gl.allocate_shared_memory(gl.float32, [PH, NB_P2], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    f_smem.store(libdevice.exp(m2 - m_all[:, None]))
+    l_smem.store(l2)
+    gl.thread_barrier()
+    l_all = gl.zeros([PH, 1], gl.float32, cl)
     for s in gl.static_range(NB):
-        m_all = gl.maximum(m_all, gl.load(ml + s * (3 * PH), cache_modifier=".cg"))
-        n_all += gl.load(ml + s * (3 * PH) + 2 * PH, cache_modifier=".cg")
-    l_all = gl.zeros([PH], gl.float32, gl.SliceLayout(1, cl))
-    for s in gl.static_range(NB):
-        f = libdevice.exp(gl.load(ml + s * (3 * PH), cache_modifier=".cg") - m_all)
-        l_all += gl.load(ml + s * (3 * PH) + PH, cache_modifier=".cg") * f
+        l_all += l_smem.slice(s, 1, dim=1).load(cl) * f_smem.slice(s, 1, dim=1).load(cl)
     h_ok = hd < H
     sink = gl.load(sink_ptr + hd, mask=h_ok, other=0.0)
-    den = gl.where(n_all > 0, l_all + libdevice.exp(sink - m_all), float("inf"))[:, None]  # no valid key: o is 0
+    m_all = m_all[:, None]
+    # no valid key: acc is 0, o is 0
+    den = gl.where(n_all[:, None] > 0, l_all + libdevice.exp(sink[:, None] - m_all), float("inf"))
+    acc = part_acc_ptr + (r.to(gl.int64) * NB) * (PH * D) + hd[:, None] * D + d_lo + dd[None, :]
     out_rows = out_ptr + r * stride_on + hd[:, None] * stride_oh + d_lo + dd[None, :]
     for i in range(DW // CW):
         a = gl.zeros([PH, CW], gl.float32, cl)
         for s in gl.static_range(NB):
-            f = libdevice.exp(gl.load(ml + s * (3 * PH), cache_modifier=".cg") - m_all)[:, None]
-            a += gl.load(acc + s * (PH * D) + i * CW, cache_modifier=".cg") * f
+            a += gl.load(acc + s * (PH * D) + i * CW, cache_modifier=".cg") * f_smem.slice(s, 1, dim=1).load(cl)
         gl.store(out_rows + i * CW, _bf16_rne_bits(a / den), mask=h_ok[:, None])
 
 
@@ -293,7 +313,7 @@ def _gluon_sparse_mla_kernel(
     N, H, scale, stride_qn, stride_qh, stride_wt, stride_ct, stride_on, stride_oh,
     W: gl.constexpr, W_P2: gl.constexpr, KC: gl.constexpr, NB: gl.constexpr, NB_P2: gl.constexpr, PH: gl.constexpr,
     Q_BUFFERS: gl.constexpr = 4, FP4_PACKED: gl.constexpr = False, PREFETCH: gl.constexpr = False,
-    Q_EARLY: gl.constexpr = False, DSPLIT: gl.constexpr = 1, INLINE: gl.constexpr = False,
+    DSPLIT: gl.constexpr = 1, INLINE: gl.constexpr = False,
     PHASES: gl.constexpr = False,
 ):
     # Workspaces (`SparseMlaPlan` with one head group of PH = block_h heads): acc [N, NB, PH, 512],
@@ -321,6 +341,9 @@ def _gluon_sparse_mla_kernel(
     if PHASES:
         gl.store(log_row, t0)
         gl.store(log_row + _PH_GSTART, g0)
+        for c in gl.static_range(8, 10):      # not passed by every program
+            gl.store(log_row + c, 0)
+        gl.store(log_row + _PH_COMBINER, 0)
         _stamp_global(log_row, _PH_SM, "{ .reg .u32 t; mov.u32 t, %smid; cvt.u64.u32 $0, t; }", PHASES)
 
     # Layouts: loads of 16 consecutive bytes or values per thread; the MMAs' accumulators (two
@@ -334,18 +357,6 @@ def _gluon_sparse_mla_kernel(
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [NC, _KEYS, _DC], chunk_sl)
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [_M, _KEYS], p_sl)
 
-    # q [64, 512] of the row (heads past H: zeros) as four [64, 128] chunks. Q_EARLY: all four
-    # loaded into registers now, in flight while the tables are read.
-    rh = gl.arange(0, _M, layout=gl.SliceLayout(1, ld))
-    rd = gl.arange(0, _DC, layout=gl.SliceLayout(0, ld))
-    q_rows = q_ptr + r * stride_qn + rh[:, None] * stride_qh + rd[None, :]
-    h_in = (rh < H)[:, None]
-    if Q_EARLY:
-        q0 = gl.load(q_rows, mask=h_in, other=0.0)
-        q1 = gl.load(q_rows + _DC, mask=h_in, other=0.0)
-        q2 = gl.load(q_rows + 2 * _DC, mask=h_in, other=0.0)
-        q3 = gl.load(q_rows + 3 * _DC, mask=h_in, other=0.0)
-
     # The row's window key count (the valid suffix of its window table), then the block's slots.
     wtab_row = wtab_ptr + r * stride_wt
     ctab_row = ctab_ptr + r * stride_ct
@@ -358,20 +369,19 @@ def _gluon_sparse_mla_kernel(
     cbase = gl.where(c_ok, cs, 0).to(gl.int64) * _CREC
     _stamp(log_row, 1, PHASES)
 
-    # q into shared memory: all four chunks, or (Q_BUFFERS == 2) the first two, the last two held
-    # in registers and stored into the same buffers once the first two's score MMAs have read them.
-    if Q_EARLY:
-        q_smem.index(0).store(q0)
-        q_smem.index(1).store(q1)
-        if Q_BUFFERS == NC:
-            q_smem.index(2).store(q2)
-            q_smem.index(3).store(q3)
-    else:
-        for c in gl.static_range(Q_BUFFERS):
-            q_smem.index(c).store(gl.load(q_rows + c * _DC, mask=h_in, other=0.0))
-        if Q_BUFFERS < NC:            # in flight during the decode, stored after the first MMAs
-            q2 = gl.load(q_rows + 2 * _DC, mask=h_in, other=0.0)
-            q3 = gl.load(q_rows + 3 * _DC, mask=h_in, other=0.0)
+    # q [64, 512] of the row (heads past H: zeros), chunk by chunk: all four into shared memory, or
+    # (Q_BUFFERS == 2) the first two, the last two loaded now into registers and stored into the
+    # same buffers once the first two's score MMAs have read them. (ptxas issues the first two
+    # chunks' loads before the slots' on its own: in flight while the tables are read.)
+    rh = gl.arange(0, _M, layout=gl.SliceLayout(1, ld))
+    rd = gl.arange(0, _DC, layout=gl.SliceLayout(0, ld))
+    q_rows = q_ptr + r * stride_qn + rh[:, None] * stride_qh + rd[None, :]
+    h_in = (rh < H)[:, None]
+    for c in gl.static_range(Q_BUFFERS):
+        q_smem.index(c).store(gl.load(q_rows + c * _DC, mask=h_in, other=0.0))
+    if Q_BUFFERS < NC:                # in flight during the decode, stored after the first MMAs
+        q2 = gl.load(q_rows + 2 * _DC, mask=h_in, other=0.0)
+        q3 = gl.load(q_rows + 3 * _DC, mask=h_in, other=0.0)
     _stamp(log_row, 2, PHASES)
 
     # The block's records, decoded into shared memory.
@@ -482,7 +492,7 @@ def _gluon_sparse_mla_kernel(
         if arrived == NB - 1:
             gl.store(cnt + sl, 0)
             _combine_slice(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, r, H, stride_on, stride_oh,
-                           sl * (D // DSPLIT), NB, PH, D // DSPLIT)
+                           sl * (D // DSPLIT), NB, NB_P2, PH, D // DSPLIT)
             if DSPLIT == 1:
                 gl.thread_barrier()   # every thread's flag reads are behind it (the look-back)
                 fw = gl.arange(0, NB_P2, layout=gl.SliceLayout(1, ld))
@@ -499,7 +509,7 @@ def _gluon_sparse_mla_kernel(
             if PHASES:
                 gl.store(log_row + _PH_COMBINER, 1)
     if PHASES:
-        gl.thread_barrier()
+        _stamp(log_row, _PH_CEND, PHASES)
         _stamp_global(log_row, _PH_GEND, "mov.u64 $0, %globaltimer;", PHASES)
 
 
@@ -515,11 +525,6 @@ class GluonSparseMlaConfig:
     registers (else one byte load per dim); prefetch, a block's loads of all four 128-dim chunks
     issued before the first is decoded (one memory latency instead of four; the block where the
     window ends keeps chunk by chunk).
-
-    q_early: q's loads issued right after the ticket, in flight while the tables are read (the
-    window table for the row's key count, then the block's slots: two dependent round trips), where
-    without it they go out after the slots, one more round trip in each program's chain (all four
-    chunks in registers until the slots are known).
 
     dim_split S (1, 2 or 4): S programs per (row, block), each computing the block's scores and
     look-back in full (the same bits: the same MMAs on the same operands) and P.V and the partial
@@ -540,7 +545,6 @@ class GluonSparseMlaConfig:
     q_buffers: int = 2
     fp4_packed: bool = True
     prefetch: bool = True
-    q_early: bool = False
     dim_split: int = 1
     combine: str = "separate"
     phases: bool = False
@@ -548,11 +552,12 @@ class GluonSparseMlaConfig:
     def __post_init__(self):
         if self.q_buffers not in (2, 4) or isinstance(self.q_buffers, bool):
             raise ValueError(f"GluonSparseMlaConfig.q_buffers must be 2 or 4, got {self.q_buffers!r}")
-        if self.dim_split not in (1, 2, 4) or isinstance(self.dim_split, bool):
+        d = self.dim_split
+        if isinstance(d, bool) or not isinstance(d, int) or d not in (1, 2, 4):
             raise ValueError(f"GluonSparseMlaConfig.dim_split must be 1, 2 or 4, got {self.dim_split!r}")
         if self.combine not in ("separate", "inline"):
             raise ValueError(f"GluonSparseMlaConfig.combine must be 'separate' or 'inline', got {self.combine!r}")
-        for name in ("fp4_packed", "prefetch", "q_early", "phases"):
+        for name in ("fp4_packed", "prefetch", "phases"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"GluonSparseMlaConfig.{name} must be a bool, got {type(getattr(self, name)).__name__}")
 
@@ -633,7 +638,7 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
         o16.stride(0), o16.stride(1),
         W=base.window, W_P2=triton.next_power_of_2(base.window), KC=base.topk, NB=nb,
         NB_P2=max(2, triton.next_power_of_2(nb)), PH=base.block_h, Q_BUFFERS=config.q_buffers,
-        FP4_PACKED=config.fp4_packed, PREFETCH=config.prefetch, Q_EARLY=config.q_early, DSPLIT=config.dim_split,
+        FP4_PACKED=config.fp4_packed, PREFETCH=config.prefetch, DSPLIT=config.dim_split,
         INLINE=inline, PHASES=config.phases, num_warps=NUM_WARPS)
     if not inline:
         chunk = combine_chunk(nb, base.block_h)

@@ -27,7 +27,8 @@ from test_sparse_mla import (EXACT_SCALE, GPU_POOLS, SCALE, check_bound, check_e
 
 _TYPES = {"q_ptr": "*bf16", "wpool_ptr": "*u8", "cpool_ptr": "*u8", "wtab_ptr": "*i32", "ctab_ptr": "*i32",
           "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "block_max_ptr": "*fp32", "flag_ptr": "*i32",
-          "ticket_ptr": "*i32", "scale": "fp32"}
+          "ticket_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": "*i16", "count_ptr": "*i32", "log_ptr": "*i64",
+          "scale": "fp32"}
 # Hopper's shared memory per block (227 KB) is the only bound on the kernel's: q and the keys as
 # four [64, 128] BF16 chunks each (64 KB + 64 KB) and P (8 KB).
 SMEM_LIMIT = 227 * 1024
@@ -38,22 +39,31 @@ def _compile(heads, w, k, config):
     p = G.GluonSparseMlaPlan.build(1, heads, w, k, "cpu").base
     consts = {"W": w, "W_P2": 1 << (w - 1).bit_length(), "KC": k, "NB": p.n_blocks,
               "NB_P2": max(2, 1 << (p.n_blocks - 1).bit_length()), "PH": p.block_h,
-              "Q_BUFFERS": config.q_buffers, "FP4_PACKED": config.fp4_packed, "PREFETCH": config.prefetch}
+              "Q_BUFFERS": config.q_buffers, "FP4_PACKED": config.fp4_packed, "PREFETCH": config.prefetch,
+              "DSPLIT": config.dim_split, "INLINE": config.combine == "inline", "PHASES": config.phases}
     return sm90.compile_sm90(G._gluon_sparse_mla_kernel, _TYPES, consts, num_warps=G.NUM_WARPS)
 
 
 DEFAULT = G.GluonSparseMlaConfig()
 PLAIN = G.GluonSparseMlaConfig(q_buffers=4, fp4_packed=False, prefetch=False)
-# each option both ways: the default, the plainest, and two mixes
-CONFIGS = [DEFAULT, PLAIN, G.GluonSparseMlaConfig(2, False, True), G.GluonSparseMlaConfig(4, True, False)]
+INLINE = G.GluonSparseMlaConfig(combine="inline")
+# each option both ways: the default, the plainest, two mixes, the inline combination, the dim splits
+# with either combination
+CONFIGS = [DEFAULT, PLAIN, G.GluonSparseMlaConfig(2, False, True), G.GluonSparseMlaConfig(4, True, False), INLINE,
+           G.GluonSparseMlaConfig(dim_split=2), G.GluonSparseMlaConfig(dim_split=2, combine="inline"),
+           G.GluonSparseMlaConfig(dim_split=4, combine="inline"), G.GluonSparseMlaConfig(q_buffers=4, dim_split=4)]
 
 
-# V4.1-Flash (128 window + 512 top-k keys) at 64 heads with the default configuration and at a TP8
-# rank's 8 with the plainest; a window ending inside a block with a top-k not a multiple of 64 at
-# 32 heads, a mix (~2 s each).
-@pytest.mark.parametrize("heads,w,k,config", [(64, 128, 512, DEFAULT), (8, 128, 512, PLAIN),
-                                               (32, 16, 72, G.GluonSparseMlaConfig(2, False, True))],
-                         ids=["64h", "8h-plain", "32h-mix"])
+# V4.1-Flash (128 window + 512 top-k keys) at 64 heads with the default configuration, the inline
+# combination, and half the dims a program with the phase log; at a TP8 rank's 8 with the plainest
+# options, a quarter of the dims a program and the inline combination; a window ending inside a
+# block with a top-k not a multiple of 64 at 32 heads, a mix (6-8 s each from a cold cache).
+@pytest.mark.parametrize("heads,w,k,config", [
+    (64, 128, 512, DEFAULT), (64, 128, 512, INLINE),
+    (64, 128, 512, G.GluonSparseMlaConfig(dim_split=2, combine="inline", phases=True)),
+    (8, 128, 512, G.GluonSparseMlaConfig(4, False, False, dim_split=4, combine="inline")),
+    (32, 16, 72, G.GluonSparseMlaConfig(2, False, True))],
+    ids=["64h", "64h-inline", "64h-split2-inline-phases", "8h-plain-split4-inline", "32h-mix"])
 def test_compiles_for_sm90_without_spills(heads, w, k, config):
     kernel = _compile(heads, w, k, config)
     res = sm90.resources(kernel)
@@ -62,38 +72,25 @@ def test_compiles_for_sm90_without_spills(heads, w, k, config):
     # in the default configuration (two q buffers) two programs fit an SM (228 KB, 1 KB reserved
     # per program), and so do their registers (8 warps x 32 threads x REG <= 64K / 2)
     assert kernel.metadata.shared == (config.q_buffers + 4) * 16384 + 8192, kernel.metadata.shared
-    if config == DEFAULT:
+    if config.q_buffers == 2:
         assert 2 * (kernel.metadata.shared + 1024) <= 228 * 1024 and res["REG"] <= 128, (res, kernel.metadata.shared)
     ins = [t for _, t in sm90.sass(kernel)]
     ops = sm90.opcode_counts(ins)
     assert ops.get("STL", 0) == 0 and ops.get("LDL", 0) == 0, ops
     gmma = [t.split()[0] for t in ins if "GMMA" in t]
-    # scores: 512 / 16 steps of m64 n32 per warpgroup; P.V: four 128-dim chunks of 64 / 16 steps
+    # scores: 512 / 16 steps of m64 n32 per warpgroup; P.V: the program's 128-dim chunks (four, or
+    # 4 / dim_split) of 64 / 16 steps
     assert gmma.count("HGMMA.64x32x16.F32.BF16") == 32, sorted(set(gmma))
-    assert gmma.count("HGMMA.64x64x16.F32.BF16") == 16, sorted(set(gmma))
-    assert len(gmma) == 48
-    assert ops.get("ATOMG", 0) > 0, ops                     # the ticket and the flags
+    assert gmma.count("HGMMA.64x64x16.F32.BF16") == 16 // config.dim_split, sorted(set(gmma))
+    assert len(gmma) == 32 + 16 // config.dim_split
+    # the ticket (and the flag polls, compiled as loads); the inline combination's arrival counter
+    # (and with dim slices the row's finished-slice counter)
+    inline = config.combine == "inline"
+    assert ops.get("ATOMG", 0) == 1 + inline + (inline and config.dim_split > 1), ops
+    assert any("SR_CLOCK" in t for t in ins) == config.phases     # the clock reads of the phase log
     loads = [t.split()[1] if t.startswith("@") else t.split()[0] for t in ins if "LDG" in t]
     # the window codes 16 bytes a load; the compressed codes 8 (packed) or 1
     assert "LDG.E.128" in loads and (("LDG.E.64" in loads) == config.fp4_packed), sorted(set(loads))
-
-
-def test_sequential_kernel_compiles_for_sm90_without_spills():
-    # blocks_per_program > 1 (`_gluon_sparse_mla_seq_kernel`), with publish_first (its code is a
-    # superset of the kernel's without): the accumulator's first two chunks in registers and the
-    # last two in shared memory; one program per SM (~3 s)
-    base = G.GluonSparseMlaPlan.build(1, 64, 128, 512, "cpu").base
-    consts = {"W": 128, "W_P2": 128, "KC": 512, "NB": base.n_blocks, "NB_P2": 16, "PH": base.block_h, "G": 2,
-              "NP": 5, "FP4_PACKED": True, "PUBLISH_FIRST": True}
-    kernel = sm90.compile_sm90(G._gluon_sparse_mla_seq_kernel, _TYPES, consts, num_warps=G.NUM_WARPS)
-    res = sm90.resources(kernel)
-    assert res["LOCAL"] == 0 and res["STACK"] == 0, res
-    # q and the keys (four [64, 128] BF16 chunks each), P, two [64, 128] FP32 accumulator chunks
-    # (and the reductions' scratch)
-    assert 8 * 16384 + 8192 + 2 * 32768 <= kernel.metadata.shared <= SMEM_LIMIT, kernel.metadata.shared
-    gmma = [t.split()[0] for _, t in sm90.sass(kernel) if "GMMA" in t]
-    # the scores in both passes, P.V in the second
-    assert gmma.count("HGMMA.64x32x16.F32.BF16") == 64 and gmma.count("HGMMA.64x64x16.F32.BF16") == 16, gmma
 
 
 def test_plan_is_one_head_group_of_the_real_heads():
@@ -189,13 +186,13 @@ def test_bad_arguments_name_the_argument():
         G.GluonSparseMlaConfig(fp4_packed=1)
     with pytest.raises(TypeError, match="prefetch"):
         G.GluonSparseMlaConfig(prefetch=None)
-    for g in (0, 33, 2.0):
-        with pytest.raises(ValueError, match="blocks_per_program"):
-            G.GluonSparseMlaConfig(q_buffers=4, blocks_per_program=g)
-    with pytest.raises(ValueError, match="q_buffers=4"):
-        G.GluonSparseMlaConfig(blocks_per_program=2)
-    with pytest.raises(TypeError, match="publish_first"):
-        G.GluonSparseMlaConfig(q_buffers=4, blocks_per_program=2, publish_first=1)
+    for d in (0, 3, 8, True, 2.0):
+        with pytest.raises(ValueError, match="dim_split"):
+            G.GluonSparseMlaConfig(dim_split=d)
+    with pytest.raises(ValueError, match="combine"):
+        G.GluonSparseMlaConfig(combine="last")
+    with pytest.raises(TypeError, match="phases"):
+        G.GluonSparseMlaConfig(phases=1)
     with pytest.raises(ValueError, match="compute capability 9.0"):     # good arguments, on the CPU
         G.gluon_sparse_mla_(plan, **args)
 
@@ -207,9 +204,10 @@ def run(plan, case, scale=SCALE):
 
 
 def workspace_is_clear(plan):
-    """Flags and ticket zero (a GluonSparseMlaPlan's or its base's)."""
+    """Flags and ticket zero (a GluonSparseMlaPlan's or its base's), and a GluonSparseMlaPlan's counters."""
     base = getattr(plan, "base", plan)
-    return int(base.flags.abs().sum()) == 0 and int(base.ticket) == 0
+    counters = getattr(plan, "counters", base.counters)
+    return int(base.flags.abs().sum()) == 0 and int(base.ticket) == 0 and int(counters.abs().sum()) == 0
 
 
 @pytest.mark.gpu
@@ -240,13 +238,19 @@ def test_gpu_window_only(h, n):
         check_bound(run(plan, case), case, reference(*case))
 
 
+SPLIT2_INLINE = G.GluonSparseMlaConfig(dim_split=2, combine="inline")
+SPLIT4_INLINE = G.GluonSparseMlaConfig(dim_split=4, combine="inline")
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", [DEFAULT, INLINE, SPLIT2_INLINE], ids=["default", "inline", "split2-inline"])
 @pytest.mark.parametrize("w,k", [(16, 8), (16, 72)])
-def test_gpu_small_shapes(w, k):
-    # one block in all (16 + 8 keys), and a 16-key window with 72 top-k entries (two blocks, the
-    # first mixing window and compressed keys); windows full, partial, a single key
+def test_gpu_small_shapes(w, k, config):
+    # one block in all (16 + 8 keys: the inline combination by the block's own program), and a
+    # 16-key window with 72 top-k entries (two blocks, the first mixing window and compressed keys);
+    # windows full, partial, a single key
     n, h = 3, 16
-    plan = G.GluonSparseMlaPlan.build(n, h, w, k, "cuda")
+    plan = G.GluonSparseMlaPlan.build(n, h, w, k, "cuda", config=config)
     case = make_case(n, h, w, k, seed=w + k, window_fill=[16, 5, 1], exact=True, **GPU_POOLS)
     out = run(plan, case, EXACT_SCALE)
     check_exact_gpu(out, case, reference(*case, EXACT_SCALE), EXACT_SCALE)
@@ -257,10 +261,12 @@ def test_gpu_small_shapes(w, k):
 
 
 @pytest.mark.gpu
-def test_gpu_more_than_32_blocks():
+@pytest.mark.parametrize("config", [DEFAULT, INLINE, SPLIT2_INLINE], ids=["default", "inline", "split2-inline"])
+def test_gpu_more_than_32_blocks(config):
     # 128 window + 2112 top-k keys: 35 blocks, so the look-back's flag bits span two words per row
+    # (both cleared by the inline combination)
     n, h, w, k = 3, 16, 128, 2112
-    plan = G.GluonSparseMlaPlan.build(n, h, w, k, "cuda")
+    plan = G.GluonSparseMlaPlan.build(n, h, w, k, "cuda", config=config)
     assert plan.n_blocks == 35
     case = make_case(n, h, w, k, seed=35, window_fill=gpu_tables(n), exact=True, **GPU_POOLS)
     out = run(plan, case, EXACT_SCALE)
@@ -271,8 +277,9 @@ def test_gpu_more_than_32_blocks():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", [DEFAULT, INLINE, SPLIT4_INLINE], ids=["default", "inline", "split4-inline"])
 @pytest.mark.parametrize("h", [16, 64])
-def test_gpu_edge_rows(h):
+def test_gpu_edge_rows(h, config):
     # row 0: nothing valid -> zeros; row 1: no top-k entries; row 2: a window not yet full (3 keys)
     # with half the top-k entries -1; sinks of -inf; the reference's bits on exact scores
     n, w, k = 3, 128, 512
@@ -283,21 +290,22 @@ def test_gpu_edge_rows(h):
     ct[1] = -1
     wt[2, :125] = -1
     ct[2, ::2] = -1
-    out = run(G.GluonSparseMlaPlan.build(n, h, w, k, "cuda"), case, EXACT_SCALE)
+    out = run(G.GluonSparseMlaPlan.build(n, h, w, k, "cuda", config=config), case, EXACT_SCALE)
     assert torch.equal(out[0].float().cpu(), torch.zeros(h, D))
     check_exact_gpu(out, case, reference(*case, EXACT_SCALE), EXACT_SCALE)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", [DEFAULT, INLINE, SPLIT4_INLINE], ids=["default", "inline", "split4-inline"])
 @pytest.mark.parametrize("h", [8, 64])
 @pytest.mark.parametrize("others", [1, 3, 15, 63])
-def test_gpu_a_row_alone_gives_its_bits_among_others(h, others):
+def test_gpu_a_row_alone_gives_its_bits_among_others(h, others, config):
     # batch invariance: the launch of 1 row against the launch of 1 + others (the programs take
-    # their (row, block) from tickets: a wrong mapping mixes rows up)
+    # their (row, block, dim slice) from tickets: a wrong mapping mixes rows up)
     w, k = 128, 512
     n = 1 + others
     case = make_case(n, h, w, k, seed=900 + n + h, window_fill=gpu_tables(n), **GPU_POOLS)
-    plan = G.GluonSparseMlaPlan.build(64, h, w, k, "cuda")
+    plan = G.GluonSparseMlaPlan.build(64, h, w, k, "cuda", config=config)
     together = run(plan, case)
     for r in (0, 1, n - 1):
         alone = run(plan, tuple(t[r:r + 1] if i in (0, 3, 4) else t for i, t in enumerate(case)))
@@ -306,10 +314,13 @@ def test_gpu_a_row_alone_gives_its_bits_among_others(h, others):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("h", [8, 64])
-def test_gpu_every_config_gives_the_same_bits(h):
-    # the configurations change where q waits and how and when the codes are loaded, not one value
-    # (module doc); exact-score and random inputs, 16 rows, a window ending inside a block
-    n, w, k = 16, 128, 512
+@pytest.mark.parametrize("n", [1, 16, 64])
+def test_gpu_every_config_gives_the_same_bits(h, n):
+    # the configurations change where q waits, how and when the codes are loaded, how many programs
+    # share a block's dims and which launch combines the blocks, not one value (module doc); among
+    # them the inline combination gives the separate kernel's bits; exact-score and random inputs,
+    # windows full, ending inside a block, a single key
+    w, k = 128, 512
     plans = [G.GluonSparseMlaPlan.build(n, h, w, k, "cuda", config=config) for config in CONFIGS]
     for exact in (True, False):
         case = make_case(n, h, w, k, seed=77 + h, window_fill=gpu_tables(n), exact=exact, **GPU_POOLS)
@@ -323,6 +334,8 @@ def test_gpu_every_config_gives_the_same_bits(h):
                 check_bound(out, case, ref)
         for config, out in zip(CONFIGS, outs):
             assert torch.equal(out, outs[0]), (config, int((ulps(out, outs[0]) > 0).sum()))
+    torch.cuda.synchronize()
+    assert all(workspace_is_clear(plan) for plan in plans)
 
 
 @pytest.mark.gpu
@@ -382,44 +395,54 @@ def test_gpu_the_steps_plan_choice_on_sm90():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", [INLINE, SPLIT4_INLINE, G.GluonSparseMlaConfig(dim_split=2)],
+                         ids=["inline", "split4-inline", "split2"])
 @pytest.mark.parametrize("h", [8, 64])
-@pytest.mark.parametrize("g", [2, 5, 32])
-@pytest.mark.parametrize("n", [1, 16])
-def test_gpu_blocks_per_program(h, g, n):
-    # blocks_per_program G > 1: the sequential loop over G blocks a program (G = 32 > the 10 blocks:
-    # one program a row, no look-back), within the tolerance of the reference like G = 1, bitwise
-    # run to run, the workspace clear; windows full, ending inside a block, a single key
-    # (and publish_first, the same bits)
-    w, k = 128, 512
-    plan = G.GluonSparseMlaPlan.build(64, h, w, k, "cuda", config=G.GluonSparseMlaConfig(q_buffers=4, blocks_per_program=g))
-    case = make_case(n, h, w, k, seed=h * 100 + g * 10 + n, window_fill=gpu_tables(n), exact=True, **GPU_POOLS)
-    out = run(plan, case, EXACT_SCALE)
-    assert torch.equal(out, run(plan, case, EXACT_SCALE))
-    check_exact_gpu(out, case, reference(*case, EXACT_SCALE), EXACT_SCALE)
-    first = G.GluonSparseMlaPlan.build(64, h, w, k, "cuda", config=G.GluonSparseMlaConfig(
-        q_buffers=4, blocks_per_program=g, publish_first=True))
-    assert torch.equal(run(first, case, EXACT_SCALE), out)
-    case = make_case(n, h, w, k, seed=h * 100 + g * 10 + n + 1, window_fill=gpu_tables(n), **GPU_POOLS)
-    check_bound(run(plan, case), case, reference(*case))
-    torch.cuda.synchronize()
-    assert workspace_is_clear(plan)
+@pytest.mark.parametrize("n", [1, 16, 64])
+def test_gpu_configs_against_the_reference(config, h, n):
+    # the new configurations as the default's test: exact-score bits, the random-input bound, two
+    # launches give the same bits, flags, ticket and counters clear after each
+    plan = G.GluonSparseMlaPlan.build(64, h, 128, 512, "cuda", config=config)
+    check_repeatable_on_gpu(plan, n, h, h * 1000 + n + 7, run, workspace_is_clear)
 
 
 @pytest.mark.gpu
-def test_gpu_blocks_per_program_rows_and_flag_words():
-    # G = 2: a row alone gives its bits among 15 others; 35 blocks (18 programs a row, the flag bits
-    # in two words) within the tolerance
-    config = G.GluonSparseMlaConfig(q_buffers=4, blocks_per_program=2)
-    h, w, k, n = 64, 128, 512, 16
-    case = make_case(n, h, w, k, seed=4040, window_fill=gpu_tables(n), **GPU_POOLS)
+@pytest.mark.parametrize("h", [8, 16, 32, 64])
+def test_gpu_inline_combination_gives_the_separate_kernels_bits(h):
+    # at every head count (the combination's [heads, dims] tiling is per head count) and 1, 4 and
+    # 64 rows: the inline combination against the default's separate launch, bitwise
+    w, k = 128, 512
+    sep = G.GluonSparseMlaPlan.build(64, h, w, k, "cuda")
+    inl = G.GluonSparseMlaPlan.build(64, h, w, k, "cuda", config=INLINE)
+    for n in (1, 4, 64):
+        case = make_case(n, h, w, k, seed=5000 + h + n, window_fill=gpu_tables(n), **GPU_POOLS)
+        a, b = run(sep, case), run(inl, case)
+        assert torch.equal(a, b), (n, int((ulps(a, b) > 0).sum()), int(ulps(a, b).max()))
+
+
+@pytest.mark.gpu
+def test_gpu_phase_log():
+    # the debug phase log (inline combination, two dim slices, 4 rows): the default's bits; per
+    # program the stamps in phase order, a real SM, globaltimer moving forward; exactly one
+    # combining program per (row, slice), which combined after it arrived
+    n, h, w, k = 4, 64, 128, 512
+    config = G.GluonSparseMlaConfig(dim_split=2, combine="inline", phases=True)
     plan = G.GluonSparseMlaPlan.build(n, h, w, k, "cuda", config=config)
-    together = run(plan, case)
-    for r in (0, 1, n - 1):
-        alone = run(plan, tuple(t[r:r + 1] if i in (0, 3, 4) else t for i, t in enumerate(case)))
-        assert torch.equal(alone[0], together[r]), r
-    n, h, k = 3, 16, 2112
-    plan = G.GluonSparseMlaPlan.build(n, h, w, k, "cuda", config=config)
-    case = make_case(n, h, w, k, seed=35, window_fill=gpu_tables(n), exact=True, **GPU_POOLS)
-    check_exact_gpu(run(plan, case, EXACT_SCALE), case, reference(*case, EXACT_SCALE), EXACT_SCALE)
-    torch.cuda.synchronize()
-    assert workspace_is_clear(plan)
+    case = make_case(n, h, w, k, seed=31, window_fill=gpu_tables(n), **GPU_POOLS)
+    plan.phase_log.fill_(-1)
+    out = run(plan, case)
+    assert torch.equal(out, run(G.GluonSparseMlaPlan.build(n, h, w, k, "cuda"), case))
+    log = plan.phase_log.cpu()
+    programs = n * plan.base.n_blocks * 2
+    assert log.shape == (programs, 16)
+    stamps = log[:, :9]                       # start .. arrived: every program passes them
+    assert bool((stamps[:, 1:] >= stamps[:, :-1]).all()), stamps
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert bool(((log[:, 12] >= 0) & (log[:, 12] < sms)).all())
+    assert bool((log[:, 11] > log[:, 10]).all()) and bool((log[:, 14] >= log[:, 8]).all())
+    combiners = log[:, 13] == 1
+    assert int(combiners.sum()) == n * 2
+    assert bool((log[combiners, 9] >= log[combiners, 8]).all()) and bool((log[~combiners, 9] == 0).all())
+    tickets = torch.arange(programs)
+    rows, slices = (tickets // 2) % n, tickets % 2
+    assert sorted(zip(rows[combiners].tolist(), slices[combiners].tolist())) == [(r, s) for r in range(n) for s in (0, 1)]
