@@ -12,7 +12,8 @@ four-launch path's bits. `mask` (with `--mask=1`): the candidate mask's time.
 
 Options: `--rows=1,4,16,64`, `--entries=32768,131072,1048576`, `--dist=randn` (or `randn,few`),
 `--chunks=4096` and `--warps=4` (lists: every pair is a plan for the linked columns; the four-launch
-path keeps chunk 4096, 4 warps), `--pdl=0` (1: the linked launches with PDL), `--mask=0`.
+path keeps chunk 4096, 4 warps), `--dtypes=fp32,bf16` (the linked columns' score dtypes; a column
+left out prints 0), `--pdl=0` (1: the linked launches with PDL), `--mask=0`.
 `--module=PATH` times another copy of the module's `topk_ascending_` / `candidate_mask_` in the
 `four` column instead (e.g. an earlier version written out with `git show
 REV:dsv41_decode/ops/topk.py > /tmp/topk_rev.py`). Prints; writes nothing. The default set runs in
@@ -62,6 +63,7 @@ def main() -> None:
     dists = arg("dist", "randn").split(",")
     configs = [(c, w) for c in _ints("chunks", "4096") for w in _ints("warps", "4")]
     pdl = arg("pdl", "0") == "1"
+    dtypes = [{"fp32": torch.float32, "bf16": torch.bfloat16}[d] for d in arg("dtypes", "fp32,bf16").split(",")]
     with_mask = arg("mask", "0") == "1"
     g = torch.Generator(device="cuda").manual_seed(0)
     print(f"four-launch column: {alt.__file__ if alt else 'separate_count=True'}; linked with pdl={pdl}")
@@ -96,8 +98,11 @@ def main() -> None:
                     del mask
                 t_copy = None
                 for chunk, warps in configs:
-                    times, same = {}, True
+                    times, same = dict.fromkeys([(d, c) for d in (torch.float32, torch.bfloat16)
+                                                 for c in ("linked", "ready")], 0.0), True
                     for x in (s, sb):
+                        if x.dtype not in dtypes:
+                            continue
                         plan = topk.TopKPlan.build(rows, 512, 1, "cuda", chunk=chunk, warps=warps)
                         h = hist[x.dtype]
 
