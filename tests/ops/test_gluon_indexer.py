@@ -222,8 +222,9 @@ def _key_hist(scores: torch.Tensor, n_vis: torch.Tensor) -> torch.Tensor:
 def test_gpu_histogram_of_the_key_high_bytes(rows):
     n_vis = _contexts(rows, seed=rows + 100) if rows > 1 else [4103]
     args = _inputs(rows, n_vis, seed=rows + 100, page=64)
-    # -0.0 scores (row 0's weights -0.0: every term -0.0), +-inf and NaN scores (key scale byte 255:
-    # an infinite block scale, NaN where a block partial is 0), all keyed as ops.topk keys them
+    # -0.0 scores (row 0's weights -0.0: every term -0.0) and NaN scores (key scale byte 255: an
+    # infinite block scale, NaN where a block partial is 0 or infinite terms of both signs meet),
+    # which ops.topk keys as +0.0 and leaves out
     args[1][0, :] = -0.0
     args[2][::97, 64] = 255
     hist = torch.zeros(rows, 2568, dtype=torch.int32, device=DEVICE)
