@@ -332,7 +332,7 @@ def test_topk_linked_equals_separate_and_reference(monkeypatch, dtype, max_chunk
     k, entries = 64, 300
     s = _edge_rows(entries, 31).to(dtype)
     plans = {mode: TopKPlan.build(6, k, device=_DEVICE, chunk=64) for mode in ("sep", "linked", "ready")}
-    for rows, nv in ((6, [entries, 0, 1, 40, 170, 299]), (1, [entries]), (6, [7, 300, 300, 300, 300, 65])):
+    for rows, nv in ((6, [entries, 0, 1, 40, 65, 299]), (1, [entries])):
         nv = torch.tensor(nv, dtype=torch.int32, device=_DEVICE)
         x = s[:rows]
         outs = {mode: torch.full((rows, k), 5, dtype=torch.int32, device=_DEVICE) for mode in plans}
