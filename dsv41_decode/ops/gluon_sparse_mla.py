@@ -314,7 +314,7 @@ def _gluon_sparse_mla_kernel(
     W: gl.constexpr, W_P2: gl.constexpr, KC: gl.constexpr, NB: gl.constexpr, NB_P2: gl.constexpr, PH: gl.constexpr,
     Q_BUFFERS: gl.constexpr = 4, FP4_PACKED: gl.constexpr = False, PREFETCH: gl.constexpr = False,
     DSPLIT: gl.constexpr = 1, INLINE: gl.constexpr = False,
-    PHASES: gl.constexpr = False,
+    ROW_MAJOR: gl.constexpr = False, PHASES: gl.constexpr = False,
 ):
     # Workspaces (`SparseMlaPlan` with one head group of PH = block_h heads): acc [N, NB, PH, 512],
     # ml [N, NB, 3, PH] (max, sum, valid-key count), block_max [N, NB, PH], flags [N, NB] (here a
@@ -330,12 +330,17 @@ def _gluon_sparse_mla_kernel(
         t0 = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
         g0 = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
     # One ticket per program, in the order the programs start: block-major (then row, then dim
-    # slice), so a program's earlier blocks belong to programs that already run.
+    # slice), or ROW_MAJOR (row, then block, then dim slice); either way a program's earlier blocks
+    # belong to programs that already run.
     ticket = gl.atomic_add(ticket_ptr, 1, sem="relaxed", scope="gpu")
     if ticket == N * NB * DSPLIT - 1:
         gl.store(ticket_ptr, 0)          # every program has its ticket: ready for the next launch
-    b = ticket // (N * DSPLIT)
-    r = (ticket // DSPLIT) % N
+    if ROW_MAJOR:
+        r = ticket // (NB * DSPLIT)
+        b = (ticket // DSPLIT) % NB
+    else:
+        b = ticket // (N * DSPLIT)
+        r = (ticket // DSPLIT) % N
     sl = ticket % DSPLIT                 # the dims of P.V and of the partial: chunks [sl NCP, sl NCP + NCP)
     log_row = log_ptr + ticket.to(gl.int64) * _PH_COLS
     if PHASES:
@@ -537,6 +542,12 @@ class GluonSparseMlaConfig:
     with the separate kernel's arithmetic in its block order (the same bits), its [heads, 512 / S]
     spread over the program's 8 warps, the partials read from L2 right after they were written.
 
+    order: the order in which the programs take their (row, block): "block" (every row's block 0,
+    then every row's block 1, ...) or "row" (row 0's blocks, then row 1's, ...: a row's partials
+    are written close together in time, so the inline combination reads them from L2 before other
+    rows' partials evict them; beyond a few rows the 128 KB partials of all rows are more than the
+    L2).
+
     phases (debug; slower): each program writes its SM's cycle counter at its phase boundaries
     (`PHASE_NAMES`; each after a barrier, so the time at which every warp has passed it), globaltimer
     at its start and end, its SM and whether it combined into `GluonSparseMlaPlan.phase_log`, one
@@ -547,6 +558,7 @@ class GluonSparseMlaConfig:
     prefetch: bool = True
     dim_split: int = 1
     combine: str = "separate"
+    order: str = "block"
     phases: bool = False
 
     def __post_init__(self):
@@ -557,6 +569,8 @@ class GluonSparseMlaConfig:
             raise ValueError(f"GluonSparseMlaConfig.dim_split must be 1, 2 or 4, got {self.dim_split!r}")
         if self.combine not in ("separate", "inline"):
             raise ValueError(f"GluonSparseMlaConfig.combine must be 'separate' or 'inline', got {self.combine!r}")
+        if self.order not in ("block", "row"):
+            raise ValueError(f"GluonSparseMlaConfig.order must be 'block' or 'row', got {self.order!r}")
         for name in ("fp4_packed", "prefetch", "phases"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"GluonSparseMlaConfig.{name} must be a bool, got {type(getattr(self, name)).__name__}")
@@ -639,7 +653,7 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
         W=base.window, W_P2=triton.next_power_of_2(base.window), KC=base.topk, NB=nb,
         NB_P2=max(2, triton.next_power_of_2(nb)), PH=base.block_h, Q_BUFFERS=config.q_buffers,
         FP4_PACKED=config.fp4_packed, PREFETCH=config.prefetch, DSPLIT=config.dim_split,
-        INLINE=inline, PHASES=config.phases, num_warps=NUM_WARPS)
+        INLINE=inline, ROW_MAJOR=config.order == "row", PHASES=config.phases, num_warps=NUM_WARPS)
     if not inline:
         chunk = combine_chunk(nb, base.block_h)
         _sparse_mla_combine_kernel[(n, HEAD_DIM // chunk)](

@@ -40,7 +40,8 @@ def _compile(heads, w, k, config):
     consts = {"W": w, "W_P2": 1 << (w - 1).bit_length(), "KC": k, "NB": p.n_blocks,
               "NB_P2": max(2, 1 << (p.n_blocks - 1).bit_length()), "PH": p.block_h,
               "Q_BUFFERS": config.q_buffers, "FP4_PACKED": config.fp4_packed, "PREFETCH": config.prefetch,
-              "DSPLIT": config.dim_split, "INLINE": config.combine == "inline", "PHASES": config.phases}
+              "DSPLIT": config.dim_split, "INLINE": config.combine == "inline", "ROW_MAJOR": config.order == "row",
+              "PHASES": config.phases}
     return sm90.compile_sm90(G._gluon_sparse_mla_kernel, _TYPES, consts, num_warps=G.NUM_WARPS)
 
 
@@ -51,19 +52,20 @@ INLINE = G.GluonSparseMlaConfig(combine="inline")
 # with either combination
 CONFIGS = [DEFAULT, PLAIN, G.GluonSparseMlaConfig(2, False, True), G.GluonSparseMlaConfig(4, True, False), INLINE,
            G.GluonSparseMlaConfig(dim_split=2), G.GluonSparseMlaConfig(dim_split=2, combine="inline"),
-           G.GluonSparseMlaConfig(dim_split=4, combine="inline"), G.GluonSparseMlaConfig(q_buffers=4, dim_split=4)]
+           G.GluonSparseMlaConfig(dim_split=4, combine="inline"), G.GluonSparseMlaConfig(q_buffers=4, dim_split=4),
+           G.GluonSparseMlaConfig(combine="inline", order="row"), G.GluonSparseMlaConfig(dim_split=2, order="row")]
 
 
 # V4.1-Flash (128 window + 512 top-k keys) at 64 heads with the default configuration, the inline
 # combination, and half the dims a program with the phase log; at a TP8 rank's 8 with the plainest
-# options, a quarter of the dims a program and the inline combination; a window ending inside a
+# options, a quarter of the dims a program, the inline combination and the row-major order; a window ending inside a
 # block with a top-k not a multiple of 64 at 32 heads, a mix (6-8 s each from a cold cache).
 @pytest.mark.parametrize("heads,w,k,config", [
     (64, 128, 512, DEFAULT), (64, 128, 512, INLINE),
     (64, 128, 512, G.GluonSparseMlaConfig(dim_split=2, combine="inline", phases=True)),
-    (8, 128, 512, G.GluonSparseMlaConfig(4, False, False, dim_split=4, combine="inline")),
+    (8, 128, 512, G.GluonSparseMlaConfig(4, False, False, dim_split=4, combine="inline", order="row")),
     (32, 16, 72, G.GluonSparseMlaConfig(2, False, True))],
-    ids=["64h", "64h-inline", "64h-split2-inline-phases", "8h-plain-split4-inline", "32h-mix"])
+    ids=["64h", "64h-inline", "64h-split2-inline-phases", "8h-plain-split4-inline-row", "32h-mix"])
 def test_compiles_for_sm90_without_spills(heads, w, k, config):
     kernel = _compile(heads, w, k, config)
     res = sm90.resources(kernel)
@@ -191,6 +193,8 @@ def test_bad_arguments_name_the_argument():
             G.GluonSparseMlaConfig(dim_split=d)
     with pytest.raises(ValueError, match="combine"):
         G.GluonSparseMlaConfig(combine="last")
+    with pytest.raises(ValueError, match="order"):
+        G.GluonSparseMlaConfig(order="column")
     with pytest.raises(TypeError, match="phases"):
         G.GluonSparseMlaConfig(phases=1)
     with pytest.raises(ValueError, match="compute capability 9.0"):     # good arguments, on the CPU
@@ -296,7 +300,8 @@ def test_gpu_edge_rows(h, config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [DEFAULT, INLINE, SPLIT4_INLINE], ids=["default", "inline", "split4-inline"])
+@pytest.mark.parametrize("config", [DEFAULT, INLINE, SPLIT4_INLINE, G.GluonSparseMlaConfig(combine="inline", order="row")],
+                         ids=["default", "inline", "split4-inline", "inline-row"])
 @pytest.mark.parametrize("h", [8, 64])
 @pytest.mark.parametrize("others", [1, 3, 15, 63])
 def test_gpu_a_row_alone_gives_its_bits_among_others(h, others, config):
@@ -395,8 +400,9 @@ def test_gpu_the_steps_plan_choice_on_sm90():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [INLINE, SPLIT4_INLINE, G.GluonSparseMlaConfig(dim_split=2)],
-                         ids=["inline", "split4-inline", "split2"])
+@pytest.mark.parametrize("config", [INLINE, SPLIT4_INLINE, G.GluonSparseMlaConfig(dim_split=2),
+                                    G.GluonSparseMlaConfig(combine="inline", order="row")],
+                         ids=["inline", "split4-inline", "split2", "inline-row"])
 @pytest.mark.parametrize("h", [8, 64])
 @pytest.mark.parametrize("n", [1, 16, 64])
 def test_gpu_configs_against_the_reference(config, h, n):
