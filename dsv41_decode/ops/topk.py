@@ -366,7 +366,8 @@ def _write_linked_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width,
     ranked in index order as in `_write_kernel`). It cannot deadlock: a program waits only on
     chunks whose tickets were taken before its own, by programs that were already running, and a
     program publishes before it waits, so each awaited count arrives whatever the scheduler does
-    (no reliance on program-id order or on the whole grid being resident). The ticket-0 program
+    (no reliance on program-id order or on the whole grid being resident); a chunk with no key
+    >= T publishes and is done, without waiting. The ticket-0 program
     pads with -1 and zeroes the histograms for the next call. The scores of the chunk the program
     id names are loaded while the ticket is in flight (programs start about in id order, so the
     ticket usually names the same chunk); a program whose ticket names another reloads
@@ -389,23 +390,26 @@ def _write_linked_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width,
             key, ok = _keys(s_ptr, n.to(tl.int64) * s_sn, offs, n_vis, 1)
         gt = ok & (key > thr)
         eq = ok & (key == thr)
-        tl.atomic_xchg(ws_row + _WS_CHUNK_GT + c, tl.sum(gt.to(tl.int32), 0) | _LINKED, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(ws_row + _WS_CHUNK_EQ + c, tl.sum(eq.to(tl.int32), 0) | _LINKED, sem="relaxed", scope="gpu")
-        rc = tl.arange(0, _MAXC)
-        before = rc < c
-        g = tl.load(ws_row + _WS_CHUNK_GT + rc, mask=before, other=_LINKED, volatile=True)
-        e = tl.load(ws_row + _WS_CHUNK_EQ + rc, mask=before, other=_LINKED, volatile=True)
-        while tl.min(g & e, 0) < _LINKED:      # both counts of every earlier chunk carry the bit
+        n_gt = tl.sum(gt.to(tl.int32), 0)
+        n_eq = tl.sum(eq.to(tl.int32), 0)
+        tl.atomic_xchg(ws_row + _WS_CHUNK_GT + c, n_gt | _LINKED, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(ws_row + _WS_CHUNK_EQ + c, n_eq | _LINKED, sem="relaxed", scope="gpu")
+        if n_gt + n_eq > 0:                    # else nothing of this chunk is taken: no offset needed
+            rc = tl.arange(0, _MAXC)
+            before = rc < c
             g = tl.load(ws_row + _WS_CHUNK_GT + rc, mask=before, other=_LINKED, volatile=True)
             e = tl.load(ws_row + _WS_CHUNK_EQ + rc, mask=before, other=_LINKED, volatile=True)
-        base_gt = tl.sum(g & (_LINKED - 1), 0)
-        base_eq = tl.sum(e & (_LINKED - 1), 0)
-        if skip == 0:                          # every tie taken: no rank among them needed
-            sel = gt | eq
-        else:
-            sel = gt | (eq & (base_eq + tl.cumsum(eq.to(tl.int32), 0) - 1 >= skip))
-        pos = base_gt + tl.maximum(base_eq - skip, 0) + tl.cumsum(sel.to(tl.int32), 0) - 1
-        tl.store(out_row + pos, offs, mask=sel)
+            while tl.min(g & e, 0) < _LINKED:      # both counts of every earlier chunk carry the bit
+                g = tl.load(ws_row + _WS_CHUNK_GT + rc, mask=before, other=_LINKED, volatile=True)
+                e = tl.load(ws_row + _WS_CHUNK_EQ + rc, mask=before, other=_LINKED, volatile=True)
+            base_gt = tl.sum(g & (_LINKED - 1), 0)
+            base_eq = tl.sum(e & (_LINKED - 1), 0)
+            if skip == 0:                          # every tie taken: no rank among them needed
+                sel = gt | eq
+            else:
+                sel = gt | (eq & (base_eq + tl.cumsum(eq.to(tl.int32), 0) - 1 >= skip))
+            pos = base_gt + tl.maximum(base_eq - skip, 0) + tl.cumsum(sel.to(tl.int32), 0) - 1
+            tl.store(out_row + pos, offs, mask=sel)
     if c == 0:
         rk = tl.arange(0, BLOCK_K)
         for p in range(0, width, BLOCK_K):
