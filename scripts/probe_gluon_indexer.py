@@ -3,8 +3,8 @@
 (`bench.attn_indexer.indexer_inputs`: ratio-1 keys, 32 index heads, pages of 64, each row its own
 pages). CUDA-graph replay (`bench.timing.graph_time_us`); the streaming read
 (`bench.floor.read_bandwidth_gbps`) as the floor. Per rows x context: us of the Triton path and of
-each Gluon variant (`--variants=stages:programs_per_sm[:h][:rN]`, h = with the fused histogram, rN = a
-register cap of N), GB/s and %
+each Gluon variant (`--variants=stages:programs_per_sm[:h][:p][:rN]`, h = with the fused histogram, p =
+the BF16x2 terms (`packed_terms`), rN = a register cap of N), GB/s and %
 of the read (68 key bytes read and 4 score bytes written per entry), and how many of the Gluon
 scores differ bitwise from the Triton path's (0 expected). `--rows=1,4,16,64`,
 `--contexts=32768,131072,1048576`. Prints; writes nothing. About 30-60 s.
@@ -33,7 +33,7 @@ def main() -> None:
     t0 = time.time()
     rows_list = [int(v) for v in arg("rows", "1,4,16,64").split(",")]
     contexts = [int(v) for v in arg("contexts", "32768,131072,1048576").split(",")]
-    variants = [v.split(":") for v in arg("variants", "4:4,6:4,8:4,6:2,6:4:h").split(",")]
+    variants = [v.split(":") for v in arg("variants", "4:4,6:4,8:4,6:4:p,6:4:h").split(",")]
     gen = torch.Generator(device="cuda").manual_seed(0)
     read = read_bandwidth_gbps()
     print(f"streaming read {read:.0f} GB/s on {torch.cuda.get_device_name()}", flush=True)
@@ -62,7 +62,7 @@ def main() -> None:
 
                 def gluon():
                     gluon_index_scores_mxfp4_(iq, w, pool, table, PAGE, req, n_vis, scores, hist=hist, stages=stages,
-                                              programs_per_sm=pps, maxnreg=cap)
+                                              programs_per_sm=pps, maxnreg=cap, packed_terms="p" in v[2:])
 
                 t = graph_time_us(gluon, **kw)
                 scores.fill_(float("nan"))

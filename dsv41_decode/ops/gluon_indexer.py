@@ -144,6 +144,21 @@ def _bf16_pair(x):
 
 
 @gluon.jit
+def _weighted_terms_bf16x2(acc, wb):
+    """bf16(relu(bf16(acc)) * w) as FP32, two elements an instruction in BF16x2 (`packed_terms`):
+    acc FP32; wb int32 holding each element's head weight's BF16 bits in its low half. The product
+    of two BF16 values is exact in FP32, so fma.rn.bf16x2(relu, w, -0.0) rounds the same exact
+    product once, as `_bf16_pair` of the FP32 product does, for every product that is not an FP32
+    subnormal (|term| < 2^-126)."""
+    return gl.inline_asm_elementwise(
+        "{\n\t.reg .b32 a, b, z, n;\n\tcvt.rn.bf16x2.f32 a, $3, $2;\n\tprmt.b32 b, $4, $5, 0x5410;\n\t"
+        "mov.b32 z, 0;\n\tmax.bf16x2 a, a, z;\n\tmov.b32 n, 0x80008000;\n\tfma.rn.bf16x2 a, a, b, n;\n\t"
+        "shl.b32 $0, a, 16;\n\tand.b32 $1, a, 0xFFFF0000;\n\t}",
+        "=r,=r,r,r,r,r", [acc.to(gl.int32, bitcast=True), wb], dtype=gl.int32, is_pure=True,
+        pack=2).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
 def _block_scale(sw, blk: gl.constexpr):
     """2^(byte - 127) of scale byte blk of the scale words sw, as `ops.indexer` reads it."""
     return (((sw >> (8 * blk)) & 0xFF) << 23).to(gl.float32, bitcast=True)
@@ -163,7 +178,7 @@ def _score_keys_hi(score):
 def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_ptr, cand_ptr, out_ptr, hist_ptr,
                                heads, max_entries, bt_stride, iq_sn, iq_sh, w_sn, cand_sn, out_sn, hist_sn,
                                PAGE: gl.constexpr, BLOCK_H: gl.constexpr, STAGES: gl.constexpr,
-                               HAS_CAND: gl.constexpr, HIST: gl.constexpr):
+                               HAS_CAND: gl.constexpr, HIST: gl.constexpr, PACKED: gl.constexpr = False):
     n = gl.program_id(0)
     pid = gl.program_id(1)
     nprog = gl.num_programs(1)
@@ -213,7 +228,9 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
     f2 = _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, 2, BLOCK_H, q_l, col_l)
     f3 = _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, 3, BLOCK_H, q_l, col_l)
     rh = gl.arange(0, BLOCK_H, layout=col_l)
-    wv = gl.load(w_ptr + n.to(gl.int64) * w_sn + rh, mask=rh < heads, other=0.0).to(gl.float32)
+    wraw = gl.load(w_ptr + n.to(gl.int64) * w_sn + rh, mask=rh < heads, other=0.0)
+    wv = wraw.to(gl.float32)
+    wb = wraw.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
     zero = gl.zeros([_BLOCK_E, BLOCK_H], gl.float32, mma_l)
     hist = gl.zeros([_HIST_BINS], gl.int32, hist_l)
     rr = gl.arange(0, 2, layout=gl.SliceLayout(1, scl_l))
@@ -253,9 +270,13 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
         acc += (d1 * f1[None, :]) * _block_scale(sw, 1)[:, None]
         acc += (d2 * f2[None, :]) * _block_scale(sw, 2)[:, None]
         acc += (d3 * f3[None, :]) * _block_scale(sw, 3)[:, None]
-        # the per-(entry, head) bf16 round trips by the packed hardware conversion (`_bf16_pair`);
-        # the score's rounding is `bf16_round` itself (its NaN bits)
-        term = _bf16_pair(gl.maximum(_bf16_pair(acc), 0.0) * wv[None, :])
+        # the per-(entry, head) bf16 round trips by the packed hardware conversion (`_bf16_pair`),
+        # or the relu and the weight too in BF16x2 (PACKED); the score's rounding is `bf16_round`
+        # itself (its NaN bits)
+        if PACKED:
+            term = _weighted_terms_bf16x2(acc, wb[None, :] + gl.zeros([_BLOCK_E, BLOCK_H], gl.int32, mma_l))
+        else:
+            term = _bf16_pair(gl.maximum(_bf16_pair(acc), 0.0) * wv[None, :])
         score = gl.where(vis, bf16_round(gl.sum(term, axis=1)), float("-inf"))
         gl.store(out_row + offs, score, mask=offs < max_entries)
         if HIST:
@@ -290,13 +311,14 @@ def shared_bytes(stages: int, heads: int) -> int:
     return stages * BLOCK_E * 18 * 4 + BLOCK_E * 128 + block_h(heads) * 128 + 1024
 
 
-def launch_options(heads: int, page: int, stages: int, cand: bool, hist: bool, maxnreg: int | None = None) -> dict:
+def launch_options(heads: int, page: int, stages: int, cand: bool, hist: bool, maxnreg: int | None = None,
+                   packed_terms: bool = False) -> dict:
     """The kernel's constexpr arguments and launch options (the launch and the sm_90 compile test
     share them). The page is a constant of the kernel (a record's place without a division);
-    maxnreg: a register cap per thread (None: the compiler's choice, ~150 at 32 heads: three
-    programs an SM; 128 lets four stay resident)."""
+    maxnreg: a register cap per thread (None: the compiler's choice); packed_terms: the weighted
+    terms in BF16x2 (`_weighted_terms_bf16x2`)."""
     opts = {"PAGE": page, "BLOCK_H": block_h(heads), "STAGES": stages, "HAS_CAND": cand, "HIST": hist,
-            "num_warps": 4}
+            "PACKED": bool(packed_terms), "num_warps": 4}
     if maxnreg is not None:
         opts["maxnreg"] = maxnreg
     return opts
@@ -305,7 +327,8 @@ def launch_options(heads: int, page: int, stages: int, cand: bool, hist: bool, m
 def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor,
                               page: int, req_slot: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor,
                               cand_mask: torch.Tensor | None = None, hist: torch.Tensor | None = None,
-                              stages: int = 4, programs_per_sm: int = 4, maxnreg: int | None = None) -> torch.Tensor:
+                              stages: int = 4, programs_per_sm: int = 4, maxnreg: int | None = None,
+                              packed_terms: bool = False) -> torch.Tensor:
     """Write the indexer scores of N decode rows into `out`: `ops.indexer.index_scores_mxfp4_(...,
     fp8_dot=True)`'s arguments and scores (see the module docstring), on an sm_90 device.
 
@@ -317,6 +340,9 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
     stages: ring slots of 64 records (2..MAX_STAGES); STAGES - 1 tiles are in flight per program.
     programs_per_sm: each row gets at most ceil(programs_per_sm * SMs / N) programs.
     maxnreg: the launch's register cap per thread (`launch_options`), None or a multiple of 8 in [64, 256].
+    packed_terms: relu, weight and their BF16 roundings two terms an instruction (BF16x2): the same
+      bits but where a weighted term is an FP32 subnormal (|term| < 2^-126); built and compiled, to be
+      measured.
     Unchecked: as `index_scores_mxfp4_`. Returns out.
     """
     n_rows, heads = index_scores_args(iq, w, pool, block_table, page, req_slot, n_vis, out, cand_mask)
@@ -347,5 +373,5 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
         iq, w, pool.view(torch.int32), block_table, req_slot, n_vis, cand, out, hist_t,
         heads, max_entries, block_table.stride(0), iq.stride(0), iq.stride(1), w.stride(0),
         cand.stride(0), out.stride(0), hist_t.stride(0),
-        **launch_options(heads, page, stages, cand_mask is not None, hist is not None, maxnreg))
+        **launch_options(heads, page, stages, cand_mask is not None, hist is not None, maxnreg, packed_terms))
     return out

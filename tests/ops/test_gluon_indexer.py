@@ -56,7 +56,8 @@ def sm90_builds() -> dict:
 
 
 @pytest.mark.parametrize("case", CASES, ids=[f"h{c[0]}-p{c[1]}-s{c[2]}" + ("-cand" if c[3] else "") + ("-hist" if c[4] else "")
-                                             + (f"-r{c[5]}" if len(c) > 5 else "") for c in CASES])
+                                             + (f"-r{c[5]}" if len(c) > 5 and c[5] else "")
+                                             + ("-packed" if len(c) > 6 and c[6] else "") for c in CASES])
 def test_compiles_for_sm90_without_spills(sm90_builds, case):
     r = sm90_builds[case]
     assert r["LOCAL"] == 0 and r["STACK"] == 0, r
@@ -75,6 +76,9 @@ def test_compiles_for_sm90_without_spills(sm90_builds, case):
     assert f"DEPBAR.LE SB0, {hex(case[2] - 2)}" in r["waits"], r["waits"]
     # the widening's byte permutes
     assert loop.get("PRMT", 0) >= 16, loop
+    # the weighted terms two at a time in BF16x2 when asked for, else the FP32 relu and product
+    packed = len(case) > 6 and case[6]
+    assert (loop.get("HMNMX2", 0) > 0 and loop.get("HMUL2", 0) + loop.get("HFMA2", 0) > 0) == bool(packed), loop
     assert r["shared"] <= r["shared_limit"], r
     # the histogram's global adds only when asked for
     assert (ops.get("REDG", 0) + ops.get("ATOMG", 0) > 0) == bool(case[4]), ops
@@ -160,12 +164,24 @@ def test_gpu_bits_equal_triton_fp8_path(rows, page):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stages, programs_per_sm, maxnreg", [(2, 1, None), (4, 4, None), (8, 2, None), (12, 8, None),
-                                                                (6, 4, 128)])
-def test_gpu_configurations_give_the_same_bits(stages, programs_per_sm, maxnreg):
+@pytest.mark.parametrize("stages, programs_per_sm, maxnreg, packed", [(2, 1, None, False), (4, 4, None, False),
+                                                                        (8, 2, None, False), (12, 8, None, False),
+                                                                        (6, 4, 128, False), (4, 4, None, True)])
+def test_gpu_configurations_give_the_same_bits(stages, programs_per_sm, maxnreg, packed):
     args = _inputs(4, [4103, 777, 0, 64], seed=5)
-    got, ref = _pair(args, 16, 4200, stages=stages, programs_per_sm=programs_per_sm, maxnreg=maxnreg)
-    _assert_bits_equal(got, ref, f"stages={stages} programs_per_sm={programs_per_sm}")
+    got, ref = _pair(args, 16, 4200, stages=stages, programs_per_sm=programs_per_sm, maxnreg=maxnreg,
+                     packed_terms=packed)
+    _assert_bits_equal(got, ref, f"stages={stages} programs_per_sm={programs_per_sm} maxnreg={maxnreg} "
+                                 f"packed_terms={packed}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [16, 64])
+def test_gpu_packed_terms_bits_equal_triton_fp8_path(rows):
+    # the BF16x2 terms: the same bits wherever no weighted term is an FP32 subnormal (none here)
+    args = _inputs(rows, _contexts(rows, seed=rows + 50), seed=rows + 50, page=64)
+    got, ref = _pair(args, 64, 4160, packed_terms=True)
+    _assert_bits_equal(got, ref, f"packed_terms rows={rows}")
 
 
 @pytest.mark.gpu
