@@ -104,11 +104,9 @@ def _layer_kinds(cfg: ModelConfig) -> dict[str, int]:
 # Step variants timed next to the default ("full") one; no_overlap at every context, the others
 # only at the generic contexts. wo_a_fp8 changes the numbers (FP8 wo_a quantized at build);
 # exact_linears gives the contract's bits (the FP8 linears on CUDA cores, ops.exact_mm; the sparse MLA
-# and wo_a with FP32 dots); side_late enqueues side work off the critical path late (the next site's
-# mixer beside the sparse MLA, the side projections after the first GEMM; same values).
+# and wo_a with FP32 dots).
 VARIANTS = {
     "no_overlap": dict(overlap=False),
-    "side_late": dict(side_work="late"),
     "wo_a_fp8": dict(wo_a_fp8=True),
     "exact_linears": dict(exact_linears=True),
     "exact": dict(exact_linears=True, fp32_dots=True),
@@ -259,10 +257,10 @@ def _call_cost(step, rows, name, ctx, nbytes, floor, info, gen, bench_name, prog
 
 
 def _kind_breakdown(steps, cfg, ctx, kinds_rows, floor, info, gen, bench_name, progress) -> list[dict]:
-    """One layer of each kind alone, full vs the no_overlap and side_late variants where they were
-    built (graphs of repeated calls)."""
+    """One layer of each kind alone, full vs the no_overlap variant where it was built (graphs of
+    repeated calls)."""
     out = []
-    variants = [v for v in ("full", "no_overlap", "side_late") if v in steps]
+    variants = [v for v in ("full", "no_overlap") if v in steps]
     for n in kinds_rows:
         for label, L in _layer_kinds(cfg).items():
             us = {}

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -26,16 +25,12 @@ class Lanes:
     device: the step's device; side lanes exist only on CUDA.
     overlap: side work (the side projections, the prepare work, the candidate expansion, the next
         site's mixer) on lanes 0-2; off (and always on the CPU) everything runs on the main stream.
-    late: side work off the critical path yields the SMs to the main chain: the next site's mixer
-        is enqueued when the sparse MLA launches (`StepEvents.deferred`), the side projections
-        after the layer's first GEMM. The schedule only; the same kernels and values.
     """
 
-    def __init__(self, device: torch.device, overlap: bool, late: bool = False):
+    def __init__(self, device: torch.device, overlap: bool):
         cuda = device.type == "cuda"
         self.device = device
         self.overlap = cuda and bool(overlap)
-        self.late = bool(late)
         self._aux = [torch.cuda.Stream(device) for _ in range(3)] if cuda else []
 
     def side(self, lane: int):
@@ -66,20 +61,10 @@ class StepEvents:
         scores, which the next indexer overwrites; None when none is pending).
     tables: per index source layer, the event that marks its sparse-index table built (read by
         the layers that use its selection).
-    deferred: side work a layer enqueues when its sparse MLA is about to launch (`at_attend`):
-        the next site's mixer when the lanes are `late`.
-    deferred_ready: the event `deferred` returned once it ran (None before, or when it ran inline).
     """
 
     candidates: Event | None = None
     tables: dict[int, Event | None] = field(default_factory=dict)
-    deferred: Callable[[], Event | None] | None = None
-    deferred_ready: Event | None = None
-
-    def at_attend(self) -> None:
-        """Enqueue the deferred side work, if any (once), keeping its event in `deferred_ready`."""
-        if self.deferred is not None:
-            self.deferred_ready, self.deferred = self.deferred(), None
 
     def join(self, lanes: Lanes) -> None:
         """The main stream waits for every side lane's pending work (the end of a step)."""

@@ -28,8 +28,6 @@ rows and the ranks gather the selections (`AttentionStep.run(shard=)`).
 
 from __future__ import annotations
 
-import functools
-
 import warnings
 from typing import Callable, Sequence
 
@@ -100,11 +98,6 @@ class DecodeStep:
         (faster; their 32-deep block sums truncate, so about 3 % of their BF16 outputs land one ulp
         off the contract's: docs/gemm.md, "Exactness"). The cache records a layer writes then are
         the reference's, bit for bit, given its input.
-    side_work: when side-lane work off a layer's critical path is enqueued (`Lanes.late`): "early"
-        (as soon as its inputs exist: the next site's mHC mixer beside the layer's first GEMM) or
-        "late" (yielding the SMs to the main chain: the mixer beside the sparse MLA, which leaves
-        most SMs idle at few rows, and the side projections after the fused wq_a|wkv GEMM). Same
-        values either way.
     fp32_dots: run the sparse MLA and `wo_a` with FP32 operands and IEEE dots (CUDA-core FMAs: FP32
         round-to-nearest sums, where the default's BF16 / TF32 tensor-core dots truncate; spec
         decision 40): their outputs then differ from the reference's only by FP32 summation order.
@@ -121,7 +114,7 @@ class DecodeStep:
 
     def __init__(self, stack, state: DecodeState, *, max_rows: int = 16, buckets: Sequence[int] | None = None,
                  graphs: bool = True, overlap: bool = True, tp_boundary: str = "auto", wo_a_fp8: bool = False,
-                 exact_linears: bool = False, fp32_dots: bool = False, side_work: str = "early"):
+                 exact_linears: bool = False, fp32_dots: bool = False):
         if buckets is None:
             buckets = tuple(b for b in DEFAULT_BUCKETS if b < max_rows) + (max_rows,)
         buckets = tuple(sorted(set(buckets)))
@@ -134,21 +127,19 @@ class DecodeStep:
                             f"build the DecodeState with stage_rows >= {buckets[-1]}")
         if tp_boundary not in ("auto", "collective", "fused"):
             raise StepError(f"tp_boundary must be 'auto', 'collective' or 'fused', got {tp_boundary!r}")
-        if side_work not in ("early", "late"):
-            raise StepError(f"side_work must be 'early' or 'late', got {side_work!r}")
         dev = state.device
         if tp_boundary == "fused" and stack.tp.tp > 1 and dev.type != "cuda":
             raise StepError("tp_boundary='fused' needs CUDA symmetric memory; on the CPU use 'collective'")
         self.stack, self.state, self.cfg = stack, state, stack.cfg
         self.buckets, self.max_rows = buckets, buckets[-1]
         self.device = dev
-        self.plan = dict(low_batch=True, overlap=bool(overlap), side_work=side_work,
+        self.plan = dict(low_batch=True, overlap=bool(overlap),
                          layers=[(i, stack.cfg.plan[i].label) for i in stack.ids],
                          indexer_shard_rows=INDEXER_SHARD_ROWS)
         B, cfg = self.max_rows, self.cfg
         self.meta = StepMeta(cfg, state, B)
         self.scratch = Scratch(stack.layers[stack.ids[0]].cfg, state, B)   # this rank's heads and groups
-        self.lanes = Lanes(dev, overlap, late=side_work == "late")
+        self.lanes = Lanes(dev, overlap)
         self.layers: dict[int, AttentionStep] = {}
         for i in stack.ids:                       # ascending: a layer's sources are built before it
             self.layers[i] = AttentionStep(stack.layers[i], state, self.meta, self.scratch, self.lanes, B,
@@ -222,15 +213,11 @@ class DecodeStep:
         bd.enter(ids[0], x, io.pre_in[:B], B)
         for k, i in enumerate(ids):
             self.layers[i].run(B, bd.u[:B], bd.codes[:B], bd.scales[:B], io.y[:B], events, shard)
-            if k > 0 and lanes.late:
-                mix_ready = events.deferred_ready
             lanes.wait(mix_ready)                             # post/comb/pre of this site
             nxt = ids[k + 1] if k + 1 < len(ids) else None
             x_new = io.x_out[:B] if nxt is None else bd.streams[k % 2][:B]
             bd.exit(i, nxt, io.y[:B], x, k % 2, x_new, B, index=k)
-            if nxt is not None and lanes.late:        # enqueued by the next layer's _attend
-                events.deferred = functools.partial(bd.mix, nxt, x_new, (k + 1) % 2, B, lanes)
-            elif nxt is not None:
+            if nxt is not None:
                 mix_ready = bd.mix(nxt, x_new, (k + 1) % 2, B, lanes)
             x = x_new
         events.join(lanes)

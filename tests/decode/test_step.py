@@ -264,8 +264,6 @@ def test_errors(cpu_setup):
     with pytest.raises(StepError, match="layer 99 is not one of the step's layers"):
         step.layer_call(99, 4)
 
-    with pytest.raises(StepError, match="side_work must be 'early' or 'late', got 'lazy'"):
-        stack.decode_step(st, max_rows=4, side_work="lazy")
     with pytest.raises(StepError, match=r"1\.\.64"):
         stack.decode_step(st, max_rows=128)
     with pytest.raises(StepError, match=r"1\.\.64"):

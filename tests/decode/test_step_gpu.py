@@ -171,10 +171,8 @@ def test_gpu_long_run_vs_generic(gpu_setup):
 # Step options that must change no value: each runs the same 16 steps as the plain graphed step
 # ("graph") and must give its bits and state. "graph_again": two runs repeat; "eager": graph ==
 # eager; "no_overlap": every lane on the main stream (a missing event between lanes would show as
-# a difference between the two); "side_late": side work enqueued late (the next site's mixer beside
-# the sparse MLA, the side projections after the first GEMM).
-SAME_BITS = {"graph_again": {}, "eager": dict(graphs=False), "no_overlap": dict(overlap=False),
-             "side_late": dict(side_work="late")}
+# a difference between the two).
+SAME_BITS = {"graph_again": {}, "eager": dict(graphs=False), "no_overlap": dict(overlap=False)}
 
 
 @pytest.fixture(scope="module")
