@@ -73,7 +73,7 @@ from triton.experimental.gluon.language.extra import libdevice
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from ..records import COMPRESSED_KV_BYTES, WINDOW_KV_BYTES
-from .common import is_sm90, plan_workspace
+from .common import is_sm90, num_sms, plan_workspace
 from .sparse_mla import _sparse_mla_combine_kernel, check_sparse_mla_args, combine_chunk
 from .sparse_mla_plan import BLOCK_KEYS, HEAD_DIM, SparseMlaPlan
 
@@ -98,6 +98,7 @@ _CREC: gl.constexpr = gl.constexpr(COMPRESSED_KV_BYTES)
 # turns a broken invariant (say a ticket not reset) into NaN outputs instead of a hung GPU.
 _SPIN_LIMIT: gl.constexpr = gl.constexpr(1 << 22)
 _MAX_DSPLIT = 4                              # GluonSparseMlaConfig.dim_split's largest
+_COMBINES = ("separate", "inline", "spread")   # GluonSparseMlaConfig.combine, as the kernel's COMBINE
 
 
 @gluon.jit
@@ -251,9 +252,10 @@ _PH_COLS: gl.constexpr = gl.constexpr(PHASE_COLS)
 
 
 @gluon.jit
-def _combine_slice(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, r, H, stride_on, stride_oh, d_lo,
-                   NB: gl.constexpr, NB_P2: gl.constexpr, PH: gl.constexpr, DW: gl.constexpr):
-    """The row's NB block partials combined over dims [d_lo, d_lo + DW), out as BF16 bits: the
+def _combine_slice(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, r, H, stride_on, stride_oh, d_lo, i0, stuck,
+                   NB: gl.constexpr, NB_P2: gl.constexpr, PH: gl.constexpr, DW: gl.constexpr, STEP: gl.constexpr):
+    """The row's NB block partials combined over dims [d_lo, d_lo + DW) (of those, the [PH, CW]
+    steps i0, i0 + STEP, ...; NaN where stuck > 0), out as BF16 bits: the
     arithmetic of `sparse_mla._sparse_mla_combine_kernel` element for element (the maxima, the
     valid-key counts, then each block's acc and sum rescaled by exp(m_b - m_all) and added in block
     order, o = acc / (sum + exp(sink - m_all)) rounded to nearest even, zeros where the row had no
@@ -287,9 +289,10 @@ def _combine_slice(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, r, H, stride_on
     m_all = m_all[:, None]
     # no valid key: acc is 0, o is 0
     den = gl.where(n_all[:, None] > 0, l_all + libdevice.exp(sink[:, None] - m_all), float("inf"))
+    den = gl.where(stuck > 0, float("nan"), den)      # never by design: a bug shows as NaN, not a hang
     acc = part_acc_ptr + (r.to(gl.int64) * NB) * (PH * D) + hd[:, None] * D + d_lo + dd[None, :]
     out_rows = out_ptr + r * stride_on + hd[:, None] * stride_oh + d_lo + dd[None, :]
-    for i in range(DW // CW):
+    for i in range(i0, DW // CW, STEP):
         a = gl.zeros([PH, CW], gl.float32, cl)
         for s in gl.static_range(NB):
             a += gl.load(acc + s * (PH * D) + i * CW, cache_modifier=".cg") * f_smem.slice(s, 1, dim=1).load(cl)
@@ -313,14 +316,15 @@ def _gluon_sparse_mla_kernel(
     N, H, scale, stride_qn, stride_qh, stride_wt, stride_ct, stride_on, stride_oh,
     W: gl.constexpr, W_P2: gl.constexpr, KC: gl.constexpr, NB: gl.constexpr, NB_P2: gl.constexpr, PH: gl.constexpr,
     Q_BUFFERS: gl.constexpr = 4, FP4_PACKED: gl.constexpr = False, PREFETCH: gl.constexpr = False,
-    DSPLIT: gl.constexpr = 1, INLINE: gl.constexpr = False,
+    DSPLIT: gl.constexpr = 1, COMBINE: gl.constexpr = 0,
     ROW_MAJOR: gl.constexpr = False, PHASES: gl.constexpr = False,
 ):
     # Workspaces (`SparseMlaPlan` with one head group of PH = block_h heads): acc [N, NB, PH, 512],
     # ml [N, NB, 3, PH] (max, sum, valid-key count), block_max [N, NB, PH], flags [N, NB] (here a
-    # bit per block: the row's first ceil(NB / 32) words; the combination zeroes them). INLINE:
-    # counters [N, DSPLIT + 1] (`GluonSparseMlaPlan.counters`): the arrivals per (row, dim slice),
-    # then the row's finished slices. PHASES: log [N * NB * DSPLIT, 16] int64 by ticket.
+    # bit per block: the row's first ceil(NB / 32) words; the combination zeroes them). COMBINE 0:
+    # the separate launch combines; 1 (inline): counters [N, DSPLIT + 1] (`GluonSparseMlaPlan.counters`),
+    # the arrivals per (row, dim slice), then the row's finished slices; 2 (spread): the same rows
+    # of counters, the row's arrivals and departures. PHASES: log [N * NB * DSPLIT, 16] int64 by ticket.
     D: gl.constexpr = 512
     NC: gl.constexpr = D // _DC
     NCP: gl.constexpr = NC // DSPLIT        # the 128-dim chunks of P.V and of the partial a program does
@@ -486,18 +490,18 @@ def _gluon_sparse_mla_kernel(
     gl.store(ml + 2 * PH, gl.zeros([_M], gl.float32, gl.SliceLayout(1, s_l)) + nv.to(gl.float32), mask=h_st)
     _stamp(log_row, 7, PHASES)
 
-    if INLINE:
+    cnt = count_ptr + r * (DSPLIT + 1)
+    if COMBINE == 1:
         # The last of the row's programs of this dim slice to arrive (acq_rel: every earlier
         # arrival's partial is visible to it) combines the slice; the last slice to finish clears
         # the row's flag words (every program of the row has passed its look-back by then).
         gl.thread_barrier()
-        cnt = count_ptr + r * (DSPLIT + 1)
         arrived = gl.atomic_add(cnt + sl, 1, sem="acq_rel", scope="gpu")
         _stamp(log_row, 8, PHASES)
         if arrived == NB - 1:
             gl.store(cnt + sl, 0)
             _combine_slice(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, r, H, stride_on, stride_oh,
-                           sl * (D // DSPLIT), NB, NB_P2, PH, D // DSPLIT)
+                           sl * (D // DSPLIT), 0, 0, NB, NB_P2, PH, D // DSPLIT, 1)
             if DSPLIT == 1:
                 gl.thread_barrier()   # every thread's flag reads are behind it (the look-back)
                 fw = gl.arange(0, NB_P2, layout=gl.SliceLayout(1, ld))
@@ -511,6 +515,30 @@ def _gluon_sparse_mla_kernel(
                     gl.store(flags + fw, gl.zeros([NB_P2], gl.int32, gl.SliceLayout(1, ld)),
                              mask=fw < (NB + 31) // 32)
             _stamp(log_row, 9, PHASES)
+            if PHASES:
+                gl.store(log_row + _PH_COMBINER, 1)
+    if COMBINE == 2:
+        # Every program of the row waits until all NB x DSPLIT have arrived (the launcher runs this
+        # only where the whole grid is resident at once, so the wait ends), then combines its share
+        # of the [PH, 512] output: the combination's steps j, j + NB DSPLIT, ... for the row's j-th
+        # program. The last to leave (every program has stopped polling) clears the counters and
+        # the row's flag words.
+        gl.thread_barrier()
+        gl.atomic_add(cnt, 1, sem="release", scope="gpu")
+        polls = 0
+        while (gl.atomic_add(cnt, 0, sem="acquire", scope="gpu") < NB * DSPLIT) & (polls < _SPIN_LIMIT):
+            polls += 1
+        _stamp(log_row, 8, PHASES)
+        _combine_slice(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, r, H, stride_on, stride_oh,
+                       0, b * DSPLIT + sl, (polls >= _SPIN_LIMIT).to(gl.int32), NB, NB_P2, PH, D, NB * DSPLIT)
+        _stamp(log_row, 9, PHASES)
+        gl.thread_barrier()
+        left = gl.atomic_add(cnt + 1, 1, sem="acq_rel", scope="gpu")
+        if left == NB * DSPLIT - 1:
+            gl.store(cnt, 0)
+            gl.store(cnt + 1, 0)
+            fw = gl.arange(0, NB_P2, layout=gl.SliceLayout(1, ld))
+            gl.store(flags + fw, gl.zeros([NB_P2], gl.int32, gl.SliceLayout(1, ld)), mask=fw < (NB + 31) // 32)
             if PHASES:
                 gl.store(log_row + _PH_COMBINER, 1)
     if PHASES:
@@ -540,7 +568,13 @@ class GluonSparseMlaConfig:
     (`sparse_mla._sparse_mla_combine_kernel`); "inline", by the last-arriving program of each (row,
     dim slice) in the same launch (an acq_rel counter per (row, slice) in `GluonSparseMlaPlan.counters`),
     with the separate kernel's arithmetic in its block order (the same bits), its [heads, 512 / S]
-    spread over the program's 8 warps, the partials read from L2 right after they were written.
+    spread over the program's 8 warps, the partials read from L2 right after they were written;
+    "spread", by all the row's programs: each waits until the row's NB x S programs have arrived
+    (a counter per row), then combines its share of the row's [heads, 512] (the same arithmetic),
+    so a row's combination runs on NB x S SMs, not S. Waiting on programs that may not have started
+    is only sound where the whole grid is resident at once: the launcher runs "spread" where the
+    launch's programs fit the SMs (two a SM with q_buffers=2, one with 4) and the separate
+    combination elsewhere (the same bits either way).
 
     order: the order in which the programs take their (row, block): "block" (every row's block 0,
     then every row's block 1, ...) or "row" (row 0's blocks, then row 1's, ...: a row's partials
@@ -567,8 +601,8 @@ class GluonSparseMlaConfig:
         d = self.dim_split
         if isinstance(d, bool) or not isinstance(d, int) or d not in (1, 2, 4):
             raise ValueError(f"GluonSparseMlaConfig.dim_split must be 1, 2 or 4, got {self.dim_split!r}")
-        if self.combine not in ("separate", "inline"):
-            raise ValueError(f"GluonSparseMlaConfig.combine must be 'separate' or 'inline', got {self.combine!r}")
+        if self.combine not in _COMBINES:
+            raise ValueError(f"GluonSparseMlaConfig.combine must be one of {_COMBINES}, got {self.combine!r}")
         if self.order not in ("block", "row"):
             raise ValueError(f"GluonSparseMlaConfig.order must be 'block' or 'row', got {self.order!r}")
         for name in ("fp4_packed", "prefetch", "phases"):
@@ -643,9 +677,12 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
         return
     nb = base.n_blocks
     o16 = out.view(torch.int16)
-    inline = config.combine == "inline"
+    grid = n * nb * config.dim_split
+    combine = config.combine
+    if combine == "spread" and grid > num_sms(base.device) * (2 if config.q_buffers == 2 else 1):
+        combine = "separate"          # not every program resident at once: the row's wait could hang
     log = plan.phase_log if plan.phase_log is not None else plan.counters
-    _gluon_sparse_mla_kernel[(n * nb * config.dim_split, )](
+    _gluon_sparse_mla_kernel[(grid, )](
         q, window_pool, comp_pool, window_table, comp_table,
         base.part_acc, base.part_ml, base.block_max, base.flags, base.ticket, sink, o16, plan.counters, log,
         n, base.heads, float(scale), q.stride(0), q.stride(1), window_table.stride(0), max(comp_table.stride(0), 1),
@@ -653,8 +690,9 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
         W=base.window, W_P2=triton.next_power_of_2(base.window), KC=base.topk, NB=nb,
         NB_P2=max(2, triton.next_power_of_2(nb)), PH=base.block_h, Q_BUFFERS=config.q_buffers,
         FP4_PACKED=config.fp4_packed, PREFETCH=config.prefetch, DSPLIT=config.dim_split,
-        INLINE=inline, ROW_MAJOR=config.order == "row", PHASES=config.phases, num_warps=NUM_WARPS)
-    if not inline:
+        COMBINE=_COMBINES.index(combine), ROW_MAJOR=config.order == "row", PHASES=config.phases,
+        num_warps=NUM_WARPS)
+    if combine == "separate":
         chunk = combine_chunk(nb, base.block_h)
         _sparse_mla_combine_kernel[(n, HEAD_DIM // chunk)](
             base.part_acc, base.part_ml, base.flags, sink, o16, base.heads, 1, o16.stride(0), o16.stride(1),

@@ -40,7 +40,7 @@ def _compile(heads, w, k, config):
     consts = {"W": w, "W_P2": 1 << (w - 1).bit_length(), "KC": k, "NB": p.n_blocks,
               "NB_P2": max(2, 1 << (p.n_blocks - 1).bit_length()), "PH": p.block_h,
               "Q_BUFFERS": config.q_buffers, "FP4_PACKED": config.fp4_packed, "PREFETCH": config.prefetch,
-              "DSPLIT": config.dim_split, "INLINE": config.combine == "inline", "ROW_MAJOR": config.order == "row",
+              "DSPLIT": config.dim_split, "COMBINE": G._COMBINES.index(config.combine), "ROW_MAJOR": config.order == "row",
               "PHASES": config.phases}
     return sm90.compile_sm90(G._gluon_sparse_mla_kernel, _TYPES, consts, num_warps=G.NUM_WARPS)
 
@@ -48,24 +48,29 @@ def _compile(heads, w, k, config):
 DEFAULT = G.GluonSparseMlaConfig()
 PLAIN = G.GluonSparseMlaConfig(q_buffers=4, fp4_packed=False, prefetch=False)
 INLINE = G.GluonSparseMlaConfig(combine="inline")
+SPREAD = G.GluonSparseMlaConfig(combine="spread")
 # each option both ways: the default, the plainest, two mixes, the inline combination, the dim splits
 # with either combination
 CONFIGS = [DEFAULT, PLAIN, G.GluonSparseMlaConfig(2, False, True), G.GluonSparseMlaConfig(4, True, False), INLINE,
            G.GluonSparseMlaConfig(dim_split=2), G.GluonSparseMlaConfig(dim_split=2, combine="inline"),
            G.GluonSparseMlaConfig(dim_split=4, combine="inline"), G.GluonSparseMlaConfig(q_buffers=4, dim_split=4),
-           G.GluonSparseMlaConfig(combine="inline", order="row"), G.GluonSparseMlaConfig(dim_split=2, order="row")]
+           G.GluonSparseMlaConfig(combine="inline", order="row"), G.GluonSparseMlaConfig(dim_split=2, order="row"),
+           SPREAD, G.GluonSparseMlaConfig(dim_split=4, combine="spread")]
 
 
 # V4.1-Flash (128 window + 512 top-k keys) at 64 heads with the default configuration, the inline
-# combination, and half the dims a program with the phase log; at a TP8 rank's 8 with the plainest
+# combination, half the dims a program with the phase log, and with the spread combination in row
+# order; at a TP8 rank's 8 with the plainest
 # options, a quarter of the dims a program, the inline combination and the row-major order; a window ending inside a
 # block with a top-k not a multiple of 64 at 32 heads, a mix (6-8 s each from a cold cache).
 @pytest.mark.parametrize("heads,w,k,config", [
     (64, 128, 512, DEFAULT), (64, 128, 512, INLINE),
     (64, 128, 512, G.GluonSparseMlaConfig(dim_split=2, combine="inline", phases=True)),
+    (64, 128, 512, G.GluonSparseMlaConfig(dim_split=2, combine="spread", order="row")),
     (8, 128, 512, G.GluonSparseMlaConfig(4, False, False, dim_split=4, combine="inline", order="row")),
     (32, 16, 72, G.GluonSparseMlaConfig(2, False, True))],
-    ids=["64h", "64h-inline", "64h-split2-inline-phases", "8h-plain-split4-inline-row", "32h-mix"])
+    ids=["64h", "64h-inline", "64h-split2-inline-phases", "64h-split2-spread-row", "8h-plain-split4-inline-row",
+         "32h-mix"])
 def test_compiles_for_sm90_without_spills(heads, w, k, config):
     kernel = _compile(heads, w, k, config)
     res = sm90.resources(kernel)
@@ -86,9 +91,10 @@ def test_compiles_for_sm90_without_spills(heads, w, k, config):
     assert gmma.count("HGMMA.64x64x16.F32.BF16") == 16 // config.dim_split, sorted(set(gmma))
     assert len(gmma) == 32 + 16 // config.dim_split
     # the ticket (and the flag polls, compiled as loads); the inline combination's arrival counter
-    # (and with dim slices the row's finished-slice counter)
+    # (and with dim slices the row's finished-slice counter); the spread one's departures
     inline = config.combine == "inline"
-    assert ops.get("ATOMG", 0) == 1 + inline + (inline and config.dim_split > 1), ops
+    atomics = 1 + inline + (inline and config.dim_split > 1) + (config.combine == "spread")
+    assert ops.get("ATOMG", 0) == atomics, ops
     assert any("SR_CLOCK" in t for t in ins) == config.phases     # the clock reads of the phase log
     loads = [t.split()[1] if t.startswith("@") else t.split()[0] for t in ins if "LDG" in t]
     # the window codes 16 bytes a load; the compressed codes 8 (packed) or 1
@@ -193,6 +199,8 @@ def test_bad_arguments_name_the_argument():
             G.GluonSparseMlaConfig(dim_split=d)
     with pytest.raises(ValueError, match="combine"):
         G.GluonSparseMlaConfig(combine="last")
+    with pytest.raises(ValueError, match="combine"):
+        G.GluonSparseMlaConfig(combine=True)
     with pytest.raises(ValueError, match="order"):
         G.GluonSparseMlaConfig(order="column")
     with pytest.raises(TypeError, match="phases"):
@@ -247,7 +255,8 @@ SPLIT4_INLINE = G.GluonSparseMlaConfig(dim_split=4, combine="inline")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [DEFAULT, INLINE, SPLIT2_INLINE], ids=["default", "inline", "split2-inline"])
+@pytest.mark.parametrize("config", [DEFAULT, INLINE, SPLIT2_INLINE, SPREAD],
+                         ids=["default", "inline", "split2-inline", "spread"])
 @pytest.mark.parametrize("w,k", [(16, 8), (16, 72)])
 def test_gpu_small_shapes(w, k, config):
     # one block in all (16 + 8 keys: the inline combination by the block's own program), and a
@@ -265,7 +274,8 @@ def test_gpu_small_shapes(w, k, config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [DEFAULT, INLINE, SPLIT2_INLINE], ids=["default", "inline", "split2-inline"])
+@pytest.mark.parametrize("config", [DEFAULT, INLINE, SPLIT2_INLINE, SPREAD],
+                         ids=["default", "inline", "split2-inline", "spread"])
 def test_gpu_more_than_32_blocks(config):
     # 128 window + 2112 top-k keys: 35 blocks, so the look-back's flag bits span two words per row
     # (both cleared by the inline combination)
@@ -281,7 +291,8 @@ def test_gpu_more_than_32_blocks(config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [DEFAULT, INLINE, SPLIT4_INLINE], ids=["default", "inline", "split4-inline"])
+@pytest.mark.parametrize("config", [DEFAULT, INLINE, SPLIT4_INLINE, SPREAD],
+                         ids=["default", "inline", "split4-inline", "spread"])
 @pytest.mark.parametrize("h", [16, 64])
 def test_gpu_edge_rows(h, config):
     # row 0: nothing valid -> zeros; row 1: no top-k entries; row 2: a window not yet full (3 keys)
@@ -300,8 +311,8 @@ def test_gpu_edge_rows(h, config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [DEFAULT, INLINE, SPLIT4_INLINE, G.GluonSparseMlaConfig(combine="inline", order="row")],
-                         ids=["default", "inline", "split4-inline", "inline-row"])
+@pytest.mark.parametrize("config", [DEFAULT, INLINE, SPLIT4_INLINE, G.GluonSparseMlaConfig(combine="inline", order="row"),
+                                    SPREAD], ids=["default", "inline", "split4-inline", "inline-row", "spread"])
 @pytest.mark.parametrize("h", [8, 64])
 @pytest.mark.parametrize("others", [1, 3, 15, 63])
 def test_gpu_a_row_alone_gives_its_bits_among_others(h, others, config):
@@ -401,8 +412,9 @@ def test_gpu_the_steps_plan_choice_on_sm90():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [INLINE, SPLIT4_INLINE, G.GluonSparseMlaConfig(dim_split=2),
-                                    G.GluonSparseMlaConfig(combine="inline", order="row")],
-                         ids=["inline", "split4-inline", "split2", "inline-row"])
+                                    G.GluonSparseMlaConfig(combine="inline", order="row"), SPREAD,
+                                    G.GluonSparseMlaConfig(dim_split=4, combine="spread")],
+                         ids=["inline", "split4-inline", "split2", "inline-row", "spread", "split4-spread"])
 @pytest.mark.parametrize("h", [8, 64])
 @pytest.mark.parametrize("n", [1, 16, 64])
 def test_gpu_configs_against_the_reference(config, h, n):
@@ -452,3 +464,23 @@ def test_gpu_phase_log():
     tickets = torch.arange(programs)
     rows, slices = (tickets // 2) % n, tickets % 2
     assert sorted(zip(rows[combiners].tolist(), slices[combiners].tolist())) == [(r, s) for r in range(n) for s in (0, 1)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", [8, 64])
+def test_gpu_spread_combination_at_and_past_the_resident_grid(h):
+    # the spread combination runs where every program is resident at once and falls back to the
+    # separate launch past that (both the default's bits); 35 blocks a row at 3 rows (105 programs)
+    # and the Flash shape at 1, 13 (130 programs), 26 and 27 rows (270 > 264 at two a SM on an H200)
+    w, k = 128, 512
+    plan = G.GluonSparseMlaPlan.build(27, h, w, k, "cuda", config=SPREAD)
+    ref = G.GluonSparseMlaPlan.build(27, h, w, k, "cuda")
+    for n in (1, 13, 26, 27):
+        case = make_case(n, h, w, k, seed=6100 + h + n, window_fill=gpu_tables(n), **GPU_POOLS)
+        assert torch.equal(run(plan, case), run(ref, case)), n
+    torch.cuda.synchronize()
+    assert workspace_is_clear(plan)
+    n, k = 3, 2112
+    case = make_case(n, h, w, k, seed=6200 + h, window_fill=gpu_tables(n), **GPU_POOLS)
+    assert torch.equal(run(G.GluonSparseMlaPlan.build(n, h, w, k, "cuda", config=SPREAD), case),
+                       run(G.GluonSparseMlaPlan.build(n, h, w, k, "cuda"), case))
