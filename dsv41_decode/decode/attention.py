@@ -36,6 +36,7 @@ from ..ops.kv_write import compressed_entry_store_, query_rope_
 from ..ops.exact_int8_mm import ExactLinear
 from ..ops.common import is_sm90
 from ..ops.exact_mm import ExactConfig
+from ..ops.gluon_indexer import gluon_index_scores_mxfp4_
 from ..ops.gluon_mm import GluonMM
 from ..ops.gluon_wo_a import GluonWoAPlan, gluon_wo_a_
 from ..ops.gluon_sparse_mla import GluonSparseMlaPlan, gluon_sparse_mla_
@@ -140,6 +141,20 @@ def sparse_mla_launch(plan, *args, **kwargs) -> None:
     (gluon_sparse_mla_ if isinstance(plan, GluonSparseMlaPlan) else sparse_mla_)(plan, *args, **kwargs)
 
 
+def index_scores_launch(iq, w, pool, block_table, page, req_slot, n_vis, out, cand_mask=None,
+                        hist: torch.Tensor | None = None) -> bool:
+    """The step's indexer scores, the bits of `ops.indexer.index_scores_mxfp4_(..., fp8_dot=True)`:
+    on an sm_90 GPU the Gluon scorer (`ops.gluon_indexer`; 1.3-1.8x faster on the H200,
+    docs/attn.md), which also adds the top-k's high-byte histogram into `hist` (a
+    `TopKPlan.hist_hi` view) when given; elsewhere the Triton FP8 path. Returns whether `hist` was
+    filled (the top-k's `hist_ready`)."""
+    if is_sm90(iq.device):
+        gluon_index_scores_mxfp4_(iq, w, pool, block_table, page, req_slot, n_vis, out, cand_mask, hist=hist)
+        return hist is not None
+    index_scores_mxfp4_(iq, w, pool, block_table, page, req_slot, n_vis, out, cand_mask, fp8_dot=True)
+    return False
+
+
 def _fp8_weight(w: dict, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight, scale bytes) of an FP8 linear; NotEligible naming it otherwise."""
     weight, scale = w.get(f"attn.{name}.weight"), w.get(f"attn.{name}.scale")
@@ -186,9 +201,10 @@ class AttentionStep:
         pool = scratch.workspaces
         self.mm_qkv = fp8_linear_plan(self.w_qkv, self.s_qkv, max_rows, exact_linears, pool)
         self.mm_wq_b = _fp8_plan(w, "wq_b", max_rows, exact_linears, pool)
-        # the query RoPE runs in wq_b's epilogue where its plan has one (the Gluon tier), else as
-        # its own launch after it; the window insert runs in the q/kv norm pair's launch
-        self.rope_in_wq_b = isinstance(self.mm_wq_b, GluonMM)
+        # the query RoPE runs in wq_b's epilogue where its plan has one (the Gluon and Triton
+        # tiers), else as its own launch after it (the exact linears); the window insert runs in
+        # the q/kv norm pair's launch
+        self.rope_in_wq_b = isinstance(self.mm_wq_b, (GluonMM, LowLatencyMM))
         self.mm_wo_b = _fp8_plan(w, "wo_b", max_rows, exact_linears, pool)
         if "attn.wo_a.scale" in w:
             self.wo_a_w, self.wo_a_s = w["attn.wo_a.weight"], w["attn.wo_a.scale"]
@@ -373,9 +389,10 @@ class AttentionStep:
         width = -(-st.max_context // r)
         scores = s.scores[:B, :width]
         cand = self.source_candidates[:B, :width] if self.source_candidates is not None else None
-        index_scores_mxfp4_(s.iq[:B], s.iw[:B], st.index_keys[spec.kv_source], st.block_table[r],
-                            st.page_size, m.kernel_slot[:B], n_vis, scores, cand, fp8_dot=True)
-        topk_ascending_(scores, n_vis, sel.topk[:B], self.topk_plan)
+        ready = index_scores_launch(s.iq[:B], s.iw[:B], st.index_keys[spec.kv_source], st.block_table[r],
+                                    st.page_size, m.kernel_slot[:B], n_vis, scores, cand,
+                                    hist=self.topk_plan.hist_hi[:B])
+        topk_ascending_(scores, n_vis, sel.topk[:B], self.topk_plan, hist_ready=ready)
         if self.forced_topk is not None:
             sel.topk[:B].copy_(self.forced_topk[:B])
         if spec.candidate_role == "source":
@@ -400,9 +417,10 @@ class AttentionStep:
         if hi > lo:
             n_vis = m.n_vis[r][lo:hi]
             scores = s.scores[lo:hi, :width]
-            index_scores_mxfp4_(s.iq[lo:hi], s.iw[lo:hi], st.index_keys[spec.kv_source], st.block_table[r],
-                                st.page_size, m.kernel_slot[lo:hi], n_vis, scores, None, fp8_dot=True)
-            topk_ascending_(scores, n_vis, self.topk_part[:hi - lo], self.topk_plan)
+            ready = index_scores_launch(s.iq[lo:hi], s.iw[lo:hi], st.index_keys[spec.kv_source],
+                                        st.block_table[r], st.page_size, m.kernel_slot[lo:hi], n_vis, scores,
+                                        hist=self.topk_plan.hist_hi[:hi - lo])
+            topk_ascending_(scores, n_vis, self.topk_part[:hi - lo], self.topk_plan, hist_ready=ready)
             if spec.candidate_role == "source":
                 candidate_mask_(scores, n_vis, self.cand_part[:hi - lo, :width], self.cand_plan)
         sel = self.selection
