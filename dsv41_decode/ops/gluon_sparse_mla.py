@@ -573,7 +573,7 @@ class GluonSparseMlaConfig:
     (a counter per row), then combines its share of the row's [heads, 512] (the same arithmetic),
     so a row's combination runs on NB x S SMs, not S. Waiting on programs that may not have started
     is only sound where the whole grid is resident at once: the launcher runs "spread" where the
-    launch's programs fit the SMs (two a SM with q_buffers=2, one with 4) and the separate
+    launch's programs fit the SMs (two a SM with q_buffers=2, else one) and the separate
     combination elsewhere (the same bits either way).
 
     order: the order in which the programs take their (row, block): "block" (every row's block 0,
@@ -679,7 +679,10 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
     o16 = out.view(torch.int16)
     grid = n * nb * config.dim_split
     combine = config.combine
-    if combine == "spread" and grid > num_sms(base.device) * (2 if config.q_buffers == 2 else 1):
+    # two programs a SM where they fit (q_buffers=2: 104 KB of shared memory, <= 128 registers,
+    # tests/ops/test_gluon_sparse_mla.py checks both; the phase log's stamps take more registers)
+    per_sm = 2 if config.q_buffers == 2 and not config.phases else 1
+    if combine == "spread" and grid > num_sms(base.device) * per_sm:
         combine = "separate"          # not every program resident at once: the row's wait could hang
     log = plan.phase_log if plan.phase_log is not None else plan.counters
     _gluon_sparse_mla_kernel[(grid, )](
