@@ -33,7 +33,7 @@ def main() -> None:
     t0 = time.time()
     rows_list = [int(v) for v in arg("rows", "1,4,16,64").split(",")]
     contexts = [int(v) for v in arg("contexts", "32768,131072,1048576").split(",")]
-    variants = [v.split(":") for v in arg("variants", "4:4,6:4,8:4,6:4:p,6:4:h").split(",")]
+    variants = [v.split(":") for v in arg("variants", "4:3,6:3,6:4:r128,6:3:p,6:4:p:r128,6:3:h").split(",")]
     gen = torch.Generator(device="cuda").manual_seed(0)
     read = read_bandwidth_gbps()
     print(f"streaming read {read:.0f} GB/s on {torch.cuda.get_device_name()}", flush=True)

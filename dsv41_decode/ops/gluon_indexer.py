@@ -94,19 +94,32 @@ def _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, blk: gl.constexpr, BLOCK_H:
 
 
 @gluon.jit
-def _records(bt_ptr, slot, bt_stride, n_vis, cand_row, offs, PAGE: gl.constexpr, HAS_CAND: gl.constexpr):
-    """(pool record ids, read flags) of the row's entries `offs` (any layout): entry j is record
-    block_table[slot, j // PAGE] * PAGE + j % PAGE; read where j < n_vis (and in the candidate mask)."""
+def _records(pool_ptr, bt_ptr, slot, bt_stride, n_vis, cand_row, tile, e, PAGE: gl.constexpr,
+             HAS_CAND: gl.constexpr):
+    """(pointers to the first word of each record, read flags) of tile `tile`'s entries
+    j = tile * 64 + e (e: any layout): entry j is pool record block_table[slot, j // PAGE] * PAGE +
+    j % PAGE, read where j < n_vis (and in the candidate mask). With PAGE a multiple of 64 a tile
+    lies in one page: one block-table entry, a uniform base and each record at 17 words past the
+    one before it."""
+    offs = tile * _BLOCK_E + e
     vis = offs < n_vis
     if HAS_CAND:
         vis = vis & (gl.load(cand_row + offs, mask=vis, other=0) != 0)
-    blk = gl.load(bt_ptr + slot * bt_stride + offs // PAGE, mask=vis, other=0)
-    # Through an opaque move: Triton's alignment analysis would take every blk * PAGE + offs % PAGE
-    # for a multiple of PAGE and copy 16 bytes at a time from records that are 4-byte aligned (as
-    # `ops.indexer` avoids by not specializing the page).
-    rec = gl.inline_asm_elementwise("mov.b64 $0, $1;", "=l,l", [blk.to(gl.int64) * PAGE + offs % PAGE],
-                                    dtype=gl.int64, is_pure=True, pack=1)
-    return rec, vis
+    # The record offsets go through an opaque move: Triton's alignment analysis would take every
+    # blk * PAGE + j % PAGE (or 17 e) for a multiple of a large power of two and copy 16 bytes at a
+    # time from records that are 4-byte aligned (as `ops.indexer` avoids by not specializing the
+    # page).
+    if PAGE % _BLOCK_E == 0:
+        blk = gl.load(bt_ptr + slot * bt_stride + (tile * _BLOCK_E) // PAGE, mask=tile * _BLOCK_E < n_vis, other=0)
+        base = pool_ptr + (blk.to(gl.int64) * PAGE + (tile * _BLOCK_E) % PAGE) * _WORDS
+        words = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [e * _WORDS], dtype=gl.int32, is_pure=True,
+                                          pack=1)
+        return base + words, vis
+    else:
+        blk = gl.load(bt_ptr + slot * bt_stride + offs // PAGE, mask=vis, other=0)
+        rec = gl.inline_asm_elementwise("mov.b64 $0, $1;", "=l,l", [blk.to(gl.int64) * PAGE + offs % PAGE],
+                                        dtype=gl.int64, is_pure=True, pack=1)
+        return pool_ptr + rec * _WORDS, vis
 
 
 @gluon.jit
@@ -116,16 +129,15 @@ def _issue(raw_s, scl_s, pool_ptr, bt_ptr, slot, bt_stride, n_vis, cand_row, til
     words; scl_s [2, 64]: row 0 the scale words, row 1 unused, so that each of the 128 threads
     copies one element or none), one commit group; entries past n_vis (or outside the candidate
     mask) are not read (a tile past the row's last is an empty group). Each layout computes its own
-    record ids (cached block-table loads) rather than converting them through shared memory."""
-    offs = tile * _BLOCK_E + gl.arange(0, _BLOCK_E, layout=gl.SliceLayout(1, copy_l))
-    rec, vis = _records(bt_ptr, slot, bt_stride, n_vis, cand_row, offs, PAGE, HAS_CAND)
+    record pointers (cached block-table loads) rather than converting them through shared memory."""
+    e = gl.arange(0, _BLOCK_E, layout=gl.SliceLayout(1, copy_l))
+    rec, vis = _records(pool_ptr, bt_ptr, slot, bt_stride, n_vis, cand_row, tile, e, PAGE, HAS_CAND)
     rw = gl.arange(0, 16, layout=gl.SliceLayout(0, copy_l))
-    async_copy.async_copy_global_to_shared(raw_s, pool_ptr + rec[:, None] * _WORDS + rw[None, :],
-                                           mask=vis[:, None] & (rw < 16)[None, :])
-    offs_s = tile * _BLOCK_E + gl.arange(0, _BLOCK_E, layout=gl.SliceLayout(0, scl_l))
-    rec_s, vis_s = _records(bt_ptr, slot, bt_stride, n_vis, cand_row, offs_s, PAGE, HAS_CAND)
+    async_copy.async_copy_global_to_shared(raw_s, rec[:, None] + rw[None, :], mask=vis[:, None] & (rw < 16)[None, :])
+    e_s = gl.arange(0, _BLOCK_E, layout=gl.SliceLayout(0, scl_l))
+    rec_s, vis_s = _records(pool_ptr, bt_ptr, slot, bt_stride, n_vis, cand_row, tile, e_s, PAGE, HAS_CAND)
     rr = gl.arange(0, 2, layout=gl.SliceLayout(1, scl_l))
-    async_copy.async_copy_global_to_shared(scl_s, pool_ptr + rec_s[None, :] * _WORDS + 16 + rr[:, None],
+    async_copy.async_copy_global_to_shared(scl_s, rec_s[None, :] + 16 + rr[:, None],
                                            mask=vis_s[None, :] & (rr == 0)[:, None])
     async_copy.commit_group()
 
@@ -327,7 +339,7 @@ def launch_options(heads: int, page: int, stages: int, cand: bool, hist: bool, m
 def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor,
                               page: int, req_slot: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor,
                               cand_mask: torch.Tensor | None = None, hist: torch.Tensor | None = None,
-                              stages: int = 4, programs_per_sm: int = 4, maxnreg: int | None = None,
+                              stages: int = 4, programs_per_sm: int = 3, maxnreg: int | None = None,
                               packed_terms: bool = False) -> torch.Tensor:
     """Write the indexer scores of N decode rows into `out`: `ops.indexer.index_scores_mxfp4_(...,
     fp8_dot=True)`'s arguments and scores (see the module docstring), on an sm_90 device.
@@ -338,7 +350,8 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
       `_WS_HI` at column 0): the launch adds to hist[n, 0:256] the histogram of the high bytes of
       row n's selectable scores' 16-bit keys (`ops.topk._keys`, group 1); the caller zeroes it.
     stages: ring slots of 64 records (2..MAX_STAGES); STAGES - 1 tiles are in flight per program.
-    programs_per_sm: each row gets at most ceil(programs_per_sm * SMs / N) programs.
+    programs_per_sm: each row gets at most ceil(programs_per_sm * SMs / N) programs (3: the programs an
+      SM holds at 32 heads, ~150 registers a thread; 4 with maxnreg=128).
     maxnreg: the launch's register cap per thread (`launch_options`), None or a multiple of 8 in [64, 256].
     packed_terms: relu, weight and their BF16 roundings two terms an instruction (BF16x2): the same
       bits but where a weighted term is an FP32 subnormal (|term| < 2^-126); built and compiled, to be
