@@ -30,6 +30,7 @@ import triton.language as tl
 from . import pdl
 from .checks import require_tensor
 from .act_quant import mxfp8_blocks
+from .rms_norm import inv_rms
 from .rounding import bf16_rne_bits, bf16_widen
 
 HC = 4                     # streams
@@ -133,10 +134,7 @@ def _mhc_boundary_kernel(
         mask = d < D
         _, _, _, _, c = _boundary_chunk(y_row, x_row, stride_xh, post_row, comb_row, stride_ci, pre_row, d, mask)
         ss += c * c
-    total = tl.sum(ss, axis=0)
-    ms = tl.div_rn(total, tl.where(total == total, D * 1.0, D * 1.0))  # mean = sum / D, IEEE (as torch's CPU mean)
-    root = tl.sqrt_rn(ms + eps)
-    r = tl.div_rn(tl.where(root == root, 1.0, 1.0), root)  # 1 / sqrt, both IEEE
+    r = inv_rms(tl.sum(ss, axis=0), eps, D)
 
     xo_row = xo_ptr + n * stride_xon
     u_row = u_ptr + n * stride_u
@@ -198,10 +196,7 @@ def split_finish(b0, b1, b2, b3, c, n, ch, d, mask, w_ptr, xo_ptr, u_ptr, codes_
         tl.store(cnt_ptr + n, 0)
         k = tl.arange(0, NCH_P2)
         parts = tl.load(ws_ptr + n * stride_ws + k, mask=k < NCH, other=0.0, cache_modifier=".cg")
-        total = tl.sum(parts, axis=0)
-        ms = tl.div_rn(total, tl.where(total == total, D * 1.0, D * 1.0))
-        root = tl.sqrt_rn(ms + eps)
-        r = tl.div_rn(tl.where(root == root, 1.0, 1.0), root)
+        r = inv_rms(tl.sum(parts, axis=0), eps, D)
         # The row's serial tail, unrolled with the next slice's loads (u and the norm weight) issued
         # before this slice's stores (a runtime loop paid one dependent L2 round trip per slice; u
         # is both read and written, so the compiler cannot hoist the loads itself).
@@ -241,10 +236,7 @@ def _mhc_enter_kernel(
         d = d0 + offs
         c = _enter_chunk(x_row, stride_xh, pre_row, d, d < D)
         ss += c * c
-    total = tl.sum(ss, axis=0)
-    ms = tl.div_rn(total, tl.where(total == total, D * 1.0, D * 1.0))  # mean = sum / D, IEEE
-    root = tl.sqrt_rn(ms + eps)
-    r = tl.div_rn(tl.where(root == root, 1.0, 1.0), root)  # 1 / sqrt, both IEEE
+    r = inv_rms(tl.sum(ss, axis=0), eps, D)
     u_row = u_ptr + n * stride_u
     for d0 in tl.range(0, D, BLOCK_D):
         d = d0 + offs

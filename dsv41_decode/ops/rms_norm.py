@@ -28,6 +28,16 @@ MAX_DIM = 8192
 
 
 @triton.jit
+def inv_rms(total, eps, D: tl.constexpr):
+    """1 / sqrt(total / D + eps) for a row's FP32 sum of squares `total` over D columns, as torch's
+    CPU rms_norm takes it: the mean an IEEE division, then an IEEE sqrt and an IEEE division (no
+    approximate rsqrt)."""
+    ms = tl.div_rn(total, tl.where(total == total, D * 1.0, D * 1.0))
+    root = tl.sqrt_rn(ms + eps)
+    return tl.div_rn(tl.where(root == root, 1.0, 1.0), root)
+
+
+@triton.jit
 def _rms_norm_row(x_row, w_ptr, o_row, c_row, s_row, eps, D: tl.constexpr, BLOCK: tl.constexpr,
                   ROUND_IN: tl.constexpr, QUANT: tl.constexpr):
     """One row: o = bf16(w * (x * 1/sqrt(mean(x^2) + eps))), optionally its MXFP8 codes and scales.
@@ -37,10 +47,7 @@ def _rms_norm_row(x_row, w_ptr, o_row, c_row, s_row, eps, D: tl.constexpr, BLOCK
     x = tl.load(x_row + d, mask=mask, other=0.0).to(tl.float32)
     if ROUND_IN:   # an FP32 input is rounded to BF16 first (`latent`: rms_norm(c.to(bf16)))
         x = bf16_round(x)
-    total = tl.sum(x * x, axis=0)
-    ms = tl.div_rn(total, tl.where(total == total, D * 1.0, D * 1.0))
-    root = tl.sqrt_rn(ms + eps)
-    r = tl.div_rn(tl.where(root == root, 1.0, 1.0), root)
+    r = inv_rms(tl.sum(x * x, axis=0), eps, D)
     w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
     bits = bf16_rne_bits(w * (x * r))
     tl.store(o_row + d, bits, mask=mask)
