@@ -253,7 +253,8 @@ _PH_COLS: gl.constexpr = gl.constexpr(PHASE_COLS)
 
 @gluon.jit
 def _combine_slice(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, r, H, stride_on, stride_oh, d_lo, i0, stuck,
-                   NB: gl.constexpr, NB_P2: gl.constexpr, PH: gl.constexpr, DW: gl.constexpr, STEP: gl.constexpr):
+                   NB: gl.constexpr, NB_P2: gl.constexpr, PH: gl.constexpr, DW: gl.constexpr, STEP: gl.constexpr,
+                   DISCARD: gl.constexpr = False):
     """The row's NB block partials combined over dims [d_lo, d_lo + DW) (of those, the [PH, CW]
     steps i0, i0 + STEP, ...; NaN where stuck > 0), out as BF16 bits: the
     arithmetic of `sparse_mla._sparse_mla_combine_kernel` element for element (the maxima, the
@@ -297,6 +298,17 @@ def _combine_slice(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, r, H, stride_on
         for s in gl.static_range(NB):
             a += gl.load(acc + s * (PH * D) + i * CW, cache_modifier=".cg") * f_smem.slice(s, 1, dim=1).load(cl)
         gl.store(out_rows + i * CW, _bf16_rne_bits(a / den), mask=h_ok[:, None])
+    if DISCARD:
+        # every thread has read the slice (STEP 1: all of it is this program's): its L2 lines
+        # dropped without being written back to HBM (the next launch writes them before reading)
+        gl.thread_barrier()
+        LPR: gl.constexpr = DW // 32             # 128-byte lines per head row of the slice
+        dl: gl.constexpr = gl.BlockedLayout([1], [32], [_WARPS], [0])
+        k = gl.arange(0, PH * LPR, layout=dl)
+        lines = part_acc_ptr + (r.to(gl.int64) * NB) * (PH * D) + (k // LPR) * D + d_lo + (k % LPR) * 32
+        for s in gl.static_range(NB):
+            gl.inline_asm_elementwise("discard.global.L2 [$1], 128; mov.u32 $0, 0;", "=r,l", [lines + s * (PH * D)],
+                                      dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -316,7 +328,7 @@ def _gluon_sparse_mla_kernel(
     N, H, scale, stride_qn, stride_qh, stride_wt, stride_ct, stride_on, stride_oh,
     W: gl.constexpr, W_P2: gl.constexpr, KC: gl.constexpr, NB: gl.constexpr, NB_P2: gl.constexpr, PH: gl.constexpr,
     Q_BUFFERS: gl.constexpr = 4, FP4_PACKED: gl.constexpr = False, PREFETCH: gl.constexpr = False,
-    DSPLIT: gl.constexpr = 1, COMBINE: gl.constexpr = 0,
+    DSPLIT: gl.constexpr = 1, COMBINE: gl.constexpr = 0, DISCARD: gl.constexpr = False,
     ROW_MAJOR: gl.constexpr = False, PHASES: gl.constexpr = False,
 ):
     # Workspaces (`SparseMlaPlan` with one head group of PH = block_h heads): acc [N, NB, PH, 512],
@@ -501,7 +513,7 @@ def _gluon_sparse_mla_kernel(
         if arrived == NB - 1:
             gl.store(cnt + sl, 0)
             _combine_slice(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, r, H, stride_on, stride_oh,
-                           sl * (D // DSPLIT), 0, 0, NB, NB_P2, PH, D // DSPLIT, 1)
+                           sl * (D // DSPLIT), 0, 0, NB, NB_P2, PH, D // DSPLIT, 1, DISCARD)
             if DSPLIT == 1:
                 gl.thread_barrier()   # every thread's flag reads are behind it (the look-back)
                 fw = gl.arange(0, NB_P2, layout=gl.SliceLayout(1, ld))
@@ -582,6 +594,10 @@ class GluonSparseMlaConfig:
     rows' partials evict them; beyond a few rows the 128 KB partials of all rows are more than the
     L2).
 
+    discard (with combine="inline"): the combining program drops the partials' L2 lines once it has
+    read them (PTX discard.global.L2), so partials written and combined while still in L2 are never
+    written back to HBM (84 MB at 64 rows and 64 heads).
+
     phases (debug; slower): each program writes its SM's cycle counter at its phase boundaries
     (`PHASE_NAMES`; each after a barrier, so the time at which every warp has passed it), globaltimer
     at its start and end, its SM and whether it combined into `GluonSparseMlaPlan.phase_log`, one
@@ -593,6 +609,7 @@ class GluonSparseMlaConfig:
     dim_split: int = 1
     combine: str = "separate"
     order: str = "block"
+    discard: bool = False
     phases: bool = False
 
     def __post_init__(self):
@@ -603,9 +620,12 @@ class GluonSparseMlaConfig:
             raise ValueError(f"GluonSparseMlaConfig.dim_split must be 1, 2 or 4, got {self.dim_split!r}")
         if self.combine not in _COMBINES:
             raise ValueError(f"GluonSparseMlaConfig.combine must be one of {_COMBINES}, got {self.combine!r}")
+        if self.discard and self.combine != "inline":
+            raise ValueError(f"GluonSparseMlaConfig.discard needs combine='inline' (the one program that read all "
+                             f"of a slice drops it), got combine={self.combine!r}")
         if self.order not in ("block", "row"):
             raise ValueError(f"GluonSparseMlaConfig.order must be 'block' or 'row', got {self.order!r}")
-        for name in ("fp4_packed", "prefetch", "phases"):
+        for name in ("fp4_packed", "prefetch", "discard", "phases"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"GluonSparseMlaConfig.{name} must be a bool, got {type(getattr(self, name)).__name__}")
 
@@ -693,7 +713,8 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
         W=base.window, W_P2=triton.next_power_of_2(base.window), KC=base.topk, NB=nb,
         NB_P2=max(2, triton.next_power_of_2(nb)), PH=base.block_h, Q_BUFFERS=config.q_buffers,
         FP4_PACKED=config.fp4_packed, PREFETCH=config.prefetch, DSPLIT=config.dim_split,
-        COMBINE=_COMBINES.index(combine), ROW_MAJOR=config.order == "row", PHASES=config.phases,
+        COMBINE=_COMBINES.index(combine), DISCARD=config.discard and combine == "inline",
+        ROW_MAJOR=config.order == "row", PHASES=config.phases,
         num_warps=NUM_WARPS)
     if combine == "separate":
         chunk = combine_chunk(nb, base.block_h)

@@ -41,6 +41,7 @@ def _compile(heads, w, k, config):
               "NB_P2": max(2, 1 << (p.n_blocks - 1).bit_length()), "PH": p.block_h,
               "Q_BUFFERS": config.q_buffers, "FP4_PACKED": config.fp4_packed, "PREFETCH": config.prefetch,
               "DSPLIT": config.dim_split, "COMBINE": G._COMBINES.index(config.combine), "ROW_MAJOR": config.order == "row",
+              "DISCARD": config.discard,
               "PHASES": config.phases}
     return sm90.compile_sm90(G._gluon_sparse_mla_kernel, _TYPES, consts, num_warps=G.NUM_WARPS)
 
@@ -55,21 +56,23 @@ CONFIGS = [DEFAULT, PLAIN, G.GluonSparseMlaConfig(2, False, True), G.GluonSparse
            G.GluonSparseMlaConfig(dim_split=2), G.GluonSparseMlaConfig(dim_split=2, combine="inline"),
            G.GluonSparseMlaConfig(dim_split=4, combine="inline"), G.GluonSparseMlaConfig(q_buffers=4, dim_split=4),
            G.GluonSparseMlaConfig(combine="inline", order="row"), G.GluonSparseMlaConfig(dim_split=2, order="row"),
-           SPREAD, G.GluonSparseMlaConfig(dim_split=4, combine="spread")]
+           SPREAD, G.GluonSparseMlaConfig(dim_split=4, combine="spread"),
+           G.GluonSparseMlaConfig(combine="inline", order="row", discard=True)]
 
 
 # V4.1-Flash (128 window + 512 top-k keys) at 64 heads with the default configuration, the inline
 # combination, half the dims a program with the phase log, and with the spread combination in row
 # order; at a TP8 rank's 8 with the plainest
-# options, a quarter of the dims a program, the inline combination and the row-major order; a window ending inside a
+# options, a quarter of the dims a program, the inline combination, the row-major order and the
+# partials' L2 lines discarded; a window ending inside a
 # block with a top-k not a multiple of 64 at 32 heads, a mix (6-8 s each from a cold cache).
 @pytest.mark.parametrize("heads,w,k,config", [
     (64, 128, 512, DEFAULT), (64, 128, 512, INLINE),
     (64, 128, 512, G.GluonSparseMlaConfig(dim_split=2, combine="inline", phases=True)),
     (64, 128, 512, G.GluonSparseMlaConfig(dim_split=2, combine="spread", order="row")),
-    (8, 128, 512, G.GluonSparseMlaConfig(4, False, False, dim_split=4, combine="inline", order="row")),
+    (8, 128, 512, G.GluonSparseMlaConfig(4, False, False, dim_split=4, combine="inline", order="row", discard=True)),
     (32, 16, 72, G.GluonSparseMlaConfig(2, False, True))],
-    ids=["64h", "64h-inline", "64h-split2-inline-phases", "64h-split2-spread-row", "8h-plain-split4-inline-row",
+    ids=["64h", "64h-inline", "64h-split2-inline-phases", "64h-split2-spread-row", "8h-plain-split4-inline-row-discard",
          "32h-mix"])
 def test_compiles_for_sm90_without_spills(heads, w, k, config):
     kernel = _compile(heads, w, k, config)
@@ -90,6 +93,8 @@ def test_compiles_for_sm90_without_spills(heads, w, k, config):
     assert gmma.count("HGMMA.64x32x16.F32.BF16") == 32, sorted(set(gmma))
     assert gmma.count("HGMMA.64x64x16.F32.BF16") == 16 // config.dim_split, sorted(set(gmma))
     assert len(gmma) == 32 + 16 // config.dim_split
+    # the discard of the partials' L2 lines (CCTL.E.RML2) where asked for
+    assert any("RML2" in t for t in ins) == config.discard
     # the ticket (and the flag polls, compiled as loads); the inline combination's arrival counter
     # (and with dim slices the row's finished-slice counter); the spread one's departures
     inline = config.combine == "inline"
@@ -201,6 +206,10 @@ def test_bad_arguments_name_the_argument():
         G.GluonSparseMlaConfig(combine="last")
     with pytest.raises(ValueError, match="combine"):
         G.GluonSparseMlaConfig(combine=True)
+    with pytest.raises(ValueError, match="discard"):
+        G.GluonSparseMlaConfig(discard=True)
+    with pytest.raises(TypeError, match="discard"):
+        G.GluonSparseMlaConfig(combine="inline", discard=1)
     with pytest.raises(ValueError, match="order"):
         G.GluonSparseMlaConfig(order="column")
     with pytest.raises(TypeError, match="phases"):
@@ -412,9 +421,9 @@ def test_gpu_the_steps_plan_choice_on_sm90():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [INLINE, SPLIT4_INLINE, G.GluonSparseMlaConfig(dim_split=2),
-                                    G.GluonSparseMlaConfig(combine="inline", order="row"), SPREAD,
+                                    G.GluonSparseMlaConfig(combine="inline", order="row", discard=True), SPREAD,
                                     G.GluonSparseMlaConfig(dim_split=4, combine="spread")],
-                         ids=["inline", "split4-inline", "split2", "inline-row", "spread", "split4-spread"])
+                         ids=["inline", "split4-inline", "split2", "inline-row-discard", "spread", "split4-spread"])
 @pytest.mark.parametrize("h", [8, 64])
 @pytest.mark.parametrize("n", [1, 64])
 def test_gpu_configs_against_the_reference(config, h, n):
