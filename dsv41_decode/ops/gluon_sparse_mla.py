@@ -63,7 +63,7 @@ and all heads in one group (`block_h` = max(16, H): the workspace holds the real
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -312,6 +312,19 @@ def _combine_slice(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, r, H, stride_on
 
 
 @gluon.jit
+def _clear_row(flags, board, NB: gl.constexpr, NB_P2: gl.constexpr, PH: gl.constexpr, VALUES: gl.constexpr,
+               ld: gl.constexpr):
+    """The row's look-back state back to zero for the next launch (every program of the row is past
+    its look-back): its flag words, and with VALUES its board of maxima."""
+    fw = gl.arange(0, NB_P2, layout=gl.SliceLayout(1, ld))
+    gl.store(flags + fw, gl.zeros([NB_P2], gl.int32, gl.SliceLayout(1, ld)), mask=fw < (NB + 31) // 32)
+    if VALUES:
+        mh = gl.arange(0, _M, layout=gl.SliceLayout(0, ld))
+        gl.store(board + fw[:, None] * PH + mh[None, :], gl.zeros([NB_P2, _M], gl.int32, ld),
+                 mask=(fw < NB)[:, None] & (mh < PH)[None, :])
+
+
+@gluon.jit
 def _bf16_rne_bits(x):
     """`rounding.bf16_rne_bits` in Gluon: int16 bits of bf16(x), round to nearest even, NaN as 0x7FC0."""
     bits = x.to(gl.uint32, bitcast=True)
@@ -324,11 +337,11 @@ def _bf16_rne_bits(x):
 def _gluon_sparse_mla_kernel(
     q_ptr, wpool_ptr, cpool_ptr, wtab_ptr, ctab_ptr,
     part_acc_ptr, part_ml_ptr, block_max_ptr, flag_ptr, ticket_ptr,
-    sink_ptr, out_ptr, count_ptr, log_ptr,
+    sink_ptr, out_ptr, count_ptr, log_ptr, board_ptr,
     N, H, scale, stride_qn, stride_qh, stride_wt, stride_ct, stride_on, stride_oh,
     W: gl.constexpr, W_P2: gl.constexpr, KC: gl.constexpr, NB: gl.constexpr, NB_P2: gl.constexpr, PH: gl.constexpr,
     Q_BUFFERS: gl.constexpr = 4, FP4_PACKED: gl.constexpr = False, PREFETCH: gl.constexpr = False,
-    DSPLIT: gl.constexpr = 1, COMBINE: gl.constexpr = 0, DISCARD: gl.constexpr = False,
+    DSPLIT: gl.constexpr = 1, COMBINE: gl.constexpr = 0, DISCARD: gl.constexpr = False, VALUES: gl.constexpr = False,
     ROW_MAJOR: gl.constexpr = False, PHASES: gl.constexpr = False,
 ):
     # Workspaces (`SparseMlaPlan` with one head group of PH = block_h heads): acc [N, NB, PH, 512],
@@ -455,23 +468,41 @@ def _gluon_sparse_mla_kernel(
     hs = gl.arange(0, _M, layout=gl.SliceLayout(1, s_l))
     h_st = hs < PH
     tile = r.to(gl.int64) * NB
-    gl.store(block_max_ptr + (tile + b) * PH + hs, s_max, mask=h_st)
-    gl.thread_barrier()
     flags = flag_ptr + tile
-    gl.atomic_or(flags + b // 32, 1 << (b % 32), sem="release", scope="gpu")
-    stuck = 0
-    for w in range(0, b // 32 + 1):
-        need = -1                      # the words below b's: every bit
-        if w == b // 32:
-            need = (1 << (b % 32)) - 1  # b's word: the bits of the blocks below b
-        polls = 0
-        while ((gl.atomic_add(flags + w, 0, sem="acquire", scope="gpu") & need) != need) & (polls < _SPIN_LIMIT):
-            polls += 1
-        stuck += (polls >= _SPIN_LIMIT).to(gl.int32)
     mb = gl.arange(0, NB_P2, layout=gl.SliceLayout(1, ld))
     mh = gl.arange(0, _M, layout=gl.SliceLayout(0, ld))
-    earlier = gl.load(block_max_ptr + tile * PH + mb[:, None] * PH + mh[None, :],
-                      mask=(mb < b)[:, None] & (mh < PH)[None, :], other=-1e30, cache_modifier=".cg")
+    stuck = 0
+    if VALUES:
+        # The maxima are their own flags: the row's board (int32 [NB, PH], zero between launches)
+        # takes ~bits(max) per head (never 0 but for the NaN 0xFFFFFFFF), and the earlier blocks'
+        # entries are polled until none is 0: one round trip once they are there, where the bits
+        # cost a fence, a poll and the maxima's load.
+        board = board_ptr + tile * PH
+        gl.store(board + b * PH + hs, ~s_max.to(gl.int32, bitcast=True), mask=h_st)
+        need = (mb < b)[:, None] & (mh < PH)[None, :]
+        got = gl.zeros([NB_P2, _M], gl.int32, ld)
+        pending = 1
+        polls = 0
+        while (pending > 0) & (polls < _SPIN_LIMIT):
+            got = gl.load(board + mb[:, None] * PH + mh[None, :], mask=need, other=-1, volatile=True)
+            pending = gl.reduce(gl.reduce((got == 0).to(gl.int32), 1, _add), 0, _add)
+            polls += 1
+        stuck = (pending > 0).to(gl.int32)
+        earlier = gl.where(need, (~got).to(gl.float32, bitcast=True), -1e30)
+    else:
+        gl.store(block_max_ptr + (tile + b) * PH + hs, s_max, mask=h_st)
+        gl.thread_barrier()
+        gl.atomic_or(flags + b // 32, 1 << (b % 32), sem="release", scope="gpu")
+        for w in range(0, b // 32 + 1):
+            need = -1                      # the words below b's: every bit
+            if w == b // 32:
+                need = (1 << (b % 32)) - 1  # b's word: the bits of the blocks below b
+            polls = 0
+            while ((gl.atomic_add(flags + w, 0, sem="acquire", scope="gpu") & need) != need) & (polls < _SPIN_LIMIT):
+                polls += 1
+            stuck += (polls >= _SPIN_LIMIT).to(gl.int32)
+        earlier = gl.load(block_max_ptr + tile * PH + mb[:, None] * PH + mh[None, :],
+                          mask=(mb < b)[:, None] & (mh < PH)[None, :], other=-1e30, cache_modifier=".cg")
     m_i = gl.convert_layout(gl.reduce(earlier, 0, _max), gl.SliceLayout(1, s_l))
     m_i = gl.where(stuck > 0, float("nan"), m_i)    # never by design: a bug shows as NaN, not a hang
     new_max = gl.maximum(m_i, s_max)
@@ -516,16 +547,13 @@ def _gluon_sparse_mla_kernel(
                            sl * (D // DSPLIT), 0, 0, NB, NB_P2, PH, D // DSPLIT, 1, DISCARD)
             if DSPLIT == 1:
                 gl.thread_barrier()   # every thread's flag reads are behind it (the look-back)
-                fw = gl.arange(0, NB_P2, layout=gl.SliceLayout(1, ld))
-                gl.store(flags + fw, gl.zeros([NB_P2], gl.int32, gl.SliceLayout(1, ld)), mask=fw < (NB + 31) // 32)
+                _clear_row(flags, board_ptr + tile * PH, NB, NB_P2, PH, VALUES, ld)
             else:
                 gl.thread_barrier()
                 done = gl.atomic_add(cnt + DSPLIT, 1, sem="acq_rel", scope="gpu")
                 if done == DSPLIT - 1:
                     gl.store(cnt + DSPLIT, 0)
-                    fw = gl.arange(0, NB_P2, layout=gl.SliceLayout(1, ld))
-                    gl.store(flags + fw, gl.zeros([NB_P2], gl.int32, gl.SliceLayout(1, ld)),
-                             mask=fw < (NB + 31) // 32)
+                    _clear_row(flags, board_ptr + tile * PH, NB, NB_P2, PH, VALUES, ld)
             _stamp(log_row, 9, PHASES)
             if PHASES:
                 gl.store(log_row + _PH_COMBINER, 1)
@@ -549,13 +577,20 @@ def _gluon_sparse_mla_kernel(
         if left == NB * DSPLIT - 1:
             gl.store(cnt, 0)
             gl.store(cnt + 1, 0)
-            fw = gl.arange(0, NB_P2, layout=gl.SliceLayout(1, ld))
-            gl.store(flags + fw, gl.zeros([NB_P2], gl.int32, gl.SliceLayout(1, ld)), mask=fw < (NB + 31) // 32)
+            _clear_row(flags, board_ptr + tile * PH, NB, NB_P2, PH, VALUES, ld)
             if PHASES:
                 gl.store(log_row + _PH_COMBINER, 1)
     if PHASES:
         _stamp(log_row, _PH_CEND, PHASES)
         _stamp_global(log_row, _PH_GEND, "mov.u64 $0, %globaltimer;", PHASES)
+
+
+def programs_per_sm(kernel) -> int:
+    """How many programs of a compiled sm_90 kernel an SM holds at once: 64K registers (allocated per
+    warp, 8 a thread at a time) and 228 KB of shared memory (1 KB of it reserved per program)."""
+    kernel._init_handles()
+    regs = -(-kernel.n_regs // 8) * 8 * kernel.metadata.num_warps * 32
+    return max(0, min(65536 // regs, 228 * 1024 // (kernel.metadata.shared + 1024), 32))
 
 
 @dataclass(frozen=True)
@@ -585,14 +620,23 @@ class GluonSparseMlaConfig:
     (a counter per row), then combines its share of the row's [heads, 512] (the same arithmetic),
     so a row's combination runs on NB x S SMs, not S. Waiting on programs that may not have started
     is only sound where the whole grid is resident at once: the launcher runs "spread" where the
-    launch's programs fit the SMs (two a SM with q_buffers=2, else one) and the separate
-    combination elsewhere (the same bits either way).
+    launch's programs fit the SMs (`programs_per_sm` of its compiled kernel: two a SM at <= 128
+    registers with q_buffers=2) and the separate combination elsewhere (the same bits either way;
+    the inline one with lookback="values").
 
     order: the order in which the programs take their (row, block): "block" (every row's block 0,
     then every row's block 1, ...) or "row" (row 0's blocks, then row 1's, ...: a row's partials
     are written close together in time, so the inline combination reads them from L2 before other
     rows' partials evict them; beyond a few rows the 128 KB partials of all rows are more than the
     L2).
+
+    lookback: how a block's program learns the maxima of the blocks before it: "flags" (each
+    program stores its block's maxima, then sets its bit of the row's flag words with release; the
+    later ones poll the words with acquire, then load the maxima: a fence and two round trips), or
+    "values" (with the inline or spread combination, whose last program clears it: each program
+    stores ~bits(max) into the row's int32 board, zero between launches, and the later ones poll the
+    board itself until every earlier entry is nonzero: one round trip once they are there; a max
+    whose bits are 0xFFFFFFFF, a NaN, never counts as published: its row's outputs come out NaN).
 
     discard (with combine="inline"): the combining program drops the partials' L2 lines once it has
     read them (PTX discard.global.L2), so partials written and combined while still in L2 are never
@@ -610,6 +654,7 @@ class GluonSparseMlaConfig:
     combine: str = "separate"
     order: str = "block"
     discard: bool = False
+    lookback: str = "flags"
     phases: bool = False
 
     def __post_init__(self):
@@ -623,6 +668,11 @@ class GluonSparseMlaConfig:
         if self.discard and self.combine != "inline":
             raise ValueError(f"GluonSparseMlaConfig.discard needs combine='inline' (the one program that read all "
                              f"of a slice drops it), got combine={self.combine!r}")
+        if self.lookback not in ("flags", "values"):
+            raise ValueError(f"GluonSparseMlaConfig.lookback must be 'flags' or 'values', got {self.lookback!r}")
+        if self.lookback == "values" and self.combine == "separate":
+            raise ValueError("GluonSparseMlaConfig.lookback='values' needs combine='inline' or 'spread' (their last "
+                             "program clears the board of maxima), got combine='separate'")
         if self.order not in ("block", "row"):
             raise ValueError(f"GluonSparseMlaConfig.order must be 'block' or 'row', got {self.order!r}")
         for name in ("fp4_packed", "prefetch", "discard", "phases"):
@@ -636,14 +686,18 @@ class GluonSparseMlaPlan:
     shares (split into 64-key blocks, combined by the separate launch, all heads in one group of
     block_h = max(16, heads): the workspace's heads, which the kernel pads to the wgmma's 64),
     `config`, `counters` (int32 [max_rows, 5], zero between launches: the inline combination's
-    arrivals per (row, dim slice) and finished slices per row) and `phase_log` (int64 [max_rows x
+    arrivals per (row, dim slice) and finished slices per row), `board` (int32 [max_rows, blocks,
+    block_h] with lookback="values", zero between launches; else one unused int32), `resident`
+    (the spread combination's programs per SM, from its compiled kernel on the first launch), and `phase_log` (int64 [max_rows x
     blocks x dim_split, 16] with `config.phases`, else None). Build with `GluonSparseMlaPlan.build`;
     not for concurrent launches (as `base`)."""
 
     base: SparseMlaPlan
     config: GluonSparseMlaConfig
     counters: torch.Tensor
+    board: torch.Tensor
     phase_log: torch.Tensor | None = None
+    resident: dict = field(default_factory=dict)
 
     @classmethod
     def build(cls, max_rows: int, heads: int, window: int, topk: int, device="cuda", *, workspace=None,
@@ -661,11 +715,13 @@ class GluonSparseMlaPlan:
         base = SparseMlaPlan.build(max_rows, heads, window, topk, device, block_h=max(16, heads), split=True,
                                    separate_combine=True, workspace=workspace)
         counters = plan_workspace(workspace, 3, max_rows * (_MAX_DSPLIT + 1), torch.int32, base.device)
+        board = plan_workspace(workspace, 4, max_rows * base.n_blocks * base.block_h if config.lookback == "values"
+                               else 1, torch.int32, base.device)
         log = None
         if config.phases:
             log = torch.zeros(max_rows * base.n_blocks * config.dim_split, PHASE_COLS, dtype=torch.int64,
                               device=base.device)
-        return cls(base, config, counters, log)
+        return cls(base, config, counters, board, log)
 
     @property
     def max_rows(self) -> int:
@@ -699,23 +755,28 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
     o16 = out.view(torch.int16)
     grid = n * nb * config.dim_split
     combine = config.combine
-    # two programs a SM where they fit (q_buffers=2: 104 KB of shared memory, <= 128 registers,
-    # tests/ops/test_gluon_sparse_mla.py checks both; the phase log's stamps take more registers)
-    per_sm = 2 if config.q_buffers == 2 and not config.phases else 1
-    if combine == "spread" and grid > num_sms(base.device) * per_sm:
-        combine = "separate"          # not every program resident at once: the row's wait could hang
     log = plan.phase_log if plan.phase_log is not None else plan.counters
-    _gluon_sparse_mla_kernel[(grid, )](
-        q, window_pool, comp_pool, window_table, comp_table,
-        base.part_acc, base.part_ml, base.block_max, base.flags, base.ticket, sink, o16, plan.counters, log,
-        n, base.heads, float(scale), q.stride(0), q.stride(1), window_table.stride(0), max(comp_table.stride(0), 1),
-        o16.stride(0), o16.stride(1),
-        W=base.window, W_P2=triton.next_power_of_2(base.window), KC=base.topk, NB=nb,
-        NB_P2=max(2, triton.next_power_of_2(nb)), PH=base.block_h, Q_BUFFERS=config.q_buffers,
-        FP4_PACKED=config.fp4_packed, PREFETCH=config.prefetch, DSPLIT=config.dim_split,
-        COMBINE=_COMBINES.index(combine), DISCARD=config.discard and combine == "inline",
-        ROW_MAJOR=config.order == "row", PHASES=config.phases,
-        num_warps=NUM_WARPS)
+    args = (q, window_pool, comp_pool, window_table, comp_table,
+            base.part_acc, base.part_ml, base.block_max, base.flags, base.ticket, sink, o16, plan.counters, log,
+            plan.board, n, base.heads, float(scale), q.stride(0), q.stride(1), window_table.stride(0),
+            max(comp_table.stride(0), 1), o16.stride(0), o16.stride(1))
+    consts = dict(W=base.window, W_P2=triton.next_power_of_2(base.window), KC=base.topk, NB=nb,
+                  NB_P2=max(2, triton.next_power_of_2(nb)), PH=base.block_h, Q_BUFFERS=config.q_buffers,
+                  FP4_PACKED=config.fp4_packed, PREFETCH=config.prefetch, DSPLIT=config.dim_split,
+                  VALUES=config.lookback == "values", ROW_MAJOR=config.order == "row", PHASES=config.phases,
+                  num_warps=NUM_WARPS)
+    if combine == "spread":
+        per_sm = plan.resident.get("spread")
+        if per_sm is None:            # the compiled kernel's registers and shared memory decide
+            kernel = _gluon_sparse_mla_kernel.warmup(*args, grid=(grid, ), COMBINE=_COMBINES.index("spread"),
+                                                     DISCARD=False, **consts)
+            per_sm = plan.resident["spread"] = programs_per_sm(kernel)
+        if grid > num_sms(base.device) * per_sm:
+            # not every program resident at once: the row's wait could hang; the separate launch,
+            # or the inline combination where the board needs clearing in the launch
+            combine = "inline" if config.lookback == "values" else "separate"
+    _gluon_sparse_mla_kernel[(grid, )](*args, COMBINE=_COMBINES.index(combine),
+                                       DISCARD=config.discard and combine == "inline", **consts)
     if combine == "separate":
         chunk = combine_chunk(nb, base.block_h)
         _sparse_mla_combine_kernel[(n, HEAD_DIM // chunk)](

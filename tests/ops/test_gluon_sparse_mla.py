@@ -28,6 +28,7 @@ from test_sparse_mla import (EXACT_SCALE, GPU_POOLS, SCALE, check_bound, check_e
 _TYPES = {"q_ptr": "*bf16", "wpool_ptr": "*u8", "cpool_ptr": "*u8", "wtab_ptr": "*i32", "ctab_ptr": "*i32",
           "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "block_max_ptr": "*fp32", "flag_ptr": "*i32",
           "ticket_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": "*i16", "count_ptr": "*i32", "log_ptr": "*i64",
+          "board_ptr": "*i32",
           "scale": "fp32"}
 # Hopper's shared memory per block (227 KB) is the only bound on the kernel's: q and the keys as
 # four [64, 128] BF16 chunks each (64 KB + 64 KB) and P (8 KB).
@@ -42,6 +43,7 @@ def _compile(heads, w, k, config):
               "Q_BUFFERS": config.q_buffers, "FP4_PACKED": config.fp4_packed, "PREFETCH": config.prefetch,
               "DSPLIT": config.dim_split, "COMBINE": G._COMBINES.index(config.combine), "ROW_MAJOR": config.order == "row",
               "DISCARD": config.discard,
+              "VALUES": config.lookback == "values",
               "PHASES": config.phases}
     return sm90.compile_sm90(G._gluon_sparse_mla_kernel, _TYPES, consts, num_warps=G.NUM_WARPS)
 
@@ -50,6 +52,7 @@ DEFAULT = G.GluonSparseMlaConfig()
 PLAIN = G.GluonSparseMlaConfig(q_buffers=4, fp4_packed=False, prefetch=False)
 INLINE = G.GluonSparseMlaConfig(combine="inline")
 SPREAD = G.GluonSparseMlaConfig(combine="spread")
+SPREAD_VALUES = G.GluonSparseMlaConfig(combine="spread", lookback="values")
 # each option both ways: the default, the plainest, two mixes, the inline combination, the dim splits
 # with either combination
 CONFIGS = [DEFAULT, PLAIN, G.GluonSparseMlaConfig(2, False, True), G.GluonSparseMlaConfig(4, True, False), INLINE,
@@ -57,7 +60,8 @@ CONFIGS = [DEFAULT, PLAIN, G.GluonSparseMlaConfig(2, False, True), G.GluonSparse
            G.GluonSparseMlaConfig(dim_split=4, combine="inline"), G.GluonSparseMlaConfig(q_buffers=4, dim_split=4),
            G.GluonSparseMlaConfig(combine="inline", order="row"), G.GluonSparseMlaConfig(dim_split=2, order="row"),
            SPREAD, G.GluonSparseMlaConfig(dim_split=4, combine="spread"),
-           G.GluonSparseMlaConfig(combine="inline", order="row", discard=True)]
+           G.GluonSparseMlaConfig(combine="inline", order="row", discard=True),
+           G.GluonSparseMlaConfig(combine="inline", lookback="values"), G.GluonSparseMlaConfig(combine="spread", lookback="values")]
 
 
 # V4.1-Flash (128 window + 512 top-k keys) at 64 heads with the default configuration, the inline
@@ -69,10 +73,10 @@ CONFIGS = [DEFAULT, PLAIN, G.GluonSparseMlaConfig(2, False, True), G.GluonSparse
 @pytest.mark.parametrize("heads,w,k,config", [
     (64, 128, 512, DEFAULT), (64, 128, 512, INLINE),
     (64, 128, 512, G.GluonSparseMlaConfig(dim_split=2, combine="inline", phases=True)),
-    (64, 128, 512, G.GluonSparseMlaConfig(dim_split=2, combine="spread", order="row")),
+    (64, 128, 512, G.GluonSparseMlaConfig(dim_split=2, combine="spread", order="row", lookback="values")),
     (8, 128, 512, G.GluonSparseMlaConfig(4, False, False, dim_split=4, combine="inline", order="row", discard=True)),
     (32, 16, 72, G.GluonSparseMlaConfig(2, False, True))],
-    ids=["64h", "64h-inline", "64h-split2-inline-phases", "64h-split2-spread-row", "8h-plain-split4-inline-row-discard",
+    ids=["64h", "64h-inline", "64h-split2-inline-phases", "64h-split2-spread-row-values", "8h-plain-split4-inline-row-discard",
          "32h-mix"])
 def test_compiles_for_sm90_without_spills(heads, w, k, config):
     kernel = _compile(heads, w, k, config)
@@ -82,7 +86,7 @@ def test_compiles_for_sm90_without_spills(heads, w, k, config):
     # in the default configuration (two q buffers) two programs fit an SM (228 KB, 1 KB reserved
     # per program), and so do their registers (8 warps x 32 threads x REG <= 64K / 2)
     assert kernel.metadata.shared == (config.q_buffers + 4) * 16384 + 8192, kernel.metadata.shared
-    if config.q_buffers == 2:
+    if config in (DEFAULT, INLINE):
         assert 2 * (kernel.metadata.shared + 1024) <= 228 * 1024 and res["REG"] <= 128, (res, kernel.metadata.shared)
     ins = [t for _, t in sm90.sass(kernel)]
     ops = sm90.opcode_counts(ins)
@@ -210,6 +214,10 @@ def test_bad_arguments_name_the_argument():
         G.GluonSparseMlaConfig(discard=True)
     with pytest.raises(TypeError, match="discard"):
         G.GluonSparseMlaConfig(combine="inline", discard=1)
+    with pytest.raises(ValueError, match="lookback"):
+        G.GluonSparseMlaConfig(lookback="values")
+    with pytest.raises(ValueError, match="lookback"):
+        G.GluonSparseMlaConfig(combine="inline", lookback="bits")
     with pytest.raises(ValueError, match="order"):
         G.GluonSparseMlaConfig(order="column")
     with pytest.raises(TypeError, match="phases"):
@@ -225,10 +233,12 @@ def run(plan, case, scale=SCALE):
 
 
 def workspace_is_clear(plan):
-    """Flags and ticket zero (a GluonSparseMlaPlan's or its base's), and a GluonSparseMlaPlan's counters."""
+    """Flags and ticket zero (a GluonSparseMlaPlan's or its base's), and a GluonSparseMlaPlan's counters and board."""
     base = getattr(plan, "base", plan)
     counters = getattr(plan, "counters", base.counters)
-    return int(base.flags.abs().sum()) == 0 and int(base.ticket) == 0 and int(counters.abs().sum()) == 0
+    board = getattr(plan, "board", base.counters)
+    return (int(base.flags.abs().sum()) == 0 and int(base.ticket) == 0 and int(counters.abs().sum()) == 0
+            and int(board.abs().sum()) == 0)
 
 
 @pytest.mark.gpu
@@ -264,8 +274,8 @@ SPLIT4_INLINE = G.GluonSparseMlaConfig(dim_split=4, combine="inline")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [DEFAULT, INLINE, SPLIT2_INLINE, SPREAD],
-                         ids=["default", "inline", "split2-inline", "spread"])
+@pytest.mark.parametrize("config", [DEFAULT, INLINE, SPLIT2_INLINE, SPREAD, SPREAD_VALUES],
+                         ids=["default", "inline", "split2-inline", "spread", "spread-values"])
 @pytest.mark.parametrize("w,k", [(16, 8), (16, 72)])
 def test_gpu_small_shapes(w, k, config):
     # one block in all (16 + 8 keys: the inline combination by the block's own program), and a
@@ -283,8 +293,8 @@ def test_gpu_small_shapes(w, k, config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [DEFAULT, INLINE, SPLIT2_INLINE, SPREAD],
-                         ids=["default", "inline", "split2-inline", "spread"])
+@pytest.mark.parametrize("config", [DEFAULT, INLINE, SPLIT2_INLINE, SPREAD, SPREAD_VALUES],
+                         ids=["default", "inline", "split2-inline", "spread", "spread-values"])
 def test_gpu_more_than_32_blocks(config):
     # 128 window + 2112 top-k keys: 35 blocks, so the look-back's flag bits span two words per row
     # (both cleared by the inline combination)
@@ -300,8 +310,8 @@ def test_gpu_more_than_32_blocks(config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [DEFAULT, INLINE, SPLIT4_INLINE, SPREAD],
-                         ids=["default", "inline", "split4-inline", "spread"])
+@pytest.mark.parametrize("config", [DEFAULT, INLINE, SPLIT4_INLINE, SPREAD, SPREAD_VALUES],
+                         ids=["default", "inline", "split4-inline", "spread", "spread-values"])
 @pytest.mark.parametrize("h", [16, 64])
 def test_gpu_edge_rows(h, config):
     # row 0: nothing valid -> zeros; row 1: no top-k entries; row 2: a window not yet full (3 keys)
@@ -321,7 +331,8 @@ def test_gpu_edge_rows(h, config):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [DEFAULT, INLINE, SPLIT4_INLINE, G.GluonSparseMlaConfig(combine="inline", order="row"),
-                                    SPREAD], ids=["default", "inline", "split4-inline", "inline-row", "spread"])
+                                    SPREAD, SPREAD_VALUES],
+                         ids=["default", "inline", "split4-inline", "inline-row", "spread", "spread-values"])
 @pytest.mark.parametrize("h", [8, 64])
 @pytest.mark.parametrize("others", [1, 3, 15, 63])
 def test_gpu_a_row_alone_gives_its_bits_among_others(h, others, config):
@@ -422,8 +433,9 @@ def test_gpu_the_steps_plan_choice_on_sm90():
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [INLINE, SPLIT4_INLINE, G.GluonSparseMlaConfig(dim_split=2),
                                     G.GluonSparseMlaConfig(combine="inline", order="row", discard=True), SPREAD,
-                                    G.GluonSparseMlaConfig(dim_split=4, combine="spread")],
-                         ids=["inline", "split4-inline", "split2", "inline-row-discard", "spread", "split4-spread"])
+                                    G.GluonSparseMlaConfig(dim_split=4, combine="spread"), SPREAD_VALUES],
+                         ids=["inline", "split4-inline", "split2", "inline-row-discard", "spread", "split4-spread",
+                              "spread-values"])
 @pytest.mark.parametrize("h", [8, 64])
 @pytest.mark.parametrize("n", [1, 64])
 def test_gpu_configs_against_the_reference(config, h, n):
@@ -476,20 +488,24 @@ def test_gpu_phase_log():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", [SPREAD, SPREAD_VALUES], ids=["spread", "spread-values"])
 @pytest.mark.parametrize("h", [8, 64])
-def test_gpu_spread_combination_at_and_past_the_resident_grid(h):
+def test_gpu_spread_combination_at_and_past_the_resident_grid(h, config):
     # the spread combination runs where every program is resident at once and falls back to the
-    # separate launch past that (both the default's bits); 35 blocks a row at 3 rows (105 programs)
-    # and the Flash shape at 1, 13 (130 programs), 26 and 27 rows (270 > 264 at two a SM on an H200)
+    # separate launch (the inline one with lookback="values") past that, both the default's bits;
+    # 35 blocks a row at 3 rows (105 programs) and the Flash shape at 1, 13 (130 programs), 26 and
+    # 27 rows (270 > 264 at two a SM on an H200)
     w, k = 128, 512
-    plan = G.GluonSparseMlaPlan.build(27, h, w, k, "cuda", config=SPREAD)
+    plan = G.GluonSparseMlaPlan.build(27, h, w, k, "cuda", config=config)
+    assert plan.resident == {}
     ref = G.GluonSparseMlaPlan.build(27, h, w, k, "cuda")
     for n in (1, 13, 26, 27):
         case = make_case(n, h, w, k, seed=6100 + h + n, window_fill=gpu_tables(n), **GPU_POOLS)
         assert torch.equal(run(plan, case), run(ref, case)), n
     torch.cuda.synchronize()
     assert workspace_is_clear(plan)
+    assert plan.resident["spread"] >= 1, plan.resident
     n, k = 3, 2112
     case = make_case(n, h, w, k, seed=6200 + h, window_fill=gpu_tables(n), **GPU_POOLS)
-    assert torch.equal(run(G.GluonSparseMlaPlan.build(n, h, w, k, "cuda", config=SPREAD), case),
+    assert torch.equal(run(G.GluonSparseMlaPlan.build(n, h, w, k, "cuda", config=config), case),
                        run(G.GluonSparseMlaPlan.build(n, h, w, k, "cuda"), case))
