@@ -29,10 +29,13 @@ over its row's tiles of BLOCK_E = 64 entries: tile p, p + P, ...):
   Triton path's dot result at BLOCK_H heads, so the same reduction order), bf16. Each scale is a
   power of two and each block partial is exact, so every product above is exact (barring
   overflow or subnormals) and the adds are the Triton path's adds in the Triton path's order.
-- **The optional histogram** (`hist`, a top-k workspace): each program histograms the high byte of
-  its visible scores' 16-bit order-preserving keys (`ops.topk._keys`, group 1: -0.0 keyed as +0.0;
-  -inf, NaN and entries past n_vis not counted) in registers, then adds its nonzero bins into
-  hist[row, 0:256] with one relaxed atomic each (integer sums: the totals do not depend on the
+- **The optional histogram** (`hist`, a top-k workspace): each program counts the high byte of its
+  visible scores' 16-bit order-preserving keys (`ops.topk._keys`, group 1: -0.0 keyed as +0.0;
+  -inf, NaN and entries past n_vis not counted) into 256 counters of its own in global memory (a
+  scratch the launch takes; zeroed by the program first): per tile, the lanes of a warp whose
+  scores share a bin vote (match.any) and one of them adds their count (`_key_votes`), with no
+  barrier and no contention with other programs. At its end the program adds its nonzero bins
+  into hist[row, 0:256], one relaxed atomic each (integer sums: the totals do not depend on the
   order they land in).
 
 Past the visible tiles, each program writes -inf to its share of the tiles up to max_entries.
@@ -171,26 +174,48 @@ def _weighted_terms_bf16x2(acc, wb):
 
 
 @gluon.jit
+def _block_mma(a8, q_smem, zero, blk: gl.constexpr):
+    """Scale block blk's partial [64, BLOCK_H]: the K = 32 FP8 wgmma of the key tile's columns
+    32 blk .. and the query's, from a zero accumulator (started, not waited for)."""
+    return warpgroup_mma(a8.slice(blk * 32, 32, dim=1), q_smem.slice(blk * 32, 32, dim=1).permute((1, 0)), zero,
+                         use_acc=False, is_async=True)
+
+
+@gluon.jit
 def _block_scale(sw, blk: gl.constexpr):
     """2^(byte - 127) of scale byte blk of the scale words sw, as `ops.indexer` reads it."""
     return (((sw >> (8 * blk)) & 0xFF) << 23).to(gl.float32, bitcast=True)
 
 
 @gluon.jit
-def _score_keys_hi(score):
-    """The high byte of `ops.topk._keys`'s order-preserving 16-bit key of each score (group 1)."""
-    b = (score.to(gl.int32, bitcast=True) >> 16) & 0xFFFF
-    b = gl.where(b == 0x8000, 0, b)                  # -0.0 ties with +0.0
-    key = gl.where(b >= 0x8000, 0xFFFF - b, b | 0x8000)
-    return key >> 8
+def _key_votes(score):
+    """(count, bin) per element of `score` (FP32, BF16-representable) in the wgmma accumulator's
+    entry layout, where the four lanes of a quad hold the same entries: bin is the high byte of
+    `ops.topk._keys`'s order-preserving 16-bit key (group 1: -0.0 keyed as +0.0), and count, on
+    the lowest lane of each group of quad-leading lanes (lane % 4 == 0) whose selectable scores
+    share a bin, is how many they are (match.any); 0 elsewhere and for scores that are not
+    selectable (-inf, NaN). The key's high byte: the bits with the sign's complement flipped in
+    (x ^ (x >> 31 | 0x80000000)), the top byte of the result."""
+    return gl.inline_asm_elementwise(
+        "{\n\t.reg .b32 b, s, k, ln, t, sel, m, lt;\n\t.reg .pred v, z, p, q;\n\t"
+        "setp.gt.f32 v, $2, 0fFF800000;\n\t"
+        "setp.eq.u32 z, $2, 0x80000000;\n\tselp.b32 b, 0, $2, z;\n\t"
+        "shr.s32 s, b, 31;\n\tor.b32 s, s, 0x80000000;\n\txor.b32 k, b, s;\n\tshr.u32 k, k, 24;\n\t"
+        "mov.u32 ln, %laneid;\n\tand.b32 t, ln, 3;\n\tsetp.eq.u32 p, t, 0;\n\tand.pred p, p, v;\n\t"
+        "add.u32 t, ln, 256;\n\tselp.b32 sel, k, t, p;\n\t"
+        "match.any.sync.b32 m, sel, 0xffffffff;\n\t"
+        "mov.u32 lt, %lanemask_lt;\n\tand.b32 lt, m, lt;\n\tsetp.eq.u32 q, lt, 0;\n\tand.pred q, q, p;\n\t"
+        "popc.b32 t, m;\n\tselp.b32 $0, t, 0, q;\n\tmov.b32 $1, k;\n\t}",
+        "=r,=r,r", [score.to(gl.int32, bitcast=True)], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
 
 
 @gluon.jit(do_not_specialize=["heads", "max_entries", "bt_stride", "iq_sn", "iq_sh", "w_sn", "cand_sn", "out_sn",
                               "hist_sn"])
 def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_ptr, cand_ptr, out_ptr, hist_ptr,
-                               heads, max_entries, bt_stride, iq_sn, iq_sh, w_sn, cand_sn, out_sn, hist_sn,
+                               scratch_ptr, heads, max_entries, bt_stride, iq_sn, iq_sh, w_sn, cand_sn, out_sn, hist_sn,
                                PAGE: gl.constexpr, BLOCK_H: gl.constexpr, STAGES: gl.constexpr,
-                               HAS_CAND: gl.constexpr, HIST: gl.constexpr, PACKED: gl.constexpr = False):
+                               HAS_CAND: gl.constexpr, HIST: gl.constexpr, PACKED: gl.constexpr = False,
+                               MMA_PAIRS: gl.constexpr = False):
     n = gl.program_id(0)
     pid = gl.program_id(1)
     nprog = gl.num_programs(1)
@@ -244,7 +269,11 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
     wv = wraw.to(gl.float32)
     wb = wraw.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
     zero = gl.zeros([_BLOCK_E, BLOCK_H], gl.float32, mma_l)
-    hist = gl.zeros([_HIST_BINS], gl.int32, hist_l)
+    bins = gl.arange(0, _HIST_BINS, layout=hist_l)
+    # the program's own histogram: 256 counters in global memory (L2) that only this program adds to
+    priv = scratch_ptr + (n * nprog + pid).to(gl.int64) * _HIST_BINS
+    if HIST:
+        gl.store(priv + bins, gl.zeros([_HIST_BINS], gl.int32, hist_l))    # before the loop's first barrier
     rr = gl.arange(0, 2, layout=gl.SliceLayout(1, scl_l))
 
     i = 0
@@ -263,23 +292,30 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
         # the generic-proxy stores before the wgmma's (async proxy) reads, from every thread
         fence_async_shared()
         gl.thread_barrier()
-        d0 = warpgroup_mma(a8.slice(0, 32, dim=1), q_smem.slice(0, 32, dim=1).permute((1, 0)), zero,
-                           use_acc=False, is_async=True)
-        d1 = warpgroup_mma(a8.slice(32, 32, dim=1), q_smem.slice(32, 32, dim=1).permute((1, 0)), zero,
-                           use_acc=False, is_async=True)
-        d2 = warpgroup_mma(a8.slice(64, 32, dim=1), q_smem.slice(64, 32, dim=1).permute((1, 0)), zero,
-                           use_acc=False, is_async=True)
-        d3 = warpgroup_mma(a8.slice(96, 32, dim=1), q_smem.slice(96, 32, dim=1).permute((1, 0)), zero,
-                           use_acc=False, is_async=True)
         offs = t * _BLOCK_E + gl.arange(0, _BLOCK_E, layout=row_l)
         vis = offs < n_vis
         if HAS_CAND:
             vis = vis & (gl.load(cand_row + offs, mask=vis, other=0) != 0)
-        d0, d1, d2, d3 = warpgroup_mma_wait(num_outstanding=0, deps=(d0, d1, d2, d3))
         # `ops.indexer`'s FP8 path: each block's partial times the query's then the key's power of
         # two, the four blocks added in order
-        acc = (d0 * f0[None, :]) * _block_scale(sw, 0)[:, None]
-        acc += (d1 * f1[None, :]) * _block_scale(sw, 1)[:, None]
+        if MMA_PAIRS:
+            # two blocks' wgmmas at a time: two partials live instead of four (fewer registers)
+            d0 = _block_mma(a8, q_smem, zero, 0)
+            d1 = _block_mma(a8, q_smem, zero, 1)
+            d0, d1 = warpgroup_mma_wait(num_outstanding=0, deps=(d0, d1))
+            acc = (d0 * f0[None, :]) * _block_scale(sw, 0)[:, None]
+            acc += (d1 * f1[None, :]) * _block_scale(sw, 1)[:, None]
+            d2 = _block_mma(a8, q_smem, zero, 2)
+            d3 = _block_mma(a8, q_smem, zero, 3)
+            d2, d3 = warpgroup_mma_wait(num_outstanding=0, deps=(d2, d3))
+        else:
+            d0 = _block_mma(a8, q_smem, zero, 0)
+            d1 = _block_mma(a8, q_smem, zero, 1)
+            d2 = _block_mma(a8, q_smem, zero, 2)
+            d3 = _block_mma(a8, q_smem, zero, 3)
+            d0, d1, d2, d3 = warpgroup_mma_wait(num_outstanding=0, deps=(d0, d1, d2, d3))
+            acc = (d0 * f0[None, :]) * _block_scale(sw, 0)[:, None]
+            acc += (d1 * f1[None, :]) * _block_scale(sw, 1)[:, None]
         acc += (d2 * f2[None, :]) * _block_scale(sw, 2)[:, None]
         acc += (d3 * f3[None, :]) * _block_scale(sw, 3)[:, None]
         # the per-(entry, head) bf16 round trips by the packed hardware conversion (`_bf16_pair`),
@@ -292,19 +328,18 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
         score = gl.where(vis, bf16_round(gl.sum(term, axis=1)), float("-inf"))
         gl.store(out_row + offs, score, mask=offs < max_entries)
         if HIST:
-            # one owner per entry (the wgmma layout repeats each entry on four lanes): a [2, 64]
-            # tile of which row 0 counts
-            sc2 = gl.convert_layout(score, gl.SliceLayout(0, scl_l))
-            ok2 = (sc2 > float("-inf"))[None, :] & (rr == 0)[:, None]
-            key2 = _score_keys_hi(sc2)[None, :] + gl.zeros([2, _BLOCK_E], gl.int32, scl_l)
-            hist += gl.histogram(gl.reshape(key2, [2 * _BLOCK_E]), _HIST_BINS, mask=gl.reshape(ok2, [2 * _BLOCK_E]),
-                                 layout=hist_l)
+            # one relaxed add per distinct bin per warp and entry register into the program's own
+            # counters (no contention with other programs, no barrier)
+            cnt, b = _key_votes(score)
+            gl.atomic_add(priv + b, cnt, mask=cnt > 0, sem="relaxed")
         i += 1
     async_copy.wait_group(0)
 
     if HIST:
-        bins = gl.arange(0, _HIST_BINS, layout=hist_l)
-        gl.atomic_add(hist_ptr + n.to(gl.int64) * hist_sn + bins, hist, mask=hist > 0, sem="relaxed")
+        # every thread's adds are done (the barrier orders them before these reads, from L2)
+        gl.thread_barrier()
+        h = gl.load(priv + bins, cache_modifier=".cg")
+        gl.atomic_add(hist_ptr + n.to(gl.int64) * hist_sn + bins, h, mask=h > 0, sem="relaxed")
 
     neg = gl.full([_BLOCK_E], float("-inf"), gl.float32, row_l)
     for t in range(n_tiles + pid, gl.cdiv(max_entries, _BLOCK_E), nprog):
@@ -324,13 +359,13 @@ def shared_bytes(stages: int, heads: int) -> int:
 
 
 def launch_options(heads: int, page: int, stages: int, cand: bool, hist: bool, maxnreg: int | None = None,
-                   packed_terms: bool = False) -> dict:
+                   packed_terms: bool = False, mma_pairs: bool = False) -> dict:
     """The kernel's constexpr arguments and launch options (the launch and the sm_90 compile test
     share them). The page is a constant of the kernel (a record's place without a division);
     maxnreg: a register cap per thread (None: the compiler's choice); packed_terms: the weighted
-    terms in BF16x2 (`_weighted_terms_bf16x2`)."""
+    terms in BF16x2 (`_weighted_terms_bf16x2`); mma_pairs: the four block wgmmas two at a time."""
     opts = {"PAGE": page, "BLOCK_H": block_h(heads), "STAGES": stages, "HAS_CAND": cand, "HIST": hist,
-            "PACKED": bool(packed_terms), "num_warps": 4}
+            "PACKED": bool(packed_terms), "MMA_PAIRS": bool(mma_pairs), "num_warps": 4}
     if maxnreg is not None:
         opts["maxnreg"] = maxnreg
     return opts
@@ -340,7 +375,7 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
                               page: int, req_slot: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor,
                               cand_mask: torch.Tensor | None = None, hist: torch.Tensor | None = None,
                               stages: int = 4, programs_per_sm: int = 3, maxnreg: int | None = None,
-                              packed_terms: bool = False) -> torch.Tensor:
+                              packed_terms: bool = False, mma_pairs: bool = False) -> torch.Tensor:
     """Write the indexer scores of N decode rows into `out`: `ops.indexer.index_scores_mxfp4_(...,
     fp8_dot=True)`'s arguments and scores (see the module docstring), on an sm_90 device.
 
@@ -356,6 +391,8 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
     packed_terms: relu, weight and their BF16 roundings two terms an instruction (BF16x2): the same
       bits but where a weighted term is an FP32 subnormal (|term| < 2^-126); built and compiled, to be
       measured.
+    mma_pairs: the four block wgmmas two at a time (two partials live instead of four: 128 registers
+      a thread instead of ~150 at 32 heads, four programs an SM); the same bits. To be measured.
     Unchecked: as `index_scores_mxfp4_`. Returns out.
     """
     n_rows, heads = index_scores_args(iq, w, pool, block_table, page, req_slot, n_vis, out, cand_mask)
@@ -380,11 +417,16 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
         return out
     cand = cand_mask.view(torch.uint8) if cand_mask is not None else out
     hist_t = hist if hist is not None else n_vis
+    scratch = n_vis
     per_row = max(1, -(-programs_per_sm * num_sms(iq.device) // n_rows))
     grid = (n_rows, min(triton.cdiv(max_entries, BLOCK_E), per_row))
+    if hist is not None:
+        # each program's own 256 counters, which it zeroes first: any contents will do
+        scratch = torch.empty(grid[0] * grid[1] * HIST_BINS, dtype=torch.int32, device=iq.device)
     _gluon_index_scores_kernel[grid](
-        iq, w, pool.view(torch.int32), block_table, req_slot, n_vis, cand, out, hist_t,
+        iq, w, pool.view(torch.int32), block_table, req_slot, n_vis, cand, out, hist_t, scratch,
         heads, max_entries, block_table.stride(0), iq.stride(0), iq.stride(1), w.stride(0),
         cand.stride(0), out.stride(0), hist_t.stride(0),
-        **launch_options(heads, page, stages, cand_mask is not None, hist is not None, maxnreg, packed_terms))
+        **launch_options(heads, page, stages, cand_mask is not None, hist is not None, maxnreg, packed_terms,
+                         mma_pairs))
     return out

@@ -57,7 +57,8 @@ def sm90_builds() -> dict:
 
 @pytest.mark.parametrize("case", CASES, ids=[f"h{c[0]}-p{c[1]}-s{c[2]}" + ("-cand" if c[3] else "") + ("-hist" if c[4] else "")
                                              + (f"-r{c[5]}" if len(c) > 5 and c[5] else "")
-                                             + ("-packed" if len(c) > 6 and c[6] else "") for c in CASES])
+                                             + ("-packed" if len(c) > 6 and c[6] else "")
+                                             + ("-pairs" if len(c) > 7 and c[7] else "") for c in CASES])
 def test_compiles_for_sm90_without_spills(sm90_builds, case):
     r = sm90_builds[case]
     assert r["LOCAL"] == 0 and r["STACK"] == 0, r
@@ -67,6 +68,9 @@ def test_compiles_for_sm90_without_spills(sm90_builds, case):
     gmma, bh = r["gmma"], r["block_h"]
     assert len(gmma) == 4 and all(t.startswith(f"QGMMA.64x{bh}x32.F32.E4M3.E4M3") and ", RZ" in t for t in gmma), gmma
     assert "WARPGROUP.DEPBAR.LE gsb0, 0x0" in r["waits"], r["waits"]
+    # two waits a tile with the wgmmas two at a time, else one
+    pairs = len(case) > 7 and case[7]
+    assert r["loop_ops"].get("WARPGROUP", 0) == (6 if pairs else 5), r["loop_ops"]
     # the records arrive by asynchronous copies, waited on with tiles still in flight
     loop = r["loop_ops"]
     assert loop.get("QGMMA", 0) == 4, loop
@@ -80,12 +84,14 @@ def test_compiles_for_sm90_without_spills(sm90_builds, case):
     packed = len(case) > 6 and case[6]
     assert (loop.get("HMNMX2", 0) > 0 and loop.get("HMUL2", 0) + loop.get("HFMA2", 0) > 0) == bool(packed), loop
     assert r["shared"] <= r["shared_limit"], r
-    # the histogram's global adds only when asked for
-    assert (ops.get("REDG", 0) + ops.get("ATOMG", 0) > 0) == bool(case[4]), ops
+    # the histogram: per tile, two warp votes (one per entry register) and a relaxed add each to the
+    # program's own counters, no barrier; only when asked for
+    assert (loop.get("MATCH", 0), loop.get("REDG", 0)) == ((2, 2) if case[4] else (0, 0)), loop
+    assert loop.get("BAR", 0) == 3, loop
     # at the step's 32 heads, a register budget that keeps three programs resident per SM (the four
     # block partials hold BLOCK_H / 2 registers each: 64 heads need more, without spilling)
     if r["block_h"] <= 32:
-        assert r["REG"] <= (r["maxnreg"] or 168), r
+        assert r["REG"] <= (r["maxnreg"] or (128 if pairs else 168)), r
 
 
 def test_bad_inputs_raise_naming_the_argument():
@@ -164,15 +170,15 @@ def test_gpu_bits_equal_triton_fp8_path(rows, page):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("stages, programs_per_sm, maxnreg, packed", [(2, 1, None, False), (4, 4, None, False),
-                                                                        (8, 2, None, False), (12, 8, None, False),
-                                                                        (6, 4, 128, False), (4, 4, None, True)])
-def test_gpu_configurations_give_the_same_bits(stages, programs_per_sm, maxnreg, packed):
+@pytest.mark.parametrize("stages, programs_per_sm, maxnreg, packed, pairs", [
+    (2, 1, None, False, False), (4, 4, None, False, False), (8, 2, None, False, False), (12, 8, None, False, False),
+    (6, 4, 128, False, False), (4, 4, None, True, False), (4, 4, None, False, True), (6, 5, 96, True, True)])
+def test_gpu_configurations_give_the_same_bits(stages, programs_per_sm, maxnreg, packed, pairs):
     args = _inputs(4, [4103, 777, 0, 64], seed=5)
-    got, ref = _pair(args, 16, 4200, stages=stages, programs_per_sm=programs_per_sm, maxnreg=maxnreg,
-                     packed_terms=packed)
-    _assert_bits_equal(got, ref, f"stages={stages} programs_per_sm={programs_per_sm} maxnreg={maxnreg} "
-                                 f"packed_terms={packed}")
+    kw = dict(stages=stages, programs_per_sm=programs_per_sm, maxnreg=maxnreg, packed_terms=packed, mma_pairs=pairs)
+    for page in (16, 64):
+        got, ref = _pair(_inputs(4, [4103, 777, 0, 64], seed=5, page=page), page, 4200, **kw)
+        _assert_bits_equal(got, ref, f"page={page} {kw}")
 
 
 @pytest.mark.gpu
@@ -243,9 +249,14 @@ def test_gpu_histogram_of_the_key_high_bytes(rows):
     # which ops.topk keys as +0.0 and leaves out
     args[1][0, :] = -0.0
     args[2][::97, 64] = 255
-    hist = torch.zeros(rows, 2568, dtype=torch.int32, device=DEVICE)
-    hist[:, 256:] = 7                          # the rest of the workspace is left alone
-    got, ref = _pair(args, 64, 4160, hist=hist)
-    _assert_bits_equal(got, ref, "with the histogram")
-    assert torch.equal(hist[:, :256].cpu(), _key_hist(got, args[5]).int().cpu())
-    assert bool((hist[:, 256:] == 7).all())
+    want = _key_hist(_pair(args, 64, 4160)[1], args[5]).int().cpu()
+    for kw in ({}, {"mma_pairs": True, "packed_terms": True}, {"programs_per_sm": 1, "stages": 2}):
+        hist = torch.zeros(rows, 2568, dtype=torch.int32, device=DEVICE)
+        hist[:, 256:] = 7                      # the rest of the workspace is left alone
+        got, ref = _pair(args, 64, 4160, hist=hist, **kw)
+        _assert_bits_equal(got, ref, f"with the histogram {kw}")
+        assert torch.equal(hist[:, :256].cpu(), want), kw
+        assert bool((hist[:, 256:] == 7).all())
+    # added to what is there: a second call doubles it
+    got, _ = _pair(args, 64, 4160, hist=hist)
+    assert torch.equal(hist[:, :256].cpu(), 2 * want)
