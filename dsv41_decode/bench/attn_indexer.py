@@ -1,12 +1,17 @@
 """`bench attn`, indexer family: logits over MXFP4 index keys (68-byte records) and top-512, per row
 count and context (ratio 1: one entry per token), on random valid records. The logits are the
-decode step's FP8 path, with the BF16 path as the baseline column `bf16_path`."""
+decode step's scorer (`decode.attention.index_scores_launch`: on sm_90 the Gluon scorer
+`ops.gluon_indexer`, with the Triton FP8 path as the baseline column `triton_fp8`; elsewhere the
+Triton FP8 path), with the BF16 path as the baseline column `bf16_path`. "indexer+topk" is the
+step's pair: on sm_90 the scorer also builds the top-k's high-byte histogram (`hist_ready`)."""
 
 from __future__ import annotations
 
 import torch
 
 from ..formats import mxfp4_fake
+from ..ops.common import is_sm90
+from ..ops.gluon_indexer import gluon_index_scores_mxfp4_
 from ..ops.indexer import index_scores_mxfp4_
 from ..ops.topk import TopKPlan, topk_ascending_
 from .results import record
@@ -47,8 +52,16 @@ def bench_indexer(rows_list, contexts, floor, info, gen, progress) -> list[dict]
             plan = TopKPlan.build(rows, 512, 1, "cuda")
             idx = torch.empty(rows, 512, device="cuda", dtype=torch.int32)
 
-            def logits():     # the decode step's path (the FP8 dots)
+            gluon = is_sm90(iq.device)
+
+            def logits_triton():     # the Triton FP8 path (the step's scorer off sm_90)
                 index_scores_mxfp4_(iq, w, pool, table, PAGE, req, n_vis, scores, fp8_dot=True)
+
+            def logits():            # the decode step's scorer
+                if gluon:
+                    gluon_index_scores_mxfp4_(iq, w, pool, table, PAGE, req, n_vis, scores)
+                else:
+                    logits_triton()
 
             def logits_bf16():
                 index_scores_mxfp4_(iq, w, pool, table, PAGE, req, n_vis, scores)
@@ -56,20 +69,28 @@ def bench_indexer(rows_list, contexts, floor, info, gen, progress) -> list[dict]
             def topk():
                 topk_ascending_(scores, n_vis, idx, plan)
 
-            def both():
-                logits()
-                topk()
+            def both():              # as the step: on sm_90 the histogram built while scoring
+                if gluon:
+                    gluon_index_scores_mxfp4_(iq, w, pool, table, PAGE, req, n_vis, scores, hist=plan.hist_hi[:rows])
+                    topk_ascending_(scores, n_vis, idx, plan, hist_ready=True)
+                else:
+                    logits()
+                    topk()
 
             t_logits, t_topk, t_both, t_bf16 = (graph_time_us(f, replays=30) for f in (logits, topk, both, logits_bf16))
+            base = {"bf16_path": t_bf16}
+            if gluon:
+                base["triton_fp8"] = graph_time_us(logits_triton, replays=30)
             case = {"rows": rows, "context": context, "heads": HEADS, "ratio": 1}
             key_bytes = rows * context * 68
             score_bytes = rows * context * 4
             out.append(record("attn", {"op": "indexer_logits", **case}, t_logits, key_bytes + score_bytes, floor,
-                              {"bf16_path": t_bf16}, info))
+                              base, info))
             out.append(record("attn", {"op": "topk512", **case}, t_topk, score_bytes, floor, {}, info))
             out.append(record("attn", {"op": "indexer+topk", **case}, t_both, key_bytes + 2 * score_bytes, floor,
                               {}, info))
-            progress(f"indexer rows={rows} ctx={context}: logits {t_logits:.2f} us (BF16 path {t_bf16:.2f}), "
+            tri = f", Triton FP8 path {base['triton_fp8']:.2f}" if gluon else ""
+            progress(f"indexer rows={rows} ctx={context}: logits {t_logits:.2f} us (BF16 path {t_bf16:.2f}{tri}), "
                      f"top-k {t_topk:.2f} us, both {t_both:.2f} us")
             del pool, scores
     return out
