@@ -147,6 +147,17 @@ def linear_operands(gen: torch.Generator, m: int, n: int, k: int, device: str | 
     return (x, w, *(t.to(device) for t in (codes, x_scale, weight, w_scale)))
 
 
+def rope_operands(gen: torch.Generator, m: int, device: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [m, 32] FP32 of m random positions below 2^20 (YaRN-like frequencies), as the step's
+    per-row RoPE tables hold them; on `device` (default: CUDA when there is one)."""
+    from dsv41_decode.ops.kv_write import rope_cos_sin
+    from dsv41_decode.reference.rope import rope_cis
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    pos = torch.randint(0, 1 << 20, (m,), generator=gen)
+    cos, sin = rope_cos_sin(rope_cis(1.0 / (160000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)), pos))
+    return cos.to(device), sin.to(device)
+
+
 def raises(match: str, fn) -> None:
     """fn() raises a TypeError or ValueError whose message matches `match`."""
     import pytest

@@ -92,6 +92,21 @@ def mxfp8_linear_args(codes, x_scale, out, n: int, k: int, max_rows: int, device
     return out
 
 
+def rope_epilogue_args(rope, out: torch.Tensor, n: int, m: int, device: torch.device):
+    """Check a linear's `rope=(cos, sin)` (its query RoPE epilogue): cos, sin [M, 32] float32 on
+    `device`, the output BF16 and N a multiple of 512 (heads of 512). Returns (cos, sin)."""
+    if not isinstance(rope, tuple) or len(rope) != 2:
+        raise TypeError(f"rope must be None or a (cos, sin) tuple, got {type(rope).__name__}")
+    if n % 512:
+        raise ValueError(f"rope: the weight's N = {n} is not a multiple of 512 (heads of 512)")
+    if out.dtype != torch.bfloat16:
+        raise ValueError(f"rope: out must be bfloat16 (the rotated query), got {out.dtype}")
+    cos, sin = rope
+    require_tensor(cos, "cos", (torch.float32,), (m, 32), device)
+    require_tensor(sin, "sin", (torch.float32,), (m, 32), device)
+    return cos, sin
+
+
 def interpreting() -> bool:
     """True under the Triton interpreter (TRITON_INTERPRET=1): kernels run on the CPU in NumPy."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

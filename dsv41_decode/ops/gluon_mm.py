@@ -80,7 +80,7 @@ from triton.experimental.gluon.language.extra import libdevice
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .checks import UE8M0_DTYPES, mxfp8_linear_args, require_tensor
+from .checks import UE8M0_DTYPES, mxfp8_linear_args, require_tensor, rope_epilogue_args
 from .common import is_sm90, num_sms, plan_workspace
 from .low_latency_mm import _Operands   # the plan cache's key: same memory, same view
 
@@ -827,15 +827,7 @@ class GluonMM:
             cos = sin = self._workspace
             stride_c = stride_s = 0
         else:
-            if not isinstance(rope, tuple) or len(rope) != 2:
-                raise TypeError(f"rope must be None or a (cos, sin) tuple, got {type(rope).__name__}")
-            cos, sin = rope
-            if self.n % 512:
-                raise ValueError(f"rope: the weight's N = {self.n} is not a multiple of 512 (heads of 512)")
-            if out.dtype != torch.bfloat16:
-                raise ValueError(f"rope: out must be bfloat16 (the rotated query), got {out.dtype}")
-            require_tensor(cos, "cos", (torch.float32,), (m, 32), self.device)
-            require_tensor(sin, "sin", (torch.float32,), (m, 32), self.device)
+            cos, sin = rope_epilogue_args(rope, out, self.n, m, self.device)
             stride_c, stride_s = cos.stride(0), sin.stride(0)
         if codes.stride(0) % 16 or codes.data_ptr() % 16:
             raise ValueError(f"codes rows must be 16-byte aligned for TMA (row stride {codes.stride(0)}, "

@@ -3,7 +3,8 @@
 - `qkv_rope_insert_`: query RoPE in place and window-KV RoPE + MXFP8 + insert of the 528-byte
   record into the window ring, one launch (`query_rope_`: the query half alone; `window_insert`:
   the window half as a jit function, which `ops.rms_norm.rms_norm_pair_` also runs on the kv row it
-  has just normalized);
+  has just normalized; `rope_tile`: the query half on a GEMM's output tile, the epilogue of
+  `ops.low_latency_mm`);
 - `compressed_kv_store_` / `index_key_store_` / `compressed_entry_store_`: RoPE at each group's
   first position + NVFP4 (288-byte record) and k_norm + RoPE + MXFP4 (68-byte index key), each
   alone or both in one launch.
@@ -44,13 +45,45 @@ _HALF_ROPE = ROPE_DIM // 2
 
 
 @triton.jit
-def rope_rotate(xe, xo, c, s):
+def rope_rotate(xe, xo, c, s, ASM: tl.constexpr = False):
     """The rotation of spec section 5 in FP32, before the BF16 rounding: (re, im) = (xe c - xo s,
-    xe s + xo c), each product and sum rounded to FP32 as torch's complex multiply does, provided
-    the launch passes enable_fp_fusion=False (no FMA contraction; the interpreter never contracts).
-    The one Triton home of the formula; the Gluon GEMM's epilogue (`ops.gluon_mm._rope_tile`)
-    writes the same roundings with explicit round-to-nearest operations."""
-    return xe * c - xo * s, xe * s + xo * c
+    xe s + xo c), each product and sum rounded to FP32 as torch's complex multiply does. ASM=False:
+    plain operations, for launches with enable_fp_fusion=False (no FMA contraction) and the
+    interpreter (which never contracts); ASM=True (GPU only): inline PTX mul.rn / sub.rn / add.rn,
+    which ptxas never contracts, for kernels compiled with fp fusion on (the GEMM epilogue of
+    `ops.low_latency_mm`). The one Triton home of the formula; the Gluon GEMM's epilogue
+    (`ops.gluon_mm._rope_tile`) writes the same roundings with libdevice's _rn operations."""
+    if ASM:
+        re = tl.inline_asm_elementwise(
+            "{ .reg .f32 a, b; mul.rn.f32 a, $1, $3; mul.rn.f32 b, $2, $4; sub.rn.f32 $0, a, b; }",
+            "=f,f,f,f,f", [xe, xo, c, s], dtype=tl.float32, is_pure=True, pack=1)
+        im = tl.inline_asm_elementwise(
+            "{ .reg .f32 a, b; mul.rn.f32 a, $1, $4; mul.rn.f32 b, $2, $3; add.rn.f32 $0, a, b; }",
+            "=f,f,f,f,f", [xe, xo, c, s], dtype=tl.float32, is_pure=True, pack=1)
+        return re, im
+    else:
+        return xe * c - xo * s, xe * s + xo * c
+
+
+@triton.jit
+def rope_tile(yb, off_n, rm, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BLOCK_N: tl.constexpr,
+              BLOCK_M: tl.constexpr, ASM: tl.constexpr):
+    """The query RoPE of a GEMM's output tile: yb [BLOCK_N, BLOCK_M] FP32 holding the BF16 outputs
+    of columns off_n + n and rows rm; for every column c with c % 512 >= 448 (a head's channels
+    448..511) the pair (c, c + 1) = (2i, 2i + 1) of the tail is rotated by row m's cos/sin[m, i]
+    (`rope_rotate`, then BF16), as `query_rope_` does on the stored tile. Other columns and rows
+    at or past M pass unchanged. Returns the tile [BLOCK_N, BLOCK_M], FP32 holding BF16 values."""
+    e, o = tl.split(tl.reshape(tl.trans(yb), (BLOCK_M, BLOCK_N // 2, 2)))
+    p = tl.arange(0, BLOCK_N // 2)
+    col = (off_n + 2 * p) % 512
+    rot = (col >= 448)[None, :] & (rm < M)[:, None]
+    i = tl.maximum(col - 448, 0) // 2
+    c = tl.load(cos_ptr + rm[:, None] * stride_cm + i[None, :], mask=rot, other=1.0)
+    s = tl.load(sin_ptr + rm[:, None] * stride_sm + i[None, :], mask=rot, other=0.0)
+    re, im = rope_rotate(e, o, c, s, ASM)
+    re = tl.where(rot, bf16_round(re), e)
+    im = tl.where(rot, bf16_round(im), o)
+    return tl.trans(tl.reshape(tl.join(re, im), (BLOCK_M, BLOCK_N)))
 
 
 @triton.jit

@@ -17,6 +17,10 @@ that (docs/notes-low-latency-mm.md has the reasoning and the measurements):
   finished last, writes y and resets its counter, so the op replays inside a CUDA graph with no
   memset.
 
+- the query RoPE epilogue (`rope=(cos, sin)`, the step's wq_b): the program that stores a tile
+  rotates every head's channels 448..511 on the BF16-rounded tile first (`kv_write.rope_tile`), the
+  bits of the GEMM followed by `kv_write.query_rope_`.
+
 A `LowLatencyMM` plan binds one weight, chooses the launch configuration per row bucket and owns
 the workspace, once; calling it only launches. `low_latency_mm` is the allocating convenience form.
 """
@@ -31,8 +35,10 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .checks import interpreting, mxfp8_linear_args, mxfp8_weight_args
+from .checks import interpreting, mxfp8_linear_args, mxfp8_weight_args, rope_epilogue_args
 from .common import num_sms, plan_workspace
+from .fp4 import bf16_round
+from .kv_write import rope_tile
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
 
 MAX_ROWS = 64
@@ -40,29 +46,40 @@ _ROW_BUCKETS = (16, 32, 64)   # BLOCK_M: the MMA's N dimension, at least 16 for 
 
 
 @triton.jit
-def _store_y(y_ptr, acc, rn, rm, M, N, stride_ym, OUT_F32: tl.constexpr):
+def _store_y(y_ptr, acc, rn, rm, M, N, stride_ym, off_n, cos_ptr, sin_ptr, stride_cm, stride_sm,
+             OUT_F32: tl.constexpr, ROPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+             ASM: tl.constexpr):
     """y[m, n] = bf16(acc[n, m]) (y_ptr at int16: the BF16 bits), or acc itself with OUT_F32 (a
-    tensor-parallel partial, reduced before its rounding), for m < M, n < N."""
+    tensor-parallel partial, reduced before its rounding), for m < M, n < N. ROPE: the query RoPE
+    on the rounded tile first where it holds a head's channels 448..511 (`kv_write.rope_tile`,
+    explicitly rounded operations with ASM)."""
     mask = (rn[:, None] < N) & (rm[None, :] < M)
     if OUT_F32:
         tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], acc, mask=mask)
+    elif ROPE:
+        yb = bf16_round(acc)
+        if off_n % 512 + BLOCK_N > 448:
+            yb = rope_tile(yb, off_n, rm, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BLOCK_N, BLOCK_M, ASM)
+        tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], bf16_rne_bits(yb), mask=mask)
     else:
         tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], bf16_rne_bits(acc), mask=mask)
 
 
 # The row count, split sizes and scale strides take no part in vectorization: leaving them
 # unspecialized keeps one compiled kernel per configuration for every shape and row count.
-@triton.jit(do_not_specialize=["M", "stride_sxm", "stride_swn", "steps_per_split"])
+@triton.jit(do_not_specialize=["M", "stride_sxm", "stride_swn", "steps_per_split", "stride_cm", "stride_sm"])
 def _mxfp8_ll_mm_kernel(
     x_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, ws_ptr, cnt_ptr,
     M, N, K, stride_xm, stride_sxm, stride_wn, stride_swn, stride_ym, steps_per_split,
     N_SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr, DEQUANT: tl.constexpr, DOT_F32: tl.constexpr, OUT_F32: tl.constexpr,
     PDL: tl.constexpr = False, SCALE_WORDS: tl.constexpr = False,
+    cos_ptr=None, sin_ptr=None, stride_cm=0, stride_sm=0, ROPE: tl.constexpr = False, ROPE_ASM: tl.constexpr = False,
 ):
     # Grid: (N tiles, K splits). Program (t, s) covers rows [t*BLOCK_N, +BLOCK_N) of W and the K
     # range [s*steps_per_split*BLOCK_K, +steps_per_split*BLOCK_K); every row of x is in its one
-    # BLOCK_M tile.
+    # BLOCK_M tile. ROPE: the query RoPE epilogue (`_store_y`) with cos/sin [M, 32] FP32 at
+    # cos_ptr/sin_ptr (ROPE_ASM: its operations as inline PTX, on the GPU).
     SUB: tl.constexpr = BLOCK_K // 32
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -157,10 +174,12 @@ def _mxfp8_ll_mm_kernel(
             for s in tl.static_range(N_SPLIT):
                 # .cg: from L2, never from a line this SM's L1 kept from an earlier launch.
                 total += tl.load(tile_ws + s * M * BLOCK_N, mask=m_ok, other=0.0, cache_modifier=".cg")
-            _store_y(y_ptr, total, rn, rm, M, N, stride_ym, OUT_F32)
+            _store_y(y_ptr, total, rn, rm, M, N, stride_ym, pid_n * BLOCK_N, cos_ptr, sin_ptr, stride_cm, stride_sm,
+                     OUT_F32, ROPE, BLOCK_N, BLOCK_M, ROPE_ASM)
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
     else:
-        _store_y(y_ptr, acc, rn, rm, M, N, stride_ym, OUT_F32)
+        _store_y(y_ptr, acc, rn, rm, M, N, stride_ym, pid_n * BLOCK_N, cos_ptr, sin_ptr, stride_cm, stride_sm,
+                 OUT_F32, ROPE, BLOCK_N, BLOCK_M, ROPE_ASM)
 
 
 @dataclass(frozen=True)
@@ -370,17 +389,26 @@ class LowLatencyMM:
         table's and the default rule's plans) means a row's outputs do not depend on the others."""
         return reduction_order(self.launch_for(rows).config, self.k)
 
-    def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None,
+                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """y = codes x weight^T with both block scales, into out.
 
         codes: [M, K] float8_e4m3fn, unit stride along K; 1 <= M <= max_rows.
         x_scale: [M, K/32] UE8M0 (uint8 or float8_e8m0fnu), unit stride along K.
         out: [M, N] BF16, unit stride along N; allocated when None. A float32 out receives the
             unrounded FP32 sums (a tensor-parallel partial).
+        rope: None, or (cos, sin) [M, 32] float32: y read as [M, N / 512, 512] queries (N a
+            multiple of 512, BF16 out) gets `kv_write.query_rope_`'s RoPE in the epilogue, the
+            same bits as the GEMM followed by that op (as `GluonMM`'s).
         Returns out.
         """
         out = mxfp8_linear_args(codes, x_scale, out, self.n, self.k, self.max_rows, self.device)
         m = codes.shape[0]
+        extra = {}
+        if rope is not None:
+            cos, sin = rope_epilogue_args(rope, out, self.n, m, self.device)
+            extra = dict(cos_ptr=cos, sin_ptr=sin, stride_cm=cos.stride(0), stride_sm=sin.stride(0), ROPE=True,
+                         ROPE_ASM=not self._dot_f32)
         launch = self.launch_for(m)
         cfg = launch.config
         word = launch.scale_word      # the weight side was checked at build; here the activation's
@@ -393,7 +421,7 @@ class LowLatencyMM:
             self.w_scale.stride(0), out.stride(0), launch.k_per_split // cfg.block_k,
             N_SPLIT=launch.split, BLOCK_N=cfg.block_n, BLOCK_M=launch.block_m, BLOCK_K=cfg.block_k,
             SPLIT_K=launch.split > 1, DEQUANT=cfg.dequant, DOT_F32=self._dot_f32, OUT_F32=out.dtype == torch.float32,
-            PDL=False, SCALE_WORDS=scale_words, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            PDL=False, SCALE_WORDS=scale_words, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
         )
         return out
 

@@ -34,13 +34,12 @@ import torch
 from triton.experimental.gluon import language as gl
 
 from dsv41_decode.ops import gluon_mm as G
-from dsv41_decode.ops.kv_write import qkv_rope_insert_, rope_cos_sin
+from dsv41_decode.ops.kv_write import qkv_rope_insert_
 from dsv41_decode.ops.low_latency_mm import LowLatencyConfig, LowLatencyMM
 from dsv41_decode.reference.linear import mxfp8_mm
-from dsv41_decode.reference.rope import rope_cis
 from dsv41_decode.testing import sm90
 from dsv41_decode.testing.compare import bits_differ, rel_rms, row_ulp_distance
-from helpers import FLASH_LINEAR_SHAPES, linear_operands
+from helpers import FLASH_LINEAR_SHAPES, linear_operands, rope_operands
 
 # The real shapes (the V4.1-Flash linears and their TP shards; the indexer's wq_b is wq_b_tp8's
 # 4096 x 1280), and the H200's SM count for the default split.
@@ -410,13 +409,6 @@ def test_variants_match_the_triton_tier_on_gpu(config, real_operands):
             assert int(plan._counters.abs().sum()) == 0
 
 
-def _rope_cos_sin(m: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [m, 32] FP32 of random positions up to 2^20 (YaRN-like frequencies), on the device."""
-    pos = torch.randint(0, 1 << 20, (m,), generator=_gen(seed))
-    cos, sin = rope_cos_sin(rope_cis(1.0 / (160000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)), pos))
-    return cos.to(DEVICE), sin.to(DEVICE)
-
-
 def _gemm_then_rope(plan: G.GluonMM, codes, sx, cos, sin) -> torch.Tensor:
     """The unfused path: the plain GEMM, then `qkv_rope_insert_`'s query RoPE (no window record)."""
     m = codes.shape[0]
@@ -434,7 +426,7 @@ def test_rope_epilogue_matches_gemm_then_rope_on_gpu(name, n, k, real_operands):
     # RoPE, at every row count, with each shape's plan (wq_b: persistent, one split; the shards:
     # one or two splits, the last arriver rotating); the plain call's bits do not change.
     codes_all, sx_all, weight, w_scale = real_operands(name, n, k)
-    cos_all, sin_all = _rope_cos_sin(64, n)
+    cos_all, sin_all = rope_operands(_gen(n), 64)
     plan = G.GluonMM(weight, w_scale)
     tail = (torch.arange(n, device=DEVICE) % 512) >= 448
     for m in range(1, 65):
@@ -458,7 +450,7 @@ def test_rope_epilogue_in_split_k_variants_on_gpu(config, real_operands):
     # The split-K reduction's last arriver rotates, persistent or not, at wq_b's TP1 shape.
     name, n, k = WQ_B_SHAPES[0]
     codes_all, sx_all, weight, w_scale = real_operands(name, n, k)
-    cos_all, sin_all = _rope_cos_sin(64, 3)
+    cos_all, sin_all = rope_operands(_gen(3), 64)
     plan = G.GluonMM(weight, w_scale, config=config)
     assert plan.split > 1
     for m in (1, 5, 8, 9, 16, 33, 64):
@@ -473,7 +465,7 @@ def test_rope_epilogue_in_split_k_variants_on_gpu(config, real_operands):
 def test_rope_epilogue_bad_arguments_on_gpu():
     _, _, codes, sx, weight, w_scale = linear_operands(_gen(4), 8, 512, 256)
     plan = G.GluonMM(weight, w_scale, max_rows=8)
-    cos, sin = _rope_cos_sin(8, 1)
+    cos, sin = rope_operands(_gen(1), 8)
     odd = G.GluonMM(*linear_operands(_gen(5), 8, 384, 256)[4:], max_rows=8)
     cases = [
         (lambda: plan(codes, sx, rope=cos), "rope"),

@@ -23,10 +23,11 @@ import pytest
 import torch
 
 from dsv41_decode.formats import fp8_block_dequantize, fp8_block_quantize, mxfp8_quantize
+from dsv41_decode.ops.kv_write import query_rope_
 from dsv41_decode.ops.low_latency_mm import LowLatencyConfig, LowLatencyMM, low_latency_mm
 from dsv41_decode.reference.linear import mxfp8_mm
 from dsv41_decode.testing.compare import bits_differ, rel_rms, row_ulp_distance, ulp_distance
-from helpers import FLASH_LINEAR_SHAPES, check_mxfp8_plan_errors, linear_operands, raises
+from helpers import FLASH_LINEAR_SHAPES, check_mxfp8_plan_errors, linear_operands, raises, rope_operands
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -219,3 +220,46 @@ def test_gpu_scale_words_give_the_byte_path_bits(name, n, k):
     for m in (1, 5, 16, 33, 64):
         y = plan(codes_all[:m], sx_all[:m], _poisoned(m, n))
         assert torch.equal(words(codes_all[:m], sx_all[:m], _poisoned(m, n)), y), (name, m)
+
+
+def _check_rope_epilogue(plan: LowLatencyMM, codes, x_scale, cos, sin, what) -> None:
+    """The plan's query-RoPE epilogue gives the GEMM's bits followed by `query_rope_`'s; the
+    non-rotary columns are the plain GEMM's, and the rotary ones moved."""
+    m, n = codes.shape[0], plan.n
+    plain = plan(codes, x_scale, _poisoned(m, n))
+    want = plain.clone()
+    query_rope_(want.view(m, -1, 512), cos, sin)
+    got = plan(codes, x_scale, _poisoned(m, n), rope=(cos, sin))
+    tail = (torch.arange(n, device=DEVICE) % 512) >= 448
+    assert bits_differ(got, want) == 0, f"{what}: {bits_differ(got, want)} outputs differ from GEMM + query RoPE"
+    assert bits_differ(got[:, ~tail], plain[:, ~tail]) == 0 and bits_differ(got[:, tail], plain[:, tail]) > 0, what
+
+
+@pytest.mark.parametrize("config", [LowLatencyConfig(block_n=512, block_k=256, split=1),
+                                    LowLatencyConfig(block_n=128, block_k=128, split=2)], ids=["one-split", "splitk"])
+def test_rope_epilogue_is_gemm_then_query_rope(config):
+    # 1024 x 256: two heads; the split-K plan rotates in the last arriver, one tile in four.
+    m, n, k = 3, 1024, 256
+    _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(11), m, n, k)
+    cos, sin = rope_operands(_gen(2), m)
+    _check_rope_epilogue(LowLatencyMM(weight, w_scale, config=config), codes, x_scale, cos, sin, str(config))
+    plan = LowLatencyMM(weight, w_scale, config=config)
+    for bad, word in (((cos,), "rope"), ((cos[:2], sin), "cos"), ((cos, sin.double()), "sin")):
+        with pytest.raises((TypeError, ValueError), match=word):
+            plan(codes, x_scale, rope=bad)
+    with pytest.raises(ValueError, match="bfloat16"):
+        plan(codes, x_scale, torch.empty(m, n, device=DEVICE), rope=(cos, sin))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,n,k", [s for s in FLASH_SHAPES if s[0].startswith("wq_b")],
+                         ids=[s[0] for s in FLASH_SHAPES if s[0].startswith("wq_b")])
+def test_rope_epilogue_on_gpu(name, n, k):
+    # The tuned plans at wq_b and its TP shards, every row count: the epilogue's inline-PTX
+    # rotation gives query_rope_'s bits (compiled with fp fusion off).
+    _, _, codes_all, sx_all, weight, w_scale = linear_operands(_gen(n + k + 2), 64, n, k)
+    cos_all, sin_all = rope_operands(_gen(n), 64)
+    plan = LowLatencyMM(weight, w_scale)
+    for m in range(1, 65):
+        _check_rope_epilogue(plan, codes_all[:m], sx_all[:m], cos_all[:m], sin_all[:m], f"{name} M={m}")
+    assert int(plan._counters.abs().sum()) == 0
