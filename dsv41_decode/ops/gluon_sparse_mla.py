@@ -342,7 +342,8 @@ def _gluon_sparse_mla_kernel(
     W: gl.constexpr, W_P2: gl.constexpr, KC: gl.constexpr, NB: gl.constexpr, NB_P2: gl.constexpr, PH: gl.constexpr,
     Q_BUFFERS: gl.constexpr = 4, FP4_PACKED: gl.constexpr = False, PREFETCH: gl.constexpr = False,
     DSPLIT: gl.constexpr = 1, COMBINE: gl.constexpr = 0, DISCARD: gl.constexpr = False, VALUES: gl.constexpr = False,
-    ROW_MAJOR: gl.constexpr = False, PHASES: gl.constexpr = False,
+    ROW_MAJOR: gl.constexpr = False, TICKET: gl.constexpr = True,
+    PHASES: gl.constexpr = False,
 ):
     # Workspaces (`SparseMlaPlan` with one head group of PH = block_h heads): acc [N, NB, PH, 512],
     # ml [N, NB, 3, PH] (max, sum, valid-key count), block_max [N, NB, PH], flags [N, NB] (here a
@@ -361,9 +362,14 @@ def _gluon_sparse_mla_kernel(
     # One ticket per program, in the order the programs start: block-major (then row, then dim
     # slice), or ROW_MAJOR (row, then block, then dim slice); either way a program's earlier blocks
     # belong to programs that already run.
-    ticket = gl.atomic_add(ticket_ptr, 1, sem="relaxed", scope="gpu")
-    if ticket == N * NB * DSPLIT - 1:
-        gl.store(ticket_ptr, 0)          # every program has its ticket: ready for the next launch
+    # Without TICKET (the spread combination, where every program of the grid is resident at once)
+    # the program id stands for it: no program waits on one that cannot start.
+    if TICKET:
+        ticket = gl.atomic_add(ticket_ptr, 1, sem="relaxed", scope="gpu")
+        if ticket == N * NB * DSPLIT - 1:
+            gl.store(ticket_ptr, 0)      # every program has its ticket: ready for the next launch
+    else:
+        ticket = gl.program_id(0)
     if ROW_MAJOR:
         r = ticket // (NB * DSPLIT)
         b = (ticket // DSPLIT) % NB
@@ -622,7 +628,9 @@ class GluonSparseMlaConfig:
     is only sound where the whole grid is resident at once: the launcher runs "spread" where the
     launch's programs fit the SMs (`programs_per_sm` of its compiled kernel: two a SM at <= 128
     registers with q_buffers=2) and the separate combination elsewhere (the same bits either way;
-    the inline one with lookback="values").
+    the inline one with lookback="values"). Where it runs, every program is resident, so the
+    programs take their (row, block) from the program id, not the atomic ticket (one round trip
+    less).
 
     order: the order in which the programs take their (row, block): "block" (every row's block 0,
     then every row's block 1, ...) or "row" (row 0's blocks, then row 1's, ...: a row's partials
@@ -763,20 +771,21 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
     consts = dict(W=base.window, W_P2=triton.next_power_of_2(base.window), KC=base.topk, NB=nb,
                   NB_P2=max(2, triton.next_power_of_2(nb)), PH=base.block_h, Q_BUFFERS=config.q_buffers,
                   FP4_PACKED=config.fp4_packed, PREFETCH=config.prefetch, DSPLIT=config.dim_split,
-                  VALUES=config.lookback == "values", ROW_MAJOR=config.order == "row", PHASES=config.phases,
-                  num_warps=NUM_WARPS)
+                  VALUES=config.lookback == "values", ROW_MAJOR=config.order == "row",
+                  PHASES=config.phases, num_warps=NUM_WARPS)
     if combine == "spread":
         per_sm = plan.resident.get("spread")
         if per_sm is None:            # the compiled kernel's registers and shared memory decide
             kernel = _gluon_sparse_mla_kernel.warmup(*args, grid=(grid, ), COMBINE=_COMBINES.index("spread"),
-                                                     DISCARD=False, **consts)
+                                                     DISCARD=False, TICKET=False, **consts)
             per_sm = plan.resident["spread"] = programs_per_sm(kernel)
         if grid > num_sms(base.device) * per_sm:
             # not every program resident at once: the row's wait could hang; the separate launch,
             # or the inline combination where the board needs clearing in the launch
             combine = "inline" if config.lookback == "values" else "separate"
     _gluon_sparse_mla_kernel[(grid, )](*args, COMBINE=_COMBINES.index(combine),
-                                       DISCARD=config.discard and combine == "inline", **consts)
+                                       DISCARD=config.discard and combine == "inline", TICKET=combine != "spread",
+                                       **consts)
     if combine == "separate":
         chunk = combine_chunk(nb, base.block_h)
         _sparse_mla_combine_kernel[(n, HEAD_DIM // chunk)](

@@ -43,7 +43,7 @@ def _compile(heads, w, k, config):
               "Q_BUFFERS": config.q_buffers, "FP4_PACKED": config.fp4_packed, "PREFETCH": config.prefetch,
               "DSPLIT": config.dim_split, "COMBINE": G._COMBINES.index(config.combine), "ROW_MAJOR": config.order == "row",
               "DISCARD": config.discard,
-              "VALUES": config.lookback == "values",
+              "VALUES": config.lookback == "values", "TICKET": config.combine != "spread",
               "PHASES": config.phases}
     return sm90.compile_sm90(G._gluon_sparse_mla_kernel, _TYPES, consts, num_warps=G.NUM_WARPS)
 
@@ -102,7 +102,9 @@ def test_compiles_for_sm90_without_spills(heads, w, k, config):
     # the ticket (and the flag polls, compiled as loads); the inline combination's arrival counter
     # (and with dim slices the row's finished-slice counter); the spread one's departures
     inline = config.combine == "inline"
-    atomics = 1 + inline + (inline and config.dim_split > 1) + (config.combine == "spread")
+    # (the spread combination takes no ticket: its programs are all resident)
+    spread = config.combine == "spread"
+    atomics = (not spread) + inline + (inline and config.dim_split > 1) + spread
     assert ops.get("ATOMG", 0) == atomics, ops
     assert any("SR_CLOCK" in t for t in ins) == config.phases     # the clock reads of the phase log
     loads = [t.split()[1] if t.startswith("@") else t.split()[0] for t in ins if "LDG" in t]
