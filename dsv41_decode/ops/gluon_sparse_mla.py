@@ -594,6 +594,8 @@ def _gluon_sparse_mla_kernel(
 def programs_per_sm(kernel) -> int:
     """How many programs of a compiled sm_90 kernel an SM holds at once: 64K registers (allocated per
     warp, 8 a thread at a time) and 228 KB of shared memory (1 KB of it reserved per program)."""
+    if hasattr(kernel, "result"):      # a compilation still under way (Triton's async mode)
+        kernel = kernel.result()
     kernel._init_handles()
     regs = -(-kernel.n_regs // 8) * 8 * kernel.metadata.num_warps * 32
     return max(0, min(65536 // regs, 228 * 1024 // (kernel.metadata.shared + 1024), 32))
