@@ -3,12 +3,12 @@
 (`bench.attn_indexer.indexer_inputs`: ratio-1 keys, 32 index heads, pages of 64, each row its own
 pages). CUDA-graph replay (`bench.timing.graph_time_us`); the streaming read
 (`bench.floor.read_bandwidth_gbps`) as the floor. Per rows x context: us of the Triton path and of
-each Gluon variant (`--variants=stages:programs_per_sm[:h][:p][:m][:rN]`, h = with the fused histogram,
-p = the BF16x2 terms (`packed_terms`), m = the wgmmas two at a time (`mma_pairs`), rN = a register
-cap of N), GB/s and %
+each Gluon variant (`--variants=stages:programs_per_sm[:h][:p][:m][:k][:rN]`, h = with the fused
+histogram, p = the BF16x2 terms (`packed_terms`), m = the wgmmas two at a time (`mma_pairs`), k = the
+permuted key order (`kperm`), rN = a register cap of N), GB/s and %
 of the read (68 key bytes read and 4 score bytes written per entry), and how many of the Gluon
 scores differ bitwise from the Triton path's (0 expected). `--rows=1,4,16,64`,
-`--contexts=32768,131072,1048576`. Prints; writes nothing. About 30-60 s.
+`--contexts=8192,32768,131072,1048576`. Prints; writes nothing. About 30-60 s.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from dsv41_decode.testing.compare import bits_differ  # noqa: E402
 def main() -> None:
     t0 = time.time()
     rows_list = [int(v) for v in arg("rows", "1,4,16,64").split(",")]
-    contexts = [int(v) for v in arg("contexts", "32768,131072,1048576").split(",")]
-    variants = [v.split(":") for v in arg("variants", "4:3,4:4:m,6:4:m,4:4:m:p,6:5:m:p:r96,4:3:h,4:4:m:h").split(",")]
+    contexts = [int(v) for v in arg("contexts", "8192,32768,131072,1048576").split(",")]
+    variants = [v.split(":") for v in arg("variants", "4:3,4:4:m,6:4:m:k,4:4:m:p:k,6:5:m:p:k:r96,4:3:h,4:4:m:k:h").split(",")]
     gen = torch.Generator(device="cuda").manual_seed(0)
     read = read_bandwidth_gbps()
     print(f"streaming read {read:.0f} GB/s on {torch.cuda.get_device_name()}", flush=True)
@@ -64,7 +64,7 @@ def main() -> None:
                 def gluon():
                     gluon_index_scores_mxfp4_(iq, w, pool, table, PAGE, req, n_vis, scores, hist=hist, stages=stages,
                                               programs_per_sm=pps, maxnreg=cap, packed_terms="p" in v[2:],
-                                              mma_pairs="m" in v[2:])
+                                              mma_pairs="m" in v[2:], kperm="k" in v[2:])
 
                 t = graph_time_us(gluon, **kw)
                 scores.fill_(float("nan"))

@@ -78,13 +78,27 @@ def _widen(words):
 
 
 @gluon.jit
+def _widen_split(words):
+    """(lo, hi) int32: the E4M3 bytes of each code word's low nibbles (key dims 8w, 8w+2, 8w+4,
+    8w+6) and of its high nibbles (8w+1, +3, +5, +7), `ops.indexer._e4m3_of_nibbles`'s maps four
+    bytes an operation, not interleaved (KPERM: the key tile's columns in that order)."""
+    lo = ((words & 0x07070707) << 2) | ((words & 0x08080808) << 4)
+    hi = ((words >> 2) & 0x1C1C1C1C) | (words & -2139062144)       # 0x80808080
+    return lo, hi
+
+
+@gluon.jit
 def _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, blk: gl.constexpr, BLOCK_H: gl.constexpr,
-             q_l: gl.constexpr, col_l: gl.constexpr):
+             q_l: gl.constexpr, col_l: gl.constexpr, KPERM: gl.constexpr = False):
     """Query block blk (dims 32 blk ..) of row n as `ops.indexer._q_block_e4m3` makes it: E4M3 q'
     [BLOCK_H, 32] stored into q_smem's columns 32 blk .. 32 blk + 31, and the per-head power of two
-    f (q = q' f / 2^6 exactly) returned in `col_l` (0 past `heads`: q' = 0 there)."""
+    f (q = q' f / 2^6 exactly) returned in `col_l` (0 past `heads`: q' = 0 there). KPERM: column p
+    of the block holds dim 8 ((p % 16) // 4) + 2 (p % 4) + p // 16, the key tile's order (`_widen_split`):
+    a block's 32 products are exact, so their sum does not depend on the order."""
     rh = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_l))
     rk = gl.arange(0, 32, layout=gl.SliceLayout(0, q_l))
+    if KPERM:
+        rk = 8 * ((rk % 16) // 4) + 2 * (rk % 4) + rk // 16
     q = gl.load(iq_ptr + n.to(gl.int64) * iq_sn + rh[:, None] * iq_sh + (blk * 32 + rk)[None, :],
                 mask=(rh < heads)[:, None] & (rk < 32)[None, :], other=0.0).to(gl.float32)
     amax = gl.max(gl.abs(q), axis=1)
@@ -215,7 +229,7 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
                                scratch_ptr, heads, max_entries, bt_stride, iq_sn, iq_sh, w_sn, cand_sn, out_sn, hist_sn,
                                PAGE: gl.constexpr, BLOCK_H: gl.constexpr, STAGES: gl.constexpr,
                                HAS_CAND: gl.constexpr, HIST: gl.constexpr, PACKED: gl.constexpr = False,
-                               MMA_PAIRS: gl.constexpr = False):
+                               MMA_PAIRS: gl.constexpr = False, KPERM: gl.constexpr = False):
     n = gl.program_id(0)
     pid = gl.program_id(1)
     nprog = gl.num_programs(1)
@@ -260,10 +274,10 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
         _issue(raw.index(s), scl.index(s), pool_ptr, bt_ptr, slot, bt_stride, n_vis, cand_row, pid + s * nprog,
                PAGE, HAS_CAND, copy_l, scl_l)
 
-    f0 = _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, 0, BLOCK_H, q_l, col_l)
-    f1 = _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, 1, BLOCK_H, q_l, col_l)
-    f2 = _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, 2, BLOCK_H, q_l, col_l)
-    f3 = _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, 3, BLOCK_H, q_l, col_l)
+    f0 = _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, 0, BLOCK_H, q_l, col_l, KPERM)
+    f1 = _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, 1, BLOCK_H, q_l, col_l, KPERM)
+    f2 = _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, 2, BLOCK_H, q_l, col_l, KPERM)
+    f3 = _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, 3, BLOCK_H, q_l, col_l, KPERM)
     rh = gl.arange(0, BLOCK_H, layout=col_l)
     wraw = gl.load(w_ptr + n.to(gl.int64) * w_sn + rh, mask=rh < heads, other=0.0)
     wv = wraw.to(gl.float32)
@@ -286,8 +300,15 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
         _issue(raw.index(nxt), scl.index(nxt), pool_ptr, bt_ptr, slot, bt_stride, n_vis, cand_row,
                t + (STAGES - 1) * nprog, PAGE, HAS_CAND, copy_l, scl_l)
         cur = i % STAGES
-        lo, hi = _widen(raw.index(cur).load(copy_l))
-        a_words.store(gl.reshape(gl.join(lo, hi), [_BLOCK_E, 32]))
+        if KPERM:
+            # block b's 8 words: its 4 code words' low-nibble bytes, then their high-nibble bytes (a
+            # thread holds one block's 4 words: no byte permutes)
+            lo, hi = _widen_split(raw.index(cur).load(copy_l))
+            a4 = gl.permute(gl.join(gl.reshape(lo, [_BLOCK_E, 4, 4]), gl.reshape(hi, [_BLOCK_E, 4, 4])), [0, 1, 3, 2])
+            a_words.store(gl.reshape(a4, [_BLOCK_E, 32]))
+        else:
+            lo, hi = _widen(raw.index(cur).load(copy_l))
+            a_words.store(gl.reshape(gl.join(lo, hi), [_BLOCK_E, 32]))
         sw = scl.index(cur)._reinterpret(gl.int32, [2 * _BLOCK_E], plain1).slice(0, _BLOCK_E).load(row_l)
         # the generic-proxy stores before the wgmma's (async proxy) reads, from every thread
         fence_async_shared()
@@ -359,13 +380,14 @@ def shared_bytes(stages: int, heads: int) -> int:
 
 
 def launch_options(heads: int, page: int, stages: int, cand: bool, hist: bool, maxnreg: int | None = None,
-                   packed_terms: bool = False, mma_pairs: bool = False) -> dict:
+                   packed_terms: bool = False, mma_pairs: bool = False, kperm: bool = False) -> dict:
     """The kernel's constexpr arguments and launch options (the launch and the sm_90 compile test
     share them). The page is a constant of the kernel (a record's place without a division);
     maxnreg: a register cap per thread (None: the compiler's choice); packed_terms: the weighted
-    terms in BF16x2 (`_weighted_terms_bf16x2`); mma_pairs: the four block wgmmas two at a time."""
+    terms in BF16x2 (`_weighted_terms_bf16x2`); mma_pairs: the four block wgmmas two at a time;
+    kperm: each block's key dims in `_widen_split`'s order (no byte permutes), the query's to match."""
     opts = {"PAGE": page, "BLOCK_H": block_h(heads), "STAGES": stages, "HAS_CAND": cand, "HIST": hist,
-            "PACKED": bool(packed_terms), "MMA_PAIRS": bool(mma_pairs), "num_warps": 4}
+            "PACKED": bool(packed_terms), "MMA_PAIRS": bool(mma_pairs), "KPERM": bool(kperm), "num_warps": 4}
     if maxnreg is not None:
         opts["maxnreg"] = maxnreg
     return opts
@@ -375,7 +397,7 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
                               page: int, req_slot: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor,
                               cand_mask: torch.Tensor | None = None, hist: torch.Tensor | None = None,
                               stages: int = 4, programs_per_sm: int = 3, maxnreg: int | None = None,
-                              packed_terms: bool = False, mma_pairs: bool = False) -> torch.Tensor:
+                              packed_terms: bool = False, mma_pairs: bool = False, kperm: bool = False) -> torch.Tensor:
     """Write the indexer scores of N decode rows into `out`: `ops.indexer.index_scores_mxfp4_(...,
     fp8_dot=True)`'s arguments and scores (see the module docstring), on an sm_90 device.
 
@@ -393,6 +415,9 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
       measured.
     mma_pairs: the four block wgmmas two at a time (two partials live instead of four: 128 registers
       a thread instead of ~150 at 32 heads, four programs an SM); the same bits. To be measured.
+    kperm: the key tile's columns in a block in the widening's natural order (low nibbles' bytes, then
+      high nibbles'), the query's permuted to match (no byte permutes); the same bits (a block's
+      products are exact). To be measured.
     Unchecked: as `index_scores_mxfp4_`. Returns out.
     """
     n_rows, heads = index_scores_args(iq, w, pool, block_table, page, req_slot, n_vis, out, cand_mask)
@@ -428,5 +453,5 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
         heads, max_entries, block_table.stride(0), iq.stride(0), iq.stride(1), w.stride(0),
         cand.stride(0), out.stride(0), hist_t.stride(0),
         **launch_options(heads, page, stages, cand_mask is not None, hist is not None, maxnreg, packed_terms,
-                         mma_pairs))
+                         mma_pairs, kperm))
     return out

@@ -2,7 +2,7 @@
 `fp4.bf16_round`, a Triton JIT function that the interpreter would replace), and by hand: compiles
 `ops.gluon_indexer`'s kernel for sm_90 in CASES and prints one JSON object per case: its registers,
 stack, local memory and shared memory, the opcode counts, the wgmma instructions and waits. `python
-tests/ops/_gluon_indexer_sm90.py [heads:page:stages:cand:hist[:maxnreg[:packed[:pairs]]] ...]` compiles the given cases instead."""
+tests/ops/_gluon_indexer_sm90.py [heads:page:stages:cand:hist[:maxnreg[:packed[:pairs[:kperm]]]] ...]` compiles the given cases instead."""
 
 from __future__ import annotations
 
@@ -12,22 +12,24 @@ import sys
 from dsv41_decode.ops import gluon_indexer as GI
 from dsv41_decode.testing import sm90
 
-# (heads, page, stages, candidate mask, histogram[, register cap[, packed terms[, wgmma pairs]]]): the
-# step's dense call (32 heads, pages of 64) with and without the fused histogram, the
+# (heads, page, stages, candidate mask, histogram[, register cap[, packed terms[, wgmma pairs[, key
+# order]]]]): the step's dense call (32 heads, pages of 64) with and without the fused histogram, the
 # candidate-restricted call, 64 heads, a deep ring, the tests' pages of 16, the 128-register cap, the
-# BF16x2 terms, the wgmmas two at a time (alone: 128 registers uncapped; with the BF16x2 terms at 112)
+# BF16x2 terms, the wgmmas two at a time (alone: 128 registers uncapped; with the BF16x2 terms at
+# 112), the permuted key order (with and without the others)
 CASES = [(32, 64, 4, 0, 0), (32, 64, 4, 0, 1), (32, 64, 4, 1, 0), (64, 64, 4, 0, 0), (32, 64, 8, 0, 1),
          (32, 16, 4, 0, 0), (32, 64, 6, 0, 0, 128), (32, 64, 6, 0, 1, 0, 1), (32, 64, 4, 0, 1, 0, 0, 1),
-         (32, 64, 6, 0, 0, 112, 1, 1)]
+         (32, 64, 6, 0, 0, 112, 1, 1), (32, 16, 4, 1, 0, 0, 0, 0, 1), (32, 64, 4, 0, 1, 0, 1, 1, 1)]
 TYPES = {"iq_ptr": "*bf16", "w_ptr": "*bf16", "pool_ptr": "*i32", "bt_ptr": "*i32", "slot_ptr": "*i64",
          "nvis_ptr": "*i32", "cand_ptr": "*u8", "out_ptr": "*fp32", "hist_ptr": "*i32",
          "scratch_ptr": "*i32"}
 
 
 def compile_case(heads: int, page: int, stages: int, cand: int, hist: int, maxnreg: int = 0, packed: int = 0,
-                 pairs: int = 0):
+                 pairs: int = 0, kperm: int = 0):
     """The kernel as the launcher builds it, compiled for sm_90 (pointers 16-byte divisible)."""
-    opts = GI.launch_options(heads, page, stages, bool(cand), bool(hist), maxnreg or None, bool(packed), bool(pairs))
+    opts = GI.launch_options(heads, page, stages, bool(cand), bool(hist), maxnreg or None, bool(packed), bool(pairs),
+                             bool(kperm))
     options = {k: opts.pop(k) for k in ("num_warps", "maxnreg") if k in opts}
     kernel = GI._gluon_index_scores_kernel
     return sm90.compile_sm90(kernel, TYPES, opts, divisible=[a for a in kernel.arg_names if a.endswith("_ptr")],
@@ -35,11 +37,11 @@ def compile_case(heads: int, page: int, stages: int, cand: int, hist: int, maxnr
 
 
 def measure(heads: int, page: int, stages: int, cand: int = 0, hist: int = 0, maxnreg: int = 0,
-            packed: int = 0, pairs: int = 0) -> dict:
-    case = [heads, page, stages, cand, hist, maxnreg, packed, pairs]
+            packed: int = 0, pairs: int = 0, kperm: int = 0) -> dict:
+    case = [heads, page, stages, cand, hist, maxnreg, packed, pairs, kperm]
     while len(case) > 5 and not case[-1]:
         case.pop()
-    kernel = compile_case(heads, page, stages, cand, hist, maxnreg, packed, pairs)
+    kernel = compile_case(heads, page, stages, cand, hist, maxnreg, packed, pairs, kperm)
     ins = [t for _, t in sm90.sass(kernel)]
     return {"case": case, "maxnreg": maxnreg, "block_h": GI.block_h(heads),
             "shared_limit": GI.shared_bytes(stages, heads), "shared": kernel.metadata.shared,

@@ -58,7 +58,8 @@ def sm90_builds() -> dict:
 @pytest.mark.parametrize("case", CASES, ids=[f"h{c[0]}-p{c[1]}-s{c[2]}" + ("-cand" if c[3] else "") + ("-hist" if c[4] else "")
                                              + (f"-r{c[5]}" if len(c) > 5 and c[5] else "")
                                              + ("-packed" if len(c) > 6 and c[6] else "")
-                                             + ("-pairs" if len(c) > 7 and c[7] else "") for c in CASES])
+                                             + ("-pairs" if len(c) > 7 and c[7] else "")
+                                             + ("-kperm" if len(c) > 8 and c[8] else "") for c in CASES])
 def test_compiles_for_sm90_without_spills(sm90_builds, case):
     r = sm90_builds[case]
     assert r["LOCAL"] == 0 and r["STACK"] == 0, r
@@ -78,8 +79,10 @@ def test_compiles_for_sm90_without_spills(sm90_builds, case):
     assert r["ldgsts"] and not any(".64" in t or ".128" in t for t in r["ldgsts"]), r["ldgsts"]
     assert loop.get("LDGSTS", 0) == 9, loop
     assert f"DEPBAR.LE SB0, {hex(case[2] - 2)}" in r["waits"], r["waits"]
-    # the widening's byte permutes
-    assert loop.get("PRMT", 0) >= 16, loop
+    # the widening's byte permutes (none with the permuted key order; with the BF16x2 terms, one per
+    # pair of weights)
+    kperm = len(case) > 8 and case[8]
+    assert (loop.get("PRMT", 0) >= 16) == (not kperm), loop
     # the weighted terms two at a time in BF16x2 when asked for, else the FP32 relu and product
     packed = len(case) > 6 and case[6]
     assert (loop.get("HMNMX2", 0) > 0 and loop.get("HMUL2", 0) + loop.get("HFMA2", 0) > 0) == bool(packed), loop
@@ -173,9 +176,10 @@ def test_gpu_bits_equal_triton_fp8_path(rows, page):
 @pytest.mark.parametrize("stages, programs_per_sm, maxnreg, packed, pairs", [
     (2, 1, None, False, False), (4, 4, None, False, False), (8, 2, None, False, False), (12, 8, None, False, False),
     (6, 4, 128, False, False), (4, 4, None, True, False), (4, 4, None, False, True), (6, 5, 96, True, True)])
-def test_gpu_configurations_give_the_same_bits(stages, programs_per_sm, maxnreg, packed, pairs):
-    args = _inputs(4, [4103, 777, 0, 64], seed=5)
-    kw = dict(stages=stages, programs_per_sm=programs_per_sm, maxnreg=maxnreg, packed_terms=packed, mma_pairs=pairs)
+@pytest.mark.parametrize("kperm", [False, True])
+def test_gpu_configurations_give_the_same_bits(stages, programs_per_sm, maxnreg, packed, pairs, kperm):
+    kw = dict(stages=stages, programs_per_sm=programs_per_sm, maxnreg=maxnreg, packed_terms=packed, mma_pairs=pairs,
+              kperm=kperm)
     for page in (16, 64):
         got, ref = _pair(_inputs(4, [4103, 777, 0, 64], seed=5, page=page), page, 4200, **kw)
         _assert_bits_equal(got, ref, f"page={page} {kw}")
@@ -186,8 +190,9 @@ def test_gpu_configurations_give_the_same_bits(stages, programs_per_sm, maxnreg,
 def test_gpu_packed_terms_bits_equal_triton_fp8_path(rows):
     # the BF16x2 terms: the same bits wherever no weighted term is an FP32 subnormal (none here)
     args = _inputs(rows, _contexts(rows, seed=rows + 50), seed=rows + 50, page=64)
-    got, ref = _pair(args, 64, 4160, packed_terms=True)
-    _assert_bits_equal(got, ref, f"packed_terms rows={rows}")
+    for kw in ({"packed_terms": True}, {"packed_terms": True, "mma_pairs": True, "kperm": True}):
+        got, ref = _pair(args, 64, 4160, **kw)
+        _assert_bits_equal(got, ref, f"rows={rows} {kw}")
 
 
 @pytest.mark.gpu
@@ -195,8 +200,9 @@ def test_gpu_candidate_restricted():
     args = _inputs(3, [4000, 333, 64], seed=7)
     g = torch.Generator(device=DEVICE).manual_seed(7)
     cand = torch.rand(3, 4096, generator=g, device=DEVICE) < 0.3
-    got, ref = _pair(args, 16, 4096, cand=cand)
-    _assert_bits_equal(got, ref, "candidate mask")
+    for kw in ({}, {"mma_pairs": True, "kperm": True}):
+        got, ref = _pair(args, 16, 4096, cand=cand, **kw)
+        _assert_bits_equal(got, ref, f"candidate mask {kw}")
     assert bool(torch.isneginf(got[~cand]).all())
 
 
@@ -210,8 +216,9 @@ def test_gpu_scale_extremes():
     pool = pool.cpu().clone()
     pool[:, 64] = torch.randint(90, 160, (pool.shape[0],), dtype=torch.uint8)
     args = (iq.bfloat16().to(DEVICE), w, pool.to(DEVICE), bt, slot, nv)
-    got, ref = _pair(args, TI._PAGE, 64)
-    _assert_bits_equal(got, ref, "scale extremes (8 heads)")
+    for kw in ({}, {"kperm": True, "packed_terms": True}):
+        got, ref = _pair(args, TI._PAGE, 64, **kw)
+        _assert_bits_equal(got, ref, f"scale extremes (8 heads) {kw}")
     TI._check(got, TI.reference_scores(*args, 64))
 
 
@@ -250,7 +257,7 @@ def test_gpu_histogram_of_the_key_high_bytes(rows):
     args[1][0, :] = -0.0
     args[2][::97, 64] = 255
     want = _key_hist(_pair(args, 64, 4160)[1], args[5]).int().cpu()
-    for kw in ({}, {"mma_pairs": True, "packed_terms": True}, {"programs_per_sm": 1, "stages": 2}):
+    for kw in ({}, {"mma_pairs": True, "packed_terms": True, "kperm": True}, {"programs_per_sm": 1, "stages": 2}):
         hist = torch.zeros(rows, 2568, dtype=torch.int32, device=DEVICE)
         hist[:, 256:] = 7                      # the rest of the workspace is left alone
         got, ref = _pair(args, 64, 4160, hist=hist, **kw)
