@@ -32,7 +32,8 @@ over its row's tiles of BLOCK_E = 64 entries: tile p, p + P, ...):
 - **The optional histogram** (`hist`, a top-k workspace): each program counts the high byte of its
   visible scores' 16-bit order-preserving keys (`ops.topk._keys`, group 1: -0.0 keyed as +0.0;
   -inf, NaN and entries past n_vis not counted) into 256 counters of its own in global memory (a
-  scratch the launch takes; zeroed by the program first): per tile, the lanes of a warp whose
+  scratch: `hist_scratch`, or one the launch allocates; zeroed by the program first and again
+  after it reads them, so a scratch that is zero between launches stays so): per tile, the lanes of a warp whose
   scores share a bin vote (match.any) and one of them adds their count (`_key_votes`), with no
   barrier and no contention with other programs. At its end the program adds its nonzero bins
   into hist[row, 0:256], one relaxed atomic each (integer sums: the totals do not depend on the
@@ -360,6 +361,7 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
         # every thread's adds are done (the barrier orders them before these reads, from L2)
         gl.thread_barrier()
         h = gl.load(priv + bins, cache_modifier=".cg")
+        gl.store(priv + bins, gl.zeros([_HIST_BINS], gl.int32, hist_l))     # each thread its own bins
         gl.atomic_add(hist_ptr + n.to(gl.int64) * hist_sn + bins, h, mask=h > 0, sem="relaxed")
 
     neg = gl.full([_BLOCK_E], float("-inf"), gl.float32, row_l)
@@ -393,11 +395,22 @@ def launch_options(heads: int, page: int, stages: int, cand: bool, hist: bool, m
     return opts
 
 
+def programs_per_row(n_rows: int, max_entries: int, device, programs_per_sm: int) -> int:
+    """The launch's programs per row: ceil(programs_per_sm * SMs / N), at most one per 64-entry tile."""
+    return min(triton.cdiv(max_entries, BLOCK_E), max(1, -(-programs_per_sm * num_sms(device) // n_rows)))
+
+
+def hist_scratch_numel(n_rows: int, max_entries: int, device, programs_per_sm: int = 3) -> int:
+    """The int32 elements `gluon_index_scores_mxfp4_(..., hist=, hist_scratch=)` needs: 256 per program."""
+    return n_rows * programs_per_row(n_rows, max_entries, device, programs_per_sm) * HIST_BINS
+
+
 def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor,
                               page: int, req_slot: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor,
                               cand_mask: torch.Tensor | None = None, hist: torch.Tensor | None = None,
                               stages: int = 4, programs_per_sm: int = 3, maxnreg: int | None = None,
-                              packed_terms: bool = False, mma_pairs: bool = False, kperm: bool = False) -> torch.Tensor:
+                              packed_terms: bool = False, mma_pairs: bool = False, kperm: bool = False,
+                              hist_scratch: torch.Tensor | None = None) -> torch.Tensor:
     """Write the indexer scores of N decode rows into `out`: `ops.indexer.index_scores_mxfp4_(...,
     fp8_dot=True)`'s arguments and scores (see the module docstring), on an sm_90 device.
 
@@ -406,6 +419,10 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
     hist: optional int32 [N, W] (W >= 256, last dim contiguous), a top-k workspace (`ops.topk`,
       `_WS_HI` at column 0): the launch adds to hist[n, 0:256] the histogram of the high bytes of
       row n's selectable scores' 16-bit keys (`ops.topk._keys`, group 1); the caller zeroes it.
+    hist_scratch: with hist, optionally the programs' counters: int32, contiguous, at least
+      `hist_scratch_numel(N, max_entries, device, programs_per_sm)` elements; left as it was found
+      when that was zero (each program zeroes its counters before and after use). None: the launch
+      allocates one (torch.empty).
     stages: ring slots of 64 records (2..MAX_STAGES); STAGES - 1 tiles are in flight per program.
     programs_per_sm: each row gets at most ceil(programs_per_sm * SMs / N) programs (3: the programs an
       SM holds at 32 heads, ~150 registers a thread; 4 with maxnreg=128).
@@ -427,6 +444,10 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
                          f"last dim, got {tuple(hist.shape)} {hist.dtype}")
     if hist is not None and hist.device != iq.device:
         raise ValueError(f"hist must be on iq's device {iq.device}, got {hist.device}")
+    if hist_scratch is not None and not (hist_scratch.dtype == torch.int32 and hist_scratch.is_contiguous()
+                                         and hist_scratch.device == iq.device):
+        raise ValueError(f"hist_scratch must be None or a contiguous int32 tensor on {iq.device}, got "
+                         f"{tuple(hist_scratch.shape)} {hist_scratch.dtype} on {hist_scratch.device}")
     if isinstance(stages, bool) or not isinstance(stages, int) or not 2 <= stages <= MAX_STAGES:
         raise ValueError(f"stages must be an int in [2, {MAX_STAGES}], got {stages!r}")
     if isinstance(programs_per_sm, bool) or not isinstance(programs_per_sm, int) or programs_per_sm < 1:
@@ -442,12 +463,17 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
         return out
     cand = cand_mask.view(torch.uint8) if cand_mask is not None else out
     hist_t = hist if hist is not None else n_vis
+    grid = (n_rows, programs_per_row(n_rows, max_entries, iq.device, programs_per_sm))
     scratch = n_vis
-    per_row = max(1, -(-programs_per_sm * num_sms(iq.device) // n_rows))
-    grid = (n_rows, min(triton.cdiv(max_entries, BLOCK_E), per_row))
     if hist is not None:
         # each program's own 256 counters, which it zeroes first: any contents will do
-        scratch = torch.empty(grid[0] * grid[1] * HIST_BINS, dtype=torch.int32, device=iq.device)
+        need = grid[0] * grid[1] * HIST_BINS
+        if hist_scratch is None:
+            scratch = torch.empty(need, dtype=torch.int32, device=iq.device)
+        elif hist_scratch.numel() < need:
+            raise ValueError(f"hist_scratch must hold >= {need} elements (hist_scratch_numel), got {hist_scratch.numel()}")
+        else:
+            scratch = hist_scratch
     _gluon_index_scores_kernel[grid](
         iq, w, pool.view(torch.int32), block_table, req_slot, n_vis, cand, out, hist_t, scratch,
         heads, max_entries, block_table.stride(0), iq.stride(0), iq.stride(1), w.stride(0),

@@ -115,6 +115,7 @@ def test_bad_inputs_raise_naming_the_argument():
             ((iq, w, pool, bt, 16, slot, nv, out), {"stages": 13}, "stages must be"),
             ((iq, w, pool, bt, 16, slot, nv, out), {"programs_per_sm": 0}, "programs_per_sm must be"),
             ((iq, w, pool, bt, 16, slot, nv, out), {"maxnreg": 100}, "maxnreg must be"),
+            ((iq, w, pool, bt, 16, slot, nv, out), {"hist_scratch": torch.zeros(4096)}, "hist_scratch must be"),
             ((iq, w, pool, bt, 16, slot, nv, out), {}, "compute capability 9.0")):
         with pytest.raises(ValueError, match=match):
             run(*args, **kw)
@@ -264,6 +265,8 @@ def test_gpu_histogram_of_the_key_high_bytes(rows):
         _assert_bits_equal(got, ref, f"with the histogram {kw}")
         assert torch.equal(hist[:, :256].cpu(), want), kw
         assert bool((hist[:, 256:] == 7).all())
-    # added to what is there: a second call doubles it
-    got, _ = _pair(args, 64, 4160, hist=hist)
+    # added to what is there: a second call doubles it; a zeroed scratch of the caller's is left zero
+    scratch = torch.zeros(GI.hist_scratch_numel(rows, 4160, DEVICE) + 5, dtype=torch.int32, device=DEVICE)
+    got, _ = _pair(args, 64, 4160, hist=hist, hist_scratch=scratch)
     assert torch.equal(hist[:, :256].cpu(), 2 * want)
+    assert not bool(scratch.any())
