@@ -9,33 +9,40 @@ How the kernel runs (one warpgroup a program; grid (rows, programs per row), eac
 over its row's tiles of BLOCK_E = 64 entries: tile p, p + P, ...):
 
 - **Records by cp.async.** A tile's records (entry j -> pool record block_table[slot, j // page] *
-  page + j % page: any page, 4-byte aligned records) are copied as 16 code words [64, 16] and the
-  scale word into a ring of STAGES shared-memory slots with the asynchronous copy (coalesced 4-byte
-  copies: a warp reads two whole records per instruction). STAGES - 1 tiles are in flight while a
-  program scores one; masked entries (past n_vis, outside the candidate mask) are not read.
+  page + j % page: any page, 4-byte aligned records; with a page a multiple of 64 a tile lies in
+  one page: one block-table load and a uniform base) are copied as 16 code words [64, 16] and the
+  scale word into a ring of STAGES shared-memory slots with the asynchronous copy (4-byte copies,
+  each thread four consecutive words of a record, a warp's lanes on eight records' code words).
+  STAGES - 1 tiles are in flight while a program scores one; masked entries (past n_vis, outside
+  the candidate mask) are not read.
 - **E2M1 -> E4M3 by integer ops, into shared memory.** Each code word (8 nibbles: key dims 8w ..
-  8w + 7) becomes two words of E4M3 bytes in dim order: `ops.indexer`'s byte trick (E4M3 byte
-  ((c & 7) << 2) | ((c & 8) << 4) is exactly E2M1(c) * 2^-6), four bytes an operation, then two
-  byte permutes (prmt) interleave the low and high nibbles' bytes. The [64, 128] E4M3 key tile is
-  stored 128-byte swizzled for the wgmma.
+  8w + 7) becomes two words of E4M3 bytes: `ops.indexer`'s byte trick (E4M3 byte
+  ((c & 7) << 2) | ((c & 8) << 4) is exactly E2M1(c) * 2^-6), four bytes an operation; two byte
+  permutes (prmt) interleave the low and high nibbles' bytes into dim order, or (`kperm`) they stay
+  apart and each block's 32 key dims are stored in that order, the query's permuted to match (a
+  block's 32 products are exact, so their sum does not depend on the order). The [64, 128] E4M3
+  key tile is stored 128-byte swizzled for the wgmma.
 - **Four FP8 wgmmas, one per scale block.** The keys are the wgmma's M (64), the row's heads its
   N (BLOCK_H: the heads padded to a power of two >= 16, as `ops.indexer`), K = 32: a block's exact
   partial (products of E2M1 values times 2^-12, a 32-term sum of 13 bits: exact in the tensor
-  core's accumulator) from a zero accumulator. The query is `ops.indexer._q_block_e4m3`'s per
-  block, computed once per program into shared memory: E4M3 q' and the per-head power of two f.
+  core's accumulator) from a zero accumulator; all four in flight, or (`mma_pairs`) two at a time
+  (two partials live instead of four: fewer registers). The query is `ops.indexer._q_block_e4m3`'s
+  per block, computed once per program into shared memory: E4M3 q' and the per-head power of two f.
 - **The epilogue as `ops.indexer`'s FP8 path**: acc = (d_0 f_0) k_0, then acc += (d_b f_b) k_b for
   blocks 1, 2, 3 in order (k_b the key's block scale 2^(byte - 127)); bf16, relu, times w, bf16,
   the FP32 sum over heads (`gl.sum` in the wgmma's accumulator layout: the same layout as the
   Triton path's dot result at BLOCK_H heads, so the same reduction order), bf16. Each scale is a
   power of two and each block partial is exact, so every product above is exact (barring
-  overflow or subnormals) and the adds are the Triton path's adds in the Triton path's order.
+  overflow or subnormals) and the adds are the Triton path's adds in the Triton path's order. The
+  per-(entry, head) BF16 roundings use the packed conversion (`_bf16_pair`), or (`packed_terms`)
+  the relu and the weight run in BF16x2 too (`_weighted_terms_bf16x2`).
 - **The optional histogram** (`hist`, a top-k workspace): each program counts the high byte of its
   visible scores' 16-bit order-preserving keys (`ops.topk._keys`, group 1: -0.0 keyed as +0.0;
   -inf, NaN and entries past n_vis not counted) into 256 counters of its own in global memory (a
   scratch: `hist_scratch`, or one the launch allocates; zeroed by the program first and again
-  after it reads them, so a scratch that is zero between launches stays so): per tile, the lanes of a warp whose
-  scores share a bin vote (match.any) and one of them adds their count (`_key_votes`), with no
-  barrier and no contention with other programs. At its end the program adds its nonzero bins
+  after it reads them, so a scratch that is zero between launches stays so): per tile, the lanes
+  of a warp whose scores share a bin vote (match.any) and one of them adds their count
+  (`_key_votes`), with no barrier and no contention with other programs. At its end the program adds its nonzero bins
   into hist[row, 0:256], one relaxed atomic each (integer sums: the totals do not depend on the
   order they land in).
 
