@@ -349,8 +349,8 @@ def _gluon_sparse_mla_kernel(
     # ml [N, NB, 3, PH] (max, sum, valid-key count), block_max [N, NB, PH], flags [N, NB] (here a
     # bit per block: the row's first ceil(NB / 32) words; the combination zeroes them). COMBINE 0:
     # the separate launch combines; 1 (inline): counters [N, DSPLIT + 1] (`GluonSparseMlaPlan.counters`),
-    # the arrivals per (row, dim slice), then the row's finished slices; 2 (spread): the same rows
-    # of counters, the row's arrivals and departures. PHASES: log [N * NB * DSPLIT, 16] int64 by ticket.
+    # the arrivals per (row, dim slice), then the row's finished slices; 2 (spread): the first of
+    # the same row of counters, the row's arrivals. PHASES: log [N * NB * DSPLIT, 16] int64 by ticket.
     D: gl.constexpr = 512
     NC: gl.constexpr = D // _DC
     NCP: gl.constexpr = NC // DSPLIT        # the 128-dim chunks of P.V and of the partial a program does
@@ -567,25 +567,27 @@ def _gluon_sparse_mla_kernel(
         # Every program of the row waits until all NB x DSPLIT have arrived (the launcher runs this
         # only where the whole grid is resident at once, so the wait ends), then combines its share
         # of the [PH, 512] output: the combination's steps j, j + NB DSPLIT, ... for the row's j-th
-        # program. The last to leave (every program has stopped polling) clears the counters and
-        # the row's flag words.
+        # program. The last to arrive (every program of the row is past its look-back) clears the
+        # row's flag words (and board) and sets the counter back to 0 with release: the others
+        # wait for 0 (or the full count, seen before the reset), so none has to count its leaving.
+        P: gl.constexpr = NB * DSPLIT
         gl.thread_barrier()
-        gl.atomic_add(cnt, 1, sem="release", scope="gpu")
+        arrived = gl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
         polls = 0
-        while (gl.atomic_add(cnt, 0, sem="acquire", scope="gpu") < NB * DSPLIT) & (polls < _SPIN_LIMIT):
-            polls += 1
-        _stamp(log_row, 8, PHASES)
-        _combine_slice(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, r, H, stride_on, stride_oh,
-                       0, b * DSPLIT + sl, (polls >= _SPIN_LIMIT).to(gl.int32), NB, NB_P2, PH, D, NB * DSPLIT)
-        _stamp(log_row, 9, PHASES)
-        gl.thread_barrier()
-        left = gl.atomic_add(cnt + 1, 1, sem="acq_rel", scope="gpu")
-        if left == NB * DSPLIT - 1:
-            gl.store(cnt, 0)
-            gl.store(cnt + 1, 0)
+        if arrived == P - 1:
             _clear_row(flags, board_ptr + tile * PH, NB, NB_P2, PH, VALUES, ld)
+            gl.atomic_xchg(cnt, 0, sem="release", scope="gpu")
             if PHASES:
                 gl.store(log_row + _PH_COMBINER, 1)
+        else:
+            seen = gl.atomic_add(cnt, 0, sem="acquire", scope="gpu")
+            while (seen != 0) & (seen < P) & (polls < _SPIN_LIMIT):
+                seen = gl.atomic_add(cnt, 0, sem="acquire", scope="gpu")
+                polls += 1
+        _stamp(log_row, 8, PHASES)
+        _combine_slice(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, r, H, stride_on, stride_oh,
+                       0, b * DSPLIT + sl, (polls >= _SPIN_LIMIT).to(gl.int32), NB, NB_P2, PH, D, P)
+        _stamp(log_row, 9, PHASES)
     if PHASES:
         _stamp(log_row, _PH_CEND, PHASES)
         _stamp_global(log_row, _PH_GEND, "mov.u64 $0, %globaltimer;", PHASES)

@@ -99,12 +99,12 @@ def test_compiles_for_sm90_without_spills(heads, w, k, config):
     assert len(gmma) == 32 + 16 // config.dim_split
     # the discard of the partials' L2 lines (CCTL.E.RML2) where asked for
     assert any("RML2" in t for t in ins) == config.discard
-    # the ticket (and the flag polls, compiled as loads); the inline combination's arrival counter
-    # (and with dim slices the row's finished-slice counter); the spread one's departures
+    # the ticket (and the polls, compiled as loads); the inline combination's arrival counter (and
+    # with dim slices the row's finished-slice counter); the spread one's arrivals and their reset
     inline = config.combine == "inline"
     # (the spread combination takes no ticket: its programs are all resident)
     spread = config.combine == "spread"
-    atomics = (not spread) + inline + (inline and config.dim_split > 1) + spread
+    atomics = (not spread) + inline + (inline and config.dim_split > 1) + 2 * spread
     assert ops.get("ATOMG", 0) == atomics, ops
     assert any("SR_CLOCK" in t for t in ins) == config.phases     # the clock reads of the phase log
     loads = [t.split()[1] if t.startswith("@") else t.split()[0] for t in ins if "LDG" in t]
