@@ -342,7 +342,7 @@ def _gluon_sparse_mla_kernel(
     W: gl.constexpr, W_P2: gl.constexpr, KC: gl.constexpr, NB: gl.constexpr, NB_P2: gl.constexpr, PH: gl.constexpr,
     Q_BUFFERS: gl.constexpr = 4, FP4_PACKED: gl.constexpr = False, PREFETCH: gl.constexpr = False,
     DSPLIT: gl.constexpr = 1, COMBINE: gl.constexpr = 0, DISCARD: gl.constexpr = False, VALUES: gl.constexpr = False,
-    ROW_MAJOR: gl.constexpr = False, TICKET: gl.constexpr = True,
+    ROW_MAJOR: gl.constexpr = False, TICKET: gl.constexpr = True, PV_PIPELINE: gl.constexpr = False,
     PHASES: gl.constexpr = False,
 ):
     # Workspaces (`SparseMlaPlan` with one head group of PH = block_h heads): acc [N, NB, PH, 512],
@@ -526,13 +526,24 @@ def _gluon_sparse_mla_kernel(
     do = gl.arange(0, _DC, layout=gl.SliceLayout(0, o_l))
     acc_rows = part_acc_ptr + (tile + b) * (PH * D) + ho[:, None] * D + do[None, :]
     zero = gl.zeros([_M, _DC], gl.float32, o_l)
-    for c in gl.static_range(NCP):
-        if DSPLIT == 1:
-            a = warpgroup_mma(p_smem, k_smem.index(c), zero, use_acc=False)
-            gl.store(acc_rows + c * _DC, a, mask=(ho < PH)[:, None])
-        else:
-            a = warpgroup_mma(p_smem, k_smem.index(sl * NCP + c), zero, use_acc=False)
-            gl.store(acc_rows + (sl * NCP + c) * _DC, a, mask=(ho < PH)[:, None])
+    if PV_PIPELINE and NCP > 1:
+        # chunk c + 1's MMA in flight while chunk c is stored (two accumulators live)
+        prev = warpgroup_mma(p_smem, k_smem.index(sl * NCP), zero, use_acc=False, is_async=True)
+        for c in gl.static_range(1, NCP):
+            nxt = warpgroup_mma(p_smem, k_smem.index(sl * NCP + c), zero, use_acc=False, is_async=True)
+            prev = warpgroup_mma_wait(1, deps=[prev])
+            gl.store(acc_rows + (sl * NCP + c - 1) * _DC, prev, mask=(ho < PH)[:, None])
+            prev = nxt
+        prev = warpgroup_mma_wait(0, deps=[prev])
+        gl.store(acc_rows + (sl * NCP + NCP - 1) * _DC, prev, mask=(ho < PH)[:, None])
+    else:
+        for c in gl.static_range(NCP):
+            if DSPLIT == 1:
+                a = warpgroup_mma(p_smem, k_smem.index(c), zero, use_acc=False)
+                gl.store(acc_rows + c * _DC, a, mask=(ho < PH)[:, None])
+            else:
+                a = warpgroup_mma(p_smem, k_smem.index(sl * NCP + c), zero, use_acc=False)
+                gl.store(acc_rows + (sl * NCP + c) * _DC, a, mask=(ho < PH)[:, None])
     ml = part_ml_ptr + (tile + b) * (3 * PH) + hs
     gl.store(ml, new_max, mask=h_st)
     gl.store(ml + PH, l_i, mask=h_st)
@@ -650,6 +661,10 @@ class GluonSparseMlaConfig:
     board itself until every earlier entry is nonzero: one round trip once they are there; a max
     whose bits are 0xFFFFFFFF, a NaN, never counts as published: its row's outputs come out NaN).
 
+    pv_pipeline: a program's P.V chunks issued asynchronously, the next one's MMA in flight while
+    the one before is stored (ptxas already overlaps the next chunk's MMA issue with the stores in
+    part without it).
+
     discard (with combine="inline"): the combining program drops the partials' L2 lines once it has
     read them (PTX discard.global.L2), so partials written and combined while still in L2 are never
     written back to HBM (84 MB at 64 rows and 64 heads).
@@ -667,6 +682,7 @@ class GluonSparseMlaConfig:
     order: str = "block"
     discard: bool = False
     lookback: str = "flags"
+    pv_pipeline: bool = False
     phases: bool = False
 
     def __post_init__(self):
@@ -687,7 +703,7 @@ class GluonSparseMlaConfig:
                              "program clears the board of maxima), got combine='separate'")
         if self.order not in ("block", "row"):
             raise ValueError(f"GluonSparseMlaConfig.order must be 'block' or 'row', got {self.order!r}")
-        for name in ("fp4_packed", "prefetch", "discard", "phases"):
+        for name in ("fp4_packed", "prefetch", "discard", "pv_pipeline", "phases"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"GluonSparseMlaConfig.{name} must be a bool, got {type(getattr(self, name)).__name__}")
 
@@ -776,7 +792,7 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
                   NB_P2=max(2, triton.next_power_of_2(nb)), PH=base.block_h, Q_BUFFERS=config.q_buffers,
                   FP4_PACKED=config.fp4_packed, PREFETCH=config.prefetch, DSPLIT=config.dim_split,
                   VALUES=config.lookback == "values", ROW_MAJOR=config.order == "row",
-                  PHASES=config.phases, num_warps=NUM_WARPS)
+                  PV_PIPELINE=config.pv_pipeline, PHASES=config.phases, num_warps=NUM_WARPS)
     if combine == "spread":
         per_sm = plan.resident.get("spread")
         if per_sm is None:            # the compiled kernel's registers and shared memory decide
