@@ -642,8 +642,8 @@ class GluonSparseMlaConfig:
     so a row's combination runs on NB x S SMs, not S. Waiting on programs that may not have started
     is only sound where the whole grid is resident at once: the launcher runs "spread" where the
     launch's programs fit the SMs (`programs_per_sm` of its compiled kernel: two a SM at <= 128
-    registers with q_buffers=2) and the separate combination elsewhere (the same bits either way;
-    the inline one with lookback="values"). Where it runs, every program is resident, so the
+    registers with q_buffers=2) and the separate combination with the flag look-back elsewhere (the
+    same bits either way). Where it runs, every program is resident, so the
     programs take their (row, block) from the program id, not the atomic ticket (one round trip
     less).
 
@@ -800,9 +800,10 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
                                                      DISCARD=False, TICKET=False, **consts)
             per_sm = plan.resident["spread"] = programs_per_sm(kernel)
         if grid > num_sms(base.device) * per_sm:
-            # not every program resident at once: the row's wait could hang; the separate launch,
-            # or the inline combination where the board needs clearing in the launch
-            combine = "inline" if config.lookback == "values" else "separate"
+            # not every program resident at once: the row's wait could hang; the separate launch
+            # with the flag look-back (the board of maxima stays untouched, zero)
+            combine = "separate"
+            consts["VALUES"] = False
     _gluon_sparse_mla_kernel[(grid, )](*args, COMBINE=_COMBINES.index(combine),
                                        DISCARD=config.discard and combine == "inline", TICKET=combine != "spread",
                                        **consts)

@@ -496,7 +496,7 @@ def test_gpu_phase_log():
 @pytest.mark.parametrize("h", [8, 64])
 def test_gpu_spread_combination_at_and_past_the_resident_grid(h, config):
     # the spread combination runs where every program is resident at once and falls back to the
-    # separate launch (the inline one with lookback="values") past that, both the default's bits;
+    # separate launch (with the flag look-back) past that, both the default's bits;
     # 35 blocks a row at 3 rows (105 programs) and the Flash shape at 1, 13 (130 programs), 26 and
     # 27 rows (270 > 264 at two a SM on an H200)
     w, k = 128, 512
