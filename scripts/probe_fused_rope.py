@@ -61,14 +61,15 @@ def main() -> None:
     rows = [int(r) for r in arg("rows", "1,8,64").split(",")]
     ns = [int(n) for n in arg("n", "32768").split(",")]
     replays = int(arg("replays", "50"))
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(0)                    # host-made operands
+    gd = torch.Generator(device=DEV).manual_seed(0)         # device-made ones (the weights)
     for n in ns:
         copies = l2_rotation(n * K + (n // 32) * (K // 32))
-        weights = [fp8_block_quantize(torch.randn(n, K, generator=g, device=DEV) * K ** -0.5) for _ in range(copies)]
+        weights = [fp8_block_quantize(torch.randn(n, K, generator=gd, device=DEV) * K ** -0.5) for _ in range(copies)]
         plans = [GluonMM(w, s, max_rows=max(rows)) for w, s in weights]
         print(f"wq_b N={n} K={K}: {plans[0].config}, split {plans[0].split}, {copies} weight copies")
         for m in rows:
-            codes, sx = mxfp8_quantize(torch.randn(m, K, generator=g, device=DEV).to(torch.bfloat16))
+            codes, sx = mxfp8_quantize(torch.randn(m, K, generator=gd, device=DEV).to(torch.bfloat16))
             cos, sin = _rope(m, g)
             ys = [torch.empty(m, n, dtype=torch.bfloat16, device=DEV) for _ in plans]
             qkv, wq, wkv, o, slots = _norm_inputs(m, g)
