@@ -26,6 +26,7 @@ from dsv41_decode.ops.kv_write import (
     index_key_store_,
     qkv_rope_insert,
     qkv_rope_insert_,
+    query_rope_,
     rope_cos_sin,
 )
 from dsv41_decode.reference import compressor as ref_comp
@@ -124,6 +125,18 @@ def test_window_ring_one_request_consecutive_slots_and_skips():
     _assert_bytes(poold[slots[:4]].cpu(), want[:4], "ring records")
     assert int(poold.cpu().count_nonzero(dim=1).gt(0).sum()) == 4
     assert torch.equal(qd.cpu(), rope_tail(q, cis, 64))
+
+
+def test_query_rope_alone_is_the_query_half():
+    # 3 heads: a masked head block; the queries as rope_tail rotates them, nothing else written
+    n, h = 4, 3
+    q, cis = _data((n, h, 512), 21), _cis(n, 2)
+    qd, cosd, sind = _dev(q, *rope_cos_sin(cis))
+    query_rope_(qd, cosd, sind)
+    assert torch.equal(qd.cpu(), rope_tail(q, cis, 64))
+    for bad, word in (((q.float(), cosd, sind), "q"), ((qd, cosd[:2], sind), "cos"), ((qd, cosd, sind.double()), "sin")):
+        with pytest.raises((TypeError, ValueError), match=word):
+            query_rope_(*bad)
 
 
 def test_qkv_convenience_and_non_finite():
