@@ -2,7 +2,7 @@
 tiling (`SparseMlaPlan.for_step`) and FlashMLA's Hopper sparse decode on the V4 record (when
 `flash_mla` imports; `bench.attn`'s baseline): 128 window + 512 compressed keys, CUDA-graph replay.
 Per (heads, rows) cell: the time of the Gluon kernel in each configuration of `--configs` (names
-in CONFIGS; default: default,pvp,spreadv,split2sv,split4sv), of the Triton step tiling and of
+in CONFIGS; default: default,lut,spreadv,split4sv,split4svl), of the Triton step tiling and of
 FlashMLA; the largest error of each Gluon configuration's and of the Triton kernel's outputs
 from the reference on the GPU, in BF16 ulps at each head's largest |output| (`ulp_max`) (on the first, middle and last rows: rows are independent,
 and the reference runs row by row); whether the Gluon configurations give the same bits as each
@@ -58,6 +58,9 @@ CONFIGS = {
     "split4sv": G.GluonSparseMlaConfig(dim_split=4, combine="spread", lookback="values"),
     "pvp": G.GluonSparseMlaConfig(pv_pipeline=True),
     "spreadvp": G.GluonSparseMlaConfig(combine="spread", lookback="values", pv_pipeline=True),
+    "lut": G.GluonSparseMlaConfig(fp4_lut=True),
+    "spreadvl": G.GluonSparseMlaConfig(combine="spread", lookback="values", fp4_lut=True),
+    "split4svl": G.GluonSparseMlaConfig(dim_split=4, combine="spread", lookback="values", fp4_lut=True),
 }
 
 
@@ -163,7 +166,7 @@ def main() -> None:
     t0 = time.time()
     heads_list = [int(v) for v in arg("heads", "64,16").split(",")]
     rows_list = [int(v) for v in arg("rows", "1,2,4,8,16,32,64").split(",")]
-    names = arg("configs", "default,pvp,spreadv,split2sv,split4sv").split(",")
+    names = arg("configs", "default,lut,spreadv,split4sv,split4svl").split(",")
     replays = int(arg("replays", "10"))
     timings(heads_list, rows_list, names, replays)
     if "--phases" in sys.argv:

@@ -45,6 +45,7 @@ def _compile(heads, w, k, config):
               "DISCARD": config.discard,
               "VALUES": config.lookback == "values", "TICKET": config.combine != "spread",
               "PV_PIPELINE": config.pv_pipeline,
+              "FP4_LUT": config.fp4_lut,
               "PHASES": config.phases}
     return sm90.compile_sm90(G._gluon_sparse_mla_kernel, _TYPES, consts, num_warps=G.NUM_WARPS)
 
@@ -54,6 +55,7 @@ PLAIN = G.GluonSparseMlaConfig(q_buffers=4, fp4_packed=False, prefetch=False)
 INLINE = G.GluonSparseMlaConfig(combine="inline")
 SPREAD = G.GluonSparseMlaConfig(combine="spread")
 SPREAD_VALUES = G.GluonSparseMlaConfig(combine="spread", lookback="values")
+LUT = G.GluonSparseMlaConfig(fp4_lut=True)
 # each option both ways: the default, the plainest, two mixes, the inline combination, the dim splits
 # with either combination
 CONFIGS = [DEFAULT, PLAIN, G.GluonSparseMlaConfig(2, False, True), G.GluonSparseMlaConfig(4, True, False), INLINE,
@@ -63,7 +65,8 @@ CONFIGS = [DEFAULT, PLAIN, G.GluonSparseMlaConfig(2, False, True), G.GluonSparse
            SPREAD, G.GluonSparseMlaConfig(dim_split=4, combine="spread"),
            G.GluonSparseMlaConfig(combine="inline", order="row", discard=True),
            G.GluonSparseMlaConfig(combine="inline", lookback="values"), G.GluonSparseMlaConfig(combine="spread", lookback="values"),
-           G.GluonSparseMlaConfig(pv_pipeline=True), G.GluonSparseMlaConfig(dim_split=2, pv_pipeline=True)]
+           G.GluonSparseMlaConfig(pv_pipeline=True), G.GluonSparseMlaConfig(dim_split=2, pv_pipeline=True),
+           G.GluonSparseMlaConfig(fp4_lut=True), G.GluonSparseMlaConfig(dim_split=4, combine="spread", lookback="values", fp4_lut=True)]
 
 
 # V4.1-Flash (128 window + 512 top-k keys) at 64 heads with the default configuration, the inline
@@ -75,10 +78,10 @@ CONFIGS = [DEFAULT, PLAIN, G.GluonSparseMlaConfig(2, False, True), G.GluonSparse
 @pytest.mark.parametrize("heads,w,k,config", [
     (64, 128, 512, DEFAULT), (64, 128, 512, G.GluonSparseMlaConfig(combine="inline", pv_pipeline=True)),
     (64, 128, 512, G.GluonSparseMlaConfig(dim_split=2, combine="inline", phases=True)),
-    (64, 128, 512, G.GluonSparseMlaConfig(dim_split=2, combine="spread", order="row", lookback="values")),
+    (64, 128, 512, G.GluonSparseMlaConfig(dim_split=2, combine="spread", order="row", lookback="values", fp4_lut=True)),
     (8, 128, 512, G.GluonSparseMlaConfig(4, False, False, dim_split=4, combine="inline", order="row", discard=True)),
     (32, 16, 72, G.GluonSparseMlaConfig(2, False, True))],
-    ids=["64h", "64h-inline-pv-pipeline", "64h-split2-inline-phases", "64h-split2-spread-row-values", "8h-plain-split4-inline-row-discard",
+    ids=["64h", "64h-inline-pv-pipeline", "64h-split2-inline-phases", "64h-split2-spread-row-values-lut", "8h-plain-split4-inline-row-discard",
          "32h-mix"])
 def test_compiles_for_sm90_without_spills(heads, w, k, config):
     kernel = _compile(heads, w, k, config)
@@ -222,6 +225,8 @@ def test_bad_arguments_name_the_argument():
         G.GluonSparseMlaConfig(lookback="values")
     with pytest.raises(ValueError, match="lookback"):
         G.GluonSparseMlaConfig(combine="inline", lookback="bits")
+    with pytest.raises(ValueError, match="fp4_lut"):
+        G.GluonSparseMlaConfig(fp4_packed=False, fp4_lut=True)
     with pytest.raises(ValueError, match="order"):
         G.GluonSparseMlaConfig(order="column")
     with pytest.raises(TypeError, match="phases"):
@@ -278,8 +283,8 @@ SPLIT4_INLINE = G.GluonSparseMlaConfig(dim_split=4, combine="inline")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [DEFAULT, INLINE, SPLIT2_INLINE, SPREAD, SPREAD_VALUES],
-                         ids=["default", "inline", "split2-inline", "spread", "spread-values"])
+@pytest.mark.parametrize("config", [DEFAULT, INLINE, SPLIT2_INLINE, SPREAD, SPREAD_VALUES, LUT],
+                         ids=["default", "inline", "split2-inline", "spread", "spread-values", "fp4-lut"])
 @pytest.mark.parametrize("w,k", [(16, 8), (16, 72)])
 def test_gpu_small_shapes(w, k, config):
     # one block in all (16 + 8 keys: the inline combination by the block's own program), and a
@@ -314,8 +319,8 @@ def test_gpu_more_than_32_blocks(config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [DEFAULT, INLINE, SPLIT4_INLINE, SPREAD, SPREAD_VALUES],
-                         ids=["default", "inline", "split4-inline", "spread", "spread-values"])
+@pytest.mark.parametrize("config", [DEFAULT, INLINE, SPLIT4_INLINE, SPREAD, SPREAD_VALUES, LUT],
+                         ids=["default", "inline", "split4-inline", "spread", "spread-values", "fp4-lut"])
 @pytest.mark.parametrize("h", [16, 64])
 def test_gpu_edge_rows(h, config):
     # row 0: nothing valid -> zeros; row 1: no top-k entries; row 2: a window not yet full (3 keys)
@@ -437,9 +442,10 @@ def test_gpu_the_steps_plan_choice_on_sm90():
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [INLINE, SPLIT4_INLINE, G.GluonSparseMlaConfig(dim_split=2),
                                     G.GluonSparseMlaConfig(combine="inline", order="row", discard=True), SPREAD,
-                                    G.GluonSparseMlaConfig(dim_split=4, combine="spread"), SPREAD_VALUES],
+                                    G.GluonSparseMlaConfig(dim_split=4, combine="spread"), SPREAD_VALUES,
+                                    G.GluonSparseMlaConfig(fp4_lut=True)],
                          ids=["inline", "split4-inline", "split2", "inline-row-discard", "spread", "split4-spread",
-                              "spread-values"])
+                              "spread-values", "fp4-lut"])
 @pytest.mark.parametrize("h", [8, 64])
 @pytest.mark.parametrize("n", [1, 64])
 def test_gpu_configs_against_the_reference(config, h, n):
