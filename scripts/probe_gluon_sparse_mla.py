@@ -61,6 +61,7 @@ CONFIGS = {
     "lut": G.GluonSparseMlaConfig(fp4_lut=True),
     "spreadvl": G.GluonSparseMlaConfig(combine="spread", lookback="values", fp4_lut=True),
     "split4svl": G.GluonSparseMlaConfig(dim_split=4, combine="spread", lookback="values", fp4_lut=True),
+    "spreadvlc": G.GluonSparseMlaConfig(combine="spread", lookback="values", fp4_lut=True, maxnreg=128),
 }
 
 

@@ -722,6 +722,10 @@ class GluonSparseMlaConfig:
     multiply by the scale; exact, so the same values), where the FP32 path spends ~19 instructions a
     value: the decode is the longest phase of a program (2.7 us of 13 at 1 row on the H200).
 
+    maxnreg: the registers ptxas may give a thread (None: its own choice); 128 fits two programs an
+    SM (fp4_lut takes 154-156 on its own: capped at 128, the spread combination's kernel compiles
+    without spills, the separate one's spills 112 bytes).
+
     pv_pipeline: a program's P.V chunks issued asynchronously, the next one's MMA in flight while
     the one before is stored (ptxas already overlaps the next chunk's MMA issue with the stores in
     part without it).
@@ -745,6 +749,7 @@ class GluonSparseMlaConfig:
     lookback: str = "flags"
     pv_pipeline: bool = False
     fp4_lut: bool = False
+    maxnreg: int | None = None
     phases: bool = False
 
     def __post_init__(self):
@@ -763,6 +768,9 @@ class GluonSparseMlaConfig:
         if self.lookback == "values" and self.combine == "separate":
             raise ValueError("GluonSparseMlaConfig.lookback='values' needs combine='inline' or 'spread' (their last "
                              "program clears the board of maxima), got combine='separate'")
+        m = self.maxnreg
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or not 64 <= m <= 255):
+            raise ValueError(f"GluonSparseMlaConfig.maxnreg must be None or an int in [64, 255], got {m!r}")
         if self.fp4_lut is True and not self.fp4_packed:
             raise ValueError("GluonSparseMlaConfig.fp4_lut decodes fp4_packed's 8-byte loads: it needs fp4_packed=True")
         if self.order not in ("block", "row"):
@@ -858,6 +866,8 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
                   VALUES=config.lookback == "values", ROW_MAJOR=config.order == "row",
                   PV_PIPELINE=config.pv_pipeline, FP4_LUT=config.fp4_lut, PHASES=config.phases,
                   num_warps=NUM_WARPS)
+    if config.maxnreg is not None:
+        consts["maxnreg"] = config.maxnreg
     if combine == "spread":
         per_sm = plan.resident.get("spread")
         if per_sm is None:            # the compiled kernel's registers and shared memory decide

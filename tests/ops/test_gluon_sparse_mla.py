@@ -66,7 +66,8 @@ CONFIGS = [DEFAULT, PLAIN, G.GluonSparseMlaConfig(2, False, True), G.GluonSparse
            G.GluonSparseMlaConfig(combine="inline", order="row", discard=True),
            G.GluonSparseMlaConfig(combine="inline", lookback="values"), G.GluonSparseMlaConfig(combine="spread", lookback="values"),
            G.GluonSparseMlaConfig(pv_pipeline=True), G.GluonSparseMlaConfig(dim_split=2, pv_pipeline=True),
-           G.GluonSparseMlaConfig(fp4_lut=True), G.GluonSparseMlaConfig(dim_split=4, combine="spread", lookback="values", fp4_lut=True)]
+           G.GluonSparseMlaConfig(fp4_lut=True), G.GluonSparseMlaConfig(dim_split=4, combine="spread", lookback="values", fp4_lut=True),
+           G.GluonSparseMlaConfig(combine="spread", lookback="values", fp4_lut=True, maxnreg=128)]
 
 
 # V4.1-Flash (128 window + 512 top-k keys) at 64 heads with the default configuration, the inline
@@ -225,6 +226,9 @@ def test_bad_arguments_name_the_argument():
         G.GluonSparseMlaConfig(lookback="values")
     with pytest.raises(ValueError, match="lookback"):
         G.GluonSparseMlaConfig(combine="inline", lookback="bits")
+    for m in (63, 256, 128.0, True):
+        with pytest.raises(ValueError, match="maxnreg"):
+            G.GluonSparseMlaConfig(maxnreg=m)
     with pytest.raises(ValueError, match="fp4_lut"):
         G.GluonSparseMlaConfig(fp4_packed=False, fp4_lut=True)
     with pytest.raises(ValueError, match="order"):
