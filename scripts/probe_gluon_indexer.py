@@ -8,7 +8,8 @@ histogram, p = the BF16x2 terms (`packed_terms`), m = the wgmmas two at a time (
 permuted key order (`kperm`), rN = a register cap of N), GB/s and %
 of the read (68 key bytes read and 4 score bytes written per entry), and how many of the Gluon
 scores differ bitwise from the Triton path's (0 expected). `--rows=1,4,16,64`,
-`--contexts=8192,32768,131072,1048576`. Prints; writes nothing. About 30-60 s.
+`--contexts=8192,32768,131072,1048576`, or `--cells=rows:context,...` (those cells only). Prints;
+writes nothing. About 30-60 s.
 """
 
 from __future__ import annotations
@@ -41,44 +42,44 @@ def main() -> None:
     names = [":".join(v) for v in variants]
     print(f"{'rows':>4} {'context':>8} {'triton':>9} " + " ".join(f"{n:>16}" for n in names) + "  (us, % of read, dN: N scores differ)",
           flush=True)
-    for context in contexts:
-        for rows in rows_list:
-            if rows * context > (64 << 20):
-                continue
-            pool, table, iq, w, req, n_vis, scores = indexer_inputs(rows, context, gen)
-            nbytes = rows * context * (68 + 4)
-            ref = torch.empty_like(scores)
-            small = rows * context < (4 << 20)
-            kw = dict(replays=20 if small else 10, min_calls=32 if small else 4)
+    cells = [(r, c) for c in contexts for r in rows_list if r * c <= (64 << 20)]
+    if arg("cells", ""):
+        cells = [tuple(int(x) for x in cell.split(":")) for cell in arg("cells", "").split(",")]
+    for rows, context in cells:
+        pool, table, iq, w, req, n_vis, scores = indexer_inputs(rows, context, gen)
+        nbytes = rows * context * (68 + 4)
+        ref = torch.empty_like(scores)
+        small = rows * context < (4 << 20)
+        kw = dict(replays=20 if small else 10, min_calls=32 if small else 4)
 
-            def triton():
-                index_scores_mxfp4_(iq, w, pool, table, PAGE, req, n_vis, ref, fp8_dot=True)
+        def triton():
+            index_scores_mxfp4_(iq, w, pool, table, PAGE, req, n_vis, ref, fp8_dot=True)
 
-            t_tri = graph_time_us(triton, **kw)
-            cells = []
-            for v in variants:
-                stages, pps = int(v[0]), int(v[1])
-                hist = torch.zeros(rows, HIST_BINS, dtype=torch.int32, device="cuda") if "h" in v[2:] else None
-                cap = next((int(x[1:]) for x in v[2:] if x.startswith("r")), None)
+        t_tri = graph_time_us(triton, **kw)
+        row_out = []
+        for v in variants:
+            stages, pps = int(v[0]), int(v[1])
+            hist = torch.zeros(rows, HIST_BINS, dtype=torch.int32, device="cuda") if "h" in v[2:] else None
+            cap = next((int(x[1:]) for x in v[2:] if x.startswith("r")), None)
 
-                def gluon():
-                    gluon_index_scores_mxfp4_(iq, w, pool, table, PAGE, req, n_vis, scores, hist=hist, stages=stages,
-                                              programs_per_sm=pps, maxnreg=cap, packed_terms="p" in v[2:],
-                                              mma_pairs="m" in v[2:], kperm="k" in v[2:])
+            def gluon():
+                gluon_index_scores_mxfp4_(iq, w, pool, table, PAGE, req, n_vis, scores, hist=hist, stages=stages,
+                                          programs_per_sm=pps, maxnreg=cap, packed_terms="p" in v[2:],
+                                          mma_pairs="m" in v[2:], kperm="k" in v[2:])
 
-                t = graph_time_us(gluon, **kw)
-                scores.fill_(float("nan"))
-                gluon()
-                triton()
-                torch.cuda.synchronize()
-                diff = bits_differ(scores, ref)
-                pct = 100 * nbytes / (read * 1e9) / (t * 1e-6)
-                cells.append(f"{t:7.2f} {pct:3.0f}% d{diff}")
-            pct_tri = 100 * nbytes / (read * 1e9) / (t_tri * 1e-6)
-            print(f"{rows:>4} {context:>8} {t_tri:6.2f} {pct_tri:2.0f}% " + " ".join(f"{c:>16}" for c in cells),
-                  flush=True)
-            del pool, scores, ref
-            torch.cuda.empty_cache()
+            t = graph_time_us(gluon, **kw)
+            scores.fill_(float("nan"))
+            gluon()
+            triton()
+            torch.cuda.synchronize()
+            diff = bits_differ(scores, ref)
+            pct = 100 * nbytes / (read * 1e9) / (t * 1e-6)
+            row_out.append(f"{t:7.2f} {pct:3.0f}% d{diff}")
+        pct_tri = 100 * nbytes / (read * 1e9) / (t_tri * 1e-6)
+        print(f"{rows:>4} {context:>8} {t_tri:6.2f} {pct_tri:2.0f}% " + " ".join(f"{c:>16}" for c in row_out),
+              flush=True)
+        del pool, scores, ref
+        torch.cuda.empty_cache()
     print(f"done in {time.time() - t0:.0f} s", flush=True)
 
 

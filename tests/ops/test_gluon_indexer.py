@@ -237,6 +237,36 @@ def test_gpu_repeatable_and_batch_invariant():
         assert bits_differ(alone[0], a[i]) == 0, f"row {i} alone differs from the same row among {rows}"
 
 
+# the configurations that may become the default (fewer registers: four programs an SM; no byte
+# permutes; with and without the BF16x2 terms)
+CANDIDATES = ({"mma_pairs": True, "kperm": True, "programs_per_sm": 4},
+              {"mma_pairs": True, "kperm": True, "packed_terms": True, "programs_per_sm": 4})
+
+
+@pytest.mark.gpu
+def test_gpu_default_candidates():
+    """The candidates for the default in one test (few compiles): edge contexts at 16 rows, pages of
+    16 and 64, dense, candidate-restricted and with the histogram into a caller's zeroed scratch."""
+    rows = 16
+    n_vis = _contexts(rows, seed=77)
+    g = torch.Generator(device=DEVICE).manual_seed(77)
+    cand = torch.rand(rows, 4160, generator=g, device=DEVICE) < 0.3
+    for i, kw in enumerate(CANDIDATES):
+        for page in ((16, 64) if i == 0 else (64, )):
+            args = _inputs(rows, n_vis, seed=77 + page, page=page)
+            got, ref = _pair(args, page, 4160, **kw)
+            _assert_bits_equal(got, ref, f"page={page} {kw}")
+        if i == 0:
+            got, ref = _pair(args, 64, 4160, cand=cand, **kw)
+            _assert_bits_equal(got, ref, f"candidate mask {kw}")
+            hist = torch.zeros(rows, 2568, dtype=torch.int32, device=DEVICE)
+            scratch = torch.zeros(GI.hist_scratch_numel(rows, 4160, DEVICE, 4), dtype=torch.int32, device=DEVICE)
+            got, ref = _pair(args, 64, 4160, hist=hist, hist_scratch=scratch, **kw)
+            _assert_bits_equal(got, ref, f"with the histogram {kw}")
+            assert torch.equal(hist[:, :256].cpu(), _key_hist(ref, args[5]).int().cpu())
+            assert not bool(hist[:, 256:].any()) and not bool(scratch.any())
+
+
 def _key_hist(scores: torch.Tensor, n_vis: torch.Tensor) -> torch.Tensor:
     """torch's histogram of the high bytes of `ops.topk`'s 16-bit keys of the selectable scores."""
     b = (scores.contiguous().view(torch.int32) >> 16) & 0xFFFF
