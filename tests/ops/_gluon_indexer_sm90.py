@@ -14,12 +14,12 @@ from dsv41_decode.testing import sm90
 
 # (heads, page, stages, candidate mask, histogram[, register cap[, packed terms[, wgmma pairs[, key
 # order]]]]): the step's dense call (32 heads, pages of 64) with and without the fused histogram, the
-# candidate-restricted call, 64 heads, a deep ring, the tests' pages of 16, the 128-register cap, the
-# BF16x2 terms, the wgmmas two at a time (alone: 128 registers uncapped; with the BF16x2 terms at
-# 112), the permuted key order (with and without the others)
-CASES = [(32, 64, 4, 0, 0), (32, 64, 4, 0, 1), (32, 64, 4, 1, 0), (64, 64, 4, 0, 0), (32, 64, 8, 0, 1),
-         (32, 16, 4, 0, 0), (32, 64, 6, 0, 0, 128), (32, 64, 6, 0, 1, 0, 1), (32, 64, 4, 0, 1, 0, 0, 1),
-         (32, 64, 6, 0, 0, 112, 1, 1), (32, 16, 4, 1, 0, 0, 0, 0, 1), (32, 64, 4, 0, 1, 0, 1, 1, 1)]
+# candidate-restricted call, 64 heads, the tests' pages of 16, the wgmmas two at a time (alone: 128
+# registers uncapped; with the BF16x2 terms, a deeper ring and a cap of 112), the permuted key order
+# (candidate mode at pages of 16; with every option and the histogram)
+CASES = [(32, 64, 4, 0, 0), (32, 64, 4, 0, 1), (32, 64, 4, 1, 0), (64, 64, 4, 0, 0), (32, 16, 4, 0, 0),
+         (32, 64, 4, 0, 1, 0, 0, 1), (32, 64, 6, 0, 0, 112, 1, 1), (32, 16, 4, 1, 0, 0, 0, 0, 1),
+         (32, 64, 4, 0, 1, 0, 1, 1, 1)]
 TYPES = {"iq_ptr": "*bf16", "w_ptr": "*bf16", "pool_ptr": "*i32", "bt_ptr": "*i32", "slot_ptr": "*i64",
          "nvis_ptr": "*i32", "cand_ptr": "*u8", "out_ptr": "*fp32", "hist_ptr": "*i32",
          "scratch_ptr": "*i32"}
