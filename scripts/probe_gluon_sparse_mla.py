@@ -95,13 +95,19 @@ def timings(heads_list, rows_list, names, replays, with_triton=True):
         gplans = [G.GluonSparseMlaPlan.build(max(rows_list), heads, W, K, "cuda", config=c) for c in configs]
         tplans = SparseMlaPlan.for_step(max(rows_list), heads, W, K, "cuda")
         inputs = sparse_mla_inputs(max(rows_list), heads, gen)
+        bad = precheck(gplans, names, inputs, rows_list, scale)
         for rows in rows_list:
             q, win, comp, wtab, ctab, sink = row_inputs(inputs, rows)
             tplan = next(p for p in tplans if rows <= p.max_rows)
             outs, times = [], []
-            for gplan in gplans:
+            for name, gplan in zip(names, gplans):
                 o = torch.empty_like(q)
                 fn = lambda o=o, p=gplan: G.gluon_sparse_mla_(p, q, win, comp, wtab, ctab, sink, scale, o)  # noqa: E731
+                if name in bad:            # failed the check: not timed (its column reads nan)
+                    times.append(float("nan"))
+                    o.copy_(outs[0]) if outs else fn()
+                    outs.append(o)
+                    continue
                 times.append(graph_time_us(fn, replays=replays))
                 fn()
                 outs.append(o)
@@ -115,10 +121,40 @@ def timings(heads_list, rows_list, names, replays, with_triton=True):
             ref = sparse_attention_records(q[picked], win, comp, wtab[picked], ctab[picked], sink, scale)
             same = all(torch.equal(o, outs[0]) for o in outs)     # on every row
             outs, ot = [o[picked] for o in outs], ot[picked]
-            best = min(times)
+            best = min(t for t in times if t == t) if any(t == t for t in times) else float("nan")
             print(f"{heads:5d} {rows:4d} | " + " ".join(f"{t:10.2f}" for t in times) + f" {us_t:10.2f} {us_f:10.2f} | "
                   f"{best / us_t:11.2f} {best / us_f:10.2f} | " + " ".join(f"{ulp_max(o, ref):14.1f}" for o in outs)
                   + f" {ulp_max(ot, ref):11.1f} | {same!s:5s} {bool(torch.equal(outs[0], ot))}", flush=True)
+
+
+def precheck(gplans, names, inputs, rows_list, scale, wait_s: float = 10.0) -> set[str]:
+    """Each configuration launched once at the first and the last row count before any timing, its
+    output compared bitwise with the first configuration's: the names of those that differ or do not
+    finish within wait_s (a look-back or a combination that never sees its flags spins until its
+    poll limit, seconds, and returns NaN), printed, and left out of the timing."""
+    bad = set()
+    for rows in sorted({rows_list[0], rows_list[-1]}):
+        q, win, comp, wtab, ctab, sink = row_inputs(inputs, rows)
+        first = None
+        for name, gplan in zip(names, gplans):
+            o = torch.full_like(q, float("nan"))
+            G.gluon_sparse_mla_(gplan, q, win, comp, wtab, ctab, sink, scale, o)
+            done = torch.cuda.Event()
+            done.record()
+            t0 = time.time()
+            while not done.query() and time.time() - t0 < wait_s:
+                time.sleep(0.01)
+            if not done.query():
+                print(f"check: {name} at {rows} rows did not finish in {wait_s:.0f} s", flush=True)
+                torch.cuda.synchronize()
+                bad.add(name)
+            if first is None:
+                first = o
+            elif not torch.equal(o, first):
+                print(f"check: {name} at {rows} rows differs from {names[0]}: "
+                      f"{int((o != first).sum())} of {o.numel()} elements (NaN: {int(o.isnan().sum())})", flush=True)
+                bad.add(name)
+    return bad
 
 
 def phase_table(log: torch.Tensor) -> list[str]:
