@@ -85,12 +85,9 @@ def bench_sparse_mla(ops, rows_list, heads_list, floor, info, gen, progress) -> 
             fm = _flash_mla_v4(rows, heads, gen)
             if fm is not None:
                 base["flash_mla_v4_64h"] = graph_time_us(fm, replays=50)
-            if heads == 64 and rows in (1, 16) and hasattr(ops, "sparse_mla_variants"):
-                for name, fn in ops.sparse_mla_variants(q, win, wtab, comp, ctab, sink, HEAD_DIM ** -0.5).items():
-                    try:
-                        progress(f"  variant {name}: {graph_time_us(fn, replays=30):.2f} us")
-                    except Exception as e:  # a variant that does not compile is reported, not fatal
-                        progress(f"  variant {name}: failed ({type(e).__name__}: {str(e)[:200]})")
+            if hasattr(ops, "sparse_mla_triton"):
+                base["triton_step"] = graph_time_us(ops.sparse_mla_triton(q, win, wtab, comp, ctab, sink,
+                                                                          HEAD_DIM ** -0.5), replays=50)
             if rows <= 4:
                 base["reference_gpu"] = eager_time_us(lambda: _reference_rows(q, win, wtab, comp, ctab, sink))
             nbytes = rows * (WINDOW * 528 + TOPK * 288 + heads * HEAD_DIM * 4)

@@ -21,24 +21,14 @@ class AttnOps:
         out = torch.empty_like(q)
         return lambda: sparse_mla_launch(plan, q, win, comp, wtab, ctab, sink, scale, out)
 
-    def sparse_mla_variants(self, q, win, wtab, comp, ctab, sink, scale):
-        """Plan options worth timing side by side (printed, not recorded)."""
+    def sparse_mla_triton(self, q, win, wtab, comp, ctab, sink, scale):
+        """The Triton kernel's step tiling (`SparseMlaPlan.for_step`: the step's plan off sm_90), the
+        baseline column `triton_step` of the records (on sm_90 the step runs the Gluon kernel)."""
         rows, heads = q.shape[0], q.shape[1]
         out = torch.empty_like(q)
-        variants = {}
-        for name, kw in (("unsplit_bh16", dict(split=False)), ("unsplit_bh32", dict(split=False, block_h=32)),
-                         ("split_bh16", dict(block_h=16)), ("split_bh16_sep", dict(block_h=16, separate_combine=True)),
-                         ("split_bh32", dict(block_h=32)), ("split_bh64", dict(block_h=64))):
-            try:
-                plan = SparseMlaPlan.build(rows, heads, wtab.shape[1], ctab.shape[1], q.device, **kw)
-            except (ValueError, TypeError):
-                continue
-            variants[name] = (lambda p=plan: sparse_mla_(p, q, win, comp, wtab, ctab, sink, scale, out))
-        # the Triton kernel's step tilings (the step's plan off sm_90)
         plan = next(p for p in SparseMlaPlan.for_step(rows, heads, wtab.shape[1], ctab.shape[1], q.device)
                     if p.max_rows >= rows)
-        variants["triton_step"] = lambda: sparse_mla_(plan, q, win, comp, wtab, ctab, sink, scale, out)
-        return variants
+        return lambda: sparse_mla_(plan, q, win, comp, wtab, ctab, sink, scale, out)
 
     def bench_indexer(self, rows, contexts, floor, info, gen, progress):
         from .attn_indexer import bench_indexer

@@ -1,6 +1,7 @@
 """The PNG of `bench attn`: sparse-MLA time per row count and head count (FlashMLA's legacy SM90
-decode as the dashed baseline), indexer-logits GB/s per context and row count (the step's FP8 path
-and the BF16 path) against the streaming read, and top-512 time per context."""
+decode as the dashed baseline, the Triton step tiling dotted), indexer-logits GB/s per context and
+row count (the step's scorer, the Triton FP8 path and the BF16 path where the records hold them)
+against the streaming read, and top-512 time per context."""
 
 from __future__ import annotations
 
@@ -23,6 +24,11 @@ def plot_attn(rows: list[dict], path: str | Path) -> None:
     if fm:
         a_mla.plot([r["case"]["rows"] for r in fm], [r["baselines"]["flash_mla_v4_64h"] for r in fm], "k.--",
                    label="FlashMLA legacy SM90, 64 heads, V4 record")
+    tri = sorted((r for r in mla if r["case"]["heads"] == 64 and "triton_step" in r["baselines"]),
+                 key=lambda r: r["case"]["rows"])
+    if tri:
+        a_mla.plot([r["case"]["rows"] for r in tri], [r["baselines"]["triton_step"] for r in tri], ".:",
+                   color="gray", label="Triton step tiling, 64 heads")
     a_mla.set(xscale="log", yscale="log", xlabel="rows", ylabel="us (graph replay, median)",
               title="sparse MLA, 128 window + 512 compressed keys per row")
     a_mla.set_xscale("log", base=2)
@@ -31,7 +37,10 @@ def plot_attn(rows: list[dict], path: str | Path) -> None:
     for n in sorted({r["case"]["rows"] for r in logits}):
         sel = sorted((r for r in logits if r["case"]["rows"] == n), key=lambda r: r["case"]["context"])
         ctx = [r["case"]["context"] for r in sel]
-        line, = a_idx.plot(ctx, [r["gbps"] for r in sel], "o-", label=f"FP8 path, {n} rows")
+        line, = a_idx.plot(ctx, [r["gbps"] for r in sel], "o-", label=f"step's scorer, {n} rows")
+        if all("triton_fp8" in r["baselines"] for r in sel):
+            a_idx.plot(ctx, [r["gbps"] * r["us"] / r["baselines"]["triton_fp8"] for r in sel], ":",
+                       color=line.get_color(), label=f"Triton FP8 path, {n} rows")
         if all("bf16_path" in r["baselines"] for r in sel):
             a_idx.plot(ctx, [r["gbps"] * r["us"] / r["baselines"]["bf16_path"] for r in sel], ".--",
                        color=line.get_color(), label=f"BF16 path, {n} rows")
