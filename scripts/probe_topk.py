@@ -13,7 +13,9 @@ four-launch path's bits. `mask` (with `--mask=1`): the candidate mask's time.
 Options: `--rows=1,4,16,64`, `--entries=32768,131072,1048576`, `--dist=randn` (or `randn,few`),
 `--chunks=4096` and `--warps=4` (lists: every pair is a plan for the linked columns; the four-launch
 path keeps chunk 4096, 4 warps), `--dtypes=fp32,bf16` (the linked columns' score dtypes; a column
-left out prints 0), `--pdl=0` (1: the linked launches with PDL), `--mask=0`.
+left out prints 0), `--pdl=0` (1: the linked launches with PDL), `--one=0` (1: the linked columns
+time the one-launch top-k, `one_launch=True`, instead; its chunk grows until the grid fits the
+SMs), `--mask=0`.
 `--module=PATH` times another copy of the module's `topk_ascending_` / `candidate_mask_` in the
 `four` column instead (e.g. an earlier version written out with `git show
 REV:dsv41_decode/ops/topk.py > /tmp/topk_rev.py`). Prints; writes nothing. The default set runs in
@@ -63,10 +65,11 @@ def main() -> None:
     dists = arg("dist", "randn").split(",")
     configs = [(c, w) for c in _ints("chunks", "4096") for w in _ints("warps", "4")]
     pdl = arg("pdl", "0") == "1"
+    one = {"one_launch": True} if arg("one", "0") == "1" else {"pdl": pdl}
     dtypes = [{"fp32": torch.float32, "bf16": torch.bfloat16}[d] for d in arg("dtypes", "fp32,bf16").split(",")]
     with_mask = arg("mask", "0") == "1"
     g = torch.Generator(device="cuda").manual_seed(0)
-    print(f"four-launch column: {alt.__file__ if alt else 'separate_count=True'}; linked with pdl={pdl}")
+    print(f"four-launch column: {alt.__file__ if alt else 'separate_count=True'}; linked columns: {one}")
     print(f"{'dist':>5s} {'rows':>4s} {'entries':>8s} {'chunk':>5s} {'warps':>5s} {'four':>7s} {'copy':>6s} "
           f"{'fp32 linked':>11s} {'fp32 ready':>10s} {'bf16 linked':>11s} {'bf16 ready':>10s} {'distinct':>8s} "
           f"{'same':>4s}" + (f" {'mask':>7s}" if with_mask else ""))
@@ -111,19 +114,19 @@ def main() -> None:
 
                         def ready(x=x, plan=plan, copy=copy):
                             copy()
-                            topk.topk_ascending_(x, nv, idx, plan, hist_ready=True, pdl=pdl)
+                            topk.topk_ascending_(x, nv, idx, plan, hist_ready=True, **one)
 
                         times[x.dtype, "linked"] = graph_time_us(
-                            lambda x=x, plan=plan: topk.topk_ascending_(x, nv, idx, plan, pdl=pdl), replays=30)
+                            lambda x=x, plan=plan: topk.topk_ascending_(x, nv, idx, plan, **one), replays=30)
                         if t_copy is None:
                             t_copy = graph_time_us(copy, replays=30)
                             plan.ws.zero_()
                         times[x.dtype, "ready"] = graph_time_us(ready, replays=30) - t_copy
                         ready()
                         same &= torch.equal(idx, want)
-                        same &= torch.equal(topk.topk_ascending_(x, nv, torch.empty_like(idx), plan, pdl=pdl), want)
+                        same &= torch.equal(topk.topk_ascending_(x, nv, torch.empty_like(idx), plan, **one), want)
                     plan = topk.TopKPlan.build(rows, 512, 1, "cuda", chunk=chunk, warps=warps)
-                    runs = {topk.topk_ascending_(s, nv, torch.empty_like(idx), plan, pdl=pdl).cpu().numpy().tobytes()
+                    runs = {topk.topk_ascending_(s, nv, torch.empty_like(idx), plan, **one).cpu().numpy().tobytes()
                             for _ in range(10)}
                     print(f"{dist:>5s} {rows:4d} {entries:8d} {chunk:5d} {warps:5d} {t_four:7.2f} {t_copy:6.2f} "
                           f"{times[torch.float32, 'linked']:11.2f} {times[torch.float32, 'ready']:10.2f} "

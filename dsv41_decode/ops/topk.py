@@ -64,6 +64,7 @@ import triton
 import triton.language as tl
 
 from . import pdl as _pdl
+from .common import num_sms
 
 _MAX_CHUNKS = 1024     # per-chunk count slots per row; wider rows take larger chunks
 _WS_HI = tl.constexpr(0)                      # [256] histogram of the keys' high bytes
@@ -73,17 +74,25 @@ _WS_SKIP = tl.constexpr(513)                  # ties (keys == T) not taken: the 
 _WS_THR = tl.constexpr(514)                   # the threshold key T
 _WS_ARRIVED = tl.constexpr(515)               # linked top-k: programs of the row done with the low-byte pass
 _WS_TICKET = tl.constexpr(516)                # linked top-k: chunks handed out in the write pass
+_WS_ARRIVED_HI = tl.constexpr(517)            # one-launch top-k: programs done with the high-byte histogram
+_WS_ARRIVED_LO = tl.constexpr(518)            # one-launch top-k: programs done with the low-byte histogram
+_WS_DEPARTED = tl.constexpr(519)              # one-launch top-k: programs done
 _WS_CHUNK_GT = tl.constexpr(520)              # [_MAX_CHUNKS] per chunk: keys > T (linked: | _LINKED)
 _WS_CHUNK_EQ = tl.constexpr(520 + _MAX_CHUNKS)   # [_MAX_CHUNKS] per chunk: keys == T (linked: | _LINKED)
 _LINKED = tl.constexpr(1 << 30)   # a linked write program's published count carries this bit (counts < 2**30)
-_WS = 520 + 2 * _MAX_CHUNKS
+_WS_ONE_GT = tl.constexpr(520 + 2 * _MAX_CHUNKS)   # [_MAX_CHUNKS] one-launch: keys > T | _LINKED (0 between calls)
+_WS_ONE_EQ = tl.constexpr(520 + 3 * _MAX_CHUNKS)   # [_MAX_CHUNKS] one-launch: keys == T | _LINKED
+_WS = 520 + 4 * _MAX_CHUNKS
 _WS_C = tl.constexpr(_WS)
 _MAXC = tl.constexpr(_MAX_CHUNKS)
 _KEY_INF = tl.constexpr(0xFF80)   # the key of +inf (BF16 0x7F80); key 0 (a NaN's) is never selectable
 _SMALL_MAX = 4096      # top-k rows of at most this many columns take the one-launch row kernel (its
                        # per-block cost, ~9 us per 4096 on the H200, loses to the multi-program path past 4K)
 _SMALL_BLOCK = 4096
-_GUESS_SHIFT = 0       # the linked write's guess of its chunk: its program id + this (tests: 1, every guess wrong)
+_CHUNK_SHIFT = 0       # a test hook, 0 in use: the linked write guesses chunk (program id + this), the
+                       # one-launch programs take that chunk (tests: 1, every guess wrong, waits out of order)
+_SPIN_LIMIT = 1 << 20  # polls of a wait before the waiting program computes what it waited for itself
+                       # (never by design: a fallback that costs time, not a hang; tests: 0 and 1)
 _SMALL_WARPS = 16
 
 
@@ -315,6 +324,58 @@ def _write_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width, GROUP: 
 
 
 @triton.jit
+def _look_back(s_ptr, row_off, gt_slots, eq_slots, c, n_vis, thr, CHUNK: tl.constexpr, SPIN: tl.constexpr):
+    """(keys > thr, keys == thr) in chunks 0..c-1 of a row: the sums of the counts their programs
+    publish in gt_slots / eq_slots (each | _LINKED once published), polled until all are there; after
+    SPIN polls without them all (never by design), counted from those chunks' scores instead: the
+    same numbers, so a wait that went wrong costs time and never a wrong index or a hang."""
+    rc = tl.arange(0, _MAXC)
+    before = rc < c
+    g = tl.load(gt_slots + rc, mask=before, other=_LINKED, volatile=True)
+    e = tl.load(eq_slots + rc, mask=before, other=_LINKED, volatile=True)
+    polls = 0
+    while (tl.min(g & e, 0) < _LINKED) & (polls < SPIN):   # both counts of every earlier chunk carry the bit
+        g = tl.load(gt_slots + rc, mask=before, other=_LINKED, volatile=True)
+        e = tl.load(eq_slots + rc, mask=before, other=_LINKED, volatile=True)
+        polls += 1
+    base_gt = tl.sum(g & (_LINKED - 1), 0)
+    base_eq = tl.sum(e & (_LINKED - 1), 0)
+    if tl.min(g & e, 0) < _LINKED:
+        base_gt = 0
+        base_eq = 0
+        for cc in range(0, c):
+            key, ok = _keys(s_ptr, row_off, cc * CHUNK + tl.arange(0, CHUNK), n_vis, 1)
+            base_gt += tl.sum((ok & (key > thr)).to(tl.int32), 0)
+            base_eq += tl.sum((ok & (key == thr)).to(tl.int32), 0)
+    return base_gt, base_eq
+
+
+@triton.jit
+def _all_arrived(count_ptr, n_programs, SPIN: tl.constexpr):
+    """Whether all n_programs programs have added 1 at count_ptr, polled (acquire) at most SPIN
+    times; then every thread's loads after it see what they released before their arrival."""
+    seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+    polls = 0
+    while (seen < n_programs) & (polls < SPIN):
+        seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu")
+        polls += 1
+    tl.debug_barrier()
+    return seen >= n_programs
+
+
+@triton.jit
+def _lo_add(ws_row, key, under, CHUNK: tl.constexpr):
+    """Add the low bytes of the keys flagged `under` into the row's low-byte histogram: one atomic
+    per key when they are few (the usual case: b1 is the top-k's binade), else the chunk's
+    histogram (ties); the same integer sums either way."""
+    if tl.sum(under.to(tl.int32), 0) <= CHUNK // 16:
+        tl.atomic_add(ws_row + _WS_LO + (key & 0xFF), 1, mask=under, sem="relaxed")
+    else:
+        h = tl.histogram(key & 0xFF, 256, mask=under)
+        tl.atomic_add(ws_row + _WS_LO + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
+
+
+@triton.jit
 def _lo_select_kernel(s_ptr, nvis_ptr, ws_ptr, s_sn, K: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     """Linked top-k, pass 2 of 3 (after the high-byte histogram): per (row, chunk) the low-byte
     histogram under b1 (as `_hist_lo_kernel`); the row's last program to arrive finds T, need and
@@ -335,14 +396,7 @@ def _lo_select_kernel(s_ptr, nvis_ptr, ws_ptr, s_sn, K: tl.constexpr, CHUNK: tl.
     tl.store(ws_row + _WS_CHUNK_EQ + c, 0)
     if (c * CHUNK < n_vis) & (k_eff > 0):
         b1, _ = _level(h1, k_eff)
-        under = ok & ((key >> 8) == b1)
-        # Few keys under b1 (the usual case: b1 is the top-k's binade): one atomic per such key, no
-        # histogram over the chunk; many (ties): the chunk's histogram. The same integer sums.
-        if tl.sum(under.to(tl.int32), 0) <= CHUNK // 16:
-            tl.atomic_add(ws_row + _WS_LO + (key & 0xFF), 1, mask=under, sem="relaxed")
-        else:
-            h = tl.histogram(key & 0xFF, 256, mask=under)
-            tl.atomic_add(ws_row + _WS_LO + tl.arange(0, 256), h, mask=h > 0, sem="relaxed")
+        _lo_add(ws_row, key, ok & ((key >> 8) == b1), CHUNK)
     tl.debug_barrier()
     arrived = tl.atomic_add(ws_row + _WS_ARRIVED, 1, sem="acq_rel", scope="gpu")
     if arrived == tl.num_programs(1) - 1:
@@ -358,7 +412,8 @@ def _lo_select_kernel(s_ptr, nvis_ptr, ws_ptr, s_sn, K: tl.constexpr, CHUNK: tl.
 
 @triton.jit
 def _write_linked_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width,
-                         CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, GUESS_SHIFT: tl.constexpr):
+                         CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, GUESS_SHIFT: tl.constexpr,
+                         SPIN: tl.constexpr):
     """Linked top-k, pass 3 of 3: each program takes the row's next chunk c (a ticket: chunks are
     handed out in the order programs start), counts its keys > T and == T, publishes both counts
     (with the _LINKED bit) in the chunk's slots, then waits until chunks 0..c-1 have published
@@ -395,15 +450,8 @@ def _write_linked_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width,
         tl.atomic_xchg(ws_row + _WS_CHUNK_GT + c, n_gt | _LINKED, sem="relaxed", scope="gpu")
         tl.atomic_xchg(ws_row + _WS_CHUNK_EQ + c, n_eq | _LINKED, sem="relaxed", scope="gpu")
         if n_gt + n_eq > 0:                    # else nothing of this chunk is taken: no offset needed
-            rc = tl.arange(0, _MAXC)
-            before = rc < c
-            g = tl.load(ws_row + _WS_CHUNK_GT + rc, mask=before, other=_LINKED, volatile=True)
-            e = tl.load(ws_row + _WS_CHUNK_EQ + rc, mask=before, other=_LINKED, volatile=True)
-            while tl.min(g & e, 0) < _LINKED:      # both counts of every earlier chunk carry the bit
-                g = tl.load(ws_row + _WS_CHUNK_GT + rc, mask=before, other=_LINKED, volatile=True)
-                e = tl.load(ws_row + _WS_CHUNK_EQ + rc, mask=before, other=_LINKED, volatile=True)
-            base_gt = tl.sum(g & (_LINKED - 1), 0)
-            base_eq = tl.sum(e & (_LINKED - 1), 0)
+            base_gt, base_eq = _look_back(s_ptr, n.to(tl.int64) * s_sn, ws_row + _WS_CHUNK_GT, ws_row + _WS_CHUNK_EQ,
+                                          c, n_vis, thr, CHUNK, SPIN)
             if skip == 0:                          # every tie taken: no rank among them needed
                 sel = gt | eq
             else:
@@ -415,6 +463,92 @@ def _write_linked_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width,
         for p in range(0, width, BLOCK_K):
             tl.store(out_row + p + rk, tl.full([BLOCK_K], -1, tl.int32), mask=(p + rk >= k_eff) & (p + rk < width))
         tl.store(ws_row + _WS_HI + tl.arange(0, 512), tl.zeros([512], dtype=tl.int32))
+
+
+@triton.jit
+def _one_launch_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width, K: tl.constexpr,
+                       CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, HIST_READY: tl.constexpr, SPIN: tl.constexpr,
+                       SHIFT: tl.constexpr):
+    """The whole top-k in one launch over (row, chunk), each program's chunk of scores read once and
+    kept in registers: (unless HIST_READY) the high-byte histogram, wait for the row's programs;
+    the low-byte histogram under b1, wait; T and skip (every program finds the same); its counts
+    published, the look-back, its indices written. The last program to finish clears the
+    histograms, count slots and counters for the next call.
+
+    The waits are bounded (SPIN polls): a program whose row's other programs have not all arrived
+    by then (they were not resident: the grid should fit the GPU at once, which the launcher sees to)
+    reads the whole row itself for the histogram it waited for (the same integer sums), and the
+    look-back counts the earlier chunks itself (`_look_back`). So the output never depends on
+    scheduling, only the time does. Arrivals follow the semaphore pattern of `_lo_select_kernel`
+    (barrier, acq_rel); the histograms are read from L2 (`.cg`) after an acquire. Program p takes
+    chunk (p + SHIFT) % chunks (SHIFT: a test hook, 0 in use)."""
+    n = tl.program_id(0)
+    n_chunks = tl.num_programs(1)
+    c = (tl.program_id(1) + SHIFT) % n_chunks
+    n_vis = tl.load(nvis_ptr + n)
+    ws_row = ws_ptr + n * _WS_C
+    row_off = n.to(tl.int64) * s_sn
+    r256 = tl.arange(0, 256)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    key, ok = _keys(s_ptr, row_off, offs, n_vis, 1)
+    if HIST_READY:
+        h1 = tl.load(ws_row + _WS_HI + r256)
+    else:
+        h = tl.histogram(key >> 8, 256, mask=ok)
+        tl.atomic_add(ws_row + _WS_HI + r256, h, mask=h > 0, sem="relaxed")
+        tl.debug_barrier()
+        tl.atomic_add(ws_row + _WS_ARRIVED_HI, 1, sem="acq_rel", scope="gpu")
+        if _all_arrived(ws_row + _WS_ARRIVED_HI, n_chunks, SPIN):
+            h1 = tl.load(ws_row + _WS_HI + r256, cache_modifier=".cg")
+        else:
+            h1 = tl.zeros([256], dtype=tl.int32)
+            for cc in range(0, n_chunks):
+                k2, ok2 = _keys(s_ptr, row_off, cc * CHUNK + tl.arange(0, CHUNK), n_vis, 1)
+                h1 += tl.histogram(k2 >> 8, 256, mask=ok2)
+    k_eff = tl.minimum(tl.minimum(n_vis, K), tl.sum(h1, 0))
+    b1, _ = _level(h1, k_eff)
+    _lo_add(ws_row, key, ok & ((key >> 8) == b1) & (k_eff > 0), CHUNK)
+    tl.debug_barrier()
+    tl.atomic_add(ws_row + _WS_ARRIVED_LO, 1, sem="acq_rel", scope="gpu")
+    if _all_arrived(ws_row + _WS_ARRIVED_LO, n_chunks, SPIN):
+        h2 = tl.load(ws_row + _WS_LO + r256, cache_modifier=".cg")
+    else:
+        h2 = tl.zeros([256], dtype=tl.int32)
+        for cc in range(0, n_chunks):
+            k2, ok2 = _keys(s_ptr, row_off, cc * CHUNK + tl.arange(0, CHUNK), n_vis, 1)
+            h2 += tl.histogram(k2 & 0xFF, 256, mask=ok2 & ((k2 >> 8) == b1))
+    thr, skip = _threshold(h1, h2, k_eff)
+    out_row = out_ptr + n.to(tl.int64) * out_sn
+    if k_eff > 0:
+        gt = ok & (key > thr)
+        eq = ok & (key == thr)
+        n_gt = tl.sum(gt.to(tl.int32), 0)
+        n_eq = tl.sum(eq.to(tl.int32), 0)
+        tl.atomic_xchg(ws_row + _WS_ONE_GT + c, n_gt | _LINKED, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(ws_row + _WS_ONE_EQ + c, n_eq | _LINKED, sem="relaxed", scope="gpu")
+        if n_gt + n_eq > 0:
+            base_gt, base_eq = _look_back(s_ptr, row_off, ws_row + _WS_ONE_GT, ws_row + _WS_ONE_EQ, c, n_vis, thr,
+                                          CHUNK, SPIN)
+            if skip == 0:
+                sel = gt | eq
+            else:
+                sel = gt | (eq & (base_eq + tl.cumsum(eq.to(tl.int32), 0) - 1 >= skip))
+            pos = base_gt + tl.maximum(base_eq - skip, 0) + tl.cumsum(sel.to(tl.int32), 0) - 1
+            tl.store(out_row + pos, offs, mask=sel)
+    if c == 0:
+        rk = tl.arange(0, BLOCK_K)
+        for p in range(0, width, BLOCK_K):
+            tl.store(out_row + p + rk, tl.full([BLOCK_K], -1, tl.int32), mask=(p + rk >= k_eff) & (p + rk < width))
+    tl.debug_barrier()
+    departed = tl.atomic_add(ws_row + _WS_DEPARTED, 1, sem="acq_rel", scope="gpu")
+    if departed == n_chunks - 1:      # every program of the row is past its last read of the workspace
+        tl.store(ws_row + _WS_HI + tl.arange(0, 512), tl.zeros([512], dtype=tl.int32))
+        rc = tl.arange(0, _MAXC)
+        tl.store(ws_row + _WS_ONE_GT + rc, tl.zeros([_MAXC], dtype=tl.int32), mask=rc < n_chunks)
+        tl.store(ws_row + _WS_ONE_EQ + rc, tl.zeros([_MAXC], dtype=tl.int32), mask=rc < n_chunks)
+        tl.store(ws_row + _WS_ARRIVED_HI, 0)
+        tl.store(ws_row + _WS_ARRIVED_LO, 0)
+        tl.store(ws_row + _WS_DEPARTED, 0)
 
 
 @dataclass(frozen=True)
@@ -530,11 +664,30 @@ def _select_linked(scores, n_vis, out, plan, hist_ready, pdl):
     _lo_select_kernel[grid](scores, n_vis, plan.ws, scores.stride(0), K=plan.k, CHUNK=chunk, PDL=pdl,
                             num_warps=warps, **opt)
     _write_linked_kernel[grid](scores, n_vis, plan.ws, out, scores.stride(0), out.stride(0), out.shape[1],
-                               CHUNK=chunk, BLOCK_K=1024, PDL=pdl, GUESS_SHIFT=_GUESS_SHIFT, num_warps=warps, **opt)
+                               CHUNK=chunk, BLOCK_K=1024, PDL=pdl, GUESS_SHIFT=_CHUNK_SHIFT, SPIN=_SPIN_LIMIT,
+                               num_warps=warps, **opt)
+
+
+def _select_one_launch(scores, n_vis, out, plan, hist_ready):
+    """`_one_launch_kernel` over chunks of the plan's size or larger (doubled until the grid fits
+    the device's SMs, one program each, so that every program of a row is resident together); the
+    linked path where that takes chunks over 4 x the plan's (registers: 4 x the warps at most)."""
+    n_rows, n_elem = scores.shape
+    chunk = plan.chunk_for(n_elem)
+    while n_rows * triton.cdiv(n_elem, chunk) > num_sms(scores.device):
+        chunk *= 2
+    if chunk > 4 * plan.chunk:
+        _select_linked(scores, n_vis, out, plan, hist_ready, False)
+        return
+    warps = min(16, plan.warps * (chunk // plan.chunk))
+    _one_launch_kernel[(n_rows, triton.cdiv(n_elem, chunk))](
+        scores, n_vis, plan.ws, out, scores.stride(0), out.stride(0), out.shape[1], K=plan.k, CHUNK=chunk,
+        BLOCK_K=1024, HIST_READY=hist_ready, SPIN=_SPIN_LIMIT, SHIFT=_CHUNK_SHIFT, num_warps=warps)
 
 
 def topk_ascending_(scores: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor, plan: TopKPlan, *,
-                    hist_ready: bool = False, separate_count: bool = False, pdl: bool = False) -> torch.Tensor:
+                    hist_ready: bool = False, separate_count: bool = False, pdl: bool = False,
+                    one_launch: bool = False) -> torch.Tensor:
     """out[n] = indices of the min(k, n_vis[n]) largest scores[n, :n_vis[n]], ascending; entries scored
     -inf become -1; -1 padded to out's width. At equal scores the higher index wins (of the entries
     tied at the threshold, the highest-indexed are taken), as `reference.indexer.topk_ascending`.
@@ -550,6 +703,9 @@ def topk_ascending_(scores: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor
     docstring's launches 1-4) instead of the linked one; the same output, kept as its check.
     pdl: launch the linked path's kernels with programmatic dependent launch (`ops.pdl`; sm_90 and
     not the interpreter, else an error), so each one's launch overlaps its predecessor's tail.
+    one_launch: the whole top-k in one launch (`_one_launch_kernel`: its programs wait for each
+    other within the launch) where the grid fits the SMs with chunks of at most 4 x plan.chunk
+    (few rows), else the linked path; the same output. Not with separate_count or pdl.
     Returns out.
     """
     _validate(scores, n_vis, out, plan, torch.int32, "out")
@@ -557,6 +713,8 @@ def topk_ascending_(scores: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor
         raise ValueError(f"plan: top-k needs group 1, got {plan.group}")
     if out.shape[1] != plan.k:
         raise ValueError(f"out: width {out.shape[1]} must equal plan.k={plan.k}")
+    if one_launch and (separate_count or pdl):
+        raise ValueError("one_launch: not with separate_count or pdl")
     if pdl and not _pdl.supported(scores.device):
         raise ValueError(f"pdl: programmatic dependent launch needs sm_90 or later outside the interpreter "
                          f"(scores on {scores.device})")
@@ -571,6 +729,8 @@ def topk_ascending_(scores: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor
                                     num_warps=_SMALL_WARPS)
     elif separate_count:
         _select(scores, n_vis, out, plan, False, hist_ready)
+    elif one_launch:
+        _select_one_launch(scores, n_vis, out, plan, hist_ready)
     else:
         _select_linked(scores, n_vis, out, plan, hist_ready, pdl)
     return out

@@ -327,7 +327,7 @@ def test_topk_linked_equals_separate_and_reference(monkeypatch, dtype, max_chunk
     program's ticket names another chunk than the one it loaded first (the reload path)."""
     from dsv41_decode.ops import topk as topk_mod
     monkeypatch.setattr(topk_mod, "_SMALL_MAX", 0)
-    monkeypatch.setattr(topk_mod, "_GUESS_SHIFT", guess_shift)
+    monkeypatch.setattr(topk_mod, "_CHUNK_SHIFT", guess_shift)
     monkeypatch.setattr(topk_mod, "_MAX_CHUNKS", max_chunks)
     k, entries = 64, 300
     s = _edge_rows(entries, 31).to(dtype)
@@ -375,7 +375,8 @@ _GPU_LINKED_CASES = [(1, 32768), (4, 32768), (64, 32768), (1, 131072), (16, 1310
 @pytest.mark.parametrize("rows,entries", _GPU_LINKED_CASES)
 def test_gpu_linked_equals_four_launch_and_repeats(rows, entries, dist):
     """The linked top-k at 1-64 rows and 32K-4M entries, FP32 and BF16 scores, with and without
-    hist_ready, with PDL, at chunks of 1024 / 4096 / 8192 (8 warps): the four-launch path's output
+    hist_ready, with PDL, at chunks of 1024 / 4096 / 8192 (8 warps), and the one-launch top-k
+    (where its grid fits the SMs; else it runs the linked path): the four-launch path's output
     (itself checked against the reference above), bitwise, and 10 runs of the default give the same
     bits (the look-back's arrival order varies, the output must not)."""
     g = torch.Generator(device=_DEVICE).manual_seed(rows * 11 + entries)
@@ -396,15 +397,44 @@ def test_gpu_linked_equals_four_launch_and_repeats(rows, entries, dist):
     runs = [topk_ascending_(s, nv, torch.empty_like(want), plan) for _ in range(10)]
     for r in range(10):
         assert torch.equal(runs[r], want), f"linked run {r} differs from the four-launch path"
-    configs = [(torch.float32, True, False, 4096, 4), (torch.bfloat16, False, False, 4096, 4),
-               (torch.bfloat16, True, False, 4096, 4), (torch.float32, False, True, 4096, 4),
-               (torch.float32, True, True, 1024, 4), (torch.bfloat16, True, False, 8192, 8)]
-    for dtype, ready, pdl, chunk, warps in configs:
+    pdl, one = {"pdl": True}, {"one_launch": True}
+    configs = [(torch.float32, True, {}, 4096, 4), (torch.bfloat16, False, {}, 4096, 4),
+               (torch.bfloat16, True, {}, 4096, 4), (torch.float32, False, pdl, 4096, 4),
+               (torch.float32, True, pdl, 1024, 4), (torch.bfloat16, True, {}, 8192, 8),
+               (torch.float32, True, one, 4096, 4), (torch.float32, False, one, 1024, 4),
+               (torch.bfloat16, True, one, 1024, 2)]
+    for dtype, ready, opts, chunk, warps in configs:
         plan = TopKPlan.build(rows, 512, 1, _DEVICE, chunk=chunk, warps=warps)
         x = s.to(dtype)
         for _ in range(3):
             if ready:
                 plan.hist_hi[:rows] += key_high_histogram(x, nv)
-            out = topk_ascending_(x, nv, torch.empty_like(want), plan, hist_ready=ready, pdl=pdl)
-            assert torch.equal(out, want), f"{dtype} hist_ready={ready} pdl={pdl} chunk={chunk} warps={warps}"
+            out = topk_ascending_(x, nv, torch.empty_like(want), plan, hist_ready=ready, **opts)
+            assert torch.equal(out, want), f"{dtype} hist_ready={ready} {opts} chunk={chunk} warps={warps}"
         assert int(plan.ws[:, :512].abs().sum()) == 0, "histograms left non-zero"
+
+
+@pytest.mark.parametrize("spin,shift", [(0, 1), (2, 0)])
+def test_topk_one_launch_equals_the_reference(monkeypatch, spin, shift):
+    """The one-launch top-k (its programs wait for each other), with and without hist_ready, FP32
+    and BF16: the reference's selections and a clean workspace after each call. The interpreter
+    runs programs one after another, so with spin 0 and chunks taken out of order every wait but
+    the row's last program's gives up at once: the fallbacks (the histograms and the earlier
+    chunks' counts read from the scores) are what is checked; with (2, 0) the look-backs find every
+    earlier count published. The GPU test below checks the waits that succeed."""
+    from dsv41_decode.ops import topk as topk_mod
+    monkeypatch.setattr(topk_mod, "_SMALL_MAX", 0)
+    monkeypatch.setattr(topk_mod, "_SPIN_LIMIT", spin)
+    monkeypatch.setattr(topk_mod, "_CHUNK_SHIFT", shift)
+    k, entries = 64, 300
+    s = _edge_rows(entries, 51)[[1, 3, 4, 5]]
+    nv = torch.tensor([entries, 1, 299, 130], dtype=torch.int32, device=_DEVICE)
+    want = _ref_topk_nan(s, nv, k)
+    plan = TopKPlan.build(4, k, device=_DEVICE, chunk=64)
+    for x, ready in ((s, False), (s.bfloat16(), True), (s, True)):
+        if ready:
+            _add_hist(plan, x, nv)
+        out = topk_ascending_(x, nv, torch.full((4, k), 5, dtype=torch.int32, device=_DEVICE), plan,
+                              hist_ready=ready, one_launch=True)
+        assert torch.equal(out, want), f"{x.dtype} hist_ready={ready}"
+        assert int(plan.ws.abs().sum()) == 0, "workspace left non-zero"
