@@ -27,6 +27,10 @@ high-byte histogram into the workspace (`hist_ready`, `key_high_histogram` says 
      keys > T and == T, publishes the counts, sums those of the chunks before its own as they
      arrive (a look-back that cannot deadlock: see the kernel), and writes its selected indices at
      that offset. The scores are read once per launch: three (two) passes instead of four.
+With `one_launch` (few rows) `_one_launch_kernel` does all of it in one launch whose grid fits the
+SMs: each program reads its chunk once and waits, within the launch, for its row's histograms and
+the earlier chunks' counts; every wait is bounded and falls back to reading the scores itself, so
+the output never depends on which programs run together.
 The four-launch path below stays as `separate_count=True` (the same output) and is the candidate
 mask's. Four launches over (row, chunk):
   1. `_hist_hi_kernel`: histogram of the keys' high bytes (atomics into the workspace); the
@@ -51,8 +55,9 @@ the top-k has the same launches and passes over the scores; the candidate mask h
 reads the scores once instead of three times.
 
 Workspace per row (int32, `_WS` words): the two histograms, the row's saved selection and the
-linked path's two counters, then the per-chunk counts (offsets `_WS_*` below; the linked path's
-carry a flag bit, cleared by its low-byte pass for the write pass).
+linked and one-launch paths' counters, then the per-chunk counts (offsets `_WS_*` below): the
+four-launch path's, which the linked path's reuse with a flag bit (cleared by its low-byte pass
+for the write pass), and the one-launch path's own (flagged, left zero by its last program).
 """
 
 from __future__ import annotations
