@@ -65,7 +65,7 @@ def main() -> None:
     dists = arg("dist", "randn").split(",")
     configs = [(c, w) for c in _ints("chunks", "4096") for w in _ints("warps", "4")]
     pdl = arg("pdl", "0") == "1"
-    one = {"one_launch": True} if arg("one", "0") == "1" else {"pdl": pdl}
+    one = {"one_launch": True} if arg("one", "0") == "1" else {"pdl": pdl, "separate_count": False}
     dtypes = [{"fp32": torch.float32, "bf16": torch.bfloat16}[d] for d in arg("dtypes", "fp32,bf16").split(",")]
     with_mask = arg("mask", "0") == "1"
     g = torch.Generator(device="cuda").manual_seed(0)

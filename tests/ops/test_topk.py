@@ -159,12 +159,14 @@ def test_bad_inputs_named():
         candidate_mask_(s, nv, torch.empty(2, 39, dtype=torch.uint8, device=_DEVICE), TopKPlan.build(2, 16, 8, device=_DEVICE))
 
 
-@pytest.mark.parametrize("small_max,max_chunks", [(0, 1024), (0, 1)])
-def test_topk_multi_program_paths(monkeypatch, small_max, max_chunks):
-    """The multi-program path (count + ordered write; larger chunks past the chunk cap), forced at
-    CPU sizes, with plan reuse (it relies on its histograms being left zero)."""
+@pytest.mark.parametrize("small_max,max_chunks,four_min_cols", [(0, 1024, 1 << 18), (0, 1, 1 << 18), (0, 1024, 0)])
+def test_topk_multi_program_paths(monkeypatch, small_max, max_chunks, four_min_cols):
+    """The multi-program paths (larger chunks past the chunk cap), forced at CPU sizes, with plan
+    reuse (they rely on the histograms being left zero): the default's linked path, and (columns
+    past _FOUR_MIN_COLS at <= 4 rows) its four-launch one."""
     from dsv41_decode.ops import topk as topk_mod
     monkeypatch.setattr(topk_mod, "_SMALL_MAX", small_max)
+    monkeypatch.setattr(topk_mod, "_FOUR_MIN_COLS", four_min_cols)
     monkeypatch.setattr(topk_mod, "_MAX_CHUNKS", max_chunks)
     plan = TopKPlan.build(3, 64, device=_DEVICE, chunk=64)
     out = torch.empty(3, 64, dtype=torch.int32, device=_DEVICE)
@@ -337,7 +339,7 @@ def test_topk_linked_equals_separate_and_reference(monkeypatch, dtype, max_chunk
         x = s[:rows]
         outs = {mode: torch.full((rows, k), 5, dtype=torch.int32, device=_DEVICE) for mode in plans}
         topk_ascending_(x, nv, outs["sep"], plans["sep"], separate_count=True)
-        topk_ascending_(x, nv, outs["linked"], plans["linked"])
+        topk_ascending_(x, nv, outs["linked"], plans["linked"], separate_count=False)
         _add_hist(plans["ready"], x, nv)
         topk_ascending_(x, nv, outs["ready"], plans["ready"], hist_ready=True)
         want = _ref_topk_nan(x.float(), nv, k)
@@ -394,7 +396,7 @@ def test_gpu_linked_equals_four_launch_and_repeats(rows, entries, dist):
     if dist == "randn":
         assert torch.equal(want, _ref_topk(s, nv, 512))
     plan = TopKPlan.build(rows, 512, 1, _DEVICE)
-    runs = [topk_ascending_(s, nv, torch.empty_like(want), plan) for _ in range(10)]
+    runs = [topk_ascending_(s, nv, torch.empty_like(want), plan, separate_count=False) for _ in range(10)]
     for r in range(10):
         assert torch.equal(runs[r], want), f"linked run {r} differs from the four-launch path"
     pdl, one = {"pdl": True}, {"one_launch": True}
