@@ -18,8 +18,10 @@ writes which chunk, never what is written.
 
 Launches. A top-k row of <= _SMALL_MAX columns takes one program (`_row_topk_kernel`: two histogram
 loops, then an in-order compaction that is ascending without a sort). A longer top-k row takes the
-linked path, three launches over (row, chunk), two when the caller's scorer has already added the
-high-byte histogram into the workspace (`hist_ready`, `key_high_histogram` says what it holds):
+linked path (by default; the four-launch one below at <= _FOUR_MAX_ROWS rows of > _FOUR_MIN_COLS
+columns without hist_ready, where it measured faster), three launches over (row, chunk), two when
+the caller's scorer has already added the high-byte histogram into the workspace (`hist_ready`,
+`key_high_histogram` says what it holds):
   1. `_hist_hi_kernel` (left out with hist_ready), as below;
   2. `_lo_select_kernel`: the low-byte histogram under b1, as `_hist_lo_kernel`; the row's last
      program to arrive (an acq_rel counter per row) finds T, need and skip, so no launch of its own;
