@@ -33,9 +33,20 @@ def write_timeline(step, bucket: int, out_dir: str, info: dict, progress=print) 
     if not kernels:
         progress("timeline: the profiler saw no kernels of the graph replay")
         return
-    kernels.sort(key=lambda e: e["ts"])
+    cfg = step.stack.cfg
+    L, streams = plot_timeline(kernels, [(i, cfg.plan[i].kind, cfg.plan[i].label) for i in step.stack.ids], info,
+                               out / f"step-timeline-{slug}.png")
+    progress(f"timeline: {len(kernels)} kernels, {streams} streams in layer {L}; wrote {path} and the PNG")
+
+
+def plot_timeline(kernels: list[dict], layers: list[tuple[int, str, str]], info: dict, path) -> tuple[int, int]:
+    """The PNG of a step's kernels per stream during its first Full layer (from the end of the
+    boundary before it to the end of its own). kernels: the trace's kernel events; layers: (layer,
+    kind, label) per step layer in order; info: gpu, commit, date. Returns (layer, streams drawn).
+    Also redraws a committed trace: `plot_timeline(_kernels(json.load(f)), ...)`."""
+    kernels = sorted(kernels, key=lambda e: e["ts"])
     bounds = [e for e in kernels if "mhc_boundary" in e["name"]]
-    full = [i for i, L in enumerate(step.stack.ids) if step.stack.cfg.plan[L].kind == "full"]
+    full = [i for i, (_, kind, _) in enumerate(layers) if kind == "full"]
     k = full[0] if full else 0
     t0 = bounds[k - 1]["ts"] + bounds[k - 1]["dur"] if k >= 1 and len(bounds) >= k else kernels[0]["ts"]
     t1 = bounds[k]["ts"] + bounds[k]["dur"] if len(bounds) > k else kernels[-1]["ts"]
@@ -55,10 +66,10 @@ def write_timeline(step, bucket: int, out_dir: str, info: dict, progress=print) 
                         fontsize=6)
     ax.set_yticks(range(len(streams)), [f"stream {s}" for s in streams])
     ax.set_xlabel("us from the end of the previous boundary")
-    L = step.stack.ids[k]
-    ax.set_title(f"layer {L} ({step.stack.cfg.plan[L].label}), 1 row, one CUDA-graph replay on {info['gpu']} "
+    L, _, label = layers[k]
+    ax.set_title(f"layer {L} ({label}), 1 row, one CUDA-graph replay on {info['gpu']} "
                  f"(commit {info['commit']}, {info['date']}); total step {kernels[-1]['ts'] + kernels[-1]['dur'] - kernels[0]['ts']:.0f} us")
     fig.tight_layout()
-    fig.savefig(out / f"step-timeline-{slug}.png", dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
-    progress(f"timeline: {len(kernels)} kernels, {len(streams)} streams in layer {L}; wrote {path} and the PNG")
+    return L, len(streams)
