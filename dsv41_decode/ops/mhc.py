@@ -116,8 +116,10 @@ def _mhc_boundary_kernel(
     y_ptr, x_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, xo_ptr, u_ptr, codes_ptr, scales_ptr, eps,
     stride_y, stride_xn, stride_xh, stride_post, stride_cn, stride_ci, stride_pre,
     stride_xon, stride_xoh, stride_u, stride_codes, stride_scales,
-    D: tl.constexpr, BLOCK_D: tl.constexpr,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, POST: tl.constexpr = True,
 ):
+    # POST False (`mhc_enter_`): no post-mix; the collapse of x itself, no new streams stored (y,
+    # post, comb and x_out are not read).
     n = tl.program_id(0).to(tl.int64)
     y_row = y_ptr + n * stride_y
     x_row = x_ptr + n * stride_xn
@@ -132,7 +134,11 @@ def _mhc_boundary_kernel(
     for d0 in tl.range(0, D, BLOCK_D):
         d = d0 + offs
         mask = d < D
-        _, _, _, _, c = _boundary_chunk(y_row, x_row, stride_xh, post_row, comb_row, stride_ci, pre_row, d, mask)
+        if POST:
+            _, _, _, _, c = _boundary_chunk(y_row, x_row, stride_xh, post_row, comb_row, stride_ci, pre_row, d,
+                                            mask)
+        else:
+            c = _enter_chunk(x_row, stride_xh, pre_row, d, mask)
         ss += c * c
     r = inv_rms(tl.sum(ss, axis=0), eps, D)
 
@@ -141,12 +147,15 @@ def _mhc_boundary_kernel(
     for d0 in tl.range(0, D, BLOCK_D):
         d = d0 + offs
         mask = d < D
-        b0, b1, b2, b3, c = _boundary_chunk(y_row, x_row, stride_xh, post_row, comb_row, stride_ci, pre_row,
-                                            d, mask)
-        tl.store(xo_row + d, b0, mask=mask)
-        tl.store(xo_row + stride_xoh + d, b1, mask=mask)
-        tl.store(xo_row + 2 * stride_xoh + d, b2, mask=mask)
-        tl.store(xo_row + 3 * stride_xoh + d, b3, mask=mask)
+        if POST:
+            b0, b1, b2, b3, c = _boundary_chunk(y_row, x_row, stride_xh, post_row, comb_row, stride_ci, pre_row,
+                                                d, mask)
+            tl.store(xo_row + d, b0, mask=mask)
+            tl.store(xo_row + stride_xoh + d, b1, mask=mask)
+            tl.store(xo_row + 2 * stride_xoh + d, b2, mask=mask)
+            tl.store(xo_row + 3 * stride_xoh + d, b3, mask=mask)
+        else:
+            c = _enter_chunk(x_row, stride_xh, pre_row, d, mask)
         w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
         _store_normed(c, r, w, u_row, codes_ptr + n * stride_codes, scales_ptr + n * stride_scales, d0, d, mask,
                       D, BLOCK_D)
@@ -217,34 +226,6 @@ def split_finish(b0, b1, b2, b3, c, n, ch, d, mask, w_ptr, xo_ptr, u_ptr, codes_
             if i + 1 < NS:
                 cc = cc_next
                 ww = ww_next
-
-
-@triton.jit
-def _mhc_enter_kernel(
-    x_ptr, pre_ptr, w_ptr, u_ptr, codes_ptr, scales_ptr, eps,
-    stride_xn, stride_xh, stride_pre, stride_u, stride_codes, stride_scales,
-    D: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    # One program per row: pass 1 sums the squares of the collapse, pass 2 recomputes the chunks
-    # (the same bits) and stores the normalized row and its MXFP8, as `_mhc_boundary_kernel`.
-    n = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + n * stride_xn
-    pre_row = pre_ptr + n * stride_pre
-    offs = tl.arange(0, BLOCK_D)
-    ss = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for d0 in tl.range(0, D, BLOCK_D):
-        d = d0 + offs
-        c = _enter_chunk(x_row, stride_xh, pre_row, d, d < D)
-        ss += c * c
-    r = inv_rms(tl.sum(ss, axis=0), eps, D)
-    u_row = u_ptr + n * stride_u
-    for d0 in tl.range(0, D, BLOCK_D):
-        d = d0 + offs
-        mask = d < D
-        c = _enter_chunk(x_row, stride_xh, pre_row, d, mask)
-        w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
-        _store_normed(c, r, w, u_row, codes_ptr + n * stride_codes, scales_ptr + n * stride_scales, d0, d, mask,
-                      D, BLOCK_D)
 
 
 @dataclass(frozen=True, eq=False)
@@ -406,10 +387,10 @@ def mhc_enter_(x: torch.Tensor, pre: torch.Tensor, norm_weight: torch.Tensor, ep
     if n == 0:
         return
     u, codes, scales = u_out.view(torch.int16), codes_out.view(torch.uint8), scales_out.view(torch.uint8)
-    _mhc_enter_kernel[(n,)](
-        x, pre, norm_weight, u, codes, scales, float(eps),
-        x.stride(0), x.stride(1), pre.stride(0), u.stride(0), codes.stride(0), scales.stride(0),
-        D=dim, BLOCK_D=_boundary_block_d(dim), num_warps=4, enable_fp_fusion=False,
+    _mhc_boundary_kernel[(n,)](     # POST=False: y, post, comb and x_out unread (x stands in for them)
+        x, x, pre, pre, pre, norm_weight, x, u, codes, scales, float(eps),
+        0, x.stride(0), x.stride(1), 0, 0, 0, pre.stride(0), 0, 0, u.stride(0), codes.stride(0),
+        scales.stride(0), D=dim, BLOCK_D=_boundary_block_d(dim), POST=False, num_warps=4, enable_fp_fusion=False,
     )
 
 
