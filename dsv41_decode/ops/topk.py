@@ -254,9 +254,7 @@ def _row_topk_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width,
             tl.store(out_row + n_sel + tl.cumsum(seli, 0) - 1, start + r, mask=sel)
             n_sel += tl.sum(seli, 0)
             n_eq += tl.sum(eqi, 0)
-    rk = tl.arange(0, BLOCK_K)
-    for p in range(0, width, BLOCK_K):
-        tl.store(out_row + p + rk, tl.full([BLOCK_K], -1, tl.int32), mask=(p + rk >= k_eff) & (p + rk < width))
+    _pad(out_row, width, k_eff, BLOCK_K)
 
 
 @triton.jit
@@ -324,10 +322,7 @@ def _write_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width, GROUP: 
             pos = base_gt + tl.maximum(base_eq - skip, 0) + tl.cumsum(sel.to(tl.int32), 0) - 1
             tl.store(out_row + pos, offs, mask=sel)
         if c == 0:
-            rk = tl.arange(0, BLOCK_K)
-            for p in range(0, width, BLOCK_K):
-                tl.store(out_row + p + rk, tl.full([BLOCK_K], -1, tl.int32),
-                         mask=(p + rk >= k_eff) & (p + rk < width))
+            _pad(out_row, width, k_eff, BLOCK_K)
     if c == 0:
         tl.store(ws_row + _WS_HI + tl.arange(0, 512), tl.zeros([512], dtype=tl.int32))
 
@@ -357,6 +352,35 @@ def _look_back(s_ptr, row_off, gt_slots, eq_slots, c, n_vis, thr, CHUNK: tl.cons
             base_gt += tl.sum((ok & (key > thr)).to(tl.int32), 0)
             base_eq += tl.sum((ok & (key == thr)).to(tl.int32), 0)
     return base_gt, base_eq
+
+
+@triton.jit
+def _publish_and_write(s_ptr, row_off, gt_slots, eq_slots, c, n_vis, thr, skip, gt, eq, offs, out_row,
+                       CHUNK: tl.constexpr, SPIN: tl.constexpr):
+    """Chunk c of a row (gt, eq: its keys > T and == T at the entries offs): publish both counts
+    (with the _LINKED bit) in gt_slots[c] / eq_slots[c]; if the chunk holds any, take the counts of
+    chunks 0..c-1 (`_look_back`) and write its selected indices at the offset they give (ascending;
+    the ties of rank >= skip in index order). A chunk with none publishes and is done."""
+    n_gt = tl.sum(gt.to(tl.int32), 0)
+    n_eq = tl.sum(eq.to(tl.int32), 0)
+    tl.atomic_xchg(gt_slots + c, n_gt | _LINKED, sem="relaxed", scope="gpu")
+    tl.atomic_xchg(eq_slots + c, n_eq | _LINKED, sem="relaxed", scope="gpu")
+    if n_gt + n_eq > 0:
+        base_gt, base_eq = _look_back(s_ptr, row_off, gt_slots, eq_slots, c, n_vis, thr, CHUNK, SPIN)
+        if skip == 0:                          # every tie taken: no rank among them needed
+            sel = gt | eq
+        else:
+            sel = gt | (eq & (base_eq + tl.cumsum(eq.to(tl.int32), 0) - 1 >= skip))
+        pos = base_gt + tl.maximum(base_eq - skip, 0) + tl.cumsum(sel.to(tl.int32), 0) - 1
+        tl.store(out_row + pos, offs, mask=sel)
+
+
+@triton.jit
+def _pad(out_row, width, k_eff, BLOCK_K: tl.constexpr):
+    """-1 in out_row[k_eff:width] (a top-k row past its selected entries)."""
+    rk = tl.arange(0, BLOCK_K)
+    for p in range(0, width, BLOCK_K):
+        tl.store(out_row + p + rk, tl.full([BLOCK_K], -1, tl.int32), mask=(p + rk >= k_eff) & (p + rk < width))
 
 
 @triton.jit
@@ -454,23 +478,10 @@ def _write_linked_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width,
             key, ok = _keys(s_ptr, n.to(tl.int64) * s_sn, offs, n_vis, 1)
         gt = ok & (key > thr)
         eq = ok & (key == thr)
-        n_gt = tl.sum(gt.to(tl.int32), 0)
-        n_eq = tl.sum(eq.to(tl.int32), 0)
-        tl.atomic_xchg(ws_row + _WS_CHUNK_GT + c, n_gt | _LINKED, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(ws_row + _WS_CHUNK_EQ + c, n_eq | _LINKED, sem="relaxed", scope="gpu")
-        if n_gt + n_eq > 0:                    # else nothing of this chunk is taken: no offset needed
-            base_gt, base_eq = _look_back(s_ptr, n.to(tl.int64) * s_sn, ws_row + _WS_CHUNK_GT, ws_row + _WS_CHUNK_EQ,
-                                          c, n_vis, thr, CHUNK, SPIN)
-            if skip == 0:                          # every tie taken: no rank among them needed
-                sel = gt | eq
-            else:
-                sel = gt | (eq & (base_eq + tl.cumsum(eq.to(tl.int32), 0) - 1 >= skip))
-            pos = base_gt + tl.maximum(base_eq - skip, 0) + tl.cumsum(sel.to(tl.int32), 0) - 1
-            tl.store(out_row + pos, offs, mask=sel)
+        _publish_and_write(s_ptr, n.to(tl.int64) * s_sn, ws_row + _WS_CHUNK_GT, ws_row + _WS_CHUNK_EQ, c, n_vis,
+                           thr, skip, gt, eq, offs, out_row, CHUNK, SPIN)
     if c == 0:
-        rk = tl.arange(0, BLOCK_K)
-        for p in range(0, width, BLOCK_K):
-            tl.store(out_row + p + rk, tl.full([BLOCK_K], -1, tl.int32), mask=(p + rk >= k_eff) & (p + rk < width))
+        _pad(out_row, width, k_eff, BLOCK_K)
         tl.store(ws_row + _WS_HI + tl.arange(0, 512), tl.zeros([512], dtype=tl.int32))
 
 
@@ -531,23 +542,10 @@ def _one_launch_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width, K:
     if k_eff > 0:
         gt = ok & (key > thr)
         eq = ok & (key == thr)
-        n_gt = tl.sum(gt.to(tl.int32), 0)
-        n_eq = tl.sum(eq.to(tl.int32), 0)
-        tl.atomic_xchg(ws_row + _WS_ONE_GT + c, n_gt | _LINKED, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(ws_row + _WS_ONE_EQ + c, n_eq | _LINKED, sem="relaxed", scope="gpu")
-        if n_gt + n_eq > 0:
-            base_gt, base_eq = _look_back(s_ptr, row_off, ws_row + _WS_ONE_GT, ws_row + _WS_ONE_EQ, c, n_vis, thr,
-                                          CHUNK, SPIN)
-            if skip == 0:
-                sel = gt | eq
-            else:
-                sel = gt | (eq & (base_eq + tl.cumsum(eq.to(tl.int32), 0) - 1 >= skip))
-            pos = base_gt + tl.maximum(base_eq - skip, 0) + tl.cumsum(sel.to(tl.int32), 0) - 1
-            tl.store(out_row + pos, offs, mask=sel)
+        _publish_and_write(s_ptr, row_off, ws_row + _WS_ONE_GT, ws_row + _WS_ONE_EQ, c, n_vis, thr, skip, gt, eq,
+                           offs, out_row, CHUNK, SPIN)
     if c == 0:
-        rk = tl.arange(0, BLOCK_K)
-        for p in range(0, width, BLOCK_K):
-            tl.store(out_row + p + rk, tl.full([BLOCK_K], -1, tl.int32), mask=(p + rk >= k_eff) & (p + rk < width))
+        _pad(out_row, width, k_eff, BLOCK_K)
     tl.debug_barrier()
     departed = tl.atomic_add(ws_row + _WS_DEPARTED, 1, sem="acq_rel", scope="gpu")
     if departed == n_chunks - 1:      # every program of the row is past its last read of the workspace
