@@ -141,14 +141,24 @@ def sparse_mla_launch(plan, *args, **kwargs) -> None:
     (gluon_sparse_mla_ if isinstance(plan, GluonSparseMlaPlan) else sparse_mla_)(plan, *args, **kwargs)
 
 
+# The fused histogram pays where the top-k's launch it saves costs more than the scorer's extra
+# work: on an H200 (`bench attn` at 2ca745c, docs/attn.md) scores + top-k with it against without
+# it: 23.0 / 25.7 us at 1 row x 32K entries, 30.2 / 31.8 at 4 x 32K, 30.9 / 32.6 at 1 x 128K; but
+# 58.4 / 53.7 at 4 x 128K, 83.0 / 69.3 at 16 x 32K, 272 / 199 at 64 x 32K, 103 / 89 at 1 x 1M.
+FUSED_HISTOGRAM_MAX = 1 << 17       # rows x entries per call at which the step lets the scorer build it
+
+
 def index_scores_launch(iq, w, pool, block_table, page, req_slot, n_vis, out, cand_mask=None,
                         hist: torch.Tensor | None = None) -> bool:
     """The step's indexer scores, the bits of `ops.indexer.index_scores_mxfp4_(..., fp8_dot=True)`:
     on an sm_90 GPU the Gluon scorer (`ops.gluon_indexer`; 1.3-1.8x faster on the H200,
     docs/attn.md), which also adds the top-k's high-byte histogram into `hist` (a
-    `TopKPlan.hist_hi` view) when given; elsewhere the Triton FP8 path. Returns whether `hist` was
-    filled (the top-k's `hist_ready`)."""
+    `TopKPlan.hist_hi` view) when given and the call is small enough for that to pay (rows x
+    entries <= FUSED_HISTOGRAM_MAX); elsewhere the Triton FP8 path. Returns whether `hist` was
+    filled (the top-k's `hist_ready`; the selection is the same either way)."""
     if is_sm90(iq.device):
+        if hist is not None and out.shape[0] * out.shape[1] > FUSED_HISTOGRAM_MAX:
+            hist = None
         gluon_index_scores_mxfp4_(iq, w, pool, block_table, page, req_slot, n_vis, out, cand_mask, hist=hist)
         return hist is not None
     index_scores_mxfp4_(iq, w, pool, block_table, page, req_slot, n_vis, out, cand_mask, fp8_dot=True)
