@@ -1,7 +1,7 @@
 """The specialized step under tensor parallelism on the CPU: 2 or 4 gloo processes, eager, interpreter.
 
 TP2: each rank runs its 8 of 16 heads and 2 of 4 wo_a groups over every layer kind; TP4 (the
-4-rank layout): 8 of 32 heads and 1 of 4 groups over the SWA and indexer layers (`LAYERS`). Each reduces wo_b's FP32 partials through
+4-rank layout): 8 of 32 heads and 1 of 4 groups over the indexer layers (`LAYERS`). Each reduces wo_b's FP32 partials through
 `TensorParallel.reduce_partials` (the collective fallback boundary). The Full layers' dense
 indexers run row-sharded (`indexer_shard_rows` forced to 1): each rank scores its `row_share` of
 3 rows at TP2, 5 at TP4 (shares 2 + 1 and 2 + 2 + 1 + 0) and the ranks gather the top-k and the
@@ -30,9 +30,9 @@ from helpers import reduced_config, rel, streams
 # per world, the row-sharded step's rows (not a multiple of tp), its own bucket
 STEPS = {2: [("a", 1), ("b", 2)], 4: [("a", 2), ("b", 3)]}
 # per world, the layers built: TP2 all six of `reduced_config`; TP4 (four processes on CI's two
-# cores) the SWA layer and the indexer layers only - Full r2, the candidate source and the Reindex
-# consumer - the Reuse layers' TP path being TP2's
-LAYERS = {2: None, 4: (0, 1, 3, 4)}
+# cores) the indexer layers only - Full r2, the candidate source and the Reindex consumer - the
+# SWA and Reuse layers' TP path being TP2's
+LAYERS = {2: None, 4: (1, 3, 4)}
 STATE = ("window", "compressed", "index_keys", "comp_kv", "comp_score")
 
 
