@@ -85,3 +85,16 @@ def opcode_counts(texts: list[str]) -> dict[str, int]:
         op = re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
         counts[op] = counts.get(op, 0) + 1
     return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+def wgmma_ops(texts: list[str]) -> list[str]:
+    """The wgmma instructions (`HGMMA`, `QGMMA`, ...) among SASS texts, without the warpgroup fences."""
+    return [t for t in texts if "GMMA" in t and not t.startswith("WARPGROUP")]
+
+
+def print_cases(measure, cases, argv: list[str]) -> None:
+    """The `main` of a compile-case script run in a subprocess: one JSON line of `measure(*case)` per
+    case, the cases from argv (each "a:b:c", ints) or else `cases`."""
+    import json
+    for case in [tuple(map(int, a.split(":"))) for a in argv] or cases:
+        print(json.dumps(measure(*case)), flush=True)

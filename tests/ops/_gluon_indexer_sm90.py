@@ -6,7 +6,6 @@ tests/ops/_gluon_indexer_sm90.py [heads:page:stages:cand:hist[:maxnreg[:packed[:
 
 from __future__ import annotations
 
-import json
 import sys
 
 from dsv41_decode.ops import gluon_indexer as GI
@@ -47,16 +46,14 @@ def measure(heads: int, page: int, stages: int, cand: int = 0, hist: int = 0, ma
             "shared_limit": GI.shared_bytes(stages, heads), "shared": kernel.metadata.shared,
             **sm90.resources(kernel), "ops": sm90.opcode_counts(ins),
             "loop_ops": sm90.opcode_counts(sm90.main_loop(kernel)),
-            "gmma": [t for t in ins if "GMMA" in t and not t.startswith("WARPGROUP")],
+            "gmma": sm90.wgmma_ops(ins),
             "ldgsts": sorted({t.split()[0] for t in ins if t.startswith("LDGSTS")}),
             "waits": sorted({t for t in ins if t.startswith("WARPGROUP.DEPBAR") or t.startswith("LDGDEPBAR")
                              or t.startswith("DEPBAR")})}
 
 
 def main() -> None:
-    cases = [tuple(map(int, a.split(":"))) for a in sys.argv[1:]] or CASES
-    for case in cases:
-        print(json.dumps(measure(*case)), flush=True)
+    sm90.print_cases(measure, CASES, sys.argv[1:])
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ tests/ops/_gluon_wo_a_sm90.py [heads:bt:warpgroups[:split[:fp8]] ...]` compiles 
 
 from __future__ import annotations
 
-import json
 import sys
 
 import torch
@@ -63,14 +62,12 @@ def measure(heads: int, bt: int, wg: int, split: int = 0, fp8: int = 0) -> dict:
             "steps": plan.k_per_split // W.BLOCK_K, "maxnreg": W.register_cap(plan.config, bt, plan.fp8),
             "shared_limit": W.shared_bytes(plan.config, bt, plan.fp8), "shared": kernel.metadata.shared,
             **sm90.resources(kernel), "ops": sm90.opcode_counts(ins),
-            "gmma": [t for t in ins if "GMMA" in t and not t.startswith("WARPGROUP")],
+            "gmma": sm90.wgmma_ops(ins),
             "waits": sorted({t for t in ins if t.startswith("WARPGROUP.DEPBAR")})}
 
 
 def main() -> None:
-    cases = [tuple(map(int, a.split(":"))) for a in sys.argv[1:]] or CASES
-    for case in cases:
-        print(json.dumps(measure(*case)), flush=True)
+    sm90.print_cases(measure, CASES, sys.argv[1:])
 
 
 if __name__ == "__main__":
