@@ -250,16 +250,13 @@ _GPU_CASES = [(1, 8192), (64, 8192), (1, 32768), (64, 32768), (16, 131072), (1, 
               (1, (4 << 20) + 4099)]   # the last: more than _MAX_CHUNKS chunks of the plans' chunk
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dist", ["few", "randn"])
-@pytest.mark.parametrize("rows,entries", _GPU_CASES)
-def test_gpu_ties_equal_the_reference_and_repeat(rows, entries, dist):
-    """1-64 rows, 8K-4M entries, tie-heavy scores (a handful of BF16 values; or BF16 randn, whose
-    values also tie by thousands): the top-512 and the candidate mask (the decode step's plans)
-    equal the reference bitwise, and 10 runs on the same scores give the same bits."""
-    g = torch.Generator(device=_DEVICE).manual_seed(rows * 7 + entries)
+def _gpu_case(rows: int, entries: int, dist: str, seed: int, extra: tuple):
+    """(scores [rows, entries] on the GPU, n_vis): "few" - a handful of BF16 values and `extra`
+    (-inf, NaN) drawn at random, ties by the thousands; else BF16 randn. n_vis mostly near
+    `entries`, some rows far shorter, row 2 (past 2 rows) fewer than k."""
+    g = torch.Generator(device=_DEVICE).manual_seed(seed)
     if dist == "few":
-        vals = torch.tensor(_FEW + (float("-inf"),), device=_DEVICE)
+        vals = torch.tensor(_FEW + extra, device=_DEVICE)
         s = vals[torch.randint(0, len(vals), (rows, entries), generator=g, device=_DEVICE)]
     else:
         s = torch.randn(rows, entries, generator=g, device=_DEVICE).bfloat16().float()
@@ -267,6 +264,17 @@ def test_gpu_ties_equal_the_reference_and_repeat(rows, entries, dist):
                       dtype=torch.int32, device=_DEVICE)
     if rows > 2:
         nv[2] = 300                                  # fewer visible entries than k
+    return s, nv
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dist", ["few", "randn"])
+@pytest.mark.parametrize("rows,entries", _GPU_CASES)
+def test_gpu_ties_equal_the_reference_and_repeat(rows, entries, dist):
+    """1-64 rows, 8K-4M entries, tie-heavy scores (a handful of BF16 values; or BF16 randn, whose
+    values also tie by thousands): the top-512 and the candidate mask (the decode step's plans)
+    equal the reference bitwise, and 10 runs on the same scores give the same bits."""
+    s, nv = _gpu_case(rows, entries, dist, rows * 7 + entries, (float("-inf"),))
     tplan = TopKPlan.build(rows, 512, 1, _DEVICE)
     cplan = TopKPlan.build(rows, 2048, 8, _DEVICE, chunk=512)
     runs_t, runs_c = [], []
@@ -381,16 +389,7 @@ def test_gpu_linked_equals_four_launch_and_repeats(rows, entries, dist):
     (where its grid fits the SMs; else it runs the linked path): the four-launch path's output
     (itself checked against the reference above), bitwise, and 10 runs of the default give the same
     bits (the look-back's arrival order varies, the output must not)."""
-    g = torch.Generator(device=_DEVICE).manual_seed(rows * 11 + entries)
-    if dist == "few":
-        vals = torch.tensor(_FEW + (float("-inf"), float("nan")), device=_DEVICE)
-        s = vals[torch.randint(0, len(vals), (rows, entries), generator=g, device=_DEVICE)]
-    else:
-        s = torch.randn(rows, entries, generator=g, device=_DEVICE).bfloat16().float()
-    nv = torch.tensor([entries - 7 * i if i % 5 else max(1, entries // (i + 1)) for i in range(rows)],
-                      dtype=torch.int32, device=_DEVICE)
-    if rows > 2:
-        nv[2] = 300                                  # fewer visible entries than k
+    s, nv = _gpu_case(rows, entries, dist, rows * 11 + entries, (float("-inf"), float("nan")))
     want = topk_ascending_(s, nv, torch.empty(rows, 512, dtype=torch.int32, device=_DEVICE),
                            TopKPlan.build(rows, 512, 1, _DEVICE), separate_count=True)
     if dist == "randn":
