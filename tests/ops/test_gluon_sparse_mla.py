@@ -313,7 +313,7 @@ def test_gpu_more_than_32_blocks(config):
     # (both cleared by the inline combination)
     n, h, w, k = 3, 16, 128, 2112
     plan = G.GluonSparseMlaPlan.build(n, h, w, k, "cuda", config=config)
-    assert plan.n_blocks == 35
+    assert plan.base.n_blocks == 35
     case = make_case(n, h, w, k, seed=35, window_fill=gpu_tables(n), exact=True, **GPU_POOLS)
     out = run(plan, case, EXACT_SCALE)
     assert torch.equal(out, run(plan, case, EXACT_SCALE))
