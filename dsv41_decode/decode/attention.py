@@ -120,18 +120,24 @@ def wo_a_launch(plan, *args, **kwargs) -> None:
 def sparse_mla_plans(max_rows: int, heads: int, window: int, topk: int, device: torch.device, *,
                      workspace=None, fp32_dots: bool = False) -> list:
     """The sparse MLA plans of a layer (ascending max_rows: a launch takes the first that holds its
-    rows; launched by `sparse_mla_launch`). On an sm_90 GPU without `fp32_dots` one Gluon plan for
-    every row count (`ops.gluon_sparse_mla`: key-major, each record decoded once per row; 17.6 /
-    19.0 / 35.1 / 100.4 us at 1 / 8 / 16 / 64 rows and 64 heads on the H200, where the Triton
-    tilings take 25.4 / 41.4 / 65.7 / 261.8: docs/attn.md); with `fp32_dots` the Triton FP32 plan
+    rows; launched by `sparse_mla_launch`). On an sm_90 GPU without `fp32_dots` the Gluon plans of
+    `GluonSparseMlaPlan.for_step` (`ops.gluon_sparse_mla`: key-major, each record decoded once per
+    row), one configuration per row bucket (`STEP_CONFIGS`): at 1-2 rows dim_split 4 with the spread
+    combination, the values look-back and fp4_lut (12.8 / 13.2 us at 64 heads on the H200, the
+    default 17.7 / 17.4), at 3-16 rows the spread combination with the values look-back, fp4_lut
+    and maxnreg 128 (17.2 / 17.6 / 28.6 at 4 / 8 / 16; the default 17.9 / 19.2 / 34.9), above 16
+    the default (101.1 at 64; the Triton tilings 261.8: docs/attn.md). Every configuration gives
+    the same bits on every row (the probe's and the GPU tests' check), so a row's outputs do not
+    depend on the bucket: batch invariance holds. With `fp32_dots` the Triton FP32 plan
     (`SparseMlaPlan.for_step(fp32_dots=True)`); other GPUs the Triton `STEP_TILINGS`; the
     interpreter one unsplit plan. Each is one reduction order whatever the rows (batch invariance).
-    workspace: None or the step's `Workspaces` pool (the plans' `workspace` contract)."""
+    workspace: None or the step's `Workspaces` pool (the plans' `workspace` contract; the plans of
+    one layer share its views, so it holds the largest plan's workspaces)."""
     device = torch.device(device)
     if _few_programs(device):
         return [SparseMlaPlan.build(max_rows, heads, window, topk, device, split=False, workspace=workspace)]
     if is_sm90(device) and not fp32_dots:
-        return [GluonSparseMlaPlan.build(max_rows, heads, window, topk, device, workspace=workspace)]
+        return GluonSparseMlaPlan.for_step(max_rows, heads, window, topk, device, workspace=workspace)
     return SparseMlaPlan.for_step(max_rows, heads, window, topk, device, workspace=workspace, fp32_dots=fp32_dots)
 
 

@@ -82,7 +82,7 @@ from .sparse_mla_plan import BLOCK_KEYS, HEAD_DIM, SparseMlaPlan
 # TRITON_INTERPRET=1 (the CPU tests' setting), which the Gluon compiler rejects; the compile test
 # runs there.
 
-__all__ = ["NUM_WARPS", "PHASE_NAMES", "GluonSparseMlaConfig", "GluonSparseMlaPlan", "gluon_sparse_mla_"]
+__all__ = ["NUM_WARPS", "PHASE_NAMES", "STEP_CONFIGS", "GluonSparseMlaConfig", "GluonSparseMlaPlan", "gluon_sparse_mla_"]
 
 # Two warpgroups: the scores' 64 keys and each P.V chunk's 128 dims split between them (the wgmma's
 # M is 64, one warpgroup's; 8 warps also spread the gather and decode of 64 x 512 values).
@@ -780,6 +780,21 @@ class GluonSparseMlaConfig:
                 raise TypeError(f"GluonSparseMlaConfig.{name} must be a bool, got {type(getattr(self, name)).__name__}")
 
 
+# The decode step's configuration per row count (`GluonSparseMlaPlan.for_step`; (most rows, config),
+# ascending: a launch takes the first plan that holds its rows; None: every row count above).
+# Measured on an H200 (`scripts/probe_gluon_sparse_mla.py` at 27e9b3b, 64 heads, 128 window + 512
+# top-k keys, graph replay; us at 1 / 2 / 4 / 8 / 16 / 64 rows): the default 17.68 / 17.38 / 17.87 /
+# 19.15 / 34.93 / 101.08; dim_split 4 + spread + values look-back + fp4_lut 12.82 / 13.20 / 18.97 /
+# 30.02 / 46.89 / 183.55; spread + values look-back + fp4_lut + maxnreg 128 17.65 / 17.40 / 17.16 /
+# 17.59 / 28.60 / 106.46 (FlashMLA on the V4 record, same run: 12.20 / 12.63 / 13.30 / 14.01 /
+# 16.13 / 42.24). Every configuration gives the default's bits on every row (the probe's `cfg==` in
+# every cell; `test_gpu_every_config_gives_the_same_bits`), so a row's outputs do not depend on the
+# bucket its step runs in: batch invariance holds across the buckets.
+STEP_CONFIGS = ((2, GluonSparseMlaConfig(dim_split=4, combine="spread", lookback="values", fp4_lut=True)),
+                (16, GluonSparseMlaConfig(combine="spread", lookback="values", fp4_lut=True, maxnreg=128)),
+                (None, GluonSparseMlaConfig()))
+
+
 @dataclass(frozen=True, eq=False)
 class GluonSparseMlaPlan:
     """The kernel's plan: `base`, the `SparseMlaPlan` whose split, workspace and combination it
@@ -822,6 +837,23 @@ class GluonSparseMlaPlan:
             log = torch.zeros(max_rows * base.n_blocks * config.dim_split, PHASE_COLS, dtype=torch.int64,
                               device=base.device)
         return cls(base, config, counters, board, log)
+
+    @classmethod
+    def for_step(cls, max_rows: int, heads: int, window: int, topk: int, device="cuda", *,
+                 workspace=None) -> list["GluonSparseMlaPlan"]:
+        """The decode step's plans for rows 1..max_rows, one per `STEP_CONFIGS` bucket that holds
+        some of them (ascending max_rows, the last one's max_rows = max_rows; a launch takes the
+        first that holds its rows). workspace: as `build`'s; with the step's pool the plans share
+        its views (they run on the main stream one after another, each leaving its integer views
+        at zero), so the pool holds the largest plan's workspaces, not their sum."""
+        plans, lo = [], 0
+        for hi, config in STEP_CONFIGS:
+            if lo >= max_rows:
+                break
+            rows = max_rows if hi is None else min(hi, max_rows)
+            plans.append(cls.build(rows, heads, window, topk, device, workspace=workspace, config=config))
+            lo = rows
+        return plans
 
     @property
     def max_rows(self) -> int:

@@ -425,10 +425,35 @@ def test_the_steps_plan_choice_off_sm90(monkeypatch):
     assert calls == [("triton", plans[0]), ("gluon", gplan)]
 
 
+def test_the_step_configs_per_row_count():
+    # GluonSparseMlaPlan.for_step: one plan per STEP_CONFIGS bucket holding some of the rows (1-2
+    # rows dim_split 4 + spread, 3-16 spread with maxnreg 128, above the default), ascending, the
+    # last one's max_rows the step's; with a pool the plans share its views (each workspace the
+    # largest plan's, not their sum)
+    from dsv41_decode.decode.buffers import Workspaces
+    split4svl, spreadvlc, default = (c for _, c in G.STEP_CONFIGS)
+    assert (split4svl.dim_split, split4svl.combine, split4svl.lookback, split4svl.fp4_lut) == (4, "spread", "values", True)
+    assert (spreadvlc.combine, spreadvlc.lookback, spreadvlc.fp4_lut, spreadvlc.maxnreg) == ("spread", "values", True, 128)
+    assert default == G.GluonSparseMlaConfig()
+    for max_rows, buckets in ((1, [1]), (2, [2]), (4, [2, 4]), (16, [2, 16]), (17, [2, 16, 17]), (64, [2, 16, 64])):
+        plans = G.GluonSparseMlaPlan.for_step(max_rows, 64, 128, 512, "cpu")
+        assert [p.max_rows for p in plans] == buckets
+        assert [p.config for p in plans] == [split4svl, spreadvlc, default][:len(buckets)]
+    pool = Workspaces("cpu")
+    plans = G.GluonSparseMlaPlan.for_step(64, 64, 128, 512, "cpu", workspace=pool)
+    for name in ("part_acc", "flags", "ticket"):
+        assert len({getattr(p.base, name).untyped_storage().data_ptr() for p in plans}) == 1, name
+    assert len({p.counters.untyped_storage().data_ptr() for p in plans}) == 1
+    views = [lambda p, n=n: getattr(p.base, n) for n in ("part_acc", "part_ml", "block_max", "flags", "counters",
+                                                          "ticket")] + [lambda p: p.counters, lambda p: p.board]
+    assert pool.memory_bytes() == sum(max(v(p).nbytes for p in plans) for v in views)
+
+
 @pytest.mark.gpu
 def test_gpu_the_steps_plan_choice_on_sm90():
-    # on sm_90 the step takes one Gluon plan for every row count (batch invariance: one reduction
-    # order), its workspace from the step's pool; with fp32_dots the Triton FP32 plan
+    # on sm_90 the step takes the Gluon plans of STEP_CONFIGS (every configuration the same bits:
+    # batch invariance holds across the buckets), their workspaces from the step's pool; a launch
+    # of each bucket's rows gives the default's bits; with fp32_dots the Triton FP32 plan
     from dsv41_decode.decode import attention
     from dsv41_decode.decode.buffers import Workspaces
     from dsv41_decode.ops.common import is_sm90
@@ -436,9 +461,18 @@ def test_gpu_the_steps_plan_choice_on_sm90():
     if not is_sm90(dev):
         pytest.skip("the Gluon sparse MLA is sm_90 code")
     pool = Workspaces(dev)
-    (plan,) = attention.sparse_mla_plans(64, 64, 128, 512, dev, workspace=pool)
-    assert isinstance(plan, G.GluonSparseMlaPlan) and plan.max_rows == 64
-    assert plan.base.part_acc.untyped_storage().data_ptr() in pool.storages()
+    plans = attention.sparse_mla_plans(64, 64, 128, 512, dev, workspace=pool)
+    assert all(isinstance(p, G.GluonSparseMlaPlan) for p in plans)
+    assert [(p.max_rows, p.config) for p in plans] == [(2, G.STEP_CONFIGS[0][1]), (16, G.STEP_CONFIGS[1][1]),
+                                                       (64, G.GluonSparseMlaConfig())]
+    assert all(p.base.part_acc.untyped_storage().data_ptr() in pool.storages() for p in plans)
+    ref = G.GluonSparseMlaPlan.build(64, 64, 128, 512, "cuda")
+    for n in (1, 2, 3, 16, 17, 64):
+        case = make_case(n, 64, 128, 512, seed=7000 + n, window_fill=gpu_tables(n), **GPU_POOLS)
+        plan = next(p for p in plans if n <= p.max_rows)
+        assert torch.equal(run(plan, case), run(ref, case)), n
+    torch.cuda.synchronize()
+    assert all(workspace_is_clear(p) for p in plans)
     (fp32,) = attention.sparse_mla_plans(64, 64, 128, 512, dev, fp32_dots=True)
     assert type(fp32) is SparseMlaPlan and not fp32.bf16_dot
 
