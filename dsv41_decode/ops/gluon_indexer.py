@@ -407,16 +407,38 @@ def programs_per_row(n_rows: int, max_entries: int, device, programs_per_sm: int
     return min(triton.cdiv(max_entries, BLOCK_E), max(1, -(-programs_per_sm * num_sms(device) // n_rows)))
 
 
-def hist_scratch_numel(n_rows: int, max_entries: int, device, programs_per_sm: int = 3) -> int:
-    """The int32 elements `gluon_index_scores_mxfp4_(..., hist=, hist_scratch=)` needs: 256 per program."""
+# The launch's defaults by its size (rows x max_entries), measured on an H200
+# (scripts/probe_gluon_indexer.py, 32 heads, pages of 64; us, every configuration the same bits):
+#   rows x context       1 x 8K   1 x 32K   1 x 128K   1 x 1M   16 x 128K   64 x 128K
+#   3 an SM              4.26     7.26      12.39      60.59    187.82      622.68
+#   4 an SM, pairs+kperm 4.33     7.71      12.34      53.90    100.97      510.49
+# so the wgmmas two at a time with the permuted key order at four programs an SM, except for the
+# small calls, where three programs an SM with four wgmmas in flight measured faster (measured at 1 row;
+# other calls of as many tiles, 4 rows x 8K, are assumed alike).
+SMALL_CALL_MAX = 1 << 15   # rows x max_entries of a launch at or under which it takes the small calls' options
+
+
+def default_options(n_rows: int, max_entries: int) -> dict:
+    """The launch's defaults for N rows of max_entries: {"programs_per_sm", "mma_pairs", "kperm"}
+    (3, False, False) at n_rows * max_entries <= SMALL_CALL_MAX, else (4, True, True)."""
+    if n_rows * max_entries <= SMALL_CALL_MAX:
+        return {"programs_per_sm": 3, "mma_pairs": False, "kperm": False}
+    return {"programs_per_sm": 4, "mma_pairs": True, "kperm": True}
+
+
+def hist_scratch_numel(n_rows: int, max_entries: int, device, programs_per_sm: int | None = None) -> int:
+    """The int32 elements `gluon_index_scores_mxfp4_(..., hist=, hist_scratch=)` needs: 256 per program
+    (programs_per_sm None: the launch's default, `default_options`)."""
+    if programs_per_sm is None:
+        programs_per_sm = default_options(n_rows, max_entries)["programs_per_sm"]
     return n_rows * programs_per_row(n_rows, max_entries, device, programs_per_sm) * HIST_BINS
 
 
 def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor,
                               page: int, req_slot: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor,
                               cand_mask: torch.Tensor | None = None, hist: torch.Tensor | None = None,
-                              stages: int = 4, programs_per_sm: int = 3, maxnreg: int | None = None,
-                              packed_terms: bool = False, mma_pairs: bool = False, kperm: bool = False,
+                              stages: int = 4, programs_per_sm: int | None = None, maxnreg: int | None = None,
+                              packed_terms: bool = False, mma_pairs: bool | None = None, kperm: bool | None = None,
                               hist_scratch: torch.Tensor | None = None) -> torch.Tensor:
     """Write the indexer scores of N decode rows into `out`: `ops.indexer.index_scores_mxfp4_(...,
     fp8_dot=True)`'s arguments and scores (see the module docstring), on an sm_90 device.
@@ -431,17 +453,19 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
       when that was zero (each program zeroes its counters before and after use). None: the launch
       allocates one (torch.empty).
     stages: ring slots of 64 records (2..MAX_STAGES); STAGES - 1 tiles are in flight per program.
+    programs_per_sm, mma_pairs, kperm: None (each) takes `default_options(N, max_entries)`'s value
+      (max_entries = out's width): the configuration measured fastest at that size.
     programs_per_sm: each row gets at most ceil(programs_per_sm * SMs / N) programs (3: the programs an
-      SM holds at 32 heads, ~150 registers a thread; 4 with maxnreg=128).
+      SM holds at 32 heads, ~150 registers a thread; 4 with mma_pairs, 128 registers, or maxnreg=128).
     maxnreg: the launch's register cap per thread (`launch_options`), None or a multiple of 8 in [64, 256].
     packed_terms: relu, weight and their BF16 roundings two terms an instruction (BF16x2): the same
-      bits but where a weighted term is an FP32 subnormal (|term| < 2^-126); built and compiled, to be
-      measured.
+      bits but where a weighted term is an FP32 subnormal (|term| < 2^-126), so off by default (on
+      the H200 2-6 % faster than without it at 1M keys and 16-64 rows, within 1 % at <= 128K x 1 row).
     mma_pairs: the four block wgmmas two at a time (two partials live instead of four: 128 registers
-      a thread instead of ~150 at 32 heads, four programs an SM); the same bits. To be measured.
+      a thread instead of ~150 at 32 heads, four programs an SM); the same bits.
     kperm: the key tile's columns in a block in the widening's natural order (low nibbles' bytes, then
       high nibbles'), the query's permuted to match (no byte permutes); the same bits (a block's
-      products are exact). To be measured.
+      products are exact).
     Unchecked: as `index_scores_mxfp4_`. Returns out.
     """
     n_rows, heads = index_scores_args(iq, w, pool, block_table, page, req_slot, n_vis, out, cand_mask)
@@ -457,6 +481,10 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
                          f"{tuple(hist_scratch.shape)} {hist_scratch.dtype} on {hist_scratch.device}")
     if isinstance(stages, bool) or not isinstance(stages, int) or not 2 <= stages <= MAX_STAGES:
         raise ValueError(f"stages must be an int in [2, {MAX_STAGES}], got {stages!r}")
+    defaults = default_options(n_rows, out.shape[1])
+    programs_per_sm = defaults["programs_per_sm"] if programs_per_sm is None else programs_per_sm
+    mma_pairs = defaults["mma_pairs"] if mma_pairs is None else mma_pairs
+    kperm = defaults["kperm"] if kperm is None else kperm
     if isinstance(programs_per_sm, bool) or not isinstance(programs_per_sm, int) or programs_per_sm < 1:
         raise ValueError(f"programs_per_sm must be a positive int, got {programs_per_sm!r}")
     if maxnreg is not None and (isinstance(maxnreg, bool) or not isinstance(maxnreg, int) or not 64 <= maxnreg <= 256

@@ -12,13 +12,15 @@ from dsv41_decode.ops import gluon_indexer as GI
 from dsv41_decode.testing import sm90
 
 # (heads, page, stages, candidate mask, histogram[, register cap[, packed terms[, wgmma pairs[, key
-# order]]]]): the step's dense call (32 heads, pages of 64) with and without the fused histogram, the
-# candidate-restricted call, 64 heads, the tests' pages of 16, the wgmmas two at a time (alone: 128
-# registers uncapped; with the BF16x2 terms, a deeper ring and a cap of 112), the permuted key order
-# (candidate mode at pages of 16; with every option and the histogram)
+# order]]]]): the step's dense call (32 heads, pages of 64) with and without the fused histogram in
+# both of the launch's default configurations (`default_options`: four wgmmas in flight at small
+# calls; two at a time with the permuted key order, 128 registers uncapped, above), the
+# candidate-restricted call, 64 heads, the tests' pages of 16, the wgmmas two at a time with the
+# BF16x2 terms (a deeper ring and a cap of 112), the permuted key order alone (candidate mode at
+# pages of 16), every option with the histogram
 CASES = [(32, 64, 4, 0, 0), (32, 64, 4, 0, 1), (32, 64, 4, 1, 0), (64, 64, 4, 0, 0), (32, 16, 4, 0, 0),
-         (32, 64, 4, 0, 1, 0, 0, 1), (32, 64, 6, 0, 0, 112, 1, 1), (32, 16, 4, 1, 0, 0, 0, 0, 1),
-         (32, 64, 4, 0, 1, 0, 1, 1, 1)]
+         (32, 64, 4, 0, 0, 0, 0, 1, 1), (32, 64, 4, 0, 1, 0, 0, 1, 1), (32, 64, 6, 0, 0, 112, 1, 1),
+         (32, 16, 4, 1, 0, 0, 0, 0, 1), (32, 64, 4, 0, 1, 0, 1, 1, 1)]
 TYPES = {"iq_ptr": "*bf16", "w_ptr": "*bf16", "pool_ptr": "*i32", "bt_ptr": "*i32", "slot_ptr": "*i64",
          "nvis_ptr": "*i32", "cand_ptr": "*u8", "out_ptr": "*fp32", "hist_ptr": "*i32",
          "scratch_ptr": "*i32"}

@@ -97,6 +97,20 @@ def test_compiles_for_sm90_without_spills(sm90_builds, case):
         assert r["REG"] <= (r["maxnreg"] or (128 if pairs else 168)), r
 
 
+def test_default_options_by_call_size():
+    """The launch's defaults: three programs an SM, four wgmmas in flight, up to SMALL_CALL_MAX rows x
+    entries; above, the wgmmas two at a time and the permuted key order at four an SM; the scratch
+    size follows the programs the default launches."""
+    small = {"programs_per_sm": 3, "mma_pairs": False, "kperm": False}
+    large = {"programs_per_sm": 4, "mma_pairs": True, "kperm": True}
+    assert GI.default_options(1, GI.SMALL_CALL_MAX) == small and GI.default_options(4, 8192) == small
+    assert GI.default_options(1, GI.SMALL_CALL_MAX + 1) == large and GI.default_options(16, 8192) == large
+    # 1 x 128K: 4 x 132 programs (one per 64-entry tile at most); 1 x 32K: 3 x 132
+    assert GI.hist_scratch_numel(1, 131072, "cpu") == 4 * 132 * GI.HIST_BINS
+    assert GI.hist_scratch_numel(1, 32768, "cpu") == 3 * 132 * GI.HIST_BINS
+    assert GI.hist_scratch_numel(1, 32768, "cpu", 4) == 512 * GI.HIST_BINS
+
+
 def test_bad_inputs_raise_naming_the_argument():
     iq, w, pool, bt, slot, nv = TI.make_inputs(2, 8, [10, 20], seed=1)
     iq, w, pool, bt, slot, nv = (t.cpu() for t in (iq, w, pool, bt, slot, nv))
@@ -237,22 +251,25 @@ def test_gpu_repeatable_and_batch_invariant():
         assert bits_differ(alone[0], a[i]) == 0, f"row {i} alone differs from the same row among {rows}"
 
 
-# the default and the configurations that may replace it (fewer registers: four programs an SM;
-# no byte permutes; with and without the BF16x2 terms)
-CANDIDATES = ({}, {"mma_pairs": True, "kperm": True, "programs_per_sm": 4},
-              {"mma_pairs": True, "kperm": True, "packed_terms": True, "programs_per_sm": 4})
+# the two configurations the default takes by the call's size (`default_options`: three programs an
+# SM with the four wgmmas in flight at small calls; the wgmmas two at a time with the permuted key
+# order, four an SM, above) and the BF16x2 terms on the latter (not a default)
+CONFIGS = ({"programs_per_sm": 3, "mma_pairs": False, "kperm": False}, {}, {"packed_terms": True})
 
 
 @pytest.mark.gpu
-def test_gpu_default_candidates():
-    """The default and its candidate replacements in one test (few compiles): edge contexts at 16
-    rows, pages of 64 (and 16), dense, candidate-restricted and with the histogram into a caller's
-    zeroed scratch."""
+def test_gpu_default_configurations():
+    """The default's two configurations and the BF16x2 terms in one test (few compiles): edge
+    contexts at 16 rows (a large call: the default is mma_pairs + kperm), pages of 64 (and 16),
+    dense, candidate-restricted and with the histogram into a caller's zeroed scratch; then 2 rows
+    (a small call: the other configuration) with the histogram."""
     rows = 16
     n_vis = _contexts(rows, seed=77)
     g = torch.Generator(device=DEVICE).manual_seed(77)
     cand = torch.rand(rows, 4160, generator=g, device=DEVICE) < 0.3
-    for i, kw in enumerate(CANDIDATES):
+    assert GI.default_options(rows, 4160) == {"programs_per_sm": 4, "mma_pairs": True, "kperm": True}
+    assert GI.default_options(2, 4160) == CONFIGS[0]
+    for i, kw in enumerate(CONFIGS):
         for page in ((16, 64) if i == 1 else (64, )):
             args = _inputs(rows, n_vis, seed=77 + page, page=page)
             got, ref = _pair(args, page, 4160, **kw)
@@ -261,13 +278,20 @@ def test_gpu_default_candidates():
             got, ref = _pair(args, 64, 4160, cand=cand, **kw)
             _assert_bits_equal(got, ref, f"candidate mask {kw}")
         if i < 2:
-            hist = torch.zeros(rows, 2568, dtype=torch.int32, device=DEVICE)
-            pps = kw.get("programs_per_sm", 3)
-            scratch = torch.zeros(GI.hist_scratch_numel(rows, 4160, DEVICE, pps), dtype=torch.int32, device=DEVICE)
-            got, ref = _pair(args, 64, 4160, hist=hist, hist_scratch=scratch, **{"programs_per_sm": pps, **kw})
-            _assert_bits_equal(got, ref, f"with the histogram {kw}")
-            assert torch.equal(hist[:, :256].cpu(), _key_hist(ref, args[5]).int().cpu()), kw
-            assert not bool(hist[:, 256:].any()) and not bool(scratch.any()), kw
+            _check_hist_with_scratch(args, 4160, kw)
+    _check_hist_with_scratch(_inputs(2, [4103, 1000], seed=78, page=64), 4160, {})
+
+
+def _check_hist_with_scratch(args, max_entries: int, kw: dict) -> None:
+    """The scores' bits and the fused histogram with a caller's zeroed scratch (left zero)."""
+    rows = args[0].shape[0]
+    hist = torch.zeros(rows, 2568, dtype=torch.int32, device=DEVICE)
+    pps = kw.get("programs_per_sm")
+    scratch = torch.zeros(GI.hist_scratch_numel(rows, max_entries, DEVICE, pps), dtype=torch.int32, device=DEVICE)
+    got, ref = _pair(args, 64, max_entries, hist=hist, hist_scratch=scratch, **kw)
+    _assert_bits_equal(got, ref, f"{rows} rows with the histogram {kw}")
+    assert torch.equal(hist[:, :256].cpu(), _key_hist(ref, args[5]).int().cpu()), kw
+    assert not bool(hist[:, 256:].any()) and not bool(scratch.any()), kw
 
 
 def _key_hist(scores: torch.Tensor, n_vis: torch.Tensor) -> torch.Tensor:
