@@ -349,7 +349,7 @@ def test_topk_linked_equals_separate_and_reference(monkeypatch, dtype, max_chunk
         topk_ascending_(x, nv, outs["sep"], plans["sep"], separate_count=True)
         topk_ascending_(x, nv, outs["linked"], plans["linked"], separate_count=False)
         _add_hist(plans["ready"], x, nv)
-        topk_ascending_(x, nv, outs["ready"], plans["ready"], hist_ready=True)
+        topk_ascending_(x, nv, outs["ready"], plans["ready"], hist_ready=True, separate_count=False)
         want = _ref_topk_nan(x.float(), nv, k)
         for mode, out in outs.items():
             assert torch.equal(out, want), f"{mode}, {rows} rows, n_vis {nv.tolist()}"
@@ -398,10 +398,10 @@ def test_gpu_linked_equals_four_launch_and_repeats(rows, entries, dist):
     runs = [topk_ascending_(s, nv, torch.empty_like(want), plan, separate_count=False) for _ in range(10)]
     for r in range(10):
         assert torch.equal(runs[r], want), f"linked run {r} differs from the four-launch path"
-    pdl, one = {"pdl": True}, {"one_launch": True}
-    configs = [(torch.float32, True, {}, 4096, 4), (torch.bfloat16, False, {}, 4096, 4),
-               (torch.bfloat16, True, {}, 4096, 4), (torch.float32, False, pdl, 4096, 4),
-               (torch.float32, True, pdl, 1024, 4), (torch.bfloat16, True, {}, 8192, 8),
+    pdl, one, lk = {"pdl": True}, {"one_launch": True}, {"separate_count": False}
+    configs = [(torch.float32, True, lk, 4096, 4), (torch.bfloat16, False, lk, 4096, 4),
+               (torch.bfloat16, True, lk, 4096, 4), (torch.float32, False, pdl, 4096, 4),
+               (torch.float32, True, pdl, 1024, 4), (torch.bfloat16, True, lk, 8192, 8),
                (torch.float32, True, one, 4096, 4), (torch.float32, False, one, 1024, 4),
                (torch.bfloat16, True, one, 1024, 2)]
     for dtype, ready, opts, chunk, warps in configs:
@@ -413,6 +413,42 @@ def test_gpu_linked_equals_four_launch_and_repeats(rows, entries, dist):
             out = topk_ascending_(x, nv, torch.empty_like(want), plan, hist_ready=ready, **opts)
             assert torch.equal(out, want), f"{dtype} hist_ready={ready} {opts} chunk={chunk} warps={warps}"
         assert int(plan.ws[:, :512].abs().sum()) == 0, "histograms left non-zero"
+
+
+# the step's top-k at 1-4 rows with hist_ready: one launch where the grid fits (chunks of 4096 / 8192
+# / 16384: 1 x 32K ... 2 x 1M), the linked path past that (3 x 1M)
+_GPU_ONE_CASES = [(1, 32768), (4, 32768), (1, 131072), (4, 131072), (1, 1 << 20), (2, 1 << 20), (3, 1 << 20)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dist", ["few", "randn"])
+@pytest.mark.parametrize("rows,entries", _GPU_ONE_CASES)
+def test_gpu_default_one_launch_equals_four_launch_and_repeats(monkeypatch, rows, entries, dist):
+    """The default top-k with hist_ready at 1-4 rows (the step's call after the Gluon scorer): it
+    takes the one-launch path, and 10 runs on one plan, each after a linked call of 8 rows on the
+    same plan (the step's plan serves every row bucket), give the four-launch path's bits, ties
+    included; the histograms and the one-launch counters and count slots are left zero."""
+    from dsv41_decode.ops import topk as topk_mod
+    taken = []
+    one = topk_mod._select_one_launch
+    monkeypatch.setattr(topk_mod, "_select_one_launch", lambda *a: (taken.append(1), one(*a)))
+    s, nv = _gpu_case(8, entries, dist, rows * 13 + entries, (float("-inf"), float("nan")))
+    four = TopKPlan.build(8, 512, 1, _DEVICE)
+    want = topk_ascending_(s, nv, torch.empty(8, 512, dtype=torch.int32, device=_DEVICE), four, separate_count=True)
+    plan = TopKPlan.build(8, 512, 1, _DEVICE)
+    for r in range(10):
+        plan.hist_hi[:rows] += key_high_histogram(s[:rows], nv[:rows])
+        out = topk_ascending_(s[:rows], nv[:rows], torch.empty(rows, 512, dtype=torch.int32, device=_DEVICE), plan,
+                              hist_ready=True)
+        assert torch.equal(out, want[:rows]), f"run {r}: one launch differs from the four-launch path"
+        plan.hist_hi[:8] += key_high_histogram(s, nv)
+        other = topk_ascending_(s, nv, torch.empty_like(want), plan, hist_ready=True)
+        assert torch.equal(other, want), f"run {r}: the linked call of 8 rows after it differs"
+    assert len(taken) == 10, "the default did not take the one-launch path"
+    ws = plan.ws
+    assert int(ws[:, :512].abs().sum()) == 0, "histograms left non-zero"
+    assert int(ws[:, topk_mod._WS_ARRIVED_HI:topk_mod._WS_DEPARTED + 1].abs().sum()) == 0, "counters left non-zero"
+    assert int(ws[:, topk_mod._WS_ONE_GT:].abs().sum()) == 0, "one-launch count slots left non-zero"
 
 
 @pytest.mark.parametrize("spin,shift", [(0, 1), (2, 0)])
@@ -439,3 +475,40 @@ def test_topk_one_launch_equals_the_reference(monkeypatch, spin, shift):
                               hist_ready=ready, one_launch=True)
         assert torch.equal(out, want), f"{x.dtype} hist_ready={ready}"
         assert int(plan.ws.abs().sum()) == 0, "workspace left non-zero"
+
+
+def test_topk_default_path_choice(monkeypatch):
+    """The default's path per call (the launchers replaced by recorders, sm_90 outside the
+    interpreter pretended): one launch at <= 4 rows with hist_ready; four launches at <= 4 rows of
+    > 256K columns without it; the linked path elsewhere and whenever separate_count=False or pdl
+    is asked for; never one launch in the interpreter or off sm_90."""
+    from dsv41_decode.ops import topk as topk_mod
+    taken = []
+    monkeypatch.setattr(topk_mod, "_select_one_launch", lambda *a: taken.append("one"))
+    monkeypatch.setattr(topk_mod, "_select_linked", lambda *a: taken.append("linked"))
+    monkeypatch.setattr(topk_mod, "_select", lambda *a: taken.append("four"))
+    monkeypatch.setattr(topk_mod._pdl, "supported", lambda device: True)
+    monkeypatch.setattr(topk_mod, "is_sm90", lambda device: True)
+    monkeypatch.setattr(topk_mod, "interpreting", lambda: False)
+    plan = TopKPlan.build(8, 512, device="cpu")
+
+    def path(rows, cols, **kw):
+        taken.clear()
+        topk_ascending_(torch.empty(rows, cols), torch.zeros(rows, dtype=torch.int32),
+                        torch.empty(rows, 512, dtype=torch.int32), plan, **kw)
+        return taken
+
+    assert path(1, 131072, hist_ready=True) == ["one"]
+    assert path(4, 1 << 20, hist_ready=True) == ["one"]       # (which runs the linked path: grid too large)
+    assert path(5, 131072, hist_ready=True) == ["linked"]
+    assert path(1, 131072) == ["linked"]
+    assert path(4, (1 << 18) + 1) == ["four"]
+    assert path(1, 131072, hist_ready=True, separate_count=False) == ["linked"]
+    assert path(1, 131072, hist_ready=True, pdl=True) == ["linked"]
+    assert path(1, 131072, hist_ready=True, separate_count=True) == ["four"]
+    assert path(2, 131072, one_launch=True) == ["one"]
+    monkeypatch.setattr(topk_mod, "interpreting", lambda: True)
+    assert path(1, 131072, hist_ready=True) == ["linked"]
+    monkeypatch.setattr(topk_mod, "interpreting", lambda: False)
+    monkeypatch.setattr(topk_mod, "is_sm90", lambda device: False)
+    assert path(1, 131072, hist_ready=True) == ["linked"]
