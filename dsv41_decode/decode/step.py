@@ -232,7 +232,7 @@ class DecodeStep:
                 self._schedule(b)
             torch.cuda.current_stream(self.device).wait_stream(side)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
+            with torch.cuda.graph(g, pool=pool, stream=self.lanes.capture):   # the lanes' priorities
                 self._schedule(b)
             self.graphs[b] = g
         torch.cuda.synchronize(self.device)
