@@ -49,7 +49,7 @@ from ..ops.topk import TopKPlan, candidate_mask_, topk_ascending_
 from ..ops.wo_a import WoAPlan, quantize_wo_a, wo_a_
 from ..state import DecodeState
 from .buffers import IndexSelection, Scratch, storage_bytes
-from .lanes import AUX_COMPRESSOR, AUX_INDEX_Q, AUX_INDEX_W, Lanes, StepEvents
+from .lanes import AUX_COMPRESSOR, AUX_INDEX_Q, AUX_MIXER, Lanes, StepEvents
 from .tables import StepMeta
 
 
@@ -320,8 +320,8 @@ class AttentionStep:
         """
         part = self.layer.tp.row_share(rows) if shard and self.row_shardable else None
         own = slice(0, rows) if part is None else slice(part[0], part[1])   # the rows this rank indexes
-        kv_score, wproj_ready, qr_ready = self._inputs(rows, u, u_codes, u_scales, own)
-        iq_ready = self._prepare(rows, kv_score, wproj_ready, qr_ready, own)
+        kv_score, qr_ready = self._inputs(rows, u, u_codes, u_scales, own)
+        iq_ready = self._prepare(rows, kv_score, qr_ready, own)
         if self.spec.runs_indexer:
             if part is None:
                 self._select(rows, iq_ready, events)
@@ -335,31 +335,31 @@ class AttentionStep:
         compressor's and the indexer's side projections on their lanes (the indexer's for the rows
         `own` only). The side projections wait only for u but are enqueued after the GEMM, so that
         the GEMM takes the SMs first (their large grids would otherwise hold it back: on an H200 a
-        Full layer at 1 row took 122 us this way against 131). Returns (the compressor's kv_score or
-        None, the event of the indexer weights, the event of qr)."""
+        Full layer at 1 row took 122 us this way against 131). The indexer's weights run on the index
+        query's lane, which reads them next. Returns (the compressor's kv_score or None, the event of
+        qr)."""
         cfg, spec, s, lanes = self.cfg, self.spec, self.s, self.lanes
         start = lanes.mark()                                  # protects u (written by the boundary)
         qkv = self.mm_qkv(u_codes, u_scales, s.qkv_a[:B])
-        kv_score = wproj_ready = None
+        kv_score = None
         if spec.owns_compressor:
             with lanes.side(AUX_COMPRESSOR):
                 lanes.wait(start)
                 kv_score = s.kv_score[:B, :self.w_comp.shape[0]]
                 ll_bf16_(self.comp_plan, u, self.w_comp, kv_score)
-        if spec.runs_indexer:
-            with lanes.side(AUX_INDEX_W):
+        if spec.runs_indexer:     # on the index query's lane, which reads it next (a critical lane)
+            with lanes.side(AUX_INDEX_Q):
                 lanes.wait(start)
                 if own.stop > own.start:
                     ll_bf16_(self.proj_plan, u[own], self.w_proj, s.wproj[own])
-                wproj_ready = lanes.mark()                    # protects wproj
         ql = cfg.q_lora_rank
         m, r = self.meta, spec.ratio     # one launch: q_norm (+ MXFP8), kv_norm + the window insert
         rms_norm_pair_(qkv[:, :ql], self.w["attn.q_norm.weight"], s.qr[:B], s.qr_codes[:B], s.qr_scales[:B],
                        qkv[:, ql:], self.w["attn.kv_norm.weight"], s.kv[:B], cfg.norm_eps,
                        window=self.state.window[spec.layer], slots=m.stage_slot[:B], cos=m.cos[r][:B], sin=m.sin[r][:B])
-        return kv_score, wproj_ready, lanes.mark()            # the last protects qr codes
+        return kv_score, lanes.mark()                         # the event protects qr codes
 
-    def _prepare(self, B: int, kv_score, wproj_ready, qr_ready, own: slice):
+    def _prepare(self, B: int, kv_score, qr_ready, own: slice):
         """The index query of the rows `own` (lane 2), the compressor's state update, latent and
         index key (lane 0), the query (wq_b) and its RoPE, in wq_b's epilogue or after it (main); the main
         stream then waits for the compressed and index-key records. Returns the event of the index
@@ -372,8 +372,6 @@ class AttentionStep:
                 lanes.wait(qr_ready)
                 if own.stop > own.start:
                     self.mm_idx_wq_b(s.qr_codes[own], s.qr_scales[own], s.iq_raw[own])
-                lanes.wait(wproj_ready)
-                if own.stop > own.start:
                     index_query_(s.iq_raw[own], s.wproj[own], m.cos[r][own], m.sin[r][own],
                                  cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5, s.iq[own], s.iw[own])
                 iq_ready = lanes.mark()                       # protects iq, iw
@@ -422,7 +420,7 @@ class AttentionStep:
             sel.topk[:B].copy_(self.forced_topk[:B])
         if spec.candidate_role == "source":
             scored = lanes.mark()                             # protects scores (read by the expansion)
-            with lanes.side(AUX_INDEX_W):
+            with lanes.side(AUX_MIXER):
                 lanes.wait(scored)
                 candidate_mask_(scores, n_vis, self.candidate_mask[:B, :width], self.cand_plan)
                 events.candidates = lanes.mark()              # protects the candidate mask, frees scores

@@ -18,7 +18,7 @@ import torch
 from ..ops.allreduce_boundary import Mailbox, allreduce_boundary_
 from ..ops.hc_mix import HcMixPlan, hc_mix_
 from ..ops.mhc import MhcBoundaryPlan, mhc_boundary_, mhc_enter_
-from .lanes import AUX_INDEX_W, Lanes
+from .lanes import AUX_MIXER, Lanes
 
 
 class Boundary:
@@ -50,7 +50,7 @@ class Boundary:
         returns the event that marks post/comb/pre written (None when it ran inline)."""
         cfg = self.cfg
         x_ready = lanes.mark()                                 # protects x (the new streams)
-        with lanes.side(AUX_INDEX_W):
+        with lanes.side(AUX_MIXER):
             lanes.wait(x_ready)
             hc_mix_(x, self._w(layer, "hc_attn_fn"), self._w(layer, "hc_attn_scale"),
                     self._w(layer, "hc_attn_base"), cfg.norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters,

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import torch
 
 AUX_COMPRESSOR = 0   # compressor kv_score, state update, latent, index key
-AUX_INDEX_W = 1      # indexer weights_proj; the next site's mHC mixer; candidate expansion
-AUX_INDEX_Q = 2      # indexer query; sparse-index table builds
+AUX_MIXER = 1        # the next site's mHC mixer; candidate expansion
+AUX_INDEX_Q = 2      # indexer weights_proj and query; sparse-index table builds
 
 PRIORITY_CRITICAL = -1   # CUDA stream priorities: lower is more urgent; 0 is the default and the least
 PRIORITY_SLACK = 0
