@@ -5,7 +5,8 @@ pages). CUDA-graph replay (`bench.timing.graph_time_us`); the streaming read
 (`bench.floor.read_bandwidth_gbps`) as the floor. Per rows x context: us of the Triton path and of
 each Gluon variant (`--variants=stages:programs_per_sm[:h][:p][:m][:k][:rN]`, h = with the fused
 histogram, p = the BF16x2 terms (`packed_terms`), m = the wgmmas two at a time (`mma_pairs`), k = the
-permuted key order (`kperm`), rN = a register cap of N), GB/s and %
+permuted key order (`kperm`), rN = a register cap of N; `d` or `d:h`: the launch's defaults,
+`default_options` by the call's size), GB/s and %
 of the read (68 key bytes read and 4 score bytes written per entry), and how many of the Gluon
 scores differ bitwise from the Triton path's (0 expected). `--rows=1,4,16,64`,
 `--contexts=8192,32768,131072,1048576`, or `--cells=rows:context,...` (those cells only). Prints;
@@ -58,14 +59,16 @@ def main() -> None:
         t_tri = graph_time_us(triton, **kw)
         row_out = []
         for v in variants:
-            stages, pps = int(v[0]), int(v[1])
-            hist = torch.zeros(rows, HIST_BINS, dtype=torch.int32, device="cuda") if "h" in v[2:] else None
-            cap = next((int(x[1:]) for x in v[2:] if x.startswith("r")), None)
+            dflt = v[0] == "d"
+            flags = v[1:] if dflt else v[2:]
+            stages, pps = (4, None) if dflt else (int(v[0]), int(v[1]))
+            hist = torch.zeros(rows, HIST_BINS, dtype=torch.int32, device="cuda") if "h" in flags else None
+            cap = next((int(x[1:]) for x in flags if x.startswith("r")), None)
+            opts = {} if dflt else {"mma_pairs": "m" in flags, "kperm": "k" in flags}
 
             def gluon():
                 gluon_index_scores_mxfp4_(iq, w, pool, table, PAGE, req, n_vis, scores, hist=hist, stages=stages,
-                                          programs_per_sm=pps, maxnreg=cap, packed_terms="p" in v[2:],
-                                          mma_pairs="m" in v[2:], kperm="k" in v[2:])
+                                          programs_per_sm=pps, maxnreg=cap, packed_terms="p" in flags, **opts)
 
             t = graph_time_us(gluon, **kw)
             scores.fill_(float("nan"))
