@@ -2,7 +2,8 @@
 tiling (`SparseMlaPlan.for_step`) and FlashMLA's Hopper sparse decode on the V4 record (when
 `flash_mla` imports; `bench.attn`'s baseline): 128 window + 512 compressed keys, CUDA-graph replay.
 Per (heads, rows) cell: the time of the Gluon kernel in each configuration of `--configs` (names
-in CONFIGS; default: default,lut,spreadv,split4sv,split4svl), of the Triton step tiling and of
+in CONFIGS; default: default,lut,spreadv,split4sv,split4svl; the step's: `ops.gluon_sparse_mla.STEP_CONFIGS`,
+here split4svl, spreadvlc and default), of the Triton step tiling and of
 FlashMLA; the largest error of each Gluon configuration's and of the Triton kernel's outputs
 from the reference on the GPU, in BF16 ulps at each head's largest |output| (`ulp_max`; on the
 first and last rows: rows are independent, and the reference runs row by row); whether the Gluon
@@ -44,18 +45,11 @@ CONFIGS = {
     "q4": G.GluonSparseMlaConfig(q_buffers=4),
     "noprefetch": G.GluonSparseMlaConfig(prefetch=False),
     "bytes": G.GluonSparseMlaConfig(fp4_packed=False),
-    "inline": G.GluonSparseMlaConfig(combine="inline"),
     "split2": G.GluonSparseMlaConfig(dim_split=2),
     "split4": G.GluonSparseMlaConfig(dim_split=4),
-    "split2i": G.GluonSparseMlaConfig(dim_split=2, combine="inline"),
-    "split4i": G.GluonSparseMlaConfig(dim_split=4, combine="inline"),
-    "rowi": G.GluonSparseMlaConfig(combine="inline", order="row"),
-    "split2ri": G.GluonSparseMlaConfig(dim_split=2, combine="inline", order="row"),
-    "rowid": G.GluonSparseMlaConfig(combine="inline", order="row", discard=True),
     "spread": G.GluonSparseMlaConfig(combine="spread"),
     "split2s": G.GluonSparseMlaConfig(dim_split=2, combine="spread"),
     "split4s": G.GluonSparseMlaConfig(dim_split=4, combine="spread"),
-    "inlinev": G.GluonSparseMlaConfig(combine="inline", lookback="values"),
     "spreadv": G.GluonSparseMlaConfig(combine="spread", lookback="values"),
     "split2sv": G.GluonSparseMlaConfig(dim_split=2, combine="spread", lookback="values"),
     "split4sv": G.GluonSparseMlaConfig(dim_split=4, combine="spread", lookback="values"),
@@ -173,7 +167,7 @@ def phase_table(log: torch.Tensor) -> list[str]:
     for k in range(1, 10):
         d = (clock[:, k] - clock[:, k - 1]) / rate / 1e3
         if k == 8:
-            d = d[clock[:, 8] > 0]                 # the inline combination's arrival only
+            d = d[clock[:, 8] > 0]                 # the spread combination's arrival only
         if k == 9:
             d = d[clock[:, 9] > 0]                 # the programs that combined
         if d.numel() == 0:

@@ -5,8 +5,8 @@ and decoded once per row, for all local heads of the row at once.
 One program per (row, 64-key block of the row's joined key list): the split of `ops.sparse_mla`'s
 split plans, with its decoupled look-back for the running max and its workspace layout, so the
 blocks' partials are combined by the same second launch (`sparse_mla._sparse_mla_combine_kernel`,
-in block order), or with `GluonSparseMlaConfig.combine="inline"` by the last of the row's programs
-to arrive, with that kernel's arithmetic (the same bits). A program:
+in block order), or with `GluonSparseMlaConfig.combine="spread"` by all of the row's programs in
+the same launch, with that kernel's arithmetic (the same bits). A program:
 
 - takes its (row, block) from the plan's atomic ticket (blocks in ascending order, so it only
   waits for programs already running), loads q [H, 512] of its row into shared memory as four
@@ -34,8 +34,9 @@ to arrive, with that kernel's arithmetic (the same bits). A program:
   memory, each warpgroup 64 of the chunk's dims), stored to the plan's FP32 workspace as summed
   (with `dim_split` S, S programs share a block: each computes the scores and the look-back and
   does P.V for 512 / S of the dims);
-- with the inline combination, counts its arrival on its (row, dim slice)'s counter (acq_rel);
-  the last to arrive combines the slice's partials of every block of the row in block order.
+- with the spread combination, counts its arrival on its row's counter (acq_rel), waits for the
+  row's other programs, then combines its share of the row's output from every block's partial in
+  block order.
 
 The arithmetic is `sparse_mla`'s split plans': the same blocks, the same running max per block, P
 rounded to BF16 against it, the same sums stored per block and combined by the same kernel. What
@@ -58,7 +59,8 @@ row count.
 
 The plan, `GluonSparseMlaPlan`, holds a `SparseMlaPlan` with `split=True`, `separate_combine=True`
 and all heads in one group (`block_h` = max(16, H): the workspace holds the real heads, 8 padded to
-16), the `GluonSparseMlaConfig`, the inline combination's counters and the debug phase log.
+16), the `GluonSparseMlaConfig`, the spread combination's counters and the debug phase log. The
+step's configuration per row count: `STEP_CONFIGS` (`GluonSparseMlaPlan.for_step`).
 """
 
 from __future__ import annotations
@@ -97,8 +99,7 @@ _CREC: gl.constexpr = gl.constexpr(COMPRESSED_KV_BYTES)
 # blocks a program waits for belong to programs already running, so the wait always ends; the bound
 # turns a broken invariant (say a ticket not reset) into NaN outputs instead of a hung GPU.
 _SPIN_LIMIT: gl.constexpr = gl.constexpr(1 << 22)
-_MAX_DSPLIT = 4                              # GluonSparseMlaConfig.dim_split's largest
-_COMBINES = ("separate", "inline", "spread")   # GluonSparseMlaConfig.combine, as the kernel's COMBINE
+_COMBINES = ("separate", "spread")           # GluonSparseMlaConfig.combine
 
 
 @gluon.jit
@@ -292,9 +293,10 @@ def _stamp_global(log_row, SLOT: gl.constexpr, ASM: gl.constexpr, PHASES: gl.con
 
 
 # The phase log's columns (`GluonSparseMlaConfig.phases`, one int64 row per ticket): clock64 at the
-# program's phase boundaries (0 where the program did not pass one: `combined` for all but the
-# combining programs, `arrived` without the inline combination), then globaltimer at its start and
-# end, its SM, whether it combined, and clock64 at its end (with globaltimer: the clock's rate).
+# program's phase boundaries (0 where the program did not pass one: `arrived` and `combined` without
+# the spread combination), then globaltimer at its start and end, its SM, whether it was the row's
+# last to arrive (spread: it cleared the row's look-back state), and clock64 at its end (with
+# globaltimer: the clock's rate).
 PHASE_NAMES = ("start", "tables", "q_loaded", "gathered", "decoded", "scores", "look_back", "pv_stored",
                "arrived", "combined")
 PHASE_COLS = 16
@@ -307,11 +309,10 @@ _PH_COLS: gl.constexpr = gl.constexpr(PHASE_COLS)
 
 
 @gluon.jit
-def _combine_slice(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, r, H, stride_on, stride_oh, d_lo, i0, stuck,
-                   NB: gl.constexpr, NB_P2: gl.constexpr, PH: gl.constexpr, DW: gl.constexpr, STEP: gl.constexpr,
-                   DISCARD: gl.constexpr = False):
-    """The row's NB block partials combined over dims [d_lo, d_lo + DW) (of those, the [PH, CW]
-    steps i0, i0 + STEP, ...; NaN where stuck > 0), out as BF16 bits: the
+def _combine_slice(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, r, H, stride_on, stride_oh, i0, stuck,
+                   NB: gl.constexpr, NB_P2: gl.constexpr, PH: gl.constexpr, STEP: gl.constexpr):
+    """The row's NB block partials combined over the [PH, CW] dim steps i0, i0 + STEP, ... of its
+    [PH, 512] output (NaN where stuck > 0), out as BF16 bits: the
     arithmetic of `sparse_mla._sparse_mla_combine_kernel` element for element (the maxima, the
     valid-key counts, then each block's acc and sum rescaled by exp(m_b - m_all) and added in block
     order, o = acc / (sum + exp(sink - m_all)) rounded to nearest even, zeros where the row had no
@@ -346,24 +347,13 @@ def _combine_slice(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, r, H, stride_on
     # no valid key: acc is 0, o is 0
     den = gl.where(n_all[:, None] > 0, l_all + libdevice.exp(sink[:, None] - m_all), float("inf"))
     den = gl.where(stuck > 0, float("nan"), den)      # never by design: a bug shows as NaN, not a hang
-    acc = part_acc_ptr + (r.to(gl.int64) * NB) * (PH * D) + hd[:, None] * D + d_lo + dd[None, :]
-    out_rows = out_ptr + r * stride_on + hd[:, None] * stride_oh + d_lo + dd[None, :]
-    for i in range(i0, DW // CW, STEP):
+    acc = part_acc_ptr + (r.to(gl.int64) * NB) * (PH * D) + hd[:, None] * D + dd[None, :]
+    out_rows = out_ptr + r * stride_on + hd[:, None] * stride_oh + dd[None, :]
+    for i in range(i0, D // CW, STEP):
         a = gl.zeros([PH, CW], gl.float32, cl)
         for s in gl.static_range(NB):
             a += gl.load(acc + s * (PH * D) + i * CW, cache_modifier=".cg") * f_smem.slice(s, 1, dim=1).load(cl)
         gl.store(out_rows + i * CW, _bf16_rne_bits(a / den), mask=h_ok[:, None])
-    if DISCARD:
-        # every thread has read the slice (STEP 1: all of it is this program's): its L2 lines
-        # dropped without being written back to HBM (the next launch writes them before reading)
-        gl.thread_barrier()
-        LPR: gl.constexpr = DW // 32             # 128-byte lines per head row of the slice
-        dl: gl.constexpr = gl.BlockedLayout([1], [32], [_WARPS], [0])
-        k = gl.arange(0, PH * LPR, layout=dl)
-        lines = part_acc_ptr + (r.to(gl.int64) * NB) * (PH * D) + (k // LPR) * D + d_lo + (k % LPR) * 32
-        for s in gl.static_range(NB):
-            gl.inline_asm_elementwise("discard.global.L2 [$1], 128; mov.u32 $0, 0;", "=r,l", [lines + s * (PH * D)],
-                                      dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -396,17 +386,16 @@ def _gluon_sparse_mla_kernel(
     N, H, scale, stride_qn, stride_qh, stride_wt, stride_ct, stride_on, stride_oh,
     W: gl.constexpr, W_P2: gl.constexpr, KC: gl.constexpr, NB: gl.constexpr, NB_P2: gl.constexpr, PH: gl.constexpr,
     Q_BUFFERS: gl.constexpr = 4, FP4_PACKED: gl.constexpr = False, PREFETCH: gl.constexpr = False,
-    DSPLIT: gl.constexpr = 1, COMBINE: gl.constexpr = 0, DISCARD: gl.constexpr = False, VALUES: gl.constexpr = False,
-    ROW_MAJOR: gl.constexpr = False, TICKET: gl.constexpr = True, PV_PIPELINE: gl.constexpr = False,
+    DSPLIT: gl.constexpr = 1, SPREAD: gl.constexpr = False, VALUES: gl.constexpr = False,
+    TICKET: gl.constexpr = True, PV_PIPELINE: gl.constexpr = False,
     FP4_LUT: gl.constexpr = False,
     PHASES: gl.constexpr = False,
 ):
     # Workspaces (`SparseMlaPlan` with one head group of PH = block_h heads): acc [N, NB, PH, 512],
     # ml [N, NB, 3, PH] (max, sum, valid-key count), block_max [N, NB, PH], flags [N, NB] (here a
-    # bit per block: the row's first ceil(NB / 32) words; the combination zeroes them). COMBINE 0:
-    # the separate launch combines; 1 (inline): counters [N, DSPLIT + 1] (`GluonSparseMlaPlan.counters`),
-    # the arrivals per (row, dim slice), then the row's finished slices; 2 (spread): the first of
-    # the same row of counters, the row's arrivals. PHASES: log [N * NB * DSPLIT, 16] int64 by ticket.
+    # bit per block: the row's first ceil(NB / 32) words; the combination zeroes them). Without
+    # SPREAD the separate launch combines; with it, counters [N] (`GluonSparseMlaPlan.counters`):
+    # the row's arrivals. PHASES: log [N * NB * DSPLIT, 16] int64 by ticket.
     D: gl.constexpr = 512
     NC: gl.constexpr = D // _DC
     NCP: gl.constexpr = NC // DSPLIT        # the 128-dim chunks of P.V and of the partial a program does
@@ -416,8 +405,7 @@ def _gluon_sparse_mla_kernel(
         t0 = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
         g0 = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
     # One ticket per program, in the order the programs start: block-major (then row, then dim
-    # slice), or ROW_MAJOR (row, then block, then dim slice); either way a program's earlier blocks
-    # belong to programs that already run.
+    # slice), so a program's earlier blocks belong to programs that already run.
     # Without TICKET (the spread combination, where every program of the grid is resident at once)
     # the program id stands for it: no program waits on one that cannot start.
     if TICKET:
@@ -426,12 +414,8 @@ def _gluon_sparse_mla_kernel(
             gl.store(ticket_ptr, 0)      # every program has its ticket: ready for the next launch
     else:
         ticket = gl.program_id(0)
-    if ROW_MAJOR:
-        r = ticket // (NB * DSPLIT)
-        b = (ticket // DSPLIT) % NB
-    else:
-        b = ticket // (N * DSPLIT)
-        r = (ticket // DSPLIT) % N
+    b = ticket // (N * DSPLIT)
+    r = (ticket // DSPLIT) % N
     sl = ticket % DSPLIT                 # the dims of P.V and of the partial: chunks [sl NCP, sl NCP + NCP)
     log_row = log_ptr + ticket.to(gl.int64) * _PH_COLS
     if PHASES:
@@ -606,31 +590,8 @@ def _gluon_sparse_mla_kernel(
     gl.store(ml + 2 * PH, gl.zeros([_M], gl.float32, gl.SliceLayout(1, s_l)) + nv.to(gl.float32), mask=h_st)
     _stamp(log_row, 7, PHASES)
 
-    cnt = count_ptr + r * (DSPLIT + 1)
-    if COMBINE == 1:
-        # The last of the row's programs of this dim slice to arrive (acq_rel: every earlier
-        # arrival's partial is visible to it) combines the slice; the last slice to finish clears
-        # the row's flag words (every program of the row has passed its look-back by then).
-        gl.thread_barrier()
-        arrived = gl.atomic_add(cnt + sl, 1, sem="acq_rel", scope="gpu")
-        _stamp(log_row, 8, PHASES)
-        if arrived == NB - 1:
-            gl.store(cnt + sl, 0)
-            _combine_slice(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, r, H, stride_on, stride_oh,
-                           sl * (D // DSPLIT), 0, 0, NB, NB_P2, PH, D // DSPLIT, 1, DISCARD)
-            if DSPLIT == 1:
-                gl.thread_barrier()   # every thread's flag reads are behind it (the look-back)
-                _clear_row(flags, board_ptr + tile * PH, NB, NB_P2, PH, VALUES, ld)
-            else:
-                gl.thread_barrier()
-                done = gl.atomic_add(cnt + DSPLIT, 1, sem="acq_rel", scope="gpu")
-                if done == DSPLIT - 1:
-                    gl.store(cnt + DSPLIT, 0)
-                    _clear_row(flags, board_ptr + tile * PH, NB, NB_P2, PH, VALUES, ld)
-            _stamp(log_row, 9, PHASES)
-            if PHASES:
-                gl.store(log_row + _PH_COMBINER, 1)
-    if COMBINE == 2:
+    cnt = count_ptr + r
+    if SPREAD:
         # Every program of the row waits until all NB x DSPLIT have arrived (the launcher runs this
         # only where the whole grid is resident at once, so the wait ends), then combines its share
         # of the [PH, 512] output: the combination's steps j, j + NB DSPLIT, ... for the row's j-th
@@ -653,7 +614,7 @@ def _gluon_sparse_mla_kernel(
                 polls += 1
         _stamp(log_row, 8, PHASES)
         _combine_slice(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, r, H, stride_on, stride_oh,
-                       0, b * DSPLIT + sl, (polls >= _SPIN_LIMIT).to(gl.int32), NB, NB_P2, PH, D, P)
+                       b * DSPLIT + sl, (polls >= _SPIN_LIMIT).to(gl.int32), NB, NB_P2, PH, P)
         _stamp(log_row, 9, PHASES)
     if PHASES:
         _stamp(log_row, _PH_CEND, PHASES)
@@ -689,30 +650,22 @@ class GluonSparseMlaConfig:
     the P.V MMAs and of the partial's store; S times the decode and score work in all.
 
     combine: "separate", the blocks' partials combined by a second launch
-    (`sparse_mla._sparse_mla_combine_kernel`); "inline", by the last-arriving program of each (row,
-    dim slice) in the same launch (an acq_rel counter per (row, slice) in `GluonSparseMlaPlan.counters`),
-    with the separate kernel's arithmetic in its block order (the same bits), its [heads, 512 / S]
-    spread over the program's 8 warps, the partials read from L2 right after they were written;
-    "spread", by all the row's programs: each waits until the row's NB x S programs have arrived
-    (a counter per row), then combines its share of the row's [heads, 512] (the same arithmetic),
-    so a row's combination runs on NB x S SMs, not S. Waiting on programs that may not have started
-    is only sound where the whole grid is resident at once: the launcher runs "spread" where the
+    (`sparse_mla._sparse_mla_combine_kernel`); "spread", by all the row's programs in the same launch:
+    each waits until the row's NB x S programs have arrived (an acq_rel counter per row in
+    `GluonSparseMlaPlan.counters`), then combines its share of the row's [heads, 512] with the separate
+    kernel's arithmetic in its block order (the same bits), so a row's combination runs on NB x S SMs.
+    (The last-arriving program of a row combining it alone, measured on the H200, took 37 us at 1 row
+    against the spread combination's 18.8: it was removed.) Waiting on programs that may not have
+    started is only sound where the whole grid is resident at once: the launcher runs "spread" where the
     launch's programs fit the SMs (`programs_per_sm` of its compiled kernel: two a SM at <= 128
-    registers with q_buffers=2) and the separate combination with the flag look-back elsewhere (the
-    same bits either way). Where it runs, every program is resident, so the
-    programs take their (row, block) from the program id, not the atomic ticket (one round trip
-    less).
-
-    order: the order in which the programs take their (row, block): "block" (every row's block 0,
-    then every row's block 1, ...) or "row" (row 0's blocks, then row 1's, ...: a row's partials
-    are written close together in time, so the inline combination reads them from L2 before other
-    rows' partials evict them; beyond a few rows the 128 KB partials of all rows are more than the
-    L2).
+    registers with q_buffers=2) and the separate combination with the flag look-back elsewhere (the same
+    bits either way). Where it runs, every program is resident, so the programs take their (row, block)
+    from the program id, not the atomic ticket (one round trip less).
 
     lookback: how a block's program learns the maxima of the blocks before it: "flags" (each
     program stores its block's maxima, then sets its bit of the row's flag words with release; the
     later ones poll the words with acquire, then load the maxima: a fence and two round trips), or
-    "values" (with the inline or spread combination, whose last program clears it: each program
+    "values" (with the spread combination, whose last program of a row clears it: each program
     stores ~bits(max) into the row's int32 board, zero between launches, and the later ones poll the
     board itself until every earlier entry is nonzero: one round trip once they are there; a max
     whose bits are 0xFFFFFFFF, a NaN, never counts as published: its row's outputs come out NaN).
@@ -730,10 +683,6 @@ class GluonSparseMlaConfig:
     the one before is stored (ptxas already overlaps the next chunk's MMA issue with the stores in
     part without it).
 
-    discard (with combine="inline"): the combining program drops the partials' L2 lines once it has
-    read them (PTX discard.global.L2), so partials written and combined while still in L2 are never
-    written back to HBM (84 MB at 64 rows and 64 heads).
-
     phases (debug; slower): each program writes its SM's cycle counter at its phase boundaries
     (`PHASE_NAMES`; each after a barrier, so the time at which every warp has passed it), globaltimer
     at its start and end, its SM and whether it combined into `GluonSparseMlaPlan.phase_log`, one
@@ -744,8 +693,6 @@ class GluonSparseMlaConfig:
     prefetch: bool = True
     dim_split: int = 1
     combine: str = "separate"
-    order: str = "block"
-    discard: bool = False
     lookback: str = "flags"
     pv_pipeline: bool = False
     fp4_lut: bool = False
@@ -760,22 +707,17 @@ class GluonSparseMlaConfig:
             raise ValueError(f"GluonSparseMlaConfig.dim_split must be 1, 2 or 4, got {self.dim_split!r}")
         if self.combine not in _COMBINES:
             raise ValueError(f"GluonSparseMlaConfig.combine must be one of {_COMBINES}, got {self.combine!r}")
-        if self.discard and self.combine != "inline":
-            raise ValueError(f"GluonSparseMlaConfig.discard needs combine='inline' (the one program that read all "
-                             f"of a slice drops it), got combine={self.combine!r}")
         if self.lookback not in ("flags", "values"):
             raise ValueError(f"GluonSparseMlaConfig.lookback must be 'flags' or 'values', got {self.lookback!r}")
         if self.lookback == "values" and self.combine == "separate":
-            raise ValueError("GluonSparseMlaConfig.lookback='values' needs combine='inline' or 'spread' (their last "
-                             "program clears the board of maxima), got combine='separate'")
+            raise ValueError("GluonSparseMlaConfig.lookback='values' needs combine='spread' (its last program of a "
+                             "row clears the board of maxima), got combine='separate'")
         m = self.maxnreg
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or not 64 <= m <= 255):
             raise ValueError(f"GluonSparseMlaConfig.maxnreg must be None or an int in [64, 255], got {m!r}")
         if self.fp4_lut is True and not self.fp4_packed:
             raise ValueError("GluonSparseMlaConfig.fp4_lut decodes fp4_packed's 8-byte loads: it needs fp4_packed=True")
-        if self.order not in ("block", "row"):
-            raise ValueError(f"GluonSparseMlaConfig.order must be 'block' or 'row', got {self.order!r}")
-        for name in ("fp4_packed", "prefetch", "discard", "pv_pipeline", "fp4_lut", "phases"):
+        for name in ("fp4_packed", "prefetch", "pv_pipeline", "fp4_lut", "phases"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"GluonSparseMlaConfig.{name} must be a bool, got {type(getattr(self, name)).__name__}")
 
@@ -800,12 +742,12 @@ class GluonSparseMlaPlan:
     """The kernel's plan: `base`, the `SparseMlaPlan` whose split, workspace and combination it
     shares (split into 64-key blocks, combined by the separate launch, all heads in one group of
     block_h = max(16, heads): the workspace's heads, which the kernel pads to the wgmma's 64),
-    `config`, `counters` (int32 [max_rows, 5], zero between launches: the inline combination's
-    arrivals per (row, dim slice) and finished slices per row), `board` (int32 [max_rows, blocks,
-    block_h] with lookback="values", zero between launches; else one unused int32), `resident`
-    (the spread combination's programs per SM, from its compiled kernel on the first launch), and `phase_log` (int64 [max_rows x
-    blocks x dim_split, 16] with `config.phases`, else None). Build with `GluonSparseMlaPlan.build`;
-    not for concurrent launches (as `base`)."""
+    `config`, `counters` (int32 [max_rows], zero between launches: the spread combination's
+    arrivals per row), `board` (int32 [max_rows, blocks, block_h] with lookback="values", zero
+    between launches; else one unused int32), `resident` (the spread combination's programs per SM,
+    from its compiled kernel on the first launch), and `phase_log` (int64 [max_rows x blocks x
+    dim_split, 16] with `config.phases`, else None). Build with `GluonSparseMlaPlan.build` (or the
+    step's, `for_step`); not for concurrent launches (as `base`)."""
 
     base: SparseMlaPlan
     config: GluonSparseMlaConfig
@@ -829,7 +771,7 @@ class GluonSparseMlaPlan:
             raise TypeError(f"config must be a GluonSparseMlaConfig, got {type(config).__name__}")
         base = SparseMlaPlan.build(max_rows, heads, window, topk, device, block_h=max(16, heads), split=True,
                                    separate_combine=True, workspace=workspace)
-        counters = plan_workspace(workspace, 3, max_rows * (_MAX_DSPLIT + 1), torch.int32, base.device)
+        counters = plan_workspace(workspace, 3, max_rows, torch.int32, base.device)
         board = plan_workspace(workspace, 4, max_rows * base.n_blocks * base.block_h if config.lookback == "values"
                                else 1, torch.int32, base.device)
         log = None
@@ -895,7 +837,7 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
     consts = dict(W=base.window, W_P2=triton.next_power_of_2(base.window), KC=base.topk, NB=nb,
                   NB_P2=max(2, triton.next_power_of_2(nb)), PH=base.block_h, Q_BUFFERS=config.q_buffers,
                   FP4_PACKED=config.fp4_packed, PREFETCH=config.prefetch, DSPLIT=config.dim_split,
-                  VALUES=config.lookback == "values", ROW_MAJOR=config.order == "row",
+                  VALUES=config.lookback == "values",
                   PV_PIPELINE=config.pv_pipeline, FP4_LUT=config.fp4_lut, PHASES=config.phases,
                   num_warps=NUM_WARPS)
     if config.maxnreg is not None:
@@ -903,17 +845,15 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
     if combine == "spread":
         per_sm = plan.resident.get("spread")
         if per_sm is None:            # the compiled kernel's registers and shared memory decide
-            kernel = _gluon_sparse_mla_kernel.warmup(*args, grid=(grid, ), COMBINE=_COMBINES.index("spread"),
-                                                     DISCARD=False, TICKET=False, **consts)
+            kernel = _gluon_sparse_mla_kernel.warmup(*args, grid=(grid, ), SPREAD=True, TICKET=False, **consts)
             per_sm = plan.resident["spread"] = programs_per_sm(kernel)
         if grid > num_sms(base.device) * per_sm:
             # not every program resident at once: the row's wait could hang; the separate launch
             # with the flag look-back (the board of maxima stays untouched, zero)
             combine = "separate"
             consts["VALUES"] = False
-    _gluon_sparse_mla_kernel[(grid, )](*args, COMBINE=_COMBINES.index(combine),
-                                       DISCARD=config.discard and combine == "inline", TICKET=combine != "spread",
-                                       **consts)
+    spread = combine == "spread"
+    _gluon_sparse_mla_kernel[(grid, )](*args, SPREAD=spread, TICKET=not spread, **consts)
     if combine == "separate":
         chunk = combine_chunk(nb, base.block_h)
         _sparse_mla_combine_kernel[(n, HEAD_DIM // chunk)](

@@ -41,49 +41,43 @@ def _compile(heads, w, k, config):
     consts = {"W": w, "W_P2": 1 << (w - 1).bit_length(), "KC": k, "NB": p.n_blocks,
               "NB_P2": max(2, 1 << (p.n_blocks - 1).bit_length()), "PH": p.block_h,
               "Q_BUFFERS": config.q_buffers, "FP4_PACKED": config.fp4_packed, "PREFETCH": config.prefetch,
-              "DSPLIT": config.dim_split, "COMBINE": G._COMBINES.index(config.combine), "ROW_MAJOR": config.order == "row",
-              "DISCARD": config.discard,
+              "DSPLIT": config.dim_split, "SPREAD": config.combine == "spread",
               "VALUES": config.lookback == "values", "TICKET": config.combine != "spread",
               "PV_PIPELINE": config.pv_pipeline,
               "FP4_LUT": config.fp4_lut,
               "PHASES": config.phases}
-    return sm90.compile_sm90(G._gluon_sparse_mla_kernel, _TYPES, consts, num_warps=G.NUM_WARPS)
+    regs = {} if config.maxnreg is None else {"maxnreg": config.maxnreg}
+    return sm90.compile_sm90(G._gluon_sparse_mla_kernel, _TYPES, consts, num_warps=G.NUM_WARPS, **regs)
 
 
 DEFAULT = G.GluonSparseMlaConfig()
 PLAIN = G.GluonSparseMlaConfig(q_buffers=4, fp4_packed=False, prefetch=False)
-INLINE = G.GluonSparseMlaConfig(combine="inline")
 SPREAD = G.GluonSparseMlaConfig(combine="spread")
 SPREAD_VALUES = G.GluonSparseMlaConfig(combine="spread", lookback="values")
 LUT = G.GluonSparseMlaConfig(fp4_lut=True)
-# each option both ways: the default, the plainest, two mixes, the inline combination, the dim splits
-# with either combination
-CONFIGS = [DEFAULT, PLAIN, G.GluonSparseMlaConfig(2, False, True), G.GluonSparseMlaConfig(4, True, False), INLINE,
-           G.GluonSparseMlaConfig(dim_split=2), G.GluonSparseMlaConfig(dim_split=2, combine="inline"),
-           G.GluonSparseMlaConfig(dim_split=4, combine="inline"), G.GluonSparseMlaConfig(q_buffers=4, dim_split=4),
-           G.GluonSparseMlaConfig(combine="inline", order="row"), G.GluonSparseMlaConfig(dim_split=2, order="row"),
-           SPREAD, G.GluonSparseMlaConfig(dim_split=4, combine="spread"),
-           G.GluonSparseMlaConfig(combine="inline", order="row", discard=True),
-           G.GluonSparseMlaConfig(combine="inline", lookback="values"), G.GluonSparseMlaConfig(combine="spread", lookback="values"),
+# the step's configurations at 1-2 and 3-16 rows (STEP_CONFIGS; the default above)
+SPLIT4SVL, SPREADVLC = G.STEP_CONFIGS[0][1], G.STEP_CONFIGS[1][1]
+# each option both ways: the default, the plainest, two mixes, the dim splits with either
+# combination, the look-back by values, the P.V pipeline, the LUT decode, the step's configurations
+CONFIGS = [DEFAULT, PLAIN, G.GluonSparseMlaConfig(2, False, True), G.GluonSparseMlaConfig(4, True, False),
+           G.GluonSparseMlaConfig(dim_split=2), G.GluonSparseMlaConfig(q_buffers=4, dim_split=4),
+           SPREAD, G.GluonSparseMlaConfig(dim_split=4, combine="spread"), SPREAD_VALUES,
            G.GluonSparseMlaConfig(pv_pipeline=True), G.GluonSparseMlaConfig(dim_split=2, pv_pipeline=True),
-           G.GluonSparseMlaConfig(fp4_lut=True), G.GluonSparseMlaConfig(dim_split=4, combine="spread", lookback="values", fp4_lut=True),
-           G.GluonSparseMlaConfig(combine="spread", lookback="values", fp4_lut=True, maxnreg=128)]
+           LUT, SPLIT4SVL, SPREADVLC]
 
 
-# V4.1-Flash (128 window + 512 top-k keys) at 64 heads with the default configuration, the inline
-# combination, half the dims a program with the phase log, and with the spread combination in row
-# order; at a TP8 rank's 8 with the plainest
-# options, a quarter of the dims a program, the inline combination, the row-major order and the
-# partials' L2 lines discarded; a window ending inside a
-# block with a top-k not a multiple of 64 at 32 heads, a mix (6-8 s each from a cold cache).
+# V4.1-Flash (128 window + 512 top-k keys) at 64 heads with the default configuration, the P.V
+# pipeline, half the dims a program with the spread combination and the phase log, and the step's
+# configuration at 3-16 rows (spread, values, LUT, 128 registers); at a TP8 rank's 8 with the
+# plainest options, a quarter of the dims a program and the spread combination; a window ending
+# inside a block with a top-k not a multiple of 64 at 32 heads, a mix (6-8 s each from a cold cache).
 @pytest.mark.parametrize("heads,w,k,config", [
-    (64, 128, 512, DEFAULT), (64, 128, 512, G.GluonSparseMlaConfig(combine="inline", pv_pipeline=True)),
-    (64, 128, 512, G.GluonSparseMlaConfig(dim_split=2, combine="inline", phases=True)),
-    (64, 128, 512, G.GluonSparseMlaConfig(dim_split=2, combine="spread", order="row", lookback="values", fp4_lut=True)),
-    (8, 128, 512, G.GluonSparseMlaConfig(4, False, False, dim_split=4, combine="inline", order="row", discard=True)),
+    (64, 128, 512, DEFAULT), (64, 128, 512, G.GluonSparseMlaConfig(pv_pipeline=True)),
+    (64, 128, 512, G.GluonSparseMlaConfig(dim_split=2, combine="spread", phases=True)),
+    (64, 128, 512, SPREADVLC),
+    (8, 128, 512, G.GluonSparseMlaConfig(4, False, False, dim_split=4, combine="spread")),
     (32, 16, 72, G.GluonSparseMlaConfig(2, False, True))],
-    ids=["64h", "64h-inline-pv-pipeline", "64h-split2-inline-phases", "64h-split2-spread-row-values-lut", "8h-plain-split4-inline-row-discard",
-         "32h-mix"])
+    ids=["64h", "64h-pv-pipeline", "64h-split2-spread-phases", "64h-spreadvlc", "8h-plain-split4-spread", "32h-mix"])
 def test_compiles_for_sm90_without_spills(heads, w, k, config):
     kernel = _compile(heads, w, k, config)
     res = sm90.resources(kernel)
@@ -92,7 +86,7 @@ def test_compiles_for_sm90_without_spills(heads, w, k, config):
     # in the default configuration (two q buffers) two programs fit an SM (228 KB, 1 KB reserved
     # per program), and so do their registers (8 warps x 32 threads x REG <= 64K / 2)
     assert kernel.metadata.shared == (config.q_buffers + 4) * 16384 + 8192, kernel.metadata.shared
-    if config.q_buffers == 2 and config.combine != "spread" and not config.phases:
+    if config.q_buffers == 2 and (config.combine != "spread" or config.maxnreg == 128) and not config.phases:
         assert 2 * (kernel.metadata.shared + 1024) <= 228 * 1024 and res["REG"] <= 128, (res, kernel.metadata.shared)
     ins = [t for _, t in sm90.sass(kernel)]
     ops = sm90.opcode_counts(ins)
@@ -103,14 +97,10 @@ def test_compiles_for_sm90_without_spills(heads, w, k, config):
     assert gmma.count("HGMMA.64x32x16.F32.BF16") == 32, sorted(set(gmma))
     assert gmma.count("HGMMA.64x64x16.F32.BF16") == 16 // config.dim_split, sorted(set(gmma))
     assert len(gmma) == 32 + 16 // config.dim_split
-    # the discard of the partials' L2 lines (CCTL.E.RML2) where asked for
-    assert any("RML2" in t for t in ins) == config.discard
-    # the ticket (and the polls, compiled as loads); the inline combination's arrival counter (and
-    # with dim slices the row's finished-slice counter); the spread one's arrivals and their reset
-    inline = config.combine == "inline"
-    # (the spread combination takes no ticket: its programs are all resident)
+    # the ticket (and the polls, compiled as loads), or with the spread combination (no ticket: its
+    # programs are all resident) the row's arrivals and their reset
     spread = config.combine == "spread"
-    atomics = (not spread) + inline + (inline and config.dim_split > 1) + 2 * spread
+    atomics = (not spread) + 2 * spread
     assert ops.get("ATOMG", 0) == atomics, ops
     assert any("SR_CLOCK" in t for t in ins) == config.phases     # the clock reads of the phase log
     loads = [t.split()[1] if t.startswith("@") else t.split()[0] for t in ins if "LDG" in t]
@@ -218,21 +208,17 @@ def test_bad_arguments_name_the_argument():
         G.GluonSparseMlaConfig(combine="last")
     with pytest.raises(ValueError, match="combine"):
         G.GluonSparseMlaConfig(combine=True)
-    with pytest.raises(ValueError, match="discard"):
-        G.GluonSparseMlaConfig(discard=True)
-    with pytest.raises(TypeError, match="discard"):
-        G.GluonSparseMlaConfig(combine="inline", discard=1)
+    with pytest.raises(ValueError, match="combine"):
+        G.GluonSparseMlaConfig(combine="inline")
     with pytest.raises(ValueError, match="lookback"):
         G.GluonSparseMlaConfig(lookback="values")
     with pytest.raises(ValueError, match="lookback"):
-        G.GluonSparseMlaConfig(combine="inline", lookback="bits")
+        G.GluonSparseMlaConfig(combine="spread", lookback="bits")
     for m in (63, 256, 128.0, True):
         with pytest.raises(ValueError, match="maxnreg"):
             G.GluonSparseMlaConfig(maxnreg=m)
     with pytest.raises(ValueError, match="fp4_lut"):
         G.GluonSparseMlaConfig(fp4_packed=False, fp4_lut=True)
-    with pytest.raises(ValueError, match="order"):
-        G.GluonSparseMlaConfig(order="column")
     with pytest.raises(TypeError, match="phases"):
         G.GluonSparseMlaConfig(phases=1)
     with pytest.raises(ValueError, match="compute capability 9.0"):     # good arguments, on the CPU
@@ -254,26 +240,32 @@ def workspace_is_clear(plan):
             and int(board.abs().sum()) == 0)
 
 
+def step_plan(n, h, w=128, k=512):
+    """The plan the decode step launches for n rows of h heads (`GluonSparseMlaPlan.for_step`)."""
+    return next(p for p in G.GluonSparseMlaPlan.for_step(64, h, w, k, "cuda") if n <= p.max_rows)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("h", [8, 16, 32, 64])
 @pytest.mark.parametrize("n", [1, 2, 4, 16, 64])
-def test_gpu_against_the_reference(h, n):
-    # window + compressed keys (V4.1-Flash: 128 + 512, 5 % of the top-k entries -1; windows full,
-    # ending inside a block, a single key): exact-score bits, the random-input bound, two launches
-    # give the same bits, the workspace is clear after each
-    plan = G.GluonSparseMlaPlan.build(64, h, 128, 512, "cuda")
-    check_repeatable_on_gpu(plan, n, h, h * 1000 + n, run, workspace_is_clear)
+def test_gpu_step_plans_against_the_reference(h, n):
+    # the step's plan for n rows (STEP_CONFIGS: split4svl at 1-2, spreadvlc at 4-16, the default at
+    # 64), window + compressed keys (V4.1-Flash: 128 + 512, 5 % of the top-k entries -1; windows
+    # full, ending inside a block, a single key): exact-score bits, the random-input bound, two
+    # launches give the same bits, the workspace is clear after each
+    check_repeatable_on_gpu(step_plan(n, h), n, h, h * 1000 + n, run, workspace_is_clear)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("h", [8, 64])
 @pytest.mark.parametrize("n", [1, 4, 16])
 def test_gpu_window_only(h, n):
-    # no compressed keys at all (top-k width 0: the two blocks of a 128-key window), and a top-k
-    # table of -1 only (the same keys, then six blocks without a valid key)
+    # the step's plans with no compressed keys at all (top-k width 0, the sliding-window layers: the
+    # two blocks of a 128-key window), and a top-k table of -1 only (the same keys, then six blocks
+    # without a valid key)
     w = 128
     for k, comp_valid in ((0, 1.0), (384, 0.0)):
-        plan = G.GluonSparseMlaPlan.build(n, h, w, k, "cuda")
+        plan = step_plan(n, h, w, k)
         case = make_case(n, h, w, k, seed=h + n + k, window_fill=gpu_tables(n), exact=True,
                          **dict(GPU_POOLS, comp_valid=comp_valid))
         check_exact_gpu(run(plan, case, EXACT_SCALE), case, reference(*case, EXACT_SCALE), EXACT_SCALE)
@@ -282,16 +274,12 @@ def test_gpu_window_only(h, n):
         check_bound(run(plan, case), case, reference(*case))
 
 
-SPLIT2_INLINE = G.GluonSparseMlaConfig(dim_split=2, combine="inline")
-SPLIT4_INLINE = G.GluonSparseMlaConfig(dim_split=4, combine="inline")
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [DEFAULT, INLINE, SPLIT2_INLINE, SPREAD, SPREAD_VALUES, LUT],
-                         ids=["default", "inline", "split2-inline", "spread", "spread-values", "fp4-lut"])
+@pytest.mark.parametrize("config", [DEFAULT, SPREAD, SPREAD_VALUES, LUT, SPLIT4SVL, SPREADVLC],
+                         ids=["default", "spread", "spread-values", "fp4-lut", "split4svl", "spreadvlc"])
 @pytest.mark.parametrize("w,k", [(16, 8), (16, 72)])
 def test_gpu_small_shapes(w, k, config):
-    # one block in all (16 + 8 keys: the inline combination by the block's own program), and a
+    # one block in all (16 + 8 keys: the spread combination by the block's own programs), and a
     # 16-key window with 72 top-k entries (two blocks, the first mixing window and compressed keys);
     # windows full, partial, a single key
     n, h = 3, 16
@@ -306,11 +294,12 @@ def test_gpu_small_shapes(w, k, config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [DEFAULT, INLINE, SPLIT2_INLINE, SPREAD, SPREAD_VALUES],
-                         ids=["default", "inline", "split2-inline", "spread", "spread-values"])
+@pytest.mark.parametrize("config", [DEFAULT, SPREAD, SPREAD_VALUES, SPREADVLC],
+                         ids=["default", "spread", "spread-values", "spreadvlc"])
 def test_gpu_more_than_32_blocks(config):
     # 128 window + 2112 top-k keys: 35 blocks, so the look-back's flag bits span two words per row
-    # (both cleared by the inline combination)
+    # (both cleared by the combination; the values look-back's board 35 entries a head), and the
+    # spread combination's 35 programs a row share the row's eight [16, 64] steps
     n, h, w, k = 3, 16, 128, 2112
     plan = G.GluonSparseMlaPlan.build(n, h, w, k, "cuda", config=config)
     assert plan.base.n_blocks == 35
@@ -323,8 +312,8 @@ def test_gpu_more_than_32_blocks(config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [DEFAULT, INLINE, SPLIT4_INLINE, SPREAD, SPREAD_VALUES, LUT],
-                         ids=["default", "inline", "split4-inline", "spread", "spread-values", "fp4-lut"])
+@pytest.mark.parametrize("config", [DEFAULT, SPREAD, SPREAD_VALUES, LUT, SPLIT4SVL, SPREADVLC],
+                         ids=["default", "spread", "spread-values", "fp4-lut", "split4svl", "spreadvlc"])
 @pytest.mark.parametrize("h", [16, 64])
 def test_gpu_edge_rows(h, config):
     # row 0: nothing valid -> zeros; row 1: no top-k entries; row 2: a window not yet full (3 keys)
@@ -343,9 +332,9 @@ def test_gpu_edge_rows(h, config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [DEFAULT, INLINE, SPLIT4_INLINE, G.GluonSparseMlaConfig(combine="inline", order="row"),
-                                    SPREAD, SPREAD_VALUES],
-                         ids=["default", "inline", "split4-inline", "inline-row", "spread", "spread-values"])
+@pytest.mark.parametrize("config", [DEFAULT, G.GluonSparseMlaConfig(dim_split=4), SPREAD, SPREAD_VALUES, SPLIT4SVL,
+                                    SPREADVLC],
+                         ids=["default", "split4", "spread", "spread-values", "split4svl", "spreadvlc"])
 @pytest.mark.parametrize("h", [8, 64])
 @pytest.mark.parametrize("others", [1, 3, 15, 63])
 def test_gpu_a_row_alone_gives_its_bits_among_others(h, others, config):
@@ -367,7 +356,7 @@ def test_gpu_a_row_alone_gives_its_bits_among_others(h, others, config):
 def test_gpu_every_config_gives_the_same_bits(h, n):
     # the configurations change where q waits, how and when the codes are loaded, how many programs
     # share a block's dims and which launch combines the blocks, not one value (module doc); among
-    # them the inline combination gives the separate kernel's bits; exact-score and random inputs,
+    # them the spread combination gives the separate kernel's bits; exact-score and random inputs,
     # windows full, ending inside a block, a single key
     w, k = 128, 512
     plans = [G.GluonSparseMlaPlan.build(n, h, w, k, "cuda", config=config) for config in CONFIGS]
@@ -432,8 +421,8 @@ def test_the_step_configs_per_row_count():
     # largest plan's, not their sum)
     from dsv41_decode.decode.buffers import Workspaces
     split4svl, spreadvlc, default = (c for _, c in G.STEP_CONFIGS)
-    assert (split4svl.dim_split, split4svl.combine, split4svl.lookback, split4svl.fp4_lut) == (4, "spread", "values", True)
-    assert (spreadvlc.combine, spreadvlc.lookback, spreadvlc.fp4_lut, spreadvlc.maxnreg) == ("spread", "values", True, 128)
+    assert split4svl == G.GluonSparseMlaConfig(dim_split=4, combine="spread", lookback="values", fp4_lut=True)
+    assert spreadvlc == G.GluonSparseMlaConfig(combine="spread", lookback="values", fp4_lut=True, maxnreg=128)
     assert default == G.GluonSparseMlaConfig()
     for max_rows, buckets in ((1, [1]), (2, [2]), (4, [2, 4]), (16, [2, 16]), (17, [2, 16, 17]), (64, [2, 16, 64])):
         plans = G.GluonSparseMlaPlan.for_step(max_rows, 64, 128, 512, "cpu")
@@ -478,12 +467,11 @@ def test_gpu_the_steps_plan_choice_on_sm90():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [INLINE, SPLIT4_INLINE, G.GluonSparseMlaConfig(dim_split=2),
-                                    G.GluonSparseMlaConfig(combine="inline", order="row", discard=True), SPREAD,
-                                    G.GluonSparseMlaConfig(dim_split=4, combine="spread"), SPREAD_VALUES,
-                                    G.GluonSparseMlaConfig(fp4_lut=True)],
-                         ids=["inline", "split4-inline", "split2", "inline-row-discard", "spread", "split4-spread",
-                              "spread-values", "fp4-lut"])
+@pytest.mark.parametrize("config", [G.GluonSparseMlaConfig(dim_split=4), G.GluonSparseMlaConfig(dim_split=2), SPREAD,
+                                    G.GluonSparseMlaConfig(dim_split=4, combine="spread"), SPREAD_VALUES, LUT,
+                                    SPLIT4SVL, SPREADVLC],
+                         ids=["split4", "split2", "spread", "split4-spread", "spread-values", "fp4-lut", "split4svl",
+                              "spreadvlc"])
 @pytest.mark.parametrize("h", [8, 64])
 @pytest.mark.parametrize("n", [1, 64])
 def test_gpu_configs_against_the_reference(config, h, n):
@@ -495,25 +483,27 @@ def test_gpu_configs_against_the_reference(config, h, n):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("h", [8, 16, 32, 64])
-def test_gpu_inline_combination_gives_the_separate_kernels_bits(h):
-    # at every head count (the combination's [heads, dims] tiling is per head count) and 1, 4 and
-    # 64 rows: the inline combination against the default's separate launch, bitwise
+def test_gpu_step_configs_give_the_separate_kernels_bits(h):
+    # at every head count (the spread combination's [heads, dims] steps are per head count) and 1,
+    # 2, 4, 16 and 64 rows: the step's configurations against the default's separate launch, bitwise
     w, k = 128, 512
     sep = G.GluonSparseMlaPlan.build(64, h, w, k, "cuda")
-    inl = G.GluonSparseMlaPlan.build(64, h, w, k, "cuda", config=INLINE)
-    for n in (1, 4, 64):
+    plans = [G.GluonSparseMlaPlan.build(64, h, w, k, "cuda", config=c) for c in (SPLIT4SVL, SPREADVLC)]
+    for n in (1, 2, 4, 16, 64):
         case = make_case(n, h, w, k, seed=5000 + h + n, window_fill=gpu_tables(n), **GPU_POOLS)
-        a, b = run(sep, case), run(inl, case)
-        assert torch.equal(a, b), (n, int((ulps(a, b) > 0).sum()), int(ulps(a, b).max()))
+        a = run(sep, case)
+        for plan in plans:
+            b = run(plan, case)
+            assert torch.equal(a, b), (n, plan.config, int((ulps(a, b) > 0).sum()), int(ulps(a, b).max()))
 
 
 @pytest.mark.gpu
 def test_gpu_phase_log():
-    # the debug phase log (inline combination, two dim slices, 4 rows): the default's bits; per
-    # program the stamps in phase order, a real SM, globaltimer moving forward; exactly one
-    # combining program per (row, slice), which combined after it arrived
+    # the debug phase log (spread combination, two dim slices, 4 rows): the default's bits; per
+    # program the stamps in phase order (every program arrives and combines), a real SM,
+    # globaltimer moving forward; exactly one last arrival per row
     n, h, w, k = 4, 64, 128, 512
-    config = G.GluonSparseMlaConfig(dim_split=2, combine="inline", phases=True)
+    config = G.GluonSparseMlaConfig(dim_split=2, combine="spread", phases=True)
     plan = G.GluonSparseMlaPlan.build(n, h, w, k, "cuda", config=config)
     case = make_case(n, h, w, k, seed=31, window_fill=gpu_tables(n), **GPU_POOLS)
     plan.phase_log.fill_(-1)
@@ -522,17 +512,14 @@ def test_gpu_phase_log():
     log = plan.phase_log.cpu()
     programs = n * plan.base.n_blocks * 2
     assert log.shape == (programs, 16)
-    stamps = log[:, :9]                       # start .. arrived: every program passes them
+    stamps = log[:, :10]                      # start .. combined: every program passes them
     assert bool((stamps[:, 1:] >= stamps[:, :-1]).all()), stamps
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert bool(((log[:, 12] >= 0) & (log[:, 12] < sms)).all())
-    assert bool((log[:, 11] > log[:, 10]).all()) and bool((log[:, 14] >= log[:, 8]).all())
-    combiners = log[:, 13] == 1
-    assert int(combiners.sum()) == n * 2
-    assert bool((log[combiners, 9] >= log[combiners, 8]).all()) and bool((log[~combiners, 9] == 0).all())
-    tickets = torch.arange(programs)
-    rows, slices = (tickets // 2) % n, tickets % 2
-    assert sorted(zip(rows[combiners].tolist(), slices[combiners].tolist())) == [(r, s) for r in range(n) for s in (0, 1)]
+    assert bool((log[:, 11] > log[:, 10]).all()) and bool((log[:, 14] >= log[:, 9]).all())
+    last = log[:, 13] == 1                    # the row's last arrival (it cleared the row's look-back)
+    rows = (torch.arange(programs) // 2) % n  # the program id is the ticket: block-major, then row, slice
+    assert sorted(rows[last].tolist()) == list(range(n))
 
 
 @pytest.mark.gpu
