@@ -460,7 +460,7 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
     maxnreg: the launch's register cap per thread (`launch_options`), None or a multiple of 8 in [64, 256].
     packed_terms: relu, weight and their BF16 roundings two terms an instruction (BF16x2): the same
       bits but where a weighted term is an FP32 subnormal (|term| < 2^-126), so off by default (on
-      the H200 2-6 % faster than without it at 1M keys and 16-64 rows, within 1 % at <= 128K x 1 row).
+      the H200 1-5 % faster than without it, with mma_pairs and kperm).
     mma_pairs: the four block wgmmas two at a time (two partials live instead of four: 128 registers
       a thread instead of ~150 at 32 heads, four programs an SM); the same bits.
     kperm: the key tile's columns in a block in the widening's natural order (low nibbles' bytes, then
