@@ -73,7 +73,7 @@ def bench_indexer(rows_list, contexts, floor, info, gen, progress) -> list[dict]
                 topk_ascending_(scores, n_vis, idx, plan)
 
             def both():              # the step's pair: on sm_90 the histogram built while scoring where
-                # that pays (FUSED_HISTOGRAM_MAX), and then the top-k in one launch at <= 4 rows
+                # that pays (FUSED_HISTOGRAM_MAX), and then the top-k with it ready
                 ready = index_scores_launch(iq, w, pool, table, PAGE, req, n_vis, scores, hist=plan.hist_hi[:rows])
                 topk_ascending_(scores, n_vis, idx, plan, hist_ready=ready)
 

@@ -153,11 +153,10 @@ def sparse_mla_launch(plan, *args, **kwargs) -> None:
 # 58.4 / 53.7 at 4 x 128K, 83.0 / 69.3 at 16 x 32K, 272 / 199 at 64 x 32K, 103 / 89 at 1 x 1M.
 # With the scorer's current defaults (`gluon_indexer.default_options`, H200 at 27e9b3b) it costs
 # the scorer 1.2 us at 1 x 8K and 1 x 32K, 2.4 at 1 x 128K, 16 at 1 x 1M, 30 at 16 x 128K, 234 at
-# 64 x 128K. It saves the top-k's high-byte pass, and at <= 4 rows it lets the top-k run in one
-# launch (`topk_ascending_`'s default with hist_ready): 12.3 us at 1 x 128K against the linked
-# path's 14.2 with it and ~19 without (three launches); but only 2.6 us at 1 x 1M (29.9 against
-# the four-launch path's 32.5), 10 at 16 x 128K (26.0 / 36.1), 32 at 64 x 128K (81.0 / 113.1).
-# So the bound stands.
+# 64 x 128K. It saves the top-k's high-byte pass: the linked top-k takes 14.2 us at 1 x 128K with
+# it against ~19 without (three launches); but it saves only 10 us at 16 x 128K (26.0 / 36.1) and
+# 32 at 64 x 128K (81.0 / 113.1), and at 1 x 1M the four-launch path without it (32.5) is about the
+# linked path with it (33.8). So the bound stands.
 FUSED_HISTOGRAM_MAX = 1 << 17       # rows x entries per call at which the step lets the scorer build it
 
 
@@ -169,8 +168,7 @@ def index_scores_launch(iq, w, pool, block_table, page, req_slot, n_vis, out, ca
     where the histogram it builds saves the top-k more; docs/attn.md), which also adds the top-k's
     high-byte histogram into `hist` (a `TopKPlan.hist_hi` view) when given and the call is small
     enough for that to pay (rows x entries <= FUSED_HISTOGRAM_MAX); elsewhere the Triton FP8 path. Returns whether `hist` was
-    filled (the top-k's `hist_ready`, with which `topk_ascending_` runs in one launch at <= 4 rows;
-    the selection is the same either way)."""
+    filled (the top-k's `hist_ready`; the selection is the same either way)."""
     if is_sm90(iq.device):
         if hist is not None and out.shape[0] * out.shape[1] > FUSED_HISTOGRAM_MAX:
             hist = None

@@ -29,8 +29,8 @@ the caller's scorer has already added the high-byte histogram into the workspace
      keys > T and == T, publishes the counts, sums those of the chunks before its own as they
      arrive (a look-back that cannot deadlock: see the kernel), and writes its selected indices at
      that offset. The scores are read once per launch: three (two) passes instead of four.
-With `one_launch` (by default at <= _ONE_MAX_ROWS rows with hist_ready on sm_90, where it measured
-faster) `_one_launch_kernel` does all of it in one launch whose grid fits the SMs: each program
+With `one_launch=True` (opt-in: faster alone, slower in the step, see `topk_ascending_`)
+`_one_launch_kernel` does all of it in one launch whose grid fits the SMs: each program
 reads its chunk once and waits, within the launch, for its row's histograms and the earlier chunks'
 counts; every wait is bounded and falls back to reading the scores itself, so the output never
 depends on which programs run together.
@@ -72,8 +72,7 @@ import triton
 import triton.language as tl
 
 from . import pdl as _pdl
-from .checks import interpreting
-from .common import is_sm90, num_sms
+from .common import num_sms
 
 _MAX_CHUNKS = 1024     # per-chunk count slots per row; wider rows take larger chunks
 _WS_HI = tl.constexpr(0)                      # [256] histogram of the keys' high bytes
@@ -102,7 +101,6 @@ _CHUNK_SHIFT = 0       # a test hook, 0 in use: the linked write guesses chunk (
                        # one-launch programs take that chunk (tests: 1, every guess wrong, waits out of order)
 _FOUR_MAX_ROWS = 4     # the default path's choice (`topk_ascending_`'s separate_count=None): the
 _FOUR_MIN_COLS = 1 << 18   # four-launch path for at most this many rows of more than this many columns
-_ONE_MAX_ROWS = 4      # and (one_launch=None) the one-launch path for at most this many rows with hist_ready
 _SPIN_LIMIT = 1 << 20  # polls of a wait before the waiting program computes what it waited for itself
                        # (never by design: a fallback that costs time, not a hang; tests: 0 and 1)
 _SMALL_WARPS = 16
@@ -697,7 +695,7 @@ def _select_one_launch(scores, n_vis, out, plan, hist_ready):
 
 def topk_ascending_(scores: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor, plan: TopKPlan, *,
                     hist_ready: bool = False, separate_count: bool | None = None, pdl: bool = False,
-                    one_launch: bool | None = None) -> torch.Tensor:
+                    one_launch: bool = False) -> torch.Tensor:
     """out[n] = indices of the min(k, n_vis[n]) largest scores[n, :n_vis[n]], ascending; entries scored
     -inf become -1; -1 padded to out's width. At equal scores the higher index wins (of the entries
     tied at the threshold, the highest-indexed are taken), as `reference.indexer.topk_ascending`.
@@ -719,12 +717,13 @@ def topk_ascending_(scores: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor
     not the interpreter, else an error), so each one's launch overlaps its predecessor's tail.
     one_launch: True: the whole top-k in one launch (`_one_launch_kernel`: its programs wait for
     each other within the launch) where the grid fits the SMs with chunks of at most 4 x plan.chunk
-    (few rows), else the linked path; the same output. Not with separate_count or pdl. None
-    (default): True for at most _ONE_MAX_ROWS rows with hist_ready on an sm_90 GPU (outside the
-    interpreter, which runs the programs one after another: each wait would run out) when
-    separate_count and pdl are left at their defaults, else False (measured on the H200, FP32
-    scores, hist_ready: one launch against the linked path's two 12.28 / 14.24 us at 1 row x 128K,
-    13.07 / 14.53 at 4 x 128K, 29.89 / 33.77 at 1 x 1M; 4 x 1M takes the linked path either way).
+    (few rows), else the linked path; the same output. Not with separate_count or pdl; sm_90 outside
+    the interpreter (which runs the programs one after another: each wait would run out). Off by
+    default: alone it is faster (H200, FP32 scores, hist_ready: 12.28 against the linked path's
+    14.24 us at 1 row x 128K, 13.07 / 14.53 at 4 x 128K, 29.89 / 33.77 at 1 x 1M), but in the step,
+    beside the side lanes' kernels, it took 27.8 us a call at 1 row x 32K against 15.2 for the
+    linked path's two launches (`bench step` timeline at 093cb80): programs that wait for each other
+    lose when other kernels hold SMs.
     Returns out.
     """
     _validate(scores, n_vis, out, plan, torch.int32, "out")
@@ -732,9 +731,6 @@ def topk_ascending_(scores: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor
         raise ValueError(f"plan: top-k needs group 1, got {plan.group}")
     if out.shape[1] != plan.k:
         raise ValueError(f"out: width {out.shape[1]} must equal plan.k={plan.k}")
-    if one_launch is None:
-        one_launch = (hist_ready and separate_count is None and not pdl and scores.shape[0] <= _ONE_MAX_ROWS
-                      and is_sm90(scores.device) and not interpreting())
     if separate_count is None:
         separate_count = (not hist_ready and not one_launch and not pdl and scores.shape[0] <= _FOUR_MAX_ROWS
                           and scores.shape[1] > _FOUR_MIN_COLS)

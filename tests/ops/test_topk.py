@@ -415,7 +415,7 @@ def test_gpu_linked_equals_four_launch_and_repeats(rows, entries, dist):
         assert int(plan.ws[:, :512].abs().sum()) == 0, "histograms left non-zero"
 
 
-# the step's top-k at 1-4 rows with hist_ready: one launch where the grid fits (chunks of 4096 / 8192
+# the one-launch top-k at 1-4 rows with hist_ready: one launch where the grid fits (chunks of 4096 / 8192
 # / 16384: 1 x 32K ... 2 x 1M), the linked path past that (3 x 1M)
 _GPU_ONE_CASES = [(1, 32768), (4, 32768), (1, 131072), (4, 131072), (1, 1 << 20), (2, 1 << 20), (3, 1 << 20)]
 
@@ -423,9 +423,8 @@ _GPU_ONE_CASES = [(1, 32768), (4, 32768), (1, 131072), (4, 131072), (1, 1 << 20)
 @pytest.mark.gpu
 @pytest.mark.parametrize("dist", ["few", "randn"])
 @pytest.mark.parametrize("rows,entries", _GPU_ONE_CASES)
-def test_gpu_default_one_launch_equals_four_launch_and_repeats(monkeypatch, rows, entries, dist):
-    """The default top-k with hist_ready at 1-4 rows (the step's call after the Gluon scorer): it
-    takes the one-launch path, and 10 runs on one plan, each after a linked call of 8 rows on the
+def test_gpu_one_launch_equals_four_launch_and_repeats(monkeypatch, rows, entries, dist):
+    """one_launch with hist_ready at 1-4 rows: it takes the one-launch path, and 10 runs on one plan, each after a linked call of 8 rows on the
     same plan (the step's plan serves every row bucket), give the four-launch path's bits, ties
     included; the histograms and the one-launch counters and count slots are left zero."""
     from dsv41_decode.ops import topk as topk_mod
@@ -439,12 +438,12 @@ def test_gpu_default_one_launch_equals_four_launch_and_repeats(monkeypatch, rows
     for r in range(10):
         plan.hist_hi[:rows] += key_high_histogram(s[:rows], nv[:rows])
         out = topk_ascending_(s[:rows], nv[:rows], torch.empty(rows, 512, dtype=torch.int32, device=_DEVICE), plan,
-                              hist_ready=True)
+                              hist_ready=True, one_launch=True)
         assert torch.equal(out, want[:rows]), f"run {r}: one launch differs from the four-launch path"
         plan.hist_hi[:8] += key_high_histogram(s, nv)
         other = topk_ascending_(s, nv, torch.empty_like(want), plan, hist_ready=True)
         assert torch.equal(other, want), f"run {r}: the linked call of 8 rows after it differs"
-    assert len(taken) == 10, "the default did not take the one-launch path"
+    assert len(taken) == 10, "one_launch=True did not take the one-launch path"
     ws = plan.ws
     assert int(ws[:, :512].abs().sum()) == 0, "histograms left non-zero"
     assert int(ws[:, topk_mod._WS_ARRIVED_HI:topk_mod._WS_DEPARTED + 1].abs().sum()) == 0, "counters left non-zero"
@@ -479,17 +478,15 @@ def test_topk_one_launch_equals_the_reference(monkeypatch, spin, shift):
 
 def test_topk_default_path_choice(monkeypatch):
     """The default's path per call (the launchers replaced by recorders, sm_90 outside the
-    interpreter pretended): one launch at <= 4 rows with hist_ready; four launches at <= 4 rows of
-    > 256K columns without it; the linked path elsewhere and whenever separate_count=False or pdl
-    is asked for; never one launch in the interpreter or off sm_90."""
+    interpreter pretended): four launches at <= 4 rows of > 256K columns without hist_ready; the
+    linked path elsewhere (with hist_ready too) and whenever separate_count=False or pdl is asked
+    for; one launch only when asked for."""
     from dsv41_decode.ops import topk as topk_mod
     taken = []
     monkeypatch.setattr(topk_mod, "_select_one_launch", lambda *a: taken.append("one"))
     monkeypatch.setattr(topk_mod, "_select_linked", lambda *a: taken.append("linked"))
     monkeypatch.setattr(topk_mod, "_select", lambda *a: taken.append("four"))
     monkeypatch.setattr(topk_mod._pdl, "supported", lambda device: True)
-    monkeypatch.setattr(topk_mod, "is_sm90", lambda device: True)
-    monkeypatch.setattr(topk_mod, "interpreting", lambda: False)
     plan = TopKPlan.build(8, 512, device="cpu")
 
     def path(rows, cols, **kw):
@@ -498,8 +495,9 @@ def test_topk_default_path_choice(monkeypatch):
                         torch.empty(rows, 512, dtype=torch.int32), plan, **kw)
         return taken
 
-    assert path(1, 131072, hist_ready=True) == ["one"]
-    assert path(4, 1 << 20, hist_ready=True) == ["one"]       # (which runs the linked path: grid too large)
+    assert path(1, 131072, hist_ready=True) == ["linked"]
+    assert path(4, 1 << 20, hist_ready=True) == ["linked"]
+    assert path(4, 1 << 20, hist_ready=True, one_launch=True) == ["one"]   # (which runs the linked path: grid too large)
     assert path(5, 131072, hist_ready=True) == ["linked"]
     assert path(1, 131072) == ["linked"]
     assert path(4, (1 << 18) + 1) == ["four"]
@@ -507,8 +505,3 @@ def test_topk_default_path_choice(monkeypatch):
     assert path(1, 131072, hist_ready=True, pdl=True) == ["linked"]
     assert path(1, 131072, hist_ready=True, separate_count=True) == ["four"]
     assert path(2, 131072, one_launch=True) == ["one"]
-    monkeypatch.setattr(topk_mod, "interpreting", lambda: True)
-    assert path(1, 131072, hist_ready=True) == ["linked"]
-    monkeypatch.setattr(topk_mod, "interpreting", lambda: False)
-    monkeypatch.setattr(topk_mod, "is_sm90", lambda device: False)
-    assert path(1, 131072, hist_ready=True) == ["linked"]
