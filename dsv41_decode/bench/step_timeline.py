@@ -45,7 +45,10 @@ def plot_timeline(kernels: list[dict], layers: list[tuple[int, str, str]], info:
     kind, label) per step layer in order; info: gpu, commit, date. Returns (layer, streams drawn).
     Also redraws a committed trace: `plot_timeline(_kernels(json.load(f)), ...)`."""
     kernels = sorted(kernels, key=lambda e: e["ts"])
-    bounds = [e for e in kernels if "mhc_boundary" in e["name"]]
+    # the boundaries between layers: after the first attention kernel (the first input's launch,
+    # `mhc_enter_`, is an mhc_boundary kernel too, and runs before any layer)
+    first_attn = next((e["ts"] for e in kernels if "sparse_mla" in e["name"]), kernels[0]["ts"])
+    bounds = [e for e in kernels if "mhc_boundary" in e["name"] and e["ts"] > first_attn]
     full = [i for i, (_, kind, _) in enumerate(layers) if kind == "full"]
     k = full[0] if full else 0
     t0 = bounds[k - 1]["ts"] + bounds[k - 1]["dur"] if k >= 1 and len(bounds) >= k else kernels[0]["ts"]
