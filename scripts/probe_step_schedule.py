@@ -1,16 +1,21 @@
 """Schedule variants of the 40-layer V4.1-Flash step (32K, graph replay, rows 1/8/16/64), recaptured on
-one step: us per replay (median of 30) and whether the 8-row output is bitwise the default's (a
-schedule changes the order of launches, never the math).
+one step: us per replay (median of 30) and whether the 8-row output is bitwise the first variant's
+(a schedule or a stream priority changes the order of work, never the math). A captured kernel
+keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiateFlagUseNodePriority.
 
-    default         the step as built
+    default         the step as built (`decode.lanes`: capture stream and the compressor's and index
+                    query's lanes at PRIORITY_CRITICAL, the mixer's lane at PRIORITY_SLACK)
+    flat            every stream at priority 0
+    deeper          capture stream and the critical lanes at -2
+    index_first     the compressor's and index query's lanes at -2, above the main stream's -1
+    mix_critical    the mixer's lane at the critical priority too
     mla_after_mix   the sparse MLA waits for the next site's mixer (at 1-16 rows the sparse MLA's
                     configurations need all their programs resident; the mixer, at the least
                     priority, can still hold SMs when it starts)
-    mix_critical    the mixer's lane at the critical priority (as the main stream)
 
-    PYTHONPATH=. python scripts/probe_step_schedule.py [--variants=default,mla_after_mix,...] [--rows=1,8,16,64]
+    PYTHONPATH=. python scripts/probe_step_schedule.py [--variants=default,flat,...] [--rows=1,8,16,64]
 
-(GPU; ~70 s on an H200.) The variants patch the built step's objects in this process only.
+(GPU; ~70-100 s on an H200.) The variants patch the built step's objects in this process only.
 """
 from __future__ import annotations
 
@@ -20,15 +25,26 @@ from _args import arg
 from dsv41_decode.bench.step import _arm, _replay_us
 from dsv41_decode.config import ModelConfig
 from dsv41_decode.decode import attention as attention_mod
-from dsv41_decode.decode.lanes import PRIORITY_CRITICAL
+from dsv41_decode.decode.lanes import PRIORITY_CRITICAL, PRIORITY_SLACK
 from dsv41_decode.stack import AttentionStack
 from dsv41_decode.state import DecodeState
 from dsv41_decode.testing.synthetic import fill_state, random_checkpoint
 
+C, S = PRIORITY_CRITICAL, PRIORITY_SLACK
+# name: (capture stream, (compressor, mixer, index-query) lane priorities); lower is more urgent
+PRIORITIES = {
+    "default": (C, (C, S, C)),
+    "flat": (0, (0, 0, 0)),
+    "deeper": (-2, (-2, 0, -2)),
+    "index_first": (-1, (-2, 0, -2)),
+    "mix_critical": (C, (C, C, C)),
+    "mla_after_mix": (C, (C, S, C)),
+}
+
 
 def _mla_after_mix(step):
     """Patch the step's boundary and layers: the last mixer event is kept and the sparse MLA waits
-    for it (returns the undo)."""
+    for it; returns the undo."""
     held = {}
     mix, attend = step.boundary.mix, attention_mod.AttentionStep._attend
 
@@ -50,25 +66,24 @@ def _mla_after_mix(step):
 
 
 def main() -> None:
-    names = arg("variants", "default,mla_after_mix,mix_critical").split(",")
+    names = arg("variants", ",".join(PRIORITIES)).split(",")
+    unknown = [v for v in names if v not in PRIORITIES]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; known: {list(PRIORITIES)}")
     rows = tuple(int(r) for r in arg("rows", "1,8,16,64").split(","))
+    print("stream priority range (least, greatest):", torch.cuda.Stream.priority_range(), flush=True)
     cfg = ModelConfig.preset("v41-flash")
     stack = AttentionStack(random_checkpoint(cfg, "cuda"))
     n = max(max(rows), 8)
     state = DecodeState(cfg, max_requests=n, max_context=32768 + 1024, page_size=64, device="cuda", max_drafts=3)
     fill_state(state, {i: 32768 for i in range(n)})
     step = stack.decode_step(state, max_rows=n, buckets=tuple(sorted(set(rows) | {8})))
-    aux = list(step.lanes._aux)
     first = None
     for name in names:
-        undo = lambda: None
-        step.lanes._aux = list(aux)
-        if name == "mla_after_mix":
-            undo = _mla_after_mix(step)
-        elif name == "mix_critical":
-            step.lanes._aux[1] = torch.cuda.Stream("cuda", priority=PRIORITY_CRITICAL)
-        elif name != "default":
-            raise SystemExit(f"unknown variant {name!r}")
+        cap, aux = PRIORITIES[name]
+        step.lanes._aux = [torch.cuda.Stream("cuda", priority=p) for p in aux]
+        step.lanes.capture = torch.cuda.Stream("cuda", priority=cap)
+        undo = _mla_after_mix(step) if name == "mla_after_mix" else (lambda: None)
         step.graphs = {}
         step._capture()
         undo()
@@ -80,8 +95,8 @@ def main() -> None:
         first = out if first is None else first
         gen = torch.Generator(device="cuda").manual_seed(1)
         t = {r: _replay_us(step, _arm(step, [(i, 1) for i in range(r)], gen), replays=30) for r in rows}
-        print(f"{name:14s} | " + "  ".join(f"{r}: {t[r]:8.1f}" for r in rows)
-              + f" us | 8-row output == default's: {same}", flush=True)
+        print(f"{name:14s} capture {cap:2d} lanes {aux} | " + "  ".join(f"{r}: {t[r]:8.1f}" for r in rows)
+              + f" us | 8-row output == first variant's: {same}", flush=True)
 
 
 if __name__ == "__main__":
