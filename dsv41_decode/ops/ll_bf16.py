@@ -39,6 +39,8 @@ import triton.language as tl
 
 from .checks import planned_rows, require_tensor
 from .common import num_sms, splitk_reduce
+from .fp4 import bf16_round
+from .rounding import bf16_rne_bits
 
 MODE_TF32 = 0   # tl.dot, TF32 inputs: exact products of BF16-valued operands, tensor cores
 MODE_IEEE = 1   # tl.dot, tf32x3 (split FP32 weight, tensor cores): FP32 weights
@@ -51,10 +53,10 @@ _K_GRAIN = 128  # every split but the last covers a multiple of this, so every B
 @triton.jit
 def _ll_bf16_kernel(
     x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
-    stride_xm, stride_wn, stride_om, stride_ps, stride_pm,
+    stride_xm, stride_wn, stride_om, stride_ps, stride_pm, scale,
     K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, HEAD_W: tl.constexpr,
 ):
     # Grid: (N tiles, K splits, row tiles of BLOCK_M rows).
     pid_n = tl.program_id(0)
@@ -85,12 +87,23 @@ def _ll_bf16_kernel(
     mask = m_ok[:, None] & n_ok[None, :]
     out_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
     if SPLIT == 1:
-        tl.store(out_ptrs, y, mask=mask)
+        _store_out(out_ptrs, y, mask, scale, HEAD_W)
     else:
         part_ptrs = part_ptr + rm[:, None] * stride_pm + rn[None, :]
         last, total = splitk_reduce(y, part_ptrs, stride_ps, mask, count_ptr + pid_m * tl.num_programs(0) + pid_n,
                                     pid_k, SPLIT)
-        tl.store(out_ptrs, total, mask=mask & last)
+        _store_out(out_ptrs, total, mask & last, scale, HEAD_W)
+
+
+@triton.jit
+def _store_out(out_ptrs, y, mask, scale, HEAD_W: tl.constexpr):
+    """Store the FP32 sums y, or (HEAD_W) the indexer's head weights bf16(bf16(y) * scale) as BF16
+    bits into an int16 view: `index_query`'s rounding of w, two RNE roundings with the FP32 product
+    between them (a product alone: no FMA contraction can touch it)."""
+    if HEAD_W:
+        tl.store(out_ptrs, bf16_rne_bits(bf16_round(y) * scale), mask=mask)
+    else:
+        tl.store(out_ptrs, y, mask=mask)
 
 
 class LlBf16Tile(NamedTuple):
@@ -185,7 +198,8 @@ class LlBf16Plan:
         return cls(n, k, max_rows, weight_dtype, block_n, k_per_split, split, tiles, partials, counters)
 
 
-def ll_bf16_(plan: LlBf16Plan, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+def ll_bf16_(plan: LlBf16Plan, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *,
+             scale: float | None = None) -> None:
     """Write out = x.float() @ w.float()^T, accumulated in FP32, using the plan's workspace.
 
     plan: from `LlBf16Plan.build(N, K, max_rows, w.dtype, device)`.
@@ -193,33 +207,42 @@ def ll_bf16_(plan: LlBf16Plan, x: torch.Tensor, w: torch.Tensor, out: torch.Tens
     w: [N, K] plan.weight_dtype: bfloat16, or float32 for the ratio-2 compressor, whose FP32
        weights keep FP32 semantics (the products are FP32 roundings, the sums FP32).
     out: [M, N] float32, unit stride in N. All on plan.device.
+    scale: None, or a float: then out is [M, N] bfloat16 and receives the indexer's head weights
+       w = bf16(bf16(y) * scale) of the FP32 sums y (spec section 3 step 7, `index_weights`), bit
+       for bit what `index_query_` writes as w_out from wproj = y (the same FP32 sums, the same two
+       roundings), written by the program that finishes the sums: no launch of their own.
     Batch-invariant: a row's outputs do not depend on the other rows or on M (the FP32 summation
     order is the plan's for every row count; see the module docstring).
     """
     m = planned_rows(plan, LlBf16Plan, x, "x", "[M, K]")
     dev = plan.device
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    head_w = scale is not None
     require_tensor(x, "x", (torch.bfloat16,), (m, plan.k), dev)
     require_tensor(w, "w", (plan.weight_dtype,), (plan.n, plan.k), dev)
-    require_tensor(out, "out", (torch.float32,), (m, plan.n), dev)
+    require_tensor(out, "out", (torch.bfloat16 if head_w else torch.float32,), (m, plan.n), dev)
     if m == 0:
         return
     t = plan.tile(m)
     part = plan.partials
+    dst = out.view(torch.int16) if head_w else out     # BF16 bits stored as int16 (`bf16_rne_bits`)
     _ll_bf16_kernel[(plan.n_tiles, plan.split, triton.cdiv(m, t.block_m))](
-        x, w, out, part, plan.counters, m, plan.n, plan.k,
-        x.stride(0), w.stride(0), out.stride(0), part.stride(0), part.stride(1),
+        x, w, dst, part, plan.counters, m, plan.n, plan.k,
+        x.stride(0), w.stride(0), dst.stride(0), part.stride(0), part.stride(1), float(scale or 0.0),
         K_PER_SPLIT=plan.k_per_split, SPLIT=plan.split, BLOCK_M=t.block_m, BLOCK_N=plan.block_n,
-        BLOCK_K=t.block_k, MODE=t.mode, NUM_STAGES=t.num_stages, num_warps=t.num_warps,
+        BLOCK_K=t.block_k, MODE=t.mode, NUM_STAGES=t.num_stages, HEAD_W=head_w, num_warps=t.num_warps,
         num_stages=t.num_stages,
     )
 
 
 def ll_bf16(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
-            plan: LlBf16Plan | None = None) -> torch.Tensor:
+            plan: LlBf16Plan | None = None, *, scale: float | None = None) -> torch.Tensor:
     """y = x.float() @ w.float()^T in FP32: x [M, K] bfloat16 (M <= 64), w [N, K] bfloat16 or float32.
 
-    out: optional [M, N] float32 buffer; plan: optional `LlBf16Plan` (default: built here, which
-    allocates; pass one for CUDA graphs). Returns out (or a new [M, N] float32 tensor).
+    out: optional [M, N] float32 buffer (bfloat16 with scale); plan: optional `LlBf16Plan`
+    (default: built here, which allocates; pass one for CUDA graphs); scale: as `ll_bf16_` (the
+    head weights bf16(bf16(y) * scale) instead of y). Returns out (or a new [M, N] tensor).
     """
     if not isinstance(x, torch.Tensor) or not isinstance(w, torch.Tensor) or x.dim() != 2 or w.dim() != 2:
         raise ValueError("x and w must be 2-D tensors: x [M, K], w [N, K]")
@@ -230,6 +253,7 @@ def ll_bf16(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None,
     if plan is None:
         plan = LlBf16Plan.build(w.shape[0], w.shape[1], max(1, x.shape[0]), w.dtype, x.device)
     if out is None:
-        out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32, device=x.device)
-    ll_bf16_(plan, x, w, out)
+        out = torch.empty(x.shape[0], w.shape[0], dtype=torch.float32 if scale is None else torch.bfloat16,
+                          device=x.device)
+    ll_bf16_(plan, x, w, out, scale=scale)
     return out

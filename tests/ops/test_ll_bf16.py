@@ -16,6 +16,7 @@ term, 30x the bound.
 import pytest
 import torch
 
+from dsv41_decode.ops.index_query import index_query
 from dsv41_decode.ops.ll_bf16 import MODE_IEEE, MODE_TF32, LlBf16Plan, ll_bf16, ll_bf16_
 from dsv41_decode.testing.compare import rel_rms
 
@@ -154,6 +155,58 @@ def test_convenience_rejects_what_no_plan_serves():
         ll_bf16(torch.zeros(65, 64, dtype=torch.bfloat16), torch.zeros(32, 64))
 
 
+
+# ------------------------------------------------------------------ the head weights in the epilogue
+
+_SCALE = 128 ** -0.5 * 32 ** -0.5     # the indexer's: head_dim^-0.5 * Hi^-0.5 (V4.1-Flash, Hi = 32)
+
+
+def _index_weights(y: torch.Tensor, scale: float) -> torch.Tensor:
+    """`index_query_`'s w_out for wproj = y (its query half fed zeros): BF16 [M, N]."""
+    m, n = y.shape
+    z = torch.zeros(m, 32, device=y.device)
+    return index_query(torch.zeros(m, n * 128, dtype=torch.bfloat16, device=y.device), y, z, z, scale)[1]
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 64])
+def test_head_weights_equal_index_query_bitwise(m):
+    """scale: the last split's program writes bf16(bf16(y) * scale) of the FP32 sums y, at 1, 3, 16
+    and 64 rows (1 and 2 row tiles), split 1 and split 4 (partials summed first), two scales through
+    one compile: bit for bit the reference's `y.bfloat16() * scale` on every row and `index_query_`'s
+    w from the same plan's FP32 output on the first rows (per row: its query half, run here on zeros,
+    is the slow part in the interpreter). Row 0 is a one-hot x: y = a column of w, exact in BF16."""
+    x, w = _operands(m, 32, 512, torch.bfloat16, seed=70 + m)
+    x[0] = 0.0
+    x[0, 5] = 1.0
+    for split in (1, 4):
+        plan = LlBf16Plan.build(32, 512, 64, torch.bfloat16, _DEVICE, split=split)
+        y = ll_bf16(x, w, plan=plan)
+        for scale in (_SCALE, 3.0):
+            out = torch.full((m, 32), float("nan"), dtype=torch.bfloat16, device=_DEVICE)
+            ll_bf16_(plan, x, w, out, scale=scale)
+            want = (y.bfloat16() * scale).view(torch.int16)
+            assert torch.equal(out.view(torch.int16), want), f"split {split}, scale {scale}"
+        head = min(m, 3)
+        assert torch.equal(out[:head].view(torch.int16), _index_weights(y[:head], 3.0).view(torch.int16))
+        assert not plan.counters.any()
+    assert torch.equal(ll_bf16(x, w, scale=_SCALE), y.bfloat16() * _SCALE)    # the allocating form
+
+
+@pytest.mark.parametrize("case, match, exc", [
+    (dict(scale="0.1"), "scale must be a float", TypeError),
+    (dict(scale=True), "scale must be a float", TypeError),
+    (dict(out=torch.empty(3, 32)), "out must have dtype", TypeError),              # FP32 out with scale
+    (dict(out=torch.empty(3, 16, dtype=torch.bfloat16)), "out must have shape", ValueError),
+    (dict(scale=None, out=torch.empty(3, 32, dtype=torch.bfloat16)), "out must have dtype", TypeError),
+])
+def test_head_weights_bad_arguments_name_the_argument(case, match, exc):
+    plan = LlBf16Plan.build(32, 64, 8, torch.bfloat16, "cpu")
+    x, w = _operands(3, 32, 64, torch.bfloat16, seed=0)
+    args = dict(out=torch.empty(3, 32, dtype=torch.bfloat16), scale=0.1) | case
+    with pytest.raises(exc, match=match):
+        ll_bf16_(plan, x.cpu(), w.cpu(), args["out"], scale=args["scale"])
+
+
 # The side projections of V4.1-Flash (spec section 3 steps 4, 5, 7).
 _REAL = [(1024, 5120, torch.float32), (512, 5120, torch.bfloat16), (32, 5120, torch.bfloat16),
          (128, 512, torch.bfloat16)]
@@ -186,4 +239,28 @@ def test_gpu_cuda_graph_replay(n, k, dtype):
         graph.replay()
         torch.cuda.synchronize()
         _check(out, x, w)
+    assert not plan.counters.any()
+
+
+
+@pytest.mark.gpu
+def test_gpu_head_weights_every_row_count():
+    """weights_proj's real shape (32 x 5120, split 10): the head weights at every row count 1-64,
+    bit for bit `index_query_`'s from the FP32 output, and under a CUDA graph replay."""
+    plan = LlBf16Plan.build(32, 5120, 64, torch.bfloat16, "cuda")
+    x, w = _operands(64, 32, 5120, torch.bfloat16, seed=77)
+    y = torch.empty(64, 32, device="cuda")
+    hw = torch.empty(64, 32, dtype=torch.bfloat16, device="cuda")
+    for m in range(1, 65):
+        ll_bf16_(plan, x[:m], w, y[:m])
+        ll_bf16_(plan, x[:m], w, hw[:m], scale=_SCALE)
+        assert torch.equal(hw[:m].view(torch.int16), _index_weights(y[:m], _SCALE).view(torch.int16)), f"{m} rows"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ll_bf16_(plan, x[:16], w, hw[:16], scale=_SCALE)
+    x.copy_(_operands(64, 32, 5120, torch.bfloat16, seed=78)[0])
+    graph.replay()
+    ll_bf16_(plan, x[:16], w, y[:16])
+    torch.cuda.synchronize()
+    assert torch.equal(hw[:16].view(torch.int16), _index_weights(y[:16], _SCALE).view(torch.int16))
     assert not plan.counters.any()
