@@ -92,18 +92,36 @@ def mxfp8_linear_args(codes, x_scale, out, n: int, k: int, max_rows: int, device
     return out
 
 
-def rope_epilogue_args(rope, out: torch.Tensor, n: int, m: int, device: torch.device):
+def rope_epilogue_args(rope, out: torch.Tensor, n: int, m: int, device: torch.device, name: str = "rope",
+                       head: int = 512):
     """Check a linear's `rope=(cos, sin)` (its query RoPE epilogue): cos, sin [M, 32] float32 on
-    `device`, the output BF16 and N a multiple of 512 (heads of 512). Returns (cos, sin)."""
+    `device`, the output BF16 and N a multiple of `head` (heads of 512). `name`, `head`: the same
+    checks for another epilogue that rotates heads (`index_query_epilogue_args`). Returns (cos, sin)."""
     if not isinstance(rope, tuple) or len(rope) != 2:
-        raise TypeError(f"rope must be None or a (cos, sin) tuple, got {type(rope).__name__}")
-    if n % 512:
-        raise ValueError(f"rope: the weight's N = {n} is not a multiple of 512 (heads of 512)")
+        raise TypeError(f"{name} must be None or a (cos, sin) tuple, got {type(rope).__name__}")
+    if n % head:
+        raise ValueError(f"{name}: the weight's N = {n} is not a multiple of {head} (heads of {head})")
     if out.dtype != torch.bfloat16:
-        raise ValueError(f"rope: out must be bfloat16 (the rotated query), got {out.dtype}")
+        raise ValueError(f"{name}: out must be bfloat16 (the rotated query), got {out.dtype}")
     cos, sin = rope
     require_tensor(cos, "cos", (torch.float32,), (m, 32), device)
     require_tensor(sin, "sin", (torch.float32,), (m, 32), device)
+    return cos, sin
+
+
+def index_query_epilogue_args(index_query, rope, out: torch.Tensor, n: int, m: int, device: torch.device,
+                              block_n: int):
+    """Check a linear's `index_query=(cos, sin)` (the indexer's query epilogue,
+    `index_query.index_query_tile`): not together with `rope`, cos, sin [M, 32] float32 on
+    `device`, the output BF16, N a multiple of 128 (index heads of 128), and the launch's tile of
+    `block_n` weight rows a multiple of 32 (whole MX blocks; RoPE pairs are adjacent rows, always
+    in one tile). Returns (cos, sin)."""
+    if rope is not None:
+        raise ValueError("index_query and rope are two epilogues of different linears: pass one")
+    cos, sin = rope_epilogue_args(index_query, out, n, m, device, "index_query", 128)
+    if block_n % 32:
+        raise ValueError(f"index_query: the launch's tile of {block_n} weight rows splits an MXFP4 block of 32 "
+                         f"between programs (use a configuration with block_n >= 32)")
     return cos, sin
 
 

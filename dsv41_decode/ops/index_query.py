@@ -7,6 +7,9 @@ the contract of `reference.indexer.index_query` after its linear and of `index_w
 linear (their FP32 sums come from `low_latency_mm` and `ll_bf16`). Bit-exact: RoPE as torch's
 complex multiply without FMA contraction (`kv_write.rope_pairs`), MXFP4 by `fp4.mx_quant_pairs`
 and its exact dequantization, the weight scale rounded as torch rounds a BF16 tensor times a float.
+
+`index_query_tile` is the iq half on a GEMM's output tile: the epilogue of the indexer's wq_b
+(`LowLatencyMM(..., index_query=)`, `GluonMM(..., index_query=)`), the same bits.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import triton.language as tl
 
 from .checks import require_tensor
 from .fp4 import bf16_round, mx_dequant_pairs, mx_quant_pairs
-from .kv_write import rope_pairs
+from .kv_write import rope_pairs, rope_rows
 from .rounding import bf16_rne_bits, bf16_widen
 
 HEAD_DIM = 128
@@ -50,6 +53,28 @@ def _index_query_kernel(raw_ptr, wp_ptr, cos_ptr, sin_ptr, iq_ptr, w_ptr, scale,
         wp = tl.load(wp_ptr + n * stride_wp + h, mask=h < H, other=0.0)
         wb = bf16_round(wp)
         tl.store(w_ptr + n * stride_w + h, bf16_rne_bits(wb * scale), mask=h < H)
+
+
+@triton.jit
+def index_query_tile(yb, off_n, rm, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BLOCK_N: tl.constexpr,
+                     BLOCK_M: tl.constexpr, ASM: tl.constexpr):
+    """`index_query_`'s iq on a GEMM's output tile: yb [BLOCK_N, BLOCK_M] FP32 holding the BF16
+    outputs of columns off_n + n (n = head * 128 + channel) and rows rm. Each head's tail pairs
+    (channels 64..127, pair i = channel / 2 - 32) of rows m < M are rotated by cos/sin[m, i]
+    (`kv_write.rope_rows`: `rope_rotate`, explicitly rounded with ASM, then BF16), then every
+    32-column MX block of every row is MXFP4 quantized and dequantized (`fp4.mx_quant_pairs`,
+    `mx_dequant_pairs`; exact, no sum to contract). off_n and BLOCK_N multiples of 32 (whole MX
+    blocks; the launchers check). Returns the tile [BLOCK_N, BLOCK_M], FP32 (BF16 on rounding;
+    rows at or past M hold values to be masked at the store)."""
+    e, o = tl.split(tl.reshape(tl.trans(yb), (BLOCK_M, BLOCK_N // 2, 2)))
+    col = (off_n + 2 * tl.arange(0, BLOCK_N // 2)) % _HD
+    e, o = rope_rows(e, o, col, rm, M, cos_ptr, sin_ptr, stride_cm, stride_sm, 64, ASM)
+    # [BLOCK_M, BLOCK_N / 2] pairs as [blocks, 16]: a row's 16 consecutive pairs are one MX block
+    NB: tl.constexpr = BLOCK_M * BLOCK_N // 32
+    ce, co, sb = mx_quant_pairs(tl.reshape(e, (NB, 16)), tl.reshape(o, (NB, 16)), False)
+    ye, yo = mx_dequant_pairs(ce, co, sb, False)
+    y = tl.join(tl.reshape(ye, (BLOCK_M, BLOCK_N // 2)), tl.reshape(yo, (BLOCK_M, BLOCK_N // 2)))
+    return tl.trans(tl.reshape(y, (BLOCK_M, BLOCK_N)))
 
 
 def index_query_(iq_raw: torch.Tensor, wproj: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float,

@@ -74,16 +74,24 @@ def rope_tile(yb, off_n, rm, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BLOCK_N:
     (`rope_rotate`, then BF16), as `query_rope_` does on the stored tile. Other columns and rows
     at or past M pass unchanged. Returns the tile [BLOCK_N, BLOCK_M], FP32 holding BF16 values."""
     e, o = tl.split(tl.reshape(tl.trans(yb), (BLOCK_M, BLOCK_N // 2, 2)))
-    p = tl.arange(0, BLOCK_N // 2)
-    col = (off_n + 2 * p) % 512
-    rot = (col >= 448)[None, :] & (rm < M)[:, None]
-    i = tl.maximum(col - 448, 0) // 2
+    col = (off_n + 2 * tl.arange(0, BLOCK_N // 2)) % 512
+    re, im = rope_rows(e, o, col, rm, M, cos_ptr, sin_ptr, stride_cm, stride_sm, 448, ASM)
+    return tl.trans(tl.reshape(tl.join(re, im), (BLOCK_M, BLOCK_N)))
+
+
+@triton.jit
+def rope_rows(e, o, col, rm, M, cos_ptr, sin_ptr, stride_cm, stride_sm, FIRST: tl.constexpr, ASM: tl.constexpr):
+    """The pairs (e, o) [rows, P] (FP32 holding BF16 values) of head channels (col, col + 1) (col
+    [P], even, the channel within the head) of rows rm rotated where col >= FIRST by row m's
+    cos/sin[m, (col - FIRST) / 2] (`rope_rotate`, then BF16); other pairs, and rows at or past M,
+    pass unchanged. The tile RoPE of the GEMM epilogues (`rope_tile`, the index query's
+    `index_query.index_query_tile`)."""
+    rot = (col >= FIRST)[None, :] & (rm < M)[:, None]
+    i = tl.maximum(col - FIRST, 0) // 2
     c = tl.load(cos_ptr + rm[:, None] * stride_cm + i[None, :], mask=rot, other=1.0)
     s = tl.load(sin_ptr + rm[:, None] * stride_sm + i[None, :], mask=rot, other=0.0)
     re, im = rope_rotate(e, o, c, s, ASM)
-    re = tl.where(rot, bf16_round(re), e)
-    im = tl.where(rot, bf16_round(im), o)
-    return tl.trans(tl.reshape(tl.join(re, im), (BLOCK_M, BLOCK_N)))
+    return tl.where(rot, bf16_round(re), e), tl.where(rot, bf16_round(im), o)
 
 
 @triton.jit

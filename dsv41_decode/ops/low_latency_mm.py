@@ -19,7 +19,11 @@ that (docs/notes-low-latency-mm.md has the reasoning and the measurements):
 
 - the query RoPE epilogue (`rope=(cos, sin)`, the step's wq_b): the program that stores a tile
   rotates every head's channels 448..511 on the BF16-rounded tile first (`kv_write.rope_tile`), the
-  bits of the GEMM followed by `kv_write.query_rope_`.
+  bits of the GEMM followed by `kv_write.query_rope_`;
+- the index query epilogue (`index_query=(cos, sin)`, the indexer's wq_b): the storing program
+  applies `index_query_`'s iq half to the BF16-rounded tile (`index_query.index_query_tile`: RoPE
+  on every 128-channel head's channels 64..127, then MXFP4 fake-quant per 32-channel block), the
+  bits of the GEMM followed by `index_query.index_query_`.
 
 A `LowLatencyMM` plan binds one weight, chooses the launch configuration per row bucket and owns
 the workspace, once; calling it only launches. `low_latency_mm` is the allocating convenience form.
@@ -35,9 +39,10 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .checks import interpreting, mxfp8_linear_args, mxfp8_weight_args, rope_epilogue_args
+from .checks import index_query_epilogue_args, interpreting, mxfp8_linear_args, mxfp8_weight_args, rope_epilogue_args
 from .common import num_sms, plan_workspace
 from .fp4 import bf16_round
+from .index_query import index_query_tile
 from .kv_write import rope_tile
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
 
@@ -48,11 +53,12 @@ _ROW_BUCKETS = (16, 32, 64)   # BLOCK_M: the MMA's N dimension, at least 16 for 
 @triton.jit
 def _store_y(y_ptr, acc, rn, rm, M, N, stride_ym, off_n, cos_ptr, sin_ptr, stride_cm, stride_sm,
              OUT_F32: tl.constexpr, ROPE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-             ASM: tl.constexpr):
+             ASM: tl.constexpr, INDEX_Q: tl.constexpr = False):
     """y[m, n] = bf16(acc[n, m]) (y_ptr at int16: the BF16 bits), or acc itself with OUT_F32 (a
     tensor-parallel partial, reduced before its rounding), for m < M, n < N. ROPE: the query RoPE
     on the rounded tile first where it holds a head's channels 448..511 (`kv_write.rope_tile`,
-    explicitly rounded operations with ASM)."""
+    explicitly rounded operations with ASM). INDEX_Q: the index query on the rounded tile first
+    (`index_query.index_query_tile`, every tile)."""
     mask = (rn[:, None] < N) & (rm[None, :] < M)
     if OUT_F32:
         tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], acc, mask=mask)
@@ -60,6 +66,10 @@ def _store_y(y_ptr, acc, rn, rm, M, N, stride_ym, off_n, cos_ptr, sin_ptr, strid
         yb = bf16_round(acc)
         if off_n % 512 + BLOCK_N > 448:
             yb = rope_tile(yb, off_n, rm, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BLOCK_N, BLOCK_M, ASM)
+        tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], bf16_rne_bits(yb), mask=mask)
+    elif INDEX_Q:
+        yb = index_query_tile(bf16_round(acc), off_n, rm, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BLOCK_N,
+                              BLOCK_M, ASM)
         tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], bf16_rne_bits(yb), mask=mask)
     else:
         tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], bf16_rne_bits(acc), mask=mask)
@@ -75,11 +85,13 @@ def _mxfp8_ll_mm_kernel(
     SPLIT_K: tl.constexpr, DEQUANT: tl.constexpr, DOT_F32: tl.constexpr, OUT_F32: tl.constexpr,
     PDL: tl.constexpr = False, SCALE_WORDS: tl.constexpr = False,
     cos_ptr=None, sin_ptr=None, stride_cm=0, stride_sm=0, ROPE: tl.constexpr = False, ROPE_ASM: tl.constexpr = False,
+    INDEX_Q: tl.constexpr = False,
 ):
     # Grid: (N tiles, K splits). Program (t, s) covers rows [t*BLOCK_N, +BLOCK_N) of W and the K
     # range [s*steps_per_split*BLOCK_K, +steps_per_split*BLOCK_K); every row of x is in its one
     # BLOCK_M tile. ROPE: the query RoPE epilogue (`_store_y`) with cos/sin [M, 32] FP32 at
-    # cos_ptr/sin_ptr (ROPE_ASM: its operations as inline PTX, on the GPU).
+    # cos_ptr/sin_ptr (ROPE_ASM: its operations as inline PTX, on the GPU); INDEX_Q: the index
+    # query epilogue with the same cos/sin arguments.
     SUB: tl.constexpr = BLOCK_K // 32
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -175,11 +187,11 @@ def _mxfp8_ll_mm_kernel(
                 # .cg: from L2, never from a line this SM's L1 kept from an earlier launch.
                 total += tl.load(tile_ws + s * M * BLOCK_N, mask=m_ok, other=0.0, cache_modifier=".cg")
             _store_y(y_ptr, total, rn, rm, M, N, stride_ym, pid_n * BLOCK_N, cos_ptr, sin_ptr, stride_cm, stride_sm,
-                     OUT_F32, ROPE, BLOCK_N, BLOCK_M, ROPE_ASM)
+                     OUT_F32, ROPE, BLOCK_N, BLOCK_M, ROPE_ASM, INDEX_Q)
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
     else:
         _store_y(y_ptr, acc, rn, rm, M, N, stride_ym, pid_n * BLOCK_N, cos_ptr, sin_ptr, stride_cm, stride_sm,
-                 OUT_F32, ROPE, BLOCK_N, BLOCK_M, ROPE_ASM)
+                 OUT_F32, ROPE, BLOCK_N, BLOCK_M, ROPE_ASM, INDEX_Q)
 
 
 @dataclass(frozen=True)
@@ -390,7 +402,8 @@ class LowLatencyMM:
         return reduction_order(self.launch_for(rows).config, self.k)
 
     def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None,
-                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 index_query: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """y = codes x weight^T with both block scales, into out.
 
         codes: [M, K] float8_e4m3fn, unit stride along K; 1 <= M <= max_rows.
@@ -400,12 +413,22 @@ class LowLatencyMM:
         rope: None, or (cos, sin) [M, 32] float32: y read as [M, N / 512, 512] queries (N a
             multiple of 512, BF16 out) gets `kv_write.query_rope_`'s RoPE in the epilogue, the
             same bits as the GEMM followed by that op (as `GluonMM`'s).
+        index_query: None, or (cos, sin) [M, 32] float32 (the indexer's wq_b, not with rope): y read
+            as [M, N / 128, 128] index queries (N a multiple of 128, BF16 out) gets
+            `index_query.index_query_`'s iq in the epilogue (RoPE on each head's channels 64..127,
+            MXFP4 fake-quant per 32-channel block), the same bits as the GEMM followed by that op
+            (as `GluonMM`'s). The launch's block_n must hold whole MX blocks (>= 32).
         Returns out.
         """
         out = mxfp8_linear_args(codes, x_scale, out, self.n, self.k, self.max_rows, self.device)
         m = codes.shape[0]
         extra = {}
-        if rope is not None:
+        if index_query is not None:
+            cos, sin = index_query_epilogue_args(index_query, rope, out, self.n, m, self.device,
+                                                 self.launch_for(m).config.block_n)
+            extra = dict(cos_ptr=cos, sin_ptr=sin, stride_cm=cos.stride(0), stride_sm=sin.stride(0), INDEX_Q=True,
+                         ROPE_ASM=not self._dot_f32)
+        elif rope is not None:
             cos, sin = rope_epilogue_args(rope, out, self.n, m, self.device)
             extra = dict(cos_ptr=cos, sin_ptr=sin, stride_cm=cos.stride(0), stride_sm=sin.stride(0), ROPE=True,
                          ROPE_ASM=not self._dot_f32)

@@ -22,10 +22,12 @@ import dataclasses
 import pytest
 import torch
 
-from dsv41_decode.formats import fp8_block_dequantize, fp8_block_quantize, mxfp8_quantize
+from dsv41_decode.formats import fp8_block_dequantize, fp8_block_quantize, mxfp4_fake, mxfp8_quantize
+from dsv41_decode.ops.index_query import index_query_
 from dsv41_decode.ops.kv_write import query_rope_
 from dsv41_decode.ops.low_latency_mm import LowLatencyConfig, LowLatencyMM, low_latency_mm
 from dsv41_decode.reference.linear import mxfp8_mm
+from dsv41_decode.reference.rope import rope_tail
 from dsv41_decode.testing.compare import bits_differ, rel_rms, row_ulp_distance, ulp_distance
 from helpers import FLASH_LINEAR_SHAPES, check_mxfp8_plan_errors, linear_operands, raises, rope_operands
 
@@ -262,4 +264,88 @@ def test_rope_epilogue_on_gpu(name, n, k):
     plan = LowLatencyMM(weight, w_scale)
     for m in range(1, 65):
         _check_rope_epilogue(plan, codes_all[:m], sx_all[:m], cos_all[:m], sin_all[:m], f"{name} M={m}")
+    assert int(plan._counters.abs().sum()) == 0
+
+
+def _check_index_query_epilogue(plan: LowLatencyMM, codes, x_scale, cos, sin, what, reference=False) -> None:
+    """The plan's index-query epilogue gives the bits of the GEMM followed by `index_query_`'s iq
+    (RoPE on each head's channels 64..127, MXFP4 fake-quant per 32-channel block); both halves of
+    every head moved (the fake-quant touches all), on the GPU the plain call's bits did not (the
+    interpreter runs the same plain kernel in the other tests). reference: the
+    iq from the reference's `mxfp4_fake(rope_tail(...))` instead, index_query_'s bits
+    (tests/ops/test_index_query.py) in a fraction of the interpreter's time."""
+    m, n = codes.shape[0], plan.n
+    plain = plan(codes, x_scale, _poisoned(m, n))
+    if reference:
+        cis = torch.complex(cos, sin).cpu()
+        want = mxfp4_fake(rope_tail(plain.cpu().view(m, n // 128, 128), cis, 64)).to(DEVICE)
+    else:
+        want = torch.empty(m, n // 128, 128, dtype=torch.bfloat16, device=DEVICE)
+        index_query_(plain, torch.zeros(m, n // 128, device=DEVICE), cos, sin, 1.0, want,
+                     torch.empty(m, n // 128, dtype=torch.bfloat16, device=DEVICE))
+    got = plan(codes, x_scale, _poisoned(m, n), index_query=(cos, sin))
+    assert bits_differ(got, want.view(m, n)) == 0, \
+        f"{what}: {bits_differ(got, want.view(m, n))} outputs differ from GEMM + index_query_"
+    tail = (torch.arange(n, device=DEVICE) % 128) >= 64
+    assert bits_differ(got[:, tail], plain[:, tail]) > 0 and bits_differ(got[:, ~tail], plain[:, ~tail]) > 0, what
+    if DEVICE == "cuda":
+        assert bits_differ(plan(codes, x_scale, _poisoned(m, n)), plain) == 0, f"{what}: plain bits moved"
+
+
+@pytest.mark.parametrize("heads", [32, 64])
+def test_index_query_epilogue_is_gemm_then_index_query(heads):
+    # The indexer's wq_b at both head counts (K cut to 64: the epilogue does not see K) with the
+    # step's interpreter plan (512-row tiles, one split): 1 row, 3 rows (the row bucket's edge) and
+    # 16 (a full bucket; against the reference's iq, which is index_query_'s: its 128 interpreted
+    # programs would take 2-3 s), ~1.5 s a head count.
+    n, k = heads * 128, 64
+    _, _, codes_all, sx_all, weight, w_scale = linear_operands(_gen(heads), 16, n, k)
+    cos_all, sin_all = rope_operands(_gen(heads + 1), 16)
+    plan = LowLatencyMM(weight, w_scale, config=LowLatencyConfig(block_n=512, block_k=64, split=1))
+    for m in (1, 3, 16):
+        _check_index_query_epilogue(plan, codes_all[:m], sx_all[:m], cos_all[:m], sin_all[:m], f"Hi={heads} M={m}",
+                                    reference=m == 16)
+
+
+def test_index_query_epilogue_split_k_and_small_tiles():
+    # Split-K (the last arriver applies it) with 32-row tiles, one MX block each (a quarter head:
+    # tiles without, then with rotary pairs), at an edge row count; 16-row tiles, half an MX
+    # block, are refused by name, as are the other bad arguments.
+    m, n, k = 5, 256, 128
+    _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(12), m, n, k)
+    cos, sin = rope_operands(_gen(3), m)
+    plan = LowLatencyMM(weight, w_scale, config=LowLatencyConfig(block_n=32, block_k=32, split=2))
+    assert plan.launch_for(m).split == 2
+    _check_index_query_epilogue(plan, codes, x_scale, cos, sin, "split-K block_n 32")
+    assert int(plan._counters.abs().sum()) == 0
+    small = LowLatencyMM(weight, w_scale, config=LowLatencyConfig(block_n=16, block_k=32, split=1))
+    odd = LowLatencyMM(*linear_operands(_gen(13), m, 192, k)[4:])
+    cases = [
+        (lambda: small(codes, x_scale, index_query=(cos, sin)), "index_query.*block_n"),
+        (lambda: plan(codes, x_scale, index_query=cos), "index_query"),
+        (lambda: plan(codes, x_scale, index_query=(cos[:2], sin)), "cos"),
+        (lambda: plan(codes, x_scale, index_query=(cos, sin.double())), "sin"),
+        (lambda: plan(codes, x_scale, torch.empty(m, n, device=DEVICE), index_query=(cos, sin)), "bfloat16"),
+        (lambda: plan(codes, x_scale, index_query=(cos, sin), rope=(cos, sin)), "index_query and rope"),
+        (lambda: odd(codes, x_scale, index_query=(cos, sin)), "index_query.*128"),
+    ]
+    for make, word in cases:
+        raises(word, make)
+
+
+INDEXER_WQ_B_SHAPES = [("indexer_wq_b", 4096, 1280), ("indexer_wq_b_64heads", 8192, 1280)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,n,k", INDEXER_WQ_B_SHAPES, ids=[s[0] for s in INDEXER_WQ_B_SHAPES])
+def test_index_query_epilogue_on_gpu(name, n, k):
+    # The step's plans for the indexer's wq_b at 32 and 64 index heads (the measured table: split-K
+    # at 32 heads, one split at 64), every row count 1..64 (every row bucket's configuration): the
+    # epilogue gives GEMM + index_query_'s bits (its rotation as inline PTX, that kernel's with fp
+    # fusion off).
+    _, _, codes_all, sx_all, weight, w_scale = linear_operands(_gen(n + k + 3), 64, n, k)
+    cos_all, sin_all = rope_operands(_gen(n + 1), 64)
+    plan = LowLatencyMM(weight, w_scale)
+    for m in range(1, 65):
+        _check_index_query_epilogue(plan, codes_all[:m], sx_all[:m], cos_all[:m], sin_all[:m], f"{name} M={m}")
     assert int(plan._counters.abs().sum()) == 0
