@@ -33,6 +33,16 @@ def _window_table_kernel(slot_ptr, pos_ptr, out_ptr, stride_o, M, W: tl.constexp
 
 
 @triton.jit
+def entry_slots(bt_row, j, ok, PAGE: tl.constexpr):
+    """int32 global compressed-cache slots of entry ids j where ok (j >= 0 there), -1 elsewhere:
+    bt_row[j // PAGE] * PAGE + j % PAGE, bt_row pointing at the request's block-table row. The map
+    of `topk_slots_`, also run by the top-k's write pass (`topk.topk_ascending_`'s table)."""
+    jj = tl.where(ok, j, 0)
+    page = tl.load(bt_row + jj // PAGE, mask=ok, other=0)
+    return tl.where(ok, page * PAGE + jj % PAGE, -1).to(tl.int32)
+
+
+@triton.jit
 def _topk_slots_kernel(topk_ptr, slot_ptr, bt_ptr, out_ptr, len_ptr, stride_t, stride_bt, stride_o,
                        K, PAGE: tl.constexpr, BLOCK_K: tl.constexpr):
     r = tl.program_id(0)
@@ -43,10 +53,8 @@ def _topk_slots_kernel(topk_ptr, slot_ptr, bt_ptr, out_ptr, len_ptr, stride_t, s
         in_k = i < K
         j = tl.load(topk_ptr + r * stride_t + i, mask=in_k, other=-1)
         ok = j >= 0
-        jj = tl.where(ok, j, 0)
-        page = tl.load(bt_ptr + s * stride_bt + jj // PAGE, mask=in_k & ok, other=0)
-        val = tl.where(ok, page * PAGE + jj % PAGE, -1)
-        tl.store(out_ptr + r * stride_o + i, val.to(tl.int32), mask=in_k)
+        val = entry_slots(bt_ptr + s * stride_bt, j, in_k & ok, PAGE)
+        tl.store(out_ptr + r * stride_o + i, val, mask=in_k)
         count += (ok & in_k).to(tl.int32)
     tl.store(len_ptr + r, tl.sum(count, axis=0))
 
@@ -85,6 +93,21 @@ def window_table_(req_slot: torch.Tensor, positions: torch.Tensor, window: int, 
                                BLOCK_W=triton.next_power_of_2(window))
 
 
+def require_slot_table(n: int, k: int, device: torch.device, req_slot, block_table, page_size, out, lengths_out,
+                       prefix: str = "") -> None:
+    """Check `topk_slots_`'s table arguments for N rows of K entries on `device` (errors name each
+    argument, after `prefix`): req_slot [N] int64, block_table [R, P] int32, page_size >= 1,
+    out [N, K] int32, lengths_out [N] int32."""
+    _require_int(page_size, prefix + "page_size")
+    require_tensor(req_slot, prefix + "req_slot", torch.int64, (n,), device)
+    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
+        raise ValueError(f"{prefix}block_table must be a 2-D tensor [R, P], got "
+                         f"{getattr(block_table, 'shape', type(block_table).__name__)}")
+    require_tensor(block_table, prefix + "block_table", torch.int32, tuple(block_table.shape), device)
+    require_tensor(out, prefix + "out", torch.int32, (n, k), device)
+    require_tensor(lengths_out, prefix + "lengths_out", torch.int32, (n,), device)
+
+
 def topk_slots_(topk: torch.Tensor, req_slot: torch.Tensor, block_table: torch.Tensor, page_size: int,
                 out: torch.Tensor, lengths_out: torch.Tensor) -> None:
     """out[r, k] = block_table[req_slot[r], j // page] * page + j % page for j = topk[r, k] >= 0, else -1.
@@ -96,16 +119,8 @@ def topk_slots_(topk: torch.Tensor, req_slot: torch.Tensor, block_table: torch.T
     if not isinstance(topk, torch.Tensor) or topk.dim() != 2:
         raise ValueError(f"topk must be a 2-D tensor [N, K], got {getattr(topk, 'shape', type(topk).__name__)}")
     n, k = topk.shape
-    dev = topk.device
-    _require_int(page_size, "page_size")
     require_tensor(topk, "topk", torch.int32, (n, k))
-    require_tensor(req_slot, "req_slot", torch.int64, (n,), dev)
-    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
-        raise ValueError(f"block_table must be a 2-D tensor [R, P], got "
-                         f"{getattr(block_table, 'shape', type(block_table).__name__)}")
-    require_tensor(block_table, "block_table", torch.int32, tuple(block_table.shape), dev)
-    require_tensor(out, "out", torch.int32, (n, k), dev)
-    require_tensor(lengths_out, "lengths_out", torch.int32, (n,), dev)
+    require_slot_table(n, k, topk.device, req_slot, block_table, page_size, out, lengths_out)
     if n == 0:
         return
     if k == 0:

@@ -73,6 +73,7 @@ import triton.language as tl
 
 from . import pdl as _pdl
 from .common import num_sms
+from .sparse_tables import entry_slots, require_slot_table
 
 _MAX_CHUNKS = 1024     # per-chunk count slots per row; wider rows take larger chunks
 _WS_HI = tl.constexpr(0)                      # [256] histogram of the keys' high bytes
@@ -218,10 +219,13 @@ def _hist_lo_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width,
 
 @triton.jit
 def _row_topk_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width,
-                     K: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, HIST_READY: tl.constexpr):
+                     slot_ptr, bt_ptr, bt_sn, tab_ptr, tab_sn, len_ptr,
+                     K: tl.constexpr, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, HIST_READY: tl.constexpr,
+                     PAGE: tl.constexpr, TABLE: tl.constexpr):
     """One program per row does the whole top-k: two histogram passes (the first read from the
     workspace with HIST_READY, which it then zeroes), then an in-order compaction that writes the
-    selected indices ascending (no sort), then the -1 padding."""
+    selected indices ascending (no sort), then the -1 padding; with TABLE the same for their slots
+    (`_table_rows`) and the row's length."""
     n = tl.program_id(0)
     n_vis = tl.load(nvis_ptr + n)
     row_off = n.to(tl.int64) * s_sn
@@ -243,6 +247,7 @@ def _row_topk_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width,
             h2 += tl.histogram(key & 0xFF, 256, mask=ok & ((key >> 8) == b1))
     thr, skip = _threshold(h1, h2, k_eff)
     out_row = out_ptr + n.to(tl.int64) * out_sn
+    bt_row, tab_row = _table_rows(n, out_row, slot_ptr, bt_ptr, bt_sn, tab_ptr, tab_sn, TABLE)
     n_sel = 0
     n_eq = 0
     if k_eff > 0:
@@ -252,10 +257,14 @@ def _row_topk_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width,
             eqi = eq.to(tl.int32)
             sel = (ok & (key > thr)) | (eq & (n_eq + tl.cumsum(eqi, 0) - 1 >= skip))
             seli = sel.to(tl.int32)
-            tl.store(out_row + n_sel + tl.cumsum(seli, 0) - 1, start + r, mask=sel)
+            pos = n_sel + tl.cumsum(seli, 0) - 1
+            tl.store(out_row + pos, start + r, mask=sel)
+            if TABLE:
+                tl.store(tab_row + pos, entry_slots(bt_row, start + r, sel, PAGE), mask=sel)
             n_sel += tl.sum(seli, 0)
             n_eq += tl.sum(eqi, 0)
     _pad(out_row, width, k_eff, BLOCK_K)
+    _table_tail(n, tab_row, len_ptr, width, k_eff, BLOCK_K, TABLE)
 
 
 @triton.jit
@@ -287,12 +296,15 @@ def _count_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width, K: tl.c
 
 
 @triton.jit
-def _write_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width, GROUP: tl.constexpr,
-                  CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, MASK_OUT: tl.constexpr, SCRATCH: tl.constexpr):
+def _write_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width,
+                  slot_ptr, bt_ptr, bt_sn, tab_ptr, tab_sn, len_ptr, GROUP: tl.constexpr,
+                  CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, MASK_OUT: tl.constexpr, SCRATCH: tl.constexpr,
+                  PAGE: tl.constexpr, TABLE: tl.constexpr):
     """Per (row, chunk): the chunk's selection, its ties ranked by the counts of the chunks before
-    it. Top-k: the selected indices ascending, at offsets from those counts; program (row, 0) pads
-    with -1. Mask: every entry of the chunk's blocks < width (1 if kept and < n_vis). Program
-    (row, 0) zeroes the histograms for the next call."""
+    it. Top-k: the selected indices ascending, at offsets from those counts, and with TABLE their
+    slots at the same offsets; program (row, 0) pads with -1 (and writes the row's length). Mask:
+    every entry of the chunk's blocks < width (1 if kept and < n_vis). Program (row, 0) zeroes the
+    histograms for the next call."""
     n = tl.program_id(0)
     c = tl.program_id(1)
     n_vis = tl.load(nvis_ptr + n)
@@ -322,8 +334,13 @@ def _write_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width, GROUP: 
             sel = (ok & (key > thr)) | (eq & (base_eq + tl.cumsum(eq.to(tl.int32), 0) - 1 >= skip))
             pos = base_gt + tl.maximum(base_eq - skip, 0) + tl.cumsum(sel.to(tl.int32), 0) - 1
             tl.store(out_row + pos, offs, mask=sel)
+            if TABLE:
+                bt_row, tab_row = _table_rows(n, out_row, slot_ptr, bt_ptr, bt_sn, tab_ptr, tab_sn, TABLE)
+                tl.store(tab_row + pos, entry_slots(bt_row, offs, sel, PAGE), mask=sel)
         if c == 0:
             _pad(out_row, width, k_eff, BLOCK_K)
+            _, tab_row = _table_rows(n, out_row, slot_ptr, bt_ptr, bt_sn, tab_ptr, tab_sn, TABLE)
+            _table_tail(n, tab_row, len_ptr, width, k_eff, BLOCK_K, TABLE)
     if c == 0:
         tl.store(ws_row + _WS_HI + tl.arange(0, 512), tl.zeros([512], dtype=tl.int32))
 
@@ -357,11 +374,13 @@ def _look_back(s_ptr, row_off, gt_slots, eq_slots, c, n_vis, thr, CHUNK: tl.cons
 
 @triton.jit
 def _publish_and_write(s_ptr, row_off, gt_slots, eq_slots, c, n_vis, thr, skip, gt, eq, offs, out_row,
-                       CHUNK: tl.constexpr, SPIN: tl.constexpr):
+                       bt_row, tab_row, CHUNK: tl.constexpr, SPIN: tl.constexpr, PAGE: tl.constexpr,
+                       TABLE: tl.constexpr):
     """Chunk c of a row (gt, eq: its keys > T and == T at the entries offs): publish both counts
     (with the _LINKED bit) in gt_slots[c] / eq_slots[c]; if the chunk holds any, take the counts of
     chunks 0..c-1 (`_look_back`) and write its selected indices at the offset they give (ascending;
-    the ties of rank >= skip in index order). A chunk with none publishes and is done."""
+    the ties of rank >= skip in index order), and with TABLE their slots through bt_row at the same
+    offsets of tab_row (`_table_rows`). A chunk with none publishes and is done."""
     n_gt = tl.sum(gt.to(tl.int32), 0)
     n_eq = tl.sum(eq.to(tl.int32), 0)
     tl.atomic_xchg(gt_slots + c, n_gt | _LINKED, sem="relaxed", scope="gpu")
@@ -374,6 +393,8 @@ def _publish_and_write(s_ptr, row_off, gt_slots, eq_slots, c, n_vis, thr, skip, 
             sel = gt | (eq & (base_eq + tl.cumsum(eq.to(tl.int32), 0) - 1 >= skip))
         pos = base_gt + tl.maximum(base_eq - skip, 0) + tl.cumsum(sel.to(tl.int32), 0) - 1
         tl.store(out_row + pos, offs, mask=sel)
+        if TABLE:
+            tl.store(tab_row + pos, entry_slots(bt_row, offs, sel, PAGE), mask=sel)
 
 
 @triton.jit
@@ -382,6 +403,28 @@ def _pad(out_row, width, k_eff, BLOCK_K: tl.constexpr):
     rk = tl.arange(0, BLOCK_K)
     for p in range(0, width, BLOCK_K):
         tl.store(out_row + p + rk, tl.full([BLOCK_K], -1, tl.int32), mask=(p + rk >= k_eff) & (p + rk < width))
+
+
+@triton.jit
+def _table_rows(n, out_row, slot_ptr, bt_ptr, bt_sn, tab_ptr, tab_sn, TABLE: tl.constexpr):
+    """(block-table row of row n's request, row n of the slot table): with TABLE, the rows the
+    write pass translates its indices through and into (`topk_ascending_`'s table); else out_row
+    twice, never read or written."""
+    bt_row = out_row
+    tab_row = out_row
+    if TABLE:
+        bt_row = bt_ptr + tl.load(slot_ptr + n) * bt_sn
+        tab_row = tab_ptr + n.to(tl.int64) * tab_sn
+    return bt_row, tab_row
+
+
+@triton.jit
+def _table_tail(n, tab_row, len_ptr, width, k_eff, BLOCK_K: tl.constexpr, TABLE: tl.constexpr):
+    """With TABLE, what one program of row n writes of its table: -1 past the k_eff selected slots
+    (where the top-k pads) and the row's length k_eff (`topk_slots_`'s count of valid entries)."""
+    if TABLE:
+        _pad(tab_row, width, k_eff, BLOCK_K)
+        tl.store(len_ptr + n, k_eff)
 
 
 @triton.jit
@@ -446,8 +489,9 @@ def _lo_select_kernel(s_ptr, nvis_ptr, ws_ptr, s_sn, K: tl.constexpr, CHUNK: tl.
 
 @triton.jit
 def _write_linked_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width,
+                         slot_ptr, bt_ptr, bt_sn, tab_ptr, tab_sn, len_ptr,
                          CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr, GUESS_SHIFT: tl.constexpr,
-                         SPIN: tl.constexpr):
+                         SPIN: tl.constexpr, PAGE: tl.constexpr, TABLE: tl.constexpr):
     """Linked top-k, pass 3 of 3: each program takes the row's next chunk c (a ticket: chunks are
     handed out in the order programs start), counts its keys > T and == T, publishes both counts
     (with the _LINKED bit) in the chunk's slots, then waits until chunks 0..c-1 have published
@@ -456,8 +500,10 @@ def _write_linked_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width,
     chunks whose tickets were taken before its own, by programs that were already running, and a
     program publishes before it waits, so each awaited count arrives whatever the scheduler does
     (no reliance on program-id order or on the whole grid being resident); a chunk with no key
-    >= T publishes and is done, without waiting. The ticket-0 program
-    pads with -1 and zeroes the histograms for the next call. The scores of the chunk the program
+    >= T publishes and is done, without waiting. With TABLE each program also writes the slots of
+    the indices it writes (`_table_rows`), at the same offsets. The ticket-0 program
+    pads with -1 (with TABLE also the table, and writes the row's length k_eff) and zeroes the
+    histograms for the next call. The scores of the chunk the program
     id names are loaded while the ticket is in flight (programs start about in id order, so the
     ticket usually names the same chunk); a program whose ticket names another reloads
     (GUESS_SHIFT: 0; tests shift the guess to take that path)."""
@@ -473,6 +519,7 @@ def _write_linked_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width,
     skip = tl.load(ws_row + _WS_SKIP)
     thr = tl.load(ws_row + _WS_THR)
     out_row = out_ptr + n.to(tl.int64) * out_sn
+    bt_row, tab_row = _table_rows(n, out_row, slot_ptr, bt_ptr, bt_sn, tab_ptr, tab_sn, TABLE)
     if k_eff > 0:
         if c != guess:
             offs = c * CHUNK + tl.arange(0, CHUNK)
@@ -480,9 +527,10 @@ def _write_linked_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width,
         gt = ok & (key > thr)
         eq = ok & (key == thr)
         _publish_and_write(s_ptr, n.to(tl.int64) * s_sn, ws_row + _WS_CHUNK_GT, ws_row + _WS_CHUNK_EQ, c, n_vis,
-                           thr, skip, gt, eq, offs, out_row, CHUNK, SPIN)
+                           thr, skip, gt, eq, offs, out_row, bt_row, tab_row, CHUNK, SPIN, PAGE, TABLE)
     if c == 0:
         _pad(out_row, width, k_eff, BLOCK_K)
+        _table_tail(n, tab_row, len_ptr, width, k_eff, BLOCK_K, TABLE)
         tl.store(ws_row + _WS_HI + tl.arange(0, 512), tl.zeros([512], dtype=tl.int32))
 
 
@@ -544,7 +592,7 @@ def _one_launch_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width, K:
         gt = ok & (key > thr)
         eq = ok & (key == thr)
         _publish_and_write(s_ptr, row_off, ws_row + _WS_ONE_GT, ws_row + _WS_ONE_EQ, c, n_vis, thr, skip, gt, eq,
-                           offs, out_row, CHUNK, SPIN)
+                           offs, out_row, out_row, out_row, CHUNK, SPIN, 1, False)
     if c == 0:
         _pad(out_row, width, k_eff, BLOCK_K)
     tl.debug_barrier()
@@ -636,7 +684,17 @@ def _validate(scores, n_vis, out, plan, out_dtype, out_name):
         raise ValueError("scores, n_vis, out and plan.ws must share a device")
 
 
-def _select(scores, n_vis, out, plan, mask_out, hist_ready=False):
+def _table_args(table, out, n_vis):
+    """The write kernels' table arguments (slot_ptr, bt_ptr, bt_sn, tab_ptr, tab_sn, len_ptr) and
+    (PAGE, TABLE) for `topk_ascending_`'s table (checked), or placeholders the kernels never touch."""
+    if table is None:
+        return (n_vis, out, 0, out, 0, n_vis), dict(PAGE=1, TABLE=False)
+    req_slot, block_table, page_size, table_out, lengths_out = table
+    return ((req_slot, block_table, block_table.stride(0), table_out, table_out.stride(0), lengths_out),
+            dict(PAGE=page_size, TABLE=True))
+
+
+def _select(scores, n_vis, out, plan, mask_out, hist_ready=False, table=None):
     """Launches 1-4 of the module docstring over the plan's group (the top-k: group 1); the first
     left out when the high-byte histogram is ready."""
     g = 1 if not mask_out else plan.group
@@ -653,11 +711,12 @@ def _select(scores, n_vis, out, plan, mask_out, hist_ready=False):
     _hist_lo_kernel[grid](*args, K=plan.k, GROUP=g, CHUNK=chunk, SCRATCH=scratch, num_warps=warps)
     _count_kernel[grid](*args, K=plan.k, GROUP=g, CHUNK=chunk, MASK_OUT=mask_out, SCRATCH=scratch,
                         num_warps=warps)
-    _write_kernel[grid](*args, GROUP=g, CHUNK=chunk, BLOCK_K=1024, MASK_OUT=mask_out, SCRATCH=scratch,
-                        num_warps=warps)
+    targs, tkw = _table_args(table, out, n_vis)
+    _write_kernel[grid](*args, *targs, GROUP=g, CHUNK=chunk, BLOCK_K=1024, MASK_OUT=mask_out, SCRATCH=scratch,
+                        num_warps=warps, **tkw)
 
 
-def _select_linked(scores, n_vis, out, plan, hist_ready, pdl):
+def _select_linked(scores, n_vis, out, plan, hist_ready, pdl, table=None):
     """The linked top-k: the high-byte histogram (unless ready), `_lo_select_kernel`,
     `_write_linked_kernel`; each launched with PDL when asked (it waits for its predecessor before
     its first access)."""
@@ -671,9 +730,10 @@ def _select_linked(scores, n_vis, out, plan, hist_ready, pdl):
                               GROUP=1, CHUNK=chunk, SCRATCH=False, PDL=pdl, num_warps=warps, **opt)
     _lo_select_kernel[grid](scores, n_vis, plan.ws, scores.stride(0), K=plan.k, CHUNK=chunk, PDL=pdl,
                             num_warps=warps, **opt)
-    _write_linked_kernel[grid](scores, n_vis, plan.ws, out, scores.stride(0), out.stride(0), out.shape[1],
+    targs, tkw = _table_args(table, out, n_vis)
+    _write_linked_kernel[grid](scores, n_vis, plan.ws, out, scores.stride(0), out.stride(0), out.shape[1], *targs,
                                CHUNK=chunk, BLOCK_K=1024, PDL=pdl, GUESS_SHIFT=_CHUNK_SHIFT, SPIN=_SPIN_LIMIT,
-                               num_warps=warps, **opt)
+                               num_warps=warps, **tkw, **opt)
 
 
 def _select_one_launch(scores, n_vis, out, plan, hist_ready):
@@ -695,7 +755,7 @@ def _select_one_launch(scores, n_vis, out, plan, hist_ready):
 
 def topk_ascending_(scores: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor, plan: TopKPlan, *,
                     hist_ready: bool = False, separate_count: bool | None = None, pdl: bool = False,
-                    one_launch: bool = False) -> torch.Tensor:
+                    one_launch: bool = False, table: tuple | None = None) -> torch.Tensor:
     """out[n] = indices of the min(k, n_vis[n]) largest scores[n, :n_vis[n]], ascending; entries scored
     -inf become -1; -1 padded to out's width. At equal scores the higher index wins (of the entries
     tied at the threshold, the highest-indexed are taken), as `reference.indexer.topk_ascending`.
@@ -724,6 +784,13 @@ def topk_ascending_(scores: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor
     beside the side lanes' kernels, it took 27.8 us a call at 1 row x 32K against 15.2 for the
     linked path's two launches (`bench step` timeline at 093cb80): programs that wait for each other
     lose when other kernels hold SMs.
+    table: None, or (req_slot, block_table, page_size, table_out, lengths_out) as
+    `sparse_tables.topk_slots_` takes them (req_slot [N] int64, block_table [R, P] int32,
+    page_size >= 1, table_out [N, k] int32, lengths_out [N] int32): the write pass also writes
+    table_out and lengths_out, bit for bit what `topk_slots_(out, req_slot, block_table, page_size,
+    table_out, lengths_out)` writes after it (each written index's slot through its request's
+    block-table row, -1 where out pads, each row's length = its selected count), so the sparse-index
+    table costs no launch of its own. Every path but one_launch (an error with it).
     Returns out.
     """
     _validate(scores, n_vis, out, plan, torch.int32, "out")
@@ -739,21 +806,33 @@ def topk_ascending_(scores: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor
     if pdl and not _pdl.supported(scores.device):
         raise ValueError(f"pdl: programmatic dependent launch needs sm_90 or later outside the interpreter "
                          f"(scores on {scores.device})")
+    if table is not None:
+        if not isinstance(table, tuple) or len(table) != 5:
+            raise TypeError("table must be None or a tuple (req_slot, block_table, page_size, table_out, "
+                            f"lengths_out), got {type(table).__name__}"
+                            + (f" of {len(table)}" if isinstance(table, tuple) else ""))
+        if one_launch:
+            raise ValueError("table: not with one_launch (its write pass has no table)")
+        require_slot_table(out.shape[0], out.shape[1], out.device, *table, prefix="table: ")
     if scores.shape[0] == 0:
         return out
     n_rows, n_cols = scores.shape
     if n_cols == 0:
         out.fill_(-1)
+        if table is not None:
+            table[3].fill_(-1)
+            table[4].zero_()
     elif n_cols <= _SMALL_MAX:
+        targs, tkw = _table_args(table, out, n_vis)
         _row_topk_kernel[(n_rows,)](scores, n_vis, plan.ws, out, scores.stride(0), out.stride(0), out.shape[1],
-                                    K=plan.k, BLOCK=_SMALL_BLOCK, BLOCK_K=1024, HIST_READY=hist_ready,
-                                    num_warps=_SMALL_WARPS)
+                                    *targs, K=plan.k, BLOCK=_SMALL_BLOCK, BLOCK_K=1024, HIST_READY=hist_ready,
+                                    num_warps=_SMALL_WARPS, **tkw)
     elif separate_count:
-        _select(scores, n_vis, out, plan, False, hist_ready)
+        _select(scores, n_vis, out, plan, False, hist_ready, table)
     elif one_launch:
         _select_one_launch(scores, n_vis, out, plan, hist_ready)
     else:
-        _select_linked(scores, n_vis, out, plan, hist_ready, pdl)
+        _select_linked(scores, n_vis, out, plan, hist_ready, pdl, table)
     return out
 
 

@@ -376,6 +376,81 @@ def test_topk_linked_64_rows_and_row_kernel_hist_ready(monkeypatch):
         assert int(plan.ws[:, :512].abs().sum()) == 0
 
 
+# ------------------------------------------------------------------ the sparse-index table in the write pass
+
+def _table_case(rows, entries, k, page, seed, device=_DEVICE):
+    """(req_slot [rows] int64, block_table [5, P] int32 of shuffled pages (P covers `entries`),
+    table_out [rows, k], lengths_out [rows], both int32 and full of 7777): `topk_ascending_`'s
+    table; rows share requests, not in order."""
+    g = torch.Generator().manual_seed(seed)
+    p = -(-entries // page)
+    bt = torch.randperm(5 * p, generator=g).to(torch.int32).reshape(5, p)
+    req = torch.tensor([(3 * i + 2) % 5 for i in range(rows)], dtype=torch.int64)
+    return (req.to(device), bt.to(device), page, torch.full((rows, k), 7777, dtype=torch.int32, device=device),
+            torch.full((rows,), 7777, dtype=torch.int32, device=device))
+
+
+def _check_table(out, table):
+    """table_out and lengths_out equal `topk_slots_` run on the top-k's out after it."""
+    from dsv41_decode.ops.sparse_tables import topk_slots_
+    req, bt, page, tab, lens = table
+    want, want_len = torch.empty_like(tab), torch.empty_like(lens)
+    topk_slots_(out, req, bt, page, want, want_len)
+    assert torch.equal(tab, want) and torch.equal(lens, want_len)
+
+
+@pytest.mark.parametrize("path,page", [("row", 16), ("four", 5), ("linked", 16), ("ready", 7)])
+def test_topk_table_equals_topk_slots(monkeypatch, path, page):
+    """table=: on the row kernel, the four-launch path, the linked path (two-chunk cap, every write
+    program's ticket naming another chunk than its first guess) and the linked path with hist_ready
+    and BF16 scores: the same indices as without the table (the reference's), and table_out /
+    lengths_out bit for bit `topk_slots_`'s on them: ties at the threshold across chunks, NaN, -inf,
+    n_vis 0 / 1 / < k, pages of 5-16 entries in shuffled block tables; six rows, then one alone."""
+    from dsv41_decode.ops import topk as topk_mod
+    monkeypatch.setattr(topk_mod, "_SMALL_MAX", 4096 if path == "row" else 0)
+    monkeypatch.setattr(topk_mod, "_SMALL_BLOCK", 128)
+    monkeypatch.setattr(topk_mod, "_CHUNK_SHIFT", 1)
+    monkeypatch.setattr(topk_mod, "_MAX_CHUNKS", 2 if path == "linked" else 1024)
+    k, entries = 64, 300
+    s = _edge_rows(entries, 51)
+    plan = TopKPlan.build(6, k, device=_DEVICE, chunk=64)
+    for rows, nv in ((6, [entries, 0, 1, 40, 65, 299]), (1, [entries])):
+        nv = torch.tensor(nv, dtype=torch.int32, device=_DEVICE)
+        x = s[:rows].bfloat16() if path == "ready" else s[:rows]
+        if path == "ready":
+            _add_hist(plan, x, nv)
+        table = _table_case(rows, entries, k, page, rows + page)
+        out = torch.full((rows, k), 5, dtype=torch.int32, device=_DEVICE)
+        topk_ascending_(x, nv, out, plan, hist_ready=path == "ready", separate_count=path == "four", table=table)
+        assert torch.equal(out, _ref_topk_nan(s[:rows], nv, k)), f"{rows} rows"
+        _check_table(out, table)
+        assert table[4].tolist() == [int((out[i] >= 0).sum()) for i in range(rows)]
+    assert int(plan.ws[:, :512].abs().sum()) == 0, "histograms left non-zero"
+
+
+def test_topk_table_zero_columns_and_bad_arguments():
+    """table= with no columns: all -1 and lengths 0; bad table arguments name the argument
+    (prefixed "table: "), and one_launch refuses it."""
+    plan = TopKPlan.build(3, 8, device="cpu")
+    s, nv, out = torch.empty(3, 0), torch.zeros(3, dtype=torch.int32), torch.empty(3, 8, dtype=torch.int32)
+    table = _table_case(3, 40, 8, 4, 0, "cpu")
+    topk_ascending_(s, nv, out, plan, table=table)
+    assert (table[3] == -1).all() and (table[4] == 0).all() and (out == -1).all()
+    s = torch.zeros(3, 40)
+    req, bt, page, tab, lens = table
+    for bad, exc, match in [((req.int(), bt, page, tab, lens), TypeError, "table: req_slot"),
+                            ((req, bt.long(), page, tab, lens), TypeError, "table: block_table"),
+                            ((req, bt[0], page, tab, lens), ValueError, "table: block_table must be a 2-D"),
+                            ((req, bt, 0, tab, lens), ValueError, "table: page_size"),
+                            ((req, bt, page, tab[:, :4], lens), ValueError, "table: out"),
+                            ((req, bt, page, tab, lens[:2]), ValueError, "table: lengths_out"),
+                            ((req, bt, page, tab), TypeError, "table must be None or a tuple")]:
+        with pytest.raises(exc, match=match):
+            topk_ascending_(s, nv, out, plan, table=bad)
+    with pytest.raises(ValueError, match="table: not with one_launch"):
+        topk_ascending_(s, nv, out, plan, table=table, one_launch=True)
+
+
 _GPU_LINKED_CASES = [(1, 32768), (4, 32768), (64, 32768), (1, 131072), (16, 131072), (64, 131072), (1, 1 << 20),
                      (16, 1 << 20), (64, 1 << 20), (2, (4 << 20) + 4099)]
 
