@@ -451,6 +451,36 @@ def test_topk_table_zero_columns_and_bad_arguments():
         topk_ascending_(s, nv, out, plan, table=table, one_launch=True)
 
 
+_GPU_TABLE_CASES = [(1, 32768), (4, 32768), (64, 32768), (1, 131072), (16, 131072), (1, 1 << 20), (4, 1 << 20),
+                    (64, 1 << 20)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,entries", _GPU_TABLE_CASES)
+def test_gpu_table_equals_topk_slots(rows, entries):
+    """table= at 1-64 rows x 32K-1M entries (tie-heavy scores with -inf and NaN, n_vis short and
+    < k on some rows, pages of 64 entries): on the linked path with and without hist_ready (FP32
+    and BF16 scores), with PDL, and on the four-launch path, three calls a plan: the indices
+    equal the top-k's without the table, and table_out / lengths_out equal `topk_slots_` after it,
+    bitwise (the linked write's chunks arrive in any order; each translates its own indices)."""
+    s, nv = _gpu_case(rows, entries, "few", rows * 13 + entries, (float("-inf"), float("nan")))
+    want = topk_ascending_(s, nv, torch.empty(rows, 512, dtype=torch.int32, device=_DEVICE),
+                           TopKPlan.build(rows, 512, 1, _DEVICE), separate_count=False)
+    configs = [(torch.float32, True, {}), (torch.bfloat16, True, {}), (torch.float32, False, {"separate_count": False}),
+               (torch.float32, True, {"pdl": True}), (torch.float32, False, {"separate_count": True})]
+    for dtype, ready, opts in configs:
+        plan = TopKPlan.build(rows, 512, 1, _DEVICE)
+        x = s.to(dtype)
+        for rep in range(3):
+            if ready:
+                plan.hist_hi[:rows] += key_high_histogram(x, nv)
+            table = _table_case(rows, entries, 512, 64, rep)
+            out = topk_ascending_(x, nv, torch.full_like(want, 5), plan, hist_ready=ready, table=table, **opts)
+            assert torch.equal(out, want), f"{dtype} hist_ready={ready} {opts}"
+            _check_table(out, table)
+        assert int(plan.ws[:, :512].abs().sum()) == 0, "histograms left non-zero"
+
+
 _GPU_LINKED_CASES = [(1, 32768), (4, 32768), (64, 32768), (1, 131072), (16, 131072), (64, 131072), (1, 1 << 20),
                      (16, 1 << 20), (64, 1 << 20), (2, (4 << 20) + 4099)]
 
