@@ -8,14 +8,18 @@ launches and `ready` its two with `hist_ready`. A scorer adds the histogram in i
 the graph copies a precomputed one into the plan before each call, so `ready` is that pair's time
 less the copy's alone (`copy`, printed once per case). `distinct`: how many different results 10
 runs of the linked path gave (1: deterministic); `same`: whether every path and dtype gave the
-four-launch path's bits. `mask` (with `--mask=1`): the candidate mask's time.
+four-launch path's bits. `mask` (with `--mask=1`): the candidate mask's time. With `--table=1`
+(FP32 scores, the first chunk/warps pair, pages of 64 entries): `+slots` the `ready` pair followed by
+`topk_slots_` (the sparse-index table as its own launch) and `+table` the `ready` pair writing the
+table itself (`table=`), both less the copy; `tsame`: whether both gave the same table and lengths
+(not with `--one=1`: the one-launch top-k has no table).
 
 Options: `--rows=1,4,16,64`, `--entries=32768,131072,1048576`, `--dist=randn` (or `randn,few`),
 `--chunks=4096` and `--warps=4` (lists: every pair is a plan for the linked columns; the four-launch
 path keeps chunk 4096, 4 warps), `--dtypes=fp32,bf16` (the linked columns' score dtypes; a column
 left out prints 0), `--pdl=0` (1: the linked launches with PDL), `--one=0` (1: the linked columns
 time the one-launch top-k, `one_launch=True`, instead; its chunk grows until the grid fits the
-SMs), `--mask=0`.
+SMs), `--mask=0`, `--table=0`.
 `--module=PATH` times another copy of the module's `topk_ascending_` / `candidate_mask_` in the
 `four` column instead (e.g. an earlier version written out with `git show
 REV:dsv41_decode/ops/topk.py > /tmp/topk_rev.py`). Prints; writes nothing. The default set runs in
@@ -31,6 +35,7 @@ import torch
 
 from dsv41_decode.bench.timing import graph_time_us
 from dsv41_decode.ops import topk
+from dsv41_decode.ops.sparse_tables import topk_slots_
 
 from _args import arg   # scripts/ is on sys.path when run as python scripts/<probe>.py
 
@@ -58,6 +63,34 @@ def _ints(name: str, default: str) -> list[int]:
     return [int(v) for v in arg(name, default).split(",")]
 
 
+def _table_columns(s, nv, idx, plan, h, one, t_copy, g) -> str:
+    """`+slots`, `+table` and `tsame` of the module docstring for FP32 scores s (plan: fresh-zeroed
+    histograms and counters, h: s's high-byte histogram)."""
+    rows, entries = s.shape
+    page = 64
+    pages = -(-entries // page)
+    bt = torch.randperm(rows * pages, generator=g, device="cuda").to(torch.int32).reshape(rows, pages)
+    req = torch.arange(rows, device="cuda").flip(0).contiguous()
+    tab = [torch.empty(rows, 512, dtype=torch.int32, device="cuda") for _ in range(2)]
+    lens = [torch.empty(rows, dtype=torch.int32, device="cuda") for _ in range(2)]
+
+    def slots():
+        plan.hist_hi[:rows].copy_(h)
+        topk.topk_ascending_(s, nv, idx, plan, hist_ready=True, **one)
+        topk_slots_(idx, req, bt, page, tab[0], lens[0])
+
+    def table():
+        plan.hist_hi[:rows].copy_(h)
+        topk.topk_ascending_(s, nv, idx, plan, hist_ready=True, table=(req, bt, page, tab[1], lens[1]), **one)
+
+    t_slots = graph_time_us(slots, replays=30) - t_copy
+    t_table = graph_time_us(table, replays=30) - t_copy
+    slots()
+    table()
+    same = torch.equal(tab[0], tab[1]) and torch.equal(lens[0], lens[1])
+    return f" {t_slots:7.2f} {t_table:7.2f} {'yes' if same else 'NO':>5s}"
+
+
 def main() -> None:
     alt = _module(arg("module", ""))
     rows_list = _ints("rows", "1,4,16,64")
@@ -68,11 +101,15 @@ def main() -> None:
     one = {"one_launch": True} if arg("one", "0") == "1" else {"pdl": pdl, "separate_count": False}
     dtypes = [{"fp32": torch.float32, "bf16": torch.bfloat16}[d] for d in arg("dtypes", "fp32,bf16").split(",")]
     with_mask = arg("mask", "0") == "1"
+    with_table = arg("table", "0") == "1"
+    if with_table and "one_launch" in one:
+        raise SystemExit("--table=1: not with --one=1 (the one-launch top-k has no table)")
     g = torch.Generator(device="cuda").manual_seed(0)
     print(f"four-launch column: {alt.__file__ if alt else 'separate_count=True'}; linked columns: {one}")
     print(f"{'dist':>5s} {'rows':>4s} {'entries':>8s} {'chunk':>5s} {'warps':>5s} {'four':>7s} {'copy':>6s} "
           f"{'fp32 linked':>11s} {'fp32 ready':>10s} {'bf16 linked':>11s} {'bf16 ready':>10s} {'distinct':>8s} "
-          f"{'same':>4s}" + (f" {'mask':>7s}" if with_mask else ""))
+          f"{'same':>4s}" + (f" {'mask':>7s}" if with_mask else "")
+          + (f" {'+slots':>7s} {'+table':>7s} {'tsame':>5s}" if with_table else ""))
     for dist in dists:
         for entries in entries_list:
             for rows in rows_list:
@@ -128,11 +165,13 @@ def main() -> None:
                     plan = topk.TopKPlan.build(rows, 512, 1, "cuda", chunk=chunk, warps=warps)
                     runs = {topk.topk_ascending_(s, nv, torch.empty_like(idx), plan, **one).cpu().numpy().tobytes()
                             for _ in range(10)}
+                    tab_cols = _table_columns(s, nv, idx, plan, hist[torch.float32], one, t_copy, g) \
+                        if with_table and (chunk, warps) == configs[0] else ""
                     print(f"{dist:>5s} {rows:4d} {entries:8d} {chunk:5d} {warps:5d} {t_four:7.2f} {t_copy:6.2f} "
                           f"{times[torch.float32, 'linked']:11.2f} {times[torch.float32, 'ready']:10.2f} "
                           f"{times[torch.bfloat16, 'linked']:11.2f} {times[torch.bfloat16, 'ready']:10.2f} "
-                          f"{len(runs):8d} {'yes' if same else 'NO':>4s}" + (f" {t_mask:7.2f}" if with_mask else ""),
-                          flush=True)
+                          f"{len(runs):8d} {'yes' if same else 'NO':>4s}" + (f" {t_mask:7.2f}" if with_mask else "")
+                          + tab_cols, flush=True)
                 del s, sb
 
 
