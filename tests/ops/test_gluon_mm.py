@@ -34,6 +34,7 @@ import torch
 from triton.experimental.gluon import language as gl
 
 from dsv41_decode.ops import gluon_mm as G
+from dsv41_decode.ops.index_query import index_query_
 from dsv41_decode.ops.kv_write import qkv_rope_insert_
 from dsv41_decode.ops.low_latency_mm import LowLatencyConfig, LowLatencyMM
 from dsv41_decode.reference.linear import mxfp8_mm
@@ -85,13 +86,14 @@ def _desc(block) -> str:
 
 
 def _compile(split: int, bt: int, out_f32: bool = False, config: G.GluonMMConfig = G.GluonMMConfig(),
-             rope: bool = False):
+             rope: bool = False, index_query: bool = False):
     opts = G.launch_options(config, bt, split)
     num_warps, maxnreg = opts.pop("num_warps"), opts.pop("maxnreg")
     types = {"w_desc": _desc([config.block_n, config.block_k]), "x_desc": _desc([bt, config.block_k]),
              "sx_ptr": "*i32", "sw_ptr": "*i32", "y_ptr": "*fp32" if out_f32 else "*bf16", "ws_ptr": "*fp32",
              "cnt_ptr": "*i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
-    return sm90.compile_sm90(G._gluon_mxfp8_mm_kernel, types, {**opts, "OUT_F32": out_f32, "ROPE": rope},
+    return sm90.compile_sm90(G._gluon_mxfp8_mm_kernel, types,
+                             {**opts, "OUT_F32": out_f32, "ROPE": rope, "INDEX_Q": index_query},
                              # as the launcher sees the real shapes: N and y's row stride multiples
                              # of 16 (the scale strides are not specialized)
                              divisible=[a for a in G._gluon_mxfp8_mm_kernel.arg_names
@@ -209,6 +211,44 @@ def test_rope_epilogue_compiles_for_sm90_without_spills(name, config, split, bt)
         assert ops.get("FFMA", 0) == plain.get("FFMA", 0), (ops.get("FFMA"), plain.get("FFMA"))
         assert ops.get("FMUL", 0) >= plain.get("FMUL", 0) + 4 and ops.get("LDG", 0) > plain.get("LDG", 0), \
             (ops, plain)
+
+
+# The indexer's wq_b at 32 and 64 index heads (the indexer is replicated under TP: no shards).
+INDEXER_WQ_B_SHAPES = [("indexer_wq_b", 4096, 1280), ("indexer_wq_b_64heads", 8192, 1280)]
+
+
+def _index_query_compile_cases() -> list[tuple[str, G.GluonMMConfig, int, int]]:
+    """(shape, config, split, bucket) of the index-query epilogue: the configs the indexer's wq_b
+    plans use on an H200 (split-K at both head counts), 32 heads' ("slot") at 8 rows, 64 heads'
+    ("pairs", as 32 heads' at 64 rows) at 64, and a persistent two-warpgroup one at its deepest
+    bucket (a tile is one head; the epilogue in the persistent consumer) (~1.5 s each)."""
+    cases = []
+    for (name, n, k), bt in zip(INDEXER_WQ_B_SHAPES, (8, 64)):
+        config = G.default_config(n, k)
+        split = G.split_bounds(config.split or G._default_split(n, k, H200_SMS, config.block_n, config.block_k),
+                               k, config.block_k)[1]
+        cases.append((name, config, split, bt))
+    wg2 = C(warpgroups=2, persistent=True)
+    return cases + [("indexer_wq_b", wg2, 2, _deepest_bucket(wg2))]
+
+
+@pytest.mark.parametrize("name,config,split,bt", _index_query_compile_cases(),
+                         ids=[f"{c[0]}-wg{c[1].warpgroups}-split{c[2]}-{c[3]}" for c in _index_query_compile_cases()])
+def test_index_query_epilogue_compiles_for_sm90_without_spills(name, config, split, bt):
+    # The index query in the epilogue keeps what the plain kernel shows (no spills, the residency's
+    # registers, its shared memory, 16-byte stores of y); against the plain compile: no FFMA added
+    # (the rotation's products and sums rounded one by one, the MXFP4 scaling a lone product), the
+    # rotation's FMULs, the cos/sin loads, and the MX block maximum (FMNMX) across the 4 threads
+    # that hold a 32-column block (SHFL); checked once, at 32 heads' 8 rows.
+    kernel = _compile(split, bt, config=config, index_query=True)
+    _check_sm90(kernel, config, bt, split)
+    if (name, bt) != ("indexer_wq_b", 8):
+        return
+    ops = sm90.opcode_counts([t for _, t in sm90.sass(kernel)])
+    plain = sm90.opcode_counts([t for _, t in sm90.sass(_compile(split, bt, config=config))])
+    assert ops.get("FFMA", 0) == plain.get("FFMA", 0), (ops.get("FFMA"), plain.get("FFMA"))
+    for op, more in (("FMUL", 4), ("LDG", 1), ("FMNMX", 1), ("SHFL", 1)):
+        assert ops.get(op, 0) >= plain.get(op, 0) + more, (op, ops.get(op), plain.get(op))
 
 
 def test_launch_table():
@@ -473,6 +513,78 @@ def test_rope_epilogue_bad_arguments_on_gpu():
         (lambda: plan(codes, sx, rope=(cos, sin.double())), "sin"),
         (lambda: plan(codes, sx, torch.empty(8, 512, device=DEVICE), rope=(cos, sin)), "bfloat16"),
         (lambda: odd(codes, sx, rope=(cos, sin)), "512"),
+    ]
+    for make, word in cases:
+        with pytest.raises((ValueError, TypeError), match=word):
+            make()
+
+
+def _gemm_then_index_query(plan: G.GluonMM, codes, sx, cos, sin) -> torch.Tensor:
+    """The unfused path: the plain GEMM, then `index_query_`'s iq (its head weights discarded), [M, N]."""
+    m, n = codes.shape[0], plan.n
+    y = plan(codes, sx, _poisoned(m, n))
+    iq = torch.empty(m, n // 128, 128, dtype=torch.bfloat16, device=DEVICE)
+    index_query_(y, torch.zeros(m, n // 128, device=DEVICE), cos, sin, 1.0, iq,
+                 torch.empty(m, n // 128, dtype=torch.bfloat16, device=DEVICE))
+    return iq.view(m, n)
+
+
+def _check_index_query_rows(plan: G.GluonMM, codes_all, sx_all, cos_all, sin_all, rows, what) -> None:
+    n = plan.n
+    tail = (torch.arange(n, device=DEVICE) % 128) >= 64
+    for m in rows:
+        codes, sx, cos, sin = codes_all[:m], sx_all[:m], cos_all[:m], sin_all[:m]
+        plain = plan(codes, sx, _poisoned(m, n))
+        want = _gemm_then_index_query(plan, codes, sx, cos, sin)
+        got = plan(codes, sx, _poisoned(m, n), index_query=(cos, sin))
+        assert not torch.isnan(got).any(), f"{what} M={m}: unwritten outputs"
+        assert bits_differ(got, want) == 0, f"{what} M={m}: {bits_differ(got, want)} differ from GEMM + index_query_"
+        assert bits_differ(got[:, tail], plain[:, tail]) > 0 and bits_differ(got[:, ~tail], plain[:, ~tail]) > 0, \
+            f"{what} M={m}: a half of the heads unchanged"
+        assert bits_differ(plan(codes, sx, _poisoned(m, n)), plain) == 0, f"{what} M={m}: plain bits moved"
+    assert int(plan._counters.abs().sum()) == 0, what
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,n,k", INDEXER_WQ_B_SHAPES, ids=[s[0] for s in INDEXER_WQ_B_SHAPES])
+def test_index_query_epilogue_matches_gemm_then_index_query_on_gpu(name, n, k):
+    # The step's plan for the indexer's wq_b (default_config: 2 splits at both head counts, the last
+    # arriver applying the epilogue), every row count 1..64: the bits of the GEMM followed by
+    # index_query_'s iq.
+    codes_all, sx_all, weight, w_scale = linear_operands(_gen(n + k + 3), 64, n, k)[2:]
+    cos_all, sin_all = rope_operands(_gen(n + 1), 64)
+    plan = G.GluonMM(weight, w_scale)
+    assert plan.config == G.default_config(n, k) and plan.split == 2, (plan.config, plan.split)
+    _check_index_query_rows(plan, codes_all, sx_all, cos_all, sin_all, range(1, 65), name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [C(split=1), C(mma="slot", split=4), C(warpgroups=2, persistent=True, split=2),
+                                    C(block_k=256, split=2, mma="slot", stages=3)],
+                         ids=["one-split", "slot-split4", "persistent-wg2-split2", "k256-split2"])
+def test_index_query_epilogue_in_variants_on_gpu(config):
+    # One split (the epilogue without the reduction), more splits, one head per tile in the
+    # persistent consumer, 256-deep slots: the same bits as GEMM + index_query_ at 32 heads.
+    name, n, k = INDEXER_WQ_B_SHAPES[0]
+    codes_all, sx_all, weight, w_scale = linear_operands(_gen(n + k + 3), 64, n, k)[2:]
+    cos_all, sin_all = rope_operands(_gen(5), 64)
+    plan = G.GluonMM(weight, w_scale, config=config)
+    _check_index_query_rows(plan, codes_all, sx_all, cos_all, sin_all, (1, 5, 8, 9, 16, 33, 64), str(config))
+
+
+@pytest.mark.gpu
+def test_index_query_epilogue_bad_arguments_on_gpu():
+    _, _, codes, sx, weight, w_scale = linear_operands(_gen(6), 8, 256, 256)
+    plan = G.GluonMM(weight, w_scale, max_rows=8)
+    cos, sin = rope_operands(_gen(1), 8)
+    odd = G.GluonMM(*linear_operands(_gen(7), 8, 192, 256)[4:], max_rows=8)
+    cases = [
+        (lambda: plan(codes, sx, index_query=cos), "index_query"),
+        (lambda: plan(codes, sx, index_query=(cos[:4], sin)), "cos"),
+        (lambda: plan(codes, sx, index_query=(cos, sin.double())), "sin"),
+        (lambda: plan(codes, sx, torch.empty(8, 256, device=DEVICE), index_query=(cos, sin)), "bfloat16"),
+        (lambda: plan(codes, sx, index_query=(cos, sin), rope=(cos, sin)), "index_query and rope"),
+        (lambda: odd(codes, sx, index_query=(cos, sin)), "index_query.*128"),
     ]
     for make, word in cases:
         with pytest.raises((ValueError, TypeError), match=word):
