@@ -391,8 +391,8 @@ def _index_query_tile(yb, off_n, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BN: 
     head * 128 + channel, dim 1: rows m; in `out_l`), as `index_query.index_query_tile` does in
     the Triton tier: each head's tail pairs (channels 64..127) of rows m < M rotated by cos/sin[m,
     channel / 2 - 32] (`_rope_pairs`), then each row's 32-column MX blocks MXFP4 quantized and
-    dequantized (`fp4.mx_quant_pairs`, `mx_dequant_pairs`), then BF16. BN a multiple of 32 (whole
-    blocks). Returns the tile in out_l."""
+    dequantized (`_mxfp4_fake_pairs`), then BF16. BN a multiple of 32 (whole blocks). Returns the
+    tile in out_l."""
     e, o = gl.split(gl.reshape(gl.permute(yb.to(gl.float32), [1, 0]), [BT, BN // 2, 2]))
     e, o = _rope_pairs(e, o, off_n, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BN, BT, 128, 64)
     # [BT, BN / 2] pairs as [blocks, 16]: a row's 16 consecutive pairs are one MX block
