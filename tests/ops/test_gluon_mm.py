@@ -564,12 +564,13 @@ def test_index_query_epilogue_matches_gemm_then_index_query_on_gpu(name, n, k):
                          ids=["one-split", "slot-split4", "persistent-wg2-split2", "k256-split2"])
 def test_index_query_epilogue_in_variants_on_gpu(config):
     # One split (the epilogue without the reduction), more splits, one head per tile in the
-    # persistent consumer, 256-deep slots: the same bits as GEMM + index_query_ at 32 heads.
+    # persistent consumer, 256-deep slots: the same bits as GEMM + index_query_ at 32 heads, in the
+    # smallest and the largest row bucket (their edges; two compiles a bucket).
     name, n, k = INDEXER_WQ_B_SHAPES[0]
     codes_all, sx_all, weight, w_scale = linear_operands(_gen(n + k + 3), 64, n, k)[2:]
     cos_all, sin_all = rope_operands(_gen(5), 64)
     plan = G.GluonMM(weight, w_scale, config=config)
-    _check_index_query_rows(plan, codes_all, sx_all, cos_all, sin_all, (1, 5, 8, 9, 16, 33, 64), str(config))
+    _check_index_query_rows(plan, codes_all, sx_all, cos_all, sin_all, (1, 5, 8, 33, 64), str(config))
 
 
 @pytest.mark.gpu
