@@ -350,7 +350,7 @@ def _rope_tile(yb, off_n, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BN: gl.cons
     cos/sin[m, i] exactly as `ops.kv_write`'s query RoPE does on the stored BF16 values: widened to
     FP32, re = e c - o s and im = e s + o c with each product and sum rounded to nearest in FP32
     (libdevice mul_rn / add_rn / sub_rn: never contracted into an FMA, whatever the launch's
-    fp-fusion), then rounded to BF16 (nearest even). The pairs are split in registers (out_l gives
+    fp-fusion; subnormals kept: `launch_options`), then rounded to BF16 (nearest even). The pairs are split in registers (out_l gives
     each thread 8 consecutive columns). Other columns, and rows past M, pass unchanged; returns
     the tile in out_l."""
     e, o = gl.split(gl.reshape(gl.permute(yb.to(gl.float32), [1, 0]), [BT, BN // 2, 2]))
@@ -366,8 +366,9 @@ def _rope_pairs(e, o, off_n, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BN: gl.c
     FP32 holding BF16 values) rotated where the column's channel in its head of HEAD, c, is at
     least FIRST, by row m's cos/sin[m, (c - FIRST) / 2]: re = e c - o s and im = e s + o c, each
     product and sum rounded to nearest in FP32 (libdevice mul_rn / add_rn / sub_rn: never
-    contracted into an FMA, whatever the launch's fp-fusion), then to BF16 (nearest even); other
-    pairs, and rows past M, pass unchanged. The RoPE of both epilogues (`_rope_tile`: queries,
+    contracted into an FMA, whatever the launch's fp-fusion; subnormals kept, the launch's
+    `enable_reflect_ftz=False`), then to BF16 (nearest even); other pairs, and rows past M, pass
+    unchanged. The RoPE of both epilogues (`_rope_tile`: queries,
     heads of 512 rotated from 448; `_index_query_tile`: index queries, heads of 128 from 64)."""
     pair_l: gl.constexpr = e.type.layout
     p = gl.arange(0, BN // 2, layout=gl.SliceLayout(0, pair_l))
@@ -738,9 +739,11 @@ def launch_options(config: GluonMMConfig, block_t: int, split: int) -> dict:
     """The kernel's constexpr arguments and launch options for `config` at row bucket `block_t` and
     `split` K splits (the plan's launch and the sm_90 compile test share them)."""
     mode, cap = launch_mode(config, block_t)
+    # enable_reflect_ftz=False: libdevice's mul_rn / add_rn / sub_rn (the epilogues' rotation) keep
+    # FP32 subnormals, as index_query_ and query_rope_ do (Triton's default flushes them to zero)
     return {"SPLIT_K": split > 1, "BT": block_t, "STAGES": config.stages, "MMA": mode,
             "PERSISTENT": config.persistent, "RETILED": config.retile, "num_warps": 4 * config.warpgroups,
-            "maxnreg": cap}
+            "maxnreg": cap, "enable_reflect_ftz": False}
 
 
 def resident_ctas(config: GluonMMConfig, block_t: int) -> int:

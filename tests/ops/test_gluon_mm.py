@@ -28,6 +28,7 @@ one output element; the GPU test is what confirms it.
 """
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -88,7 +89,7 @@ def _desc(block) -> str:
 def _compile(split: int, bt: int, out_f32: bool = False, config: G.GluonMMConfig = G.GluonMMConfig(),
              rope: bool = False, index_query: bool = False):
     opts = G.launch_options(config, bt, split)
-    num_warps, maxnreg = opts.pop("num_warps"), opts.pop("maxnreg")
+    num_warps, maxnreg, ftz = opts.pop("num_warps"), opts.pop("maxnreg"), opts.pop("enable_reflect_ftz")
     types = {"w_desc": _desc([config.block_n, config.block_k]), "x_desc": _desc([bt, config.block_k]),
              "sx_ptr": "*i32", "sw_ptr": "*i32", "y_ptr": "*fp32" if out_f32 else "*bf16", "ws_ptr": "*fp32",
              "cnt_ptr": "*i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
@@ -98,7 +99,13 @@ def _compile(split: int, bt: int, out_f32: bool = False, config: G.GluonMMConfig
                              # of 16 (the scale strides are not specialized)
                              divisible=[a for a in G._gluon_mxfp8_mm_kernel.arg_names
                                         if a.endswith("_ptr") or a in ("N", "stride_ym")],
-                             num_warps=num_warps, maxnreg=maxnreg)
+                             num_warps=num_warps, maxnreg=maxnreg, enable_reflect_ftz=ftz)
+
+
+def _flushes_subnormals(kernel) -> bool:
+    """Whether the compiled kernel's PTX has an FP32 multiply, add or subtract that flushes
+    subnormals to zero (libdevice's _rn operations under Triton's default reflect-FTZ)."""
+    return re.search(r"\b(mul|add|sub|fma)\.rn\.ftz\.f32\b", kernel.asm["ptx"]) is not None
 
 
 def _check_sm90(kernel, config: G.GluonMMConfig, bt: int, split: int):
@@ -205,6 +212,7 @@ def test_rope_epilogue_compiles_for_sm90_without_spills(name, config, split, bt)
     # promotions' exact scale-and-add): checked once, against the plain compile, at wq_b's 8 rows.
     kernel = _compile(split, bt, config=config, rope=True)
     _check_sm90(kernel, config, bt, split)
+    assert not _flushes_subnormals(kernel), "the rotation flushes FP32 subnormals (query_rope_ keeps them)"
     if (name, bt) == ("wq_b", 8):
         ops = sm90.opcode_counts([t for _, t in sm90.sass(kernel)])
         plain = sm90.opcode_counts([t for _, t in sm90.sass(_compile(split, bt, config=config))])
@@ -242,6 +250,7 @@ def test_index_query_epilogue_compiles_for_sm90_without_spills(name, config, spl
     # that hold a 32-column block (SHFL); checked once, at 32 heads' 8 rows.
     kernel = _compile(split, bt, config=config, index_query=True)
     _check_sm90(kernel, config, bt, split)
+    assert not _flushes_subnormals(kernel), "the rotation flushes FP32 subnormals (index_query_ keeps them)"
     if (name, bt) != ("indexer_wq_b", 8):
         return
     ops = sm90.opcode_counts([t for _, t in sm90.sass(kernel)])
