@@ -11,6 +11,12 @@ whole layer of slack) at `PRIORITY_SLACK`, the lowest. A captured kernel keeps i
 block scheduler gives the SMs to the critical chain first. On an H200 (32K, graph replay) the step
 took 3.82 / 4.27 / 5.25 / 10.21 ms at 1 / 8 / 16 / 64 rows this way against 3.96 / 4.40 / 5.54 /
 10.46 with every stream at the default priority, with the same bits.
+
+An invariant the schedule keeps: no kernel on a side lane waits for other programs of its own
+launch. The sparse MLA's configurations at 1-16 rows (the spread combination) and the one-launch
+top-k do, and count on every program of the launch becoming resident; beside side-lane kernels
+that finish on their own they are only delayed, beside another waiting kernel both could stall
+until their bounded waits give up.
 """
 
 from __future__ import annotations

@@ -61,8 +61,9 @@ What Gluon gives here that `tl.dot` does not (docs/notes-low-latency-mm.md, "Wha
   to the BF16-rounded tile: RoPE on each head's channels 64..127 (`_rope_pairs`, as above), then
   MXFP4 quantize-dequantize per 32-channel block (`_mxfp4_fake_pairs`: `fp4.mx_quant_pairs`'s and
   `mx_dequant_pairs`' bit rules, power-of-two products, nothing to contract), so the separate `index_query_`
-  launch leaves the indexer's chain (its w half stays there) with the same bits. A tile of 64
-  weight rows is half a head (two MX blocks, rotated in the second half), of 128 one head.
+  launch leaves the indexer's chain (its w half: `ll_bf16_(..., scale=)`) with the same bits. A
+  tile of 64 weight rows is half a head (two MX blocks; channels 0..63 pass the rotation
+  unchanged, 64..127 are rotated), of 128 one head.
 
 With the same K split bounds the kernel adds the same FP32 values in the same order as
 `low_latency_mm`'s FP8 loop, whatever the config's MMA mode, warpgroups, slot depth, ring and

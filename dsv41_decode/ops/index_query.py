@@ -8,8 +8,9 @@ linear (their FP32 sums come from `low_latency_mm` and `ll_bf16`). Bit-exact: Ro
 complex multiply without FMA contraction (`kv_write.rope_pairs`), MXFP4 by `fp4.mx_quant_pairs`
 and its exact dequantization, the weight scale rounded as torch rounds a BF16 tensor times a float.
 
-`index_query_tile` is the iq half on a GEMM's output tile: the epilogue of the indexer's wq_b
-(`LowLatencyMM(..., index_query=)`, `GluonMM(..., index_query=)`), the same bits.
+`index_query_tile` is the iq half on a GEMM's output tile: the epilogue of the indexer's wq_b in
+the Triton tier (`LowLatencyMM(..., index_query=)`; the Gluon tier has its own port,
+`gluon_mm._index_query_tile`), the same bits.
 """
 
 from __future__ import annotations
