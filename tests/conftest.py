@@ -22,3 +22,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# Triton's interpreter patches triton.language's builtins while it runs a kernel, and after some
+# kernels (those whose helpers use static_range, range, multiple_of, ... from another module) it
+# leaves six of them patched (range, static_range, static_assert, multiple_of, max_contiguous,
+# max_constancy); an sm_90 compile later in the same process (the Gluon kernels' tests) then
+# traces its loops with the interpreter's objects and fails. Which tests share a process depends
+# on the order and on pytest-xdist's split, so every test ends with the modules as imported.
+import triton.language as _tl  # noqa: E402
+
+_LANGUAGE_AS_IMPORTED = [(module, dict(vars(module))) for module in (_tl, _tl.core)]
+
+
+@pytest.fixture(autouse=True)
+def _triton_language_as_imported():
+    yield
+    for module, names in _LANGUAGE_AS_IMPORTED:
+        now = vars(module)
+        for name, value in names.items():
+            if now.get(name) is not value:
+                setattr(module, name, value)
