@@ -195,7 +195,8 @@ class AttentionStep:
 
     def __init__(self, layer: AttentionLayer, state: DecodeState, meta: StepMeta, scratch: Scratch,
                  lanes: Lanes, max_rows: int, sources: Mapping[int, "AttentionStep"] | None = None,
-                 wo_a_fp8: bool = False, exact_linears: bool = False, fp32_dots: bool = False):
+                 wo_a_fp8: bool = False, exact_linears: bool = False, fp32_dots: bool = False,
+                 fold_index_chain: bool = False):
         """sources: the step's layers built before this one (by id), among them this layer's index and
         KV sources: a layer that reuses a selection or a candidate pool reads its source's buffers.
         The layer's own selection and candidate pool (when it makes them) are its attributes
@@ -268,6 +269,13 @@ class AttentionStep:
         sel_rows = tp * -(-max_rows // tp) if self.row_shardable else max_rows
         if spec.runs_indexer:
             self.mm_idx_wq_b = _fp8_plan(w, "indexer.wq_b", max_rows, exact_linears)
+            # fold_index_chain: the index query's RoPE + MXFP4 in the indexer wq_b's epilogue and its
+            # head weights in weights_proj's (the Gluon and Triton tiers; the exact linears keep
+            # `index_query_` after both), the sparse-index table in the top-k's last launch; the
+            # same bits either way
+            self.fold_index_chain = bool(fold_index_chain)
+            self.index_query_in_gemm = self.fold_index_chain and isinstance(self.mm_idx_wq_b, (GluonMM, LowLatencyMM))
+            self.index_scale = cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5
             self.w_proj = w["attn.indexer.weights_proj.weight"]
             self.proj_plan = LlBf16Plan.build(cfg.index_n_heads, cfg.dim, max_rows, self.w_proj.dtype, dev, **wide)
             self.topk_plan = TopKPlan.build(max_rows, cfg.index_topk, 1, dev)
@@ -348,7 +356,9 @@ class AttentionStep:
         if spec.runs_indexer:     # on the index query's lane, which reads it next (a critical lane)
             with lanes.side(AUX_INDEX_Q):
                 lanes.wait(start)
-                if own.stop > own.start:
+                if own.stop > own.start and self.index_query_in_gemm:     # the head weights w
+                    ll_bf16_(self.proj_plan, u[own], self.w_proj, s.iw[own], scale=self.index_scale)
+                elif own.stop > own.start:
                     ll_bf16_(self.proj_plan, u[own], self.w_proj, s.wproj[own])
         ql = cfg.q_lora_rank
         m, r = self.meta, spec.ratio     # one launch: q_norm (+ MXFP8), kv_norm + the window insert
@@ -368,10 +378,14 @@ class AttentionStep:
         if spec.runs_indexer:
             with lanes.side(AUX_INDEX_Q):
                 lanes.wait(qr_ready)
-                if own.stop > own.start:
+                n_own = own.stop - own.start
+                if n_own and self.index_query_in_gemm:              # iq from the GEMM's epilogue
+                    self.mm_idx_wq_b(s.qr_codes[own], s.qr_scales[own], s.iq[own].view(n_own, -1),
+                                     index_query=(m.cos[r][own], m.sin[r][own]))
+                elif n_own:
                     self.mm_idx_wq_b(s.qr_codes[own], s.qr_scales[own], s.iq_raw[own])
-                    index_query_(s.iq_raw[own], s.wproj[own], m.cos[r][own], m.sin[r][own],
-                                 cfg.index_head_dim ** -0.5 * cfg.index_n_heads ** -0.5, s.iq[own], s.iw[own])
+                    index_query_(s.iq_raw[own], s.wproj[own], m.cos[r][own], m.sin[r][own], self.index_scale,
+                                 s.iq[own], s.iw[own])
                 iq_ready = lanes.mark()                       # protects iq, iw
         if spec.owns_compressor:
             with lanes.side(AUX_COMPRESSOR):
@@ -398,9 +412,10 @@ class AttentionStep:
         return iq_ready
 
     def _select(self, B: int, iq_ready, events: StepEvents) -> None:
-        """The indexer (main): scores over the visible entries (or the candidate pool), top-k; the
-        candidate pool (lane 1, a candidate source) and the sparse-index table (lane 2) follow
-        on the side, their events left in `events`."""
+        """The indexer (main): scores over the visible entries (or the candidate pool), top-k (with
+        fold_index_chain and no forced selection, the sparse-index table in its last launch, else
+        after it on lane 2); the candidate pool (lane 1, a candidate source) follows on the side;
+        the events in `events`."""
         cfg, spec, s, m, lanes = self.cfg, self.spec, self.s, self.meta, self.lanes
         st, L, r = self.state, spec.layer, spec.ratio
         lanes.wait(iq_ready, events.candidates)               # the expansion still reads the scores
@@ -413,16 +428,23 @@ class AttentionStep:
         ready = index_scores_launch(s.iq[:B], s.iw[:B], st.index_keys[spec.kv_source], st.block_table[r],
                                     st.page_size, m.kernel_slot[:B], n_vis, scores, cand,
                                     hist=self.topk_plan.hist_hi[:B])
-        topk_ascending_(scores, n_vis, sel.topk[:B], self.topk_plan, hist_ready=ready)
-        if self.forced_topk is not None:
-            sel.topk[:B].copy_(self.forced_topk[:B])
+        if self.fold_index_chain and self.forced_topk is None:   # the table by the top-k's last launch
+            topk_ascending_(scores, n_vis, sel.topk[:B], self.topk_plan, hist_ready=ready,
+                            table=(m.kernel_slot[:B], st.block_table[r], st.page_size, sel.table[:B],
+                                   sel.lengths[:B]))
+            events.tables[spec.layer] = lanes.mark()          # protects sel.table
+        else:
+            topk_ascending_(scores, n_vis, sel.topk[:B], self.topk_plan, hist_ready=ready)
+            if self.forced_topk is not None:
+                sel.topk[:B].copy_(self.forced_topk[:B])
         if spec.candidate_role == "source":
             scored = lanes.mark()                             # protects scores (read by the expansion)
             with lanes.side(AUX_MIXER):
                 lanes.wait(scored)
                 candidate_mask_(scores, n_vis, self.candidate_mask[:B, :width], self.cand_plan)
                 events.candidates = lanes.mark()              # protects the candidate mask, frees scores
-        self._tables(B, events)
+        if not self.fold_index_chain or self.forced_topk is not None:
+            self._tables(B, events)
 
     def _select_shared(self, B: int, part: tuple[int, int, int], iq_ready, events: StepEvents) -> None:
         """The row-sharded dense indexer (main): scores, top-k and (a candidate source) candidate

@@ -102,6 +102,11 @@ class DecodeStep:
         round-to-nearest sums, where the default's BF16 / TF32 tensor-core dots truncate; spec
         decision 40): their outputs then differ from the reference's only by FP32 summation order.
         With both, `trace verify --path step --device cuda` passes the official cases.
+    fold_index_chain: two launches off the indexer layers' chain - the index query's RoPE and MXFP4
+        in the indexer wq_b's epilogue with its head weights in weights_proj's (`GluonMM` /
+        `LowLatencyMM(..., index_query=)`, `ll_bf16_(..., scale=)`; the exact linears keep
+        `index_query_`), and the sparse-index table in the top-k's last launch
+        (`topk_ascending_(..., table=)`); the same bits. Off by default until timed on a GPU.
 
     Errors: StepError for buckets outside 1..LOW_BATCH_MAX_ROWS or past the state's stage_rows, a
     state of another configuration, or an unknown tp_boundary; `NotEligible` for a layer whose
@@ -114,7 +119,7 @@ class DecodeStep:
 
     def __init__(self, stack, state: DecodeState, *, max_rows: int = 16, buckets: Sequence[int] | None = None,
                  graphs: bool = True, overlap: bool = True, tp_boundary: str = "auto", wo_a_fp8: bool = False,
-                 exact_linears: bool = False, fp32_dots: bool = False):
+                 exact_linears: bool = False, fp32_dots: bool = False, fold_index_chain: bool = False):
         if buckets is None:
             buckets = tuple(b for b in DEFAULT_BUCKETS if b < max_rows) + (max_rows,)
         buckets = tuple(sorted(set(buckets)))
@@ -144,7 +149,7 @@ class DecodeStep:
         for i in stack.ids:                       # ascending: a layer's sources are built before it
             self.layers[i] = AttentionStep(stack.layers[i], state, self.meta, self.scratch, self.lanes, B,
                                            self.layers, wo_a_fp8=wo_a_fp8, exact_linears=exact_linears,
-                                           fp32_dots=fp32_dots)
+                                           fp32_dots=fp32_dots, fold_index_chain=fold_index_chain)
         self.scratch.workspaces.seal()           # every plan has its view; the graphs take the addresses
         mailbox = None
         if tp_boundary != "collective" and stack.tp.tp > 1 and dev.type == "cuda":

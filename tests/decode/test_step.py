@@ -141,6 +141,34 @@ def test_bookkeeping_free_and_admit(cpu_setup):
 
 
 @interpreter
+def test_fold_index_chain_gives_the_same_bits(cpu_setup):
+    """fold_index_chain (the index query in the indexer wq_b's epilogue, the head weights in
+    weights_proj's, the sparse-index table in the top-k's last launch): two steps give the unfolded
+    step's outputs, selections, sparse-index tables and caches bit for bit. Layers 1, 3, 4 (both
+    ratios, the candidate source and its Reindex consumer)."""
+    cfg, _, base, ckpt = cpu_setup
+    stack = AttentionStack(ckpt, [1, 3, 4])
+    states = [copy.deepcopy(base) for _ in range(2)]
+    steps = [stack.decode_step(st, max_rows=4, fold_index_chain=fold) for st, fold in zip(states, (False, True))]
+    indexers = [i for i in stack.ids if steps[1].layers[i].spec.runs_indexer]
+    assert indexers and all(steps[1].layers[i].index_query_in_gemm for i in indexers)
+    assert not any(steps[0].layers[i].index_query_in_gemm for i in indexers)
+    g = torch.Generator().manual_seed(3)
+    for rows in ([("a", 1), ("b", 2)], [("c", 1), ("a", 1), ("b", 1)]):
+        x = streams(sum(c for _, c in rows), cfg, g)
+        (out0, pre0), (out1, pre1) = (step(x, rows) for step in steps)
+        assert torch.equal(out0, out1) and torch.equal(pre0, pre1)
+        for i in indexers:
+            a, b = steps[0].layers[i].selection, steps[1].layers[i].selection
+            n = sum(c for _, c in rows)
+            for name in ("topk", "table", "lengths"):
+                assert torch.equal(getattr(a, name)[:n], getattr(b, name)[:n]), (i, name)
+    for cache in ("window", "compressed", "index_keys"):
+        for L, t in getattr(states[0], cache).items():
+            assert torch.equal(t, getattr(states[1], cache)[L]), (cache, L)
+
+
+@interpreter
 def test_memory_bytes_counts_the_layers_copies_and_workspaces(cpu_setup):
     """DecodeStep.memory_bytes: every family; per layer at least the fused wq_a|wkv copy; the
     stack's weights are not counted (an FP8 wo_a quantized at build adds exactly its codes and

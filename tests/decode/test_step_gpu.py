@@ -172,7 +172,8 @@ def test_gpu_long_run_vs_generic(gpu_setup):
 # ("graph") and must give its bits and state. "graph_again": two runs repeat; "eager": graph ==
 # eager; "no_overlap": every lane on the main stream (a missing event between lanes would show as
 # a difference between the two).
-SAME_BITS = {"graph_again": {}, "eager": dict(graphs=False), "no_overlap": dict(overlap=False)}
+SAME_BITS = {"graph_again": {}, "eager": dict(graphs=False), "no_overlap": dict(overlap=False),
+             "fold_index_chain": dict(fold_index_chain=True)}
 
 
 @pytest.fixture(scope="module")
