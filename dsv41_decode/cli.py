@@ -233,7 +233,7 @@ def _parser() -> argparse.ArgumentParser:
                     "(default: 1)")
     st.add_argument("--name", default="step", help="results file stem (default: step)")
     st.add_argument("--variants", default=None, help="step variants timed next to the default one, comma-separated "
-                    "of no_overlap, wo_a_fp8, exact_linears, exact (bench.step.VARIANTS; default: "
+                    "of no_overlap, wo_a_fp8, exact_linears, exact, fold_index_chain (bench.step.VARIANTS; default: "
                     "no_overlap,wo_a_fp8)")
     st.add_argument("--out", type=Path, default=Path("out"), help="results folder (default: out/, git-ignored; --out docs/results for the canonical set)")
     _common(st)

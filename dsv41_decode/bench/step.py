@@ -110,6 +110,7 @@ VARIANTS = {
     "wo_a_fp8": dict(wo_a_fp8=True),
     "exact_linears": dict(exact_linears=True),
     "exact": dict(exact_linears=True, fp32_dots=True),
+    "fold_index_chain": dict(fold_index_chain=True),
 }
 DEFAULT_VARIANTS = ("no_overlap", "wo_a_fp8")
 
