@@ -203,22 +203,19 @@ def _rope_compile_cases() -> list[tuple[str, G.GluonMMConfig, int, int]]:
     return cases
 
 
-@pytest.mark.parametrize("name,config,split,bt", _rope_compile_cases(),
-                         ids=[f"{c[0]}-split{c[2]}-{c[3]}" for c in _rope_compile_cases()])
-def test_rope_epilogue_compiles_for_sm90_without_spills(name, config, split, bt):
-    # The query RoPE in the epilogue keeps what the plain kernel shows (no spills, the residency's
-    # registers, its shared memory, 16-byte stores of y). Its rotation rounds every product and sum
-    # on its own (FMUL, FADD: libdevice's _rn operations), so it adds no FFMA to the kernel's (the
-    # promotions' exact scale-and-add): checked once, against the plain compile, at wq_b's 8 rows.
-    kernel = _compile(split, bt, config=config, rope=True)
+def _check_epilogue(kernel, config: G.GluonMMConfig, bt: int, split: int, against_plain: bool):
+    """What an epilogue's sm_90 compile must show: `_check_sm90`'s, no FP32 op that flushes
+    subnormals (the launches it replaces keep them); with against_plain, no FFMA beyond the plain
+    compile's (every product and sum of the epilogue rounded on its own) and the opcode counts of
+    both (kernel, plain) for the caller's own checks, else None."""
     _check_sm90(kernel, config, bt, split)
-    assert not _flushes_subnormals(kernel), "the rotation flushes FP32 subnormals (query_rope_ keeps them)"
-    if (name, bt) == ("wq_b", 8):
-        ops = sm90.opcode_counts([t for _, t in sm90.sass(kernel)])
-        plain = sm90.opcode_counts([t for _, t in sm90.sass(_compile(split, bt, config=config))])
-        assert ops.get("FFMA", 0) == plain.get("FFMA", 0), (ops.get("FFMA"), plain.get("FFMA"))
-        assert ops.get("FMUL", 0) >= plain.get("FMUL", 0) + 4 and ops.get("LDG", 0) > plain.get("LDG", 0), \
-            (ops, plain)
+    assert not _flushes_subnormals(kernel), "the epilogue flushes FP32 subnormals"
+    if not against_plain:
+        return None
+    ops = sm90.opcode_counts([t for _, t in sm90.sass(kernel)])
+    plain = sm90.opcode_counts([t for _, t in sm90.sass(_compile(split, bt, config=config))])
+    assert ops.get("FFMA", 0) == plain.get("FFMA", 0), (ops.get("FFMA"), plain.get("FFMA"))
+    return ops, plain
 
 
 # The indexer's wq_b at 32 and 64 index heads (the indexer is replicated under TP: no shards).
@@ -240,24 +237,31 @@ def _index_query_compile_cases() -> list[tuple[str, G.GluonMMConfig, int, int]]:
     return cases + [("indexer_wq_b", wg2, 2, _deepest_bucket(wg2))]
 
 
-@pytest.mark.parametrize("name,config,split,bt", _index_query_compile_cases(),
-                         ids=[f"{c[0]}-wg{c[1].warpgroups}-split{c[2]}-{c[3]}" for c in _index_query_compile_cases()])
-def test_index_query_epilogue_compiles_for_sm90_without_spills(name, config, split, bt):
-    # The index query in the epilogue keeps what the plain kernel shows (no spills, the residency's
-    # registers, its shared memory, 16-byte stores of y); against the plain compile: no FFMA added
-    # (the rotation's products and sums rounded one by one, the MXFP4 scaling a lone product), the
-    # rotation's FMULs, the cos/sin loads, and the MX block maximum (FMNMX) across the 4 threads
-    # that hold a 32-column block (SHFL); checked once, at 32 heads' 8 rows.
-    kernel = _compile(split, bt, config=config, index_query=True)
-    _check_sm90(kernel, config, bt, split)
-    assert not _flushes_subnormals(kernel), "the rotation flushes FP32 subnormals (index_query_ keeps them)"
-    if (name, bt) != ("indexer_wq_b", 8):
-        return
-    ops = sm90.opcode_counts([t for _, t in sm90.sass(kernel)])
-    plain = sm90.opcode_counts([t for _, t in sm90.sass(_compile(split, bt, config=config))])
-    assert ops.get("FFMA", 0) == plain.get("FFMA", 0), (ops.get("FFMA"), plain.get("FFMA"))
-    for op, more in (("FMUL", 4), ("LDG", 1), ("FMNMX", 1), ("SHFL", 1)):
-        assert ops.get(op, 0) >= plain.get(op, 0) + more, (op, ops.get(op), plain.get(op))
+# (epilogue, shape, config, split, bucket); per epilogue the shape and bucket compared with the plain
+# compile, and the opcodes it must add there: the rotation's FMULs and the cos/sin loads, and for the
+# index query the MX block maximum (FMNMX) across the 4 threads that hold a 32-column block (SHFL)
+_EPILOGUE_CASES = ([("rope", *c) for c in _rope_compile_cases()]
+                   + [("index_query", *c) for c in _index_query_compile_cases()])
+_EPILOGUE_AGAINST_PLAIN = {"rope": (("wq_b", 8), (("FMUL", 4), ("LDG", 1))),
+                           "index_query": (("indexer_wq_b", 8), (("FMUL", 4), ("LDG", 1), ("FMNMX", 1), ("SHFL", 1)))}
+
+
+@pytest.mark.parametrize("epilogue,name,config,split,bt", _EPILOGUE_CASES,
+                         ids=[f"{c[0]}-{c[1]}-wg{c[2].warpgroups}-split{c[3]}-{c[4]}" for c in _EPILOGUE_CASES])
+def test_epilogues_compile_for_sm90_without_spills(epilogue, name, config, split, bt):
+    # The query RoPE (wq_b) and the index query (the indexer's wq_b) in the epilogue keep what the
+    # plain kernel shows (no spills, the residency's registers, its shared memory, 16-byte stores of
+    # y) and FP32 subnormals; their rotations round every product and sum on their own (FMUL, FADD:
+    # libdevice's _rn operations) and the MXFP4 scaling is a lone product, so against the plain
+    # compile (once per epilogue) no FFMA is added to the kernel's (the promotions' exact
+    # scale-and-add), and the epilogue's own opcodes are there.
+    where, more = _EPILOGUE_AGAINST_PLAIN[epilogue]
+    counts = _check_epilogue(_compile(split, bt, config=config, **{epilogue: True}), config, bt, split,
+                             against_plain=(name, bt) == where)
+    if counts:
+        ops, plain = counts
+        for op, n in more:
+            assert ops.get(op, 0) >= plain.get(op, 0) + n, (op, ops.get(op), plain.get(op))
 
 
 def test_launch_table():
