@@ -12,6 +12,10 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
     mla_after_mix   the sparse MLA waits for the next site's mixer (at 1-16 rows the sparse MLA's
                     configurations need all their programs resident; the mixer, at the least
                     priority, can still hold SMs when it starts)
+    wq_b_slack      in the layers that run the indexer, wq_b on a stream of its own at the least
+                    priority, joined before the sparse MLA (there the main stream's scores wait
+                    for wq_b by stream order and the index query for its SMs, while the sparse MLA
+                    needs q only after the top-k; wq_b's plan takes no split workspace at TP1)
 
     PYTHONPATH=. python scripts/probe_step_schedule.py [--variants=default,flat,...] [--rows=1,8,16,64]
 
@@ -39,6 +43,7 @@ PRIORITIES = {
     "index_first": (-1, (-2, 0, -2)),
     "mix_critical": (C, (C, C, C)),
     "mla_after_mix": (C, (C, S, C)),
+    "wq_b_slack": (C, (C, S, C)),
 }
 
 
@@ -65,6 +70,42 @@ def _mla_after_mix(step):
     return undo
 
 
+def _wq_b_slack(step):
+    """Patch the step's indexer layers: wq_b enqueued on a least-priority stream of its own (forked
+    from the main stream where it stood), the sparse MLA waiting for it; returns the undo."""
+    slack = torch.cuda.Stream("cuda", priority=S)
+    done, plans = {}, {}
+    for i, layer in step.layers.items():
+        if not layer.spec.runs_indexer:
+            continue
+        plans[i] = layer.mm_wq_b
+
+        def on_slack(*a, _plan=layer.mm_wq_b, _layer=i, **k):
+            forked = torch.cuda.Event()
+            forked.record()
+            with torch.cuda.stream(slack):
+                slack.wait_event(forked)
+                out = _plan(*a, **k)
+                done[_layer] = torch.cuda.Event()
+                done[_layer].record()
+            return out
+        layer.mm_wq_b = on_slack
+    attend = attention_mod.AttentionStep._attend
+
+    def attend_after(self, B, events):
+        if self.spec.layer in done:
+            torch.cuda.current_stream().wait_event(done[self.spec.layer])
+        return attend(self, B, events)
+
+    attention_mod.AttentionStep._attend = attend_after
+
+    def undo():
+        for i, plan in plans.items():
+            step.layers[i].mm_wq_b = plan
+        attention_mod.AttentionStep._attend = attend
+    return undo
+
+
 def main() -> None:
     names = arg("variants", ",".join(PRIORITIES)).split(",")
     unknown = [v for v in names if v not in PRIORITIES]
@@ -83,7 +124,8 @@ def main() -> None:
         cap, aux = PRIORITIES[name]
         step.lanes._aux = [torch.cuda.Stream("cuda", priority=p) for p in aux]
         step.lanes.capture = torch.cuda.Stream("cuda", priority=cap)
-        undo = _mla_after_mix(step) if name == "mla_after_mix" else (lambda: None)
+        patch = {"mla_after_mix": _mla_after_mix, "wq_b_slack": _wq_b_slack}.get(name)
+        undo = patch(step) if patch else (lambda: None)
         step.graphs = {}
         step._capture()
         undo()
