@@ -535,6 +535,28 @@ def _write_linked_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width,
 
 
 @triton.jit
+def _row_histogram(ws_row, ARRIVED: tl.constexpr, HIST: tl.constexpr, s_ptr, row_off, n_chunks, n_vis, b1,
+                   LOW: tl.constexpr, CHUNK: tl.constexpr, SPIN: tl.constexpr):
+    """The one-launch kernel's arrival at a histogram of the row (the program's own share already
+    added): the high bytes of its keys, or (LOW) the low bytes of those whose high byte is b1. Once
+    all the row's programs have arrived at ws_row[ARRIVED] (bounded wait), the row's sums from L2;
+    else the program's own pass over the whole row (the same integer sums)."""
+    tl.debug_barrier()
+    tl.atomic_add(ws_row + ARRIVED, 1, sem="acq_rel", scope="gpu")
+    if _all_arrived(ws_row + ARRIVED, n_chunks, SPIN):
+        h = tl.load(ws_row + HIST + tl.arange(0, 256), cache_modifier=".cg")
+    else:
+        h = tl.zeros([256], dtype=tl.int32)
+        for cc in range(0, n_chunks):
+            k2, ok2 = _keys(s_ptr, row_off, cc * CHUNK + tl.arange(0, CHUNK), n_vis, 1)
+            if LOW:
+                h += tl.histogram(k2 & 0xFF, 256, mask=ok2 & ((k2 >> 8) == b1))
+            else:
+                h += tl.histogram(k2 >> 8, 256, mask=ok2)
+    return h
+
+
+@triton.jit
 def _one_launch_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width, K: tl.constexpr,
                        CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, HIST_READY: tl.constexpr, SPIN: tl.constexpr,
                        SHIFT: tl.constexpr):
@@ -565,27 +587,12 @@ def _one_launch_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width, K:
     else:
         h = tl.histogram(key >> 8, 256, mask=ok)
         tl.atomic_add(ws_row + _WS_HI + r256, h, mask=h > 0, sem="relaxed")
-        tl.debug_barrier()
-        tl.atomic_add(ws_row + _WS_ARRIVED_HI, 1, sem="acq_rel", scope="gpu")
-        if _all_arrived(ws_row + _WS_ARRIVED_HI, n_chunks, SPIN):
-            h1 = tl.load(ws_row + _WS_HI + r256, cache_modifier=".cg")
-        else:
-            h1 = tl.zeros([256], dtype=tl.int32)
-            for cc in range(0, n_chunks):
-                k2, ok2 = _keys(s_ptr, row_off, cc * CHUNK + tl.arange(0, CHUNK), n_vis, 1)
-                h1 += tl.histogram(k2 >> 8, 256, mask=ok2)
+        h1 = _row_histogram(ws_row, _WS_ARRIVED_HI, _WS_HI, s_ptr, row_off, n_chunks, n_vis, 0, False, CHUNK,
+                            SPIN)
     k_eff = tl.minimum(tl.minimum(n_vis, K), tl.sum(h1, 0))
     b1, _ = _level(h1, k_eff)
     _lo_add(ws_row, key, ok & ((key >> 8) == b1) & (k_eff > 0), CHUNK)
-    tl.debug_barrier()
-    tl.atomic_add(ws_row + _WS_ARRIVED_LO, 1, sem="acq_rel", scope="gpu")
-    if _all_arrived(ws_row + _WS_ARRIVED_LO, n_chunks, SPIN):
-        h2 = tl.load(ws_row + _WS_LO + r256, cache_modifier=".cg")
-    else:
-        h2 = tl.zeros([256], dtype=tl.int32)
-        for cc in range(0, n_chunks):
-            k2, ok2 = _keys(s_ptr, row_off, cc * CHUNK + tl.arange(0, CHUNK), n_vis, 1)
-            h2 += tl.histogram(k2 & 0xFF, 256, mask=ok2 & ((k2 >> 8) == b1))
+    h2 = _row_histogram(ws_row, _WS_ARRIVED_LO, _WS_LO, s_ptr, row_off, n_chunks, n_vis, b1, True, CHUNK, SPIN)
     thr, skip = _threshold(h1, h2, k_eff)
     out_row = out_ptr + n.to(tl.int64) * out_sn
     if k_eff > 0:
