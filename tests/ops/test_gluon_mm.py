@@ -515,18 +515,24 @@ def test_rope_epilogue_in_split_k_variants_on_gpu(config, real_operands):
 
 
 @pytest.mark.gpu
-def test_rope_epilogue_bad_arguments_on_gpu():
-    _, _, codes, sx, weight, w_scale = linear_operands(_gen(4), 8, 512, 256)
+@pytest.mark.parametrize("epilogue", ["rope", "index_query"])
+def test_epilogue_bad_arguments_on_gpu(epilogue):
+    # per epilogue: N, an N it refuses (not whole heads) and its error, the operands' seeds
+    n, odd_n, odd_word, seeds = {"rope": (512, 384, "512", (4, 5)),
+                                 "index_query": (256, 192, "index_query.*128", (6, 7))}[epilogue]
+    _, _, codes, sx, weight, w_scale = linear_operands(_gen(seeds[0]), 8, n, 256)
     plan = G.GluonMM(weight, w_scale, max_rows=8)
     cos, sin = rope_operands(_gen(1), 8)
-    odd = G.GluonMM(*linear_operands(_gen(5), 8, 384, 256)[4:], max_rows=8)
+    odd = G.GluonMM(*linear_operands(_gen(seeds[1]), 8, odd_n, 256)[4:], max_rows=8)
     cases = [
-        (lambda: plan(codes, sx, rope=cos), "rope"),
-        (lambda: plan(codes, sx, rope=(cos[:4], sin)), "cos"),
-        (lambda: plan(codes, sx, rope=(cos, sin.double())), "sin"),
-        (lambda: plan(codes, sx, torch.empty(8, 512, device=DEVICE), rope=(cos, sin)), "bfloat16"),
-        (lambda: odd(codes, sx, rope=(cos, sin)), "512"),
+        (lambda: plan(codes, sx, **{epilogue: cos}), epilogue),
+        (lambda: plan(codes, sx, **{epilogue: (cos[:4], sin)}), "cos"),
+        (lambda: plan(codes, sx, **{epilogue: (cos, sin.double())}), "sin"),
+        (lambda: plan(codes, sx, torch.empty(8, n, device=DEVICE), **{epilogue: (cos, sin)}), "bfloat16"),
+        (lambda: odd(codes, sx, **{epilogue: (cos, sin)}), odd_word),
     ]
+    if epilogue == "index_query":
+        cases.append((lambda: plan(codes, sx, index_query=(cos, sin), rope=(cos, sin)), "index_query and rope"))
     for make, word in cases:
         with pytest.raises((ValueError, TypeError), match=word):
             make()
@@ -584,22 +590,3 @@ def test_index_query_epilogue_in_variants_on_gpu(config):
     cos_all, sin_all = rope_operands(_gen(5), 64)
     plan = G.GluonMM(weight, w_scale, config=config)
     _check_index_query_rows(plan, codes_all, sx_all, cos_all, sin_all, (1, 5, 8, 33, 64), str(config))
-
-
-@pytest.mark.gpu
-def test_index_query_epilogue_bad_arguments_on_gpu():
-    _, _, codes, sx, weight, w_scale = linear_operands(_gen(6), 8, 256, 256)
-    plan = G.GluonMM(weight, w_scale, max_rows=8)
-    cos, sin = rope_operands(_gen(1), 8)
-    odd = G.GluonMM(*linear_operands(_gen(7), 8, 192, 256)[4:], max_rows=8)
-    cases = [
-        (lambda: plan(codes, sx, index_query=cos), "index_query"),
-        (lambda: plan(codes, sx, index_query=(cos[:4], sin)), "cos"),
-        (lambda: plan(codes, sx, index_query=(cos, sin.double())), "sin"),
-        (lambda: plan(codes, sx, torch.empty(8, 256, device=DEVICE), index_query=(cos, sin)), "bfloat16"),
-        (lambda: plan(codes, sx, index_query=(cos, sin), rope=(cos, sin)), "index_query and rope"),
-        (lambda: odd(codes, sx, index_query=(cos, sin)), "index_query.*128"),
-    ]
-    for make, word in cases:
-        with pytest.raises((ValueError, TypeError), match=word):
-            make()
