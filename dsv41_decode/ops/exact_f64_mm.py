@@ -69,8 +69,9 @@ def _e4m3_f64(words, J: tl.constexpr):
 
 @triton.jit
 def _block_f64(words):
-    """[R, 32] FP64 values of the codes of int64 words [R, 4] (8 codes each): column 8 j + i... in
-    the fixed order of the joins below (the same for every operand)."""
+    """[R, 32] FP64 values of the 32 codes in the int64 words [R, 4] (8 codes each), in the fixed
+    order of the joins below: the same for every operand, so a dot over the 32 columns pairs the
+    codes of the same K position."""
     t = tl.join(tl.join(tl.join(_e4m3_f64(words, 0), _e4m3_f64(words, 1)),
                         tl.join(_e4m3_f64(words, 2), _e4m3_f64(words, 3))),
                 tl.join(tl.join(_e4m3_f64(words, 4), _e4m3_f64(words, 5)),
@@ -193,6 +194,8 @@ def _words(t: torch.Tensor, name: str) -> tuple[torch.Tensor, int]:
         raise ValueError(f"{name} must start on an 8-byte boundary with a row stride a multiple of 8 "
                          f"bytes (the kernel loads 8 codes a word), got address {t.data_ptr():#x}, "
                          f"strides {t.stride()}")
+    if t.shape[0] == 1:       # any row stride: torch views a single row's bytes as words by itself
+        return t.view(torch.uint8)[0].view(torch.int64)[None], 0
     return t.view(torch.uint8).view(torch.int64), t.stride(0) // 8
 
 
