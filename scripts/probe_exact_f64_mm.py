@@ -28,7 +28,9 @@ from dsv41_decode.reference.linear import mxfp8_mm
 from _args import arg   # scripts/ is on sys.path when run as python scripts/<probe>.py
 
 SHAPES = {"fused_wqa_wkv": (1792, 5120), "wq_b": (32768, 1280), "idx_wq_b": (4096, 1280), "wo_b": (5120, 8192)}
-CANDIDATES = ["64:16:4:3:1", "128:16:4:3:1", "32:16:2:3:1", "32:8:2:3:4", "16:8:1:3:8", "64:64:8:3:1"]
+# the plans' defaults (`_DEFAULT_CONFIGS`) first, then wider / narrower tiles and K splits
+CANDIDATES = ["32:8:2:3:1", "64:16:4:3:1", "64:32:4:3:1", "64:64:8:3:1", "16:8:1:3:1", "128:16:4:3:1", "32:8:2:4:1",
+              "32:8:2:3:4", "16:8:1:3:8", "64:16:4:3:2"]
 
 
 def _config(spec: str) -> F64Config:

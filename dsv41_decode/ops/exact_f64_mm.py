@@ -22,8 +22,14 @@ multiply by 2^1016 (exact) makes it the value. Both operands are loaded as int64
 Triton 3.6 moves a conversion of 8-bit loads after the shared-memory load of the MMA operand, where
 its FP64 MMA lowering has no layout for it ("Currently fp64 don't support largeK MMA"); from
 64-bit words the conversion stays in registers and the MMA takes FP64 operands (DMMA, m16n8k16).
-Within a block the 32 k are taken in a fixed permutation (the words' bytes), the same for both
-operands: the block sum is exact in any order, so the permutation changes nothing.
+Code k of a block is byte k % 8 of its word k // 8 (little-endian words: K order); the block sum
+would be exact in any order anyway.
+
+Cost (sm_90, what the compile shows): the weight's FP64 operand is staged through shared memory by
+the compiler (8 bytes stored and loaded per weight element and block), and the MMA's N side is at
+least 8 x rows: per 32-deep block a program of BLOCK_N weight rows runs BLOCK_N * max(8, BLOCK_M)
+* 32 FP64 multiply-adds (~128 a cycle per SM on an H200), so the op reads its weight at a fraction
+of the memory rate that falls with the rows above 8.
 
 Layout (swap-AB): each program owns BLOCK_N weight rows (the MMA's M side) and BLOCK_M rows of x
 (its N side, 8 or more; a call's rows are padded up to a multiple), and walks its K range one
@@ -56,11 +62,12 @@ MAX_ROWS = 64
 
 
 @triton.jit
-def _e4m3_f64(words, J: tl.constexpr):
-    """The FP64 values of byte J (0..7, the least significant first) of int64 words of E4M3 codes,
-    exactly: the byte shifted to the top (sign at bit 63), shifted arithmetically right by 7 (eeee.mmm
-    at bits 55..49), the bits between masked off: value * 2^-1016 as an FP64 pattern (an FP64
-    subnormal for a subnormal code), times 2^1016 (exact)."""
+def _e4m3_f64(words, J):
+    """The FP64 values of byte J (0..7, the least significant first; a constant or a tensor of the
+    words' shape) of int64 words of E4M3 codes, exactly: the byte shifted to the top (sign at bit
+    63), shifted arithmetically right by 7 (eeee.mmm at bits 55..49), the bits between masked off:
+    value * 2^-1016 as an FP64 pattern (an FP64 subnormal for a subnormal code), times 2^1016
+    (exact)."""
     t = (words << (56 - 8 * J)) >> 7
     t = t & -0x7F02000000000000               # 0x80FE000000000000: bit 63 and bits 55..49
     two_1016 = tl.full([], 2039 << 52, tl.int64).to(tl.float64, bitcast=True)   # 2^1016
@@ -69,25 +76,27 @@ def _e4m3_f64(words, J: tl.constexpr):
 
 @triton.jit
 def _block_f64(words):
-    """[R, 32] FP64 values of the 32 codes in the int64 words [R, 4] (8 codes each), in the fixed
-    order of the joins below: the same for every operand, so a dot over the 32 columns pairs the
-    codes of the same K position."""
-    t = tl.join(tl.join(tl.join(_e4m3_f64(words, 0), _e4m3_f64(words, 1)),
-                        tl.join(_e4m3_f64(words, 2), _e4m3_f64(words, 3))),
-                tl.join(tl.join(_e4m3_f64(words, 4), _e4m3_f64(words, 5)),
-                        tl.join(_e4m3_f64(words, 6), _e4m3_f64(words, 7))))       # [R, 4, 2, 2, 2]
+    """[R, 32] FP64 values of the 32 codes in the int64 words [R, 4] (8 codes each), column k the
+    code of byte k % 8 of word k // 8: the codes in K order."""
+    # Each join appends its index as the last dimension, which the reshape makes the least
+    # significant: the outermost join picks byte bit 0, the innermost byte bit 2.
+    t = tl.join(tl.join(tl.join(_e4m3_f64(words, 0), _e4m3_f64(words, 4)),
+                        tl.join(_e4m3_f64(words, 2), _e4m3_f64(words, 6))),
+                tl.join(tl.join(_e4m3_f64(words, 1), _e4m3_f64(words, 5)),
+                        tl.join(_e4m3_f64(words, 3), _e4m3_f64(words, 7))))       # [R, 4, 2, 2, 2]
     return tl.reshape(t, [words.shape[0], 32])
 
 
 @triton.jit
 def _block_term(w_words, x_words, swb, sxb, ASM: tl.constexpr):
     """One block's term RN32(w . x) * sx * sw [BN, BM] (the reference's order; `mul.rn` for the
-    last factor) from the int64 words of the weight's codes [BN, 4] and of x's [BM, 4] and the
-    scale bytes sw [BN], sx [BM]."""
-    w = _block_f64(w_words)                                        # [BN, 32]
-    x = _block_f64(x_words)                                        # [BM, 32]
-    z = tl.zeros([w.shape[0], x.shape[0]], dtype=tl.float64)
-    part = tl.dot(w, tl.trans(x), z, out_dtype=tl.float64).to(tl.float32)    # exact, rounded once
+    last factor) from the int64 words of the weight's codes [BN, 4], x's words [32, BM] (row k:
+    word k // 8 of each x row, whose byte k % 8 is the code at k) and the scale bytes sw [BN], sx
+    [BM]."""
+    w = _block_f64(w_words)                                                 # [BN, 32]
+    x = _e4m3_f64(x_words, (tl.arange(0, 32) % 8)[:, None])                 # [32, BM]
+    z = tl.zeros([w.shape[0], x.shape[1]], dtype=tl.float64)
+    part = tl.dot(w, x, z, out_dtype=tl.float64).to(tl.float32)             # exact, rounded once
     sw = ue8m0_to_fp32(swb.to(tl.int32))
     sx = ue8m0_to_fp32(sxb.to(tl.int32))
     return _mul_rn(part * sx[None, :], tl.broadcast_to(sw[:, None], part.shape), ASM)
@@ -103,7 +112,10 @@ def _exact_f64_mm_kernel(
     # Grid: (N tiles, M tiles, K splits). Program (t, u, s) covers W rows [t*BLOCK_N, +BLOCK_N), x
     # rows [u*BLOCK_M, +BLOCK_M) and the K blocks [s*blocks_per_split, +blocks_per_split). Rows past
     # N or M read the last valid row (no masks in the loop) and are masked at the stores. x_ptr and
-    # w_ptr are int64 words (8 codes); stride_xm and stride_wn count words.
+    # w_ptr are int64 words (8 codes); stride_xm and stride_wn count words. x's block is loaded as
+    # [32, BM] words, each word once per code it holds (from L1): its conversion is then elementwise
+    # from the load to the MMA, where the bytes joined as for the weight cost several shared-memory
+    # layout conversions (and barriers) per block.
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -113,7 +125,7 @@ def _exact_f64_mm_kernel(
     rn_c = tl.minimum(rn, N - 1)
     rm_c = tl.minimum(rm, M - 1)
     w_ptrs = w_ptr + rn_c[:, None] * stride_wn + rw[None, :]          # [BN, 4] words of block 0
-    x_ptrs = x_ptr + rm_c[:, None] * stride_xm + rw[None, :]          # [BM, 4]
+    x_ptrs = x_ptr + rm_c[None, :] * stride_xm + (tl.arange(0, 32) // 8)[:, None]   # [32, BM]
     sw_ptrs = sw_ptr + (rn_c // 32) * stride_swn                      # [BN]
     sx_ptrs = sx_ptr + rm_c * stride_sxm                              # [BM]
     KB = K // 32
@@ -186,6 +198,13 @@ class F64Config:
             raise ValueError(f"F64Config.block_m must be 8, 16, 32 or 64, got {self.block_m}")
 
 
+# The configurations a plan without `config` launches, per most rows (not yet timed on a GPU): the
+# MMA's N side as narrow as the rows allow (8, 16, 32, 64 x rows), the weight rows and warps that
+# compile for sm_90 without stack or spills (tests/ops/_exact_f64_mm_sm90.py).
+_DEFAULT_CONFIGS = ((8, F64Config(block_n=32, block_m=8, num_warps=2)), (16, F64Config(block_n=64, block_m=16)),
+                    (32, F64Config(block_n=64, block_m=32)), (64, F64Config(block_n=64, block_m=64, num_warps=8)))
+
+
 def _words(t: torch.Tensor, name: str) -> tuple[torch.Tensor, int]:
     """t (uint8-sized codes [R, K], unit stride along K) as int64 words [R, K / 8] and its row stride
     in words: the kernel loads 8 codes a word. ValueError naming `name` unless its start and its
@@ -209,9 +228,9 @@ class ExactF64MM:
         8-byte aligned (the kernel reads int64 words of 8 codes).
     w_scale: [ceil(N/32), K/32] UE8M0 (float8_e8m0fnu or uint8), unit stride along K.
     max_rows: the most rows a call may bring (1..64).
-    config: the launch configuration: one F64Config for every call (default `F64Config()`), or
-        `{most rows: F64Config}` for calls of up to that many rows (smallest key first; the largest
-        key >= max_rows). Every configuration gives the same bits.
+    config: the launch configuration: one F64Config for every call, or `{most rows: F64Config}` for
+        calls of up to that many rows (the largest key >= max_rows); default `_DEFAULT_CONFIGS`.
+        Every configuration gives the same bits.
     workspace: None (the plan allocates its split-K workspace and counters) or a shared pool, as
         `ops.common.plan_workspace` says (FP32 slot 0, int32 slot 0).
 
@@ -224,7 +243,9 @@ class ExactF64MM:
     def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int = MAX_ROWS,
                  config: F64Config | dict[int, F64Config] | None = None, workspace=None):
         n, k = mxfp8_weight_args(weight, w_scale, max_rows, MAX_ROWS)
-        configs = config if isinstance(config, dict) else {max_rows: config or F64Config()}
+        if config is None:
+            config = dict(_DEFAULT_CONFIGS)
+        configs = config if isinstance(config, dict) else {max_rows: config}
         for c in configs.values():
             if not isinstance(c, F64Config):
                 raise TypeError(f"config must be an F64Config or a dict of them, got {type(c).__name__}")

@@ -1,6 +1,6 @@
 """Run by tests/ops/test_exact_f64_mm.py in a subprocess without the Triton interpreter (the kernel
 must be a real JIT function to compile), and by hand: compiles `ops.exact_f64_mm`'s kernel for
-sm_90 in a few configurations (`F64Config()`, other tile shapes, a K split) and prints per
+sm_90 in the plans' default configurations (`_DEFAULT_CONFIGS`), other tile shapes and a K split and prints per
 configuration its registers, stack, local memory, spill instructions, main-loop length and its FP64
 MMA (DMMA) instructions. Arguments "block_n:block_m:num_warps:num_stages:split" pick the
 configurations instead; `--json`: one JSON object per line.
@@ -14,8 +14,8 @@ import sys
 from dsv41_decode.ops import exact_f64_mm as E
 from dsv41_decode.testing.sm90 import compile_sm90, main_loop, opcode_counts, resources, sass
 
-CONFIGS = [E.F64Config(), E.F64Config(block_n=16, block_m=8, num_warps=1), E.F64Config(block_n=128, block_m=16),
-           E.F64Config(block_n=64, block_m=64, num_warps=8), E.F64Config(block_n=32, block_m=8, num_warps=2, split=4)]
+CONFIGS = [c for _, c in E._DEFAULT_CONFIGS] + [E.F64Config(block_n=128, block_m=16),
+           E.F64Config(block_n=32, block_m=8, num_warps=2, split=4)]
 
 
 def measure(cfg: E.F64Config) -> dict:

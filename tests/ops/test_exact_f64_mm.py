@@ -26,7 +26,7 @@ from helpers import FLASH_LINEAR_SHAPES as FLASH_SHAPES
 from helpers import check_mxfp8_plan_errors, linear_operands, raises
 from test_exact_mm import _bits, _exact_operands, _gen, _poisoned
 
-from dsv41_decode.ops.exact_f64_mm import ExactF64MM, F64Config, _e4m3_f64
+from dsv41_decode.ops.exact_f64_mm import _DEFAULT_CONFIGS, ExactF64MM, F64Config, _e4m3_f64
 from dsv41_decode.ops.exact_mm import ExactMM
 from dsv41_decode.reference.linear import mxfp8_mm
 
@@ -119,8 +119,8 @@ def test_bad_inputs_name_the_argument():
 
 
 def test_compiles_for_sm90_without_spills():
-    """The kernel in a few configurations (tests/ops/_exact_f64_mm_sm90.py: the default, other tile
-    shapes, a K split), compiled for sm_90 by Triton's own ptxas in a subprocess without the
+    """The kernel in the plans' default configurations, a wider tile and a K split
+    (tests/ops/_exact_f64_mm_sm90.py), compiled for sm_90 by Triton's own ptxas in a subprocess without the
     interpreter: no stack or local memory, no spill stores or loads, the FP64 MMA (DMMA) in the
     main loop, the block partial's one FP64 -> FP32 rounding (cvt.rn) and the block terms' last
     multiply kept apart from the accumulator's add (mul.rn)."""
@@ -131,7 +131,7 @@ def test_compiles_for_sm90_without_spills():
                          capture_output=True, text=True, env=env, timeout=600)
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 5, res.stdout
+    assert len(rows) == len(_DEFAULT_CONFIGS) + 2, res.stdout
     for r in rows:
         assert r["STACK"] == 0 and r["LOCAL"] == 0 and r["spills"] == 0, r
         assert r["loop_dmma"] > 0 and r["cvt_rn"] and r["mul_rn"], r
@@ -142,10 +142,11 @@ def test_compiles_for_sm90_without_spills():
                          ids=["fused_wqa_wkv", "wq_b", "idx_wq_b", "wo_b"])
 def test_flash_shapes_on_gpu(name, n, k):
     # Bitwise ExactMM (the reference's bits, tested there) at 1, 8, 16 and 64 rows, in the default
-    # configuration, a narrow one with 8 rows a tile and a K split (calls of up to 8 rows).
+    # configurations (8, 16, 32, 64 rows a tile), a K split (calls of up to 8 rows) and 128 weight
+    # rows a program.
     _, _, codes_all, sx_all, weight, w_scale = linear_operands(_gen(n + k), 64, n, k)
     exact = ExactMM(weight, w_scale)
-    configs = (None, F64Config(block_n=32, block_m=8, num_warps=2, split=4), F64Config(block_n=128, block_m=64, num_warps=8))
+    configs = (None, F64Config(block_n=32, block_m=8, num_warps=2, split=4), F64Config(block_n=128, block_m=16))
     for cfg in configs:
         plan = ExactF64MM(weight, w_scale, config=cfg)
         for m in (1, 8, 16, 64):
