@@ -1,0 +1,489 @@
+"""The contract-exact MXFP8 linear on FP64 tensor cores (DMMA) in Gluon for Hopper (sm_90): y[M, N]
+= MXFP8 activation x FP8 weight with 32x32 UE8M0 block scales, for 1 <= M <= 64 rows, bitwise equal
+to `reference.linear.mxfp8_mm`. The same contract, arguments and reduction order as
+`ops.exact_f64_mm.ExactF64MM` (the Triton form), whose module docstring argues the exactness:
+
+- an E4M3 value and a product of two are exact in FP64; every partial sum of a 32-wide block's
+  products is a multiple of 2^-18 below 32 * 448^2 < 2^23 in magnitude, at most 41 significant
+  bits, so every add of the FP64 MMA is exact whatever its order: its result is the exact block
+  sum, and one `cvt.rn.f32.f64` rounds it once to nearest even (the block partial);
+- the partial is scaled by sx[m, kb], then by sw[n // 32, kb] in a separate `mul.rn` (never fused
+  into the add), and added in K order into an FP32 accumulator that starts at 0; the sum is
+  rounded to BF16 (nearest even) or left FP32.
+
+What the Gluon form does differently (the layout of `ops.gluon_mm`, the Gluon FP8 tier):
+
+- **Swap AB.** A program computes y^T[BN, BT] = W[BN weight rows, K range] @ x^T: the weight rows
+  are the MMA's M side, x's rows (padded to BT = 8, 16, 32 or 64; TMA fills the rows past M with
+  zeros) its N side. The MMA is `mma_v2` on FP64 operands (DMMA m16n8k16), in an
+  `NVMMADistributedLayout(version=[2, 0], instr_shape=[16, 8])` of the 4 consumer warps
+  (`GluonExactConfig.warps_n`: how they split x's rows; the rest split the weight rows).
+- **A TMA producer warp** (`gluon_mm._producer`) streams [BN, 128] FP8 weight tiles and the
+  matching [BT, 128] activation tiles through a ring of `stages` shared-memory slots (mbarriers
+  `ready` / `empty`); the consumer warps load each 32-wide K block of both tiles straight from
+  shared memory into the MMA's operand layouts (`DotOperandLayout(k_width=1)`, bytes), convert
+  the codes to FP64 in registers, run the block's MMA from a zero accumulator, round, scale and
+  add (above). Each warp converts its own x operand once per K block (the warps that share x's
+  columns each convert them).
+- **Two conversions E4M3 -> FP64** (`GluonExactConfig.convert`), both exact for every E4M3 value
+  (subnormals and -0 included): "cvt" through FP32 (`cvt` FP8 -> F16x2 -> F32 -> F64) and "int",
+  `exact_f64_mm._e4m3_f64`'s integer construction (the code's sign at bit 63 and eeee.mmm at bits
+  55..49 of an FP64 pattern: value * 2^-1016, an FP64 subnormal for a subnormal code; times
+  2^1016, exact), ported to Gluon (a Triton helper cannot be called from a Gluon kernel). The
+  two NaN codes 0x7F / 0xFF are not values (the MXFP8 and FP8 block quantizers never write them):
+  "cvt" reads them as NaN, "int" as +-480.
+- **The k order within a block.** Each operand is loaded in the layout where a thread's bytes are
+  consecutive in shared memory (one 8-byte load, or ldmatrix with `mma_k=16`, instead of one load
+  per byte) and renamed into the MMA's operand layout, which takes the block's 32 k in a fixed
+  permutation, the same for both operands: the block sum is exact in any order, so the
+  permutation changes nothing (`_operand_a`).
+- **Scales** as in `gluon_mm`: one int32 word (four UE8M0 bytes) per weight-row block and per
+  activation row per 128-deep slot, loaded one slot ahead; hence K % 128 == 0 and word-aligned
+  scale rows.
+- **Optional K split** (`GluonExactConfig.split`, calls of at most `split_rows` rows): several
+  programs share a weight tile's K; each stores its block terms (the M real rows) in a plan-owned
+  workspace, and the tile's last program to arrive (an acq_rel atomic counter, reset for the next
+  call and a CUDA graph's replay) adds all K / 32 of them in K order from 0: `exact_mm`'s scheme,
+  never partial sums added together.
+
+Every configuration, split and row count gives the same bits (`exact_mm.reduction_order`). A
+`GluonExactMM` plan binds one weight (its TMA descriptor, workspace, counters) once; calling it
+validates and launches. Nothing else in the package uses it yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.extra import libdevice
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .checks import mxfp8_linear_args, mxfp8_weight_args
+from .common import is_sm90, plan_workspace
+from .exact_mm import reduction_order
+from .gluon_mm import SHARED_LIMIT, _scale, _slot_words, _tile_scales, split_bounds
+from .gluon_mm import _words as _scale_words
+
+MAX_ROWS = 64
+BLOCK_K = 128                   # K per ring slot: four 32-wide blocks, one 32-bit scale word per row
+ROW_BUCKETS = (8, 16, 32, 64)   # BT: the MMA's N side
+CONSUMER_WARPS = 4
+CONVERTS = ("cvt", "int")
+
+
+@gluon.jit
+def _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, step_lo, n_steps, STAGES: gl.constexpr):
+    """The 1-warp TMA producer (`gluon_mm._producer`'s ring, with the activation tile's first row
+    `off_m`): step i's weight tile [BN, 128] at row off_n and activation tile [BT, 128] at row off_m
+    into ring slot i % STAGES once the consumer has released it."""
+    for i in range(n_steps):
+        s = i % STAGES
+        # A fresh barrier counts as having completed the phase before its first: the first pass
+        # over the ring does not wait.
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), w_desc.block_type.nbytes + x_desc.block_type.nbytes)
+        k = (step_lo + i) * w_desc.block_type.shape[1]
+        tma.async_copy_global_to_shared(w_desc, [off_n, k], ready.index(s), w_smem.index(s))
+        tma.async_copy_global_to_shared(x_desc, [off_m, k], ready.index(s), x_smem.index(s))
+
+
+@gluon.jit
+def _e4m3_f64(codes, CONVERT: gl.constexpr):
+    """The FP64 values of E4M3 codes (float8e4nv, any layout), exactly. "cvt": through FP32 (every
+    E4M3 value is an FP32 and an FP64 value). "int": the code sign-extended to 64 bits and shifted
+    left by 49 puts its sign at bit 63 and eeee.mmm at bits 55..49; the bits between masked off,
+    that is the FP64 pattern of value * 2^-1016 (an FP64 subnormal for a subnormal code, -0 for
+    0x80), times 2^1016 (exact)."""
+    if CONVERT == "int":
+        hi = (codes.to(gl.int8, bitcast=True).to(gl.int32) << 17) & -0x7F020000   # 0x80FE0000: bits 31, 23..17
+        t = hi.to(gl.int64) << 32
+        two_1016 = gl.full(t.shape, 2039 << 52, gl.int64, t.type.layout).to(gl.float64, bitcast=True)
+        return t.to(gl.float64, bitcast=True) * two_1016
+    else:
+        return codes.to(gl.float32).to(gl.float64)
+
+
+@gluon.jit
+def _operand_a(view, layout: gl.constexpr, KC: gl.constexpr):
+    """The weight operand [BN, KC] of one MMA from shared memory (`view`: the tile's KC columns) in
+    the MMA's operand layout, its k taken in a fixed permutation (module doc): loaded in the layout
+    where each thread's bytes are consecutive (one wide load instead of one per byte), then
+    renamed - no data moves (`assert_trivial`)."""
+    BN: gl.constexpr = view.shape[0]
+    like = gl.zeros([BN, KC], gl.int8, layout)
+    if KC == 32:
+        # operand k = 16 h + 4 r + t at column 8 t + 4 h + r
+        phys: gl.constexpr = gl.reshape(gl.permute(gl.reshape(like, [BN, 2, 4, 4]), (0, 3, 1, 2)), [BN, KC]).type.layout
+        v = gl.reshape(gl.permute(gl.reshape(view.load(phys), [BN, 4, 2, 4]), (0, 2, 3, 1)), [BN, KC])
+    else:
+        # operand k = 4 r + t at column 4 t + r
+        phys: gl.constexpr = gl.reshape(gl.permute(gl.reshape(like, [BN, 4, 4]), (0, 2, 1)), [BN, KC]).type.layout
+        v = gl.reshape(gl.permute(gl.reshape(view.load(phys), [BN, 4, 4]), (0, 2, 1)), [BN, KC])
+    return gl.convert_layout(v, layout, assert_trivial=True)
+
+
+@gluon.jit
+def _operand_b(view, layout: gl.constexpr, KC: gl.constexpr):
+    """The activation operand [KC, BT] (`view`: the tile's KC columns, transposed) as `_operand_a`,
+    with the same permutation of k."""
+    BT: gl.constexpr = view.shape[1]
+    like = gl.zeros([KC, BT], gl.int8, layout)
+    if KC == 32:
+        phys: gl.constexpr = gl.reshape(gl.permute(gl.reshape(like, [2, 4, 4, BT]), (2, 0, 1, 3)), [KC, BT]).type.layout
+        v = gl.reshape(gl.permute(gl.reshape(view.load(phys), [4, 2, 4, BT]), (1, 2, 0, 3)), [KC, BT])
+    else:
+        phys: gl.constexpr = gl.reshape(gl.permute(gl.reshape(like, [4, 4, BT]), (1, 0, 2)), [KC, BT]).type.layout
+        v = gl.reshape(gl.permute(gl.reshape(view.load(phys), [4, 4, BT]), (1, 0, 2)), [KC, BT])
+    return gl.convert_layout(v, layout, assert_trivial=True)
+
+
+@gluon.jit
+def _block_partial(w_tile, x_tile, j: gl.constexpr, zero, CONVERT: gl.constexpr, KC: gl.constexpr,
+                   mma_layout: gl.constexpr):
+    """The exact dot of K block j (columns 32j..32j+31) of the slot's weight tile [BN, 128] and
+    activation tile [BT, 128] in shared memory, as the FP64 MMA gives it [BN, BT], rounded once to
+    FP32: per KC columns (16 or 32) both operands loaded into the MMA's operand layouts
+    (`_operand_a`, `_operand_b`), converted (`_e4m3_f64`) and multiplied, the block's MMAs chained
+    through the FP64 accumulator from `zero` (exact: module doc)."""
+    la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=1)
+    lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_layout, k_width=1)
+    d = zero
+    for h in gl.static_range(32 // KC):
+        a = _operand_a(w_tile.slice(32 * j + KC * h, KC, dim=1), la, KC)                         # [BN, KC]
+        b = _operand_b(x_tile.slice(32 * j + KC * h, KC, dim=1).permute((1, 0)), lb, KC)         # [KC, BT]
+        d = mma_v2(_e4m3_f64(a, CONVERT), _e4m3_f64(b, CONVERT), d)
+    return d.to(gl.float32)
+
+
+@gluon.jit
+def _block_term(part, words, j: gl.constexpr):
+    """RN(RN(part * sx[m, block j]) * sw[n // 32, block j]): the reference's scaling of the slot's K
+    block j (words: `gluon_mm._slot_words` of a 128-deep slot); the last product `mul.rn`, never
+    contracted into the accumulator's add."""
+    sw, _, sx, _ = words
+    scaled, sw_b = gl.broadcast(part * _scale(sx, j)[None, :], _scale(sw, j)[:, None])
+    return libdevice.mul_rn(scaled, sw_b)
+
+
+@gluon.jit
+def _consumer(w_smem, x_smem, ready, empty, sw_words, sx_words, ws_ptr, step_lo, n_steps, M,
+              STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, CONVERT: gl.constexpr, KC: gl.constexpr,
+              SPLIT_K: gl.constexpr, mma_layout: gl.constexpr):
+    """The consumer warps: per ring slot, its four K blocks' exact partials (`_block_partial`) and
+    terms (`_block_term`), added to the FP32 accumulator in K order, or, SPLIT_K, stored to the
+    workspace (`ws_ptr`: this tile's terms, block kb at ws_ptr + kb * BN * M, [BN, M] n-major, the
+    M real rows). The slot goes back to the producer once every consumer thread has loaded its last
+    block. Returns (acc, ) (zeros with SPLIT_K)."""
+    acc = gl.zeros([BN, BT], gl.float32, mma_layout)
+    zero = gl.zeros([BN, BT], gl.float64, mma_layout)
+    rn = gl.arange(0, BN, layout=gl.SliceLayout(1, mma_layout))
+    rm = gl.arange(0, BT, layout=gl.SliceLayout(0, mma_layout))
+    ws_offs = rn[:, None] * M + rm[None, :]
+    ws_mask = (rm[None, :] < M) & (rn[:, None] < BN)
+    words_next = _slot_words(sw_words, sx_words, step_lo, 1)
+    for i in range(n_steps):
+        words = words_next
+        words_next = _slot_words(sw_words, sx_words, step_lo + gl.minimum(i + 1, n_steps - 1), 1)
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        w_tile = w_smem.index(s)
+        x_tile = x_smem.index(s)
+        for j in gl.static_range(4):
+            part = _block_partial(w_tile, x_tile, j, zero, CONVERT, KC, mma_layout)
+            if j == 3:
+                # Every consumer thread's loads of the slot are done (their values were used by
+                # the MMA) before one thread hands the slot back.
+                gl.thread_barrier()
+                mbarrier.arrive(empty.index(s), count=1)
+            term = _block_term(part, words, j)
+            if SPLIT_K:
+                gl.store(ws_ptr + ((step_lo + i) * 4 + j) * (BN * M) + ws_offs, term, mask=ws_mask)
+            else:
+                acc = acc + term
+    return (acc, )
+
+
+@gluon.jit
+def _store(y_ptrs, acc, mask, OUT_F32: gl.constexpr):
+    """y = acc (FP32) or acc rounded to BF16 (nearest even)."""
+    if OUT_F32:
+        gl.store(y_ptrs, acc, mask=mask)
+    else:
+        gl.store(y_ptrs, acc.to(gl.bfloat16), mask=mask)
+
+
+@gluon.jit(do_not_specialize=["M", "stride_sxm", "stride_swn", "steps_per_split", "n_steps_total", "n_split"])
+def _gluon_exact_mm_kernel(
+    w_desc, x_desc, sx_ptr, sw_ptr, y_ptr, ws_ptr, cnt_ptr,
+    M, N, stride_sxm, stride_swn, stride_ym, steps_per_split, n_steps_total, n_split,
+    BT: gl.constexpr, STAGES: gl.constexpr, CONVERT: gl.constexpr, KC: gl.constexpr, WARPS_N: gl.constexpr,
+    SPLIT_K: gl.constexpr, OUT_F32: gl.constexpr,
+):
+    # Grid (N tiles, M tiles, n_split K splits): program (t, u, s) covers weight rows [t*BN, +BN),
+    # x rows [u*BT, +BT) and the 128-deep K steps [s*steps_per_split, +steps_per_split); sx_ptr and
+    # sw_ptr point at the scales as int32 words (four UE8M0 bytes), strides in words. Rows past N
+    # or M read the last valid row's scales and are masked at the stores. SPLIT_K: n_split > 1 (one
+    # M tile), the block terms through ws_ptr ([N tiles, K / 32, BN, M] FP32) and the last
+    # arriver's K-ordered sum (module doc).
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4 // WARPS_N, WARPS_N],
+                                                         instr_shape=[16, 8])
+    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+
+    pid_n = gl.program_id(0)
+    off_m = gl.program_id(1) * BT
+    pid_s = gl.program_id(2)
+    # this program's rows of x: from off_m on, M of them (at most BT count)
+    M = M - off_m
+    sx_ptr += off_m * stride_sxm
+    y_ptr += off_m * stride_ym
+    step_lo = pid_s * steps_per_split
+    n_steps = gl.minimum(steps_per_split, n_steps_total - step_lo)
+    sw_words, sx_words = _tile_scales(sw_ptr, sx_ptr, pid_n * BN, M, N, stride_swn, stride_sxm, BN, BT, mma_layout)
+    ws_tile = ws_ptr + pid_n * (n_steps_total * 4 * BN) * M
+    acc, = gl.warp_specialize([
+        (_consumer, (w_smem, x_smem, ready, empty, sw_words, sx_words, ws_tile, step_lo, n_steps, M,
+                     STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout)),
+        (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, off_m, step_lo, n_steps, STAGES)),
+    ], [1], [24])
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+
+    rn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma_layout))
+    rm = gl.arange(0, BT, layout=gl.SliceLayout(0, mma_layout))
+    mask = (rn[:, None] < N) & (rm[None, :] < M)
+    y_ptrs = y_ptr + rm[None, :] * stride_ym + rn[:, None]
+    if SPLIT_K:
+        # Every thread's terms are written before one thread's release of the counter.
+        gl.thread_barrier()
+        arrived = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == n_split - 1:
+            gl.thread_barrier()
+            rl = gl.arange(0, BN, layout=gl.SliceLayout(1, mma_layout))
+            offs = rl[:, None] * M + rm[None, :]
+            ws_mask = (rm[None, :] < M) & (rl[:, None] < BN)
+            total = gl.zeros([BN, BT], gl.float32, mma_layout)
+            for kb in range(n_steps_total * 4):
+                # .cg: from L2, never from a line this SM's L1 kept from an earlier launch.
+                total = total + gl.load(ws_tile + kb * (BN * M) + offs, mask=ws_mask, other=0.0,
+                                        cache_modifier=".cg")
+            _store(y_ptrs, total, mask, OUT_F32)
+            # Zero again for the next call (and a CUDA graph's replay).
+            gl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
+    else:
+        _store(y_ptrs, acc, mask, OUT_F32)
+
+
+@dataclass(frozen=True)
+class GluonExactConfig:
+    """One launch configuration; every configuration gives the same bits.
+
+    convert: how the consumer makes FP64 values of the E4M3 codes, "cvt" (through FP32) or "int"
+        (integer operations and one FP64 multiply): `_e4m3_f64`.
+    block_n: weight rows per program (the MMA's M side, the weight's TMA box [block_n, 128]): 32,
+        64 or 128, at least 16 per warp along the weight rows.
+    block_m: the most x rows per program (8, 16, 32 or 64): a call's rows padded to the row bucket
+        (8, 16, 32, 64) up to block_m, and calls of more rows take several programs per weight
+        tile (the later ones read the weight tile from L2). Past 32 x rows a program's FP64
+        operands and results outgrow the registers (sm_90 compiles spill).
+    stages: ring slots, 2..8.
+    mma_k: the K depth of one operand load and MMA call, 16 (one DMMA m16n8k16 per 16 weight
+        rows; the operands' loads are ldmatrix) or 32 (two chained; 8-byte loads, more registers).
+    warps_n: of the 4 consumer warps, how many split x's rows (1, 2 or 4; the others split the
+        weight rows); at a row bucket with fewer than 8 x rows per warp the launch uses fewer
+        (`launch_warps_n`).
+    split: K splits (programs per weight tile) for calls of at most min(split_rows, block_m) rows,
+        their block terms through a plan-owned workspace of N / block_n * K / 32 * block_n *
+        min(split_rows, block_m) FP32, the tile's last program adding them in K order (the plan may
+        use fewer splits so that none is empty; calls of more rows take one split).
+    split_rows: the most rows a call may bring to run split (1..64).
+    maxnreg: the launch's register cap per thread: the CTA holds 8 warps x 32 x cap registers (the
+        consumer's 4 warps and the producer's, padded to a warpgroup), the producer warp drops to
+        24 and the consumer warps rise to 2 x cap - 24; 128 keeps 2 CTAs per SM resident and none
+        of the configurations up to block_m = 32 spills (sm_90 compiles); None: Triton's (256, one
+        CTA per SM).
+    """
+
+    convert: str = "cvt"
+    block_n: int = 64
+    block_m: int = 32
+    stages: int = 4
+    mma_k: int = 32
+    warps_n: int = 1
+    split: int = 1
+    split_rows: int = 16
+    maxnreg: int | None = 128
+
+    def __post_init__(self):
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+        if self.convert not in CONVERTS:
+            raise ValueError(f"GluonExactConfig.convert must be one of {CONVERTS}, got {self.convert!r}")
+        if self.mma_k not in (16, 32) or not is_int(self.mma_k):
+            raise ValueError(f"GluonExactConfig.mma_k must be 16 or 32, got {self.mma_k!r}")
+        if self.warps_n not in (1, 2, 4) or not is_int(self.warps_n):
+            raise ValueError(f"GluonExactConfig.warps_n must be 1, 2 or 4, got {self.warps_n!r}")
+        if self.block_n not in (32, 64, 128) or not is_int(self.block_n):
+            raise ValueError(f"GluonExactConfig.block_n must be 32, 64 or 128, got {self.block_n!r}")
+        if self.block_n // (CONSUMER_WARPS // self.warps_n) < 16:
+            raise ValueError(f"GluonExactConfig.block_n = {self.block_n} gives fewer than 16 weight rows to each "
+                             f"of the {CONSUMER_WARPS // self.warps_n} warps along them (warps_n = {self.warps_n})")
+        if self.block_m not in ROW_BUCKETS or not is_int(self.block_m):
+            raise ValueError(f"GluonExactConfig.block_m must be one of {ROW_BUCKETS}, got {self.block_m!r}")
+        if not is_int(self.stages) or not 2 <= self.stages <= 8:
+            raise ValueError(f"GluonExactConfig.stages must be an int in [2, 8], got {self.stages!r}")
+        if not is_int(self.split) or self.split < 1:
+            raise ValueError(f"GluonExactConfig.split must be a positive int, got {self.split!r}")
+        if not is_int(self.split_rows) or not 1 <= self.split_rows <= MAX_ROWS:
+            raise ValueError(f"GluonExactConfig.split_rows must be an int in [1, {MAX_ROWS}], got {self.split_rows!r}")
+        if self.maxnreg is not None and (not is_int(self.maxnreg) or not 24 <= self.maxnreg <= 256
+                                         or self.maxnreg % 8):
+            raise ValueError(f"GluonExactConfig.maxnreg must be None or a multiple of 8 in [24, 256], "
+                             f"got {self.maxnreg!r}")
+
+
+def block_t(rows: int, config: GluonExactConfig) -> int:
+    """The x rows per program (the MMA's N side) of a call of `rows` rows in `config`: the row
+    bucket, at most config.block_m."""
+    return min(next(b for b in ROW_BUCKETS if b >= rows), config.block_m)
+
+
+def split_rows(config: GluonExactConfig) -> int:
+    """The most rows a call in `config` may bring to run split (one M tile)."""
+    return min(config.split_rows, config.block_m)
+
+
+def launch_warps_n(config: GluonExactConfig, bt: int) -> int:
+    """The consumer warps along x's rows at row bucket `bt`: config.warps_n, at most bt / 8 (each
+    warp's share of x's rows is a whole MMA N of 8)."""
+    return min(config.warps_n, bt // 8)
+
+
+def shared_bytes(config: GluonExactConfig, bt: int) -> int:
+    """The ring's weight and activation tiles at row bucket `bt`, and 1 KB for the mbarriers and what
+    the compiler adds."""
+    return config.stages * (config.block_n + bt) * BLOCK_K + 1024
+
+
+def launch_options(config: GluonExactConfig, bt: int, split: int) -> dict:
+    """The kernel's constexpr arguments and launch options for `config` at row bucket `bt` and
+    `split` K splits (the plan's launch and the sm_90 compile test share them). The launch runs the
+    consumer's 4 warps and the producer's warp, padded to 8 warps; enable_reflect_ftz=False keeps
+    the FP32 subnormals of the scaling's `mul.rn` (libdevice; Triton's default flushes them)."""
+    opts = {"BT": bt, "STAGES": config.stages, "CONVERT": config.convert, "KC": config.mma_k,
+            "WARPS_N": launch_warps_n(config, bt),
+            "SPLIT_K": split > 1, "num_warps": CONSUMER_WARPS, "enable_reflect_ftz": False}
+    if config.maxnreg is not None:
+        opts["maxnreg"] = config.maxnreg
+    return opts
+
+
+class GluonExactMM:
+    """y[M, N] = bf16(sum over 32-wide K blocks kb, in K order, of RN(codes[:, kb] . weight[:, kb])
+    * sx * sw) for 1 <= M <= max_rows <= 64, with the weight bound once: bitwise the contract of
+    `reference.linear.mxfp8_mm`, on the FP64 MMA from a TMA ring (module docstring); sm_90 only.
+    Reduction order: `exact_mm.reduction_order`, the same for every row count.
+
+    weight: [N, K] float8_e4m3fn, unit stride along K, 16-byte aligned rows (TMA); K a positive
+        multiple of 128 (the ring's 128-deep slots, one scale word per row per slot: the Gluon
+        tier's condition; ExactF64MM takes any multiple of 32).
+    w_scale: [ceil(N/32), K/32] UE8M0 (float8_e8m0fnu or uint8), unit stride along K, rows on
+        4-byte boundaries.
+    max_rows: the most rows a call may bring (1..64).
+    config: the launch configuration: one GluonExactConfig for every call (default
+        `GluonExactConfig()`), or `{most rows: GluonExactConfig}` for calls of up to that many rows
+        (smallest key first; the largest key >= max_rows). Every configuration gives the same bits.
+    workspace: None (the plan allocates its split-K workspace and counters) or a shared pool, as
+        `ops.common.plan_workspace` says (FP32 slot 0, int32 slot 0).
+
+    A call's codes must have 16-byte aligned rows (TMA) and its x_scale rows 4-byte boundaries. A
+    plan whose launches split K owns (or takes) a workspace and one int32 counter per weight tile,
+    zero between calls; its calls must not overlap in time (one stream, or ordered streams).
+    """
+
+    def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int = MAX_ROWS,
+                 config: GluonExactConfig | dict[int, GluonExactConfig] | None = None, workspace=None):
+        n, k = mxfp8_weight_args(weight, w_scale, max_rows, MAX_ROWS)
+        if k % BLOCK_K:
+            raise ValueError(f"weight must be [N, K] with K a positive multiple of {BLOCK_K} (the ring's 128-deep "
+                             f"slots), got {(n, k)} (use ops.exact_f64_mm)")
+        configs = config if isinstance(config, dict) else {max_rows: config or GluonExactConfig()}
+        for c in configs.values():
+            if not isinstance(c, GluonExactConfig):
+                raise TypeError(f"config must be a GluonExactConfig or a dict of them, got {type(c).__name__}")
+        if not configs or max(configs) < max_rows:
+            raise ValueError(f"config must cover max_rows={max_rows} rows, got keys {sorted(configs)}")
+        self._configs = sorted(configs.items())
+        for most, c in self._configs:
+            need = shared_bytes(c, block_t(min(most, max_rows), c))
+            if need > SHARED_LIMIT:
+                raise ValueError(f"config.stages = {c.stages} needs {need} bytes of shared memory at "
+                                 f"{min(most, max_rows)} rows (block_n {c.block_n}); sm_90 has {SHARED_LIMIT}")
+        if not is_sm90(weight.device):
+            raise ValueError(f"weight must be on a CUDA device of compute capability 9.0 (the Gluon tier is "
+                             f"sm_90 code: TMA, warp specialization), got {weight.device}")
+        if weight.stride(0) % 16 or weight.data_ptr() % 16:
+            raise ValueError(f"weight rows must be 16-byte aligned for TMA (row stride {weight.stride(0)}, "
+                             f"address {weight.data_ptr():#x})")
+        self.weight, self.w_scale = weight, w_scale.view(torch.uint8)
+        self._sw_words = _scale_words(self.w_scale, "w_scale")
+        self.n, self.k, self.max_rows, self.device = n, k, max_rows, weight.device
+        self._w_descs = {}
+        for _, c in self._configs:
+            if c.block_n not in self._w_descs:
+                layout = gl.NVMMASharedLayout.get_default_for([c.block_n, BLOCK_K], gl.float8e4nv)
+                self._w_descs[c.block_n] = TensorDescriptor.from_tensor(weight, [c.block_n, BLOCK_K], layout)
+        # The split launches' workspace: each weight tile's [K/32, block_n, rows] block terms.
+        split = [(most, c) for most, c in self._configs if self.split_of(c) > 1]
+        ws = max((-(-n // c.block_n) * (k // 32) * c.block_n * min(split_rows(c), most, max_rows) for most, c in split),
+                 default=1)
+        self._workspace = plan_workspace(workspace, 0, ws, torch.float32, self.device)
+        self._counters = plan_workspace(workspace, 0, max((-(-n // c.block_n) for _, c in split), default=1),
+                                        torch.int32, self.device)
+
+    def split_of(self, config: GluonExactConfig) -> int:
+        """The K splits of a launch in `config` of at most `split_rows(config)` rows: none empty."""
+        return split_bounds(config.split, self.k, BLOCK_K)[1]
+
+    def config_for(self, rows: int) -> GluonExactConfig:
+        """The configuration a call of `rows` rows launches with."""
+        return next(c for most, c in self._configs if rows <= most)
+
+    def reduction_order(self, rows: int) -> tuple[str, int, int]:
+        """`exact_mm.reduction_order(K)`: the same for every row count (batch invariance)."""
+        return reduction_order(self.k)
+
+    def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """y = codes x weight^T with both block scales, into out: the arguments and the result of
+        `LowLatencyMM.__call__` (a float32 out receives the unrounded FP32 sums). Returns out."""
+        out = mxfp8_linear_args(codes, x_scale, out, self.n, self.k, self.max_rows, self.device)
+        if codes.stride(0) % 16 or codes.data_ptr() % 16:
+            raise ValueError(f"codes rows must be 16-byte aligned for TMA (row stride {codes.stride(0)}, "
+                             f"address {codes.data_ptr():#x})")
+        sx_words = _scale_words(x_scale, "x_scale")
+        m = codes.shape[0]
+        cfg = self.config_for(m)
+        bt = block_t(m, cfg)
+        steps = self.k // BLOCK_K
+        per, split = split_bounds(cfg.split, self.k, BLOCK_K) if m <= split_rows(cfg) else (self.k, 1)
+        per //= BLOCK_K
+        x_layout = gl.NVMMASharedLayout.get_default_for([bt, BLOCK_K], gl.float8e4nv)
+        x_desc = TensorDescriptor.from_tensor(codes, [bt, BLOCK_K], x_layout)
+        _gluon_exact_mm_kernel[(-(-self.n // cfg.block_n), -(-m // bt), split)](
+            self._w_descs[cfg.block_n], x_desc, sx_words, self._sw_words, out, self._workspace, self._counters,
+            m, self.n, sx_words.stride(0), self._sw_words.stride(0), out.stride(0), per, steps, split,
+            OUT_F32=out.dtype == torch.float32, **launch_options(cfg, bt, split),
+        )
+        return out
