@@ -19,11 +19,15 @@ The codes become FP64 values in registers by integer operations (`_e4m3_f64`): a
 s.eeee.mmm placed with its sign at bit 63 and eeee.mmm at bits 55..49 is the FP64 pattern of
 value * 2^-1016 for every code, subnormals (eeee = 0: an FP64 subnormal) and -0 included; one FP64
 multiply by 2^1016 (exact) makes it the value. Both operands are loaded as int64 words of 8 codes:
-Triton 3.6 moves a conversion of 8-bit loads after the shared-memory load of the MMA operand, where
-its FP64 MMA lowering has no layout for it ("Currently fp64 don't support largeK MMA"); from
-64-bit words the conversion stays in registers and the MMA takes FP64 operands (DMMA, m16n8k16).
-Code k of a block is byte k % 8 of its word k // 8 (little-endian words: K order); the block sum
-would be exact in any order anyway.
+Triton 3.6 moves a conversion of 8-bit loads after the shared-memory load of the MMA operand, in an
+8-bit operand layout (k_width 4) that its FP64 MMA lowering rejects ("Currently fp64 don't support
+largeK MMA"); from 64-bit words the FP64 operands get the layout it takes (k_width 1) and the MMA
+is DMMA (m16n8k16). The weight's words are converted once per byte and the bytes joined into the
+block's 32 columns (`_block_f64`); x's block is loaded as [32, BM] words, each word once per code it
+holds, and converted elementwise (`_e4m3_f64` with a byte per row), which spares the several
+shared-memory layout conversions (and barriers) per block that joining its bytes costs. Code k of a
+block is byte k % 8 of its word k // 8 (little-endian words: K order); the block sum would be
+exact in any order anyway.
 
 Cost (sm_90, what the compile shows): the weight's FP64 operand is staged through shared memory by
 the compiler (8 bytes stored and loaded per weight element and block), and the MMA's N side is at
@@ -112,10 +116,8 @@ def _exact_f64_mm_kernel(
     # Grid: (N tiles, M tiles, K splits). Program (t, u, s) covers W rows [t*BLOCK_N, +BLOCK_N), x
     # rows [u*BLOCK_M, +BLOCK_M) and the K blocks [s*blocks_per_split, +blocks_per_split). Rows past
     # N or M read the last valid row (no masks in the loop) and are masked at the stores. x_ptr and
-    # w_ptr are int64 words (8 codes); stride_xm and stride_wn count words. x's block is loaded as
-    # [32, BM] words, each word once per code it holds (from L1): its conversion is then elementwise
-    # from the load to the MMA, where the bytes joined as for the weight cost several shared-memory
-    # layout conversions (and barriers) per block.
+    # w_ptr are int64 words (8 codes); stride_xm and stride_wn count words; x's block is loaded as
+    # [32, BM] words, row k the word holding code k (module docstring).
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -135,21 +137,23 @@ def _exact_f64_mm_kernel(
     y_ptrs = y_ptr + rm[None, :] * stride_ym + rn[:, None]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     if SPLIT > 1:
-        # This program's block terms go to the tile's slice of the workspace, [KB, BN, BM]; the
-        # tile's last program to arrive adds all KB of them in K order.
+        # This program's block terms go to the tile's slice of the workspace, [KB, BN, BM] (the
+        # call's M rows only: one row tile); the tile's last program to arrive adds all KB of them
+        # in K order.
         ws_tile = ws_ptr + pid_n * (KB * BLOCK_N * BLOCK_M)
         offs = tl.arange(0, BLOCK_N)[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        real = tl.broadcast_to(rm[None, :] < M, [BLOCK_N, BLOCK_M])
         for kb in tl.range(kb_lo, kb_hi, num_stages=STAGES):
             t = _block_term(tl.load(w_ptrs + kb * 4), tl.load(x_ptrs + kb * 4), tl.load(sw_ptrs + kb),
                             tl.load(sx_ptrs + kb), ASM)
-            tl.store(ws_tile + kb * (BLOCK_N * BLOCK_M) + offs, t)
+            tl.store(ws_tile + kb * (BLOCK_N * BLOCK_M) + offs, t, mask=real)
         # Every thread's terms are written before one thread's release of the counter.
         tl.debug_barrier()
         arrived = tl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT - 1:
             tl.debug_barrier()
             for kb in tl.range(0, KB, num_stages=STAGES):
-                acc += tl.load(ws_tile + kb * (BLOCK_N * BLOCK_M) + offs, cache_modifier=".cg")
+                acc += tl.load(ws_tile + kb * (BLOCK_N * BLOCK_M) + offs, mask=real, other=0.0, cache_modifier=".cg")
             _store(y_ptrs, acc, mask, OUT_F32)
             # Zero again for the next call (and a CUDA graph's replay).
             tl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
