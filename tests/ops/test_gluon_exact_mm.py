@@ -1,0 +1,222 @@
+"""ops.gluon_exact_mm, the Gluon form of the contract-exact MXFP8 linear on the FP64 MMA (sm_90 only).
+
+On the CPU (Gluon kernels do not run in Triton's interpreter): the kernel compiles for sm_90
+(Triton's own ptxas) in every form its configuration offers - both conversions, 16- and 32-deep
+MMA steps, 32 / 64 / 128 weight rows, x's rows split across warps, 8 to 32 x rows a program, with
+and without the K split, BF16 and FP32 out - with no spills, the FP64 MMA (DMMA) once per 16
+weight rows, 8 x rows and 16 of K, wide shared-memory loads of the operands, the block terms' last
+product kept apart from the add (`mul.rn`, no FFMA), no FP32 op that flushes subnormals; and the
+plan's bad arguments raise errors that name them. On the GPU (`-m gpu`): bitwise
+`reference.linear.mxfp8_mm` on small shapes (model-like, heavy-tailed, uniform and subnormal
+codes; row tiles, partial tiles, K splits), bitwise `ExactMM` at the V4.1-Flash TP1 shapes at 1,
+8, 16 and 64 rows, run to run, across row counts, and the call's argument errors.
+
+No tolerance anywhere: the op computes the contract's arithmetic exactly (each 32-block's dot an
+exact FP64 MMA, rounded once to FP32; the block terms scaled and added in K order; one rounding to
+BF16), so any difference from the reference is a bug. The heavy-tailed and uniform operands are
+tests/ops/test_exact_mm.py's, on which a plain FP32 block sum is not the exactly rounded one
+(checked there, `test_data_defeats_a_plain_fp32_block_sum`).
+"""
+
+import re
+
+import pytest
+import torch
+from helpers import FLASH_LINEAR_SHAPES as FLASH_SHAPES
+from helpers import check_mxfp8_plan_errors, linear_operands, raises
+from test_exact_mm import _bits, _exact_operands, _gen, _poisoned
+from triton.experimental.gluon import language as gl
+
+from dsv41_decode.ops import gluon_exact_mm as E
+from dsv41_decode.ops.exact_mm import ExactMM
+from dsv41_decode.reference.linear import mxfp8_mm
+from dsv41_decode.testing import sm90
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+C = E.GluonExactConfig
+
+
+def _desc(block) -> str:
+    """The signature of a Gluon TMA descriptor of FP8 tiles `block`, as the launcher specializes it."""
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
+    return f"tensordesc<fp8e4nv[{block[0]}, {block[1]}],{layout!r}>"
+
+
+def _compile(config: E.GluonExactConfig, bt: int, split: int, out_f32: bool):
+    opts = E.launch_options(config, bt, split)
+    launch = {k: opts.pop(k) for k in ("num_warps", "maxnreg", "enable_reflect_ftz") if k in opts}
+    fn = E._gluon_exact_mm_kernel
+    types = {"w_desc": _desc([config.block_n, E.BLOCK_K]), "x_desc": _desc([bt, E.BLOCK_K]), "sx_ptr": "*i32",
+             "sw_ptr": "*i32", "y_ptr": "*fp32" if out_f32 else "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+    # as the launcher sees the real shapes: N and y's row stride multiples of 16
+    return sm90.compile_sm90(fn, types, {**opts, "OUT_F32": out_f32},
+                             divisible=[a for a in fn.arg_names if a.endswith("_ptr") or a in ("N", "stride_ym")],
+                             **launch)
+
+
+# (config, row bucket, K splits, FP32 out): each form of the kernel at least once in few compiles
+# (~1.5 s each): both conversions, both MMA depths, 32 / 64 / 128 weight rows, warps along x's rows,
+# the smallest and the largest row bucket a program takes, the split-K epilogue, FP32 out.
+COMPILE_CASES = [
+    (C(), 8, 1, False),
+    (C(convert="int"), 32, 1, True),
+    (C(convert="int", block_n=128, mma_k=16), 8, 4, False),
+    (C(mma_k=16, warps_n=2), 16, 3, False),
+    (C(convert="int", warps_n=4, block_m=16, stages=3), 16, 2, True),
+]
+
+
+def _case_id(case) -> str:
+    c, bt, split, f32 = case
+    return f"{c.convert}-n{c.block_n}-k{c.mma_k}-wn{c.warps_n}-bt{bt}-split{split}" + ("-f32" if f32 else "")
+
+
+@pytest.mark.parametrize("config,bt,split,out_f32", COMPILE_CASES, ids=[_case_id(c) for c in COMPILE_CASES])
+def test_compiles_for_sm90_without_spills(config, bt, split, out_f32):
+    kernel = _compile(config, bt, split, out_f32)
+    res = sm90.resources(kernel)
+    ins = [t for _, t in sm90.sass(kernel)]
+    ops = sm90.opcode_counts(ins)
+    assert res["LOCAL"] == 0 and res["STACK"] == 0 and ops.get("STL", 0) == 0 and ops.get("LDL", 0) == 0, (res, ops)
+    assert res["REG"] <= config.maxnreg, res
+    assert kernel.metadata.shared <= E.shared_bytes(config, bt) <= E.SHARED_LIMIT, kernel.metadata.shared
+    # The FP64 MMA, m16n8k16: per warp (block_n / warps along the weight rows) / 16 x (bt / warps
+    # along x's rows) / 8 of them per 16 of K, 128 K per slot; the loop body holds one slot.
+    wn = E.launch_warps_n(config, bt)
+    dmma = [t for t in ins if t.startswith("DMMA")]
+    assert all(t.startswith("DMMA.16x8x16 ") for t in dmma), dmma[:4]
+    assert len(dmma) == (config.block_n * wn // 4 // 16) * (bt // wn // 8) * (E.BLOCK_K // 16), len(dmma)
+    # The operands' shared-memory loads in the consumer's loop are wide (8-byte loads for 32-deep
+    # steps, ldmatrix for 16-deep ones): the permuted k puts each thread's bytes side by side; no
+    # load of single bytes or halves (LDS.U8 / .U16: one a byte without the permutation).
+    loop = sm90.main_loop(kernel)
+    assert sum(t.startswith("DMMA") for t in loop) == len(dmma)
+    loads = {t.split()[0] for t in loop if t.startswith("LDS")}
+    assert loads <= {"LDS", "LDS.64", "LDS.128", "LDSM.16.M88", "LDSM.16.M88.2", "LDSM.16.M88.4"}, loads
+    assert ("LDS.64" in loads) if config.mma_k == 32 else any(op.startswith("LDSM") for op in loads), loads
+    # The conversion: "int" multiplies by 2^1016 (DMUL), "cvt" goes through F2F; each block's FP64
+    # sum is rounded once to FP32 (cvt.rn.f32.f64) and its last scale is a lone mul.rn (no FFMA:
+    # nothing contracted into the accumulator's add); no FP32 op flushes subnormals.
+    ptx = kernel.asm["ptx"]
+    assert (ops.get("DMUL", 0) > 0) == (config.convert == "int"), ops
+    assert "cvt.rn.f32.f64" in ptx and "mul.rn.f32" in ptx
+    assert ops.get("FFMA", 0) == 0, ops
+    assert re.search(r"\.ftz\.f32\b", ptx) is None
+    # The TMA ring (weight and x boxes, mbarriers), the producer's registers handed over, and the
+    # last-arriver counter iff the K is split.
+    assert ops.get("UTMALDG", 0) == 2 and ops.get("SYNCS", 0) > 0, ops
+    assert any(t.startswith("USETMAXREG.DEALLOC") for t in ins)
+    assert (split > 1) == (ops.get("ATOMG", 0) > 0), (split, ops)
+
+
+def test_launch_geometry():
+    # Rows per program: the bucket, at most block_m; warps along x's rows: at most one per 8 rows;
+    # the split only for calls of at most min(split_rows, block_m) rows.
+    assert [E.block_t(m, C()) for m in (1, 8, 9, 17, 33, 64)] == [8, 8, 16, 32, 32, 32]
+    assert [E.block_t(m, C(block_m=64)) for m in (33, 64)] == [64, 64]
+    assert [E.launch_warps_n(C(warps_n=4), bt) for bt in (8, 16, 32)] == [1, 2, 4]
+    assert E.split_rows(C(split_rows=16, block_m=8)) == 8
+    assert E.shared_bytes(C(stages=4), 32) == 4 * (64 + 32) * 128 + 1024
+    assert E.shared_bytes(C(stages=8, block_n=128, block_m=64), 64) <= E.SHARED_LIMIT     # the largest ring
+
+
+def test_bad_plan_arguments_name_the_argument():
+    w = torch.zeros(64, 256, dtype=torch.float8_e4m3fn)
+    s = torch.zeros(2, 8, dtype=torch.uint8)
+    raises("compute capability 9.0", lambda: E.GluonExactMM(w, s))          # the CPU: sm_90 code only
+    raises("K a positive multiple of 128", lambda: E.GluonExactMM(torch.zeros(64, 96, dtype=torch.float8_e4m3fn),
+                                                                  torch.zeros(2, 3, dtype=torch.uint8)))
+    raises("weight must have dtype", lambda: E.GluonExactMM(w.view(torch.uint8), s))
+    raises("w_scale must have shape", lambda: E.GluonExactMM(w, s[:, :7]))
+    raises("max_rows", lambda: E.GluonExactMM(w, s, max_rows=65))
+    raises("config must be a GluonExactConfig", lambda: E.GluonExactMM(w, s, config="fast"))
+    raises(r"config must cover max_rows=64 rows, got keys \[16\]", lambda: E.GluonExactMM(w, s, config={16: C()}))
+    raises("convert must be one of", lambda: C(convert="f16"))
+    raises("block_n must be 64 or 128", lambda: C(block_n=32))
+    raises("block_m must be one of", lambda: C(block_m=24))
+    raises("stages must be an int in", lambda: C(stages=1))
+    raises("mma_k must be 16 or 32", lambda: C(mma_k=8))
+    raises("warps_n must be 1, 2 or 4", lambda: C(warps_n=3))
+    raises("split must be a positive int", lambda: C(split=0))
+    raises("split_rows must be an int in", lambda: C(split_rows=17))
+    raises("maxnreg must be None or a multiple of 8", lambda: C(maxnreg=100))
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+def _subnormal_operands(gen, m: int, n: int, k: int):
+    """Codes whose exponent field is 0 or 1 (the E4M3 subnormals, the smallest normals, +-0), every
+    sign: products down to 2^-18, the FP64 subnormal patterns of the "int" conversion."""
+    codes, x_scale, weight, w_scale = _exact_operands(gen, m, n, k, "uniform")
+    return (codes.view(torch.uint8).bitwise_and(0x8F).view(torch.float8_e4m3fn), x_scale,
+            weight.view(torch.uint8).bitwise_and(0x8F).view(torch.float8_e4m3fn), w_scale)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,config,kind", [
+    (1, 96, 512, C(), "quantized"),
+    (5, 160, 384, C(convert="int"), "heavy"),
+    (20, 96, 256, C(block_m=8, warps_n=2), "uniform"),                             # 3 row tiles, 2 partial
+    (40, 130, 512, C(convert="int", mma_k=16, block_n=128), "subnormal"),          # N past a tile
+    (3, 96, 640, C(split=2, block_n=128), "heavy"),                                # splits of 3 + 2 steps
+    (8, 64, 1024, C(convert="int", split=3, mma_k=16), "subnormal"),               # 3 + 3 + 2
+    (64, 64, 256, C(block_m=64, maxnreg=None), "uniform"),
+    (17, 96, 384, C(convert="int", warps_n=4, block_m=32), "quantized"),
+])
+def test_bitwise_equal_to_the_reference_on_gpu(m, n, k, config, kind):
+    if kind == "quantized":   # MXFP8 activations and a block-quantized weight, as the model has them
+        _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(m + n + k), m, n, k)
+    elif kind == "subnormal":
+        codes, x_scale, weight, w_scale = _subnormal_operands(_gen(m + n + k), m, n, k)
+    else:
+        codes, x_scale, weight, w_scale = _exact_operands(_gen(m + n + k), m, n, k, kind)
+    plan = E.GluonExactMM(weight, w_scale, config=config)
+    for dtype in (torch.bfloat16, torch.float32):
+        y = plan(codes, x_scale, _poisoned(m, n, dtype))
+        ref = mxfp8_mm(codes, x_scale, weight, w_scale, dtype)
+        assert torch.equal(_bits(y), _bits(ref)), (m, n, k, config, kind, dtype)
+        again = plan(codes, x_scale, _poisoned(m, n, dtype))       # replays the split-K counters
+        assert torch.equal(_bits(again), _bits(y)), (m, n, k, config, kind, dtype)
+    assert int(plan._counters.abs().sum()) == 0
+
+
+TP1_SHAPES = [s for s in FLASH_SHAPES if s[0] in ("fused_wqa_wkv", "wq_b", "wq_b_tp8", "wo_b")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,n,k", TP1_SHAPES, ids=["fused_wqa_wkv", "wq_b", "idx_wq_b", "wo_b"])
+def test_flash_shapes_match_exact_mm_on_gpu(name, n, k):
+    # Bitwise ExactMM (the reference's bits, tested there) at 1, 8, 16 and 64 rows (the indexer's
+    # wq_b is wq_b_tp8's 4096 x 1280), both conversions, per-row configurations (a K split up to 8
+    # rows), 128 weight rows and 16-deep steps; a row's bits do not depend on the rows beside it.
+    _, _, codes_all, sx_all, weight, w_scale = linear_operands(_gen(n + k), 64, n, k)
+    exact = ExactMM(weight, w_scale)
+    configs = (None, {8: C(convert="int", split=4), 64: C(convert="int", warps_n=2)},
+               C(block_n=128, mma_k=16, block_m=16))
+    for cfg in configs:
+        plan = E.GluonExactMM(weight, w_scale, config=cfg)
+        together = plan(codes_all, sx_all)
+        for m in (1, 8, 16, 64):
+            for dtype in (torch.bfloat16, torch.float32):
+                y = plan(codes_all[:m], sx_all[:m], _poisoned(m, n, dtype))
+                ref = exact(codes_all[:m], sx_all[:m], _poisoned(m, n, dtype))
+                assert torch.equal(_bits(y), _bits(ref)), (name, cfg, m, dtype)
+            assert torch.equal(_bits(y.to(torch.bfloat16)), _bits(together[:m])), (name, cfg, m)
+        assert int(plan._counters.abs().sum()) == 0
+
+
+@pytest.mark.gpu
+def test_bad_call_arguments_name_the_argument_on_gpu():
+    m, n, k = 2, 64, 128
+    _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(8), m, n, k)
+    check_mxfp8_plan_errors(E.GluonExactMM, codes, x_scale, weight, w_scale)
+    plan = E.GluonExactMM(weight, w_scale, max_rows=8)
+    raw = torch.zeros(m * k + 16, dtype=torch.uint8, device=DEVICE)
+    misaligned = raw[1:1 + m * k].view(torch.float8_e4m3fn).view(m, k)
+    sraw = torch.zeros(m * (k // 32) + 4, dtype=torch.uint8, device=DEVICE)
+    raises("codes rows must be 16-byte aligned", lambda: plan(misaligned, x_scale))
+    raises("x_scale rows must start on 4-byte boundaries", lambda: plan(codes, sraw[1:1 + m * (k // 32)].view(m, -1)))
+    raises("weight rows must be 16-byte aligned", lambda: E.GluonExactMM(
+        torch.zeros(n * k + 16, dtype=torch.uint8, device=DEVICE)[8:8 + n * k].view(torch.float8_e4m3fn).view(n, k),
+        w_scale))
+    assert torch.equal(_bits(plan(codes, x_scale)), _bits(mxfp8_mm(codes, x_scale, weight, w_scale)))
