@@ -59,6 +59,7 @@ def test_conversion_of_every_code():
     (1, 40, 256, F64Config(block_n=16, block_m=8, num_warps=1), "heavy"),
     (3, 70, 128, F64Config(block_n=32, block_m=8, num_warps=1), "uniform"),
     (37, 24, 64, F64Config(block_n=16, block_m=16, num_warps=1), "uniform"),      # three row tiles
+    (37, 24, 64, F64Config(block_n=16, block_m=32, num_warps=1), "heavy"),        # x's bytes joined
     (6, 64, 128, None, "quantized"),
     (3, 40, 192, F64Config(block_n=16, block_m=8, num_warps=1, split=4), "heavy"),  # K split: 2+2+2
     (1, 24, 160, F64Config(block_n=16, block_m=8, num_warps=1, split=3), "uniform"),  # 2+2+1
