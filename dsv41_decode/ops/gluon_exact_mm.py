@@ -66,7 +66,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .checks import mxfp8_linear_args, mxfp8_weight_args
 from .common import is_sm90, plan_workspace
 from .exact_mm import reduction_order
-from .gluon_mm import SHARED_LIMIT, _scale, _slot_words, _tile_scales, split_bounds
+from .gluon_mm import _scale, _slot_words, _tile_scales, split_bounds
 from .gluon_mm import _words as _scale_words
 
 MAX_ROWS = 64
@@ -373,7 +373,7 @@ def launch_warps_n(config: GluonExactConfig, bt: int) -> int:
 def shared_bytes(config: GluonExactConfig, bt: int) -> int:
     """The ring's weight and activation tiles at row bucket `bt`, and 1 KB for the mbarriers and what
     the compiler adds: at most 8 x (128 + 64) x 128 + 1024 = 197632 bytes, within sm_90's
-    `SHARED_LIMIT`."""
+    `gluon_mm.SHARED_LIMIT`."""
     return config.stages * (config.block_n + bt) * BLOCK_K + 1024
 
 

@@ -29,6 +29,7 @@ from triton.experimental.gluon import language as gl
 
 from dsv41_decode.ops import gluon_exact_mm as E
 from dsv41_decode.ops.exact_mm import ExactMM
+from dsv41_decode.ops.gluon_mm import SHARED_LIMIT
 from dsv41_decode.reference.linear import mxfp8_mm
 from dsv41_decode.testing import sm90
 
@@ -79,7 +80,7 @@ def test_compiles_for_sm90_without_spills(config, bt, split, out_f32):
     ops = sm90.opcode_counts(ins)
     assert res["LOCAL"] == 0 and res["STACK"] == 0 and ops.get("STL", 0) == 0 and ops.get("LDL", 0) == 0, (res, ops)
     assert res["REG"] <= config.maxnreg, res
-    assert kernel.metadata.shared <= E.shared_bytes(config, bt) <= E.SHARED_LIMIT, kernel.metadata.shared
+    assert kernel.metadata.shared <= E.shared_bytes(config, bt) <= SHARED_LIMIT, kernel.metadata.shared
     # The FP64 MMA, m16n8k16: per warp (block_n / warps along the weight rows) / 16 x (bt / warps
     # along x's rows) / 8 of them per 16 of K, 128 K per slot; the loop body holds one slot.
     wn = E.launch_warps_n(config, bt)
@@ -117,7 +118,7 @@ def test_launch_geometry():
     assert [E.launch_warps_n(C(warps_n=4), bt) for bt in (8, 16, 32)] == [1, 2, 4]
     assert E.split_rows(C(split_rows=16, block_m=8)) == 8
     assert E.shared_bytes(C(stages=4), 32) == 4 * (64 + 32) * 128 + 1024
-    assert E.shared_bytes(C(stages=8, block_n=128, block_m=64), 64) <= E.SHARED_LIMIT     # the largest ring
+    assert E.shared_bytes(C(stages=8, block_n=128, block_m=64), 64) <= SHARED_LIMIT     # the largest ring
 
 
 def test_bad_plan_arguments_name_the_argument():

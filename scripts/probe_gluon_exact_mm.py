@@ -1,0 +1,291 @@
+"""Probe `gluon_exact_mm` on a GPU (sm_90): `GluonExactMM` (the contract-exact linear on the FP64 MMA
+in Gluon) in candidate configurations against the other exact linears - `ExactF64MM` (the same
+FP64 MMA in Triton, its default configurations) and `ExactMM` (CUDA cores, its tuned table) - and
+the step's tensor-core FP8 plan `GluonMM` (not exact), at the four V4.1-Flash shapes of the step's
+GEMMs (TP1), rows 1, 2, 4, 8, 16, 32, 64: us per call from CUDA-graph replay over weight copies
+rotated beyond L2 (as `bench gemm`; median of the replays), % of the streaming read measured in
+the same run (the bytes `bench gemm` counts: weight, scales, activations, output), and per line the
+bits of every exact op against ExactMM's (must be `=`, 0 differing outputs, on model-like
+operands). Then, per shape, heavy-tailed codes (448 down to the subnormals) against
+`reference.linear.mxfp8_mm` per configuration; the best GluonExactMM configuration per (shape,
+rows) against the three others; per shape the per-row table a plan would take
+(`GluonExactMM(config={rows: config})`); each compiled kernel's registers and spills.
+
+Kernels compile first in parallel worker processes (each configuration at each row bucket and
+with and without the K split), so the timing loop loads them from Triton's cache; `--budget=` s
+(default 480) stops the timing, the summary still prints.
+
+    PYTHONPATH=. python scripts/probe_gluon_exact_mm.py
+    PYTHONPATH=. python scripts/probe_gluon_exact_mm.py --rows=1,8,64 --only=wq_b --alt=int:128:32:1:32:4:1
+
+--alt: GluonExactMM configurations convert:block_n:block_m:warps_n:mma_k:stages:split[:maxnreg]
+(`GluonExactConfig`; split: K splits for calls of at most min(16, block_m) rows; maxnreg 0: None).
+`PROBE_DRY=1` runs the script on the CPU at small shapes with the reference in place of every
+kernel (checks the script only, no timing worth reading).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import multiprocessing as mp
+import os
+import statistics
+import time
+from concurrent.futures import ProcessPoolExecutor, wait
+
+import torch
+
+from dsv41_decode.bench.gemm import Shape
+from dsv41_decode.formats import fp8_block_quantize, mxfp8_quantize
+from dsv41_decode.ops import gluon_exact_mm as E
+from dsv41_decode.ops.gluon_exact_mm import GluonExactConfig
+from dsv41_decode.reference.linear import mxfp8_mm
+
+from _args import arg   # scripts/ is on sys.path when run as python scripts/<probe>.py
+
+DRY = os.environ.get("PROBE_DRY") == "1"
+DEV = "cpu" if DRY else "cuda"
+SHAPES = {"fused_wqa_wkv": Shape("fused_wqa_wkv", 1792, 5120), "wq_b": Shape("wq_b", 32768, 1280),
+          "idx_wq_b": Shape("idx_wq_b", 4096, 1280), "wo_b": Shape("wo_b", 5120, 8192)}
+if DRY:
+    SHAPES = {name: Shape(name, 256, s.k) for name, s in SHAPES.items()}
+ROWS = (1, 2, 4, 8, 16, 32, 64)
+# The default, then each option moved from it: the integer conversion, 128 weight rows, x's rows
+# across two warps, 16-deep MMA steps, a deeper ring, K splits (the shapes with few weight tiles:
+# fused_wqa_wkv 28 of 64 rows, idx_wq_b 64, wo_b 80), and combinations of the likely winners.
+CANDIDATES = ["cvt:64:32:1:32:4:1", "int:64:32:1:32:4:1", "cvt:128:32:1:32:4:1", "int:128:32:1:32:4:1",
+              "cvt:64:32:2:32:4:1", "int:64:32:2:32:4:1", "cvt:64:32:1:16:4:1", "int:64:32:1:16:4:1",
+              "cvt:64:32:1:32:6:1", "cvt:64:32:1:32:4:4", "int:64:32:1:32:4:4", "int:128:16:2:32:3:8",
+              "int:128:32:1:32:4:2", "int:64:64:2:32:4:1:0"]
+
+
+def config_of(spec: str) -> GluonExactConfig:
+    convert, bn, bm, wn, mk, stages, split, *reg = spec.split(":")
+    maxnreg = int(reg[0]) if reg else 128
+    return GluonExactConfig(convert=convert, block_n=int(bn), block_m=int(bm), warps_n=int(wn), mma_k=int(mk),
+                            stages=int(stages), split=int(split), maxnreg=maxnreg or None)
+
+
+class _DryPlan:
+    """PROBE_DRY's stand-in for every plan on the CPU: the reference's output."""
+
+    def __init__(self, weight, w_scale, max_rows=64, config=None):
+        self.weight, self.w_scale = weight, w_scale
+
+    def __call__(self, codes, x_scale, out=None):
+        y = mxfp8_mm(codes, x_scale, self.weight, self.w_scale)
+        return y if out is None else out.copy_(y)
+
+
+if DRY:
+    GluonExactMM = ExactF64MM = ExactMM = GluonMM = _DryPlan
+else:
+    from dsv41_decode.ops.exact_f64_mm import ExactF64MM
+    from dsv41_decode.ops.exact_mm import ExactMM
+    from dsv41_decode.ops.gluon_exact_mm import GluonExactMM
+    from dsv41_decode.ops.gluon_mm import GluonMM
+
+
+def _time(fn, copies: int, replays: int) -> float:
+    """Median us per call of `fn` (which makes `copies` calls): CUDA-graph replay, or (PROBE_DRY)
+    the wall clock."""
+    if not DRY:
+        from dsv41_decode.bench.timing import graph_time_us
+        return graph_time_us(fn, calls_per_graph=copies, replays=replays)
+    times = []
+    for _ in range(3):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e6 / copies)
+    return statistics.median(times)
+
+
+def _heavy(g, shape):
+    v = torch.randn(shape, generator=g, device=DEV) ** 3
+    return (v * (448 / v.abs().amax(-1, keepdim=True))).to(torch.float8_e4m3fn)
+
+
+def _kernels() -> dict:
+    """The GluonExactMM kernels compiled in this process so far: key -> CompiledKernel."""
+    caches = E._gluon_exact_mm_kernel.device_caches
+    return dict(caches[torch.cuda.current_device()][0]) if caches else {}
+
+
+def compile_task(spec: str, rows: int, split_k: bool):
+    """Compile and run one (configuration, row bucket, split or not) on a small problem (the
+    launcher's specializations are the real shapes': N a multiple of 16); returns (spec, rows,
+    split_k, seconds, [(registers, spills) of the kernels it compiled], error or None)."""
+    try:
+        t = time.time()
+        g = torch.Generator(device=DEV).manual_seed(1)
+        weight, w_scale = fp8_block_quantize(torch.randn(256, 1280, generator=g, device=DEV) * 0.03)
+        codes, x_scale = mxfp8_quantize(torch.randn(rows, 1280, generator=g, device=DEV).to(torch.bfloat16))
+        cfg = config_of(spec)
+        if not split_k:
+            cfg = dataclasses.replace(cfg, split=1)
+        elif cfg.split == 1 or rows > E.split_rows(cfg):
+            return spec, rows, split_k, 0.0, [], None          # never launched so
+        before = set(_kernels()) if not DRY else set()
+        GluonExactMM(weight, w_scale, 64, config=cfg)(codes, x_scale)
+        if DRY:
+            return spec, rows, split_k, time.time() - t, [], None
+        torch.cuda.synchronize()
+        new = [k for key, k in _kernels().items() if key not in before]
+        return spec, rows, split_k, time.time() - t, [(k.n_regs, k.n_spills) for k in new], None
+    except Exception as e:  # noqa: BLE001 - report, keep probing
+        return spec, rows, split_k, 0.0, [], f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def precompile(specs: list[str], rows: list[int], workers: int, timeout: float) -> set[tuple[str, int]]:
+    """Compile and run every (configuration, row bucket used, split flag) in parallel workers;
+    prints each kernel's registers and spills; returns the (spec, bucket) that failed or did not
+    finish within `timeout` s (never timed afterwards)."""
+    tasks = [(s, bt, f) for s in specs for bt in sorted({E.block_t(m, config_of(s)) for m in rows})
+             for f in (False, True)]
+    ex = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"))
+    futs = [ex.submit(compile_task, *t) for t in tasks]
+    done, _ = wait(futs, timeout=timeout)
+    bad = set()
+    for f in done:
+        spec, bt, flag, secs, regs, err = f.result()
+        if err:
+            bad.add((spec, bt))
+            print(f"compile FAIL {spec} rows={bt} split={flag}: {err}", flush=True)
+        elif regs:
+            print(f"compiled {spec} rows={bt} split={flag}: {secs:.1f} s, registers/spills {regs}", flush=True)
+    for t, f in zip(tasks, futs):
+        if f not in done:
+            bad.add((t[0], t[1]))
+            print(f"compile+run of {t} did not finish in {timeout:.0f} s: skipped", flush=True)
+    hung = len(done) < len(futs)
+    for proc in list(getattr(ex, "_processes", {}).values()) if hung else []:
+        proc.terminate()         # a worker stuck in a kernel (a ring that deadlocks): its context goes with it
+    ex.shutdown(wait=not hung, cancel_futures=True)
+    print(f"compiled {len(tasks)} (configuration, rows, split) in {workers} workers, "
+          f"{len({s for s, _ in bad})} configuration(s) with a failure", flush=True)
+    return bad
+
+
+def main() -> None:
+    t0 = time.time()
+    rows = [int(r) for r in arg("rows", ",".join(map(str, ROWS))).split(",")]
+    names = arg("only", ",".join(SHAPES)).split(",")
+    specs = [s for s in arg("alt", ",".join(CANDIDATES)).split(",") if s]
+    replays = int(arg("replays", "20"))
+    budget = float(arg("budget", "480"))
+    for s in specs:
+        config_of(s)                        # a bad spec fails here, before anything runs
+    failed = precompile(specs, rows, int(arg("workers", "2" if DRY else "14")), float(arg("compile_timeout", "120")))
+    if DRY:
+        floor = 4400.0
+    else:
+        from dsv41_decode.bench.floor import read_bandwidth_gbps
+        from dsv41_decode.bench.timing import l2_rotation
+        floor = read_bandwidth_gbps()
+    print(f"streaming read: {floor:.0f} GB/s on {'the CPU (dry run)' if DRY else torch.cuda.get_device_name()} "
+          f"({time.time() - t0:.0f} s in)", flush=True)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    results: dict[tuple[str, int], dict[str, float]] = {}       # (shape, rows) -> {spec: us}
+    base: dict[tuple[str, int], dict[str, float]] = {}          # (shape, rows) -> {op: us}
+    out_of_time = False
+    for name in names:
+        shape = SHAPES[name]
+        n, k = shape.n, shape.k
+        copies = 2 if DRY else l2_rotation(shape.weight_bytes())
+        ws = [fp8_block_quantize(torch.randn(n, k, generator=g, device=DEV) * k ** -0.5) for _ in range(copies)]
+        others = {"f64": [ExactF64MM(w, s, 64) for w, s in ws], "exact_mm": [ExactMM(w, s, 64) for w, s in ws],
+                  "gluon(TC)": [GluonMM(w, s, 64) for w, s in ws]}
+        print(f"{name}: N={n} K={k}, {copies} weight copies", flush=True)
+        for m in rows:
+            if time.time() - t0 > budget:
+                out_of_time = True
+                break
+            codes, x_scale = mxfp8_quantize(torch.randn(m, k, generator=g, device=DEV).to(torch.bfloat16))
+            out = torch.empty(m, n, dtype=torch.bfloat16, device=DEV)
+            ref = others["exact_mm"][0](codes, x_scale).view(torch.int16).clone()
+            pct = lambda us: 100 * (shape.weight_bytes() + shape.io_bytes(m)) / (us * 1e3) / floor  # noqa: E731
+
+            def timed(plans):
+                return _time(lambda: [p(codes, x_scale, out) for p in plans], copies, replays)
+
+            def differ(plan) -> str:
+                bad = int((plan(codes, x_scale).view(torch.int16) != ref).sum())
+                return "=" if bad == 0 else f"{bad} DIFFER"
+
+            base[(name, m)] = {op: timed(plans) for op, plans in others.items()}
+            line = "  ".join(f"{op} {us:7.2f} ({pct(us):4.1f} %)" for op, us in base[(name, m)].items())
+            print(f"{name:14s} M={m:2d}  {line}  f64 bits {differ(others['f64'][0])}", flush=True)
+            res = results.setdefault((name, m), {})
+            for spec in specs:
+                if (spec, E.block_t(m, config_of(spec))) in failed:
+                    continue
+                try:
+                    plans = [GluonExactMM(w, s, 64, config=config_of(spec)) for w, s in ws]
+                    bits = differ(plans[0])
+                    us = timed(plans)
+                    del plans
+                except Exception as e:  # noqa: BLE001 - report, keep probing
+                    print(f"{name} M={m} {spec}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    continue
+                if bits == "=":
+                    res[spec] = us
+                print(f"{name:14s} M={m:2d}  {spec:24s} {us:7.2f} us ({pct(us):4.1f} %)  "
+                      f"x{base[(name, m)]['f64'] / us:4.2f} f64  x{base[(name, m)]['exact_mm'] / us:4.2f} exact_mm  "
+                      f"x{base[(name, m)]['gluon(TC)'] / us:4.2f} gluon(TC)  bits {bits}", flush=True)
+        # Heavy-tailed codes (448 down to the subnormals), where an inexact block sum shows.
+        hc, hw = _heavy(g, (16, k)), _heavy(g, (n, k))
+        sx = torch.randint(120, 134, (16, k // 32), dtype=torch.uint8, device=DEV)
+        href = mxfp8_mm(hc, sx, hw, ws[0][1]).view(torch.int16)
+        for spec in specs:
+            try:
+                bad = int((GluonExactMM(hw, ws[0][1], 64, config=config_of(spec))(hc, sx).view(torch.int16)
+                           != href).sum())
+                print(f"heavy {name} {spec}: {bad} outputs differ from the reference", flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(f"heavy {name} {spec}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        del ws, others
+        if not DRY:
+            torch.cuda.empty_cache()
+        if out_of_time:
+            print(f"(out of time budget {budget:.0f} s: stopped timing at {name})", flush=True)
+            break
+    summarize(results, base, floor)
+    print(f"total {time.time() - t0:.0f} s", flush=True)
+
+
+def summarize(results, base, floor) -> None:
+    print("\nbest GluonExactMM configuration per (shape, rows), bitwise ExactMM's:")
+    print(f"{'shape':14s} {'rows':>4s}  {'best':24s} {'us':>7s} {'% read':>6s} {'f64 us':>7s} {'x f64':>6s} "
+          f"{'exact_mm':>8s} {'x exact':>7s} {'gluon(TC)':>9s} {'/ TC':>6s}")
+    table: dict[str, dict[int, str]] = {}
+    for (name, m), res in results.items():
+        if not res:
+            continue
+        best = min(res, key=res.get)
+        b, shape = base[(name, m)], SHAPES[name]
+        pct = 100 * (shape.weight_bytes() + shape.io_bytes(m)) / (res[best] * 1e3) / floor
+        print(f"{name:14s} {m:4d}  {best:24s} {res[best]:7.2f} {pct:6.1f} {b['f64']:7.2f} {b['f64'] / res[best]:6.2f} "
+              f"{b['exact_mm']:8.2f} {b['exact_mm'] / res[best]:7.2f} {b['gluon(TC)']:9.2f} "
+              f"{res[best] / b['gluon(TC)']:6.2f}", flush=True)
+        table.setdefault(name, {})[m] = best
+    print("\nper shape, the best configuration per row count (GluonExactMM(config={rows: config}), the largest "
+          "key covering 64):")
+    for name, per in table.items():
+        print(f"  {name} {SHAPES[name].n}x{SHAPES[name].k}: " + ", ".join(f"{m}: {spec}" for m, spec in per.items()))
+    print("\nbest single configuration per shape (geometric mean over the rows every candidate ran):")
+    for name in table:
+        per = [res for (nm, _), res in results.items() if nm == name and res]
+        common = set.intersection(*(set(res) for res in per))
+        if not common:
+            continue
+        gmean = {s: math.exp(sum(math.log(res[s]) for res in per) / len(per)) for s in common}
+        best = min(gmean, key=gmean.get)
+        others = {op: math.exp(sum(math.log(base[(nm, m)][op]) for (nm, m), res in results.items()
+                                   if nm == name and res) / len(per)) for op in ("f64", "exact_mm", "gluon(TC)")}
+        print(f"  {name:14s} {best:24s} gmean {gmean[best]:7.2f} us; f64 {others['f64']:7.2f}, exact_mm "
+              f"{others['exact_mm']:7.2f}, gluon(TC) {others['gluon(TC)']:7.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
