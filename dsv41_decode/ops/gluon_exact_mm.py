@@ -25,13 +25,19 @@ What the Gluon form does differently (the layout of `ops.gluon_mm`, the Gluon FP
   the codes to FP64 in registers, run the block's MMA from a zero accumulator, round, scale and
   add (above). Each warp converts its own x operand once per K block (the warps that share x's
   columns each convert them).
-- **Two conversions E4M3 -> FP64** (`GluonExactConfig.convert`), both exact for every E4M3 value
-  (subnormals and -0 included): "cvt" through FP32 (`cvt` FP8 -> F16x2 -> F32 -> F64) and "int",
-  `exact_f64_mm._e4m3_f64`'s integer construction (the code's sign at bit 63 and eeee.mmm at bits
-  55..49 of an FP64 pattern: value * 2^-1016, an FP64 subnormal for a subnormal code; times
-  2^1016, exact), ported to Gluon (a Triton helper cannot be called from a Gluon kernel). The
-  two NaN codes 0x7F / 0xFF are not values (the MXFP8 and FP8 block quantizers never write them):
-  "cvt" reads them as NaN, "int" as +-480.
+- **Three conversions E4M3 -> FP64** (`GluonExactConfig.convert`, `_e4m3_f64`), all exact for
+  every E4M3 value (subnormals and -0 included): "cvt" through FP32 (`cvt` FP8 -> F16x2, then
+  F2F to FP64: a quarter-rate instruction per code), "int", `exact_f64_mm._e4m3_f64`'s integer
+  construction (the code's sign at bit 63 and eeee.mmm at bits 55..49 of an FP64 pattern: value *
+  2^-1016, an FP64 subnormal for a subnormal code; times 2^1016, exact), ported to Gluon (a Triton
+  helper cannot be called from a Gluon kernel), and "raw", the same pattern without the multiply
+  on the weight's side: the weight enters the MMA as value * 2^-1016 (FP64 subnormals for the
+  subnormal codes: this form relies on the FP64 MMA taking subnormal operands exactly, as IEEE
+  FMAs do; the GPU tests check it on subnormal codes), x as value * 2^1000, every product is the
+  true one times 2^-16 (a normal FP64 value, at least 2^-34), the MMA's sum the block sum times
+  2^-16, exactly, rounded to FP32 and scaled back by 2^16 (exact: no FP32 underflow or overflow
+  between 2^-34 and 2^7). The two NaN codes 0x7F / 0xFF are not values (the MXFP8 and FP8 block
+  quantizers never write them): "cvt" reads them as NaN, "int" and "raw" as +-480.
 - **The k order within a block.** Each operand is loaded in the layout where a thread's bytes are
   consecutive in shared memory (one 8-byte load, or ldmatrix with `mma_k=16`, instead of one load
   per byte) and renamed into the MMA's operand layout, which takes the block's 32 k in a fixed
@@ -73,7 +79,7 @@ MAX_ROWS = 64
 BLOCK_K = 128                   # K per ring slot: four 32-wide blocks, one 32-bit scale word per row
 ROW_BUCKETS = (8, 16, 32, 64)   # BT: the MMA's N side
 CONSUMER_WARPS = 4
-CONVERTS = ("cvt", "int")
+CONVERTS = ("cvt", "int", "raw")
 
 
 @gluon.jit
@@ -93,17 +99,36 @@ def _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, step_l
 
 
 @gluon.jit
-def _e4m3_f64(codes, CONVERT: gl.constexpr):
-    """The FP64 values of E4M3 codes (float8e4nv, any layout), exactly. "cvt": through FP32 (every
-    E4M3 value is an FP32 and an FP64 value). "int": the code sign-extended to 64 bits and shifted
-    left by 49 puts its sign at bit 63 and eeee.mmm at bits 55..49; the bits between masked off,
-    that is the FP64 pattern of value * 2^-1016 (an FP64 subnormal for a subnormal code, -0 for
-    0x80), times 2^1016 (exact)."""
-    if CONVERT == "int":
-        hi = (codes.to(gl.int8, bitcast=True).to(gl.int32) << 17) & -0x7F020000   # 0x80FE0000: bits 31, 23..17
-        t = hi.to(gl.int64) << 32
-        two_1016 = gl.full(t.shape, 2039 << 52, gl.int64, t.type.layout).to(gl.float64, bitcast=True)
-        return t.to(gl.float64, bitcast=True) * two_1016
+def _e4m3_pattern(codes):
+    """The FP64 pattern of value * 2^-1016 of E4M3 codes (float8e4nv, any layout): the code
+    sign-extended to 32 bits and shifted left by 17 puts its sign at bit 31 and eeee.mmm at bits
+    23..17 of the high word; the bits between masked off, the low word zero. An FP64 subnormal for
+    a subnormal code (eeee = 0), -0 for 0x80."""
+    hi = (codes.to(gl.int8, bitcast=True).to(gl.int32) << 17) & -0x7F020000   # 0x80FE0000: bits 31, 23..17
+    return (hi.to(gl.int64) << 32).to(gl.float64, bitcast=True)
+
+
+@gluon.jit
+def _pow2(x, e: gl.constexpr):
+    """x * 2^e (FP64, e in -1022..1023: one exact multiply unless the product leaves the range)."""
+    return x * gl.full(x.shape, (1023 + e) << 52, gl.int64, x.type.layout).to(gl.float64, bitcast=True)
+
+
+@gluon.jit
+def _e4m3_f64(codes, CONVERT: gl.constexpr, OPERAND: gl.constexpr):
+    """The MMA operand `OPERAND` (0: the weight, 1: x) of E4M3 codes (float8e4nv, any layout) as FP64,
+    exactly: the value itself ("cvt": through FP32; "int": `_e4m3_pattern` times 2^1016) or, "raw",
+    the weight's value * 2^-1016 (the pattern alone: an FP64 subnormal for a subnormal code, which
+    the MMA takes as it is) and x's value * 2^1000 (the pattern times 2^1008 twice), so that every
+    product is the true one times 2^-16, a normal FP64 value (at least 2^-18 * 2^-16): the block
+    sum times 2^-16, exact (module doc), and `_block_partial` scales it back."""
+    if CONVERT == "raw":
+        if OPERAND == 0:
+            return _e4m3_pattern(codes)
+        else:
+            return _pow2(_pow2(_e4m3_pattern(codes), 1008), 1008)
+    elif CONVERT == "int":
+        return _pow2(_e4m3_pattern(codes), 1016)
     else:
         return codes.to(gl.float32).to(gl.float64)
 
@@ -156,8 +181,13 @@ def _block_partial(w_tile, x_tile, j: gl.constexpr, zero, CONVERT: gl.constexpr,
     for h in gl.static_range(32 // KC):
         a = _operand_a(w_tile.slice(32 * j + KC * h, KC, dim=1), la, KC)                         # [BN, KC]
         b = _operand_b(x_tile.slice(32 * j + KC * h, KC, dim=1).permute((1, 0)), lb, KC)         # [KC, BT]
-        d = mma_v2(_e4m3_f64(a, CONVERT), _e4m3_f64(b, CONVERT), d)
-    return d.to(gl.float32)
+        d = mma_v2(_e4m3_f64(a, CONVERT, 0), _e4m3_f64(b, CONVERT, 1), d)
+    if CONVERT == "raw":
+        # RN(sum * 2^-16) = RN(sum) * 2^-16: a nonzero block sum is at least 2^-18 in magnitude, so
+        # the scaled one stays a normal FP32 (>= 2^-34) and below 2^7; times 2^16 is exact.
+        return d.to(gl.float32) * 65536.0
+    else:
+        return d.to(gl.float32)
 
 
 @gluon.jit
@@ -290,8 +320,9 @@ def _gluon_exact_mm_kernel(
 class GluonExactConfig:
     """One launch configuration; every configuration gives the same bits.
 
-    convert: how the consumer makes FP64 values of the E4M3 codes, "cvt" (through FP32) or "int"
-        (integer operations and one FP64 multiply): `_e4m3_f64`.
+    convert: how the consumer makes FP64 operands of the E4M3 codes: "cvt" (through FP32), "int"
+        (integer operations and one FP64 multiply) or "raw" (the weight's integer pattern alone, x
+        scaled by 2^1000; relies on the FP64 MMA's subnormal operands): `_e4m3_f64`.
     block_n: weight rows per program (the MMA's M side, the weight's TMA box [block_n, 128]): 64 or
         128 (at 8 x rows all 4 warps split the weight rows, 16 or 32 each).
     block_m: the most x rows per program (8, 16, 32 or 64): a call's rows padded to the row bucket

@@ -1,8 +1,8 @@
 """ops.gluon_exact_mm, the Gluon form of the contract-exact MXFP8 linear on the FP64 MMA (sm_90 only).
 
 On the CPU (Gluon kernels do not run in Triton's interpreter): the kernel compiles for sm_90
-(Triton's own ptxas) in every form its configuration offers - both conversions, 16- and 32-deep
-MMA steps, 32 / 64 / 128 weight rows, x's rows split across warps, 8 to 32 x rows a program, with
+(Triton's own ptxas) in every form its configuration offers - the three conversions, 16- and 32-deep
+MMA steps, 64 / 128 weight rows, x's rows split across warps, 8 to 32 x rows a program, with
 and without the K split, BF16 and FP32 out - with no spills, the FP64 MMA (DMMA) once per 16
 weight rows, 8 x rows and 16 of K, wide shared-memory loads of the operands, the block terms' last
 product kept apart from the add (`mul.rn`, no FFMA), no FP32 op that flushes subnormals; and the
@@ -56,7 +56,7 @@ def _compile(config: E.GluonExactConfig, bt: int, split: int, out_f32: bool):
 
 
 # (config, row bucket, K splits, FP32 out): each form of the kernel at least once in few compiles
-# (~1.5 s each): both conversions, both MMA depths, 32 / 64 / 128 weight rows, warps along x's rows,
+# (~1 s each): the three conversions, both MMA depths, 32 / 64 / 128 weight rows, warps along x's rows,
 # the smallest and the largest row bucket a program takes, the split-K epilogue, FP32 out.
 COMPILE_CASES = [
     (C(), 8, 1, False),
@@ -64,6 +64,8 @@ COMPILE_CASES = [
     (C(convert="int", block_n=128, mma_k=16), 8, 4, False),
     (C(mma_k=16, warps_n=2), 16, 3, False),
     (C(convert="int", warps_n=4, block_m=16, stages=3), 16, 2, True),
+    (C(convert="raw", block_n=128), 8, 1, False),
+    (C(convert="raw", mma_k=16, warps_n=2), 16, 2, True),
 ]
 
 
@@ -95,11 +97,15 @@ def test_compiles_for_sm90_without_spills(config, bt, split, out_f32):
     loads = {t.split()[0] for t in loop if t.startswith("LDS")}
     assert loads <= {"LDS", "LDS.64", "LDS.128", "LDSM.16.M88", "LDSM.16.M88.2", "LDSM.16.M88.4"}, loads
     assert ("LDS.64" in loads) if config.mma_k == 32 else any(op.startswith("LDSM") for op in loads), loads
-    # The conversion: "int" multiplies by 2^1016 (DMUL), "cvt" goes through F2F; each block's FP64
-    # sum is rounded once to FP32 (cvt.rn.f32.f64) and its last scale is a lone mul.rn (no FFMA:
-    # nothing contracted into the accumulator's add); no FP32 op flushes subnormals.
+    # The conversion: "int" multiplies every code's pattern by 2^1016 (DMUL), "raw" only x's (by
+    # 2^1008 twice), "cvt" none (F2F); each block's FP64 sum is rounded once to FP32
+    # (cvt.rn.f32.f64) and its last scale is a lone mul.rn (no FFMA: nothing contracted into the
+    # accumulator's add); no FP32 op flushes subnormals.
     ptx = kernel.asm["ptx"]
-    assert (ops.get("DMUL", 0) > 0) == (config.convert == "int"), ops
+    # codes a thread converts per slot: x's [bt / wn, 128] and the weight's [block_n / (4 / wn), 128]
+    # over the warp's 32 threads
+    x_codes, w_codes = bt // wn * 128 // 32, config.block_n * wn // 4 * 128 // 32
+    assert ops.get("DMUL", 0) == {"cvt": 0, "int": w_codes + x_codes, "raw": 2 * x_codes}[config.convert], ops
     assert "cvt.rn.f32.f64" in ptx and "mul.rn.f32" in ptx
     assert ops.get("FFMA", 0) == 0, ops
     assert re.search(r"\.ftz\.f32\b", ptx) is None
@@ -163,6 +169,11 @@ def _subnormal_operands(gen, m: int, n: int, k: int):
     (8, 64, 1024, C(convert="int", split=3, mma_k=16), "subnormal"),               # 3 + 3 + 2
     (64, 64, 256, C(block_m=64, maxnreg=None), "uniform"),
     (17, 96, 384, C(convert="int", warps_n=4, block_m=32), "quantized"),
+    # "raw": the weight's subnormal codes enter the FP64 MMA as FP64 subnormals
+    (9, 96, 512, C(convert="raw"), "subnormal"),
+    (2, 130, 384, C(convert="raw", block_n=128, split=2, mma_k=16), "subnormal"),
+    (33, 64, 256, C(convert="raw", warps_n=2), "heavy"),
+    (4, 64, 256, C(convert="raw"), "uniform"),
 ])
 def test_bitwise_equal_to_the_reference_on_gpu(m, n, k, config, kind):
     if kind == "quantized":   # MXFP8 activations and a block-quantized weight, as the model has them
@@ -188,12 +199,12 @@ TP1_SHAPES = [s for s in FLASH_SHAPES if s[0] in ("fused_wqa_wkv", "wq_b", "wq_b
 @pytest.mark.parametrize("name,n,k", TP1_SHAPES, ids=["fused_wqa_wkv", "wq_b", "idx_wq_b", "wo_b"])
 def test_flash_shapes_match_exact_mm_on_gpu(name, n, k):
     # Bitwise ExactMM (the reference's bits, tested there) at 1, 8, 16 and 64 rows (the indexer's
-    # wq_b is wq_b_tp8's 4096 x 1280), both conversions, per-row configurations (a K split up to 8
+    # wq_b is wq_b_tp8's 4096 x 1280), the three conversions, per-row configurations (a K split up to 8
     # rows), 128 weight rows and 16-deep steps; a row's bits do not depend on the rows beside it.
     _, _, codes_all, sx_all, weight, w_scale = linear_operands(_gen(n + k), 64, n, k)
     exact = ExactMM(weight, w_scale)
     configs = (None, {8: C(convert="int", split=4), 64: C(convert="int", warps_n=2)},
-               C(block_n=128, mma_k=16, block_m=16))
+               C(block_n=128, mma_k=16, block_m=16), {16: C(convert="raw", block_n=128), 64: C(convert="raw")})
     for cfg in configs:
         plan = E.GluonExactMM(weight, w_scale, config=cfg)
         together = plan(codes_all, sx_all)
