@@ -327,8 +327,8 @@ class GluonExactConfig:
         128 (at 8 x rows all 4 warps split the weight rows, 16 or 32 each).
     block_m: the most x rows per program (8, 16, 32 or 64): a call's rows padded to the row bucket
         (8, 16, 32, 64) up to block_m, and calls of more rows take several programs per weight
-        tile (the later ones read the weight tile from L2). Past 32 x rows a program's FP64
-        operands and results outgrow the registers (sm_90 compiles spill).
+        tile (the later ones read the weight tile from L2). At maxnreg=128, 64 weight rows take up
+        to 32 x rows and 128 weight rows up to 16 without spilling (sm_90 compiles); more spill.
     stages: ring slots, 2..8.
     mma_k: the K depth of one operand load and MMA call, 16 (one DMMA m16n8k16 per 16 weight
         rows; the operands' loads are ldmatrix) or 32 (two chained; 8-byte loads, more registers).
@@ -349,7 +349,7 @@ class GluonExactConfig:
         None: Triton's (256, one CTA per SM).
     """
 
-    convert: str = "cvt"
+    convert: str = "int"
     block_n: int = 64
     block_m: int = 32
     stages: int = 4

@@ -59,12 +59,12 @@ def _compile(config: E.GluonExactConfig, bt: int, split: int, out_f32: bool):
 # (~1 s each): the three conversions, both MMA depths, 32 / 64 / 128 weight rows, warps along x's rows,
 # the smallest and the largest row bucket a program takes, the split-K epilogue, FP32 out.
 COMPILE_CASES = [
-    (C(), 8, 1, False),
-    (C(convert="int"), 32, 1, True),
-    (C(convert="int", block_n=128, mma_k=16), 8, 4, False),
+    (C(convert="cvt"), 8, 1, False),
+    (C(), 32, 1, True),
+    (C(block_n=128, block_m=16), 16, 4, False),
     (C(mma_k=16, warps_n=2), 16, 3, False),
     (C(convert="int", warps_n=4, block_m=16, stages=3), 16, 2, True),
-    (C(convert="raw", block_n=128), 8, 1, False),
+    (C(convert="raw", block_n=128, block_m=16), 8, 1, False),
     (C(convert="raw", mma_k=16, warps_n=2), 16, 2, True),
 ]
 
@@ -162,16 +162,16 @@ def _subnormal_operands(gen, m: int, n: int, k: int):
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k,config,kind", [
     (1, 96, 512, C(), "quantized"),
-    (5, 160, 384, C(convert="int"), "heavy"),
+    (5, 160, 384, C(convert="cvt"), "heavy"),
     (20, 96, 256, C(block_m=8, warps_n=2), "uniform"),                             # 3 row tiles, 2 partial
-    (40, 130, 512, C(convert="int", mma_k=16, block_n=128), "subnormal"),          # N past a tile
+    (40, 130, 512, C(convert="cvt", mma_k=16, block_n=128, block_m=16), "subnormal"),   # N past a tile
     (3, 96, 640, C(split=2, block_n=128), "heavy"),                                # splits of 3 + 2 steps
-    (8, 64, 1024, C(convert="int", split=3, mma_k=16), "subnormal"),               # 3 + 3 + 2
-    (64, 64, 256, C(block_m=64, maxnreg=None), "uniform"),
-    (17, 96, 384, C(convert="int", warps_n=4, block_m=32), "quantized"),
+    (8, 64, 1024, C(split=3, mma_k=16), "subnormal"),                              # 3 + 3 + 2
+    (64, 64, 256, C(convert="cvt", block_m=64, maxnreg=None), "uniform"),
+    (17, 96, 384, C(warps_n=4, block_m=32), "quantized"),
     # "raw": the weight's subnormal codes enter the FP64 MMA as FP64 subnormals
     (9, 96, 512, C(convert="raw"), "subnormal"),
-    (2, 130, 384, C(convert="raw", block_n=128, split=2, mma_k=16), "subnormal"),
+    (2, 130, 384, C(convert="raw", block_n=128, block_m=16, split=2, mma_k=16), "subnormal"),
     (33, 64, 256, C(convert="raw", warps_n=2), "heavy"),
     (4, 64, 256, C(convert="raw"), "uniform"),
 ])
@@ -203,8 +203,9 @@ def test_flash_shapes_match_exact_mm_on_gpu(name, n, k):
     # rows), 128 weight rows and 16-deep steps; a row's bits do not depend on the rows beside it.
     _, _, codes_all, sx_all, weight, w_scale = linear_operands(_gen(n + k), 64, n, k)
     exact = ExactMM(weight, w_scale)
-    configs = (None, {8: C(convert="int", split=4), 64: C(convert="int", warps_n=2)},
-               C(block_n=128, mma_k=16, block_m=16), {16: C(convert="raw", block_n=128), 64: C(convert="raw")})
+    configs = (None, {8: C(convert="cvt", split=4), 64: C(convert="cvt", warps_n=2)},
+               C(block_n=128, mma_k=16, block_m=16),
+               {16: C(convert="raw", block_n=128, block_m=16), 64: C(convert="raw")})
     for cfg in configs:
         plan = E.GluonExactMM(weight, w_scale, config=cfg)
         together = plan(codes_all, sx_all)
