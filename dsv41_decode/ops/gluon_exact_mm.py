@@ -25,19 +25,20 @@ What the Gluon form does differently (the layout of `ops.gluon_mm`, the Gluon FP
   the codes to FP64 in registers, run the block's MMA from a zero accumulator, round, scale and
   add (above). Each warp converts its own x operand once per K block (the warps that share x's
   columns each convert them).
-- **Three conversions E4M3 -> FP64** (`GluonExactConfig.convert`, `_e4m3_f64`), all exact for
-  every E4M3 value (subnormals and -0 included): "cvt" through FP32 (`cvt` FP8 -> F16x2, then
-  F2F to FP64: a quarter-rate instruction per code), "int", `exact_f64_mm._e4m3_f64`'s integer
-  construction (the code's sign at bit 63 and eeee.mmm at bits 55..49 of an FP64 pattern: value *
-  2^-1016, an FP64 subnormal for a subnormal code; times 2^1016, exact), ported to Gluon (a Triton
-  helper cannot be called from a Gluon kernel), and "raw", the same pattern without the multiply
-  on the weight's side: the weight enters the MMA as value * 2^-1016 (FP64 subnormals for the
-  subnormal codes: this form relies on the FP64 MMA taking subnormal operands exactly, as IEEE
-  FMAs do; the GPU tests check it on subnormal codes), x as value * 2^1000, every product is the
-  true one times 2^-16 (a normal FP64 value, at least 2^-34), the MMA's sum the block sum times
-  2^-16, exactly, rounded to FP32 and scaled back by 2^16 (exact: no FP32 underflow or overflow
-  between 2^-34 and 2^7). The two NaN codes 0x7F / 0xFF are not values (the MXFP8 and FP8 block
-  quantizers never write them): "cvt" reads them as NaN, "int" and "raw" as +-480.
+- **Three conversions E4M3 -> FP64 of the weight** (`GluonExactConfig.convert`, `_e4m3_f64`; x,
+  a few codes per weight code, always through FP32), all exact for every E4M3 value (subnormals
+  and -0 included): "cvt" through FP32 (`cvt` FP8 -> F16x2, then F2F to FP64: a quarter-rate
+  instruction per code); "int", `exact_f64_mm._e4m3_f64`'s integer construction (the code's sign
+  at bit 63 and eeee.mmm at bits 55..49 of an FP64 pattern: value * 2^-1016, an FP64 subnormal
+  for a subnormal code; times 2^1016, exact), ported to Gluon (a Triton helper cannot be called
+  from a Gluon kernel); "raw", the same pattern without the multiply: the weight enters the MMA
+  as value * 2^-1016 (FP64 subnormals for the subnormal codes: this form relies on the FP64 MMA
+  taking subnormal operands exactly, as IEEE FMAs do; the GPU tests check it on subnormal codes),
+  x as value * 2^1000, every product is the true one times 2^-16 (a normal FP64 value, at least
+  2^-34), the MMA's sum the block sum times 2^-16, exactly, rounded to FP32 and scaled back by
+  2^16 (exact: no FP32 underflow or overflow between 2^-34 and 2^7). The two NaN codes 0x7F /
+  0xFF are not values (the MXFP8 and FP8 block quantizers never write them): "cvt" reads them as
+  NaN, "int" and "raw" as +-480.
 - **The k order within a block.** Each operand is loaded in the layout where a thread's bytes are
   consecutive in shared memory (one 8-byte load, or ldmatrix with `mma_k=16`, instead of one load
   per byte) and renamed into the MMA's operand layout, which takes the block's 32 k in a fixed
@@ -117,16 +118,17 @@ def _pow2(x, e: gl.constexpr):
 @gluon.jit
 def _e4m3_f64(codes, CONVERT: gl.constexpr, OPERAND: gl.constexpr):
     """The MMA operand `OPERAND` (0: the weight, 1: x) of E4M3 codes (float8e4nv, any layout) as FP64,
-    exactly: the value itself ("cvt": through FP32; "int": `_e4m3_pattern` times 2^1016) or, "raw",
-    the weight's value * 2^-1016 (the pattern alone: an FP64 subnormal for a subnormal code, which
-    the MMA takes as it is) and x's value * 2^1000 (the pattern times 2^1008 twice), so that every
-    product is the true one times 2^-16, a normal FP64 value (at least 2^-18 * 2^-16): the block
-    sum times 2^-16, exact (module doc), and `_block_partial` scales it back."""
-    if CONVERT == "raw":
-        if OPERAND == 0:
-            return _e4m3_pattern(codes)
-        else:
-            return _pow2(_pow2(_e4m3_pattern(codes), 1008), 1008)
+    exactly. x (a few codes per weight code: the conversion's pipe keeps up) always through FP32;
+    the weight as CONVERT says: "cvt" through FP32, "int" `_e4m3_pattern` times 2^1016, "raw" the
+    pattern alone (value * 2^-1016: an FP64 subnormal for a subnormal code, which the MMA takes as
+    it is) with x's value times 2^1000, so that every product is the true one times 2^-16, a normal
+    FP64 value (at least 2^-18 * 2^-16): the block sum times 2^-16, exact (module doc), which
+    `_block_partial` scales back."""
+    if OPERAND == 1:
+        x = codes.to(gl.float32).to(gl.float64)
+        return _pow2(x, 1000) if CONVERT == "raw" else x
+    elif CONVERT == "raw":
+        return _e4m3_pattern(codes)
     elif CONVERT == "int":
         return _pow2(_e4m3_pattern(codes), 1016)
     else:
@@ -320,8 +322,8 @@ def _gluon_exact_mm_kernel(
 class GluonExactConfig:
     """One launch configuration; every configuration gives the same bits.
 
-    convert: how the consumer makes FP64 operands of the E4M3 codes: "cvt" (through FP32), "int"
-        (integer operations and one FP64 multiply) or "raw" (the weight's integer pattern alone, x
+    convert: how the consumer makes FP64 operands of the weight's E4M3 codes: "cvt" (through FP32),
+        "int" (integer operations and one FP64 multiply) or "raw" (the integer pattern alone, x
         scaled by 2^1000; relies on the FP64 MMA's subnormal operands): `_e4m3_f64`.
     block_n: weight rows per program (the MMA's M side, the weight's TMA box [block_n, 128]): 64 or
         128 (at 8 x rows all 4 warps split the weight rows, 16 or 32 each).

@@ -97,15 +97,15 @@ def test_compiles_for_sm90_without_spills(config, bt, split, out_f32):
     loads = {t.split()[0] for t in loop if t.startswith("LDS")}
     assert loads <= {"LDS", "LDS.64", "LDS.128", "LDSM.16.M88", "LDSM.16.M88.2", "LDSM.16.M88.4"}, loads
     assert ("LDS.64" in loads) if config.mma_k == 32 else any(op.startswith("LDSM") for op in loads), loads
-    # The conversion: "int" multiplies every code's pattern by 2^1016 (DMUL), "raw" only x's (by
-    # 2^1008 twice), "cvt" none (F2F); each block's FP64 sum is rounded once to FP32
+    # The conversion: "int" multiplies every weight code's pattern by 2^1016 (DMUL), "raw" only x's
+    # values (by 2^1000), "cvt" none (F2F); each block's FP64 sum is rounded once to FP32
     # (cvt.rn.f32.f64) and its last scale is a lone mul.rn (no FFMA: nothing contracted into the
     # accumulator's add); no FP32 op flushes subnormals.
     ptx = kernel.asm["ptx"]
     # codes a thread converts per slot: x's [bt / wn, 128] and the weight's [block_n / (4 / wn), 128]
     # over the warp's 32 threads
     x_codes, w_codes = bt // wn * 128 // 32, config.block_n * wn // 4 * 128 // 32
-    assert ops.get("DMUL", 0) == {"cvt": 0, "int": w_codes + x_codes, "raw": 2 * x_codes}[config.convert], ops
+    assert ops.get("DMUL", 0) == {"cvt": 0, "int": w_codes, "raw": x_codes}[config.convert], ops
     assert "cvt.rn.f32.f64" in ptx and "mul.rn.f32" in ptx
     assert ops.get("FFMA", 0) == 0, ops
     assert re.search(r"\.ftz\.f32\b", ptx) is None
