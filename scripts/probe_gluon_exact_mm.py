@@ -55,7 +55,8 @@ ROWS = (1, 2, 4, 8, 16, 32, 64)
 # and "raw" conversions, 128 weight rows (up to 16 x rows: more spill at the register cap of 128),
 # x's rows across two warps, 16-deep MMA steps, a deeper ring, K splits (the shapes with few weight
 # tiles: fused_wqa_wkv 28 of 64 rows, idx_wq_b 64, wo_b 80), 64 x rows a program without a register
-# cap, 8 x rows a program at a cap of 80 (3 CTAs per SM, no spills), and combinations of the likely
+# cap, 8 x rows a program at a cap of 80 (3 CTAs per SM, no spills), the weight's conversion
+# alternating per K block between the integer forms and "cvt", and combinations of the likely
 # winners (sm_90 compiles: per 128-deep slot at 8 x rows and 128 weight rows the consumer's loop
 # holds 778 instructions with "cvt", of them 192 quarter-rate F2F, 1037 with "int", 907 with
 # "raw").
@@ -64,7 +65,8 @@ CANDIDATES = ["int:64:32:1:32:4:1", "cvt:64:32:1:32:4:1", "raw:64:32:1:32:4:1", 
               "raw:128:16:1:16:4:1", "int:64:32:1:16:4:1", "raw:128:16:1:32:6:1", "int:64:32:1:32:4:4",
               "raw:64:32:1:32:4:4", "raw:128:16:2:32:3:8", "int:128:16:1:32:4:2", "raw:64:64:2:32:4:1:0",
               "int:64:8:1:32:4:1:80", "raw:64:8:1:32:4:1:80", "raw:128:8:1:32:4:1:80", "int:64:32:1:32:4:8",
-              "raw:64:32:1:32:4:8", "raw:64:8:1:32:4:4:80"]
+              "raw:64:32:1:32:4:8", "raw:64:8:1:32:4:4:80", "int+cvt:64:32:1:32:4:1", "raw+cvt:64:32:1:32:4:1",
+              "int+cvt:128:16:1:32:4:1", "raw+cvt:128:8:1:32:4:1:80"]
 
 
 def config_of(spec: str) -> GluonExactConfig:

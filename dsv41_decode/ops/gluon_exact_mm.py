@@ -38,7 +38,9 @@ What the Gluon form does differently (the layout of `ops.gluon_mm`, the Gluon FP
   2^-34), the MMA's sum the block sum times 2^-16, exactly, rounded to FP32 and scaled back by
   2^16 (exact: no FP32 underflow or overflow between 2^-34 and 2^7). The two NaN codes 0x7F /
   0xFF are not values (the MXFP8 and FP8 block quantizers never write them): "cvt" reads them as
-  NaN, "int" and "raw" as +-480.
+  NaN, "int" and "raw" as +-480. "int+cvt" and "raw+cvt" alternate per K block (even blocks the
+  first form, odd blocks "cvt"), sharing the work between the integer pipes and the conversion
+  pipe; every block's partial is exact either way.
 - **The k order within a block.** Each operand is loaded in the layout where a thread's bytes are
   consecutive in shared memory (one 8-byte load, or ldmatrix with `mma_k=16`, instead of one load
   per byte) and renamed into the MMA's operand layout, which takes the block's 32 k in a fixed
@@ -80,7 +82,7 @@ MAX_ROWS = 64
 BLOCK_K = 128                   # K per ring slot: four 32-wide blocks, one 32-bit scale word per row
 ROW_BUCKETS = (8, 16, 32, 64)   # BT: the MMA's N side
 CONSUMER_WARPS = 4
-CONVERTS = ("cvt", "int", "raw")
+CONVERTS = ("cvt", "int", "raw", "int+cvt", "raw+cvt")
 
 
 @gluon.jit
@@ -175,16 +177,23 @@ def _block_partial(w_tile, x_tile, j: gl.constexpr, zero, CONVERT: gl.constexpr,
     """The exact dot of K block j (columns 32j..32j+31) of the slot's weight tile [BN, 128] and
     activation tile [BT, 128] in shared memory, as the FP64 MMA gives it [BN, BT], rounded once to
     FP32: per KC columns (16 or 32) both operands loaded into the MMA's operand layouts
-    (`_operand_a`, `_operand_b`), converted (`_e4m3_f64`) and multiplied, the block's MMAs chained
-    through the FP64 accumulator from `zero` (exact: module doc)."""
+    (`_operand_a`, `_operand_b`), converted (`_e4m3_f64` in the block's form: CONVERT, or for
+    "int+cvt" / "raw+cvt" the first form in even blocks and "cvt" in odd ones) and multiplied, the
+    block's MMAs chained through the FP64 accumulator from `zero` (exact: module doc)."""
     la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=1)
     lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_layout, k_width=1)
+    if CONVERT == "int+cvt":
+        FORM: gl.constexpr = "int" if j % 2 == 0 else "cvt"
+    elif CONVERT == "raw+cvt":
+        FORM: gl.constexpr = "raw" if j % 2 == 0 else "cvt"
+    else:
+        FORM: gl.constexpr = CONVERT
     d = zero
     for h in gl.static_range(32 // KC):
         a = _operand_a(w_tile.slice(32 * j + KC * h, KC, dim=1), la, KC)                         # [BN, KC]
         b = _operand_b(x_tile.slice(32 * j + KC * h, KC, dim=1).permute((1, 0)), lb, KC)         # [KC, BT]
-        d = mma_v2(_e4m3_f64(a, CONVERT, 0), _e4m3_f64(b, CONVERT, 1), d)
-    if CONVERT == "raw":
+        d = mma_v2(_e4m3_f64(a, FORM, 0), _e4m3_f64(b, FORM, 1), d)
+    if FORM == "raw":
         # RN(sum * 2^-16) = RN(sum) * 2^-16: a nonzero block sum is at least 2^-18 in magnitude, so
         # the scaled one stays a normal FP32 (>= 2^-34) and below 2^7; times 2^16 is exact.
         return d.to(gl.float32) * 65536.0
@@ -323,8 +332,9 @@ class GluonExactConfig:
     """One launch configuration; every configuration gives the same bits.
 
     convert: how the consumer makes FP64 operands of the weight's E4M3 codes: "cvt" (through FP32),
-        "int" (integer operations and one FP64 multiply) or "raw" (the integer pattern alone, x
-        scaled by 2^1000; relies on the FP64 MMA's subnormal operands): `_e4m3_f64`.
+        "int" (integer operations and one FP64 multiply), "raw" (the integer pattern alone, x
+        scaled by 2^1000; relies on the FP64 MMA's subnormal operands), or "int+cvt" / "raw+cvt"
+        (even K blocks the first, odd blocks "cvt"): `_e4m3_f64`, `_block_partial`.
     block_n: weight rows per program (the MMA's M side, the weight's TMA box [block_n, 128]): 64 or
         128 (at 8 x rows all 4 warps split the weight rows, 16 or 32 each).
     block_m: the most x rows per program (8, 16, 32 or 64): a call's rows padded to the row bucket

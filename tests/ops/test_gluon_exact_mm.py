@@ -1,9 +1,9 @@
 """ops.gluon_exact_mm, the Gluon form of the contract-exact MXFP8 linear on the FP64 MMA (sm_90 only).
 
 On the CPU (Gluon kernels do not run in Triton's interpreter): the kernel compiles for sm_90
-(Triton's own ptxas) in every form its configuration offers - the three conversions, 16- and 32-deep
-MMA steps, 64 / 128 weight rows, x's rows split across warps, 8 to 32 x rows a program, with
-and without the K split, BF16 and FP32 out - with no spills, the FP64 MMA (DMMA) once per 16
+(Triton's own ptxas) in every form its configuration offers - the weight's conversions, 16- and
+32-deep MMA steps, 64 / 128 weight rows, x's rows split across warps, 8 to 32 x rows a program,
+with and without the K split, BF16 and FP32 out - with no spills, the FP64 MMA (DMMA) once per 16
 weight rows, 8 x rows and 16 of K, wide shared-memory loads of the operands, the block terms' last
 product kept apart from the add (`mul.rn`, no FFMA), no FP32 op that flushes subnormals; and the
 plan's bad arguments raise errors that name them. On the GPU (`-m gpu`): bitwise
@@ -66,6 +66,7 @@ COMPILE_CASES = [
     (C(convert="int", warps_n=4, block_m=16, stages=3), 16, 2, True),
     (C(convert="raw", block_n=128, block_m=16), 8, 1, False),
     (C(convert="raw", mma_k=16, warps_n=2), 16, 2, True),
+    (C(convert="raw+cvt"), 8, 1, False),
 ]
 
 
@@ -105,7 +106,8 @@ def test_compiles_for_sm90_without_spills(config, bt, split, out_f32):
     # codes a thread converts per slot: x's [bt / wn, 128] and the weight's [block_n / (4 / wn), 128]
     # over the warp's 32 threads
     x_codes, w_codes = bt // wn * 128 // 32, config.block_n * wn // 4 * 128 // 32
-    assert ops.get("DMUL", 0) == {"cvt": 0, "int": w_codes, "raw": x_codes}[config.convert], ops
+    assert ops.get("DMUL", 0) == {"cvt": 0, "int": w_codes, "raw": x_codes, "int+cvt": w_codes // 2,
+                                  "raw+cvt": x_codes // 2}[config.convert], ops
     assert "cvt.rn.f32.f64" in ptx and "mul.rn.f32" in ptx
     assert ops.get("FFMA", 0) == 0, ops
     assert re.search(r"\.ftz\.f32\b", ptx) is None
@@ -174,6 +176,9 @@ def _subnormal_operands(gen, m: int, n: int, k: int):
     (2, 130, 384, C(convert="raw", block_n=128, block_m=16, split=2, mma_k=16), "subnormal"),
     (33, 64, 256, C(convert="raw", warps_n=2), "heavy"),
     (4, 64, 256, C(convert="raw"), "uniform"),
+    # a K block in each form, alternating
+    (6, 96, 512, C(convert="int+cvt"), "subnormal"),
+    (7, 64, 384, C(convert="raw+cvt", block_n=128, block_m=8), "heavy"),
 ])
 def test_bitwise_equal_to_the_reference_on_gpu(m, n, k, config, kind):
     if kind == "quantized":   # MXFP8 activations and a block-quantized weight, as the model has them
@@ -199,13 +204,14 @@ TP1_SHAPES = [s for s in FLASH_SHAPES if s[0] in ("fused_wqa_wkv", "wq_b", "wq_b
 @pytest.mark.parametrize("name,n,k", TP1_SHAPES, ids=["fused_wqa_wkv", "wq_b", "idx_wq_b", "wo_b"])
 def test_flash_shapes_match_exact_mm_on_gpu(name, n, k):
     # Bitwise ExactMM (the reference's bits, tested there) at 1, 8, 16 and 64 rows (the indexer's
-    # wq_b is wq_b_tp8's 4096 x 1280), the three conversions, per-row configurations (a K split up to 8
+    # wq_b is wq_b_tp8's 4096 x 1280), every conversion, per-row configurations (a K split up to 8
     # rows), 128 weight rows and 16-deep steps; a row's bits do not depend on the rows beside it.
     _, _, codes_all, sx_all, weight, w_scale = linear_operands(_gen(n + k), 64, n, k)
     exact = ExactMM(weight, w_scale)
     configs = (None, {8: C(convert="cvt", split=4), 64: C(convert="cvt", warps_n=2)},
                C(block_n=128, mma_k=16, block_m=16),
-               {16: C(convert="raw", block_n=128, block_m=16), 64: C(convert="raw")})
+               {16: C(convert="raw", block_n=128, block_m=16), 64: C(convert="raw")},
+               {8: C(convert="raw+cvt", block_m=8), 64: C(convert="int+cvt", warps_n=2)})
     for cfg in configs:
         plan = E.GluonExactMM(weight, w_scale, config=cfg)
         together = plan(codes_all, sx_all)
