@@ -14,19 +14,20 @@ to `reference.linear.mxfp8_mm`. The same contract, arguments and reduction order
 What the Gluon form does differently (the layout of `ops.gluon_mm`, the Gluon FP8 tier):
 
 - **Swap AB.** A program computes y^T[BN, BT] = W[BN weight rows, K range] @ x^T: the weight rows
-  are the MMA's M side, x's rows (padded to BT = 8, 16, 32 or 64; TMA fills the rows past M with
-  zeros) its N side. The MMA is `mma_v2` on FP64 operands (DMMA m16n8k16), in an
+  are the MMA's M side, x's rows (padded to BT = 8, 16, 32 or 64, at most `block_m`; TMA fills the
+  rows past M with zeros; calls of more rows take several programs per weight tile) its N side.
+  The MMA is `mma_v2` on FP64 operands (DMMA m16n8k16), in an
   `NVMMADistributedLayout(version=[2, 0], instr_shape=[16, 8])` of the 4 consumer warps
   (`GluonExactConfig.warps_n`: how they split x's rows; the rest split the weight rows).
-- **A TMA producer warp** (`gluon_mm._producer`) streams [BN, 128] FP8 weight tiles and the
-  matching [BT, 128] activation tiles through a ring of `stages` shared-memory slots (mbarriers
-  `ready` / `empty`); the consumer warps load each 32-wide K block of both tiles straight from
+- **A TMA producer warp** (`_producer`, `gluon_mm._producer`'s ring) streams [BN, 128] FP8
+  weight tiles and the matching [BT, 128] activation tiles through a ring of `stages`
+  shared-memory slots (mbarriers `ready` / `empty`); the consumer warps load each 32-wide K block of both tiles straight from
   shared memory into the MMA's operand layouts (`DotOperandLayout(k_width=1)`, bytes), convert
   the codes to FP64 in registers, run the block's MMA from a zero accumulator, round, scale and
   add (above). Each warp converts its own x operand once per K block (the warps that share x's
   columns each convert them).
-- **Three conversions E4M3 -> FP64 of the weight** (`GluonExactConfig.convert`, `_e4m3_f64`; x,
-  a few codes per weight code, always through FP32), all exact for every E4M3 value (subnormals
+- **The weight's conversion E4M3 -> FP64** (`GluonExactConfig.convert`, `_e4m3_f64`; x, a few
+  codes per weight code, always through FP32), exact for every E4M3 value in each form (subnormals
   and -0 included): "cvt" through FP32 (`cvt` FP8 -> F16x2, then F2F to FP64: a quarter-rate
   instruction per code); "int", `exact_f64_mm._e4m3_f64`'s integer construction (the code's sign
   at bit 63 and eeee.mmm at bits 55..49 of an FP64 pattern: value * 2^-1016, an FP64 subnormal
@@ -54,6 +55,13 @@ What the Gluon form does differently (the layout of `ops.gluon_mm`, the Gluon FP
   workspace, and the tile's last program to arrive (an acq_rel atomic counter, reset for the next
   call and a CUDA graph's replay) adds all K / 32 of them in K order from 0: `exact_mm`'s scheme,
   never partial sums added together.
+
+Cost (an estimate from the instruction rates; `scripts/probe_gluon_exact_mm.py` measures it): the
+FP64 MMA does max(8, rows) multiply-adds per weight byte (its N side is at least 8) at about 128
+per clock per SM on an H100 / H200, so from 16 rows on it, not the weight's read, bounds the time
+(about 2x the read's time at 16 rows, 9x at 64); at 1-8 rows the MMA and the conversions (sm_90
+compiles: 3-4 integer instructions per weight code, or a quarter-rate F2F) both come near the
+read's time.
 
 Every configuration, split and row count gives the same bits (`exact_mm.reduction_order`). A
 `GluonExactMM` plan binds one weight (its TMA descriptor, workspace, counters) once; calling it
