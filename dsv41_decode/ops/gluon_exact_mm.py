@@ -21,11 +21,11 @@ What the Gluon form does differently (the layout of `ops.gluon_mm`, the Gluon FP
   (`GluonExactConfig.warps_n`: how they split x's rows; the rest split the weight rows).
 - **A TMA producer warp** (`_producer`, `gluon_mm._producer`'s ring) streams [BN, 128] FP8
   weight tiles and the matching [BT, 128] activation tiles through a ring of `stages`
-  shared-memory slots (mbarriers `ready` / `empty`); the consumer warps load each 32-wide K block of both tiles straight from
-  shared memory into the MMA's operand layouts (`DotOperandLayout(k_width=1)`, bytes), convert
-  the codes to FP64 in registers, run the block's MMA from a zero accumulator, round, scale and
-  add (above). Each warp converts its own x operand once per K block (the warps that share x's
-  columns each convert them).
+  shared-memory slots (mbarriers `ready` / `empty`); the consumer warps load each 32-wide K block
+  of both tiles straight from shared memory into the MMA's operand layouts
+  (`DotOperandLayout(k_width=1)`, bytes), convert the codes to FP64 in registers, run the block's
+  MMA from a zero accumulator, round, scale and add (above). Each warp converts its own x operand
+  once per K block (the warps that share x's columns each convert them).
 - **The weight's conversion E4M3 -> FP64** (`GluonExactConfig.convert`, `_e4m3_f64`; x, a few
   codes per weight code, always through FP32), exact for every E4M3 value in each form (subnormals
   and -0 included): "cvt" through FP32 (`cvt` FP8 -> F16x2, then F2F to FP64: a quarter-rate
