@@ -18,7 +18,11 @@ forms the block sums on the FP64 MMA, where they are exact:
 The codes become FP64 values in registers by integer operations (`_e4m3_f64`): an E4M3 code
 s.eeee.mmm placed with its sign at bit 63 and eeee.mmm at bits 55..49 is the FP64 pattern of
 value * 2^-1016 for every code, subnormals (eeee = 0: an FP64 subnormal) and -0 included; one FP64
-multiply by 2^1016 (exact) makes it the value. Both operands are loaded as int64 words of 8 codes:
+multiply by 2^1016 (exact) makes it the value. The two NaN codes 0x7F / 0xFF, which are not
+values, come out as +-480 (`ExactMM` reads them as NaN); the package's quantizers
+(`formats.mxfp8_quantize`, `fp8_block_quantize`, `act_quant.mxfp8_quantize_tile`) write them only
+into a non-finite block, whose scale byte 255 (NaN) makes each of its terms NaN either way. Both
+operands are loaded as int64 words of 8 codes:
 Triton 3.6 moves a conversion of 8-bit loads after the shared-memory load of the MMA operand, in an
 8-bit operand layout (k_width 4) that its FP64 MMA lowering rejects ("Currently fp64 don't support
 largeK MMA"); from 64-bit words the FP64 operands get the layout it takes (k_width 1) and the MMA

@@ -38,10 +38,12 @@ What the Gluon form does differently (the layout of `ops.gluon_mm`, the Gluon FP
   x as value * 2^1000, every product is the true one times 2^-16 (a normal FP64 value, at least
   2^-34), the MMA's sum the block sum times 2^-16, exactly, rounded to FP32 and scaled back by
   2^16 (exact: no FP32 underflow or overflow between 2^-34 and 2^7). The two NaN codes 0x7F /
-  0xFF are not values (the MXFP8 and FP8 block quantizers never write them): "cvt" reads them as
-  NaN, "int" and "raw" as +-480. "int+cvt" and "raw+cvt" alternate per K block (even blocks the
-  first form, odd blocks "cvt"), sharing the work between the integer pipes and the conversion
-  pipe; every block's partial is exact either way.
+  0xFF are not values: "cvt" reads them as NaN, "int" and "raw" as +-480 (the weight's only; x's
+  codes always go through FP32). The package's quantizers (`formats.mxfp8_quantize`,
+  `fp8_block_quantize`, `act_quant.mxfp8_quantize_tile`) write them only into a non-finite block,
+  whose scale byte 255 (NaN) makes each of its terms NaN either way. "int+cvt" and "raw+cvt"
+  alternate per K block (even blocks the first form, odd blocks "cvt"), sharing the work between
+  the integer pipes and the conversion pipe; every block's partial is exact either way.
 - **The k order within a block.** Each operand is loaded in the layout where a thread's bytes are
   consecutive in shared memory (one 8-byte load, or ldmatrix with `mma_k=16`, instead of one load
   per byte) and renamed into the MMA's operand layout, which takes the block's 32 k in a fixed
