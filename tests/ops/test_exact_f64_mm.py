@@ -26,6 +26,7 @@ from helpers import FLASH_LINEAR_SHAPES as FLASH_SHAPES
 from helpers import check_mxfp8_plan_errors, linear_operands, raises
 from test_exact_mm import _bits, _exact_operands, _gen, _poisoned
 
+from dsv41_decode.formats import mxfp8_quantize
 from dsv41_decode.ops.exact_f64_mm import _DEFAULT_CONFIGS, ExactF64MM, F64Config, _e4m3_f64
 from dsv41_decode.ops.exact_mm import ExactMM
 from dsv41_decode.reference.linear import mxfp8_mm
@@ -71,10 +72,28 @@ def test_bitwise_equal_to_the_reference(m, n, k, cfg, kind):
         codes, x_scale, weight, w_scale = _exact_operands(_gen(m + n + k), m, n, k, kind)
     plan = ExactF64MM(weight, w_scale, max_rows=64, config=cfg)
     for dtype in (torch.bfloat16, torch.float32):
-        y = plan(codes, x_scale, _poisoned(m, n, dtype))
+        # out: a window of a larger poisoned buffer, whose rows past M and columns past N (a
+        # partial tile's padding) must stay untouched
+        buf = _poisoned(m + 8, n + 8, dtype)
+        y = plan(codes, x_scale, buf[:m, :n])
         ref = mxfp8_mm(codes, x_scale, weight, w_scale, dtype)
         assert torch.equal(_bits(y), _bits(ref)), (m, n, k, cfg, kind, dtype)
+        assert buf[m:].isnan().all() and buf[:, n:].isnan().all(), (m, n, k, cfg, kind, dtype)
     assert int(plan._counters.abs().sum()) == 0     # split launches leave their counters at zero
+
+
+def test_non_finite_blocks_give_nan():
+    # The quantizers write the NaN code 0x7F only into a non-finite block, with scale byte 255: the
+    # op reads the code as 480 (module docstring), and the NaN scale makes the output NaN, as the
+    # reference's.
+    m, n, k = 2, 24, 64
+    _, _, weight, w_scale = _exact_operands(_gen(9), m, n, k, "uniform")
+    x = torch.randn(m, k, generator=_gen(9)).to(torch.bfloat16)
+    x[0, 3], x[1, 40] = float("nan"), float("inf")
+    codes, x_scale = (t.to(weight.device) for t in mxfp8_quantize(x))
+    assert int(codes.view(torch.uint8)[0, 0]) == 0x7F and int(x_scale[0, 0]) == 255
+    y = ExactF64MM(weight, w_scale, config=F64Config(block_n=16, block_m=8, num_warps=1))(codes, x_scale)
+    assert y.isnan().all() and mxfp8_mm(codes, x_scale, weight, w_scale).isnan().all()
 
 
 def test_rows_and_configs_give_the_same_bits():
@@ -142,15 +161,15 @@ def test_compiles_for_sm90_without_spills():
 @pytest.mark.parametrize("name,n,k", [s for s in FLASH_SHAPES if s[0] in ("fused_wqa_wkv", "wq_b", "wq_b_tp8", "wo_b")],
                          ids=["fused_wqa_wkv", "wq_b", "idx_wq_b", "wo_b"])
 def test_flash_shapes_on_gpu(name, n, k):
-    # Bitwise ExactMM (the reference's bits, tested there) at 1, 8, 16 and 64 rows, in the default
-    # configurations (8, 16, 32, 64 rows a tile), a K split (calls of up to 8 rows) and 128 weight
-    # rows a program.
+    # Bitwise ExactMM (the reference's bits, tested there) at 1, 8, 16, 32 and 64 rows, in each of
+    # the default configurations (8, 16, 32, 64 rows a tile), a K split (calls of up to 8 rows) and
+    # 128 weight rows a program.
     _, _, codes_all, sx_all, weight, w_scale = linear_operands(_gen(n + k), 64, n, k)
     exact = ExactMM(weight, w_scale)
     configs = (None, F64Config(block_n=32, block_m=8, num_warps=2, split=4), F64Config(block_n=128, block_m=16))
     for cfg in configs:
         plan = ExactF64MM(weight, w_scale, config=cfg)
-        for m in (1, 8, 16, 64):
+        for m in (1, 8, 16, 32, 64):
             for dtype in (torch.bfloat16, torch.float32):
                 y = plan(codes_all[:m], sx_all[:m], _poisoned(m, n, dtype))
                 ref = exact(codes_all[:m], sx_all[:m], _poisoned(m, n, dtype))
