@@ -350,7 +350,9 @@ class GluonExactConfig:
     block_m: the most x rows per program (8, 16, 32 or 64): a call's rows padded to the row bucket
         (8, 16, 32, 64) up to block_m, and calls of more rows take several programs per weight
         tile (the later ones read the weight tile from L2). At maxnreg=128, 64 weight rows take up
-        to 32 x rows and 128 weight rows up to 16 without spilling (sm_90 compiles); more spill.
+        to 32 x rows and 128 weight rows up to 16 without spilling (sm_90 compiles); more spill,
+        and 64 x rows spilled in every form compiled ("cvt", "int", "raw", "int+cvt"; 1-4 warps
+        along x) even without the cap (maxnreg=None: 255 registers and a stack).
     stages: ring slots, 2..8.
     mma_k: the K depth of one operand load and MMA call, 16 (one DMMA m16n8k16 per 16 weight
         rows; the operands' loads are ldmatrix) or 32 (two chained; 8-byte loads, more registers).
