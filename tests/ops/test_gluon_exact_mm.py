@@ -8,8 +8,9 @@ weight rows, 8 x rows and 16 of K, wide shared-memory loads of the operands, the
 product kept apart from the add (`mul.rn`, no FFMA), no FP32 op that flushes subnormals; and the
 plan's bad arguments raise errors that name them. On the GPU (`-m gpu`): bitwise
 `reference.linear.mxfp8_mm` on small shapes (model-like, heavy-tailed, uniform and subnormal
-codes; row tiles, partial tiles, K splits), bitwise `ExactMM` at the V4.1-Flash TP1 shapes at 1,
-8, 16 and 64 rows, run to run, across row counts, and the call's argument errors.
+codes; row tiles, partial tiles, K splits; rows and columns past the call untouched), bitwise
+`ExactMM` at the V4.1-Flash TP1 shapes at 1, 8, 16, 32 and 64 rows, run to run, across row counts,
+and the call's argument errors.
 
 No tolerance anywhere: the op computes the contract's arithmetic exactly (each 32-block's dot an
 exact FP64 MMA, rounded once to FP32; the block terms scaled and added in K order; one rounding to
@@ -56,8 +57,9 @@ def _compile(config: E.GluonExactConfig, bt: int, split: int, out_f32: bool):
 
 
 # (config, row bucket, K splits, FP32 out): each form of the kernel at least once in few compiles
-# (~1 s each): the three conversions, both MMA depths, 32 / 64 / 128 weight rows, warps along x's rows,
-# the smallest and the largest row bucket a program takes, the split-K epilogue, FP32 out.
+# (~1 s each): the five conversions, both MMA depths, 64 / 128 weight rows, warps along x's rows,
+# 8 to 32 x rows a program (64 spill, with or without the register cap: the GPU tests run them),
+# the split-K epilogue, FP32 out.
 COMPILE_CASES = [
     (C(convert="cvt"), 8, 1, False),
     (C(), 32, 1, True),
@@ -67,6 +69,7 @@ COMPILE_CASES = [
     (C(convert="raw", block_n=128, block_m=16), 8, 1, False),
     (C(convert="raw", mma_k=16, warps_n=2), 16, 2, True),
     (C(convert="raw+cvt"), 8, 1, False),
+    (C(convert="int+cvt", block_n=128, block_m=16), 16, 2, False),
 ]
 
 
@@ -189,9 +192,13 @@ def test_bitwise_equal_to_the_reference_on_gpu(m, n, k, config, kind):
         codes, x_scale, weight, w_scale = _exact_operands(_gen(m + n + k), m, n, k, kind)
     plan = E.GluonExactMM(weight, w_scale, config=config)
     for dtype in (torch.bfloat16, torch.float32):
-        y = plan(codes, x_scale, _poisoned(m, n, dtype))
+        # out: a window of a larger poisoned buffer, whose rows past M (a row tile's padding) and
+        # columns past N (a weight tile's) must stay untouched
+        buf = _poisoned(m + 8, n + 8, dtype)
+        y = plan(codes, x_scale, buf[:m, :n])
         ref = mxfp8_mm(codes, x_scale, weight, w_scale, dtype)
         assert torch.equal(_bits(y), _bits(ref)), (m, n, k, config, kind, dtype)
+        assert buf[m:].isnan().all() and buf[:, n:].isnan().all(), (m, n, k, config, kind, dtype)
         again = plan(codes, x_scale, _poisoned(m, n, dtype))       # replays the split-K counters
         assert torch.equal(_bits(again), _bits(y)), (m, n, k, config, kind, dtype)
     assert int(plan._counters.abs().sum()) == 0
@@ -203,7 +210,7 @@ TP1_SHAPES = [s for s in FLASH_SHAPES if s[0] in ("fused_wqa_wkv", "wq_b", "wq_b
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,n,k", TP1_SHAPES, ids=["fused_wqa_wkv", "wq_b", "idx_wq_b", "wo_b"])
 def test_flash_shapes_match_exact_mm_on_gpu(name, n, k):
-    # Bitwise ExactMM (the reference's bits, tested there) at 1, 8, 16 and 64 rows (the indexer's
+    # Bitwise ExactMM (the reference's bits, tested there) at 1, 8, 16, 32 and 64 rows (the indexer's
     # wq_b is wq_b_tp8's 4096 x 1280), every conversion, per-row configurations (a K split up to 8
     # rows), 128 weight rows and 16-deep steps; a row's bits do not depend on the rows beside it.
     _, _, codes_all, sx_all, weight, w_scale = linear_operands(_gen(n + k), 64, n, k)
@@ -215,7 +222,7 @@ def test_flash_shapes_match_exact_mm_on_gpu(name, n, k):
     for cfg in configs:
         plan = E.GluonExactMM(weight, w_scale, config=cfg)
         together = plan(codes_all, sx_all)
-        for m in (1, 8, 16, 64):
+        for m in (1, 8, 16, 32, 64):
             for dtype in (torch.bfloat16, torch.float32):
                 y = plan(codes_all[:m], sx_all[:m], _poisoned(m, n, dtype))
                 ref = exact(codes_all[:m], sx_all[:m], _poisoned(m, n, dtype))
