@@ -252,10 +252,10 @@ class ExactF64MM:
     workspace: None (the plan allocates its split-K workspace and counters) or a shared pool, as
         `ops.common.plan_workspace` says (FP32 slot 0, int32 slot 0).
 
-    A call's codes must also start 8-byte aligned with a row stride a multiple of 8 bytes. A plan
-    whose launches split K owns (or takes) a workspace and one int32 counter per weight tile, zero
-    between calls; its calls must not overlap in time. Without splits it owns nothing that calls
-    share.
+    A call's codes must also start 8-byte aligned with a row stride a multiple of 8 bytes (a
+    single row: any stride). A plan whose launches split K owns (or takes) a workspace and one
+    int32 counter per weight tile, zero between calls; its calls must not overlap in time. Without
+    splits it owns nothing that calls share.
     """
 
     def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int = MAX_ROWS,
