@@ -9,17 +9,18 @@ the quantized values (window, compressed and index-key records) that differ bitw
 (GPU; ~100 s for official-tiny with one decode call on an H200. Defaults: tests/data/official-tiny,
 1.) `DEV=cpu` with TRITON_INTERPRET=1 runs it in the interpreter, where no Gluon kernel runs.
 """
-import os, sys, time
+import os
+import sys
+import time
+
 import dsv41_decode.decode.attention as att
 from dsv41_decode.ops.sparse_mla_plan import SparseMlaPlan
 from dsv41_decode.testing.trace import verify_trace
 
-case = sys.argv[1] if len(sys.argv) > 1 else "tests/data/official-tiny"
-calls = int(sys.argv[2]) if len(sys.argv) > 2 else 1
-orig = {k: getattr(att, k) for k in ("GluonMM", "sparse_mla_plans", "GluonWoAPlan")}
+ORIG = {k: getattr(att, k) for k in ("GluonMM", "sparse_mla_plans", "GluonWoAPlan")}
 
 
-class NoGluonMM(orig["GluonMM"]):
+class NoGluonMM(ORIG["GluonMM"]):
     """fp8_linear_plan falls back to the Triton tier when the Gluon plan refuses the shape."""
 
     def __init__(self, *a, **k):
@@ -27,31 +28,45 @@ class NoGluonMM(orig["GluonMM"]):
 
 
 class NoGluonWoA:
+    """wo_a_plan falls back to the Triton plan when the Gluon plan refuses the shape."""
+
     @staticmethod
     def build(*a, **k):
         raise ValueError("off")
 
 
 def triton_mla(max_rows, heads, window, topk, device, *, workspace=None, fp32_dots=False):
+    """sparse_mla_plans with the Triton plans in place of the Gluon ones."""
     return SparseMlaPlan.for_step(max_rows, heads, window, topk, device, workspace=workspace, fp32_dots=fp32_dots)
 
 
+# name: (DecodeStep options, attention-module names replaced)
 VARIANTS = [("default", {}, {}), ("exact_linears", {"exact_linears": True}, {}), ("fp32_dots", {"fp32_dots": True}, {}),
             ("triton_mm", {}, {"GluonMM": NoGluonMM}), ("triton_mla", {}, {"sparse_mla_plans": triton_mla}),
             ("triton_wo_a", {}, {"GluonWoAPlan": NoGluonWoA}),
             ("all_triton", {}, {"GluonMM": NoGluonMM, "sparse_mla_plans": triton_mla, "GluonWoAPlan": NoGluonWoA})]
-for name, opts, patch in VARIANTS:
-    for k, v in orig.items():
-        setattr(att, k, patch.get(k, v))
-    t0 = time.time()
-    try:
-        res = verify_trace(case, path="step", device=os.environ.get("DEV", "cuda"), calls=calls, **opts)
-    except Exception as e:
-        print(f"{name}: {type(e).__name__}: {e}", flush=True)
-        continue
-    dec = [r for r in res if r.call != "prefill"]
-    print(f"{name:13s} ({time.time() - t0:.0f} s) failing {sum(1 for r in dec if r.failures)}/{len(dec)} | "
-          + " ".join(f"L{r.layer}:{r.attn_out_ulp:.0f}u/{r.attn_out_rel_rms:.1e}/q{sum(r.quant_bits.values())}"
-                     for r in dec), flush=True)
-for k, v in orig.items():
-    setattr(att, k, v)
+
+
+def main() -> None:
+    case = sys.argv[1] if len(sys.argv) > 1 else "tests/data/official-tiny"
+    calls = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+    for name, opts, patch in VARIANTS:
+        t0 = time.time()
+        try:
+            for k, v in ORIG.items():
+                setattr(att, k, patch.get(k, v))
+            res = verify_trace(case, path="step", device=os.environ.get("DEV", "cuda"), calls=calls, **opts)
+        except Exception as e:
+            print(f"{name}: {type(e).__name__}: {e}", flush=True)
+            continue
+        finally:
+            for k, v in ORIG.items():
+                setattr(att, k, v)
+        dec = [r for r in res if r.call != "prefill"]
+        print(f"{name:13s} ({time.time() - t0:.0f} s) failing {sum(1 for r in dec if r.failures)}/{len(dec)} | "
+              + " ".join(f"L{r.layer}:{r.attn_out_ulp:.0f}u/{r.attn_out_rel_rms:.1e}/q{sum(r.quant_bits.values())}"
+                         for r in dec), flush=True)
+
+
+if __name__ == "__main__":
+    main()
