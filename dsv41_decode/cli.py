@@ -292,6 +292,16 @@ def _verify(args, console: Console) -> int:
     return max(_verify_path(args, p, console) for p in paths)
 
 
+def exactness_hint(path: str, device: str, exact_linears: bool) -> str | None:
+    """The line `trace verify` adds under a failing run whose failures may be the step's default
+    FP8 linears (the step on a GPU without --exact-linears: its tensor cores truncate each 32-deep
+    block sum, spec decision 38), else None."""
+    if path != "step" or device == "cpu" or exact_linears:
+        return None
+    return ("the step's default FP8 linears run on tensor cores, which truncate each 32-deep block sum "
+            "(docs/gemm.md, \"Exactness\"): --exact-linears builds them with the contract's bits")
+
+
 def _verify_path(args, path: str, console: Console) -> int:
     from .testing.trace import verify_trace
     notes: list[str] = []
@@ -349,6 +359,9 @@ def _verify_path(args, path: str, console: Console) -> int:
         call, layer, f = bad[0]
         console.print(f"[red]FAIL[/red] {what}: {len(bad)} failure(s) in {len({(c, L) for c, L, _ in bad})} "
                       f"of {len(results)} call-layers ({shape}); first: {call} layer {layer}: {f}", soft_wrap=True)
+        hint = exactness_hint(path, args.device, args.exact_linears)
+        if hint and not args.quiet:
+            console.print(hint, soft_wrap=True)
         return 1
     console.print(f"[green]PASS[/green] {what}: {shape}; "
                   f"max attn_out error {max(r.attn_out_ulp for r in results):g} ulp"

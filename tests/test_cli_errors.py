@@ -14,7 +14,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dsv41_decode import __version__
-from dsv41_decode.cli import main
+from dsv41_decode.cli import exactness_hint, main
 from helpers import one_line_error
 from dsv41_decode.config import ModelConfig
 from dsv41_decode.runtime import MAX_THREADS, cpu_threads
@@ -147,6 +147,18 @@ def test_verify_quiet_prints_only_its_summary(trace_dir, tmp_path, capsys):
     out, err = capsys.readouterr()
     assert "FAIL decode00 layer 3: attn_out" in out and "failure(s) in 2 of 14" in out.strip().splitlines()[-1]
     assert "trace verify: layer 14/14" in err                                    # progress when piped
+
+
+def test_verify_hints_at_the_exact_linears_only_for_the_step_on_a_gpu():
+    # a failing step run on a GPU without --exact-linears gets one line naming the option (the
+    # tensor cores' truncated block sums, spec decision 38); the reference path, the CPU (whose
+    # interpreter dots are exact) and the exact linears get none
+    for device in ("cuda", "cuda:1"):
+        hint = exactness_hint("step", device, False)
+        assert "--exact-linears" in hint and "truncate" in hint and "\n" not in hint
+    assert exactness_hint("reference", "cuda", False) is None
+    assert exactness_hint("step", "cpu", False) is None
+    assert exactness_hint("step", "cuda", True) is None
 
 
 def test_verify_names_a_truncated_or_incomplete_file(trace_dir, tmp_path, capsys):
