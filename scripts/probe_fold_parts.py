@@ -16,12 +16,10 @@ last `off`, not the first.
 (GPU, ~100 s on an H200.) The variants set the indexer layers' `fold_index_chain` and
 `index_query_in_gemm` attributes before each capture, in this process only.
 """
-import json
-import tempfile
-
 import torch
 
 from dsv41_decode.bench.step import _arm, _replay_us
+from dsv41_decode.bench.step_timeline import replay_kernels
 from dsv41_decode.config import ModelConfig
 from dsv41_decode.stack import AttentionStack
 from dsv41_decode.state import DecodeState
@@ -29,20 +27,6 @@ from dsv41_decode.testing.synthetic import fill_state, random_checkpoint
 
 VARIANTS = {"off": (False, False), "all": (True, True), "iq_only": (False, True), "table_only": (True, False)}
 ROWS = (1, 8, 16, 64)
-
-
-def profile(step, bucket: int) -> list[dict]:
-    """The kernels of one profiled replay of the bucket's graph, by start time."""
-    graph = step.graphs[bucket]
-    graph.replay()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
-    return sorted((e for e in events if e.get("cat") == "kernel" and "dur" in e), key=lambda e: e["ts"])
 
 
 def print_layers(name: str, kernels: list[dict], layers=(2, 20, 24)) -> None:
@@ -88,7 +72,7 @@ def main() -> None:
               flush=True)
         if name in ("off", "all"):
             _arm(step, [(0, 1)], gen)
-            print_layers(name, profile(step, 1))
+            print_layers(name, replay_kernels(step.graphs[1]))
 
 
 if __name__ == "__main__":

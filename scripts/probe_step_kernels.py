@@ -10,13 +10,11 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
-import tempfile
 
 import torch
 
 from dsv41_decode.bench.step import _arm, _replay_us
-from dsv41_decode.bench.step_timeline import _kernels
+from dsv41_decode.bench.step_timeline import replay_kernels
 from dsv41_decode.config import ModelConfig
 from dsv41_decode.stack import AttentionStack
 from dsv41_decode.state import DecodeState
@@ -25,14 +23,7 @@ from dsv41_decode.testing.synthetic import fill_state, random_checkpoint
 
 def kernel_times(graph: torch.cuda.CUDAGraph) -> tuple[dict[str, float], dict[str, int], dict[str, float]]:
     """Per kernel name: summed duration (us) and count; per stream: summed duration."""
-    graph.replay()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        torch.cuda.synchronize()
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        kernels = _kernels(json.load(open(f.name)))
+    kernels = replay_kernels(graph)
     dur, cnt, per_stream = collections.Counter(), collections.Counter(), collections.Counter()
     for e in kernels:
         name = e["name"].replace("void ", "").replace("(anonymous namespace)::", "")

@@ -4,6 +4,7 @@ per stream around one Full layer (the side lanes overlapping the main stream).""
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import torch
@@ -11,8 +12,26 @@ import torch
 from .results import gpu_slug
 
 
-def _kernels(trace: dict) -> list[dict]:
-    return [e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel" and "dur" in e]
+def trace_kernels(trace: dict) -> list[dict]:
+    """The kernel events of a chrome trace (the dict `json.load` gives of a profiler's export), by
+    start time."""
+    return sorted((e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel" and "dur" in e),
+                  key=lambda e: e["ts"])
+
+
+def replay_kernels(graph: torch.cuda.CUDAGraph, path: str | Path | None = None) -> list[dict]:
+    """The kernels of one profiled replay of `graph` (after one unprofiled replay), as chrome-trace
+    events ("name", "ts" and "dur" in us, "args" with the stream) by start time; the whole trace is
+    written to `path` when given. The profiler's overhead stays on later replays in the process."""
+    graph.replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(path) if path is not None else Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        return trace_kernels(json.loads(trace.read_text()))
 
 
 def write_timeline(step, bucket: int, out_dir: str, info: dict, progress=print) -> None:
@@ -21,15 +40,8 @@ def write_timeline(step, bucket: int, out_dir: str, info: dict, progress=print) 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     slug = gpu_slug(info["gpu"])
-    graph = step.graphs[bucket]
-    graph.replay()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        torch.cuda.synchronize()
     path = out / f"step-timeline-{slug}.json"
-    prof.export_chrome_trace(str(path))
-    kernels = _kernels(json.loads(path.read_text()))
+    kernels = replay_kernels(step.graphs[bucket], path)
     if not kernels:
         progress("timeline: the profiler saw no kernels of the graph replay")
         return
@@ -43,7 +55,7 @@ def plot_timeline(kernels: list[dict], layers: list[tuple[int, str, str]], info:
     """The PNG of a step's kernels per stream during its first Full layer (from the end of the
     boundary before it to the end of its own). kernels: the trace's kernel events; layers: (layer,
     kind, label) per step layer in order; info: gpu, commit, date. Returns (layer, streams drawn).
-    Also redraws a committed trace: `plot_timeline(_kernels(json.load(f)), ...)`."""
+    Also redraws a committed trace: `plot_timeline(trace_kernels(json.load(f)), ...)`."""
     kernels = sorted(kernels, key=lambda e: e["ts"])
     # the boundaries between layers: after the first attention kernel (the first input's launch,
     # `mhc_enter_`, is an mhc_boundary kernel too, and runs before any layer)
