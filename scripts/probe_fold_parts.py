@@ -18,7 +18,7 @@ last `off`, not the first.
 """
 import torch
 
-from dsv41_decode.bench.step import _arm, _replay_us
+from dsv41_decode.bench.step import _arm, output_and_times
 from dsv41_decode.bench.step_timeline import replay_kernels
 from dsv41_decode.config import ModelConfig
 from dsv41_decode.stack import AttentionStack
@@ -60,18 +60,13 @@ def main() -> None:
             step.layers[i].index_query_in_gemm = iq
         step.graphs = {}
         step._capture()
-        b = _arm(step, [(i, 1) for i in range(8)], torch.Generator(device="cuda").manual_seed(7))
-        step.replay(b)
-        torch.cuda.synchronize()
-        out = step.io.x_out[:8].clone()
+        out, t = output_and_times(step, ROWS)
         same = "-" if first is None else str(torch.equal(out, first))
         first = out if first is None else first
-        gen = torch.Generator(device="cuda").manual_seed(1)
-        t = {r: _replay_us(step, _arm(step, [(i, 1) for i in range(r)], gen), replays=30) for r in ROWS}
         print(f"{name:11s} | " + "  ".join(f"{r}: {t[r]:8.1f}" for r in ROWS) + f" us | 8-row out == off: {same}",
               flush=True)
         if name in ("off", "all"):
-            _arm(step, [(0, 1)], gen)
+            _arm(step, [(0, 1)], torch.Generator(device="cuda").manual_seed(1))
             print_layers(name, replay_kernels(step.graphs[1]))
 
 

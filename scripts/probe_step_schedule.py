@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from _args import arg
-from dsv41_decode.bench.step import _arm, _replay_us
+from dsv41_decode.bench.step import output_and_times
 from dsv41_decode.config import ModelConfig
 from dsv41_decode.decode import attention as attention_mod
 from dsv41_decode.decode.lanes import PRIORITY_CRITICAL, PRIORITY_SLACK
@@ -129,14 +129,9 @@ def main() -> None:
         step.graphs = {}
         step._capture()
         undo()
-        b = _arm(step, [(i, 1) for i in range(8)], torch.Generator(device="cuda").manual_seed(7))
-        step.replay(b)
-        torch.cuda.synchronize()
-        out = step.io.x_out[:8].clone()
+        out, t = output_and_times(step, rows)
         same = "-" if first is None else str(torch.equal(out, first))
         first = out if first is None else first
-        gen = torch.Generator(device="cuda").manual_seed(1)
-        t = {r: _replay_us(step, _arm(step, [(i, 1) for i in range(r)], gen), replays=30) for r in rows}
         print(f"{name:14s} capture {cap:2d} lanes {aux} | " + "  ".join(f"{r}: {t[r]:8.1f}" for r in rows)
               + f" us | 8-row output == first variant's: {same}", flush=True)
 

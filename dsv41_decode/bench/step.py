@@ -92,6 +92,19 @@ def _arm(step, rows: list[tuple], gen: torch.Generator) -> int:
     return step.prepare(rows, x)
 
 
+def output_and_times(step, rows, replays: int = 30) -> tuple[torch.Tensor, dict[int, float]]:
+    """A captured step's x_out for 8 one-token rows of a fixed random input (seed 7), and its us per
+    replay (`_replay_us`, median of `replays`) at each row count in `rows`, one-token rows of fresh
+    random inputs (seed 1): what the schedule probes compare across variants recaptured on one step.
+    The state is not advanced."""
+    bucket = _arm(step, [(i, 1) for i in range(8)], torch.Generator(device=step.device).manual_seed(7))
+    step.replay(bucket)
+    torch.cuda.synchronize()
+    out = step.io.x_out[:8].clone()
+    gen = torch.Generator(device=step.device).manual_seed(1)
+    return out, {r: _replay_us(step, _arm(step, [(i, 1) for i in range(r)], gen), replays=replays) for r in rows}
+
+
 def _layer_kinds(cfg: ModelConfig) -> dict[str, int]:
     """One representative layer per kind label and ratio (first occurrence)."""
     out: dict[str, int] = {}
