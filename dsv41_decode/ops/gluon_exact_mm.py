@@ -19,7 +19,7 @@ What the Gluon form does differently (the layout of `ops.gluon_mm`, the Gluon FP
   The MMA is `mma_v2` on FP64 operands (DMMA m16n8k16), in an
   `NVMMADistributedLayout(version=[2, 0], instr_shape=[16, 8])` of the 4 consumer warps
   (`GluonExactConfig.warps_n`: how they split x's rows; the rest split the weight rows).
-- **A TMA producer warp** (`_producer`, `gluon_mm._producer`'s ring) streams [BN, 128] FP8
+- **A TMA producer warp** (`gluon_mm._producer`, the Gluon tier's ring) streams [BN, 128] FP8
   weight tiles and the matching [BT, 128] activation tiles through a ring of `stages`
   shared-memory slots (mbarriers `ready` / `empty`); the consumer warps load each 32-wide K block
   of both tiles straight from shared memory into the MMA's operand layouts
@@ -79,13 +79,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.extra import libdevice
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .checks import mxfp8_linear_args, mxfp8_weight_args
 from .common import is_sm90, plan_workspace
 from .exact_mm import reduction_order
-from .gluon_mm import _scale, _slot_words, _tile_scales, split_bounds
+from .gluon_mm import _producer, _scale, _slot_words, _tile_scales, split_bounds
 from .gluon_mm import _words as _scale_words
 
 MAX_ROWS = 64
@@ -93,22 +93,6 @@ BLOCK_K = 128                   # K per ring slot: four 32-wide blocks, one 32-b
 ROW_BUCKETS = (8, 16, 32, 64)   # BT: the MMA's N side
 CONSUMER_WARPS = 4
 CONVERTS = ("cvt", "int", "raw", "int+cvt", "raw+cvt")
-
-
-@gluon.jit
-def _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, off_m, step_lo, n_steps, STAGES: gl.constexpr):
-    """The 1-warp TMA producer (`gluon_mm._producer`'s ring, with the activation tile's first row
-    `off_m`): step i's weight tile [BN, 128] at row off_n and activation tile [BT, 128] at row off_m
-    into ring slot i % STAGES once the consumer has released it."""
-    for i in range(n_steps):
-        s = i % STAGES
-        # A fresh barrier counts as having completed the phase before its first: the first pass
-        # over the ring does not wait.
-        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(s), w_desc.block_type.nbytes + x_desc.block_type.nbytes)
-        k = (step_lo + i) * w_desc.block_type.shape[1]
-        tma.async_copy_global_to_shared(w_desc, [off_n, k], ready.index(s), w_smem.index(s))
-        tma.async_copy_global_to_shared(x_desc, [off_m, k], ready.index(s), x_smem.index(s))
 
 
 @gluon.jit
@@ -306,7 +290,8 @@ def _gluon_exact_mm_kernel(
     acc, = gl.warp_specialize([
         (_consumer, (w_smem, x_smem, ready, empty, sw_words, sx_words, ws_tile, step_lo, n_steps, M,
                      STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout)),
-        (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, off_m, step_lo, n_steps, STAGES)),
+        (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, off_m, 0, step_lo, n_steps, 0,
+                     n_steps, STAGES, False)),
     ], [1], [24])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))

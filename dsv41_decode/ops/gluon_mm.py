@@ -100,13 +100,14 @@ ROW_BUCKETS = (8, 16, 32, 64)   # BLOCK_T: the wgmma's N
 
 
 @gluon.jit
-def _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, step_lo, n_steps, c0, n_steps_total,
-              STAGES: gl.constexpr, RETILED: gl.constexpr):
-    """The 1-warp TMA producer: step i's weight tile [BN, BLOCK_K] and activation tile [BLOCK_T,
-    BLOCK_K] into ring slot (c0 + i) % STAGES once the consumer has released it (c0: the slots the
-    program filled before, for the persistent loop; else 0). RETILED: the weight descriptor is the
-    plan's tile-contiguous copy ([N tiles x K steps x BN, BLOCK_K]: tile t's step s at row
-    (t x n_steps_total + s) x BN)."""
+def _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, x_col, step_lo, n_steps, c0,
+              n_steps_total, STAGES: gl.constexpr, RETILED: gl.constexpr):
+    """The 1-warp TMA producer of the Gluon tier's rings (`gluon_wo_a`, `gluon_exact_mm` run it too):
+    step i's weight tile [BN, BLOCK_K] at (off_n, k) and activation tile [BLOCK_T, BLOCK_K] at
+    (x_row, x_col + k), k = (step_lo + i) x BLOCK_K, into ring slot (c0 + i) % STAGES once the
+    consumer has released it (c0: the slots the program filled before, for the persistent loop;
+    else 0). RETILED: the weight descriptor is the plan's tile-contiguous copy ([N tiles x K steps x
+    BN, BLOCK_K]: tile t's step s at row (t x n_steps_total + s) x BN)."""
     BN: gl.constexpr = w_desc.block_type.shape[0]
     for i in range(n_steps):
         c = c0 + i
@@ -121,7 +122,7 @@ def _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, step_lo, n_st
                                             w_smem.index(s))
         else:
             tma.async_copy_global_to_shared(w_desc, [off_n, k], ready.index(s), w_smem.index(s))
-        tma.async_copy_global_to_shared(x_desc, [0, k], ready.index(s), x_smem.index(s))
+        tma.async_copy_global_to_shared(x_desc, [x_row, x_col + k], ready.index(s), x_smem.index(s))
 
 
 @gluon.jit
@@ -133,8 +134,8 @@ def _producer_persistent(w_desc, x_desc, w_smem, x_smem, ready, empty, N, steps_
     c0 = 0
     for item in range(gl.program_id(0), (N + BN - 1) // BN * n_split, gl.num_programs(0)):
         pid_n, step_lo, n_steps = _item(item, n_split, steps_per_split, n_steps_total)
-        _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, step_lo, n_steps, c0, n_steps_total,
-                  STAGES, RETILED)
+        _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, 0, 0, step_lo, n_steps, c0,
+                  n_steps_total, STAGES, RETILED)
         c0 += n_steps
 
 
@@ -596,7 +597,7 @@ def _gluon_mxfp8_mm_kernel(
         acc, = gl.warp_specialize([
             (_consumer, (w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n_steps,
                          STAGES, BN, BT, SUB, MMA, mma_layout)),
-            (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, step_lo, n_steps, 0,
+            (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, 0, 0, step_lo, n_steps, 0,
                          n_steps_total, STAGES, RETILED)),
         ], [1], [24])
         for i in gl.static_range(STAGES):

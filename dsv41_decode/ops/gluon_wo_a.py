@@ -66,13 +66,14 @@ from dataclasses import dataclass
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                 warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..formats import E4M3_MAX, MXFP8_AMAX_FLOOR
 from .act_quant import INV_E4M3_MAX, mxfp8_quantize_tile
 from .common import is_sm90, num_sms, plan_workspace
+from .gluon_mm import _producer
 from .rounding import ue8m0_to_fp32
 from .wo_a import GroupedShape, wo_a_args
 
@@ -85,22 +86,6 @@ SHARED_LIMIT = 227 * 1024        # sm_90's dynamic shared memory per block
 _AMAX_FLOOR = gl.constexpr(MXFP8_AMAX_FLOOR)
 _INV_QMAX = gl.constexpr(INV_E4M3_MAX)
 _QMAX = gl.constexpr(E4M3_MAX)
-
-
-@gluon.jit
-def _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_col, step_lo, n_steps,
-              STAGES: gl.constexpr):
-    """The 1-warp TMA producer: step i's weight tile [BN, 64] and o tile [BT, 64] into slot
-    i % STAGES once the consumer has released it."""
-    for i in range(n_steps):
-        s = i % STAGES
-        # A fresh barrier counts as having completed the phase before its first: the first pass
-        # over the ring does not wait.
-        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(s), w_desc.block_type.nbytes + x_desc.block_type.nbytes)
-        k = (step_lo + i) * w_desc.block_type.shape[1]
-        tma.async_copy_global_to_shared(w_desc, [off_n, k], ready.index(s), w_smem.index(s))
-        tma.async_copy_global_to_shared(x_desc, [0, x_col + k], ready.index(s), x_smem.index(s))
 
 
 @gluon.jit
@@ -280,15 +265,15 @@ def _gluon_wo_a_kernel(
             (_consumer_fp8, (w_smem, wb_smem, x_smem, ready, empty, cos_ptr, sin_ptr, s_ptr, M, stride_cm,
                              stride_sm, stride_sn, off_n, step_lo, STEPS_PER_SPLIT, STAGES, BN, BT, HEAD_STEPS,
                              mma_layout, rot_l, pair_l, cvt_l)),
-            (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_col, step_lo, STEPS_PER_SPLIT,
-                         STAGES)),
+            (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, 0, x_col, step_lo, STEPS_PER_SPLIT, 0,
+                         STEPS_PER_SPLIT, STAGES, False)),
         ], [1], [24])
     else:
         acc, = gl.warp_specialize([
             (_consumer, (w_smem, x_smem, ready, empty, cos_ptr, sin_ptr, M, stride_cm, stride_sm, step_lo,
                          STEPS_PER_SPLIT, STAGES, BN, BT, HEAD_STEPS, mma_layout, rot_l, pair_l)),
-            (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_col, step_lo, STEPS_PER_SPLIT,
-                         STAGES)),
+            (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, 0, x_col, step_lo, STEPS_PER_SPLIT, 0,
+                         STEPS_PER_SPLIT, STAGES, False)),
         ], [1], [24])
 
     for i in gl.static_range(STAGES):
