@@ -85,7 +85,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .checks import mxfp8_linear_args, mxfp8_weight_args
 from .common import is_sm90, plan_workspace
 from .exact_mm import reduction_order
-from .gluon_mm import _producer, _scale, _slot_words, _tile_scales, split_bounds
+from .gluon_mm import _producer, _ring, _scale, _slot_words, _tile_scales, split_bounds
 from .gluon_mm import _words as _scale_words
 
 MAX_ROWS = 64
@@ -268,13 +268,7 @@ def _gluon_exact_mm_kernel(
     BN: gl.constexpr = w_desc.block_type.shape[0]
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4 // WARPS_N, WARPS_N],
                                                          instr_shape=[16, 8])
-    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    w_smem, x_smem, ready, empty = _ring(w_desc, x_desc, STAGES)
 
     pid_n = gl.program_id(0)
     off_m = gl.program_id(1) * BT

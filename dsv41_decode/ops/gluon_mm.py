@@ -100,6 +100,21 @@ ROW_BUCKETS = (8, 16, 32, 64)   # BLOCK_T: the wgmma's N
 
 
 @gluon.jit
+def _ring(w_desc, x_desc, STAGES: gl.constexpr):
+    """The Gluon tier's TMA ring in shared memory: STAGES slots of the weight's and the activation's
+    descriptor tiles and a `ready` and an `empty` mbarrier per slot (initialized, count 1), as
+    (w_smem, x_smem, ready, empty); `_producer` fills it."""
+    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+    x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    return w_smem, x_smem, ready, empty
+
+
+@gluon.jit
 def _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, x_col, step_lo, n_steps, c0,
               n_steps_total, STAGES: gl.constexpr, RETILED: gl.constexpr):
     """The 1-warp TMA producer of the Gluon tier's rings (`gluon_wo_a`, `gluon_exact_mm` run it too):
@@ -567,13 +582,7 @@ def _gluon_mxfp8_mm_kernel(
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * (BN // 64), 1],
                                                          instr_shape=[16, BT, 32])
 
-    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    w_smem, x_smem, ready, empty = _ring(w_desc, x_desc, STAGES)
 
     if PERSISTENT:
         gl.warp_specialize([

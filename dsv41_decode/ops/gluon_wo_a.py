@@ -73,7 +73,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..formats import E4M3_MAX, MXFP8_AMAX_FLOOR
 from .act_quant import INV_E4M3_MAX, mxfp8_quantize_tile
 from .common import is_sm90, num_sms, plan_workspace
-from .gluon_mm import _producer
+from .gluon_mm import _producer, _ring
 from .rounding import ue8m0_to_fp32
 from .wo_a import GroupedShape, wo_a_args
 
@@ -248,13 +248,7 @@ def _gluon_wo_a_kernel(
     pair_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[1, 32],
                                             warps_per_cta=[4 * WG, 1], order=[1, 0])
 
-    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+    w_smem, x_smem, ready, empty = _ring(w_desc, x_desc, STAGES)
 
     if FP8:
         # the BF16 staging tile of the converted weight (the o tile's 128-byte swizzle)
