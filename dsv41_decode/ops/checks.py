@@ -92,6 +92,25 @@ def mxfp8_linear_args(codes, x_scale, out, n: int, k: int, max_rows: int, device
     return out
 
 
+def row_configs(config, cls: type, what: str, max_rows: int) -> list[tuple[int, object]]:
+    """A plan's launch configurations by row bucket, checked: `config` is one `cls` instance (every
+    call up to max_rows) or a dict {most rows: `cls` instance} that covers max_rows. what: how the
+    errors name one (e.g. "an Int8Config"). Returns [(most rows, config)] ascending: a call of r
+    rows takes the first with r <= most rows (`config_for_rows`)."""
+    configs = config if isinstance(config, dict) else {max_rows: config}
+    for c in configs.values():
+        if not isinstance(c, cls):
+            raise TypeError(f"config must be {what} or a dict of them, got {type(c).__name__}")
+    if not configs or max(configs) < max_rows:
+        raise ValueError(f"config must cover max_rows={max_rows} rows, got keys {sorted(configs)}")
+    return sorted(configs.items())
+
+
+def config_for_rows(configs: list[tuple[int, object]], rows: int):
+    """The configuration of `row_configs`' list that a call of `rows` rows launches with."""
+    return next(c for most, c in configs if rows <= most)
+
+
 def rope_epilogue_args(rope, out: torch.Tensor, n: int, m: int, device: torch.device, name: str = "rope",
                        head: int = 512):
     """Check a linear's `rope=(cos, sin)` (its query RoPE epilogue): cos, sin [M, 32] float32 on

@@ -63,7 +63,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import interpreting, mxfp8_linear_args, mxfp8_weight_args
+from .checks import config_for_rows, interpreting, mxfp8_linear_args, mxfp8_weight_args, row_configs
 from .common import plan_workspace
 from .exact_mm import _mul_rn, reduction_order
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
@@ -261,15 +261,8 @@ class ExactF64MM:
     def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int = MAX_ROWS,
                  config: F64Config | dict[int, F64Config] | None = None, workspace=None):
         n, k = mxfp8_weight_args(weight, w_scale, max_rows, MAX_ROWS)
-        if config is None:
-            config = dict(_DEFAULT_CONFIGS)
-        configs = config if isinstance(config, dict) else {max_rows: config}
-        for c in configs.values():
-            if not isinstance(c, F64Config):
-                raise TypeError(f"config must be an F64Config or a dict of them, got {type(c).__name__}")
-        if not configs or max(configs) < max_rows:
-            raise ValueError(f"config must cover max_rows={max_rows} rows, got keys {sorted(configs)}")
-        self._configs = sorted(configs.items())
+        self._configs = row_configs(dict(_DEFAULT_CONFIGS) if config is None else config, F64Config, "an F64Config",
+                                    max_rows)
         self.weight, self.w_scale = weight, w_scale.view(torch.uint8)
         self._w_words, self._w_stride = _words(weight, "weight")
         self.n, self.k, self.max_rows = n, k, max_rows
@@ -295,7 +288,7 @@ class ExactF64MM:
 
     def config_for(self, rows: int) -> F64Config:
         """The configuration a call of `rows` rows launches with."""
-        return next(c for most, c in self._configs if rows <= most)
+        return config_for_rows(self._configs, rows)
 
     def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """y = codes x weight^T with both block scales, into out: the arguments and the result of

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import interpreting, mxfp8_linear_args, mxfp8_weight_args
+from .checks import config_for_rows, interpreting, mxfp8_linear_args, mxfp8_weight_args, row_configs
 from .common import is_sm90
 from .exact_mm import ExactMM, _mul_rn, reduction_order
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
@@ -267,15 +267,10 @@ class ExactInt8MM:
     def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int = MAX_ROWS,
                  config: Int8Config | dict[int, Int8Config] | None = None, digits: bool = True):
         n, k = mxfp8_weight_args(weight, w_scale, max_rows, MAX_ROWS)
-        configs = config if isinstance(config, dict) else {max_rows: config or Int8Config()}
-        for c in configs.values():
-            if not isinstance(c, Int8Config):
-                raise TypeError(f"config must be an Int8Config or a dict of them, got {type(c).__name__}")
+        self._configs = row_configs(Int8Config() if config is None else config, Int8Config, "an Int8Config", max_rows)
+        for _, c in self._configs:
             if c.pairs and ((k // 32) % 2 or not digits):
                 raise ValueError(f"Int8Config(pairs=True) needs K / 32 even and digits=True, got K={k}, digits={digits}")
-        if not configs or max(configs) < max_rows:
-            raise ValueError(f"config must cover max_rows={max_rows} rows, got keys {sorted(configs)}")
-        self._configs = sorted(configs.items())
         self.weight, self.w_scale = weight, w_scale.view(torch.uint8)
         self.n, self.k, self.max_rows = n, k, max_rows
         self.device = weight.device
@@ -288,7 +283,7 @@ class ExactInt8MM:
 
     def config_for(self, rows: int) -> Int8Config:
         """The configuration a call of `rows` rows launches with."""
-        return next(c for most, c in self._configs if rows <= most)
+        return config_for_rows(self._configs, rows)
 
     def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """y = codes x weight^T with both block scales, into out: the arguments and the result of

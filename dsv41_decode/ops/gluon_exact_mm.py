@@ -82,7 +82,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .checks import mxfp8_linear_args, mxfp8_weight_args
+from .checks import config_for_rows, mxfp8_linear_args, mxfp8_weight_args, row_configs
 from .common import is_sm90, plan_workspace
 from .exact_mm import reduction_order
 from .gluon_mm import _producer, _ring, _scale, _slot_words, _tile_scales, split_bounds
@@ -453,13 +453,8 @@ class GluonExactMM:
         if k % BLOCK_K:
             raise ValueError(f"weight must be [N, K] with K a positive multiple of {BLOCK_K} (the ring's 128-deep "
                              f"slots), got {(n, k)} (use ops.exact_f64_mm)")
-        configs = config if isinstance(config, dict) else {max_rows: config or GluonExactConfig()}
-        for c in configs.values():
-            if not isinstance(c, GluonExactConfig):
-                raise TypeError(f"config must be a GluonExactConfig or a dict of them, got {type(c).__name__}")
-        if not configs or max(configs) < max_rows:
-            raise ValueError(f"config must cover max_rows={max_rows} rows, got keys {sorted(configs)}")
-        self._configs = sorted(configs.items())
+        self._configs = row_configs(GluonExactConfig() if config is None else config, GluonExactConfig,
+                                    "a GluonExactConfig", max_rows)
         if not is_sm90(weight.device):
             raise ValueError(f"weight must be on a CUDA device of compute capability 9.0 (the Gluon tier is "
                              f"sm_90 code: TMA, warp specialization), got {weight.device}")
@@ -488,7 +483,7 @@ class GluonExactMM:
 
     def config_for(self, rows: int) -> GluonExactConfig:
         """The configuration a call of `rows` rows launches with."""
-        return next(c for most, c in self._configs if rows <= most)
+        return config_for_rows(self._configs, rows)
 
     def reduction_order(self, rows: int) -> tuple[str, int, int]:
         """`exact_mm.reduction_order(K)`: the same for every row count (batch invariance)."""
