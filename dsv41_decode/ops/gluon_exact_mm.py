@@ -85,7 +85,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .checks import config_for_rows, mxfp8_linear_args, mxfp8_weight_args, row_configs
 from .common import is_sm90, plan_workspace
 from .exact_mm import reduction_order
-from .gluon_mm import _producer, _ring, _scale, _slot_words, _tile_scales, split_bounds
+from .gluon_mm import _producer, _ring, _scale, _slot_words, _tile_scales, require_tma_rows, split_bounds
 from .gluon_mm import _words as _scale_words
 
 MAX_ROWS = 64
@@ -458,9 +458,7 @@ class GluonExactMM:
         if not is_sm90(weight.device):
             raise ValueError(f"weight must be on a CUDA device of compute capability 9.0 (the Gluon tier is "
                              f"sm_90 code: TMA, warp specialization), got {weight.device}")
-        if weight.stride(0) % 16 or weight.data_ptr() % 16:
-            raise ValueError(f"weight rows must be 16-byte aligned for TMA (row stride {weight.stride(0)}, "
-                             f"address {weight.data_ptr():#x})")
+        require_tma_rows(weight, "weight")
         self.weight, self.w_scale = weight, w_scale.view(torch.uint8)
         self._sw_words = _scale_words(self.w_scale, "w_scale")
         self.n, self.k, self.max_rows, self.device = n, k, max_rows, weight.device
@@ -493,9 +491,7 @@ class GluonExactMM:
         """y = codes x weight^T with both block scales, into out: the arguments and the result of
         `LowLatencyMM.__call__` (a float32 out receives the unrounded FP32 sums). Returns out."""
         out = mxfp8_linear_args(codes, x_scale, out, self.n, self.k, self.max_rows, self.device)
-        if codes.stride(0) % 16 or codes.data_ptr() % 16:
-            raise ValueError(f"codes rows must be 16-byte aligned for TMA (row stride {codes.stride(0)}, "
-                             f"address {codes.data_ptr():#x})")
+        require_tma_rows(codes, "codes")
         sx_words = _scale_words(x_scale, "x_scale")
         m = codes.shape[0]
         cfg = self.config_for(m)

@@ -824,6 +824,14 @@ def _retiled(weight: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
     return padded.view(tiles, block_n, steps, block_k).permute(0, 2, 1, 3).contiguous().view(-1, block_k)
 
 
+def require_tma_rows(t: torch.Tensor, name: str) -> None:
+    """ValueError naming `name` unless the 2-D tensor t's rows start 16-byte aligned, as a TMA
+    descriptor needs (the Gluon tier's weights and activations)."""
+    if t.stride(0) * t.element_size() % 16 or t.data_ptr() % 16:
+        raise ValueError(f"{name} rows must be 16-byte aligned for TMA (row stride {t.stride(0)} elements, "
+                         f"address {t.data_ptr():#x})")
+
+
 def _words(scale: torch.Tensor, name: str) -> torch.Tensor:
     """The UE8M0 bytes of `scale` viewed as int32 words (four 32-wide blocks, one 128-deep step)."""
     b = scale.view(torch.uint8)
@@ -872,9 +880,7 @@ class GluonMM:
         if not is_sm90(weight.device):
             raise ValueError(f"weight must be on a CUDA device of compute capability 9.0 (the Gluon tier is "
                              f"sm_90 code: TMA, wgmma), got {weight.device}")
-        if weight.stride(0) % 16 or weight.data_ptr() % 16:
-            raise ValueError(f"weight rows must be 16-byte aligned for TMA (row stride {weight.stride(0)}, "
-                             f"address {weight.data_ptr():#x})")
+        require_tma_rows(weight, "weight")
         if isinstance(max_rows, bool) or not isinstance(max_rows, int) or not 1 <= max_rows <= MAX_ROWS:
             raise ValueError(f"max_rows must be an int in [1, {MAX_ROWS}], got {max_rows!r}")
         need = shared_bytes(config, self.block_t(max_rows))
@@ -950,9 +956,7 @@ class GluonMM:
         else:
             cos, sin = rope_epilogue_args(rope, out, self.n, m, self.device)
             stride_c, stride_s = cos.stride(0), sin.stride(0)
-        if codes.stride(0) % 16 or codes.data_ptr() % 16:
-            raise ValueError(f"codes rows must be 16-byte aligned for TMA (row stride {codes.stride(0)}, "
-                             f"address {codes.data_ptr():#x})")
+        require_tma_rows(codes, "codes")
         sx_words = _words(x_scale, "x_scale")
         bt = self.block_t(m)
         bk = self.config.block_k

@@ -73,7 +73,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from ..formats import E4M3_MAX, MXFP8_AMAX_FLOOR
 from .act_quant import INV_E4M3_MAX, mxfp8_quantize_tile
 from .common import is_sm90, num_sms, plan_workspace
-from .gluon_mm import _producer, _ring
+from .gluon_mm import _producer, _ring, require_tma_rows
 from .rounding import ue8m0_to_fp32
 from .wo_a import GroupedShape, wo_a_args
 
@@ -500,9 +500,7 @@ class GluonWoAPlan(GroupedShape):
 
 def _tma_desc(t: torch.Tensor, block: list[int], name: str) -> TensorDescriptor:
     """A TMA descriptor of the 2-D BF16 or E4M3 tensor t with box `block` (swizzled tiles)."""
-    if t.stride(0) * t.element_size() % 16 or t.data_ptr() % 16:
-        raise ValueError(f"{name} rows must be 16-byte aligned for TMA (row stride {t.stride(0)} elements, "
-                         f"address {t.data_ptr():#x})")
+    require_tma_rows(t, name)
     layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float8e4nv)
     return TensorDescriptor.from_tensor(t, block, layout)
 
