@@ -24,6 +24,7 @@ from dsv41_decode.ops.exact_int8_mm import _INT8_PLAN, ExactInt8MM, Int8Config
 from dsv41_decode.ops.exact_mm import ExactMM
 from dsv41_decode.ops.gluon_mm import GluonMM
 from dsv41_decode.reference.linear import mxfp8_mm
+from dsv41_decode.testing.synthetic import heavy_e4m3
 
 from _args import arg   # scripts/ is on sys.path when run as python scripts/<probe>.py
 
@@ -41,11 +42,6 @@ def _config(spec: str) -> F64Config:
 def _time(fn, copies: int, replays: int) -> float:
     """Median us per call of `fn`, which makes `copies` calls (one per weight copy)."""
     return graph_time_us(fn, calls_per_graph=copies, replays=replays)
-
-
-def _heavy(g, shape):
-    v = torch.randn(shape, generator=g, device="cuda") ** 3
-    return (v * (448 / v.abs().amax(-1, keepdim=True))).to(torch.float8_e4m3fn)
 
 
 def _resources(specs: list[str]) -> None:
@@ -118,7 +114,7 @@ def main() -> None:
                 print(f"BEST {name} M={m} f64 {best[0]} {best[1]:.2f} us  vs exact_mm {t_exact:.2f}, "
                       f"int8 {t_int8:.2f}, gluon {t_gluon:.2f} ({best[1] / t_gluon:.2f}x)", flush=True)
         # Heavy-tailed codes (448 down to the subnormals), where an inexact block sum shows.
-        hc, hw = _heavy(g, (16, k)), _heavy(g, (n, k))
+        hc, hw = heavy_e4m3((16, k), g), heavy_e4m3((n, k), g)
         sx = torch.full((16, k // 32), 127, dtype=torch.uint8, device="cuda")
         href = mxfp8_mm(hc, sx, hw, ws[0][1]).view(torch.int16)
         for spec in specs:

@@ -20,6 +20,7 @@ from dsv41_decode.formats import fp8_block_quantize, mxfp8_quantize
 from dsv41_decode.ops.exact_int8_mm import ExactInt8MM, Int8Config
 from dsv41_decode.ops.exact_mm import ExactMM
 from dsv41_decode.reference.linear import mxfp8_mm
+from dsv41_decode.testing.synthetic import heavy_e4m3
 
 from _args import arg   # scripts/ is on sys.path when run as python scripts/<probe>.py
 
@@ -31,11 +32,6 @@ CANDIDATES = ["64:16:4:4", "64:16:4:4:p", "64:16:4:3:p", "32:16:4:4:p", "64:16:4
 
 def _time(fn) -> float:
     return graph_time_us(fn, calls_per_graph=1, replays=10, min_calls=20)
-
-
-def _heavy(g, shape):
-    v = torch.randn(shape, generator=g, device="cuda") ** 3
-    return (v * (448 / v.abs().amax(-1, keepdim=True))).to(torch.float8_e4m3fn)
 
 
 def main() -> None:
@@ -53,7 +49,7 @@ def main() -> None:
             x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
             codes, x_scale = mxfp8_quantize(x)
             ref = mxfp8_mm(codes, x_scale, weight, w_scale).view(torch.int16)
-            hc, hw = _heavy(g, (m, k)), _heavy(g, (n, k))
+            hc, hw = heavy_e4m3((m, k), g), heavy_e4m3((n, k), g)
             href = mxfp8_mm(hc, x_scale, hw, w_scale).view(torch.int16)
             out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
             t_def = _time(lambda: default(codes, x_scale, out))

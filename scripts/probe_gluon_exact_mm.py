@@ -41,6 +41,7 @@ from dsv41_decode.formats import fp8_block_quantize, mxfp8_quantize
 from dsv41_decode.ops import gluon_exact_mm as E
 from dsv41_decode.ops.gluon_exact_mm import GluonExactConfig
 from dsv41_decode.reference.linear import mxfp8_mm
+from dsv41_decode.testing.synthetic import heavy_e4m3
 
 from _args import arg   # scripts/ is on sys.path when run as python scripts/<probe>.py
 
@@ -108,11 +109,6 @@ def _time(fn, copies: int, replays: int) -> float:
         fn()
         times.append((time.perf_counter() - t) * 1e6 / copies)
     return statistics.median(times)
-
-
-def _heavy(g, shape):
-    v = torch.randn(shape, generator=g, device=DEV) ** 3
-    return (v * (448 / v.abs().amax(-1, keepdim=True))).to(torch.float8_e4m3fn)
 
 
 def _kernels() -> dict:
@@ -246,7 +242,7 @@ def main() -> None:
                       f"x{base[(name, m)]['f64'] / us:4.2f} f64  x{base[(name, m)]['exact_mm'] / us:4.2f} exact_mm  "
                       f"x{base[(name, m)]['gluon(TC)'] / us:4.2f} gluon(TC)  bits {bits}", flush=True)
         # Heavy-tailed codes (448 down to the subnormals), where an inexact block sum shows.
-        hc, hw = _heavy(g, (16, k)), _heavy(g, (n, k))
+        hc, hw = heavy_e4m3((16, k), g), heavy_e4m3((n, k), g)
         sx = torch.randint(120, 134, (16, k // 32), dtype=torch.uint8, device=DEV)
         href = mxfp8_mm(hc, sx, hw, ws[0][1]).view(torch.int16)
         for spec in specs:

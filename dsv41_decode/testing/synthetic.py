@@ -21,6 +21,14 @@ from ..state import DecodeState
 from ..weights import FP8, UE8M0, Checkpoint, expected_tensors
 
 
+def heavy_e4m3(shape, generator: torch.Generator) -> torch.Tensor:
+    """Heavy-tailed E4M3 codes on the generator's device: randn^3, each row (last dim) scaled so
+    that its largest magnitude is 448 - values from 448 down to the subnormals, the operands where
+    a block sum's rounding is hardest (the exact linears' tests and probes)."""
+    v = torch.randn(shape, generator=generator, device=generator.device) ** 3
+    return (v * (448 / v.abs().amax(-1, keepdim=True))).to(torch.float8_e4m3fn)
+
+
 def random_layer(cfg: ModelConfig, layer: int, device, gen: torch.Generator, wo_a_fp8: bool = False
                  ) -> dict[str, torch.Tensor]:
     """One layer's tensors (names without `layers.N.`), drawn on `device`."""
