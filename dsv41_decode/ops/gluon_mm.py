@@ -49,21 +49,21 @@ What Gluon gives here that `tl.dot` does not (docs/notes-low-latency-mm.md, "Wha
   (tile, split) items in turn through one ring, the epilogue in the consumer partition;
   `GluonMMConfig.retile`: the plan streams a tile-contiguous copy of the weight.)
 
-- **The query RoPE epilogue** (`GluonMM.__call__(rope=(cos, sin))`, the step's wq_b): y read as
-  [M, N / 512, 512] queries, the program that stores a tile (with split-K the last arriver) rotates
-  the pairs of every head's channels 448..511 on the BF16-rounded tile before its store, exactly
-  as `kv_write.query_rope_` would afterwards (`_rope_tile`: explicitly rounded FP32 products and
-  sums, then BF16), so the separate RoPE launch leaves the step's chain with the same bits. Tiles
-  without rotary channels skip it (with 128-row tiles, one in four holds a head's channels
-  384..511, half of them rotated).
-- **The index query epilogue** (`GluonMM.__call__(index_query=(cos, sin))`, the indexer's wq_b):
-  y read as [M, N / 128, 128] index queries, the storing program applies `index_query_`'s iq half
-  to the BF16-rounded tile: RoPE on each head's channels 64..127 (`_rope_pairs`, as above), then
-  MXFP4 quantize-dequantize per 32-channel block (`_mxfp4_fake_pairs`: `fp4.mx_quant_pairs`'s and
-  `mx_dequant_pairs`' bit rules, power-of-two products, nothing to contract), so the separate `index_query_`
-  launch leaves the indexer's chain (its w half: `ll_bf16_(..., scale=)`) with the same bits. A
-  tile of 64 weight rows is half a head (two MX blocks; channels 0..63 pass the rotation
-  unchanged, 64..127 are rotated), of 128 one head.
+- **The query RoPE epilogue** (`GluonMM.__call__(rope=(cos, sin))`, the step's wq_b): y read as [M,
+  N / 512, 512] queries, the program that stores a tile (with split-K the last arriver) rotates the
+  pairs of every head's channels 448..511 on the BF16-rounded tile before its store, exactly as
+  `kv_write.query_rope_` would afterwards (`gluon_epilogues.rope_tile`: explicitly rounded FP32
+  products and sums, then BF16), so the separate RoPE launch leaves the step's chain with the same
+  bits. Tiles without rotary channels skip it (with 128-row tiles, one in four holds a head's
+  channels 384..511, half of them rotated).
+- **The index query epilogue** (`GluonMM.__call__(index_query=(cos, sin))`, the indexer's wq_b): y
+  read as [M, N / 128, 128] index queries, the storing program applies `index_query_`'s iq half to
+  the BF16-rounded tile: RoPE on each head's channels 64..127 (`gluon_epilogues.rope_pairs`, as
+  above), then MXFP4 quantize-dequantize per 32-channel block (`gluon_epilogues.mxfp4_fake_pairs`:
+  `fp4.mx_quant_pairs`'s and `mx_dequant_pairs`' bit rules, power-of-two products, nothing to
+  contract), so the separate `index_query_` launch leaves the indexer's chain (its w half:
+  `ll_bf16_(..., scale=)`) with the same bits. A tile of 64 weight rows is half a head (two MX
+  blocks; channels 0..63 pass the rotation unchanged, 64..127 are rotated), of 128 one head.
 
 With the same K split bounds the kernel adds the same FP32 values in the same order as
 `low_latency_mm`'s FP8 loop, whatever the config's MMA mode, warpgroups, slot depth, ring and
@@ -84,13 +84,12 @@ from dataclasses import dataclass
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.extra import libdevice
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .checks import UE8M0_DTYPES, index_query_epilogue_args, mxfp8_linear_args, require_tensor, rope_epilogue_args
 from .common import is_sm90, num_sms, plan_workspace
-from .fp4 import INV_E2M1_MAX, MXFP4_FLOOR
+from .gluon_epilogues import bf16_out
 from .low_latency_mm import _Operands   # the plan cache's key: same memory, same view
 
 MAX_ROWS = 64
@@ -359,135 +358,6 @@ def _tile_scales(sw_ptr, sx_ptr, off_n, M, N, stride_swn, stride_sxm, BN: gl.con
 
 
 @gluon.jit
-def _rope_tile(yb, off_n, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BN: gl.constexpr, BT: gl.constexpr,
-               out_l: gl.constexpr):
-    """The query RoPE of spec section 5 on a BF16 output tile yb [BN, BT] (dim 0: output columns
-    off_n + n, dim 1: rows m; in `out_l`): for every column c with c % 512 >= 448 (a head's rotary
-    channels 448..511), the pair (c, c + 1) = (2i, 2i + 1) of the tail is rotated by row m's
-    cos/sin[m, i] exactly as `ops.kv_write`'s query RoPE does on the stored BF16 values: widened to
-    FP32, re = e c - o s and im = e s + o c with each product and sum rounded to nearest in FP32
-    (libdevice mul_rn / add_rn / sub_rn: never contracted into an FMA, whatever the launch's
-    fp-fusion; subnormals kept: `launch_options`), then rounded to BF16 (nearest even). The pairs are split in registers (out_l gives
-    each thread 8 consecutive columns). Other columns, and rows past M, pass unchanged; returns
-    the tile in out_l."""
-    e, o = gl.split(gl.reshape(gl.permute(yb.to(gl.float32), [1, 0]), [BT, BN // 2, 2]))
-    re, im = _rope_pairs(e, o, off_n, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BN, BT, 512, 448)
-    y = gl.permute(gl.reshape(gl.join(re, im), [BT, BN]), [1, 0])
-    return gl.convert_layout(y, out_l).to(gl.bfloat16)
-
-
-@gluon.jit
-def _rope_pairs(e, o, off_n, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BN: gl.constexpr, BT: gl.constexpr,
-                HEAD: gl.constexpr, FIRST: gl.constexpr):
-    """The pairs (e, o) [BT, BN / 2] (rows m, pair p = output columns off_n + 2p, off_n + 2p + 1;
-    FP32 holding BF16 values) rotated where the column's channel in its head of HEAD, c, is at
-    least FIRST, by row m's cos/sin[m, (c - FIRST) / 2]: re = e c - o s and im = e s + o c, each
-    product and sum rounded to nearest in FP32 (libdevice mul_rn / add_rn / sub_rn: never
-    contracted into an FMA, whatever the launch's fp-fusion; subnormals kept, the launch's
-    `enable_reflect_ftz=False`), then to BF16 (nearest even); other pairs, and rows past M, pass
-    unchanged. The RoPE of both epilogues (`_rope_tile`: queries,
-    heads of 512 rotated from 448; `_index_query_tile`: index queries, heads of 128 from 64)."""
-    pair_l: gl.constexpr = e.type.layout
-    p = gl.arange(0, BN // 2, layout=gl.SliceLayout(0, pair_l))
-    rm = gl.arange(0, BT, layout=gl.SliceLayout(1, pair_l))
-    col = (off_n + 2 * p) % HEAD
-    rot = (col >= FIRST)[None, :] & (rm < M)[:, None]
-    i = gl.maximum(col - FIRST, 0) // 2
-    c = gl.load(cos_ptr + rm[:, None] * stride_cm + i[None, :], mask=rot, other=1.0)
-    sn = gl.load(sin_ptr + rm[:, None] * stride_sm + i[None, :], mask=rot, other=0.0)
-    re = libdevice.sub_rn(libdevice.mul_rn(e, c), libdevice.mul_rn(o, sn))
-    im = libdevice.add_rn(libdevice.mul_rn(e, sn), libdevice.mul_rn(o, c))
-    re = gl.where(rot, re.to(gl.bfloat16).to(gl.float32), e)
-    im = gl.where(rot, im.to(gl.bfloat16).to(gl.float32), o)
-    return re, im
-
-
-@gluon.jit
-def _index_query_tile(yb, off_n, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BN: gl.constexpr, BT: gl.constexpr,
-                      out_l: gl.constexpr):
-    """`index_query_`'s iq on a BF16 output tile yb [BN, BT] (dim 0: output columns off_n + n =
-    head * 128 + channel, dim 1: rows m; in `out_l`), as `index_query.index_query_tile` does in
-    the Triton tier: each head's tail pairs (channels 64..127) of rows m < M rotated by cos/sin[m,
-    channel / 2 - 32] (`_rope_pairs`), then each row's 32-column MX blocks MXFP4 quantized and
-    dequantized (`_mxfp4_fake_pairs`), then BF16. BN a multiple of 32 (whole blocks). Returns the
-    tile in out_l."""
-    e, o = gl.split(gl.reshape(gl.permute(yb.to(gl.float32), [1, 0]), [BT, BN // 2, 2]))
-    e, o = _rope_pairs(e, o, off_n, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BN, BT, 128, 64)
-    # [BT, BN / 2] pairs as [blocks, 16]: a row's 16 consecutive pairs are one MX block
-    NB: gl.constexpr = BT * BN // 32
-    ye, yo = _mxfp4_fake_pairs(gl.reshape(e, [NB, 16]), gl.reshape(o, [NB, 16]))
-    y = gl.join(gl.reshape(ye, [BT, BN // 2]), gl.reshape(yo, [BT, BN // 2]))
-    y = gl.permute(gl.reshape(y, [BT, BN]), [1, 0])
-    # The values are BF16's (E2M1 times a power of two) but for a non-finite block's NaNs: rounded
-    # as `rounding.bf16_rne_bits`, whose NaN is index_query_'s 0x7FC0 (the cast's is 0x7FFF).
-    bits = y.to(gl.uint32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    rounded = gl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, rounded)
-    return gl.convert_layout(rounded.to(gl.uint16).to(gl.bfloat16, bitcast=True), out_l)
-
-
-@gluon.jit
-def _e2m1_fake(v, inv, s):
-    """e2m1_value(e2m1_rne_code(v * inv)) * s of `ops.fp4` (the same comparisons and bits): v * inv
-    (a power of two, exact) rounded to nearest even on E2M1's grid {0, .5, 1, 1.5, 2, 3, 4, 6},
-    saturating, the sign kept (-0.0 for small negatives), NaN to code 0; then its value times s."""
-    x = v * inv
-    a = gl.abs(x)
-    mag = ((a > 0.25).to(gl.int32) + (a >= 0.75).to(gl.int32) + (a > 1.25).to(gl.int32)
-           + (a >= 1.75).to(gl.int32) + (a > 2.5).to(gl.int32) + (a >= 3.5).to(gl.int32)
-           + (a > 5.0).to(gl.int32))
-    c = gl.where(x == x, mag | ((x.to(gl.uint32, bitcast=True) >> 28) & 8).to(gl.int32), 0)
-    e = (c >> 1) & 3
-    m = c & 1
-    normal = ((e + 126) << 23 | (m << 22)).to(gl.float32, bitcast=True)
-    val = gl.where(e == 0, m.to(gl.float32) * 0.5, normal).to(gl.uint32, bitcast=True)
-    return (val | ((c & 8).to(gl.uint32) << 28)).to(gl.float32, bitcast=True) * s
-
-
-@gluon.jit
-def _max(a, b):
-    return gl.maximum(a, b)
-
-
-@gluon.jit
-def _mxfp4_fake_pairs(xe, xo):
-    """MXFP4 quantize-dequantize of blocks = rows of the halves xe, xo [NB, 16] (FP32): the values
-    of `fp4.mx_dequant_pairs(*fp4.mx_quant_pairs(xe, xo, False), False)` by the same bit rules
-    (the Triton helpers cannot be called here: under the interpreter, in the processes that compile
-    this kernel for sm_90, they are interpreted functions). The block's scale byte from its
-    maximum |x| (NaN as inf) floored at MXFP4_FLOOR by the spec's power-of-two rule, 255 (a NaN
-    block, all NaN out) when not finite; each element's E2M1 code of x / scale (`_e2m1_fake`)."""
-    ae = gl.abs(xe)
-    ao = gl.abs(xo)
-    ae = gl.where(ae == ae, ae, float("inf"))
-    ao = gl.where(ao == ao, ao, float("inf"))
-    # gl.reduce with a Gluon combine: gl.max's is a Triton JIT function, interpreted there too
-    amax = gl.maximum(gl.reduce(ae, 1, _max), gl.reduce(ao, 1, _max))
-    p_bits = (gl.maximum(amax, MXFP4_FLOOR) * INV_E2M1_MAX).to(gl.int32, bitcast=True)
-    k = (p_bits >> 23) - 127 + ((p_bits & 0x7FFFFF) != 0).to(gl.int32)
-    byte = gl.minimum(k + 127, 255)
-    inv = ((127 - gl.minimum(k, 126)) << 23).to(gl.float32, bitcast=True)[:, None]
-    # ue8m0_to_fp32: byte 255 is NaN (the codes of such a block are 0, so all its values are NaN)
-    s = gl.where(byte == 255, float("nan"), (byte << 23).to(gl.float32, bitcast=True))[:, None]
-    return _e2m1_fake(xe, inv, s), _e2m1_fake(xo, inv, s)
-
-
-@gluon.jit
-def _bf16_out(y, off_n, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BN: gl.constexpr, BT: gl.constexpr,
-              ROPE: gl.constexpr, out_l: gl.constexpr, INDEX_Q: gl.constexpr = False):
-    """The tile's FP32 sums y [BN, BT] rounded to BF16 (nearest even), and with ROPE the query
-    RoPE on the tiles that hold rotary channels (`_rope_tile`; the others skip it), with INDEX_Q
-    the index query on every tile (`_index_query_tile`)."""
-    yb = y.to(gl.bfloat16)
-    if INDEX_Q:
-        yb = _index_query_tile(yb, off_n, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BN, BT, out_l)
-    elif ROPE:
-        if off_n % 512 + BN > 448:
-            yb = _rope_tile(yb, off_n, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BN, BT, out_l)
-    return yb
-
-
-@gluon.jit
 def _epilogue(acc, y_ptr, ws_ptr, cnt_ptr, pid_n, pid_s, M, N, stride_ym, n_split,
               cos_ptr, sin_ptr, stride_cm, stride_sm,
               BN: gl.constexpr, BT: gl.constexpr, SPLIT_K: gl.constexpr, OUT_F32: gl.constexpr,
@@ -495,7 +365,7 @@ def _epilogue(acc, y_ptr, ws_ptr, cnt_ptr, pid_n, pid_s, M, N, stride_ym, n_spli
     """Store the item's [BN, BT] FP32 sums as y rows (BF16, or FP32 when OUT_F32), or, with SPLIT_K,
     as split pid_s's partial, the last split of the tile to arrive adding the partials in split
     order (from zero) and storing y. ROPE / INDEX_Q (BF16 y): the query RoPE / the index query on
-    the rounded tile before its store (`_bf16_out`), by the program that stores it (with SPLIT_K
+    the rounded tile before its store (`bf16_out`), by the program that stores it (with SPLIT_K
     the last arriver)."""
     # The epilogue in a layout where each thread holds 8 consecutive n of one row m (16-byte
     # stores of y and of the workspace, both n-contiguous) instead of the wgmma's scattered pairs.
@@ -524,14 +394,14 @@ def _epilogue(acc, y_ptr, ws_ptr, cnt_ptr, pid_n, pid_s, M, N, stride_ym, n_spli
             if OUT_F32:
                 gl.store(y_ptrs, total, mask=mask)
             else:
-                gl.store(y_ptrs, _bf16_out(total, pid_n * BN, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BN, BT,
+                gl.store(y_ptrs, bf16_out(total, pid_n * BN, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BN, BT,
                                            ROPE, out_l, INDEX_Q), mask=mask)
             gl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
     else:
         if OUT_F32:
             gl.store(y_ptrs, acc, mask=mask)
         else:
-            gl.store(y_ptrs, _bf16_out(acc, pid_n * BN, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BN, BT, ROPE,
+            gl.store(y_ptrs, bf16_out(acc, pid_n * BN, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BN, BT, ROPE,
                                        out_l, INDEX_Q), mask=mask)
 
 
@@ -573,9 +443,9 @@ def _gluon_mxfp8_mm_kernel(
     # warpgroup, BLOCK_K = 128 or 256); sx_ptr and sw_ptr point at the scales as int32 words (four
     # UE8M0 bytes, 128 of K), strides in words. SPLIT_K: n_split > 1. PERSISTENT: grid (programs, )
     # instead, each program taking the work items (tile, split) p, p + programs, ... in turn
-    # through one ring. ROPE: the query RoPE epilogue (`_rope_tile`) with cos/sin [M, 32] FP32 at
-    # cos_ptr/sin_ptr (row strides stride_cm/stride_sm); unused without. INDEX_Q: the index query
-    # epilogue (`_index_query_tile`) with the same cos/sin arguments.
+    # through one ring. ROPE: the query RoPE epilogue (`gluon_epilogues.rope_tile`) with cos/sin
+    # [M, 32] FP32 at cos_ptr/sin_ptr (row strides stride_cm/stride_sm); unused without. INDEX_Q:
+    # the index query epilogue (`gluon_epilogues.index_query_tile`) with the same cos/sin arguments.
     BN: gl.constexpr = w_desc.block_type.shape[0]
     SUB: gl.constexpr = w_desc.block_type.shape[1] // 32
     # One m64 wgmma per consumer warpgroup (warps [4 * WG, 1]: warpgroup g takes rows [64g, +64)).

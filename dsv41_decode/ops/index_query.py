@@ -10,7 +10,7 @@ and its exact dequantization, the weight scale rounded as torch rounds a BF16 te
 
 `index_query_tile` is the iq half on a GEMM's output tile: the epilogue of the indexer's wq_b in
 the Triton tier (`LowLatencyMM(..., index_query=)`; the Gluon tier has its own port,
-`gluon_mm._index_query_tile`), the same bits.
+`gluon_epilogues.index_query_tile`), the same bits.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ def rope_rotate(xe, xo, c, s, ASM: tl.constexpr = False):
     interpreter (which never contracts); ASM=True (GPU only): inline PTX mul.rn / sub.rn / add.rn,
     which ptxas never contracts, for kernels compiled with fp fusion on (the GEMM epilogue of
     `ops.low_latency_mm`). The one Triton home of the formula; the Gluon GEMM's epilogue
-    (`ops.gluon_mm._rope_tile`) writes the same roundings with libdevice's _rn operations (launched
+    (`ops.gluon_epilogues.rope_tile`) writes the same roundings with libdevice's _rn operations (launched
     without reflect-FTZ, so that they keep subnormals as these do)."""
     if ASM:
         re = tl.inline_asm_elementwise(
