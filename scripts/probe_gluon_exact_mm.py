@@ -1,5 +1,5 @@
 """Probe `gluon_exact_mm` on a GPU (sm_90): `GluonExactMM` (the contract-exact linear on the FP64 MMA
-in Gluon) in candidate configurations against the other exact linears - `ExactF64MM` (the same
+in Gluon) in candidate configurations against the other exact linears - `ExactF64MM`, `ExactLinear` (the step's exact linear today), (the same
 FP64 MMA in Triton, its default configurations) and `ExactMM` (CUDA cores, its tuned table) - and
 the step's tensor-core FP8 plan `GluonMM` (not exact), at the four V4.1-Flash shapes of the step's
 GEMMs (TP1), rows 1, 2, 4, 8, 16, 32, 64: us per call from CUDA-graph replay over weight copies
@@ -89,9 +89,10 @@ class _DryPlan:
 
 
 if DRY:
-    GluonExactMM = ExactF64MM = ExactMM = GluonMM = _DryPlan
+    GluonExactMM = ExactF64MM = ExactMM = ExactLinear = GluonMM = _DryPlan
 else:
     from dsv41_decode.ops.exact_f64_mm import ExactF64MM
+    from dsv41_decode.ops.exact_int8_mm import ExactLinear
     from dsv41_decode.ops.exact_mm import ExactMM
     from dsv41_decode.ops.gluon_exact_mm import GluonExactMM
     from dsv41_decode.ops.gluon_mm import GluonMM
@@ -203,6 +204,7 @@ def main() -> None:
         copies = 2 if DRY else l2_rotation(shape.weight_bytes())
         ws = [fp8_block_quantize(torch.randn(n, k, generator=g, device=DEV) * k ** -0.5) for _ in range(copies)]
         others = {"f64": [ExactF64MM(w, s, 64) for w, s in ws], "exact_mm": [ExactMM(w, s, 64) for w, s in ws],
+                  "exact_linear": [ExactLinear(w, s, 64) for w, s in ws],
                   "gluon(TC)": [GluonMM(w, s, 64) for w, s in ws]}
         print(f"{name}: N={n} K={k}, {copies} weight copies", flush=True)
         for m in rows:
@@ -265,7 +267,7 @@ def main() -> None:
 def summarize(results, base, floor) -> None:
     print("\nbest GluonExactMM configuration per (shape, rows), bitwise ExactMM's:")
     print(f"{'shape':14s} {'rows':>4s}  {'best':24s} {'us':>7s} {'% read':>6s} {'f64 us':>7s} {'x f64':>6s} "
-          f"{'exact_mm':>8s} {'x exact':>7s} {'gluon(TC)':>9s} {'/ TC':>6s}")
+          f"{'exact_mm':>8s} {'x exact':>7s} {'linear':>7s} {'gluon(TC)':>9s} {'/ TC':>6s}")
     table: dict[str, dict[int, str]] = {}
     for (name, m), res in results.items():
         if not res:
@@ -274,7 +276,7 @@ def summarize(results, base, floor) -> None:
         b, shape = base[(name, m)], SHAPES[name]
         pct = 100 * (shape.weight_bytes() + shape.io_bytes(m)) / (res[best] * 1e3) / floor
         print(f"{name:14s} {m:4d}  {best:24s} {res[best]:7.2f} {pct:6.1f} {b['f64']:7.2f} {b['f64'] / res[best]:6.2f} "
-              f"{b['exact_mm']:8.2f} {b['exact_mm'] / res[best]:7.2f} {b['gluon(TC)']:9.2f} "
+              f"{b['exact_mm']:8.2f} {b['exact_mm'] / res[best]:7.2f} {b['exact_linear']:7.2f} {b['gluon(TC)']:9.2f} "
               f"{res[best] / b['gluon(TC)']:6.2f}", flush=True)
         table.setdefault(name, {})[m] = best
     print("\nper shape, the best configuration per row count (GluonExactMM(config={rows: config}), the largest "
