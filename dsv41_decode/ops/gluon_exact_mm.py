@@ -57,6 +57,18 @@ What the Gluon form does differently (the layout of `ops.gluon_mm`, the Gluon FP
   workspace, and the tile's last program to arrive (an acq_rel atomic counter, reset for the next
   call and a CUDA graph's replay) adds all K / 32 of them in K order from 0: `exact_mm`'s scheme,
   never partial sums added together.
+- **Warps along K** (`GluonExactConfig.warps_k` = 2 or 4; 1, the default, is the layout above):
+  the consumer warps split each slot's four 32-deep K blocks instead of the weight rows. The MMA
+  is batched, [4, BN, KC] x [4, KC, BT] in an `NVMMADistributedLayout(instr_shape=[1, 16, 8])` of
+  warps [warps_k, 4 / warps_k, 1] (batch j: K block j, `_operands_k` loading both tiles' four
+  blocks at once, the k permutation as above); each warp forms its blocks' exact partials, rounds
+  and scales them (the block terms, the same values as above) and stores them to a [4, BN, BT]
+  FP32 buffer in shared memory; after a barrier each thread reads its outputs' four terms and
+  adds them in K order to its accumulator (`_consumer_k`). So the terms join the sum in the same
+  order, one at a time, and nothing leaves the program: block_n can drop to 16 or 32 (each warp's
+  MMA still m16n8k16), N / 16 programs for the shapes with few 64-row tiles, without the split's
+  global workspace (which still combines with it). x's codes are converted once per CTA (with
+  warps_k=1 once per warp).
 
 Cost (an estimate from the instruction rates; `scripts/probe_gluon_exact_mm.py` measures it): the
 FP64 MMA does max(8, rows) multiply-adds per weight byte (its N side is at least 8) at about 128
@@ -85,7 +97,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from .checks import config_for_rows, mxfp8_linear_args, mxfp8_weight_args, row_configs
 from .common import is_sm90, plan_workspace
 from .exact_mm import reduction_order
-from .gluon_mm import _producer, _ring, _scale, _slot_words, _tile_scales, require_tma_rows, split_bounds
+from .gluon_mm import SHARED_LIMIT, _producer, _ring, _scale, _slot_words, _tile_scales, require_tma_rows, split_bounds
 from .gluon_mm import _words as _scale_words
 
 MAX_ROWS = 64
@@ -93,6 +105,8 @@ BLOCK_K = 128                   # K per ring slot: four 32-wide blocks, one 32-b
 ROW_BUCKETS = (8, 16, 32, 64)   # BT: the MMA's N side
 CONSUMER_WARPS = 4
 CONVERTS = ("cvt", "int", "raw", "int+cvt", "raw+cvt")
+# GluonExactConfig.block_n per warps_k: with warps_k > 1, 16 to 64 weight rows a warp
+BLOCK_NS = {1: (64, 128), 2: (32, 64, 128), 4: (16, 32, 64)}
 
 
 @gluon.jit
@@ -196,6 +210,70 @@ def _block_partial(w_tile, x_tile, j: gl.constexpr, zero, CONVERT: gl.constexpr,
 
 
 @gluon.jit
+def _operands_k(w_tile, x_tile, la: gl.constexpr, lb: gl.constexpr, KC: gl.constexpr):
+    """The slot's four K blocks as batched MMA operands for `GluonExactConfig.warps_k` > 1: the
+    weight [4, BN, KC] and x [4, KC, BT] (batch j: K block j, columns 32j..32j+31 of the slot's
+    tiles in shared memory), in the operand layouts la / lb, each block's k in `_operand_a`'s fixed
+    permutation (the same for both operands). KC = 32: one pair (the block's 32 k); KC = 16: two
+    pairs (a0, b0, a1, b1), half h the block's k 16h..16h+15 of the permuted order, loaded together
+    and split in registers (a block's two halves chain through one FP64 accumulator: exact). Each
+    thread's bytes are consecutive in shared memory (wide loads), renamed into the operand layouts
+    without moving data (`assert_trivial`)."""
+    BN: gl.constexpr = w_tile.shape[0]
+    BT: gl.constexpr = x_tile.shape[0]
+    xt = x_tile.permute((1, 0))                                                    # [128, BT]
+    if KC == 32:
+        # operand k = 16 h + 4 r + t of block j at column 32 j + 8 t + 4 h + r
+        like_a = gl.zeros([4, BN, 32], gl.int8, la)
+        phys_a: gl.constexpr = gl.reshape(gl.permute(gl.reshape(like_a, [4, BN, 2, 4, 4]), (1, 0, 4, 2, 3)),
+                                          [BN, 128]).type.layout
+        a = gl.reshape(gl.permute(gl.reshape(w_tile.load(phys_a), [BN, 4, 4, 2, 4]), (1, 0, 3, 4, 2)), [4, BN, 32])
+        like_b = gl.zeros([4, 32, BT], gl.int8, lb)
+        phys_b: gl.constexpr = gl.reshape(gl.permute(gl.reshape(like_b, [4, 2, 4, 4, BT]), (0, 3, 1, 2, 4)),
+                                          [128, BT]).type.layout
+        b = gl.reshape(gl.permute(gl.reshape(xt.load(phys_b), [4, 4, 2, 4, BT]), (0, 2, 3, 1, 4)), [4, 32, BT])
+        return (gl.convert_layout(a, la, assert_trivial=True), gl.convert_layout(b, lb, assert_trivial=True))
+    else:
+        # operand k = 4 r + t of half h of block j at column 32 j + 16 h + 4 t + r; h innermost in
+        # registers (a join's layout), then split
+        like_a = gl.join(gl.zeros([4, BN, 16], gl.int8, la), gl.zeros([4, BN, 16], gl.int8, la))   # [4, BN, 16, 2]
+        phys_a: gl.constexpr = gl.reshape(gl.permute(gl.reshape(like_a, [4, BN, 4, 4, 2]), (1, 0, 4, 3, 2)),
+                                          [BN, 128]).type.layout
+        a = gl.reshape(gl.permute(gl.reshape(w_tile.load(phys_a), [BN, 4, 2, 4, 4]), (1, 0, 4, 3, 2)), [4, BN, 16, 2])
+        a0, a1 = gl.split(gl.convert_layout(a, like_a.type.layout, assert_trivial=True))
+        like_b = gl.join(gl.zeros([4, 16, BT], gl.int8, lb), gl.zeros([4, 16, BT], gl.int8, lb))   # [4, 16, BT, 2]
+        phys_b: gl.constexpr = gl.reshape(gl.permute(gl.reshape(like_b, [4, 4, 4, BT, 2]), (0, 4, 2, 1, 3)),
+                                          [128, BT]).type.layout
+        b = gl.reshape(gl.permute(gl.reshape(xt.load(phys_b), [4, 2, 4, 4, BT]), (0, 3, 2, 4, 1)), [4, 16, BT, 2])
+        b0, b1 = gl.split(gl.convert_layout(b, like_b.type.layout, assert_trivial=True))
+        return (gl.convert_layout(a0, la, assert_trivial=True), gl.convert_layout(b0, lb, assert_trivial=True),
+                gl.convert_layout(a1, la, assert_trivial=True), gl.convert_layout(b1, lb, assert_trivial=True))
+
+
+@gluon.jit
+def _slot_partials(w_tile, x_tile, zero, CONVERT: gl.constexpr, KC: gl.constexpr, mma_layout: gl.constexpr):
+    """`_block_partial` of the slot's four K blocks at once (`warps_k` > 1): [4, BN, BT] FP32, batch j
+    block j's exact dot rounded once to FP32, from the batched FP64 MMA (each warp its share of the
+    blocks; `_operands_k`). "int+cvt" converts the weight of each block's first 16-deep half as
+    "int" and of its second as "cvt" (both the codes' values: they share the block's accumulator)."""
+    la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=1)
+    lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_layout, k_width=1)
+    if KC == 32:
+        a, b = _operands_k(w_tile, x_tile, la, lb, KC)
+        d = mma_v2(_e4m3_f64(a, CONVERT, 0), _e4m3_f64(b, CONVERT, 1), zero)
+    else:
+        a0, b0, a1, b1 = _operands_k(w_tile, x_tile, la, lb, KC)
+        FORM0: gl.constexpr = "int" if CONVERT == "int+cvt" else CONVERT
+        FORM1: gl.constexpr = "cvt" if CONVERT == "int+cvt" else CONVERT
+        d = mma_v2(_e4m3_f64(a0, FORM0, 0), _e4m3_f64(b0, FORM0, 1), zero)
+        d = mma_v2(_e4m3_f64(a1, FORM1, 0), _e4m3_f64(b1, FORM1, 1), d)
+    if CONVERT == "raw":
+        return d.to(gl.float32) * 65536.0          # as `_block_partial`'s "raw"
+    else:
+        return d.to(gl.float32)
+
+
+@gluon.jit
 def _block_term(part, words, j: gl.constexpr):
     """RN(RN(part * sx[m, block j]) * sw[n // 32, block j]): the reference's scaling of the slot's K
     block j (words: `gluon_mm._slot_words` of a 128-deep slot); the last product `mul.rn`, never
@@ -244,6 +322,72 @@ def _consumer(w_smem, x_smem, ready, empty, sw_words, sx_words, ws_ptr, step_lo,
 
 
 @gluon.jit
+def _consumer_k(w_smem, x_smem, ready, empty, terms, sw_words, sx_words, ws_ptr, step_lo, n_steps, M,
+                STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, CONVERT: gl.constexpr, KC: gl.constexpr,
+                SPLIT_K: gl.constexpr, mma_layout: gl.constexpr, out_layout: gl.constexpr):
+    """`_consumer` with the consumer warps splitting each slot's four K blocks (`warps_k` > 1;
+    mma_layout: the batched [4, BN, BT] MMA layout, batch j = K block j): per slot every warp forms
+    its blocks' exact partials (`_slot_partials`) and terms (`_block_term`'s two roundings) and
+    stores them to `terms` ([4, BN, BT] FP32 in shared memory); after a barrier every thread reads
+    its outputs' four terms (out_layout: each output one thread's) and adds them in K order, blocks
+    0, 1, 2, 3, to its FP32 accumulator, or, SPLIT_K, stores them to the workspace as `_consumer`
+    does. The barrier also precedes the slot's release (every thread's operand loads are done), and
+    the compiler puts one between the reads of the terms and the next slot's stores (three
+    barriers a slot in the sm_90 SASS, two of them the ring's, as in `_consumer`). Returns (acc, )
+    in out_layout (zeros with SPLIT_K)."""
+    acc = gl.zeros([BN, BT], gl.float32, out_layout)
+    zero = gl.zeros([4, BN, BT], gl.float64, mma_layout)
+    # K block j of batch element j: the byte j of each row's scale word
+    j3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, mma_layout))), 1), 2)
+    rn = gl.arange(0, BN, layout=gl.SliceLayout(1, out_layout))
+    rm = gl.arange(0, BT, layout=gl.SliceLayout(0, out_layout))
+    ws_offs = rn[:, None] * M + rm[None, :]
+    ws_mask = (rm[None, :] < M) & (rn[:, None] < BN)
+    words_next = _slot_words(sw_words, sx_words, step_lo, 1)
+    for i in range(n_steps):
+        sw, _, sx, _ = words_next
+        words_next = _slot_words(sw_words, sx_words, step_lo + gl.minimum(i + 1, n_steps - 1), 1)
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        part = _slot_partials(w_smem.index(s), x_smem.index(s), zero, CONVERT, KC, mma_layout)   # [4, BN, BT]
+        sw3 = gl.expand_dims(gl.expand_dims(sw, 1), 0) >> (8 * j3)                 # [4, BN, 1]: byte j at 0
+        sx3 = gl.expand_dims(gl.expand_dims(sx, 0), 0) >> (8 * j3)                 # [4, 1, BT]
+        scaled, sw_b = gl.broadcast(part * _scale(sx3, 0), _scale(sw3, 0))
+        terms.store(libdevice.mul_rn(scaled, sw_b))
+        # every thread's terms stored (so its loads of the slot's operands done) before any reads
+        gl.thread_barrier()
+        # each thread its outputs' four terms, [BN, BT, 2, 2]: j = 2 a + b
+        t = gl.reshape(gl.permute(terms.load(_terms_layout(BN, BT)), (1, 2, 0)), [BN, BT, 2, 2])
+        t02, t13 = gl.split(t)
+        t0, t2 = gl.split(t02)
+        t1, t3 = gl.split(t13)
+        for j in gl.static_range(4):
+            term = gl.convert_layout((t0, t1, t2, t3)[j], out_layout, assert_trivial=True)
+            if SPLIT_K:
+                gl.store(ws_ptr + ((step_lo + i) * 4 + j) * (BN * M) + ws_offs, term, mask=ws_mask)
+            else:
+                acc = acc + term
+        # after the barrier: every consumer thread's operand loads of the slot are done
+        mbarrier.arrive(empty.index(s), count=1)
+    return (acc, )
+
+
+@gluon.constexpr_function
+def _terms_layout(BN, BT):
+    """`_sum_layout` with the four K blocks' terms of each output in its thread: [4, BN, BT]."""
+    return gl.BlockedLayout(size_per_thread=[4, 1, 1], threads_per_warp=[1, 32 // min(BT, 32), min(BT, 32)],
+                            warps_per_cta=[1, 4, 1], order=[0, 2, 1])
+
+
+@gluon.constexpr_function
+def _sum_layout(BN, BT):
+    """The layout of `_consumer_k`'s K-ordered sums [BN, BT] over the 4 consumer warps: each output
+    one thread's, a warp's threads along x's rows first (BT >= 8), then along the weight rows."""
+    return gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[32 // min(BT, 32), min(BT, 32)],
+                            warps_per_cta=[4, 1], order=[1, 0])
+
+
+@gluon.jit
 def _store(y_ptrs, acc, mask, OUT_F32: gl.constexpr):
     """y = acc (FP32) or acc rounded to BF16 (nearest even)."""
     if OUT_F32:
@@ -257,17 +401,24 @@ def _gluon_exact_mm_kernel(
     w_desc, x_desc, sx_ptr, sw_ptr, y_ptr, ws_ptr, cnt_ptr,
     M, N, stride_sxm, stride_swn, stride_ym, steps_per_split, n_steps_total, n_split,
     BT: gl.constexpr, STAGES: gl.constexpr, CONVERT: gl.constexpr, KC: gl.constexpr, WARPS_N: gl.constexpr,
-    SPLIT_K: gl.constexpr, OUT_F32: gl.constexpr,
+    SPLIT_K: gl.constexpr, OUT_F32: gl.constexpr, WARPS_K: gl.constexpr = 1,
 ):
     # Grid (N tiles, M tiles, n_split K splits): program (t, u, s) covers weight rows [t*BN, +BN),
     # x rows [u*BT, +BT) and the 128-deep K steps [s*steps_per_split, +steps_per_split); sx_ptr and
     # sw_ptr point at the scales as int32 words (four UE8M0 bytes), strides in words. Rows past N
     # or M read the last valid row's scales and are masked at the stores. SPLIT_K: n_split > 1 (one
     # M tile), the block terms through ws_ptr ([N tiles, K / 32, BN, M] FP32) and the last
-    # arriver's K-ordered sum (module doc).
+    # arriver's K-ordered sum (module doc). WARPS_K > 1: the consumer warps split each slot's K
+    # blocks (`_consumer_k`), the block terms through shared memory.
     BN: gl.constexpr = w_desc.block_type.shape[0]
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4 // WARPS_N, WARPS_N],
-                                                         instr_shape=[16, 8])
+    if WARPS_K == 1:
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4 // WARPS_N, WARPS_N],
+                                                             instr_shape=[16, 8])
+        out_layout: gl.constexpr = mma_layout
+    else:
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS_K, 4 // WARPS_K, 1],
+                                                             instr_shape=[1, 16, 8])
+        out_layout: gl.constexpr = _sum_layout(BN, BT)
     w_smem, x_smem, ready, empty = _ring(w_desc, x_desc, STAGES)
 
     pid_n = gl.program_id(0)
@@ -279,20 +430,35 @@ def _gluon_exact_mm_kernel(
     y_ptr += off_m * stride_ym
     step_lo = pid_s * steps_per_split
     n_steps = gl.minimum(steps_per_split, n_steps_total - step_lo)
-    sw_words, sx_words = _tile_scales(sw_ptr, sx_ptr, pid_n * BN, M, N, stride_swn, stride_sxm, BN, BT, mma_layout)
+    if WARPS_K == 1:
+        sw_words, sx_words = _tile_scales(sw_ptr, sx_ptr, pid_n * BN, M, N, stride_swn, stride_sxm, BN, BT,
+                                          mma_layout)
+    else:
+        # the scale words in the batched layout's [BN] / [BT] slices (dims 0 and 2 / 0 and 1)
+        sw_words, sx_words = _tile_scales(sw_ptr, sx_ptr, pid_n * BN, M, N, stride_swn, stride_sxm, BN, BT,
+                                          gl.SliceLayout(0, mma_layout))
     ws_tile = ws_ptr + pid_n * (n_steps_total * 4 * BN) * M
-    acc, = gl.warp_specialize([
-        (_consumer, (w_smem, x_smem, ready, empty, sw_words, sx_words, ws_tile, step_lo, n_steps, M,
-                     STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout)),
-        (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, off_m, 0, step_lo, n_steps, 0,
-                     n_steps, STAGES, False)),
-    ], [1], [24])
+    if WARPS_K == 1:
+        acc, = gl.warp_specialize([
+            (_consumer, (w_smem, x_smem, ready, empty, sw_words, sx_words, ws_tile, step_lo, n_steps, M,
+                         STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout)),
+            (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, off_m, 0, step_lo, n_steps, 0,
+                         n_steps, STAGES, False)),
+        ], [1], [24])
+    else:
+        terms = gl.allocate_shared_memory(gl.float32, [4, BN, BT], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
+        acc, = gl.warp_specialize([
+            (_consumer_k, (w_smem, x_smem, ready, empty, terms, sw_words, sx_words, ws_tile, step_lo, n_steps, M,
+                           STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout, out_layout)),
+            (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, off_m, 0, step_lo, n_steps, 0,
+                         n_steps, STAGES, False)),
+        ], [1], [24])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
 
-    rn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma_layout))
-    rm = gl.arange(0, BT, layout=gl.SliceLayout(0, mma_layout))
+    rn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, out_layout))
+    rm = gl.arange(0, BT, layout=gl.SliceLayout(0, out_layout))
     mask = (rn[:, None] < N) & (rm[None, :] < M)
     y_ptrs = y_ptr + rm[None, :] * stride_ym + rn[:, None]
     if SPLIT_K:
@@ -301,10 +467,10 @@ def _gluon_exact_mm_kernel(
         arrived = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
         if arrived == n_split - 1:
             gl.thread_barrier()
-            rl = gl.arange(0, BN, layout=gl.SliceLayout(1, mma_layout))
+            rl = gl.arange(0, BN, layout=gl.SliceLayout(1, out_layout))
             offs = rl[:, None] * M + rm[None, :]
             ws_mask = (rm[None, :] < M) & (rl[:, None] < BN)
-            total = gl.zeros([BN, BT], gl.float32, mma_layout)
+            total = gl.zeros([BN, BT], gl.float32, out_layout)
             for kb in range(n_steps_total * 4):
                 # .cg: from L2, never from a line this SM's L1 kept from an earlier launch.
                 total = total + gl.load(ws_tile + kb * (BN * M) + offs, mask=ws_mask, other=0.0,
@@ -325,7 +491,8 @@ class GluonExactConfig:
         scaled by 2^1000; relies on the FP64 MMA's subnormal operands), or "int+cvt" / "raw+cvt"
         (even K blocks the first, odd blocks "cvt"): `_e4m3_f64`, `_block_partial`.
     block_n: weight rows per program (the MMA's M side, the weight's TMA box [block_n, 128]): 64 or
-        128 (at 8 x rows all 4 warps split the weight rows, 16 or 32 each).
+        128 with warps_k=1 (at 8 x rows all 4 warps split the weight rows, 16 or 32 each); with
+        warps_k > 1, 16, 32 or 64 (warps_k=4) or 32, 64 or 128 (warps_k=2): 16 to 64 rows a warp.
     block_m: the most x rows per program (8, 16, 32 or 64): a call's rows padded to the row bucket
         (8, 16, 32, 64) up to block_m, and calls of more rows take several programs per weight
         tile (the later ones read the weight tile from L2). At maxnreg=128, 64 weight rows take up
@@ -337,7 +504,15 @@ class GluonExactConfig:
         rows; the operands' loads are ldmatrix) or 32 (two chained; 8-byte loads, more registers).
     warps_n: of the 4 consumer warps, how many split x's rows (1, 2 or 4; the others split the
         weight rows); at a row bucket with fewer than 8 x rows per warp the launch uses fewer
-        (`launch_warps_n`).
+        (`launch_warps_n`). 1 with warps_k > 1.
+    warps_k: of the 4 consumer warps, how many split each slot's four K blocks (the others split
+        the weight rows): 1 (every warp all four blocks of its rows, in K order, in registers), 2
+        or 4 (warp w the blocks w, w + warps_k, ...: each block's exact partial and term formed by
+        one warp, the slot's terms through shared memory and added in K order after a barrier,
+        `_consumer_k`; 4 x block_n x block_m FP32 of shared memory more). More, smaller
+        programs for the shapes with few weight tiles (block_n 16: N / 16 programs) without the
+        split's global workspace. The conversion "raw+cvt" (per K block) is not offered with
+        warps_k > 1, "int+cvt" alternates per 16-deep half of each block (mma_k=16).
     split: K splits (programs per weight tile) for calls of at most min(split_rows, block_m) rows,
         their block terms through a plan-owned workspace of N / block_n * K / 32 * block_n *
         min(split_rows, block_m) FP32, the tile's last program adding them in K order (the plan may
@@ -358,6 +533,7 @@ class GluonExactConfig:
     stages: int = 4
     mma_k: int = 32
     warps_n: int = 1
+    warps_k: int = 1
     split: int = 1
     split_rows: int = 16
     maxnreg: int | None = 128
@@ -371,8 +547,22 @@ class GluonExactConfig:
             raise ValueError(f"GluonExactConfig.mma_k must be 16 or 32, got {self.mma_k!r}")
         if self.warps_n not in (1, 2, 4) or not is_int(self.warps_n):
             raise ValueError(f"GluonExactConfig.warps_n must be 1, 2 or 4, got {self.warps_n!r}")
-        if self.block_n not in (64, 128) or not is_int(self.block_n):
-            raise ValueError(f"GluonExactConfig.block_n must be 64 or 128, got {self.block_n!r}")
+        if self.warps_k not in (1, 2, 4) or not is_int(self.warps_k):
+            raise ValueError(f"GluonExactConfig.warps_k must be 1, 2 or 4, got {self.warps_k!r}")
+        block_ns = BLOCK_NS[self.warps_k]
+        if self.block_n not in block_ns or not is_int(self.block_n):
+            raise ValueError(f"GluonExactConfig.block_n must be one of {block_ns} with warps_k={self.warps_k}, "
+                             f"got {self.block_n!r}")
+        if self.warps_k > 1:
+            if self.warps_n != 1:
+                raise ValueError(f"GluonExactConfig.warps_n must be 1 with warps_k={self.warps_k} (the warps "
+                                 f"split the K blocks and the weight rows), got {self.warps_n!r}")
+            if self.convert == "raw+cvt":
+                raise ValueError(f"GluonExactConfig.convert 'raw+cvt' is not offered with warps_k={self.warps_k} "
+                                 f"(a warp's blocks share one MMA call): use 'raw', 'int', 'cvt' or 'int+cvt'")
+            if self.convert == "int+cvt" and self.mma_k != 16:
+                raise ValueError(f"GluonExactConfig.convert 'int+cvt' with warps_k={self.warps_k} alternates per "
+                                 f"16-deep half of each K block: mma_k must be 16, got {self.mma_k!r}")
         if self.block_m not in ROW_BUCKETS or not is_int(self.block_m):
             raise ValueError(f"GluonExactConfig.block_m must be one of {ROW_BUCKETS}, got {self.block_m!r}")
         if not is_int(self.stages) or not 2 <= self.stages <= 8:
@@ -385,6 +575,11 @@ class GluonExactConfig:
                                          or self.maxnreg % 8):
             raise ValueError(f"GluonExactConfig.maxnreg must be None or a multiple of 8 in [24, 256], "
                              f"got {self.maxnreg!r}")
+        if shared_bytes(self, self.block_m) > SHARED_LIMIT:
+            raise ValueError(f"GluonExactConfig: stages={self.stages} x (block_n={self.block_n} + block_m="
+                             f"{self.block_m}) x {BLOCK_K} bytes of ring and, with warps_k > 1, 16 x block_n x "
+                             f"block_m bytes of block terms exceed sm_90's {SHARED_LIMIT} bytes of shared memory "
+                             f"({shared_bytes(self, self.block_m)}): fewer stages or a smaller block_m")
 
 
 def block_t(rows: int, config: GluonExactConfig) -> int:
@@ -405,10 +600,12 @@ def launch_warps_n(config: GluonExactConfig, bt: int) -> int:
 
 
 def shared_bytes(config: GluonExactConfig, bt: int) -> int:
-    """The ring's weight and activation tiles at row bucket `bt`, and 1 KB for the mbarriers and what
-    the compiler adds: at most 8 x (128 + 64) x 128 + 1024 = 197632 bytes, within sm_90's
-    `gluon_mm.SHARED_LIMIT`."""
-    return config.stages * (config.block_n + bt) * BLOCK_K + 1024
+    """The ring's weight and activation tiles at row bucket `bt`, 1 KB for the mbarriers and what the
+    compiler adds, and with warps_k > 1 the slot's block terms (4 x block_n x bt FP32):
+    with warps_k=1 at most 8 x (128 + 64) x 128 + 1024 = 197632 bytes, within sm_90's
+    `gluon_mm.SHARED_LIMIT` (GluonExactConfig checks the others at block_m)."""
+    terms = 4 * config.block_n * bt * 4 if config.warps_k > 1 else 0
+    return config.stages * (config.block_n + bt) * BLOCK_K + 1024 + terms
 
 
 def launch_options(config: GluonExactConfig, bt: int, split: int) -> dict:
@@ -418,7 +615,8 @@ def launch_options(config: GluonExactConfig, bt: int, split: int) -> dict:
     the FP32 subnormals of the scaling's `mul.rn` (libdevice; Triton's default flushes them)."""
     opts = {"BT": bt, "STAGES": config.stages, "CONVERT": config.convert, "KC": config.mma_k,
             "WARPS_N": launch_warps_n(config, bt),
-            "SPLIT_K": split > 1, "num_warps": CONSUMER_WARPS, "enable_reflect_ftz": False}
+            "SPLIT_K": split > 1, "WARPS_K": config.warps_k, "num_warps": CONSUMER_WARPS,
+            "enable_reflect_ftz": False}
     if config.maxnreg is not None:
         opts["maxnreg"] = config.maxnreg
     return opts

@@ -33,6 +33,7 @@ from dsv41_decode.ops.exact_mm import ExactMM
 from dsv41_decode.ops.gluon_mm import SHARED_LIMIT
 from dsv41_decode.reference.linear import mxfp8_mm
 from dsv41_decode.testing import sm90
+from dsv41_decode.testing.synthetic import heavy_e4m3
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 C = E.GluonExactConfig
@@ -70,12 +71,35 @@ COMPILE_CASES = [
     (C(convert="raw", mma_k=16, warps_n=2), 16, 2, True),
     (C(convert="raw+cvt"), 8, 1, False),
     (C(convert="int+cvt", block_n=128, block_m=16), 16, 2, False),
+    # the warps along K (the slot's K blocks split between the warps, their terms through shared
+    # memory): 16 weight rows at 8 x rows ("raw"), 32 at 16 with 16-deep steps ("int+cvt", FP32 out),
+    # 64 over 2 x 2 warps with the K split ("int")
+    (C(convert="raw", warps_k=4, block_n=16, block_m=8, maxnreg=80), 8, 1, False),
+    (C(convert="int+cvt", warps_k=4, block_n=32, block_m=16, mma_k=16), 16, 1, True),
+    (C(convert="int", warps_k=2, block_n=64, block_m=16), 16, 2, False),
 ]
 
 
 def _case_id(case) -> str:
     c, bt, split, f32 = case
-    return f"{c.convert}-n{c.block_n}-k{c.mma_k}-wn{c.warps_n}-bt{bt}-split{split}" + ("-f32" if f32 else "")
+    return (f"{c.convert}-n{c.block_n}-k{c.mma_k}-wn{c.warps_n}" + (f"-wk{c.warps_k}" if c.warps_k > 1 else "")
+            + f"-bt{bt}-split{split}" + ("-f32" if f32 else ""))
+
+
+def _loop_with(kernel, opcode: str) -> list[str]:
+    """The SASS of the innermost loop (backward branch) that holds every `opcode` instruction: the
+    consumer's loop over the ring's slots."""
+    ins = sm90.sass(kernel)
+    index = {addr: i for i, (addr, _) in enumerate(ins)}
+    hits = [i for i, (_, t) in enumerate(ins) if t.startswith(opcode)]
+    loops = []
+    for i, (addr, text) in enumerate(ins):
+        m = re.search(r"\bBRA (?:`\()?0x([0-9a-f]+)", text)
+        lo = index.get(int(m.group(1), 16)) if m else None
+        if lo is not None and int(m.group(1), 16) < addr and lo <= hits[0] and i >= hits[-1]:
+            loops.append((i - lo, lo, i))
+    _, lo, hi = min(loops)
+    return [t for _, t in ins[lo:hi + 1]]
 
 
 @pytest.mark.parametrize("config,bt,split,out_f32", COMPILE_CASES, ids=[_case_id(c) for c in COMPILE_CASES])
@@ -87,16 +111,17 @@ def test_compiles_for_sm90_without_spills(config, bt, split, out_f32):
     assert res["LOCAL"] == 0 and res["STACK"] == 0 and ops.get("STL", 0) == 0 and ops.get("LDL", 0) == 0, (res, ops)
     assert res["REG"] <= config.maxnreg, res
     assert kernel.metadata.shared <= E.shared_bytes(config, bt) <= SHARED_LIMIT, kernel.metadata.shared
-    # The FP64 MMA, m16n8k16: per warp (block_n / warps along the weight rows) / 16 x (bt / warps
-    # along x's rows) / 8 of them per 16 of K, 128 K per slot; the loop body holds one slot.
+    # The FP64 MMA, m16n8k16: a program's (block_n / 16) x (bt / 8) of them per 16 of K, 128 K per
+    # slot, a quarter per warp (warps_k=1: per warp along the weight rows and x's rows; warps_k > 1:
+    # per warp its K blocks and its weight rows); the loop body holds one slot.
     wn = E.launch_warps_n(config, bt)
     dmma = [t for t in ins if t.startswith("DMMA")]
     assert all(t.startswith("DMMA.16x8x16 ") for t in dmma), dmma[:4]
-    assert len(dmma) == (config.block_n * wn // 4 // 16) * (bt // wn // 8) * (E.BLOCK_K // 16), len(dmma)
+    assert len(dmma) == (config.block_n // 16) * (bt // 8) * (E.BLOCK_K // 16) // 4, len(dmma)
     # The operands' shared-memory loads in the consumer's loop are wide (8-byte loads for 32-deep
     # steps, ldmatrix for 16-deep ones): the permuted k puts each thread's bytes side by side; no
     # load of single bytes or halves (LDS.U8 / .U16: one a byte without the permutation).
-    loop = sm90.main_loop(kernel)
+    loop = _loop_with(kernel, "DMMA")
     assert sum(t.startswith("DMMA") for t in loop) == len(dmma)
     loads = {t.split()[0] for t in loop if t.startswith("LDS")}
     assert loads <= {"LDS", "LDS.64", "LDS.128", "LDSM.16.M88", "LDSM.16.M88.2", "LDSM.16.M88.4"}, loads
@@ -106,9 +131,10 @@ def test_compiles_for_sm90_without_spills(config, bt, split, out_f32):
     # (cvt.rn.f32.f64) and its last scale is a lone mul.rn (no FFMA: nothing contracted into the
     # accumulator's add); no FP32 op flushes subnormals.
     ptx = kernel.asm["ptx"]
-    # codes a thread converts per slot: x's [bt / wn, 128] and the weight's [block_n / (4 / wn), 128]
-    # over the warp's 32 threads
-    x_codes, w_codes = bt // wn * 128 // 32, config.block_n * wn // 4 * 128 // 32
+    # codes a thread converts per slot: x's [bt / wn, 128 / warps_k] and the weight's
+    # [block_n / (4 / wn / warps_k), 128 / warps_k] over the warp's 32 threads
+    wk = config.warps_k
+    x_codes, w_codes = bt // wn * 128 // wk // 32, config.block_n * wn * wk // 4 * 128 // wk // 32
     assert ops.get("DMUL", 0) == {"cvt": 0, "int": w_codes, "raw": x_codes, "int+cvt": w_codes // 2,
                                   "raw+cvt": x_codes // 2}[config.convert], ops
     assert "cvt.rn.f32.f64" in ptx and "mul.rn.f32" in ptx
@@ -119,6 +145,10 @@ def test_compiles_for_sm90_without_spills(config, bt, split, out_f32):
     assert ops.get("UTMALDG", 0) == 2 and ops.get("SYNCS", 0) > 0, ops
     assert any(t.startswith("USETMAXREG.DEALLOC") for t in ins)
     assert (split > 1) == (ops.get("ATOMG", 0) > 0), (split, ops)
+    # Barriers a slot: the ring's two (before the slot's release, after it), and with warps_k > 1
+    # the terms' (stored before they are read; the release's serves between the reads and the
+    # next slot's stores).
+    assert sum(t.startswith("BAR.SYNC") for t in loop) == (2 if wk == 1 else 3), loop
 
 
 def test_launch_geometry():
@@ -130,6 +160,8 @@ def test_launch_geometry():
     assert E.split_rows(C(split_rows=16, block_m=8)) == 8
     assert E.shared_bytes(C(stages=4), 32) == 4 * (64 + 32) * 128 + 1024
     assert E.shared_bytes(C(stages=8, block_n=128, block_m=64), 64) <= SHARED_LIMIT     # the largest ring
+    assert E.shared_bytes(C(warps_k=4, block_n=16, stages=4), 8) == 4 * (16 + 8) * 128 + 1024 + 4 * 16 * 8 * 4
+    assert [E.launch_warps_n(C(warps_k=4, block_n=32), bt) for bt in (8, 32)] == [1, 1]
 
 
 def test_bad_plan_arguments_name_the_argument():
@@ -144,7 +176,14 @@ def test_bad_plan_arguments_name_the_argument():
     raises("config must be a GluonExactConfig", lambda: E.GluonExactMM(w, s, config="fast"))
     raises(r"config must cover max_rows=64 rows, got keys \[16\]", lambda: E.GluonExactMM(w, s, config={16: C()}))
     raises("convert must be one of", lambda: C(convert="f16"))
-    raises("block_n must be 64 or 128", lambda: C(block_n=32))
+    raises(r"block_n must be one of \(64, 128\) with warps_k=1", lambda: C(block_n=32))
+    raises(r"block_n must be one of \(16, 32, 64\) with warps_k=4", lambda: C(warps_k=4, block_n=128))
+    raises(r"block_n must be one of \(32, 64, 128\) with warps_k=2", lambda: C(warps_k=2, block_n=16))
+    raises("warps_k must be 1, 2 or 4", lambda: C(warps_k=3))
+    raises("warps_n must be 1 with warps_k=4", lambda: C(warps_k=4, warps_n=2))
+    raises("'raw\\+cvt' is not offered with warps_k=2", lambda: C(warps_k=2, convert="raw+cvt"))
+    raises("mma_k must be 16, got 32", lambda: C(warps_k=4, block_n=32, convert="int+cvt"))
+    raises(r"stages=8 x \(block_n=128 \+ block_m=64\).*exceed", lambda: C(warps_k=2, block_n=128, block_m=64, stages=8))
     raises("block_m must be one of", lambda: C(block_m=24))
     raises("stages must be an int in", lambda: C(stages=1))
     raises("mma_k must be 16 or 32", lambda: C(mma_k=8))
@@ -182,6 +221,12 @@ def _subnormal_operands(gen, m: int, n: int, k: int):
     # a K block in each form, alternating
     (6, 96, 512, C(convert="int+cvt"), "subnormal"),
     (7, 64, 384, C(convert="raw+cvt", block_n=128, block_m=8), "heavy"),
+    # the warps along K: 16-row tiles (N past a tile), row tiles, the K split, 2 x 2 warps, 64 x rows
+    (5, 130, 512, C(convert="raw", warps_k=4, block_n=16, block_m=8, maxnreg=80), "subnormal"),
+    (20, 96, 384, C(convert="int", warps_k=4, block_n=32, block_m=8), "heavy"),
+    (3, 96, 640, C(convert="int+cvt", warps_k=4, block_n=16, mma_k=16, split=2), "subnormal"),
+    (16, 64, 256, C(convert="cvt", warps_k=2, block_n=64, block_m=16), "uniform"),
+    (64, 48, 384, C(convert="raw", warps_k=4, block_n=16, block_m=64, maxnreg=None), "quantized"),
 ])
 def test_bitwise_equal_to_the_reference_on_gpu(m, n, k, config, kind):
     if kind == "quantized":   # MXFP8 activations and a block-quantized weight, as the model has them
@@ -229,6 +274,38 @@ def test_flash_shapes_match_exact_mm_on_gpu(name, n, k):
                 assert torch.equal(_bits(y), _bits(ref)), (name, cfg, m, dtype)
             assert torch.equal(_bits(y.to(torch.bfloat16)), _bits(together[:m])), (name, cfg, m)
         assert int(plan._counters.abs().sum()) == 0
+
+
+# The warps along K at the TP1 shapes, per row count: 16- or 32-row tiles in each conversion, the
+# K split, 2 x 2 warps, 64 x rows a program without a register cap.
+WARPS_K_CONFIGS = (
+    {8: C(convert="raw", warps_k=4, block_n=16, block_m=8, maxnreg=80),
+     16: C(convert="int+cvt", warps_k=4, block_n=32, block_m=16, mma_k=16),
+     64: C(convert="int", warps_k=2, block_n=64, block_m=32)},
+    {8: C(convert="cvt", warps_k=4, block_n=32, split=4),
+     64: C(convert="raw", warps_k=4, block_n=64, block_m=64, mma_k=16, maxnreg=None)},
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,n,k", TP1_SHAPES, ids=["fused_wqa_wkv", "wq_b", "idx_wq_b", "wo_b"])
+def test_warps_k_flash_shapes_match_the_reference_on_gpu(name, n, k):
+    # Bitwise `reference.linear.mxfp8_mm` at 1, 5, 8, 16, 33 and 64 rows, on model-like operands and
+    # on heavy-tailed codes (448 down to the subnormals, both operands; scales of 2^-7..2^6), BF16
+    # and FP32 out. The reference's rows do not depend on each other: one call of 64 rows serves.
+    gen = torch.Generator(device=DEVICE).manual_seed(n + k)
+    _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(n + k), 64, n, k)
+    heavy = (heavy_e4m3((64, k), gen), torch.randint(120, 134, (64, k // 32), dtype=torch.uint8, device=DEVICE),
+             heavy_e4m3((n, k), gen), w_scale)
+    for kind, (c, sx, w, sw) in (("quantized", (codes, x_scale, weight, w_scale)), ("heavy", heavy)):
+        ref = {dtype: mxfp8_mm(c, sx, w, sw, dtype) for dtype in (torch.bfloat16, torch.float32)}
+        for cfg in WARPS_K_CONFIGS:
+            plan = E.GluonExactMM(w, sw, config=cfg)
+            for m in (1, 5, 8, 16, 33, 64):
+                for dtype in (torch.bfloat16, torch.float32):
+                    y = plan(c[:m], sx[:m], _poisoned(m, n, dtype))
+                    assert torch.equal(_bits(y), _bits(ref[dtype][:m])), (name, kind, cfg, m, dtype)
+            assert int(plan._counters.abs().sum()) == 0
 
 
 @pytest.mark.gpu
