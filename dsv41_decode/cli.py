@@ -160,13 +160,12 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--prefill", choices=("reference", "kernels"), default="reference",
                    help="with --path step: what replays the prefill call: the reference layers, or the step's "
                    "kernels as the kernel prefill runs it (stack.prefill; at most 64 rows) (default: reference)")
-    v.add_argument("--exact-linears", action="store_true",
-                   help="with --path step: build the step with exact_linears=True (the FP8 linears with the "
-                   "contract's bits instead of on FP8 tensor cores, whose block sums truncate)")
+    v.add_argument("--tc-linears", action="store_true",
+                   help="with --path step: build the step with exact_linears=False (the FP8 linears on FP8 tensor "
+                   "cores, whose block sums truncate: outside the contract, spec decision 38)")
     v.add_argument("--fp32-dots", action="store_true",
                    help="with --path step: build the step with fp32_dots=True (the sparse MLA and wo_a with FP32 "
-                   "IEEE dots instead of tensor-core ones, which truncate; on a GPU the official cases pass with "
-                   "both options)")
+                   "IEEE dots instead of tensor-core ones)")
     _common(v, threads=True)
     r = tsub.add_parser("record", help="record a trace folder from our own stack (same format)",
                         description="Records into a temporary folder beside OUT and renames it to OUT at the end, "
@@ -233,8 +232,8 @@ def _parser() -> argparse.ArgumentParser:
                     "(default: 1)")
     st.add_argument("--name", default="step", help="results file stem (default: step)")
     st.add_argument("--variants", default=None, help="step variants timed next to the default one, comma-separated "
-                    "of no_overlap, wo_a_fp8, exact_linears, exact, fold_index_chain (bench.step.VARIANTS; default: "
-                    "no_overlap,wo_a_fp8)")
+                    "of no_overlap, wo_a_fp8, tc_linears, fp32_dots, fold_index_chain (bench.step.VARIANTS; default: "
+                    "no_overlap,wo_a_fp8,tc_linears)")
     st.add_argument("--out", type=Path, default=Path("out"), help="results folder (default: out/, git-ignored; --out docs/results for the canonical set)")
     _common(st)
 
@@ -250,9 +249,9 @@ def _parser() -> argparse.ArgumentParser:
     pf.add_argument("--reference-tokens", type=_int_at_least(0), default=32, help="prompt length on which the "
                     "reference path's time per token is measured for the baseline; 0 skips it (default: 32)")
     pf.add_argument("--name", default="prefill", help="results file stem (default: prefill)")
-    pf.add_argument("--exact-linears", action="store_true", help="build the prefill's step with exact_linears=True "
-                    "(the FP8 linears with the contract's bits: each layer writes the reference's records for its "
-                    "input; slower per chunk, docs/prefill.md)")
+    pf.add_argument("--tc-linears", action="store_true", help="build the prefill's step with exact_linears=False "
+                    "(the FP8 linears on FP8 tensor cores: faster per chunk, but their block sums truncate, so the "
+                    "records a layer writes are no longer the reference's for its input; docs/prefill.md)")
     pf.add_argument("--fp32-dots", action="store_true", help="build the prefill's step with fp32_dots=True too "
                     "(the sparse MLA and wo_a with FP32 IEEE dots; much slower per chunk)")
     pf.add_argument("--out", type=Path, default=Path("out"), help="results folder (default: out/, git-ignored; --out docs/results for the canonical set)")
@@ -292,14 +291,14 @@ def _verify(args, console: Console) -> int:
     return max(_verify_path(args, p, console) for p in paths)
 
 
-def exactness_hint(path: str, device: str, exact_linears: bool) -> str | None:
-    """The line `trace verify` adds under a failing run whose failures may be the step's default
-    FP8 linears (the step on a GPU without --exact-linears: its tensor cores truncate each 32-deep
-    block sum, spec decision 38), else None."""
-    if path != "step" or device == "cpu" or exact_linears:
+def exactness_hint(path: str, device: str, tc_linears: bool) -> str | None:
+    """The line `trace verify` adds under a failing run whose failures may be the step's FP8 linears
+    on tensor cores (the step on a GPU with --tc-linears: they truncate each 32-deep block sum,
+    spec decision 38), else None."""
+    if path != "step" or device == "cpu" or not tc_linears:
         return None
-    return ("the step's default FP8 linears run on tensor cores, which truncate each 32-deep block sum "
-            "(docs/gemm.md, \"Exactness\"): --exact-linears builds them with the contract's bits")
+    return ("--tc-linears runs the step's FP8 linears on tensor cores, which truncate each 32-deep block sum "
+            "(docs/gemm.md, \"Exactness\"): without it they have the contract's bits")
 
 
 def _verify_path(args, path: str, console: Console) -> int:
@@ -308,15 +307,15 @@ def _verify_path(args, path: str, console: Console) -> int:
     if args.prefill == "kernels" and args.path != "step":
         raise UsageError(f"--prefill kernels runs the prefill through the step: use it with --path step, "
                          f"not --path {args.path}")
-    for flag, on in (("--exact-linears", args.exact_linears), ("--fp32-dots", args.fp32_dots)):
+    for flag, on in (("--tc-linears", args.tc_linears), ("--fp32-dots", args.fp32_dots)):
         if on and args.path == "reference":
             raise UsageError(f"{flag} builds the step's kernels: use it with --path step or both")
     results = verify_trace(args.dir, progress=not args.quiet, path=path, device=args.device, calls=args.calls,
                            log=notes.append, prefill=args.prefill,
-                           exact_linears=args.exact_linears and path == "step",
+                           exact_linears=not (args.tc_linears and path == "step"),
                            fp32_dots=args.fp32_dots and path == "step")
-    if args.exact_linears and path == "step":
-        notes.append("the step's FP8 linears exact (exact_linears=True: ops.exact_int8_mm.ExactLinear)")
+    if args.tc_linears and path == "step":
+        notes.append("the step's FP8 linears on tensor cores (exact_linears=False: truncated block sums)")
     if args.fp32_dots and path == "step":
         notes.append("the step's sparse MLA and wo_a with FP32 IEEE dots (fp32_dots=True)")
     # the notes (the head padding): in full before the table, their first clause in the summary
@@ -359,7 +358,7 @@ def _verify_path(args, path: str, console: Console) -> int:
         call, layer, f = bad[0]
         console.print(f"[red]FAIL[/red] {what}: {len(bad)} failure(s) in {len({(c, L) for c, L, _ in bad})} "
                       f"of {len(results)} call-layers ({shape}); first: {call} layer {layer}: {f}", soft_wrap=True)
-        hint = exactness_hint(path, args.device, args.exact_linears)
+        hint = exactness_hint(path, args.device, args.tc_linears)
         if hint and not args.quiet:
             console.print(hint, soft_wrap=True)
         return 1
@@ -459,7 +458,7 @@ def _bench(args, console: Console) -> int:
         if args.chunk > 64:
             raise UsageError(f"--chunk: the kernel prefill runs 1..64 rows per call, got {args.chunk}")
         run_prefill_bench(args.prompts, args.chunk, args.out, console.print, args.reference_tokens, args.name,
-                          exact_linears=args.exact_linears, fp32_dots=args.fp32_dots)
+                          exact_linears=not args.tc_linears, fp32_dots=args.fp32_dots)
         return 0
     if args.bench_cmd == "step" and args.tp > 1:
         from .bench.step_tp import run_step_bench_tp

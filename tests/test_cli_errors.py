@@ -149,16 +149,16 @@ def test_verify_quiet_prints_only_its_summary(trace_dir, tmp_path, capsys):
     assert "trace verify: layer 14/14" in err                                    # progress when piped
 
 
-def test_verify_hints_at_the_exact_linears_only_for_the_step_on_a_gpu():
-    # a failing step run on a GPU without --exact-linears gets one line naming the option (the
-    # tensor cores' truncated block sums, spec decision 38); the reference path, the CPU (whose
-    # interpreter dots are exact) and the exact linears get none
+def test_verify_hints_at_the_tc_linears_only_for_the_step_on_a_gpu():
+    # a failing step run on a GPU with --tc-linears gets one line naming the option (the tensor
+    # cores' truncated block sums, spec decision 38); the reference path, the CPU (whose
+    # interpreter dots are exact) and the default exact linears get none
     for device in ("cuda", "cuda:1"):
-        hint = exactness_hint("step", device, False)
-        assert "--exact-linears" in hint and "truncate" in hint and "\n" not in hint
-    assert exactness_hint("reference", "cuda", False) is None
-    assert exactness_hint("step", "cpu", False) is None
-    assert exactness_hint("step", "cuda", True) is None
+        hint = exactness_hint("step", device, True)
+        assert "--tc-linears" in hint and "truncate" in hint and "\n" not in hint
+    assert exactness_hint("reference", "cuda", True) is None
+    assert exactness_hint("step", "cpu", True) is None
+    assert exactness_hint("step", "cuda", False) is None
 
 
 def test_verify_names_a_truncated_or_incomplete_file(trace_dir, tmp_path, capsys):

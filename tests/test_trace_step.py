@@ -5,8 +5,8 @@ CPU (Triton interpreter): official-tiny's prefill (reference layers) and its fir
 calls through the step, the checkpoint's 4 heads padded to 8 (~7 s per decode call on 2 cores).
 CPU, also with the step's exact linears and FP32 dots (`exact_linears=True, fp32_dots=True`): the
 first decode call. GPU (marked gpu): every call of both public official cases through the step on
-CUDA with both options (the default tensor-core linears and dots truncate their sums, so a record's
-code can differ: docs/gemm.md, "Exactness").
+CUDA as built by default (its exact linears: FP8 tensor-core linears truncate their block sums, so a
+record's code can differ, docs/gemm.md "Exactness").
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def test_step_replay_with_exact_linears():
     """The step built with exact_linears=True and fp32_dots=True runs ExactLinear plans (ExactMM
     alone off sm_90), wo_a with IEEE dots and the sparse MLA with FP32 operands, and passes the
     verifier's checks."""
-    from dsv41_decode.ops.exact_int8_mm import ExactLinear
+    from dsv41_decode.ops.exact_linear import ExactLinear
     from dsv41_decode.testing import trace_step
     built = []
     real = trace_step.StepReplay.__init__
@@ -87,22 +87,22 @@ def test_step_replay_with_exact_linears():
         res = verify_trace(OFFICIAL, path="step", calls=1, exact_linears=True, fp32_dots=True)
     layer = next(iter(built[0].layers.values()))
     assert layer.wo_a_plan.ieee_dot and not any(p.bf16_dot for p in layer.mla_plans)
-    assert all(isinstance(p, ExactLinear) and p.int8 is None for p in (layer.mm_qkv, layer.mm_wq_b, layer.mm_wo_b))
+    assert all(isinstance(p, ExactLinear) and p.mma is None for p in (layer.mm_qkv, layer.mm_wq_b, layer.mm_wo_b))
     assert [r.call for r in res if r.path == "step"] == ["decode00"] * 7
     assert not [(r.call, r.layer, f) for r in res for f in r.failures]
-    for option in ("exact_linears", "fp32_dots"):
-        with pytest.raises(ValueError, match="exact_linears and fp32_dots build the step's kernels"):
-            verify_trace(OFFICIAL, path="reference", **{option: True})
+    for option, value in (("exact_linears", False), ("fp32_dots", True)):
+        with pytest.raises(ValueError, match="exact_linears=False and fp32_dots=True build the step's kernels"):
+            verify_trace(OFFICIAL, path="reference", **{option: value})
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES, ids=lambda p: p.name)
 def test_step_path_cuda(case, capsys):
-    assert main(["trace", "verify", str(case), "--path", "step", "--device", "cuda", "--exact-linears",
-                 "--fp32-dots", "--quiet"]) == 0
+    # the step as built by default (exact linears): the official cases pass
+    assert main(["trace", "verify", str(case), "--path", "step", "--device", "cuda", "--quiet"]) == 0
     out = capsys.readouterr().out
     lines = out.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("PASS --path step")
-    res = verify_trace(case, path="step", device="cuda", exact_linears=True, fp32_dots=True)
+    res = verify_trace(case, path="step", device="cuda")
     assert {r.path for r in res if r.call != "prefill"} == {"step"}
     assert not [(r.call, r.layer, f) for r in res for f in r.failures]

@@ -12,7 +12,7 @@ from ..formats import fp8_block_dequantize
 from ..ops.act_quant import act_quant_mxfp8
 from ..ops.fp8_mm import fp8_mm_, fp8_mm_config
 from ..decode.attention import fp8_linear_plan, wo_a_launch, wo_a_plan
-from ..ops.exact_int8_mm import ExactLinear
+from ..ops.exact_linear import ExactLinear
 from ..ops.ll_bf16 import LlBf16Plan, ll_bf16_
 from ..ops.low_latency_mm import LowLatencyMM
 from ..ops.wo_a import WoAPlan
@@ -42,8 +42,8 @@ class GemmOps:
         return self._launch(LowLatencyMM(q, s, max_rows=64), x, q.shape[0])
 
     def exact(self, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> Launch:
-        """The exact linear as the step's `exact_linears=True` builds it (`ops.exact_int8_mm.ExactLinear`:
-        `ExactMM` on CUDA cores, the integer MMA above its row threshold) on the same operands."""
+        """The exact linear as the step's `exact_linears=True` builds it (`ops.exact_linear.ExactLinear`:
+        `ExactMM` on CUDA cores, the FP64 MMA above its row threshold) on the same operands."""
         return self._launch(ExactLinear(q, s, max_rows=64), x, q.shape[0])
 
     def regular(self, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> Launch:

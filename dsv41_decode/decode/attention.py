@@ -9,9 +9,10 @@ Eligibility (decided here, once): every linear of the step must be an FP8 weight
 scales (the low-latency MXFP8 GEMM) or a BF16/FP32 side projection (`ll_bf16`); `wo_a` streams as
 stored (BF16, or FP8 + scale when the checkpoint ships it so) unless the step was built with
 `wo_a_fp8=True`, which quantizes a BF16 `wo_a` once and changes the numbers (ops.wo_a.quantize_wo_a).
-The FP8 linears run on FP8 tensor cores (`GluonMM` on sm_90, else `LowLatencyMM`), or with
-`exact_linears=True` with the contract's bits (`ExactLinear`: each 32-deep block sum exact and
-rounded once, then K order; on CUDA cores, or on the integer MMA where that is faster);
+The FP8 linears run with the contract's bits (`ExactLinear`: each 32-deep block sum exact and
+rounded once, then K order; on CUDA cores, or on the FP64 MMA where that is faster), or with
+`exact_linears=False` on FP8 tensor cores (`GluonMM` on sm_90, else `LowLatencyMM`: truncated
+block sums, outside the contract);
 `fp32_dots=True` gives the sparse MLA and `wo_a` FP32 operands with IEEE dots (CUDA-core FMAs:
 FP32 round-to-nearest sums where a tensor-core MMA truncates; `SparseMlaPlan.for_step(fp32_dots=
 True)`, `WoAPlan.build(ieee_dot=True)`). A BF16 `wo_a` runs the Gluon kernel on sm_90 otherwise
@@ -33,8 +34,8 @@ from ..ops.compressor import compress_ratio2_
 from ..ops.index_query import index_query_
 from ..ops.indexer import index_scores_mxfp4_
 from ..ops.kv_write import compressed_entry_store_, query_rope_
-from ..ops.exact_int8_mm import ExactLinear
 from ..ops.common import is_sm90
+from ..ops.exact_linear import ExactLinear
 from ..ops.exact_mm import ExactConfig
 from ..ops.gluon_indexer import gluon_index_scores_mxfp4_
 from ..ops.gluon_mm import GluonMM
@@ -65,8 +66,8 @@ def _few_programs(device: torch.device) -> bool:
 
 def fp8_linear_plan(weight: torch.Tensor, scale: torch.Tensor, max_rows: int, exact: bool = False,
                     workspace=None):
-    """The GEMM plan of one FP8 linear, the same call whichever it is: `ops.exact_int8_mm.ExactLinear`
-    (the contract's bits: `ExactMM` on CUDA cores, and on sm_90 `ExactInt8MM` on the integer MMA
+    """The GEMM plan of one FP8 linear, the same call whichever it is: `ops.exact_linear.ExactLinear`
+    (the contract's bits: `ExactMM` on CUDA cores, and on sm_90 `GluonExactMM` on the FP64 MMA
     where that measured faster) when `exact`; else FP8 tensor cores, whose 32-deep block sums
     truncate (docs/gemm.md, "Exactness"): the Gluon tier `ops.gluon_mm.GluonMM` on an sm_90 GPU
     where it builds (K a multiple of 128, aligned rows), otherwise the Triton tier
@@ -195,7 +196,7 @@ class AttentionStep:
 
     def __init__(self, layer: AttentionLayer, state: DecodeState, meta: StepMeta, scratch: Scratch,
                  lanes: Lanes, max_rows: int, sources: Mapping[int, "AttentionStep"] | None = None,
-                 wo_a_fp8: bool = False, exact_linears: bool = False, fp32_dots: bool = False,
+                 wo_a_fp8: bool = False, exact_linears: bool = True, fp32_dots: bool = False,
                  fold_index_chain: bool = False):
         """sources: the step's layers built before this one (by id), among them this layer's index and
         KV sources: a layer that reuses a selection or a candidate pool reads its source's buffers.
@@ -522,9 +523,8 @@ class AttentionStep:
 
     def memory_bytes(self) -> int:
         """Device bytes this layer's step owns: its copies of weights (the fused wq_a|wkv, the FP32
-        compressor weights at ratio 2, a converted or quantized wo_a, the FP32 sink, the exact
-        linears' int8 digit planes) and its kernels' own plan workspaces (split-K partials and
-        counters), plans within plans included. Not the stack's weights (storages of
+        compressor weights at ratio 2, a converted or quantized wo_a, the FP32 sink) and its
+        kernels' own plan workspaces (split-K partials and counters), plans within plans included. Not the stack's weights (storages of
         `layer.w`), the state, or what the step shares between layers (scratch, tables, selections,
         and the workspaces its main-stream plans take from `scratch.workspaces`)."""
         found = []

@@ -93,15 +93,17 @@ class DecodeStep:
         Both give the same bits. When the fused boundary cannot be built the step falls back to
         "collective" and says why (a RuntimeWarning); `boundary_mode` tells which runs.
     wo_a_fp8: quantize a BF16 `wo_a` to FP8 once at build (changes the numbers; `ops.wo_a`).
-    exact_linears: run the FP8 linears with the contract's bits (`ops.exact_int8_mm.ExactLinear`:
-        CUDA cores, or the integer MMA from a number of rows on) instead of on FP8 tensor cores
-        (faster; their 32-deep block sums truncate, so about 3 % of their BF16 outputs land one ulp
-        off the contract's: docs/gemm.md, "Exactness"). The cache records a layer writes then are
-        the reference's, bit for bit, given its input.
+    exact_linears: the FP8 linears with the contract's bits (default; `ops.exact_linear.ExactLinear`:
+        CUDA cores at few rows, the FP64 MMA above, whichever measured faster per shape and rows):
+        the cache records a layer writes are the reference's, bit for bit, given its input, and
+        `trace verify --path step --device cuda` passes the official cases. False runs them on FP8
+        tensor cores (`GluonMM` on sm_90, else `LowLatencyMM`; faster from 2 rows, with the query
+        RoPE and the index query in their epilogues), outside the contract: their 32-deep block
+        sums truncate, so about 3 % of their BF16 outputs land one ulp off the contract's and the
+        official cases fail (spec decision 38; docs/gemm.md, "Exactness").
     fp32_dots: run the sparse MLA and `wo_a` with FP32 operands and IEEE dots (CUDA-core FMAs: FP32
         round-to-nearest sums, where the default's BF16 / TF32 tensor-core dots truncate; spec
         decision 40): their outputs then differ from the reference's only by FP32 summation order.
-        With both, `trace verify --path step --device cuda` passes the official cases.
     fold_index_chain: two launches off the indexer layers' chain - the index query's RoPE and MXFP4
         in the indexer wq_b's epilogue with its head weights in weights_proj's (`GluonMM` /
         `LowLatencyMM(..., index_query=)`, `ll_bf16_(..., scale=)`; the exact linears keep
@@ -120,7 +122,7 @@ class DecodeStep:
 
     def __init__(self, stack, state: DecodeState, *, max_rows: int = 16, buckets: Sequence[int] | None = None,
                  graphs: bool = True, overlap: bool = True, tp_boundary: str = "auto", wo_a_fp8: bool = False,
-                 exact_linears: bool = False, fp32_dots: bool = False, fold_index_chain: bool = False):
+                 exact_linears: bool = True, fp32_dots: bool = False, fold_index_chain: bool = False):
         if buckets is None:
             buckets = tuple(b for b in DEFAULT_BUCKETS if b < max_rows) + (max_rows,)
         buckets = tuple(sorted(set(buckets)))

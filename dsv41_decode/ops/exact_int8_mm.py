@@ -26,8 +26,10 @@ digit planes, decoded once by the plan, `weight_digits`), and walks K one 32-wid
 adding each block's term partial * sx * sw (a `mul.rn` for the last factor, so that it is never
 fused into the add) to its FP32 accumulator in K order from 0: the reference's sequential sum.
 Every configuration and row count gives the same bits (`exact_mm.reduction_order`). The walk over
-K is serial per program (~0.6 us a block on an H200), so the op pays from a number of rows on,
-per shape: `ExactLinear` picks it or `ExactMM` per call.
+K is serial per program (~0.6 us a block on an H200), so the op pays over `ExactMM` only from a
+number of rows on, per shape (`_INT8_PLAN`); the step does not run it: `ops.gluon_exact_mm`'s FP64
+MMA measured faster at every shape and row count (docs/gemm.md, "Exactness"), and
+`ops.exact_linear.ExactLinear` takes that one.
 
 An `ExactInt8MM` plan binds one weight and its launch configuration once; calling it only launches.
 """
@@ -41,8 +43,7 @@ import triton
 import triton.language as tl
 
 from .checks import config_for_rows, interpreting, mxfp8_linear_args, mxfp8_weight_args, row_configs
-from .common import is_sm90
-from .exact_mm import ExactMM, _mul_rn, reduction_order
+from .exact_mm import _mul_rn, reduction_order
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
 
 MAX_ROWS = 64
@@ -224,9 +225,8 @@ class Int8Config:
             raise ValueError(f"Int8Config.block_m must be 16, 32 or 64, got {self.block_m}")
 
 
-# Per (N, K): the most rows at which `ExactMM` (CUDA cores) is still faster, and the configuration
-# per row count above it (`{most rows: Int8Config}`, smallest first) with which `ExactLinear` runs
-# this op. Measured on an H200 (scripts/probe_exact_int8_mm.py --rows=1,4,8,16,32,64, commit c4f13aa,
+# Per (N, K): the most rows at which `ExactMM` (CUDA cores) is still faster than this op, and this
+# op's fastest configuration per row count above it (`{most rows: Int8Config}`, smallest first). Measured on an H200 (scripts/probe_exact_int8_mm.py --rows=1,4,8,16,32,64, commit c4f13aa,
 # us; docs/gemm.md "Exactness"): this op's programs walk K one 32-deep block at a time (or two with
 # `pairs`), so it pays only where ExactMM's per-row cost has grown past that walk; thresholds between
 # measured row counts are where ExactMM's time, linear in the rows, crosses this op's. Shapes without
@@ -302,40 +302,3 @@ class ExactInt8MM:
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return out
-
-
-class ExactLinear:
-    """The contract-exact MXFP8 linear for 1..max_rows rows, whichever exact op is faster per call:
-    `ExactMM` (CUDA cores) and, on an sm_90 GPU above the row count `_INT8_PLAN` lists for the
-    shape, `ExactInt8MM` in the configurations listed there (integer MMA, weight digit planes: three
-    more bytes per weight element).
-    Both give the reference's bits, so a row's result does not depend on which runs (batch
-    invariance). Arguments, errors and the call: `ExactMM`'s (exact_config its config; workspace
-    its workspace). int8_above: override the threshold (None: `_INT8_PLAN`'s, on sm_90 only; 0:
-    the integer MMA for every call, in `Int8Config()` unless the shape is listed; >= max_rows:
-    never), for tests and probes."""
-
-    def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int = MAX_ROWS,
-                 exact_config=None, workspace=None, int8_above: int | None = None):
-        self.cuda_cores = ExactMM(weight, w_scale, max_rows, exact_config, workspace)
-        n, k = self.cuda_cores.n, self.cuda_cores.k
-        self.n, self.k, self.max_rows, self.device = n, k, max_rows, weight.device
-        above, configs = _INT8_PLAN.get((n, k), (None, None))
-        if int8_above is None:
-            int8_above = above if is_sm90(weight.device) else None
-        self.int8_above = int8_above if int8_above is not None and int8_above < max_rows else None
-        self.int8 = None if self.int8_above is None else ExactInt8MM(weight, w_scale, max_rows, configs)
-
-    def reduction_order(self, rows: int) -> tuple[str, int, int]:
-        """`exact_mm.reduction_order(K)`: the same for every row count and either op."""
-        return reduction_order(self.k)
-
-    def op_for(self, rows: int):
-        """The op that runs a call of `rows` rows."""
-        return self.int8 if self.int8_above is not None and rows > self.int8_above else self.cuda_cores
-
-    def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """`ExactMM.__call__`'s arguments and result."""
-        if not isinstance(codes, torch.Tensor) or codes.dim() != 2:
-            return self.cuda_cores(codes, x_scale, out)     # its error names the argument
-        return self.op_for(codes.shape[0])(codes, x_scale, out)

@@ -100,7 +100,7 @@ class StepLayerOut:
 class StepReplay:
     """A `DecodeStep` of `stack` over `state` (eager), driven one layer at a time."""
 
-    def __init__(self, stack, state, max_rows: int, exact_linears: bool = False, fp32_dots: bool = False):
+    def __init__(self, stack, state, max_rows: int, exact_linears: bool = True, fp32_dots: bool = False):
         self.stack, self.state = stack, state
         self.step = stack.decode_step(state, max_rows=max_rows, graphs=False, exact_linears=exact_linears,
                                       fp32_dots=fp32_dots)

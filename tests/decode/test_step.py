@@ -149,7 +149,9 @@ def test_fold_index_chain_gives_the_same_bits(cpu_setup):
     cfg, _, base, ckpt = cpu_setup
     stack = AttentionStack(ckpt, [1, 3, 4])
     states = [copy.deepcopy(base) for _ in range(2)]
-    steps = [stack.decode_step(st, max_rows=4, fold_index_chain=fold) for st, fold in zip(states, (False, True))]
+    # the folds are the tensor-core tier's epilogues (the exact linears keep index_query_)
+    steps = [stack.decode_step(st, max_rows=4, fold_index_chain=fold, exact_linears=False)
+             for st, fold in zip(states, (False, True))]
     indexers = [i for i in stack.ids if steps[1].layers[i].spec.runs_indexer]
     assert indexers and all(steps[1].layers[i].index_query_in_gemm for i in indexers)
     assert not any(steps[0].layers[i].index_query_in_gemm for i in indexers)
@@ -188,23 +190,6 @@ def test_memory_bytes_counts_the_layers_copies_and_workspaces(cpu_setup):
         assert b.memory_bytes() - a.memory_bytes() == b.wo_a_w.nbytes + b.wo_a_s.nbytes, L
 
 
-def test_memory_bytes_counts_the_exact_linears_digit_planes(cpu_setup, monkeypatch):
-    """With exact_linears=True each FP8 linear's plan (`ExactLinear`) may hold an `ExactInt8MM` with
-    the weight's int8 digit planes (three bytes per weight element; built on sm_90 above a row
-    threshold, forced here): a plan within a plan, counted in the layer's memory_bytes."""
-    from functools import partial
-    from dsv41_decode.decode import attention
-    from dsv41_decode.ops.exact_int8_mm import ExactLinear
-    _, stack, base, _ = cpu_setup
-    monkeypatch.setattr(attention, "ExactLinear", partial(ExactLinear, int8_above=1))
-    exact = stack.decode_step(copy.deepcopy(base), max_rows=4, exact_linears=True, graphs=False)
-    for L, a in exact.layers.items():
-        plans = [a.mm_qkv, a.mm_wq_b, a.mm_wo_b] + ([a.mm_idx_wq_b] if hasattr(a, "mm_idx_wq_b") else [])
-        digits = sum(p.int8._digits.nbytes for p in plans)
-        assert digits == 3 * sum(p.n * p.k for p in plans), L
-        assert a.memory_bytes() >= digits + a.w_qkv.nbytes + a.s_qkv.nbytes, L
-
-
 def _pooled_bytes(a, pool) -> int:
     """Bytes of the views layer step `a`'s plans hold in the pool's buffers."""
     plans = [*a.mla_plans, a.mm_qkv, a.mm_wq_b, a.wo_a_plan, a.mm_wo_b]
@@ -216,12 +201,13 @@ def _pooled_bytes(a, pool) -> int:
 def test_main_stream_workspaces_are_shared_once(cpu_setup, monkeypatch):
     """The sparse MLA's and the main-stream linears' (wq_a|wkv, wq_b, wo_a, wo_b) workspaces are
     views of the step's one pool (`Workspaces`), counted once in `memory_bytes`; the side lanes'
-    plans keep their own. Built with the GPU's split plans (the step is only built here, not run)."""
+    plans keep their own. Built with the GPU's split plans (the step is only built here, not run):
+    the tensor-core linears, then the default exact ones (their CUDA-core op's workspace)."""
     from dsv41_decode.decode import attention
     from dsv41_decode.decode.buffers import Workspaces
     _, stack, base, _ = cpu_setup
     monkeypatch.setattr(attention, "_few_programs", lambda device: False)
-    shared = stack.decode_step(copy.deepcopy(base), max_rows=4, graphs=False)
+    shared = stack.decode_step(copy.deepcopy(base), max_rows=4, graphs=False, exact_linears=False)
     pool, mem, layers = shared.scratch.workspaces, shared.memory_bytes(), shared.layers
     assert mem["workspaces"] == pool.memory_bytes() > 0
 
@@ -239,6 +225,9 @@ def test_main_stream_workspaces_are_shared_once(cpu_setup, monkeypatch):
                                           layers[L].proj_plan.counters)]
     side += [layers[L].comp_plan.counters for L in (1, 3)] + [layers[3].cand_plan.ws]
     assert len({ptr(t) for t in side}) == len(side) and not {ptr(t) for t in side} & pool.storages()
+    exact = stack.decode_step(copy.deepcopy(base), max_rows=4, graphs=False)
+    main = [getattr(exact.layers[L], name).cuda_cores._workspace for L in (2, 5) for name in ("mm_qkv", "mm_wo_b")]
+    assert {ptr(t) for t in main} == {ptr(exact.layers[1].mla_plans[-1].part_acc)} <= exact.scratch.workspaces.storages()
     with pytest.raises(RuntimeError, match="after seal"):
         pool.take(0, 1, torch.float32)
 
@@ -246,7 +235,7 @@ def test_main_stream_workspaces_are_shared_once(cpu_setup, monkeypatch):
     # is gone, and the total exceeds the shared one by the views less the pool counted once
     monkeypatch.setattr(Workspaces, "take", lambda self, slot, shape, dtype:
                         torch.zeros(shape, dtype=dtype, device=self.device))
-    alone = stack.decode_step(copy.deepcopy(base), max_rows=4, graphs=False)
+    alone = stack.decode_step(copy.deepcopy(base), max_rows=4, graphs=False, exact_linears=False)
     mem_alone = alone.memory_bytes()
     assert mem_alone["workspaces"] == 0
     views = {L: _pooled_bytes(a, pool) for L, a in layers.items()}

@@ -1,7 +1,7 @@
 """ops.exact_int8_mm against reference.linear.mxfp8_mm: bitwise (BF16 and FP32 outputs), in the
 interpreter at small shapes and on the GPU at the V4.1-Flash shapes, with and without the weight's
-digit planes; the digit decomposition itself over every E4M3 code;
-`ExactLinear`'s choice between the two exact ops; the argument errors; the sm_90 build.
+digit planes; the digit decomposition itself over every E4M3 code; per-row configurations; the
+argument errors; the sm_90 build.
 
 No tolerance anywhere: the op computes the contract's arithmetic exactly (each 32-block's dot as
 integer MMAs, rounded once to FP32; the block terms scaled and added in K order; one rounding to
@@ -22,7 +22,7 @@ from helpers import FLASH_LINEAR_SHAPES as FLASH_SHAPES
 from helpers import check_mxfp8_plan_errors, linear_operands, raises
 from test_exact_mm import _bits, _exact_operands, _gen, _poisoned
 
-from dsv41_decode.ops.exact_int8_mm import _INT8_PLAN, ExactInt8MM, ExactLinear, Int8Config, weight_digits
+from dsv41_decode.ops.exact_int8_mm import _INT8_PLAN, ExactInt8MM, Int8Config, weight_digits
 from dsv41_decode.reference.linear import mxfp8_mm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -58,29 +58,17 @@ def test_bitwise_equal_to_the_reference(m, n, k, cfg, digits, kind):
         assert torch.equal(_bits(y), _bits(ref)), (m, n, k, cfg, digits, kind, dtype)
 
 
-def test_exact_linear_switches_ops_with_the_same_bits():
-    # ExactLinear runs ExactMM up to int8_above rows and ExactInt8MM above: a row gives the same bits
-    # alone (CUDA cores) and among 5 others (integer MMA).
+def test_per_row_configurations_give_the_same_bits():
+    # Per row count configurations (`{most rows: Int8Config}`): each call launches its own, same bits.
     m, n, k = 6, 40, 128
     codes, x_scale, weight, w_scale = _exact_operands(_gen(5), m, n, k, "uniform")
-    plan = ExactLinear(weight, w_scale, max_rows=8, int8_above=2)
-    assert plan.op_for(2) is plan.cuda_cores and plan.op_for(3) is plan.int8
-    assert plan.int8._digits is not None                      # reads the weight's digit planes
-    together = plan(codes, x_scale)
-    assert torch.equal(_bits(together), _bits(mxfp8_mm(codes, x_scale, weight, w_scale)))
-    for i in (0, 5):
-        assert torch.equal(_bits(plan(codes[i:i + 1], x_scale[i:i + 1])), _bits(together[i:i + 1])), i
-    assert plan.reduction_order(1) == plan.reduction_order(6)
-    # Per row count configurations (`{most rows: Int8Config}`): each call launches its own, same bits.
+    together = mxfp8_mm(codes, x_scale, weight, w_scale)
     per_rows = ExactInt8MM(weight, w_scale, max_rows=8, config={2: Int8Config(block_n=16, pairs=True),
                                                                 8: Int8Config(block_n=32)})
     assert [per_rows.config_for(m).block_n for m in (1, 2, 3, 8)] == [16, 16, 32, 32]
     assert torch.equal(_bits(per_rows(codes, x_scale)), _bits(together))
     assert torch.equal(_bits(per_rows(codes[:2], x_scale[:2])), _bits(together[:2]))
-    # Off sm_90 (and for a threshold at or past max_rows) only the CUDA-core op is built.
-    assert ExactLinear(weight, w_scale, max_rows=8, int8_above=8).int8 is None
-    if DEVICE == "cpu":
-        assert ExactLinear(weight, w_scale, max_rows=64).int8 is None
+    assert per_rows.reduction_order(1) == per_rows.reduction_order(6)
 
 
 def test_bad_inputs_name_the_argument():
@@ -99,7 +87,6 @@ def test_bad_inputs_name_the_argument():
                                                                               config=Int8Config(pairs=True)))
     raises(r"pairs=True\) needs K / 32 even and digits=True", lambda: ExactInt8MM(weight, w_scale, digits=False,
                                                                               config=Int8Config(pairs=True)))
-    raises("codes must have dtype", lambda: ExactLinear(weight, w_scale, 8, int8_above=1)(codes.float(), x_scale))
 
 
 def test_compiles_for_sm90_without_spills():
@@ -134,14 +121,9 @@ def test_flash_shapes_on_gpu(name, n, k):
                     y = plan(codes_all[:m], sx_all[:m], _poisoned(m, n, dtype))
                     ref = mxfp8_mm(codes_all[:m], sx_all[:m], weight, w_scale, dtype)
                     assert torch.equal(_bits(y), _bits(ref)), (name, cfg, digits, m, dtype)
-    linear = ExactLinear(weight, w_scale)          # the step's exact plan: the integer MMA above a threshold
-    above, configs = _INT8_PLAN[(n, k)]
-    assert linear.int8 is not None and linear.int8_above == above
-    assert [linear.int8.config_for(m) for m in (above + 1, 64)] == [next(c for r, c in sorted(configs.items())
-                                                                        if m <= r) for m in (above + 1, 64)]
-    together = linear(codes_all, sx_all)
-    for m in (1, linear.int8_above, linear.int8_above + 1, 64):
-        assert torch.equal(_bits(linear(codes_all[:m], sx_all[:m])), _bits(together[:m])), (name, m)
+    for cfg in {c for c in _INT8_PLAN[(n, k)][1].values()}:     # the op's measured best per shape
+        y = ExactInt8MM(weight, w_scale, config=cfg)(codes_all, sx_all)
+        assert torch.equal(_bits(y), _bits(mxfp8_mm(codes_all, sx_all, weight, w_scale))), (name, cfg)
     # Heavy-tailed codes, where an inexact block sum shows.
     codes, x_scale, weight, w_scale = _exact_operands(_gen(n), 40, n, k, "heavy")
     y = ExactInt8MM(weight, w_scale)(codes, x_scale)

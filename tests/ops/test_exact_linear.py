@@ -1,0 +1,77 @@
+"""ops.exact_linear.ExactLinear (the step's exact FP8 linear): the op it picks per row count, its
+plan table, the argument errors; on the GPU at the V4.1-Flash shapes every row count bitwise equal
+to `reference.linear.mxfp8_mm` and to the same row in a call of 64 rows, whichever op ran.
+
+No tolerance anywhere: both ops compute the contract's arithmetic exactly, so any difference from
+the reference, or between a row alone and among others, is a bug.
+"""
+
+import pytest
+import torch
+from helpers import FLASH_LINEAR_SHAPES, check_mxfp8_plan_errors, linear_operands, raises
+from test_exact_mm import _bits, _exact_operands, _gen
+
+from dsv41_decode.ops.exact_linear import _GLUON_PLAN, ExactLinear
+from dsv41_decode.ops.gluon_exact_mm import GluonExactConfig
+from dsv41_decode.reference.linear import mxfp8_mm
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+STEP_SHAPES = [("fused_wqa_wkv", 1792, 5120), ("wq_b", 32768, 1280), ("idx_wq_b", 4096, 1280),
+               ("wo_b", 5120, 8192)]
+
+
+def test_plan_covers_the_step_shapes():
+    # Every TP1 shape of the step's FP8 linears has a measured entry: a threshold below 64 rows and
+    # GluonExactMM configurations covering 64 rows.
+    assert {(n, k) for _, n, k in STEP_SHAPES} == set(_GLUON_PLAN)
+    assert {(n, k) for name, n, k in FLASH_LINEAR_SHAPES if "_tp" not in name} <= set(_GLUON_PLAN)
+    for shape, (above, configs) in _GLUON_PLAN.items():
+        assert 0 <= above < 64 and max(configs) >= 64, shape
+        assert all(isinstance(c, GluonExactConfig) for c in configs.values()), shape
+
+
+def test_off_sm90_only_the_cuda_core_op():
+    # Where the Gluon tier cannot build (the CPU here; any GPU but sm_90) every call runs ExactMM,
+    # even with the threshold forced to 0, and gives the reference's bits.
+    m, n, k = 3, 40, 128
+    codes, x_scale, weight, w_scale = _exact_operands(_gen(5), m, n, k, "heavy")
+    if DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0):
+        pytest.skip("an sm_90 GPU builds the FP64 MMA op")
+    plan = ExactLinear(weight, w_scale, max_rows=8, mma_above=0)
+    assert plan.mma is None and plan.mma_above is None
+    assert all(plan.op_for(r) is plan.cuda_cores for r in (1, 8))
+    assert torch.equal(_bits(plan(codes, x_scale)), _bits(mxfp8_mm(codes, x_scale, weight, w_scale)))
+    assert plan.reduction_order(1) == plan.reduction_order(8)
+
+
+def test_bad_inputs_name_the_argument():
+    m, n, k = 2, 64, 128
+    _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(8), m, n, k)
+    check_mxfp8_plan_errors(ExactLinear, codes, x_scale, weight, w_scale)
+    raises("codes must be a 2-D", lambda: ExactLinear(weight, w_scale, 8)("x", x_scale))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,n,k", STEP_SHAPES, ids=[s[0] for s in STEP_SHAPES])
+def test_step_shapes_on_gpu(name, n, k):
+    # On an sm_90 GPU: ExactMM up to the plan's threshold, GluonExactMM above, in the plan's
+    # configurations; each row count alone gives the bits of the reference and of the same rows
+    # in a call of 64 (batch invariance across the switch), on model-like and heavy-tailed codes.
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("GluonExactMM is sm_90 code")
+    above, configs = _GLUON_PLAN[(n, k)]
+    for kind in ("quantized", "heavy"):
+        if kind == "quantized":
+            _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(n + k), 64, n, k)
+        else:
+            codes, x_scale, weight, w_scale = _exact_operands(_gen(n), 64, n, k, "heavy")
+        linear = ExactLinear(weight, w_scale)
+        assert linear.mma is not None and linear.mma_above == above
+        assert linear.op_for(above) is linear.cuda_cores and linear.op_for(above + 1) is linear.mma
+        for m in (above + 1, 64):
+            assert linear.mma.config_for(m) == next(c for r, c in sorted(configs.items()) if m <= r)
+        together = linear(codes, x_scale)
+        assert torch.equal(_bits(together), _bits(mxfp8_mm(codes, x_scale, weight, w_scale))), (name, kind)
+        for m in sorted({1, 2, above, above + 1, 8, 16, 33}):
+            alone = linear(codes[:m], x_scale[:m])
+            assert torch.equal(_bits(alone), _bits(together[:m])), (name, kind, m)
