@@ -18,8 +18,9 @@ with and without the K split), so the timing loop loads them from Triton's cache
     PYTHONPATH=. python scripts/probe_gluon_exact_mm.py
     PYTHONPATH=. python scripts/probe_gluon_exact_mm.py --rows=1,8,64 --only=wq_b --alt=int:128:32:1:32:4:1
 
---alt: GluonExactMM configurations convert:block_n:block_m:warps_n:mma_k:stages:split[:maxnreg]
-(`GluonExactConfig`; split: K splits for calls of at most min(16, block_m) rows; maxnreg 0: None).
+--alt: GluonExactMM configurations convert:block_n:block_m:warps_n:mma_k:stages:split[:maxnreg[:warps_k]]
+(`GluonExactConfig`; split: K splits for calls of at most min(16, block_m) rows; maxnreg 0: None,
+default 128; warps_k default 1).
 `PROBE_DRY=1` runs the script on the CPU at small shapes with the reference in place of every
 kernel (checks the script only, no timing worth reading).
 """
@@ -68,13 +69,26 @@ CANDIDATES = ["int:64:32:1:32:4:1", "cvt:64:32:1:32:4:1", "raw:64:32:1:32:4:1", 
               "int:64:8:1:32:4:1:80", "raw:64:8:1:32:4:1:80", "raw:128:8:1:32:4:1:80", "int:64:32:1:32:4:8",
               "raw:64:32:1:32:4:8", "raw:64:8:1:32:4:4:80", "int+cvt:64:32:1:32:4:1", "raw+cvt:64:32:1:32:4:1",
               "int+cvt:128:16:1:32:4:1", "raw+cvt:128:8:1:32:4:1:80"]
+# The warps along K (`GluonExactConfig.warps_k`: each slot's four K blocks split between the warps,
+# their terms added in K order through shared memory), for the shapes with few 64-row tiles (wo_b,
+# fused_wqa_wkv, idx_wq_b): 16-row tiles (N / 16 programs; 8 x rows at a cap of 80, 3 CTAs per SM;
+# an 8-deep ring of 3 KB slots), 32- and 64-row tiles, 2 x 2 warps, and a K split on top for
+# fused_wqa_wkv's 112 tiles of 16. sm_90 compiles, the consumer's loop per slot and warp (each
+# warp one 32-deep block of every weight row of the tile): 16 rows x 8 x rows "raw" 167
+# instructions, 2 DMMA; 32 x 8 265, 4 DMMA; 64 x 8 (mma_k=16) 473, 8 DMMA; 16 x 16 "raw" 234,
+# "int+cvt" 204; no spills.
+WARPS_K_CANDIDATES = ["raw:16:8:1:32:8:1:80:4", "int:16:8:1:32:8:1:80:4", "int+cvt:16:8:1:16:8:1:80:4",
+                      "raw:16:16:1:32:8:1:80:4", "int+cvt:16:16:1:16:8:1:80:4", "raw:32:8:1:32:6:1:128:4",
+                      "raw:32:16:1:32:6:1:128:4", "int+cvt:32:16:1:16:6:1:128:4", "raw:64:16:1:16:4:1:128:4",
+                      "int:64:16:1:32:4:1:128:2", "raw:16:8:1:32:8:2:80:4"]
 
 
 def config_of(spec: str) -> GluonExactConfig:
-    convert, bn, bm, wn, mk, stages, split, *reg = spec.split(":")
-    maxnreg = int(reg[0]) if reg else 128
+    convert, bn, bm, wn, mk, stages, split, *rest = spec.split(":")
+    maxnreg = int(rest[0]) if rest else 128
+    warps_k = int(rest[1]) if len(rest) > 1 else 1
     return GluonExactConfig(convert=convert, block_n=int(bn), block_m=int(bm), warps_n=int(wn), mma_k=int(mk),
-                            stages=int(stages), split=int(split), maxnreg=maxnreg or None)
+                            stages=int(stages), split=int(split), maxnreg=maxnreg or None, warps_k=warps_k)
 
 
 class _DryPlan:
@@ -180,7 +194,7 @@ def main() -> None:
     t0 = time.time()
     rows = [int(r) for r in arg("rows", ",".join(map(str, ROWS))).split(",")]
     names = arg("only", ",".join(SHAPES)).split(",")
-    specs = [s for s in arg("alt", ",".join(CANDIDATES)).split(",") if s]
+    specs = [s for s in arg("alt", ",".join(CANDIDATES + WARPS_K_CANDIDATES)).split(",") if s]
     replays = int(arg("replays", "20"))
     budget = float(arg("budget", "480"))
     for s in specs:
