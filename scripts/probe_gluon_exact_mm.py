@@ -73,14 +73,16 @@ CANDIDATES = ["int:64:32:1:32:4:1", "cvt:64:32:1:32:4:1", "raw:64:32:1:32:4:1", 
 # their terms added in K order through shared memory), for the shapes with few 64-row tiles (wo_b,
 # fused_wqa_wkv, idx_wq_b): 16-row tiles (N / 16 programs; 8 x rows at a cap of 80, 3 CTAs per SM;
 # an 8-deep ring of 3 KB slots), 32- and 64-row tiles, 2 x 2 warps, and a K split on top for
-# fused_wqa_wkv's 112 tiles of 16. sm_90 compiles, the consumer's loop per slot and warp (each
-# warp one 32-deep block of every weight row of the tile): 16 rows x 8 x rows "raw" 167
+# fused_wqa_wkv's 112 tiles of 16, a cap of 64 (4 CTAs per SM), 32 and 64 x rows a program (no
+# spills at a cap of 128 with 16-row tiles). sm_90 compiles, the consumer's loop per slot and warp
+# (each warp one 32-deep block of every weight row of the tile): 16 rows x 8 x rows "raw" 167
 # instructions, 2 DMMA; 32 x 8 265, 4 DMMA; 64 x 8 (mma_k=16) 473, 8 DMMA; 16 x 16 "raw" 234,
 # "int+cvt" 204; no spills.
 WARPS_K_CANDIDATES = ["raw:16:8:1:32:8:1:80:4", "int:16:8:1:32:8:1:80:4", "int+cvt:16:8:1:16:8:1:80:4",
                       "raw:16:16:1:32:8:1:80:4", "int+cvt:16:16:1:16:8:1:80:4", "raw:32:8:1:32:6:1:128:4",
                       "raw:32:16:1:32:6:1:128:4", "int+cvt:32:16:1:16:6:1:128:4", "raw:64:16:1:16:4:1:128:4",
-                      "int:64:16:1:32:4:1:128:2", "raw:16:8:1:32:8:2:80:4"]
+                      "int:64:16:1:32:4:1:128:2", "raw:16:8:1:32:8:2:80:4", "raw:16:8:1:32:8:1:64:4",
+                      "raw:16:32:1:32:6:1:128:4", "int:16:64:1:32:4:1:128:4"]
 
 
 def config_of(spec: str) -> GluonExactConfig:

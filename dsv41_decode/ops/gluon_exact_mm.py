@@ -67,15 +67,18 @@ What the Gluon form does differently (the layout of `ops.gluon_mm`, the Gluon FP
   adds them in K order to its accumulator (`_consumer_k`). So the terms join the sum in the same
   order, one at a time, and nothing leaves the program: block_n can drop to 16 or 32 (each warp's
   MMA still m16n8k16), N / 16 programs for the shapes with few 64-row tiles, without the split's
-  global workspace (which still combines with it). x's codes are converted once per CTA (with
-  warps_k=1 once per warp).
+  global workspace (which still combines with it). Each x code is converted by 4 / warps_k warps
+  (with warps_k=1 by every warp).
 
 Cost (an estimate from the instruction rates; `scripts/probe_gluon_exact_mm.py` measures it): the
 FP64 MMA does max(8, rows) multiply-adds per weight byte (its N side is at least 8) at about 128
 per clock per SM on an H100 / H200, so from 16 rows on it, not the weight's read, bounds the time
 (about 2x the read's time at 16 rows, 9x at 64); at 1-8 rows the MMA and the conversions (sm_90
 compiles: 3-4 integer instructions per weight code, or a quarter-rate F2F) both come near the
-read's time.
+read's time. With warps_k=4 a warp's slot is one 32-deep block of each of the tile's rows: at 8 x
+rows and 16 weight rows 167 instructions ("raw"; 2 DMMA) for 512 weight bytes, 0.33 a byte
+against 0.22 with warps_k=1 (907 for 128 rows x 128; the terms' stores, barrier and reads, x's
+conversion and the scales spread over fewer rows), in 4x the programs (N / 16).
 
 Every configuration, split and row count gives the same bits (`exact_mm.reduction_order`). A
 `GluonExactMM` plan binds one weight (its TMA descriptor, workspace, counters) once; calling it
@@ -498,7 +501,8 @@ class GluonExactConfig:
         tile (the later ones read the weight tile from L2). At maxnreg=128, 64 weight rows take up
         to 32 x rows and 128 weight rows up to 16 without spilling (sm_90 compiles); more spill,
         and 64 x rows spilled in every form compiled ("cvt", "int", "raw", "int+cvt"; 1-4 warps
-        along x) even without the cap (maxnreg=None: 255 registers and a stack).
+        along x) even without the cap (maxnreg=None: 255 registers and a stack). With warps_k=4
+        and 16 weight rows, up to 64 x rows do not spill at maxnreg=128, and 16 at 64.
     stages: ring slots, 2..8.
     mma_k: the K depth of one operand load and MMA call, 16 (one DMMA m16n8k16 per 16 weight
         rows; the operands' loads are ldmatrix) or 32 (two chained; 8-byte loads, more registers).
