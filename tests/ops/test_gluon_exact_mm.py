@@ -276,14 +276,15 @@ def test_flash_shapes_match_exact_mm_on_gpu(name, n, k):
         assert int(plan._counters.abs().sum()) == 0
 
 
-# The warps along K at the TP1 shapes, per row count: 16- or 32-row tiles in each conversion, the
-# K split, 2 x 2 warps, 64 x rows a program without a register cap.
+# The warps along K at the TP1 shapes, per row count: 16-, 32- and 64-row tiles, each conversion,
+# the K split, 2 x 2 warps, 64 x rows a program (16-row tiles: no spills at maxnreg=128).
 WARPS_K_CONFIGS = (
     {8: C(convert="raw", warps_k=4, block_n=16, block_m=8, maxnreg=80),
      16: C(convert="int+cvt", warps_k=4, block_n=32, block_m=16, mma_k=16),
      64: C(convert="int", warps_k=2, block_n=64, block_m=32)},
     {8: C(convert="cvt", warps_k=4, block_n=32, split=4),
-     64: C(convert="raw", warps_k=4, block_n=64, block_m=64, mma_k=16, maxnreg=None)},
+     16: C(convert="raw", warps_k=4, block_n=64, block_m=16, mma_k=16),
+     64: C(convert="cvt", warps_k=4, block_n=16, block_m=64, mma_k=16)},
 )
 
 
