@@ -108,7 +108,7 @@ if DRY:
     GluonExactMM = ExactF64MM = ExactMM = ExactLinear = GluonMM = _DryPlan
 else:
     from dsv41_decode.ops.exact_f64_mm import ExactF64MM
-    from dsv41_decode.ops.exact_int8_mm import ExactLinear
+    from dsv41_decode.ops.exact_linear import ExactLinear
     from dsv41_decode.ops.exact_mm import ExactMM
     from dsv41_decode.ops.gluon_exact_mm import GluonExactMM
     from dsv41_decode.ops.gluon_mm import GluonMM
