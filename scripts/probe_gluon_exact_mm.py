@@ -86,11 +86,7 @@ WARPS_K_CANDIDATES = ["raw:16:8:1:32:8:1:80:4", "int:16:8:1:32:8:1:80:4", "int+c
 
 
 def config_of(spec: str) -> GluonExactConfig:
-    convert, bn, bm, wn, mk, stages, split, *rest = spec.split(":")
-    maxnreg = int(rest[0]) if rest else 128
-    warps_k = int(rest[1]) if len(rest) > 1 else 1
-    return GluonExactConfig(convert=convert, block_n=int(bn), block_m=int(bm), warps_n=int(wn), mma_k=int(mk),
-                            stages=int(stages), split=int(split), maxnreg=maxnreg or None, warps_k=warps_k)
+    return GluonExactConfig.from_spec(spec)
 
 
 class _DryPlan:

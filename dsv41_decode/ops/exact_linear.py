@@ -6,8 +6,9 @@ added in K order: docs/spec-decisions.md decision 1) in the same reduction order
 result never depends on which op ran or how many rows shared the call (batch invariance).
 
 ExactMM's time grows with the rows (about 4 FP32 instructions per product), GluonExactMM's stays
-near its FP64 MMA's (at least 8 x rows per MMA) up to 8 rows: ExactMM is faster at 1-6 rows on the
-small shapes and at 1 row on `wq_b`, GluonExactMM above (`_GLUON_PLAN`, measured)."""
+near its FP64 MMA's (at least 8 x rows per MMA) up to 8 rows: ExactMM is faster at 1-4 rows on the
+fused wq_a|wkv, 1-2 on the indexer's wq_b and wo_b and 1 on `wq_b`, GluonExactMM above
+(`_GLUON_PLAN`, measured)."""
 
 from __future__ import annotations
 
@@ -20,32 +21,33 @@ from .gluon_exact_mm import GluonExactConfig, GluonExactMM
 MAX_ROWS = 64
 
 
-def _cfg(convert: str, block_n: int, block_m: int, split: int = 1, maxnreg: int | None = 128) -> GluonExactConfig:
-    return GluonExactConfig(convert=convert, block_n=block_n, block_m=block_m, split=split, maxnreg=maxnreg)
+_cfg = GluonExactConfig.from_spec
 
 
 # Per (N, K) of the step's FP8 linears at TP1 (V4.1-Flash): the most rows at which ExactMM is still
-# faster, and GluonExactMM's configuration per row count above it (`{most rows: GluonExactConfig}`).
-# Measured on an H200 (scripts/probe_gluon_exact_mm.py --rows=1,2,4,8,16,32,64, commit b579125;
-# docs/results/gpu-tests-h200.txt run B1; us per call, weights beyond L2): the fastest of 26
-# configurations per row count; the threshold where ExactMM's time, linear in the rows between the
-# measured counts, crosses GluonExactMM's. Shapes without an entry (the TP shards) run GluonExactMM
-# in its default configuration above 4 rows. Every configuration gives the same bits.
+# faster, and GluonExactMM's configuration per row count above it (`{most rows: GluonExactConfig}`,
+# in the probe's spec form). Measured on an H200 (scripts/probe_gluon_exact_mm.py
+# --rows=1,2,4,8,16,32,64; docs/results/gpu-tests-h200.txt runs B1 (commit b579125: wq_b, 26
+# configurations) and C2 (commit 4a39ddc: the other three, their best of B1 and 14 with the warps
+# along K), us per call, weights beyond L2): the fastest configuration per row count, and the
+# threshold where ExactMM's time, linear in the rows between the measured counts, crosses
+# GluonExactMM's. Shapes without an entry (the TP shards) run GluonExactMM in its default
+# configuration above 4 rows. Every configuration gives the same bits.
 _GLUON_PLAN: dict[tuple[int, int], tuple[int, dict[int, GluonExactConfig]]] = {
-    # fused wq_a|wkv: GluonExactMM 24.3 / 34.8 / 34.8 / 51.0 us at 8 / 16 / 32 / 64 rows; ExactMM 16.1
-    # at 4, 28.9 at 8 (GluonExactMM 22.9 at 4)
-    (1792, 5120): (6, {8: _cfg("int", 64, 32, split=8), 32: _cfg("int", 64, 8, maxnreg=80),
-                       64: _cfg("raw", 64, 8, maxnreg=80)}),
-    # wq_b: 23.3 / 23.3 / 23.2 / 34.9 / 65.6 / 126.8 at 2 / 4 / 8 / 16 / 32 / 64; ExactMM 15.9 at 1, 26.9 at 2
-    (32768, 1280): (1, {8: _cfg("raw", 128, 8, maxnreg=80), 16: _cfg("int+cvt", 128, 16),
-                        64: _cfg("cvt", 64, 32)}),
-    # the indexer's wq_b: 10.9 / 11.2 / 15.1 / 22.3 at 8 / 16 / 32 / 64 (10.9 at 1-4); ExactMM 8.8 at 4,
-    # 15.2 at 8
-    (4096, 1280): (5, {8: _cfg("int+cvt", 64, 32), 32: _cfg("int", 64, 8, maxnreg=80),
-                       64: _cfg("raw", 128, 8, maxnreg=80)}),
-    # wo_b: 53.0 / 53.0 / 74.3 / 102.1 / 171.2 at 4 / 8 / 16 / 32 / 64; ExactMM 30.3 at 2, 53.8 at 4
-    (5120, 8192): (3, {8: _cfg("int+cvt", 64, 32), 16: _cfg("cvt", 64, 32), 32: _cfg("raw", 64, 8, maxnreg=80),
-                       64: _cfg("raw+cvt", 128, 8, maxnreg=80)}),
+    # fused wq_a|wkv: GluonExactMM 16.1-16.3 us at 1-8 rows, 19.0 / 24.1 / 42.3 at 16 / 32 / 64;
+    # ExactMM 15.9 at 4, 29.0 at 8
+    (1792, 5120): (4, {8: _cfg("int:16:64:1:32:4:1:128:4"), 16: _cfg("raw:16:8:1:32:8:2:80:4"),
+                       32: _cfg("int+cvt:16:16:1:16:8:1:80:4"), 64: _cfg("int+cvt:32:16:1:16:6:1:128:4")}),
+    # wq_b: 23.1-23.4 at 1-8, 35.1 / 66.0 / 127.5 at 16 / 32 / 64 (the warps along K no faster);
+    # ExactMM 16.2 at 1, 26.5 at 2
+    (32768, 1280): (1, {8: _cfg("raw:128:8:1:32:4:1:80"), 16: _cfg("int+cvt:128:16:1:32:4:1"),
+                        64: _cfg("cvt:64:32:1:32:4:1")}),
+    # the indexer's wq_b: 7.2 at 1-8, 9.1 / 13.6 / 21.5 at 16 / 32 / 64; ExactMM 6.3 at 2, 8.7 at 4
+    (4096, 1280): (2, {8: _cfg("int:16:64:1:32:4:1:128:4"), 16: _cfg("int+cvt:16:16:1:16:8:1:80:4"),
+                       32: _cfg("int+cvt:32:16:1:16:6:1:128:4"), 64: _cfg("raw:64:16:1:16:4:1:128:4")}),
+    # wo_b: 36.0 at 1-8, 48.8 / 80.9 / 158.5 at 16 / 32 / 64; ExactMM 30.7 at 2, 54.3 at 4
+    (5120, 8192): (2, {4: _cfg("raw:16:8:1:32:8:1:80:4"), 8: _cfg("int+cvt:16:8:1:16:8:1:80:4"),
+                       64: _cfg("int+cvt:16:16:1:16:8:1:80:4")}),
 }
 _DEFAULT_ABOVE = 4
 

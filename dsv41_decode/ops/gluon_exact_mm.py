@@ -542,6 +542,24 @@ class GluonExactConfig:
     split_rows: int = 16
     maxnreg: int | None = 128
 
+    @classmethod
+    def from_spec(cls, spec: str) -> "GluonExactConfig":
+        """The configuration a spec string names, convert:block_n:block_m:warps_n:mma_k:stages:split
+        [:maxnreg[:warps_k]] (maxnreg 0: None; absent: 128; warps_k absent: 1), the form the probe
+        (scripts/probe_gluon_exact_mm.py) prints and `ops.exact_linear`'s plan is written in."""
+        try:
+            convert, bn, bm, wn, mk, stages, split, *rest = spec.split(":")
+            if len(rest) > 2:
+                raise ValueError
+            ints = [int(v) for v in (bn, bm, wn, mk, stages, split, *rest)]
+        except ValueError:
+            raise ValueError(f"a GluonExactConfig spec is convert:block_n:block_m:warps_n:mma_k:stages:split"
+                             f"[:maxnreg[:warps_k]] with integers after the conversion, got {spec!r}") from None
+        bn, bm, wn, mk, stages, split, *rest = ints
+        maxnreg = rest[0] if rest else 128
+        return cls(convert=convert, block_n=bn, block_m=bm, warps_n=wn, mma_k=mk, stages=stages, split=split,
+                   maxnreg=maxnreg or None, warps_k=rest[1] if len(rest) > 1 else 1)
+
     def __post_init__(self):
         def is_int(v):
             return isinstance(v, int) and not isinstance(v, bool)

@@ -173,6 +173,14 @@ def test_bad_plan_arguments_name_the_argument():
     raises("weight must have dtype", lambda: E.GluonExactMM(w.view(torch.uint8), s))
     raises("w_scale must have shape", lambda: E.GluonExactMM(w, s[:, :7]))
     raises("max_rows", lambda: E.GluonExactMM(w, s, max_rows=65))
+    # the probe's spec strings (the form ops.exact_linear's plan is written in)
+    assert E.GluonExactConfig.from_spec("int+cvt:16:8:1:16:8:2:80:4") == E.GluonExactConfig(
+        convert="int+cvt", block_n=16, block_m=8, mma_k=16, stages=8, split=2, maxnreg=80, warps_k=4)
+    assert E.GluonExactConfig.from_spec("raw:64:64:2:32:4:1:0").maxnreg is None
+    assert E.GluonExactConfig.from_spec("cvt:64:32:1:32:4:1") == E.GluonExactConfig(convert="cvt")
+    for bad in ("int:64:32", "int:64:32:1:32:4:1:128:4:9", "int:64:x:1:32:4:1"):
+        raises("a GluonExactConfig spec is convert:block_n", lambda: E.GluonExactConfig.from_spec(bad))
+    raises("block_n must be", lambda: E.GluonExactConfig.from_spec("int:48:32:1:32:4:1"))
     raises("config must be a GluonExactConfig", lambda: E.GluonExactMM(w, s, config="fast"))
     raises(r"config must cover max_rows=64 rows, got keys \[16\]", lambda: E.GluonExactMM(w, s, config={16: C()}))
     raises("convert must be one of", lambda: C(convert="f16"))
