@@ -28,7 +28,7 @@ _cfg = GluonExactConfig.from_spec
 # faster, and GluonExactMM's configuration per row count above it (`{most rows: GluonExactConfig}`,
 # in the probe's spec form). Measured on an H200 (scripts/probe_gluon_exact_mm.py
 # --rows=1,2,4,8,16,32,64; docs/results/gpu-tests-h200.txt runs B1 (commit b579125: wq_b, 26
-# configurations) and C2 (commit 4a39ddc: the other three, their best of B1 and 14 with the warps
+# configurations) and C2 (commit abd1e18: the other three, their best of B1 and 14 with the warps
 # along K), us per call, weights beyond L2): the fastest configuration per row count, and the
 # threshold where ExactMM's time, linear in the rows between the measured counts, crosses
 # GluonExactMM's. Shapes without an entry (the TP shards) run GluonExactMM in its default
