@@ -1,7 +1,7 @@
 """Which of the step's kernel families moves an official trace off on the GPU: `trace verify --path step`
-of the first decode call(s) of a case, once per variant - the step as built, `exact_linears=True`,
-`fp32_dots=True`, and each Gluon family swapped for its Triton tier (the FP8 linears, the sparse MLA,
-`wo_a`), then all three - printing per layer the attn_out distance (BF16 ulps), its relative RMS and
+of the first decode call(s) of a case, once per variant - the step as built (its exact linears), the
+FP8 linears on tensor cores (`exact_linears=False`), `fp32_dots=True`, and each Gluon family swapped
+for its Triton tier (the tensor-core FP8 linears, the sparse MLA, `wo_a`), then all three - printing per layer the attn_out distance (BF16 ulps), its relative RMS and
 the quantized values (window, compressed and index-key records) that differ bitwise.
 
     PYTHONPATH=. python scripts/probe_trace_families.py [case folder] [decode calls]
@@ -41,10 +41,11 @@ def triton_mla(max_rows, heads, window, topk, device, *, workspace=None, fp32_do
 
 
 # name: (DecodeStep options, attention-module names replaced)
-VARIANTS = [("default", {}, {}), ("exact_linears", {"exact_linears": True}, {}), ("fp32_dots", {"fp32_dots": True}, {}),
-            ("triton_mm", {}, {"GluonMM": NoGluonMM}), ("triton_mla", {}, {"sparse_mla_plans": triton_mla}),
+TC = {"exact_linears": False}
+VARIANTS = [("default", {}, {}), ("tc_linears", TC, {}), ("fp32_dots", {"fp32_dots": True}, {}),
+            ("triton_mm", TC, {"GluonMM": NoGluonMM}), ("triton_mla", {}, {"sparse_mla_plans": triton_mla}),
             ("triton_wo_a", {}, {"GluonWoAPlan": NoGluonWoA}),
-            ("all_triton", {}, {"GluonMM": NoGluonMM, "sparse_mla_plans": triton_mla, "GluonWoAPlan": NoGluonWoA})]
+            ("all_triton", TC, {"GluonMM": NoGluonMM, "sparse_mla_plans": triton_mla, "GluonWoAPlan": NoGluonWoA})]
 
 
 def main() -> None:
