@@ -1,0 +1,421 @@
+"""The contract-exact MXFP8 linear for 1-4 rows on the FP64 CUDA cores (DFMA) in Gluon for Hopper
+(sm_90): y[M, N] = MXFP8 activation x FP8 weight with 32x32 UE8M0 block scales, 1 <= M <= 4,
+bitwise equal to `reference.linear.mxfp8_mm` - the contract, arguments and reduction order of
+`ops.gluon_exact_mm.GluonExactMM` (whose module docstring argues the exactness at length):
+
+- each 32-deep K block's dot of E4M3 codes is exact in FP64: a product of two E4M3 values has at
+  most 8 significant bits, every partial sum of a block's 32 products is a multiple of 2^-18 below
+  32 * 448^2 < 2^23 in magnitude (at most 41 significant bits), so every FP64 add or FMA of the
+  block is exact, in any order; one `cvt.rn.f32.f64` rounds the block sum once to FP32;
+- the block partial is scaled by sx[m, kb], then by sw[n // 32, kb] in a separate `mul.rn` (never
+  fused into the add), and added in K order into an FP32 accumulator that starts at 0 (never
+  partial sums added together); the sum is rounded to BF16 (nearest even) or left FP32.
+
+**The weight's codes become FP64 operands by integer operations only** (`_hi_words`, inline PTX,
+four codes a 32-bit word): the pattern of `gluon_exact_mm`'s "raw" conversion - the code's sign at
+bit 63 and its eeee.mmm at bits 55..49, the value times 2^-1016 (an FP64 subnormal for a subnormal
+code, -0 for 0x80) - has a zero low word, so only its high word is built: per word W of four codes,
+A = W << 1 once, then per code j one `prmt` (byte 3 = W's byte j: the sign at bit 31; byte 2 = A's
+byte j: eeee.mmm at bits 23..17) and one `and` with 0x80FE0000 (the bits between, and bytes 1..0,
+cleared): 2.25 integer instructions a code, paired with a zero low word. The two NaN codes 0x7F /
+0xFF read as +-480 (as "raw"'s: a non-finite block's scale byte 255 makes its terms NaN anyway).
+x's codes are converted once per ring slot by the whole CTA, through FP32, to value * 2^1000
+(exact) in a shared FP64 buffer, so each product is the true one times 2^-16, a normal FP64 number
+(at least 2^-34: the DFMA takes the weight's subnormal operands exactly, as an IEEE FMA does), the
+block sum the true one times 2^-16, exactly; RN to FP32 and times 2^16 is exact (the scaled sum
+lies between 2^-34 and 2^7: no FP32 underflow or overflow). Then one DFMA per (weight code, row).
+
+**Layout.** A TMA producer warp (`gluon_mm._producer`, the Gluon tier's ring: `_ring`) streams
+[BN, 128] FP8 weight tiles (NVMMA 128-byte swizzle) and the call's [M, 128] activation tiles
+through `stages` shared-memory slots. Four consumer warps: `warps_k` of them split each slot's four
+32-deep K blocks (warp w the blocks w, w + warps_k, ...), the rest (4 / warps_k) the weight rows;
+each thread owns `rows_per_thread` consecutive weight rows and, per block, loads its rows' 32 codes
+(two 16-byte `ld.shared` a row: the swizzle puts the 8 rows of a 16-byte column in 8 different bank
+groups, conflict-free) and walks the block's 32 k sequentially, 4 at a time (one word of codes), a
+DFMA chain per (weight row, x row) from 0 - no cross-thread reduction. x's FP64 values come from
+the shared buffer by broadcast loads (every lane the same address), one load per k for up to two x
+rows, shared by the thread's weight rows. Each block's sum is rounded, scaled and stored as a term
+to a [4, BN, M] FP32 buffer in shared memory; after the slot's barrier each output's thread reads
+its four terms and adds them to its accumulator in K order, 0, 1, 2, 3 (`gluon_exact_mm`'s warps_k
+scheme: nothing leaves the CTA, no global workspace). BN = 32 x rows_per_thread x 4 / warps_k.
+One barrier a slot: x's buffer and the terms are double-buffered by slot parity; a slot goes back
+to the producer after the next slot's barrier (every thread's reads of it done).
+
+**Cost** (an estimate from the sm_90 instruction rates; `scripts/probe_gluon_exact_fma.py`
+measures it). Per weight code: 2.25 integer instructions (the ALU pipe, 16 lanes per SM
+sub-partition: 4.5 cycles per warp's 32 codes) and one DFMA per row (16 lanes: 2 cycles per warp
+instruction); per weight row and block two 16-byte shared loads; per k and block one broadcast
+load per two x rows, shared by the thread's weight rows. Over 132 SMs x 4 sub-partitions at ~1.75
+GHz, wq_b 32768x1280 (42 M codes): the integer work ~6.4 us, the DFMA ~2.9 us per row - under the
+read (~9.7 us at 4.4 TB/s) at 1-2 rows (the ALU and FP64 pipes run side by side), ~11.5 us at 4
+rows (DFMA-bound). The other shapes scale with N x K: fused 1792x5120 0.22x, idx 4096x1280 0.125x,
+wo_b 5120x8192 1.0x of wq_b's codes. The grid is N / BN programs: warps_k=4 gives 32 x
+rows_per_thread weight rows a program (wo_b: 160 programs with one row a thread).
+
+Every configuration and row count gives the same bits (`exact_mm.reduction_order`). A
+`GluonExactFMA` plan binds one weight (its TMA descriptor) once; calling it validates and
+launches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.extra import libdevice
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .checks import config_for_rows, mxfp8_linear_args, mxfp8_weight_args, row_configs
+from .common import is_sm90
+from .exact_mm import reduction_order
+from .gluon_exact_mm import _pow2
+from .gluon_mm import SHARED_LIMIT, _producer, _ring, _scale, require_tma_rows
+from .gluon_mm import _words as _scale_words
+
+MAX_ROWS = 4
+BLOCK_K = 128                   # K per ring slot: four 32-deep blocks, one 32-bit scale word per row
+CONSUMER_WARPS = 4
+
+
+@gluon.jit
+def _hi_words(codes):
+    """The high 32-bit words of the FP64 patterns value * 2^-1016 of E4M3 codes (int8, any layout
+    whose threads hold runs of 4 consecutive codes): per word W of four codes, A = W << 1, then per
+    code j prmt(W, A) (byte 3: W's byte j, the sign at bit 31; byte 2: A's byte j, eeee.mmm at bits
+    23..17) masked with 0x80FE0000. The low words are zero."""
+    return gl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 a;
+        shl.b32 a, $4, 1;
+        prmt.b32 $0, $4, a, 0x0400;
+        and.b32 $0, $0, 0x80FE0000;
+        prmt.b32 $1, $4, a, 0x1500;
+        and.b32 $1, $1, 0x80FE0000;
+        prmt.b32 $2, $4, a, 0x2600;
+        and.b32 $2, $2, 0x80FE0000;
+        prmt.b32 $3, $4, a, 0x3700;
+        and.b32 $3, $3, 0x80FE0000;
+        }""",
+        constraints="=r,=r,=r,=r,r", args=[codes], dtype=gl.int32, is_pure=True, pack=4)
+
+
+@gluon.jit
+def _f64(hi):
+    """The FP64 number whose high word is `hi` (int32) and low word zero."""
+    return (hi.to(gl.int64) << 32).to(gl.float64, bitcast=True)
+
+
+@gluon.constexpr_function
+def _acc_layout(BN, WK, RW, R):
+    """[BN, WK, R]: per thread RW consecutive weight rows x one K block x the R x rows; the 4 / WK
+    warps along the weight rows, the WK warps along the slot's K blocks (warp w block w of each
+    group of WK blocks)."""
+    return gl.BlockedLayout(size_per_thread=[RW, 1, R], threads_per_warp=[32, 1, 1],
+                            warps_per_cta=[4 // WK, WK, 1], order=[2, 1, 0])
+
+
+@gluon.constexpr_function
+def _codes_layout(WK, RW):
+    """[BN, 32 WK]: a group of WK blocks of the slot's weight tile, per thread its RW rows' 32
+    codes of its warp's block."""
+    return gl.BlockedLayout(size_per_thread=[RW, 32], threads_per_warp=[32, 1], warps_per_cta=[4 // WK, WK],
+                            order=[1, 0])
+
+
+@gluon.jit
+def _group_sums(w_tile, xf, g: gl.constexpr, BN: gl.constexpr, WK: gl.constexpr, RW: gl.constexpr,
+                R: gl.constexpr):
+    """The exact block sums times 2^-16 [BN, WK, R] (FP64) of the slot's block group g (blocks
+    WK g .. WK g + WK - 1, block WK g + w by warp w along K): the weight codes from the tile in
+    shared memory (`w_tile` [BN, 128]), x's values times 2^1000 from `xf` ([32, 4, R] FP64 in
+    shared memory), per k one DFMA per (weight row, x row) from 0."""
+    L: gl.constexpr = _acc_layout(BN, WK, RW, R)
+    codes = w_tile.slice(32 * WK * g, 32 * WK, dim=1).load(_codes_layout(WK, RW))       # [BN, 32 WK]
+    # [BN, WK, 8 words, 4 bytes] -> [BN, WK, 4, 2, 2, 2]: word q = 4 q2 + 2 q1 + q0 split off q0, q1, q2
+    w = gl.reshape(gl.permute(gl.reshape(codes, [BN, WK, 8, 4]), (0, 1, 3, 2)), [BN, WK, 4, 2, 2, 2])
+    acc = gl.zeros([BN, WK, R], gl.float64, L)
+    ws0, ws1 = gl.split(w)
+    for q0 in gl.static_range(2):
+        ws00, ws01 = gl.split((ws0, ws1)[q0])
+        for q1 in gl.static_range(2):
+            ws000, ws001 = gl.split((ws00, ws01)[q1])
+            for q2 in gl.static_range(2):
+                hi = _hi_words((ws000, ws001)[q2])                                     # [BN, WK, 4]: byte t
+                h0, h1 = gl.split(gl.reshape(hi, [BN, WK, 2, 2]))                     # t = 2 t1 + t0
+                for t0 in gl.static_range(2):
+                    h00, h01 = gl.split((h0, h1)[t0])
+                    for t1 in gl.static_range(2):
+                        wk = gl.convert_layout((h00, h01)[t1], gl.SliceLayout(2, L), assert_trivial=True)
+                        # x at k = 4 (4 q2 + 2 q1 + q0) + 2 t1 + t0 of the warp's block: row 4 k + block of xf
+                        xk = xf.slice(4 * (16 * q2 + 8 * q1 + 4 * q0 + 2 * t1 + t0) + WK * g, WK,
+                                      dim=0).load(gl.SliceLayout(0, L))                          # [WK, R]
+                        a, b = gl.broadcast(gl.expand_dims(_f64(wk), 2), gl.expand_dims(xk, 0))
+                        acc = gl.fma(a, b, acc)
+    return acc
+
+
+@gluon.constexpr_function
+def _terms_layout(BN, R):
+    """[4, BN, R]: the slot's four block terms of each output in one thread (the threads along the
+    weight rows, each all R x rows)."""
+    return gl.BlockedLayout(size_per_thread=[4, 1, R], threads_per_warp=[1, 32, 1], warps_per_cta=[1, 4, 1],
+                            order=[0, 2, 1])
+
+
+@gluon.jit
+def _add_terms(acc, terms, BN: gl.constexpr, R: gl.constexpr):
+    """acc + t0 + t1 + t2 + t3, one add at a time in K order: the four block terms of a slot
+    (`terms`: [4, BN, R] FP32 in shared memory) of each output, read by its thread."""
+    # [BN, R, 2, 2]: block j = 2 a + b at [..., a, b]
+    t = gl.reshape(gl.permute(terms.reshape([4, BN, R]).load(_terms_layout(BN, R)), (1, 2, 0)), [BN, R, 2, 2])
+    t02, t13 = gl.split(t)
+    t0, t2 = gl.split(t02)
+    t1, t3 = gl.split(t13)
+    for j in gl.static_range(4):
+        acc = acc + gl.convert_layout((t0, t1, t2, t3)[j], acc.type.layout, assert_trivial=True)
+    return acc
+
+
+@gluon.jit
+def _consumer(w_smem, x_smem, ready, empty, xf, terms, sw_words, sx_words, n_steps,
+              BN: gl.constexpr, WK: gl.constexpr, RW: gl.constexpr, R: gl.constexpr, STAGES: gl.constexpr):
+    """The consumer warps, per ring slot i: x's codes converted to FP64 value * 2^1000 into xf[i % 2]
+    ([32 k, 4 blocks, R] in shared memory); one barrier; slot i - 1 handed back to the producer and
+    its terms (terms[(i - 1) % 2]) added in K order; slot i's block sums (`_group_sums`), rounded
+    once to FP32, times 2^16 (exact), scaled by sx then sw (`mul.rn`) and stored to terms[i % 2]
+    ([4 blocks, BN, R]). The last slot's terms after a final barrier. Returns (acc, ): [BN, R] FP32
+    in `_terms_layout`'s slice."""
+    L: gl.constexpr = _acc_layout(BN, WK, RW, R)
+    acc = gl.zeros([BN, R], gl.float32, gl.SliceLayout(0, _terms_layout(BN, R)))
+    # x's codes: each of the 128 threads converts R of a slot's R x 128
+    xl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[1, 32], warps_per_cta=[1, 4],
+                                        order=[1, 0])
+    # the K block of each thread's group-g terms: WK g + (its warp along K)
+    jw = gl.expand_dims(gl.expand_dims(gl.arange(0, WK, layout=gl.SliceLayout(0, gl.SliceLayout(2, L))), 0), 2)
+    # the scale words (four UE8M0 bytes a row and 128-deep step) loaded one slot ahead
+    sw_next = gl.load(sw_words)
+    sx_next = gl.load(sx_words)
+    for i in range(n_steps):
+        s = i % STAGES
+        b = i % 2
+        sw = gl.expand_dims(gl.expand_dims(sw_next, 1), 2)                                     # [BN, 1, 1]
+        sx = gl.expand_dims(gl.expand_dims(sx_next, 0), 1)                                     # [1, 1, R]
+        sw_next = gl.load(sw_words + gl.minimum(i + 1, n_steps - 1))
+        sx_next = gl.load(sx_words + gl.minimum(i + 1, n_steps - 1))
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        xv = _pow2(x_smem.index(s).load(xl).to(gl.float32).to(gl.float64), 1000)             # [R, 128]
+        xf.index(b).store(gl.reshape(gl.permute(gl.reshape(xv, [R, 4, 32]), (2, 1, 0)), [128, R]))
+        # x's values stored, the previous slot's terms stored and its tiles read, by every thread
+        gl.thread_barrier()
+        if i > 0:
+            mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1)
+            acc = _add_terms(acc, terms.index(1 - b), BN, R)
+        for g in gl.static_range(4 // WK):
+            part = _group_sums(w_smem.index(s), xf.index(b), g, BN, WK, RW, R)               # [BN, WK, R] FP64
+            j = WK * g + jw
+            # RN(sum * 2^-16) * 2^16 = RN(sum): a nonzero block sum is at least 2^-18 in magnitude,
+            # so the scaled one stays a normal FP32 (>= 2^-34) and below 2^7 (module doc).
+            scaled, sw_b = gl.broadcast(part.to(gl.float32) * 65536.0 * _scale(sx >> (8 * j), 0),
+                                        _scale(sw >> (8 * j), 0))
+            terms.index(b).slice(WK * g * BN, WK * BN, dim=0).store(
+                gl.reshape(gl.permute(libdevice.mul_rn(scaled, sw_b), (1, 0, 2)), [WK * BN, R]))
+    gl.thread_barrier()
+    acc = _add_terms(acc, terms.index((n_steps - 1) % 2), BN, R)
+    return (acc, )
+
+
+@gluon.jit(do_not_specialize=["M", "stride_sxm", "stride_swn", "n_steps"])
+def _gluon_exact_fma_kernel(
+    w_desc, x_desc, sx_ptr, sw_ptr, y_ptr,
+    M, N, stride_sxm, stride_swn, stride_ym, n_steps,
+    RW: gl.constexpr, WK: gl.constexpr, STAGES: gl.constexpr, OUT_F32: gl.constexpr,
+):
+    # Grid (N / BN,): program t covers weight rows [t BN, +BN) and all M rows of x, every K step;
+    # sx_ptr and sw_ptr point at the scales as int32 words (four UE8M0 bytes a 128-deep step),
+    # strides in words. Weight rows past N (TMA's zeros) read the last valid row's scales and x rows
+    # past M (the row bucket's padding, TMA's zeros) the last valid x row's; both masked at the store.
+    BN: gl.constexpr = w_desc.block_type.shape[0]
+    R: gl.constexpr = x_desc.block_type.shape[0]
+    L: gl.constexpr = _acc_layout(BN, WK, RW, R)
+    w_smem, x_smem, ready, empty = _ring(w_desc, x_desc, STAGES)
+    xf = gl.allocate_shared_memory(gl.float64, [2, 128, R], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    terms = gl.allocate_shared_memory(gl.float32, [2, 4 * BN, R], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    pid_n = gl.program_id(0)
+    rn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
+    rm = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(1, L)))
+    sw_words = sw_ptr + (gl.minimum(rn, N - 1) // 32) * stride_swn
+    sx_words = sx_ptr + gl.minimum(rm, M - 1) * stride_sxm
+    acc, = gl.warp_specialize([
+        (_consumer, (w_smem, x_smem, ready, empty, xf, terms, sw_words, sx_words, n_steps, BN, WK, RW, R, STAGES)),
+        (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, 0, 0, 0, n_steps, 0, n_steps,
+                     STAGES, False)),
+    ], [1], [24])
+    for i in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(i))
+        mbarrier.invalidate(empty.index(i))
+    out_layout: gl.constexpr = gl.SliceLayout(0, _terms_layout(BN, R))
+    on = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, out_layout))
+    om = gl.arange(0, R, layout=gl.SliceLayout(0, out_layout))
+    y_ptrs = y_ptr + om[None, :] * stride_ym + on[:, None]
+    mask = (on[:, None] < N) & (om[None, :] < M)
+    if OUT_F32:
+        gl.store(y_ptrs, acc, mask=mask)
+    else:
+        gl.store(y_ptrs, acc.to(gl.bfloat16), mask=mask)
+
+
+ROW_BUCKETS = (1, 2, 4)         # R: the x rows a program computes (TMA's box; rows past M are its zeros)
+
+
+@dataclass(frozen=True)
+class GluonExactFMAConfig:
+    """One launch configuration; every configuration gives the same bits.
+
+    rows_per_thread: weight rows a consumer thread owns (1, 2 or 4): they share each broadcast
+        load of x's values; more rows, fewer programs.
+    warps_k: of the 4 consumer warps, how many split each slot's four 32-deep K blocks (1, 2 or
+        4; the others split the weight rows). block_n = 32 x rows_per_thread x 4 / warps_k weight
+        rows a program, N / block_n programs.
+    stages: ring slots, 2..8.
+    maxnreg: the launch's register cap per thread (the CTA holds 8 warps x 32 x cap registers: the
+        consumer's 4 warps and the producer's, padded to 8; the producer drops to 24); 128 keeps
+        two CTAs per SM resident, and every configuration compiles without spills there at 1, 2
+        and 4 rows (sm_90 compiles); None: Triton's (256, one CTA per SM).
+    """
+
+    rows_per_thread: int = 4
+    warps_k: int = 4
+    stages: int = 4
+    maxnreg: int | None = 128
+
+    @property
+    def block_n(self) -> int:
+        """Weight rows a program: 32 threads x rows_per_thread x the 4 / warps_k warps along N."""
+        return 32 * self.rows_per_thread * 4 // self.warps_k
+
+    @classmethod
+    def from_spec(cls, spec: str) -> "GluonExactFMAConfig":
+        """The configuration a spec string names, rows_per_thread:warps_k:stages[:maxnreg] (maxnreg
+        0: None; absent: 128), the form scripts/probe_gluon_exact_fma.py prints."""
+        try:
+            parts = [int(v) for v in spec.split(":")]
+            if not 3 <= len(parts) <= 4:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"a GluonExactFMAConfig spec is rows_per_thread:warps_k:stages[:maxnreg], integers, "
+                             f"got {spec!r}") from None
+        maxnreg = parts[3] if len(parts) == 4 else 128
+        return cls(rows_per_thread=parts[0], warps_k=parts[1], stages=parts[2], maxnreg=maxnreg or None)
+
+    def __post_init__(self):
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+        if self.rows_per_thread not in (1, 2, 4) or not is_int(self.rows_per_thread):
+            raise ValueError(f"GluonExactFMAConfig.rows_per_thread must be 1, 2 or 4, got {self.rows_per_thread!r}")
+        if self.warps_k not in (1, 2, 4) or not is_int(self.warps_k):
+            raise ValueError(f"GluonExactFMAConfig.warps_k must be 1, 2 or 4, got {self.warps_k!r}")
+        if not is_int(self.stages) or not 2 <= self.stages <= 8:
+            raise ValueError(f"GluonExactFMAConfig.stages must be an int in [2, 8], got {self.stages!r}")
+        if self.maxnreg is not None and (not is_int(self.maxnreg) or not 24 <= self.maxnreg <= 256
+                                         or self.maxnreg % 8):
+            raise ValueError(f"GluonExactFMAConfig.maxnreg must be None or a multiple of 8 in [24, 256], "
+                             f"got {self.maxnreg!r}")
+        if shared_bytes(self, ROW_BUCKETS[-1]) > SHARED_LIMIT:
+            raise ValueError(f"GluonExactFMAConfig: stages={self.stages} x (block_n={self.block_n} + 4) x {BLOCK_K} "
+                             f"bytes of ring, x's values and the block terms exceed sm_90's {SHARED_LIMIT} bytes of "
+                             f"shared memory ({shared_bytes(self, ROW_BUCKETS[-1])}): fewer stages")
+
+
+def block_t(rows: int) -> int:
+    """The x rows a program computes (R) for a call of `rows` rows: 1, 2 or 4."""
+    return next(b for b in ROW_BUCKETS if b >= rows)
+
+
+def shared_bytes(config: GluonExactFMAConfig, bt: int) -> int:
+    """The shared memory of a launch at row bucket `bt`: the ring's weight and activation tiles, x's
+    FP64 values and the block terms (both double-buffered: 2 x 128 x bt x 8 and 2 x 4 x block_n x bt
+    x 4 bytes), 1 KB for the mbarriers and what the compiler adds."""
+    return config.stages * (config.block_n + bt) * BLOCK_K + 2 * 128 * bt * 8 + 2 * 4 * config.block_n * bt * 4 + 1024
+
+
+def launch_options(config: GluonExactFMAConfig) -> dict:
+    """The kernel's constexpr arguments and launch options for `config` (the plan's launch and the
+    sm_90 compile test share them): the consumer's 4 warps and the producer's warp, padded to 8
+    warps; enable_reflect_ftz=False keeps the FP32 subnormals of the scaling's `mul.rn` (libdevice;
+    Triton's default flushes them)."""
+    opts = {"RW": config.rows_per_thread, "WK": config.warps_k, "STAGES": config.stages,
+            "num_warps": CONSUMER_WARPS, "enable_reflect_ftz": False}
+    if config.maxnreg is not None:
+        opts["maxnreg"] = config.maxnreg
+    return opts
+
+
+class GluonExactFMA:
+    """y[M, N] = bf16(sum over 32-wide K blocks kb, in K order, of RN(codes[:, kb] . weight[:, kb])
+    * sx * sw) for 1 <= M <= max_rows <= 4, with the weight bound once: bitwise the contract of
+    `reference.linear.mxfp8_mm`, on the FP64 CUDA cores from a TMA ring (module docstring); sm_90
+    only. Reduction order: `exact_mm.reduction_order`, the same for every row count.
+
+    weight: [N, K] float8_e4m3fn, unit stride along K, 16-byte aligned rows (TMA); K a positive
+        multiple of 128 (the ring's 128-deep slots, one scale word per row per slot).
+    w_scale: [ceil(N/32), K/32] UE8M0 (float8_e8m0fnu or uint8), unit stride along K, rows on
+        4-byte boundaries.
+    max_rows: the most rows a call may bring (1..4); a call of 3 rows computes 4 (TMA's zero rows).
+    config: the launch configuration: one GluonExactFMAConfig for every call (default
+        `GluonExactFMAConfig()`), or `{most rows: GluonExactFMAConfig}` for calls of up to that many
+        rows (the largest key >= max_rows). Every configuration gives the same bits.
+    workspace: accepted for GluonExactMM's signature and unused: the plan keeps no workspace (the K
+        blocks' terms meet in shared memory).
+
+    A call's codes must have 16-byte aligned rows (TMA) and its x_scale rows 4-byte boundaries.
+    """
+
+    def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int = MAX_ROWS,
+                 config: GluonExactFMAConfig | dict[int, GluonExactFMAConfig] | None = None, workspace=None):
+        n, k = mxfp8_weight_args(weight, w_scale, max_rows, MAX_ROWS)
+        if k % BLOCK_K:
+            raise ValueError(f"weight must be [N, K] with K a positive multiple of {BLOCK_K} (the ring's 128-deep "
+                             f"slots), got {(n, k)} (use ops.exact_mm)")
+        self._configs = row_configs(GluonExactFMAConfig() if config is None else config, GluonExactFMAConfig,
+                                    "a GluonExactFMAConfig", max_rows)
+        if not is_sm90(weight.device):
+            raise ValueError(f"weight must be on a CUDA device of compute capability 9.0 (the Gluon tier is "
+                             f"sm_90 code: TMA, warp specialization), got {weight.device}")
+        require_tma_rows(weight, "weight")
+        self.weight, self.w_scale = weight, w_scale.view(torch.uint8)
+        self._sw_words = _scale_words(self.w_scale, "w_scale")
+        self.n, self.k, self.max_rows, self.device = n, k, max_rows, weight.device
+        self._w_descs = {}
+        for _, c in self._configs:
+            if c.block_n not in self._w_descs:
+                layout = gl.NVMMASharedLayout.get_default_for([c.block_n, BLOCK_K], gl.float8e4nv)
+                self._w_descs[c.block_n] = TensorDescriptor.from_tensor(weight, [c.block_n, BLOCK_K], layout)
+
+    def config_for(self, rows: int) -> GluonExactFMAConfig:
+        """The configuration a call of `rows` rows launches with."""
+        return config_for_rows(self._configs, rows)
+
+    def reduction_order(self, rows: int) -> tuple[str, int, int]:
+        """`exact_mm.reduction_order(K)`: the same for every row count (batch invariance)."""
+        return reduction_order(self.k)
+
+    def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """y = codes x weight^T with both block scales, into out: the arguments and the result of
+        `GluonExactMM.__call__` (a float32 out receives the unrounded FP32 sums). Returns out."""
+        out = mxfp8_linear_args(codes, x_scale, out, self.n, self.k, self.max_rows, self.device)
+        require_tma_rows(codes, "codes")
+        sx_words = _scale_words(x_scale, "x_scale")
+        m = codes.shape[0]
+        cfg = self.config_for(m)
+        bt = block_t(m)
+        x_layout = gl.NVMMASharedLayout.get_default_for([bt, BLOCK_K], gl.float8e4nv)
+        x_desc = TensorDescriptor.from_tensor(codes, [bt, BLOCK_K], x_layout)
+        _gluon_exact_fma_kernel[(-(-self.n // cfg.block_n), )](
+            self._w_descs[cfg.block_n], x_desc, sx_words, self._sw_words, out,
+            m, self.n, sx_words.stride(0), self._sw_words.stride(0), out.stride(0), self.k // BLOCK_K,
+            OUT_F32=out.dtype == torch.float32, **launch_options(cfg),
+        )
+        return out
