@@ -1,0 +1,239 @@
+"""ops.gluon_exact_fma, the contract-exact MXFP8 linear for 1-4 rows on the FP64 CUDA cores in Gluon
+(sm_90 only).
+
+On the CPU (Gluon kernels do not run in Triton's interpreter): the kernel compiles for sm_90
+(Triton's own ptxas) in a few of its forms - 1, 2 and 4 weight rows a thread, 1, 2 and 4 warps
+along K, 1, 2 and 4 x rows, BF16 and FP32 out - with no spills, one DFMA per (weight code, x row)
+and no FP64 MMA, the weight's conversion by integer operations (one prmt a code, no FP64 multiply
+of the weight: only x's values are scaled by 2^1000, one DMUL per x code a thread converts), the
+weight tile read by 16-byte shared loads, each block's FP64 sum rounded once (cvt.rn.f32.f64) and
+its last scale a lone mul.rn (no FFMA), no FP32 op that flushes subnormals; the configuration's
+and the plan's bad arguments raise errors that name them. On the GPU (`-m gpu`): bitwise
+`reference.linear.mxfp8_mm` at the V4.1-Flash TP1 shapes at 1-4 rows, BF16 and FP32 out, on
+model-like, heavy-tailed (448 down to the subnormals) and subnormal codes, in several
+configurations (rows and columns past the call untouched), on small shapes with a partial weight
+tile, and the call's argument errors.
+
+No tolerance anywhere: the op computes the contract's arithmetic exactly (each 32-block's dot exact
+in FP64, rounded once to FP32; the block terms scaled and added in K order; one rounding to BF16),
+so any difference from the reference is a bug.
+"""
+
+import re
+
+import pytest
+import torch
+from helpers import FLASH_LINEAR_SHAPES as FLASH_SHAPES
+from helpers import linear_operands, raises
+from test_exact_mm import _bits, _exact_operands, _gen, _poisoned
+from triton.experimental.gluon import language as gl
+
+from dsv41_decode.ops import gluon_exact_fma as F
+from dsv41_decode.ops.gluon_mm import SHARED_LIMIT
+from dsv41_decode.reference.linear import mxfp8_mm
+from dsv41_decode.testing import sm90
+from dsv41_decode.testing.synthetic import heavy_e4m3
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+C = F.GluonExactFMAConfig
+
+
+def _desc(block) -> str:
+    """The signature of a Gluon TMA descriptor of FP8 tiles `block`, as the launcher specializes it."""
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
+    return f"tensordesc<fp8e4nv[{block[0]}, {block[1]}],{layout!r}>"
+
+
+def _compile(config: F.GluonExactFMAConfig, bt: int, out_f32: bool):
+    opts = F.launch_options(config)
+    launch = {k: opts.pop(k) for k in ("num_warps", "maxnreg", "enable_reflect_ftz") if k in opts}
+    fn = F._gluon_exact_fma_kernel
+    types = {"w_desc": _desc([config.block_n, F.BLOCK_K]), "x_desc": _desc([bt, F.BLOCK_K]), "sx_ptr": "*i32",
+             "sw_ptr": "*i32", "y_ptr": "*fp32" if out_f32 else "*bf16"}
+    # as the launcher sees the real shapes: N and y's row stride multiples of 16
+    return sm90.compile_sm90(fn, types, {**opts, "OUT_F32": out_f32},
+                             divisible=[a for a in fn.arg_names if a.endswith("_ptr") or a in ("N", "stride_ym")],
+                             **launch)
+
+
+def _loop_with(kernel, opcode: str) -> list[str]:
+    """The SASS of the innermost loop (backward branch) that holds every `opcode` instruction: the
+    consumer's loop over the ring's slots."""
+    ins = sm90.sass(kernel)
+    index = {addr: i for i, (addr, _) in enumerate(ins)}
+    hits = [i for i, (_, t) in enumerate(ins) if t.startswith(opcode)]
+    loops = []
+    for i, (addr, text) in enumerate(ins):
+        m = re.search(r"\bBRA (?:`\()?0x([0-9a-f]+)", text)
+        lo = index.get(int(m.group(1), 16)) if m else None
+        if lo is not None and int(m.group(1), 16) < addr and lo <= hits[0] and i >= hits[-1]:
+            loops.append((i - lo, lo, i))
+    _, lo, hi = min(loops)
+    return [t for _, t in ins[lo:hi + 1]]
+
+
+# (config, row bucket, FP32 out): the default (4 weight rows a thread, the 4 warps along K) at 1
+# and 4 rows, 2 rows a thread over 2 x 2 warps, 1 row a thread with every warp all four blocks
+# (~0.5 s each)
+COMPILE_CASES = [
+    (C(), 1, False),
+    (C(), 4, True),
+    (C(rows_per_thread=2, warps_k=2, stages=3), 2, False),
+    (C(rows_per_thread=1, warps_k=1, stages=6), 4, True),
+]
+
+
+@pytest.mark.parametrize("config,bt,out_f32", COMPILE_CASES,
+                         ids=[f"rw{c.rows_per_thread}-wk{c.warps_k}-r{bt}" + ("-f32" if f else "")
+                              for c, bt, f in COMPILE_CASES])
+def test_compiles_for_sm90_without_spills(config, bt, out_f32):
+    kernel = _compile(config, bt, out_f32)
+    res = sm90.resources(kernel)
+    ins = [t for _, t in sm90.sass(kernel)]
+    ops = sm90.opcode_counts(ins)
+    assert res["LOCAL"] == 0 and res["STACK"] == 0 and ops.get("STL", 0) == 0 and ops.get("LDL", 0) == 0, (res, ops)
+    assert res["REG"] <= config.maxnreg, res
+    assert kernel.metadata.shared <= F.shared_bytes(config, bt) <= SHARED_LIMIT, kernel.metadata.shared
+    # Per slot a thread's rows_per_thread weight rows x (4 / warps_k) K blocks x 32 k: one DFMA per
+    # code and x row, one prmt per code (its FP64 high word), no FP64 MMA; the loop body holds one slot.
+    codes = config.rows_per_thread * (4 // config.warps_k) * 32
+    loop = _loop_with(kernel, "DFMA")
+    lops = sm90.opcode_counts(loop)
+    assert ops.get("DFMA", 0) == lops.get("DFMA", 0) == codes * bt, (codes, bt, lops)
+    assert lops.get("PRMT", 0) >= codes and ops.get("DMMA", 0) == 0, lops
+    # No FP64 multiply of the weight: the loop's only DMULs scale x's codes by 2^1000 (bt of them
+    # a thread: the 128 consumer threads convert a slot's bt x 128 codes).
+    assert lops.get("DMUL", 0) == bt, lops
+    # The weight tile by 16-byte shared loads (2 a weight row and block), x's values by broadcast
+    # 8- or 16-byte loads; no shared load of single bytes but x's codes (bt a thread).
+    loads = [t.split()[0] for t in loop if t.startswith("LDS")]
+    assert loads.count("LDS.128") >= 2 * config.rows_per_thread * (4 // config.warps_k), loads
+    assert loads.count("LDS.U8") <= bt, loads
+    # Each block's FP64 sum rounded once to FP32, its last scale a lone mul.rn (no FFMA: nothing
+    # contracted into the accumulator's add); no FP32 op flushes subnormals.
+    ptx = kernel.asm["ptx"]
+    assert "cvt.rn.f32.f64" in ptx and "mul.rn.f32" in ptx
+    assert ops.get("FFMA", 0) == 0, ops
+    assert re.search(r"\.ftz\.f32\b", ptx) is None
+    # The TMA ring (weight and x boxes, mbarriers), the producer's registers handed over, no
+    # global workspace (no atomics).
+    assert ops.get("UTMALDG", 0) == 2 and ops.get("SYNCS", 0) > 0, ops
+    assert any(t.startswith("USETMAXREG.DEALLOC") for t in ins)
+    assert ops.get("ATOMG", 0) == 0 and ops.get("RED", 0) == 0, ops
+
+
+def test_launch_geometry():
+    assert [F.block_t(m) for m in (1, 2, 3, 4)] == [1, 2, 4, 4]
+    assert [C(rows_per_thread=r, warps_k=w, stages=2).block_n for r, w in ((1, 4), (4, 4), (2, 2), (4, 1))] == [
+        32, 128, 128, 512]
+    assert F.shared_bytes(C(stages=4), 1) == 4 * (128 + 1) * 128 + 2 * 128 * 8 + 2 * 4 * 128 * 4 + 1024
+    assert F.shared_bytes(C(rows_per_thread=4, warps_k=2, stages=5), 4) <= SHARED_LIMIT
+
+
+def test_bad_config_and_plan_arguments_name_the_argument():
+    w = torch.zeros(64, 256, dtype=torch.float8_e4m3fn)
+    s = torch.zeros(2, 8, dtype=torch.uint8)
+    raises("compute capability 9.0", lambda: F.GluonExactFMA(w, s))          # the CPU: sm_90 code only
+    raises("K a positive multiple of 128", lambda: F.GluonExactFMA(torch.zeros(64, 96, dtype=torch.float8_e4m3fn),
+                                                                   torch.zeros(2, 3, dtype=torch.uint8)))
+    raises("weight must have dtype", lambda: F.GluonExactFMA(w.view(torch.uint8), s))
+    raises("w_scale must have shape", lambda: F.GluonExactFMA(w, s[:, :7]))
+    raises(r"max_rows must be an int in \[1, 4\]", lambda: F.GluonExactFMA(w, s, max_rows=5))
+    raises("config must be a GluonExactFMAConfig", lambda: F.GluonExactFMA(w, s, config="fast"))
+    raises(r"config must cover max_rows=4 rows, got keys \[2\]", lambda: F.GluonExactFMA(w, s, config={2: C()}))
+    assert C.from_spec("2:2:6") == C(rows_per_thread=2, warps_k=2, stages=6)
+    assert C.from_spec("4:4:4:0").maxnreg is None and C.from_spec("1:4:8:80").maxnreg == 80
+    for bad in ("4:4", "4:4:4:128:1", "4:x:4"):
+        raises("a GluonExactFMAConfig spec is rows_per_thread:warps_k:stages", lambda: C.from_spec(bad))
+    raises("rows_per_thread must be 1, 2 or 4", lambda: C(rows_per_thread=3))
+    raises("warps_k must be 1, 2 or 4", lambda: C(warps_k=8))
+    raises("stages must be an int in", lambda: C(stages=1))
+    raises("maxnreg must be None or a multiple of 8", lambda: C(maxnreg=100))
+    raises(r"stages=8 x \(block_n=512 \+ 4\).*exceed", lambda: C(rows_per_thread=4, warps_k=1, stages=8))
+
+
+# ---------------------------------------------------------------------------------------------- GPU
+
+def _subnormal_operands(gen, m: int, n: int, k: int):
+    """Codes whose exponent field is 0 or 1 (the E4M3 subnormals, the smallest normals, +-0), every
+    sign: the weight's FP64 subnormal patterns, products down to 2^-18."""
+    codes, x_scale, weight, w_scale = _exact_operands(gen, m, n, k, "uniform")
+    return (codes.view(torch.uint8).bitwise_and(0x8F).view(torch.float8_e4m3fn), x_scale,
+            weight.view(torch.uint8).bitwise_and(0x8F).view(torch.float8_e4m3fn), w_scale)
+
+
+# Every form at the TP1 shapes: the default, one weight row a thread (32-row tiles: wo_b's 160
+# programs), 2 x 2 warps, every warp all four blocks of its rows (no exchange between the warps).
+CONFIGS = (None, {2: C(rows_per_thread=1, warps_k=4, stages=8), 4: C(rows_per_thread=2, warps_k=2, stages=3)},
+           C(rows_per_thread=4, warps_k=1, stages=2))
+TP1_SHAPES = [s for s in FLASH_SHAPES if s[0] in ("fused_wqa_wkv", "wq_b", "wq_b_tp8", "wo_b")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,n,k", TP1_SHAPES, ids=["fused_wqa_wkv", "wq_b", "idx_wq_b", "wo_b"])
+def test_flash_shapes_match_the_reference_on_gpu(name, n, k):
+    # Bitwise `reference.linear.mxfp8_mm` at 1-4 rows on model-like operands, heavy-tailed codes
+    # (448 down to the subnormals, both operands; scales of 2^-7..2^6) and subnormal codes, BF16
+    # and FP32 out; out a window of a poisoned buffer whose rows and columns past the call stay
+    # untouched. The reference's rows do not depend on each other: one call of 4 rows serves.
+    gen = torch.Generator(device=DEVICE).manual_seed(n + k)
+    _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(n + k), 4, n, k)
+    heavy = (heavy_e4m3((4, k), gen), torch.randint(120, 134, (4, k // 32), dtype=torch.uint8, device=DEVICE),
+             heavy_e4m3((n, k), gen), w_scale)
+    subnormal = _subnormal_operands(_gen(n), 4, n, k)
+    for kind, (c, sx, w, sw) in (("quantized", (codes, x_scale, weight, w_scale)), ("heavy", heavy),
+                                 ("subnormal", subnormal)):
+        ref = {dtype: mxfp8_mm(c, sx, w, sw, dtype) for dtype in (torch.bfloat16, torch.float32)}
+        for cfg in CONFIGS:
+            plan = F.GluonExactFMA(w, sw, config=cfg)
+            for m in (1, 2, 3, 4):
+                for dtype in (torch.bfloat16, torch.float32):
+                    buf = _poisoned(m + 2, n + 8, dtype)
+                    y = plan(c[:m], sx[:m], buf[:m, :n])
+                    assert torch.equal(_bits(y), _bits(ref[dtype][:m])), (name, kind, cfg, m, dtype)
+                    assert buf[m:].isnan().all() and buf[:, n:].isnan().all(), (name, kind, cfg, m, dtype)
+            again = plan(c[:3], sx[:3])
+            assert torch.equal(_bits(again), _bits(ref[torch.bfloat16][:3])), (name, kind, cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,config,kind", [
+    (1, 96, 512, C(), "quantized"),                                     # one partial 128-row tile
+    (3, 160, 384, C(rows_per_thread=1, warps_k=4), "heavy"),            # 5 tiles of 32, 3 slots
+    (4, 130, 256, C(rows_per_thread=2, warps_k=2, stages=2), "subnormal"),   # N past a tile
+    (2, 600, 128, C(rows_per_thread=4, warps_k=1, stages=2), "uniform"),    # one slot, a partial 512-row tile
+    (4, 64, 1024, C(rows_per_thread=1, warps_k=2, stages=8, maxnreg=None), "heavy"),
+])
+def test_small_shapes_match_the_reference_on_gpu(m, n, k, config, kind):
+    if kind == "quantized":
+        _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(m + n + k), m, n, k)
+    elif kind == "subnormal":
+        codes, x_scale, weight, w_scale = _subnormal_operands(_gen(m + n + k), m, n, k)
+    else:
+        codes, x_scale, weight, w_scale = _exact_operands(_gen(m + n + k), m, n, k, kind)
+    plan = F.GluonExactFMA(weight, w_scale, config=config)
+    for dtype in (torch.bfloat16, torch.float32):
+        buf = _poisoned(m + 4, n + 8, dtype)
+        y = plan(codes, x_scale, buf[:m, :n])
+        assert torch.equal(_bits(y), _bits(mxfp8_mm(codes, x_scale, weight, w_scale, dtype))), (m, n, k, config, dtype)
+        assert buf[m:].isnan().all() and buf[:, n:].isnan().all(), (m, n, k, config, dtype)
+
+
+@pytest.mark.gpu
+def test_bad_call_arguments_name_the_argument_on_gpu():
+    m, n, k = 2, 64, 128
+    _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(8), m, n, k)
+    plan = F.GluonExactFMA(weight, w_scale, max_rows=2)
+    raises("codes has M=3 rows; this plan takes 1..2", lambda: plan(codes.repeat(2, 1)[:3], x_scale.repeat(2, 1)[:3]))
+    raises("codes must have dtype", lambda: plan(codes.float(), x_scale))
+    raises("x_scale must have shape", lambda: plan(codes, x_scale[:, :2]))
+    raises("out must have dtype", lambda: plan(codes, x_scale, torch.empty(m, n, dtype=torch.float16, device=DEVICE)))
+    raw = torch.zeros(m * k + 16, dtype=torch.uint8, device=DEVICE)
+    misaligned = raw[1:1 + m * k].view(torch.float8_e4m3fn).view(m, k)
+    sraw = torch.zeros(m * (k // 32) + 4, dtype=torch.uint8, device=DEVICE)
+    raises("codes rows must be 16-byte aligned", lambda: plan(misaligned, x_scale))
+    raises("x_scale rows must start on 4-byte boundaries", lambda: plan(codes, sraw[1:1 + m * (k // 32)].view(m, -1)))
+    raises("weight rows must be 16-byte aligned", lambda: F.GluonExactFMA(
+        torch.zeros(n * k + 16, dtype=torch.uint8, device=DEVICE)[8:8 + n * k].view(torch.float8_e4m3fn).view(n, k),
+        w_scale))
+    assert torch.equal(_bits(plan(codes, x_scale)), _bits(mxfp8_mm(codes, x_scale, weight, w_scale)))
