@@ -43,7 +43,12 @@ What the Gluon form does differently (the layout of `ops.gluon_mm`, the Gluon FP
   `fp8_block_quantize`, `act_quant.mxfp8_quantize_tile`) write them only into a non-finite block,
   whose scale byte 255 (NaN) makes each of its terms NaN either way. "int+cvt" and "raw+cvt"
   alternate per K block (even blocks the first form, odd blocks "cvt"), sharing the work between
-  the integer pipes and the conversion pipe; every block's partial is exact either way.
+  the integer pipes and the conversion pipe; every block's partial is exact either way. "intp",
+  "rawp", "intp+cvt" and "rawp+cvt" are "int", "raw", "int+cvt" and "raw+cvt" with the pattern
+  built four codes at a time (`_PATTERN4_ASM`: per loaded 32-bit word two masks and two shifts,
+  then one byte permute per code, 2 instructions a code instead of 3 and the register moves), from
+  each thread's words as loaded (`_load_pattern4`): the same bits, fewer instructions (sm_90: the
+  consumer's loop 736 instead of 896 a slot at 128 x 8 "rawp").
 - **The k order within a block.** Each operand is loaded in the layout where a thread's bytes are
   consecutive in shared memory (one 8-byte load, or ldmatrix with `mma_k=16`, instead of one load
   per byte) and renamed into the MMA's operand layout, which takes the block's 32 k in a fixed
@@ -107,7 +112,7 @@ MAX_ROWS = 64
 BLOCK_K = 128                   # K per ring slot: four 32-wide blocks, one 32-bit scale word per row
 ROW_BUCKETS = (8, 16, 32, 64)   # BT: the MMA's N side
 CONSUMER_WARPS = 4
-CONVERTS = ("cvt", "int", "raw", "int+cvt", "raw+cvt")
+CONVERTS = ("cvt", "int", "raw", "int+cvt", "raw+cvt", "intp", "rawp", "intp+cvt", "rawp+cvt")
 # GluonExactConfig.block_n per warps_k: with warps_k > 1, 16 to 64 weight rows a warp
 BLOCK_NS = {1: (64, 128), 2: (32, 64, 128), 4: (16, 32, 64)}
 
@@ -120,6 +125,56 @@ def _e4m3_pattern(codes):
     a subnormal code (eeee = 0), -0 for 0x80."""
     hi = (codes.to(gl.int8, bitcast=True).to(gl.int32) << 17) & -0x7F020000   # 0x80FE0000: bits 31, 23..17
     return (hi.to(gl.int64) << 32).to(gl.float64, bitcast=True)
+
+
+# `_e4m3_pattern`'s high words of four E4M3 codes at once (pack=4: the codes' bytes c3 c2 c1 c0 in
+# $4, c0 the lowest, each thread's consecutive codes; $0..$3 the four words): a = the four signs in
+# place (s0000000 each byte), m = the magnitudes (0eeeemmm), b = m << 9 puts c0..c2's eeeemmm at
+# bits 7..1 of bytes 1..3 (byte 0 zero), e = m >> 23 c3's at bits 7..1 of byte 0 (bytes 1..3 zero);
+# one byte permute per code then builds [sign byte][eeeemmm0][0][0] (prmt: a's bytes 0-3, b's / e's
+# 4-7; selector nibble i: the source byte of result byte i): the same bits as
+# (sext(code) << 17) & 0x80FE0000, 2 instructions a code instead of 3 and the register moves.
+_PATTERN4_ASM: gl.constexpr = gl.constexpr("""{
+.reg .b32 a, m, b, e;
+and.b32 a, $4, 0x80808080;
+and.b32 m, $4, 0x7F7F7F7F;
+shl.b32 b, m, 9;
+shr.b32 e, m, 23;
+prmt.b32 $0, a, b, 0x0544;
+prmt.b32 $1, a, b, 0x1644;
+prmt.b32 $2, a, b, 0x2744;
+prmt.b32 $3, a, e, 0x3455;
+}""")
+
+
+@gluon.jit
+def _e4m3_pattern4(codes):
+    """`_e4m3_pattern` of E4M3 codes (float8e4nv, any layout whose thread holds a multiple of 4
+    codes), the high words built four codes at a time (`_PATTERN4_ASM`): the same FP64 values."""
+    hi = gl.inline_asm_elementwise(_PATTERN4_ASM, "=r,=r,=r,=r,r", [codes.to(gl.int8, bitcast=True)],
+                                   dtype=gl.int32, is_pure=True, pack=4)
+    return (hi.to(gl.int64) << 32).to(gl.float64, bitcast=True)
+
+
+@gluon.jit
+def _pattern4(codes):
+    """`_e4m3_pattern4` of E4M3 codes, or `codes` itself where it is that pattern already (FP64: the
+    operand loads form it from the loaded words, `_load_pattern4`)."""
+    if codes.dtype == gl.float64:
+        return codes
+    else:
+        return _e4m3_pattern4(codes)
+
+
+@gluon.jit
+def _load_pattern4(view, phys: gl.constexpr):
+    """`_e4m3_pattern4` of the weight's codes `view` loaded in the layout `phys` (each thread's bytes
+    consecutive in shared memory), in `phys`: each thread's registers are first ordered along k
+    (`_k_first`: four consecutive codes a loaded word), converted, then renamed back, before the
+    operand's own renaming into the MMA's layout (an elementwise function commutes with it), so
+    that no bytes are regrouped."""
+    words: gl.constexpr = _k_first(gl.to_linear_layout(phys, view.shape))
+    return gl.convert_layout(_e4m3_pattern4(view.load(words)), phys, assert_trivial=True)
 
 
 @gluon.jit
@@ -139,31 +194,75 @@ def _e4m3_f64(codes, CONVERT: gl.constexpr, OPERAND: gl.constexpr):
     `_block_partial` scales back."""
     if OPERAND == 1:
         x = codes.to(gl.float32).to(gl.float64)
-        return _pow2(x, 1000) if CONVERT == "raw" else x
+        return _pow2(x, 1000) if _is_raw(CONVERT) else x
     elif CONVERT == "raw":
         return _e4m3_pattern(codes)
+    elif CONVERT == "rawp":
+        return _pattern4(codes)
     elif CONVERT == "int":
         return _pow2(_e4m3_pattern(codes), 1016)
+    elif CONVERT == "intp":
+        return _pow2(_pattern4(codes), 1016)
     else:
         return codes.to(gl.float32).to(gl.float64)
 
 
+@gluon.constexpr_function
+def _form(convert, i):
+    """The conversion of a mixed form's part i ("int+cvt", "raw+cvt", "intp+cvt", "rawp+cvt": the
+    first form in even parts, "cvt" in odd ones; a K block, or with warps_k > 1 a 16-deep half of
+    one); any other form is its own."""
+    first, _, second = str(convert).partition("+")
+    return second if second and i % 2 else first
+
+
+@gluon.constexpr_function
+def _k_first(linear):
+    """The distributed linear layout `linear` with each thread's registers reordered: the bases
+    along the last dimension (k, consecutive in shared memory) first, by stride (registers 0..3:
+    four consecutive codes), the others after in their order. The same elements in every thread:
+    converting between the two moves no data."""
+    regs = sorted(linear.reg_bases, key=lambda basis: (basis[-1] == 0, basis[-1]))
+    return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=linear.lane_bases, warp_bases=linear.warp_bases,
+                                      block_bases=linear.block_bases, shape=linear.shape)
+
+
+@gluon.constexpr_function
+def _is_packed(form):
+    """Whether the weight's form `form` (whole: not a mixed one) is built four codes at a time at
+    the operand's load (`_load_pattern4`)."""
+    return str(form) in ("rawp", "intp")
+
+
+@gluon.constexpr_function
+def _is_raw(form):
+    """Whether the weight's form `form` enters the MMA as value * 2^-1016 (x as value * 2^1000)."""
+    return str(form) in ("raw", "rawp")
+
+
 @gluon.jit
-def _operand_a(view, layout: gl.constexpr, KC: gl.constexpr):
+def _operand_a(view, layout: gl.constexpr, KC: gl.constexpr, PACKED: gl.constexpr = False):
     """The weight operand [BN, KC] of one MMA from shared memory (`view`: the tile's KC columns) in
     the MMA's operand layout, its k taken in a fixed permutation (module doc): loaded in the layout
     where each thread's bytes are consecutive (one wide load instead of one per byte), then
-    renamed - no data moves (`assert_trivial`)."""
+    renamed - no data moves (`assert_trivial`). PACKED: the codes' FP64 pattern instead
+    (`_load_pattern4`)."""
     BN: gl.constexpr = view.shape[0]
     like = gl.zeros([BN, KC], gl.int8, layout)
     if KC == 32:
         # operand k = 16 h + 4 r + t at column 8 t + 4 h + r
         phys: gl.constexpr = gl.reshape(gl.permute(gl.reshape(like, [BN, 2, 4, 4]), (0, 3, 1, 2)), [BN, KC]).type.layout
-        v = gl.reshape(gl.permute(gl.reshape(view.load(phys), [BN, 4, 2, 4]), (0, 2, 3, 1)), [BN, KC])
+        if PACKED:
+            v = gl.reshape(gl.permute(gl.reshape(_load_pattern4(view, phys), [BN, 4, 2, 4]), (0, 2, 3, 1)), [BN, KC])
+        else:
+            v = gl.reshape(gl.permute(gl.reshape(view.load(phys), [BN, 4, 2, 4]), (0, 2, 3, 1)), [BN, KC])
     else:
         # operand k = 4 r + t at column 4 t + r
         phys: gl.constexpr = gl.reshape(gl.permute(gl.reshape(like, [BN, 4, 4]), (0, 2, 1)), [BN, KC]).type.layout
-        v = gl.reshape(gl.permute(gl.reshape(view.load(phys), [BN, 4, 4]), (0, 2, 1)), [BN, KC])
+        if PACKED:
+            v = gl.reshape(gl.permute(gl.reshape(_load_pattern4(view, phys), [BN, 4, 4]), (0, 2, 1)), [BN, KC])
+        else:
+            v = gl.reshape(gl.permute(gl.reshape(view.load(phys), [BN, 4, 4]), (0, 2, 1)), [BN, KC])
     return gl.convert_layout(v, layout, assert_trivial=True)
 
 
@@ -193,18 +292,13 @@ def _block_partial(w_tile, x_tile, j: gl.constexpr, zero, CONVERT: gl.constexpr,
     block's MMAs chained through the FP64 accumulator from `zero` (exact: module doc)."""
     la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=1)
     lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_layout, k_width=1)
-    if CONVERT == "int+cvt":
-        FORM: gl.constexpr = "int" if j % 2 == 0 else "cvt"
-    elif CONVERT == "raw+cvt":
-        FORM: gl.constexpr = "raw" if j % 2 == 0 else "cvt"
-    else:
-        FORM: gl.constexpr = CONVERT
+    FORM: gl.constexpr = _form(CONVERT, j)
     d = zero
     for h in gl.static_range(32 // KC):
-        a = _operand_a(w_tile.slice(32 * j + KC * h, KC, dim=1), la, KC)                         # [BN, KC]
+        a = _operand_a(w_tile.slice(32 * j + KC * h, KC, dim=1), la, KC, _is_packed(FORM))      # [BN, KC]
         b = _operand_b(x_tile.slice(32 * j + KC * h, KC, dim=1).permute((1, 0)), lb, KC)         # [KC, BT]
         d = mma_v2(_e4m3_f64(a, FORM, 0), _e4m3_f64(b, FORM, 1), d)
-    if FORM == "raw":
+    if _is_raw(FORM):
         # RN(sum * 2^-16) = RN(sum) * 2^-16: a nonzero block sum is at least 2^-18 in magnitude, so
         # the scaled one stays a normal FP32 (>= 2^-34) and below 2^7; times 2^16 is exact.
         return d.to(gl.float32) * 65536.0
@@ -213,7 +307,8 @@ def _block_partial(w_tile, x_tile, j: gl.constexpr, zero, CONVERT: gl.constexpr,
 
 
 @gluon.jit
-def _operands_k(w_tile, x_tile, la: gl.constexpr, lb: gl.constexpr, KC: gl.constexpr):
+def _operands_k(w_tile, x_tile, la: gl.constexpr, lb: gl.constexpr, KC: gl.constexpr,
+                PACKED: gl.constexpr = False):
     """The slot's four K blocks as batched MMA operands for `GluonExactConfig.warps_k` > 1: the
     weight [4, BN, KC] and x [4, KC, BT] (batch j: K block j, columns 32j..32j+31 of the slot's
     tiles in shared memory), in the operand layouts la / lb, each block's k in `_operand_a`'s fixed
@@ -230,7 +325,11 @@ def _operands_k(w_tile, x_tile, la: gl.constexpr, lb: gl.constexpr, KC: gl.const
         like_a = gl.zeros([4, BN, 32], gl.int8, la)
         phys_a: gl.constexpr = gl.reshape(gl.permute(gl.reshape(like_a, [4, BN, 2, 4, 4]), (1, 0, 4, 2, 3)),
                                           [BN, 128]).type.layout
-        a = gl.reshape(gl.permute(gl.reshape(w_tile.load(phys_a), [BN, 4, 4, 2, 4]), (1, 0, 3, 4, 2)), [4, BN, 32])
+        if PACKED:
+            a = gl.reshape(gl.permute(gl.reshape(_load_pattern4(w_tile, phys_a), [BN, 4, 4, 2, 4]), (1, 0, 3, 4, 2)),
+                           [4, BN, 32])
+        else:
+            a = gl.reshape(gl.permute(gl.reshape(w_tile.load(phys_a), [BN, 4, 4, 2, 4]), (1, 0, 3, 4, 2)), [4, BN, 32])
         like_b = gl.zeros([4, 32, BT], gl.int8, lb)
         phys_b: gl.constexpr = gl.reshape(gl.permute(gl.reshape(like_b, [4, 2, 4, 4, BT]), (0, 3, 1, 2, 4)),
                                           [128, BT]).type.layout
@@ -242,7 +341,11 @@ def _operands_k(w_tile, x_tile, la: gl.constexpr, lb: gl.constexpr, KC: gl.const
         like_a = gl.join(gl.zeros([4, BN, 16], gl.int8, la), gl.zeros([4, BN, 16], gl.int8, la))   # [4, BN, 16, 2]
         phys_a: gl.constexpr = gl.reshape(gl.permute(gl.reshape(like_a, [4, BN, 4, 4, 2]), (1, 0, 4, 3, 2)),
                                           [BN, 128]).type.layout
-        a = gl.reshape(gl.permute(gl.reshape(w_tile.load(phys_a), [BN, 4, 2, 4, 4]), (1, 0, 4, 3, 2)), [4, BN, 16, 2])
+        if PACKED:
+            a = gl.reshape(gl.permute(gl.reshape(_load_pattern4(w_tile, phys_a), [BN, 4, 2, 4, 4]), (1, 0, 4, 3, 2)),
+                           [4, BN, 16, 2])
+        else:
+            a = gl.reshape(gl.permute(gl.reshape(w_tile.load(phys_a), [BN, 4, 2, 4, 4]), (1, 0, 4, 3, 2)), [4, BN, 16, 2])
         a0, a1 = gl.split(gl.convert_layout(a, like_a.type.layout, assert_trivial=True))
         like_b = gl.join(gl.zeros([4, 16, BT], gl.int8, lb), gl.zeros([4, 16, BT], gl.int8, lb))   # [4, 16, BT, 2]
         phys_b: gl.constexpr = gl.reshape(gl.permute(gl.reshape(like_b, [4, 4, 4, BT, 2]), (0, 4, 2, 1, 3)),
@@ -262,15 +365,15 @@ def _slot_partials(w_tile, x_tile, zero, CONVERT: gl.constexpr, KC: gl.constexpr
     la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=1)
     lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_layout, k_width=1)
     if KC == 32:
-        a, b = _operands_k(w_tile, x_tile, la, lb, KC)
+        a, b = _operands_k(w_tile, x_tile, la, lb, KC, _is_packed(CONVERT))
         d = mma_v2(_e4m3_f64(a, CONVERT, 0), _e4m3_f64(b, CONVERT, 1), zero)
     else:
-        a0, b0, a1, b1 = _operands_k(w_tile, x_tile, la, lb, KC)
-        FORM0: gl.constexpr = "int" if CONVERT == "int+cvt" else CONVERT
-        FORM1: gl.constexpr = "cvt" if CONVERT == "int+cvt" else CONVERT
+        a0, b0, a1, b1 = _operands_k(w_tile, x_tile, la, lb, KC, _is_packed(CONVERT))
+        FORM0: gl.constexpr = _form(CONVERT, 0)
+        FORM1: gl.constexpr = _form(CONVERT, 1)
         d = mma_v2(_e4m3_f64(a0, FORM0, 0), _e4m3_f64(b0, FORM0, 1), zero)
         d = mma_v2(_e4m3_f64(a1, FORM1, 0), _e4m3_f64(b1, FORM1, 1), d)
-    if CONVERT == "raw":
+    if _is_raw(CONVERT):
         return d.to(gl.float32) * 65536.0          # as `_block_partial`'s "raw"
     else:
         return d.to(gl.float32)
@@ -492,7 +595,8 @@ class GluonExactConfig:
     convert: how the consumer makes FP64 operands of the weight's E4M3 codes: "cvt" (through FP32),
         "int" (integer operations and one FP64 multiply), "raw" (the integer pattern alone, x
         scaled by 2^1000; relies on the FP64 MMA's subnormal operands), or "int+cvt" / "raw+cvt"
-        (even K blocks the first, odd blocks "cvt"): `_e4m3_f64`, `_block_partial`.
+        (even K blocks the first, odd blocks "cvt"): `_e4m3_f64`, `_block_partial`; "intp", "rawp",
+        "intp+cvt", "rawp+cvt": the same with the pattern built four codes at a time (module doc).
     block_n: weight rows per program (the MMA's M side, the weight's TMA box [block_n, 128]): 64 or
         128 with warps_k=1 (at 8 x rows all 4 warps split the weight rows, 16 or 32 each); with
         warps_k > 1, 16, 32 or 64 (warps_k=4) or 32, 64 or 128 (warps_k=2): 16 to 64 rows a warp.
@@ -515,8 +619,9 @@ class GluonExactConfig:
         one warp, the slot's terms through shared memory and added in K order after a barrier,
         `_consumer_k`; 4 x block_n x block_m FP32 of shared memory more). More, smaller
         programs for the shapes with few weight tiles (block_n 16: N / 16 programs) without the
-        split's global workspace. The conversion "raw+cvt" (per K block) is not offered with
-        warps_k > 1, "int+cvt" alternates per 16-deep half of each block (mma_k=16).
+        split's global workspace. The conversions "raw+cvt" / "rawp+cvt" (per K block) and
+        "intp+cvt" are not offered with warps_k > 1, "int+cvt" alternates per 16-deep half of each
+        block (mma_k=16).
     split: K splits (programs per weight tile) for calls of at most min(split_rows, block_m) rows,
         their block terms through a plan-owned workspace of N / block_n * K / 32 * block_n *
         min(split_rows, block_m) FP32, the tile's last program adding them in K order (the plan may
@@ -579,9 +684,12 @@ class GluonExactConfig:
             if self.warps_n != 1:
                 raise ValueError(f"GluonExactConfig.warps_n must be 1 with warps_k={self.warps_k} (the warps "
                                  f"split the K blocks and the weight rows), got {self.warps_n!r}")
-            if self.convert == "raw+cvt":
-                raise ValueError(f"GluonExactConfig.convert 'raw+cvt' is not offered with warps_k={self.warps_k} "
+            if self.convert in ("raw+cvt", "rawp+cvt"):
+                raise ValueError(f"GluonExactConfig.convert {self.convert!r} is not offered with warps_k={self.warps_k} "
                                  f"(a warp's blocks share one MMA call): use 'raw', 'int', 'cvt' or 'int+cvt'")
+            if self.convert == "intp+cvt":
+                raise ValueError(f"GluonExactConfig.convert 'intp+cvt' is not offered with warps_k={self.warps_k} (its "
+                                 f"packed halves are not whole loaded words): use 'int+cvt', 'intp' or 'rawp'")
             if self.convert == "int+cvt" and self.mma_k != 16:
                 raise ValueError(f"GluonExactConfig.convert 'int+cvt' with warps_k={self.warps_k} alternates per "
                                  f"16-deep half of each K block: mma_k must be 16, got {self.mma_k!r}")

@@ -77,6 +77,10 @@ COMPILE_CASES = [
     (C(convert="raw", warps_k=4, block_n=16, block_m=8, maxnreg=80), 8, 1, False),
     (C(convert="int+cvt", warps_k=4, block_n=32, block_m=16, mma_k=16), 16, 1, True),
     (C(convert="int", warps_k=2, block_n=64, block_m=16), 16, 2, False),
+    # the weight's pattern four codes at a time (byte permutes on the loaded words): 128 x 8 "rawp",
+    # 16 x 8 along K "intp" with 16-deep steps (ldmatrix words)
+    (C(convert="rawp", block_n=128, block_m=8, maxnreg=80), 8, 1, False),
+    (C(convert="intp", warps_k=4, block_n=16, block_m=8, mma_k=16, maxnreg=80), 8, 1, False),
 ]
 
 
@@ -136,7 +140,17 @@ def test_compiles_for_sm90_without_spills(config, bt, split, out_f32):
     wk = config.warps_k
     x_codes, w_codes = bt // wn * 128 // wk // 32, config.block_n * wn * wk // 4 * 128 // wk // 32
     assert ops.get("DMUL", 0) == {"cvt": 0, "int": w_codes, "raw": x_codes, "int+cvt": w_codes // 2,
-                                  "raw+cvt": x_codes // 2}[config.convert], ops
+                                  "raw+cvt": x_codes // 2, "intp": w_codes, "rawp": x_codes,
+                                  "intp+cvt": w_codes // 2, "rawp+cvt": x_codes // 2}[config.convert], ops
+    # The packed forms: one byte permute a weight code (`_PATTERN4_ASM`'s four selectors), on the
+    # words as loaded (no permutes regrouping bytes of two loads: PRMT only with those selectors
+    # or on scale bytes, with RZ).
+    packed = {"intp": w_codes, "rawp": w_codes, "intp+cvt": w_codes // 2, "rawp+cvt": w_codes // 2}.get(config.convert, 0)
+    prmt = [t for t in loop if t.startswith("PRMT")]
+    selectors = [t for t in prmt if re.search(r", 0x(544|1644|2744|3455), ", t)]
+    assert len(selectors) == packed, (len(selectors), packed)
+    if packed:
+        assert all(t in selectors or t.endswith("RZ") for t in prmt), [t for t in prmt if t not in selectors]
     assert "cvt.rn.f32.f64" in ptx and "mul.rn.f32" in ptx
     assert ops.get("FFMA", 0) == 0, ops
     assert re.search(r"\.ftz\.f32\b", ptx) is None
@@ -190,6 +204,10 @@ def test_bad_plan_arguments_name_the_argument():
     raises("warps_k must be 1, 2 or 4", lambda: C(warps_k=3))
     raises("warps_n must be 1 with warps_k=4", lambda: C(warps_k=4, warps_n=2))
     raises("'raw\\+cvt' is not offered with warps_k=2", lambda: C(warps_k=2, convert="raw+cvt"))
+    raises("'rawp\\+cvt' is not offered with warps_k=4", lambda: C(warps_k=4, block_n=16, convert="rawp+cvt"))
+    raises("'intp\\+cvt' is not offered with warps_k=2", lambda: C(warps_k=2, mma_k=16, convert="intp+cvt"))
+    assert E.GluonExactConfig.from_spec("rawp:128:8:1:32:4:1:80") == C(convert="rawp", block_n=128, block_m=8,
+                                                                       maxnreg=80)
     raises("mma_k must be 16, got 32", lambda: C(warps_k=4, block_n=32, convert="int+cvt"))
     raises(r"stages=8 x \(block_n=128 \+ block_m=64\).*exceed", lambda: C(warps_k=2, block_n=128, block_m=64, stages=8))
     raises("block_m must be one of", lambda: C(block_m=24))
@@ -235,6 +253,15 @@ def _subnormal_operands(gen, m: int, n: int, k: int):
     (3, 96, 640, C(convert="int+cvt", warps_k=4, block_n=16, mma_k=16, split=2), "subnormal"),
     (16, 64, 256, C(convert="cvt", warps_k=2, block_n=64, block_m=16), "uniform"),
     (64, 48, 384, C(convert="raw", warps_k=4, block_n=16, block_m=64, maxnreg=None), "quantized"),
+    # the pattern four codes at a time: subnormal codes (FP64 subnormals into the MMA), both MMA
+    # depths, the K split, a block in each form, the warps along K
+    (9, 96, 512, C(convert="rawp"), "subnormal"),
+    (2, 130, 384, C(convert="intp", block_n=128, block_m=16, split=2, mma_k=16), "subnormal"),
+    (7, 64, 384, C(convert="rawp+cvt", block_n=128, block_m=8), "heavy"),
+    (6, 96, 512, C(convert="intp+cvt"), "subnormal"),
+    (5, 130, 512, C(convert="rawp", warps_k=4, block_n=16, block_m=8, maxnreg=80), "subnormal"),
+    (3, 96, 640, C(convert="intp", warps_k=4, block_n=16, mma_k=16, split=2), "subnormal"),
+    (20, 96, 384, C(convert="intp", warps_k=2, block_n=32, block_m=16, mma_k=16), "heavy"),
 ])
 def test_bitwise_equal_to_the_reference_on_gpu(m, n, k, config, kind):
     if kind == "quantized":   # MXFP8 activations and a block-quantized weight, as the model has them
@@ -294,11 +321,20 @@ WARPS_K_CONFIGS = (
      16: C(convert="raw", warps_k=4, block_n=64, block_m=16, mma_k=16),
      64: C(convert="cvt", warps_k=4, block_n=16, block_m=64, mma_k=16)},
 )
+# The pattern four codes at a time at the TP1 shapes, per row count: 128 x 8 "rawp" (wq_b's
+# layout), "intp+cvt" per block, the warps along K on 16-row tiles ("rawp"; "intp" with 16-deep
+# steps), the K split, 64 x rows.
+PACKED_CONFIGS = (
+    {8: C(convert="rawp", block_n=128, block_m=8, maxnreg=80),
+     16: C(convert="intp+cvt", block_n=128, block_m=16),
+     64: C(convert="intp", block_m=32)},
+    {8: C(convert="rawp", warps_k=4, block_n=16, block_m=8, maxnreg=80, split=2),
+     16: C(convert="intp", warps_k=4, block_n=16, block_m=16, mma_k=16, maxnreg=80),
+     64: C(convert="rawp", warps_k=4, block_n=16, block_m=64)},
+)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("name,n,k", TP1_SHAPES, ids=["fused_wqa_wkv", "wq_b", "idx_wq_b", "wo_b"])
-def test_warps_k_flash_shapes_match_the_reference_on_gpu(name, n, k):
+def _flash_shape_matches_the_reference(name, n, k, configs):
     # Bitwise `reference.linear.mxfp8_mm` at 1, 5, 8, 16, 33 and 64 rows, on model-like operands and
     # on heavy-tailed codes (448 down to the subnormals, both operands; scales of 2^-7..2^6), BF16
     # and FP32 out. The reference's rows do not depend on each other: one call of 64 rows serves.
@@ -308,13 +344,25 @@ def test_warps_k_flash_shapes_match_the_reference_on_gpu(name, n, k):
              heavy_e4m3((n, k), gen), w_scale)
     for kind, (c, sx, w, sw) in (("quantized", (codes, x_scale, weight, w_scale)), ("heavy", heavy)):
         ref = {dtype: mxfp8_mm(c, sx, w, sw, dtype) for dtype in (torch.bfloat16, torch.float32)}
-        for cfg in WARPS_K_CONFIGS:
+        for cfg in configs:
             plan = E.GluonExactMM(w, sw, config=cfg)
             for m in (1, 5, 8, 16, 33, 64):
                 for dtype in (torch.bfloat16, torch.float32):
                     y = plan(c[:m], sx[:m], _poisoned(m, n, dtype))
                     assert torch.equal(_bits(y), _bits(ref[dtype][:m])), (name, kind, cfg, m, dtype)
             assert int(plan._counters.abs().sum()) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,n,k", TP1_SHAPES, ids=["fused_wqa_wkv", "wq_b", "idx_wq_b", "wo_b"])
+def test_warps_k_flash_shapes_match_the_reference_on_gpu(name, n, k):
+    _flash_shape_matches_the_reference(name, n, k, WARPS_K_CONFIGS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,n,k", TP1_SHAPES, ids=["fused_wqa_wkv", "wq_b", "idx_wq_b", "wo_b"])
+def test_packed_flash_shapes_match_the_reference_on_gpu(name, n, k):
+    _flash_shape_matches_the_reference(name, n, k, PACKED_CONFIGS)
 
 
 @pytest.mark.gpu
