@@ -109,34 +109,44 @@ def _f64(hi):
 
 
 @gluon.constexpr_function
-def _acc_layout(BN, WK, RW, R):
-    """[BN, WK, R]: per thread RW consecutive weight rows x one K block x the R x rows; the 4 / WK
-    warps along the weight rows, the WK warps along the slot's K blocks (warp w block w of each
-    group of WK blocks)."""
-    return gl.BlockedLayout(size_per_thread=[RW, 1, R], threads_per_warp=[32, 1, 1],
+def _acc_layout(WK, R):
+    """[BN, WK, R]: per thread BN / (32 x 4 / WK) weight rows, 32 x 4 / WK apart (lane l of warp w
+    along N: rows l + 32 w + 128 / WK r), x one K block x the R x rows; the 4 / WK warps along
+    the weight rows, the WK warps along the slot's K blocks (warp w block w of each group of WK
+    blocks)."""
+    return gl.BlockedLayout(size_per_thread=[1, 1, R], threads_per_warp=[32, 1, 1],
                             warps_per_cta=[4 // WK, WK, 1], order=[2, 1, 0])
 
 
 @gluon.constexpr_function
-def _codes_layout(WK, RW):
-    """[BN, 32 WK]: a group of WK blocks of the slot's weight tile, per thread its RW rows' 32
-    codes of its warp's block."""
-    return gl.BlockedLayout(size_per_thread=[RW, 32], threads_per_warp=[32, 1], warps_per_cta=[4 // WK, WK],
+def _codes_layout(WK):
+    """[BN, 32 WK]: a group of WK blocks of the slot's weight tile, per thread its rows' 32 codes
+    of its warp's block (the rows of `_acc_layout`)."""
+    return gl.BlockedLayout(size_per_thread=[1, 32], threads_per_warp=[32, 1], warps_per_cta=[4 // WK, WK],
                             order=[1, 0])
 
 
 @gluon.jit
-def _group_sums(w_tile, xf, g: gl.constexpr, BN: gl.constexpr, WK: gl.constexpr, RW: gl.constexpr,
-                R: gl.constexpr):
+def _group_sums(w_tile, xf, g: gl.constexpr, BN: gl.constexpr, WK: gl.constexpr, R: gl.constexpr):
     """The exact block sums times 2^-16 [BN, WK, R] (FP64) of the slot's block group g (blocks
     WK g .. WK g + WK - 1, block WK g + w by warp w along K): the weight codes from the tile in
     shared memory (`w_tile` [BN, 128]), x's values times 2^1000 from `xf` ([32, 4, R] FP64 in
     shared memory), per k one DFMA per (weight row, x row) from 0."""
-    L: gl.constexpr = _acc_layout(BN, WK, RW, R)
-    codes = w_tile.slice(32 * WK * g, 32 * WK, dim=1).load(_codes_layout(WK, RW))       # [BN, 32 WK]
+    L: gl.constexpr = _acc_layout(WK, R)
+    # the 32 lanes' 16-byte loads (rows 32 apart in a thread, consecutive across the lanes) hit
+    # distinct bank groups of the 128-byte swizzle (the count for the whole tile: the slice's is
+    # not implemented; each load instruction reads the same rows and 16-byte columns)
+    gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.float8e4nv, [BN, 128], _codes_layout(WK)),
+                                       w_tile.type) == 0)
+    codes = w_tile.slice(32 * WK * g, 32 * WK, dim=1).load(_codes_layout(WK))              # [BN, 32 WK]
     # [BN, WK, 8 words, 4 bytes] -> [BN, WK, 4, 2, 2, 2]: word q = 4 q2 + 2 q1 + q0 split off q0, q1, q2
     w = gl.reshape(gl.permute(gl.reshape(codes, [BN, WK, 8, 4]), (0, 1, 3, 2)), [BN, WK, 4, 2, 2, 2])
-    acc = gl.zeros([BN, WK, R], gl.float64, L)
+    # With one weight row a thread and one x row, two DFMA chains, the even and the odd words (q0),
+    # for two independent FMAs in flight (their sum is exact: both are exact partial sums of the
+    # block); else one chain per (weight row, x row), RW x R of them
+    TWO: gl.constexpr = BN * WK // 128 * R == 1
+    acc0 = gl.zeros([BN, WK, R], gl.float64, L)
+    acc1 = gl.zeros([BN, WK, R], gl.float64, L)
     ws0, ws1 = gl.split(w)
     for q0 in gl.static_range(2):
         ws00, ws01 = gl.split((ws0, ws1)[q0])
@@ -153,8 +163,14 @@ def _group_sums(w_tile, xf, g: gl.constexpr, BN: gl.constexpr, WK: gl.constexpr,
                         xk = xf.slice(4 * (16 * q2 + 8 * q1 + 4 * q0 + 2 * t1 + t0) + WK * g, WK,
                                       dim=0).load(gl.SliceLayout(0, L))                          # [WK, R]
                         a, b = gl.broadcast(gl.expand_dims(_f64(wk), 2), gl.expand_dims(xk, 0))
-                        acc = gl.fma(a, b, acc)
-    return acc
+                        if TWO and q0 == 1:
+                            acc1 = gl.fma(a, b, acc1)
+                        else:
+                            acc0 = gl.fma(a, b, acc0)
+    if TWO:
+        return acc0 + acc1
+    else:
+        return acc0
 
 
 @gluon.constexpr_function
@@ -181,14 +197,14 @@ def _add_terms(acc, terms, BN: gl.constexpr, R: gl.constexpr):
 
 @gluon.jit
 def _consumer(w_smem, x_smem, ready, empty, xf, terms, sw_words, sx_words, n_steps,
-              BN: gl.constexpr, WK: gl.constexpr, RW: gl.constexpr, R: gl.constexpr, STAGES: gl.constexpr):
+              BN: gl.constexpr, WK: gl.constexpr, R: gl.constexpr, STAGES: gl.constexpr):
     """The consumer warps, per ring slot i: x's codes converted to FP64 value * 2^1000 into xf[i % 2]
     ([32 k, 4 blocks, R] in shared memory); one barrier; slot i - 1 handed back to the producer and
     its terms (terms[(i - 1) % 2]) added in K order; slot i's block sums (`_group_sums`), rounded
     once to FP32, times 2^16 (exact), scaled by sx then sw (`mul.rn`) and stored to terms[i % 2]
     ([4 blocks, BN, R]). The last slot's terms after a final barrier. Returns (acc, ): [BN, R] FP32
     in `_terms_layout`'s slice."""
-    L: gl.constexpr = _acc_layout(BN, WK, RW, R)
+    L: gl.constexpr = _acc_layout(WK, R)
     acc = gl.zeros([BN, R], gl.float32, gl.SliceLayout(0, _terms_layout(BN, R)))
     # x's codes: each of the 128 threads converts R of a slot's R x 128
     xl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[1, 32], warps_per_cta=[1, 4],
@@ -214,7 +230,7 @@ def _consumer(w_smem, x_smem, ready, empty, xf, terms, sw_words, sx_words, n_ste
             mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1)
             acc = _add_terms(acc, terms.index(1 - b), BN, R)
         for g in gl.static_range(4 // WK):
-            part = _group_sums(w_smem.index(s), xf.index(b), g, BN, WK, RW, R)               # [BN, WK, R] FP64
+            part = _group_sums(w_smem.index(s), xf.index(b), g, BN, WK, R)               # [BN, WK, R] FP64
             j = WK * g + jw
             # RN(sum * 2^-16) * 2^16 = RN(sum): a nonzero block sum is at least 2^-18 in magnitude,
             # so the scaled one stays a normal FP32 (>= 2^-34) and below 2^7 (module doc).
@@ -231,7 +247,7 @@ def _consumer(w_smem, x_smem, ready, empty, xf, terms, sw_words, sx_words, n_ste
 def _gluon_exact_fma_kernel(
     w_desc, x_desc, sx_ptr, sw_ptr, y_ptr,
     M, N, stride_sxm, stride_swn, stride_ym, n_steps,
-    RW: gl.constexpr, WK: gl.constexpr, STAGES: gl.constexpr, OUT_F32: gl.constexpr,
+    WK: gl.constexpr, STAGES: gl.constexpr, OUT_F32: gl.constexpr,
 ):
     # Grid (N / BN,): program t covers weight rows [t BN, +BN) and all M rows of x, every K step;
     # sx_ptr and sw_ptr point at the scales as int32 words (four UE8M0 bytes a 128-deep step),
@@ -239,7 +255,7 @@ def _gluon_exact_fma_kernel(
     # past M (the row bucket's padding, TMA's zeros) the last valid x row's; both masked at the store.
     BN: gl.constexpr = w_desc.block_type.shape[0]
     R: gl.constexpr = x_desc.block_type.shape[0]
-    L: gl.constexpr = _acc_layout(BN, WK, RW, R)
+    L: gl.constexpr = _acc_layout(WK, R)
     w_smem, x_smem, ready, empty = _ring(w_desc, x_desc, STAGES)
     xf = gl.allocate_shared_memory(gl.float64, [2, 128, R], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     terms = gl.allocate_shared_memory(gl.float32, [2, 4 * BN, R], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
@@ -249,7 +265,7 @@ def _gluon_exact_fma_kernel(
     sw_words = sw_ptr + (gl.minimum(rn, N - 1) // 32) * stride_swn
     sx_words = sx_ptr + gl.minimum(rm, M - 1) * stride_sxm
     acc, = gl.warp_specialize([
-        (_consumer, (w_smem, x_smem, ready, empty, xf, terms, sw_words, sx_words, n_steps, BN, WK, RW, R, STAGES)),
+        (_consumer, (w_smem, x_smem, ready, empty, xf, terms, sw_words, sx_words, n_steps, BN, WK, R, STAGES)),
         (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, 0, 0, 0, n_steps, 0, n_steps,
                      STAGES, False)),
     ], [1], [24])
@@ -346,7 +362,7 @@ def launch_options(config: GluonExactFMAConfig) -> dict:
     sm_90 compile test share them): the consumer's 4 warps and the producer's warp, padded to 8
     warps; enable_reflect_ftz=False keeps the FP32 subnormals of the scaling's `mul.rn` (libdevice;
     Triton's default flushes them)."""
-    opts = {"RW": config.rows_per_thread, "WK": config.warps_k, "STAGES": config.stages,
+    opts = {"WK": config.warps_k, "STAGES": config.stages,
             "num_warps": CONSUMER_WARPS, "enable_reflect_ftz": False}
     if config.maxnreg is not None:
         opts["maxnreg"] = config.maxnreg
