@@ -1,0 +1,188 @@
+"""Probe `gluon_exact_fma` on a GPU (sm_90): `GluonExactFMA` (the contract-exact linear on the FP64
+CUDA cores in Gluon, 1-4 rows) in candidate configurations against `ExactMM` (CUDA cores, FP32),
+`GluonExactMM` in `ExactLinear`'s plan (`ExactLinear(mma_above=0)`: the FP64 MMA in its measured
+configurations at every row count), `ExactLinear` as it is (the step's exact linear) and the
+step's tensor-core FP8 plan `GluonMM` (not exact), at the four V4.1-Flash shapes of the step's
+GEMMs (TP1), rows 1, 2, 3, 4: us per call from CUDA-graph replay over weight copies rotated beyond
+L2 (`probe_gluon_exact_mm._time`, as `bench gemm`; median of the replays), % of the streaming read
+measured in the same run, and per line the bits against ExactMM's (must be `=`, 0 differing
+outputs, on model-like operands). Then, per shape, heavy-tailed codes (448 down to the
+subnormals) against `reference.linear.mxfp8_mm` per configuration; the best configuration per
+(shape, rows) against the others, and per shape the per-row table a plan would take
+(`GluonExactFMA(config={rows: config})`); each compiled kernel's registers and spills.
+
+    PYTHONPATH=. python scripts/probe_gluon_exact_fma.py
+    PYTHONPATH=. python scripts/probe_gluon_exact_fma.py --rows=1,4 --only=wo_b --alt=1:4:8:80,2:4:6
+
+--alt: configurations rows_per_thread:warps_k:stages[:maxnreg] (`GluonExactFMAConfig.from_spec`;
+maxnreg 0: None, default 128). `--budget=` s (default 480) stops the timing; the summary still
+prints. `PROBE_DRY=1` runs the script on the CPU at small shapes with the reference in place of
+every kernel (checks the script only, no timing worth reading).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from dsv41_decode.formats import fp8_block_quantize, mxfp8_quantize
+from dsv41_decode.ops import gluon_exact_fma as F
+from dsv41_decode.ops.gluon_exact_fma import GluonExactFMAConfig
+from dsv41_decode.reference.linear import mxfp8_mm
+from dsv41_decode.testing.synthetic import heavy_e4m3
+
+from _args import arg   # scripts/ is on sys.path when run as python scripts/<probe>.py
+from probe_gluon_exact_mm import SHAPES, _DryPlan, _time
+
+DRY = os.environ.get("PROBE_DRY") == "1"
+DEV = "cpu" if DRY else "cuda"
+ROWS = (1, 2, 3, 4)
+# rows_per_thread:warps_k:stages[:maxnreg]. block_n = 32 x rows_per_thread x 4 / warps_k weight
+# rows a program: wq_b (32768 rows) 256 programs of 128, the indexer's wq_b (4096) 128 of 32 or 64
+# of 64, fused wq_a|wkv (1792) 56 of 32, wo_b (5120) 160 of 32. sm_90 compiles (the consumer's
+# loop, one 128-deep slot, instructions per weight code a thread): 4:4 4.9 / 6.2 / 9.4 at 1 / 2 /
+# 4 x rows, 2:4 5.4 / 7.0 / 10.3, 1:4 7.2 / 8.9 / 13.3, 4:2 4.7 / 6.0 / 9.0, 2:2 5.0 / 6.6 / 9.6;
+# no spills at a cap of 128 or 80 (3 CTAs per SM).
+CANDIDATES = ["4:4:4", "4:4:6:80", "2:4:4", "2:4:8:80", "1:4:4", "1:4:8:80", "1:4:8:64", "2:2:4", "4:2:3",
+              "1:2:6:80", "1:1:3"]
+
+
+def config_of(spec: str) -> GluonExactFMAConfig:
+    return GluonExactFMAConfig.from_spec(spec)
+
+
+if DRY:
+    GluonExactFMA = ExactMM = ExactLinear = GluonMM = _DryPlan
+else:
+    from dsv41_decode.ops.exact_linear import ExactLinear
+    from dsv41_decode.ops.exact_mm import ExactMM
+    from dsv41_decode.ops.gluon_exact_fma import GluonExactFMA
+    from dsv41_decode.ops.gluon_mm import GluonMM
+
+
+def _kernels() -> dict:
+    """The GluonExactFMA kernels compiled in this process so far: key -> CompiledKernel."""
+    caches = getattr(F._gluon_exact_fma_kernel, "device_caches", {})
+    return dict(caches[torch.cuda.current_device()][0]) if caches else {}
+
+
+def main() -> None:
+    t0 = time.time()
+    rows = [int(r) for r in arg("rows", ",".join(map(str, ROWS))).split(",")]
+    names = arg("only", ",".join(SHAPES)).split(",")
+    specs = [s for s in arg("alt", ",".join(CANDIDATES)).split(",") if s]
+    replays = int(arg("replays", "20"))
+    budget = float(arg("budget", "480"))
+    for s in specs:
+        config_of(s)                        # a bad spec fails here, before anything runs
+    if DRY:
+        floor = 4400.0
+    else:
+        from dsv41_decode.bench.floor import read_bandwidth_gbps
+        from dsv41_decode.bench.timing import l2_rotation
+        floor = read_bandwidth_gbps()
+    print(f"streaming read: {floor:.0f} GB/s on {'the CPU (dry run)' if DRY else torch.cuda.get_device_name()} "
+          f"({time.time() - t0:.0f} s in)", flush=True)
+    g = torch.Generator(device=DEV).manual_seed(0)
+    results: dict[tuple[str, int], dict[str, float]] = {}       # (shape, rows) -> {spec: us}
+    base: dict[tuple[str, int], dict[str, float]] = {}          # (shape, rows) -> {op: us}
+    seen: set = set()
+    out_of_time = False
+    for name in names:
+        shape = SHAPES[name]
+        n, k = shape.n, shape.k
+        copies = 2 if DRY else l2_rotation(shape.weight_bytes())
+        ws = [fp8_block_quantize(torch.randn(n, k, generator=g, device=DEV) * k ** -0.5) for _ in range(copies)]
+        others = {"exact_mm": [ExactMM(w, s, 64) for w, s in ws],
+                  "gluon_exact_mm": [ExactLinear(w, s, 64, mma_above=0) for w, s in ws] if not DRY
+                  else [_DryPlan(w, s) for w, s in ws],
+                  "exact_linear": [ExactLinear(w, s, 64) for w, s in ws],
+                  "gluon(TC)": [GluonMM(w, s, 64) for w, s in ws]}
+        print(f"{name}: N={n} K={k}, {copies} weight copies", flush=True)
+        for m in rows:
+            if time.time() - t0 > budget:
+                out_of_time = True
+                break
+            codes, x_scale = mxfp8_quantize(torch.randn(m, k, generator=g, device=DEV).to(torch.bfloat16))
+            out = torch.empty(m, n, dtype=torch.bfloat16, device=DEV)
+            ref = others["exact_mm"][0](codes, x_scale).view(torch.int16).clone()
+            pct = lambda us: 100 * (shape.weight_bytes() + shape.io_bytes(m)) / (us * 1e3) / floor  # noqa: E731
+
+            def timed(plans):
+                return _time(lambda: [p(codes, x_scale, out) for p in plans], copies, replays)
+
+            def differ(plan) -> str:
+                bad = int((plan(codes, x_scale).view(torch.int16) != ref).sum())
+                return "=" if bad == 0 else f"{bad} DIFFER"
+
+            base[(name, m)] = {op: timed(plans) for op, plans in others.items()}
+            line = "  ".join(f"{op} {us:7.2f} ({pct(us):4.1f} %)" for op, us in base[(name, m)].items())
+            print(f"{name:14s} M={m}  {line}  gluon_exact_mm bits {differ(others['gluon_exact_mm'][0])}", flush=True)
+            res = results.setdefault((name, m), {})
+            for spec in specs:
+                try:
+                    plans = [GluonExactFMA(w, s, 4, config=config_of(spec)) for w, s in ws]
+                    bits = differ(plans[0])
+                    us = timed(plans)
+                    del plans
+                except Exception as e:  # noqa: BLE001 - report, keep probing
+                    print(f"{name} M={m} {spec}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    continue
+                if bits == "=":
+                    res[spec] = us
+                b = base[(name, m)]
+                print(f"{name:14s} M={m}  {spec:10s} {us:7.2f} us ({pct(us):4.1f} %)  "
+                      f"x{b['exact_mm'] / us:4.2f} exact_mm  x{b['gluon_exact_mm'] / us:4.2f} gluon_exact_mm  "
+                      f"x{b['gluon(TC)'] / us:4.2f} gluon(TC)  bits {bits}", flush=True)
+            if not DRY:
+                for key, kernel in _kernels().items():
+                    if key not in seen:
+                        seen.add(key)
+                        print(f"  compiled: registers {kernel.n_regs}, spills {kernel.n_spills}, "
+                              f"shared {kernel.metadata.shared} B", flush=True)
+        # Heavy-tailed codes (448 down to the subnormals), where an inexact block sum shows.
+        hc, hw = heavy_e4m3((4, k), g), heavy_e4m3((n, k), g)
+        sx = torch.randint(120, 134, (4, k // 32), dtype=torch.uint8, device=DEV)
+        href = mxfp8_mm(hc, sx, hw, ws[0][1]).view(torch.int16)
+        for spec in specs:
+            try:
+                plan = GluonExactFMA(hw, ws[0][1], 4, config=config_of(spec))
+                bad = sum(int((plan(hc[:m], sx[:m]).view(torch.int16) != href[:m]).sum()) for m in (1, 2, 3, 4))
+                print(f"heavy {name} {spec}: {bad} outputs differ from the reference (rows 1-4)", flush=True)
+            except Exception as e:  # noqa: BLE001
+                print(f"heavy {name} {spec}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        del ws, others
+        if not DRY:
+            torch.cuda.empty_cache()
+        if out_of_time:
+            print(f"(out of time budget {budget:.0f} s: stopped timing at {name})", flush=True)
+            break
+    summarize(results, base, floor)
+    print(f"total {time.time() - t0:.0f} s", flush=True)
+
+
+def summarize(results, base, floor) -> None:
+    print("\nbest GluonExactFMA configuration per (shape, rows), bitwise ExactMM's:")
+    print(f"{'shape':14s} {'rows':>4s}  {'best':10s} {'us':>7s} {'% read':>6s} {'exact_mm':>8s} {'x exact':>7s} "
+          f"{'g_ex_mm':>7s} {'x g_ex':>6s} {'linear':>7s} {'gluon(TC)':>9s} {'/ TC':>6s}")
+    table: dict[str, dict[int, str]] = {}
+    for (name, m), res in results.items():
+        if not res:
+            continue
+        best = min(res, key=res.get)
+        b, shape = base[(name, m)], SHAPES[name]
+        pct = 100 * (shape.weight_bytes() + shape.io_bytes(m)) / (res[best] * 1e3) / floor
+        print(f"{name:14s} {m:4d}  {best:10s} {res[best]:7.2f} {pct:6.1f} {b['exact_mm']:8.2f} "
+              f"{b['exact_mm'] / res[best]:7.2f} {b['gluon_exact_mm']:7.2f} {b['gluon_exact_mm'] / res[best]:6.2f} "
+              f"{b['exact_linear']:7.2f} {b['gluon(TC)']:9.2f} {res[best] / b['gluon(TC)']:6.2f}", flush=True)
+        table.setdefault(name, {})[m] = best
+    print("\nper shape, the best configuration per row count (GluonExactFMA(config={rows: config}), the largest "
+          "key covering 4):")
+    for name, per in table.items():
+        print(f"  {name} {SHAPES[name].n}x{SHAPES[name].k}: " + ", ".join(f"{m}: {spec}" for m, spec in per.items()))
+
+
+if __name__ == "__main__":
+    main()
