@@ -110,6 +110,7 @@ from .gluon_mm import _words as _scale_words
 
 MAX_ROWS = 64
 BLOCK_K = 128                   # K per ring slot: four 32-wide blocks, one 32-bit scale word per row
+BLOCK_KS = (128, 256)           # GluonExactConfig.block_k: 256, two scale words a row per slot
 ROW_BUCKETS = (8, 16, 32, 64)   # BT: the MMA's N side
 CONSUMER_WARPS = 4
 CONVERTS = ("cvt", "int", "raw", "int+cvt", "raw+cvt", "intp", "rawp", "intp+cvt", "rawp+cvt")
@@ -309,9 +310,9 @@ def _block_partial(w_tile, x_tile, j: gl.constexpr, zero, CONVERT: gl.constexpr,
 @gluon.jit
 def _operands_k(w_tile, x_tile, la: gl.constexpr, lb: gl.constexpr, KC: gl.constexpr,
                 PACKED: gl.constexpr = False):
-    """The slot's four K blocks as batched MMA operands for `GluonExactConfig.warps_k` > 1: the
-    weight [4, BN, KC] and x [4, KC, BT] (batch j: K block j, columns 32j..32j+31 of the slot's
-    tiles in shared memory), in the operand layouts la / lb, each block's k in `_operand_a`'s fixed
+    """The slot's NB K blocks (4 or 8: `GluonExactConfig.block_k` / 32) as batched MMA operands for
+    `GluonExactConfig.warps_k` > 1: the weight [NB, BN, KC] and x [NB, KC, BT] (batch j: K block j,
+    columns 32j..32j+31 of the slot's tiles in shared memory), in the operand layouts la / lb, each block's k in `_operand_a`'s fixed
     permutation (the same for both operands). KC = 32: one pair (the block's 32 k); KC = 16: two
     pairs (a0, b0, a1, b1), half h the block's k 16h..16h+15 of the permuted order, loaded together
     and split in registers (a block's two halves chain through one FP64 accumulator: exact). Each
@@ -319,38 +320,40 @@ def _operands_k(w_tile, x_tile, la: gl.constexpr, lb: gl.constexpr, KC: gl.const
     without moving data (`assert_trivial`)."""
     BN: gl.constexpr = w_tile.shape[0]
     BT: gl.constexpr = x_tile.shape[0]
-    xt = x_tile.permute((1, 0))                                                    # [128, BT]
+    NB: gl.constexpr = w_tile.shape[1] // 32
+    xt = x_tile.permute((1, 0))                                                    # [32 NB, BT]
     if KC == 32:
         # operand k = 16 h + 4 r + t of block j at column 32 j + 8 t + 4 h + r
-        like_a = gl.zeros([4, BN, 32], gl.int8, la)
-        phys_a: gl.constexpr = gl.reshape(gl.permute(gl.reshape(like_a, [4, BN, 2, 4, 4]), (1, 0, 4, 2, 3)),
-                                          [BN, 128]).type.layout
+        like_a = gl.zeros([NB, BN, 32], gl.int8, la)
+        phys_a: gl.constexpr = gl.reshape(gl.permute(gl.reshape(like_a, [NB, BN, 2, 4, 4]), (1, 0, 4, 2, 3)),
+                                          [BN, 32 * NB]).type.layout
         if PACKED:
-            a = gl.reshape(gl.permute(gl.reshape(_load_pattern4(w_tile, phys_a), [BN, 4, 4, 2, 4]), (1, 0, 3, 4, 2)),
-                           [4, BN, 32])
+            a = gl.reshape(gl.permute(gl.reshape(_load_pattern4(w_tile, phys_a), [BN, NB, 4, 2, 4]), (1, 0, 3, 4, 2)),
+                           [NB, BN, 32])
         else:
-            a = gl.reshape(gl.permute(gl.reshape(w_tile.load(phys_a), [BN, 4, 4, 2, 4]), (1, 0, 3, 4, 2)), [4, BN, 32])
-        like_b = gl.zeros([4, 32, BT], gl.int8, lb)
-        phys_b: gl.constexpr = gl.reshape(gl.permute(gl.reshape(like_b, [4, 2, 4, 4, BT]), (0, 3, 1, 2, 4)),
-                                          [128, BT]).type.layout
-        b = gl.reshape(gl.permute(gl.reshape(xt.load(phys_b), [4, 4, 2, 4, BT]), (0, 2, 3, 1, 4)), [4, 32, BT])
+            a = gl.reshape(gl.permute(gl.reshape(w_tile.load(phys_a), [BN, NB, 4, 2, 4]), (1, 0, 3, 4, 2)), [NB, BN, 32])
+        like_b = gl.zeros([NB, 32, BT], gl.int8, lb)
+        phys_b: gl.constexpr = gl.reshape(gl.permute(gl.reshape(like_b, [NB, 2, 4, 4, BT]), (0, 3, 1, 2, 4)),
+                                          [32 * NB, BT]).type.layout
+        b = gl.reshape(gl.permute(gl.reshape(xt.load(phys_b), [NB, 4, 2, 4, BT]), (0, 2, 3, 1, 4)), [NB, 32, BT])
         return (gl.convert_layout(a, la, assert_trivial=True), gl.convert_layout(b, lb, assert_trivial=True))
     else:
         # operand k = 4 r + t of half h of block j at column 32 j + 16 h + 4 t + r; h innermost in
         # registers (a join's layout), then split
-        like_a = gl.join(gl.zeros([4, BN, 16], gl.int8, la), gl.zeros([4, BN, 16], gl.int8, la))   # [4, BN, 16, 2]
-        phys_a: gl.constexpr = gl.reshape(gl.permute(gl.reshape(like_a, [4, BN, 4, 4, 2]), (1, 0, 4, 3, 2)),
-                                          [BN, 128]).type.layout
+        like_a = gl.join(gl.zeros([NB, BN, 16], gl.int8, la), gl.zeros([NB, BN, 16], gl.int8, la))  # [NB, BN, 16, 2]
+        phys_a: gl.constexpr = gl.reshape(gl.permute(gl.reshape(like_a, [NB, BN, 4, 4, 2]), (1, 0, 4, 3, 2)),
+                                          [BN, 32 * NB]).type.layout
         if PACKED:
-            a = gl.reshape(gl.permute(gl.reshape(_load_pattern4(w_tile, phys_a), [BN, 4, 2, 4, 4]), (1, 0, 4, 3, 2)),
-                           [4, BN, 16, 2])
+            a = gl.reshape(gl.permute(gl.reshape(_load_pattern4(w_tile, phys_a), [BN, NB, 2, 4, 4]), (1, 0, 4, 3, 2)),
+                           [NB, BN, 16, 2])
         else:
-            a = gl.reshape(gl.permute(gl.reshape(w_tile.load(phys_a), [BN, 4, 2, 4, 4]), (1, 0, 4, 3, 2)), [4, BN, 16, 2])
+            a = gl.reshape(gl.permute(gl.reshape(w_tile.load(phys_a), [BN, NB, 2, 4, 4]), (1, 0, 4, 3, 2)),
+                           [NB, BN, 16, 2])
         a0, a1 = gl.split(gl.convert_layout(a, like_a.type.layout, assert_trivial=True))
-        like_b = gl.join(gl.zeros([4, 16, BT], gl.int8, lb), gl.zeros([4, 16, BT], gl.int8, lb))   # [4, 16, BT, 2]
-        phys_b: gl.constexpr = gl.reshape(gl.permute(gl.reshape(like_b, [4, 4, 4, BT, 2]), (0, 4, 2, 1, 3)),
-                                          [128, BT]).type.layout
-        b = gl.reshape(gl.permute(gl.reshape(xt.load(phys_b), [4, 2, 4, 4, BT]), (0, 3, 2, 4, 1)), [4, 16, BT, 2])
+        like_b = gl.join(gl.zeros([NB, 16, BT], gl.int8, lb), gl.zeros([NB, 16, BT], gl.int8, lb))  # [NB, 16, BT, 2]
+        phys_b: gl.constexpr = gl.reshape(gl.permute(gl.reshape(like_b, [NB, 4, 4, BT, 2]), (0, 4, 2, 1, 3)),
+                                          [32 * NB, BT]).type.layout
+        b = gl.reshape(gl.permute(gl.reshape(xt.load(phys_b), [NB, 2, 4, 4, BT]), (0, 3, 2, 4, 1)), [NB, 16, BT, 2])
         b0, b1 = gl.split(gl.convert_layout(b, like_b.type.layout, assert_trivial=True))
         return (gl.convert_layout(a0, la, assert_trivial=True), gl.convert_layout(b0, lb, assert_trivial=True),
                 gl.convert_layout(a1, la, assert_trivial=True), gl.convert_layout(b1, lb, assert_trivial=True))
@@ -358,7 +361,7 @@ def _operands_k(w_tile, x_tile, la: gl.constexpr, lb: gl.constexpr, KC: gl.const
 
 @gluon.jit
 def _slot_partials(w_tile, x_tile, zero, CONVERT: gl.constexpr, KC: gl.constexpr, mma_layout: gl.constexpr):
-    """`_block_partial` of the slot's four K blocks at once (`warps_k` > 1): [4, BN, BT] FP32, batch j
+    """`_block_partial` of the slot's NB K blocks at once (`warps_k` > 1): [NB, BN, BT] FP32, batch j
     block j's exact dot rounded once to FP32, from the batched FP64 MMA (each warp its share of the
     blocks; `_operands_k`). "int+cvt" converts the weight of each block's first 16-deep half as
     "int" and of its second as "cvt" (both the codes' values: they share the block's accumulator)."""
@@ -382,10 +385,13 @@ def _slot_partials(w_tile, x_tile, zero, CONVERT: gl.constexpr, KC: gl.constexpr
 @gluon.jit
 def _block_term(part, words, j: gl.constexpr):
     """RN(RN(part * sx[m, block j]) * sw[n // 32, block j]): the reference's scaling of the slot's K
-    block j (words: `gluon_mm._slot_words` of a 128-deep slot); the last product `mul.rn`, never
-    contracted into the accumulator's add."""
-    sw, _, sx, _ = words
-    scaled, sw_b = gl.broadcast(part * _scale(sx, j)[None, :], _scale(sw, j)[:, None])
+    block j (words: `gluon_mm._slot_words` of the slot, word 1 for blocks 4..7 of a 256-deep one);
+    the last product `mul.rn`, never contracted into the accumulator's add."""
+    if j < 4:
+        sw, _, sx, _ = words
+    else:
+        _, sw, _, sx = words
+    scaled, sw_b = gl.broadcast(part * _scale(sx, j % 4)[None, :], _scale(sw, j % 4)[:, None])
     return libdevice.mul_rn(scaled, sw_b)
 
 
@@ -393,35 +399,37 @@ def _block_term(part, words, j: gl.constexpr):
 def _consumer(w_smem, x_smem, ready, empty, sw_words, sx_words, ws_ptr, step_lo, n_steps, M,
               STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, CONVERT: gl.constexpr, KC: gl.constexpr,
               SPLIT_K: gl.constexpr, mma_layout: gl.constexpr):
-    """The consumer warps: per ring slot, its four K blocks' exact partials (`_block_partial`) and
-    terms (`_block_term`), added to the FP32 accumulator in K order, or, SPLIT_K, stored to the
+    """The consumer warps: per ring slot, its NB K blocks' exact partials (`_block_partial`; NB =
+    block_k / 32, 4 or 8) and terms (`_block_term`), added to the FP32 accumulator in K order, or,
+    SPLIT_K, stored to the
     workspace (`ws_ptr`: this tile's terms, block kb at ws_ptr + kb * BN * M, [BN, M] n-major, the
     M real rows). The slot goes back to the producer once every consumer thread has loaded its last
     block. Returns (acc, ) (zeros with SPLIT_K)."""
     acc = gl.zeros([BN, BT], gl.float32, mma_layout)
     zero = gl.zeros([BN, BT], gl.float64, mma_layout)
+    NB: gl.constexpr = w_smem.shape[2] // 32
     rn = gl.arange(0, BN, layout=gl.SliceLayout(1, mma_layout))
     rm = gl.arange(0, BT, layout=gl.SliceLayout(0, mma_layout))
     ws_offs = rn[:, None] * M + rm[None, :]
     ws_mask = (rm[None, :] < M) & (rn[:, None] < BN)
-    words_next = _slot_words(sw_words, sx_words, step_lo, 1)
+    words_next = _slot_words(sw_words, sx_words, step_lo, NB // 4)
     for i in range(n_steps):
         words = words_next
-        words_next = _slot_words(sw_words, sx_words, step_lo + gl.minimum(i + 1, n_steps - 1), 1)
+        words_next = _slot_words(sw_words, sx_words, step_lo + gl.minimum(i + 1, n_steps - 1), NB // 4)
         s = i % STAGES
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
         w_tile = w_smem.index(s)
         x_tile = x_smem.index(s)
-        for j in gl.static_range(4):
+        for j in gl.static_range(NB):
             part = _block_partial(w_tile, x_tile, j, zero, CONVERT, KC, mma_layout)
-            if j == 3:
+            if j == NB - 1:
                 # Every consumer thread's loads of the slot are done (their values were used by
                 # the MMA) before one thread hands the slot back.
                 gl.thread_barrier()
                 mbarrier.arrive(empty.index(s), count=1)
             term = _block_term(part, words, j)
             if SPLIT_K:
-                gl.store(ws_ptr + ((step_lo + i) * 4 + j) * (BN * M) + ws_offs, term, mask=ws_mask)
+                gl.store(ws_ptr + ((step_lo + i) * NB + j) * (BN * M) + ws_offs, term, mask=ws_mask)
             else:
                 acc = acc + term
     return (acc, )
@@ -431,46 +439,67 @@ def _consumer(w_smem, x_smem, ready, empty, sw_words, sx_words, ws_ptr, step_lo,
 def _consumer_k(w_smem, x_smem, ready, empty, terms, sw_words, sx_words, ws_ptr, step_lo, n_steps, M,
                 STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, CONVERT: gl.constexpr, KC: gl.constexpr,
                 SPLIT_K: gl.constexpr, mma_layout: gl.constexpr, out_layout: gl.constexpr):
-    """`_consumer` with the consumer warps splitting each slot's four K blocks (`warps_k` > 1;
-    mma_layout: the batched [4, BN, BT] MMA layout, batch j = K block j): per slot every warp forms
-    its blocks' exact partials (`_slot_partials`) and terms (`_block_term`'s two roundings) and
-    stores them to `terms` ([4, BN, BT] FP32 in shared memory); after a barrier every thread reads
-    its outputs' four terms (out_layout: each output one thread's) and adds them in K order, blocks
-    0, 1, 2, 3, to its FP32 accumulator, or, SPLIT_K, stores them to the workspace as `_consumer`
+    """`_consumer` with the consumer warps splitting each slot's NB K blocks (`warps_k` > 1; NB =
+    block_k / 32, 4 or 8; mma_layout: the batched [NB, BN, BT] MMA layout, batch j = K block j, warp
+    w the blocks w, w + warps_k, ...: with NB = 8 each warp two or more independent MMA chains): per
+    slot every warp forms its blocks' exact partials (`_slot_partials`) and terms (`_block_term`'s
+    two roundings) and stores them to `terms` ([NB, BN, BT] FP32 in shared memory); after a barrier
+    every thread reads its outputs' NB terms (out_layout: each output one thread's) and adds them in
+    K order, blocks 0, 1, ..., NB - 1, to its FP32 accumulator, or, SPLIT_K, stores them to the workspace as `_consumer`
     does. The barrier also precedes the slot's release (every thread's operand loads are done), and
     the compiler puts one between the reads of the terms and the next slot's stores (three
     barriers a slot in the sm_90 SASS, two of them the ring's, as in `_consumer`). Returns (acc, )
     in out_layout (zeros with SPLIT_K)."""
     acc = gl.zeros([BN, BT], gl.float32, out_layout)
-    zero = gl.zeros([4, BN, BT], gl.float64, mma_layout)
-    # K block j of batch element j: the byte j of each row's scale word
-    j3 = gl.expand_dims(gl.expand_dims(gl.arange(0, 4, layout=gl.SliceLayout(1, gl.SliceLayout(2, mma_layout))), 1), 2)
+    NB: gl.constexpr = w_smem.shape[2] // 32
+    zero = gl.zeros([NB, BN, BT], gl.float64, mma_layout)
+    # K block j of batch element j: the byte j % 4 of each row's scale word j // 4
+    j3 = gl.expand_dims(gl.expand_dims(gl.arange(0, NB, layout=gl.SliceLayout(1, gl.SliceLayout(2, mma_layout))), 1), 2)
     rn = gl.arange(0, BN, layout=gl.SliceLayout(1, out_layout))
     rm = gl.arange(0, BT, layout=gl.SliceLayout(0, out_layout))
     ws_offs = rn[:, None] * M + rm[None, :]
     ws_mask = (rm[None, :] < M) & (rn[:, None] < BN)
-    words_next = _slot_words(sw_words, sx_words, step_lo, 1)
+    words_next = _slot_words(sw_words, sx_words, step_lo, NB // 4)
     for i in range(n_steps):
-        sw, _, sx, _ = words_next
-        words_next = _slot_words(sw_words, sx_words, step_lo + gl.minimum(i + 1, n_steps - 1), 1)
+        sw, sw1, sx, sx1 = words_next
+        words_next = _slot_words(sw_words, sx_words, step_lo + gl.minimum(i + 1, n_steps - 1), NB // 4)
         s = i % STAGES
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        part = _slot_partials(w_smem.index(s), x_smem.index(s), zero, CONVERT, KC, mma_layout)   # [4, BN, BT]
-        sw3 = gl.expand_dims(gl.expand_dims(sw, 1), 0) >> (8 * j3)                 # [4, BN, 1]: byte j at 0
-        sx3 = gl.expand_dims(gl.expand_dims(sx, 0), 0) >> (8 * j3)                 # [4, 1, BT]
+        part = _slot_partials(w_smem.index(s), x_smem.index(s), zero, CONVERT, KC, mma_layout)   # [NB, BN, BT]
+        if NB == 4:
+            sw3 = gl.expand_dims(gl.expand_dims(sw, 1), 0) >> (8 * j3)             # [4, BN, 1]: byte j at 0
+            sx3 = gl.expand_dims(gl.expand_dims(sx, 0), 0) >> (8 * j3)             # [4, 1, BT]
+        else:
+            sw3 = gl.where(j3 < 4, gl.expand_dims(gl.expand_dims(sw, 1), 0),
+                           gl.expand_dims(gl.expand_dims(sw1, 1), 0)) >> (8 * (j3 % 4))   # [8, BN, 1]
+            sx3 = gl.where(j3 < 4, gl.expand_dims(gl.expand_dims(sx, 0), 0),
+                           gl.expand_dims(gl.expand_dims(sx1, 0), 0)) >> (8 * (j3 % 4))   # [8, 1, BT]
         scaled, sw_b = gl.broadcast(part * _scale(sx3, 0), _scale(sw3, 0))
         terms.store(libdevice.mul_rn(scaled, sw_b))
         # every thread's terms stored (so its loads of the slot's operands done) before any reads
         gl.thread_barrier()
-        # each thread its outputs' four terms, [BN, BT, 2, 2]: j = 2 a + b
-        t = gl.reshape(gl.permute(terms.load(_terms_layout(BN, BT)), (1, 2, 0)), [BN, BT, 2, 2])
-        t02, t13 = gl.split(t)
-        t0, t2 = gl.split(t02)
-        t1, t3 = gl.split(t13)
-        for j in gl.static_range(4):
-            term = gl.convert_layout((t0, t1, t2, t3)[j], out_layout, assert_trivial=True)
+        if NB == 4:
+            # each thread its outputs' four terms, [BN, BT, 2, 2]: j = 2 a + b
+            t = gl.reshape(gl.permute(terms.load(_terms_layout(BN, BT)), (1, 2, 0)), [BN, BT, 2, 2])
+            t02, t13 = gl.split(t)
+            t0, t2 = gl.split(t02)
+            t1, t3 = gl.split(t13)
+            ts = (t0, t1, t2, t3)
+        else:
+            # each thread its outputs' eight terms, [BN, BT, 2, 2, 2]: j = 4 a + 2 b + c
+            t = gl.reshape(gl.permute(terms.load(_terms_layout(BN, BT, 8)), (1, 2, 0)), [BN, BT, 2, 2, 2])
+            c0, c1 = gl.split(t)
+            c00, c01 = gl.split(c0)
+            c10, c11 = gl.split(c1)
+            t0, t4 = gl.split(c00)
+            t2, t6 = gl.split(c01)
+            t1, t5 = gl.split(c10)
+            t3, t7 = gl.split(c11)
+            ts = (t0, t1, t2, t3, t4, t5, t6, t7)
+        for j in gl.static_range(NB):
+            term = gl.convert_layout(ts[j], out_layout, assert_trivial=True)
             if SPLIT_K:
-                gl.store(ws_ptr + ((step_lo + i) * 4 + j) * (BN * M) + ws_offs, term, mask=ws_mask)
+                gl.store(ws_ptr + ((step_lo + i) * NB + j) * (BN * M) + ws_offs, term, mask=ws_mask)
             else:
                 acc = acc + term
         # after the barrier: every consumer thread's operand loads of the slot are done
@@ -479,9 +508,9 @@ def _consumer_k(w_smem, x_smem, ready, empty, terms, sw_words, sx_words, ws_ptr,
 
 
 @gluon.constexpr_function
-def _terms_layout(BN, BT):
-    """`_sum_layout` with the four K blocks' terms of each output in its thread: [4, BN, BT]."""
-    return gl.BlockedLayout(size_per_thread=[4, 1, 1], threads_per_warp=[1, 32 // min(BT, 32), min(BT, 32)],
+def _terms_layout(BN, BT, NB=4):
+    """`_sum_layout` with the slot's NB K blocks' terms of each output in its thread: [NB, BN, BT]."""
+    return gl.BlockedLayout(size_per_thread=[NB, 1, 1], threads_per_warp=[1, 32 // min(BT, 32), min(BT, 32)],
                             warps_per_cta=[1, 4, 1], order=[0, 2, 1])
 
 
@@ -510,13 +539,15 @@ def _gluon_exact_mm_kernel(
     SPLIT_K: gl.constexpr, OUT_F32: gl.constexpr, WARPS_K: gl.constexpr = 1,
 ):
     # Grid (N tiles, M tiles, n_split K splits): program (t, u, s) covers weight rows [t*BN, +BN),
-    # x rows [u*BT, +BT) and the 128-deep K steps [s*steps_per_split, +steps_per_split); sx_ptr and
+    # x rows [u*BT, +BT) and the K steps (32 NB deep, the descriptors' box) [s*steps_per_split,
+    # +steps_per_split); sx_ptr and
     # sw_ptr point at the scales as int32 words (four UE8M0 bytes), strides in words. Rows past N
     # or M read the last valid row's scales and are masked at the stores. SPLIT_K: n_split > 1 (one
     # M tile), the block terms through ws_ptr ([N tiles, K / 32, BN, M] FP32) and the last
     # arriver's K-ordered sum (module doc). WARPS_K > 1: the consumer warps split each slot's K
     # blocks (`_consumer_k`), the block terms through shared memory.
     BN: gl.constexpr = w_desc.block_type.shape[0]
+    NB: gl.constexpr = w_desc.block_type.shape[1] // 32      # K blocks a slot: 4, or 8 (block_k 256)
     if WARPS_K == 1:
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4 // WARPS_N, WARPS_N],
                                                              instr_shape=[16, 8])
@@ -543,7 +574,7 @@ def _gluon_exact_mm_kernel(
         # the scale words in the batched layout's [BN] / [BT] slices (dims 0 and 2 / 0 and 1)
         sw_words, sx_words = _tile_scales(sw_ptr, sx_ptr, pid_n * BN, M, N, stride_swn, stride_sxm, BN, BT,
                                           gl.SliceLayout(0, mma_layout))
-    ws_tile = ws_ptr + pid_n * (n_steps_total * 4 * BN) * M
+    ws_tile = ws_ptr + pid_n * (n_steps_total * NB * BN) * M
     if WARPS_K == 1:
         acc, = gl.warp_specialize([
             (_consumer, (w_smem, x_smem, ready, empty, sw_words, sx_words, ws_tile, step_lo, n_steps, M,
@@ -552,7 +583,7 @@ def _gluon_exact_mm_kernel(
                          n_steps, STAGES, False)),
         ], [1], [24])
     else:
-        terms = gl.allocate_shared_memory(gl.float32, [4, BN, BT], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
+        terms = gl.allocate_shared_memory(gl.float32, [NB, BN, BT], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
         acc, = gl.warp_specialize([
             (_consumer_k, (w_smem, x_smem, ready, empty, terms, sw_words, sx_words, ws_tile, step_lo, n_steps, M,
                            STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout, out_layout)),
@@ -577,7 +608,7 @@ def _gluon_exact_mm_kernel(
             offs = rl[:, None] * M + rm[None, :]
             ws_mask = (rm[None, :] < M) & (rl[:, None] < BN)
             total = gl.zeros([BN, BT], gl.float32, out_layout)
-            for kb in range(n_steps_total * 4):
+            for kb in range(n_steps_total * NB):
                 # .cg: from L2, never from a line this SM's L1 kept from an earlier launch.
                 total = total + gl.load(ws_tile + kb * (BN * M) + offs, mask=ws_mask, other=0.0,
                                         cache_modifier=".cg")
@@ -634,6 +665,12 @@ class GluonExactConfig:
         default and the compile test's configurations do not spill there (a few wider ones with the
         K split spill a few registers: the probe prints registers and spills per configuration);
         None: Triton's (256, one CTA per SM).
+    block_k: K per ring slot, 128 (four 32-deep blocks, one scale word a row) or 256 (eight, two
+        words; K a multiple of 256): one ready / empty barrier pair, one wait, one release and,
+        with warps_k > 1, one round of the terms through shared memory per 256 of K instead of two;
+        with warps_k=4 each warp two independent MMA chains a slot (blocks w and w + 4), with
+        warps_k=1 eight blocks' chains in one stretch of code. The ring's bytes: stages x (block_n
+        + block_m) x block_k.
     """
 
     convert: str = "int"
@@ -646,24 +683,27 @@ class GluonExactConfig:
     split: int = 1
     split_rows: int = 16
     maxnreg: int | None = 128
+    block_k: int = 128
 
     @classmethod
     def from_spec(cls, spec: str) -> "GluonExactConfig":
         """The configuration a spec string names, convert:block_n:block_m:warps_n:mma_k:stages:split
-        [:maxnreg[:warps_k]] (maxnreg 0: None; absent: 128; warps_k absent: 1), the form the probe
-        (scripts/probe_gluon_exact_mm.py) prints and `ops.exact_linear`'s plan is written in."""
+        [:maxnreg[:warps_k[:block_k]]] (maxnreg 0: None; absent: 128; warps_k absent: 1; block_k
+        absent: 128), the form the probe (scripts/probe_gluon_exact_mm.py) prints and
+        `ops.exact_linear`'s plan is written in."""
         try:
             convert, bn, bm, wn, mk, stages, split, *rest = spec.split(":")
-            if len(rest) > 2:
+            if len(rest) > 3:
                 raise ValueError
             ints = [int(v) for v in (bn, bm, wn, mk, stages, split, *rest)]
         except ValueError:
             raise ValueError(f"a GluonExactConfig spec is convert:block_n:block_m:warps_n:mma_k:stages:split"
-                             f"[:maxnreg[:warps_k]] with integers after the conversion, got {spec!r}") from None
+                             f"[:maxnreg[:warps_k[:block_k]]] with integers after the conversion, got {spec!r}") from None
         bn, bm, wn, mk, stages, split, *rest = ints
         maxnreg = rest[0] if rest else 128
         return cls(convert=convert, block_n=bn, block_m=bm, warps_n=wn, mma_k=mk, stages=stages, split=split,
-                   maxnreg=maxnreg or None, warps_k=rest[1] if len(rest) > 1 else 1)
+                   maxnreg=maxnreg or None, warps_k=rest[1] if len(rest) > 1 else 1,
+                   block_k=rest[2] if len(rest) > 2 else 128)
 
     def __post_init__(self):
         def is_int(v):
@@ -693,6 +733,8 @@ class GluonExactConfig:
             if self.convert == "int+cvt" and self.mma_k != 16:
                 raise ValueError(f"GluonExactConfig.convert 'int+cvt' with warps_k={self.warps_k} alternates per "
                                  f"16-deep half of each K block: mma_k must be 16, got {self.mma_k!r}")
+        if self.block_k not in BLOCK_KS or not is_int(self.block_k):
+            raise ValueError(f"GluonExactConfig.block_k must be one of {BLOCK_KS}, got {self.block_k!r}")
         if self.block_m not in ROW_BUCKETS or not is_int(self.block_m):
             raise ValueError(f"GluonExactConfig.block_m must be one of {ROW_BUCKETS}, got {self.block_m!r}")
         if not is_int(self.stages) or not 2 <= self.stages <= 8:
@@ -707,8 +749,8 @@ class GluonExactConfig:
                              f"got {self.maxnreg!r}")
         if shared_bytes(self, self.block_m) > SHARED_LIMIT:
             raise ValueError(f"GluonExactConfig: stages={self.stages} x (block_n={self.block_n} + block_m="
-                             f"{self.block_m}) x {BLOCK_K} bytes of ring and, with warps_k > 1, 16 x block_n x "
-                             f"block_m bytes of block terms exceed sm_90's {SHARED_LIMIT} bytes of shared memory "
+                             f"{self.block_m}) x block_k={self.block_k} bytes of ring and, with warps_k > 1, "
+                             f"block_k / 8 x block_n x block_m bytes of block terms exceed sm_90's {SHARED_LIMIT} bytes of shared memory "
                              f"({shared_bytes(self, self.block_m)}): fewer stages or a smaller block_m")
 
 
@@ -731,11 +773,11 @@ def launch_warps_n(config: GluonExactConfig, bt: int) -> int:
 
 def shared_bytes(config: GluonExactConfig, bt: int) -> int:
     """The ring's weight and activation tiles at row bucket `bt`, 1 KB for the mbarriers and what the
-    compiler adds, and with warps_k > 1 the slot's block terms (4 x block_n x bt FP32):
-    with warps_k=1 at most 8 x (128 + 64) x 128 + 1024 = 197632 bytes, within sm_90's
-    `gluon_mm.SHARED_LIMIT` (GluonExactConfig checks the others at block_m)."""
-    terms = 4 * config.block_n * bt * 4 if config.warps_k > 1 else 0
-    return config.stages * (config.block_n + bt) * BLOCK_K + 1024 + terms
+    compiler adds, and with warps_k > 1 the slot's block terms (block_k / 32 x block_n x bt FP32):
+    with warps_k=1 and block_k=128 at most 8 x (128 + 64) x 128 + 1024 = 197632 bytes, within
+    sm_90's `gluon_mm.SHARED_LIMIT` (GluonExactConfig checks the others at block_m)."""
+    terms = config.block_k // 32 * config.block_n * bt * 4 if config.warps_k > 1 else 0
+    return config.stages * (config.block_n + bt) * config.block_k + 1024 + terms
 
 
 def launch_options(config: GluonExactConfig, bt: int, split: int) -> dict:
@@ -783,6 +825,10 @@ class GluonExactMM:
                              f"slots), got {(n, k)} (use ops.exact_f64_mm)")
         self._configs = row_configs(GluonExactConfig() if config is None else config, GluonExactConfig,
                                     "a GluonExactConfig", max_rows)
+        for _, c in self._configs:
+            if k % c.block_k:
+                raise ValueError(f"GluonExactConfig.block_k={c.block_k} must divide K (the ring's slots), got "
+                                 f"weight {(n, k)}: block_k=128")
         if not is_sm90(weight.device):
             raise ValueError(f"weight must be on a CUDA device of compute capability 9.0 (the Gluon tier is "
                              f"sm_90 code: TMA, warp specialization), got {weight.device}")
@@ -792,9 +838,10 @@ class GluonExactMM:
         self.n, self.k, self.max_rows, self.device = n, k, max_rows, weight.device
         self._w_descs = {}
         for _, c in self._configs:
-            if c.block_n not in self._w_descs:
-                layout = gl.NVMMASharedLayout.get_default_for([c.block_n, BLOCK_K], gl.float8e4nv)
-                self._w_descs[c.block_n] = TensorDescriptor.from_tensor(weight, [c.block_n, BLOCK_K], layout)
+            box = [c.block_n, c.block_k]
+            if tuple(box) not in self._w_descs:
+                layout = gl.NVMMASharedLayout.get_default_for(box, gl.float8e4nv)
+                self._w_descs[tuple(box)] = TensorDescriptor.from_tensor(weight, box, layout)
         # The split launches' workspace: each weight tile's [K/32, block_n, rows] block terms.
         split = [(most, c) for most, c in self._configs if self.split_of(c) > 1]
         ws = max((-(-n // c.block_n) * (k // 32) * c.block_n * min(split_rows(c), most, max_rows) for most, c in split),
@@ -805,7 +852,7 @@ class GluonExactMM:
 
     def split_of(self, config: GluonExactConfig) -> int:
         """The K splits of a launch in `config` of at most `split_rows(config)` rows: none empty."""
-        return split_bounds(config.split, self.k, BLOCK_K)[1]
+        return split_bounds(config.split, self.k, config.block_k)[1]
 
     def config_for(self, rows: int) -> GluonExactConfig:
         """The configuration a call of `rows` rows launches with."""
@@ -824,13 +871,13 @@ class GluonExactMM:
         m = codes.shape[0]
         cfg = self.config_for(m)
         bt = block_t(m, cfg)
-        steps = self.k // BLOCK_K
-        per, split = split_bounds(cfg.split, self.k, BLOCK_K) if m <= split_rows(cfg) else (self.k, 1)
-        per //= BLOCK_K
-        x_layout = gl.NVMMASharedLayout.get_default_for([bt, BLOCK_K], gl.float8e4nv)
-        x_desc = TensorDescriptor.from_tensor(codes, [bt, BLOCK_K], x_layout)
+        steps = self.k // cfg.block_k
+        per, split = split_bounds(cfg.split, self.k, cfg.block_k) if m <= split_rows(cfg) else (self.k, 1)
+        per //= cfg.block_k
+        x_layout = gl.NVMMASharedLayout.get_default_for([bt, cfg.block_k], gl.float8e4nv)
+        x_desc = TensorDescriptor.from_tensor(codes, [bt, cfg.block_k], x_layout)
         _gluon_exact_mm_kernel[(-(-self.n // cfg.block_n), -(-m // bt), split)](
-            self._w_descs[cfg.block_n], x_desc, sx_words, self._sw_words, out, self._workspace, self._counters,
+            self._w_descs[(cfg.block_n, cfg.block_k)], x_desc, sx_words, self._sw_words, out, self._workspace, self._counters,
             m, self.n, sx_words.stride(0), self._sw_words.stride(0), out.stride(0), per, steps, split,
             OUT_F32=out.dtype == torch.float32, **launch_options(cfg, bt, split),
         )

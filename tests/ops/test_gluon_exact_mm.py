@@ -49,7 +49,7 @@ def _compile(config: E.GluonExactConfig, bt: int, split: int, out_f32: bool):
     opts = E.launch_options(config, bt, split)
     launch = {k: opts.pop(k) for k in ("num_warps", "maxnreg", "enable_reflect_ftz") if k in opts}
     fn = E._gluon_exact_mm_kernel
-    types = {"w_desc": _desc([config.block_n, E.BLOCK_K]), "x_desc": _desc([bt, E.BLOCK_K]), "sx_ptr": "*i32",
+    types = {"w_desc": _desc([config.block_n, config.block_k]), "x_desc": _desc([bt, config.block_k]), "sx_ptr": "*i32",
              "sw_ptr": "*i32", "y_ptr": "*fp32" if out_f32 else "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
     # as the launcher sees the real shapes: N and y's row stride multiples of 16
     return sm90.compile_sm90(fn, types, {**opts, "OUT_F32": out_f32},
@@ -81,13 +81,17 @@ COMPILE_CASES = [
     # 16 x 8 along K "intp" with 16-deep steps (ldmatrix words)
     (C(convert="rawp", block_n=128, block_m=8, maxnreg=80), 8, 1, False),
     (C(convert="intp", warps_k=4, block_n=16, block_m=8, mma_k=16, maxnreg=80), 8, 1, False),
+    # 256-deep slots (eight K blocks, two scale words a row, one barrier round): along K on 16-row
+    # tiles (each warp two blocks' MMA chains), and 128 x 8 in "intp+cvt" with the K split
+    (C(convert="rawp", warps_k=4, block_n=16, block_m=8, maxnreg=80, block_k=256), 8, 1, False),
+    (C(convert="intp+cvt", block_n=128, block_m=8, stages=2, block_k=256), 8, 2, False),
 ]
 
 
 def _case_id(case) -> str:
     c, bt, split, f32 = case
     return (f"{c.convert}-n{c.block_n}-k{c.mma_k}-wn{c.warps_n}" + (f"-wk{c.warps_k}" if c.warps_k > 1 else "")
-            + f"-bt{bt}-split{split}" + ("-f32" if f32 else ""))
+            + (f"-bk{c.block_k}" if c.block_k != 128 else "") + f"-bt{bt}-split{split}" + ("-f32" if f32 else ""))
 
 
 def _loop_with(kernel, opcode: str) -> list[str]:
@@ -115,13 +119,13 @@ def test_compiles_for_sm90_without_spills(config, bt, split, out_f32):
     assert res["LOCAL"] == 0 and res["STACK"] == 0 and ops.get("STL", 0) == 0 and ops.get("LDL", 0) == 0, (res, ops)
     assert res["REG"] <= config.maxnreg, res
     assert kernel.metadata.shared <= E.shared_bytes(config, bt) <= SHARED_LIMIT, kernel.metadata.shared
-    # The FP64 MMA, m16n8k16: a program's (block_n / 16) x (bt / 8) of them per 16 of K, 128 K per
+    # The FP64 MMA, m16n8k16: a program's (block_n / 16) x (bt / 8) of them per 16 of K, block_k K per
     # slot, a quarter per warp (warps_k=1: per warp along the weight rows and x's rows; warps_k > 1:
     # per warp its K blocks and its weight rows); the loop body holds one slot.
     wn = E.launch_warps_n(config, bt)
     dmma = [t for t in ins if t.startswith("DMMA")]
     assert all(t.startswith("DMMA.16x8x16 ") for t in dmma), dmma[:4]
-    assert len(dmma) == (config.block_n // 16) * (bt // 8) * (E.BLOCK_K // 16) // 4, len(dmma)
+    assert len(dmma) == (config.block_n // 16) * (bt // 8) * (config.block_k // 16) // 4, len(dmma)
     # The operands' shared-memory loads in the consumer's loop are wide (8-byte loads for 32-deep
     # steps, ldmatrix for 16-deep ones): the permuted k puts each thread's bytes side by side; no
     # load of single bytes or halves (LDS.U8 / .U16: one a byte without the permutation).
@@ -138,7 +142,8 @@ def test_compiles_for_sm90_without_spills(config, bt, split, out_f32):
     # codes a thread converts per slot: x's [bt / wn, 128 / warps_k] and the weight's
     # [block_n / (4 / wn / warps_k), 128 / warps_k] over the warp's 32 threads
     wk = config.warps_k
-    x_codes, w_codes = bt // wn * 128 // wk // 32, config.block_n * wn * wk // 4 * 128 // wk // 32
+    bk = config.block_k
+    x_codes, w_codes = bt // wn * bk // wk // 32, config.block_n * wn * wk // 4 * bk // wk // 32
     assert ops.get("DMUL", 0) == {"cvt": 0, "int": w_codes, "raw": x_codes, "int+cvt": w_codes // 2,
                                   "raw+cvt": x_codes // 2, "intp": w_codes, "rawp": x_codes,
                                   "intp+cvt": w_codes // 2, "rawp+cvt": x_codes // 2}[config.convert], ops
@@ -154,9 +159,9 @@ def test_compiles_for_sm90_without_spills(config, bt, split, out_f32):
     assert "cvt.rn.f32.f64" in ptx and "mul.rn.f32" in ptx
     assert ops.get("FFMA", 0) == 0, ops
     assert re.search(r"\.ftz\.f32\b", ptx) is None
-    # The TMA ring (weight and x boxes, mbarriers), the producer's registers handed over, and the
-    # last-arriver counter iff the K is split.
-    assert ops.get("UTMALDG", 0) == 2 and ops.get("SYNCS", 0) > 0, ops
+    # The TMA ring (weight and x boxes, mbarriers; a 256-deep box in two of the 128-byte swizzle's
+    # width), the producer's registers handed over, and the last-arriver counter iff the K is split.
+    assert ops.get("UTMALDG", 0) == 2 * bk // 128 and ops.get("SYNCS", 0) > 0, ops
     assert any(t.startswith("USETMAXREG.DEALLOC") for t in ins)
     assert (split > 1) == (ops.get("ATOMG", 0) > 0), (split, ops)
     # Barriers a slot: the ring's two (before the slot's release, after it), and with warps_k > 1
@@ -176,6 +181,7 @@ def test_launch_geometry():
     assert E.shared_bytes(C(stages=8, block_n=128, block_m=64), 64) <= SHARED_LIMIT     # the largest ring
     assert E.shared_bytes(C(warps_k=4, block_n=16, stages=4), 8) == 4 * (16 + 8) * 128 + 1024 + 4 * 16 * 8 * 4
     assert [E.launch_warps_n(C(warps_k=4, block_n=32), bt) for bt in (8, 32)] == [1, 1]
+    assert E.shared_bytes(C(warps_k=4, block_n=16, block_k=256), 8) == 4 * (16 + 8) * 256 + 1024 + 8 * 16 * 8 * 4
 
 
 def test_bad_plan_arguments_name_the_argument():
@@ -184,6 +190,9 @@ def test_bad_plan_arguments_name_the_argument():
     raises("compute capability 9.0", lambda: E.GluonExactMM(w, s))          # the CPU: sm_90 code only
     raises("K a positive multiple of 128", lambda: E.GluonExactMM(torch.zeros(64, 96, dtype=torch.float8_e4m3fn),
                                                                   torch.zeros(2, 3, dtype=torch.uint8)))
+    raises(r"block_k=256 must divide K.*\(64, 384\)", lambda: E.GluonExactMM(
+        torch.zeros(64, 384, dtype=torch.float8_e4m3fn), torch.zeros(2, 12, dtype=torch.uint8),
+        config={8: C(), 64: C(block_k=256)}))
     raises("weight must have dtype", lambda: E.GluonExactMM(w.view(torch.uint8), s))
     raises("w_scale must have shape", lambda: E.GluonExactMM(w, s[:, :7]))
     raises("max_rows", lambda: E.GluonExactMM(w, s, max_rows=65))
@@ -192,7 +201,7 @@ def test_bad_plan_arguments_name_the_argument():
         convert="int+cvt", block_n=16, block_m=8, mma_k=16, stages=8, split=2, maxnreg=80, warps_k=4)
     assert E.GluonExactConfig.from_spec("raw:64:64:2:32:4:1:0").maxnreg is None
     assert E.GluonExactConfig.from_spec("cvt:64:32:1:32:4:1") == E.GluonExactConfig(convert="cvt")
-    for bad in ("int:64:32", "int:64:32:1:32:4:1:128:4:9", "int:64:x:1:32:4:1"):
+    for bad in ("int:64:32", "int:64:32:1:32:4:1:128:4:256:9", "int:64:x:1:32:4:1"):
         raises("a GluonExactConfig spec is convert:block_n", lambda: E.GluonExactConfig.from_spec(bad))
     raises("block_n must be", lambda: E.GluonExactConfig.from_spec("int:48:32:1:32:4:1"))
     raises("config must be a GluonExactConfig", lambda: E.GluonExactMM(w, s, config="fast"))
@@ -208,6 +217,9 @@ def test_bad_plan_arguments_name_the_argument():
     raises("'intp\\+cvt' is not offered with warps_k=2", lambda: C(warps_k=2, mma_k=16, convert="intp+cvt"))
     assert E.GluonExactConfig.from_spec("rawp:128:8:1:32:4:1:80") == C(convert="rawp", block_n=128, block_m=8,
                                                                        maxnreg=80)
+    assert E.GluonExactConfig.from_spec("rawp:16:8:1:32:4:1:80:4:256") == C(
+        convert="rawp", block_n=16, block_m=8, maxnreg=80, warps_k=4, block_k=256)
+    raises("block_k must be one of", lambda: C(block_k=64))
     raises("mma_k must be 16, got 32", lambda: C(warps_k=4, block_n=32, convert="int+cvt"))
     raises(r"stages=8 x \(block_n=128 \+ block_m=64\).*exceed", lambda: C(warps_k=2, block_n=128, block_m=64, stages=8))
     raises("block_m must be one of", lambda: C(block_m=24))
@@ -262,6 +274,12 @@ def _subnormal_operands(gen, m: int, n: int, k: int):
     (5, 130, 512, C(convert="rawp", warps_k=4, block_n=16, block_m=8, maxnreg=80), "subnormal"),
     (3, 96, 640, C(convert="intp", warps_k=4, block_n=16, mma_k=16, split=2), "subnormal"),
     (20, 96, 384, C(convert="intp", warps_k=2, block_n=32, block_m=16, mma_k=16), "heavy"),
+    # 256-deep slots: both layouts, both MMA depths, the K split (uneven: 3 + 2 slots), row tiles
+    (5, 130, 1280, C(convert="rawp", warps_k=4, block_n=16, block_m=8, maxnreg=80, block_k=256, split=2), "subnormal"),
+    (17, 96, 512, C(convert="int+cvt", warps_k=4, block_n=32, block_m=16, mma_k=16, block_k=256), "heavy"),
+    (40, 96, 768, C(convert="cvt", warps_k=2, block_n=64, block_m=16, block_k=256, stages=2), "uniform"),
+    (8, 130, 1280, C(convert="intp+cvt", block_n=128, block_m=8, stages=2, block_k=256, split=2), "subnormal"),
+    (33, 64, 512, C(convert="raw", mma_k=16, warps_n=2, block_k=256, stages=2), "heavy"),
 ])
 def test_bitwise_equal_to_the_reference_on_gpu(m, n, k, config, kind):
     if kind == "quantized":   # MXFP8 activations and a block-quantized weight, as the model has them
@@ -332,6 +350,16 @@ PACKED_CONFIGS = (
      16: C(convert="intp", warps_k=4, block_n=16, block_m=16, mma_k=16, maxnreg=80),
      64: C(convert="rawp", warps_k=4, block_n=16, block_m=64)},
 )
+# 256-deep slots at the TP1 shapes (K a multiple of 256 at all four), per row count: along K on
+# 16-row tiles (two MMA chains a warp; the K split), 128 x 8 and 16 with 8 blocks a slot.
+BLOCK_K_CONFIGS = (
+    {8: C(convert="rawp", warps_k=4, block_n=16, block_m=8, maxnreg=80, block_k=256),
+     16: C(convert="intp+cvt", block_n=128, block_m=16, stages=2, block_k=256),
+     64: C(convert="int+cvt", warps_k=4, block_n=16, block_m=16, mma_k=16, block_k=256, stages=6)},
+    {8: C(convert="rawp", block_n=128, block_m=8, stages=2, block_k=256, split=2),
+     16: C(convert="rawp", warps_k=4, block_n=16, block_m=16, block_k=256, stages=6),
+     64: C(convert="cvt", block_m=32, block_k=256, stages=2)},
+)
 
 
 def _flash_shape_matches_the_reference(name, n, k, configs):
@@ -363,6 +391,12 @@ def test_warps_k_flash_shapes_match_the_reference_on_gpu(name, n, k):
 @pytest.mark.parametrize("name,n,k", TP1_SHAPES, ids=["fused_wqa_wkv", "wq_b", "idx_wq_b", "wo_b"])
 def test_packed_flash_shapes_match_the_reference_on_gpu(name, n, k):
     _flash_shape_matches_the_reference(name, n, k, PACKED_CONFIGS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,n,k", TP1_SHAPES, ids=["fused_wqa_wkv", "wq_b", "idx_wq_b", "wo_b"])
+def test_block_k_256_flash_shapes_match_the_reference_on_gpu(name, n, k):
+    _flash_shape_matches_the_reference(name, n, k, BLOCK_K_CONFIGS)
 
 
 @pytest.mark.gpu
