@@ -109,68 +109,120 @@ def _f64(hi):
 
 
 @gluon.constexpr_function
-def _acc_layout(WK, R):
-    """[BN, WK, R]: per thread BN / (32 x 4 / WK) weight rows, 32 x 4 / WK apart (lane l of warp w
-    along N: rows l + 32 w + 128 / WK r), x one K block x the R x rows; the 4 / WK warps along
-    the weight rows, the WK warps along the slot's K blocks (warp w block w of each group of WK
-    blocks)."""
-    return gl.BlockedLayout(size_per_thread=[1, 1, R], threads_per_warp=[32, 1, 1],
-                            warps_per_cta=[4 // WK, WK, 1], order=[2, 1, 0])
+def _lane_layout(WK, LK, R):
+    """[BN, WK, LK, R]: the (weight row, K block, part of the block, x row) of each thread's DFMA
+    chains. A warp's 32 lanes: 32 / LK weight rows x the LK parts (32 / LK k each) of one block;
+    per thread BN / (32 / LK x 4 / WK) weight rows, 32 / LK x 4 / WK apart, and the R x rows; the
+    4 / WK warps along the weight rows, the WK warps along the slot's K blocks (warp w block w of
+    each group of WK blocks)."""
+    return gl.BlockedLayout(size_per_thread=[1, 1, 1, R], threads_per_warp=[32 // LK, 1, LK, 1],
+                            warps_per_cta=[4 // WK, WK, 1, 1], order=[0, 2, 1, 3])
 
 
 @gluon.constexpr_function
-def _codes_layout(WK):
-    """[BN, 32 WK]: a group of WK blocks of the slot's weight tile, per thread its rows' 32 codes
-    of its warp's block (the rows of `_acc_layout`)."""
-    return gl.BlockedLayout(size_per_thread=[1, 32], threads_per_warp=[32, 1], warps_per_cta=[4 // WK, WK],
-                            order=[1, 0])
+def _acc_layout(WK, LK, R):
+    """[BN, WK, R]: the block sums, `_lane_layout` with the parts of a block added (each held by
+    the LK lanes of its part)."""
+    return gl.SliceLayout(2, _lane_layout(WK, LK, R))
+
+
+@gluon.constexpr_function
+def _codes_layout(WK, LK):
+    """[BN, 32 WK]: a group of WK blocks of the slot's weight tile, per thread its rows' 32 / LK
+    codes of its part of its warp's block (`_lane_layout`)."""
+    return gl.BlockedLayout(size_per_thread=[1, 32 // LK], threads_per_warp=[32 // LK, LK],
+                            warps_per_cta=[4 // WK, WK], order=[0, 1])
 
 
 @gluon.jit
-def _group_sums(w_tile, xf, g: gl.constexpr, BN: gl.constexpr, WK: gl.constexpr, R: gl.constexpr):
-    """The exact block sums times 2^-16 [BN, WK, R] (FP64) of the slot's block group g (blocks
-    WK g .. WK g + WK - 1, block WK g + w by warp w along K): the weight codes from the tile in
-    shared memory (`w_tile` [BN, 128]), x's values times 2^1000 from `xf` ([32, 4, R] FP64 in
-    shared memory), per k one DFMA per (weight row, x row) from 0."""
-    L: gl.constexpr = _acc_layout(WK, R)
-    # the 32 lanes' 16-byte loads (rows 32 apart in a thread, consecutive across the lanes) hit
-    # distinct bank groups of the 128-byte swizzle (the count for the whole tile: the slice's is
-    # not implemented; each load instruction reads the same rows and 16-byte columns)
-    gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.float8e4nv, [BN, 128], _codes_layout(WK)),
+def _word(acc0, acc1, codes, xf, q: gl.constexpr, g: gl.constexpr, WK: gl.constexpr, LK: gl.constexpr,
+          R: gl.constexpr, TWO: gl.constexpr):
+    """The DFMAs of the thread's word q of each weight row's part of its block (`codes`: [BN, WK,
+    LK, 4] bytes t, column 32 block + 32 / LK part + 4 q + t of the tile): the codes' FP64 high
+    words (`_hi_words`), and per code t one DFMA per x row into acc0 (with TWO, words of odd q into
+    acc1); x's value of the same k from `xf` (row (32 / LK x 4 block + ... ): `_x_rows`)."""
+    L: gl.constexpr = _lane_layout(WK, LK, R)
+    BN: gl.constexpr = codes.shape[0]
+    xl: gl.constexpr = gl.SliceLayout(0, L)
+    phys: gl.constexpr = gl.reshape(gl.zeros([WK, LK, R], gl.float64, xl), [WK * LK, R]).type.layout
+    h0, h1 = gl.split(gl.reshape(_hi_words(codes), [BN, WK, LK, 2, 2]))                   # t = 2 t1 + t0
+    for t0 in gl.static_range(2):
+        h00, h01 = gl.split((h0, h1)[t0])
+        for t1 in gl.static_range(2):
+            w = gl.convert_layout((h00, h01)[t1], gl.SliceLayout(3, L), assert_trivial=True)   # [BN, WK, LK]
+            # x at k = 32 / LK part + c (c = 4 q + t) of block WK g + w: xf rows c 4 LK + block LK + part
+            xs = xf.slice((4 * q + 2 * t1 + t0) * 4 * LK + WK * g * LK, WK * LK, dim=0).load(phys)
+            x = gl.convert_layout(gl.reshape(xs, [WK, LK, R]), xl, assert_trivial=True)        # [WK, LK, R]
+            a, b = gl.broadcast(gl.expand_dims(_f64(w), 3), gl.expand_dims(x, 0))
+            if TWO and q % 2 == 1:
+                acc1 = gl.fma(a, b, acc1)
+            else:
+                acc0 = gl.fma(a, b, acc0)
+    return acc0, acc1
+
+
+@gluon.jit
+def _add(a, b):
+    """a + b (the combine of the parts' reduction; `gl.sum`'s is a Triton function, which the
+    interpreter's runs would wrap)."""
+    return a + b
+
+
+@gluon.jit
+def _group_sums(w_tile, xf, g: gl.constexpr, BN: gl.constexpr, WK: gl.constexpr, LK: gl.constexpr,
+                R: gl.constexpr):
+    """The exact block sums times 2^-16 [BN, WK, R] (FP64, `_acc_layout`) of the slot's block group
+    g (blocks WK g .. WK g + WK - 1, block WK g + w by warp w along K): the weight codes from the
+    tile in shared memory (`w_tile` [BN, 128]), x's values times 2^1000 from `xf` (`_x_rows`),
+    per k one DFMA per (weight row, x row) from 0 (`_word`), the LK parts of a block added across
+    their lanes (exact: the parts are exact partial sums of the block)."""
+    L: gl.constexpr = _lane_layout(WK, LK, R)
+    # the lanes' loads (16 or 8 bytes a row, the rows 32 / LK apart in a thread, consecutive across
+    # the lanes) hit distinct bank groups of the 128-byte swizzle (checked on the whole tile: the
+    # count of a slice is not implemented; each load instruction reads the same rows and columns)
+    gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.float8e4nv, [BN, 128], _codes_layout(WK, LK)),
                                        w_tile.type) == 0)
-    codes = w_tile.slice(32 * WK * g, 32 * WK, dim=1).load(_codes_layout(WK))              # [BN, 32 WK]
-    # [BN, WK, 8 words, 4 bytes] -> [BN, WK, 4, 2, 2, 2]: word q = 4 q2 + 2 q1 + q0 split off q0, q1, q2
-    w = gl.reshape(gl.permute(gl.reshape(codes, [BN, WK, 8, 4]), (0, 1, 3, 2)), [BN, WK, 4, 2, 2, 2])
-    # With one weight row a thread and one x row, two DFMA chains, the even and the odd words (q0),
-    # for two independent FMAs in flight (their sum is exact: both are exact partial sums of the
+    codes = w_tile.slice(32 * WK * g, 32 * WK, dim=1).load(_codes_layout(WK, LK))          # [BN, 32 WK]
+    NW: gl.constexpr = 8 // LK          # 4-byte words a thread's part of a block
+    # [BN, WK, LK, NW words, 4 bytes] -> [BN, WK, LK, 4, NW] and the word index split in bits
+    w = gl.permute(gl.reshape(codes, [BN, WK, LK, NW, 4]), (0, 1, 2, 4, 3))
+    # With one weight row a thread and one x row, two DFMA chains, the even and the odd words, for
+    # two independent FMAs in flight (their sum is exact: both are exact partial sums of the
     # block); else one chain per (weight row, x row), RW x R of them
-    TWO: gl.constexpr = BN * WK // 128 * R == 1
-    acc0 = gl.zeros([BN, WK, R], gl.float64, L)
-    acc1 = gl.zeros([BN, WK, R], gl.float64, L)
-    ws0, ws1 = gl.split(w)
-    for q0 in gl.static_range(2):
-        ws00, ws01 = gl.split((ws0, ws1)[q0])
-        for q1 in gl.static_range(2):
-            ws000, ws001 = gl.split((ws00, ws01)[q1])
-            for q2 in gl.static_range(2):
-                hi = _hi_words((ws000, ws001)[q2])                                     # [BN, WK, 4]: byte t
-                h0, h1 = gl.split(gl.reshape(hi, [BN, WK, 2, 2]))                     # t = 2 t1 + t0
-                for t0 in gl.static_range(2):
-                    h00, h01 = gl.split((h0, h1)[t0])
-                    for t1 in gl.static_range(2):
-                        wk = gl.convert_layout((h00, h01)[t1], gl.SliceLayout(2, L), assert_trivial=True)
-                        # x at k = 4 (4 q2 + 2 q1 + q0) + 2 t1 + t0 of the warp's block: row 4 k + block of xf
-                        xk = xf.slice(4 * (16 * q2 + 8 * q1 + 4 * q0 + 2 * t1 + t0) + WK * g, WK,
-                                      dim=0).load(gl.SliceLayout(0, L))                          # [WK, R]
-                        a, b = gl.broadcast(gl.expand_dims(_f64(wk), 2), gl.expand_dims(xk, 0))
-                        if TWO and q0 == 1:
-                            acc1 = gl.fma(a, b, acc1)
-                        else:
-                            acc0 = gl.fma(a, b, acc0)
-    if TWO:
-        return acc0 + acc1
+    TWO: gl.constexpr = BN * WK * LK // 128 * R == 1
+    acc0 = gl.zeros([BN, WK, LK, R], gl.float64, L)
+    acc1 = gl.zeros([BN, WK, LK, R], gl.float64, L)
+    if NW == 8:
+        # word q = 4 q2 + 2 q1 + q0: the last dimension's bits split off q0, then q1, then q2
+        ws0, ws1 = gl.split(gl.reshape(w, [BN, WK, LK, 4, 2, 2, 2]))
+        for q0 in gl.static_range(2):
+            ws00, ws01 = gl.split((ws0, ws1)[q0])
+            for q1 in gl.static_range(2):
+                ws000, ws001 = gl.split((ws00, ws01)[q1])
+                for q2 in gl.static_range(2):
+                    acc0, acc1 = _word(acc0, acc1, (ws000, ws001)[q2], xf, 4 * q2 + 2 * q1 + q0, g, WK, LK, R, TWO)
+    elif NW == 4:
+        ws0, ws1 = gl.split(gl.reshape(w, [BN, WK, LK, 4, 2, 2]))
+        for q0 in gl.static_range(2):
+            ws00, ws01 = gl.split((ws0, ws1)[q0])
+            for q1 in gl.static_range(2):
+                acc0, acc1 = _word(acc0, acc1, (ws00, ws01)[q1], xf, 2 * q1 + q0, g, WK, LK, R, TWO)
     else:
-        return acc0
+        ws0, ws1 = gl.split(w)
+        for q0 in gl.static_range(2):
+            acc0, acc1 = _word(acc0, acc1, (ws0, ws1)[q0], xf, q0, g, WK, LK, R, TWO)
+    if TWO:
+        acc0 = acc0 + acc1
+    return gl.reduce(acc0, 2, _add)
+
+
+@gluon.jit
+def _x_rows(xv, LK: gl.constexpr):
+    """x's values [R, 128] (column 32 block + k) as `xf`'s rows [128, R]: k = 32 / LK part + c at
+    row c 4 LK + block LK + part (for each c the slot's blocks and parts side by side, a block
+    group's contiguous: `_word`)."""
+    R: gl.constexpr = xv.shape[0]
+    return gl.reshape(gl.permute(gl.reshape(xv, [R, 4, LK, 32 // LK]), (3, 1, 2, 0)), [128, R])
 
 
 @gluon.constexpr_function
@@ -197,14 +249,14 @@ def _add_terms(acc, terms, BN: gl.constexpr, R: gl.constexpr):
 
 @gluon.jit
 def _consumer(w_smem, x_smem, ready, empty, xf, terms, sw_words, sx_words, n_steps,
-              BN: gl.constexpr, WK: gl.constexpr, R: gl.constexpr, STAGES: gl.constexpr):
+              BN: gl.constexpr, WK: gl.constexpr, LK: gl.constexpr, R: gl.constexpr, STAGES: gl.constexpr):
     """The consumer warps, per ring slot i: x's codes converted to FP64 value * 2^1000 into xf[i % 2]
     ([32 k, 4 blocks, R] in shared memory); one barrier; slot i - 1 handed back to the producer and
     its terms (terms[(i - 1) % 2]) added in K order; slot i's block sums (`_group_sums`), rounded
     once to FP32, times 2^16 (exact), scaled by sx then sw (`mul.rn`) and stored to terms[i % 2]
     ([4 blocks, BN, R]). The last slot's terms after a final barrier. Returns (acc, ): [BN, R] FP32
     in `_terms_layout`'s slice."""
-    L: gl.constexpr = _acc_layout(WK, R)
+    L: gl.constexpr = _acc_layout(WK, LK, R)
     acc = gl.zeros([BN, R], gl.float32, gl.SliceLayout(0, _terms_layout(BN, R)))
     # x's codes: each of the 128 threads converts R of a slot's R x 128
     xl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[1, 32], warps_per_cta=[1, 4],
@@ -223,14 +275,14 @@ def _consumer(w_smem, x_smem, ready, empty, xf, terms, sw_words, sx_words, n_ste
         sx_next = gl.load(sx_words + gl.minimum(i + 1, n_steps - 1))
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
         xv = _pow2(x_smem.index(s).load(xl).to(gl.float32).to(gl.float64), 1000)             # [R, 128]
-        xf.index(b).store(gl.reshape(gl.permute(gl.reshape(xv, [R, 4, 32]), (2, 1, 0)), [128, R]))
+        xf.index(b).store(_x_rows(xv, LK))
         # x's values stored, the previous slot's terms stored and its tiles read, by every thread
         gl.thread_barrier()
         if i > 0:
             mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1)
             acc = _add_terms(acc, terms.index(1 - b), BN, R)
         for g in gl.static_range(4 // WK):
-            part = _group_sums(w_smem.index(s), xf.index(b), g, BN, WK, R)               # [BN, WK, R] FP64
+            part = _group_sums(w_smem.index(s), xf.index(b), g, BN, WK, LK, R)              # [BN, WK, R] FP64
             j = WK * g + jw
             # RN(sum * 2^-16) * 2^16 = RN(sum): a nonzero block sum is at least 2^-18 in magnitude,
             # so the scaled one stays a normal FP32 (>= 2^-34) and below 2^7 (module doc).
@@ -247,7 +299,7 @@ def _consumer(w_smem, x_smem, ready, empty, xf, terms, sw_words, sx_words, n_ste
 def _gluon_exact_fma_kernel(
     w_desc, x_desc, sx_ptr, sw_ptr, y_ptr,
     M, N, stride_sxm, stride_swn, stride_ym, n_steps,
-    WK: gl.constexpr, STAGES: gl.constexpr, OUT_F32: gl.constexpr,
+    WK: gl.constexpr, LK: gl.constexpr, STAGES: gl.constexpr, OUT_F32: gl.constexpr,
 ):
     # Grid (N / BN,): program t covers weight rows [t BN, +BN) and all M rows of x, every K step;
     # sx_ptr and sw_ptr point at the scales as int32 words (four UE8M0 bytes a 128-deep step),
@@ -255,7 +307,7 @@ def _gluon_exact_fma_kernel(
     # past M (the row bucket's padding, TMA's zeros) the last valid x row's; both masked at the store.
     BN: gl.constexpr = w_desc.block_type.shape[0]
     R: gl.constexpr = x_desc.block_type.shape[0]
-    L: gl.constexpr = _acc_layout(WK, R)
+    L: gl.constexpr = _acc_layout(WK, LK, R)
     w_smem, x_smem, ready, empty = _ring(w_desc, x_desc, STAGES)
     xf = gl.allocate_shared_memory(gl.float64, [2, 128, R], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     terms = gl.allocate_shared_memory(gl.float32, [2, 4 * BN, R], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
@@ -265,7 +317,7 @@ def _gluon_exact_fma_kernel(
     sw_words = sw_ptr + (gl.minimum(rn, N - 1) // 32) * stride_swn
     sx_words = sx_ptr + gl.minimum(rm, M - 1) * stride_sxm
     acc, = gl.warp_specialize([
-        (_consumer, (w_smem, x_smem, ready, empty, xf, terms, sw_words, sx_words, n_steps, BN, WK, R, STAGES)),
+        (_consumer, (w_smem, x_smem, ready, empty, xf, terms, sw_words, sx_words, n_steps, BN, WK, LK, R, STAGES)),
         (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, 0, 0, 0, n_steps, 0, n_steps,
                      STAGES, False)),
     ], [1], [24])
@@ -293,46 +345,54 @@ class GluonExactFMAConfig:
     rows_per_thread: weight rows a consumer thread owns (1, 2 or 4): they share each broadcast
         load of x's values; more rows, fewer programs.
     warps_k: of the 4 consumer warps, how many split each slot's four 32-deep K blocks (1, 2 or
-        4; the others split the weight rows). block_n = 32 x rows_per_thread x 4 / warps_k weight
-        rows a program, N / block_n programs.
+        4; the others split the weight rows).
+    lanes_k: lanes that share one (weight row, K block), each 32 / lanes_k of its k (1, 2 or 4);
+        their exact FP64 partial sums meet by lane shuffles. More, smaller programs for the
+        shapes with few weight rows (wo_b), at more instructions per code (the slot's fixed
+        work spread over fewer codes a thread).
     stages: ring slots, 2..8.
     maxnreg: the launch's register cap per thread (the CTA holds 8 warps x 32 x cap registers: the
         consumer's 4 warps and the producer's, padded to 8; the producer drops to 24); 128 keeps
-        two CTAs per SM resident, and every configuration compiles without spills there at 1, 2
-        and 4 rows (sm_90 compiles); None: Triton's (256, one CTA per SM).
+        two CTAs per SM resident, 80 three; no configuration the probe offers spills there
+        (sm_90 compiles at 1, 2 and 4 rows); None: Triton's (256, one CTA per SM).
+
+    block_n = 32 x rows_per_thread x 4 / warps_k / lanes_k weight rows a program (8 to 512),
+    N / block_n programs.
     """
 
     rows_per_thread: int = 4
     warps_k: int = 4
+    lanes_k: int = 1
     stages: int = 4
     maxnreg: int | None = 128
 
     @property
     def block_n(self) -> int:
-        """Weight rows a program: 32 threads x rows_per_thread x the 4 / warps_k warps along N."""
-        return 32 * self.rows_per_thread * 4 // self.warps_k
+        """Weight rows a program: 32 / lanes_k lanes x rows_per_thread x the 4 / warps_k warps."""
+        return 32 * self.rows_per_thread * 4 // self.warps_k // self.lanes_k
 
     @classmethod
     def from_spec(cls, spec: str) -> "GluonExactFMAConfig":
-        """The configuration a spec string names, rows_per_thread:warps_k:stages[:maxnreg] (maxnreg
-        0: None; absent: 128), the form scripts/probe_gluon_exact_fma.py prints."""
+        """The configuration a spec string names, rows_per_thread:warps_k:lanes_k:stages[:maxnreg]
+        (maxnreg 0: None; absent: 128), the form scripts/probe_gluon_exact_fma.py prints."""
         try:
             parts = [int(v) for v in spec.split(":")]
-            if not 3 <= len(parts) <= 4:
+            if not 4 <= len(parts) <= 5:
                 raise ValueError
         except ValueError:
-            raise ValueError(f"a GluonExactFMAConfig spec is rows_per_thread:warps_k:stages[:maxnreg], integers, "
-                             f"got {spec!r}") from None
-        maxnreg = parts[3] if len(parts) == 4 else 128
-        return cls(rows_per_thread=parts[0], warps_k=parts[1], stages=parts[2], maxnreg=maxnreg or None)
+            raise ValueError(f"a GluonExactFMAConfig spec is rows_per_thread:warps_k:lanes_k:stages[:maxnreg], "
+                             f"integers, got {spec!r}") from None
+        maxnreg = parts[4] if len(parts) == 5 else 128
+        return cls(rows_per_thread=parts[0], warps_k=parts[1], lanes_k=parts[2], stages=parts[3],
+                   maxnreg=maxnreg or None)
 
     def __post_init__(self):
         def is_int(v):
             return isinstance(v, int) and not isinstance(v, bool)
-        if self.rows_per_thread not in (1, 2, 4) or not is_int(self.rows_per_thread):
-            raise ValueError(f"GluonExactFMAConfig.rows_per_thread must be 1, 2 or 4, got {self.rows_per_thread!r}")
-        if self.warps_k not in (1, 2, 4) or not is_int(self.warps_k):
-            raise ValueError(f"GluonExactFMAConfig.warps_k must be 1, 2 or 4, got {self.warps_k!r}")
+        for name in ("rows_per_thread", "warps_k", "lanes_k"):
+            v = getattr(self, name)
+            if v not in (1, 2, 4) or not is_int(v):
+                raise ValueError(f"GluonExactFMAConfig.{name} must be 1, 2 or 4, got {v!r}")
         if not is_int(self.stages) or not 2 <= self.stages <= 8:
             raise ValueError(f"GluonExactFMAConfig.stages must be an int in [2, 8], got {self.stages!r}")
         if self.maxnreg is not None and (not is_int(self.maxnreg) or not 24 <= self.maxnreg <= 256
@@ -362,7 +422,7 @@ def launch_options(config: GluonExactFMAConfig) -> dict:
     sm_90 compile test share them): the consumer's 4 warps and the producer's warp, padded to 8
     warps; enable_reflect_ftz=False keeps the FP32 subnormals of the scaling's `mul.rn` (libdevice;
     Triton's default flushes them)."""
-    opts = {"WK": config.warps_k, "STAGES": config.stages,
+    opts = {"WK": config.warps_k, "LK": config.lanes_k, "STAGES": config.stages,
             "num_warps": CONSUMER_WARPS, "enable_reflect_ftz": False}
     if config.maxnreg is not None:
         opts["maxnreg"] = config.maxnreg

@@ -73,18 +73,20 @@ def _loop_with(kernel, opcode: str) -> list[str]:
 
 
 # (config, row bucket, FP32 out): the default (4 weight rows a thread, the 4 warps along K) at 1
-# and 4 rows, 2 rows a thread over 2 x 2 warps, 1 row a thread with every warp all four blocks
-# (~0.5 s each)
+# and 4 rows, 2 rows a thread over 2 x 2 warps, 1 row a thread with every warp all four blocks,
+# 2 and 4 lanes a block (~0.5 s each)
 COMPILE_CASES = [
     (C(), 1, False),
     (C(), 4, True),
     (C(rows_per_thread=2, warps_k=2, stages=3), 2, False),
-    (C(rows_per_thread=1, warps_k=1, stages=6), 4, True),
+    (C(rows_per_thread=1, warps_k=1, stages=6), 2, True),
+    (C(rows_per_thread=1, lanes_k=2, stages=8, maxnreg=80), 1, False),
+    (C(rows_per_thread=2, lanes_k=4, maxnreg=80), 2, True),
 ]
 
 
 @pytest.mark.parametrize("config,bt,out_f32", COMPILE_CASES,
-                         ids=[f"rw{c.rows_per_thread}-wk{c.warps_k}-r{bt}" + ("-f32" if f else "")
+                         ids=[f"rw{c.rows_per_thread}-wk{c.warps_k}-lk{c.lanes_k}-r{bt}" + ("-f32" if f else "")
                               for c, bt, f in COMPILE_CASES])
 def test_compiles_for_sm90_without_spills(config, bt, out_f32):
     kernel = _compile(config, bt, out_f32)
@@ -94,9 +96,10 @@ def test_compiles_for_sm90_without_spills(config, bt, out_f32):
     assert res["LOCAL"] == 0 and res["STACK"] == 0 and ops.get("STL", 0) == 0 and ops.get("LDL", 0) == 0, (res, ops)
     assert res["REG"] <= config.maxnreg, res
     assert kernel.metadata.shared <= F.shared_bytes(config, bt) <= SHARED_LIMIT, kernel.metadata.shared
-    # Per slot a thread's rows_per_thread weight rows x (4 / warps_k) K blocks x 32 k: one DFMA per
-    # code and x row, one prmt per code (its FP64 high word), no FP64 MMA; the loop body holds one slot.
-    codes = config.rows_per_thread * (4 // config.warps_k) * 32
+    # Per slot a thread's rows_per_thread weight rows x (4 / warps_k) K blocks x 32 / lanes_k k: one
+    # DFMA per code and x row, one prmt per code (its FP64 high word), no FP64 MMA; the loop body
+    # holds one slot.
+    codes = config.rows_per_thread * (4 // config.warps_k) * 32 // config.lanes_k
     loop = _loop_with(kernel, "DFMA")
     lops = sm90.opcode_counts(loop)
     assert ops.get("DFMA", 0) == lops.get("DFMA", 0) == codes * bt, (codes, bt, lops)
@@ -104,10 +107,13 @@ def test_compiles_for_sm90_without_spills(config, bt, out_f32):
     # No FP64 multiply of the weight: the loop's only DMULs scale x's codes by 2^1000 (bt of them
     # a thread: the 128 consumer threads convert a slot's bt x 128 codes).
     assert lops.get("DMUL", 0) == bt, lops
-    # The weight tile by 16-byte shared loads (2 a weight row and block), x's values by broadcast
-    # 8- or 16-byte loads; no shared load of single bytes but x's codes (bt a thread).
+    # The weight tile by 16-byte shared loads (32 / lanes_k bytes a weight row and block: 8-byte
+    # loads with 4 lanes a block), x's values by broadcast 8- or 16-byte loads; no shared load of
+    # single bytes but x's codes (bt a thread).
     loads = [t.split()[0] for t in loop if t.startswith("LDS")]
-    assert loads.count("LDS.128") >= 2 * config.rows_per_thread * (4 // config.warps_k), loads
+    wide = "LDS.64" if config.lanes_k == 4 else "LDS.128"
+    per_row = max(1, 2 // config.lanes_k)
+    assert loads.count(wide) >= config.rows_per_thread * (4 // config.warps_k) * per_row, loads
     assert loads.count("LDS.U8") <= bt, loads
     # Each block's FP64 sum rounded once to FP32, its last scale a lone mul.rn (no FFMA: nothing
     # contracted into the accumulator's add); no FP32 op flushes subnormals.
@@ -124,8 +130,9 @@ def test_compiles_for_sm90_without_spills(config, bt, out_f32):
 
 def test_launch_geometry():
     assert [F.block_t(m) for m in (1, 2, 3, 4)] == [1, 2, 4, 4]
-    assert [C(rows_per_thread=r, warps_k=w, stages=2).block_n for r, w in ((1, 4), (4, 4), (2, 2), (4, 1))] == [
-        32, 128, 128, 512]
+    assert [C(rows_per_thread=r, warps_k=w, lanes_k=lk, stages=2).block_n
+            for r, w, lk in ((1, 4, 1), (4, 4, 1), (2, 2, 1), (4, 1, 1), (1, 4, 2), (1, 4, 4))] == [
+        32, 128, 128, 512, 16, 8]
     assert F.shared_bytes(C(stages=4), 1) == 4 * (128 + 1) * 128 + 2 * 128 * 8 + 2 * 4 * 128 * 4 + 1024
     assert F.shared_bytes(C(rows_per_thread=4, warps_k=2, stages=5), 4) <= SHARED_LIMIT
 
@@ -141,12 +148,13 @@ def test_bad_config_and_plan_arguments_name_the_argument():
     raises(r"max_rows must be an int in \[1, 4\]", lambda: F.GluonExactFMA(w, s, max_rows=5))
     raises("config must be a GluonExactFMAConfig", lambda: F.GluonExactFMA(w, s, config="fast"))
     raises(r"config must cover max_rows=4 rows, got keys \[2\]", lambda: F.GluonExactFMA(w, s, config={2: C()}))
-    assert C.from_spec("2:2:6") == C(rows_per_thread=2, warps_k=2, stages=6)
-    assert C.from_spec("4:4:4:0").maxnreg is None and C.from_spec("1:4:8:80").maxnreg == 80
-    for bad in ("4:4", "4:4:4:128:1", "4:x:4"):
-        raises("a GluonExactFMAConfig spec is rows_per_thread:warps_k:stages", lambda: C.from_spec(bad))
+    assert C.from_spec("2:2:1:6") == C(rows_per_thread=2, warps_k=2, stages=6)
+    assert C.from_spec("4:4:2:4:0") == C(lanes_k=2, maxnreg=None) and C.from_spec("1:4:1:8:80").maxnreg == 80
+    for bad in ("4:4:1", "4:4:1:4:128:1", "4:x:1:4"):
+        raises("a GluonExactFMAConfig spec is rows_per_thread:warps_k:lanes_k:stages", lambda: C.from_spec(bad))
     raises("rows_per_thread must be 1, 2 or 4", lambda: C(rows_per_thread=3))
     raises("warps_k must be 1, 2 or 4", lambda: C(warps_k=8))
+    raises("lanes_k must be 1, 2 or 4", lambda: C(lanes_k=32))
     raises("stages must be an int in", lambda: C(stages=1))
     raises("maxnreg must be None or a multiple of 8", lambda: C(maxnreg=100))
     raises(r"stages=8 x \(block_n=512 \+ 4\).*exceed", lambda: C(rows_per_thread=4, warps_k=1, stages=8))
@@ -163,9 +171,11 @@ def _subnormal_operands(gen, m: int, n: int, k: int):
 
 
 # Every form at the TP1 shapes: the default, one weight row a thread (32-row tiles: wo_b's 160
-# programs), 2 x 2 warps, every warp all four blocks of its rows (no exchange between the warps).
+# programs), 2 x 2 warps, every warp all four blocks of its rows (no exchange between the warps),
+# 2 and 4 lanes a block (16- and 8-row tiles, the parts' sums by lane shuffles).
 CONFIGS = (None, {2: C(rows_per_thread=1, warps_k=4, stages=8), 4: C(rows_per_thread=2, warps_k=2, stages=3)},
-           C(rows_per_thread=4, warps_k=1, stages=2))
+           C(rows_per_thread=4, warps_k=1, stages=2),
+           {1: C(rows_per_thread=1, lanes_k=4, stages=8, maxnreg=80), 4: C(rows_per_thread=1, lanes_k=2, maxnreg=80)})
 TP1_SHAPES = [s for s in FLASH_SHAPES if s[0] in ("fused_wqa_wkv", "wq_b", "wq_b_tp8", "wo_b")]
 
 
@@ -203,6 +213,8 @@ def test_flash_shapes_match_the_reference_on_gpu(name, n, k):
     (4, 130, 256, C(rows_per_thread=2, warps_k=2, stages=2), "subnormal"),   # N past a tile
     (2, 600, 128, C(rows_per_thread=4, warps_k=1, stages=2), "uniform"),    # one slot, a partial 512-row tile
     (4, 64, 1024, C(rows_per_thread=1, warps_k=2, stages=8, maxnreg=None), "heavy"),
+    (3, 72, 512, C(rows_per_thread=1, lanes_k=4, stages=3), "subnormal"),     # 8-row tiles, N past one
+    (1, 48, 384, C(rows_per_thread=2, warps_k=2, lanes_k=2), "heavy"),
 ])
 def test_small_shapes_match_the_reference_on_gpu(m, n, k, config, kind):
     if kind == "quantized":
