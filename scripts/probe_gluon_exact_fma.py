@@ -12,9 +12,9 @@ subnormals) against `reference.linear.mxfp8_mm` per configuration; the best conf
 (`GluonExactFMA(config={rows: config})`); each compiled kernel's registers and spills.
 
     PYTHONPATH=. python scripts/probe_gluon_exact_fma.py
-    PYTHONPATH=. python scripts/probe_gluon_exact_fma.py --rows=1,4 --only=wo_b --alt=1:4:8:80,2:4:6
+    PYTHONPATH=. python scripts/probe_gluon_exact_fma.py --rows=1,4 --only=wo_b --alt=1:4:2:8:80,2:4:1:6
 
---alt: configurations rows_per_thread:warps_k:stages[:maxnreg] (`GluonExactFMAConfig.from_spec`;
+--alt: configurations rows_per_thread:warps_k:lanes_k:stages[:maxnreg] (`GluonExactFMAConfig.from_spec`;
 maxnreg 0: None, default 128). `--budget=` s (default 480) stops the timing; the summary still
 prints. `PROBE_DRY=1` runs the script on the CPU at small shapes with the reference in place of
 every kernel (checks the script only, no timing worth reading).
@@ -39,14 +39,17 @@ from probe_gluon_exact_mm import SHAPES, _DryPlan, _time
 DRY = os.environ.get("PROBE_DRY") == "1"
 DEV = "cpu" if DRY else "cuda"
 ROWS = (1, 2, 3, 4)
-# rows_per_thread:warps_k:stages[:maxnreg]. block_n = 32 x rows_per_thread x 4 / warps_k weight
-# rows a program: wq_b (32768 rows) 256 programs of 128, the indexer's wq_b (4096) 128 of 32 or 64
-# of 64, fused wq_a|wkv (1792) 56 of 32, wo_b (5120) 160 of 32. sm_90 compiles (the consumer's
-# loop, one 128-deep slot, instructions per weight code a thread): 4:4 4.9 / 6.2 / 9.4 at 1 / 2 /
-# 4 x rows, 2:4 5.4 / 7.0 / 10.3, 1:4 7.2 / 8.9 / 13.3, 4:2 4.7 / 6.0 / 9.0, 2:2 5.0 / 6.6 / 9.6;
-# no spills at a cap of 128 or 80 (3 CTAs per SM).
-CANDIDATES = ["4:4:4", "4:4:6:80", "2:4:4", "2:4:8:80", "1:4:4", "1:4:8:80", "1:4:8:64", "2:2:4", "4:2:3",
-              "1:2:6:80", "1:1:3"]
+# rows_per_thread:warps_k:lanes_k:stages[:maxnreg]. block_n = 32 x rows_per_thread x 4 / warps_k /
+# lanes_k weight rows a program: wq_b (32768 rows) 256 programs of 128 or 128 of 256; the indexer's
+# wq_b (4096) 128 of 32, 256 of 16; fused wq_a|wkv (1792) 56 of 32, 112 of 16, 224 of 8; wo_b
+# (5120) 160 of 32, 320 of 16. sm_90 compiles, the consumer's loop (one 128-deep slot) in SASS
+# instructions per weight code a thread at 1 / 2 / 4 x rows: 4:4:1 4.9 / 6.2 / 9.4, 4:2:1 4.7 /
+# 6.0 / 9.0, 2:4:1 5.4 / 7.0 / 10.3, 1:4:1 7.2 / 8.9 / 13.3, 4:4:2 5.8 / 7.7 / 11.7, 2:4:2 7.0 /
+# 9.2 / 13.7, 1:4:2 9.5 / 12.0 / 18.1, 2:4:4 10.3 / 13.8 / 20.9, 1:4:4 14.1 / 18.6 / 28.4 (the
+# slot's fixed work - x's conversion, the barriers, the terms, the scales - over fewer codes); no
+# spills at a cap of 128 or 80 (3 CTAs per SM where the shared memory allows).
+CANDIDATES = ["4:4:1:4", "4:2:1:3", "2:4:1:4", "2:4:1:6:80", "1:4:1:8:80", "4:4:2:4", "2:4:2:6:80", "1:4:2:8:80",
+              "2:4:4:8:80", "1:4:4:8:80", "1:2:2:8:80", "2:2:1:4"]
 
 
 def config_of(spec: str) -> GluonExactFMAConfig:
