@@ -57,6 +57,11 @@ What the Gluon form does differently (the layout of `ops.gluon_mm`, the Gluon FP
 - **Scales** as in `gluon_mm`: one int32 word (four UE8M0 bytes) per weight-row block and per
   activation row per 128-deep slot, loaded one slot ahead; hence K % 128 == 0 and word-aligned
   scale rows.
+- **256-deep slots** (`GluonExactConfig.block_k=256`, K % 256 == 0): eight K blocks a slot, two
+  scale words a row, the TMA boxes [rows, 256]; one wait, one release (and with the warps along K
+  one round of the terms through shared memory) per 256 of K instead of two; with warps_k=4 each
+  warp takes blocks w and w + 4 of the batched MMA: two independent MMA chains a slot. The
+  terms join the sum in the same K order.
 - **Optional K split** (`GluonExactConfig.split`, calls of at most `split_rows` rows): several
   programs share a weight tile's K; each stores its block terms (the M real rows) in a plan-owned
   workspace, and the tile's last program to arrive (an acq_rel atomic counter, reset for the next
@@ -77,17 +82,23 @@ What the Gluon form does differently (the layout of `ops.gluon_mm`, the Gluon FP
 
 Cost (an estimate from the instruction rates; `scripts/probe_gluon_exact_mm.py` measures it): the
 FP64 MMA does max(8, rows) multiply-adds per weight byte (its N side is at least 8) at about 128
-per clock per SM on an H100 / H200, so from 16 rows on it, not the weight's read, bounds the time
-(about 2x the read's time at 16 rows, 9x at 64); at 1-8 rows the MMA and the conversions (sm_90
-compiles: 3-4 integer instructions per weight code, or a quarter-rate F2F) both come near the
+per clock per SM on an H100 / H200 (a DMMA m16n8k16 about 64 clocks of its sub-partition's unit),
+so from 16 rows on it, not the weight's read, bounds the time (about 2x the read's time at 16
+rows, 9x at 64); at 1-8 rows the MMA and the conversions (sm_90 compiles: 3-4 integer instructions
+per weight code in "int" / "raw", 2 in the packed forms, or a quarter-rate F2F) both come near the
 read's time. With warps_k=4 a warp's slot is one 32-deep block of each of the tile's rows: at 8 x
 rows and 16 weight rows 167 instructions ("raw"; 2 DMMA) for 512 weight bytes, 0.33 a byte
-against 0.22 with warps_k=1 (907 for 128 rows x 128; the terms' stores, barrier and reads, x's
-conversion and the scales spread over fewer rows), in 4x the programs (N / 16).
+against 0.22 with warps_k=1 (896 for 128 rows x 128; the terms' stores, barrier and reads, x's
+conversion and the scales spread over fewer rows), in 4x the programs (N / 16). The H200 runs at
+1-16 rows (wq_b 128 x 8 "raw" 23.3 us, 128 x 16 "int+cvt" 35.1, wo_b 16 x 8 along K 36.0) come
+closer to the sum of each sub-partition's DMMA time (64 clocks each) and its consumer warps' issued
+instructions than to the larger of the two: the instructions per DMMA (56 at 128 x 8 "raw", 46 in
+"rawp"; 84 at 16 x 8 along K, 67 in "rawp" with 256-deep slots) are worth about as much as the
+DMMA's own 64 clocks.
 
 Every configuration, split and row count gives the same bits (`exact_mm.reduction_order`). A
 `GluonExactMM` plan binds one weight (its TMA descriptor, workspace, counters) once; calling it
-validates and launches. Nothing else in the package uses it yet.
+validates and launches. `ops.exact_linear.ExactLinear` runs it above a few rows per shape.
 """
 
 from __future__ import annotations
