@@ -17,40 +17,56 @@ bit 63 and its eeee.mmm at bits 55..49, the value times 2^-1016 (an FP64 subnorm
 code, -0 for 0x80) - has a zero low word, so only its high word is built: per word W of four codes,
 A = W << 1 once, then per code j one `prmt` (byte 3 = W's byte j: the sign at bit 31; byte 2 = A's
 byte j: eeee.mmm at bits 23..17) and one `and` with 0x80FE0000 (the bits between, and bytes 1..0,
-cleared): 2.25 integer instructions a code, paired with a zero low word. The two NaN codes 0x7F /
-0xFF read as +-480 (as "raw"'s: a non-finite block's scale byte 255 makes its terms NaN anyway).
-x's codes are converted once per ring slot by the whole CTA, through FP32, to value * 2^1000
-(exact) in a shared FP64 buffer, so each product is the true one times 2^-16, a normal FP64 number
-(at least 2^-34: the DFMA takes the weight's subnormal operands exactly, as an IEEE FMA does), the
-block sum the true one times 2^-16, exactly; RN to FP32 and times 2^16 is exact (the scaled sum
-lies between 2^-34 and 2^7: no FP32 underflow or overflow). Then one DFMA per (weight code, row).
+cleared): 2.25 integer instructions a code (the shift an IMAD in sm_90's SASS), paired with a zero
+low word. The weight's two NaN codes 0x7F / 0xFF read as +-480 (as "raw"'s: a non-finite block's
+scale byte 255 makes its terms NaN anyway). x's codes are converted once per ring slot by the
+whole CTA, through FP32, to value * 2^1000 (exact) in a shared FP64 buffer, so each product is the
+true one times 2^-16, a normal FP64 number (at least 2^-34: the DFMA takes the weight's subnormal
+operands exactly, as an IEEE FMA does), the block sum the true one times 2^-16, exactly; RN to
+FP32 and times 2^16 is exact (the scaled sum lies between 2^-34 and 2^7: no FP32 underflow or
+overflow). Then one DFMA per (weight code, row).
 
 **Layout.** A TMA producer warp (`gluon_mm._producer`, the Gluon tier's ring: `_ring`) streams
-[BN, 128] FP8 weight tiles (NVMMA 128-byte swizzle) and the call's [M, 128] activation tiles
-through `stages` shared-memory slots. Four consumer warps: `warps_k` of them split each slot's four
-32-deep K blocks (warp w the blocks w, w + warps_k, ...), the rest (4 / warps_k) the weight rows;
-each thread owns `rows_per_thread` consecutive weight rows and, per block, loads its rows' 32 codes
-(two 16-byte `ld.shared` a row: the swizzle puts the 8 rows of a 16-byte column in 8 different bank
-groups, conflict-free) and walks the block's 32 k sequentially, 4 at a time (one word of codes), a
-DFMA chain per (weight row, x row) from 0 - no cross-thread reduction. x's FP64 values come from
-the shared buffer by broadcast loads (every lane the same address), one load per k for up to two x
-rows, shared by the thread's weight rows. Each block's sum is rounded, scaled and stored as a term
-to a [4, BN, M] FP32 buffer in shared memory; after the slot's barrier each output's thread reads
-its four terms and adds them to its accumulator in K order, 0, 1, 2, 3 (`gluon_exact_mm`'s warps_k
-scheme: nothing leaves the CTA, no global workspace). BN = 32 x rows_per_thread x 4 / warps_k.
-One barrier a slot: x's buffer and the terms are double-buffered by slot parity; a slot goes back
-to the producer after the next slot's barrier (every thread's reads of it done).
+[BN, 128] FP8 weight tiles (NVMMA 128-byte swizzle) and the call's activation tile ([R, 128], R =
+1, 2 or 4: a call of 3 rows computes 4, TMA's zero rows past M) through `stages` shared-memory
+slots. Four consumer warps: `warps_k` of them split each slot's four 32-deep K blocks (warp w the
+blocks w, w + warps_k, ...), the rest (4 / warps_k) the weight rows; in a warp, `lanes_k` lanes
+share a (weight row, block), each 32 / lanes_k of its k, and 32 / lanes_k consecutive weight rows
+fill the warp; a thread owns `rows_per_thread` weight rows, 32 / lanes_k x 4 / warps_k apart (a
+quarter-warp's 16-byte loads then hit 8 distinct bank groups of the swizzle: a static_assert on
+`gl.bank_conflicts` in `_group_sums`). Per block a thread loads its rows' codes (16-byte
+`ld.shared`) and walks its k sequentially, 4 at a time (one word of codes, `_word`), a DFMA chain
+per (weight row, x row) from 0 (two chains, even and odd words, when a thread has one weight row
+and one x row: two FMAs in flight); with lanes_k > 1 the parts' exact sums meet by lane shuffles
+(FP64 adds, exact). x's FP64 values come from the shared buffer by broadcast loads (every lane of
+a part the same address; one load per k for up to two x rows), shared by the thread's weight
+rows. Each block's sum is rounded, scaled and stored as a term to a [4, BN, R] FP32 buffer in
+shared memory; after the slot's barrier each output's thread reads its four terms and adds them to
+its accumulator in K order, 0, 1, 2, 3 (`gluon_exact_mm`'s warps_k scheme: nothing leaves the CTA,
+no global workspace). BN = 32 x rows_per_thread x 4 / warps_k / lanes_k (8 to 512). One barrier
+a slot of the kernel's own (the compiler adds two around the terms): x's buffer and the terms are
+double-buffered by slot parity; a slot goes back to the producer after the next slot's barrier
+(every thread's reads of it done).
 
-**Cost** (an estimate from the sm_90 instruction rates; `scripts/probe_gluon_exact_fma.py`
-measures it). Per weight code: 2.25 integer instructions (the ALU pipe, 16 lanes per SM
-sub-partition: 4.5 cycles per warp's 32 codes) and one DFMA per row (16 lanes: 2 cycles per warp
-instruction); per weight row and block two 16-byte shared loads; per k and block one broadcast
-load per two x rows, shared by the thread's weight rows. Over 132 SMs x 4 sub-partitions at ~1.75
-GHz, wq_b 32768x1280 (42 M codes): the integer work ~6.4 us, the DFMA ~2.9 us per row - under the
-read (~9.7 us at 4.4 TB/s) at 1-2 rows (the ALU and FP64 pipes run side by side), ~11.5 us at 4
-rows (DFMA-bound). The other shapes scale with N x K: fused 1792x5120 0.22x, idx 4096x1280 0.125x,
-wo_b 5120x8192 1.0x of wq_b's codes. The grid is N / BN programs: warps_k=4 gives 32 x
-rows_per_thread weight rows a program (wo_b: 160 programs with one row a thread).
+**Cost** (sm_90 compiles: the consumer's loop, one slot, in SASS instructions per weight code a
+thread; `scripts/probe_gluon_exact_fma.py` measures the time). The default, 4 weight rows a thread
+and the 4 warps along K (128-row tiles): 4.9 / 6.2 / 9.4 instructions a code at 1 / 2 / 4 x rows,
+of them 2.2 ALU (one prmt and one and a code, the shift a word; loop and address work), 1.0 / 1.0
+/ 1.5 IMAD (the zero low words of the FP64 operands, re-made as registers rotate), 1 / 2 / 4 DFMA,
+0.33 / 0.36 / 0.62 shared loads (weight: 1/16, x's values: one per k and block, per two x rows);
+the rest (x's conversion, the barriers, the scales, the terms) is fixed per slot, so smaller
+tiles cost more a code: one row a thread (32-row tiles) 7.2 / 8.9 / 13.3, with 2 lanes a block
+(16-row tiles) 9.5 / 12.0 / 18.1, 4 rows a thread over 2 warps along K (256-row tiles) 4.7 / 6.0
+/ 9.0. An SM sub-partition issues one instruction a cycle (ALU and DFMA: 16 lanes, 2 cycles a warp
+instruction each, on separate pipes). Over 132 SMs x 4 sub-partitions at ~1.75 GHz, wq_b
+32768x1280 (42 M codes, 256 programs of 128 rows, two a SM): issue ~6.9 / 8.8 / 13.3 us at 1 / 2 /
+4 rows (the DFMA pipe alone ~11.3 us at 4), against the weight's read of ~9.7 us: about the read
+at 1-2 rows, DFMA-bound at 4. The indexer's wq_b (4096x1280) and fused wq_a|wkv (1792x5120) are
+small (5 and 9 M codes): their time is the ring's fill and the few programs' (128 of 32 rows,
+112 of 16), a few us. wo_b 5120x8192 (42 M codes) has few rows for its K: 160 programs of 32 rows
+(7.2 instructions a code) or 320 of 16 (9.5), both uneven over 132 SMs (1.65x / 1.24x the mean
+on the busiest): ~16-17 us at 1 row, ~21 at 2, ~31 at 4 - the read (9.7 us) is out of reach
+without a K split across programs.
 
 Every configuration and row count gives the same bits (`exact_mm.reduction_order`). A
 `GluonExactFMA` plan binds one weight (its TMA descriptor) once; calling it validates and
@@ -108,40 +124,13 @@ def _f64(hi):
     return (hi.to(gl.int64) << 32).to(gl.float64, bitcast=True)
 
 
-@gluon.constexpr_function
-def _lane_layout(WK, LK, R):
-    """[BN, WK, LK, R]: the (weight row, K block, part of the block, x row) of each thread's DFMA
-    chains. A warp's 32 lanes: 32 / LK weight rows x the LK parts (32 / LK k each) of one block;
-    per thread BN / (32 / LK x 4 / WK) weight rows, 32 / LK x 4 / WK apart, and the R x rows; the
-    4 / WK warps along the weight rows, the WK warps along the slot's K blocks (warp w block w of
-    each group of WK blocks)."""
-    return gl.BlockedLayout(size_per_thread=[1, 1, 1, R], threads_per_warp=[32 // LK, 1, LK, 1],
-                            warps_per_cta=[4 // WK, WK, 1, 1], order=[0, 2, 1, 3])
-
-
-@gluon.constexpr_function
-def _acc_layout(WK, LK, R):
-    """[BN, WK, R]: the block sums, `_lane_layout` with the parts of a block added (each held by
-    the LK lanes of its part)."""
-    return gl.SliceLayout(2, _lane_layout(WK, LK, R))
-
-
-@gluon.constexpr_function
-def _codes_layout(WK, LK):
-    """[BN, 32 WK]: a group of WK blocks of the slot's weight tile, per thread its rows' 32 / LK
-    codes of its part of its warp's block (`_lane_layout`)."""
-    return gl.BlockedLayout(size_per_thread=[1, 32 // LK], threads_per_warp=[32 // LK, LK],
-                            warps_per_cta=[4 // WK, WK], order=[0, 1])
-
-
 @gluon.jit
 def _word(acc0, acc1, codes, xf, q: gl.constexpr, g: gl.constexpr, WK: gl.constexpr, LK: gl.constexpr,
-          R: gl.constexpr, TWO: gl.constexpr):
+          R: gl.constexpr, TWO: gl.constexpr, L: gl.constexpr):
     """The DFMAs of the thread's word q of each weight row's part of its block (`codes`: [BN, WK,
     LK, 4] bytes t, column 32 block + 32 / LK part + 4 q + t of the tile): the codes' FP64 high
     words (`_hi_words`), and per code t one DFMA per x row into acc0 (with TWO, words of odd q into
     acc1); x's value of the same k from `xf` (row (32 / LK x 4 block + ... ): `_x_rows`)."""
-    L: gl.constexpr = _lane_layout(WK, LK, R)
     BN: gl.constexpr = codes.shape[0]
     xl: gl.constexpr = gl.SliceLayout(0, L)
     phys: gl.constexpr = gl.reshape(gl.zeros([WK, LK, R], gl.float64, xl), [WK * LK, R]).type.layout
@@ -170,19 +159,18 @@ def _add(a, b):
 
 @gluon.jit
 def _group_sums(w_tile, xf, g: gl.constexpr, BN: gl.constexpr, WK: gl.constexpr, LK: gl.constexpr,
-                R: gl.constexpr):
-    """The exact block sums times 2^-16 [BN, WK, R] (FP64, `_acc_layout`) of the slot's block group
+                R: gl.constexpr, L: gl.constexpr, CODES: gl.constexpr):
+    """The exact block sums times 2^-16 [BN, WK, R] (FP64, SliceLayout(2, L)) of the slot's block group
     g (blocks WK g .. WK g + WK - 1, block WK g + w by warp w along K): the weight codes from the
     tile in shared memory (`w_tile` [BN, 128]), x's values times 2^1000 from `xf` (`_x_rows`),
     per k one DFMA per (weight row, x row) from 0 (`_word`), the LK parts of a block added across
     their lanes (exact: the parts are exact partial sums of the block)."""
-    L: gl.constexpr = _lane_layout(WK, LK, R)
     # the lanes' loads (16 or 8 bytes a row, the rows 32 / LK apart in a thread, consecutive across
     # the lanes) hit distinct bank groups of the 128-byte swizzle (checked on the whole tile: the
     # count of a slice is not implemented; each load instruction reads the same rows and columns)
-    gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.float8e4nv, [BN, 128], _codes_layout(WK, LK)),
+    gl.static_assert(gl.bank_conflicts(gl.distributed_type(gl.float8e4nv, [BN, 128], CODES),
                                        w_tile.type) == 0)
-    codes = w_tile.slice(32 * WK * g, 32 * WK, dim=1).load(_codes_layout(WK, LK))          # [BN, 32 WK]
+    codes = w_tile.slice(32 * WK * g, 32 * WK, dim=1).load(CODES)                           # [BN, 32 WK]
     NW: gl.constexpr = 8 // LK          # 4-byte words a thread's part of a block
     # [BN, WK, LK, NW words, 4 bytes] -> [BN, WK, LK, 4, NW] and the word index split in bits
     w = gl.permute(gl.reshape(codes, [BN, WK, LK, NW, 4]), (0, 1, 2, 4, 3))
@@ -200,17 +188,17 @@ def _group_sums(w_tile, xf, g: gl.constexpr, BN: gl.constexpr, WK: gl.constexpr,
             for q1 in gl.static_range(2):
                 ws000, ws001 = gl.split((ws00, ws01)[q1])
                 for q2 in gl.static_range(2):
-                    acc0, acc1 = _word(acc0, acc1, (ws000, ws001)[q2], xf, 4 * q2 + 2 * q1 + q0, g, WK, LK, R, TWO)
+                    acc0, acc1 = _word(acc0, acc1, (ws000, ws001)[q2], xf, 4 * q2 + 2 * q1 + q0, g, WK, LK, R, TWO, L)
     elif NW == 4:
         ws0, ws1 = gl.split(gl.reshape(w, [BN, WK, LK, 4, 2, 2]))
         for q0 in gl.static_range(2):
             ws00, ws01 = gl.split((ws0, ws1)[q0])
             for q1 in gl.static_range(2):
-                acc0, acc1 = _word(acc0, acc1, (ws00, ws01)[q1], xf, 2 * q1 + q0, g, WK, LK, R, TWO)
+                acc0, acc1 = _word(acc0, acc1, (ws00, ws01)[q1], xf, 2 * q1 + q0, g, WK, LK, R, TWO, L)
     else:
         ws0, ws1 = gl.split(w)
         for q0 in gl.static_range(2):
-            acc0, acc1 = _word(acc0, acc1, (ws0, ws1)[q0], xf, q0, g, WK, LK, R, TWO)
+            acc0, acc1 = _word(acc0, acc1, (ws0, ws1)[q0], xf, q0, g, WK, LK, R, TWO, L)
     if TWO:
         acc0 = acc0 + acc1
     return gl.reduce(acc0, 2, _add)
@@ -225,20 +213,12 @@ def _x_rows(xv, LK: gl.constexpr):
     return gl.reshape(gl.permute(gl.reshape(xv, [R, 4, LK, 32 // LK]), (3, 1, 2, 0)), [128, R])
 
 
-@gluon.constexpr_function
-def _terms_layout(BN, R):
-    """[4, BN, R]: the slot's four block terms of each output in one thread (the threads along the
-    weight rows, each all R x rows)."""
-    return gl.BlockedLayout(size_per_thread=[4, 1, R], threads_per_warp=[1, 32, 1], warps_per_cta=[1, 4, 1],
-                            order=[0, 2, 1])
-
-
 @gluon.jit
-def _add_terms(acc, terms, BN: gl.constexpr, R: gl.constexpr):
+def _add_terms(acc, terms, BN: gl.constexpr, R: gl.constexpr, TERMS: gl.constexpr):
     """acc + t0 + t1 + t2 + t3, one add at a time in K order: the four block terms of a slot
     (`terms`: [4, BN, R] FP32 in shared memory) of each output, read by its thread."""
     # [BN, R, 2, 2]: block j = 2 a + b at [..., a, b]
-    t = gl.reshape(gl.permute(terms.reshape([4, BN, R]).load(_terms_layout(BN, R)), (1, 2, 0)), [BN, R, 2, 2])
+    t = gl.reshape(gl.permute(terms.reshape([4, BN, R]).load(TERMS), (1, 2, 0)), [BN, R, 2, 2])
     t02, t13 = gl.split(t)
     t0, t2 = gl.split(t02)
     t1, t3 = gl.split(t13)
@@ -249,15 +229,16 @@ def _add_terms(acc, terms, BN: gl.constexpr, R: gl.constexpr):
 
 @gluon.jit
 def _consumer(w_smem, x_smem, ready, empty, xf, terms, sw_words, sx_words, n_steps,
-              BN: gl.constexpr, WK: gl.constexpr, LK: gl.constexpr, R: gl.constexpr, STAGES: gl.constexpr):
+              BN: gl.constexpr, WK: gl.constexpr, LK: gl.constexpr, R: gl.constexpr, STAGES: gl.constexpr,
+              LANES: gl.constexpr, CODES: gl.constexpr, TERMS: gl.constexpr):
     """The consumer warps, per ring slot i: x's codes converted to FP64 value * 2^1000 into xf[i % 2]
     ([32 k, 4 blocks, R] in shared memory); one barrier; slot i - 1 handed back to the producer and
     its terms (terms[(i - 1) % 2]) added in K order; slot i's block sums (`_group_sums`), rounded
     once to FP32, times 2^16 (exact), scaled by sx then sw (`mul.rn`) and stored to terms[i % 2]
     ([4 blocks, BN, R]). The last slot's terms after a final barrier. Returns (acc, ): [BN, R] FP32
-    in `_terms_layout`'s slice."""
-    L: gl.constexpr = _acc_layout(WK, LK, R)
-    acc = gl.zeros([BN, R], gl.float32, gl.SliceLayout(0, _terms_layout(BN, R)))
+    in SliceLayout(0, TERMS) (the kernel's layouts)."""
+    L: gl.constexpr = gl.SliceLayout(2, LANES)
+    acc = gl.zeros([BN, R], gl.float32, gl.SliceLayout(0, TERMS))
     # x's codes: each of the 128 threads converts R of a slot's R x 128
     xl: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[1, 32], warps_per_cta=[1, 4],
                                         order=[1, 0])
@@ -280,9 +261,9 @@ def _consumer(w_smem, x_smem, ready, empty, xf, terms, sw_words, sx_words, n_ste
         gl.thread_barrier()
         if i > 0:
             mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1)
-            acc = _add_terms(acc, terms.index(1 - b), BN, R)
+            acc = _add_terms(acc, terms.index(1 - b), BN, R, TERMS)
         for g in gl.static_range(4 // WK):
-            part = _group_sums(w_smem.index(s), xf.index(b), g, BN, WK, LK, R)              # [BN, WK, R] FP64
+            part = _group_sums(w_smem.index(s), xf.index(b), g, BN, WK, LK, R, LANES, CODES)   # [BN, WK, R] FP64
             j = WK * g + jw
             # RN(sum * 2^-16) * 2^16 = RN(sum): a nonzero block sum is at least 2^-18 in magnitude,
             # so the scaled one stays a normal FP32 (>= 2^-34) and below 2^7 (module doc).
@@ -291,7 +272,7 @@ def _consumer(w_smem, x_smem, ready, empty, xf, terms, sw_words, sx_words, n_ste
             terms.index(b).slice(WK * g * BN, WK * BN, dim=0).store(
                 gl.reshape(gl.permute(libdevice.mul_rn(scaled, sw_b), (1, 0, 2)), [WK * BN, R]))
     gl.thread_barrier()
-    acc = _add_terms(acc, terms.index((n_steps - 1) % 2), BN, R)
+    acc = _add_terms(acc, terms.index((n_steps - 1) % 2), BN, R, TERMS)
     return (acc, )
 
 
@@ -307,7 +288,22 @@ def _gluon_exact_fma_kernel(
     # past M (the row bucket's padding, TMA's zeros) the last valid x row's; both masked at the store.
     BN: gl.constexpr = w_desc.block_type.shape[0]
     R: gl.constexpr = x_desc.block_type.shape[0]
-    L: gl.constexpr = _acc_layout(WK, LK, R)
+    # LANES [BN, WK, LK, R]: the (weight row, K block, part of the block, x row) of each thread's
+    # DFMA chains. A warp's 32 lanes: 32 / LK weight rows (the fastest) x the LK parts (32 / LK k
+    # each) of one block; per thread BN / (32 / LK x 4 / WK) weight rows, 32 / LK x 4 / WK apart,
+    # and the R x rows; the 4 / WK warps along the weight rows, the WK warps along the slot's K
+    # blocks (warp w block w of each group of WK blocks). The block sums: SliceLayout(2, LANES).
+    LANES: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1, 1, R], threads_per_warp=[32 // LK, 1, LK, 1],
+                                           warps_per_cta=[4 // WK, WK, 1, 1], order=[0, 2, 1, 3])
+    # CODES [BN, 32 WK]: a group of WK blocks of the slot's weight tile, per thread its rows' 32 / LK
+    # codes of its part of its warp's block (LANES' threads)
+    CODES: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 32 // LK], threads_per_warp=[32 // LK, LK],
+                                           warps_per_cta=[4 // WK, WK], order=[0, 1])
+    # TERMS [4, BN, R]: the slot's four block terms of each output in one thread (the threads
+    # along the weight rows, each all R x rows)
+    TERMS: gl.constexpr = gl.BlockedLayout(size_per_thread=[4, 1, R], threads_per_warp=[1, 32, 1],
+                                           warps_per_cta=[1, 4, 1], order=[0, 2, 1])
+    L: gl.constexpr = gl.SliceLayout(2, LANES)
     w_smem, x_smem, ready, empty = _ring(w_desc, x_desc, STAGES)
     xf = gl.allocate_shared_memory(gl.float64, [2, 128, R], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     terms = gl.allocate_shared_memory(gl.float32, [2, 4 * BN, R], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
@@ -317,14 +313,15 @@ def _gluon_exact_fma_kernel(
     sw_words = sw_ptr + (gl.minimum(rn, N - 1) // 32) * stride_swn
     sx_words = sx_ptr + gl.minimum(rm, M - 1) * stride_sxm
     acc, = gl.warp_specialize([
-        (_consumer, (w_smem, x_smem, ready, empty, xf, terms, sw_words, sx_words, n_steps, BN, WK, LK, R, STAGES)),
+        (_consumer, (w_smem, x_smem, ready, empty, xf, terms, sw_words, sx_words, n_steps, BN, WK, LK, R, STAGES,
+                     LANES, CODES, TERMS)),
         (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, 0, 0, 0, n_steps, 0, n_steps,
                      STAGES, False)),
     ], [1], [24])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
-    out_layout: gl.constexpr = gl.SliceLayout(0, _terms_layout(BN, R))
+    out_layout: gl.constexpr = gl.SliceLayout(0, TERMS)
     on = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, out_layout))
     om = gl.arange(0, R, layout=gl.SliceLayout(0, out_layout))
     y_ptrs = y_ptr + om[None, :] * stride_ym + on[:, None]
