@@ -680,8 +680,9 @@ class GluonExactConfig:
         words; K a multiple of 256): one ready / empty barrier pair, one wait, one release and,
         with warps_k > 1, one round of the terms through shared memory per 256 of K instead of two;
         with warps_k=4 each warp two independent MMA chains a slot (blocks w and w + 4), with
-        warps_k=1 eight blocks' chains in one stretch of code. The ring's bytes: stages x (block_n
-        + block_m) x block_k.
+        warps_k=1 eight blocks' chains in one stretch of code (without spills at 8 x rows and a cap
+        of 128, 128 x 8 "rawp" or 64 x 8 at 64; at 16 x rows and more they spill). The ring's bytes:
+        stages x (block_n + block_m) x block_k.
     """
 
     convert: str = "int"
