@@ -43,7 +43,7 @@ a part the same address; one load per k for up to two x rows), shared by the thr
 rows. Each block's sum is rounded, scaled and stored as a term to a [4, BN, R] FP32 buffer in
 shared memory; after the slot's barrier each output's thread reads its four terms and adds them to
 its accumulator in K order, 0, 1, 2, 3 (`gluon_exact_mm`'s warps_k scheme: nothing leaves the CTA,
-no global workspace). BN = 32 x rows_per_thread x 4 / warps_k / lanes_k (8 to 512). One barrier
+no global workspace). BN = 32 x rows_per_thread x 4 / warps_k / lanes_k (8 to 256). One barrier
 a slot of the kernel's own (the compiler adds two around the terms): x's buffer and the terms are
 double-buffered by slot parity; a slot goes back to the producer after the next slot's barrier
 (every thread's reads of it done).
@@ -353,8 +353,8 @@ class GluonExactFMAConfig:
         two CTAs per SM resident, 80 three; no configuration the probe offers spills there
         (sm_90 compiles at 1, 2 and 4 rows); None: Triton's (256, one CTA per SM).
 
-    block_n = 32 x rows_per_thread x 4 / warps_k / lanes_k weight rows a program (8 to 512),
-    N / block_n programs.
+    block_n = 32 x rows_per_thread x 4 / warps_k / lanes_k weight rows a program (8 to 256: a TMA
+    box's side), N / block_n programs.
     """
 
     rows_per_thread: int = 4
@@ -390,6 +390,10 @@ class GluonExactFMAConfig:
             v = getattr(self, name)
             if v not in (1, 2, 4) or not is_int(v):
                 raise ValueError(f"GluonExactFMAConfig.{name} must be 1, 2 or 4, got {v!r}")
+        if self.block_n > 256:
+            raise ValueError(f"GluonExactFMAConfig: block_n = 32 x rows_per_thread={self.rows_per_thread} x 4 / "
+                             f"warps_k={self.warps_k} / lanes_k={self.lanes_k} = {self.block_n} weight rows; at most "
+                             f"256 (a TMA box's side)")
         if not is_int(self.stages) or not 2 <= self.stages <= 8:
             raise ValueError(f"GluonExactFMAConfig.stages must be an int in [2, 8], got {self.stages!r}")
         if self.maxnreg is not None and (not is_int(self.maxnreg) or not 24 <= self.maxnreg <= 256

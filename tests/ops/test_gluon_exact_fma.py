@@ -131,10 +131,11 @@ def test_compiles_for_sm90_without_spills(config, bt, out_f32):
 def test_launch_geometry():
     assert [F.block_t(m) for m in (1, 2, 3, 4)] == [1, 2, 4, 4]
     assert [C(rows_per_thread=r, warps_k=w, lanes_k=lk, stages=2).block_n
-            for r, w, lk in ((1, 4, 1), (4, 4, 1), (2, 2, 1), (4, 1, 1), (1, 4, 2), (1, 4, 4))] == [
-        32, 128, 128, 512, 16, 8]
+            for r, w, lk in ((1, 4, 1), (4, 4, 1), (2, 2, 1), (2, 1, 1), (4, 1, 2), (1, 4, 2), (1, 4, 4))] == [
+        32, 128, 128, 256, 256, 16, 8]
     assert F.shared_bytes(C(stages=4), 1) == 4 * (128 + 1) * 128 + 2 * 128 * 8 + 2 * 4 * 128 * 4 + 1024
     assert F.shared_bytes(C(rows_per_thread=4, warps_k=2, stages=5), 4) <= SHARED_LIMIT
+    assert F.shared_bytes(C(rows_per_thread=2, warps_k=1, stages=5), 4) <= SHARED_LIMIT
 
 
 def test_bad_config_and_plan_arguments_name_the_argument():
@@ -157,7 +158,8 @@ def test_bad_config_and_plan_arguments_name_the_argument():
     raises("lanes_k must be 1, 2 or 4", lambda: C(lanes_k=32))
     raises("stages must be an int in", lambda: C(stages=1))
     raises("maxnreg must be None or a multiple of 8", lambda: C(maxnreg=100))
-    raises(r"stages=8 x \(block_n=512 \+ 4\).*exceed", lambda: C(rows_per_thread=4, warps_k=1, stages=8))
+    raises(r"stages=8 x \(block_n=256 \+ 4\).*exceed", lambda: C(rows_per_thread=2, warps_k=1, stages=8))
+    raises("= 512 weight rows; at most 256", lambda: C(rows_per_thread=4, warps_k=1, stages=2))
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -174,7 +176,7 @@ def _subnormal_operands(gen, m: int, n: int, k: int):
 # programs), 2 x 2 warps, every warp all four blocks of its rows (no exchange between the warps),
 # 2 and 4 lanes a block (16- and 8-row tiles, the parts' sums by lane shuffles).
 CONFIGS = (None, {2: C(rows_per_thread=1, warps_k=4, stages=8), 4: C(rows_per_thread=2, warps_k=2, stages=3)},
-           C(rows_per_thread=4, warps_k=1, stages=2),
+           C(rows_per_thread=2, warps_k=1, stages=3),
            {1: C(rows_per_thread=1, lanes_k=4, stages=8, maxnreg=80), 4: C(rows_per_thread=1, lanes_k=2, maxnreg=80)})
 TP1_SHAPES = [s for s in FLASH_SHAPES if s[0] in ("fused_wqa_wkv", "wq_b", "wq_b_tp8", "wo_b")]
 
@@ -211,7 +213,7 @@ def test_flash_shapes_match_the_reference_on_gpu(name, n, k):
     (1, 96, 512, C(), "quantized"),                                     # one partial 128-row tile
     (3, 160, 384, C(rows_per_thread=1, warps_k=4), "heavy"),            # 5 tiles of 32, 3 slots
     (4, 130, 256, C(rows_per_thread=2, warps_k=2, stages=2), "subnormal"),   # N past a tile
-    (2, 600, 128, C(rows_per_thread=4, warps_k=1, stages=2), "uniform"),    # one slot, a partial 512-row tile
+    (2, 600, 128, C(rows_per_thread=2, warps_k=1, stages=2), "uniform"),    # one slot, a partial 256-row tile
     (4, 64, 1024, C(rows_per_thread=1, warps_k=2, stages=8, maxnreg=None), "heavy"),
     (3, 72, 512, C(rows_per_thread=1, lanes_k=4, stages=3), "subnormal"),     # 8-row tiles, N past one
     (1, 48, 384, C(rows_per_thread=2, warps_k=2, lanes_k=2), "heavy"),
