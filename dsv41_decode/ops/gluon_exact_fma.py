@@ -69,8 +69,9 @@ on the busiest): ~16-17 us at 1 row, ~21 at 2, ~31 at 4 - the read (9.7 us) is o
 without a K split across programs.
 
 Every configuration and row count gives the same bits (`exact_mm.reduction_order`). A
-`GluonExactFMA` plan binds one weight (its TMA descriptor) once; calling it validates and
-launches.
+`GluonExactFMA` plan binds one weight (its TMA descriptor) once, in `default_config`'s tile for
+its N unless given one; calling it validates and launches. Nothing else in the package uses it
+yet.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .checks import config_for_rows, mxfp8_linear_args, mxfp8_weight_args, row_configs
-from .common import is_sm90
+from .common import is_sm90, num_sms
 from .exact_mm import reduction_order
 from .gluon_exact_mm import _pow2
 from .gluon_mm import SHARED_LIMIT, _producer, _ring, _scale, require_tma_rows
@@ -430,6 +431,25 @@ def launch_options(config: GluonExactFMAConfig) -> dict:
     return opts
 
 
+# default_config's tiles, largest first: (4 rows a thread, 128-row tiles, two CTAs an SM), then
+# 64, 32, 16 (2 lanes a block) and 8 rows (4 lanes) at a cap of 80 registers (three CTAs an SM) with
+# deeper rings (the tiles are small)
+_TILES = (GluonExactFMAConfig(rows_per_thread=4, warps_k=4, lanes_k=1, stages=4, maxnreg=128),
+          GluonExactFMAConfig(rows_per_thread=2, warps_k=4, lanes_k=1, stages=6, maxnreg=80),
+          GluonExactFMAConfig(rows_per_thread=1, warps_k=4, lanes_k=1, stages=8, maxnreg=80),
+          GluonExactFMAConfig(rows_per_thread=1, warps_k=4, lanes_k=2, stages=8, maxnreg=80),
+          GluonExactFMAConfig(rows_per_thread=1, warps_k=4, lanes_k=4, stages=8, maxnreg=80))
+
+
+def default_config(n: int, sms: int) -> GluonExactFMAConfig:
+    """The configuration a plan of N weight rows takes without one (an estimate, not a measurement:
+    scripts/probe_gluon_exact_fma.py measures the candidates): the largest tile (`_TILES`: fewest
+    instructions a code) that still gives at least 1.5 programs per SM, else the smallest (8 rows).
+    At 132 SMs: wq_b (32768 rows) 128-row tiles, the indexer's wq_b (4096) 16, wo_b (5120) 16,
+    fused wq_a|wkv (1792) 8."""
+    return next((c for c in _TILES if -(-n // c.block_n) * 2 >= 3 * sms), _TILES[-1])
+
+
 class GluonExactFMA:
     """y[M, N] = bf16(sum over 32-wide K blocks kb, in K order, of RN(codes[:, kb] . weight[:, kb])
     * sx * sw) for 1 <= M <= max_rows <= 4, with the weight bound once: bitwise the contract of
@@ -442,7 +462,7 @@ class GluonExactFMA:
         4-byte boundaries.
     max_rows: the most rows a call may bring (1..4); a call of 3 rows computes 4 (TMA's zero rows).
     config: the launch configuration: one GluonExactFMAConfig for every call (default
-        `GluonExactFMAConfig()`), or `{most rows: GluonExactFMAConfig}` for calls of up to that many
+        `default_config(N, the device's SMs)`), or `{most rows: GluonExactFMAConfig}` for calls of up to that many
         rows (the largest key >= max_rows). Every configuration gives the same bits.
     workspace: accepted for GluonExactMM's signature and unused: the plan keeps no workspace (the K
         blocks' terms meet in shared memory).
@@ -456,8 +476,9 @@ class GluonExactFMA:
         if k % BLOCK_K:
             raise ValueError(f"weight must be [N, K] with K a positive multiple of {BLOCK_K} (the ring's 128-deep "
                              f"slots), got {(n, k)} (use ops.exact_mm)")
-        self._configs = row_configs(GluonExactFMAConfig() if config is None else config, GluonExactFMAConfig,
-                                    "a GluonExactFMAConfig", max_rows)
+        if config is None:
+            config = default_config(n, num_sms(weight.device))
+        self._configs = row_configs(config, GluonExactFMAConfig, "a GluonExactFMAConfig", max_rows)
         if not is_sm90(weight.device):
             raise ValueError(f"weight must be on a CUDA device of compute capability 9.0 (the Gluon tier is "
                              f"sm_90 code: TMA, warp specialization), got {weight.device}")

@@ -138,6 +138,13 @@ def test_launch_geometry():
     assert F.shared_bytes(C(rows_per_thread=2, warps_k=1, stages=5), 4) <= SHARED_LIMIT
 
 
+def test_default_config_per_shape():
+    # the largest tile with at least 1.5 programs an SM (132 SMs), else 8-row tiles
+    tiles = {n: F.default_config(n, 132).block_n for _, n, _ in FLASH_SHAPES}
+    assert (tiles[32768], tiles[4096], tiles[5120], tiles[1792], tiles[16384]) == (128, 16, 16, 8, 64), tiles
+    assert F.default_config(64, 132).block_n == 8 and F.default_config(8 * 32768, 132).block_n == 128
+
+
 def test_bad_config_and_plan_arguments_name_the_argument():
     w = torch.zeros(64, 256, dtype=torch.float8_e4m3fn)
     s = torch.zeros(2, 8, dtype=torch.uint8)
