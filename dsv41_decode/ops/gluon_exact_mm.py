@@ -323,12 +323,13 @@ def _operands_k(w_tile, x_tile, la: gl.constexpr, lb: gl.constexpr, KC: gl.const
                 PACKED: gl.constexpr = False):
     """The slot's NB K blocks (4 or 8: `GluonExactConfig.block_k` / 32) as batched MMA operands for
     `GluonExactConfig.warps_k` > 1: the weight [NB, BN, KC] and x [NB, KC, BT] (batch j: K block j,
-    columns 32j..32j+31 of the slot's tiles in shared memory), in the operand layouts la / lb, each block's k in `_operand_a`'s fixed
-    permutation (the same for both operands). KC = 32: one pair (the block's 32 k); KC = 16: two
-    pairs (a0, b0, a1, b1), half h the block's k 16h..16h+15 of the permuted order, loaded together
-    and split in registers (a block's two halves chain through one FP64 accumulator: exact). Each
-    thread's bytes are consecutive in shared memory (wide loads), renamed into the operand layouts
-    without moving data (`assert_trivial`)."""
+    columns 32j..32j+31 of the slot's tiles in shared memory), in the operand layouts la / lb, each
+    block's k in `_operand_a`'s fixed permutation (the same for both operands). KC = 32: one pair
+    (the block's 32 k); KC = 16: two pairs (a0, b0, a1, b1), half h the block's k 16h..16h+15 of the
+    permuted order, loaded together and split in registers (a block's two halves chain through one
+    FP64 accumulator: exact). Each thread's bytes are consecutive in shared memory (wide loads),
+    renamed into the operand layouts without moving data (`assert_trivial`). PACKED: the weight's
+    FP64 pattern instead of its codes (`_load_pattern4`)."""
     BN: gl.constexpr = w_tile.shape[0]
     BT: gl.constexpr = x_tile.shape[0]
     NB: gl.constexpr = w_tile.shape[1] // 32
@@ -342,7 +343,8 @@ def _operands_k(w_tile, x_tile, la: gl.constexpr, lb: gl.constexpr, KC: gl.const
             a = gl.reshape(gl.permute(gl.reshape(_load_pattern4(w_tile, phys_a), [BN, NB, 4, 2, 4]), (1, 0, 3, 4, 2)),
                            [NB, BN, 32])
         else:
-            a = gl.reshape(gl.permute(gl.reshape(w_tile.load(phys_a), [BN, NB, 4, 2, 4]), (1, 0, 3, 4, 2)), [NB, BN, 32])
+            a = gl.reshape(gl.permute(gl.reshape(w_tile.load(phys_a), [BN, NB, 4, 2, 4]), (1, 0, 3, 4, 2)),
+                           [NB, BN, 32])
         like_b = gl.zeros([NB, 32, BT], gl.int8, lb)
         phys_b: gl.constexpr = gl.reshape(gl.permute(gl.reshape(like_b, [NB, 2, 4, 4, BT]), (0, 3, 1, 2, 4)),
                                           [32 * NB, BT]).type.layout
@@ -710,7 +712,8 @@ class GluonExactConfig:
             ints = [int(v) for v in (bn, bm, wn, mk, stages, split, *rest)]
         except ValueError:
             raise ValueError(f"a GluonExactConfig spec is convert:block_n:block_m:warps_n:mma_k:stages:split"
-                             f"[:maxnreg[:warps_k[:block_k]]] with integers after the conversion, got {spec!r}") from None
+                             f"[:maxnreg[:warps_k[:block_k]]] with integers after the conversion, got {spec!r}"
+                             ) from None
         bn, bm, wn, mk, stages, split, *rest = ints
         maxnreg = rest[0] if rest else 128
         return cls(convert=convert, block_n=bn, block_m=bm, warps_n=wn, mma_k=mk, stages=stages, split=split,
@@ -737,8 +740,9 @@ class GluonExactConfig:
                 raise ValueError(f"GluonExactConfig.warps_n must be 1 with warps_k={self.warps_k} (the warps "
                                  f"split the K blocks and the weight rows), got {self.warps_n!r}")
             if self.convert in ("raw+cvt", "rawp+cvt"):
-                raise ValueError(f"GluonExactConfig.convert {self.convert!r} is not offered with warps_k={self.warps_k} "
-                                 f"(a warp's blocks share one MMA call): use 'raw', 'int', 'cvt' or 'int+cvt'")
+                raise ValueError(f"GluonExactConfig.convert {self.convert!r} is not offered with "
+                                 f"warps_k={self.warps_k} (a warp's blocks share one MMA call): use 'raw', 'int', "
+                                 f"'cvt' or 'int+cvt'")
             if self.convert == "intp+cvt":
                 raise ValueError(f"GluonExactConfig.convert 'intp+cvt' is not offered with warps_k={self.warps_k} (its "
                                  f"packed halves are not whole loaded words): use 'int+cvt', 'intp' or 'rawp'")
@@ -762,7 +766,8 @@ class GluonExactConfig:
         if shared_bytes(self, self.block_m) > SHARED_LIMIT:
             raise ValueError(f"GluonExactConfig: stages={self.stages} x (block_n={self.block_n} + block_m="
                              f"{self.block_m}) x block_k={self.block_k} bytes of ring and, with warps_k > 1, "
-                             f"block_k / 8 x block_n x block_m bytes of block terms exceed sm_90's {SHARED_LIMIT} bytes of shared memory "
+                             f"block_k / 8 x block_n x block_m bytes of block terms exceed sm_90's {SHARED_LIMIT} "
+                             f"bytes of shared memory "
                              f"({shared_bytes(self, self.block_m)}): fewer stages or a smaller block_m")
 
 
@@ -889,7 +894,8 @@ class GluonExactMM:
         x_layout = gl.NVMMASharedLayout.get_default_for([bt, cfg.block_k], gl.float8e4nv)
         x_desc = TensorDescriptor.from_tensor(codes, [bt, cfg.block_k], x_layout)
         _gluon_exact_mm_kernel[(-(-self.n // cfg.block_n), -(-m // bt), split)](
-            self._w_descs[(cfg.block_n, cfg.block_k)], x_desc, sx_words, self._sw_words, out, self._workspace, self._counters,
+            self._w_descs[(cfg.block_n, cfg.block_k)], x_desc, sx_words, self._sw_words, out, self._workspace,
+            self._counters,
             m, self.n, sx_words.stride(0), self._sw_words.stride(0), out.stride(0), per, steps, split,
             OUT_F32=out.dtype == torch.float32, **launch_options(cfg, bt, split),
         )

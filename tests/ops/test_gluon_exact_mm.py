@@ -150,7 +150,8 @@ def test_compiles_for_sm90_without_spills(config, bt, split, out_f32):
     # The packed forms: one byte permute a weight code (`_PATTERN4_ASM`'s four selectors), on the
     # words as loaded (no permutes regrouping bytes of two loads: PRMT only with those selectors
     # or on scale bytes, with RZ).
-    packed = {"intp": w_codes, "rawp": w_codes, "intp+cvt": w_codes // 2, "rawp+cvt": w_codes // 2}.get(config.convert, 0)
+    packed = {"intp": w_codes, "rawp": w_codes, "intp+cvt": w_codes // 2,
+              "rawp+cvt": w_codes // 2}.get(config.convert, 0)
     prmt = [t for t in loop if t.startswith("PRMT")]
     selectors = [t for t in prmt if re.search(r", 0x(544|1644|2744|3455), ", t)]
     assert len(selectors) == packed, (len(selectors), packed)
