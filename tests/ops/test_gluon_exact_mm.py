@@ -1,16 +1,18 @@
 """ops.gluon_exact_mm, the Gluon form of the contract-exact MXFP8 linear on the FP64 MMA (sm_90 only).
 
 On the CPU (Gluon kernels do not run in Triton's interpreter): the kernel compiles for sm_90
-(Triton's own ptxas) in every form its configuration offers - the weight's conversions, 16- and
-32-deep MMA steps, 64 / 128 weight rows, x's rows split across warps, 8 to 32 x rows a program,
-with and without the K split, BF16 and FP32 out - with no spills, the FP64 MMA (DMMA) once per 16
+(Triton's own ptxas) in every form its configuration offers - the weight's conversions (the packed
+ones with one byte permute a code, on the words as loaded), 16- and 32-deep MMA steps, 16 to 128
+weight rows, x's rows split across warps, the warps along K, 128- and 256-deep ring slots, 8 to 32
+x rows a program, with and without the K split, BF16 and FP32 out - with no spills, the FP64 MMA (DMMA) once per 16
 weight rows, 8 x rows and 16 of K, wide shared-memory loads of the operands, the block terms' last
 product kept apart from the add (`mul.rn`, no FFMA), no FP32 op that flushes subnormals; and the
 plan's bad arguments raise errors that name them. On the GPU (`-m gpu`): bitwise
 `reference.linear.mxfp8_mm` on small shapes (model-like, heavy-tailed, uniform and subnormal
 codes; row tiles, partial tiles, K splits; rows and columns past the call untouched), bitwise
 `ExactMM` at the V4.1-Flash TP1 shapes at 1, 8, 16, 32 and 64 rows, run to run, across row counts,
-and the call's argument errors.
+bitwise `mxfp8_mm` there at 1, 5, 8, 16, 33 and 64 rows (model-like and heavy-tailed codes) with
+the warps along K, the packed conversions and 256-deep slots, and the call's argument errors.
 
 No tolerance anywhere: the op computes the contract's arithmetic exactly (each 32-block's dot an
 exact FP64 MMA, rounded once to FP32; the block terms scaled and added in K order; one rounding to
