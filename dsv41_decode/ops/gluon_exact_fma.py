@@ -40,13 +40,14 @@ per (weight row, x row) from 0 (two chains, even and odd words, when a thread ha
 and one x row: two FMAs in flight); with lanes_k > 1 the parts' exact sums meet by lane shuffles
 (FP64 adds, exact). x's FP64 values come from the shared buffer by broadcast loads (every lane of
 a part the same address; one load per k for up to two x rows), shared by the thread's weight
-rows. Each block's sum is rounded, scaled and stored as a term to a [4, BN, R] FP32 buffer in
-shared memory; after the slot's barrier each output's thread reads its four terms and adds them to
-its accumulator in K order, 0, 1, 2, 3 (`gluon_exact_mm`'s warps_k scheme: nothing leaves the CTA,
-no global workspace). BN = 32 x rows_per_thread x 4 / warps_k / lanes_k (8 to 256). One barrier
-a slot of the kernel's own (the compiler adds two around the terms): x's buffer and the terms are
-double-buffered by slot parity; a slot goes back to the producer after the next slot's barrier
-(every thread's reads of it done).
+rows. Each block's sum is rounded and scaled (a term) in registers, then stored to a [4, BN, R]
+FP32 buffer in shared memory; after the next slot's first barrier each output's thread reads its
+four terms and adds them to its accumulator in K order, 0, 1, 2, 3 (`gluon_exact_mm`'s warps_k
+scheme: nothing leaves the CTA, no global workspace). BN = 32 x rows_per_thread x 4 / warps_k /
+lanes_k (8 to 256). Two barriers a slot of the kernel's own (`_consumer`: after x's values are
+stored; after every read of the slot's tiles, x's values and the previous terms, when the slot
+goes back to the producer and the terms are stored), so x's buffer and the terms need one copy
+each; the compiler adds two around the ring's mbarrier operations.
 
 **Cost** (sm_90 compiles: the consumer's loop, one slot, in SASS instructions per weight code a
 thread; `scripts/probe_gluon_exact_fma.py` measures the time). The default, 4 weight rows a thread
@@ -229,15 +230,31 @@ def _add_terms(acc, terms, BN: gl.constexpr, R: gl.constexpr, TERMS: gl.constexp
 
 
 @gluon.jit
+def _slot_terms(w_tile, xf, sw, sx, jw, g: gl.constexpr, BN: gl.constexpr, WK: gl.constexpr, LK: gl.constexpr,
+                R: gl.constexpr, LANES: gl.constexpr, CODES: gl.constexpr):
+    """The terms [BN, WK, R] FP32 of the slot's block group g: the exact block sums times 2^-16
+    (`_group_sums`) rounded once to FP32, times 2^16 (exact), times sx, then times sw (`mul.rn`);
+    sw [BN, 1, 1] and sx [1, 1, R] the slot's scale words, jw [1, WK, 1] the warp's place in the
+    group."""
+    part = _group_sums(w_tile, xf, g, BN, WK, LK, R, LANES, CODES)                     # [BN, WK, R] FP64
+    j = WK * g + jw
+    # RN(sum * 2^-16) * 2^16 = RN(sum): a nonzero block sum is at least 2^-18 in magnitude, so the
+    # scaled one stays a normal FP32 (>= 2^-34) and below 2^7 (module doc).
+    scaled, sw_b = gl.broadcast(part.to(gl.float32) * 65536.0 * _scale(sx >> (8 * j), 0), _scale(sw >> (8 * j), 0))
+    return libdevice.mul_rn(scaled, sw_b)
+
+
+@gluon.jit
 def _consumer(w_smem, x_smem, ready, empty, xf, terms, sw_words, sx_words, n_steps,
               BN: gl.constexpr, WK: gl.constexpr, LK: gl.constexpr, R: gl.constexpr, STAGES: gl.constexpr,
               LANES: gl.constexpr, CODES: gl.constexpr, TERMS: gl.constexpr):
-    """The consumer warps, per ring slot i: x's codes converted to FP64 value * 2^1000 into xf[i % 2]
-    ([32 k, 4 blocks, R] in shared memory); one barrier; slot i - 1 handed back to the producer and
-    its terms (terms[(i - 1) % 2]) added in K order; slot i's block sums (`_group_sums`), rounded
-    once to FP32, times 2^16 (exact), scaled by sx then sw (`mul.rn`) and stored to terms[i % 2]
-    ([4 blocks, BN, R]). The last slot's terms after a final barrier. Returns (acc, ): [BN, R] FP32
-    in SliceLayout(0, TERMS) (the kernel's layouts)."""
+    """The consumer warps, per ring slot i: x's codes converted to FP64 value * 2^1000 into `xf`
+    ([128, R] in shared memory, `_x_rows`' order); barrier 1; slot i - 1's terms added in K order
+    from `terms` ([4 blocks x BN, R] FP32 in shared memory); slot i's terms (`_slot_terms`, every
+    group of the thread's blocks, in registers); barrier 2 (every thread's reads of the slot's tiles,
+    of xf and of the terms done); slot i handed back to the producer and its terms stored. The
+    last slot's terms after a final barrier. Two barriers a slot order every reuse of xf and terms
+    (no double buffers). Returns (acc, ): [BN, R] FP32 in SliceLayout(0, TERMS)."""
     L: gl.constexpr = gl.SliceLayout(2, LANES)
     acc = gl.zeros([BN, R], gl.float32, gl.SliceLayout(0, TERMS))
     # x's codes: each of the 128 threads converts R of a slot's R x 128
@@ -250,30 +267,37 @@ def _consumer(w_smem, x_smem, ready, empty, xf, terms, sw_words, sx_words, n_ste
     sx_next = gl.load(sx_words)
     for i in range(n_steps):
         s = i % STAGES
-        b = i % 2
         sw = gl.expand_dims(gl.expand_dims(sw_next, 1), 2)                                     # [BN, 1, 1]
         sx = gl.expand_dims(gl.expand_dims(sx_next, 0), 1)                                     # [1, 1, R]
         sw_next = gl.load(sw_words + gl.minimum(i + 1, n_steps - 1))
         sx_next = gl.load(sx_words + gl.minimum(i + 1, n_steps - 1))
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
         xv = _pow2(x_smem.index(s).load(xl).to(gl.float32).to(gl.float64), 1000)             # [R, 128]
-        xf.index(b).store(_x_rows(xv, LK))
-        # x's values stored, the previous slot's terms stored and its tiles read, by every thread
+        xf.store(_x_rows(xv, LK))
+        # x's values and the previous slot's terms stored by every thread
         gl.thread_barrier()
         if i > 0:
-            mbarrier.arrive(empty.index((i + STAGES - 1) % STAGES), count=1)
-            acc = _add_terms(acc, terms.index(1 - b), BN, R, TERMS)
-        for g in gl.static_range(4 // WK):
-            part = _group_sums(w_smem.index(s), xf.index(b), g, BN, WK, LK, R, LANES, CODES)   # [BN, WK, R] FP64
-            j = WK * g + jw
-            # RN(sum * 2^-16) * 2^16 = RN(sum): a nonzero block sum is at least 2^-18 in magnitude,
-            # so the scaled one stays a normal FP32 (>= 2^-34) and below 2^7 (module doc).
-            scaled, sw_b = gl.broadcast(part.to(gl.float32) * 65536.0 * _scale(sx >> (8 * j), 0),
-                                        _scale(sw >> (8 * j), 0))
-            terms.index(b).slice(WK * g * BN, WK * BN, dim=0).store(
-                gl.reshape(gl.permute(libdevice.mul_rn(scaled, sw_b), (1, 0, 2)), [WK * BN, R]))
+            acc = _add_terms(acc, terms, BN, R, TERMS)
+        w_tile = w_smem.index(s)
+        # the slot's terms [4 x BN, R], row j BN + n for block j = WK g + w
+        if WK == 4:
+            t = gl.permute(_slot_terms(w_tile, xf, sw, sx, jw, 0, BN, WK, LK, R, LANES, CODES), (1, 0, 2))
+        elif WK == 2:
+            t = gl.join(_slot_terms(w_tile, xf, sw, sx, jw, 0, BN, WK, LK, R, LANES, CODES),
+                        _slot_terms(w_tile, xf, sw, sx, jw, 1, BN, WK, LK, R, LANES, CODES))    # [BN, 2, R, g]
+            t = gl.permute(t, (3, 1, 0, 2))
+        else:
+            t01 = gl.join(_slot_terms(w_tile, xf, sw, sx, jw, 0, BN, WK, LK, R, LANES, CODES),
+                          _slot_terms(w_tile, xf, sw, sx, jw, 1, BN, WK, LK, R, LANES, CODES))
+            t23 = gl.join(_slot_terms(w_tile, xf, sw, sx, jw, 2, BN, WK, LK, R, LANES, CODES),
+                          _slot_terms(w_tile, xf, sw, sx, jw, 3, BN, WK, LK, R, LANES, CODES))
+            t = gl.permute(gl.join(t01, t23), (4, 3, 1, 0, 2))                # [BN, 1, R, b, a] -> g = 2 a + b
+        # every thread's reads of the slot's tiles, of xf and of the previous terms done
+        gl.thread_barrier()
+        mbarrier.arrive(empty.index(s), count=1)
+        terms.store(gl.reshape(t, [4 * BN, R]))
     gl.thread_barrier()
-    acc = _add_terms(acc, terms.index((n_steps - 1) % 2), BN, R, TERMS)
+    acc = _add_terms(acc, terms, BN, R, TERMS)
     return (acc, )
 
 
@@ -306,8 +330,8 @@ def _gluon_exact_fma_kernel(
                                            warps_per_cta=[1, 4, 1], order=[0, 2, 1])
     L: gl.constexpr = gl.SliceLayout(2, LANES)
     w_smem, x_smem, ready, empty = _ring(w_desc, x_desc, STAGES)
-    xf = gl.allocate_shared_memory(gl.float64, [2, 128, R], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-    terms = gl.allocate_shared_memory(gl.float32, [2, 4 * BN, R], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    xf = gl.allocate_shared_memory(gl.float64, [128, R], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+    terms = gl.allocate_shared_memory(gl.float32, [4 * BN, R], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     pid_n = gl.program_id(0)
     rn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
     rm = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(1, L)))
@@ -414,9 +438,9 @@ def block_t(rows: int) -> int:
 
 def shared_bytes(config: GluonExactFMAConfig, bt: int) -> int:
     """The shared memory of a launch at row bucket `bt`: the ring's weight and activation tiles, x's
-    FP64 values and the block terms (both double-buffered: 2 x 128 x bt x 8 and 2 x 4 x block_n x bt
-    x 4 bytes), 1 KB for the mbarriers and what the compiler adds."""
-    return config.stages * (config.block_n + bt) * BLOCK_K + 2 * 128 * bt * 8 + 2 * 4 * config.block_n * bt * 4 + 1024
+    FP64 values (128 x bt x 8 bytes) and the block terms (4 x block_n x bt x 4), 1 KB for the
+    mbarriers and what the compiler adds."""
+    return config.stages * (config.block_n + bt) * BLOCK_K + 128 * bt * 8 + 4 * config.block_n * bt * 4 + 1024
 
 
 def launch_options(config: GluonExactFMAConfig) -> dict:

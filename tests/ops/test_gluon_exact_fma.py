@@ -133,7 +133,7 @@ def test_launch_geometry():
     assert [C(rows_per_thread=r, warps_k=w, lanes_k=lk, stages=2).block_n
             for r, w, lk in ((1, 4, 1), (4, 4, 1), (2, 2, 1), (2, 1, 1), (4, 1, 2), (1, 4, 2), (1, 4, 4))] == [
         32, 128, 128, 256, 256, 16, 8]
-    assert F.shared_bytes(C(stages=4), 1) == 4 * (128 + 1) * 128 + 2 * 128 * 8 + 2 * 4 * 128 * 4 + 1024
+    assert F.shared_bytes(C(stages=4), 1) == 4 * (128 + 1) * 128 + 128 * 8 + 4 * 128 * 4 + 1024
     assert F.shared_bytes(C(rows_per_thread=4, warps_k=2, stages=5), 4) <= SHARED_LIMIT
     assert F.shared_bytes(C(rows_per_thread=2, warps_k=1, stages=5), 4) <= SHARED_LIMIT
 
