@@ -43,11 +43,13 @@ ROWS = (1, 2, 3, 4)
 # lanes_k weight rows a program: wq_b (32768 rows) 256 programs of 128 or 128 of 256; the indexer's
 # wq_b (4096) 128 of 32, 256 of 16; fused wq_a|wkv (1792) 56 of 32, 112 of 16, 224 of 8; wo_b
 # (5120) 160 of 32, 320 of 16. sm_90 compiles, the consumer's loop (one 128-deep slot) in SASS
-# instructions per weight code a thread at 1 / 2 / 4 x rows: 4:4:1 4.9 / 6.2 / 9.4, 4:2:1 4.7 /
-# 6.0 / 9.0, 2:4:1 5.4 / 7.0 / 10.3, 1:4:1 7.2 / 8.9 / 13.3, 4:4:2 5.8 / 7.7 / 11.7, 2:4:2 7.0 /
-# 9.2 / 13.7, 1:4:2 9.5 / 12.0 / 18.1, 2:4:4 10.3 / 13.8 / 20.9, 1:4:4 14.1 / 18.6 / 28.4 (the
-# slot's fixed work - x's conversion, the barriers, the terms, the scales - over fewer codes); no
-# spills at a cap of 128 or 80 (3 CTAs per SM where the shared memory allows).
+# instructions per weight code a thread at 1 / 2 / 4 x rows: 4:4:1 4.7 / 6.1 / 9.2, 4:2:1 4.7 /
+# 6.0 / 9.1, 2:4:1 5.2 / 6.9 / 10.2, 1:4:1 6.9 / 8.6 / 13.0, 4:4:2 5.5 / 7.6 / 11.5, 2:4:2 6.6 /
+# 8.8 / 13.3, 1:4:2 8.6 / 11.2 / 17.3, 2:4:4 9.4 / 13.0 / 20.1, 1:4:4 15.0 / 17.0 / 26.8 (the
+# slot's fixed work - x's conversion, the barriers, the scales, the terms - over fewer codes); no
+# spills at a cap of 128 or 80 (3 CTAs per SM where the shared memory allows). The plan's
+# default (`default_config`): 4:4:1:4 for wq_b, 1:4:2:8:80 for the indexer's wq_b and wo_b,
+# 1:4:4:8:80 for fused wq_a|wkv.
 CANDIDATES = ["4:4:1:4", "4:2:1:3", "2:4:1:4", "2:4:1:6:80", "1:4:1:8:80", "4:4:2:4", "2:4:2:6:80", "1:4:2:8:80",
               "2:4:4:8:80", "1:4:4:8:80", "1:2:2:8:80", "2:2:1:4"]
 

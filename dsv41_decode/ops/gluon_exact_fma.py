@@ -50,24 +50,25 @@ goes back to the producer and the terms are stored), so x's buffer and the terms
 each; the compiler adds two around the ring's mbarrier operations.
 
 **Cost** (sm_90 compiles: the consumer's loop, one slot, in SASS instructions per weight code a
-thread; `scripts/probe_gluon_exact_fma.py` measures the time). The default, 4 weight rows a thread
-and the 4 warps along K (128-row tiles): 4.9 / 6.2 / 9.4 instructions a code at 1 / 2 / 4 x rows,
-of them 2.2 ALU (one prmt and one and a code, the shift a word; loop and address work), 1.0 / 1.0
-/ 1.5 IMAD (the zero low words of the FP64 operands, re-made as registers rotate), 1 / 2 / 4 DFMA,
-0.33 / 0.36 / 0.62 shared loads (weight: 1/16, x's values: one per k and block, per two x rows);
-the rest (x's conversion, the barriers, the scales, the terms) is fixed per slot, so smaller
-tiles cost more a code: one row a thread (32-row tiles) 7.2 / 8.9 / 13.3, with 2 lanes a block
-(16-row tiles) 9.5 / 12.0 / 18.1, 4 rows a thread over 2 warps along K (256-row tiles) 4.7 / 6.0
-/ 9.0. An SM sub-partition issues one instruction a cycle (ALU and DFMA: 16 lanes, 2 cycles a warp
-instruction each, on separate pipes). Over 132 SMs x 4 sub-partitions at ~1.75 GHz, wq_b
-32768x1280 (42 M codes, 256 programs of 128 rows, two a SM): issue ~6.9 / 8.8 / 13.3 us at 1 / 2 /
-4 rows (the DFMA pipe alone ~11.3 us at 4), against the weight's read of ~9.7 us: about the read
-at 1-2 rows, DFMA-bound at 4. The indexer's wq_b (4096x1280) and fused wq_a|wkv (1792x5120) are
-small (5 and 9 M codes): their time is the ring's fill and the few programs' (128 of 32 rows,
-112 of 16), a few us. wo_b 5120x8192 (42 M codes) has few rows for its K: 160 programs of 32 rows
-(7.2 instructions a code) or 320 of 16 (9.5), both uneven over 132 SMs (1.65x / 1.24x the mean
-on the busiest): ~16-17 us at 1 row, ~21 at 2, ~31 at 4 - the read (9.7 us) is out of reach
-without a K split across programs.
+thread; `scripts/probe_gluon_exact_fma.py` measures the time). 4 weight rows a thread and the 4
+warps along K (128-row tiles): 4.7 / 6.1 / 9.2 instructions a code at 1 / 2 / 4 x rows, of them
+2.2 ALU (one prmt and one and a code; loop and address work), 0.9 / 1.0 / 1.4 IMAD (the shift a
+word; the zero low words of the FP64 operands, re-made as registers rotate), 1 / 2 / 4 DFMA, 0.32
+/ 0.36 / 0.62 shared loads (the weight's: 1/16; x's values: one per k and block per two x rows,
+shared by the thread's 4 weight rows). The rest (x's conversion, the barriers, the scales, the
+terms) is fixed per slot, so smaller tiles cost more a code: 64 rows (2 a thread) 5.2 / 6.9 /
+10.2, 32 rows (1 a thread) 6.9 / 8.6 / 13.0, 16 rows (2 lanes a block) 8.6 / 11.2 / 17.3, 8 rows
+(4 lanes) 15.0 / 17.0 / 26.8; 256 rows (4 a thread, 2 warps along K) 4.7 / 6.0 / 9.1. An SM
+sub-partition issues one instruction a cycle (ALU and DFMA: 16 lanes, 2 cycles a warp instruction
+each, on separate pipes). Over 132 SMs x 4 sub-partitions at ~1.75 GHz: wq_b 32768x1280 (42 M
+codes, 256 programs of 128 rows, two an SM) issues in ~6.7 / 8.7 / 13.1 us at 1 / 2 / 4 rows (the
+DFMA pipe alone ~11.3 us at 4), against the weight's read of ~9.7 us: about the read at 1-2 rows,
+DFMA-bound at 4. The indexer's wq_b (4096x1280, 5 M codes, 256 programs of 16 rows) ~1.5 / 2 / 3
+us of issue, fused wq_a|wkv (1792x5120, 9 M codes, 224 of 8) ~5 / 6 / 9 us: the ring's fill and
+the few programs' latency dominate, a few us. wo_b 5120x8192 (42 M codes) has few rows for its
+K: 320 programs of 16 rows (8.6 instructions a code), unevenly over 132 SMs (the busiest 1.24x
+the mean): ~15 / 19.5 / 30 us at 1 / 2 / 4 rows - the read (9.7 us) is out of reach without a K
+split across programs.
 
 Every configuration and row count gives the same bits (`exact_mm.reduction_order`). A
 `GluonExactFMA` plan binds one weight (its TMA descriptor) once, in `default_config`'s tile for
