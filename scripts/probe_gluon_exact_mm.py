@@ -83,23 +83,25 @@ WARPS_K_CANDIDATES = ["raw:16:8:1:32:8:1:80:4", "int:16:8:1:32:8:1:80:4", "int+c
                       "raw:32:16:1:32:6:1:128:4", "int+cvt:32:16:1:16:6:1:128:4", "raw:64:16:1:16:4:1:128:4",
                       "int:64:16:1:32:4:1:128:2", "raw:16:8:1:32:8:2:80:4", "raw:16:8:1:32:8:1:64:4",
                       "raw:16:32:1:32:6:1:128:4", "int:16:64:1:32:4:1:128:4"]
-# The pattern four codes at a time ("rawp", "intp", "intp+cvt": one byte permute a weight code) and
-# 256-deep ring slots (block_k=256: one barrier round per 256 of K; along K each warp two MMA
-# chains), each without spills at its row buckets (sm_90 compiles; the consumer's loop per 128 of K
-# and warp, instructions per DMMA): warps_k=1 for wq_b - 128 x 8 "rawp" 736 (46.0; "raw" 896, 56.0),
-# the same 256-deep at a cap of 128 (46.0, half the barriers), 64 x 8 at a cap of 64 (4 CTAs per
-# SM: 512 programs in one wave; 56.1), "intp+cvt" 128 x 8 (52.0), 128 x 16 "rawp" 1097 (34.3) and
-# "intp+cvt" 1090 (34.1; "int+cvt" 1174, 36.7), 64 x 16 at a cap of 80 (42.5), 64 x 32 "intp+cvt"
-# 984 (30.8); along K for wo_b, fused_wqa_wkv, idx_wq_b - 16 x 8 "rawp" 147 (73.5; "raw" 167, 83.5),
-# 256-deep 133 (66.8) at 4 / 6 stages, 16-deep steps, a cap of 64 and a K split, 16 x 16 "rawp"
-# 218 (54.5) and 256-deep 206 (51.5), "int+cvt" 256-deep 196 (49.1), 32 x 16 256-deep 309 (38.6),
-# 16 x 32 256-deep 344 (43.1), 64 x 16 "rawp" 550 (34.4).
+# The pattern four codes at a time ("rawp", "intp", "intp+cvt": one byte permute a weight code, the
+# weight scales once per 16-row MMA tile) and 256-deep ring slots (block_k=256: one barrier round
+# per 256 of K; along K each warp two MMA chains), each without spills at its row buckets (sm_90
+# compiles; the consumer's loop per 128 of K and warp, instructions per DMMA): warps_k=1 for wq_b -
+# 128 x 8 "rawp" 680 (42.5; "raw" 896, 56.0), the same 256-deep at a cap of 128 705 (44.1, half the
+# barriers), 64 x 8 at a cap of 64 (4 CTAs per SM: 512 programs in one wave) 432 (54.0), "intp+cvt"
+# 128 x 8 797 (49.8), 128 x 16 "rawp" 1071 (33.5) and "intp+cvt" 1055 (33.0; "int+cvt" 1174, 36.7),
+# 64 x 16 at a cap of 80 671 (41.9), 64 x 32 "intp+cvt" 976 (30.5); along K for wo_b,
+# fused_wqa_wkv, idx_wq_b - 16 x 8 "rawp" 139 (69.5; "raw" 167, 83.5), 256-deep 130 (65.2) at 4 / 6
+# stages, a cap of 64 and a K split, with 16-deep steps 122 (61.2), 16 x 16 "rawp" 209 (52.2) and
+# 256-deep 199 (49.9; with 16-deep steps 195, 48.9), "int+cvt" 256-deep 196 (49.1), 32 x 16
+# 256-deep 299 (37.4), 16 x 32 256-deep 341 (42.7), 64 x 16 "rawp" 539 (33.7).
 NEW_CANDIDATES = ["rawp:128:8:1:32:4:1:80", "rawp:128:8:1:32:2:1:128:1:256", "rawp:64:8:1:32:4:1:64",
                   "rawp:64:8:1:32:2:1:64:1:256", "intp+cvt:128:8:1:32:4:1:80", "rawp:128:16:1:32:4:1",
                   "intp+cvt:128:16:1:32:4:1", "rawp:64:16:1:32:4:1:80", "intp+cvt:64:32:1:32:4:1",
                   "rawp:16:8:1:32:8:1:80:4", "rawp:16:8:1:32:4:1:80:4:256", "rawp:16:8:1:32:6:1:80:4:256",
                   "rawp:16:8:1:16:4:1:80:4:256", "rawp:16:8:1:32:4:1:64:4:256", "rawp:16:8:1:32:4:2:80:4:256",
                   "rawp:16:16:1:32:8:1:80:4", "rawp:16:16:1:32:4:1:80:4:256", "int+cvt:16:16:1:16:4:1:80:4:256",
+                  "rawp:16:16:1:16:4:1:80:4:256",
                   "rawp:32:16:1:16:4:1:128:4:256", "rawp:16:32:1:32:4:1:128:4:256", "rawp:64:16:1:16:4:1:128:4"]
 
 

@@ -47,8 +47,10 @@ What the Gluon form does differently (the layout of `ops.gluon_mm`, the Gluon FP
   "rawp", "intp+cvt" and "rawp+cvt" are "int", "raw", "int+cvt" and "raw+cvt" with the pattern
   built four codes at a time (`_PATTERN4_ASM`: per loaded 32-bit word two masks and two shifts,
   then one byte permute per code, 2 instructions a code instead of 3 and the register moves), from
-  each thread's words as loaded (`_load_pattern4`): the same bits, fewer instructions (sm_90: the
-  consumer's loop 736 instead of 896 a slot at 128 x 8 "rawp").
+  each thread's words as loaded (`_load_pattern4`), and each 16-row MMA tile's weight scales loaded
+  and decoded once (`_tile_weight_scales`): the same bits, fewer instructions (sm_90: the
+  consumer's loop 680 instead of 896 a slot at 128 x 8 "rawp", 139 instead of 167 at 16 x 8 along
+  K).
 - **The k order within a block.** Each operand is loaded in the layout where a thread's bytes are
   consecutive in shared memory (one 8-byte load, or ldmatrix with `mma_k=16`, instead of one load
   per byte) and renamed into the MMA's operand layout, which takes the block's 32 k in a fixed
@@ -92,9 +94,9 @@ against 0.22 with warps_k=1 (896 for 128 rows x 128; the terms' stores, barrier 
 conversion and the scales spread over fewer rows), in 4x the programs (N / 16). The H200 runs at
 1-16 rows (wq_b 128 x 8 "raw" 23.3 us, 128 x 16 "int+cvt" 35.1, wo_b 16 x 8 along K 36.0) come
 closer to the sum of each sub-partition's DMMA time (64 clocks each) and its consumer warps' issued
-instructions than to the larger of the two: the instructions per DMMA (56 at 128 x 8 "raw", 46 in
-"rawp"; 84 at 16 x 8 along K, 67 in "rawp" with 256-deep slots) are worth about as much as the
-DMMA's own 64 clocks.
+instructions than to the larger of the two: the instructions per DMMA (56 at 128 x 8 "raw", 42.5 in
+"rawp"; 84 at 16 x 8 along K, 69.5 in "rawp", 61 with 256-deep slots and 16-deep steps) are worth
+about as much as the DMMA's own 64 clocks.
 
 Every configuration, split and row count gives the same bits (`exact_mm.reduction_order`). A
 `GluonExactMM` plan binds one weight (its TMA descriptor, workspace, counters) once; calling it
@@ -536,6 +538,18 @@ def _sum_layout(BN, BT):
 
 
 @gluon.jit
+def _tile_weight_scales(sw_ptr, off_n, N, stride_swn, BN: gl.constexpr, layout: gl.constexpr):
+    """Per weight row of the tile at off_n ([BN] in `layout`), the pointer to its first scale word as
+    `gluon_mm._tile_scales` gives it, from the first row of the row's 16-row MMA tile: the rows of a
+    tile share their 32-row scale block, so each thread loads and decodes one scale per tile and
+    block instead of one per row (the packed forms; sm_90: 680 instead of 736 instructions a slot at
+    128 x 8 "rawp", 139 instead of 147 at 16 x 8 along K). Rows past N read a valid row's scales
+    and are masked at the store."""
+    rn16 = off_n + gl.arange(0, BN, layout=layout) // 16 * 16
+    return sw_ptr + (gl.minimum(rn16, N - 1) // 32) * stride_swn
+
+
+@gluon.jit
 def _store(y_ptrs, acc, mask, OUT_F32: gl.constexpr):
     """y = acc (FP32) or acc rounded to BF16 (nearest even)."""
     if OUT_F32:
@@ -581,12 +595,14 @@ def _gluon_exact_mm_kernel(
     step_lo = pid_s * steps_per_split
     n_steps = gl.minimum(steps_per_split, n_steps_total - step_lo)
     if WARPS_K == 1:
-        sw_words, sx_words = _tile_scales(sw_ptr, sx_ptr, pid_n * BN, M, N, stride_swn, stride_sxm, BN, BT,
-                                          mma_layout)
+        scale_layout: gl.constexpr = mma_layout
     else:
         # the scale words in the batched layout's [BN] / [BT] slices (dims 0 and 2 / 0 and 1)
-        sw_words, sx_words = _tile_scales(sw_ptr, sx_ptr, pid_n * BN, M, N, stride_swn, stride_sxm, BN, BT,
-                                          gl.SliceLayout(0, mma_layout))
+        scale_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+    sw_words, sx_words = _tile_scales(sw_ptr, sx_ptr, pid_n * BN, M, N, stride_swn, stride_sxm, BN, BT,
+                                      scale_layout)
+    if _is_packed(_form(CONVERT, 0)):
+        sw_words = _tile_weight_scales(sw_ptr, pid_n * BN, N, stride_swn, BN, gl.SliceLayout(1, scale_layout))
     ws_tile = ws_ptr + pid_n * (n_steps_total * NB * BN) * M
     if WARPS_K == 1:
         acc, = gl.warp_specialize([
@@ -640,7 +656,8 @@ class GluonExactConfig:
         "int" (integer operations and one FP64 multiply), "raw" (the integer pattern alone, x
         scaled by 2^1000; relies on the FP64 MMA's subnormal operands), or "int+cvt" / "raw+cvt"
         (even K blocks the first, odd blocks "cvt"): `_e4m3_f64`, `_block_partial`; "intp", "rawp",
-        "intp+cvt", "rawp+cvt": the same with the pattern built four codes at a time (module doc).
+        "intp+cvt", "rawp+cvt": the same with the pattern built four codes at a time and the weight
+        scales loaded once per 16-row MMA tile (module doc).
     block_n: weight rows per program (the MMA's M side, the weight's TMA box [block_n, 128]): 64 or
         128 with warps_k=1 (at 8 x rows all 4 warps split the weight rows, 16 or 32 each); with
         warps_k > 1, 16, 32 or 64 (warps_k=4) or 32, 64 or 128 (warps_k=2): 16 to 64 rows a warp.

@@ -159,6 +159,13 @@ def test_compiles_for_sm90_without_spills(config, bt, split, out_f32):
     assert len(selectors) == packed, (len(selectors), packed)
     if packed:
         assert all(t in selectors or t.endswith("RZ") for t in prmt), [t for t in prmt if t not in selectors]
+    # The scale words a thread loads per slot (one word per 128 of K): x's, two columns per 8-column
+    # MMA tile; the weight's, two rows per 16-row MMA tile, or in the packed forms one (the tile's
+    # rows share their 32-row scale block: `_tile_weight_scales`).
+    tiles = config.block_n // 16 // (4 // (wn * wk))
+    sw_loads = tiles * (1 if packed else 2)
+    sx_loads = bt // wn // 8 * 2
+    assert sum(t.startswith("LDG") for t in loop) == bk // 128 * (sw_loads + sx_loads), loop
     assert "cvt.rn.f32.f64" in ptx and "mul.rn.f32" in ptx
     assert ops.get("FFMA", 0) == 0, ops
     assert re.search(r"\.ftz\.f32\b", ptx) is None
