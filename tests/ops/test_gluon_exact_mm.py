@@ -284,6 +284,7 @@ def _subnormal_operands(gen, m: int, n: int, k: int):
     (5, 130, 512, C(convert="rawp", warps_k=4, block_n=16, block_m=8, maxnreg=80), "subnormal"),
     (3, 96, 640, C(convert="intp", warps_k=4, block_n=16, mma_k=16, split=2), "subnormal"),
     (20, 96, 384, C(convert="intp", warps_k=2, block_n=32, block_m=16, mma_k=16), "heavy"),
+    (33, 130, 256, C(convert="rawp", warps_n=2, block_m=16), "heavy"),                 # x's rows on 2 warps
     # 256-deep slots: both layouts, both MMA depths, the K split (uneven: 3 + 2 slots), row tiles
     (5, 130, 1280, C(convert="rawp", warps_k=4, block_n=16, block_m=8, maxnreg=80, block_k=256, split=2), "subnormal"),
     (17, 96, 512, C(convert="int+cvt", warps_k=4, block_n=32, block_m=16, mma_k=16, block_k=256), "heavy"),
