@@ -27,6 +27,9 @@ import dsv41_decode.ops as ops_pkg
 # The interpreter module is imported explicitly: on a GPU nothing else imports it, so it is not an
 # attribute of triton.runtime there.
 _JIT_TYPES = (triton.runtime.JITFunction, InterpretedFunction)
+# What @gluon.constexpr_function returns: a helper the compiler evaluates at compile time (layouts,
+# form predicates), which a jit function may read as a global.
+_CONSTEXPR_FUNCTION = triton.runtime.jit.ConstexprFunction
 
 
 def _jit_functions():
@@ -39,7 +42,7 @@ def _jit_functions():
 
 
 def _allowed(value) -> bool:
-    return (isinstance(value, (tl.constexpr, types.ModuleType))
+    return (isinstance(value, (tl.constexpr, types.ModuleType, _CONSTEXPR_FUNCTION))
             or isinstance(value, _JIT_TYPES)
             or getattr(value, "__module__", "").startswith("triton"))
 
