@@ -1,7 +1,8 @@
 """Probe `gluon_exact_fma` on a GPU (sm_90): `GluonExactFMA` (the contract-exact linear on the FP64
 CUDA cores in Gluon, 1-4 rows) in candidate configurations against `ExactMM` (CUDA cores, FP32),
-`GluonExactMM` in `ExactLinear`'s plan (`ExactLinear(mma_above=0)`: the FP64 MMA in its measured
-configurations at every row count), `ExactLinear` as it is (the step's exact linear) and the
+`GluonExactMM` in `ExactLinear`'s plan (`ExactLinear(mma_above=0, fma_rows=0)`: the FP64 MMA in
+its measured configurations at every row count), `ExactLinear` as it is (the step's exact
+linear) and the
 step's tensor-core FP8 plan `GluonMM` (not exact), at the four V4.1-Flash shapes of the step's
 GEMMs (TP1), rows 1, 2, 3, 4: us per call from CUDA-graph replay over weight copies rotated beyond
 L2 (`probe_gluon_exact_mm._time`, as `bench gemm`; median of the replays), % of the streaming read
@@ -101,7 +102,7 @@ def main() -> None:
         copies = 2 if DRY else l2_rotation(shape.weight_bytes())
         ws = [fp8_block_quantize(torch.randn(n, k, generator=g, device=DEV) * k ** -0.5) for _ in range(copies)]
         others = {"exact_mm": [ExactMM(w, s, 64) for w, s in ws],
-                  "gluon_exact_mm": [ExactLinear(w, s, 64, mma_above=0) for w, s in ws] if not DRY
+                  "gluon_exact_mm": [ExactLinear(w, s, 64, mma_above=0, fma_rows=0) for w, s in ws] if not DRY
                   else [_DryPlan(w, s) for w, s in ws],
                   "exact_linear": [ExactLinear(w, s, 64) for w, s in ws],
                   "gluon(TC)": [GluonMM(w, s, 64) for w, s in ws]}

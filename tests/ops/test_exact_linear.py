@@ -11,7 +11,8 @@ import torch
 from helpers import FLASH_LINEAR_SHAPES, check_mxfp8_plan_errors, linear_operands, raises
 from test_exact_mm import _bits, _exact_operands, _gen
 
-from dsv41_decode.ops.exact_linear import _GLUON_PLAN, ExactLinear
+from dsv41_decode.ops.exact_linear import _FMA_PLAN, _GLUON_PLAN, ExactLinear
+from dsv41_decode.ops.gluon_exact_fma import GluonExactFMAConfig
 from dsv41_decode.ops.gluon_exact_mm import GluonExactConfig
 from dsv41_decode.reference.linear import mxfp8_mm
 
@@ -28,17 +29,22 @@ def test_plan_covers_the_step_shapes():
     for shape, (above, configs) in _GLUON_PLAN.items():
         assert 0 <= above < 64 and max(configs) >= 64, shape
         assert all(isinstance(c, GluonExactConfig) for c in configs.values()), shape
+    # GluonExactFMA's entries: step shapes, 1-4 rows, one configuration each.
+    assert set(_FMA_PLAN) <= set(_GLUON_PLAN)
+    for shape, (rows, config) in _FMA_PLAN.items():
+        assert 1 <= rows <= 4 and isinstance(config, GluonExactFMAConfig), shape
 
 
 def test_off_sm90_only_the_cuda_core_op():
     # Where the Gluon tier cannot build (the CPU here; any GPU but sm_90) every call runs ExactMM,
-    # even with the threshold forced to 0, and gives the reference's bits.
+    # even with the threshold forced to 0 and GluonExactFMA asked for, and gives the reference's
+    # bits.
     m, n, k = 3, 40, 128
     codes, x_scale, weight, w_scale = _exact_operands(_gen(5), m, n, k, "heavy")
     if DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0):
         pytest.skip("an sm_90 GPU builds the FP64 MMA op")
-    plan = ExactLinear(weight, w_scale, max_rows=8, mma_above=0)
-    assert plan.mma is None and plan.mma_above is None
+    plan = ExactLinear(weight, w_scale, max_rows=8, mma_above=0, fma_rows=2)
+    assert plan.mma is None and plan.mma_above is None and plan.fma is None and plan.fma_rows == 0
     assert all(plan.op_for(r) is plan.cuda_cores for r in (1, 8))
     assert torch.equal(_bits(plan(codes, x_scale)), _bits(mxfp8_mm(codes, x_scale, weight, w_scale)))
     assert plan.reduction_order(1) == plan.reduction_order(8)
@@ -54,24 +60,30 @@ def test_bad_inputs_name_the_argument():
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,n,k", STEP_SHAPES, ids=[s[0] for s in STEP_SHAPES])
 def test_step_shapes_on_gpu(name, n, k):
-    # On an sm_90 GPU: ExactMM up to the plan's threshold, GluonExactMM above, in the plan's
-    # configurations; each row count alone gives the bits of the reference and of the same rows
-    # in a call of 64 (batch invariance across the switch), on model-like and heavy-tailed codes.
+    # On an sm_90 GPU: GluonExactFMA up to its plan's rows, ExactMM up to the plan's threshold,
+    # GluonExactMM above, in the plans' configurations; each row count alone gives the bits of the
+    # reference and of the same rows in a call of 64 (batch invariance across both switches), on
+    # model-like and heavy-tailed codes.
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("GluonExactMM is sm_90 code")
     above, configs = _GLUON_PLAN[(n, k)]
+    fma_rows, fma_config = _FMA_PLAN.get((n, k), (0, None))
     for kind in ("quantized", "heavy"):
         if kind == "quantized":
             _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(n + k), 64, n, k)
         else:
             codes, x_scale, weight, w_scale = _exact_operands(_gen(n), 64, n, k, "heavy")
         linear = ExactLinear(weight, w_scale)
-        assert linear.mma is not None and linear.mma_above == above
-        assert linear.op_for(above) is linear.cuda_cores and linear.op_for(above + 1) is linear.mma
-        for m in (above + 1, 64):
+        assert linear.mma is not None and linear.mma_above == above and linear.fma_rows == fma_rows
+        for m in (1, 2, 3, 4, 5, 8, 64):
+            want = linear.fma if m <= fma_rows else linear.mma if m > above else linear.cuda_cores
+            assert linear.op_for(m) is want, (name, m)
+        for m in (max(above, fma_rows) + 1, 64):
             assert linear.mma.config_for(m) == next(c for r, c in sorted(configs.items()) if m <= r)
+        if fma_rows:
+            assert linear.fma.config_for(1) == fma_config
         together = linear(codes, x_scale)
         assert torch.equal(_bits(together), _bits(mxfp8_mm(codes, x_scale, weight, w_scale))), (name, kind)
-        for m in sorted({1, 2, above, above + 1, 8, 16, 33}):
+        for m in sorted({1, 2, 3, above, above + 1, 8, 16, 33}):
             alone = linear(codes[:m], x_scale[:m])
             assert torch.equal(_bits(alone), _bits(together[:m])), (name, kind, m)
