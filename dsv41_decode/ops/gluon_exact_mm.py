@@ -68,7 +68,9 @@ What the Gluon form does differently (the layout of `ops.gluon_mm`, the Gluon FP
   programs share a weight tile's K; each stores its block terms (the M real rows) in a plan-owned
   workspace, and the tile's last program to arrive (an acq_rel atomic counter, reset for the next
   call and a CUDA graph's replay) adds all K / 32 of them in K order from 0: `exact_mm`'s scheme,
-  never partial sums added together.
+  never partial sums added together (`_split_k_sum`, which `gluon_exact_fma` runs too: the terms
+  loaded up to 64 registers' worth at a time, independent loads ahead of their adds, so one L2
+  round trip per chunk rather than per term).
 - **Warps along K** (`GluonExactConfig.warps_k` = 2 or 4; 1, the default, is the layout above):
   the consumer warps split each slot's four 32-deep K blocks instead of the weight rows. The MMA
   is batched, [4, BN, KC] x [4, KC, BT] in an `NVMMADistributedLayout(instr_shape=[1, 16, 8])` of
@@ -558,6 +560,55 @@ def _store(y_ptrs, acc, mask, OUT_F32: gl.constexpr):
         gl.store(y_ptrs, acc.to(gl.bfloat16), mask=mask)
 
 
+@gluon.jit
+def _add_chunk(total, ptrs, mask, stride, n, CH: gl.constexpr):
+    """total + t[0] + ... + t[n - 1], one add at a time in that order, t[c] at ptrs + c * stride
+    (n <= CH; `_split_k_sum`'s terms): the CH loads first, all independent, then the adds."""
+    ts = ()
+    for c in gl.static_range(CH):
+        ok = c < n
+        if mask is not None:
+            ok = mask & ok
+        ts = ts + (gl.load(ptrs + c * stride, mask=ok, other=-0.0, cache_modifier=".cg"), )
+    for c in gl.static_range(CH):
+        total = total + ts[c]
+    return total
+
+
+@gluon.jit
+def _split_k_sum(total, ptrs, mask, stride, n_terms, cnt_ptr, n_split, CH: gl.constexpr):
+    """The K split's last step (`exact_mm`'s scheme; `GluonExactMM` and `gluon_exact_fma.GluonExactFMA`
+    run it): once every thread's writes to the workspace are done, the program arrives on its
+    tile's counter (`cnt_ptr`, int32, acq_rel); the last of the tile's n_split programs to arrive
+    adds the n_terms terms to `total` one at a time in K order, term j at ptrs + j * stride (FP32,
+    `total`'s shape and layout: each output's terms in its thread; `mask`: the elements to read,
+    None for all; the others read -0.0, which adds nothing: x + -0.0 = x for every x), and resets
+    the counter to 0 for the next launch (and a CUDA graph's replay). The terms are loaded CH at a
+    time, independent loads issued together before their adds (`_add_chunk`): an L2 round trip per
+    CH terms, not per term. `.cg`: from L2, never from a line this SM's L1 kept from an earlier
+    launch. Returns (last, total): the sum in the last program, `total` as given in the others."""
+    # Every thread's workspace writes are done before one thread's release of the counter.
+    gl.thread_barrier()
+    arrived = gl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    last = arrived == n_split - 1
+    if last:
+        gl.thread_barrier()
+        n_full = n_terms - n_terms % CH
+        for j0 in range(0, n_full, CH):
+            total = _add_chunk(total, ptrs + j0 * stride, mask, stride, CH, CH)
+        if n_full < n_terms:
+            total = _add_chunk(total, ptrs + n_full * stride, mask, stride, n_terms - n_full, CH)
+        gl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
+    return last, total
+
+
+@gluon.constexpr_function
+def _sum_chunk(per_thread):
+    """`_split_k_sum`'s CH for a total of `per_thread` FP32 values a thread: 64 registers of terms
+    in flight (at least one term)."""
+    return max(1, 64 // per_thread)
+
+
 @gluon.jit(do_not_specialize=["M", "stride_sxm", "stride_swn", "steps_per_split", "n_steps_total", "n_split"])
 def _gluon_exact_mm_kernel(
     w_desc, x_desc, sx_ptr, sw_ptr, y_ptr, ws_ptr, cnt_ptr,
@@ -628,22 +679,14 @@ def _gluon_exact_mm_kernel(
     mask = (rn[:, None] < N) & (rm[None, :] < M)
     y_ptrs = y_ptr + rm[None, :] * stride_ym + rn[:, None]
     if SPLIT_K:
-        # Every thread's terms are written before one thread's release of the counter.
-        gl.thread_barrier()
-        arrived = gl.atomic_add(cnt_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
-        if arrived == n_split - 1:
-            gl.thread_barrier()
-            rl = gl.arange(0, BN, layout=gl.SliceLayout(1, out_layout))
-            offs = rl[:, None] * M + rm[None, :]
-            ws_mask = (rm[None, :] < M) & (rl[:, None] < BN)
-            total = gl.zeros([BN, BT], gl.float32, out_layout)
-            for kb in range(n_steps_total * NB):
-                # .cg: from L2, never from a line this SM's L1 kept from an earlier launch.
-                total = total + gl.load(ws_tile + kb * (BN * M) + offs, mask=ws_mask, other=0.0,
-                                        cache_modifier=".cg")
+        # the tile's K / 32 block terms [BN, M] in K order from 0, by the last program to arrive
+        rl = gl.arange(0, BN, layout=gl.SliceLayout(1, out_layout))
+        ws_mask = (rm[None, :] < M) & (rl[:, None] < BN)
+        last, total = _split_k_sum(gl.zeros([BN, BT], gl.float32, out_layout), ws_tile + rl[:, None] * M + rm[None, :],
+                                   ws_mask, BN * M, n_steps_total * NB, cnt_ptr + pid_n, n_split,
+                                   _sum_chunk(BN * BT // 128))
+        if last:
             _store(y_ptrs, total, mask, OUT_F32)
-            # Zero again for the next call (and a CUDA graph's replay).
-            gl.atomic_xchg(cnt_ptr + pid_n, 0, sem="relaxed", scope="gpu")
     else:
         _store(y_ptrs, acc, mask, OUT_F32)
 
