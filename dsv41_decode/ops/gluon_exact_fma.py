@@ -43,11 +43,28 @@ a part the same address; one load per k for up to two x rows), shared by the thr
 rows. Each block's sum is rounded and scaled (a term) in registers, then stored to a [4, BN, R]
 FP32 buffer in shared memory; after the next slot's first barrier each output's thread reads its
 four terms and adds them to its accumulator in K order, 0, 1, 2, 3 (`gluon_exact_mm`'s warps_k
-scheme: nothing leaves the CTA, no global workspace). BN = 32 x rows_per_thread x 4 / warps_k /
+scheme: without the K split nothing leaves the CTA, no global workspace). BN = 32 x rows_per_thread x 4 / warps_k /
 lanes_k (8 to 256). Two barriers a slot of the kernel's own (`_consumer`: after x's values are
 stored; after every read of the slot's tiles, x's values and the previous terms, when the slot
 goes back to the producer and the terms are stored), so x's buffer and the terms need one copy
 each; the compiler adds two around the ring's mbarrier operations.
+
+**K split** (`GluonExactFMAConfig.split` > 1, for the shapes whose N makes few large tiles for
+their K: wo_b 5120x8192 has 40 of 128 rows): `split` programs share each weight tile, each a
+contiguous run of its 128-deep steps (`gluon_mm.split_bounds`), so that large tiles (64-128 rows,
+the fewest instructions a code) fill the SMs. The sum stays the contract's: one FP32 accumulator
+from 0, the block terms added in K order, never partial sums added together
+(`exact_mm.reduction_order`). Split 0 adds its own blocks' terms from 0 as the unsplit kernel does
+and leaves that sum in the workspace, in the slab of its last block; each other split copies every
+slot's four terms, when its threads have added them, from shared memory to their blocks' slabs (a
+16-byte store a thread per 512 terms); the tile's last program to arrive (an acq_rel counter per
+tile, which it resets for the next call and a CUDA graph's replay) continues split 0's sum with
+the other splits' terms in K order and stores y: `gluon_exact_mm._split_k_sum`, GluonExactMM's
+scheme, the terms loaded 64 registers' worth at a time (independent loads ahead of their adds:
+an L2 round trip per chunk), the tile's BN x R outputs spread over the 128 threads (x rows across
+the lanes first). The workspace: [K / 32, BN, R] FP32 per tile (all R rows), and an int32
+counter per tile; a plan takes them from a shared pool as GluonExactMM does (FP32 and int32 slot
+0) or allocates its own.
 
 **Cost** (sm_90 compiles: the consumer's loop, one slot, in SASS instructions per weight code a
 thread; `scripts/probe_gluon_exact_fma.py` measures the time). 4 weight rows a thread and the 4
@@ -67,13 +84,32 @@ DFMA-bound at 4. The indexer's wq_b (4096x1280, 5 M codes, 256 programs of 16 ro
 us of issue, fused wq_a|wkv (1792x5120, 9 M codes, 224 of 8) ~5 / 6 / 9 us: the ring's fill and
 the few programs' latency dominate, a few us. wo_b 5120x8192 (42 M codes) has few rows for its
 K: 320 programs of 16 rows (8.6 instructions a code), unevenly over 132 SMs (the busiest 1.24x
-the mean): ~15 / 19.5 / 30 us at 1 / 2 / 4 rows - the read (9.7 us) is out of reach without a K
-split across programs.
+the mean): ~15 / 19.5 / 30 us at 1 / 2 / 4 rows of issue without the K split. The H200 runs of the
+unsplit kernel took about 3 us (launch, fill, drain) plus 1.7-2.3 times each sub-partition's
+issued instructions in cycles (2 programs an SM at 128 rows, one or two at 16 to 64), so the
+issue rate, not the read, is what a configuration buys.
 
-Every configuration and row count gives the same bits (`exact_mm.reduction_order`). A
-`GluonExactFMA` plan binds one weight (its TMA descriptor) once, in `default_config`'s tile for
-its N unless given one; calling it validates and launches. Nothing else in the package uses it
-yet.
+With the K split the consumer's loop gains 0.05-0.5 instructions a code (the copy of each slot's
+terms and its branch; sm_90, split / unsplit at 1 / 2 / 4 x rows: 128 rows 4.82 / 6.23 / 9.35
+against 4.73 / 6.14 / 9.24, 64 rows 5.59 / 7.17 / 10.89 against 5.41 / 6.98 / 10.67 at a cap of 80,
+32 rows 7.12 / 8.91 / 13.28 against 6.91 / 8.59 / 12.97; no spills at a cap of 128 or 80), and the
+tile's last arriver adds 4 (steps - steps a split) + 1 terms an output in chunks of 64 / (its
+outputs a thread), each chunk an L2 round trip (~600 cycles) plus its serial adds, while reading
+the tile's terms at ~64 bytes a cycle: ~1.5-2.3 us at 1 row, up to ~9 us with 128-row tiles at 4
+rows (the terms of 4 rows, 2 KB per block a tile: smaller tiles and fewer splits there). The
+estimates (the model above with the tail; the probe's SPLIT_CANDIDATES list the others), at 1 / 2
+/ 4 rows: wo_b 128-row tiles x 6 splits (240 programs of 11 steps) ~18.5 / 24.4 / 37 us, 64-row
+tiles x 3 ~21 / 26 / 38 (ExactMM 17.0 / 30.4 / 54.1, GluonExactMM 29.7: a gain at 2 rows); fused
+wq_a|wkv 64-row tiles x 14 splits (392 programs of 3 steps) ~8.0 / 9.2 / 12.9 (ExactMM 6.45 /
+11.1 / 15.9, GluonExactMM 12.6: at 2 rows); the indexer's wq_b 128-row tiles x 10 (320 programs of
+one step) ~5.3 / 6.3 / 8.2, 64-row tiles x 2 ~5.7 / 6.4 / 7.9 (ExactMM 4.7 / 6.4 / 8.7,
+GluonExactMM 6.6: none).
+
+Every configuration, split and row count gives the same bits (`exact_mm.reduction_order`). A
+`GluonExactFMA` plan binds one weight (its TMA descriptor, and with a split configuration its
+workspace and counters) once, in `default_config`'s tile for its N unless given one; calling it
+validates and launches. `ops.exact_linear.ExactLinear` runs it at the rows and shapes its
+`_FMA_PLAN` lists.
 """
 
 from __future__ import annotations
@@ -88,15 +124,16 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .checks import config_for_rows, mxfp8_linear_args, mxfp8_weight_args, row_configs
-from .common import is_sm90, num_sms
+from .common import is_sm90, num_sms, plan_workspace
 from .exact_mm import reduction_order
-from .gluon_exact_mm import _pow2
-from .gluon_mm import SHARED_LIMIT, _producer, _ring, _scale, require_tma_rows
+from .gluon_exact_mm import _pow2, _store, _split_k_sum, _sum_chunk
+from .gluon_mm import SHARED_LIMIT, _producer, _ring, _scale, require_tma_rows, split_bounds
 from .gluon_mm import _words as _scale_words
 
 MAX_ROWS = 4
 BLOCK_K = 128                   # K per ring slot: four 32-deep blocks, one 32-bit scale word per row
 CONSUMER_WARPS = 4
+MAX_SPLIT = 64                  # GluonExactFMAConfig.split
 
 
 @gluon.jit
@@ -231,6 +268,17 @@ def _add_terms(acc, terms, BN: gl.constexpr, R: gl.constexpr, TERMS: gl.constexp
 
 
 @gluon.jit
+def _publish_terms(terms, ws, BN: gl.constexpr, R: gl.constexpr):
+    """The K split's copy of a slot's four block terms ([4 blocks x BN, R] FP32 in shared memory) to
+    the workspace at `ws` (the same [4, BN, R] order: the tile's slabs [K / 32, BN, R], one per
+    block, contiguous), every consumer thread 16 contiguous bytes at a time (coalesced)."""
+    E: gl.constexpr = 4 * BN * R
+    flat: gl.constexpr = gl.BlockedLayout(size_per_thread=[4], threads_per_warp=[32], warps_per_cta=[4],
+                                          order=[0])
+    gl.store(ws + gl.arange(0, E, layout=flat), terms.reshape([E]).load(flat))
+
+
+@gluon.jit
 def _slot_terms(w_tile, xf, sw, sx, jw, g: gl.constexpr, BN: gl.constexpr, WK: gl.constexpr, LK: gl.constexpr,
                 R: gl.constexpr, LANES: gl.constexpr, CODES: gl.constexpr):
     """The terms [BN, WK, R] FP32 of the slot's block group g: the exact block sums times 2^-16
@@ -248,14 +296,17 @@ def _slot_terms(w_tile, xf, sw, sx, jw, g: gl.constexpr, BN: gl.constexpr, WK: g
 @gluon.jit
 def _consumer(w_smem, x_smem, ready, empty, xf, terms, sw_words, sx_words, n_steps,
               BN: gl.constexpr, WK: gl.constexpr, LK: gl.constexpr, R: gl.constexpr, STAGES: gl.constexpr,
-              LANES: gl.constexpr, CODES: gl.constexpr, TERMS: gl.constexpr):
+              LANES: gl.constexpr, CODES: gl.constexpr, TERMS: gl.constexpr, SPLIT: gl.constexpr = False,
+              ws=None, publish=None):
     """The consumer warps, per ring slot i: x's codes converted to FP64 value * 2^1000 into `xf`
     ([128, R] in shared memory, `_x_rows`' order); barrier 1; slot i - 1's terms added in K order
     from `terms` ([4 blocks x BN, R] FP32 in shared memory); slot i's terms (`_slot_terms`, every
     group of the thread's blocks, in registers); barrier 2 (every thread's reads of the slot's tiles,
     of xf and of the terms done); slot i handed back to the producer and its terms stored. The
     last slot's terms after a final barrier. Two barriers a slot order every reuse of xf and terms
-    (no double buffers). Returns (acc, ): [BN, R] FP32 in SliceLayout(0, TERMS)."""
+    (no double buffers). SPLIT: the program's n_steps slots of the tile's K; where `publish`
+    (runtime), slot i's terms also copied to the workspace at ws + i x 4 BN R (`_publish_terms`)
+    when they are added. Returns (acc, ): [BN, R] FP32 in SliceLayout(0, TERMS)."""
     L: gl.constexpr = gl.SliceLayout(2, LANES)
     acc = gl.zeros([BN, R], gl.float32, gl.SliceLayout(0, TERMS))
     # x's codes: each of the 128 threads converts R of a slot's R x 128
@@ -279,6 +330,9 @@ def _consumer(w_smem, x_smem, ready, empty, xf, terms, sw_words, sx_words, n_ste
         gl.thread_barrier()
         if i > 0:
             acc = _add_terms(acc, terms, BN, R, TERMS)
+            if SPLIT:
+                if publish:
+                    _publish_terms(terms, ws + (i - 1) * (4 * BN * R), BN, R)
         w_tile = w_smem.index(s)
         # the slot's terms [4 x BN, R], row j BN + n for block j = WK g + w
         if WK == 4:
@@ -299,19 +353,30 @@ def _consumer(w_smem, x_smem, ready, empty, xf, terms, sw_words, sx_words, n_ste
         terms.store(gl.reshape(t, [4 * BN, R]))
     gl.thread_barrier()
     acc = _add_terms(acc, terms, BN, R, TERMS)
+    if SPLIT:
+        if publish:
+            _publish_terms(terms, ws + (n_steps - 1) * (4 * BN * R), BN, R)
     return (acc, )
 
 
-@gluon.jit(do_not_specialize=["M", "stride_sxm", "stride_swn", "n_steps"])
+@gluon.jit(do_not_specialize=["M", "stride_sxm", "stride_swn", "n_steps", "steps_per_split", "n_split"])
 def _gluon_exact_fma_kernel(
     w_desc, x_desc, sx_ptr, sw_ptr, y_ptr,
     M, N, stride_sxm, stride_swn, stride_ym, n_steps,
-    WK: gl.constexpr, LK: gl.constexpr, STAGES: gl.constexpr, OUT_F32: gl.constexpr,
+    ws_ptr, cnt_ptr, steps_per_split, n_split,
+    WK: gl.constexpr, LK: gl.constexpr, STAGES: gl.constexpr, OUT_F32: gl.constexpr, SPLIT: gl.constexpr = False,
 ):
-    # Grid (N / BN,): program t covers weight rows [t BN, +BN) and all M rows of x, every K step;
+    # Grid (N / BN, n_split): program (t, s) covers weight rows [t BN, +BN), all M rows of x and
+    # the K steps [s steps_per_split, +steps_per_split) of the n_steps (every step without SPLIT);
     # sx_ptr and sw_ptr point at the scales as int32 words (four UE8M0 bytes a 128-deep step),
     # strides in words. Weight rows past N (TMA's zeros) read the last valid row's scales and x rows
     # past M (the row bucket's padding, TMA's zeros) the last valid x row's; both masked at the store.
+    # SPLIT (n_split > 1): ws_ptr holds each tile's K / 32 block terms [K / 32, BN, R] (FP32, all R
+    # rows), cnt_ptr its counter; split 0 adds its blocks' terms in K order from 0 as the whole
+    # kernel does and leaves the sum in the slab of its last block, the other splits copy their
+    # terms to their blocks' slabs, and the tile's last program to arrive continues split 0's sum
+    # with the other splits' terms in K order (`gluon_exact_mm._split_k_sum`): the same FP32 adds
+    # in the same order as without the split.
     BN: gl.constexpr = w_desc.block_type.shape[0]
     R: gl.constexpr = x_desc.block_type.shape[0]
     # LANES [BN, WK, LK, R]: the (weight row, K block, part of the block, x row) of each thread's
@@ -338,24 +403,55 @@ def _gluon_exact_fma_kernel(
     rm = gl.arange(0, R, layout=gl.SliceLayout(0, gl.SliceLayout(1, L)))
     sw_words = sw_ptr + (gl.minimum(rn, N - 1) // 32) * stride_swn
     sx_words = sx_ptr + gl.minimum(rm, M - 1) * stride_sxm
-    acc, = gl.warp_specialize([
-        (_consumer, (w_smem, x_smem, ready, empty, xf, terms, sw_words, sx_words, n_steps, BN, WK, LK, R, STAGES,
-                     LANES, CODES, TERMS)),
-        (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, 0, 0, 0, n_steps, 0, n_steps,
-                     STAGES, False)),
-    ], [1], [24])
+    SLAB: gl.constexpr = BN * R          # a K block's terms of the tile in the workspace
+    if SPLIT:
+        pid_s = gl.program_id(1)
+        step_lo = pid_s * steps_per_split
+        n_here = gl.minimum(steps_per_split, n_steps - step_lo)
+        ws_tile = ws_ptr + pid_n * (n_steps * 4 * SLAB)
+        acc, = gl.warp_specialize([
+            (_consumer, (w_smem, x_smem, ready, empty, xf, terms, sw_words + step_lo, sx_words + step_lo, n_here,
+                         BN, WK, LK, R, STAGES, LANES, CODES, TERMS, True, ws_tile + step_lo * (4 * SLAB), pid_s > 0)),
+            (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, 0, 0, step_lo, n_here, 0, n_here,
+                         STAGES, False)),
+        ], [1], [24])
+    else:
+        acc, = gl.warp_specialize([
+            (_consumer, (w_smem, x_smem, ready, empty, xf, terms, sw_words, sx_words, n_steps, BN, WK, LK, R, STAGES,
+                         LANES, CODES, TERMS)),
+            (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, 0, 0, 0, n_steps, 0, n_steps,
+                         STAGES, False)),
+        ], [1], [24])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
     out_layout: gl.constexpr = gl.SliceLayout(0, TERMS)
-    on = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, out_layout))
+    ol = gl.arange(0, BN, layout=gl.SliceLayout(1, out_layout))
+    on = pid_n * BN + ol
     om = gl.arange(0, R, layout=gl.SliceLayout(0, out_layout))
     y_ptrs = y_ptr + om[None, :] * stride_ym + on[:, None]
     mask = (on[:, None] < N) & (om[None, :] < M)
-    if OUT_F32:
-        gl.store(y_ptrs, acc, mask=mask)
+    if SPLIT:
+        # split 0's sum of blocks [0, P) (P = 4 steps_per_split) in slab P - 1; the last arriver
+        # adds it to -0.0 (exact: -0.0 + x = x) and then the terms of blocks P .. K / 32 - 1
+        prefix = ws_tile + (4 * steps_per_split - 1) * SLAB
+        if pid_s == 0:
+            gl.store(prefix + ol[:, None] * R + om[None, :], acc)
+        # the sum's layout: the tile's BN x R outputs over all 128 threads where there are as many
+        # (x rows across the lanes first), so that each thread's chains are few and its loads in
+        # flight many
+        SUM: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[32 // R, R],
+                                             warps_per_cta=[4, 1], order=[1, 0])
+        sn = gl.arange(0, BN, layout=gl.SliceLayout(1, SUM))
+        sm = gl.arange(0, R, layout=gl.SliceLayout(0, SUM))
+        last, total = _split_k_sum(gl.full([BN, R], -0.0, gl.float32, SUM), prefix + sn[:, None] * R + sm[None, :],
+                                   None, SLAB, 4 * (n_steps - steps_per_split) + 1, cnt_ptr + pid_n, n_split,
+                                   _sum_chunk(max(1, BN * R // 128)))
+        if last:
+            _store(y_ptr + sm[None, :] * stride_ym + pid_n * BN + sn[:, None], total,
+                   (pid_n * BN + sn[:, None] < N) & (sm[None, :] < M), OUT_F32)
     else:
-        gl.store(y_ptrs, acc.to(gl.bfloat16), mask=mask)
+        _store(y_ptrs, acc, mask, OUT_F32)
 
 
 ROW_BUCKETS = (1, 2, 4)         # R: the x rows a program computes (TMA's box; rows past M are its zeros)
@@ -378,9 +474,13 @@ class GluonExactFMAConfig:
         consumer's 4 warps and the producer's, padded to 8; the producer drops to 24); 128 keeps
         two CTAs per SM resident, 80 three; no configuration the probe offers spills there
         (sm_90 compiles at 1, 2 and 4 rows); None: Triton's (256, one CTA per SM).
+    split: programs per weight tile that share its K (1..64): each takes a contiguous run of the
+        128-deep steps (`gluon_mm.split_bounds`: the plan uses fewer splits where K has too few
+        steps, so that none is empty), and their block terms meet in a plan-owned workspace
+        (module doc, "K split"); 1: one program walks the tile's whole K.
 
     block_n = 32 x rows_per_thread x 4 / warps_k / lanes_k weight rows a program (8 to 256: a TMA
-    box's side), N / block_n programs.
+    box's side), N / block_n x split programs.
     """
 
     rows_per_thread: int = 4
@@ -388,6 +488,7 @@ class GluonExactFMAConfig:
     lanes_k: int = 1
     stages: int = 4
     maxnreg: int | None = 128
+    split: int = 1
 
     @property
     def block_n(self) -> int:
@@ -396,18 +497,24 @@ class GluonExactFMAConfig:
 
     @classmethod
     def from_spec(cls, spec: str) -> "GluonExactFMAConfig":
-        """The configuration a spec string names, rows_per_thread:warps_k:lanes_k:stages[:maxnreg]
-        (maxnreg 0: None; absent: 128), the form scripts/probe_gluon_exact_fma.py prints."""
-        try:
-            parts = [int(v) for v in spec.split(":")]
-            if not 4 <= len(parts) <= 5:
-                raise ValueError
-        except ValueError:
-            raise ValueError(f"a GluonExactFMAConfig spec is rows_per_thread:warps_k:lanes_k:stages[:maxnreg], "
-                             f"integers, got {spec!r}") from None
-        maxnreg = parts[4] if len(parts) == 5 else 128
-        return cls(rows_per_thread=parts[0], warps_k=parts[1], lanes_k=parts[2], stages=parts[3],
-                   maxnreg=maxnreg or None)
+        """The configuration a spec string names, rows_per_thread:warps_k:lanes_k:stages[:maxnreg[:split]]
+        (maxnreg 0: None; absent: 128; split absent: 1), the form scripts/probe_gluon_exact_fma.py
+        prints. A field that is not an integer, or too few or too many fields, raise a ValueError
+        that names them; a bad value, the field's own error."""
+        form = "rows_per_thread:warps_k:lanes_k:stages[:maxnreg[:split]]"
+        names = form.replace("[", "").replace("]", "").split(":")
+        fields = str(spec).split(":")
+        if not 4 <= len(fields) <= len(names):
+            raise ValueError(f"a GluonExactFMAConfig spec is {form}, integers, got {spec!r} ({len(fields)} fields)")
+        values = {}
+        for name, field in zip(names, fields):
+            try:
+                values[name] = int(field)
+            except ValueError:
+                raise ValueError(f"a GluonExactFMAConfig spec is {form}, integers, got {spec!r} ({name} "
+                                 f"{field!r})") from None
+        values["maxnreg"] = values.get("maxnreg", 128) or None
+        return cls(**values)
 
     def __post_init__(self):
         def is_int(v):
@@ -426,6 +533,8 @@ class GluonExactFMAConfig:
                                          or self.maxnreg % 8):
             raise ValueError(f"GluonExactFMAConfig.maxnreg must be None or a multiple of 8 in [24, 256], "
                              f"got {self.maxnreg!r}")
+        if not is_int(self.split) or not 1 <= self.split <= MAX_SPLIT:
+            raise ValueError(f"GluonExactFMAConfig.split must be an int in [1, {MAX_SPLIT}], got {self.split!r}")
         if shared_bytes(self, ROW_BUCKETS[-1]) > SHARED_LIMIT:
             raise ValueError(f"GluonExactFMAConfig: stages={self.stages} x (block_n={self.block_n} + 4) x {BLOCK_K} "
                              f"bytes of ring, x's values and the block terms exceed sm_90's {SHARED_LIMIT} bytes of "
@@ -444,12 +553,12 @@ def shared_bytes(config: GluonExactFMAConfig, bt: int) -> int:
     return config.stages * (config.block_n + bt) * BLOCK_K + 128 * bt * 8 + 4 * config.block_n * bt * 4 + 1024
 
 
-def launch_options(config: GluonExactFMAConfig) -> dict:
-    """The kernel's constexpr arguments and launch options for `config` (the plan's launch and the
-    sm_90 compile test share them): the consumer's 4 warps and the producer's warp, padded to 8
-    warps; enable_reflect_ftz=False keeps the FP32 subnormals of the scaling's `mul.rn` (libdevice;
-    Triton's default flushes them)."""
-    opts = {"WK": config.warps_k, "LK": config.lanes_k, "STAGES": config.stages,
+def launch_options(config: GluonExactFMAConfig, split: int = 1) -> dict:
+    """The kernel's constexpr arguments and launch options for `config` with `split` K splits (the
+    plan's `split_of`; the plan's launch and the sm_90 compile test share them): the consumer's 4
+    warps and the producer's warp, padded to 8 warps; enable_reflect_ftz=False keeps the FP32
+    subnormals of the scaling's `mul.rn` (libdevice; Triton's default flushes them)."""
+    opts = {"WK": config.warps_k, "LK": config.lanes_k, "STAGES": config.stages, "SPLIT": split > 1,
             "num_warps": CONSUMER_WARPS, "enable_reflect_ftz": False}
     if config.maxnreg is not None:
         opts["maxnreg"] = config.maxnreg
@@ -489,10 +598,15 @@ class GluonExactFMA:
     config: the launch configuration: one GluonExactFMAConfig for every call (default
         `default_config(N, the device's SMs)`), or `{most rows: GluonExactFMAConfig}` for calls of up to that many
         rows (the largest key >= max_rows). Every configuration gives the same bits.
-    workspace: accepted for GluonExactMM's signature and unused: the plan keeps no workspace (the K
-        blocks' terms meet in shared memory).
+    workspace: None (the plan allocates the K split's workspace and counters) or a shared pool, as
+        `ops.common.plan_workspace` says (FP32 slot 0, int32 slot 0: GluonExactMM's, so an
+        `ExactLinear` may hand both ops its pool - they never run at once). A plan without a split
+        configuration takes one FP32 word and one counter.
 
-    A call's codes must have 16-byte aligned rows (TMA) and its x_scale rows 4-byte boundaries.
+    A call's codes must have 16-byte aligned rows (TMA) and its x_scale rows 4-byte boundaries. A
+    plan whose launches split K owns (or takes) a workspace of N / block_n x K / 32 x block_n x R
+    FP32 (R: the row bucket of its most rows, 1, 2 or 4) and one int32 counter per weight tile, zero
+    between calls; its calls must not overlap in time (one stream, or ordered streams).
     """
 
     def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int = MAX_ROWS,
@@ -516,6 +630,17 @@ class GluonExactFMA:
             if c.block_n not in self._w_descs:
                 layout = gl.NVMMASharedLayout.get_default_for([c.block_n, BLOCK_K], gl.float8e4nv)
                 self._w_descs[c.block_n] = TensorDescriptor.from_tensor(weight, [c.block_n, BLOCK_K], layout)
+        # The split launches' workspace: each weight tile's [K / 32, block_n, R] block terms.
+        split = [(min(most, max_rows), c) for most, c in self._configs if self.split_of(c) > 1]
+        ws = max((-(-n // c.block_n) * (k // 32) * c.block_n * block_t(rows) for rows, c in split), default=1)
+        self._workspace = plan_workspace(workspace, 0, ws, torch.float32, self.device)
+        self._counters = plan_workspace(workspace, 0, max((-(-n // c.block_n) for _, c in split), default=1),
+                                        torch.int32, self.device)
+
+    def split_of(self, config: GluonExactFMAConfig) -> int:
+        """The K splits a launch in `config` runs: config.split, fewer where K has too few 128-deep
+        steps for none to be empty (`gluon_mm.split_bounds`)."""
+        return split_bounds(config.split, self.k, BLOCK_K)[1]
 
     def config_for(self, rows: int) -> GluonExactFMAConfig:
         """The configuration a call of `rows` rows launches with."""
@@ -536,9 +661,11 @@ class GluonExactFMA:
         bt = block_t(m)
         x_layout = gl.NVMMASharedLayout.get_default_for([bt, BLOCK_K], gl.float8e4nv)
         x_desc = TensorDescriptor.from_tensor(codes, [bt, BLOCK_K], x_layout)
-        _gluon_exact_fma_kernel[(-(-self.n // cfg.block_n), )](
+        per, split = split_bounds(cfg.split, self.k, BLOCK_K)
+        _gluon_exact_fma_kernel[(-(-self.n // cfg.block_n), split)](
             self._w_descs[cfg.block_n], x_desc, sx_words, self._sw_words, out,
             m, self.n, sx_words.stride(0), self._sw_words.stride(0), out.stride(0), self.k // BLOCK_K,
-            OUT_F32=out.dtype == torch.float32, **launch_options(cfg),
+            self._workspace, self._counters, per // BLOCK_K, split,
+            OUT_F32=out.dtype == torch.float32, **launch_options(cfg, split),
         )
         return out

@@ -7,18 +7,22 @@ along K, 1, 2 and 4 x rows, BF16 and FP32 out - with no spills, one DFMA per (we
 and no FP64 MMA, the weight's conversion by integer operations (one prmt a code, no FP64 multiply
 of the weight: only x's values are scaled by 2^1000, one DMUL per x code a thread converts), the
 weight tile read by 16-byte shared loads, each block's FP64 sum rounded once (cvt.rn.f32.f64) and
-its last scale a lone mul.rn (no FFMA), no FP32 op that flushes subnormals; the configuration's
-and the plan's bad arguments raise errors that name them. On the GPU (`-m gpu`): bitwise
-`reference.linear.mxfp8_mm` at the V4.1-Flash TP1 shapes at 1-4 rows, BF16 and FP32 out, on
-model-like, heavy-tailed (448 down to the subnormals) and subnormal codes, in several
-configurations (rows and columns past the call untouched), on small shapes with a partial weight
-tile, and the call's argument errors.
+its last scale a lone mul.rn (no FFMA), no FP32 op that flushes subnormals; with the K split, the
+slot's terms published by 16-byte stores, the tile's counter and the last arriver's loads issued
+a chunk at a time ahead of their adds; the configuration's and the plan's bad arguments raise
+errors that name them. On the GPU (`-m gpu`): bitwise `reference.linear.mxfp8_mm` at the
+V4.1-Flash TP1 shapes at 1-4 rows, BF16 and FP32 out, on model-like, heavy-tailed (448 down to the
+subnormals) and subnormal codes, in several configurations (rows and columns past the call
+untouched), on small shapes with a partial weight tile; the K split at wo_b, fused wq_a|wkv and
+the indexer's wq_b (bitwise the reference and the unsplit kernel, calls repeated, a CUDA graph
+replayed twice: the counters reset); and the call's argument errors.
 
 No tolerance anywhere: the op computes the contract's arithmetic exactly (each 32-block's dot exact
 in FP64, rounded once to FP32; the block terms scaled and added in K order; one rounding to BF16),
 so any difference from the reference is a bug.
 """
 
+import dataclasses
 import re
 
 import pytest
@@ -44,16 +48,28 @@ def _desc(block) -> str:
     return f"tensordesc<fp8e4nv[{block[0]}, {block[1]}],{layout!r}>"
 
 
-def _compile(config: F.GluonExactFMAConfig, bt: int, out_f32: bool):
-    opts = F.launch_options(config)
+def _compile(config: F.GluonExactFMAConfig, bt: int, out_f32: bool, split: int = 1):
+    opts = F.launch_options(config, split)
     launch = {k: opts.pop(k) for k in ("num_warps", "maxnreg", "enable_reflect_ftz") if k in opts}
     fn = F._gluon_exact_fma_kernel
     types = {"w_desc": _desc([config.block_n, F.BLOCK_K]), "x_desc": _desc([bt, F.BLOCK_K]), "sx_ptr": "*i32",
-             "sw_ptr": "*i32", "y_ptr": "*fp32" if out_f32 else "*bf16"}
+             "sw_ptr": "*i32", "y_ptr": "*fp32" if out_f32 else "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
     # as the launcher sees the real shapes: N and y's row stride multiples of 16
     return sm90.compile_sm90(fn, types, {**opts, "OUT_F32": out_f32},
                              divisible=[a for a in fn.arg_names if a.endswith("_ptr") or a in ("N", "stride_ym")],
                              **launch)
+
+
+def _loops(kernel) -> list[list[str]]:
+    """The SASS of each backward-branch loop of the kernel."""
+    ins = sm90.sass(kernel)
+    index = {addr: i for i, (addr, _) in enumerate(ins)}
+    bodies = []
+    for i, (addr, text) in enumerate(ins):
+        m = re.search(r"\bBRA (?:`\()?0x([0-9a-f]+)", text)
+        if m and int(m.group(1), 16) < addr and int(m.group(1), 16) in index:
+            bodies.append([t for _, t in ins[index[int(m.group(1), 16)]:i + 1]])
+    return bodies
 
 
 def _loop_with(kernel, opcode: str) -> list[str]:
@@ -74,7 +90,8 @@ def _loop_with(kernel, opcode: str) -> list[str]:
 
 # (config, row bucket, FP32 out): the default (4 weight rows a thread, the 4 warps along K) at 1
 # and 4 rows, 2 rows a thread over 2 x 2 warps, 1 row a thread with every warp all four blocks,
-# 2 and 4 lanes a block (~0.5 s each)
+# 2 and 4 lanes a block; the K split (compiled as a plan with config.split > 1 launches it) at
+# 128-row tiles and 1 row, and at 32-row tiles, 4 rows and a cap of 80 registers (~1 s each)
 COMPILE_CASES = [
     (C(), 1, False),
     (C(), 4, True),
@@ -82,14 +99,16 @@ COMPILE_CASES = [
     (C(rows_per_thread=1, warps_k=1, stages=6), 2, True),
     (C(rows_per_thread=1, lanes_k=2, stages=8, maxnreg=80), 1, False),
     (C(rows_per_thread=2, lanes_k=4, maxnreg=80), 2, True),
+    (C(split=4), 1, False),
+    (C(rows_per_thread=1, stages=8, maxnreg=80, split=2), 4, True),
 ]
 
 
 @pytest.mark.parametrize("config,bt,out_f32", COMPILE_CASES,
                          ids=[f"rw{c.rows_per_thread}-wk{c.warps_k}-lk{c.lanes_k}-r{bt}" + ("-f32" if f else "")
-                              for c, bt, f in COMPILE_CASES])
+                              + (f"-split{c.split}" if c.split > 1 else "") for c, bt, f in COMPILE_CASES])
 def test_compiles_for_sm90_without_spills(config, bt, out_f32):
-    kernel = _compile(config, bt, out_f32)
+    kernel = _compile(config, bt, out_f32, config.split)
     res = sm90.resources(kernel)
     ins = [t for _, t in sm90.sass(kernel)]
     ops = sm90.opcode_counts(ins)
@@ -121,11 +140,26 @@ def test_compiles_for_sm90_without_spills(config, bt, out_f32):
     assert "cvt.rn.f32.f64" in ptx and "mul.rn.f32" in ptx
     assert ops.get("FFMA", 0) == 0, ops
     assert re.search(r"\.ftz\.f32\b", ptx) is None
-    # The TMA ring (weight and x boxes, mbarriers), the producer's registers handed over, no
-    # global workspace (no atomics).
+    # The TMA ring (weight and x boxes, mbarriers), the producer's registers handed over; a global
+    # workspace only with the K split.
     assert ops.get("UTMALDG", 0) == 2 and ops.get("SYNCS", 0) > 0, ops
     assert any(t.startswith("USETMAXREG.DEALLOC") for t in ins)
-    assert ops.get("ATOMG", 0) == 0 and ops.get("RED", 0) == 0, ops
+    assert ops.get("RED", 0) == 0, ops
+    if config.split == 1:
+        assert lops.get("STG", 0) == 0 and ops.get("ATOMG", 0) == 0, (lops, ops)
+    else:
+        # the terms of a slot published by 16-byte stores in the loop (4 x block_n x bt FP32 over
+        # the 128 consumer threads); the tile's counter (the arrival and the reset)
+        assert lops.get("STG", 0) == max(1, 4 * config.block_n * bt // 512), lops
+        assert ops.get("ATOMG", 0) == 2, ops
+        # the last arriver's K-ordered sum: each chunk's loads (from L2) all issued before its adds
+        chunks = [body for body in _loops(kernel) if any("LDG.E.STRONG.GPU" in t for t in body)
+                  and not any(t.startswith("DFMA") for t in body)]
+        assert chunks, "no loop of the last arriver's loads"
+        for body in chunks:
+            kinds = [t for t in body if re.search(r"\bLDG\b|\bFADD\b", t)]
+            n_loads = sum("LDG" in t for t in kinds)
+            assert n_loads >= 16 and all("LDG" in t for t in kinds[:n_loads]), kinds
 
 
 def test_launch_geometry():
@@ -158,8 +192,14 @@ def test_bad_config_and_plan_arguments_name_the_argument():
     raises(r"config must cover max_rows=4 rows, got keys \[2\]", lambda: F.GluonExactFMA(w, s, config={2: C()}))
     assert C.from_spec("2:2:1:6") == C(rows_per_thread=2, warps_k=2, stages=6)
     assert C.from_spec("4:4:2:4:0") == C(lanes_k=2, maxnreg=None) and C.from_spec("1:4:1:8:80").maxnreg == 80
-    for bad in ("4:4:1", "4:4:1:4:128:1", "4:x:1:4"):
-        raises("a GluonExactFMAConfig spec is rows_per_thread:warps_k:lanes_k:stages", lambda: C.from_spec(bad))
+    assert C.from_spec("2:4:1:6:80:4") == C(rows_per_thread=2, stages=6, maxnreg=80, split=4)
+    assert C.from_spec("4:4:1:4:0:2") == C(maxnreg=None, split=2) and C.from_spec("4:4:1:4:128").split == 1
+    for bad, field in (("4:4:1", "3 fields"), ("4:4:1:4:128:1:1", "7 fields"), ("4:x:1:4", "warps_k 'x'"),
+                       ("4:4:1:4:80:two", "split 'two'")):
+        raises(f"a GluonExactFMAConfig spec is rows_per_thread:warps_k:lanes_k:stages.*{field}",
+               lambda: C.from_spec(bad))
+    raises(r"split must be an int in \[1, 64\], got 0", lambda: C.from_spec("4:4:1:4:128:0"))
+    raises("split must be an int in", lambda: C(split=65))
     raises("rows_per_thread must be 1, 2 or 4", lambda: C(rows_per_thread=3))
     raises("warps_k must be 1, 2 or 4", lambda: C(warps_k=8))
     raises("lanes_k must be 1, 2 or 4", lambda: C(lanes_k=32))
@@ -238,6 +278,76 @@ def test_small_shapes_match_the_reference_on_gpu(m, n, k, config, kind):
         y = plan(codes, x_scale, buf[:m, :n])
         assert torch.equal(_bits(y), _bits(mxfp8_mm(codes, x_scale, weight, w_scale, dtype))), (m, n, k, config, dtype)
         assert buf[m:].isnan().all() and buf[:, n:].isnan().all(), (m, n, k, config, dtype)
+
+
+def _unsplit(config):
+    """`config` (one configuration or a per-row dict) with every split 1."""
+    if isinstance(config, dict):
+        return {rows: dataclasses.replace(c, split=1) for rows, c in config.items()}
+    return dataclasses.replace(config, split=1)
+
+
+# The K split at the TP1 shapes with few weight rows for their K (wo_b 64 steps of 128, fused
+# wq_a|wkv 40, the indexer's wq_b 10): 128-, 64- and 32-row tiles and 16-row ones (2 lanes a
+# block), 2 to 8 splits, uneven where the splits do not divide the steps (wo_b 3: 22 + 22 + 20;
+# fused 3: 14 + 14 + 12; the indexer's 3: 4 + 4 + 2), per-row configurations.
+SPLIT_CONFIGS = {
+    "wo_b": (C(split=4), {2: C(rows_per_thread=2, stages=6, maxnreg=80, split=8),
+                          4: C(rows_per_thread=1, stages=8, maxnreg=80, split=3)}),
+    "fused_wqa_wkv": (C(rows_per_thread=2, stages=6, maxnreg=80, split=5),
+                      {1: C(rows_per_thread=1, stages=8, maxnreg=80, split=8),
+                       4: C(rows_per_thread=1, lanes_k=2, stages=8, maxnreg=80, split=3)}),
+    "wq_b_tp8": (C(rows_per_thread=1, stages=8, maxnreg=80, split=2), C(split=3)),
+}
+SPLIT_SHAPES = [s for s in FLASH_SHAPES if s[0] in SPLIT_CONFIGS]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,n,k", SPLIT_SHAPES, ids=[s[0].replace("wq_b_tp8", "idx_wq_b") for s in SPLIT_SHAPES])
+def test_k_split_matches_the_reference_and_the_unsplit_kernel_on_gpu(name, n, k):
+    # Bitwise `reference.linear.mxfp8_mm` and the same configuration without the split at 1-4
+    # rows on heavy-tailed codes (448 down to the subnormals, both operands; scales of
+    # 2^-7..2^6) and model-like ones, BF16 and FP32 out (out a window of a poisoned buffer:
+    # rows and columns past the call untouched), each call twice (the counters reset by the
+    # last arriver); then a CUDA graph of a split call replayed twice on new codes.
+    gen = torch.Generator(device=DEVICE).manual_seed(n + k + 1)
+    _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(n + k + 1), 4, n, k)
+    heavy = (heavy_e4m3((4, k), gen), torch.randint(120, 134, (4, k // 32), dtype=torch.uint8, device=DEVICE),
+             heavy_e4m3((n, k), gen), w_scale)
+    for kind, (c, sx, w, sw) in (("heavy", heavy), ("quantized", (codes, x_scale, weight, w_scale))):
+        ref = {dtype: mxfp8_mm(c, sx, w, sw, dtype) for dtype in (torch.bfloat16, torch.float32)}
+        for cfg in SPLIT_CONFIGS[name]:
+            plan, unsplit = F.GluonExactFMA(w, sw, config=cfg), F.GluonExactFMA(w, sw, config=_unsplit(cfg))
+            assert all(plan.split_of(plan.config_for(m)) > 1 for m in (1, 2, 3, 4)), cfg
+            for m in (1, 2, 3, 4):
+                for dtype in (torch.bfloat16, torch.float32):
+                    buf = _poisoned(m + 2, n + 8, dtype)
+                    y = plan(c[:m], sx[:m], buf[:m, :n])
+                    assert torch.equal(_bits(y), _bits(ref[dtype][:m])), (name, kind, cfg, m, dtype)
+                    assert torch.equal(_bits(y), _bits(unsplit(c[:m], sx[:m], _poisoned(m, n, dtype)))), (
+                        name, kind, cfg, m, dtype)
+                    assert buf[m:].isnan().all() and buf[:, n:].isnan().all(), (name, kind, cfg, m, dtype)
+                    again = plan(c[:m], sx[:m], _poisoned(m, n, dtype))
+                    assert torch.equal(_bits(again), _bits(y)), (name, kind, cfg, m, dtype)
+            assert int(plan._counters.abs().sum()) == 0, (name, kind, cfg)
+    # A CUDA graph of a 3-row split call (the 4-row bucket), replayed twice on new codes and scales:
+    # the counters are back at 0 after each replay, no memset between.
+    cfg = SPLIT_CONFIGS[name][0]
+    plan = F.GluonExactFMA(weight, w_scale, config=cfg)
+    xc, xs = codes[:3].clone(), x_scale[:3].clone()
+    out = torch.empty(3, n, dtype=torch.bfloat16, device=DEVICE)
+    plan(xc, xs, out)                                       # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan(xc, xs, out)
+    for seed in (5, 6):
+        g = torch.Generator(device=DEVICE).manual_seed(seed)
+        xc.copy_(heavy_e4m3((3, k), g))
+        xs.copy_(torch.randint(120, 134, (3, k // 32), dtype=torch.uint8, device=DEVICE, generator=g))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(_bits(out), _bits(mxfp8_mm(xc, xs, weight, w_scale))), (name, cfg, seed)
+        assert int(plan._counters.abs().sum()) == 0, (name, cfg, seed)
 
 
 @pytest.mark.gpu
