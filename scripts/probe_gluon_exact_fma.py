@@ -13,12 +13,14 @@ subnormals) against `reference.linear.mxfp8_mm` per configuration; the best conf
 (`GluonExactFMA(config={rows: config})`); each compiled kernel's registers and spills.
 
     PYTHONPATH=. python scripts/probe_gluon_exact_fma.py
-    PYTHONPATH=. python scripts/probe_gluon_exact_fma.py --rows=1,4 --only=wo_b --alt=1:4:2:8:80,2:4:1:6
+    PYTHONPATH=. python scripts/probe_gluon_exact_fma.py --rows=1,4 --only=wo_b --alt=1:4:2:8:80,4:4:1:4:128:6
 
---alt: configurations rows_per_thread:warps_k:lanes_k:stages[:maxnreg] (`GluonExactFMAConfig.from_spec`;
-maxnreg 0: None, default 128). `--budget=` s (default 480) stops the timing; the summary still
-prints. `PROBE_DRY=1` runs the script on the CPU at small shapes with the reference in place of
-every kernel (checks the script only, no timing worth reading).
+--alt: configurations rows_per_thread:warps_k:lanes_k:stages[:maxnreg[:split]]
+(`GluonExactFMAConfig.from_spec`; maxnreg 0: None, default 128; split: programs per weight tile
+that share its K, default 1), for every shape; without it each shape takes CANDIDATES and its
+SPLIT_CANDIDATES. `--budget=` s (default 480) stops the timing; the summary still prints.
+`PROBE_DRY=1` runs the script on the CPU at small shapes with the reference in place of every
+kernel (checks the script only, no timing worth reading).
 """
 
 from __future__ import annotations
@@ -53,6 +55,61 @@ ROWS = (1, 2, 3, 4)
 # 1:4:4:8:80 for fused wq_a|wkv.
 CANDIDATES = ["4:4:1:4", "4:2:1:3", "2:4:1:4", "2:4:1:6:80", "1:4:1:8:80", "4:4:2:4", "2:4:2:6:80", "1:4:2:8:80",
               "2:4:4:8:80", "1:4:4:8:80", "1:2:2:8:80", "2:2:1:4"]
+# The K split (field 6; `GluonExactFMAConfig.split`) for the shapes with few weight rows for their K:
+# large tiles, N / block_n x split programs near 1, 2 or 3 an SM (132 SMs; 2 CTAs an SM resident at
+# a cap of 128 registers, 3 at 80 where the shared memory allows). sm_90 compiles of the split
+# kernel, the consumer's loop in instructions per weight code at 1 / 2 / 4 x rows (split=1 in
+# brackets): 4:4:1:4 4.82 / 6.23 / 9.35 (4.73 / 6.14 / 9.24), 4:4:1:4:80 4.93 / 6.46 / 9.55,
+# 2:2:1:4 4.98 / 6.57 / 9.63, 4:2:1:3 4.59 / 5.97 / 9.22, 2:4:1:6:80 5.59 / 7.17 / 10.89 (5.41 / 6.98
+# / 10.67), 2:4:1:4 5.44 / 6.95 / 10.38, 1:2:1:6:80 6.28 / 7.91 / 12.02, 1:4:1:8:80 7.12 / 8.91 /
+# 13.28, 2:4:2:6:80 6.81 / 9.28 / 14.06 (the publish of each slot's terms: one 16-byte store a
+# thread per 512 terms, a branch); no spills. The last arriver then adds 4 (steps - per) + 1 terms
+# an output (per: steps a split), 64 / (outputs a thread) loads at a time. Estimates in us at 1 / 2
+# / 4 rows (3 us of launch, fill and drain + the busiest SM's slots x loop x its programs / an issue
+# rate fitted to the measured unsplit runs, 0.5-0.6 an SP a cycle + the last arriver's chunks at
+# ~600 cycles of L2 latency each and 64 bytes a cycle; ExactMM / GluonExactMM for comparison):
+# wo_b (64 steps; ExactMM 17.0 / 30.4 / 54.1, GluonExactMM 29.7)
+#   4:4:1:4:128:6  240 programs of 11 steps  18.5 / 24.4 / 37.3
+#   4:4:1:4:80:6   as above, 3 CTAs an SM     18.8 / 24.9 / 38.1
+#   2:2:1:4:128:6  (wq_b's best form)         19.0 / 25.3 / 38.0
+#   4:2:1:3:128:13 260 of 256 rows x 5 steps  19.3 / 27.3 / 48.9 (the tail: 237 terms x 256 rows)
+#   4:4:1:4:80:8   320, 3 an SM               20.1 / 27.0 / 41.1
+#   4:4:1:4:128:3  120, one an SM             20.3 / 26.7 / 40.0
+#   2:4:1:4:128:3  240 of 64 rows             21.1 / 26.1 / 38.3
+#   2:4:1:6:80:3   240 of 64 rows, 3 an SM    21.6 / 26.7 / 39.9
+#   2:4:1:6:80:4   320 of 64 rows             23.6 / 29.2 / 43.5
+#   4:4:1:4:128:4  160 (two an SM on 28 SMs)  24.4 / 32.0 / 48.2
+# fused wq_a|wkv (40 steps; ExactMM 6.45 / 11.1 / 15.9, GluonExactMM 12.6)
+#   2:4:1:6:80:14  392 of 64 rows x 3 steps   8.0 / 9.2 / 12.9
+#   4:4:1:4:128:8  112 of 128 rows x 5        8.2 / 10.6 / 15.5
+#   4:4:1:4:128:14 196 x 3                    8.3 / 10.7 / 16.1
+#   4:4:1:4:80:20  280 x 2, 3 an SM           8.4 / 10.9 / 16.4
+#   2:4:1:6:80:8   224 x 5                    8.4 / 9.7 / 13.6
+#   2:4:1:6:80:4   112 x 10                   8.5 / 10.0 / 14.2
+#   1:2:1:6:80:8   224 x 5 (2 warps along K)  8.8 / 10.2 / 14.4
+#   2:4:1:6:80:10  280 x 4                    9.1 / 10.7 / 15.1
+#   2:4:2:6:80:7   392 of 32 rows x 6         9.4 / 11.2 / 14.8
+#   1:4:1:8:80:7   392 of 32 rows x 6         9.6 / 10.9 / 14.3
+# the indexer's wq_b (10 steps; ExactMM 4.7 / 6.4 / 8.7, GluonExactMM 6.6)
+#   4:4:1:4:128:10 320 of 128 rows x 1 step   5.3 / 6.3 / 8.2
+#   4:4:1:4:80:10  as above, 3 an SM          5.4 / 6.4 / 8.3
+#   4:4:1:4:128:4  128 x 3 (3 + 3 + 3 + 1)    5.6 / 6.3 / 8.3
+#   2:4:1:6:80:2   128 of 64 rows x 5         5.7 / 6.4 / 7.9
+#   2:4:1:6:80:4   256 x 3                    5.8 / 6.5 / 8.1
+#   2:4:1:6:80:5   320 x 2                    5.8 / 6.5 / 8.5
+#   4:4:1:4:128:5  160 x 2                    5.9 / 7.1 / 9.3
+#   1:2:1:6:80:2   128 of 64 rows x 5         6.0 / 6.7 / 8.4
+#   2:4:2:6:80:2   256 of 32 rows x 5         6.2 / 7.2 / 9.1
+#   1:4:1:8:80:2   256 of 32 rows x 5         6.4 / 7.1 / 8.8
+# Without --alt a shape's run takes CANDIDATES and its SPLIT_CANDIDATES.
+SPLIT_CANDIDATES = {
+    "wo_b": ["4:4:1:4:128:6", "4:4:1:4:80:6", "2:2:1:4:128:6", "4:2:1:3:128:13", "4:4:1:4:80:8", "4:4:1:4:128:3",
+             "2:4:1:4:128:3", "2:4:1:6:80:3", "2:4:1:6:80:4", "4:4:1:4:128:4"],
+    "fused_wqa_wkv": ["2:4:1:6:80:14", "4:4:1:4:128:8", "4:4:1:4:128:14", "4:4:1:4:80:20", "2:4:1:6:80:8",
+                      "2:4:1:6:80:4", "1:2:1:6:80:8", "2:4:1:6:80:10", "2:4:2:6:80:7", "1:4:1:8:80:7"],
+    "idx_wq_b": ["4:4:1:4:128:10", "4:4:1:4:80:10", "4:4:1:4:128:4", "2:4:1:6:80:2", "2:4:1:6:80:4", "2:4:1:6:80:5",
+                 "4:4:1:4:128:5", "1:2:1:6:80:2", "2:4:2:6:80:2", "1:4:1:8:80:2"],
+}
 
 
 def config_of(spec: str) -> GluonExactFMAConfig:
@@ -78,10 +135,11 @@ def main() -> None:
     t0 = time.time()
     rows = [int(r) for r in arg("rows", ",".join(map(str, ROWS))).split(",")]
     names = arg("only", ",".join(SHAPES)).split(",")
-    specs = [s for s in arg("alt", ",".join(CANDIDATES)).split(",") if s]
+    alt = [s for s in arg("alt", "").split(",") if s]
+    shape_specs = {name: alt or CANDIDATES + SPLIT_CANDIDATES.get(name, []) for name in names}
     replays = int(arg("replays", "20"))
     budget = float(arg("budget", "480"))
-    for s in specs:
+    for s in {s for specs in shape_specs.values() for s in specs}:
         config_of(s)                        # a bad spec fails here, before anything runs
     if DRY:
         floor = 4400.0
@@ -97,7 +155,7 @@ def main() -> None:
     seen: set = set()
     out_of_time = False
     for name in names:
-        shape = SHAPES[name]
+        shape, specs = SHAPES[name], shape_specs[name]
         n, k = shape.n, shape.k
         copies = 2 if DRY else l2_rotation(shape.weight_bytes())
         ws = [fp8_block_quantize(torch.randn(n, k, generator=g, device=DEV) * k ** -0.5) for _ in range(copies)]
@@ -139,7 +197,7 @@ def main() -> None:
                 if bits == "=":
                     res[spec] = us
                 b = base[(name, m)]
-                print(f"{name:14s} M={m}  {spec:10s} {us:7.2f} us ({pct(us):4.1f} %)  "
+                print(f"{name:14s} M={m}  {spec:14s} {us:7.2f} us ({pct(us):4.1f} %)  "
                       f"x{b['exact_mm'] / us:4.2f} exact_mm  x{b['gluon_exact_mm'] / us:4.2f} gluon_exact_mm  "
                       f"x{b['gluon(TC)'] / us:4.2f} gluon(TC)  bits {bits}", flush=True)
             if not DRY:
@@ -171,7 +229,7 @@ def main() -> None:
 
 def summarize(results, base, floor) -> None:
     print("\nbest GluonExactFMA configuration per (shape, rows), bitwise ExactMM's:")
-    print(f"{'shape':14s} {'rows':>4s}  {'best':10s} {'us':>7s} {'% read':>6s} {'exact_mm':>8s} {'x exact':>7s} "
+    print(f"{'shape':14s} {'rows':>4s}  {'best':14s} {'us':>7s} {'% read':>6s} {'exact_mm':>8s} {'x exact':>7s} "
           f"{'g_ex_mm':>7s} {'x g_ex':>6s} {'linear':>7s} {'gluon(TC)':>9s} {'/ TC':>6s}")
     table: dict[str, dict[int, str]] = {}
     for (name, m), res in results.items():
@@ -180,7 +238,7 @@ def summarize(results, base, floor) -> None:
         best = min(res, key=res.get)
         b, shape = base[(name, m)], SHAPES[name]
         pct = 100 * (shape.weight_bytes() + shape.io_bytes(m)) / (res[best] * 1e3) / floor
-        print(f"{name:14s} {m:4d}  {best:10s} {res[best]:7.2f} {pct:6.1f} {b['exact_mm']:8.2f} "
+        print(f"{name:14s} {m:4d}  {best:14s} {res[best]:7.2f} {pct:6.1f} {b['exact_mm']:8.2f} "
               f"{b['exact_mm'] / res[best]:7.2f} {b['gluon_exact_mm']:7.2f} {b['gluon_exact_mm'] / res[best]:6.2f} "
               f"{b['exact_linear']:7.2f} {b['gluon(TC)']:9.2f} {res[best] / b['gluon(TC)']:6.2f}", flush=True)
         table.setdefault(name, {})[m] = best
