@@ -59,9 +59,9 @@ CANDIDATES = ["4:4:1:4", "4:2:1:3", "2:4:1:4", "2:4:1:6:80", "1:4:1:8:80", "4:4:
 # large tiles, N / block_n x split programs near 1, 2 or 3 an SM (132 SMs; 2 CTAs an SM resident at
 # a cap of 128 registers, 3 at 80 where the shared memory allows). sm_90 compiles of the split
 # kernel, the consumer's loop in instructions per weight code at 1 / 2 / 4 x rows (split=1 in
-# brackets): 4:4:1:4 4.82 / 6.23 / 9.35 (4.73 / 6.14 / 9.24), 4:4:1:4:80 4.93 / 6.46 / 9.55,
-# 2:2:1:4 4.98 / 6.57 / 9.63, 4:2:1:3 4.59 / 5.97 / 9.22, 2:4:1:6:80 5.59 / 7.17 / 10.89 (5.41 / 6.98
-# / 10.67), 2:4:1:4 5.44 / 6.95 / 10.38, 1:2:1:6:80 6.28 / 7.91 / 12.02, 1:4:1:8:80 7.12 / 8.91 /
+# brackets): 4:4:1:4 4.82 / 6.21 / 9.37 (4.73 / 6.14 / 9.24), 4:4:1:4:80 4.93 / 6.42 / 9.66,
+# 2:2:1:4 4.98 / 6.57 / 9.63, 4:2:1:3 4.59 / 5.97 / 9.20, 2:4:1:6:80 5.59 / 7.17 / 10.89 (5.41 / 6.98
+# / 10.67), 2:4:1:4 5.44 / 6.95 / 10.38, 1:2:1:6:80 6.28 / 7.91 / 12.02, 1:4:1:8:80 7.03 / 8.91 /
 # 13.28, 2:4:2:6:80 6.81 / 9.28 / 14.06 (the publish of each slot's terms: one 16-byte store a
 # thread per 512 terms, a branch); no spills. The last arriver then adds 4 (steps - per) + 1 terms
 # an output (per: steps a split), 64 / (outputs a thread) loads at a time. Estimates in us at 1 / 2

@@ -90,9 +90,9 @@ issued instructions in cycles (2 programs an SM at 128 rows, one or two at 16 to
 issue rate, not the read, is what a configuration buys.
 
 With the K split the consumer's loop gains 0.05-0.5 instructions a code (the copy of each slot's
-terms and its branch; sm_90, split / unsplit at 1 / 2 / 4 x rows: 128 rows 4.82 / 6.23 / 9.35
+terms and its branch; sm_90, split / unsplit at 1 / 2 / 4 x rows: 128 rows 4.82 / 6.21 / 9.37
 against 4.73 / 6.14 / 9.24, 64 rows 5.59 / 7.17 / 10.89 against 5.41 / 6.98 / 10.67 at a cap of 80,
-32 rows 7.12 / 8.91 / 13.28 against 6.91 / 8.59 / 12.97; no spills at a cap of 128 or 80), and the
+32 rows 7.03 / 8.91 / 13.28 against 6.91 / 8.59 / 12.97; no spills at a cap of 128 or 80), and the
 tile's last arriver adds 4 (steps - steps a split) + 1 terms an output in chunks of 64 / (its
 outputs a thread), each chunk an L2 round trip (~600 cycles) plus its serial adds, while reading
 the tile's terms at ~64 bytes a cycle: ~1.5-2.3 us at 1 row, up to ~9 us with 128-row tiles at 4
