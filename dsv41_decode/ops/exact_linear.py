@@ -9,8 +9,8 @@ depends on which op ran or how many rows shared the call (batch invariance).
 ExactMM's time grows with the rows (about 4 FP32 instructions per product), GluonExactMM's stays
 near its FP64 MMA's (at least 8 x rows per MMA) up to 8 rows, GluonExactFMA's (one DFMA per code
 and row) grows with the rows from a lower start on the widest shape: GluonExactFMA runs 1-2 rows
-of `wq_b` (`_FMA_PLAN`); ExactMM 1-2 rows of the fused wq_a|wkv and the indexer's wq_b and 1 of
-wo_b; GluonExactMM above (`_GLUON_PLAN`; all measured)."""
+of `wq_b` and 2 of `wo_b` (`_FMA_PLAN`, with a K split there); ExactMM 1-2 rows of the fused
+wq_a|wkv and the indexer's wq_b and 1 of wo_b; GluonExactMM above (`_GLUON_PLAN`; all measured)."""
 
 from __future__ import annotations
 
@@ -53,14 +53,17 @@ _GLUON_PLAN: dict[tuple[int, int], tuple[int, dict[int, GluonExactConfig]]] = {
                        8: _cfg("rawp:16:16:1:16:4:1:80:4:256"), 16: _cfg("rawp:32:8:1:16:4:1:80:4:256"),
                        64: _cfg("int+cvt:16:16:1:16:8:1:80:4")}),
 }
-# Per (N, K): the most rows GluonExactFMA (FP64 CUDA cores) runs, ahead of both ops above, and its
-# configuration (rows_per_thread:warps_k:lanes_k:stages). Measured on an H200
-# (scripts/probe_gluon_exact_fma.py, docs/results/gpu-tests-h200.txt ninth session runs F and H):
-# wq_b 14.9 / 18.4 us at 1 / 2 rows against ExactMM's 16.1 and GluonExactMM's 22.2; at the
-# other three shapes ExactMM or GluonExactMM is faster at every row count (wo_b 28.5 us at 1 row
-# against ExactMM's 17.0; fused wq_a|wkv 14.4 against 6.5; the indexer's wq_b 6.7 against 4.7).
-_FMA_PLAN: dict[tuple[int, int], tuple[int, GluonExactFMAConfig]] = {
-    (32768, 1280): (2, _fma_cfg("2:2:1:4")),
+# Per (N, K): the row counts GluonExactFMA (FP64 CUDA cores) runs, ahead of both ops above, first
+# to last, and its configuration (rows_per_thread:warps_k:lanes_k:stages[:maxnreg[:split]]).
+# Measured on an H200 (scripts/probe_gluon_exact_fma.py, docs/results/gpu-tests-h200.txt ninth
+# session runs F, H and K): wq_b 14.9 / 18.4 us at 1 / 2 rows against ExactMM's 16.1 and
+# GluonExactMM's 22.2; wo_b at 2 rows with the K split over 6 programs 25.6 against ExactMM's 30.3
+# and GluonExactMM's 29.9 (at 1 row 19.9 against ExactMM's 17.0); at the fused wq_a|wkv and the
+# indexer's wq_b ExactMM or GluonExactMM is as fast or faster at every row count (fused 9.6 / 11.1
+# at 1 / 2 rows with the split against ExactMM's 6.5 / 11.1; the indexer's 6.6 against 4.6).
+_FMA_PLAN: dict[tuple[int, int], tuple[int, int, GluonExactFMAConfig]] = {
+    (32768, 1280): (1, 2, _fma_cfg("2:2:1:4")),
+    (5120, 8192): (2, 2, _fma_cfg("2:2:1:4:128:6")),
 }
 _DEFAULT_ABOVE = 4
 
@@ -74,8 +77,9 @@ class ExactLinear:
     depend on which runs (batch invariance). Arguments, errors and the call: `ExactMM`'s
     (exact_config its config; workspace its workspace, which GluonExactMM shares: the ops never
     run at once). mma_above: override the threshold (None: `_GLUON_PLAN`'s, on sm_90 only; 0: the
-    FP64 MMA for every call; >= max_rows: never); fma_rows: override GluonExactFMA's rows (None:
-    `_FMA_PLAN`'s, on sm_90 only, none for an unlisted shape; 0: never); both for tests and probes."""
+    FP64 MMA for every call; >= max_rows: never); fma_rows: override the most rows GluonExactFMA runs
+    (None: `_FMA_PLAN`'s, on sm_90 only, none for an unlisted shape; 0: never); both for tests and
+    probes. `fma_rows` the attribute: the (first, last) row counts GluonExactFMA runs ((1, 0): none)."""
 
     def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int = MAX_ROWS,
                  exact_config=None, workspace=None, mma_above: int | None = None,
@@ -84,7 +88,7 @@ class ExactLinear:
         n, k = self.cuda_cores.n, self.cuda_cores.k
         self.n, self.k, self.max_rows, self.device = n, k, max_rows, weight.device
         above, configs = _GLUON_PLAN.get((n, k), (_DEFAULT_ABOVE, None))
-        planned_fma_rows, fma_config = _FMA_PLAN.get((n, k), (0, None))
+        fma_lo, planned_fma_rows, fma_config = _FMA_PLAN.get((n, k), (1, 0, None))
         if is_sm90(weight.device):
             mma_above = above if mma_above is None else mma_above
             fma_rows = planned_fma_rows if fma_rows is None else fma_rows
@@ -96,13 +100,13 @@ class ExactLinear:
                 self.mma = None
         self.mma_above = mma_above if self.mma is not None else None
         self.fma = None
-        if fma_rows:
-            rows = min(fma_rows, max_rows, FMA_MAX_ROWS)
+        rows = min(fma_rows or 0, max_rows, FMA_MAX_ROWS)
+        if rows >= fma_lo:
             try:
-                self.fma = GluonExactFMA(weight, w_scale, rows, fma_config)
+                self.fma = GluonExactFMA(weight, w_scale, rows, fma_config, workspace)
             except ValueError:      # as above
                 self.fma = None
-        self.fma_rows = self.fma.max_rows if self.fma is not None else 0
+        self.fma_rows = (fma_lo, self.fma.max_rows) if self.fma is not None else (1, 0)
 
     def reduction_order(self, rows: int) -> tuple[str, int, int]:
         """`exact_mm.reduction_order(K)`: the same for every row count and every op."""
@@ -110,7 +114,7 @@ class ExactLinear:
 
     def op_for(self, rows: int):
         """The op that runs a call of `rows` rows."""
-        if self.fma is not None and rows <= self.fma_rows:
+        if self.fma is not None and self.fma_rows[0] <= rows <= self.fma_rows[1]:
             return self.fma
         return self.mma if self.mma is not None and rows > self.mma_above else self.cuda_cores
 

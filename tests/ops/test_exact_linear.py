@@ -31,8 +31,8 @@ def test_plan_covers_the_step_shapes():
         assert all(isinstance(c, GluonExactConfig) for c in configs.values()), shape
     # GluonExactFMA's entries: step shapes, 1-4 rows, one configuration each.
     assert set(_FMA_PLAN) <= set(_GLUON_PLAN)
-    for shape, (rows, config) in _FMA_PLAN.items():
-        assert 1 <= rows <= 4 and isinstance(config, GluonExactFMAConfig), shape
+    for shape, (first, last, config) in _FMA_PLAN.items():
+        assert 1 <= first <= last <= 4 and isinstance(config, GluonExactFMAConfig), shape
 
 
 def test_off_sm90_only_the_cuda_core_op():
@@ -44,7 +44,7 @@ def test_off_sm90_only_the_cuda_core_op():
     if DEVICE == "cuda" and torch.cuda.get_device_capability() == (9, 0):
         pytest.skip("an sm_90 GPU builds the FP64 MMA op")
     plan = ExactLinear(weight, w_scale, max_rows=8, mma_above=0, fma_rows=2)
-    assert plan.mma is None and plan.mma_above is None and plan.fma is None and plan.fma_rows == 0
+    assert plan.mma is None and plan.mma_above is None and plan.fma is None and plan.fma_rows == (1, 0)
     assert all(plan.op_for(r) is plan.cuda_cores for r in (1, 8))
     assert torch.equal(_bits(plan(codes, x_scale)), _bits(mxfp8_mm(codes, x_scale, weight, w_scale)))
     assert plan.reduction_order(1) == plan.reduction_order(8)
@@ -67,21 +67,21 @@ def test_step_shapes_on_gpu(name, n, k):
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("GluonExactMM is sm_90 code")
     above, configs = _GLUON_PLAN[(n, k)]
-    fma_rows, fma_config = _FMA_PLAN.get((n, k), (0, None))
+    fma_lo, fma_hi, fma_config = _FMA_PLAN.get((n, k), (1, 0, None))
     for kind in ("quantized", "heavy"):
         if kind == "quantized":
             _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(n + k), 64, n, k)
         else:
             codes, x_scale, weight, w_scale = _exact_operands(_gen(n), 64, n, k, "heavy")
         linear = ExactLinear(weight, w_scale)
-        assert linear.mma is not None and linear.mma_above == above and linear.fma_rows == fma_rows
+        assert linear.mma is not None and linear.mma_above == above and linear.fma_rows == (fma_lo, fma_hi)
         for m in (1, 2, 3, 4, 5, 8, 64):
-            want = linear.fma if m <= fma_rows else linear.mma if m > above else linear.cuda_cores
+            want = (linear.fma if fma_lo <= m <= fma_hi else linear.mma if m > above else linear.cuda_cores)
             assert linear.op_for(m) is want, (name, m)
-        for m in (max(above, fma_rows) + 1, 64):
+        for m in (max(above, fma_hi) + 1, 64):
             assert linear.mma.config_for(m) == next(c for r, c in sorted(configs.items()) if m <= r)
-        if fma_rows:
-            assert linear.fma.config_for(1) == fma_config
+        if fma_hi:
+            assert linear.fma.config_for(fma_hi) == fma_config
         together = linear(codes, x_scale)
         assert torch.equal(_bits(together), _bits(mxfp8_mm(codes, x_scale, weight, w_scale))), (name, kind)
         for m in sorted({1, 2, 3, above, above + 1, 8, 16, 33}):
