@@ -39,12 +39,19 @@ def compile_sm90(fn, types: dict, consts: dict, divisible=None, **options):
 
 
 def _cuobjdump(kernel, flag: str) -> str:
-    """cuobjdump's output for the compiled kernel's cubin with `flag` (Triton ships the tool)."""
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.TemporaryDirectory() as d:
-        cubin = Path(d) / "k.cubin"
-        cubin.write_bytes(kernel.asm["cubin"])
-        return subprocess.run([str(tool), flag, str(cubin)], capture_output=True, text=True, check=True).stdout
+    """cuobjdump's output for the compiled kernel's cubin with `flag` (Triton ships the tool), run
+    once per kernel and flag: the output is kept in the kernel's `asm` dict, as Triton keeps its own
+    disassembly there ("sass") once asked. Disassembling a kernel takes ~0.3 s, and the compile
+    tests read a kernel's SASS more than once (`sass`, `main_loop`, a test's own loop finders)."""
+    key = f"cuobjdump {flag}"
+    if key not in kernel.asm:
+        tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        with tempfile.TemporaryDirectory() as d:
+            cubin = Path(d) / "k.cubin"
+            cubin.write_bytes(kernel.asm["cubin"])
+            kernel.asm[key] = subprocess.run([str(tool), flag, str(cubin)], capture_output=True, text=True,
+                                             check=True).stdout
+    return kernel.asm[key]
 
 
 def resources(kernel) -> dict[str, int]:
