@@ -6,7 +6,8 @@
   tricks - and the varied test data;
 - the decode step's reduced configuration, inputs and teacher-forced comparison against the
   generic path (tests/decode/test_step.py on the CPU, test_step_gpu.py on a GPU, test_step_tp.py
-  under TP).
+  under TP);
+- the rank processes of the CPU tensor-parallel tests (test_parallel.py, test_step_tp.py).
 
 `tests/` is on sys.path (pytest inserts the folder of tests/conftest.py), so `import helpers`
 works from every test folder.
@@ -15,10 +16,12 @@ works from every test folder.
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
+import torch.multiprocessing as mp
 
 from dsv41_decode import formats as fm
 from dsv41_decode.config import ModelConfig
@@ -463,6 +466,23 @@ def teacher_forced(stack, state, step, rec: Recorder, steps, g, tol) -> dict:
         torch.testing.assert_close(pre, pre_prev, rtol=1e-4, atol=1e-5)
 
     return m
+
+
+def run_ranks(fn, world: int, args: tuple, timeout: float = 600.0) -> None:
+    """fn(rank, *args) for rank 0 .. world - 1, each in a process forked from this one, all joined:
+    the gloo ranks of the CPU tensor-parallel tests. Forked, not spawned: a forked rank starts with
+    this process's modules (torch, Triton, the package, the interpreter's rewritten kernels), which a
+    spawned one imports again (~2 s a rank, ~25 s of the two files' CPU time). Raises the first
+    failed rank's exception (`torch.multiprocessing.ProcessRaisedException`), or TimeoutError after
+    `timeout` seconds with every rank killed (a hung collective fails its test, not the run)."""
+    ranks = mp.start_processes(fn, args=args, nprocs=world, join=False, start_method="fork")
+    deadline = time.monotonic() + timeout
+    while not ranks.join(timeout=max(deadline - time.monotonic(), 0.0)):
+        if time.monotonic() >= deadline:
+            for p in ranks.processes:
+                p.kill()
+                p.join()
+            raise TimeoutError(f"{world} ranks of {fn.__name__} still running after {timeout:.0f} s")
 
 
 def one_line_error(capsys) -> str:

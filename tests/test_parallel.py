@@ -16,7 +16,6 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dsv41_decode.config import ModelConfig
 from dsv41_decode.layer import CallContext
@@ -26,7 +25,7 @@ from dsv41_decode.stack import AttentionStack
 from dsv41_decode.state import DecodeState
 from dsv41_decode.testing.compare import row_ulp_distance
 from dsv41_decode.weights import load_checkpoint, write_synthetic_checkpoint
-from helpers import reduced_config
+from helpers import reduced_config, run_ranks
 
 CALLS = [[("a", 21), ("b", 6)], [("a", 1), ("b", 3)], [("a", 2), ("b", 1)], [("a", 4)], [("b", 2), ("a", 1)]]
 
@@ -87,7 +86,7 @@ def _checkpoint(tmp_path_factory, preset: str) -> str:
 @pytest.mark.parametrize("preset, world", [("tiny", 2), ("every-kind", 4)])
 def test_tp_reference_matches_tp1(preset, world, tmp_path_factory, tmp_path):
     ckpt_dir = _checkpoint(tmp_path_factory, preset)
-    mp.spawn(_rank, args=(world, ckpt_dir, str(tmp_path / "store")), nprocs=world, join=True)
+    run_ranks(_rank, world, (world, ckpt_dir, str(tmp_path / "store")))
 
 
 def test_reduce_partials_is_rank_ordered_and_rejects_bf16():

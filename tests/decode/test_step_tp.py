@@ -16,7 +16,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dsv41_decode.decode import attention
 from dsv41_decode.parallel import TensorParallel
@@ -25,7 +24,9 @@ from dsv41_decode.state import DecodeState
 from dsv41_decode.weights import load_checkpoint, write_synthetic_checkpoint
 
 from safetensors.torch import load_file, save_file
-from helpers import reduced_config, rel, streams
+from helpers import reduced_config, rel, run_ranks, streams
+
+pytestmark = pytest.mark.slow        # among the longest files on the CPU: it runs first (conftest.py)
 
 # per world, the row-sharded step's rows (not a multiple of tp), its own bucket
 STEPS = {2: [("a", 1), ("b", 2)], 4: [("a", 2), ("b", 3)]}
@@ -131,7 +132,7 @@ def test_tp_step_matches_tp1(world, heads, tmp_path_factory, tmp_path):
     cfg = reduced_config().replace(n_heads=heads, o_groups=4)
     d = write_synthetic_checkpoint(cfg, tmp_path_factory.mktemp("tp_step"), seed=4)
     out = tmp_path / "errs.safetensors"
-    mp.spawn(_rank, args=(world, str(d), str(tmp_path / "store"), str(out)), nprocs=world, join=True)
+    run_ranks(_rank, world, (world, str(d), str(tmp_path / "store"), str(out)))
     got = load_file(out)
     differ = open(str(out) + ".differ").read()
     # Bitwise: the selections, tables and candidate pools by construction (each row's is a copy
