@@ -16,6 +16,12 @@ torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
+    # The files holding tests marked slow run first, each file's tests in their order: pytest-xdist
+    # hands whole files to its workers in the collection's order (pyproject.toml: --dist loadfile
+    # --no-loadscope-reorder), so the long files start at once and the short ones fill in at the
+    # end, instead of a long file starting last while the other worker idles.
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (marked gpu)")

@@ -39,6 +39,8 @@ from dsv41_decode.weights import load_checkpoint, write_synthetic_checkpoint
 from dsv41_decode.testing.compare import rel_rms as rel
 from helpers import reduced_config, same_selection, streams
 
+pytestmark = pytest.mark.slow        # among the longest files on the CPU: it runs first (conftest.py)
+
 interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="CPU tensors need TRITON_INTERPRET=1")
 

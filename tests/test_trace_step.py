@@ -19,6 +19,8 @@ import pytest
 from dsv41_decode.cli import main
 from dsv41_decode.testing.trace import MAX_ULP, verify_trace
 
+pytestmark = pytest.mark.slow        # among the longest files on the CPU: it runs first (conftest.py)
+
 DATA = Path(__file__).parent / "data"
 OFFICIAL = DATA / "official-tiny"
 CASES = [DATA / "official-tiny", DATA / "official-batch2"]

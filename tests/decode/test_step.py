@@ -34,6 +34,8 @@ from dsv41_decode.state import DecodeState
 from dsv41_decode.weights import load_checkpoint, write_synthetic_checkpoint
 from helpers import CPU_TOL, Recorder, reduced_config, rel, streams, teacher_forced
 
+pytestmark = pytest.mark.slow        # among the longest files on the CPU: it runs first (conftest.py)
+
 # The CPU tests need Triton's interpreter (conftest sets it when there is no GPU); on a GPU machine
 # run `pytest -m gpu`.
 interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",

@@ -24,6 +24,8 @@ from dsv41_decode.reference.attention import grouped_wo_a
 from dsv41_decode.reference.rope import rope_cis, rope_tail
 from dsv41_decode.testing.compare import rel_rms, row_ulp_distance
 
+pytestmark = pytest.mark.slow        # among the longest files on the CPU: it runs first (conftest.py)
+
 _DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _FREQS = 1.0 / (160000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
 
