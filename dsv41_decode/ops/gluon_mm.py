@@ -489,6 +489,15 @@ def _gluon_mxfp8_mm_kernel(
 MMA_MODES = ("pairs", "slot", "ahead")
 
 
+def require_maxnreg(config) -> None:
+    """ValueError naming `<config's class>.maxnreg` unless config.maxnreg is None or a multiple of 8
+    in [24, 256] (a launch's register cap per thread, as Triton takes it): GluonMMConfig's,
+    `gluon_exact_mm.GluonExactConfig`'s and `gluon_exact_fma.GluonExactFMAConfig`'s check."""
+    v = config.maxnreg
+    if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 24 <= v <= 256 or v % 8):
+        raise ValueError(f"{type(config).__name__}.maxnreg must be None or a multiple of 8 in [24, 256], got {v!r}")
+
+
 @dataclass(frozen=True)
 class GluonMMConfig:
     """How a plan runs (the bits depend on the split bounds alone: `GluonMM.reduction_order`).
@@ -550,10 +559,7 @@ class GluonMMConfig:
         for name in ("persistent", "retile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"GluonMMConfig.{name} must be a bool, got {getattr(self, name)!r}")
-        if self.maxnreg is not None and (not is_int(self.maxnreg) or not 24 <= self.maxnreg <= 256
-                                         or self.maxnreg % 8):
-            raise ValueError(f"GluonMMConfig.maxnreg must be None or a multiple of 8 in [24, 256], "
-                             f"got {self.maxnreg!r}")
+        require_maxnreg(self)
 
     @property
     def block_n(self) -> int:
@@ -711,6 +717,34 @@ def _words(scale: torch.Tensor, name: str) -> torch.Tensor:
     return b.view(torch.int32)   # [rows, K/128], row stride in words
 
 
+def require_sm90_weight(weight: torch.Tensor, needs: str) -> None:
+    """ValueError naming the weight unless it is on a CUDA device of compute capability 9.0 (a Gluon
+    plan's kernel is sm_90 code; `needs`: what of sm_90 it uses, for the message) and its rows are
+    16-byte aligned (TMA): the device checks of the Gluon tier's linear plans (GluonMM,
+    `gluon_exact_mm.GluonExactMM`, `gluon_exact_fma.GluonExactFMA`)."""
+    if not is_sm90(weight.device):
+        raise ValueError(f"weight must be on a CUDA device of compute capability 9.0 (the Gluon tier is "
+                         f"sm_90 code: {needs}), got {weight.device}")
+    require_tma_rows(weight, "weight")
+
+
+def fp8_desc(t: torch.Tensor, box: list[int]) -> TensorDescriptor:
+    """The TMA descriptor of the 2-D FP8 tensor t's [box[0], box[1]] tiles in the NVMMA shared layout
+    (128-byte swizzle) the Gluon tier's rings take; t's rows unchecked (`require_tma_rows`)."""
+    box = list(box)
+    return TensorDescriptor.from_tensor(t, box, gl.NVMMASharedLayout.get_default_for(box, gl.float8e4nv))
+
+
+def activation_operands(codes: torch.Tensor, x_scale: torch.Tensor, bt: int,
+                        block_k: int) -> tuple[TensorDescriptor, torch.Tensor]:
+    """A Gluon linear launch's activation side: the TMA descriptor of codes' [bt, block_k] tiles and
+    x_scale's int32 words (`_words`), after checks that name them (codes' rows 16-byte aligned,
+    x_scale's on 4-byte boundaries)."""
+    require_tma_rows(codes, "codes")
+    sx_words = _words(x_scale, "x_scale")
+    return fp8_desc(codes, [bt, block_k]), sx_words
+
+
 class GluonMM:
     """y[M, N] = bf16(sum over 32-wide K blocks kb of (codes[:, kb] . weight[:, kb]) * sx * sw) for
     1 <= M <= max_rows <= 64, with the weight bound once; sm_90 only.
@@ -747,10 +781,7 @@ class GluonMM:
         config = config or default_config(n, k)
         if k % config.block_k:
             raise ValueError(f"weight's K = {k} is not a multiple of config.block_k = {config.block_k}")
-        if not is_sm90(weight.device):
-            raise ValueError(f"weight must be on a CUDA device of compute capability 9.0 (the Gluon tier is "
-                             f"sm_90 code: TMA, wgmma), got {weight.device}")
-        require_tma_rows(weight, "weight")
+        require_sm90_weight(weight, "TMA, wgmma")
         if isinstance(max_rows, bool) or not isinstance(max_rows, int) or not 1 <= max_rows <= MAX_ROWS:
             raise ValueError(f"max_rows must be an int in [1, {MAX_ROWS}], got {max_rows!r}")
         need = shared_bytes(config, self.block_t(max_rows))
@@ -767,10 +798,8 @@ class GluonMM:
         want = config.split or _default_split(n, k, self._sms, bn, bk)
         self.k_per_split, self.split = split_bounds(want, k, bk)
         self.grid = (-(-n // bn), self.split)
-        w_layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.float8e4nv)
         self._w_tiles = _retiled(weight, bn, bk) if config.retile else None
-        self._w_desc = TensorDescriptor.from_tensor(weight if self._w_tiles is None else self._w_tiles, [bn, bk],
-                                                    w_layout)
+        self._w_desc = fp8_desc(weight if self._w_tiles is None else self._w_tiles, [bn, bk])
         ws_elems = self.grid[0] * self.split * max_rows * bn if self.split > 1 else 1
         self._workspace = plan_workspace(workspace, 0, ws_elems, torch.float32, self.device)
         self._counters = plan_workspace(workspace, 0, self.grid[0], torch.int32, self.device)
@@ -826,12 +855,9 @@ class GluonMM:
         else:
             cos, sin = rope_epilogue_args(rope, out, self.n, m, self.device)
             stride_c, stride_s = cos.stride(0), sin.stride(0)
-        require_tma_rows(codes, "codes")
-        sx_words = _words(x_scale, "x_scale")
         bt = self.block_t(m)
         bk = self.config.block_k
-        x_layout = gl.NVMMASharedLayout.get_default_for([bt, bk], gl.float8e4nv)
-        x_desc = TensorDescriptor.from_tensor(codes, [bt, bk], x_layout)
+        x_desc, sx_words = activation_operands(codes, x_scale, bt, bk)
         _gluon_mxfp8_mm_kernel[self.launch_grid(bt)](
             self._w_desc, x_desc, sx_words, self._sw_words, out, self._workspace, self._counters,
             m, self.n, sx_words.stride(0), self._sw_words.stride(0), out.stride(0),
