@@ -121,14 +121,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.extra import libdevice
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .checks import config_for_rows, mxfp8_linear_args, mxfp8_weight_args, row_configs
-from .common import is_sm90, num_sms, plan_workspace
-from .exact_mm import reduction_order
-from .gluon_exact_mm import _pow2, _store, _split_k_sum, _sum_chunk
-from .gluon_mm import SHARED_LIMIT, _producer, _ring, _scale, require_tma_rows, split_bounds
-from .gluon_mm import _words as _scale_words
+from .checks import row_configs
+from .common import num_sms
+from .gluon_exact_mm import _GluonExactPlan, _pow2, _split_k_sum, _store, _sum_chunk, ring_weight_args
+from .gluon_mm import SHARED_LIMIT, _producer, _ring, _scale, activation_operands, require_maxnreg, split_bounds
 
 MAX_ROWS = 4
 BLOCK_K = 128                   # K per ring slot: four 32-deep blocks, one 32-bit scale word per row
@@ -529,10 +526,7 @@ class GluonExactFMAConfig:
                              f"256 (a TMA box's side)")
         if not is_int(self.stages) or not 2 <= self.stages <= 8:
             raise ValueError(f"GluonExactFMAConfig.stages must be an int in [2, 8], got {self.stages!r}")
-        if self.maxnreg is not None and (not is_int(self.maxnreg) or not 24 <= self.maxnreg <= 256
-                                         or self.maxnreg % 8):
-            raise ValueError(f"GluonExactFMAConfig.maxnreg must be None or a multiple of 8 in [24, 256], "
-                             f"got {self.maxnreg!r}")
+        require_maxnreg(self)
         if not is_int(self.split) or not 1 <= self.split <= MAX_SPLIT:
             raise ValueError(f"GluonExactFMAConfig.split must be an int in [1, {MAX_SPLIT}], got {self.split!r}")
         if shared_bytes(self, ROW_BUCKETS[-1]) > SHARED_LIMIT:
@@ -584,7 +578,7 @@ def default_config(n: int, sms: int) -> GluonExactFMAConfig:
     return next((c for c in _TILES if -(-n // c.block_n) * 2 >= 3 * sms), _TILES[-1])
 
 
-class GluonExactFMA:
+class GluonExactFMA(_GluonExactPlan):
     """y[M, N] = bf16(sum over 32-wide K blocks kb, in K order, of RN(codes[:, kb] . weight[:, kb])
     * sx * sw) for 1 <= M <= max_rows <= 4, with the weight bound once: bitwise the contract of
     `reference.linear.mxfp8_mm`, on the FP64 CUDA cores from a TMA ring (module docstring); sm_90
@@ -611,61 +605,28 @@ class GluonExactFMA:
 
     def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int = MAX_ROWS,
                  config: GluonExactFMAConfig | dict[int, GluonExactFMAConfig] | None = None, workspace=None):
-        n, k = mxfp8_weight_args(weight, w_scale, max_rows, MAX_ROWS)
-        if k % BLOCK_K:
-            raise ValueError(f"weight must be [N, K] with K a positive multiple of {BLOCK_K} (the ring's 128-deep "
-                             f"slots), got {(n, k)} (use ops.exact_mm)")
+        n, k = ring_weight_args(weight, w_scale, max_rows, MAX_ROWS, "ops.exact_mm")
         if config is None:
             config = default_config(n, num_sms(weight.device))
         self._configs = row_configs(config, GluonExactFMAConfig, "a GluonExactFMAConfig", max_rows)
-        if not is_sm90(weight.device):
-            raise ValueError(f"weight must be on a CUDA device of compute capability 9.0 (the Gluon tier is "
-                             f"sm_90 code: TMA, warp specialization), got {weight.device}")
-        require_tma_rows(weight, "weight")
-        self.weight, self.w_scale = weight, w_scale.view(torch.uint8)
-        self._sw_words = _scale_words(self.w_scale, "w_scale")
-        self.n, self.k, self.max_rows, self.device = n, k, max_rows, weight.device
-        self._w_descs = {}
-        for _, c in self._configs:
-            if c.block_n not in self._w_descs:
-                layout = gl.NVMMASharedLayout.get_default_for([c.block_n, BLOCK_K], gl.float8e4nv)
-                self._w_descs[c.block_n] = TensorDescriptor.from_tensor(weight, [c.block_n, BLOCK_K], layout)
+        self._bind(weight, w_scale, max_rows, [(c.block_n, BLOCK_K) for _, c in self._configs])
         # The split launches' workspace: each weight tile's [K / 32, block_n, R] block terms.
-        split = [(min(most, max_rows), c) for most, c in self._configs if self.split_of(c) > 1]
-        ws = max((-(-n // c.block_n) * (k // 32) * c.block_n * block_t(rows) for rows, c in split), default=1)
-        self._workspace = plan_workspace(workspace, 0, ws, torch.float32, self.device)
-        self._counters = plan_workspace(workspace, 0, max((-(-n // c.block_n) for _, c in split), default=1),
-                                        torch.int32, self.device)
+        self._bind_split(workspace, [(c.block_n, k // 32 * c.block_n * block_t(min(most, max_rows)))
+                                     for most, c in self._configs if self.split_of(c) > 1])
 
     def split_of(self, config: GluonExactFMAConfig) -> int:
         """The K splits a launch in `config` runs: config.split, fewer where K has too few 128-deep
         steps for none to be empty (`gluon_mm.split_bounds`)."""
         return split_bounds(config.split, self.k, BLOCK_K)[1]
 
-    def config_for(self, rows: int) -> GluonExactFMAConfig:
-        """The configuration a call of `rows` rows launches with."""
-        return config_for_rows(self._configs, rows)
-
-    def reduction_order(self, rows: int) -> tuple[str, int, int]:
-        """`exact_mm.reduction_order(K)`: the same for every row count (batch invariance)."""
-        return reduction_order(self.k)
-
-    def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """y = codes x weight^T with both block scales, into out: the arguments and the result of
-        `GluonExactMM.__call__` (a float32 out receives the unrounded FP32 sums). Returns out."""
-        out = mxfp8_linear_args(codes, x_scale, out, self.n, self.k, self.max_rows, self.device)
-        require_tma_rows(codes, "codes")
-        sx_words = _scale_words(x_scale, "x_scale")
-        m = codes.shape[0]
-        cfg = self.config_for(m)
-        bt = block_t(m)
-        x_layout = gl.NVMMASharedLayout.get_default_for([bt, BLOCK_K], gl.float8e4nv)
-        x_desc = TensorDescriptor.from_tensor(codes, [bt, BLOCK_K], x_layout)
+    def _launch(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor, m: int,
+                cfg: GluonExactFMAConfig) -> None:
+        """The kernel's launch for a call of m rows in `cfg`, its arguments checked (`__call__`)."""
+        x_desc, sx_words = activation_operands(codes, x_scale, block_t(m), BLOCK_K)
         per, split = split_bounds(cfg.split, self.k, BLOCK_K)
         _gluon_exact_fma_kernel[(-(-self.n // cfg.block_n), split)](
-            self._w_descs[cfg.block_n], x_desc, sx_words, self._sw_words, out,
+            self._w_descs[(cfg.block_n, BLOCK_K)], x_desc, sx_words, self._sw_words, out,
             m, self.n, sx_words.stride(0), self._sw_words.stride(0), out.stride(0), self.k // BLOCK_K,
             self._workspace, self._counters, per // BLOCK_K, split,
             OUT_F32=out.dtype == torch.float32, **launch_options(cfg, split),
         )
-        return out

@@ -115,12 +115,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.extra import libdevice
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .checks import config_for_rows, mxfp8_linear_args, mxfp8_weight_args, row_configs
-from .common import is_sm90, plan_workspace
+from .common import plan_workspace
 from .exact_mm import reduction_order
-from .gluon_mm import SHARED_LIMIT, _producer, _ring, _scale, _slot_words, _tile_scales, require_tma_rows, split_bounds
+from .gluon_mm import (SHARED_LIMIT, _producer, _ring, _scale, _slot_words, _tile_scales, activation_operands, fp8_desc,
+                      require_maxnreg, require_sm90_weight, split_bounds)
 from .gluon_mm import _words as _scale_words
 
 MAX_ROWS = 64
@@ -819,10 +819,7 @@ class GluonExactConfig:
             raise ValueError(f"GluonExactConfig.split must be a positive int, got {self.split!r}")
         if not is_int(self.split_rows) or not 1 <= self.split_rows <= 16:
             raise ValueError(f"GluonExactConfig.split_rows must be an int in [1, 16], got {self.split_rows!r}")
-        if self.maxnreg is not None and (not is_int(self.maxnreg) or not 24 <= self.maxnreg <= 256
-                                         or self.maxnreg % 8):
-            raise ValueError(f"GluonExactConfig.maxnreg must be None or a multiple of 8 in [24, 256], "
-                             f"got {self.maxnreg!r}")
+        require_maxnreg(self)
         if shared_bytes(self, self.block_m) > SHARED_LIMIT:
             raise ValueError(f"GluonExactConfig: stages={self.stages} x (block_n={self.block_n} + block_m="
                              f"{self.block_m}) x block_k={self.block_k} bytes of ring and, with warps_k > 1, "
@@ -871,7 +868,61 @@ def launch_options(config: GluonExactConfig, bt: int, split: int) -> dict:
     return opts
 
 
-class GluonExactMM:
+def ring_weight_args(weight, w_scale, max_rows, max_rows_limit: int, instead: str) -> tuple[int, int]:
+    """(N, K) of an exact Gluon plan's weight: `checks.mxfp8_weight_args`'s checks, and K a multiple of
+    the ring's 128-deep slots (ValueError naming the weight and `instead`, the op for other K)."""
+    n, k = mxfp8_weight_args(weight, w_scale, max_rows, max_rows_limit)
+    if k % BLOCK_K:
+        raise ValueError(f"weight must be [N, K] with K a positive multiple of {BLOCK_K} (the ring's 128-deep "
+                         f"slots), got {(n, k)} (use {instead})")
+    return n, k
+
+
+class _GluonExactPlan:
+    """The plan side of the exact Gluon linears (`GluonExactMM`, `gluon_exact_fma.GluonExactFMA`):
+    the weight bound once on sm_90 (`_bind`), the K split's workspace (`_bind_split`), the
+    configuration per row count (`_configs`, from `checks.row_configs`), the reduction order, and
+    the call's checks, after which the subclass launches its kernel (`_launch(codes, x_scale, out,
+    m, config)`)."""
+
+    def _bind(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int, boxes) -> None:
+        """Check the weight's device and rows (`gluon_mm.require_sm90_weight`) and bind it: w_scale
+        as bytes and int32 words, N, K, max_rows, the device, and a TMA descriptor of the weight per
+        box (block_n, block_k) in `boxes` (`_w_descs[box]`)."""
+        require_sm90_weight(weight, "TMA, warp specialization")
+        self.weight, self.w_scale = weight, w_scale.view(torch.uint8)
+        self._sw_words = _scale_words(self.w_scale, "w_scale")
+        (self.n, self.k), self.max_rows, self.device = weight.shape, max_rows, weight.device
+        self._w_descs = {box: fp8_desc(weight, box) for box in set(boxes)}
+
+    def _bind_split(self, workspace, tile_terms) -> None:
+        """The K split's FP32 workspace and int32 counters, from the pool `workspace` (FP32 slot 0,
+        int32 slot 0: `ops.common.plan_workspace`) or the plan's own: for the configurations that
+        launch split, `tile_terms` [(block_n, FP32 terms a weight tile)], the most N / block_n x
+        terms and the most N / block_n counters (one of each where none does)."""
+        tiles = [(-(-self.n // block_n), terms) for block_n, terms in tile_terms]
+        self._workspace = plan_workspace(workspace, 0, max((t * terms for t, terms in tiles), default=1),
+                                         torch.float32, self.device)
+        self._counters = plan_workspace(workspace, 0, max((t for t, _ in tiles), default=1), torch.int32, self.device)
+
+    def config_for(self, rows: int):
+        """The configuration a call of `rows` rows launches with."""
+        return config_for_rows(self._configs, rows)
+
+    def reduction_order(self, rows: int) -> tuple[str, int, int]:
+        """`exact_mm.reduction_order(K)`: the same for every row count (batch invariance)."""
+        return reduction_order(self.k)
+
+    def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """y = codes x weight^T with both block scales, into out: the arguments and the result of
+        `LowLatencyMM.__call__` (a float32 out receives the unrounded FP32 sums). Returns out."""
+        out = mxfp8_linear_args(codes, x_scale, out, self.n, self.k, self.max_rows, self.device)
+        m = codes.shape[0]
+        self._launch(codes, x_scale, out, m, self.config_for(m))
+        return out
+
+
+class GluonExactMM(_GluonExactPlan):
     """y[M, N] = bf16(sum over 32-wide K blocks kb, in K order, of RN(codes[:, kb] . weight[:, kb])
     * sx * sw) for 1 <= M <= max_rows <= 64, with the weight bound once: bitwise the contract of
     `reference.linear.mxfp8_mm`, on the FP64 MMA from a TMA ring (module docstring); sm_90 only.
@@ -896,67 +947,33 @@ class GluonExactMM:
 
     def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int = MAX_ROWS,
                  config: GluonExactConfig | dict[int, GluonExactConfig] | None = None, workspace=None):
-        n, k = mxfp8_weight_args(weight, w_scale, max_rows, MAX_ROWS)
-        if k % BLOCK_K:
-            raise ValueError(f"weight must be [N, K] with K a positive multiple of {BLOCK_K} (the ring's 128-deep "
-                             f"slots), got {(n, k)} (use ops.exact_f64_mm)")
+        n, k = ring_weight_args(weight, w_scale, max_rows, MAX_ROWS, "ops.exact_f64_mm")
         self._configs = row_configs(GluonExactConfig() if config is None else config, GluonExactConfig,
                                     "a GluonExactConfig", max_rows)
         for _, c in self._configs:
             if k % c.block_k:
                 raise ValueError(f"GluonExactConfig.block_k={c.block_k} must divide K (the ring's slots), got "
                                  f"weight {(n, k)}: block_k=128")
-        if not is_sm90(weight.device):
-            raise ValueError(f"weight must be on a CUDA device of compute capability 9.0 (the Gluon tier is "
-                             f"sm_90 code: TMA, warp specialization), got {weight.device}")
-        require_tma_rows(weight, "weight")
-        self.weight, self.w_scale = weight, w_scale.view(torch.uint8)
-        self._sw_words = _scale_words(self.w_scale, "w_scale")
-        self.n, self.k, self.max_rows, self.device = n, k, max_rows, weight.device
-        self._w_descs = {}
-        for _, c in self._configs:
-            box = [c.block_n, c.block_k]
-            if tuple(box) not in self._w_descs:
-                layout = gl.NVMMASharedLayout.get_default_for(box, gl.float8e4nv)
-                self._w_descs[tuple(box)] = TensorDescriptor.from_tensor(weight, box, layout)
+        self._bind(weight, w_scale, max_rows, [(c.block_n, c.block_k) for _, c in self._configs])
         # The split launches' workspace: each weight tile's [K/32, block_n, rows] block terms.
-        split = [(most, c) for most, c in self._configs if self.split_of(c) > 1]
-        ws = max((-(-n // c.block_n) * (k // 32) * c.block_n * min(split_rows(c), most, max_rows) for most, c in split),
-                 default=1)
-        self._workspace = plan_workspace(workspace, 0, ws, torch.float32, self.device)
-        self._counters = plan_workspace(workspace, 0, max((-(-n // c.block_n) for _, c in split), default=1),
-                                        torch.int32, self.device)
+        self._bind_split(workspace, [(c.block_n, k // 32 * c.block_n * min(split_rows(c), most, max_rows))
+                                     for most, c in self._configs if self.split_of(c) > 1])
 
     def split_of(self, config: GluonExactConfig) -> int:
         """The K splits of a launch in `config` of at most `split_rows(config)` rows: none empty."""
         return split_bounds(config.split, self.k, config.block_k)[1]
 
-    def config_for(self, rows: int) -> GluonExactConfig:
-        """The configuration a call of `rows` rows launches with."""
-        return config_for_rows(self._configs, rows)
-
-    def reduction_order(self, rows: int) -> tuple[str, int, int]:
-        """`exact_mm.reduction_order(K)`: the same for every row count (batch invariance)."""
-        return reduction_order(self.k)
-
-    def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """y = codes x weight^T with both block scales, into out: the arguments and the result of
-        `LowLatencyMM.__call__` (a float32 out receives the unrounded FP32 sums). Returns out."""
-        out = mxfp8_linear_args(codes, x_scale, out, self.n, self.k, self.max_rows, self.device)
-        require_tma_rows(codes, "codes")
-        sx_words = _scale_words(x_scale, "x_scale")
-        m = codes.shape[0]
-        cfg = self.config_for(m)
+    def _launch(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor, m: int,
+                cfg: GluonExactConfig) -> None:
+        """The kernel's launch for a call of m rows in `cfg`, its arguments checked (`__call__`)."""
         bt = block_t(m, cfg)
+        x_desc, sx_words = activation_operands(codes, x_scale, bt, cfg.block_k)
         steps = self.k // cfg.block_k
         per, split = split_bounds(cfg.split, self.k, cfg.block_k) if m <= split_rows(cfg) else (self.k, 1)
         per //= cfg.block_k
-        x_layout = gl.NVMMASharedLayout.get_default_for([bt, cfg.block_k], gl.float8e4nv)
-        x_desc = TensorDescriptor.from_tensor(codes, [bt, cfg.block_k], x_layout)
         _gluon_exact_mm_kernel[(-(-self.n // cfg.block_n), -(-m // bt), split)](
             self._w_descs[(cfg.block_n, cfg.block_k)], x_desc, sx_words, self._sw_words, out, self._workspace,
             self._counters,
             m, self.n, sx_words.stride(0), self._sw_words.stride(0), out.stride(0), per, steps, split,
             OUT_F32=out.dtype == torch.float32, **launch_options(cfg, bt, split),
         )
-        return out
