@@ -27,10 +27,11 @@ import re
 
 import pytest
 import torch
+from _gluon_linear_support import (check_exact_plan_errors, check_tma_alignment_errors, check_window, compile_linear,
+                                   kind_operands, loop_with, loops, spill_free, subnormal_operands)
 from helpers import FLASH_LINEAR_SHAPES as FLASH_SHAPES
 from helpers import linear_operands, raises
-from test_exact_mm import _bits, _exact_operands, _gen, _poisoned
-from triton.experimental.gluon import language as gl
+from test_exact_mm import _bits, _gen, _poisoned
 
 from dsv41_decode.ops import gluon_exact_fma as F
 from dsv41_decode.ops.gluon_mm import SHARED_LIMIT
@@ -42,50 +43,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 C = F.GluonExactFMAConfig
 
 
-def _desc(block) -> str:
-    """The signature of a Gluon TMA descriptor of FP8 tiles `block`, as the launcher specializes it."""
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
-    return f"tensordesc<fp8e4nv[{block[0]}, {block[1]}],{layout!r}>"
-
-
 def _compile(config: F.GluonExactFMAConfig, bt: int, out_f32: bool, split: int = 1):
-    opts = F.launch_options(config, split)
-    launch = {k: opts.pop(k) for k in ("num_warps", "maxnreg", "enable_reflect_ftz") if k in opts}
-    fn = F._gluon_exact_fma_kernel
-    types = {"w_desc": _desc([config.block_n, F.BLOCK_K]), "x_desc": _desc([bt, F.BLOCK_K]), "sx_ptr": "*i32",
-             "sw_ptr": "*i32", "y_ptr": "*fp32" if out_f32 else "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
-    # as the launcher sees the real shapes: N and y's row stride multiples of 16
-    return sm90.compile_sm90(fn, types, {**opts, "OUT_F32": out_f32},
-                             divisible=[a for a in fn.arg_names if a.endswith("_ptr") or a in ("N", "stride_ym")],
-                             **launch)
-
-
-def _loops(kernel) -> list[list[str]]:
-    """The SASS of each backward-branch loop of the kernel."""
-    ins = sm90.sass(kernel)
-    index = {addr: i for i, (addr, _) in enumerate(ins)}
-    bodies = []
-    for i, (addr, text) in enumerate(ins):
-        m = re.search(r"\bBRA (?:`\()?0x([0-9a-f]+)", text)
-        if m and int(m.group(1), 16) < addr and int(m.group(1), 16) in index:
-            bodies.append([t for _, t in ins[index[int(m.group(1), 16)]:i + 1]])
-    return bodies
-
-
-def _loop_with(kernel, opcode: str) -> list[str]:
-    """The SASS of the innermost loop (backward branch) that holds every `opcode` instruction: the
-    consumer's loop over the ring's slots."""
-    ins = sm90.sass(kernel)
-    index = {addr: i for i, (addr, _) in enumerate(ins)}
-    hits = [i for i, (_, t) in enumerate(ins) if t.startswith(opcode)]
-    loops = []
-    for i, (addr, text) in enumerate(ins):
-        m = re.search(r"\bBRA (?:`\()?0x([0-9a-f]+)", text)
-        lo = index.get(int(m.group(1), 16)) if m else None
-        if lo is not None and int(m.group(1), 16) < addr and lo <= hits[0] and i >= hits[-1]:
-            loops.append((i - lo, lo, i))
-    _, lo, hi = min(loops)
-    return [t for _, t in ins[lo:hi + 1]]
+    return compile_linear(F._gluon_exact_fma_kernel, F.launch_options(config, split), [config.block_n, F.BLOCK_K],
+                          [bt, F.BLOCK_K], out_f32)
 
 
 # (config, row bucket, FP32 out): the default (4 weight rows a thread, the 4 warps along K) at 1
@@ -109,17 +69,12 @@ COMPILE_CASES = [
                               + (f"-split{c.split}" if c.split > 1 else "") for c, bt, f in COMPILE_CASES])
 def test_compiles_for_sm90_without_spills(config, bt, out_f32):
     kernel = _compile(config, bt, out_f32, config.split)
-    res = sm90.resources(kernel)
-    ins = [t for _, t in sm90.sass(kernel)]
-    ops = sm90.opcode_counts(ins)
-    assert res["LOCAL"] == 0 and res["STACK"] == 0 and ops.get("STL", 0) == 0 and ops.get("LDL", 0) == 0, (res, ops)
-    assert res["REG"] <= config.maxnreg, res
-    assert kernel.metadata.shared <= F.shared_bytes(config, bt) <= SHARED_LIMIT, kernel.metadata.shared
+    _, ins, ops = spill_free(kernel, config.maxnreg, F.shared_bytes(config, bt))
     # Per slot a thread's rows_per_thread weight rows x (4 / warps_k) K blocks x 32 / lanes_k k: one
     # DFMA per code and x row, one prmt per code (its FP64 high word), no FP64 MMA; the loop body
     # holds one slot.
     codes = config.rows_per_thread * (4 // config.warps_k) * 32 // config.lanes_k
-    loop = _loop_with(kernel, "DFMA")
+    loop = loop_with(kernel, "DFMA")
     lops = sm90.opcode_counts(loop)
     assert ops.get("DFMA", 0) == lops.get("DFMA", 0) == codes * bt, (codes, bt, lops)
     assert lops.get("PRMT", 0) >= codes and ops.get("DMMA", 0) == 0, lops
@@ -153,7 +108,7 @@ def test_compiles_for_sm90_without_spills(config, bt, out_f32):
         assert lops.get("STG", 0) == max(1, 4 * config.block_n * bt // 512), lops
         assert ops.get("ATOMG", 0) == 2, ops
         # the last arriver's K-ordered sum: each chunk's loads (from L2) all issued before its adds
-        chunks = [body for body in _loops(kernel) if any("LDG.E.STRONG.GPU" in t for t in body)
+        chunks = [body for body in loops(kernel) if any("LDG.E.STRONG.GPU" in t for t in body)
                   and not any(t.startswith("DFMA") for t in body)]
         assert chunks, "no loop of the last arriver's loads"
         for body in chunks:
@@ -180,15 +135,8 @@ def test_default_config_per_shape():
 
 
 def test_bad_config_and_plan_arguments_name_the_argument():
-    w = torch.zeros(64, 256, dtype=torch.float8_e4m3fn)
-    s = torch.zeros(2, 8, dtype=torch.uint8)
-    raises("compute capability 9.0", lambda: F.GluonExactFMA(w, s))          # the CPU: sm_90 code only
-    raises("K a positive multiple of 128", lambda: F.GluonExactFMA(torch.zeros(64, 96, dtype=torch.float8_e4m3fn),
-                                                                   torch.zeros(2, 3, dtype=torch.uint8)))
-    raises("weight must have dtype", lambda: F.GluonExactFMA(w.view(torch.uint8), s))
-    raises("w_scale must have shape", lambda: F.GluonExactFMA(w, s[:, :7]))
+    w, s = check_exact_plan_errors(F.GluonExactFMA, "GluonExactFMAConfig")
     raises(r"max_rows must be an int in \[1, 4\]", lambda: F.GluonExactFMA(w, s, max_rows=5))
-    raises("config must be a GluonExactFMAConfig", lambda: F.GluonExactFMA(w, s, config="fast"))
     raises(r"config must cover max_rows=4 rows, got keys \[2\]", lambda: F.GluonExactFMA(w, s, config={2: C()}))
     assert C.from_spec("2:2:1:6") == C(rows_per_thread=2, warps_k=2, stages=6)
     assert C.from_spec("4:4:2:4:0") == C(lanes_k=2, maxnreg=None) and C.from_spec("1:4:1:8:80").maxnreg == 80
@@ -211,14 +159,6 @@ def test_bad_config_and_plan_arguments_name_the_argument():
 
 # ---------------------------------------------------------------------------------------------- GPU
 
-def _subnormal_operands(gen, m: int, n: int, k: int):
-    """Codes whose exponent field is 0 or 1 (the E4M3 subnormals, the smallest normals, +-0), every
-    sign: the weight's FP64 subnormal patterns, products down to 2^-18."""
-    codes, x_scale, weight, w_scale = _exact_operands(gen, m, n, k, "uniform")
-    return (codes.view(torch.uint8).bitwise_and(0x8F).view(torch.float8_e4m3fn), x_scale,
-            weight.view(torch.uint8).bitwise_and(0x8F).view(torch.float8_e4m3fn), w_scale)
-
-
 # Every form at the TP1 shapes: the default, one weight row a thread (32-row tiles: wo_b's 160
 # programs), 2 x 2 warps, every warp all four blocks of its rows (no exchange between the warps),
 # 2 and 4 lanes a block (16- and 8-row tiles, the parts' sums by lane shuffles).
@@ -239,7 +179,7 @@ def test_flash_shapes_match_the_reference_on_gpu(name, n, k):
     _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(n + k), 4, n, k)
     heavy = (heavy_e4m3((4, k), gen), torch.randint(120, 134, (4, k // 32), dtype=torch.uint8, device=DEVICE),
              heavy_e4m3((n, k), gen), w_scale)
-    subnormal = _subnormal_operands(_gen(n), 4, n, k)
+    subnormal = subnormal_operands(_gen(n), 4, n, k)
     for kind, (c, sx, w, sw) in (("quantized", (codes, x_scale, weight, w_scale)), ("heavy", heavy),
                                  ("subnormal", subnormal)):
         ref = {dtype: mxfp8_mm(c, sx, w, sw, dtype) for dtype in (torch.bfloat16, torch.float32)}
@@ -247,10 +187,7 @@ def test_flash_shapes_match_the_reference_on_gpu(name, n, k):
             plan = F.GluonExactFMA(w, sw, config=cfg)
             for m in (1, 2, 3, 4):
                 for dtype in (torch.bfloat16, torch.float32):
-                    buf = _poisoned(m + 2, n + 8, dtype)
-                    y = plan(c[:m], sx[:m], buf[:m, :n])
-                    assert torch.equal(_bits(y), _bits(ref[dtype][:m])), (name, kind, cfg, m, dtype)
-                    assert buf[m:].isnan().all() and buf[:, n:].isnan().all(), (name, kind, cfg, m, dtype)
+                    check_window(plan, c[:m], sx[:m], ref[dtype][:m], 2, (name, kind, cfg, m, dtype))
             again = plan(c[:3], sx[:3])
             assert torch.equal(_bits(again), _bits(ref[torch.bfloat16][:3])), (name, kind, cfg)
 
@@ -266,18 +203,11 @@ def test_flash_shapes_match_the_reference_on_gpu(name, n, k):
     (1, 48, 384, C(rows_per_thread=2, warps_k=2, lanes_k=2), "heavy"),
 ])
 def test_small_shapes_match_the_reference_on_gpu(m, n, k, config, kind):
-    if kind == "quantized":
-        _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(m + n + k), m, n, k)
-    elif kind == "subnormal":
-        codes, x_scale, weight, w_scale = _subnormal_operands(_gen(m + n + k), m, n, k)
-    else:
-        codes, x_scale, weight, w_scale = _exact_operands(_gen(m + n + k), m, n, k, kind)
+    codes, x_scale, weight, w_scale = kind_operands(kind, m, n, k)
     plan = F.GluonExactFMA(weight, w_scale, config=config)
     for dtype in (torch.bfloat16, torch.float32):
-        buf = _poisoned(m + 4, n + 8, dtype)
-        y = plan(codes, x_scale, buf[:m, :n])
-        assert torch.equal(_bits(y), _bits(mxfp8_mm(codes, x_scale, weight, w_scale, dtype))), (m, n, k, config, dtype)
-        assert buf[m:].isnan().all() and buf[:, n:].isnan().all(), (m, n, k, config, dtype)
+        check_window(plan, codes, x_scale, mxfp8_mm(codes, x_scale, weight, w_scale, dtype), 4,
+                     (m, n, k, config, dtype))
 
 
 def _unsplit(config):
@@ -321,12 +251,9 @@ def test_k_split_matches_the_reference_and_the_unsplit_kernel_on_gpu(name, n, k)
             assert all(plan.split_of(plan.config_for(m)) > 1 for m in (1, 2, 3, 4)), cfg
             for m in (1, 2, 3, 4):
                 for dtype in (torch.bfloat16, torch.float32):
-                    buf = _poisoned(m + 2, n + 8, dtype)
-                    y = plan(c[:m], sx[:m], buf[:m, :n])
-                    assert torch.equal(_bits(y), _bits(ref[dtype][:m])), (name, kind, cfg, m, dtype)
+                    y = check_window(plan, c[:m], sx[:m], ref[dtype][:m], 2, (name, kind, cfg, m, dtype))
                     assert torch.equal(_bits(y), _bits(unsplit(c[:m], sx[:m], _poisoned(m, n, dtype)))), (
                         name, kind, cfg, m, dtype)
-                    assert buf[m:].isnan().all() and buf[:, n:].isnan().all(), (name, kind, cfg, m, dtype)
                     again = plan(c[:m], sx[:m], _poisoned(m, n, dtype))
                     assert torch.equal(_bits(again), _bits(y)), (name, kind, cfg, m, dtype)
             assert int(plan._counters.abs().sum()) == 0, (name, kind, cfg)
@@ -359,12 +286,4 @@ def test_bad_call_arguments_name_the_argument_on_gpu():
     raises("codes must have dtype", lambda: plan(codes.float(), x_scale))
     raises("x_scale must have shape", lambda: plan(codes, x_scale[:, :2]))
     raises("out must have dtype", lambda: plan(codes, x_scale, torch.empty(m, n, dtype=torch.float16, device=DEVICE)))
-    raw = torch.zeros(m * k + 16, dtype=torch.uint8, device=DEVICE)
-    misaligned = raw[1:1 + m * k].view(torch.float8_e4m3fn).view(m, k)
-    sraw = torch.zeros(m * (k // 32) + 4, dtype=torch.uint8, device=DEVICE)
-    raises("codes rows must be 16-byte aligned", lambda: plan(misaligned, x_scale))
-    raises("x_scale rows must start on 4-byte boundaries", lambda: plan(codes, sraw[1:1 + m * (k // 32)].view(m, -1)))
-    raises("weight rows must be 16-byte aligned", lambda: F.GluonExactFMA(
-        torch.zeros(n * k + 16, dtype=torch.uint8, device=DEVICE)[8:8 + n * k].view(torch.float8_e4m3fn).view(n, k),
-        w_scale))
-    assert torch.equal(_bits(plan(codes, x_scale)), _bits(mxfp8_mm(codes, x_scale, weight, w_scale)))
+    check_tma_alignment_errors(F.GluonExactFMA, plan, codes, x_scale, weight, w_scale)

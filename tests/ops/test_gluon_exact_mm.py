@@ -25,38 +25,25 @@ import re
 
 import pytest
 import torch
+from _gluon_linear_support import (check_exact_plan_errors, check_tma_alignment_errors, check_window, compile_linear,
+                                   kind_operands, loop_with, spill_free)
 from helpers import FLASH_LINEAR_SHAPES as FLASH_SHAPES
 from helpers import check_mxfp8_plan_errors, linear_operands, raises
-from test_exact_mm import _bits, _exact_operands, _gen, _poisoned
-from triton.experimental.gluon import language as gl
+from test_exact_mm import _bits, _gen, _poisoned
 
 from dsv41_decode.ops import gluon_exact_mm as E
 from dsv41_decode.ops.exact_mm import ExactMM
 from dsv41_decode.ops.gluon_mm import SHARED_LIMIT
 from dsv41_decode.reference.linear import mxfp8_mm
-from dsv41_decode.testing import sm90
 from dsv41_decode.testing.synthetic import heavy_e4m3
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 C = E.GluonExactConfig
 
 
-def _desc(block) -> str:
-    """The signature of a Gluon TMA descriptor of FP8 tiles `block`, as the launcher specializes it."""
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
-    return f"tensordesc<fp8e4nv[{block[0]}, {block[1]}],{layout!r}>"
-
-
 def _compile(config: E.GluonExactConfig, bt: int, split: int, out_f32: bool):
-    opts = E.launch_options(config, bt, split)
-    launch = {k: opts.pop(k) for k in ("num_warps", "maxnreg", "enable_reflect_ftz") if k in opts}
-    fn = E._gluon_exact_mm_kernel
-    types = {"w_desc": _desc([config.block_n, config.block_k]), "x_desc": _desc([bt, config.block_k]), "sx_ptr": "*i32",
-             "sw_ptr": "*i32", "y_ptr": "*fp32" if out_f32 else "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
-    # as the launcher sees the real shapes: N and y's row stride multiples of 16
-    return sm90.compile_sm90(fn, types, {**opts, "OUT_F32": out_f32},
-                             divisible=[a for a in fn.arg_names if a.endswith("_ptr") or a in ("N", "stride_ym")],
-                             **launch)
+    return compile_linear(E._gluon_exact_mm_kernel, E.launch_options(config, bt, split),
+                          [config.block_n, config.block_k], [bt, config.block_k], out_f32)
 
 
 # (config, row bucket, K splits, FP32 out): each form of the kernel at least once in few compiles
@@ -96,31 +83,10 @@ def _case_id(case) -> str:
             + (f"-bk{c.block_k}" if c.block_k != 128 else "") + f"-bt{bt}-split{split}" + ("-f32" if f32 else ""))
 
 
-def _loop_with(kernel, opcode: str) -> list[str]:
-    """The SASS of the innermost loop (backward branch) that holds every `opcode` instruction: the
-    consumer's loop over the ring's slots."""
-    ins = sm90.sass(kernel)
-    index = {addr: i for i, (addr, _) in enumerate(ins)}
-    hits = [i for i, (_, t) in enumerate(ins) if t.startswith(opcode)]
-    loops = []
-    for i, (addr, text) in enumerate(ins):
-        m = re.search(r"\bBRA (?:`\()?0x([0-9a-f]+)", text)
-        lo = index.get(int(m.group(1), 16)) if m else None
-        if lo is not None and int(m.group(1), 16) < addr and lo <= hits[0] and i >= hits[-1]:
-            loops.append((i - lo, lo, i))
-    _, lo, hi = min(loops)
-    return [t for _, t in ins[lo:hi + 1]]
-
-
 @pytest.mark.parametrize("config,bt,split,out_f32", COMPILE_CASES, ids=[_case_id(c) for c in COMPILE_CASES])
 def test_compiles_for_sm90_without_spills(config, bt, split, out_f32):
     kernel = _compile(config, bt, split, out_f32)
-    res = sm90.resources(kernel)
-    ins = [t for _, t in sm90.sass(kernel)]
-    ops = sm90.opcode_counts(ins)
-    assert res["LOCAL"] == 0 and res["STACK"] == 0 and ops.get("STL", 0) == 0 and ops.get("LDL", 0) == 0, (res, ops)
-    assert res["REG"] <= config.maxnreg, res
-    assert kernel.metadata.shared <= E.shared_bytes(config, bt) <= SHARED_LIMIT, kernel.metadata.shared
+    _, ins, ops = spill_free(kernel, config.maxnreg, E.shared_bytes(config, bt))
     # The FP64 MMA, m16n8k16: a program's (block_n / 16) x (bt / 8) of them per 16 of K, block_k K per
     # slot, a quarter per warp (warps_k=1: per warp along the weight rows and x's rows; warps_k > 1:
     # per warp its K blocks and its weight rows); the loop body holds one slot.
@@ -131,7 +97,7 @@ def test_compiles_for_sm90_without_spills(config, bt, split, out_f32):
     # The operands' shared-memory loads in the consumer's loop are wide (8-byte loads for 32-deep
     # steps, ldmatrix for 16-deep ones): the permuted k puts each thread's bytes side by side; no
     # load of single bytes or halves (LDS.U8 / .U16: one a byte without the permutation).
-    loop = _loop_with(kernel, "DMMA")
+    loop = loop_with(kernel, "DMMA")
     assert sum(t.startswith("DMMA") for t in loop) == len(dmma)
     loads = {t.split()[0] for t in loop if t.startswith("LDS")}
     assert loads <= {"LDS", "LDS.64", "LDS.128", "LDSM.16.M88", "LDSM.16.M88.2", "LDSM.16.M88.4"}, loads
@@ -195,16 +161,10 @@ def test_launch_geometry():
 
 
 def test_bad_plan_arguments_name_the_argument():
-    w = torch.zeros(64, 256, dtype=torch.float8_e4m3fn)
-    s = torch.zeros(2, 8, dtype=torch.uint8)
-    raises("compute capability 9.0", lambda: E.GluonExactMM(w, s))          # the CPU: sm_90 code only
-    raises("K a positive multiple of 128", lambda: E.GluonExactMM(torch.zeros(64, 96, dtype=torch.float8_e4m3fn),
-                                                                  torch.zeros(2, 3, dtype=torch.uint8)))
+    w, s = check_exact_plan_errors(E.GluonExactMM, "GluonExactConfig")
     raises(r"block_k=256 must divide K.*\(64, 384\)", lambda: E.GluonExactMM(
         torch.zeros(64, 384, dtype=torch.float8_e4m3fn), torch.zeros(2, 12, dtype=torch.uint8),
         config={8: C(), 64: C(block_k=256)}))
-    raises("weight must have dtype", lambda: E.GluonExactMM(w.view(torch.uint8), s))
-    raises("w_scale must have shape", lambda: E.GluonExactMM(w, s[:, :7]))
     raises("max_rows", lambda: E.GluonExactMM(w, s, max_rows=65))
     # the probe's spec strings (the form ops.exact_linear's plan is written in)
     assert E.GluonExactConfig.from_spec("int+cvt:16:8:1:16:8:2:80:4") == E.GluonExactConfig(
@@ -214,7 +174,6 @@ def test_bad_plan_arguments_name_the_argument():
     for bad in ("int:64:32", "int:64:32:1:32:4:1:128:4:256:9", "int:64:x:1:32:4:1"):
         raises("a GluonExactConfig spec is convert:block_n", lambda: E.GluonExactConfig.from_spec(bad))
     raises("block_n must be", lambda: E.GluonExactConfig.from_spec("int:48:32:1:32:4:1"))
-    raises("config must be a GluonExactConfig", lambda: E.GluonExactMM(w, s, config="fast"))
     raises(r"config must cover max_rows=64 rows, got keys \[16\]", lambda: E.GluonExactMM(w, s, config={16: C()}))
     raises("convert must be one of", lambda: C(convert="f16"))
     raises(r"block_n must be one of \(64, 128\) with warps_k=1", lambda: C(block_n=32))
@@ -242,14 +201,6 @@ def test_bad_plan_arguments_name_the_argument():
 
 
 # ---------------------------------------------------------------------------------------------- GPU
-
-def _subnormal_operands(gen, m: int, n: int, k: int):
-    """Codes whose exponent field is 0 or 1 (the E4M3 subnormals, the smallest normals, +-0), every
-    sign: products down to 2^-18, the FP64 subnormal patterns of the "int" conversion."""
-    codes, x_scale, weight, w_scale = _exact_operands(gen, m, n, k, "uniform")
-    return (codes.view(torch.uint8).bitwise_and(0x8F).view(torch.float8_e4m3fn), x_scale,
-            weight.view(torch.uint8).bitwise_and(0x8F).view(torch.float8_e4m3fn), w_scale)
-
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k,config,kind", [
@@ -293,21 +244,13 @@ def _subnormal_operands(gen, m: int, n: int, k: int):
     (33, 64, 512, C(convert="raw", mma_k=16, warps_n=2, block_k=256, stages=2), "heavy"),
 ])
 def test_bitwise_equal_to_the_reference_on_gpu(m, n, k, config, kind):
-    if kind == "quantized":   # MXFP8 activations and a block-quantized weight, as the model has them
-        _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(m + n + k), m, n, k)
-    elif kind == "subnormal":
-        codes, x_scale, weight, w_scale = _subnormal_operands(_gen(m + n + k), m, n, k)
-    else:
-        codes, x_scale, weight, w_scale = _exact_operands(_gen(m + n + k), m, n, k, kind)
+    codes, x_scale, weight, w_scale = kind_operands(kind, m, n, k)
     plan = E.GluonExactMM(weight, w_scale, config=config)
     for dtype in (torch.bfloat16, torch.float32):
         # out: a window of a larger poisoned buffer, whose rows past M (a row tile's padding) and
         # columns past N (a weight tile's) must stay untouched
-        buf = _poisoned(m + 8, n + 8, dtype)
-        y = plan(codes, x_scale, buf[:m, :n])
-        ref = mxfp8_mm(codes, x_scale, weight, w_scale, dtype)
-        assert torch.equal(_bits(y), _bits(ref)), (m, n, k, config, kind, dtype)
-        assert buf[m:].isnan().all() and buf[:, n:].isnan().all(), (m, n, k, config, kind, dtype)
+        y = check_window(plan, codes, x_scale, mxfp8_mm(codes, x_scale, weight, w_scale, dtype), 8,
+                         (m, n, k, config, kind, dtype))
         again = plan(codes, x_scale, _poisoned(m, n, dtype))       # replays the split-K counters
         assert torch.equal(_bits(again), _bits(y)), (m, n, k, config, kind, dtype)
     assert int(plan._counters.abs().sum()) == 0
@@ -416,12 +359,4 @@ def test_bad_call_arguments_name_the_argument_on_gpu():
     _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(8), m, n, k)
     check_mxfp8_plan_errors(E.GluonExactMM, codes, x_scale, weight, w_scale)
     plan = E.GluonExactMM(weight, w_scale, max_rows=8)
-    raw = torch.zeros(m * k + 16, dtype=torch.uint8, device=DEVICE)
-    misaligned = raw[1:1 + m * k].view(torch.float8_e4m3fn).view(m, k)
-    sraw = torch.zeros(m * (k // 32) + 4, dtype=torch.uint8, device=DEVICE)
-    raises("codes rows must be 16-byte aligned", lambda: plan(misaligned, x_scale))
-    raises("x_scale rows must start on 4-byte boundaries", lambda: plan(codes, sraw[1:1 + m * (k // 32)].view(m, -1)))
-    raises("weight rows must be 16-byte aligned", lambda: E.GluonExactMM(
-        torch.zeros(n * k + 16, dtype=torch.uint8, device=DEVICE)[8:8 + n * k].view(torch.float8_e4m3fn).view(n, k),
-        w_scale))
-    assert torch.equal(_bits(plan(codes, x_scale)), _bits(mxfp8_mm(codes, x_scale, weight, w_scale)))
+    check_tma_alignment_errors(E.GluonExactMM, plan, codes, x_scale, weight, w_scale)

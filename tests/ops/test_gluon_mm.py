@@ -32,7 +32,6 @@ import re
 
 import pytest
 import torch
-from triton.experimental.gluon import language as gl
 
 from dsv41_decode.ops import gluon_mm as G
 from dsv41_decode.ops.index_query import index_query_
@@ -41,6 +40,7 @@ from dsv41_decode.ops.low_latency_mm import LowLatencyConfig, LowLatencyMM
 from dsv41_decode.reference.linear import mxfp8_mm
 from dsv41_decode.testing import sm90
 from dsv41_decode.testing.compare import bits_differ, rel_rms, row_ulp_distance
+from _gluon_linear_support import compile_linear, spill_free
 from helpers import FLASH_LINEAR_SHAPES, linear_operands, rope_operands
 
 # The real shapes (the V4.1-Flash linears and their TP shards; the indexer's wq_b is wq_b_tp8's
@@ -80,26 +80,11 @@ def _compile_cases() -> list[tuple[str, G.GluonMMConfig, int, int]]:
     return cases
 
 
-def _desc(block) -> str:
-    """The signature of a Gluon TMA descriptor of FP8 tiles `block`, as the launcher specializes it."""
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
-    return f"tensordesc<fp8e4nv[{block[0]}, {block[1]}],{layout!r}>"
-
-
 def _compile(split: int, bt: int, out_f32: bool = False, config: G.GluonMMConfig = G.GluonMMConfig(),
              rope: bool = False, index_query: bool = False):
-    opts = G.launch_options(config, bt, split)
-    num_warps, maxnreg, ftz = opts.pop("num_warps"), opts.pop("maxnreg"), opts.pop("enable_reflect_ftz")
-    types = {"w_desc": _desc([config.block_n, config.block_k]), "x_desc": _desc([bt, config.block_k]),
-             "sx_ptr": "*i32", "sw_ptr": "*i32", "y_ptr": "*fp32" if out_f32 else "*bf16", "ws_ptr": "*fp32",
-             "cnt_ptr": "*i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
-    return sm90.compile_sm90(G._gluon_mxfp8_mm_kernel, types,
-                             {**opts, "OUT_F32": out_f32, "ROPE": rope, "INDEX_Q": index_query},
-                             # as the launcher sees the real shapes: N and y's row stride multiples
-                             # of 16 (the scale strides are not specialized)
-                             divisible=[a for a in G._gluon_mxfp8_mm_kernel.arg_names
-                                        if a.endswith("_ptr") or a in ("N", "stride_ym")],
-                             num_warps=num_warps, maxnreg=maxnreg, enable_reflect_ftz=ftz)
+    return compile_linear(G._gluon_mxfp8_mm_kernel, G.launch_options(config, bt, split),
+                          [config.block_n, config.block_k], [bt, config.block_k], out_f32,
+                          types={"cos_ptr": "*fp32", "sin_ptr": "*fp32"}, consts={"ROPE": rope, "INDEX_Q": index_query})
 
 
 def _flushes_subnormals(kernel) -> bool:
@@ -113,14 +98,9 @@ def _check_sm90(kernel, config: G.GluonMMConfig, bt: int, split: int):
     its residency, its shared memory, its wgmmas and their depth in flight, its TMA loads, the
     mbarrier ring, the split-K counter iff split > 1, 16-byte stores."""
     mode = G.launch_mode(config, bt)[0]
-    res = sm90.resources(kernel)
-    ins = [t for _, t in sm90.sass(kernel)]
-    ops = sm90.opcode_counts(ins)
-    assert res["LOCAL"] == 0 and res["STACK"] == 0 and ops.get("STL", 0) == 0 and ops.get("LDL", 0) == 0, (res, ops)
+    res, ins, ops = spill_free(kernel, G.maxnreg(bt, config), G.shared_bytes(config, bt))
     # The launch's registers set the residency: (4 x warpgroups + 4) warps x REG per CTA of 64K.
-    assert res["REG"] <= G.maxnreg(bt, config), res
     assert 65536 // (32 * (4 * config.warpgroups + 4) * res["REG"]) >= G.resident_ctas(config, bt), res
-    assert kernel.metadata.shared <= G.shared_bytes(config, bt) <= G.SHARED_LIMIT, kernel.metadata.shared
     sub = config.block_k // 32
     # One wgmma m64 n{bt} k32 per consumer warpgroup and 32-wide block, from a zero accumulator
     # (RZ): a "pairs" or "slot" step issues its sub blocks once, "ahead" a pair of slots and an odd
