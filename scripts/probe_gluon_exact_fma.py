@@ -28,19 +28,13 @@ from __future__ import annotations
 import os
 import time
 
-import torch
-
-from dsv41_decode.formats import fp8_block_quantize, mxfp8_quantize
 from dsv41_decode.ops import gluon_exact_fma as F
 from dsv41_decode.ops.gluon_exact_fma import GluonExactFMAConfig
-from dsv41_decode.reference.linear import mxfp8_mm
-from dsv41_decode.testing.synthetic import heavy_e4m3
 
 from _args import arg   # scripts/ is on sys.path when run as python scripts/<probe>.py
-from probe_gluon_exact_mm import SHAPES, _DryPlan, _time
+from probe_gluon_exact_mm import SHAPES, _DryPlan, _kernels, probe, summarize
 
 DRY = os.environ.get("PROBE_DRY") == "1"
-DEV = "cpu" if DRY else "cuda"
 ROWS = (1, 2, 3, 4)
 # rows_per_thread:warps_k:lanes_k:stages[:maxnreg]. block_n = 32 x rows_per_thread x 4 / warps_k /
 # lanes_k weight rows a program: wq_b (32768 rows) 256 programs of 128 or 128 of 256; the indexer's
@@ -125,128 +119,39 @@ else:
     from dsv41_decode.ops.gluon_mm import GluonMM
 
 
-def _kernels() -> dict:
-    """The GluonExactFMA kernels compiled in this process so far: key -> CompiledKernel."""
-    caches = getattr(F._gluon_exact_fma_kernel, "device_caches", {})
-    return dict(caches[torch.cuda.current_device()][0]) if caches else {}
-
-
 def main() -> None:
     t0 = time.time()
     rows = [int(r) for r in arg("rows", ",".join(map(str, ROWS))).split(",")]
     names = arg("only", ",".join(SHAPES)).split(",")
     alt = [s for s in arg("alt", "").split(",") if s]
     shape_specs = {name: alt or CANDIDATES + SPLIT_CANDIDATES.get(name, []) for name in names}
-    replays = int(arg("replays", "20"))
-    budget = float(arg("budget", "480"))
     for s in {s for specs in shape_specs.values() for s in specs}:
         config_of(s)                        # a bad spec fails here, before anything runs
-    if DRY:
-        floor = 4400.0
-    else:
-        from dsv41_decode.bench.floor import read_bandwidth_gbps
-        from dsv41_decode.bench.timing import l2_rotation
-        floor = read_bandwidth_gbps()
-    print(f"streaming read: {floor:.0f} GB/s on {'the CPU (dry run)' if DRY else torch.cuda.get_device_name()} "
-          f"({time.time() - t0:.0f} s in)", flush=True)
-    g = torch.Generator(device=DEV).manual_seed(0)
-    results: dict[tuple[str, int], dict[str, float]] = {}       # (shape, rows) -> {spec: us}
-    base: dict[tuple[str, int], dict[str, float]] = {}          # (shape, rows) -> {op: us}
+
+    def others(ws):
+        return {"exact_mm": [ExactMM(w, s, 64) for w, s in ws],
+                "gluon_exact_mm": [ExactLinear(w, s, 64, mma_above=0, fma_rows=0) for w, s in ws] if not DRY
+                else [_DryPlan(w, s) for w, s in ws],
+                "exact_linear": [ExactLinear(w, s, 64) for w, s in ws],
+                "gluon(TC)": [GluonMM(w, s, 64) for w, s in ws]}
+
     seen: set = set()
-    out_of_time = False
-    for name in names:
-        shape, specs = SHAPES[name], shape_specs[name]
-        n, k = shape.n, shape.k
-        copies = 2 if DRY else l2_rotation(shape.weight_bytes())
-        ws = [fp8_block_quantize(torch.randn(n, k, generator=g, device=DEV) * k ** -0.5) for _ in range(copies)]
-        others = {"exact_mm": [ExactMM(w, s, 64) for w, s in ws],
-                  "gluon_exact_mm": [ExactLinear(w, s, 64, mma_above=0, fma_rows=0) for w, s in ws] if not DRY
-                  else [_DryPlan(w, s) for w, s in ws],
-                  "exact_linear": [ExactLinear(w, s, 64) for w, s in ws],
-                  "gluon(TC)": [GluonMM(w, s, 64) for w, s in ws]}
-        print(f"{name}: N={n} K={k}, {copies} weight copies", flush=True)
-        for m in rows:
-            if time.time() - t0 > budget:
-                out_of_time = True
-                break
-            codes, x_scale = mxfp8_quantize(torch.randn(m, k, generator=g, device=DEV).to(torch.bfloat16))
-            out = torch.empty(m, n, dtype=torch.bfloat16, device=DEV)
-            ref = others["exact_mm"][0](codes, x_scale).view(torch.int16).clone()
-            pct = lambda us: 100 * (shape.weight_bytes() + shape.io_bytes(m)) / (us * 1e3) / floor  # noqa: E731
 
-            def timed(plans):
-                return _time(lambda: [p(codes, x_scale, out) for p in plans], copies, replays)
+    def new_kernels():
+        """Print the registers, spills and shared memory of each GluonExactFMA kernel compiled since."""
+        for key, kernel in ({} if DRY else _kernels(F._gluon_exact_fma_kernel)).items():
+            if key not in seen:
+                seen.add(key)
+                print(f"  compiled: registers {kernel.n_regs}, spills {kernel.n_spills}, "
+                      f"shared {kernel.metadata.shared} B", flush=True)
 
-            def differ(plan) -> str:
-                bad = int((plan(codes, x_scale).view(torch.int16) != ref).sum())
-                return "=" if bad == 0 else f"{bad} DIFFER"
-
-            base[(name, m)] = {op: timed(plans) for op, plans in others.items()}
-            line = "  ".join(f"{op} {us:7.2f} ({pct(us):4.1f} %)" for op, us in base[(name, m)].items())
-            print(f"{name:14s} M={m}  {line}  gluon_exact_mm bits {differ(others['gluon_exact_mm'][0])}", flush=True)
-            res = results.setdefault((name, m), {})
-            for spec in specs:
-                try:
-                    plans = [GluonExactFMA(w, s, 4, config=config_of(spec)) for w, s in ws]
-                    bits = differ(plans[0])
-                    us = timed(plans)
-                    del plans
-                except Exception as e:  # noqa: BLE001 - report, keep probing
-                    print(f"{name} M={m} {spec}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-                    continue
-                if bits == "=":
-                    res[spec] = us
-                b = base[(name, m)]
-                print(f"{name:14s} M={m}  {spec:14s} {us:7.2f} us ({pct(us):4.1f} %)  "
-                      f"x{b['exact_mm'] / us:4.2f} exact_mm  x{b['gluon_exact_mm'] / us:4.2f} gluon_exact_mm  "
-                      f"x{b['gluon(TC)'] / us:4.2f} gluon(TC)  bits {bits}", flush=True)
-            if not DRY:
-                for key, kernel in _kernels().items():
-                    if key not in seen:
-                        seen.add(key)
-                        print(f"  compiled: registers {kernel.n_regs}, spills {kernel.n_spills}, "
-                              f"shared {kernel.metadata.shared} B", flush=True)
-        # Heavy-tailed codes (448 down to the subnormals), where an inexact block sum shows.
-        hc, hw = heavy_e4m3((4, k), g), heavy_e4m3((n, k), g)
-        sx = torch.randint(120, 134, (4, k // 32), dtype=torch.uint8, device=DEV)
-        href = mxfp8_mm(hc, sx, hw, ws[0][1]).view(torch.int16)
-        for spec in specs:
-            try:
-                plan = GluonExactFMA(hw, ws[0][1], 4, config=config_of(spec))
-                bad = sum(int((plan(hc[:m], sx[:m]).view(torch.int16) != href[:m]).sum()) for m in (1, 2, 3, 4))
-                print(f"heavy {name} {spec}: {bad} outputs differ from the reference (rows 1-4)", flush=True)
-            except Exception as e:  # noqa: BLE001
-                print(f"heavy {name} {spec}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-        del ws, others
-        if not DRY:
-            torch.cuda.empty_cache()
-        if out_of_time:
-            print(f"(out of time budget {budget:.0f} s: stopped timing at {name})", flush=True)
-            break
-    summarize(results, base, floor)
+    results, base, floor = probe(
+        t0, "GluonExactFMA", lambda w, s, spec: GluonExactFMA(w, s, 4, config=config_of(spec)), shape_specs, others,
+        rows, "gluon_exact_mm", ("exact_mm", "gluon_exact_mm", "gluon(TC)"), 14, 1, (1, 2, 3, 4),
+        after_rows=new_kernels)
+    summarize(results, base, floor, "GluonExactFMA", (("exact_mm", "exact_mm", 8, "x exact", 7),
+                                                       ("gluon_exact_mm", "g_ex_mm", 7, "x g_ex", 6)), 14, 4)
     print(f"total {time.time() - t0:.0f} s", flush=True)
-
-
-def summarize(results, base, floor) -> None:
-    print("\nbest GluonExactFMA configuration per (shape, rows), bitwise ExactMM's:")
-    print(f"{'shape':14s} {'rows':>4s}  {'best':14s} {'us':>7s} {'% read':>6s} {'exact_mm':>8s} {'x exact':>7s} "
-          f"{'g_ex_mm':>7s} {'x g_ex':>6s} {'linear':>7s} {'gluon(TC)':>9s} {'/ TC':>6s}")
-    table: dict[str, dict[int, str]] = {}
-    for (name, m), res in results.items():
-        if not res:
-            continue
-        best = min(res, key=res.get)
-        b, shape = base[(name, m)], SHAPES[name]
-        pct = 100 * (shape.weight_bytes() + shape.io_bytes(m)) / (res[best] * 1e3) / floor
-        print(f"{name:14s} {m:4d}  {best:14s} {res[best]:7.2f} {pct:6.1f} {b['exact_mm']:8.2f} "
-              f"{b['exact_mm'] / res[best]:7.2f} {b['gluon_exact_mm']:7.2f} {b['gluon_exact_mm'] / res[best]:6.2f} "
-              f"{b['exact_linear']:7.2f} {b['gluon(TC)']:9.2f} {res[best] / b['gluon(TC)']:6.2f}", flush=True)
-        table.setdefault(name, {})[m] = best
-    print("\nper shape, the best configuration per row count (GluonExactFMA(config={rows: config}), the largest "
-          "key covering 4):")
-    for name, per in table.items():
-        print(f"  {name} {SHAPES[name].n}x{SHAPES[name].k}: " + ", ".join(f"{m}: {spec}" for m, spec in per.items()))
-
 
 if __name__ == "__main__":
     main()

@@ -145,9 +145,9 @@ def _time(fn, copies: int, replays: int) -> float:
     return statistics.median(times)
 
 
-def _kernels() -> dict:
-    """The GluonExactMM kernels compiled in this process so far: key -> CompiledKernel."""
-    caches = getattr(E._gluon_exact_mm_kernel, "device_caches", {})
+def _kernels(fn=E._gluon_exact_mm_kernel) -> dict:
+    """The kernels of the Gluon function `fn` compiled in this process so far: key -> CompiledKernel."""
+    caches = getattr(fn, "device_caches", {})
     return dict(caches[torch.cuda.current_device()][0]) if caches else {}
 
 
@@ -209,16 +209,28 @@ def precompile(specs: list[str], rows: list[int], workers: int, timeout: float) 
     return bad
 
 
-def main() -> None:
-    t0 = time.time()
-    rows = [int(r) for r in arg("rows", ",".join(map(str, ROWS))).split(",")]
-    names = arg("only", ",".join(SHAPES)).split(",")
-    specs = [s for s in arg("alt", ",".join(CANDIDATES + WARPS_K_CANDIDATES + NEW_CANDIDATES)).split(",") if s]
+def pct_of_floor(shape: Shape, m: int, us: float, floor: float) -> float:
+    """% of the streaming read (`floor` GB/s) a call of m rows at `shape` in `us` reaches, by the
+    bytes `bench gemm` counts (weight, scales, activations, output)."""
+    return 100 * (shape.weight_bytes() + shape.io_bytes(m)) / (us * 1e3) / floor
+
+
+def probe(t0: float, op: str, make, shape_specs: dict[str, list[str]], others, rows: list[int], bits_op: str,
+          versus: tuple[str, ...], spec_width: int, row_width: int, heavy_rows: tuple[int, ...],
+          skip=lambda spec, m: False, after_rows=lambda: None):
+    """The timing and bit checks of an exact op's configurations (this probe's and
+    probe_gluon_exact_fma's): per shape of `shape_specs` (name -> spec strings), weight copies
+    rotated beyond L2, the plans of `others(weights)` ({op name: a plan per copy}; "exact_mm" the
+    bits every line is compared with), then per row count in `rows` (until --budget= s after t0)
+    their us and `bits_op`'s bits, and per spec `make(weight, w_scale, spec)`'s plans: us, % of the
+    read, x against each of `versus`, bits (not timed where `skip(spec, m)`); `after_rows()` after
+    each row count; then per spec heavy-tailed codes at the row counts `heavy_rows` against
+    `reference.linear.mxfp8_mm`. Lines print `op`'s spec in `spec_width` characters and the rows in
+    `row_width`. --replays= graph replays a timing (default 20). Returns (results: (shape, rows) ->
+    {spec: us} of the specs bitwise ExactMM, base: (shape, rows) -> {op: us}, the streaming read
+    in GB/s)."""
     replays = int(arg("replays", "20"))
     budget = float(arg("budget", "480"))
-    for s in specs:
-        config_of(s)                        # a bad spec fails here, before anything runs
-    failed = precompile(specs, rows, int(arg("workers", "2" if DRY else "14")), float(arg("compile_timeout", "120")))
     if DRY:
         floor = 4400.0
     else:
@@ -231,14 +243,12 @@ def main() -> None:
     results: dict[tuple[str, int], dict[str, float]] = {}       # (shape, rows) -> {spec: us}
     base: dict[tuple[str, int], dict[str, float]] = {}          # (shape, rows) -> {op: us}
     out_of_time = False
-    for name in names:
+    for name, specs in shape_specs.items():
         shape = SHAPES[name]
         n, k = shape.n, shape.k
         copies = 2 if DRY else l2_rotation(shape.weight_bytes())
         ws = [fp8_block_quantize(torch.randn(n, k, generator=g, device=DEV) * k ** -0.5) for _ in range(copies)]
-        others = {"f64": [ExactF64MM(w, s, 64) for w, s in ws], "exact_mm": [ExactMM(w, s, 64) for w, s in ws],
-                  "exact_linear": [ExactLinear(w, s, 64) for w, s in ws],
-                  "gluon(TC)": [GluonMM(w, s, 64) for w, s in ws]}
+        plans_of = others(ws)
         print(f"{name}: N={n} K={k}, {copies} weight copies", flush=True)
         for m in rows:
             if time.time() - t0 > budget:
@@ -246,8 +256,7 @@ def main() -> None:
                 break
             codes, x_scale = mxfp8_quantize(torch.randn(m, k, generator=g, device=DEV).to(torch.bfloat16))
             out = torch.empty(m, n, dtype=torch.bfloat16, device=DEV)
-            ref = others["exact_mm"][0](codes, x_scale).view(torch.int16).clone()
-            pct = lambda us: 100 * (shape.weight_bytes() + shape.io_bytes(m)) / (us * 1e3) / floor  # noqa: E731
+            ref = plans_of["exact_mm"][0](codes, x_scale).view(torch.int16).clone()
 
             def timed(plans):
                 return _time(lambda: [p(codes, x_scale, out) for p in plans], copies, replays)
@@ -256,15 +265,15 @@ def main() -> None:
                 bad = int((plan(codes, x_scale).view(torch.int16) != ref).sum())
                 return "=" if bad == 0 else f"{bad} DIFFER"
 
-            base[(name, m)] = {op: timed(plans) for op, plans in others.items()}
-            line = "  ".join(f"{op} {us:7.2f} ({pct(us):4.1f} %)" for op, us in base[(name, m)].items())
-            print(f"{name:14s} M={m:2d}  {line}  f64 bits {differ(others['f64'][0])}", flush=True)
+            b = base[(name, m)] = {o: timed(plans) for o, plans in plans_of.items()}
+            line = "  ".join(f"{o} {us:7.2f} ({pct_of_floor(shape, m, us, floor):4.1f} %)" for o, us in b.items())
+            print(f"{name:14s} M={m:{row_width}d}  {line}  {bits_op} bits {differ(plans_of[bits_op][0])}", flush=True)
             res = results.setdefault((name, m), {})
             for spec in specs:
-                if (spec, E.block_t(m, config_of(spec))) in failed:
+                if skip(spec, m):
                     continue
                 try:
-                    plans = [GluonExactMM(w, s, 64, config=config_of(spec)) for w, s in ws]
+                    plans = [make(w, s, spec) for w, s in ws]
                     bits = differ(plans[0])
                     us = timed(plans)
                     del plans
@@ -273,49 +282,60 @@ def main() -> None:
                     continue
                 if bits == "=":
                     res[spec] = us
-                print(f"{name:14s} M={m:2d}  {spec:24s} {us:7.2f} us ({pct(us):4.1f} %)  "
-                      f"x{base[(name, m)]['f64'] / us:4.2f} f64  x{base[(name, m)]['exact_mm'] / us:4.2f} exact_mm  "
-                      f"x{base[(name, m)]['gluon(TC)'] / us:4.2f} gluon(TC)  bits {bits}", flush=True)
+                ratios = "  ".join(f"x{b[o] / us:4.2f} {o}" for o in versus)
+                print(f"{name:14s} M={m:{row_width}d}  {spec:{spec_width}s} {us:7.2f} us "
+                      f"({pct_of_floor(shape, m, us, floor):4.1f} %)  {ratios}  bits {bits}", flush=True)
+            after_rows()
         # Heavy-tailed codes (448 down to the subnormals), where an inexact block sum shows.
-        hc, hw = heavy_e4m3((16, k), g), heavy_e4m3((n, k), g)
-        sx = torch.randint(120, 134, (16, k // 32), dtype=torch.uint8, device=DEV)
+        hc, hw = heavy_e4m3((heavy_rows[-1], k), g), heavy_e4m3((n, k), g)
+        sx = torch.randint(120, 134, (heavy_rows[-1], k // 32), dtype=torch.uint8, device=DEV)
         href = mxfp8_mm(hc, sx, hw, ws[0][1]).view(torch.int16)
+        which = f" (rows {heavy_rows[0]}-{heavy_rows[-1]})" if len(heavy_rows) > 1 else ""
         for spec in specs:
             try:
-                bad = int((GluonExactMM(hw, ws[0][1], 64, config=config_of(spec))(hc, sx).view(torch.int16)
-                           != href).sum())
-                print(f"heavy {name} {spec}: {bad} outputs differ from the reference", flush=True)
+                plan = make(hw, ws[0][1], spec)
+                bad = sum(int((plan(hc[:m], sx[:m]).view(torch.int16) != href[:m]).sum()) for m in heavy_rows)
+                print(f"heavy {name} {spec}: {bad} outputs differ from the reference{which}", flush=True)
             except Exception as e:  # noqa: BLE001
                 print(f"heavy {name} {spec}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-        del ws, others
+        del ws, plans_of
         if not DRY:
             torch.cuda.empty_cache()
         if out_of_time:
             print(f"(out of time budget {budget:.0f} s: stopped timing at {name})", flush=True)
             break
-    summarize(results, base, floor)
-    print(f"total {time.time() - t0:.0f} s", flush=True)
+    return results, base, floor
 
 
-def summarize(results, base, floor) -> None:
-    print("\nbest GluonExactMM configuration per (shape, rows), bitwise ExactMM's:")
-    print(f"{'shape':14s} {'rows':>4s}  {'best':24s} {'us':>7s} {'% read':>6s} {'f64 us':>7s} {'x f64':>6s} "
-          f"{'exact_mm':>8s} {'x exact':>7s} {'linear':>7s} {'gluon(TC)':>9s} {'/ TC':>6s}")
+def summarize(results, base, floor, op: str, columns, spec_width: int, covering: int,
+              gmean_ops: tuple[str, ...] = ()) -> None:
+    """`probe`'s summary: the best configuration of `op` per (shape, rows) with its us and % of the
+    read, per entry of `columns` (op name, header, width, ratio header, ratio width) that op's us
+    and its ratio to the best, ExactLinear's us and the tensor-core plan's (and the best's ratio to
+    it); per shape the per-row table a plan would take (`op(config={rows: config})`, the largest
+    key covering `covering` rows); with `gmean_ops`, per shape the best single configuration by the
+    geometric mean over the rows every candidate ran, and those ops' means."""
+    print(f"\nbest {op} configuration per (shape, rows), bitwise ExactMM's:")
+    heads = "".join(f" {head:>{w}s} {xhead:>{xw}s}" for _, head, w, xhead, xw in columns)
+    print(f"{'shape':14s} {'rows':>4s}  {'best':{spec_width}s} {'us':>7s} {'% read':>6s}{heads} {'linear':>7s} "
+          f"{'gluon(TC)':>9s} {'/ TC':>6s}")
     table: dict[str, dict[int, str]] = {}
     for (name, m), res in results.items():
         if not res:
             continue
         best = min(res, key=res.get)
-        b, shape = base[(name, m)], SHAPES[name]
-        pct = 100 * (shape.weight_bytes() + shape.io_bytes(m)) / (res[best] * 1e3) / floor
-        print(f"{name:14s} {m:4d}  {best:24s} {res[best]:7.2f} {pct:6.1f} {b['f64']:7.2f} {b['f64'] / res[best]:6.2f} "
-              f"{b['exact_mm']:8.2f} {b['exact_mm'] / res[best]:7.2f} {b['exact_linear']:7.2f} {b['gluon(TC)']:9.2f} "
-              f"{res[best] / b['gluon(TC)']:6.2f}", flush=True)
+        b, us = base[(name, m)], res[best]
+        pct = pct_of_floor(SHAPES[name], m, us, floor)
+        cols = "".join(f" {b[o]:{w}.2f} {b[o] / us:{xw}.2f}" for o, _, w, _, xw in columns)
+        print(f"{name:14s} {m:4d}  {best:{spec_width}s} {us:7.2f} {pct:6.1f}{cols} {b['exact_linear']:7.2f} "
+              f"{b['gluon(TC)']:9.2f} {us / b['gluon(TC)']:6.2f}", flush=True)
         table.setdefault(name, {})[m] = best
-    print("\nper shape, the best configuration per row count (GluonExactMM(config={rows: config}), the largest "
-          "key covering 64):")
+    print(f"\nper shape, the best configuration per row count ({op}(config={{rows: config}}), the largest "
+          f"key covering {covering}):")
     for name, per in table.items():
         print(f"  {name} {SHAPES[name].n}x{SHAPES[name].k}: " + ", ".join(f"{m}: {spec}" for m, spec in per.items()))
+    if not gmean_ops:
+        return
     print("\nbest single configuration per shape (geometric mean over the rows every candidate ran):")
     for name in table:
         per = [res for (nm, _), res in results.items() if nm == name and res]
@@ -324,11 +344,33 @@ def summarize(results, base, floor) -> None:
             continue
         gmean = {s: math.exp(sum(math.log(res[s]) for res in per) / len(per)) for s in common}
         best = min(gmean, key=gmean.get)
-        others = {op: math.exp(sum(math.log(base[(nm, m)][op]) for (nm, m), res in results.items()
-                                   if nm == name and res) / len(per)) for op in ("f64", "exact_mm", "gluon(TC)")}
-        print(f"  {name:14s} {best:24s} gmean {gmean[best]:7.2f} us; f64 {others['f64']:7.2f}, exact_mm "
-              f"{others['exact_mm']:7.2f}, gluon(TC) {others['gluon(TC)']:7.2f}", flush=True)
+        others = {o: math.exp(sum(math.log(base[(nm, m)][o]) for (nm, m), res in results.items()
+                                  if nm == name and res) / len(per)) for o in gmean_ops}
+        print(f"  {name:14s} {best:{spec_width}s} gmean {gmean[best]:7.2f} us; "
+              + ", ".join(f"{o} {others[o]:7.2f}" for o in gmean_ops), flush=True)
 
+
+def main() -> None:
+    t0 = time.time()
+    rows = [int(r) for r in arg("rows", ",".join(map(str, ROWS))).split(",")]
+    names = arg("only", ",".join(SHAPES)).split(",")
+    specs = [s for s in arg("alt", ",".join(CANDIDATES + WARPS_K_CANDIDATES + NEW_CANDIDATES)).split(",") if s]
+    for s in specs:
+        config_of(s)                        # a bad spec fails here, before anything runs
+    failed = precompile(specs, rows, int(arg("workers", "2" if DRY else "14")), float(arg("compile_timeout", "120")))
+
+    def others(ws):
+        return {"f64": [ExactF64MM(w, s, 64) for w, s in ws], "exact_mm": [ExactMM(w, s, 64) for w, s in ws],
+                "exact_linear": [ExactLinear(w, s, 64) for w, s in ws], "gluon(TC)": [GluonMM(w, s, 64) for w, s in ws]}
+
+    results, base, floor = probe(
+        t0, "GluonExactMM", lambda w, s, spec: GluonExactMM(w, s, 64, config=config_of(spec)),
+        {name: specs for name in names}, others, rows, "f64", ("f64", "exact_mm", "gluon(TC)"), 24, 2, (16,),
+        skip=lambda spec, m: (spec, E.block_t(m, config_of(spec))) in failed)
+    summarize(results, base, floor, "GluonExactMM", (("f64", "f64 us", 7, "x f64", 6),
+                                                      ("exact_mm", "exact_mm", 8, "x exact", 7)),
+              24, 64, gmean_ops=("f64", "exact_mm", "gluon(TC)"))
+    print(f"total {time.time() - t0:.0f} s", flush=True)
 
 if __name__ == "__main__":
     main()
