@@ -49,3 +49,29 @@ def _triton_language_as_imported():
         for name, value in names.items():
             if now.get(name) is not value:
                 setattr(module, name, value)
+
+
+# A kernel's launch in the interpreter patches triton.language for the kernel's run, and then every
+# call of a @triton.jit helper from the kernel patches it again (`InterpretedFunction.__call__` runs
+# `_patch_lang`: inspect.getmembers over the language modules, ~15 % of a decode step's time in the
+# interpreter). Where the modules the helper sees are patched already (their `load` is no longer the
+# builtin) that re-patch replaces nothing - a patched builtin is no builtin any more - and sets the
+# same interpreter objects again, so the helper runs without it; elsewhere it runs as before.
+# Triton 3.6.0's interpreter (requirements-cpu.txt's pin), whose call this repeats.
+import triton  # noqa: E402
+from triton.runtime import interpreter as _interpreter  # noqa: E402
+
+
+def _helper_call(self, *args, **kwargs):
+    langs = [value for value in self.fn.__globals__.values() if value is _tl or value is _tl.core]
+    if not langs or any(_tl.core.is_builtin(lang.load) for lang in langs):
+        _interpreter._patch_lang(self.fn)
+    fn = self.rewrite()
+    try:
+        return fn(*args, **kwargs)
+    except Exception as e:
+        raise _interpreter.InterpreterError(repr(e)) from e
+
+
+if triton.__version__ == "3.6.0":
+    _interpreter.InterpretedFunction.__call__ = _helper_call
