@@ -4,8 +4,8 @@ TP2: each rank runs its 8 of 16 heads and 2 of 4 wo_a groups over every layer ki
 4-rank layout): 8 of 32 heads and 1 of 4 groups over the indexer layers (`LAYERS`). Each reduces wo_b's FP32 partials through
 `TensorParallel.reduce_partials` (the collective fallback boundary). The Full layers' dense
 indexers run row-sharded (`indexer_shard_rows` forced to 1): each rank scores its `row_share` of
-3 rows at TP2, 5 at TP4 (shares 2 + 1 and 2 + 2 + 1 + 0) and the ranks gather the top-k and the
-candidate pool, which the Reindex layer then reads. Against the one-rank step on the same inputs
+3 rows (shares 2 + 1 at TP2: a full share and a short one; 1 + 1 + 1 + 0 at TP4: an empty one) and
+the ranks gather the top-k and the candidate pool, which the Reindex layer then reads. Against the one-rank step on the same inputs
 (run on rank 0): every rank holds the same bits (streams, carried pre, selections, sparse-index
 tables, candidate pools, caches), and they equal TP1's. The replicated indexer under TP (below the
 threshold) is the one-rank code (`AttentionStep._select`), which the one-rank step tests cover.
@@ -28,12 +28,14 @@ from helpers import reduced_config, rel, run_ranks, streams
 
 pytestmark = pytest.mark.slow        # among the longest files on the CPU: it runs first (conftest.py)
 
-# per world, the row-sharded step's rows (not a multiple of tp), its own bucket
-STEPS = {2: [("a", 1), ("b", 2)], 4: [("a", 2), ("b", 3)]}
-# per world, the layers built: TP2 all six of `reduced_config`; TP4 (four processes on CI's two
-# cores) the indexer layers only - Full r2, the candidate source and the Reindex consumer - the
-# SWA and Reuse layers' TP path being TP2's
-LAYERS = {2: None, 4: (1, 3, 4)}
+# per world, the row-sharded step's rows (not a multiple of tp), its own bucket; at TP4 3 rows rather
+# than 5 (2 + 2 + 1 + 0): the share kinds are the same, and the interpreter's linears take their rows
+# 4 at a time (a fifth row costs each of the five processes a second pass, ~10 s on CI's two cores)
+STEPS = {2: [("a", 1), ("b", 2)], 4: [("a", 1), ("b", 2)]}
+# per world, the layers built: TP2 one of each kind, the first five of `reduced_config` (its layer 5
+# is a second Reuse); TP4 (four processes on CI's two cores) the indexer layers only - Full r2, the
+# candidate source and the Reindex consumer - the SWA and Reuse layers' TP path being TP2's
+LAYERS = {2: (0, 1, 2, 3, 4), 4: (1, 3, 4)}
 STATE = ("window", "compressed", "index_keys", "comp_kv", "comp_score")
 
 
