@@ -2,8 +2,30 @@
 
 import os
 
-import pytest
-import torch
+
+def _cpu_has_avx512() -> bool:
+    """Whether this (Linux) CPU has the AVX-512 subsets OpenBLAS's SkylakeX kernels use."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
+    except OSError:
+        return False
+    return {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags
+
+
+# Triton's interpreter computes tl.dot with numpy's matmul (OpenBLAS), and the interpreter tests of
+# batch invariance (a row alone gives the bits of the same row among others: test_batch_invariance,
+# test_step's teacher forcing, test_prefill's chunk invariance) need its sums to come out the same
+# in both calls. OpenBLAS picks its kernels by CPU or by OPENBLAS_CORETYPE: with its AVX-512
+# "SkylakeX" kernels they do, with the AVX2 "Haswell" ones (which some machines' environments
+# force: OPENBLAS_CORETYPE=Haswell) four of those tests fail. So the tests run the SkylakeX kernels
+# wherever the CPU has AVX-512, whatever the environment says; set before numpy loads OpenBLAS
+# (torch imports numpy).
+if _cpu_has_avx512():
+    os.environ["OPENBLAS_CORETYPE"] = "SkylakeX"
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Without a GPU, Triton kernels run in Triton's interpreter; the variable must be set before any
 # kernel module is imported.
