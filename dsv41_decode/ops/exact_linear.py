@@ -31,9 +31,9 @@ _fma_cfg = GluonExactFMAConfig.from_spec
 # Per (N, K) of the step's FP8 linears at TP1 (V4.1-Flash): the most rows at which ExactMM is still
 # faster, and GluonExactMM's configuration per row count above it (`{most rows: GluonExactConfig}`,
 # in the probe's spec form). Measured on an H200 (scripts/probe_gluon_exact_mm.py; us per call,
-# weights beyond L2; docs/results/gpu-tests-h200.txt): runs B1 and C2 of the eighth session (the
-# 32- and 64-row entries), run G of the ninth (1-16 rows: the packed conversions and 256-deep slots,
-# `--rows=2,4,8,16`, and for wq_b 32 and 64): the fastest configuration per row count, and the
+# weights beyond L2; docs/results/gpu-tests-h200.txt): runs B1 and C2 of that file as of 8415a49
+# (the 32- and 64-row entries), its run G (commit 8415a49; 1-16 rows: the packed conversions and
+# 256-deep slots, `--rows=2,4,8,16`, and for wq_b 32 and 64): the fastest configuration per row count, and the
 # threshold where ExactMM's time, linear in the rows between the measured counts, crosses
 # GluonExactMM's. Shapes without an entry (the TP shards) run GluonExactMM in its default
 # configuration above 4 rows. Every configuration gives the same bits.
@@ -55,8 +55,8 @@ _GLUON_PLAN: dict[tuple[int, int], tuple[int, dict[int, GluonExactConfig]]] = {
 }
 # Per (N, K): the row counts GluonExactFMA (FP64 CUDA cores) runs, ahead of both ops above, first
 # to last, and its configuration (rows_per_thread:warps_k:lanes_k:stages[:maxnreg[:split]]).
-# Measured on an H200 (scripts/probe_gluon_exact_fma.py, docs/results/gpu-tests-h200.txt ninth
-# session runs F, H and K): wq_b 14.9 / 18.4 us at 1 / 2 rows against ExactMM's 16.1 and
+# Measured on an H200 (scripts/probe_gluon_exact_fma.py, docs/results/gpu-tests-h200.txt runs F
+# and H at commit 8415a49, K at c2f8a73): wq_b 14.9 / 18.4 us at 1 / 2 rows against ExactMM's 16.1 and
 # GluonExactMM's 22.2; wo_b at 2 rows with the K split over 6 programs 25.6 against ExactMM's 30.3
 # and GluonExactMM's 29.9 (at 1 row 19.9 against ExactMM's 17.0); at the fused wq_a|wkv and the
 # indexer's wq_b ExactMM or GluonExactMM is as fast or faster at every row count (fused 9.6 / 11.1
