@@ -9,6 +9,14 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
     deeper          capture stream and the critical lanes at -2
     index_first     the compressor's and index query's lanes at -2, above the main stream's -1
     mix_critical    the mixer's lane at the critical priority too
+    comp_slack      the compressor's lane at the least priority, with the mixer's (in the layers
+                    that own a compressor its projection's grid, 256 programs of the ratio-2 FP32
+                    weights, is resident before the norm pair and the head weights' projection and
+                    holds them back; its chain has slack there: its latent and index key are done
+                    before the index query)
+    comp_slack_deep the same with the capture stream and the index query's lane at -2
+    rope_apart      the query RoPE in a launch of its own after wq_b in every layer (`query_rope_`),
+                    where wq_b's op has it in its epilogue (`rope_in_wq_b`)
     mla_after_mix   the sparse MLA waits for the next site's mixer (at 1-16 rows the sparse MLA's
                     configurations need all their programs resident; the mixer, at the least
                     priority, can still hold SMs when it starts)
@@ -42,6 +50,9 @@ PRIORITIES = {
     "deeper": (-2, (-2, 0, -2)),
     "index_first": (-1, (-2, 0, -2)),
     "mix_critical": (C, (C, C, C)),
+    "comp_slack": (C, (S, S, C)),
+    "comp_slack_deep": (-2, (S, S, -2)),
+    "rope_apart": (C, (C, S, C)),
     "mla_after_mix": (C, (C, S, C)),
     "wq_b_slack": (C, (C, S, C)),
 }
@@ -106,6 +117,18 @@ def _wq_b_slack(step):
     return undo
 
 
+def _rope_apart(step):
+    """Patch the step's layers: the query RoPE after wq_b in its own launch; returns the undo."""
+    held = {i: layer.rope_in_wq_b for i, layer in step.layers.items()}
+    for layer in step.layers.values():
+        layer.rope_in_wq_b = False
+
+    def undo():
+        for i, flag in held.items():
+            step.layers[i].rope_in_wq_b = flag
+    return undo
+
+
 def main() -> None:
     names = arg("variants", ",".join(PRIORITIES)).split(",")
     unknown = [v for v in names if v not in PRIORITIES]
@@ -124,7 +147,7 @@ def main() -> None:
         cap, aux = PRIORITIES[name]
         step.lanes._aux = [torch.cuda.Stream("cuda", priority=p) for p in aux]
         step.lanes.capture = torch.cuda.Stream("cuda", priority=cap)
-        patch = {"mla_after_mix": _mla_after_mix, "wq_b_slack": _wq_b_slack}.get(name)
+        patch = {"mla_after_mix": _mla_after_mix, "wq_b_slack": _wq_b_slack, "rope_apart": _rope_apart}.get(name)
         undo = patch(step) if patch else (lambda: None)
         step.graphs = {}
         step._capture()
