@@ -1,6 +1,8 @@
 """Helpers shared by the kernel families: the SM count that plans size their grids by, whether a
-device is sm_90 (the Hopper-only tiers), the workspaces plans own or take from a shared pool, and the split-K reduction that lets one launch sum
-its programs' partials.
+device is sm_90 (the Hopper-only tiers), the workspaces plans own or take from a shared pool, the split-K reduction that lets one launch sum
+its programs' partials, and sums of register tiles in fixed orders (`column`, `in_order_sum`,
+`butterfly_sum`: the same bits whatever layout the compiler gives the tile, unlike `tl.sum`, whose
+tree follows the layout).
 """
 
 from __future__ import annotations
@@ -75,3 +77,42 @@ def splitk_reduce(y, part_ptrs, stride_ps, mask, count_ptr, pid_k, SPLIT: tl.con
         for s in tl.static_range(1, SPLIT):
             total += tl.load(part_ptrs + s * stride_ps, mask=mask, other=0.0, cache_modifier=".cg")
     return last, total
+
+
+@triton.jit
+def column(t, j: tl.constexpr, SUB: tl.constexpr):
+    """Column j of t [R, SUB] (SUB a power of two) as [R]: tl.split halves the last dimension into
+    its even and odd columns, which moves no data where a thread holds whole rows."""
+    if SUB == 1:
+        return tl.reshape(t, [t.shape[0]])
+    else:
+        even, odd = tl.split(tl.reshape(t, [t.shape[0], SUB // 2, 2]))
+        if j % 2 == 0:
+            return column(even, j // 2, SUB // 2)
+        else:
+            return column(odd, j // 2, SUB // 2)
+
+
+@triton.jit
+def in_order_sum(t):
+    """[R, S] -> [R]: ((t[:, 0] + t[:, 1]) + t[:, 2]) + ... + t[:, S - 1], S a power of two (the
+    order in which a thread adds the values it holds)."""
+    S: tl.constexpr = t.shape[1]
+    acc = column(t, 0, S)
+    for j in tl.static_range(1, S):
+        acc = acc + column(t, j, S)
+    return acc
+
+
+@triton.jit
+def butterfly_sum(t):
+    """[R, L] -> [R], L a power of two: t[:, i] + t[:, i + L/2] for i < L/2, then the same over those
+    L/2 sums, down to one (the order of a shuffle-xor reduction over L lanes, xor L/2 first). Each
+    step adds two values, which rounds alike in either order, so the bits do not depend on the
+    layout (up to the sign of a zero sum: the interpreter may start a sum from +0)."""
+    R: tl.constexpr = t.shape[0]
+    L: tl.constexpr = t.shape[1]
+    if L == 1:
+        return tl.reshape(t, [R])
+    else:
+        return butterfly_sum(tl.sum(tl.reshape(t, [R, 2, L // 2]), axis=1))

@@ -3,7 +3,8 @@ collapse, RMSNorm and MXFP8 quantization of the next input, and the mixer (pre, 
 
 - `mhc_enter_`: the first site's input (the collapse, RMSNorm and MXFP8 without a post-mix), as
   `mhc_boundary_` computes them.
-- `mhc_boundary_`: one launch, one program per row. Contract: `reference.mhc.hc_post`, then
+- `mhc_boundary_`: one launch, one program per row (or, with an `MhcBoundaryPlan`, each row over
+  chunks whose last to arrive normalizes the row). Contract: `reference.mhc.hc_post`, then
   `reference.linear.rms_norm(reference.mhc.hc_pre(x_out, pre), norm_weight, eps)`, then
   `formats.mxfp8_quantize` of that. The new streams and the collapse are bit-exact: every product
   and sum is one FP32 rounding in the reference's order (the kernel is compiled with
@@ -14,6 +15,12 @@ collapse, RMSNorm and MXFP8 quantization of the next input, and the mixer (pre, 
   up to 2 FP32 ulps on its vectorized path, seen on an AVX-512 CPU), so `u` may differ from the reference by
   one BF16 ulp where the FP32 value lies next to a rounding midpoint. The codes and scales are
   bit-exact with `formats.mxfp8_quantize` of the `u` the kernel wrote.
+- `tile_boundary`: the same boundary in the epilogue of a linear that computes the site output
+  (`exact_mm.ExactMM(..., boundary=BoundaryOperands(...))`): each output tile is post-mixed and
+  collapsed where it is computed, and the last tile of a chunk, then the last chunk of a row,
+  finish as the split kernel's chunks do; the bits of `mhc_boundary_` with the same plan. Every
+  sum of squares over a chunk is added in one fixed order (`chunk_sumsq`), whatever the calling
+  kernel's register layout.
 The site's mixer (pre, post, comb) is `ops.hc_mix`.
 
 The op takes hc = 4 streams (the model's hc_mult; config.py rejects others).
@@ -30,6 +37,7 @@ import triton.language as tl
 from . import pdl
 from .checks import require_tensor
 from .act_quant import mxfp8_blocks
+from .common import butterfly_sum, in_order_sum
 from .rms_norm import inv_rms
 from .rounding import bf16_rne_bits, bf16_widen
 
@@ -186,26 +194,50 @@ def _mhc_boundary_split_kernel(
 
 
 @triton.jit
-def split_finish(b0, b1, b2, b3, c, n, ch, d, mask, w_ptr, xo_ptr, u_ptr, codes_ptr, scales_ptr, ws_ptr, cnt_ptr,
-                 eps, stride_xon, stride_xoh, stride_u, stride_codes, stride_scales, stride_ws,
-                 D: tl.constexpr, NCH: tl.constexpr, NCH_P2: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Store one chunk's new streams, park its collapse in u and its sum of squares in the workspace;
-    the row's last chunk to arrive normalizes and quantizes the whole row (see the split kernel)."""
+def chunk_sumsq(c):
+    """sum(c * c) of a chunk c [BLOCK_D] FP32 (BLOCK_D a power of two, 32 .. 1024) in one fixed order:
+    the one `tl.sum(c * c)` takes on sm_90 in a 4-warp program whose threads hold BLOCK_D / 128
+    consecutive values each (the layout of `mhc_boundary_`'s chunk programs): each thread's values
+    in order, then each warp's 32 lanes as a shuffle-xor butterfly, then the 4 warps' sums likewise
+    (below 128 values one value a thread, BLOCK_D / 32 warps). Any kernel that calls it gets these
+    bits, whatever layout it gives c."""
+    B: tl.constexpr = c.shape[0]
+    SPT: tl.constexpr = B // 128 if B >= 128 else 1
+    WARPS: tl.constexpr = 4 if B >= 128 else B // 32
+    per_thread = in_order_sum(tl.reshape(c * c, [WARPS * 32, SPT]))
+    per_warp = butterfly_sum(tl.reshape(per_thread, [WARPS, 32]))
+    return tl.sum(butterfly_sum(tl.reshape(per_warp, [1, WARPS])), axis=0)     # one value: exact
+
+
+@triton.jit
+def park_chunk(b0, b1, b2, b3, c, n, d, mask, xo_ptr, u_ptr, stride_xon, stride_xoh, stride_u):
+    """Store row n's new streams (int16 BF16 bits) at the columns d and park their collapse c (FP32
+    holding BF16 values) in u, for the row's last chunk to normalize (`finish_chunk`)."""
     xo_row = xo_ptr + n * stride_xon
     tl.store(xo_row + d, b0, mask=mask)
     tl.store(xo_row + stride_xoh + d, b1, mask=mask)
     tl.store(xo_row + 2 * stride_xoh + d, b2, mask=mask)
     tl.store(xo_row + 3 * stride_xoh + d, b3, mask=mask)
+    tl.store(u_ptr + n * stride_u + d, bf16_rne_bits(c), mask=mask)          # exact: c holds a BF16 value
+
+
+@triton.jit
+def finish_chunk(ss, n, ch, w_ptr, u_ptr, codes_ptr, scales_ptr, ws_ptr, cnt_ptr, eps, stride_u, stride_codes,
+                 stride_scales, stride_ws, D: tl.constexpr, NCH: tl.constexpr, NCH_P2: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """Record chunk ch's sum of squares ss of row n in the workspace (its collapse parked in u
+    already, by every thread of the program); the row's last chunk to arrive (the row's counter,
+    reset by it) adds the NCH sums in a butterfly over NCH_P2 lanes (the order of `tl.sum` over
+    them on sm_90, up to 32) and normalizes and quantizes the whole row, BLOCK_N columns a slice."""
     u_row = u_ptr + n * stride_u
-    tl.store(u_row + d, bf16_rne_bits(c), mask=mask)          # exact: c holds a BF16 value
-    tl.store(ws_ptr + n * stride_ws + ch, tl.sum(c * c, axis=0))
+    tl.store(ws_ptr + n * stride_ws + ch, ss)
     tl.debug_barrier()
     arrived = tl.atomic_add(cnt_ptr + n, 1, sem="acq_rel", scope="gpu")
     if arrived == NCH - 1:
         tl.store(cnt_ptr + n, 0)
         k = tl.arange(0, NCH_P2)
         parts = tl.load(ws_ptr + n * stride_ws + k, mask=k < NCH, other=0.0, cache_modifier=".cg")
-        r = inv_rms(tl.sum(parts, axis=0), eps, D)
+        r = inv_rms(tl.sum(butterfly_sum(tl.reshape(parts, [1, NCH_P2])), axis=0), eps, D)
         # The row's serial tail, unrolled with the next slice's loads (u and the norm weight) issued
         # before this slice's stores (a runtime loop paid one dependent L2 round trip per slice; u
         # is both read and written, so the compiler cannot hoist the loads itself).
@@ -228,20 +260,68 @@ def split_finish(b0, b1, b2, b3, c, n, ch, d, mask, w_ptr, xo_ptr, u_ptr, codes_
                 ww = ww_next
 
 
+@triton.jit
+def split_finish(b0, b1, b2, b3, c, n, ch, d, mask, w_ptr, xo_ptr, u_ptr, codes_ptr, scales_ptr, ws_ptr, cnt_ptr,
+                 eps, stride_xon, stride_xoh, stride_u, stride_codes, stride_scales, stride_ws,
+                 D: tl.constexpr, NCH: tl.constexpr, NCH_P2: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Store one chunk's new streams, park its collapse in u and its sum of squares (`chunk_sumsq`)
+    in the workspace; the row's last chunk to arrive normalizes and quantizes the whole row
+    (`finish_chunk`)."""
+    park_chunk(b0, b1, b2, b3, c, n, d, mask, xo_ptr, u_ptr, stride_xon, stride_xoh, stride_u)
+    finish_chunk(chunk_sumsq(c), n, ch, w_ptr, u_ptr, codes_ptr, scales_ptr, ws_ptr, cnt_ptr, eps, stride_u,
+                 stride_codes, stride_scales, stride_ws, D, NCH, NCH_P2, BLOCK_N)
+
+
+@triton.jit
+def tile_boundary(y, n, off_n, x_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, xo_ptr, u_ptr, codes_ptr, scales_ptr,
+                  ws_ptr, cnt_ptr, ccnt_ptr, eps, stride_xn, stride_xh, stride_post, stride_cn, stride_ci,
+                  stride_pre, stride_xon, stride_xoh, stride_u, stride_codes, stride_scales, stride_ws,
+                  stride_ccnt, D: tl.constexpr, BLOCK_D: tl.constexpr, NCH: tl.constexpr, NCH_P2: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
+    """The boundary of row n in the epilogue of the linear that computes the site output: y [BT] FP32
+    (BF16 values), the row's columns off_n .. off_n + BT - 1 (a tile; BT a power of two dividing
+    BLOCK_D, off_n a multiple of BT). Post-mixes and collapses the tile (`mix_chunk`, `park_chunk`);
+    the last tile of its BLOCK_D-column chunk to arrive (a counter per row and chunk at
+    ccnt_ptr + n * stride_ccnt + chunk, reset by it) sums the chunk's squares from the parked
+    collapse (`chunk_sumsq`) and goes on as a chunk of `mhc_boundary_`'s split kernel
+    (`finish_chunk`): the bits of `mhc_boundary_` with a plan of BLOCK_D-column chunks. The other
+    arguments as the split kernel's; every thread of the program calls it (it synchronizes them)."""
+    BT: tl.constexpr = y.shape[0]
+    d = off_n + tl.arange(0, BT)
+    mask = d < D
+    b0, b1, b2, b3, c = mix_chunk(y, x_ptr + n * stride_xn, stride_xh, post_ptr + n * stride_post,
+                                  comb_ptr + n * stride_cn, stride_ci, pre_ptr + n * stride_pre, d, mask)
+    park_chunk(b0, b1, b2, b3, c, n, d, mask, xo_ptr, u_ptr, stride_xon, stride_xoh, stride_u)
+    ch = off_n // BLOCK_D
+    lo = ch * BLOCK_D
+    tiles = (tl.minimum(D - lo, BLOCK_D) + BT - 1) // BT          # the chunk's tiles (the last chunk may be short)
+    cnt = ccnt_ptr + n * stride_ccnt + ch
+    tl.debug_barrier()
+    arrived = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+    if arrived == tiles - 1:
+        tl.store(cnt, 0)
+        dc = lo + tl.arange(0, BLOCK_D)
+        cc = bf16_widen(tl.load(u_ptr + n * stride_u + dc, mask=dc < D, other=0, cache_modifier=".cg"))
+        finish_chunk(chunk_sumsq(cc), n, ch, w_ptr, u_ptr, codes_ptr, scales_ptr, ws_ptr, cnt_ptr, eps, stride_u,
+                     stride_codes, stride_scales, stride_ws, D, NCH, NCH_P2, BLOCK_N)
+
+
 @dataclass(frozen=True, eq=False)
 class MhcBoundaryPlan:
     """The split of `mhc_boundary_` over chunks of each row, and its workspace (build once).
 
     dim: the model dim; max_rows: the most rows a launch may pass; block_d: columns per program;
     ws: [max_rows, chunks] FP32 partial sums of squares; counters: [max_rows] int32, 0 between
-    launches (the last program of a row resets its counter, so graph replays need no memset).
-    Not for concurrent launches on two streams.
+    launches (the last program of a row resets its counter, so graph replays need no memset);
+    chunk_counters: [max_rows, chunks] int32, the same for the tiles of each chunk when a linear's
+    epilogue runs the boundary (`tile_boundary`). Not for concurrent launches on two streams.
     """
     dim: int
     max_rows: int
     block_d: int
     ws: torch.Tensor
     counters: torch.Tensor
+    chunk_counters: torch.Tensor
 
     @property
     def chunks(self) -> int:
@@ -257,7 +337,8 @@ class MhcBoundaryPlan:
             raise ValueError(f"dim={dim} must be a multiple of 32 and block_d={block_d} a power of two >= 32")
         chunks = triton.cdiv(dim, block_d)
         return cls(dim, max_rows, block_d, torch.zeros(max_rows, chunks, dtype=torch.float32, device=device),
-                   torch.zeros(max_rows, dtype=torch.int32, device=device))
+                   torch.zeros(max_rows, dtype=torch.int32, device=device),
+                   torch.zeros(max_rows, chunks, dtype=torch.int32, device=device))
 
 
 def _require_disjoint(out: torch.Tensor, out_name: str, inp: torch.Tensor, in_name: str) -> None:
@@ -294,6 +375,32 @@ def check_boundary_operands(n: int, dim: int, dev, x, post, comb, pre, norm_weig
     require_tensor(scales_out, "scales_out", (torch.uint8, torch.float8_e8m0fnu), (n, dim // 32), dev)
 
 
+def check_boundary_call(y, x, post, comb, pre, norm_weight, eps, x_out, u_out, codes_out, scales_out,
+                        plan: MhcBoundaryPlan | None) -> tuple[int, int]:
+    """`mhc_boundary_`'s checks of its arguments (TypeError / ValueError naming the one at fault);
+    returns (N, dim)."""
+    if not isinstance(y, torch.Tensor) or y.dim() != 2:
+        raise ValueError(f"y must be a 2-D tensor [N, dim], got {getattr(y, 'shape', type(y).__name__)}")
+    n, dim = y.shape
+    if dim % 32:
+        raise ValueError(f"y: dim={dim} must be a multiple of 32 (the MXFP8 block)")
+    dev = y.device
+    require_tensor(y, "y", (torch.bfloat16,), (n, dim), dev)
+    check_boundary_operands(n, dim, dev, x, post, comb, pre, norm_weight, x_out, u_out, codes_out, scales_out)
+    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    for out, out_name in ((x_out, "x_out"), (u_out, "u_out"), (codes_out, "codes_out"), (scales_out, "scales_out")):
+        for inp, in_name in ((x, "x"), (y, "y")):
+            _require_disjoint(out, out_name, inp, in_name)
+    if plan is not None:
+        if not isinstance(plan, MhcBoundaryPlan):
+            raise TypeError(f"plan must be an MhcBoundaryPlan, got {type(plan).__name__}")
+        if plan.dim != dim or n > plan.max_rows or plan.ws.device != dev:
+            raise ValueError(f"plan is for dim={plan.dim}, {plan.max_rows} rows on {plan.ws.device}; "
+                             f"the call has dim={dim}, {n} rows on {dev}")
+    return n, dim
+
+
 def mhc_boundary_(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor,
                   norm_weight: torch.Tensor, eps: float, x_out: torch.Tensor, u_out: torch.Tensor,
                   codes_out: torch.Tensor, scales_out: torch.Tensor, plan: MhcBoundaryPlan | None = None) -> None:
@@ -302,7 +409,8 @@ def mhc_boundary_(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: to
 
     plan: None runs one program per row; an `MhcBoundaryPlan` spreads each row over chunks of
     plan.block_d columns (the last chunk to arrive normalizes the row): the same x_out bits, u within
-    the same one-ulp contract (its sum of squares is added in chunk order).
+    the same one-ulp contract (its sum of squares added per chunk in `chunk_sumsq`'s order, then over
+    the chunks in a butterfly); `tile_boundary` in a linear's epilogue gives these bits too.
 
     y: [N, dim] bfloat16, the site's output; dim a multiple of 32.
     x: [N, 4, dim] bfloat16, the streams that entered the site.
@@ -317,29 +425,12 @@ def mhc_boundary_(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: to
     Every tensor has unit stride in its last dimension (x, x_out and comb: any other strides).
     The outputs must not overlap y or x (checked).
     """
-    if not isinstance(y, torch.Tensor) or y.dim() != 2:
-        raise ValueError(f"y must be a 2-D tensor [N, dim], got {getattr(y, 'shape', type(y).__name__)}")
-    n, dim = y.shape
-    if dim % 32:
-        raise ValueError(f"y: dim={dim} must be a multiple of 32 (the MXFP8 block)")
-    dev = y.device
-    require_tensor(y, "y", (torch.bfloat16,), (n, dim), dev)
-    check_boundary_operands(n, dim, dev, x, post, comb, pre, norm_weight, x_out, u_out, codes_out, scales_out)
-    if not isinstance(eps, (int, float)) or isinstance(eps, bool):
-        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
-    for out, out_name in ((x_out, "x_out"), (u_out, "u_out"), (codes_out, "codes_out"), (scales_out, "scales_out")):
-        for inp, in_name in ((x, "x"), (y, "y")):
-            _require_disjoint(out, out_name, inp, in_name)
+    n, dim = check_boundary_call(y, x, post, comb, pre, norm_weight, eps, x_out, u_out, codes_out, scales_out, plan)
     if n == 0:
         return
     xo, u = x_out.view(torch.int16), u_out.view(torch.int16)
     codes, scales = codes_out.view(torch.uint8), scales_out.view(torch.uint8)
     if plan is not None:
-        if not isinstance(plan, MhcBoundaryPlan):
-            raise TypeError(f"plan must be an MhcBoundaryPlan, got {type(plan).__name__}")
-        if plan.dim != dim or n > plan.max_rows or plan.ws.device != dev:
-            raise ValueError(f"plan is for dim={plan.dim}, {plan.max_rows} rows on {plan.ws.device}; "
-                             f"the call has dim={dim}, {n} rows on {dev}")
         _mhc_boundary_split_kernel[(n, plan.chunks)](
             y, x, post, comb, pre, norm_weight, xo, u, codes, scales, plan.ws, plan.counters, float(eps),
             y.stride(0), x.stride(0), x.stride(1), post.stride(0), comb.stride(0), comb.stride(1), pre.stride(0),
@@ -354,6 +445,38 @@ def mhc_boundary_(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: to
         xo.stride(0), xo.stride(1), u.stride(0), codes.stride(0), scales.stride(0),
         D=dim, BLOCK_D=_boundary_block_d(dim), num_warps=4, enable_fp_fusion=False,
     )
+
+
+@dataclass(frozen=True, eq=False)
+class BoundaryOperands:
+    """The operands of `mhc_boundary_` but the site output y, for the linear that computes y and runs
+    the boundary in its epilogue (`exact_mm.ExactMM.__call__(boundary=)`): each field as the
+    argument of that name, plan required (the epilogue takes its workspace and counters, and adds
+    the squares in its chunks' order)."""
+    x: torch.Tensor
+    post: torch.Tensor
+    comb: torch.Tensor
+    pre: torch.Tensor
+    norm_weight: torch.Tensor
+    eps: float
+    x_out: torch.Tensor
+    u_out: torch.Tensor
+    codes_out: torch.Tensor
+    scales_out: torch.Tensor
+    plan: MhcBoundaryPlan
+
+    def check(self, y: torch.Tensor) -> None:
+        """`mhc_boundary_`'s checks of a call on y with these operands (errors naming the argument),
+        and a plan present."""
+        if not isinstance(self.plan, MhcBoundaryPlan):
+            raise TypeError(f"boundary.plan must be an MhcBoundaryPlan, got {type(self.plan).__name__}")
+        check_boundary_call(y, self.x, self.post, self.comb, self.pre, self.norm_weight, self.eps, self.x_out,
+                            self.u_out, self.codes_out, self.scales_out, self.plan)
+
+    def launch(self, y: torch.Tensor) -> None:
+        """The boundary on y as its own launch: `mhc_boundary_(y, ...)` with these operands."""
+        mhc_boundary_(y, self.x, self.post, self.comb, self.pre, self.norm_weight, self.eps, self.x_out,
+                      self.u_out, self.codes_out, self.scales_out, self.plan)
 
 
 def mhc_enter_(x: torch.Tensor, pre: torch.Tensor, norm_weight: torch.Tensor, eps: float, u_out: torch.Tensor,

@@ -20,7 +20,9 @@ import triton.language as tl
 
 from dsv41_decode.formats import mxfp8_quantize
 from dsv41_decode.ops.hc_mix import HcMixPlan, hc_mix, hc_mix_
-from dsv41_decode.ops.mhc import MhcBoundaryPlan, _boundary_chunk, mhc_boundary, mhc_boundary_, mhc_enter_
+from dsv41_decode.ops.mhc import (MhcBoundaryPlan, _boundary_chunk, chunk_sumsq, mhc_boundary, mhc_boundary_,
+                                  mhc_enter_)
+from dsv41_decode.ops.common import butterfly_sum
 from dsv41_decode.ops.rounding import bf16_rne_bits
 from dsv41_decode.reference.linear import rms_norm
 from dsv41_decode.reference.mhc import hc_mixes, hc_post, hc_pre, sinkhorn
@@ -185,6 +187,74 @@ def test_gpu_split_boundary_real_dim(n):
     case = _boundary_case(n, 5120, seed=n)
     _check_boundary(*case, mhc_boundary(*_dev(*case), _EPS, plan=plan))
     _check_boundary(*case, mhc_boundary(*_dev(*case), _EPS, plan=plan))
+
+
+def _butterfly(t: torch.Tensor) -> torch.Tensor:
+    """[R, L] -> [R] FP32 in `common.butterfly_sum`'s order: t[:, i] + t[:, i + L/2] first."""
+    while t.shape[1] > 1:
+        t = t[:, :t.shape[1] // 2] + t[:, t.shape[1] // 2:]
+    return t[:, 0]
+
+
+def _chunk_sumsq_order(c: torch.Tensor) -> torch.Tensor:
+    """`mhc.chunk_sumsq` of each row of c [R, B] FP32, its order spelled out in torch FP32 (each add
+    one rounding): each thread's B / 128 consecutive squares in order, then the 32 lanes of a warp,
+    then the 4 warps, as butterflies (below 128 columns one square a thread, B / 32 warps)."""
+    r, b = c.shape
+    spt, warps = (b // 128, 4) if b >= 128 else (1, b // 32)
+    sq = (c * c).view(r, warps * 32, spt)
+    acc = sq[:, :, 0]
+    for j in range(1, spt):
+        acc = acc + sq[:, :, j]
+    return _butterfly(_butterfly(acc.reshape(r * warps, 32)).view(r, warps))
+
+
+@triton.jit
+def _sumsq_kernel(c_ptr, tree_ptr, sum_ptr, parts_ptr, BLOCK_D: tl.constexpr, PARTS: tl.constexpr):
+    # per row: chunk_sumsq of a BF16 chunk, tl.sum of its squares (the split kernel's former sum: in a
+    # 4-warp program the same layout, BLOCK_D / 128 consecutive values a thread), and the butterfly
+    # and tl.sum over the row's first PARTS squares (the chunks' sums of a row)
+    n = tl.program_id(0)
+    c = tl.load(c_ptr + n * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.float32)
+    tl.store(tree_ptr + n, chunk_sumsq(c))
+    tl.store(sum_ptr + n, tl.sum(c * c, axis=0))
+    k = tl.arange(0, PARTS)
+    p = tl.load(c_ptr + n * BLOCK_D + k).to(tl.float32)
+    tl.store(parts_ptr + 2 * n, tl.sum(butterfly_sum(tl.reshape(p * p, [1, PARTS])), axis=0))
+    tl.store(parts_ptr + 2 * n + 1, tl.sum(p * p, axis=0))
+
+
+def _sumsq_case(rows: int, block_d: int, parts: int):
+    g = torch.Generator().manual_seed(block_d + rows)
+    c = (torch.randn(rows, block_d, generator=g) * torch.exp2(torch.randint(-8, 9, (rows, block_d), generator=g))).bfloat16()
+    tree, plain = torch.empty(rows, device=_DEVICE), torch.empty(rows, device=_DEVICE)
+    pair = torch.empty(rows, 2, device=_DEVICE)
+    _sumsq_kernel[(rows,)](c.to(_DEVICE), tree, plain, pair, BLOCK_D=block_d, PARTS=parts, num_warps=4,
+                           enable_fp_fusion=False)
+    return c.float(), tree.cpu(), plain.cpu(), pair.cpu()
+
+
+@pytest.mark.parametrize("block_d", [32, 64, 512, 1024])
+def test_chunk_sumsq_order(block_d):
+    """chunk_sumsq adds in the order it documents (bitwise its torch spelling), one that differs from
+    numpy's pairwise sum (the interpreter's tl.sum) on these inputs; the butterfly of 16 values too."""
+    c, tree, plain, pair = _sumsq_case(3, block_d, 16)
+    assert torch.equal(tree, _chunk_sumsq_order(c))
+    assert torch.equal(pair[:, 0], _butterfly(c[:, :16] * c[:, :16]))
+    if block_d == 512:
+        assert not torch.equal(tree, plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_d", [512, 1024])
+def test_gpu_chunk_sumsq_is_the_4_warp_sum(block_d):
+    """On sm_90, chunk_sumsq and the butterfly over 16 values give the bits of tl.sum in a 4-warp
+    program of the split kernel's layout (what the split boundary summed before chunk_sumsq, so its
+    bits are unchanged), on 4096 rows of wide-ranging values."""
+    c, tree, plain, pair = _sumsq_case(4096, block_d, 16)
+    assert torch.equal(tree, _chunk_sumsq_order(c))
+    assert torch.equal(tree, plain), f"{int((tree != plain).sum())} of 4096 rows differ"
+    assert torch.equal(pair[:, 0], pair[:, 1])
 
 
 @triton.jit
