@@ -41,6 +41,12 @@ through in passes of ROWS (1, 2 or 4) that share each converted weight tile; wit
 a pass the program streams its weight rows once per pass (the repeats come from L2). Every
 configuration and every row count gives the same bits (`reduction_order`).
 
+The query RoPE epilogue (`rope=(cos, sin)`, the step's wq_b): the program that stores a row of a
+tile (with a K split the last arriver) rounds it to BF16 and, where the tile holds a head's
+channels 448..511, rotates their pairs (`kv_write.rope_tile` on a one-row tile; inline PTX
+mul.rn / sub.rn / add.rn on the GPU, since the kernel compiles with fp fusion on): the bits of the
+call followed by `kv_write.query_rope_`.
+
 An `ExactMM` plan binds one weight and its launch configurations once; calling it only launches.
 """
 
@@ -53,8 +59,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import interpreting, mxfp8_linear_args, mxfp8_weight_args
+from .checks import interpreting, mxfp8_linear_args, mxfp8_weight_args, rope_epilogue_args
 from .common import CPU_SMS, num_sms, plan_workspace
+from .fp4 import bf16_round
+from .kv_write import rope_tile
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
 
 MAX_ROWS = 64
@@ -214,37 +222,58 @@ def _sum_terms(ws_row, KB, BLOCK_N: tl.constexpr, SUB: tl.constexpr):
 
 
 @triton.jit
-def _store_row(y_ptr, acc, rn, row, M, N, stride_ym, OUT_F32: tl.constexpr):
+def _store_row(y_ptr, acc, off_n, rn, row, M, N, stride_ym, OUT_F32: tl.constexpr, cos_ptr, sin_ptr, stride_cm,
+               stride_sm, ROPE: tl.constexpr, ASM: tl.constexpr):
+    """y[row, rn] = bf16(acc) (y_ptr at int16: the BF16 bits), or acc itself with OUT_F32, where
+    row < M and rn < N; rn: the tile's BLOCK_N columns from off_n (even). ROPE: the query RoPE on
+    the rounded row first where the tile holds a head's channels 448..511 (`kv_write.rope_tile` on
+    a one-row tile, cos/sin row `row`; explicitly rounded operations with ASM): the bits of
+    `kv_write.query_rope_` on the stored row."""
     mask = (rn < N) & (row < M)
     if OUT_F32:
         tl.store(y_ptr + row * stride_ym + rn, acc, mask=mask)
+    elif ROPE:
+        BLOCK_N: tl.constexpr = acc.shape[0]
+        yb = bf16_round(acc)
+        if off_n % 512 + BLOCK_N > 448:
+            yb = tl.reshape(rope_tile(tl.reshape(yb, [BLOCK_N, 1]), off_n, row + tl.arange(0, 1), M, cos_ptr, sin_ptr,
+                                      stride_cm, stride_sm, BLOCK_N, 1, ASM), [BLOCK_N])
+        tl.store(y_ptr + row * stride_ym + rn, bf16_rne_bits(yb), mask=mask)
     else:
         tl.store(y_ptr + row * stride_ym + rn, bf16_rne_bits(acc), mask=mask)
 
 
 @triton.jit
-def _store_rows(y_ptr, acc0, acc1, acc2, acc3, rn, m0, M, N, stride_ym, ROWS: tl.constexpr, OUT_F32: tl.constexpr):
-    _store_row(y_ptr, acc0, rn, m0, M, N, stride_ym, OUT_F32)
+def _store_rows(y_ptr, acc0, acc1, acc2, acc3, off_n, rn, m0, M, N, stride_ym, ROWS: tl.constexpr,
+                OUT_F32: tl.constexpr, cos_ptr, sin_ptr, stride_cm, stride_sm, ROPE: tl.constexpr, ASM: tl.constexpr):
+    """`_store_row` of the pass's ROWS rows m0, m0 + 1, ... (acc0 .. acc3)."""
+    _store_row(y_ptr, acc0, off_n, rn, m0, M, N, stride_ym, OUT_F32, cos_ptr, sin_ptr, stride_cm, stride_sm, ROPE, ASM)
     if ROWS >= 2:
-        _store_row(y_ptr, acc1, rn, m0 + 1, M, N, stride_ym, OUT_F32)
+        _store_row(y_ptr, acc1, off_n, rn, m0 + 1, M, N, stride_ym, OUT_F32, cos_ptr, sin_ptr, stride_cm, stride_sm,
+                   ROPE, ASM)
     if ROWS >= 4:
-        _store_row(y_ptr, acc2, rn, m0 + 2, M, N, stride_ym, OUT_F32)
-        _store_row(y_ptr, acc3, rn, m0 + 3, M, N, stride_ym, OUT_F32)
+        _store_row(y_ptr, acc2, off_n, rn, m0 + 2, M, N, stride_ym, OUT_F32, cos_ptr, sin_ptr, stride_cm, stride_sm,
+                   ROPE, ASM)
+        _store_row(y_ptr, acc3, off_n, rn, m0 + 3, M, N, stride_ym, OUT_F32, cos_ptr, sin_ptr, stride_cm, stride_sm,
+                   ROPE, ASM)
 
 
-# The row count, the scale strides and the split size take no part in vectorization: leaving them
-# unspecialized keeps one compiled kernel per configuration for every row count.
-@triton.jit(do_not_specialize=["M", "stride_sxm", "stride_swn", "steps_per_split"])
+# The row count, the scale and cos/sin strides and the split size take no part in vectorization:
+# leaving them unspecialized keeps one compiled kernel per configuration for every row count.
+@triton.jit(do_not_specialize=["M", "stride_sxm", "stride_swn", "steps_per_split", "stride_cm", "stride_sm"])
 def _exact_mm_kernel(
     x_ptr, sx_ptr, w_ptr, sw_ptr, y_ptr, ws_ptr, cnt_ptr,
     M, N, K, stride_xm, stride_sxm, stride_wn, stride_swn, stride_ym, steps_per_split,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, OUT_F32: tl.constexpr,
     SPLIT: tl.constexpr = 1, STAGES: tl.constexpr = 3, CHAIN: tl.constexpr = True, ASM: tl.constexpr = True,
+    cos_ptr=None, sin_ptr=None, stride_cm=None, stride_sm=None, ROPE: tl.constexpr = False,
 ):
     # Grid: (N tiles, K splits). Program (t, s) covers W rows [t*BLOCK_N, +BLOCK_N) over the K steps
     # [s*steps_per_split, +steps_per_split) and every row of x, ROWS at a time. With one split it
     # adds its block terms in K order itself; with more (one pass: M <= ROWS) every program stores
-    # its terms and the tile's last program to arrive adds all of them in K order.
+    # its terms and the tile's last program to arrive adds all of them in K order. ROPE: the query
+    # RoPE epilogue (`_store_row`) with cos/sin [M, 32] FP32 at cos_ptr/sin_ptr (row strides
+    # stride_cm/stride_sm; all four None without it, so that they take no kernel parameter).
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
     SUB: tl.constexpr = BLOCK_K // 32
@@ -299,11 +328,13 @@ def _exact_mm_kernel(
                 if ROWS >= 4:
                     acc2 = _sum_terms(ws_tile + 2 * KB * BLOCK_N, KB, BLOCK_N, SUB)
                     acc3 = _sum_terms(ws_tile + 3 * KB * BLOCK_N, KB, BLOCK_N, SUB)
-                _store_rows(y_ptr, acc0, acc1, acc2, acc3, rn, m0, M, N, stride_ym, ROWS, OUT_F32)
+                _store_rows(y_ptr, acc0, acc1, acc2, acc3, pid * BLOCK_N, rn, m0, M, N, stride_ym, ROWS, OUT_F32,
+                            cos_ptr, sin_ptr, stride_cm, stride_sm, ROPE, ASM)
                 # Zero again for the next call (and a CUDA graph's replay).
                 tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
         else:
-            _store_rows(y_ptr, acc0, acc1, acc2, acc3, rn, m0, M, N, stride_ym, ROWS, OUT_F32)
+            _store_rows(y_ptr, acc0, acc1, acc2, acc3, pid * BLOCK_N, rn, m0, M, N, stride_ym, ROWS, OUT_F32,
+                        cos_ptr, sin_ptr, stride_cm, stride_sm, ROPE, ASM)
 
 
 @dataclass(frozen=True)
@@ -397,6 +428,17 @@ def reduction_order(k: int) -> tuple[str, int, int]:
     return ("exact", k, 32)
 
 
+def rope_kwargs(rope, out: torch.Tensor, n: int, m: int, device: torch.device) -> dict:
+    """The launch's keyword arguments of the exact linears' query-RoPE epilogue (`ExactMM`,
+    `gluon_exact_mm.GluonExactMM`, `gluon_exact_fma.GluonExactFMA`, whose kernels take the same
+    names): {} without `rope`; else cos_ptr, sin_ptr, their row strides and ROPE=True, after
+    `checks.rope_epilogue_args`' checks of rope = (cos, sin) (errors naming the argument)."""
+    if rope is None:
+        return {}
+    cos, sin = rope_epilogue_args(rope, out, n, m, device)
+    return {"cos_ptr": cos, "sin_ptr": sin, "stride_cm": cos.stride(0), "stride_sm": sin.stride(0), "ROPE": True}
+
+
 @dataclass(frozen=True)
 class _Launch:
     config: ExactConfig          # with the launch's rows per pass and its split
@@ -477,10 +519,20 @@ class ExactMM:
         """`reduction_order(K)`: the same for every row count (batch invariance)."""
         return reduction_order(self.k)
 
-    def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None,
+                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """y = codes x weight^T with both block scales, into out: the arguments and the result of
-        `LowLatencyMM.__call__` (a float32 out receives the unrounded FP32 sums)."""
+        `LowLatencyMM.__call__` (a float32 out receives the unrounded FP32 sums).
+
+        rope: None, or (cos, sin) [M, 32] float32 of each row's position: y read as [M, N / 512,
+            512] queries (N a multiple of 512, BF16 out) gets the query RoPE of
+            `kv_write.query_rope_` (dims 448..511 of every head) in the epilogue, by the program
+            that stores each tile (with a K split the last arriver) on the BF16-rounded sums: the
+            same bits as the call without it followed by that op.
+        Returns out.
+        """
         out = mxfp8_linear_args(codes, x_scale, out, self.n, self.k, self.max_rows, self.device)
+        epilogue = rope_kwargs(rope, out, self.n, codes.shape[0], self.device)
         launch = self.launch_for(codes.shape[0])
         cfg = launch.config
         _exact_mm_kernel[launch.grid](
@@ -490,6 +542,6 @@ class ExactMM:
             self.w_scale.stride(0), out.stride(0), launch.steps_per_split,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS=cfg.rows, OUT_F32=out.dtype == torch.float32,
             SPLIT=cfg.split, STAGES=cfg.num_stages, CHAIN=self._chain, ASM=self._asm,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **epilogue,
         )
         return out

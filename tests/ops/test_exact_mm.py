@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import FLASH_LINEAR_SHAPES as FLASH_SHAPES
-from helpers import check_mxfp8_plan_errors, linear_operands, raises
+from helpers import check_mxfp8_plan_errors, linear_operands, raises, rope_operands
 
 from dsv41_decode.ops.exact_mm import ExactConfig, ExactMM, _chain_asm
+from dsv41_decode.ops.kv_write import query_rope_
 from dsv41_decode.reference.linear import mxfp8_mm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -73,6 +74,21 @@ def _bits(y: torch.Tensor) -> torch.Tensor:
 
 def _poisoned(m: int, n: int, dtype=torch.bfloat16) -> torch.Tensor:
     return torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
+
+
+def check_rope(plan, codes, x_scale, cos, sin, plain: torch.Tensor, what) -> None:
+    """`plan(codes, x_scale, out, rope=(cos, sin))` into a poisoned out gives the bits of `plain` (the
+    call without the epilogue, [M, N] BF16) followed by `kv_write.query_rope_`: the columns outside
+    each head's channels 448..511 are plain's, the rotary ones moved (the unfused path the exact
+    linears' query-RoPE epilogue replaces; test_gluon_exact_fma, _mm and test_exact_linear use it)."""
+    m, n = plain.shape
+    want = plain.clone()
+    query_rope_(want.view(m, -1, 512), cos, sin)
+    got = plan(codes, x_scale, _poisoned(m, n), rope=(cos, sin))
+    assert torch.equal(_bits(got), _bits(want)), (what, int((_bits(got) != _bits(want)).sum()))
+    tail = (torch.arange(n, device=plain.device) % 512) >= 448
+    assert torch.equal(_bits(got[:, ~tail]), _bits(plain[:, ~tail])), what
+    assert not torch.equal(_bits(got[:, tail]), _bits(plain[:, tail])), what
 
 
 # Small tiles so that the tiny shapes have several programs (a partial last one) and K steps.
@@ -188,6 +204,48 @@ def test_batch_and_configuration_invariance():
     assert plans[0].reduction_order(1) == plans[0].reduction_order(64) == plans[1].reduction_order(3)
 
 
+# The query-RoPE epilogue in the interpreter on one head (N = 512): 128-row tiles over 4 x rows a
+# pass (the tile of channels 384..511 rotates half its columns; 5 rows take two passes), and 64-row
+# tiles with the K split (two programs a tile up to 4 rows, the last arriver rotating; 5 rows one
+# split, 2 x rows a pass).
+_ROPE_CONFIGS = {"bn128-r4": ExactConfig(block_n=128, block_k=128, rows=4, num_warps=1, num_stages=2),
+                 "bn64-r2-split2": ExactConfig(block_n=64, block_k=64, rows=2, num_warps=1, num_stages=2, split=2)}
+
+
+@pytest.mark.parametrize("config", list(_ROPE_CONFIGS))
+def test_rope_epilogue_is_the_call_then_query_rope(config):
+    # rope=(cos, sin) gives the bits of the call without it followed by `query_rope_`, at 1-5 rows;
+    # a row's plain bits do not depend on the rows beside it, so one plain call of 5 rows serves.
+    m, n, k = 5, 512, 128
+    _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(12), m, n, k)
+    cos, sin = rope_operands(_gen(13), m)
+    plan = ExactMM(weight, w_scale, config=_ROPE_CONFIGS[config])
+    plain = plan(codes, x_scale)
+    for r in range(1, m + 1):
+        check_rope(plan, codes[:r], x_scale[:r], cos[:r], sin[:r], plain[:r], (config, r))
+    assert int(plan._counters.abs().sum()) == 0
+
+
+def test_rope_epilogue_bad_arguments_name_the_argument():
+    # One-line errors naming the argument (checks.rope_epilogue_args), before any launch.
+    m, n, k = 2, 512, 128
+    _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(14), m, n, k)
+    cos, sin = rope_operands(_gen(15), m)
+    plan = ExactMM(weight, w_scale, config=_ROPE_CONFIGS["bn128-r4"])
+    odd = ExactMM(*linear_operands(_gen(16), m, 384, k)[4:])
+    for call, word in ((lambda: plan(codes, x_scale, rope=cos), r"rope must be None or a \(cos, sin\) tuple"),
+                       (lambda: plan(codes, x_scale, rope=(cos[:1], sin)), "cos must have shape"),
+                       (lambda: plan(codes, x_scale, rope=(cos, sin.double())), "sin must have dtype"),
+                       (lambda: plan(codes, x_scale, rope=(cos, sin[:, :16])), "sin must have shape"),
+                       (lambda: plan(codes, x_scale, torch.empty(m, n, device=DEVICE), rope=(cos, sin)),
+                        "rope: out must be bfloat16"),
+                       (lambda: odd(codes, x_scale, rope=(cos, sin)),
+                        "rope: the weight's N = 384 is not a multiple of 512")):
+        with pytest.raises((TypeError, ValueError), match=word) as err:
+            call()
+        assert "\n" not in str(err.value), str(err.value)
+
+
 def test_launches_cover_the_row_buckets():
     weight = torch.zeros(100, 1280, dtype=torch.float8_e4m3fn, device=DEVICE)
     w_scale = torch.full((4, 40), 127, dtype=torch.uint8, device=DEVICE)
@@ -222,15 +280,18 @@ def test_bad_inputs_name_the_argument():
 
 def test_compiles_for_sm90_without_spills():
     """The plans' configurations for fused wq_a|wkv at 1 row and wo_b at 4 rows (the most
-    registers) and a K-split one (`python tests/ops/_exact_mm_sm90.py --all` for every shape,
-    shard and bucket),
+    registers), a K-split one, and wq_b's at 1 and 4 rows with the query-RoPE epilogue (sm_90: 128
+    and 255 registers, 119 and 247 without it) (`python tests/ops/_exact_mm_sm90.py --all` for
+    every shape, shard and bucket, `--rope` with the epilogue),
     compiled for sm_90 by Triton's own ptxas in a subprocess without the interpreter
     (tests/ops/_exact_mm_sm90.py): no local memory and no spill stores or loads; the K loop's
     weight loads pipelined through shared memory (cp.async); the block terms' last multiply kept
     apart from the accumulator's add (mul.rn in the PTX: an FMA there would round once instead of
     twice); at one row at most 7 FP32-pipe instructions per weight element in the main loop
     (measured 5.5-6.2 on the real shapes: 4 for the chained exact split, 1 for the weight's E4M3
-    -> FP32 conversion, the rest for the activation's, the block sums and the block terms)."""
+    -> FP32 conversion, the rest for the activation's, the block sums and the block terms); the
+    epilogue's rotation as explicitly rounded PTX (`kv_write.rope_rotate`), no FP32 op that flushes
+    subnormals."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[2]
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
@@ -239,10 +300,11 @@ def test_compiles_for_sm90_without_spills():
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     assert rows, res.stdout
-    assert len(rows) == 3, res.stdout
+    assert len(rows) == 5 and sum(r["rope"] for r in rows) == 2, res.stdout
     for r in rows:
         assert r["LOCAL"] == 0 and r["spills"] == 0, r
         assert r["LDGSTS"] > 0 and r["mul_rn"], r
+        assert r["rotation"] == r["rope"] and not r["ftz"], r
         if r["rows"] == 1:
             assert r["fp32_per_elem_row"] <= 7, r
 
@@ -270,3 +332,22 @@ def test_flash_shapes_on_gpu(name, n, k):
     codes, x_scale, weight, w_scale = _exact_operands(_gen(n), 16, n, k, "heavy")
     y = ExactMM(weight, w_scale)(codes, x_scale)
     assert torch.equal(_bits(y), _bits(mxfp8_mm(codes, x_scale, weight, w_scale))), name
+
+
+WQ_B_SHAPES = [s for s in FLASH_SHAPES if s[0].startswith("wq_b")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,n,k", WQ_B_SHAPES, ids=[s[0] for s in WQ_B_SHAPES])
+def test_rope_epilogue_on_gpu(name, n, k):
+    # At wq_b and its TP shards, the planned configurations (every row bucket) and a K split: the
+    # epilogue's inline-PTX rotation (the kernel compiles with fp fusion on) gives the bits of the
+    # call without it followed by `query_rope_`, at 1-5, 16 and 64 rows; the split's counters reset.
+    _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(n + k + 2), 64, n, k)
+    cos, sin = rope_operands(_gen(17), 64)
+    split = ExactConfig(block_n=8, block_k=256, rows=4, num_warps=2, split=3)
+    for plan in (ExactMM(weight, w_scale), ExactMM(weight, w_scale, config=split)):
+        plain = plan(codes, x_scale)
+        for m in (1, 2, 3, 4, 5, 16, 64):
+            check_rope(plan, codes[:m], x_scale[:m], cos[:m], sin[:m], plain[:m], (name, plan.launch_for(m), m))
+        assert int(plan._counters.abs().sum()) == 0
