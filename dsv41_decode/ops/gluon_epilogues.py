@@ -22,14 +22,16 @@ from .fp4 import INV_E2M1_MAX, MXFP4_FLOOR
 def rope_tile(yb, off_n, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BN: gl.constexpr, BT: gl.constexpr,
                out_l: gl.constexpr):
     """The query RoPE of spec section 5 on a BF16 output tile yb [BN, BT] (dim 0: output columns
-    off_n + n, dim 1: rows m; in `out_l`): for every column c with c % 512 >= 448 (a head's rotary
-    channels 448..511), the pair (c, c + 1) = (2i, 2i + 1) of the tail is rotated by row m's
-    cos/sin[m, i] exactly as `ops.kv_write`'s query RoPE does on the stored BF16 values: widened to
-    FP32, re = e c - o s and im = e s + o c with each product and sum rounded to nearest in FP32
-    (libdevice mul_rn / add_rn / sub_rn: never contracted into an FMA, whatever the launch's
-    fp-fusion; subnormals kept: `gluon_mm.launch_options`), then rounded to BF16 (nearest even).
-    The pairs are split in registers (out_l gives each thread 8 consecutive columns). Other
-    columns, and rows past M, pass unchanged; returns the tile in out_l."""
+    off_n + n, dim 1: rows m; in a layout that gives each thread both columns of its pairs, as
+    GluonMM's `out_l` does with 8 consecutive columns): for every column c with c % 512 >= 448 (a
+    head's rotary channels 448..511), the pair (c, c + 1) = (2i, 2i + 1) of the tail is rotated by
+    row m's cos/sin[m, i] exactly as `ops.kv_write`'s query RoPE does on the stored BF16 values:
+    widened to FP32, re = e c - o s and im = e s + o c with each product and sum rounded to nearest
+    in FP32 (libdevice mul_rn / add_rn / sub_rn: never contracted into an FMA, whatever the
+    launch's fp-fusion; subnormals kept: `gluon_mm.launch_options`), then rounded to BF16 (nearest
+    even).
+    The pairs are split in registers. Other columns, and rows past M, pass unchanged; returns the
+    tile in out_l."""
     e, o = gl.split(gl.reshape(gl.permute(yb.to(gl.float32), [1, 0]), [BT, BN // 2, 2]))
     re, im = rope_pairs(e, o, off_n, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BN, BT, 512, 448)
     y = gl.permute(gl.reshape(gl.join(re, im), [BT, BN]), [1, 0])
@@ -134,14 +136,21 @@ def mxfp4_fake_pairs(xe, xo):
 
 @gluon.jit
 def bf16_out(y, off_n, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BN: gl.constexpr, BT: gl.constexpr,
-              ROPE: gl.constexpr, out_l: gl.constexpr, INDEX_Q: gl.constexpr = False):
+              ROPE: gl.constexpr, out_l: gl.constexpr, INDEX_Q: gl.constexpr = False, PAIRS: gl.constexpr = None):
     """The tile's FP32 sums y [BN, BT] rounded to BF16 (nearest even), and with ROPE the query
     RoPE on the tiles that hold rotary channels (`rope_tile`; the others skip it), with INDEX_Q
-    the index query on every tile (`index_query_tile`)."""
+    the index query on every tile (`index_query_tile`). y in out_l, the result too. PAIRS: None
+    where out_l gives each thread both columns of its RoPE pairs (GluonMM's epilogue), else a
+    layout that does, into which a rotated tile is converted first (the exact linears', whose
+    accumulators spread a pair over two threads); the tiles without rotary channels stay in out_l."""
     yb = y.to(gl.bfloat16)
     if INDEX_Q:
         yb = index_query_tile(yb, off_n, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BN, BT, out_l)
     elif ROPE:
         if off_n % 512 + BN > 448:
-            yb = rope_tile(yb, off_n, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BN, BT, out_l)
+            if PAIRS is None:
+                yb = rope_tile(yb, off_n, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BN, BT, out_l)
+            else:
+                yb = rope_tile(gl.convert_layout(yb, PAIRS), off_n, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BN,
+                               BT, out_l)
     return yb

@@ -105,6 +105,12 @@ wq_a|wkv 64-row tiles x 14 splits (392 programs of 3 steps) ~8.0 / 9.2 / 12.9 (E
 one step) ~5.3 / 6.3 / 8.2, 64-row tiles x 2 ~5.7 / 6.4 / 7.9 (ExactMM 4.7 / 6.4 / 8.7,
 GluonExactMM 6.6: none).
 
+**The query RoPE epilogue** (`rope=(cos, sin)`, the step's wq_b: GluonExactFMA runs its 1-2 rows)
+is `gluon_exact_mm`'s: the program that stores a tile (with the K split the last arriver) rotates
+each head's channels 448..511 on the BF16-rounded tile (`gluon_exact_mm._store`), the bits of the
+call followed by `kv_write.query_rope_`; the consumer's loop and registers stay those of the
+kernel without it (sm_90 compiles).
+
 Every configuration, split and row count gives the same bits (`exact_mm.reduction_order`). A
 `GluonExactFMA` plan binds one weight (its TMA descriptor, and with a split configuration its
 workspace and counters) once, in `default_config`'s tile for its N unless given one; calling it
@@ -356,12 +362,14 @@ def _consumer(w_smem, x_smem, ready, empty, xf, terms, sw_words, sx_words, n_ste
     return (acc, )
 
 
-@gluon.jit(do_not_specialize=["M", "stride_sxm", "stride_swn", "n_steps", "steps_per_split", "n_split"])
+@gluon.jit(do_not_specialize=["M", "stride_sxm", "stride_swn", "n_steps", "steps_per_split", "n_split", "stride_cm",
+                             "stride_sm"])
 def _gluon_exact_fma_kernel(
     w_desc, x_desc, sx_ptr, sw_ptr, y_ptr,
     M, N, stride_sxm, stride_swn, stride_ym, n_steps,
     ws_ptr, cnt_ptr, steps_per_split, n_split,
     WK: gl.constexpr, LK: gl.constexpr, STAGES: gl.constexpr, OUT_F32: gl.constexpr, SPLIT: gl.constexpr = False,
+    cos_ptr=None, sin_ptr=None, stride_cm=None, stride_sm=None, ROPE: gl.constexpr = False,
 ):
     # Grid (N / BN, n_split): program (t, s) covers weight rows [t BN, +BN), all M rows of x and
     # the K steps [s steps_per_split, +steps_per_split) of the n_steps (every step without SPLIT);
@@ -373,7 +381,9 @@ def _gluon_exact_fma_kernel(
     # kernel does and leaves the sum in the slab of its last block, the other splits copy their
     # terms to their blocks' slabs, and the tile's last program to arrive continues split 0's sum
     # with the other splits' terms in K order (`gluon_exact_mm._split_k_sum`): the same FP32 adds
-    # in the same order as without the split.
+    # in the same order as without the split. ROPE: the query RoPE epilogue (`gluon_exact_mm._store`)
+    # with cos/sin [M, 32] FP32 at cos_ptr / sin_ptr (row strides stride_cm / stride_sm; all four
+    # None without it, so that they take no kernel parameter).
     BN: gl.constexpr = w_desc.block_type.shape[0]
     R: gl.constexpr = x_desc.block_type.shape[0]
     # LANES [BN, WK, LK, R]: the (weight row, K block, part of the block, x row) of each thread's
@@ -446,9 +456,10 @@ def _gluon_exact_fma_kernel(
                                    _sum_chunk(max(1, BN * R // 128)))
         if last:
             _store(y_ptr + sm[None, :] * stride_ym + pid_n * BN + sn[:, None], total,
-                   (pid_n * BN + sn[:, None] < N) & (sm[None, :] < M), OUT_F32)
+                   (pid_n * BN + sn[:, None] < N) & (sm[None, :] < M), OUT_F32, pid_n * BN, M, cos_ptr, sin_ptr,
+                   stride_cm, stride_sm, ROPE)
     else:
-        _store(y_ptrs, acc, mask, OUT_F32)
+        _store(y_ptrs, acc, mask, OUT_F32, pid_n * BN, M, cos_ptr, sin_ptr, stride_cm, stride_sm, ROPE)
 
 
 ROW_BUCKETS = (1, 2, 4)         # R: the x rows a program computes (TMA's box; rows past M are its zeros)
@@ -620,13 +631,14 @@ class GluonExactFMA(_GluonExactPlan):
         return split_bounds(config.split, self.k, BLOCK_K)[1]
 
     def _launch(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor, m: int,
-                cfg: GluonExactFMAConfig) -> None:
-        """The kernel's launch for a call of m rows in `cfg`, its arguments checked (`__call__`)."""
+                cfg: GluonExactFMAConfig, epilogue: dict) -> None:
+        """The kernel's launch for a call of m rows in `cfg`, its arguments checked (`__call__`);
+        epilogue: `exact_mm.rope_kwargs`' keyword arguments."""
         x_desc, sx_words = activation_operands(codes, x_scale, block_t(m), BLOCK_K)
         per, split = split_bounds(cfg.split, self.k, BLOCK_K)
         _gluon_exact_fma_kernel[(-(-self.n // cfg.block_n), split)](
             self._w_descs[(cfg.block_n, BLOCK_K)], x_desc, sx_words, self._sw_words, out,
             m, self.n, sx_words.stride(0), self._sw_words.stride(0), out.stride(0), self.k // BLOCK_K,
             self._workspace, self._counters, per // BLOCK_K, split,
-            OUT_F32=out.dtype == torch.float32, **launch_options(cfg, split),
+            OUT_F32=out.dtype == torch.float32, **launch_options(cfg, split), **epilogue,
         )

@@ -83,6 +83,13 @@ What the Gluon form does differently (the layout of `ops.gluon_mm`, the Gluon FP
   MMA still m16n8k16), N / 16 programs for the shapes with few 64-row tiles, without the split's
   global workspace (which still combines with it). Each x code is converted by 4 / warps_k warps
   (with warps_k=1 by every warp).
+- **The query RoPE epilogue** (`rope=(cos, sin)`, the step's wq_b): the program that stores a tile
+  (with the K split the last arriver; each row tile with its own rows of cos/sin) rotates each
+  head's channels 448..511 on the BF16-rounded tile (`gluon_epilogues.bf16_out`), the bits of the
+  call followed by `kv_write.query_rope_`. The accumulator's layouts hold a RoPE pair's two
+  columns in two threads, so a tile with rotary channels goes through a layout that keeps each
+  pair in one thread (`_pairs_layout`) and back; the others skip it. Without it (ROPE a
+  constexpr, its arguments None) the kernel is the same code.
 
 Cost (an estimate from the instruction rates; `scripts/probe_gluon_exact_mm.py` measures it): the
 FP64 MMA does max(8, rows) multiply-adds per weight byte (its N side is at least 8) at about 128
@@ -118,7 +125,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from .checks import config_for_rows, mxfp8_linear_args, mxfp8_weight_args, row_configs
 from .common import plan_workspace
-from .exact_mm import reduction_order
+from .exact_mm import reduction_order, rope_kwargs
+from .gluon_epilogues import bf16_out
 from .gluon_mm import (SHARED_LIMIT, _producer, _ring, _scale, _slot_words, _tile_scales, activation_operands, fp8_desc,
                       require_maxnreg, require_sm90_weight, split_bounds)
 from .gluon_mm import _words as _scale_words
@@ -551,11 +559,33 @@ def _tile_weight_scales(sw_ptr, off_n, N, stride_swn, BN: gl.constexpr, layout: 
     return sw_ptr + (gl.minimum(rn16, N - 1) // 32) * stride_swn
 
 
+@gluon.constexpr_function
+def _pairs_layout(BN, BT):
+    """A layout of a [BN, BT] output tile over the 4 consumer warps in which each thread holds both
+    columns of a RoPE pair (2 consecutive n of one row m; lanes along n first): what
+    `gluon_epilogues.rope_tile` splits in registers."""
+    lanes_n = min(32, BN // 2)
+    return gl.BlockedLayout(size_per_thread=[2, 1], threads_per_warp=[lanes_n, 32 // lanes_n], warps_per_cta=[4, 1],
+                            order=[0, 1])
+
+
 @gluon.jit
-def _store(y_ptrs, acc, mask, OUT_F32: gl.constexpr):
-    """y = acc (FP32) or acc rounded to BF16 (nearest even)."""
+def _store(y_ptrs, acc, mask, OUT_F32: gl.constexpr, off_n=None, M=None, cos_ptr=None, sin_ptr=None, stride_cm=None,
+           stride_sm=None, ROPE: gl.constexpr = False):
+    """y = acc (FP32) or acc rounded to BF16 (nearest even). ROPE (BF16 y): acc [BN, BT] (dim 0 the
+    output columns from off_n, dim 1 the rows, M of them real) gets the query RoPE on its rounded
+    values first where it holds a head's channels 448..511 (`gluon_epilogues.bf16_out`: the bits
+    of `kv_write.query_rope_` on the stored tile; cos/sin [M, 32] FP32 at cos_ptr / sin_ptr, row
+    strides stride_cm / stride_sm), such a tile going through `_pairs_layout` and back."""
     if OUT_F32:
         gl.store(y_ptrs, acc, mask=mask)
+    elif ROPE:
+        BN: gl.constexpr = acc.shape[0]
+        BT: gl.constexpr = acc.shape[1]
+        out_l: gl.constexpr = acc.type.layout
+        pairs: gl.constexpr = _pairs_layout(BN, BT)
+        gl.store(y_ptrs, bf16_out(acc, off_n, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BN, BT, True, out_l,
+                                  PAIRS=pairs), mask=mask)
     else:
         gl.store(y_ptrs, acc.to(gl.bfloat16), mask=mask)
 
@@ -609,12 +639,14 @@ def _sum_chunk(per_thread):
     return max(1, 64 // per_thread)
 
 
-@gluon.jit(do_not_specialize=["M", "stride_sxm", "stride_swn", "steps_per_split", "n_steps_total", "n_split"])
+@gluon.jit(do_not_specialize=["M", "stride_sxm", "stride_swn", "steps_per_split", "n_steps_total", "n_split",
+                             "stride_cm", "stride_sm"])
 def _gluon_exact_mm_kernel(
     w_desc, x_desc, sx_ptr, sw_ptr, y_ptr, ws_ptr, cnt_ptr,
     M, N, stride_sxm, stride_swn, stride_ym, steps_per_split, n_steps_total, n_split,
     BT: gl.constexpr, STAGES: gl.constexpr, CONVERT: gl.constexpr, KC: gl.constexpr, WARPS_N: gl.constexpr,
     SPLIT_K: gl.constexpr, OUT_F32: gl.constexpr, WARPS_K: gl.constexpr = 1,
+    cos_ptr=None, sin_ptr=None, stride_cm=None, stride_sm=None, ROPE: gl.constexpr = False,
 ):
     # Grid (N tiles, M tiles, n_split K splits): program (t, u, s) covers weight rows [t*BN, +BN),
     # x rows [u*BT, +BT) and the K steps (32 NB deep, the descriptors' box) [s*steps_per_split,
@@ -623,7 +655,9 @@ def _gluon_exact_mm_kernel(
     # or M read the last valid row's scales and are masked at the stores. SPLIT_K: n_split > 1 (one
     # M tile), the block terms through ws_ptr ([N tiles, K / 32, BN, M] FP32) and the last
     # arriver's K-ordered sum (module doc). WARPS_K > 1: the consumer warps split each slot's K
-    # blocks (`_consumer_k`), the block terms through shared memory.
+    # blocks (`_consumer_k`), the block terms through shared memory. ROPE: the query RoPE epilogue
+    # (`_store`) with cos/sin [M, 32] FP32 at cos_ptr / sin_ptr (row strides stride_cm / stride_sm;
+    # all four None without it, so that they take no kernel parameter).
     BN: gl.constexpr = w_desc.block_type.shape[0]
     NB: gl.constexpr = w_desc.block_type.shape[1] // 32      # K blocks a slot: 4, or 8 (block_k 256)
     if WARPS_K == 1:
@@ -643,6 +677,9 @@ def _gluon_exact_mm_kernel(
     M = M - off_m
     sx_ptr += off_m * stride_sxm
     y_ptr += off_m * stride_ym
+    if ROPE:
+        cos_ptr += off_m * stride_cm
+        sin_ptr += off_m * stride_sm
     step_lo = pid_s * steps_per_split
     n_steps = gl.minimum(steps_per_split, n_steps_total - step_lo)
     if WARPS_K == 1:
@@ -686,9 +723,9 @@ def _gluon_exact_mm_kernel(
                                    ws_mask, BN * M, n_steps_total * NB, cnt_ptr + pid_n, n_split,
                                    _sum_chunk(BN * BT // 128))
         if last:
-            _store(y_ptrs, total, mask, OUT_F32)
+            _store(y_ptrs, total, mask, OUT_F32, pid_n * BN, M, cos_ptr, sin_ptr, stride_cm, stride_sm, ROPE)
     else:
-        _store(y_ptrs, acc, mask, OUT_F32)
+        _store(y_ptrs, acc, mask, OUT_F32, pid_n * BN, M, cos_ptr, sin_ptr, stride_cm, stride_sm, ROPE)
 
 
 @dataclass(frozen=True)
@@ -883,7 +920,7 @@ class _GluonExactPlan:
     the weight bound once on sm_90 (`_bind`), the K split's workspace (`_bind_split`), the
     configuration per row count (`_configs`, from `checks.row_configs`), the reduction order, and
     the call's checks, after which the subclass launches its kernel (`_launch(codes, x_scale, out,
-    m, config)`)."""
+    m, config, epilogue)`, epilogue the query RoPE's keyword arguments: `exact_mm.rope_kwargs`)."""
 
     def _bind(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int, boxes) -> None:
         """Check the weight's device and rows (`gluon_mm.require_sm90_weight`) and bind it: w_scale
@@ -913,12 +950,16 @@ class _GluonExactPlan:
         """`exact_mm.reduction_order(K)`: the same for every row count (batch invariance)."""
         return reduction_order(self.k)
 
-    def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None,
+                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """y = codes x weight^T with both block scales, into out: the arguments and the result of
-        `LowLatencyMM.__call__` (a float32 out receives the unrounded FP32 sums). Returns out."""
+        `exact_mm.ExactMM.__call__` (a float32 out receives the unrounded FP32 sums; rope=(cos, sin):
+        the query RoPE of `kv_write.query_rope_` in the epilogue, by the program that stores each
+        tile - with a K split the last arriver - on the BF16-rounded sums, the same bits as the
+        call without it followed by that op). Returns out."""
         out = mxfp8_linear_args(codes, x_scale, out, self.n, self.k, self.max_rows, self.device)
         m = codes.shape[0]
-        self._launch(codes, x_scale, out, m, self.config_for(m))
+        self._launch(codes, x_scale, out, m, self.config_for(m), rope_kwargs(rope, out, self.n, m, self.device))
         return out
 
 
@@ -964,8 +1005,9 @@ class GluonExactMM(_GluonExactPlan):
         return split_bounds(config.split, self.k, config.block_k)[1]
 
     def _launch(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor, m: int,
-                cfg: GluonExactConfig) -> None:
-        """The kernel's launch for a call of m rows in `cfg`, its arguments checked (`__call__`)."""
+                cfg: GluonExactConfig, epilogue: dict) -> None:
+        """The kernel's launch for a call of m rows in `cfg`, its arguments checked (`__call__`);
+        epilogue: `exact_mm.rope_kwargs`' keyword arguments."""
         bt = block_t(m, cfg)
         x_desc, sx_words = activation_operands(codes, x_scale, bt, cfg.block_k)
         steps = self.k // cfg.block_k
@@ -975,5 +1017,5 @@ class GluonExactMM(_GluonExactPlan):
             self._w_descs[(cfg.block_n, cfg.block_k)], x_desc, sx_words, self._sw_words, out, self._workspace,
             self._counters,
             m, self.n, sx_words.stride(0), self._sw_words.stride(0), out.stride(0), per, steps, split,
-            OUT_F32=out.dtype == torch.float32, **launch_options(cfg, bt, split),
+            OUT_F32=out.dtype == torch.float32, **launch_options(cfg, bt, split), **epilogue,
         )

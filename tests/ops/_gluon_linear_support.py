@@ -1,10 +1,11 @@
 """Test support shared by the Gluon linears' tests (test_gluon_mm.py, test_gluon_exact_mm.py,
 test_gluon_exact_fma.py; imported as a sibling module, as the tests import test_exact_mm): their
-kernels compiled for sm_90 as the plans launch them (`compile_linear`), what every such compile
-must show (`spill_free`), the SASS loops their checks read (`loops`, `loop_with`), the operands of
-the bitwise GPU tests (`kind_operands`, `subnormal_operands`), a call's check against the reference
-into a window of a poisoned buffer (`check_window`) and the argument errors the exact plans share
-(`check_exact_plan_errors`, `check_tma_alignment_errors`)."""
+kernels compiled for sm_90 as the plans launch them (`compile_linear`; the exact ones' query-RoPE
+epilogue arguments: `rope_epilogue`), what every such compile must show (`spill_free`; with the
+exact ones' query-RoPE epilogue, `check_rope_compile`), the SASS loops their checks read (`loops`,
+`loop_with`), the operands of the bitwise GPU tests (`kind_operands`, `subnormal_operands`), a
+call's check against the reference into a window of a poisoned buffer (`check_window`) and the
+argument errors the exact plans share (`check_exact_plan_errors`, `check_tma_alignment_errors`)."""
 
 import re
 
@@ -42,6 +43,16 @@ def compile_linear(fn, opts: dict, w_box, x_box, out_f32: bool, types: dict | No
                              **launch)
 
 
+def rope_epilogue(rope: bool) -> dict:
+    """`compile_linear`'s `types` and `consts` for an exact linear kernel's query-RoPE epilogue
+    arguments as its plan passes them (`exact_mm.rope_kwargs`): with `rope`, cos/sin FP32 pointers
+    (their row strides runtime ints) and ROPE; without, all four None (constexprs: no kernel
+    parameter)."""
+    if rope:
+        return {"types": {"cos_ptr": "*fp32", "sin_ptr": "*fp32"}, "consts": {"ROPE": True}}
+    return {"consts": dict.fromkeys(("cos_ptr", "sin_ptr", "stride_cm", "stride_sm"))}
+
+
 def spill_free(kernel, max_regs: int, shared_bytes: int) -> tuple[dict, list[str], dict]:
     """Assert what every Gluon linear's sm_90 compile must show: no spills (no local memory or
     stack, no STL / LDL), at most `max_regs` registers, its shared memory within `shared_bytes`
@@ -54,6 +65,26 @@ def spill_free(kernel, max_regs: int, shared_bytes: int) -> tuple[dict, list[str
     assert res["REG"] <= max_regs, res
     assert kernel.metadata.shared <= shared_bytes <= SHARED_LIMIT, kernel.metadata.shared
     return res, ins, ops
+
+
+def check_rope_compile(kernel, plain, max_regs: int, shared_bytes: int, loop_op: str) -> int:
+    """What an exact Gluon linear's sm_90 compile with the query-RoPE epilogue (`kernel`) must show
+    against the same configuration without it (`plain`): `spill_free`'s; the rotation's products
+    and sums each rounded on its own (libdevice's sub_rn in the PTX; FMUL, no FFMA: nothing
+    contracted), FP32 subnormals kept (no .ftz), the cos/sin loads; the consumer's loop (the one
+    holding every `loop_op`) with as many `loop_op` and at most 1 % more instructions. Returns the
+    kernel's registers."""
+    res, _, ops = spill_free(kernel, max_regs, shared_bytes)
+    plain_ops = sm90.opcode_counts([t for _, t in sm90.sass(plain)])
+    ptx = kernel.asm["ptx"]
+    assert "sub.rn.f32" in ptx and "sub.rn.f32" not in plain.asm["ptx"] and re.search(r"\.ftz\.f32\b", ptx) is None
+    assert ops.get("FFMA", 0) == plain_ops.get("FFMA", 0), (ops.get("FFMA"), plain_ops.get("FFMA"))
+    assert ops.get("FMUL", 0) >= plain_ops.get("FMUL", 0) + 4 and ops.get("LDG", 0) >= plain_ops.get("LDG", 0) + 2, (
+        ops, plain_ops)
+    loop, plain_loop = loop_with(kernel, loop_op), loop_with(plain, loop_op)
+    assert sm90.opcode_counts(loop)[loop_op] == sm90.opcode_counts(plain_loop)[loop_op]
+    assert len(loop) <= 1.01 * len(plain_loop), (len(loop), len(plain_loop))
+    return res["REG"]
 
 
 _BRA = re.compile(r"\bBRA (?:`\()?0x([0-9a-f]+)")

@@ -27,13 +27,16 @@ import re
 
 import pytest
 import torch
-from _gluon_linear_support import (check_exact_plan_errors, check_tma_alignment_errors, check_window, compile_linear,
-                                   kind_operands, loop_with, loops, spill_free, subnormal_operands)
+from _gluon_linear_support import (check_exact_plan_errors, check_rope_compile, check_tma_alignment_errors,
+                                   check_window, compile_linear, kind_operands, loop_with, loops, rope_epilogue,
+                                   spill_free, subnormal_operands)
 from helpers import FLASH_LINEAR_SHAPES as FLASH_SHAPES
-from helpers import linear_operands, raises
-from test_exact_mm import _bits, _gen, _poisoned
+from helpers import linear_operands, raises, rope_operands
+from test_exact_mm import _bits, _gen, _poisoned, check_rope
 
 from dsv41_decode.ops import gluon_exact_fma as F
+from dsv41_decode.ops.exact_linear import _FMA_PLAN
+from dsv41_decode.ops.exact_mm import ExactMM
 from dsv41_decode.ops.gluon_mm import SHARED_LIMIT
 from dsv41_decode.reference.linear import mxfp8_mm
 from dsv41_decode.testing import sm90
@@ -43,9 +46,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 C = F.GluonExactFMAConfig
 
 
-def _compile(config: F.GluonExactFMAConfig, bt: int, out_f32: bool, split: int = 1):
+def _compile(config: F.GluonExactFMAConfig, bt: int, out_f32: bool, split: int = 1, rope: bool = False):
     return compile_linear(F._gluon_exact_fma_kernel, F.launch_options(config, split), [config.block_n, F.BLOCK_K],
-                          [bt, F.BLOCK_K], out_f32)
+                          [bt, F.BLOCK_K], out_f32, **rope_epilogue(rope))
 
 
 # (config, row bucket, FP32 out): the default (4 weight rows a thread, the 4 warps along K) at 1
@@ -115,6 +118,25 @@ def test_compiles_for_sm90_without_spills(config, bt, out_f32):
             kinds = [t for t in body if re.search(r"\bLDG\b|\bFADD\b", t)]
             n_loads = sum("LDG" in t for t in kinds)
             assert n_loads >= 16 and all("LDG" in t for t in kinds[:n_loads]), kinds
+
+
+# The query-RoPE epilogue (wq_b): the tile of its plan (2 weight rows a thread, 2 x 2 warps: 128
+# rows; 3 stages, as COMPILE_CASES', whose plain compile it shares) at 2 rows, and the K split's
+# last arriver (4 splits, 1 row); sm_90: 128 registers each, as without it.
+ROPE_COMPILE_CASES = [(C(rows_per_thread=2, warps_k=2, stages=3), 2), (C(split=4), 1)]
+
+
+@pytest.mark.parametrize("config,bt", ROPE_COMPILE_CASES,
+                         ids=[f"rw{c.rows_per_thread}-wk{c.warps_k}-lk{c.lanes_k}-r{bt}-split{c.split}"
+                              for c, bt in ROPE_COMPILE_CASES])
+def test_rope_epilogue_compiles_for_sm90_without_spills(config, bt):
+    # With the epilogue (the storing program rotates the BF16 tile: `gluon_exact_mm._store`): no
+    # spills, the registers and the consumer's loop of the plain kernel, the rotation's roundings
+    # each on their own, subnormals kept (`check_rope_compile`).
+    kernel = _compile(config, bt, False, config.split, rope=True)
+    regs = check_rope_compile(kernel, _compile(config, bt, False, config.split), config.maxnreg,
+                              F.shared_bytes(config, bt), "DFMA")
+    assert regs <= config.maxnreg
 
 
 def test_launch_geometry():
@@ -287,3 +309,26 @@ def test_bad_call_arguments_name_the_argument_on_gpu():
     raises("x_scale must have shape", lambda: plan(codes, x_scale[:, :2]))
     raises("out must have dtype", lambda: plan(codes, x_scale, torch.empty(m, n, dtype=torch.float16, device=DEVICE)))
     check_tma_alignment_errors(F.GluonExactFMA, plan, codes, x_scale, weight, w_scale)
+
+
+@pytest.mark.gpu
+def test_rope_epilogue_at_wq_b_on_gpu():
+    # The query-RoPE epilogue at wq_b's shape, where the step's exact path runs GluonExactFMA at 1-2
+    # rows (`exact_linear._FMA_PLAN`): the plan's configuration and the same with the K split (3
+    # programs a tile, 4 + 4 + 2 steps; the last arriver rotates) at 1-4 rows (every row bucket),
+    # on model-like and heavy-tailed codes: bitwise ExactMM's call followed by `query_rope_`.
+    n, k = 32768, 1280
+    planned = _FMA_PLAN[(n, k)][2]
+    gen = torch.Generator(device=DEVICE).manual_seed(n + k + 3)
+    _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(n + k + 3), 4, n, k)
+    heavy = (heavy_e4m3((4, k), gen), torch.randint(120, 134, (4, k // 32), dtype=torch.uint8, device=DEVICE),
+             heavy_e4m3((n, k), gen), w_scale)
+    cos, sin = rope_operands(_gen(18), 4)
+    for kind, (c, sx, w, sw) in (("quantized", (codes, x_scale, weight, w_scale)), ("heavy", heavy)):
+        plain = ExactMM(w, sw)(c, sx)
+        for cfg in (planned, dataclasses.replace(planned, split=3)):
+            plan = F.GluonExactFMA(w, sw, config=cfg)
+            assert plan.split_of(cfg) == cfg.split
+            for m in (1, 2, 3, 4):
+                check_rope(plan, c[:m], sx[:m], cos[:m], sin[:m], plain[:m], (kind, cfg, m))
+            assert int(plan._counters.abs().sum()) == 0, (kind, cfg)

@@ -25,13 +25,14 @@ import re
 
 import pytest
 import torch
-from _gluon_linear_support import (check_exact_plan_errors, check_tma_alignment_errors, check_window, compile_linear,
-                                   kind_operands, loop_with, spill_free)
+from _gluon_linear_support import (check_exact_plan_errors, check_rope_compile, check_tma_alignment_errors,
+                                   check_window, compile_linear, kind_operands, loop_with, rope_epilogue, spill_free)
 from helpers import FLASH_LINEAR_SHAPES as FLASH_SHAPES
-from helpers import check_mxfp8_plan_errors, linear_operands, raises
-from test_exact_mm import _bits, _gen, _poisoned
+from helpers import check_mxfp8_plan_errors, linear_operands, raises, rope_operands
+from test_exact_mm import _bits, _gen, _poisoned, check_rope
 
 from dsv41_decode.ops import gluon_exact_mm as E
+from dsv41_decode.ops.exact_linear import _GLUON_PLAN
 from dsv41_decode.ops.exact_mm import ExactMM
 from dsv41_decode.ops.gluon_mm import SHARED_LIMIT
 from dsv41_decode.reference.linear import mxfp8_mm
@@ -41,9 +42,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 C = E.GluonExactConfig
 
 
-def _compile(config: E.GluonExactConfig, bt: int, split: int, out_f32: bool):
+def _compile(config: E.GluonExactConfig, bt: int, split: int, out_f32: bool, rope: bool = False):
     return compile_linear(E._gluon_exact_mm_kernel, E.launch_options(config, bt, split),
-                          [config.block_n, config.block_k], [bt, config.block_k], out_f32)
+                          [config.block_n, config.block_k], [bt, config.block_k], out_f32, **rope_epilogue(rope))
 
 
 # (config, row bucket, K splits, FP32 out): each form of the kernel at least once in few compiles
@@ -144,6 +145,26 @@ def test_compiles_for_sm90_without_spills(config, bt, split, out_f32):
     # the terms' (stored before they are read; the release's serves between the reads and the
     # next slot's stores).
     assert sum(t.startswith("BAR.SYNC") for t in loop) == (2 if wk == 1 else 3), loop
+
+
+# The query-RoPE epilogue (wq_b): its plan's configurations (`exact_linear._GLUON_PLAN`: 128 x 8
+# "rawp" up to 8 rows, 128 x 16 "intp+cvt" above) in the MMA's accumulator layout, and the warps
+# along K (the K-ordered sums' layout) with the K split's last arriver; sm_90: 80, 128 and 128
+# registers, as without it.
+ROPE_COMPILE_CASES = [(C.from_spec("rawp:128:8:1:32:4:1:80"), 8, 1), (C.from_spec("intp+cvt:128:16:1:32:4:1"), 16, 1),
+                      (C(convert="int", warps_k=2, block_n=64, block_m=16), 16, 2)]
+
+
+@pytest.mark.parametrize("config,bt,split", ROPE_COMPILE_CASES,
+                         ids=[_case_id((c, bt, split, False)) for c, bt, split in ROPE_COMPILE_CASES])
+def test_rope_epilogue_compiles_for_sm90_without_spills(config, bt, split):
+    # With the epilogue (the storing program rotates the BF16 tile: `_store`): no spills, the
+    # registers and the consumer's loop of the plain kernel, the rotation's roundings each on their
+    # own, subnormals kept (`check_rope_compile`).
+    kernel = _compile(config, bt, split, False, rope=True)
+    regs = check_rope_compile(kernel, _compile(config, bt, split, False), config.maxnreg,
+                              E.shared_bytes(config, bt), "DMMA")
+    assert regs <= config.maxnreg
 
 
 def test_launch_geometry():
@@ -360,3 +381,28 @@ def test_bad_call_arguments_name_the_argument_on_gpu():
     check_mxfp8_plan_errors(E.GluonExactMM, codes, x_scale, weight, w_scale)
     plan = E.GluonExactMM(weight, w_scale, max_rows=8)
     check_tma_alignment_errors(E.GluonExactMM, plan, codes, x_scale, weight, w_scale)
+
+
+# wq_b with the K split (128 x 8 "rawp" in 2 splits up to 8 rows; 32-row tiles with the warps along K
+# in 2 splits up to 16) and the warps along K without (64 x 32: 2 row tiles at 64 rows).
+ROPE_SPLIT_CONFIG = {8: C(convert="rawp", block_n=128, block_m=8, maxnreg=80, split=2),
+                     16: C(convert="int+cvt", warps_k=4, block_n=32, block_m=16, mma_k=16, split=2),
+                     64: C(convert="int", warps_k=2, block_n=64, block_m=32)}
+
+
+@pytest.mark.gpu
+def test_rope_epilogue_at_wq_b_on_gpu():
+    # The query-RoPE epilogue at wq_b's shape, where the step's exact path runs GluonExactMM above 2
+    # rows: the plan's configurations (`exact_linear._GLUON_PLAN`; 64 rows in 4 row tiles of 16,
+    # each with its own rows of cos/sin) at every row count 1-64, and `ROPE_SPLIT_CONFIG` (the
+    # last arriver rotates) at 1, 3, 8, 9, 16, 17, 33 and 64: bitwise ExactMM's call followed by
+    # `query_rope_`.
+    n, k = 32768, 1280
+    _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(n + k + 4), 64, n, k)
+    cos, sin = rope_operands(_gen(19), 64)
+    plain = ExactMM(weight, w_scale)(codes, x_scale)
+    for cfg, rows in ((_GLUON_PLAN[(n, k)][1], range(1, 65)), (ROPE_SPLIT_CONFIG, (1, 3, 8, 9, 16, 17, 33, 64))):
+        plan = E.GluonExactMM(weight, w_scale, config=cfg)
+        for m in rows:
+            check_rope(plan, codes[:m], x_scale[:m], cos[:m], sin[:m], plain[:m], (m, plan.config_for(m)))
+        assert int(plan._counters.abs().sum()) == 0
