@@ -226,10 +226,10 @@ class AttentionStep:
         pool = scratch.workspaces
         self.mm_qkv = fp8_linear_plan(self.w_qkv, self.s_qkv, max_rows, exact_linears, pool)
         self.mm_wq_b = _fp8_plan(w, "wq_b", max_rows, exact_linears, pool)
-        # the query RoPE runs in wq_b's epilogue where its plan has one (the Gluon and Triton
-        # tiers), else as its own launch after it (the exact linears); the window insert runs in
-        # the q/kv norm pair's launch
-        self.rope_in_wq_b = isinstance(self.mm_wq_b, (GluonMM, LowLatencyMM))
+        # the query RoPE runs in wq_b's epilogue where its plan has one (the exact linears, the
+        # Gluon and Triton tiers), else as its own launch after it; the window insert runs in the
+        # q/kv norm pair's launch
+        self.rope_in_wq_b = isinstance(self.mm_wq_b, (ExactLinear, GluonMM, LowLatencyMM))
         self.mm_wo_b = _fp8_plan(w, "wo_b", max_rows, exact_linears, pool)
         if "attn.wo_a.scale" in w:
             self.wo_a_w, self.wo_a_s = w["attn.wo_a.weight"], w["attn.wo_a.scale"]

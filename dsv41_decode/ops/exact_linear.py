@@ -10,7 +10,9 @@ ExactMM's time grows with the rows (about 4 FP32 instructions per product), Gluo
 near its FP64 MMA's (at least 8 x rows per MMA) up to 8 rows, GluonExactFMA's (one DFMA per code
 and row) grows with the rows from a lower start on the widest shape: GluonExactFMA runs 1-2 rows
 of `wq_b` and 2 of `wo_b` (`_FMA_PLAN`, with a K split there); ExactMM 1-2 rows of the fused
-wq_a|wkv and the indexer's wq_b and 1 of wo_b; GluonExactMM above (`_GLUON_PLAN`; all measured)."""
+wq_a|wkv and the indexer's wq_b and 1 of wo_b; GluonExactMM above (`_GLUON_PLAN`; all measured).
+Each op takes the query RoPE epilogue (`rope=(cos, sin)`, the step's wq_b) with the same bits, so
+the step rotates its queries in wq_b's launch whichever op runs it."""
 
 from __future__ import annotations
 
@@ -118,8 +120,11 @@ class ExactLinear:
             return self.fma
         return self.mma if self.mma is not None and rows > self.mma_above else self.cuda_cores
 
-    def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """`ExactMM.__call__`'s arguments and result."""
+    def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None,
+                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """`ExactMM.__call__`'s arguments and result; rope=(cos, sin): the query RoPE of
+        `kv_write.query_rope_` in the epilogue of whichever op runs (each op's own: the same bits as
+        the call without it followed by that op)."""
         if not isinstance(codes, torch.Tensor) or codes.dim() != 2:
-            return self.cuda_cores(codes, x_scale, out)     # its error names the argument
-        return self.op_for(codes.shape[0])(codes, x_scale, out)
+            return self.cuda_cores(codes, x_scale, out, rope)     # its error names the argument
+        return self.op_for(codes.shape[0])(codes, x_scale, out, rope)

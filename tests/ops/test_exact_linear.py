@@ -8,10 +8,11 @@ the reference, or between a row alone and among others, is a bug.
 
 import pytest
 import torch
-from helpers import FLASH_LINEAR_SHAPES, check_mxfp8_plan_errors, linear_operands, raises
-from test_exact_mm import _bits, _exact_operands, _gen
+from helpers import FLASH_LINEAR_SHAPES, check_mxfp8_plan_errors, linear_operands, raises, rope_operands
+from test_exact_mm import _bits, _exact_operands, _gen, check_rope
 
 from dsv41_decode.ops.exact_linear import _FMA_PLAN, _GLUON_PLAN, ExactLinear
+from dsv41_decode.ops.exact_mm import ExactConfig
 from dsv41_decode.ops.gluon_exact_fma import GluonExactFMAConfig
 from dsv41_decode.ops.gluon_exact_mm import GluonExactConfig
 from dsv41_decode.reference.linear import mxfp8_mm
@@ -57,6 +58,17 @@ def test_bad_inputs_name_the_argument():
     raises("codes must be a 2-D", lambda: ExactLinear(weight, w_scale, 8)("x", x_scale))
 
 
+def test_rope_reaches_the_op():
+    # rope=(cos, sin) goes to the op that runs (here ExactMM, one program): the call without it
+    # followed by `query_rope_`; its argument errors name the argument.
+    m, n, k = 3, 512, 128
+    _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(9), m, n, k)
+    cos, sin = rope_operands(_gen(10), m)
+    plan = ExactLinear(weight, w_scale, max_rows=4, exact_config=ExactConfig(block_n=512, block_k=128))
+    check_rope(plan, codes, x_scale, cos, sin, plan(codes, x_scale), "ExactLinear")
+    raises("cos must have shape", lambda: plan(codes, x_scale, rope=(cos[:1], sin)))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,n,k", STEP_SHAPES, ids=[s[0] for s in STEP_SHAPES])
 def test_step_shapes_on_gpu(name, n, k):
@@ -87,3 +99,23 @@ def test_step_shapes_on_gpu(name, n, k):
         for m in sorted({1, 2, 3, above, above + 1, 8, 16, 33}):
             alone = linear(codes[:m], x_scale[:m])
             assert torch.equal(_bits(alone), _bits(together[:m])), (name, kind, m)
+
+
+WQ_B_SHAPES = [s for s in FLASH_LINEAR_SHAPES if s[0].startswith("wq_b")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,n,k", WQ_B_SHAPES, ids=[s[0] for s in WQ_B_SHAPES])
+def test_rope_epilogue_on_gpu(name, n, k):
+    # The step's wq_b call (`decode.attention`: rope=(cos, sin) on every path) at wq_b and its TP
+    # shards, every row count 1-64, whichever op the plan runs (on sm_90 at wq_b: GluonExactFMA at
+    # 1-2 rows, GluonExactMM above; at the shards ExactMM up to 4 rows): bitwise the call without it
+    # followed by `query_rope_`. One plain call of 64 rows serves (batch invariance:
+    # test_step_shapes_on_gpu).
+    _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(n + k + 5), 64, n, k)
+    cos, sin = rope_operands(_gen(20), 64)
+    linear = ExactLinear(weight, w_scale)
+    plain = linear(codes, x_scale)
+    for m in range(1, 65):
+        check_rope(linear, codes[:m], x_scale[:m], cos[:m], sin[:m], plain[:m],
+                   (name, m, type(linear.op_for(m)).__name__))
