@@ -161,6 +161,27 @@ def rope_operands(gen: torch.Generator, m: int, device: str | None = None) -> tu
     return cos.to(device), sin.to(device)
 
 
+def boundary_operands(gen: torch.Generator, m: int, dim: int, block_d: int = 512, device: str | None = None):
+    """`ops.mhc.BoundaryOperands` of m rows of width dim on `device` (default: CUDA when there is one):
+    streams ~ N(0, 1) BF16, post and pre as the mixer's sigmoids, comb from the reference Sinkhorn,
+    a BF16 norm weight near 1, eps 1e-20, poisoned outputs (NaN streams and u, codes 0x7F, scales
+    0xFF) and a fresh `MhcBoundaryPlan` of block_d-column chunks for up to max(m, 4) rows."""
+    from dsv41_decode.ops.mhc import BoundaryOperands, MhcBoundaryPlan
+    from dsv41_decode.reference.mhc import sinkhorn
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    x = torch.randn(m, 4, dim, generator=gen).bfloat16()
+    post = 2 * torch.sigmoid(torch.randn(m, 4, generator=gen))
+    comb = sinkhorn(2 * torch.randn(m, 4, 4, generator=gen), 20, 1e-6)
+    pre = torch.sigmoid(torch.randn(m, 4, generator=gen)) + 1e-6
+    w = (1 + 0.2 * torch.randn(dim, generator=gen)).bfloat16()
+    nan = float("nan")
+    outs = (torch.full((m, 4, dim), nan, dtype=torch.bfloat16), torch.full((m, dim), nan, dtype=torch.bfloat16),
+            torch.full((m, dim), 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn),
+            torch.full((m, dim // 32), 0xFF, dtype=torch.uint8))
+    x, post, comb, pre, w, *outs = (t.to(device) for t in (x, post, comb, pre, w, *outs))
+    return BoundaryOperands(x, post, comb, pre, w, 1e-20, *outs, MhcBoundaryPlan.build(dim, max(m, 4), device, block_d))
+
+
 def raises(match: str, fn) -> None:
     """fn() raises a TypeError or ValueError whose message matches `match`."""
     import pytest

@@ -1,8 +1,8 @@
 """Helpers shared by the kernel families: the SM count that plans size their grids by, whether a
-device is sm_90 (the Hopper-only tiers), the workspaces plans own or take from a shared pool, the split-K reduction that lets one launch sum
-its programs' partials, and sums of register tiles in fixed orders (`column`, `in_order_sum`,
-`butterfly_sum`: the same bits whatever layout the compiler gives the tile, unlike `tl.sum`, whose
-tree follows the layout).
+device is sm_90 (the Hopper-only tiers), the workspaces plans own or take from a shared pool, the
+split-K reduction that lets one launch sum its programs' partials, and sums of register tiles in
+fixed orders (`column`, `in_order_sum`, `butterfly_sum`: the same bits whatever layout the
+compiler gives the tile, unlike `tl.sum`, whose tree follows the layout).
 """
 
 from __future__ import annotations

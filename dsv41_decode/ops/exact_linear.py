@@ -22,6 +22,7 @@ from .common import is_sm90
 from .exact_mm import ExactMM, reduction_order
 from .gluon_exact_fma import MAX_ROWS as FMA_MAX_ROWS, GluonExactFMA, GluonExactFMAConfig
 from .gluon_exact_mm import GluonExactConfig, GluonExactMM
+from .mhc import BoundaryOperands
 
 MAX_ROWS = 64
 
@@ -120,11 +121,24 @@ class ExactLinear:
             return self.fma
         return self.mma if self.mma is not None and rows > self.mma_above else self.cuda_cores
 
+    def takes_boundary(self, rows: int) -> bool:
+        """Whether a call of `rows` rows can take `boundary=`: its op is `ExactMM` (the others have
+        no mHC boundary epilogue)."""
+        return self.op_for(rows) is self.cuda_cores
+
     def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None,
-                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 boundary: BoundaryOperands | None = None) -> torch.Tensor:
         """`ExactMM.__call__`'s arguments and result; rope=(cos, sin): the query RoPE of
         `kv_write.query_rope_` in the epilogue of whichever op runs (each op's own: the same bits as
-        the call without it followed by that op)."""
+        the call without it followed by that op); boundary: `ExactMM`'s mHC boundary epilogue, for
+        a call whose op is ExactMM (`takes_boundary`; ValueError naming `boundary` otherwise)."""
         if not isinstance(codes, torch.Tensor) or codes.dim() != 2:
-            return self.cuda_cores(codes, x_scale, out, rope)     # its error names the argument
-        return self.op_for(codes.shape[0])(codes, x_scale, out, rope)
+            return self.cuda_cores(codes, x_scale, out, rope, boundary)     # its error names the argument
+        op = self.op_for(codes.shape[0])
+        if boundary is None:
+            return op(codes, x_scale, out, rope)
+        if op is not self.cuda_cores:
+            raise ValueError(f"boundary: a call of {codes.shape[0]} rows runs {type(op).__name__}, which has no "
+                             f"mHC boundary epilogue (ExactLinear.takes_boundary)")
+        return op(codes, x_scale, out, rope, boundary)

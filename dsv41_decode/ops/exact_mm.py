@@ -47,6 +47,15 @@ channels 448..511, rotates their pairs (`kv_write.rope_tile` on a one-row tile; 
 mul.rn / sub.rn / add.rn on the GPU, since the kernel compiles with fp fusion on): the bits of the
 call followed by `kv_write.query_rope_`.
 
+The mHC boundary epilogue (`boundary=mhc.BoundaryOperands(...)`, the step's wo_b at TP1 where
+ExactMM runs it): after storing a row of a tile, the same program post-mixes the rounded row into
+the new streams and parks its collapse (`mhc.tile_boundary`); the last tile of each chunk of the
+boundary's plan to arrive sums the chunk's squares, the last chunk of the row normalizes and
+quantizes the row (per-row and per-chunk counters, reset by their last arrivers): the bits of the
+call followed by `mhc.mhc_boundary_` with that plan. Such a launch compiles without fp fusion (the
+boundary rounds each product and sum; the K loop is inline PTX either way) and, for the configurations
+in `_BOUNDARY_MAXNREG`, under the plain kernel's register count.
+
 An `ExactMM` plan binds one weight and its launch configurations once; calling it only launches.
 """
 
@@ -60,9 +69,10 @@ import triton
 import triton.language as tl
 
 from .checks import interpreting, mxfp8_linear_args, mxfp8_weight_args, rope_epilogue_args
-from .common import CPU_SMS, num_sms, plan_workspace
+from .common import CPU_SMS, column, num_sms, plan_workspace
 from .fp4 import bf16_round
 from .kv_write import rope_tile
+from .mhc import BoundaryOperands, tile_boundary
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
 
 MAX_ROWS = 64
@@ -158,20 +168,6 @@ def _block_sums(w, x, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHAIN: tl.co
 
 
 @triton.jit
-def _col(t, j: tl.constexpr, SUB: tl.constexpr):
-    """Column j of t [BLOCK_N, SUB] (SUB a power of two) as [BLOCK_N]: tl.split halves the last
-    dimension into its even and odd columns."""
-    if SUB == 1:
-        return tl.reshape(t, [t.shape[0]])
-    else:
-        even, odd = tl.split(tl.reshape(t, [t.shape[0], SUB // 2, 2]))
-        if j % 2 == 0:
-            return _col(even, j // 2, SUB // 2)
-        else:
-            return _col(odd, j // 2, SUB // 2)
-
-
-@triton.jit
 def _mul_rn(a, b, ASM: tl.constexpr):
     """a * b rounded to FP32, never fused into a following add (inline PTX `mul.rn`, which ptxas
     does not contract; the interpreter never contracts)."""
@@ -204,7 +200,7 @@ def _row_step(acc, w, x_row, sx_row, sw, k0, ws_row, BLOCK_N: tl.constexpr, BLOC
         tl.store(ws_row + (k0 // 32 + tl.arange(0, SUB))[None, :] * BLOCK_N + tl.arange(0, BLOCK_N)[:, None], term)
     else:
         for j in tl.static_range(SUB):
-            acc += _col(term, j, SUB)
+            acc += column(term, j, SUB)
     return acc
 
 
@@ -217,7 +213,7 @@ def _sum_terms(ws_row, KB, BLOCK_N: tl.constexpr, SUB: tl.constexpr):
     for kb0 in range(0, KB, SUB):
         t = tl.load(ws_row + kb0 * BLOCK_N + offs, cache_modifier=".cg")
         for j in tl.static_range(SUB):
-            acc += _col(t, j, SUB)
+            acc += column(t, j, SUB)
     return acc
 
 
@@ -258,6 +254,49 @@ def _store_rows(y_ptr, acc0, acc1, acc2, acc3, off_n, rn, m0, M, N, stride_ym, R
                    ROPE, ASM)
 
 
+@triton.jit
+def _boundary_row(acc, off_n, row, M, bx_ptr, post_ptr, comb_ptr, pre_ptr, nw_ptr, xo_ptr, u_ptr, codes_ptr,
+                  scales_ptr, bws_ptr, bcnt_ptr, ccnt_ptr, eps, stride_bxn, stride_bxh, stride_post, stride_cn,
+                  stride_ci, stride_pre, stride_xon, stride_xoh, stride_u, stride_codes, stride_scales, stride_bws,
+                  stride_ccnt, DIM: tl.constexpr, BD: tl.constexpr, NCH: tl.constexpr, NCH_P2: tl.constexpr,
+                  TAIL: tl.constexpr):
+    """`mhc.tile_boundary` of output row `row` (where row < M) on its BF16-rounded sums acc, the
+    tile's columns from off_n: the site output's post-mix into the new streams, and the row's last
+    tile to arrive finishing the next input (norm, MXFP8) as `mhc_boundary_` does."""
+    if row < M:
+        tile_boundary(bf16_round(acc), row, off_n, bx_ptr, post_ptr, comb_ptr, pre_ptr, nw_ptr, xo_ptr, u_ptr,
+                      codes_ptr, scales_ptr, bws_ptr, bcnt_ptr, ccnt_ptr, eps, stride_bxn, stride_bxh, stride_post,
+                      stride_cn, stride_ci, stride_pre, stride_xon, stride_xoh, stride_u, stride_codes,
+                      stride_scales, stride_bws, stride_ccnt, DIM, BD, NCH, NCH_P2, TAIL)
+
+
+@triton.jit
+def _boundary_rows(acc0, acc1, acc2, acc3, off_n, m0, M, ROWS: tl.constexpr, bx_ptr, post_ptr, comb_ptr, pre_ptr,
+                   nw_ptr, xo_ptr, u_ptr, codes_ptr, scales_ptr, bws_ptr, bcnt_ptr, ccnt_ptr, eps, stride_bxn,
+                   stride_bxh, stride_post, stride_cn, stride_ci, stride_pre, stride_xon, stride_xoh, stride_u,
+                   stride_codes, stride_scales, stride_bws, stride_ccnt, DIM: tl.constexpr, BD: tl.constexpr,
+                   NCH: tl.constexpr, NCH_P2: tl.constexpr, TAIL: tl.constexpr):
+    """`_boundary_row` of the pass's ROWS rows m0, m0 + 1, ... (acc0 .. acc3)."""
+    _boundary_row(acc0, off_n, m0, M, bx_ptr, post_ptr, comb_ptr, pre_ptr, nw_ptr, xo_ptr, u_ptr, codes_ptr,
+                  scales_ptr, bws_ptr, bcnt_ptr, ccnt_ptr, eps, stride_bxn, stride_bxh, stride_post, stride_cn,
+                  stride_ci, stride_pre, stride_xon, stride_xoh, stride_u, stride_codes, stride_scales, stride_bws,
+                  stride_ccnt, DIM, BD, NCH, NCH_P2, TAIL)
+    if ROWS >= 2:
+        _boundary_row(acc1, off_n, m0 + 1, M, bx_ptr, post_ptr, comb_ptr, pre_ptr, nw_ptr, xo_ptr, u_ptr, codes_ptr,
+                      scales_ptr, bws_ptr, bcnt_ptr, ccnt_ptr, eps, stride_bxn, stride_bxh, stride_post, stride_cn,
+                      stride_ci, stride_pre, stride_xon, stride_xoh, stride_u, stride_codes, stride_scales,
+                      stride_bws, stride_ccnt, DIM, BD, NCH, NCH_P2, TAIL)
+    if ROWS >= 4:
+        _boundary_row(acc2, off_n, m0 + 2, M, bx_ptr, post_ptr, comb_ptr, pre_ptr, nw_ptr, xo_ptr, u_ptr, codes_ptr,
+                      scales_ptr, bws_ptr, bcnt_ptr, ccnt_ptr, eps, stride_bxn, stride_bxh, stride_post, stride_cn,
+                      stride_ci, stride_pre, stride_xon, stride_xoh, stride_u, stride_codes, stride_scales,
+                      stride_bws, stride_ccnt, DIM, BD, NCH, NCH_P2, TAIL)
+        _boundary_row(acc3, off_n, m0 + 3, M, bx_ptr, post_ptr, comb_ptr, pre_ptr, nw_ptr, xo_ptr, u_ptr, codes_ptr,
+                      scales_ptr, bws_ptr, bcnt_ptr, ccnt_ptr, eps, stride_bxn, stride_bxh, stride_post, stride_cn,
+                      stride_ci, stride_pre, stride_xon, stride_xoh, stride_u, stride_codes, stride_scales,
+                      stride_bws, stride_ccnt, DIM, BD, NCH, NCH_P2, TAIL)
+
+
 # The row count, the scale and cos/sin strides and the split size take no part in vectorization:
 # leaving them unspecialized keeps one compiled kernel per configuration for every row count.
 @triton.jit(do_not_specialize=["M", "stride_sxm", "stride_swn", "steps_per_split", "stride_cm", "stride_sm"])
@@ -267,6 +306,12 @@ def _exact_mm_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, OUT_F32: tl.constexpr,
     SPLIT: tl.constexpr = 1, STAGES: tl.constexpr = 3, CHAIN: tl.constexpr = True, ASM: tl.constexpr = True,
     cos_ptr=None, sin_ptr=None, stride_cm=None, stride_sm=None, ROPE: tl.constexpr = False,
+    bx_ptr=None, post_ptr=None, comb_ptr=None, pre_ptr=None, nw_ptr=None, xo_ptr=None, u_ptr=None, codes_ptr=None,
+    scales_ptr=None, bws_ptr=None, bcnt_ptr=None, ccnt_ptr=None, eps=None, stride_bxn=None, stride_bxh=None,
+    stride_post=None, stride_cn=None, stride_ci=None, stride_pre=None, stride_xon=None, stride_xoh=None,
+    stride_u=None, stride_codes=None, stride_scales=None, stride_bws=None, stride_ccnt=None,
+    BOUNDARY: tl.constexpr = False, DIM: tl.constexpr = None, BD: tl.constexpr = None, NCH: tl.constexpr = None, NCH_P2: tl.constexpr = None,
+    TAIL: tl.constexpr = None,
 ):
     # Grid: (N tiles, K splits). Program (t, s) covers W rows [t*BLOCK_N, +BLOCK_N) over the K steps
     # [s*steps_per_split, +steps_per_split) and every row of x, ROWS at a time. With one split it
@@ -274,6 +319,11 @@ def _exact_mm_kernel(
     # its terms and the tile's last program to arrive adds all of them in K order. ROPE: the query
     # RoPE epilogue (`_store_row`) with cos/sin [M, 32] FP32 at cos_ptr/sin_ptr (row strides
     # stride_cm/stride_sm; all four None without it, so that they take no kernel parameter).
+    # BOUNDARY: the mHC boundary epilogue (`_boundary_rows`, after the rows' stores) with the
+    # operands of `mhc.BoundaryOperands` (streams bx_ptr, mixer post/comb/pre, norm weight nw_ptr,
+    # outputs xo/u/codes/scales, the plan's workspace bws_ptr, row counters bcnt_ptr and chunk
+    # counters ccnt_ptr, DIM = N columns in NCH chunks of BD, the row's tail TAIL columns a slice; None
+    # without it).
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
     SUB: tl.constexpr = BLOCK_K // 32
@@ -332,9 +382,21 @@ def _exact_mm_kernel(
                             cos_ptr, sin_ptr, stride_cm, stride_sm, ROPE, ASM)
                 # Zero again for the next call (and a CUDA graph's replay).
                 tl.atomic_xchg(cnt_ptr + pid, 0, sem="relaxed", scope="gpu")
+                if BOUNDARY:
+                    _boundary_rows(acc0, acc1, acc2, acc3, pid * BLOCK_N, m0, M, ROWS, bx_ptr, post_ptr, comb_ptr,
+                                   pre_ptr, nw_ptr, xo_ptr, u_ptr, codes_ptr, scales_ptr, bws_ptr, bcnt_ptr, ccnt_ptr,
+                                   eps, stride_bxn, stride_bxh, stride_post, stride_cn, stride_ci, stride_pre,
+                                   stride_xon, stride_xoh, stride_u, stride_codes, stride_scales, stride_bws,
+                                   stride_ccnt, DIM, BD, NCH, NCH_P2, TAIL)
         else:
             _store_rows(y_ptr, acc0, acc1, acc2, acc3, pid * BLOCK_N, rn, m0, M, N, stride_ym, ROWS, OUT_F32,
                         cos_ptr, sin_ptr, stride_cm, stride_sm, ROPE, ASM)
+            if BOUNDARY:
+                _boundary_rows(acc0, acc1, acc2, acc3, pid * BLOCK_N, m0, M, ROWS, bx_ptr, post_ptr, comb_ptr,
+                               pre_ptr, nw_ptr, xo_ptr, u_ptr, codes_ptr, scales_ptr, bws_ptr, bcnt_ptr, ccnt_ptr,
+                               eps, stride_bxn, stride_bxh, stride_post, stride_cn, stride_ci, stride_pre, stride_xon,
+                               stride_xoh, stride_u, stride_codes, stride_scales, stride_bws, stride_ccnt, DIM, BD,
+                               NCH, NCH_P2, TAIL)
 
 
 @dataclass(frozen=True)
@@ -439,6 +501,54 @@ def rope_kwargs(rope, out: torch.Tensor, n: int, m: int, device: torch.device) -
     return {"cos_ptr": cos, "sin_ptr": sin, "stride_cm": cos.stride(0), "stride_sm": sin.stride(0), "ROPE": True}
 
 
+def boundary_kwargs(boundary, out: torch.Tensor, block_n: int, num_warps: int) -> dict:
+    """The launch's keyword arguments of `ExactMM`'s mHC boundary epilogue: {} without `boundary`;
+    else the operands' pointers and strides, BOUNDARY=True, the plan's chunking and the tail's slice
+    (`_boundary_tail`), after the checks (errors naming the argument): boundary an
+    `mhc.BoundaryOperands` that suits a boundary on out (`BoundaryOperands.check`), out BF16, and
+    the launch's block_n dividing the plan's block_d (a tile within one chunk)."""
+    if boundary is None:
+        return {}
+    if not isinstance(boundary, BoundaryOperands):
+        raise TypeError(f"boundary must be an mhc.BoundaryOperands, got {type(boundary).__name__}")
+    if out.dtype != torch.bfloat16:
+        raise ValueError(f"boundary: out must be bfloat16 (the boundary post-mixes the rounded output), "
+                         f"got {out.dtype}")
+    boundary.check(out)
+    plan = boundary.plan
+    if plan.block_d % block_n:
+        raise ValueError(f"boundary.plan: block_d={plan.block_d} must be a multiple of the launch's "
+                         f"block_n={block_n} (a tile within one chunk)")
+    b = boundary
+    xo, u = b.x_out.view(torch.int16), b.u_out.view(torch.int16)
+    codes, scales = b.codes_out.view(torch.uint8), b.scales_out.view(torch.uint8)
+    return dict(bx_ptr=b.x, post_ptr=b.post, comb_ptr=b.comb, pre_ptr=b.pre, nw_ptr=b.norm_weight, xo_ptr=xo,
+                u_ptr=u, codes_ptr=codes, scales_ptr=scales, bws_ptr=plan.ws, bcnt_ptr=plan.counters,
+                ccnt_ptr=plan.chunk_counters, eps=float(b.eps), stride_bxn=b.x.stride(0), stride_bxh=b.x.stride(1),
+                stride_post=b.post.stride(0), stride_cn=b.comb.stride(0), stride_ci=b.comb.stride(1),
+                stride_pre=b.pre.stride(0), stride_xon=xo.stride(0), stride_xoh=xo.stride(1), stride_u=u.stride(0),
+                stride_codes=codes.stride(0), stride_scales=scales.stride(0), stride_bws=plan.ws.stride(0),
+                stride_ccnt=plan.chunk_counters.stride(0), BOUNDARY=True, DIM=plan.dim, BD=plan.block_d,
+                NCH=plan.chunks, NCH_P2=triton.next_power_of_2(plan.chunks),
+                TAIL=_boundary_tail(plan.dim, num_warps))
+
+
+# Per launch configuration: the register cap of its launches with the boundary epilogue, the plain
+# kernel's count on sm_90 (tests/ops/_exact_mm_sm90.py --boundary checks both). Uncapped, ptxas
+# gives the epilogue's serial tail more (104 at wo_b's 1-row plan, whose 1280 programs of 2 warps
+# then fit 9 to an SM instead of 10: more than one wave on 132 SMs); capped, nothing spills and the
+# K loop keeps its FP32 instructions.
+_BOUNDARY_MAXNREG: dict[ExactConfig, int] = {
+    ExactConfig(block_n=4, block_k=1024, rows=1, num_warps=2, num_stages=3, split=1): 96,    # wo_b, 1 row
+}
+
+
+def _boundary_tail(dim: int, num_warps: int) -> int:
+    """Columns a slice of the boundary's serial tail (the row's last chunk normalizing the row): 256
+    a warp (8 a thread), at most 1024 and the dim's power of two."""
+    return min(256 * num_warps, 1024, triton.next_power_of_2(dim))
+
+
 @dataclass(frozen=True)
 class _Launch:
     config: ExactConfig          # with the launch's rows per pass and its split
@@ -520,7 +630,8 @@ class ExactMM:
         return reduction_order(self.k)
 
     def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None,
-                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 boundary: BoundaryOperands | None = None) -> torch.Tensor:
         """y = codes x weight^T with both block scales, into out: the arguments and the result of
         `LowLatencyMM.__call__` (a float32 out receives the unrounded FP32 sums).
 
@@ -529,12 +640,26 @@ class ExactMM:
             `kv_write.query_rope_` (dims 448..511 of every head) in the epilogue, by the program
             that stores each tile (with a K split the last arriver) on the BF16-rounded sums: the
             same bits as the call without it followed by that op.
+        boundary: None, or an `mhc.BoundaryOperands` (with its plan): y is a site output (BF16 out,
+            N = dim) and the mHC boundary after it runs in the epilogue (`mhc.tile_boundary`: the
+            program that stores a tile post-mixes it into boundary.x_out, the last tile of each
+            chunk, then of each row, to arrive finishes u_out, codes_out and scales_out; the plan's
+            counters reset by them): the bits of the call without it followed by
+            `mhc_boundary_(out, ...)` with those operands, y stored as well. Not with rope; the
+            launch's block_n must divide plan.block_d. Its operands as `mhc_boundary_` checks them.
         Returns out.
         """
         out = mxfp8_linear_args(codes, x_scale, out, self.n, self.k, self.max_rows, self.device)
+        if rope is not None and boundary is not None:
+            raise ValueError("boundary: the call has a rope epilogue already (one epilogue a call)")
         epilogue = rope_kwargs(rope, out, self.n, codes.shape[0], self.device)
         launch = self.launch_for(codes.shape[0])
         cfg = launch.config
+        epilogue.update(boundary_kwargs(boundary, out, cfg.block_n, cfg.num_warps))
+        if boundary is not None:
+            epilogue["enable_fp_fusion"] = False     # the boundary's products and sums rounded one by one
+            if cfg in _BOUNDARY_MAXNREG:
+                epilogue["maxnreg"] = _BOUNDARY_MAXNREG[cfg]
         _exact_mm_kernel[launch.grid](
             codes, x_scale.view(torch.uint8), self.weight, self.w_scale,
             out if out.dtype == torch.float32 else out.view(torch.int16), self._workspace, self._counters,

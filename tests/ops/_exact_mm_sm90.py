@@ -1,21 +1,27 @@
 """Run by tests/ops/test_exact_mm.py in a subprocess without the Triton interpreter (the kernel must
 be a real JIT function to compile), and by hand: compiles `ops.exact_mm`'s kernel for sm_90 in
 the configurations of fused wq_a|wkv's plan at 1 row and wo_b's at 4 rows, one with a K split,
-and wq_b's plans at 1 and 4 rows with the query-RoPE epilogue (`--tp1`: the four
-TP1 shapes' plans at 1, 2 and 4 rows; `--all`: every real shape's, TP shards included; or the
-configurations given as bn:bk:rows:warps:stages[:split] arguments; `--rope`: those with the
-epilogue) and prints, per configuration, its
+wq_b's plans at 1 and 4 rows with the query-RoPE epilogue and wo_b's plan at 1 row with the mHC
+boundary epilogue (`--tp1`: the four TP1 shapes' plans at 1, 2 and 4 rows; `--all`: every real
+shape's, TP shards included; or the configurations given as bn:bk:rows:warps:stages[:split]
+arguments; `--rope` / `--boundary`: those with that epilogue, the boundary's at dim 5120 with the
+step's plan and the launcher's register cap) and prints, per configuration, its
 registers, stack, local memory and spill instructions, the main loop's instruction mix and the
-FP32-pipe instructions (FFMA, FADD, FMUL, HADD2, HFMA2, HMUL2) per weight element and row.
-`--json`: one JSON object per line instead."""
+FP32-pipe instructions (FFMA, FADD, FMUL, HADD2, HFMA2, HMUL2) per weight element and row (with the
+boundary the main loop found is the one over row passes, which holds the epilogue; `k_loop`, the
+innermost loop, is the one over K). `--json`: one JSON object per line instead."""
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from dsv41_decode.ops import exact_mm as E
 from dsv41_decode.testing.sm90 import compile_sm90, main_loop, opcode_counts, resources, sass
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # tests/: the loop finder's helpers
+from ops._gluon_linear_support import loops  # noqa: E402
 
 # The V4.1-Flash shapes the op serves (N, K), with the TP shards of wq_b and wo_b.
 REAL_SHAPES = [(1792, 5120), (32768, 1280), (16384, 1280), (8192, 1280), (4096, 1280),
@@ -30,55 +36,83 @@ TYPES = {"x_ptr": "*fp8e4nv", "sx_ptr": "*u8", "w_ptr": "*fp8e4nv", "sw_ptr": "*
 # pointers with their row strides, or all four None (constexprs: no kernel parameter).
 ROPE_TYPES = {"cos_ptr": "*fp32", "sin_ptr": "*fp32"}
 NO_ROPE = dict.fromkeys(("cos_ptr", "sin_ptr", "stride_cm", "stride_sm"))
+# The mHC boundary epilogue's (`exact_mm.boundary_kwargs`) at dim 5120 with the step's plan (chunks
+# of 512 columns), or all None; the strides divisible by 16 as the step's buffers give them (the
+# mixer's and the plan's rows are 4, 16 and 10 wide).
+BOUNDARY_TYPES = {"bx_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32", "pre_ptr": "*fp32", "nw_ptr": "*bf16",
+                  "xo_ptr": "*i16", "u_ptr": "*i16", "codes_ptr": "*u8", "scales_ptr": "*u8", "bws_ptr": "*fp32",
+                  "bcnt_ptr": "*i32", "ccnt_ptr": "*i32", "eps": "fp32"}
+BOUNDARY_DIVISIBLE = ("stride_bxn", "stride_bxh", "stride_cn", "stride_xon", "stride_xoh", "stride_u", "stride_codes",
+                      "stride_scales")
+NO_BOUNDARY = dict.fromkeys((*BOUNDARY_TYPES, *BOUNDARY_DIVISIBLE, "stride_post", "stride_ci", "stride_pre",
+                             "stride_bws", "stride_ccnt"))
 
 
-def measure(cfg: E.ExactConfig, rope: bool = False) -> dict:
+def boundary_consts(cfg: E.ExactConfig, dim: int = 5120, block_d: int = 512) -> dict:
+    """The boundary epilogue's constexprs as `exact_mm.boundary_kwargs` sets them."""
+    chunks = -(-dim // block_d)
+    return dict(BOUNDARY=True, DIM=dim, BD=block_d, NCH=chunks, NCH_P2=1 << (chunks - 1).bit_length(),
+                TAIL=E._boundary_tail(dim, cfg.num_warps))
+
+
+def measure(cfg: E.ExactConfig, rope: bool = False, boundary: bool = False) -> dict:
     fn = E._exact_mm_kernel
-    kernel = compile_sm90(fn, {**TYPES, **ROPE_TYPES} if rope else TYPES,
+    types = {**TYPES, **(ROPE_TYPES if rope else {}), **(BOUNDARY_TYPES if boundary else {})}
+    kernel = compile_sm90(fn, types,
                           dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS=cfg.rows, OUT_F32=False,
                                SPLIT=cfg.split, STAGES=cfg.num_stages, CHAIN=True, ASM=True,
-                               **({"ROPE": True} if rope else NO_ROPE)),
+                               **({"ROPE": True} if rope else NO_ROPE),
+                               **(boundary_consts(cfg) if boundary else NO_BOUNDARY)),
                           # as the launcher sees the real shapes: K and the codes' / weight's / y's
                           # row strides multiples of 16 (M and the scale strides are not specialized)
                           divisible=[a for a in fn.arg_names
-                                     if a.endswith("_ptr") or a in ("K", "stride_xm", "stride_wn", "stride_ym")],
-                          num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                                     if a.endswith("_ptr") or a in ("K", "stride_xm", "stride_wn", "stride_ym")
+                                     or boundary and a in BOUNDARY_DIVISIBLE],
+                          num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                          # as the launcher compiles the boundary epilogue (`ExactMM.__call__`)
+                          **({"enable_fp_fusion": False, "maxnreg": E._BOUNDARY_MAXNREG.get(cfg)} if boundary else {}))
     loop = main_loop(kernel)
+    k_loop = min(loops(kernel), key=len)       # the innermost loop: over K
     ops = opcode_counts(loop)
     whole = opcode_counts([t for _, t in sass(kernel)])
     elems = cfg.block_n * cfg.block_k / (32 * cfg.num_warps)     # weight elements per thread per step
     fp32 = sum(ops.get(o, 0) for o in FP32_PIPE)
     ptx = kernel.asm["ptx"]
     return dict(config=f"{cfg.block_n}:{cfg.block_k}:{cfg.rows}:{cfg.num_warps}:{cfg.num_stages}:{cfg.split}",
-                rows=cfg.rows, rope=rope,
+                rows=cfg.rows, rope=rope, boundary=boundary,
                 # the rotation's inline PTX (`kv_write.rope_rotate`: mul.rn / sub.rn / add.rn into its
                 # own registers a, b), and no FP32 op that flushes subnormals
                 rotation="mul.rn.f32 a," in ptx, ftz=".ftz.f32" in ptx,
                 **resources(kernel), loop=len(loop), per_elem_row=round(len(loop) / elems / cfg.rows, 2),
                 fp32_per_elem_row=round(fp32 / elems / cfg.rows, 2), LDGSTS=ops.get("LDGSTS", 0),
+                k_loop=len(k_loop), k_loop_fp32={o: n for o, n in opcode_counts(k_loop).items() if o in FP32_PIPE},
                 spills=whole.get("STL", 0) + whole.get("LDL", 0),
                 mul_rn="mul.rn.f32" in ptx, top=dict(list(ops.items())[:14]))
 
 
 def main() -> None:
     specs = [a for a in sys.argv[1:] if not a.startswith("--")]
-    rope = "--rope" in sys.argv
+    rope, boundary = "--rope" in sys.argv, "--boundary" in sys.argv
     if specs:
-        configs = [(E.ExactConfig(*(int(v) for v in s.split(":"))), rope) for s in specs]
+        configs = [(E.ExactConfig(*(int(v) for v in s.split(":"))), rope, boundary) for s in specs]
     elif "--all" in sys.argv or "--tp1" in sys.argv:
         shapes = REAL_SHAPES if "--all" in sys.argv else TP1_SHAPES
-        configs = [(c, rope) for c in dict.fromkeys(E.planned_config(n, k, b) for n, k in shapes for b in (1, 2, 4))]
+        configs = [(c, rope, boundary)
+                   for c in dict.fromkeys(E.planned_config(n, k, b) for n, k in shapes for b in (1, 2, 4))]
     else:   # fused wq_a|wkv's plan at 1 row, wo_b's at 4 (its registers are the most), a K split;
-        # wq_b's plans at 1 and 4 rows with the query RoPE (at 4 rows the most registers with it)
-        configs = [(E.planned_config(1792, 5120, 1), False), (E.planned_config(5120, 8192, 4), False),
-                   (E.ExactConfig(block_n=8, block_k=1024, rows=2, num_warps=4, num_stages=3, split=2), False),
-                   (E.planned_config(32768, 1280, 1), True), (E.planned_config(32768, 1280, 4), True)]
-    for cfg, with_rope in configs:
-        r = measure(cfg, with_rope)
+        # wq_b's plans at 1 and 4 rows with the query RoPE (at 4 rows the most registers with it);
+        # wo_b's plan at 1 row (the fused wq_a|wkv's too) with the mHC boundary epilogue (the step's)
+        configs = [(E.planned_config(1792, 5120, 1), False, False), (E.planned_config(5120, 8192, 4), False, False),
+                   (E.ExactConfig(block_n=8, block_k=1024, rows=2, num_warps=4, num_stages=3, split=2), False, False),
+                   (E.planned_config(32768, 1280, 1), True, False), (E.planned_config(32768, 1280, 4), True, False),
+                   (E.planned_config(5120, 8192, 1), False, True)]
+    for cfg, with_rope, with_boundary in configs:
+        r = measure(cfg, with_rope, with_boundary)
         if "--json" in sys.argv:
             print(json.dumps(r), flush=True)
         else:
-            print(f"{r['config']:16s}{' rope' if r['rope'] else ''} REG {r['REG']:3d} STACK {r['STACK']} "
+            print(f"{r['config']:16s}{' rope' if r['rope'] else ''}{' boundary' if r['boundary'] else ''} "
+                  f"REG {r['REG']:3d} STACK {r['STACK']} "
                   f"LOCAL {r['LOCAL']} STL/LDL {r['spills']}  "
                   f"main loop {r['loop']:4d} instructions, {r['per_elem_row']:5.2f} per weight element and row, "
                   f"FP32 pipe {r['fp32_per_elem_row']:5.2f}  {r['top']}", flush=True)

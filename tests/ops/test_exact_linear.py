@@ -6,10 +6,13 @@ No tolerance anywhere: both ops compute the contract's arithmetic exactly, so an
 the reference, or between a row alone and among others, is a bug.
 """
 
+import dataclasses
+
 import pytest
 import torch
-from helpers import FLASH_LINEAR_SHAPES, check_mxfp8_plan_errors, linear_operands, raises, rope_operands
-from test_exact_mm import _bits, _exact_operands, _gen, check_rope
+from helpers import (FLASH_LINEAR_SHAPES, boundary_operands, check_mxfp8_plan_errors, linear_operands, raises,
+                     rope_operands)
+from test_exact_mm import _bits, _exact_operands, _gen, check_boundary, check_rope
 
 from dsv41_decode.ops.exact_linear import _FMA_PLAN, _GLUON_PLAN, ExactLinear
 from dsv41_decode.ops.exact_mm import ExactConfig
@@ -67,6 +70,42 @@ def test_rope_reaches_the_op():
     plan = ExactLinear(weight, w_scale, max_rows=4, exact_config=ExactConfig(block_n=512, block_k=128))
     check_rope(plan, codes, x_scale, cos, sin, plan(codes, x_scale), "ExactLinear")
     raises("cos must have shape", lambda: plan(codes, x_scale, rope=(cos[:1], sin)))
+
+
+class _OtherOp:
+    """Stands in for an op without the boundary epilogue (GluonExactFMA, GluonExactMM) on the CPU."""
+
+
+def test_boundary_reaches_exact_mm_only():
+    # boundary= goes to ExactMM (here one program a row pass): the call without it followed by
+    # mhc_boundary_; a call whose op is another one raises, naming the argument, before any launch.
+    m, n, k = 2, 256, 128
+    _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(11), m, n, k)
+    plan = ExactLinear(weight, w_scale, max_rows=4, exact_config=ExactConfig(block_n=256, block_k=128))
+    assert plan.takes_boundary(1) and plan.takes_boundary(2)
+    check_boundary(plan, codes, x_scale, boundary_operands(_gen(12), m, n, 256), plan(codes, x_scale), "ExactLinear")
+    plan.mma, plan.mma_above = _OtherOp(), 1
+    assert plan.takes_boundary(1) and not plan.takes_boundary(2)
+    raises("boundary: a call of 2 rows runs _OtherOp, which has no mHC boundary epilogue",
+           lambda: plan(codes, x_scale, boundary=boundary_operands(_gen(12), m, n, 256)))
+
+
+@pytest.mark.gpu
+def test_boundary_epilogue_at_wo_b_on_gpu():
+    # The step's wo_b call with the boundary (1 row on sm_90: ExactMM; `decode.step`), the plan's
+    # chunks of 512 columns at dim 5120: bitwise the call without it followed by mhc_boundary_,
+    # twice (the counters reset); at 2 rows and more the other ops run, which do not take it.
+    n, k = 5120, 8192
+    _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(n + k + 6), 2, n, k)
+    linear = ExactLinear(weight, w_scale)
+    assert linear.takes_boundary(1)
+    plain = linear(codes[:1], x_scale[:1])
+    ops = boundary_operands(_gen(21), 1, n)
+    for seed in (21, 22):
+        ops = dataclasses.replace(boundary_operands(_gen(seed), 1, n), plan=ops.plan)
+        check_boundary(linear, codes[:1], x_scale[:1], ops, plain, ("wo_b", seed))
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert not any(linear.takes_boundary(m) for m in (2, 3, 8, 64))
 
 
 @pytest.mark.gpu

@@ -10,6 +10,7 @@ codes, whose products span 2^-18 .. 2^17.6), and the tests check that it is not,
 block sum cannot pass them.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -19,10 +20,11 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import FLASH_LINEAR_SHAPES as FLASH_SHAPES
-from helpers import check_mxfp8_plan_errors, linear_operands, raises, rope_operands
+from helpers import boundary_operands, check_mxfp8_plan_errors, linear_operands, raises, rope_operands
 
 from dsv41_decode.ops.exact_mm import ExactConfig, ExactMM, _chain_asm
 from dsv41_decode.ops.kv_write import query_rope_
+from dsv41_decode.ops.mhc import MhcBoundaryPlan, mhc_boundary
 from dsv41_decode.reference.linear import mxfp8_mm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -89,6 +91,24 @@ def check_rope(plan, codes, x_scale, cos, sin, plain: torch.Tensor, what) -> Non
     tail = (torch.arange(n, device=plain.device) % 512) >= 448
     assert torch.equal(_bits(got[:, ~tail]), _bits(plain[:, ~tail])), what
     assert not torch.equal(_bits(got[:, tail]), _bits(plain[:, tail])), what
+
+
+def check_boundary(plan, codes, x_scale, ops, plain: torch.Tensor, what) -> None:
+    """`plan(codes, x_scale, out, boundary=ops)` (ops: `helpers.boundary_operands`, outputs poisoned)
+    into a poisoned out gives plain's bits in out (the call without the epilogue, [M, N] BF16) and,
+    in ops' outputs, those of `mhc_boundary_(plain, ...)` with a plan of the same chunks (the
+    separate launch the step's wo_b epilogue replaces); the plan's counters end at zero
+    (test_exact_linear uses it too)."""
+    m, n = plain.shape
+    want = mhc_boundary(plain, ops.x, ops.post, ops.comb, ops.pre, ops.norm_weight, ops.eps,
+                        plan=MhcBoundaryPlan.build(n, m, plain.device, ops.plan.block_d))
+    got = plan(codes, x_scale, _poisoned(m, n), boundary=ops)
+    assert torch.equal(_bits(got), _bits(plain)), what
+    for name, a, b in zip(("x_out", "u_out", "codes_out", "scales_out"),
+                          (ops.x_out, ops.u_out, ops.codes_out, ops.scales_out), want):
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+        assert torch.equal(a, b), (what, name, int((a != b).sum()))
+    assert not ops.plan.counters.any() and not ops.plan.chunk_counters.any(), what
 
 
 # Small tiles so that the tiny shapes have several programs (a partial last one) and K steps.
@@ -246,6 +266,64 @@ def test_rope_epilogue_bad_arguments_name_the_argument():
         assert "\n" not in str(err.value), str(err.value)
 
 
+# The mHC boundary epilogue in the interpreter: (dim, the plan's block_d, the configuration). Tiles of
+# 16 columns, 4 to a chunk, 2 rows a pass (3 rows take two passes); dim 96 with a short last chunk
+# (2 tiles) and the K split over 2 programs (the last arriver runs the epilogue); dim 5120 in the
+# step's chunks of 512 columns, 4 tiles a chunk.
+_BOUNDARY_CASES = {
+    "dim256-bn16-r2": (256, 64, ExactConfig(block_n=16, block_k=64, rows=2, num_warps=1, num_stages=2)),
+    "dim96-bn16-split2": (96, 64, ExactConfig(block_n=16, block_k=64, rows=1, num_warps=1, num_stages=2, split=2)),
+    "dim5120-bn128": (5120, 512, ExactConfig(block_n=128, block_k=128, rows=4, num_warps=2, num_stages=2)),
+}
+
+
+@pytest.mark.parametrize("case", list(_BOUNDARY_CASES))
+def test_boundary_epilogue_is_the_call_then_mhc_boundary(case):
+    # boundary=BoundaryOperands(...) gives the bits of the call without it followed by mhc_boundary_
+    # (y, new streams, u, codes, scales) at 1-3 rows (dim 5120: 1), into poisoned outputs; then a
+    # call of 2 rows on the last plan (its counters reset by the last arrivers) with new operands.
+    dim, block_d, config = _BOUNDARY_CASES[case]
+    _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(dim + 21), 3, dim, 128)
+    plan = ExactMM(weight, w_scale, config=config)
+    plain = plan(codes, x_scale)
+    gen = _gen(22)
+    for m in ((1,) if dim > 1024 else (1, 2, 3)):
+        ops = boundary_operands(gen, m, dim, block_d)
+        check_boundary(plan, codes[:m], x_scale[:m], ops, plain[:m], (case, m))
+    again = dataclasses.replace(boundary_operands(gen, 2, dim, block_d), plan=ops.plan)
+    check_boundary(plan, codes[1:], x_scale[1:], again, plain[1:], (case, "again"))
+    assert int(plan._counters.abs().sum()) == 0
+
+
+def test_boundary_epilogue_bad_arguments_name_the_argument():
+    # One-line errors naming the argument, before any launch.
+    m, n, k = 2, 64, 128
+    _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(23), m, n, k)
+    plan = ExactMM(weight, w_scale, config=ExactConfig(block_n=64, block_k=64, rows=2, num_warps=1, num_stages=2))
+    ops = boundary_operands(_gen(24), m, n, 64)
+    cos, sin = rope_operands(_gen(25), m)
+    y = torch.empty(m, n, dtype=torch.bfloat16, device=DEVICE)
+    fine, other_dim = MhcBoundaryPlan.build(n, m, DEVICE, 32), MhcBoundaryPlan.build(128, m, DEVICE)
+    for call, word in (
+            (lambda: plan(codes, x_scale, boundary=(ops.x, ops.post)), "boundary must be an mhc.BoundaryOperands"),
+            (lambda: plan(codes, x_scale, torch.empty(m, n, device=DEVICE), boundary=ops),
+             "boundary: out must be bfloat16"),
+            (lambda: plan(codes, x_scale, rope=(cos, sin), boundary=ops), "boundary: the call has a rope epilogue"),
+            (lambda: plan(codes, x_scale, boundary=dataclasses.replace(ops, plan=None)), "boundary.plan must be"),
+            (lambda: plan(codes, x_scale, boundary=dataclasses.replace(ops, plan=fine)),
+             "boundary.plan: block_d=32 must be a multiple of the launch's block_n=64"),
+            (lambda: plan(codes, x_scale, boundary=dataclasses.replace(ops, plan=other_dim)),
+             "plan is for dim=128"),
+            (lambda: plan(codes, x_scale, boundary=dataclasses.replace(ops, x=ops.x[:, :3])), "x must have shape"),
+            (lambda: plan(codes, x_scale, boundary=dataclasses.replace(ops, comb=ops.comb.double())),
+             "comb must have dtype"),
+            (lambda: plan(codes, x_scale, boundary=dataclasses.replace(ops, eps=None)), "eps must be a float"),
+            (lambda: plan(codes, x_scale, y, boundary=dataclasses.replace(ops, u_out=y)), "u_out must not overlap y")):
+        with pytest.raises((TypeError, ValueError), match=word) as err:
+            call()
+        assert "\n" not in str(err.value), str(err.value)
+
+
 def test_launches_cover_the_row_buckets():
     weight = torch.zeros(100, 1280, dtype=torch.float8_e4m3fn, device=DEVICE)
     w_scale = torch.full((4, 40), 127, dtype=torch.uint8, device=DEVICE)
@@ -291,7 +369,9 @@ def test_compiles_for_sm90_without_spills():
     (measured 5.5-6.2 on the real shapes: 4 for the chained exact split, 1 for the weight's E4M3
     -> FP32 conversion, the rest for the activation's, the block sums and the block terms); the
     epilogue's rotation as explicitly rounded PTX (`kv_write.rope_rotate`), no FP32 op that flushes
-    subnormals."""
+    subnormals. wo_b's 1-row plan with the mHC boundary epilogue (`--boundary`) under its register
+    cap (`exact_mm._BOUNDARY_MAXNREG`): no spills, the plain kernel's 96 registers, the K loop's
+    FP32 instructions as without it (526 instructions against 519)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = Path(__file__).resolve().parents[2]
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
@@ -300,13 +380,20 @@ def test_compiles_for_sm90_without_spills():
     assert res.returncode == 0, res.stdout + res.stderr[-3000:]
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
     assert rows, res.stdout
-    assert len(rows) == 5 and sum(r["rope"] for r in rows) == 2, res.stdout
+    assert len(rows) == 6 and sum(r["rope"] for r in rows) == 2 and sum(r["boundary"] for r in rows) == 1, res.stdout
     for r in rows:
         assert r["LOCAL"] == 0 and r["spills"] == 0, r
         assert r["LDGSTS"] > 0 and r["mul_rn"], r
         assert r["rotation"] == r["rope"] and not r["ftz"], r
-        if r["rows"] == 1:
+        if r["rows"] == 1 and not r["boundary"]:
             assert r["fp32_per_elem_row"] <= 7, r
+    # wo_b's 1-row plan (the fused wq_a|wkv's, rows[0]) with the boundary epilogue, under the launch's
+    # register cap: the plain kernel's registers (its occupancy), the K loop's FP32 instructions
+    # unchanged and its length within 3 %
+    plain, fused = rows[0], rows[-1]
+    assert fused["boundary"] and fused["config"] == plain["config"], (plain, fused)
+    assert fused["REG"] == plain["REG"] and fused["k_loop_fp32"] == plain["k_loop_fp32"], (plain, fused)
+    assert abs(fused["k_loop"] - plain["k_loop"]) <= 0.03 * plain["k_loop"], (plain, fused)
 
 
 @pytest.mark.gpu
@@ -350,4 +437,23 @@ def test_rope_epilogue_on_gpu(name, n, k):
         plain = plan(codes, x_scale)
         for m in (1, 2, 3, 4, 5, 16, 64):
             check_rope(plan, codes[:m], x_scale[:m], cos[:m], sin[:m], plain[:m], (name, plan.launch_for(m), m))
+        assert int(plan._counters.abs().sum()) == 0
+
+
+@pytest.mark.gpu
+def test_boundary_epilogue_at_wo_b_on_gpu():
+    # wo_b (5120 x 8192) at dim 5120 with the step's plan (chunks of 512 columns): the planned
+    # configurations at 1-4 rows (1 row: 4-column tiles, 128 a chunk, the register cap) and a K split
+    # over 3 programs, each twice with new operands on one plan (the counters reset): bitwise the
+    # call without the epilogue followed by mhc_boundary_.
+    n, k = 5120, 8192
+    _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(n + k + 3), 4, n, k)
+    split = ExactConfig(block_n=8, block_k=256, rows=4, num_warps=2, split=3)
+    for plan in (ExactMM(weight, w_scale), ExactMM(weight, w_scale, config=split)):
+        plain = plan(codes, x_scale)
+        for m in (1, 2, 3, 4):
+            ops = boundary_operands(_gen(30 + m), m, n)
+            for seed in (0, 1):
+                again = dataclasses.replace(boundary_operands(_gen(40 + seed), m, n), plan=ops.plan)
+                check_boundary(plan, codes[:m], x_scale[:m], again, plain[:m], (plan.launch_for(m), m, seed))
         assert int(plan._counters.abs().sum()) == 0

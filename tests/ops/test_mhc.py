@@ -226,7 +226,8 @@ def _sumsq_kernel(c_ptr, tree_ptr, sum_ptr, parts_ptr, BLOCK_D: tl.constexpr, PA
 
 def _sumsq_case(rows: int, block_d: int, parts: int):
     g = torch.Generator().manual_seed(block_d + rows)
-    c = (torch.randn(rows, block_d, generator=g) * torch.exp2(torch.randint(-8, 9, (rows, block_d), generator=g))).bfloat16()
+    spread = torch.exp2(torch.randint(-8, 9, (rows, block_d), generator=g).float())
+    c = (torch.randn(rows, block_d, generator=g) * spread).bfloat16()
     tree, plain = torch.empty(rows, device=_DEVICE), torch.empty(rows, device=_DEVICE)
     pair = torch.empty(rows, 2, device=_DEVICE)
     _sumsq_kernel[(rows,)](c.to(_DEVICE), tree, plain, pair, BLOCK_D=block_d, PARTS=parts, num_warps=4,
