@@ -262,17 +262,18 @@ class Recorder:
         rec = self
         run, mix, load = AttentionStep.run, Boundary.mix, StepMeta.load
 
-        def run_(self, rows, u, codes, scales, y, events, shard=False):
+        def run_(self, rows, u, codes, scales, y, events, shard=False, **boundary):
             L, n = self.spec.layer, rec.step_rows.n_rows
             snap = copy.deepcopy(self.state)
-            run(self, rows, u, codes, scales, y, events, shard)
-            y_ref = rec.stack.layers[L].forward(u[:n].clone(), rec.step_rows, snap, rec.ctx)
+            u_in = u[:n].clone()             # a boundary in wo_b's epilogue overwrites u with the next input
+            run(self, rows, u, codes, scales, y, events, shard, **boundary)
+            y_ref = rec.stack.layers[L].forward(u_in.clone(), rec.step_rows, snap, rec.ctx)
             layer = rec.stack.layers[L]
             # the reference output projection applied to the step's attention output
             cis = rope_cis(layer.freqs, rec.step_rows.positions)
             y_of_o = output_projection(self.s.o[:n], cis, layer.wo_a, layer.w["attn.wo_b.weight"],
                                        layer.w["attn.wo_b.scale"], layer.cfg.o_groups, layer.cfg.rope_head_dim)
-            rec.layers[L] = dict(u=u[:n].clone(), y=y[:n].clone(), y_ref=y_ref, snap=snap,
+            rec.layers[L] = dict(u=u_in, y=y[:n].clone(), y_ref=y_ref, snap=snap,
                                  o=self.s.o[:n].clone(), o_ref=rec.o_ref, y_of_o=y_of_o,
                                  topk=self.selection.topk[:n].clone() if self.spec.runs_indexer else None)
 

@@ -42,6 +42,7 @@ from ..ops.gluon_mm import GluonMM
 from ..ops.gluon_wo_a import GluonWoAPlan, gluon_wo_a_
 from ..ops.gluon_sparse_mla import GluonSparseMlaPlan, gluon_sparse_mla_
 from ..ops.ll_bf16 import LlBf16Plan, ll_bf16_
+from ..ops.mhc import BoundaryOperands
 from ..ops.rms_norm import rms_norm_, rms_norm_pair_
 from ..ops.low_latency_mm import LowLatencyConfig, LowLatencyMM
 from ..ops.sparse_mla import SUPPORTED_HEADS, SparseMlaPlan, sparse_mla_
@@ -50,7 +51,7 @@ from ..ops.topk import TopKPlan, candidate_mask_, topk_ascending_
 from ..ops.wo_a import WoAPlan, quantize_wo_a, wo_a_
 from ..state import DecodeState
 from .buffers import IndexSelection, Scratch, storage_bytes
-from .lanes import AUX_COMPRESSOR, AUX_INDEX_Q, AUX_MIXER, Lanes, StepEvents
+from .lanes import AUX_COMPRESSOR, AUX_INDEX_Q, AUX_MIXER, Event, Lanes, StepEvents
 from .tables import StepMeta
 
 
@@ -308,8 +309,16 @@ class AttentionStep:
         return found
 
     # ------------------------------------------------------------------ the schedule
+    def takes_boundary(self, rows: int) -> bool:
+        """Whether `run(rows, ..., boundary=)` can run the mHC boundary in wo_b's epilogue: one rank
+        (no TP reduction between wo_b and the boundary) and wo_b's op for `rows` rows is `ExactMM`
+        (`ExactLinear.takes_boundary`)."""
+        return (self.layer.tp.tp == 1 and self.publish is None and isinstance(self.mm_wo_b, ExactLinear)
+                and self.mm_wo_b.takes_boundary(rows))
+
     def run(self, rows: int, u: torch.Tensor, u_codes: torch.Tensor, u_scales: torch.Tensor,
-            y: torch.Tensor, events: StepEvents, shard: bool = False) -> None:
+            y: torch.Tensor, events: StepEvents, shard: bool = False, boundary: BoundaryOperands | None = None,
+            mixed: Event | None = None) -> None:
         """Enqueue the layer for rows [0, rows): inputs u [rows, dim] BF16 and its MXFP8 codes/scales
         (written by the boundary), output y [rows, dim] BF16 (this rank's partial, reduced here
         under the collective TP boundary). events: the step's cross-layer events, read and updated.
@@ -318,6 +327,10 @@ class AttentionStep:
         and candidate pool before the sparse-index table (`_select_shared`); the same bits as the
         replicated indexer, whose kernels are batch-invariant per row. Ignored by other layers and
         at TP1; every rank must pass the same value (the gather is a collective).
+        boundary: the mHC boundary after this layer, run in wo_b's epilogue (`takes_boundary(rows)`
+        must hold; `Boundary.operands`: it overwrites u, codes and scales with the next layer's
+        input once this layer no longer reads them); mixed: the event of the mixer that wrote its
+        post/comb/pre (waited for before wo_b; None: already ordered).
 
         Phases (design section 2), each enqueued in order on the main stream with its side work on
         the lanes: `_inputs` (the fused wq_a|wkv GEMM and the norms; the side projections),
@@ -335,7 +348,7 @@ class AttentionStep:
             else:
                 self._select_shared(rows, part, iq_ready, events)
         o = self._attend(rows, events)
-        self._output(rows, o, y)
+        self._output(rows, o, y, boundary, mixed)
 
     def _inputs(self, B: int, u, u_codes, u_scales, own: slice):
         """The input projections: the fused wq_a|wkv GEMM and the q/kv norm on the main stream, the
@@ -499,14 +512,21 @@ class AttentionStep:
                           cfg.softmax_scale, o)
         return o
 
-    def _output(self, B: int, o: torch.Tensor, y: torch.Tensor) -> None:
+    def _output(self, B: int, o: torch.Tensor, y: torch.Tensor, boundary: BoundaryOperands | None = None,
+                mixed: Event | None = None) -> None:
         """Inverse RoPE + grouped wo_a (which also moves the staged window records into their ring
-        slots, after the sparse MLA has read the ring, and quantizes z to MXFP8), then wo_b."""
+        slots, after the sparse MLA has read the ring, and quantizes z to MXFP8), then wo_b (with
+        `boundary`, the mHC boundary in its epilogue)."""
         s, m, r = self.s, self.meta, self.spec.ratio
         copy = (self.state.window[self.spec.layer], m.stage_src, m.ring_dst)
         wo_a_launch(self.wo_a_plan, o, m.cos[r][:B], m.sin[r][:B], self.wo_a_w, self.wo_a_s, s.z[:B],
                     s.z_codes[:B], s.z_scales[:B], window_copy=copy)
-        if self.publish is not None:
+        if boundary is not None:
+            if not self.takes_boundary(B):
+                raise ValueError(f"boundary: layer {self.spec.layer}'s wo_b at {B} rows has no boundary epilogue")
+            self.lanes.wait(mixed)                            # post/comb/pre of this site, read by the epilogue
+            self.mm_wo_b(s.z_codes[:B], s.z_scales[:B], y, boundary=boundary)
+        elif self.publish is not None:
             # the fused boundary: the FP32 partial goes straight into this rank's mailbox slot
             self.mm_wo_b(s.z_codes[:B], s.z_scales[:B], self.publish[:B])
         elif self.layer.tp.tp > 1:

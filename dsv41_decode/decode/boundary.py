@@ -3,9 +3,12 @@
 Between attention sublayer i and i+1 (no FFN plugged in): the post-mix of layer i's output into
 the streams with the `post`/`comb` of site i, the collapse of the new streams with site i's `pre`
 (the carried pre), the next layer's attn_norm and the MXFP8 quantization of the next input - one
-fused launch on the main stream (`ops.mhc.mhc_boundary_`, each row spread over chunks). Site i+1's mixer depends only on the
-streams entering it, so it runs on a side lane (`ops.hc_mix.hc_mix_`) from the moment those
-streams are written, and is joined where its post/comb/pre are first read (the end of layer i+1).
+fused launch on the main stream (`exit`: `ops.mhc.mhc_boundary_`, each row spread over chunks),
+or, on one GPU where layer i's wo_b runs `ExactMM` (`AttentionStep.takes_boundary`), the same
+work in wo_b's epilogue with the same bits (`operands`, passed to `AttentionStep.run`). Site
+i+1's mixer depends only on the streams entering it, so it runs on a side lane
+(`ops.hc_mix.hc_mix_`) from the moment those streams are written, and is joined where its
+post/comb/pre are first read (before the boundary's launch, or before wo_b when wo_b runs it).
 
 Buffers are double-buffered by site parity: site k's mixer writes set k % 2 while the boundary of
 site k-1 reads set (k-1) % 2.
@@ -17,7 +20,7 @@ import torch
 
 from ..ops.allreduce_boundary import Mailbox, allreduce_boundary_
 from ..ops.hc_mix import HcMixPlan, hc_mix_
-from ..ops.mhc import MhcBoundaryPlan, mhc_boundary_, mhc_enter_
+from ..ops.mhc import BoundaryOperands, MhcBoundaryPlan, mhc_enter_
 from .lanes import AUX_MIXER, Lanes
 
 
@@ -64,22 +67,32 @@ class Boundary:
         mhc_enter_(x, pre_in, self._w(layer, "attn_norm.weight"), self.cfg.norm_eps, self.u[:rows],
                    self.codes[:rows], self.scales[:rows])
 
+    def operands(self, layer: int, nxt: int | None, x: torch.Tensor, slot: int, x_new: torch.Tensor,
+                 rows: int) -> BoundaryOperands:
+        """The single-GPU boundary after layer `layer` but its output: streams x [rows, hc, dim]
+        that entered the site, its mixer's set `slot`, new streams into x_new, the next layer's
+        input (collapse with this site's pre, its attn_norm - `layer`'s own when no layer follows -
+        and MXFP8) into u/codes/scales, with `exit_plan` (for `exit`, or wo_b's epilogue)."""
+        norm = self._w(nxt if nxt is not None else layer, "attn_norm.weight")
+        return BoundaryOperands(x, self.post[slot][:rows], self.comb[slot][:rows], self.pre[slot][:rows], norm,
+                                self.cfg.norm_eps, x_new, self.u[:rows], self.codes[:rows], self.scales[:rows],
+                                self.exit_plan)
+
     def exit(self, layer: int, nxt: int | None, y: torch.Tensor, x: torch.Tensor, slot: int,
              x_new: torch.Tensor, rows: int, index: int = 0) -> None:
         """Post-mix layer `layer`'s output y into x_new; when a next layer follows, write its input
-        (collapse with this site's pre, its attn_norm, MXFP8) into u/codes/scales. With a mailbox,
-        y is first the rank-ordered sum of the ranks' partials of the `index`-th boundary (written
-        to y)."""
-        norm = self._w(nxt if nxt is not None else layer, "attn_norm.weight")
+        (collapse with this site's pre, its attn_norm, MXFP8) into u/codes/scales (`operands`). With
+        a mailbox, y is first the rank-ordered sum of the ranks' partials of the `index`-th boundary
+        (written to y)."""
+        b = self.operands(layer, nxt, x, slot, x_new, rows)
         if self.mailbox is not None:
-            allreduce_boundary_(self.mailbox, index, rows, x, self.post[slot][:rows], self.comb[slot][:rows],
-                                self.pre[slot][:rows], norm, self.cfg.norm_eps, x_new, self.u[:rows],
-                                self.codes[:rows], self.scales[:rows], y, self.exit_plan)
+            allreduce_boundary_(self.mailbox, index, rows, b.x, b.post, b.comb, b.pre, b.norm_weight, b.eps, b.x_out,
+                                b.u_out, b.codes_out, b.scales_out, y, b.plan)
             return
-        mhc_boundary_(y, x, self.post[slot][:rows], self.comb[slot][:rows], self.pre[slot][:rows], norm,
-                      self.cfg.norm_eps, x_new, self.u[:rows], self.codes[:rows], self.scales[:rows], self.exit_plan)
+        b.launch(y)
 
     def memory_bytes(self) -> int:
         ts = [self.u, self.codes, self.scales, *self.streams, *self.pre, *self.post, *self.comb]
-        ts += [t for p in self.plans for t in (p.partials, p.counters)] + [self.exit_plan.ws, self.exit_plan.counters]
+        ts += [t for p in self.plans for t in (p.partials, p.counters)]
+        ts += [self.exit_plan.ws, self.exit_plan.counters, self.exit_plan.chunk_counters]
         return sum(t.numel() * t.element_size() for t in ts)

@@ -110,6 +110,11 @@ class DecodeStep:
         `index_query_`), and the sparse-index table in the top-k's last launch
         (`topk_ascending_(..., table=)`); the same bits. Off by default: on an H200 the step took
         1.02x the default's time at 1 row and 1.00x at 8-64 (docs/step.md).
+    fold_boundary: on one GPU, the mHC boundary after a layer in its wo_b's epilogue wherever wo_b's
+        op for the bucket's rows is `ExactMM` (exact linears on an sm_90 GPU: 1 row; off sm_90
+        and in the interpreter: every bucket): `ExactMM(..., boundary=)` with `Boundary.operands`,
+        one launch less a layer, the same bits (`boundary_folded`). False keeps the boundary's
+        own launch after wo_b (`Boundary.exit`). The gain is not yet measured on the GPU.
 
     Errors: StepError for buckets outside 1..LOW_BATCH_MAX_ROWS or past the state's stage_rows, a
     state of another configuration, or an unknown tp_boundary; `NotEligible` for a layer whose
@@ -122,7 +127,8 @@ class DecodeStep:
 
     def __init__(self, stack, state: DecodeState, *, max_rows: int = 16, buckets: Sequence[int] | None = None,
                  graphs: bool = True, overlap: bool = True, tp_boundary: str = "auto", wo_a_fp8: bool = False,
-                 exact_linears: bool = True, fp32_dots: bool = False, fold_index_chain: bool = False):
+                 exact_linears: bool = True, fp32_dots: bool = False, fold_index_chain: bool = False,
+                 fold_boundary: bool = True):
         if buckets is None:
             buckets = tuple(b for b in DEFAULT_BUCKETS if b < max_rows) + (max_rows,)
         buckets = tuple(sorted(set(buckets)))
@@ -141,6 +147,7 @@ class DecodeStep:
         self.stack, self.state, self.cfg = stack, state, stack.cfg
         self.buckets, self.max_rows = buckets, buckets[-1]
         self.device = dev
+        self.fold_boundary = bool(fold_boundary)
         self.plan = dict(low_batch=True, overlap=bool(overlap),
                          layers=[(i, stack.cfg.plan[i].label) for i in stack.ids],
                          indexer_shard_rows=INDEXER_SHARD_ROWS)
@@ -185,6 +192,12 @@ class DecodeStep:
         if self.use_graphs:
             self._capture()
 
+    def boundary_folded(self, layer: int, rows: int) -> bool:
+        """Whether the boundary after layer `layer` runs in its wo_b's epilogue in a step of `rows`
+        rows (a bucket): `fold_boundary` on, the single-GPU boundary, and wo_b's op for those rows
+        `ExactMM` (`AttentionStep.takes_boundary`)."""
+        return self.fold_boundary and self.boundary_mode == "single" and self.layers[layer].takes_boundary(rows)
+
     def indexer_sharded(self, rows: int) -> bool:
         """Whether a step of `rows` rows (a bucket) runs the dense indexers row-sharded: under TP,
         with a Full layer among the step's, at `indexer_shard_rows` rows or more."""
@@ -220,11 +233,15 @@ class DecodeStep:
         mix_ready = bd.mix(ids[0], x, 0, B, lanes)
         bd.enter(ids[0], x, io.pre_in[:B], B)
         for k, i in enumerate(ids):
-            self.layers[i].run(B, bd.u[:B], bd.codes[:B], bd.scales[:B], io.y[:B], events, shard)
-            lanes.wait(mix_ready)                             # post/comb/pre of this site
             nxt = ids[k + 1] if k + 1 < len(ids) else None
             x_new = io.x_out[:B] if nxt is None else bd.streams[k % 2][:B]
-            bd.exit(i, nxt, io.y[:B], x, k % 2, x_new, B, index=k)
+            if self.boundary_folded(i, B):                    # wo_b waits for this site's mixer
+                self.layers[i].run(B, bd.u[:B], bd.codes[:B], bd.scales[:B], io.y[:B], events, shard,
+                                   boundary=bd.operands(i, nxt, x, k % 2, x_new, B), mixed=mix_ready)
+            else:
+                self.layers[i].run(B, bd.u[:B], bd.codes[:B], bd.scales[:B], io.y[:B], events, shard)
+                lanes.wait(mix_ready)                         # post/comb/pre of this site
+                bd.exit(i, nxt, io.y[:B], x, k % 2, x_new, B, index=k)
             if nxt is not None:
                 mix_ready = bd.mix(nxt, x_new, (k + 1) % 2, B, lanes)
             x = x_new

@@ -173,6 +173,39 @@ def test_fold_index_chain_gives_the_same_bits(cpu_setup):
 
 
 @interpreter
+def test_boundary_in_wo_b_gives_the_same_bits(cpu_setup, monkeypatch):
+    """fold_boundary (the mHC boundary in wo_b's epilogue: `ExactMM` runs wo_b in every bucket in the
+    interpreter) against the boundary's own launch (`Boundary.exit`, not called when folded): steps
+    of 1 and 2 rows give the same streams, carried pre, layer output, next input (BF16 and MXFP8)
+    and caches bit for bit. Layers 0, 1 (SWA, Full at ratio 2): a boundary with a next layer and
+    the last one."""
+    from dsv41_decode.decode.boundary import Boundary
+    cfg, _, base, ckpt = cpu_setup
+    stack = AttentionStack(ckpt, [0, 1])
+    states = [copy.deepcopy(base) for _ in range(2)]
+    steps = [stack.decode_step(st, max_rows=2, fold_boundary=fold) for st, fold in zip(states, (False, True))]
+    assert not any(steps[0].boundary_folded(i, b) for i in stack.ids for b in (1, 2))
+    assert all(steps[1].boundary_folded(i, b) for i in stack.ids for b in (1, 2))
+    exits, exit_ = [], Boundary.exit
+    monkeypatch.setattr(Boundary, "exit", lambda self, *a, **kw: exits.append(self) or exit_(self, *a, **kw))
+    g = torch.Generator().manual_seed(4)
+    for rows in ([("a", 1)], [("b", 1), ("c", 1)]):
+        n = len(rows)
+        x = streams(n, cfg, g)
+        (out0, pre0), (out1, pre1) = (step(x, rows) for step in steps)
+        assert torch.equal(out0, out1) and torch.equal(pre0, pre1), rows
+        a, b = steps[0].boundary, steps[1].boundary
+        for name in ("u", "codes", "scales", "streams"):
+            for t0, t1 in zip(*(t if name == "streams" else [t] for t in (getattr(a, name), getattr(b, name)))):
+                assert torch.equal(t0[:n].view(torch.uint8), t1[:n].view(torch.uint8)), (rows, name)
+        assert torch.equal(steps[0].y[:n], steps[1].y[:n]), rows
+    assert [bd is steps[0].boundary for bd in exits] == [True] * 4
+    for cache in ("window", "compressed", "index_keys"):
+        for L, t in getattr(states[0], cache).items():
+            assert torch.equal(t, getattr(states[1], cache)[L]), (cache, L)
+
+
+@interpreter
 def test_memory_bytes_counts_the_layers_copies_and_workspaces(cpu_setup):
     """DecodeStep.memory_bytes: every family; per layer at least the fused wq_a|wkv copy; the
     stack's weights are not counted (an FP8 wo_a quantized at build adds exactly its codes and

@@ -41,7 +41,8 @@ class LayerLog:
     """Records, in order, what each layer and boundary of a step leaves for rows [0, rows):
     the attention output o, the layer output y, the mixer's post/comb/pre, the new streams and the
     next layer's input (BF16 and MXFP8). Installed by patching `AttentionStep.run` and
-    `Boundary.exit` (arguments bound by name)."""
+    `Boundary.exit` (arguments bound by name); a boundary that runs in wo_b's epilogue
+    (`DecodeStep.boundary_folded`) is recorded from the layer's `boundary` operands."""
 
     def __init__(self, monkeypatch):
         self.entries: list[tuple[str, torch.Tensor]] = []
@@ -55,17 +56,23 @@ class LayerLog:
             n, L = a["rows"], self.spec.layer
             log.entries.append((f"layer {L} o", self.s.o[:n].clone()))
             log.entries.append((f"layer {L} y", a["y"][:n].clone()))
+            b = a.get("boundary")
+            if b is not None:
+                log.boundary(L, n, b.post, b.comb, b.pre, b.x_out, b.u_out, b.codes_out, b.scales_out)
 
         def exit__(self, *args, **kw):
             a = exit_sig.bind(self, *args, **kw).arguments
             exit_(self, *args, **kw)
             n, L, slot = a["rows"], a["layer"], a["slot"]
-            for name, t in (("post", self.post[slot]), ("comb", self.comb[slot]), ("pre", self.pre[slot]),
-                            ("streams", a["x_new"]), ("u", self.u), ("codes", self.codes), ("scales", self.scales)):
-                log.entries.append((f"boundary after layer {L}: {name}", t[:n].clone()))
+            log.boundary(L, n, self.post[slot], self.comb[slot], self.pre[slot], a["x_new"], self.u, self.codes,
+                         self.scales)
 
         monkeypatch.setattr(AttentionStep, "run", run_)
         monkeypatch.setattr(Boundary, "exit", exit__)
+
+    def boundary(self, L: int, n: int, *tensors: torch.Tensor) -> None:
+        for name, t in zip(("post", "comb", "pre", "streams", "u", "codes", "scales"), tensors):
+            self.entries.append((f"boundary after layer {L}: {name}", t[:n].clone()))
 
     def take(self) -> list[tuple[str, torch.Tensor]]:
         out, self.entries = self.entries, []
