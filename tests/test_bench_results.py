@@ -68,3 +68,18 @@ def test_step_weight_bytes_counts_the_fp8_wo_a_a_step_reads(tmp_path):
     assert all(w.dtype == torch.bfloat16 for w in wo_a)
     saved = sum(w.numel() * 2 - w.numel() - (w.shape[0] // 32) * (w.shape[1] // 32) for w in wo_a)
     assert weight_bytes(stack) - step_weight_bytes(fp8, stack) == saved
+
+
+def test_timeline_layer_ends_with_the_boundary_or_a_folded_wo_b():
+    # A layer ends with the first mhc_boundary kernel after its wo_a, or, where the boundary runs in
+    # wo_b's epilogue, with the first kernel to start after its wo_a (the side lanes' kernels that
+    # start during wo_a do not count).
+    from dsv41_decode.bench.step_timeline import _layer_ends
+
+    def k(name, ts, dur=1.0):
+        return {"name": name, "ts": ts, "dur": dur}
+    apart = [k("mhc_enter", 0), k("wo_a", 10, 5), k("mix", 12, 9), k("wo_b", 16), k("mhc_boundary_split", 18),
+             k("wo_a", 30, 5), k("wo_b", 36), k("mhc_boundary_split", 38)]
+    assert [e["ts"] for e in _layer_ends(apart)] == [18, 38]
+    folded = [k("mhc_enter", 0), k("wo_a", 10, 5), k("mix", 12, 9), k("wo_b", 16), k("wo_a", 30, 5), k("wo_b", 36)]
+    assert [e["ts"] for e in _layer_ends(folded)] == [16, 36]

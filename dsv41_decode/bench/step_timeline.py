@@ -51,20 +51,33 @@ def write_timeline(step, bucket: int, out_dir: str, info: dict, progress=print) 
     progress(f"timeline: {len(kernels)} kernels, {streams} streams in layer {L}; wrote {path} and the PNG")
 
 
+def _layer_ends(kernels: list[dict]) -> list[dict]:
+    """The kernel that ends each layer, in order (kernels sorted by start): per `wo_a` kernel (one a
+    layer), the first mhc_boundary kernel after it and before the next layer's `wo_a`, else the
+    first kernel to start after it ends (its `wo_b`, with the boundary in the epilogue)."""
+    woa = [e for e in kernels if "wo_a" in e["name"]]
+    ends = []
+    for i, w in enumerate(woa):
+        stop = woa[i + 1]["ts"] if i + 1 < len(woa) else float("inf")
+        after = [e for e in kernels if e["ts"] >= w["ts"] + w["dur"] and e["ts"] < stop]
+        if after:
+            ends.append(next((e for e in after if "mhc_boundary" in e["name"]), after[0]))
+    return ends
+
+
 def plot_timeline(kernels: list[dict], layers: list[tuple[int, str, str]], info: dict, path) -> tuple[int, int]:
     """The PNG of a step's kernels per stream during its first Full layer (from the end of the
-    boundary before it to the end of its own). kernels: the trace's kernel events; layers: (layer,
-    kind, label) per step layer in order; info: gpu, commit, date. Returns (layer, streams drawn).
+    layer before it to the end of its own: a layer ends with its boundary, the first mhc_boundary
+    kernel after its `wo_a`, or where the boundary runs in `wo_b`'s epilogue, with the kernel that
+    starts first after its `wo_a`). kernels: the trace's kernel events; layers: (layer, kind,
+    label) per step layer in order; info: gpu, commit, date. Returns (layer, streams drawn).
     Also redraws a committed trace: `plot_timeline(trace_kernels(json.load(f)), ...)`."""
     kernels = sorted(kernels, key=lambda e: e["ts"])
-    # the boundaries between layers: after the first attention kernel (the first input's launch,
-    # `mhc_enter_`, is an mhc_boundary kernel too, and runs before any layer)
-    first_attn = next((e["ts"] for e in kernels if "sparse_mla" in e["name"]), kernels[0]["ts"])
-    bounds = [e for e in kernels if "mhc_boundary" in e["name"] and e["ts"] > first_attn]
+    ends = _layer_ends(kernels)
     full = [i for i, (_, kind, _) in enumerate(layers) if kind == "full"]
     k = full[0] if full else 0
-    t0 = bounds[k - 1]["ts"] + bounds[k - 1]["dur"] if k >= 1 and len(bounds) >= k else kernels[0]["ts"]
-    t1 = bounds[k]["ts"] + bounds[k]["dur"] if len(bounds) > k else kernels[-1]["ts"]
+    t0 = ends[k - 1]["ts"] + ends[k - 1]["dur"] if 1 <= k <= len(ends) else kernels[0]["ts"]
+    t1 = ends[k]["ts"] + ends[k]["dur"] if len(ends) > k else kernels[-1]["ts"]
     window = [e for e in kernels if t0 - 2 <= e["ts"] <= t1]
     import matplotlib
     matplotlib.use("Agg")
@@ -80,7 +93,7 @@ def plot_timeline(kernels: list[dict], layers: list[tuple[int, str, str]], info:
                 ax.text(e["ts"] - t0 + e["dur"] / 2, y, e["name"].strip("_")[:18], ha="center", va="center",
                         fontsize=6)
     ax.set_yticks(range(len(streams)), [f"stream {s}" for s in streams])
-    ax.set_xlabel("us from the end of the previous boundary")
+    ax.set_xlabel("us from the end of the previous layer")
     L, _, label = layers[k]
     ax.set_title(f"layer {L} ({label}), 1 row, one CUDA-graph replay on {info['gpu']} "
                  f"(commit {info['commit']}, {info['date']}); total step {kernels[-1]['ts'] + kernels[-1]['dur'] - kernels[0]['ts']:.0f} us")
