@@ -17,8 +17,8 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
     comp_slack_deep the same with the capture stream and the index query's lane at -2
     rope_apart      the query RoPE in a launch of its own after wq_b in every layer (`query_rope_`),
                     where wq_b's op has it in its epilogue (`rope_in_wq_b`)
-    boundary_apart  the mHC boundary in a launch of its own after wo_b (`Boundary.exit`), where
-                    wo_b's op runs it in its epilogue (`DecodeStep(fold_boundary=False)`: at 1 row)
+    boundary_folded the mHC boundary in wo_b's epilogue where wo_b's op is ExactMM (at 1 row on the
+                    H200; `DecodeStep(fold_boundary=True)`) instead of its own launch after wo_b
     mla_after_mix   the sparse MLA waits for the next site's mixer (at 1-16 rows the sparse MLA's
                     configurations need all their programs resident; the mixer, at the least
                     priority, can still hold SMs when it starts)
@@ -55,7 +55,7 @@ PRIORITIES = {
     "comp_slack": (C, (S, S, C)),
     "comp_slack_deep": (-2, (S, S, -2)),
     "rope_apart": (C, (C, S, C)),
-    "boundary_apart": (C, (C, S, C)),
+    "boundary_folded": (C, (C, S, C)),
     "mla_after_mix": (C, (C, S, C)),
     "wq_b_slack": (C, (C, S, C)),
 }
@@ -132,9 +132,9 @@ def _rope_apart(step):
     return undo
 
 
-def _boundary_apart(step):
-    """Patch the step: the mHC boundary in its own launch after wo_b; returns the undo."""
-    held, step.fold_boundary = step.fold_boundary, False
+def _boundary_folded(step):
+    """Patch the step: the mHC boundary in wo_b's epilogue where wo_b's op takes it; returns the undo."""
+    held, step.fold_boundary = step.fold_boundary, True
 
     def undo():
         step.fold_boundary = held
@@ -160,7 +160,7 @@ def main() -> None:
         step.lanes._aux = [torch.cuda.Stream("cuda", priority=p) for p in aux]
         step.lanes.capture = torch.cuda.Stream("cuda", priority=cap)
         patch = {"mla_after_mix": _mla_after_mix, "wq_b_slack": _wq_b_slack, "rope_apart": _rope_apart,
-                 "boundary_apart": _boundary_apart}.get(name)
+                 "boundary_folded": _boundary_folded}.get(name)
         undo = patch(step) if patch else (lambda: None)
         step.graphs = {}
         step._capture()

@@ -171,10 +171,10 @@ def test_gpu_long_run_vs_generic(gpu_setup):
 # Step options that must change no value: each runs the same 16 steps as the plain graphed step
 # ("graph") and must give its bits and state. "graph_again": two runs repeat; "eager": graph ==
 # eager; "no_overlap": every lane on the main stream (a missing event between lanes would show as
-# a difference between the two); "boundary_apart": the mHC boundary in its own launch where the
-# plain step runs it in wo_b's epilogue (ExactMM's buckets: 1-4 rows at this preset's dim).
+# a difference between the two); "fold_boundary": the mHC boundary in wo_b's epilogue where wo_b
+# runs ExactMM (its buckets: 1-4 rows at this preset's dim) instead of its own launch.
 SAME_BITS = {"graph_again": {}, "eager": dict(graphs=False), "no_overlap": dict(overlap=False),
-             "fold_index_chain": dict(fold_index_chain=True), "boundary_apart": dict(fold_boundary=False)}
+             "fold_index_chain": dict(fold_index_chain=True), "fold_boundary": dict(fold_boundary=True)}
 
 
 @pytest.fixture(scope="module")
