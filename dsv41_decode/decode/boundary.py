@@ -4,11 +4,12 @@ Between attention sublayer i and i+1 (no FFN plugged in): the post-mix of layer 
 the streams with the `post`/`comb` of site i, the collapse of the new streams with site i's `pre`
 (the carried pre), the next layer's attn_norm and the MXFP8 quantization of the next input - one
 fused launch on the main stream (`exit`: `ops.mhc.mhc_boundary_`, each row spread over chunks),
-or, on one GPU where layer i's wo_b runs `ExactMM` (`AttentionStep.takes_boundary`), the same
-work in wo_b's epilogue with the same bits (`operands`, passed to `AttentionStep.run`). Site
-i+1's mixer depends only on the streams entering it, so it runs on a side lane
-(`ops.hc_mix.hc_mix_`) from the moment those streams are written, and is joined where its
-post/comb/pre are first read (before the boundary's launch, or before wo_b when wo_b runs it).
+or, with `DecodeStep(fold_boundary=True)` on one GPU where layer i's wo_b runs `ExactMM`
+(`AttentionStep.takes_boundary`), the same work in wo_b's epilogue with the same bits
+(`operands`, passed to `AttentionStep.run`). Site i+1's mixer depends only on the streams
+entering it, so it runs on a side lane (`ops.hc_mix.hc_mix_`) from the moment those streams are
+written, and is joined where its post/comb/pre are first read (before the boundary's launch, or
+before wo_b when wo_b runs it).
 
 Buffers are double-buffered by site parity: site k's mixer writes set k % 2 while the boundary of
 site k-1 reads set (k-1) % 2.

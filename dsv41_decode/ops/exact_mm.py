@@ -47,14 +47,15 @@ channels 448..511, rotates their pairs (`kv_write.rope_tile` on a one-row tile; 
 mul.rn / sub.rn / add.rn on the GPU, since the kernel compiles with fp fusion on): the bits of the
 call followed by `kv_write.query_rope_`.
 
-The mHC boundary epilogue (`boundary=mhc.BoundaryOperands(...)`, the step's wo_b at TP1 where
-ExactMM runs it): after storing a row of a tile, the same program post-mixes the rounded row into
-the new streams and parks its collapse (`mhc.tile_boundary`); the last tile of each chunk of the
-boundary's plan to arrive sums the chunk's squares, the last chunk of the row normalizes and
-quantizes the row (per-row and per-chunk counters, reset by their last arrivers): the bits of the
-call followed by `mhc.mhc_boundary_` with that plan. Such a launch compiles without fp fusion (the
-boundary rounds each product and sum; the K loop is inline PTX either way) and, for the configurations
-in `_BOUNDARY_MAXNREG`, under the plain kernel's register count.
+The mHC boundary epilogue (`boundary=mhc.BoundaryOperands(...)`; the step's wo_b at TP1 where
+ExactMM runs it, with `DecodeStep(fold_boundary=True)`): after storing a row of a tile, the same
+program post-mixes the rounded row into the new streams and parks its collapse
+(`mhc.tile_boundary`); the last tile of each chunk of the boundary's plan to arrive sums the
+chunk's squares, the last chunk of the row normalizes and quantizes the row (per-row and
+per-chunk counters, reset by their last arrivers): the bits of the call followed by
+`mhc.mhc_boundary_` with that plan. Such a launch compiles without fp fusion (the boundary rounds
+each product and sum; the K loop is inline PTX either way) and, for the configurations in
+`_BOUNDARY_MAXNREG`, under the plain kernel's register count.
 
 An `ExactMM` plan binds one weight and its launch configurations once; calling it only launches.
 """
@@ -310,8 +311,8 @@ def _exact_mm_kernel(
     scales_ptr=None, bws_ptr=None, bcnt_ptr=None, ccnt_ptr=None, eps=None, stride_bxn=None, stride_bxh=None,
     stride_post=None, stride_cn=None, stride_ci=None, stride_pre=None, stride_xon=None, stride_xoh=None,
     stride_u=None, stride_codes=None, stride_scales=None, stride_bws=None, stride_ccnt=None,
-    BOUNDARY: tl.constexpr = False, DIM: tl.constexpr = None, BD: tl.constexpr = None, NCH: tl.constexpr = None, NCH_P2: tl.constexpr = None,
-    TAIL: tl.constexpr = None,
+    BOUNDARY: tl.constexpr = False, DIM: tl.constexpr = None, BD: tl.constexpr = None, NCH: tl.constexpr = None,
+    NCH_P2: tl.constexpr = None, TAIL: tl.constexpr = None,
 ):
     # Grid: (N tiles, K splits). Program (t, s) covers W rows [t*BLOCK_N, +BLOCK_N) over the K steps
     # [s*steps_per_split, +steps_per_split) and every row of x, ROWS at a time. With one split it

@@ -92,9 +92,10 @@ def test_boundary_reaches_exact_mm_only():
 
 @pytest.mark.gpu
 def test_boundary_epilogue_at_wo_b_on_gpu():
-    # The step's wo_b call with the boundary (1 row on sm_90: ExactMM; `decode.step`), the plan's
-    # chunks of 512 columns at dim 5120: bitwise the call without it followed by mhc_boundary_,
-    # twice (the counters reset); at 2 rows and more the other ops run, which do not take it.
+    # The step's wo_b call with the boundary (`DecodeStep(fold_boundary=True)`: 1 row on sm_90,
+    # ExactMM), the plan's chunks of 512 columns at dim 5120: bitwise the call without it followed
+    # by mhc_boundary_, twice (the counters reset); at 2 rows and more the other ops run, which do
+    # not take it.
     n, k = 5120, 8192
     _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(n + k + 6), 2, n, k)
     linear = ExactLinear(weight, w_scale)

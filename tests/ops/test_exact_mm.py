@@ -97,8 +97,8 @@ def check_boundary(plan, codes, x_scale, ops, plain: torch.Tensor, what) -> None
     """`plan(codes, x_scale, out, boundary=ops)` (ops: `helpers.boundary_operands`, outputs poisoned)
     into a poisoned out gives plain's bits in out (the call without the epilogue, [M, N] BF16) and,
     in ops' outputs, those of `mhc_boundary_(plain, ...)` with a plan of the same chunks (the
-    separate launch the step's wo_b epilogue replaces); the plan's counters end at zero
-    (test_exact_linear uses it too)."""
+    separate launch that the step's wo_b epilogue stands for under fold_boundary); the plan's
+    counters end at zero (test_exact_linear uses it too)."""
     m, n = plain.shape
     want = mhc_boundary(plain, ops.x, ops.post, ops.comb, ops.pre, ops.norm_weight, ops.eps,
                         plan=MhcBoundaryPlan.build(n, m, plain.device, ops.plan.block_d))
