@@ -329,8 +329,9 @@ class AttentionStep:
         at TP1; every rank must pass the same value (the gather is a collective).
         boundary: the mHC boundary after this layer, run in wo_b's epilogue (`takes_boundary(rows)`
         must hold; `Boundary.operands`: it overwrites u, codes and scales with the next layer's
-        input once this layer no longer reads them); mixed: the event of the mixer that wrote its
-        post/comb/pre (waited for before wo_b; None: already ordered).
+        input once this layer no longer reads them); mixed: with boundary, the event of the mixer
+        that wrote its post/comb/pre (waited for before wo_b; None: already ordered); unused
+        without it.
 
         Phases (design section 2), each enqueued in order on the main stream with its side work on
         the lanes: `_inputs` (the fused wq_a|wkv GEMM and the norms; the side projections),

@@ -226,7 +226,8 @@ def finish_chunk(ss, n, ch, w_ptr, u_ptr, codes_ptr, scales_ptr, ws_ptr, cnt_ptr
                  stride_scales, stride_ws, D: tl.constexpr, NCH: tl.constexpr, NCH_P2: tl.constexpr,
                  BLOCK_N: tl.constexpr):
     """Record chunk ch's sum of squares ss of row n in the workspace (its collapse parked in u
-    already, by every thread of the program); the row's last chunk to arrive (the row's counter,
+    already: by this program's threads, or in `tile_boundary` by the chunk's tiles, ordered before
+    the chunk counter's last arrival); the row's last chunk to arrive (the row's counter,
     reset by it) adds the NCH sums in a butterfly over NCH_P2 lanes (the order of `tl.sum` over
     them on sm_90, up to 32) and normalizes and quantizes the whole row, BLOCK_N columns a slice."""
     u_row = u_ptr + n * stride_u

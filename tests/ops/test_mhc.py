@@ -211,9 +211,9 @@ def _chunk_sumsq_order(c: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _sumsq_kernel(c_ptr, tree_ptr, sum_ptr, parts_ptr, BLOCK_D: tl.constexpr, PARTS: tl.constexpr):
-    # per row: chunk_sumsq of a BF16 chunk, tl.sum of its squares (the split kernel's former sum: in a
-    # 4-warp program the same layout, BLOCK_D / 128 consecutive values a thread), and the butterfly
-    # and tl.sum over the row's first PARTS squares (the chunks' sums of a row)
+    # per row: chunk_sumsq of a BF16 chunk, tl.sum of its squares (in a 4-warp program the layout of
+    # the split kernel's chunks, BLOCK_D / 128 consecutive values a thread), and the butterfly and
+    # tl.sum over the row's first PARTS squares (the chunks' sums of a row)
     n = tl.program_id(0)
     c = tl.load(c_ptr + n * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.float32)
     tl.store(tree_ptr + n, chunk_sumsq(c))
@@ -237,8 +237,9 @@ def _sumsq_case(rows: int, block_d: int, parts: int):
 
 @pytest.mark.parametrize("block_d", [32, 64, 512, 1024])
 def test_chunk_sumsq_order(block_d):
-    """chunk_sumsq adds in the order it documents (bitwise its torch spelling), one that differs from
-    numpy's pairwise sum (the interpreter's tl.sum) on these inputs; the butterfly of 16 values too."""
+    """chunk_sumsq adds in the order it documents (bitwise its torch spelling), at 512 columns one
+    that differs from numpy's pairwise sum (the interpreter's tl.sum) on these inputs; the butterfly
+    of 16 values too."""
     c, tree, plain, pair = _sumsq_case(3, block_d, 16)
     assert torch.equal(tree, _chunk_sumsq_order(c))
     assert torch.equal(pair[:, 0], _butterfly(c[:, :16] * c[:, :16]))
@@ -250,8 +251,8 @@ def test_chunk_sumsq_order(block_d):
 @pytest.mark.parametrize("block_d", [512, 1024])
 def test_gpu_chunk_sumsq_is_the_4_warp_sum(block_d):
     """On sm_90, chunk_sumsq and the butterfly over 16 values give the bits of tl.sum in a 4-warp
-    program of the split kernel's layout (what the split boundary summed before chunk_sumsq, so its
-    bits are unchanged), on 4096 rows of wide-ranging values."""
+    program of the split kernel's layout (so `mhc_boundary_`'s chunk sums on the GPU are tl.sum's),
+    on 4096 rows of wide-ranging values."""
     c, tree, plain, pair = _sumsq_case(4096, block_d, 16)
     assert torch.equal(tree, _chunk_sumsq_order(c))
     assert torch.equal(tree, plain), f"{int((tree != plain).sum())} of 4096 rows differ"
