@@ -73,7 +73,7 @@ from .checks import interpreting, mxfp8_linear_args, mxfp8_weight_args, rope_epi
 from .common import CPU_SMS, column, num_sms, plan_workspace
 from .fp4 import bf16_round
 from .kv_write import rope_tile
-from .mhc import BoundaryOperands, tile_boundary
+from .mhc import BoundaryOperands, MhcBoundaryPlan, tile_boundary
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
 
 MAX_ROWS = 64
@@ -504,10 +504,10 @@ def rope_kwargs(rope, out: torch.Tensor, n: int, m: int, device: torch.device) -
 
 def boundary_kwargs(boundary, out: torch.Tensor, block_n: int, num_warps: int) -> dict:
     """The launch's keyword arguments of `ExactMM`'s mHC boundary epilogue: {} without `boundary`;
-    else the operands' pointers and strides, BOUNDARY=True, the plan's chunking and the tail's slice
-    (`_boundary_tail`), after the checks (errors naming the argument): boundary an
-    `mhc.BoundaryOperands` that suits a boundary on out (`BoundaryOperands.check`), out BF16, and
-    the launch's block_n dividing the plan's block_d (a tile within one chunk)."""
+    else the operands' pointers and strides and `boundary_constexprs`, after the checks (errors
+    naming the argument): boundary an `mhc.BoundaryOperands` that suits a boundary on out
+    (`BoundaryOperands.check`), out BF16, and the launch's block_n dividing the plan's block_d (a
+    tile within one chunk)."""
     if boundary is None:
         return {}
     if not isinstance(boundary, BoundaryOperands):
@@ -529,9 +529,14 @@ def boundary_kwargs(boundary, out: torch.Tensor, block_n: int, num_warps: int) -
                 stride_post=b.post.stride(0), stride_cn=b.comb.stride(0), stride_ci=b.comb.stride(1),
                 stride_pre=b.pre.stride(0), stride_xon=xo.stride(0), stride_xoh=xo.stride(1), stride_u=u.stride(0),
                 stride_codes=codes.stride(0), stride_scales=scales.stride(0), stride_bws=plan.ws.stride(0),
-                stride_ccnt=plan.chunk_counters.stride(0), BOUNDARY=True, DIM=plan.dim, BD=plan.block_d,
-                NCH=plan.chunks, NCH_P2=triton.next_power_of_2(plan.chunks),
-                TAIL=_boundary_tail(plan.dim, num_warps))
+                stride_ccnt=plan.chunk_counters.stride(0), **boundary_constexprs(plan, num_warps))
+
+
+def boundary_constexprs(plan: MhcBoundaryPlan, num_warps: int) -> dict:
+    """The boundary epilogue's constexprs for `plan` in a launch of `num_warps` warps: BOUNDARY, the
+    plan's chunking (DIM, BD, NCH, NCH_P2) and the tail's slice (`_boundary_tail`)."""
+    return dict(BOUNDARY=True, DIM=plan.dim, BD=plan.block_d, NCH=plan.chunks,
+                NCH_P2=triton.next_power_of_2(plan.chunks), TAIL=_boundary_tail(plan.dim, num_warps))
 
 
 # Per launch configuration: the register cap of its launches with the boundary epilogue, the plain

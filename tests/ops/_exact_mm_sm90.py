@@ -18,10 +18,11 @@ import sys
 from pathlib import Path
 
 from dsv41_decode.ops import exact_mm as E
+from dsv41_decode.ops.mhc import MhcBoundaryPlan
 from dsv41_decode.testing.sm90 import compile_sm90, main_loop, opcode_counts, resources, sass
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # tests/: the loop finder's helpers
-from ops._gluon_linear_support import loops  # noqa: E402
+from ops._gluon_linear_support import loops, rope_epilogue  # noqa: E402
 
 # The V4.1-Flash shapes the op serves (N, K), with the TP shards of wq_b and wo_b.
 REAL_SHAPES = [(1792, 5120), (32768, 1280), (16384, 1280), (8192, 1280), (4096, 1280),
@@ -32,10 +33,6 @@ TYPES = {"x_ptr": "*fp8e4nv", "sx_ptr": "*u8", "w_ptr": "*fp8e4nv", "sw_ptr": "*
          "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
 
 
-# The query-RoPE epilogue's arguments as the plan passes them (`exact_mm.rope_kwargs`): FP32 cos/sin
-# pointers with their row strides, or all four None (constexprs: no kernel parameter).
-ROPE_TYPES = {"cos_ptr": "*fp32", "sin_ptr": "*fp32"}
-NO_ROPE = dict.fromkeys(("cos_ptr", "sin_ptr", "stride_cm", "stride_sm"))
 # The mHC boundary epilogue's (`exact_mm.boundary_kwargs`) at dim 5120 with the step's plan (chunks
 # of 512 columns), or all None; the strides divisible by 16 as the step's buffers give them (the
 # mixer's and the plan's rows are 4, 16 and 10 wide).
@@ -50,18 +47,17 @@ NO_BOUNDARY = dict.fromkeys((*BOUNDARY_TYPES, *BOUNDARY_DIVISIBLE, "stride_post"
 
 def boundary_consts(cfg: E.ExactConfig, dim: int = 5120, block_d: int = 512) -> dict:
     """The boundary epilogue's constexprs as `exact_mm.boundary_kwargs` sets them."""
-    chunks = -(-dim // block_d)
-    return dict(BOUNDARY=True, DIM=dim, BD=block_d, NCH=chunks, NCH_P2=1 << (chunks - 1).bit_length(),
-                TAIL=E._boundary_tail(dim, cfg.num_warps))
+    return E.boundary_constexprs(MhcBoundaryPlan.build(dim, 1, "cpu", block_d), cfg.num_warps)
 
 
 def measure(cfg: E.ExactConfig, rope: bool = False, boundary: bool = False) -> dict:
     fn = E._exact_mm_kernel
-    types = {**TYPES, **(ROPE_TYPES if rope else {}), **(BOUNDARY_TYPES if boundary else {})}
+    rope_args = rope_epilogue(rope)      # the query-RoPE epilogue's arguments as the plan passes them
+    types = {**TYPES, **rope_args.get("types", {}), **(BOUNDARY_TYPES if boundary else {})}
     kernel = compile_sm90(fn, types,
                           dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS=cfg.rows, OUT_F32=False,
                                SPLIT=cfg.split, STAGES=cfg.num_stages, CHAIN=True, ASM=True,
-                               **({"ROPE": True} if rope else NO_ROPE),
+                               **rope_args["consts"],
                                **(boundary_consts(cfg) if boundary else NO_BOUNDARY)),
                           # as the launcher sees the real shapes: K and the codes' / weight's / y's
                           # row strides multiples of 16 (M and the scale strides are not specialized)
