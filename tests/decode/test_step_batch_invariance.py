@@ -119,12 +119,14 @@ def _request_records(state: DecodeState, req: str) -> list[tuple[str, torch.Tens
 
 
 @interpreter
-def test_rows_alone_and_among_others_give_the_same_bits(tmp_path_factory, monkeypatch):
+@pytest.mark.parametrize("fold_boundary", [False, True], ids=["boundary_launch", "fold_boundary"])
+def test_rows_alone_and_among_others_give_the_same_bits(tmp_path_factory, monkeypatch, fold_boundary):
     """Request a's row alone (bucket 1) and second among 4 rows (bucket 4, where the mixer's tile,
     the indexer's grid and the tables differ): every layer's and boundary's outputs and the cache
-    records it wrote hold the same bits. Four layers: SWA; Full at ratio 2 (FP32 compressor
-    weights); Full at ratio 1, the candidate source; Reindex (the Reuse layers of test_step.py run
-    no kernel these do not)."""
+    records it wrote hold the same bits, with the boundary in its own launch and in wo_b's epilogue
+    (fold_boundary: every layer in both buckets in the interpreter). Four layers: SWA; Full at
+    ratio 2 (FP32 compressor weights); Full at ratio 1, the candidate source; Reindex (the Reuse
+    layers of test_step.py run no kernel these do not)."""
     cfg = reduced_config().replace(n_layers=4, compress_ratios=(0, 2, 1, 1), kv_source_layers=(1, 2),
                                    index_source_layers=(1, 2, 3), candidate_source_layer=2)
     stack = AttentionStack(load_checkpoint(write_synthetic_checkpoint(cfg, tmp_path_factory.mktemp("bi_ckpt"), seed=5)))
@@ -135,8 +137,9 @@ def test_rows_alone_and_among_others_give_the_same_bits(tmp_path_factory, monkey
     g = torch.Generator().manual_seed(0)
     stack.forward(streams(sum(prompts.values()), cfg, g), base.plan(list(prompts.items())), base)
     twin = copy.deepcopy(base)
-    alone = stack.decode_step(base, max_rows=8, graphs=False)
-    among = stack.decode_step(twin, max_rows=8, graphs=False)
+    alone = stack.decode_step(base, max_rows=8, graphs=False, fold_boundary=fold_boundary)
+    among = stack.decode_step(twin, max_rows=8, graphs=False, fold_boundary=fold_boundary)
+    assert all(step.boundary_folded(i, b) == fold_boundary for step, b in ((alone, 1), (among, 4)) for i in stack.ids)
     log = LayerLog(monkeypatch)
     rows_alone, rows_among = [("a", 1)], [("b", 1), ("a", 1), ("c", 2)]
     xa, xb, xc = streams(1, cfg, g), streams(1, cfg, g), streams(2, cfg, g)
