@@ -431,8 +431,8 @@ class AttentionStep:
         fold_index_chain and no forced selection, the sparse-index table in its last launch, else
         after it on lane 2); the candidate pool (lane 1, a candidate source) follows on the side;
         the events in `events`."""
-        cfg, spec, s, m, lanes = self.cfg, self.spec, self.s, self.meta, self.lanes
-        st, L, r = self.state, spec.layer, spec.ratio
+        spec, s, m, lanes = self.spec, self.s, self.meta, self.lanes
+        st, r = self.state, spec.ratio
         lanes.wait(iq_ready, events.candidates)               # the expansion still reads the scores
         events.candidates = None
         sel = self.selection
