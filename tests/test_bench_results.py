@@ -83,3 +83,7 @@ def test_timeline_layer_ends_with_the_boundary_or_a_folded_wo_b():
     assert [e["ts"] for e in _layer_ends(apart)] == [18, 38]
     folded = [k("mhc_enter", 0), k("wo_a", 10, 5), k("mix", 12, 9), k("wo_b", 16), k("wo_a", 30, 5), k("wo_b", 36)]
     assert [e["ts"] for e in _layer_ends(folded)] == [16, 36]
+    # with streams: a side lane's kernel starting between wo_a and wo_b is not the layer's end
+    on = [dict(e, args={"stream": 7 if e["name"] in ("wo_a", "wo_b") else 9}) for e in folded]
+    on.insert(3, {"name": "topk", "ts": 15.5, "dur": 1.0, "args": {"stream": 9}})
+    assert [e["ts"] for e in _layer_ends(on)] == [16, 36]

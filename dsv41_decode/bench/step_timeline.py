@@ -54,14 +54,18 @@ def write_timeline(step, bucket: int, out_dir: str, info: dict, progress=print) 
 def _layer_ends(kernels: list[dict]) -> list[dict]:
     """The kernel that ends each layer, in order (kernels sorted by start): per `wo_a` kernel (one a
     layer), the first mhc_boundary kernel after it and before the next layer's `wo_a`, else the
-    first kernel to start after it ends (its `wo_b`, with the boundary in the epilogue)."""
+    first kernel to start after it ends on its stream (its `wo_b`, with the boundary in the
+    epilogue; any kernel when the trace names no streams)."""
+    def stream(e):
+        return e.get("args", {}).get("stream", e.get("tid"))
     woa = [e for e in kernels if "wo_a" in e["name"]]
     ends = []
     for i, w in enumerate(woa):
         stop = woa[i + 1]["ts"] if i + 1 < len(woa) else float("inf")
         after = [e for e in kernels if e["ts"] >= w["ts"] + w["dur"] and e["ts"] < stop]
+        same = [e for e in after if stream(e) == stream(w)]
         if after:
-            ends.append(next((e for e in after if "mhc_boundary" in e["name"]), after[0]))
+            ends.append(next((e for e in after if "mhc_boundary" in e["name"]), (same or after)[0]))
     return ends
 
 
@@ -69,7 +73,7 @@ def plot_timeline(kernels: list[dict], layers: list[tuple[int, str, str]], info:
     """The PNG of a step's kernels per stream during its first Full layer (from the end of the
     layer before it to the end of its own: a layer ends with its boundary, the first mhc_boundary
     kernel after its `wo_a`, or where the boundary runs in `wo_b`'s epilogue, with the kernel that
-    starts first after its `wo_a`). kernels: the trace's kernel events; layers: (layer, kind,
+    starts first after its `wo_a` on the same stream). kernels: the trace's kernel events; layers: (layer, kind,
     label) per step layer in order; info: gpu, commit, date. Returns (layer, streams drawn).
     Also redraws a committed trace: `plot_timeline(trace_kernels(json.load(f)), ...)`."""
     kernels = sorted(kernels, key=lambda e: e["ts"])

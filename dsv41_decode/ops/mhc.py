@@ -311,7 +311,8 @@ def tile_boundary(y, n, off_n, x_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, xo_ptr
 class MhcBoundaryPlan:
     """The split of `mhc_boundary_` over chunks of each row, and its workspace (build once).
 
-    dim: the model dim; max_rows: the most rows a launch may pass; block_d: columns per program;
+    dim: the model dim (a multiple of 32); max_rows: the most rows a launch may pass; block_d:
+    columns per program, a power of two in 32..1024 (`chunk_sumsq`'s order is the sm_90 `tl.sum`'s there);
     ws: [max_rows, chunks] FP32 partial sums of squares; counters: [max_rows] int32, 0 between
     launches (the last program of a row resets its counter, so graph replays need no memset);
     chunk_counters: [max_rows, chunks] int32, the same for the tiles of each chunk when a linear's
@@ -334,8 +335,9 @@ class MhcBoundaryPlan:
         for name, v in (("dim", dim), ("max_rows", max_rows), ("block_d", block_d)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        if dim % 32 or block_d % 32 or block_d & (block_d - 1):
-            raise ValueError(f"dim={dim} must be a multiple of 32 and block_d={block_d} a power of two >= 32")
+        if dim % 32 or block_d % 32 or block_d & (block_d - 1) or block_d > 1024:
+            raise ValueError(f"dim={dim} must be a multiple of 32 and block_d={block_d} a power of two in "
+                             f"32..1024 (`chunk_sumsq`'s range)")
         chunks = triton.cdiv(dim, block_d)
         return cls(dim, max_rows, block_d, torch.zeros(max_rows, chunks, dtype=torch.float32, device=device),
                    torch.zeros(max_rows, dtype=torch.int32, device=device),

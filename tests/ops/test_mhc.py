@@ -172,6 +172,13 @@ def test_split_boundary_matches_reference(n, dim, block_d):
     _check_boundary(*case, mhc_boundary(*_dev(*case), _EPS, plan=plan))
 
 
+def test_boundary_plan_rejects_a_chunk_outside_chunk_sumsq_range():
+    with pytest.raises(ValueError, match="block_d=2048 a power of two in 32..1024"):
+        MhcBoundaryPlan.build(4096, 2, "cpu", block_d=2048)
+    with pytest.raises(ValueError, match="block_d=96"):
+        MhcBoundaryPlan.build(4096, 2, "cpu", block_d=96)
+
+
 def test_split_boundary_rejects_a_plan_of_another_shape():
     case = _dev(*_boundary_case(3, 64, seed=1))
     with pytest.raises(ValueError, match="plan is for dim=128"):
