@@ -73,8 +73,9 @@ def plot_timeline(kernels: list[dict], layers: list[tuple[int, str, str]], info:
     """The PNG of a step's kernels per stream during its first Full layer (from the end of the
     layer before it to the end of its own: a layer ends with its boundary, the first mhc_boundary
     kernel after its `wo_a`, or where the boundary runs in `wo_b`'s epilogue, with the kernel that
-    starts first after its `wo_a` on the same stream). kernels: the trace's kernel events; layers: (layer, kind,
-    label) per step layer in order; info: gpu, commit, date. Returns (layer, streams drawn).
+    starts first after its `wo_a` on the same stream; `_layer_ends`). kernels: the trace's kernel
+    events; layers: (layer, kind, label) per step layer in order; info: gpu, commit, date. Returns
+    (layer, streams drawn).
     Also redraws a committed trace: `plot_timeline(trace_kernels(json.load(f)), ...)`."""
     kernels = sorted(kernels, key=lambda e: e["ts"])
     ends = _layer_ends(kernels)
