@@ -73,7 +73,7 @@ from .checks import interpreting, mxfp8_linear_args, mxfp8_weight_args, rope_epi
 from .common import CPU_SMS, column, num_sms, plan_workspace
 from .fp4 import bf16_round
 from .kv_write import rope_tile
-from .mhc import BoundaryOperands, MhcBoundaryPlan, tile_boundary
+from .mhc import BoundaryOperands, MhcBoundaryPlan, _boundary_block_d, tile_boundary
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
 
 MAX_ROWS = 64
@@ -550,9 +550,9 @@ _BOUNDARY_MAXNREG: dict[ExactConfig, int] = {
 
 
 def _boundary_tail(dim: int, num_warps: int) -> int:
-    """Columns a slice of the boundary's serial tail (the row's last chunk normalizing the row): 256
-    a warp (8 a thread), at most 1024 and the dim's power of two."""
-    return min(256 * num_warps, 1024, triton.next_power_of_2(dim))
+    """Columns a slice of the boundary's serial tail (the row's last chunk normalizing the row): the
+    split launch's slice (`mhc._boundary_block_d`), at most 256 a warp (8 a thread)."""
+    return min(256 * num_warps, _boundary_block_d(dim))
 
 
 @dataclass(frozen=True)
