@@ -148,9 +148,7 @@ def bf16_out(y, off_n, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BN: gl.constex
         yb = index_query_tile(yb, off_n, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BN, BT, out_l)
     elif ROPE:
         if off_n % 512 + BN > 448:
-            if PAIRS is None:
-                yb = rope_tile(yb, off_n, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BN, BT, out_l)
-            else:
-                yb = rope_tile(gl.convert_layout(yb, PAIRS), off_n, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BN,
-                               BT, out_l)
+            if PAIRS is not None:
+                yb = gl.convert_layout(yb, PAIRS)
+            yb = rope_tile(yb, off_n, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BN, BT, out_l)
     return yb
