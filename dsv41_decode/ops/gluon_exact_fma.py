@@ -59,7 +59,7 @@ and leaves that sum in the workspace, in the slab of its last block; each other 
 slot's four terms, when its threads have added them, from shared memory to their blocks' slabs (a
 16-byte store a thread per 512 terms); the tile's last program to arrive (an acq_rel counter per
 tile, which it resets for the next call and a CUDA graph's replay) continues split 0's sum with
-the other splits' terms in K order and stores y: `gluon_exact_mm._split_k_sum`, GluonExactMM's
+the other splits' terms in K order and stores y: `gluon_exact_common.split_k_sum`, GluonExactMM's
 scheme, the terms loaded 64 registers' worth at a time (independent loads ahead of their adds:
 an L2 round trip per chunk), the tile's BN x R outputs spread over the 128 threads (x rows across
 the lanes first). The workspace: [K / 32, BN, R] FP32 per tile (all R rows), and an int32
@@ -107,7 +107,7 @@ GluonExactMM 6.6: none).
 
 **The query RoPE epilogue** (`rope=(cos, sin)`, the step's wq_b: GluonExactFMA runs its 1-2 rows)
 is `gluon_exact_mm`'s: the program that stores a tile (with the K split the last arriver) rotates
-each head's channels 448..511 on the BF16-rounded tile (`gluon_exact_mm._store`), the bits of the
+each head's channels 448..511 on the BF16-rounded tile (`gluon_exact_common.store_tile`), the bits of the
 call followed by `kv_write.query_rope_`; the consumer's loop and registers stay those of the
 kernel without it (sm_90 compiles).
 
@@ -130,7 +130,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from .checks import row_configs
 from .common import num_sms
-from .gluon_exact_mm import _GluonExactPlan, _pow2, _split_k_sum, _store, _sum_chunk, ring_weight_args
+from .gluon_exact_common import GluonExactPlan, pow2, ring_weight_args, split_k_sum, store_tile, sum_chunk
 from .gluon_mm import SHARED_LIMIT, _producer, _ring, _scale, activation_operands, require_maxnreg, split_bounds
 
 MAX_ROWS = 4
@@ -327,7 +327,7 @@ def _consumer(w_smem, x_smem, ready, empty, xf, terms, sw_words, sx_words, n_ste
         sw_next = gl.load(sw_words + gl.minimum(i + 1, n_steps - 1))
         sx_next = gl.load(sx_words + gl.minimum(i + 1, n_steps - 1))
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        xv = _pow2(x_smem.index(s).load(xl).to(gl.float32).to(gl.float64), 1000)             # [R, 128]
+        xv = pow2(x_smem.index(s).load(xl).to(gl.float32).to(gl.float64), 1000)             # [R, 128]
         xf.store(_x_rows(xv, LK))
         # x's values and the previous slot's terms stored by every thread
         gl.thread_barrier()
@@ -380,8 +380,8 @@ def _gluon_exact_fma_kernel(
     # rows), cnt_ptr its counter; split 0 adds its blocks' terms in K order from 0 as the whole
     # kernel does and leaves the sum in the slab of its last block, the other splits copy their
     # terms to their blocks' slabs, and the tile's last program to arrive continues split 0's sum
-    # with the other splits' terms in K order (`gluon_exact_mm._split_k_sum`): the same FP32 adds
-    # in the same order as without the split. ROPE: the query RoPE epilogue (`gluon_exact_mm._store`)
+    # with the other splits' terms in K order (`gluon_exact_common.split_k_sum`): the same FP32 adds
+    # in the same order as without the split. ROPE: the query RoPE epilogue (`gluon_exact_common.store_tile`)
     # with cos/sin [M, 32] FP32 at cos_ptr / sin_ptr (row strides stride_cm / stride_sm; all four
     # None without it, so that they take no kernel parameter).
     BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -451,15 +451,15 @@ def _gluon_exact_fma_kernel(
                                              warps_per_cta=[4, 1], order=[1, 0])
         sn = gl.arange(0, BN, layout=gl.SliceLayout(1, SUM))
         sm = gl.arange(0, R, layout=gl.SliceLayout(0, SUM))
-        last, total = _split_k_sum(gl.full([BN, R], -0.0, gl.float32, SUM), prefix + sn[:, None] * R + sm[None, :],
+        last, total = split_k_sum(gl.full([BN, R], -0.0, gl.float32, SUM), prefix + sn[:, None] * R + sm[None, :],
                                    None, SLAB, 4 * (n_steps - steps_per_split) + 1, cnt_ptr + pid_n, n_split,
-                                   _sum_chunk(max(1, BN * R // 128)))
+                                   sum_chunk(max(1, BN * R // 128)))
         if last:
-            _store(y_ptr + sm[None, :] * stride_ym + pid_n * BN + sn[:, None], total,
+            store_tile(y_ptr + sm[None, :] * stride_ym + pid_n * BN + sn[:, None], total,
                    (pid_n * BN + sn[:, None] < N) & (sm[None, :] < M), OUT_F32, pid_n * BN, M, cos_ptr, sin_ptr,
                    stride_cm, stride_sm, ROPE)
     else:
-        _store(y_ptrs, acc, mask, OUT_F32, pid_n * BN, M, cos_ptr, sin_ptr, stride_cm, stride_sm, ROPE)
+        store_tile(y_ptrs, acc, mask, OUT_F32, pid_n * BN, M, cos_ptr, sin_ptr, stride_cm, stride_sm, ROPE)
 
 
 ROW_BUCKETS = (1, 2, 4)         # R: the x rows a program computes (TMA's box; rows past M are its zeros)
@@ -589,7 +589,7 @@ def default_config(n: int, sms: int) -> GluonExactFMAConfig:
     return next((c for c in _TILES if -(-n // c.block_n) * 2 >= 3 * sms), _TILES[-1])
 
 
-class GluonExactFMA(_GluonExactPlan):
+class GluonExactFMA(GluonExactPlan):
     """y[M, N] = bf16(sum over 32-wide K blocks kb, in K order, of RN(codes[:, kb] . weight[:, kb])
     * sx * sw) for 1 <= M <= max_rows <= 4, with the weight bound once: bitwise the contract of
     `reference.linear.mxfp8_mm`, on the FP64 CUDA cores from a TMA ring (module docstring); sm_90

@@ -68,7 +68,7 @@ What the Gluon form does differently (the layout of `ops.gluon_mm`, the Gluon FP
   programs share a weight tile's K; each stores its block terms (the M real rows) in a plan-owned
   workspace, and the tile's last program to arrive (an acq_rel atomic counter, reset for the next
   call and a CUDA graph's replay) adds all K / 32 of them in K order from 0: `exact_mm`'s scheme,
-  never partial sums added together (`_split_k_sum`, which `gluon_exact_fma` runs too: the terms
+  never partial sums added together (`gluon_exact_common.split_k_sum`, which `gluon_exact_fma` runs too: the terms
   loaded up to 64 registers' worth at a time, independent loads ahead of their adds, so one L2
   round trip per chunk rather than per term).
 - **Warps along K** (`GluonExactConfig.warps_k` = 2 or 4; 1, the default, is the layout above):
@@ -88,8 +88,8 @@ What the Gluon form does differently (the layout of `ops.gluon_mm`, the Gluon FP
   head's channels 448..511 on the BF16-rounded tile (`gluon_epilogues.bf16_out`), the bits of the
   call followed by `kv_write.query_rope_`. The accumulator's layouts hold a RoPE pair's two
   columns in two threads, so a tile with rotary channels goes through a layout that keeps each
-  pair in one thread (`_pairs_layout`) and back; the others skip it. Without it (ROPE a
-  constexpr, its arguments None) the kernel is the same code.
+  pair in one thread and back (`gluon_exact_common.store_tile`); the others skip it. Without it
+  (ROPE a constexpr, its arguments None) the kernel is the same code.
 
 Cost (an estimate from the instruction rates; `scripts/probe_gluon_exact_mm.py` measures it): the
 FP64 MMA does max(8, rows) multiply-adds per weight byte (its N side is at least 8) at about 128
@@ -123,13 +123,10 @@ from triton.experimental.gluon.language.extra import libdevice
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
-from .checks import config_for_rows, mxfp8_linear_args, mxfp8_weight_args, row_configs
-from .common import plan_workspace
-from .exact_mm import reduction_order, rope_kwargs
-from .gluon_epilogues import bf16_out
-from .gluon_mm import (SHARED_LIMIT, _producer, _ring, _scale, _slot_words, _tile_scales, activation_operands, fp8_desc,
-                      require_maxnreg, require_sm90_weight, split_bounds)
-from .gluon_mm import _words as _scale_words
+from .checks import row_configs
+from .gluon_exact_common import GluonExactPlan, pow2, ring_weight_args, split_k_sum, store_tile, sum_chunk
+from .gluon_mm import (SHARED_LIMIT, _producer, _ring, _scale, _slot_words, _tile_scales, activation_operands,
+                      require_maxnreg, split_bounds)
 
 MAX_ROWS = 64
 BLOCK_K = 128                   # K per ring slot: four 32-wide blocks, one 32-bit scale word per row
@@ -202,12 +199,6 @@ def _load_pattern4(view, phys: gl.constexpr):
 
 
 @gluon.jit
-def _pow2(x, e: gl.constexpr):
-    """x * 2^e (FP64, e in -1022..1023: one exact multiply unless the product leaves the range)."""
-    return x * gl.full(x.shape, (1023 + e) << 52, gl.int64, x.type.layout).to(gl.float64, bitcast=True)
-
-
-@gluon.jit
 def _e4m3_f64(codes, CONVERT: gl.constexpr, OPERAND: gl.constexpr):
     """The MMA operand `OPERAND` (0: the weight, 1: x) of E4M3 codes (float8e4nv, any layout) as FP64,
     exactly. x (a few codes per weight code: the conversion's pipe keeps up) always through FP32;
@@ -218,15 +209,15 @@ def _e4m3_f64(codes, CONVERT: gl.constexpr, OPERAND: gl.constexpr):
     `_block_partial` scales back."""
     if OPERAND == 1:
         x = codes.to(gl.float32).to(gl.float64)
-        return _pow2(x, 1000) if _is_raw(CONVERT) else x
+        return pow2(x, 1000) if _is_raw(CONVERT) else x
     elif CONVERT == "raw":
         return _e4m3_pattern(codes)
     elif CONVERT == "rawp":
         return _pattern4(codes)
     elif CONVERT == "int":
-        return _pow2(_e4m3_pattern(codes), 1016)
+        return pow2(_e4m3_pattern(codes), 1016)
     elif CONVERT == "intp":
-        return _pow2(_pattern4(codes), 1016)
+        return pow2(_pattern4(codes), 1016)
     else:
         return codes.to(gl.float32).to(gl.float64)
 
@@ -559,86 +550,6 @@ def _tile_weight_scales(sw_ptr, off_n, N, stride_swn, BN: gl.constexpr, layout: 
     return sw_ptr + (gl.minimum(rn16, N - 1) // 32) * stride_swn
 
 
-@gluon.constexpr_function
-def _pairs_layout(BN, BT):
-    """A layout of a [BN, BT] output tile over the 4 consumer warps in which each thread holds both
-    columns of a RoPE pair (2 consecutive n of one row m; lanes along n first): what
-    `gluon_epilogues.rope_tile` splits in registers."""
-    lanes_n = min(32, BN // 2)
-    return gl.BlockedLayout(size_per_thread=[2, 1], threads_per_warp=[lanes_n, 32 // lanes_n], warps_per_cta=[4, 1],
-                            order=[0, 1])
-
-
-@gluon.jit
-def _store(y_ptrs, acc, mask, OUT_F32: gl.constexpr, off_n=None, M=None, cos_ptr=None, sin_ptr=None, stride_cm=None,
-           stride_sm=None, ROPE: gl.constexpr = False):
-    """y = acc (FP32) or acc rounded to BF16 (nearest even). ROPE (BF16 y): acc [BN, BT] (dim 0 the
-    output columns from off_n, dim 1 the rows, M of them real) gets the query RoPE on its rounded
-    values first where it holds a head's channels 448..511 (`gluon_epilogues.bf16_out`: the bits
-    of `kv_write.query_rope_` on the stored tile; cos/sin [M, 32] FP32 at cos_ptr / sin_ptr, row
-    strides stride_cm / stride_sm), such a tile going through `_pairs_layout` and back."""
-    if OUT_F32:
-        gl.store(y_ptrs, acc, mask=mask)
-    elif ROPE:
-        BN: gl.constexpr = acc.shape[0]
-        BT: gl.constexpr = acc.shape[1]
-        out_l: gl.constexpr = acc.type.layout
-        pairs: gl.constexpr = _pairs_layout(BN, BT)
-        gl.store(y_ptrs, bf16_out(acc, off_n, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BN, BT, True, out_l,
-                                  PAIRS=pairs), mask=mask)
-    else:
-        gl.store(y_ptrs, acc.to(gl.bfloat16), mask=mask)
-
-
-@gluon.jit
-def _add_chunk(total, ptrs, mask, stride, n, CH: gl.constexpr):
-    """total + t[0] + ... + t[n - 1], one add at a time in that order, t[c] at ptrs + c * stride
-    (n <= CH; `_split_k_sum`'s terms): the CH loads first, all independent, then the adds."""
-    ts = ()
-    for c in gl.static_range(CH):
-        ok = c < n
-        if mask is not None:
-            ok = mask & ok
-        ts = ts + (gl.load(ptrs + c * stride, mask=ok, other=-0.0, cache_modifier=".cg"), )
-    for c in gl.static_range(CH):
-        total = total + ts[c]
-    return total
-
-
-@gluon.jit
-def _split_k_sum(total, ptrs, mask, stride, n_terms, cnt_ptr, n_split, CH: gl.constexpr):
-    """The K split's last step (`exact_mm`'s scheme; `GluonExactMM` and `gluon_exact_fma.GluonExactFMA`
-    run it): once every thread's writes to the workspace are done, the program arrives on its
-    tile's counter (`cnt_ptr`, int32, acq_rel); the last of the tile's n_split programs to arrive
-    adds the n_terms terms to `total` one at a time in K order, term j at ptrs + j * stride (FP32,
-    `total`'s shape and layout: each output's terms in its thread; `mask`: the elements to read,
-    None for all; the others read -0.0, which adds nothing: x + -0.0 = x for every x), and resets
-    the counter to 0 for the next launch (and a CUDA graph's replay). The terms are loaded CH at a
-    time, independent loads issued together before their adds (`_add_chunk`): an L2 round trip per
-    CH terms, not per term. `.cg`: from L2, never from a line this SM's L1 kept from an earlier
-    launch. Returns (last, total): the sum in the last program, `total` as given in the others."""
-    # Every thread's workspace writes are done before one thread's release of the counter.
-    gl.thread_barrier()
-    arrived = gl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
-    last = arrived == n_split - 1
-    if last:
-        gl.thread_barrier()
-        n_full = n_terms - n_terms % CH
-        for j0 in range(0, n_full, CH):
-            total = _add_chunk(total, ptrs + j0 * stride, mask, stride, CH, CH)
-        if n_full < n_terms:
-            total = _add_chunk(total, ptrs + n_full * stride, mask, stride, n_terms - n_full, CH)
-        gl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
-    return last, total
-
-
-@gluon.constexpr_function
-def _sum_chunk(per_thread):
-    """`_split_k_sum`'s CH for a total of `per_thread` FP32 values a thread: 64 registers of terms
-    in flight (at least one term)."""
-    return max(1, 64 // per_thread)
-
-
 @gluon.jit(do_not_specialize=["M", "stride_sxm", "stride_swn", "steps_per_split", "n_steps_total", "n_split",
                              "stride_cm", "stride_sm"])
 def _gluon_exact_mm_kernel(
@@ -656,7 +567,7 @@ def _gluon_exact_mm_kernel(
     # M tile), the block terms through ws_ptr ([N tiles, K / 32, BN, M] FP32) and the last
     # arriver's K-ordered sum (module doc). WARPS_K > 1: the consumer warps split each slot's K
     # blocks (`_consumer_k`), the block terms through shared memory. ROPE: the query RoPE epilogue
-    # (`_store`) with cos/sin [M, 32] FP32 at cos_ptr / sin_ptr (row strides stride_cm / stride_sm;
+    # (`store_tile`) with cos/sin [M, 32] FP32 at cos_ptr / sin_ptr (row strides stride_cm / stride_sm;
     # all four None without it, so that they take no kernel parameter).
     BN: gl.constexpr = w_desc.block_type.shape[0]
     NB: gl.constexpr = w_desc.block_type.shape[1] // 32      # K blocks a slot: 4, or 8 (block_k 256)
@@ -719,13 +630,13 @@ def _gluon_exact_mm_kernel(
         # the tile's K / 32 block terms [BN, M] in K order from 0, by the last program to arrive
         rl = gl.arange(0, BN, layout=gl.SliceLayout(1, out_layout))
         ws_mask = (rm[None, :] < M) & (rl[:, None] < BN)
-        last, total = _split_k_sum(gl.zeros([BN, BT], gl.float32, out_layout), ws_tile + rl[:, None] * M + rm[None, :],
+        last, total = split_k_sum(gl.zeros([BN, BT], gl.float32, out_layout), ws_tile + rl[:, None] * M + rm[None, :],
                                    ws_mask, BN * M, n_steps_total * NB, cnt_ptr + pid_n, n_split,
-                                   _sum_chunk(BN * BT // 128))
+                                   sum_chunk(BN * BT // 128))
         if last:
-            _store(y_ptrs, total, mask, OUT_F32, pid_n * BN, M, cos_ptr, sin_ptr, stride_cm, stride_sm, ROPE)
+            store_tile(y_ptrs, total, mask, OUT_F32, pid_n * BN, M, cos_ptr, sin_ptr, stride_cm, stride_sm, ROPE)
     else:
-        _store(y_ptrs, acc, mask, OUT_F32, pid_n * BN, M, cos_ptr, sin_ptr, stride_cm, stride_sm, ROPE)
+        store_tile(y_ptrs, acc, mask, OUT_F32, pid_n * BN, M, cos_ptr, sin_ptr, stride_cm, stride_sm, ROPE)
 
 
 @dataclass(frozen=True)
@@ -905,65 +816,7 @@ def launch_options(config: GluonExactConfig, bt: int, split: int) -> dict:
     return opts
 
 
-def ring_weight_args(weight, w_scale, max_rows, max_rows_limit: int, instead: str) -> tuple[int, int]:
-    """(N, K) of an exact Gluon plan's weight: `checks.mxfp8_weight_args`'s checks, and K a multiple of
-    the ring's 128-deep slots (ValueError naming the weight and `instead`, the op for other K)."""
-    n, k = mxfp8_weight_args(weight, w_scale, max_rows, max_rows_limit)
-    if k % BLOCK_K:
-        raise ValueError(f"weight must be [N, K] with K a positive multiple of {BLOCK_K} (the ring's 128-deep "
-                         f"slots), got {(n, k)} (use {instead})")
-    return n, k
-
-
-class _GluonExactPlan:
-    """The plan side of the exact Gluon linears (`GluonExactMM`, `gluon_exact_fma.GluonExactFMA`):
-    the weight bound once on sm_90 (`_bind`), the K split's workspace (`_bind_split`), the
-    configuration per row count (`_configs`, from `checks.row_configs`), the reduction order, and
-    the call's checks, after which the subclass launches its kernel (`_launch(codes, x_scale, out,
-    m, config, epilogue)`, epilogue the query RoPE's keyword arguments: `exact_mm.rope_kwargs`)."""
-
-    def _bind(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int, boxes) -> None:
-        """Check the weight's device and rows (`gluon_mm.require_sm90_weight`) and bind it: w_scale
-        as bytes and int32 words, N, K, max_rows, the device, and a TMA descriptor of the weight per
-        box (block_n, block_k) in `boxes` (`_w_descs[box]`)."""
-        require_sm90_weight(weight, "TMA, warp specialization")
-        self.weight, self.w_scale = weight, w_scale.view(torch.uint8)
-        self._sw_words = _scale_words(self.w_scale, "w_scale")
-        (self.n, self.k), self.max_rows, self.device = weight.shape, max_rows, weight.device
-        self._w_descs = {box: fp8_desc(weight, box) for box in set(boxes)}
-
-    def _bind_split(self, workspace, tile_terms) -> None:
-        """The K split's FP32 workspace and int32 counters, from the pool `workspace` (FP32 slot 0,
-        int32 slot 0: `ops.common.plan_workspace`) or the plan's own: for the configurations that
-        launch split, `tile_terms` [(block_n, FP32 terms a weight tile)], the most N / block_n x
-        terms and the most N / block_n counters (one of each where none does)."""
-        tiles = [(-(-self.n // block_n), terms) for block_n, terms in tile_terms]
-        self._workspace = plan_workspace(workspace, 0, max((t * terms for t, terms in tiles), default=1),
-                                         torch.float32, self.device)
-        self._counters = plan_workspace(workspace, 0, max((t for t, _ in tiles), default=1), torch.int32, self.device)
-
-    def config_for(self, rows: int):
-        """The configuration a call of `rows` rows launches with."""
-        return config_for_rows(self._configs, rows)
-
-    def reduction_order(self, rows: int) -> tuple[str, int, int]:
-        """`exact_mm.reduction_order(K)`: the same for every row count (batch invariance)."""
-        return reduction_order(self.k)
-
-    def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None,
-                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """y = codes x weight^T with both block scales, into out: the arguments and the result of
-        `exact_mm.ExactMM.__call__` (a float32 out receives the unrounded FP32 sums; rope=(cos, sin):
-        the query RoPE of `kv_write.query_rope_` in the epilogue, by the program that stores each
-        tile - with a K split the last arriver - on the BF16-rounded sums, the same bits as the
-        call without it followed by that op). Returns out."""
-        out = mxfp8_linear_args(codes, x_scale, out, self.n, self.k, self.max_rows, self.device)
-        m = codes.shape[0]
-        self._launch(codes, x_scale, out, m, self.config_for(m), rope_kwargs(rope, out, self.n, m, self.device))
-        return out
-
-
-class GluonExactMM(_GluonExactPlan):
+class GluonExactMM(GluonExactPlan):
     """y[M, N] = bf16(sum over 32-wide K blocks kb, in K order, of RN(codes[:, kb] . weight[:, kb])
     * sx * sw) for 1 <= M <= max_rows <= 64, with the weight bound once: bitwise the contract of
     `reference.linear.mxfp8_mm`, on the FP64 MMA from a TMA ring (module docstring); sm_90 only.

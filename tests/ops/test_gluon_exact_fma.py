@@ -130,8 +130,8 @@ ROPE_COMPILE_CASES = [(C(rows_per_thread=2, warps_k=2, stages=3), 2), (C(split=4
                          ids=[f"rw{c.rows_per_thread}-wk{c.warps_k}-lk{c.lanes_k}-r{bt}-split{c.split}"
                               for c, bt in ROPE_COMPILE_CASES])
 def test_rope_epilogue_compiles_for_sm90_without_spills(config, bt):
-    # With the epilogue (the storing program rotates the BF16 tile: `gluon_exact_mm._store`): no
-    # spills, the registers and the consumer's loop of the plain kernel, the rotation's roundings
+    # With the epilogue (the storing program rotates the BF16 tile: `gluon_exact_common.store_tile`):
+    # no spills, the registers and the consumer's loop of the plain kernel, the rotation's roundings
     # each on their own, subnormals kept (`check_rope_compile`).
     kernel = _compile(config, bt, False, config.split, rope=True)
     regs = check_rope_compile(kernel, _compile(config, bt, False, config.split), config.maxnreg,

@@ -158,9 +158,9 @@ ROPE_COMPILE_CASES = [(C.from_spec("rawp:128:8:1:32:4:1:80"), 8, 1), (C.from_spe
 @pytest.mark.parametrize("config,bt,split", ROPE_COMPILE_CASES,
                          ids=[_case_id((c, bt, split, False)) for c, bt, split in ROPE_COMPILE_CASES])
 def test_rope_epilogue_compiles_for_sm90_without_spills(config, bt, split):
-    # With the epilogue (the storing program rotates the BF16 tile: `_store`): no spills, the
-    # registers and the consumer's loop of the plain kernel, the rotation's roundings each on their
-    # own, subnormals kept (`check_rope_compile`).
+    # With the epilogue (the storing program rotates the BF16 tile: `gluon_exact_common.store_tile`):
+    # no spills, the registers and the consumer's loop of the plain kernel, the rotation's roundings
+    # each on their own, subnormals kept (`check_rope_compile`).
     kernel = _compile(config, bt, split, False, rope=True)
     regs = check_rope_compile(kernel, _compile(config, bt, split, False), config.maxnreg,
                               E.shared_bytes(config, bt), "DMMA")

@@ -1,0 +1,166 @@
+"""What the exact Gluon linears (`gluon_exact_mm.GluonExactMM` on the FP64 MMA,
+`gluon_exact_fma.GluonExactFMA` on the FP64 CUDA cores) share: the exact power-of-two scaling of
+FP64 values (`pow2`), the tile's store with the query-RoPE epilogue (`store_tile`), the K split's
+last step that continues the sum in K order (`split_k_sum`, `sum_chunk`), the weight's checks
+(`ring_weight_args`) and the plan side (`GluonExactPlan`: the weight bound once on sm_90, the split's
+workspace, the configuration per row count, the call's checks). `gluon_exact_mm`'s module docstring
+argues the exactness these pieces keep.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from .checks import config_for_rows, mxfp8_linear_args, mxfp8_weight_args
+from .common import plan_workspace
+from .exact_mm import reduction_order, rope_kwargs
+from .gluon_epilogues import bf16_out
+from .gluon_mm import BLOCK_K as RING_K
+from .gluon_mm import fp8_desc, require_sm90_weight
+from .gluon_mm import _words as _scale_words
+
+
+@gluon.jit
+def pow2(x, e: gl.constexpr):
+    """x * 2^e (FP64, e in -1022..1023: one exact multiply unless the product leaves the range)."""
+    return x * gl.full(x.shape, (1023 + e) << 52, gl.int64, x.type.layout).to(gl.float64, bitcast=True)
+
+
+@gluon.constexpr_function
+def _pairs_layout(BN, BT):
+    """A layout of a [BN, BT] output tile over the 4 consumer warps in which each thread holds both
+    columns of a RoPE pair (2 consecutive n of one row m; lanes along n first): what
+    `gluon_epilogues.rope_tile` splits in registers."""
+    lanes_n = min(32, BN // 2)
+    return gl.BlockedLayout(size_per_thread=[2, 1], threads_per_warp=[lanes_n, 32 // lanes_n], warps_per_cta=[4, 1],
+                            order=[0, 1])
+
+
+@gluon.jit
+def store_tile(y_ptrs, acc, mask, OUT_F32: gl.constexpr, off_n=None, M=None, cos_ptr=None, sin_ptr=None, stride_cm=None,
+           stride_sm=None, ROPE: gl.constexpr = False):
+    """y = acc (FP32) or acc rounded to BF16 (nearest even). ROPE (BF16 y): acc [BN, BT] (dim 0 the
+    output columns from off_n, dim 1 the rows, M of them real) gets the query RoPE on its rounded
+    values first where it holds a head's channels 448..511 (`gluon_epilogues.bf16_out`: the bits
+    of `kv_write.query_rope_` on the stored tile; cos/sin [M, 32] FP32 at cos_ptr / sin_ptr, row
+    strides stride_cm / stride_sm), such a tile going through `_pairs_layout` and back."""
+    if OUT_F32:
+        gl.store(y_ptrs, acc, mask=mask)
+    elif ROPE:
+        BN: gl.constexpr = acc.shape[0]
+        BT: gl.constexpr = acc.shape[1]
+        out_l: gl.constexpr = acc.type.layout
+        pairs: gl.constexpr = _pairs_layout(BN, BT)
+        gl.store(y_ptrs, bf16_out(acc, off_n, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BN, BT, True, out_l,
+                                  PAIRS=pairs), mask=mask)
+    else:
+        gl.store(y_ptrs, acc.to(gl.bfloat16), mask=mask)
+
+
+@gluon.jit
+def _add_chunk(total, ptrs, mask, stride, n, CH: gl.constexpr):
+    """total + t[0] + ... + t[n - 1], one add at a time in that order, t[c] at ptrs + c * stride
+    (n <= CH; `split_k_sum`'s terms): the CH loads first, all independent, then the adds."""
+    ts = ()
+    for c in gl.static_range(CH):
+        ok = c < n
+        if mask is not None:
+            ok = mask & ok
+        ts = ts + (gl.load(ptrs + c * stride, mask=ok, other=-0.0, cache_modifier=".cg"), )
+    for c in gl.static_range(CH):
+        total = total + ts[c]
+    return total
+
+
+@gluon.jit
+def split_k_sum(total, ptrs, mask, stride, n_terms, cnt_ptr, n_split, CH: gl.constexpr):
+    """The K split's last step (`exact_mm`'s scheme; `GluonExactMM` and `gluon_exact_fma.GluonExactFMA`
+    run it): once every thread's writes to the workspace are done, the program arrives on its
+    tile's counter (`cnt_ptr`, int32, acq_rel); the last of the tile's n_split programs to arrive
+    adds the n_terms terms to `total` one at a time in K order, term j at ptrs + j * stride (FP32,
+    `total`'s shape and layout: each output's terms in its thread; `mask`: the elements to read,
+    None for all; the others read -0.0, which adds nothing: x + -0.0 = x for every x), and resets
+    the counter to 0 for the next launch (and a CUDA graph's replay). The terms are loaded CH at a
+    time, independent loads issued together before their adds (`_add_chunk`): an L2 round trip per
+    CH terms, not per term. `.cg`: from L2, never from a line this SM's L1 kept from an earlier
+    launch. Returns (last, total): the sum in the last program, `total` as given in the others."""
+    # Every thread's workspace writes are done before one thread's release of the counter.
+    gl.thread_barrier()
+    arrived = gl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu")
+    last = arrived == n_split - 1
+    if last:
+        gl.thread_barrier()
+        n_full = n_terms - n_terms % CH
+        for j0 in range(0, n_full, CH):
+            total = _add_chunk(total, ptrs + j0 * stride, mask, stride, CH, CH)
+        if n_full < n_terms:
+            total = _add_chunk(total, ptrs + n_full * stride, mask, stride, n_terms - n_full, CH)
+        gl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")
+    return last, total
+
+
+@gluon.constexpr_function
+def sum_chunk(per_thread):
+    """`split_k_sum`'s CH for a total of `per_thread` FP32 values a thread: 64 registers of terms
+    in flight (at least one term)."""
+    return max(1, 64 // per_thread)
+
+
+def ring_weight_args(weight, w_scale, max_rows, max_rows_limit: int, instead: str) -> tuple[int, int]:
+    """(N, K) of an exact Gluon plan's weight: `checks.mxfp8_weight_args`'s checks, and K a multiple of
+    the ring's 128-deep slots (ValueError naming the weight and `instead`, the op for other K)."""
+    n, k = mxfp8_weight_args(weight, w_scale, max_rows, max_rows_limit)
+    if k % RING_K:
+        raise ValueError(f"weight must be [N, K] with K a positive multiple of {RING_K} (the ring's 128-deep "
+                         f"slots), got {(n, k)} (use {instead})")
+    return n, k
+
+
+class GluonExactPlan:
+    """The plan side of the exact Gluon linears (`GluonExactMM`, `gluon_exact_fma.GluonExactFMA`):
+    the weight bound once on sm_90 (`_bind`), the K split's workspace (`_bind_split`), the
+    configuration per row count (`_configs`, from `checks.row_configs`), the reduction order, and
+    the call's checks, after which the subclass launches its kernel (`_launch(codes, x_scale, out,
+    m, config, epilogue)`, epilogue the query RoPE's keyword arguments: `exact_mm.rope_kwargs`)."""
+
+    def _bind(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int, boxes) -> None:
+        """Check the weight's device and rows (`gluon_mm.require_sm90_weight`) and bind it: w_scale
+        as bytes and int32 words, N, K, max_rows, the device, and a TMA descriptor of the weight per
+        box (block_n, block_k) in `boxes` (`_w_descs[box]`)."""
+        require_sm90_weight(weight, "TMA, warp specialization")
+        self.weight, self.w_scale = weight, w_scale.view(torch.uint8)
+        self._sw_words = _scale_words(self.w_scale, "w_scale")
+        (self.n, self.k), self.max_rows, self.device = weight.shape, max_rows, weight.device
+        self._w_descs = {box: fp8_desc(weight, box) for box in set(boxes)}
+
+    def _bind_split(self, workspace, tile_terms) -> None:
+        """The K split's FP32 workspace and int32 counters, from the pool `workspace` (FP32 slot 0,
+        int32 slot 0: `ops.common.plan_workspace`) or the plan's own: for the configurations that
+        launch split, `tile_terms` [(block_n, FP32 terms a weight tile)], the most N / block_n x
+        terms and the most N / block_n counters (one of each where none does)."""
+        tiles = [(-(-self.n // block_n), terms) for block_n, terms in tile_terms]
+        self._workspace = plan_workspace(workspace, 0, max((t * terms for t, terms in tiles), default=1),
+                                         torch.float32, self.device)
+        self._counters = plan_workspace(workspace, 0, max((t for t, _ in tiles), default=1), torch.int32, self.device)
+
+    def config_for(self, rows: int):
+        """The configuration a call of `rows` rows launches with."""
+        return config_for_rows(self._configs, rows)
+
+    def reduction_order(self, rows: int) -> tuple[str, int, int]:
+        """`exact_mm.reduction_order(K)`: the same for every row count (batch invariance)."""
+        return reduction_order(self.k)
+
+    def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None,
+                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """y = codes x weight^T with both block scales, into out: the arguments and the result of
+        `exact_mm.ExactMM.__call__` (a float32 out receives the unrounded FP32 sums; rope=(cos, sin):
+        the query RoPE of `kv_write.query_rope_` in the epilogue, by the program that stores each
+        tile - with a K split the last arriver - on the BF16-rounded sums, the same bits as the
+        call without it followed by that op). Returns out."""
+        out = mxfp8_linear_args(codes, x_scale, out, self.n, self.k, self.max_rows, self.device)
+        m = codes.shape[0]
+        self._launch(codes, x_scale, out, m, self.config_for(m), rope_kwargs(rope, out, self.n, m, self.device))
+        return out
