@@ -22,21 +22,33 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
     mla_after_mix   the sparse MLA waits for the next site's mixer (at 1-16 rows the sparse MLA's
                     configurations need all their programs resident; the mixer, at the least
                     priority, can still hold SMs when it starts)
+    mix_late        the next site's mixer enqueued at the end of the next layer's input projections
+                    (after its norm pair and side projections) instead of right after the boundary:
+                    in the ratio-2 Full layers at 1 row the norm pair and the head weights'
+                    projection start only when the mixer ends, though the SMs have room for them
     wq_b_slack      in the layers that run the indexer, wq_b on a stream of its own at the least
                     priority, joined before the sparse MLA (there the main stream's scores wait
                     for wq_b by stream order and the index query for its SMs, while the sparse MLA
                     needs q only after the top-k; wq_b's plan takes no split workspace at TP1)
 
     PYTHONPATH=. python scripts/probe_step_schedule.py [--variants=default,flat,...] [--rows=1,8,16,64]
+        [--timeline=DIR]
+
+With `--timeline=DIR` each variant also writes the chrome trace of one 1-row replay to
+DIR/<variant>.json and prints, per layer whose q/kv norm pair starts more than 1 us after the
+kernel before it on its stream, that gap and the kernels running on other streams meanwhile.
 
 (GPU; ~70-100 s on an H200.) The variants patch the built step's objects in this process only.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from _args import arg
 from dsv41_decode.bench.step import output_and_times
+from dsv41_decode.bench.step_timeline import replay_kernels
 from dsv41_decode.config import ModelConfig
 from dsv41_decode.decode import attention as attention_mod
 from dsv41_decode.decode.lanes import PRIORITY_CRITICAL, PRIORITY_SLACK
@@ -58,6 +70,7 @@ PRIORITIES = {
     "boundary_folded": (C, (C, S, C)),
     "mla_after_mix": (C, (C, S, C)),
     "wq_b_slack": (C, (C, S, C)),
+    "mix_late": (C, (C, S, C)),
 }
 
 
@@ -132,6 +145,56 @@ def _rope_apart(step):
     return undo
 
 
+def _mix_late(step):
+    """Patch the step: each site's mixer enqueued at the end of the following layer's input
+    projections (`AttentionStep._inputs`) instead of where the schedule asks for it; the event
+    handed back at once is recorded on the mixer's lane after it. Returns the undo."""
+    pending = []
+    mix, inputs = step.boundary.mix, attention_mod.AttentionStep._inputs
+
+    def mix_deferred(*a, **k):
+        ev = torch.cuda.Event()
+        pending.append((a, k, ev))
+        return ev
+
+    def inputs_then_mix(self, *a, **k):
+        out = inputs(self, *a, **k)
+        while pending:
+            ma, mk, ev = pending.pop(0)
+            mix(*ma, **mk)
+            with self.lanes.side(attention_mod.AUX_MIXER):
+                ev.record()
+        return out
+
+    step.boundary.mix = mix_deferred
+    attention_mod.AttentionStep._inputs = inputs_then_mix
+
+    def undo():
+        step.boundary.mix = mix
+        attention_mod.AttentionStep._inputs = inputs
+    return undo
+
+
+def _norm_gaps(kernels: list[dict]) -> list[str]:
+    """Per q/kv norm pair that starts > 1 us after the kernel before it on its stream: that gap and
+    the kernels running on other streams in it (names cut to 20 characters)."""
+    for e in kernels:
+        e["end"] = e["ts"] + e["dur"]
+    t0, lines = kernels[0]["ts"], []
+    norms = [e for e in kernels if "rms_norm_pair" in e["name"]]
+    for i, n in enumerate(norms):
+        s = n["args"]["stream"]
+        before = [e for e in kernels if e["args"]["stream"] == s and e["end"] <= n["ts"] + 0.01]
+        if not before or n["ts"] - before[-1]["end"] <= 1.0:
+            continue
+        p = before[-1]
+        meanwhile = sorted({e["name"][:20] for e in kernels if e["args"]["stream"] != s
+                            and e["ts"] < n["ts"] and e["end"] > p["end"]})
+        lines.append(f"  norm pair {i} at {n['ts'] - t0:7.1f} us: {n['ts'] - p['end']:4.1f} us after "
+                     f"{p['name'][:20]}; meanwhile {meanwhile}")
+    return lines
+
+
 def _boundary_folded(step):
     """Patch the step: the mHC boundary in wo_b's epilogue where wo_b's op takes it; returns the undo."""
     held, step.fold_boundary = step.fold_boundary, True
@@ -147,6 +210,7 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; known: {list(PRIORITIES)}")
     rows = tuple(int(r) for r in arg("rows", "1,8,16,64").split(","))
+    timeline = arg("timeline", "")
     print("stream priority range (least, greatest):", torch.cuda.Stream.priority_range(), flush=True)
     cfg = ModelConfig.preset("v41-flash")
     stack = AttentionStack(random_checkpoint(cfg, "cuda"))
@@ -160,7 +224,7 @@ def main() -> None:
         step.lanes._aux = [torch.cuda.Stream("cuda", priority=p) for p in aux]
         step.lanes.capture = torch.cuda.Stream("cuda", priority=cap)
         patch = {"mla_after_mix": _mla_after_mix, "wq_b_slack": _wq_b_slack, "rope_apart": _rope_apart,
-                 "boundary_folded": _boundary_folded}.get(name)
+                 "boundary_folded": _boundary_folded, "mix_late": _mix_late}.get(name)
         undo = patch(step) if patch else (lambda: None)
         step.graphs = {}
         step._capture()
@@ -170,6 +234,13 @@ def main() -> None:
         first = out if first is None else first
         print(f"{name:14s} capture {cap:2d} lanes {aux} | " + "  ".join(f"{r}: {t[r]:8.1f}" for r in rows)
               + f" us | 8-row output == first variant's: {same}", flush=True)
+        if timeline:
+            bucket = step.prepare([(0, 1)], torch.randn(1, cfg.hc_mult, cfg.dim, device="cuda").bfloat16())
+            Path(timeline).mkdir(parents=True, exist_ok=True)
+            kernels = replay_kernels(step.graphs[bucket], Path(timeline) / f"{name}.json")
+            print(f"  {len(kernels)} kernels in {(kernels[-1]['ts'] + kernels[-1]['dur'] - kernels[0]['ts']):.1f} us",
+                  flush=True)
+            print("\n".join(_norm_gaps(kernels)), flush=True)
 
 
 if __name__ == "__main__":
