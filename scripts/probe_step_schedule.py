@@ -26,6 +26,10 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
                     (after its norm pair and side projections) instead of right after the boundary:
                     in the ratio-2 Full layers at 1 row the norm pair and the head weights'
                     projection start only when the mixer ends, though the SMs have room for them
+    comp_late       the compressor's projection enqueued after the q/kv norm pair instead of right
+                    after the fused GEMM (`AttentionStep.comp_after_norm`)
+    topk_chunk      the indexer's top-k plans with chunks of --topk-chunk entries (default 1024;
+                    the step's plan: 4096)
     wq_b_slack      in the layers that run the indexer, wq_b on a stream of its own at the least
                     priority, joined before the sparse MLA (there the main stream's scores wait
                     for wq_b by stream order and the index query for its SMs, while the sparse MLA
@@ -52,6 +56,7 @@ from dsv41_decode.bench.step_timeline import replay_kernels
 from dsv41_decode.config import ModelConfig
 from dsv41_decode.decode import attention as attention_mod
 from dsv41_decode.decode.lanes import PRIORITY_CRITICAL, PRIORITY_SLACK
+from dsv41_decode.ops import topk
 from dsv41_decode.stack import AttentionStack
 from dsv41_decode.state import DecodeState
 from dsv41_decode.testing.synthetic import fill_state, random_checkpoint
@@ -71,6 +76,8 @@ PRIORITIES = {
     "mla_after_mix": (C, (C, S, C)),
     "wq_b_slack": (C, (C, S, C)),
     "mix_late": (C, (C, S, C)),
+    "comp_late": (C, (C, S, C)),
+    "topk_chunk": (C, (C, S, C)),
 }
 
 
@@ -195,6 +202,32 @@ def _norm_gaps(kernels: list[dict]) -> list[str]:
     return lines
 
 
+def _comp_late(step):
+    """Patch the step's layers: the compressor's projection after the q/kv norm pair; returns the undo."""
+    for layer in step.layers.values():
+        layer.comp_after_norm = True
+
+    def undo():
+        for layer in step.layers.values():
+            layer.comp_after_norm = False
+    return undo
+
+
+def _topk_chunk(step):
+    """Patch the step's indexer layers: top-k plans with chunks of --topk-chunk entries; returns the undo."""
+    chunk = int(arg("topk-chunk", "1024"))
+    held = {}
+    for i, layer in step.layers.items():
+        if layer.spec.runs_indexer:
+            p = held[i] = layer.topk_plan
+            layer.topk_plan = topk.TopKPlan.build(p.max_rows, p.k, p.group, p.ws.device, chunk=chunk, warps=p.warps)
+
+    def undo():
+        for i, p in held.items():
+            step.layers[i].topk_plan = p
+    return undo
+
+
 def _boundary_folded(step):
     """Patch the step: the mHC boundary in wo_b's epilogue where wo_b's op takes it; returns the undo."""
     held, step.fold_boundary = step.fold_boundary, True
@@ -224,7 +257,8 @@ def main() -> None:
         step.lanes._aux = [torch.cuda.Stream("cuda", priority=p) for p in aux]
         step.lanes.capture = torch.cuda.Stream("cuda", priority=cap)
         patch = {"mla_after_mix": _mla_after_mix, "wq_b_slack": _wq_b_slack, "rope_apart": _rope_apart,
-                 "boundary_folded": _boundary_folded, "mix_late": _mix_late}.get(name)
+                 "boundary_folded": _boundary_folded, "mix_late": _mix_late, "comp_late": _comp_late,
+                 "topk_chunk": _topk_chunk}.get(name)
         undo = patch(step) if patch else (lambda: None)
         step.graphs = {}
         step._capture()

@@ -212,6 +212,9 @@ class AttentionStep:
         if cfg.n_heads not in SUPPORTED_HEADS:
             raise NotEligible(f"n_heads={cfg.n_heads}: sparse MLA runs {SUPPORTED_HEADS} local heads")
         self.cfg, self.spec, self.w, self.layer = cfg, spec, w, layer
+        # the compressor's projection enqueued after the q/kv norm pair instead of right after the
+        # fused GEMM (a schedule choice: the same bits)
+        self.comp_after_norm = False
         self.state, self.meta, self.s, self.lanes = state, meta, scratch, lanes
         dev = state.device
         # fused_wqa_wkv: one low-latency GEMM over the stacked weights (both FP8, 32-row blocks)
@@ -362,12 +365,14 @@ class AttentionStep:
         cfg, spec, s, lanes = self.cfg, self.spec, self.s, self.lanes
         start = lanes.mark()                                  # protects u (written by the boundary)
         qkv = self.mm_qkv(u_codes, u_scales, s.qkv_a[:B])
-        kv_score = None
-        if spec.owns_compressor:
+        kv_score = s.kv_score[:B, :self.w_comp.shape[0]] if spec.owns_compressor else None
+
+        def compressor_projection():
             with lanes.side(AUX_COMPRESSOR):
                 lanes.wait(start)
-                kv_score = s.kv_score[:B, :self.w_comp.shape[0]]
                 ll_bf16_(self.comp_plan, u, self.w_comp, kv_score)
+        if spec.owns_compressor and not self.comp_after_norm:
+            compressor_projection()
         if spec.runs_indexer:     # on the index query's lane, which reads it next (a critical lane)
             with lanes.side(AUX_INDEX_Q):
                 lanes.wait(start)
@@ -380,7 +385,10 @@ class AttentionStep:
         rms_norm_pair_(qkv[:, :ql], self.w["attn.q_norm.weight"], s.qr[:B], s.qr_codes[:B], s.qr_scales[:B],
                        qkv[:, ql:], self.w["attn.kv_norm.weight"], s.kv[:B], cfg.norm_eps,
                        window=self.state.window[spec.layer], slots=m.stage_slot[:B], cos=m.cos[r][:B], sin=m.sin[r][:B])
-        return kv_score, lanes.mark()                         # the event protects qr codes
+        qr_ready = lanes.mark()                               # the event protects qr codes
+        if spec.owns_compressor and self.comp_after_norm:
+            compressor_projection()
+        return kv_score, qr_ready
 
     def _prepare(self, B: int, kv_score, qr_ready, own: slice):
         """The index query of the rows `own` (lane 2), the compressor's state update, latent and
