@@ -124,7 +124,7 @@ def main() -> None:
                     aplan = alt.TopKPlan.build(rows, 512, 1, "cuda")
                     t_four = graph_time_us(lambda: alt.topk_ascending_(s, nv, idx, aplan), replays=30)
                 else:
-                    aplan = topk.TopKPlan.build(rows, 512, 1, "cuda")
+                    aplan = topk.TopKPlan.build(rows, 512, 1, "cuda", chunk=4096)
                     t_four = graph_time_us(lambda: topk.topk_ascending_(s, nv, idx, aplan, separate_count=True),
                                            replays=30)
                 want = topk.topk_ascending_(s, nv, torch.empty_like(idx), topk.TopKPlan.build(rows, 512, 1, "cuda"),

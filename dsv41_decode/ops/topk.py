@@ -621,7 +621,11 @@ class TopKPlan:
     max_rows: the most rows a launch may pass; k: 512 for the top-k, 2048 for candidate blocks;
     group: 1 (top-k over entries) or 8 (candidate blocks of 8 entries); chunk: elements per program
     (more where a row would need more than _MAX_CHUNKS chunks); warps: per program at `chunk`
-    (proportionally more at larger chunks, at most 16).
+    (proportionally more at larger chunks, at most 16). The default chunk, 1024 with 4 warps, is the
+    linked path's fastest with the histogram ready at 1-16 rows x 16K-128K entries on an H200
+    (`scripts/probe_topk.py --chunks=512,1024,2048,4096 --warps=4,8`: 1 x 32K 7.7 us against 11.6 at
+    4096, 1 x 128K 10.1 against 14.3, 16 x 32K 10.5 against 13.8; at 64 rows within 1.5 us of 2048's,
+    the fastest there: docs/results/gpu-tests-h200.txt).
     ws: [max_rows, _WS] int32; its histograms and counters are zero between calls (zeroed at build,
     left zero by every call). Not for concurrent launches on two streams.
     """
@@ -633,7 +637,7 @@ class TopKPlan:
     warps: int = 4
 
     @staticmethod
-    def build(max_rows: int, k: int = 512, group: int = 1, device="cuda", chunk: int = 4096,
+    def build(max_rows: int, k: int = 512, group: int = 1, device="cuda", chunk: int = 1024,
               warps: int = 4) -> "TopKPlan":
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
