@@ -36,7 +36,12 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
                     needs q only after the top-k; wq_b's plan takes no split workspace at TP1)
 
     PYTHONPATH=. python scripts/probe_step_schedule.py [--variants=default,flat,...] [--rows=1,8,16,64]
-        [--timeline=DIR]
+        [--timeline=DIR] [--passes=1]
+
+`--passes=N` runs the list of variants N times over (each recaptured every time): a variant's
+time depends on where it runs in the process (on an H200 later recaptures have measured up to 3-7 %
+slower than their own one-replay timeline), so compare a variant with its neighbours in several
+passes, or in both orders.
 
 With `--timeline=DIR` each variant also writes the chrome trace of one 1-row replay to
 DIR/<variant>.json and prints, per layer whose q/kv norm pair starts more than 1 us after the
@@ -252,7 +257,7 @@ def main() -> None:
     fill_state(state, {i: 32768 for i in range(n)})
     step = stack.decode_step(state, max_rows=n, buckets=tuple(sorted(set(rows) | {8})))
     first = None
-    for name in names:
+    for name in names * int(arg("passes", "1")):
         cap, aux = PRIORITIES[name]
         step.lanes._aux = [torch.cuda.Stream("cuda", priority=p) for p in aux]
         step.lanes.capture = torch.cuda.Stream("cuda", priority=cap)
