@@ -34,6 +34,21 @@ How the kernel runs (one program per 64 x warpgroups weight rows and K split):
   (`scripts/probe_gluon_wo_a.py --dtypes=fp8`) it takes 22.5-23.8 us at 1-16 rows, 34 % of the
   read, against 20.5-21.7 us for the Triton plan: the conversion, not the bytes, bounds it, so the
   step keeps the Triton plan for an FP8 `wo_a`.
+- **The folded FP8 consumer** (`GluonWoAConfig(fold_scales=True)`, `_consumer_fp8_folded`): the
+  block scale goes into the conversion instead of the partials. Per slot the consumer loads each
+  32-deep K block of the E4M3 tile from the ring straight into the wgmma's register A operand
+  layout (swap-AB: the weight rows are the MMA's M), converts it in registers to
+  bf16(fp32(e4m3) x 2^(b - 127)) (per pair of codes on sm_90: one e4m3x2 -> f16x2 unpack, two
+  f16 -> f32, two FP32 multiplies, one bf16x2 pack: 3 instructions an element, besides a 16-bit
+  shared load per pair; the direct E4M3 -> BF16 conversion with a BF16 multiply is 2.5, but its
+  two F2F.BF16.F16 per pair run on the quarter-rate conversion unit), and runs the slot's two
+  wgmmas (register A, the o tile from shared memory) into the one FP32 accumulator in K order, as
+  the BF16-weight consumer does, with the slot's two groups issued before the previous slot's are
+  retired. No staging tile, no block partials, no barrier per slot (only the rotary slot's). The
+  loop runs two slots per iteration so that consecutive slots' operands live in different
+  registers (a wgmma reads its register operand until a wait retires it; the sm_90 compile test
+  checks the SASS for writes to an in-flight operand). Its scale bytes must lie in
+  FOLD_SCALE_BYTES = [10, 246] (`check_folded_scale`, once per weight).
 - **Split-K with a deterministic reduction** (grid: N tiles x split; the split is the plan's, the
   same for every row count): each split stores its FP32 partial of the M real rows to the plan's
   workspace, one acq_rel atomic on the tile's counter; the last split to arrive adds the partials
@@ -54,6 +69,22 @@ same split as the Triton plan (the default rule is the same) and the same K orde
 sequence per output matches the Triton swapped kernel's (its 32-deep dots lower to two k16 wgmmas
 each); whether the bits match is the GPU test's to say, and not part of the contract. (The Triton
 plan of an FP8 weight runs TF32 dots, unswapped, at split 4: other sums, within the same bound.)
+The folded FP8 consumer: w = e4m3 x 2^(b - 127) is a BF16 value, exactly, whenever it is zero or a
+BF16 normal: an E4M3 value has at most 4 significant bits (BF16 holds 8) and BF16 has FP32's
+exponent range. The nonzero |e4m3| lie in [2^-9 (the smallest subnormal, 0.001b x 2^-6), 448 =
+1.75 x 2^8], so every nonzero w is a normal when 2^(b - 136) >= 2^-126 and 1.75 x 2^(b - 119) <=
+BF16's largest finite (2 - 2^-7) x 2^127, i.e. 10 <= b <= 246 (FOLD_SCALE_BYTES); zero stays zero
+and the E4M3 NaN stays NaN. Each step of the conversion is exact there: E4M3 -> F16 -> FP32 (the
+E4M3 subnormals are F16 normals), the product by 2^(b - 127) (an FP32 normal for every such b;
+the product is an FP32 normal), the rounding to BF16 (the value is representable). So the folded
+weight is the reference's dequantized weight (`fp8_block_dequantize(weight, scale)` rounded to
+BF16) bit for bit, and the kernel is the BF16-weight kernel run on it: the same k16 instruction
+sequence per output in the same K order at the same split (the split rule does not look at the
+dtype), so z equals the BF16-weight plan's z on the dequantized weight (the GPU test asserts it)
+and is held to the BF16 weight's bound: only the FP32 summation inside the MMA and split-K's
+regrouping differ from the reference. Against `_consumer_fp8`, the block partials are gone: the
+scaled products are summed by the MMA in one chain rather than per 32-deep block then scaled, a
+different order of the same exact products (decision 27 allows it for `wo_a`).
 Batch invariance: the split, the slot depth and the instruction do not depend on the row count;
 the row bucket BT changes the wgmma's N (how many columns one instruction computes), not the
 arithmetic of an output element.
@@ -82,6 +113,9 @@ BLOCK_K = 64                     # K per ring slot: 128 bytes of BF16 (the 128-b
 ROPE_DIM = 64                    # the rotary channels per head the kernel rotates: one slot
 ROW_BUCKETS = (8, 16, 32, 64)    # BT: the wgmma's N
 SHARED_LIMIT = 227 * 1024        # sm_90's dynamic shared memory per block
+# the UE8M0 scale bytes b for which every e4m3 x 2^(b - 127) is zero or a BF16 normal (exact): the
+# folded FP8 consumer's range (module doc, "Numerics"; `check_folded_scale`)
+FOLD_SCALE_BYTES = (10, 246)
 # the MXFP8 constants of the fused output quantization (kernels may read only constexpr globals)
 _AMAX_FLOOR = gl.constexpr(MXFP8_AMAX_FLOOR)
 _INV_QMAX = gl.constexpr(INV_E4M3_MAX)
@@ -193,6 +227,79 @@ def _consumer_fp8(w_smem, wb_smem, x_smem, ready, empty, cos_ptr, sin_ptr, s_ptr
 
 
 @gluon.jit
+def _folded_block(w_blk, sc, a_l: gl.constexpr):
+    """One 32-deep K block of the weight as the wgmma's register A operand ([BN, 32] BF16 in `a_l`):
+    bf16(fp32(e4m3) x 2^(b - 127)), from w_blk ([BN, 32] E4M3 in shared memory) and sc ([BN] FP32
+    block scales, `_block_scales`). Each step is exact for scale bytes in FOLD_SCALE_BYTES (the
+    module doc's "Numerics"): E4M3 -> FP32 is exact, the product by a power of two is exact while it
+    stays an FP32 normal, and a value of at most 4 significant bits within BF16's normal range is a
+    BF16 value."""
+    return (w_blk.load(a_l).to(gl.float32) * sc[:, None]).to(gl.bfloat16)
+
+
+@gluon.jit
+def _folded_step(acc, i, scales, w_smem, x_smem, ready, empty, s_rows, cos, sin, step_lo, n_steps,
+                 STAGES: gl.constexpr, BT: gl.constexpr, HEAD_STEPS: gl.constexpr, a_l: gl.constexpr,
+                 rot_l: gl.constexpr):
+    """Slot i of `_consumer_fp8_folded`: the next slot's scales loaded, the slot's two K blocks
+    converted in registers (`_folded_block`), the o tile rotated when it is a rotary chunk, the two
+    wgmmas (register A, o tile from shared memory) added to acc, then a wait that leaves this slot's
+    two groups in flight and retires slot i-1's, which goes back to the producer. Returns (acc, the
+    scales of slot i + 1)."""
+    sc0, sc1 = scales
+    scales = _block_scales(s_rows, step_lo + gl.minimum(i + 1, n_steps - 1))
+    s = i % STAGES
+    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+    x_tile = x_smem.index(s)
+    w_tile = w_smem.index(s)
+    a0 = _folded_block(w_tile.slice(0, 32, dim=1), sc0, a_l)
+    a1 = _folded_block(w_tile.slice(32, 32, dim=1), sc1, a_l)
+    if (step_lo + i) % HEAD_STEPS == HEAD_STEPS - 1:
+        _rotate_slot(x_tile, cos, sin, BT, rot_l)
+        # the generic-proxy stores before the wgmma's (async proxy) reads, from every thread
+        fence_async_shared()
+        gl.thread_barrier()
+    acc = warpgroup_mma(a0, x_tile.slice(0, 32, dim=1).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma(a1, x_tile.slice(32, 32, dim=1).permute((1, 0)), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=2, deps=(acc, ))
+    if i > 0:
+        # slot i-1's wgmmas have retired: hand it back to the producer
+        mbarrier.arrive(empty.index((i - 1) % STAGES), count=1)
+    return acc, scales
+
+
+@gluon.jit
+def _consumer_fp8_folded(w_smem, x_smem, ready, empty, cos_ptr, sin_ptr, s_ptr, M, stride_cm, stride_sm,
+                         stride_sn, off_n, step_lo, N_STEPS: gl.constexpr, STAGES: gl.constexpr,
+                         BN: gl.constexpr, BT: gl.constexpr, HEAD_STEPS: gl.constexpr,
+                         mma_layout: gl.constexpr, rot_l: gl.constexpr, pair_l: gl.constexpr):
+    """The consumer warpgroup(s) for an FP8 weight with the block scales folded into the weight
+    (GluonWoAConfig.fold_scales): per slot its two 32-deep K blocks converted in registers to BF16
+    already scaled (`_folded_block`, exact) and fed to the wgmma as its A operand from registers, one
+    accumulating chain into the FP32 accumulator in K order as `_consumer` runs for a BF16 weight,
+    the slot's wgmmas issued before the previous slot's are retired (`_folded_step`). The loop runs
+    two slots per iteration: a wgmma reads its register operand until a wait retires it, so
+    consecutive slots convert into different registers (one loop iteration's values would be
+    rewritten by the next while still in flight). Returns (acc, )."""
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+    cos, sin = _load_cis(cos_ptr, sin_ptr, M, stride_cm, stride_sm, BT, pair_l)
+    rn = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, a_l))
+    s_rows = s_ptr + (rn // 32) * stride_sn
+    acc = gl.zeros([BN, BT], gl.float32, mma_layout)
+    scales = _block_scales(s_rows, step_lo)
+    for j in range(N_STEPS // 2):
+        acc, scales = _folded_step(acc, 2 * j, scales, w_smem, x_smem, ready, empty, s_rows, cos, sin, step_lo,
+                                   N_STEPS, STAGES, BT, HEAD_STEPS, a_l, rot_l)
+        acc, scales = _folded_step(acc, 2 * j + 1, scales, w_smem, x_smem, ready, empty, s_rows, cos, sin,
+                                   step_lo, N_STEPS, STAGES, BT, HEAD_STEPS, a_l, rot_l)
+    if N_STEPS % 2 == 1:
+        acc, scales = _folded_step(acc, N_STEPS - 1, scales, w_smem, x_smem, ready, empty, s_rows, cos, sin,
+                                   step_lo, N_STEPS, STAGES, BT, HEAD_STEPS, a_l, rot_l)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+    return (acc, )
+
+
+@gluon.jit
 def _store_z(total, z_ptrs, mask, codes_ptr, scales_ptr, off_n, M, stride_codes, stride_scales,
              QUANT: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, WG: gl.constexpr):
     """Store bf16(total) ([BN, BT] FP32: outputs n x rows m) into z; with QUANT also its MXFP8
@@ -225,13 +332,13 @@ def _gluon_wo_a_kernel(
     cp_src_ptr, cp_dst_ptr, M, stride_cm, stride_sm, stride_sn, stride_zm, stride_codes, stride_scales,
     R: gl.constexpr, GW: gl.constexpr, HEAD_STEPS: gl.constexpr, STEPS_PER_SPLIT: gl.constexpr,
     SPLIT: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr = False,
-    QUANT: gl.constexpr = False,
+    FOLD: gl.constexpr = False, QUANT: gl.constexpr = False,
     COPY_WORDS: gl.constexpr = 0, COPY_BLOCK: gl.constexpr = 1, N_TILES: gl.constexpr = 1,
 ):
     # Grid (G*R / BN tiles, SPLIT): program (t, s) covers weight rows [t*BN, +BN) (all in group
     # g = t*BN // R) and the group's K steps [s*STEPS_PER_SPLIT, +STEPS_PER_SPLIT) of 64 channels;
     # the o tile's columns are g*GW + k in o viewed as [M, H*512]. FP8: the weight is E4M3 with
-    # UE8M0 scales at s_ptr ([G*R/32, GW/32] bytes, row stride stride_sn).
+    # UE8M0 scales at s_ptr ([G*R/32, GW/32] bytes, row stride stride_sn); FOLD: the folded consumer.
     BN: gl.constexpr = w_desc.block_type.shape[0]
     WG: gl.constexpr = BN // 64
     pid_n = gl.program_id(0)
@@ -250,7 +357,15 @@ def _gluon_wo_a_kernel(
 
     w_smem, x_smem, ready, empty = _ring(w_desc, x_desc, STAGES)
 
-    if FP8:
+    if FP8 and FOLD:
+        acc, = gl.warp_specialize([
+            (_consumer_fp8_folded, (w_smem, x_smem, ready, empty, cos_ptr, sin_ptr, s_ptr, M, stride_cm, stride_sm,
+                                    stride_sn, off_n, step_lo, STEPS_PER_SPLIT, STAGES, BN, BT, HEAD_STEPS,
+                                    mma_layout, rot_l, pair_l)),
+            (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, 0, x_col, step_lo, STEPS_PER_SPLIT, 0,
+                         STEPS_PER_SPLIT, STAGES, False)),
+        ], [1], [24])
+    elif FP8:
         # the BF16 staging tile of the converted weight (the o tile's 128-byte swizzle)
         wb_smem = gl.allocate_shared_memory(gl.bfloat16, [BN, 64], x_desc.layout)
         cvt_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[16, 2],
@@ -329,6 +444,11 @@ class GluonWoAConfig:
         [BT, 64] BF16 o tile).
     warpgroups: consumer warpgroups per program, 1 or 2 (64 or 128 weight rows per program).
     maxnreg: the launch's register cap per thread; None = `register_cap`'s rule.
+    fold_scales: for an FP8 weight, the folded consumer (`_consumer_fp8_folded`: each block scale
+        folded into the weight's exact conversion to BF16 in registers, one accumulating wgmma
+        chain with the weight as the register A operand; scale bytes in FOLD_SCALE_BYTES,
+        `check_folded_scale`) instead of the block-partial consumer (`_consumer_fp8`). No effect on
+        a BF16 weight.
 
     Measured on the H200 (BF16, docs/results/gluon-wo-a-probe-h200.txt): the default (6 stages, one
     warpgroup, the default split) against 4 and 8 stages and two warpgroups at split 4: the default
@@ -341,6 +461,7 @@ class GluonWoAConfig:
     stages: int = 6
     warpgroups: int = 1
     maxnreg: int | None = None
+    fold_scales: bool = False
 
     def __post_init__(self):
         def is_int(v):
@@ -355,6 +476,8 @@ class GluonWoAConfig:
                                          or self.maxnreg % 8):
             raise ValueError(f"GluonWoAConfig.maxnreg must be None or a multiple of 8 in [24, 256], "
                              f"got {self.maxnreg!r}")
+        if not isinstance(self.fold_scales, bool):
+            raise ValueError(f"GluonWoAConfig.fold_scales must be a bool, got {self.fold_scales!r}")
 
     @property
     def block_n(self) -> int:
@@ -364,16 +487,17 @@ class GluonWoAConfig:
 
 def register_cap(config: GluonWoAConfig, bt: int, fp8: bool) -> int:
     """The launch's register cap per thread at row bucket `bt`: config.maxnreg, else 80, and 128 for
-    an FP8 weight at 64 rows. A CTA runs the consumer warpgroup(s) and the producer's warp padded to
+    an FP8 weight at 64 rows with the block-partial consumer (not with config.fold_scales). A CTA runs the consumer warpgroup(s) and the producer's warp padded to
     a warpgroup, each thread holding the cap however `setmaxnreg` moves the registers (the producer
     drops to 24, the consumer rises): 80 keeps three CTAs of one warpgroup per SM resident (8 warps
     x 32 x 80 of 64K registers; Triton's default of 255 one). Every bucket compiles without spills
     at 80 (sm_90 compile test), except the FP8 consumer at 64 rows (the accumulator and two block
     partials, 32 registers each: 32 bytes of stack at 80), which needs 104 and runs at 128, the
-    same residency (two CTAs)."""
+    same residency (two CTAs). The folded FP8 consumer (the accumulator and two slots' register A
+    operands, 16 registers each) compiles without spills at 80 at every bucket."""
     if config.maxnreg is not None:
         return config.maxnreg
-    return 128 if fp8 and bt == 64 else 80
+    return 128 if fp8 and bt == 64 and not config.fold_scales else 80
 
 
 def block_t(rows: int) -> int:
@@ -383,9 +507,11 @@ def block_t(rows: int) -> int:
 
 def shared_bytes(config: GluonWoAConfig, bt: int, fp8: bool = False) -> int:
     """The shared memory of a launch at row bucket `bt`: the ring's weight and o tiles (with an FP8
-    weight, also the BF16 staging tile), and 1 KB for the mbarriers and what the compiler adds."""
+    weight and the block-partial consumer, also the BF16 staging tile), and 1 KB for the mbarriers
+    and what the compiler adds."""
     w_bytes = config.block_n * BLOCK_K * (1 if fp8 else 2)
-    return config.stages * (w_bytes + bt * BLOCK_K * 2) + (config.block_n * BLOCK_K * 2 if fp8 else 0) + 1024
+    staging = config.block_n * BLOCK_K * 2 if fp8 and not config.fold_scales else 0
+    return config.stages * (w_bytes + bt * BLOCK_K * 2) + staging + 1024
 
 
 def default_split(group_width: int, n_tiles: int, sms: int) -> int:
@@ -404,7 +530,7 @@ def launch_options(plan: "GluonWoAPlan", bt: int) -> dict:
     sm_90 compile test share them)."""
     opts = {"R": plan.rank, "GW": plan.group_width, "HEAD_STEPS": plan.head_dim // BLOCK_K,
             "STEPS_PER_SPLIT": plan.k_per_split // BLOCK_K, "SPLIT": plan.split, "BT": bt,
-            "STAGES": plan.config.stages, "FP8": plan.fp8, "num_warps": 4 * plan.config.warpgroups,
+            "STAGES": plan.config.stages, "FP8": plan.fp8, "FOLD": plan.folds_scales, "num_warps": 4 * plan.config.warpgroups,
             "maxnreg": register_cap(plan.config, bt, plan.fp8),
             # the rotation's products and sums rounded as torch rounds them (no FMA)
             "enable_fp_fusion": False}
@@ -448,6 +574,12 @@ class GluonWoAPlan(GroupedShape):
     @property
     def fp8(self) -> bool:
         return self.weight_dtype == torch.float8_e4m3fn
+
+    @property
+    def folds_scales(self) -> bool:
+        """An FP8 weight with the folded consumer (config.fold_scales): its scale bytes must lie in
+        FOLD_SCALE_BYTES (`check_folded_scale`, once per weight; the launch does not read them)."""
+        return self.fp8 and self.config.fold_scales
 
     @classmethod
     def build(cls, heads: int, o_groups: int, rank: int, max_rows: int, weight_dtype: torch.dtype = torch.bfloat16,
@@ -498,6 +630,24 @@ class GluonWoAPlan(GroupedShape):
                    split, partials, counters)
 
 
+def check_folded_scale(scale: torch.Tensor) -> None:
+    """Raise ValueError unless every UE8M0 byte of `scale` (an FP8 weight's block scales, float8_e8m0fnu
+    or uint8) lies in FOLD_SCALE_BYTES, the range where the folded consumer's conversion is exact.
+    Reads the tensor (a device sync on a GPU): call it once when a weight is bound to a plan with
+    `folds_scales`, not per launch. `ops.wo_a.quantize_wo_a` gives bytes in range for any weight
+    whose blocks' largest |w| lies in [1e-4, 448 x 2^119] (its amax floor is 1e-4)."""
+    if not isinstance(scale, torch.Tensor) or scale.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+        raise TypeError(f"scale must be a float8_e8m0fnu or uint8 tensor, got "
+                        f"{scale.dtype if isinstance(scale, torch.Tensor) else type(scale).__name__}")
+    if scale.numel() == 0:
+        return
+    b = scale.view(torch.uint8)
+    lo, hi = int(b.min()), int(b.max())
+    if lo < FOLD_SCALE_BYTES[0] or hi > FOLD_SCALE_BYTES[1]:
+        raise ValueError(f"scale bytes must lie in [{FOLD_SCALE_BYTES[0]}, {FOLD_SCALE_BYTES[1]}] for the folded FP8 "
+                         f"wo_a (e4m3 x 2^(b - 127) exact in BF16), got bytes in [{lo}, {hi}]")
+
+
 def _tma_desc(t: torch.Tensor, block: list[int], name: str) -> TensorDescriptor:
     """A TMA descriptor of the 2-D BF16 or E4M3 tensor t with box `block` (swizzled tiles)."""
     require_tma_rows(t, name)
@@ -515,7 +665,9 @@ def gluon_wo_a_(plan: GluonWoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: tor
     o: [M, H, head_dim] BF16 whose heads are contiguous within a row (head stride = head_dim, unit
        stride; rows 16-byte aligned: the kernel reads o as [M, H*head_dim] through TMA).
     weight: [G*R, (H/G)*head_dim] of plan.weight_dtype, rows 16-byte aligned (TMA); scale as
-       `ops.wo_a.wo_a_` (None for BF16; [G*R/32, (H/G)*head_dim/32] UE8M0 bytes for FP8).
+       `ops.wo_a.wo_a_` (None for BF16; [G*R/32, (H/G)*head_dim/32] UE8M0 bytes for FP8; with
+       plan.folds_scales, bytes in FOLD_SCALE_BYTES: unchecked here, `check_folded_scale` checks
+       them once per weight).
     codes_out, scales_out: optionally the MXFP8 of out in the same launch (`act_quant_mxfp8_(out,
        codes_out, scales_out)` bit for bit), as `ops.wo_a.wo_a_`.
     window_copy: optionally (pool, src, dst), as `ops.wo_a.wo_a_` (same checks, same guarantees).

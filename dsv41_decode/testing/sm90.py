@@ -99,6 +99,59 @@ def wgmma_ops(texts: list[str]) -> list[str]:
     return [t for t in texts if "GMMA" in t and not t.startswith("WARPGROUP")]
 
 
+_NO_DEST = ("ST", "RED", "ATOM", "BAR", "BRA", "BSSY", "BSYNC", "SYNCS", "WARPGROUP", "FENCE", "MEMBAR", "EXIT",
+            "CCTL", "ERRBAR", "CGAERRBAR", "NOP", "ISETP", "FSETP", "HSETP2", "PLOP3", "UTMA")
+
+
+def _written_registers(text: str) -> set[int]:
+    """The general registers an instruction writes (its first operand; 64- and 128-bit forms 2 or
+    4), empty for instructions without a register destination and for uniform ones."""
+    t = re.sub(r"^@!?U?P\w+\s+", "", text)
+    op = t.split()[0]
+    if op.startswith(_NO_DEST) or op.startswith("U") or "GMMA" in op:
+        return set()
+    m = re.match(r"R(\d+)\b", t[len(op):].strip())
+    if m is None:
+        return set()
+    wide = ".128" in op or re.search(r"LDSM\S*\.4$", op)
+    width = 4 if wide else 2 if ".64" in op or op.startswith("IMAD.WIDE") or re.search(r"LDSM\S*\.2$", op) else 1
+    return set(range(int(m.group(1)), int(m.group(1)) + width))
+
+
+def wgmma_register_hazards(kernel) -> list[str]:
+    """The instructions of the kernel's innermost loop around its register-A wgmmas (`HGMMA ... Rd,
+    Ra, gdesc...` reads Ra..Ra+3) that write a register an in-flight wgmma still reads: after the
+    wgmma and before a `WARPGROUP.DEPBAR.LE gsb0, N` retires its group (a group ends at the wgmma
+    marked gsb0). The loop body is walked twice, so writes at the top of the next iteration count.
+    [] when there is none, or no such loop."""
+    ins = sass(kernel)
+    index = {addr: i for i, (addr, _) in enumerate(ins)}
+    body = None
+    for i, (addr, text) in enumerate(ins):
+        m = re.search(r"\bBRA (?:`\()?0x([0-9a-f]+)", text)
+        j = index.get(int(m.group(1), 16)) if m else None
+        if j is not None and j < i and any(re.search(r"GMMA\S*\s+R\d+, R\d+,", t) for _, t in ins[j:i]):
+            if body is None or i - j < len(body):
+                body = [t for _, t in ins[j:i + 1]]
+    if body is None:
+        return []
+    groups, current, hazards = [], set(), []
+    for t in body + body:
+        a = re.search(r"GMMA\S*\s+R\d+, R(\d+),", t)
+        if a:
+            current |= set(range(int(a.group(1)), int(a.group(1)) + 4))
+        if "GMMA" in t and not t.startswith("WARPGROUP") and "gsb0" in t:
+            groups.append(current)
+            current = set()
+        m = re.match(r"WARPGROUP.DEPBAR.LE gsb0, 0x([0-9a-f]+)", t)
+        if m:
+            keep = int(m.group(1), 16)
+            groups = groups[len(groups) - keep:] if keep else []
+        if _written_registers(t) & set().union(current, *groups):
+            hazards.append(t)
+    return hazards
+
+
 def print_cases(measure, cases, argv: list[str]) -> None:
     """The `main` of a compile-case script run in a subprocess: one JSON line of `measure(*case)` per
     case, the cases from argv (each "a:b:c", ints) or else `cases`."""

@@ -4,8 +4,10 @@ hand: compiles `ops.gluon_wo_a`'s kernel for sm_90 at the real shapes' plans (CA
 shard's split, each row bucket, one- and two-warpgroup programs), with the step's call (the fused
 MXFP8 of z and the window copy of 528-byte records), and prints one JSON object per case: its
 registers, stack, local memory and shared memory, the opcode counts, the wgmma instructions, the
-wgmma waits and the plan's split, steps per program and register cap. `python
-tests/ops/_gluon_wo_a_sm90.py [heads:bt:warpgroups[:split[:fp8]] ...]` compiles the given cases instead."""
+writes to an in-flight wgmma's register operand (`sm90.wgmma_register_hazards`), the wgmma waits
+and the plan's split, steps per program and register cap. `python tests/ops/_gluon_wo_a_sm90.py
+[heads:bt:warpgroups[:split[:fp8]] ...]` compiles the given cases instead (fp8: 0 BF16, 1 FP8
+block partials, 2 FP8 folded)."""
 
 from __future__ import annotations
 
@@ -18,11 +20,14 @@ from dsv41_decode.ops import gluon_wo_a as W
 from dsv41_decode.testing import sm90
 
 RANK = 1024   # o_lora_rank of V4.1; 8 heads per group
-# (heads, row bucket, warpgroups, split or 0 for the plan's, FP8 weight): BF16 at TP1, 2, 4, 8 (splits
-# 2, 4, 8, 16), each bucket once, 128-row programs once, the epilogue without split-K once; FP8 at
-# its tightest bucket with one and two warpgroups, and at 1 row
+# (heads, row bucket, warpgroups, split or 0 for the plan's, weight: 0 BF16, 1 FP8 with the
+# block-partial consumer, 2 FP8 with the folded consumer): BF16 at TP1, 2, 4, 8 (splits 2, 4, 8,
+# 16), each bucket once, 128-row programs once, the epilogue without split-K once; FP8 block
+# partials at its tightest bucket with one and two warpgroups, and at 1 row; FP8 folded at every
+# bucket (TP1..8) and with two warpgroups
 CASES = [(64, 8, 1, 0, 0), (32, 16, 1, 0, 0), (16, 32, 1, 0, 0), (8, 64, 1, 0, 0), (64, 64, 2, 0, 0),
-         (8, 16, 1, 1, 0), (64, 8, 1, 0, 1), (16, 64, 1, 0, 1), (64, 64, 2, 0, 1)]
+         (8, 16, 1, 1, 0), (64, 8, 1, 0, 1), (16, 64, 1, 0, 1), (64, 64, 2, 0, 1),
+         (64, 8, 1, 0, 2), (32, 16, 1, 0, 2), (16, 32, 1, 0, 2), (8, 64, 1, 0, 2), (64, 64, 2, 0, 2)]
 COPY_WORDS = 132   # the window record: 528 bytes
 
 
@@ -53,7 +58,7 @@ def compile_case(plan: W.GluonWoAPlan, bt: int, quant: bool = True, copy_words: 
 
 
 def measure(heads: int, bt: int, wg: int, split: int = 0, fp8: int = 0) -> dict:
-    config = W.GluonWoAConfig(warpgroups=wg, split=split or None)
+    config = W.GluonWoAConfig(warpgroups=wg, split=split or None, fold_scales=fp8 == 2)
     dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
     plan = W.GluonWoAPlan.build(heads, heads // 8, RANK, 64, dtype, "cpu", config=config)
     kernel = compile_case(plan, bt)
@@ -62,7 +67,7 @@ def measure(heads: int, bt: int, wg: int, split: int = 0, fp8: int = 0) -> dict:
             "steps": plan.k_per_split // W.BLOCK_K, "maxnreg": W.register_cap(plan.config, bt, plan.fp8),
             "shared_limit": W.shared_bytes(plan.config, bt, plan.fp8), "shared": kernel.metadata.shared,
             **sm90.resources(kernel), "ops": sm90.opcode_counts(ins),
-            "gmma": sm90.wgmma_ops(ins),
+            "gmma": sm90.wgmma_ops(ins), "a_hazards": sm90.wgmma_register_hazards(kernel),
             "waits": sorted({t for t in ins if t.startswith("WARPGROUP.DEPBAR")})}
 
 

@@ -21,11 +21,18 @@ relative of a BF16 rounding midpoint), hence the rel RMS bound (1e-3 allows up t
 elements one ulp off). An FP8 weight is held to the same against the reference fed its
 dequantized weight (`ops.wo_a`'s FP8 test): each 32-deep block's partial is the BF16 wgmma's sum
 of exact products (E4M3 codes are exact in BF16), scaled exactly by its power-of-two block scale,
-then added in K order: the same FP32 summation argument.
+then added in K order: the same FP32 summation argument. The folded FP8 consumer
+(`GluonWoAConfig(fold_scales=True)`) is held to the same bound, and more: its weight in BF16 is
+the dequantized weight bit for bit (e4m3 x 2^(b - 127) is exact in BF16 for scale bytes in
+`FOLD_SCALE_BYTES`, the module doc's "Numerics"), and it runs the BF16 weight's k16 wgmma sequence
+in the same K order at the same split, so its z equals the BF16-weight Gluon plan's z on the
+dequantized weight bitwise (asserted on the GPU: a difference means an inexact conversion or a
+register-A wgmma that sums otherwise than the shared-memory one).
 """
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -61,15 +68,17 @@ def sm90_builds() -> dict:
 
 def _case_id(case) -> str:
     heads, bt, wg, split, fp8 = case
-    return f"{'fp8' if fp8 else 'bf16'}-h{heads}-bt{bt}-wg{wg}" + (f"-split{split}" if split else "")
+    return f"{('bf16', 'fp8', 'fp8fold')[fp8]}-h{heads}-bt{bt}-wg{wg}" + (f"-split{split}" if split else "")
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
 def test_compiles_for_sm90_without_spills(sm90_builds, case):
     """Each TP shard's split (TP1..8: 2..16, twice that with two warpgroups), each row bucket, one
-    launch without split-K and the FP8 consumer, with the fused MXFP8 of z and the window copy: no
-    local memory or spills within the register cap (`register_cap`), the BF16 wgmma, the TMA loads,
-    two groups in flight, no FMA."""
+    launch without split-K and both FP8 consumers (the folded one at every bucket), with the fused
+    MXFP8 of z and the window copy: no local memory or spills within the register cap
+    (`register_cap`), the BF16 wgmma, the TMA loads, two slots in flight, no FMA; the folded
+    consumer's wgmmas take the weight from registers, and nothing writes those registers while a
+    wgmma that reads them is in flight."""
     r = sm90_builds[case]
     assert r["n_tiles"] * r["split"] == (256 if case[3] == 0 else r["n_tiles"]), r
     assert r["LOCAL"] == 0 and r["STACK"] == 0 and r["REG"] <= r["maxnreg"], r
@@ -80,13 +89,23 @@ def test_compiles_for_sm90_without_spills(sm90_builds, case):
     # with an FP8 weight two 32-deep block partials, each started from zero (RZ).
     gmma, bt = r["gmma"], r["bt"]
     assert gmma and len(gmma) % 4 == 0 and all(t.startswith(f"HGMMA.64x{bt}x16.F32.BF16") for t in gmma), gmma
-    if case[4]:
+    if case[4] == 1:
         assert sum(", RZ" in t for t in gmma) == len(gmma) // 2, gmma
+    # the folded consumer: register A operands (`HGMMA ... Rd, Ra, gdesc`), every wgmma accumulating
+    # (one chain, no partial from zero), two slots an iteration (8 wgmmas, 4 more for an odd tail)
+    folded = case[4] == 2
+    assert all(re.search(r"\.BF16 R\d+, R\d+, gdesc", t) for t in gmma) == folded, gmma
+    if folded:
+        assert not any(", RZ" in t for t in gmma) and len(gmma) >= 8, gmma
+    assert r["a_hazards"] == [], r["a_hazards"]
     # the producer's weight and o tiles (its loop unrolled where the program's K range is short)
     assert ops.get("UTMALDG", 0) in (2, 2 * r["steps"]), ops
     assert ops.get("SYNCS", 0) > 0, ops           # the mbarrier ring
-    # More than one group in flight: a wait that leaves one outstanding, besides the drain.
-    assert {"WARPGROUP.DEPBAR.LE gsb0, 0x1", "WARPGROUP.DEPBAR.LE gsb0, 0x0"} <= set(r["waits"]), r["waits"]
+    # More than one slot in flight: a wait that leaves the newest slot's wgmma group(s) outstanding
+    # (one group a slot; the folded consumer's slot is two groups, one per 32-deep K block),
+    # besides the drain.
+    keep = 2 if folded else 1
+    assert {f"WARPGROUP.DEPBAR.LE gsb0, 0x{keep}", "WARPGROUP.DEPBAR.LE gsb0, 0x0"} <= set(r["waits"]), r["waits"]
     assert ops.get("USETMAXREG", 0) > 0, ops      # the producer warp gives its registers away
     # The rotation rounds each product and each sum (enable_fp_fusion=False): no FFMA anywhere.
     assert ops.get("FFMA", 0) == 0 and ops.get("FMUL", 0) > 0, ops
@@ -178,6 +197,69 @@ def test_fp8_plan_needs_the_scale():
     with pytest.raises(TypeError, match="weight must have dtype torch.float8_e4m3fn"):
         W.gluon_wo_a_(plan, o, cos, sin, w, scale, z)
     assert W.shared_bytes(plan.config, 64, True) < W.shared_bytes(plan.config, 64, False)
+
+
+def test_folded_scale_range_is_exact_and_checked():
+    # The range argument of the module doc, checked on every E4M3 code and every scale byte: in
+    # FOLD_SCALE_BYTES each e4m3 x 2^(b - 127) (FP32, exact) survives the round trip through BF16
+    # and is zero, NaN or a BF16 normal; just outside, some code does not (subnormal or overflow).
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    lo, hi = W.FOLD_SCALE_BYTES
+    tiny = torch.finfo(torch.bfloat16).tiny
+    for b in range(1, 255):
+        w = codes * 2.0 ** (b - 127)
+        exact = torch.equal(w.bfloat16().float()[~w.isnan()], w[~w.isnan()])
+        normal = bool(((w == 0) | w.isnan() | ((w.abs() >= tiny) & w.isfinite())).all())
+        assert (exact and normal) == (lo <= b <= hi), b
+    # the host check: a quantized weight passes; a byte outside the range raises, naming scale
+    _, scale = quantize_wo_a(torch.randn(128, 256))
+    W.check_folded_scale(scale)
+    W.check_folded_scale(scale.view(torch.uint8))
+    for bad in (lo - 1, hi + 1, 0, 255):
+        s = scale.view(torch.uint8).clone()
+        s[1, 2] = bad
+        with pytest.raises(ValueError, match=r"^scale bytes must lie in \[10, 246\].*got bytes in") as e:
+            W.check_folded_scale(s.view(torch.float8_e8m0fnu))
+        assert "\n" not in str(e.value)
+    with pytest.raises(TypeError, match="scale must be a float8_e8m0fnu or uint8"):
+        W.check_folded_scale(scale.float())
+
+
+def test_folded_plan_needs_no_staging_and_no_wider_cap():
+    fold = W.GluonWoAConfig(fold_scales=True)
+    plan = W.GluonWoAPlan.build(64, 8, RANK, 64, torch.float8_e4m3fn, "cpu", config=fold)
+    assert plan.folds_scales and not W.GluonWoAPlan.build(64, 8, RANK, 64, torch.float8_e4m3fn, "cpu").folds_scales
+    assert not W.GluonWoAPlan.build(64, 8, RANK, 64, torch.bfloat16, "cpu", config=fold).folds_scales
+    # the same split as the other consumers (the folded z is the BF16 plan's on the dequantized weight)
+    assert plan.split == W.GluonWoAPlan.build(64, 8, RANK, 64, torch.bfloat16, "cpu").split
+    assert W.launch_options(plan, 8)["FOLD"] is True
+    for bt in W.ROW_BUCKETS:
+        assert W.register_cap(fold, bt, True) == 80
+        assert W.shared_bytes(fold, bt, True) + 64 * 64 * 2 == W.shared_bytes(W.GluonWoAConfig(), bt, True)
+    with pytest.raises(ValueError, match="GluonWoAConfig.fold_scales must be a bool"):
+        W.GluonWoAConfig(fold_scales=1)
+
+
+def test_register_hazard_check_sees_a_rewritten_operand():
+    # sm90.wgmma_register_hazards on a loop whose next iteration rewrites the A registers of a slot
+    # still in flight (a wait leaving 2 groups: this slot's), and on the same loop with a drain.
+    from dsv41_decode.testing import sm90
+
+    class Fake:
+        def __init__(self, texts):
+            lines = [f"        /*{16 * i:04x}*/                   {t} ;" for i, t in enumerate(texts)]
+            self.asm = {"cuobjdump -sass": "\n".join(lines)}
+
+    loop = ["LDS.U16 R28, [R16+UR6]", "F2FP.BF16.F32.PACK_AB R29, R30, R29", "WARPGROUP.ARRIVE",
+            "HGMMA.64x8x16.F32.BF16 R24, R28, gdesc[UR4], R24",
+            "HGMMA.64x8x16.F32.BF16 R24, R32, gdesc[UR4], R24, gsb0",
+            "F2FP.BF16.F32.PACK_AB R36, R37, R44", "HGMMA.64x8x16.F32.BF16 R24, R36, gdesc[UR4], R24",
+            "HGMMA.64x8x16.F32.BF16 R24, R40, gdesc[UR4], R24, gsb0"]
+    bad = Fake(loop + ["WARPGROUP.DEPBAR.LE gsb0, 0x2", "@P0 BRA 0x0", "EXIT"])
+    assert sm90.wgmma_register_hazards(bad) == ["LDS.U16 R28, [R16+UR6]", "F2FP.BF16.F32.PACK_AB R29, R30, R29",
+                                                "F2FP.BF16.F32.PACK_AB R36, R37, R44"]
+    good = Fake(loop + ["WARPGROUP.DEPBAR.LE gsb0, 0x0", "@P0 BRA 0x0", "EXIT"])
+    assert sm90.wgmma_register_hazards(good) == []
 
 
 # ---------------------------------------------------------------------------------------------- GPU
