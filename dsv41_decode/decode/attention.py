@@ -39,7 +39,7 @@ from ..ops.exact_linear import ExactLinear
 from ..ops.exact_mm import ExactConfig
 from ..ops.gluon_indexer import gluon_index_scores_mxfp4_
 from ..ops.gluon_mm import GluonMM
-from ..ops.gluon_wo_a import GluonWoAPlan, gluon_wo_a_
+from ..ops.gluon_wo_a import GluonWoAConfig, GluonWoAPlan, check_folded_scale, gluon_wo_a_
 from ..ops.gluon_sparse_mla import GluonSparseMlaPlan, gluon_sparse_mla_
 from ..ops.ll_bf16 import LlBf16Plan, ll_bf16_
 from ..ops.mhc import BoundaryOperands
@@ -51,7 +51,7 @@ from ..ops.topk import TopKPlan, candidate_mask_, topk_ascending_
 from ..ops.wo_a import WoAPlan, quantize_wo_a, wo_a_
 from ..state import DecodeState
 from .buffers import IndexSelection, Scratch, storage_bytes
-from .lanes import AUX_COMPRESSOR, AUX_INDEX_Q, AUX_MIXER, Event, Lanes, StepEvents
+from .lanes import AUX_COMPRESSOR, AUX_INDEX_Q, AUX_INDEX_W, AUX_MIXER, Event, Lanes, StepEvents
 from .tables import StepMeta
 
 
@@ -93,19 +93,23 @@ def fp8_linear_plan(weight: torch.Tensor, scale: torch.Tensor, max_rows: int, ex
 
 def wo_a_plan(heads: int, groups: int, rank: int, max_rows: int, weight_dtype: torch.dtype,
               device: torch.device, *, head_dim: int = 512, rope_dim: int = 64, workspace=None,
-              fp32_dots: bool = False):
+              fp32_dots: bool = False, gluon_fp8: bool = False):
     """The plan of the grouped `wo_a` (launched by `wo_a_launch`): on an sm_90 GPU a BF16 weight
     without `fp32_dots` runs the Gluon kernel (`ops.gluon_wo_a.GluonWoAPlan`, where it builds: the
     Triton plan's split and K order, the same bits on the H200 at every TP shard and 1-64 rows, and
     19.7-25.4 us at 1-64 rows where the Triton plan takes 21.6-54.3: docs/gemm.md); otherwise
     `ops.wo_a.WoAPlan` (an FP8 weight, FP32 IEEE dots with `fp32_dots`, other GPUs, the interpreter
     with one split). The reduction order is fixed per plan, whatever the rows (batch invariance).
-    workspace: None or the step's `Workspaces` pool (the plans' `workspace` contract)."""
+    workspace: None or the step's `Workspaces` pool (the plans' `workspace` contract).
+    gluon_fp8: an FP8 weight on sm_90 runs the Gluon kernel's folded consumer
+    (`GluonWoAConfig(fold_scales=True)`; its scale bytes checked once by the caller,
+    `check_folded_scale`) instead of the Triton plan. The step takes the default."""
     device = torch.device(device)
-    if is_sm90(device) and weight_dtype == torch.bfloat16 and not fp32_dots:
+    if is_sm90(device) and (weight_dtype == torch.bfloat16 or gluon_fp8) and not fp32_dots:
         try:
             return GluonWoAPlan.build(heads, groups, rank, max_rows, weight_dtype, device, head_dim=head_dim,
-                                      rope_dim=rope_dim, workspace=workspace)
+                                      rope_dim=rope_dim, workspace=workspace,
+                                      config=GluonWoAConfig(fold_scales=True))
         except ValueError:          # a shape the Gluon kernel does not take
             pass
     few = {"split": 1} if _few_programs(device) else {}
@@ -215,6 +219,9 @@ class AttentionStep:
         # the compressor's projection enqueued after the q/kv norm pair instead of right after the
         # fused GEMM (a schedule choice: the same bits)
         self.comp_after_norm = False
+        # the indexer's head weights (weights_proj) on a lane of their own, beside the index query's
+        # GEMM, instead of ahead of it on the index query's lane (a schedule choice: the same bits)
+        self.proj_own_lane = True
         self.state, self.meta, self.s, self.lanes = state, meta, scratch, lanes
         dev = state.device
         # fused_wqa_wkv: one low-latency GEMM over the stacked weights (both FP8, 32-row blocks)
@@ -245,6 +252,8 @@ class AttentionStep:
         self.wo_a_plan = wo_a_plan(cfg.n_heads, cfg.o_groups, cfg.o_lora_rank, max_rows, self.wo_a_w.dtype, dev,
                                    head_dim=cfg.head_dim, rope_dim=cfg.rope_head_dim, workspace=pool,
                                    fp32_dots=fp32_dots)
+        if isinstance(self.wo_a_plan, GluonWoAPlan) and self.wo_a_plan.folds_scales:
+            check_folded_scale(self.wo_a_s)     # the folded FP8 consumer's range, once per weight
         topk_w = 0 if spec.kind == SWA else cfg.index_topk
         # The Gluon kernel on sm_90, else the Triton tilings; FP32 dots with fp32_dots (`sparse_mla_plans`)
         self.mla_plans = sparse_mla_plans(max_rows, cfg.n_heads, cfg.window_size, topk_w, dev, workspace=pool,
@@ -373,13 +382,16 @@ class AttentionStep:
                 ll_bf16_(self.comp_plan, u, self.w_comp, kv_score)
         if spec.owns_compressor and not self.comp_after_norm:
             compressor_projection()
-        if spec.runs_indexer:     # on the index query's lane, which reads it next (a critical lane)
-            with lanes.side(AUX_INDEX_Q):
+        self.proj_ready = None
+        if spec.runs_indexer:     # on the index query's lane, which reads it next, or on its own
+            with lanes.side(AUX_INDEX_W if self.proj_own_lane else AUX_INDEX_Q):
                 lanes.wait(start)
                 if own.stop > own.start and self.index_query_in_gemm:     # the head weights w
                     ll_bf16_(self.proj_plan, u[own], self.w_proj, s.iw[own], scale=self.index_scale)
                 elif own.stop > own.start:
                     ll_bf16_(self.proj_plan, u[own], self.w_proj, s.wproj[own])
+                if self.proj_own_lane:
+                    self.proj_ready = lanes.mark()            # protects wproj / iw (read on lane 2)
         ql = cfg.q_lora_rank
         m, r = self.meta, spec.ratio     # one launch: q_norm (+ MXFP8), kv_norm + the window insert
         rms_norm_pair_(qkv[:, :ql], self.w["attn.q_norm.weight"], s.qr[:B], s.qr_codes[:B], s.qr_scales[:B],
@@ -405,8 +417,10 @@ class AttentionStep:
                 if n_own and self.index_query_in_gemm:              # iq from the GEMM's epilogue
                     self.mm_idx_wq_b(s.qr_codes[own], s.qr_scales[own], s.iq[own].view(n_own, -1),
                                      index_query=(m.cos[r][own], m.sin[r][own]))
+                    lanes.wait(self.proj_ready)
                 elif n_own:
                     self.mm_idx_wq_b(s.qr_codes[own], s.qr_scales[own], s.iq_raw[own])
+                    lanes.wait(self.proj_ready)
                     index_query_(s.iq_raw[own], s.wproj[own], m.cos[r][own], m.sin[r][own], self.index_scale,
                                  s.iq[own], s.iw[own])
                 iq_ready = lanes.mark()                       # protects iq, iw

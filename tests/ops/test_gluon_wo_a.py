@@ -268,9 +268,9 @@ GPU_ROWS = (1, 2, 4, 16, 33, 64)
 DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 
 
-def _real(heads: int, seed: int, dtype=torch.bfloat16):
+def _real(heads: int, seed: int, dtype=torch.bfloat16, config=None):
     """(plan, o, cis, cos, sin, weight, scale, the weight the reference takes, out [64, G*R]) at the
-    real shape of `heads` heads (TP1..8), the weight BF16 or quantized to FP8."""
+    real shape of `heads` heads (TP1..8), the weight BF16 or quantized to FP8; config: the plan's."""
     groups = heads // 8
     o, cis, cos, sin, w = _inputs(64, heads, groups, RANK, seed=seed)
     if dtype == torch.float8_e4m3fn:
@@ -278,9 +278,81 @@ def _real(heads: int, seed: int, dtype=torch.bfloat16):
         w_ref = fp8_block_dequantize(weight, scale).bfloat16()
     else:
         weight, scale, w_ref = w, None, w
-    plan = W.GluonWoAPlan.build(heads, groups, RANK, 64, dtype, "cuda")
+    plan = W.GluonWoAPlan.build(heads, groups, RANK, 64, dtype, "cuda", config=config)
     out = torch.empty(64, groups * RANK, dtype=torch.bfloat16, device="cuda")
     return plan, o, cis, cos, sin, weight, scale, w_ref, out
+
+
+FOLD = W.GluonWoAConfig(fold_scales=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", REAL_HEADS, ids=[f"tp{64 // h}" for h in REAL_HEADS])
+def test_gpu_folded_fp8_matches_reference_and_the_bf16_plan(heads):
+    # The folded consumer at the real shapes and every row count: within the module's tolerance of
+    # the reference on the dequantized weight, and bitwise the BF16-weight Gluon plan's z on that
+    # weight (module doc: the folded weight is that weight exactly, and the instruction sequence is
+    # the BF16 one); rows past M untouched, counters reset.
+    plan, o, cis, cos, sin, weight, scale, w_ref, out = _real(heads, seed=400 + heads, dtype=torch.float8_e4m3fn,
+                                                              config=FOLD)
+    W.check_folded_scale(scale)
+    groups = heads // 8
+    bf16 = W.GluonWoAPlan.build(heads, groups, RANK, 64, torch.bfloat16, "cuda")
+    z_b = torch.empty_like(out)
+    for m in GPU_ROWS:
+        out.fill_(float("nan"))
+        W.gluon_wo_a_(plan, o[:m], cos[:m], sin[:m], weight, scale, out[:m])
+        _check(out[:m], grouped_wo_a(o[:m], cis[:m], w_ref, groups, 64))
+        assert out[m:].isnan().all(), "rows past M untouched"
+        assert not plan.counters.any(), "the last program of every tile resets its counter"
+        W.gluon_wo_a_(bf16, o[:m], cos[:m], sin[:m], w_ref, None, z_b[:m])
+        assert torch.equal(out[:m], z_b[:m]), m
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", (64, 8), ids=("tp1", "tp8"))
+def test_gpu_folded_fp8_bitwise_run_to_run_and_batch_invariant(heads):
+    plan, o, cis, cos, sin, weight, scale, _, out = _real(heads, seed=500 + heads, dtype=torch.float8_e4m3fn,
+                                                          config=FOLD)
+    W.gluon_wo_a_(plan, o, cos, sin, weight, scale, out)
+    full = out.clone()
+    for _ in range(3):
+        W.gluon_wo_a_(plan, o, cos, sin, weight, scale, out)
+        assert torch.equal(out, full)
+    for m in GPU_ROWS:
+        W.gluon_wo_a_(plan, o[:m], cos[:m], sin[:m], weight, scale, out[:m])
+        assert torch.equal(out[:m], full[:m]), m
+    for r in (0, 5, 63):
+        W.gluon_wo_a_(plan, o[r:r + 1], cos[r:r + 1], sin[r:r + 1], weight, scale, out[:1])
+        assert torch.equal(out[0], full[r]), r
+
+
+@pytest.mark.gpu
+def test_gpu_folded_fp8_extreme_codes_and_scales():
+    # Every E4M3 code (zero, both signs, the subnormals, 448) under scale bytes at both ends of
+    # FOLD_SCALE_BYTES and in between, at TP8 and 1 and 16 rows: bitwise the BF16 plan's z on the
+    # dequantized weight (the conversion exact over its whole range).
+    heads, groups = 8, 1
+    plan, o, cis, cos, sin, _, _, _, out = _real(heads, seed=600, dtype=torch.bfloat16)
+    plan = W.GluonWoAPlan.build(heads, groups, RANK, 64, torch.float8_e4m3fn, "cuda", config=FOLD)
+    g = torch.Generator(device="cuda").manual_seed(600)
+    codes = torch.randint(0, 256, (RANK, heads * 512), dtype=torch.uint8, device="cuda", generator=g)
+    codes[(codes & 0x7F) == 0x7F] = 0x38        # no NaN codes (1.0 instead)
+    lo, hi = W.FOLD_SCALE_BYTES
+    sb = torch.tensor([lo, lo + 1, 100, 127, 150, hi - 1, hi], dtype=torch.uint8, device="cuda")
+    scale = sb[torch.randint(0, len(sb), (RANK // 32, heads * 16), device="cuda", generator=g)]
+    weight = codes.view(torch.float8_e4m3fn)
+    w_ref = fp8_block_dequantize(weight, scale).bfloat16()
+    assert torch.equal(w_ref.float(), fp8_block_dequantize(weight, scale).float()), "exact in BF16"
+    bf16 = W.GluonWoAPlan.build(heads, groups, RANK, 64, torch.bfloat16, "cuda")
+    z_b = torch.empty_like(out)
+    # |w| up to 448 x 2^119 ~ 2^128: o scaled by 2^-20 keeps every product and sum finite
+    o = (o.float() * 2.0 ** -20).bfloat16()
+    for m in (1, 16):
+        W.gluon_wo_a_(plan, o[:m], cos[:m], sin[:m], weight, scale.view(torch.float8_e8m0fnu), out[:m])
+        W.gluon_wo_a_(bf16, o[:m], cos[:m], sin[:m], w_ref, None, z_b[:m])
+        assert out[:m].isfinite().all()
+        assert torch.equal(out[:m], z_b[:m]), m
 
 
 @pytest.mark.gpu
@@ -407,6 +479,8 @@ def test_gpu_step_plan_is_gluon_for_a_bf16_weight():
     assert isinstance(plan, W.GluonWoAPlan) is is_sm90(dev)
     assert isinstance(wo_a_plan(64, 8, RANK, 64, torch.bfloat16, dev, fp32_dots=True), WoAPlan)
     assert isinstance(wo_a_plan(64, 8, RANK, 64, torch.float8_e4m3fn, dev), WoAPlan)
+    folded = wo_a_plan(64, 8, RANK, 64, torch.float8_e4m3fn, dev, gluon_fp8=True)   # the FP8 switch
+    assert isinstance(folded, W.GluonWoAPlan) and folded.folds_scales
     assert isinstance(wo_a_plan(8, 4, 96, 64, torch.bfloat16, dev), WoAPlan)     # rank 96: not 64 rows a tile
     _, o, _, cos, sin, w, _, _, out = _real(64, seed=300)
     tri = WoAPlan.build(64, 8, RANK, 64, torch.bfloat16, "cuda")
