@@ -10,6 +10,15 @@ bitwise from the Triton kernel's. "+quant" also writes the MXFP8 of z (the step'
 both kernels).
 `--rows=1,2,4,8,16,32,64`, `--variants=default,s4,s8,wg2`, `--dtypes=bf16,fp8`. Prints; writes
 nothing. About 60-90 s.
+
+`--fp8fold` instead compares the FP8 consumers (`python scripts/probe_gluon_wo_a.py --fp8fold`,
+about 40 s): per row count (`--rows=`) the folded FP8 consumer (`GluonWoAConfig(fold_scales=True)`,
+also with `--fold_variants=` of VARIANTS' other fields, e.g. s8), the block-partial FP8 consumer
+(the default config), the step's FP8 Triton plan and the BF16-weight Gluon plan (the BF16 copy of
+the same weight, twice the bytes), each with us, GB/s (the bytes it reads: weight and scales),
+% of the streaming read measured in the same run, and max |z - reference| (the reference on the
+weight that path reads: for FP8 the dequantized weight, which the folded consumer's z should
+match bitwise against the BF16 plan on that weight: "= bf16" when it does).
 """
 
 from __future__ import annotations
@@ -25,7 +34,7 @@ from _args import arg  # noqa: E402
 from probe_wo_a import GROUPS, HEADS, RANK, rotated_inputs, step_weight, weight_copies  # noqa: E402
 
 from dsv41_decode.bench.floor import read_bandwidth_gbps  # noqa: E402
-from dsv41_decode.bench.timing import graph_time_us  # noqa: E402
+from dsv41_decode.bench.timing import graph_time_us, l2_rotation  # noqa: E402
 from dsv41_decode.formats import fp8_block_dequantize  # noqa: E402
 from dsv41_decode.ops import gluon_wo_a as G  # noqa: E402
 from dsv41_decode.ops.wo_a import WoAPlan, wo_a_  # noqa: E402
@@ -46,7 +55,73 @@ VARIANTS = {
 }
 
 
+def _time(fn, copies: int) -> float | str:
+    try:
+        return graph_time_us(fn, calls_per_graph=copies)
+    except Exception as e:  # report, keep probing
+        return f"{type(e).__name__}: {str(e)[:200]}"
+
+
+def fp8fold() -> None:
+    """The `--fp8fold` comparison (module doc)."""
+    t0 = time.time()
+    rows_list = [int(v) for v in arg("rows", "1,2,4,8,16,32,64").split(",")]
+    extra = [v for v in arg("fold_variants", "").split(",") if v]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    read = read_bandwidth_gbps()
+    print(f"streaming read {read:.0f} GB/s", flush=True)
+    w32 = step_weight(gen)
+    wq, scale, nq = weight_copies(w32, True)
+    G.check_folded_scale(scale)
+    w_deq = fp8_block_dequantize(wq[0], scale).bfloat16()
+    nb = w_deq.numel() * 2
+    wb = [w_deq.clone() for _ in range(l2_rotation(nb))]      # the BF16 path on the same values
+    print(f"fp8 weight + scales {nq / 1e6:.1f} MB ({len(wq)} copies), bf16 {nb / 1e6:.1f} MB ({len(wb)} copies)",
+          flush=True)
+    fp8 = torch.float8_e4m3fn
+    plans = {"fold": G.GluonWoAPlan.build(HEADS, GROUPS, RANK, 64, fp8, "cuda", config=G.GluonWoAConfig(fold_scales=True))}
+    for v in extra:
+        cfg = VARIANTS[v]
+        plans[f"fold:{v}"] = G.GluonWoAPlan.build(HEADS, GROUPS, RANK, 64, fp8, "cuda",
+                                                  config=G.GluonWoAConfig(**{**cfg.__dict__, "fold_scales": True}))
+    plans["partials"] = G.GluonWoAPlan.build(HEADS, GROUPS, RANK, 64, fp8, "cuda")
+    tri = WoAPlan.build(HEADS, GROUPS, RANK, 64, fp8, "cuda")
+    bf16 = G.GluonWoAPlan.build(HEADS, GROUPS, RANK, 64, torch.bfloat16, "cuda")
+    print(f"{'rows':>4} | {'case':14s} | {'us':>7} | {'GB/s':>6} | {'% read':>6} | max |z - ref|", flush=True)
+    for m in rows_list:
+        o, cos, sin = rotated_inputs(m, gen)
+        ref = grouped_wo_a(o, torch.complex(cos, sin), w_deq, GROUPS, 64).float()
+        z = torch.empty(m, GROUPS * RANK, dtype=torch.bfloat16, device="cuda")
+        z_b = torch.empty_like(z)
+        cases = {name: (lambda p=p: [G.gluon_wo_a_(p, o, cos, sin, w, scale, z) for w in wq], nq, len(wq))
+                 for name, p in plans.items()}
+        cases["triton fp8"] = (lambda: [wo_a_(tri, o, cos, sin, w, scale, z) for w in wq], nq, len(wq))
+        cases["gluon bf16"] = (lambda: [G.gluon_wo_a_(bf16, o, cos, sin, w, None, z) for w in wb], nb, len(wb))
+        G.gluon_wo_a_(bf16, o, cos, sin, wb[0], None, z_b)
+        for name, (fn, nbytes, copies) in cases.items():
+            us = _time(fn, copies)
+            if isinstance(us, str):
+                print(f"{m:4d} | {name:14s} | {us}", flush=True)
+                continue
+            # one call on the first copy for the error (the timed calls ran over every copy)
+            if name == "gluon bf16":
+                G.gluon_wo_a_(bf16, o, cos, sin, wb[0], None, z)
+            elif name == "triton fp8":
+                wo_a_(tri, o, cos, sin, wq[0], scale, z)
+            else:
+                G.gluon_wo_a_(plans[name], o, cos, sin, wq[0], scale, z)
+            err = float((z.float() - ref).abs().max())
+            same = " (= bf16)" if name.startswith("fold") and torch.equal(z, z_b) else ""
+            gbps = nbytes / (us * 1e3)
+            print(f"{m:4d} | {name:14s} | {us:7.2f} | {gbps:6.0f} | {100 * gbps / read:5.0f}% | {err:.3e}{same}",
+                  flush=True)
+    print(f"done in {time.time() - t0:.0f} s")
+
+
 def main() -> None:
+    if "--fp8fold" in sys.argv:
+        fp8fold()
+        return
     t0 = time.time()
     rows_list = [int(v) for v in arg("rows", "1,2,4,8,16,32,64").split(",")]
     names = arg("variants", "default,s4,s8,wg2").split(",")
