@@ -28,6 +28,11 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
                     projection start only when the mixer ends, though the SMs have room for them
     comp_late       the compressor's projection enqueued after the q/kv norm pair instead of right
                     after the fused GEMM (`AttentionStep.comp_after_norm`)
+    wproj_lane      the indexer's head weights (weights_proj) on a lane of their own beside the
+                    index query's GEMM (`AttentionStep.proj_own_lane`; the lane at the index
+                    query's priority) instead of ahead of it on the index query's lane
+    wproj_split     the head weights' plan at split 32 (one 128-deep K range a program: 32
+                    programs instead of 10; other FP32 sums, so other bits possible)
     topk_chunk      the indexer's top-k plans with chunks of --topk-chunk entries (default 1024;
                     the step's plan: 4096)
     wq_b_slack      in the layers that run the indexer, wq_b on a stream of its own at the least
@@ -62,6 +67,7 @@ from dsv41_decode.config import ModelConfig
 from dsv41_decode.decode import attention as attention_mod
 from dsv41_decode.decode.lanes import PRIORITY_CRITICAL, PRIORITY_SLACK
 from dsv41_decode.ops import topk
+from dsv41_decode.ops.ll_bf16 import LlBf16Plan
 from dsv41_decode.stack import AttentionStack
 from dsv41_decode.state import DecodeState
 from dsv41_decode.testing.synthetic import fill_state, random_checkpoint
@@ -83,6 +89,8 @@ PRIORITIES = {
     "mix_late": (C, (C, S, C)),
     "comp_late": (C, (C, S, C)),
     "topk_chunk": (C, (C, S, C)),
+    "wproj_lane": (C, (C, S, C)),
+    "wproj_split": (C, (C, S, C)),
 }
 
 
@@ -218,6 +226,32 @@ def _comp_late(step):
     return undo
 
 
+def _wproj_lane(step):
+    """Patch the step's layers: weights_proj on its own lane; returns the undo."""
+    for layer in step.layers.values():
+        layer.proj_own_lane = True
+
+    def undo():
+        for layer in step.layers.values():
+            layer.proj_own_lane = False
+    return undo
+
+
+def _wproj_split(step):
+    """Patch the step's indexer layers: the head weights' plan at split 32; returns the undo."""
+    held = {}
+    for i, layer in step.layers.items():
+        if layer.spec.runs_indexer:
+            p = held[i] = layer.proj_plan
+            layer.proj_plan = LlBf16Plan.build(p.n, p.k, p.max_rows, p.weight_dtype, p.device, split=32,
+                                               block_n=p.block_n)
+
+    def undo():
+        for i, p in held.items():
+            step.layers[i].proj_plan = p
+    return undo
+
+
 def _topk_chunk(step):
     """Patch the step's indexer layers: top-k plans with chunks of --topk-chunk entries; returns the undo."""
     chunk = int(arg("topk-chunk", "1024"))
@@ -259,11 +293,11 @@ def main() -> None:
     first = None
     for name in names * int(arg("passes", "1")):
         cap, aux = PRIORITIES[name]
-        step.lanes._aux = [torch.cuda.Stream("cuda", priority=p) for p in aux]
+        step.lanes._aux = [torch.cuda.Stream("cuda", priority=p) for p in aux + (aux[2],)]   # weights: index's
         step.lanes.capture = torch.cuda.Stream("cuda", priority=cap)
         patch = {"mla_after_mix": _mla_after_mix, "wq_b_slack": _wq_b_slack, "rope_apart": _rope_apart,
                  "boundary_folded": _boundary_folded, "mix_late": _mix_late, "comp_late": _comp_late,
-                 "topk_chunk": _topk_chunk}.get(name)
+                 "topk_chunk": _topk_chunk, "wproj_lane": _wproj_lane, "wproj_split": _wproj_split}.get(name)
         undo = patch(step) if patch else (lambda: None)
         step.graphs = {}
         step._capture()

@@ -221,7 +221,7 @@ class AttentionStep:
         self.comp_after_norm = False
         # the indexer's head weights (weights_proj) on a lane of their own, beside the index query's
         # GEMM, instead of ahead of it on the index query's lane (a schedule choice: the same bits)
-        self.proj_own_lane = True
+        self.proj_own_lane = False
         self.state, self.meta, self.s, self.lanes = state, meta, scratch, lanes
         dev = state.device
         # fused_wqa_wkv: one low-latency GEMM over the stacked weights (both FP8, 32-row blocks)

@@ -28,11 +28,12 @@ import torch
 
 AUX_COMPRESSOR = 0   # compressor kv_score, state update, latent, index key
 AUX_MIXER = 1        # the next site's mHC mixer; candidate expansion
-AUX_INDEX_Q = 2      # indexer weights_proj and query; sparse-index table builds
+AUX_INDEX_Q = 2      # indexer query (and weights_proj unless on its own lane); sparse-index table builds
+AUX_INDEX_W = 3      # indexer weights_proj where it runs beside the index query's GEMM
 
 PRIORITY_CRITICAL = -1   # CUDA stream priorities: lower is more urgent; 0 is the default and the least
 PRIORITY_SLACK = 0
-_LANE_PRIORITY = (PRIORITY_CRITICAL, PRIORITY_SLACK, PRIORITY_CRITICAL)   # per aux lane, by index
+_LANE_PRIORITY = (PRIORITY_CRITICAL, PRIORITY_SLACK, PRIORITY_CRITICAL, PRIORITY_CRITICAL)   # per aux lane
 
 Event = torch.cuda.Event
 
@@ -42,7 +43,7 @@ class Lanes:
 
     device: the step's device; side lanes exist only on CUDA.
     overlap: side work (the side projections, the prepare work, the candidate expansion, the next
-        site's mixer) on lanes 0-2; off (and always on the CPU) everything runs on the main stream.
+        site's mixer) on lanes 0-3; off (and always on the CPU) everything runs on the main stream.
     capture: on CUDA, the stream the step's graphs are captured on (the main stream of a replay),
         at `PRIORITY_CRITICAL`; None on the CPU.
     """
