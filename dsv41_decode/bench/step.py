@@ -125,6 +125,7 @@ VARIANTS = {
     "tc_linears": dict(exact_linears=False),
     "fp32_dots": dict(fp32_dots=True),
     "fold_index_chain": dict(fold_index_chain=True),
+    "weights_in_index_lane": dict(weights_lane=False),
 }
 DEFAULT_VARIANTS = ("no_overlap", "wo_a_fp8", "tc_linears")
 

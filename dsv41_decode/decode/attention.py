@@ -93,16 +93,16 @@ def fp8_linear_plan(weight: torch.Tensor, scale: torch.Tensor, max_rows: int, ex
 
 def wo_a_plan(heads: int, groups: int, rank: int, max_rows: int, weight_dtype: torch.dtype,
               device: torch.device, *, head_dim: int = 512, rope_dim: int = 64, workspace=None,
-              fp32_dots: bool = False, gluon_fp8: bool = False):
+              fp32_dots: bool = False, gluon_fp8: bool = True):
     """The plan of the grouped `wo_a` (launched by `wo_a_launch`): on an sm_90 GPU a BF16 weight
     without `fp32_dots` runs the Gluon kernel (`ops.gluon_wo_a.GluonWoAPlan`, where it builds: the
     Triton plan's split and K order, the same bits on the H200 at every TP shard and 1-64 rows, and
     19.7-25.4 us at 1-64 rows where the Triton plan takes 21.6-54.3: docs/gemm.md); otherwise
-    `ops.wo_a.WoAPlan` (an FP8 weight, FP32 IEEE dots with `fp32_dots`, other GPUs, the interpreter
-    with one split). The reduction order is fixed per plan, whatever the rows (batch invariance).
+    `ops.wo_a.WoAPlan` (FP32 IEEE dots with `fp32_dots`, other GPUs, the interpreter with one
+    split, an FP8 weight with gluon_fp8=False). The reduction order is fixed per plan, whatever the rows (batch invariance).
     workspace: None or the step's `Workspaces` pool (the plans' `workspace` contract).
-    gluon_fp8: an FP8 weight on sm_90 runs the Gluon kernel's folded consumer
-    (`GluonWoAConfig(fold_scales=True)`; its scale bytes checked once by the caller,
+    gluon_fp8: an FP8 weight on sm_90 runs the Gluon kernel's folded consumer (default;
+    `GluonWoAConfig(fold_scales=True)`; its scale bytes checked once by the caller,
     `check_folded_scale`) instead of the Triton plan. The step takes the default."""
     device = torch.device(device)
     if is_sm90(device) and (weight_dtype == torch.bfloat16 or gluon_fp8) and not fp32_dots:
@@ -202,7 +202,7 @@ class AttentionStep:
     def __init__(self, layer: AttentionLayer, state: DecodeState, meta: StepMeta, scratch: Scratch,
                  lanes: Lanes, max_rows: int, sources: Mapping[int, "AttentionStep"] | None = None,
                  wo_a_fp8: bool = False, exact_linears: bool = True, fp32_dots: bool = False,
-                 fold_index_chain: bool = False):
+                 fold_index_chain: bool = False, weights_lane: bool = True):
         """sources: the step's layers built before this one (by id), among them this layer's index and
         KV sources: a layer that reuses a selection or a candidate pool reads its source's buffers.
         The layer's own selection and candidate pool (when it makes them) are its attributes
@@ -221,7 +221,7 @@ class AttentionStep:
         self.comp_after_norm = False
         # the indexer's head weights (weights_proj) on a lane of their own, beside the index query's
         # GEMM, instead of ahead of it on the index query's lane (a schedule choice: the same bits)
-        self.proj_own_lane = False
+        self.proj_own_lane = bool(weights_lane)
         self.state, self.meta, self.s, self.lanes = state, meta, scratch, lanes
         dev = state.device
         # fused_wqa_wkv: one low-latency GEMM over the stacked weights (both FP8, 32-row blocks)

@@ -116,6 +116,9 @@ class DecodeStep:
         one launch less a layer, the same bits (`boundary_folded`). Off by default (the boundary's
         own launch after wo_b, `Boundary.exit`): on an H200 the step took 3988 us at 1 row with it
         against 3764 without (1.06x; docs/step.md); no layer folds at 2-64 rows there.
+    weights_lane: the indexer's head weights (`weights_proj`) on a lane of their own (`AUX_INDEX_W`)
+        beside the index query's GEMM, the index query waiting for both (default), instead of ahead
+        of the GEMM on the index query's lane; the same bits (docs/step.md).
 
     Errors: StepError for buckets outside 1..LOW_BATCH_MAX_ROWS or past the state's stage_rows, a
     state of another configuration, or an unknown tp_boundary; `NotEligible` for a layer whose
@@ -129,7 +132,7 @@ class DecodeStep:
     def __init__(self, stack, state: DecodeState, *, max_rows: int = 16, buckets: Sequence[int] | None = None,
                  graphs: bool = True, overlap: bool = True, tp_boundary: str = "auto", wo_a_fp8: bool = False,
                  exact_linears: bool = True, fp32_dots: bool = False, fold_index_chain: bool = False,
-                 fold_boundary: bool = False):
+                 fold_boundary: bool = False, weights_lane: bool = True):
         if buckets is None:
             buckets = tuple(b for b in DEFAULT_BUCKETS if b < max_rows) + (max_rows,)
         buckets = tuple(sorted(set(buckets)))
@@ -160,7 +163,8 @@ class DecodeStep:
         for i in stack.ids:                       # ascending: a layer's sources are built before it
             self.layers[i] = AttentionStep(stack.layers[i], state, self.meta, self.scratch, self.lanes, B,
                                            self.layers, wo_a_fp8=wo_a_fp8, exact_linears=exact_linears,
-                                           fp32_dots=fp32_dots, fold_index_chain=fold_index_chain)
+                                           fp32_dots=fp32_dots, fold_index_chain=fold_index_chain,
+                                           weights_lane=weights_lane)
         self.scratch.workspaces.seal()           # every plan has its view; the graphs take the addresses
         mailbox = None
         if tp_boundary != "collective" and stack.tp.tp > 1 and dev.type == "cuda":

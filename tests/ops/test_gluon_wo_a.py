@@ -470,16 +470,17 @@ def test_step_plan_off_sm90_is_the_triton_plan():
 
 @pytest.mark.gpu
 def test_gpu_step_plan_is_gluon_for_a_bf16_weight():
-    # On sm_90 the step's BF16 wo_a runs the Gluon kernel (the Triton plan's bits); FP8, fp32_dots
-    # and shapes the Gluon kernel does not take keep the Triton plan; wo_a_launch runs either.
+    # On sm_90 the step's BF16 wo_a runs the Gluon kernel (the Triton plan's bits) and its FP8 wo_a
+    # the folded consumer; FP8 with gluon_fp8=False, fp32_dots and shapes the Gluon kernel does not
+    # take keep the Triton plan; wo_a_launch runs either.
     from dsv41_decode.decode.attention import wo_a_launch, wo_a_plan
     from dsv41_decode.ops.common import is_sm90
     dev = torch.device("cuda")
     plan = wo_a_plan(64, 8, RANK, 64, torch.bfloat16, dev)
     assert isinstance(plan, W.GluonWoAPlan) is is_sm90(dev)
     assert isinstance(wo_a_plan(64, 8, RANK, 64, torch.bfloat16, dev, fp32_dots=True), WoAPlan)
-    assert isinstance(wo_a_plan(64, 8, RANK, 64, torch.float8_e4m3fn, dev), WoAPlan)
-    folded = wo_a_plan(64, 8, RANK, 64, torch.float8_e4m3fn, dev, gluon_fp8=True)   # the FP8 switch
+    assert isinstance(wo_a_plan(64, 8, RANK, 64, torch.float8_e4m3fn, dev, gluon_fp8=False), WoAPlan)
+    folded = wo_a_plan(64, 8, RANK, 64, torch.float8_e4m3fn, dev)   # the step's FP8 default
     assert isinstance(folded, W.GluonWoAPlan) is is_sm90(dev) and getattr(folded, "folds_scales", True)
     assert isinstance(wo_a_plan(8, 4, 96, 64, torch.bfloat16, dev), WoAPlan)     # rank 96: not 64 rows a tile
     _, o, _, cos, sin, w, _, _, out = _real(64, seed=300)
