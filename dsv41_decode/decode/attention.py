@@ -368,9 +368,10 @@ class AttentionStep:
         compressor's and the indexer's side projections on their lanes (the indexer's for the rows
         `own` only). The side projections wait only for u but are enqueued after the GEMM, so that
         the GEMM takes the SMs first (their large grids would otherwise hold it back: on an H200 a
-        Full layer at 1 row took 122 us this way against 131). The indexer's weights run on the index
-        query's lane, which reads them next. Returns (the compressor's kv_score or None, the event of
-        qr)."""
+        Full layer at 1 row took 122 us this way against 131). The indexer's head weights run on a
+        lane of their own (`proj_own_lane`, their event `proj_ready`, waited on the index query's
+        lane in `_prepare`), else on the index query's lane, which reads them next. Returns (the
+        compressor's kv_score or None, the event of qr)."""
         cfg, spec, s, lanes = self.cfg, self.spec, self.s, self.lanes
         start = lanes.mark()                                  # protects u (written by the boundary)
         qkv = self.mm_qkv(u_codes, u_scales, s.qkv_a[:B])
@@ -417,10 +418,12 @@ class AttentionStep:
                 if n_own and self.index_query_in_gemm:              # iq from the GEMM's epilogue
                     self.mm_idx_wq_b(s.qr_codes[own], s.qr_scales[own], s.iq[own].view(n_own, -1),
                                      index_query=(m.cos[r][own], m.sin[r][own]))
-                    lanes.wait(self.proj_ready)
                 elif n_own:
                     self.mm_idx_wq_b(s.qr_codes[own], s.qr_scales[own], s.iq_raw[own])
-                    lanes.wait(self.proj_ready)
+                # the head weights' lane (`proj_own_lane`): wproj read next, or iw protected by
+                # iq_ready; waited also without rows, so that the lane is always joined
+                lanes.wait(self.proj_ready)
+                if n_own and not self.index_query_in_gemm:
                     index_query_(s.iq_raw[own], s.wproj[own], m.cos[r][own], m.sin[r][own], self.index_scale,
                                  s.iq[own], s.iw[own])
                 iq_ready = lanes.mark()                       # protects iq, iw

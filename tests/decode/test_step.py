@@ -21,6 +21,7 @@ in tests/helpers.py.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 
@@ -29,6 +30,7 @@ import torch
 
 from dsv41_decode.config import ModelConfig
 from dsv41_decode.decode import StepError
+from dsv41_decode.decode.lanes import AUX_INDEX_Q, AUX_INDEX_W
 from dsv41_decode.stack import AttentionStack
 from dsv41_decode.state import DecodeState
 from dsv41_decode.weights import load_checkpoint, write_synthetic_checkpoint
@@ -170,6 +172,59 @@ def test_fold_index_chain_gives_the_same_bits(cpu_setup):
     for cache in ("window", "compressed", "index_keys"):
         for L, t in getattr(states[0], cache).items():
             assert torch.equal(t, getattr(states[1], cache)[L]), (cache, L)
+
+
+class _LaneLog:
+    """Lanes stand-in that runs everything inline and records the schedule's events: which side
+    lanes were entered, each mark's lane, and which marks were waited for."""
+
+    overlap = True
+
+    def __init__(self):
+        self.lane, self.entered, self.marks, self.waited = None, set(), [], set()
+
+    @contextlib.contextmanager
+    def side(self, lane: int):
+        held, self.lane = self.lane, lane
+        self.entered.add(lane)
+        try:
+            yield
+        finally:
+            self.lane = held
+
+    def mark(self):
+        self.marks.append((self.lane, len(self.marks)))
+        return self.marks[-1]
+
+    def wait(self, *events):
+        self.waited.update(e for e in events if e is not None)
+
+
+@interpreter
+@pytest.mark.parametrize("weights_lane", [True, False])
+@pytest.mark.parametrize("own", [slice(0, 2), slice(2, 2)], ids=["rows", "no_rows"])
+def test_side_lanes_are_joined(cpu_setup, weights_lane, own):
+    """An indexer layer's input projections and prepare phase (`_inputs`, `_prepare`), with the
+    indexer's rows `own` (all of them, or none: a row-sharded rank without a share): every side
+    lane they enter ends with a mark that is waited for (lane 2's, the index query's, is returned
+    to the caller, which waits for it), so each fork joins the main stream again, as a CUDA graph's
+    capture requires."""
+    cfg, _, base, ckpt = cpu_setup
+    stack = AttentionStack(ckpt, [1])
+    step = stack.decode_step(copy.deepcopy(base), max_rows=2, weights_lane=weights_lane)
+    g = torch.Generator().manual_seed(4)
+    step(streams(2, cfg, g), [("a", 1), ("b", 1)])       # meta and caches as a step leaves them
+    layer, bd = step.layers[1], step.boundary
+    assert layer.spec.runs_indexer and layer.proj_own_lane is weights_lane
+    log = layer.lanes = _LaneLog()
+    kv_score, qr_ready = layer._inputs(2, bd.u[:2], bd.codes[:2], bd.scales[:2], own)
+    iq_ready = layer._prepare(2, kv_score, qr_ready, own)
+    assert iq_ready is not None and iq_ready[0] == AUX_INDEX_Q
+    log.wait(iq_ready)
+    for lane in log.entered:
+        last = [e for e in log.marks if e[0] == lane]
+        assert last and last[-1] in log.waited, f"lane {lane} left unjoined (marks {last})"
+    assert (AUX_INDEX_W in log.entered) is weights_lane
 
 
 @interpreter
