@@ -15,8 +15,10 @@ rounded once, then K order; on CUDA cores, or on the FP64 MMA where that is fast
 block sums, outside the contract);
 `fp32_dots=True` gives the sparse MLA and `wo_a` FP32 operands with IEEE dots (CUDA-core FMAs:
 FP32 round-to-nearest sums where a tensor-core MMA truncates; `SparseMlaPlan.for_step(fp32_dots=
-True)`, `WoAPlan.build(ieee_dot=True)`). A BF16 `wo_a` runs the Gluon kernel on sm_90 otherwise
-(`wo_a_plan`: the Triton plan's bits, faster).
+True)`, `WoAPlan.build(ieee_dot=True)`). A `wo_a` runs the Gluon kernel on sm_90 otherwise
+(`wo_a_plan`): a BF16 one with the Triton plan's bits, faster; an FP8 one through its folded
+consumer (the block scales folded into an exact conversion to BF16: `ops.gluon_wo_a`; its scale
+bytes checked at build, `check_folded_scale`).
 A layer that is not eligible raises `NotEligible`, and the caller keeps the generic path.
 """
 
@@ -97,9 +99,10 @@ def wo_a_plan(heads: int, groups: int, rank: int, max_rows: int, weight_dtype: t
     """The plan of the grouped `wo_a` (launched by `wo_a_launch`): on an sm_90 GPU a BF16 weight
     without `fp32_dots` runs the Gluon kernel (`ops.gluon_wo_a.GluonWoAPlan`, where it builds: the
     Triton plan's split and K order, the same bits on the H200 at every TP shard and 1-64 rows, and
-    19.7-25.4 us at 1-64 rows where the Triton plan takes 21.6-54.3: docs/gemm.md); otherwise
-    `ops.wo_a.WoAPlan` (FP32 IEEE dots with `fp32_dots`, other GPUs, the interpreter with one
-    split, an FP8 weight with gluon_fp8=False). The reduction order is fixed per plan, whatever the rows (batch invariance).
+    19.7-25.4 us at 1-64 rows where the Triton plan takes 21.6-54.3: docs/gemm.md), and so does an
+    FP8 weight with gluon_fp8 (below); otherwise `ops.wo_a.WoAPlan` (FP32 IEEE dots with
+    `fp32_dots`, other GPUs, the interpreter with one split, an FP8 weight with gluon_fp8=False).
+    The reduction order is fixed per plan, whatever the rows (batch invariance).
     workspace: None or the step's `Workspaces` pool (the plans' `workspace` contract).
     gluon_fp8: an FP8 weight on sm_90 runs the Gluon kernel's folded consumer (default;
     `GluonWoAConfig(fold_scales=True)`; its scale bytes checked once by the caller,

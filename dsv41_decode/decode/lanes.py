@@ -1,4 +1,4 @@
-"""The step's streams: the main stream and three auxiliary lanes, and the events between them.
+"""The step's streams: the main stream and four auxiliary lanes, and the events between them.
 
 Every cross-lane handoff is one event, recorded where the protected tensor is written and waited on
 where it is first read. On the CPU, or with overlap off, every lane is the current stream and the

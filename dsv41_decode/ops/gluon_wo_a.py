@@ -32,8 +32,8 @@ How the kernel runs (one program per 64 x warpgroups weight rows and K split):
   by its power-of-two block scale, to the FP32 accumulator in K order: `ops.wo_a`'s
   acc += dot(w_kb, o'_kb) * scale[n // 32, kb] (the scale bytes loaded one slot ahead). On an H200
   (`scripts/probe_gluon_wo_a.py --dtypes=fp8`) it takes 22.5-23.8 us at 1-16 rows, 34 % of the
-  read, against 20.5-21.7 us for the Triton plan: the conversion, not the bytes, bounds it, so the
-  step keeps the Triton plan for an FP8 `wo_a`.
+  read, against 20.5-21.7 us for the Triton plan: the conversion, not the bytes, bounds it. The
+  step runs the folded consumer below for an FP8 `wo_a` (`decode.attention.wo_a_plan`).
 - **The folded FP8 consumer** (`GluonWoAConfig(fold_scales=True)`, `_consumer_fp8_folded`): the
   block scale goes into the conversion instead of the partials. Per slot the consumer loads each
   32-deep K block of the E4M3 tile from the ring straight into the wgmma's register A operand
