@@ -13,6 +13,7 @@ from ..ops.act_quant import act_quant_mxfp8
 from ..ops.fp8_mm import fp8_mm_, fp8_mm_config
 from ..decode.attention import fp8_linear_plan, wo_a_launch, wo_a_plan
 from ..ops.exact_linear import ExactLinear
+from ..ops.gluon_wo_a import check_folded_scale
 from ..ops.ll_bf16 import LlBf16Plan, ll_bf16_
 from ..ops.low_latency_mm import LowLatencyMM
 from ..ops.wo_a import WoAPlan
@@ -69,14 +70,16 @@ class GemmOps:
             plan = WoAPlan.build(heads, groups, rank, 64, q.dtype, o.device)
         else:
             plan = wo_a_plan(heads, groups, rank, 64, q.dtype, o.device)
+            if getattr(plan, "folds_scales", False):
+                check_folded_scale(s)      # the folded FP8 consumer's range, as the step checks it
         out = torch.empty(m, groups * rank, dtype=torch.bfloat16, device=o.device)
         ov = o.view(m, heads, 512)
         return lambda: wo_a_launch(plan, ov, cos, sin, q, s, out)
 
     def wo_a(self, o: torch.Tensor, q: torch.Tensor, s: torch.Tensor | None, groups: int, rank: int) -> Launch:
         """o [M, groups, (H/G)*512] -> z [M, groups*rank]; weight FP8 (with s) or BF16 (s None): the
-        step's plan (`decode.attention.wo_a_plan`: the Gluon kernel on sm_90 for a BF16 weight, else
-        the Triton plan)."""
+        step's plan (`decode.attention.wo_a_plan`: the Gluon kernel on sm_90, for an FP8 weight its
+        folded consumer; else the Triton plan)."""
         return self._wo_a(o, q, s, groups, rank, triton_tier=False)
 
     def wo_a_triton(self, o: torch.Tensor, q: torch.Tensor, s: torch.Tensor | None, groups: int,
