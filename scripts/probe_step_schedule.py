@@ -30,11 +30,14 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
                     after the fused GEMM (`AttentionStep.comp_after_norm`)
     wproj_lane      the indexer's head weights (weights_proj) on a lane of their own beside the
                     index query's GEMM (`AttentionStep.proj_own_lane`; the lane at the index
-                    query's priority) instead of ahead of it on the index query's lane
+                    query's priority): the step's default (`DecodeStep(weights_lane=True)`), so
+                    the same schedule as `default`
+    wproj_in_index  the head weights ahead of the index query's GEMM on the index query's lane
+                    (`proj_own_lane` off: `DecodeStep(weights_lane=False)`)
     wproj_split     the head weights' plan at split 32 (one 128-deep K range a program: 32
                     programs instead of 10; other FP32 sums, so other bits possible)
-    topk_chunk      the indexer's top-k plans with chunks of --topk-chunk entries (default 1024;
-                    the step's plan: 4096)
+    topk_chunk      the indexer's top-k plans with chunks of --topk-chunk entries (default 1024,
+                    as the step's plan: `TopKPlan.build`'s default; set it to compare another)
     wq_b_slack      in the layers that run the indexer, wq_b on a stream of its own at the least
                     priority, joined before the sparse MLA (there the main stream's scores wait
                     for wq_b by stream order and the index query for its SMs, while the sparse MLA
@@ -90,6 +93,7 @@ PRIORITIES = {
     "comp_late": (C, (C, S, C)),
     "topk_chunk": (C, (C, S, C)),
     "wproj_lane": (C, (C, S, C)),
+    "wproj_in_index": (C, (C, S, C)),
     "wproj_split": (C, (C, S, C)),
 }
 
@@ -217,23 +221,26 @@ def _norm_gaps(kernels: list[dict]) -> list[str]:
 
 def _comp_late(step):
     """Patch the step's layers: the compressor's projection after the q/kv norm pair; returns the undo."""
+    held = {i: layer.comp_after_norm for i, layer in step.layers.items()}
     for layer in step.layers.values():
         layer.comp_after_norm = True
 
     def undo():
-        for layer in step.layers.values():
-            layer.comp_after_norm = False
+        for i, layer in step.layers.items():
+            layer.comp_after_norm = held[i]
     return undo
 
 
-def _wproj_lane(step):
-    """Patch the step's layers: weights_proj on its own lane; returns the undo."""
+def _wproj_lane(step, own: bool = True):
+    """Patch the step's layers: weights_proj on its own lane (own) or on the index query's; returns
+    the undo (each layer's setting as the step was built)."""
+    held = {i: layer.proj_own_lane for i, layer in step.layers.items()}
     for layer in step.layers.values():
-        layer.proj_own_lane = True
+        layer.proj_own_lane = own
 
     def undo():
-        for layer in step.layers.values():
-            layer.proj_own_lane = False
+        for i, layer in step.layers.items():
+            layer.proj_own_lane = held[i]
     return undo
 
 
@@ -297,7 +304,8 @@ def main() -> None:
         step.lanes.capture = torch.cuda.Stream("cuda", priority=cap)
         patch = {"mla_after_mix": _mla_after_mix, "wq_b_slack": _wq_b_slack, "rope_apart": _rope_apart,
                  "boundary_folded": _boundary_folded, "mix_late": _mix_late, "comp_late": _comp_late,
-                 "topk_chunk": _topk_chunk, "wproj_lane": _wproj_lane, "wproj_split": _wproj_split}.get(name)
+                 "topk_chunk": _topk_chunk, "wproj_lane": _wproj_lane, "wproj_split": _wproj_split,
+                 "wproj_in_index": lambda s: _wproj_lane(s, own=False)}.get(name)
         undo = patch(step) if patch else (lambda: None)
         step.graphs = {}
         step._capture()
