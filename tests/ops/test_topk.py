@@ -6,6 +6,7 @@ tie-heavy inputs too (scores drawn from a handful of BF16 values), and repeat bi
 import pytest
 import torch
 
+from dsv41_decode.ops.common import num_sms
 from dsv41_decode.ops.topk import (TopKPlan, candidate_mask, candidate_mask_, key_high_histogram, topk_ascending,
                                    topk_ascending_)
 from dsv41_decode.reference import indexer as ref
@@ -520,8 +521,10 @@ def test_gpu_linked_equals_four_launch_and_repeats(rows, entries, dist):
         assert int(plan.ws[:, :512].abs().sum()) == 0, "histograms left non-zero"
 
 
-# the one-launch top-k at 1-4 rows with hist_ready: one launch where the grid fits (chunks of 4096 / 8192
-# / 16384: 1 x 32K ... 2 x 1M), the linked path past that (3 x 1M)
+# the one-launch top-k at 1-4 rows with hist_ready, on a plan of 4096-entry chunks: one launch where the
+# grid fits the SMs (chunks of 4096 / 8192 / 16384, at most 4 x the plan's: 1 x 32K ... 2 x 1M on an
+# H200's 132 SMs), the linked path past that (3 x 1M). (With the default plan's 1024-entry chunks every
+# 1M case would run the linked path.)
 _GPU_ONE_CASES = [(1, 32768), (4, 32768), (1, 131072), (4, 131072), (1, 1 << 20), (2, 1 << 20), (3, 1 << 20)]
 
 
@@ -529,17 +532,27 @@ _GPU_ONE_CASES = [(1, 32768), (4, 32768), (1, 131072), (4, 131072), (1, 1 << 20)
 @pytest.mark.parametrize("dist", ["few", "randn"])
 @pytest.mark.parametrize("rows,entries", _GPU_ONE_CASES)
 def test_gpu_one_launch_equals_four_launch_and_repeats(monkeypatch, rows, entries, dist):
-    """one_launch with hist_ready at 1-4 rows: it takes the one-launch path, and 10 runs on one plan, each after a linked call of 8 rows on the
-    same plan (the step's plan serves every row bucket), give the four-launch path's bits, ties
-    included; the histograms and the one-launch counters and count slots are left zero."""
+    """one_launch with hist_ready at 1-4 rows: it takes the one-launch path (its kernel where the
+    grid fits the SMs with chunks of at most 4 x the plan's, else the linked path), and 10 runs on
+    one plan, each after a linked call of 8 rows on the same plan (the step's plan serves every row
+    bucket), give the four-launch path's bits, ties included; the histograms and the one-launch
+    counters and count slots are left zero."""
     from dsv41_decode.ops import topk as topk_mod
-    taken = []
-    one = topk_mod._select_one_launch
+    taken, fell_back = [], []
+    one, linked = topk_mod._select_one_launch, topk_mod._select_linked
     monkeypatch.setattr(topk_mod, "_select_one_launch", lambda *a: (taken.append(1), one(*a)))
+    # the one-launch calls have `rows` <= 4 rows, the linked calls between them 8
+    monkeypatch.setattr(topk_mod, "_select_linked",
+                        lambda s, *a: (fell_back.append(1) if s.shape[0] == rows else None, linked(s, *a)))
     s, nv = _gpu_case(8, entries, dist, rows * 13 + entries, (float("-inf"), float("nan")))
     four = TopKPlan.build(8, 512, 1, _DEVICE)
     want = topk_ascending_(s, nv, torch.empty(8, 512, dtype=torch.int32, device=_DEVICE), four, separate_count=True)
-    plan = TopKPlan.build(8, 512, 1, _DEVICE)
+    plan = TopKPlan.build(8, 512, 1, _DEVICE, chunk=4096)
+    # the launcher's rule: the smallest power-of-two chunk from the plan's whose grid fits the SMs
+    chunk = plan.chunk_for(entries)
+    while rows * -(-entries // chunk) > num_sms(torch.device(_DEVICE)):
+        chunk *= 2
+    fits = chunk <= 4 * plan.chunk
     for r in range(10):
         plan.hist_hi[:rows] += key_high_histogram(s[:rows], nv[:rows])
         out = topk_ascending_(s[:rows], nv[:rows], torch.empty(rows, 512, dtype=torch.int32, device=_DEVICE), plan,
@@ -549,6 +562,9 @@ def test_gpu_one_launch_equals_four_launch_and_repeats(monkeypatch, rows, entrie
         other = topk_ascending_(s, nv, torch.empty_like(want), plan, hist_ready=True)
         assert torch.equal(other, want), f"run {r}: the linked call of 8 rows after it differs"
     assert len(taken) == 10, "one_launch=True did not take the one-launch path"
+    assert len(fell_back) == (0 if fits else 10), f"one launch {'expected' if fits else 'not expected'}: {fell_back}"
+    if num_sms(torch.device(_DEVICE)) >= 128:      # an H200 (132 SMs): only 3 x 1M past the one launch
+        assert fits != ((rows, entries) == (3, 1 << 20)), (rows, entries, chunk)
     ws = plan.ws
     assert int(ws[:, :512].abs().sum()) == 0, "histograms left non-zero"
     assert int(ws[:, topk_mod._WS_ARRIVED_HI:topk_mod._WS_DEPARTED + 1].abs().sum()) == 0, "counters left non-zero"
