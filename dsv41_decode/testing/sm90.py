@@ -99,22 +99,31 @@ def wgmma_ops(texts: list[str]) -> list[str]:
     return [t for t in texts if "GMMA" in t and not t.startswith("WARPGROUP")]
 
 
-_NO_DEST = ("ST", "RED", "ATOM", "BAR", "BRA", "BSSY", "BSYNC", "SYNCS", "WARPGROUP", "FENCE", "MEMBAR", "EXIT",
-            "CCTL", "ERRBAR", "CGAERRBAR", "NOP", "ISETP", "FSETP", "HSETP2", "PLOP3", "UTMA")
+# opcodes (by prefix) whose first register operand is not written: stores, reductions without a
+# return value, compares into predicates, control and synchronization
+_NO_DEST = ("ST", "BAR", "BRA", "BSSY", "BSYNC", "SYNCS", "WARPGROUP", "FENCE", "MEMBAR", "EXIT",
+            "CCTL", "ERRBAR", "CGAERRBAR", "NOP", "ISETP", "FSETP", "DSETP", "HSETP2", "PLOP3", "FCHK", "UTMA")
+_NO_DEST_OPS = ("RED", "REDG", "REDAS")   # exact base opcodes (REDUX writes a register)
 
 
 def _written_registers(text: str) -> set[int]:
-    """The general registers an instruction writes (its first operand; 64- and 128-bit forms 2 or
-    4), empty for instructions without a register destination and for uniform ones."""
+    """The general registers an instruction writes (its first register operand after any predicate
+    destinations, as in `SHFL.IDX PT, R5, ...` or `ATOMG.E.ADD PT, R5, ...`; 64- and 128-bit forms
+    2 or 4, `CS2R` 2 unless `.32`), empty for instructions without a register destination and for
+    uniform ones."""
     t = re.sub(r"^@!?U?P\w+\s+", "", text)
     op = t.split()[0]
-    if op.startswith(_NO_DEST) or op.startswith("U") or "GMMA" in op:
+    if (op.startswith(_NO_DEST) or op.split(".")[0] in _NO_DEST_OPS or op.startswith("U")
+            or "GMMA" in op):
         return set()
-    m = re.match(r"R(\d+)\b", t[len(op):].strip())
+    rest = re.sub(r"^(?:!?P(?:\d+|T)\s*,\s*)+", "", t[len(op):].strip())
+    m = re.match(r"R(\d+)\b", rest)
     if m is None:
         return set()
     wide = ".128" in op or re.search(r"LDSM\S*\.4$", op)
-    width = 4 if wide else 2 if ".64" in op or op.startswith("IMAD.WIDE") or re.search(r"LDSM\S*\.2$", op) else 1
+    pair = (".64" in op or op.startswith("IMAD.WIDE") or re.search(r"LDSM\S*\.2$", op)
+            or (op.split(".")[0] == "CS2R" and ".32" not in op))
+    width = 4 if wide else 2 if pair else 1
     return set(range(int(m.group(1)), int(m.group(1)) + width))
 
 

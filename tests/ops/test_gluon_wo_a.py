@@ -260,6 +260,15 @@ def test_register_hazard_check_sees_a_rewritten_operand():
                                                 "F2FP.BF16.F32.PACK_AB R36, R37, R44"]
     good = Fake(loop + ["WARPGROUP.DEPBAR.LE gsb0, 0x0", "@P0 BRA 0x0", "EXIT"])
     assert sm90.wgmma_register_hazards(good) == []
+    # writes to the first wgmma's operand R28..R31 while it is in flight, in forms whose written
+    # register is not simply the first operand: after a predicate destination, the pair of CS2R, an
+    # atomic's returned value, a warp reduction
+    for write in ("SHFL.IDX PT, R29, R5, 0x1, 0x1f", "CS2R R27, SRZ", "ATOMS.ADD R30, [R2], R3", "REDUX.SUM R31, R4"):
+        hazard = Fake(loop[:4] + [write] + loop[4:] + ["WARPGROUP.DEPBAR.LE gsb0, 0x0", "@P0 BRA 0x0", "EXIT"])
+        assert set(sm90.wgmma_register_hazards(hazard)) == {write}, write
+    for harmless in ("ISETP.GE.AND P0, PT, R29, R3, PT", "RED.E.ADD.STRONG.GPU [R2.64], R29", "CS2R.32 R27, SR_CLOCKLO"):
+        clean = Fake(loop[:4] + [harmless] + loop[4:] + ["WARPGROUP.DEPBAR.LE gsb0, 0x0", "@P0 BRA 0x0", "EXIT"])
+        assert sm90.wgmma_register_hazards(clean) == [], harmless
 
 
 # ---------------------------------------------------------------------------------------------- GPU
