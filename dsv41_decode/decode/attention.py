@@ -93,6 +93,18 @@ def fp8_linear_plan(weight: torch.Tensor, scale: torch.Tensor, max_rows: int, ex
     return LowLatencyMM(weight, scale, max_rows, config, workspace)
 
 
+def _foldable(scale: torch.Tensor | None) -> bool:
+    """Whether an FP8 wo_a's scale bytes suit the folded Gluon consumer (`check_folded_scale`);
+    True without scales (a BF16 weight)."""
+    if scale is None:
+        return True
+    try:
+        check_folded_scale(scale)
+    except ValueError:
+        return False
+    return True
+
+
 def wo_a_plan(heads: int, groups: int, rank: int, max_rows: int, weight_dtype: torch.dtype,
               device: torch.device, *, head_dim: int = 512, rope_dim: int = 64, workspace=None,
               fp32_dots: bool = False, gluon_fp8: bool = True):
@@ -252,11 +264,11 @@ class AttentionStep:
         else:
             self.wo_a_w, self.wo_a_s = w["attn.wo_a.weight"].to(torch.bfloat16), None
         few = {"split": 1} if _few_programs(dev) else {}
+        # an FP8 wo_a takes the folded Gluon consumer where its scale bytes allow the exact fold (any
+        # weight quantize_wo_a gives; checked once here), else the Triton plan
         self.wo_a_plan = wo_a_plan(cfg.n_heads, cfg.o_groups, cfg.o_lora_rank, max_rows, self.wo_a_w.dtype, dev,
                                    head_dim=cfg.head_dim, rope_dim=cfg.rope_head_dim, workspace=pool,
-                                   fp32_dots=fp32_dots)
-        if isinstance(self.wo_a_plan, GluonWoAPlan) and self.wo_a_plan.folds_scales:
-            check_folded_scale(self.wo_a_s)     # the folded FP8 consumer's range, once per weight
+                                   fp32_dots=fp32_dots, gluon_fp8=_foldable(self.wo_a_s))
         topk_w = 0 if spec.kind == SWA else cfg.index_topk
         # The Gluon kernel on sm_90, else the Triton tilings; FP32 dots with fp32_dots (`sparse_mla_plans`)
         self.mla_plans = sparse_mla_plans(max_rows, cfg.n_heads, cfg.window_size, topk_w, dev, workspace=pool,

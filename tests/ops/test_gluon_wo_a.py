@@ -223,6 +223,12 @@ def test_folded_scale_range_is_exact_and_checked():
         assert "\n" not in str(e.value)
     with pytest.raises(TypeError, match="scale must be a float8_e8m0fnu or uint8"):
         W.check_folded_scale(scale.float())
+    # the step's choice: a weight whose bytes leave the range keeps the Triton plan, not an error
+    from dsv41_decode.decode.attention import _foldable
+    assert _foldable(None) and _foldable(scale)
+    s = scale.view(torch.uint8).clone()
+    s[0, 0] = 0
+    assert not _foldable(s.view(torch.float8_e8m0fnu))
 
 
 def test_folded_plan_needs_no_staging_and_no_wider_cap():
