@@ -93,6 +93,13 @@ def fp8_linear_plan(weight: torch.Tensor, scale: torch.Tensor, max_rows: int, ex
     return LowLatencyMM(weight, scale, max_rows, config, workspace)
 
 
+# The indexer's head weights take their own lane (`DecodeStep(weights_lane=True)`) in the buckets of
+# at most this many rows: on an H200 (32K, bench step at cc6dab9) the step took 3697 / 4471 us at
+# 1 / 2 rows with it against 3739 / 4506 without, and 5121 / 5256 / 7119 us at 4 / 8 / 16 rows
+# against 5067 / 5217 / 7099 (0.2-0.3 % slower at 32-64): docs/step.md
+WEIGHTS_LANE_MAX_ROWS = 2
+
+
 def _foldable(scale: torch.Tensor | None) -> bool:
     """Whether an FP8 wo_a's scale bytes suit the folded Gluon consumer (`check_folded_scale`);
     True without scales (a BF16 weight)."""
@@ -384,8 +391,9 @@ class AttentionStep:
         `own` only). The side projections wait only for u but are enqueued after the GEMM, so that
         the GEMM takes the SMs first (their large grids would otherwise hold it back: on an H200 a
         Full layer at 1 row took 122 us this way against 131). The indexer's head weights run on a
-        lane of their own (`proj_own_lane`, their event `proj_ready`, waited on the index query's
-        lane in `_prepare`), else on the index query's lane, which reads them next. Returns (the
+        lane of their own (`proj_own_lane`, at most WEIGHTS_LANE_MAX_ROWS rows; their event
+        `proj_ready`, waited on the index query's lane in `_prepare`), else on the index query's
+        lane, which reads them next. Returns (the
         compressor's kv_score or None, the event of qr)."""
         cfg, spec, s, lanes = self.cfg, self.spec, self.s, self.lanes
         start = lanes.mark()                                  # protects u (written by the boundary)
@@ -399,14 +407,15 @@ class AttentionStep:
         if spec.owns_compressor and not self.comp_after_norm:
             compressor_projection()
         self.proj_ready = None
+        own_lane = self.proj_own_lane and B <= WEIGHTS_LANE_MAX_ROWS
         if spec.runs_indexer:     # on the index query's lane, which reads it next, or on its own
-            with lanes.side(AUX_INDEX_W if self.proj_own_lane else AUX_INDEX_Q):
+            with lanes.side(AUX_INDEX_W if own_lane else AUX_INDEX_Q):
                 lanes.wait(start)
                 if own.stop > own.start and self.index_query_in_gemm:     # the head weights w
                     ll_bf16_(self.proj_plan, u[own], self.w_proj, s.iw[own], scale=self.index_scale)
                 elif own.stop > own.start:
                     ll_bf16_(self.proj_plan, u[own], self.w_proj, s.wproj[own])
-                if self.proj_own_lane:
+                if own_lane:
                     self.proj_ready = lanes.mark()            # protects wproj / iw (read on lane 2)
         ql = cfg.q_lora_rank
         m, r = self.meta, spec.ratio     # one launch: q_norm (+ MXFP8), kv_norm + the window insert

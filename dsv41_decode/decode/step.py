@@ -117,8 +117,9 @@ class DecodeStep:
         own launch after wo_b, `Boundary.exit`): on an H200 the step took 3988 us at 1 row with it
         against 3764 without (1.06x; docs/step.md); no layer folds at 2-64 rows there.
     weights_lane: the indexer's head weights (`weights_proj`) on a lane of their own (`AUX_INDEX_W`)
-        beside the index query's GEMM, the index query waiting for both (default), instead of ahead
-        of the GEMM on the index query's lane; the same bits (docs/step.md).
+        beside the index query's GEMM, the index query waiting for both (default), in the buckets of
+        at most `attention.WEIGHTS_LANE_MAX_ROWS` rows (where it measured faster on an H200),
+        instead of ahead of the GEMM on the index query's lane; the same bits (docs/step.md).
 
     Errors: StepError for buckets outside 1..LOW_BATCH_MAX_ROWS or past the state's stage_rows, a
     state of another configuration, or an unknown tp_boundary; `NotEligible` for a layer whose

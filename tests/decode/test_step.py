@@ -203,12 +203,16 @@ class _LaneLog:
 @interpreter
 @pytest.mark.parametrize("weights_lane", [True, False])
 @pytest.mark.parametrize("own", [slice(0, 2), slice(2, 2)], ids=["rows", "no_rows"])
-def test_side_lanes_are_joined(cpu_setup, weights_lane, own):
+@pytest.mark.parametrize("lane_rows", [2, 1])
+def test_side_lanes_are_joined(cpu_setup, weights_lane, own, lane_rows, monkeypatch):
     """An indexer layer's input projections and prepare phase (`_inputs`, `_prepare`), with the
     indexer's rows `own` (all of them, or none: a row-sharded rank without a share): every side
     lane they enter ends with a mark that is waited for (lane 2's, the index query's, is returned
     to the caller, which waits for it), so each fork joins the main stream again, as a CUDA graph's
-    capture requires."""
+    capture requires. The head weights' lane is entered only with weights_lane and at most
+    WEIGHTS_LANE_MAX_ROWS rows (patched to 2 and 1 around the call's 2 rows)."""
+    from dsv41_decode.decode import attention as attention_mod
+    monkeypatch.setattr(attention_mod, "WEIGHTS_LANE_MAX_ROWS", lane_rows)
     cfg, _, base, ckpt = cpu_setup
     stack = AttentionStack(ckpt, [1])
     step = stack.decode_step(copy.deepcopy(base), max_rows=2, weights_lane=weights_lane)
@@ -224,7 +228,7 @@ def test_side_lanes_are_joined(cpu_setup, weights_lane, own):
     for lane in log.entered:
         last = [e for e in log.marks if e[0] == lane]
         assert last and last[-1] in log.waited, f"lane {lane} left unjoined (marks {last})"
-    assert (AUX_INDEX_W in log.entered) is weights_lane
+    assert (AUX_INDEX_W in log.entered) is (weights_lane and lane_rows >= 2)
 
 
 @interpreter
