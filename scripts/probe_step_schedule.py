@@ -31,7 +31,7 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
     wproj_lane      the indexer's head weights (weights_proj) on a lane of their own beside the
                     index query's GEMM (`AttentionStep.proj_own_lane`; the lane at the index
                     query's priority): the step's default (`DecodeStep(weights_lane=True)`), so
-                    the same schedule as `default`
+                    the same schedule as `default` (both at most WEIGHTS_LANE_MAX_ROWS rows)
     wproj_in_index  the head weights ahead of the index query's GEMM on the index query's lane
                     (`proj_own_lane` off: `DecodeStep(weights_lane=False)`)
     wproj_split     the head weights' plan at split 32 (one 128-deep K range a program: 32
@@ -157,18 +157,6 @@ def _wq_b_slack(step):
     return undo
 
 
-def _rope_apart(step):
-    """Patch the step's layers: the query RoPE after wq_b in its own launch; returns the undo."""
-    held = {i: layer.rope_in_wq_b for i, layer in step.layers.items()}
-    for layer in step.layers.values():
-        layer.rope_in_wq_b = False
-
-    def undo():
-        for i, flag in held.items():
-            step.layers[i].rope_in_wq_b = flag
-    return undo
-
-
 def _mix_late(step):
     """Patch the step: each site's mixer enqueued at the end of the following layer's input
     projections (`AttentionStep._inputs`) instead of where the schedule asks for it; the event
@@ -219,31 +207,6 @@ def _norm_gaps(kernels: list[dict]) -> list[str]:
     return lines
 
 
-def _comp_late(step):
-    """Patch the step's layers: the compressor's projection after the q/kv norm pair; returns the undo."""
-    held = {i: layer.comp_after_norm for i, layer in step.layers.items()}
-    for layer in step.layers.values():
-        layer.comp_after_norm = True
-
-    def undo():
-        for i, layer in step.layers.items():
-            layer.comp_after_norm = held[i]
-    return undo
-
-
-def _wproj_lane(step, own: bool = True):
-    """Patch the step's layers: weights_proj on its own lane (own) or on the index query's; returns
-    the undo (each layer's setting as the step was built)."""
-    held = {i: layer.proj_own_lane for i, layer in step.layers.items()}
-    for layer in step.layers.values():
-        layer.proj_own_lane = own
-
-    def undo():
-        for i, layer in step.layers.items():
-            layer.proj_own_lane = held[i]
-    return undo
-
-
 def _wproj_split(step):
     """Patch the step's indexer layers: the head weights' plan at split 32; returns the undo."""
     held = {}
@@ -274,6 +237,21 @@ def _topk_chunk(step):
     return undo
 
 
+def _layer_flag(attr: str, value: bool):
+    """A patch setting every layer's `attr` (an `AttentionStep` schedule flag) to value; the undo
+    restores each layer's setting as the step was built."""
+    def patch(step):
+        held = {i: getattr(layer, attr) for i, layer in step.layers.items()}
+        for layer in step.layers.values():
+            setattr(layer, attr, value)
+
+        def undo():
+            for i, v in held.items():
+                setattr(step.layers[i], attr, v)
+        return undo
+    return patch
+
+
 def _boundary_folded(step):
     """Patch the step: the mHC boundary in wo_b's epilogue where wo_b's op takes it; returns the undo."""
     held, step.fold_boundary = step.fold_boundary, True
@@ -302,10 +280,11 @@ def main() -> None:
         cap, aux = PRIORITIES[name]
         step.lanes._aux = [torch.cuda.Stream("cuda", priority=p) for p in aux + (aux[2],)]   # weights: index's
         step.lanes.capture = torch.cuda.Stream("cuda", priority=cap)
-        patch = {"mla_after_mix": _mla_after_mix, "wq_b_slack": _wq_b_slack, "rope_apart": _rope_apart,
-                 "boundary_folded": _boundary_folded, "mix_late": _mix_late, "comp_late": _comp_late,
-                 "topk_chunk": _topk_chunk, "wproj_lane": _wproj_lane, "wproj_split": _wproj_split,
-                 "wproj_in_index": lambda s: _wproj_lane(s, own=False)}.get(name)
+        patch = {"mla_after_mix": _mla_after_mix, "wq_b_slack": _wq_b_slack,
+                 "rope_apart": _layer_flag("rope_in_wq_b", False), "boundary_folded": _boundary_folded,
+                 "mix_late": _mix_late, "comp_late": _layer_flag("comp_after_norm", True),
+                 "topk_chunk": _topk_chunk, "wproj_lane": _layer_flag("proj_own_lane", True),
+                 "wproj_split": _wproj_split, "wproj_in_index": _layer_flag("proj_own_lane", False)}.get(name)
         undo = patch(step) if patch else (lambda: None)
         step.graphs = {}
         step._capture()

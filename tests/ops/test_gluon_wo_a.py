@@ -302,47 +302,6 @@ FOLD = W.GluonWoAConfig(fold_scales=True)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("heads", REAL_HEADS, ids=[f"tp{64 // h}" for h in REAL_HEADS])
-def test_gpu_folded_fp8_matches_reference_and_the_bf16_plan(heads):
-    # The folded consumer at the real shapes and every row count: within the module's tolerance of
-    # the reference on the dequantized weight, and bitwise the BF16-weight Gluon plan's z on that
-    # weight (module doc: the folded weight is that weight exactly, and the instruction sequence is
-    # the BF16 one); rows past M untouched, counters reset.
-    plan, o, cis, cos, sin, weight, scale, w_ref, out = _real(heads, seed=400 + heads, dtype=torch.float8_e4m3fn,
-                                                              config=FOLD)
-    W.check_folded_scale(scale)
-    groups = heads // 8
-    bf16 = W.GluonWoAPlan.build(heads, groups, RANK, 64, torch.bfloat16, "cuda")
-    z_b = torch.empty_like(out)
-    for m in GPU_ROWS:
-        out.fill_(float("nan"))
-        W.gluon_wo_a_(plan, o[:m], cos[:m], sin[:m], weight, scale, out[:m])
-        _check(out[:m], grouped_wo_a(o[:m], cis[:m], w_ref, groups, 64))
-        assert out[m:].isnan().all(), "rows past M untouched"
-        assert not plan.counters.any(), "the last program of every tile resets its counter"
-        W.gluon_wo_a_(bf16, o[:m], cos[:m], sin[:m], w_ref, None, z_b[:m])
-        assert torch.equal(out[:m], z_b[:m]), m
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("heads", (64, 8), ids=("tp1", "tp8"))
-def test_gpu_folded_fp8_bitwise_run_to_run_and_batch_invariant(heads):
-    plan, o, cis, cos, sin, weight, scale, _, out = _real(heads, seed=500 + heads, dtype=torch.float8_e4m3fn,
-                                                          config=FOLD)
-    W.gluon_wo_a_(plan, o, cos, sin, weight, scale, out)
-    full = out.clone()
-    for _ in range(3):
-        W.gluon_wo_a_(plan, o, cos, sin, weight, scale, out)
-        assert torch.equal(out, full)
-    for m in GPU_ROWS:
-        W.gluon_wo_a_(plan, o[:m], cos[:m], sin[:m], weight, scale, out[:m])
-        assert torch.equal(out[:m], full[:m]), m
-    for r in (0, 5, 63):
-        W.gluon_wo_a_(plan, o[r:r + 1], cos[r:r + 1], sin[r:r + 1], weight, scale, out[:1])
-        assert torch.equal(out[0], full[r]), r
-
-
-@pytest.mark.gpu
 def test_gpu_folded_fp8_extreme_codes_and_scales():
     # Every E4M3 code (zero, both signs, the subnormals, 448) under scale bytes at both ends of
     # FOLD_SCALE_BYTES and in between, at TP8 and 1 and 16 rows: bitwise the BF16 plan's z on the
@@ -371,24 +330,39 @@ def test_gpu_folded_fp8_extreme_codes_and_scales():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES, ids=("bf16", "fp8"))
+@pytest.mark.parametrize("dtype, config", [(DTYPES[0], None), (DTYPES[1], None), (torch.float8_e4m3fn, FOLD)],
+                         ids=("bf16", "fp8", "fp8_folded"))
 @pytest.mark.parametrize("heads", REAL_HEADS, ids=[f"tp{64 // h}" for h in REAL_HEADS])
-def test_gpu_real_shapes_match_reference(heads, dtype):
-    plan, o, cis, cos, sin, weight, scale, w_ref, out = _real(heads, seed=heads, dtype=dtype)
+def test_gpu_real_shapes_match_reference(heads, dtype, config):
+    # Every row count at the real shapes: within the module's tolerance of the reference (on the
+    # dequantized weight for FP8), rows past M untouched, counters reset. The folded consumer also
+    # bitwise the BF16-weight Gluon plan's z on that weight (module doc: the folded weight is that
+    # weight exactly, and the instruction sequence is the BF16 one).
+    seed = (400 if config is FOLD else 0) + heads
+    plan, o, cis, cos, sin, weight, scale, w_ref, out = _real(heads, seed=seed, dtype=dtype, config=config)
     groups = heads // 8
+    if config is FOLD:
+        W.check_folded_scale(scale)
+        bf16 = W.GluonWoAPlan.build(heads, groups, RANK, 64, torch.bfloat16, "cuda")
+        z_b = torch.empty_like(out)
     for m in GPU_ROWS:
         out.fill_(float("nan"))
         W.gluon_wo_a_(plan, o[:m], cos[:m], sin[:m], weight, scale, out[:m])
         _check(out[:m], grouped_wo_a(o[:m], cis[:m], w_ref, groups, 64))
         assert out[m:].isnan().all(), "rows past M untouched"
         assert not plan.counters.any(), "the last program of every tile resets its counter"
+        if config is FOLD:
+            W.gluon_wo_a_(bf16, o[:m], cos[:m], sin[:m], w_ref, None, z_b[:m])
+            assert torch.equal(out[:m], z_b[:m]), m
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES, ids=("bf16", "fp8"))
+@pytest.mark.parametrize("dtype, config", [(DTYPES[0], None), (DTYPES[1], None), (torch.float8_e4m3fn, FOLD)],
+                         ids=("bf16", "fp8", "fp8_folded"))
 @pytest.mark.parametrize("heads", (64, 8), ids=("tp1", "tp8"))
-def test_gpu_bitwise_run_to_run_and_batch_invariant(heads, dtype):
-    plan, o, cis, cos, sin, weight, scale, _, out = _real(heads, seed=100 + heads, dtype=dtype)
+def test_gpu_bitwise_run_to_run_and_batch_invariant(heads, dtype, config):
+    seed = (500 if config is FOLD else 100) + heads
+    plan, o, cis, cos, sin, weight, scale, _, out = _real(heads, seed=seed, dtype=dtype, config=config)
     W.gluon_wo_a_(plan, o, cos, sin, weight, scale, out)
     full = out.clone()
     for _ in range(3):
