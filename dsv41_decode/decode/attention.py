@@ -393,8 +393,7 @@ class AttentionStep:
         Full layer at 1 row took 122 us this way against 131). The indexer's head weights run on a
         lane of their own (`proj_own_lane`, at most WEIGHTS_LANE_MAX_ROWS rows; their event
         `proj_ready`, waited on the index query's lane in `_prepare`), else on the index query's
-        lane, which reads them next. Returns (the
-        compressor's kv_score or None, the event of qr)."""
+        lane, which reads them next. Returns (the compressor's kv_score or None, the event of qr)."""
         cfg, spec, s, lanes = self.cfg, self.spec, self.s, self.lanes
         start = lanes.mark()                                  # protects u (written by the boundary)
         qkv = self.mm_qkv(u_codes, u_scales, s.qkv_a[:B])
