@@ -12,8 +12,9 @@ both kernels).
 nothing. About 60-90 s.
 
 `--fp8fold` instead compares the FP8 consumers (`python scripts/probe_gluon_wo_a.py --fp8fold`,
-about 40 s): per row count (`--rows=`) the folded FP8 consumer (`GluonWoAConfig(fold_scales=True)`,
-also with `--fold_variants=` of VARIANTS' other fields, e.g. s8), the block-partial FP8 consumer
+about 45 s): per row count (`--rows=`) the folded FP8 consumer (`GluonWoAConfig(fold_scales=True)`,
+also with `--fold_variants=` of VARIANTS' other fields, e.g. s8), the folded consumer with its bit
+conversion ("fold bits": `fold_bits=True`), the block-partial FP8 consumer
 (the default config), the step's FP8 Triton plan and the BF16-weight Gluon plan (the BF16 copy of
 the same weight, twice the bytes), each with us, GB/s (the bytes it reads: weight and scales),
 % of the streaming read measured in the same run, and max |z - reference| (the reference on the
@@ -79,7 +80,10 @@ def fp8fold() -> None:
     print(f"fp8 weight + scales {nq / 1e6:.1f} MB ({len(wq)} copies), bf16 {nb / 1e6:.1f} MB ({len(wb)} copies)",
           flush=True)
     fp8 = torch.float8_e4m3fn
-    plans = {"fold": G.GluonWoAPlan.build(HEADS, GROUPS, RANK, 64, fp8, "cuda", config=G.GluonWoAConfig(fold_scales=True))}
+    plans = {"fold": G.GluonWoAPlan.build(HEADS, GROUPS, RANK, 64, fp8, "cuda",
+                                          config=G.GluonWoAConfig(fold_scales=True)),
+             "fold bits": G.GluonWoAPlan.build(HEADS, GROUPS, RANK, 64, fp8, "cuda",
+                                               config=G.GluonWoAConfig(fold_scales=True, fold_bits=True))}
     for v in extra:
         cfg = VARIANTS[v]
         plans[f"fold:{v}"] = G.GluonWoAPlan.build(HEADS, GROUPS, RANK, 64, fp8, "cuda",

@@ -48,7 +48,12 @@ How the kernel runs (one program per 64 x warpgroups weight rows and K split):
   loop runs two slots per iteration so that consecutive slots' operands live in different
   registers (a wgmma reads its register operand until a wait retires it; the sm_90 compile test
   checks the SASS for writes to an in-flight operand). Its scale bytes must lie in
-  FOLD_SCALE_BYTES = [10, 246] (`check_folded_scale`, once per weight).
+  FOLD_SCALE_BYTES = [10, 246] (`check_folded_scale`, once per weight). With
+  `GluonWoAConfig(fold_bits=True)` the conversion is integer and BF16 work on the 32-bit register
+  of a pair of codes instead (`_FOLD_BITS_ASM`: a sign-extending byte permute, a shift and a mask
+  make each half the BF16 sign << 15 | (code & 0x7F) << 4 = e4m3 x 2^-120, the E4M3 subnormals
+  landing on BF16 subnormals; two BF16 multiplies, by 2^120 and by 2^(b - 127), finish it: 2.5
+  instructions an element), the same bits.
 - **Split-K with a deterministic reduction** (grid: N tiles x split; the split is the plan's, the
   same for every row count): each split stores its FP32 partial of the M real rows to the plan's
   workspace, one acq_rel atomic on the tile's counter; the last split to arrive adds the partials
@@ -76,7 +81,12 @@ exponent range. The nonzero |e4m3| lie in [2^-9 (the smallest subnormal, 0.001b 
 BF16's largest finite (2 - 2^-7) x 2^127, i.e. 10 <= b <= 246 (FOLD_SCALE_BYTES); zero stays zero
 and the E4M3 NaN stays NaN. Each step of the conversion is exact there: E4M3 -> F16 -> FP32 (the
 E4M3 subnormals are F16 normals), the product by 2^(b - 127) (an FP32 normal for every such b;
-the product is an FP32 normal), the rounding to BF16 (the value is representable). So the folded
+the product is an FP32 normal), the rounding to BF16 (the value is representable). The bit
+conversion (fold_bits) likewise: sign << 15 | (code & 0x7F) << 4 is e4m3 x 2^-120 as a BF16 (a
+subnormal m x 2^-129 for the E4M3 subnormal m x 2^-9, a signed zero for zero), its product by 2^120
+is the E4M3 value and the next product by 2^(b - 127) the folded weight, each a BF16 value, so
+neither mul.rn.bf16x2 rounds (both keep subnormal inputs and signed zeros; the CPU test interprets
+the PTX on every code and scale byte). So the folded
 weight is the reference's dequantized weight (`fp8_block_dequantize(weight, scale)` rounded to
 BF16) bit for bit, and the kernel is the BF16-weight kernel run on it: the same k16 instruction
 sequence per output in the same K order at the same split (the split rule does not look at the
@@ -237,23 +247,73 @@ def _folded_block(w_blk, sc, a_l: gl.constexpr):
     return (w_blk.load(a_l).to(gl.float32) * sc[:, None]).to(gl.bfloat16)
 
 
+# The bit conversion (`_folded_block_bits`), per 32-bit register holding two E4M3 codes c0 (byte 0)
+# and c1 (byte 1), and the bf16x2 scale pair ($2: 2^(b - 127) in both halves):
+#   prmt: halves = sign-extended codes (byte 1 <- sign of byte 0, byte 2 <- byte 1, byte 3 <- sign
+#         of byte 1)
+#   shl 4, and 0x87F087F0: each half = sign << 15 | (code & 0x7F) << 4, the BF16 whose exponent
+#         field is the E4M3 one and whose mantissa starts with the E4M3 one: e4m3 x 2^-120, the
+#         E4M3 subnormals landing on BF16 subnormals (m x 2^-129) and zero on zero
+#   mul.rn.bf16x2 by 2^120 (0x7B80 a half): the E4M3 value, exactly (a BF16 normal or zero)
+#   mul.rn.bf16x2 by the scale pair: the folded weight, exactly for b in FOLD_SCALE_BYTES
+# (`tests/ops/test_gluon_wo_a.py` models these steps on every code and scale byte.)
+_FOLD_BITS_ASM = gl.constexpr("""{
+.reg .b32 p, x, k;
+prmt.b32 p, $1, 0, 0x9180;
+shl.b32 x, p, 4;
+and.b32 x, x, 0x87F087F0;
+mov.b32 k, 0x7B807B80;
+mul.rn.bf16x2 x, x, k;
+mul.rn.bf16x2 $0, x, $2;
+}""")
+
+
+@gluon.jit
+def _block_scale_pairs(s_rows, step):
+    """The scale pairs of K blocks 2 step and 2 step + 1 for `_folded_block_bits`: int32 [BN] with
+    2^(b - 127) as BF16 (bits b << 7) in both 16-bit halves, from the UE8M0 bytes b (in
+    FOLD_SCALE_BYTES, so b - 127 is within BF16's normal exponents)."""
+    b0 = gl.load(s_rows + 2 * step).to(gl.int32)
+    b1 = gl.load(s_rows + 2 * step + 1).to(gl.int32)
+    return b0 * 0x00800080, b1 * 0x00800080
+
+
+@gluon.jit
+def _folded_block_bits(w_blk, sc, a_l: gl.constexpr):
+    """`_folded_block` by integer and BF16 operations on pairs of codes (`_FOLD_BITS_ASM`: one prmt,
+    one shl, one and, two mul.rn.bf16x2 a pair), the same bits: sc are `_block_scale_pairs`' pairs.
+    Exact for scale bytes in FOLD_SCALE_BYTES: the shifted code is e4m3 x 2^-120 in BF16 (E4M3
+    subnormals as BF16 subnormals, signs and zeros kept), and both products are BF16 values (a value
+    of at most 4 significant bits within BF16's normal range, or a signed zero), so neither rounds."""
+    codes = w_blk.load(a_l).to(gl.uint8, bitcast=True)
+    pairs = gl.broadcast(sc[:, None], codes)[0]
+    return gl.inline_asm_elementwise(_FOLD_BITS_ASM, "=r,r,r,r", [codes, pairs], dtype=gl.bfloat16,
+                                     is_pure=True, pack=2)
+
+
 @gluon.jit
 def _folded_step(acc, i, scales, w_smem, x_smem, ready, empty, s_rows, cos, sin, step_lo, n_steps,
                  STAGES: gl.constexpr, BT: gl.constexpr, HEAD_STEPS: gl.constexpr, a_l: gl.constexpr,
-                 rot_l: gl.constexpr):
+                 rot_l: gl.constexpr, BITS: gl.constexpr):
     """Slot i of `_consumer_fp8_folded`: the next slot's scales loaded, the slot's two K blocks
-    converted in registers (`_folded_block`), the o tile rotated when it is a rotary chunk, the two
-    wgmmas (register A, o tile from shared memory) added to acc, then a wait that leaves this slot's
-    two groups in flight and retires slot i-1's, which goes back to the producer. Returns (acc, the
-    scales of slot i + 1)."""
+    converted in registers (`_folded_block`, or `_folded_block_bits` with BITS), the o tile rotated
+    when it is a rotary chunk, the two wgmmas (register A, o tile from shared memory) added to acc,
+    then a wait that leaves this slot's two groups in flight and retires slot i-1's, which goes back
+    to the producer. Returns (acc, the scales of slot i + 1)."""
     sc0, sc1 = scales
-    scales = _block_scales(s_rows, step_lo + gl.minimum(i + 1, n_steps - 1))
     s = i % STAGES
-    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
     x_tile = x_smem.index(s)
     w_tile = w_smem.index(s)
-    a0 = _folded_block(w_tile.slice(0, 32, dim=1), sc0, a_l)
-    a1 = _folded_block(w_tile.slice(32, 32, dim=1), sc1, a_l)
+    if BITS:
+        scales = _block_scale_pairs(s_rows, step_lo + gl.minimum(i + 1, n_steps - 1))
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        a0 = _folded_block_bits(w_tile.slice(0, 32, dim=1), sc0, a_l)
+        a1 = _folded_block_bits(w_tile.slice(32, 32, dim=1), sc1, a_l)
+    else:
+        scales = _block_scales(s_rows, step_lo + gl.minimum(i + 1, n_steps - 1))
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        a0 = _folded_block(w_tile.slice(0, 32, dim=1), sc0, a_l)
+        a1 = _folded_block(w_tile.slice(32, 32, dim=1), sc1, a_l)
     if (step_lo + i) % HEAD_STEPS == HEAD_STEPS - 1:
         _rotate_slot(x_tile, cos, sin, BT, rot_l)
         # the generic-proxy stores before the wgmma's (async proxy) reads, from every thread
@@ -272,7 +332,8 @@ def _folded_step(acc, i, scales, w_smem, x_smem, ready, empty, s_rows, cos, sin,
 def _consumer_fp8_folded(w_smem, x_smem, ready, empty, cos_ptr, sin_ptr, s_ptr, M, stride_cm, stride_sm,
                          stride_sn, off_n, step_lo, N_STEPS: gl.constexpr, STAGES: gl.constexpr,
                          BN: gl.constexpr, BT: gl.constexpr, HEAD_STEPS: gl.constexpr,
-                         mma_layout: gl.constexpr, rot_l: gl.constexpr, pair_l: gl.constexpr):
+                         mma_layout: gl.constexpr, rot_l: gl.constexpr, pair_l: gl.constexpr,
+                         BITS: gl.constexpr):
     """The consumer warpgroup(s) for an FP8 weight with the block scales folded into the weight
     (GluonWoAConfig.fold_scales): per slot its two 32-deep K blocks converted in registers to BF16
     already scaled (`_folded_block`, exact) and fed to the wgmma as its A operand from registers, one
@@ -286,15 +347,18 @@ def _consumer_fp8_folded(w_smem, x_smem, ready, empty, cos_ptr, sin_ptr, s_ptr, 
     rn = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, a_l))
     s_rows = s_ptr + (rn // 32) * stride_sn
     acc = gl.zeros([BN, BT], gl.float32, mma_layout)
-    scales = _block_scales(s_rows, step_lo)
+    if BITS:
+        scales = _block_scale_pairs(s_rows, step_lo)
+    else:
+        scales = _block_scales(s_rows, step_lo)
     for j in range(N_STEPS // 2):
         acc, scales = _folded_step(acc, 2 * j, scales, w_smem, x_smem, ready, empty, s_rows, cos, sin, step_lo,
-                                   N_STEPS, STAGES, BT, HEAD_STEPS, a_l, rot_l)
+                                   N_STEPS, STAGES, BT, HEAD_STEPS, a_l, rot_l, BITS)
         acc, scales = _folded_step(acc, 2 * j + 1, scales, w_smem, x_smem, ready, empty, s_rows, cos, sin,
-                                   step_lo, N_STEPS, STAGES, BT, HEAD_STEPS, a_l, rot_l)
+                                   step_lo, N_STEPS, STAGES, BT, HEAD_STEPS, a_l, rot_l, BITS)
     if N_STEPS % 2 == 1:
         acc, scales = _folded_step(acc, N_STEPS - 1, scales, w_smem, x_smem, ready, empty, s_rows, cos, sin,
-                                   step_lo, N_STEPS, STAGES, BT, HEAD_STEPS, a_l, rot_l)
+                                   step_lo, N_STEPS, STAGES, BT, HEAD_STEPS, a_l, rot_l, BITS)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
     return (acc, )
 
@@ -332,7 +396,7 @@ def _gluon_wo_a_kernel(
     cp_src_ptr, cp_dst_ptr, M, stride_cm, stride_sm, stride_sn, stride_zm, stride_codes, stride_scales,
     R: gl.constexpr, GW: gl.constexpr, HEAD_STEPS: gl.constexpr, STEPS_PER_SPLIT: gl.constexpr,
     SPLIT: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr = False,
-    FOLD: gl.constexpr = False, QUANT: gl.constexpr = False,
+    FOLD: gl.constexpr = False, FOLD_BITS: gl.constexpr = False, QUANT: gl.constexpr = False,
     COPY_WORDS: gl.constexpr = 0, COPY_BLOCK: gl.constexpr = 1, N_TILES: gl.constexpr = 1,
 ):
     # Grid (G*R / BN tiles, SPLIT): program (t, s) covers weight rows [t*BN, +BN) (all in group
@@ -361,7 +425,7 @@ def _gluon_wo_a_kernel(
         acc, = gl.warp_specialize([
             (_consumer_fp8_folded, (w_smem, x_smem, ready, empty, cos_ptr, sin_ptr, s_ptr, M, stride_cm, stride_sm,
                                     stride_sn, off_n, step_lo, STEPS_PER_SPLIT, STAGES, BN, BT, HEAD_STEPS,
-                                    mma_layout, rot_l, pair_l)),
+                                    mma_layout, rot_l, pair_l, FOLD_BITS)),
             (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, 0, x_col, step_lo, STEPS_PER_SPLIT, 0,
                          STEPS_PER_SPLIT, STAGES, False)),
         ], [1], [24])
@@ -449,6 +513,15 @@ class GluonWoAConfig:
         chain with the weight as the register A operand; scale bytes in FOLD_SCALE_BYTES,
         `check_folded_scale`) instead of the block-partial consumer (`_consumer_fp8`). No effect on
         a BF16 weight.
+    fold_bits: with fold_scales, the folded consumer's conversion by integer and BF16 operations
+        (`_folded_block_bits`, `_FOLD_BITS_ASM`: per pair of codes one PRMT, one IMAD.SHL, one
+        LOP3 and two HMUL2.BF16_V2) instead of E4M3 -> F16 -> FP32, two FP32 multiplies and a
+        BF16 pack (one F2FP unpack, two HADD2.F32, two FMUL, one F2FP pack a pair); the same bits
+        (exact over FOLD_SCALE_BYTES). In the sm_90 SASS of the consumer's main loop (two slots,
+        64 codes a thread, every row bucket 8-64): 160 conversion instructions against 192, 2.5 an
+        element against 3.0, besides the same 32 LDS.U16; the loop 1125 / 1221 / 1873 / 2335
+        instructions against 1168 / 1265 / 1917 / 2353 at 8 / 16 / 32 / 64 rows. No effect without
+        fold_scales.
 
     Measured on the H200 (BF16, docs/results/gluon-wo-a-probe-h200.txt): the default (6 stages, one
     warpgroup, the default split) against 4 and 8 stages and two warpgroups at split 4: the default
@@ -462,6 +535,7 @@ class GluonWoAConfig:
     warpgroups: int = 1
     maxnreg: int | None = None
     fold_scales: bool = False
+    fold_bits: bool = False
 
     def __post_init__(self):
         def is_int(v):
@@ -478,6 +552,8 @@ class GluonWoAConfig:
                              f"got {self.maxnreg!r}")
         if not isinstance(self.fold_scales, bool):
             raise ValueError(f"GluonWoAConfig.fold_scales must be a bool, got {self.fold_scales!r}")
+        if not isinstance(self.fold_bits, bool):
+            raise ValueError(f"GluonWoAConfig.fold_bits must be a bool, got {self.fold_bits!r}")
 
     @property
     def block_n(self) -> int:
@@ -494,7 +570,8 @@ def register_cap(config: GluonWoAConfig, bt: int, fp8: bool) -> int:
     at 80 (sm_90 compile test), except the FP8 consumer at 64 rows (the accumulator and two block
     partials, 32 registers each: 32 bytes of stack at 80), which needs 104 and runs at 128, the
     same residency (two CTAs). The folded FP8 consumer (the accumulator and two slots' register A
-    operands, 16 registers each) compiles without spills at 80 at every bucket."""
+    operands, 16 registers each) compiles without spills at 80 at every bucket, with either
+    conversion (config.fold_bits)."""
     if config.maxnreg is not None:
         return config.maxnreg
     return 128 if fp8 and bt == 64 and not config.fold_scales else 80
@@ -530,7 +607,8 @@ def launch_options(plan: "GluonWoAPlan", bt: int) -> dict:
     sm_90 compile test share them)."""
     opts = {"R": plan.rank, "GW": plan.group_width, "HEAD_STEPS": plan.head_dim // BLOCK_K,
             "STEPS_PER_SPLIT": plan.k_per_split // BLOCK_K, "SPLIT": plan.split, "BT": bt,
-            "STAGES": plan.config.stages, "FP8": plan.fp8, "FOLD": plan.folds_scales, "num_warps": 4 * plan.config.warpgroups,
+            "STAGES": plan.config.stages, "FP8": plan.fp8, "FOLD": plan.folds_scales,
+            "FOLD_BITS": plan.folds_scales and plan.config.fold_bits, "num_warps": 4 * plan.config.warpgroups,
             "maxnreg": register_cap(plan.config, bt, plan.fp8),
             # the rotation's products and sums rounded as torch rounds them (no FMA)
             "enable_fp_fusion": False}

@@ -27,7 +27,8 @@ the dequantized weight bit for bit (e4m3 x 2^(b - 127) is exact in BF16 for scal
 `FOLD_SCALE_BYTES`, the module doc's "Numerics"), and it runs the BF16 weight's k16 wgmma sequence
 in the same K order at the same split, so its z equals the BF16-weight Gluon plan's z on the
 dequantized weight bitwise (asserted on the GPU: a difference means an inexact conversion or a
-register-A wgmma that sums otherwise than the shared-memory one).
+register-A wgmma that sums otherwise than the shared-memory one); so with its bit conversion
+(`fold_bits`), whose PTX the CPU test interprets on every E4M3 code and scale byte.
 """
 
 import json
@@ -37,6 +38,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -68,13 +70,14 @@ def sm90_builds() -> dict:
 
 def _case_id(case) -> str:
     heads, bt, wg, split, fp8 = case
-    return f"{('bf16', 'fp8', 'fp8fold')[fp8]}-h{heads}-bt{bt}-wg{wg}" + (f"-split{split}" if split else "")
+    return f"{('bf16', 'fp8', 'fp8fold', 'fp8foldbits')[fp8]}-h{heads}-bt{bt}-wg{wg}" + (f"-split{split}" if split else "")
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
 def test_compiles_for_sm90_without_spills(sm90_builds, case):
     """Each TP shard's split (TP1..8: 2..16, twice that with two warpgroups), each row bucket, one
-    launch without split-K and both FP8 consumers (the folded one at every bucket), with the fused
+    launch without split-K and both FP8 consumers (the folded one at every bucket, with both of its
+    conversions), with the fused
     MXFP8 of z and the window copy: no local memory or spills within the register cap
     (`register_cap`), the BF16 wgmma, the TMA loads, two slots in flight, no FMA; the folded
     consumer's wgmmas take the weight from registers, and nothing writes those registers while a
@@ -93,10 +96,12 @@ def test_compiles_for_sm90_without_spills(sm90_builds, case):
         assert sum(", RZ" in t for t in gmma) == len(gmma) // 2, gmma
     # the folded consumer: register A operands (`HGMMA ... Rd, Ra, gdesc`), every wgmma accumulating
     # (one chain, no partial from zero), two slots an iteration (8 wgmmas, 4 more for an odd tail)
-    folded = case[4] == 2
+    folded = case[4] >= 2
     assert all(re.search(r"\.BF16 R\d+, R\d+, gdesc", t) for t in gmma) == folded, gmma
     if folded:
         assert not any(", RZ" in t for t in gmma) and len(gmma) >= 8, gmma
+    # fold_bits: the conversion by BF16 multiplies (HMUL2), no F16 -> FP32 conversion (HADD2.F32)
+    assert (ops.get("HMUL2", 0) > 0) == (case[4] == 3) and (ops.get("HADD2", 0) > 0) == (case[4] == 2), ops
     assert r["a_hazards"] == [], r["a_hazards"]
     # the producer's weight and o tiles (its loop unrolled where the program's K range is short)
     assert ops.get("UTMALDG", 0) in (2, 2 * r["steps"]), ops
@@ -231,6 +236,111 @@ def test_folded_scale_range_is_exact_and_checked():
     assert not _foldable(s.view(torch.float8_e8m0fnu))
 
 
+def _bf16_bits_to_f64(h):
+    """float64 values of BF16 bit patterns h (uint32 0..0xFFFF): subnormals, zeros, infinities and
+    NaN as IEEE says."""
+    sign = np.where(h & 0x8000, -1.0, 1.0)
+    e = ((h >> 7) & 0xFF).astype(np.int64)
+    m = (h & 0x7F).astype(np.float64)
+    with np.errstate(over="ignore"):
+        v = np.where(e == 0, m * 2.0 ** -133, (128 + m) * np.exp2(e.astype(np.float64) - 134))
+    v = np.where(e == 255, np.where(m == 0, np.inf, np.nan), v)
+    return sign * v
+
+
+def _f64_to_bf16_bits(v):
+    """The BF16 bit patterns of float64 values v rounded to nearest even (subnormals kept, overflow
+    to infinity, zeros keep their sign): what mul.rn.bf16x2 writes for the exact product v."""
+    a = np.abs(v)
+    _, ex = np.frexp(np.where(a > 0, a, 1.0))
+    q = np.exp2(np.maximum(ex - 1, -126) - 7.0)          # the BF16 quantum at |v|
+    with np.errstate(invalid="ignore", over="ignore"):
+        r = np.rint(a / q) * q                            # rint: halves to even
+        r = np.where(r >= 2.0 ** 128, np.inf, r)
+    bits = (r.astype(np.float32).view(np.uint32) >> 16) | np.where(np.signbit(v), 0x8000, 0).astype(np.uint32)
+    return np.where(np.isnan(v), 0x7FC0, bits).astype(np.uint32)
+
+
+def _run_fold_bits_asm(asm: str, regs: dict) -> np.ndarray:
+    """Interpret `asm` (W._FOLD_BITS_ASM's PTX: prmt.b32 in its default mode, shl.b32, and.b32,
+    mov.b32, mul.rn.bf16x2) on uint32 arrays, one lane per element pair; regs holds the operands
+    ("$1": the codes register, "$2": the scale pair). Returns "$0"."""
+    regs = dict(regs)
+
+    def val(tok):
+        tok = tok.strip()
+        return regs[tok] if tok in regs else np.uint32(int(tok, 0))
+
+    body = [line.strip().rstrip(";") for line in asm.strip().strip("{}").splitlines()]
+    for line in body:
+        if not line or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        d, *src = [a.strip() for a in args.split(",")]
+        if op == "prmt.b32":
+            a, b, sel = (np.asarray(val(x), dtype=np.uint64) for x in src)
+            pool = a | (b << np.uint64(32))
+            out = np.zeros(np.broadcast(pool, sel).shape, dtype=np.uint64)
+            for i in range(4):
+                nib = (sel >> np.uint64(4 * i)) & np.uint64(0xF)
+                byte = (pool >> ((nib & np.uint64(7)) * np.uint64(8))) & np.uint64(0xFF)
+                rep = np.where(byte & np.uint64(0x80), np.uint64(0xFF), np.uint64(0))
+                out |= np.where(nib & np.uint64(8), rep, byte) << np.uint64(8 * i)
+            regs[d] = out.astype(np.uint32)
+        elif op == "shl.b32":
+            regs[d] = (np.asarray(val(src[0]), dtype=np.uint64) << np.uint64(int(src[1], 0))).astype(np.uint32)
+        elif op == "and.b32":
+            regs[d] = np.asarray(val(src[0]), dtype=np.uint32) & np.asarray(val(src[1]), dtype=np.uint32)
+        elif op == "mov.b32":
+            regs[d] = np.asarray(val(src[0]), dtype=np.uint32)
+        elif op == "mul.rn.bf16x2":
+            a, b = (np.asarray(val(x), dtype=np.uint32) for x in src)
+            halves = [_f64_to_bf16_bits(_bf16_bits_to_f64((a >> s) & 0xFFFF) * _bf16_bits_to_f64((b >> s) & 0xFFFF))
+                      for s in (0, 16)]
+            regs[d] = (halves[0] | (halves[1] << 16)).astype(np.uint32)
+        else:
+            raise AssertionError(f"the model does not know {op!r}: extend it with the instruction's semantics")
+    return regs["$0"]
+
+
+def _fold_bits_errors(asm: str) -> int:
+    """Elements where `asm` (on the codes as Triton packs them: code 0 in byte 0, code 1 in byte 1,
+    the register's upper bytes arbitrary) differs from the dequantized weight's BF16 bits, over every
+    non-NaN E4M3 code in either half of the pair times every scale byte in FOLD_SCALE_BYTES."""
+    codes = np.arange(256, dtype=np.uint32)
+    codes = codes[(codes & 0x7F) != 0x7F]                  # the E4M3 NaNs excluded
+    c0, c1 = codes, codes[::-1].copy()
+    junk = np.random.default_rng(7).integers(0, 1 << 16, codes.size, dtype=np.uint32) << 16
+    lo, hi = W.FOLD_SCALE_BYTES
+    errors = 0
+    for b in range(lo, hi + 1):
+        # the scale pair as `_block_scale_pairs` builds it: b * 0x00800080 (int32 arithmetic)
+        pair = int((torch.tensor([b], dtype=torch.int32) * 0x00800080).item()) & 0xFFFFFFFF
+        out = _run_fold_bits_asm(asm, {"$1": c0 | (c1 << 8) | junk, "$2": np.uint32(pair)})
+        for half, c in ((out & 0xFFFF, c0), (out >> 16, c1)):
+            weight = torch.from_numpy(c.astype(np.uint8))[None, :].view(torch.float8_e4m3fn)
+            ref = fp8_block_dequantize(weight, torch.full((1, -(-c.size // 32)), b, dtype=torch.uint8))
+            ref_bits = ref.bfloat16().view(torch.int16).numpy()[0].astype(np.uint32) & 0xFFFF
+            errors += int((half != ref_bits).sum())
+    return errors
+
+
+def test_fold_bits_conversion_is_exact_on_every_code_and_scale():
+    # `GluonWoAConfig.fold_bits`' conversion, its PTX (W._FOLD_BITS_ASM) interpreted instruction by
+    # instruction with PTX's integer and BF16 semantics, against fp8_block_dequantize rounded to
+    # BF16, bit for bit (signed zeros included): every non-NaN E4M3 code (zeros, subnormals, both
+    # signs, 448) in both halves of a pair times every scale byte in FOLD_SCALE_BYTES.
+    ref = fp8_block_dequantize(torch.tensor([[0x80]], dtype=torch.uint8), torch.tensor([[127]], dtype=torch.uint8))
+    assert ref.bfloat16().view(torch.int16).item() == -0x8000, "the reference keeps -0"
+    assert _fold_bits_errors(W._FOLD_BITS_ASM.value) == 0
+    # the check sees a wrong sequence: codes zero-extended (signs lost), the sign bits masked off,
+    # the 2^120 step skipped
+    asm = W._FOLD_BITS_ASM.value
+    for wrong in (asm.replace("0x9180", "0x0100"), asm.replace("0x87F087F0", "0x07F007F0"),
+                  asm.replace("mul.rn.bf16x2 x, x, k;", "")):
+        assert wrong != asm and _fold_bits_errors(wrong) > 0
+
+
 def test_folded_plan_needs_no_staging_and_no_wider_cap():
     fold = W.GluonWoAConfig(fold_scales=True)
     plan = W.GluonWoAPlan.build(64, 8, RANK, 64, torch.float8_e4m3fn, "cpu", config=fold)
@@ -244,6 +354,16 @@ def test_folded_plan_needs_no_staging_and_no_wider_cap():
         assert W.shared_bytes(fold, bt, True) + 64 * 64 * 2 == W.shared_bytes(W.GluonWoAConfig(), bt, True)
     with pytest.raises(ValueError, match="GluonWoAConfig.fold_scales must be a bool"):
         W.GluonWoAConfig(fold_scales=1)
+    # fold_bits: the bit conversion's constexpr only with the folded consumer; its cap is the same
+    bits = W.GluonWoAConfig(fold_scales=True, fold_bits=True)
+    assert W.launch_options(W.GluonWoAPlan.build(64, 8, RANK, 64, torch.float8_e4m3fn, "cpu", config=bits),
+                            8)["FOLD_BITS"] is True
+    assert W.launch_options(plan, 8)["FOLD_BITS"] is False
+    assert W.launch_options(W.GluonWoAPlan.build(64, 8, RANK, 64, torch.float8_e4m3fn, "cpu",
+                                                 config=W.GluonWoAConfig(fold_bits=True)), 8)["FOLD_BITS"] is False
+    assert all(W.register_cap(bits, bt, True) == 80 for bt in W.ROW_BUCKETS)
+    with pytest.raises(ValueError, match="GluonWoAConfig.fold_bits must be a bool"):
+        W.GluonWoAConfig(fold_bits=1)
 
 
 def test_register_hazard_check_sees_a_rewritten_operand():
@@ -299,16 +419,18 @@ def _real(heads: int, seed: int, dtype=torch.bfloat16, config=None):
 
 
 FOLD = W.GluonWoAConfig(fold_scales=True)
+FOLD_BITS = W.GluonWoAConfig(fold_scales=True, fold_bits=True)   # the folded consumer's bit conversion
 
 
 @pytest.mark.gpu
-def test_gpu_folded_fp8_extreme_codes_and_scales():
+@pytest.mark.parametrize("config", (FOLD, FOLD_BITS), ids=("fp8_folded", "fp8_folded_bits"))
+def test_gpu_folded_fp8_extreme_codes_and_scales(config):
     # Every E4M3 code (zero, both signs, the subnormals, 448) under scale bytes at both ends of
     # FOLD_SCALE_BYTES and in between, at TP8 and 1 and 16 rows: bitwise the BF16 plan's z on the
-    # dequantized weight (the conversion exact over its whole range).
+    # dequantized weight (the conversion exact over its whole range), with either conversion.
     heads, groups = 8, 1
     plan, o, cis, cos, sin, _, _, _, out = _real(heads, seed=600, dtype=torch.bfloat16)
-    plan = W.GluonWoAPlan.build(heads, groups, RANK, 64, torch.float8_e4m3fn, "cuda", config=FOLD)
+    plan = W.GluonWoAPlan.build(heads, groups, RANK, 64, torch.float8_e4m3fn, "cuda", config=config)
     g = torch.Generator(device="cuda").manual_seed(600)
     codes = torch.randint(0, 256, (RANK, heads * 512), dtype=torch.uint8, device="cuda", generator=g)
     codes[(codes & 0x7F) == 0x7F] = 0x38        # no NaN codes (1.0 instead)
@@ -330,18 +452,20 @@ def test_gpu_folded_fp8_extreme_codes_and_scales():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype, config", [(DTYPES[0], None), (DTYPES[1], None), (torch.float8_e4m3fn, FOLD)],
-                         ids=("bf16", "fp8", "fp8_folded"))
+@pytest.mark.parametrize("dtype, config", [(DTYPES[0], None), (DTYPES[1], None), (torch.float8_e4m3fn, FOLD),
+                                           (torch.float8_e4m3fn, FOLD_BITS)],
+                         ids=("bf16", "fp8", "fp8_folded", "fp8_folded_bits"))
 @pytest.mark.parametrize("heads", REAL_HEADS, ids=[f"tp{64 // h}" for h in REAL_HEADS])
 def test_gpu_real_shapes_match_reference(heads, dtype, config):
     # Every row count at the real shapes: within the module's tolerance of the reference (on the
     # dequantized weight for FP8), rows past M untouched, counters reset. The folded consumer also
     # bitwise the BF16-weight Gluon plan's z on that weight (module doc: the folded weight is that
-    # weight exactly, and the instruction sequence is the BF16 one).
-    seed = (400 if config is FOLD else 0) + heads
+    # weight exactly, and the instruction sequence is the BF16 one), with either conversion.
+    folded = config is not None and config.fold_scales
+    seed = (400 if folded else 0) + heads
     plan, o, cis, cos, sin, weight, scale, w_ref, out = _real(heads, seed=seed, dtype=dtype, config=config)
     groups = heads // 8
-    if config is FOLD:
+    if folded:
         W.check_folded_scale(scale)
         bf16 = W.GluonWoAPlan.build(heads, groups, RANK, 64, torch.bfloat16, "cuda")
         z_b = torch.empty_like(out)
@@ -351,17 +475,18 @@ def test_gpu_real_shapes_match_reference(heads, dtype, config):
         _check(out[:m], grouped_wo_a(o[:m], cis[:m], w_ref, groups, 64))
         assert out[m:].isnan().all(), "rows past M untouched"
         assert not plan.counters.any(), "the last program of every tile resets its counter"
-        if config is FOLD:
+        if folded:
             W.gluon_wo_a_(bf16, o[:m], cos[:m], sin[:m], w_ref, None, z_b[:m])
             assert torch.equal(out[:m], z_b[:m]), m
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype, config", [(DTYPES[0], None), (DTYPES[1], None), (torch.float8_e4m3fn, FOLD)],
-                         ids=("bf16", "fp8", "fp8_folded"))
+@pytest.mark.parametrize("dtype, config", [(DTYPES[0], None), (DTYPES[1], None), (torch.float8_e4m3fn, FOLD),
+                                           (torch.float8_e4m3fn, FOLD_BITS)],
+                         ids=("bf16", "fp8", "fp8_folded", "fp8_folded_bits"))
 @pytest.mark.parametrize("heads", (64, 8), ids=("tp1", "tp8"))
 def test_gpu_bitwise_run_to_run_and_batch_invariant(heads, dtype, config):
-    seed = (500 if config is FOLD else 100) + heads
+    seed = (500 if config is not None and config.fold_scales else 100) + heads
     plan, o, cis, cos, sin, weight, scale, _, out = _real(heads, seed=seed, dtype=dtype, config=config)
     W.gluon_wo_a_(plan, o, cos, sin, weight, scale, out)
     full = out.clone()
