@@ -26,8 +26,6 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
                     (after its norm pair and side projections) instead of right after the boundary:
                     in the ratio-2 Full layers at 1 row the norm pair and the head weights'
                     projection start only when the mixer ends, though the SMs have room for them
-    comp_late       the compressor's projection enqueued after the q/kv norm pair instead of right
-                    after the fused GEMM (`AttentionStep.comp_after_norm`)
     wproj_lane      the indexer's head weights (weights_proj) on a lane of their own beside the
                     index query's GEMM (`AttentionStep.proj_own_lane`; the lane at the index
                     query's priority): the step's default (`DecodeStep(weights_lane=True)`), so
@@ -90,7 +88,6 @@ PRIORITIES = {
     "mla_after_mix": (C, (C, S, C)),
     "wq_b_slack": (C, (C, S, C)),
     "mix_late": (C, (C, S, C)),
-    "comp_late": (C, (C, S, C)),
     "topk_chunk": (C, (C, S, C)),
     "wproj_lane": (C, (C, S, C)),
     "wproj_in_index": (C, (C, S, C)),
@@ -282,7 +279,7 @@ def main() -> None:
         step.lanes.capture = torch.cuda.Stream("cuda", priority=cap)
         patch = {"mla_after_mix": _mla_after_mix, "wq_b_slack": _wq_b_slack,
                  "rope_apart": _layer_flag("rope_in_wq_b", False), "boundary_folded": _boundary_folded,
-                 "mix_late": _mix_late, "comp_late": _layer_flag("comp_after_norm", True),
+                 "mix_late": _mix_late,
                  "topk_chunk": _topk_chunk, "wproj_lane": _layer_flag("proj_own_lane", True),
                  "wproj_split": _wproj_split, "wproj_in_index": _layer_flag("proj_own_lane", False)}.get(name)
         undo = patch(step) if patch else (lambda: None)

@@ -13,7 +13,7 @@ from ..ops.act_quant import act_quant_mxfp8
 from ..ops.fp8_mm import fp8_mm_, fp8_mm_config
 from ..decode.attention import fp8_linear_plan, wo_a_launch, wo_a_plan
 from ..ops.exact_linear import ExactLinear
-from ..ops.gluon_wo_a import check_folded_scale
+from ..ops.gluon_wo_a import foldable_scale
 from ..ops.ll_bf16 import LlBf16Plan, ll_bf16_
 from ..ops.low_latency_mm import LowLatencyMM
 from ..ops.wo_a import WoAPlan
@@ -69,9 +69,7 @@ class GemmOps:
         if triton_tier:
             plan = WoAPlan.build(heads, groups, rank, 64, q.dtype, o.device)
         else:
-            plan = wo_a_plan(heads, groups, rank, 64, q.dtype, o.device)
-            if getattr(plan, "folds_scales", False):
-                check_folded_scale(s)      # the folded FP8 consumer's range, as the step checks it
+            plan = wo_a_plan(heads, groups, rank, 64, q.dtype, o.device, gluon_fp8=foldable_scale(s))
         out = torch.empty(m, groups * rank, dtype=torch.bfloat16, device=o.device)
         ov = o.view(m, heads, 512)
         return lambda: wo_a_launch(plan, ov, cos, sin, q, s, out)

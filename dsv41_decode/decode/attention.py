@@ -18,7 +18,7 @@ FP32 round-to-nearest sums where a tensor-core MMA truncates; `SparseMlaPlan.for
 True)`, `WoAPlan.build(ieee_dot=True)`). A `wo_a` runs the Gluon kernel on sm_90 otherwise
 (`wo_a_plan`): a BF16 one with the Triton plan's bits, faster; an FP8 one through its folded
 consumer (the block scales folded into an exact conversion to BF16: `ops.gluon_wo_a`; its scale
-bytes checked at build, `check_folded_scale`).
+bytes checked at build, `foldable_scale`: else the Triton plan).
 A layer that is not eligible raises `NotEligible`, and the caller keeps the generic path.
 """
 
@@ -41,7 +41,7 @@ from ..ops.exact_linear import ExactLinear
 from ..ops.exact_mm import ExactConfig
 from ..ops.gluon_indexer import gluon_index_scores_mxfp4_
 from ..ops.gluon_mm import GluonMM
-from ..ops.gluon_wo_a import GluonWoAConfig, GluonWoAPlan, check_folded_scale, gluon_wo_a_
+from ..ops.gluon_wo_a import GluonWoAConfig, GluonWoAPlan, foldable_scale, gluon_wo_a_
 from ..ops.gluon_sparse_mla import GluonSparseMlaPlan, gluon_sparse_mla_
 from ..ops.ll_bf16 import LlBf16Plan, ll_bf16_
 from ..ops.mhc import BoundaryOperands
@@ -100,18 +100,6 @@ def fp8_linear_plan(weight: torch.Tensor, scale: torch.Tensor, max_rows: int, ex
 WEIGHTS_LANE_MAX_ROWS = 2
 
 
-def _foldable(scale: torch.Tensor | None) -> bool:
-    """Whether an FP8 wo_a's scale bytes suit the folded Gluon consumer (`check_folded_scale`);
-    True without scales (a BF16 weight)."""
-    if scale is None:
-        return True
-    try:
-        check_folded_scale(scale)
-    except ValueError:
-        return False
-    return True
-
-
 def wo_a_plan(heads: int, groups: int, rank: int, max_rows: int, weight_dtype: torch.dtype,
               device: torch.device, *, head_dim: int = 512, rope_dim: int = 64, workspace=None,
               fp32_dots: bool = False, gluon_fp8: bool = True):
@@ -123,9 +111,9 @@ def wo_a_plan(heads: int, groups: int, rank: int, max_rows: int, weight_dtype: t
     `fp32_dots`, other GPUs, the interpreter with one split, an FP8 weight with gluon_fp8=False).
     The reduction order is fixed per plan, whatever the rows (batch invariance).
     workspace: None or the step's `Workspaces` pool (the plans' `workspace` contract).
-    gluon_fp8: an FP8 weight on sm_90 runs the Gluon kernel's folded consumer (default;
-    `GluonWoAConfig(fold_scales=True)`; its scale bytes checked once by the caller,
-    `check_folded_scale`) instead of the Triton plan. The step takes the default."""
+    gluon_fp8: an FP8 weight on sm_90 runs the Gluon kernel's folded consumer
+    (`GluonWoAConfig(fold_scales=True)`) instead of the Triton plan; callers pass
+    `gluon_wo_a.foldable_scale(scale)`, which reads the scale bytes once."""
     device = torch.device(device)
     if is_sm90(device) and (weight_dtype == torch.bfloat16 or gluon_fp8) and not fp32_dots:
         try:
@@ -238,9 +226,6 @@ class AttentionStep:
         if cfg.n_heads not in SUPPORTED_HEADS:
             raise NotEligible(f"n_heads={cfg.n_heads}: sparse MLA runs {SUPPORTED_HEADS} local heads")
         self.cfg, self.spec, self.w, self.layer = cfg, spec, w, layer
-        # the compressor's projection enqueued after the q/kv norm pair instead of right after the
-        # fused GEMM (a schedule choice: the same bits)
-        self.comp_after_norm = False
         # the indexer's head weights (weights_proj) on a lane of their own, beside the index query's
         # GEMM, instead of ahead of it on the index query's lane (a schedule choice: the same bits)
         self.proj_own_lane = bool(weights_lane)
@@ -275,7 +260,7 @@ class AttentionStep:
         # weight quantize_wo_a gives; checked once here), else the Triton plan
         self.wo_a_plan = wo_a_plan(cfg.n_heads, cfg.o_groups, cfg.o_lora_rank, max_rows, self.wo_a_w.dtype, dev,
                                    head_dim=cfg.head_dim, rope_dim=cfg.rope_head_dim, workspace=pool,
-                                   fp32_dots=fp32_dots, gluon_fp8=_foldable(self.wo_a_s))
+                                   fp32_dots=fp32_dots, gluon_fp8=foldable_scale(self.wo_a_s))
         topk_w = 0 if spec.kind == SWA else cfg.index_topk
         # The Gluon kernel on sm_90, else the Triton tilings; FP32 dots with fp32_dots (`sparse_mla_plans`)
         self.mla_plans = sparse_mla_plans(max_rows, cfg.n_heads, cfg.window_size, topk_w, dev, workspace=pool,
@@ -375,8 +360,8 @@ class AttentionStep:
         """
         part = self.layer.tp.row_share(rows) if shard and self.row_shardable else None
         own = slice(0, rows) if part is None else slice(part[0], part[1])   # the rows this rank indexes
-        kv_score, qr_ready = self._inputs(rows, u, u_codes, u_scales, own)
-        iq_ready = self._prepare(rows, kv_score, qr_ready, own)
+        kv_score, qr_ready, proj_ready = self._inputs(rows, u, u_codes, u_scales, own)
+        iq_ready = self._prepare(rows, kv_score, qr_ready, proj_ready, own)
         if self.spec.runs_indexer:
             if part is None:
                 self._select(rows, iq_ready, events)
@@ -393,19 +378,17 @@ class AttentionStep:
         Full layer at 1 row took 122 us this way against 131). The indexer's head weights run on a
         lane of their own (`proj_own_lane`, at most WEIGHTS_LANE_MAX_ROWS rows; their event
         `proj_ready`, waited on the index query's lane in `_prepare`), else on the index query's
-        lane, which reads them next. Returns (the compressor's kv_score or None, the event of qr)."""
+        lane, which reads them next. Returns (the compressor's kv_score or None, the event of qr,
+        proj_ready or None)."""
         cfg, spec, s, lanes = self.cfg, self.spec, self.s, self.lanes
         start = lanes.mark()                                  # protects u (written by the boundary)
         qkv = self.mm_qkv(u_codes, u_scales, s.qkv_a[:B])
-        kv_score = s.kv_score[:B, :self.w_comp.shape[0]] if spec.owns_compressor else None
-
-        def compressor_projection():
+        kv_score = proj_ready = None
+        if spec.owns_compressor:
             with lanes.side(AUX_COMPRESSOR):
                 lanes.wait(start)
+                kv_score = s.kv_score[:B, :self.w_comp.shape[0]]
                 ll_bf16_(self.comp_plan, u, self.w_comp, kv_score)
-        if spec.owns_compressor and not self.comp_after_norm:
-            compressor_projection()
-        self.proj_ready = None
         own_lane = self.proj_own_lane and B <= WEIGHTS_LANE_MAX_ROWS
         if spec.runs_indexer:     # on the index query's lane, which reads it next, or on its own
             with lanes.side(AUX_INDEX_W if own_lane else AUX_INDEX_Q):
@@ -415,22 +398,20 @@ class AttentionStep:
                 elif own.stop > own.start:
                     ll_bf16_(self.proj_plan, u[own], self.w_proj, s.wproj[own])
                 if own_lane:
-                    self.proj_ready = lanes.mark()            # protects wproj / iw (read on lane 2)
+                    proj_ready = lanes.mark()                 # protects wproj / iw (read on lane 2)
         ql = cfg.q_lora_rank
         m, r = self.meta, spec.ratio     # one launch: q_norm (+ MXFP8), kv_norm + the window insert
         rms_norm_pair_(qkv[:, :ql], self.w["attn.q_norm.weight"], s.qr[:B], s.qr_codes[:B], s.qr_scales[:B],
                        qkv[:, ql:], self.w["attn.kv_norm.weight"], s.kv[:B], cfg.norm_eps,
                        window=self.state.window[spec.layer], slots=m.stage_slot[:B], cos=m.cos[r][:B], sin=m.sin[r][:B])
-        qr_ready = lanes.mark()                               # the event protects qr codes
-        if spec.owns_compressor and self.comp_after_norm:
-            compressor_projection()
-        return kv_score, qr_ready
+        return kv_score, lanes.mark(), proj_ready             # the second event protects qr codes
 
-    def _prepare(self, B: int, kv_score, qr_ready, own: slice):
+    def _prepare(self, B: int, kv_score, qr_ready, proj_ready, own: slice):
         """The index query of the rows `own` (lane 2), the compressor's state update, latent and
         index key (lane 0), the query (wq_b) and its RoPE, in wq_b's epilogue or after it (main); the main
-        stream then waits for the compressed and index-key records. Returns the event of the index
-        query (None without)."""
+        stream then waits for the compressed and index-key records; the index query's lane waits for
+        proj_ready (the head weights' lane, from `_inputs`). Returns the event of the index query
+        (None without)."""
         cfg, spec, s, m, lanes = self.cfg, self.spec, self.s, self.meta, self.lanes
         st, L, r = self.state, spec.layer, spec.ratio
         iq_ready = latent_ready = None
@@ -445,7 +426,7 @@ class AttentionStep:
                     self.mm_idx_wq_b(s.qr_codes[own], s.qr_scales[own], s.iq_raw[own])
                 # the head weights' lane (`proj_own_lane`): wproj read next, or iw protected by
                 # iq_ready; waited also without rows, so that the lane is always joined
-                lanes.wait(self.proj_ready)
+                lanes.wait(proj_ready)
                 if n_own and not self.index_query_in_gemm:
                     index_query_(s.iq_raw[own], s.wproj[own], m.cos[r][own], m.sin[r][own], self.index_scale,
                                  s.iq[own], s.iw[own])

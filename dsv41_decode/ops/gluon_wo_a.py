@@ -726,6 +726,19 @@ def check_folded_scale(scale: torch.Tensor) -> None:
                          f"wo_a (e4m3 x 2^(b - 127) exact in BF16), got bytes in [{lo}, {hi}]")
 
 
+def foldable_scale(scale: torch.Tensor | None) -> bool:
+    """Whether a plan may fold `scale` (an FP8 weight's block scales): every byte in
+    FOLD_SCALE_BYTES (`check_folded_scale` passes); True for None (a BF16 weight, nothing to fold).
+    What `decode.attention.wo_a_plan`'s callers pass as gluon_fp8."""
+    if scale is None:
+        return True
+    try:
+        check_folded_scale(scale)
+    except ValueError:
+        return False
+    return True
+
+
 def _tma_desc(t: torch.Tensor, block: list[int], name: str) -> TensorDescriptor:
     """A TMA descriptor of the 2-D BF16 or E4M3 tensor t with box `block` (swizzled tiles)."""
     require_tma_rows(t, name)

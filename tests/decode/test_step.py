@@ -221,8 +221,8 @@ def test_side_lanes_are_joined(cpu_setup, weights_lane, own, lane_rows, monkeypa
     layer, bd = step.layers[1], step.boundary
     assert layer.spec.runs_indexer and layer.proj_own_lane is weights_lane
     log = layer.lanes = _LaneLog()
-    kv_score, qr_ready = layer._inputs(2, bd.u[:2], bd.codes[:2], bd.scales[:2], own)
-    iq_ready = layer._prepare(2, kv_score, qr_ready, own)
+    kv_score, qr_ready, proj_ready = layer._inputs(2, bd.u[:2], bd.codes[:2], bd.scales[:2], own)
+    iq_ready = layer._prepare(2, kv_score, qr_ready, proj_ready, own)
     assert iq_ready is not None and iq_ready[0] == AUX_INDEX_Q
     log.wait(iq_ready)
     for lane in log.entered:

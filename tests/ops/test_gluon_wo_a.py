@@ -229,11 +229,10 @@ def test_folded_scale_range_is_exact_and_checked():
     with pytest.raises(TypeError, match="scale must be a float8_e8m0fnu or uint8"):
         W.check_folded_scale(scale.float())
     # the step's choice: a weight whose bytes leave the range keeps the Triton plan, not an error
-    from dsv41_decode.decode.attention import _foldable
-    assert _foldable(None) and _foldable(scale)
+    assert W.foldable_scale(None) and W.foldable_scale(scale)
     s = scale.view(torch.uint8).clone()
     s[0, 0] = 0
-    assert not _foldable(s.view(torch.float8_e8m0fnu))
+    assert not W.foldable_scale(s.view(torch.float8_e8m0fnu))
 
 
 def _bf16_bits_to_f64(h):
