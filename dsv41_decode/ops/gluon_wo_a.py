@@ -292,6 +292,26 @@ def _folded_block_bits(w_blk, sc, a_l: gl.constexpr):
 
 
 @gluon.jit
+def _folded_scales(s_rows, step, BITS: gl.constexpr):
+    """The scales of slot `step` in the form the folded conversion takes: `_block_scale_pairs` with
+    BITS, else `_block_scales`."""
+    if BITS:
+        return _block_scale_pairs(s_rows, step)
+    else:
+        return _block_scales(s_rows, step)
+
+
+@gluon.jit
+def _folded_operand(w_blk, sc, a_l: gl.constexpr, BITS: gl.constexpr):
+    """One 32-deep K block as the wgmma's register A operand: `_folded_block_bits` with BITS, else
+    `_folded_block` (the same bits)."""
+    if BITS:
+        return _folded_block_bits(w_blk, sc, a_l)
+    else:
+        return _folded_block(w_blk, sc, a_l)
+
+
+@gluon.jit
 def _folded_step(acc, i, scales, w_smem, x_smem, ready, empty, s_rows, cos, sin, step_lo, n_steps,
                  STAGES: gl.constexpr, BT: gl.constexpr, HEAD_STEPS: gl.constexpr, a_l: gl.constexpr,
                  rot_l: gl.constexpr, BITS: gl.constexpr):
@@ -304,16 +324,10 @@ def _folded_step(acc, i, scales, w_smem, x_smem, ready, empty, s_rows, cos, sin,
     s = i % STAGES
     x_tile = x_smem.index(s)
     w_tile = w_smem.index(s)
-    if BITS:
-        scales = _block_scale_pairs(s_rows, step_lo + gl.minimum(i + 1, n_steps - 1))
-        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        a0 = _folded_block_bits(w_tile.slice(0, 32, dim=1), sc0, a_l)
-        a1 = _folded_block_bits(w_tile.slice(32, 32, dim=1), sc1, a_l)
-    else:
-        scales = _block_scales(s_rows, step_lo + gl.minimum(i + 1, n_steps - 1))
-        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        a0 = _folded_block(w_tile.slice(0, 32, dim=1), sc0, a_l)
-        a1 = _folded_block(w_tile.slice(32, 32, dim=1), sc1, a_l)
+    scales = _folded_scales(s_rows, step_lo + gl.minimum(i + 1, n_steps - 1), BITS)
+    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+    a0 = _folded_operand(w_tile.slice(0, 32, dim=1), sc0, a_l, BITS)
+    a1 = _folded_operand(w_tile.slice(32, 32, dim=1), sc1, a_l, BITS)
     if (step_lo + i) % HEAD_STEPS == HEAD_STEPS - 1:
         _rotate_slot(x_tile, cos, sin, BT, rot_l)
         # the generic-proxy stores before the wgmma's (async proxy) reads, from every thread
@@ -347,10 +361,7 @@ def _consumer_fp8_folded(w_smem, x_smem, ready, empty, cos_ptr, sin_ptr, s_ptr, 
     rn = off_n + gl.arange(0, BN, layout=gl.SliceLayout(1, a_l))
     s_rows = s_ptr + (rn // 32) * stride_sn
     acc = gl.zeros([BN, BT], gl.float32, mma_layout)
-    if BITS:
-        scales = _block_scale_pairs(s_rows, step_lo)
-    else:
-        scales = _block_scales(s_rows, step_lo)
+    scales = _folded_scales(s_rows, step_lo, BITS)
     for j in range(N_STEPS // 2):
         acc, scales = _folded_step(acc, 2 * j, scales, w_smem, x_smem, ready, empty, s_rows, cos, sin, step_lo,
                                    N_STEPS, STAGES, BT, HEAD_STEPS, a_l, rot_l, BITS)
