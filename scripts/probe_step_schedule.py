@@ -33,7 +33,8 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
     wproj_in_index  the head weights ahead of the index query's GEMM on the index query's lane
                     (`proj_own_lane` off: `DecodeStep(weights_lane=False)`)
     wproj_split     the head weights' plan at split 32 (one 128-deep K range a program: 32
-                    programs instead of 10; other FP32 sums, so other bits possible)
+                    programs instead of 10; other FP32 sums, so other bits possible); measured
+                    no faster on an H200 at bd33dff (docs/step.md)
     topk_chunk      the indexer's top-k plans with chunks of --topk-chunk entries (default 1024,
                     as the step's plan: `TopKPlan.build`'s default; set it to compare another)
     wq_b_slack      in the layers that run the indexer, wq_b on a stream of its own at the least

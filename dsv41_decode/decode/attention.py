@@ -111,15 +111,16 @@ def wo_a_plan(heads: int, groups: int, rank: int, max_rows: int, weight_dtype: t
     `fp32_dots`, other GPUs, the interpreter with one split, an FP8 weight with gluon_fp8=False).
     The reduction order is fixed per plan, whatever the rows (batch invariance).
     workspace: None or the step's `Workspaces` pool (the plans' `workspace` contract).
-    gluon_fp8: an FP8 weight on sm_90 runs the Gluon kernel's folded consumer
-    (`GluonWoAConfig(fold_scales=True)`) instead of the Triton plan; callers pass
-    `gluon_wo_a.foldable_scale(scale)`, which reads the scale bytes once."""
+    gluon_fp8: an FP8 weight on sm_90 runs the Gluon kernel's folded consumer with its bit
+    conversion (`GluonWoAConfig(fold_scales=True, fold_bits=True)`: the same bits as the F16 -> FP32
+    conversion, 14.5-15.6 against 15.3-15.9 us at 1-16 rows on an H200, docs/gemm.md) instead of the
+    Triton plan; callers pass `gluon_wo_a.foldable_scale(scale)`, which reads the scale bytes once."""
     device = torch.device(device)
     if is_sm90(device) and (weight_dtype == torch.bfloat16 or gluon_fp8) and not fp32_dots:
         try:
             return GluonWoAPlan.build(heads, groups, rank, max_rows, weight_dtype, device, head_dim=head_dim,
                                       rope_dim=rope_dim, workspace=workspace,
-                                      config=GluonWoAConfig(fold_scales=True))
+                                      config=GluonWoAConfig(fold_scales=True, fold_bits=True))
         except ValueError:          # a shape the Gluon kernel does not take
             pass
     few = {"split": 1} if _few_programs(device) else {}

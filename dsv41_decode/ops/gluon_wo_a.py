@@ -531,8 +531,9 @@ class GluonWoAConfig:
         (exact over FOLD_SCALE_BYTES). In the sm_90 SASS of the consumer's main loop (two slots,
         64 codes a thread, every row bucket 8-64): 160 conversion instructions against 192, 2.5 an
         element against 3.0, besides the same 32 LDS.U16; the loop 1125 / 1221 / 1873 / 2335
-        instructions against 1168 / 1265 / 1917 / 2353 at 8 / 16 / 32 / 64 rows. No effect without
-        fold_scales.
+        instructions against 1168 / 1265 / 1917 / 2353 at 8 / 16 / 32 / 64 rows; on the H200 14.5-15.6
+        us at 1-16 rows against 15.3-15.9 (`scripts/probe_gluon_wo_a.py --fp8fold`), so the step's
+        FP8 `wo_a` takes it (`decode.attention.wo_a_plan`). No effect without fold_scales.
 
     Measured on the H200 (BF16, docs/results/gluon-wo-a-probe-h200.txt): the default (6 stages, one
     warpgroup, the default split) against 4 and 8 stages and two warpgroups at split 4: the default

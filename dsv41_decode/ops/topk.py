@@ -625,7 +625,7 @@ class TopKPlan:
     linked path's fastest with the histogram ready at 1-16 rows x 16K-128K entries on an H200
     (`scripts/probe_topk.py --chunks=512,1024,2048,4096 --warps=4,8`: 1 x 32K 7.7 us against 11.6 at
     4096, 1 x 128K 10.1 against 14.3, 16 x 32K 10.5 against 13.8; at 64 rows within 1.5 us of 2048's,
-    the fastest there: docs/results/gpu-tests-h200.txt).
+    the fastest there: docs/results/gpu-tests-h200.txt as of bd33dff, run R).
     ws: [max_rows, _WS] int32; its histograms and counters are zero between calls (zeroed at build,
     left zero by every call). Not for concurrent launches on two streams.
     """

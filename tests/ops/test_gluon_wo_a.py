@@ -595,6 +595,7 @@ def test_gpu_step_plan_is_gluon_for_a_bf16_weight():
     assert isinstance(wo_a_plan(64, 8, RANK, 64, torch.float8_e4m3fn, dev, gluon_fp8=False), WoAPlan)
     folded = wo_a_plan(64, 8, RANK, 64, torch.float8_e4m3fn, dev)   # the step's FP8 default
     assert isinstance(folded, W.GluonWoAPlan) is is_sm90(dev) and getattr(folded, "folds_scales", True)
+    assert not is_sm90(dev) or folded.config.fold_bits            # its bit conversion (measured faster)
     assert isinstance(wo_a_plan(8, 4, 96, 64, torch.bfloat16, dev), WoAPlan)     # rank 96: not 64 rows a tile
     _, o, _, cos, sin, w, _, _, out = _real(64, seed=300)
     tri = WoAPlan.build(64, 8, RANK, 64, torch.bfloat16, "cuda")
