@@ -101,7 +101,10 @@ def index_query_(iq_raw: torch.Tensor, wproj: torch.Tensor, cos: torch.Tensor, s
         raise TypeError(f"scale must be a float, got {type(scale).__name__}")
     if n == 0 or h == 0:
         return
-    hb = min(8, triton.next_power_of_2(h))
+    # Two heads a program (32 programs of one pair a thread at Hi = 64, 16 at 32): the launch is a
+    # few microseconds of latency beside the step's main-stream GEMMs, whose CTAs share the SMs and
+    # their issue slots, so its work is spread thin (the bits are elementwise: any split is the same).
+    hb = min(2, triton.next_power_of_2(h))
     iq16, w16, raw16 = iq_out.view(torch.int16), w_out.view(torch.int16), iq_raw.view(torch.int16)
     _index_query_kernel[(n, triton.cdiv(h, hb))](
         raw16, wproj, cos, sin, iq16, w16, float(scale), h, raw16.stride(0), wproj.stride(0), cos.stride(0),
