@@ -4,7 +4,9 @@ collapse, RMSNorm and MXFP8 quantization of the next input, and the mixer (pre, 
 - `mhc_enter_`: the first site's input (the collapse, RMSNorm and MXFP8 without a post-mix), as
   `mhc_boundary_` computes them.
 - `mhc_boundary_`: one launch, one program per row (or, with an `MhcBoundaryPlan`, each row over
-  chunks whose last to arrive normalizes the row). Contract: `reference.mhc.hc_post`, then
+  chunks: on CUDA every chunk waits for the row's sum of squares and normalizes itself, all the
+  launch's programs resident at once - `MhcBoundaryPlan.coresident`; in the interpreter the last
+  chunk to arrive normalizes the row). Contract: `reference.mhc.hc_post`, then
   `reference.linear.rms_norm(reference.mhc.hc_pre(x_out, pre), norm_weight, eps)`, then
   `formats.mxfp8_quantize` of that. The new streams and the collapse are bit-exact: every product
   and sum is one FP32 rounding in the reference's order (the kernel is compiled with
@@ -35,7 +37,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .checks import require_tensor
+from .checks import interpreting, require_tensor
 from .act_quant import mxfp8_blocks
 from .common import butterfly_sum, in_order_sum
 from .rms_norm import inv_rms
@@ -194,6 +196,57 @@ def _mhc_boundary_split_kernel(
 
 
 @triton.jit
+def _mhc_boundary_coresident_kernel(
+    y_ptr, x_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, xo_ptr, u_ptr, codes_ptr, scales_ptr, ws_ptr, cnt_ptr, eps,
+    spin_limit,
+    stride_y, stride_xn, stride_xh, stride_post, stride_cn, stride_ci, stride_pre,
+    stride_xon, stride_xoh, stride_u, stride_codes, stride_scales, stride_ws,
+    D: tl.constexpr, BLOCK_D: tl.constexpr, NCH: tl.constexpr, NCH_P2: tl.constexpr, PDL: tl.constexpr = False,
+):
+    pdl.enter(PDL)
+    # Program (row n, chunk ch), every program of the launch resident at once: the new streams and
+    # the collapse c of one chunk (c stays in registers); its sum of squares goes to the workspace
+    # and the program arrives on the row's counter, then waits until all NCH chunks of the row have
+    # arrived, sums the NCH partials as `finish_chunk` does (the same r) and normalizes and
+    # quantizes its own chunk (the MXFP8 blocks of 32 lie inside a chunk). The last to arrive sets
+    # the counter back to 0 (release) at once; the others wait for NCH or 0 (the count reached, or
+    # already reset), so none has to count its leaving. A program that polls spin_limit times
+    # without seeing either normalizes with r = NaN (never by design: a launch whose programs are
+    # not all resident shows as NaN in u and its blocks' scales 0xFF, not as a hang).
+    n = tl.program_id(0).to(tl.int64)
+    ch = tl.program_id(1)
+    d = ch * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = d < D
+    b0, b1, b2, b3, c = _boundary_chunk(y_ptr + n * stride_y, x_ptr + n * stride_xn, stride_xh,
+                                        post_ptr + n * stride_post, comb_ptr + n * stride_cn, stride_ci,
+                                        pre_ptr + n * stride_pre, d, mask)
+    xo_row = xo_ptr + n * stride_xon
+    tl.store(xo_row + d, b0, mask=mask)
+    tl.store(xo_row + stride_xoh + d, b1, mask=mask)
+    tl.store(xo_row + 2 * stride_xoh + d, b2, mask=mask)
+    tl.store(xo_row + 3 * stride_xoh + d, b3, mask=mask)
+    tl.store(ws_ptr + n * stride_ws + ch, chunk_sumsq(c))
+    tl.debug_barrier()
+    cnt = cnt_ptr + n
+    seen = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") + 1
+    if seen == NCH:
+        tl.atomic_xchg(cnt, 0, sem="release", scope="gpu")
+    else:
+        polls = 0
+        while (seen != 0) & (seen < NCH) & (polls < spin_limit):
+            seen = tl.atomic_add(cnt, 0, sem="acquire", scope="gpu")
+            polls += 1
+    stuck = (seen != 0) & (seen < NCH)
+    k = tl.arange(0, NCH_P2)
+    parts = tl.load(ws_ptr + n * stride_ws + k, mask=k < NCH, other=0.0, cache_modifier=".cg")
+    r = inv_rms(tl.sum(butterfly_sum(tl.reshape(parts, [1, NCH_P2])), axis=0), eps, D)
+    r = tl.where(stuck, float("nan"), r)
+    w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
+    _store_normed(c, r, w, u_ptr + n * stride_u, codes_ptr + n * stride_codes, scales_ptr + n * stride_scales,
+                  ch * BLOCK_D, d, mask, D, BLOCK_D)
+
+
+@triton.jit
 def chunk_sumsq(c):
     """sum(c * c) of a chunk c [BLOCK_D] FP32 (BLOCK_D a power of two, 32 .. 1024) in one fixed order:
     the one `tl.sum(c * c)` takes on sm_90 in a 4-warp program whose threads hold BLOCK_D / 128
@@ -317,6 +370,21 @@ class MhcBoundaryPlan:
     launches (the last program of a row resets its counter, so graph replays need no memset);
     chunk_counters: [max_rows, chunks] int32, the same for the tiles of each chunk when a linear's
     epilogue runs the boundary (`tile_boundary`). Not for concurrent launches on two streams.
+
+    coresident: how `mhc_boundary_`'s own launch finishes a row (the same bits either way).
+    False: the split form - every chunk program parks its collapse in u, the row's last chunk to
+    arrive normalizes and quantizes the whole row. True: the co-resident form - every chunk program
+    keeps its collapse in registers, waits on the row's counter until all chunks of the row have
+    arrived and normalizes and quantizes its own chunk; it needs every program of the launch (rows
+    x chunks, 4 warps each: 640 at 64 rows of 10 chunks, far below an H200's 132 SMs x 16) resident
+    at once, and the programs not yet resident must get an SM while the others wait (nothing
+    running beside it may wait on this launch). spin_limit bounds each program's polls: one that
+    polls out normalizes its chunk with r = NaN (u NaN, codes 0x7F, scales 0xFF) and the launch
+    ends; the counters are still left 0. Under the interpreter the programs run one after another,
+    so in a co-resident launch every chunk of a row but the last to run polls out: `build` picks
+    the co-resident form only on CUDA outside the interpreter. `tile_boundary` and
+    `allreduce_boundary_` do not read these two fields (they always finish as the split form).
+    `dataclasses.replace(plan, coresident=...)` gives the other form on the same workspace.
     """
     dim: int
     max_rows: int
@@ -324,24 +392,35 @@ class MhcBoundaryPlan:
     ws: torch.Tensor
     counters: torch.Tensor
     chunk_counters: torch.Tensor
+    coresident: bool
+    spin_limit: int
 
     @property
     def chunks(self) -> int:
         return triton.cdiv(self.dim, self.block_d)
 
     @classmethod
-    def build(cls, dim: int, max_rows: int, device: torch.device | str = "cuda", block_d: int = 512
-              ) -> "MhcBoundaryPlan":
-        for name, v in (("dim", dim), ("max_rows", max_rows), ("block_d", block_d)):
+    def build(cls, dim: int, max_rows: int, device: torch.device | str = "cuda", block_d: int = 512,
+              coresident: bool | None = None, spin_limit: int = 1 << 22) -> "MhcBoundaryPlan":
+        """coresident None: True on a CUDA device outside the interpreter, else False (the class
+        docstring says why); spin_limit: polls of a co-resident program's wait (int32)."""
+        for name, v in (("dim", dim), ("max_rows", max_rows), ("block_d", block_d), ("spin_limit", spin_limit)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if spin_limit >= 1 << 31:
+            raise ValueError(f"spin_limit={spin_limit} must be below 2**31 (an int32 kernel argument)")
         if dim % 32 or block_d % 32 or block_d & (block_d - 1) or block_d > 1024:
             raise ValueError(f"dim={dim} must be a multiple of 32 and block_d={block_d} a power of two in "
                              f"32..1024 (`chunk_sumsq`'s range)")
+        if coresident is not None and not isinstance(coresident, bool):
+            raise TypeError(f"coresident must be a bool or None, got {type(coresident).__name__}")
+        device = torch.device(device)
+        if coresident is None:
+            coresident = device.type == "cuda" and not interpreting()
         chunks = triton.cdiv(dim, block_d)
         return cls(dim, max_rows, block_d, torch.zeros(max_rows, chunks, dtype=torch.float32, device=device),
                    torch.zeros(max_rows, dtype=torch.int32, device=device),
-                   torch.zeros(max_rows, chunks, dtype=torch.int32, device=device))
+                   torch.zeros(max_rows, chunks, dtype=torch.int32, device=device), coresident, spin_limit)
 
 
 def _require_disjoint(out: torch.Tensor, out_name: str, inp: torch.Tensor, in_name: str) -> None:
@@ -411,9 +490,11 @@ def mhc_boundary_(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: to
     (codes_out, scales_out) = mxfp8_quantize(u_out). One launch, nothing allocated, no host sync.
 
     plan: None runs one program per row; an `MhcBoundaryPlan` spreads each row over chunks of
-    plan.block_d columns (the last chunk to arrive normalizes the row): the same x_out bits, u within
-    the same one-ulp contract (its sum of squares added per chunk in `chunk_sumsq`'s order, then over
-    the chunks in a butterfly); `tile_boundary` in a linear's epilogue gives these bits too.
+    plan.block_d columns (plan.coresident: every chunk waits for the row's sum of squares and
+    normalizes itself; else the last chunk to arrive normalizes the row): the same x_out bits, u
+    within the same one-ulp contract (its sum of squares added per chunk in `chunk_sumsq`'s order,
+    then over the chunks in a butterfly); both forms, and `tile_boundary` in a linear's epilogue,
+    give the same bits.
 
     y: [N, dim] bfloat16, the site's output; dim a multiple of 32.
     x: [N, 4, dim] bfloat16, the streams that entered the site.
@@ -433,6 +514,16 @@ def mhc_boundary_(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: to
         return
     xo, u = x_out.view(torch.int16), u_out.view(torch.int16)
     codes, scales = codes_out.view(torch.uint8), scales_out.view(torch.uint8)
+    if plan is not None and plan.coresident:
+        _mhc_boundary_coresident_kernel[(n, plan.chunks)](
+            y, x, post, comb, pre, norm_weight, xo, u, codes, scales, plan.ws, plan.counters, float(eps),
+            int(plan.spin_limit),
+            y.stride(0), x.stride(0), x.stride(1), post.stride(0), comb.stride(0), comb.stride(1), pre.stride(0),
+            xo.stride(0), xo.stride(1), u.stride(0), codes.stride(0), scales.stride(0), plan.ws.stride(0),
+            D=dim, BLOCK_D=plan.block_d, NCH=plan.chunks, NCH_P2=triton.next_power_of_2(plan.chunks),
+            PDL=False, num_warps=4, enable_fp_fusion=False,
+        )
+        return
     if plan is not None:
         _mhc_boundary_split_kernel[(n, plan.chunks)](
             y, x, post, comb, pre, norm_weight, xo, u, codes, scales, plan.ws, plan.counters, float(eps),

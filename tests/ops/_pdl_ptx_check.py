@@ -128,6 +128,8 @@ def check_mhc():
              "ws_ptr": "*fp32", "cnt_ptr": "*i32", "eps": "fp32"}
     consts = dict(D=4096, BLOCK_D=1024, NCH=4, NCH_P2=4, BLOCK_N=1024, PDL=True)
     _assert_waits_first(_ptx(mhc._mhc_boundary_split_kernel, types, consts))
+    consts = dict(D=4096, BLOCK_D=1024, NCH=4, NCH_P2=4, PDL=True)
+    _assert_waits_first(_ptx(mhc._mhc_boundary_coresident_kernel, types, consts))
 
 
 if __name__ == "__main__":

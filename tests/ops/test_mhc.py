@@ -13,6 +13,13 @@ the reference (split-K partials, a tree sum), so its outputs are compared within
 tighter where); measured at most 4.8e-7 at dims 64-5120.
 """
 
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import triton
@@ -194,6 +201,130 @@ def test_gpu_split_boundary_real_dim(n):
     case = _boundary_case(n, 5120, seed=n)
     _check_boundary(*case, mhc_boundary(*_dev(*case), _EPS, plan=plan))
     _check_boundary(*case, mhc_boundary(*_dev(*case), _EPS, plan=plan))
+
+
+def test_boundary_plan_form():
+    """`MhcBoundaryPlan.build` picks the co-resident form only on CUDA outside the interpreter (the
+    interpreter runs a launch's programs one after another, so a wait could never see a later one);
+    the form and the poll bound as asked, arguments checked naming the culprit."""
+    plan = MhcBoundaryPlan.build(256, 4, "cpu", block_d=64)
+    assert plan.coresident is False and plan.spin_limit == 1 << 22
+    forced = MhcBoundaryPlan.build(256, 4, "cpu", block_d=64, coresident=True, spin_limit=3)
+    assert forced.coresident is True and forced.spin_limit == 3
+    assert dataclasses.replace(forced, coresident=False).counters is forced.counters   # the same workspace
+    with pytest.raises(TypeError, match="coresident"):
+        MhcBoundaryPlan.build(256, 4, "cpu", coresident=1)
+    with pytest.raises(ValueError, match="spin_limit"):
+        MhcBoundaryPlan.build(256, 4, "cpu", spin_limit=0)
+    with pytest.raises(ValueError, match="spin_limit=2147483648"):
+        MhcBoundaryPlan.build(256, 4, "cpu", spin_limit=1 << 31)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")   # the interpreter's NaN math
+def test_coresident_boundary_in_the_interpreter_shows_a_wait_that_polls_out():
+    """The co-resident kernel forced in the interpreter, where a row's chunks run one after another:
+    each chunk but the last to run polls spin_limit times without seeing the row complete and
+    writes its chunk as the documented failure (u NaN, codes 0x7F, scales 0xFF); the last one, which
+    saw every partial, writes the split kernel's bits (the same r), the new streams are the split
+    kernel's everywhere, and the counters are left 0 (a second launch finds them so)."""
+    n, dim, block_d = 3, 256, 64
+    plan = MhcBoundaryPlan.build(dim, 4, _DEVICE, block_d=block_d, coresident=True, spin_limit=2)
+    split = MhcBoundaryPlan.build(dim, 4, _DEVICE, block_d=block_d, coresident=False)
+    for seed in (1, 2):
+        case = _dev(*_boundary_case(n, dim, seed=40 + seed))
+        x_out, u, codes, scales = (t.cpu() for t in mhc_boundary(*case, _EPS, plan=plan))
+        want = [t.cpu() for t in mhc_boundary(*case, _EPS, plan=split)]
+        assert torch.equal(x_out.view(torch.int16), want[0].view(torch.int16))
+        assert not plan.counters.any()
+        for r in range(n):
+            whole = []
+            for ch in range(dim // block_d):
+                cols, blocks = slice(ch * block_d, (ch + 1) * block_d), slice(ch * block_d // 32, (ch + 1) * block_d // 32)
+                if bool(u[r, cols].isnan().all()):
+                    assert bool((codes[r, cols].view(torch.uint8) == 0x7F).all()) and bool((scales[r, blocks] == 255).all())
+                else:
+                    assert torch.equal(u[r, cols].view(torch.int16), want[1][r, cols].view(torch.int16))
+                    assert torch.equal(codes[r, cols].view(torch.uint8), want[2][r, cols].view(torch.uint8))
+                    assert torch.equal(scales[r, blocks], want[3][r, blocks])
+                    whole.append(ch)
+            assert whole == [dim // block_d - 1], f"row {r}: chunks {whole} saw the whole row"
+
+
+def test_coresident_boundary_compiles_for_sm90_without_spills():
+    """The co-resident kernel at dim 5120 with the step's plan (10 chunks of 512 columns, 4 warps),
+    compiled for sm_90 (tests/ops/_mhc_sm90.py, in a subprocess without the interpreter): no local
+    memory, stack or spill instructions, and every program of a 64-row launch (640) fits on an
+    H200's 132 SMs at once by registers, threads and shared memory (what its wait needs)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, str(Path(__file__).with_name("_mhc_sm90.py"))], capture_output=True,
+                         text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    rows = {r["name"]: r for r in map(json.loads, (l for l in out.stdout.splitlines() if l.startswith("{")))}
+    print(rows)
+    assert set(rows) == {"coresident", "split"}, rows
+    for r in rows.values():
+        assert r["LOCAL"] == 0 and r["STACK"] == 0 and r["spills"] == 0, r
+    assert 132 * rows["coresident"]["per_sm"] >= 64 * 10, rows["coresident"]
+
+
+def _coresident_case(n: int, seed: int, cancelling: bool = False):
+    """(case on the CPU, its device copy) at dim 5120."""
+    case = _cancelling_case(n, 5120, seed=seed) if cancelling else _boundary_case(n, 5120, seed=seed)
+    return case, _dev(*case)
+
+
+def _assert_same_bits(got, want, what: str) -> None:
+    for name, a, b in zip(("x_out", "u", "codes", "scales"), got, want):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"{what}: {name} differs from the split kernel's"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 2, 3, 8, 16, 64])
+def test_gpu_coresident_boundary_is_the_split_kernel_bitwise(n):
+    """At dim 5120 (the step's plan: 10 chunks of 512): the co-resident launch (the plan CUDA builds)
+    gives x_out, u, codes and scales bitwise the split kernel's (the same plan forced to the split
+    form) on the same inputs, twice in a row (its counters left 0), and the reference's bits."""
+    plan = MhcBoundaryPlan.build(5120, 64, "cuda")
+    assert plan.coresident
+    split = dataclasses.replace(plan, coresident=False)
+    for seed, cancelling in ((n, False), (100 + n, False), (n, True)):
+        case, dev = _coresident_case(n, seed, cancelling)
+        want = mhc_boundary(*dev, _EPS, plan=split)
+        for launch in range(2):
+            got = mhc_boundary(*dev, _EPS, plan=plan)
+            torch.cuda.synchronize()
+            _assert_same_bits(got, want, f"seed {seed}, launch {launch}")
+            assert not plan.counters.any() and not plan.chunk_counters.any()
+        _check_boundary(*case, got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 2, 3, 8, 16, 64])
+def test_gpu_coresident_boundary_cuda_graph_replay(n):
+    """The co-resident launch captured once in a CUDA graph and replayed 3 times on new inputs copied
+    into the captured buffers: each replay bitwise the split kernel's on those inputs, counters 0."""
+    dim = 5120
+    args = _boundary_args(n, dim)
+    args["plan"] = plan = MhcBoundaryPlan.build(dim, 64, "cuda")
+    split = MhcBoundaryPlan.build(dim, 64, "cuda", coresident=False)
+    assert plan.coresident
+    mhc_boundary_(**args)                      # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mhc_boundary_(**args)
+    for replay in range(3):
+        case, dev = _coresident_case(n, seed=700 + replay, cancelling=replay == 2)
+        for key, t in zip(("y", "x", "post", "comb", "pre", "norm_weight"), dev):
+            args[key].copy_(t)
+        graph.replay()
+        torch.cuda.synchronize()
+        got = (args["x_out"], args["u_out"], args["codes_out"], args["scales_out"])
+        _assert_same_bits(got, mhc_boundary(*dev, _EPS, plan=split), f"replay {replay}")
+        assert not plan.counters.any()
+        _check_boundary(*case, got)
 
 
 def _butterfly(t: torch.Tensor) -> torch.Tensor:
