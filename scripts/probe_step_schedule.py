@@ -19,6 +19,9 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
                     where wq_b's op has it in its epilogue (`rope_in_wq_b`)
     boundary_folded the mHC boundary in wo_b's epilogue where wo_b's op is ExactMM (at 1 row on the
                     H200; `DecodeStep(fold_boundary=True)`) instead of its own launch after wo_b
+    boundary_split  the mHC boundary's own launch in the split form (the last chunk of a row to
+                    arrive normalizes and quantizes the whole row) instead of the co-resident one
+                    (every chunk normalizes itself: `MhcBoundaryPlan.coresident`, the step's plan)
     mla_after_mix   the sparse MLA waits for the next site's mixer (at 1-16 rows the sparse MLA's
                     configurations need all their programs resident; the mixer, at the least
                     priority, can still hold SMs when it starts)
@@ -58,6 +61,7 @@ kernel before it on its stream, that gap and the kernels running on other stream
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -86,6 +90,7 @@ PRIORITIES = {
     "comp_slack_deep": (-2, (S, S, -2)),
     "rope_apart": (C, (C, S, C)),
     "boundary_folded": (C, (C, S, C)),
+    "boundary_split": (C, (C, S, C)),
     "mla_after_mix": (C, (C, S, C)),
     "wq_b_slack": (C, (C, S, C)),
     "mix_late": (C, (C, S, C)),
@@ -259,6 +264,16 @@ def _boundary_folded(step):
     return undo
 
 
+def _boundary_split(step):
+    """Patch the step: its boundary plan switched to the split form (the same workspace); returns the undo."""
+    b = step.boundary
+    held, b.exit_plan = b.exit_plan, dataclasses.replace(b.exit_plan, coresident=False)
+
+    def undo():
+        b.exit_plan = held
+    return undo
+
+
 def main() -> None:
     names = arg("variants", ",".join(PRIORITIES)).split(",")
     unknown = [v for v in names if v not in PRIORITIES]
@@ -280,6 +295,7 @@ def main() -> None:
         step.lanes.capture = torch.cuda.Stream("cuda", priority=cap)
         patch = {"mla_after_mix": _mla_after_mix, "wq_b_slack": _wq_b_slack,
                  "rope_apart": _layer_flag("rope_in_wq_b", False), "boundary_folded": _boundary_folded,
+                 "boundary_split": _boundary_split,
                  "mix_late": _mix_late,
                  "topk_chunk": _topk_chunk, "wproj_lane": _layer_flag("proj_own_lane", True),
                  "wproj_split": _wproj_split, "wproj_in_index": _layer_flag("proj_own_lane", False)}.get(name)

@@ -3,8 +3,9 @@
 Between attention sublayer i and i+1 (no FFN plugged in): the post-mix of layer i's output into
 the streams with the `post`/`comb` of site i, the collapse of the new streams with site i's `pre`
 (the carried pre), the next layer's attn_norm and the MXFP8 quantization of the next input - one
-fused launch on the main stream (`exit`: `ops.mhc.mhc_boundary_`, each row spread over chunks),
-or, with `DecodeStep(fold_boundary=True)` on one GPU where layer i's wo_b runs `ExactMM`
+fused launch on the main stream (`exit`: `ops.mhc.mhc_boundary_`, each row spread over chunks;
+on CUDA in the co-resident form, `MhcBoundaryPlan.coresident`: every chunk normalizes itself once
+the row's sum of squares is complete), or, with `DecodeStep(fold_boundary=True)` on one GPU where layer i's wo_b runs `ExactMM`
 (`AttentionStep.takes_boundary`), the same work in wo_b's epilogue with the same bits
 (`operands`, passed to `AttentionStep.run`). Site i+1's mixer depends only on the streams
 entering it, so it runs on a side lane (`ops.hc_mix.hc_mix_`) from the moment those streams are
@@ -41,7 +42,8 @@ class Boundary:
         self.pre = [torch.zeros(B, hc, dtype=torch.float32, device=device) for _ in range(2)]
         self.post = [torch.zeros(B, hc, dtype=torch.float32, device=device) for _ in range(2)]
         self.comb = [torch.zeros(B, hc, hc, dtype=torch.float32, device=device) for _ in range(2)]
-        self.exit_plan = MhcBoundaryPlan.build(d, B, device)   # each row over chunks of 512 columns
+        # each row over chunks of 512 columns; co-resident on CUDA (outside the interpreter)
+        self.exit_plan = MhcBoundaryPlan.build(d, B, device)
         # one plan per parity: two sites' mixers may be in flight at once
         self.plans = [HcMixPlan.build(d, B, device, **({"split": 1} if device.type != "cuda" else {}))
                       for _ in range(2)]
