@@ -7,7 +7,8 @@
   `ops.low_latency_mm`);
 - `compressed_kv_store_` / `index_key_store_` / `compressed_entry_store_`: RoPE at each group's
   first position + NVFP4 (288-byte record) and k_norm + RoPE + MXFP4 (68-byte index key), each
-  alone or both in one launch.
+  alone or both in one launch (`compressed_record` / `index_key_record`: each record as a jit
+  function, which `ops.compressor_tail` also runs after the latent's norm and wk projection).
 
 Bit-exact, by default (requant=False: the values quantized once, what `DecodeState` stores and
 what the spec's "real codes" are), with `records.pack_window_kv(rope_tail(kv))`,
@@ -191,44 +192,61 @@ def _compressed_entry_kernel(
     pid1 = tl.program_id(1)
     if DO_CKV:
         if pid1 == 0:
-            # Compressed KV: RoPE on pairs 224..255, NVFP4 groups of 16 = 8 pairs.
             j = tl.arange(0, 32)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [32 groups, 8 pairs]
             row = lat_ptr + g * stride_lat
             xe = tl.load(row + 2 * j).to(tl.float32)
             xo = tl.load(row + 2 * j + 1).to(tl.float32)
-            xe, xo = rope_pairs(xe, xo, cs_row, sn_row, j, 224)
-            ce, co, code = nvfp4_quant_pairs(xe, xo)
-            if REQUANT:
-                ye, yo = nvfp4_dequant_pairs(ce, co, code)
-                ce, co, code = nvfp4_quant_pairs(ye, yo)
-            ok = (slot >= 0) & (slot < S_CKV)
-            rec = ckv_ptr + tl.where(ok, slot, 0) * stride_ckv
-            tl.store(rec + j, (ce | (co << 4)).to(tl.uint8), mask=ok)
-            tl.store(rec + 256 + tl.arange(0, 32), code, mask=ok)
+            compressed_record(xe, xo, cs_row, sn_row, slot, ckv_ptr, S_CKV, stride_ckv, REQUANT)
     if DO_IK:
         if pid1 == IK_PID:
-            # Index key: bf16(wk out), k_norm, RoPE on pairs 32..63, MXFP4 blocks of 32 = 16 pairs.
-            j = tl.arange(0, 4)[:, None] * 16 + tl.arange(0, 16)[None, :]  # [4 blocks, 16 pairs]
-            row = wk_ptr + g * stride_wk
-            xe = bf16_round(tl.load(row + 2 * j))
-            xo = bf16_round(tl.load(row + 2 * j + 1))
-            ss = tl.sum(tl.sum(xe * xe, axis=1), axis=0) + tl.sum(tl.sum(xo * xo, axis=1), axis=0)
-            ms = ss * 0.0078125  # mean over 128: exact
-            root = tl.sqrt_rn(ms + eps)
-            r = tl.div_rn(tl.where(root == root, 1.0, 1.0), root)  # 1 / sqrt, both IEEE (as torch CPU rsqrt)
-            we = tl.load(knw_ptr + 2 * j).to(tl.float32)
-            wo = tl.load(knw_ptr + 2 * j + 1).to(tl.float32)
-            ye = bf16_round(we * (xe * r))
-            yo = bf16_round(wo * (xo * r))
-            ye, yo = rope_pairs(ye, yo, cs_row, sn_row, j, 32)
-            ce, co, scale_byte = mx_quant_pairs(ye, yo, False)
-            if REQUANT:
-                ye, yo = mx_dequant_pairs(ce, co, scale_byte, False)
-                ce, co, scale_byte = mx_quant_pairs(ye, yo, False)
-            ok = (slot >= 0) & (slot < S_IK)
-            rec = ik_ptr + tl.where(ok, slot, 0) * stride_ik
-            tl.store(rec + j, (ce | (co << 4)).to(tl.uint8), mask=ok)
-            tl.store(rec + 64 + tl.arange(0, 4), scale_byte.to(tl.uint8), mask=ok)
+            index_key_record(wk_ptr + g * stride_wk, knw_ptr, cs_row, sn_row, slot, ik_ptr, S_IK, stride_ik, eps,
+                             REQUANT)
+
+
+@triton.jit
+def compressed_record(xe, xo, cs_row, sn_row, slot, ckv_ptr, S_CKV, stride_ckv, REQUANT: tl.constexpr):
+    """The 288-byte compressed-KV record of one latent, the pairs (xe, xo) [32 groups, 8 pairs] (FP32
+    holding its BF16 values, pair j = 8 * group + lane): RoPE on pairs 224..255, NVFP4 groups of 16
+    = 8 pairs, stored at row `slot` of the pool when that slot is in [0, S_CKV). Elementwise and
+    max reductions only: the bits do not depend on the tensors' layout."""
+    j = tl.arange(0, 32)[:, None] * 8 + tl.arange(0, 8)[None, :]
+    xe, xo = rope_pairs(xe, xo, cs_row, sn_row, j, 224)
+    ce, co, code = nvfp4_quant_pairs(xe, xo)
+    if REQUANT:
+        ye, yo = nvfp4_dequant_pairs(ce, co, code)
+        ce, co, code = nvfp4_quant_pairs(ye, yo)
+    ok = (slot >= 0) & (slot < S_CKV)
+    rec = ckv_ptr + tl.where(ok, slot, 0) * stride_ckv
+    tl.store(rec + j, (ce | (co << 4)).to(tl.uint8), mask=ok)
+    tl.store(rec + 256 + tl.arange(0, 32), code, mask=ok)
+
+
+@triton.jit
+def index_key_record(wk_row, knw_ptr, cs_row, sn_row, slot, ik_ptr, S_IK, stride_ik, eps, REQUANT: tl.constexpr):
+    """The 68-byte index key of one group from its FP32 wk outputs [128] at wk_row: bf16(wk out),
+    k_norm, RoPE on pairs 32..63, MXFP4 blocks of 32 = 16 pairs, stored at row `slot` of the pool
+    when that slot is in [0, S_IK). The values are loaded here, as [4 blocks, 16 pairs]: the sum of
+    squares follows that load's layout, so every caller reads them from memory the same way."""
+    j = tl.arange(0, 4)[:, None] * 16 + tl.arange(0, 16)[None, :]  # [4 blocks, 16 pairs]
+    xe = bf16_round(tl.load(wk_row + 2 * j))
+    xo = bf16_round(tl.load(wk_row + 2 * j + 1))
+    ss = tl.sum(tl.sum(xe * xe, axis=1), axis=0) + tl.sum(tl.sum(xo * xo, axis=1), axis=0)
+    ms = ss * 0.0078125  # mean over 128: exact
+    root = tl.sqrt_rn(ms + eps)
+    r = tl.div_rn(tl.where(root == root, 1.0, 1.0), root)  # 1 / sqrt, both IEEE (as torch CPU rsqrt)
+    we = tl.load(knw_ptr + 2 * j).to(tl.float32)
+    wo = tl.load(knw_ptr + 2 * j + 1).to(tl.float32)
+    ye = bf16_round(we * (xe * r))
+    yo = bf16_round(wo * (xo * r))
+    ye, yo = rope_pairs(ye, yo, cs_row, sn_row, j, 32)
+    ce, co, scale_byte = mx_quant_pairs(ye, yo, False)
+    if REQUANT:
+        ye, yo = mx_dequant_pairs(ce, co, scale_byte, False)
+        ce, co, scale_byte = mx_quant_pairs(ye, yo, False)
+    ok = (slot >= 0) & (slot < S_IK)
+    rec = ik_ptr + tl.where(ok, slot, 0) * stride_ik
+    tl.store(rec + j, (ce | (co << 4)).to(tl.uint8), mask=ok)
+    tl.store(rec + 64 + tl.arange(0, 4), scale_byte.to(tl.uint8), mask=ok)
 
 
 # --- argument checks ------------------------------------------------------------------------------

@@ -51,6 +51,17 @@ _K_GRAIN = 128  # every split but the last covers a multiple of this, so every B
 
 
 @triton.jit
+def ll_dot(x, w, acc, MODE: tl.constexpr):
+    """One K step of the projection: acc + x @ w^T for x [BLOCK_M, BLOCK_K] and w [BLOCK_N, BLOCK_K]
+    FP32 (BF16 values, or the FP32 weight), the dot of MODE_TF32 or MODE_IEEE (module docstring).
+    The one home of the dot form, also run by `ops.compressor_tail` on the latent it normalizes."""
+    if MODE == 0:
+        return tl.dot(x, tl.trans(w), acc, input_precision="tf32")
+    else:
+        return tl.dot(x, tl.trans(w), acc, input_precision="tf32x3")
+
+
+@triton.jit
 def _ll_bf16_kernel(
     x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
     stride_xm, stride_wn, stride_om, stride_ps, stride_pm, scale,
@@ -78,10 +89,7 @@ def _ll_bf16_kernel(
         k_ok = (k0 + rk) < K
         x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        if MODE == 0:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32")
-        else:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32x3")
+        acc = ll_dot(x, w, acc, MODE)
     y = acc
 
     mask = m_ok[:, None] & n_ok[None, :]

@@ -7,7 +7,8 @@ sm_90) stays in registers, so a row's result does not depend on the other rows (
 reduction spreads a row over more or fewer threads as the rows are fewer or more). The mean of squares is summed in
 another order than torch's and 1/sqrt is an IEEE sqrt then an IEEE division (torch's CUDA rsqrt
 is approximate), so an output may differ from the reference by one BF16 ulp; the codes and
-scales are bitwise those of the output the kernel wrote.
+scales are bitwise those of the output the kernel wrote. `rms_row` (a row's norm factor) and
+`normed` are the one home of that arithmetic, also run by `ops.compressor_tail`.
 """
 
 from __future__ import annotations
@@ -38,18 +39,34 @@ def inv_rms(total, eps, D: tl.constexpr):
 
 
 @triton.jit
+def rms_row(x_row, eps, D: tl.constexpr, BLOCK: tl.constexpr, ROUND_IN: tl.constexpr):
+    """(x, r): the row at x_row as FP32 [BLOCK] (0 past D; ROUND_IN: an FP32 input rounded to BF16
+    first, `latent`: rms_norm(c.to(bf16))) and its norm factor r = 1/sqrt(mean(x^2) + eps), the sum
+    of squares one `tl.sum` over the [BLOCK] vector (its order is the layout's: every kernel that
+    must reproduce a row's r - `ops.compressor_tail` - calls this with the same BLOCK and warps)."""
+    d = tl.arange(0, BLOCK)
+    x = tl.load(x_row + d, mask=d < D, other=0.0).to(tl.float32)
+    if ROUND_IN:
+        x = bf16_round(x)
+    return x, inv_rms(tl.sum(x * x, axis=0), eps, D)
+
+
+@triton.jit
+def normed(x, w, r):
+    """w * (x * r) in FP32, before its BF16 rounding: two products, no FMA to contract."""
+    return w * (x * r)
+
+
+@triton.jit
 def _rms_norm_row(x_row, w_ptr, o_row, c_row, s_row, eps, D: tl.constexpr, BLOCK: tl.constexpr,
                   ROUND_IN: tl.constexpr, QUANT: tl.constexpr):
     """One row: o = bf16(w * (x * 1/sqrt(mean(x^2) + eps))), optionally its MXFP8 codes and scales.
     Returns o's int16 bits [BLOCK]."""
     d = tl.arange(0, BLOCK)
     mask = d < D
-    x = tl.load(x_row + d, mask=mask, other=0.0).to(tl.float32)
-    if ROUND_IN:   # an FP32 input is rounded to BF16 first (`latent`: rms_norm(c.to(bf16)))
-        x = bf16_round(x)
-    r = inv_rms(tl.sum(x * x, axis=0), eps, D)
+    x, r = rms_row(x_row, eps, D, BLOCK, ROUND_IN)
     w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
-    bits = bf16_rne_bits(w * (x * r))
+    bits = bf16_rne_bits(normed(x, w, r))
     tl.store(o_row + d, bits, mask=mask)
     if QUANT:
         NB: tl.constexpr = BLOCK // 32

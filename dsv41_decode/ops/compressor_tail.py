@@ -1,0 +1,162 @@
+"""The compressor's tail in one launch (spec section 3 steps 5-6): the latent's RMSNorm, the indexer's
+wk projection of it, and the compressed-KV record + index key of each completed group, the same
+bits as the three launches
+
+    rms_norm_(c, norm_w, eps, lat)
+    ll_bf16_(wk_plan, lat, w_wk, wk_out)
+    compressed_entry_store_(lat, wk_out, k_norm, cos, sin, slots, compressed, index_keys, eps)
+
+on the GPU and in Triton's interpreter: lat bitwise `ops.rms_norm.rms_norm_`'s, wk_out bitwise
+`ops.ll_bf16.ll_bf16_`'s with the plan, the records bitwise `ops.kv_write.compressed_entry_store_`'s.
+
+Grid (G, 2), one group (row) g per program pair, 4 warps (rms_norm_'s, whose norm factor's
+summation order follows the [512] row's layout over 4 warps):
+
+- program (g, 0): the norm (`rms_norm._rms_norm_row`, which stores lat) and the compressed record
+  from the BF16 values in registers (`kv_write.compressed_record`: elementwise and max
+  reductions, whose bits do not depend on the layout);
+- program (g, 1): the same norm factor (`rms_norm.rms_row`, the same [512] sum), then the 128 wk
+  outputs of the row over K = 512 in the plan's K steps, each step's latent tile recomputed
+  elementwise from c (`rms_norm.normed`, the same roundings as lat) and multiplied by the weight
+  tile with ll_bf16's dot (`ll_bf16.ll_dot`, TF32 inputs: exact products of BF16 values); it
+  stores wk_out and, after a barrier, the index key from it (`kv_write.index_key_record`, which
+  reads it back as compressed_entry_store_ does: the k_norm sum follows that load's layout).
+
+Why this shape: at 1 row the three launches are a chain of 1 + 4 + 2 programs with two dependent
+launch gaps; here the critical path is one program: load c and reduce it, stream w_wk (128 KB,
+its loads independent of the norm, so they overlap it), one store/barrier/reload of wk_out inside
+the program, the index key. Splitting the 128 outputs over programs (as ll_bf16's plan does, 32
+per program) would read w_wk 4x faster per program but needs a last-arriver (an atomic and a
+reload of the other programs' outputs: two dependent global round trips, ~1 us each) before the
+index key, and a counter workspace; one program per row reads the whole weight instead, from L2
+after the first row, and scales to 64 rows with 128 programs. Each program's dot takes 16 rows
+(the mma.sync m16n8k8 tile of ll_bf16's BLOCK_M 16 and 32) of which row 0 is the group's and the
+others are zeros: an MMA forms each output from its own row and column only, and the FP32 sums
+run along K in the same order (K steps of the plan, k8 MMAs chained in order inside each), so the
+outputs are the plan's whatever its BLOCK_M / BLOCK_N. The interpreter's dot is a matmul of each K
+step plus the accumulator, the same per output for the plan's K step (the tests check it).
+
+The wk plan must be the one `ll_bf16_` would run: BF16 weight [128, 512], one K split (the step's
+plans on the H200 and in the interpreter); another split sums partials in another order, and the
+op refuses it (`ValueError` naming wk_plan).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..records import COMPRESSED_KV_BYTES, INDEX_KEY_BYTES
+from .checks import require_tensor
+from .fp4 import bf16_round
+from .kv_write import DIM, INDEX_DIM, _HALF_ROPE, compressed_record, index_key_record
+from .ll_bf16 import MODE_TF32, LlBf16Plan, ll_dot
+from .rms_norm import _rms_norm_row, normed, rms_row
+from .rounding import bf16_widen
+
+@triton.jit
+def _compressor_tail_kernel(
+    c_ptr, nw_ptr, lat_ptr, w_ptr, wk_out_ptr, knw_ptr, cos_ptr, sin_ptr, slots_ptr, ckv_ptr, ik_ptr,
+    S_CKV, S_IK, eps, stride_c, stride_lat, stride_w, stride_wo, stride_cn, stride_sn, stride_ckv, stride_ik,
+    ROUND_IN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    g = tl.program_id(0).to(tl.int64)
+    c_row = c_ptr + g * stride_c
+    cs_row = cos_ptr + g * stride_cn
+    sn_row = sin_ptr + g * stride_sn
+    slot = tl.load(slots_ptr + g)
+    if tl.program_id(1) == 0:
+        # lat (stored) and its compressed record from the BF16 values in registers
+        lat_row = lat_ptr + g * stride_lat
+        bits = _rms_norm_row(c_row, nw_ptr, lat_row, lat_row, lat_row, eps, 512, 512, ROUND_IN, False)
+        xe, xo = tl.split(tl.reshape(bf16_widen(bits), (32, 8, 2)))    # pairs [32 groups, 8 pairs]
+        compressed_record(xe, xo, cs_row, sn_row, slot, ckv_ptr, S_CKV, stride_ckv, False)
+    else:
+        _, r = rms_row(c_row, eps, 512, 512, ROUND_IN)
+        rm = tl.arange(0, 16)            # the dot's 16 rows (one m16n8k8 row block): row 0 the group's
+        rn = tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        first = (rm == 0)[:, None]
+        x_ptrs = c_row + rm[:, None] * 0 + rk[None, :]
+        wo_row = wk_out_ptr + g * stride_wo
+        for nt in tl.static_range(128 // BLOCK_N):       # the plan's N tiles, one after another
+            w_ptrs = w_ptr + (nt * BLOCK_N + rn)[:, None] * stride_w + rk[None, :]
+            acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+            for k0 in tl.range(0, 512, BLOCK_K, num_stages=NUM_STAGES):
+                x = tl.load(x_ptrs + k0, mask=first, other=0.0).to(tl.float32)
+                if ROUND_IN:
+                    x = bf16_round(x)
+                nw = tl.load(nw_ptr + k0 + rk).to(tl.float32)
+                lat = bf16_round(normed(x, nw[None, :], r))              # lat's values, row 0
+                w = tl.load(w_ptrs + k0).to(tl.float32)
+                acc = ll_dot(lat, w, acc, 0)
+            tl.store(wo_row + rm[:, None] * 0 + (nt * BLOCK_N + rn)[None, :], acc, mask=first)
+        tl.debug_barrier()                     # wk_out of this row written by all of the program's threads
+        index_key_record(wo_row, knw_ptr, cs_row, sn_row, slot, ik_ptr, S_IK, stride_ik, eps, False)
+
+
+def plan_misfit(wk_plan: LlBf16Plan) -> str | None:
+    """Why `compressor_tail_` cannot run with this wk plan (a phrase after "wk_plan"), or None when
+    it gives the plan's bits: a [128, 512] BF16 weight with one K split and every row bucket's tile
+    the TF32 dot."""
+    if (wk_plan.n, wk_plan.k, wk_plan.weight_dtype) != (INDEX_DIM, DIM, torch.bfloat16):
+        return (f"must be a plan of a [{INDEX_DIM}, {DIM}] bfloat16 weight, got [{wk_plan.n}, {wk_plan.k}] "
+                f"{wk_plan.weight_dtype}")
+    if wk_plan.split != 1:
+        return f"splits K {wk_plan.split} ways: the fused tail sums K in one chain (a one-split plan's bits)"
+    if any(t.mode != MODE_TF32 for t in wk_plan.tiles):
+        return "has a tile that is not the TF32 dot"
+    return None
+
+
+def compressor_tail_(c: torch.Tensor, norm_w: torch.Tensor, eps: float, lat: torch.Tensor, wk_plan: LlBf16Plan,
+                     w_wk: torch.Tensor, wk_out: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, slots: torch.Tensor, compressed: torch.Tensor,
+                     index_keys: torch.Tensor) -> None:
+    """`rms_norm_(c, norm_w, eps, lat)`, `ll_bf16_(wk_plan, lat, w_wk, wk_out)` and
+    `compressed_entry_store_(lat, wk_out, k_norm, cos, sin, slots, compressed, index_keys, eps)` in
+    one launch, bit for bit the same (module docstring).
+
+    c: [G, 512] float32 (rounded to BF16 first, as rms_norm_) or bfloat16, unit stride in the last
+       dim; norm_w: [512] bfloat16 or float32 (the compressor's norm); eps: both norms' epsilon.
+    lat: [G, 512] bfloat16 out. wk_plan: `LlBf16Plan` of [128, 512] BF16 with one K split and
+       max_rows >= G; w_wk: [128, 512] bfloat16; wk_out: [G, 128] float32 out.
+    k_norm: [128] bfloat16 or float32; cos, sin: [G, 32] float32 at each group's first position;
+    slots: [G] int64 entry slot (a slot outside a pool's rows: that record skipped);
+    compressed: [S, 288] uint8 pool; index_keys: [S', 68] uint8 pool. All on c's device.
+    """
+    if not isinstance(wk_plan, LlBf16Plan):
+        raise TypeError(f"wk_plan must be an LlBf16Plan, got {type(wk_plan).__name__}")
+    why = plan_misfit(wk_plan)
+    if why:
+        raise ValueError(f"wk_plan {why}")
+    require_tensor(slots, "slots", (torch.int64,), (None,))
+    g, dev = slots.shape[0], slots.device
+    if g > wk_plan.max_rows:
+        raise ValueError(f"slots: {g} groups exceed wk_plan.max_rows={wk_plan.max_rows}")
+    if wk_plan.device != dev:
+        raise ValueError(f"wk_plan is on {wk_plan.device}, slots on {dev}")
+    require_tensor(c, "c", (torch.float32, torch.bfloat16), (g, DIM), dev)
+    require_tensor(norm_w, "norm_w", (torch.bfloat16, torch.float32), (DIM,), dev)
+    require_tensor(lat, "lat", (torch.bfloat16,), (g, DIM), dev)
+    require_tensor(w_wk, "w_wk", (torch.bfloat16,), (INDEX_DIM, DIM), dev)
+    require_tensor(wk_out, "wk_out", (torch.float32,), (g, INDEX_DIM), dev)
+    require_tensor(k_norm, "k_norm", (torch.bfloat16, torch.float32), (INDEX_DIM,), dev)
+    require_tensor(cos, "cos", (torch.float32,), (g, _HALF_ROPE), dev)
+    require_tensor(sin, "sin", (torch.float32,), (g, _HALF_ROPE), dev)
+    require_tensor(compressed, "compressed", (torch.uint8,), (None, COMPRESSED_KV_BYTES), dev)
+    require_tensor(index_keys, "index_keys", (torch.uint8,), (None, INDEX_KEY_BYTES), dev)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    if g == 0:
+        return
+    t = wk_plan.tile(g)
+    lat_bits = lat.view(torch.int16)
+    _compressor_tail_kernel[(g, 2)](
+        c, norm_w, lat_bits, w_wk, wk_out, k_norm, cos, sin, slots, compressed, index_keys,
+        compressed.shape[0], index_keys.shape[0], float(eps), c.stride(0), lat_bits.stride(0), w_wk.stride(0),
+        wk_out.stride(0), cos.stride(0), sin.stride(0), compressed.stride(0), index_keys.stride(0),
+        ROUND_IN=c.dtype == torch.float32, BLOCK_N=min(wk_plan.block_n, INDEX_DIM), BLOCK_K=t.block_k, NUM_STAGES=t.num_stages, num_warps=4,
+        num_stages=t.num_stages, enable_fp_fusion=False,
+    )

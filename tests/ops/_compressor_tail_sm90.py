@@ -1,0 +1,78 @@
+"""Run by tests/ops/test_compressor_tail.py in a subprocess without the Triton interpreter (the kernel
+must be a real JIT function to compile), and by hand: compiles `ops.compressor_tail`'s kernel for
+sm_90 with the step's GPU plan (ll_bf16's default tiles for wk: 32 outputs per N tile, K steps of
+128, 3 stages; 4 warps) for an FP32 and a BF16 input, and the three kernels it fuses
+(`rms_norm_`'s at D = 512, `ll_bf16_`'s with that plan at 16 rows, `compressed_entry_store_`'s),
+and prints per fused case one JSON object: registers, stack, shared and local memory, spill
+instructions (STL/LDL), its MMA instructions and layouts, and its FP32 add reductions (shape and
+layout, in order); then one object of the same MMA and reduction facts of the three kernels."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import torch
+
+from dsv41_decode.ops import compressor_tail, kv_write, ll_bf16, rms_norm
+from dsv41_decode.testing.sm90 import compile_sm90, opcode_counts, resources, sass
+
+TYPES = {"nw_ptr": "*bf16", "lat_ptr": "*i16", "w_ptr": "*bf16", "wk_out_ptr": "*fp32", "knw_ptr": "*bf16",
+         "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slots_ptr": "*i64", "ckv_ptr": "*u8", "ik_ptr": "*u8",
+         "eps": "fp32"}
+TILE = ll_bf16._tile_for(16, torch.bfloat16)      # BLOCK_M 16, BLOCK_K 128, TF32, 4 warps, 3 stages
+
+
+def facts(kernel) -> dict:
+    """MMA instructions (SASS), MMA layouts and the FP32 add reductions as (shape, layout) (TTGIR)."""
+    ttgir = kernel.asm["ttgir"]
+    layouts = dict(re.findall(r"^(#\w+) = (#ttg\.[^\n]*)$", ttgir, re.M))
+    lines = ttgir.splitlines()
+    adds = []
+    for i, line in enumerate(lines):
+        if '"tt.reduce"' not in line:
+            continue
+        end = next(i + j for j, s in enumerate(lines[i:]) if s.strip().startswith("})"))
+        if any("arith.addf" in s for s in lines[i:end]):
+            shape, lay = re.search(r"\(tensor<([^,]*), (#\w+)>\)", lines[end]).groups()
+            adds.append([shape, layouts[lay]])
+    mma = sorted({t.split()[0] for _, t in sass(kernel) if "MMA" in t.split()[0]})
+    return dict(mma=mma, mma_layouts=sorted(set(re.findall(r"#ttg\.nvidia_mma<[^>]*>", ttgir))), adds=adds)
+
+
+def fused(c_type: str) -> dict:
+    kernel = compile_sm90(compressor_tail._compressor_tail_kernel, {**TYPES, "c_ptr": c_type},
+                          dict(ROUND_IN=c_type == "*fp32", BLOCK_N=32, BLOCK_K=TILE.block_k,
+                               NUM_STAGES=TILE.num_stages),
+                          num_warps=TILE.num_warps, num_stages=TILE.num_stages, enable_fp_fusion=False)
+    res = resources(kernel)
+    ops = opcode_counts([t for _, t in sass(kernel)])
+    return dict(name=f"fused c {c_type}", **res, spills=ops.get("STL", 0) + ops.get("LDL", 0), **facts(kernel))
+
+
+def apart(c_type: str) -> dict:
+    norm = compile_sm90(rms_norm._rms_norm_kernel, {"x_ptr": c_type, "w_ptr": "*bf16", "out_ptr": "*i16",
+                                                    "codes_ptr": "*i16", "scales_ptr": "*i16", "eps": "fp32"},
+                        dict(D=512, BLOCK=512, ROUND_IN=c_type == "*fp32", QUANT=False), num_warps=4,
+                        enable_fp_fusion=False)
+    mm = compile_sm90(ll_bf16._ll_bf16_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32",
+                                                "part_ptr": "*fp32", "count_ptr": "*i32", "scale": "fp32"},
+                      dict(K_PER_SPLIT=512, SPLIT=1, BLOCK_M=TILE.block_m, BLOCK_N=32, BLOCK_K=TILE.block_k,
+                           MODE=TILE.mode, NUM_STAGES=TILE.num_stages, HEAD_W=False),
+                      num_warps=TILE.num_warps, num_stages=TILE.num_stages)
+    entry = compile_sm90(kv_write._compressed_entry_kernel,
+                         {"lat_ptr": "*bf16", "wk_ptr": "*fp32", "knw_ptr": "*bf16", "cos_ptr": "*fp32",
+                          "sin_ptr": "*fp32", "slots_ptr": "*i64", "ckv_ptr": "*u8", "ik_ptr": "*u8", "eps": "fp32"},
+                         dict(DO_CKV=True, DO_IK=True, IK_PID=1, REQUANT=False), num_warps=4, enable_fp_fusion=False)
+    n, m, e = facts(norm), facts(mm), facts(entry)
+    return dict(name=f"apart c {c_type}", mma=m["mma"], mma_layouts=m["mma_layouts"], adds=n["adds"] + e["adds"])
+
+
+def main() -> None:
+    for c_type in ("*fp32", "*bf16"):
+        print(json.dumps(fused(c_type)), flush=True)
+        print(json.dumps(apart(c_type)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
