@@ -33,6 +33,7 @@ from ..config import FULL, SWA
 from ..layer import AttentionLayer
 from ..ops import LOW_BATCH_MAX_ROWS
 from ..ops.compressor import compress_ratio2_
+from ..ops.compressor_tail import compressor_tail_, plan_misfit
 from ..ops.index_query import index_query_
 from ..ops.indexer import index_scores_mxfp4_
 from ..ops.kv_write import compressed_entry_store_, query_rope_
@@ -213,7 +214,7 @@ class AttentionStep:
     def __init__(self, layer: AttentionLayer, state: DecodeState, meta: StepMeta, scratch: Scratch,
                  lanes: Lanes, max_rows: int, sources: Mapping[int, "AttentionStep"] | None = None,
                  wo_a_fp8: bool = False, exact_linears: bool = True, fp32_dots: bool = False,
-                 fold_index_chain: bool = False, weights_lane: bool = True):
+                 fold_index_chain: bool = False, weights_lane: bool = True, comp_tail: bool = True):
         """sources: the step's layers built before this one (by id), among them this layer's index and
         KV sources: a layer that reuses a selection or a candidate pool reads its source's buffers.
         The layer's own selection and candidate pool (when it makes them) are its attributes
@@ -272,6 +273,7 @@ class AttentionStep:
         # a selection [rows, index_topk] int32 that replaces this layer's own top-k in an eager run
         # (the trace verifier's teacher forcing at a tie, testing.trace_step); None in a step
         self.forced_topk: torch.Tensor | None = None
+        self.comp_tail_fused = False
         if spec.owns_compressor:
             if spec.ratio == 2:
                 self.w_comp = torch.cat([w["attn.compressor.wkv.weight"], w["attn.compressor.wgate.weight"]]).float()
@@ -280,6 +282,9 @@ class AttentionStep:
             self.comp_plan = LlBf16Plan.build(self.w_comp.shape[0], cfg.dim, max_rows, self.w_comp.dtype, dev, **wide)
             self.w_wk = w["attn.indexer.wk.weight"]
             self.wk_plan = LlBf16Plan.build(cfg.index_head_dim, cfg.head_dim, max_rows, self.w_wk.dtype, dev, **wide)
+            # comp_tail: the latent's norm, wk and the two records in one launch (`ops.compressor_tail`)
+            # where that gives the three launches' bits (a BF16 wk whose plan sums K in one chain)
+            self.comp_tail_fused = bool(comp_tail) and plan_misfit(self.wk_plan) is None
         self.selection: IndexSelection | None = None          # this layer's, when it runs the indexer
         self.candidate_mask: torch.Tensor | None = None      # this layer's, when it is the candidate source
         # Under TP a Full layer's dense indexer may run row-sharded (`run(shard=True)`): each rank
@@ -409,7 +414,8 @@ class AttentionStep:
 
     def _prepare(self, B: int, kv_score, qr_ready, proj_ready, own: slice):
         """The index query of the rows `own` (lane 2), the compressor's state update, latent and
-        index key (lane 0), the query (wq_b) and its RoPE, in wq_b's epilogue or after it (main); the main
+        index key (lane 0; the latent's norm, wk and the records in one launch with
+        `comp_tail_fused`), the query (wq_b) and its RoPE, in wq_b's epilogue or after it (main); the main
         stream then waits for the compressed and index-key records; the index query's lane waits for
         proj_ready (the head weights' lane, from `_inputs`). Returns the event of the index query
         (None without)."""
@@ -440,12 +446,17 @@ class AttentionStep:
                     c = s.c[:B]
                 else:
                     c = kv_score
-                lat = s.lat[:B]
-                rms_norm_(c, self.w["attn.compressor.norm.weight"], cfg.norm_eps, lat)   # reference latent()
-                ll_bf16_(self.wk_plan, lat, self.w_wk, s.wk_out[:B])
-                compressed_entry_store_(lat, s.wk_out[:B], self.w["attn.indexer.k_norm.weight"],
-                                        m.group_cos[r][:B], m.group_sin[r][:B], m.entry_slot[r][:B],
-                                        st.compressed[L], st.index_keys[L], cfg.norm_eps)
+                lat, norm_w = s.lat[:B], self.w["attn.compressor.norm.weight"]
+                k_norm = self.w["attn.indexer.k_norm.weight"]
+                cos, sin, slots = m.group_cos[r][:B], m.group_sin[r][:B], m.entry_slot[r][:B]
+                if self.comp_tail_fused:     # latent (reference latent()), wk, records: one launch
+                    compressor_tail_(c, norm_w, cfg.norm_eps, lat, self.wk_plan, self.w_wk, s.wk_out[:B], k_norm,
+                                     cos, sin, slots, st.compressed[L], st.index_keys[L])
+                else:
+                    rms_norm_(c, norm_w, cfg.norm_eps, lat)   # reference latent()
+                    ll_bf16_(self.wk_plan, lat, self.w_wk, s.wk_out[:B])
+                    compressed_entry_store_(lat, s.wk_out[:B], k_norm, cos, sin, slots, st.compressed[L],
+                                            st.index_keys[L], cfg.norm_eps)
                 latent_ready = lanes.mark()                   # protects compressed + index-key records
         q = s.q[:B]
         if self.rope_in_wq_b:       # the query RoPE in wq_b's epilogue (the window insert ran in the norm pair)

@@ -120,6 +120,11 @@ class DecodeStep:
         beside the index query's GEMM, the index query waiting for both (default), in the buckets of
         at most `attention.WEIGHTS_LANE_MAX_ROWS` rows (where it measured faster on an H200),
         instead of ahead of the GEMM on the index query's lane; the same bits (docs/step.md).
+    comp_tail: in the layers that own a compressor, the compressor's tail - the latent's RMSNorm,
+        the indexer's wk projection and the compressed record + index key - in one launch
+        (`ops.compressor_tail`; default) instead of three (`rms_norm_`, `ll_bf16_`,
+        `compressed_entry_store_`), where the wk plan allows it (one K split: the step's plans);
+        the same bits (`comp_tail_apart` in scripts/probe_step_schedule.py times both).
 
     Errors: StepError for buckets outside 1..LOW_BATCH_MAX_ROWS or past the state's stage_rows, a
     state of another configuration, or an unknown tp_boundary; `NotEligible` for a layer whose
@@ -133,7 +138,7 @@ class DecodeStep:
     def __init__(self, stack, state: DecodeState, *, max_rows: int = 16, buckets: Sequence[int] | None = None,
                  graphs: bool = True, overlap: bool = True, tp_boundary: str = "auto", wo_a_fp8: bool = False,
                  exact_linears: bool = True, fp32_dots: bool = False, fold_index_chain: bool = False,
-                 fold_boundary: bool = False, weights_lane: bool = True):
+                 fold_boundary: bool = False, weights_lane: bool = True, comp_tail: bool = True):
         if buckets is None:
             buckets = tuple(b for b in DEFAULT_BUCKETS if b < max_rows) + (max_rows,)
         buckets = tuple(sorted(set(buckets)))
@@ -165,7 +170,7 @@ class DecodeStep:
             self.layers[i] = AttentionStep(stack.layers[i], state, self.meta, self.scratch, self.lanes, B,
                                            self.layers, wo_a_fp8=wo_a_fp8, exact_linears=exact_linears,
                                            fp32_dots=fp32_dots, fold_index_chain=fold_index_chain,
-                                           weights_lane=weights_lane)
+                                           weights_lane=weights_lane, comp_tail=comp_tail)
         self.scratch.workspaces.seal()           # every plan has its view; the graphs take the addresses
         mailbox = None
         if tp_boundary != "collective" and stack.tp.tp > 1 and dev.type == "cuda":

@@ -16,26 +16,32 @@ summation order follows the [512] row's layout over 4 warps):
   from the BF16 values in registers (`kv_write.compressed_record`: elementwise and max
   reductions, whose bits do not depend on the layout);
 - program (g, 1): the same norm factor (`rms_norm.rms_row`, the same [512] sum), then the 128 wk
-  outputs of the row over K = 512 in the plan's K steps, each step's latent tile recomputed
-  elementwise from c (`rms_norm.normed`, the same roundings as lat) and multiplied by the weight
-  tile with ll_bf16's dot (`ll_bf16.ll_dot`, TF32 inputs: exact products of BF16 values); it
-  stores wk_out and, after a barrier, the index key from it (`kv_write.index_key_record`, which
-  reads it back as compressed_entry_store_ does: the k_norm sum follows that load's layout).
+  outputs of the row, the plan's N tiles (block_n outputs, at most 128) one after another, each
+  over K = 512 in the plan's K steps: each step's latent tile recomputed elementwise from c
+  (`rms_norm.normed`, the same roundings as lat) and multiplied by the weight tile with ll_bf16's
+  dot (`ll_bf16.ll_dot`, TF32 inputs: exact products of BF16 values); it stores wk_out and, after
+  a barrier, the index key from it (`kv_write.index_key_record`, which reads it back as
+  compressed_entry_store_ does: the k_norm sum follows that load's layout).
 
-Why this shape: at 1 row the three launches are a chain of 1 + 4 + 2 programs with two dependent
-launch gaps; here the critical path is one program: load c and reduce it, stream w_wk (128 KB,
-its loads independent of the norm, so they overlap it), one store/barrier/reload of wk_out inside
-the program, the index key. Splitting the 128 outputs over programs (as ll_bf16's plan does, 32
-per program) would read w_wk 4x faster per program but needs a last-arriver (an atomic and a
-reload of the other programs' outputs: two dependent global round trips, ~1 us each) before the
-index key, and a counter workspace; one program per row reads the whole weight instead, from L2
-after the first row, and scales to 64 rows with 128 programs. Each program's dot takes 16 rows
-(the mma.sync m16n8k8 tile of ll_bf16's BLOCK_M 16 and 32) of which row 0 is the group's and the
-others are zeros: an MMA forms each output from its own row and column only, and the FP32 sums
-run along K in the same order (K steps of the plan, k8 MMAs chained in order inside each), so the
-outputs are the plan's whatever its BLOCK_M / BLOCK_N. The interpreter's dot is a matmul of each K
-step plus the accumulator, the same per output for the plan's K step (the tests check it).
+Launches: three (G, 4 x ceil(G / 16 or 32) and 2G programs on the GPU's plan) become one of 2G
+programs; 4 layers of the V4.1 step own a compressor, so 8 launches fewer a step. At 1 row the
+three are a chain of 1 + 4 + 2 programs with two dependent launch gaps; here the critical path is
+one program: load c and reduce it, stream w_wk (128 KB; the weight loads do not depend on the
+norm, so they overlap it), one store/barrier/reload of wk_out inside the program, the index key.
+Splitting the 128 outputs over programs (as ll_bf16's plan does, 32 per program) would read w_wk
+4x faster per program but needs a last-arriver (an atomic and a reload of the other programs'
+outputs: two dependent global round trips, ~1 us each) before the index key, and a counter
+workspace; one program per row reads the whole weight instead, from L2 after the first row, and
+scales to 64 rows with 128 programs.
 
+Bits. Each program's dot takes 16 rows (the mma.sync m16n8k8 row block of ll_bf16's BLOCK_M 16
+and 32) of which row 0 is the group's and the others zeros: an MMA forms each output from its own
+row and column only, and the FP32 sums run along K in the same order (the plan's K steps, k8 MMAs
+chained in order inside each), so on the GPU the outputs are the plan's whatever its BLOCK_M. The
+interpreter's dot is a numpy matmul of each K step plus the accumulator, whose sums are the same
+for 16 or 32 rows but differ between N tiles of 32 and of 128 or more: hence the plan's N tile.
+The sm_90 compile test checks that the MMA instruction and layout and every FP32 sum's layout are
+the three kernels' (80 registers, no spills).
 The wk plan must be the one `ll_bf16_` would run: BF16 weight [128, 512], one K split (the step's
 plans on the H200 and in the interpreter); another split sums partials in another order, and the
 op refuses it (`ValueError` naming wk_plan).

@@ -174,6 +174,30 @@ def test_fold_index_chain_gives_the_same_bits(cpu_setup):
             assert torch.equal(t, getattr(states[1], cache)[L]), (cache, L)
 
 
+@interpreter
+def test_comp_tail_in_one_launch_gives_the_same_bits(cpu_setup):
+    """comp_tail (the compressor's latent norm, the indexer's wk and the compressed record + index
+    key in one launch, `ops.compressor_tail`; the default) against the three launches: two steps
+    give the same outputs and caches bit for bit. Layers 1, 3, 4 (both ratios' compressors)."""
+    cfg, _, base, ckpt = cpu_setup
+    stack = AttentionStack(ckpt, [1, 3, 4])
+    states = [copy.deepcopy(base) for _ in range(2)]
+    steps = [stack.decode_step(st, max_rows=4, comp_tail=fused) for st, fused in zip(states, (False, True))]
+    owners = [i for i in stack.ids if steps[1].layers[i].spec.owns_compressor]
+    assert {steps[1].layers[i].spec.ratio for i in owners} == {1, 2}
+    assert all(steps[1].layers[i].comp_tail_fused for i in owners)
+    assert not any(steps[0].layers[i].comp_tail_fused for i in stack.ids)
+    g = torch.Generator().manual_seed(4)
+    for rows in ([("a", 1), ("b", 2)], [("c", 1), ("a", 1), ("b", 1)]):
+        x = streams(sum(c for _, c in rows), cfg, g)
+        (out0, pre0), (out1, pre1) = (step(x, rows) for step in steps)
+        assert torch.equal(out0, out1) and torch.equal(pre0, pre1)
+    for cache in ("window", "compressed", "index_keys", "comp_kv", "comp_score"):
+        for L, t in getattr(states[0], cache).items():
+            assert torch.equal(t, getattr(states[1], cache)[L]), (cache, L)
+    assert any(t.any() for t in states[1].index_keys.values())
+
+
 class _LaneLog:
     """Lanes stand-in that runs everything inline and records the schedule's events: which side
     lanes were entered, each mark's lane, and which marks were waited for."""

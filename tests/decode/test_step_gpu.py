@@ -173,10 +173,11 @@ def test_gpu_long_run_vs_generic(gpu_setup):
 # eager; "no_overlap": every lane on the main stream (a missing event between lanes would show as
 # a difference between the two); "fold_boundary": the mHC boundary in wo_b's epilogue where wo_b
 # runs ExactMM (its buckets: 1-4 rows at this preset's dim) instead of its own launch;
-# "weights_in_index_lane": the indexer's head weights on the index query's lane, not their own.
+# "weights_in_index_lane": the indexer's head weights on the index query's lane, not their own;
+# "comp_tail_apart": the compressor's tail as three launches, not `ops.compressor_tail`'s one.
 SAME_BITS = {"graph_again": {}, "eager": dict(graphs=False), "no_overlap": dict(overlap=False),
              "fold_index_chain": dict(fold_index_chain=True), "fold_boundary": dict(fold_boundary=True),
-             "weights_in_index_lane": dict(weights_lane=False)}
+             "weights_in_index_lane": dict(weights_lane=False), "comp_tail_apart": dict(comp_tail=False)}
 
 
 @pytest.fixture(scope="module")
