@@ -16,7 +16,7 @@ summation order follows the [512] row's layout over 4 warps):
   from the BF16 values in registers (`kv_write.compressed_record`: elementwise and max
   reductions, whose bits do not depend on the layout);
 - program (g, 1): the same norm factor (`rms_norm.rms_row`, the same [512] sum), then the 128 wk
-  outputs of the row, the plan's N tiles (block_n outputs, at most 128) one after another, each
+  outputs of the row, the plan's N tiles (block_n outputs, past 128 masked) one after another, each
   over K = 512 in the plan's K steps: each step's latent tile recomputed elementwise from c
   (`rms_norm.normed`, the same roundings as lat) and multiplied by the weight tile with ll_bf16's
   dot (`ll_bf16.ll_dot`, TF32 inputs: exact products of BF16 values); it stores wk_out and, after
@@ -34,14 +34,14 @@ outputs: two dependent global round trips, ~1 us each) before the index key, and
 workspace; one program per row reads the whole weight instead, from L2 after the first row, and
 scales to 64 rows with 128 programs.
 
-Bits. Each program's dot takes 16 rows (the mma.sync m16n8k8 row block of ll_bf16's BLOCK_M 16
-and 32) of which row 0 is the group's and the others zeros: an MMA forms each output from its own
-row and column only, and the FP32 sums run along K in the same order (the plan's K steps, k8 MMAs
-chained in order inside each), so on the GPU the outputs are the plan's whatever its BLOCK_M. The
-interpreter's dot is a numpy matmul of each K step plus the accumulator, whose sums are the same
-for 16 or 32 rows but differ between N tiles of 32 and of 128 or more: hence the plan's N tile.
-The sm_90 compile test checks that the MMA instruction and layout and every FP32 sum's layout are
-the three kernels' (80 registers, no spills).
+Bits. Each program's dot runs the plan's tile for G rows (BLOCK_M 16 or 32: mma.sync m16n8k8;
+BLOCK_N, the plan's N tiles in turn; BLOCK_K, its K steps) with row 0 the group's and the other
+rows zeros: an MMA forms each output from its own row and column only, and the FP32 sums run along
+K in the plan's order, so the outputs are the plan's (on the GPU whatever the other rows hold, as
+ll_bf16's batch invariance has it). In the interpreter the dot is a numpy matmul of each K step
+plus the accumulator, whose sums can depend on the tile's shape (they differ between N tiles of 32
+and of 128): the same tile shapes give the same sums there too. The sm_90 compile test checks
+that the MMA instruction and layout and every FP32 sum's layout are the three kernels' (no spills).
 The wk plan must be the one `ll_bf16_` would run: BF16 weight [128, 512], one K split (the step's
 plans on the H200 and in the interpreter); another split sums partials in another order, and the
 op refuses it (`ValueError` naming wk_plan).
@@ -65,7 +65,7 @@ from .rounding import bf16_widen
 def _compressor_tail_kernel(
     c_ptr, nw_ptr, lat_ptr, w_ptr, wk_out_ptr, knw_ptr, cos_ptr, sin_ptr, slots_ptr, ckv_ptr, ik_ptr,
     S_CKV, S_IK, eps, stride_c, stride_lat, stride_w, stride_wo, stride_cn, stride_sn, stride_ckv, stride_ik,
-    ROUND_IN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    ROUND_IN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
     g = tl.program_id(0).to(tl.int64)
     c_row = c_ptr + g * stride_c
@@ -80,24 +80,25 @@ def _compressor_tail_kernel(
         compressed_record(xe, xo, cs_row, sn_row, slot, ckv_ptr, S_CKV, stride_ckv, False)
     else:
         _, r = rms_row(c_row, eps, 512, 512, ROUND_IN)
-        rm = tl.arange(0, 16)            # the dot's 16 rows (one m16n8k8 row block): row 0 the group's
+        rm = tl.arange(0, BLOCK_M)       # the dot's rows (the plan's BLOCK_M): row 0 the group's
         rn = tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         first = (rm == 0)[:, None]
         x_ptrs = c_row + rm[:, None] * 0 + rk[None, :]
         wo_row = wk_out_ptr + g * stride_wo
-        for nt in tl.static_range(128 // BLOCK_N):       # the plan's N tiles, one after another
-            w_ptrs = w_ptr + (nt * BLOCK_N + rn)[:, None] * stride_w + rk[None, :]
-            acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+        for nt in tl.static_range((128 + BLOCK_N - 1) // BLOCK_N):     # the plan's N tiles in turn
+            n = nt * BLOCK_N + rn
+            w_ptrs = w_ptr + n[:, None] * stride_w + rk[None, :]
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for k0 in tl.range(0, 512, BLOCK_K, num_stages=NUM_STAGES):
                 x = tl.load(x_ptrs + k0, mask=first, other=0.0).to(tl.float32)
                 if ROUND_IN:
                     x = bf16_round(x)
                 nw = tl.load(nw_ptr + k0 + rk).to(tl.float32)
                 lat = bf16_round(normed(x, nw[None, :], r))              # lat's values, row 0
-                w = tl.load(w_ptrs + k0).to(tl.float32)
+                w = tl.load(w_ptrs + k0, mask=(n < 128)[:, None], other=0.0).to(tl.float32)
                 acc = ll_dot(lat, w, acc, 0)
-            tl.store(wo_row + rm[:, None] * 0 + (nt * BLOCK_N + rn)[None, :], acc, mask=first)
+            tl.store(wo_row + rm[:, None] * 0 + n[None, :], acc, mask=first & (n < 128)[None, :])
         tl.debug_barrier()                     # wk_out of this row written by all of the program's threads
         index_key_record(wo_row, knw_ptr, cs_row, sn_row, slot, ik_ptr, S_IK, stride_ik, eps, False)
 
@@ -163,6 +164,6 @@ def compressor_tail_(c: torch.Tensor, norm_w: torch.Tensor, eps: float, lat: tor
         c, norm_w, lat_bits, w_wk, wk_out, k_norm, cos, sin, slots, compressed, index_keys,
         compressed.shape[0], index_keys.shape[0], float(eps), c.stride(0), lat_bits.stride(0), w_wk.stride(0),
         wk_out.stride(0), cos.stride(0), sin.stride(0), compressed.stride(0), index_keys.stride(0),
-        ROUND_IN=c.dtype == torch.float32, BLOCK_N=min(wk_plan.block_n, INDEX_DIM), BLOCK_K=t.block_k, NUM_STAGES=t.num_stages, num_warps=4,
-        num_stages=t.num_stages, enable_fp_fusion=False,
+        ROUND_IN=c.dtype == torch.float32, BLOCK_M=t.block_m, BLOCK_N=wk_plan.block_n, BLOCK_K=t.block_k,
+        NUM_STAGES=t.num_stages, num_warps=4, num_stages=t.num_stages, enable_fp_fusion=False,
     )

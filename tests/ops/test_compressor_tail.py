@@ -160,7 +160,7 @@ def test_bad_plans_name_the_plan(plan, exc, match):
 
 
 def test_compiles_for_sm90_without_spills_with_the_three_kernels_sums():
-    """sm_90 compile on the CPU (tests/ops/_compressor_tail_sm90.py, ~10 s): no local memory, stack
+    """sm_90 compile on the CPU (tests/ops/_compressor_tail_sm90.py, ~15 s): no local memory, stack
     or spills; the GPU's bits rest on the same instructions in the same layouts as the three
     kernels: the dot's MMA (mma.sync m16n8k8 TF32, HMMA.1688.F32.TF32, in the same MMA layout) and
     every FP32 sum (the two 512-wide norms' and k_norm's, whose order a reduction's layout fixes)
@@ -172,11 +172,13 @@ def test_compiles_for_sm90_without_spills_with_the_three_kernels_sums():
                        capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
-    assert [r["name"] for r in rows] == ["fused c *fp32", "apart c *fp32", "fused c *bf16", "apart c *bf16"]
-    for fused, apart in (rows[0:2], rows[2:4]):
+    assert [r["name"] for r in rows] == [f"{k} c {c} BLOCK_M {m}" for c, m in
+                                         (("*fp32", 16), ("*fp32", 32), ("*bf16", 16)) for k in ("fused", "apart")]
+    for fused, apart in zip(rows[0::2], rows[1::2]):
         assert fused["LOCAL"] == 0 and fused["STACK"] == 0 and fused["spills"] == 0, fused
         assert fused["mma"] == apart["mma"] == ["HMMA.1688.F32.TF32"], (fused, apart)
         assert fused["mma_layouts"] == apart["mma_layouts"] and len(fused["mma_layouts"]) == 1
+        # the fused kernel's two programs each sum the 512-wide row (rms_norm_'s one), then k_norm's
         assert len(fused["adds"]) == 2 + 4 and sorted(map(tuple, fused["adds"][:1] + fused["adds"][2:])) \
             == sorted(map(tuple, apart["adds"])), (fused["adds"], apart["adds"])
         assert fused["adds"][0] == fused["adds"][1] and fused["adds"][0][0] == "512xf32"
