@@ -38,10 +38,10 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
     wproj_split     the head weights' plan at split 32 (one 128-deep K range a program: 32
                     programs instead of 10; other FP32 sums, so other bits possible); measured
                     no faster on an H200 at bd33dff (docs/step.md)
-    comp_tail_apart the compressor's tail (latent norm, indexer wk, compressed record + index key)
-                    as three launches (`rms_norm_`, `ll_bf16_`, `compressed_entry_store_`) instead
-                    of the step's one (`ops.compressor_tail`: `DecodeStep(comp_tail=True)`, the
-                    default); the same bits
+    comp_tail       the compressor's tail (latent norm, indexer wk, compressed record + index key)
+                    in one launch (`ops.compressor_tail`: `DecodeStep(comp_tail=True)`) instead of
+                    the step's three (`rms_norm_`, `ll_bf16_`, `compressed_entry_store_`); the
+                    same bits; measured slower on an H200 (docs/step.md)
     topk_chunk      the indexer's top-k plans with chunks of --topk-chunk entries (default 1024,
                     as the step's plan: `TopKPlan.build`'s default; set it to compare another)
     wq_b_slack      in the layers that run the indexer, wq_b on a stream of its own at the least
@@ -102,7 +102,7 @@ PRIORITIES = {
     "wproj_lane": (C, (C, S, C)),
     "wproj_in_index": (C, (C, S, C)),
     "wproj_split": (C, (C, S, C)),
-    "comp_tail_apart": (C, (C, S, C)),
+    "comp_tail": (C, (C, S, C)),
 }
 
 
@@ -304,7 +304,7 @@ def main() -> None:
                  "mix_late": _mix_late,
                  "topk_chunk": _topk_chunk, "wproj_lane": _layer_flag("proj_own_lane", True),
                  "wproj_split": _wproj_split, "wproj_in_index": _layer_flag("proj_own_lane", False),
-                 "comp_tail_apart": _layer_flag("comp_tail_fused", False)}.get(name)
+                 "comp_tail": _layer_flag("comp_tail_fused", True)}.get(name)
         undo = patch(step) if patch else (lambda: None)
         step.graphs = {}
         step._capture()

@@ -214,7 +214,7 @@ class AttentionStep:
     def __init__(self, layer: AttentionLayer, state: DecodeState, meta: StepMeta, scratch: Scratch,
                  lanes: Lanes, max_rows: int, sources: Mapping[int, "AttentionStep"] | None = None,
                  wo_a_fp8: bool = False, exact_linears: bool = True, fp32_dots: bool = False,
-                 fold_index_chain: bool = False, weights_lane: bool = True, comp_tail: bool = True):
+                 fold_index_chain: bool = False, weights_lane: bool = True, comp_tail: bool = False):
         """sources: the step's layers built before this one (by id), among them this layer's index and
         KV sources: a layer that reuses a selection or a candidate pool reads its source's buffers.
         The layer's own selection and candidate pool (when it makes them) are its attributes

@@ -122,9 +122,11 @@ class DecodeStep:
         instead of ahead of the GEMM on the index query's lane; the same bits (docs/step.md).
     comp_tail: in the layers that own a compressor, the compressor's tail - the latent's RMSNorm,
         the indexer's wk projection and the compressed record + index key - in one launch
-        (`ops.compressor_tail`; default) instead of three (`rms_norm_`, `ll_bf16_`,
+        (`ops.compressor_tail`) instead of three (`rms_norm_`, `ll_bf16_`,
         `compressed_entry_store_`), where the wk plan allows it (one K split: the step's plans);
-        the same bits (`comp_tail_apart` in scripts/probe_step_schedule.py times both).
+        the same bits. Off by default: measured slower on an H200 (its one program per row reads
+        all of wk: 20.7-26.4 us a layer in the step at 1 row against 14-17 for the three launches;
+        `comp_tail` in scripts/probe_step_schedule.py times both, docs/step.md).
 
     Errors: StepError for buckets outside 1..LOW_BATCH_MAX_ROWS or past the state's stage_rows, a
     state of another configuration, or an unknown tp_boundary; `NotEligible` for a layer whose
@@ -138,7 +140,7 @@ class DecodeStep:
     def __init__(self, stack, state: DecodeState, *, max_rows: int = 16, buckets: Sequence[int] | None = None,
                  graphs: bool = True, overlap: bool = True, tp_boundary: str = "auto", wo_a_fp8: bool = False,
                  exact_linears: bool = True, fp32_dots: bool = False, fold_index_chain: bool = False,
-                 fold_boundary: bool = False, weights_lane: bool = True, comp_tail: bool = True):
+                 fold_boundary: bool = False, weights_lane: bool = True, comp_tail: bool = False):
         if buckets is None:
             buckets = tuple(b for b in DEFAULT_BUCKETS if b < max_rows) + (max_rows,)
         buckets = tuple(sorted(set(buckets)))

@@ -177,7 +177,7 @@ def test_fold_index_chain_gives_the_same_bits(cpu_setup):
 @interpreter
 def test_comp_tail_in_one_launch_gives_the_same_bits(cpu_setup):
     """comp_tail (the compressor's latent norm, the indexer's wk and the compressed record + index
-    key in one launch, `ops.compressor_tail`; the default) against the three launches: two steps
+    key in one launch, `ops.compressor_tail`; off by default) against the three launches: two steps
     give the same outputs and caches bit for bit. Layers 1, 3, 4 (both ratios' compressors)."""
     cfg, _, base, ckpt = cpu_setup
     stack = AttentionStack(ckpt, [1, 3, 4])

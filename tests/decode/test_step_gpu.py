@@ -174,10 +174,10 @@ def test_gpu_long_run_vs_generic(gpu_setup):
 # a difference between the two); "fold_boundary": the mHC boundary in wo_b's epilogue where wo_b
 # runs ExactMM (its buckets: 1-4 rows at this preset's dim) instead of its own launch;
 # "weights_in_index_lane": the indexer's head weights on the index query's lane, not their own;
-# "comp_tail_apart": the compressor's tail as three launches, not `ops.compressor_tail`'s one.
+# "comp_tail": the compressor's tail in one launch (`ops.compressor_tail`), not three.
 SAME_BITS = {"graph_again": {}, "eager": dict(graphs=False), "no_overlap": dict(overlap=False),
              "fold_index_chain": dict(fold_index_chain=True), "fold_boundary": dict(fold_boundary=True),
-             "weights_in_index_lane": dict(weights_lane=False), "comp_tail_apart": dict(comp_tail=False)}
+             "weights_in_index_lane": dict(weights_lane=False), "comp_tail": dict(comp_tail=True)}
 
 
 @pytest.fixture(scope="module")
