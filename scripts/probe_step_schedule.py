@@ -237,7 +237,8 @@ def _topk_chunk(step):
     for i, layer in step.layers.items():
         if layer.spec.runs_indexer:
             p = held[i] = layer.topk_plan
-            layer.topk_plan = topk.TopKPlan.build(p.max_rows, p.k, p.group, p.ws.device, chunk=chunk, warps=p.warps)
+            layer.topk_plan = topk.TopKPlan.build(p.max_rows, p.k, p.group, p.ws.device, chunk=chunk, warps=p.warps,
+                                                 wide_chunk=p.wide_chunk, wide_warps=p.wide_warps)
 
     def undo():
         for i, p in held.items():

@@ -143,7 +143,8 @@ def main() -> None:
                     for x in (s, sb):
                         if x.dtype not in dtypes:
                             continue
-                        plan = topk.TopKPlan.build(rows, 512, 1, "cuda", chunk=chunk, warps=warps)
+                        plan = topk.TopKPlan.build(rows, 512, 1, "cuda", chunk=chunk, warps=warps,
+                                                   wide_chunk=chunk, wide_warps=warps)
                         h = hist[x.dtype]
 
                         def copy(plan=plan, h=h):

@@ -76,6 +76,7 @@ from .common import num_sms
 from .sparse_tables import entry_slots, require_slot_table
 
 _MAX_CHUNKS = 1024     # per-chunk count slots per row; wider rows take larger chunks
+WIDE_ENTRIES = 1 << 17  # rows of more elements take TopKPlan.wide_chunk (docstring)
 _WS_HI = tl.constexpr(0)                      # [256] histogram of the keys' high bytes
 _WS_LO = tl.constexpr(256)                    # [256] histogram of the low bytes under high byte b1
 _WS_K_EFF = tl.constexpr(512)                 # elements selected: min(k, n_elem, selectable)
@@ -625,7 +626,11 @@ class TopKPlan:
     linked path's fastest with the histogram ready at 1-16 rows x 16K-128K entries on an H200
     (`scripts/probe_topk.py --chunks=512,1024,2048,4096 --warps=4,8`: 1 x 32K 7.7 us against 11.6 at
     4096, 1 x 128K 10.1 against 14.3, 16 x 32K 10.5 against 13.8; at 64 rows within 1.5 us of 2048's,
-    the fastest there: docs/results/gpu-tests-h200.txt as of bd33dff, run R).
+    the fastest there: docs/results/gpu-tests-h200.txt as of bd33dff, run R). Rows of more than
+    WIDE_ENTRIES = 2^17 elements (the sizes where the step's scorer leaves the histogram out and
+    the four-launch path runs at few rows) take wide_chunk elements with wide_warps instead when
+    wide_chunk is the larger: at 1 x 1M the four-launch path took 60.6 us in 1024-entry chunks
+    (`bench attn` at 48b2e1b) against 32.5-32.7 in 4096-entry chunks at 4 warps (at 093cb80).
     ws: [max_rows, _WS] int32; its histograms and counters are zero between calls (zeroed at build,
     left zero by every call). Not for concurrent launches on two streams.
     """
@@ -635,10 +640,12 @@ class TopKPlan:
     chunk: int
     ws: torch.Tensor
     warps: int = 4
+    wide_chunk: int = 4096
+    wide_warps: int = 4
 
     @staticmethod
     def build(max_rows: int, k: int = 512, group: int = 1, device="cuda", chunk: int = 1024,
-              warps: int = 4) -> "TopKPlan":
+              warps: int = 4, wide_chunk: int = 4096, wide_warps: int = 4) -> "TopKPlan":
         if max_rows < 1:
             raise ValueError(f"max_rows must be >= 1, got {max_rows}")
         if not 1 <= k <= 4096:
@@ -647,9 +654,13 @@ class TopKPlan:
             raise ValueError(f"group must be a power of two, got {group}")
         if chunk < 16 or chunk & (chunk - 1):
             raise ValueError(f"chunk must be a power of two >= 16, got {chunk}")
-        if warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"warps must be a power of two in 1..16, got {warps}")
-        return TopKPlan(max_rows, k, group, chunk, torch.zeros(max_rows, _WS, dtype=torch.int32, device=device), warps)
+        if wide_chunk < 16 or wide_chunk & (wide_chunk - 1):
+            raise ValueError(f"wide_chunk must be a power of two >= 16, got {wide_chunk}")
+        for name, w in (("warps", warps), ("wide_warps", wide_warps)):
+            if w not in (1, 2, 4, 8, 16):
+                raise ValueError(f"{name} must be a power of two in 1..16, got {w}")
+        return TopKPlan(max_rows, k, group, chunk, torch.zeros(max_rows, _WS, dtype=torch.int32, device=device), warps,
+                        wide_chunk, wide_warps)
 
     @property
     def hist_hi(self) -> torch.Tensor:
@@ -657,10 +668,22 @@ class TopKPlan:
         a scorer adds `key_high_histogram`'s counts for `topk_ascending_(..., hist_ready=True)`."""
         return self.ws[:, _WS_HI:_WS_HI + 256]
 
-    def chunk_for(self, n_elem: int) -> int:
-        """Elements per program for rows of n_elem elements: `chunk`, or the smallest power of two
-        that covers them in _MAX_CHUNKS chunks."""
-        return max(self.chunk, triton.next_power_of_2(triton.cdiv(n_elem, _MAX_CHUNKS)))
+    def launch_shape(self, n_elem: int) -> tuple[int, int]:
+        """(elements per program, warps per program) for rows of n_elem elements: `chunk` at `warps`
+        (past WIDE_ENTRIES elements `wide_chunk` at `wide_warps` where that is the larger chunk), or
+        the smallest power of two that covers the row in _MAX_CHUNKS chunks, with proportionally
+        more warps (the registers per thread stay as at the base chunk: sm_90, 4 warps, 128
+        registers for the write kernel at 4096; 229 at 8192, 164 with 8 warps), at most 16."""
+        base, warps = self.chunk, self.warps
+        if n_elem > WIDE_ENTRIES and self.wide_chunk > self.chunk:
+            base, warps = self.wide_chunk, self.wide_warps
+        chunk = covering_chunk(base, n_elem)
+        return chunk, min(16, warps * (chunk // base))
+
+
+def covering_chunk(chunk: int, n_elem: int) -> int:
+    """chunk, or the smallest power of two that covers n_elem elements in _MAX_CHUNKS chunks."""
+    return max(chunk, triton.next_power_of_2(triton.cdiv(n_elem, _MAX_CHUNKS)))
 
 
 def key_high_histogram(scores: torch.Tensor, n_vis: torch.Tensor) -> torch.Tensor:
@@ -710,10 +733,7 @@ def _select(scores, n_vis, out, plan, mask_out, hist_ready=False, table=None):
     left out when the high-byte histogram is ready."""
     g = 1 if not mask_out else plan.group
     n_elem = triton.cdiv(scores.shape[1], g)
-    chunk = plan.chunk_for(n_elem)
-    # a larger chunk takes proportionally more warps: the registers per thread stay as at plan.chunk
-    # (sm_90, 4 warps: 128 registers for the write kernel at 4096; 229 at 8192, 164 with 8 warps)
-    warps = min(16, plan.warps * (chunk // plan.chunk))
+    chunk, warps = plan.launch_shape(n_elem)
     grid = (scores.shape[0], triton.cdiv(n_elem, chunk))
     scratch = mask_out and g >= 2      # block keys kept in the mask row between the passes
     args = (scores, n_vis, plan.ws, out, scores.stride(0), out.stride(0), out.shape[1])
@@ -732,8 +752,7 @@ def _select_linked(scores, n_vis, out, plan, hist_ready, pdl, table=None):
     `_write_linked_kernel`; each launched with PDL when asked (it waits for its predecessor before
     its first access)."""
     n_elem = scores.shape[1]
-    chunk = plan.chunk_for(n_elem)
-    warps = min(16, plan.warps * (chunk // plan.chunk))     # as in _select
+    chunk, warps = plan.launch_shape(n_elem)
     grid = (scores.shape[0], triton.cdiv(n_elem, chunk))
     opt = _pdl.launch_options(pdl)
     if not hist_ready:
@@ -752,7 +771,7 @@ def _select_one_launch(scores, n_vis, out, plan, hist_ready):
     the device's SMs, one program each, so that every program of a row is resident together); the
     linked path where that takes chunks over 4 x the plan's (registers: 4 x the warps at most)."""
     n_rows, n_elem = scores.shape
-    chunk = plan.chunk_for(n_elem)
+    chunk = covering_chunk(plan.chunk, n_elem)
     while n_rows * triton.cdiv(n_elem, chunk) > num_sms(scores.device):
         chunk *= 2
     if chunk > 4 * plan.chunk:

@@ -184,6 +184,41 @@ def test_topk_multi_program_paths(monkeypatch, small_max, max_chunks, four_min_c
         _check_row(out5[i].cpu(), s[i, :nv[i]].cpu(), 5)
 
 
+def test_plan_launch_shape_takes_the_wide_chunk_past_wide_entries():
+    """The plan's chunk and warps per row width: the base chunk up to WIDE_ENTRIES, the wide chunk
+    past it (where the larger), more warps when the row needs more than _MAX_CHUNKS chunks."""
+    from dsv41_decode.ops.topk import WIDE_ENTRIES
+    plan = TopKPlan.build(1, 512, device="cpu")
+    assert plan.launch_shape(WIDE_ENTRIES) == (1024, 4)
+    assert plan.launch_shape(WIDE_ENTRIES + 1) == (4096, 4)
+    assert plan.launch_shape(1 << 20) == (4096, 4)
+    assert plan.launch_shape(1 << 23) == (8192, 8)              # 1024 chunks of 8192
+    assert TopKPlan.build(1, 512, device="cpu", chunk=8192).launch_shape(1 << 20) == (8192, 4)
+    assert TopKPlan.build(1, 512, device="cpu", wide_chunk=1024).launch_shape(1 << 20) == (1024, 4)
+    with pytest.raises(ValueError, match="wide_chunk must be a power of two"):
+        TopKPlan.build(1, 512, device="cpu", wide_chunk=3000)
+    with pytest.raises(ValueError, match="wide_warps must be a power of two"):
+        TopKPlan.build(1, 512, device="cpu", wide_warps=3)
+
+
+def test_topk_wide_rows_take_the_wide_chunk(monkeypatch):
+    """Rows past WIDE_ENTRIES (forced at a CPU size) run in the plan's wide chunks: the same
+    selection as the reference, on every path (linked, four-launch)."""
+    from dsv41_decode.ops import topk as topk_mod
+    monkeypatch.setattr(topk_mod, "WIDE_ENTRIES", 128)
+    monkeypatch.setattr(topk_mod, "_SMALL_MAX", 0)
+    plan = TopKPlan.build(3, 64, device=_DEVICE, chunk=16, wide_chunk=128)
+    assert plan.launch_shape(300) == (128, 4) and plan.launch_shape(128) == (16, 4)
+    out = torch.empty(3, 64, dtype=torch.int32, device=_DEVICE)
+    for four_min_cols in (1 << 18, 0):
+        monkeypatch.setattr(topk_mod, "_FOUR_MIN_COLS", four_min_cols)
+        for seed, distinct, nv in ((6, True, [300, 299, 9]), (7, False, [300, 0, 170])):
+            s = _scores(3, 300, seed=seed, distinct=distinct, neg_inf_frac=0.0 if distinct else 0.3).to(_DEVICE)
+            topk_ascending_(s, torch.tensor(nv, dtype=torch.int32, device=_DEVICE), out, plan)
+            for i in range(3):
+                _check_row(out[i].cpu(), s[i, :nv[i]].cpu(), 64)
+
+
 def test_topk_row_kernel_many_blocks(monkeypatch):
     """The one-program row kernel looping over several blocks (carried counts across blocks)."""
     from dsv41_decode.ops import topk as topk_mod
@@ -549,7 +584,7 @@ def test_gpu_one_launch_equals_four_launch_and_repeats(monkeypatch, rows, entrie
     want = topk_ascending_(s, nv, torch.empty(8, 512, dtype=torch.int32, device=_DEVICE), four, separate_count=True)
     plan = TopKPlan.build(8, 512, 1, _DEVICE, chunk=4096)
     # the launcher's rule: the smallest power-of-two chunk from the plan's whose grid fits the SMs
-    chunk = plan.chunk_for(entries)
+    chunk = topk_mod.covering_chunk(plan.chunk, entries)
     while rows * -(-entries // chunk) > num_sms(torch.device(_DEVICE)):
         chunk *= 2
     fits = chunk <= 4 * plan.chunk
