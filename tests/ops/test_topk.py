@@ -185,16 +185,19 @@ def test_topk_multi_program_paths(monkeypatch, small_max, max_chunks, four_min_c
 
 
 def test_plan_launch_shape_takes_the_wide_chunk_past_wide_entries():
-    """The plan's chunk and warps per row width: the base chunk up to WIDE_ENTRIES, the wide chunk
-    past it (where the larger), more warps when the row needs more than _MAX_CHUNKS chunks."""
+    """The plan's chunk and warps per row width: the base chunk, on the four-launch path the wide
+    chunk past WIDE_ENTRIES (where the larger), more warps when the row needs more than
+    _MAX_CHUNKS chunks."""
     from dsv41_decode.ops.topk import WIDE_ENTRIES
     plan = TopKPlan.build(1, 512, device="cpu")
-    assert plan.launch_shape(WIDE_ENTRIES) == (1024, 4)
-    assert plan.launch_shape(WIDE_ENTRIES + 1) == (4096, 4)
-    assert plan.launch_shape(1 << 20) == (4096, 4)
-    assert plan.launch_shape(1 << 23) == (8192, 8)              # 1024 chunks of 8192
-    assert TopKPlan.build(1, 512, device="cpu", chunk=8192).launch_shape(1 << 20) == (8192, 4)
-    assert TopKPlan.build(1, 512, device="cpu", wide_chunk=1024).launch_shape(1 << 20) == (1024, 4)
+    assert plan.launch_shape(WIDE_ENTRIES, four_launch=True) == (1024, 4)
+    assert plan.launch_shape(WIDE_ENTRIES + 1, four_launch=True) == (4096, 4)
+    assert plan.launch_shape(1 << 20, four_launch=True) == (4096, 4)
+    assert plan.launch_shape(1 << 20) == (1024, 4)              # the linked path keeps the base chunk
+    assert plan.launch_shape(1 << 23, four_launch=True) == (8192, 8)     # 1024 chunks of 8192
+    assert plan.launch_shape(1 << 23) == (8192, 32 // 2)        # 8x the base chunk: 4 x 8 warps, at most 16
+    assert TopKPlan.build(1, 512, device="cpu", chunk=8192).launch_shape(1 << 20, four_launch=True) == (8192, 4)
+    assert TopKPlan.build(1, 512, device="cpu", wide_chunk=1024).launch_shape(1 << 20, four_launch=True) == (1024, 4)
     with pytest.raises(ValueError, match="wide_chunk must be a power of two"):
         TopKPlan.build(1, 512, device="cpu", wide_chunk=3000)
     with pytest.raises(ValueError, match="wide_warps must be a power of two"):
@@ -202,13 +205,13 @@ def test_plan_launch_shape_takes_the_wide_chunk_past_wide_entries():
 
 
 def test_topk_wide_rows_take_the_wide_chunk(monkeypatch):
-    """Rows past WIDE_ENTRIES (forced at a CPU size) run in the plan's wide chunks: the same
-    selection as the reference, on every path (linked, four-launch)."""
+    """Rows past WIDE_ENTRIES (forced at a CPU size): the four-launch path in the plan's wide
+    chunks, the linked path in its base chunks; the same selection as the reference on both."""
     from dsv41_decode.ops import topk as topk_mod
     monkeypatch.setattr(topk_mod, "WIDE_ENTRIES", 128)
     monkeypatch.setattr(topk_mod, "_SMALL_MAX", 0)
     plan = TopKPlan.build(3, 64, device=_DEVICE, chunk=16, wide_chunk=128)
-    assert plan.launch_shape(300) == (128, 4) and plan.launch_shape(128) == (16, 4)
+    assert plan.launch_shape(300, four_launch=True) == (128, 4) and plan.launch_shape(300) == (16, 4)
     out = torch.empty(3, 64, dtype=torch.int32, device=_DEVICE)
     for four_min_cols in (1 << 18, 0):
         monkeypatch.setattr(topk_mod, "_FOUR_MIN_COLS", four_min_cols)
