@@ -160,10 +160,7 @@ def _mhc_boundary_kernel(
         if POST:
             b0, b1, b2, b3, c = _boundary_chunk(y_row, x_row, stride_xh, post_row, comb_row, stride_ci, pre_row,
                                                 d, mask)
-            tl.store(xo_row + d, b0, mask=mask)
-            tl.store(xo_row + stride_xoh + d, b1, mask=mask)
-            tl.store(xo_row + 2 * stride_xoh + d, b2, mask=mask)
-            tl.store(xo_row + 3 * stride_xoh + d, b3, mask=mask)
+            store_streams(b0, b1, b2, b3, xo_row, stride_xoh, d, mask)
         else:
             c = _enter_chunk(x_row, stride_xh, pre_row, d, mask)
         w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
@@ -207,7 +204,7 @@ def _mhc_boundary_coresident_kernel(
     # Program (row n, chunk ch), every program of the launch resident at once: the new streams and
     # the collapse c of one chunk (c stays in registers); its sum of squares goes to the workspace
     # and the program arrives on the row's counter, then waits until all NCH chunks of the row have
-    # arrived, sums the NCH partials as `finish_chunk` does (the same r) and normalizes and
+    # arrived, sums the NCH partials (`row_inv_rms`, as `finish_chunk`: the same r) and normalizes and
     # quantizes its own chunk (the MXFP8 blocks of 32 lie inside a chunk). The last to arrive sets
     # the counter back to 0 (release) at once; the others wait for NCH or 0 (the count reached, or
     # already reset), so none has to count its leaving. A program that polls spin_limit times
@@ -220,11 +217,7 @@ def _mhc_boundary_coresident_kernel(
     b0, b1, b2, b3, c = _boundary_chunk(y_ptr + n * stride_y, x_ptr + n * stride_xn, stride_xh,
                                         post_ptr + n * stride_post, comb_ptr + n * stride_cn, stride_ci,
                                         pre_ptr + n * stride_pre, d, mask)
-    xo_row = xo_ptr + n * stride_xon
-    tl.store(xo_row + d, b0, mask=mask)
-    tl.store(xo_row + stride_xoh + d, b1, mask=mask)
-    tl.store(xo_row + 2 * stride_xoh + d, b2, mask=mask)
-    tl.store(xo_row + 3 * stride_xoh + d, b3, mask=mask)
+    store_streams(b0, b1, b2, b3, xo_ptr + n * stride_xon, stride_xoh, d, mask)
     tl.store(ws_ptr + n * stride_ws + ch, chunk_sumsq(c))
     tl.debug_barrier()
     cnt = cnt_ptr + n
@@ -237,10 +230,7 @@ def _mhc_boundary_coresident_kernel(
             seen = tl.atomic_add(cnt, 0, sem="acquire", scope="gpu")
             polls += 1
     stuck = (seen != 0) & (seen < NCH)
-    k = tl.arange(0, NCH_P2)
-    parts = tl.load(ws_ptr + n * stride_ws + k, mask=k < NCH, other=0.0, cache_modifier=".cg")
-    r = inv_rms(tl.sum(butterfly_sum(tl.reshape(parts, [1, NCH_P2])), axis=0), eps, D)
-    r = tl.where(stuck, float("nan"), r)
+    r = tl.where(stuck, float("nan"), row_inv_rms(ws_ptr + n * stride_ws, eps, D, NCH, NCH_P2))
     w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
     _store_normed(c, r, w, u_ptr + n * stride_u, codes_ptr + n * stride_codes, scales_ptr + n * stride_scales,
                   ch * BLOCK_D, d, mask, D, BLOCK_D)
@@ -263,14 +253,31 @@ def chunk_sumsq(c):
 
 
 @triton.jit
-def park_chunk(b0, b1, b2, b3, c, n, d, mask, xo_ptr, u_ptr, stride_xon, stride_xoh, stride_u):
-    """Store row n's new streams (int16 BF16 bits) at the columns d and park their collapse c (FP32
-    holding BF16 values) in u, for the row's last chunk to normalize (`finish_chunk`)."""
-    xo_row = xo_ptr + n * stride_xon
+def store_streams(b0, b1, b2, b3, xo_row, stride_xoh, d, mask):
+    """Store one row's four new streams (int16 BF16 bits, [BLOCK_D] each) at the columns d of its
+    x_out row xo_row (streams stride_xoh apart)."""
     tl.store(xo_row + d, b0, mask=mask)
     tl.store(xo_row + stride_xoh + d, b1, mask=mask)
     tl.store(xo_row + 2 * stride_xoh + d, b2, mask=mask)
     tl.store(xo_row + 3 * stride_xoh + d, b3, mask=mask)
+
+
+@triton.jit
+def row_inv_rms(ws_row, eps, D: tl.constexpr, NCH: tl.constexpr, NCH_P2: tl.constexpr):
+    """1 / rms of a row of D columns from its NCH chunk sums of squares in the workspace row ws_row
+    (read through L2: other programs wrote them), added in a butterfly over NCH_P2 lanes (the
+    order of `tl.sum` over them on sm_90, up to 32): the one r of every form that splits a row
+    into chunks."""
+    k = tl.arange(0, NCH_P2)
+    parts = tl.load(ws_row + k, mask=k < NCH, other=0.0, cache_modifier=".cg")
+    return inv_rms(tl.sum(butterfly_sum(tl.reshape(parts, [1, NCH_P2])), axis=0), eps, D)
+
+
+@triton.jit
+def park_chunk(b0, b1, b2, b3, c, n, d, mask, xo_ptr, u_ptr, stride_xon, stride_xoh, stride_u):
+    """Store row n's new streams (int16 BF16 bits) at the columns d and park their collapse c (FP32
+    holding BF16 values) in u, for the row's last chunk to normalize (`finish_chunk`)."""
+    store_streams(b0, b1, b2, b3, xo_ptr + n * stride_xon, stride_xoh, d, mask)
     tl.store(u_ptr + n * stride_u + d, bf16_rne_bits(c), mask=mask)          # exact: c holds a BF16 value
 
 
@@ -289,9 +296,7 @@ def finish_chunk(ss, n, ch, w_ptr, u_ptr, codes_ptr, scales_ptr, ws_ptr, cnt_ptr
     arrived = tl.atomic_add(cnt_ptr + n, 1, sem="acq_rel", scope="gpu")
     if arrived == NCH - 1:
         tl.store(cnt_ptr + n, 0)
-        k = tl.arange(0, NCH_P2)
-        parts = tl.load(ws_ptr + n * stride_ws + k, mask=k < NCH, other=0.0, cache_modifier=".cg")
-        r = inv_rms(tl.sum(butterfly_sum(tl.reshape(parts, [1, NCH_P2])), axis=0), eps, D)
+        r = row_inv_rms(ws_ptr + n * stride_ws, eps, D, NCH, NCH_P2)
         # The row's serial tail, unrolled with the next slice's loads (u and the norm weight) issued
         # before this slice's stores (a runtime loop paid one dependent L2 round trip per slice; u
         # is both read and written, so the compiler cannot hoist the loads itself).

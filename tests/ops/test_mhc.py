@@ -262,7 +262,6 @@ def test_coresident_boundary_compiles_for_sm90_without_spills():
                          text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     rows = {r["name"]: r for r in map(json.loads, (l for l in out.stdout.splitlines() if l.startswith("{")))}
-    print(rows)
     assert set(rows) == {"coresident", "split"}, rows
     for r in rows.values():
         assert r["LOCAL"] == 0 and r["STACK"] == 0 and r["spills"] == 0, r
