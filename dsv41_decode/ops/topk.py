@@ -76,7 +76,7 @@ from .common import num_sms
 from .sparse_tables import entry_slots, require_slot_table
 
 _MAX_CHUNKS = 1024     # per-chunk count slots per row; wider rows take larger chunks
-WIDE_ENTRIES = 1 << 17  # the four-launch path's rows of more elements take TopKPlan.wide_chunk
+WIDE_ENTRIES = 1 << 17  # the four-launch top-k's rows of more elements take TopKPlan.wide_chunk
 _WS_HI = tl.constexpr(0)                      # [256] histogram of the keys' high bytes
 _WS_LO = tl.constexpr(256)                    # [256] histogram of the low bytes under high byte b1
 _WS_K_EFF = tl.constexpr(512)                 # elements selected: min(k, n_elem, selectable)
@@ -626,13 +626,14 @@ class TopKPlan:
     linked path's fastest with the histogram ready at 1-16 rows x 16K-128K entries on an H200
     (`scripts/probe_topk.py --chunks=512,1024,2048,4096 --warps=4,8`: 1 x 32K 7.7 us against 11.6 at
     4096, 1 x 128K 10.1 against 14.3, 16 x 32K 10.5 against 13.8; at 64 rows within 1.5 us of 2048's,
-    the fastest there: docs/results/gpu-tests-h200.txt as of bd33dff, run R). The four-launch
-    path (the default at <= 4 rows of more than 2^18 entries) takes wide_chunk elements with
+    the fastest there: docs/results/gpu-tests-h200.txt as of bd33dff, run R). The top-k's
+    four-launch path (the default at <= 4 rows of more than 2^18 entries) takes wide_chunk elements with
     wide_warps instead for rows of more than WIDE_ENTRIES = 2^17 elements, where wide_chunk is the
     larger: over 1M entries it took 60.6 / 49.4 / 79.3 us at 1 / 2 / 4 rows in 1024-entry chunks
     (`bench attn` at 48b2e1b) against 32.7 / 40.6 / 67.3 in 4096-entry chunks at 4 warps (at
     093cb80), while the linked path (8-64 rows there) was faster in 1024-entry chunks (107 / 193 /
-    369 / 713 us at 8 / 16 / 32 / 64 rows against 124 / 223 / 420 / 823), so it keeps `chunk`.
+    369 / 713 us at 8 / 16 / 32 / 64 rows against 124 / 223 / 420 / 823), so it keeps `chunk`;
+    so does `candidate_mask_` (not measured wider; its programs read `group` scores a key).
     ws: [max_rows, _WS] int32; its histograms and counters are zero between calls (zeroed at build,
     left zero by every call). Not for concurrent launches on two streams.
     """
@@ -672,8 +673,8 @@ class TopKPlan:
 
     def launch_shape(self, n_elem: int, four_launch: bool = False) -> tuple[int, int]:
         """(elements per program, warps per program) for rows of n_elem elements: `chunk` at `warps`
-        (on the four-launch path past WIDE_ENTRIES elements `wide_chunk` at `wide_warps` where that
-        is the larger chunk), or
+        (four_launch: the top-k's four-launch path, where past WIDE_ENTRIES elements `wide_chunk` at
+        `wide_warps` if that is the larger chunk; `candidate_mask_` keeps `chunk`), or
         the smallest power of two that covers the row in _MAX_CHUNKS chunks, with proportionally
         more warps (the registers per thread stay as at the base chunk: sm_90, 4 warps, 128
         registers for the write kernel at 4096; 229 at 8192, 164 with 8 warps), at most 16."""
@@ -736,7 +737,9 @@ def _select(scores, n_vis, out, plan, mask_out, hist_ready=False, table=None):
     left out when the high-byte histogram is ready."""
     g = 1 if not mask_out else plan.group
     n_elem = triton.cdiv(scores.shape[1], g)
-    chunk, warps = plan.launch_shape(n_elem, four_launch=True)
+    # the wide chunk is the top-k's (measured there); a mask's program reads group scores a key, so
+    # its chunk stays the plan's (at group 8 a 4096-key chunk is 32K scores a program)
+    chunk, warps = plan.launch_shape(n_elem, four_launch=not mask_out)
     grid = (scores.shape[0], triton.cdiv(n_elem, chunk))
     scratch = mask_out and g >= 2      # block keys kept in the mask row between the passes
     args = (scores, n_vis, plan.ws, out, scores.stride(0), out.stride(0), out.shape[1])

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dsv41_decode.ops.common import num_sms
-from dsv41_decode.ops.topk import (TopKPlan, candidate_mask, candidate_mask_, key_high_histogram, topk_ascending,
+from dsv41_decode.ops.topk import (TopKPlan, candidate_mask_, key_high_histogram, topk_ascending,
                                    topk_ascending_)
 from dsv41_decode.reference import indexer as ref
 from dsv41_decode.testing.compare import check_topk_invariants
@@ -220,6 +220,26 @@ def test_topk_wide_rows_take_the_wide_chunk(monkeypatch):
             topk_ascending_(s, torch.tensor(nv, dtype=torch.int32, device=_DEVICE), out, plan)
             for i in range(3):
                 _check_row(out[i].cpu(), s[i, :nv[i]].cpu(), 64)
+
+
+def test_candidate_mask_keeps_the_plan_chunk_past_wide_entries(monkeypatch):
+    """`candidate_mask_` on rows of more than WIDE_ENTRIES blocks (forced at a CPU size) asks the
+    plan for its base chunk, not the top-k's wide one (its programs read `group` scores a key), and
+    gives the reference's mask."""
+    from dsv41_decode.ops import topk as topk_mod
+    monkeypatch.setattr(topk_mod, "WIDE_ENTRIES", 16)
+    asked = []
+    shape = TopKPlan.launch_shape
+    monkeypatch.setattr(TopKPlan, "launch_shape", lambda self, n, four_launch=False: (
+        asked.append(four_launch), shape(self, n, four_launch))[1])
+    plan = TopKPlan.build(2, 5, 8, device=_DEVICE, chunk=16, wide_chunk=64)
+    assert plan.launch_shape(40, four_launch=True) == (64, 4)
+    asked.clear()
+    s = _scores(2, 300, seed=9, distinct=True, neg_inf_frac=0.0).to(_DEVICE)
+    nv = torch.tensor([300, 171], dtype=torch.int32, device=_DEVICE)
+    out = candidate_mask_(s, nv, torch.empty(2, 300, dtype=torch.uint8, device=_DEVICE), plan)
+    assert asked == [False]
+    assert torch.equal(out.cpu(), _ref_mask(s, nv, 8, 5).cpu())
 
 
 def test_topk_row_kernel_many_blocks(monkeypatch):
