@@ -39,7 +39,7 @@ import triton.language as tl
 from . import pdl
 from .checks import interpreting, require_tensor
 from .act_quant import mxfp8_blocks
-from .common import butterfly_sum, in_order_sum
+from .common import butterfly_sum, in_order_sum, num_sms
 from .rms_norm import inv_rms
 from .rounding import bf16_rne_bits, bf16_widen
 
@@ -381,9 +381,9 @@ class MhcBoundaryPlan:
     arrive normalizes and quantizes the whole row. True: the co-resident form - every chunk program
     keeps its collapse in registers, waits on the row's counter until all chunks of the row have
     arrived and normalizes and quantizes its own chunk; it needs every program of the launch (rows
-    x chunks, 4 warps each: 640 at 64 rows of 10 chunks, far below an H200's 132 SMs x 16) resident
-    at once, and the programs not yet resident must get an SM while the others wait (nothing
-    running beside it may wait on this launch). spin_limit bounds each program's polls: one that
+    x chunks, 4 warps each: 640 at 64 rows of 10 chunks, against an H200's 132 SMs x 10,
+    `coresident_capacity`; `build` checks it) resident at once, and the programs not yet resident
+    must get an SM while the others wait (nothing running beside it may wait on this launch). spin_limit bounds each program's polls: one that
     polls out normalizes its chunk with r = NaN (u NaN, codes 0x7F, scales 0xFF) and the launch
     ends; the counters are still left 0. Under the interpreter the programs run one after another,
     so in a co-resident launch every chunk of a row but the last to run polls out: `build` picks
@@ -407,8 +407,10 @@ class MhcBoundaryPlan:
     @classmethod
     def build(cls, dim: int, max_rows: int, device: torch.device | str = "cuda", block_d: int = 512,
               coresident: bool | None = None, spin_limit: int = 1 << 22) -> "MhcBoundaryPlan":
-        """coresident None: True on a CUDA device outside the interpreter, else False (the class
-        docstring says why); spin_limit: polls of a co-resident program's wait (int32)."""
+        """coresident None: True on a CUDA device outside the interpreter where max_rows x chunks
+        programs fit on it at once (`coresident_capacity`), else False (the class docstring says
+        why); True on a CUDA device where they do not fit raises ValueError. spin_limit: polls of a
+        co-resident program's wait (int32)."""
         for name, v in (("dim", dim), ("max_rows", max_rows), ("block_d", block_d), ("spin_limit", spin_limit)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -420,12 +422,25 @@ class MhcBoundaryPlan:
         if coresident is not None and not isinstance(coresident, bool):
             raise TypeError(f"coresident must be a bool or None, got {type(coresident).__name__}")
         device = torch.device(device)
-        if coresident is None:
-            coresident = device.type == "cuda" and not interpreting()
         chunks = triton.cdiv(dim, block_d)
+        fits = device.type != "cuda" or max_rows * chunks <= coresident_capacity(block_d, device)
+        if coresident is None:
+            coresident = device.type == "cuda" and not interpreting() and fits
+        elif coresident and not fits:
+            raise ValueError(f"max_rows={max_rows}: a co-resident launch of {max_rows} rows x {chunks} chunks "
+                             f"does not fit on {device} at once (at most {coresident_capacity(block_d, device)} "
+                             f"programs at block_d={block_d}); pass coresident=False or fewer rows")
         return cls(dim, max_rows, block_d, torch.zeros(max_rows, chunks, dtype=torch.float32, device=device),
                    torch.zeros(max_rows, dtype=torch.int32, device=device),
                    torch.zeros(max_rows, chunks, dtype=torch.int32, device=device), coresident, spin_limit)
+
+
+def coresident_capacity(block_d: int, device: torch.device | str) -> int:
+    """Programs of `_mhc_boundary_coresident_kernel` (4 warps, chunks of block_d columns) that the
+    device holds at once: its SMs x 6 at block_d 1024, 10 at 256-512, 16 below (compiled for sm_90
+    at dim 5120: 79 / 48 / 32 registers a thread at block_d 1024 / 512 / 128 and 32, the SM's 64K
+    registers the bound; 256 takes 512's bound uncompiled; tests/ops/_mhc_sm90.py checks 512)."""
+    return num_sms(device) * (6 if block_d > 512 else 10 if block_d > 128 else 16)
 
 
 def _require_disjoint(out: torch.Tensor, out_name: str, inp: torch.Tensor, in_name: str) -> None:

@@ -27,8 +27,8 @@ import triton.language as tl
 
 from dsv41_decode.formats import mxfp8_quantize
 from dsv41_decode.ops.hc_mix import HcMixPlan, hc_mix, hc_mix_
-from dsv41_decode.ops.mhc import (MhcBoundaryPlan, _boundary_chunk, chunk_sumsq, mhc_boundary, mhc_boundary_,
-                                  mhc_enter_)
+from dsv41_decode.ops.mhc import (MhcBoundaryPlan, _boundary_chunk, chunk_sumsq, coresident_capacity, mhc_boundary,
+                                  mhc_boundary_, mhc_enter_)
 from dsv41_decode.ops.common import butterfly_sum
 from dsv41_decode.ops.rounding import bf16_rne_bits
 from dsv41_decode.reference.linear import rms_norm
@@ -265,7 +265,20 @@ def test_coresident_boundary_compiles_for_sm90_without_spills():
     assert set(rows) == {"coresident", "split"}, rows
     for r in rows.values():
         assert r["LOCAL"] == 0 and r["STACK"] == 0 and r["spills"] == 0, r
-    assert 132 * rows["coresident"]["per_sm"] >= 64 * 10, rows["coresident"]
+    # coresident_capacity's bound at block_d 512 (CPU_SMS: an H200's 132 SMs) holds and takes 64 rows
+    assert 132 * rows["coresident"]["per_sm"] >= coresident_capacity(512, "cpu") >= 64 * 10, rows["coresident"]
+
+
+@pytest.mark.gpu
+def test_gpu_boundary_plan_coresident_only_where_it_fits():
+    """On CUDA the plan is co-resident where its rows x chunks fit the device at once
+    (`coresident_capacity`), the split form past that; asked for co-resident past it, a ValueError
+    naming max_rows."""
+    cap = coresident_capacity(512, "cuda")
+    assert MhcBoundaryPlan.build(5120, cap // 10, "cuda").coresident
+    assert not MhcBoundaryPlan.build(5120, cap // 10 + 1, "cuda").coresident
+    with pytest.raises(ValueError, match="max_rows"):
+        MhcBoundaryPlan.build(5120, cap // 10 + 1, "cuda", coresident=True)
 
 
 def _coresident_case(n: int, seed: int, cancelling: bool = False):
