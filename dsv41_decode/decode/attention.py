@@ -33,7 +33,7 @@ from ..config import FULL, SWA
 from ..layer import AttentionLayer
 from ..ops import LOW_BATCH_MAX_ROWS
 from ..ops.compressor import compress_ratio2_
-from ..ops.compressor_tail import compressor_tail_, plan_misfit
+from ..ops.compressor_tail import CompressorTailPlan, compressor_tail_, plan_misfit
 from ..ops.index_query import index_query_
 from ..ops.indexer import index_scores_mxfp4_
 from ..ops.kv_write import compressed_entry_store_, query_rope_
@@ -274,6 +274,7 @@ class AttentionStep:
         # (the trace verifier's teacher forcing at a tie, testing.trace_step); None in a step
         self.forced_topk: torch.Tensor | None = None
         self.comp_tail_fused = False
+        self.comp_tail_plan: CompressorTailPlan | None = None
         if spec.owns_compressor:
             if spec.ratio == 2:
                 self.w_comp = torch.cat([w["attn.compressor.wkv.weight"], w["attn.compressor.wgate.weight"]]).float()
@@ -283,8 +284,12 @@ class AttentionStep:
             self.w_wk = w["attn.indexer.wk.weight"]
             self.wk_plan = LlBf16Plan.build(cfg.index_head_dim, cfg.head_dim, max_rows, self.w_wk.dtype, dev, **wide)
             # comp_tail: the latent's norm, wk and the two records in one launch (`ops.compressor_tail`)
-            # where that gives the three launches' bits (a BF16 wk whose plan sums K in one chain)
-            self.comp_tail_fused = bool(comp_tail) and plan_misfit(self.wk_plan) is None
+            # where that gives the three launches' bits (a BF16 wk whose plan sums K in one chain);
+            # its plan (a counter per row) is built wherever it fits, so a schedule probe may switch
+            # the flag on a built step
+            if plan_misfit(self.wk_plan) is None:
+                self.comp_tail_plan = CompressorTailPlan.build(self.wk_plan)
+            self.comp_tail_fused = bool(comp_tail) and self.comp_tail_plan is not None
         self.selection: IndexSelection | None = None          # this layer's, when it runs the indexer
         self.candidate_mask: torch.Tensor | None = None      # this layer's, when it is the candidate source
         # Under TP a Full layer's dense indexer may run row-sharded (`run(shard=True)`): each rank
@@ -450,7 +455,7 @@ class AttentionStep:
                 k_norm = self.w["attn.indexer.k_norm.weight"]
                 cos, sin, slots = m.group_cos[r][:B], m.group_sin[r][:B], m.entry_slot[r][:B]
                 if self.comp_tail_fused:     # latent (reference latent()), wk, records: one launch
-                    compressor_tail_(c, norm_w, cfg.norm_eps, lat, self.wk_plan, self.w_wk, s.wk_out[:B], k_norm,
+                    compressor_tail_(c, norm_w, cfg.norm_eps, lat, self.comp_tail_plan, self.w_wk, s.wk_out[:B], k_norm,
                                      cos, sin, slots, st.compressed[L], st.index_keys[L])
                 else:
                     rms_norm_(c, norm_w, cfg.norm_eps, lat)   # reference latent()

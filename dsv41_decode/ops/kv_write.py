@@ -200,7 +200,7 @@ def _compressed_entry_kernel(
     if DO_IK:
         if pid1 == IK_PID:
             index_key_record(wk_ptr + g * stride_wk, knw_ptr, cs_row, sn_row, slot, ik_ptr, S_IK, stride_ik, eps,
-                             REQUANT)
+                             REQUANT, "")
 
 
 @triton.jit
@@ -222,14 +222,17 @@ def compressed_record(xe, xo, cs_row, sn_row, slot, ckv_ptr, S_CKV, stride_ckv, 
 
 
 @triton.jit
-def index_key_record(wk_row, knw_ptr, cs_row, sn_row, slot, ik_ptr, S_IK, stride_ik, eps, REQUANT: tl.constexpr):
+def index_key_record(wk_row, knw_ptr, cs_row, sn_row, slot, ik_ptr, S_IK, stride_ik, eps, REQUANT: tl.constexpr,
+                     CACHE: tl.constexpr):
     """The 68-byte index key of one group from its FP32 wk outputs [128] at wk_row: bf16(wk out),
     k_norm, RoPE on pairs 32..63, MXFP4 blocks of 32 = 16 pairs, stored at row `slot` of the pool
     when that slot is in [0, S_IK). The values are loaded here, as [4 blocks, 16 pairs]: the sum of
-    squares follows that load's layout, so every caller reads them from memory the same way."""
+    squares follows that load's layout, so every caller reads them from memory the same way.
+    CACHE: the wk loads' cache modifier ("", or ".cg" for outputs other programs of the launch
+    stored, read after an acquire)."""
     j = tl.arange(0, 4)[:, None] * 16 + tl.arange(0, 16)[None, :]  # [4 blocks, 16 pairs]
-    xe = bf16_round(tl.load(wk_row + 2 * j))
-    xo = bf16_round(tl.load(wk_row + 2 * j + 1))
+    xe = bf16_round(tl.load(wk_row + 2 * j, cache_modifier=CACHE))
+    xo = bf16_round(tl.load(wk_row + 2 * j + 1, cache_modifier=CACHE))
     ss = tl.sum(tl.sum(xe * xe, axis=1), axis=0) + tl.sum(tl.sum(xo * xo, axis=1), axis=0)
     ms = ss * 0.0078125  # mean over 128: exact
     root = tl.sqrt_rn(ms + eps)

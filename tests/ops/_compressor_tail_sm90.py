@@ -1,11 +1,12 @@
 """Run by tests/ops/test_compressor_tail.py in a subprocess without the Triton interpreter (the kernel
 must be a real JIT function to compile), and by hand: compiles `ops.compressor_tail`'s kernel for
-sm_90 with the step's GPU plan (ll_bf16's default tiles for wk: 32 outputs per N tile, K steps of
-128, 3 stages; 4 warps) at its two row tiles (BLOCK_M 16: 1-16 rows, 32: 17-64) for an FP32 input
-and at 16 for a BF16 one, and the three kernels it fuses (`rms_norm_`'s at D = 512, `ll_bf16_`'s
-with that plan and row tile, `compressed_entry_store_`'s), and prints per fused case one JSON object: registers, stack, shared and local memory, spill
-instructions (STL/LDL), its MMA instructions and layouts, and its FP32 add reductions (shape and
-layout, in order); then one object of the same MMA and reduction facts of the three kernels."""
+sm_90 with the step's GPU plan (ll_bf16's default tiles for wk: 32 outputs per N tile, one tile
+program each, the row's last arriver writing the index key; K steps of 128, 3 stages; 4 warps) at
+its two row tiles (BLOCK_M 16: 1-16 rows, 32: 17-64) for an FP32 input and at 16 for a BF16 one,
+and the three kernels it fuses (`rms_norm_`'s at D = 512, `ll_bf16_`'s with that plan and row tile,
+`compressed_entry_store_`'s), and prints per fused case one JSON object: registers, stack, shared
+and local memory, spill instructions (STL/LDL), its atomics and `.cg` loads (PTX), its MMA
+instructions and layouts, and its FP32 add reductions (shape and layout, in order); then one object of the same MMA and reduction facts of the three kernels."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from dsv41_decode.testing.sm90 import compile_sm90, opcode_counts, resources, sa
 
 TYPES = {"nw_ptr": "*bf16", "lat_ptr": "*i16", "w_ptr": "*bf16", "wk_out_ptr": "*fp32", "knw_ptr": "*bf16",
          "cos_ptr": "*fp32", "sin_ptr": "*fp32", "slots_ptr": "*i64", "ckv_ptr": "*u8", "ik_ptr": "*u8",
-         "eps": "fp32"}
+         "cnt_ptr": "*i32", "eps": "fp32"}
 CASES = (("*fp32", 16), ("*fp32", 64), ("*bf16", 16))   # (c's type, rows of the plan's tile)
 
 
@@ -48,7 +49,9 @@ def fused(c_type: str, rows: int) -> dict:
                           num_warps=4, num_stages=tile.num_stages, enable_fp_fusion=False)
     res = resources(kernel)
     ops = opcode_counts([t for _, t in sass(kernel)])
+    ptx = kernel.asm["ptx"]
     return dict(name=f"fused c {c_type} BLOCK_M {tile.block_m}", **res, spills=ops.get("STL", 0) + ops.get("LDL", 0),
+                atomics=re.findall(r"atom\.[\w.]+", ptx), cg_loads=len(re.findall(r"ld\.global\.cg", ptx)),
                 **facts(kernel))
 
 
