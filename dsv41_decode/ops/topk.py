@@ -718,8 +718,9 @@ def _validate(scores, n_vis, out, plan, out_dtype, out_name):
         raise ValueError(f"n_vis must be [N={n_rows}] int32, got {tuple(n_vis.shape)} {n_vis.dtype}")
     if out.dim() != 2 or out.shape[0] != n_rows or out.dtype != out_dtype or out.stride(1) != 1:
         raise ValueError(f"{out_name} must be [N={n_rows}, ...] {out_dtype}, got {tuple(out.shape)} {out.dtype}")
-    if not (scores.device == n_vis.device == out.device == plan.ws.device):
-        raise ValueError("scores, n_vis, out and plan.ws must share a device")
+    for name, dev in (("n_vis", n_vis.device), (out_name, out.device), ("plan", plan.ws.device)):
+        if dev != scores.device:
+            raise ValueError(f"{name} is on {dev}, scores on {scores.device}")
 
 
 def _table_args(table, out, n_vis):

@@ -222,6 +222,19 @@ def test_topk_wide_rows_take_the_wide_chunk(monkeypatch):
                 _check_row(out[i].cpu(), s[i, :nv[i]].cpu(), 64)
 
 
+def test_topk_names_the_tensor_on_another_device():
+    """A tensor or plan on another device than scores: a ValueError naming it (the meta device
+    stands in for another one; nothing is launched)."""
+    s = torch.zeros(2, 64)
+    nv, out = torch.zeros(2, dtype=torch.int32), torch.zeros(2, 8, dtype=torch.int32)
+    plan = TopKPlan.build(2, 8, device="cpu")
+    meta = {"n_vis": nv.to("meta"), "out": out.to("meta"), "plan": TopKPlan.build(2, 8, device="meta")}
+    for name in meta:
+        args = dict(n_vis=nv, out=out, plan=plan) | {name: meta[name]}
+        with pytest.raises(ValueError, match=f"^{name} is on meta, scores on cpu"):
+            topk_ascending_(s, args["n_vis"], args["out"], args["plan"])
+
+
 def test_candidate_mask_keeps_the_plan_chunk_past_wide_entries(monkeypatch):
     """`candidate_mask_` on rows of more than WIDE_ENTRIES blocks (forced at a CPU size) asks the
     plan for its base chunk, not the top-k's wide one (its programs read `group` scores a key), and
