@@ -280,6 +280,19 @@ def _boundary_split(step):
     return undo
 
 
+def _comp_tail(step):
+    """Patch the step: the compressor's tail in one launch in every layer that has its plan (the
+    layers whose wk plan fits `ops.compressor_tail`); returns the undo."""
+    held = {i: layer.comp_tail_fused for i, layer in step.layers.items()}
+    for layer in step.layers.values():
+        layer.comp_tail_fused = layer.comp_tail_plan is not None
+
+    def undo():
+        for i, v in held.items():
+            step.layers[i].comp_tail_fused = v
+    return undo
+
+
 def main() -> None:
     names = arg("variants", ",".join(PRIORITIES)).split(",")
     unknown = [v for v in names if v not in PRIORITIES]
@@ -305,7 +318,7 @@ def main() -> None:
                  "mix_late": _mix_late,
                  "topk_chunk": _topk_chunk, "wproj_lane": _layer_flag("proj_own_lane", True),
                  "wproj_split": _wproj_split, "wproj_in_index": _layer_flag("proj_own_lane", False),
-                 "comp_tail": _layer_flag("comp_tail_fused", True)}.get(name)
+                 "comp_tail": _comp_tail}.get(name)
         undo = patch(step) if patch else (lambda: None)
         step.graphs = {}
         step._capture()
