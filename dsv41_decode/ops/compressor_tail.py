@@ -29,11 +29,13 @@ whose norm factor's summation order follows the [512] row's layout over 4 warps)
 
 Why this grid: the wk projection is latency-bound (a 128 KB weight, 4 K steps of dependent loads
 and MMAs per N tile), so each N tile gets its own program, as in `ll_bf16_`'s launch: at 1 row the
-critical path is one N tile (32 KB of w_wk in 4 pipelined K steps, after the [512] reduction of
-the norm factor: the sm_90 code issues the weight's first loads once that reduction is done, as the
-one-program form did), one store/atomic/reload of wk_out (two dependent global round trips) and the
-index key, where one program reading all four tiles in turn measured 20.7-26.4 us in the step
-(docs/step.md, "What limits it"). Launches: three (G, 4 x ceil(G / 16 or 32) and 2G programs on
+critical path is one N tile (32 KB of w_wk in 4 K steps), one store/atomic/reload of wk_out (two
+dependent global round trips) and the index key, where one program reading all four tiles in turn
+measured 20.7-26.4 us in the step (docs/step.md, "What limits it"). The weight tile is loaded into
+registers two K steps ahead of its dot, the first two steps before the norm factor's [512]
+reduction (they do not depend on it; in the sm_90 code their loads issue between the c row's load
+and the reduction's shuffles, where the compiler's cp.async pipeline issued them after the
+reduction). Launches: three (G, 4 x ceil(G / 16 or 32) and 2G programs on
 the GPU's plan) become one of 5G programs; 4 layers of the V4.1 step own a compressor, so 8
 launches fewer a step.
 
@@ -72,7 +74,7 @@ from .rounding import bf16_widen
 def _compressor_tail_kernel(
     c_ptr, nw_ptr, lat_ptr, w_ptr, wk_out_ptr, knw_ptr, cos_ptr, sin_ptr, slots_ptr, ckv_ptr, ik_ptr, cnt_ptr,
     S_CKV, S_IK, eps, stride_c, stride_lat, stride_w, stride_wo, stride_cn, stride_sn, stride_ckv, stride_ik,
-    ROUND_IN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    ROUND_IN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     N_TILES: tl.constexpr = (128 + BLOCK_N - 1) // BLOCK_N
     g = tl.program_id(0).to(tl.int64)
@@ -88,21 +90,28 @@ def _compressor_tail_kernel(
         xe, xo = tl.split(tl.reshape(bf16_widen(bits), (32, 8, 2)))    # pairs [32 groups, 8 pairs]
         compressed_record(xe, xo, cs_row, sn_row, slot, ckv_ptr, S_CKV, stride_ckv, False)
     else:
-        _, r = rms_row(c_row, eps, 512, 512, ROUND_IN)
         rm = tl.arange(0, BLOCK_M)       # the dot's rows (the plan's BLOCK_M): row 0 the group's
         rk = tl.arange(0, BLOCK_K)
         n = t * BLOCK_N + tl.arange(0, BLOCK_N)                          # the plan's N tile t
         first = (rm == 0)[:, None]
         x_ptrs = c_row + rm[:, None] * 0 + rk[None, :]
         w_ptrs = w_ptr + n[:, None] * stride_w + rk[None, :]
+        n_ok = (n < 128)[:, None]
+        # the weight two K steps ahead in registers, its first two steps issued before the norm's
+        # reduction (they do not depend on it)
+        w_a = tl.load(w_ptrs, mask=n_ok, other=0.0)
+        w_b = tl.load(w_ptrs + BLOCK_K, mask=n_ok, other=0.0)
+        _, r = rms_row(c_row, eps, 512, 512, ROUND_IN)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in tl.range(0, 512, BLOCK_K, num_stages=NUM_STAGES):
+        for k0 in tl.range(0, 512, BLOCK_K, num_stages=1):      # the prefetch above is the pipeline
             x = tl.load(x_ptrs + k0, mask=first, other=0.0).to(tl.float32)
             if ROUND_IN:
                 x = bf16_round(x)
             nw = tl.load(nw_ptr + k0 + rk).to(tl.float32)
             lat = bf16_round(normed(x, nw[None, :], r))                  # lat's values, row 0
-            w = tl.load(w_ptrs + k0, mask=(n < 128)[:, None], other=0.0).to(tl.float32)
+            w = w_a.to(tl.float32)
+            w_a = w_b
+            w_b = tl.load(w_ptrs + k0 + 2 * BLOCK_K, mask=n_ok & (k0 + 2 * BLOCK_K + rk < 512)[None, :], other=0.0)
             acc = ll_dot(lat, w, acc, 0)
         wo_row = wk_out_ptr + g * stride_wo
         tl.store(wo_row + rm[:, None] * 0 + n[None, :], acc, mask=first & (n < 128)[None, :])
@@ -205,5 +214,5 @@ def compressor_tail_(c: torch.Tensor, norm_w: torch.Tensor, eps: float, lat: tor
         compressed.shape[0], index_keys.shape[0], float(eps), c.stride(0), lat_bits.stride(0), w_wk.stride(0),
         wk_out.stride(0), cos.stride(0), sin.stride(0), compressed.stride(0), index_keys.stride(0),
         ROUND_IN=c.dtype == torch.float32, BLOCK_M=t.block_m, BLOCK_N=wk_plan.block_n, BLOCK_K=t.block_k,
-        NUM_STAGES=t.num_stages, num_warps=4, num_stages=t.num_stages, enable_fp_fusion=False,
+        num_warps=4, enable_fp_fusion=False,
     )

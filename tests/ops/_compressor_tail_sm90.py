@@ -1,12 +1,13 @@
 """Run by tests/ops/test_compressor_tail.py in a subprocess without the Triton interpreter (the kernel
 must be a real JIT function to compile), and by hand: compiles `ops.compressor_tail`'s kernel for
 sm_90 with the step's GPU plan (ll_bf16's default tiles for wk: 32 outputs per N tile, one tile
-program each, the row's last arriver writing the index key; K steps of 128, 3 stages; 4 warps) at
+program each, the row's last arriver writing the index key; K steps of 128; 4 warps) at
 its two row tiles (BLOCK_M 16: 1-16 rows, 32: 17-64) for an FP32 input and at 16 for a BF16 one,
 and the three kernels it fuses (`rms_norm_`'s at D = 512, `ll_bf16_`'s with that plan and row tile,
 `compressed_entry_store_`'s), and prints per fused case one JSON object: registers, stack, shared
 and local memory, spill instructions (STL/LDL), its atomics and `.cg` loads (PTX), its MMA
-instructions and layouts, and its FP32 add reductions (shape and layout, in order); then one object of the same MMA and reduction facts of the three kernels."""
+instructions and layouts, and its FP32 add reductions (shape and layout, in order); then one
+object of the same MMA and reduction facts of the three kernels."""
 
 from __future__ import annotations
 
@@ -44,9 +45,8 @@ def facts(kernel) -> dict:
 def fused(c_type: str, rows: int) -> dict:
     tile = ll_bf16._tile_for(rows, torch.bfloat16)
     kernel = compile_sm90(compressor_tail._compressor_tail_kernel, {**TYPES, "c_ptr": c_type},
-                          dict(ROUND_IN=c_type == "*fp32", BLOCK_M=tile.block_m, BLOCK_N=32, BLOCK_K=tile.block_k,
-                               NUM_STAGES=tile.num_stages),
-                          num_warps=4, num_stages=tile.num_stages, enable_fp_fusion=False)
+                          dict(ROUND_IN=c_type == "*fp32", BLOCK_M=tile.block_m, BLOCK_N=32, BLOCK_K=tile.block_k),
+                          num_warps=4, enable_fp_fusion=False)
     res = resources(kernel)
     ops = opcode_counts([t for _, t in sass(kernel)])
     ptx = kernel.asm["ptx"]
