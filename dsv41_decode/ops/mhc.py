@@ -169,6 +169,21 @@ def _mhc_boundary_kernel(
 
 
 @triton.jit
+def _program_chunk(y_ptr, x_ptr, post_ptr, comb_ptr, pre_ptr, stride_y, stride_xn, stride_xh, stride_post, stride_cn,
+                   stride_ci, stride_pre, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The chunk of program (row n, chunk ch) of a chunked boundary launch: (n, ch, its columns d,
+    their mask, the four new streams' bits and the collapse c, as `_boundary_chunk`)."""
+    n = tl.program_id(0).to(tl.int64)
+    ch = tl.program_id(1)
+    d = ch * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = d < D
+    b0, b1, b2, b3, c = _boundary_chunk(y_ptr + n * stride_y, x_ptr + n * stride_xn, stride_xh,
+                                        post_ptr + n * stride_post, comb_ptr + n * stride_cn, stride_ci,
+                                        pre_ptr + n * stride_pre, d, mask)
+    return n, ch, d, mask, b0, b1, b2, b3, c
+
+
+@triton.jit
 def _mhc_boundary_split_kernel(
     y_ptr, x_ptr, post_ptr, comb_ptr, pre_ptr, w_ptr, xo_ptr, u_ptr, codes_ptr, scales_ptr, ws_ptr, cnt_ptr, eps,
     stride_y, stride_xn, stride_xh, stride_post, stride_cn, stride_ci, stride_pre,
@@ -180,13 +195,9 @@ def _mhc_boundary_split_kernel(
     # Program (row n, chunk ch): the new streams and the collapse of one chunk; the collapse (BF16,
     # exact) parks in u_out and its sum of squares in the plan's workspace; the last chunk of the
     # row to arrive sums the NCH partials in chunk order and normalizes + quantizes the whole row.
-    n = tl.program_id(0).to(tl.int64)
-    ch = tl.program_id(1)
-    d = ch * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask = d < D
-    b0, b1, b2, b3, c = _boundary_chunk(y_ptr + n * stride_y, x_ptr + n * stride_xn, stride_xh,
-                                        post_ptr + n * stride_post, comb_ptr + n * stride_cn, stride_ci,
-                                        pre_ptr + n * stride_pre, d, mask)
+    n, ch, d, mask, b0, b1, b2, b3, c = _program_chunk(y_ptr, x_ptr, post_ptr, comb_ptr, pre_ptr, stride_y, stride_xn,
+                                                       stride_xh, stride_post, stride_cn, stride_ci, stride_pre, D,
+                                                       BLOCK_D)
     split_finish(b0, b1, b2, b3, c, n, ch, d, mask, w_ptr, xo_ptr, u_ptr, codes_ptr, scales_ptr, ws_ptr, cnt_ptr,
                  eps, stride_xon, stride_xoh, stride_u, stride_codes, stride_scales, stride_ws,
                  D, NCH, NCH_P2, BLOCK_N)
@@ -210,13 +221,9 @@ def _mhc_boundary_coresident_kernel(
     # already reset), so none has to count its leaving. A program that polls spin_limit times
     # without seeing either normalizes with r = NaN (never by design: a launch whose programs are
     # not all resident shows as NaN in u and its blocks' scales 0xFF, not as a hang).
-    n = tl.program_id(0).to(tl.int64)
-    ch = tl.program_id(1)
-    d = ch * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask = d < D
-    b0, b1, b2, b3, c = _boundary_chunk(y_ptr + n * stride_y, x_ptr + n * stride_xn, stride_xh,
-                                        post_ptr + n * stride_post, comb_ptr + n * stride_cn, stride_ci,
-                                        pre_ptr + n * stride_pre, d, mask)
+    n, ch, d, mask, b0, b1, b2, b3, c = _program_chunk(y_ptr, x_ptr, post_ptr, comb_ptr, pre_ptr, stride_y, stride_xn,
+                                                       stride_xh, stride_post, stride_cn, stride_ci, stride_pre, D,
+                                                       BLOCK_D)
     store_streams(b0, b1, b2, b3, xo_ptr + n * stride_xon, stride_xoh, d, mask)
     tl.store(ws_ptr + n * stride_ws + ch, chunk_sumsq(c))
     tl.debug_barrier()
@@ -534,24 +541,17 @@ def mhc_boundary_(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: to
         return
     xo, u = x_out.view(torch.int16), u_out.view(torch.int16)
     codes, scales = codes_out.view(torch.uint8), scales_out.view(torch.uint8)
-    if plan is not None and plan.coresident:
-        _mhc_boundary_coresident_kernel[(n, plan.chunks)](
-            y, x, post, comb, pre, norm_weight, xo, u, codes, scales, plan.ws, plan.counters, float(eps),
-            int(plan.spin_limit),
-            y.stride(0), x.stride(0), x.stride(1), post.stride(0), comb.stride(0), comb.stride(1), pre.stride(0),
-            xo.stride(0), xo.stride(1), u.stride(0), codes.stride(0), scales.stride(0), plan.ws.stride(0),
-            D=dim, BLOCK_D=plan.block_d, NCH=plan.chunks, NCH_P2=triton.next_power_of_2(plan.chunks),
-            PDL=False, num_warps=4, enable_fp_fusion=False,
-        )
-        return
-    if plan is not None:
-        _mhc_boundary_split_kernel[(n, plan.chunks)](
-            y, x, post, comb, pre, norm_weight, xo, u, codes, scales, plan.ws, plan.counters, float(eps),
-            y.stride(0), x.stride(0), x.stride(1), post.stride(0), comb.stride(0), comb.stride(1), pre.stride(0),
-            xo.stride(0), xo.stride(1), u.stride(0), codes.stride(0), scales.stride(0), plan.ws.stride(0),
-            D=dim, BLOCK_D=plan.block_d, NCH=plan.chunks, NCH_P2=triton.next_power_of_2(plan.chunks),
-            BLOCK_N=_boundary_block_d(dim), PDL=False, num_warps=4, enable_fp_fusion=False,
-        )
+    if plan is not None:         # the two chunked forms take the same operands
+        args = (y, x, post, comb, pre, norm_weight, xo, u, codes, scales, plan.ws, plan.counters, float(eps))
+        strides = (y.stride(0), x.stride(0), x.stride(1), post.stride(0), comb.stride(0), comb.stride(1),
+                   pre.stride(0), xo.stride(0), xo.stride(1), u.stride(0), codes.stride(0), scales.stride(0),
+                   plan.ws.stride(0))
+        meta = dict(D=dim, BLOCK_D=plan.block_d, NCH=plan.chunks, NCH_P2=triton.next_power_of_2(plan.chunks),
+                    PDL=False, num_warps=4, enable_fp_fusion=False)
+        if plan.coresident:
+            _mhc_boundary_coresident_kernel[(n, plan.chunks)](*args, int(plan.spin_limit), *strides, **meta)
+        else:
+            _mhc_boundary_split_kernel[(n, plan.chunks)](*args, *strides, BLOCK_N=_boundary_block_d(dim), **meta)
         return
     _mhc_boundary_kernel[(n,)](
         y, x, post, comb, pre, norm_weight, xo, u, codes, scales, float(eps),
