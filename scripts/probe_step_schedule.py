@@ -106,6 +106,18 @@ PRIORITIES = {
 }
 
 
+def _swap(changes):
+    """Set each (obj, name, value) of changes and return the undo that restores what they held."""
+    held = [(obj, name, getattr(obj, name)) for obj, name, _ in changes]
+    for obj, name, value in changes:
+        setattr(obj, name, value)
+
+    def undo():
+        for obj, name, value in held:
+            setattr(obj, name, value)
+    return undo
+
+
 def _mla_after_mix(step):
     """Patch the step's boundary and layers: the last mixer event is kept and the sparse MLA waits
     for it; returns the undo."""
@@ -120,24 +132,17 @@ def _mla_after_mix(step):
         self.lanes.wait(held.get("ev"))
         return attend(self, B, events)
 
-    step.boundary.mix = mix_kept
-    attention_mod.AttentionStep._attend = attend_after
-
-    def undo():
-        step.boundary.mix = mix
-        attention_mod.AttentionStep._attend = attend
-    return undo
+    return _swap([(step.boundary, "mix", mix_kept), (attention_mod.AttentionStep, "_attend", attend_after)])
 
 
 def _wq_b_slack(step):
     """Patch the step's indexer layers: wq_b enqueued on a least-priority stream of its own (forked
     from the main stream where it stood), the sparse MLA waiting for it; returns the undo."""
     slack = torch.cuda.Stream("cuda", priority=S)
-    done, plans = {}, {}
+    done, changes = {}, []
     for i, layer in step.layers.items():
         if not layer.spec.runs_indexer:
             continue
-        plans[i] = layer.mm_wq_b
 
         def on_slack(*a, _plan=layer.mm_wq_b, _layer=i, **k):
             forked = torch.cuda.Event()
@@ -148,7 +153,7 @@ def _wq_b_slack(step):
                 done[_layer] = torch.cuda.Event()
                 done[_layer].record()
             return out
-        layer.mm_wq_b = on_slack
+        changes.append((layer, "mm_wq_b", on_slack))
     attend = attention_mod.AttentionStep._attend
 
     def attend_after(self, B, events):
@@ -156,13 +161,7 @@ def _wq_b_slack(step):
             torch.cuda.current_stream().wait_event(done[self.spec.layer])
         return attend(self, B, events)
 
-    attention_mod.AttentionStep._attend = attend_after
-
-    def undo():
-        for i, plan in plans.items():
-            step.layers[i].mm_wq_b = plan
-        attention_mod.AttentionStep._attend = attend
-    return undo
+    return _swap(changes + [(attention_mod.AttentionStep, "_attend", attend_after)])
 
 
 def _mix_late(step):
@@ -186,13 +185,7 @@ def _mix_late(step):
                 ev.record()
         return out
 
-    step.boundary.mix = mix_deferred
-    attention_mod.AttentionStep._inputs = inputs_then_mix
-
-    def undo():
-        step.boundary.mix = mix
-        attention_mod.AttentionStep._inputs = inputs
-    return undo
+    return _swap([(step.boundary, "mix", mix_deferred), (attention_mod.AttentionStep, "_inputs", inputs_then_mix)])
 
 
 def _norm_gaps(kernels: list[dict]) -> list[str]:
@@ -217,80 +210,41 @@ def _norm_gaps(kernels: list[dict]) -> list[str]:
 
 def _wproj_split(step):
     """Patch the step's indexer layers: the head weights' plan at split 32; returns the undo."""
-    held = {}
-    for i, layer in step.layers.items():
-        if layer.spec.runs_indexer:
-            p = held[i] = layer.proj_plan
-            layer.proj_plan = LlBf16Plan.build(p.n, p.k, p.max_rows, p.weight_dtype, p.device, split=32,
-                                               block_n=p.block_n)
-
-    def undo():
-        for i, p in held.items():
-            step.layers[i].proj_plan = p
-    return undo
+    return _swap([(layer, "proj_plan", LlBf16Plan.build(p.n, p.k, p.max_rows, p.weight_dtype, p.device, split=32,
+                                                        block_n=p.block_n))
+                  for layer in step.layers.values() if layer.spec.runs_indexer for p in [layer.proj_plan]])
 
 
 def _topk_chunk(step):
     """Patch the step's indexer layers: top-k plans with chunks of --topk-chunk entries; returns the undo."""
     chunk = int(arg("topk-chunk", "1024"))
-    held = {}
-    for i, layer in step.layers.items():
-        if layer.spec.runs_indexer:
-            p = held[i] = layer.topk_plan
-            layer.topk_plan = topk.TopKPlan.build(p.max_rows, p.k, p.group, p.ws.device, chunk=chunk, warps=p.warps,
-                                                 wide_chunk=p.wide_chunk, wide_warps=p.wide_warps)
-
-    def undo():
-        for i, p in held.items():
-            step.layers[i].topk_plan = p
-    return undo
+    return _swap([(layer, "topk_plan", topk.TopKPlan.build(p.max_rows, p.k, p.group, p.ws.device, chunk=chunk,
+                                                           warps=p.warps, wide_chunk=p.wide_chunk,
+                                                           wide_warps=p.wide_warps))
+                  for layer in step.layers.values() if layer.spec.runs_indexer for p in [layer.topk_plan]])
 
 
 def _layer_flag(attr: str, value: bool):
     """A patch setting every layer's `attr` (an `AttentionStep` schedule flag) to value; the undo
     restores each layer's setting as the step was built."""
-    def patch(step):
-        held = {i: getattr(layer, attr) for i, layer in step.layers.items()}
-        for layer in step.layers.values():
-            setattr(layer, attr, value)
-
-        def undo():
-            for i, v in held.items():
-                setattr(step.layers[i], attr, v)
-        return undo
-    return patch
+    return lambda step: _swap([(layer, attr, value) for layer in step.layers.values()])
 
 
 def _boundary_folded(step):
     """Patch the step: the mHC boundary in wo_b's epilogue where wo_b's op takes it; returns the undo."""
-    held, step.fold_boundary = step.fold_boundary, True
-
-    def undo():
-        step.fold_boundary = held
-    return undo
+    return _swap([(step, "fold_boundary", True)])
 
 
 def _boundary_split(step):
     """Patch the step: its boundary plan switched to the split form (the same workspace); returns the undo."""
     b = step.boundary
-    held, b.exit_plan = b.exit_plan, dataclasses.replace(b.exit_plan, coresident=False)
-
-    def undo():
-        b.exit_plan = held
-    return undo
+    return _swap([(b, "exit_plan", dataclasses.replace(b.exit_plan, coresident=False))])
 
 
 def _comp_tail(step):
     """Patch the step: the compressor's tail in one launch in every layer that has its plan (the
     layers whose wk plan fits `ops.compressor_tail`); returns the undo."""
-    held = {i: layer.comp_tail_fused for i, layer in step.layers.items()}
-    for layer in step.layers.values():
-        layer.comp_tail_fused = layer.comp_tail_plan is not None
-
-    def undo():
-        for i, v in held.items():
-            step.layers[i].comp_tail_fused = v
-    return undo
+    return _swap([(layer, "comp_tail_fused", layer.comp_tail_plan is not None) for layer in step.layers.values()])
 
 
 def main() -> None:
