@@ -7,7 +7,8 @@
 - the decode step's reduced configuration, inputs and teacher-forced comparison against the
   generic path (tests/decode/test_step.py on the CPU, test_step_gpu.py on a GPU, test_step_tp.py
   under TP);
-- the rank processes of the CPU tensor-parallel tests (test_parallel.py, test_step_tp.py).
+- the rank processes of the CPU tensor-parallel tests (test_parallel.py, test_step_tp.py);
+- the runner of the sm_90 compile scripts (tests/ops/_*_sm90.py, `compile_script`).
 
 `tests/` is on sys.path (pytest inserts the folder of tests/conftest.py), so `import helpers`
 works from every test folder.
@@ -16,8 +17,13 @@ works from every test folder.
 from __future__ import annotations
 
 import copy
+import json
+import os
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -514,3 +520,22 @@ def one_line_error(capsys) -> str:
     assert len(lines) == 1 and "Traceback" not in err, err
     assert " error: " in lines[0] and not out.strip(), (out, err)
     return lines[0]
+
+
+# --- the sm_90 compile scripts --------------------------------------------------------------------
+
+def compile_env() -> dict:
+    """The environment of a compile script's subprocess: this one's without TRITON_INTERPRET (a
+    kernel must be a real JIT function to compile for sm_90) and with the repository on PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")])
+    return env
+
+
+def compile_script(script: Path, *args: str) -> tuple[str, list[dict]]:
+    """Run a compile script (tests/ops/_*_sm90.py) with `args` in a subprocess (`compile_env`);
+    asserts it exits 0 and returns (its stdout, the JSON objects of its lines that start with "{")."""
+    res = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=compile_env(),
+                         timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
+    return res.stdout, [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]

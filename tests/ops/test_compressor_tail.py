@@ -2,10 +2,6 @@
 compressed_entry_store_), bit for bit: lat, wk_out and both pools (interpreter on the CPU; GPU at
 the step's shapes and plans). Tolerance: none - the op's contract is the three launches' bits."""
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +12,7 @@ from dsv41_decode.ops.kv_write import compressed_entry_store_
 from dsv41_decode.ops.ll_bf16 import LlBf16Plan, ll_bf16_
 from dsv41_decode.ops.rms_norm import rms_norm_
 from dsv41_decode.records import COMPRESSED_KV_BYTES, INDEX_KEY_BYTES
+from helpers import compile_script
 
 _DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _EPS = 1e-6
@@ -191,13 +188,7 @@ def test_compiles_for_sm90_without_spills_with_the_three_kernels_sums():
     kernels: the dot's MMA (mma.sync m16n8k8 TF32, HMMA.1688.F32.TF32, in the same MMA layout) and
     every FP32 sum (the two 512-wide norms' and k_norm's, whose order a reduction's layout fixes)
     in a layout that the three kernels reduce the same shape in."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    p = subprocess.run([sys.executable, str(Path(__file__).with_name("_compressor_tail_sm90.py"))],
-                       capture_output=True, text=True, env=env, timeout=600)
-    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
-    rows = [json.loads(line) for line in p.stdout.splitlines() if line.startswith("{")]
+    _, rows = compile_script(Path(__file__).with_name("_compressor_tail_sm90.py"))
     assert [r["name"] for r in rows] == [f"{k} c {c} BLOCK_M {m}" for c, m in
                                          (("*fp32", 16), ("*fp32", 32), ("*bf16", 16)) for k in ("fused", "apart")]
     for fused, apart in zip(rows[0::2], rows[1::2]):

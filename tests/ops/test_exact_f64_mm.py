@@ -12,10 +12,6 @@ weight), heavy-tailed (448 down to the subnormals) and uniform over every byte (
 subnormals included; the NaN codes replaced).
 """
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 from helpers import FLASH_LINEAR_SHAPES as FLASH_SHAPES
-from helpers import check_mxfp8_plan_errors, linear_operands, raises
+from helpers import check_mxfp8_plan_errors, compile_script, linear_operands, raises
 from test_exact_mm import _bits, _exact_operands, _gen, _poisoned
 
 from dsv41_decode.formats import mxfp8_quantize
@@ -144,14 +140,8 @@ def test_compiles_for_sm90_without_spills():
     interpreter: no stack or local memory, no spill stores or loads, the FP64 MMA (DMMA) in the
     main loop, the block partial's one FP64 -> FP32 rounding (cvt.rn) and the block terms' last
     multiply kept apart from the accumulator's add (mul.rn)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    res = subprocess.run([sys.executable, str(Path(__file__).with_name("_exact_f64_mm_sm90.py")), "--json"],
-                         capture_output=True, text=True, env=env, timeout=600)
-    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
-    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == len(_DEFAULT_CONFIGS) + 2, res.stdout
+    out, rows = compile_script(Path(__file__).with_name("_exact_f64_mm_sm90.py"), "--json")
+    assert len(rows) == len(_DEFAULT_CONFIGS) + 2, out
     for r in rows:
         assert r["STACK"] == 0 and r["LOCAL"] == 0 and r["spills"] == 0, r
         assert r["loop_dmma"] > 0 and r["cvt_rn"] and r["mul_rn"], r

@@ -10,16 +10,12 @@ tests/ops/test_exact_mm.py, on which a plain FP32 block sum is not the exactly r
 there, `test_data_defeats_a_plain_fp32_block_sum`).
 """
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import FLASH_LINEAR_SHAPES as FLASH_SHAPES
-from helpers import check_mxfp8_plan_errors, linear_operands, raises
+from helpers import check_mxfp8_plan_errors, compile_script, linear_operands, raises
 from test_exact_mm import _bits, _exact_operands, _gen, _poisoned
 
 from dsv41_decode.ops.exact_int8_mm import _INT8_PLAN, ExactInt8MM, Int8Config, weight_digits
@@ -95,14 +91,8 @@ def test_compiles_for_sm90_without_spills():
     interpreter (tests/ops/_exact_int8_mm_sm90.py): no local memory, no spill stores or loads, the
     integer MMA in the SASS (IMMA: mma.sync s8; IGMMA: wgmma s8), and the block terms' last multiply
     kept apart from the accumulator's add (mul.rn)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    res = subprocess.run([sys.executable, str(Path(__file__).with_name("_exact_int8_mm_sm90.py")), "--json"],
-                         capture_output=True, text=True, env=env, timeout=600)
-    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
-    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 2 + len({c for _, t in _INT8_PLAN.values() for c in t.values()} | {Int8Config()}), res.stdout
+    out, rows = compile_script(Path(__file__).with_name("_exact_int8_mm_sm90.py"), "--json")
+    assert len(rows) == 2 + len({c for _, t in _INT8_PLAN.values() for c in t.values()} | {Int8Config()}), out
     for r in rows:
         assert r["LOCAL"] == 0 and r["spills"] == 0, r
         assert r["int_mma"] > 0 and r["mul_rn"], r

@@ -11,16 +11,12 @@ block sum cannot pass them.
 """
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from helpers import FLASH_LINEAR_SHAPES as FLASH_SHAPES
-from helpers import boundary_operands, check_mxfp8_plan_errors, linear_operands, raises, rope_operands
+from helpers import boundary_operands, check_mxfp8_plan_errors, compile_script, linear_operands, raises, rope_operands
 
 from dsv41_decode.ops.exact_mm import ExactConfig, ExactMM, _chain_asm
 from dsv41_decode.ops.kv_write import query_rope_
@@ -372,15 +368,9 @@ def test_compiles_for_sm90_without_spills():
     subnormals. wo_b's 1-row plan with the mHC boundary epilogue (`--boundary`) under its register
     cap (`exact_mm._BOUNDARY_MAXNREG`): no spills, the plain kernel's 96 registers, the K loop's
     FP32 instructions as without it (526 instructions against 519)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    res = subprocess.run([sys.executable, str(Path(__file__).with_name("_exact_mm_sm90.py")), "--json"],
-                         capture_output=True, text=True, env=env, timeout=600)
-    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
-    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
-    assert rows, res.stdout
-    assert len(rows) == 6 and sum(r["rope"] for r in rows) == 2 and sum(r["boundary"] for r in rows) == 1, res.stdout
+    out, rows = compile_script(Path(__file__).with_name("_exact_mm_sm90.py"), "--json")
+    assert rows, out
+    assert len(rows) == 6 and sum(r["rope"] for r in rows) == 2 and sum(r["boundary"] for r in rows) == 1, out
     for r in rows:
         assert r["LOCAL"] == 0 and r["spills"] == 0, r
         assert r["LDGSTS"] > 0 and r["mul_rn"], r

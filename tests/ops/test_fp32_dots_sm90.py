@@ -3,19 +3,17 @@ the interpreter, tests/ops/_fp32_dots_sm90.py): the sparse MLA with `FP32_STEP_T
 grouped wo_a with `ieee_dot` at its launch tiles."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+from helpers import compile_env
 
 
 def test_fp32_dots_compile_for_sm90_without_spills():
     """No local memory, no stack and no spill stores or loads; the dots are FMAs, no MMA of any kind
     (what makes their sums FP32 round-to-nearest ones). The two kernels compile in parallel
     subprocesses (~20 s for the sparse MLA, ~10 s for the six wo_a tiles)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    env = compile_env()
     script = str(Path(__file__).with_name("_fp32_dots_sm90.py"))
     procs = [subprocess.Popen([sys.executable, script, which], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=env) for which in ("sparse_mla", "wo_a")]

@@ -23,10 +23,6 @@ confirms it. Against the reference the tolerance is `test_indexer._check`'s (the
 order: at most one BF16 ulp of the row's largest score, >= 99 % of scores equal).
 """
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -37,6 +33,7 @@ from dsv41_decode.ops.indexer import index_scores_mxfp4_
 from dsv41_decode.testing.compare import bits_differ
 from _gluon_indexer_sm90 import CASES
 import test_indexer as TI
+from helpers import compile_script
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -45,13 +42,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def sm90_builds() -> dict:
     """tests/ops/_gluon_indexer_sm90.py's compiles of its CASES, by case tuple, run in a subprocess
     without the interpreter (the kernel calls `fp4.bf16_round`, a Triton JIT function): ~1 s each."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    res = subprocess.run([sys.executable, str(Path(__file__).with_name("_gluon_indexer_sm90.py"))],
-                         capture_output=True, text=True, env=env, timeout=600)
-    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
-    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    _, rows = compile_script(Path(__file__).with_name("_gluon_indexer_sm90.py"))
     return {tuple(r["case"]): r for r in rows}
 
 

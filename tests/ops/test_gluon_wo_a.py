@@ -31,11 +31,7 @@ register-A wgmma that sums otherwise than the shared-memory one); so with its bi
 (`fold_bits`), whose PTX the CPU test interprets on every E4M3 code and scale byte.
 """
 
-import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +44,7 @@ from dsv41_decode.ops.wo_a import WoAPlan, quantize_wo_a, wo_a_
 from dsv41_decode.reference.attention import grouped_wo_a
 from _gluon_wo_a_sm90 import CASES
 from test_wo_a import _check, _inputs
+from helpers import compile_script
 
 RANK = 1024        # o_lora_rank of V4.1; 8 heads per group: group width 4096
 REAL_HEADS = (64, 32, 16, 8)   # this rank's heads under TP1, 2, 4, 8 (heads // 8 groups)
@@ -58,13 +55,7 @@ def sm90_builds() -> dict:
     """tests/ops/_gluon_wo_a_sm90.py's compiles of its CASES, by case tuple, run in a
     subprocess without the interpreter (the kernel calls a Triton JIT function, which the interpreter
     replaces): ~1 s a compile."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    res = subprocess.run([sys.executable, str(Path(__file__).with_name("_gluon_wo_a_sm90.py"))],
-                         capture_output=True, text=True, env=env, timeout=600)
-    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
-    rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
+    _, rows = compile_script(Path(__file__).with_name("_gluon_wo_a_sm90.py"))
     return {tuple(r["case"]): r for r in rows}
 
 

@@ -14,10 +14,6 @@ tighter where); measured at most 4.8e-7 at dims 64-5120.
 """
 
 import dataclasses
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -34,6 +30,7 @@ from dsv41_decode.ops.rounding import bf16_rne_bits
 from dsv41_decode.reference.linear import rms_norm
 from dsv41_decode.reference.mhc import hc_mixes, hc_post, hc_pre, sinkhorn
 from dsv41_decode.testing.attribution import mix_bounds
+from helpers import compile_script
 
 _DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _EPS = 1e-20      # the model's norm_eps
@@ -255,13 +252,7 @@ def test_coresident_boundary_compiles_for_sm90_without_spills():
     compiled for sm_90 (tests/ops/_mhc_sm90.py, in a subprocess without the interpreter): no local
     memory, stack or spill instructions, and every program of a 64-row launch (640) fits on an
     H200's 132 SMs at once by registers, threads and shared memory (what its wait needs)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, str(Path(__file__).with_name("_mhc_sm90.py"))], capture_output=True,
-                         text=True, env=env, timeout=600)
-    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
-    rows = {r["name"]: r for r in map(json.loads, (l for l in out.stdout.splitlines() if l.startswith("{")))}
+    rows = {r["name"]: r for r in compile_script(Path(__file__).with_name("_mhc_sm90.py"))[1]}
     assert set(rows) == {"coresident", "split"}, rows
     for r in rows.values():
         assert r["LOCAL"] == 0 and r["STACK"] == 0 and r["spills"] == 0, r

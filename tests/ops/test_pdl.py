@@ -5,14 +5,12 @@ and `griddepcontrol.launch_dependents` follows the wait."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
 from dsv41_decode.ops import pdl, sparse_mla
+from helpers import compile_script
 
 
 def test_off_unless_asked_per_launch():
@@ -25,13 +23,8 @@ def test_kernels_wait_before_dependent_accesses():
     """The sm_90 PTX of every PDL-aware kernel: low_latency_mm (both variants), wo_a, sparse_mla and its
     combine, the norms, act_quant, the query/window-KV insert and the mHC boundary
     (tests/ops/_pdl_ptx_check.py, in a subprocess without the interpreter)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = Path(__file__).with_name("_pdl_ptx_check.py")
-    root = Path(__file__).resolve().parents[2]
-    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
-    res = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
-    assert res.returncode == 0, res.stdout + res.stderr[-3000:]
-    assert res.stdout.count("waits before") == 9
+    out, _ = compile_script(Path(__file__).with_name("_pdl_ptx_check.py"))
+    assert out.count("waits before") == 9
 
 
 def test_default_launches_carry_no_pdl(monkeypatch):
