@@ -144,6 +144,27 @@ def test_bookkeeping_free_and_admit(cpu_setup):
     assert st.seq_lens.tolist() == [3, 17, 6, 0]
 
 
+_CACHES = ("window", "compressed", "index_keys")
+
+
+def _twin_steps(steps, cfg, seed: int, rows_lists=([("a", 1), ("b", 2)], [("c", 1), ("a", 1), ("b", 1)])):
+    """Run both steps on the same streams for each list of (request, rows) in turn, asserting the
+    same outputs and carried pre bit for bit; yields each list's row count after its call."""
+    g = torch.Generator().manual_seed(seed)
+    for rows in rows_lists:
+        x = streams(sum(c for _, c in rows), cfg, g)
+        (out0, pre0), (out1, pre1) = (step(x, rows) for step in steps)
+        assert torch.equal(out0, out1) and torch.equal(pre0, pre1), rows
+        yield sum(c for _, c in rows)
+
+
+def _assert_same_caches(states, caches=_CACHES) -> None:
+    """The two states' caches of these names equal bit for bit, layer by layer."""
+    for cache in caches:
+        for L, t in getattr(states[0], cache).items():
+            assert torch.equal(t, getattr(states[1], cache)[L]), (cache, L)
+
+
 @interpreter
 def test_fold_index_chain_gives_the_same_bits(cpu_setup):
     """fold_index_chain (the index query in the indexer wq_b's epilogue, the head weights in
@@ -159,19 +180,12 @@ def test_fold_index_chain_gives_the_same_bits(cpu_setup):
     indexers = [i for i in stack.ids if steps[1].layers[i].spec.runs_indexer]
     assert indexers and all(steps[1].layers[i].index_query_in_gemm for i in indexers)
     assert not any(steps[0].layers[i].index_query_in_gemm for i in indexers)
-    g = torch.Generator().manual_seed(3)
-    for rows in ([("a", 1), ("b", 2)], [("c", 1), ("a", 1), ("b", 1)]):
-        x = streams(sum(c for _, c in rows), cfg, g)
-        (out0, pre0), (out1, pre1) = (step(x, rows) for step in steps)
-        assert torch.equal(out0, out1) and torch.equal(pre0, pre1)
+    for n in _twin_steps(steps, cfg, 3):
         for i in indexers:
             a, b = steps[0].layers[i].selection, steps[1].layers[i].selection
-            n = sum(c for _, c in rows)
             for name in ("topk", "table", "lengths"):
                 assert torch.equal(getattr(a, name)[:n], getattr(b, name)[:n]), (i, name)
-    for cache in ("window", "compressed", "index_keys"):
-        for L, t in getattr(states[0], cache).items():
-            assert torch.equal(t, getattr(states[1], cache)[L]), (cache, L)
+    _assert_same_caches(states)
 
 
 @interpreter
@@ -187,14 +201,9 @@ def test_comp_tail_in_one_launch_gives_the_same_bits(cpu_setup):
     assert {steps[1].layers[i].spec.ratio for i in owners} == {1, 2}
     assert all(steps[1].layers[i].comp_tail_fused for i in owners)
     assert not any(steps[0].layers[i].comp_tail_fused for i in stack.ids)
-    g = torch.Generator().manual_seed(4)
-    for rows in ([("a", 1), ("b", 2)], [("c", 1), ("a", 1), ("b", 1)]):
-        x = streams(sum(c for _, c in rows), cfg, g)
-        (out0, pre0), (out1, pre1) = (step(x, rows) for step in steps)
-        assert torch.equal(out0, out1) and torch.equal(pre0, pre1)
-    for cache in ("window", "compressed", "index_keys", "comp_kv", "comp_score"):
-        for L, t in getattr(states[0], cache).items():
-            assert torch.equal(t, getattr(states[1], cache)[L]), (cache, L)
+    for _ in _twin_steps(steps, cfg, 4):
+        pass
+    _assert_same_caches(states, _CACHES + ("comp_kv", "comp_score"))
     assert any(t.any() for t in states[1].index_keys.values())
 
 
@@ -271,21 +280,14 @@ def test_boundary_in_wo_b_gives_the_same_bits(cpu_setup, monkeypatch):
     assert all(steps[1].boundary_folded(i, b) for i in stack.ids for b in (1, 2))
     exits, exit_ = [], Boundary.exit
     monkeypatch.setattr(Boundary, "exit", lambda self, *a, **kw: exits.append(self) or exit_(self, *a, **kw))
-    g = torch.Generator().manual_seed(4)
-    for rows in ([("a", 1)], [("b", 1), ("c", 1)]):
-        n = len(rows)
-        x = streams(n, cfg, g)
-        (out0, pre0), (out1, pre1) = (step(x, rows) for step in steps)
-        assert torch.equal(out0, out1) and torch.equal(pre0, pre1), rows
+    for n in _twin_steps(steps, cfg, 4, ([("a", 1)], [("b", 1), ("c", 1)])):
         a, b = steps[0].boundary, steps[1].boundary
         for name in ("u", "codes", "scales", "streams"):
             for t0, t1 in zip(*(t if name == "streams" else [t] for t in (getattr(a, name), getattr(b, name)))):
-                assert torch.equal(t0[:n].view(torch.uint8), t1[:n].view(torch.uint8)), (rows, name)
-        assert torch.equal(steps[0].y[:n], steps[1].y[:n]), rows
+                assert torch.equal(t0[:n].view(torch.uint8), t1[:n].view(torch.uint8)), (n, name)
+        assert torch.equal(steps[0].y[:n], steps[1].y[:n]), n
     assert [bd is steps[0].boundary for bd in exits] == [True] * 4
-    for cache in ("window", "compressed", "index_keys"):
-        for L, t in getattr(states[0], cache).items():
-            assert torch.equal(t, getattr(states[1], cache)[L]), (cache, L)
+    _assert_same_caches(states)
 
 
 @interpreter
