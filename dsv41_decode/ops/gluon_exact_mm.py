@@ -133,7 +133,7 @@ BLOCK_K = 128                   # K per ring slot: four 32-wide blocks, one 32-b
 BLOCK_KS = (128, 256)           # GluonExactConfig.block_k: 256, two scale words a row per slot
 ROW_BUCKETS = (8, 16, 32, 64)   # BT: the MMA's N side
 CONSUMER_WARPS = 4
-CONVERTS = ("cvt", "int", "raw", "int+cvt", "raw+cvt", "intp", "rawp", "intp+cvt", "rawp+cvt")
+CONVERTS = ("cvt", "int", "raw", "int+cvt", "raw+cvt", "intp", "rawp", "intp+cvt", "rawp+cvt", "f16d")
 # GluonExactConfig.block_n per warps_k: with warps_k > 1, 16 to 64 weight rows a warp
 BLOCK_NS = {1: (64, 128), 2: (32, 64, 128), 4: (16, 32, 64)}
 
@@ -297,6 +297,69 @@ def _operand_b(view, layout: gl.constexpr, KC: gl.constexpr):
 
 
 @gluon.jit
+def _digits(codes):
+    """(h, l) of E4M3 codes (float8e4nv, any layout) as FP16: h = the value rounded to an integer
+    (|h| <= 448; v + 1536 lies in [1088, 1984], where FP16's spacing is 1, so the add rounds v to an
+    integer and the subtraction is exact), l = v - h (exact: a multiple of 2^-9 with |l| <= 1/2).
+    Both are exact FP16 values: the digits of `_digit_partial`."""
+    v = codes.to(gl.float16)
+    h = (v + 1536.0) - 1536.0
+    return h, v - h
+
+
+@gluon.jit
+def _operand16(view, layout: gl.constexpr, OPERAND: gl.constexpr):
+    """An MMA operand of one 32-deep K block from shared memory in the FP16 MMA's operand layout
+    `layout` (k_width 2), its k in a fixed permutation (the same for both operands; a block's exact
+    sum does not depend on it): the weight [BN, 32] (OPERAND 0) or x [32, BT] (OPERAND 1, `view` the
+    tile's columns transposed). A thread of the m16n8k16 layout holds k = 16 s + 8 u + 2 t + v
+    (s, u, v in {0, 1}, t its lane's index mod 4) of each of its rows; they are loaded from
+    columns 8 t + 4 s + 2 u + v, eight consecutive bytes (one wide load), and renamed into the
+    operand layout without moving data (`assert_trivial`)."""
+    if OPERAND == 0:
+        BN: gl.constexpr = view.shape[0]
+        like = gl.zeros([BN, 32], gl.int8, layout)
+        phys: gl.constexpr = gl.reshape(gl.permute(gl.reshape(like, [BN, 2, 2, 4, 2]), (0, 3, 1, 2, 4)),
+                                        [BN, 32]).type.layout
+        v = gl.reshape(gl.permute(gl.reshape(view.load(phys), [BN, 4, 2, 2, 2]), (0, 2, 3, 1, 4)), [BN, 32])
+    else:
+        BT: gl.constexpr = view.shape[1]
+        like = gl.zeros([32, BT], gl.int8, layout)
+        phys: gl.constexpr = gl.reshape(gl.permute(gl.reshape(like, [2, 2, 4, 2, BT]), (2, 0, 1, 3, 4)),
+                                        [32, BT]).type.layout
+        v = gl.reshape(gl.permute(gl.reshape(view.load(phys), [4, 2, 2, 2, BT]), (1, 2, 0, 3, 4)), [32, BT])
+    return gl.convert_layout(v, layout, assert_trivial=True)
+
+
+@gluon.jit
+def _digit_partial(w_tile, x_tile, j: gl.constexpr, mma_layout: gl.constexpr):
+    """The exact dot of K block j of the slot's weight tile [BN, 128 or 256] and activation tile
+    [BT, ...] in shared memory, rounded once to FP32, on FP16 tensor cores ("f16d"): each code's
+    value split into two FP16 digits (`_digits`: w = wh + wl, x = xh + xl), the block's dot is
+    hh + mid + ll with hh = wh . xh (a sum of integers below 448^2, itself below 2^23), mid = wh .
+    xl + wl . xh (multiples of 2^-9 below 448 / 2 each, the sum below 2^14) and ll = wl . xl
+    (multiples of 2^-18 below 1/4, the sum below 2^3): each of the three is a sum of at most 24
+    significant bits, formed exactly by the MMA (mid's second MMA accumulating onto its first), as
+    long as the MMA's adds keep 24 bits below their largest term (scripts/probe_digit_mma.py
+    measures that; the GPU tests check the kernel bitwise). Then with S = 1.5 x 2^23: mi = (mid +
+    S) - S, mid rounded to an integer, mf = mid - mi (exact, |mf| <= 1/2); H = hh + mi (an integer
+    below 2^24: exact), L = mf + ll (a multiple of 2^-18 below 2^4: exact), and RN(H + L) is the
+    block's exact sum H + L + ... = hh + mid + ll rounded once, as `ExactMM`'s split."""
+    la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+    lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_layout, k_width=2)
+    BN: gl.constexpr = w_tile.shape[0]
+    BT: gl.constexpr = x_tile.shape[0]
+    wh, wl = _digits(_operand16(w_tile.slice(32 * j, 32, dim=1), la, 0))
+    xh, xl = _digits(_operand16(x_tile.slice(32 * j, 32, dim=1).permute((1, 0)), lb, 1))
+    zero = gl.zeros([BN, BT], gl.float32, mma_layout)
+    hh = mma_v2(wh, xh, zero)
+    mid = mma_v2(wl, xh, mma_v2(wh, xl, zero))
+    ll = mma_v2(wl, xl, zero)
+    mi = (mid + 12582912.0) - 12582912.0
+    return (hh + mi) + ((mid - mi) + ll)
+
+
+@gluon.jit
 def _block_partial(w_tile, x_tile, j: gl.constexpr, zero, CONVERT: gl.constexpr, KC: gl.constexpr,
                    mma_layout: gl.constexpr):
     """The exact dot of K block j (columns 32j..32j+31) of the slot's weight tile [BN, 128] and
@@ -305,20 +368,24 @@ def _block_partial(w_tile, x_tile, j: gl.constexpr, zero, CONVERT: gl.constexpr,
     (`_operand_a`, `_operand_b`), converted (`_e4m3_f64` in the block's form: CONVERT, or for
     "int+cvt" / "raw+cvt" the first form in even blocks and "cvt" in odd ones) and multiplied, the
     block's MMAs chained through the FP64 accumulator from `zero` (exact: module doc)."""
-    la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=1)
-    lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_layout, k_width=1)
-    FORM: gl.constexpr = _form(CONVERT, j)
-    d = zero
-    for h in gl.static_range(32 // KC):
-        a = _operand_a(w_tile.slice(32 * j + KC * h, KC, dim=1), la, KC, _is_packed(FORM))      # [BN, KC]
-        b = _operand_b(x_tile.slice(32 * j + KC * h, KC, dim=1).permute((1, 0)), lb, KC)         # [KC, BT]
-        d = mma_v2(_e4m3_f64(a, FORM, 0), _e4m3_f64(b, FORM, 1), d)
-    if _is_raw(FORM):
-        # RN(sum * 2^-16) = RN(sum) * 2^-16: a nonzero block sum is at least 2^-18 in magnitude, so
-        # the scaled one stays a normal FP32 (>= 2^-34) and below 2^7; times 2^16 is exact.
-        return d.to(gl.float32) * 65536.0
+    if CONVERT == "f16d":
+        part = _digit_partial(w_tile, x_tile, j, mma_layout)
     else:
-        return d.to(gl.float32)
+        la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=1)
+        lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_layout, k_width=1)
+        FORM: gl.constexpr = _form(CONVERT, j)
+        d = zero
+        for h in gl.static_range(32 // KC):
+            a = _operand_a(w_tile.slice(32 * j + KC * h, KC, dim=1), la, KC, _is_packed(FORM))      # [BN, KC]
+            b = _operand_b(x_tile.slice(32 * j + KC * h, KC, dim=1).permute((1, 0)), lb, KC)         # [KC, BT]
+            d = mma_v2(_e4m3_f64(a, FORM, 0), _e4m3_f64(b, FORM, 1), d)
+        if _is_raw(FORM):
+            # RN(sum * 2^-16) = RN(sum) * 2^-16: a nonzero block sum is at least 2^-18 in magnitude, so
+            # the scaled one stays a normal FP32 (>= 2^-34) and below 2^7; times 2^16 is exact.
+            part = d.to(gl.float32) * 65536.0
+        else:
+            part = d.to(gl.float32)
+    return part
 
 
 @gluon.jit
@@ -743,6 +810,9 @@ class GluonExactConfig:
         if self.block_n not in block_ns or not is_int(self.block_n):
             raise ValueError(f"GluonExactConfig.block_n must be one of {block_ns} with warps_k={self.warps_k}, "
                              f"got {self.block_n!r}")
+        if self.convert == "f16d" and self.warps_k != 1:
+            raise ValueError(f"GluonExactConfig.convert 'f16d' (the FP16 digits) runs with warps_k=1 only, "
+                             f"got warps_k={self.warps_k!r}")
         if self.warps_k > 1:
             if self.warps_n != 1:
                 raise ValueError(f"GluonExactConfig.warps_n must be 1 with warps_k={self.warps_k} (the warps "

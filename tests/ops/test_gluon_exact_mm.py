@@ -147,6 +147,42 @@ def test_compiles_for_sm90_without_spills(config, bt, split, out_f32):
     assert sum(t.startswith("BAR.SYNC") for t in loop) == (2 if wk == 1 else 3), loop
 
 
+# The FP16 digits ("f16d": each code split into an integer digit and a 2^-9 remainder, a block's
+# exact dot from four FP16 MMAs): 128 x 8 at a cap of 80, 128 x 16, 64 x 32 with x's rows on two
+# warps and FP32 out, the K split, 256-deep slots.
+DIGIT_COMPILE_CASES = [
+    (C(convert="f16d", block_n=128, block_m=8, maxnreg=80), 8, 1, False),
+    (C(convert="f16d", block_n=128, block_m=16), 16, 1, False),
+    (C(convert="f16d", block_m=32, warps_n=2), 32, 1, True),
+    (C(convert="f16d", block_m=16, split=4), 16, 4, False),
+    (C(convert="f16d", block_n=128, block_m=8, block_k=256, stages=3), 8, 1, False),
+]
+
+
+@pytest.mark.parametrize("config,bt,split,out_f32", DIGIT_COMPILE_CASES,
+                         ids=[_case_id(c) for c in DIGIT_COMPILE_CASES])
+def test_digit_form_compiles_for_sm90_without_spills(config, bt, split, out_f32):
+    kernel = _compile(config, bt, split, out_f32)
+    _, ins, ops = spill_free(kernel, config.maxnreg or 255, E.shared_bytes(config, bt))
+    # Four FP16 MMAs a K block (hh, the two cross dots, ll), each two m16n8k16 with FP32
+    # accumulation, per 16 weight rows and 8 x rows, a quarter per warp; no FP64 MMA.
+    hmma = [t for t in ins if t.startswith("HMMA")]
+    assert all(t.startswith("HMMA.16816.F32 ") for t in hmma), hmma[:4]
+    assert len(hmma) == 8 * (config.block_n // 16) * (bt // 8) * (config.block_k // 32) // 4, len(hmma)
+    assert ops.get("DMMA", 0) == 0, ops
+    # The operands' shared-memory loads are 8 bytes wide (`_operand16`'s permuted k); the codes
+    # become FP16 pairwise (one unpacking conversion per two codes).
+    loop = loop_with(kernel, "HMMA")
+    loads = {t.split()[0] for t in loop if t.startswith("LDS")}
+    assert loads == {"LDS.64"}, loads
+    assert any(t.startswith("F2FP.F16.E4M3.UNPACK_B") for t in loop)
+    # Nothing contracted: the digits' and the partial's adds and the scaling's products each
+    # rounded on their own (no FFMA / HFMA2), no FP32 op that flushes subnormals.
+    assert ops.get("FFMA", 0) == 0 and ops.get("HFMA2", 0) == 0, ops
+    assert "mul.rn.f32" in kernel.asm["ptx"] and re.search(r"\.ftz\.f32\b", kernel.asm["ptx"]) is None
+    assert (split > 1) == (ops.get("ATOMG", 0) > 0), (split, ops)
+
+
 # The query-RoPE epilogue (wq_b): its plan's configurations (`exact_linear._GLUON_PLAN`: 128 x 8
 # "rawp" up to 8 rows, 128 x 16 "intp+cvt" above) in the MMA's accumulator layout, and the warps
 # along K (the K-ordered sums' layout) with the K split's last arriver; sm_90: 80, 128 and 128
@@ -201,6 +237,7 @@ def test_bad_plan_arguments_name_the_argument():
     raises(r"block_n must be one of \(16, 32, 64\) with warps_k=4", lambda: C(warps_k=4, block_n=128))
     raises(r"block_n must be one of \(32, 64, 128\) with warps_k=2", lambda: C(warps_k=2, block_n=16))
     raises("warps_k must be 1, 2 or 4", lambda: C(warps_k=3))
+    raises("'f16d' .*warps_k=1 only, got warps_k=4", lambda: C(warps_k=4, block_n=16, convert="f16d"))
     raises("warps_n must be 1 with warps_k=4", lambda: C(warps_k=4, warps_n=2))
     raises("'raw\\+cvt' is not offered with warps_k=2", lambda: C(warps_k=2, convert="raw+cvt"))
     raises("'rawp\\+cvt' is not offered with warps_k=4", lambda: C(warps_k=4, block_n=16, convert="rawp+cvt"))
@@ -263,6 +300,15 @@ def test_bad_plan_arguments_name_the_argument():
     (40, 96, 768, C(convert="cvt", warps_k=2, block_n=64, block_m=16, block_k=256, stages=2), "uniform"),
     (8, 130, 1280, C(convert="intp+cvt", block_n=128, block_m=8, stages=2, block_k=256, split=2), "subnormal"),
     (33, 64, 512, C(convert="raw", mma_k=16, warps_n=2, block_k=256, stages=2), "heavy"),
+    # the FP16 digits: every kind of codes (subnormals: digits of 2^-9), row tiles, partial tiles,
+    # the K split, 256-deep slots, x's rows on two warps, 64 x rows
+    (1, 96, 512, C(convert="f16d"), "quantized"),
+    (5, 160, 384, C(convert="f16d", block_n=128, block_m=8, maxnreg=80), "heavy"),
+    (9, 130, 512, C(convert="f16d", block_n=128, block_m=16), "subnormal"),
+    (20, 96, 256, C(convert="f16d", block_m=8), "uniform"),
+    (3, 96, 640, C(convert="f16d", split=2, block_n=128), "heavy"),
+    (33, 130, 1280, C(convert="f16d", block_m=32, warps_n=2, block_k=256, stages=2), "subnormal"),
+    (64, 64, 256, C(convert="f16d", block_m=64, maxnreg=None), "uniform"),
 ])
 def test_bitwise_equal_to_the_reference_on_gpu(m, n, k, config, kind):
     codes, x_scale, weight, w_scale = kind_operands(kind, m, n, k)
@@ -337,6 +383,18 @@ BLOCK_K_CONFIGS = (
 )
 
 
+# The FP16 digits at the TP1 shapes, per row count: 128 x 8 and 128 x 16, 64 x 32 with x's rows on
+# two warps, the K split, 256-deep slots.
+DIGIT_CONFIGS = (
+    {8: C(convert="f16d", block_n=128, block_m=8, maxnreg=80),
+     16: C(convert="f16d", block_n=128, block_m=16),
+     64: C(convert="f16d", block_m=32, warps_n=2)},
+    {8: C(convert="f16d", block_m=8, split=4, maxnreg=80),
+     16: C(convert="f16d", block_m=16, block_k=256, stages=3),
+     64: C(convert="f16d", block_m=64, maxnreg=None)},
+)
+
+
 def _flash_shape_matches_the_reference(name, n, k, configs):
     # Bitwise `reference.linear.mxfp8_mm` at 1, 5, 8, 16, 33 and 64 rows, on model-like operands and
     # on heavy-tailed codes (448 down to the subnormals, both operands; scales of 2^-7..2^6), BF16
@@ -372,6 +430,12 @@ def test_packed_flash_shapes_match_the_reference_on_gpu(name, n, k):
 @pytest.mark.parametrize("name,n,k", TP1_SHAPES, ids=["fused_wqa_wkv", "wq_b", "idx_wq_b", "wo_b"])
 def test_block_k_256_flash_shapes_match_the_reference_on_gpu(name, n, k):
     _flash_shape_matches_the_reference(name, n, k, BLOCK_K_CONFIGS)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,n,k", TP1_SHAPES, ids=["fused_wqa_wkv", "wq_b", "idx_wq_b", "wo_b"])
+def test_digit_flash_shapes_match_the_reference_on_gpu(name, n, k):
+    _flash_shape_matches_the_reference(name, n, k, DIGIT_CONFIGS)
 
 
 @pytest.mark.gpu
