@@ -1,7 +1,8 @@
 """The step's contract-exact FP8 linear: `ExactLinear` runs each call on whichever exact op measured
 faster at its row count: `ops.exact_mm.ExactMM` (CUDA cores, every device and the interpreter) or,
 on an sm_90 GPU, `ops.gluon_exact_fma.GluonExactFMA` (the FP64 CUDA cores from a TMA ring, 1-4
-rows) or `ops.gluon_exact_mm.GluonExactMM` (the FP64 MMA from a TMA ring). All give the bits of
+rows) or `ops.gluon_exact_mm.GluonExactMM` (the FP64 MMA, or FP16 MMAs on the codes' two digits,
+from a TMA ring). All give the bits of
 `reference.linear.mxfp8_mm` (each 32-deep block sum exact, rounded once to FP32, scaled, added in K
 order: docs/spec-decisions.md decision 1) in the same reduction order, so a row's result never
 depends on which op ran or how many rows shared the call (batch invariance).
@@ -35,26 +36,30 @@ _fma_cfg = GluonExactFMAConfig.from_spec
 # faster, and GluonExactMM's configuration per row count above it (`{most rows: GluonExactConfig}`,
 # in the probe's spec form). Measured on an H200 (scripts/probe_gluon_exact_mm.py; us per call,
 # weights beyond L2; docs/results/gpu-tests-h200.txt): runs B1 and C2 of that file as of 8415a49
-# (the 32- and 64-row entries), its run G (commit 8415a49; 1-16 rows: the packed conversions and
-# 256-deep slots, `--rows=2,4,8,16`, and for wq_b 32 and 64): the fastest configuration per row count, and the
-# threshold where ExactMM's time, linear in the rows between the measured counts, crosses
-# GluonExactMM's. Shapes without an entry (the TP shards) run GluonExactMM in its default
+# (the 32- and 64-row entries of the FP64 forms), its run G (commit 8415a49; 1-16 rows: the packed
+# conversions and 256-deep slots), and run C of the thirteenth session (commit 9b9a03f: the FP16
+# digits, "f16d", at 4-64 rows against the FP64 forms' plan): the fastest configuration per row
+# count, and the threshold where ExactMM's time, linear in the rows between the measured counts,
+# crosses GluonExactMM's. Shapes without an entry (the TP shards) run GluonExactMM in its default
 # configuration above 4 rows. Every configuration gives the same bits.
 _GLUON_PLAN: dict[tuple[int, int], tuple[int, dict[int, GluonExactConfig]]] = {
-    # fused wq_a|wkv: GluonExactMM 12.6 us at 2-8 rows, 15.8 at 16, 24.1 / 42.3 at 32 / 64;
-    # ExactMM 11.1 at 2, 15.9 at 4
+    # fused wq_a|wkv: GluonExactMM 12.5 us at 4-8 rows, 15.6 at 16, 24.1 at 32; at 64 the FP16
+    # digits 36.4 against 42.3; ExactMM 11.1 at 2, 15.9 at 4
     (1792, 5120): (2, {4: _cfg("rawp:16:16:1:16:4:1:80:4:256"), 16: _cfg("rawp:16:8:1:16:4:1:80:4:256"),
-                       32: _cfg("int+cvt:16:16:1:16:8:1:80:4"), 64: _cfg("int+cvt:32:16:1:16:6:1:128:4")}),
-    # wq_b: 22.2 at 2-8, 34.6 / 65.6 / 126.5 at 16 / 32 / 64; ExactMM 16.1 at 1, 26.6 at 2
-    # (1-2 rows run GluonExactFMA: _FMA_PLAN)
-    (32768, 1280): (1, {8: _cfg("rawp:128:8:1:32:4:1:80"), 64: _cfg("intp+cvt:128:16:1:32:4:1")}),
-    # the indexer's wq_b: 6.6 at 2-8, 8.6 / 13.6 / 21.5 at 16 / 32 / 64; ExactMM 6.35 at 2, 8.8 at 4
+                       32: _cfg("int+cvt:16:16:1:16:8:1:80:4"), 64: _cfg("f16d:128:8:1:32:3:1:128:1:256")}),
+    # wq_b: the FP16 digits 18.9 at 4-8 rows, 27.4 at 16, 51.1 / 98.1 at 32 / 64 against the FP64
+    # forms' 22.0, 34.4, 65.2 / 126.3; ExactMM 16.1 at 1, 26.6 at 2 (1-2 rows run GluonExactFMA: _FMA_PLAN)
+    (32768, 1280): (1, {8: _cfg("f16d:128:8:1:32:4:1:80"), 16: _cfg("f16d:128:16:1:32:4:1"),
+                        64: _cfg("f16d:64:32:2:32:4:1")}),
+    # the indexer's wq_b: 6.5-6.6 at 4-8, 8.6 at 16; the FP16 digits 11.7 / 16.4 at 32 / 64 against
+    # 13.7 / 21.2; ExactMM 6.35 at 2, 8.8 at 4
     (4096, 1280): (2, {8: _cfg("rawp:16:8:1:16:4:1:80:4:256"), 16: _cfg("rawp:16:8:1:32:4:1:64:4:256"),
-                       32: _cfg("int+cvt:32:16:1:16:6:1:128:4"), 64: _cfg("raw:64:16:1:16:4:1:128:4")}),
-    # wo_b: 29.7-29.9 at 2-8, 46.5 / 80.9 / 158.5 at 16 / 32 / 64; ExactMM 17.0 at 1, 30.6 at 2
+                       32: _cfg("f16d:128:8:1:32:3:1:128:1:256"), 64: _cfg("f16d:128:16:1:32:4:1")}),
+    # wo_b: 29.7-30.3 at 2-8, 46.2 / 80.3 at 16 / 32; at 64 the FP16 digits 136.8 against 158.2;
+    # ExactMM 17.0 at 1, 30.6 at 2
     (5120, 8192): (1, {2: _cfg("rawp:16:16:1:16:4:1:80:4:256"), 4: _cfg("rawp:16:8:1:16:4:1:80:4:256"),
                        8: _cfg("rawp:16:16:1:16:4:1:80:4:256"), 16: _cfg("rawp:32:8:1:16:4:1:80:4:256"),
-                       64: _cfg("int+cvt:16:16:1:16:8:1:80:4")}),
+                       32: _cfg("int+cvt:16:16:1:16:8:1:80:4"), 64: _cfg("f16d:64:8:1:32:4:4:80")}),
 }
 # Per (N, K): the row counts GluonExactFMA (FP64 CUDA cores) runs, ahead of both ops above, first
 # to last, and its configuration (rows_per_thread:warps_k:lanes_k:stages[:maxnreg[:split]]).
