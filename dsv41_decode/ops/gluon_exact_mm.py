@@ -121,7 +121,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.extra import libdevice
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                                warpgroup_mma_wait)
 
 from .checks import row_configs
 from .gluon_exact_common import GluonExactPlan, pow2, ring_weight_args, split_k_sum, store_tile, sum_chunk
@@ -133,7 +134,7 @@ BLOCK_K = 128                   # K per ring slot: four 32-wide blocks, one 32-b
 BLOCK_KS = (128, 256)           # GluonExactConfig.block_k: 256, two scale words a row per slot
 ROW_BUCKETS = (8, 16, 32, 64)   # BT: the MMA's N side
 CONSUMER_WARPS = 4
-CONVERTS = ("cvt", "int", "raw", "int+cvt", "raw+cvt", "intp", "rawp", "intp+cvt", "rawp+cvt", "f16d")
+CONVERTS = ("cvt", "int", "raw", "int+cvt", "raw+cvt", "intp", "rawp", "intp+cvt", "rawp+cvt", "f16d", "f16w")
 # GluonExactConfig.block_n per warps_k: with warps_k > 1, 16 to 64 weight rows a warp
 BLOCK_NS = {1: (64, 128), 2: (32, 64, 128), 4: (16, 32, 64)}
 
@@ -355,8 +356,86 @@ def _digit_partial(w_tile, x_tile, j: gl.constexpr, mma_layout: gl.constexpr):
     hh = mma_v2(wh, xh, zero)
     mid = mma_v2(wl, xh, mma_v2(wh, xl, zero))
     ll = mma_v2(wl, xl, zero)
+    return _combine(hh, mid, ll)
+
+
+@gluon.jit
+def _combine(hh, mid, ll):
+    """RN(hh + mid + ll) of `_digit_partial`'s three exact dots (FP32, any layout): mid rounded to an
+    integer mi by the 1.5 x 2^23 trick, H = hh + mi and L = (mid - mi) + ll both exact, one rounding
+    in H + L."""
     mi = (mid + 12582912.0) - 12582912.0
     return (hh + mi) + ((mid - mi) + ll)
+
+
+@gluon.jit
+def _x_digit_tiles(x_tile, xd, cvt_l: gl.constexpr):
+    """The slot's x codes ([BT, 32 NB] E4M3 in shared memory) as FP16 digit tiles for the wgmma's B
+    operand: xd.index(2 j) = the integer digits (`_digits`), xd.index(2 j + 1) the remainders of K
+    block j ([BT, 32] each), the block's columns in `_operand16`'s permutation (column 8 t + 4 s +
+    2 u + v at k = 16 s + 8 u + 2 t + v), the order the weight's register operand takes them in."""
+    BT: gl.constexpr = x_tile.shape[0]
+    NB: gl.constexpr = x_tile.shape[1] // 32
+    for j in gl.static_range(NB):
+        c = x_tile.slice(32 * j, 32, dim=1).load(cvt_l)
+        c = gl.reshape(gl.permute(gl.reshape(c, [BT, 4, 2, 2, 2]), (0, 2, 3, 1, 4)), [BT, 32])
+        h, lo = _digits(c)
+        xd.index(2 * j).store(h)
+        xd.index(2 * j + 1).store(lo)
+
+
+@gluon.jit
+def _consumer_wg(w_smem, x_smem, xd, ready, empty, sw_words, sx_words, ws_ptr, step_lo, n_steps, M,
+                 STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, SPLIT_K: gl.constexpr,
+                 mma_layout: gl.constexpr, cvt_l: gl.constexpr):
+    """`_consumer` for the FP16 digits on wgmma ("f16w"; one consumer warpgroup, mma_layout the
+    wgmma's [BN, BT] accumulator layout): per ring slot, x's digits written once to shared memory
+    (`_x_digit_tiles`, then a fence for the async proxy and a barrier), and per K block the
+    weight's digits in registers (`_operand16`: the A operand, k permuted as x's columns were) and
+    four asynchronous wgmmas from zero accumulators - hh, the two cross dots chained, ll - whose
+    exact sums `_combine` rounds once; the term (`_block_term`) joins the FP32 accumulator in K
+    order, or with SPLIT_K the workspace, as in `_consumer`. The slot goes back to the producer
+    once every warp's MMAs of it have retired. Returns (acc, )."""
+    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+    acc = gl.zeros([BN, BT], gl.float32, mma_layout)
+    zero = gl.zeros([BN, BT], gl.float32, mma_layout)
+    NB: gl.constexpr = w_smem.shape[2] // 32
+    rn = gl.arange(0, BN, layout=gl.SliceLayout(1, mma_layout))
+    rm = gl.arange(0, BT, layout=gl.SliceLayout(0, mma_layout))
+    ws_offs = rn[:, None] * M + rm[None, :]
+    ws_mask = (rm[None, :] < M) & (rn[:, None] < BN)
+    words_next = _slot_words(sw_words, sx_words, step_lo, NB // 4)
+    for i in range(n_steps):
+        words = words_next
+        words_next = _slot_words(sw_words, sx_words, step_lo + gl.minimum(i + 1, n_steps - 1), NB // 4)
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        w_tile = w_smem.index(s)
+        _x_digit_tiles(x_smem.index(s), xd, cvt_l)
+        # the generic-proxy stores before the wgmmas' (async proxy) reads, from every thread
+        fence_async_shared()
+        gl.thread_barrier()
+        for j in gl.static_range(NB):
+            wh, wl = _digits(_operand16(w_tile.slice(32 * j, 32, dim=1), a_l, 0))
+            xh = xd.index(2 * j).permute((1, 0))
+            xl = xd.index(2 * j + 1).permute((1, 0))
+            hh = warpgroup_mma(wh, xh, zero, is_async=True)
+            mid = warpgroup_mma(wh, xl, zero, is_async=True)
+            mid = warpgroup_mma(wl, xh, mid, is_async=True)
+            ll = warpgroup_mma(wl, xl, zero, is_async=True)
+            hh, mid, ll = warpgroup_mma_wait(num_outstanding=0, deps=(hh, mid, ll))
+            part = _combine(hh, mid, ll)
+            if j == NB - 1:
+                # every warp's MMAs of the slot retired (its weight loads and x's digits read)
+                # before one thread hands the slot back and the next slot's digits overwrite xd
+                gl.thread_barrier()
+                mbarrier.arrive(empty.index(s), count=1)
+            term = _block_term(part, words, j)
+            if SPLIT_K:
+                gl.store(ws_ptr + ((step_lo + i) * NB + j) * (BN * M) + ws_offs, term, mask=ws_mask)
+            else:
+                acc = acc + term
+    return (acc, )
 
 
 @gluon.jit
@@ -638,7 +717,11 @@ def _gluon_exact_mm_kernel(
     # all four None without it, so that they take no kernel parameter).
     BN: gl.constexpr = w_desc.block_type.shape[0]
     NB: gl.constexpr = w_desc.block_type.shape[1] // 32      # K blocks a slot: 4, or 8 (block_k 256)
-    if WARPS_K == 1:
+    if CONVERT == "f16w":
+        mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, BT, 16])
+        out_layout: gl.constexpr = mma_layout
+    elif WARPS_K == 1:
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[4 // WARPS_N, WARPS_N],
                                                              instr_shape=[16, 8])
         out_layout: gl.constexpr = mma_layout
@@ -670,7 +753,19 @@ def _gluon_exact_mm_kernel(
     if _is_packed(_form(CONVERT, 0)):
         sw_words = _tile_weight_scales(sw_ptr, pid_n * BN, N, stride_swn, BN, gl.SliceLayout(1, scale_layout))
     ws_tile = ws_ptr + pid_n * (n_steps_total * NB * BN) * M
-    if WARPS_K == 1:
+    if CONVERT == "f16w":
+        # x's digit tiles of one slot: per K block the integer digits and the remainders, [BT, 32] FP16
+        xd = gl.allocate_shared_memory(gl.float16, [2 * NB, BT, 32], gl.NVMMASharedLayout.get_default_for(
+            [BT, 32], gl.float16))
+        cvt_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[8, 4],
+                                               warps_per_cta=[4, 1], order=[1, 0])
+        acc, = gl.warp_specialize([
+            (_consumer_wg, (w_smem, x_smem, xd, ready, empty, sw_words, sx_words, ws_tile, step_lo, n_steps, M,
+                            STAGES, BN, BT, SPLIT_K, mma_layout, cvt_l)),
+            (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, off_m, 0, step_lo, n_steps, 0,
+                         n_steps, STAGES, False)),
+        ], [1], [24])
+    elif WARPS_K == 1:
         acc, = gl.warp_specialize([
             (_consumer, (w_smem, x_smem, ready, empty, sw_words, sx_words, ws_tile, step_lo, n_steps, M,
                          STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout)),
@@ -810,9 +905,12 @@ class GluonExactConfig:
         if self.block_n not in block_ns or not is_int(self.block_n):
             raise ValueError(f"GluonExactConfig.block_n must be one of {block_ns} with warps_k={self.warps_k}, "
                              f"got {self.block_n!r}")
-        if self.convert == "f16d" and self.warps_k != 1:
-            raise ValueError(f"GluonExactConfig.convert 'f16d' (the FP16 digits) runs with warps_k=1 only, "
-                             f"got warps_k={self.warps_k!r}")
+        if self.convert in ("f16d", "f16w") and self.warps_k != 1:
+            raise ValueError(f"GluonExactConfig.convert {self.convert!r} (the FP16 digits) runs with warps_k=1 "
+                             f"only, got warps_k={self.warps_k!r}")
+        if self.convert == "f16w" and self.warps_n != 1:
+            raise ValueError(f"GluonExactConfig.convert 'f16w' (one warpgroup's wgmma) runs with warps_n=1 only, "
+                             f"got warps_n={self.warps_n!r}")
         if self.warps_k > 1:
             if self.warps_n != 1:
                 raise ValueError(f"GluonExactConfig.warps_n must be 1 with warps_k={self.warps_k} (the warps "
@@ -869,7 +967,8 @@ def shared_bytes(config: GluonExactConfig, bt: int) -> int:
     with warps_k=1 and block_k=128 at most 8 x (128 + 64) x 128 + 1024 = 197632 bytes, within
     sm_90's `gluon_mm.SHARED_LIMIT` (GluonExactConfig checks the others at block_m)."""
     terms = config.block_k // 32 * config.block_n * bt * 4 if config.warps_k > 1 else 0
-    return config.stages * (config.block_n + bt) * config.block_k + 1024 + terms
+    digits = 2 * config.block_k * bt * 2 if config.convert == "f16w" else 0
+    return config.stages * (config.block_n + bt) * config.block_k + 1024 + terms + digits
 
 
 def launch_options(config: GluonExactConfig, bt: int, split: int) -> dict:

@@ -156,6 +156,12 @@ DIGIT_COMPILE_CASES = [
     (C(convert="f16d", block_m=32, warps_n=2), 32, 1, True),
     (C(convert="f16d", block_m=16, split=4), 16, 4, False),
     (C(convert="f16d", block_n=128, block_m=8, block_k=256, stages=3), 8, 1, False),
+    # on wgmma ("f16w"): 64 x 8, 128 x 16, 64 x 32 with FP32 out, the K split, 256-deep slots
+    (C(convert="f16w", block_m=8), 8, 1, False),
+    (C(convert="f16w", block_n=128, block_m=16), 16, 1, False),
+    (C(convert="f16w", block_m=32), 32, 1, True),
+    (C(convert="f16w", block_m=16, split=4), 16, 4, False),
+    (C(convert="f16w", block_m=8, block_k=256, stages=3), 8, 1, False),
 ]
 
 
@@ -164,15 +170,24 @@ DIGIT_COMPILE_CASES = [
 def test_digit_form_compiles_for_sm90_without_spills(config, bt, split, out_f32):
     kernel = _compile(config, bt, split, out_f32)
     _, ins, ops = spill_free(kernel, config.maxnreg or 255, E.shared_bytes(config, bt))
-    # Four FP16 MMAs a K block (hh, the two cross dots, ll), each two m16n8k16 with FP32
-    # accumulation, per 16 weight rows and 8 x rows, a quarter per warp; no FP64 MMA.
-    hmma = [t for t in ins if t.startswith("HMMA")]
-    assert all(t.startswith("HMMA.16816.F32 ") for t in hmma), hmma[:4]
-    assert len(hmma) == 8 * (config.block_n // 16) * (bt // 8) * (config.block_k // 32) // 4, len(hmma)
+    # Four FP16 MMAs a K block (hh, the two cross dots, ll), each two k16 steps with FP32
+    # accumulation: "f16d" m16n8k16 (mma.sync) per 16 weight rows and 8 x rows, a quarter per warp;
+    # "f16w" one wgmma m64 x bt per 64 weight rows (the warpgroup's); no FP64 MMA.
+    blocks = config.block_k // 32
+    if config.convert == "f16d":
+        mma, shape = "HMMA", "HMMA.16816.F32 "
+        count = 8 * (config.block_n // 16) * (bt // 8) * blocks // 4
+    else:
+        mma, shape = "HGMMA", f"HGMMA.64x{bt}x16.F32 "
+        count = 8 * (config.block_n // 64) * blocks
+    found = [t for t in ins if t.startswith(mma)]
+    assert all(t.startswith(shape) for t in found), found[:4]
+    assert len(found) == count, len(found)
     assert ops.get("DMMA", 0) == 0, ops
-    # The operands' shared-memory loads are 8 bytes wide (`_operand16`'s permuted k); the codes
-    # become FP16 pairwise (one unpacking conversion per two codes).
-    loop = loop_with(kernel, "HMMA")
+    # The operands' shared-memory loads are 8 bytes wide (`_operand16`'s permuted k, and the x
+    # codes of "f16w"'s digit tiles); the codes become FP16 pairwise (one unpacking conversion per
+    # two codes).
+    loop = loop_with(kernel, mma)
     loads = {t.split()[0] for t in loop if t.startswith("LDS")}
     assert loads == {"LDS.64"}, loads
     assert any(t.startswith("F2FP.F16.E4M3.UNPACK_B") for t in loop)
@@ -240,6 +255,7 @@ def test_bad_plan_arguments_name_the_argument():
     raises(r"block_n must be one of \(32, 64, 128\) with warps_k=2", lambda: C(warps_k=2, block_n=16))
     raises("warps_k must be 1, 2 or 4", lambda: C(warps_k=3))
     raises("'f16d' .*warps_k=1 only, got warps_k=4", lambda: C(warps_k=4, block_n=16, convert="f16d"))
+    raises("'f16w' .*warps_n=1 only, got warps_n=2", lambda: C(warps_n=2, convert="f16w"))
     raises("warps_n must be 1 with warps_k=4", lambda: C(warps_k=4, warps_n=2))
     raises("'raw\\+cvt' is not offered with warps_k=2", lambda: C(warps_k=2, convert="raw+cvt"))
     raises("'rawp\\+cvt' is not offered with warps_k=4", lambda: C(warps_k=4, block_n=16, convert="rawp+cvt"))
@@ -311,6 +327,14 @@ def test_bad_plan_arguments_name_the_argument():
     (3, 96, 640, C(convert="f16d", split=2, block_n=128), "heavy"),
     (33, 130, 1280, C(convert="f16d", block_m=32, warps_n=2, block_k=256, stages=2), "subnormal"),
     (64, 64, 256, C(convert="f16d", block_m=64, maxnreg=None), "uniform"),
+    # on wgmma: the same kinds and tilings, x's digit tiles rewritten every slot
+    (1, 96, 512, C(convert="f16w"), "quantized"),
+    (5, 160, 384, C(convert="f16w", block_m=8), "heavy"),
+    (9, 130, 512, C(convert="f16w", block_n=128, block_m=16), "subnormal"),
+    (20, 96, 256, C(convert="f16w", block_m=8), "uniform"),
+    (3, 96, 640, C(convert="f16w", split=2, block_n=128), "heavy"),
+    (33, 130, 1280, C(convert="f16w", block_m=32, block_k=256, stages=2), "subnormal"),
+    (64, 64, 256, C(convert="f16w", block_m=64), "uniform"),
 ])
 def test_bitwise_equal_to_the_reference_on_gpu(m, n, k, config, kind):
     codes, x_scale, weight, w_scale = kind_operands(kind, m, n, k)
@@ -386,7 +410,7 @@ BLOCK_K_CONFIGS = (
 
 
 # The FP16 digits at the TP1 shapes, per row count: 128 x 8 and 128 x 16, 64 x 32 with x's rows on
-# two warps, the K split, 256-deep slots.
+# two warps, the K split, 256-deep slots; on mma.sync ("f16d") and on wgmma ("f16w").
 DIGIT_CONFIGS = (
     {8: C(convert="f16d", block_n=128, block_m=8, maxnreg=80),
      16: C(convert="f16d", block_n=128, block_m=16),
@@ -394,6 +418,9 @@ DIGIT_CONFIGS = (
     {8: C(convert="f16d", block_m=8, split=4, maxnreg=80),
      16: C(convert="f16d", block_m=16, block_k=256, stages=3),
      64: C(convert="f16d", block_m=64, maxnreg=None)},
+    {8: C(convert="f16w", block_m=8, split=4),
+     16: C(convert="f16w", block_n=128, block_m=16),
+     64: C(convert="f16w", block_m=32, block_k=256, stages=3)},
 )
 
 
