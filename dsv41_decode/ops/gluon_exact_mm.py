@@ -134,7 +134,7 @@ BLOCK_K = 128                   # K per ring slot: four 32-wide blocks, one 32-b
 BLOCK_KS = (128, 256)           # GluonExactConfig.block_k: 256, two scale words a row per slot
 ROW_BUCKETS = (8, 16, 32, 64)   # BT: the MMA's N side
 CONSUMER_WARPS = 4
-CONVERTS = ("cvt", "int", "raw", "int+cvt", "raw+cvt", "intp", "rawp", "intp+cvt", "rawp+cvt", "f16d", "f16w")
+CONVERTS = ("cvt", "int", "raw", "int+cvt", "raw+cvt", "intp", "rawp", "intp+cvt", "rawp+cvt", "f16d", "f16w", "f16wp")
 # GluonExactConfig.block_n per warps_k: with warps_k > 1, 16 to 64 weight rows a warp
 BLOCK_NS = {1: (64, 128), 2: (32, 64, 128), 4: (16, 32, 64)}
 
@@ -385,17 +385,35 @@ def _x_digit_tiles(x_tile, xd, cvt_l: gl.constexpr):
 
 
 @gluon.jit
+def _issue_block(w_tile, xd, j: gl.constexpr, zero, a_l: gl.constexpr):
+    """K block j's four asynchronous wgmmas on the FP16 digits (`_consumer_wg`): the weight's digits
+    in registers (`_operand16`, the A operand), x's from the slot's digit tiles in shared memory;
+    hh, the cross dots chained on one accumulator, ll, each from `zero`. Returns (hh, mid, ll, wh,
+    wl): the in-flight accumulators and the register operands they read until retired."""
+    wh, wl = _digits(_operand16(w_tile.slice(32 * j, 32, dim=1), a_l, 0))
+    xh = xd.index(2 * j).permute((1, 0))
+    xl = xd.index(2 * j + 1).permute((1, 0))
+    hh = warpgroup_mma(wh, xh, zero, is_async=True)
+    mid = warpgroup_mma(wh, xl, zero, is_async=True)
+    mid = warpgroup_mma(wl, xh, mid, is_async=True)
+    ll = warpgroup_mma(wl, xl, zero, is_async=True)
+    return hh, mid, ll, wh, wl
+
+
+@gluon.jit
 def _consumer_wg(w_smem, x_smem, xd, ready, empty, sw_words, sx_words, ws_ptr, step_lo, n_steps, M,
                  STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, SPLIT_K: gl.constexpr,
-                 mma_layout: gl.constexpr, cvt_l: gl.constexpr):
+                 mma_layout: gl.constexpr, cvt_l: gl.constexpr, PIPE: gl.constexpr):
     """`_consumer` for the FP16 digits on wgmma ("f16w"; one consumer warpgroup, mma_layout the
     wgmma's [BN, BT] accumulator layout): per ring slot, x's digits written once to shared memory
     (`_x_digit_tiles`, then a fence for the async proxy and a barrier), and per K block the
     weight's digits in registers (`_operand16`: the A operand, k permuted as x's columns were) and
     four asynchronous wgmmas from zero accumulators - hh, the two cross dots chained, ll - whose
     exact sums `_combine` rounds once; the term (`_block_term`) joins the FP32 accumulator in K
-    order, or with SPLIT_K the workspace, as in `_consumer`. The slot goes back to the producer
-    once every warp's MMAs of it have retired. Returns (acc, )."""
+    order, or with SPLIT_K the workspace, as in `_consumer`. PIPE ("f16wp"): block j + 1's wgmmas
+    are issued before block j's sums are rounded and added (the wait leaves its four groups in
+    flight), so the MMAs overlap the adds within a slot. The slot goes back to the producer once
+    every warp's MMAs of it have retired. Returns (acc, )."""
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
     acc = gl.zeros([BN, BT], gl.float32, mma_layout)
     zero = gl.zeros([BN, BT], gl.float32, mma_layout)
@@ -415,15 +433,16 @@ def _consumer_wg(w_smem, x_smem, xd, ready, empty, sw_words, sx_words, ws_ptr, s
         # the generic-proxy stores before the wgmmas' (async proxy) reads, from every thread
         fence_async_shared()
         gl.thread_barrier()
+        nxt = _issue_block(w_tile, xd, 0, zero, a_l)
         for j in gl.static_range(NB):
-            wh, wl = _digits(_operand16(w_tile.slice(32 * j, 32, dim=1), a_l, 0))
-            xh = xd.index(2 * j).permute((1, 0))
-            xl = xd.index(2 * j + 1).permute((1, 0))
-            hh = warpgroup_mma(wh, xh, zero, is_async=True)
-            mid = warpgroup_mma(wh, xl, zero, is_async=True)
-            mid = warpgroup_mma(wl, xh, mid, is_async=True)
-            ll = warpgroup_mma(wl, xl, zero, is_async=True)
-            hh, mid, ll = warpgroup_mma_wait(num_outstanding=0, deps=(hh, mid, ll))
+            cur = nxt
+            if PIPE and j + 1 < NB:
+                nxt = _issue_block(w_tile, xd, j + 1, zero, a_l)
+                hh, mid, ll, _, _ = warpgroup_mma_wait(num_outstanding=4, deps=cur)
+            else:
+                hh, mid, ll, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=cur)
+                if j + 1 < NB:
+                    nxt = _issue_block(w_tile, xd, j + 1, zero, a_l)
             part = _combine(hh, mid, ll)
             if j == NB - 1:
                 # every warp's MMAs of the slot retired (its weight loads and x's digits read)
@@ -717,7 +736,7 @@ def _gluon_exact_mm_kernel(
     # all four None without it, so that they take no kernel parameter).
     BN: gl.constexpr = w_desc.block_type.shape[0]
     NB: gl.constexpr = w_desc.block_type.shape[1] // 32      # K blocks a slot: 4, or 8 (block_k 256)
-    if CONVERT == "f16w":
+    if CONVERT == "f16w" or CONVERT == "f16wp":
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BT, 16])
         out_layout: gl.constexpr = mma_layout
@@ -753,7 +772,7 @@ def _gluon_exact_mm_kernel(
     if _is_packed(_form(CONVERT, 0)):
         sw_words = _tile_weight_scales(sw_ptr, pid_n * BN, N, stride_swn, BN, gl.SliceLayout(1, scale_layout))
     ws_tile = ws_ptr + pid_n * (n_steps_total * NB * BN) * M
-    if CONVERT == "f16w":
+    if CONVERT == "f16w" or CONVERT == "f16wp":
         # x's digit tiles of one slot: per K block the integer digits and the remainders, [BT, 32] FP16
         xd = gl.allocate_shared_memory(gl.float16, [2 * NB, BT, 32], gl.NVMMASharedLayout.get_default_for(
             [BT, 32], gl.float16))
@@ -761,7 +780,7 @@ def _gluon_exact_mm_kernel(
                                                warps_per_cta=[4, 1], order=[1, 0])
         acc, = gl.warp_specialize([
             (_consumer_wg, (w_smem, x_smem, xd, ready, empty, sw_words, sx_words, ws_tile, step_lo, n_steps, M,
-                            STAGES, BN, BT, SPLIT_K, mma_layout, cvt_l)),
+                            STAGES, BN, BT, SPLIT_K, mma_layout, cvt_l, CONVERT == "f16wp")),
             (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, off_m, 0, step_lo, n_steps, 0,
                          n_steps, STAGES, False)),
         ], [1], [24])
@@ -905,10 +924,10 @@ class GluonExactConfig:
         if self.block_n not in block_ns or not is_int(self.block_n):
             raise ValueError(f"GluonExactConfig.block_n must be one of {block_ns} with warps_k={self.warps_k}, "
                              f"got {self.block_n!r}")
-        if self.convert in ("f16d", "f16w") and self.warps_k != 1:
+        if self.convert in ("f16d", "f16w", "f16wp") and self.warps_k != 1:
             raise ValueError(f"GluonExactConfig.convert {self.convert!r} (the FP16 digits) runs with warps_k=1 "
                              f"only, got warps_k={self.warps_k!r}")
-        if self.convert == "f16w" and self.warps_n != 1:
+        if self.convert in ("f16w", "f16wp") and self.warps_n != 1:
             raise ValueError(f"GluonExactConfig.convert 'f16w' (one warpgroup's wgmma) runs with warps_n=1 only, "
                              f"got warps_n={self.warps_n!r}")
         if self.warps_k > 1:
@@ -967,7 +986,7 @@ def shared_bytes(config: GluonExactConfig, bt: int) -> int:
     with warps_k=1 and block_k=128 at most 8 x (128 + 64) x 128 + 1024 = 197632 bytes, within
     sm_90's `gluon_mm.SHARED_LIMIT` (GluonExactConfig checks the others at block_m)."""
     terms = config.block_k // 32 * config.block_n * bt * 4 if config.warps_k > 1 else 0
-    digits = 2 * config.block_k * bt * 2 if config.convert == "f16w" else 0
+    digits = 2 * config.block_k * bt * 2 if config.convert in ("f16w", "f16wp") else 0
     return config.stages * (config.block_n + bt) * config.block_k + 1024 + terms + digits
 
 

@@ -162,6 +162,9 @@ DIGIT_COMPILE_CASES = [
     (C(convert="f16w", block_m=32), 32, 1, True),
     (C(convert="f16w", block_m=16, split=4), 16, 4, False),
     (C(convert="f16w", block_m=8, block_k=256, stages=3), 8, 1, False),
+    # the next block's wgmmas issued before this block's sums ("f16wp"): 64 x 8, 128 x 8 with the split
+    (C(convert="f16wp", block_m=8), 8, 1, False),
+    (C(convert="f16wp", block_n=128, block_m=8, split=2), 8, 2, True),
 ]
 
 
@@ -335,6 +338,8 @@ def test_bad_plan_arguments_name_the_argument():
     (3, 96, 640, C(convert="f16w", split=2, block_n=128), "heavy"),
     (33, 130, 1280, C(convert="f16w", block_m=32, block_k=256, stages=2), "subnormal"),
     (64, 64, 256, C(convert="f16w", block_m=64), "uniform"),
+    (7, 130, 1280, C(convert="f16wp", block_m=8, block_k=256, stages=3, split=2), "subnormal"),
+    (20, 96, 512, C(convert="f16wp", block_n=128, block_m=16, maxnreg=None), "heavy"),
 ])
 def test_bitwise_equal_to_the_reference_on_gpu(m, n, k, config, kind):
     codes, x_scale, weight, w_scale = kind_operands(kind, m, n, k)
@@ -418,7 +423,7 @@ DIGIT_CONFIGS = (
     {8: C(convert="f16d", block_m=8, split=4, maxnreg=80),
      16: C(convert="f16d", block_m=16, block_k=256, stages=3),
      64: C(convert="f16d", block_m=64, maxnreg=None)},
-    {8: C(convert="f16w", block_m=8, split=4),
+    {8: C(convert="f16wp", block_m=8, split=4),
      16: C(convert="f16w", block_n=128, block_m=16),
      64: C(convert="f16w", block_m=32, block_k=256, stages=3)},
 )
