@@ -371,17 +371,17 @@ def _combine(hh, mid, ll):
 @gluon.jit
 def _x_digit_tiles(x_tile, xd, cvt_l: gl.constexpr):
     """The slot's x codes ([BT, 32 NB] E4M3 in shared memory) as FP16 digit tiles for the wgmma's B
-    operand: xd.index(2 j) = the integer digits (`_digits`), xd.index(2 j + 1) the remainders of K
-    block j ([BT, 32] each), the block's columns in `_operand16`'s permutation (column 8 t + 4 s +
+    operand: tile 2 j of xd (rows 2 j BT..) the integer digits (`_digits`), tile 2 j + 1 the
+    remainders of K block j ([BT, 32] each, written in one store), the block's columns in `_operand16`'s permutation (column 8 t + 4 s +
     2 u + v at k = 16 s + 8 u + 2 t + v), the order the weight's register operand takes them in."""
     BT: gl.constexpr = x_tile.shape[0]
     NB: gl.constexpr = x_tile.shape[1] // 32
-    for j in gl.static_range(NB):
-        c = x_tile.slice(32 * j, 32, dim=1).load(cvt_l)
-        c = gl.reshape(gl.permute(gl.reshape(c, [BT, 4, 2, 2, 2]), (0, 2, 3, 1, 4)), [BT, 32])
-        h, lo = _digits(c)
-        xd.index(2 * j).store(h)
-        xd.index(2 * j + 1).store(lo)
+    c = gl.reshape(x_tile.load(cvt_l), [BT, NB, 4, 2, 2, 2])
+    c = gl.reshape(gl.permute(c, (0, 1, 3, 4, 2, 5)), [BT, NB, 32])
+    h, lo = _digits(c)
+    # one store of all 2 NB tiles ([NB, 2, BT, 32] as rows: block j's digits at tile 2 j, its
+    # remainders at 2 j + 1)
+    xd.store(gl.reshape(gl.permute(gl.join(h, lo), (1, 3, 0, 2)), [2 * NB * BT, 32]))
 
 
 @gluon.jit
@@ -391,8 +391,9 @@ def _issue_block(w_tile, xd, j: gl.constexpr, zero, a_l: gl.constexpr):
     hh, the cross dots chained on one accumulator, ll, each from `zero`. Returns (hh, mid, ll, wh,
     wl): the in-flight accumulators and the register operands they read until retired."""
     wh, wl = _digits(_operand16(w_tile.slice(32 * j, 32, dim=1), a_l, 0))
-    xh = xd.index(2 * j).permute((1, 0))
-    xl = xd.index(2 * j + 1).permute((1, 0))
+    BT: gl.constexpr = zero.shape[1]
+    xh = xd.slice(2 * j * BT, BT, dim=0).permute((1, 0))
+    xl = xd.slice((2 * j + 1) * BT, BT, dim=0).permute((1, 0))
     hh = warpgroup_mma(wh, xh, zero, is_async=True)
     mid = warpgroup_mma(wh, xl, zero, is_async=True)
     mid = warpgroup_mma(wl, xh, mid, is_async=True)
@@ -774,7 +775,7 @@ def _gluon_exact_mm_kernel(
     ws_tile = ws_ptr + pid_n * (n_steps_total * NB * BN) * M
     if CONVERT == "f16w" or CONVERT == "f16wp":
         # x's digit tiles of one slot: per K block the integer digits and the remainders, [BT, 32] FP16
-        xd = gl.allocate_shared_memory(gl.float16, [2 * NB, BT, 32], gl.NVMMASharedLayout.get_default_for(
+        xd = gl.allocate_shared_memory(gl.float16, [2 * NB * BT, 32], gl.NVMMASharedLayout.get_default_for(
             [BT, 32], gl.float16))
         cvt_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[8, 4],
                                                warps_per_cta=[4, 1], order=[1, 0])
