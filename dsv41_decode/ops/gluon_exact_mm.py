@@ -542,26 +542,70 @@ def _operands_k(w_tile, x_tile, la: gl.constexpr, lb: gl.constexpr, KC: gl.const
 
 
 @gluon.jit
+def _digit_operands_k(w_tile, x_tile, la: gl.constexpr, lb: gl.constexpr):
+    """The slot's NB K blocks as batched FP16-MMA operands for `_digit_slot_partials`: the weight's
+    codes [NB, BN, 32] and x's [NB, 32, BT] (batch j: K block j) in the operand layouts la / lb
+    (k_width 2), each block's k in `_operand16`'s permutation (k = 16 s + 8 u + 2 t + v at the
+    block's column 8 t + 4 s + 2 u + v): each thread's bytes consecutive in shared memory, renamed
+    into the operand layouts without moving data (`assert_trivial`)."""
+    BN: gl.constexpr = w_tile.shape[0]
+    BT: gl.constexpr = x_tile.shape[0]
+    NB: gl.constexpr = w_tile.shape[1] // 32
+    like_a = gl.zeros([NB, BN, 32], gl.int8, la)
+    phys_a: gl.constexpr = gl.reshape(gl.permute(gl.reshape(like_a, [NB, BN, 2, 2, 4, 2]), (1, 0, 4, 2, 3, 5)),
+                                      [BN, 32 * NB]).type.layout
+    a = gl.reshape(gl.permute(gl.reshape(w_tile.load(phys_a), [BN, NB, 4, 2, 2, 2]), (1, 0, 3, 4, 2, 5)),
+                   [NB, BN, 32])
+    like_b = gl.zeros([NB, 32, BT], gl.int8, lb)
+    phys_b: gl.constexpr = gl.reshape(gl.permute(gl.reshape(like_b, [NB, 2, 2, 4, 2, BT]), (0, 3, 1, 2, 4, 5)),
+                                      [32 * NB, BT]).type.layout
+    b = gl.reshape(gl.permute(gl.reshape(x_tile.permute((1, 0)).load(phys_b), [NB, 4, 2, 2, 2, BT]),
+                              (0, 2, 3, 1, 4, 5)), [NB, 32, BT])
+    return gl.convert_layout(a, la, assert_trivial=True), gl.convert_layout(b, lb, assert_trivial=True)
+
+
+@gluon.jit
+def _digit_slot_partials(w_tile, x_tile, mma_layout: gl.constexpr):
+    """`_digit_partial` of the slot's NB K blocks at once (the FP16 digits with `warps_k` > 1): [NB,
+    BN, BT] FP32, batch j block j's exact dot rounded once, from batched FP16 MMAs (each warp its
+    share of the blocks)."""
+    la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
+    lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_layout, k_width=2)
+    a, b = _digit_operands_k(w_tile, x_tile, la, lb)
+    wh, wl = _digits(a)
+    xh, xl = _digits(b)
+    zero = gl.zeros([a.shape[0], a.shape[1], b.shape[2]], gl.float32, mma_layout)
+    hh = mma_v2(wh, xh, zero)
+    mid = mma_v2(wl, xh, mma_v2(wh, xl, zero))
+    ll = mma_v2(wl, xl, zero)
+    return _combine(hh, mid, ll)
+
+
+@gluon.jit
 def _slot_partials(w_tile, x_tile, zero, CONVERT: gl.constexpr, KC: gl.constexpr, mma_layout: gl.constexpr):
     """`_block_partial` of the slot's NB K blocks at once (`warps_k` > 1): [NB, BN, BT] FP32, batch j
     block j's exact dot rounded once to FP32, from the batched FP64 MMA (each warp its share of the
     blocks; `_operands_k`). "int+cvt" converts the weight of each block's first 16-deep half as
     "int" and of its second as "cvt" (both the codes' values: they share the block's accumulator)."""
-    la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=1)
-    lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_layout, k_width=1)
-    if KC == 32:
-        a, b = _operands_k(w_tile, x_tile, la, lb, KC, _is_packed(CONVERT))
-        d = mma_v2(_e4m3_f64(a, CONVERT, 0), _e4m3_f64(b, CONVERT, 1), zero)
+    if CONVERT == "f16d":
+        part = _digit_slot_partials(w_tile, x_tile, mma_layout)
     else:
-        a0, b0, a1, b1 = _operands_k(w_tile, x_tile, la, lb, KC, _is_packed(CONVERT))
-        FORM0: gl.constexpr = _form(CONVERT, 0)
-        FORM1: gl.constexpr = _form(CONVERT, 1)
-        d = mma_v2(_e4m3_f64(a0, FORM0, 0), _e4m3_f64(b0, FORM0, 1), zero)
-        d = mma_v2(_e4m3_f64(a1, FORM1, 0), _e4m3_f64(b1, FORM1, 1), d)
-    if _is_raw(CONVERT):
-        return d.to(gl.float32) * 65536.0          # as `_block_partial`'s "raw"
-    else:
-        return d.to(gl.float32)
+        la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=1)
+        lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_layout, k_width=1)
+        if KC == 32:
+            a, b = _operands_k(w_tile, x_tile, la, lb, KC, _is_packed(CONVERT))
+            d = mma_v2(_e4m3_f64(a, CONVERT, 0), _e4m3_f64(b, CONVERT, 1), zero)
+        else:
+            a0, b0, a1, b1 = _operands_k(w_tile, x_tile, la, lb, KC, _is_packed(CONVERT))
+            FORM0: gl.constexpr = _form(CONVERT, 0)
+            FORM1: gl.constexpr = _form(CONVERT, 1)
+            d = mma_v2(_e4m3_f64(a0, FORM0, 0), _e4m3_f64(b0, FORM0, 1), zero)
+            d = mma_v2(_e4m3_f64(a1, FORM1, 0), _e4m3_f64(b1, FORM1, 1), d)
+        if _is_raw(CONVERT):
+            part = d.to(gl.float32) * 65536.0          # as `_block_partial`'s "raw"
+        else:
+            part = d.to(gl.float32)
+    return part
 
 
 @gluon.jit
@@ -925,7 +969,7 @@ class GluonExactConfig:
         if self.block_n not in block_ns or not is_int(self.block_n):
             raise ValueError(f"GluonExactConfig.block_n must be one of {block_ns} with warps_k={self.warps_k}, "
                              f"got {self.block_n!r}")
-        if self.convert in ("f16d", "f16w", "f16wp") and self.warps_k != 1:
+        if self.convert in ("f16w", "f16wp") and self.warps_k != 1:
             raise ValueError(f"GluonExactConfig.convert {self.convert!r} (the FP16 digits) runs with warps_k=1 "
                              f"only, got warps_k={self.warps_k!r}")
         if self.convert in ("f16w", "f16wp") and self.warps_n != 1:

@@ -156,6 +156,11 @@ DIGIT_COMPILE_CASES = [
     (C(convert="f16d", block_m=32, warps_n=2), 32, 1, True),
     (C(convert="f16d", block_m=16, split=4), 16, 4, False),
     (C(convert="f16d", block_n=128, block_m=8, block_k=256, stages=3), 8, 1, False),
+    # with the warps along K (batched MMAs, a warp's blocks): 16 x 8 at a cap of 80 (and 256-deep
+    # slots), 64 x 16 over 2 x 2 warps with the K split and FP32 out
+    (C(convert="f16d", warps_k=4, block_n=16, block_m=8, maxnreg=80), 8, 1, False),
+    (C(convert="f16d", warps_k=4, block_n=16, block_m=8, maxnreg=80, block_k=256), 8, 1, False),
+    (C(convert="f16d", warps_k=2, block_n=64, block_m=16), 16, 2, True),
     # on wgmma ("f16w"): 64 x 8, 128 x 16, 64 x 32 with FP32 out, the K split, 256-deep slots
     (C(convert="f16w", block_m=8), 8, 1, False),
     (C(convert="f16w", block_n=128, block_m=16), 16, 1, False),
@@ -188,11 +193,12 @@ def test_digit_form_compiles_for_sm90_without_spills(config, bt, split, out_f32)
     assert len(found) == count, len(found)
     assert ops.get("DMMA", 0) == 0, ops
     # The operands' shared-memory loads are 8 bytes wide (`_operand16`'s permuted k, and the x
-    # codes of "f16w"'s digit tiles); the codes become FP16 pairwise (one unpacking conversion per
-    # two codes).
+    # codes of "f16w"'s digit tiles; with the warps along K also the block terms' reads, by
+    # ldmatrix); the codes become FP16 pairwise (one unpacking conversion per two codes).
     loop = loop_with(kernel, mma)
     loads = {t.split()[0] for t in loop if t.startswith("LDS")}
-    assert loads == {"LDS.64"}, loads
+    terms = {"LDSM.16.M88", "LDSM.16.M88.2", "LDSM.16.M88.4", "LDS", "LDS.128"} if config.warps_k > 1 else set()
+    assert "LDS.64" in loads and loads <= {"LDS.64"} | terms, loads
     assert any(t.startswith("F2FP.F16.E4M3.UNPACK_B") for t in loop)
     # Nothing contracted: the digits' and the partial's adds and the scaling's products each
     # rounded on their own (no FFMA / HFMA2), no FP32 op that flushes subnormals.
@@ -257,7 +263,7 @@ def test_bad_plan_arguments_name_the_argument():
     raises(r"block_n must be one of \(16, 32, 64\) with warps_k=4", lambda: C(warps_k=4, block_n=128))
     raises(r"block_n must be one of \(32, 64, 128\) with warps_k=2", lambda: C(warps_k=2, block_n=16))
     raises("warps_k must be 1, 2 or 4", lambda: C(warps_k=3))
-    raises("'f16d' .*warps_k=1 only, got warps_k=4", lambda: C(warps_k=4, block_n=16, convert="f16d"))
+    raises("'f16w' .*warps_k=1 only, got warps_k=4", lambda: C(warps_k=4, block_n=16, convert="f16w"))
     raises("'f16w' .*warps_n=1 only, got warps_n=2", lambda: C(warps_n=2, convert="f16w"))
     raises("warps_n must be 1 with warps_k=4", lambda: C(warps_k=4, warps_n=2))
     raises("'raw\\+cvt' is not offered with warps_k=2", lambda: C(warps_k=2, convert="raw+cvt"))
@@ -330,6 +336,13 @@ def test_bad_plan_arguments_name_the_argument():
     (3, 96, 640, C(convert="f16d", split=2, block_n=128), "heavy"),
     (33, 130, 1280, C(convert="f16d", block_m=32, warps_n=2, block_k=256, stages=2), "subnormal"),
     (64, 64, 256, C(convert="f16d", block_m=64, maxnreg=None), "uniform"),
+    # the digits with the warps along K: 16-row tiles (N past a tile), row tiles, the K split, 2 x 2
+    # warps, 256-deep slots
+    (5, 130, 512, C(convert="f16d", warps_k=4, block_n=16, block_m=8, maxnreg=80), "subnormal"),
+    (20, 96, 384, C(convert="f16d", warps_k=4, block_n=32, block_m=8), "heavy"),
+    (3, 96, 640, C(convert="f16d", warps_k=4, block_n=16, split=2), "subnormal"),
+    (16, 64, 256, C(convert="f16d", warps_k=2, block_n=64, block_m=16), "uniform"),
+    (17, 96, 512, C(convert="f16d", warps_k=4, block_n=32, block_m=16, block_k=256), "heavy"),
     # on wgmma: the same kinds and tilings, x's digit tiles rewritten every slot
     (1, 96, 512, C(convert="f16w"), "quantized"),
     (5, 160, 384, C(convert="f16w", block_m=8), "heavy"),
@@ -415,7 +428,8 @@ BLOCK_K_CONFIGS = (
 
 
 # The FP16 digits at the TP1 shapes, per row count: 128 x 8 and 128 x 16, 64 x 32 with x's rows on
-# two warps, the K split, 256-deep slots; on mma.sync ("f16d") and on wgmma ("f16w").
+# two warps, the K split, 256-deep slots, the warps along K; on mma.sync ("f16d") and on wgmma
+# ("f16w", "f16wp").
 DIGIT_CONFIGS = (
     {8: C(convert="f16d", block_n=128, block_m=8, maxnreg=80),
      16: C(convert="f16d", block_n=128, block_m=16),
@@ -423,6 +437,9 @@ DIGIT_CONFIGS = (
     {8: C(convert="f16d", block_m=8, split=4, maxnreg=80),
      16: C(convert="f16d", block_m=16, block_k=256, stages=3),
      64: C(convert="f16d", block_m=64, maxnreg=None)},
+    {8: C(convert="f16d", warps_k=4, block_n=16, block_m=8, maxnreg=80, block_k=256),
+     16: C(convert="f16d", warps_k=4, block_n=32, block_m=16),
+     64: C(convert="f16d", warps_k=4, block_n=16, block_m=32)},
     {8: C(convert="f16wp", block_m=8, split=4),
      16: C(convert="f16w", block_n=128, block_m=16),
      64: C(convert="f16w", block_m=32, block_k=256, stages=3)},
