@@ -1,4 +1,5 @@
-"""The contract-exact MXFP8 linear on FP64 tensor cores (DMMA) in Gluon for Hopper (sm_90): y[M, N]
+"""The contract-exact MXFP8 linear on FP64 tensor cores (DMMA), or on FP16 tensor cores on the codes'
+exact digits, in Gluon for Hopper (sm_90): y[M, N]
 = MXFP8 activation x FP8 weight with 32x32 UE8M0 block scales, for 1 <= M <= 64 rows, bitwise equal
 to `reference.linear.mxfp8_mm`. The same contract, arguments and reduction order as
 `ops.exact_f64_mm.ExactF64MM` (the Triton form), whose module docstring argues the exactness:
@@ -106,6 +107,23 @@ closer to the sum of each sub-partition's DMMA time (64 clocks each) and its con
 instructions than to the larger of the two: the instructions per DMMA (56 at 128 x 8 "raw", 42.5 in
 "rawp"; 84 at 16 x 8 along K, 69.5 in "rawp", 61 with 256-deep slots and 16-deep steps) are worth
 about as much as the DMMA's own 64 clocks.
+
+**The FP16 digits** (`GluonExactConfig.convert` "f16d", "f16w", "f16wp"): the same block partials
+on FP16 tensor cores. Each E4M3 value v splits exactly into two FP16 digits (`_digits`: vh = v
+rounded to an integer, |vh| <= 448; vl = v - vh, a multiple of 2^-9 with |vl| <= 1/2), and a block's
+dot is hh + mid + ll (`_digit_partial`): hh = wh . xh sums integers below 448^2 (the sum below
+2^23), mid = wh . xl + wl . xh multiples of 2^-9 (below 2^14), ll = wl . xl multiples of 2^-18
+(below 2^3), each at most 24 significant bits, so an FP16 MMA (products exact) forms each exactly
+when its adds keep 24 bits below their largest term - a property of the hardware, not of IEEE
+arithmetic, which scripts/probe_digit_mma.py measures (every dot of its data sets exact on the
+H200, wgmma and mma.sync) and the GPU tests check bitwise; `_combine` then rounds hh + mid + ll once
+(mid split into an integer and a remainder by the 1.5 x 2^23 trick, two exact partial sums, one
+rounding). "f16d" runs four mma.sync m16n8k16 a block in the layout above (the operands loaded by
+`_operand16` in a k permutation that makes each thread's bytes one 8-byte load; with warps_k > 1
+batched over the slot's blocks, `_digit_slot_partials`); "f16w" runs them as asynchronous wgmmas of
+one consumer warpgroup (`_consumer_wg`: x's digits written once a slot to shared memory in that
+permutation, the weight's digits the register A operand), "f16wp" with the next block's wgmmas
+issued before the current block's adds.
 
 Every configuration, split and row count gives the same bits (`exact_mm.reduction_order`). A
 `GluonExactMM` plan binds one weight (its TMA descriptor, workspace, counters) once; calling it
@@ -874,7 +892,9 @@ class GluonExactConfig:
         scaled by 2^1000; relies on the FP64 MMA's subnormal operands), or "int+cvt" / "raw+cvt"
         (even K blocks the first, odd blocks "cvt"): `_e4m3_f64`, `_block_partial`; "intp", "rawp",
         "intp+cvt", "rawp+cvt": the same with the pattern built four codes at a time and the weight
-        scales loaded once per 16-row MMA tile (module doc).
+        scales loaded once per 16-row MMA tile (module doc). "f16d", "f16w", "f16wp": no FP64
+        operands - the codes' FP16 digits on FP16 MMAs (mma.sync; wgmma; wgmma with the next
+        block's MMAs in flight), "f16w" / "f16wp" with warps_k=1 and warps_n=1 only (module doc).
     block_n: weight rows per program (the MMA's M side, the weight's TMA box [block_n, 128]): 64 or
         128 with warps_k=1 (at 8 x rows all 4 warps split the weight rows, 16 or 32 each); with
         warps_k > 1, 16, 32 or 64 (warps_k=4) or 32, 64 or 128 (warps_k=2): 16 to 64 rows a warp.

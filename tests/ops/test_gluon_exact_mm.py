@@ -12,7 +12,10 @@ plan's bad arguments raise errors that name them. On the GPU (`-m gpu`): bitwise
 codes; row tiles, partial tiles, K splits; rows and columns past the call untouched), bitwise
 `ExactMM` at the V4.1-Flash TP1 shapes at 1, 8, 16, 32 and 64 rows, run to run, across row counts,
 bitwise `mxfp8_mm` there at 1, 5, 8, 16, 33 and 64 rows (model-like and heavy-tailed codes) with
-the warps along K, the packed conversions and 256-deep slots, and the call's argument errors.
+the warps along K, the packed conversions and 256-deep slots, and the call's argument errors. The
+FP16 digit forms ("f16d" on mma.sync, also along K; "f16w" / "f16wp" on wgmma) compile without
+spills with their MMA counts and wide operand loads, and on the GPU give the reference's bits on
+the small shapes and the TP1 shapes at 1, 5, 8, 16, 33 and 64 rows.
 
 No tolerance anywhere: the op computes the contract's arithmetic exactly (each 32-block's dot an
 exact FP64 MMA, rounded once to FP32; the block terms scaled and added in K order; one rounding to
