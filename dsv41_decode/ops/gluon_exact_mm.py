@@ -420,6 +420,29 @@ def _issue_block(w_tile, xd, j: gl.constexpr, zero, a_l: gl.constexpr):
 
 
 @gluon.jit
+def _ws_tile(BN: gl.constexpr, BT: gl.constexpr, M, layout: gl.constexpr):
+    """The split-K workspace's offsets and mask of a [BN, BT] tile of block terms in `layout`
+    ([BN, M] n-major, the M real rows): what `_take_term` stores through."""
+    rn = gl.arange(0, BN, layout=gl.SliceLayout(1, layout))
+    rm = gl.arange(0, BT, layout=gl.SliceLayout(0, layout))
+    return rn[:, None] * M + rm[None, :], (rm[None, :] < M) & (rn[:, None] < BN)
+
+
+@gluon.jit
+def _take_term(acc, part, words, j: gl.constexpr, block, ws_ptr, ws_offs, ws_mask, BN: gl.constexpr, M,
+               SPLIT_K: gl.constexpr):
+    """K block `block` (the slot's block j) of a [BN, BT] tile: its term (`_block_term` of the
+    block's partial) added to the FP32 accumulator in K order, or with SPLIT_K stored to the
+    workspace at ws_ptr + block * BN * M (`_ws_tile`'s offsets). Returns the accumulator."""
+    term = _block_term(part, words, j)
+    if SPLIT_K:
+        gl.store(ws_ptr + block * (BN * M) + ws_offs, term, mask=ws_mask)
+    else:
+        acc = acc + term
+    return acc
+
+
+@gluon.jit
 def _consumer_wg(w_smem, x_smem, xd, ready, empty, sw_words, sx_words, ws_ptr, step_lo, n_steps, M,
                  STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, SPLIT_K: gl.constexpr,
                  mma_layout: gl.constexpr, cvt_l: gl.constexpr, PIPE: gl.constexpr):
@@ -437,10 +460,7 @@ def _consumer_wg(w_smem, x_smem, xd, ready, empty, sw_words, sx_words, ws_ptr, s
     acc = gl.zeros([BN, BT], gl.float32, mma_layout)
     zero = gl.zeros([BN, BT], gl.float32, mma_layout)
     NB: gl.constexpr = w_smem.shape[2] // 32
-    rn = gl.arange(0, BN, layout=gl.SliceLayout(1, mma_layout))
-    rm = gl.arange(0, BT, layout=gl.SliceLayout(0, mma_layout))
-    ws_offs = rn[:, None] * M + rm[None, :]
-    ws_mask = (rm[None, :] < M) & (rn[:, None] < BN)
+    ws_offs, ws_mask = _ws_tile(BN, BT, M, mma_layout)
     words_next = _slot_words(sw_words, sx_words, step_lo, NB // 4)
     for i in range(n_steps):
         words = words_next
@@ -468,11 +488,7 @@ def _consumer_wg(w_smem, x_smem, xd, ready, empty, sw_words, sx_words, ws_ptr, s
                 # before one thread hands the slot back and the next slot's digits overwrite xd
                 gl.thread_barrier()
                 mbarrier.arrive(empty.index(s), count=1)
-            term = _block_term(part, words, j)
-            if SPLIT_K:
-                gl.store(ws_ptr + ((step_lo + i) * NB + j) * (BN * M) + ws_offs, term, mask=ws_mask)
-            else:
-                acc = acc + term
+            acc = _take_term(acc, part, words, j, (step_lo + i) * NB + j, ws_ptr, ws_offs, ws_mask, BN, M, SPLIT_K)
     return (acc, )
 
 
@@ -652,10 +668,7 @@ def _consumer(w_smem, x_smem, ready, empty, sw_words, sx_words, ws_ptr, step_lo,
     acc = gl.zeros([BN, BT], gl.float32, mma_layout)
     zero = gl.zeros([BN, BT], gl.float64, mma_layout)
     NB: gl.constexpr = w_smem.shape[2] // 32
-    rn = gl.arange(0, BN, layout=gl.SliceLayout(1, mma_layout))
-    rm = gl.arange(0, BT, layout=gl.SliceLayout(0, mma_layout))
-    ws_offs = rn[:, None] * M + rm[None, :]
-    ws_mask = (rm[None, :] < M) & (rn[:, None] < BN)
+    ws_offs, ws_mask = _ws_tile(BN, BT, M, mma_layout)
     words_next = _slot_words(sw_words, sx_words, step_lo, NB // 4)
     for i in range(n_steps):
         words = words_next
@@ -671,11 +684,7 @@ def _consumer(w_smem, x_smem, ready, empty, sw_words, sx_words, ws_ptr, step_lo,
                 # the MMA) before one thread hands the slot back.
                 gl.thread_barrier()
                 mbarrier.arrive(empty.index(s), count=1)
-            term = _block_term(part, words, j)
-            if SPLIT_K:
-                gl.store(ws_ptr + ((step_lo + i) * NB + j) * (BN * M) + ws_offs, term, mask=ws_mask)
-            else:
-                acc = acc + term
+            acc = _take_term(acc, part, words, j, (step_lo + i) * NB + j, ws_ptr, ws_offs, ws_mask, BN, M, SPLIT_K)
     return (acc, )
 
 
