@@ -126,7 +126,7 @@ class DecodeStep:
         `compressed_entry_store_`), where the wk plan allows it (one K split: the step's plans);
         the same bits. Off by default: its first form (one program per row reading all of wk)
         measured slower on an H200, 20.7-26.4 us a layer in the step at 1 row against 14-17 for
-        the three launches; its form of one program per wk N tile is not measured yet
+        the three launches; its form of one program per wk N tile measured within noise of them
         (`comp_tail` in scripts/probe_step_schedule.py times both, docs/step.md).
 
     Errors: StepError for buckets outside 1..LOW_BATCH_MAX_ROWS or past the state's stage_rows, a
