@@ -2,16 +2,16 @@
 into two digits? Each E4M3 value v splits exactly into vh = v rounded to an integer (|vh| <= 448) and
 vl = v - vh (a multiple of 2^-9, |vl| <= 1/2), both exact FP16 values. A block's dot of x and w is
 then hh + (hl + lh) + ll: hh = xh . wh sums 32 integers below 448^2 < 2^18 (the sum below 2^23), the
-cross terms multiples of 2^-9 below 2^9 (each cross dot below 2^14), ll multiples of 2^-18 below
-1/4 (below 2^3): every one of the four dots is a sum of at most 24 significant bits, exact in FP32,
+cross terms multiples of 2^-9 of at most 224 (each cross dot below 2^13), ll multiples of 2^-18 of
+at most 1/4 (the dot at most 2^3): every one of the four dots is a sum of at most 24 significant bits, exact in FP32,
 so it is exact from an FP16 MMA whose adds keep at least 24 bits below the largest term's leading
 bit (products are exact in any FP16 MMA). This probe asks whether Hopper's FP16 MMAs (wgmma through
 `tl.dot` on a 64-row tile, mma.sync on a 16-row one) keep that many: every dot against its FP64
 value, and the block's partial formed from them against the contract's RN(exact):
 
-    mid = hl + lh (exact: a multiple of 2^-9 below 2^15), mi = RN-to-integer(mid) by the
+    mid = hl + lh (exact: a multiple of 2^-9 below 2^14), mi = RN-to-integer(mid) by the
     1.5 x 2^23 trick, mf = mid - mi (exact, |mf| <= 1/2), H = hh + mi (an integer below 2^24:
-    exact), L = mf + ll (a multiple of 2^-18 below 2^6: exact), partial = RN(H + L): rounded once.
+    exact), L = mf + ll (a multiple of 2^-18 below 2^4: exact), partial = RN(H + L): rounded once.
 
 "chained" forms the cross dots as one accumulator (lh's MMA added onto hl's): the same sum if the
 MMA's accumulator add is exact there too.

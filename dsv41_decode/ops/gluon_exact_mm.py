@@ -113,7 +113,7 @@ on FP16 tensor cores. Each E4M3 value v splits exactly into two FP16 digits (`_d
 rounded to an integer, |vh| <= 448; vl = v - vh, a multiple of 2^-9 with |vl| <= 1/2), and a block's
 dot is hh + mid + ll (`_digit_partial`): hh = wh . xh sums integers below 448^2 (the sum below
 2^23), mid = wh . xl + wl . xh multiples of 2^-9 (below 2^14), ll = wl . xl multiples of 2^-18
-(below 2^3), each at most 24 significant bits, so an FP16 MMA (products exact) forms each exactly
+(at most 2^3), each at most 24 significant bits, so an FP16 MMA (products exact) forms each exactly
 when its adds keep 24 bits below their largest term - a property of the hardware, not of IEEE
 arithmetic, which scripts/probe_digit_mma.py measures (every dot of its data sets exact on the
 H200, wgmma and mma.sync) and the GPU tests check bitwise; `_combine` then rounds hh + mid + ll once
@@ -356,14 +356,14 @@ def _digit_partial(w_tile, x_tile, j: gl.constexpr, mma_layout: gl.constexpr):
     [BT, ...] in shared memory, rounded once to FP32, on FP16 tensor cores ("f16d"): each code's
     value split into two FP16 digits (`_digits`: w = wh + wl, x = xh + xl), the block's dot is
     hh + mid + ll with hh = wh . xh (a sum of integers below 448^2, itself below 2^23), mid = wh .
-    xl + wl . xh (multiples of 2^-9 below 448 / 2 each, the sum below 2^14) and ll = wl . xl
-    (multiples of 2^-18 below 1/4, the sum below 2^3): each of the three is a sum of at most 24
+    xl + wl . xh (multiples of 2^-9 of at most 448 / 2 each, the sum below 2^14) and ll = wl . xl
+    (multiples of 2^-18 of at most 1/4, the sum at most 2^3): each of the three is a sum of at most 24
     significant bits, formed exactly by the MMA (mid's second MMA accumulating onto its first), as
     long as the MMA's adds keep 24 bits below their largest term (scripts/probe_digit_mma.py
     measures that; the GPU tests check the kernel bitwise). Then with S = 1.5 x 2^23: mi = (mid +
     S) - S, mid rounded to an integer, mf = mid - mi (exact, |mf| <= 1/2); H = hh + mi (an integer
     below 2^24: exact), L = mf + ll (a multiple of 2^-18 below 2^4: exact), and RN(H + L) is the
-    block's exact sum H + L + ... = hh + mid + ll rounded once, as `ExactMM`'s split."""
+    block's exact sum hh + mid + ll rounded once, as in `ExactMM`'s split."""
     la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
     lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_layout, k_width=2)
     BN: gl.constexpr = w_tile.shape[0]
@@ -390,8 +390,9 @@ def _combine(hh, mid, ll):
 def _x_digit_tiles(x_tile, xd, cvt_l: gl.constexpr):
     """The slot's x codes ([BT, 32 NB] E4M3 in shared memory) as FP16 digit tiles for the wgmma's B
     operand: tile 2 j of xd (rows 2 j BT..) the integer digits (`_digits`), tile 2 j + 1 the
-    remainders of K block j ([BT, 32] each, written in one store), the block's columns in `_operand16`'s permutation (column 8 t + 4 s +
-    2 u + v at k = 16 s + 8 u + 2 t + v), the order the weight's register operand takes them in."""
+    remainders of K block j ([BT, 32] each, all written in one store), the block's columns in
+    `_operand16`'s permutation (column 8 t + 4 s + 2 u + v at k = 16 s + 8 u + 2 t + v), the order
+    the weight's register operand takes them in."""
     BT: gl.constexpr = x_tile.shape[0]
     NB: gl.constexpr = x_tile.shape[1] // 32
     c = gl.reshape(x_tile.load(cvt_l), [BT, NB, 4, 2, 2, 2])
