@@ -104,6 +104,14 @@ NEW_CANDIDATES = ["rawp:128:8:1:32:4:1:80", "rawp:128:8:1:32:2:1:128:1:256", "ra
                   "rawp:16:16:1:32:8:1:80:4", "rawp:16:16:1:32:4:1:80:4:256", "int+cvt:16:16:1:16:4:1:80:4:256",
                   "rawp:16:16:1:16:4:1:80:4:256", "rawp:32:8:1:16:4:1:80:4:256",
                   "rawp:32:16:1:16:4:1:128:4:256", "rawp:16:32:1:32:4:1:128:4:256", "rawp:64:16:1:16:4:1:128:4"]
+# The FP16 digits ("f16d": four FP16 MMAs a block on the codes' two exact digits, mma.sync; "f16w" /
+# "f16wp": the same on wgmma): 128-row tiles up to 16 x rows, 64 x 32 above, a K split, 256-deep
+# slots, the warps along K on 16- and 32-row tiles for the shapes with few weight rows; the best of
+# runs C, E and G of the thirteenth session (docs/gemm.md, "Exactness") among them.
+DIGIT_CANDIDATES = ["f16d:128:8:1:32:4:1:80", "f16d:128:16:1:32:4:1", "f16d:64:32:2:32:4:1",
+                    "f16d:64:8:1:32:4:4:80", "f16d:128:8:1:32:3:1:128:1:256", "f16d:16:8:1:32:4:1:80:4:256",
+                    "f16d:16:16:1:32:4:1:80:4:256", "f16d:32:8:1:32:4:1:80:4:256", "f16d:32:16:1:32:4:1:128:4",
+                    "f16w:64:32:1:32:4:1", "f16wp:64:8:1:32:4:1"]
 
 
 def config_of(spec: str) -> GluonExactConfig:
@@ -354,7 +362,8 @@ def main() -> None:
     t0 = time.time()
     rows = [int(r) for r in arg("rows", ",".join(map(str, ROWS))).split(",")]
     names = arg("only", ",".join(SHAPES)).split(",")
-    specs = [s for s in arg("alt", ",".join(CANDIDATES + WARPS_K_CANDIDATES + NEW_CANDIDATES)).split(",") if s]
+    specs = [s for s in arg("alt", ",".join(CANDIDATES + WARPS_K_CANDIDATES + NEW_CANDIDATES + DIGIT_CANDIDATES)
+                            ).split(",") if s]
     for s in specs:
         config_of(s)                        # a bad spec fails here, before anything runs
     failed = precompile(specs, rows, int(arg("workers", "2" if DRY else "14")), float(arg("compile_timeout", "120")))
