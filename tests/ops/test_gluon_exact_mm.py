@@ -14,8 +14,10 @@ codes; row tiles, partial tiles, K splits; rows and columns past the call untouc
 bitwise `mxfp8_mm` there at 1, 5, 8, 16, 33 and 64 rows (model-like and heavy-tailed codes) with
 the warps along K, the packed conversions and 256-deep slots, and the call's argument errors. The
 FP16 digit forms ("f16d" on mma.sync, also along K; "f16w" / "f16wp" on wgmma) compile without
-spills with their MMA counts and wide operand loads, and on the GPU give the reference's bits on
-the small shapes and the TP1 shapes at 1, 5, 8, 16, 33 and 64 rows.
+spills with their MMA counts and wide operand loads, their arithmetic modelled on the CPU gives
+the rounded block sum (every code's digits exact; the combination rounds once, where a naive
+one does not), and on the GPU they give the reference's bits on the small shapes and the TP1
+shapes at 1, 5, 8, 16, 33 and 64 rows.
 
 No tolerance anywhere: the op computes the contract's arithmetic exactly (each 32-block's dot an
 exact FP64 MMA, rounded once to FP32; the block terms scaled and added in K order; one rounding to
@@ -208,6 +210,54 @@ def test_digit_form_compiles_for_sm90_without_spills(config, bt, split, out_f32)
     assert ops.get("FFMA", 0) == 0 and ops.get("HFMA2", 0) == 0, ops
     assert "mul.rn.f32" in kernel.asm["ptx"] and re.search(r"\.ftz\.f32\b", kernel.asm["ptx"]) is None
     assert (split > 1) == (ops.get("ATOMG", 0) > 0), (split, ops)
+
+
+def _model_digits(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`gluon_exact_mm._digits` in torch's FP16 arithmetic (each add rounded to FP16, as the GPU's)."""
+    v = codes.to(torch.float16)
+    h = (v + 1536.0) - 1536.0
+    return h, v - h
+
+
+def test_digit_split_is_exact_for_every_code():
+    # Every finite E4M3 code: the integer digit is an integer of at most 448, the remainder a
+    # multiple of 2^-9 of at most 1/2, and the two add back to the code's value exactly (FP16
+    # arithmetic, as `_digits` runs it): what the FP16 digits' exactness argument assumes.
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    finite = codes.float().isfinite()
+    h, lo = (t.double() for t in _model_digits(codes[finite]))
+    v = codes[finite].double()
+    assert torch.equal(h, h.round()) and h.abs().max() <= 448
+    assert torch.equal(lo * 512, (lo * 512).round()) and lo.abs().max() <= 0.5
+    assert torch.equal(h + lo, v)
+
+
+@pytest.mark.parametrize("kind", ["heavy", "uniform"])
+def test_digit_partial_model_is_the_rounded_block_sum(kind):
+    # `_digit_partial`'s arithmetic on the CPU: the three digit dots (hh, the cross dots, ll) are
+    # sums of at most 24 significant bits - exact in FP32, as the FP16 MMA must give them (checked
+    # here: each FP64 sum equals its FP32 rounding) - and `_combine`'s FP32 adds round their sum
+    # once: every block partial equals RN(exact block dot), on data where a plain FP32 sum is not.
+    gen = torch.Generator().manual_seed(41)
+    if kind == "heavy":
+        w, x = heavy_e4m3((4096, 32), gen), heavy_e4m3((4096, 32), gen)
+    else:
+        w = torch.randint(0, 256, (4096, 32), dtype=torch.uint8, generator=gen)
+        x = torch.randint(0, 256, (4096, 32), dtype=torch.uint8, generator=gen)
+        w[(w & 0x7F) == 0x7F] = 0
+        x[(x & 0x7F) == 0x7F] = 0
+        w, x = w.view(torch.float8_e4m3fn), x.view(torch.float8_e4m3fn)
+    wh, wl = (t.double() for t in _model_digits(w))
+    xh, xl = (t.double() for t in _model_digits(x))
+    dots = [(wh * xh).sum(-1), (wh * xl).sum(-1) + (wl * xh).sum(-1), (wl * xl).sum(-1)]
+    for d in dots:
+        assert torch.equal(d.float().double(), d)
+    hh, mid, ll = (d.float() for d in dots)
+    mi = (mid + 12582912.0) - 12582912.0
+    part = (hh + mi) + ((mid - mi) + ll)
+    exact = (w.double() * x.double()).sum(-1)
+    assert torch.equal(part, exact.float())
+    assert not torch.equal((w.float() * x.float()).sum(-1), exact.float())   # the data is not trivial
 
 
 # The query-RoPE epilogue (wq_b): its plan's configurations (`exact_linear._GLUON_PLAN`: the FP16
