@@ -421,6 +421,18 @@ def _issue_block(w_tile, xd, j: gl.constexpr, zero, a_l: gl.constexpr):
 
 
 @gluon.jit
+def _wait_slot(i, words_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES: gl.constexpr, NB: gl.constexpr):
+    """The consumers' start of ring slot i: its scale words (loaded one slot ahead: `words_next`)
+    and the next slot's loads issued, then the wait for the slot's tiles. Returns (the slot's words,
+    the next slot's, the ring index)."""
+    words = words_next
+    words_next = _slot_words(sw_words, sx_words, step_lo + gl.minimum(i + 1, n_steps - 1), NB // 4)
+    s = i % STAGES
+    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+    return words, words_next, s
+
+
+@gluon.jit
 def _ws_tile(BN: gl.constexpr, BT: gl.constexpr, M, layout: gl.constexpr):
     """The split-K workspace's offsets and mask of a [BN, BT] tile of block terms in `layout`
     ([BN, M] n-major, the M real rows): what `_take_term` stores through."""
@@ -464,10 +476,7 @@ def _consumer_wg(w_smem, x_smem, xd, ready, empty, sw_words, sx_words, ws_ptr, s
     ws_offs, ws_mask = _ws_tile(BN, BT, M, mma_layout)
     words_next = _slot_words(sw_words, sx_words, step_lo, NB // 4)
     for i in range(n_steps):
-        words = words_next
-        words_next = _slot_words(sw_words, sx_words, step_lo + gl.minimum(i + 1, n_steps - 1), NB // 4)
-        s = i % STAGES
-        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        words, words_next, s = _wait_slot(i, words_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES, NB)
         w_tile = w_smem.index(s)
         _x_digit_tiles(x_smem.index(s), xd, cvt_l)
         # the generic-proxy stores before the wgmmas' (async proxy) reads, from every thread
@@ -672,10 +681,7 @@ def _consumer(w_smem, x_smem, ready, empty, sw_words, sx_words, ws_ptr, step_lo,
     ws_offs, ws_mask = _ws_tile(BN, BT, M, mma_layout)
     words_next = _slot_words(sw_words, sx_words, step_lo, NB // 4)
     for i in range(n_steps):
-        words = words_next
-        words_next = _slot_words(sw_words, sx_words, step_lo + gl.minimum(i + 1, n_steps - 1), NB // 4)
-        s = i % STAGES
-        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        words, words_next, s = _wait_slot(i, words_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES, NB)
         w_tile = w_smem.index(s)
         x_tile = x_smem.index(s)
         for j in gl.static_range(NB):
@@ -709,16 +715,11 @@ def _consumer_k(w_smem, x_smem, ready, empty, terms, sw_words, sx_words, ws_ptr,
     zero = gl.zeros([NB, BN, BT], gl.float64, mma_layout)
     # K block j of batch element j: the byte j % 4 of each row's scale word j // 4
     j3 = gl.expand_dims(gl.expand_dims(gl.arange(0, NB, layout=gl.SliceLayout(1, gl.SliceLayout(2, mma_layout))), 1), 2)
-    rn = gl.arange(0, BN, layout=gl.SliceLayout(1, out_layout))
-    rm = gl.arange(0, BT, layout=gl.SliceLayout(0, out_layout))
-    ws_offs = rn[:, None] * M + rm[None, :]
-    ws_mask = (rm[None, :] < M) & (rn[:, None] < BN)
+    ws_offs, ws_mask = _ws_tile(BN, BT, M, out_layout)
     words_next = _slot_words(sw_words, sx_words, step_lo, NB // 4)
     for i in range(n_steps):
-        sw, sw1, sx, sx1 = words_next
-        words_next = _slot_words(sw_words, sx_words, step_lo + gl.minimum(i + 1, n_steps - 1), NB // 4)
-        s = i % STAGES
-        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        words, words_next, s = _wait_slot(i, words_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES, NB)
+        sw, sw1, sx, sx1 = words
         part = _slot_partials(w_smem.index(s), x_smem.index(s), zero, CONVERT, KC, mma_layout)   # [NB, BN, BT]
         if NB == 4:
             sw3 = gl.expand_dims(gl.expand_dims(sw, 1), 0) >> (8 * j3)             # [4, BN, 1]: byte j at 0
