@@ -37,7 +37,7 @@ _fma_cfg = GluonExactFMAConfig.from_spec
 # in the probe's spec form). Measured on an H200 (scripts/probe_gluon_exact_mm.py; us per call,
 # weights beyond L2; docs/results/gpu-tests-h200.txt): runs B1 and C2 of that file as of 8415a49
 # (the 32- and 64-row entries of the FP64 forms), its run G (commit 8415a49; 1-16 rows: the packed
-# conversions and 256-deep slots), and run C of the thirteenth session (commit 9b9a03f: the FP16
+# conversions and 256-deep slots), and run C as of 55c49a1 (commit 9b9a03f: the FP16
 # digits, "f16d", at 4-64 rows against the FP64 forms' plan): the fastest configuration per row
 # count, and the threshold where ExactMM's time, linear in the rows between the measured counts,
 # crosses GluonExactMM's. Shapes without an entry (the TP shards) run GluonExactMM in its default
