@@ -1,7 +1,9 @@
 """What the exact Gluon linears (`gluon_exact_mm.GluonExactMM` on the FP64 MMA,
 `gluon_exact_fma.GluonExactFMA` on the FP64 CUDA cores) share: the exact power-of-two scaling of
-FP64 values (`pow2`), the tile's store with the query-RoPE epilogue (`store_tile`), the K split's
-last step that continues the sum in K order (`split_k_sum`, `sum_chunk`), the weight's checks
+FP64 values (`pow2`), the consumers' start of a ring slot (`wait_slot`), a block's term and its
+K-ordered add or workspace store (`block_term`, `take_term`, `ws_tile`), the tile's store with the
+query-RoPE epilogue (`store_tile`), the K split's last step that continues the sum in K order
+(`split_k_sum`, `sum_chunk`), the weight's checks
 (`ring_weight_args`) and the plan side (`GluonExactPlan`: the weight bound once on sm_90, the split's
 workspace, the configuration per row count, the call's checks). `gluon_exact_mm`'s module docstring
 argues the exactness these pieces keep.
@@ -12,6 +14,8 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.extra import libdevice
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from .checks import config_for_rows, mxfp8_linear_args, mxfp8_weight_args
 from .common import plan_workspace
@@ -19,6 +23,7 @@ from .exact_mm import reduction_order, rope_kwargs
 from .gluon_epilogues import bf16_out
 from .gluon_mm import BLOCK_K as RING_K
 from .gluon_mm import fp8_desc, require_sm90_weight
+from .gluon_mm import _scale, _slot_words
 from .gluon_mm import _words as _scale_words
 
 
@@ -26,6 +31,54 @@ from .gluon_mm import _words as _scale_words
 def pow2(x, e: gl.constexpr):
     """x * 2^e (FP64, e in -1022..1023: one exact multiply unless the product leaves the range)."""
     return x * gl.full(x.shape, (1023 + e) << 52, gl.int64, x.type.layout).to(gl.float64, bitcast=True)
+
+
+@gluon.jit
+def block_term(part, words, j: gl.constexpr):
+    """RN(RN(part * sx[m, block j]) * sw[n // 32, block j]): the reference's scaling of the slot's K
+    block j (words: `gluon_mm._slot_words` of the slot, word 1 for blocks 4..7 of a 256-deep one);
+    the last product `mul.rn`, never contracted into the accumulator's add."""
+    if j < 4:
+        sw, _, sx, _ = words
+    else:
+        _, sw, _, sx = words
+    scaled, sw_b = gl.broadcast(part * _scale(sx, j % 4)[None, :], _scale(sw, j % 4)[:, None])
+    return libdevice.mul_rn(scaled, sw_b)
+
+
+@gluon.jit
+def wait_slot(i, words_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES: gl.constexpr, NB: gl.constexpr):
+    """The consumers' start of ring slot i: its scale words (loaded one slot ahead: `words_next`)
+    and the next slot's loads issued, then the wait for the slot's tiles. Returns (the slot's words,
+    the next slot's, the ring index)."""
+    words = words_next
+    words_next = _slot_words(sw_words, sx_words, step_lo + gl.minimum(i + 1, n_steps - 1), NB // 4)
+    s = i % STAGES
+    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+    return words, words_next, s
+
+
+@gluon.jit
+def ws_tile(BN: gl.constexpr, BT: gl.constexpr, M, layout: gl.constexpr):
+    """The split-K workspace's offsets and mask of a [BN, BT] tile of block terms in `layout`
+    ([BN, M] n-major, the M real rows): what `take_term` stores through."""
+    rn = gl.arange(0, BN, layout=gl.SliceLayout(1, layout))
+    rm = gl.arange(0, BT, layout=gl.SliceLayout(0, layout))
+    return rn[:, None] * M + rm[None, :], (rm[None, :] < M) & (rn[:, None] < BN)
+
+
+@gluon.jit
+def take_term(acc, part, words, j: gl.constexpr, block, ws_ptr, ws_offs, ws_mask, BN: gl.constexpr, M,
+               SPLIT_K: gl.constexpr):
+    """K block `block` (the slot's block j) of a [BN, BT] tile: its term (`block_term` of the
+    block's partial) added to the FP32 accumulator in K order, or with SPLIT_K stored to the
+    workspace at ws_ptr + block * BN * M (`ws_tile`'s offsets). Returns the accumulator."""
+    term = block_term(part, words, j)
+    if SPLIT_K:
+        gl.store(ws_ptr + block * (BN * M) + ws_offs, term, mask=ws_mask)
+    else:
+        acc = acc + term
+    return acc
 
 
 @gluon.constexpr_function

@@ -109,21 +109,8 @@ instructions than to the larger of the two: the instructions per DMMA (56 at 128
 about as much as the DMMA's own 64 clocks.
 
 **The FP16 digits** (`GluonExactConfig.convert` "f16d", "f16w", "f16wp"): the same block partials
-on FP16 tensor cores. Each E4M3 value v splits exactly into two FP16 digits (`_digits`: vh = v
-rounded to an integer, |vh| <= 448; vl = v - vh, a multiple of 2^-9 with |vl| <= 1/2), and a block's
-dot is hh + mid + ll (`_digit_partial`): hh = wh . xh sums integers below 448^2 (the sum below
-2^23), mid = wh . xl + wl . xh multiples of 2^-9 (below 2^14), ll = wl . xl multiples of 2^-18
-(at most 2^3), each at most 24 significant bits, so an FP16 MMA (products exact) forms each exactly
-when its adds keep 24 bits below their largest term - a property of the hardware, not of IEEE
-arithmetic, which scripts/probe_digit_mma.py measures (every dot of its data sets exact on the
-H200, wgmma and mma.sync) and the GPU tests check bitwise; `_combine` then rounds hh + mid + ll once
-(mid split into an integer and a remainder by the 1.5 x 2^23 trick, two exact partial sums, one
-rounding). "f16d" runs four mma.sync m16n8k16 a block in the layout above (the operands loaded by
-`_operand16` in a k permutation that makes each thread's bytes one 8-byte load; with warps_k > 1
-batched over the slot's blocks, `_digit_slot_partials`); "f16w" runs them as asynchronous wgmmas of
-one consumer warpgroup (`_consumer_wg`: x's digits written once a slot to shared memory in that
-permutation, the weight's digits the register A operand), "f16wp" with the next block's wgmmas
-issued before the current block's adds.
+on FP16 tensor cores from each code's two exact FP16 digits, in this kernel's ring, scales, K
+order, K split and epilogue: `ops.gluon_exact_digits` (the forms and their exactness argument).
 
 Every configuration, split and row count gives the same bits (`exact_mm.reduction_order`). A
 `GluonExactMM` plan binds one weight (its TMA descriptor, workspace, counters) once; calling it
@@ -139,11 +126,12 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.extra import libdevice
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
-                                                                warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from .checks import row_configs
-from .gluon_exact_common import GluonExactPlan, pow2, ring_weight_args, split_k_sum, store_tile, sum_chunk
+from .gluon_exact_common import (GluonExactPlan, pow2, ring_weight_args, split_k_sum, store_tile, sum_chunk, take_term,
+                                 wait_slot, ws_tile)
+from .gluon_exact_digits import consumer_wg, digit_partial, digit_slot_partials
 from .gluon_mm import (SHARED_LIMIT, _producer, _ring, _scale, _slot_words, _tile_scales, activation_operands,
                       require_maxnreg, split_bounds)
 
@@ -316,193 +304,6 @@ def _operand_b(view, layout: gl.constexpr, KC: gl.constexpr):
 
 
 @gluon.jit
-def _digits(codes):
-    """(h, l) of E4M3 codes (float8e4nv, any layout) as FP16: h = the value rounded to an integer
-    (|h| <= 448; v + 1536 lies in [1088, 1984], where FP16's spacing is 1, so the add rounds v to an
-    integer and the subtraction is exact), l = v - h (exact: a multiple of 2^-9 with |l| <= 1/2).
-    Both are exact FP16 values: the digits of `_digit_partial`."""
-    v = codes.to(gl.float16)
-    h = (v + 1536.0) - 1536.0
-    return h, v - h
-
-
-@gluon.jit
-def _operand16(view, layout: gl.constexpr, OPERAND: gl.constexpr):
-    """An MMA operand of one 32-deep K block from shared memory in the FP16 MMA's operand layout
-    `layout` (k_width 2), its k in a fixed permutation (the same for both operands; a block's exact
-    sum does not depend on it): the weight [BN, 32] (OPERAND 0) or x [32, BT] (OPERAND 1, `view` the
-    tile's columns transposed). A thread of the m16n8k16 layout holds k = 16 s + 8 u + 2 t + v
-    (s, u, v in {0, 1}, t its lane's index mod 4) of each of its rows; they are loaded from
-    columns 8 t + 4 s + 2 u + v, eight consecutive bytes (one wide load), and renamed into the
-    operand layout without moving data (`assert_trivial`)."""
-    if OPERAND == 0:
-        BN: gl.constexpr = view.shape[0]
-        like = gl.zeros([BN, 32], gl.int8, layout)
-        phys: gl.constexpr = gl.reshape(gl.permute(gl.reshape(like, [BN, 2, 2, 4, 2]), (0, 3, 1, 2, 4)),
-                                        [BN, 32]).type.layout
-        v = gl.reshape(gl.permute(gl.reshape(view.load(phys), [BN, 4, 2, 2, 2]), (0, 2, 3, 1, 4)), [BN, 32])
-    else:
-        BT: gl.constexpr = view.shape[1]
-        like = gl.zeros([32, BT], gl.int8, layout)
-        phys: gl.constexpr = gl.reshape(gl.permute(gl.reshape(like, [2, 2, 4, 2, BT]), (2, 0, 1, 3, 4)),
-                                        [32, BT]).type.layout
-        v = gl.reshape(gl.permute(gl.reshape(view.load(phys), [4, 2, 2, 2, BT]), (1, 2, 0, 3, 4)), [32, BT])
-    return gl.convert_layout(v, layout, assert_trivial=True)
-
-
-@gluon.jit
-def _digit_partial(w_tile, x_tile, j: gl.constexpr, mma_layout: gl.constexpr):
-    """The exact dot of K block j of the slot's weight tile [BN, 128 or 256] and activation tile
-    [BT, ...] in shared memory, rounded once to FP32, on FP16 tensor cores ("f16d"): each code's
-    value split into two FP16 digits (`_digits`: w = wh + wl, x = xh + xl), the block's dot is
-    hh + mid + ll with hh = wh . xh (a sum of integers below 448^2, itself below 2^23), mid = wh .
-    xl + wl . xh (multiples of 2^-9 of at most 448 / 2 each, the sum below 2^14) and ll = wl . xl
-    (multiples of 2^-18 of at most 1/4, the sum at most 2^3): each of the three is a sum of at most 24
-    significant bits, formed exactly by the MMA (mid's second MMA accumulating onto its first), as
-    long as the MMA's adds keep 24 bits below their largest term (scripts/probe_digit_mma.py
-    measures that; the GPU tests check the kernel bitwise). Then with S = 1.5 x 2^23: mi = (mid +
-    S) - S, mid rounded to an integer, mf = mid - mi (exact, |mf| <= 1/2); H = hh + mi (an integer
-    below 2^24: exact), L = mf + ll (a multiple of 2^-18 below 2^4: exact), and RN(H + L) is the
-    block's exact sum hh + mid + ll rounded once, as in `ExactMM`'s split."""
-    la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
-    lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_layout, k_width=2)
-    BN: gl.constexpr = w_tile.shape[0]
-    BT: gl.constexpr = x_tile.shape[0]
-    wh, wl = _digits(_operand16(w_tile.slice(32 * j, 32, dim=1), la, 0))
-    xh, xl = _digits(_operand16(x_tile.slice(32 * j, 32, dim=1).permute((1, 0)), lb, 1))
-    zero = gl.zeros([BN, BT], gl.float32, mma_layout)
-    hh = mma_v2(wh, xh, zero)
-    mid = mma_v2(wl, xh, mma_v2(wh, xl, zero))
-    ll = mma_v2(wl, xl, zero)
-    return _combine(hh, mid, ll)
-
-
-@gluon.jit
-def _combine(hh, mid, ll):
-    """RN(hh + mid + ll) of `_digit_partial`'s three exact dots (FP32, any layout): mid rounded to an
-    integer mi by the 1.5 x 2^23 trick, H = hh + mi and L = (mid - mi) + ll both exact, one rounding
-    in H + L."""
-    mi = (mid + 12582912.0) - 12582912.0
-    return (hh + mi) + ((mid - mi) + ll)
-
-
-@gluon.jit
-def _x_digit_tiles(x_tile, xd, cvt_l: gl.constexpr):
-    """The slot's x codes ([BT, 32 NB] E4M3 in shared memory) as FP16 digit tiles for the wgmma's B
-    operand: tile 2 j of xd (rows 2 j BT..) the integer digits (`_digits`), tile 2 j + 1 the
-    remainders of K block j ([BT, 32] each, all written in one store), the block's columns in
-    `_operand16`'s permutation (column 8 t + 4 s + 2 u + v at k = 16 s + 8 u + 2 t + v), the order
-    the weight's register operand takes them in."""
-    BT: gl.constexpr = x_tile.shape[0]
-    NB: gl.constexpr = x_tile.shape[1] // 32
-    c = gl.reshape(x_tile.load(cvt_l), [BT, NB, 4, 2, 2, 2])
-    c = gl.reshape(gl.permute(c, (0, 1, 3, 4, 2, 5)), [BT, NB, 32])
-    h, lo = _digits(c)
-    # one store of all 2 NB tiles ([NB, 2, BT, 32] as rows: block j's digits at tile 2 j, its
-    # remainders at 2 j + 1)
-    xd.store(gl.reshape(gl.permute(gl.join(h, lo), (1, 3, 0, 2)), [2 * NB * BT, 32]))
-
-
-@gluon.jit
-def _issue_block(w_tile, xd, j: gl.constexpr, zero, a_l: gl.constexpr):
-    """K block j's four asynchronous wgmmas on the FP16 digits (`_consumer_wg`): the weight's digits
-    in registers (`_operand16`, the A operand), x's from the slot's digit tiles in shared memory;
-    hh, the cross dots chained on one accumulator, ll, each from `zero`. Returns (hh, mid, ll, wh,
-    wl): the in-flight accumulators and the register operands they read until retired."""
-    wh, wl = _digits(_operand16(w_tile.slice(32 * j, 32, dim=1), a_l, 0))
-    BT: gl.constexpr = zero.shape[1]
-    xh = xd.slice(2 * j * BT, BT, dim=0).permute((1, 0))
-    xl = xd.slice((2 * j + 1) * BT, BT, dim=0).permute((1, 0))
-    hh = warpgroup_mma(wh, xh, zero, is_async=True)
-    mid = warpgroup_mma(wh, xl, zero, is_async=True)
-    mid = warpgroup_mma(wl, xh, mid, is_async=True)
-    ll = warpgroup_mma(wl, xl, zero, is_async=True)
-    return hh, mid, ll, wh, wl
-
-
-@gluon.jit
-def _wait_slot(i, words_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES: gl.constexpr, NB: gl.constexpr):
-    """The consumers' start of ring slot i: its scale words (loaded one slot ahead: `words_next`)
-    and the next slot's loads issued, then the wait for the slot's tiles. Returns (the slot's words,
-    the next slot's, the ring index)."""
-    words = words_next
-    words_next = _slot_words(sw_words, sx_words, step_lo + gl.minimum(i + 1, n_steps - 1), NB // 4)
-    s = i % STAGES
-    mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-    return words, words_next, s
-
-
-@gluon.jit
-def _ws_tile(BN: gl.constexpr, BT: gl.constexpr, M, layout: gl.constexpr):
-    """The split-K workspace's offsets and mask of a [BN, BT] tile of block terms in `layout`
-    ([BN, M] n-major, the M real rows): what `_take_term` stores through."""
-    rn = gl.arange(0, BN, layout=gl.SliceLayout(1, layout))
-    rm = gl.arange(0, BT, layout=gl.SliceLayout(0, layout))
-    return rn[:, None] * M + rm[None, :], (rm[None, :] < M) & (rn[:, None] < BN)
-
-
-@gluon.jit
-def _take_term(acc, part, words, j: gl.constexpr, block, ws_ptr, ws_offs, ws_mask, BN: gl.constexpr, M,
-               SPLIT_K: gl.constexpr):
-    """K block `block` (the slot's block j) of a [BN, BT] tile: its term (`_block_term` of the
-    block's partial) added to the FP32 accumulator in K order, or with SPLIT_K stored to the
-    workspace at ws_ptr + block * BN * M (`_ws_tile`'s offsets). Returns the accumulator."""
-    term = _block_term(part, words, j)
-    if SPLIT_K:
-        gl.store(ws_ptr + block * (BN * M) + ws_offs, term, mask=ws_mask)
-    else:
-        acc = acc + term
-    return acc
-
-
-@gluon.jit
-def _consumer_wg(w_smem, x_smem, xd, ready, empty, sw_words, sx_words, ws_ptr, step_lo, n_steps, M,
-                 STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, SPLIT_K: gl.constexpr,
-                 mma_layout: gl.constexpr, cvt_l: gl.constexpr, PIPE: gl.constexpr):
-    """`_consumer` for the FP16 digits on wgmma ("f16w"; one consumer warpgroup, mma_layout the
-    wgmma's [BN, BT] accumulator layout): per ring slot, x's digits written once to shared memory
-    (`_x_digit_tiles`, then a fence for the async proxy and a barrier), and per K block the
-    weight's digits in registers (`_operand16`: the A operand, k permuted as x's columns were) and
-    four asynchronous wgmmas from zero accumulators - hh, the two cross dots chained, ll - whose
-    exact sums `_combine` rounds once; the term (`_block_term`) joins the FP32 accumulator in K
-    order, or with SPLIT_K the workspace, as in `_consumer`. PIPE ("f16wp"): block j + 1's wgmmas
-    are issued before block j's sums are rounded and added (the wait leaves its four groups in
-    flight), so the MMAs overlap the adds within a slot. The slot goes back to the producer once
-    every warp's MMAs of it have retired. Returns (acc, )."""
-    a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
-    acc = gl.zeros([BN, BT], gl.float32, mma_layout)
-    zero = gl.zeros([BN, BT], gl.float32, mma_layout)
-    NB: gl.constexpr = w_smem.shape[2] // 32
-    ws_offs, ws_mask = _ws_tile(BN, BT, M, mma_layout)
-    words_next = _slot_words(sw_words, sx_words, step_lo, NB // 4)
-    for i in range(n_steps):
-        words, words_next, s = _wait_slot(i, words_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES, NB)
-        w_tile = w_smem.index(s)
-        _x_digit_tiles(x_smem.index(s), xd, cvt_l)
-        # the generic-proxy stores before the wgmmas' (async proxy) reads, from every thread
-        fence_async_shared()
-        gl.thread_barrier()
-        nxt = _issue_block(w_tile, xd, 0, zero, a_l)
-        for j in gl.static_range(NB):
-            cur = nxt
-            if PIPE and j + 1 < NB:
-                nxt = _issue_block(w_tile, xd, j + 1, zero, a_l)
-                hh, mid, ll, _, _ = warpgroup_mma_wait(num_outstanding=4, deps=cur)
-            else:
-                hh, mid, ll, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=cur)
-                if j + 1 < NB:
-                    nxt = _issue_block(w_tile, xd, j + 1, zero, a_l)
-            part = _combine(hh, mid, ll)
-            if j == NB - 1:
-                # every warp's MMAs of the slot retired (its weight loads and x's digits read)
-                # before one thread hands the slot back and the next slot's digits overwrite xd
-                gl.thread_barrier()
-                mbarrier.arrive(empty.index(s), count=1)
-            acc = _take_term(acc, part, words, j, (step_lo + i) * NB + j, ws_ptr, ws_offs, ws_mask, BN, M, SPLIT_K)
-    return (acc, )
-
-
-@gluon.jit
 def _block_partial(w_tile, x_tile, j: gl.constexpr, zero, CONVERT: gl.constexpr, KC: gl.constexpr,
                    mma_layout: gl.constexpr):
     """The exact dot of K block j (columns 32j..32j+31) of the slot's weight tile [BN, 128] and
@@ -512,7 +313,7 @@ def _block_partial(w_tile, x_tile, j: gl.constexpr, zero, CONVERT: gl.constexpr,
     "int+cvt" / "raw+cvt" the first form in even blocks and "cvt" in odd ones) and multiplied, the
     block's MMAs chained through the FP64 accumulator from `zero` (exact: module doc)."""
     if CONVERT == "f16d":
-        part = _digit_partial(w_tile, x_tile, j, mma_layout)
+        part = digit_partial(w_tile, x_tile, j, mma_layout)
     else:
         la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=1)
         lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_layout, k_width=1)
@@ -586,53 +387,13 @@ def _operands_k(w_tile, x_tile, la: gl.constexpr, lb: gl.constexpr, KC: gl.const
 
 
 @gluon.jit
-def _digit_operands_k(w_tile, x_tile, la: gl.constexpr, lb: gl.constexpr):
-    """The slot's NB K blocks as batched FP16-MMA operands for `_digit_slot_partials`: the weight's
-    codes [NB, BN, 32] and x's [NB, 32, BT] (batch j: K block j) in the operand layouts la / lb
-    (k_width 2), each block's k in `_operand16`'s permutation (k = 16 s + 8 u + 2 t + v at the
-    block's column 8 t + 4 s + 2 u + v): each thread's bytes consecutive in shared memory, renamed
-    into the operand layouts without moving data (`assert_trivial`)."""
-    BN: gl.constexpr = w_tile.shape[0]
-    BT: gl.constexpr = x_tile.shape[0]
-    NB: gl.constexpr = w_tile.shape[1] // 32
-    like_a = gl.zeros([NB, BN, 32], gl.int8, la)
-    phys_a: gl.constexpr = gl.reshape(gl.permute(gl.reshape(like_a, [NB, BN, 2, 2, 4, 2]), (1, 0, 4, 2, 3, 5)),
-                                      [BN, 32 * NB]).type.layout
-    a = gl.reshape(gl.permute(gl.reshape(w_tile.load(phys_a), [BN, NB, 4, 2, 2, 2]), (1, 0, 3, 4, 2, 5)),
-                   [NB, BN, 32])
-    like_b = gl.zeros([NB, 32, BT], gl.int8, lb)
-    phys_b: gl.constexpr = gl.reshape(gl.permute(gl.reshape(like_b, [NB, 2, 2, 4, 2, BT]), (0, 3, 1, 2, 4, 5)),
-                                      [32 * NB, BT]).type.layout
-    b = gl.reshape(gl.permute(gl.reshape(x_tile.permute((1, 0)).load(phys_b), [NB, 4, 2, 2, 2, BT]),
-                              (0, 2, 3, 1, 4, 5)), [NB, 32, BT])
-    return gl.convert_layout(a, la, assert_trivial=True), gl.convert_layout(b, lb, assert_trivial=True)
-
-
-@gluon.jit
-def _digit_slot_partials(w_tile, x_tile, mma_layout: gl.constexpr):
-    """`_digit_partial` of the slot's NB K blocks at once (the FP16 digits with `warps_k` > 1): [NB,
-    BN, BT] FP32, batch j block j's exact dot rounded once, from batched FP16 MMAs (each warp its
-    share of the blocks)."""
-    la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
-    lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_layout, k_width=2)
-    a, b = _digit_operands_k(w_tile, x_tile, la, lb)
-    wh, wl = _digits(a)
-    xh, xl = _digits(b)
-    zero = gl.zeros([a.shape[0], a.shape[1], b.shape[2]], gl.float32, mma_layout)
-    hh = mma_v2(wh, xh, zero)
-    mid = mma_v2(wl, xh, mma_v2(wh, xl, zero))
-    ll = mma_v2(wl, xl, zero)
-    return _combine(hh, mid, ll)
-
-
-@gluon.jit
 def _slot_partials(w_tile, x_tile, zero, CONVERT: gl.constexpr, KC: gl.constexpr, mma_layout: gl.constexpr):
     """`_block_partial` of the slot's NB K blocks at once (`warps_k` > 1): [NB, BN, BT] FP32, batch j
     block j's exact dot rounded once to FP32, from the batched FP64 MMA (each warp its share of the
     blocks; `_operands_k`). "int+cvt" converts the weight of each block's first 16-deep half as
     "int" and of its second as "cvt" (both the codes' values: they share the block's accumulator)."""
     if CONVERT == "f16d":
-        part = _digit_slot_partials(w_tile, x_tile, mma_layout)
+        part = digit_slot_partials(w_tile, x_tile, mma_layout)
     else:
         la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=1)
         lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_layout, k_width=1)
@@ -653,24 +414,11 @@ def _slot_partials(w_tile, x_tile, zero, CONVERT: gl.constexpr, KC: gl.constexpr
 
 
 @gluon.jit
-def _block_term(part, words, j: gl.constexpr):
-    """RN(RN(part * sx[m, block j]) * sw[n // 32, block j]): the reference's scaling of the slot's K
-    block j (words: `gluon_mm._slot_words` of the slot, word 1 for blocks 4..7 of a 256-deep one);
-    the last product `mul.rn`, never contracted into the accumulator's add."""
-    if j < 4:
-        sw, _, sx, _ = words
-    else:
-        _, sw, _, sx = words
-    scaled, sw_b = gl.broadcast(part * _scale(sx, j % 4)[None, :], _scale(sw, j % 4)[:, None])
-    return libdevice.mul_rn(scaled, sw_b)
-
-
-@gluon.jit
 def _consumer(w_smem, x_smem, ready, empty, sw_words, sx_words, ws_ptr, step_lo, n_steps, M,
               STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, CONVERT: gl.constexpr, KC: gl.constexpr,
               SPLIT_K: gl.constexpr, mma_layout: gl.constexpr):
     """The consumer warps: per ring slot, its NB K blocks' exact partials (`_block_partial`; NB =
-    block_k / 32, 4 or 8) and terms (`_block_term`), added to the FP32 accumulator in K order, or,
+    block_k / 32, 4 or 8) and terms (`block_term`), added to the FP32 accumulator in K order, or,
     SPLIT_K, stored to the
     workspace (`ws_ptr`: this tile's terms, block kb at ws_ptr + kb * BN * M, [BN, M] n-major, the
     M real rows). The slot goes back to the producer once every consumer thread has loaded its last
@@ -678,10 +426,10 @@ def _consumer(w_smem, x_smem, ready, empty, sw_words, sx_words, ws_ptr, step_lo,
     acc = gl.zeros([BN, BT], gl.float32, mma_layout)
     zero = gl.zeros([BN, BT], gl.float64, mma_layout)
     NB: gl.constexpr = w_smem.shape[2] // 32
-    ws_offs, ws_mask = _ws_tile(BN, BT, M, mma_layout)
+    ws_offs, ws_mask = ws_tile(BN, BT, M, mma_layout)
     words_next = _slot_words(sw_words, sx_words, step_lo, NB // 4)
     for i in range(n_steps):
-        words, words_next, s = _wait_slot(i, words_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES, NB)
+        words, words_next, s = wait_slot(i, words_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES, NB)
         w_tile = w_smem.index(s)
         x_tile = x_smem.index(s)
         for j in gl.static_range(NB):
@@ -691,7 +439,7 @@ def _consumer(w_smem, x_smem, ready, empty, sw_words, sx_words, ws_ptr, step_lo,
                 # the MMA) before one thread hands the slot back.
                 gl.thread_barrier()
                 mbarrier.arrive(empty.index(s), count=1)
-            acc = _take_term(acc, part, words, j, (step_lo + i) * NB + j, ws_ptr, ws_offs, ws_mask, BN, M, SPLIT_K)
+            acc = take_term(acc, part, words, j, (step_lo + i) * NB + j, ws_ptr, ws_offs, ws_mask, BN, M, SPLIT_K)
     return (acc, )
 
 
@@ -702,7 +450,7 @@ def _consumer_k(w_smem, x_smem, ready, empty, terms, sw_words, sx_words, ws_ptr,
     """`_consumer` with the consumer warps splitting each slot's NB K blocks (`warps_k` > 1; NB =
     block_k / 32, 4 or 8; mma_layout: the batched [NB, BN, BT] MMA layout, batch j = K block j, warp
     w the blocks w, w + warps_k, ...: with NB = 8 each warp two or more independent MMA chains): per
-    slot every warp forms its blocks' exact partials (`_slot_partials`) and terms (`_block_term`'s
+    slot every warp forms its blocks' exact partials (`_slot_partials`) and terms (`block_term`'s
     two roundings) and stores them to `terms` ([NB, BN, BT] FP32 in shared memory); after a barrier
     every thread reads its outputs' NB terms (out_layout: each output one thread's) and adds them in
     K order, blocks 0, 1, ..., NB - 1, to its FP32 accumulator, or, SPLIT_K, stores them to the workspace as `_consumer`
@@ -715,10 +463,10 @@ def _consumer_k(w_smem, x_smem, ready, empty, terms, sw_words, sx_words, ws_ptr,
     zero = gl.zeros([NB, BN, BT], gl.float64, mma_layout)
     # K block j of batch element j: the byte j % 4 of each row's scale word j // 4
     j3 = gl.expand_dims(gl.expand_dims(gl.arange(0, NB, layout=gl.SliceLayout(1, gl.SliceLayout(2, mma_layout))), 1), 2)
-    ws_offs, ws_mask = _ws_tile(BN, BT, M, out_layout)
+    ws_offs, ws_mask = ws_tile(BN, BT, M, out_layout)
     words_next = _slot_words(sw_words, sx_words, step_lo, NB // 4)
     for i in range(n_steps):
-        words, words_next, s = _wait_slot(i, words_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES, NB)
+        words, words_next, s = wait_slot(i, words_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES, NB)
         sw, sw1, sx, sx1 = words
         part = _slot_partials(w_smem.index(s), x_smem.index(s), zero, CONVERT, KC, mma_layout)   # [NB, BN, BT]
         if NB == 4:
@@ -853,7 +601,7 @@ def _gluon_exact_mm_kernel(
         cvt_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[8, 4],
                                                warps_per_cta=[4, 1], order=[1, 0])
         acc, = gl.warp_specialize([
-            (_consumer_wg, (w_smem, x_smem, xd, ready, empty, sw_words, sx_words, ws_tile, step_lo, n_steps, M,
+            (consumer_wg, (w_smem, x_smem, xd, ready, empty, sw_words, sx_words, ws_tile, step_lo, n_steps, M,
                             STAGES, BN, BT, SPLIT_K, mma_layout, cvt_l, CONVERT == "f16wp")),
             (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, off_m, 0, step_lo, n_steps, 0,
                          n_steps, STAGES, False)),

@@ -197,7 +197,7 @@ def test_digit_form_compiles_for_sm90_without_spills(config, bt, split, out_f32)
     assert all(t.startswith(shape) for t in found), found[:4]
     assert len(found) == count, len(found)
     assert ops.get("DMMA", 0) == 0, ops
-    # The operands' shared-memory loads are 8 bytes wide (`_operand16`'s permuted k, and the x
+    # The operands' shared-memory loads are 8 bytes wide (`gluon_exact_digits.operand16`'s permuted k, and the x
     # codes of "f16w"'s digit tiles; with the warps along K also the block terms' reads, by
     # ldmatrix); the codes become FP16 pairwise (one unpacking conversion per two codes).
     loop = loop_with(kernel, mma)
@@ -213,7 +213,7 @@ def test_digit_form_compiles_for_sm90_without_spills(config, bt, split, out_f32)
 
 
 def _model_digits(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`gluon_exact_mm._digits` in torch's FP16 arithmetic (each add rounded to FP16, as the GPU's)."""
+    """`gluon_exact_digits.digits` in torch's FP16 arithmetic (each add rounded to FP16, as the GPU's)."""
     v = codes.to(torch.float16)
     h = (v + 1536.0) - 1536.0
     return h, v - h
@@ -222,7 +222,7 @@ def _model_digits(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def test_digit_split_is_exact_for_every_code():
     # Every finite E4M3 code: the integer digit is an integer of at most 448, the remainder a
     # multiple of 2^-9 of at most 1/2, and the two add back to the code's value exactly (FP16
-    # arithmetic, as `_digits` runs it): what the FP16 digits' exactness argument assumes.
+    # arithmetic, as `digits` runs it): what the FP16 digits' exactness argument assumes.
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     finite = codes.float().isfinite()
     h, lo = (t.double() for t in _model_digits(codes[finite]))
@@ -234,9 +234,9 @@ def test_digit_split_is_exact_for_every_code():
 
 @pytest.mark.parametrize("kind", ["heavy", "uniform"])
 def test_digit_partial_model_is_the_rounded_block_sum(kind):
-    # `_digit_partial`'s arithmetic on the CPU: the three digit dots (hh, the cross dots, ll) are
+    # `gluon_exact_digits.digit_partial`'s arithmetic on the CPU: the three digit dots (hh, the cross dots, ll) are
     # sums of at most 24 significant bits - exact in FP32, as the FP16 MMA must give them (checked
-    # here: each FP64 sum equals its FP32 rounding) - and `_combine`'s FP32 adds round their sum
+    # here: each FP64 sum equals its FP32 rounding) - and `combine`'s FP32 adds round their sum
     # once: every block partial equals RN(exact block dot), on data where a plain FP32 sum is not.
     gen = torch.Generator().manual_seed(41)
     if kind == "heavy":
