@@ -36,30 +36,31 @@ _fma_cfg = GluonExactFMAConfig.from_spec
 # faster, and GluonExactMM's configuration per row count above it (`{most rows: GluonExactConfig}`,
 # in the probe's spec form). Measured on an H200 (scripts/probe_gluon_exact_mm.py; us per call,
 # weights beyond L2; docs/results/gpu-tests-h200.txt): runs B1 and C2 of that file as of 8415a49
-# (the 32- and 64-row entries of the FP64 forms), its run G (commit 8415a49; 1-16 rows: the packed
-# conversions and 256-deep slots), and run C as of 55c49a1 (commit 9b9a03f: the FP16
-# digits, "f16d", at 4-64 rows against the FP64 forms' plan): the fastest configuration per row
-# count, and the threshold where ExactMM's time, linear in the rows between the measured counts,
-# crosses GluonExactMM's. Shapes without an entry (the TP shards) run GluonExactMM in its default
+# (the FP64 forms), run C as of 55c49a1 (commit 9b9a03f: the FP16 digits, "f16d", at 4-64 rows) and
+# its run G (commit c9bad52: the FP16 digits with four warps along K, 256-deep slots, at 4-32 rows
+# of the shapes with few weight rows for their K): the fastest configuration per row count, and the
+# threshold where ExactMM's time, linear in the rows between the measured counts, crosses
+# GluonExactMM's. Shapes without an entry (the TP shards) run GluonExactMM in its default
 # configuration above 4 rows. Every configuration gives the same bits.
 _GLUON_PLAN: dict[tuple[int, int], tuple[int, dict[int, GluonExactConfig]]] = {
-    # fused wq_a|wkv: GluonExactMM 12.5 us at 4-8 rows, 15.6 at 16, 24.1 at 32; at 64 the FP16
-    # digits 36.4 against 42.3; ExactMM 11.1 at 2, 15.9 at 4
-    (1792, 5120): (2, {4: _cfg("rawp:16:16:1:16:4:1:80:4:256"), 16: _cfg("rawp:16:8:1:16:4:1:80:4:256"),
-                       32: _cfg("int+cvt:16:16:1:16:8:1:80:4"), 64: _cfg("f16d:128:8:1:32:3:1:128:1:256")}),
+    # fused wq_a|wkv: the FP16 digits along K 11.2 us at 4-8 rows, 13.7 at 16, 21.0 at 32 against
+    # the FP64 forms' 12.7 / 15.7 / 24.0; at 64 the FP16 digits 36.4 against 42.3; ExactMM 11.1 at 2,
+    # 15.9 at 4
+    (1792, 5120): (2, {16: _cfg("f16d:16:8:1:32:4:1:80:4:256"), 32: _cfg("f16d:32:8:1:32:4:1:80:4:256"),
+                       64: _cfg("f16d:128:8:1:32:3:1:128:1:256")}),
     # wq_b: the FP16 digits 18.9 at 4-8 rows, 27.4 at 16, 51.1 / 98.1 at 32 / 64 against the FP64
     # forms' 22.0, 34.4, 65.2 / 126.3; ExactMM 16.1 at 1, 26.6 at 2 (1-2 rows run GluonExactFMA: _FMA_PLAN)
     (32768, 1280): (1, {8: _cfg("f16d:128:8:1:32:4:1:80"), 16: _cfg("f16d:128:16:1:32:4:1"),
                         64: _cfg("f16d:64:32:2:32:4:1")}),
-    # the indexer's wq_b: 6.5-6.6 at 4-8, 8.6 at 16; the FP16 digits 11.7 / 16.4 at 32 / 64 against
-    # 13.7 / 21.2; ExactMM 6.35 at 2, 8.8 at 4
-    (4096, 1280): (2, {8: _cfg("rawp:16:8:1:16:4:1:80:4:256"), 16: _cfg("rawp:16:8:1:32:4:1:64:4:256"),
-                       32: _cfg("f16d:128:8:1:32:3:1:128:1:256"), 64: _cfg("f16d:128:16:1:32:4:1")}),
-    # wo_b: 29.7-30.3 at 2-8, 46.2 / 80.3 at 16 / 32; at 64 the FP16 digits 136.8 against 158.2;
-    # ExactMM 17.0 at 1, 30.6 at 2
-    (5120, 8192): (1, {2: _cfg("rawp:16:16:1:16:4:1:80:4:256"), 4: _cfg("rawp:16:8:1:16:4:1:80:4:256"),
-                       8: _cfg("rawp:16:16:1:16:4:1:80:4:256"), 16: _cfg("rawp:32:8:1:16:4:1:80:4:256"),
-                       32: _cfg("int+cvt:16:16:1:16:8:1:80:4"), 64: _cfg("f16d:64:8:1:32:4:4:80")}),
+    # the indexer's wq_b: the FP16 digits along K 6.1-6.2 at 4-8, 7.9 at 16, 11.2 at 32 against the
+    # FP64 forms' 6.5 / 8.6 / 11.6; at 64 16.4 against 21.2; ExactMM 6.35 at 2, 8.8 at 4
+    (4096, 1280): (2, {16: _cfg("f16d:16:16:1:32:4:1:80:4:256"), 32: _cfg("f16d:32:16:1:32:4:1:128:4"),
+                       64: _cfg("f16d:128:16:1:32:4:1")}),
+    # wo_b: the FP16 digits along K 28.7-29.0 at 4-8, 43.1 / 71.1 at 16 / 32 against the FP64 forms'
+    # 29.7-29.9 / 46.1 / 80.4; at 64 136.8 against 158.2; ExactMM 17.0 at 1, 30.6 at 2 (2 rows run
+    # GluonExactFMA: _FMA_PLAN)
+    (5120, 8192): (1, {2: _cfg("rawp:16:16:1:16:4:1:80:4:256"), 32: _cfg("f16d:16:16:1:32:4:1:80:4:256"),
+                       64: _cfg("f16d:64:8:1:32:4:4:80")}),
 }
 # Per (N, K): the row counts GluonExactFMA (FP64 CUDA cores) runs, ahead of both ops above, first
 # to last, and its configuration (rows_per_thread:warps_k:lanes_k:stages[:maxnreg[:split]]).

@@ -12,11 +12,13 @@ import pytest
 import torch
 from helpers import (FLASH_LINEAR_SHAPES, boundary_operands, check_mxfp8_plan_errors, linear_operands, raises,
                      rope_operands)
+from _gluon_linear_support import compile_linear, spill_free
 from test_exact_mm import _bits, _exact_operands, _gen, check_boundary, check_rope
 
 from dsv41_decode.ops.exact_linear import _FMA_PLAN, _GLUON_PLAN, ExactLinear
 from dsv41_decode.ops.exact_mm import ExactConfig
 from dsv41_decode.ops.gluon_exact_fma import GluonExactFMAConfig
+from dsv41_decode.ops import gluon_exact_mm as E
 from dsv41_decode.ops.gluon_exact_mm import GluonExactConfig
 from dsv41_decode.reference.linear import mxfp8_mm
 
@@ -37,6 +39,35 @@ def test_plan_covers_the_step_shapes():
     assert set(_FMA_PLAN) <= set(_GLUON_PLAN)
     for shape, (first, last, config) in _FMA_PLAN.items():
         assert 1 <= first <= last <= 4 and isinstance(config, GluonExactFMAConfig), shape
+
+
+def _plan_launches() -> list[tuple[str, GluonExactConfig, int, int]]:
+    """Each distinct (shape, configuration, row bucket, K splits) GluonExactMM launches for the
+    step's shapes at 1-64 rows under `_GLUON_PLAN` (the rows above its threshold)."""
+    launches = {}
+    for name, n, k in STEP_SHAPES:
+        above, configs = _GLUON_PLAN[(n, k)]
+        for rows in range(above + 1, 65):
+            cfg = next(c for r, c in sorted(configs.items()) if rows <= r)
+            split = E.split_bounds(cfg.split, k, cfg.block_k)[1] if rows <= E.split_rows(cfg) else 1
+            launches[(name, cfg, E.block_t(rows, cfg), split)] = None
+    return list(launches)
+
+
+PLAN_LAUNCHES = _plan_launches()
+
+
+@pytest.mark.parametrize("name,config,bt,split", PLAN_LAUNCHES,
+                         ids=[f"{n}-{c.convert}-n{c.block_n}-m{c.block_m}-wk{c.warps_k}-bk{c.block_k}-bt{bt}-s{s}"
+                              for n, c, bt, s in PLAN_LAUNCHES])
+def test_plan_compiles_for_sm90_without_spills(name, config, bt, split):
+    # Every launch the plan makes at the step's shapes compiles for sm_90 (on the CPU) within its
+    # register cap and shared memory, with no local memory (`spill_free`): the plan names only
+    # configurations the hardware runs as measured.
+    kernel = compile_linear(E._gluon_exact_mm_kernel, E.launch_options(config, bt, split),
+                            [config.block_n, config.block_k], [bt, config.block_k], False,
+                            consts=dict.fromkeys(("cos_ptr", "sin_ptr", "stride_cm", "stride_sm")))
+    spill_free(kernel, config.maxnreg or 255, E.shared_bytes(config, bt))
 
 
 def test_off_sm90_only_the_cuda_core_op():
