@@ -149,7 +149,7 @@ DIGIT_CONFIGS = (
      16: C(convert="f16d", warps_k=4, block_n=32, block_m=16),
      64: C(convert="f16d", warps_k=4, block_n=16, block_m=32)},
     {8: C(convert="f16d", block_n=128, block_m=8, maxnreg=80, solo=True),
-     16: C(convert="f16d", block_n=128, block_m=16, maxnreg=80, solo=True),
+     16: C(convert="f16d", block_n=128, block_m=16, maxnreg=80, stages=3, solo=True),
      64: C(convert="f16d", block_n=64, block_m=16, maxnreg=80, solo=True)},
     {8: C(convert="f16wp", block_m=8, split=4),
      16: C(convert="f16w", block_n=128, block_m=16),

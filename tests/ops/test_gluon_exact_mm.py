@@ -467,7 +467,7 @@ ROPE_SPLIT_CONFIG = {8: C(convert="rawp", block_n=128, block_m=8, maxnreg=80, sp
 
 
 # The epilogue in each consumer warp's own partition (`GluonExactConfig.solo`), 128 x 8 and 128 x 16.
-ROPE_SOLO_CONFIG = {8: C.from_spec("f16d:128:8:1:32:4:1:80:1:128:1"), 64: C.from_spec("f16d:128:16:1:32:4:1:80:1:128:1")}
+ROPE_SOLO_CONFIG = {8: C.from_spec("f16d:128:8:1:32:4:1:80:1:128:1"), 64: C.from_spec("f16d:128:16:1:32:3:1:80:1:128:1")}
 
 
 @pytest.mark.gpu
