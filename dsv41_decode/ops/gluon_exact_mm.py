@@ -881,15 +881,12 @@ def launch_warps_n(config: GluonExactConfig, bt: int) -> int:
 
 def shared_bytes(config: GluonExactConfig, bt: int) -> int:
     """The ring's weight and activation tiles at row bucket `bt`, 1 KB for the mbarriers and what the
-    compiler adds, with warps_k > 1 the slot's block terms (block_k / 32 x block_n x bt FP32), and
-    with `solo` the consumer warps' stores' layout conversions (their tiles convert while the ring
-    is live: at most block_n x bt x 4 + 1024 bytes, the query RoPE epilogue's included): with
-    warps_k=1 and block_k=128 at most 8 x (128 + 64) x 128 + 1024 = 197632 bytes, within sm_90's
-    `gluon_mm.SHARED_LIMIT` (GluonExactConfig checks the others at block_m)."""
+    compiler adds, and with warps_k > 1 the slot's block terms (block_k / 32 x block_n x bt FP32):
+    with warps_k=1 and block_k=128 at most 8 x (128 + 64) x 128 + 1024 = 197632 bytes, within
+    sm_90's `gluon_mm.SHARED_LIMIT` (GluonExactConfig checks the others at block_m)."""
     terms = config.block_k // 32 * config.block_n * bt * 4 if config.warps_k > 1 else 0
     digits = 2 * config.block_k * bt * 2 if config.convert in ("f16w", "f16wp") else 0
-    stores = config.block_n * bt * 4 + 1024 if config.solo else 0
-    return config.stages * (config.block_n + bt) * config.block_k + 1024 + terms + digits + stores
+    return config.stages * (config.block_n + bt) * config.block_k + 1024 + terms + digits
 
 
 def launch_options(config: GluonExactConfig, bt: int, split: int) -> dict:

@@ -136,8 +136,8 @@ def test_digit_partial_model_is_the_rounded_block_sum(kind):
 
 
 # The FP16 digits at the TP1 shapes, per row count: 128 x 8 and 128 x 16, 64 x 32 with x's rows on
-# two warps, the K split, 256-deep slots, the warps along K, each consumer warp a partition of its
-# own (`solo`); on mma.sync ("f16d") and on wgmma ("f16w", "f16wp").
+# two warps, the K split, 256-deep slots, the warps along K; on mma.sync ("f16d") and on wgmma
+# ("f16w", "f16wp").
 DIGIT_CONFIGS = (
     {8: C(convert="f16d", block_n=128, block_m=8, maxnreg=80),
      16: C(convert="f16d", block_n=128, block_m=16),
@@ -148,9 +148,6 @@ DIGIT_CONFIGS = (
     {8: C(convert="f16d", warps_k=4, block_n=16, block_m=8, maxnreg=80, block_k=256),
      16: C(convert="f16d", warps_k=4, block_n=32, block_m=16),
      64: C(convert="f16d", warps_k=4, block_n=16, block_m=32)},
-    {8: C(convert="f16d", block_n=128, block_m=8, maxnreg=80, solo=True),
-     16: C(convert="f16d", block_n=128, block_m=16, maxnreg=80, stages=3, solo=True),
-     64: C(convert="f16d", block_n=64, block_m=16, maxnreg=80, solo=True)},
     {8: C(convert="f16wp", block_m=8, split=4),
      16: C(convert="f16w", block_n=128, block_m=16),
      64: C(convert="f16w", block_m=32, block_k=256, stages=3)},

@@ -28,8 +28,7 @@ import re
 import pytest
 import torch
 from _gluon_linear_support import (check_exact_plan_errors, check_rope_compile, check_tma_alignment_errors,
-                                   check_window, compile_linear, kind_operands, loop_with, rope_epilogue,
-                                   spill_free, _backward_branches)
+                                   check_window, compile_linear, kind_operands, loop_with, rope_epilogue, spill_free)
 from helpers import FLASH_LINEAR_SHAPES as FLASH_SHAPES
 from helpers import check_mxfp8_plan_errors, linear_operands, raises, rope_operands
 from test_exact_mm import _bits, _gen, _poisoned, check_rope
@@ -39,7 +38,6 @@ from dsv41_decode.ops.exact_linear import _GLUON_PLAN
 from dsv41_decode.ops.exact_mm import ExactMM
 from dsv41_decode.ops.gluon_mm import SHARED_LIMIT
 from dsv41_decode.reference.linear import mxfp8_mm
-from dsv41_decode.testing import sm90
 from dsv41_decode.testing.synthetic import heavy_e4m3
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -149,44 +147,6 @@ def test_compiles_for_sm90_without_spills(config, bt, split, out_f32):
     # the terms' (stored before they are read; the release's serves between the reads and the
     # next slot's stores).
     assert sum(t.startswith("BAR.SYNC") for t in loop) == (2 if wk == 1 else 3), loop
-
-
-# Each consumer warp a partition of its own (`GluonExactConfig.solo`): the FP16 digits at 128 x 8
-# (a cap of 80) with and without the query RoPE epilogue, 64 x 16 with FP32 out, the FP64 MMA
-# ("rawp") at 64 x 8.
-SOLO_COMPILE_CASES = [(C.from_spec("f16d:128:8:1:32:4:1:80:1:128:1"), 8, False, False),
-                      (C.from_spec("f16d:128:8:1:32:4:1:80:1:128:1"), 8, False, True),
-                      (C.from_spec("f16d:64:16:1:32:4:1:80:1:128:1"), 16, True, False),
-                      (C.from_spec("rawp:64:8:1:32:4:1:80:1:128:1"), 8, False, False)]
-
-
-@pytest.mark.parametrize("config,bt,out_f32,rope", SOLO_COMPILE_CASES,
-                         ids=[_case_id((c, bt, 1, f32)) + ("-rope" if rope else "") for c, bt, f32, rope in
-                              SOLO_COMPILE_CASES])
-def test_solo_consumers_compile_for_sm90_without_spills(config, bt, out_f32, rope):
-    # No spills within the cap and the shared memory `shared_bytes` counts; four copies of the
-    # consumer's loop (one a warp, each its quarter of the weight rows: the MMAs of the whole tile
-    # once), none of them with a barrier across warps (a warp's own syncs only: WARPSYNC, no
-    # BAR.SYNC), the slots' `empty` barriers counting four arrivals, the consumer warps raised
-    # to 2 x cap - 24 registers and the producer's warps lowered.
-    kernel = _compile(config, bt, 1, out_f32, rope=rope)
-    _, ins, ops = spill_free(kernel, config.maxnreg, E.shared_bytes(config, bt))
-    mma = "HMMA" if config.convert == "f16d" else "DMMA"
-    per_tile = (config.block_n // 16) * (bt // 8) * config.block_k // 32 * (8 if mma == "HMMA" else 2)
-    assert ops.get(mma, 0) == per_tile, (ops.get(mma), per_tile)
-    # the innermost loops holding MMAs (no other loop inside): the four consumers' slot loops
-    spans = [(lo, hi) for lo, hi in _backward_branches(sm90.sass(kernel))]
-    inner = [(lo, hi) for lo, hi in spans if not any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in spans)]
-    ins_all = [t for _, t in sm90.sass(kernel)]
-    slot_loops = [ins_all[lo:hi + 1] for lo, hi in inner if any(t.startswith(mma) for t in ins_all[lo:hi + 1])]
-    assert len(slot_loops) == 4 and all(sum(t.startswith(mma) for t in lp) == per_tile // 4 for lp in slot_loops)
-    assert all(not any(t.startswith("BAR.SYNC") for t in lp) for lp in slot_loops)
-    ptx = kernel.asm["ptx"]
-    assert len(re.findall(r"mbarrier\.init\.shared::cta\.b64 \[[^]]+\], 4;", ptx)) == config.stages, ptx[:0]
-    regs = f"0x{(2 * config.maxnreg - 24) // 8 * 8:x}"
-    assert any(t.startswith("USETMAXREG.TRY_ALLOC") and t.endswith(regs) for t in ins)
-    assert any(t.startswith("USETMAXREG.DEALLOC") for t in ins)
-    assert re.search(r"\.ftz\.f32\b", ptx) is None
 
 
 # The query-RoPE epilogue (wq_b): its plan's configurations (`exact_linear._GLUON_PLAN`: the FP16
@@ -466,23 +426,18 @@ ROPE_SPLIT_CONFIG = {8: C(convert="rawp", block_n=128, block_m=8, maxnreg=80, sp
                      64: C(convert="int", warps_k=2, block_n=64, block_m=32)}
 
 
-# The epilogue in each consumer warp's own partition (`GluonExactConfig.solo`), 128 x 8 and 128 x 16.
-ROPE_SOLO_CONFIG = {8: C.from_spec("f16d:128:8:1:32:4:1:80:1:128:1"), 64: C.from_spec("f16d:128:16:1:32:3:1:80:1:128:1")}
-
-
 @pytest.mark.gpu
 def test_rope_epilogue_at_wq_b_on_gpu():
     # The query-RoPE epilogue at wq_b's shape, where the step's exact path runs GluonExactMM above 2
     # rows: the plan's configurations (`exact_linear._GLUON_PLAN`; 64 rows in 4 row tiles of 16,
     # each with its own rows of cos/sin) at every row count 1-64, and `ROPE_SPLIT_CONFIG` (the
-    # last arriver rotates) and `ROPE_SOLO_CONFIG` (each consumer warp rotates its rows) at 1, 3,
-    # 8, 9, 16, 17, 33 and 64: bitwise ExactMM's call followed by `query_rope_`.
+    # last arriver rotates) at 1, 3, 8, 9, 16, 17, 33 and 64: bitwise ExactMM's call followed by
+    # `query_rope_`.
     n, k = 32768, 1280
     _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(n + k + 4), 64, n, k)
     cos, sin = rope_operands(_gen(19), 64)
     plain = ExactMM(weight, w_scale)(codes, x_scale)
-    for cfg, rows in ((_GLUON_PLAN[(n, k)][1], range(1, 65)), (ROPE_SPLIT_CONFIG, (1, 3, 8, 9, 16, 17, 33, 64)),
-                      (ROPE_SOLO_CONFIG, (1, 3, 8, 9, 16, 17, 33, 64))):
+    for cfg, rows in ((_GLUON_PLAN[(n, k)][1], range(1, 65)), (ROPE_SPLIT_CONFIG, (1, 3, 8, 9, 16, 17, 33, 64))):
         plan = E.GluonExactMM(weight, w_scale, config=cfg)
         for m in rows:
             check_rope(plan, codes[:m], x_scale[:m], cos[:m], sin[:m], plain[:m], (m, plan.config_for(m)))
