@@ -82,18 +82,13 @@ def take_term(acc, part, words, j: gl.constexpr, block, ws_ptr, ws_offs, ws_mask
 
 
 @gluon.constexpr_function
-def _pairs_layout(BN, BT, layout):
-    """A layout of a [BN, BT] output tile over the warps of `layout` (the tile's: the 4 consumer
-    warps, or one) in which each thread holds both columns of a RoPE pair (2 consecutive n of one
-    row m; lanes along n first): what `gluon_epilogues.rope_tile` splits in registers."""
+def _pairs_layout(BN, BT):
+    """A layout of a [BN, BT] output tile over the 4 consumer warps in which each thread holds both
+    columns of a RoPE pair (2 consecutive n of one row m; lanes along n first): what
+    `gluon_epilogues.rope_tile` splits in registers."""
     lanes_n = min(32, BN // 2)
-    while not hasattr(layout, "warps_per_cta"):     # a slice: its parent's warps
-        layout = layout.parent
-    warps = 1
-    for w in layout.warps_per_cta:
-        warps *= w
-    return gl.BlockedLayout(size_per_thread=[2, 1], threads_per_warp=[lanes_n, 32 // lanes_n],
-                            warps_per_cta=[warps, 1], order=[0, 1])
+    return gl.BlockedLayout(size_per_thread=[2, 1], threads_per_warp=[lanes_n, 32 // lanes_n], warps_per_cta=[4, 1],
+                            order=[0, 1])
 
 
 @gluon.jit
@@ -110,7 +105,7 @@ def store_tile(y_ptrs, acc, mask, OUT_F32: gl.constexpr, off_n=None, M=None, cos
         BN: gl.constexpr = acc.shape[0]
         BT: gl.constexpr = acc.shape[1]
         out_l: gl.constexpr = acc.type.layout
-        pairs: gl.constexpr = _pairs_layout(BN, BT, out_l)
+        pairs: gl.constexpr = _pairs_layout(BN, BT)
         gl.store(y_ptrs, bf16_out(acc, off_n, M, cos_ptr, sin_ptr, stride_cm, stride_sm, BN, BT, True, out_l,
                                   PAIRS=pairs), mask=mask)
     else:

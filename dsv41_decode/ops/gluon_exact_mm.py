@@ -444,44 +444,6 @@ def _consumer(w_smem, x_smem, ready, empty, sw_words, sx_words, ws_ptr, step_lo,
 
 
 @gluon.jit
-def _solo_consumer(w_smem, x_smem, ready, empty, sw_ptr, sx_ptr, y_ptr, off_n, M, N, stride_swn, stride_sxm,
-                   stride_ym, step_lo, n_steps, cos_ptr, sin_ptr, stride_cm, stride_sm,
-                   STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, CONVERT: gl.constexpr,
-                   KC: gl.constexpr, OUT_F32: gl.constexpr, ROPE: gl.constexpr, W: gl.constexpr):
-    """`_consumer` as one warp of its own partition (`GluonExactConfig.solo`): consumer warp W of
-    four takes the tile's weight rows [W BN / 4, +BN / 4) of every slot, forms their blocks'
-    partials and terms in K order in its registers (the same arithmetic, so the same bits), hands
-    each slot back on its own (the slot's `empty` barrier counts four arrivals: no barrier across
-    the consumer warps) and stores its rows of y itself (with the query RoPE epilogue, ROPE)."""
-    BNW: gl.constexpr = BN // 4
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
-    off_w = off_n + W * BNW
-    sw_words, sx_words = _tile_scales(sw_ptr, sx_ptr, off_w, M, N, stride_swn, stride_sxm, BNW, BT, mma_layout)
-    if _is_packed(_form(CONVERT, 0)):
-        sw_words = _tile_weight_scales(sw_ptr, off_w, N, stride_swn, BNW, gl.SliceLayout(1, mma_layout))
-    acc = gl.zeros([BNW, BT], gl.float32, mma_layout)
-    zero = gl.zeros([BNW, BT], gl.float64, mma_layout)
-    NB: gl.constexpr = w_smem.shape[2] // 32
-    words_next = _slot_words(sw_words, sx_words, step_lo, NB // 4)
-    for i in range(n_steps):
-        words, words_next, s = wait_slot(i, words_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES, NB)
-        w_tile = w_smem.index(s).slice(W * BNW, BNW, dim=0)
-        x_tile = x_smem.index(s)
-        for j in gl.static_range(NB):
-            part = _block_partial(w_tile, x_tile, j, zero, CONVERT, KC, mma_layout)
-            if j == NB - 1:
-                # this warp's loads of the slot are done (their values were used by the MMA)
-                gl.thread_barrier()
-                mbarrier.arrive(empty.index(s), count=1)
-            acc = take_term(acc, part, words, j, 0, y_ptr, None, None, BNW, M, False)
-    rn = off_w + gl.arange(0, BNW, layout=gl.SliceLayout(1, mma_layout))
-    rm = gl.arange(0, BT, layout=gl.SliceLayout(0, mma_layout))
-    mask = (rn[:, None] < N) & (rm[None, :] < M)
-    store_tile(y_ptr + rm[None, :] * stride_ym + rn[:, None], acc, mask, OUT_F32, off_w, M, cos_ptr, sin_ptr,
-               stride_cm, stride_sm, ROPE)
-
-
-@gluon.jit
 def _consumer_k(w_smem, x_smem, ready, empty, terms, sw_words, sx_words, ws_ptr, step_lo, n_steps, M,
                 STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, CONVERT: gl.constexpr, KC: gl.constexpr,
                 SPLIT_K: gl.constexpr, mma_layout: gl.constexpr, out_layout: gl.constexpr):
@@ -581,8 +543,7 @@ def _gluon_exact_mm_kernel(
     w_desc, x_desc, sx_ptr, sw_ptr, y_ptr, ws_ptr, cnt_ptr,
     M, N, stride_sxm, stride_swn, stride_ym, steps_per_split, n_steps_total, n_split,
     BT: gl.constexpr, STAGES: gl.constexpr, CONVERT: gl.constexpr, KC: gl.constexpr, WARPS_N: gl.constexpr,
-    SPLIT_K: gl.constexpr, OUT_F32: gl.constexpr, WARPS_K: gl.constexpr = 1, SOLO: gl.constexpr = False,
-    SOLO_REGS: gl.constexpr = 0,
+    SPLIT_K: gl.constexpr, OUT_F32: gl.constexpr, WARPS_K: gl.constexpr = 1,
     cos_ptr=None, sin_ptr=None, stride_cm=None, stride_sm=None, ROPE: gl.constexpr = False,
 ):
     # Grid (N tiles, M tiles, n_split K splits): program (t, u, s) covers weight rows [t*BN, +BN),
@@ -609,7 +570,7 @@ def _gluon_exact_mm_kernel(
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS_K, 4 // WARPS_K, 1],
                                                              instr_shape=[1, 16, 8])
         out_layout: gl.constexpr = _sum_layout(BN, BT)
-    w_smem, x_smem, ready, empty = _ring(w_desc, x_desc, STAGES, 4 if SOLO else 1)
+    w_smem, x_smem, ready, empty = _ring(w_desc, x_desc, STAGES)
 
     pid_n = gl.program_id(0)
     off_m = gl.program_id(1) * BT
@@ -623,29 +584,6 @@ def _gluon_exact_mm_kernel(
         sin_ptr += off_m * stride_sm
     step_lo = pid_s * steps_per_split
     n_steps = gl.minimum(steps_per_split, n_steps_total - step_lo)
-    if SOLO:
-        # the producer in the kernel's four warps, each consumer warp a partition of its own that
-        # stores its rows itself
-        gl.warp_specialize([
-            (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, off_m, 0, step_lo, n_steps, 0,
-                         n_steps, STAGES, False)),
-            (_solo_consumer, (w_smem, x_smem, ready, empty, sw_ptr, sx_ptr, y_ptr, pid_n * BN, M, N, stride_swn,
-                              stride_sxm, stride_ym, step_lo, n_steps, cos_ptr, sin_ptr, stride_cm, stride_sm,
-                              STAGES, BN, BT, CONVERT, KC, OUT_F32, ROPE, 0)),
-            (_solo_consumer, (w_smem, x_smem, ready, empty, sw_ptr, sx_ptr, y_ptr, pid_n * BN, M, N, stride_swn,
-                              stride_sxm, stride_ym, step_lo, n_steps, cos_ptr, sin_ptr, stride_cm, stride_sm,
-                              STAGES, BN, BT, CONVERT, KC, OUT_F32, ROPE, 1)),
-            (_solo_consumer, (w_smem, x_smem, ready, empty, sw_ptr, sx_ptr, y_ptr, pid_n * BN, M, N, stride_swn,
-                              stride_sxm, stride_ym, step_lo, n_steps, cos_ptr, sin_ptr, stride_cm, stride_sm,
-                              STAGES, BN, BT, CONVERT, KC, OUT_F32, ROPE, 2)),
-            (_solo_consumer, (w_smem, x_smem, ready, empty, sw_ptr, sx_ptr, y_ptr, pid_n * BN, M, N, stride_swn,
-                              stride_sxm, stride_ym, step_lo, n_steps, cos_ptr, sin_ptr, stride_cm, stride_sm,
-                              STAGES, BN, BT, CONVERT, KC, OUT_F32, ROPE, 3)),
-        ], [1, 1, 1, 1], [SOLO_REGS, SOLO_REGS, SOLO_REGS, SOLO_REGS])
-        for i in gl.static_range(STAGES):
-            mbarrier.invalidate(ready.index(i))
-            mbarrier.invalidate(empty.index(i))
-        return
     if WARPS_K == 1:
         scale_layout: gl.constexpr = mma_layout
     else:
@@ -760,12 +698,6 @@ class GluonExactConfig:
         warps_k=1 eight blocks' chains in one stretch of code (without spills at 8 x rows and a cap
         of 128, 128 x 8 "rawp" or 64 x 8 at 64; at 16 x rows and more they spill). The ring's bytes:
         stages x (block_n + block_m) x block_k.
-    solo: each of the 4 consumer warps a warp-specialized partition of its own (`_solo_consumer`:
-        weight rows [w block_n / 4, +block_n / 4) of every slot, its own slot releases, its own
-        stores), the producer in the kernel's 4 warps: no barrier across the consumer warps (a
-        slot's release waits for one warp's loads, not for the four; Triton 3.6's mbarrier arrive
-        is one thread's, so a 4-warp consumer syncs its warps before it). warps_k=1, warps_n=1,
-        split=1 and an mma.sync form only, with a register cap (the consumer warps take 2 x cap - 24).
     """
 
     convert: str = "int"
@@ -779,28 +711,27 @@ class GluonExactConfig:
     split_rows: int = 16
     maxnreg: int | None = 128
     block_k: int = 128
-    solo: bool = False
 
     @classmethod
     def from_spec(cls, spec: str) -> "GluonExactConfig":
         """The configuration a spec string names, convert:block_n:block_m:warps_n:mma_k:stages:split
-        [:maxnreg[:warps_k[:block_k[:solo]]]] (maxnreg 0: None; absent: 128; warps_k absent: 1;
-        block_k absent: 128; solo 0 or 1, absent: 0), the form the probe
-        (scripts/probe_gluon_exact_mm.py) prints and `ops.exact_linear`'s plan is written in."""
+        [:maxnreg[:warps_k[:block_k]]] (maxnreg 0: None; absent: 128; warps_k absent: 1; block_k
+        absent: 128), the form the probe (scripts/probe_gluon_exact_mm.py) prints and
+        `ops.exact_linear`'s plan is written in."""
         try:
             convert, bn, bm, wn, mk, stages, split, *rest = spec.split(":")
-            if len(rest) > 4:
+            if len(rest) > 3:
                 raise ValueError
             ints = [int(v) for v in (bn, bm, wn, mk, stages, split, *rest)]
         except ValueError:
             raise ValueError(f"a GluonExactConfig spec is convert:block_n:block_m:warps_n:mma_k:stages:split"
-                             f"[:maxnreg[:warps_k[:block_k[:solo]]]] with integers after the conversion, got "
-                             f"{spec!r}") from None
+                             f"[:maxnreg[:warps_k[:block_k]]] with integers after the conversion, got {spec!r}"
+                             ) from None
         bn, bm, wn, mk, stages, split, *rest = ints
         maxnreg = rest[0] if rest else 128
         return cls(convert=convert, block_n=bn, block_m=bm, warps_n=wn, mma_k=mk, stages=stages, split=split,
                    maxnreg=maxnreg or None, warps_k=rest[1] if len(rest) > 1 else 1,
-                   block_k=rest[2] if len(rest) > 2 else 128, solo=bool(rest[3]) if len(rest) > 3 else False)
+                   block_k=rest[2] if len(rest) > 2 else 128)
 
     def __post_init__(self):
         def is_int(v):
@@ -837,12 +768,6 @@ class GluonExactConfig:
             if self.convert == "int+cvt" and self.mma_k != 16:
                 raise ValueError(f"GluonExactConfig.convert 'int+cvt' with warps_k={self.warps_k} alternates per "
                                  f"16-deep half of each K block: mma_k must be 16, got {self.mma_k!r}")
-        if self.solo and (self.warps_k != 1 or self.warps_n != 1 or self.split != 1
-                          or self.convert in ("f16w", "f16wp") or self.maxnreg is None):
-            raise ValueError(f"GluonExactConfig.solo (each consumer warp a partition of its own) runs with "
-                             f"warps_k=1, warps_n=1, split=1, a register cap and an mma.sync form, got "
-                             f"warps_k={self.warps_k!r}, warps_n={self.warps_n!r}, split={self.split!r}, "
-                             f"maxnreg={self.maxnreg!r}, convert={self.convert!r}")
         if self.block_k not in BLOCK_KS or not is_int(self.block_k):
             raise ValueError(f"GluonExactConfig.block_k must be one of {BLOCK_KS}, got {self.block_k!r}")
         if self.block_m not in ROW_BUCKETS or not is_int(self.block_m):
@@ -897,7 +822,6 @@ def launch_options(config: GluonExactConfig, bt: int, split: int) -> dict:
     opts = {"BT": bt, "STAGES": config.stages, "CONVERT": config.convert, "KC": config.mma_k,
             "WARPS_N": launch_warps_n(config, bt),
             "SPLIT_K": split > 1, "WARPS_K": config.warps_k, "num_warps": CONSUMER_WARPS,
-            "SOLO": config.solo, "SOLO_REGS": (2 * config.maxnreg - 24) // 8 * 8 if config.solo else 0,
             "enable_reflect_ftz": False}
     if config.maxnreg is not None:
         opts["maxnreg"] = config.maxnreg

@@ -99,18 +99,17 @@ ROW_BUCKETS = (8, 16, 32, 64)   # BLOCK_T: the wgmma's N
 
 
 @gluon.jit
-def _ring(w_desc, x_desc, STAGES: gl.constexpr, RELEASES: gl.constexpr = 1):
+def _ring(w_desc, x_desc, STAGES: gl.constexpr):
     """The Gluon tier's TMA ring in shared memory: STAGES slots of the weight's and the activation's
-    descriptor tiles and a `ready` (count 1) and an `empty` mbarrier (count RELEASES: the consumer
-    partitions that each hand a slot back) per slot, initialized, as (w_smem, x_smem, ready,
-    empty); `_producer` fills it."""
+    descriptor tiles and a `ready` and an `empty` mbarrier per slot (initialized, count 1), as
+    (w_smem, x_smem, ready, empty); `_producer` fills it."""
     w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
     x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=RELEASES)
+        mbarrier.init(empty.index(i), count=1)
     return w_smem, x_smem, ready, empty
 
 

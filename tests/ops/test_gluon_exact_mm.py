@@ -196,12 +196,8 @@ def test_bad_plan_arguments_name_the_argument():
         convert="int+cvt", block_n=16, block_m=8, mma_k=16, stages=8, split=2, maxnreg=80, warps_k=4)
     assert E.GluonExactConfig.from_spec("raw:64:64:2:32:4:1:0").maxnreg is None
     assert E.GluonExactConfig.from_spec("cvt:64:32:1:32:4:1") == E.GluonExactConfig(convert="cvt")
-    assert E.GluonExactConfig.from_spec("f16d:128:8:1:32:4:1:80:1:128:1") == E.GluonExactConfig(
-        convert="f16d", block_n=128, block_m=8, maxnreg=80, solo=True)
-    for bad in ("int:64:32", "int:64:32:1:32:4:1:128:4:256:0:9", "int:64:x:1:32:4:1"):
+    for bad in ("int:64:32", "int:64:32:1:32:4:1:128:4:256:9", "int:64:x:1:32:4:1"):
         raises("a GluonExactConfig spec is convert:block_n", lambda: E.GluonExactConfig.from_spec(bad))
-    raises("GluonExactConfig.solo .* runs with warps_k=1, warps_n=1, split=1",
-           lambda: E.GluonExactConfig.from_spec("f16d:128:8:1:32:4:2:80:1:128:1"))
     raises("block_n must be", lambda: E.GluonExactConfig.from_spec("int:48:32:1:32:4:1"))
     raises(r"config must cover max_rows=64 rows, got keys \[16\]", lambda: E.GluonExactMM(w, s, config={16: C()}))
     raises("convert must be one of", lambda: C(convert="f16"))
