@@ -56,7 +56,7 @@ _GLUON_PLAN: dict[tuple[int, int], tuple[int, dict[int, GluonExactConfig]]] = {
     # alone (50.4 against 51.6-52.7) and the step 1.7 % slower at 32 rows (run E): not taken there.
     # ExactMM 16.1 at 1, 26.6 at 2 (1-2 rows run GluonExactFMA: _FMA_PLAN)
     (32768, 1280): (1, {8: _cfg("f16d:128:8:1:32:4:1:80"), 16: _cfg("f16d:128:16:1:32:4:1"),
-                        32: _cfg("f16d:64:32:2:32:4:1"), 64: _cfg("f16d:128:16:1:32:4:1:80")}),
+                        64: _cfg("f16d:64:32:2:32:4:1")}),
     # the indexer's wq_b: the FP16 digits along K 6.1-6.2 at 4-8, 7.9 at 16, 11.2 at 32 against the
     # FP64 forms' 6.5 / 8.6 / 11.6; at 64 16.4 against 21.2; ExactMM 6.35 at 2, 8.8 at 4
     (4096, 1280): (2, {16: _cfg("f16d:16:16:1:32:4:1:80:4:256"), 32: _cfg("f16d:32:16:1:32:4:1:128:4"),

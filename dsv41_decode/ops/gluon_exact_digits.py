@@ -9,12 +9,14 @@ xh multiples of 2^-9 (below 2^14), ll = wl . xl multiples of 2^-18 (at most 2^3)
 significant bits, so an FP16 MMA (products exact) forms each exactly when its adds keep 24 bits
 below their largest term - a property of the hardware, not of IEEE arithmetic, which
 scripts/probe_digit_mma.py measures (every dot of its data sets exact on the H200, wgmma and
-mma.sync) and the GPU tests check bitwise; `combine` then rounds hh + mid + ll once (mid split into
-an integer and a remainder by the 1.5 x 2^23 trick, two exact partial sums, one rounding).
+mma.sync) and the GPU tests check bitwise; hh + mid + ll is then rounded once (mid split into an
+integer and a remainder by the 1.5 x 2^23 trick, two exact partial sums, one rounding: `combine`,
+or `chained_dot`, where hh's and ll's MMAs accumulate onto mid's two parts).
 
 - "f16d": four mma.sync m16n8k16 a block in `gluon_exact_mm`'s MMA layout, the operands loaded by
   `operand16` in a k permutation that makes each thread's bytes one 8-byte load (`digit_partial`);
-  with warps_k > 1 batched over the slot's blocks (`digit_slot_partials`).
+  with warps_k > 1 batched over the slot's blocks (`digit_slot_partials`); the rounding in
+  `chained_dot` (four FP32 adds a block and output instead of `combine`'s six).
 - "f16w": the same as asynchronous wgmmas of one consumer warpgroup (`consumer_wg`: x's digits
   written once a slot to shared memory in that permutation, the weight's digits the register A
   operand); "f16wp" with the next block's wgmmas issued before the current block's adds.
@@ -77,6 +79,20 @@ def combine(hh, mid, ll):
 
 
 @gluon.jit
+def chained_dot(wh, wl, xh, xl, zero):
+    """RN(hh + mid + ll) of the digits' three exact dots on mma.sync (FP16 operands in the MMA's
+    operand layouts, `zero` its FP32 accumulator): mid = wh . xl + wl . xh first, mi = mid rounded
+    to an integer (the 1.5 x 2^23 trick), then H = hh + mi and L = ll + (mid - mi) as the MMAs of
+    hh and ll accumulating onto mi and mid - mi, and one rounding in H + L. H sums integers below
+    2^24 and L multiples of 2^-18 below 2^4, each at most 24 significant bits: exact under the same
+    property of the MMA's adds as the three dots themselves (`digit_partial`), so the result is
+    `combine`'s bit for bit, with two FP32 adds fewer a block and output."""
+    mid = mma_v2(wl, xh, mma_v2(wh, xl, zero))
+    mi = (mid + 12582912.0) - 12582912.0
+    return mma_v2(wh, xh, mi) + mma_v2(wl, xl, mid - mi)
+
+
+@gluon.jit
 def digit_partial(w_tile, x_tile, j: gl.constexpr, mma_layout: gl.constexpr):
     """The exact dot of K block j of the slot's weight tile [BN, 128 or 256] and activation tile
     [BT, ...] in shared memory, rounded once to FP32, on FP16 tensor cores ("f16d"): each code's
@@ -89,18 +105,15 @@ def digit_partial(w_tile, x_tile, j: gl.constexpr, mma_layout: gl.constexpr):
     measures that; the GPU tests check the kernel bitwise). Then with S = 1.5 x 2^23: mi = (mid +
     S) - S, mid rounded to an integer, mf = mid - mi (exact, |mf| <= 1/2); H = hh + mi (an integer
     below 2^24: exact), L = mf + ll (a multiple of 2^-18 below 2^4: exact), and RN(H + L) is the
-    block's exact sum hh + mid + ll rounded once, as in `ExactMM`'s split."""
+    block's exact sum hh + mid + ll rounded once, as in `ExactMM`'s split (`chained_dot`: H and L
+    formed by hh's and ll's MMAs from mi and mf)."""
     la: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
     lb: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma_layout, k_width=2)
     BN: gl.constexpr = w_tile.shape[0]
     BT: gl.constexpr = x_tile.shape[0]
     wh, wl = digits(operand16(w_tile.slice(32 * j, 32, dim=1), la, 0))
     xh, xl = digits(operand16(x_tile.slice(32 * j, 32, dim=1).permute((1, 0)), lb, 1))
-    zero = gl.zeros([BN, BT], gl.float32, mma_layout)
-    hh = mma_v2(wh, xh, zero)
-    mid = mma_v2(wl, xh, mma_v2(wh, xl, zero))
-    ll = mma_v2(wl, xl, zero)
-    return combine(hh, mid, ll)
+    return chained_dot(wh, wl, xh, xl, gl.zeros([BN, BT], gl.float32, mma_layout))
 
 
 @gluon.jit
@@ -136,11 +149,7 @@ def digit_slot_partials(w_tile, x_tile, mma_layout: gl.constexpr):
     a, b = _digit_operands_k(w_tile, x_tile, la, lb)
     wh, wl = digits(a)
     xh, xl = digits(b)
-    zero = gl.zeros([a.shape[0], a.shape[1], b.shape[2]], gl.float32, mma_layout)
-    hh = mma_v2(wh, xh, zero)
-    mid = mma_v2(wl, xh, mma_v2(wh, xl, zero))
-    ll = mma_v2(wl, xl, zero)
-    return combine(hh, mid, ll)
+    return chained_dot(wh, wl, xh, xl, gl.zeros([a.shape[0], a.shape[1], b.shape[2]], gl.float32, mma_layout))
 
 
 @gluon.jit

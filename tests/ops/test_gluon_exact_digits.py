@@ -71,6 +71,12 @@ def test_digit_form_compiles_for_sm90_without_spills(config, bt, split, out_f32)
     found = [t for t in ins if t.startswith(mma)]
     assert all(t.startswith(shape) for t in found), found[:4]
     assert len(found) == count, len(found)
+    if config.convert == "f16d":
+        # `chained_dot`: four FP32 adds a block and output (mid's rounding to an integer, mid - mi,
+        # H + L), one more for the K-ordered sum unless the K split stores the term instead.
+        outputs = config.block_n * bt * blocks // 128
+        fadd = sum(t.startswith("FADD") for t in loop_with(kernel, mma))
+        assert fadd == (4 + (split == 1)) * outputs, (fadd, outputs)
     assert ops.get("DMMA", 0) == 0, ops
     # The operands' shared-memory loads are 8 bytes wide (`gluon_exact_digits.operand16`'s permuted k, and the x
     # codes of "f16w"'s digit tiles; with the warps along K also the block terms' reads, by
@@ -132,6 +138,13 @@ def test_digit_partial_model_is_the_rounded_block_sum(kind):
     part = (hh + mi) + ((mid - mi) + ll)
     exact = (w.double() * x.double()).sum(-1)
     assert torch.equal(part, exact.float())
+    # `chained_dot` (mma.sync): hh's and ll's MMAs accumulate onto mi and mid - mi, sums the MMA must
+    # form exactly too (each FP64 sum equal to its FP32 rounding), and one add rounds their sum.
+    high = (wh * xh).sum(-1) + mi.double()
+    low = (wl * xl).sum(-1) + (mid - mi).double()
+    for d in (high, low):
+        assert torch.equal(d.float().double(), d)
+    assert torch.equal(high.float() + low.float(), exact.float())
     assert not torch.equal((w.float() * x.float()).sum(-1), exact.float())   # the data is not trivial
 
 
