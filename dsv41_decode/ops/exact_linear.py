@@ -39,31 +39,31 @@ _fma_cfg = GluonExactFMAConfig.from_spec
 # (the FP64 forms), run C as of 55c49a1 (commit 9b9a03f: the FP16 digits, "f16d", at 4-64 rows) and
 # its run G (commit c9bad52: the FP16 digits with four warps along K, 256-deep slots, at 4-32 rows
 # of the shapes with few weight rows for their K), and that file's runs A, D and E (commits
-# b2be577, 6cc6592, 177088a: the register cap and the tiles at 16-64 rows, the step's bench): the
+# b2be577, 6cc6592, 177088a: the register cap and the tiles at 16-64 rows, the step's bench) and
+# run F (89300cd: the digits' rounding in `chained_dot`): the
 # fastest configuration per row count, and the
 # threshold where ExactMM's time, linear in the rows between the measured counts, crosses
 # GluonExactMM's. Shapes without an entry (the TP shards) run GluonExactMM in its default
 # configuration above 4 rows. Every configuration gives the same bits.
 _GLUON_PLAN: dict[tuple[int, int], tuple[int, dict[int, GluonExactConfig]]] = {
-    # fused wq_a|wkv: the FP16 digits along K 11.2 us at 4-8 rows, 13.7 at 16, 21.0 at 32 against
-    # the FP64 forms' 12.7 / 15.7 / 24.0; at 64 the FP16 digits 36.4 against 42.3; ExactMM 11.1 at 2,
-    # 15.9 at 4
+    # fused wq_a|wkv: the FP16 digits along K 11.3 us at 4-8 rows, 14.0 at 16, 21.0 at 32 against
+    # the FP64 forms' 12.7 / 15.7 / 24.0; at 64 the FP16 digits 33.9 against 42.3 (run F); ExactMM
+    # 11.1 at 2, 15.9 at 4
     (1792, 5120): (2, {16: _cfg("f16d:16:8:1:32:4:1:80:4:256"), 32: _cfg("f16d:32:8:1:32:4:1:80:4:256"),
                        64: _cfg("f16d:128:8:1:32:3:1:128:1:256")}),
-    # wq_b: the FP16 digits 18.6 at 4-8 rows, 27.4 at 16, 51.1 at 32 (64 x 32 tiles), 95.0 at 64
-    # (128 x 16 tiles at a cap of 80: three CTAs an SM; 100.8 on 64 x 32) against the FP64 forms'
-    # 22.0, 34.4, 65.2, 126.3 (runs C, D, E). At 17-32 rows 128 x 16 at the cap measured faster
-    # alone (50.4 against 51.6-52.7) and the step 1.7 % slower at 32 rows (run E): not taken there.
-    # ExactMM 16.1 at 1, 26.6 at 2 (1-2 rows run GluonExactFMA: _FMA_PLAN)
-    (32768, 1280): (1, {8: _cfg("f16d:128:8:1:32:4:1:80"), 16: _cfg("f16d:128:16:1:32:4:1"),
-                        64: _cfg("f16d:64:32:2:32:4:1")}),
-    # the indexer's wq_b: the FP16 digits along K 6.1-6.2 at 4-8, 7.9 at 16, 11.2 at 32 against the
-    # FP64 forms' 6.5 / 8.6 / 11.6; at 64 16.4 against 21.2; ExactMM 6.35 at 2, 8.8 at 4
+    # wq_b: the FP16 digits (`chained_dot`) 18.9-19.0 at 4-8 rows and 26.4 at 16 on 128 x 16 tiles
+    # (19.4 at 4-8 on 128 x 8 at a cap of 80), 49.4 / 93.9 at 32 / 64 on 64 x 32 (128 x 16 at a cap
+    # of 80 spills with `chained_dot`) against the FP64 forms' 22.0, 34.4, 65.2, 126.3 (runs C, D,
+    # E and F). ExactMM 16.1 at 1, 26.6 at 2 (1-2 rows run GluonExactFMA: _FMA_PLAN)
+    (32768, 1280): (1, {16: _cfg("f16d:128:16:1:32:4:1"), 64: _cfg("f16d:64:32:2:32:4:1")}),
+    # the indexer's wq_b: the FP16 digits along K 6.2 at 4-8, 7.9 at 16, 11.6 at 32 against the
+    # FP64 forms' 6.5 / 8.6 / 11.6; at 64 16.0 against 21.2 (run F); ExactMM 6.35 at 2, 8.8 at 4
     (4096, 1280): (2, {16: _cfg("f16d:16:16:1:32:4:1:80:4:256"), 32: _cfg("f16d:32:16:1:32:4:1:128:4"),
                        64: _cfg("f16d:128:16:1:32:4:1")}),
-    # wo_b: the FP16 digits along K 28.7-29.0 at 4-8, 43.1 / 71.1 at 16 / 32 against the FP64 forms'
-    # 29.7-29.9 / 46.1 / 80.4; at 64 in 256-deep slots 132.9 against 136.3 in 128-deep ones (run D)
-    # and the FP64 forms' 158.2; ExactMM 17.0 at 1, 30.6 at 2 (2 rows run GluonExactFMA: _FMA_PLAN)
+    # wo_b: the FP16 digits along K 27.2-27.7 at 4-8, 42.7 / 71.2 at 16 / 32 against the FP64 forms'
+    # 29.7-29.9 / 46.1 / 80.4; at 64 in 256-deep slots 126.8 (run F; 136.3 in 128-deep ones before
+    # `chained_dot`, run D) against the FP64 forms' 158.2; ExactMM 17.0 at 1, 30.6 at 2 (2 rows run
+    # GluonExactFMA: _FMA_PLAN)
     (5120, 8192): (1, {2: _cfg("rawp:16:16:1:16:4:1:80:4:256"), 32: _cfg("f16d:16:16:1:32:4:1:80:4:256"),
                        64: _cfg("f16d:64:8:1:32:4:1:80:1:256")}),
 }
