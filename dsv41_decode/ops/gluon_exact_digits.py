@@ -9,17 +9,18 @@ xh multiples of 2^-9 (below 2^14), ll = wl . xl multiples of 2^-18 (at most 2^3)
 significant bits, so an FP16 MMA (products exact) forms each exactly when its adds keep 24 bits
 below their largest term - a property of the hardware, not of IEEE arithmetic, which
 scripts/probe_digit_mma.py measures (every dot of its data sets exact on the H200, wgmma and
-mma.sync) and the GPU tests check bitwise; hh + mid + ll is then rounded once (mid split into an
-integer and a remainder by the 1.5 x 2^23 trick, two exact partial sums, one rounding: `combine`,
-or `chained_dot`, where hh's and ll's MMAs accumulate onto mid's two parts).
+mma.sync) and the GPU tests check bitwise; hh + mid + ll is then rounded once (`chained_dot`: mid
+first, split into an integer mi and a remainder by the 1.5 x 2^23 trick, then hh's and ll's MMAs
+accumulate onto mi and mid - mi - two exact partial sums - and one add rounds their sum: four FP32
+adds a block and output, where adding the three dots' results would take six).
 
 - "f16d": four mma.sync m16n8k16 a block in `gluon_exact_mm`'s MMA layout, the operands loaded by
   `operand16` in a k permutation that makes each thread's bytes one 8-byte load (`digit_partial`);
-  with warps_k > 1 batched over the slot's blocks (`digit_slot_partials`); the rounding in
-  `chained_dot` (four FP32 adds a block and output instead of `combine`'s six).
+  with warps_k > 1 batched over the slot's blocks (`digit_slot_partials`).
 - "f16w": the same as asynchronous wgmmas of one consumer warpgroup (`consumer_wg`: x's digits
   written once a slot to shared memory in that permutation, the weight's digits the register A
-  operand); "f16wp" with the next block's wgmmas issued before the current block's adds.
+  operand; `_issue_mid`, `_issue_parts`); "f16wp" with the next block's cross dots issued before
+  the current block's rounding.
 """
 
 from __future__ import annotations
@@ -70,23 +71,14 @@ def operand16(view, layout: gl.constexpr, OPERAND: gl.constexpr):
 
 
 @gluon.jit
-def combine(hh, mid, ll):
-    """RN(hh + mid + ll) of `digit_partial`'s three exact dots (FP32, any layout): mid rounded to an
-    integer mi by the 1.5 x 2^23 trick, H = hh + mi and L = (mid - mi) + ll both exact, one rounding
-    in H + L."""
-    mi = (mid + 12582912.0) - 12582912.0
-    return (hh + mi) + ((mid - mi) + ll)
-
-
-@gluon.jit
 def chained_dot(wh, wl, xh, xl, zero):
     """RN(hh + mid + ll) of the digits' three exact dots on mma.sync (FP16 operands in the MMA's
     operand layouts, `zero` its FP32 accumulator): mid = wh . xl + wl . xh first, mi = mid rounded
     to an integer (the 1.5 x 2^23 trick), then H = hh + mi and L = ll + (mid - mi) as the MMAs of
     hh and ll accumulating onto mi and mid - mi, and one rounding in H + L. H sums integers below
     2^24 and L multiples of 2^-18 below 2^4, each at most 24 significant bits: exact under the same
-    property of the MMA's adds as the three dots themselves (`digit_partial`), so the result is
-    `combine`'s bit for bit, with two FP32 adds fewer a block and output."""
+    property of the MMA's adds as the three dots themselves (`digit_partial`), so H + L rounds the
+    block's exact dot once (`consumer_wg` runs the same on wgmma)."""
     mid = mma_v2(wl, xh, mma_v2(wh, xl, zero))
     mi = (mid + 12582912.0) - 12582912.0
     return mma_v2(wh, xh, mi) + mma_v2(wl, xl, mid - mi)
@@ -170,20 +162,32 @@ def _x_digit_tiles(x_tile, xd, cvt_l: gl.constexpr):
 
 
 @gluon.jit
-def _issue_block(w_tile, xd, j: gl.constexpr, zero, a_l: gl.constexpr):
-    """K block j's four asynchronous wgmmas on the FP16 digits (`consumer_wg`): the weight's digits
-    in registers (`operand16`, the A operand), x's from the slot's digit tiles in shared memory;
-    hh, the cross dots chained on one accumulator, ll, each from `zero`. Returns (hh, mid, ll, wh,
-    wl): the in-flight accumulators and the register operands they read until retired."""
+def _issue_mid(w_tile, xd, j: gl.constexpr, zero, a_l: gl.constexpr):
+    """K block j's cross dots as two chained asynchronous wgmmas from `zero` (`consumer_wg`): the
+    weight's digits in registers (`operand16`, the A operand), x's from the slot's digit tiles in
+    shared memory. Returns (mid, wh, wl): the in-flight accumulator and the register operands,
+    which the block's other two wgmmas (`_issue_parts`) read too."""
     wh, wl = digits(operand16(w_tile.slice(32 * j, 32, dim=1), a_l, 0))
     BT: gl.constexpr = zero.shape[1]
     xh = xd.slice(2 * j * BT, BT, dim=0).permute((1, 0))
     xl = xd.slice((2 * j + 1) * BT, BT, dim=0).permute((1, 0))
-    hh = warpgroup_mma(wh, xh, zero, is_async=True)
     mid = warpgroup_mma(wh, xl, zero, is_async=True)
     mid = warpgroup_mma(wl, xh, mid, is_async=True)
-    ll = warpgroup_mma(wl, xl, zero, is_async=True)
-    return hh, mid, ll, wh, wl
+    return mid, wh, wl
+
+
+@gluon.jit
+def _issue_parts(mid, wh, wl, xd, j: gl.constexpr):
+    """`chained_dot`'s second half on wgmma for K block j: mid (retired) rounded to an integer mi,
+    then hh's wgmma accumulating onto mi and ll's onto mid - mi, both asynchronous. Returns the two
+    in-flight accumulators (H, L), whose sum rounds the block once."""
+    BT: gl.constexpr = mid.shape[1]
+    xh = xd.slice(2 * j * BT, BT, dim=0).permute((1, 0))
+    xl = xd.slice((2 * j + 1) * BT, BT, dim=0).permute((1, 0))
+    mi = (mid + 12582912.0) - 12582912.0
+    high = warpgroup_mma(wh, xh, mi, is_async=True)
+    low = warpgroup_mma(wl, xl, mid - mi, is_async=True)
+    return high, low
 
 
 @gluon.jit
@@ -194,12 +198,13 @@ def consumer_wg(w_smem, x_smem, xd, ready, empty, sw_words, sx_words, ws_ptr, st
     wgmma's [BN, BT] accumulator layout): per ring slot, x's digits written once to shared memory
     (`_x_digit_tiles`, then a fence for the async proxy and a barrier), and per K block the
     weight's digits in registers (`operand16`: the A operand, k permuted as x's columns were) and
-    four asynchronous wgmmas from zero accumulators - hh, the two cross dots chained, ll - whose
-    exact sums `combine` rounds once; the term (`block_term`) joins the FP32 accumulator in K
-    order, or with SPLIT_K the workspace, as in `_consumer`. PIPE ("f16wp"): block j + 1's wgmmas
-    are issued before block j's sums are rounded and added (the wait leaves its four groups in
-    flight), so the MMAs overlap the adds within a slot. The slot goes back to the producer once
-    every warp's MMAs of it have retired. Returns (acc, )."""
+    `chained_dot` on asynchronous wgmmas - the two cross dots chained from zero (`_issue_mid`), then,
+    once they retire, hh's and ll's accumulating onto mid's integer and remainder (`_issue_parts`),
+    one add rounding the block; the term (`block_term`) joins the FP32 accumulator in K order, or
+    with SPLIT_K the workspace, as in `_consumer`. PIPE ("f16wp"): block j + 1's cross dots are
+    issued before block j's H and L are waited for (the wait leaves them in flight), so the MMAs
+    overlap the adds within a slot. The slot goes back to the producer once every warp's MMAs of it
+    have retired. Returns (acc, )."""
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
     acc = gl.zeros([BN, BT], gl.float32, mma_layout)
     zero = gl.zeros([BN, BT], gl.float32, mma_layout)
@@ -213,17 +218,18 @@ def consumer_wg(w_smem, x_smem, xd, ready, empty, sw_words, sx_words, ws_ptr, st
         # the generic-proxy stores before the wgmmas' (async proxy) reads, from every thread
         fence_async_shared()
         gl.thread_barrier()
-        nxt = _issue_block(w_tile, xd, 0, zero, a_l)
+        nxt = _issue_mid(w_tile, xd, 0, zero, a_l)
         for j in gl.static_range(NB):
-            cur = nxt
+            mid, wh, wl = warpgroup_mma_wait(num_outstanding=0, deps=nxt)
+            high, low = _issue_parts(mid, wh, wl, xd, j)
             if PIPE and j + 1 < NB:
-                nxt = _issue_block(w_tile, xd, j + 1, zero, a_l)
-                hh, mid, ll, _, _ = warpgroup_mma_wait(num_outstanding=4, deps=cur)
+                nxt = _issue_mid(w_tile, xd, j + 1, zero, a_l)
+                high, low, _, _ = warpgroup_mma_wait(num_outstanding=2, deps=(high, low, wh, wl))
             else:
-                hh, mid, ll, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=cur)
+                high, low, _, _ = warpgroup_mma_wait(num_outstanding=0, deps=(high, low, wh, wl))
                 if j + 1 < NB:
-                    nxt = _issue_block(w_tile, xd, j + 1, zero, a_l)
-            part = combine(hh, mid, ll)
+                    nxt = _issue_mid(w_tile, xd, j + 1, zero, a_l)
+            part = high + low
             if j == NB - 1:
                 # every warp's MMAs of the slot retired (its weight loads and x's digits read)
                 # before one thread hands the slot back and the next slot's digits overwrite xd

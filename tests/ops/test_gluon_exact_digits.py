@@ -2,9 +2,10 @@
 digits ("f16d" on mma.sync, also with the warps along K; "f16w" / "f16wp" on wgmma; sm_90 only).
 
 On the CPU: the digits' arithmetic modelled in torch gives the rounded block sum (every E4M3 code's
-digits exact; the three digit dots exact in FP32; `combine` rounding once, on data where a plain
-FP32 sum is not the rounded one), and every form compiles for sm_90 without spills, with its MMA
-count, 8-byte operand loads, nothing contracted and no FP32 op that flushes subnormals. On the GPU
+digits exact; the three digit dots and `chained_dot`'s two partial sums exact in FP32; one rounding,
+on data where a plain FP32 sum is not the rounded one), and every form compiles for sm_90 without
+spills, with its MMA count, its FP32 adds, 8-byte operand loads, nothing contracted and no FP32 op
+that flushes subnormals. On the GPU
 (`-m gpu`): bitwise `reference.linear.mxfp8_mm` at the TP1 shapes at 1, 5, 8, 16, 33 and 64 rows
 (the small shapes' cases are in tests/ops/test_gluon_exact_mm.py's bitwise test).
 
@@ -71,12 +72,12 @@ def test_digit_form_compiles_for_sm90_without_spills(config, bt, split, out_f32)
     found = [t for t in ins if t.startswith(mma)]
     assert all(t.startswith(shape) for t in found), found[:4]
     assert len(found) == count, len(found)
-    if config.convert == "f16d":
-        # `chained_dot`: four FP32 adds a block and output (mid's rounding to an integer, mid - mi,
-        # H + L), one more for the K-ordered sum unless the K split stores the term instead.
-        outputs = config.block_n * bt * blocks // 128
-        fadd = sum(t.startswith("FADD") for t in loop_with(kernel, mma))
-        assert fadd == (4 + (split == 1)) * outputs, (fadd, outputs)
+    # `chained_dot` (on wgmma `consumer_wg`'s): four FP32 adds a block and output (mid's rounding
+    # to an integer, mid - mi, H + L), one more for the K-ordered sum unless the K split stores the
+    # term instead.
+    outputs = config.block_n * bt * blocks // 128
+    fadd = sum(t.startswith("FADD") for t in loop_with(kernel, mma))
+    assert fadd == (4 + (split == 1)) * outputs, (fadd, outputs)
     assert ops.get("DMMA", 0) == 0, ops
     # The operands' shared-memory loads are 8 bytes wide (`gluon_exact_digits.operand16`'s permuted k, and the x
     # codes of "f16w"'s digit tiles; with the warps along K also the block terms' reads, by
@@ -117,8 +118,9 @@ def test_digit_split_is_exact_for_every_code():
 def test_digit_partial_model_is_the_rounded_block_sum(kind):
     # `gluon_exact_digits.digit_partial`'s arithmetic on the CPU: the three digit dots (hh, the cross dots, ll) are
     # sums of at most 24 significant bits - exact in FP32, as the FP16 MMA must give them (checked
-    # here: each FP64 sum equals its FP32 rounding) - and `combine`'s FP32 adds round their sum
-    # once: every block partial equals RN(exact block dot), on data where a plain FP32 sum is not.
+    # here: each FP64 sum equals its FP32 rounding) - and FP32 adds that split mid into an integer
+    # and a remainder round their sum once: every block partial equals RN(exact block dot), on data
+    # where a plain FP32 sum is not.
     gen = torch.Generator().manual_seed(41)
     if kind == "heavy":
         w, x = heavy_e4m3((4096, 32), gen), heavy_e4m3((4096, 32), gen)
