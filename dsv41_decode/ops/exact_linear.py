@@ -40,7 +40,7 @@ _fma_cfg = GluonExactFMAConfig.from_spec
 # its run G (commit c9bad52: the FP16 digits with four warps along K, 256-deep slots, at 4-32 rows
 # of the shapes with few weight rows for their K), and that file's runs A, D and E (commits
 # b2be577, 6cc6592, 177088a: the register cap and the tiles at 16-64 rows, the step's bench) and
-# run F (89300cd: the digits' rounding in `chained_dot`): the
+# runs F, I, J (89300cd, 2a4cc76, 636b0b3: the digits' rounding in `chained_dot`): the
 # fastest configuration per row count, and the
 # threshold where ExactMM's time, linear in the rows between the measured counts, crosses
 # GluonExactMM's. Shapes without an entry (the TP shards) run GluonExactMM in its default
@@ -52,9 +52,11 @@ _GLUON_PLAN: dict[tuple[int, int], tuple[int, dict[int, GluonExactConfig]]] = {
     (1792, 5120): (2, {16: _cfg("f16d:16:8:1:32:4:1:80:4:256"), 32: _cfg("f16d:32:8:1:32:4:1:80:4:256"),
                        64: _cfg("f16d:128:8:1:32:3:1:128:1:256")}),
     # wq_b: the FP16 digits (`chained_dot`) 18.9-19.0 at 4-8 rows and 26.4 at 16 on 128 x 16 tiles
-    # (19.4 at 4-8 on 128 x 8 at a cap of 80), 49.4 / 93.9 at 32 / 64 on 64 x 32 (128 x 16 at a cap
-    # of 80 spills with `chained_dot`) against the FP64 forms' 22.0, 34.4, 65.2, 126.3 (runs C, D,
-    # E and F). ExactMM 16.1 at 1, 26.6 at 2 (1-2 rows run GluonExactFMA: _FMA_PLAN)
+    # (19.4 at 4-8 on 128 x 8 at a cap of 80), on wgmma ("f16wp", 64 x 32) 44.6 / 85.2 at 32 / 64
+    # (mma.sync 49.4 / 94.8 on 64 x 32; 128 x 16 at a cap of 80 spills with `chained_dot`) against
+    # the FP64 forms' 22.0, 34.4, 65.2, 126.3 (runs C, D, E, F and I; the step at 32 / 64 rows 10.40
+    # / 17.54 ms against 10.41 / 17.60 on mma.sync, run J). ExactMM 16.1 at 1, 26.6 at 2 (1-2 rows
+    # run GluonExactFMA: _FMA_PLAN)
     (32768, 1280): (1, {16: _cfg("f16d:128:16:1:32:4:1"), 64: _cfg("f16wp:64:32:1:32:4:1")}),
     # the indexer's wq_b: the FP16 digits along K 6.2 at 4-8, 7.9 at 16, 11.6 at 32 against the
     # FP64 forms' 6.5 / 8.6 / 11.6; at 64 16.0 against 21.2 (run F); ExactMM 6.35 at 2, 8.8 at 4
