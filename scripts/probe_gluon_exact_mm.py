@@ -107,11 +107,12 @@ NEW_CANDIDATES = ["rawp:128:8:1:32:4:1:80", "rawp:128:8:1:32:2:1:128:1:256", "ra
 # The FP16 digits ("f16d": four FP16 MMAs a block on the codes' two exact digits, mma.sync; "f16w" /
 # "f16wp": the same on wgmma): 128-row tiles up to 16 x rows, 64 x 32 above, a K split, 256-deep
 # slots, the warps along K on 16- and 32-row tiles for the shapes with few weight rows; the best of
-# runs C, E and G of docs/results/gpu-tests-h200.txt as of 55c49a1 (docs/gemm.md, "Exactness") among them.
+# runs C, E and G of docs/results/gpu-tests-h200.txt as of 55c49a1 and of its runs D-I (docs/gemm.md,
+# "Exactness") among them.
 DIGIT_CANDIDATES = ["f16d:128:8:1:32:4:1:80", "f16d:128:16:1:32:4:1", "f16d:64:32:2:32:4:1",
                     "f16d:64:8:1:32:4:4:80", "f16d:128:8:1:32:3:1:128:1:256", "f16d:16:8:1:32:4:1:80:4:256",
                     "f16d:16:16:1:32:4:1:80:4:256", "f16d:32:8:1:32:4:1:80:4:256", "f16d:32:16:1:32:4:1:128:4",
-                    "f16w:64:32:1:32:4:1", "f16wp:64:8:1:32:4:1"]
+                    "f16w:64:32:1:32:4:1", "f16wp:64:32:1:32:4:1", "f16wp:64:8:1:32:4:1", "f16d:64:8:1:32:4:1:80:1:256"]
 
 
 def config_of(spec: str) -> GluonExactConfig:
