@@ -2,6 +2,14 @@
 per bucket and print the kernel time per kernel name (summed over the step) side by side.
 
     PYTHONPATH=. python scripts/probe_step_kernels.py --rows=16,32,64 --context=4096
+    PYTHONPATH=. python scripts/probe_step_kernels.py --rows=32,64 --context=32768 --by-grid
+    python scripts/probe_step_kernels.py --timeline=docs/results/step-timeline-h200.json --by-grid
+
+`--by-grid` keys each kernel by its name and launch grid, which tells apart the launches of one
+kernel at different shapes (the exact linears' `wq_b`, `wo_b`, fused `wq_a|wkv` and indexer `wq_b`
+all run `_gluon_exact_mm_kernel` from 3 rows), with each key's mean time a launch. `--timeline`
+reads a saved profiler trace (`bench step`'s `step-timeline-<gpu>.json`) instead of profiling: no
+GPU needed.
 
 Found the 32-row cliff of `bench step` (13.1 ms at 32 rows against 7.3 at 16 and 17.3 at 64).
 """
@@ -10,28 +18,49 @@ from __future__ import annotations
 
 import argparse
 import collections
-
-import torch
-
-from dsv41_decode.bench.step import _arm, _replay_us
-from dsv41_decode.bench.step_timeline import replay_kernels
-from dsv41_decode.config import ModelConfig
-from dsv41_decode.stack import AttentionStack
-from dsv41_decode.state import DecodeState
-from dsv41_decode.testing.synthetic import fill_state, random_checkpoint
+import json
 
 
-def kernel_times(graph: torch.cuda.CUDAGraph) -> tuple[dict[str, float], dict[str, int], dict[str, float]]:
-    """Per kernel name: summed duration (us) and count; per stream: summed duration."""
-    kernels = replay_kernels(graph)
+def kernel_key(event: dict, by_grid: bool = False) -> str:
+    """A profiler kernel event's short name (templates, arguments and namespaces dropped, 48
+    characters at most), with its launch grid appended (" [x,y,z]") when by_grid."""
+    name = event["name"].replace("void ", "").replace("(anonymous namespace)::", "")
+    name = name.split("(")[0].split("<")[0][:48]
+    grid = event.get("args", {}).get("grid")
+    return f"{name} [{','.join(str(g) for g in grid)}]" if by_grid and grid else name
+
+
+def kernel_times(kernels: list[dict], by_grid: bool = False) -> tuple[dict[str, float], dict[str, int],
+                                                                        dict[str, float]]:
+    """Over profiler kernel events (`bench.step_timeline.replay_kernels`' or a saved trace's): per
+    key (`kernel_key`) the summed duration (us) and the count; per stream the summed duration."""
     dur, cnt, per_stream = collections.Counter(), collections.Counter(), collections.Counter()
     for e in kernels:
-        name = e["name"].replace("void ", "").replace("(anonymous namespace)::", "")
-        name = name.split("(")[0].split("<")[0][:48]
-        dur[name] += e["dur"]
-        cnt[name] += 1
+        key = kernel_key(e, by_grid)
+        dur[key] += e["dur"]
+        cnt[key] += 1
         per_stream[e.get("args", {}).get("stream", e.get("tid"))] += e["dur"]
     return dur, cnt, per_stream
+
+
+def print_table(table: dict[str, tuple[dict[str, float], dict[str, int]]], top: int, width: int) -> None:
+    """Per key (the largest first) its summed us (count) per column of `table` ({column: (dur, cnt)}),
+    and with more than one launch of it its mean us a launch."""
+    cols = list(table)
+    names = sorted({k for d, _ in table.values() for k in d}, key=lambda k: -max(d.get(k, 0) for d, _ in table.values()))
+    print(f"{'kernel':{width}s} " + " ".join(f"{f'{c} us (count) mean':>28s}" for c in cols))
+    for k in names[:top]:
+        cells = []
+        for c in cols:
+            d, n = table[c][0].get(k, 0), table[c][1].get(k, 0)
+            cells.append(f"{d:10.0f} ({n:4d}) {d / n if n else 0:7.1f}")
+        print(f"{k:{width}s} " + " ".join(f"{cell:>28s}" for cell in cells))
+
+
+def timeline_kernels(path: str) -> list[dict]:
+    """The kernel events of a saved profiler trace (Chrome trace JSON, `bench step --out`'s timeline)."""
+    with open(path) as f:
+        return [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
 
 
 def main() -> None:
@@ -39,7 +68,23 @@ def main() -> None:
     ap.add_argument("--rows", default="16,32,64")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--top", type=int, default=24)
+    ap.add_argument("--by-grid", action="store_true", help="key kernels by name and launch grid")
+    ap.add_argument("--timeline", help="a saved profiler trace to read instead of profiling (no GPU)")
     args = ap.parse_args()
+    width = 64 if args.by_grid else 48
+    if args.timeline:
+        dur, cnt, _ = kernel_times(timeline_kernels(args.timeline), args.by_grid)
+        print_table({args.timeline.rsplit("/", 1)[-1]: (dur, cnt)}, args.top, width)
+        return
+    import torch
+
+    from dsv41_decode.bench.step import _arm, _replay_us
+    from dsv41_decode.bench.step_timeline import replay_kernels
+    from dsv41_decode.config import ModelConfig
+    from dsv41_decode.stack import AttentionStack
+    from dsv41_decode.state import DecodeState
+    from dsv41_decode.testing.synthetic import fill_state, random_checkpoint
+
     rows = [int(r) for r in args.rows.split(",")]
     cfg = ModelConfig.preset("v41-flash")
     stack = AttentionStack(random_checkpoint(cfg, "cuda"))
@@ -51,14 +96,11 @@ def main() -> None:
     for n in rows:
         bucket = _arm(step, [(i, 1) for i in range(n)], gen)
         wall = _replay_us(step, bucket)
-        dur, cnt, streams = kernel_times(step.graphs[bucket])
-        table[n] = (dur, cnt)
+        dur, cnt, streams = kernel_times(replay_kernels(step.graphs[bucket]), args.by_grid)
+        table[f"{n} rows"] = (dur, cnt)
         print(f"rows {n}: replay {wall:.0f} us; kernel us per stream "
               f"{ {s: round(v) for s, v in sorted(streams.items(), key=lambda kv: -kv[1])} }")
-    names = sorted({k for d, _ in table.values() for k in d}, key=lambda k: -max(d.get(k, 0) for d, _ in table.values()))
-    print(f"{'kernel':48s} " + " ".join(f"{f'{n} rows us (count)':>20s}" for n in rows))
-    for k in names[:args.top]:
-        print(f"{k:48s} " + " ".join(f"{table[n][0].get(k, 0):12.0f} ({table[n][1].get(k, 0):4d})" for n in rows))
+    print_table(table, args.top, width)
 
 
 if __name__ == "__main__":
