@@ -653,7 +653,8 @@ class GluonExactConfig:
         "intp+cvt", "rawp+cvt": the same with the pattern built four codes at a time and the weight
         scales loaded once per 16-row MMA tile (module doc). "f16d", "f16w", "f16wp": no FP64
         operands - the codes' FP16 digits on FP16 MMAs (mma.sync; wgmma; wgmma with the next
-        block's MMAs in flight), "f16w" / "f16wp" with warps_k=1 and warps_n=1 only (module doc).
+        block's cross dots in flight), "f16w" / "f16wp" with warps_k=1 and warps_n=1 only (module
+        doc).
     block_n: weight rows per program (the MMA's M side, the weight's TMA box [block_n, 128]): 64 or
         128 with warps_k=1 (at 8 x rows all 4 warps split the weight rows, 16 or 32 each); with
         warps_k > 1, 16, 32 or 64 (warps_k=4) or 32, 64 or 128 (warps_k=2): 16 to 64 rows a warp.
