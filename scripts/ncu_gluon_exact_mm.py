@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import torch
 
+from dsv41_decode.bench.gemm import flash_shapes
 from dsv41_decode.ops.exact_mm import ExactMM
 from dsv41_decode.ops.gluon_exact_mm import GluonExactConfig, GluonExactMM
 from dsv41_decode.formats import fp8_block_quantize, mxfp8_quantize
 
 from _args import arg   # scripts/ is on sys.path when run as python scripts/<probe>.py
 
-SHAPES = {"fused_wqa_wkv": (1792, 5120), "wq_b": (32768, 1280), "idx_wq_b": (4096, 1280), "wo_b": (5120, 8192)}
+SHAPES = {s.name: (s.n, s.k) for s in flash_shapes(tps=(1,)) if s.kind == "fp8"}
 
 
 def main() -> None:

@@ -44,8 +44,8 @@ def kernel_times(kernels: list[dict], by_grid: bool = False) -> tuple[dict[str, 
 
 
 def print_table(table: dict[str, tuple[dict[str, float], dict[str, int]]], top: int, width: int) -> None:
-    """Per key (the largest first) its summed us (count) per column of `table` ({column: (dur, cnt)}),
-    and with more than one launch of it its mean us a launch."""
+    """Per key (the largest first) its summed us, count and mean us a launch per column of `table`
+    ({column: (dur, cnt)})."""
     cols = list(table)
     names = sorted({k for d, _ in table.values() for k in d}, key=lambda k: -max(d.get(k, 0) for d, _ in table.values()))
     print(f"{'kernel':{width}s} " + " ".join(f"{f'{c} us (count) mean':>28s}" for c in cols))

@@ -71,6 +71,14 @@ def operand16(view, layout: gl.constexpr, OPERAND: gl.constexpr):
 
 
 @gluon.jit
+def round_mid(mid):
+    """The cross dots' exact sum (FP32, any layout; |mid| < 2^14) rounded to an integer by the 1.5 x
+    2^23 trick: mi, with mid - mi exact and at most 1/2 - the two accumulators `chained_dot`'s other
+    MMAs start from."""
+    return (mid + 12582912.0) - 12582912.0
+
+
+@gluon.jit
 def chained_dot(wh, wl, xh, xl, zero):
     """RN(hh + mid + ll) of the digits' three exact dots on mma.sync (FP16 operands in the MMA's
     operand layouts, `zero` its FP32 accumulator): mid = wh . xl + wl . xh first, mi = mid rounded
@@ -80,7 +88,7 @@ def chained_dot(wh, wl, xh, xl, zero):
     property of the MMA's adds as the three dots themselves (`digit_partial`), so H + L rounds the
     block's exact dot once (`consumer_wg` runs the same on wgmma)."""
     mid = mma_v2(wl, xh, mma_v2(wh, xl, zero))
-    mi = (mid + 12582912.0) - 12582912.0
+    mi = round_mid(mid)
     return mma_v2(wh, xh, mi) + mma_v2(wl, xl, mid - mi)
 
 
@@ -141,7 +149,8 @@ def digit_slot_partials(w_tile, x_tile, mma_layout: gl.constexpr):
     a, b = _digit_operands_k(w_tile, x_tile, la, lb)
     wh, wl = digits(a)
     xh, xl = digits(b)
-    return chained_dot(wh, wl, xh, xl, gl.zeros([a.shape[0], a.shape[1], b.shape[2]], gl.float32, mma_layout))
+    zero = gl.zeros([a.shape[0], a.shape[1], b.shape[2]], gl.float32, mma_layout)
+    return chained_dot(wh, wl, xh, xl, zero)
 
 
 @gluon.jit
@@ -162,15 +171,21 @@ def _x_digit_tiles(x_tile, xd, cvt_l: gl.constexpr):
 
 
 @gluon.jit
+def _x_digits(xd, j: gl.constexpr, BT: gl.constexpr):
+    """K block j's x digit tiles in the slot's `xd` (`_x_digit_tiles`) as wgmma B operands: (the
+    integer digits, the remainders), each [32, BT]."""
+    return (xd.slice(2 * j * BT, BT, dim=0).permute((1, 0)),
+            xd.slice((2 * j + 1) * BT, BT, dim=0).permute((1, 0)))
+
+
+@gluon.jit
 def _issue_mid(w_tile, xd, j: gl.constexpr, zero, a_l: gl.constexpr):
     """K block j's cross dots as two chained asynchronous wgmmas from `zero` (`consumer_wg`): the
     weight's digits in registers (`operand16`, the A operand), x's from the slot's digit tiles in
     shared memory. Returns (mid, wh, wl): the in-flight accumulator and the register operands,
     which the block's other two wgmmas (`_issue_parts`) read too."""
     wh, wl = digits(operand16(w_tile.slice(32 * j, 32, dim=1), a_l, 0))
-    BT: gl.constexpr = zero.shape[1]
-    xh = xd.slice(2 * j * BT, BT, dim=0).permute((1, 0))
-    xl = xd.slice((2 * j + 1) * BT, BT, dim=0).permute((1, 0))
+    xh, xl = _x_digits(xd, j, zero.shape[1])
     mid = warpgroup_mma(wh, xl, zero, is_async=True)
     mid = warpgroup_mma(wl, xh, mid, is_async=True)
     return mid, wh, wl
@@ -178,13 +193,11 @@ def _issue_mid(w_tile, xd, j: gl.constexpr, zero, a_l: gl.constexpr):
 
 @gluon.jit
 def _issue_parts(mid, wh, wl, xd, j: gl.constexpr):
-    """`chained_dot`'s second half on wgmma for K block j: mid (retired) rounded to an integer mi,
-    then hh's wgmma accumulating onto mi and ll's onto mid - mi, both asynchronous. Returns the two
+    """`chained_dot`'s second half on wgmma for K block j: mid (retired) rounded to an integer mi
+    (`round_mid`), then hh's wgmma accumulating onto mi and ll's onto mid - mi, both asynchronous. Returns the two
     in-flight accumulators (H, L), whose sum rounds the block once."""
-    BT: gl.constexpr = mid.shape[1]
-    xh = xd.slice(2 * j * BT, BT, dim=0).permute((1, 0))
-    xl = xd.slice((2 * j + 1) * BT, BT, dim=0).permute((1, 0))
-    mi = (mid + 12582912.0) - 12582912.0
+    xh, xl = _x_digits(xd, j, mid.shape[1])
+    mi = round_mid(mid)
     high = warpgroup_mma(wh, xh, mi, is_async=True)
     low = warpgroup_mma(wl, xl, mid - mi, is_async=True)
     return high, low

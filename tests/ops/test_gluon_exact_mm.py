@@ -149,13 +149,13 @@ def test_compiles_for_sm90_without_spills(config, bt, split, out_f32):
     assert sum(t.startswith("BAR.SYNC") for t in loop) == (2 if wk == 1 else 3), loop
 
 
-# The query-RoPE epilogue (wq_b): its plan's configurations (`exact_linear._GLUON_PLAN`: the FP16
-# digits, 128 x 8 up to 8 rows, 128 x 16 up to 16, 64 x 32 on two warps along x up to 32, 128 x 16
-# at a cap of 80 above), the FP64
+# The query-RoPE epilogue (wq_b): configurations of its plan's FP16 digits on mma.sync (128 x 8 at
+# a cap of 80, 128 x 16, 64 x 32 on two warps along x; `exact_linear._GLUON_PLAN` runs 128 x 16 up
+# to 16 rows) and on wgmma ("f16wp" 64 x 32, the plan's above), the FP64
 # forms ("rawp" 128 x 8, "intp+cvt" 128 x 16) in the MMA's accumulator layout, and the warps along K
 # (the K-ordered sums' layout) with the K split's last arriver; no more registers than without it.
 ROPE_COMPILE_CASES = [(C.from_spec("f16d:128:8:1:32:4:1:80"), 8, 1), (C.from_spec("f16d:128:16:1:32:4:1"), 16, 1),
-                      (C.from_spec("f16d:64:32:2:32:4:1"), 32, 1),
+                      (C.from_spec("f16d:64:32:2:32:4:1"), 32, 1), (C.from_spec("f16wp:64:32:1:32:4:1"), 32, 1),
                       (C.from_spec("rawp:128:8:1:32:4:1:80"), 8, 1), (C.from_spec("intp+cvt:128:16:1:32:4:1"), 16, 1),
                       (C(convert="int", warps_k=2, block_n=64, block_m=16), 16, 2)]
 
@@ -168,7 +168,7 @@ def test_rope_epilogue_compiles_for_sm90_without_spills(config, bt, split):
     # each on their own, subnormals kept (`check_rope_compile`).
     kernel = _compile(config, bt, split, False, rope=True)
     regs = check_rope_compile(kernel, _compile(config, bt, split, False), config.maxnreg,
-                              E.shared_bytes(config, bt), "HMMA" if config.convert == "f16d" else "DMMA")
+                              E.shared_bytes(config, bt), {"f16d": "HMMA", "f16w": "HGMMA", "f16wp": "HGMMA"}.get(config.convert, "DMMA"))
     assert regs <= config.maxnreg
 
 
