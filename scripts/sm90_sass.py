@@ -37,11 +37,11 @@ def combine() -> None:
     types = {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "flag_ptr": "*i32", "sink_ptr": "*fp32",
              "out_ptr": "*i16"}
     for split, block_h in ((10, 16), (10, 32)):     # 128 + 512 keys: ten 64-key blocks
-        chunk = sparse_mla.combine_chunk(split, block_h)
+        chunk, sub_h = sparse_mla.combine_tiling(split, block_h)
         k = compile_sm90(sparse_mla._sparse_mla_combine_kernel, types,
                          dict(SPLIT=split, SPLIT_P2=1 << (split - 1).bit_length(), BLOCK_H=block_h, CHUNK=chunk,
-                              PDL=False), num_warps=4)
-        print(_line(f"sparse-MLA combine S{split} H{block_h} C{chunk}", k), flush=True)
+                              SUB_H=sub_h, PDL=False), num_warps=4)
+        print(_line(f"sparse-MLA combine S{split} H{block_h} C{chunk} h{sub_h}", k), flush=True)
 
 
 def wo_a_paths() -> None:

@@ -76,8 +76,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from ..records import COMPRESSED_KV_BYTES, WINDOW_KV_BYTES
 from .common import is_sm90, num_sms, plan_workspace
-from .sparse_mla import _sparse_mla_combine_kernel, check_sparse_mla_args, combine_chunk
-from .sparse_mla_plan import BLOCK_KEYS, HEAD_DIM, SparseMlaPlan
+from .sparse_mla import check_sparse_mla_args, combine_partials_
+from .sparse_mla_plan import BLOCK_KEYS, SparseMlaPlan
 
 # The reductions go through `gl.reduce` with the Gluon combines below, not gl.sum / gl.max: those wrap
 # `triton.language.standard`'s, whose combine functions are interpreted functions under
@@ -877,9 +877,4 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
     spread = combine == "spread"
     _gluon_sparse_mla_kernel[(grid, )](*args, SPREAD=spread, TICKET=ticket, **consts)
     if combine == "separate":
-        chunk = combine_chunk(nb, base.block_h)
-        _sparse_mla_combine_kernel[(n, HEAD_DIM // chunk)](
-            base.part_acc, base.part_ml, base.flags, sink, o16, base.heads, 1, o16.stride(0), o16.stride(1),
-            SPLIT=nb, SPLIT_P2=triton.next_power_of_2(nb), BLOCK_H=base.block_h, CHUNK=chunk, PDL=False,
-            num_warps=4,
-        )
+        combine_partials_(base.part_acc, base.part_ml, base.flags, sink, o16, base.heads, 1, n, nb, base.block_h)

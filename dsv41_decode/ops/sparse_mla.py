@@ -389,26 +389,33 @@ def _combine_chunk(part, ml, m_all, SPLIT: tl.constexpr, BLOCK_H: tl.constexpr):
 def _sparse_mla_combine_kernel(
     part_acc_ptr, part_ml_ptr, flag_ptr, sink_ptr, out_ptr, H, HG, stride_on, stride_oh,
     SPLIT: tl.constexpr, SPLIT_P2: tl.constexpr, BLOCK_H: tl.constexpr, CHUNK: tl.constexpr,
-    PDL: tl.constexpr = False,
+    SUB_H: tl.constexpr = 0, PDL: tl.constexpr = False,
 ):
     """The blocks' combination of `_sparse_mla_kernel` with SEPARATE, spread over programs: one per
-    (row, head group, CHUNK-dim slice of the 512); the inline combination's arithmetic in its block
-    order (the same bits). The first slice's program clears the (row, head group)'s flags. The split loops are unrolled (SPLIT is a constexpr) and every per-head
-    value is a [BLOCK_H, 1] column of the accumulator's own layout, so the loads of all splits are
+    (CHUNK-dim slice of the 512, row, head group, SUB_H heads of the group's BLOCK_H; 0: all), the
+    slice the fastest, so that neighbouring programs read neighbouring bytes of each partial (a
+    head's 512 dims are 2 KB in a row); the inline combination's arithmetic in its block order (the
+    same bits, element for element, whatever the tiling). The program of the first slice and head
+    share clears the (row, head group)'s flags. The split loops are unrolled (SPLIT is a constexpr) and every per-head
+    value is a [SUB_H, 1] column of the accumulator's own layout, so the loads of all splits are
     independent and in flight together, with no layout exchange through shared memory between
     them (the first version looped over 128-dim chunks and the splits, one dependent L2 round trip
-    and two barriers per split: 6.8 us for 20 splits at 1 row on an H200)."""
+    and two barriers per split: 6.8 us for 20 splits at 1 row on an H200). Launch it with
+    `combine_partials_`."""
     pdl.enter(PDL)
     D: tl.constexpr = 512
-    tile = tl.program_id(0)
-    c = tl.program_id(1)
+    PH: tl.constexpr = BLOCK_H if SUB_H == 0 else SUB_H
+    NSUB: tl.constexpr = BLOCK_H // PH
+    c = tl.program_id(0)
+    tile = tl.program_id(1) // NSUB
+    sub = tl.program_id(1) % NSUB
     r = tile // HG
     g = tile % HG
-    hd = tl.arange(0, BLOCK_H)[:, None]                                       # [BLOCK_H, 1]
+    hd = sub * PH + tl.arange(0, PH)[:, None]                                  # [PH, 1]
     rh = g * BLOCK_H + hd
     h_ok = rh < H
     dd = c * CHUNK + tl.arange(0, CHUNK)[None, :]                              # [1, CHUNK]
-    if c == 0:
+    if (c == 0) & (sub == 0):
         fl = tl.arange(0, SPLIT_P2)
         tl.store(flag_ptr + tile * SPLIT + fl, tl.zeros((SPLIT_P2,), dtype=tl.int32), mask=fl < SPLIT)
     # Workspace: acc [N, HG, SPLIT, BLOCK_H, D]; ml [N, HG, SPLIT, 3, BLOCK_H] (max, sum, count).
@@ -421,10 +428,27 @@ def _sparse_mla_combine_kernel(
     tl.store(out_ptr + r * stride_on + rh * stride_oh + dd, bf16_rne_bits(a / d), mask=h_ok)
 
 
-def combine_chunk(split: int, block_h: int) -> int:
-    """Dims per program of the separate combination: every split's [block_h, chunk] FP32 slice in
-    flight at once, at most 8K values (64 registers a thread at 4 warps), between 16 and 128."""
-    return max(16, min(128, 8192 // (triton.next_power_of_2(split) * block_h)))
+def combine_tiling(split: int, block_h: int) -> tuple[int, int]:
+    """(CHUNK, SUB_H) of the separate combination: 512-byte slices of each head's partial (128
+    dims) where every split's [SUB_H, CHUNK] FP32 slice in flight at once stays within 8K values (64
+    registers a thread at 4 warps), SUB_H the heads that leaves (at least one; fewer dims past 64
+    splits, at least 16)."""
+    p2 = triton.next_power_of_2(split)
+    chunk = max(16, min(128, 8192 // p2))
+    return chunk, max(1, min(block_h, 8192 // (p2 * chunk)))
+
+
+def combine_partials_(part_acc, part_ml, flags, sink, o16, heads: int, head_groups: int, rows: int, split: int,
+                      block_h: int) -> None:
+    """`_sparse_mla_combine_kernel` over `rows` rows of `head_groups` groups of `block_h` heads and
+    `split` block partials each (the workspace of `SparseMlaPlan` with SEPARATE, or of the Gluon
+    kernel), into o16 (the output's int16 view), in the tiling of `combine_tiling`."""
+    chunk, sub_h = combine_tiling(split, block_h)
+    _sparse_mla_combine_kernel[(HEAD_DIM // chunk, rows * head_groups * (block_h // sub_h))](
+        part_acc, part_ml, flags, sink, o16, heads, head_groups, o16.stride(0), o16.stride(1),
+        SPLIT=split, SPLIT_P2=triton.next_power_of_2(split), BLOCK_H=block_h, CHUNK=chunk, SUB_H=sub_h,
+        PDL=False, num_warps=4,
+    )
 
 
 @triton.jit
@@ -509,12 +533,7 @@ def sparse_mla_(plan: SparseMlaPlan, q: torch.Tensor, window_pool: torch.Tensor,
         num_warps=plan.num_warps,
     )
     if separate:
-        chunk = combine_chunk(nb, plan.block_h)
-        _sparse_mla_combine_kernel[(n * hg, HEAD_DIM // chunk)](
-            plan.part_acc, plan.part_ml, plan.flags, sink, o16, h, hg, o16.stride(0), o16.stride(1),
-            SPLIT=nb, SPLIT_P2=triton.next_power_of_2(nb), BLOCK_H=plan.block_h, CHUNK=chunk,
-            PDL=False, num_warps=4,
-        )
+        combine_partials_(plan.part_acc, plan.part_ml, plan.flags, sink, o16, h, hg, n, nb, plan.block_h)
 
 
 def sparse_mla(q: torch.Tensor, window_pool: torch.Tensor, comp_pool: torch.Tensor, window_table: torch.Tensor,

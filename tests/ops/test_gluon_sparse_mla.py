@@ -126,7 +126,7 @@ def test_the_combination_reads_the_kernels_workspace():
     # block_h real-or-padded heads, heads past H computed from zero q), combined by `sparse_mla`'s
     # combination kernel (in the interpreter on the CPU) with one head group: the reference's bits
     # on exact scores, and the flags cleared (here every word set, as a launch leaves them).
-    from dsv41_decode.ops.sparse_mla import _sparse_mla_combine_kernel, combine_chunk
+    from dsv41_decode.ops.sparse_mla import combine_partials_
     from dsv41_decode.records import unpack_compressed_kv, unpack_window_kv
     from test_sparse_mla import check_exact
 
@@ -157,10 +157,7 @@ def test_the_combination_reads_the_kernels_workspace():
     plan.flags.fill_(-1)
     out = torch.empty(n, h, D, dtype=torch.bfloat16, device=DEVICE)
     o16 = out.view(torch.int16)
-    chunk = combine_chunk(nb, ph)
-    _sparse_mla_combine_kernel[(n, D // chunk)](plan.part_acc, plan.part_ml, plan.flags, sink.to(DEVICE), o16, h, 1, o16.stride(0),
-                                                o16.stride(1), SPLIT=nb, SPLIT_P2=1 << (nb - 1).bit_length(),
-                                                BLOCK_H=ph, CHUNK=chunk, PDL=False, num_warps=4)
+    combine_partials_(plan.part_acc, plan.part_ml, plan.flags, sink.to(DEVICE), o16, h, 1, n, nb, ph)
     ref = reference(*case, EXACT_SCALE)
     if DEVICE == "cuda":      # the combination's expf against the CPU's exp (module doc)
         check_exact_gpu(out, case, ref, EXACT_SCALE)
