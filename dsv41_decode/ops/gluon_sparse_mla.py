@@ -404,11 +404,8 @@ def _gluon_sparse_mla_kernel(
     if PHASES:
         t0 = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
         g0 = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
-    # One ticket per program, in the order the programs start, so a program's earlier blocks belong
-    # to programs that already run: block-major (then row, then dim slice), or with the spread
-    # combination row-major (then block, then dim slice), so that a row's NB x DSPLIT programs take
-    # consecutive tickets and the ones a program waits for at the combination are running or next to
-    # start (the launcher takes this only where NB x DSPLIT programs fit the SMs at once).
+    # One ticket per program, in the order the programs start: block-major (then row, then dim
+    # slice), so a program's earlier blocks belong to programs that already run.
     # Without TICKET (the spread combination, where every program of the grid is resident at once)
     # the program id stands for it: no program waits on one that cannot start.
     if TICKET:
@@ -417,12 +414,8 @@ def _gluon_sparse_mla_kernel(
             gl.store(ticket_ptr, 0)      # every program has its ticket: ready for the next launch
     else:
         ticket = gl.program_id(0)
-    if SPREAD and TICKET:
-        r = ticket // (NB * DSPLIT)
-        b = (ticket // DSPLIT) % NB
-    else:
-        b = ticket // (N * DSPLIT)
-        r = (ticket // DSPLIT) % N
+    b = ticket // (N * DSPLIT)
+    r = (ticket // DSPLIT) % N
     sl = ticket % DSPLIT                 # the dims of P.V and of the partial: chunks [sl NCP, sl NCP + NCP)
     log_row = log_ptr + ticket.to(gl.int64) * _PH_COLS
     if PHASES:
@@ -600,8 +593,7 @@ def _gluon_sparse_mla_kernel(
     cnt = count_ptr + r
     if SPREAD:
         # Every program of the row waits until all NB x DSPLIT have arrived (the launcher runs this
-        # only where the whole grid is resident at once, or with row-major tickets where a row's
-        # programs are, so the wait ends), then combines its share
+        # only where the whole grid is resident at once, so the wait ends), then combines its share
         # of the [PH, 512] output: the combination's steps j, j + NB DSPLIT, ... for the row's j-th
         # program. The last to arrive (every program of the row is past its look-back) clears the
         # row's flag words (and board) and sets the counter back to 0 with release: the others
@@ -664,14 +656,11 @@ class GluonSparseMlaConfig:
     kernel's arithmetic in its block order (the same bits), so a row's combination runs on NB x S SMs.
     (The last-arriving program of a row combining it alone, measured on the H200, took 37 us at 1 row
     against the spread combination's 18.8: it was removed.) Waiting on programs that may not have
-    started is only sound where those programs are resident or will start: where the launch's programs
-    fit the SMs at once (`programs_per_sm` of its compiled kernel: two a SM at <= 128 registers with
-    q_buffers=2) the programs take their (row, block) from the program id (one round trip less than
-    the atomic ticket); past that, from the ticket in row-major order, so that a row's programs take
-    consecutive tickets: the programs a row's programs wait for have started or are the next to
-    (where a row's NB x S programs fit the SMs at once; if every resident program waited, they would
-    all be in one unfinished row, fewer than fit, so another would start); else the launcher runs the
-    separate combination with the flag look-back (the same bits either way).
+    started is only sound where the whole grid is resident at once: the launcher runs "spread" where the
+    launch's programs fit the SMs (`programs_per_sm` of its compiled kernel: two a SM at <= 128
+    registers with q_buffers=2) and the separate combination with the flag look-back elsewhere (the same
+    bits either way). Where it runs, every program is resident, so the programs take their (row, block)
+    from the program id, not the atomic ticket (one round trip less).
 
     lookback: how a block's program learns the maxima of the blocks before it: "flags" (each
     program stores its block's maxima, then sets its bit of the row's flag words with release; the
@@ -821,16 +810,6 @@ class GluonSparseMlaPlan:
         return self.base.device
 
 
-def _resident(plan: GluonSparseMlaPlan, key: str, args, grid: int, consts: dict, TICKET: bool) -> int:
-    """Programs per SM of the spread kernel with or without the ticket (`programs_per_sm`), compiled
-    on the plan's first launch that asks and kept in `plan.resident[key]`."""
-    per_sm = plan.resident.get(key)
-    if per_sm is None:
-        kernel = _gluon_sparse_mla_kernel.warmup(*args, grid=(grid, ), SPREAD=True, TICKET=TICKET, **consts)
-        per_sm = plan.resident[key] = programs_per_sm(kernel)
-    return per_sm
-
-
 def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: torch.Tensor, comp_pool: torch.Tensor,
                       window_table: torch.Tensor, comp_table: torch.Tensor, sink: torch.Tensor, scale: float,
                       out: torch.Tensor) -> None:
@@ -863,18 +842,17 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
                   num_warps=NUM_WARPS)
     if config.maxnreg is not None:
         consts["maxnreg"] = config.maxnreg
-    ticket = combine == "separate"
     if combine == "spread":
-        # the compiled kernels' registers and shared memory decide: every program resident at once
-        # (the program id for a ticket), else a row's programs (row-major tickets), else the
-        # separate launch with the flag look-back (the board of maxima stays untouched, zero)
-        if grid > num_sms(base.device) * _resident(plan, "spread", args, grid, consts, TICKET=False):
-            ticket = True
-            if nb * config.dim_split > num_sms(base.device) * _resident(plan, "spread_ticket", args, grid, consts,
-                                                                        TICKET=True):
-                combine = "separate"
-                consts["VALUES"] = False
+        per_sm = plan.resident.get("spread")
+        if per_sm is None:            # the compiled kernel's registers and shared memory decide
+            kernel = _gluon_sparse_mla_kernel.warmup(*args, grid=(grid, ), SPREAD=True, TICKET=False, **consts)
+            per_sm = plan.resident["spread"] = programs_per_sm(kernel)
+        if grid > num_sms(base.device) * per_sm:
+            # not every program resident at once: the row's wait could hang; the separate launch
+            # with the flag look-back (the board of maxima stays untouched, zero)
+            combine = "separate"
+            consts["VALUES"] = False
     spread = combine == "spread"
-    _gluon_sparse_mla_kernel[(grid, )](*args, SPREAD=spread, TICKET=ticket, **consts)
+    _gluon_sparse_mla_kernel[(grid, )](*args, SPREAD=spread, TICKET=not spread, **consts)
     if combine == "separate":
         combine_partials_(base.part_acc, base.part_ml, base.flags, sink, o16, base.heads, 1, n, nb, base.block_h)

@@ -36,15 +36,13 @@ SMEM_LIMIT = 227 * 1024
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _compile(heads, w, k, config, ticket=None):
-    """The kernel for sm_90 with `config`'s constants; ticket: the TICKET constant (None: the
-    launcher's choice where the grid is resident, the ticket without the spread combination only)."""
+def _compile(heads, w, k, config):
     p = G.GluonSparseMlaPlan.build(1, heads, w, k, "cpu").base
     consts = {"W": w, "W_P2": 1 << (w - 1).bit_length(), "KC": k, "NB": p.n_blocks,
               "NB_P2": max(2, 1 << (p.n_blocks - 1).bit_length()), "PH": p.block_h,
               "Q_BUFFERS": config.q_buffers, "FP4_PACKED": config.fp4_packed, "PREFETCH": config.prefetch,
               "DSPLIT": config.dim_split, "SPREAD": config.combine == "spread",
-              "VALUES": config.lookback == "values", "TICKET": config.combine != "spread" if ticket is None else ticket,
+              "VALUES": config.lookback == "values", "TICKET": config.combine != "spread",
               "PV_PIPELINE": config.pv_pipeline,
               "FP4_LUT": config.fp4_lut,
               "PHASES": config.phases}
@@ -73,17 +71,15 @@ CONFIGS = [DEFAULT, PLAIN, G.GluonSparseMlaConfig(2, False, True), G.GluonSparse
 # configuration at 3-16 rows (spread, values, LUT, 128 registers); at a TP8 rank's 8 with the
 # plainest options, a quarter of the dims a program and the spread combination; a window ending
 # inside a block with a top-k not a multiple of 64 at 32 heads, a mix (6-8 s each from a cold cache).
-@pytest.mark.parametrize("heads,w,k,config,ticket", [
-    (64, 128, 512, DEFAULT, None), (64, 128, 512, G.GluonSparseMlaConfig(pv_pipeline=True), None),
-    (64, 128, 512, G.GluonSparseMlaConfig(dim_split=2, combine="spread", phases=True), None),
-    (64, 128, 512, SPREADVLC, None), (64, 128, 512, SPREADVLC, True),
-    (8, 128, 512, G.GluonSparseMlaConfig(4, False, False, dim_split=4, combine="spread"), None),
-    (32, 16, 72, G.GluonSparseMlaConfig(2, False, True), None)],
-    ids=["64h", "64h-pv-pipeline", "64h-split2-spread-phases", "64h-spreadvlc", "64h-spreadvlc-row-tickets",
-         "8h-plain-split4-spread", "32h-mix"])
-def test_compiles_for_sm90_without_spills(heads, w, k, config, ticket):
-    # the last spread case as the launcher runs it past the resident grid: row-major tickets
-    kernel = _compile(heads, w, k, config, ticket)
+@pytest.mark.parametrize("heads,w,k,config", [
+    (64, 128, 512, DEFAULT), (64, 128, 512, G.GluonSparseMlaConfig(pv_pipeline=True)),
+    (64, 128, 512, G.GluonSparseMlaConfig(dim_split=2, combine="spread", phases=True)),
+    (64, 128, 512, SPREADVLC),
+    (8, 128, 512, G.GluonSparseMlaConfig(4, False, False, dim_split=4, combine="spread")),
+    (32, 16, 72, G.GluonSparseMlaConfig(2, False, True))],
+    ids=["64h", "64h-pv-pipeline", "64h-split2-spread-phases", "64h-spreadvlc", "8h-plain-split4-spread", "32h-mix"])
+def test_compiles_for_sm90_without_spills(heads, w, k, config):
+    kernel = _compile(heads, w, k, config)
     res = sm90.resources(kernel)
     assert res["LOCAL"] == 0 and res["STACK"] == 0, res
     # shared memory: q (four or two [64, 128] BF16 chunks), the keys (four) and P [64, 64] BF16;
@@ -101,10 +97,10 @@ def test_compiles_for_sm90_without_spills(heads, w, k, config, ticket):
     assert gmma.count("HGMMA.64x32x16.F32.BF16") == 32, sorted(set(gmma))
     assert gmma.count("HGMMA.64x64x16.F32.BF16") == 16 // config.dim_split, sorted(set(gmma))
     assert len(gmma) == 32 + 16 // config.dim_split
-    # the ticket (and the polls, compiled as loads) unless the spread combination's programs are
-    # all resident, and with the spread combination the row's arrivals and their reset
+    # the ticket (and the polls, compiled as loads), or with the spread combination (no ticket: its
+    # programs are all resident) the row's arrivals and their reset
     spread = config.combine == "spread"
-    atomics = (not spread if ticket is None else ticket) + 2 * spread
+    atomics = (not spread) + 2 * spread
     assert ops.get("ATOMG", 0) == atomics, ops
     assert any("SR_CLOCK" in t for t in ins) == config.phases     # the clock reads of the phase log
     loads = [t.split()[1] if t.startswith("@") else t.split()[0] for t in ins if "LDG" in t]
