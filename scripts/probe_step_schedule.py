@@ -25,10 +25,14 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
     mla_after_mix   the sparse MLA waits for the next site's mixer (at 1-16 rows the sparse MLA's
                     configurations need all their programs resident; the mixer, at the least
                     priority, can still hold SMs when it starts)
-    mix_late        the next site's mixer enqueued at the end of the next layer's input projections
-                    (after its norm pair and side projections) instead of right after the boundary:
-                    in the ratio-2 Full layers at 1 row the norm pair and the head weights'
-                    projection start only when the mixer ends, though the SMs have room for them
+    mix_late        every site's mixer enqueued at the end of the next layer's input projections
+                    (after its norm pair and side projections) instead of right after the boundary,
+                    in every bucket (`DecodeStep.mix_late_rows` = 1; the step's default from
+                    `MIX_LATE_ROWS` rows): in the ratio-2 Full layers at 1 row the norm pair and the
+                    head weights' projection start only when the mixer ends, though the SMs have
+                    room for them
+    mix_early       every site's mixer right after the boundary, in every bucket (`mix_late_rows`
+                    past the largest bucket)
     wproj_lane      the indexer's head weights (weights_proj) on a lane of their own beside the
                     index query's GEMM (`AttentionStep.proj_own_lane`; the lane at the index
                     query's priority): the step's default (`DecodeStep(weights_lane=True)`), so
@@ -76,7 +80,7 @@ from dsv41_decode.bench.step_timeline import replay_kernels
 from dsv41_decode.config import ModelConfig
 from dsv41_decode.decode import attention as attention_mod
 from dsv41_decode.decode.lanes import PRIORITY_CRITICAL, PRIORITY_SLACK
-from dsv41_decode.ops import topk
+from dsv41_decode.ops import LOW_BATCH_MAX_ROWS, topk
 from dsv41_decode.ops.ll_bf16 import LlBf16Plan
 from dsv41_decode.stack import AttentionStack
 from dsv41_decode.state import DecodeState
@@ -98,6 +102,7 @@ PRIORITIES = {
     "mla_after_mix": (C, (C, S, C)),
     "wq_b_slack": (C, (C, S, C)),
     "mix_late": (C, (C, S, C)),
+    "mix_early": (C, (C, S, C)),
     "topk_chunk": (C, (C, S, C)),
     "wproj_lane": (C, (C, S, C)),
     "wproj_in_index": (C, (C, S, C)),
@@ -164,28 +169,9 @@ def _wq_b_slack(step):
     return _swap(changes + [(attention_mod.AttentionStep, "_attend", attend_after)])
 
 
-def _mix_late(step):
-    """Patch the step: each site's mixer enqueued at the end of the following layer's input
-    projections (`AttentionStep._inputs`) instead of where the schedule asks for it; the event
-    handed back at once is recorded on the mixer's lane after it. Returns the undo."""
-    pending = []
-    mix, inputs = step.boundary.mix, attention_mod.AttentionStep._inputs
-
-    def mix_deferred(*a, **k):
-        ev = torch.cuda.Event()
-        pending.append((a, k, ev))
-        return ev
-
-    def inputs_then_mix(self, *a, **k):
-        out = inputs(self, *a, **k)
-        while pending:
-            ma, mk, ev = pending.pop(0)
-            mix(*ma, **mk)
-            with self.lanes.side(attention_mod.AUX_MIXER):
-                ev.record()
-        return out
-
-    return _swap([(step.boundary, "mix", mix_deferred), (attention_mod.AttentionStep, "_inputs", inputs_then_mix)])
+def _mix_rows(rows: int):
+    """A patch setting the step's `mix_late_rows` (the buckets with the late mixer) to rows."""
+    return lambda step: _swap([(step, "mix_late_rows", rows)])
 
 
 def _norm_gaps(kernels: list[dict]) -> list[str]:
@@ -269,7 +255,7 @@ def main() -> None:
         patch = {"mla_after_mix": _mla_after_mix, "wq_b_slack": _wq_b_slack,
                  "rope_apart": _layer_flag("rope_in_wq_b", False), "boundary_folded": _boundary_folded,
                  "boundary_split": _boundary_split,
-                 "mix_late": _mix_late,
+                 "mix_late": _mix_rows(1), "mix_early": _mix_rows(LOW_BATCH_MAX_ROWS + 1),
                  "topk_chunk": _topk_chunk, "wproj_lane": _layer_flag("proj_own_lane", True),
                  "wproj_split": _wproj_split, "wproj_in_index": _layer_flag("proj_own_lane", False),
                  "comp_tail": _comp_tail}.get(name)

@@ -24,7 +24,7 @@ A layer that is not eligible raises `NotEligible`, and the caller keeps the gene
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 import triton
@@ -348,7 +348,7 @@ class AttentionStep:
 
     def run(self, rows: int, u: torch.Tensor, u_codes: torch.Tensor, u_scales: torch.Tensor,
             y: torch.Tensor, events: StepEvents, shard: bool = False, boundary: BoundaryOperands | None = None,
-            mixed: Event | None = None) -> None:
+            mixed: Event | None = None, after_inputs: Callable[[], None] | None = None) -> None:
         """Enqueue the layer for rows [0, rows): inputs u [rows, dim] BF16 and its MXFP8 codes/scales
         (written by the boundary), output y [rows, dim] BF16 (this rank's partial, reduced here
         under the collective TP boundary). events: the step's cross-layer events, read and updated.
@@ -361,7 +361,8 @@ class AttentionStep:
         must hold; `Boundary.operands`: it overwrites u, codes and scales with the next layer's
         input once this layer no longer reads them); mixed: with boundary, the event of the mixer
         that wrote its post/comb/pre (waited for before wo_b; None: already ordered); unused
-        without it.
+        without it. after_inputs: called once the input projections are enqueued (the step's late
+        mixer, `DecodeStep.mix_late_rows`).
 
         Phases (design section 2), each enqueued in order on the main stream with its side work on
         the lanes: `_inputs` (the fused wq_a|wkv GEMM and the norms; the side projections),
@@ -372,6 +373,8 @@ class AttentionStep:
         part = self.layer.tp.row_share(rows) if shard and self.row_shardable else None
         own = slice(0, rows) if part is None else slice(part[0], part[1])   # the rows this rank indexes
         kv_score, qr_ready, proj_ready = self._inputs(rows, u, u_codes, u_scales, own)
+        if after_inputs is not None:
+            after_inputs()
         iq_ready = self._prepare(rows, kv_score, qr_ready, proj_ready, own)
         if self.spec.runs_indexer:
             if part is None:

@@ -23,7 +23,7 @@ import torch
 from ..ops.allreduce_boundary import Mailbox, allreduce_boundary_
 from ..ops.hc_mix import HcMixPlan, hc_mix_
 from ..ops.mhc import BoundaryOperands, MhcBoundaryPlan, mhc_enter_
-from .lanes import AUX_MIXER, Lanes
+from .lanes import AUX_MIXER, Event, Lanes
 
 
 class Boundary:
@@ -51,9 +51,10 @@ class Boundary:
     def _w(self, layer: int, name: str) -> torch.Tensor:
         return self.stack.layers[layer].w[name]
 
-    def mix(self, layer: int, x: torch.Tensor, slot: int, rows: int, lanes: Lanes):
+    def mix(self, layer: int, x: torch.Tensor, slot: int, rows: int, lanes: Lanes, done: Event | None = None):
         """Enqueue site `layer`'s mixer of streams x [rows, hc, dim] on the side lane into set `slot`;
-        returns the event that marks post/comb/pre written (None when it ran inline)."""
+        returns the event that marks post/comb/pre written (`done` where given, from `Lanes.event`;
+        None when it ran inline)."""
         cfg = self.cfg
         x_ready = lanes.mark()                                 # protects x (the new streams)
         with lanes.side(AUX_MIXER):
@@ -61,7 +62,7 @@ class Boundary:
             hc_mix_(x, self._w(layer, "hc_attn_fn"), self._w(layer, "hc_attn_scale"),
                     self._w(layer, "hc_attn_base"), cfg.norm_eps, cfg.hc_eps, cfg.hc_sinkhorn_iters,
                     self.pre[slot][:rows], self.post[slot][:rows], self.comb[slot][:rows], self.plans[slot])
-            return lanes.mark()
+            return lanes.mark(done)
 
     def enter(self, layer: int, x: torch.Tensor, pre_in: torch.Tensor, rows: int) -> None:
         """The first layer's input: attn_norm(collapse(x, pre_in)) as BF16 and MXFP8, one launch

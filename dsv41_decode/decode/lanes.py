@@ -59,13 +59,19 @@ class Lanes:
         """Context running the enclosed ops on aux lane `lane` (or inline when overlap is off)."""
         return torch.cuda.stream(self._aux[lane]) if self.overlap else contextlib.nullcontext()
 
-    def mark(self) -> Event | None:
-        """An event recorded on the current stream (None when nothing runs concurrently)."""
+    def mark(self, ev: Event | None = None) -> Event | None:
+        """An event recorded on the current stream: `ev` (handed out before, by `event`) or a new
+        one (None when nothing runs concurrently)."""
         if not self.overlap:
             return None
-        ev = torch.cuda.Event()
+        ev = torch.cuda.Event() if ev is None else ev
         ev.record()
         return ev
+
+    def event(self) -> Event | None:
+        """A new event to record later with `mark(ev)` (None when nothing runs concurrently). A wait
+        on it must be enqueued after its record, or it waits for nothing."""
+        return torch.cuda.Event() if self.overlap else None
 
     @staticmethod
     def wait(*events: Event | None) -> None:

@@ -55,6 +55,15 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 # scripts/indexer_shard_tp.py measures where it pays (spec decision 28).
 INDEXER_SHARD_ROWS = 16
 
+# From this many rows (a bucket's) up, each site's mHC mixer is enqueued at the end of the next
+# layer's input projections (the fused wq_a|wkv GEMM, the norm pair, the side projections) instead
+# of right after the boundary that writes its streams: there the next layer's first GEMMs run
+# without the mixer's 640 programs beside them. On an H200 (32K, exact linears,
+# `scripts/probe_step_schedule.py --variants=default,mix_late` at a29ac76, docs/step.md) 10285 /
+# 16936 us at 32 / 64 rows against 10339 / 17210 (0.5 / 1.6 % faster); at 1 row it measured slower
+# (3802 against 3781 us at e9c7c92), so the smaller buckets keep the early mixer. The same bits.
+MIX_LATE_ROWS = 32
+
 
 class StepError(ValueError):
     """A step the captured DecodeStep cannot run (the message names the rows, request or bucket)."""
@@ -128,6 +137,10 @@ class DecodeStep:
         measured slower on an H200, 20.7-26.4 us a layer in the step at 1 row against 14-17 for
         the three launches; its form of one program per wk N tile measured within noise of them
         (`comp_tail` in scripts/probe_step_schedule.py times both, docs/step.md).
+    mix_late_rows: in the buckets of at least this many rows each site's mixer is enqueued at the
+        end of the next layer's input projections instead of right after the boundary before it
+        (default `MIX_LATE_ROWS`, where it measured faster on an H200; LOW_BATCH_MAX_ROWS + 1:
+        never); the same bits.
 
     Errors: StepError for buckets outside 1..LOW_BATCH_MAX_ROWS or past the state's stage_rows, a
     state of another configuration, or an unknown tp_boundary; `NotEligible` for a layer whose
@@ -141,7 +154,8 @@ class DecodeStep:
     def __init__(self, stack, state: DecodeState, *, max_rows: int = 16, buckets: Sequence[int] | None = None,
                  graphs: bool = True, overlap: bool = True, tp_boundary: str = "auto", wo_a_fp8: bool = False,
                  exact_linears: bool = True, fp32_dots: bool = False, fold_index_chain: bool = False,
-                 fold_boundary: bool = False, weights_lane: bool = True, comp_tail: bool = False):
+                 fold_boundary: bool = False, weights_lane: bool = True, comp_tail: bool = False,
+                 mix_late_rows: int = MIX_LATE_ROWS):
         if buckets is None:
             buckets = tuple(b for b in DEFAULT_BUCKETS if b < max_rows) + (max_rows,)
         buckets = tuple(sorted(set(buckets)))
@@ -152,6 +166,8 @@ class DecodeStep:
         if buckets[-1] > state.stage_rows:
             raise StepError(f"buckets up to {buckets[-1]} rows exceed the state's stage_rows={state.stage_rows}; "
                             f"build the DecodeState with stage_rows >= {buckets[-1]}")
+        if isinstance(mix_late_rows, bool) or not isinstance(mix_late_rows, int) or mix_late_rows < 1:
+            raise StepError(f"mix_late_rows must be an int >= 1, got {mix_late_rows!r}")
         if tp_boundary not in ("auto", "collective", "fused"):
             raise StepError(f"tp_boundary must be 'auto', 'collective' or 'fused', got {tp_boundary!r}")
         dev = state.device
@@ -161,6 +177,7 @@ class DecodeStep:
         self.buckets, self.max_rows = buckets, buckets[-1]
         self.device = dev
         self.fold_boundary = bool(fold_boundary)
+        self.mix_late_rows = mix_late_rows
         self.plan = dict(low_batch=True, overlap=bool(overlap),
                          layers=[(i, stack.cfg.plan[i].label) for i in stack.ids],
                          indexer_shard_rows=INDEXER_SHARD_ROWS)
@@ -243,21 +260,38 @@ class DecodeStep:
         events = StepEvents()
         ids = self.stack.ids
         shard = self.indexer_sharded(B)
+        late = B >= self.mix_late_rows
         x = io.x_in[:B]
-        mix_ready = bd.mix(ids[0], x, 0, B, lanes)
+        pending = []      # the late mixer: the site's mixer, enqueued by its layer after its inputs
+
+        def mix(site: int, streams: torch.Tensor, slot: int):
+            if not late:
+                return bd.mix(site, streams, slot, B, lanes)
+            done = lanes.event()
+            pending.append((site, streams, slot, done))
+            return done
+
+        def mix_pending():
+            while pending:
+                site, streams, slot, done = pending.pop(0)
+                bd.mix(site, streams, slot, B, lanes, done)
+
+        mix_ready = mix(ids[0], x, 0)
         bd.enter(ids[0], x, io.pre_in[:B], B)
         for k, i in enumerate(ids):
             nxt = ids[k + 1] if k + 1 < len(ids) else None
             x_new = io.x_out[:B] if nxt is None else bd.streams[k % 2][:B]
             if self.boundary_folded(i, B):                    # wo_b waits for this site's mixer
                 self.layers[i].run(B, bd.u[:B], bd.codes[:B], bd.scales[:B], io.y[:B], events, shard,
-                                   boundary=bd.operands(i, nxt, x, k % 2, x_new, B), mixed=mix_ready)
+                                   boundary=bd.operands(i, nxt, x, k % 2, x_new, B), mixed=mix_ready,
+                                   after_inputs=mix_pending)
             else:
-                self.layers[i].run(B, bd.u[:B], bd.codes[:B], bd.scales[:B], io.y[:B], events, shard)
+                self.layers[i].run(B, bd.u[:B], bd.codes[:B], bd.scales[:B], io.y[:B], events, shard,
+                                   after_inputs=mix_pending)
                 lanes.wait(mix_ready)                         # post/comb/pre of this site
                 bd.exit(i, nxt, io.y[:B], x, k % 2, x_new, B, index=k)
             if nxt is not None:
-                mix_ready = bd.mix(nxt, x_new, (k + 1) % 2, B, lanes)
+                mix_ready = mix(nxt, x_new, (k + 1) % 2)
             x = x_new
         events.join(lanes)
 

@@ -291,6 +291,38 @@ def test_boundary_in_wo_b_gives_the_same_bits(cpu_setup, monkeypatch):
 
 
 @interpreter
+def test_late_mixer_gives_the_same_bits(cpu_setup, monkeypatch):
+    """mix_late_rows: in the buckets of at least that many rows each site's mixer is enqueued after
+    its layer's input projections (`AttentionStep._inputs`), else right after the boundary before
+    the layer (the first site's before the first layer): the order of the enqueued work, checked
+    per bucket against the patched `Boundary.mix` and `_inputs`, and the same outputs, carried pre
+    and caches bit for bit as the early mixer's. Layers 0, 1 (SWA, Full at ratio 2)."""
+    from dsv41_decode.decode import attention as attention_mod
+    from dsv41_decode.decode.boundary import Boundary
+    cfg, _, base, ckpt = cpu_setup
+    stack = AttentionStack(ckpt, [0, 1])
+    states = [copy.deepcopy(base) for _ in range(2)]
+    steps = [stack.decode_step(st, max_rows=2, mix_late_rows=late) for st, late in zip(states, (65, 2))]
+    log, mix, inputs = [], Boundary.mix, attention_mod.AttentionStep._inputs
+    monkeypatch.setattr(Boundary, "mix", lambda self, layer, *a, **kw: log.append(("mix", layer))
+                        or mix(self, layer, *a, **kw))
+    monkeypatch.setattr(attention_mod.AttentionStep, "_inputs", lambda self, *a, **kw: log.append(
+        ("inputs", self.spec.layer)) or inputs(self, *a, **kw))
+    orders = []
+    for n in _twin_steps(steps, cfg, 6, ([("a", 1)], [("b", 1), ("c", 1)])):
+        half = len(log) // 2            # the early step's calls, then the late step's
+        orders.append((n, log[:half], log[half:]))
+        log.clear()
+    early, late = [("mix", 0), ("inputs", 0), ("mix", 1), ("inputs", 1)], [("inputs", 0), ("mix", 0), ("inputs", 1),
+                                                                            ("mix", 1)]
+    # 1 row: both early (1 < 2); 2 rows: the second step's mixer late
+    assert orders == [(1, early, early), (2, early, late)], orders
+    _assert_same_caches(states)
+    with pytest.raises(StepError, match="mix_late_rows must be an int >= 1, got 0"):
+        stack.decode_step(copy.deepcopy(base), max_rows=2, mix_late_rows=0)
+
+
+@interpreter
 def test_memory_bytes_counts_the_layers_copies_and_workspaces(cpu_setup):
     """DecodeStep.memory_bytes: every family; per layer at least the fused wq_a|wkv copy; the
     stack's weights are not counted (an FP8 wo_a quantized at build adds exactly its codes and
