@@ -174,10 +174,13 @@ def test_gpu_long_run_vs_generic(gpu_setup):
 # a difference between the two); "fold_boundary": the mHC boundary in wo_b's epilogue where wo_b
 # runs ExactMM (its buckets: 1-4 rows at this preset's dim) instead of its own launch;
 # "weights_in_index_lane": the indexer's head weights on the index query's lane, not their own;
-# "comp_tail": the compressor's tail in one launch (`ops.compressor_tail`), not three.
+# "comp_tail": the compressor's tail in one launch (`ops.compressor_tail`), not three; "mix_late":
+# each site's mixer enqueued after its layer's input projections in every bucket (the step's
+# default from MIX_LATE_ROWS rows, past this step's 16).
 SAME_BITS = {"graph_again": {}, "eager": dict(graphs=False), "no_overlap": dict(overlap=False),
              "fold_index_chain": dict(fold_index_chain=True), "fold_boundary": dict(fold_boundary=True),
-             "weights_in_index_lane": dict(weights_lane=False), "comp_tail": dict(comp_tail=True)}
+             "weights_in_index_lane": dict(weights_lane=False), "comp_tail": dict(comp_tail=True),
+             "mix_late": dict(mix_late_rows=1)}
 
 
 @pytest.fixture(scope="module")
