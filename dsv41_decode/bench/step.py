@@ -27,6 +27,7 @@ import time
 import torch
 
 from ..config import FULL, REINDEX, SWA, ModelConfig
+from ..ops import LOW_BATCH_MAX_ROWS
 from ..stack import AttentionStack
 from ..state import DecodeState
 from ..testing.synthetic import fill_state, random_checkpoint
@@ -118,7 +119,8 @@ def _layer_kinds(cfg: ModelConfig) -> dict[str, int]:
 # only at the generic contexts. wo_a_fp8 changes the numbers (FP8 wo_a quantized at build);
 # tc_linears runs the FP8 linears on FP8 tensor cores (outside the contract: truncated block sums,
 # spec decision 38), the price of the default's exact linears; fp32_dots the sparse MLA and wo_a
-# with FP32 IEEE dots.
+# with FP32 IEEE dots; mix_early every site's mixer right after the boundary in every bucket (the
+# step's default enqueues it after the next layer's input projections from MIX_LATE_ROWS rows).
 VARIANTS = {
     "no_overlap": dict(overlap=False),
     "wo_a_fp8": dict(wo_a_fp8=True),
@@ -126,6 +128,7 @@ VARIANTS = {
     "fp32_dots": dict(fp32_dots=True),
     "fold_index_chain": dict(fold_index_chain=True),
     "weights_in_index_lane": dict(weights_lane=False),
+    "mix_early": dict(mix_late_rows=LOW_BATCH_MAX_ROWS + 1),
 }
 DEFAULT_VARIANTS = ("no_overlap", "wo_a_fp8", "tc_linears")
 
