@@ -575,6 +575,7 @@ def _gluon_sparse_mla_kernel(
     ho = gl.arange(0, _M, layout=gl.SliceLayout(1, o_l))
     do = gl.arange(0, _DC, layout=gl.SliceLayout(0, o_l))
     P: gl.constexpr = NB * DSPLIT
+    ring_ok = True
     if RING > 0:
         a_tile = (r % RING).to(gl.int64) * NB
         ring_polls = 0
@@ -582,29 +583,33 @@ def _gluon_sparse_mla_kernel(
             want = (r // RING) * P
             while (gl.atomic_add(ring_ptr + r % RING, 0, sem="acquire", scope="gpu") < want) & (ring_polls < _SPIN_LIMIT):
                 ring_polls += 1
+        # never by design: a wait that gave up stores no partial (the earlier row may still read
+        # the slot) and its row's outputs come out NaN
+        ring_ok = ring_polls < _SPIN_LIMIT
         stuck += (ring_polls >= _SPIN_LIMIT).to(gl.int32)
     else:
         a_tile = tile
     acc_rows = part_acc_ptr + (a_tile + b) * (PH * D) + ho[:, None] * D + do[None, :]
     zero = gl.zeros([_M, _DC], gl.float32, o_l)
-    if PV_PIPELINE and NCP > 1:
-        # chunk c + 1's MMA in flight while chunk c is stored (two accumulators live)
-        prev = warpgroup_mma(p_smem, k_smem.index(sl * NCP), zero, use_acc=False, is_async=True)
-        for c in gl.static_range(1, NCP):
-            nxt = warpgroup_mma(p_smem, k_smem.index(sl * NCP + c), zero, use_acc=False, is_async=True)
-            prev = warpgroup_mma_wait(1, deps=[prev])
-            gl.store(acc_rows + (sl * NCP + c - 1) * _DC, prev, mask=(ho < PH)[:, None])
-            prev = nxt
-        prev = warpgroup_mma_wait(0, deps=[prev])
-        gl.store(acc_rows + (sl * NCP + NCP - 1) * _DC, prev, mask=(ho < PH)[:, None])
-    else:
-        for c in gl.static_range(NCP):
-            if DSPLIT == 1:
-                a = warpgroup_mma(p_smem, k_smem.index(c), zero, use_acc=False)
-                gl.store(acc_rows + c * _DC, a, mask=(ho < PH)[:, None])
-            else:
-                a = warpgroup_mma(p_smem, k_smem.index(sl * NCP + c), zero, use_acc=False)
-                gl.store(acc_rows + (sl * NCP + c) * _DC, a, mask=(ho < PH)[:, None])
+    if ring_ok:
+        if PV_PIPELINE and NCP > 1:
+            # chunk c + 1's MMA in flight while chunk c is stored (two accumulators live)
+            prev = warpgroup_mma(p_smem, k_smem.index(sl * NCP), zero, use_acc=False, is_async=True)
+            for c in gl.static_range(1, NCP):
+                nxt = warpgroup_mma(p_smem, k_smem.index(sl * NCP + c), zero, use_acc=False, is_async=True)
+                prev = warpgroup_mma_wait(1, deps=[prev])
+                gl.store(acc_rows + (sl * NCP + c - 1) * _DC, prev, mask=(ho < PH)[:, None])
+                prev = nxt
+            prev = warpgroup_mma_wait(0, deps=[prev])
+            gl.store(acc_rows + (sl * NCP + NCP - 1) * _DC, prev, mask=(ho < PH)[:, None])
+        else:
+            for c in gl.static_range(NCP):
+                if DSPLIT == 1:
+                    a = warpgroup_mma(p_smem, k_smem.index(c), zero, use_acc=False)
+                    gl.store(acc_rows + c * _DC, a, mask=(ho < PH)[:, None])
+                else:
+                    a = warpgroup_mma(p_smem, k_smem.index(sl * NCP + c), zero, use_acc=False)
+                    gl.store(acc_rows + (sl * NCP + c) * _DC, a, mask=(ho < PH)[:, None])
     ml = part_ml_ptr + (tile + b) * (3 * PH) + hs
     gl.store(ml, new_max, mask=h_st)
     gl.store(ml + PH, l_i, mask=h_st)
@@ -614,7 +619,8 @@ def _gluon_sparse_mla_kernel(
     cnt = count_ptr + r
     if SPREAD:
         # Every program of the row waits until all NB x DSPLIT have arrived (the launcher runs this
-        # only where the whole grid is resident at once, so the wait ends), then combines its share
+        # where the whole grid is resident at once, or with RING on row-major tickets where a row's
+        # programs are: the wait ends), then combines its share
         # of the [PH, 512] output: the combination's steps j, j + NB DSPLIT, ... for the row's j-th
         # program. The last to arrive (every program of the row is past its look-back) clears the
         # row's flag words (and board) and sets the counter back to 0 with release: the others
@@ -685,11 +691,11 @@ class GluonSparseMlaConfig:
     kernel's arithmetic in its block order (the same bits), so a row's combination runs on NB x S SMs.
     (The last-arriving program of a row combining it alone, measured on the H200, took 37 us at 1 row
     against the spread combination's 18.8: it was removed.) Waiting on programs that may not have
-    started is only sound where the whole grid is resident at once: the launcher runs "spread" where the
-    launch's programs fit the SMs (`programs_per_sm` of its compiled kernel: two a SM at <= 128
-    registers with q_buffers=2) and the separate combination with the flag look-back elsewhere (the same
-    bits either way). Where it runs, every program is resident, so the programs take their (row, block)
-    from the program id, not the atomic ticket (one round trip less).
+    started is only sound where they are sure to start: the launcher runs "spread" where the launch's
+    programs fit the SMs at once (`programs_per_sm` of its compiled kernel: two a SM at <= 128
+    registers with q_buffers=2), the programs taking their (row, block) from the program id, not the
+    atomic ticket (one round trip less); past that with `ring` (below), else the separate combination
+    with the flag look-back (the same bits either way).
 
     lookback: how a block's program learns the maxima of the blocks before it: "flags" (each
     program stores its block's maxima, then sets its bit of the row's flag words with release; the
