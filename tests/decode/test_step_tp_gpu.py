@@ -57,7 +57,9 @@ def _rank(rank: int, world: int, store: str, out: str) -> None:
     cfg, tp, ckpt, base = _join(rank, world, store, 3, {"a": 300, "b": 77, "c": 5})
     stack = AttentionStack(ckpt, tp=tp)
     s_col, s_fused = copy.deepcopy(base), copy.deepcopy(base)
-    col = stack.decode_step(s_col, max_rows=8, tp_boundary="collective")
+    # the collective step with the late mixer in every bucket (`mix_late_rows`: the order of the
+    # enqueued work only, so the same bits; the fused one with the step's default)
+    col = stack.decode_step(s_col, max_rows=8, tp_boundary="collective", mix_late_rows=1)
     fused = stack.decode_step(s_fused, max_rows=8, tp_boundary="fused")
     assert (col.boundary_mode, fused.boundary_mode) == ("collective", "fused")
     g = torch.Generator(device="cuda").manual_seed(0)
