@@ -28,6 +28,7 @@ rows and the ranks gather the selections (`AttentionStep.run(shard=)`).
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Callable, Sequence
 
@@ -260,38 +261,28 @@ class DecodeStep:
         events = StepEvents()
         ids = self.stack.ids
         shard = self.indexer_sharded(B)
-        late = B >= self.mix_late_rows
+        late = B >= self.mix_late_rows       # each site's mixer enqueued by its layer after its inputs
         x = io.x_in[:B]
-        pending = []      # the late mixer: the site's mixer, enqueued by its layer after its inputs
-
-        def mix(site: int, streams: torch.Tensor, slot: int):
-            if not late:
-                return bd.mix(site, streams, slot, B, lanes)
-            done = lanes.event()
-            pending.append((site, streams, slot, done))
-            return done
-
-        def mix_pending():
-            while pending:
-                site, streams, slot, done = pending.pop(0)
-                bd.mix(site, streams, slot, B, lanes, done)
-
-        mix_ready = mix(ids[0], x, 0)
+        mix_ready = None if late else bd.mix(ids[0], x, 0, B, lanes)
         bd.enter(ids[0], x, io.pre_in[:B], B)
         for k, i in enumerate(ids):
             nxt = ids[k + 1] if k + 1 < len(ids) else None
             x_new = io.x_out[:B] if nxt is None else bd.streams[k % 2][:B]
+            after_inputs = None
+            if late:
+                mix_ready = lanes.event()                     # recorded by the mixer, before any wait on it
+                after_inputs = functools.partial(bd.mix, i, x, k % 2, B, lanes, mix_ready)
             if self.boundary_folded(i, B):                    # wo_b waits for this site's mixer
                 self.layers[i].run(B, bd.u[:B], bd.codes[:B], bd.scales[:B], io.y[:B], events, shard,
                                    boundary=bd.operands(i, nxt, x, k % 2, x_new, B), mixed=mix_ready,
-                                   after_inputs=mix_pending)
+                                   after_inputs=after_inputs)
             else:
                 self.layers[i].run(B, bd.u[:B], bd.codes[:B], bd.scales[:B], io.y[:B], events, shard,
-                                   after_inputs=mix_pending)
+                                   after_inputs=after_inputs)
                 lanes.wait(mix_ready)                         # post/comb/pre of this site
                 bd.exit(i, nxt, io.y[:B], x, k % 2, x_new, B, index=k)
-            if nxt is not None:
-                mix_ready = mix(nxt, x_new, (k + 1) % 2)
+            if nxt is not None and not late:
+                mix_ready = bd.mix(nxt, x_new, (k + 1) % 2, B, lanes)
             x = x_new
         events.join(lanes)
 
