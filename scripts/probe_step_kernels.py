@@ -57,12 +57,6 @@ def print_table(table: dict[str, tuple[dict[str, float], dict[str, int]]], top: 
         print(f"{k:{width}s} " + " ".join(f"{cell:>28s}" for cell in cells))
 
 
-def timeline_kernels(path: str) -> list[dict]:
-    """The kernel events of a saved profiler trace (Chrome trace JSON, `bench step --out`'s timeline)."""
-    with open(path) as f:
-        return [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", default="16,32,64")
@@ -72,8 +66,10 @@ def main() -> None:
     ap.add_argument("--timeline", help="a saved profiler trace to read instead of profiling (no GPU)")
     args = ap.parse_args()
     width = 64 if args.by_grid else 48
-    if args.timeline:
-        dur, cnt, _ = kernel_times(timeline_kernels(args.timeline), args.by_grid)
+    if args.timeline:              # a saved Chrome trace (`bench step --out`'s timeline)
+        from dsv41_decode.bench.step_timeline import trace_kernels
+        with open(args.timeline) as f:
+            dur, cnt, _ = kernel_times(trace_kernels(json.load(f)), args.by_grid)
         print_table({args.timeline.rsplit("/", 1)[-1]: (dur, cnt)}, args.top, width)
         return
     import torch
