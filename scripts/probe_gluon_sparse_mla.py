@@ -59,9 +59,6 @@ CONFIGS = {
     "spreadvl": G.GluonSparseMlaConfig(combine="spread", lookback="values", fp4_lut=True),
     "split4svl": G.GluonSparseMlaConfig(dim_split=4, combine="spread", lookback="values", fp4_lut=True),
     "spreadvlc": G.GluonSparseMlaConfig(combine="spread", lookback="values", fp4_lut=True, maxnreg=128),
-    # past the resident grid on a partial ring of 24 / 12 rows (the spread combination there too)
-    "spreadvlcr": G.GluonSparseMlaConfig(combine="spread", lookback="values", fp4_lut=True, maxnreg=128, ring=24),
-    "spreadvlcr12": G.GluonSparseMlaConfig(combine="spread", lookback="values", fp4_lut=True, maxnreg=128, ring=12),
 }
 
 

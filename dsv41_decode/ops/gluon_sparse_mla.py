@@ -309,10 +309,10 @@ _PH_COLS: gl.constexpr = gl.constexpr(PHASE_COLS)
 
 
 @gluon.jit
-def _combine_slice(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, r, ar, H, stride_on, stride_oh, i0, stuck,
+def _combine_slice(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, r, H, stride_on, stride_oh, i0, stuck,
                    NB: gl.constexpr, NB_P2: gl.constexpr, PH: gl.constexpr, STEP: gl.constexpr):
-    """The row's NB block partials (acc's row ar, ml's row r) combined over the [PH, CW] dim steps
-    i0, i0 + STEP, ... of its [PH, 512] output (NaN where stuck > 0), out as BF16 bits: the
+    """The row's NB block partials combined over the [PH, CW] dim steps i0, i0 + STEP, ... of its
+    [PH, 512] output (NaN where stuck > 0), out as BF16 bits: the
     arithmetic of `sparse_mla._sparse_mla_combine_kernel` element for element (the maxima, the
     valid-key counts, then each block's acc and sum rescaled by exp(m_b - m_all) and added in block
     order, o = acc / (sum + exp(sink - m_all)) rounded to nearest even, zeros where the row had no
@@ -347,7 +347,7 @@ def _combine_slice(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, r, ar, H, strid
     # no valid key: acc is 0, o is 0
     den = gl.where(n_all[:, None] > 0, l_all + libdevice.exp(sink[:, None] - m_all), float("inf"))
     den = gl.where(stuck > 0, float("nan"), den)      # never by design: a bug shows as NaN, not a hang
-    acc = part_acc_ptr + (ar.to(gl.int64) * NB) * (PH * D) + hd[:, None] * D + dd[None, :]
+    acc = part_acc_ptr + (r.to(gl.int64) * NB) * (PH * D) + hd[:, None] * D + dd[None, :]
     out_rows = out_ptr + r * stride_on + hd[:, None] * stride_oh + dd[None, :]
     for i in range(i0, D // CW, STEP):
         a = gl.zeros([PH, CW], gl.float32, cl)
@@ -382,22 +382,20 @@ def _bf16_rne_bits(x):
 def _gluon_sparse_mla_kernel(
     q_ptr, wpool_ptr, cpool_ptr, wtab_ptr, ctab_ptr,
     part_acc_ptr, part_ml_ptr, block_max_ptr, flag_ptr, ticket_ptr,
-    sink_ptr, out_ptr, count_ptr, log_ptr, board_ptr, ring_ptr,
+    sink_ptr, out_ptr, count_ptr, log_ptr, board_ptr,
     N, H, scale, stride_qn, stride_qh, stride_wt, stride_ct, stride_on, stride_oh,
     W: gl.constexpr, W_P2: gl.constexpr, KC: gl.constexpr, NB: gl.constexpr, NB_P2: gl.constexpr, PH: gl.constexpr,
     Q_BUFFERS: gl.constexpr = 4, FP4_PACKED: gl.constexpr = False, PREFETCH: gl.constexpr = False,
     DSPLIT: gl.constexpr = 1, SPREAD: gl.constexpr = False, VALUES: gl.constexpr = False,
     TICKET: gl.constexpr = True, PV_PIPELINE: gl.constexpr = False,
-    FP4_LUT: gl.constexpr = False, RING: gl.constexpr = 0,
+    FP4_LUT: gl.constexpr = False,
     PHASES: gl.constexpr = False,
 ):
     # Workspaces (`SparseMlaPlan` with one head group of PH = block_h heads): acc [N, NB, PH, 512],
     # ml [N, NB, 3, PH] (max, sum, valid-key count), block_max [N, NB, PH], flags [N, NB] (here a
     # bit per block: the row's first ceil(NB / 32) words; the combination zeroes them). Without
     # SPREAD the separate launch combines; with it, counters [N] (`GluonSparseMlaPlan.counters`):
-    # the row's arrivals. RING > 0 (with SPREAD and TICKET): row r's partials in acc's row r % RING,
-    # ring [RING + 1] (`GluonSparseMlaPlan.ring`): each slot's departures, then the launch's.
-    # PHASES: log [N * NB * DSPLIT, 16] int64 by ticket.
+    # the row's arrivals. PHASES: log [N * NB * DSPLIT, 16] int64 by ticket.
     D: gl.constexpr = 512
     NC: gl.constexpr = D // _DC
     NCP: gl.constexpr = NC // DSPLIT        # the 128-dim chunks of P.V and of the partial a program does
@@ -406,10 +404,8 @@ def _gluon_sparse_mla_kernel(
     if PHASES:
         t0 = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
         g0 = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
-    # One ticket per program, in the order the programs start, so a program's earlier blocks belong
-    # to programs that already run: block-major (then row, then dim slice), or with the spread
-    # combination row-major (then block, then dim slice: the partial ring's order, where a row's
-    # programs take consecutive tickets, and every row a program waits for has lower ones).
+    # One ticket per program, in the order the programs start: block-major (then row, then dim
+    # slice), so a program's earlier blocks belong to programs that already run.
     # Without TICKET (the spread combination, where every program of the grid is resident at once)
     # the program id stands for it: no program waits on one that cannot start.
     if TICKET:
@@ -418,12 +414,8 @@ def _gluon_sparse_mla_kernel(
             gl.store(ticket_ptr, 0)      # every program has its ticket: ready for the next launch
     else:
         ticket = gl.program_id(0)
-    if SPREAD and TICKET:
-        r = ticket // (NB * DSPLIT)
-        b = (ticket // DSPLIT) % NB
-    else:
-        b = ticket // (N * DSPLIT)
-        r = (ticket // DSPLIT) % N
+    b = ticket // (N * DSPLIT)
+    r = (ticket // DSPLIT) % N
     sl = ticket % DSPLIT                 # the dims of P.V and of the partial: chunks [sl NCP, sl NCP + NCP)
     log_row = log_ptr + ticket.to(gl.int64) * _PH_COLS
     if PHASES:
@@ -569,47 +561,29 @@ def _gluon_sparse_mla_kernel(
     gl.thread_barrier()
 
     # acc = P V, chunk by chunk (this program's NCP chunks), each stored as summed: this block's
-    # partial [PH, 512] (or its dim slice), in acc's row r (RING: r % RING, once the row RING
-    # before it in the ring has left it: its programs' departures on the slot's counter, each
-    # program's after its share of the combination).
+    # partial [PH, 512] (or its dim slice).
     ho = gl.arange(0, _M, layout=gl.SliceLayout(1, o_l))
     do = gl.arange(0, _DC, layout=gl.SliceLayout(0, o_l))
-    P: gl.constexpr = NB * DSPLIT
-    ring_ok = True
-    if RING > 0:
-        a_tile = (r % RING).to(gl.int64) * NB
-        ring_polls = 0
-        if r >= RING:
-            want = (r // RING) * P
-            while (gl.atomic_add(ring_ptr + r % RING, 0, sem="acquire", scope="gpu") < want) & (ring_polls < _SPIN_LIMIT):
-                ring_polls += 1
-        # never by design: a wait that gave up stores no partial (the earlier row may still read
-        # the slot) and its row's outputs come out NaN
-        ring_ok = ring_polls < _SPIN_LIMIT
-        stuck += (ring_polls >= _SPIN_LIMIT).to(gl.int32)
-    else:
-        a_tile = tile
-    acc_rows = part_acc_ptr + (a_tile + b) * (PH * D) + ho[:, None] * D + do[None, :]
+    acc_rows = part_acc_ptr + (tile + b) * (PH * D) + ho[:, None] * D + do[None, :]
     zero = gl.zeros([_M, _DC], gl.float32, o_l)
-    if ring_ok:
-        if PV_PIPELINE and NCP > 1:
-            # chunk c + 1's MMA in flight while chunk c is stored (two accumulators live)
-            prev = warpgroup_mma(p_smem, k_smem.index(sl * NCP), zero, use_acc=False, is_async=True)
-            for c in gl.static_range(1, NCP):
-                nxt = warpgroup_mma(p_smem, k_smem.index(sl * NCP + c), zero, use_acc=False, is_async=True)
-                prev = warpgroup_mma_wait(1, deps=[prev])
-                gl.store(acc_rows + (sl * NCP + c - 1) * _DC, prev, mask=(ho < PH)[:, None])
-                prev = nxt
-            prev = warpgroup_mma_wait(0, deps=[prev])
-            gl.store(acc_rows + (sl * NCP + NCP - 1) * _DC, prev, mask=(ho < PH)[:, None])
-        else:
-            for c in gl.static_range(NCP):
-                if DSPLIT == 1:
-                    a = warpgroup_mma(p_smem, k_smem.index(c), zero, use_acc=False)
-                    gl.store(acc_rows + c * _DC, a, mask=(ho < PH)[:, None])
-                else:
-                    a = warpgroup_mma(p_smem, k_smem.index(sl * NCP + c), zero, use_acc=False)
-                    gl.store(acc_rows + (sl * NCP + c) * _DC, a, mask=(ho < PH)[:, None])
+    if PV_PIPELINE and NCP > 1:
+        # chunk c + 1's MMA in flight while chunk c is stored (two accumulators live)
+        prev = warpgroup_mma(p_smem, k_smem.index(sl * NCP), zero, use_acc=False, is_async=True)
+        for c in gl.static_range(1, NCP):
+            nxt = warpgroup_mma(p_smem, k_smem.index(sl * NCP + c), zero, use_acc=False, is_async=True)
+            prev = warpgroup_mma_wait(1, deps=[prev])
+            gl.store(acc_rows + (sl * NCP + c - 1) * _DC, prev, mask=(ho < PH)[:, None])
+            prev = nxt
+        prev = warpgroup_mma_wait(0, deps=[prev])
+        gl.store(acc_rows + (sl * NCP + NCP - 1) * _DC, prev, mask=(ho < PH)[:, None])
+    else:
+        for c in gl.static_range(NCP):
+            if DSPLIT == 1:
+                a = warpgroup_mma(p_smem, k_smem.index(c), zero, use_acc=False)
+                gl.store(acc_rows + c * _DC, a, mask=(ho < PH)[:, None])
+            else:
+                a = warpgroup_mma(p_smem, k_smem.index(sl * NCP + c), zero, use_acc=False)
+                gl.store(acc_rows + (sl * NCP + c) * _DC, a, mask=(ho < PH)[:, None])
     ml = part_ml_ptr + (tile + b) * (3 * PH) + hs
     gl.store(ml, new_max, mask=h_st)
     gl.store(ml + PH, l_i, mask=h_st)
@@ -619,12 +593,12 @@ def _gluon_sparse_mla_kernel(
     cnt = count_ptr + r
     if SPREAD:
         # Every program of the row waits until all NB x DSPLIT have arrived (the launcher runs this
-        # where the whole grid is resident at once, or with RING on row-major tickets where a row's
-        # programs are: the wait ends), then combines its share
+        # only where the whole grid is resident at once, so the wait ends), then combines its share
         # of the [PH, 512] output: the combination's steps j, j + NB DSPLIT, ... for the row's j-th
         # program. The last to arrive (every program of the row is past its look-back) clears the
         # row's flag words (and board) and sets the counter back to 0 with release: the others
         # wait for 0 (or the full count, seen before the reset), so none has to count its leaving.
+        P: gl.constexpr = NB * DSPLIT
         gl.thread_barrier()
         arrived = gl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
         polls = 0
@@ -639,18 +613,9 @@ def _gluon_sparse_mla_kernel(
                 seen = gl.atomic_add(cnt, 0, sem="acquire", scope="gpu")
                 polls += 1
         _stamp(log_row, 8, PHASES)
-        _combine_slice(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, r, a_tile // NB, H, stride_on, stride_oh,
-                       b * DSPLIT + sl, (polls >= _SPIN_LIMIT).to(gl.int32) + stuck, NB, NB_P2, PH, P)
+        _combine_slice(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, r, H, stride_on, stride_oh,
+                       b * DSPLIT + sl, (polls >= _SPIN_LIMIT).to(gl.int32), NB, NB_P2, PH, P)
         _stamp(log_row, 9, PHASES)
-        if RING > 0:
-            # leave the ring slot (every thread's loads of the partials are done), then count the
-            # launch's departures: the last one sets the ring's counters back to 0 for the next launch
-            gl.thread_barrier()
-            gl.atomic_add(ring_ptr + r % RING, 1, sem="release", scope="gpu")
-            if gl.atomic_add(ring_ptr + RING, 1, sem="acq_rel", scope="gpu") == N * P - 1:
-                rz = gl.arange(0, 64, layout=gl.SliceLayout(1, ld))
-                for z0 in range(0, RING + 1, 64):
-                    gl.store(ring_ptr + z0 + rz, gl.zeros([64], gl.int32, gl.SliceLayout(1, ld)), mask=z0 + rz <= RING)
     if PHASES:
         _stamp(log_row, _PH_CEND, PHASES)
         _stamp_global(log_row, _PH_GEND, "mov.u64 $0, %globaltimer;", PHASES)
@@ -691,11 +656,11 @@ class GluonSparseMlaConfig:
     kernel's arithmetic in its block order (the same bits), so a row's combination runs on NB x S SMs.
     (The last-arriving program of a row combining it alone, measured on the H200, took 37 us at 1 row
     against the spread combination's 18.8: it was removed.) Waiting on programs that may not have
-    started is only sound where they are sure to start: the launcher runs "spread" where the launch's
-    programs fit the SMs at once (`programs_per_sm` of its compiled kernel: two a SM at <= 128
-    registers with q_buffers=2), the programs taking their (row, block) from the program id, not the
-    atomic ticket (one round trip less); past that with `ring` (below), else the separate combination
-    with the flag look-back (the same bits either way).
+    started is only sound where the whole grid is resident at once: the launcher runs "spread" where the
+    launch's programs fit the SMs (`programs_per_sm` of its compiled kernel: two a SM at <= 128
+    registers with q_buffers=2) and the separate combination with the flag look-back elsewhere (the same
+    bits either way). Where it runs, every program is resident, so the programs take their (row, block)
+    from the program id, not the atomic ticket (one round trip less).
 
     lookback: how a block's program learns the maxima of the blocks before it: "flags" (each
     program stores its block's maxima, then sets its bit of the row's flag words with release; the
@@ -718,17 +683,6 @@ class GluonSparseMlaConfig:
     the one before is stored (ptxas already overlaps the next chunk's MMA issue with the stores in
     part without it).
 
-    ring (with the spread combination; 0: off): where the launch's programs do not all fit the SMs
-    at once, the spread combination all the same instead of the separate launch, its blocks'
-    partials in a ring of `ring` rows (`ring` x 1.28 MB at 64 heads, 10 blocks) that stays in the
-    L2: the programs take their (row, block) from the ticket in row-major order, so that a row's
-    programs take consecutive tickets and the ones a program waits for have lower tickets or are
-    its row's (sound where a row's programs fit the SMs at once: if every resident program waited,
-    the lowest of them would wait only for its own row, all of whose programs would then be
-    resident); row r writes its partials into the ring's row r % ring once the row before it there
-    has left it (each program counts its departure after its share of the combination). The
-    separate combination's partials, 84 MB at 64 rows, go to DRAM and back; not yet measured.
-
     phases (debug; slower): each program writes its SM's cycle counter at its phase boundaries
     (`PHASE_NAMES`; each after a barrier, so the time at which every warp has passed it), globaltimer
     at its start and end, its SM and whether it combined into `GluonSparseMlaPlan.phase_log`, one
@@ -743,7 +697,6 @@ class GluonSparseMlaConfig:
     pv_pipeline: bool = False
     fp4_lut: bool = False
     maxnreg: int | None = None
-    ring: int = 0
     phases: bool = False
 
     def __post_init__(self):
@@ -762,12 +715,6 @@ class GluonSparseMlaConfig:
         m = self.maxnreg
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or not 64 <= m <= 255):
             raise ValueError(f"GluonSparseMlaConfig.maxnreg must be None or an int in [64, 255], got {m!r}")
-        ring = self.ring
-        if isinstance(ring, bool) or not isinstance(ring, int) or not 0 <= ring <= 4096:
-            raise ValueError(f"GluonSparseMlaConfig.ring must be an int in [0, 4096], got {ring!r}")
-        if ring and self.combine != "spread":
-            raise ValueError(f"GluonSparseMlaConfig.ring={ring} is the spread combination's partial ring: it needs "
-                             f"combine='spread', got combine={self.combine!r}")
         if self.fp4_lut is True and not self.fp4_packed:
             raise ValueError("GluonSparseMlaConfig.fp4_lut decodes fp4_packed's 8-byte loads: it needs fp4_packed=True")
         for name in ("fp4_packed", "prefetch", "pv_pipeline", "fp4_lut", "phases"):
@@ -797,10 +744,8 @@ class GluonSparseMlaPlan:
     block_h = max(16, heads): the workspace's heads, which the kernel pads to the wgmma's 64),
     `config`, `counters` (int32 [max_rows], zero between launches: the spread combination's
     arrivals per row), `board` (int32 [max_rows, blocks, block_h] with lookback="values", zero
-    between launches; else one unused int32), `ring` (int32 [config.ring + 1], zero between
-    launches: the partial ring's departures per slot and in all; one unused int32 without it),
-    `resident` (the spread combination's programs per SM, from its compiled kernels on the first
-    launches), and `phase_log` (int64 [max_rows x blocks x
+    between launches; else one unused int32), `resident` (the spread combination's programs per SM,
+    from its compiled kernel on the first launch), and `phase_log` (int64 [max_rows x blocks x
     dim_split, 16] with `config.phases`, else None). Build with `GluonSparseMlaPlan.build` (or the
     step's, `for_step`); not for concurrent launches (as `base`)."""
 
@@ -808,7 +753,6 @@ class GluonSparseMlaPlan:
     config: GluonSparseMlaConfig
     counters: torch.Tensor
     board: torch.Tensor
-    ring: torch.Tensor
     phase_log: torch.Tensor | None = None
     resident: dict = field(default_factory=dict)
 
@@ -830,12 +774,11 @@ class GluonSparseMlaPlan:
         counters = plan_workspace(workspace, 3, max_rows, torch.int32, base.device)
         board = plan_workspace(workspace, 4, max_rows * base.n_blocks * base.block_h if config.lookback == "values"
                                else 1, torch.int32, base.device)
-        ring = plan_workspace(workspace, 5, config.ring + 1, torch.int32, base.device)
         log = None
         if config.phases:
             log = torch.zeros(max_rows * base.n_blocks * config.dim_split, PHASE_COLS, dtype=torch.int64,
                               device=base.device)
-        return cls(base, config, counters, board, ring, log)
+        return cls(base, config, counters, board, log)
 
     @classmethod
     def for_step(cls, max_rows: int, heads: int, window: int, topk: int, device="cuda", *,
@@ -867,17 +810,6 @@ class GluonSparseMlaPlan:
         return self.base.device
 
 
-def _resident(plan: GluonSparseMlaPlan, key: str, args, grid: int, consts: dict, **spread) -> int:
-    """Programs per SM of the spread kernel with the constants `spread` (TICKET, RING;
-    `programs_per_sm`), compiled on the plan's first launch that asks and kept in
-    `plan.resident[key]`."""
-    per_sm = plan.resident.get(key)
-    if per_sm is None:
-        kernel = _gluon_sparse_mla_kernel.warmup(*args, grid=(grid, ), SPREAD=True, **consts, **spread)
-        per_sm = plan.resident[key] = programs_per_sm(kernel)
-    return per_sm
-
-
 def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: torch.Tensor, comp_pool: torch.Tensor,
                       window_table: torch.Tensor, comp_table: torch.Tensor, sink: torch.Tensor, scale: float,
                       out: torch.Tensor) -> None:
@@ -900,7 +832,7 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
     log = plan.phase_log if plan.phase_log is not None else plan.counters
     args = (q, window_pool, comp_pool, window_table, comp_table,
             base.part_acc, base.part_ml, base.block_max, base.flags, base.ticket, sink, o16, plan.counters, log,
-            plan.board, plan.ring, n, base.heads, float(scale), q.stride(0), q.stride(1), window_table.stride(0),
+            plan.board, n, base.heads, float(scale), q.stride(0), q.stride(1), window_table.stride(0),
             max(comp_table.stride(0), 1), o16.stride(0), o16.stride(1))
     consts = dict(W=base.window, W_P2=triton.next_power_of_2(base.window), KC=base.topk, NB=nb,
                   NB_P2=max(2, triton.next_power_of_2(nb)), PH=base.block_h, Q_BUFFERS=config.q_buffers,
@@ -910,21 +842,17 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
                   num_warps=NUM_WARPS)
     if config.maxnreg is not None:
         consts["maxnreg"] = config.maxnreg
-    ticket = combine == "separate"
     if combine == "spread":
-        # the compiled kernels' registers and shared memory decide: every program resident at once
-        # (the program id for a ticket), else with the partial ring where a row's programs are
-        # (row-major tickets), else the separate launch with the flag look-back (the board of maxima
-        # stays untouched, zero)
-        if grid > num_sms(base.device) * _resident(plan, "spread", args, grid, consts, TICKET=False):
-            ticket = True
-            if config.ring and nb * config.dim_split <= num_sms(base.device) * _resident(
-                    plan, "ring", args, grid, consts, TICKET=True, RING=config.ring):
-                consts["RING"] = config.ring
-            else:
-                combine = "separate"
-                consts["VALUES"] = False
+        per_sm = plan.resident.get("spread")
+        if per_sm is None:            # the compiled kernel's registers and shared memory decide
+            kernel = _gluon_sparse_mla_kernel.warmup(*args, grid=(grid, ), SPREAD=True, TICKET=False, **consts)
+            per_sm = plan.resident["spread"] = programs_per_sm(kernel)
+        if grid > num_sms(base.device) * per_sm:
+            # not every program resident at once: the row's wait could hang; the separate launch
+            # with the flag look-back (the board of maxima stays untouched, zero)
+            combine = "separate"
+            consts["VALUES"] = False
     spread = combine == "spread"
-    _gluon_sparse_mla_kernel[(grid, )](*args, SPREAD=spread, TICKET=ticket, **consts)
+    _gluon_sparse_mla_kernel[(grid, )](*args, SPREAD=spread, TICKET=not spread, **consts)
     if combine == "separate":
         combine_partials_(base.part_acc, base.part_ml, base.flags, sink, o16, base.heads, 1, n, nb, base.block_h)

@@ -28,7 +28,7 @@ from test_sparse_mla import (EXACT_SCALE, GPU_POOLS, SCALE, check_bound, check_e
 _TYPES = {"q_ptr": "*bf16", "wpool_ptr": "*u8", "cpool_ptr": "*u8", "wtab_ptr": "*i32", "ctab_ptr": "*i32",
           "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "block_max_ptr": "*fp32", "flag_ptr": "*i32",
           "ticket_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": "*i16", "count_ptr": "*i32", "log_ptr": "*i64",
-          "board_ptr": "*i32", "ring_ptr": "*i32",
+          "board_ptr": "*i32",
           "scale": "fp32"}
 # Hopper's shared memory per block (227 KB) is the only bound on the kernel's: q and the keys as
 # four [64, 128] BF16 chunks each (64 KB + 64 KB) and P (8 KB).
@@ -36,16 +36,13 @@ SMEM_LIMIT = 227 * 1024
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _compile(heads, w, k, config, ticket=None, ring=0):
-    """The kernel for sm_90 with `config`'s constants; ticket: the TICKET constant (None: the
-    launcher's where the grid is resident, the ticket without the spread combination only); ring:
-    the RING constant (the launcher's past the resident grid with `config.ring`)."""
+def _compile(heads, w, k, config):
     p = G.GluonSparseMlaPlan.build(1, heads, w, k, "cpu").base
     consts = {"W": w, "W_P2": 1 << (w - 1).bit_length(), "KC": k, "NB": p.n_blocks,
               "NB_P2": max(2, 1 << (p.n_blocks - 1).bit_length()), "PH": p.block_h,
               "Q_BUFFERS": config.q_buffers, "FP4_PACKED": config.fp4_packed, "PREFETCH": config.prefetch,
               "DSPLIT": config.dim_split, "SPREAD": config.combine == "spread",
-              "VALUES": config.lookback == "values", "TICKET": config.combine != "spread" if ticket is None else ticket, "RING": ring,
+              "VALUES": config.lookback == "values", "TICKET": config.combine != "spread",
               "PV_PIPELINE": config.pv_pipeline,
               "FP4_LUT": config.fp4_lut,
               "PHASES": config.phases}
@@ -60,15 +57,13 @@ SPREAD_VALUES = G.GluonSparseMlaConfig(combine="spread", lookback="values")
 LUT = G.GluonSparseMlaConfig(fp4_lut=True)
 # the step's configurations at 1-2 and 3-16 rows (STEP_CONFIGS; the default above)
 SPLIT4SVL, SPREADVLC = G.STEP_CONFIGS[0][1], G.STEP_CONFIGS[1][1]
-# the spread combination past the resident grid on a partial ring (the launcher's RING)
-SPREADVLC_RING = G.GluonSparseMlaConfig(combine="spread", lookback="values", fp4_lut=True, maxnreg=128, ring=24)
 # each option both ways: the default, the plainest, two mixes, the dim splits with either
 # combination, the look-back by values, the P.V pipeline, the LUT decode, the step's configurations
 CONFIGS = [DEFAULT, PLAIN, G.GluonSparseMlaConfig(2, False, True), G.GluonSparseMlaConfig(4, True, False),
            G.GluonSparseMlaConfig(dim_split=2), G.GluonSparseMlaConfig(q_buffers=4, dim_split=4),
            SPREAD, G.GluonSparseMlaConfig(dim_split=4, combine="spread"), SPREAD_VALUES,
            G.GluonSparseMlaConfig(pv_pipeline=True), G.GluonSparseMlaConfig(dim_split=2, pv_pipeline=True),
-           LUT, SPLIT4SVL, SPREADVLC, SPREADVLC_RING]
+           LUT, SPLIT4SVL, SPREADVLC]
 
 
 # V4.1-Flash (128 window + 512 top-k keys) at 64 heads with the default configuration, the P.V
@@ -76,17 +71,15 @@ CONFIGS = [DEFAULT, PLAIN, G.GluonSparseMlaConfig(2, False, True), G.GluonSparse
 # configuration at 3-16 rows (spread, values, LUT, 128 registers); at a TP8 rank's 8 with the
 # plainest options, a quarter of the dims a program and the spread combination; a window ending
 # inside a block with a top-k not a multiple of 64 at 32 heads, a mix (6-8 s each from a cold cache).
-@pytest.mark.parametrize("heads,w,k,config,ring", [
-    (64, 128, 512, DEFAULT, 0), (64, 128, 512, G.GluonSparseMlaConfig(pv_pipeline=True), 0),
-    (64, 128, 512, G.GluonSparseMlaConfig(dim_split=2, combine="spread", phases=True), 0),
-    (64, 128, 512, SPREADVLC, 0), (64, 128, 512, SPREADVLC_RING, 24),
-    (8, 128, 512, G.GluonSparseMlaConfig(4, False, False, dim_split=4, combine="spread"), 0),
-    (32, 16, 72, G.GluonSparseMlaConfig(2, False, True), 0)],
-    ids=["64h", "64h-pv-pipeline", "64h-split2-spread-phases", "64h-spreadvlc", "64h-spreadvlc-ring",
-         "8h-plain-split4-spread", "32h-mix"])
-def test_compiles_for_sm90_without_spills(heads, w, k, config, ring):
-    # the ring case as the launcher runs it past the resident grid: row-major tickets, RING rows
-    kernel = _compile(heads, w, k, config, ticket=True if ring else None, ring=ring)
+@pytest.mark.parametrize("heads,w,k,config", [
+    (64, 128, 512, DEFAULT), (64, 128, 512, G.GluonSparseMlaConfig(pv_pipeline=True)),
+    (64, 128, 512, G.GluonSparseMlaConfig(dim_split=2, combine="spread", phases=True)),
+    (64, 128, 512, SPREADVLC),
+    (8, 128, 512, G.GluonSparseMlaConfig(4, False, False, dim_split=4, combine="spread")),
+    (32, 16, 72, G.GluonSparseMlaConfig(2, False, True))],
+    ids=["64h", "64h-pv-pipeline", "64h-split2-spread-phases", "64h-spreadvlc", "8h-plain-split4-spread", "32h-mix"])
+def test_compiles_for_sm90_without_spills(heads, w, k, config):
+    kernel = _compile(heads, w, k, config)
     res = sm90.resources(kernel)
     assert res["LOCAL"] == 0 and res["STACK"] == 0, res
     # shared memory: q (four or two [64, 128] BF16 chunks), the keys (four) and P [64, 64] BF16;
@@ -104,14 +97,11 @@ def test_compiles_for_sm90_without_spills(heads, w, k, config, ring):
     assert gmma.count("HGMMA.64x32x16.F32.BF16") == 32, sorted(set(gmma))
     assert gmma.count("HGMMA.64x64x16.F32.BF16") == 16 // config.dim_split, sorted(set(gmma))
     assert len(gmma) == 32 + 16 // config.dim_split
-    # the ticket (and the polls, compiled as loads) unless the spread combination's programs are
-    # all resident, with the spread combination the row's arrivals and their reset, with the ring
-    # the launch's departures (ATOMG); no value returned (REDG): the flag look-back's bit, the
-    # ring slot's departure
+    # the ticket (and the polls, compiled as loads), or with the spread combination (no ticket: its
+    # programs are all resident) the row's arrivals and their reset
     spread = config.combine == "spread"
-    atomics = (not spread or ring > 0) + 2 * spread + (ring > 0)
-    reds = (config.lookback == "flags") + (ring > 0)
-    assert ops.get("ATOMG", 0) == atomics and ops.get("REDG", 0) == reds, ops
+    atomics = (not spread) + 2 * spread
+    assert ops.get("ATOMG", 0) == atomics, ops
     assert any("SR_CLOCK" in t for t in ins) == config.phases     # the clock reads of the phase log
     loads = [t.split()[1] if t.startswith("@") else t.split()[0] for t in ins if "LDG" in t]
     # the window codes 16 bytes a load; the compressed codes 8 (packed) or 1
@@ -226,11 +216,6 @@ def test_bad_arguments_name_the_argument():
             G.GluonSparseMlaConfig(maxnreg=m)
     with pytest.raises(ValueError, match="fp4_lut"):
         G.GluonSparseMlaConfig(fp4_packed=False, fp4_lut=True)
-    for r in (-1, 4097, 2.0, True):
-        with pytest.raises(ValueError, match="ring must be an int"):
-            G.GluonSparseMlaConfig(combine="spread", ring=r)
-    with pytest.raises(ValueError, match="ring=8 is the spread combination's"):
-        G.GluonSparseMlaConfig(ring=8)
     with pytest.raises(TypeError, match="phases"):
         G.GluonSparseMlaConfig(phases=1)
     with pytest.raises(ValueError, match="compute capability 9.0"):     # good arguments, on the CPU
@@ -244,14 +229,12 @@ def run(plan, case, scale=SCALE):
 
 
 def workspace_is_clear(plan):
-    """Flags and ticket zero (a GluonSparseMlaPlan's or its base's), and a GluonSparseMlaPlan's
-    counters, board and ring."""
+    """Flags and ticket zero (a GluonSparseMlaPlan's or its base's), and a GluonSparseMlaPlan's counters and board."""
     base = getattr(plan, "base", plan)
     counters = getattr(plan, "counters", base.counters)
     board = getattr(plan, "board", base.counters)
-    ring = getattr(plan, "ring", base.counters)
     return (int(base.flags.abs().sum()) == 0 and int(base.ticket) == 0 and int(counters.abs().sum()) == 0
-            and int(board.abs().sum()) == 0 and int(ring.abs().sum()) == 0)
+            and int(board.abs().sum()) == 0)
 
 
 def step_plan(n, h, w=128, k=512):
@@ -347,9 +330,8 @@ def test_gpu_edge_rows(h, config):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [DEFAULT, G.GluonSparseMlaConfig(dim_split=4), SPREAD, SPREAD_VALUES, SPLIT4SVL,
-                                    SPREADVLC, SPREADVLC_RING],
-                         ids=["default", "split4", "spread", "spread-values", "split4svl", "spreadvlc",
-                              "spreadvlc-ring"])
+                                    SPREADVLC],
+                         ids=["default", "split4", "spread", "spread-values", "split4svl", "spreadvlc"])
 @pytest.mark.parametrize("h", [8, 64])
 @pytest.mark.parametrize("others", [1, 3, 15, 63])
 def test_gpu_a_row_alone_gives_its_bits_among_others(h, others, config):
@@ -389,9 +371,6 @@ def test_gpu_every_config_gives_the_same_bits(h, n):
             assert torch.equal(out, outs[0]), (config, int((ulps(out, outs[0]) > 0).sum()))
     torch.cuda.synchronize()
     assert all(workspace_is_clear(plan) for plan in plans)
-    # at 64 rows (640 programs, past the resident grid) the ring configuration ran its ring, not the
-    # separate launch (`_resident` keeps the ring kernel's residency once it is asked for)
-    assert all(("ring" in plan.resident) == (n == 64 and bool(plan.config.ring)) for plan in plans)
 
 
 @pytest.mark.gpu
@@ -452,8 +431,7 @@ def test_the_step_configs_per_row_count():
         assert len({getattr(p.base, name).untyped_storage().data_ptr() for p in plans}) == 1, name
     assert len({p.counters.untyped_storage().data_ptr() for p in plans}) == 1
     views = [lambda p, n=n: getattr(p.base, n) for n in ("part_acc", "part_ml", "block_max", "flags", "counters",
-                                                          "ticket")] + [lambda p: p.counters, lambda p: p.board,
-                                                                        lambda p: p.ring]
+                                                          "ticket")] + [lambda p: p.counters, lambda p: p.board]
     assert pool.memory_bytes() == sum(max(v(p).nbytes for p in plans) for v in views)
 
 
@@ -488,10 +466,9 @@ def test_gpu_the_steps_plan_choice_on_sm90():
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [G.GluonSparseMlaConfig(dim_split=4), G.GluonSparseMlaConfig(dim_split=2), SPREAD,
                                     G.GluonSparseMlaConfig(dim_split=4, combine="spread"), SPREAD_VALUES, LUT,
-                                    SPLIT4SVL, SPREADVLC, SPREADVLC_RING,
-                                    G.GluonSparseMlaConfig(combine="spread", ring=2)],
+                                    SPLIT4SVL, SPREADVLC],
                          ids=["split4", "split2", "spread", "split4-spread", "spread-values", "fp4-lut", "split4svl",
-                              "spreadvlc", "spreadvlc-ring", "spread-ring2"])
+                              "spreadvlc"])
 @pytest.mark.parametrize("h", [8, 64])
 @pytest.mark.parametrize("n", [1, 64])
 def test_gpu_configs_against_the_reference(config, h, n):
