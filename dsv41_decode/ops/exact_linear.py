@@ -67,9 +67,10 @@ _GLUON_PLAN: dict[tuple[int, int], tuple[int, dict[int, GluonExactConfig]]] = {
     # wo_b: the FP16 digits along K 27.2-27.7 at 4-8, 42.7 / 71.2 at 16 / 32 against the FP64 forms'
     # 29.7-29.9 / 46.1 / 80.4; at 64 in 256-deep slots 126.8 (run F; 136.3 in 128-deep ones before
     # `chained_dot`, run D) against the FP64 forms' 158.2; ExactMM 17.0 at 1, 30.6 at 2 (2 rows run
-    # GluonExactFMA: _FMA_PLAN)
+    # GluonExactFMA: _FMA_PLAN); at 33-64 rows 32 x 16 tiles with four warps along K at a register
+    # cap of 80 (three programs an SM) 119.5 against 64 x 8's 127.0 at 64 rows (run T)
     (5120, 8192): (1, {2: _cfg("rawp:16:16:1:16:4:1:80:4:256"), 32: _cfg("f16d:16:16:1:32:4:1:80:4:256"),
-                       64: _cfg("f16d:64:8:1:32:4:1:80:1:256")}),
+                       64: _cfg("f16d:32:16:1:32:4:1:80:4")}),
 }
 # Per (N, K): the row counts GluonExactFMA (FP64 CUDA cores) runs, ahead of both ops above, first
 # to last, and its configuration (rows_per_thread:warps_k:lanes_k:stages[:maxnreg[:split]]).
