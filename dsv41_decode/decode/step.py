@@ -60,9 +60,10 @@ INDEXER_SHARD_ROWS = 16
 # layer's input projections (the fused wq_a|wkv GEMM, the norm pair, the side projections) instead
 # of right after the boundary that writes its streams: there the next layer's first GEMMs run
 # without the mixer's 640 programs beside them. On an H200 (32K, exact linears,
-# `scripts/probe_step_schedule.py --variants=default,mix_late` at a29ac76, docs/step.md) 10285 /
-# 16936 us at 32 / 64 rows against 10339 / 17210 (0.5 / 1.6 % faster); at 1 row it measured slower
-# (3802 against 3781 us at e9c7c92), so the smaller buckets keep the early mixer. The same bits.
+# `scripts/probe_step_schedule.py --variants=default,mix_early --passes=2` at 4f65f7a, docs/step.md)
+# 10277 / 16904 us at 32 / 64 rows against 10346 / 17179 (0.6 / 1.6 % faster); at 1 row it
+# measured slower (3802 against 3781 us at e9c7c92), so the smaller buckets keep the early mixer.
+# The same bits.
 MIX_LATE_ROWS = 32
 
 
