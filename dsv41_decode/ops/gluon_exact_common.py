@@ -1,7 +1,7 @@
 """What the exact Gluon linears (`gluon_exact_mm.GluonExactMM` on the FP64 MMA,
 `gluon_exact_fma.GluonExactFMA` on the FP64 CUDA cores) share: the exact power-of-two scaling of
 FP64 values (`pow2`), the consumers' start of a ring slot (`wait_slot`), a block's term and its
-K-ordered add or workspace store (`block_term`, `take_term`, `ws_tile`), the tile's store with the
+K-ordered add or workspace store (`block_term`, `scaled_term`, `take_term`, `ws_tile`), the tile's store with the
 query-RoPE epilogue (`store_tile`), the K split's last step that continues the sum in K order
 (`split_k_sum`, `sum_chunk`), the weight's checks
 (`ring_weight_args`) and the plan side (`GluonExactPlan`: the weight bound once on sm_90, the split's
@@ -37,12 +37,20 @@ def pow2(x, e: gl.constexpr):
 def block_term(part, words, j: gl.constexpr):
     """RN(RN(part * sx[m, block j]) * sw[n // 32, block j]): the reference's scaling of the slot's K
     block j (words: `gluon_mm._slot_words` of the slot, word 1 for blocks 4..7 of a 256-deep one);
-    the last product `mul.rn`, never contracted into the accumulator's add."""
+    `scaled_term` of the two scales decoded from their bytes."""
     if j < 4:
         sw, _, sx, _ = words
     else:
         _, sw, _, sx = words
-    scaled, sw_b = gl.broadcast(part * _scale(sx, j % 4)[None, :], _scale(sw, j % 4)[:, None])
+    return scaled_term(part, _scale(sx, j % 4)[None, :], _scale(sw, j % 4)[:, None])
+
+
+@gluon.jit
+def scaled_term(part, sx, sw):
+    """RN(RN(part * sx) * sw) of a [BN, BT] block partial and its decoded scales (FP32 powers of
+    two, broadcast against it: sx [1, BT] per x row, sw [BN, 1] per weight row); the last product
+    `mul.rn`, never contracted into the accumulator's add."""
+    scaled, sw_b = gl.broadcast(part * sx, sw)
     return libdevice.mul_rn(scaled, sw_b)
 
 
@@ -68,12 +76,10 @@ def ws_tile(BN: gl.constexpr, BT: gl.constexpr, M, layout: gl.constexpr):
 
 
 @gluon.jit
-def take_term(acc, part, words, j: gl.constexpr, block, ws_ptr, ws_offs, ws_mask, BN: gl.constexpr, M,
-               SPLIT_K: gl.constexpr):
-    """K block `block` (the slot's block j) of a [BN, BT] tile: its term (`block_term` of the
-    block's partial) added to the FP32 accumulator in K order, or with SPLIT_K stored to the
-    workspace at ws_ptr + block * BN * M (`ws_tile`'s offsets). Returns the accumulator."""
-    term = block_term(part, words, j)
+def take_term(acc, term, block, ws_ptr, ws_offs, ws_mask, BN: gl.constexpr, M, SPLIT_K: gl.constexpr):
+    """K block `block`'s term of a [BN, BT] tile (`block_term`, `scaled_term`) added to the FP32
+    accumulator in K order, or with SPLIT_K stored to the workspace at ws_ptr + block * BN * M
+    (`ws_tile`'s offsets). Returns the accumulator."""
     if SPLIT_K:
         gl.store(ws_ptr + block * (BN * M) + ws_offs, term, mask=ws_mask)
     else:

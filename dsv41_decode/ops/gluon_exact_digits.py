@@ -31,8 +31,8 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                 warpgroup_mma_wait)
 
-from .gluon_exact_common import take_term, wait_slot, ws_tile
-from .gluon_mm import _slot_words
+from .gluon_exact_common import scaled_term, take_term, wait_slot, ws_tile
+from .gluon_mm import _scale, _slot_words
 
 
 @gluon.jit
@@ -203,21 +203,50 @@ def _issue_parts(mid, wh, wl, xd, j: gl.constexpr):
     return high, low
 
 
+@gluon.constexpr_function
+def x_scales_layout(NB, BT):
+    """The layout in which `consumer_wg`'s 128 threads decode a slot's x scales, [NB K blocks, BT x
+    rows]: a warp's lanes along the rows (BT >= 8), the warps along the blocks (replicated where the
+    tile has fewer than 128 entries)."""
+    lanes = min(BT, 32)
+    return gl.BlockedLayout(size_per_thread=[1, max(1, BT // 32)], threads_per_warp=[32 // lanes, lanes],
+                            warps_per_cta=[4, 1], order=[1, 0])
+
+
 @gluon.jit
-def consumer_wg(w_smem, x_smem, xd, ready, empty, sw_words, sx_words, ws_ptr, step_lo, n_steps, M,
-                 STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, SPLIT_K: gl.constexpr,
-                 mma_layout: gl.constexpr, cvt_l: gl.constexpr, PIPE: gl.constexpr):
+def _store_x_scales(sx0, sx1, dst):
+    """The slot's x scales decoded once (`gluon_mm._scale`) into `dst` ([NB, BT] FP32 in shared
+    memory, row j K block j's): sx0 / sx1 the [NB, BT] scale words of the slot in
+    `x_scales_layout` (every row of them the x row's word, word 1 for blocks 4..7 of a 256-deep
+    slot), each thread one or two bytes."""
+    NB: gl.constexpr = dst.shape[0]
+    jj = gl.arange(0, NB, layout=gl.SliceLayout(1, sx0.type.layout))[:, None]
+    if NB == 4:
+        word = sx0
+    else:
+        word = gl.where(jj < 4, sx0, sx1)
+    dst.store(_scale(word >> (8 * (jj % 4)), 0))
+
+
+@gluon.jit
+def consumer_wg(w_smem, x_smem, xd, xs, ready, empty, sw_words, sx_words, ws_ptr, step_lo, n_steps, M,
+                STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, SPLIT_K: gl.constexpr,
+                mma_layout: gl.constexpr, cvt_l: gl.constexpr, PIPE: gl.constexpr):
     """`_consumer` for the FP16 digits on wgmma ("f16w"; one consumer warpgroup, mma_layout the
     wgmma's [BN, BT] accumulator layout): per ring slot, x's digits written once to shared memory
-    (`_x_digit_tiles`, then a fence for the async proxy and a barrier), and per K block the
-    weight's digits in registers (`operand16`: the A operand, k permuted as x's columns were) and
-    `chained_dot` on asynchronous wgmmas - the two cross dots chained from zero (`_issue_mid`), then,
-    once they retire, hh's and ll's accumulating onto mid's integer and remainder (`_issue_parts`),
-    one add rounding the block; the term (`block_term`) joins the FP32 accumulator in K order, or
-    with SPLIT_K the workspace, as in `_consumer`. PIPE ("f16wp"): block j + 1's cross dots are
-    issued before block j's H and L are waited for (the wait leaves them in flight), so the MMAs
-    overlap the adds within a slot. The slot goes back to the producer once every warp's MMAs of it
-    have retired. Returns (acc, )."""
+    (`_x_digit_tiles`) and x's scales decoded once (`_store_x_scales`, one or two bytes a thread,
+    into `xs`: [2, NB, BT] FP32, one half per slot parity, so that a warp still reading the last
+    block's scales of a slot never sees the next slot's), then a fence for the async proxy and a
+    barrier; per K block the weight's digits in registers (`operand16`: the A operand, k permuted as
+    x's columns were) and `chained_dot` on asynchronous wgmmas - the two cross dots chained from
+    zero (`_issue_mid`), then, once they retire, hh's and ll's accumulating onto mid's integer and
+    remainder (`_issue_parts`), one add rounding the block; the term (`scaled_term`: the x row's
+    decoded scale from `xs`, the weight's from its 16-row tile's word) joins the FP32 accumulator
+    in K order, or with SPLIT_K the workspace, as in `_consumer`. sx_words: [NB, BT] pointers in
+    `x_scales_layout` (each row the x rows' first scale words). PIPE ("f16wp"): block j + 1's cross
+    dots are issued before block j's H and L are waited for (the wait leaves them in flight), so the
+    MMAs overlap the adds within a slot. The slot goes back to the producer once every warp's MMAs
+    of it have retired. Returns (acc, )."""
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
     acc = gl.zeros([BN, BT], gl.float32, mma_layout)
     zero = gl.zeros([BN, BT], gl.float32, mma_layout)
@@ -226,9 +255,13 @@ def consumer_wg(w_smem, x_smem, xd, ready, empty, sw_words, sx_words, ws_ptr, st
     words_next = _slot_words(sw_words, sx_words, step_lo, NB // 4)
     for i in range(n_steps):
         words, words_next, s = wait_slot(i, words_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES, NB)
+        sw0, sw1, sx0, sx1 = words
         w_tile = w_smem.index(s)
+        x_scales = xs.index(i % 2)
         _x_digit_tiles(x_smem.index(s), xd, cvt_l)
-        # the generic-proxy stores before the wgmmas' (async proxy) reads, from every thread
+        _store_x_scales(sx0, sx1, x_scales)
+        # the generic-proxy stores before the wgmmas' (async proxy) reads and every thread's
+        # scale loads, from every thread
         fence_async_shared()
         gl.thread_barrier()
         nxt = _issue_mid(w_tile, xd, 0, zero, a_l)
@@ -248,5 +281,8 @@ def consumer_wg(w_smem, x_smem, xd, ready, empty, sw_words, sx_words, ws_ptr, st
                 # before one thread hands the slot back and the next slot's digits overwrite xd
                 gl.thread_barrier()
                 mbarrier.arrive(empty.index(s), count=1)
-            acc = take_term(acc, part, words, j, (step_lo + i) * NB + j, ws_ptr, ws_offs, ws_mask, BN, M, SPLIT_K)
+            sx = x_scales.slice(j, 1, dim=0).load(mma_layout)                  # [1, BT]
+            sw = _scale(sw0 if j < 4 else sw1, j % 4)[:, None]
+            acc = take_term(acc, scaled_term(part, sx, sw), (step_lo + i) * NB + j, ws_ptr, ws_offs, ws_mask, BN, M,
+                            SPLIT_K)
     return (acc, )

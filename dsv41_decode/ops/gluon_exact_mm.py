@@ -129,9 +129,9 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from .checks import row_configs
-from .gluon_exact_common import (GluonExactPlan, pow2, ring_weight_args, split_k_sum, store_tile, sum_chunk, take_term,
-                                 wait_slot, ws_tile)
-from .gluon_exact_digits import consumer_wg, digit_partial, digit_slot_partials
+from .gluon_exact_common import (GluonExactPlan, block_term, pow2, ring_weight_args, split_k_sum, store_tile, sum_chunk,
+                                 take_term, wait_slot, ws_tile)
+from .gluon_exact_digits import consumer_wg, digit_partial, digit_slot_partials, x_scales_layout
 from .gluon_mm import (SHARED_LIMIT, _producer, _ring, _scale, _slot_words, _tile_scales, activation_operands,
                       require_maxnreg, split_bounds)
 
@@ -439,7 +439,8 @@ def _consumer(w_smem, x_smem, ready, empty, sw_words, sx_words, ws_ptr, step_lo,
                 # the MMA) before one thread hands the slot back.
                 gl.thread_barrier()
                 mbarrier.arrive(empty.index(s), count=1)
-            acc = take_term(acc, part, words, j, (step_lo + i) * NB + j, ws_ptr, ws_offs, ws_mask, BN, M, SPLIT_K)
+            acc = take_term(acc, block_term(part, words, j), (step_lo + i) * NB + j, ws_ptr, ws_offs, ws_mask, BN, M,
+                            SPLIT_K)
     return (acc, )
 
 
@@ -591,7 +592,7 @@ def _gluon_exact_mm_kernel(
         scale_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
     sw_words, sx_words = _tile_scales(sw_ptr, sx_ptr, pid_n * BN, M, N, stride_swn, stride_sxm, BN, BT,
                                       scale_layout)
-    if _is_packed(_form(CONVERT, 0)):
+    if _is_packed(_form(CONVERT, 0)) or CONVERT == "f16d" or CONVERT == "f16w" or CONVERT == "f16wp":
         sw_words = _tile_weight_scales(sw_ptr, pid_n * BN, N, stride_swn, BN, gl.SliceLayout(1, scale_layout))
     ws_tile = ws_ptr + pid_n * (n_steps_total * NB * BN) * M
     if CONVERT == "f16w" or CONVERT == "f16wp":
@@ -600,8 +601,14 @@ def _gluon_exact_mm_kernel(
             [BT, 32], gl.float16))
         cvt_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[8, 4],
                                                warps_per_cta=[4, 1], order=[1, 0])
+        # x's scales of a slot decoded once ([NB, BT] FP32, one buffer per slot parity), from each
+        # x row's words (every row of the [NB, BT] pointers the same)
+        xs = gl.allocate_shared_memory(gl.float32, [2, NB, BT], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        xs_l: gl.constexpr = x_scales_layout(NB, BT)
+        rm = gl.arange(0, BT, layout=gl.SliceLayout(0, xs_l))
+        sx_words = (sx_ptr + gl.minimum(rm, M - 1) * stride_sxm)[None, :] + gl.zeros([NB, 1], gl.int32, xs_l)
         acc, = gl.warp_specialize([
-            (consumer_wg, (w_smem, x_smem, xd, ready, empty, sw_words, sx_words, ws_tile, step_lo, n_steps, M,
+            (consumer_wg, (w_smem, x_smem, xd, xs, ready, empty, sw_words, sx_words, ws_tile, step_lo, n_steps, M,
                             STAGES, BN, BT, SPLIT_K, mma_layout, cvt_l, CONVERT == "f16wp")),
             (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, off_m, 0, step_lo, n_steps, 0,
                          n_steps, STAGES, False)),
@@ -807,11 +814,14 @@ def launch_warps_n(config: GluonExactConfig, bt: int) -> int:
 
 def shared_bytes(config: GluonExactConfig, bt: int) -> int:
     """The ring's weight and activation tiles at row bucket `bt`, 1 KB for the mbarriers and what the
-    compiler adds, and with warps_k > 1 the slot's block terms (block_k / 32 x block_n x bt FP32):
-    with warps_k=1 and block_k=128 at most 8 x (128 + 64) x 128 + 1024 = 197632 bytes, within
-    sm_90's `gluon_mm.SHARED_LIMIT` (GluonExactConfig checks the others at block_m)."""
+    compiler adds, with warps_k > 1 the slot's block terms (block_k / 32 x block_n x bt FP32), and in
+    "f16w" / "f16wp" x's digit tiles (2 x block_k x bt FP16) and two slots' decoded x scales (2 x
+    block_k / 32 x bt FP32): with warps_k=1 and block_k=128 at most 8 x (128 + 64) x 128 + 1024 =
+    197632 bytes, within sm_90's `gluon_mm.SHARED_LIMIT` (GluonExactConfig checks the others at
+    block_m)."""
     terms = config.block_k // 32 * config.block_n * bt * 4 if config.warps_k > 1 else 0
-    digits = 2 * config.block_k * bt * 2 if config.convert in ("f16w", "f16wp") else 0
+    wg = config.convert in ("f16w", "f16wp")
+    digits = 2 * config.block_k * bt * 2 + 2 * config.block_k // 32 * bt * 4 if wg else 0
     return config.stages * (config.block_n + bt) * config.block_k + 1024 + terms + digits
 
 
