@@ -57,8 +57,9 @@ _GLUON_PLAN: dict[tuple[int, int], tuple[int, dict[int, GluonExactConfig]]] = {
     # the FP64 forms' 22.0, 34.4, 65.2, 126.3 (runs C, D, E, F and I; the step at 32 / 64 rows 10.40
     # / 17.54 ms against 10.41 / 17.60 on mma.sync, run J); "f16w" 64 x 32 at a register cap of 80
     # (three programs an SM, the consumer warpgroup at 136 registers without spills) 43.8 / 78.1 at
-    # 32 / 64 against "f16wp"'s 44.7 / 84.5 (run R). ExactMM 16.1 at 1, 26.6 at 2 (1-2 rows run
-    # GluonExactFMA: _FMA_PLAN)
+    # 32 / 64 against "f16wp"'s 44.7 / 84.5 (run R); with x's scales decoded once a slot 46.6 / 71.5,
+    # no configuration faster at 17-64 rows, 26.1 on the plan's 128 x 16 at 16 (run V). ExactMM 16.1
+    # at 1, 26.6 at 2 (1-2 rows run GluonExactFMA: _FMA_PLAN)
     (32768, 1280): (1, {16: _cfg("f16d:128:16:1:32:4:1"), 64: _cfg("f16w:64:32:1:32:4:1:80")}),
     # the indexer's wq_b: the FP16 digits along K 6.2 at 4-8, 7.9 at 16, 11.6 at 32 against the
     # FP64 forms' 6.5 / 8.6 / 11.6; at 64 16.0 against 21.2 (run F); ExactMM 6.35 at 2, 8.8 at 4

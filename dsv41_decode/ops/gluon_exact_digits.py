@@ -18,9 +18,9 @@ adds a block and output, where adding the three dots' results would take six).
   `operand16` in a k permutation that makes each thread's bytes one 8-byte load (`digit_partial`);
   with warps_k > 1 batched over the slot's blocks (`digit_slot_partials`).
 - "f16w": the same as asynchronous wgmmas of one consumer warpgroup (`consumer_wg`: x's digits
-  written once a slot to shared memory in that permutation, the weight's digits the register A
-  operand; `_issue_mid`, `_issue_parts`); "f16wp" with the next block's cross dots issued before
-  the current block's rounding.
+  written once a slot to shared memory in that permutation and x's scales decoded once a slot
+  beside them, the weight's digits the register A operand; `_issue_mid`, `_issue_parts`); "f16wp"
+  with the next block's cross dots issued before the current block's rounding.
 """
 
 from __future__ import annotations

@@ -531,9 +531,9 @@ def _tile_weight_scales(sw_ptr, off_n, N, stride_swn, BN: gl.constexpr, layout: 
     """Per weight row of the tile at off_n ([BN] in `layout`), the pointer to its first scale word as
     `gluon_mm._tile_scales` gives it, from the first row of the row's 16-row MMA tile: the rows of a
     tile share their 32-row scale block, so each thread loads and decodes one scale per tile and
-    block instead of one per row (the packed forms; sm_90: 680 instead of 736 instructions a slot at
-    128 x 8 "rawp", 139 instead of 147 at 16 x 8 along K). Rows past N read a valid row's scales
-    and are masked at the store."""
+    block instead of one per row (the packed forms and the FP16 digits; sm_90: 680 instead of 736
+    instructions a slot at 128 x 8 "rawp", 139 instead of 147 at 16 x 8 along K, 619 instead of 647
+    at 32 x 16 "f16d" along K). Rows past N read a valid row's scales and are masked at the store."""
     rn16 = off_n + gl.arange(0, BN, layout=layout) // 16 * 16
     return sw_ptr + (gl.minimum(rn16, N - 1) // 32) * stride_swn
 

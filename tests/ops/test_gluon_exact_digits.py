@@ -87,6 +87,12 @@ def test_digit_form_compiles_for_sm90_without_spills(config, bt, split, out_f32)
     terms = {"LDSM.16.M88", "LDSM.16.M88.2", "LDSM.16.M88.4", "LDS", "LDS.128"} if config.warps_k > 1 else set()
     assert "LDS.64" in loads and loads <= {"LDS.64"} | terms, loads
     assert any(t.startswith("F2FP.F16.E4M3.UNPACK_B") for t in loop)
+    if config.convert != "f16d":
+        # x's scales decoded once a slot by the warpgroup and read as FP32 from shared memory; the
+        # weight's once per 16-row tile: the loop's UE8M0 decodes (each with a select of NaN for
+        # the byte 255) are one per block and wgmma tile of 64 rows, not one per x column too.
+        nan_selects = sum("QNAN" in t for t in loop)
+        assert nan_selects == blocks * (config.block_n // 64), nan_selects
     # Nothing contracted: the digits' and the partial's adds and the scaling's products each
     # rounded on their own (no FFMA / HFMA2), no FP32 op that flushes subnormals.
     assert ops.get("FFMA", 0) == 0 and ops.get("HFMA2", 0) == 0, ops
