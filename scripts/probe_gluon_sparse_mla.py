@@ -59,6 +59,9 @@ CONFIGS = {
     "spreadvl": G.GluonSparseMlaConfig(combine="spread", lookback="values", fp4_lut=True),
     "split4svl": G.GluonSparseMlaConfig(dim_split=4, combine="spread", lookback="values", fp4_lut=True),
     "spreadvlc": G.GluonSparseMlaConfig(combine="spread", lookback="values", fp4_lut=True, maxnreg=128),
+    "split2svl": G.GluonSparseMlaConfig(dim_split=2, combine="spread", lookback="values", fp4_lut=True),
+    "split2svlc": G.GluonSparseMlaConfig(dim_split=2, combine="spread", lookback="values", fp4_lut=True, maxnreg=128),
+    "split4svlc": G.GluonSparseMlaConfig(dim_split=4, combine="spread", lookback="values", fp4_lut=True, maxnreg=128),
 }
 
 
