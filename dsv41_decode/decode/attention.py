@@ -142,8 +142,9 @@ def sparse_mla_plans(max_rows: int, heads: int, window: int, topk: int, device: 
     `GluonSparseMlaPlan.for_step` (`ops.gluon_sparse_mla`: key-major, each record decoded once per
     row), one configuration per row bucket (`STEP_CONFIGS`): at 1-2 rows dim_split 4 with the spread
     combination, the values look-back and fp4_lut (12.8 / 13.2 us at 64 heads on the H200, the
-    default 17.7 / 17.4), at 3-16 rows the spread combination with the values look-back, fp4_lut
-    and maxnreg 128 (17.2 / 17.6 / 28.6 at 4 / 8 / 16; the default 17.9 / 19.2 / 34.9), above 16
+    default 17.7 / 17.4), at 3-4 rows the same with dim_split 2 and maxnreg 128 (14.8 at 4 rows), at
+    5-16 rows the spread combination with the values look-back, fp4_lut and maxnreg 128 (17.6 /
+    28.6 at 8 / 16, 17.2 at 4; the default 17.9 / 19.2 / 34.9 at 4 / 8 / 16), above 16
     the default (101.1 at 64; the Triton tilings 261.8: docs/attn.md). Every configuration gives
     the same bits on every row (the probe's and the GPU tests' check), so a row's outputs do not
     depend on the bucket: batch invariance holds. With `fp32_dots` the Triton FP32 plan

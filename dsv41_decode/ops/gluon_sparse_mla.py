@@ -729,10 +729,15 @@ class GluonSparseMlaConfig:
 # 19.15 / 34.93 / 101.08; dim_split 4 + spread + values look-back + fp4_lut 12.82 / 13.20 / 18.97 /
 # 30.02 / 46.89 / 183.55; spread + values look-back + fp4_lut + maxnreg 128 17.65 / 17.40 / 17.16 /
 # 17.59 / 28.60 / 106.46 (FlashMLA on the V4 record, same run: 12.20 / 12.63 / 13.30 / 14.01 /
-# 16.13 / 42.24). Every configuration gives the default's bits on every row (the probe's `cfg==` in
-# every cell; `test_gpu_every_config_gives_the_same_bits`), so a row's outputs do not depend on the
-# bucket its step runs in: batch invariance holds across the buckets.
+# 16.13 / 42.24). At 3-4 rows dim_split 2 + spread + values look-back + fp4_lut + maxnreg 128 (two
+# programs an SM, all 80 of 4 rows resident): 14.75 us at 4 rows against spreadvlc's 17.62, 22.07
+# at 8 against 17.85 (32 heads: 12.96 / 18.71 against 14.11 / 14.32; FlashMLA 12.59 / 13.50;
+# `docs/results/gpu-tests-h200.txt` run Y at 76a2b89). Every configuration gives the default's bits
+# on every row (the probe's `cfg==` in every cell; `test_gpu_every_config_gives_the_same_bits`), so
+# a row's outputs do not depend on the bucket its step runs in: batch invariance holds across the
+# buckets.
 STEP_CONFIGS = ((2, GluonSparseMlaConfig(dim_split=4, combine="spread", lookback="values", fp4_lut=True)),
+                (4, GluonSparseMlaConfig(dim_split=2, combine="spread", lookback="values", fp4_lut=True, maxnreg=128)),
                 (16, GluonSparseMlaConfig(combine="spread", lookback="values", fp4_lut=True, maxnreg=128)),
                 (None, GluonSparseMlaConfig()))
 

@@ -55,29 +55,31 @@ PLAIN = G.GluonSparseMlaConfig(q_buffers=4, fp4_packed=False, prefetch=False)
 SPREAD = G.GluonSparseMlaConfig(combine="spread")
 SPREAD_VALUES = G.GluonSparseMlaConfig(combine="spread", lookback="values")
 LUT = G.GluonSparseMlaConfig(fp4_lut=True)
-# the step's configurations at 1-2 and 3-16 rows (STEP_CONFIGS; the default above)
-SPLIT4SVL, SPREADVLC = G.STEP_CONFIGS[0][1], G.STEP_CONFIGS[1][1]
+# the step's configurations at 1-2, 3-4 and 5-16 rows (STEP_CONFIGS; the default above)
+SPLIT4SVL, SPLIT2SVLC, SPREADVLC = G.STEP_CONFIGS[0][1], G.STEP_CONFIGS[1][1], G.STEP_CONFIGS[2][1]
 # each option both ways: the default, the plainest, two mixes, the dim splits with either
 # combination, the look-back by values, the P.V pipeline, the LUT decode, the step's configurations
 CONFIGS = [DEFAULT, PLAIN, G.GluonSparseMlaConfig(2, False, True), G.GluonSparseMlaConfig(4, True, False),
            G.GluonSparseMlaConfig(dim_split=2), G.GluonSparseMlaConfig(q_buffers=4, dim_split=4),
            SPREAD, G.GluonSparseMlaConfig(dim_split=4, combine="spread"), SPREAD_VALUES,
            G.GluonSparseMlaConfig(pv_pipeline=True), G.GluonSparseMlaConfig(dim_split=2, pv_pipeline=True),
-           LUT, SPLIT4SVL, SPREADVLC]
+           LUT, SPLIT4SVL, SPLIT2SVLC, SPREADVLC]
 
 
 # V4.1-Flash (128 window + 512 top-k keys) at 64 heads with the default configuration, the P.V
 # pipeline, half the dims a program with the spread combination and the phase log, and the step's
-# configuration at 3-16 rows (spread, values, LUT, 128 registers); at a TP8 rank's 8 with the
+# configurations at 5-16 and 3-4 rows (spread, values, LUT, 128 registers; the latter half the dims
+# a program); at a TP8 rank's 8 with the
 # plainest options, a quarter of the dims a program and the spread combination; a window ending
 # inside a block with a top-k not a multiple of 64 at 32 heads, a mix (6-8 s each from a cold cache).
 @pytest.mark.parametrize("heads,w,k,config", [
     (64, 128, 512, DEFAULT), (64, 128, 512, G.GluonSparseMlaConfig(pv_pipeline=True)),
     (64, 128, 512, G.GluonSparseMlaConfig(dim_split=2, combine="spread", phases=True)),
-    (64, 128, 512, SPREADVLC),
+    (64, 128, 512, SPREADVLC), (64, 128, 512, SPLIT2SVLC),
     (8, 128, 512, G.GluonSparseMlaConfig(4, False, False, dim_split=4, combine="spread")),
     (32, 16, 72, G.GluonSparseMlaConfig(2, False, True))],
-    ids=["64h", "64h-pv-pipeline", "64h-split2-spread-phases", "64h-spreadvlc", "8h-plain-split4-spread", "32h-mix"])
+    ids=["64h", "64h-pv-pipeline", "64h-split2-spread-phases", "64h-spreadvlc", "64h-split2svlc", "8h-plain-split4-spread",
+         "32h-mix"])
 def test_compiles_for_sm90_without_spills(heads, w, k, config):
     kernel = _compile(heads, w, k, config)
     res = sm90.resources(kernel)
@@ -246,8 +248,8 @@ def step_plan(n, h, w=128, k=512):
 @pytest.mark.parametrize("h", [8, 16, 32, 64])
 @pytest.mark.parametrize("n", [1, 2, 4, 16, 64])
 def test_gpu_step_plans_against_the_reference(h, n):
-    # the step's plan for n rows (STEP_CONFIGS: split4svl at 1-2, spreadvlc at 4-16, the default at
-    # 64), window + compressed keys (V4.1-Flash: 128 + 512, 5 % of the top-k entries -1; windows
+    # the step's plan for n rows (STEP_CONFIGS: split4svl at 1-2, split2svlc at 3-4, spreadvlc at
+    # 5-16, the default at 64), window + compressed keys (V4.1-Flash: 128 + 512, 5 % of the top-k entries -1; windows
     # full, ending inside a block, a single key): exact-score bits, the random-input bound, two
     # launches give the same bits, the workspace is clear after each
     check_repeatable_on_gpu(step_plan(n, h), n, h, h * 1000 + n, run, workspace_is_clear)
@@ -413,18 +415,22 @@ def test_the_steps_plan_choice_off_sm90(monkeypatch):
 
 def test_the_step_configs_per_row_count():
     # GluonSparseMlaPlan.for_step: one plan per STEP_CONFIGS bucket holding some of the rows (1-2
-    # rows dim_split 4 + spread, 3-16 spread with maxnreg 128, above the default), ascending, the
+    # rows dim_split 4 + spread, 3-4 dim_split 2 + spread with maxnreg 128, 5-16 spread with maxnreg
+    # 128, above the default), ascending, the
     # last one's max_rows the step's; with a pool the plans share its views (each workspace the
     # largest plan's, not their sum)
     from dsv41_decode.decode.buffers import Workspaces
-    split4svl, spreadvlc, default = (c for _, c in G.STEP_CONFIGS)
+    split4svl, split2svlc, spreadvlc, default = (c for _, c in G.STEP_CONFIGS)
     assert split4svl == G.GluonSparseMlaConfig(dim_split=4, combine="spread", lookback="values", fp4_lut=True)
+    assert split2svlc == G.GluonSparseMlaConfig(dim_split=2, combine="spread", lookback="values", fp4_lut=True,
+                                                maxnreg=128)
     assert spreadvlc == G.GluonSparseMlaConfig(combine="spread", lookback="values", fp4_lut=True, maxnreg=128)
     assert default == G.GluonSparseMlaConfig()
-    for max_rows, buckets in ((1, [1]), (2, [2]), (4, [2, 4]), (16, [2, 16]), (17, [2, 16, 17]), (64, [2, 16, 64])):
+    for max_rows, buckets in ((1, [1]), (2, [2]), (3, [2, 3]), (4, [2, 4]), (8, [2, 4, 8]), (16, [2, 4, 16]),
+                              (17, [2, 4, 16, 17]), (64, [2, 4, 16, 64])):
         plans = G.GluonSparseMlaPlan.for_step(max_rows, 64, 128, 512, "cpu")
         assert [p.max_rows for p in plans] == buckets
-        assert [p.config for p in plans] == [split4svl, spreadvlc, default][:len(buckets)]
+        assert [p.config for p in plans] == [split4svl, split2svlc, spreadvlc, default][:len(buckets)]
     pool = Workspaces("cpu")
     plans = G.GluonSparseMlaPlan.for_step(64, 64, 128, 512, "cpu", workspace=pool)
     for name in ("part_acc", "flags", "ticket"):
@@ -449,11 +455,11 @@ def test_gpu_the_steps_plan_choice_on_sm90():
     pool = Workspaces(dev)
     plans = attention.sparse_mla_plans(64, 64, 128, 512, dev, workspace=pool)
     assert all(isinstance(p, G.GluonSparseMlaPlan) for p in plans)
-    assert [(p.max_rows, p.config) for p in plans] == [(2, G.STEP_CONFIGS[0][1]), (16, G.STEP_CONFIGS[1][1]),
-                                                       (64, G.GluonSparseMlaConfig())]
+    assert [(p.max_rows, p.config) for p in plans] == [(2, G.STEP_CONFIGS[0][1]), (4, G.STEP_CONFIGS[1][1]),
+                                                       (16, G.STEP_CONFIGS[2][1]), (64, G.GluonSparseMlaConfig())]
     assert all(p.base.part_acc.untyped_storage().data_ptr() in pool.storages() for p in plans)
     ref = G.GluonSparseMlaPlan.build(64, 64, 128, 512, "cuda")
-    for n in (1, 2, 3, 16, 17, 64):
+    for n in (1, 2, 3, 4, 5, 16, 17, 64):
         case = make_case(n, 64, 128, 512, seed=7000 + n, window_fill=gpu_tables(n), **GPU_POOLS)
         plan = next(p for p in plans if n <= p.max_rows)
         assert torch.equal(run(plan, case), run(ref, case)), n
