@@ -214,7 +214,7 @@ def x_scales_layout(NB, BT):
 
 
 @gluon.jit
-def _store_x_scales(sx0, sx1, dst):
+def store_x_scales(sx0, sx1, dst):
     """The slot's x scales decoded once (`gluon_mm._scale`) into `dst` ([NB, BT] FP32 in shared
     memory, row j K block j's): sx0 / sx1 the [NB, BT] scale words of the slot in
     `x_scales_layout` (every row of them the x row's word, word 1 for blocks 4..7 of a 256-deep
@@ -234,7 +234,7 @@ def consumer_wg(w_smem, x_smem, xd, xs, ready, empty, sw_words, sx_words, ws_ptr
                 mma_layout: gl.constexpr, cvt_l: gl.constexpr, PIPE: gl.constexpr):
     """`_consumer` for the FP16 digits on wgmma ("f16w"; one consumer warpgroup, mma_layout the
     wgmma's [BN, BT] accumulator layout): per ring slot, x's digits written once to shared memory
-    (`_x_digit_tiles`) and x's scales decoded once (`_store_x_scales`, one or two bytes a thread,
+    (`_x_digit_tiles`) and x's scales decoded once (`store_x_scales`, one or two bytes a thread,
     into `xs`: [2, NB, BT] FP32, one half per slot parity, so that a warp still reading the last
     block's scales of a slot never sees the next slot's), then a fence for the async proxy and a
     barrier; per K block the weight's digits in registers (`operand16`: the A operand, k permuted as
@@ -259,7 +259,7 @@ def consumer_wg(w_smem, x_smem, xd, xs, ready, empty, sw_words, sx_words, ws_ptr
         w_tile = w_smem.index(s)
         x_scales = xs.index(i % 2)
         _x_digit_tiles(x_smem.index(s), xd, cvt_l)
-        _store_x_scales(sx0, sx1, x_scales)
+        store_x_scales(sx0, sx1, x_scales)
         # the generic-proxy stores before the wgmmas' (async proxy) reads and every thread's
         # scale loads, from every thread
         fence_async_shared()

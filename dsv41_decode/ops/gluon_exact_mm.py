@@ -124,14 +124,13 @@ from dataclasses import dataclass
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.extra import libdevice
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from .checks import row_configs
-from .gluon_exact_common import (GluonExactPlan, block_term, pow2, ring_weight_args, split_k_sum, store_tile, sum_chunk,
-                                 take_term, wait_slot, ws_tile)
-from .gluon_exact_digits import consumer_wg, digit_partial, digit_slot_partials, x_scales_layout
+from .gluon_exact_common import (GluonExactPlan, block_term, pow2, ring_weight_args, scaled_term, split_k_sum,
+                                 store_tile, sum_chunk, take_term, wait_slot, ws_tile)
+from .gluon_exact_digits import store_x_scales, consumer_wg, digit_partial, digit_slot_partials, x_scales_layout
 from .gluon_mm import (SHARED_LIMIT, _producer, _ring, _scale, _slot_words, _tile_scales, activation_operands,
                       require_maxnreg, split_bounds)
 
@@ -445,20 +444,23 @@ def _consumer(w_smem, x_smem, ready, empty, sw_words, sx_words, ws_ptr, step_lo,
 
 
 @gluon.jit
-def _consumer_k(w_smem, x_smem, ready, empty, terms, sw_words, sx_words, ws_ptr, step_lo, n_steps, M,
+def _consumer_k(w_smem, x_smem, ready, empty, terms, xs, sw_words, sx_words, ws_ptr, step_lo, n_steps, M,
                 STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, CONVERT: gl.constexpr, KC: gl.constexpr,
                 SPLIT_K: gl.constexpr, mma_layout: gl.constexpr, out_layout: gl.constexpr):
     """`_consumer` with the consumer warps splitting each slot's NB K blocks (`warps_k` > 1; NB =
     block_k / 32, 4 or 8; mma_layout: the batched [NB, BN, BT] MMA layout, batch j = K block j, warp
     w the blocks w, w + warps_k, ...: with NB = 8 each warp two or more independent MMA chains): per
-    slot every warp forms its blocks' exact partials (`_slot_partials`) and terms (`block_term`'s
+    slot every warp forms its blocks' exact partials (`_slot_partials`) and terms (`scaled_term`'s
     two roundings) and stores them to `terms` ([NB, BN, BT] FP32 in shared memory); after a barrier
     every thread reads its outputs' NB terms (out_layout: each output one thread's) and adds them in
     K order, blocks 0, 1, ..., NB - 1, to its FP32 accumulator, or, SPLIT_K, stores them to the workspace as `_consumer`
-    does. The barrier also precedes the slot's release (every thread's operand loads are done), and
-    the compiler puts one between the reads of the terms and the next slot's stores (three
-    barriers a slot in the sm_90 SASS, two of them the ring's, as in `_consumer`). Returns (acc, )
-    in out_layout (zeros with SPLIT_K)."""
+    does. x's scales come decoded from `xs` ([2, NB, BT] FP32, one buffer per slot parity): after
+    the slot's barrier the warps decode the next slot's (`gluon_exact_digits.store_x_scales`, one
+    or two bytes a thread, from sx_words: [NB, BT] pointers in `x_scales_layout`) into the other
+    buffer, the first slot's before the loop. The barrier also precedes the slot's release (every
+    thread's operand loads are done), and the compiler puts one between the reads of the terms and
+    the next slot's scale loads and terms stores, which publishes the scales (three barriers a slot
+    in the sm_90 SASS, as without the decode). Returns (acc, ) in out_layout (zeros with SPLIT_K)."""
     acc = gl.zeros([BN, BT], gl.float32, out_layout)
     NB: gl.constexpr = w_smem.shape[2] // 32
     zero = gl.zeros([NB, BN, BT], gl.float64, mma_layout)
@@ -466,22 +468,26 @@ def _consumer_k(w_smem, x_smem, ready, empty, terms, sw_words, sx_words, ws_ptr,
     j3 = gl.expand_dims(gl.expand_dims(gl.arange(0, NB, layout=gl.SliceLayout(1, gl.SliceLayout(2, mma_layout))), 1), 2)
     ws_offs, ws_mask = ws_tile(BN, BT, M, out_layout)
     words_next = _slot_words(sw_words, sx_words, step_lo, NB // 4)
+    store_x_scales(words_next[2], words_next[3], xs.index(0))
+    gl.thread_barrier()
     for i in range(n_steps):
         words, words_next, s = wait_slot(i, words_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES, NB)
-        sw, sw1, sx, sx1 = words
+        sw, sw1, _, _ = words
         part = _slot_partials(w_smem.index(s), x_smem.index(s), zero, CONVERT, KC, mma_layout)   # [NB, BN, BT]
         if NB == 4:
             sw3 = gl.expand_dims(gl.expand_dims(sw, 1), 0) >> (8 * j3)             # [4, BN, 1]: byte j at 0
-            sx3 = gl.expand_dims(gl.expand_dims(sx, 0), 0) >> (8 * j3)             # [4, 1, BT]
         else:
             sw3 = gl.where(j3 < 4, gl.expand_dims(gl.expand_dims(sw, 1), 0),
                            gl.expand_dims(gl.expand_dims(sw1, 1), 0)) >> (8 * (j3 % 4))   # [8, BN, 1]
-            sx3 = gl.where(j3 < 4, gl.expand_dims(gl.expand_dims(sx, 0), 0),
-                           gl.expand_dims(gl.expand_dims(sx1, 0), 0)) >> (8 * (j3 % 4))   # [8, 1, BT]
-        scaled, sw_b = gl.broadcast(part * _scale(sx3, 0), _scale(sw3, 0))
-        terms.store(libdevice.mul_rn(scaled, sw_b))
-        # every thread's terms stored (so its loads of the slot's operands done) before any reads
+        sx3 = gl.expand_dims(xs.index(i % 2).load(gl.SliceLayout(1, mma_layout)), 1)      # [NB, 1, BT]
+        terms.store(scaled_term(part, sx3, _scale(sw3, 0)))
+        # every thread's terms stored (so its loads of the slot's operands and scales done) before
+        # any reads
         gl.thread_barrier()
+        # the next slot's x scales (its words loaded at this slot's start) into the other buffer;
+        # the barrier the compiler puts before the next slot's scale loads and terms stores
+        # publishes them
+        store_x_scales(words_next[2], words_next[3], xs.index((i + 1) % 2))
         if NB == 4:
             # each thread its outputs' four terms, [BN, BT, 2, 2]: j = 2 a + b
             t = gl.reshape(gl.permute(terms.load(_terms_layout(BN, BT)), (1, 2, 0)), [BN, BT, 2, 2])
@@ -595,18 +601,20 @@ def _gluon_exact_mm_kernel(
     if _is_packed(_form(CONVERT, 0)) or CONVERT == "f16d" or CONVERT == "f16w" or CONVERT == "f16wp":
         sw_words = _tile_weight_scales(sw_ptr, pid_n * BN, N, stride_swn, BN, gl.SliceLayout(1, scale_layout))
     ws_tile = ws_ptr + pid_n * (n_steps_total * NB * BN) * M
+    if CONVERT == "f16w" or CONVERT == "f16wp" or WARPS_K > 1:
+        # x's scales of a slot decoded once by the consumer warps ([NB, BT] FP32 in shared memory,
+        # one buffer per slot parity), from each x row's words (every row of the [NB, BT] pointers
+        # the same: `gluon_exact_digits.store_x_scales`)
+        xs = gl.allocate_shared_memory(gl.float32, [2, NB, BT], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        xs_l: gl.constexpr = x_scales_layout(NB, BT)
+        rm = gl.arange(0, BT, layout=gl.SliceLayout(0, xs_l))
+        sx_words = (sx_ptr + gl.minimum(rm, M - 1) * stride_sxm)[None, :] + gl.zeros([NB, 1], gl.int32, xs_l)
     if CONVERT == "f16w" or CONVERT == "f16wp":
         # x's digit tiles of one slot: per K block the integer digits and the remainders, [BT, 32] FP16
         xd = gl.allocate_shared_memory(gl.float16, [2 * NB * BT, 32], gl.NVMMASharedLayout.get_default_for(
             [BT, 32], gl.float16))
         cvt_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[8, 4],
                                                warps_per_cta=[4, 1], order=[1, 0])
-        # x's scales of a slot decoded once ([NB, BT] FP32, one buffer per slot parity), from each
-        # x row's words (every row of the [NB, BT] pointers the same)
-        xs = gl.allocate_shared_memory(gl.float32, [2, NB, BT], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-        xs_l: gl.constexpr = x_scales_layout(NB, BT)
-        rm = gl.arange(0, BT, layout=gl.SliceLayout(0, xs_l))
-        sx_words = (sx_ptr + gl.minimum(rm, M - 1) * stride_sxm)[None, :] + gl.zeros([NB, 1], gl.int32, xs_l)
         acc, = gl.warp_specialize([
             (consumer_wg, (w_smem, x_smem, xd, xs, ready, empty, sw_words, sx_words, ws_tile, step_lo, n_steps, M,
                             STAGES, BN, BT, SPLIT_K, mma_layout, cvt_l, CONVERT == "f16wp")),
@@ -623,7 +631,7 @@ def _gluon_exact_mm_kernel(
     else:
         terms = gl.allocate_shared_memory(gl.float32, [NB, BN, BT], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
         acc, = gl.warp_specialize([
-            (_consumer_k, (w_smem, x_smem, ready, empty, terms, sw_words, sx_words, ws_tile, step_lo, n_steps, M,
+            (_consumer_k, (w_smem, x_smem, ready, empty, terms, xs, sw_words, sx_words, ws_tile, step_lo, n_steps, M,
                            STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout, out_layout)),
             (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, off_m, 0, step_lo, n_steps, 0,
                          n_steps, STAGES, False)),
@@ -814,15 +822,16 @@ def launch_warps_n(config: GluonExactConfig, bt: int) -> int:
 
 def shared_bytes(config: GluonExactConfig, bt: int) -> int:
     """The ring's weight and activation tiles at row bucket `bt`, 1 KB for the mbarriers and what the
-    compiler adds, with warps_k > 1 the slot's block terms (block_k / 32 x block_n x bt FP32), and in
-    "f16w" / "f16wp" x's digit tiles (2 x block_k x bt FP16) and two slots' decoded x scales (2 x
-    block_k / 32 x bt FP32): with warps_k=1 and block_k=128 at most 8 x (128 + 64) x 128 + 1024 =
-    197632 bytes, within sm_90's `gluon_mm.SHARED_LIMIT` (GluonExactConfig checks the others at
-    block_m)."""
+    compiler adds, with warps_k > 1 the slot's block terms (block_k / 32 x block_n x bt FP32), in
+    "f16w" / "f16wp" x's digit tiles (2 x block_k x bt FP16), and in both two slots' decoded x
+    scales (2 x block_k / 32 x bt FP32): with warps_k=1 and block_k=128 at most 8 x (128 + 64) x 128
+    + 1024 = 197632 bytes, within sm_90's `gluon_mm.SHARED_LIMIT` (GluonExactConfig checks the
+    others at block_m)."""
     terms = config.block_k // 32 * config.block_n * bt * 4 if config.warps_k > 1 else 0
     wg = config.convert in ("f16w", "f16wp")
-    digits = 2 * config.block_k * bt * 2 + 2 * config.block_k // 32 * bt * 4 if wg else 0
-    return config.stages * (config.block_n + bt) * config.block_k + 1024 + terms + digits
+    digits = 2 * config.block_k * bt * 2 if wg else 0
+    scales = 2 * config.block_k // 32 * bt * 4 if wg or config.warps_k > 1 else 0
+    return config.stages * (config.block_n + bt) * config.block_k + 1024 + terms + digits + scales
 
 
 def launch_options(config: GluonExactConfig, bt: int, split: int) -> dict:

@@ -128,12 +128,14 @@ def test_compiles_for_sm90_without_spills(config, bt, split, out_f32):
     assert len(selectors) == packed, (len(selectors), packed)
     if packed:
         assert all(t in selectors or t.endswith("RZ") for t in prmt), [t for t in prmt if t not in selectors]
-    # The scale words a thread loads per slot (one word per 128 of K): x's, two columns per 8-column
-    # MMA tile; the weight's, two rows per 16-row MMA tile, or in the packed forms one (the tile's
-    # rows share their 32-row scale block: `_tile_weight_scales`).
+    # The scale words a thread loads per slot (one word per 128 of K): the weight's, two rows per
+    # 16-row MMA tile, or in the packed forms one (the tile's rows share their 32-row scale block:
+    # `_tile_weight_scales`); x's, two columns per 8-column MMA tile, or with the warps along K the
+    # thread's share of the slot's [K blocks, x rows] (decoded once by the warps,
+    # `gluon_exact_digits.store_x_scales`: one entry a thread up to 128 of them).
     tiles = config.block_n // 16 // (4 // (wn * wk))
     sw_loads = tiles * (1 if packed else 2)
-    sx_loads = bt // wn // 8 * 2
+    sx_loads = max(1, bk // 32 * bt // 128) if wk > 1 else bt // wn // 8 * 2
     assert sum(t.startswith("LDG") for t in loop) == bk // 128 * (sw_loads + sx_loads), loop
     assert "cvt.rn.f32.f64" in ptx and "mul.rn.f32" in ptx
     assert ops.get("FFMA", 0) == 0, ops
@@ -181,9 +183,11 @@ def test_launch_geometry():
     assert E.split_rows(C(split_rows=16, block_m=8)) == 8
     assert E.shared_bytes(C(stages=4), 32) == 4 * (64 + 32) * 128 + 1024
     assert E.shared_bytes(C(stages=8, block_n=128, block_m=64), 64) <= SHARED_LIMIT     # the largest ring
-    assert E.shared_bytes(C(warps_k=4, block_n=16, stages=4), 8) == 4 * (16 + 8) * 128 + 1024 + 4 * 16 * 8 * 4
+    assert E.shared_bytes(C(warps_k=4, block_n=16, stages=4), 8) == (4 * (16 + 8) * 128 + 1024 + 4 * 16 * 8 * 4
+                                                                     + 2 * 4 * 8 * 4)
     assert [E.launch_warps_n(C(warps_k=4, block_n=32), bt) for bt in (8, 32)] == [1, 1]
-    assert E.shared_bytes(C(warps_k=4, block_n=16, block_k=256), 8) == 4 * (16 + 8) * 256 + 1024 + 8 * 16 * 8 * 4
+    assert E.shared_bytes(C(warps_k=4, block_n=16, block_k=256), 8) == (4 * (16 + 8) * 256 + 1024 + 8 * 16 * 8 * 4
+                                                                        + 2 * 8 * 8 * 4)
 
 
 def test_bad_plan_arguments_name_the_argument():
