@@ -59,7 +59,10 @@ What the Gluon form does differently (the layout of `ops.gluon_mm`, the Gluon FP
   permutation changes nothing (`_operand_a`).
 - **Scales** as in `gluon_mm`: one int32 word (four UE8M0 bytes) per weight-row block and per
   activation row per 128-deep slot, loaded one slot ahead; hence K % 128 == 0 and word-aligned
-  scale rows.
+  scale rows. The weight's word is loaded per 16-row MMA tile in the packed and FP16 digit forms
+  (`_tile_weight_scales`); with the warps along K and in "f16w" / "f16wp" x's bytes are decoded
+  to FP32 once a slot by the consumer warps into shared memory (`gluon_exact_digits.store_x_scales`,
+  one or two a thread) instead of by every thread for each of its x columns.
 - **256-deep slots** (`GluonExactConfig.block_k=256`, K % 256 == 0): eight K blocks a slot, two
   scale words a row, the TMA boxes [rows, 256]; one wait, one release (and with the warps along K
   one round of the terms through shared memory) per 256 of K instead of two; with warps_k=4 each
@@ -130,7 +133,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from .checks import row_configs
 from .gluon_exact_common import (GluonExactPlan, block_term, pow2, ring_weight_args, scaled_term, split_k_sum,
                                  store_tile, sum_chunk, take_term, wait_slot, ws_tile)
-from .gluon_exact_digits import store_x_scales, consumer_wg, digit_partial, digit_slot_partials, x_scales_layout
+from .gluon_exact_digits import consumer_wg, digit_partial, digit_slot_partials, store_x_scales, x_scales_layout
 from .gluon_mm import (SHARED_LIMIT, _producer, _ring, _scale, _slot_words, _tile_scales, activation_operands,
                       require_maxnreg, split_bounds)
 
