@@ -1,7 +1,10 @@
 """Compile kernels for sm_90 on any machine (no GPU: Triton's own ptxas and cuobjdump) and print the
 SASS instruction counts that docs/attn.md, docs/gemm.md and docs/step.md cite: per kernel the
-registers, the whole kernel's instructions, and the main loop's (per entry for the indexer).
-Usage: python scripts/sm90_sass.py [indexer] [combine] [wo_a] [ll_tail] [ll_scales]   (default: all)."""
+registers, the whole kernel's instructions, and the main loop's (per entry for the indexer; for the
+exact linear `GluonExactMM`, its consumer's loop over the ring's slots with its opcode mix, per
+configuration of the step's plan `_GLUON_PLAN`, or per `SPEC@ROWS` given after `exact_mm`).
+Usage: python scripts/sm90_sass.py [indexer] [combine] [wo_a] [ll_tail] [ll_scales] [exact_mm [SPEC@ROWS ...]]
+(default: all; e.g. `exact_mm f16w:64:32:1:32:4:1:80@64`)."""
 
 from __future__ import annotations
 
@@ -9,8 +12,10 @@ import sys
 
 import triton
 
-from dsv41_decode.ops import indexer, low_latency_mm, sparse_mla, wo_a
-from dsv41_decode.testing.sm90 import compile_sm90, main_loop, opcode_counts, resources, sass
+from dsv41_decode.ops import gluon_exact_mm, indexer, low_latency_mm, sparse_mla, wo_a
+from dsv41_decode.ops.exact_linear import _GLUON_PLAN
+from dsv41_decode.testing.sm90 import (compile_linear, compile_sm90, loop_with, main_loop, opcode_counts, resources,
+                                       sass)
 
 
 def _line(name: str, kernel, loop_note: str = "") -> str:
@@ -93,10 +98,40 @@ def ll_scales() -> None:
                         f" ({loads} LDG)"), flush=True)
 
 
+def exact_mm(specs: list[str]) -> None:
+    """`GluonExactMM`'s consumer loop (the loop holding every MMA: one ring slot) per configuration
+    and row count: `specs` as SPEC@ROWS (`GluonExactConfig.from_spec`), default every configuration
+    of `_GLUON_PLAN` at the most rows it serves."""
+    E = gluon_exact_mm
+    cases = [(s.split("@")[0], int(s.split("@")[1])) for s in specs]
+    if not cases:
+        cases = list(dict.fromkeys((c.spec, rows) for _, configs in _GLUON_PLAN.values()
+                                   for rows, c in configs.items()))
+    for spec, rows in cases:
+        config = E.GluonExactConfig.from_spec(spec)
+        bt = E.block_t(rows, config)
+        k = compile_linear(E._gluon_exact_mm_kernel, E.launch_options(config, bt, 1), [config.block_n, config.block_k],
+                           [bt, config.block_k], False, consts=dict.fromkeys(("cos_ptr", "sin_ptr", "stride_cm",
+                                                                               "stride_sm")))
+        mma = {"f16d": "HMMA", "f16w": "HGMMA", "f16wp": "HGMMA"}.get(config.convert, "DMMA")
+        loop = loop_with(k, mma)
+        top = ", ".join(f"{op} {n}" for op, n in list(opcode_counts(loop).items())[:10])
+        print(f"exact_mm {spec}@{rows} (x rows {bt}): regs {resources(k)['REG']}, stack {resources(k)['STACK']}, "
+              f"consumer loop {len(loop)} a slot  [{top}]", flush=True)
+
+
 STAGES = {"indexer": indexer_paths, "combine": combine, "wo_a": wo_a_paths, "ll_tail": ll_tail,
-          "ll_scales": ll_scales}
+          "ll_scales": ll_scales, "exact_mm": exact_mm}
 
 if __name__ == "__main__":
     print(f"sm_90 SASS, Triton {triton.__version__}")
-    for name in sys.argv[1:] or list(STAGES):
-        STAGES[name]()
+    args = sys.argv[1:]
+    if "exact_mm" in args:
+        specs = args[args.index("exact_mm") + 1:]
+        args = args[:args.index("exact_mm")]
+        for name in args:
+            STAGES[name]()
+        exact_mm(specs)
+    else:
+        for name in args or [n for n in STAGES if n != "exact_mm"] + ["exact_mm"]:
+            STAGES[name]() if name != "exact_mm" else exact_mm([])

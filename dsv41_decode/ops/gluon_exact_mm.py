@@ -752,6 +752,13 @@ class GluonExactConfig:
                    maxnreg=maxnreg or None, warps_k=rest[1] if len(rest) > 1 else 1,
                    block_k=rest[2] if len(rest) > 2 else 128)
 
+    @property
+    def spec(self) -> str:
+        """The spec string `from_spec` reads back as this configuration, every field written (maxnreg
+        None as 0)."""
+        return (f"{self.convert}:{self.block_n}:{self.block_m}:{self.warps_n}:{self.mma_k}:{self.stages}:{self.split}:"
+                f"{self.maxnreg or 0}:{self.warps_k}:{self.block_k}")
+
     def __post_init__(self):
         def is_int(v):
             return isinstance(v, int) and not isinstance(v, bool)

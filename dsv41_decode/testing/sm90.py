@@ -1,7 +1,7 @@
 """Compile a Triton kernel for sm_90 on any machine - no GPU: Triton ships ptxas and cuobjdump - to
 read what the GPU would run: its PTX (tests/ops/test_pdl.py checks the PDL contract there), its
-registers, stack and shared memory (scripts/sm90_resources.py) and its SASS instructions
-(scripts/sm90_sass.py)."""
+registers, stack and shared memory (scripts/sm90_resources.py) and its SASS instructions and loops
+(scripts/sm90_sass.py); a Gluon linear kernel compiled as its plan launches it (`compile_linear`)."""
 
 from __future__ import annotations
 
@@ -72,17 +72,42 @@ def sass(kernel) -> list[tuple[int, str]]:
             if m]
 
 
+_BRA = re.compile(r"\bBRA (?:`\()?0x([0-9a-f]+)")
+
+
+def _backward_branches(ins: list[tuple[int, str]]):
+    """(first, last) indices into `ins` (`sass`'s) of each loop: a branch back to an address of the
+    kernel, and its target."""
+    index = {addr: i for i, (addr, _) in enumerate(ins)}
+    for i, (addr, text) in enumerate(ins):
+        m = _BRA.search(text)
+        if m and int(m.group(1), 16) < addr and int(m.group(1), 16) in index:
+            yield index[int(m.group(1), 16)], i
+
+
 def main_loop(kernel) -> list[str]:
     """The instructions of the kernel's longest backward-branch loop (its main loop), [] if none."""
     ins = sass(kernel)
-    index = {addr: i for i, (addr, _) in enumerate(ins)}
-    best = (0, -1)
-    for i, (addr, text) in enumerate(ins):
-        m = re.search(r"\bBRA (?:`\()?0x([0-9a-f]+)", text)
-        target = int(m.group(1), 16) if m else None
-        if target is not None and target < addr and target in index and i - index[target] > best[1] - best[0]:
-            best = (index[target], i)
-    return [text for _, text in ins[best[0]:best[1] + 1]]
+    spans = list(_backward_branches(ins))
+    if not spans:
+        return []
+    lo, hi = max(spans, key=lambda span: span[1] - span[0])
+    return [text for _, text in ins[lo:hi + 1]]
+
+
+def loops(kernel) -> list[list[str]]:
+    """The SASS of each backward-branch loop of the kernel."""
+    ins = sass(kernel)
+    return [[t for _, t in ins[lo:hi + 1]] for lo, hi in _backward_branches(ins)]
+
+
+def loop_with(kernel, opcode: str) -> list[str]:
+    """The SASS of the innermost loop (backward branch) that holds every `opcode` instruction: in a
+    warp-specialized linear the consumer's loop over the ring's slots."""
+    ins = sass(kernel)
+    hits = [i for i, (_, t) in enumerate(ins) if t.startswith(opcode)]
+    _, lo, hi = min((hi - lo, lo, hi) for lo, hi in _backward_branches(ins) if lo <= hits[0] and hi >= hits[-1])
+    return [t for _, t in ins[lo:hi + 1]]
 
 
 def opcode_counts(texts: list[str]) -> dict[str, int]:
@@ -167,3 +192,28 @@ def print_cases(measure, cases, argv: list[str]) -> None:
     import json
     for case in [tuple(map(int, a.split(":"))) for a in argv] or cases:
         print(json.dumps(measure(*case)), flush=True)
+
+
+def fp8_desc_type(block) -> str:
+    """The signature of a Gluon TMA descriptor of FP8 tiles `block`, as the launcher specializes it."""
+    from triton.experimental.gluon import language as gl
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
+    return f"tensordesc<fp8e4nv[{block[0]}, {block[1]}],{layout!r}>"
+
+
+def compile_linear(fn, opts: dict, w_box, x_box, out_f32: bool, types: dict | None = None,
+                   consts: dict | None = None):
+    """`fn`, a Gluon linear kernel (arguments w_desc, x_desc, sx_ptr, sw_ptr, y_ptr, ws_ptr,
+    cnt_ptr, ...), compiled for sm_90 as its plan launches it: `opts` its module's
+    `launch_options` (num_warps, maxnreg and enable_reflect_ftz go to Triton's options, the rest
+    are constexpr arguments), the weight's and x's FP8 TMA boxes `w_box`, `x_box`, y FP32
+    (`out_f32`) or BF16; `types` and `consts`: the kernel's other runtime argument types and
+    constexpr arguments. N and y's row stride are 16-divisible, as the launcher sees the real
+    shapes (the scale strides are not specialized)."""
+    opts = dict(opts)
+    launch = {k: opts.pop(k) for k in ("num_warps", "maxnreg", "enable_reflect_ftz") if k in opts}
+    types = {"w_desc": fp8_desc_type(w_box), "x_desc": fp8_desc_type(x_box), "sx_ptr": "*i32", "sw_ptr": "*i32",
+             "y_ptr": "*fp32" if out_f32 else "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", **(types or {})}
+    return compile_sm90(fn, types, {**opts, "OUT_F32": out_f32, **(consts or {})},
+                        divisible=[a for a in fn.arg_names if a.endswith("_ptr") or a in ("N", "stride_ym")],
+                        **launch)

@@ -1,10 +1,10 @@
 """Test support shared by the Gluon linears' tests (test_gluon_mm.py, test_gluon_exact_mm.py,
 test_gluon_exact_fma.py; imported as a sibling module, as the tests import test_exact_mm): their
-kernels compiled for sm_90 as the plans launch them (`compile_linear`; the exact ones' query-RoPE
-epilogue arguments: `rope_epilogue`), what every such compile must show (`spill_free`; with the
-exact ones' query-RoPE epilogue, `check_rope_compile`), the SASS loops their checks read (`loops`,
-`loop_with`), the operands of the bitwise GPU tests (`kind_operands`, `subnormal_operands`), a
-call's check against the reference into a window of a poisoned buffer (`check_window`) and the
+kernels compiled for sm_90 as the plans launch them (`testing.sm90.compile_linear`; the exact ones'
+query-RoPE epilogue arguments: `rope_epilogue`), what every such compile must show (`spill_free`;
+with the exact ones' query-RoPE epilogue, `check_rope_compile`; the SASS loops their checks read:
+`testing.sm90.loops`, `loop_with`), the operands of the bitwise GPU tests (`kind_operands`,
+`subnormal_operands`), a call's check against the reference into a window of a poisoned buffer (`check_window`) and the
 argument errors the exact plans share (`check_exact_plan_errors`, `check_tma_alignment_errors`)."""
 
 import re
@@ -12,35 +12,10 @@ import re
 import torch
 from helpers import linear_operands, raises
 from test_exact_mm import _bits, _exact_operands, _gen, _poisoned
-from triton.experimental.gluon import language as gl
 
 from dsv41_decode.ops.gluon_mm import SHARED_LIMIT
 from dsv41_decode.reference.linear import mxfp8_mm
 from dsv41_decode.testing import sm90
-
-
-def fp8_desc_type(block) -> str:
-    """The signature of a Gluon TMA descriptor of FP8 tiles `block`, as the launcher specializes it."""
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
-    return f"tensordesc<fp8e4nv[{block[0]}, {block[1]}],{layout!r}>"
-
-
-def compile_linear(fn, opts: dict, w_box, x_box, out_f32: bool, types: dict | None = None,
-                   consts: dict | None = None):
-    """`fn`, a Gluon linear kernel (arguments w_desc, x_desc, sx_ptr, sw_ptr, y_ptr, ws_ptr,
-    cnt_ptr, ...), compiled for sm_90 as its plan launches it: `opts` its module's
-    `launch_options` (num_warps, maxnreg and enable_reflect_ftz go to Triton's options, the rest
-    are constexpr arguments), the weight's and x's FP8 TMA boxes `w_box`, `x_box`, y FP32
-    (`out_f32`) or BF16; `types` and `consts`: the kernel's other runtime argument types and
-    constexpr arguments. N and y's row stride are 16-divisible, as the launcher sees the real
-    shapes (the scale strides are not specialized)."""
-    opts = dict(opts)
-    launch = {k: opts.pop(k) for k in ("num_warps", "maxnreg", "enable_reflect_ftz") if k in opts}
-    types = {"w_desc": fp8_desc_type(w_box), "x_desc": fp8_desc_type(x_box), "sx_ptr": "*i32", "sw_ptr": "*i32",
-             "y_ptr": "*fp32" if out_f32 else "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32", **(types or {})}
-    return sm90.compile_sm90(fn, types, {**opts, "OUT_F32": out_f32, **(consts or {})},
-                             divisible=[a for a in fn.arg_names if a.endswith("_ptr") or a in ("N", "stride_ym")],
-                             **launch)
 
 
 def rope_epilogue(rope: bool) -> dict:
@@ -82,39 +57,11 @@ def check_rope_compile(kernel, plain, max_regs: int, shared_bytes: int, loop_op:
     assert ops.get("FFMA", 0) == plain_ops.get("FFMA", 0), (ops.get("FFMA"), plain_ops.get("FFMA"))
     assert ops.get("FMUL", 0) >= plain_ops.get("FMUL", 0) + 4 and ops.get("LDG", 0) >= plain_ops.get("LDG", 0) + 2, (
         ops, plain_ops)
-    loop, plain_loop = loop_with(kernel, loop_op), loop_with(plain, loop_op)
+    loop, plain_loop = sm90.loop_with(kernel, loop_op), sm90.loop_with(plain, loop_op)
     assert sm90.opcode_counts(loop)[loop_op] == sm90.opcode_counts(plain_loop)[loop_op]
     work, plain_work = ([t for t in ins if not t.startswith(("MOV ", "NOP"))] for ins in (loop, plain_loop))
     assert len(work) <= 1.01 * len(plain_work), (len(work), len(plain_work), len(loop), len(plain_loop))
     return res["REG"]
-
-
-_BRA = re.compile(r"\bBRA (?:`\()?0x([0-9a-f]+)")
-
-
-def _backward_branches(ins: list[tuple[int, str]]):
-    """(first, last) indices into `ins` (`sm90.sass`'s) of each loop: a branch back to an address
-    of the kernel, and its target."""
-    index = {addr: i for i, (addr, _) in enumerate(ins)}
-    for i, (addr, text) in enumerate(ins):
-        m = _BRA.search(text)
-        if m and int(m.group(1), 16) < addr and int(m.group(1), 16) in index:
-            yield index[int(m.group(1), 16)], i
-
-
-def loops(kernel) -> list[list[str]]:
-    """The SASS of each backward-branch loop of the kernel."""
-    ins = sm90.sass(kernel)
-    return [[t for _, t in ins[lo:hi + 1]] for lo, hi in _backward_branches(ins)]
-
-
-def loop_with(kernel, opcode: str) -> list[str]:
-    """The SASS of the innermost loop (backward branch) that holds every `opcode` instruction: the
-    consumer's loop over the ring's slots."""
-    ins = sm90.sass(kernel)
-    hits = [i for i, (_, t) in enumerate(ins) if t.startswith(opcode)]
-    _, lo, hi = min((hi - lo, lo, hi) for lo, hi in _backward_branches(ins) if lo <= hits[0] and hi >= hits[-1])
-    return [t for _, t in ins[lo:hi + 1]]
 
 
 def subnormal_operands(gen, m: int, n: int, k: int):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from helpers import (FLASH_LINEAR_SHAPES, boundary_operands, check_mxfp8_plan_errors, linear_operands, raises,
                      rope_operands)
-from _gluon_linear_support import compile_linear, spill_free
+from _gluon_linear_support import spill_free
 from test_exact_mm import _bits, _exact_operands, _gen, check_boundary, check_rope
 
 from dsv41_decode.ops.exact_linear import _FMA_PLAN, _GLUON_PLAN, ExactLinear
@@ -21,6 +21,7 @@ from dsv41_decode.ops.gluon_exact_fma import GluonExactFMAConfig
 from dsv41_decode.ops import gluon_exact_mm as E
 from dsv41_decode.ops.gluon_exact_mm import GluonExactConfig
 from dsv41_decode.reference.linear import mxfp8_mm
+from dsv41_decode.testing.sm90 import compile_linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 STEP_SHAPES = [("fused_wqa_wkv", 1792, 5120), ("wq_b", 32768, 1280), ("idx_wq_b", 4096, 1280),

@@ -17,11 +17,12 @@ import re
 
 import pytest
 import torch
-from _gluon_linear_support import loop_with, spill_free
+from _gluon_linear_support import spill_free
 from helpers import FLASH_LINEAR_SHAPES as FLASH_SHAPES
 from test_gluon_exact_mm import _case_id, _compile, _flash_shape_matches_the_reference
 
 from dsv41_decode.ops import gluon_exact_mm as E
+from dsv41_decode.testing.sm90 import loop_with
 from dsv41_decode.testing.synthetic import heavy_e4m3
 
 C = E.GluonExactConfig

@@ -28,7 +28,7 @@ import re
 import pytest
 import torch
 from _gluon_linear_support import (check_exact_plan_errors, check_rope_compile, check_tma_alignment_errors,
-                                   check_window, compile_linear, kind_operands, loop_with, rope_epilogue, spill_free)
+                                   check_window, kind_operands, rope_epilogue, spill_free)
 from helpers import FLASH_LINEAR_SHAPES as FLASH_SHAPES
 from helpers import check_mxfp8_plan_errors, linear_operands, raises, rope_operands
 from test_exact_mm import _bits, _gen, _poisoned, check_rope
@@ -38,6 +38,7 @@ from dsv41_decode.ops.exact_linear import _GLUON_PLAN
 from dsv41_decode.ops.exact_mm import ExactMM
 from dsv41_decode.ops.gluon_mm import SHARED_LIMIT
 from dsv41_decode.reference.linear import mxfp8_mm
+from dsv41_decode.testing.sm90 import compile_linear, loop_with
 from dsv41_decode.testing.synthetic import heavy_e4m3
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -201,6 +202,10 @@ def test_bad_plan_arguments_name_the_argument():
         convert="int+cvt", block_n=16, block_m=8, mma_k=16, stages=8, split=2, maxnreg=80, warps_k=4)
     assert E.GluonExactConfig.from_spec("raw:64:64:2:32:4:1:0").maxnreg is None
     assert E.GluonExactConfig.from_spec("cvt:64:32:1:32:4:1") == E.GluonExactConfig(convert="cvt")
+    # and back: `spec` writes every field, which from_spec reads as the same configuration
+    assert E.GluonExactConfig.from_spec("raw:64:64:2:32:4:1:0").spec == "raw:64:64:2:32:4:1:0:1:128"
+    for c in [C(), C(convert="f16w", maxnreg=None), *(c for _, cs in _GLUON_PLAN.values() for c in cs.values())]:
+        assert E.GluonExactConfig.from_spec(c.spec) == c, c
     for bad in ("int:64:32", "int:64:32:1:32:4:1:128:4:256:9", "int:64:x:1:32:4:1"):
         raises("a GluonExactConfig spec is convert:block_n", lambda: E.GluonExactConfig.from_spec(bad))
     raises("block_n must be", lambda: E.GluonExactConfig.from_spec("int:48:32:1:32:4:1"))

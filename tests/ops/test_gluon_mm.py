@@ -39,8 +39,9 @@ from dsv41_decode.ops.kv_write import qkv_rope_insert_
 from dsv41_decode.ops.low_latency_mm import LowLatencyConfig, LowLatencyMM
 from dsv41_decode.reference.linear import mxfp8_mm
 from dsv41_decode.testing import sm90
+from dsv41_decode.testing.sm90 import compile_linear
 from dsv41_decode.testing.compare import bits_differ, rel_rms, row_ulp_distance
-from _gluon_linear_support import compile_linear, spill_free
+from _gluon_linear_support import spill_free
 from helpers import FLASH_LINEAR_SHAPES, linear_operands, rope_operands
 
 # The real shapes (the V4.1-Flash linears and their TP shards; the indexer's wq_b is wq_b_tp8's
