@@ -126,12 +126,6 @@ STAGES = {"indexer": indexer_paths, "combine": combine, "wo_a": wo_a_paths, "ll_
 if __name__ == "__main__":
     print(f"sm_90 SASS, Triton {triton.__version__}")
     args = sys.argv[1:]
-    if "exact_mm" in args:
-        specs = args[args.index("exact_mm") + 1:]
-        args = args[:args.index("exact_mm")]
-        for name in args:
-            STAGES[name]()
-        exact_mm(specs)
-    else:
-        for name in args or [n for n in STAGES if n != "exact_mm"] + ["exact_mm"]:
-            STAGES[name]() if name != "exact_mm" else exact_mm([])
+    cut = args.index("exact_mm") + 1 if "exact_mm" in args else len(args)   # SPECs follow exact_mm
+    for name in args[:cut] or list(STAGES):
+        STAGES[name](args[cut:]) if name == "exact_mm" else STAGES[name]()
