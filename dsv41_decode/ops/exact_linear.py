@@ -49,7 +49,7 @@ _GLUON_PLAN: dict[tuple[int, int], tuple[int, dict[int, GluonExactConfig]]] = {
     # fused wq_a|wkv: the FP16 digits along K 11.3 us at 4-8 rows, 14.0 at 16, 21.0 at 32 against
     # the FP64 forms' 12.7 / 15.7 / 24.0; at 64 the FP16 digits 33.9 against 42.3 (run F); ExactMM
     # 11.1 at 2, 15.9 at 4; with x's scales decoded once a slot, at 17-32 rows on 16 x 16 tiles 18.4
-    # against 32 x 8's 20.5 (run W; 21.1 / 21.0 before, run T)
+    # against 32 x 8's 20.5 (run W)
     (1792, 5120): (2, {16: _cfg("f16d:16:8:1:32:4:1:80:4:256"), 32: _cfg("f16d:16:16:1:32:4:1:80:4:256"),
                        64: _cfg("f16d:128:8:1:32:3:1:128:1:256")}),
     # wq_b: the FP16 digits (`chained_dot`) 18.9-19.0 at 4-8 rows and 26.4 at 16 on 128 x 16 tiles
