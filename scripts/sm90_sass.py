@@ -14,7 +14,7 @@ import triton
 
 from dsv41_decode.ops import gluon_exact_mm, indexer, low_latency_mm, sparse_mla, wo_a
 from dsv41_decode.ops.exact_linear import _GLUON_PLAN
-from dsv41_decode.testing.sm90 import (compile_linear, compile_sm90, loop_with, main_loop, opcode_counts, resources,
+from dsv41_decode.testing.sm90 import (compile_exact_mm, compile_sm90, loop_with, main_loop, opcode_counts, resources,
                                        sass)
 
 
@@ -102,17 +102,14 @@ def exact_mm(specs: list[str]) -> None:
     """`GluonExactMM`'s consumer loop (the loop holding every MMA: one ring slot) per configuration
     and row count: `specs` as SPEC@ROWS (`GluonExactConfig.from_spec`), default every configuration
     of `_GLUON_PLAN` at the most rows it serves."""
-    E = gluon_exact_mm
     cases = [(s.split("@")[0], int(s.split("@")[1])) for s in specs]
     if not cases:
         cases = list(dict.fromkeys((c.spec, rows) for _, configs in _GLUON_PLAN.values()
                                    for rows, c in configs.items()))
     for spec, rows in cases:
-        config = E.GluonExactConfig.from_spec(spec)
-        bt = E.block_t(rows, config)
-        k = compile_linear(E._gluon_exact_mm_kernel, E.launch_options(config, bt, 1), [config.block_n, config.block_k],
-                           [bt, config.block_k], False, consts=dict.fromkeys(("cos_ptr", "sin_ptr", "stride_cm",
-                                                                               "stride_sm")))
+        config = gluon_exact_mm.GluonExactConfig.from_spec(spec)
+        bt = gluon_exact_mm.block_t(rows, config)
+        k = compile_exact_mm(config, bt)
         mma = {"f16d": "HMMA", "f16w": "HGMMA", "f16wp": "HGMMA"}.get(config.convert, "DMMA")
         loop = loop_with(k, mma)
         top = ", ".join(f"{op} {n}" for op, n in list(opcode_counts(loop).items())[:10])
@@ -128,4 +125,7 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     cut = args.index("exact_mm") + 1 if "exact_mm" in args else len(args)   # SPECs follow exact_mm
     for name in args[:cut] or list(STAGES):
-        STAGES[name](args[cut:]) if name == "exact_mm" else STAGES[name]()
+        if name == "exact_mm":
+            exact_mm(args[cut:])
+        else:
+            STAGES[name]()

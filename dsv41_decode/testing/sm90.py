@@ -1,7 +1,8 @@
 """Compile a Triton kernel for sm_90 on any machine - no GPU: Triton ships ptxas and cuobjdump - to
 read what the GPU would run: its PTX (tests/ops/test_pdl.py checks the PDL contract there), its
 registers, stack and shared memory (scripts/sm90_resources.py) and its SASS instructions and loops
-(scripts/sm90_sass.py); a Gluon linear kernel compiled as its plan launches it (`compile_linear`)."""
+(scripts/sm90_sass.py); a Gluon linear kernel compiled as its plan launches it (`compile_linear`;
+`GluonExactMM`'s: `compile_exact_mm`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
 
@@ -196,7 +198,6 @@ def print_cases(measure, cases, argv: list[str]) -> None:
 
 def fp8_desc_type(block) -> str:
     """The signature of a Gluon TMA descriptor of FP8 tiles `block`, as the launcher specializes it."""
-    from triton.experimental.gluon import language as gl
     layout = gl.NVMMASharedLayout.get_default_for(block, gl.float8e4nv)
     return f"tensordesc<fp8e4nv[{block[0]}, {block[1]}],{layout!r}>"
 
@@ -217,3 +218,23 @@ def compile_linear(fn, opts: dict, w_box, x_box, out_f32: bool, types: dict | No
     return compile_sm90(fn, types, {**opts, "OUT_F32": out_f32, **(consts or {})},
                         divisible=[a for a in fn.arg_names if a.endswith("_ptr") or a in ("N", "stride_ym")],
                         **launch)
+
+
+def rope_epilogue(rope: bool) -> dict:
+    """`compile_linear`'s `types` and `consts` for an exact linear kernel's query-RoPE epilogue
+    arguments as its plan passes them (`exact_mm.rope_kwargs`): with `rope`, cos/sin FP32 pointers
+    (their row strides runtime ints) and ROPE; without, all four None (constexprs: no kernel
+    parameter)."""
+    if rope:
+        return {"types": {"cos_ptr": "*fp32", "sin_ptr": "*fp32"}, "consts": {"ROPE": True}}
+    return {"consts": dict.fromkeys(("cos_ptr", "sin_ptr", "stride_cm", "stride_sm"))}
+
+
+def compile_exact_mm(config, bt: int, split: int = 1, out_f32: bool = False, rope: bool = False):
+    """`ops.gluon_exact_mm`'s kernel compiled for sm_90 as `GluonExactMM` launches `config` (a
+    `GluonExactConfig`) at row bucket `bt` with `split` K splits, y FP32 (`out_f32`) or BF16, with or
+    without the query-RoPE epilogue."""
+    from ..ops import gluon_exact_mm as E
+    return compile_linear(E._gluon_exact_mm_kernel, E.launch_options(config, bt, split),
+                          [config.block_n, config.block_k], [bt, config.block_k], out_f32, **rope_epilogue(rope))
+

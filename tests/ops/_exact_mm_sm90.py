@@ -19,10 +19,9 @@ from pathlib import Path
 
 from dsv41_decode.ops import exact_mm as E
 from dsv41_decode.ops.mhc import MhcBoundaryPlan
-from dsv41_decode.testing.sm90 import compile_sm90, loops, main_loop, opcode_counts, resources, sass
+from dsv41_decode.testing.sm90 import compile_sm90, loops, main_loop, opcode_counts, resources, rope_epilogue, sass
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))      # tests/: the loop finder's helpers
-from ops._gluon_linear_support import rope_epilogue  # noqa: E402
 
 # The V4.1-Flash shapes the op serves (N, K), with the TP shards of wq_b and wo_b.
 REAL_SHAPES = [(1792, 5120), (32768, 1280), (16384, 1280), (8192, 1280), (4096, 1280),

@@ -1,7 +1,7 @@
 """Test support shared by the Gluon linears' tests (test_gluon_mm.py, test_gluon_exact_mm.py,
 test_gluon_exact_fma.py; imported as a sibling module, as the tests import test_exact_mm): their
 kernels compiled for sm_90 as the plans launch them (`testing.sm90.compile_linear`; the exact ones'
-query-RoPE epilogue arguments: `rope_epilogue`), what every such compile must show (`spill_free`;
+query-RoPE epilogue arguments: `testing.sm90.rope_epilogue`), what every such compile must show (`spill_free`;
 with the exact ones' query-RoPE epilogue, `check_rope_compile`; the SASS loops their checks read:
 `testing.sm90.loops`, `loop_with`), the operands of the bitwise GPU tests (`kind_operands`,
 `subnormal_operands`), a call's check against the reference into a window of a poisoned buffer (`check_window`) and the
@@ -16,16 +16,6 @@ from test_exact_mm import _bits, _exact_operands, _gen, _poisoned
 from dsv41_decode.ops.gluon_mm import SHARED_LIMIT
 from dsv41_decode.reference.linear import mxfp8_mm
 from dsv41_decode.testing import sm90
-
-
-def rope_epilogue(rope: bool) -> dict:
-    """`compile_linear`'s `types` and `consts` for an exact linear kernel's query-RoPE epilogue
-    arguments as its plan passes them (`exact_mm.rope_kwargs`): with `rope`, cos/sin FP32 pointers
-    (their row strides runtime ints) and ROPE; without, all four None (constexprs: no kernel
-    parameter)."""
-    if rope:
-        return {"types": {"cos_ptr": "*fp32", "sin_ptr": "*fp32"}, "consts": {"ROPE": True}}
-    return {"consts": dict.fromkeys(("cos_ptr", "sin_ptr", "stride_cm", "stride_sm"))}
 
 
 def spill_free(kernel, max_regs: int, shared_bytes: int) -> tuple[dict, list[str], dict]:

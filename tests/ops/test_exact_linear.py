@@ -21,7 +21,7 @@ from dsv41_decode.ops.gluon_exact_fma import GluonExactFMAConfig
 from dsv41_decode.ops import gluon_exact_mm as E
 from dsv41_decode.ops.gluon_exact_mm import GluonExactConfig
 from dsv41_decode.reference.linear import mxfp8_mm
-from dsv41_decode.testing.sm90 import compile_linear
+from dsv41_decode.testing.sm90 import compile_exact_mm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 STEP_SHAPES = [("fused_wqa_wkv", 1792, 5120), ("wq_b", 32768, 1280), ("idx_wq_b", 4096, 1280),
@@ -65,9 +65,7 @@ def test_plan_compiles_for_sm90_without_spills(name, config, bt, split):
     # Every launch the plan makes at the step's shapes compiles for sm_90 (on the CPU) within its
     # register cap and shared memory, with no local memory (`spill_free`): the plan names only
     # configurations the hardware runs as measured.
-    kernel = compile_linear(E._gluon_exact_mm_kernel, E.launch_options(config, bt, split),
-                            [config.block_n, config.block_k], [bt, config.block_k], False,
-                            consts=dict.fromkeys(("cos_ptr", "sin_ptr", "stride_cm", "stride_sm")))
+    kernel = compile_exact_mm(config, bt, split)
     spill_free(kernel, config.maxnreg or 255, E.shared_bytes(config, bt))
 
 

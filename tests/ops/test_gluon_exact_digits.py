@@ -19,10 +19,10 @@ import pytest
 import torch
 from _gluon_linear_support import spill_free
 from helpers import FLASH_LINEAR_SHAPES as FLASH_SHAPES
-from test_gluon_exact_mm import _case_id, _compile, _flash_shape_matches_the_reference
+from test_gluon_exact_mm import _case_id, _flash_shape_matches_the_reference
 
 from dsv41_decode.ops import gluon_exact_mm as E
-from dsv41_decode.testing.sm90 import loop_with
+from dsv41_decode.testing.sm90 import compile_exact_mm, loop_with
 from dsv41_decode.testing.synthetic import heavy_e4m3
 
 C = E.GluonExactConfig
@@ -58,7 +58,7 @@ DIGIT_COMPILE_CASES = [
 @pytest.mark.parametrize("config,bt,split,out_f32", DIGIT_COMPILE_CASES,
                          ids=[_case_id(c) for c in DIGIT_COMPILE_CASES])
 def test_digit_form_compiles_for_sm90_without_spills(config, bt, split, out_f32):
-    kernel = _compile(config, bt, split, out_f32)
+    kernel = compile_exact_mm(config, bt, split, out_f32)
     _, ins, ops = spill_free(kernel, config.maxnreg or 255, E.shared_bytes(config, bt))
     # Four FP16 MMAs a K block (hh, the two cross dots, ll), each two k16 steps with FP32
     # accumulation: "f16d" m16n8k16 (mma.sync) per 16 weight rows and 8 x rows, a quarter per warp;

@@ -28,7 +28,7 @@ import re
 import pytest
 import torch
 from _gluon_linear_support import (check_exact_plan_errors, check_rope_compile, check_tma_alignment_errors,
-                                   check_window, kind_operands, rope_epilogue, spill_free, subnormal_operands)
+                                   check_window, kind_operands, spill_free, subnormal_operands)
 from helpers import FLASH_LINEAR_SHAPES as FLASH_SHAPES
 from helpers import linear_operands, raises, rope_operands
 from test_exact_mm import _bits, _gen, _poisoned, check_rope
@@ -39,7 +39,7 @@ from dsv41_decode.ops.exact_mm import ExactMM
 from dsv41_decode.ops.gluon_mm import SHARED_LIMIT
 from dsv41_decode.reference.linear import mxfp8_mm
 from dsv41_decode.testing import sm90
-from dsv41_decode.testing.sm90 import compile_linear, loop_with, loops
+from dsv41_decode.testing.sm90 import compile_linear, loop_with, loops, rope_epilogue
 from dsv41_decode.testing.synthetic import heavy_e4m3
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

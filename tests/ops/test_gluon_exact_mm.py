@@ -28,7 +28,7 @@ import re
 import pytest
 import torch
 from _gluon_linear_support import (check_exact_plan_errors, check_rope_compile, check_tma_alignment_errors,
-                                   check_window, kind_operands, rope_epilogue, spill_free)
+                                   check_window, kind_operands, spill_free)
 from helpers import FLASH_LINEAR_SHAPES as FLASH_SHAPES
 from helpers import check_mxfp8_plan_errors, linear_operands, raises, rope_operands
 from test_exact_mm import _bits, _gen, _poisoned, check_rope
@@ -38,16 +38,11 @@ from dsv41_decode.ops.exact_linear import _GLUON_PLAN
 from dsv41_decode.ops.exact_mm import ExactMM
 from dsv41_decode.ops.gluon_mm import SHARED_LIMIT
 from dsv41_decode.reference.linear import mxfp8_mm
-from dsv41_decode.testing.sm90 import compile_linear, loop_with
+from dsv41_decode.testing.sm90 import compile_exact_mm, loop_with
 from dsv41_decode.testing.synthetic import heavy_e4m3
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 C = E.GluonExactConfig
-
-
-def _compile(config: E.GluonExactConfig, bt: int, split: int, out_f32: bool, rope: bool = False):
-    return compile_linear(E._gluon_exact_mm_kernel, E.launch_options(config, bt, split),
-                          [config.block_n, config.block_k], [bt, config.block_k], out_f32, **rope_epilogue(rope))
 
 
 # (config, row bucket, K splits, FP32 out): each form of the kernel at least once in few compiles
@@ -89,7 +84,7 @@ def _case_id(case) -> str:
 
 @pytest.mark.parametrize("config,bt,split,out_f32", COMPILE_CASES, ids=[_case_id(c) for c in COMPILE_CASES])
 def test_compiles_for_sm90_without_spills(config, bt, split, out_f32):
-    kernel = _compile(config, bt, split, out_f32)
+    kernel = compile_exact_mm(config, bt, split, out_f32)
     _, ins, ops = spill_free(kernel, config.maxnreg, E.shared_bytes(config, bt))
     # The FP64 MMA, m16n8k16: a program's (block_n / 16) x (bt / 8) of them per 16 of K, block_k K per
     # slot, a quarter per warp (warps_k=1: per warp along the weight rows and x's rows; warps_k > 1:
@@ -169,8 +164,8 @@ def test_rope_epilogue_compiles_for_sm90_without_spills(config, bt, split):
     # With the epilogue (the storing program rotates the BF16 tile: `gluon_exact_common.store_tile`):
     # no spills, the registers and the consumer's loop of the plain kernel, the rotation's roundings
     # each on their own, subnormals kept (`check_rope_compile`).
-    kernel = _compile(config, bt, split, False, rope=True)
-    regs = check_rope_compile(kernel, _compile(config, bt, split, False), config.maxnreg,
+    kernel = compile_exact_mm(config, bt, split, False, rope=True)
+    regs = check_rope_compile(kernel, compile_exact_mm(config, bt, split, False), config.maxnreg,
                               E.shared_bytes(config, bt), {"f16d": "HMMA", "f16w": "HGMMA", "f16wp": "HGMMA"}.get(config.convert, "DMMA"))
     assert regs <= config.maxnreg
 
