@@ -62,6 +62,9 @@ CONFIGS = {
     "split2svl": G.GluonSparseMlaConfig(dim_split=2, combine="spread", lookback="values", fp4_lut=True),
     "split2svlc": G.GluonSparseMlaConfig(dim_split=2, combine="spread", lookback="values", fp4_lut=True, maxnreg=128),
     "split4svlc": G.GluonSparseMlaConfig(dim_split=4, combine="spread", lookback="values", fp4_lut=True, maxnreg=128),
+    "pv1": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128),
+    "pv2": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_chunks=2),
+    "pv4": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_chunks=4),
 }
 
 

@@ -74,168 +74,22 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.extra import libdevice
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from ..records import COMPRESSED_KV_BYTES, WINDOW_KV_BYTES
 from .common import is_sm90, num_sms, plan_workspace
+from .gluon_mla_records import (_CREC, _KEYS, _WARPS, _WREC, NUM_WARPS, _add, _bf16_rne_bits, _block_slots,
+                                _decode_chunk, _decode_loaded, _load_chunk, _max)
+from .gluon_sparse_mla_pv import PV_CHUNKS, mla_pv_
 from .sparse_mla import check_sparse_mla_args, combine_partials_
-from .sparse_mla_plan import BLOCK_KEYS, SparseMlaPlan
-
-# The reductions go through `gl.reduce` with the Gluon combines below, not gl.sum / gl.max: those wrap
-# `triton.language.standard`'s, whose combine functions are interpreted functions under
-# TRITON_INTERPRET=1 (the CPU tests' setting), which the Gluon compiler rejects; the compile test
-# runs there.
+from .sparse_mla_plan import SparseMlaPlan
 
 __all__ = ["NUM_WARPS", "PHASE_NAMES", "STEP_CONFIGS", "GluonSparseMlaConfig", "GluonSparseMlaPlan", "gluon_sparse_mla_"]
 
-# Two warpgroups: the scores' 64 keys and each P.V chunk's 128 dims split between them (the wgmma's
-# M is 64, one warpgroup's; 8 warps also spread the gather and decode of 64 x 512 values).
-NUM_WARPS = 8
-_WARPS: gl.constexpr = gl.constexpr(NUM_WARPS)
 _M: gl.constexpr = gl.constexpr(64)          # the wgmma's M: the heads, padded
 _DC: gl.constexpr = gl.constexpr(128)        # dims per chunk of the keys in shared memory and of each P.V MMA
-_KEYS: gl.constexpr = gl.constexpr(BLOCK_KEYS)
-_WREC: gl.constexpr = gl.constexpr(WINDOW_KV_BYTES)
-_CREC: gl.constexpr = gl.constexpr(COMPRESSED_KV_BYTES)
 # Polls of the look-back before a program gives up (about a microsecond each: seconds in all). The
 # blocks a program waits for belong to programs already running, so the wait always ends; the bound
 # turns a broken invariant (say a ticket not reset) into NaN outputs instead of a hung GPU.
 _SPIN_LIMIT: gl.constexpr = gl.constexpr(1 << 22)
-_COMBINES = ("separate", "spread")           # GluonSparseMlaConfig.combine
-
-
-@gluon.jit
-def _add(a, b):
-    return a + b
-
-
-@gluon.jit
-def _max(a, b):
-    return gl.maximum(a, b)
-
-
-@gluon.jit
-def _e2m1(c):
-    """FP32 value of E2M1 codes 0..15 (int32; bit 3 sign; magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6), as
-    `fp4.e2m1_value`."""
-    e = (c >> 1) & 3
-    m = c & 1
-    normal = ((e + 126) << 23 | (m << 22)).to(gl.float32, bitcast=True)
-    mag = gl.where(e == 0, m.to(gl.float32) * 0.5, normal).to(gl.uint32, bitcast=True)
-    return (mag | ((c & 8).to(gl.uint32) << 28)).to(gl.float32, bitcast=True)
-
-
-@gluon.jit
-def _load_chunk(pool_ptr, base, ok, C: gl.constexpr, WINDOW: gl.constexpr, FP4_PACKED: gl.constexpr,
-                layout: gl.constexpr, DW: gl.constexpr = 128):
-    """The bytes of dims [DW C, DW C + DW) of 64 records (byte offsets `base` [64] int64 in the
-    rows' slice of `layout`, a [64, DW] layout of DW / 8 consecutive dims per thread; keys with ok
-    False load nothing): (codes, scales) for `_decode_loaded`. Window: 512 E4M3 codes, then 16
-    UE8M0 scales (one per 32 dims). Compressed: 256 bytes of E2M1 pairs (low nibble first), then 32
-    E4M3 scales (one per 16 dims); FP4_PACKED: the chunk's DW / 2 code bytes a key, DW / 16 to a
-    thread (and a scale per byte), else a code byte and a scale per dim."""
-    rc = C * DW + gl.arange(0, DW, layout=gl.SliceLayout(0, layout))
-    rows = pool_ptr + base[:, None]
-    okb = ok[:, None]
-    if WINDOW:
-        codes = gl.load(rows + rc[None, :], mask=okb, other=0)
-        sc = gl.load(rows + 512 + (rc // 32)[None, :], mask=okb, other=127)
-    elif FP4_PACKED:
-        lb: gl.constexpr = gl.BlockedLayout([1, DW // 16], [4, 8], [_WARPS, 1], [1, 0])
-        rb = C * (DW // 2) + gl.arange(0, DW // 2, layout=gl.SliceLayout(0, lb))
-        ok_b = gl.convert_layout(ok, gl.SliceLayout(1, lb), assert_trivial=True)[:, None]
-        rows_b = pool_ptr + gl.convert_layout(base, gl.SliceLayout(1, lb), assert_trivial=True)[:, None]
-        codes = gl.load(rows_b + rb[None, :], mask=ok_b, other=0)
-        sc = gl.load(rows_b + 256 + (rb // 8)[None, :], mask=ok_b, other=0)
-    else:
-        codes = gl.load(rows + (rc // 2)[None, :], mask=okb, other=0)
-        sc = gl.load(rows + 256 + (rc // 16)[None, :], mask=okb, other=0)
-    return codes, sc
-
-
-# E2M1 x E4M3 scale to BF16 for 4 code bytes (8 values) at once, `GluonSparseMlaConfig.fp4_lut`:
-# the magnitudes' BF16 bytes looked up with PRMT (E2M1 magnitude m = 0..7 is 0, .5, 1, 1.5, 2, 3,
-# 4, 6: high bytes 00 3F 3F 3F 40 40 40 40, low bytes 00 00 80 C0 00 40 80 C0), the bytes
-# interleaved into BF16 pairs, the sign bits ORed in, times the scale as a BF16 pair (E4M3 ->
-# f16x2 -> f32 -> bf16, exact). The product of a 2-bit and a 4-bit significand is exact in BF16
-# and in its normal range (>= 0.5 * 2^-9), so every value is `fp4.e2m1_value * e4m3_value`
-# exactly, as the FP32 path's. $0, $1: the low nibbles' values of bytes (0, 1), (2, 3); $2, $3:
-# the high nibbles'; $4: the 4 code bytes; $5: their scale bytes (all the same one).
-_FP4_LUT_ASM: gl.constexpr = gl.constexpr("""{
-.reg .b32 m, m2, hA, hB, lA, lB, s4, sL, sH, sg, f2, w;
-.reg .b16 sc16, hlo, hhi;
-.reg .f32 sf;
-and.b32 m, $4, 0x77777777;
-shr.b32 m2, m, 16;
-prmt.b32 hA, 0x3F3F3F00, 0x40404040, m;
-prmt.b32 hB, 0x3F3F3F00, 0x40404040, m2;
-prmt.b32 lA, 0xC0800000, 0xC0804000, m;
-prmt.b32 lB, 0xC0800000, 0xC0804000, m2;
-shl.b32 s4, $4, 4;
-and.b32 sL, s4, 0x80808080;
-and.b32 sH, $4, 0x80808080;
-mov.b32 {sc16, hhi}, $5;
-cvt.rn.f16x2.e4m3x2 f2, sc16;
-mov.b32 {hlo, hhi}, f2;
-cvt.f32.f16 sf, hlo;
-cvt.rn.bf16x2.f32 f2, sf, sf;
-prmt.b32 w, lA, hA, 0x6240;
-prmt.b32 sg, sL, 0, 0x1404;
-or.b32 w, w, sg;
-mul.rn.bf16x2 $0, w, f2;
-prmt.b32 w, lB, hB, 0x6240;
-prmt.b32 sg, sL, 0, 0x3424;
-or.b32 w, w, sg;
-mul.rn.bf16x2 $1, w, f2;
-prmt.b32 w, lA, hA, 0x7351;
-prmt.b32 sg, sH, 0, 0x1404;
-or.b32 w, w, sg;
-mul.rn.bf16x2 $2, w, f2;
-prmt.b32 w, lB, hB, 0x7351;
-prmt.b32 sg, sH, 0, 0x3424;
-or.b32 w, w, sg;
-mul.rn.bf16x2 $3, w, f2;
-}""")
-
-
-@gluon.jit
-def _decode_loaded(codes, sc, ok, C: gl.constexpr, WINDOW: gl.constexpr, FP4_PACKED: gl.constexpr,
-                   layout: gl.constexpr, DW: gl.constexpr = 128, FP4_LUT: gl.constexpr = False):
-    """`_load_chunk`'s bytes decoded exactly: FP32 [64, DW] in `layout`, 0 for keys with ok False
-    (window: E4M3 code * 2^(e - 127); compressed: E2M1 * E4M3 scale; with FP4_PACKED the nibbles
-    split and interleaved in registers, low nibble first: `gl.join` then `gl.reshape`)."""
-    okb = ok[:, None]
-    if WINDOW:
-        # 2^(e - 127) from the FP32 bits, byte 255 (UE8M0's NaN) NaN, as `rounding.ue8m0_to_fp32`
-        sv = gl.where(sc == 255, float("nan"), (sc.to(gl.int32) << 23).to(gl.float32, bitcast=True))
-        k = gl.where(okb, codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sv, 0.0)
-    elif FP4_LUT:       # FP4_PACKED's bytes, decoded 8 values at a time in BF16 (_FP4_LUT_ASM)
-        lb: gl.constexpr = gl.BlockedLayout([1, DW // 16], [4, 8], [_WARPS, 1], [1, 0])
-        ok_b = gl.convert_layout(ok, gl.SliceLayout(1, lb), assert_trivial=True)[:, None]
-        lo, hi = gl.inline_asm_elementwise(_FP4_LUT_ASM, "=r,=r,=r,=r,r,r", [codes, sc],
-                                           dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
-        lo = gl.where(ok_b, lo, 0.0)
-        hi = gl.where(ok_b, hi, 0.0)
-        k = gl.convert_layout(gl.reshape(gl.join(lo, hi), [_KEYS, DW]), layout, assert_trivial=True)
-    elif FP4_PACKED:
-        lb: gl.constexpr = gl.BlockedLayout([1, DW // 16], [4, 8], [_WARPS, 1], [1, 0])
-        ok_b = gl.convert_layout(ok, gl.SliceLayout(1, lb), assert_trivial=True)[:, None]
-        byte = codes.to(gl.int32)
-        sv = sc.to(gl.float8e4nv, bitcast=True).to(gl.float32)
-        lo = gl.where(ok_b, _e2m1(byte & 15) * sv, 0.0)
-        hi = gl.where(ok_b, _e2m1(byte >> 4) * sv, 0.0)
-        k = gl.convert_layout(gl.reshape(gl.join(lo, hi), [_KEYS, DW]), layout, assert_trivial=True)
-    else:
-        rc = C * DW + gl.arange(0, DW, layout=gl.SliceLayout(0, layout))
-        code = (codes.to(gl.int32) >> ((rc % 2) * 4)[None, :]) & 15
-        k = gl.where(okb, _e2m1(code) * sc.to(gl.float8e4nv, bitcast=True).to(gl.float32), 0.0)
-    return k
-
-
-@gluon.jit
-def _decode_chunk(pool_ptr, base, ok, C: gl.constexpr, WINDOW: gl.constexpr, FP4_PACKED: gl.constexpr,
-                  layout: gl.constexpr, DW: gl.constexpr = 128, FP4_LUT: gl.constexpr = False):
-    """Dims [DW C, DW C + DW) of 64 records loaded and decoded (`_load_chunk`, `_decode_loaded`)."""
-    codes, sc = _load_chunk(pool_ptr, base, ok, C, WINDOW, FP4_PACKED, layout, DW)
-    return _decode_loaded(codes, sc, ok, C, WINDOW, FP4_PACKED, layout, DW, FP4_LUT)
+_COMBINES = ("separate", "spread", "pv")     # GluonSparseMlaConfig.combine
 
 
 @gluon.jit
@@ -261,17 +115,6 @@ def _decode_block(k_smem, pool_ptr, base, ok, WINDOW: gl.constexpr, FP4_PACKED: 
                                                 FP4_LUT).to(gl.bfloat16))
             if c == 0:
                 _stamp(log_row, 3, PHASES)
-
-
-@gluon.jit
-def _block_slots(wtab_row, ctab_row, b, nw, W: gl.constexpr, KC: gl.constexpr, layout: gl.constexpr):
-    """Block b of the row's joined key list (window keys j < nw: window_table[W - nw + j]; then
-    comp_table[j - nw]) in the 1-D `layout`: the keys' window and compressed slots (-1: none)."""
-    j = b * _KEYS + gl.arange(0, _KEYS, layout=layout)
-    ws = gl.load(wtab_row + (W - nw) + j, mask=j < nw, other=-1)
-    jc = j - nw
-    cs = gl.load(ctab_row + jc, mask=(jc >= 0) & (jc < KC), other=-1)
-    return ws, cs
 
 
 @gluon.jit
@@ -370,15 +213,6 @@ def _clear_row(flags, board, NB: gl.constexpr, NB_P2: gl.constexpr, PH: gl.const
 
 
 @gluon.jit
-def _bf16_rne_bits(x):
-    """`rounding.bf16_rne_bits` in Gluon: int16 bits of bf16(x), round to nearest even, NaN as 0x7FC0."""
-    bits = x.to(gl.uint32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    rounded = gl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, rounded)
-    return rounded.to(gl.uint16).to(gl.int16, bitcast=True)
-
-
-@gluon.jit
 def _gluon_sparse_mla_kernel(
     q_ptr, wpool_ptr, cpool_ptr, wtab_ptr, ctab_ptr,
     part_acc_ptr, part_ml_ptr, block_max_ptr, flag_ptr, ticket_ptr,
@@ -389,13 +223,15 @@ def _gluon_sparse_mla_kernel(
     DSPLIT: gl.constexpr = 1, SPREAD: gl.constexpr = False, VALUES: gl.constexpr = False,
     TICKET: gl.constexpr = True, PV_PIPELINE: gl.constexpr = False,
     FP4_LUT: gl.constexpr = False,
-    PHASES: gl.constexpr = False,
+    PHASES: gl.constexpr = False, P_OUT: gl.constexpr = False,
 ):
     # Workspaces (`SparseMlaPlan` with one head group of PH = block_h heads): acc [N, NB, PH, 512],
     # ml [N, NB, 3, PH] (max, sum, valid-key count), block_max [N, NB, PH], flags [N, NB] (here a
     # bit per block: the row's first ceil(NB / 32) words; the combination zeroes them). Without
     # SPREAD the separate launch combines; with it, counters [N] (`GluonSparseMlaPlan.counters`):
-    # the row's arrivals. PHASES: log [N * NB * DSPLIT, 16] int64 by ticket.
+    # the row's arrivals. PHASES: log [N * NB * DSPLIT, 16] int64 by ticket. P_OUT (the combination
+    # "pv"): no P.V here; part_acc_ptr is BF16 [N, NB, PH, 64], where the block's P goes, for
+    # `gluon_sparse_mla_pv`'s launch (P.V, the combination, the flags' reset).
     D: gl.constexpr = 512
     NC: gl.constexpr = D // _DC
     NCP: gl.constexpr = NC // DSPLIT        # the 128-dim chunks of P.V and of the partial a program does
@@ -556,34 +392,39 @@ def _gluon_sparse_mla_kernel(
     p = libdevice.exp(s - new_max[:, None])
     l_i = gl.reduce(p, 1, _add)
     nv = gl.reduce(ok.to(gl.int32), 0, _add)
-    p_smem.store(p.to(gl.bfloat16))          # round to nearest even: the contract's P
-    fence_async_shared()
-    gl.thread_barrier()
-
-    # acc = P V, chunk by chunk (this program's NCP chunks), each stored as summed: this block's
-    # partial [PH, 512] (or its dim slice).
-    ho = gl.arange(0, _M, layout=gl.SliceLayout(1, o_l))
-    do = gl.arange(0, _DC, layout=gl.SliceLayout(0, o_l))
-    acc_rows = part_acc_ptr + (tile + b) * (PH * D) + ho[:, None] * D + do[None, :]
-    zero = gl.zeros([_M, _DC], gl.float32, o_l)
-    if PV_PIPELINE and NCP > 1:
-        # chunk c + 1's MMA in flight while chunk c is stored (two accumulators live)
-        prev = warpgroup_mma(p_smem, k_smem.index(sl * NCP), zero, use_acc=False, is_async=True)
-        for c in gl.static_range(1, NCP):
-            nxt = warpgroup_mma(p_smem, k_smem.index(sl * NCP + c), zero, use_acc=False, is_async=True)
-            prev = warpgroup_mma_wait(1, deps=[prev])
-            gl.store(acc_rows + (sl * NCP + c - 1) * _DC, prev, mask=(ho < PH)[:, None])
-            prev = nxt
-        prev = warpgroup_mma_wait(0, deps=[prev])
-        gl.store(acc_rows + (sl * NCP + NCP - 1) * _DC, prev, mask=(ho < PH)[:, None])
+    if P_OUT:
+        # the block's P (rounded to nearest even: the contract's) for the second launch's P.V
+        ks = gl.arange(0, _KEYS, layout=gl.SliceLayout(0, s_l))
+        gl.store(part_acc_ptr + ((tile + b) * PH + hs[:, None]) * _KEYS + ks[None, :], p.to(gl.bfloat16),
+                 mask=h_st[:, None])
     else:
-        for c in gl.static_range(NCP):
-            if DSPLIT == 1:
-                a = warpgroup_mma(p_smem, k_smem.index(c), zero, use_acc=False)
-                gl.store(acc_rows + c * _DC, a, mask=(ho < PH)[:, None])
-            else:
-                a = warpgroup_mma(p_smem, k_smem.index(sl * NCP + c), zero, use_acc=False)
-                gl.store(acc_rows + (sl * NCP + c) * _DC, a, mask=(ho < PH)[:, None])
+        p_smem.store(p.to(gl.bfloat16))          # round to nearest even: the contract's P
+        fence_async_shared()
+        gl.thread_barrier()
+        # acc = P V, chunk by chunk (this program's NCP chunks), each stored as summed: this block's
+        # partial [PH, 512] (or its dim slice).
+        ho = gl.arange(0, _M, layout=gl.SliceLayout(1, o_l))
+        do = gl.arange(0, _DC, layout=gl.SliceLayout(0, o_l))
+        acc_rows = part_acc_ptr + (tile + b) * (PH * D) + ho[:, None] * D + do[None, :]
+        zero = gl.zeros([_M, _DC], gl.float32, o_l)
+        if PV_PIPELINE and NCP > 1:
+            # chunk c + 1's MMA in flight while chunk c is stored (two accumulators live)
+            prev = warpgroup_mma(p_smem, k_smem.index(sl * NCP), zero, use_acc=False, is_async=True)
+            for c in gl.static_range(1, NCP):
+                nxt = warpgroup_mma(p_smem, k_smem.index(sl * NCP + c), zero, use_acc=False, is_async=True)
+                prev = warpgroup_mma_wait(1, deps=[prev])
+                gl.store(acc_rows + (sl * NCP + c - 1) * _DC, prev, mask=(ho < PH)[:, None])
+                prev = nxt
+            prev = warpgroup_mma_wait(0, deps=[prev])
+            gl.store(acc_rows + (sl * NCP + NCP - 1) * _DC, prev, mask=(ho < PH)[:, None])
+        else:
+            for c in gl.static_range(NCP):
+                if DSPLIT == 1:
+                    a = warpgroup_mma(p_smem, k_smem.index(c), zero, use_acc=False)
+                    gl.store(acc_rows + c * _DC, a, mask=(ho < PH)[:, None])
+                else:
+                    a = warpgroup_mma(p_smem, k_smem.index(sl * NCP + c), zero, use_acc=False)
+                    gl.store(acc_rows + (sl * NCP + c) * _DC, a, mask=(ho < PH)[:, None])
     ml = part_ml_ptr + (tile + b) * (3 * PH) + hs
     gl.store(ml, new_max, mask=h_st)
     gl.store(ml + PH, l_i, mask=h_st)
@@ -662,6 +503,14 @@ class GluonSparseMlaConfig:
     bits either way). Where it runs, every program is resident, so the programs take their (row, block)
     from the program id, not the atomic ticket (one round trip less).
 
+    "pv": the block programs store their P (BF16 [heads, 64]) and statistics instead of their FP32
+    partials, and a second launch (`gluon_sparse_mla_pv`) runs P.V and the combination per row and
+    `pv_chunks` 128-dim chunks of its output, block by block in order, each block's P.V rescaled
+    into the chunk's sum as the separate kernel does: the same MMAs on the same operands and the
+    same arithmetic, so the same bits, with the partials kept in registers (84 MB each way at 64
+    rows and 64 heads for the other two) and the keys' dims decoded once more there (dim_split 1
+    and the flag look-back only).
+
     lookback: how a block's program learns the maxima of the blocks before it: "flags" (each
     program stores its block's maxima, then sets its bit of the row's flag words with release; the
     later ones poll the words with acquire, then load the maxima: a fence and two round trips), or
@@ -686,7 +535,11 @@ class GluonSparseMlaConfig:
     phases (debug; slower): each program writes its SM's cycle counter at its phase boundaries
     (`PHASE_NAMES`; each after a barrier, so the time at which every warp has passed it), globaltimer
     at its start and end, its SM and whether it combined into `GluonSparseMlaPlan.phase_log`, one
-    row per ticket (`scripts/probe_gluon_sparse_mla.py --phases` prints them)."""
+    row per ticket (`scripts/probe_gluon_sparse_mla.py --phases` prints them).
+
+    pv_chunks (with combine="pv"): the 128-dim chunks of a row's output a program of the second
+    launch takes (1, 2 or 4: 4, 2 or 1 programs a row; each chunk's keys decoded and P.V run once
+    per block)."""
 
     q_buffers: int = 2
     fp4_packed: bool = True
@@ -698,6 +551,7 @@ class GluonSparseMlaConfig:
     fp4_lut: bool = False
     maxnreg: int | None = None
     phases: bool = False
+    pv_chunks: int = 1
 
     def __post_init__(self):
         if self.q_buffers not in (2, 4) or isinstance(self.q_buffers, bool):
@@ -712,6 +566,11 @@ class GluonSparseMlaConfig:
         if self.lookback == "values" and self.combine == "separate":
             raise ValueError("GluonSparseMlaConfig.lookback='values' needs combine='spread' (its last program of a "
                              "row clears the board of maxima), got combine='separate'")
+        if self.combine == "pv" and (self.dim_split != 1 or self.lookback != "flags"):
+            raise ValueError(f"GluonSparseMlaConfig.combine='pv' runs P.V in its second launch: it needs dim_split=1 "
+                             f"and lookback='flags', got dim_split={self.dim_split!r}, lookback={self.lookback!r}")
+        if self.pv_chunks not in PV_CHUNKS or isinstance(self.pv_chunks, bool):
+            raise ValueError(f"GluonSparseMlaConfig.pv_chunks must be one of {PV_CHUNKS}, got {self.pv_chunks!r}")
         m = self.maxnreg
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or not 64 <= m <= 255):
             raise ValueError(f"GluonSparseMlaConfig.maxnreg must be None or an int in [64, 255], got {m!r}")
@@ -857,6 +716,15 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
             # with the flag look-back (the board of maxima stays untouched, zero)
             combine = "separate"
             consts["VALUES"] = False
+    if combine == "pv":
+        # the blocks' P into the partials' workspace (BF16 [n, nb, block_h, 64] fits in its FP32
+        # [n, nb, block_h, 512]), then P.V and the combination
+        p = base.part_acc.view(torch.bfloat16)
+        _gluon_sparse_mla_kernel[(grid, )](p, *args[1:], SPREAD=False, TICKET=True, P_OUT=True, **consts)
+        mla_pv_(p, base.part_ml, base.flags, window_pool, comp_pool, window_table, comp_table, sink, o16, n,
+                base.heads, base.window, base.topk, nb, base.block_h, config.pv_chunks, config.fp4_packed,
+                config.fp4_lut)
+        return
     spread = combine == "spread"
     _gluon_sparse_mla_kernel[(grid, )](*args, SPREAD=spread, TICKET=not spread, **consts)
     if combine == "separate":

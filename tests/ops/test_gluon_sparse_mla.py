@@ -57,13 +57,16 @@ SPREAD_VALUES = G.GluonSparseMlaConfig(combine="spread", lookback="values")
 LUT = G.GluonSparseMlaConfig(fp4_lut=True)
 # the step's configurations at 1-2, 3-4 and 5-16 rows (STEP_CONFIGS; the default above)
 SPLIT4SVL, SPLIT2SVLC, SPREADVLC = G.STEP_CONFIGS[0][1], G.STEP_CONFIGS[1][1], G.STEP_CONFIGS[2][1]
+# P.V and the combination in a second launch, one and two 128-dim chunks a program
+PV = G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128)
+PV2 = G.GluonSparseMlaConfig(combine="pv", pv_chunks=2)
 # each option both ways: the default, the plainest, two mixes, the dim splits with either
 # combination, the look-back by values, the P.V pipeline, the LUT decode, the step's configurations
 CONFIGS = [DEFAULT, PLAIN, G.GluonSparseMlaConfig(2, False, True), G.GluonSparseMlaConfig(4, True, False),
            G.GluonSparseMlaConfig(dim_split=2), G.GluonSparseMlaConfig(q_buffers=4, dim_split=4),
            SPREAD, G.GluonSparseMlaConfig(dim_split=4, combine="spread"), SPREAD_VALUES,
            G.GluonSparseMlaConfig(pv_pipeline=True), G.GluonSparseMlaConfig(dim_split=2, pv_pipeline=True),
-           LUT, SPLIT4SVL, SPLIT2SVLC, SPREADVLC]
+           LUT, SPLIT4SVL, SPLIT2SVLC, SPREADVLC, PV, PV2]
 
 
 # V4.1-Flash (128 window + 512 top-k keys) at 64 heads with the default configuration, the P.V
@@ -274,8 +277,8 @@ def test_gpu_window_only(h, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [DEFAULT, SPREAD, SPREAD_VALUES, LUT, SPLIT4SVL, SPREADVLC],
-                         ids=["default", "spread", "spread-values", "fp4-lut", "split4svl", "spreadvlc"])
+@pytest.mark.parametrize("config", [DEFAULT, SPREAD, SPREAD_VALUES, LUT, SPLIT4SVL, SPREADVLC, PV],
+                         ids=["default", "spread", "spread-values", "fp4-lut", "split4svl", "spreadvlc", "pv"])
 @pytest.mark.parametrize("w,k", [(16, 8), (16, 72)])
 def test_gpu_small_shapes(w, k, config):
     # one block in all (16 + 8 keys: the spread combination by the block's own programs), and a
@@ -293,8 +296,8 @@ def test_gpu_small_shapes(w, k, config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [DEFAULT, SPREAD, SPREAD_VALUES, SPREADVLC],
-                         ids=["default", "spread", "spread-values", "spreadvlc"])
+@pytest.mark.parametrize("config", [DEFAULT, SPREAD, SPREAD_VALUES, SPREADVLC, PV],
+                         ids=["default", "spread", "spread-values", "spreadvlc", "pv"])
 def test_gpu_more_than_32_blocks(config):
     # 128 window + 2112 top-k keys: 35 blocks, so the look-back's flag bits span two words per row
     # (both cleared by the combination; the values look-back's board 35 entries a head), and the
@@ -311,8 +314,8 @@ def test_gpu_more_than_32_blocks(config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [DEFAULT, SPREAD, SPREAD_VALUES, LUT, SPLIT4SVL, SPREADVLC],
-                         ids=["default", "spread", "spread-values", "fp4-lut", "split4svl", "spreadvlc"])
+@pytest.mark.parametrize("config", [DEFAULT, SPREAD, SPREAD_VALUES, LUT, SPLIT4SVL, SPREADVLC, PV],
+                         ids=["default", "spread", "spread-values", "fp4-lut", "split4svl", "spreadvlc", "pv"])
 @pytest.mark.parametrize("h", [16, 64])
 def test_gpu_edge_rows(h, config):
     # row 0: nothing valid -> zeros; row 1: no top-k entries; row 2: a window not yet full (3 keys)
@@ -332,8 +335,8 @@ def test_gpu_edge_rows(h, config):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [DEFAULT, G.GluonSparseMlaConfig(dim_split=4), SPREAD, SPREAD_VALUES, SPLIT4SVL,
-                                    SPREADVLC],
-                         ids=["default", "split4", "spread", "spread-values", "split4svl", "spreadvlc"])
+                                    SPREADVLC, PV],
+                         ids=["default", "split4", "spread", "spread-values", "split4svl", "spreadvlc", "pv"])
 @pytest.mark.parametrize("h", [8, 64])
 @pytest.mark.parametrize("others", [1, 3, 15, 63])
 def test_gpu_a_row_alone_gives_its_bits_among_others(h, others, config):
