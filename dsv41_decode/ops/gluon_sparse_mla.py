@@ -720,7 +720,7 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
         # the blocks' P into the partials' workspace (BF16 [n, nb, block_h, 64] fits in its FP32
         # [n, nb, block_h, 512]), then P.V and the combination
         p = base.part_acc.view(torch.bfloat16)
-        _gluon_sparse_mla_kernel[(grid, )](p, *args[1:], SPREAD=False, TICKET=True, P_OUT=True, **consts)
+        _gluon_sparse_mla_kernel[(grid, )](*args[:5], p, *args[6:], SPREAD=False, TICKET=True, P_OUT=True, **consts)
         mla_pv_(p, base.part_ml, base.flags, window_pool, comp_pool, window_table, comp_table, sink, o16, n,
                 base.heads, base.window, base.topk, nb, base.block_h, config.pv_chunks, config.fp4_packed,
                 config.fp4_lut)
