@@ -145,8 +145,9 @@ def sparse_mla_plans(max_rows: int, heads: int, window: int, topk: int, device: 
     default 17.7 / 17.4), at 3-4 rows the same with dim_split 2 and maxnreg 128 (14.8 at 4 rows), at
     5-16 rows the spread combination with the values look-back, fp4_lut and maxnreg 128 (17.6 /
     28.6 at 8 / 16, 17.2 at 4; the default 17.9 / 19.2 / 34.9 at 4 / 8 / 16), above 16
-    the default (101.1 at 64; the Triton tilings 261.8: docs/attn.md). Every configuration gives
-    the same bits on every row (the probe's and the GPU tests' check), so a row's outputs do not
+    P.V and the combination in a second launch (`combine="pv"`, fp4_lut and maxnreg 128: 48.9 /
+    68.5 at 32 / 64, the default 52.0 / 91.7; the Triton tilings 261.8 at 64: docs/attn.md). Every
+    configuration gives the same bits on every row (the probe's and the GPU tests' check), so a row's outputs do not
     depend on the bucket: batch invariance holds. With `fp32_dots` the Triton FP32 plan
     (`SparseMlaPlan.for_step(fp32_dots=True)`); other GPUs the Triton `STEP_TILINGS`; the
     interpreter one unsplit plan. Each is one reduction order whatever the rows (batch invariance).

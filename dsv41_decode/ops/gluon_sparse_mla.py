@@ -569,7 +569,8 @@ class GluonSparseMlaConfig:
         if self.combine == "pv" and (self.dim_split != 1 or self.lookback != "flags"):
             raise ValueError(f"GluonSparseMlaConfig.combine='pv' runs P.V in its second launch: it needs dim_split=1 "
                              f"and lookback='flags', got dim_split={self.dim_split!r}, lookback={self.lookback!r}")
-        if self.pv_chunks not in PV_CHUNKS or isinstance(self.pv_chunks, bool):
+        c = self.pv_chunks
+        if isinstance(c, bool) or not isinstance(c, int) or c not in PV_CHUNKS:
             raise ValueError(f"GluonSparseMlaConfig.pv_chunks must be one of {PV_CHUNKS}, got {self.pv_chunks!r}")
         m = self.maxnreg
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or not 64 <= m <= 255):
@@ -591,14 +592,17 @@ class GluonSparseMlaConfig:
 # 16.13 / 42.24). At 3-4 rows dim_split 2 + spread + values look-back + fp4_lut + maxnreg 128 (two
 # programs an SM, all 80 of 4 rows resident): 14.75 us at 4 rows against spreadvlc's 17.62, 22.07
 # at 8 against 17.85 (32 heads: 12.96 / 18.71 against 14.11 / 14.32; FlashMLA 12.59 / 13.50;
-# `docs/results/gpu-tests-h200.txt` run Y at 76a2b89). Every configuration gives the default's bits
-# on every row (the probe's `cfg==` in every cell; `test_gpu_every_config_gives_the_same_bits`), so
-# a row's outputs do not depend on the bucket its step runs in: batch invariance holds across the
-# buckets.
+# `docs/results/gpu-tests-h200.txt` run Y at 76a2b89). Above 16 rows P.V and the combination in a
+# second launch, a 128-dim chunk a program, + fp4_lut + maxnreg 128 (run AB at 029f2ed: 48.88 /
+# 68.54 us at 32 / 64 rows against the default's 52.02 / 91.68 and spreadvlc's 54.79 / 96.82; 37.45
+# at 16 against spreadvlc's 28.46; two or four chunks a program slower at every row count). Every
+# configuration gives the default's bits on every row (the probe's `cfg==` in every cell;
+# `test_gpu_every_config_gives_the_same_bits`), so a row's outputs do not depend on the bucket its
+# step runs in: batch invariance holds across the buckets.
 STEP_CONFIGS = ((2, GluonSparseMlaConfig(dim_split=4, combine="spread", lookback="values", fp4_lut=True)),
                 (4, GluonSparseMlaConfig(dim_split=2, combine="spread", lookback="values", fp4_lut=True, maxnreg=128)),
                 (16, GluonSparseMlaConfig(combine="spread", lookback="values", fp4_lut=True, maxnreg=128)),
-                (None, GluonSparseMlaConfig()))
+                (None, GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128)))
 
 
 @dataclass(frozen=True, eq=False)

@@ -1,0 +1,80 @@
+"""ops.gluon_sparse_mla_pv, the sparse MLA's P.V and combination in a second launch (the combination
+"pv" of `GluonSparseMlaConfig`; sm_90 only).
+
+On the CPU: both launches compile for sm_90 (Triton's own ptxas) at the plans' shapes without
+spills at the register cap that puts two programs on an SM; the first launch holds the scores'
+wgmmas and none of P.V's, the second P.V's (one m64 n64 per warpgroup and 16 keys, four per block
+and chunk) and none of the scores'; the configuration's errors name the option. On the GPU the
+combination is one of `tests/ops/test_gluon_sparse_mla.py`'s configurations (PV, PV2): the same
+bits as every other configuration on every row, against the reference, run to run, a row alone
+among others, the workspace clear after each launch.
+"""
+
+import pytest
+
+from dsv41_decode.ops import gluon_sparse_mla as G
+from dsv41_decode.ops import gluon_sparse_mla_pv as PV
+from dsv41_decode.testing import sm90
+
+_TYPES = {"p_ptr": "*bf16", "part_ml_ptr": "*fp32", "flag_ptr": "*i32", "wpool_ptr": "*u8", "cpool_ptr": "*u8",
+          "wtab_ptr": "*i32", "ctab_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": "*i16"}
+_FIRST_TYPES = {"q_ptr": "*bf16", "wpool_ptr": "*u8", "cpool_ptr": "*u8", "wtab_ptr": "*i32", "ctab_ptr": "*i32",
+                "part_acc_ptr": "*bf16", "part_ml_ptr": "*fp32", "block_max_ptr": "*fp32", "flag_ptr": "*i32",
+                "ticket_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": "*i16", "count_ptr": "*i32", "log_ptr": "*i64",
+                "board_ptr": "*i32", "scale": "fp32"}
+# 228 KB of shared memory and 64K registers an SM, 1 KB reserved per program
+SM_SHARED, SM_REGS = 228 * 1024, 65536
+
+
+def _shape(heads, w, k):
+    base = G.GluonSparseMlaPlan.build(1, heads, w, k, "cpu").base
+    return base.n_blocks, base.block_h
+
+
+# V4.1-Flash (128 window + 512 top-k keys) at 64 and 16 heads, one, two and four chunks a program, and
+# a window ending inside a block with a top-k not a multiple of 64 (at 32 heads that shape spills two
+# registers once, 8 bytes of stack, outside the loop: not a step shape)
+@pytest.mark.parametrize("heads,w,k,chunks", [(64, 128, 512, 1), (64, 128, 512, 2), (64, 128, 512, 4),
+                                              (16, 128, 512, 1), (64, 16, 72, 1)],
+                         ids=["64h-1", "64h-2", "64h-4", "16h-1", "64h-mix-1"])
+def test_second_launch_compiles_for_sm90_two_programs_an_sm(heads, w, k, chunks):
+    nb, ph = _shape(heads, w, k)
+    kernel = sm90.compile_sm90(PV._gluon_mla_pv_kernel, _TYPES,
+                               dict(W=w, W_P2=1 << (w - 1).bit_length(), KC=k, NB=nb, PH=ph, CPP=chunks,
+                                    FP4_PACKED=True, FP4_LUT=True),
+                               num_warps=PV.NUM_WARPS, maxnreg=PV._MAXNREG)
+    res = sm90.resources(kernel)
+    assert res["LOCAL"] == 0 and res["STACK"] == 0, res
+    assert 2 * (kernel.metadata.shared + 1024) <= SM_SHARED, kernel.metadata.shared
+    assert 2 * res["REG"] * 32 * PV.NUM_WARPS <= SM_REGS, res
+    ins = [t for _, t in sm90.sass(kernel)]
+    gmma = [t.split()[0] for t in ins if "GMMA" in t]
+    # P.V only: per chunk the block's four k16 steps of m64 n64 (the loop over the blocks is not unrolled)
+    assert gmma == ["HGMMA.64x64x16.F32.BF16"] * (4 * chunks), sorted(set(gmma))
+
+
+@pytest.mark.parametrize("heads", [64, 8])
+def test_first_launch_has_no_pv(heads):
+    nb, ph = _shape(heads, 128, 512)
+    consts = dict(W=128, W_P2=128, KC=512, NB=nb, NB_P2=max(2, 1 << (nb - 1).bit_length()), PH=ph, Q_BUFFERS=2,
+                  FP4_PACKED=True, PREFETCH=True, DSPLIT=1, SPREAD=False, VALUES=False, TICKET=True, FP4_LUT=True,
+                  P_OUT=True)
+    kernel = sm90.compile_sm90(G._gluon_sparse_mla_kernel, _FIRST_TYPES, consts, num_warps=G.NUM_WARPS, maxnreg=128)
+    res = sm90.resources(kernel)
+    assert res["LOCAL"] == 0 and res["STACK"] == 0, res
+    gmma = [t.split()[0] for t in (t for _, t in sm90.sass(kernel)) if "GMMA" in t]
+    # the scores (512 / 16 steps of m64 n32 per warpgroup), no P.V
+    assert gmma == ["HGMMA.64x32x16.F32.BF16"] * 32, sorted(set(gmma))
+    assert 2 * (kernel.metadata.shared + 1024) <= SM_SHARED and 2 * res["REG"] * 32 * G.NUM_WARPS <= SM_REGS
+
+
+def test_config_errors_name_the_option():
+    for bad in (dict(dim_split=2), dict(dim_split=4)):
+        with pytest.raises(ValueError, match="dim_split"):
+            G.GluonSparseMlaConfig(combine="pv", **bad)
+    for chunks in (0, 3, 8, True, 2.0):
+        with pytest.raises(ValueError, match="pv_chunks"):
+            G.GluonSparseMlaConfig(combine="pv", pv_chunks=chunks)
+    with pytest.raises(ValueError, match="lookback"):
+        G.GluonSparseMlaConfig(combine="pv", lookback="values")
+    assert G.GluonSparseMlaConfig(combine="pv", pv_chunks=4).pv_chunks == 4
