@@ -109,49 +109,44 @@ def _gluon_mla_pv_kernel(
     for cc in gl.static_range(CPP):
         c = sl * CPP + cc
         o = gl.zeros([_M, _DC], gl.float32, o_l)
-        # block b's P, maxima and compressed records' bytes (the loads of keys the pool does not
-        # hold are masked off) are loaded during block b - 1's MMA and add, after the fence that
-        # publishes its operands (compiled as a memory barrier, which waits for the loads issued
-        # before it); its window records' bytes (the first blocks') at its start
+        # block b's P is loaded during block b - 1; its keys' bytes (both pools' codes of the chunk:
+        # the loads of keys a pool does not hold are masked off) at its start
         p = gl.load(p_rows, mask=p_in, other=0.0)
-        mb = gl.load(ml, mask=h_st, other=-1e30)
-        c_ok, kc, ksc = _pool_bytes(c_slots, 0, c, cpool_ptr, False, FP4_PACKED, ld)
         for b in range(NB):
+            p1 = gl.load(p_rows + gl.minimum(b + 1, NB - 1) * (PH * _KEYS), mask=p_in, other=0.0)
+            w_ok, c_ok, wc, wsc, kc, ksc = _block_bytes(w_slots, c_slots, b, c, wpool_ptr, cpool_ptr, FP4_PACKED, ld)
             start = b * _KEYS
-            if start >= nw:                   # compressed entries only
+            if start + _KEYS <= nw:           # window keys only
+                v = _decode_loaded(wc, wsc, w_ok, c, True, FP4_PACKED, ld).to(gl.bfloat16)
+            elif start >= nw:                 # compressed entries only
                 v = _decode_loaded(kc, ksc, c_ok, c, False, FP4_PACKED, ld, 128, FP4_LUT).to(gl.bfloat16)
-            else:
-                w_ok, wc, wsc = _pool_bytes(w_slots, b, c, wpool_ptr, True, FP4_PACKED, ld)
-                if start + _KEYS <= nw:       # window keys only
-                    v = _decode_loaded(wc, wsc, w_ok, c, True, FP4_PACKED, ld).to(gl.bfloat16)
-                else:                         # where the window ends: each decode is 0 off its keys
-                    v = (_decode_loaded(wc, wsc, w_ok, c, True, FP4_PACKED, ld)
-                         + _decode_loaded(kc, ksc, c_ok, c, False, FP4_PACKED, ld, 128, FP4_LUT)).to(gl.bfloat16)
+            else:                             # where the window ends: each decode is 0 off its keys
+                v = (_decode_loaded(wc, wsc, w_ok, c, True, FP4_PACKED, ld)
+                     + _decode_loaded(kc, ksc, c_ok, c, False, FP4_PACKED, ld, 128, FP4_LUT)).to(gl.bfloat16)
+            f = libdevice.exp(gl.load(ml + b * (3 * PH), mask=h_st, other=-1e30) - m_all)
             gl.thread_barrier()               # every warp's MMA of the block before has read the buffers
             p_smem.store(p)
             v_smem.store(v)
             fence_async_shared()
             gl.thread_barrier()
-            f = libdevice.exp(mb - m_all)
-            b1 = gl.minimum(b + 1, NB - 1)
-            p = gl.load(p_rows + b1 * (PH * _KEYS), mask=p_in, other=0.0)
-            mb = gl.load(ml + b1 * (3 * PH), mask=h_st, other=-1e30)
-            c_ok, kc, ksc = _pool_bytes(c_slots, b1, c, cpool_ptr, False, FP4_PACKED, ld)
             a = warpgroup_mma(p_smem, v_smem, zero, use_acc=False)
             o += a * f[:, None]
+            p = p1
         gl.store(out_rows + c * _DC, _bf16_rne_bits(o / den[:, None]), mask=h_ok[:, None])
 
 
 @gluon.jit
-def _pool_bytes(slots, b, c, pool_ptr, WINDOW: gl.constexpr, FP4_PACKED: gl.constexpr, ld: gl.constexpr):
-    """Block b's keys in one pool: their validity and the chunk c bytes of their records
-    (`_load_chunk`; nothing loaded for keys the pool does not hold), the slots from shared memory
-    (slots: [NB, 64] int32, -1 where none)."""
-    s = slots.index(b).load(gl.SliceLayout(1, ld))
-    ok = s >= 0
-    rec = _WREC if WINDOW else _CREC
-    codes, sc = _load_chunk(pool_ptr, gl.where(ok, s, 0).to(gl.int64) * rec, ok, c, WINDOW, FP4_PACKED, ld)
-    return ok, codes, sc
+def _block_bytes(w_slots, c_slots, b, c, wpool_ptr, cpool_ptr, FP4_PACKED: gl.constexpr, ld: gl.constexpr):
+    """Block b's keys: their validity per pool and the chunk c bytes of their window and compressed
+    records (`_load_chunk`; nothing loaded for keys a pool does not hold), the slots from shared
+    memory (w_slots / c_slots: [NB, 64] int32, -1 where none)."""
+    ws = w_slots.index(b).load(gl.SliceLayout(1, ld))
+    cs = c_slots.index(b).load(gl.SliceLayout(1, ld))
+    w_ok = ws >= 0
+    c_ok = cs >= 0
+    wc, wsc = _load_chunk(wpool_ptr, gl.where(w_ok, ws, 0).to(gl.int64) * _WREC, w_ok, c, True, FP4_PACKED, ld)
+    kc, ksc = _load_chunk(cpool_ptr, gl.where(c_ok, cs, 0).to(gl.int64) * _CREC, c_ok, c, False, FP4_PACKED, ld)
+    return w_ok, c_ok, wc, wsc, kc, ksc
 
 
 def mla_pv_(p: torch.Tensor, part_ml: torch.Tensor, flags: torch.Tensor, window_pool: torch.Tensor,

@@ -45,15 +45,9 @@ def test_second_launch_compiles_for_sm90_two_programs_an_sm(heads, w, k, chunks)
                                     FP4_PACKED=True, FP4_LUT=True),
                                num_warps=PV.NUM_WARPS, maxnreg=PV._MAXNREG)
     res = sm90.resources(kernel)
-    # at the cap a few values that live from before the blocks' loop to after it go to the stack
-    # (stored once, loaded once), none inside the loop, where the next block's bytes are in flight
-    # beside the accumulators
-    assert res["LOCAL"] == 0 and res["STACK"] <= 32, res
+    assert res["LOCAL"] == 0 and res["STACK"] == 0, res
     block_loops = [loop for loop in sm90.loops(kernel) if any("HGMMA" in t for t in loop)]
     assert len(block_loops) == chunks          # one loop over the blocks per chunk of the program
-    for loop in block_loops:
-        ops = sm90.opcode_counts(loop)
-        assert ops.get("STL", 0) == 0 and ops.get("LDL", 0) == 0, ops
     assert 2 * (kernel.metadata.shared + 1024) <= SM_SHARED, kernel.metadata.shared
     assert 2 * res["REG"] * 32 * PV.NUM_WARPS <= SM_REGS, res
     ins = [t for _, t in sm90.sass(kernel)]
