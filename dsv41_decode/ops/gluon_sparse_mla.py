@@ -6,7 +6,9 @@ One program per (row, 64-key block of the row's joined key list): the split of `
 split plans, with its decoupled look-back for the running max and its workspace layout, so the
 blocks' partials are combined by the same second launch (`sparse_mla._sparse_mla_combine_kernel`,
 in block order), or with `GluonSparseMlaConfig.combine="spread"` by all of the row's programs in
-the same launch, with that kernel's arithmetic (the same bits). A program:
+the same launch, with that kernel's arithmetic (the same bits); with `combine="pv"` the programs
+store their block's P instead of its partial, and P.V and the combination run in a second launch
+(`ops.gluon_sparse_mla_pv`, the same MMAs and arithmetic). A program:
 
 - takes its (row, block) from the plan's atomic ticket (blocks in ascending order, so it only
   waits for programs already running), loads q [H, 512] of its row into shared memory as four
@@ -47,7 +49,8 @@ the other rows of the launch: a row's blocks, their order and their arithmetic a
 every row count.
 
 Gluon (Triton 3.6.0) has no gather TMA on sm_90 (Hopper's TMA has no gather mode), so the records
-are loaded with `gl.load` into registers and stored to shared memory by the 8 warps themselves.
+are loaded with `gl.load` into registers and stored to shared memory by the 8 warps themselves
+(`ops.gluon_mla_records`, the gather and decode both launches of "pv" share).
 
 Several blocks a program (the contract's sequential loop over them, the accumulator carried from
 block to block) would write fewer partials, but it sums in another FP32 order than the per-block
