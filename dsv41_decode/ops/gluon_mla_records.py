@@ -29,6 +29,8 @@ from .sparse_mla_plan import BLOCK_KEYS
 NUM_WARPS = 8
 _WARPS: gl.constexpr = gl.constexpr(NUM_WARPS)
 _KEYS: gl.constexpr = gl.constexpr(BLOCK_KEYS)
+_M: gl.constexpr = gl.constexpr(64)          # the wgmma's M: the heads, padded
+_DC: gl.constexpr = gl.constexpr(128)        # dims per chunk of the keys in shared memory and of each P.V MMA
 _WREC: gl.constexpr = gl.constexpr(WINDOW_KV_BYTES)
 _CREC: gl.constexpr = gl.constexpr(COMPRESSED_KV_BYTES)
 

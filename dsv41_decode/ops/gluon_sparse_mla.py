@@ -78,7 +78,7 @@ from triton.experimental.gluon.language.extra import libdevice
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from .common import is_sm90, num_sms, plan_workspace
-from .gluon_mla_records import (_CREC, _KEYS, _WARPS, _WREC, NUM_WARPS, _add, _bf16_rne_bits, _block_slots,
+from .gluon_mla_records import (_CREC, _DC, _KEYS, _M, _WARPS, _WREC, NUM_WARPS, _add, _bf16_rne_bits, _block_slots,
                                 _decode_chunk, _decode_loaded, _load_chunk, _max)
 from .gluon_sparse_mla_pv import PV_CHUNKS, mla_pv_
 from .sparse_mla import check_sparse_mla_args, combine_partials_
@@ -86,8 +86,6 @@ from .sparse_mla_plan import SparseMlaPlan
 
 __all__ = ["NUM_WARPS", "PHASE_NAMES", "STEP_CONFIGS", "GluonSparseMlaConfig", "GluonSparseMlaPlan", "gluon_sparse_mla_"]
 
-_M: gl.constexpr = gl.constexpr(64)          # the wgmma's M: the heads, padded
-_DC: gl.constexpr = gl.constexpr(128)        # dims per chunk of the keys in shared memory and of each P.V MMA
 # Polls of the look-back before a program gives up (about a microsecond each: seconds in all). The
 # blocks a program waits for belong to programs already running, so the wait always ends; the bound
 # turns a broken invariant (say a ticket not reset) into NaN outputs instead of a hung GPU.

@@ -28,11 +28,9 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.extra import libdevice
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
-from .gluon_mla_records import (_CREC, _KEYS, _WARPS, _WREC, NUM_WARPS, _add, _bf16_rne_bits, _block_slots,
+from .gluon_mla_records import (_CREC, _DC, _KEYS, _M, _WARPS, _WREC, NUM_WARPS, _add, _bf16_rne_bits, _block_slots,
                                 _decode_loaded, _load_chunk)
 
-_M: gl.constexpr = gl.constexpr(64)          # the wgmma's M: the heads, padded
-_DC: gl.constexpr = gl.constexpr(128)        # dims per chunk
 PV_CHUNKS = (1, 2, 4)                        # GluonSparseMlaConfig.pv_chunks: 128-dim chunks a program
 # Two programs an SM (8 warps x 128 registers); sm_90 compiles without spills at 1-4 chunks a program
 # (Triton's own choice is 136-140 registers: one program an SM).
