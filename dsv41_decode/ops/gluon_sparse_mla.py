@@ -80,7 +80,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from .common import is_sm90, num_sms, plan_workspace
 from .gluon_mla_records import (_CREC, _DC, _KEYS, _M, _WARPS, _WREC, NUM_WARPS, _add, _bf16_rne_bits, _block_slots,
                                 _decode_chunk, _decode_loaded, _load_chunk, _max)
-from .gluon_sparse_mla_pv import PV_CHUNKS, mla_pv_
+from .gluon_sparse_mla_pv import PV_CHUNKS, PV_DIMS, mla_pv_
 from .sparse_mla import check_sparse_mla_args, combine_partials_
 from .sparse_mla_plan import SparseMlaPlan
 
@@ -538,9 +538,11 @@ class GluonSparseMlaConfig:
     at its start and end, its SM and whether it combined into `GluonSparseMlaPlan.phase_log`, one
     row per ticket (`scripts/probe_gluon_sparse_mla.py --phases` prints them).
 
-    pv_chunks (with combine="pv"): the 128-dim chunks of a row's output a program of the second
-    launch takes (1, 2 or 4: 4, 2 or 1 programs a row; each chunk's keys decoded and P.V run once
-    per block)."""
+    pv_chunks (with combine="pv"): the dim slices of a row's output a program of the second launch
+    takes (1, 2 or 4; each slice's keys decoded and P.V run once per block); pv_dims: the dims of a
+    slice, 128 (the first launch's P.V MMA, m64 n64 per warpgroup) or 64 (m64 n32: 8 / pv_chunks
+    programs a row, each with half the decode and P.V a block; the same bits wherever the 32-wide
+    wgmma sums each output as the 64-wide one does, which the GPU tests check)."""
 
     q_buffers: int = 2
     fp4_packed: bool = True
@@ -553,6 +555,7 @@ class GluonSparseMlaConfig:
     maxnreg: int | None = None
     phases: bool = False
     pv_chunks: int = 1
+    pv_dims: int = 128
 
     def __post_init__(self):
         if self.q_buffers not in (2, 4) or isinstance(self.q_buffers, bool):
@@ -573,6 +576,9 @@ class GluonSparseMlaConfig:
         c = self.pv_chunks
         if isinstance(c, bool) or not isinstance(c, int) or c not in PV_CHUNKS:
             raise ValueError(f"GluonSparseMlaConfig.pv_chunks must be one of {PV_CHUNKS}, got {self.pv_chunks!r}")
+        d = self.pv_dims
+        if isinstance(d, bool) or not isinstance(d, int) or d not in PV_DIMS:
+            raise ValueError(f"GluonSparseMlaConfig.pv_dims must be one of {PV_DIMS}, got {self.pv_dims!r}")
         m = self.maxnreg
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or not 64 <= m <= 255):
             raise ValueError(f"GluonSparseMlaConfig.maxnreg must be None or an int in [64, 255], got {m!r}")
@@ -728,7 +734,7 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
         _gluon_sparse_mla_kernel[(grid, )](*args[:5], p, *args[6:], SPREAD=False, TICKET=True, P_OUT=True, **consts)
         mla_pv_(p, base.part_ml, base.flags, window_pool, comp_pool, window_table, comp_table, sink, o16, n,
                 base.heads, base.window, base.topk, nb, base.block_h, config.pv_chunks, config.fp4_packed,
-                config.fp4_lut)
+                config.fp4_lut, config.pv_dims)
         return
     spread = combine == "spread"
     _gluon_sparse_mla_kernel[(grid, )](*args, SPREAD=spread, TICKET=not spread, **consts)

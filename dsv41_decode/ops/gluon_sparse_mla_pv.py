@@ -6,11 +6,12 @@ partials.
 The first launch is the block programs' scores, look-back and P, as in every configuration; each
 block stores its P (BF16 [heads, 64], 8 KB at 64 heads) and its (max, sum, valid-key count), not
 its [heads, 512] FP32 partial (128 KB at 64 heads: 84 MB each way at 64 rows). A program here
-takes one row and `pv_chunks` of the four 128-dim chunks of its output and, block by block in
-order, loads the block's P into shared memory, gathers and decodes the chunk's dims of the block's
-64 records (`gluon_mla_records`, the bytes and decode of the first launch), runs the block's P.V
-on `warpgroup_mma` from a zero accumulator (the first launch's MMA: m64 n64 k16 per warpgroup, the
-two warpgroups 64 dims each) and adds it, rescaled by exp(m_b - m_all), to the chunk's FP32 sum:
+takes one row and `pv_chunks` slices of `pv_dims` (128 or 64) of its output's 512 dims and, block
+by block in order, loads the block's P into shared memory, gathers and decodes the slice's dims of
+the block's 64 records (`gluon_mla_records`, the bytes and decode of the first launch), runs the
+block's P.V on `warpgroup_mma` from a zero accumulator (the first launch's MMA at 128 dims: m64 n64
+k16 per warpgroup, the two warpgroups 64 dims each; at 64 dims m64 n32) and adds it, rescaled by
+exp(m_b - m_all), to the slice's FP32 sum:
 `sparse_mla._sparse_mla_combine_kernel`'s arithmetic element for element (the maxima and the
 counts, the sums rescaled and added in block order, o = acc / (sum + exp(sink - m_all)) rounded to
 nearest even, zeros where the row has no valid key). So every value is the one the other
@@ -28,10 +29,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.extra import libdevice
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
-from .gluon_mla_records import (_CREC, _DC, _KEYS, _M, _WARPS, _WREC, NUM_WARPS, _add, _bf16_rne_bits, _block_slots,
+from .gluon_mla_records import (_CREC, _KEYS, _M, _WARPS, _WREC, NUM_WARPS, _add, _bf16_rne_bits, _block_slots,
                                 _decode_loaded, _load_chunk)
 
-PV_CHUNKS = (1, 2, 4)                        # GluonSparseMlaConfig.pv_chunks: 128-dim chunks a program
+PV_CHUNKS = (1, 2, 4)                        # GluonSparseMlaConfig.pv_chunks: dim slices a program
+PV_DIMS = (128, 64)                          # GluonSparseMlaConfig.pv_dims: the dims of a slice
 # Two programs an SM (8 warps x 128 registers); sm_90 compiles without spills at 1-4 chunks a program
 # (Triton's own choice is 136-140 registers: one program an SM).
 _MAXNREG = 128
@@ -42,22 +44,25 @@ def _gluon_mla_pv_kernel(
     p_ptr, part_ml_ptr, flag_ptr, wpool_ptr, cpool_ptr, wtab_ptr, ctab_ptr, sink_ptr, out_ptr,
     H, stride_wt, stride_ct, stride_on, stride_oh,
     W: gl.constexpr, W_P2: gl.constexpr, KC: gl.constexpr, NB: gl.constexpr,
-    PH: gl.constexpr, CPP: gl.constexpr, FP4_PACKED: gl.constexpr, FP4_LUT: gl.constexpr,
+    PH: gl.constexpr, CPP: gl.constexpr, FP4_PACKED: gl.constexpr, FP4_LUT: gl.constexpr, DW: gl.constexpr = 128,
 ):
-    # Grid: rows x (4 / CPP) programs, the slice the fastest. p_ptr: BF16 [N, NB, PH, 64], the
-    # blocks' P; part_ml_ptr: FP32 [N, NB, 3, PH] (max, sum, valid-key count); flag_ptr: int32
+    # Grid: rows x (512 / (DW CPP)) programs, the slice the fastest; a program the CPP DW-wide dim
+    # slices (DW: 128 or 64) sl CPP, ..., sl CPP + CPP - 1 of its row. p_ptr: BF16 [N, NB, PH, 64],
+    # the blocks' P; part_ml_ptr: FP32 [N, NB, 3, PH] (max, sum, valid-key count); flag_ptr: int32
     # [N, NB], the first launch's look-back words (zeroed here).
-    SL: gl.constexpr = 4 // CPP
+    SL: gl.constexpr = 512 // (DW * CPP)
     pid = gl.program_id(0)
     r = pid // SL
     sl = pid % SL
-    ld: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [_WARPS, 1], [1, 0])
+    # the loads and decode of a [64, DW] slice of the keys (DW / 8 consecutive dims a thread); P;
+    # P.V's accumulator (the two warpgroups DW / 2 dims each)
+    ld: gl.constexpr = gl.BlockedLayout([1, DW // 8], [4, 8], [_WARPS, 1], [1, 0])
     pl: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [_WARPS, 1], [1, 0])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 64, 16])
+    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, DW // 2, 16])
     p_smem = gl.allocate_shared_memory(gl.bfloat16, [_M, _KEYS], gl.NVMMASharedLayout.get_default_for(
         [_M, _KEYS], gl.bfloat16))
-    v_smem = gl.allocate_shared_memory(gl.bfloat16, [_KEYS, _DC], gl.NVMMASharedLayout.get_default_for(
-        [_KEYS, _DC], gl.bfloat16))
+    v_smem = gl.allocate_shared_memory(gl.bfloat16, [_KEYS, DW], gl.NVMMASharedLayout.get_default_for(
+        [_KEYS, DW], gl.bfloat16))
     tile = r.to(gl.int64) * NB
     if sl == 0:
         fw = gl.arange(0, 32, layout=gl.SliceLayout(1, ld))
@@ -101,26 +106,27 @@ def _gluon_mla_pv_kernel(
     kp = gl.arange(0, _KEYS, layout=gl.SliceLayout(0, pl))
     p_rows = p_ptr + (tile * PH + rp[:, None]) * _KEYS + kp[None, :]
     p_in = (rp < PH)[:, None]
-    do = gl.arange(0, _DC, layout=gl.SliceLayout(0, o_l))
+    do = gl.arange(0, DW, layout=gl.SliceLayout(0, o_l))
     out_rows = out_ptr + r * stride_on + ho[:, None] * stride_oh + do[None, :]
-    zero = gl.zeros([_M, _DC], gl.float32, o_l)
+    zero = gl.zeros([_M, DW], gl.float32, o_l)
     for cc in gl.static_range(CPP):
         c = sl * CPP + cc
-        o = gl.zeros([_M, _DC], gl.float32, o_l)
+        o = gl.zeros([_M, DW], gl.float32, o_l)
         # block b's P is loaded during block b - 1; its keys' bytes (both pools' codes of the chunk:
         # the loads of keys a pool does not hold are masked off) at its start
         p = gl.load(p_rows, mask=p_in, other=0.0)
         for b in range(NB):
             p1 = gl.load(p_rows + gl.minimum(b + 1, NB - 1) * (PH * _KEYS), mask=p_in, other=0.0)
-            w_ok, c_ok, wc, wsc, kc, ksc = _block_bytes(w_slots, c_slots, b, c, wpool_ptr, cpool_ptr, FP4_PACKED, ld)
+            w_ok, c_ok, wc, wsc, kc, ksc = _block_bytes(w_slots, c_slots, b, c, wpool_ptr, cpool_ptr, FP4_PACKED, ld,
+                                                        DW)
             start = b * _KEYS
             if start + _KEYS <= nw:           # window keys only
-                v = _decode_loaded(wc, wsc, w_ok, c, True, FP4_PACKED, ld).to(gl.bfloat16)
+                v = _decode_loaded(wc, wsc, w_ok, c, True, FP4_PACKED, ld, DW).to(gl.bfloat16)
             elif start >= nw:                 # compressed entries only
-                v = _decode_loaded(kc, ksc, c_ok, c, False, FP4_PACKED, ld, 128, FP4_LUT).to(gl.bfloat16)
+                v = _decode_loaded(kc, ksc, c_ok, c, False, FP4_PACKED, ld, DW, FP4_LUT).to(gl.bfloat16)
             else:                             # where the window ends: each decode is 0 off its keys
-                v = (_decode_loaded(wc, wsc, w_ok, c, True, FP4_PACKED, ld)
-                     + _decode_loaded(kc, ksc, c_ok, c, False, FP4_PACKED, ld, 128, FP4_LUT)).to(gl.bfloat16)
+                v = (_decode_loaded(wc, wsc, w_ok, c, True, FP4_PACKED, ld, DW)
+                     + _decode_loaded(kc, ksc, c_ok, c, False, FP4_PACKED, ld, DW, FP4_LUT)).to(gl.bfloat16)
             f = libdevice.exp(gl.load(ml + b * (3 * PH), mask=h_st, other=-1e30) - m_all)
             gl.thread_barrier()               # every warp's MMA of the block before has read the buffers
             p_smem.store(p)
@@ -130,33 +136,34 @@ def _gluon_mla_pv_kernel(
             a = warpgroup_mma(p_smem, v_smem, zero, use_acc=False)
             o += a * f[:, None]
             p = p1
-        gl.store(out_rows + c * _DC, _bf16_rne_bits(o / den[:, None]), mask=h_ok[:, None])
+        gl.store(out_rows + c * DW, _bf16_rne_bits(o / den[:, None]), mask=h_ok[:, None])
 
 
 @gluon.jit
-def _block_bytes(w_slots, c_slots, b, c, wpool_ptr, cpool_ptr, FP4_PACKED: gl.constexpr, ld: gl.constexpr):
-    """Block b's keys: their validity per pool and the chunk c bytes of their window and compressed
-    records (`_load_chunk`; nothing loaded for keys a pool does not hold), the slots from shared
-    memory (w_slots / c_slots: [NB, 64] int32, -1 where none)."""
+def _block_bytes(w_slots, c_slots, b, c, wpool_ptr, cpool_ptr, FP4_PACKED: gl.constexpr, ld: gl.constexpr,
+                 DW: gl.constexpr):
+    """Block b's keys: their validity per pool and the bytes of dims [DW c, DW c + DW) of their
+    window and compressed records (`_load_chunk`; nothing loaded for keys a pool does not hold), the
+    slots from shared memory (w_slots / c_slots: [NB, 64] int32, -1 where none)."""
     ws = w_slots.index(b).load(gl.SliceLayout(1, ld))
     cs = c_slots.index(b).load(gl.SliceLayout(1, ld))
     w_ok = ws >= 0
     c_ok = cs >= 0
-    wc, wsc = _load_chunk(wpool_ptr, gl.where(w_ok, ws, 0).to(gl.int64) * _WREC, w_ok, c, True, FP4_PACKED, ld)
-    kc, ksc = _load_chunk(cpool_ptr, gl.where(c_ok, cs, 0).to(gl.int64) * _CREC, c_ok, c, False, FP4_PACKED, ld)
+    wc, wsc = _load_chunk(wpool_ptr, gl.where(w_ok, ws, 0).to(gl.int64) * _WREC, w_ok, c, True, FP4_PACKED, ld, DW)
+    kc, ksc = _load_chunk(cpool_ptr, gl.where(c_ok, cs, 0).to(gl.int64) * _CREC, c_ok, c, False, FP4_PACKED, ld, DW)
     return w_ok, c_ok, wc, wsc, kc, ksc
 
 
 def mla_pv_(p: torch.Tensor, part_ml: torch.Tensor, flags: torch.Tensor, window_pool: torch.Tensor,
             comp_pool: torch.Tensor, window_table: torch.Tensor, comp_table: torch.Tensor, sink: torch.Tensor,
             o16: torch.Tensor, rows: int, heads: int, window: int, topk: int, blocks: int, block_h: int,
-            chunks: int, fp4_packed: bool, fp4_lut: bool) -> None:
+            chunks: int, fp4_packed: bool, fp4_lut: bool, dims: int = 128) -> None:
     """`_gluon_mla_pv_kernel` over `rows` rows (arguments checked by the caller,
     `gluon_sparse_mla_`): p the first launch's P (BF16 [rows, blocks, block_h, 64]), part_ml its
-    statistics, flags its look-back words, o16 the output's int16 view; `chunks` 128-dim chunks a
-    program."""
-    _gluon_mla_pv_kernel[(rows * (4 // chunks), )](
+    statistics, flags its look-back words, o16 the output's int16 view; `chunks` slices of `dims`
+    dims (128 or 64) a program."""
+    _gluon_mla_pv_kernel[(rows * (512 // (dims * chunks)), )](
         p, part_ml, flags, window_pool, comp_pool, window_table, comp_table, sink, o16,
         heads, window_table.stride(0), max(comp_table.stride(0), 1), o16.stride(0), o16.stride(1),
         W=window, W_P2=triton.next_power_of_2(window), KC=topk, NB=blocks, PH=block_h, CPP=chunks,
-        FP4_PACKED=fp4_packed, FP4_LUT=fp4_lut, num_warps=NUM_WARPS, maxnreg=_MAXNREG)
+        FP4_PACKED=fp4_packed, FP4_LUT=fp4_lut, DW=dims, num_warps=NUM_WARPS, maxnreg=_MAXNREG)

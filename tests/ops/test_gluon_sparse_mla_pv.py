@@ -7,7 +7,8 @@ wgmmas and none of P.V's, the second P.V's (one m64 n64 per warpgroup and 16 key
 and chunk) and none of the scores'; the configuration's errors name the option. On the GPU the
 combination is one of `tests/ops/test_gluon_sparse_mla.py`'s configurations (PV, PV2): the same
 bits as every other configuration on every row, against the reference, run to run, a row alone
-among others, the workspace clear after each launch.
+among others, the workspace clear after each launch (PV64: 64-dim slices, whose m64 n32 wgmma must
+sum each output as the first launch's m64 n64 does).
 """
 
 import pytest
@@ -31,29 +32,33 @@ def _shape(heads, w, k):
     return base.n_blocks, base.block_h
 
 
-# V4.1-Flash (128 window + 512 top-k keys) at every TP shard's head count, one, two and four chunks a
-# program at 64, and a window ending inside a block with a top-k not a multiple of 64 at 64 heads
-# (at 16 and 32 heads that small shape spills one register inside the loop: not a step shape)
-@pytest.mark.parametrize("heads,w,k,chunks", [(64, 128, 512, 1), (64, 128, 512, 2), (64, 128, 512, 4),
-                                              (32, 128, 512, 1), (16, 128, 512, 1), (8, 128, 512, 1),
-                                              (64, 16, 72, 1)],
-                         ids=["64h-1", "64h-2", "64h-4", "32h-1", "16h-1", "8h-1", "64h-mix-1"])
-def test_second_launch_compiles_for_sm90_two_programs_an_sm(heads, w, k, chunks):
+# V4.1-Flash (128 window + 512 top-k keys) at every TP shard's head count, one, two and four slices a
+# program of 128 dims at 64 heads, of 64 dims at 64 and 8, and a window ending inside a block with a
+# top-k not a multiple of 64 at 64 heads (at 16 and 32 heads that small shape spills one register
+# inside the loop of 128-dim slices: not a step shape)
+@pytest.mark.parametrize("heads,w,k,chunks,dims", [
+    (64, 128, 512, 1, 128), (64, 128, 512, 2, 128), (64, 128, 512, 4, 128), (32, 128, 512, 1, 128),
+    (16, 128, 512, 1, 128), (8, 128, 512, 1, 128), (64, 16, 72, 1, 128),
+    (64, 128, 512, 1, 64), (64, 128, 512, 2, 64), (8, 128, 512, 1, 64), (64, 16, 72, 1, 64)],
+    ids=["64h-1", "64h-2", "64h-4", "32h-1", "16h-1", "8h-1", "64h-mix-1", "64h-1x64", "64h-2x64", "8h-1x64",
+         "64h-mix-1x64"])
+def test_second_launch_compiles_for_sm90_two_programs_an_sm(heads, w, k, chunks, dims):
     nb, ph = _shape(heads, w, k)
     kernel = sm90.compile_sm90(PV._gluon_mla_pv_kernel, _TYPES,
                                dict(W=w, W_P2=1 << (w - 1).bit_length(), KC=k, NB=nb, PH=ph, CPP=chunks,
-                                    FP4_PACKED=True, FP4_LUT=True),
+                                    FP4_PACKED=True, FP4_LUT=True, DW=dims),
                                num_warps=PV.NUM_WARPS, maxnreg=PV._MAXNREG)
     res = sm90.resources(kernel)
     assert res["LOCAL"] == 0 and res["STACK"] == 0, res
     block_loops = [loop for loop in sm90.loops(kernel) if any("HGMMA" in t for t in loop)]
-    assert len(block_loops) == chunks          # one loop over the blocks per chunk of the program
+    assert len(block_loops) == chunks          # one loop over the blocks per slice of the program
     assert 2 * (kernel.metadata.shared + 1024) <= SM_SHARED, kernel.metadata.shared
     assert 2 * res["REG"] * 32 * PV.NUM_WARPS <= SM_REGS, res
     ins = [t for _, t in sm90.sass(kernel)]
     gmma = [t.split()[0] for t in ins if "GMMA" in t]
-    # P.V only: per chunk the block's four k16 steps of m64 n64 (the loop over the blocks is not unrolled)
-    assert gmma == ["HGMMA.64x64x16.F32.BF16"] * (4 * chunks), sorted(set(gmma))
+    # P.V only: per slice the block's four k16 steps of m64 n(dims / 2) (the loop over the blocks
+    # is not unrolled)
+    assert gmma == [f"HGMMA.64x{dims // 2}x16.F32.BF16"] * (4 * chunks), sorted(set(gmma))
 
 
 @pytest.mark.parametrize("heads", [64, 8])
@@ -80,4 +85,8 @@ def test_config_errors_name_the_option():
             G.GluonSparseMlaConfig(combine="pv", pv_chunks=chunks)
     with pytest.raises(ValueError, match="lookback"):
         G.GluonSparseMlaConfig(combine="pv", lookback="values")
+    for dims in (32, 256, 64.0, True):
+        with pytest.raises(ValueError, match="pv_dims"):
+            G.GluonSparseMlaConfig(combine="pv", pv_dims=dims)
+    assert G.GluonSparseMlaConfig(combine="pv", pv_dims=64).pv_dims == 64
     assert G.GluonSparseMlaConfig(combine="pv", pv_chunks=4).pv_chunks == 4
