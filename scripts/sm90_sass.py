@@ -2,8 +2,9 @@
 SASS instruction counts that docs/attn.md, docs/gemm.md and docs/step.md cite: per kernel the
 registers, the whole kernel's instructions, and the main loop's (per entry for the indexer; for the
 exact linear `GluonExactMM`, its consumer's loop over the ring's slots with its opcode mix, per
-configuration of the step's plan `_GLUON_PLAN`, or per `SPEC@ROWS` given after `exact_mm`).
-Usage: python scripts/sm90_sass.py [indexer] [combine] [wo_a] [ll_tail] [ll_scales] [exact_mm [SPEC@ROWS ...]]
+configuration of the step's plan `_GLUON_PLAN`, or per `SPEC@ROWS` given after `exact_mm`; for the
+sparse MLA's combination "pv", its second launch's loop over the blocks per slice width).
+Usage: python scripts/sm90_sass.py [indexer] [combine] [mla_pv] [wo_a] [ll_tail] [ll_scales] [exact_mm [SPEC@ROWS ...]]
 (default: all; e.g. `exact_mm f16w:64:32:1:32:4:1:80@64`)."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import sys
 
 import triton
 
-from dsv41_decode.ops import gluon_exact_mm, indexer, low_latency_mm, sparse_mla, wo_a
+from dsv41_decode.ops import gluon_exact_mm, gluon_sparse_mla_pv, indexer, low_latency_mm, sparse_mla, wo_a
 from dsv41_decode.ops.exact_linear import _GLUON_PLAN
 from dsv41_decode.testing.sm90 import (compile_exact_mm, compile_sm90, loop_with, main_loop, opcode_counts, resources,
                                        sass)
@@ -47,6 +48,19 @@ def combine() -> None:
                          dict(SPLIT=split, SPLIT_P2=1 << (split - 1).bit_length(), BLOCK_H=block_h, CHUNK=chunk,
                               SUB_H=sub_h, PDL=False), num_warps=4)
         print(_line(f"sparse-MLA combine S{split} H{block_h} C{chunk} h{sub_h}", k), flush=True)
+
+
+def mla_pv() -> None:
+    """The sparse MLA's combination "pv", its second launch (`gluon_sparse_mla_pv`) at V4.1-Flash's
+    128 + 512 keys and 64 heads, one slice a program of 128 and of 64 dims: the loop over the blocks
+    (its three kinds of block together; a block runs one)."""
+    types = {"p_ptr": "*bf16", "part_ml_ptr": "*fp32", "flag_ptr": "*i32", "wpool_ptr": "*u8", "cpool_ptr": "*u8",
+             "wtab_ptr": "*i32", "ctab_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": "*i16"}
+    for dims in gluon_sparse_mla_pv.PV_DIMS:
+        k = compile_sm90(gluon_sparse_mla_pv._gluon_mla_pv_kernel, types,
+                         dict(W=128, W_P2=128, KC=512, NB=10, PH=64, CPP=1, FP4_PACKED=True, FP4_LUT=True, DW=dims),
+                         num_warps=gluon_sparse_mla_pv.NUM_WARPS, maxnreg=gluon_sparse_mla_pv._MAXNREG)
+        print(_line(f"sparse-MLA pv second launch, {dims} dims", k), flush=True)
 
 
 def wo_a_paths() -> None:
@@ -117,7 +131,7 @@ def exact_mm(specs: list[str]) -> None:
               f"consumer loop {len(loop)} a slot  [{top}]", flush=True)
 
 
-STAGES = {"indexer": indexer_paths, "combine": combine, "wo_a": wo_a_paths, "ll_tail": ll_tail,
+STAGES = {"indexer": indexer_paths, "combine": combine, "mla_pv": mla_pv, "wo_a": wo_a_paths, "ll_tail": ll_tail,
           "ll_scales": ll_scales, "exact_mm": exact_mm}
 
 if __name__ == "__main__":
