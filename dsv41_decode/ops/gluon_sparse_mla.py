@@ -705,8 +705,11 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
     grid = n * nb * config.dim_split
     combine = config.combine
     log = plan.phase_log if plan.phase_log is not None else plan.counters
+    # with the combination "pv" the blocks' P goes into the partials' workspace (BF16 [n, nb,
+    # block_h, 64] fits in its FP32 [n, nb, block_h, 512])
+    acc_ws = base.part_acc.view(torch.bfloat16) if combine == "pv" else base.part_acc
     args = (q, window_pool, comp_pool, window_table, comp_table,
-            base.part_acc, base.part_ml, base.block_max, base.flags, base.ticket, sink, o16, plan.counters, log,
+            acc_ws, base.part_ml, base.block_max, base.flags, base.ticket, sink, o16, plan.counters, log,
             plan.board, n, base.heads, float(scale), q.stride(0), q.stride(1), window_table.stride(0),
             max(comp_table.stride(0), 1), o16.stride(0), o16.stride(1))
     consts = dict(W=base.window, W_P2=triton.next_power_of_2(base.window), KC=base.topk, NB=nb,
@@ -728,13 +731,9 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
             combine = "separate"
             consts["VALUES"] = False
     if combine == "pv":
-        # the blocks' P into the partials' workspace (BF16 [n, nb, block_h, 64] fits in its FP32
-        # [n, nb, block_h, 512]), then P.V and the combination
-        p = base.part_acc.view(torch.bfloat16)
-        _gluon_sparse_mla_kernel[(grid, )](*args[:5], p, *args[6:], SPREAD=False, TICKET=True, P_OUT=True, **consts)
-        mla_pv_(p, base.part_ml, base.flags, window_pool, comp_pool, window_table, comp_table, sink, o16, n,
-                base.heads, base.window, base.topk, nb, base.block_h, config.pv_chunks, config.fp4_packed,
-                config.fp4_lut, config.pv_dims)
+        # the blocks' scores and P, then P.V and the combination
+        _gluon_sparse_mla_kernel[(grid, )](*args, SPREAD=False, TICKET=True, P_OUT=True, **consts)
+        mla_pv_(base, config, acc_ws, window_pool, comp_pool, window_table, comp_table, sink, o16, n)
         return
     spread = combine == "spread"
     _gluon_sparse_mla_kernel[(grid, )](*args, SPREAD=spread, TICKET=not spread, **consts)

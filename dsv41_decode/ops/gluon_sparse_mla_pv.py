@@ -154,16 +154,19 @@ def _block_bytes(w_slots, c_slots, b, c, wpool_ptr, cpool_ptr, FP4_PACKED: gl.co
     return w_ok, c_ok, wc, wsc, kc, ksc
 
 
-def mla_pv_(p: torch.Tensor, part_ml: torch.Tensor, flags: torch.Tensor, window_pool: torch.Tensor,
-            comp_pool: torch.Tensor, window_table: torch.Tensor, comp_table: torch.Tensor, sink: torch.Tensor,
-            o16: torch.Tensor, rows: int, heads: int, window: int, topk: int, blocks: int, block_h: int,
-            chunks: int, fp4_packed: bool, fp4_lut: bool, dims: int = 128) -> None:
+def mla_pv_(base, config, p: torch.Tensor, window_pool: torch.Tensor, comp_pool: torch.Tensor,
+            window_table: torch.Tensor, comp_table: torch.Tensor, sink: torch.Tensor, o16: torch.Tensor,
+            rows: int) -> None:
     """`_gluon_mla_pv_kernel` over `rows` rows (arguments checked by the caller,
-    `gluon_sparse_mla_`): p the first launch's P (BF16 [rows, blocks, block_h, 64]), part_ml its
-    statistics, flags its look-back words, o16 the output's int16 view; `chunks` slices of `dims`
-    dims (128 or 64) a program."""
-    _gluon_mla_pv_kernel[(rows * (512 // (dims * chunks)), )](
-        p, part_ml, flags, window_pool, comp_pool, window_table, comp_table, sink, o16,
-        heads, window_table.stride(0), max(comp_table.stride(0), 1), o16.stride(0), o16.stride(1),
-        W=window, W_P2=triton.next_power_of_2(window), KC=topk, NB=blocks, PH=block_h, CPP=chunks,
-        FP4_PACKED=fp4_packed, FP4_LUT=fp4_lut, DW=dims, num_warps=NUM_WARPS, maxnreg=_MAXNREG)
+    `gluon_sparse_mla_`): base the plan's `SparseMlaPlan` (its shape, statistics and look-back
+    words), config its `GluonSparseMlaConfig` (pv_chunks slices of pv_dims dims a program, the
+    record decode's options), p the first launch's P (BF16 [rows, blocks, block_h, 64]), o16 the
+    output's int16 view."""
+    nb = base.n_blocks
+    _gluon_mla_pv_kernel[(rows * (512 // (config.pv_dims * config.pv_chunks)), )](
+        p, base.part_ml, base.flags, window_pool, comp_pool, window_table, comp_table, sink, o16,
+        base.heads, window_table.stride(0), max(comp_table.stride(0), 1), o16.stride(0), o16.stride(1),
+        W=base.window, W_P2=triton.next_power_of_2(base.window), KC=base.topk, NB=nb, PH=base.block_h,
+        CPP=config.pv_chunks,
+        FP4_PACKED=config.fp4_packed, FP4_LUT=config.fp4_lut, DW=config.pv_dims, num_warps=NUM_WARPS,
+        maxnreg=_MAXNREG)
