@@ -60,15 +60,13 @@ one block a program at 1 row, 1.4x at 64 rows, its blocks decoded in eight depen
 round trips), it was removed. No configuration here changes a bit, so the step may pick one per
 row count.
 
-The plan, `GluonSparseMlaPlan`, holds a `SparseMlaPlan` with `split=True`, `separate_combine=True`
-and all heads in one group (`block_h` = max(16, H): the workspace holds the real heads, 8 padded to
-16), the `GluonSparseMlaConfig`, the spread combination's counters and the debug phase log. The
-step's configuration per row count: `STEP_CONFIGS` (`GluonSparseMlaPlan.for_step`).
+The options (`GluonSparseMlaConfig`), the plan (`GluonSparseMlaPlan`: a `SparseMlaPlan` with
+`split=True`, `separate_combine=True` and all heads in one group, the spread combination's counters
+and the debug phase log) and the step's configuration per row count (`STEP_CONFIGS`) live in
+`ops.gluon_sparse_mla_plan`; this module re-exports them with the kernel and its launcher.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -77,12 +75,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.extra import libdevice
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
-from .common import is_sm90, num_sms, plan_workspace
+from .common import is_sm90, num_sms
 from .gluon_mla_records import (_CREC, _DC, _KEYS, _M, _WARPS, _WREC, NUM_WARPS, _add, _bf16_rne_bits, _block_slots,
                                 _decode_chunk, _decode_loaded, _load_chunk, _max)
-from .gluon_sparse_mla_pv import PV_CHUNKS, PV_DIMS, mla_pv_
+from .gluon_sparse_mla_plan import PHASE_COLS, PHASE_NAMES, STEP_CONFIGS, GluonSparseMlaConfig, GluonSparseMlaPlan
+from .gluon_sparse_mla_pv import mla_pv_
 from .sparse_mla import check_sparse_mla_args, combine_partials_
-from .sparse_mla_plan import SparseMlaPlan
 
 __all__ = ["NUM_WARPS", "PHASE_NAMES", "STEP_CONFIGS", "GluonSparseMlaConfig", "GluonSparseMlaPlan", "gluon_sparse_mla_"]
 
@@ -90,7 +88,6 @@ __all__ = ["NUM_WARPS", "PHASE_NAMES", "STEP_CONFIGS", "GluonSparseMlaConfig", "
 # blocks a program waits for belong to programs already running, so the wait always ends; the bound
 # turns a broken invariant (say a ticket not reset) into NaN outputs instead of a hung GPU.
 _SPIN_LIMIT: gl.constexpr = gl.constexpr(1 << 22)
-_COMBINES = ("separate", "spread", "pv")     # GluonSparseMlaConfig.combine
 
 
 @gluon.jit
@@ -136,14 +133,7 @@ def _stamp_global(log_row, SLOT: gl.constexpr, ASM: gl.constexpr, PHASES: gl.con
         gl.store(log_row + SLOT, t)
 
 
-# The phase log's columns (`GluonSparseMlaConfig.phases`, one int64 row per ticket): clock64 at the
-# program's phase boundaries (0 where the program did not pass one: `arrived` and `combined` without
-# the spread combination), then globaltimer at its start and end, its SM, whether it was the row's
-# last to arrive (spread: it cleared the row's look-back state), and clock64 at its end (with
-# globaltimer: the clock's rate).
-PHASE_NAMES = ("start", "tables", "q_loaded", "gathered", "decoded", "scores", "look_back", "pv_stored",
-               "arrived", "combined")
-PHASE_COLS = 16
+# The phase log's columns past `PHASE_NAMES`' (`gluon_sparse_mla_plan`: what each holds).
 _PH_GSTART: gl.constexpr = gl.constexpr(10)
 _PH_GEND: gl.constexpr = gl.constexpr(11)
 _PH_SM: gl.constexpr = gl.constexpr(12)
@@ -471,218 +461,6 @@ def programs_per_sm(kernel) -> int:
     kernel._init_handles()
     regs = -(-kernel.n_regs // 8) * 8 * kernel.metadata.num_warps * 32
     return max(0, min(65536 // regs, 228 * 1024 // (kernel.metadata.shared + 1024), 32))
-
-
-@dataclass(frozen=True)
-class GluonSparseMlaConfig:
-    """The kernel's options; none of them changes a bit of the output (tests/ops/test_gluon_sparse_mla.py
-    checks every one against the default on the GPU), so a step may pick them per row count.
-
-    q_buffers, the [64, 128] q chunks held in shared memory (4: all of q, 136 KB a program, one
-    program per SM; 2: the last two chunks held in registers from the start and stored into the
-    first two's buffers once their score MMAs have read them, 104 KB, two programs per SM);
-    fp4_packed, the compressed records' codes loaded 8 bytes to a thread and their nibbles split in
-    registers (else one byte load per dim); prefetch, a block's loads of all four 128-dim chunks
-    issued before the first is decoded (one memory latency instead of four; the block where the
-    window ends keeps chunk by chunk).
-
-    dim_split S (1, 2 or 4): S programs per (row, block), each computing the block's scores and
-    look-back in full (the same bits: the same MMAs on the same operands) and P.V and the partial
-    for 512 / S of V's dims: S times the programs (more SMs busy at 1-8 rows), each with 1 / S of
-    the P.V MMAs and of the partial's store; S times the decode and score work in all.
-
-    combine: "separate", the blocks' partials combined by a second launch
-    (`sparse_mla._sparse_mla_combine_kernel`); "spread", by all the row's programs in the same launch:
-    each waits until the row's NB x S programs have arrived (an acq_rel counter per row in
-    `GluonSparseMlaPlan.counters`), then combines its share of the row's [heads, 512] with the separate
-    kernel's arithmetic in its block order (the same bits), so a row's combination runs on NB x S SMs.
-    (The last-arriving program of a row combining it alone, measured on the H200, took 37 us at 1 row
-    against the spread combination's 18.8: it was removed.) Waiting on programs that may not have
-    started is only sound where the whole grid is resident at once: the launcher runs "spread" where the
-    launch's programs fit the SMs (`programs_per_sm` of its compiled kernel: two a SM at <= 128
-    registers with q_buffers=2) and the separate combination with the flag look-back elsewhere (the same
-    bits either way). Where it runs, every program is resident, so the programs take their (row, block)
-    from the program id, not the atomic ticket (one round trip less).
-
-    "pv": the block programs store their P (BF16 [heads, 64]) and statistics instead of their FP32
-    partials, and a second launch (`gluon_sparse_mla_pv`) runs P.V and the combination per row and
-    `pv_chunks` 128-dim chunks of its output, block by block in order, each block's P.V rescaled
-    into the chunk's sum as the separate kernel does: the same MMAs on the same operands and the
-    same arithmetic, so the same bits, with the partials kept in registers (84 MB each way at 64
-    rows and 64 heads for the other two) and the keys' dims decoded once more there (dim_split 1
-    and the flag look-back only).
-
-    lookback: how a block's program learns the maxima of the blocks before it: "flags" (each
-    program stores its block's maxima, then sets its bit of the row's flag words with release; the
-    later ones poll the words with acquire, then load the maxima: a fence and two round trips), or
-    "values" (with the spread combination, whose last program of a row clears it: each program
-    stores ~bits(max) into the row's int32 board, zero between launches, and the later ones poll the
-    board itself until every earlier entry is nonzero: one round trip once they are there; a max
-    whose bits are 0xFFFFFFFF, a NaN, never counts as published: its row's outputs come out NaN).
-
-    fp4_lut (with fp4_packed): the compressed records' E2M1 codes decoded 8 values at a time in
-    BF16 pairs by inline PTX (a PRMT table of the magnitudes' bytes, the sign ORed in, one BF16 pair
-    multiply by the scale; exact, so the same values), where the FP32 path spends ~19 instructions a
-    value: the decode is the longest phase of a program (2.7 us of 13 at 1 row on the H200).
-
-    maxnreg: the registers ptxas may give a thread (None: its own choice); 128 fits two programs an
-    SM (fp4_lut takes 154-156 on its own: capped at 128, the spread combination's kernel compiles
-    without spills, the separate one's spills 112 bytes).
-
-    pv_pipeline: a program's P.V chunks issued asynchronously, the next one's MMA in flight while
-    the one before is stored (ptxas already overlaps the next chunk's MMA issue with the stores in
-    part without it).
-
-    phases (debug; slower): each program writes its SM's cycle counter at its phase boundaries
-    (`PHASE_NAMES`; each after a barrier, so the time at which every warp has passed it), globaltimer
-    at its start and end, its SM and whether it combined into `GluonSparseMlaPlan.phase_log`, one
-    row per ticket (`scripts/probe_gluon_sparse_mla.py --phases` prints them).
-
-    pv_chunks (with combine="pv"): the dim slices of a row's output a program of the second launch
-    takes (1, 2 or 4; each slice's keys decoded and P.V run once per block); pv_dims: the dims of a
-    slice, 128 (the first launch's P.V MMA, m64 n64 per warpgroup) or 64 (m64 n32: 8 / pv_chunks
-    programs a row, each with half the decode and P.V a block; the same bits wherever the 32-wide
-    wgmma sums each output as the 64-wide one does, which the GPU tests check)."""
-
-    q_buffers: int = 2
-    fp4_packed: bool = True
-    prefetch: bool = True
-    dim_split: int = 1
-    combine: str = "separate"
-    lookback: str = "flags"
-    pv_pipeline: bool = False
-    fp4_lut: bool = False
-    maxnreg: int | None = None
-    phases: bool = False
-    pv_chunks: int = 1
-    pv_dims: int = 128
-
-    def __post_init__(self):
-        if self.q_buffers not in (2, 4) or isinstance(self.q_buffers, bool):
-            raise ValueError(f"GluonSparseMlaConfig.q_buffers must be 2 or 4, got {self.q_buffers!r}")
-        d = self.dim_split
-        if isinstance(d, bool) or not isinstance(d, int) or d not in (1, 2, 4):
-            raise ValueError(f"GluonSparseMlaConfig.dim_split must be 1, 2 or 4, got {self.dim_split!r}")
-        if self.combine not in _COMBINES:
-            raise ValueError(f"GluonSparseMlaConfig.combine must be one of {_COMBINES}, got {self.combine!r}")
-        if self.lookback not in ("flags", "values"):
-            raise ValueError(f"GluonSparseMlaConfig.lookback must be 'flags' or 'values', got {self.lookback!r}")
-        if self.lookback == "values" and self.combine == "separate":
-            raise ValueError("GluonSparseMlaConfig.lookback='values' needs combine='spread' (its last program of a "
-                             "row clears the board of maxima), got combine='separate'")
-        if self.combine == "pv" and (self.dim_split != 1 or self.lookback != "flags"):
-            raise ValueError(f"GluonSparseMlaConfig.combine='pv' runs P.V in its second launch: it needs dim_split=1 "
-                             f"and lookback='flags', got dim_split={self.dim_split!r}, lookback={self.lookback!r}")
-        c = self.pv_chunks
-        if isinstance(c, bool) or not isinstance(c, int) or c not in PV_CHUNKS:
-            raise ValueError(f"GluonSparseMlaConfig.pv_chunks must be one of {PV_CHUNKS}, got {self.pv_chunks!r}")
-        d = self.pv_dims
-        if isinstance(d, bool) or not isinstance(d, int) or d not in PV_DIMS:
-            raise ValueError(f"GluonSparseMlaConfig.pv_dims must be one of {PV_DIMS}, got {self.pv_dims!r}")
-        m = self.maxnreg
-        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or not 64 <= m <= 255):
-            raise ValueError(f"GluonSparseMlaConfig.maxnreg must be None or an int in [64, 255], got {m!r}")
-        if self.fp4_lut is True and not self.fp4_packed:
-            raise ValueError("GluonSparseMlaConfig.fp4_lut decodes fp4_packed's 8-byte loads: it needs fp4_packed=True")
-        for name in ("fp4_packed", "prefetch", "pv_pipeline", "fp4_lut", "phases"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"GluonSparseMlaConfig.{name} must be a bool, got {type(getattr(self, name)).__name__}")
-
-
-# The decode step's configuration per row count (`GluonSparseMlaPlan.for_step`; (most rows, config),
-# ascending: a launch takes the first plan that holds its rows; None: every row count above).
-# Measured on an H200 (`scripts/probe_gluon_sparse_mla.py` at 27e9b3b, 64 heads, 128 window + 512
-# top-k keys, graph replay; us at 1 / 2 / 4 / 8 / 16 / 64 rows): the default 17.68 / 17.38 / 17.87 /
-# 19.15 / 34.93 / 101.08; dim_split 4 + spread + values look-back + fp4_lut 12.82 / 13.20 / 18.97 /
-# 30.02 / 46.89 / 183.55; spread + values look-back + fp4_lut + maxnreg 128 17.65 / 17.40 / 17.16 /
-# 17.59 / 28.60 / 106.46 (FlashMLA on the V4 record, same run: 12.20 / 12.63 / 13.30 / 14.01 /
-# 16.13 / 42.24). At 3-4 rows dim_split 2 + spread + values look-back + fp4_lut + maxnreg 128 (two
-# programs an SM, all 80 of 4 rows resident): 14.75 us at 4 rows against spreadvlc's 17.62, 22.07
-# at 8 against 17.85 (32 heads: 12.96 / 18.71 against 14.11 / 14.32; FlashMLA 12.59 / 13.50;
-# `docs/results/gpu-tests-h200.txt` run Y at 76a2b89). Above 16 rows P.V and the combination in a
-# second launch, a 128-dim chunk a program, + fp4_lut + maxnreg 128 (run AB at 029f2ed: 48.88 /
-# 68.54 us at 32 / 64 rows against the default's 52.02 / 91.68 and spreadvlc's 54.79 / 96.82; 37.45
-# at 16 against spreadvlc's 28.46; two or four chunks a program slower at every row count). Every
-# configuration gives the default's bits on every row (the probe's `cfg==` in every cell;
-# `test_gpu_every_config_gives_the_same_bits`), so a row's outputs do not depend on the bucket its
-# step runs in: batch invariance holds across the buckets.
-STEP_CONFIGS = ((2, GluonSparseMlaConfig(dim_split=4, combine="spread", lookback="values", fp4_lut=True)),
-                (4, GluonSparseMlaConfig(dim_split=2, combine="spread", lookback="values", fp4_lut=True, maxnreg=128)),
-                (16, GluonSparseMlaConfig(combine="spread", lookback="values", fp4_lut=True, maxnreg=128)),
-                (None, GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128)))
-
-
-@dataclass(frozen=True, eq=False)
-class GluonSparseMlaPlan:
-    """The kernel's plan: `base`, the `SparseMlaPlan` whose split, workspace and combination it
-    shares (split into 64-key blocks, combined by the separate launch, all heads in one group of
-    block_h = max(16, heads): the workspace's heads, which the kernel pads to the wgmma's 64),
-    `config`, `counters` (int32 [max_rows], zero between launches: the spread combination's
-    arrivals per row), `board` (int32 [max_rows, blocks, block_h] with lookback="values", zero
-    between launches; else one unused int32), `resident` (the spread combination's programs per SM,
-    from its compiled kernel on the first launch), and `phase_log` (int64 [max_rows x blocks x
-    dim_split, 16] with `config.phases`, else None). Build with `GluonSparseMlaPlan.build` (or the
-    step's, `for_step`); not for concurrent launches (as `base`)."""
-
-    base: SparseMlaPlan
-    config: GluonSparseMlaConfig
-    counters: torch.Tensor
-    board: torch.Tensor
-    phase_log: torch.Tensor | None = None
-    resident: dict = field(default_factory=dict)
-
-    @classmethod
-    def build(cls, max_rows: int, heads: int, window: int, topk: int, device="cuda", *, workspace=None,
-              config: GluonSparseMlaConfig | None = None) -> "GluonSparseMlaPlan":
-        """A plan for launches of up to max_rows rows of `heads` (8, 16, 32 or 64) heads, `window`
-        window slots and `topk` compressed entries a row; workspace: as `SparseMlaPlan.build`'s
-        (the step's shared pool; the counters from its int32 slot 3); config: None for the default
-        `GluonSparseMlaConfig`."""
-        if heads not in (8, 16, 32, 64):
-            raise ValueError(f"heads must be one of (8, 16, 32, 64), got {heads!r}")
-        if config is None:
-            config = GluonSparseMlaConfig()
-        if not isinstance(config, GluonSparseMlaConfig):
-            raise TypeError(f"config must be a GluonSparseMlaConfig, got {type(config).__name__}")
-        base = SparseMlaPlan.build(max_rows, heads, window, topk, device, block_h=max(16, heads), split=True,
-                                   separate_combine=True, workspace=workspace)
-        counters = plan_workspace(workspace, 3, max_rows, torch.int32, base.device)
-        board = plan_workspace(workspace, 4, max_rows * base.n_blocks * base.block_h if config.lookback == "values"
-                               else 1, torch.int32, base.device)
-        log = None
-        if config.phases:
-            log = torch.zeros(max_rows * base.n_blocks * config.dim_split, PHASE_COLS, dtype=torch.int64,
-                              device=base.device)
-        return cls(base, config, counters, board, log)
-
-    @classmethod
-    def for_step(cls, max_rows: int, heads: int, window: int, topk: int, device="cuda", *,
-                 workspace=None) -> list["GluonSparseMlaPlan"]:
-        """The decode step's plans for rows 1..max_rows, one per `STEP_CONFIGS` bucket that holds
-        some of them (ascending max_rows, the last one's max_rows = max_rows; a launch takes the
-        first that holds its rows). workspace: as `build`'s; with the step's pool the plans share
-        its views (they run on the main stream one after another, each leaving its integer views
-        at zero), so the pool holds the largest plan's workspaces, not their sum."""
-        plans, lo = [], 0
-        for hi, config in STEP_CONFIGS:
-            if lo >= max_rows:
-                break
-            rows = max_rows if hi is None else min(hi, max_rows)
-            plans.append(cls.build(rows, heads, window, topk, device, workspace=workspace, config=config))
-            lo = rows
-        return plans
-
-    @property
-    def max_rows(self) -> int:
-        return self.base.max_rows
-
-    @property
-    def heads(self) -> int:
-        return self.base.heads
-
-    @property
-    def device(self) -> torch.device:
-        return self.base.device
 
 
 def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: torch.Tensor, comp_pool: torch.Tensor,
