@@ -16,13 +16,12 @@ import pytest
 from dsv41_decode.ops import gluon_sparse_mla as G
 from dsv41_decode.ops import gluon_sparse_mla_pv as PV
 from dsv41_decode.testing import sm90
+from test_gluon_sparse_mla import _TYPES as FIRST_TYPES
 
 _TYPES = {"p_ptr": "*bf16", "part_ml_ptr": "*fp32", "flag_ptr": "*i32", "wpool_ptr": "*u8", "cpool_ptr": "*u8",
           "wtab_ptr": "*i32", "ctab_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": "*i16"}
-_FIRST_TYPES = {"q_ptr": "*bf16", "wpool_ptr": "*u8", "cpool_ptr": "*u8", "wtab_ptr": "*i32", "ctab_ptr": "*i32",
-                "part_acc_ptr": "*bf16", "part_ml_ptr": "*fp32", "block_max_ptr": "*fp32", "flag_ptr": "*i32",
-                "ticket_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": "*i16", "count_ptr": "*i32", "log_ptr": "*i64",
-                "board_ptr": "*i32", "scale": "fp32"}
+# the first launch's, with P (BF16) where the other configurations' partials (FP32) go
+_FIRST_TYPES = dict(FIRST_TYPES, part_acc_ptr="*bf16")
 # 228 KB of shared memory and 64K registers an SM, 1 KB reserved per program
 SM_SHARED, SM_REGS = 228 * 1024, 65536
 
