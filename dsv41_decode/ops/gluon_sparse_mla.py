@@ -62,7 +62,7 @@ row count.
 
 The options (`GluonSparseMlaConfig`), the plan (`GluonSparseMlaPlan`: a `SparseMlaPlan` with
 `split=True`, `separate_combine=True` and all heads in one group, the spread combination's counters
-and the debug phase log) and the step's configuration per row count (`STEP_CONFIGS`) live in
+and the debug phase log) and the step's configurations per row and head count (`STEP_CONFIGS`) live in
 `ops.gluon_sparse_mla_plan`; this module re-exports them with the kernel and its launcher.
 """
 

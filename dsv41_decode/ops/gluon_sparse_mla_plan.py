@@ -1,6 +1,6 @@
 """The options, plan and step configurations of the Gluon sparse MLA (`ops.gluon_sparse_mla`, whose
 kernel and launcher take them): `GluonSparseMlaConfig` (every option gives the same bits), the
-decode step's configuration per row count `STEP_CONFIGS`, and `GluonSparseMlaPlan`, which binds a
+decode step's configurations per row count and head count `STEP_CONFIGS`, and `GluonSparseMlaPlan`, which binds a
 `SparseMlaPlan` (the split's blocks, workspace and combination), the configuration, the spread
 combination's counters, the board of maxima and the debug phase log (`PHASE_NAMES`)."""
 
@@ -144,27 +144,42 @@ class GluonSparseMlaConfig:
                 raise TypeError(f"GluonSparseMlaConfig.{name} must be a bool, got {type(getattr(self, name)).__name__}")
 
 
-# The decode step's configuration per row count (`GluonSparseMlaPlan.for_step`; (most rows, config),
-# ascending: a launch takes the first plan that holds its rows; None: every row count above).
-# Measured on an H200 (`scripts/probe_gluon_sparse_mla.py` at 27e9b3b, 64 heads, 128 window + 512
-# top-k keys, graph replay; us at 1 / 2 / 4 / 8 / 16 / 64 rows): the default 17.68 / 17.38 / 17.87 /
-# 19.15 / 34.93 / 101.08; dim_split 4 + spread + values look-back + fp4_lut 12.82 / 13.20 / 18.97 /
-# 30.02 / 46.89 / 183.55; spread + values look-back + fp4_lut + maxnreg 128 17.65 / 17.40 / 17.16 /
-# 17.59 / 28.60 / 106.46 (FlashMLA on the V4 record, same run: 12.20 / 12.63 / 13.30 / 14.01 /
-# 16.13 / 42.24). At 3-4 rows dim_split 2 + spread + values look-back + fp4_lut + maxnreg 128 (two
-# programs an SM, all 80 of 4 rows resident): 14.75 us at 4 rows against spreadvlc's 17.62, 22.07
-# at 8 against 17.85 (32 heads: 12.96 / 18.71 against 14.11 / 14.32; FlashMLA 12.59 / 13.50;
-# `docs/results/gpu-tests-h200.txt` run Y at 76a2b89). Above 16 rows P.V and the combination in a
-# second launch, a 128-dim chunk a program, + fp4_lut + maxnreg 128 (run AB at 029f2ed: 48.88 /
-# 68.54 us at 32 / 64 rows against the default's 52.02 / 91.68 and spreadvlc's 54.79 / 96.82; 37.45
-# at 16 against spreadvlc's 28.46; two or four chunks a program slower at every row count). Every
-# configuration gives the default's bits on every row (the probe's `cfg==` in every cell;
-# `test_gpu_every_config_gives_the_same_bits`), so a row's outputs do not depend on the bucket its
-# step runs in: batch invariance holds across the buckets.
-STEP_CONFIGS = ((2, GluonSparseMlaConfig(dim_split=4, combine="spread", lookback="values", fp4_lut=True)),
-                (4, GluonSparseMlaConfig(dim_split=2, combine="spread", lookback="values", fp4_lut=True, maxnreg=128)),
-                (16, GluonSparseMlaConfig(combine="spread", lookback="values", fp4_lut=True, maxnreg=128)),
-                (None, GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128)))
+_SPLIT4SVL = GluonSparseMlaConfig(dim_split=4, combine="spread", lookback="values", fp4_lut=True)
+_SPLIT2SVLC = GluonSparseMlaConfig(dim_split=2, combine="spread", lookback="values", fp4_lut=True, maxnreg=128)
+_SPREADVLC = GluonSparseMlaConfig(combine="spread", lookback="values", fp4_lut=True, maxnreg=128)
+_PV = GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128)
+_PV64 = GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_dims=64)
+
+# The decode step's configuration per row count, by the heads a program holds (`block_h`: 16 for 8
+# and 16 local heads, which the kernel pads to 16, then 32, 64; `GluonSparseMlaPlan.for_step`;
+# (most rows, config), ascending: a launch takes the first plan that holds its rows; None: every
+# row count above). Measured on an H200 (`scripts/probe_gluon_sparse_mla.py`, 128 window + 512
+# top-k keys, graph replay; `docs/results/gpu-tests-h200.txt`), at 64 heads (27e9b3b; us at 1 / 2 /
+# 4 / 8 / 16 / 64 rows): the default 17.68 / 17.38 / 17.87 / 19.15 / 34.93 / 101.08; dim_split 4 +
+# spread + values look-back + fp4_lut 12.82 / 13.20 / 18.97 / 30.02 / 46.89 / 183.55; spread +
+# values look-back + fp4_lut + maxnreg 128 17.65 / 17.40 / 17.16 / 17.59 / 28.60 / 106.46 (FlashMLA
+# on the V4 record, same run: 12.20 / 12.63 / 13.30 / 14.01 / 16.13 / 42.24). At 3-4 rows dim_split
+# 2 + spread + values look-back + fp4_lut + maxnreg 128 (two programs an SM, all 80 of 4 rows
+# resident): 14.75 us at 4 rows against spreadvlc's 17.62, 22.07 at 8 against 17.85 (32 heads:
+# 12.96 / 18.71 against 14.11 / 14.32; FlashMLA 12.59 / 13.50; run Y at 76a2b89). Above 16 rows at
+# 32-64 heads P.V and the combination in a second launch + fp4_lut + maxnreg 128 (run AB at
+# 029f2ed: 48.88 / 68.54 us at 32 / 64 rows against the default's 52.02 / 91.68 and spreadvlc's
+# 54.79 / 96.82; 37.45 at 16 against spreadvlc's 28.46), at 17-32 rows of 64 heads on 64-dim slices
+# (eight programs a row): 47.80 against 49.65 at 32 rows, 31.89 against 37.66 at 16 (run AG at
+# 60428a8; 45.37 against 46.97 at 32 rows in run AI), slower at 64 (77.40 against 69.64). At 8-16
+# heads the spread combination beats the second launch at every row count measured: 16 heads
+# 30.13 / 46.35 us at 32 / 64 rows against 44.92 / 62.26 (run AG; 29.80 / 46.31 against 44.54 /
+# 61.88 in run AB, 29.72 / 46.26 against 45.66 / 64.10 in run AE; 64 rows run the separate
+# combination, its grid past the resident one). At 32 heads above 16 rows the 64 heads' second
+# launch on 128-dim slices (not yet measured there). Every configuration gives the default's bits on
+# every row (the probe's `cfg==` in every cell; `test_gpu_every_config_gives_the_same_bits`), so a
+# row's outputs do not depend on the bucket its step runs in: batch invariance holds across the
+# buckets.
+STEP_CONFIGS: dict[int, tuple] = {
+    16: ((2, _SPLIT4SVL), (4, _SPLIT2SVLC), (None, _SPREADVLC)),
+    32: ((2, _SPLIT4SVL), (4, _SPLIT2SVLC), (16, _SPREADVLC), (None, _PV)),
+    64: ((2, _SPLIT4SVL), (4, _SPLIT2SVLC), (16, _SPREADVLC), (32, _PV64), (None, _PV)),
+}
 
 
 @dataclass(frozen=True, eq=False)
@@ -213,13 +228,16 @@ class GluonSparseMlaPlan:
     @classmethod
     def for_step(cls, max_rows: int, heads: int, window: int, topk: int, device="cuda", *,
                  workspace=None) -> list["GluonSparseMlaPlan"]:
-        """The decode step's plans for rows 1..max_rows, one per `STEP_CONFIGS` bucket that holds
-        some of them (ascending max_rows, the last one's max_rows = max_rows; a launch takes the
-        first that holds its rows). workspace: as `build`'s; with the step's pool the plans share
-        its views (they run on the main stream one after another, each leaving its integer views
-        at zero), so the pool holds the largest plan's workspaces, not their sum."""
+        """The decode step's plans for rows 1..max_rows, one per bucket of `STEP_CONFIGS` (at the
+        heads' block_h, max(16, heads)) that holds some of them (ascending max_rows, the last one's
+        max_rows = max_rows; a launch takes the first that holds its rows). workspace: as
+        `build`'s; with the step's pool the plans share its views (they run on the main stream one
+        after another, each leaving its integer views at zero), so the pool holds the largest
+        plan's workspaces, not their sum."""
+        if heads not in (8, 16, 32, 64):
+            raise ValueError(f"heads must be one of (8, 16, 32, 64), got {heads!r}")
         plans, lo = [], 0
-        for hi, config in STEP_CONFIGS:
+        for hi, config in STEP_CONFIGS[max(16, heads)]:
             if lo >= max_rows:
                 break
             rows = max_rows if hi is None else min(hi, max_rows)

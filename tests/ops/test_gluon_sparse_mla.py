@@ -55,8 +55,8 @@ PLAIN = G.GluonSparseMlaConfig(q_buffers=4, fp4_packed=False, prefetch=False)
 SPREAD = G.GluonSparseMlaConfig(combine="spread")
 SPREAD_VALUES = G.GluonSparseMlaConfig(combine="spread", lookback="values")
 LUT = G.GluonSparseMlaConfig(fp4_lut=True)
-# the step's configurations at 1-2, 3-4 and 5-16 rows (STEP_CONFIGS; above, PV)
-SPLIT4SVL, SPLIT2SVLC, SPREADVLC = G.STEP_CONFIGS[0][1], G.STEP_CONFIGS[1][1], G.STEP_CONFIGS[2][1]
+# the step's configurations at 1-2, 3-4 and 5-16 rows (STEP_CONFIGS at 64 heads; above, PV64 and PV)
+SPLIT4SVL, SPLIT2SVLC, SPREADVLC = (c for _, c in G.STEP_CONFIGS[64][:3])
 # P.V and the combination in a second launch, one and two 128-dim chunks a program
 PV = G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128)
 PV2 = G.GluonSparseMlaConfig(combine="pv", pv_chunks=2)
@@ -250,10 +250,10 @@ def step_plan(n, h, w=128, k=512):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("h", [8, 16, 32, 64])
-@pytest.mark.parametrize("n", [1, 2, 4, 16, 64])
+@pytest.mark.parametrize("n", [1, 2, 4, 16, 32, 64])
 def test_gpu_step_plans_against_the_reference(h, n):
     # the step's plan for n rows (STEP_CONFIGS: split4svl at 1-2, split2svlc at 3-4, spreadvlc at
-    # 5-16, pv at 64), window + compressed keys (V4.1-Flash: 128 + 512, 5 % of the top-k entries -1; windows
+    # 5-16 and at 8-16 heads above, at 32-64 heads pv at 64 rows and at 64 heads pv64 at 32), window + compressed keys (V4.1-Flash: 128 + 512, 5 % of the top-k entries -1; windows
     # full, ending inside a block, a single key): exact-score bits, the random-input bound, two
     # launches give the same bits, the workspace is clear after each
     check_repeatable_on_gpu(step_plan(n, h), n, h, h * 1000 + n, run, workspace_is_clear)
@@ -418,23 +418,36 @@ def test_the_steps_plan_choice_off_sm90(monkeypatch):
 
 
 def test_the_step_configs_per_row_count():
-    # GluonSparseMlaPlan.for_step: one plan per STEP_CONFIGS bucket holding some of the rows (1-2
-    # rows dim_split 4 + spread, 3-4 dim_split 2 + spread with maxnreg 128, 5-16 spread with maxnreg
-    # 128, above P.V and the combination in a second launch), ascending, the
-    # last one's max_rows the step's; with a pool the plans share its views (each workspace the
-    # largest plan's, not their sum)
+    # GluonSparseMlaPlan.for_step: one plan per STEP_CONFIGS bucket of the heads' block_h holding
+    # some of the rows, ascending, the last one's max_rows the step's: at every head count 1-2 rows
+    # dim_split 4 + spread, 3-4 dim_split 2 + spread with maxnreg 128; at 8-16 heads spread with
+    # maxnreg 128 above; at 32-64 heads that at 5-16 rows, above P.V and the combination in a second
+    # launch (at 64 heads 17-32 rows on 64-dim slices); with a pool the plans share its views (each
+    # workspace the largest plan's, not their sum)
     from dsv41_decode.decode.buffers import Workspaces
-    split4svl, split2svlc, spreadvlc, pv = (c for _, c in G.STEP_CONFIGS)
-    assert split4svl == G.GluonSparseMlaConfig(dim_split=4, combine="spread", lookback="values", fp4_lut=True)
-    assert split2svlc == G.GluonSparseMlaConfig(dim_split=2, combine="spread", lookback="values", fp4_lut=True,
-                                                maxnreg=128)
-    assert spreadvlc == G.GluonSparseMlaConfig(combine="spread", lookback="values", fp4_lut=True, maxnreg=128)
-    assert pv == G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128)
-    for max_rows, buckets in ((1, [1]), (2, [2]), (3, [2, 3]), (4, [2, 4]), (8, [2, 4, 8]), (16, [2, 4, 16]),
-                              (17, [2, 4, 16, 17]), (64, [2, 4, 16, 64])):
-        plans = G.GluonSparseMlaPlan.for_step(max_rows, 64, 128, 512, "cpu")
-        assert [p.max_rows for p in plans] == buckets
-        assert [p.config for p in plans] == [split4svl, split2svlc, spreadvlc, pv][:len(buckets)]
+    split4svl = G.GluonSparseMlaConfig(dim_split=4, combine="spread", lookback="values", fp4_lut=True)
+    split2svlc = G.GluonSparseMlaConfig(dim_split=2, combine="spread", lookback="values", fp4_lut=True, maxnreg=128)
+    spreadvlc = G.GluonSparseMlaConfig(combine="spread", lookback="values", fp4_lut=True, maxnreg=128)
+    pv = G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128)
+    pv64 = G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_dims=64)
+    assert (SPLIT4SVL, SPLIT2SVLC, SPREADVLC) == (split4svl, split2svlc, spreadvlc)
+    low = ((1, [1]), (2, [2]), (3, [2, 3]), (4, [2, 4]))
+    cases = {
+        64: (low + ((8, [2, 4, 8]), (16, [2, 4, 16]), (17, [2, 4, 16, 17]), (32, [2, 4, 16, 32]),
+                    (33, [2, 4, 16, 32, 33]), (64, [2, 4, 16, 32, 64])),
+             [split4svl, split2svlc, spreadvlc, pv64, pv]),
+        32: (low + ((16, [2, 4, 16]), (17, [2, 4, 16, 17]), (64, [2, 4, 16, 64])),
+             [split4svl, split2svlc, spreadvlc, pv]),
+        16: (low + ((16, [2, 4, 16]), (64, [2, 4, 64])), [split4svl, split2svlc, spreadvlc]),
+        8: (low + ((64, [2, 4, 64]), ), [split4svl, split2svlc, spreadvlc]),
+    }
+    for heads, (rows, configs) in cases.items():
+        for max_rows, buckets in rows:
+            plans = G.GluonSparseMlaPlan.for_step(max_rows, heads, 128, 512, "cpu")
+            assert [p.max_rows for p in plans] == buckets, (heads, max_rows)
+            assert [p.config for p in plans] == configs[:len(buckets)], (heads, max_rows)
+    with pytest.raises(ValueError, match="heads must be one of"):
+        G.GluonSparseMlaPlan.for_step(4, 12, 128, 512, "cpu")
     pool = Workspaces("cpu")
     plans = G.GluonSparseMlaPlan.for_step(64, 64, 128, 512, "cpu", workspace=pool)
     for name in ("part_acc", "flags", "ticket"):
@@ -459,11 +472,11 @@ def test_gpu_the_steps_plan_choice_on_sm90():
     pool = Workspaces(dev)
     plans = attention.sparse_mla_plans(64, 64, 128, 512, dev, workspace=pool)
     assert all(isinstance(p, G.GluonSparseMlaPlan) for p in plans)
-    assert [(p.max_rows, p.config) for p in plans] == [(2, G.STEP_CONFIGS[0][1]), (4, G.STEP_CONFIGS[1][1]),
-                                                       (16, G.STEP_CONFIGS[2][1]), (64, G.STEP_CONFIGS[3][1])]
+    assert [(p.max_rows, p.config) for p in plans] == [(2, SPLIT4SVL), (4, SPLIT2SVLC), (16, SPREADVLC),
+                                                       (32, PV64), (64, PV)]
     assert all(p.base.part_acc.untyped_storage().data_ptr() in pool.storages() for p in plans)
     ref = G.GluonSparseMlaPlan.build(64, 64, 128, 512, "cuda")
-    for n in (1, 2, 3, 4, 5, 16, 17, 64):
+    for n in (1, 2, 3, 4, 5, 16, 17, 32, 33, 64):
         case = make_case(n, 64, 128, 512, seed=7000 + n, window_fill=gpu_tables(n), **GPU_POOLS)
         plan = next(p for p in plans if n <= p.max_rows)
         assert torch.equal(run(plan, case), run(ref, case)), n
