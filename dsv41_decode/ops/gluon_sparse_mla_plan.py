@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .common import plan_workspace
-from .gluon_sparse_mla_pv import PV_CHUNKS, PV_DIMS
+from .gluon_sparse_mla_pv import _MAXNREG as _PV_MAXNREG, PV_CHUNKS, PV_DIMS
 from .sparse_mla_plan import SparseMlaPlan
 
 __all__ = ["PHASE_COLS", "PHASE_NAMES", "STEP_CONFIGS", "GluonSparseMlaConfig", "GluonSparseMlaPlan"]
@@ -97,7 +97,10 @@ class GluonSparseMlaConfig:
     takes (1, 2 or 4; each slice's keys decoded and P.V run once per block); pv_dims: the dims of a
     slice, 128 (the first launch's P.V MMA, m64 n64 per warpgroup) or 64 (m64 n32: 8 / pv_chunks
     programs a row, each with half the decode and P.V a block; the same bits wherever the 32-wide
-    wgmma sums each output as the 64-wide one does, which the GPU tests check)."""
+    wgmma sums each output as the 64-wide one does, which the GPU tests check); pv_maxnreg: the
+    second launch's register cap (128: two 8-warp programs an SM, no spills at every pv_chunks and
+    pv_dims; 80 with pv_dims=64 at 64 heads: three an SM, 24 warps to hide the blocks' load latency
+    with, one register spilled outside the blocks' loop on sm_90; at 8-32 heads it spills inside)."""
 
     q_buffers: int = 2
     fp4_packed: bool = True
@@ -111,6 +114,7 @@ class GluonSparseMlaConfig:
     phases: bool = False
     pv_chunks: int = 1
     pv_dims: int = 128
+    pv_maxnreg: int = _PV_MAXNREG
 
     def __post_init__(self):
         if self.q_buffers not in (2, 4) or isinstance(self.q_buffers, bool):
@@ -137,6 +141,9 @@ class GluonSparseMlaConfig:
         m = self.maxnreg
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or not 64 <= m <= 255):
             raise ValueError(f"GluonSparseMlaConfig.maxnreg must be None or an int in [64, 255], got {m!r}")
+        m = self.pv_maxnreg
+        if isinstance(m, bool) or not isinstance(m, int) or not 64 <= m <= 255:
+            raise ValueError(f"GluonSparseMlaConfig.pv_maxnreg must be an int in [64, 255], got {m!r}")
         if self.fp4_lut is True and not self.fp4_packed:
             raise ValueError("GluonSparseMlaConfig.fp4_lut decodes fp4_packed's 8-byte loads: it needs fp4_packed=True")
         for name in ("fp4_packed", "prefetch", "pv_pipeline", "fp4_lut", "phases"):

@@ -34,8 +34,9 @@ from .gluon_mla_records import (_CREC, _KEYS, _M, _WARPS, _WREC, NUM_WARPS, _add
 
 PV_CHUNKS = (1, 2, 4)                        # GluonSparseMlaConfig.pv_chunks: dim slices a program
 PV_DIMS = (128, 64)                          # GluonSparseMlaConfig.pv_dims: the dims of a slice
-# Two programs an SM (8 warps x 128 registers); sm_90 compiles without spills at 1-4 chunks a program
-# (Triton's own choice is 136-140 registers: one program an SM).
+# The register cap's default (`GluonSparseMlaConfig.pv_maxnreg`): two programs an SM (8 warps x 128
+# registers); sm_90 compiles without spills at 1-4 chunks a program (Triton's own choice is 136-140
+# registers: one program an SM).
 _MAXNREG = 128
 
 
@@ -169,4 +170,4 @@ def mla_pv_(base, config, p: torch.Tensor, window_pool: torch.Tensor, comp_pool:
         W=base.window, W_P2=triton.next_power_of_2(base.window), KC=base.topk, NB=nb, PH=base.block_h,
         CPP=config.pv_chunks,
         FP4_PACKED=config.fp4_packed, FP4_LUT=config.fp4_lut, DW=config.pv_dims, num_warps=NUM_WARPS,
-        maxnreg=_MAXNREG)
+        maxnreg=config.pv_maxnreg)

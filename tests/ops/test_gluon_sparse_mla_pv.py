@@ -8,7 +8,7 @@ and chunk) and none of the scores'; the configuration's errors name the option. 
 combination is one of `tests/ops/test_gluon_sparse_mla.py`'s configurations (PV, PV2): the same
 bits as every other configuration on every row, against the reference, run to run, a row alone
 among others, the workspace clear after each launch (PV64: 64-dim slices, whose m64 n32 wgmma must
-sum each output as the first launch's m64 n64 does).
+sum each output as the first launch's m64 n64 does; PV64R80: the same at a register cap of 80).
 """
 
 import pytest
@@ -60,6 +60,25 @@ def test_second_launch_compiles_for_sm90_two_programs_an_sm(heads, w, k, chunks,
     assert gmma == [f"HGMMA.64x{dims // 2}x16.F32.BF16"] * (4 * chunks), sorted(set(gmma))
 
 
+# 64-dim slices at a cap of 80 registers (`pv_maxnreg=80`) at 64 heads and V4.1-Flash's keys (the
+# TP1 step's shape; at 8-32 heads and at the small shape sm_90 spills inside the blocks' loop): three
+# programs an SM by registers and shared memory, one register spilled outside the loop over the
+# blocks (its store before the loop, its load after), none in it
+def test_second_launch_at_80_registers_three_programs_an_sm():
+    heads, w, k = 64, 128, 512
+    nb, ph = _shape(heads, w, k)
+    kernel = sm90.compile_sm90(PV._gluon_mla_pv_kernel, _TYPES,
+                               dict(W=w, W_P2=1 << (w - 1).bit_length(), KC=k, NB=nb, PH=ph, CPP=1,
+                                    FP4_PACKED=True, FP4_LUT=True, DW=64),
+                               num_warps=PV.NUM_WARPS, maxnreg=80)
+    res = sm90.resources(kernel)
+    assert res["REG"] <= 80 and 3 * res["REG"] * 32 * PV.NUM_WARPS <= SM_REGS, res
+    assert 3 * (kernel.metadata.shared + 1024) <= SM_SHARED, kernel.metadata.shared
+    (block_loop, ) = [loop for loop in sm90.loops(kernel) if any("HGMMA" in t for t in loop)]
+    assert not [t for t in block_loop if "STL" in t or "LDL" in t], res
+    assert res["STACK"] <= 16, res
+
+
 @pytest.mark.parametrize("heads", [64, 8])
 def test_first_launch_has_no_pv(heads):
     nb, ph = _shape(heads, 128, 512)
@@ -87,5 +106,9 @@ def test_config_errors_name_the_option():
     for dims in (32, 256, 64.0, True):
         with pytest.raises(ValueError, match="pv_dims"):
             G.GluonSparseMlaConfig(combine="pv", pv_dims=dims)
+    for cap in (32, 256, 80.0, True, None):
+        with pytest.raises(ValueError, match="pv_maxnreg"):
+            G.GluonSparseMlaConfig(combine="pv", pv_maxnreg=cap)
     assert G.GluonSparseMlaConfig(combine="pv", pv_dims=64).pv_dims == 64
     assert G.GluonSparseMlaConfig(combine="pv", pv_chunks=4).pv_chunks == 4
+    assert G.GluonSparseMlaConfig().pv_maxnreg == PV._MAXNREG == 128
