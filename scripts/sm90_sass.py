@@ -52,15 +52,19 @@ def combine() -> None:
 
 def mla_pv() -> None:
     """The sparse MLA's combination "pv", its second launch (`gluon_sparse_mla_pv`) at V4.1-Flash's
-    128 + 512 keys and 64 heads, one slice a program of 128 and of 64 dims: the loop over the blocks
-    (its three kinds of block together; a block runs one)."""
+    128 + 512 keys and 64 heads, one slice a program of 128 and of 64 dims, with and without the ring of
+    three cp.async slots (`pv_stages=3`): the loop over the blocks (its three kinds of block
+    together; a block runs one)."""
     types = {"p_ptr": "*bf16", "part_ml_ptr": "*fp32", "flag_ptr": "*i32", "wpool_ptr": "*u8", "cpool_ptr": "*u8",
              "wtab_ptr": "*i32", "ctab_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": "*i16"}
     for dims in gluon_sparse_mla_pv.PV_DIMS:
-        k = compile_sm90(gluon_sparse_mla_pv._gluon_mla_pv_kernel, types,
-                         dict(W=128, W_P2=128, KC=512, NB=10, PH=64, CPP=1, FP4_PACKED=True, FP4_LUT=True, DW=dims),
-                         num_warps=gluon_sparse_mla_pv.NUM_WARPS, maxnreg=gluon_sparse_mla_pv._MAXNREG)
-        print(_line(f"sparse-MLA pv second launch, {dims} dims", k), flush=True)
+        for ring in (0, 3):
+            k = compile_sm90(gluon_sparse_mla_pv._gluon_mla_pv_kernel, types,
+                             dict(W=128, W_P2=128, KC=512, NB=10, PH=64, CPP=1, FP4_PACKED=True, FP4_LUT=True, DW=dims,
+                                  RING=ring),
+                             num_warps=gluon_sparse_mla_pv.NUM_WARPS, maxnreg=gluon_sparse_mla_pv._MAXNREG)
+            name = f"sparse-MLA pv second launch, {dims} dims" + (f", ring {ring}" if ring else "")
+            print(_line(name, k), flush=True)
 
 
 def wo_a_paths() -> None:

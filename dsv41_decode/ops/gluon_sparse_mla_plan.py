@@ -100,7 +100,11 @@ class GluonSparseMlaConfig:
     wgmma sums each output as the 64-wide one does, which the GPU tests check); pv_maxnreg: the
     second launch's register cap (128: two 8-warp programs an SM, no spills at every pv_chunks and
     pv_dims; 80 with pv_dims=64 at 64 heads: three an SM, 24 warps to hide the blocks' load latency
-    with, one register spilled outside the blocks' loop on sm_90; at 8-32 heads it spills inside)."""
+    with, one register spilled outside the blocks' loop on sm_90; at 8-32 heads it spills inside);
+    pv_stages: 0, the second launch loads each block's P and codes into registers at the block's
+    start (P one block ahead); 2-4 (with fp4_lut), copies them asynchronously (cp.async) into a ring
+    of that many shared-memory slots, pv_stages - 1 blocks ahead, the scales into registers a block
+    ahead (`gluon_sparse_mla_pv._ring_slice`: the same values, so the same bits)."""
 
     q_buffers: int = 2
     fp4_packed: bool = True
@@ -115,6 +119,7 @@ class GluonSparseMlaConfig:
     pv_chunks: int = 1
     pv_dims: int = 128
     pv_maxnreg: int = _PV_MAXNREG
+    pv_stages: int = 0
 
     def __post_init__(self):
         if self.q_buffers not in (2, 4) or isinstance(self.q_buffers, bool):
@@ -144,6 +149,12 @@ class GluonSparseMlaConfig:
         m = self.pv_maxnreg
         if isinstance(m, bool) or not isinstance(m, int) or not 64 <= m <= 255:
             raise ValueError(f"GluonSparseMlaConfig.pv_maxnreg must be an int in [64, 255], got {m!r}")
+        st = self.pv_stages
+        if isinstance(st, bool) or not isinstance(st, int) or st not in (0, 2, 3, 4):
+            raise ValueError(f"GluonSparseMlaConfig.pv_stages must be 0, 2, 3 or 4, got {st!r}")
+        if st and not self.fp4_lut:
+            raise ValueError("GluonSparseMlaConfig.pv_stages decodes the ring's compressed codes with the FP4 LUT: it "
+                             "needs fp4_lut=True")
         if self.fp4_lut is True and not self.fp4_packed:
             raise ValueError("GluonSparseMlaConfig.fp4_lut decodes fp4_packed's 8-byte loads: it needs fp4_packed=True")
         for name in ("fp4_packed", "prefetch", "pv_pipeline", "fp4_lut", "phases"):

@@ -18,6 +18,12 @@ nearest even, zeros where the row has no valid key). So every value is the one t
 configurations compute: the same P, the same MMA on the same operands, the same combination in the
 same order; the partials only never leave the SM. The program of a row's first slice clears the
 row's flag words for the next launch, as the separate combination does.
+
+How a block's bytes arrive (`GluonSparseMlaConfig.pv_stages`): loaded into registers at the block's
+start, P a block ahead (`_direct_slice`), or copied asynchronously (cp.async, zero-filled where a
+pool does not hold a key) into a ring of shared-memory slots, pv_stages - 1 blocks ahead, each
+thread copying the code bytes it later decodes, the scales a block ahead in registers and P read
+by the MMA from its slot (`_ring_slice`): the same values into the same MMA in the same order.
 """
 
 from __future__ import annotations
@@ -27,10 +33,11 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.extra import libdevice
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
-from .gluon_mla_records import (_CREC, _KEYS, _M, _WARPS, _WREC, NUM_WARPS, _add, _bf16_rne_bits, _block_slots,
-                                _decode_loaded, _load_chunk)
+from .gluon_mla_records import (_CREC, _FP4_LUT_ASM, _KEYS, _M, _WARPS, _WREC, NUM_WARPS, _add, _bf16_rne_bits,
+                                _block_slots, _decode_loaded, _load_chunk)
 
 PV_CHUNKS = (1, 2, 4)                        # GluonSparseMlaConfig.pv_chunks: dim slices a program
 PV_DIMS = (128, 64)                          # GluonSparseMlaConfig.pv_dims: the dims of a slice
@@ -46,6 +53,7 @@ def _gluon_mla_pv_kernel(
     H, stride_wt, stride_ct, stride_on, stride_oh,
     W: gl.constexpr, W_P2: gl.constexpr, KC: gl.constexpr, NB: gl.constexpr,
     PH: gl.constexpr, CPP: gl.constexpr, FP4_PACKED: gl.constexpr, FP4_LUT: gl.constexpr, DW: gl.constexpr = 128,
+    RING: gl.constexpr = 0,
 ):
     # Grid: rows x (512 / (DW CPP)) programs, the slice the fastest; a program the CPP DW-wide dim
     # slices (DW: 128 or 64) sl CPP, ..., sl CPP + CPP - 1 of its row. p_ptr: BF16 [N, NB, PH, 64],
@@ -109,35 +117,197 @@ def _gluon_mla_pv_kernel(
     p_in = (rp < PH)[:, None]
     do = gl.arange(0, DW, layout=gl.SliceLayout(0, o_l))
     out_rows = out_ptr + r * stride_on + ho[:, None] * stride_oh + do[None, :]
-    zero = gl.zeros([_M, DW], gl.float32, o_l)
     for cc in gl.static_range(CPP):
         c = sl * CPP + cc
-        o = gl.zeros([_M, DW], gl.float32, o_l)
-        # block b's P is loaded during block b - 1; its keys' bytes (both pools' codes of the chunk:
-        # the loads of keys a pool does not hold are masked off) at its start
-        p = gl.load(p_rows, mask=p_in, other=0.0)
-        for b in range(NB):
-            p1 = gl.load(p_rows + gl.minimum(b + 1, NB - 1) * (PH * _KEYS), mask=p_in, other=0.0)
-            w_ok, c_ok, wc, wsc, kc, ksc = _block_bytes(w_slots, c_slots, b, c, wpool_ptr, cpool_ptr, FP4_PACKED, ld,
-                                                        DW)
-            start = b * _KEYS
-            if start + _KEYS <= nw:           # window keys only
-                v = _decode_loaded(wc, wsc, w_ok, c, True, FP4_PACKED, ld, DW).to(gl.bfloat16)
-            elif start >= nw:                 # compressed entries only
-                v = _decode_loaded(kc, ksc, c_ok, c, False, FP4_PACKED, ld, DW, FP4_LUT).to(gl.bfloat16)
-            else:                             # where the window ends: each decode is 0 off its keys
-                v = (_decode_loaded(wc, wsc, w_ok, c, True, FP4_PACKED, ld, DW)
-                     + _decode_loaded(kc, ksc, c_ok, c, False, FP4_PACKED, ld, DW, FP4_LUT)).to(gl.bfloat16)
-            f = libdevice.exp(gl.load(ml + b * (3 * PH), mask=h_st, other=-1e30) - m_all)
-            gl.thread_barrier()               # every warp's MMA of the block before has read the buffers
-            p_smem.store(p)
-            v_smem.store(v)
-            fence_async_shared()
-            gl.thread_barrier()
-            a = warpgroup_mma(p_smem, v_smem, zero, use_acc=False)
-            o += a * f[:, None]
-            p = p1
+        if RING > 0:
+            o = _ring_slice(p_ptr, tile, PH, w_slots, c_slots, c, nw, wpool_ptr, cpool_ptr, ml, m_all, h_st, v_smem,
+                            NB, RING, DW, o_l)
+        else:
+            o = _direct_slice(p_rows, p_in, w_slots, c_slots, c, nw, wpool_ptr, cpool_ptr, ml, m_all, h_st, p_smem,
+                              v_smem, NB, PH, FP4_PACKED, FP4_LUT, DW, ld, o_l)
         gl.store(out_rows + c * DW, _bf16_rne_bits(o / den[:, None]), mask=h_ok[:, None])
+
+
+@gluon.jit
+def _direct_slice(p_rows, p_in, w_slots, c_slots, c, nw, wpool_ptr, cpool_ptr, ml, m_all, h_st, p_smem, v_smem,
+                  NB: gl.constexpr, PH: gl.constexpr, FP4_PACKED: gl.constexpr, FP4_LUT: gl.constexpr,
+                  DW: gl.constexpr, ld: gl.constexpr, o_l: gl.constexpr):
+    """Slice c's FP32 sum over the row's blocks (the rescaled P.V of each, in block order), each
+    block's P and bytes loaded into registers at its start (P one block ahead), decoded, stored
+    into shared memory for the MMA."""
+    zero = gl.zeros([_M, DW], gl.float32, o_l)
+    o = gl.zeros([_M, DW], gl.float32, o_l)
+    # block b's P is loaded during block b - 1; its keys' bytes (both pools' codes of the chunk:
+    # the loads of keys a pool does not hold are masked off) at its start
+    p = gl.load(p_rows, mask=p_in, other=0.0)
+    for b in range(NB):
+        p1 = gl.load(p_rows + gl.minimum(b + 1, NB - 1) * (PH * _KEYS), mask=p_in, other=0.0)
+        w_ok, c_ok, wc, wsc, kc, ksc = _block_bytes(w_slots, c_slots, b, c, wpool_ptr, cpool_ptr, FP4_PACKED, ld,
+                                                    DW)
+        start = b * _KEYS
+        if start + _KEYS <= nw:           # window keys only
+            v = _decode_loaded(wc, wsc, w_ok, c, True, FP4_PACKED, ld, DW).to(gl.bfloat16)
+        elif start >= nw:                 # compressed entries only
+            v = _decode_loaded(kc, ksc, c_ok, c, False, FP4_PACKED, ld, DW, FP4_LUT).to(gl.bfloat16)
+        else:                             # where the window ends: each decode is 0 off its keys
+            v = (_decode_loaded(wc, wsc, w_ok, c, True, FP4_PACKED, ld, DW)
+                 + _decode_loaded(kc, ksc, c_ok, c, False, FP4_PACKED, ld, DW, FP4_LUT)).to(gl.bfloat16)
+        f = libdevice.exp(gl.load(ml + b * (3 * PH), mask=h_st, other=-1e30) - m_all)
+        gl.thread_barrier()               # every warp's MMA of the block before has read the buffers
+        p_smem.store(p)
+        v_smem.store(v)
+        fence_async_shared()
+        gl.thread_barrier()
+        a = warpgroup_mma(p_smem, v_smem, zero, use_acc=False)
+        o += a * f[:, None]
+        p = p1
+    return o
+
+
+@gluon.jit
+def _ring_issue(wcode_s, ccode_s, p_s, b, c, nw, w_slots, c_slots, wpool_ptr, cpool_ptr, p_ptr, tile,
+                PH: gl.constexpr, DW: gl.constexpr, l3w: gl.constexpr, l3c: gl.constexpr, lp: gl.constexpr):
+    """Block b's asynchronous copies into one ring slot (wcode_s [64, DW / 32, 32] and ccode_s
+    [64, DW / 16, 8] u8, p_s [64, 64] BF16): the codes of dims [DW c, DW c + DW) of its window
+    records where the block holds window keys and of its compressed records where it holds
+    compressed entries (keys a pool does not hold: zeros, as the masked-off copy writes), and its
+    P (heads past PH zeros), in `_ring_slice`'s layouts."""
+    NG: gl.constexpr = DW // 32
+    NS: gl.constexpr = DW // 16
+    start = b * _KEYS
+    if start < nw:
+        ws = w_slots.index(b).load(gl.SliceLayout(1, gl.SliceLayout(2, l3w)))
+        ok = ws >= 0
+        base = gl.where(ok, ws, 0).to(gl.int64) * _WREC + c * DW
+        g = gl.arange(0, NG, layout=gl.SliceLayout(0, gl.SliceLayout(2, l3w)))
+        e = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, l3w)))
+        off = (base[:, None] + g[None, :] * 32)[:, :, None] + e[None, None, :]
+        async_copy.async_copy_global_to_shared(wcode_s, wpool_ptr + off, mask=ok[:, None, None])
+    if start + _KEYS > nw:
+        cs = c_slots.index(b).load(gl.SliceLayout(1, gl.SliceLayout(2, l3c)))
+        ok = cs >= 0
+        base = gl.where(ok, cs, 0).to(gl.int64) * _CREC + c * (DW // 2)
+        g = gl.arange(0, NS, layout=gl.SliceLayout(0, gl.SliceLayout(2, l3c)))
+        e = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, l3c)))
+        off = (base[:, None] + g[None, :] * 8)[:, :, None] + e[None, None, :]
+        async_copy.async_copy_global_to_shared(ccode_s, cpool_ptr + off, mask=ok[:, None, None])
+    rp = gl.arange(0, _M, layout=gl.SliceLayout(1, lp))
+    kp = gl.arange(0, _KEYS, layout=gl.SliceLayout(0, lp))
+    async_copy.async_copy_global_to_shared(p_s, p_ptr + ((tile + b) * PH + rp[:, None]) * _KEYS + kp[None, :],
+                                           mask=(rp < PH)[:, None])
+
+
+@gluon.jit
+def _ring_scales(b, c, w_slots, c_slots, wpool_ptr, cpool_ptr, DW: gl.constexpr, l3w: gl.constexpr,
+                 l3c: gl.constexpr):
+    """Block b's scale bytes of slice c into registers (one a thread and pool: issued a block
+    ahead of their use): the window's UE8M0 per 32 dims [64, DW / 32] (127 = 2^0 where a key is
+    not there) and the compressed records' E4M3 per 16 dims [64, DW / 16] (0 where not), in the
+    slices of `_ring_slice`'s code layouts that hold each group's codes."""
+    NG: gl.constexpr = DW // 32
+    NS: gl.constexpr = DW // 16
+    ws = w_slots.index(b).load(gl.SliceLayout(1, gl.SliceLayout(2, l3w)))
+    w_ok = ws >= 0
+    g = gl.arange(0, NG, layout=gl.SliceLayout(0, gl.SliceLayout(2, l3w)))
+    wsc = gl.load(wpool_ptr + (gl.where(w_ok, ws, 0).to(gl.int64) * _WREC + 512 + c * NG)[:, None] + g[None, :],
+                  mask=w_ok[:, None], other=127)
+    cs = c_slots.index(b).load(gl.SliceLayout(1, gl.SliceLayout(2, l3c)))
+    c_ok = cs >= 0
+    s = gl.arange(0, NS, layout=gl.SliceLayout(0, gl.SliceLayout(2, l3c)))
+    csc = gl.load(cpool_ptr + (gl.where(c_ok, cs, 0).to(gl.int64) * _CREC + 256 + c * NS)[:, None] + s[None, :],
+                  mask=c_ok[:, None], other=0)
+    return wsc, csc
+
+
+@gluon.jit
+def _ring_decode(wcode_s, ccode_s, wsc, csc, b, nw, DW: gl.constexpr, ld: gl.constexpr, l3w: gl.constexpr,
+                 l3c: gl.constexpr):
+    """Block b's keys of the slice from its ring slot and scales, decoded exactly as
+    `gluon_mla_records._decode_loaded` does (window: E4M3 code * 2^(e - 127); compressed: the FP4
+    LUT's BF16 pairs), both pools' values added where the window ends (each +0 off its own keys:
+    code 0 times scale 2^0 or 0): BF16 [64, DW] in `ld`."""
+    start = b * _KEYS
+    if start + _KEYS <= nw:
+        v = _ring_window(wcode_s, wsc, l3w, DW, ld).to(gl.bfloat16)
+    elif start >= nw:
+        v = _ring_compressed(ccode_s, csc, l3c, DW, ld)
+    else:
+        v = (_ring_window(wcode_s, wsc, l3w, DW, ld) + _ring_compressed(ccode_s, csc, l3c, DW, ld)).to(gl.bfloat16)
+    return v
+
+
+@gluon.jit
+def _ring_window(wcode_s, wsc, l3w: gl.constexpr, DW: gl.constexpr, ld: gl.constexpr):
+    """The window codes of a ring slot times their UE8M0 scales (255: NaN, as
+    `rounding.ue8m0_to_fp32`): FP32 [64, DW] in `ld`."""
+    sv = gl.where(wsc == 255, float("nan"), (wsc.to(gl.int32) << 23).to(gl.float32, bitcast=True))
+    k = wcode_s.load(l3w).to(gl.float8e4nv, bitcast=True).to(gl.float32) * sv[:, :, None]
+    return gl.convert_layout(gl.reshape(k, [_KEYS, DW]), ld, assert_trivial=True)
+
+
+@gluon.jit
+def _ring_compressed(ccode_s, csc, l3c: gl.constexpr, DW: gl.constexpr, ld: gl.constexpr):
+    """The compressed codes of a ring slot times their E4M3 scales, 8 values a PRMT table lookup
+    (`gluon_mla_records._FP4_LUT_ASM`, low nibble first): BF16 [64, DW] in `ld`."""
+    codes = ccode_s.load(l3c)
+    codes, sc = gl.broadcast(codes, gl.expand_dims(csc, 2))
+    lo, hi = gl.inline_asm_elementwise(_FP4_LUT_ASM, "=r,=r,=r,=r,r,r", [codes, sc],
+                                       dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+    return gl.convert_layout(gl.reshape(gl.join(lo, hi), [_KEYS, DW]), ld, assert_trivial=True)
+
+
+@gluon.jit
+def _ring_slice(p_ptr, tile, PH: gl.constexpr, w_slots, c_slots, c, nw, wpool_ptr, cpool_ptr, ml, m_all, h_st,
+                v_smem, NB: gl.constexpr, RING: gl.constexpr, DW: gl.constexpr, o_l: gl.constexpr):
+    """`_direct_slice`'s sum with each block's codes and P copied asynchronously (cp.async) into a
+    ring of RING slots, RING - 1 blocks ahead, its scales loaded into registers a block ahead: the
+    same values into the same MMA in the same order, so the same bits. The decoded keys go through
+    v_smem as there; P is read by the MMA from its slot. Layouts: window codes [64, DW / 32, 32]
+    (a thread DW / 8 consecutive bytes, within one 32-dim scale group), compressed codes [64, DW /
+    16, 8] (a thread DW / 16 consecutive bytes, within one 16-dim scale group), P [64, 64] BF16 (8 a
+    thread, twice): each thread copies the code bytes it later decodes."""
+    T: gl.constexpr = DW // 8
+    TC: gl.constexpr = DW // 16
+    l3w: gl.constexpr = gl.BlockedLayout([1, 1, T], [4, T // 4, 32 // T], [_WARPS, 1, 1], [2, 1, 0])
+    l3c: gl.constexpr = gl.BlockedLayout([1, 1, TC], [4, TC, 8 // TC], [_WARPS, 1, 1], [2, 1, 0])
+    lp: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [_WARPS, 1], [1, 0])
+    ld: gl.constexpr = gl.BlockedLayout([1, DW // 8], [4, 8], [_WARPS, 1], [1, 0])
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
+    wcode_r = gl.allocate_shared_memory(gl.uint8, [RING, _KEYS, DW // 32, 32], plain)
+    ccode_r = gl.allocate_shared_memory(gl.uint8, [RING, _KEYS, DW // 16, 8], plain)
+    p_r = gl.allocate_shared_memory(gl.bfloat16, [RING, _M, _KEYS], gl.NVMMASharedLayout.get_default_for(
+        [_M, _KEYS], gl.bfloat16))
+    for i in gl.static_range(RING - 1):
+        if i < NB:
+            _ring_issue(wcode_r.index(i), ccode_r.index(i), p_r.index(i), i, c, nw, w_slots, c_slots, wpool_ptr,
+                        cpool_ptr, p_ptr, tile, PH, DW, l3w, l3c, lp)
+        async_copy.commit_group()
+    wsc_n, csc_n = _ring_scales(0, c, w_slots, c_slots, wpool_ptr, cpool_ptr, DW, l3w, l3c)
+    zero = gl.zeros([_M, DW], gl.float32, o_l)
+    o = gl.zeros([_M, DW], gl.float32, o_l)
+    for b in range(NB):
+        # block b's copies (this thread's) have landed; after the barrier every thread's have, and
+        # every thread is done with the slot refilled next (block b - 1's, whose MMA has returned)
+        async_copy.wait_group(RING - 2)
+        gl.thread_barrier()
+        nxt = b + RING - 1
+        if nxt < NB:
+            _ring_issue(wcode_r.index(nxt % RING), ccode_r.index(nxt % RING), p_r.index(nxt % RING), nxt, c, nw,
+                        w_slots, c_slots, wpool_ptr, cpool_ptr, p_ptr, tile, PH, DW, l3w, l3c, lp)
+        async_copy.commit_group()
+        wsc, csc = wsc_n, csc_n
+        wsc_n, csc_n = _ring_scales(gl.minimum(b + 1, NB - 1), c, w_slots, c_slots, wpool_ptr, cpool_ptr, DW, l3w,
+                                      l3c)
+        cur = b % RING
+        v = _ring_decode(wcode_r.index(cur), ccode_r.index(cur), wsc, csc, b, nw, DW, ld, l3w, l3c)
+        f = libdevice.exp(gl.load(ml + b * (3 * PH), mask=h_st, other=-1e30) - m_all)
+        v_smem.store(v)
+        fence_async_shared()
+        gl.thread_barrier()
+        a = warpgroup_mma(p_r.index(cur), v_smem, zero, use_acc=False)
+        o += a * f[:, None]
+    async_copy.wait_group(0)
+    return o
 
 
 @gluon.jit
@@ -169,5 +339,5 @@ def mla_pv_(base, config, p: torch.Tensor, window_pool: torch.Tensor, comp_pool:
         base.heads, window_table.stride(0), max(comp_table.stride(0), 1), o16.stride(0), o16.stride(1),
         W=base.window, W_P2=triton.next_power_of_2(base.window), KC=base.topk, NB=nb, PH=base.block_h,
         CPP=config.pv_chunks,
-        FP4_PACKED=config.fp4_packed, FP4_LUT=config.fp4_lut, DW=config.pv_dims, num_warps=NUM_WARPS,
-        maxnreg=config.pv_maxnreg)
+        FP4_PACKED=config.fp4_packed, FP4_LUT=config.fp4_lut, DW=config.pv_dims, RING=config.pv_stages,
+        num_warps=NUM_WARPS, maxnreg=config.pv_maxnreg)

@@ -63,13 +63,17 @@ PV2 = G.GluonSparseMlaConfig(combine="pv", pv_chunks=2)
 PV64 = G.GluonSparseMlaConfig(combine="pv", pv_dims=64, fp4_lut=True, maxnreg=128)
 # the same at a register cap of 80 in the second launch (three programs an SM)
 PV64R80 = G.GluonSparseMlaConfig(combine="pv", pv_dims=64, fp4_lut=True, maxnreg=128, pv_maxnreg=80)
+# the second launch's codes and P through a ring of three cp.async slots: 128-dim slices; 64-dim
+# slices at a cap of 80 registers
+PVRING = G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_stages=3)
+PV64RING = G.GluonSparseMlaConfig(combine="pv", pv_dims=64, fp4_lut=True, maxnreg=128, pv_maxnreg=80, pv_stages=3)
 # each option both ways: the default, the plainest, two mixes, the dim splits with either
 # combination, the look-back by values, the P.V pipeline, the LUT decode, the step's configurations
 CONFIGS = [DEFAULT, PLAIN, G.GluonSparseMlaConfig(2, False, True), G.GluonSparseMlaConfig(4, True, False),
            G.GluonSparseMlaConfig(dim_split=2), G.GluonSparseMlaConfig(q_buffers=4, dim_split=4),
            SPREAD, G.GluonSparseMlaConfig(dim_split=4, combine="spread"), SPREAD_VALUES,
            G.GluonSparseMlaConfig(pv_pipeline=True), G.GluonSparseMlaConfig(dim_split=2, pv_pipeline=True),
-           LUT, SPLIT4SVL, SPLIT2SVLC, SPREADVLC, PV, PV2, PV64, PV64R80]
+           LUT, SPLIT4SVL, SPLIT2SVLC, SPREADVLC, PV, PV2, PV64, PV64R80, PVRING, PV64RING]
 
 
 # V4.1-Flash (128 window + 512 top-k keys) at 64 heads with the default configuration, the P.V
@@ -280,9 +284,10 @@ def test_gpu_window_only(h, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [DEFAULT, SPREAD, SPREAD_VALUES, LUT, SPLIT4SVL, SPREADVLC, PV, PV64, PV64R80],
+@pytest.mark.parametrize("config", [DEFAULT, SPREAD, SPREAD_VALUES, LUT, SPLIT4SVL, SPREADVLC, PV, PV64, PV64R80,
+                                    PVRING, PV64RING],
                          ids=["default", "spread", "spread-values", "fp4-lut", "split4svl", "spreadvlc", "pv", "pv64",
-                              "pv64r80"])
+                              "pv64r80", "pv-ring", "pv64-ring"])
 @pytest.mark.parametrize("w,k", [(16, 8), (16, 72)])
 def test_gpu_small_shapes(w, k, config):
     # one block in all (16 + 8 keys: the spread combination by the block's own programs), and a

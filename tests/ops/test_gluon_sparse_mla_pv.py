@@ -79,6 +79,44 @@ def test_second_launch_at_80_registers_three_programs_an_sm():
     assert res["STACK"] <= 16, res
 
 
+# the ring (`pv_stages`): at every TP shard's head count, both slice widths, two slices a program and
+# the small shape, at the default cap: no spills, two programs an SM by registers and shared memory
+# (the ring's slots: 21 KB a stage at 128 dims), the block's codes and P copied by cp.async
+# (LDGSTS; in the blocks' loop where the row has more blocks than the ring's first fill), P.V's
+# wgmma as without it; at 64-dim slices, three stages and a cap
+# of 80 three programs an SM, no spill in the loop
+@pytest.mark.parametrize("heads,w,k,chunks,dims,stages", [
+    (64, 128, 512, 1, 128, 3), (64, 128, 512, 1, 128, 2), (64, 128, 512, 1, 128, 4), (32, 128, 512, 1, 128, 3),
+    (16, 128, 512, 1, 128, 3), (8, 128, 512, 1, 128, 3), (64, 16, 72, 1, 128, 3), (64, 128, 512, 2, 128, 3),
+    (64, 128, 512, 1, 64, 3), (8, 128, 512, 1, 64, 3), (64, 16, 72, 1, 64, 3)],
+    ids=["64h-s3", "64h-s2", "64h-s4", "32h-s3", "16h-s3", "8h-s3", "64h-mix-s3", "64h-2-s3", "64h-x64-s3",
+         "8h-x64-s3", "64h-mix-x64-s3"])
+def test_second_launch_ring_compiles_for_sm90(heads, w, k, chunks, dims, stages):
+    nb, ph = _shape(heads, w, k)
+    consts = dict(W=w, W_P2=1 << (w - 1).bit_length(), KC=k, NB=nb, PH=ph, CPP=chunks, FP4_PACKED=True,
+                  FP4_LUT=True, DW=dims, RING=stages)
+    kernel = sm90.compile_sm90(PV._gluon_mla_pv_kernel, _TYPES, consts, num_warps=PV.NUM_WARPS, maxnreg=PV._MAXNREG)
+    res = sm90.resources(kernel)
+    assert res["LOCAL"] == 0 and res["STACK"] == 0, res
+    assert 2 * (kernel.metadata.shared + 1024) <= SM_SHARED, kernel.metadata.shared
+    assert 2 * res["REG"] * 32 * PV.NUM_WARPS <= SM_REGS, res
+    block_loops = [loop for loop in sm90.loops(kernel) if any("HGMMA" in t for t in loop)]
+    assert len(block_loops) == chunks
+    ins = [t for _, t in sm90.sass(kernel)]
+    assert any("LDGSTS" in t for t in ins), "no cp.async"
+    if nb >= stages:                           # blocks past the ring's first fill: copied in the loop
+        for loop in block_loops:
+            assert any("LDGSTS" in t for t in loop), "no cp.async in the loop"
+    gmma = [t.split()[0] for t in ins if "GMMA" in t]
+    assert gmma == [f"HGMMA.64x{dims // 2}x16.F32.BF16"] * (4 * chunks), sorted(set(gmma))
+    if dims == 64 and heads == 64 and w == 128:
+        kernel = sm90.compile_sm90(PV._gluon_mla_pv_kernel, _TYPES, consts, num_warps=PV.NUM_WARPS, maxnreg=80)
+        res = sm90.resources(kernel)
+        assert 3 * res["REG"] * 32 * PV.NUM_WARPS <= SM_REGS and 3 * (kernel.metadata.shared + 1024) <= SM_SHARED
+        (loop, ) = [loop for loop in sm90.loops(kernel) if any("HGMMA" in t for t in loop)]
+        assert not [t for t in loop if "STL" in t or "LDL" in t] and res["STACK"] <= 16, res
+
+
 @pytest.mark.parametrize("heads", [64, 8])
 def test_first_launch_has_no_pv(heads):
     nb, ph = _shape(heads, 128, 512)
@@ -109,6 +147,11 @@ def test_config_errors_name_the_option():
     for cap in (32, 256, 80.0, True, None):
         with pytest.raises(ValueError, match="pv_maxnreg"):
             G.GluonSparseMlaConfig(combine="pv", pv_maxnreg=cap)
+    for stages in (1, 5, -1, 2.0, True):
+        with pytest.raises(ValueError, match="pv_stages"):
+            G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, pv_stages=stages)
+    with pytest.raises(ValueError, match="fp4_lut"):
+        G.GluonSparseMlaConfig(combine="pv", pv_stages=3)
     assert G.GluonSparseMlaConfig(combine="pv", pv_dims=64).pv_dims == 64
     assert G.GluonSparseMlaConfig(combine="pv", pv_chunks=4).pv_chunks == 4
     assert G.GluonSparseMlaConfig().pv_maxnreg == PV._MAXNREG == 128
