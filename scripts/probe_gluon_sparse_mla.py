@@ -10,7 +10,10 @@ first and last rows: rows are independent, and the reference runs row by row); w
 configurations give the same bits as each other on every row (`cfg==`: they must, no configuration
 changes a bit) and the first one the Triton kernel's (`==triton`; `--triton=0` leaves the Triton
 kernel out, three compilations fewer: its columns then repeat the first configuration's).
-`--heads=64,16`, `--rows=1,2,4,8,16,32,64`, `--replays=10`.
+`--heads=64,16`, `--rows=1,2,4,8,16,32,64`, `--replays=10`; `--warm=8`: worker processes that
+compile and launch every (head count, configuration) at every row count first, in parallel, so that
+the timing loop loads its kernels from Triton's cache (`--warm=0`: none; each kernel then compiles
+when the timing loop first launches it).
 
 `--phases`: then, for each configuration of `--configs` with the debug phase log
 (`GluonSparseMlaConfig.phases`) at each row count of `--phase-rows` (1,64) and the first head count,
@@ -18,13 +21,16 @@ one launch's per-program phase durations (median, 90th percentile and max over t
 each phase from the barrier ending the one before to its own: `ops.gluon_sparse_mla.PHASE_NAMES`),
 the programs' start offsets from the first program's start, and the launch's span (first start to
 last end, globaltimer; the stamps' barriers make it a little slower than the timed kernel).
-Prints; writes nothing. About 100-130 s on an H200 with the defaults (most of it compiling: a
-spread configuration compiles a second kernel for the row counts past the resident grid)."""
+Prints; writes nothing. About 100-130 s on an H200 with the defaults compiling in the timing loop
+(`--warm=0`; a spread configuration compiles a second kernel for the row counts past the resident
+grid); `--warm` compiles them in parallel first."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, wait
 from dataclasses import replace
 from pathlib import Path
 
@@ -89,6 +95,45 @@ def row_inputs(inputs, rows: int):
     """The first `rows` rows of `sparse_mla_inputs(max_rows, ...)` (pools and sink shared)."""
     q, win, comp, wtab, ctab, sink = inputs
     return q[:rows], win, comp, wtab[:rows], ctab[:rows], sink
+
+
+def warm_task(heads: int, name: str, rows_list: list[int]) -> tuple[str, int, float, str | None]:
+    """In a worker process: configuration `name` launched once at every row count (its kernels
+    compiled into Triton's cache, which the timing process then loads); (name, heads, seconds,
+    error or None)."""
+    t = time.time()
+    try:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        plan = G.GluonSparseMlaPlan.build(max(rows_list), heads, W, K, "cuda", config=CONFIGS[name])
+        inputs = sparse_mla_inputs(max(rows_list), heads, gen)
+        for rows in rows_list:
+            q, win, comp, wtab, ctab, sink = row_inputs(inputs, rows)
+            G.gluon_sparse_mla_(plan, q, win, comp, wtab, ctab, sink, HEAD_DIM ** -0.5, torch.empty_like(q))
+        torch.cuda.synchronize()
+        return name, heads, time.time() - t, None
+    except Exception as e:  # noqa: BLE001 - report; the timing compiles it again (and the check reports it)
+        return name, heads, time.time() - t, f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def warm(heads_list, rows_list, names, workers: int, timeout: float = 300.0) -> None:
+    """Every (head count, configuration) compiled and launched once at every row count in `workers`
+    worker processes at once (spawned, one CUDA context each), so that the timing loop finds its
+    kernels in Triton's cache instead of compiling them one after another; a worker still running
+    after `timeout` s is left to the timing loop (terminated)."""
+    t0 = time.time()
+    ex = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"))
+    futs = [ex.submit(warm_task, h, n, rows_list) for h in heads_list for n in names]
+    done, _ = wait(futs, timeout=timeout)
+    for f in done:
+        name, heads, secs, err = f.result()
+        if err:
+            print(f"warm: {name} at {heads} heads failed: {err}", flush=True)
+    hung = len(done) < len(futs)
+    for proc in list(getattr(ex, "_processes", {}).values()) if hung else []:
+        proc.terminate()
+    ex.shutdown(wait=not hung, cancel_futures=True)
+    print(f"warm: {len(futs)} (heads, configuration) in {workers} workers, {time.time() - t0:.1f} s"
+          + (f", {len(futs) - len(done)} not finished" if hung else ""), flush=True)
 
 
 def timings(heads_list, rows_list, names, replays, with_triton=True):
@@ -215,6 +260,9 @@ def main() -> None:
     rows_list = [int(v) for v in arg("rows", "1,2,4,8,16,32,64").split(",")]
     names = arg("configs", "default,lut,spreadv,split4sv,split4svl").split(",")
     replays = int(arg("replays", "10"))
+    workers = int(arg("warm", "8"))
+    if workers > 0:
+        warm(heads_list, rows_list, names, workers)
     timings(heads_list, rows_list, names, replays, arg("triton", "1") != "0")
     if "--phases" in sys.argv:
         phases(heads_list[0], [int(v) for v in arg("phase-rows", "1,64").split(",")], names)
