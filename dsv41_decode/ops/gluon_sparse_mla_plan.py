@@ -102,9 +102,10 @@ class GluonSparseMlaConfig:
     pv_dims; 80 with pv_dims=64 at 64 heads: three an SM, 24 warps to hide the blocks' load latency
     with, one register spilled outside the blocks' loop on sm_90; at 8-32 heads it spills inside);
     pv_stages: 0, the second launch loads each block's P and codes into registers at the block's
-    start (P one block ahead); 2-4 (with fp4_lut), copies them asynchronously (cp.async) into a ring
-    of that many shared-memory slots, pv_stages - 1 blocks ahead, the scales into registers a block
-    ahead (`gluon_sparse_mla_pv._ring_slice`: the same values, so the same bits)."""
+    start (P one block ahead); 3 or 4 (with fp4_lut), copies them asynchronously (cp.async) into a
+    ring of that many shared-memory slots, each block's issued pv_stages - 2 blocks of work ahead of
+    its use, the scales into registers a block ahead (`gluon_sparse_mla_pv._ring_slice`: the same
+    values, so the same bits)."""
 
     q_buffers: int = 2
     fp4_packed: bool = True
@@ -150,8 +151,8 @@ class GluonSparseMlaConfig:
         if isinstance(m, bool) or not isinstance(m, int) or not 64 <= m <= 255:
             raise ValueError(f"GluonSparseMlaConfig.pv_maxnreg must be an int in [64, 255], got {m!r}")
         st = self.pv_stages
-        if isinstance(st, bool) or not isinstance(st, int) or st not in (0, 2, 3, 4):
-            raise ValueError(f"GluonSparseMlaConfig.pv_stages must be 0, 2, 3 or 4, got {st!r}")
+        if isinstance(st, bool) or not isinstance(st, int) or st not in (0, 3, 4):
+            raise ValueError(f"GluonSparseMlaConfig.pv_stages must be 0, 3 or 4, got {st!r}")
         if st and not self.fp4_lut:
             raise ValueError("GluonSparseMlaConfig.pv_stages decodes the ring's compressed codes with the FP4 LUT: it "
                              "needs fp4_lut=True")

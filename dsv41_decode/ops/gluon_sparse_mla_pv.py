@@ -21,7 +21,7 @@ row's flag words for the next launch, as the separate combination does.
 
 How a block's bytes arrive (`GluonSparseMlaConfig.pv_stages`): loaded into registers at the block's
 start, P a block ahead (`_direct_slice`), or copied asynchronously (cp.async, zero-filled where a
-pool does not hold a key) into a ring of shared-memory slots, pv_stages - 1 blocks ahead, each
+pool does not hold a key) into a ring of shared-memory slots, pv_stages - 2 blocks of work ahead, each
 thread copying the code bytes it later decodes, the scales a block ahead in registers and P read
 by the MMA from its slot (`_ring_slice`): the same values into the same MMA in the same order.
 """
@@ -260,7 +260,8 @@ def _ring_compressed(ccode_s, csc, l3c: gl.constexpr, DW: gl.constexpr, ld: gl.c
 def _ring_slice(p_ptr, tile, PH: gl.constexpr, w_slots, c_slots, c, nw, wpool_ptr, cpool_ptr, ml, m_all, h_st,
                 v_smem, NB: gl.constexpr, RING: gl.constexpr, DW: gl.constexpr, o_l: gl.constexpr):
     """`_direct_slice`'s sum with each block's codes and P copied asynchronously (cp.async) into a
-    ring of RING slots, RING - 1 blocks ahead, its scales loaded into registers a block ahead: the
+    ring of RING slots (block b + RING - 1's issued after block b's MMA: RING - 2 blocks of work
+    ahead of its use), its scales loaded into registers a block ahead: the
     same values into the same MMA in the same order, so the same bits. The decoded keys go through
     v_smem as there; P is read by the MMA from its slot. Layouts: window codes [64, DW / 32, 32]
     (a thread DW / 8 consecutive bytes, within one 32-dim scale group), compressed codes [64, DW /
@@ -287,14 +288,9 @@ def _ring_slice(p_ptr, tile, PH: gl.constexpr, w_slots, c_slots, c, nw, wpool_pt
     o = gl.zeros([_M, DW], gl.float32, o_l)
     for b in range(NB):
         # block b's copies (this thread's) have landed; after the barrier every thread's have, and
-        # every thread is done with the slot refilled next (block b - 1's, whose MMA has returned)
+        # every thread is done with block b - 1 (its MMA has returned: v_smem is free)
         async_copy.wait_group(RING - 2)
         gl.thread_barrier()
-        nxt = b + RING - 1
-        if nxt < NB:
-            _ring_issue(wcode_r.index(nxt % RING), ccode_r.index(nxt % RING), p_r.index(nxt % RING), nxt, c, nw,
-                        w_slots, c_slots, wpool_ptr, cpool_ptr, p_ptr, tile, PH, DW, l3w, l3c, lp)
-        async_copy.commit_group()
         wsc, csc = wsc_n, csc_n
         wsc_n, csc_n = _ring_scales(gl.minimum(b + 1, NB - 1), c, w_slots, c_slots, wpool_ptr, cpool_ptr, DW, l3w,
                                       l3c)
@@ -305,6 +301,14 @@ def _ring_slice(p_ptr, tile, PH: gl.constexpr, w_slots, c_slots, c, nw, wpool_pt
         fence_async_shared()
         gl.thread_barrier()
         a = warpgroup_mma(p_r.index(cur), v_smem, zero, use_acc=False)
+        # block b + RING - 1 into block b - 1's slot, which every warp was done with (its decode and
+        # both warpgroups' MMA) at the barrier above; issued after this block's MMA, so that no
+        # barrier is needed between a copy and the ring's reads in this block
+        nxt = b + RING - 1
+        if nxt < NB:
+            _ring_issue(wcode_r.index(nxt % RING), ccode_r.index(nxt % RING), p_r.index(nxt % RING), nxt, c, nw,
+                        w_slots, c_slots, wpool_ptr, cpool_ptr, p_ptr, tile, PH, DW, l3w, l3c, lp)
+        async_copy.commit_group()
         o += a * f[:, None]
     async_copy.wait_group(0)
     return o
