@@ -1,8 +1,9 @@
 """The options, plan and step configurations of the Gluon sparse MLA (`ops.gluon_sparse_mla`, whose
 kernel and launcher take them): `GluonSparseMlaConfig` (every option gives the same bits), the
-decode step's configurations per row count and head count `STEP_CONFIGS`, and `GluonSparseMlaPlan`, which binds a
-`SparseMlaPlan` (the split's blocks, workspace and combination), the configuration, the spread
-combination's counters, the board of maxima and the debug phase log (`PHASE_NAMES`)."""
+decode step's configurations per row count and head count `STEP_CONFIGS`, and
+`GluonSparseMlaPlan`, which binds a `SparseMlaPlan` (the split's blocks, workspace and
+combination), the configuration, the spread combination's counters, the board of maxima and the
+debug phase log (`PHASE_NAMES`)."""
 
 from __future__ import annotations
 
