@@ -130,6 +130,22 @@ mul.rn.bf16x2 $3, w, f2;
 
 
 @gluon.jit
+def _ue8m0_value(sc):
+    """FP32 2^(e - 127) of UE8M0 bytes from the FP32 bits, byte 255 (UE8M0's NaN) NaN, as
+    `rounding.ue8m0_to_fp32`."""
+    return gl.where(sc == 255, float("nan"), (sc.to(gl.int32) << 23).to(gl.float32, bitcast=True))
+
+
+@gluon.jit
+def _fp4_lut(codes, sc):
+    """`_FP4_LUT_ASM` over E2M1 code bytes and their E4M3 scale bytes (the same shape and layout,
+    4 consecutive bytes a thread sharing one scale): BF16 (lo, hi), the low and the high nibbles'
+    values, each in the codes' shape."""
+    return gl.inline_asm_elementwise(_FP4_LUT_ASM, "=r,=r,=r,=r,r,r", [codes, sc],
+                                     dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+
+
+@gluon.jit
 def _decode_loaded(codes, sc, ok, C, WINDOW: gl.constexpr, FP4_PACKED: gl.constexpr,
                    layout: gl.constexpr, DW: gl.constexpr = 128, FP4_LUT: gl.constexpr = False):
     """`_load_chunk`'s bytes decoded exactly: FP32 [64, DW] in `layout`, 0 for keys with ok False
@@ -137,14 +153,12 @@ def _decode_loaded(codes, sc, ok, C, WINDOW: gl.constexpr, FP4_PACKED: gl.conste
     split and interleaved in registers, low nibble first: `gl.join` then `gl.reshape`)."""
     okb = ok[:, None]
     if WINDOW:
-        # 2^(e - 127) from the FP32 bits, byte 255 (UE8M0's NaN) NaN, as `rounding.ue8m0_to_fp32`
-        sv = gl.where(sc == 255, float("nan"), (sc.to(gl.int32) << 23).to(gl.float32, bitcast=True))
+        sv = _ue8m0_value(sc)
         k = gl.where(okb, codes.to(gl.float8e4nv, bitcast=True).to(gl.float32) * sv, 0.0)
     elif FP4_LUT:       # FP4_PACKED's bytes, decoded 8 values at a time in BF16 (_FP4_LUT_ASM)
         lb: gl.constexpr = gl.BlockedLayout([1, DW // 16], [4, 8], [_WARPS, 1], [1, 0])
         ok_b = gl.convert_layout(ok, gl.SliceLayout(1, lb), assert_trivial=True)[:, None]
-        lo, hi = gl.inline_asm_elementwise(_FP4_LUT_ASM, "=r,=r,=r,=r,r,r", [codes, sc],
-                                           dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+        lo, hi = _fp4_lut(codes, sc)
         lo = gl.where(ok_b, lo, 0.0)
         hi = gl.where(ok_b, hi, 0.0)
         k = gl.convert_layout(gl.reshape(gl.join(lo, hi), [_KEYS, DW]), layout, assert_trivial=True)

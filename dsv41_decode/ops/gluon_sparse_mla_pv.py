@@ -36,8 +36,8 @@ from triton.experimental.gluon.language.extra import libdevice
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
-from .gluon_mla_records import (_CREC, _FP4_LUT_ASM, _KEYS, _M, _WARPS, _WREC, NUM_WARPS, _add, _bf16_rne_bits,
-                                _block_slots, _decode_loaded, _load_chunk)
+from .gluon_mla_records import (_CREC, _KEYS, _M, _WARPS, _WREC, NUM_WARPS, _add, _bf16_rne_bits, _block_slots,
+                                _decode_loaded, _fp4_lut, _load_chunk, _ue8m0_value)
 
 PV_CHUNKS = (1, 2, 4)                        # GluonSparseMlaConfig.pv_chunks: dim slices a program
 PV_DIMS = (128, 64)                          # GluonSparseMlaConfig.pv_dims: the dims of a slice
@@ -63,13 +63,10 @@ def _gluon_mla_pv_kernel(
     pid = gl.program_id(0)
     r = pid // SL
     sl = pid % SL
-    # the loads and decode of a [64, DW] slice of the keys (DW / 8 consecutive dims a thread); P;
-    # P.V's accumulator (the two warpgroups DW / 2 dims each)
+    # the loads and decode of a [64, DW] slice of the keys (DW / 8 consecutive dims a thread); P.V's
+    # accumulator (the two warpgroups DW / 2 dims each)
     ld: gl.constexpr = gl.BlockedLayout([1, DW // 8], [4, 8], [_WARPS, 1], [1, 0])
-    pl: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [_WARPS, 1], [1, 0])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, DW // 2, 16])
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [_M, _KEYS], gl.NVMMASharedLayout.get_default_for(
-        [_M, _KEYS], gl.bfloat16))
     v_smem = gl.allocate_shared_memory(gl.bfloat16, [_KEYS, DW], gl.NVMMASharedLayout.get_default_for(
         [_KEYS, DW], gl.bfloat16))
     tile = r.to(gl.int64) * NB
@@ -111,30 +108,33 @@ def _gluon_mla_pv_kernel(
         c_slots.index(b).store(cs)
     gl.thread_barrier()
 
-    rp = gl.arange(0, _M, layout=gl.SliceLayout(1, pl))
-    kp = gl.arange(0, _KEYS, layout=gl.SliceLayout(0, pl))
-    p_rows = p_ptr + (tile * PH + rp[:, None]) * _KEYS + kp[None, :]
-    p_in = (rp < PH)[:, None]
     do = gl.arange(0, DW, layout=gl.SliceLayout(0, o_l))
     out_rows = out_ptr + r * stride_on + ho[:, None] * stride_oh + do[None, :]
     for cc in gl.static_range(CPP):
         c = sl * CPP + cc
         if RING > 0:
             o = _ring_slice(p_ptr, tile, PH, w_slots, c_slots, c, nw, wpool_ptr, cpool_ptr, ml, m_all, h_st, v_smem,
-                            NB, RING, DW, o_l)
+                            NB, RING, DW, ld, o_l)
         else:
-            o = _direct_slice(p_rows, p_in, w_slots, c_slots, c, nw, wpool_ptr, cpool_ptr, ml, m_all, h_st, p_smem,
-                              v_smem, NB, PH, FP4_PACKED, FP4_LUT, DW, ld, o_l)
+            o = _direct_slice(p_ptr, tile, PH, w_slots, c_slots, c, nw, wpool_ptr, cpool_ptr, ml, m_all, h_st, v_smem,
+                              NB, FP4_PACKED, FP4_LUT, DW, ld, o_l)
         gl.store(out_rows + c * DW, _bf16_rne_bits(o / den[:, None]), mask=h_ok[:, None])
 
 
 @gluon.jit
-def _direct_slice(p_rows, p_in, w_slots, c_slots, c, nw, wpool_ptr, cpool_ptr, ml, m_all, h_st, p_smem, v_smem,
-                  NB: gl.constexpr, PH: gl.constexpr, FP4_PACKED: gl.constexpr, FP4_LUT: gl.constexpr,
-                  DW: gl.constexpr, ld: gl.constexpr, o_l: gl.constexpr):
+def _direct_slice(p_ptr, tile, PH: gl.constexpr, w_slots, c_slots, c, nw, wpool_ptr, cpool_ptr, ml, m_all, h_st,
+                  v_smem, NB: gl.constexpr, FP4_PACKED: gl.constexpr, FP4_LUT: gl.constexpr, DW: gl.constexpr,
+                  ld: gl.constexpr, o_l: gl.constexpr):
     """Slice c's FP32 sum over the row's blocks (the rescaled P.V of each, in block order), each
     block's P and bytes loaded into registers at its start (P one block ahead), decoded, stored
     into shared memory for the MMA."""
+    pl: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [_WARPS, 1], [1, 0])
+    p_smem = gl.allocate_shared_memory(gl.bfloat16, [_M, _KEYS], gl.NVMMASharedLayout.get_default_for(
+        [_M, _KEYS], gl.bfloat16))
+    rp = gl.arange(0, _M, layout=gl.SliceLayout(1, pl))
+    kp = gl.arange(0, _KEYS, layout=gl.SliceLayout(0, pl))
+    p_rows = p_ptr + (tile * PH + rp[:, None]) * _KEYS + kp[None, :]
+    p_in = (rp < PH)[:, None]
     zero = gl.zeros([_M, DW], gl.float32, o_l)
     o = gl.zeros([_M, DW], gl.float32, o_l)
     # block b's P is loaded during block b - 1; its keys' bytes (both pools' codes of the chunk:
@@ -240,7 +240,7 @@ def _ring_decode(wcode_s, ccode_s, wsc, csc, b, nw, DW: gl.constexpr, ld: gl.con
 def _ring_window(wcode_s, wsc, l3w: gl.constexpr, DW: gl.constexpr, ld: gl.constexpr):
     """The window codes of a ring slot times their UE8M0 scales (255: NaN, as
     `rounding.ue8m0_to_fp32`): FP32 [64, DW] in `ld`."""
-    sv = gl.where(wsc == 255, float("nan"), (wsc.to(gl.int32) << 23).to(gl.float32, bitcast=True))
+    sv = _ue8m0_value(wsc)
     k = wcode_s.load(l3w).to(gl.float8e4nv, bitcast=True).to(gl.float32) * sv[:, :, None]
     return gl.convert_layout(gl.reshape(k, [_KEYS, DW]), ld, assert_trivial=True)
 
@@ -251,14 +251,13 @@ def _ring_compressed(ccode_s, csc, l3c: gl.constexpr, DW: gl.constexpr, ld: gl.c
     (`gluon_mla_records._FP4_LUT_ASM`, low nibble first): BF16 [64, DW] in `ld`."""
     codes = ccode_s.load(l3c)
     codes, sc = gl.broadcast(codes, gl.expand_dims(csc, 2))
-    lo, hi = gl.inline_asm_elementwise(_FP4_LUT_ASM, "=r,=r,=r,=r,r,r", [codes, sc],
-                                       dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
+    lo, hi = _fp4_lut(codes, sc)
     return gl.convert_layout(gl.reshape(gl.join(lo, hi), [_KEYS, DW]), ld, assert_trivial=True)
 
 
 @gluon.jit
 def _ring_slice(p_ptr, tile, PH: gl.constexpr, w_slots, c_slots, c, nw, wpool_ptr, cpool_ptr, ml, m_all, h_st,
-                v_smem, NB: gl.constexpr, RING: gl.constexpr, DW: gl.constexpr, o_l: gl.constexpr):
+                v_smem, NB: gl.constexpr, RING: gl.constexpr, DW: gl.constexpr, ld: gl.constexpr, o_l: gl.constexpr):
     """`_direct_slice`'s sum with each block's codes and P copied asynchronously (cp.async) into a
     ring of RING slots (block b + RING - 1's issued after block b's MMA: RING - 2 blocks of work
     ahead of its use), its scales loaded into registers a block ahead: the
@@ -272,7 +271,6 @@ def _ring_slice(p_ptr, tile, PH: gl.constexpr, w_slots, c_slots, c, nw, wpool_pt
     l3w: gl.constexpr = gl.BlockedLayout([1, 1, T], [4, T // 4, 32 // T], [_WARPS, 1, 1], [2, 1, 0])
     l3c: gl.constexpr = gl.BlockedLayout([1, 1, TC], [4, TC, 8 // TC], [_WARPS, 1, 1], [2, 1, 0])
     lp: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [_WARPS, 1], [1, 0])
-    ld: gl.constexpr = gl.BlockedLayout([1, DW // 8], [4, 8], [_WARPS, 1], [1, 0])
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
     wcode_r = gl.allocate_shared_memory(gl.uint8, [RING, _KEYS, DW // 32, 32], plain)
     ccode_r = gl.allocate_shared_memory(gl.uint8, [RING, _KEYS, DW // 16, 8], plain)
