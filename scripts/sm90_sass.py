@@ -15,8 +15,8 @@ import triton
 
 from dsv41_decode.ops import gluon_exact_mm, gluon_sparse_mla_pv, indexer, low_latency_mm, sparse_mla, wo_a
 from dsv41_decode.ops.exact_linear import _GLUON_PLAN
-from dsv41_decode.testing.sm90 import (compile_exact_mm, compile_sm90, loop_with, main_loop, opcode_counts, resources,
-                                       sass)
+from dsv41_decode.testing.sm90 import (compile_exact_mm, compile_mla_pv, compile_sm90, loop_with, main_loop,
+                                       opcode_counts, resources, sass)
 
 
 def _line(name: str, kernel, loop_note: str = "") -> str:
@@ -55,14 +55,9 @@ def mla_pv() -> None:
     128 + 512 keys and 64 heads, one slice a program of 128 and of 64 dims, with and without the ring of
     three cp.async slots (`pv_stages=3`): the loop over the blocks (its three kinds of block
     together; a block runs one)."""
-    types = {"p_ptr": "*bf16", "part_ml_ptr": "*fp32", "flag_ptr": "*i32", "wpool_ptr": "*u8", "cpool_ptr": "*u8",
-             "wtab_ptr": "*i32", "ctab_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": "*i16"}
     for dims in gluon_sparse_mla_pv.PV_DIMS:
         for ring in (0, 3):
-            k = compile_sm90(gluon_sparse_mla_pv._gluon_mla_pv_kernel, types,
-                             dict(W=128, W_P2=128, KC=512, NB=10, PH=64, CPP=1, FP4_PACKED=True, FP4_LUT=True, DW=dims,
-                                  RING=ring),
-                             num_warps=gluon_sparse_mla_pv.NUM_WARPS, maxnreg=gluon_sparse_mla_pv._MAXNREG)
+            k = compile_mla_pv(64, 128, 512, dims=dims, ring=ring)
             name = f"sparse-MLA pv second launch, {dims} dims" + (f", ring {ring}" if ring else "")
             print(_line(name, k), flush=True)
 

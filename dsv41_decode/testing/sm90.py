@@ -2,7 +2,8 @@
 read what the GPU would run: its PTX (tests/ops/test_pdl.py checks the PDL contract there), its
 registers, stack and shared memory (scripts/sm90_resources.py) and its SASS instructions and loops
 (scripts/sm90_sass.py); a Gluon linear kernel compiled as its plan launches it (`compile_linear`;
-`GluonExactMM`'s: `compile_exact_mm`)."""
+`GluonExactMM`'s: `compile_exact_mm`), the sparse MLA's pv second launch as its launcher does
+(`compile_mla_pv`)."""
 
 from __future__ import annotations
 
@@ -238,3 +239,19 @@ def compile_exact_mm(config, bt: int, split: int = 1, out_f32: bool = False, rop
     return compile_linear(E._gluon_exact_mm_kernel, E.launch_options(config, bt, split),
                           [config.block_n, config.block_k], [bt, config.block_k], out_f32, **rope_epilogue(rope))
 
+
+def compile_mla_pv(heads: int, window: int, topk: int, *, dims: int = 128, chunks: int = 1, ring: int = 0,
+                   maxnreg: int | None = None):
+    """`ops.gluon_sparse_mla_pv`'s kernel (the sparse MLA's "pv" second launch) compiled for sm_90 as
+    `mla_pv_` launches it for `heads` heads, `window` window slots and `topk` compressed entries a
+    row, with the packed FP4 LUT decode: `dims`-wide slices (`pv_dims`), `chunks` a program
+    (`pv_chunks`), a ring of `ring` slots (`pv_stages`; 0: none), at the register cap `maxnreg`
+    (None: the launcher's default)."""
+    from ..ops import gluon_sparse_mla as G, gluon_sparse_mla_pv as PV
+    base = G.GluonSparseMlaPlan.build(1, heads, window, topk, "cpu").base
+    types = {"p_ptr": "*bf16", "part_ml_ptr": "*fp32", "flag_ptr": "*i32", "wpool_ptr": "*u8", "cpool_ptr": "*u8",
+             "wtab_ptr": "*i32", "ctab_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": "*i16"}
+    consts = dict(W=window, W_P2=1 << (window - 1).bit_length(), KC=topk, NB=base.n_blocks, PH=base.block_h,
+                  CPP=chunks, FP4_PACKED=True, FP4_LUT=True, DW=dims, RING=ring)
+    return compile_sm90(PV._gluon_mla_pv_kernel, types, consts, num_warps=PV.NUM_WARPS,
+                        maxnreg=PV._MAXNREG if maxnreg is None else maxnreg)

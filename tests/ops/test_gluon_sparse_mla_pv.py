@@ -18,8 +18,6 @@ from dsv41_decode.ops import gluon_sparse_mla_pv as PV
 from dsv41_decode.testing import sm90
 from test_gluon_sparse_mla import _TYPES as FIRST_TYPES
 
-_TYPES = {"p_ptr": "*bf16", "part_ml_ptr": "*fp32", "flag_ptr": "*i32", "wpool_ptr": "*u8", "cpool_ptr": "*u8",
-          "wtab_ptr": "*i32", "ctab_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": "*i16"}
 # the first launch's, with P (BF16) where the other configurations' partials (FP32) go
 _FIRST_TYPES = dict(FIRST_TYPES, part_acc_ptr="*bf16")
 # 228 KB of shared memory and 64K registers an SM, 1 KB reserved per program
@@ -29,6 +27,11 @@ SM_SHARED, SM_REGS = 228 * 1024, 65536
 def _shape(heads, w, k):
     base = G.GluonSparseMlaPlan.build(1, heads, w, k, "cpu").base
     return base.n_blocks, base.block_h
+
+
+def _block_loops(kernel):
+    """The SASS of the kernel's loops over the blocks (those holding the P.V wgmma)."""
+    return [loop for loop in sm90.loops(kernel) if any("HGMMA" in t for t in loop)]
 
 
 # V4.1-Flash (128 window + 512 top-k keys) at every TP shard's head count, one, two and four slices a
@@ -42,15 +45,10 @@ def _shape(heads, w, k):
     ids=["64h-1", "64h-2", "64h-4", "32h-1", "16h-1", "8h-1", "64h-mix-1", "64h-1x64", "64h-2x64", "8h-1x64",
          "64h-mix-1x64"])
 def test_second_launch_compiles_for_sm90_two_programs_an_sm(heads, w, k, chunks, dims):
-    nb, ph = _shape(heads, w, k)
-    kernel = sm90.compile_sm90(PV._gluon_mla_pv_kernel, _TYPES,
-                               dict(W=w, W_P2=1 << (w - 1).bit_length(), KC=k, NB=nb, PH=ph, CPP=chunks,
-                                    FP4_PACKED=True, FP4_LUT=True, DW=dims),
-                               num_warps=PV.NUM_WARPS, maxnreg=PV._MAXNREG)
+    kernel = sm90.compile_mla_pv(heads, w, k, dims=dims, chunks=chunks)
     res = sm90.resources(kernel)
     assert res["LOCAL"] == 0 and res["STACK"] == 0, res
-    block_loops = [loop for loop in sm90.loops(kernel) if any("HGMMA" in t for t in loop)]
-    assert len(block_loops) == chunks          # one loop over the blocks per slice of the program
+    assert len(_block_loops(kernel)) == chunks          # one loop over the blocks per slice of the program
     assert 2 * (kernel.metadata.shared + 1024) <= SM_SHARED, kernel.metadata.shared
     assert 2 * res["REG"] * 32 * PV.NUM_WARPS <= SM_REGS, res
     ins = [t for _, t in sm90.sass(kernel)]
@@ -65,16 +63,11 @@ def test_second_launch_compiles_for_sm90_two_programs_an_sm(heads, w, k, chunks,
 # programs an SM by registers and shared memory, one register spilled outside the loop over the
 # blocks (its store before the loop, its load after), none in it
 def test_second_launch_at_80_registers_three_programs_an_sm():
-    heads, w, k = 64, 128, 512
-    nb, ph = _shape(heads, w, k)
-    kernel = sm90.compile_sm90(PV._gluon_mla_pv_kernel, _TYPES,
-                               dict(W=w, W_P2=1 << (w - 1).bit_length(), KC=k, NB=nb, PH=ph, CPP=1,
-                                    FP4_PACKED=True, FP4_LUT=True, DW=64),
-                               num_warps=PV.NUM_WARPS, maxnreg=80)
+    kernel = sm90.compile_mla_pv(64, 128, 512, dims=64, maxnreg=80)
     res = sm90.resources(kernel)
     assert res["REG"] <= 80 and 3 * res["REG"] * 32 * PV.NUM_WARPS <= SM_REGS, res
     assert 3 * (kernel.metadata.shared + 1024) <= SM_SHARED, kernel.metadata.shared
-    (block_loop, ) = [loop for loop in sm90.loops(kernel) if any("HGMMA" in t for t in loop)]
+    (block_loop, ) = _block_loops(kernel)
     assert not [t for t in block_loop if "STL" in t or "LDL" in t], res
     assert res["STACK"] <= 16, res
 
@@ -92,15 +85,13 @@ def test_second_launch_at_80_registers_three_programs_an_sm():
     ids=["64h-s3", "64h-s4", "32h-s3", "16h-s3", "8h-s3", "64h-mix-s3", "64h-2-s3", "64h-x64-s3",
          "8h-x64-s3", "64h-mix-x64-s3"])
 def test_second_launch_ring_compiles_for_sm90(heads, w, k, chunks, dims, stages):
-    nb, ph = _shape(heads, w, k)
-    consts = dict(W=w, W_P2=1 << (w - 1).bit_length(), KC=k, NB=nb, PH=ph, CPP=chunks, FP4_PACKED=True,
-                  FP4_LUT=True, DW=dims, RING=stages)
-    kernel = sm90.compile_sm90(PV._gluon_mla_pv_kernel, _TYPES, consts, num_warps=PV.NUM_WARPS, maxnreg=PV._MAXNREG)
+    nb, _ = _shape(heads, w, k)
+    kernel = sm90.compile_mla_pv(heads, w, k, dims=dims, chunks=chunks, ring=stages)
     res = sm90.resources(kernel)
     assert res["LOCAL"] == 0 and res["STACK"] == 0, res
     assert 2 * (kernel.metadata.shared + 1024) <= SM_SHARED, kernel.metadata.shared
     assert 2 * res["REG"] * 32 * PV.NUM_WARPS <= SM_REGS, res
-    block_loops = [loop for loop in sm90.loops(kernel) if any("HGMMA" in t for t in loop)]
+    block_loops = _block_loops(kernel)
     assert len(block_loops) == chunks
     ins = [t for _, t in sm90.sass(kernel)]
     assert any("LDGSTS" in t for t in ins), "no cp.async"
@@ -110,10 +101,10 @@ def test_second_launch_ring_compiles_for_sm90(heads, w, k, chunks, dims, stages)
     gmma = [t.split()[0] for t in ins if "GMMA" in t]
     assert gmma == [f"HGMMA.64x{dims // 2}x16.F32.BF16"] * (4 * chunks), sorted(set(gmma))
     if dims == 64 and heads == 64 and w == 128:
-        kernel = sm90.compile_sm90(PV._gluon_mla_pv_kernel, _TYPES, consts, num_warps=PV.NUM_WARPS, maxnreg=80)
+        kernel = sm90.compile_mla_pv(heads, w, k, dims=dims, chunks=chunks, ring=stages, maxnreg=80)
         res = sm90.resources(kernel)
         assert 3 * res["REG"] * 32 * PV.NUM_WARPS <= SM_REGS and 3 * (kernel.metadata.shared + 1024) <= SM_SHARED
-        (loop, ) = [loop for loop in sm90.loops(kernel) if any("HGMMA" in t for t in loop)]
+        (loop, ) = _block_loops(kernel)
         # a few registers spilled outside the loop (24 bytes on sm_90 with Triton 3.6.0)
         assert not [t for t in loop if "STL" in t or "LDL" in t] and res["STACK"] <= 32, res
 
