@@ -463,6 +463,19 @@ def programs_per_sm(kernel) -> int:
     return max(0, min(65536 // regs, 228 * 1024 // (kernel.metadata.shared + 1024), 32))
 
 
+def specialization_key(args) -> tuple:
+    """What Triton's JIT specializes a kernel on among launch arguments (ints: == 1, divisible by 16,
+    beyond int32; tensors: 16-byte aligned data pointers), one entry an argument; arguments with
+    the same key launch the same compiled kernel (floats are not specialized: None)."""
+    def one(a):
+        if isinstance(a, torch.Tensor):
+            return a.data_ptr() % 16 == 0
+        if isinstance(a, int):
+            return (a == 1, a % 16 == 0, not -2**31 <= a < 2**31)
+        return None
+    return tuple(one(a) for a in args)
+
+
 def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: torch.Tensor, comp_pool: torch.Tensor,
                       window_table: torch.Tensor, comp_table: torch.Tensor, sink: torch.Tensor, scale: float,
                       out: torch.Tensor) -> None:
@@ -499,10 +512,14 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
     if config.maxnreg is not None:
         consts["maxnreg"] = config.maxnreg
     if combine == "spread":
-        per_sm = plan.resident.get("spread")
-        if per_sm is None:            # the compiled kernel's registers and shared memory decide
+        # the compiled kernel's registers and shared memory decide, the kernel of these arguments'
+        # specialization (Triton compiles one per row count 1 or not, per 16-divisible int and
+        # 16-aligned pointer: their registers can differ)
+        key = specialization_key(args)
+        per_sm = plan.resident.get(key)
+        if per_sm is None:
             kernel = _gluon_sparse_mla_kernel.warmup(*args, grid=(grid, ), SPREAD=True, TICKET=False, **consts)
-            per_sm = plan.resident["spread"] = programs_per_sm(kernel)
+            per_sm = plan.resident[key] = programs_per_sm(kernel)
         if grid > num_sms(base.device) * per_sm:
             # not every program resident at once: the row's wait could hang; the separate launch
             # with the flag look-back (the board of maxima stays untouched, zero)

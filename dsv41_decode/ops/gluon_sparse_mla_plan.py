@@ -209,8 +209,9 @@ class GluonSparseMlaPlan:
     block_h = max(16, heads): the workspace's heads, which the kernel pads to the wgmma's 64),
     `config`, `counters` (int32 [max_rows], zero between launches: the spread combination's
     arrivals per row), `board` (int32 [max_rows, blocks, block_h] with lookback="values", zero
-    between launches; else one unused int32), `resident` (the spread combination's programs per SM,
-    from its compiled kernel on the first launch), and `phase_log` (int64 [max_rows x blocks x
+    between launches; else one unused int32), `resident` (the spread combination's programs per SM
+    by `gluon_sparse_mla.specialization_key` of the launch's arguments, from the compiled kernel of
+    the first launch with that key), and `phase_log` (int64 [max_rows x blocks x
     dim_split, 16] with `config.phases`, else None). Build with `GluonSparseMlaPlan.build` (or the
     step's, `for_step`); not for concurrent launches (as `base`)."""
 
