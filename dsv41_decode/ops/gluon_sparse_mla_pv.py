@@ -301,9 +301,11 @@ def _ring_slice(p_ptr, tile, PH: gl.constexpr, w_slots, c_slots, c, nw, wpool_pt
         a = warpgroup_mma(p_r.index(cur), v_smem, zero, use_acc=False)
         # block b + RING - 1 into block b - 1's slot, which every warp was done with (its decode and
         # both warpgroups' MMA) at the barrier above; issued after this block's MMA, so that no
-        # barrier is needed between a copy and the ring's reads in this block
+        # barrier is needed between a copy and the ring's reads in this block (none where the
+        # prologue issued every block: NB <= RING - 1; sm_90's LLVM lowering fails on the dead
+        # branch's slot-table read at NB = 1)
         nxt = b + RING - 1
-        if nxt < NB:
+        if (NB > RING - 1) and (nxt < NB):
             _ring_issue(wcode_r.index(nxt % RING), ccode_r.index(nxt % RING), p_r.index(nxt % RING), nxt, c, nw,
                         w_slots, c_slots, wpool_ptr, cpool_ptr, p_ptr, tile, PH, DW, l3w, l3c, lp)
         async_copy.commit_group()
