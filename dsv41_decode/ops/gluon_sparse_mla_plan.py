@@ -167,8 +167,7 @@ class GluonSparseMlaConfig:
 _SPLIT4SVL = GluonSparseMlaConfig(dim_split=4, combine="spread", lookback="values", fp4_lut=True)
 _SPLIT2SVLC = GluonSparseMlaConfig(dim_split=2, combine="spread", lookback="values", fp4_lut=True, maxnreg=128)
 _SPREADVLC = GluonSparseMlaConfig(combine="spread", lookback="values", fp4_lut=True, maxnreg=128)
-_PV = GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128)
-_PV64 = GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_dims=64)
+_PVRING = GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_stages=4)
 
 # The decode step's configuration per row count, by the heads a program holds (`block_h`: 16 for 8
 # and 16 local heads, which the kernel pads to 16, then 32, 64; `GluonSparseMlaPlan.for_step`;
@@ -182,23 +181,21 @@ _PV64 = GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_dims=64
 # 2 + spread + values look-back + fp4_lut + maxnreg 128 (two programs an SM, all 80 of 4 rows
 # resident): 14.75 us at 4 rows against spreadvlc's 17.62, 22.07 at 8 against 17.85 (32 heads:
 # 12.96 / 18.71 against 14.11 / 14.32; FlashMLA 12.59 / 13.50; run Y at 76a2b89). Above 16 rows at
-# 32-64 heads P.V and the combination in a second launch + fp4_lut + maxnreg 128 (run AB at
-# 029f2ed: 48.88 / 68.54 us at 32 / 64 rows against the default's 52.02 / 91.68 and spreadvlc's
-# 54.79 / 96.82; 37.45 at 16 against spreadvlc's 28.46), at 17-32 rows of 64 heads on 64-dim slices
-# (eight programs a row): 47.80 against 49.65 at 32 rows, 31.89 against 37.66 at 16 (run AG at
-# 60428a8; 45.37 against 46.97 at 32 rows in run AI), slower at 64 (77.40 against 69.64). At 8-16
-# heads the spread combination beats the second launch at every row count measured: 16 heads
-# 30.13 / 46.35 us at 32 / 64 rows against 44.92 / 62.26 (run AG; 29.80 / 46.31 against 44.54 /
-# 61.88 in run AB, 29.72 / 46.26 against 45.66 / 64.10 in run AE; 64 rows run the separate
-# combination, its grid past the resident one). At 32 heads above 16 rows the 64 heads' second
-# launch on 128-dim slices (not yet measured there). Every configuration gives the default's bits on
-# every row (the probe's `cfg==` in every cell; `test_gpu_every_config_gives_the_same_bits`), so a
-# row's outputs do not depend on the bucket its step runs in: batch invariance holds across the
-# buckets.
+# 64 heads P.V and the combination in a second launch + fp4_lut + maxnreg 128, its codes and P
+# through a 4-slot cp.async ring (`pv_stages`; run AL at 5ad2f48: 44.88 / 64.77 us at 32 / 64 rows
+# against 47.25 / 67.64 without the ring, 45.39 / 75.62 on 64-dim slices, spreadvlc's 54.81 / 97.59;
+# 33.11 at 16 against spreadvlc's 27.24). At 8-32 heads the spread combination beats the second
+# launch at every row count measured: 32 heads 21.32 / 32.72 / 60.17 us at 16 / 32 / 64 rows
+# against the ring's 31.47 / 41.60 / 61.33 (run AL); 16 heads 18.60 / 29.26 / 45.29 against
+# 30.33 / 39.79 / 59.06 (run AL; 30.13 / 46.35 against 44.92 / 62.26 without the ring in run AG;
+# 64 rows run the separate combination, its grid past the resident one). Every configuration gives
+# the default's bits on every row (the probe's `cfg==` in every cell;
+# `test_gpu_every_config_gives_the_same_bits`), so a row's outputs do not depend on the bucket its
+# step runs in: batch invariance holds across the buckets.
 STEP_CONFIGS: dict[int, tuple] = {
     16: ((2, _SPLIT4SVL), (4, _SPLIT2SVLC), (None, _SPREADVLC)),
-    32: ((2, _SPLIT4SVL), (4, _SPLIT2SVLC), (16, _SPREADVLC), (None, _PV)),
-    64: ((2, _SPLIT4SVL), (4, _SPLIT2SVLC), (16, _SPREADVLC), (32, _PV64), (None, _PV)),
+    32: ((2, _SPLIT4SVL), (4, _SPLIT2SVLC), (None, _SPREADVLC)),
+    64: ((2, _SPLIT4SVL), (4, _SPLIT2SVLC), (16, _SPREADVLC), (None, _PVRING)),
 }
 
 

@@ -55,8 +55,9 @@ PLAIN = G.GluonSparseMlaConfig(q_buffers=4, fp4_packed=False, prefetch=False)
 SPREAD = G.GluonSparseMlaConfig(combine="spread")
 SPREAD_VALUES = G.GluonSparseMlaConfig(combine="spread", lookback="values")
 LUT = G.GluonSparseMlaConfig(fp4_lut=True)
-# the step's configurations at 1-2, 3-4 and 5-16 rows (STEP_CONFIGS at 64 heads; above, PV64 and PV)
-SPLIT4SVL, SPLIT2SVLC, SPREADVLC = (c for _, c in G.STEP_CONFIGS[64][:3])
+# the step's configurations at 1-2, 3-4, 5-16 and 17-64 rows (STEP_CONFIGS at 64 heads; at 8-32 heads
+# the first three)
+SPLIT4SVL, SPLIT2SVLC, SPREADVLC, PVRING4 = (c for _, c in G.STEP_CONFIGS[64])
 # P.V and the combination in a second launch, one and two 128-dim chunks a program
 PV = G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128)
 PV2 = G.GluonSparseMlaConfig(combine="pv", pv_chunks=2)
@@ -73,7 +74,7 @@ CONFIGS = [DEFAULT, PLAIN, G.GluonSparseMlaConfig(2, False, True), G.GluonSparse
            G.GluonSparseMlaConfig(dim_split=2), G.GluonSparseMlaConfig(q_buffers=4, dim_split=4),
            SPREAD, G.GluonSparseMlaConfig(dim_split=4, combine="spread"), SPREAD_VALUES,
            G.GluonSparseMlaConfig(pv_pipeline=True), G.GluonSparseMlaConfig(dim_split=2, pv_pipeline=True),
-           LUT, SPLIT4SVL, SPLIT2SVLC, SPREADVLC, PV, PV2, PV64, PV64R80, PVRING, PV64RING]
+           LUT, SPLIT4SVL, SPLIT2SVLC, SPREADVLC, PV, PV2, PV64, PV64R80, PVRING, PV64RING, PVRING4]
 
 
 # V4.1-Flash (128 window + 512 top-k keys) at 64 heads with the default configuration, the P.V
@@ -274,9 +275,9 @@ def test_gpu_window_only(h, n):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [DEFAULT, SPREAD, SPREAD_VALUES, LUT, SPLIT4SVL, SPREADVLC, PV, PV64, PV64R80,
-                                    PVRING, PV64RING],
+                                    PVRING, PV64RING, PVRING4],
                          ids=["default", "spread", "spread-values", "fp4-lut", "split4svl", "spreadvlc", "pv", "pv64",
-                              "pv64r80", "pv-ring", "pv64-ring"])
+                              "pv64r80", "pv-ring", "pv64-ring", "pv-ring4"])
 @pytest.mark.parametrize("w,k", [(16, 8), (16, 72)])
 def test_gpu_small_shapes(w, k, config):
     # one block in all (16 + 8 keys: the spread combination by the block's own programs), and a
