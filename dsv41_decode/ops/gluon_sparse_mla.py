@@ -464,15 +464,17 @@ def programs_per_sm(kernel) -> int:
 
 
 def specialization_key(args) -> tuple:
-    """What Triton's JIT specializes a kernel on among launch arguments (ints: == 1, divisible by 16,
-    beyond int32; tensors: 16-byte aligned data pointers), one entry an argument; arguments with
-    the same key launch the same compiled kernel (floats are not specialized: None)."""
+    """What Triton's JIT specializes a kernel on among launch arguments of these kinds, one entry an
+    argument: tensors by dtype and a 16-byte aligned data pointer, ints by == 1, divisibility by 16
+    and range (int32, int64, uint64), bools, floats and None by their type. Arguments with the same
+    key (and the same constexprs) launch the same compiled kernel; a key may be finer than
+    Triton's, never coarser."""
     def one(a):
         if isinstance(a, torch.Tensor):
-            return a.data_ptr() % 16 == 0
-        if isinstance(a, int):
-            return (a == 1, a % 16 == 0, not -2**31 <= a < 2**31)
-        return None
+            return (a.dtype, a.data_ptr() % 16 == 0)
+        if isinstance(a, int) and not isinstance(a, bool):
+            return (int, a == 1, a % 16 == 0, -2**31 <= a < 2**31, a < 2**63)
+        return type(a)
     return tuple(one(a) for a in args)
 
 
@@ -512,9 +514,8 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
     if config.maxnreg is not None:
         consts["maxnreg"] = config.maxnreg
     if combine == "spread":
-        # the compiled kernel's registers and shared memory decide, the kernel of these arguments'
-        # specialization (Triton compiles one per row count 1 or not, per 16-divisible int and
-        # 16-aligned pointer: their registers can differ)
+        # the registers and shared memory of the kernel these arguments compile to decide
+        # (`specialization_key`: the one-row kernel's registers differ from the others')
         key = specialization_key(args)
         per_sm = plan.resident.get(key)
         if per_sm is None:

@@ -452,7 +452,7 @@ def test_gpu_spread_combination_at_and_past_the_resident_grid(h, config):
         assert torch.equal(run(plan, case), run(ref, case)), n
     torch.cuda.synchronize()
     assert workspace_is_clear(plan)
-    assert plan.resident["spread"] >= 1, plan.resident
+    assert plan.resident and min(plan.resident.values()) >= 1, plan.resident
     n, k = 3, 2112
     case = make_case(n, h, w, k, seed=6200 + h, window_fill=gpu_tables(n), **GPU_POOLS)
     assert torch.equal(run(G.GluonSparseMlaPlan.build(n, h, w, k, "cuda", config=config), case),

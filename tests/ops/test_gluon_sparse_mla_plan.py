@@ -91,13 +91,13 @@ def test_the_spread_residency_is_per_specialization():
     # the spread combination runs only where its compiled kernel's programs all fit the SMs at once,
     # and Triton compiles a kernel per specialization of the arguments (split4svl at 64 heads: 128
     # registers with the row count 1, 137 without, sm_90: two programs an SM against one), so the
-    # plan's residency is keyed by specialization_key: row count 1, 2-15, 16, beyond int32, and a
-    # tensor's 16-byte alignment each give their own key; floats none
+    # plan's residency is keyed by specialization_key: row count 1, 2-15, 16, beyond int32 and
+    # int64, a tensor's 16-byte alignment and dtype each give their own key, bools apart from ints
     x = torch.zeros(8, dtype=torch.int16)
     key = lambda n, t=x: G.specialization_key((t, n, 0.5))
-    assert key(1) != key(2) == key(3) == key(15) != key(16) == key(32) != key(2**31)
-    assert key(2, x[1:]) != key(2)
-    assert key(2)[2] is None
+    assert key(1) != key(2) == key(3) == key(15) != key(16) == key(32) != key(2**31) != key(2**63)
+    assert key(2, x[1:]) != key(2) != key(2, x.view(torch.bfloat16))
+    assert key(True) != key(1) and key(False) != key(0) and key(None) != key(0.5)
 
 
 @pytest.mark.gpu

@@ -73,11 +73,11 @@ def test_second_launch_at_80_registers_three_programs_an_sm():
 
 
 # the ring (`pv_stages`): at every TP shard's head count, both slice widths, two slices a program,
-# the small shape and a single block (every block in the ring's first fill), at the default cap: no spills, two programs an SM by registers and shared memory
-# (the ring's slots: 21 KB a stage at 128 dims), the block's codes and P copied by cp.async
-# (LDGSTS; in the blocks' loop where the row has more blocks than the ring's first fill), P.V's
-# wgmma as without it; at 64-dim slices, three stages and a cap
-# of 80 three programs an SM, no spill in the loop
+# the small shape and a single block (every block in the ring's first fill), at the default cap:
+# no spills, two programs an SM by registers and shared memory (the ring's slots: 21 KB a stage at
+# 128 dims), the block's codes and P copied by cp.async (LDGSTS; in the blocks' loop where the row
+# has more blocks than the ring's first fill), P.V's wgmma as without it; at 64-dim slices, three
+# stages and a cap of 80 three programs an SM, no spill in the loop
 @pytest.mark.parametrize("heads,w,k,chunks,dims,stages", [
     (64, 128, 512, 1, 128, 3), (64, 128, 512, 1, 128, 4), (32, 128, 512, 1, 128, 3),
     (16, 128, 512, 1, 128, 3), (8, 128, 512, 1, 128, 3), (64, 16, 72, 1, 128, 3), (64, 128, 512, 2, 128, 3),
