@@ -78,7 +78,8 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from .common import is_sm90, num_sms
 from .gluon_mla_records import (_CREC, _DC, _KEYS, _M, _WARPS, _WREC, NUM_WARPS, _add, _bf16_rne_bits, _block_slots,
                                 _decode_chunk, _decode_loaded, _load_chunk, _max)
-from .gluon_sparse_mla_plan import PHASE_COLS, PHASE_NAMES, STEP_CONFIGS, GluonSparseMlaConfig, GluonSparseMlaPlan
+from .gluon_sparse_mla_plan import (PHASE_COLS, PHASE_NAMES, STEP_CONFIGS, GluonSparseMlaConfig, GluonSparseMlaPlan,
+                                   programs_per_sm, specialization_key)
 from .gluon_sparse_mla_pv import mla_pv_
 from .sparse_mla import check_sparse_mla_args, combine_partials_
 
@@ -451,31 +452,6 @@ def _gluon_sparse_mla_kernel(
     if PHASES:
         _stamp(log_row, _PH_CEND, PHASES)
         _stamp_global(log_row, _PH_GEND, "mov.u64 $0, %globaltimer;", PHASES)
-
-
-def programs_per_sm(kernel) -> int:
-    """How many programs of a compiled sm_90 kernel an SM holds at once: 64K registers (allocated per
-    warp, 8 a thread at a time) and 228 KB of shared memory (1 KB of it reserved per program)."""
-    if hasattr(kernel, "result"):      # a compilation still under way (Triton's async mode)
-        kernel = kernel.result()
-    kernel._init_handles()
-    regs = -(-kernel.n_regs // 8) * 8 * kernel.metadata.num_warps * 32
-    return max(0, min(65536 // regs, 228 * 1024 // (kernel.metadata.shared + 1024), 32))
-
-
-def specialization_key(args) -> tuple:
-    """What Triton's JIT specializes a kernel on among launch arguments of these kinds, one entry an
-    argument: tensors by dtype and a 16-byte aligned data pointer, ints by == 1, divisibility by 16
-    and range (int32, int64, uint64), bools, floats and None by their type. Arguments with the same
-    key (and the same constexprs) launch the same compiled kernel; a key may be finer than
-    Triton's, never coarser."""
-    def one(a):
-        if isinstance(a, torch.Tensor):
-            return (a.dtype, a.data_ptr() % 16 == 0)
-        if isinstance(a, int) and not isinstance(a, bool):
-            return (int, a == 1, a % 16 == 0, -2**31 <= a < 2**31, a < 2**63)
-        return type(a)
-    return tuple(one(a) for a in args)
 
 
 def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: torch.Tensor, comp_pool: torch.Tensor,

@@ -3,7 +3,8 @@ kernel and launcher take them): `GluonSparseMlaConfig` (every option gives the s
 decode step's configurations per row count and head count `STEP_CONFIGS`, and
 `GluonSparseMlaPlan`, which binds a `SparseMlaPlan` (the split's blocks, workspace and
 combination), the configuration, the spread combination's counters, the board of maxima and the
-debug phase log (`PHASE_NAMES`)."""
+debug phase log (`PHASE_NAMES`), and the spread combination's residency (`programs_per_sm` of a
+compiled kernel, per `specialization_key` of the launch's arguments)."""
 
 from __future__ import annotations
 
@@ -207,7 +208,7 @@ class GluonSparseMlaPlan:
     `config`, `counters` (int32 [max_rows], zero between launches: the spread combination's
     arrivals per row), `board` (int32 [max_rows, blocks, block_h] with lookback="values", zero
     between launches; else one unused int32), `resident` (the spread combination's programs per SM
-    by `gluon_sparse_mla.specialization_key` of the launch's arguments, from the compiled kernel of
+    by `specialization_key` of the launch's arguments, from the compiled kernel of
     the first launch with that key), and `phase_log` (int64 [max_rows x blocks x
     dim_split, 16] with `config.phases`, else None). Build with `GluonSparseMlaPlan.build` (or the
     step's, `for_step`); not for concurrent launches (as `base`)."""
@@ -274,3 +275,28 @@ class GluonSparseMlaPlan:
     @property
     def device(self) -> torch.device:
         return self.base.device
+
+
+def programs_per_sm(kernel) -> int:
+    """How many programs of a compiled sm_90 kernel an SM holds at once: 64K registers (allocated per
+    warp, 8 a thread at a time) and 228 KB of shared memory (1 KB of it reserved per program)."""
+    if hasattr(kernel, "result"):      # a compilation still under way (Triton's async mode)
+        kernel = kernel.result()
+    kernel._init_handles()
+    regs = -(-kernel.n_regs // 8) * 8 * kernel.metadata.num_warps * 32
+    return max(0, min(65536 // regs, 228 * 1024 // (kernel.metadata.shared + 1024), 32))
+
+
+def specialization_key(args) -> tuple:
+    """What Triton's JIT specializes a kernel on among launch arguments of these kinds, one entry an
+    argument: tensors by dtype and a 16-byte aligned data pointer, ints by == 1, divisibility by 16
+    and range (int32, int64, uint64), bools, floats and None by their type. Arguments with the same
+    key (and the same constexprs) launch the same compiled kernel; a key may be finer than
+    Triton's, never coarser."""
+    def one(a):
+        if isinstance(a, torch.Tensor):
+            return (a.dtype, a.data_ptr() % 16 == 0)
+        if isinstance(a, int) and not isinstance(a, bool):
+            return (int, a == 1, a % 16 == 0, -2**31 <= a < 2**31, a < 2**63)
+        return type(a)
+    return tuple(one(a) for a in args)
