@@ -16,7 +16,8 @@ from .common import plan_workspace
 from .gluon_sparse_mla_pv import _MAXNREG as _PV_MAXNREG, PV_CHUNKS, PV_DIMS
 from .sparse_mla_plan import SparseMlaPlan
 
-__all__ = ["PHASE_COLS", "PHASE_NAMES", "STEP_CONFIGS", "GluonSparseMlaConfig", "GluonSparseMlaPlan"]
+__all__ = ["PHASE_COLS", "PHASE_NAMES", "STEP_CONFIGS", "GluonSparseMlaConfig", "GluonSparseMlaPlan", "programs_per_sm",
+           "specialization_key"]
 
 _COMBINES = ("separate", "spread", "pv")     # GluonSparseMlaConfig.combine
 
