@@ -81,12 +81,6 @@ CONFIGS = {
     "pv1d64s4r80": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_dims=64, pv_maxnreg=80,
                                           pv_stages=4),
     "pv2d64": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_chunks=2, pv_dims=64),
-    # the first launch as one program per row (`gluon_sparse_mla_rows`), with pv1s4's / pv1's /
-    # pv1d64s4r80's second launch
-    "rows4": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_stages=4, scores="rows"),
-    "rows": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, scores="rows"),
-    "rows4d64": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_dims=64, pv_maxnreg=80,
-                                       pv_stages=4, scores="rows"),
 }
 
 

@@ -81,7 +81,6 @@ from .gluon_mla_records import (_CREC, _DC, _KEYS, _M, _WARPS, _WREC, NUM_WARPS,
 from .gluon_sparse_mla_plan import (PHASE_COLS, PHASE_NAMES, STEP_CONFIGS, GluonSparseMlaConfig, GluonSparseMlaPlan,
                                    programs_per_sm, specialization_key)
 from .gluon_sparse_mla_pv import mla_pv_
-from .gluon_sparse_mla_rows import mla_row_scores_
 from .sparse_mla import check_sparse_mla_args, combine_partials_
 
 __all__ = ["NUM_WARPS", "PHASE_NAMES", "STEP_CONFIGS", "GluonSparseMlaConfig", "GluonSparseMlaPlan", "gluon_sparse_mla_"]
@@ -504,11 +503,8 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
             combine = "separate"
             consts["VALUES"] = False
     if combine == "pv":
-        # the blocks' scores and P (by block programs or row programs), then P.V and the combination
-        if config.scores == "rows":
-            mla_row_scores_(base, q, window_pool, comp_pool, window_table, comp_table, acc_ws, scale, n)
-        else:
-            _gluon_sparse_mla_kernel[(grid, )](*args, SPREAD=False, TICKET=True, P_OUT=True, **consts)
+        # the blocks' scores and P, then P.V and the combination
+        _gluon_sparse_mla_kernel[(grid, )](*args, SPREAD=False, TICKET=True, P_OUT=True, **consts)
         mla_pv_(base, config, acc_ws, window_pool, comp_pool, window_table, comp_table, sink, o16, n)
         return
     spread = combine == "spread"

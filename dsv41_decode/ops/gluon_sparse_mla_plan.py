@@ -108,14 +108,7 @@ class GluonSparseMlaConfig:
     start (P one block ahead); 3 or 4 (with fp4_lut), copies them asynchronously (cp.async) into a
     ring of that many shared-memory slots, each block's issued pv_stages - 2 blocks of work ahead of
     its use, the scales into registers a block ahead (`gluon_sparse_mla_pv._ring_slice`: the same
-    values, so the same bits).
-
-    scores (with combine="pv"): the first launch's programs, "blocks" (one a (row, block), each
-    learning the running max at its block from the earlier blocks' programs, the look-back) or
-    "rows" (with fp4_lut: one a row, walking its blocks in order with the running max in
-    registers, q loaded once, the next block's codes copied into a shared-memory slot during a
-    block's MMAs: `gluon_sparse_mla_rows`; the same P and statistics, so the same bits; one program
-    an SM, so one wave up to 132 rows on the H200)."""
+    values, so the same bits)."""
 
     q_buffers: int = 2
     fp4_packed: bool = True
@@ -131,7 +124,6 @@ class GluonSparseMlaConfig:
     pv_dims: int = 128
     pv_maxnreg: int = _PV_MAXNREG
     pv_stages: int = 0
-    scores: str = "blocks"
 
     def __post_init__(self):
         if self.q_buffers not in (2, 4) or isinstance(self.q_buffers, bool):
@@ -149,14 +141,6 @@ class GluonSparseMlaConfig:
         if self.combine == "pv" and (self.dim_split != 1 or self.lookback != "flags"):
             raise ValueError(f"GluonSparseMlaConfig.combine='pv' runs P.V in its second launch: it needs dim_split=1 "
                              f"and lookback='flags', got dim_split={self.dim_split!r}, lookback={self.lookback!r}")
-        if self.scores not in ("blocks", "rows"):
-            raise ValueError(f"GluonSparseMlaConfig.scores must be 'blocks' or 'rows', got {self.scores!r}")
-        if self.scores == "rows" and self.combine != "pv":
-            raise ValueError(f"GluonSparseMlaConfig.scores='rows' stores P for the second launch of combine='pv', "
-                             f"got combine={self.combine!r}")
-        if self.scores == "rows" and not self.fp4_lut:
-            raise ValueError("GluonSparseMlaConfig.scores='rows' decodes the compressed codes with the FP4 LUT: it "
-                             "needs fp4_lut=True")
         c = self.pv_chunks
         if isinstance(c, bool) or not isinstance(c, int) or c not in PV_CHUNKS:
             raise ValueError(f"GluonSparseMlaConfig.pv_chunks must be one of {PV_CHUNKS}, got {self.pv_chunks!r}")

@@ -167,23 +167,11 @@ def _direct_slice(p_ptr, tile, PH: gl.constexpr, w_slots, c_slots, c, nw, wpool_
 @gluon.jit
 def _ring_issue(wcode_s, ccode_s, p_s, b, c, nw, w_slots, c_slots, wpool_ptr, cpool_ptr, p_ptr, tile,
                 PH: gl.constexpr, DW: gl.constexpr, l3w: gl.constexpr, l3c: gl.constexpr, lp: gl.constexpr):
-    """Block b's asynchronous copies into one ring slot: its codes of slice c (`_ring_codes`) and
-    its P into p_s ([64, 64] BF16; heads past PH zeros), in `_ring_slice`'s layouts."""
-    _ring_codes(wcode_s, ccode_s, b, c, nw, w_slots, c_slots, wpool_ptr, cpool_ptr, DW, l3w, l3c)
-    rp = gl.arange(0, _M, layout=gl.SliceLayout(1, lp))
-    kp = gl.arange(0, _KEYS, layout=gl.SliceLayout(0, lp))
-    async_copy.async_copy_global_to_shared(p_s, p_ptr + ((tile + b) * PH + rp[:, None]) * _KEYS + kp[None, :],
-                                           mask=(rp < PH)[:, None])
-
-
-@gluon.jit
-def _ring_codes(wcode_s, ccode_s, b, c, nw, w_slots, c_slots, wpool_ptr, cpool_ptr, DW: gl.constexpr,
-                l3w: gl.constexpr, l3c: gl.constexpr):
-    """Block b's asynchronous copies (cp.async) of the codes of dims [DW c, DW c + DW) into wcode_s
-    [64, DW / 32, 32] and ccode_s [64, DW / 16, 8] (u8, layouts l3w / l3c: each thread copies the
-    bytes `_ring_window` / `_ring_compressed` later read): its window records' where the block
-    holds window keys, its compressed records' where it holds compressed entries (keys a pool does
-    not hold: zeros, as the masked-off copy writes; a pool the block holds no key of: not copied)."""
+    """Block b's asynchronous copies into one ring slot (wcode_s [64, DW / 32, 32] and ccode_s
+    [64, DW / 16, 8] u8, p_s [64, 64] BF16): the codes of dims [DW c, DW c + DW) of its window
+    records where the block holds window keys and of its compressed records where it holds
+    compressed entries (keys a pool does not hold: zeros, as the masked-off copy writes), and its
+    P (heads past PH zeros), in `_ring_slice`'s layouts."""
     NG: gl.constexpr = DW // 32
     NS: gl.constexpr = DW // 16
     start = b * _KEYS
@@ -203,6 +191,10 @@ def _ring_codes(wcode_s, ccode_s, b, c, nw, w_slots, c_slots, wpool_ptr, cpool_p
         e = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, l3c)))
         off = (base[:, None] + g[None, :] * 8)[:, :, None] + e[None, None, :]
         async_copy.async_copy_global_to_shared(ccode_s, cpool_ptr + off, mask=ok[:, None, None])
+    rp = gl.arange(0, _M, layout=gl.SliceLayout(1, lp))
+    kp = gl.arange(0, _KEYS, layout=gl.SliceLayout(0, lp))
+    async_copy.async_copy_global_to_shared(p_s, p_ptr + ((tile + b) * PH + rp[:, None]) * _KEYS + kp[None, :],
+                                           mask=(rp < PH)[:, None])
 
 
 @gluon.jit

@@ -255,15 +255,3 @@ def compile_mla_pv(heads: int, window: int, topk: int, *, dims: int = 128, chunk
                   CPP=chunks, FP4_PACKED=True, FP4_LUT=True, DW=dims, RING=ring)
     return compile_sm90(PV._gluon_mla_pv_kernel, types, consts, num_warps=PV.NUM_WARPS,
                         maxnreg=PV._MAXNREG if maxnreg is None else maxnreg)
-
-
-def compile_mla_row_scores(heads: int, window: int, topk: int):
-    """`ops.gluon_sparse_mla_rows`'s kernel (the first launch of the sparse MLA's "pv" with one
-    program per row, `scores="rows"`) compiled for sm_90 as `mla_row_scores_` launches it for
-    `heads` heads, `window` window slots and `topk` compressed entries a row."""
-    from ..ops import gluon_sparse_mla as G, gluon_sparse_mla_rows as R
-    base = G.GluonSparseMlaPlan.build(1, heads, window, topk, "cpu").base
-    types = {"q_ptr": "*bf16", "wpool_ptr": "*u8", "cpool_ptr": "*u8", "wtab_ptr": "*i32", "ctab_ptr": "*i32",
-             "p_ptr": "*bf16", "part_ml_ptr": "*fp32", "scale": "fp32"}
-    consts = dict(W=window, W_P2=1 << (window - 1).bit_length(), KC=topk, NB=base.n_blocks, PH=base.block_h)
-    return compile_sm90(R._gluon_mla_row_scores_kernel, types, consts, num_warps=R.NUM_WARPS)
