@@ -78,7 +78,6 @@ CONFIGS = {
     "pv1d64s3r80": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_dims=64, pv_maxnreg=80,
                                           pv_stages=3),
     "pv1s4": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_stages=4),
-    "pv1s4v": G.GluonSparseMlaConfig(combine="pv", lookback="values", fp4_lut=True, maxnreg=128, pv_stages=4),
     "pv1d64s4r80": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_dims=64, pv_maxnreg=80,
                                           pv_stages=4),
     "pv2d64": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_chunks=2, pv_dims=64),

@@ -505,7 +505,7 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
     if combine == "pv":
         # the blocks' scores and P, then P.V and the combination
         _gluon_sparse_mla_kernel[(grid, )](*args, SPREAD=False, TICKET=True, P_OUT=True, **consts)
-        mla_pv_(base, config, acc_ws, window_pool, comp_pool, window_table, comp_table, sink, o16, n, plan.board)
+        mla_pv_(base, config, acc_ws, window_pool, comp_pool, window_table, comp_table, sink, o16, n)
         return
     spread = combine == "spread"
     _gluon_sparse_mla_kernel[(grid, )](*args, SPREAD=spread, TICKET=not spread, **consts)

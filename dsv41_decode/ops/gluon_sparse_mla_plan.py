@@ -67,14 +67,13 @@ class GluonSparseMlaConfig:
     `pv_chunks` 128-dim chunks of its output, block by block in order, each block's P.V rescaled
     into the chunk's sum as the separate kernel does: the same MMAs on the same operands and the
     same arithmetic, so the same bits, with the partials kept in registers (84 MB each way at 64
-    rows and 64 heads for the other two) and the keys' dims decoded once more there (dim_split 1;
-    the second launch clears the row's look-back state, flags and board, for the next launch).
+    rows and 64 heads for the other two) and the keys' dims decoded once more there (dim_split 1
+    and the flag look-back only).
 
     lookback: how a block's program learns the maxima of the blocks before it: "flags" (each
     program stores its block's maxima, then sets its bit of the row's flag words with release; the
     later ones poll the words with acquire, then load the maxima: a fence and two round trips), or
-    "values" (with the spread combination, whose last program of a row clears it, or with "pv",
-    whose second launch does: each program
+    "values" (with the spread combination, whose last program of a row clears it: each program
     stores ~bits(max) into the row's int32 board, zero between launches, and the later ones poll the
     board itself until every earlier entry is nonzero: one round trip once they are there; a max
     whose bits are 0xFFFFFFFF, a NaN, never counts as published: its row's outputs come out NaN).
@@ -137,11 +136,11 @@ class GluonSparseMlaConfig:
         if self.lookback not in ("flags", "values"):
             raise ValueError(f"GluonSparseMlaConfig.lookback must be 'flags' or 'values', got {self.lookback!r}")
         if self.lookback == "values" and self.combine == "separate":
-            raise ValueError("GluonSparseMlaConfig.lookback='values' needs combine='spread' or 'pv' (their last "
-                             "program of a row or second launch clears the board of maxima), got combine='separate'")
-        if self.combine == "pv" and self.dim_split != 1:
-            raise ValueError(f"GluonSparseMlaConfig.combine='pv' runs P.V in its second launch: it needs dim_split=1, "
-                             f"got dim_split={self.dim_split!r}")
+            raise ValueError("GluonSparseMlaConfig.lookback='values' needs combine='spread' (its last program of a "
+                             "row clears the board of maxima), got combine='separate'")
+        if self.combine == "pv" and (self.dim_split != 1 or self.lookback != "flags"):
+            raise ValueError(f"GluonSparseMlaConfig.combine='pv' runs P.V in its second launch: it needs dim_split=1 "
+                             f"and lookback='flags', got dim_split={self.dim_split!r}, lookback={self.lookback!r}")
         c = self.pv_chunks
         if isinstance(c, bool) or not isinstance(c, int) or c not in PV_CHUNKS:
             raise ValueError(f"GluonSparseMlaConfig.pv_chunks must be one of {PV_CHUNKS}, got {self.pv_chunks!r}")

@@ -49,17 +49,16 @@ _MAXNREG = 128
 
 @gluon.jit
 def _gluon_mla_pv_kernel(
-    p_ptr, part_ml_ptr, flag_ptr, wpool_ptr, cpool_ptr, wtab_ptr, ctab_ptr, sink_ptr, out_ptr, board_ptr,
+    p_ptr, part_ml_ptr, flag_ptr, wpool_ptr, cpool_ptr, wtab_ptr, ctab_ptr, sink_ptr, out_ptr,
     H, stride_wt, stride_ct, stride_on, stride_oh,
     W: gl.constexpr, W_P2: gl.constexpr, KC: gl.constexpr, NB: gl.constexpr,
     PH: gl.constexpr, CPP: gl.constexpr, FP4_PACKED: gl.constexpr, FP4_LUT: gl.constexpr, DW: gl.constexpr = 128,
-    RING: gl.constexpr = 0, VALUES: gl.constexpr = False,
+    RING: gl.constexpr = 0,
 ):
     # Grid: rows x (512 / (DW CPP)) programs, the slice the fastest; a program the CPP DW-wide dim
     # slices (DW: 128 or 64) sl CPP, ..., sl CPP + CPP - 1 of its row. p_ptr: BF16 [N, NB, PH, 64],
     # the blocks' P; part_ml_ptr: FP32 [N, NB, 3, PH] (max, sum, valid-key count); flag_ptr: int32
-    # [N, NB], the first launch's look-back words (zeroed here); with VALUES board_ptr int32 [N, NB, PH],
-    # its board of maxima (zeroed here too).
+    # [N, NB], the first launch's look-back words (zeroed here).
     SL: gl.constexpr = 512 // (DW * CPP)
     pid = gl.program_id(0)
     r = pid // SL
@@ -75,11 +74,6 @@ def _gluon_mla_pv_kernel(
         fw = gl.arange(0, 32, layout=gl.SliceLayout(1, ld))
         for w0 in range(0, NB, 32):
             gl.store(flag_ptr + tile + w0 + fw, gl.zeros([32], gl.int32, gl.SliceLayout(1, ld)), mask=w0 + fw < NB)
-        if VALUES:
-            mh = gl.arange(0, _M, layout=gl.SliceLayout(0, ld))
-            for b0 in range(0, NB, 32):
-                gl.store(board_ptr + (tile + b0 + fw)[:, None] * PH + mh[None, :],
-                         gl.zeros([32, _M], gl.int32, ld), mask=((b0 + fw) < NB)[:, None] & (mh < PH)[None, :])
 
     # The row's statistics per head (the combination's): the max over the blocks and the valid-key
     # count (exact in any order), each block's factor exp(m_b - m_all), the sums rescaled and added
@@ -337,18 +331,17 @@ def _block_bytes(w_slots, c_slots, b, c, wpool_ptr, cpool_ptr, FP4_PACKED: gl.co
 
 def mla_pv_(base, config, p: torch.Tensor, window_pool: torch.Tensor, comp_pool: torch.Tensor,
             window_table: torch.Tensor, comp_table: torch.Tensor, sink: torch.Tensor, o16: torch.Tensor,
-            rows: int, board: torch.Tensor) -> None:
+            rows: int) -> None:
     """`_gluon_mla_pv_kernel` over `rows` rows (arguments checked by the caller,
     `gluon_sparse_mla_`): base the plan's `SparseMlaPlan` (its shape, statistics and look-back
     words), config its `GluonSparseMlaConfig` (pv_chunks slices of pv_dims dims a program, the
     record decode's options), p the first launch's P (BF16 [rows, blocks, block_h, 64]), o16 the
-    output's int16 view, board the plan's board of maxima (cleared here with lookback="values")."""
+    output's int16 view."""
     nb = base.n_blocks
     _gluon_mla_pv_kernel[(rows * (512 // (config.pv_dims * config.pv_chunks)), )](
-        p, base.part_ml, base.flags, window_pool, comp_pool, window_table, comp_table, sink, o16, board,
+        p, base.part_ml, base.flags, window_pool, comp_pool, window_table, comp_table, sink, o16,
         base.heads, window_table.stride(0), max(comp_table.stride(0), 1), o16.stride(0), o16.stride(1),
         W=base.window, W_P2=triton.next_power_of_2(base.window), KC=base.topk, NB=nb, PH=base.block_h,
         CPP=config.pv_chunks,
         FP4_PACKED=config.fp4_packed, FP4_LUT=config.fp4_lut, DW=config.pv_dims, RING=config.pv_stages,
-        VALUES=config.lookback == "values",
         num_warps=NUM_WARPS, maxnreg=config.pv_maxnreg)
