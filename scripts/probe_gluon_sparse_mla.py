@@ -78,6 +78,9 @@ CONFIGS = {
     "pv1d64s3r80": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_dims=64, pv_maxnreg=80,
                                           pv_stages=3),
     "pv1s4": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_stages=4),
+    # the first launch with two key buffers (64 KB): at a cap of 80 three programs an SM, at 128 two
+    "pv1s4k2": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, pv_stages=4, k_buffers=2),
+    "pv1s4k2r128": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_stages=4, k_buffers=2),
     "pv1d64s4r80": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_dims=64, pv_maxnreg=80,
                                           pv_stages=4),
     "pv2d64": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_chunks=2, pv_dims=64),

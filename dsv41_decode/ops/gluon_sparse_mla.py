@@ -215,7 +215,7 @@ def _gluon_sparse_mla_kernel(
     DSPLIT: gl.constexpr = 1, SPREAD: gl.constexpr = False, VALUES: gl.constexpr = False,
     TICKET: gl.constexpr = True, PV_PIPELINE: gl.constexpr = False,
     FP4_LUT: gl.constexpr = False,
-    PHASES: gl.constexpr = False, P_OUT: gl.constexpr = False,
+    PHASES: gl.constexpr = False, P_OUT: gl.constexpr = False, K_BUFFERS: gl.constexpr = 4,
 ):
     # Workspaces (`SparseMlaPlan` with one head group of PH = block_h heads): acc [N, NB, PH, 512],
     # ml [N, NB, 3, PH] (max, sum, valid-key count), block_max [N, NB, PH], flags [N, NB] (here a
@@ -262,8 +262,9 @@ def _gluon_sparse_mla_kernel(
     chunk_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_M, _DC], gl.bfloat16)
     p_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_M, _KEYS], gl.bfloat16)
     q_smem = gl.allocate_shared_memory(gl.bfloat16, [Q_BUFFERS, _M, _DC], chunk_sl)
-    k_smem = gl.allocate_shared_memory(gl.bfloat16, [NC, _KEYS, _DC], chunk_sl)
-    p_smem = gl.allocate_shared_memory(gl.bfloat16, [_M, _KEYS], p_sl)
+    k_smem = gl.allocate_shared_memory(gl.bfloat16, [K_BUFFERS, _KEYS, _DC], chunk_sl)
+    if not P_OUT:
+        p_smem = gl.allocate_shared_memory(gl.bfloat16, [_M, _KEYS], p_sl)
 
     # The row's window key count (the valid suffix of its window table), then the block's slots.
     wtab_row = wtab_ptr + r * stride_wt
@@ -287,14 +288,39 @@ def _gluon_sparse_mla_kernel(
     h_in = (rh < H)[:, None]
     for c in gl.static_range(Q_BUFFERS):
         q_smem.index(c).store(gl.load(q_rows + c * _DC, mask=h_in, other=0.0))
-    if Q_BUFFERS < NC:                # in flight during the decode, stored after the first MMAs
+    if Q_BUFFERS < NC and K_BUFFERS == NC:    # in flight during the decode, stored after the first MMAs
         q2 = gl.load(q_rows + 2 * _DC, mask=h_in, other=0.0)
         q3 = gl.load(q_rows + 3 * _DC, mask=h_in, other=0.0)
     _stamp(log_row, 2, PHASES)
 
     # The block's records, decoded into shared memory.
     start = b * _KEYS
-    if start + _KEYS <= nw:           # window keys only
+    if K_BUFFERS == 2:
+        # (P_OUT) a chunk at a time into two buffers, each chunk's score MMA after its decode: S
+        # in the same chunk order and MMAs as below; q's last two chunks loaded into q's buffers
+        # once both warpgroups' MMAs of the first two are done
+        gl.static_assert(P_OUT and Q_BUFFERS == 2)
+        s = gl.zeros([_M, _KEYS], gl.float32, s_l)
+        for c in gl.static_range(NC):
+            if c >= 2:
+                gl.thread_barrier()   # both warpgroups' MMAs of chunk c - 2 have read its buffers
+                if c == 2:            # (loaded here: no registers held through the decodes)
+                    q_smem.index(0).store(gl.load(q_rows + 2 * _DC, mask=h_in, other=0.0))
+                    q_smem.index(1).store(gl.load(q_rows + 3 * _DC, mask=h_in, other=0.0))
+            kb = k_smem.index(c % 2)
+            if start + _KEYS <= nw:
+                kb.store(_decode_chunk(wpool_ptr, wbase, w_ok, c, True, FP4_PACKED, ld).to(gl.bfloat16))
+            elif start >= nw:
+                kb.store(_decode_chunk(cpool_ptr, cbase, c_ok, c, False, FP4_PACKED, ld, 128, FP4_LUT).to(gl.bfloat16))
+            else:
+                kb.store((_decode_chunk(wpool_ptr, wbase, w_ok, c, True, FP4_PACKED, ld)
+                          + _decode_chunk(cpool_ptr, cbase, c_ok, c, False, FP4_PACKED, ld, 128, FP4_LUT)
+                          ).to(gl.bfloat16))
+            fence_async_shared()
+            gl.thread_barrier()
+            s = warpgroup_mma(q_smem.index(c % 2), k_smem.index(c % 2).permute((1, 0)), s)
+        _stamp(log_row, 4, PHASES)
+    elif start + _KEYS <= nw:         # window keys only
         _decode_block(k_smem, wpool_ptr, wbase, w_ok, True, FP4_PACKED, PREFETCH, ld, log_row, PHASES)
     elif start >= nw:                 # compressed entries only
         _decode_block(k_smem, cpool_ptr, cbase, c_ok, False, FP4_PACKED, PREFETCH, ld, log_row, PHASES, FP4_LUT)
@@ -305,16 +331,20 @@ def _gluon_sparse_mla_kernel(
             k_smem.index(c).store(k.to(gl.bfloat16))
             if c == 0:
                 _stamp(log_row, 3, PHASES)
-    fence_async_shared()
-    gl.thread_barrier()
-    _stamp(log_row, 4, PHASES)
+    if K_BUFFERS == NC:
+        fence_async_shared()
+        gl.thread_barrier()
+        _stamp(log_row, 4, PHASES)
 
     # S = sum over the chunks in order of q_c k_c^T, then scaled; -inf where a key is invalid.
-    s = gl.zeros([_M, _KEYS], gl.float32, s_l)
-    if Q_BUFFERS == NC:
+    if K_BUFFERS == 2:
+        pass                          # S is summed above
+    elif Q_BUFFERS == NC:
+        s = gl.zeros([_M, _KEYS], gl.float32, s_l)
         for c in gl.static_range(NC):
             s = warpgroup_mma(q_smem.index(c), k_smem.index(c).permute((1, 0)), s)
     else:
+        s = gl.zeros([_M, _KEYS], gl.float32, s_l)
         acc = warpgroup_mma(q_smem.index(0), k_smem.index(0).permute((1, 0)), s, is_async=True)
         acc = warpgroup_mma(q_smem.index(1), k_smem.index(1).permute((1, 0)), acc, is_async=True)
         s = warpgroup_mma_wait(0, deps=[acc])
@@ -486,6 +516,7 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
                   FP4_PACKED=config.fp4_packed, PREFETCH=config.prefetch, DSPLIT=config.dim_split,
                   VALUES=config.lookback == "values",
                   PV_PIPELINE=config.pv_pipeline, FP4_LUT=config.fp4_lut, PHASES=config.phases,
+                  K_BUFFERS=config.k_buffers,
                   num_warps=NUM_WARPS)
     if config.maxnreg is not None:
         consts["maxnreg"] = config.maxnreg

@@ -108,7 +108,13 @@ class GluonSparseMlaConfig:
     start (P one block ahead); 3 or 4 (with fp4_lut), copies them asynchronously (cp.async) into a
     ring of that many shared-memory slots, each block's issued pv_stages - 2 blocks of work ahead of
     its use, the scales into registers a block ahead (`gluon_sparse_mla_pv._ring_slice`: the same
-    values, so the same bits)."""
+    values, so the same bits).
+
+    k_buffers (with combine="pv"): the [64, 128] key chunks of a block program in shared memory: 4
+    (the block's whole 512 dims, decoded before the scores) or 2 (with q_buffers=2: a chunk at a
+    time, each chunk's score MMA after its decode, q's last two chunks loaded once the first two's
+    MMAs are done: the same MMAs in the same order, so the same bits; 64 KB of shared memory, three
+    programs an SM at maxnreg=80 without spills on sm_90)."""
 
     q_buffers: int = 2
     fp4_packed: bool = True
@@ -124,6 +130,7 @@ class GluonSparseMlaConfig:
     pv_dims: int = 128
     pv_maxnreg: int = _PV_MAXNREG
     pv_stages: int = 0
+    k_buffers: int = 4
 
     def __post_init__(self):
         if self.q_buffers not in (2, 4) or isinstance(self.q_buffers, bool):
@@ -141,6 +148,13 @@ class GluonSparseMlaConfig:
         if self.combine == "pv" and (self.dim_split != 1 or self.lookback != "flags"):
             raise ValueError(f"GluonSparseMlaConfig.combine='pv' runs P.V in its second launch: it needs dim_split=1 "
                              f"and lookback='flags', got dim_split={self.dim_split!r}, lookback={self.lookback!r}")
+        kb = self.k_buffers
+        if isinstance(kb, bool) or not isinstance(kb, int) or kb not in (2, 4):
+            raise ValueError(f"GluonSparseMlaConfig.k_buffers must be 2 or 4, got {kb!r}")
+        if kb == 2 and (self.combine != "pv" or self.q_buffers != 2):
+            raise ValueError(f"GluonSparseMlaConfig.k_buffers=2 decodes a block's chunks between its score MMAs, "
+                             f"which only the first launch of combine='pv' (no P.V there) with q_buffers=2 takes, "
+                             f"got combine={self.combine!r}, q_buffers={self.q_buffers!r}")
         c = self.pv_chunks
         if isinstance(c, bool) or not isinstance(c, int) or c not in PV_CHUNKS:
             raise ValueError(f"GluonSparseMlaConfig.pv_chunks must be one of {PV_CHUNKS}, got {self.pv_chunks!r}")

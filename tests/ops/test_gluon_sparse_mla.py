@@ -68,13 +68,15 @@ PV64R80 = G.GluonSparseMlaConfig(combine="pv", pv_dims=64, fp4_lut=True, maxnreg
 # slices at a cap of 80 registers
 PVRING = G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_stages=3)
 PV64RING = G.GluonSparseMlaConfig(combine="pv", pv_dims=64, fp4_lut=True, maxnreg=128, pv_maxnreg=80, pv_stages=3)
+# the step's second launch after a first launch of two key buffers at a cap of 80 (three programs an SM)
+PVRING4K2 = G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, pv_stages=4, k_buffers=2)
 # each option both ways: the default, the plainest, two mixes, the dim splits with either
 # combination, the look-back by values, the P.V pipeline, the LUT decode, the step's configurations
 CONFIGS = [DEFAULT, PLAIN, G.GluonSparseMlaConfig(2, False, True), G.GluonSparseMlaConfig(4, True, False),
            G.GluonSparseMlaConfig(dim_split=2), G.GluonSparseMlaConfig(q_buffers=4, dim_split=4),
            SPREAD, G.GluonSparseMlaConfig(dim_split=4, combine="spread"), SPREAD_VALUES,
            G.GluonSparseMlaConfig(pv_pipeline=True), G.GluonSparseMlaConfig(dim_split=2, pv_pipeline=True),
-           LUT, SPLIT4SVL, SPLIT2SVLC, SPREADVLC, PV, PV2, PV64, PV64R80, PVRING, PV64RING, PVRING4]
+           LUT, SPLIT4SVL, SPLIT2SVLC, SPREADVLC, PV, PV2, PV64, PV64R80, PVRING, PV64RING, PVRING4, PVRING4K2]
 
 
 # V4.1-Flash (128 window + 512 top-k keys) at 64 heads with the default configuration, the P.V
@@ -275,9 +277,9 @@ def test_gpu_window_only(h, n):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [DEFAULT, SPREAD, SPREAD_VALUES, LUT, SPLIT4SVL, SPREADVLC, PV, PV64, PV64R80,
-                                    PVRING, PV64RING, PVRING4],
+                                    PVRING, PV64RING, PVRING4, PVRING4K2],
                          ids=["default", "spread", "spread-values", "fp4-lut", "split4svl", "spreadvlc", "pv", "pv64",
-                              "pv64r80", "pv-ring", "pv64-ring", "pv-ring4"])
+                              "pv64r80", "pv-ring", "pv64-ring", "pv-ring4", "pv-ring4-k2"])
 @pytest.mark.parametrize("w,k", [(16, 8), (16, 72)])
 def test_gpu_small_shapes(w, k, config):
     # one block in all (16 + 8 keys: the spread combination by the block's own programs), and a
@@ -398,9 +400,9 @@ def test_gpu_bits_against_the_triton_kernel_are_measured():
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [G.GluonSparseMlaConfig(dim_split=4), G.GluonSparseMlaConfig(dim_split=2), SPREAD,
                                     G.GluonSparseMlaConfig(dim_split=4, combine="spread"), SPREAD_VALUES, LUT,
-                                    SPLIT4SVL, SPREADVLC],
+                                    SPLIT4SVL, SPREADVLC, PVRING4K2],
                          ids=["split4", "split2", "spread", "split4-spread", "spread-values", "fp4-lut", "split4svl",
-                              "spreadvlc"])
+                              "spreadvlc", "pv-ring4-k2"])
 @pytest.mark.parametrize("h", [8, 64])
 @pytest.mark.parametrize("n", [1, 64])
 def test_gpu_configs_against_the_reference(config, h, n):

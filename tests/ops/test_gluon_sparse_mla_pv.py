@@ -109,6 +109,25 @@ def test_second_launch_ring_compiles_for_sm90(heads, w, k, chunks, dims, stages)
         assert not [t for t in loop if "STL" in t or "LDL" in t] and res["STACK"] <= 32, res
 
 
+# the first launch with two key buffers (`k_buffers=2`) at a cap of 80 registers, at the step's shape
+# and every TP shard's head count: no spills, three programs an SM by registers and shared memory
+# (q's two buffers and the keys' two: 64 KB), the scores' wgmmas only (a window ending inside a
+# block, not a step shape, spills 24 bytes at 64 heads on sm_90)
+@pytest.mark.parametrize("heads,w,k", [(64, 128, 512), (32, 128, 512), (8, 128, 512)], ids=["64h", "32h", "8h"])
+def test_first_launch_with_two_key_buffers_three_programs_an_sm(heads, w, k):
+    nb, ph = _shape(heads, w, k)
+    consts = dict(W=w, W_P2=1 << (w - 1).bit_length(), KC=k, NB=nb, NB_P2=max(2, 1 << (nb - 1).bit_length()), PH=ph,
+                  Q_BUFFERS=2, FP4_PACKED=True, PREFETCH=True, DSPLIT=1, SPREAD=False, VALUES=False, TICKET=True,
+                  FP4_LUT=True, P_OUT=True, K_BUFFERS=2)
+    kernel = sm90.compile_sm90(G._gluon_sparse_mla_kernel, _FIRST_TYPES, consts, num_warps=G.NUM_WARPS, maxnreg=80)
+    res = sm90.resources(kernel)
+    assert res["LOCAL"] == 0 and res["STACK"] == 0, res
+    assert kernel.metadata.shared == 4 * 16384, kernel.metadata.shared
+    assert 3 * (kernel.metadata.shared + 1024) <= SM_SHARED and 3 * res["REG"] * 32 * G.NUM_WARPS <= SM_REGS, res
+    gmma = [t.split()[0] for t in (t for _, t in sm90.sass(kernel)) if "GMMA" in t]
+    assert gmma == ["HGMMA.64x32x16.F32.BF16"] * 32, sorted(set(gmma))
+
+
 @pytest.mark.parametrize("heads", [64, 8])
 def test_first_launch_has_no_pv(heads):
     nb, ph = _shape(heads, 128, 512)
@@ -133,6 +152,13 @@ def test_config_errors_name_the_option():
             G.GluonSparseMlaConfig(combine="pv", pv_chunks=chunks)
     with pytest.raises(ValueError, match="lookback"):
         G.GluonSparseMlaConfig(combine="pv", lookback="values")
+    for kb in (1, 3, 8, True, 2.0):
+        with pytest.raises(ValueError, match="k_buffers"):
+            G.GluonSparseMlaConfig(combine="pv", k_buffers=kb)
+    for bad in (dict(combine="separate"), dict(combine="spread"), dict(combine="pv", q_buffers=4)):
+        with pytest.raises(ValueError, match="k_buffers=2"):
+            G.GluonSparseMlaConfig(k_buffers=2, **bad)
+    assert G.GluonSparseMlaConfig(combine="pv", k_buffers=2).k_buffers == 2
     for dims in (32, 256, 64.0, True):
         with pytest.raises(ValueError, match="pv_dims"):
             G.GluonSparseMlaConfig(combine="pv", pv_dims=dims)
