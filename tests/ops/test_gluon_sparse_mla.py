@@ -55,9 +55,9 @@ PLAIN = G.GluonSparseMlaConfig(q_buffers=4, fp4_packed=False, prefetch=False)
 SPREAD = G.GluonSparseMlaConfig(combine="spread")
 SPREAD_VALUES = G.GluonSparseMlaConfig(combine="spread", lookback="values")
 LUT = G.GluonSparseMlaConfig(fp4_lut=True)
-# the step's configurations at 1-2, 3-4, 5-16 and 17-64 rows (STEP_CONFIGS at 64 heads; at 8-32 heads
-# the first three)
-SPLIT4SVL, SPLIT2SVLC, SPREADVLC, PVRING4 = (c for _, c in G.STEP_CONFIGS[64])
+# the step's configurations at 1-2, 3-4, 5-16, 17-32 and 33-64 rows (STEP_CONFIGS at 64 heads; at 8-32
+# heads the first three)
+SPLIT4SVL, SPLIT2SVLC, SPREADVLC, PVRING4K2, PVRING4 = (c for _, c in G.STEP_CONFIGS[64])
 # P.V and the combination in a second launch, one and two 128-dim chunks a program
 PV = G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128)
 PV2 = G.GluonSparseMlaConfig(combine="pv", pv_chunks=2)
@@ -68,8 +68,6 @@ PV64R80 = G.GluonSparseMlaConfig(combine="pv", pv_dims=64, fp4_lut=True, maxnreg
 # slices at a cap of 80 registers
 PVRING = G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_stages=3)
 PV64RING = G.GluonSparseMlaConfig(combine="pv", pv_dims=64, fp4_lut=True, maxnreg=128, pv_maxnreg=80, pv_stages=3)
-# the step's second launch after a first launch of two key buffers at a cap of 80 (three programs an SM)
-PVRING4K2 = G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, pv_stages=4, k_buffers=2)
 # each option both ways: the default, the plainest, two mixes, the dim splits with either
 # combination, the look-back by values, the P.V pipeline, the LUT decode, the step's configurations
 CONFIGS = [DEFAULT, PLAIN, G.GluonSparseMlaConfig(2, False, True), G.GluonSparseMlaConfig(4, True, False),

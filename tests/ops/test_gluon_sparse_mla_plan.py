@@ -13,7 +13,8 @@ import torch
 
 from dsv41_decode.ops import gluon_sparse_mla as G
 from dsv41_decode.ops.sparse_mla import SparseMlaPlan
-from test_gluon_sparse_mla import PVRING4, SPLIT2SVLC, SPLIT4SVL, SPREADVLC, run, step_plan, workspace_is_clear
+from test_gluon_sparse_mla import (PVRING4, PVRING4K2, SPLIT2SVLC, SPLIT4SVL, SPREADVLC, run, step_plan,
+                                   workspace_is_clear)
 from test_sparse_mla import GPU_POOLS, check_repeatable_on_gpu, gpu_tables, make_case, ulps
 
 
@@ -22,7 +23,8 @@ from test_sparse_mla import GPU_POOLS, check_repeatable_on_gpu, gpu_tables, make
 @pytest.mark.parametrize("n", [1, 2, 4, 16, 32, 64])
 def test_gpu_step_plans_against_the_reference(h, n):
     # the step's plan for n rows (STEP_CONFIGS: split4svl at 1-2, split2svlc at 3-4, spreadvlc at
-    # 5-16 and at 8-32 heads above, at 64 heads the ring's pv at 32 and 64), window
+    # 5-16 and at 8-32 heads above, at 64 heads the ring's pv at 32 (its first launch with two key
+    # buffers) and 64), window
     # + compressed keys (V4.1-Flash: 128 + 512, 5 % of the top-k entries -1; windows full, ending
     # inside a block, a single key): exact-score bits, the random-input bound, two launches give the
     # same bits, the workspace is clear after each
@@ -54,18 +56,20 @@ def test_the_step_configs_per_row_count():
     # some of the rows, ascending, the last one's max_rows the step's: at every head count 1-2 rows
     # dim_split 4 + spread, 3-4 dim_split 2 + spread with maxnreg 128; at 8-32 heads spread with
     # maxnreg 128 above; at 64 heads that at 5-16 rows, above P.V and the combination in a second
-    # launch through a 4-slot ring; with a pool the plans share its views (each workspace the
-    # largest plan's, not their sum)
+    # launch through a 4-slot ring, at 17-32 rows after a first launch of two key buffers at a cap of
+    # 80; with a pool the plans share its views (each workspace the largest plan's, not their sum)
     from dsv41_decode.decode.buffers import Workspaces
     split4svl = G.GluonSparseMlaConfig(dim_split=4, combine="spread", lookback="values", fp4_lut=True)
     split2svlc = G.GluonSparseMlaConfig(dim_split=2, combine="spread", lookback="values", fp4_lut=True, maxnreg=128)
     spreadvlc = G.GluonSparseMlaConfig(combine="spread", lookback="values", fp4_lut=True, maxnreg=128)
     pv_ring = G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_stages=4)
+    pv_ring_k2 = G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, pv_stages=4, k_buffers=2)
     assert (SPLIT4SVL, SPLIT2SVLC, SPREADVLC) == (split4svl, split2svlc, spreadvlc)
     low = ((1, [1]), (2, [2]), (3, [2, 3]), (4, [2, 4]))
     cases = {
-        64: (low + ((8, [2, 4, 8]), (16, [2, 4, 16]), (17, [2, 4, 16, 17]), (64, [2, 4, 16, 64])),
-             [split4svl, split2svlc, spreadvlc, pv_ring]),
+        64: (low + ((8, [2, 4, 8]), (16, [2, 4, 16]), (17, [2, 4, 16, 17]), (32, [2, 4, 16, 32]),
+                     (33, [2, 4, 16, 32, 33]), (64, [2, 4, 16, 32, 64])),
+             [split4svl, split2svlc, spreadvlc, pv_ring_k2, pv_ring]),
         32: (low + ((16, [2, 4, 16]), (17, [2, 4, 17]), (64, [2, 4, 64])), [split4svl, split2svlc, spreadvlc]),
         16: (low + ((16, [2, 4, 16]), (64, [2, 4, 64])), [split4svl, split2svlc, spreadvlc]),
         8: (low + ((64, [2, 4, 64]), ), [split4svl, split2svlc, spreadvlc]),
@@ -115,7 +119,7 @@ def test_gpu_the_steps_plan_choice_on_sm90():
     plans = attention.sparse_mla_plans(64, 64, 128, 512, dev, workspace=pool)
     assert all(isinstance(p, G.GluonSparseMlaPlan) for p in plans)
     assert [(p.max_rows, p.config) for p in plans] == [(2, SPLIT4SVL), (4, SPLIT2SVLC), (16, SPREADVLC),
-                                                       (64, PVRING4)]
+                                                       (32, PVRING4K2), (64, PVRING4)]
     assert all(p.base.part_acc.untyped_storage().data_ptr() in pool.storages() for p in plans)
     ref = G.GluonSparseMlaPlan.build(64, 64, 128, 512, "cuda")
     for n in (1, 2, 3, 4, 5, 16, 17, 32, 33, 64):
