@@ -146,8 +146,9 @@ def sparse_mla_plans(max_rows: int, heads: int, window: int, topk: int, device: 
     5-16 rows the spread combination with the values look-back, fp4_lut and maxnreg 128 (17.6 /
     28.6 at 8 / 16, 17.2 at 4; the default 17.9 / 19.2 / 34.9 at 4 / 8 / 16; at 8-32 heads above
     16 rows too), at 64 heads above 16 rows P.V and the combination in a second launch through a
-    4-slot cp.async ring (`combine="pv"`, fp4_lut, maxnreg 128, pv_stages 4: 44.9 / 64.8 at 32 /
-    64; the default 52.0 / 91.7; the Triton tilings 261.8 at 64: docs/attn.md). Every
+    4-slot cp.async ring (`combine="pv"`, fp4_lut, pv_stages 4), at 17-32 rows after a first launch
+    of two key buffers at maxnreg 80 (three programs an SM), above at maxnreg 128 (40.8 / 64.6 at
+    32 / 64; the default 52.0 / 91.7; the Triton tilings 261.8 at 64: docs/attn.md). Every
     configuration gives the same bits on every row (the probe's and the GPU tests' check), so a row's outputs do not
     depend on the bucket: batch invariance holds. With `fp32_dots` the Triton FP32 plan
     (`SparseMlaPlan.for_step(fp32_dots=True)`); other GPUs the Triton `STEP_TILINGS`; the
