@@ -182,6 +182,16 @@ def _decode_chunk(pool_ptr, base, ok, C, WINDOW: gl.constexpr, FP4_PACKED: gl.co
 
 
 @gluon.jit
+def _decode_mixed_chunk(wpool_ptr, wbase, w_ok, cpool_ptr, cbase, c_ok, C, FP4_PACKED: gl.constexpr,
+                        layout: gl.constexpr, FP4_LUT: gl.constexpr = False):
+    """Dims [128 C, 128 C + 128) of the block where the window ends: its window keys' and its
+    compressed entries' values added (`_decode_chunk` of each pool; each is +0 off its own keys, so
+    the sum is exact), BF16 [64, 128] in `layout`."""
+    return (_decode_chunk(wpool_ptr, wbase, w_ok, C, True, FP4_PACKED, layout)
+            + _decode_chunk(cpool_ptr, cbase, c_ok, C, False, FP4_PACKED, layout, 128, FP4_LUT)).to(gl.bfloat16)
+
+
+@gluon.jit
 def _block_slots(wtab_row, ctab_row, b, nw, W: gl.constexpr, KC: gl.constexpr, layout: gl.constexpr):
     """Block b of the row's joined key list (window keys j < nw: window_table[W - nw + j]; then
     comp_table[j - nw]) in the 1-D `layout`: the keys' window and compressed slots (-1: none)."""

@@ -77,7 +77,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from .common import is_sm90, num_sms
 from .gluon_mla_records import (_CREC, _DC, _KEYS, _M, _WARPS, _WREC, NUM_WARPS, _add, _bf16_rne_bits, _block_slots,
-                                _decode_chunk, _decode_loaded, _load_chunk, _max)
+                                _decode_chunk, _decode_loaded, _decode_mixed_chunk, _load_chunk, _max)
 from .gluon_sparse_mla_plan import (PHASE_COLS, PHASE_NAMES, STEP_CONFIGS, GluonSparseMlaConfig, GluonSparseMlaPlan,
                                    programs_per_sm, specialization_key)
 from .gluon_sparse_mla_pv import mla_pv_
@@ -295,12 +295,12 @@ def _gluon_sparse_mla_kernel(
 
     # The block's records, decoded into shared memory.
     start = b * _KEYS
+    s = gl.zeros([_M, _KEYS], gl.float32, s_l)
     if K_BUFFERS == 2:
         # (P_OUT) a chunk at a time into two buffers, each chunk's score MMA after its decode: S
         # in the same chunk order and MMAs as below; q's last two chunks loaded into q's buffers
         # once both warpgroups' MMAs of the first two are done
         gl.static_assert(P_OUT and Q_BUFFERS == 2)
-        s = gl.zeros([_M, _KEYS], gl.float32, s_l)
         for c in gl.static_range(NC):
             if c >= 2:
                 gl.thread_barrier()   # both warpgroups' MMAs of chunk c - 2 have read its buffers
@@ -313,9 +313,8 @@ def _gluon_sparse_mla_kernel(
             elif start >= nw:
                 kb.store(_decode_chunk(cpool_ptr, cbase, c_ok, c, False, FP4_PACKED, ld, 128, FP4_LUT).to(gl.bfloat16))
             else:
-                kb.store((_decode_chunk(wpool_ptr, wbase, w_ok, c, True, FP4_PACKED, ld)
-                          + _decode_chunk(cpool_ptr, cbase, c_ok, c, False, FP4_PACKED, ld, 128, FP4_LUT)
-                          ).to(gl.bfloat16))
+                kb.store(_decode_mixed_chunk(wpool_ptr, wbase, w_ok, cpool_ptr, cbase, c_ok, c, FP4_PACKED, ld,
+                                             FP4_LUT))
             fence_async_shared()
             gl.thread_barrier()
             s = warpgroup_mma(q_smem.index(c % 2), k_smem.index(c % 2).permute((1, 0)), s)
@@ -324,11 +323,10 @@ def _gluon_sparse_mla_kernel(
         _decode_block(k_smem, wpool_ptr, wbase, w_ok, True, FP4_PACKED, PREFETCH, ld, log_row, PHASES)
     elif start >= nw:                 # compressed entries only
         _decode_block(k_smem, cpool_ptr, cbase, c_ok, False, FP4_PACKED, PREFETCH, ld, log_row, PHASES, FP4_LUT)
-    else:                             # the block where the window ends: each decode is 0 where its
-        for c in gl.static_range(NC):     # keys are not, so the sum is exact
-            k = (_decode_chunk(wpool_ptr, wbase, w_ok, c, True, FP4_PACKED, ld)
-                 + _decode_chunk(cpool_ptr, cbase, c_ok, c, False, FP4_PACKED, ld, 128, FP4_LUT))
-            k_smem.index(c).store(k.to(gl.bfloat16))
+    else:                             # the block where the window ends
+        for c in gl.static_range(NC):
+            k_smem.index(c).store(_decode_mixed_chunk(wpool_ptr, wbase, w_ok, cpool_ptr, cbase, c_ok, c, FP4_PACKED,
+                                                      ld, FP4_LUT))
             if c == 0:
                 _stamp(log_row, 3, PHASES)
     if K_BUFFERS == NC:
@@ -336,15 +334,14 @@ def _gluon_sparse_mla_kernel(
         gl.thread_barrier()
         _stamp(log_row, 4, PHASES)
 
-    # S = sum over the chunks in order of q_c k_c^T, then scaled; -inf where a key is invalid.
+    # S = sum over the chunks in order of q_c k_c^T (with two key buffers, summed above), then
+    # scaled; -inf where a key is invalid.
     if K_BUFFERS == 2:
-        pass                          # S is summed above
+        pass
     elif Q_BUFFERS == NC:
-        s = gl.zeros([_M, _KEYS], gl.float32, s_l)
         for c in gl.static_range(NC):
             s = warpgroup_mma(q_smem.index(c), k_smem.index(c).permute((1, 0)), s)
     else:
-        s = gl.zeros([_M, _KEYS], gl.float32, s_l)
         acc = warpgroup_mma(q_smem.index(0), k_smem.index(0).permute((1, 0)), s, is_async=True)
         acc = warpgroup_mma(q_smem.index(1), k_smem.index(1).permute((1, 0)), acc, is_async=True)
         s = warpgroup_mma_wait(0, deps=[acc])

@@ -29,6 +29,16 @@ def _shape(heads, w, k):
     return base.n_blocks, base.block_h
 
 
+def _compile_first(heads, w, k, maxnreg, **extra):
+    """The first launch of "pv" (P_OUT: the blocks' P, no P.V) compiled for sm_90 as the launcher
+    runs it with fp4_lut and two q buffers, at the register cap `maxnreg`; extra: more constexprs."""
+    nb, ph = _shape(heads, w, k)
+    consts = dict(W=w, W_P2=1 << (w - 1).bit_length(), KC=k, NB=nb, NB_P2=max(2, 1 << (nb - 1).bit_length()), PH=ph,
+                  Q_BUFFERS=2, FP4_PACKED=True, PREFETCH=True, DSPLIT=1, SPREAD=False, VALUES=False, TICKET=True,
+                  FP4_LUT=True, P_OUT=True, **extra)
+    return sm90.compile_sm90(G._gluon_sparse_mla_kernel, _FIRST_TYPES, consts, num_warps=G.NUM_WARPS, maxnreg=maxnreg)
+
+
 def _block_loops(kernel):
     """The SASS of the kernel's loops over the blocks (those holding the P.V wgmma)."""
     return [loop for loop in sm90.loops(kernel) if any("HGMMA" in t for t in loop)]
@@ -115,11 +125,7 @@ def test_second_launch_ring_compiles_for_sm90(heads, w, k, chunks, dims, stages)
 # block, not a step shape, spills 24 bytes at 64 heads on sm_90)
 @pytest.mark.parametrize("heads,w,k", [(64, 128, 512), (32, 128, 512), (8, 128, 512)], ids=["64h", "32h", "8h"])
 def test_first_launch_with_two_key_buffers_three_programs_an_sm(heads, w, k):
-    nb, ph = _shape(heads, w, k)
-    consts = dict(W=w, W_P2=1 << (w - 1).bit_length(), KC=k, NB=nb, NB_P2=max(2, 1 << (nb - 1).bit_length()), PH=ph,
-                  Q_BUFFERS=2, FP4_PACKED=True, PREFETCH=True, DSPLIT=1, SPREAD=False, VALUES=False, TICKET=True,
-                  FP4_LUT=True, P_OUT=True, K_BUFFERS=2)
-    kernel = sm90.compile_sm90(G._gluon_sparse_mla_kernel, _FIRST_TYPES, consts, num_warps=G.NUM_WARPS, maxnreg=80)
+    kernel = _compile_first(heads, w, k, maxnreg=80, K_BUFFERS=2)
     res = sm90.resources(kernel)
     assert res["LOCAL"] == 0 and res["STACK"] == 0, res
     assert kernel.metadata.shared == 4 * 16384, kernel.metadata.shared
@@ -130,11 +136,7 @@ def test_first_launch_with_two_key_buffers_three_programs_an_sm(heads, w, k):
 
 @pytest.mark.parametrize("heads", [64, 8])
 def test_first_launch_has_no_pv(heads):
-    nb, ph = _shape(heads, 128, 512)
-    consts = dict(W=128, W_P2=128, KC=512, NB=nb, NB_P2=max(2, 1 << (nb - 1).bit_length()), PH=ph, Q_BUFFERS=2,
-                  FP4_PACKED=True, PREFETCH=True, DSPLIT=1, SPREAD=False, VALUES=False, TICKET=True, FP4_LUT=True,
-                  P_OUT=True)
-    kernel = sm90.compile_sm90(G._gluon_sparse_mla_kernel, _FIRST_TYPES, consts, num_warps=G.NUM_WARPS, maxnreg=128)
+    kernel = _compile_first(heads, 128, 512, maxnreg=128)
     res = sm90.resources(kernel)
     assert res["LOCAL"] == 0 and res["STACK"] == 0, res
     gmma = [t.split()[0] for t in (t for _, t in sm90.sass(kernel)) if "GMMA" in t]
