@@ -1,12 +1,15 @@
 """Probe `exact_mm` on a GPU: `ExactMM` in a few configurations against `LowLatencyMM` (its tuned
 table) at the four V4.1-Flash shapes of the step's GEMMs (TP1), rows 1, 2, 4, 8, 16: time per call
 from CUDA-graph replay (20 calls per graph, median of 10 replays; one weight copy, so a weight that
-fits in L2 is read from it), and the bits of each against `reference.linear.mxfp8_mm` (every
+fits in L2 is read from it; with `--copies=N`, N weight copies called in turn, so that a weight
+smaller than L2 comes from DRAM as in the step), and the bits of each against `reference.linear.mxfp8_mm` (every
 ExactMM configuration must be bitwise; low_latency_mm's differing BF16 outputs are counted).
 One line per (shape, rows, configuration), then per shape and row bucket the fastest bitwise
 configuration as an `ops.exact_mm._TUNED` entry (least time summed over the bucket's rows).
 `--rows=1,2` and `--only=wq_b,wo_b` narrow it; `--alt=bn:bk:rows:warps:stages[:split],...` (or
-`default`) replaces the built-in candidates (every shape). Prints; writes nothing.
+`default`) replaces the built-in candidates (every shape); `--copies=N` (default 1) the weight
+copies rotated through each timed graph (N x the weight beyond twice the L2 reads it from DRAM).
+Prints; writes nothing.
 """
 
 from __future__ import annotations
@@ -44,8 +47,9 @@ def _config(spec: str) -> ExactConfig | None:
     return ExactConfig(block_n=bn, block_k=bk, rows=rows, num_warps=warps, num_stages=stages, split=split)
 
 
-def _time(fn) -> float:
-    return graph_time_us(fn, calls_per_graph=1, replays=10, min_calls=20)
+def _time(fn, copies: int = 1) -> float:
+    """Median us per call of `fn`, which makes `copies` calls (one per weight copy)."""
+    return graph_time_us(fn, calls_per_graph=copies, replays=10, min_calls=20)
 
 
 def main() -> None:
@@ -53,15 +57,19 @@ def main() -> None:
     rows = [int(r) for r in arg("rows", "1,2,4,8,16").split(",")]
     names = arg("only", ",".join(SHAPES)).split(",")
     alt = [s for s in arg("alt", "").split(",") if s]
+    copies = int(arg("copies", "1"))
     print(f"{torch.cuda.get_device_name()}", flush=True)
     for name in names:
         n, k = SHAPES[name]
         weight, w_scale = fp8_block_quantize(torch.randn(n, k, generator=g, device="cuda") * 0.02)
-        ll = LowLatencyMM(weight, w_scale, 64)
-        plans = {}
+        weights = [(weight, w_scale)] + [(weight.clone(), w_scale.clone()) for _ in range(copies - 1)]
+        lls = [LowLatencyMM(w, s, 64) for w, s in weights]
+        ll = lls[0]
+        plans, rotations = {}, {}
         for spec in alt or CANDIDATES[name]:
             try:
                 plans[spec] = ExactMM(weight, w_scale, 64, config=_config(spec))
+                rotations[spec] = [plans[spec]] + [ExactMM(w, s, 64, config=_config(spec)) for w, s in weights[1:]]
             except Exception as e:  # report, keep probing
                 print(f"{name} {spec}: {type(e).__name__}: {str(e)[:160]}", flush=True)
         if "default" in plans:
@@ -73,13 +81,13 @@ def main() -> None:
             codes, x_scale = mxfp8_quantize(x)
             ref = mxfp8_mm(codes, x_scale, weight, w_scale).view(torch.int16)
             out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-            t_ll = _time(lambda: ll(codes, x_scale, out))
+            t_ll = _time(lambda: [p(codes, x_scale, out) for p in lls], copies)
             diff = int((ll(codes, x_scale, out).view(torch.int16) != ref).sum())
             print(f"{name:14s} N={n:6d} K={k:5d} M={m:2d}  low_latency_mm {t_ll:7.2f} us  "
                   f"{diff} of {out.numel()} BF16 outputs differ from the contract", flush=True)
             for spec, plan in plans.items():
                 try:
-                    t = _time(lambda plan=plan: plan(codes, x_scale, out))
+                    t = _time(lambda ps=rotations[spec]: [p(codes, x_scale, out) for p in ps], copies)
                     out.fill_(float("nan"))
                     y = plan(codes, x_scale, out).view(torch.int16)
                     bad = int((y != ref).sum())
