@@ -434,16 +434,20 @@ class ExactConfig:
 
 
 # Per (N, K, row bucket): the fastest configuration measured on an H200 (scripts/probe_exact_mm.py
-# --rows=1,4,16, commit 3a051ea; every configuration gives the same bits). Shapes and buckets
-# without an entry (bucket 2, the TP shards) take `_default_config`.
+# --rows=1,4,16, commit 3a051ea, one weight copy; bucket 2: --rows=1,2 --copies=20, commit e98c91e,
+# the weights from DRAM: docs/results/gpu-tests-h200.txt run AV; every configuration gives the same
+# bits). Shapes and buckets without an entry (the TP shards; bucket 2 of the shapes that run
+# GluonExactFMA at 2 rows on sm_90) take `_default_config`.
 _TUNED: dict[tuple[int, int, int], ExactConfig] = {
     (1792, 5120, 1): ExactConfig(block_n=4, block_k=1024, rows=1, num_warps=2, num_stages=3, split=1),   # default: 5.88 us at 1
+    (1792, 5120, 2): ExactConfig(block_n=2, block_k=1024, rows=2, num_warps=1, num_stages=3, split=1),   # 2:1024:4:1:3: 9.38 us at 2 (rule: 11.14)
     (1792, 5120, 4): ExactConfig(block_n=8, block_k=1024, rows=4, num_warps=4, num_stages=3, split=1),   # 8:1024:4:4:3: 14.64 us at 4
     (1792, 5120, 64): ExactConfig(block_n=8, block_k=1024, rows=4, num_warps=4, num_stages=3, split=1),   # 8:1024:4:4:3:2: 53.58 us at 16
     (32768, 1280, 1): ExactConfig(block_n=32, block_k=256, rows=1, num_warps=2, num_stages=3, split=1),   # 32:256:4:2:3: 13.97 us at 1
     (32768, 1280, 4): ExactConfig(block_n=32, block_k=256, rows=4, num_warps=2, num_stages=3, split=1),   # 32:256:4:2:3: 42.90 us at 4
     (32768, 1280, 64): ExactConfig(block_n=16, block_k=256, rows=4, num_warps=2, num_stages=3, split=1),   # 16:256:4:2:3: 162.25 us at 16
     (4096, 1280, 1): ExactConfig(block_n=4, block_k=256, rows=1, num_warps=1, num_stages=3, split=1),   # 4:256:4:1:3: 3.90 us at 1
+    (4096, 1280, 2): ExactConfig(block_n=8, block_k=256, rows=2, num_warps=2, num_stages=3, split=1),   # 8:256:4:2:3: 6.10 us at 2 (rule: 6.40)
     (4096, 1280, 4): ExactConfig(block_n=4, block_k=256, rows=4, num_warps=1, num_stages=3, split=1),   # 4:256:4:1:3: 8.12 us at 4
     (4096, 1280, 64): ExactConfig(block_n=4, block_k=256, rows=4, num_warps=1, num_stages=3, split=1),   # 4:256:4:1:3: 27.51 us at 16
     (5120, 8192, 1): ExactConfig(block_n=4, block_k=1024, rows=1, num_warps=2, num_stages=3, split=1),   # 4:1024:4:2:3: 15.63 us at 1
