@@ -48,8 +48,8 @@ _fma_cfg = GluonExactFMAConfig.from_spec
 _GLUON_PLAN: dict[tuple[int, int], tuple[int, dict[int, GluonExactConfig]]] = {
     # fused wq_a|wkv: the FP16 digits along K 11.3 us at 4-8 rows, 14.0 at 16, 21.0 at 32 against
     # the FP64 forms' 12.7 / 15.7 / 24.0; at 64 the FP16 digits 33.9 against 42.3 (run F); ExactMM
-    # 11.1 at 2, 15.9 at 4; with x's scales decoded once a slot, at 17-32 rows on 16 x 16 tiles 18.4
-    # against 32 x 8's 20.5 (run W)
+    # 15.9 at 4, 9.2-9.4 at 2 on its bucket-2 entry (runs AV and AX, weights from DRAM); with x's
+    # scales decoded once a slot, at 17-32 rows on 16 x 16 tiles 18.4 against 32 x 8's 20.5 (run W)
     (1792, 5120): (2, {16: _cfg("f16d:16:8:1:32:4:1:80:4:256"), 32: _cfg("f16d:16:16:1:32:4:1:80:4:256"),
                        64: _cfg("f16d:128:8:1:32:3:1:128:1:256")}),
     # wq_b: the FP16 digits (`chained_dot`) 18.9-19.0 at 4-8 rows and 26.4 at 16 on 128 x 16 tiles
@@ -60,17 +60,20 @@ _GLUON_PLAN: dict[tuple[int, int], tuple[int, dict[int, GluonExactConfig]]] = {
     # (three programs an SM, the consumer warpgroup at 136 registers without spills) 43.8 / 78.1 at
     # 32 / 64 against "f16wp"'s 44.7 / 84.5 (run R); with x's scales decoded once a slot 46.6 / 71.5,
     # no configuration faster at 17-64 rows, 26.1 on the plan's 128 x 16 at 16 (run V). ExactMM 16.1
-    # at 1, 26.6 at 2 (1-2 rows run GluonExactFMA: _FMA_PLAN)
+    # at 1, 26.6 at 2 (23.6 at best with the weights from DRAM, run AV; 1-2 rows run GluonExactFMA:
+    # _FMA_PLAN)
     (32768, 1280): (1, {16: _cfg("f16d:128:16:1:32:4:1"), 64: _cfg("f16w:64:32:1:32:4:1:80")}),
     # the indexer's wq_b: the FP16 digits along K 6.2 at 4-8, 7.9 at 16, 11.6 at 32 against the
-    # FP64 forms' 6.5 / 8.6 / 11.6; at 64 16.0 against 21.2 (run F); ExactMM 6.35 at 2, 8.8 at 4
+    # FP64 forms' 6.5 / 8.6 / 11.6; at 64 16.0 against 21.2 (run F); ExactMM 8.8 at 4, 6.1-6.2 at
+    # 2 on its bucket-2 entry (runs AV and AX)
     (4096, 1280): (2, {16: _cfg("f16d:16:16:1:32:4:1:80:4:256"), 32: _cfg("f16d:32:16:1:32:4:1:128:4"),
                        64: _cfg("f16d:128:16:1:32:4:1")}),
     # wo_b: the FP16 digits along K 27.2-27.7 at 4-8, 42.7 / 71.2 at 16 / 32 against the FP64 forms'
     # 29.7-29.9 / 46.1 / 80.4; at 64 in 256-deep slots 126.8 (run F; 136.3 in 128-deep ones before
-    # `chained_dot`, run D) against the FP64 forms' 158.2; ExactMM 17.0 at 1, 30.6 at 2 (2 rows run
-    # GluonExactFMA: _FMA_PLAN); at 33-64 rows 32 x 16 tiles with four warps along K at a register
-    # cap of 80 (three programs an SM) 119.5 against 64 x 8's 127.0 at 64 rows (run T)
+    # `chained_dot`, run D) against the FP64 forms' 158.2; ExactMM 17.0 at 1, 27.3-27.6 at 2 at
+    # best (runs AV and AX; 2 rows run GluonExactFMA: _FMA_PLAN, 25.3 in run AX); at 33-64 rows
+    # 32 x 16 tiles with four warps along K at a register cap of 80 (three programs an SM) 119.5
+    # against 64 x 8's 127.0 at 64 rows (run T)
     (5120, 8192): (1, {2: _cfg("rawp:16:16:1:16:4:1:80:4:256"), 32: _cfg("f16d:16:16:1:32:4:1:80:4:256"),
                        64: _cfg("f16d:32:16:1:32:4:1:80:4")}),
 }
@@ -79,9 +82,11 @@ _GLUON_PLAN: dict[tuple[int, int], tuple[int, dict[int, GluonExactConfig]]] = {
 # Measured on an H200 (scripts/probe_gluon_exact_fma.py, docs/results/gpu-tests-h200.txt runs F
 # and H at commit 8415a49, K at c2f8a73): wq_b 14.9 / 18.4 us at 1 / 2 rows against ExactMM's 16.1 and
 # GluonExactMM's 22.2; wo_b at 2 rows with the K split over 6 programs 25.6 against ExactMM's 30.3
-# and GluonExactMM's 29.9 (at 1 row 19.9 against ExactMM's 17.0); at the fused wq_a|wkv and the
+# and GluonExactMM's 29.9 (with the weights from DRAM 25.3 against ExactMM's best 27.6, run AX; at
+# 1 row every candidate 20.0 us or more against ExactMM's 16.8, run AV); at the fused wq_a|wkv and the
 # indexer's wq_b ExactMM or GluonExactMM is as fast or faster at every row count (fused 9.6 / 11.1
-# at 1 / 2 rows with the split against ExactMM's 6.5 / 11.1; the indexer's 6.6 against 4.6).
+# at 1 / 2 rows with the split against ExactMM's 6.5 / 11.1 on the rule's configuration, 9.2 on the
+# bucket-2 entry of exact_mm._TUNED, run AX; the indexer's 6.6 against 4.6).
 _FMA_PLAN: dict[tuple[int, int], tuple[int, int, GluonExactFMAConfig]] = {
     (32768, 1280): (1, 2, _fma_cfg("2:2:1:4")),
     (5120, 8192): (2, 2, _fma_cfg("2:2:1:4:128:6")),
