@@ -2,8 +2,9 @@
 table) at the four V4.1-Flash shapes of the step's GEMMs (TP1), rows 1, 2, 4, 8, 16: time per call
 from CUDA-graph replay (20 calls per graph, median of 10 replays; one weight copy, so a weight that
 fits in L2 is read from it; with `--copies=N`, N weight copies called in turn, so that a weight
-smaller than L2 comes from DRAM as in the step), and the bits of each against `reference.linear.mxfp8_mm` (every
-ExactMM configuration must be bitwise; low_latency_mm's differing BF16 outputs are counted).
+smaller than L2 comes from DRAM as in the step), and the bits of each against
+`reference.linear.mxfp8_mm` (every ExactMM configuration must be bitwise; low_latency_mm's
+differing BF16 outputs are counted).
 One line per (shape, rows, configuration), then per shape and row bucket the fastest bitwise
 configuration as an `ops.exact_mm._TUNED` entry (least time summed over the bucket's rows).
 `--rows=1,2` and `--only=wq_b,wo_b` narrow it; `--alt=bn:bk:rows:warps:stages[:split],...` (or
@@ -58,6 +59,8 @@ def main() -> None:
     names = arg("only", ",".join(SHAPES)).split(",")
     alt = [s for s in arg("alt", "").split(",") if s]
     copies = int(arg("copies", "1"))
+    if copies < 1:
+        raise SystemExit(f"--copies must be at least 1, got {copies}")
     print(f"{torch.cuda.get_device_name()}", flush=True)
     for name in names:
         n, k = SHAPES[name]
