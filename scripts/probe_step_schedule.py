@@ -48,10 +48,6 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
                     same bits; measured slower on an H200 (docs/step.md)
     topk_chunk      the indexer's top-k plans with chunks of --topk-chunk entries (default 1024,
                     as the step's plan: `TopKPlan.build`'s default; set it to compare another)
-    norm_tree       the q/kv norm pair's sums of squares in the fixed tree (`rms_norm.tree_sum`) in
-                    its own launch (what `norm_folded` compares with: other bits than the default's)
-    norm_folded     the q/kv norm pair in the fused wq_a|wkv GEMM's epilogue where that GEMM runs
-                    ExactMM (1-2 rows on the H200), the tree elsewhere (`DecodeStep(fold_norm=True)`)
     wq_b_slack      in the layers that run the indexer, wq_b on a stream of its own at the least
                     priority, joined before the sparse MLA (there the main stream's scores wait
                     for wq_b by stream order and the index query for its SMs, while the sparse MLA
@@ -112,8 +108,6 @@ PRIORITIES = {
     "wproj_in_index": (C, (C, S, C)),
     "wproj_split": (C, (C, S, C)),
     "comp_tail": (C, (C, S, C)),
-    "norm_tree": (C, (C, S, C)),
-    "norm_folded": (C, (C, S, C)),
 }
 
 
@@ -233,12 +227,6 @@ def _boundary_split(step):
     return _swap([(b, "exit_plan", dataclasses.replace(b.exit_plan, coresident=False))])
 
 
-def _norm_folded(step):
-    """Patch the step: the q/kv norm pair in the fused GEMM's epilogue where it runs ExactMM and the
-    tree's sums everywhere (`DecodeStep(fold_norm=True)`); returns the undo."""
-    return _swap([(layer, attr, True) for layer in step.layers.values() for attr in ("norm_tree", "norm_in_gemm")])
-
-
 def _comp_tail(step):
     """Patch the step: the compressor's tail in one launch in every layer that has its plan (the
     layers whose wk plan fits `ops.compressor_tail`); returns the undo."""
@@ -270,8 +258,7 @@ def main() -> None:
                  "mix_late": _mix_rows(1), "mix_early": _mix_rows(LOW_BATCH_MAX_ROWS + 1),
                  "topk_chunk": _topk_chunk, "wproj_lane": _layer_flag("proj_own_lane", True),
                  "wproj_split": _wproj_split, "wproj_in_index": _layer_flag("proj_own_lane", False),
-                 "comp_tail": _comp_tail, "norm_tree": _layer_flag("norm_tree", True),
-                 "norm_folded": _norm_folded}.get(name)
+                 "comp_tail": _comp_tail}.get(name)
         undo = patch(step) if patch else (lambda: None)
         step.graphs = {}
         step._capture()

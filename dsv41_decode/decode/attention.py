@@ -46,7 +46,7 @@ from ..ops.gluon_wo_a import GluonWoAConfig, GluonWoAPlan, foldable_scale, gluon
 from ..ops.gluon_sparse_mla import GluonSparseMlaPlan, gluon_sparse_mla_
 from ..ops.ll_bf16 import LlBf16Plan, ll_bf16_
 from ..ops.mhc import BoundaryOperands
-from ..ops.rms_norm import NormPairOperands, rms_norm_, rms_norm_pair_
+from ..ops.rms_norm import rms_norm_, rms_norm_pair_
 from ..ops.low_latency_mm import LowLatencyConfig, LowLatencyMM
 from ..ops.sparse_mla import SUPPORTED_HEADS, SparseMlaPlan, sparse_mla_
 from ..ops.sparse_tables import topk_slots_
@@ -218,8 +218,7 @@ class AttentionStep:
     def __init__(self, layer: AttentionLayer, state: DecodeState, meta: StepMeta, scratch: Scratch,
                  lanes: Lanes, max_rows: int, sources: Mapping[int, "AttentionStep"] | None = None,
                  wo_a_fp8: bool = False, exact_linears: bool = True, fp32_dots: bool = False,
-                 fold_index_chain: bool = False, weights_lane: bool = True, comp_tail: bool = False,
-                 fold_norm: bool = False):
+                 fold_index_chain: bool = False, weights_lane: bool = True, comp_tail: bool = False):
         """sources: the step's layers built before this one (by id), among them this layer's index and
         KV sources: a layer that reuses a selection or a candidate pool reads its source's buffers.
         The layer's own selection and candidate pool (when it makes them) are its attributes
@@ -236,10 +235,6 @@ class AttentionStep:
         # the indexer's head weights (weights_proj) on a lane of their own, beside the index query's
         # GEMM, instead of ahead of it on the index query's lane (a schedule choice: the same bits)
         self.proj_own_lane = bool(weights_lane)
-        # the q/kv norm pair's sums of squares in the fixed tree (`rms_norm.tree_sum`), and the pair
-        # in the fused wq_a|wkv GEMM's epilogue where its op for the rows is ExactMM (`takes_norm`):
-        # the same bits either way, the tree's
-        self.norm_tree = self.norm_in_gemm = bool(fold_norm)
         self.state, self.meta, self.s, self.lanes = state, meta, scratch, lanes
         dev = state.device
         # fused_wqa_wkv: one low-latency GEMM over the stacked weights (both FP8, 32-row blocks)
@@ -254,7 +249,6 @@ class AttentionStep:
         # top-k's (main stream, under a MiB).
         pool = scratch.workspaces
         self.mm_qkv = fp8_linear_plan(self.w_qkv, self.s_qkv, max_rows, exact_linears, pool)
-        self.norm_counters = torch.zeros(2, dtype=torch.int32, device=dev)     # the fold's (`takes_norm`)
         self.mm_wq_b = _fp8_plan(w, "wq_b", max_rows, exact_linears, pool)
         # the query RoPE runs in wq_b's epilogue where its plan has one (the exact linears, the
         # Gluon and Triton tiers), else as its own launch after it; the window insert runs in the
@@ -356,13 +350,6 @@ class AttentionStep:
         return (self.layer.tp.tp == 1 and self.publish is None and isinstance(self.mm_wo_b, ExactLinear)
                 and self.mm_wo_b.takes_boundary(rows))
 
-    def takes_norm(self, rows: int) -> bool:
-        """Whether the layer runs the q/kv norm pair in the fused wq_a|wkv GEMM's epilogue for `rows`
-        rows: `norm_in_gemm` (`DecodeStep(fold_norm=True)`) and the GEMM's op for those rows `ExactMM`
-        (`ExactLinear.takes_norm_pair`)."""
-        return (self.norm_in_gemm and isinstance(self.mm_qkv, ExactLinear)
-                and self.mm_qkv.takes_norm_pair(rows, self.cfg.q_lora_rank))
-
     def run(self, rows: int, u: torch.Tensor, u_codes: torch.Tensor, u_scales: torch.Tensor,
             y: torch.Tensor, events: StepEvents, shard: bool = False, boundary: BoundaryOperands | None = None,
             mixed: Event | None = None, after_inputs: Callable[[], None] | None = None) -> None:
@@ -413,16 +400,7 @@ class AttentionStep:
         proj_ready or None)."""
         cfg, spec, s, lanes = self.cfg, self.spec, self.s, self.lanes
         start = lanes.mark()                                  # protects u (written by the boundary)
-        ql = cfg.q_lora_rank
-        m, r = self.meta, spec.ratio     # one launch: q_norm (+ MXFP8), kv_norm + the window insert
-        pair = dict(window=self.state.window[spec.layer], slots=m.stage_slot[:B], cos=m.cos[r][:B], sin=m.sin[r][:B])
-        if self.takes_norm(B):           # ... in the GEMM's epilogue
-            qkv = self.mm_qkv(u_codes, u_scales, s.qkv_a[:B], norm_pair=NormPairOperands(
-                w_a=self.w["attn.q_norm.weight"], out_a=s.qr[:B], codes_a=s.qr_codes[:B], scales_a=s.qr_scales[:B],
-                w_b=self.w["attn.kv_norm.weight"], out_b=s.kv[:B], eps=cfg.norm_eps, d_a=ql,
-                counters=self.norm_counters, **pair))
-        else:
-            qkv = self.mm_qkv(u_codes, u_scales, s.qkv_a[:B])
+        qkv = self.mm_qkv(u_codes, u_scales, s.qkv_a[:B])
         kv_score = proj_ready = None
         if spec.owns_compressor:
             with lanes.side(AUX_COMPRESSOR):
@@ -439,10 +417,11 @@ class AttentionStep:
                     ll_bf16_(self.proj_plan, u[own], self.w_proj, s.wproj[own])
                 if own_lane:
                     proj_ready = lanes.mark()                 # protects wproj / iw (read on lane 2)
-        if not self.takes_norm(B):
-            rms_norm_pair_(qkv[:, :ql], self.w["attn.q_norm.weight"], s.qr[:B], s.qr_codes[:B], s.qr_scales[:B],
-                           qkv[:, ql:], self.w["attn.kv_norm.weight"], s.kv[:B], cfg.norm_eps, tree=self.norm_tree,
-                           **pair)
+        ql = cfg.q_lora_rank
+        m, r = self.meta, spec.ratio     # one launch: q_norm (+ MXFP8), kv_norm + the window insert
+        rms_norm_pair_(qkv[:, :ql], self.w["attn.q_norm.weight"], s.qr[:B], s.qr_codes[:B], s.qr_scales[:B],
+                       qkv[:, ql:], self.w["attn.kv_norm.weight"], s.kv[:B], cfg.norm_eps,
+                       window=self.state.window[spec.layer], slots=m.stage_slot[:B], cos=m.cos[r][:B], sin=m.sin[r][:B])
         return kv_score, lanes.mark(), proj_ready             # the second event protects qr codes
 
     def _prepare(self, B: int, kv_score, qr_ready, proj_ready, own: slice):

@@ -139,12 +139,6 @@ class DecodeStep:
         measured slower on an H200, 20.7-26.4 us a layer in the step at 1 row against 14-17 for
         the three launches; its form of one program per wk N tile measured within noise of them
         (`comp_tail` in scripts/probe_step_schedule.py times both, docs/step.md).
-    fold_norm: the q/kv norm pair in the fused wq_a|wkv GEMM's epilogue wherever that GEMM's op for
-        the bucket's rows is `ExactMM` (exact linears on an sm_90 GPU: 1-2 rows; off sm_90 and in
-        the interpreter: every bucket): `ExactMM(..., norm_pair=)`, one launch less a layer; every
-        bucket's pair (in the epilogue or in `rms_norm_pair_`'s launch) then sums the squares in the
-        fixed tree (`rms_norm.tree_sum`), so a row's bits do not depend on its bucket (an r may
-        differ in its last bit from the default's one `tl.sum`). Off by default (docs/step.md).
     mix_late_rows: in the buckets of at least this many rows each site's mixer is enqueued at the
         end of the next layer's input projections instead of right after the boundary before it
         (default `MIX_LATE_ROWS`, where it measured faster on an H200; LOW_BATCH_MAX_ROWS + 1:
@@ -163,7 +157,7 @@ class DecodeStep:
                  graphs: bool = True, overlap: bool = True, tp_boundary: str = "auto", wo_a_fp8: bool = False,
                  exact_linears: bool = True, fp32_dots: bool = False, fold_index_chain: bool = False,
                  fold_boundary: bool = False, weights_lane: bool = True, comp_tail: bool = False,
-                 mix_late_rows: int = MIX_LATE_ROWS, fold_norm: bool = False):
+                 mix_late_rows: int = MIX_LATE_ROWS):
         if buckets is None:
             buckets = tuple(b for b in DEFAULT_BUCKETS if b < max_rows) + (max_rows,)
         buckets = tuple(sorted(set(buckets)))
@@ -198,7 +192,7 @@ class DecodeStep:
             self.layers[i] = AttentionStep(stack.layers[i], state, self.meta, self.scratch, self.lanes, B,
                                            self.layers, wo_a_fp8=wo_a_fp8, exact_linears=exact_linears,
                                            fp32_dots=fp32_dots, fold_index_chain=fold_index_chain,
-                                           weights_lane=weights_lane, comp_tail=comp_tail, fold_norm=fold_norm)
+                                           weights_lane=weights_lane, comp_tail=comp_tail)
         self.scratch.workspaces.seal()           # every plan has its view; the graphs take the addresses
         mailbox = None
         if tp_boundary != "collective" and stack.tp.tp > 1 and dev.type == "cuda":

@@ -24,7 +24,6 @@ from .exact_mm import ExactMM, reduction_order
 from .gluon_exact_fma import MAX_ROWS as FMA_MAX_ROWS, GluonExactFMA, GluonExactFMAConfig
 from .gluon_exact_mm import GluonExactConfig, GluonExactMM
 from .mhc import BoundaryOperands
-from .rms_norm import NormPairOperands
 
 MAX_ROWS = 64
 
@@ -150,31 +149,19 @@ class ExactLinear:
         no mHC boundary epilogue)."""
         return self.op_for(rows) is self.cuda_cores
 
-    def takes_norm_pair(self, rows: int, d_a: int) -> bool:
-        """Whether a call of `rows` rows can take `norm_pair=` with halves of d_a and N - d_a
-        columns: its op is `ExactMM`, and that launch does not split K and has tiles within one
-        half (`exact_mm.norm_pair_kwargs`)."""
-        if self.op_for(rows) is not self.cuda_cores:
-            return False
-        cfg = self.cuda_cores.launch_for(rows).config
-        return cfg.split == 1 and d_a % cfg.block_n == 0 and (self.n - d_a) % cfg.block_n == 0
-
     def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None,
                  rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 boundary: BoundaryOperands | None = None,
-                 norm_pair: NormPairOperands | None = None) -> torch.Tensor:
+                 boundary: BoundaryOperands | None = None) -> torch.Tensor:
         """`ExactMM.__call__`'s arguments and result; rope=(cos, sin): the query RoPE of
         `kv_write.query_rope_` in the epilogue of whichever op runs (each op's own: the same bits as
-        the call without it followed by that op); boundary, norm_pair: `ExactMM`'s mHC boundary and
-        q/kv norm pair epilogues, for a call whose op is ExactMM (`takes_boundary`,
-        `takes_norm_pair`; ValueError naming the argument otherwise)."""
-        if not isinstance(codes, torch.Tensor) or codes.dim() != 2:     # its error names the argument
-            return self.cuda_cores(codes, x_scale, out, rope, boundary, norm_pair)
+        the call without it followed by that op); boundary: `ExactMM`'s mHC boundary epilogue, for
+        a call whose op is ExactMM (`takes_boundary`; ValueError naming `boundary` otherwise)."""
+        if not isinstance(codes, torch.Tensor) or codes.dim() != 2:
+            return self.cuda_cores(codes, x_scale, out, rope, boundary)     # its error names the argument
         op = self.op_for(codes.shape[0])
-        if boundary is None and norm_pair is None:
+        if boundary is None:
             return op(codes, x_scale, out, rope)
         if op is not self.cuda_cores:
-            which, what = ("boundary", "mHC boundary") if norm_pair is None else ("norm_pair", "norm pair")
-            raise ValueError(f"{which}: a call of {codes.shape[0]} rows runs {type(op).__name__}, which has no "
-                             f"{what} epilogue (ExactLinear.takes_{which})")
-        return op(codes, x_scale, out, rope, boundary, norm_pair)
+            raise ValueError(f"boundary: a call of {codes.shape[0]} rows runs {type(op).__name__}, which has no "
+                             f"mHC boundary epilogue (ExactLinear.takes_boundary)")
+        return op(codes, x_scale, out, rope, boundary)

@@ -31,8 +31,6 @@ import torch
 from dsv41_decode.config import ModelConfig
 from dsv41_decode.decode import StepError
 from dsv41_decode.decode.lanes import AUX_INDEX_Q, AUX_INDEX_W
-from dsv41_decode.ops.exact_linear import ExactLinear
-from dsv41_decode.ops.exact_mm import ExactConfig
 from dsv41_decode.stack import AttentionStack
 from dsv41_decode.state import DecodeState
 from dsv41_decode.weights import load_checkpoint, write_synthetic_checkpoint
@@ -165,32 +163,6 @@ def _assert_same_caches(states, caches=_CACHES) -> None:
     for cache in caches:
         for L, t in getattr(states[0], cache).items():
             assert torch.equal(t, getattr(states[1], cache)[L]), (cache, L)
-
-
-@interpreter
-def test_folded_norm_pair_gives_the_tree_norms_bits(cpu_setup):
-    """fold_norm: the q/kv norm pair in the fused wq_a|wkv GEMM's epilogue (in the interpreter
-    ExactMM runs every bucket, so every layer folds it) gives the bits of the pair's own launch
-    with the same fixed-tree sums (the second step: `norm_in_gemm` off, `norm_tree` on): outputs,
-    carried pre and caches bit for bit, at 1 and 2 rows. Layers 0, 1 (SWA, Full at ratio 2)."""
-    cfg, _, base, ckpt = cpu_setup
-    stack = AttentionStack(ckpt, [0, 1])
-    states = [copy.deepcopy(base) for _ in range(2)]
-    steps = [stack.decode_step(st, max_rows=2, fold_norm=True) for st in states]
-    # the interpreter's plan takes 512-column tiles, across the halves (q_lora_rank 128 + 512):
-    # 128-column tiles instead (every ExactMM configuration gives the same bits)
-    tiles = ExactConfig(block_n=128, block_k=256, rows=2)
-    for step in steps:
-        for layer in step.layers.values():
-            layer.mm_qkv = ExactLinear(layer.w_qkv, layer.s_qkv, 2, tiles)
-    for layer in steps[1].layers.values():
-        layer.norm_in_gemm = False
-    assert all(layer.takes_norm(r) for layer in steps[0].layers.values() for r in (1, 2))
-    assert not any(layer.takes_norm(r) for layer in steps[1].layers.values() for r in (1, 2))
-    assert all(layer.norm_tree for step in steps for layer in step.layers.values())
-    assert list(_twin_steps(steps, cfg, 7, ([("a", 1)], [("b", 1), ("c", 1)]))) == [1, 2]
-    _assert_same_caches(states)
-    assert all(int(layer.norm_counters.abs().sum()) == 0 for layer in steps[0].layers.values())
 
 
 @interpreter

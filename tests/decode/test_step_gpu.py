@@ -212,23 +212,3 @@ def _assert_same_run(a, b, outs_a, outs_b):
 def test_gpu_variant_gives_the_graph_step_bits(gpu_graph_runs, variant):
     (st_a, outs_a), (st_b, outs_b) = gpu_graph_runs["graph"], gpu_graph_runs[variant]
     _assert_same_run(st_a, st_b, outs_a, outs_b)
-
-
-@pytest.mark.gpu
-def test_gpu_folded_norm_pair_gives_the_tree_norms_bits(gpu_setup):
-    """fold_norm on the GPU: the q/kv norm pair in the fused wq_a|wkv GEMM's epilogue in the buckets
-    where that GEMM runs ExactMM, the pair's own launch with the same fixed-tree sums in the
-    others; 16 graphed steps give the bits of the same step recaptured with every layer's fold
-    off and the tree kept (`norm_in_gemm` False): outputs, carried pre and caches."""
-    cfg, stack, base = gpu_setup
-    states = [copy.deepcopy(base) for _ in range(2)]
-    steps = [stack.decode_step(st, max_rows=16, fold_norm=True) for st in states]
-    assert any(layer.takes_norm(1) for layer in steps[0].layers.values())
-    for layer in steps[1].layers.values():
-        layer.norm_in_gemm = False
-    steps[1].graphs = {}
-    steps[1]._capture()
-    assert not any(layer.takes_norm(1) for layer in steps[1].layers.values())
-    outs = _serve(stack, states, Schedule(cfg, seed=5), 16, steps)
-    torch.cuda.synchronize()
-    _assert_same_run(states[0], states[1], outs[0], outs[1])

@@ -44,45 +44,28 @@ NO_BOUNDARY = dict.fromkeys((*BOUNDARY_TYPES, *BOUNDARY_DIVISIBLE, "stride_post"
                              "stride_bws", "stride_ccnt"))
 
 
-# The q/kv norm pair epilogue's (`exact_mm.norm_pair_kwargs`) at the fused wq_a|wkv (1280 + 512
-# columns) with the window insert, or all None.
-NORM_TYPES = {"ny_ptr": "*bf16", "nwa_ptr": "*bf16", "nqr_ptr": "*i16", "nqc_ptr": "*u8", "nqs_ptr": "*u8",
-              "nwb_ptr": "*bf16", "nkv_ptr": "*i16", "ncnt_ptr": "*i32", "n_eps": "fp32", "ncos_ptr": "*fp32",
-              "nsin_ptr": "*fp32", "nslots_ptr": "*i64", "npool_ptr": "*u8"}
-
-
-def norm_consts(cfg: E.ExactConfig, d_a: int = 1280, d_b: int = 512) -> dict:
-    """The norm pair epilogue's constexprs as `exact_mm.norm_pair_kwargs` sets them."""
-    return dict(NORM=True, D_A=d_a, BLOCK_A=1 << (d_a - 1).bit_length(), D_B=d_b, BLOCK_B=d_b, NWINDOW=True,
-                A_TILES=d_a // cfg.block_n, B_TILES=d_b // cfg.block_n)
-
-
 def boundary_consts(cfg: E.ExactConfig, dim: int = 5120, block_d: int = 512) -> dict:
     """The boundary epilogue's constexprs as `exact_mm.boundary_kwargs` sets them."""
     return E.boundary_constexprs(MhcBoundaryPlan.build(dim, 1, "cpu", block_d), cfg.num_warps)
 
 
-def measure(cfg: E.ExactConfig, rope: bool = False, boundary: bool = False, norm: bool = False) -> dict:
+def measure(cfg: E.ExactConfig, rope: bool = False, boundary: bool = False) -> dict:
     fn = E._exact_mm_kernel
     rope_args = rope_epilogue(rope)      # the query-RoPE epilogue's arguments as the plan passes them
-    types = {**TYPES, **rope_args.get("types", {}), **(BOUNDARY_TYPES if boundary else {}),
-             **(NORM_TYPES if norm else {})}
+    types = {**TYPES, **rope_args.get("types", {}), **(BOUNDARY_TYPES if boundary else {})}
     kernel = compile_sm90(fn, types,
                           dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS=cfg.rows, OUT_F32=False,
                                SPLIT=cfg.split, STAGES=cfg.num_stages, CHAIN=True, ASM=True,
                                **rope_args["consts"],
-                               **(boundary_consts(cfg) if boundary else NO_BOUNDARY),
-                               **(norm_consts(cfg) if norm else {})),
+                               **(boundary_consts(cfg) if boundary else NO_BOUNDARY)),
                           # as the launcher sees the real shapes: K and the codes' / weight's / y's
                           # row strides multiples of 16 (M and the scale strides are not specialized)
                           divisible=[a for a in fn.arg_names
                                      if a.endswith("_ptr") or a in ("K", "stride_xm", "stride_wn", "stride_ym")
-                                     or boundary and a in BOUNDARY_DIVISIBLE
-                                     or norm and a.startswith("stride_n")],
+                                     or boundary and a in BOUNDARY_DIVISIBLE],
                           num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                           # as the launcher compiles the boundary epilogue (`ExactMM.__call__`)
-                          **({"enable_fp_fusion": False, "maxnreg": E._BOUNDARY_MAXNREG.get(cfg)} if boundary else {}),
-                          **({"enable_fp_fusion": False} if norm else {}))
+                          **({"enable_fp_fusion": False, "maxnreg": E._BOUNDARY_MAXNREG.get(cfg)} if boundary else {}))
     loop = main_loop(kernel)
     k_loop = min(loops(kernel), key=len)       # the innermost loop: over K
     ops = opcode_counts(loop)
@@ -91,7 +74,7 @@ def measure(cfg: E.ExactConfig, rope: bool = False, boundary: bool = False, norm
     fp32 = sum(ops.get(o, 0) for o in FP32_PIPE)
     ptx = kernel.asm["ptx"]
     return dict(config=f"{cfg.block_n}:{cfg.block_k}:{cfg.rows}:{cfg.num_warps}:{cfg.num_stages}:{cfg.split}",
-                rows=cfg.rows, rope=rope, boundary=boundary, norm=norm,
+                rows=cfg.rows, rope=rope, boundary=boundary,
                 # the rotation's inline PTX (`kv_write.rope_rotate`: mul.rn / sub.rn / add.rn into its
                 # own registers a, b), and no FP32 op that flushes subnormals
                 rotation="mul.rn.f32 a," in ptx, ftz=".ftz.f32" in ptx,
@@ -104,34 +87,27 @@ def measure(cfg: E.ExactConfig, rope: bool = False, boundary: bool = False, norm
 
 def main() -> None:
     specs = [a for a in sys.argv[1:] if not a.startswith("--")]
-    rope, boundary, norm = "--rope" in sys.argv, "--boundary" in sys.argv, "--norm" in sys.argv
+    rope, boundary = "--rope" in sys.argv, "--boundary" in sys.argv
     if specs:
-        configs = [(E.ExactConfig(*(int(v) for v in s.split(":"))), rope, boundary, norm) for s in specs]
+        configs = [(E.ExactConfig(*(int(v) for v in s.split(":"))), rope, boundary) for s in specs]
     elif "--all" in sys.argv or "--tp1" in sys.argv:
         shapes = REAL_SHAPES if "--all" in sys.argv else TP1_SHAPES
-        configs = [(c, rope, boundary, norm)
+        configs = [(c, rope, boundary)
                    for c in dict.fromkeys(E.planned_config(n, k, b) for n, k in shapes for b in (1, 2, 4))]
     else:   # fused wq_a|wkv's plan at 1 row, wo_b's at 4 (its registers are the most), a K split;
         # wq_b's plans at 1 and 4 rows with the query RoPE (at 4 rows the most registers with it);
         # wo_b's plan at 1 row (the fused wq_a|wkv's too) with the mHC boundary epilogue (the step's
-        # with fold_boundary); the fused wq_a|wkv's plans at 1 and 2 rows with the q/kv norm pair (the
-        # step's with fold_norm)
-        configs = [(E.planned_config(1792, 5120, 1), False, False, False),
-                   (E.planned_config(5120, 8192, 4), False, False, False),
-                   (E.ExactConfig(block_n=8, block_k=1024, rows=2, num_warps=4, num_stages=3, split=2), False, False,
-                    False),
-                   (E.planned_config(32768, 1280, 1), True, False, False),
-                   (E.planned_config(32768, 1280, 4), True, False, False),
-                   (E.planned_config(5120, 8192, 1), False, True, False),
-                   (E.planned_config(1792, 5120, 1), False, False, True),
-                   (E.planned_config(1792, 5120, 2), False, False, True)]
-    for cfg, with_rope, with_boundary, with_norm in configs:
-        r = measure(cfg, with_rope, with_boundary, with_norm)
+        # with fold_boundary)
+        configs = [(E.planned_config(1792, 5120, 1), False, False), (E.planned_config(5120, 8192, 4), False, False),
+                   (E.ExactConfig(block_n=8, block_k=1024, rows=2, num_warps=4, num_stages=3, split=2), False, False),
+                   (E.planned_config(32768, 1280, 1), True, False), (E.planned_config(32768, 1280, 4), True, False),
+                   (E.planned_config(5120, 8192, 1), False, True)]
+    for cfg, with_rope, with_boundary in configs:
+        r = measure(cfg, with_rope, with_boundary)
         if "--json" in sys.argv:
             print(json.dumps(r), flush=True)
         else:
-            print(f"{r['config']:16s}{' rope' if r['rope'] else ''}{' boundary' if r['boundary'] else ''}"
-                  f"{' norm' if r['norm'] else ''} "
+            print(f"{r['config']:16s}{' rope' if r['rope'] else ''}{' boundary' if r['boundary'] else ''} "
                   f"REG {r['REG']:3d} STACK {r['STACK']} "
                   f"LOCAL {r['LOCAL']} STL/LDL {r['spills']}  "
                   f"main loop {r['loop']:4d} instructions, {r['per_elem_row']:5.2f} per weight element and row, "
