@@ -156,27 +156,6 @@ def linear_operands(gen: torch.Generator, m: int, n: int, k: int, device: str | 
     return (x, w, *(t.to(device) for t in (codes, x_scale, weight, w_scale)))
 
 
-def norm_pair_operands(gen: torch.Generator, m: int, d_a: int, pool_rows: int = 16, device: str | None = None):
-    """An `rms_norm.NormPairOperands` for m rows of a GEMM output [m, d_a + 512]: norm weights near 1,
-    outputs poisoned with 0xA5 bytes, the window insert into a pool of `pool_rows` records poisoned
-    likewise (slots: the rows scattered, with row 1 at -1 and row 2 past the pool where m > 2: written
-    nowhere), cos/sin of random positions, fresh zero counters; on `device` (default: CUDA when
-    there is one)."""
-    from dsv41_decode.ops.rms_norm import NormPairOperands
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    poison = lambda *shape: torch.full(shape, 0xA5, dtype=torch.uint8, device=device)  # noqa: E731
-    w_a = (1 + 0.1 * torch.randn(d_a, generator=gen)).to(torch.bfloat16).to(device)
-    w_b = (1 + 0.1 * torch.randn(512, generator=gen)).to(torch.bfloat16).to(device)
-    slots = torch.randperm(pool_rows, generator=gen)[:m].to(torch.int64)
-    if m > 2:
-        slots[1], slots[2] = -1, pool_rows
-    cos, sin = rope_operands(gen, m, device)
-    return NormPairOperands(w_a=w_a, out_a=poison(m, 2 * d_a).view(torch.bfloat16), codes_a=poison(m, d_a),
-                            scales_a=poison(m, d_a // 32), w_b=w_b, out_b=poison(m, 1024).view(torch.bfloat16),
-                            eps=1e-6, d_a=d_a, counters=torch.zeros(2, dtype=torch.int32, device=device),
-                            window=poison(pool_rows, 528), slots=slots.to(device), cos=cos, sin=sin)
-
-
 def rope_operands(gen: torch.Generator, m: int, device: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [m, 32] FP32 of m random positions below 2^20 (YaRN-like frequencies), as the step's
     per-row RoPE tables hold them; on `device` (default: CUDA when there is one)."""

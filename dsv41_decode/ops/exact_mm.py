@@ -74,7 +74,6 @@ from .common import CPU_SMS, column, num_sms, plan_workspace
 from .fp4 import bf16_round
 from .kv_write import rope_tile
 from .mhc import BoundaryOperands, MhcBoundaryPlan, _boundary_block_d, tile_boundary
-from .rms_norm import NormPairOperands, kv_norm_row, q_norm_row
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
 
 MAX_ROWS = 64
@@ -299,34 +298,6 @@ def _boundary_rows(acc0, acc1, acc2, acc3, off_n, m0, M, ROWS: tl.constexpr, bx_
                       stride_bws, stride_ccnt, DIM, BD, NCH, NCH_P2, TAIL)
 
 
-@triton.jit
-def _norm_pair_tail(off_n, M, y_ptr, wa_ptr, qr_ptr, qc_ptr, qs_ptr, wb_ptr, kv_ptr, cnt_ptr, eps, stride_y,
-                    stride_qr, stride_qc, stride_qs, stride_kv, cos_ptr, sin_ptr, slots_ptr, pool_ptr, S, stride_cn,
-                    stride_sn, stride_pool, D_A: tl.constexpr, BLOCK_A: tl.constexpr, D_B: tl.constexpr,
-                    BLOCK_B: tl.constexpr, WINDOW: tl.constexpr, A_TILES: tl.constexpr, B_TILES: tl.constexpr):
-    """The q/kv norm pair epilogue of a tile whose columns start at off_n, after its stores of
-    every row: the tile arrives on its half's counter (columns < D_A: a, A_TILES tiles; else b,
-    B_TILES), and the last of a half to arrive normalizes that half of every row from y (BF16 at
-    y_ptr), `rms_norm.q_norm_row` or `kv_norm_row` with the sums' fixed tree, then zeroes the
-    counter for the next call: the bits of `rms_norm_pair_(..., tree=True)` on the stored y."""
-    half = (off_n >= D_A).to(tl.int32)
-    # Every thread's stores of y are made before one thread's release of the counter.
-    tl.debug_barrier()
-    arrived = tl.atomic_add(cnt_ptr + half, 1, sem="acq_rel", scope="gpu")
-    last = tl.where(half == 0, arrived == A_TILES - 1, arrived == B_TILES - 1)
-    if last:
-        tl.debug_barrier()
-        for row in range(0, M):
-            if half == 0:
-                q_norm_row(y_ptr + row * stride_y, wa_ptr, qr_ptr + row * stride_qr, qc_ptr + row * stride_qc,
-                           qs_ptr + row * stride_qs, eps, D_A, BLOCK_A, True)
-            else:
-                kv_norm_row(y_ptr + row * stride_y + D_A, wb_ptr, kv_ptr + row * stride_kv, eps, row,
-                            cos_ptr + row * stride_cn, sin_ptr + row * stride_sn, slots_ptr, pool_ptr, S,
-                            stride_pool, D_B, BLOCK_B, WINDOW, True)
-        tl.atomic_xchg(cnt_ptr + half, 0, sem="relaxed", scope="gpu")
-
-
 # The row count, the scale and cos/sin strides and the split size take no part in vectorization:
 # leaving them unspecialized keeps one compiled kernel per configuration for every row count.
 @triton.jit(do_not_specialize=["M", "stride_sxm", "stride_swn", "steps_per_split", "stride_cm", "stride_sm"])
@@ -342,12 +313,6 @@ def _exact_mm_kernel(
     stride_u=None, stride_codes=None, stride_scales=None, stride_bws=None, stride_ccnt=None,
     BOUNDARY: tl.constexpr = False, DIM: tl.constexpr = None, BD: tl.constexpr = None, NCH: tl.constexpr = None,
     NCH_P2: tl.constexpr = None, TAIL: tl.constexpr = None,
-    ny_ptr=None, nwa_ptr=None, nqr_ptr=None, nqc_ptr=None, nqs_ptr=None, nwb_ptr=None, nkv_ptr=None, ncnt_ptr=None,
-    n_eps=None, stride_ny=None, stride_nqr=None, stride_nqc=None, stride_nqs=None, stride_nkv=None, ncos_ptr=None,
-    nsin_ptr=None, nslots_ptr=None, npool_ptr=None, n_S=None, stride_ncn=None, stride_nsn=None, stride_npool=None,
-    NORM: tl.constexpr = False, D_A: tl.constexpr = None, BLOCK_A: tl.constexpr = None, D_B: tl.constexpr = None,
-    BLOCK_B: tl.constexpr = None, NWINDOW: tl.constexpr = False, A_TILES: tl.constexpr = None,
-    B_TILES: tl.constexpr = None,
 ):
     # Grid: (N tiles, K splits). Program (t, s) covers W rows [t*BLOCK_N, +BLOCK_N) over the K steps
     # [s*steps_per_split, +steps_per_split) and every row of x, ROWS at a time. With one split it
@@ -359,8 +324,7 @@ def _exact_mm_kernel(
     # operands of `mhc.BoundaryOperands` (streams bx_ptr, mixer post/comb/pre, norm weight nw_ptr,
     # outputs xo/u/codes/scales, the plan's workspace bws_ptr, row counters bcnt_ptr and chunk
     # counters ccnt_ptr, DIM = N columns in NCH chunks of BD, the row's tail TAIL columns a slice; None
-    # without it). NORM: the q/kv norm pair epilogue (`_norm_pair_tail`, after every pass's stores;
-    # one split) with the operands of `rms_norm.NormPairOperands` (y as BF16 at ny_ptr; None without).
+    # without it).
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
     SUB: tl.constexpr = BLOCK_K // 32
@@ -434,11 +398,6 @@ def _exact_mm_kernel(
                                eps, stride_bxn, stride_bxh, stride_post, stride_cn, stride_ci, stride_pre, stride_xon,
                                stride_xoh, stride_u, stride_codes, stride_scales, stride_bws, stride_ccnt, DIM, BD,
                                NCH, NCH_P2, TAIL)
-    if NORM:
-        _norm_pair_tail(pid * BLOCK_N, M, ny_ptr, nwa_ptr, nqr_ptr, nqc_ptr, nqs_ptr, nwb_ptr, nkv_ptr, ncnt_ptr, n_eps,
-                        stride_ny, stride_nqr, stride_nqc, stride_nqs, stride_nkv, ncos_ptr, nsin_ptr, nslots_ptr,
-                        npool_ptr, n_S, stride_ncn, stride_nsn, stride_npool, D_A, BLOCK_A, D_B, BLOCK_B, NWINDOW,
-                        A_TILES, B_TILES)
 
 
 @dataclass(frozen=True)
@@ -584,39 +543,6 @@ def boundary_constexprs(plan: MhcBoundaryPlan, num_warps: int) -> dict:
                 NCH_P2=triton.next_power_of_2(plan.chunks), TAIL=_boundary_tail(plan.dim, num_warps))
 
 
-def norm_pair_kwargs(norm_pair, out: torch.Tensor, m: int, launch: "_Launch") -> dict:
-    """The launch's keyword arguments of `ExactMM`'s q/kv norm pair epilogue: {} without
-    `norm_pair`; else the operands' pointers, strides and constexprs, after the checks (errors
-    naming the argument): norm_pair an `rms_norm.NormPairOperands` that suits out's m rows
-    (`NormPairOperands.check`), out BF16, the launch unsplit and its block_n dividing D_a and D_b
-    (each tile within one half)."""
-    if norm_pair is None:
-        return {}
-    if not isinstance(norm_pair, NormPairOperands):
-        raise TypeError(f"norm_pair must be an rms_norm.NormPairOperands, got {type(norm_pair).__name__}")
-    if out.dtype != torch.bfloat16:
-        raise ValueError(f"norm_pair: out must be bfloat16 (the norms read the rounded output), got {out.dtype}")
-    y = out[:m]
-    _, da, db, insert = norm_pair.check(y)
-    cfg = launch.config
-    if cfg.split > 1:
-        raise ValueError(f"norm_pair: the launch for {m} rows splits K ({cfg.split}); the epilogue needs one split")
-    if da % cfg.block_n or db % cfg.block_n:
-        raise ValueError(f"norm_pair.d_a: the halves ({da}, {db}) must be multiples of the launch's "
-                         f"block_n={cfg.block_n} (each tile within one half)")
-    p = norm_pair
-    qr, kv = p.out_a.view(torch.int16), p.out_b.view(torch.int16)
-    qc, qs = p.codes_a.view(torch.uint8), p.scales_a.view(torch.uint8)
-    cos, sin, slots, pool, S, stride_cn, stride_sn, stride_pool = p.window_args(qr)
-    return dict(ny_ptr=y, nwa_ptr=p.w_a, nqr_ptr=qr, nqc_ptr=qc, nqs_ptr=qs, nwb_ptr=p.w_b, nkv_ptr=kv,
-                ncnt_ptr=p.counters, n_eps=float(p.eps), stride_ny=y.stride(0), stride_nqr=qr.stride(0),
-                stride_nqc=qc.stride(0), stride_nqs=qs.stride(0), stride_nkv=kv.stride(0), ncos_ptr=cos,
-                nsin_ptr=sin, nslots_ptr=slots, npool_ptr=pool, n_S=S, stride_ncn=stride_cn, stride_nsn=stride_sn,
-                stride_npool=stride_pool, NORM=True, D_A=da, BLOCK_A=max(32, triton.next_power_of_2(da)), D_B=db,
-                BLOCK_B=max(32, triton.next_power_of_2(db)), NWINDOW=insert, A_TILES=da // cfg.block_n,
-                B_TILES=db // cfg.block_n)
-
-
 # Per launch configuration: the register cap of its launches with the boundary epilogue, the plain
 # kernel's count on sm_90 (tests/ops/_exact_mm_sm90.py --boundary checks both). Uncapped, ptxas
 # gives the epilogue's serial tail more (104 at wo_b's 1-row plan, whose 1280 programs of 2 warps
@@ -715,8 +641,7 @@ class ExactMM:
 
     def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None,
                  rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 boundary: BoundaryOperands | None = None,
-                 norm_pair: NormPairOperands | None = None) -> torch.Tensor:
+                 boundary: BoundaryOperands | None = None) -> torch.Tensor:
         """y = codes x weight^T with both block scales, into out: the arguments and the result of
         `LowLatencyMM.__call__` (a float32 out receives the unrounded FP32 sums).
 
@@ -732,27 +657,19 @@ class ExactMM:
             counters reset by them): the bits of the call without it followed by
             `mhc_boundary_(out, ...)` with those operands, y stored as well. Not with rope; the
             launch's block_n must divide plan.block_d. Its operands as `mhc_boundary_` checks them.
-        norm_pair: None, or an `rms_norm.NormPairOperands`: y = [x_a | x_b] (BF16 out) and the q/kv
-            norm pair on it in the epilogue (the last tile of each half to arrive normalizes that
-            half of every row, `_norm_pair_tail`): the bits of the call without it followed by
-            `rms_norm_pair_(..., tree=True)` with those operands, y stored as well. Not with rope or
-            boundary; the call's launch must not split K and its block_n must divide both halves.
         Returns out.
         """
         out = mxfp8_linear_args(codes, x_scale, out, self.n, self.k, self.max_rows, self.device)
-        if sum(e is not None for e in (rope, boundary, norm_pair)) > 1:
-            which = "boundary" if norm_pair is None else "norm_pair"
-            raise ValueError(f"{which}: the call has another epilogue already (one epilogue a call)")
+        if rope is not None and boundary is not None:
+            raise ValueError("boundary: the call has a rope epilogue already (one epilogue a call)")
         epilogue = rope_kwargs(rope, out, self.n, codes.shape[0], self.device)
         launch = self.launch_for(codes.shape[0])
         cfg = launch.config
         epilogue.update(boundary_kwargs(boundary, out, cfg.block_n, cfg.num_warps))
-        epilogue.update(norm_pair_kwargs(norm_pair, out, codes.shape[0], launch))
-        if boundary is not None or norm_pair is not None:
-            # the boundary's products and sums rounded one by one; the norms' as rms_norm_pair_ compiles them
-            epilogue["enable_fp_fusion"] = False
-        if boundary is not None and cfg in _BOUNDARY_MAXNREG:
-            epilogue["maxnreg"] = _BOUNDARY_MAXNREG[cfg]
+        if boundary is not None:
+            epilogue["enable_fp_fusion"] = False     # the boundary's products and sums rounded one by one
+            if cfg in _BOUNDARY_MAXNREG:
+                epilogue["maxnreg"] = _BOUNDARY_MAXNREG[cfg]
         _exact_mm_kernel[launch.grid](
             codes, x_scale.view(torch.uint8), self.weight, self.w_scale,
             out if out.dtype == torch.float32 else out.view(torch.int16), self._workspace, self._counters,

@@ -9,16 +9,9 @@ another order than torch's and 1/sqrt is an IEEE sqrt then an IEEE division (tor
 is approximate), so an output may differ from the reference by one BF16 ulp; the codes and
 scales are bitwise those of the output the kernel wrote. `rms_row` (a row's norm factor) and
 `normed` are the one home of that arithmetic, also run by `ops.compressor_tail`.
-
-The sum of squares is one `tl.sum` by default, whose order is the launch's layout (its warps), or
-with TREE a fixed pairwise tree (`tree_sum`: adjacent pairs added level by level, elementwise), the
-same sum in every launch of any warps and in the interpreter: what a norm run in another kernel's
-epilogue needs to give the same bits (`ExactMM(..., norm_pair=)`, `rms_norm_pair_(..., tree=True)`).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -46,60 +39,16 @@ def inv_rms(total, eps, D: tl.constexpr):
 
 
 @triton.jit
-def _halve(v):
-    """[N] -> [N / 2]: v[2i] + v[2i + 1], elementwise (no reduction whose order is a layout's)."""
-    a, b = tl.split(tl.reshape(v, (v.shape[0] // 2, 2)))
-    return a + b
-
-
-@triton.jit
-def tree_sum(v, BLOCK: tl.constexpr):
-    """The FP32 sum of v [BLOCK] (a power of two, 2 .. 8192) as a fixed pairwise tree: level by
-    level the adjacent pairs added (`_halve`), so the same bits in every layout and launch."""
-    v = _halve(v)
-    if BLOCK >= 4:
-        v = _halve(v)
-    if BLOCK >= 8:
-        v = _halve(v)
-    if BLOCK >= 16:
-        v = _halve(v)
-    if BLOCK >= 32:
-        v = _halve(v)
-    if BLOCK >= 64:
-        v = _halve(v)
-    if BLOCK >= 128:
-        v = _halve(v)
-    if BLOCK >= 256:
-        v = _halve(v)
-    if BLOCK >= 512:
-        v = _halve(v)
-    if BLOCK >= 1024:
-        v = _halve(v)
-    if BLOCK >= 2048:
-        v = _halve(v)
-    if BLOCK >= 4096:
-        v = _halve(v)
-    if BLOCK >= 8192:
-        v = _halve(v)
-    return tl.sum(v, axis=0)       # one element: exact
-
-
-@triton.jit
-def rms_row(x_row, eps, D: tl.constexpr, BLOCK: tl.constexpr, ROUND_IN: tl.constexpr, TREE: tl.constexpr = False):
+def rms_row(x_row, eps, D: tl.constexpr, BLOCK: tl.constexpr, ROUND_IN: tl.constexpr):
     """(x, r): the row at x_row as FP32 [BLOCK] (0 past D; ROUND_IN: an FP32 input rounded to BF16
     first, `latent`: rms_norm(c.to(bf16))) and its norm factor r = 1/sqrt(mean(x^2) + eps), the sum
     of squares one `tl.sum` over the [BLOCK] vector (its order is the layout's: every kernel that
-    must reproduce a row's r - `ops.compressor_tail` - calls this with the same BLOCK and warps) or
-    with TREE `tree_sum` (the same in every layout)."""
+    must reproduce a row's r - `ops.compressor_tail` - calls this with the same BLOCK and warps)."""
     d = tl.arange(0, BLOCK)
     x = tl.load(x_row + d, mask=d < D, other=0.0).to(tl.float32)
     if ROUND_IN:
         x = bf16_round(x)
-    if TREE:
-        total = tree_sum(x * x, BLOCK)
-    else:
-        total = tl.sum(x * x, axis=0)
-    return x, inv_rms(total, eps, D)
+    return x, inv_rms(tl.sum(x * x, axis=0), eps, D)
 
 
 @triton.jit
@@ -110,12 +59,12 @@ def normed(x, w, r):
 
 @triton.jit
 def _rms_norm_row(x_row, w_ptr, o_row, c_row, s_row, eps, D: tl.constexpr, BLOCK: tl.constexpr,
-                  ROUND_IN: tl.constexpr, QUANT: tl.constexpr, TREE: tl.constexpr = False):
-    """One row: o = bf16(w * (x * 1/sqrt(mean(x^2) + eps))), optionally its MXFP8 codes and scales
-    (TREE: the sum of squares `tree_sum`'s). Returns o's int16 bits [BLOCK]."""
+                  ROUND_IN: tl.constexpr, QUANT: tl.constexpr):
+    """One row: o = bf16(w * (x * 1/sqrt(mean(x^2) + eps))), optionally its MXFP8 codes and scales.
+    Returns o's int16 bits [BLOCK]."""
     d = tl.arange(0, BLOCK)
     mask = d < D
-    x, r = rms_row(x_row, eps, D, BLOCK, ROUND_IN, TREE)
+    x, r = rms_row(x_row, eps, D, BLOCK, ROUND_IN)
     w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
     bits = bf16_rne_bits(normed(x, w, r))
     tl.store(o_row + d, bits, mask=mask)
@@ -139,39 +88,25 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, codes_ptr, scales_ptr, eps, stride_x
 
 
 @triton.jit
-def q_norm_row(xa_row, wa_ptr, oa_row, ca_row, sa_row, eps, D_A: tl.constexpr, BLOCK_A: tl.constexpr,
-               TREE: tl.constexpr):
-    """The pair's first row norm: row a normalized, with its MXFP8 codes and scales."""
-    _rms_norm_row(xa_row, wa_ptr, oa_row, ca_row, sa_row, eps, D_A, BLOCK_A, False, True, TREE)
-
-
-@triton.jit
-def kv_norm_row(xb_row, wb_ptr, ob_row, eps, n, cs_row, sn_row, slots_ptr, pool_ptr, S, stride_pool,
-                D_B: tl.constexpr, BLOCK_B: tl.constexpr, WINDOW: tl.constexpr, TREE: tl.constexpr):
-    """The pair's second row norm: row b (of row index n) normalized and, with WINDOW, its window
-    record (`kv_write.window_insert`) from the BF16 values it just rounded."""
-    bits = _rms_norm_row(xb_row, wb_ptr, ob_row, ob_row, ob_row, eps, D_B, BLOCK_B, False, False, TREE)
-    if WINDOW:   # D_B = BLOCK_B = 512: the pairs (2j, 2j+1) as [16 blocks, 16 pairs] each
-        xe, xo = tl.split(tl.reshape(bf16_widen(bits), (16, 16, 2)))
-        window_insert(xe, xo, cs_row, sn_row, slots_ptr, n, pool_ptr, S, stride_pool, False)
-
-
-@triton.jit
 def _rms_norm_pair_kernel(xa_ptr, wa_ptr, oa_ptr, ca_ptr, sa_ptr, xb_ptr, wb_ptr, ob_ptr, eps,
                           stride_xa, stride_oa, stride_ca, stride_sa, stride_xb, stride_ob,
                           cos_ptr, sin_ptr, slots_ptr, pool_ptr, S, stride_cn, stride_sn, stride_pool,
                           D_A: tl.constexpr, BLOCK_A: tl.constexpr, D_B: tl.constexpr, BLOCK_B: tl.constexpr,
-                          PDL: tl.constexpr = False, WINDOW: tl.constexpr = False, TREE: tl.constexpr = False):
-    # Program (row n, 0): row n of a with its MXFP8 (`q_norm_row`); program (row n, 1): row n of b
-    # and with WINDOW its window record (`kv_norm_row`).
+                          PDL: tl.constexpr = False, WINDOW: tl.constexpr = False):
+    # Program (row n, 0): row n of a with its MXFP8; program (row n, 1): row n of b, and with
+    # WINDOW its window record (`kv_write.window_insert`) from the BF16 values it just rounded.
     pdl.enter(PDL)
     n = tl.program_id(0).to(tl.int64)
     if tl.program_id(1) == 0:
-        q_norm_row(xa_ptr + n * stride_xa, wa_ptr, oa_ptr + n * stride_oa, ca_ptr + n * stride_ca,
-                   sa_ptr + n * stride_sa, eps, D_A, BLOCK_A, TREE)
+        _rms_norm_row(xa_ptr + n * stride_xa, wa_ptr, oa_ptr + n * stride_oa, ca_ptr + n * stride_ca,
+                      sa_ptr + n * stride_sa, eps, D_A, BLOCK_A, False, True)
     else:
-        kv_norm_row(xb_ptr + n * stride_xb, wb_ptr, ob_ptr + n * stride_ob, eps, n, cos_ptr + n * stride_cn,
-                    sin_ptr + n * stride_sn, slots_ptr, pool_ptr, S, stride_pool, D_B, BLOCK_B, WINDOW, TREE)
+        bits = _rms_norm_row(xb_ptr + n * stride_xb, wb_ptr, ob_ptr + n * stride_ob, ob_ptr, ob_ptr, eps,
+                             D_B, BLOCK_B, False, False)
+        if WINDOW:   # D_B = BLOCK_B = 512: the pairs (2j, 2j+1) as [16 blocks, 16 pairs] each
+            xe, xo = tl.split(tl.reshape(bf16_widen(bits), (16, 16, 2)))
+            window_insert(xe, xo, cos_ptr + n * stride_cn, sin_ptr + n * stride_sn, slots_ptr, n, pool_ptr, S,
+                          stride_pool, False)
 
 
 def _check_norm(x, weight, out, codes, scales, quant: bool, eps, x_dtypes, names, device=None) -> tuple[int, int]:
@@ -227,44 +162,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def _pair_args(x_a, w_a, out_a, codes_a, scales_a, x_b, w_b, out_b, eps, window, slots, cos, sin,
-               names=("x_a", "x_b")) -> tuple[int, int, int, bool]:
-    """The checks of `rms_norm_pair_`'s arguments (errors naming the argument; `names`: what the
-    caller calls x_a and x_b); returns (N, D_a, D_b, whether the window insert runs)."""
-    na, nb = names
-    n, da = _check_norm(x_a, w_a, out_a, codes_a, scales_a, True, eps, (torch.bfloat16,),
-                        (na, "w_a", "out_a", "codes_a", "scales_a"))
-    rows_b, db = _check_norm(x_b, w_b, out_b, None, None, False, eps, (torch.bfloat16,),
-                             (nb, "w_b", "out_b", "", ""), device=x_a.device)
-    if rows_b != n:
-        raise ValueError(f"{na} and {nb} must have the same rows, got {n} and {rows_b}")
-    insert = window is not None
-    if insert:
-        if db != KV_DIM:
-            raise ValueError(f"{nb}: D={db} must be {KV_DIM} (head_dim) for the window insert")
-        dev = x_a.device
-        require_tensor(window, "window", (torch.uint8,), (None, WINDOW_KV_BYTES), dev)
-        require_tensor(slots, "slots", (torch.int64,), (n,), dev)
-        require_tensor(cos, "cos", (torch.float32,), (n, ROPE_DIM // 2), dev)
-        require_tensor(sin, "sin", (torch.float32,), (n, ROPE_DIM // 2), dev)
-    elif slots is not None or cos is not None or sin is not None:
-        raise ValueError("slots, cos and sin come with window (the window insert); window is None")
-    return n, da, db, insert
-
-
-def _window_args(window, slots, cos, sin, placeholder) -> tuple:
-    """The window insert's kernel arguments (cos, sin, slots, pool, S and the three row strides), or
-    `placeholder` pointers and zeros without it."""
-    if window is None:
-        p = placeholder
-        return (p, p, p, p, 0, 0, 0, 0)
-    return (cos, sin, slots, window, window.shape[0], cos.stride(0), sin.stride(0), window.stride(0))
-
-
 def rms_norm_pair_(x_a: torch.Tensor, w_a: torch.Tensor, out_a: torch.Tensor, codes_a: torch.Tensor,
                    scales_a: torch.Tensor, x_b: torch.Tensor, w_b: torch.Tensor, out_b: torch.Tensor,
                    eps: float, *, window: torch.Tensor | None = None, slots: torch.Tensor | None = None,
-                   cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, tree: bool = False) -> None:
+                   cos: torch.Tensor | None = None, sin: torch.Tensor | None = None) -> None:
     """`rms_norm_(x_a, w_a, eps, out_a, codes_a, scales_a)` and `rms_norm_(x_b, w_b, eps, out_b)` in
     one launch (the step's q_norm with the MXFP8 of qr, and kv_norm), bit for bit the same.
     x_a, x_b: [N, D_a], [N, D_b] bfloat16 (same N; D_a a multiple of 32); shapes and dtypes of the
@@ -273,61 +174,32 @@ def rms_norm_pair_(x_a: torch.Tensor, w_a: torch.Tensor, out_a: torch.Tensor, co
     With `window` (then slots, cos, sin too; D_b = 512): also the window-KV insert of
     `kv_write.qkv_rope_insert_(q, out_b, cos, sin, slots, window)` (requant=False), the same bytes,
     from the normalized rows in registers: window [S, 528] uint8 pool, slots [N] int64 (a slot
-    outside [0, S) writes nothing), cos, sin [N, 32] float32.
-
-    tree: the sums of squares as `tree_sum`'s fixed pairwise tree (module doc) instead of one
-    `tl.sum`: the bits of `ExactMM(..., norm_pair=NormPairOperands(...))`'s epilogue, whatever its
-    launch's warps (an r may differ in its last bit from the default's)."""
-    n, da, db, insert = _pair_args(x_a, w_a, out_a, codes_a, scales_a, x_b, w_b, out_b, eps, window, slots,
-                                   cos, sin)
-    if not isinstance(tree, bool):
-        raise TypeError(f"tree must be a bool, got {type(tree).__name__}")
+    outside [0, S) writes nothing), cos, sin [N, 32] float32."""
+    n, da = _check_norm(x_a, w_a, out_a, codes_a, scales_a, True, eps, (torch.bfloat16,),
+                        ("x_a", "w_a", "out_a", "codes_a", "scales_a"))
+    nb, db = _check_norm(x_b, w_b, out_b, None, None, False, eps, (torch.bfloat16,),
+                         ("x_b", "w_b", "out_b", "", ""), device=x_a.device)
+    if nb != n:
+        raise ValueError(f"x_a and x_b must have the same rows, got {n} and {nb}")
+    insert = window is not None
+    if insert:
+        if db != KV_DIM:
+            raise ValueError(f"x_b: D={db} must be {KV_DIM} (head_dim) for the window insert")
+        dev = x_a.device
+        require_tensor(window, "window", (torch.uint8,), (None, WINDOW_KV_BYTES), dev)
+        require_tensor(slots, "slots", (torch.int64,), (n,), dev)
+        require_tensor(cos, "cos", (torch.float32,), (n, ROPE_DIM // 2), dev)
+        require_tensor(sin, "sin", (torch.float32,), (n, ROPE_DIM // 2), dev)
+    elif slots is not None or cos is not None or sin is not None:
+        raise ValueError("slots, cos and sin come with window (the window insert); window is None")
     if n == 0:
         return
     oa, ob = out_a.view(torch.int16), out_b.view(torch.int16)
     ca, sa = codes_a.view(torch.uint8), scales_a.view(torch.uint8)
+    win = (cos, sin, slots, window, window.shape[0], cos.stride(0), sin.stride(0), window.stride(0)) if insert \
+        else (oa, oa, oa, oa, 0, 0, 0, 0)
     _rms_norm_pair_kernel[(n, 2)](
         x_a, w_a, oa, ca, sa, x_b, w_b, ob, float(eps), x_a.stride(0), oa.stride(0), ca.stride(0), sa.stride(0),
-        x_b.stride(0), ob.stride(0), *_window_args(window, slots, cos, sin, oa), D_A=da,
-        BLOCK_A=max(32, triton.next_power_of_2(da)), D_B=db, BLOCK_B=max(32, triton.next_power_of_2(db)), PDL=False,
-        WINDOW=insert, TREE=tree, num_warps=4, enable_fp_fusion=False)
-
-
-@dataclass(frozen=True, eq=False)
-class NormPairOperands:
-    """The q/kv norm pair on a GEMM's output y = [x_a | x_b] ([N, D_a + D_b] BF16), run in the GEMM's
-    epilogue (`ExactMM(..., norm_pair=)`): the bits of `rms_norm_pair_(y[:, :D_a], w_a, out_a,
-    codes_a, scales_a, y[:, D_a:], w_b, out_b, eps, window=, slots=, cos=, sin=, tree=True)` after
-    the GEMM, y stored as well. w_a, out_a, codes_a, scales_a, w_b, out_b, eps, window, slots, cos,
-    sin: as `rms_norm_pair_` takes them (window None: no insert); d_a: D_a; counters: int32 [2] on
-    y's device, zero between calls (the last tile of each half to arrive resets its counter); calls
-    that share them must not overlap in time."""
-
-    w_a: torch.Tensor
-    out_a: torch.Tensor
-    codes_a: torch.Tensor
-    scales_a: torch.Tensor
-    w_b: torch.Tensor
-    out_b: torch.Tensor
-    eps: float
-    d_a: int
-    counters: torch.Tensor
-    window: torch.Tensor | None = None
-    slots: torch.Tensor | None = None
-    cos: torch.Tensor | None = None
-    sin: torch.Tensor | None = None
-
-    def check(self, y: torch.Tensor) -> tuple[int, int, int, bool]:
-        """The checks of `rms_norm_pair_` on y's halves and of the counters (errors naming the
-        argument); returns (N, D_a, D_b, whether the window insert runs)."""
-        if isinstance(self.d_a, bool) or not isinstance(self.d_a, int) or not 0 < self.d_a < y.shape[1]:
-            raise ValueError(f"norm_pair.d_a must be an int in (0, {y.shape[1]}) (the output's columns), "
-                             f"got {self.d_a!r}")
-        require_tensor(self.counters, "norm_pair.counters", (torch.int32,), (2,), y.device)
-        return _pair_args(y[:, :self.d_a], self.w_a, self.out_a, self.codes_a, self.scales_a, y[:, self.d_a:],
-                          self.w_b, self.out_b, self.eps, self.window, self.slots, self.cos, self.sin,
-                          names=("y[:, :d_a]", "y[:, d_a:]"))
-
-    def window_args(self, placeholder) -> tuple:
-        """The window insert's kernel arguments (`_window_args`)."""
-        return _window_args(self.window, self.slots, self.cos, self.sin, placeholder)
+        x_b.stride(0), ob.stride(0), *win, D_A=da, BLOCK_A=max(32, triton.next_power_of_2(da)), D_B=db,
+        BLOCK_B=max(32, triton.next_power_of_2(db)), PDL=False, WINDOW=insert, num_warps=4,
+        enable_fp_fusion=False)

@@ -16,13 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import FLASH_LINEAR_SHAPES as FLASH_SHAPES
-from helpers import (boundary_operands, check_mxfp8_plan_errors, compile_script, linear_operands, norm_pair_operands, raises,
-                     rope_operands)
+from helpers import boundary_operands, check_mxfp8_plan_errors, compile_script, linear_operands, raises, rope_operands
 
 from dsv41_decode.ops.exact_mm import ExactConfig, ExactMM, _chain_asm
 from dsv41_decode.ops.kv_write import query_rope_
 from dsv41_decode.ops.mhc import MhcBoundaryPlan, mhc_boundary
-from dsv41_decode.ops.rms_norm import rms_norm_pair_
 from dsv41_decode.reference.linear import mxfp8_mm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -320,75 +318,6 @@ def test_boundary_epilogue_bad_arguments_name_the_argument():
         with pytest.raises((TypeError, ValueError), match=word) as err:
             call()
         assert "\n" not in str(err.value), str(err.value)
-
-
-def check_norm_pair(plan, codes, x_scale, ops, label) -> None:
-    """plan(codes, x_scale, norm_pair=ops) against the call without it followed by
-    `rms_norm_pair_(..., tree=True)` on operands of the same values: y, qr, its codes and scales,
-    kv and the window pool, bitwise; the counters zero again."""
-    fresh = lambda t: None if t is None else t.clone()  # noqa: E731
-    want = dataclasses.replace(ops, **{f: fresh(getattr(ops, f)) for f in
-                                       ("out_a", "codes_a", "scales_a", "out_b", "window", "counters")})
-    y = plan(codes, x_scale)
-    rms_norm_pair_(y[:, :ops.d_a], want.w_a, want.out_a, want.codes_a, want.scales_a, y[:, ops.d_a:], want.w_b,
-                   want.out_b, want.eps, window=want.window, slots=want.slots, cos=want.cos, sin=want.sin, tree=True)
-    got = plan(codes, x_scale, norm_pair=ops)
-    for name, a, b in (("y", got, y), ("qr", ops.out_a, want.out_a), ("codes", ops.codes_a, want.codes_a),
-                       ("scales", ops.scales_a, want.scales_a), ("kv", ops.out_b, want.out_b),
-                       ("window", ops.window, want.window)):
-        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (label, name)
-    assert int(ops.counters.abs().sum()) == 0, label
-
-
-# The q/kv norm pair epilogue in the interpreter: (d_a, the configuration). Tiles of 16 columns, 2
-# rows a pass (3 rows take two passes); tiles of 64 columns, 1 row a pass; the halves 256 + 512.
-_NORM_CASES = {
-    "bn16-r2": (256, ExactConfig(block_n=16, block_k=64, rows=2, num_warps=1, num_stages=2)),
-    "bn64-r1-w2": (256, ExactConfig(block_n=64, block_k=128, rows=1, num_warps=2, num_stages=2)),
-}
-
-
-@pytest.mark.parametrize("case", list(_NORM_CASES))
-def test_norm_pair_epilogue_is_the_call_then_the_pair(case):
-    # norm_pair=NormPairOperands(...) gives the bits of the call without it followed by
-    # rms_norm_pair_(..., tree=True) with the window insert, at 1-3 rows, into poisoned outputs;
-    # then again on the same plan with new operands (its counters reset by the last arrivers).
-    d_a, config = _NORM_CASES[case]
-    _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(d_a + 31), 3, d_a + 512, 128)
-    plan = ExactMM(weight, w_scale, config=config)
-    gen = _gen(32)
-    for m in (1, 2, 3):
-        check_norm_pair(plan, codes[:m], x_scale[:m], norm_pair_operands(gen, m, d_a), (case, m))
-    check_norm_pair(plan, codes[1:], x_scale[1:], norm_pair_operands(gen, 2, d_a), (case, "again"))
-
-
-def test_norm_pair_epilogue_bad_arguments_name_the_argument():
-    # One-line errors naming the argument, before any launch.
-    m, d_a = 2, 256
-    _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(33), m, d_a + 512, 128)
-    cfg = ExactConfig(block_n=64, block_k=64, rows=2, num_warps=1, num_stages=2)
-    plan = ExactMM(weight, w_scale, config=cfg)
-    ops = norm_pair_operands(_gen(34), m, d_a)
-    cos, sin = rope_operands(_gen(35), m)
-    split = ExactMM(weight, w_scale, config=dataclasses.replace(cfg, split=2))
-    coarse = ExactMM(weight, w_scale, config=dataclasses.replace(cfg, block_n=512))
-    for word, call in (("norm_pair must be an rms_norm.NormPairOperands", lambda: plan(codes, x_scale, norm_pair=3)),
-                       ("one epilogue a call", lambda: plan(codes, x_scale, rope=(cos, sin), norm_pair=ops)),
-                       ("norm_pair: out must be bfloat16",
-                        lambda: plan(codes, x_scale, torch.empty(m, d_a + 512, device=DEVICE), norm_pair=ops)),
-                       ("norm_pair.d_a must be an int",
-                        lambda: plan(codes, x_scale, norm_pair=dataclasses.replace(ops, d_a=d_a + 512))),
-                       ("norm_pair.counters", lambda: plan(codes, x_scale, norm_pair=dataclasses.replace(
-                           ops, counters=ops.counters.float()))),
-                       ("w_b must have shape \\(640,\\)", lambda: plan(codes, x_scale, norm_pair=dataclasses.replace(
-                           ops, d_a=128, w_a=ops.w_a[:128], out_a=ops.out_a[:, :128], codes_a=ops.codes_a[:, :128],
-                           scales_a=ops.scales_a[:, :4]))),
-                       ("needs one split", lambda: split(codes, x_scale, norm_pair=ops)),
-                       ("multiples of the launch's block_n=512", lambda: coarse(codes, x_scale, norm_pair=ops))):
-        with pytest.raises((TypeError, ValueError), match=word) as err:
-            call()
-        assert "\n" not in str(err.value), str(err.value)
-    assert int(ops.counters.abs().sum()) == 0
 
 
 def test_launches_cover_the_row_buckets():

@@ -1,6 +1,5 @@
 """ops.rms_norm against reference.linear.rms_norm (+ formats.mxfp8_quantize of its output)."""
 
-import numpy as np
 import pytest
 import torch
 
@@ -154,51 +153,3 @@ def test_bad_arguments_name_the_argument():
         rms_norm_(x, torch.ones(32), 1e-6, torch.empty(2, 64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="8192"):
         rms_norm(torch.zeros(1, 8224, dtype=torch.bfloat16), torch.ones(8224), 1e-6)
-
-
-def _tree_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """The pair's norm with `tree_sum`'s order, in torch on the CPU: each row's squares (exact in
-    FP32: BF16 values) zero-padded to a power of two and added pairwise level by level (adjacent
-    pairs, one FP32 rounding each), the mean an IEEE division, an IEEE sqrt and division, then
-    w * (x * r) product by product and one BF16 rounding."""
-    x, w = x.float().cpu(), w.float().cpu()
-    v = torch.nn.functional.pad(x * x, (0, max(32, 1 << (x.shape[1] - 1).bit_length()) - x.shape[1]))
-    while v.shape[1] > 1:
-        v = v[:, 0::2] + v[:, 1::2]
-    # the mean, sqrt and reciprocal in numpy's IEEE FP32 (torch's vectorized CPU division and sqrt
-    # are not all correctly rounded)
-    total = v[:, 0].numpy()
-    ms = total / np.float32(x.shape[1])
-    r = torch.from_numpy(np.float32(1.0) / np.sqrt(ms + np.float32(eps)))
-    return (w * (x * r[:, None])).to(torch.bfloat16)
-
-
-@pytest.mark.parametrize("n,d_a", [(1, 1280), (3, 1024), (2, 96)])
-def test_pair_tree_sums_in_the_fixed_tree(n, d_a):
-    # tree=True: every output bitwise the emulation of the fixed pairwise tree (rows of squares over
-    # 2^80, so that another order of the sum moves some r by an FP32 ulp and some BF16 output with
-    # it), codes and scales those of the output; within one ulp of the reference.
-    g = torch.Generator().manual_seed(n + d_a)
-    x = (3 * torch.randn(64, d_a + 512, generator=g)).to(torch.bfloat16)
-    x[:, :d_a] *= torch.exp2(torch.randint(-20, 20, (64, d_a), generator=g)).to(torch.bfloat16)  # wide range
-    wq = (1 + 0.1 * torch.randn(d_a, generator=g)).to(torch.bfloat16)
-    wkv = (1 + 0.1 * torch.randn(512, generator=g)).to(torch.bfloat16)
-    outs = {}
-    for tree in (True, False):
-        qr = torch.empty(64, d_a, dtype=torch.bfloat16, device=_DEVICE)
-        codes = torch.empty(64, d_a, dtype=torch.uint8, device=_DEVICE)
-        scales = torch.empty(64, d_a // 32, dtype=torch.uint8, device=_DEVICE)
-        kv = torch.empty(64, 512, dtype=torch.bfloat16, device=_DEVICE)
-        xd = x.to(_DEVICE)
-        rms_norm_pair_(xd[:, :d_a], wq.to(_DEVICE), qr, codes, scales, xd[:, d_a:], wkv.to(_DEVICE), kv, 1e-6,
-                       tree=tree)
-        outs[tree] = (qr.cpu(), codes.cpu(), scales.cpu(), kv.cpu())
-    qr, codes, scales, kv = outs[True]
-    assert torch.equal(qr.view(torch.int16), _tree_norm(x[:, :d_a], wq, 1e-6).view(torch.int16))
-    assert torch.equal(kv.view(torch.int16), _tree_norm(x[:, d_a:], wkv, 1e-6).view(torch.int16))
-    rc, rs = mxfp8_quantize(qr)
-    assert torch.equal(codes, rc.view(torch.uint8)) and torch.equal(scales, rs)
-    assert _ulps(qr, ref_rms_norm(x[:, :d_a], wq, 1e-6)) <= 1 and _ulps(kv, ref_rms_norm(x[:, d_a:], wkv, 1e-6)) <= 1
-    with pytest.raises(TypeError, match="tree must be a bool"):
-        rms_norm_pair_(xd[:, :d_a], wq.to(_DEVICE), qr.to(_DEVICE), codes.to(_DEVICE), scales.to(_DEVICE),
-                       xd[:, d_a:], wkv.to(_DEVICE), kv.to(_DEVICE), 1e-6, tree=1)
