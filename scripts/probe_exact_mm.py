@@ -9,15 +9,15 @@ One line per (shape, rows, configuration), then per shape and row bucket the fas
 configuration as an `ops.exact_mm._TUNED` entry (least time summed over the bucket's rows).
 `--rows=1,2` and `--only=wq_b,wo_b` narrow it; `--alt=bn:bk:rows:warps:stages[:split],...` (or
 `default`) replaces the built-in candidates (every shape); `--copies=N` (default 1) the weight
-copies rotated through each timed graph (N x the weight beyond twice the L2 reads it from DRAM).
-Prints; writes nothing.
+copies rotated through each timed graph (N x the weight beyond twice the L2 reads it from DRAM),
+`--copies=l2` as many as `bench.timing.l2_rotation` takes for the shape. Prints; writes nothing.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dsv41_decode.bench.timing import graph_time_us
+from dsv41_decode.bench.timing import graph_time_us, l2_rotation
 from dsv41_decode.formats import fp8_block_quantize, mxfp8_quantize
 from dsv41_decode.ops.exact_mm import ExactConfig, ExactMM
 from dsv41_decode.ops.low_latency_mm import LowLatencyMM
@@ -58,23 +58,24 @@ def main() -> None:
     rows = [int(r) for r in arg("rows", "1,2,4,8,16").split(",")]
     names = arg("only", ",".join(SHAPES)).split(",")
     alt = [s for s in arg("alt", "").split(",") if s]
-    copies = int(arg("copies", "1"))
-    if copies < 1:
-        raise SystemExit(f"--copies must be at least 1, got {copies}")
+    copies_arg = arg("copies", "1")
+    if copies_arg != "l2" and (not copies_arg.isdigit() or int(copies_arg) < 1):
+        raise SystemExit(f"--copies must be an int >= 1 or l2, got {copies_arg!r}")
     print(f"{torch.cuda.get_device_name()}", flush=True)
     for name in names:
         n, k = SHAPES[name]
+        copies = l2_rotation(n * k) if copies_arg == "l2" else int(copies_arg)
         weight, w_scale = fp8_block_quantize(torch.randn(n, k, generator=g, device="cuda") * 0.02)
         weights = [(weight, w_scale)] + [(weight.clone(), w_scale.clone()) for _ in range(copies - 1)]
         lls = [LowLatencyMM(w, s, 64) for w, s in weights]
         ll = lls[0]
-        plans, rotations = {}, {}
+        rotations = {}            # per spec, a plan per weight copy; the first on `weight`
         for spec in alt or CANDIDATES[name]:
             try:
-                plans[spec] = ExactMM(weight, w_scale, 64, config=_config(spec))
-                rotations[spec] = [plans[spec]] + [ExactMM(w, s, 64, config=_config(spec)) for w, s in weights[1:]]
+                rotations[spec] = [ExactMM(w, s, 64, config=_config(spec)) for w, s in weights]
             except Exception as e:  # report, keep probing
                 print(f"{name} {spec}: {type(e).__name__}: {str(e)[:160]}", flush=True)
+        plans = {spec: ps[0] for spec, ps in rotations.items()}
         if "default" in plans:
             print(f"{name:14s} default: " + ", ".join(f"rows {b}: {plans['default'].launch_for(b).config}"
                                                       for b in (1, 2, 4)), flush=True)
