@@ -7,8 +7,9 @@ smaller than L2 comes from DRAM as in the step), and the bits of each against
 differing BF16 outputs are counted).
 One line per (shape, rows, configuration), then per shape and row bucket the fastest bitwise
 configuration as an `ops.exact_mm._TUNED` entry (least time summed over the bucket's rows).
-`--rows=1,2` and `--only=wq_b,wo_b` narrow it; `--alt=bn:bk:rows:warps:stages[:split],...` (or
-`default`) replaces the built-in candidates (every shape); `--copies=N` (default 1) the weight
+`--rows=1,2` and `--only=wq_b,wo_b` narrow it; `--alt=bn:bk:rows:warps:stages[:split[:f64]],...` (or
+`default`; f64 1: the block sums on the FP64 cores) replaces the built-in candidates (every shape), or
+`--alt_<shape>=...` those of one shape; `--copies=N` (default 1) the weight
 copies rotated through each timed graph (N x the weight beyond twice the L2 reads it from DRAM),
 `--copies=l2` as many as `bench.timing.l2_rotation` takes for the shape. Prints; writes nothing.
 """
@@ -19,6 +20,7 @@ import torch
 
 from dsv41_decode.bench.timing import graph_time_us, l2_rotation
 from dsv41_decode.formats import fp8_block_quantize, mxfp8_quantize
+from dsv41_decode.ops.exact_linear import ExactLinear
 from dsv41_decode.ops.exact_mm import ExactConfig, ExactMM
 from dsv41_decode.ops.low_latency_mm import LowLatencyMM
 from dsv41_decode.reference.linear import mxfp8_mm
@@ -44,8 +46,10 @@ CANDIDATES = {
 def _config(spec: str) -> ExactConfig | None:
     if spec == "default":
         return None
-    bn, bk, rows, warps, stages, split = ([int(v) for v in spec.split(":")] + [1])[:6]
-    return ExactConfig(block_n=bn, block_k=bk, rows=rows, num_warps=warps, num_stages=stages, split=split)
+    v = [int(t) for t in spec.split(":")]
+    bn, bk, rows, warps, stages, split, f64 = v + [1, 0][len(v) - 5:]     # split 1, f64 0 unless given
+    return ExactConfig(block_n=bn, block_k=bk, rows=rows, num_warps=warps, num_stages=stages, split=split,
+                       f64=bool(f64))
 
 
 def _time(fn, copies: int = 1) -> float:
@@ -68,9 +72,11 @@ def main() -> None:
         weight, w_scale = fp8_block_quantize(torch.randn(n, k, generator=g, device="cuda") * 0.02)
         weights = [(weight, w_scale)] + [(weight.clone(), w_scale.clone()) for _ in range(copies - 1)]
         lls = [LowLatencyMM(w, s, 64) for w, s in weights]
+        els = [ExactLinear(w, s, 64) for w, s in weights]
         ll = lls[0]
         rotations = {}            # per spec, a plan per weight copy; the first on `weight`
-        for spec in alt or CANDIDATES[name]:
+        own = [s for s in arg(f"alt_{name}", "").split(",") if s]
+        for spec in own or alt or CANDIDATES[name]:
             try:
                 rotations[spec] = [ExactMM(w, s, 64, config=_config(spec)) for w, s in weights]
             except Exception as e:  # report, keep probing
@@ -89,6 +95,9 @@ def main() -> None:
             diff = int((ll(codes, x_scale, out).view(torch.int16) != ref).sum())
             print(f"{name:14s} N={n:6d} K={k:5d} M={m:2d}  low_latency_mm {t_ll:7.2f} us  "
                   f"{diff} of {out.numel()} BF16 outputs differ from the contract", flush=True)
+            t_el = _time(lambda: [p(codes, x_scale, out) for p in els], copies)
+            print(f"{name:14s} N={n:6d} K={k:5d} M={m:2d}  ExactLinear ({type(els[0].op_for(m)).__name__}, the "
+                  f"step's) {t_el:7.2f} us", flush=True)
             for spec, plan in plans.items():
                 try:
                     t = _time(lambda ps=rotations[spec]: [p(codes, x_scale, out) for p in ps], copies)

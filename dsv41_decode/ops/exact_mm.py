@@ -168,6 +168,100 @@ def _block_sums(w, x, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHAIN: tl.co
     return tl.sum(h, axis=2) + tl.sum(lo, axis=2)
 
 
+# The high 32-bit words of the FP64 patterns value * 2^-1016 of four E4M3 codes ($4, one 32-bit word):
+# with A = W << 1, per code j one prmt (byte 3: W's byte j, the sign at bit 31; byte 2: A's byte j,
+# eeee.mmm at bits 23..17) and one `and` with 0x80FE0000 (the bits between, bytes 1..0 cleared). With
+# a zero low word that is the code's sign at bit 63 and eeee.mmm at bits 55..49: the E4M3 value times
+# 2^-1016, exactly (an E4M3 subnormal 0.mmm x 2^-6 lands on the FP64 subnormal 0.mmm x 2^-1022; the
+# NaN codes 0x7F / 0xFF read as +-480). `gluon_exact_fma` builds its weight operands with it too.
+HI_WORDS_PTX = """{
+        .reg .b32 a;
+        shl.b32 a, $4, 1;
+        prmt.b32 $0, $4, a, 0x0400;
+        and.b32 $0, $0, 0x80FE0000;
+        prmt.b32 $1, $4, a, 0x1500;
+        and.b32 $1, $1, 0x80FE0000;
+        prmt.b32 $2, $4, a, 0x2600;
+        and.b32 $2, $2, 0x80FE0000;
+        prmt.b32 $3, $4, a, 0x3700;
+        and.b32 $3, $3, 0x80FE0000;
+        }"""
+_HI_WORDS_PTX: tl.constexpr = tl.constexpr(HI_WORDS_PTX)
+
+
+@triton.jit
+def _f64_codes(codes, ASM: tl.constexpr):
+    """E4M3 codes (float8e4nv, each thread's codes in runs of 4 consecutive elements) as FP64 values
+    times 2^-1016, exactly: with ASM the patterns' high words by integer operations (`HI_WORDS_PTX`,
+    2.25 instructions a code) beside a zero low word; else (the interpreter) through FP32 and one
+    exact FP64 product (an FP64 subnormal for |value| < 2^-6, whose spacing 2^-1074 divides
+    2^-1028, the E4M3 values' 2^-12 times 2^-1016)."""
+    if ASM:
+        hi = tl.inline_asm_elementwise(_HI_WORDS_PTX, "=r,=r,=r,=r,r", [codes.to(tl.int8, bitcast=True)],
+                                       dtype=tl.int32, is_pure=True, pack=4)
+        return (hi.to(tl.int64) << 32).to(tl.float64, bitcast=True)
+    else:
+        return codes.to(tl.float32).to(tl.float64) * tl.full(codes.shape, 2.0 ** -1016, tl.float64)
+
+
+@triton.jit
+def _block_sums_f64(w, x0, x1, x2, x3, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """part_r[n, j] = RN(sum over the 32 k of block j of w[n, k] * x_r[k]) for the pass's ROWS rows
+    of x (1, 2 or 4; the unused x_r are ignored), exact before its one rounding, on the FP64 cores.
+
+    w: [BLOCK_N, BLOCK_K] FP64, the weight's E4M3 values times 2^-1016 (`_f64_codes`); x_r:
+    [BLOCK_K] FP64, row r's E4M3 values. A product is the true one times 2^-1016, a multiple of
+    2^-1034 below 2^-998 in magnitude: every partial sum of a block's products is such a multiple
+    below 2^-993 (32 * 448^2 < 2^23 times 2^-1016), whose FP64 spacing is at most 2^-1045, so every
+    FMA and add of the block is exact, in any order. Each 16 consecutive k of a weight row chain one
+    FMA each (the rows' chains interleaved, so that each weight operand is built once and used
+    ROWS times at once); the two chains of a block add exactly; times 2^1016 (exact) the block's
+    true sum, which one conversion to FP32 rounds once (to nearest even): `_block_sums`' part."""
+    SUB: tl.constexpr = BLOCK_K // 32
+    ws = _split16(w)
+    xs0 = _split16(tl.broadcast_to(x0[None, :], [BLOCK_N, BLOCK_K]))
+    s0 = ws[0] * xs0[0]
+    if ROWS >= 2:
+        xs1 = _split16(tl.broadcast_to(x1[None, :], [BLOCK_N, BLOCK_K]))
+        s1 = ws[0] * xs1[0]
+    if ROWS >= 4:
+        xs2 = _split16(tl.broadcast_to(x2[None, :], [BLOCK_N, BLOCK_K]))
+        xs3 = _split16(tl.broadcast_to(x3[None, :], [BLOCK_N, BLOCK_K]))
+        s2 = ws[0] * xs2[0]
+        s3 = ws[0] * xs3[0]
+    for i in tl.static_range(1, 16):
+        s0 = tl.fma(ws[i], xs0[i], s0)
+        if ROWS >= 2:
+            s1 = tl.fma(ws[i], xs1[i], s1)
+        if ROWS >= 4:
+            s2 = tl.fma(ws[i], xs2[i], s2)
+            s3 = tl.fma(ws[i], xs3[i], s3)
+    p0 = _f64_part(s0, BLOCK_N, SUB)
+    p1 = p0
+    p2 = p0
+    p3 = p0
+    if ROWS >= 2:
+        p1 = _f64_part(s1, BLOCK_N, SUB)
+    if ROWS >= 4:
+        p2 = _f64_part(s2, BLOCK_N, SUB)
+        p3 = _f64_part(s3, BLOCK_N, SUB)
+    return p0, p1, p2, p3
+
+
+@triton.jit
+def _f64_part(s, BLOCK_N: tl.constexpr, SUB: tl.constexpr):
+    """[BLOCK_N, SUB] FP32 block partials from the FP64 chains s ([BLOCK_N, 2 SUB], a block's two
+    consecutive): their exact sum, times 2^1016, rounded once to FP32."""
+    s = tl.sum(tl.reshape(s, [BLOCK_N, SUB, 2]), axis=2)
+    return (s * tl.full(s.shape, 2.0 ** 1016, tl.float64)).to(tl.float32)
+
+
+@triton.jit
+def _x_f64(x_row, k0, BLOCK_K: tl.constexpr):
+    """Row x_row's codes k0 .. k0 + BLOCK_K as FP64 values, through FP32 (exact; a NaN code stays NaN)."""
+    return tl.load(x_row + k0 + tl.arange(0, BLOCK_K)).to(tl.float32).to(tl.float64)
+
+
 @triton.jit
 def _mul_rn(a, b, ASM: tl.constexpr):
     """a * b rounded to FP32, never fused into a following add (inline PTX `mul.rn`, which ptxas
@@ -186,9 +280,18 @@ def _row_step(acc, w, x_row, sx_row, sw, k0, ws_row, BLOCK_N: tl.constexpr, BLOC
     step's [BLOCK_N, BLOCK_K] weight tile in FP32, sw its [BLOCK_N, BLOCK_K / 32] scales in FP32;
     x_row / sx_row this row's codes and scale bytes. With SPLIT > 1 the terms are stored instead,
     at ws_row[kb * BLOCK_N + n], for the tile's last program to add (`_sum_terms`)."""
-    SUB: tl.constexpr = BLOCK_K // 32
     x = tl.load(x_row + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
     part = _block_sums(w, x, BLOCK_N, BLOCK_K, CHAIN, ASM)                                  # [BN, SUB]
+    return _row_terms(acc, part, sx_row, sw, k0, ws_row, BLOCK_N, BLOCK_K, SPLIT, ASM)
+
+
+@triton.jit
+def _row_terms(acc, part, sx_row, sw, k0, ws_row, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               SPLIT: tl.constexpr, ASM: tl.constexpr):
+    """acc + the step's block terms of one row of x from its block partials part [BLOCK_N,
+    BLOCK_K / 32] (FP32): each scaled by sx then sw, added in K order, or with SPLIT > 1 stored at
+    ws_row[kb * BLOCK_N + n] (`_row_step`)."""
+    SUB: tl.constexpr = BLOCK_K // 32
     # The block scales in the layout of the partials: loaded per (row, block, half) like the split's
     # outputs and reduced over the two halves (equal bytes), which moves no data between layouts.
     r2 = tl.arange(0, 2)
@@ -306,6 +409,7 @@ def _exact_mm_kernel(
     M, N, K, stride_xm, stride_sxm, stride_wn, stride_swn, stride_ym, steps_per_split,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, OUT_F32: tl.constexpr,
     SPLIT: tl.constexpr = 1, STAGES: tl.constexpr = 3, CHAIN: tl.constexpr = True, ASM: tl.constexpr = True,
+    F64: tl.constexpr = False,
     cos_ptr=None, sin_ptr=None, stride_cm=None, stride_sm=None, ROPE: tl.constexpr = False,
     bx_ptr=None, post_ptr=None, comb_ptr=None, pre_ptr=None, nw_ptr=None, xo_ptr=None, u_ptr=None, codes_ptr=None,
     scales_ptr=None, bws_ptr=None, bcnt_ptr=None, ccnt_ptr=None, eps=None, stride_bxn=None, stride_bxh=None,
@@ -355,18 +459,40 @@ def _exact_mm_kernel(
         acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
         acc3 = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
-            w = tl.load(w_rows[:, None] + k0 + rk[None, :]).to(tl.float32)           # [BN, BK]
             sw = ue8m0_to_fp32(tl.max(tl.load(sw_ptrs + k0 // 32), axis=2).to(tl.int32))   # [BN, SUB]
-            acc0 = _row_step(acc0, w, x_ptr + r0 * stride_xm, sx_ptr + r0 * stride_sxm, sw, k0, ws_tile,
-                             BLOCK_N, BLOCK_K, SPLIT, CHAIN, ASM)
-            if ROWS >= 2:
-                acc1 = _row_step(acc1, w, x_ptr + r1 * stride_xm, sx_ptr + r1 * stride_sxm, sw, k0,
-                                 ws_tile + KB * BLOCK_N, BLOCK_N, BLOCK_K, SPLIT, CHAIN, ASM)
-            if ROWS >= 4:
-                acc2 = _row_step(acc2, w, x_ptr + r2 * stride_xm, sx_ptr + r2 * stride_sxm, sw, k0,
-                                 ws_tile + 2 * KB * BLOCK_N, BLOCK_N, BLOCK_K, SPLIT, CHAIN, ASM)
-                acc3 = _row_step(acc3, w, x_ptr + r3 * stride_xm, sx_ptr + r3 * stride_sxm, sw, k0,
-                                 ws_tile + 3 * KB * BLOCK_N, BLOCK_N, BLOCK_K, SPLIT, CHAIN, ASM)
+            if F64:
+                w = _f64_codes(tl.load(w_rows[:, None] + k0 + rk[None, :]), ASM)           # [BN, BK]
+                x0 = _x_f64(x_ptr + r0 * stride_xm, k0, BLOCK_K)
+                x1 = x0
+                x2 = x0
+                x3 = x0
+                if ROWS >= 2:
+                    x1 = _x_f64(x_ptr + r1 * stride_xm, k0, BLOCK_K)
+                if ROWS >= 4:
+                    x2 = _x_f64(x_ptr + r2 * stride_xm, k0, BLOCK_K)
+                    x3 = _x_f64(x_ptr + r3 * stride_xm, k0, BLOCK_K)
+                p0, p1, p2, p3 = _block_sums_f64(w, x0, x1, x2, x3, ROWS, BLOCK_N, BLOCK_K)
+                acc0 = _row_terms(acc0, p0, sx_ptr + r0 * stride_sxm, sw, k0, ws_tile, BLOCK_N, BLOCK_K, SPLIT, ASM)
+                if ROWS >= 2:
+                    acc1 = _row_terms(acc1, p1, sx_ptr + r1 * stride_sxm, sw, k0, ws_tile + KB * BLOCK_N, BLOCK_N,
+                                      BLOCK_K, SPLIT, ASM)
+                if ROWS >= 4:
+                    acc2 = _row_terms(acc2, p2, sx_ptr + r2 * stride_sxm, sw, k0, ws_tile + 2 * KB * BLOCK_N,
+                                      BLOCK_N, BLOCK_K, SPLIT, ASM)
+                    acc3 = _row_terms(acc3, p3, sx_ptr + r3 * stride_sxm, sw, k0, ws_tile + 3 * KB * BLOCK_N,
+                                      BLOCK_N, BLOCK_K, SPLIT, ASM)
+            else:
+                w = tl.load(w_rows[:, None] + k0 + rk[None, :]).to(tl.float32)           # [BN, BK]
+                acc0 = _row_step(acc0, w, x_ptr + r0 * stride_xm, sx_ptr + r0 * stride_sxm, sw, k0, ws_tile,
+                                 BLOCK_N, BLOCK_K, SPLIT, CHAIN, ASM)
+                if ROWS >= 2:
+                    acc1 = _row_step(acc1, w, x_ptr + r1 * stride_xm, sx_ptr + r1 * stride_sxm, sw, k0,
+                                     ws_tile + KB * BLOCK_N, BLOCK_N, BLOCK_K, SPLIT, CHAIN, ASM)
+                if ROWS >= 4:
+                    acc2 = _row_step(acc2, w, x_ptr + r2 * stride_xm, sx_ptr + r2 * stride_sxm, sw, k0,
+                                     ws_tile + 2 * KB * BLOCK_N, BLOCK_N, BLOCK_K, SPLIT, CHAIN, ASM)
+                    acc3 = _row_step(acc3, w, x_ptr + r3 * stride_xm, sx_ptr + r3 * stride_sxm, sw, k0,
+                                     ws_tile + 3 * KB * BLOCK_N, BLOCK_N, BLOCK_K, SPLIT, CHAIN, ASM)
         if SPLIT > 1:
             # Every thread's terms are written before one thread's release of the counter.
             tl.debug_barrier()
@@ -410,7 +536,10 @@ class ExactConfig:
     loads are software-pipelined num_stages - 1 steps ahead through shared memory). split: K
     splits (programs per N tile) for calls of at most 4 rows, which then take one pass; their block
     terms go through a workspace and the tile's last program adds them, in K order (the plan may
-    use fewer splits so that none is empty; calls of more than 4 rows take one split).
+    use fewer splits so that none is empty; calls of more than 4 rows take one split). f64: each
+    block's exact dot on the FP64 cores (`_block_sums_f64`: one DFMA per weight code and row, the
+    codes made FP64 operands by integer operations) instead of the FP32 chained split (four FP32
+    instructions per code and row); the same partials.
     """
 
     block_n: int = 16
@@ -419,12 +548,15 @@ class ExactConfig:
     num_warps: int = 4
     num_stages: int = 4
     split: int = 1
+    f64: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "block_k", "rows", "num_warps", "num_stages", "split"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ExactConfig.{name} must be a positive int, got {value!r}")
+        if not isinstance(self.f64, bool):
+            raise ValueError(f"ExactConfig.f64 must be a bool, got {self.f64!r}")
         if self.block_n < 2 or self.block_n & (self.block_n - 1):
             raise ValueError(f"ExactConfig.block_n must be a power of two >= 2, got {self.block_n}")
         if self.block_k not in (32, 64, 128, 256, 512, 1024):
@@ -676,7 +808,7 @@ class ExactMM:
             codes.shape[0], self.n, self.k, codes.stride(0), x_scale.stride(0), self.weight.stride(0),
             self.w_scale.stride(0), out.stride(0), launch.steps_per_split,
             BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS=cfg.rows, OUT_F32=out.dtype == torch.float32,
-            SPLIT=cfg.split, STAGES=cfg.num_stages, CHAIN=self._chain, ASM=self._asm,
+            SPLIT=cfg.split, STAGES=cfg.num_stages, CHAIN=self._chain, ASM=self._asm, F64=cfg.f64,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **epilogue,
         )
         return out

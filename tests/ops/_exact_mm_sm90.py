@@ -49,13 +49,25 @@ def boundary_consts(cfg: E.ExactConfig, dim: int = 5120, block_d: int = 512) -> 
     return E.boundary_constexprs(MhcBoundaryPlan.build(dim, 1, "cpu", block_d), cfg.num_warps)
 
 
+def parse(form: str) -> E.ExactConfig:
+    """An ExactConfig from bn:bk:rows:warps:stages[:split[:f64]] (f64 0 or 1)."""
+    v = [int(t) for t in form.split(":")]
+    return E.ExactConfig(*v[:6], f64=bool(v[6])) if len(v) > 6 else E.ExactConfig(*v)
+
+
+def spec(cfg: E.ExactConfig) -> str:
+    """`parse`'s form of cfg (the f64 field only when set)."""
+    return (f"{cfg.block_n}:{cfg.block_k}:{cfg.rows}:{cfg.num_warps}:{cfg.num_stages}:{cfg.split}"
+            + (":1" if cfg.f64 else ""))
+
+
 def measure(cfg: E.ExactConfig, rope: bool = False, boundary: bool = False) -> dict:
     fn = E._exact_mm_kernel
     rope_args = rope_epilogue(rope)      # the query-RoPE epilogue's arguments as the plan passes them
     types = {**TYPES, **rope_args.get("types", {}), **(BOUNDARY_TYPES if boundary else {})}
     kernel = compile_sm90(fn, types,
                           dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS=cfg.rows, OUT_F32=False,
-                               SPLIT=cfg.split, STAGES=cfg.num_stages, CHAIN=True, ASM=True,
+                               SPLIT=cfg.split, STAGES=cfg.num_stages, CHAIN=True, ASM=True, F64=cfg.f64,
                                **rope_args["consts"],
                                **(boundary_consts(cfg) if boundary else NO_BOUNDARY)),
                           # as the launcher sees the real shapes: K and the codes' / weight's / y's
@@ -73,13 +85,14 @@ def measure(cfg: E.ExactConfig, rope: bool = False, boundary: bool = False) -> d
     elems = cfg.block_n * cfg.block_k / (32 * cfg.num_warps)     # weight elements per thread per step
     fp32 = sum(ops.get(o, 0) for o in FP32_PIPE)
     ptx = kernel.asm["ptx"]
-    return dict(config=f"{cfg.block_n}:{cfg.block_k}:{cfg.rows}:{cfg.num_warps}:{cfg.num_stages}:{cfg.split}",
+    return dict(config=spec(cfg),
                 rows=cfg.rows, rope=rope, boundary=boundary,
                 # the rotation's inline PTX (`kv_write.rope_rotate`: mul.rn / sub.rn / add.rn into its
                 # own registers a, b), and no FP32 op that flushes subnormals
                 rotation="mul.rn.f32 a," in ptx, ftz=".ftz.f32" in ptx,
                 **resources(kernel), loop=len(loop), per_elem_row=round(len(loop) / elems / cfg.rows, 2),
                 fp32_per_elem_row=round(fp32 / elems / cfg.rows, 2), LDGSTS=ops.get("LDGSTS", 0),
+                dfma_per_elem_row=round(ops.get("DFMA", 0) / elems / cfg.rows, 2),
                 k_loop=len(k_loop), k_loop_fp32={o: n for o, n in opcode_counts(k_loop).items() if o in FP32_PIPE},
                 spills=whole.get("STL", 0) + whole.get("LDL", 0),
                 mul_rn="mul.rn.f32" in ptx, top=dict(list(ops.items())[:14]))
@@ -89,7 +102,7 @@ def main() -> None:
     specs = [a for a in sys.argv[1:] if not a.startswith("--")]
     rope, boundary = "--rope" in sys.argv, "--boundary" in sys.argv
     if specs:
-        configs = [(E.ExactConfig(*(int(v) for v in s.split(":"))), rope, boundary) for s in specs]
+        configs = [(parse(s), rope, boundary) for s in specs]
     elif "--all" in sys.argv or "--tp1" in sys.argv:
         shapes = REAL_SHAPES if "--all" in sys.argv else TP1_SHAPES
         configs = [(c, rope, boundary)
@@ -111,7 +124,7 @@ def main() -> None:
                   f"REG {r['REG']:3d} STACK {r['STACK']} "
                   f"LOCAL {r['LOCAL']} STL/LDL {r['spills']}  "
                   f"main loop {r['loop']:4d} instructions, {r['per_elem_row']:5.2f} per weight element and row, "
-                  f"FP32 pipe {r['fp32_per_elem_row']:5.2f}  {r['top']}", flush=True)
+                  f"FP32 pipe {r['fp32_per_elem_row']:5.2f} DFMA {r['dfma_per_elem_row']:4.2f}  {r['top']}", flush=True)
 
 
 if __name__ == "__main__":
