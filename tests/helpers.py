@@ -54,6 +54,49 @@ E4M3_GRID = E4M3_BYTES.view(torch.float8_e4m3fn).double()  # ascending, index ==
 E2M1_GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
 
 
+def run_b32_ptx(asm: str, regs: dict, ops: dict | None = None) -> dict:
+    """Interpret straight-line PTX `asm` (an inline-asm body: `{`, .reg lines, instructions, `}`)
+    on uint32 numpy arrays, one lane per element: prmt.b32 in its default mode, shl.b32, and.b32 and
+    mov.b32, plus `ops` ({opcode: f(*source values) -> uint32 array}) for others; regs holds the
+    operands ("$0", "$1", ...) and immediates read as ints. Returns every register after the last
+    instruction (an unknown opcode raises, naming it)."""
+    import numpy as np
+
+    regs = dict(regs)
+
+    def val(tok):
+        tok = tok.strip()
+        return regs[tok] if tok in regs else np.uint32(int(tok, 0))
+
+    body = [line.strip().rstrip(";") for line in asm.strip().strip("{}").splitlines()]
+    for line in body:
+        if not line or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        d, *src = [a.strip() for a in args.split(",")]
+        if op == "prmt.b32":
+            a, b, sel = (np.asarray(val(x), dtype=np.uint64) for x in src)
+            pool = a | (b << np.uint64(32))
+            out = np.zeros(np.broadcast(pool, sel).shape, dtype=np.uint64)
+            for i in range(4):
+                nib = (sel >> np.uint64(4 * i)) & np.uint64(0xF)
+                byte = (pool >> ((nib & np.uint64(7)) * np.uint64(8))) & np.uint64(0xFF)
+                rep = np.where(byte & np.uint64(0x80), np.uint64(0xFF), np.uint64(0))
+                out |= np.where(nib & np.uint64(8), rep, byte) << np.uint64(8 * i)
+            regs[d] = out.astype(np.uint32)
+        elif op == "shl.b32":
+            regs[d] = (np.asarray(val(src[0]), dtype=np.uint64) << np.uint64(int(src[1], 0))).astype(np.uint32)
+        elif op == "and.b32":
+            regs[d] = np.asarray(val(src[0]), dtype=np.uint32) & np.asarray(val(src[1]), dtype=np.uint32)
+        elif op == "mov.b32":
+            regs[d] = np.asarray(val(src[0]), dtype=np.uint32)
+        elif ops and op in ops:
+            regs[d] = ops[op](*(val(x) for x in src))
+        else:
+            raise AssertionError(f"the model does not know {op!r}: extend it with the instruction's semantics")
+    return regs
+
+
 def finite_e4m3_bytes() -> torch.Tensor:
     """All 254 bytes of finite E4M3 values (both signs, +0 and -0; not 0x7F / 0xFF)."""
     return torch.cat((E4M3_BYTES, E4M3_BYTES | 0x80))

@@ -7,11 +7,12 @@ from a TMA ring). All give the bits of
 order: docs/spec-decisions.md decision 1) in the same reduction order, so a row's result never
 depends on which op ran or how many rows shared the call (batch invariance).
 
-ExactMM's time grows with the rows (about 4 FP32 instructions per product), GluonExactMM's stays
-near its FP64 MMA's (at least 8 x rows per MMA) up to 8 rows, GluonExactFMA's (one DFMA per code
-and row) grows with the rows from a lower start on the widest shape: GluonExactFMA runs 1-2 rows
-of `wq_b` and 2 of `wo_b` (`_FMA_PLAN`, with a K split there); ExactMM 1-2 rows of the fused
-wq_a|wkv and the indexer's wq_b and 1 of wo_b; GluonExactMM above (`_GLUON_PLAN`; all measured).
+ExactMM's time grows with the rows (about 4 FP32 instructions per product, or one DFMA with
+`ExactConfig.f64`), GluonExactMM's stays near its FP64 MMA's (at least 8 x rows per MMA) up to 8
+rows, GluonExactFMA's (one DFMA per code and row) grows with the rows from a lower start on the
+widest shape: GluonExactFMA runs 1-2 rows of `wq_b` (`_FMA_PLAN`); ExactMM 1-2 rows of the fused
+wq_a|wkv, the indexer's wq_b and wo_b (`exact_mm._TUNED`: FP64 block sums at 1-2 rows of the fused
+wq_a|wkv and wo_b); GluonExactMM above (`_GLUON_PLAN`; all measured).
 Each op takes the query RoPE epilogue (`rope=(cos, sin)`, the step's wq_b) with the same bits, so
 the step rotates its queries in wq_b's launch whichever op runs it."""
 
@@ -71,25 +72,25 @@ _GLUON_PLAN: dict[tuple[int, int], tuple[int, dict[int, GluonExactConfig]]] = {
     # wo_b: the FP16 digits along K 27.2-27.7 at 4-8, 42.7 / 71.2 at 16 / 32 against the FP64 forms'
     # 29.7-29.9 / 46.1 / 80.4; at 64 in 256-deep slots 126.8 (run F; 136.3 in 128-deep ones before
     # `chained_dot`, run D) against the FP64 forms' 158.2; ExactMM 17.0 at 1, 27.3-27.6 at 2 at
-    # best (runs AV and AX; 2 rows run GluonExactFMA: _FMA_PLAN, 25.3 in run AX); at 33-64 rows
+    # best (runs AV and AX), with FP64 block sums 16.4-16.6 at 1 and 24.5-25.0 at 2 against
+    # GluonExactFMA's K split 25.2-25.3 (runs BA and BC); at 33-64 rows
     # 32 x 16 tiles with four warps along K at a register cap of 80 (three programs an SM) 119.5
     # against 64 x 8's 127.0 at 64 rows (run T)
-    (5120, 8192): (1, {2: _cfg("rawp:16:16:1:16:4:1:80:4:256"), 32: _cfg("f16d:16:16:1:32:4:1:80:4:256"),
-                       64: _cfg("f16d:32:16:1:32:4:1:80:4")}),
+    (5120, 8192): (2, {32: _cfg("f16d:16:16:1:32:4:1:80:4:256"), 64: _cfg("f16d:32:16:1:32:4:1:80:4")}),
 }
 # Per (N, K): the row counts GluonExactFMA (FP64 CUDA cores) runs, ahead of both ops above, first
 # to last, and its configuration (rows_per_thread:warps_k:lanes_k:stages[:maxnreg[:split]]).
 # Measured on an H200 (scripts/probe_gluon_exact_fma.py, docs/results/gpu-tests-h200.txt runs F
 # and H at commit 8415a49, K at c2f8a73): wq_b 14.9 / 18.4 us at 1 / 2 rows against ExactMM's 16.1 and
-# GluonExactMM's 22.2; wo_b at 2 rows with the K split over 6 programs 25.6 against ExactMM's 30.3
-# and GluonExactMM's 29.9 (with the weights from DRAM 25.3 against ExactMM's best 27.6, run AX; at
-# 1 row every candidate 20.0 us or more against ExactMM's 16.8, run AV); at the fused wq_a|wkv and the
-# indexer's wq_b ExactMM or GluonExactMM is as fast or faster at every row count (fused 9.6 / 11.1
-# at 1 / 2 rows with the split against ExactMM's 6.5 / 11.1 on the rule's configuration, 9.2 on the
-# bucket-2 entry of exact_mm._TUNED, run AX; the indexer's 6.6 against 4.6).
+# GluonExactMM's 22.2 (ExactMM with FP64 block sums 15.8 / 21.6 at best, run BA: the ring's TMA
+# streams the weight faster than ExactMM's cp.async steps); wo_b at 2 rows with the K split over 6
+# programs 25.2-25.3 against ExactMM's 24.5-25.0 with FP64 block sums (runs BA and BC; at 1 row
+# every candidate 20.0 us or more against ExactMM's 16.8, run AV), so ExactMM runs wo_b; at the
+# fused wq_a|wkv and the indexer's wq_b ExactMM or GluonExactMM is as fast or faster at every row
+# count (fused 9.6 / 11.1 at 1 / 2 rows with the split against ExactMM's 6.5 / 11.1 on the rule's
+# configuration, 9.2 on the bucket-2 entry of exact_mm._TUNED, run AX; the indexer's 6.6 against 4.6).
 _FMA_PLAN: dict[tuple[int, int], tuple[int, int, GluonExactFMAConfig]] = {
     (32768, 1280): (1, 2, _fma_cfg("2:2:1:4")),
-    (5120, 8192): (2, 2, _fma_cfg("2:2:1:4:128:6")),
 }
 _DEFAULT_ABOVE = 4
 

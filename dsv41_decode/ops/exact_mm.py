@@ -567,12 +567,15 @@ class ExactConfig:
 
 # Per (N, K, row bucket): the fastest configuration measured on an H200 (scripts/probe_exact_mm.py
 # --rows=1,4,16, commit 3a051ea, one weight copy; bucket 2: --rows=1,2 --copies=20, commit e98c91e,
-# the weights from DRAM: docs/results/gpu-tests-h200.txt run AV; every configuration gives the same
-# bits). Shapes and buckets without an entry (the TP shards; bucket 2 of the shapes that run
-# GluonExactFMA at 2 rows on sm_90) take `_default_config`.
+# the weights from DRAM: docs/results/gpu-tests-h200.txt run AV; the FP64 block sums (f64): --rows=1,2,4
+# --copies=l2 at 655feb6, runs BA and BC; every configuration gives the same bits). Shapes and
+# buckets without an entry (the TP shards; bucket 2 of the shapes that run GluonExactFMA at 2 rows
+# on sm_90) take `_default_config`.
 _TUNED: dict[tuple[int, int, int], ExactConfig] = {
-    (1792, 5120, 1): ExactConfig(block_n=4, block_k=1024, rows=1, num_warps=2, num_stages=3, split=1),   # default: 5.88 us at 1
-    (1792, 5120, 2): ExactConfig(block_n=2, block_k=1024, rows=2, num_warps=1, num_stages=3, split=1),   # 2:1024:4:1:3: 9.38 us at 2 (rule: 11.14)
+    # FP64 sums: 6.22 / 6.22 us at 1 (runs BA / BC) against 4:1024:1:2:3's 6.36 / 6.39 (FP32)
+    (1792, 5120, 1): ExactConfig(block_n=2, block_k=1024, rows=1, num_warps=1, num_stages=3, split=1, f64=True),
+    # FP64 sums: 9.00 / 9.06 us at 2 against 9.21 / 9.33 with FP32 sums (run AV: 9.38, the rule 11.14)
+    (1792, 5120, 2): ExactConfig(block_n=2, block_k=1024, rows=2, num_warps=1, num_stages=3, split=1, f64=True),
     (1792, 5120, 4): ExactConfig(block_n=8, block_k=1024, rows=4, num_warps=4, num_stages=3, split=1),   # 8:1024:4:4:3: 14.64 us at 4
     (1792, 5120, 64): ExactConfig(block_n=8, block_k=1024, rows=4, num_warps=4, num_stages=3, split=1),   # 8:1024:4:4:3:2: 53.58 us at 16
     (32768, 1280, 1): ExactConfig(block_n=32, block_k=256, rows=1, num_warps=2, num_stages=3, split=1),   # 32:256:4:2:3: 13.97 us at 1
@@ -582,7 +585,11 @@ _TUNED: dict[tuple[int, int, int], ExactConfig] = {
     (4096, 1280, 2): ExactConfig(block_n=8, block_k=256, rows=2, num_warps=2, num_stages=3, split=1),   # 8:256:4:2:3: 6.10 us at 2 (rule: 6.40)
     (4096, 1280, 4): ExactConfig(block_n=4, block_k=256, rows=4, num_warps=1, num_stages=3, split=1),   # 4:256:4:1:3: 8.12 us at 4
     (4096, 1280, 64): ExactConfig(block_n=4, block_k=256, rows=4, num_warps=1, num_stages=3, split=1),   # 4:256:4:1:3: 27.51 us at 16
-    (5120, 8192, 1): ExactConfig(block_n=4, block_k=1024, rows=1, num_warps=2, num_stages=3, split=1),   # 4:1024:4:2:3: 15.63 us at 1
+    # FP64 sums: 16.44 / 16.57 us at 1 (runs BA / BC) against 4:1024:1:2:3's 16.94 / 17.17 (FP32)
+    (5120, 8192, 1): ExactConfig(block_n=2, block_k=1024, rows=1, num_warps=1, num_stages=3, split=1, f64=True),
+    # FP64 sums: 24.49 / 25.04 us at 2 (runs BA / BC) against GluonExactFMA's K split 25.24 / 25.29
+    # (exact_linear._FMA_PLAN until then) and 30.29 / 30.36 with FP32 sums
+    (5120, 8192, 2): ExactConfig(block_n=8, block_k=1024, rows=2, num_warps=2, num_stages=3, split=1, f64=True),
     (5120, 8192, 4): ExactConfig(block_n=8, block_k=512, rows=4, num_warps=2, num_stages=4, split=1),   # 8:512:4:2:4: 53.27 us at 4
     (5120, 8192, 64): ExactConfig(block_n=8, block_k=512, rows=4, num_warps=2, num_stages=4, split=1),   # 8:512:4:2:4: 203.52 us at 16
 }
@@ -675,13 +682,15 @@ def boundary_constexprs(plan: MhcBoundaryPlan, num_warps: int) -> dict:
                 NCH_P2=triton.next_power_of_2(plan.chunks), TAIL=_boundary_tail(plan.dim, num_warps))
 
 
-# Per launch configuration: the register cap of its launches with the boundary epilogue, the plain
-# kernel's count on sm_90 (tests/ops/_exact_mm_sm90.py --boundary checks both). Uncapped, ptxas
-# gives the epilogue's serial tail more (104 at wo_b's 1-row plan, whose 1280 programs of 2 warps
-# then fit 9 to an SM instead of 10: more than one wave on 132 SMs); capped, nothing spills and the
-# K loop keeps its FP32 instructions.
+# Per launch configuration: the register cap of its launches with the boundary epilogue, under which
+# ptxas allocates what the plain kernel does at the allocation's granularity (8 a thread), so that
+# the launch keeps the plain kernel's programs an SM (tests/ops/_exact_mm_sm90.py --boundary checks
+# both): wo_b's 1-row plan (2560 programs of one warp) takes 84 plain and, capped at 128, 88 with
+# the epilogue's serial tail (both 88 allocated: 23 programs an SM by registers); uncapped it takes
+# 94, and at caps of 84-104 it spills. Under the cap nothing spills and the K loop keeps its FP32
+# instructions.
 _BOUNDARY_MAXNREG: dict[ExactConfig, int] = {
-    ExactConfig(block_n=4, block_k=1024, rows=1, num_warps=2, num_stages=3, split=1): 96,    # wo_b, 1 row
+    ExactConfig(block_n=2, block_k=1024, rows=1, num_warps=1, num_stages=3, split=1, f64=True): 128,    # wo_b, 1 row
 }
 
 

@@ -130,6 +130,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from .checks import row_configs
 from .common import num_sms
+from .exact_mm import HI_WORDS_PTX
 from .gluon_exact_common import GluonExactPlan, pow2, ring_weight_args, split_k_sum, store_tile, sum_chunk
 from .gluon_mm import SHARED_LIMIT, _producer, _ring, _scale, activation_operands, require_maxnreg, split_bounds
 
@@ -139,6 +140,9 @@ CONSUMER_WARPS = 4
 MAX_SPLIT = 64                  # GluonExactFMAConfig.split
 
 
+_HI_WORDS_PTX: gl.constexpr = gl.constexpr(HI_WORDS_PTX)   # `exact_mm.HI_WORDS_PTX` (the codes' FP64 high words)
+
+
 @gluon.jit
 def _hi_words(codes):
     """The high 32-bit words of the FP64 patterns value * 2^-1016 of E4M3 codes (int8, any layout
@@ -146,19 +150,7 @@ def _hi_words(codes):
     code j prmt(W, A) (byte 3: W's byte j, the sign at bit 31; byte 2: A's byte j, eeee.mmm at bits
     23..17) masked with 0x80FE0000. The low words are zero."""
     return gl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 a;
-        shl.b32 a, $4, 1;
-        prmt.b32 $0, $4, a, 0x0400;
-        and.b32 $0, $0, 0x80FE0000;
-        prmt.b32 $1, $4, a, 0x1500;
-        and.b32 $1, $1, 0x80FE0000;
-        prmt.b32 $2, $4, a, 0x2600;
-        and.b32 $2, $2, 0x80FE0000;
-        prmt.b32 $3, $4, a, 0x3700;
-        and.b32 $3, $3, 0x80FE0000;
-        }""",
-        constraints="=r,=r,=r,=r,r", args=[codes], dtype=gl.int32, is_pure=True, pack=4)
+        asm=_HI_WORDS_PTX, constraints="=r,=r,=r,=r,r", args=[codes], dtype=gl.int32, is_pure=True, pack=4)
 
 
 @gluon.jit

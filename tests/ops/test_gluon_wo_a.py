@@ -44,7 +44,7 @@ from dsv41_decode.ops.wo_a import WoAPlan, quantize_wo_a, wo_a_
 from dsv41_decode.reference.attention import grouped_wo_a
 from _gluon_wo_a_sm90 import CASES
 from test_wo_a import _check, _inputs
-from helpers import compile_script
+from helpers import compile_script, run_b32_ptx
 
 RANK = 1024        # o_lora_rank of V4.1; 8 heads per group: group width 4096
 REAL_HEADS = (64, 32, 16, 8)   # this rank's heads under TP1, 2, 4, 8 (heads // 8 groups)
@@ -255,42 +255,13 @@ def _run_fold_bits_asm(asm: str, regs: dict) -> np.ndarray:
     """Interpret `asm` (W._FOLD_BITS_ASM's PTX: prmt.b32 in its default mode, shl.b32, and.b32,
     mov.b32, mul.rn.bf16x2) on uint32 arrays, one lane per element pair; regs holds the operands
     ("$1": the codes register, "$2": the scale pair). Returns "$0"."""
-    regs = dict(regs)
+    def mul_bf16x2(a, b):
+        a, b = (np.asarray(v, dtype=np.uint32) for v in (a, b))
+        halves = [_f64_to_bf16_bits(_bf16_bits_to_f64((a >> s) & 0xFFFF) * _bf16_bits_to_f64((b >> s) & 0xFFFF))
+                  for s in (0, 16)]
+        return (halves[0] | (halves[1] << 16)).astype(np.uint32)
 
-    def val(tok):
-        tok = tok.strip()
-        return regs[tok] if tok in regs else np.uint32(int(tok, 0))
-
-    body = [line.strip().rstrip(";") for line in asm.strip().strip("{}").splitlines()]
-    for line in body:
-        if not line or line.startswith(".reg"):
-            continue
-        op, args = line.split(None, 1)
-        d, *src = [a.strip() for a in args.split(",")]
-        if op == "prmt.b32":
-            a, b, sel = (np.asarray(val(x), dtype=np.uint64) for x in src)
-            pool = a | (b << np.uint64(32))
-            out = np.zeros(np.broadcast(pool, sel).shape, dtype=np.uint64)
-            for i in range(4):
-                nib = (sel >> np.uint64(4 * i)) & np.uint64(0xF)
-                byte = (pool >> ((nib & np.uint64(7)) * np.uint64(8))) & np.uint64(0xFF)
-                rep = np.where(byte & np.uint64(0x80), np.uint64(0xFF), np.uint64(0))
-                out |= np.where(nib & np.uint64(8), rep, byte) << np.uint64(8 * i)
-            regs[d] = out.astype(np.uint32)
-        elif op == "shl.b32":
-            regs[d] = (np.asarray(val(src[0]), dtype=np.uint64) << np.uint64(int(src[1], 0))).astype(np.uint32)
-        elif op == "and.b32":
-            regs[d] = np.asarray(val(src[0]), dtype=np.uint32) & np.asarray(val(src[1]), dtype=np.uint32)
-        elif op == "mov.b32":
-            regs[d] = np.asarray(val(src[0]), dtype=np.uint32)
-        elif op == "mul.rn.bf16x2":
-            a, b = (np.asarray(val(x), dtype=np.uint32) for x in src)
-            halves = [_f64_to_bf16_bits(_bf16_bits_to_f64((a >> s) & 0xFFFF) * _bf16_bits_to_f64((b >> s) & 0xFFFF))
-                      for s in (0, 16)]
-            regs[d] = (halves[0] | (halves[1] << 16)).astype(np.uint32)
-        else:
-            raise AssertionError(f"the model does not know {op!r}: extend it with the instruction's semantics")
-    return regs["$0"]
+    return run_b32_ptx(asm, regs, {"mul.rn.bf16x2": mul_bf16x2})["$0"]
 
 
 def _fold_bits_errors(asm: str) -> int:
