@@ -107,11 +107,12 @@ def main() -> None:
         shapes = REAL_SHAPES if "--all" in sys.argv else TP1_SHAPES
         configs = [(c, rope, boundary)
                    for c in dict.fromkeys(E.planned_config(n, k, b) for n, k in shapes for b in (1, 2, 4))]
-    else:   # fused wq_a|wkv's plan at 1 row, wo_b's at 4 (its registers are the most), a K split;
+    else:   # fused wq_a|wkv's plan at 1 row, wo_b's at 1 (FP64 sums) and 4 (its registers are the most), a K split;
         # wq_b's plans at 1 and 4 rows with the query RoPE (at 4 rows the most registers with it);
         # wo_b's plan at 1 row (the fused wq_a|wkv's too) with the mHC boundary epilogue (the step's
         # with fold_boundary)
-        configs = [(E.planned_config(1792, 5120, 1), False, False), (E.planned_config(5120, 8192, 4), False, False),
+        configs = [(E.planned_config(1792, 5120, 1), False, False), (E.planned_config(5120, 8192, 1), False, False),
+                   (E.planned_config(5120, 8192, 4), False, False),
                    (E.ExactConfig(block_n=8, block_k=1024, rows=2, num_warps=4, num_stages=3, split=2), False, False),
                    (E.planned_config(32768, 1280, 1), True, False), (E.planned_config(32768, 1280, 4), True, False),
                    (E.planned_config(5120, 8192, 1), False, True)]
