@@ -572,11 +572,13 @@ class ExactConfig:
 # buckets without an entry (the TP shards; bucket 2 of the shapes that run GluonExactFMA at 2 rows
 # on sm_90) take `_default_config`.
 _TUNED: dict[tuple[int, int, int], ExactConfig] = {
-    # FP32 sums at 1-2 rows: with FP64 sums (2:1024:1:1:3 and 2:1024:2:1:3) 6.22 / 9.00-9.06 us
-    # alone against 6.36-6.39 / 9.21-9.33 (runs BA, BC), but 6.9 / 11.3 us a layer in the step
-    # against these plans' 6.4 / 10.2 (run BF against AY: beside the mixer's lane)
-    (1792, 5120, 1): ExactConfig(block_n=4, block_k=1024, rows=1, num_warps=2, num_stages=3, split=1),   # default: 5.88 us at 1
-    (1792, 5120, 2): ExactConfig(block_n=2, block_k=1024, rows=2, num_warps=1, num_stages=3, split=1),   # 2:1024:4:1:3: 9.38 us at 2 (rule: 11.14)
+    # FP64 sums: 6.22 / 6.22 us at 1 (runs BA / BC) against 4:1024:1:2:3's 6.36 / 6.39 (FP32); in
+    # the step 6.9 us a layer against that plan's 6.4 and 7.2 (runs AY and BG, the same kernel: one
+    # profiled replay's spread)
+    (1792, 5120, 1): ExactConfig(block_n=2, block_k=1024, rows=1, num_warps=1, num_stages=3, split=1, f64=True),
+    # FP64 sums: 9.00 / 9.06 us at 2 against 9.21 / 9.33 with FP32 sums on 2:1024:2:1:3 (run AV: 9.38,
+    # the rule 11.14); in the step 11.3 us a layer against 10.2 and 10.9 (runs AY, BG)
+    (1792, 5120, 2): ExactConfig(block_n=2, block_k=1024, rows=2, num_warps=1, num_stages=3, split=1, f64=True),
     (1792, 5120, 4): ExactConfig(block_n=8, block_k=1024, rows=4, num_warps=4, num_stages=3, split=1),   # 8:1024:4:4:3: 14.64 us at 4
     (1792, 5120, 64): ExactConfig(block_n=8, block_k=1024, rows=4, num_warps=4, num_stages=3, split=1),   # 8:1024:4:4:3:2: 53.58 us at 16
     (32768, 1280, 1): ExactConfig(block_n=32, block_k=256, rows=1, num_warps=2, num_stages=3, split=1),   # 32:256:4:2:3: 13.97 us at 1
@@ -587,11 +589,11 @@ _TUNED: dict[tuple[int, int, int], ExactConfig] = {
     (4096, 1280, 4): ExactConfig(block_n=4, block_k=256, rows=4, num_warps=1, num_stages=3, split=1),   # 4:256:4:1:3: 8.12 us at 4
     (4096, 1280, 64): ExactConfig(block_n=4, block_k=256, rows=4, num_warps=1, num_stages=3, split=1),   # 4:256:4:1:3: 27.51 us at 16
     # FP64 sums: 16.44 / 16.57 us at 1 (runs BA / BC) against 4:1024:1:2:3's 16.94 / 17.17 (FP32);
-    # 16.3 us a layer in the step against 16.8 (run BF against AY)
+    # 16.3 / 16.4 us a layer in the step against 16.8 (runs BF, BG against AY)
     (5120, 8192, 1): ExactConfig(block_n=2, block_k=1024, rows=1, num_warps=1, num_stages=3, split=1, f64=True),
     # FP64 sums: 24.49 / 25.04 us at 2 (runs BA / BC) against GluonExactFMA's K split 25.24 / 25.29
-    # and 30.29 / 30.36 with FP32 sums; 24.5 us a layer in the step against the K split's 25.4 (run BF
-    # against AY)
+    # and 30.29 / 30.36 with FP32 sums; 24.5 us a layer in the step against the K split's 25.4 (runs
+    # BF, BG against AY)
     (5120, 8192, 2): ExactConfig(block_n=8, block_k=1024, rows=2, num_warps=2, num_stages=3, split=1, f64=True),
     (5120, 8192, 4): ExactConfig(block_n=8, block_k=512, rows=4, num_warps=2, num_stages=4, split=1),   # 8:512:4:2:4: 53.27 us at 4
     (5120, 8192, 64): ExactConfig(block_n=8, block_k=512, rows=4, num_warps=2, num_stages=4, split=1),   # 8:512:4:2:4: 203.52 us at 16

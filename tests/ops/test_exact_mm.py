@@ -394,8 +394,8 @@ def test_compiles_for_sm90_without_spills():
     twice); at one row at most 7 FP32-pipe instructions per weight element in the main loop
     (measured 5.5-6.2 on the real shapes: 4 for the chained exact split, 1 for the weight's E4M3
     -> FP32 conversion, the rest for the activation's, the block sums and the block terms), and
-    with the FP64 block sums (`ExactConfig.f64`, wo_b's 1-row plan) one DFMA per weight element
-    and row (0.94: the chains' first products are DMULs) and 0.56
+    with the FP64 block sums (`ExactConfig.f64`, the 1-row plans of the fused wq_a|wkv and wo_b)
+    one DFMA per weight element and row (0.94: the chains' first products are DMULs) and 0.56
     FP32-pipe instructions (the terms); the
     epilogue's rotation as explicitly rounded PTX (`kv_write.rope_rotate`), no FP32 op that flushes
     subnormals. wo_b's 1-row plan with the mHC boundary epilogue (`--boundary`) under its register
