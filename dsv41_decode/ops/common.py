@@ -1,8 +1,9 @@
 """Helpers shared by the kernel families: the SM count that plans size their grids by, whether a
-device is sm_90 (the Hopper-only tiers), the workspaces plans own or take from a shared pool, the
-split-K reduction that lets one launch sum its programs' partials, and sums of register tiles in
-fixed orders (`column`, `in_order_sum`, `butterfly_sum`: the same bits whatever layout the
-compiler gives the tile, unlike `tl.sum`, whose tree follows the layout).
+device is sm_90 (the Hopper-only tiers) and runs FP64 at full rate (the exact linears' FP64
+forms), the workspaces plans own or take from a shared pool, the split-K reduction that lets one
+launch sum its programs' partials, and sums of register tiles in fixed orders (`column`,
+`in_order_sum`, `butterfly_sum`: the same bits whatever layout the compiler gives the tile, unlike
+`tl.sum`, whose tree follows the layout).
 """
 
 from __future__ import annotations
@@ -31,6 +32,39 @@ def is_sm90(device: torch.device) -> bool:
     """A CUDA device of compute capability 9.0 (H100 / H200 / H20): the Gluon and integer-MMA tiers'."""
     device = torch.device(device)
     return device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+
+
+# CU_DEVICE_ATTRIBUTE_SINGLE_TO_DOUBLE_PRECISION_PERF_RATIO (cuda.h): FP32 over FP64 throughput
+_CU_FP32_TO_FP64_RATIO = 87
+
+
+def fp64_rate_ratio(device: torch.device) -> int | None:
+    """A CUDA device's FP32 : FP64 throughput ratio as its driver reports it (2 on the data-center
+    parts with full FP64 units: P100, V100, A100, H100, H200; 32-64 on the others, and on the
+    Hopper parts with cut FP64 units such as the H20 and H800), or None off CUDA or where the
+    driver library cannot be queried."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    import ctypes
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    ordinal = device.index if device.index is not None else torch.cuda.current_device()
+    dev, value = ctypes.c_int(), ctypes.c_int()
+    if lib.cuInit(0) or lib.cuDeviceGet(ctypes.byref(dev), ordinal) or \
+            lib.cuDeviceGetAttribute(ctypes.byref(value), _CU_FP32_TO_FP64_RATIO, dev):
+        return None
+    return value.value
+
+
+def full_rate_fp64(device: torch.device) -> bool:
+    """Whether a device runs FP64 at half its FP32 rate (`fp64_rate_ratio` <= 2): what the exact
+    linears' FP64 forms (`exact_mm.ExactConfig.f64`, `gluon_exact_fma.GluonExactFMA`) need to
+    pay; where FP64 runs at 1/32-1/64 of FP32 the plans keep FP32 sums. False off CUDA."""
+    ratio = fp64_rate_ratio(device)
+    return ratio is not None and ratio <= 2
 
 
 def plan_workspace(workspace, slot: int, shape: int | tuple[int, ...], dtype: torch.dtype,

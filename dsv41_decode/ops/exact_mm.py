@@ -70,7 +70,7 @@ import triton
 import triton.language as tl
 
 from .checks import interpreting, mxfp8_linear_args, mxfp8_weight_args, rope_epilogue_args
-from .common import CPU_SMS, column, num_sms, plan_workspace
+from .common import CPU_SMS, column, full_rate_fp64, num_sms, plan_workspace
 from .fp4 import bf16_round
 from .kv_write import rope_tile
 from .mhc import BoundaryOperands, MhcBoundaryPlan, _boundary_block_d, tile_boundary
@@ -624,10 +624,12 @@ def _default_config(n: int, k: int, rows: int, sms: int) -> ExactConfig:
                        num_stages=4 if k // block_k >= 8 and bn * block_k <= 4096 else 3)
 
 
-def planned_config(n: int, k: int, bucket: int, sms: int = CPU_SMS) -> ExactConfig:
+def planned_config(n: int, k: int, bucket: int, sms: int = CPU_SMS, fp64: bool = True) -> ExactConfig:
     """The configuration a plan without `config` uses for N x K and the row bucket (1, 2, 4 or 64)
-    on a GPU of `sms` SMs."""
-    return _TUNED.get((n, k, bucket)) or _default_config(n, k, bucket, sms)
+    on a GPU of `sms` SMs; `fp64`: whether it runs FP64 at full rate (`common.full_rate_fp64`),
+    else a measured FP64 configuration (`ExactConfig.f64`) takes FP32 sums on the same tiles."""
+    cfg = _TUNED.get((n, k, bucket)) or _default_config(n, k, bucket, sms)
+    return cfg if fp64 or not cfg.f64 else dataclasses.replace(cfg, f64=False)
 
 
 def reduction_order(k: int) -> tuple[str, int, int]:
@@ -743,6 +745,8 @@ class ExactMM:
         self.device = weight.device
 
         self._launches: dict[int, _Launch] = {}
+        # off the GPU the plans are an H200's (as `CPU_SMS`), whose FP64 runs at full rate
+        fp64 = self.device.type != "cuda" or full_rate_fp64(self.device)
         for bucket in _ROW_BUCKETS:
             if not (bucket == 1 or (bucket <= 4 and bucket // 2 < max_rows) or (bucket == 64 and max_rows > 4)):
                 continue
@@ -753,7 +757,7 @@ class ExactMM:
             elif config is not None:
                 cfg = config
             else:
-                cfg = planned_config(n, k, bucket, num_sms(self.device))
+                cfg = planned_config(n, k, bucket, num_sms(self.device), fp64)
             if not isinstance(cfg, ExactConfig):
                 raise TypeError(f"config must be an ExactConfig, got {type(cfg).__name__}")
             if k % cfg.block_k:

@@ -121,6 +121,24 @@ def test_boundary_reaches_exact_mm_only():
 
 
 @pytest.mark.gpu
+def test_no_fp64_forms_where_fp64_is_slow_on_gpu(monkeypatch):
+    # On a GPU whose FP64 runs at 1/32-1/64 of its FP32 rate (`common.full_rate_fp64` False, as on an
+    # H20 or H800, forced here) the plans take no FP64 form: no GluonExactFMA at wq_b, and ExactMM's
+    # measured FP64 configurations with FP32 sums; the bits stay the reference's.
+    from dsv41_decode.ops import exact_linear, exact_mm
+    monkeypatch.setattr(exact_linear, "full_rate_fp64", lambda device: False)
+    monkeypatch.setattr(exact_mm, "full_rate_fp64", lambda device: False)
+    for n, k in ((32768, 1280), (5120, 8192)):
+        _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(n + k + 9), 2, n, k)
+        linear = ExactLinear(weight, w_scale)
+        assert linear.fma is None and linear.fma_rows == (1, 0), (n, k)
+        assert not any(linear.cuda_cores.launch_for(m).config.f64 for m in (1, 2)), (n, k)
+        for m in (1, 2):
+            want = mxfp8_mm(codes[:m], x_scale[:m], weight, w_scale)
+            assert torch.equal(_bits(linear(codes[:m], x_scale[:m])), _bits(want)), (n, k, m)
+
+
+@pytest.mark.gpu
 def test_boundary_epilogue_at_wo_b_on_gpu():
     # The step's wo_b call with the boundary (`DecodeStep(fold_boundary=True)`: 1-2 rows on sm_90,
     # ExactMM), the plan's chunks of 512 columns at dim 5120: bitwise the call without it followed

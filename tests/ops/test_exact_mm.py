@@ -11,6 +11,7 @@ block sum cannot pass them.
 """
 
 import dataclasses
+import re
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,8 @@ from helpers import FLASH_LINEAR_SHAPES as FLASH_SHAPES
 from helpers import (boundary_operands, check_mxfp8_plan_errors, compile_script, linear_operands, raises, rope_operands,
                      run_b32_ptx)
 
-from dsv41_decode.ops.exact_mm import HI_WORDS_PTX, ExactConfig, ExactMM, _chain_asm
+from dsv41_decode.ops.common import fp64_rate_ratio, full_rate_fp64
+from dsv41_decode.ops.exact_mm import _TUNED, HI_WORDS_PTX, ExactConfig, ExactMM, _chain_asm, planned_config
 from dsv41_decode.ops.kv_write import query_rope_
 from dsv41_decode.ops.mhc import MhcBoundaryPlan, mhc_boundary
 from dsv41_decode.reference.linear import mxfp8_mm
@@ -347,6 +349,34 @@ def test_boundary_epilogue_bad_arguments_name_the_argument():
         with pytest.raises((TypeError, ValueError), match=word) as err:
             call()
         assert "\n" not in str(err.value), str(err.value)
+
+
+def test_planned_configs_keep_fp32_sums_where_fp64_is_slow():
+    # A GPU whose FP64 runs at 1/32-1/64 of its FP32 rate (`common.full_rate_fp64` False: the H20,
+    # the H800, the consumer parts) takes each measured FP64 configuration's tiles with FP32 sums;
+    # off the GPU (the interpreter stands in for an H200) and on full-rate parts, the measured ones.
+    assert any(c.f64 for c in _TUNED.values())
+    for (n, k, bucket), cfg in _TUNED.items():
+        slow = planned_config(n, k, bucket, fp64=False)
+        assert not slow.f64 and dataclasses.replace(slow, f64=cfg.f64) == cfg, (n, k, bucket)
+        assert planned_config(n, k, bucket) == cfg
+    assert full_rate_fp64("cpu") is False and fp64_rate_ratio("cpu") is None
+    weight = torch.zeros(5120, 8192, dtype=torch.float8_e4m3fn, device=DEVICE)
+    plan = ExactMM(weight, torch.full((160, 256), 127, dtype=torch.uint8, device=DEVICE), max_rows=2)
+    want = DEVICE == "cpu" or full_rate_fp64(DEVICE)
+    assert plan.launch_for(1).config.f64 == want and plan.launch_for(2).config.f64 == want
+
+
+@pytest.mark.gpu
+def test_fp64_rate_comes_from_the_driver_on_gpu():
+    # The driver's FP32 : FP64 ratio: 2 on the data-center parts with full FP64 units (the H100 and
+    # H200 this project measures on), so the exact linears' FP64 forms run there.
+    ratio = fp64_rate_ratio(DEVICE)
+    assert isinstance(ratio, int) and ratio >= 1
+    assert full_rate_fp64(DEVICE) == (ratio <= 2)
+    name = torch.cuda.get_device_name()
+    if re.search(r"\bH(100|200)\b", name):
+        assert ratio == 2, name
 
 
 def test_launches_cover_the_row_buckets():
