@@ -25,6 +25,15 @@ of it); the interpreter runs the plain split by default (the same block sums, fe
 and the chain's steps as Triton operations when asked (the tests), which round as the FMAs do
 because each product is exact.
 
+With `ExactConfig.f64` each block's dot runs on the FP64 cores instead (`_block_sums_f64`): one
+DFMA per product, the weight's codes made FP64 operands (value x 2^-1016) by integer operations
+(`HI_WORDS_PTX`; the interpreter converts through FP32) and x's through FP32; every partial sum of
+a block is exact in FP64, and one conversion of the block's sum (times 2^1016) to FP32 rounds it
+once: the same partial. On the GPU the weight's two NaN codes read as +-480 there (as in
+`gluon_exact_fma`), so a block holding one gives a finite term unless its scale byte is 255 (the
+reference's term is NaN). The plans take it only where FP64 runs at full rate
+(`planned_config`, `common.full_rate_fp64`).
+
 Layout: each program owns BLOCK_N weight rows and every row of x, and streams K in steps of
 BLOCK_K bytes per weight row (16-byte cp.async loads, `num_stages` pipelining). On sm_90 Triton
 gives each thread 32 consecutive K of a weight row (one whole block, two chains) for
