@@ -254,9 +254,10 @@ def test_batch_and_configuration_invariance():
 # The query-RoPE epilogue in the interpreter on one head (N = 512): 128-row tiles over 4 x rows a
 # pass (the tile of channels 384..511 rotates half its columns; 5 rows take two passes), and 64-row
 # tiles with the K split (two programs a tile up to 4 rows, the last arriver rotating; 5 rows one
-# split, 2 x rows a pass).
+# split, 2 x rows a pass), and 64-row tiles with FP64 block sums.
 _ROPE_CONFIGS = {"bn128-r4": ExactConfig(block_n=128, block_k=128, rows=4, num_warps=1, num_stages=2),
-                 "bn64-r2-split2": ExactConfig(block_n=64, block_k=64, rows=2, num_warps=1, num_stages=2, split=2)}
+                 "bn64-r2-split2": ExactConfig(block_n=64, block_k=64, rows=2, num_warps=1, num_stages=2, split=2),
+                 "bn64-r2-f64": ExactConfig(block_n=64, block_k=128, rows=2, num_warps=1, num_stages=2, f64=True)}
 
 
 @pytest.mark.parametrize("config", list(_ROPE_CONFIGS))
@@ -294,12 +295,14 @@ def test_rope_epilogue_bad_arguments_name_the_argument():
 
 
 # The mHC boundary epilogue in the interpreter: (dim, the plan's block_d, the configuration). Tiles of
-# 16 columns, 4 to a chunk, 2 rows a pass (3 rows take two passes); dim 96 with a short last chunk
-# (2 tiles) and the K split over 2 programs (the last arriver runs the epilogue); dim 5120 in the
-# step's chunks of 512 columns, 4 tiles a chunk.
+# 16 columns, 4 to a chunk, 2 rows a pass (3 rows take two passes), with FP32 or FP64 block sums; dim
+# 96 with a short last chunk (2 tiles) and the K split over 2 programs (the last arriver runs the
+# epilogue); dim 5120 in the step's chunks of 512 columns, 4 tiles a chunk.
 _BOUNDARY_CASES = {
     "dim256-bn16-r2": (256, 64, ExactConfig(block_n=16, block_k=64, rows=2, num_warps=1, num_stages=2)),
     "dim96-bn16-split2": (96, 64, ExactConfig(block_n=16, block_k=64, rows=1, num_warps=1, num_stages=2, split=2)),
+    # the FP64 block sums (wo_b's 1-2-row plans on the H200 run the boundary with them)
+    "dim256-bn16-r2-f64": (256, 64, ExactConfig(block_n=16, block_k=64, rows=2, num_warps=1, num_stages=2, f64=True)),
     "dim5120-bn128": (5120, 512, ExactConfig(block_n=128, block_k=128, rows=4, num_warps=2, num_stages=2)),
 }
 
