@@ -12,9 +12,9 @@ both kernels).
 nothing. About 60-90 s.
 
 `--fp8fold` instead compares the FP8 consumers (`python scripts/probe_gluon_wo_a.py --fp8fold`,
-about 45 s): per row count (`--rows=`) the folded FP8 consumer (`GluonWoAConfig(fold_scales=True)`,
-also with `--fold_variants=` of VARIANTS' other fields, e.g. s8), the folded consumer with its bit
-conversion ("fold bits": `fold_bits=True`), the block-partial FP8 consumer
+about 45 s): per row count (`--rows=`) the folded FP8 consumer (`GluonWoAConfig(fold_scales=True)`),
+the folded consumer with its bit conversion ("fold bits": `fold_bits=True`, the step's; also with
+`--fold_variants=` of VARIANTS' other fields, e.g. s8 or wg2), the block-partial FP8 consumer
 (the default config), the step's FP8 Triton plan and the BF16-weight Gluon plan (the BF16 copy of
 the same weight, twice the bytes), each with us, GB/s (the bytes it reads: weight and scales),
 % of the streaming read measured in the same run, and max |z - reference| (the reference on the
@@ -86,8 +86,9 @@ def fp8fold() -> None:
                                                config=G.GluonWoAConfig(fold_scales=True, fold_bits=True))}
     for v in extra:
         cfg = VARIANTS[v]
-        plans[f"fold:{v}"] = G.GluonWoAPlan.build(HEADS, GROUPS, RANK, 64, fp8, "cuda",
-                                                  config=G.GluonWoAConfig(**{**cfg.__dict__, "fold_scales": True}))
+        plans[f"fold bits:{v}"] = G.GluonWoAPlan.build(
+            HEADS, GROUPS, RANK, 64, fp8, "cuda",
+            config=G.GluonWoAConfig(**{**cfg.__dict__, "fold_scales": True, "fold_bits": True}))
     plans["partials"] = G.GluonWoAPlan.build(HEADS, GROUPS, RANK, 64, fp8, "cuda")
     tri = WoAPlan.build(HEADS, GROUPS, RANK, 64, fp8, "cuda")
     bf16 = G.GluonWoAPlan.build(HEADS, GROUPS, RANK, 64, torch.bfloat16, "cuda")
