@@ -101,6 +101,13 @@ def fp8_linear_plan(weight: torch.Tensor, scale: torch.Tensor, max_rows: int, ex
 WEIGHTS_LANE_MAX_ROWS = 2
 
 
+# The ring slots of an FP8 `wo_a`'s folded Gluon consumer (a slot holds half the bytes of the BF16
+# weight's, whose plan keeps its default 6): 14.0 / 14.1 / 14.3 / 14.9 / 19.0 us at 1 / 2 / 8 / 16 /
+# 64 rows against 6 slots' 14.5 / 14.5 / 14.8 / 15.3 / 19.5, the same bits (H200,
+# `scripts/probe_gluon_wo_a.py --fp8fold`, docs/results/gpu-tests-h200.txt run BL)
+FP8_WO_A_STAGES = 8
+
+
 def wo_a_plan(heads: int, groups: int, rank: int, max_rows: int, weight_dtype: torch.dtype,
               device: torch.device, *, head_dim: int = 512, rope_dim: int = 64, workspace=None,
               fp32_dots: bool = False, gluon_fp8: bool = True):
@@ -114,14 +121,16 @@ def wo_a_plan(heads: int, groups: int, rank: int, max_rows: int, weight_dtype: t
     workspace: None or the step's `Workspaces` pool (the plans' `workspace` contract).
     gluon_fp8: an FP8 weight on sm_90 runs the Gluon kernel's folded consumer with its bit
     conversion (`GluonWoAConfig(fold_scales=True, fold_bits=True)`: the same bits as the F16 -> FP32
-    conversion, 14.5-15.6 against 15.3-15.9 us at 1-16 rows on an H200, docs/gemm.md) instead of the
-    Triton plan; callers pass `gluon_wo_a.foldable_scale(scale)`, which reads the scale bytes once."""
+    conversion, 14.5-15.6 against 15.3-15.9 us at 1-16 rows on an H200, docs/gemm.md) in a ring of
+    `FP8_WO_A_STAGES` slots instead of the Triton plan; callers pass `gluon_wo_a.foldable_scale(scale)`,
+    which reads the scale bytes once."""
     device = torch.device(device)
     if is_sm90(device) and (weight_dtype == torch.bfloat16 or gluon_fp8) and not fp32_dots:
+        ring = {} if weight_dtype == torch.bfloat16 else {"stages": FP8_WO_A_STAGES}
         try:
             return GluonWoAPlan.build(heads, groups, rank, max_rows, weight_dtype, device, head_dim=head_dim,
                                       rope_dim=rope_dim, workspace=workspace,
-                                      config=GluonWoAConfig(fold_scales=True, fold_bits=True))
+                                      config=GluonWoAConfig(fold_scales=True, fold_bits=True, **ring))
         except ValueError:          # a shape the Gluon kernel does not take
             pass
     few = {"split": 1} if _few_programs(device) else {}

@@ -7,7 +7,8 @@ registers, stack, local memory and shared memory, the opcode counts, the wgmma i
 writes to an in-flight wgmma's register operand (`sm90.wgmma_register_hazards`), the wgmma waits
 and the plan's split, steps per program and register cap. `python tests/ops/_gluon_wo_a_sm90.py
 [heads:bt:warpgroups[:split[:fp8]] ...]` compiles the given cases instead (fp8: 0 BF16, 1 FP8
-block partials, 2 FP8 folded, 3 FP8 folded with `fold_bits`)."""
+block partials, 2 FP8 folded, 3 FP8 folded with `fold_bits`, 4 that in the step's ring of
+`decode.attention.FP8_WO_A_STAGES` slots)."""
 
 from __future__ import annotations
 
@@ -16,20 +17,23 @@ import sys
 import torch
 from triton.experimental.gluon import language as gl
 
+from dsv41_decode.decode.attention import FP8_WO_A_STAGES
 from dsv41_decode.ops import gluon_wo_a as W
 from dsv41_decode.testing import sm90
 
 RANK = 1024   # o_lora_rank of V4.1; 8 heads per group
 # (heads, row bucket, warpgroups, split or 0 for the plan's, weight: 0 BF16, 1 FP8 with the
 # block-partial consumer, 2 FP8 with the folded consumer, 3 the folded consumer's bit conversion,
-# `fold_bits`): BF16 at TP1, 2, 4, 8 (splits 2, 4, 8,
+# `fold_bits`, 4 that in the step's ring of `FP8_WO_A_STAGES` slots): BF16 at TP1, 2, 4, 8 (splits 2, 4, 8,
 # 16), each bucket once, 128-row programs once, the epilogue without split-K once; FP8 block
 # partials at its tightest bucket with one and two warpgroups, and at 1 row; FP8 folded at every
-# bucket (TP1..8) and with two warpgroups; its bit conversion at every bucket
+# bucket (TP1..8) and with two warpgroups; its bit conversion at every bucket, and in the step's ring
+# at the smallest and the largest bucket
 CASES = [(64, 8, 1, 0, 0), (32, 16, 1, 0, 0), (16, 32, 1, 0, 0), (8, 64, 1, 0, 0), (64, 64, 2, 0, 0),
          (8, 16, 1, 1, 0), (64, 8, 1, 0, 1), (16, 64, 1, 0, 1), (64, 64, 2, 0, 1),
          (64, 8, 1, 0, 2), (32, 16, 1, 0, 2), (16, 32, 1, 0, 2), (8, 64, 1, 0, 2), (64, 64, 2, 0, 2),
-         (64, 8, 1, 0, 3), (32, 16, 1, 0, 3), (16, 32, 1, 0, 3), (8, 64, 1, 0, 3)]
+         (64, 8, 1, 0, 3), (32, 16, 1, 0, 3), (16, 32, 1, 0, 3), (8, 64, 1, 0, 3),
+         (64, 8, 1, 0, 4), (64, 64, 1, 0, 4)]
 COPY_WORDS = 132   # the window record: 528 bytes
 
 
@@ -60,7 +64,8 @@ def compile_case(plan: W.GluonWoAPlan, bt: int, quant: bool = True, copy_words: 
 
 
 def measure(heads: int, bt: int, wg: int, split: int = 0, fp8: int = 0) -> dict:
-    config = W.GluonWoAConfig(warpgroups=wg, split=split or None, fold_scales=fp8 >= 2, fold_bits=fp8 == 3)
+    config = W.GluonWoAConfig(warpgroups=wg, split=split or None, fold_scales=fp8 >= 2, fold_bits=fp8 >= 3,
+                              **({"stages": FP8_WO_A_STAGES} if fp8 == 4 else {}))
     dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
     plan = W.GluonWoAPlan.build(heads, heads // 8, RANK, 64, dtype, "cpu", config=config)
     kernel = compile_case(plan, bt)

@@ -61,14 +61,15 @@ def sm90_builds() -> dict:
 
 def _case_id(case) -> str:
     heads, bt, wg, split, fp8 = case
-    return f"{('bf16', 'fp8', 'fp8fold', 'fp8foldbits')[fp8]}-h{heads}-bt{bt}-wg{wg}" + (f"-split{split}" if split else "")
+    return (f"{('bf16', 'fp8', 'fp8fold', 'fp8foldbits', 'fp8foldbits-ring')[fp8]}-h{heads}-bt{bt}-wg{wg}"
+            + (f"-split{split}" if split else ""))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
 def test_compiles_for_sm90_without_spills(sm90_builds, case):
     """Each TP shard's split (TP1..8: 2..16, twice that with two warpgroups), each row bucket, one
     launch without split-K and both FP8 consumers (the folded one at every bucket, with both of its
-    conversions), with the fused
+    conversions, and in the step's ring of 8 slots), with the fused
     MXFP8 of z and the window copy: no local memory or spills within the register cap
     (`register_cap`), the BF16 wgmma, the TMA loads, two slots in flight, no FMA; the folded
     consumer's wgmmas take the weight from registers, and nothing writes those registers while a
@@ -92,7 +93,7 @@ def test_compiles_for_sm90_without_spills(sm90_builds, case):
     if folded:
         assert not any(", RZ" in t for t in gmma) and len(gmma) >= 8, gmma
     # fold_bits: the conversion by BF16 multiplies (HMUL2), no F16 -> FP32 conversion (HADD2.F32)
-    assert (ops.get("HMUL2", 0) > 0) == (case[4] == 3) and (ops.get("HADD2", 0) > 0) == (case[4] == 2), ops
+    assert (ops.get("HMUL2", 0) > 0) == (case[4] >= 3) and (ops.get("HADD2", 0) > 0) == (case[4] == 2), ops
     assert r["a_hazards"] == [], r["a_hazards"]
     # the producer's weight and o tiles (its loop unrolled where the program's K range is short)
     assert ops.get("UTMALDG", 0) in (2, 2 * r["steps"]), ops
@@ -381,6 +382,7 @@ def _real(heads: int, seed: int, dtype=torch.bfloat16, config=None):
 
 FOLD = W.GluonWoAConfig(fold_scales=True)
 FOLD_BITS = W.GluonWoAConfig(fold_scales=True, fold_bits=True)   # the folded consumer's bit conversion
+FOLD_BITS_S8 = W.GluonWoAConfig(fold_scales=True, fold_bits=True, stages=8)   # the step's (its ring)
 
 
 @pytest.mark.gpu
@@ -414,8 +416,8 @@ def test_gpu_folded_fp8_extreme_codes_and_scales(config):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, config", [(DTYPES[0], None), (DTYPES[1], None), (torch.float8_e4m3fn, FOLD),
-                                           (torch.float8_e4m3fn, FOLD_BITS)],
-                         ids=("bf16", "fp8", "fp8_folded", "fp8_folded_bits"))
+                                           (torch.float8_e4m3fn, FOLD_BITS), (torch.float8_e4m3fn, FOLD_BITS_S8)],
+                         ids=("bf16", "fp8", "fp8_folded", "fp8_folded_bits", "fp8_folded_bits_s8"))
 @pytest.mark.parametrize("heads", REAL_HEADS, ids=[f"tp{64 // h}" for h in REAL_HEADS])
 def test_gpu_real_shapes_match_reference(heads, dtype, config):
     # Every row count at the real shapes: within the module's tolerance of the reference (on the
@@ -443,8 +445,8 @@ def test_gpu_real_shapes_match_reference(heads, dtype, config):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, config", [(DTYPES[0], None), (DTYPES[1], None), (torch.float8_e4m3fn, FOLD),
-                                           (torch.float8_e4m3fn, FOLD_BITS)],
-                         ids=("bf16", "fp8", "fp8_folded", "fp8_folded_bits"))
+                                           (torch.float8_e4m3fn, FOLD_BITS), (torch.float8_e4m3fn, FOLD_BITS_S8)],
+                         ids=("bf16", "fp8", "fp8_folded", "fp8_folded_bits", "fp8_folded_bits_s8"))
 @pytest.mark.parametrize("heads", (64, 8), ids=("tp1", "tp8"))
 def test_gpu_bitwise_run_to_run_and_batch_invariant(heads, dtype, config):
     seed = (500 if config is not None and config.fold_scales else 100) + heads
@@ -548,7 +550,7 @@ def test_gpu_step_plan_is_gluon_for_a_bf16_weight():
     # On sm_90 the step's BF16 wo_a runs the Gluon kernel (the Triton plan's bits) and its FP8 wo_a
     # the folded consumer; FP8 with gluon_fp8=False, fp32_dots and shapes the Gluon kernel does not
     # take keep the Triton plan; wo_a_launch runs either.
-    from dsv41_decode.decode.attention import wo_a_launch, wo_a_plan
+    from dsv41_decode.decode.attention import FP8_WO_A_STAGES, wo_a_launch, wo_a_plan
     from dsv41_decode.ops.common import is_sm90
     dev = torch.device("cuda")
     plan = wo_a_plan(64, 8, RANK, 64, torch.bfloat16, dev)
@@ -558,6 +560,7 @@ def test_gpu_step_plan_is_gluon_for_a_bf16_weight():
     folded = wo_a_plan(64, 8, RANK, 64, torch.float8_e4m3fn, dev)   # the step's FP8 default
     assert isinstance(folded, W.GluonWoAPlan) is is_sm90(dev) and getattr(folded, "folds_scales", True)
     assert not is_sm90(dev) or folded.config.fold_bits            # its bit conversion (measured faster)
+    assert not is_sm90(dev) or folded.config.stages == FP8_WO_A_STAGES != plan.config.stages   # its ring
     assert isinstance(wo_a_plan(8, 4, 96, 64, torch.bfloat16, dev), WoAPlan)     # rank 96: not 64 rows a tile
     _, o, _, cos, sin, w, _, _, out = _real(64, seed=300)
     tri = WoAPlan.build(64, 8, RANK, 64, torch.bfloat16, "cuda")
