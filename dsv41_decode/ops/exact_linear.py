@@ -105,8 +105,9 @@ class ExactLinear:
     (exact_config its config; workspace its workspace, which GluonExactMM shares: the ops never
     run at once). mma_above: override the threshold (None: `_GLUON_PLAN`'s, on sm_90 only; 0: the
     FP64 MMA for every call; >= max_rows: never); fma_rows: override the most rows GluonExactFMA runs
-    (None: `_FMA_PLAN`'s, on sm_90 parts whose FP64 runs at full rate only (`common.full_rate_fp64`:
-    not the H20 or H800), none for an unlisted shape; 0: never); both for tests and
+    (None: `_FMA_PLAN`'s, on sm_90 parts whose FP64 runs at full rate only (`common.full_rate_fp64`),
+    none for an unlisted shape; 0: never); where FP64 runs slowly an unlisted shape's default
+    mma_above is max_rows (GluonExactMM's default configuration is the FP64 MMA); both for tests and
     probes. `fma_rows` the attribute: the (first, last) row counts GluonExactFMA runs ((1, 0): none)."""
 
     def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int = MAX_ROWS,
@@ -118,9 +119,13 @@ class ExactLinear:
         above, configs = _GLUON_PLAN.get((n, k), (_DEFAULT_ABOVE, None))
         fma_lo, planned_fma_rows, fma_config = _FMA_PLAN.get((n, k), (1, 0, None))
         if is_sm90(weight.device):
-            mma_above = above if mma_above is None else mma_above
-            # GluonExactFMA's DFMAs only where FP64 runs at full rate (not the H20's or H800's)
-            fma_rows = (planned_fma_rows if full_rate_fp64(weight.device) else 0) if fma_rows is None else fma_rows
+            # The FP64 forms only where FP64 runs at full rate (`common.full_rate_fp64`): elsewhere
+            # no GluonExactFMA, and a shape without a measured plan (the TP shards), whose
+            # GluonExactMM default runs the FP64 MMA, keeps ExactMM at every row count.
+            full_fp64 = full_rate_fp64(weight.device)
+            planned_above = above if configs is not None or full_fp64 else max_rows
+            mma_above = planned_above if mma_above is None else mma_above
+            fma_rows = (planned_fma_rows if full_fp64 else 0) if fma_rows is None else fma_rows
         self.mma = None
         if mma_above is not None and mma_above < max_rows:
             try:

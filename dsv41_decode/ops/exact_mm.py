@@ -204,7 +204,7 @@ def _f64_codes(codes, ASM: tl.constexpr):
     times 2^-1016, exactly: with ASM the patterns' high words by integer operations (`HI_WORDS_PTX`,
     2.25 instructions a code) beside a zero low word; else (the interpreter) through FP32 and one
     exact FP64 product (an FP64 subnormal for |value| < 2^-6, whose spacing 2^-1074 divides
-    2^-1028, the E4M3 values' 2^-12 times 2^-1016)."""
+    2^-1025, the E4M3 values' 2^-9 times 2^-1016)."""
     if ASM:
         hi = tl.inline_asm_elementwise(_HI_WORDS_PTX, "=r,=r,=r,=r,r", [codes.to(tl.int8, bitcast=True)],
                                        dtype=tl.int32, is_pure=True, pack=4)
@@ -221,7 +221,7 @@ def _block_sums_f64(w, x0, x1, x2, x3, ROWS: tl.constexpr, BLOCK_N: tl.constexpr
     w: [BLOCK_N, BLOCK_K] FP64, the weight's E4M3 values times 2^-1016 (`_f64_codes`); x_r:
     [BLOCK_K] FP64, row r's E4M3 values. A product is the true one times 2^-1016, a multiple of
     2^-1034 below 2^-998 in magnitude: every partial sum of a block's products is such a multiple
-    below 2^-993 (32 * 448^2 < 2^23 times 2^-1016), whose FP64 spacing is at most 2^-1045, so every
+    below 2^-993 (32 * 448^2 < 2^23 times 2^-1016), whose FP64 spacing is at most 2^-1046, so every
     FMA and add of the block is exact, in any order. Each 16 consecutive k of a weight row chain one
     FMA each (the rows' chains interleaved, so that each weight operand is built once and used
     ROWS times at once); the two chains of a block add exactly; times 2^1016 (exact) the block's
@@ -468,8 +468,9 @@ def _exact_mm_kernel(
         acc2 = tl.zeros([BLOCK_N], dtype=tl.float32)
         acc3 = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(k_lo, k_hi, BLOCK_K, num_stages=STAGES):
-            sw = ue8m0_to_fp32(tl.max(tl.load(sw_ptrs + k0 // 32), axis=2).to(tl.int32))   # [BN, SUB]
+            # (each branch's two loads in the order its measured plans compiled with: the registers)
             if F64:
+                sw = ue8m0_to_fp32(tl.max(tl.load(sw_ptrs + k0 // 32), axis=2).to(tl.int32))   # [BN, SUB]
                 w = _f64_codes(tl.load(w_rows[:, None] + k0 + rk[None, :]), ASM)           # [BN, BK]
                 x0 = _x_f64(x_ptr + r0 * stride_xm, k0, BLOCK_K)
                 x1 = x0
@@ -492,6 +493,7 @@ def _exact_mm_kernel(
                                       BLOCK_N, BLOCK_K, SPLIT, ASM)
             else:
                 w = tl.load(w_rows[:, None] + k0 + rk[None, :]).to(tl.float32)           # [BN, BK]
+                sw = ue8m0_to_fp32(tl.max(tl.load(sw_ptrs + k0 // 32), axis=2).to(tl.int32))   # [BN, SUB]
                 acc0 = _row_step(acc0, w, x_ptr + r0 * stride_xm, sx_ptr + r0 * stride_sxm, sw, k0, ws_tile,
                                  BLOCK_N, BLOCK_K, SPLIT, CHAIN, ASM)
                 if ROWS >= 2:
@@ -585,9 +587,10 @@ _TUNED: dict[tuple[int, int, int], ExactConfig] = {
     # the step 6.9 us a layer against that plan's 6.4 and 7.2 (runs AY and BG, the same kernel: one
     # profiled replay's spread)
     (1792, 5120, 1): ExactConfig(block_n=2, block_k=1024, rows=1, num_warps=1, num_stages=3, split=1, f64=True),
-    # FP64 sums: 9.00 / 9.06 us at 2 against 9.21 / 9.33 with FP32 sums on 2:1024:2:1:3 (run AV: 9.38,
-    # the rule 11.14); in the step 11.3 us a layer against 10.2 and 10.9 (runs AY, BG)
-    (1792, 5120, 2): ExactConfig(block_n=2, block_k=1024, rows=2, num_warps=1, num_stages=3, split=1, f64=True),
+    # FP32 sums: with FP64 ones 9.00 / 9.06 us alone against 9.21 / 9.33 (runs BA, BC), but 11.3 us a
+    # layer in the step against this plan's 10.2 and 10.9 (runs BF against AY and BG); run AV: 9.38,
+    # the rule 11.14
+    (1792, 5120, 2): ExactConfig(block_n=2, block_k=1024, rows=2, num_warps=1, num_stages=3, split=1),
     (1792, 5120, 4): ExactConfig(block_n=8, block_k=1024, rows=4, num_warps=4, num_stages=3, split=1),   # 8:1024:4:4:3: 14.64 us at 4
     (1792, 5120, 64): ExactConfig(block_n=8, block_k=1024, rows=4, num_warps=4, num_stages=3, split=1),   # 8:1024:4:4:3:2: 53.58 us at 16
     (32768, 1280, 1): ExactConfig(block_n=32, block_k=256, rows=1, num_warps=2, num_stages=3, split=1),   # 32:256:4:2:3: 13.97 us at 1
@@ -606,6 +609,16 @@ _TUNED: dict[tuple[int, int, int], ExactConfig] = {
     (5120, 8192, 2): ExactConfig(block_n=8, block_k=1024, rows=2, num_warps=2, num_stages=3, split=1, f64=True),
     (5120, 8192, 4): ExactConfig(block_n=8, block_k=512, rows=4, num_warps=2, num_stages=4, split=1),   # 8:512:4:2:4: 53.27 us at 4
     (5120, 8192, 64): ExactConfig(block_n=8, block_k=512, rows=4, num_warps=2, num_stages=4, split=1),   # 8:512:4:2:4: 203.52 us at 16
+}
+
+# Per `_TUNED` key whose entry sums on the FP64 cores: the fastest measured configuration with FP32
+# sums, which a GPU that runs FP64 slowly takes (`planned_config(fp64=False)`): runs BA and BC
+# (16.94 / 17.17 us at wo_b's 1 row, 6.36 / 6.39 at the fused wq_a|wkv's) and AX (27.62 at wo_b's
+# 2 rows on 2:1024:4:1:3, 2 rows a pass there).
+_TUNED_FP32: dict[tuple[int, int, int], ExactConfig] = {
+    (1792, 5120, 1): ExactConfig(block_n=4, block_k=1024, rows=1, num_warps=2, num_stages=3, split=1),
+    (5120, 8192, 1): ExactConfig(block_n=4, block_k=1024, rows=1, num_warps=2, num_stages=3, split=1),
+    (5120, 8192, 2): ExactConfig(block_n=2, block_k=1024, rows=2, num_warps=1, num_stages=3, split=1),
 }
 
 # Row buckets: a call of M <= 4 rows uses the bucket 2^ceil(log2 M), one of more rows the bucket 64.
@@ -633,12 +646,16 @@ def _default_config(n: int, k: int, rows: int, sms: int) -> ExactConfig:
                        num_stages=4 if k // block_k >= 8 and bn * block_k <= 4096 else 3)
 
 
-def planned_config(n: int, k: int, bucket: int, sms: int = CPU_SMS, fp64: bool = True) -> ExactConfig:
+def planned_config(n: int, k: int, bucket: int, sms: int = CPU_SMS, *, fp64: bool) -> ExactConfig:
     """The configuration a plan without `config` uses for N x K and the row bucket (1, 2, 4 or 64)
-    on a GPU of `sms` SMs; `fp64`: whether it runs FP64 at full rate (`common.full_rate_fp64`),
-    else a measured FP64 configuration (`ExactConfig.f64`) takes FP32 sums on the same tiles."""
-    cfg = _TUNED.get((n, k, bucket)) or _default_config(n, k, bucket, sms)
-    return cfg if fp64 or not cfg.f64 else dataclasses.replace(cfg, f64=False)
+    on a GPU of `sms` SMs; `fp64`: whether it runs FP64 at full rate (`common.full_rate_fp64`), else
+    an entry with FP64 sums (`ExactConfig.f64`) gives way to `_TUNED_FP32`'s (or, unlisted, to the
+    same tiles with FP32 sums)."""
+    key = (n, k, bucket)
+    cfg = _TUNED.get(key) or _default_config(n, k, bucket, sms)
+    if fp64 or not cfg.f64:
+        return cfg
+    return _TUNED_FP32.get(key) or dataclasses.replace(cfg, f64=False)
 
 
 def reduction_order(k: int) -> tuple[str, int, int]:
@@ -707,6 +724,9 @@ def boundary_constexprs(plan: MhcBoundaryPlan, num_warps: int) -> dict:
 # instructions.
 _BOUNDARY_MAXNREG: dict[ExactConfig, int] = {
     ExactConfig(block_n=2, block_k=1024, rows=1, num_warps=1, num_stages=3, split=1, f64=True): 128,    # wo_b, 1 row
+    # its FP32 plan (`_TUNED_FP32`): 1280 programs of 2 warps, 96 registers plain (10 an SM), 104
+    # uncapped with the epilogue (9 an SM: more than one wave)
+    ExactConfig(block_n=4, block_k=1024, rows=1, num_warps=2, num_stages=3, split=1): 96,
 }
 
 
@@ -730,7 +750,9 @@ class _Launch:
 class ExactMM:
     """y[M, N] = bf16(sum over 32-wide K blocks kb, in K order, of RN(codes[:, kb] . weight[:, kb])
     * sx * sw) for 1 <= M <= max_rows <= 64, with the weight bound once: bitwise the contract of
-    `reference.linear.mxfp8_mm` (module docstring). Reduction order: see `reduction_order`.
+    `reference.linear.mxfp8_mm` (module docstring) for weights without the E4M3 NaN codes (0x7F,
+    0xFF; the checkpoint loader refuses them), which the GPU's FP64 block sums read as +-480.
+    Reduction order: see `reduction_order`.
 
     weight: [N, K] float8_e4m3fn, unit stride along K; K a multiple of 32.
     w_scale: [ceil(N/32), K/32] UE8M0 (float8_e8m0fnu or uint8), unit stride along K.
@@ -766,7 +788,7 @@ class ExactMM:
             elif config is not None:
                 cfg = config
             else:
-                cfg = planned_config(n, k, bucket, num_sms(self.device), fp64)
+                cfg = planned_config(n, k, bucket, num_sms(self.device), fp64=fp64)
             if not isinstance(cfg, ExactConfig):
                 raise TypeError(f"config must be an ExactConfig, got {type(cfg).__name__}")
             if k % cfg.block_k:

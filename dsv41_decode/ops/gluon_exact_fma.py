@@ -18,8 +18,9 @@ code, -0 for 0x80) - has a zero low word, so only its high word is built: per wo
 A = W << 1 once, then per code j one `prmt` (byte 3 = W's byte j: the sign at bit 31; byte 2 = A's
 byte j: eeee.mmm at bits 23..17) and one `and` with 0x80FE0000 (the bits between, and bytes 1..0,
 cleared): 2.25 integer instructions a code (the shift an IMAD in sm_90's SASS), paired with a zero
-low word. The weight's two NaN codes 0x7F / 0xFF read as +-480 (as "raw"'s: a non-finite block's
-scale byte 255 makes its terms NaN anyway). x's codes are converted once per ring slot by the
+low word. The weight's two NaN codes 0x7F / 0xFF read as +-480 (as "raw"'s: a block holding one
+gives a finite term where the reference's is NaN unless its scale byte is 255; the checkpoint
+loader refuses them). x's codes are converted once per ring slot by the
 whole CTA, through FP32, to value * 2^1000 (exact) in a shared FP64 buffer, so each product is the
 true one times 2^-16, a normal FP64 number (at least 2^-34: the DFMA takes the weight's subnormal
 operands exactly, as an IEEE FMA does), the block sum the true one times 2^-16, exactly; RN to

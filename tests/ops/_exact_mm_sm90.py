@@ -1,9 +1,10 @@
 """Run by tests/ops/test_exact_mm.py in a subprocess without the Triton interpreter (the kernel must
 be a real JIT function to compile), and by hand: compiles `ops.exact_mm`'s kernel for sm_90 in
-the configurations of fused wq_a|wkv's plan at 1 row and wo_b's at 4 rows, one with a K split,
-wq_b's plans at 1 and 4 rows with the query-RoPE epilogue and wo_b's plan at 1 row with the mHC
-boundary epilogue (`--tp1`: the four TP1 shapes' plans at 1, 2 and 4 rows; `--all`: every real
-shape's, TP shards included; or the configurations given as bn:bk:rows:warps:stages[:split]
+the configurations of fused wq_a|wkv's plan at 1 row, wo_b's at 4 rows and its FP32 plan at 1 (a
+GPU with slow FP64 takes it), one with a K split, wq_b's plans at 1 and 4 rows with the query-RoPE
+epilogue and wo_b's plans at 1 row (FP64 and FP32 sums) with the mHC boundary epilogue (`--tp1`:
+the four TP1 shapes' plans at 1, 2 and 4 rows, with FP64 at full rate and slow; `--all`: every real
+shape's, TP shards included; or the configurations given as bn:bk:rows:warps:stages[:split[:f64]]
 arguments; `--rope` / `--boundary`: those with that epilogue, the boundary's at dim 5120 with the
 step's plan and the launcher's register cap) and prints, per configuration, its
 registers, stack, local memory and spill instructions, the main loop's instruction mix and the
@@ -52,6 +53,8 @@ def boundary_consts(cfg: E.ExactConfig, dim: int = 5120, block_d: int = 512) -> 
 def parse(form: str) -> E.ExactConfig:
     """An ExactConfig from bn:bk:rows:warps:stages[:split[:f64]] (f64 0 or 1)."""
     v = [int(t) for t in form.split(":")]
+    if not 5 <= len(v) <= 7:
+        raise SystemExit(f"a configuration is bn:bk:rows:warps:stages[:split[:f64]], got {form!r}")
     return E.ExactConfig(*v[:6], f64=bool(v[6])) if len(v) > 6 else E.ExactConfig(*v)
 
 
@@ -106,16 +109,21 @@ def main() -> None:
     elif "--all" in sys.argv or "--tp1" in sys.argv:
         shapes = REAL_SHAPES if "--all" in sys.argv else TP1_SHAPES
         configs = [(c, rope, boundary)
-                   for c in dict.fromkeys(E.planned_config(n, k, b) for n, k in shapes for b in (1, 2, 4))]
-    else:   # fused wq_a|wkv's plan at 1 row, wo_b's at 1 (FP64 sums) and 4 (its registers are the most), a K split;
+                   for c in dict.fromkeys(E.planned_config(n, k, b, fp64=f) for n, k in shapes for b in (1, 2, 4)
+                                          for f in (True, False))]
+    else:   # fused wq_a|wkv's plan at 1 row (FP64 sums, as wo_b's), wo_b's FP32 plan at 1 (where FP64 runs
+        # slowly) and its plan at 4 (its registers are the most), a K split;
         # wq_b's plans at 1 and 4 rows with the query RoPE (at 4 rows the most registers with it);
-        # wo_b's plan at 1 row (the fused wq_a|wkv's too) with the mHC boundary epilogue (the step's
+        # wo_b's plans at 1 row (FP64 and FP32 sums) with the mHC boundary epilogue (the step's
         # with fold_boundary)
-        configs = [(E.planned_config(1792, 5120, 1), False, False), (E.planned_config(5120, 8192, 1), False, False),
-                   (E.planned_config(5120, 8192, 4), False, False),
+        configs = [(E.planned_config(1792, 5120, 1, fp64=True), False, False),
+                   (E.planned_config(5120, 8192, 1, fp64=False), False, False),
+                   (E.planned_config(5120, 8192, 4, fp64=True), False, False),
                    (E.ExactConfig(block_n=8, block_k=1024, rows=2, num_warps=4, num_stages=3, split=2), False, False),
-                   (E.planned_config(32768, 1280, 1), True, False), (E.planned_config(32768, 1280, 4), True, False),
-                   (E.planned_config(5120, 8192, 1), False, True)]
+                   (E.planned_config(32768, 1280, 1, fp64=True), True, False),
+                   (E.planned_config(32768, 1280, 4, fp64=True), True, False),
+                   (E.planned_config(5120, 8192, 1, fp64=True), False, True),
+                   (E.planned_config(5120, 8192, 1, fp64=False), False, True)]
     for cfg, with_rope, with_boundary in configs:
         r = measure(cfg, with_rope, with_boundary)
         if "--json" in sys.argv:

@@ -122,9 +122,10 @@ def test_boundary_reaches_exact_mm_only():
 
 @pytest.mark.gpu
 def test_no_fp64_forms_where_fp64_is_slow_on_gpu(monkeypatch):
-    # On a GPU whose FP64 runs at 1/32-1/64 of its FP32 rate (`common.full_rate_fp64` False, as on an
-    # H20 or H800, forced here) the plans take no FP64 form: no GluonExactFMA at wq_b, and ExactMM's
-    # measured FP64 configurations with FP32 sums; the bits stay the reference's.
+    # On a GPU whose FP64 runs at 1/32-1/64 of its FP32 rate (`common.full_rate_fp64` False, forced
+    # here) the plans take no FP64 form: no GluonExactFMA at wq_b, ExactMM's measured FP32
+    # configurations where it has FP64 ones, GluonExactMM on its measured FP16-digit plans only; the
+    # bits stay the reference's.
     from dsv41_decode.ops import exact_linear, exact_mm
     monkeypatch.setattr(exact_linear, "full_rate_fp64", lambda device: False)
     monkeypatch.setattr(exact_mm, "full_rate_fp64", lambda device: False)
@@ -133,9 +134,15 @@ def test_no_fp64_forms_where_fp64_is_slow_on_gpu(monkeypatch):
         linear = ExactLinear(weight, w_scale)
         assert linear.fma is None and linear.fma_rows == (1, 0), (n, k)
         assert not any(linear.cuda_cores.launch_for(m).config.f64 for m in (1, 2)), (n, k)
+        assert linear.mma is not None and linear.mma_above == _GLUON_PLAN[(n, k)][0], (n, k)   # FP16 digits
         for m in (1, 2):
             want = mxfp8_mm(codes[:m], x_scale[:m], weight, w_scale)
             assert torch.equal(_bits(linear(codes[:m], x_scale[:m])), _bits(want)), (n, k, m)
+    # a TP shard (no measured plan: GluonExactMM's default is the FP64 MMA) keeps ExactMM throughout
+    _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(17), 8, 5120, 1024)
+    linear = ExactLinear(weight, w_scale, max_rows=8)
+    assert linear.mma is None and linear.op_for(8) is linear.cuda_cores
+    assert torch.equal(_bits(linear(codes, x_scale)), _bits(mxfp8_mm(codes, x_scale, weight, w_scale)))
 
 
 @pytest.mark.gpu
