@@ -11,8 +11,8 @@ ExactMM's time grows with the rows (about 4 FP32 instructions per product, or on
 `ExactConfig.f64`), GluonExactMM's stays near its FP64 MMA's (at least 8 x rows per MMA) up to 8
 rows, GluonExactFMA's (one DFMA per code and row) grows with the rows from a lower start on the
 widest shape: GluonExactFMA runs 1-2 rows of `wq_b` (`_FMA_PLAN`); ExactMM 1-2 rows of the fused
-wq_a|wkv, the indexer's wq_b and wo_b (`exact_mm._TUNED`: FP64 block sums at 1-2 rows of the fused
-wq_a|wkv and wo_b); GluonExactMM above (`_GLUON_PLAN`; all measured).
+wq_a|wkv, the indexer's wq_b and wo_b (`exact_mm._TUNED`: FP64 block sums at 1 row of the fused
+wq_a|wkv and 1-2 of wo_b); GluonExactMM above (`_GLUON_PLAN`; all measured).
 Each op takes the query RoPE epilogue (`rope=(cos, sin)`, the step's wq_b) with the same bits, so
 the step rotates its queries in wq_b's launch whichever op runs it."""
 
