@@ -40,9 +40,10 @@ _CU_FP32_TO_FP64_RATIO = 87
 
 def fp64_rate_ratio(device: torch.device) -> int | None:
     """A CUDA device's FP32 : FP64 throughput ratio as its driver reports it (2 on the data-center
-    parts with full FP64 units: P100, V100, A100, H100, H200; 32-64 on the others, and on the
-    Hopper parts with cut FP64 units such as the H20 and H800), or None off CUDA or where the
-    driver library cannot be queried."""
+    parts with full FP64 units: P100, V100, A100, H100, H200 - the H200's measured; 32-64 on the
+    consumer parts; the Hopper parts whose data sheets give cut FP64 units, the H20 and H800, not
+    measured here), or None off CUDA or where the driver library (`libcuda.so.1`: Linux) cannot
+    be queried."""
     device = torch.device(device)
     if device.type != "cuda":
         return None
