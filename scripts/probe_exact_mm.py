@@ -44,12 +44,7 @@ CANDIDATES = {
 
 
 def _config(spec: str) -> ExactConfig | None:
-    if spec == "default":
-        return None
-    v = [int(t) for t in spec.split(":")]
-    bn, bk, rows, warps, stages, split, f64 = v + [1, 0][len(v) - 5:]     # split 1, f64 0 unless given
-    return ExactConfig(block_n=bn, block_k=bk, rows=rows, num_warps=warps, num_stages=stages, split=split,
-                       f64=bool(f64))
+    return None if spec == "default" else ExactConfig.from_spec(spec)
 
 
 def _time(fn, copies: int = 1) -> float:

@@ -38,12 +38,13 @@ def is_sm90(device: torch.device) -> bool:
 _CU_FP32_TO_FP64_RATIO = 87
 
 
+@functools.lru_cache(maxsize=None)
 def fp64_rate_ratio(device: torch.device) -> int | None:
     """A CUDA device's FP32 : FP64 throughput ratio as its driver reports it (2 on the data-center
     parts with full FP64 units: P100, V100, A100, H100, H200 - the H200's measured; 32-64 on the
     consumer parts; the Hopper parts whose data sheets give cut FP64 units, the H20 and H800, not
     measured here), or None off CUDA or where the driver library (`libcuda.so.1`: Linux) cannot
-    be queried."""
+    be queried. Asked of the driver once per device (as `num_sms`): every plan's build reads it."""
     device = torch.device(device)
     if device.type != "cuda":
         return None

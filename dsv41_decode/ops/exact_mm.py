@@ -575,6 +575,27 @@ class ExactConfig:
         if self.rows not in (1, 2, 4):
             raise ValueError(f"ExactConfig.rows must be 1, 2 or 4, got {self.rows}")
 
+    @classmethod
+    def from_spec(cls, spec: str) -> "ExactConfig":
+        """The configuration a spec string names, block_n:block_k:rows:num_warps:num_stages[:split[:f64]]
+        (split absent: 1; f64 0 or 1, absent: 0), the form scripts/probe_exact_mm.py takes and
+        tests/ops/_exact_mm_sm90.py prints. Too few or too many fields, or one that is not an
+        integer, raise a ValueError naming the form; a bad value, the field's own error."""
+        form = "block_n:block_k:rows:num_warps:num_stages[:split[:f64]]"
+        try:
+            v = [int(t) for t in str(spec).split(":")]
+        except ValueError:
+            raise ValueError(f"an ExactConfig spec is {form}, integers, got {spec!r}") from None
+        if not 5 <= len(v) <= 7:
+            raise ValueError(f"an ExactConfig spec is {form}, got {spec!r} ({len(v)} fields)")
+        return cls(*v[:6], f64=bool(v[6])) if len(v) == 7 else cls(*v)
+
+    @property
+    def spec(self) -> str:
+        """The spec string `from_spec` reads back as this configuration (the f64 field only when set)."""
+        return (f"{self.block_n}:{self.block_k}:{self.rows}:{self.num_warps}:{self.num_stages}:{self.split}"
+                + (":1" if self.f64 else ""))
+
 
 # Per (N, K, row bucket): the fastest configuration measured on an H200 (scripts/probe_exact_mm.py
 # --rows=1,4,16, commit 3a051ea, one weight copy; bucket 2: --rows=1,2 --copies=20, commit e98c91e,

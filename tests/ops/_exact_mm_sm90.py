@@ -50,20 +50,6 @@ def boundary_consts(cfg: E.ExactConfig, dim: int = 5120, block_d: int = 512) -> 
     return E.boundary_constexprs(MhcBoundaryPlan.build(dim, 1, "cpu", block_d), cfg.num_warps)
 
 
-def parse(form: str) -> E.ExactConfig:
-    """An ExactConfig from bn:bk:rows:warps:stages[:split[:f64]] (f64 0 or 1)."""
-    v = [int(t) for t in form.split(":")]
-    if not 5 <= len(v) <= 7:
-        raise SystemExit(f"a configuration is bn:bk:rows:warps:stages[:split[:f64]], got {form!r}")
-    return E.ExactConfig(*v[:6], f64=bool(v[6])) if len(v) > 6 else E.ExactConfig(*v)
-
-
-def spec(cfg: E.ExactConfig) -> str:
-    """`parse`'s form of cfg (the f64 field only when set)."""
-    return (f"{cfg.block_n}:{cfg.block_k}:{cfg.rows}:{cfg.num_warps}:{cfg.num_stages}:{cfg.split}"
-            + (":1" if cfg.f64 else ""))
-
-
 def measure(cfg: E.ExactConfig, rope: bool = False, boundary: bool = False) -> dict:
     fn = E._exact_mm_kernel
     rope_args = rope_epilogue(rope)      # the query-RoPE epilogue's arguments as the plan passes them
@@ -88,7 +74,7 @@ def measure(cfg: E.ExactConfig, rope: bool = False, boundary: bool = False) -> d
     elems = cfg.block_n * cfg.block_k / (32 * cfg.num_warps)     # weight elements per thread per step
     fp32 = sum(ops.get(o, 0) for o in FP32_PIPE)
     ptx = kernel.asm["ptx"]
-    return dict(config=spec(cfg),
+    return dict(config=cfg.spec,
                 rows=cfg.rows, rope=rope, boundary=boundary,
                 # the rotation's inline PTX (`kv_write.rope_rotate`: mul.rn / sub.rn / add.rn into its
                 # own registers a, b), and no FP32 op that flushes subnormals
@@ -105,7 +91,7 @@ def main() -> None:
     specs = [a for a in sys.argv[1:] if not a.startswith("--")]
     rope, boundary = "--rope" in sys.argv, "--boundary" in sys.argv
     if specs:
-        configs = [(parse(s), rope, boundary) for s in specs]
+        configs = [(E.ExactConfig.from_spec(s), rope, boundary) for s in specs]
     elif "--all" in sys.argv or "--tp1" in sys.argv:
         shapes = REAL_SHAPES if "--all" in sys.argv else TP1_SHAPES
         configs = [(c, rope, boundary)

@@ -419,6 +419,15 @@ def test_bad_inputs_name_the_argument():
     raises("f64 must be a bool", lambda: ExactConfig(f64=1))
 
 
+def test_config_spec_round_trips():
+    # The spec form the probe takes and the sm_90 script prints: split 1 and f64 off unless given.
+    for cfg in (*_CONFIGS.values(), *_TUNED.values(), *_TUNED_FP32.values()):
+        assert ExactConfig.from_spec(cfg.spec) == cfg
+    assert ExactConfig.from_spec("8:1024:4:4:3") == ExactConfig(8, 1024, 4, 4, 3)
+    raises("an ExactConfig spec is", lambda: ExactConfig.from_spec("8:1024:4"))
+    raises("an ExactConfig spec is", lambda: ExactConfig.from_spec("8:1024:4:4:x"))
+
+
 def test_compiles_for_sm90_without_spills():
     """The plans' configurations for fused wq_a|wkv at 1 row, wo_b at 4 rows (the most registers)
     and its FP32 plan at 1 (where FP64 runs slowly), a K-split one, and wq_b's at 1 and 4 rows with
