@@ -48,6 +48,10 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
                     same bits; measured slower on an H200 (docs/step.md)
     topk_chunk      the indexer's top-k plans with chunks of --topk-chunk entries (default 1024,
                     as the step's plan: `TopKPlan.build`'s default; set it to compare another)
+    skip_pair       knock-outs (not the step: outputs differ; the 8-row output's comparison says so):
+    skip_boundary   the q/kv norm pair, the mHC boundary's launch, every site's mixer or the sparse
+    skip_mixer      MLA left out of the captured step, each alone: what that launch costs the
+    skip_mla        step's critical path at most (what folding it elsewhere could gain)
     wq_b_slack      in the layers that run the indexer, wq_b on a stream of its own at the least
                     priority, joined before the sparse MLA (there the main stream's scores wait
                     for wq_b by stream order and the index query for its SMs, while the sparse MLA
@@ -78,10 +82,11 @@ from _args import arg
 from dsv41_decode.bench.step import output_and_times
 from dsv41_decode.bench.step_timeline import replay_kernels
 from dsv41_decode.config import ModelConfig
-from dsv41_decode.decode import attention as attention_mod
+from dsv41_decode.decode import attention as attention_mod, boundary as boundary_mod
 from dsv41_decode.decode.lanes import PRIORITY_CRITICAL, PRIORITY_SLACK
 from dsv41_decode.ops import LOW_BATCH_MAX_ROWS, topk
 from dsv41_decode.ops.ll_bf16 import LlBf16Plan
+from dsv41_decode.ops.mhc import BoundaryOperands
 from dsv41_decode.stack import AttentionStack
 from dsv41_decode.state import DecodeState
 from dsv41_decode.testing.synthetic import fill_state, random_checkpoint
@@ -108,6 +113,10 @@ PRIORITIES = {
     "wproj_in_index": (C, (C, S, C)),
     "wproj_split": (C, (C, S, C)),
     "comp_tail": (C, (C, S, C)),
+    "skip_pair": (C, (C, S, C)),
+    "skip_boundary": (C, (C, S, C)),
+    "skip_mixer": (C, (C, S, C)),
+    "skip_mla": (C, (C, S, C)),
 }
 
 
@@ -233,6 +242,11 @@ def _comp_tail(step):
     return _swap([(layer, "comp_tail_fused", layer.comp_tail_plan is not None) for layer in step.layers.values()])
 
 
+def _skip(obj, name: str):
+    """A patch replacing obj.name (a launcher the step calls) by a no-op; the undo restores it."""
+    return lambda step: _swap([(obj, name, lambda *a, **k: None)])
+
+
 def main() -> None:
     names = arg("variants", ",".join(PRIORITIES)).split(",")
     unknown = [v for v in names if v not in PRIORITIES]
@@ -258,7 +272,9 @@ def main() -> None:
                  "mix_late": _mix_rows(1), "mix_early": _mix_rows(LOW_BATCH_MAX_ROWS + 1),
                  "topk_chunk": _topk_chunk, "wproj_lane": _layer_flag("proj_own_lane", True),
                  "wproj_split": _wproj_split, "wproj_in_index": _layer_flag("proj_own_lane", False),
-                 "comp_tail": _comp_tail}.get(name)
+                 "comp_tail": _comp_tail, "skip_pair": _skip(attention_mod, "rms_norm_pair_"),
+                 "skip_boundary": _skip(BoundaryOperands, "launch"), "skip_mixer": _skip(boundary_mod, "hc_mix_"),
+                 "skip_mla": _skip(attention_mod, "sparse_mla_launch")}.get(name)
         undo = patch(step) if patch else (lambda: None)
         step.graphs = {}
         step._capture()
