@@ -51,8 +51,6 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
     norm_apart      the q/kv norm pair in a launch of its own after the fused wq_a|wkv GEMM in every
                     layer, where the GEMM's op takes it in its epilogue (`fold_norm`, the step's
                     default: ExactMM, 1-2 rows on the H200)
-    norm_cap128     fold_norm with the fused GEMM's launches capped at 128 / 168 registers
-    norm_cap168     (`exact_mm._NORM_MAXNREG` for its 1-2-row plans; the epilogue's tail spills)
     skip_pair       knock-outs (not the step: outputs differ; the 8-row output's comparison says so):
     skip_boundary   the q/kv norm pair, the mHC boundary's launch, every site's mixer or the sparse
     skip_mixer      MLA left out of the captured step, each alone: what that launch costs the
@@ -89,7 +87,7 @@ from dsv41_decode.bench.step_timeline import replay_kernels
 from dsv41_decode.config import ModelConfig
 from dsv41_decode.decode import attention as attention_mod, boundary as boundary_mod
 from dsv41_decode.decode.lanes import PRIORITY_CRITICAL, PRIORITY_SLACK
-from dsv41_decode.ops import LOW_BATCH_MAX_ROWS, exact_mm, topk
+from dsv41_decode.ops import LOW_BATCH_MAX_ROWS, topk
 from dsv41_decode.ops.ll_bf16 import LlBf16Plan
 from dsv41_decode.ops.mhc import BoundaryOperands
 from dsv41_decode.ops.rms_norm import NormPairOperands
@@ -120,8 +118,6 @@ PRIORITIES = {
     "wproj_split": (C, (C, S, C)),
     "comp_tail": (C, (C, S, C)),
     "norm_apart": (C, (C, S, C)),
-    "norm_cap128": (C, (C, S, C)),
-    "norm_cap168": (C, (C, S, C)),
     "skip_pair": (C, (C, S, C)),
     "skip_boundary": (C, (C, S, C)),
     "skip_mixer": (C, (C, S, C)),
@@ -251,15 +247,6 @@ def _comp_tail(step):
     return _swap([(layer, "comp_tail_fused", layer.comp_tail_plan is not None) for layer in step.layers.values()])
 
 
-def _norm_cap(cap: int):
-    """A patch capping the registers of the fused wq_a|wkv's launches with the norm epilogue (its
-    1-2-row plans) at cap; the undo restores the table (`exact_mm._NORM_MAXNREG`)."""
-    def patch(step):
-        plans = {layer.mm_qkv.cuda_cores.launch_for(b).config for layer in step.layers.values() for b in (1, 2)}
-        return _swap([(exact_mm, "_NORM_MAXNREG", {**exact_mm._NORM_MAXNREG, **dict.fromkeys(plans, cap)})])
-    return patch
-
-
 def _skip(obj, name: str):
     """A patch replacing obj.name (a launcher the step calls) by a no-op; the undo restores it."""
     return lambda step: _swap([(obj, name, lambda *a, **k: None)])
@@ -291,7 +278,6 @@ def main() -> None:
                  "topk_chunk": _topk_chunk, "wproj_lane": _layer_flag("proj_own_lane", True),
                  "wproj_split": _wproj_split, "wproj_in_index": _layer_flag("proj_own_lane", False),
                  "comp_tail": _comp_tail, "norm_apart": _layer_flag("fold_norm", False),
-                 "norm_cap128": _norm_cap(128), "norm_cap168": _norm_cap(168),
                  "skip_pair": _skip(NormPairOperands, "launch"),
                  "skip_boundary": _skip(BoundaryOperands, "launch"), "skip_mixer": _skip(boundary_mod, "hc_mix_"),
                  "skip_mla": _skip(attention_mod, "sparse_mla_launch")}.get(name)

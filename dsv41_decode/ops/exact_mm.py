@@ -821,12 +821,6 @@ _BOUNDARY_MAXNREG: dict[ExactConfig, int] = {
 }
 
 
-# Per launch configuration: the register cap of its launches with the q/kv norm pair epilogue
-# (none listed: ptxas's own count; the fused wq_a|wkv's 1-2-row plans take 255 / 245 with it against
-# 84 / 135 plain, the K loop without spills either way).
-_NORM_MAXNREG: dict[ExactConfig, int] = {}
-
-
 def _boundary_tail(dim: int, num_warps: int) -> int:
     """Columns a slice of the boundary's serial tail (the row's last chunk normalizing the row): the
     split launch's slice (`mhc._boundary_block_d`), at most 256 a warp (8 a thread)."""
@@ -960,8 +954,6 @@ class ExactMM:
         cfg = launch.config
         epilogue.update(boundary_kwargs(boundary, out, cfg.block_n, cfg.num_warps))
         epilogue.update(norm_kwargs(norm, out, cfg.block_n, self._norm_counters))
-        if norm is not None and cfg in _NORM_MAXNREG:
-            epilogue["maxnreg"] = _NORM_MAXNREG[cfg]
         if boundary is not None:
             epilogue["enable_fp_fusion"] = False     # the boundary's products and sums rounded one by one
             if cfg in _BOUNDARY_MAXNREG:
