@@ -48,9 +48,6 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
                     same bits; measured slower on an H200 (docs/step.md)
     topk_chunk      the indexer's top-k plans with chunks of --topk-chunk entries (default 1024,
                     as the step's plan: `TopKPlan.build`'s default; set it to compare another)
-    norm_apart      the q/kv norm pair in a launch of its own after the fused wq_a|wkv GEMM in every
-                    layer, where the GEMM's op takes it in its epilogue (`fold_norm`, the step's
-                    default: ExactMM, 1-2 rows on the H200)
     skip_pair       knock-outs (not the step: outputs differ; the 8-row output's comparison says so):
     skip_boundary   the q/kv norm pair, the mHC boundary's launch, every site's mixer or the sparse
     skip_mixer      MLA left out of the captured step, each alone: what that launch costs the
@@ -90,7 +87,6 @@ from dsv41_decode.decode.lanes import PRIORITY_CRITICAL, PRIORITY_SLACK
 from dsv41_decode.ops import LOW_BATCH_MAX_ROWS, topk
 from dsv41_decode.ops.ll_bf16 import LlBf16Plan
 from dsv41_decode.ops.mhc import BoundaryOperands
-from dsv41_decode.ops.rms_norm import NormPairOperands
 from dsv41_decode.stack import AttentionStack
 from dsv41_decode.state import DecodeState
 from dsv41_decode.testing.synthetic import fill_state, random_checkpoint
@@ -117,7 +113,6 @@ PRIORITIES = {
     "wproj_in_index": (C, (C, S, C)),
     "wproj_split": (C, (C, S, C)),
     "comp_tail": (C, (C, S, C)),
-    "norm_apart": (C, (C, S, C)),
     "skip_pair": (C, (C, S, C)),
     "skip_boundary": (C, (C, S, C)),
     "skip_mixer": (C, (C, S, C)),
@@ -277,8 +272,7 @@ def main() -> None:
                  "mix_late": _mix_rows(1), "mix_early": _mix_rows(LOW_BATCH_MAX_ROWS + 1),
                  "topk_chunk": _topk_chunk, "wproj_lane": _layer_flag("proj_own_lane", True),
                  "wproj_split": _wproj_split, "wproj_in_index": _layer_flag("proj_own_lane", False),
-                 "comp_tail": _comp_tail, "norm_apart": _layer_flag("fold_norm", False),
-                 "skip_pair": _skip(NormPairOperands, "launch"),
+                 "comp_tail": _comp_tail, "skip_pair": _skip(attention_mod, "rms_norm_pair_"),
                  "skip_boundary": _skip(BoundaryOperands, "launch"), "skip_mixer": _skip(boundary_mod, "hc_mix_"),
                  "skip_mla": _skip(attention_mod, "sparse_mla_launch")}.get(name)
         undo = patch(step) if patch else (lambda: None)

@@ -45,41 +45,25 @@ NO_BOUNDARY = dict.fromkeys((*BOUNDARY_TYPES, *BOUNDARY_DIVISIBLE, "stride_post"
                              "stride_bws", "stride_ccnt"))
 
 
-# The q/kv norm pair epilogue's (`exact_mm.norm_kwargs`) at the fused wq_a|wkv's halves (1280 | 512)
-# with the window insert (its cos/sin in the query RoPE's parameters), or all None.
-NORM_TYPES = {"ny_ptr": "*bf16", "ncnt_ptr": "*i32", "na_w_ptr": "*bf16", "na_o_ptr": "*i16", "na_c_ptr": "*u8",
-              "na_s_ptr": "*u8", "nb_w_ptr": "*bf16", "nb_o_ptr": "*i16", "slots_ptr": "*i64", "pool_ptr": "*u8",
-              "eps": "fp32", "cos_ptr": "*fp32", "sin_ptr": "*fp32"}
-NORM_DIVISIBLE = ("stride_nao", "stride_nac", "stride_nbo", "stride_pool", "stride_cm", "stride_sm")
-NO_NORM = dict.fromkeys(("ny_ptr", "ncnt_ptr", "na_w_ptr", "na_o_ptr", "na_c_ptr", "na_s_ptr", "nb_w_ptr", "nb_o_ptr",
-                         "slots_ptr", "pool_ptr", "S_pool", "stride_nao", "stride_nac", "stride_nas", "stride_nbo",
-                         "stride_pool"))
-
-
 def boundary_consts(cfg: E.ExactConfig, dim: int = 5120, block_d: int = 512) -> dict:
     """The boundary epilogue's constexprs as `exact_mm.boundary_kwargs` sets them."""
     return E.boundary_constexprs(MhcBoundaryPlan.build(dim, 1, "cpu", block_d), cfg.num_warps)
 
 
-def measure(cfg: E.ExactConfig, rope: bool = False, boundary: bool = False, norm: bool = False) -> dict:
+def measure(cfg: E.ExactConfig, rope: bool = False, boundary: bool = False) -> dict:
     fn = E._exact_mm_kernel
     rope_args = rope_epilogue(rope)      # the query-RoPE epilogue's arguments as the plan passes them
-    types = {**TYPES, **rope_args.get("types", {}), **(BOUNDARY_TYPES if boundary else {}),
-             **(NORM_TYPES if norm else {})}
-    if norm:        # the window's cos/sin take the query RoPE's parameters
-        rope_args["consts"] = {k: v for k, v in rope_args["consts"].items() if k not in NORM_TYPES and k[:7] != "stride_"}
+    types = {**TYPES, **rope_args.get("types", {}), **(BOUNDARY_TYPES if boundary else {})}
     kernel = compile_sm90(fn, types,
                           dict(BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ROWS=cfg.rows, OUT_F32=False,
                                SPLIT=cfg.split, STAGES=cfg.num_stages, CHAIN=True, ASM=True, F64=cfg.f64,
                                **rope_args["consts"],
-                               **(boundary_consts(cfg) if boundary else
-                                  {k: v for k, v in NO_BOUNDARY.items() if not (norm and k in NORM_TYPES)}),
-                               **(dict(NORM=True, WINDOW=True, **E.pair_blocks(1280, 512)) if norm else NO_NORM)),
+                               **(boundary_consts(cfg) if boundary else NO_BOUNDARY)),
                           # as the launcher sees the real shapes: K and the codes' / weight's / y's
                           # row strides multiples of 16 (M and the scale strides are not specialized)
                           divisible=[a for a in fn.arg_names
                                      if a.endswith("_ptr") or a in ("K", "stride_xm", "stride_wn", "stride_ym")
-                                     or boundary and a in BOUNDARY_DIVISIBLE or norm and a in NORM_DIVISIBLE],
+                                     or boundary and a in BOUNDARY_DIVISIBLE],
                           num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                           # as the launcher compiles the boundary epilogue (`ExactMM.__call__`)
                           **({"enable_fp_fusion": False, "maxnreg": E._BOUNDARY_MAXNREG.get(cfg)} if boundary else {}))
@@ -91,7 +75,7 @@ def measure(cfg: E.ExactConfig, rope: bool = False, boundary: bool = False, norm
     fp32 = sum(ops.get(o, 0) for o in FP32_PIPE)
     ptx = kernel.asm["ptx"]
     return dict(config=cfg.spec,
-                rows=cfg.rows, rope=rope, boundary=boundary, norm=norm,
+                rows=cfg.rows, rope=rope, boundary=boundary,
                 # the rotation's inline PTX (`kv_write.rope_rotate`: mul.rn / sub.rn / add.rn into its
                 # own registers a, b), and no FP32 op that flushes subnormals
                 rotation="mul.rn.f32 a," in ptx, ftz=".ftz.f32" in ptx,
@@ -105,12 +89,12 @@ def measure(cfg: E.ExactConfig, rope: bool = False, boundary: bool = False, norm
 
 def main() -> None:
     specs = [a for a in sys.argv[1:] if not a.startswith("--")]
-    rope, boundary, norm = "--rope" in sys.argv, "--boundary" in sys.argv, "--norm" in sys.argv
+    rope, boundary = "--rope" in sys.argv, "--boundary" in sys.argv
     if specs:
-        configs = [(E.ExactConfig.from_spec(s), rope, boundary, norm) for s in specs]
+        configs = [(E.ExactConfig.from_spec(s), rope, boundary) for s in specs]
     elif "--all" in sys.argv or "--tp1" in sys.argv:
         shapes = REAL_SHAPES if "--all" in sys.argv else TP1_SHAPES
-        configs = [(c, rope, boundary, norm)
+        configs = [(c, rope, boundary)
                    for c in dict.fromkeys(E.planned_config(n, k, b, fp64=f) for n, k in shapes for b in (1, 2, 4)
                                           for f in (True, False))]
     else:   # fused wq_a|wkv's plan at 1 row (FP64 sums, as wo_b's), wo_b's FP32 plan at 1 (where FP64 runs
@@ -118,25 +102,20 @@ def main() -> None:
         # wq_b's plans at 1 and 4 rows with the query RoPE (at 4 rows the most registers with it);
         # wo_b's plans at 1 row (FP64 and FP32 sums) with the mHC boundary epilogue (the step's
         # with fold_boundary)
-        configs = [(E.planned_config(1792, 5120, 1, fp64=True), False, False, False),
-                   (E.planned_config(5120, 8192, 1, fp64=False), False, False, False),
-                   (E.planned_config(5120, 8192, 4, fp64=True), False, False, False),
-                   (E.ExactConfig(block_n=8, block_k=1024, rows=2, num_warps=4, num_stages=3, split=2), False, False,
-                    False),
-                   (E.planned_config(32768, 1280, 1, fp64=True), True, False, False),
-                   (E.planned_config(32768, 1280, 4, fp64=True), True, False, False),
-                   (E.planned_config(5120, 8192, 1, fp64=True), False, True, False),
-                   (E.planned_config(5120, 8192, 1, fp64=False), False, True, False),
-                   (E.planned_config(1792, 5120, 2, fp64=True), False, False, False),
-                   (E.planned_config(1792, 5120, 1, fp64=True), False, False, True),
-                   (E.planned_config(1792, 5120, 2, fp64=True), False, False, True)]
-    for cfg, with_rope, with_boundary, with_norm in configs:
-        r = measure(cfg, with_rope, with_boundary, with_norm)
+        configs = [(E.planned_config(1792, 5120, 1, fp64=True), False, False),
+                   (E.planned_config(5120, 8192, 1, fp64=False), False, False),
+                   (E.planned_config(5120, 8192, 4, fp64=True), False, False),
+                   (E.ExactConfig(block_n=8, block_k=1024, rows=2, num_warps=4, num_stages=3, split=2), False, False),
+                   (E.planned_config(32768, 1280, 1, fp64=True), True, False),
+                   (E.planned_config(32768, 1280, 4, fp64=True), True, False),
+                   (E.planned_config(5120, 8192, 1, fp64=True), False, True),
+                   (E.planned_config(5120, 8192, 1, fp64=False), False, True)]
+    for cfg, with_rope, with_boundary in configs:
+        r = measure(cfg, with_rope, with_boundary)
         if "--json" in sys.argv:
             print(json.dumps(r), flush=True)
         else:
-            print(f"{r['config']:16s}{' rope' if r['rope'] else ''}{' boundary' if r['boundary'] else ''}"
-                  f"{' norm' if r['norm'] else ''} "
+            print(f"{r['config']:16s}{' rope' if r['rope'] else ''}{' boundary' if r['boundary'] else ''} "
                   f"REG {r['REG']:3d} STACK {r['STACK']} "
                   f"LOCAL {r['LOCAL']} STL/LDL {r['spills']}  "
                   f"main loop {r['loop']:4d} instructions, {r['per_elem_row']:5.2f} per weight element and row, "
