@@ -39,50 +39,16 @@ def inv_rms(total, eps, D: tl.constexpr):
 
 
 @triton.jit
-def _pow2_f64(e):
-    """2^e as FP64 for an int32 e in [-1022, 1023] (the bits of the exponent field)."""
-    return ((e + 1023).to(tl.int64) << 52).to(tl.float64, bitcast=True)
-
-
-@triton.jit
-def sum_of_squares(x):
-    """The sum of x^2 over the vector x (FP32), the same bits in any order and any layout.
-
-    Each square is rounded to FP32 (exact for BF16 x), then put on a fixed-point grid set by the
-    largest: with m = max(x^2) in [2^E, 2^(E+1)), every square times 2^(49 - E) (exact in FP64),
-    truncated to an int64 (below 2^50; its part under one unit, 2^(E - 49), dropped), and the
-    int64s summed (associative: any order gives the same sum; at most 2^13 terms stay below 2^63).
-    The sum is rounded to FP32 once and scaled back by 2^(E - 49) through FP64 (exact where the
-    result is an FP32 normal). The dropped parts are under D units of 2^(E - 49), a relative
-    error below D * 2^-49 of the sum (which is at least m): below FP32's rounding for D <= 8192.
-    So a kernel of any warps and tiling - a GEMM epilogue's one-warp program and the 4-warp norm
-    launch - gives a row the same factor. A NaN square makes the sum NaN, an infinite one +inf (the
-    FP32 sum's results; the fixed point takes the finite squares only)."""
-    sq = x * x
-    finite = sq < float("inf")                                       # NaN and +inf out
-    special = tl.sum(tl.where(finite, 0.0, sq), axis=0)             # 0, +inf or NaN in any order
-    sq = tl.where(finite, sq, 0.0)
-    m = tl.max(sq, axis=0)
-    e = ((m.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127         # E (-127 for m = 0 or subnormal)
-    fixed = (sq.to(tl.float64) * _pow2_f64(49 - e)).to(tl.int64)
-    total = (tl.sum(fixed, axis=0).to(tl.float32).to(tl.float64) * _pow2_f64(e - 49)).to(tl.float32)
-    return tl.where(special == 0.0, total, special)
-
-
-@triton.jit
-def rms_row(x_row, eps, D: tl.constexpr, BLOCK: tl.constexpr, ROUND_IN: tl.constexpr, CG: tl.constexpr = False):
+def rms_row(x_row, eps, D: tl.constexpr, BLOCK: tl.constexpr, ROUND_IN: tl.constexpr):
     """(x, r): the row at x_row as FP32 [BLOCK] (0 past D; ROUND_IN: an FP32 input rounded to BF16
     first, `latent`: rms_norm(c.to(bf16))) and its norm factor r = 1/sqrt(mean(x^2) + eps), the sum
-    of squares `sum_of_squares` (the same bits in every kernel's layout). CG: the row loaded from
-    L2 (.cg: written by other programs of the launch)."""
+    of squares one `tl.sum` over the [BLOCK] vector (its order is the layout's: every kernel that
+    must reproduce a row's r - `ops.compressor_tail` - calls this with the same BLOCK and warps)."""
     d = tl.arange(0, BLOCK)
-    if CG:
-        x = tl.load(x_row + d, mask=d < D, other=0.0, cache_modifier=".cg").to(tl.float32)
-    else:
-        x = tl.load(x_row + d, mask=d < D, other=0.0).to(tl.float32)
+    x = tl.load(x_row + d, mask=d < D, other=0.0).to(tl.float32)
     if ROUND_IN:
         x = bf16_round(x)
-    return x, inv_rms(sum_of_squares(x), eps, D)
+    return x, inv_rms(tl.sum(x * x, axis=0), eps, D)
 
 
 @triton.jit
