@@ -48,6 +48,9 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
                     same bits; measured slower on an H200 (docs/step.md)
     topk_chunk      the indexer's top-k plans with chunks of --topk-chunk entries (default 1024,
                     as the step's plan: `TopKPlan.build`'s default; set it to compare another)
+    boundary_bd256  the mHC boundary's plan in chunks of 256 / 1024 columns instead of 512 (20 / 5
+    boundary_bd1024 co-resident programs a row at dim 5120; the sum of squares in other chunks, so
+                    other bits for u: the 8-row comparison says False)
     skip_pair       knock-outs (not the step: outputs differ; the 8-row output's comparison says so):
     skip_boundary   the q/kv norm pair, the mHC boundary's launch, every site's mixer or the sparse
     skip_mixer      MLA left out of the captured step, each alone: what that launch costs the
@@ -86,7 +89,7 @@ from dsv41_decode.decode import attention as attention_mod, boundary as boundary
 from dsv41_decode.decode.lanes import PRIORITY_CRITICAL, PRIORITY_SLACK
 from dsv41_decode.ops import LOW_BATCH_MAX_ROWS, topk
 from dsv41_decode.ops.ll_bf16 import LlBf16Plan
-from dsv41_decode.ops.mhc import BoundaryOperands
+from dsv41_decode.ops.mhc import BoundaryOperands, MhcBoundaryPlan
 from dsv41_decode.stack import AttentionStack
 from dsv41_decode.state import DecodeState
 from dsv41_decode.testing.synthetic import fill_state, random_checkpoint
@@ -113,6 +116,8 @@ PRIORITIES = {
     "wproj_in_index": (C, (C, S, C)),
     "wproj_split": (C, (C, S, C)),
     "comp_tail": (C, (C, S, C)),
+    "boundary_bd256": (C, (C, S, C)),
+    "boundary_bd1024": (C, (C, S, C)),
     "skip_pair": (C, (C, S, C)),
     "skip_boundary": (C, (C, S, C)),
     "skip_mixer": (C, (C, S, C)),
@@ -236,6 +241,20 @@ def _boundary_split(step):
     return _swap([(b, "exit_plan", dataclasses.replace(b.exit_plan, coresident=False))])
 
 
+def _boundary_chunks(block_d: int):
+    """A patch giving the step's boundary a plan of block_d-column chunks (its own workspace, the form
+    `MhcBoundaryPlan.build` picks); the undo restores the step's plan. The patch holds the new plan
+    (its workspace and counters, which the captured graph uses) for as long as it is referenced."""
+    held = []
+
+    def patch(step):
+        b = step.boundary
+        p = b.exit_plan
+        held.append(MhcBoundaryPlan.build(p.dim, p.max_rows, p.ws.device, block_d))
+        return _swap([(b, "exit_plan", held[-1])])
+    return patch
+
+
 def _comp_tail(step):
     """Patch the step: the compressor's tail in one launch in every layer that has its plan (the
     layers whose wk plan fits `ops.compressor_tail`); returns the undo."""
@@ -273,7 +292,8 @@ def main() -> None:
                  "topk_chunk": _topk_chunk, "wproj_lane": _layer_flag("proj_own_lane", True),
                  "wproj_split": _wproj_split, "wproj_in_index": _layer_flag("proj_own_lane", False),
                  "comp_tail": _comp_tail, "skip_pair": _skip(attention_mod, "rms_norm_pair_"),
-                 "skip_boundary": _skip(BoundaryOperands, "launch"), "skip_mixer": _skip(boundary_mod, "hc_mix_"),
+                 "skip_boundary": _skip(BoundaryOperands, "launch"),
+                 "boundary_bd256": _boundary_chunks(256), "boundary_bd1024": _boundary_chunks(1024), "skip_mixer": _skip(boundary_mod, "hc_mix_"),
                  "skip_mla": _skip(attention_mod, "sparse_mla_launch")}.get(name)
         undo = patch(step) if patch else (lambda: None)
         step.graphs = {}
