@@ -48,9 +48,6 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
                     same bits; measured slower on an H200 (docs/step.md)
     topk_chunk      the indexer's top-k plans with chunks of --topk-chunk entries (default 1024,
                     as the step's plan: `TopKPlan.build`'s default; set it to compare another)
-    table_main      the sparse-index table (`topk_slots_`) on the main stream after the top-k instead of
-                    on the index query's lane (`AttentionStep.table_lane`): one cross-stream edge
-                    less before the sparse MLA in the indexer layers
     boundary_bd256  the mHC boundary's plan in chunks of 256 / 1024 columns instead of 512 (20 / 5
     boundary_bd1024 co-resident programs a row at dim 5120; the sum of squares in other chunks, so
                     other bits for u: the 8-row comparison says False)
@@ -119,7 +116,6 @@ PRIORITIES = {
     "wproj_in_index": (C, (C, S, C)),
     "wproj_split": (C, (C, S, C)),
     "comp_tail": (C, (C, S, C)),
-    "table_main": (C, (C, S, C)),
     "boundary_bd256": (C, (C, S, C)),
     "boundary_bd1024": (C, (C, S, C)),
     "skip_pair": (C, (C, S, C)),
@@ -297,8 +293,7 @@ def main() -> None:
                  "wproj_split": _wproj_split, "wproj_in_index": _layer_flag("proj_own_lane", False),
                  "comp_tail": _comp_tail, "skip_pair": _skip(attention_mod, "rms_norm_pair_"),
                  "skip_boundary": _skip(BoundaryOperands, "launch"),
-                 "table_main": _layer_flag("table_lane", False), "boundary_bd256": _boundary_chunks(256),
-                 "boundary_bd1024": _boundary_chunks(1024), "skip_mixer": _skip(boundary_mod, "hc_mix_"),
+                 "boundary_bd256": _boundary_chunks(256), "boundary_bd1024": _boundary_chunks(1024), "skip_mixer": _skip(boundary_mod, "hc_mix_"),
                  "skip_mla": _skip(attention_mod, "sparse_mla_launch")}.get(name)
         undo = patch(step) if patch else (lambda: None)
         step.graphs = {}

@@ -287,9 +287,6 @@ class AttentionStep:
         # (the trace verifier's teacher forcing at a tie, testing.trace_step); None in a step
         self.forced_topk: torch.Tensor | None = None
         self.comp_tail_fused = False
-        # the sparse-index table on the index query's lane (after the top-k on the main stream), or
-        # with False on the main stream itself (a schedule choice: the same bits)
-        self.table_lane = True
         self.comp_tail_plan: CompressorTailPlan | None = None
         if spec.owns_compressor:
             if spec.ratio == 2:
@@ -555,14 +552,8 @@ class AttentionStep:
         self._tables(B, events)
 
     def _tables(self, B: int, events: StepEvents) -> None:
-        """The sparse-index table of the selection's rows [0, B) (lane 2; main with `table_lane` off),
-        its event in `events`."""
+        """The sparse-index table of the selection's rows [0, B) (lane 2), its event in `events`."""
         m, st, r, sel, lanes = self.meta, self.state, self.spec.ratio, self.selection, self.lanes
-        if not self.table_lane:
-            topk_slots_(sel.topk[:B], m.kernel_slot[:B], st.block_table[r], st.page_size, sel.table[:B],
-                        sel.lengths[:B])
-            events.tables[self.spec.layer] = lanes.mark()     # protects sel.table
-            return
         topk_ready = lanes.mark()                             # protects sel.topk
         with lanes.side(AUX_INDEX_Q):
             lanes.wait(topk_ready)
