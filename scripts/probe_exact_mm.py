@@ -6,7 +6,7 @@ smaller than L2 comes from DRAM as in the step), and the bits of each against
 `reference.linear.mxfp8_mm` (every ExactMM configuration must be bitwise; low_latency_mm's
 differing BF16 outputs are counted).
 One line per (shape, rows, configuration), then per shape and row bucket the fastest bitwise
-configuration as an `ops.exact_mm._TUNED` entry (least time summed over the bucket's rows).
+configuration as an `ops.exact_mm_plan._TUNED` entry (least time summed over the bucket's rows).
 `--rows=1,2` and `--only=wq_b,wo_b` narrow it; `--alt=bn:bk:rows:warps:stages[:split[:f64]],...` (or
 `default`; f64 1: the block sums on the FP64 cores) replaces the built-in candidates (every shape), or
 `--alt_<shape>=...` those of one shape; `--copies=N` (default 1) the weight
@@ -21,7 +21,8 @@ import torch
 from dsv41_decode.bench.timing import graph_time_us, l2_rotation
 from dsv41_decode.formats import fp8_block_quantize, mxfp8_quantize
 from dsv41_decode.ops.exact_linear import ExactLinear
-from dsv41_decode.ops.exact_mm import ExactConfig, ExactMM
+from dsv41_decode.ops.exact_mm import ExactMM
+from dsv41_decode.ops.exact_mm_plan import ExactConfig
 from dsv41_decode.ops.low_latency_mm import LowLatencyMM
 from dsv41_decode.reference.linear import mxfp8_mm
 

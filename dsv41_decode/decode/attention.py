@@ -39,7 +39,7 @@ from ..ops.indexer import index_scores_mxfp4_
 from ..ops.kv_write import compressed_entry_store_, query_rope_
 from ..ops.common import is_sm90
 from ..ops.exact_linear import ExactLinear
-from ..ops.exact_mm import ExactConfig
+from ..ops.exact_mm_plan import ExactConfig
 from ..ops.gluon_indexer import gluon_index_scores_mxfp4_
 from ..ops.gluon_mm import GluonMM
 from ..ops.gluon_wo_a import GluonWoAConfig, GluonWoAPlan, foldable_scale, gluon_wo_a_

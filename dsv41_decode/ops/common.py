@@ -63,7 +63,7 @@ def fp64_rate_ratio(device: torch.device) -> int | None:
 
 def full_rate_fp64(device: torch.device) -> bool:
     """Whether a device runs FP64 at half its FP32 rate (`fp64_rate_ratio` <= 2): what the exact
-    linears' FP64 forms (`exact_mm.ExactConfig.f64`, `gluon_exact_fma.GluonExactFMA`) need to
+    linears' FP64 forms (`exact_mm_plan.ExactConfig.f64`, `gluon_exact_fma.GluonExactFMA`) need to
     pay; where FP64 runs at 1/32-1/64 of FP32 the plans keep FP32 sums. False off CUDA."""
     ratio = fp64_rate_ratio(device)
     return ratio is not None and ratio <= 2

@@ -11,7 +11,7 @@ ExactMM's time grows with the rows (about 4 FP32 instructions per product, or on
 `ExactConfig.f64`), GluonExactMM's stays near its FP64 MMA's (at least 8 x rows per MMA) up to 8
 rows, GluonExactFMA's (one DFMA per code and row) grows with the rows from a lower start on the
 widest shape: GluonExactFMA runs 1-2 rows of `wq_b` (`_FMA_PLAN`); ExactMM 1-2 rows of the fused
-wq_a|wkv, the indexer's wq_b and wo_b (`exact_mm._TUNED`: FP64 block sums at 1 row of the fused
+wq_a|wkv, the indexer's wq_b and wo_b (`exact_mm_plan._TUNED`: FP64 block sums at 1 row of the fused
 wq_a|wkv and 1-2 of wo_b); GluonExactMM above (`_GLUON_PLAN`; all measured).
 Each op takes the query RoPE epilogue (`rope=(cos, sin)`, the step's wq_b) with the same bits, so
 the step rotates its queries in wq_b's launch whichever op runs it."""
@@ -88,7 +88,7 @@ _GLUON_PLAN: dict[tuple[int, int], tuple[int, dict[int, GluonExactConfig]]] = {
 # every candidate 20.0 us or more against ExactMM's 16.8, run AV), so ExactMM runs wo_b; at the
 # fused wq_a|wkv and the indexer's wq_b ExactMM or GluonExactMM is as fast or faster at every row
 # count (fused 9.6 / 11.1 at 1 / 2 rows with the split against ExactMM's 6.5 / 11.1 on the rule's
-# configuration, 9.2 on the bucket-2 entry of exact_mm._TUNED, run AX; the indexer's 6.6 against 4.6).
+# configuration, 9.2 on the bucket-2 entry of exact_mm_plan._TUNED, run AX; the indexer's 6.6 against 4.6).
 _FMA_PLAN: dict[tuple[int, int], tuple[int, int, GluonExactFMAConfig]] = {
     (32768, 1280): (1, 2, _fma_cfg("2:2:1:4")),
 }

@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from dsv41_decode.ops import exact_mm as E
+from dsv41_decode.ops import exact_mm_plan as P
 from dsv41_decode.ops.mhc import MhcBoundaryPlan
 from dsv41_decode.testing.sm90 import compile_sm90, loops, main_loop, opcode_counts, resources, rope_epilogue, sass
 
@@ -45,12 +46,12 @@ NO_BOUNDARY = dict.fromkeys((*BOUNDARY_TYPES, *BOUNDARY_DIVISIBLE, "stride_post"
                              "stride_bws", "stride_ccnt"))
 
 
-def boundary_consts(cfg: E.ExactConfig, dim: int = 5120, block_d: int = 512) -> dict:
+def boundary_consts(cfg: P.ExactConfig, dim: int = 5120, block_d: int = 512) -> dict:
     """The boundary epilogue's constexprs as `exact_mm.boundary_kwargs` sets them."""
     return E.boundary_constexprs(MhcBoundaryPlan.build(dim, 1, "cpu", block_d), cfg.num_warps)
 
 
-def measure(cfg: E.ExactConfig, rope: bool = False, boundary: bool = False) -> dict:
+def measure(cfg: P.ExactConfig, rope: bool = False, boundary: bool = False) -> dict:
     fn = E._exact_mm_kernel
     rope_args = rope_epilogue(rope)      # the query-RoPE epilogue's arguments as the plan passes them
     types = {**TYPES, **rope_args.get("types", {}), **(BOUNDARY_TYPES if boundary else {})}
@@ -66,7 +67,7 @@ def measure(cfg: E.ExactConfig, rope: bool = False, boundary: bool = False) -> d
                                      or boundary and a in BOUNDARY_DIVISIBLE],
                           num_warps=cfg.num_warps, num_stages=cfg.num_stages,
                           # as the launcher compiles the boundary epilogue (`ExactMM.__call__`)
-                          **({"enable_fp_fusion": False, "maxnreg": E._BOUNDARY_MAXNREG.get(cfg)} if boundary else {}))
+                          **({"enable_fp_fusion": False, "maxnreg": P._BOUNDARY_MAXNREG.get(cfg)} if boundary else {}))
     loop = main_loop(kernel)
     k_loop = min(loops(kernel), key=len)       # the innermost loop: over K
     ops = opcode_counts(loop)
@@ -91,25 +92,25 @@ def main() -> None:
     specs = [a for a in sys.argv[1:] if not a.startswith("--")]
     rope, boundary = "--rope" in sys.argv, "--boundary" in sys.argv
     if specs:
-        configs = [(E.ExactConfig.from_spec(s), rope, boundary) for s in specs]
+        configs = [(P.ExactConfig.from_spec(s), rope, boundary) for s in specs]
     elif "--all" in sys.argv or "--tp1" in sys.argv:
         shapes = REAL_SHAPES if "--all" in sys.argv else TP1_SHAPES
         configs = [(c, rope, boundary)
-                   for c in dict.fromkeys(E.planned_config(n, k, b, fp64=f) for n, k in shapes for b in (1, 2, 4)
+                   for c in dict.fromkeys(P.planned_config(n, k, b, fp64=f) for n, k in shapes for b in (1, 2, 4)
                                           for f in (True, False))]
     else:   # fused wq_a|wkv's plan at 1 row (FP64 sums, as wo_b's), wo_b's FP32 plan at 1 (where FP64 runs
         # slowly) and its plan at 4 (its registers are the most), a K split;
         # wq_b's plans at 1 and 4 rows with the query RoPE (at 4 rows the most registers with it);
         # wo_b's plans at 1 row (FP64 and FP32 sums) with the mHC boundary epilogue (the step's
         # with fold_boundary)
-        configs = [(E.planned_config(1792, 5120, 1, fp64=True), False, False),
-                   (E.planned_config(5120, 8192, 1, fp64=False), False, False),
-                   (E.planned_config(5120, 8192, 4, fp64=True), False, False),
-                   (E.ExactConfig(block_n=8, block_k=1024, rows=2, num_warps=4, num_stages=3, split=2), False, False),
-                   (E.planned_config(32768, 1280, 1, fp64=True), True, False),
-                   (E.planned_config(32768, 1280, 4, fp64=True), True, False),
-                   (E.planned_config(5120, 8192, 1, fp64=True), False, True),
-                   (E.planned_config(5120, 8192, 1, fp64=False), False, True)]
+        configs = [(P.planned_config(1792, 5120, 1, fp64=True), False, False),
+                   (P.planned_config(5120, 8192, 1, fp64=False), False, False),
+                   (P.planned_config(5120, 8192, 4, fp64=True), False, False),
+                   (P.ExactConfig(block_n=8, block_k=1024, rows=2, num_warps=4, num_stages=3, split=2), False, False),
+                   (P.planned_config(32768, 1280, 1, fp64=True), True, False),
+                   (P.planned_config(32768, 1280, 4, fp64=True), True, False),
+                   (P.planned_config(5120, 8192, 1, fp64=True), False, True),
+                   (P.planned_config(5120, 8192, 1, fp64=False), False, True)]
     for cfg, with_rope, with_boundary in configs:
         r = measure(cfg, with_rope, with_boundary)
         if "--json" in sys.argv:

@@ -16,7 +16,7 @@ from _gluon_linear_support import spill_free
 from test_exact_mm import _bits, _exact_operands, _gen, check_boundary, check_rope
 
 from dsv41_decode.ops.exact_linear import _FMA_PLAN, _GLUON_PLAN, ExactLinear
-from dsv41_decode.ops.exact_mm import ExactConfig
+from dsv41_decode.ops.exact_mm_plan import ExactConfig
 from dsv41_decode.ops.gluon_exact_fma import GluonExactFMAConfig
 from dsv41_decode.ops import gluon_exact_mm as E
 from dsv41_decode.ops.gluon_exact_mm import GluonExactConfig

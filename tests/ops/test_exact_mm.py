@@ -22,8 +22,8 @@ from helpers import (boundary_operands, check_mxfp8_plan_errors, compile_script,
                      run_b32_ptx)
 
 from dsv41_decode.ops.common import fp64_rate_ratio, full_rate_fp64
-from dsv41_decode.ops.exact_mm import (_TUNED, _TUNED_FP32, HI_WORDS_PTX, ExactConfig, ExactMM, _chain_asm,
-                                       planned_config)
+from dsv41_decode.ops.exact_mm import HI_WORDS_PTX, ExactMM, _chain_asm
+from dsv41_decode.ops.exact_mm_plan import _TUNED, _TUNED_FP32, ExactConfig, planned_config
 from dsv41_decode.ops.kv_write import query_rope_
 from dsv41_decode.ops.mhc import MhcBoundaryPlan, mhc_boundary
 from dsv41_decode.reference.linear import mxfp8_mm
@@ -446,7 +446,7 @@ def test_compiles_for_sm90_without_spills():
     FP32-pipe instructions (the terms); the
     epilogue's rotation as explicitly rounded PTX (`kv_write.rope_rotate`), no FP32 op that flushes
     subnormals. wo_b's 1-row plans (FP64 and FP32 sums) with the mHC boundary epilogue
-    (`--boundary`) under their register caps (`exact_mm._BOUNDARY_MAXNREG`): no spills, the plain
+    (`--boundary`) under their register caps (`exact_mm_plan._BOUNDARY_MAXNREG`): no spills, the plain
     kernel's registers as allocated (88 a thread against 84, and 96 against 96: the same 8-register
     allocation unit, so the same programs an SM), the K loop's FP32 instructions as without it."""
     out, rows = compile_script(Path(__file__).with_name("_exact_mm_sm90.py"), "--json")
