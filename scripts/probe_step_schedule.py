@@ -51,6 +51,10 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
     boundary_bd256  the mHC boundary's plan in chunks of 256 / 1024 columns instead of 512 (20 / 5
     boundary_bd1024 co-resident programs a row at dim 5120; the sum of squares in other chunks, so
                     other bits for u: the 8-row comparison says False)
+    prefetch_wo_a   the first --prefetch-mb MB (default 40) of every layer's wo_a weight asked of L2
+                    (`pdl.bulk_prefetch_l2`, 64 KB an instruction) on the weights lane, issued once
+                    wq_b is done, beside the sparse MLA (which reads little of DRAM), joined at
+                    the step's end; the same bits
     skip_pair       knock-outs (not the step: outputs differ; the 8-row output's comparison says so):
     skip_boundary   the q/kv norm pair, the mHC boundary's launch, every site's mixer or the sparse
     skip_mixer      MLA left out of the captured step, each alone: what that launch costs the
@@ -80,16 +84,19 @@ import dataclasses
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 from _args import arg
 from dsv41_decode.bench.step import output_and_times
 from dsv41_decode.bench.step_timeline import replay_kernels
 from dsv41_decode.config import ModelConfig
 from dsv41_decode.decode import attention as attention_mod, boundary as boundary_mod
-from dsv41_decode.decode.lanes import PRIORITY_CRITICAL, PRIORITY_SLACK
+from dsv41_decode.decode.lanes import AUX_INDEX_W, PRIORITY_CRITICAL, PRIORITY_SLACK, StepEvents
 from dsv41_decode.ops import LOW_BATCH_MAX_ROWS, topk
 from dsv41_decode.ops.ll_bf16 import LlBf16Plan
 from dsv41_decode.ops.mhc import BoundaryOperands, MhcBoundaryPlan
+from dsv41_decode.ops.pdl import bulk_prefetch_l2
 from dsv41_decode.stack import AttentionStack
 from dsv41_decode.state import DecodeState
 from dsv41_decode.testing.synthetic import fill_state, random_checkpoint
@@ -118,6 +125,7 @@ PRIORITIES = {
     "comp_tail": (C, (C, S, C)),
     "boundary_bd256": (C, (C, S, C)),
     "boundary_bd1024": (C, (C, S, C)),
+    "prefetch_wo_a": (C, (C, S, C)),
     "skip_pair": (C, (C, S, C)),
     "skip_boundary": (C, (C, S, C)),
     "skip_mixer": (C, (C, S, C)),
@@ -259,6 +267,41 @@ def _comp_tail(step):
     """Patch the step: the compressor's tail in one launch in every layer that has its plan (the
     layers whose wk plan fits `ops.compressor_tail`); returns the undo."""
     return _swap([(layer, "comp_tail_fused", layer.comp_tail_plan is not None) for layer in step.layers.values()])
+
+
+@triton.jit
+def _prefetch_kernel(base_ptr, n_bytes, CHUNK: tl.constexpr, LANES: tl.constexpr):
+    # lane i of program p asks L2 for bytes [(p * LANES + i) * CHUNK, +CHUNK) of the n_bytes at base_ptr
+    i = tl.program_id(0) * LANES + tl.arange(0, LANES)
+    start = i.to(tl.int64) * CHUNK
+    size = tl.maximum(tl.minimum(n_bytes - start, CHUNK), 0).to(tl.int32)
+    bulk_prefetch_l2((base_ptr.to(tl.pointer_type(tl.uint8)) + start).to(tl.int64), size)
+
+
+def _prefetch_wo_a(step):
+    """Patch every layer's `_attend`: before the sparse MLA, the weights lane waits for the main
+    stream (wq_b done) and asks L2 for the head of the layer's wo_a weight; the main stream joins
+    that lane only at the end of the step (`StepEvents.join`: the kernel only issues prefetches and
+    writes nothing). Returns the undo."""
+    nbytes = int(float(arg("prefetch-mb", "40")) * 2**20)
+    attend, join = attention_mod.AttentionStep._attend, StepEvents.join
+    last = [None]
+
+    def attend_prefetching(self, B, events):
+        w = self.wo_a_w
+        n = min(nbytes, w.numel() * w.element_size())
+        ready = self.lanes.mark()
+        with self.lanes.side(AUX_INDEX_W):
+            self.lanes.wait(ready)
+            chunk, lanes = 65520 - 65520 % 16, 128
+            _prefetch_kernel[(triton.cdiv(triton.cdiv(n, chunk), lanes),)](w, n, CHUNK=chunk, LANES=lanes, num_warps=4)
+            last[0] = self.lanes.mark()
+        return attend(self, B, events)
+
+    def join_prefetch(self, lanes):
+        join(self, lanes)
+        lanes.wait(last[0])
+    return _swap([(attention_mod.AttentionStep, "_attend", attend_prefetching), (StepEvents, "join", join_prefetch)])
 
 
 def _skip(obj, name: str):
