@@ -336,7 +336,8 @@ def main() -> None:
                  "wproj_split": _wproj_split, "wproj_in_index": _layer_flag("proj_own_lane", False),
                  "comp_tail": _comp_tail, "skip_pair": _skip(attention_mod, "rms_norm_pair_"),
                  "skip_boundary": _skip(BoundaryOperands, "launch"),
-                 "boundary_bd256": _boundary_chunks(256), "boundary_bd1024": _boundary_chunks(1024), "skip_mixer": _skip(boundary_mod, "hc_mix_"),
+                 "prefetch_wo_a": _prefetch_wo_a, "boundary_bd256": _boundary_chunks(256),
+                 "boundary_bd1024": _boundary_chunks(1024), "skip_mixer": _skip(boundary_mod, "hc_mix_"),
                  "skip_mla": _skip(attention_mod, "sparse_mla_launch")}.get(name)
         undo = patch(step) if patch else (lambda: None)
         step.graphs = {}
