@@ -52,7 +52,7 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
     boundary_bd1024 co-resident programs a row at dim 5120; the sum of squares in other chunks, so
                     other bits for u: the 8-row comparison says False)
     prefetch_wo_a   the first --prefetch-mb MB (default 40) of every layer's wo_a weight asked of L2
-                    (`pdl.bulk_prefetch_l2`, 64 KB an instruction) on the weights lane, issued once
+                    (`pdl.bulk_prefetch_l2`, 16 KB an instruction, 32 a program) on the weights lane, issued once
                     wq_b is done, beside the sparse MLA (which reads little of DRAM), joined at
                     the step's end; the same bits
     skip_pair       knock-outs (not the step: outputs differ; the 8-row output's comparison says so):
@@ -293,8 +293,10 @@ def _prefetch_wo_a(step):
         ready = self.lanes.mark()
         with self.lanes.side(AUX_INDEX_W):
             self.lanes.wait(ready)
-            chunk, lanes = 65520 - 65520 % 16, 128
-            _prefetch_kernel[(triton.cdiv(triton.cdiv(n, chunk), lanes),)](w, n, CHUNK=chunk, LANES=lanes, num_warps=4)
+            # 16 KB an instruction, 32 a one-warp program: the prefetches spread over many SMs' copy
+            # engines (64 KB ones from 5 programs took 44 us for 40 MB, overlapping wo_a and wo_b)
+            chunk, lanes = 16384, 32
+            _prefetch_kernel[(triton.cdiv(triton.cdiv(n, chunk), lanes),)](w, n, CHUNK=chunk, LANES=lanes, num_warps=1)
             last[0] = self.lanes.mark()
         return attend(self, B, events)
 
