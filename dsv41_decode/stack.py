@@ -127,8 +127,7 @@ class AttentionStack:
         buffers and CUDA graphs (one per row bucket up to max_rows) are built here, once.
 
         options: the keyword arguments of DecodeStep (buckets, graphs, overlap, tp_boundary,
-        wo_a_fp8, exact_linears, fp32_dots, fold_index_chain, fold_boundary, weights_lane, comp_tail,
-        mix_late_rows, fold_norm), documented
+        wo_a_fp8, exact_linears, fp32_dots, fold_index_chain, fold_boundary, weights_lane, comp_tail), documented
         there.
         """
         from .decode import DecodeStep   # decode/ composes the stack, not the other way round

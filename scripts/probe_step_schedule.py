@@ -55,11 +55,6 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
                     (`pdl.bulk_prefetch_l2`, 16 KB an instruction, 32 a program) on the weights lane, issued once
                     wq_b is done, beside the sparse MLA (which reads little of DRAM), joined at
                     the step's end; the same bits
-    norm_apart      the q/kv norm pair in a launch of its own in every layer (`fold_norm` off; the
-                    step's plans at 1-2 rows run one-warp programs, which do not take the fold)
-    fused4          the fused wq_a|wkv's 1- and 2-row plans on 4-warp programs (8:1024:1:4:3:1:1,
-                    8:1024:2:4:3) with the pair apart ...
-    fused4_fold     ... and with the pair in their epilogue (the pair's warps: `ExactMM.takes_norm`)
     skip_pair       knock-outs (not the step: outputs differ; the 8-row output's comparison says so):
     skip_boundary   the q/kv norm pair, the mHC boundary's launch, every site's mixer or the sparse
     skip_mixer      MLA left out of the captured step, each alone: what that launch costs the
@@ -99,12 +94,9 @@ from dsv41_decode.config import ModelConfig
 from dsv41_decode.decode import attention as attention_mod, boundary as boundary_mod
 from dsv41_decode.decode.lanes import AUX_INDEX_W, PRIORITY_CRITICAL, PRIORITY_SLACK, StepEvents
 from dsv41_decode.ops import LOW_BATCH_MAX_ROWS, topk
-from dsv41_decode.ops.exact_mm import ExactMM
-from dsv41_decode.ops.exact_mm_plan import ExactConfig
 from dsv41_decode.ops.ll_bf16 import LlBf16Plan
 from dsv41_decode.ops.mhc import BoundaryOperands, MhcBoundaryPlan
 from dsv41_decode.ops.pdl import bulk_prefetch_l2
-from dsv41_decode.ops.rms_norm import NormPairOperands
 from dsv41_decode.stack import AttentionStack
 from dsv41_decode.state import DecodeState
 from dsv41_decode.testing.synthetic import fill_state, random_checkpoint
@@ -134,9 +126,6 @@ PRIORITIES = {
     "boundary_bd256": (C, (C, S, C)),
     "boundary_bd1024": (C, (C, S, C)),
     "prefetch_wo_a": (C, (C, S, C)),
-    "norm_apart": (C, (C, S, C)),
-    "fused4": (C, (C, S, C)),
-    "fused4_fold": (C, (C, S, C)),
     "skip_pair": (C, (C, S, C)),
     "skip_boundary": (C, (C, S, C)),
     "skip_mixer": (C, (C, S, C)),
@@ -317,23 +306,6 @@ def _prefetch_wo_a(step):
     return _swap([(attention_mod.AttentionStep, "_attend", attend_prefetching), (StepEvents, "join", join_prefetch)])
 
 
-def _fused4(fold: bool):
-    """A patch running every layer's fused wq_a|wkv at 1-2 rows on 4-warp plans (the other buckets
-    as built), with the q/kv norm pair in their epilogue (fold) or apart; the undo restores the
-    plans and the flag."""
-    four = {1: ExactConfig.from_spec("8:1024:1:4:3:1:1"), 2: ExactConfig.from_spec("8:1024:2:4:3")}
-
-    def patch(step):
-        changes = []
-        for layer in step.layers.values():
-            mm = layer.mm_qkv.cuda_cores
-            plans = {b: four.get(b, launch.config) for b, launch in mm._launches.items()}
-            changes += [(layer.mm_qkv, "cuda_cores", ExactMM(mm.weight, mm.w_scale, mm.max_rows, plans)),
-                        (layer, "fold_norm", fold)]
-        return _swap(changes)
-    return patch
-
-
 def _skip(obj, name: str):
     """A patch replacing obj.name (a launcher the step calls) by a no-op; the undo restores it."""
     return lambda step: _swap([(obj, name, lambda *a, **k: None)])
@@ -364,10 +336,9 @@ def main() -> None:
                  "mix_late": _mix_rows(1), "mix_early": _mix_rows(LOW_BATCH_MAX_ROWS + 1),
                  "topk_chunk": _topk_chunk, "wproj_lane": _layer_flag("proj_own_lane", True),
                  "wproj_split": _wproj_split, "wproj_in_index": _layer_flag("proj_own_lane", False),
-                 "comp_tail": _comp_tail, "skip_pair": _skip(NormPairOperands, "launch"),
+                 "comp_tail": _comp_tail, "skip_pair": _skip(attention_mod, "rms_norm_pair_"),
                  "skip_boundary": _skip(BoundaryOperands, "launch"),
                  "prefetch_wo_a": _prefetch_wo_a, "boundary_bd256": _boundary_chunks(256),
-                 "norm_apart": _layer_flag("fold_norm", False), "fused4": _fused4(False), "fused4_fold": _fused4(True),
                  "boundary_bd1024": _boundary_chunks(1024), "skip_mixer": _skip(boundary_mod, "hc_mix_"),
                  "skip_mla": _skip(attention_mod, "sparse_mla_launch")}.get(name)
         undo = patch(step) if patch else (lambda: None)

@@ -231,27 +231,6 @@ def boundary_operands(gen: torch.Generator, m: int, dim: int, block_d: int = 512
     return BoundaryOperands(x, post, comb, pre, w, 1e-20, *outs, MhcBoundaryPlan.build(dim, max(m, 4), device, block_d))
 
 
-def norm_pair_operands(gen: torch.Generator, m: int, d_a: int, pool_rows: int = 40, device: str | None = None):
-    """`ops.rms_norm.NormPairOperands` of m rows, halves of d_a and 512 columns, on `device` (default:
-    CUDA when there is one): BF16 norm weights near 1, eps 1e-6, poisoned outputs (NaN rows, codes
-    0x7F, scales 0xFF), a window pool of pool_rows records filled with 0xA5, distinct random slots
-    (with m > 2, rows 1 and 2 at -1 and pool_rows: written nowhere) and `rope_operands`' cos, sin."""
-    from dsv41_decode.ops.rms_norm import NormPairOperands
-    from dsv41_decode.records import WINDOW_KV_BYTES
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    w_a, w_b = ((1 + 0.1 * torch.randn(d, generator=gen)).bfloat16().to(device) for d in (d_a, 512))
-    nan = float("nan")
-    out_a, out_b = (torch.full((m, d), nan, dtype=torch.bfloat16, device=device) for d in (d_a, 512))
-    codes = torch.full((m, d_a), 0x7F, dtype=torch.uint8, device=device)
-    scales = torch.full((m, d_a // 32), 0xFF, dtype=torch.uint8, device=device)
-    pool = torch.full((pool_rows, WINDOW_KV_BYTES), 0xA5, dtype=torch.uint8, device=device)
-    slots = torch.randperm(pool_rows, generator=gen)[:m].to(torch.int64)
-    if m > 2:
-        slots[1], slots[2] = -1, pool_rows
-    cos, sin = rope_operands(gen, m, device)
-    return NormPairOperands(w_a, out_a, codes, scales, w_b, out_b, 1e-6, pool, slots.to(device), cos, sin)
-
-
 def raises(match: str, fn) -> None:
     """fn() raises a TypeError or ValueError whose message matches `match`."""
     import pytest

@@ -46,7 +46,7 @@ from ..ops.gluon_wo_a import GluonWoAConfig, GluonWoAPlan, foldable_scale, gluon
 from ..ops.gluon_sparse_mla import GluonSparseMlaPlan, gluon_sparse_mla_
 from ..ops.ll_bf16 import LlBf16Plan, ll_bf16_
 from ..ops.mhc import BoundaryOperands
-from ..ops.rms_norm import NormPairOperands, rms_norm_
+from ..ops.rms_norm import rms_norm_, rms_norm_pair_
 from ..ops.low_latency_mm import LowLatencyConfig, LowLatencyMM
 from ..ops.sparse_mla import SUPPORTED_HEADS, SparseMlaPlan, sparse_mla_
 from ..ops.sparse_tables import topk_slots_
@@ -80,10 +80,8 @@ def fp8_linear_plan(weight: torch.Tensor, scale: torch.Tensor, max_rows: int, ex
     `Workspaces` pool, for a linear on the main stream only (the plans' `workspace` contract)."""
     n, k = weight.shape
     few = _few_programs(weight.device)
-    # in the interpreter: one program per up to 512 weight rows (the largest power of two dividing N,
-    # so that the fused wq_a|wkv's tiles lie within q's and kv's columns: the norm pair's epilogue),
-    # the deepest K step that divides K
-    wide_n, deep_k = min(512, n & -n), next((b for b in (256, 128, 64) if k % b == 0), 32)
+    # in the interpreter: one program per 512 weight rows, the deepest K step that divides K
+    wide_n, deep_k = min(512, triton.next_power_of_2(n)), next((b for b in (256, 128, 64) if k % b == 0), 32)
     if exact:
         config = ExactConfig(block_n=wide_n, block_k=deep_k, rows=4) if few else None
         return ExactLinear(weight, scale, max_rows, config, workspace)
@@ -229,12 +227,11 @@ class AttentionStep:
     def __init__(self, layer: AttentionLayer, state: DecodeState, meta: StepMeta, scratch: Scratch,
                  lanes: Lanes, max_rows: int, sources: Mapping[int, "AttentionStep"] | None = None,
                  wo_a_fp8: bool = False, exact_linears: bool = True, fp32_dots: bool = False,
-                 fold_index_chain: bool = False, weights_lane: bool = True, comp_tail: bool = False,
-                 fold_norm: bool = True):
+                 fold_index_chain: bool = False, weights_lane: bool = True, comp_tail: bool = False):
         """sources: the step's layers built before this one (by id), among them this layer's index and
         KV sources: a layer that reuses a selection or a candidate pool reads its source's buffers.
         The layer's own selection and candidate pool (when it makes them) are its attributes
-        `selection` and `candidate_mask`. fold_norm: `DecodeStep`'s (the attribute `fold_norm`)."""
+        `selection` and `candidate_mask`."""
         cfg, spec, w = layer.cfg, layer.spec, layer.w
         if not 1 <= max_rows <= LOW_BATCH_MAX_ROWS:
             raise NotEligible(f"max_rows={max_rows}: the specialized step serves 1..{LOW_BATCH_MAX_ROWS} rows")
@@ -266,8 +263,6 @@ class AttentionStep:
         # Gluon and Triton tiers), else as its own launch after it; the window insert runs in the
         # q/kv norm pair's launch
         self.rope_in_wq_b = isinstance(self.mm_wq_b, (ExactLinear, GluonMM, LowLatencyMM))
-        # the q/kv norm pair in the fused GEMM's epilogue where its op for the rows takes it (`folds_norm`)
-        self.fold_norm = bool(fold_norm)
         self.mm_wo_b = _fp8_plan(w, "wo_b", max_rows, exact_linears, pool)
         if "attn.wo_a.scale" in w:
             self.wo_a_w, self.wo_a_s = w["attn.wo_a.weight"], w["attn.wo_a.scale"]
@@ -364,14 +359,6 @@ class AttentionStep:
         return (self.layer.tp.tp == 1 and self.publish is None and isinstance(self.mm_wo_b, ExactLinear)
                 and self.mm_wo_b.takes_boundary(rows))
 
-    def folds_norm(self, rows: int) -> bool:
-        """Whether the q/kv norm pair (with the window insert) runs in the fused wq_a|wkv GEMM's
-        epilogue at `rows` rows: `fold_norm` on and the GEMM's op for those rows takes it
-        (`ExactLinear.takes_norm`: `ExactMM`, tiles within q's and kv's columns); else its own launch
-        after the GEMM. The same bits either way."""
-        return (self.fold_norm and isinstance(self.mm_qkv, ExactLinear)
-                and self.mm_qkv.takes_norm(rows, self.cfg.q_lora_rank, self.cfg.head_dim))
-
     def run(self, rows: int, u: torch.Tensor, u_codes: torch.Tensor, u_scales: torch.Tensor,
             y: torch.Tensor, events: StepEvents, shard: bool = False, boundary: BoundaryOperands | None = None,
             mixed: Event | None = None, after_inputs: Callable[[], None] | None = None) -> None:
@@ -422,12 +409,7 @@ class AttentionStep:
         proj_ready or None)."""
         cfg, spec, s, lanes = self.cfg, self.spec, self.s, self.lanes
         start = lanes.mark()                                  # protects u (written by the boundary)
-        m, r = self.meta, spec.ratio       # the pair: q_norm (+ MXFP8), kv_norm + the window insert
-        pair = NormPairOperands(self.w["attn.q_norm.weight"], s.qr[:B], s.qr_codes[:B], s.qr_scales[:B],
-                                self.w["attn.kv_norm.weight"], s.kv[:B], cfg.norm_eps, self.state.window[spec.layer],
-                                m.stage_slot[:B], m.cos[r][:B], m.sin[r][:B])
-        fold = self.folds_norm(B)
-        qkv = self.mm_qkv(u_codes, u_scales, s.qkv_a[:B], **({"norm": pair} if fold else {}))
+        qkv = self.mm_qkv(u_codes, u_scales, s.qkv_a[:B])
         kv_score = proj_ready = None
         if spec.owns_compressor:
             with lanes.side(AUX_COMPRESSOR):
@@ -444,8 +426,11 @@ class AttentionStep:
                     ll_bf16_(self.proj_plan, u[own], self.w_proj, s.wproj[own])
                 if own_lane:
                     proj_ready = lanes.mark()                 # protects wproj / iw (read on lane 2)
-        if not fold:
-            pair.launch(qkv)
+        ql = cfg.q_lora_rank
+        m, r = self.meta, spec.ratio     # one launch: q_norm (+ MXFP8), kv_norm + the window insert
+        rms_norm_pair_(qkv[:, :ql], self.w["attn.q_norm.weight"], s.qr[:B], s.qr_codes[:B], s.qr_scales[:B],
+                       qkv[:, ql:], self.w["attn.kv_norm.weight"], s.kv[:B], cfg.norm_eps,
+                       window=self.state.window[spec.layer], slots=m.stage_slot[:B], cos=m.cos[r][:B], sin=m.sin[r][:B])
         return kv_score, lanes.mark(), proj_ready             # the second event protects qr codes
 
     def _prepare(self, B: int, kv_score, qr_ready, proj_ready, own: slice):

@@ -127,12 +127,6 @@ class DecodeStep:
         one launch less a layer, the same bits (`boundary_folded`). Off by default (the boundary's
         own launch after wo_b, `Boundary.exit`): on an H200 the step took 3988 us at 1 row with it
         against 3764 without (1.06x; docs/step.md); no layer folds at 2-64 rows there.
-    fold_norm: the q/kv norm pair with the window insert in the fused wq_a|wkv GEMM's epilogue
-        wherever that GEMM's op for the bucket's rows is `ExactMM` (exact linears on an sm_90 GPU:
-        1-2 rows; `AttentionStep.folds_norm`): the last tile of q's and of kv's columns to arrive
-        normalizes them, one launch less a layer, the same bits (the sum of squares is the same in
-        every kernel's layout, `rms_norm.sum_of_squares`). On by default (docs/step.md); off, the
-        pair's own launch after the GEMM.
     weights_lane: the indexer's head weights (`weights_proj`) on a lane of their own (`AUX_INDEX_W`)
         beside the index query's GEMM, the index query waiting for both (default), in the buckets of
         at most `attention.WEIGHTS_LANE_MAX_ROWS` rows (where it measured faster on an H200),
@@ -163,7 +157,7 @@ class DecodeStep:
                  graphs: bool = True, overlap: bool = True, tp_boundary: str = "auto", wo_a_fp8: bool = False,
                  exact_linears: bool = True, fp32_dots: bool = False, fold_index_chain: bool = False,
                  fold_boundary: bool = False, weights_lane: bool = True, comp_tail: bool = False,
-                 mix_late_rows: int = MIX_LATE_ROWS, fold_norm: bool = True):
+                 mix_late_rows: int = MIX_LATE_ROWS):
         if buckets is None:
             buckets = tuple(b for b in DEFAULT_BUCKETS if b < max_rows) + (max_rows,)
         buckets = tuple(sorted(set(buckets)))
@@ -198,7 +192,7 @@ class DecodeStep:
             self.layers[i] = AttentionStep(stack.layers[i], state, self.meta, self.scratch, self.lanes, B,
                                            self.layers, wo_a_fp8=wo_a_fp8, exact_linears=exact_linears,
                                            fp32_dots=fp32_dots, fold_index_chain=fold_index_chain,
-                                           weights_lane=weights_lane, comp_tail=comp_tail, fold_norm=fold_norm)
+                                           weights_lane=weights_lane, comp_tail=comp_tail)
         self.scratch.workspaces.seal()           # every plan has its view; the graphs take the addresses
         mailbox = None
         if tp_boundary != "collective" and stack.tp.tp > 1 and dev.type == "cuda":

@@ -25,7 +25,6 @@ from .exact_mm import ExactMM, reduction_order
 from .gluon_exact_fma import MAX_ROWS as FMA_MAX_ROWS, GluonExactFMA, GluonExactFMAConfig
 from .gluon_exact_mm import GluonExactConfig, GluonExactMM
 from .mhc import BoundaryOperands
-from .rms_norm import NormPairOperands
 
 MAX_ROWS = 64
 
@@ -158,26 +157,19 @@ class ExactLinear:
         no mHC boundary epilogue)."""
         return self.op_for(rows) is self.cuda_cores
 
-    def takes_norm(self, rows: int, d_a: int, d_b: int) -> bool:
-        """Whether a call of `rows` rows can take a q/kv norm pair of halves D_a, D_b (`norm=`): its
-        op is `ExactMM` and its tiles lie within the halves (`ExactMM.takes_norm`)."""
-        return self.op_for(rows) is self.cuda_cores and self.cuda_cores.takes_norm(rows, d_a, d_b)
-
     def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None,
                  rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 boundary: BoundaryOperands | None = None, norm: NormPairOperands | None = None) -> torch.Tensor:
+                 boundary: BoundaryOperands | None = None) -> torch.Tensor:
         """`ExactMM.__call__`'s arguments and result; rope=(cos, sin): the query RoPE of
         `kv_write.query_rope_` in the epilogue of whichever op runs (each op's own: the same bits as
-        the call without it followed by that op); boundary, norm: `ExactMM`'s mHC boundary and q/kv
-        norm pair epilogues, for a call whose op is ExactMM (`takes_boundary`, `takes_norm`;
-        ValueError naming the argument otherwise)."""
+        the call without it followed by that op); boundary: `ExactMM`'s mHC boundary epilogue, for
+        a call whose op is ExactMM (`takes_boundary`; ValueError naming `boundary` otherwise)."""
         if not isinstance(codes, torch.Tensor) or codes.dim() != 2:
-            return self.cuda_cores(codes, x_scale, out, rope, boundary, norm)     # its error names the argument
+            return self.cuda_cores(codes, x_scale, out, rope, boundary)     # its error names the argument
         op = self.op_for(codes.shape[0])
-        if boundary is None and norm is None:
+        if boundary is None:
             return op(codes, x_scale, out, rope)
         if op is not self.cuda_cores:
-            name, what = ("boundary", "mHC boundary") if boundary is not None else ("norm", "q/kv norm pair")
-            raise ValueError(f"{name}: a call of {codes.shape[0]} rows runs {type(op).__name__}, which has no "
-                             f"{what} epilogue (ExactLinear.takes_{name})")
-        return op(codes, x_scale, out, rope, boundary, norm)
+            raise ValueError(f"boundary: a call of {codes.shape[0]} rows runs {type(op).__name__}, which has no "
+                             f"mHC boundary epilogue (ExactLinear.takes_boundary)")
+        return op(codes, x_scale, out, rope, boundary)

@@ -85,7 +85,6 @@ from .exact_mm_plan import _BOUNDARY_MAXNREG, _ROW_BUCKETS, ExactConfig, planned
 from .fp4 import bf16_round
 from .kv_write import rope_tile
 from .mhc import BoundaryOperands, MhcBoundaryPlan, _boundary_block_d, tile_boundary
-from .rms_norm import PAIR_WARPS, NormPairOperands, norm_pair_half, pair_blocks, pair_kernel_args
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
 
 MAX_ROWS = 64
@@ -413,33 +412,6 @@ def _boundary_rows(acc0, acc1, acc2, acc3, off_n, m0, M, ROWS: tl.constexpr, bx_
                       stride_bws, stride_ccnt, DIM, BD, NCH, NCH_P2, TAIL)
 
 
-@triton.jit
-def _norm_rows(ny_ptr, stride_ym, off_n, m0, M, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ncnt_ptr, na_w_ptr,
-               na_o_ptr, na_c_ptr, na_s_ptr, nb_w_ptr, nb_o_ptr, eps, cos_ptr, sin_ptr, stride_cm, stride_sm,
-               slots_ptr, pool_ptr, S_pool, stride_pool, stride_nao, stride_nac, stride_nas, stride_nbo,
-               D_A: tl.constexpr, BLOCK_A: tl.constexpr, D_B: tl.constexpr, BLOCK_B: tl.constexpr,
-               WINDOW: tl.constexpr, ASM: tl.constexpr):
-    """The q/kv norm pair epilogue of the pass's rows m0 .. m0 + ROWS - 1 (after their stores): the
-    tile counts its arrival on its half's counter (columns < D_A: a, else b; one counter per half
-    and pass, acq_rel), and the half's last tile to arrive resets it and runs the half's row of
-    `rms_norm.norm_pair_half` for each row (< M) from the stored BF16 row (loaded from L2)."""
-    tl.debug_barrier()           # every thread's stores of the tile before the arrival's release
-    half_b = off_n >= D_A
-    idx = (m0 // ROWS) * 2 + half_b.to(tl.int32)
-    arrived = tl.atomic_add(ncnt_ptr + idx, 1, sem="acq_rel", scope="gpu")
-    if arrived == tl.where(half_b, D_B // BLOCK_N, D_A // BLOCK_N) - 1:
-        tl.debug_barrier()
-        tl.atomic_xchg(ncnt_ptr + idx, 0, sem="relaxed", scope="gpu")
-        for r in tl.static_range(ROWS):
-            row = m0 + r
-            if row < M:
-                y_row = ny_ptr + row * stride_ym
-                norm_pair_half(row, half_b, y_row, na_w_ptr, na_o_ptr + row * stride_nao, na_c_ptr + row * stride_nac,
-                               na_s_ptr + row * stride_nas, y_row + D_A, nb_w_ptr, nb_o_ptr + row * stride_nbo, eps,
-                               cos_ptr + row * stride_cm, sin_ptr + row * stride_sm, slots_ptr, pool_ptr, S_pool,
-                               stride_pool, D_A, BLOCK_A, D_B, BLOCK_B, WINDOW, True, ASM)
-
-
 # The row count, the scale and cos/sin strides and the split size take no part in vectorization:
 # leaving them unspecialized keeps one compiled kernel per configuration for every row count.
 @triton.jit(do_not_specialize=["M", "stride_sxm", "stride_swn", "steps_per_split", "stride_cm", "stride_sm"])
@@ -456,11 +428,6 @@ def _exact_mm_kernel(
     stride_u=None, stride_codes=None, stride_scales=None, stride_bws=None, stride_ccnt=None,
     BOUNDARY: tl.constexpr = False, DIM: tl.constexpr = None, BD: tl.constexpr = None, NCH: tl.constexpr = None,
     NCH_P2: tl.constexpr = None, TAIL: tl.constexpr = None,
-    ny_ptr=None, ncnt_ptr=None, na_w_ptr=None, na_o_ptr=None, na_c_ptr=None, na_s_ptr=None, nb_w_ptr=None,
-    nb_o_ptr=None, slots_ptr=None, pool_ptr=None, S_pool=None, stride_nao=None, stride_nac=None, stride_nas=None,
-    stride_nbo=None, stride_pool=None,
-    NORM: tl.constexpr = False, D_A: tl.constexpr = None, BLOCK_A: tl.constexpr = None, D_B: tl.constexpr = None,
-    BLOCK_B: tl.constexpr = None, WINDOW: tl.constexpr = False,
 ):
     # Grid: (N tiles, K splits). Program (t, s) covers W rows [t*BLOCK_N, +BLOCK_N) over the K steps
     # [s*steps_per_split, +steps_per_split) and every row of x, ROWS at a time. With one split it
@@ -472,9 +439,7 @@ def _exact_mm_kernel(
     # operands of `mhc.BoundaryOperands` (streams bx_ptr, mixer post/comb/pre, norm weight nw_ptr,
     # outputs xo/u/codes/scales, the plan's workspace bws_ptr, row counters bcnt_ptr and chunk
     # counters ccnt_ptr, DIM = N columns in NCH chunks of BD, the row's tail TAIL columns a slice; None
-    # without it). NORM: the q/kv norm pair epilogue (`_norm_rows`, after the rows' stores; y as BF16
-    # at ny_ptr, counters ncnt_ptr, the pair's weights and outputs, eps, and with WINDOW the window
-    # insert's slots and pool, its cos/sin at cos_ptr/sin_ptr: `rms_norm.NormPairOperands`).
+    # without it).
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
     SUB: tl.constexpr = BLOCK_K // 32
@@ -563,11 +528,6 @@ def _exact_mm_kernel(
                                    eps, stride_bxn, stride_bxh, stride_post, stride_cn, stride_ci, stride_pre,
                                    stride_xon, stride_xoh, stride_u, stride_codes, stride_scales, stride_bws,
                                    stride_ccnt, DIM, BD, NCH, NCH_P2, TAIL)
-                if NORM:
-                    _norm_rows(ny_ptr, stride_ym, pid * BLOCK_N, m0, M, ROWS, BLOCK_N, ncnt_ptr, na_w_ptr, na_o_ptr,
-                               na_c_ptr, na_s_ptr, nb_w_ptr, nb_o_ptr, eps, cos_ptr, sin_ptr, stride_cm, stride_sm,
-                               slots_ptr, pool_ptr, S_pool, stride_pool, stride_nao, stride_nac, stride_nas,
-                               stride_nbo, D_A, BLOCK_A, D_B, BLOCK_B, WINDOW, ASM)
         else:
             _store_rows(y_ptr, acc0, acc1, acc2, acc3, pid * BLOCK_N, rn, m0, M, N, stride_ym, ROWS, OUT_F32,
                         cos_ptr, sin_ptr, stride_cm, stride_sm, ROPE, ASM)
@@ -577,11 +537,6 @@ def _exact_mm_kernel(
                                eps, stride_bxn, stride_bxh, stride_post, stride_cn, stride_ci, stride_pre, stride_xon,
                                stride_xoh, stride_u, stride_codes, stride_scales, stride_bws, stride_ccnt, DIM, BD,
                                NCH, NCH_P2, TAIL)
-            if NORM:
-                _norm_rows(ny_ptr, stride_ym, pid * BLOCK_N, m0, M, ROWS, BLOCK_N, ncnt_ptr, na_w_ptr, na_o_ptr,
-                           na_c_ptr, na_s_ptr, nb_w_ptr, nb_o_ptr, eps, cos_ptr, sin_ptr, stride_cm, stride_sm,
-                           slots_ptr, pool_ptr, S_pool, stride_pool, stride_nao, stride_nac, stride_nas, stride_nbo,
-                           D_A, BLOCK_A, D_B, BLOCK_B, WINDOW, ASM)
 
 
 def reduction_order(k: int) -> tuple[str, int, int]:
@@ -632,35 +587,6 @@ def boundary_kwargs(boundary, out: torch.Tensor, block_n: int, num_warps: int) -
                 stride_pre=b.pre.stride(0), stride_xon=xo.stride(0), stride_xoh=xo.stride(1), stride_u=u.stride(0),
                 stride_codes=codes.stride(0), stride_scales=scales.stride(0), stride_bws=plan.ws.stride(0),
                 stride_ccnt=plan.chunk_counters.stride(0), **boundary_constexprs(plan, num_warps))
-
-
-def norm_kwargs(norm, out: torch.Tensor, block_n: int, num_warps: int, counters: torch.Tensor) -> dict:
-    """The launch's keyword arguments of `ExactMM`'s q/kv norm pair epilogue: {} without `norm`; else
-    the operands' pointers and strides, the plan's counters and the pair's constexprs, after the
-    checks (errors naming the argument): norm an `rms_norm.NormPairOperands` whose pair suits out
-    (`NormPairOperands.check`: out [M, D_a + D_b] BF16 among them), the launch's block_n dividing
-    D_a and D_b (a tile within one half) and its warps the pair launch's (`rms_norm.PAIR_WARPS`: a
-    row's sum of squares is summed in its layout's order)."""
-    if norm is None:
-        return {}
-    if not isinstance(norm, NormPairOperands):
-        raise TypeError(f"norm must be an rms_norm.NormPairOperands, got {type(norm).__name__}")
-    if out.dtype != torch.bfloat16:
-        raise ValueError(f"norm: out must be bfloat16 (the pair normalizes the rounded output), got {out.dtype}")
-    norm.check(out)
-    if norm.d_a % block_n or norm.d_b % block_n:
-        raise ValueError(f"norm: D_a={norm.d_a} and D_b={norm.d_b} must be multiples of the launch's "
-                         f"block_n={block_n} (a tile within one half; ExactMM.takes_norm)")
-    if num_warps != PAIR_WARPS:
-        raise ValueError(f"norm: the launch runs {num_warps} warps a program, the pair {PAIR_WARPS} (its bits are "
-                         f"those of its warps' layout; ExactMM.takes_norm)")
-    (oa, ca, sa, ob), (cos, sin, slots, pool, s_pool, stride_cm, stride_sm, stride_pool) = pair_kernel_args(
-        norm.out_a, norm.codes_a, norm.scales_a, norm.out_b, norm.window, norm.slots, norm.cos, norm.sin)
-    return dict(ny_ptr=out, ncnt_ptr=counters, na_w_ptr=norm.w_a, na_o_ptr=oa, na_c_ptr=ca, na_s_ptr=sa,
-                nb_w_ptr=norm.w_b, nb_o_ptr=ob, eps=float(norm.eps), cos_ptr=cos, sin_ptr=sin, stride_cm=stride_cm,
-                stride_sm=stride_sm, slots_ptr=slots, pool_ptr=pool, S_pool=s_pool, stride_nao=oa.stride(0),
-                stride_nac=ca.stride(0), stride_nas=sa.stride(0), stride_nbo=ob.stride(0), stride_pool=stride_pool,
-                NORM=True, WINDOW=norm.window is not None, **pair_blocks(norm.d_a, norm.d_b))
 
 
 def boundary_constexprs(plan: MhcBoundaryPlan, num_warps: int) -> dict:
@@ -747,8 +673,6 @@ class ExactMM:
         self._workspace = plan_workspace(workspace, 0, ws, torch.float32, self.device)
         self._counters = plan_workspace(workspace, 0, max((l.grid[0] for l in split), default=1),
                                         torch.int32, self.device)
-        # the norm epilogue's arrivals: one counter per half of y's columns and pass of rows
-        self._norm_counters = torch.zeros(2 * max_rows, dtype=torch.int32, device=self.device)
         # On the GPU the chained split in inline PTX; the interpreter runs the plain split (the same
         # values, fewer operations), or with `_chain` (tests) the chained split's steps.
         self._asm = not interpreting()
@@ -762,17 +686,9 @@ class ExactMM:
         """`reduction_order(K)`: the same for every row count (batch invariance)."""
         return reduction_order(self.k)
 
-    def takes_norm(self, rows: int, d_a: int, d_b: int) -> bool:
-        """Whether a call of `rows` rows can take a norm pair of halves D_a, D_b (`norm=`): they fill
-        the N columns, the launch's tiles lie within one half and its programs have the pair
-        launch's warps (`rms_norm.PAIR_WARPS`)."""
-        cfg = self.launch_for(rows).config
-        return (d_a + d_b == self.n and d_a % cfg.block_n == 0 and d_b % cfg.block_n == 0
-                and cfg.num_warps == PAIR_WARPS)
-
     def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None,
                  rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 boundary: BoundaryOperands | None = None, norm: NormPairOperands | None = None) -> torch.Tensor:
+                 boundary: BoundaryOperands | None = None) -> torch.Tensor:
         """y = codes x weight^T with both block scales, into out: the arguments and the result of
         `LowLatencyMM.__call__` (a float32 out receives the unrounded FP32 sums).
 
@@ -788,23 +704,15 @@ class ExactMM:
             counters reset by them): the bits of the call without it followed by
             `mhc_boundary_(out, ...)` with those operands, y stored as well. Not with rope; the
             launch's block_n must divide plan.block_d. Its operands as `mhc_boundary_` checks them.
-        norm: None, or an `rms_norm.NormPairOperands`: y [M, D_a + D_b] (BF16 out) gets the q/kv norm
-            pair in the epilogue (`_norm_rows`: the last tile of each half of the columns to arrive
-            normalizes the half's rows, from the stored y): the bits of the call without it followed
-            by `norm.launch(out)`. Not with rope or boundary; the launch's block_n must divide D_a
-            and D_b (`takes_norm`). Its operands as `rms_norm_pair_` checks them.
         Returns out.
         """
         out = mxfp8_linear_args(codes, x_scale, out, self.n, self.k, self.max_rows, self.device)
         if rope is not None and boundary is not None:
             raise ValueError("boundary: the call has a rope epilogue already (one epilogue a call)")
-        if norm is not None and (rope is not None or boundary is not None):
-            raise ValueError("norm: the call has a rope or boundary epilogue already (one epilogue a call)")
         epilogue = rope_kwargs(rope, out, self.n, codes.shape[0], self.device)
         launch = self.launch_for(codes.shape[0])
         cfg = launch.config
         epilogue.update(boundary_kwargs(boundary, out, cfg.block_n, cfg.num_warps))
-        epilogue.update(norm_kwargs(norm, out, cfg.block_n, cfg.num_warps, self._norm_counters))
         if boundary is not None:
             epilogue["enable_fp_fusion"] = False     # the boundary's products and sums rounded one by one
             if cfg in _BOUNDARY_MAXNREG:

@@ -97,25 +97,23 @@ def rope_rows(e, o, col, rm, M, cos_ptr, sin_ptr, stride_cm, stride_sm, FIRST: t
 
 
 @triton.jit
-def rope_pairs(xe, xo, cs_ptr_row, sn_ptr_row, j, FIRST: tl.constexpr, ASM: tl.constexpr = False):
+def rope_pairs(xe, xo, cs_ptr_row, sn_ptr_row, j, FIRST: tl.constexpr):
     """(even, odd) of pairs j rotated by cos/sin[j - FIRST] where j >= FIRST, rounded to BF16 (as
-    FP32); other pairs unchanged. xe, xo: FP32 holding BF16 values. ASM: `rope_rotate`'s."""
+    FP32); other pairs unchanged. xe, xo: FP32 holding BF16 values."""
     rot = j >= FIRST
     c = tl.load(cs_ptr_row + (j - FIRST), mask=rot, other=1.0)
     s = tl.load(sn_ptr_row + (j - FIRST), mask=rot, other=0.0)
-    re, im = rope_rotate(xe, xo, c, s, ASM)
+    re, im = rope_rotate(xe, xo, c, s)
     return tl.where(rot, bf16_round(re), xe), tl.where(rot, bf16_round(im), xo)
 
 
 @triton.jit
-def window_insert(xe, xo, cs_row, sn_row, slots_ptr, n, pool_ptr, S, stride_pool, REQUANT: tl.constexpr,
-                  ASM: tl.constexpr = False):
+def window_insert(xe, xo, cs_row, sn_row, slots_ptr, n, pool_ptr, S, stride_pool, REQUANT: tl.constexpr):
     """Window KV of row n: RoPE on pairs 224..255 of (xe, xo) [16 blocks, 16 pairs] (FP32 holding
     the BF16 kv after kv_norm, pair j = 16 * block + lane), MXFP8 blocks of 32 = 16 pairs, the
-    528-byte record stored at row slots[n] of the pool when that slot is in [0, S). ASM:
-    `rope_rotate`'s (True in a kernel compiled with fp fusion on)."""
+    528-byte record stored at row slots[n] of the pool when that slot is in [0, S)."""
     j = tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :]
-    xe, xo = rope_pairs(xe, xo, cs_row, sn_row, j, 224, ASM)
+    xe, xo = rope_pairs(xe, xo, cs_row, sn_row, j, 224)
     slot = tl.load(slots_ptr + n)
     ok = (slot >= 0) & (slot < S)
     rec = pool_ptr + tl.where(ok, slot, 0) * stride_pool

@@ -13,8 +13,6 @@ scales are bitwise those of the output the kernel wrote. `rms_row` (a row's norm
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -28,9 +26,6 @@ from ..records import WINDOW_KV_BYTES
 from .rounding import bf16_rne_bits, bf16_widen
 
 MAX_DIM = 8192
-# The warps of the q/kv norm pair's programs: a row's bits are those of this layout (`rms_row`), so a
-# GEMM epilogue that runs the pair (`exact_mm`'s norm epilogue) does so in programs of as many warps.
-PAIR_WARPS = 4
 
 
 @triton.jit
@@ -44,18 +39,13 @@ def inv_rms(total, eps, D: tl.constexpr):
 
 
 @triton.jit
-def rms_row(x_row, eps, D: tl.constexpr, BLOCK: tl.constexpr, ROUND_IN: tl.constexpr, CG: tl.constexpr = False):
+def rms_row(x_row, eps, D: tl.constexpr, BLOCK: tl.constexpr, ROUND_IN: tl.constexpr):
     """(x, r): the row at x_row as FP32 [BLOCK] (0 past D; ROUND_IN: an FP32 input rounded to BF16
     first, `latent`: rms_norm(c.to(bf16))) and its norm factor r = 1/sqrt(mean(x^2) + eps), the sum
     of squares one `tl.sum` over the [BLOCK] vector (its order is the layout's: every kernel that
-    must reproduce a row's r - `ops.compressor_tail`, `exact_mm`'s norm epilogue - calls this with
-    the same BLOCK and warps). CG: the row loaded from L2 (.cg: written by other programs of the
-    launch)."""
+    must reproduce a row's r - `ops.compressor_tail` - calls this with the same BLOCK and warps)."""
     d = tl.arange(0, BLOCK)
-    if CG:
-        x = tl.load(x_row + d, mask=d < D, other=0.0, cache_modifier=".cg").to(tl.float32)
-    else:
-        x = tl.load(x_row + d, mask=d < D, other=0.0).to(tl.float32)
+    x = tl.load(x_row + d, mask=d < D, other=0.0).to(tl.float32)
     if ROUND_IN:
         x = bf16_round(x)
     return x, inv_rms(tl.sum(x * x, axis=0), eps, D)
@@ -69,12 +59,12 @@ def normed(x, w, r):
 
 @triton.jit
 def _rms_norm_row(x_row, w_ptr, o_row, c_row, s_row, eps, D: tl.constexpr, BLOCK: tl.constexpr,
-                  ROUND_IN: tl.constexpr, QUANT: tl.constexpr, CG: tl.constexpr = False):
+                  ROUND_IN: tl.constexpr, QUANT: tl.constexpr):
     """One row: o = bf16(w * (x * 1/sqrt(mean(x^2) + eps))), optionally its MXFP8 codes and scales.
-    Returns o's int16 bits [BLOCK]. CG: `rms_row`'s."""
+    Returns o's int16 bits [BLOCK]."""
     d = tl.arange(0, BLOCK)
     mask = d < D
-    x, r = rms_row(x_row, eps, D, BLOCK, ROUND_IN, CG)
+    x, r = rms_row(x_row, eps, D, BLOCK, ROUND_IN)
     w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
     bits = bf16_rne_bits(normed(x, w, r))
     tl.store(o_row + d, bits, mask=mask)
@@ -98,37 +88,25 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, codes_ptr, scales_ptr, eps, stride_x
 
 
 @triton.jit
-def norm_pair_half(n, HALF_B, xa_row, wa_ptr, oa_row, ca_row, sa_row, xb_row, wb_ptr, ob_row, eps, cs_row, sn_row,
-                   slots_ptr, pool_ptr, S, stride_pool, D_A: tl.constexpr, BLOCK_A: tl.constexpr,
-                   D_B: tl.constexpr, BLOCK_B: tl.constexpr, WINDOW: tl.constexpr, CG: tl.constexpr,
-                   ASM: tl.constexpr):
-    """One half of row n of the q/kv norm pair (`rms_norm_pair_`): HALF_B false, a's row with its
-    MXFP8; true, b's row and with WINDOW its window record (`kv_write.window_insert` from the BF16
-    values just rounded; cos/sin rows cs_row/sn_row). The one home of the pair's row, run by its
-    launch and by `ExactMM`'s norm epilogue (CG: the row written by the launch's other programs;
-    ASM: the RoPE's roundings explicit, for a kernel compiled with fp fusion on)."""
-    if HALF_B:
-        bits = _rms_norm_row(xb_row, wb_ptr, ob_row, ob_row, ob_row, eps, D_B, BLOCK_B, False, False, CG)
-        if WINDOW:   # D_B = BLOCK_B = 512: the pairs (2j, 2j+1) as [16 blocks, 16 pairs] each
-            xe, xo = tl.split(tl.reshape(bf16_widen(bits), (16, 16, 2)))
-            window_insert(xe, xo, cs_row, sn_row, slots_ptr, n, pool_ptr, S, stride_pool, False, ASM)
-    else:
-        _rms_norm_row(xa_row, wa_ptr, oa_row, ca_row, sa_row, eps, D_A, BLOCK_A, False, True, CG)
-
-
-@triton.jit
 def _rms_norm_pair_kernel(xa_ptr, wa_ptr, oa_ptr, ca_ptr, sa_ptr, xb_ptr, wb_ptr, ob_ptr, eps,
                           stride_xa, stride_oa, stride_ca, stride_sa, stride_xb, stride_ob,
                           cos_ptr, sin_ptr, slots_ptr, pool_ptr, S, stride_cn, stride_sn, stride_pool,
                           D_A: tl.constexpr, BLOCK_A: tl.constexpr, D_B: tl.constexpr, BLOCK_B: tl.constexpr,
                           PDL: tl.constexpr = False, WINDOW: tl.constexpr = False):
-    # Program (row n, 0): row n of a with its MXFP8; program (row n, 1): row n of b (`norm_pair_half`).
+    # Program (row n, 0): row n of a with its MXFP8; program (row n, 1): row n of b, and with
+    # WINDOW its window record (`kv_write.window_insert`) from the BF16 values it just rounded.
     pdl.enter(PDL)
     n = tl.program_id(0).to(tl.int64)
-    norm_pair_half(n, tl.program_id(1) != 0, xa_ptr + n * stride_xa, wa_ptr, oa_ptr + n * stride_oa,
-                   ca_ptr + n * stride_ca, sa_ptr + n * stride_sa, xb_ptr + n * stride_xb, wb_ptr,
-                   ob_ptr + n * stride_ob, eps, cos_ptr + n * stride_cn, sin_ptr + n * stride_sn, slots_ptr, pool_ptr,
-                   S, stride_pool, D_A, BLOCK_A, D_B, BLOCK_B, WINDOW, False, False)
+    if tl.program_id(1) == 0:
+        _rms_norm_row(xa_ptr + n * stride_xa, wa_ptr, oa_ptr + n * stride_oa, ca_ptr + n * stride_ca,
+                      sa_ptr + n * stride_sa, eps, D_A, BLOCK_A, False, True)
+    else:
+        bits = _rms_norm_row(xb_ptr + n * stride_xb, wb_ptr, ob_ptr + n * stride_ob, ob_ptr, ob_ptr, eps,
+                             D_B, BLOCK_B, False, False)
+        if WINDOW:   # D_B = BLOCK_B = 512: the pairs (2j, 2j+1) as [16 blocks, 16 pairs] each
+            xe, xo = tl.split(tl.reshape(bf16_widen(bits), (16, 16, 2)))
+            window_insert(xe, xo, cos_ptr + n * stride_cn, sin_ptr + n * stride_sn, slots_ptr, n, pool_ptr, S,
+                          stride_pool, False)
 
 
 def _check_norm(x, weight, out, codes, scales, quant: bool, eps, x_dtypes, names, device=None) -> tuple[int, int]:
@@ -184,48 +162,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def _pair_args(x_a, w_a, out_a, codes_a, scales_a, x_b, w_b, out_b, eps, window, slots, cos, sin) -> tuple:
-    """`rms_norm_pair_`'s argument checks (errors naming the argument); returns (N, D_a, D_b)."""
-    n, da = _check_norm(x_a, w_a, out_a, codes_a, scales_a, True, eps, (torch.bfloat16,),
-                        ("x_a", "w_a", "out_a", "codes_a", "scales_a"))
-    nb, db = _check_norm(x_b, w_b, out_b, None, None, False, eps, (torch.bfloat16,),
-                         ("x_b", "w_b", "out_b", "", ""), device=x_a.device)
-    if nb != n:
-        raise ValueError(f"x_a and x_b must have the same rows, got {n} and {nb}")
-    if window is not None:
-        if db != KV_DIM:
-            raise ValueError(f"x_b: D={db} must be {KV_DIM} (head_dim) for the window insert")
-        dev = x_a.device
-        require_tensor(window, "window", (torch.uint8,), (None, WINDOW_KV_BYTES), dev)
-        require_tensor(slots, "slots", (torch.int64,), (n,), dev)
-        require_tensor(cos, "cos", (torch.float32,), (n, ROPE_DIM // 2), dev)
-        require_tensor(sin, "sin", (torch.float32,), (n, ROPE_DIM // 2), dev)
-    elif slots is not None or cos is not None or sin is not None:
-        raise ValueError("slots, cos and sin come with window (the window insert); window is None")
-    return n, da, db
-
-
-def pair_kernel_args(out_a, codes_a, scales_a, out_b, window, slots, cos, sin) -> tuple:
-    """The pair's outputs as its kernel takes them: (out_a, codes_a, scales_a, out_b) as int16 /
-    uint8 views, and the window insert's (cos, sin, slots, window, S, cos, sin and window row
-    strides), placeholders without a window."""
-    oa, ob = out_a.view(torch.int16), out_b.view(torch.int16)
-    ca, sa = codes_a.view(torch.uint8), scales_a.view(torch.uint8)
-    win = (cos, sin, slots, window, window.shape[0], cos.stride(0), sin.stride(0), window.stride(0)) \
-        if window is not None else (oa, oa, oa, oa, 0, 0, 0, 0)
-    return (oa, ca, sa, ob), win
-
-
-def pair_blocks(da: int, db: int) -> dict:
-    """The pair kernel's constexprs for rows of D_a and D_b columns."""
-    return dict(D_A=da, BLOCK_A=max(32, triton.next_power_of_2(da)), D_B=db, BLOCK_B=max(32, triton.next_power_of_2(db)))
-
-
 def rms_norm_pair_(x_a: torch.Tensor, w_a: torch.Tensor, out_a: torch.Tensor, codes_a: torch.Tensor,
                    scales_a: torch.Tensor, x_b: torch.Tensor, w_b: torch.Tensor, out_b: torch.Tensor,
                    eps: float, *, window: torch.Tensor | None = None, slots: torch.Tensor | None = None,
-                   cos: torch.Tensor | None = None, sin: torch.Tensor | None = None,
-                   num_warps: int = PAIR_WARPS) -> None:
+                   cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, num_warps: int = 4) -> None:
     """`rms_norm_(x_a, w_a, eps, out_a, codes_a, scales_a)` and `rms_norm_(x_b, w_b, eps, out_b)` in
     one launch (the step's q_norm with the MXFP8 of qr, and kv_norm), bit for bit the same.
     x_a, x_b: [N, D_a], [N, D_b] bfloat16 (same N; D_a a multiple of 32); shapes and dtypes of the
@@ -237,57 +177,32 @@ def rms_norm_pair_(x_a: torch.Tensor, w_a: torch.Tensor, out_a: torch.Tensor, co
     outside [0, S) writes nothing), cos, sin [N, 32] float32.
 
     num_warps: the warps of a program; a row's sum of squares is summed in its layout's order, so
-    the bits of a row are those of the launch's warp count (`rms_row`; the step's: `PAIR_WARPS`)."""
-    n, da, db = _pair_args(x_a, w_a, out_a, codes_a, scales_a, x_b, w_b, out_b, eps, window, slots, cos, sin)
+    the bits of a row are those of the launch's warp count (`rms_row`)."""
+    n, da = _check_norm(x_a, w_a, out_a, codes_a, scales_a, True, eps, (torch.bfloat16,),
+                        ("x_a", "w_a", "out_a", "codes_a", "scales_a"))
+    nb, db = _check_norm(x_b, w_b, out_b, None, None, False, eps, (torch.bfloat16,),
+                         ("x_b", "w_b", "out_b", "", ""), device=x_a.device)
+    if nb != n:
+        raise ValueError(f"x_a and x_b must have the same rows, got {n} and {nb}")
+    insert = window is not None
+    if insert:
+        if db != KV_DIM:
+            raise ValueError(f"x_b: D={db} must be {KV_DIM} (head_dim) for the window insert")
+        dev = x_a.device
+        require_tensor(window, "window", (torch.uint8,), (None, WINDOW_KV_BYTES), dev)
+        require_tensor(slots, "slots", (torch.int64,), (n,), dev)
+        require_tensor(cos, "cos", (torch.float32,), (n, ROPE_DIM // 2), dev)
+        require_tensor(sin, "sin", (torch.float32,), (n, ROPE_DIM // 2), dev)
+    elif slots is not None or cos is not None or sin is not None:
+        raise ValueError("slots, cos and sin come with window (the window insert); window is None")
     if n == 0:
         return
-    (oa, ca, sa, ob), win = pair_kernel_args(out_a, codes_a, scales_a, out_b, window, slots, cos, sin)
+    oa, ob = out_a.view(torch.int16), out_b.view(torch.int16)
+    ca, sa = codes_a.view(torch.uint8), scales_a.view(torch.uint8)
+    win = (cos, sin, slots, window, window.shape[0], cos.stride(0), sin.stride(0), window.stride(0)) if insert \
+        else (oa, oa, oa, oa, 0, 0, 0, 0)
     _rms_norm_pair_kernel[(n, 2)](
         x_a, w_a, oa, ca, sa, x_b, w_b, ob, float(eps), x_a.stride(0), oa.stride(0), ca.stride(0), sa.stride(0),
-        x_b.stride(0), ob.stride(0), *win, **pair_blocks(da, db), PDL=False, WINDOW=window is not None,
-        num_warps=num_warps, enable_fp_fusion=False)
-
-
-@dataclass(frozen=True)
-class NormPairOperands:
-    """The q/kv norm pair on a GEMM's output y [N, D_a + D_b] (BF16): `rms_norm_pair_(y[:, :D_a], w_a,
-    out_a, codes_a, scales_a, y[:, D_a:], w_b, out_b, eps, window=..., slots=..., cos=..., sin=...)`
-    with D_a, D_b the weights' lengths; as its own launch (`launch`) or in `ExactMM`'s epilogue
-    (`norm=`), the same bits."""
-
-    w_a: torch.Tensor
-    out_a: torch.Tensor
-    codes_a: torch.Tensor
-    scales_a: torch.Tensor
-    w_b: torch.Tensor
-    out_b: torch.Tensor
-    eps: float
-    window: torch.Tensor | None = None
-    slots: torch.Tensor | None = None
-    cos: torch.Tensor | None = None
-    sin: torch.Tensor | None = None
-
-    @property
-    def d_a(self) -> int:
-        return int(self.w_a.shape[0])
-
-    @property
-    def d_b(self) -> int:
-        return int(self.w_b.shape[0])
-
-    def _halves(self, y: torch.Tensor) -> tuple:
-        if not isinstance(y, torch.Tensor) or y.dim() != 2 or y.shape[1] != self.d_a + self.d_b:
-            raise ValueError(f"y must be [N, {self.d_a + self.d_b}] (D_a + D_b), got {getattr(y, 'shape', None)}")
-        return y[:, :self.d_a], y[:, self.d_a:]
-
-    def check(self, y: torch.Tensor) -> None:
-        """`rms_norm_pair_`'s checks of these operands on y (errors naming the argument)."""
-        ya, yb = self._halves(y)
-        _pair_args(ya, self.w_a, self.out_a, self.codes_a, self.scales_a, yb, self.w_b, self.out_b, self.eps,
-                   self.window, self.slots, self.cos, self.sin)
-
-    def launch(self, y: torch.Tensor) -> None:
-        """The pair on y as its own launch."""
-        ya, yb = self._halves(y)
-        rms_norm_pair_(ya, self.w_a, self.out_a, self.codes_a, self.scales_a, yb, self.w_b, self.out_b, self.eps,
-                       window=self.window, slots=self.slots, cos=self.cos, sin=self.sin)
+        x_b.stride(0), ob.stride(0), *win, D_A=da, BLOCK_A=max(32, triton.next_power_of_2(da)), D_B=db,
+        BLOCK_B=max(32, triton.next_power_of_2(db)), PDL=False, WINDOW=insert, num_warps=num_warps,
+        enable_fp_fusion=False)

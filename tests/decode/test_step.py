@@ -291,29 +291,6 @@ def test_boundary_in_wo_b_gives_the_same_bits(cpu_setup, monkeypatch):
 
 
 @interpreter
-def test_norm_in_the_fused_gemm_gives_the_same_bits(cpu_setup, monkeypatch):
-    """fold_norm (the q/kv norm pair with the window insert in the fused wq_a|wkv GEMM's epilogue:
-    `ExactMM` runs it in every bucket in the interpreter, its tiles within q's and kv's columns)
-    against the pair's own launch (`NormPairOperands.launch`, not called when folded): steps of 1
-    and 2 rows give the same outputs, carried pre and caches (the window records among them) bit for
-    bit. Layers 0, 1 (SWA, Full at ratio 2)."""
-    from dsv41_decode.ops.rms_norm import NormPairOperands
-    cfg, _, base, ckpt = cpu_setup
-    stack = AttentionStack(ckpt, [0, 1])
-    states = [copy.deepcopy(base) for _ in range(2)]
-    steps = [stack.decode_step(st, max_rows=2, fold_norm=fold) for st, fold in zip(states, (False, True))]
-    assert not any(steps[0].layers[i].folds_norm(b) for i in stack.ids for b in (1, 2))
-    assert all(steps[1].layers[i].folds_norm(b) for i in stack.ids for b in (1, 2))
-    launched, launch = [], NormPairOperands.launch
-    monkeypatch.setattr(NormPairOperands, "launch", lambda self, y: launched.append(self.out_a.data_ptr()) or
-                        launch(self, y))
-    for _ in _twin_steps(steps, cfg, 5, ([("a", 1)], [("b", 1), ("c", 1)])):
-        pass
-    assert set(launched) == {steps[0].scratch.qr.data_ptr()} and len(launched) == 4      # 2 layers x 2 calls
-    _assert_same_caches(states)
-
-
-@interpreter
 def test_late_mixer_gives_the_same_bits(cpu_setup, monkeypatch):
     """mix_late_rows: in the buckets of at least that many rows each site's mixer is enqueued after
     its layer's input projections (`AttentionStep._inputs`), else right after the boundary before

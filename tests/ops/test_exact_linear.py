@@ -10,10 +10,10 @@ import dataclasses
 
 import pytest
 import torch
-from helpers import (FLASH_LINEAR_SHAPES, boundary_operands, check_mxfp8_plan_errors, linear_operands, norm_pair_operands,
-                     raises, rope_operands)
+from helpers import (FLASH_LINEAR_SHAPES, boundary_operands, check_mxfp8_plan_errors, linear_operands, raises,
+                     rope_operands)
 from _gluon_linear_support import spill_free
-from test_exact_mm import _bits, _exact_operands, _gen, check_boundary, check_norm, check_rope
+from test_exact_mm import _bits, _exact_operands, _gen, check_boundary, check_rope
 
 from dsv41_decode.ops.exact_linear import _FMA_PLAN, _GLUON_PLAN, ExactLinear
 from dsv41_decode.ops.exact_mm_plan import ExactConfig
@@ -118,20 +118,6 @@ def test_boundary_reaches_exact_mm_only():
     assert plan.takes_boundary(1) and not plan.takes_boundary(2)
     raises("boundary: a call of 2 rows runs _OtherOp, which has no mHC boundary epilogue",
            lambda: plan(codes, x_scale, boundary=boundary_operands(_gen(12), m, n, 256)))
-
-
-def test_norm_reaches_exact_mm_only():
-    # norm= goes to ExactMM (tiles of 64 columns within the halves 64 | 512): the call without it
-    # followed by the pair's launch; a call whose op is another one raises, naming the argument.
-    m, n, k = 2, 576, 128
-    _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(13), m, n, k)
-    plan = ExactLinear(weight, w_scale, max_rows=4, exact_config=ExactConfig(block_n=64, block_k=128))
-    assert plan.takes_norm(1, 64, 512) and plan.takes_norm(2, 64, 512) and not plan.takes_norm(1, 32, 544)
-    check_norm(plan, codes, x_scale, norm_pair_operands(_gen(14), m, 64), plan(codes, x_scale), "ExactLinear")
-    plan.mma, plan.mma_above = _OtherOp(), 1
-    assert plan.takes_norm(1, 64, 512) and not plan.takes_norm(2, 64, 512)
-    raises("norm: a call of 2 rows runs _OtherOp, which has no q/kv norm pair epilogue",
-           lambda: plan(codes, x_scale, norm=norm_pair_operands(_gen(14), m, 64)))
 
 
 @pytest.mark.gpu

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 from helpers import FLASH_LINEAR_SHAPES as FLASH_SHAPES
-from helpers import (boundary_operands, check_mxfp8_plan_errors, compile_script, linear_operands, norm_pair_operands,
-                     raises, rope_operands, run_b32_ptx)
+from helpers import (boundary_operands, check_mxfp8_plan_errors, compile_script, linear_operands, raises, rope_operands,
+                     run_b32_ptx)
 
 from dsv41_decode.ops.common import fp64_rate_ratio, full_rate_fp64
 from dsv41_decode.ops.exact_mm import HI_WORDS_PTX, ExactMM, _chain_asm
@@ -356,84 +356,6 @@ def test_boundary_epilogue_bad_arguments_name_the_argument():
         assert "\n" not in str(err.value), str(err.value)
 
 
-def check_norm(plan, codes, x_scale, ops, plain: torch.Tensor, what) -> None:
-    """`plan(codes, x_scale, out, norm=ops)` (ops: `helpers.norm_pair_operands`, outputs poisoned)
-    into a poisoned out gives plain's bits in out (the call without the epilogue) and, in ops'
-    outputs and window pool, those of `ops.launch(plain)` on copies (the pair's own launch that the
-    step's fused wq_a|wkv epilogue stands for); the plan's norm counters end at zero (test_exact_linear
-    uses it too)."""
-    m, n = plain.shape
-    want = dataclasses.replace(ops, **{f: getattr(ops, f).clone() for f in ("out_a", "codes_a", "scales_a", "out_b",
-                                                                           "window")})
-    want.launch(plain)
-    got = plan(codes, x_scale, _poisoned(m, n), norm=ops)
-    assert torch.equal(_bits(got), _bits(plain)), what
-    for name in ("out_a", "codes_a", "scales_a", "out_b", "window"):
-        a, b = getattr(ops, name).view(torch.uint8), getattr(want, name).view(torch.uint8)
-        assert torch.equal(a, b), (what, name, int((a != b).sum()))
-    assert (ops.window != 0xA5).any(), what
-    assert not plan.cuda_cores._norm_counters.any() if hasattr(plan, "cuda_cores") else \
-        not plan._norm_counters.any(), what
-
-
-# The q/kv norm pair epilogue in the interpreter: (D_a, the configuration); D_b = 512 (the window
-# insert's); programs of the pair's 4 warps (`rms_norm.PAIR_WARPS`). Tiles of 32 or 64 columns, a
-# half of 1-40 tiles and one of 8-16; 2 rows a pass (3 rows take two passes), FP32 or FP64 block
-# sums, the K split over 2 programs (the last arriver runs the epilogue), and the step's halves
-# (1280 | 512).
-_NORM_CASES = {
-    "da64-bn32-r2": (64, ExactConfig(block_n=32, block_k=128, rows=2, num_warps=4, num_stages=2)),
-    "da64-bn32-r1-f64": (64, ExactConfig(block_n=32, block_k=128, rows=1, num_warps=4, num_stages=2, f64=True)),
-    "da128-bn64-split2": (128, ExactConfig(block_n=64, block_k=64, rows=1, num_warps=4, num_stages=2, split=2)),
-    "da1280-bn32-f64": (1280, ExactConfig(block_n=32, block_k=128, rows=1, num_warps=4, num_stages=3, f64=True)),
-}
-
-
-@pytest.mark.parametrize("case", list(_NORM_CASES))
-def test_norm_epilogue_is_the_call_then_the_pair(case):
-    # norm=NormPairOperands(...) gives the bits of the call without it followed by the pair's launch
-    # (y, qr, its codes and scales, kv, the window records) at 1-3 rows (D_a 1280: 1), into poisoned
-    # outputs; then a call of 2 rows on the same plan (its counters reset by the last arrivers).
-    d_a, config = _NORM_CASES[case]
-    n = d_a + 512
-    _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(d_a + 31), 3, n, 128)
-    plan = ExactMM(weight, w_scale, config=config)
-    plain = plan(codes, x_scale)
-    gen = _gen(32)
-    for m in ((1,) if d_a > 1024 else (1, 2, 3)):
-        assert plan.takes_norm(m, d_a, 512)
-        check_norm(plan, codes[:m], x_scale[:m], norm_pair_operands(gen, m, d_a), plain[:m], (case, m))
-    check_norm(plan, codes[1:], x_scale[1:], norm_pair_operands(gen, 2, d_a), plain[1:], (case, "again"))
-
-
-def test_norm_epilogue_bad_arguments_name_the_argument():
-    # One-line errors naming the argument, before any launch; takes_norm says where tiles straddle.
-    m, d_a = 2, 64
-    n = d_a + 512
-    _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(33), m, n, 128)
-    plan = ExactMM(weight, w_scale, config=ExactConfig(block_n=128, block_k=64, rows=2, num_warps=4, num_stages=2))
-    ok = ExactMM(weight, w_scale, config=ExactConfig(block_n=32, block_k=128, rows=2, num_warps=4, num_stages=2))
-    one = ExactMM(weight, w_scale, config=ExactConfig(block_n=32, block_k=128, rows=2, num_warps=1, num_stages=2))
-    ops = norm_pair_operands(_gen(34), m, d_a)
-    cos, sin = rope_operands(_gen(35), m)
-    assert not plan.takes_norm(m, d_a, 512) and ok.takes_norm(m, d_a, 512) and not ok.takes_norm(m, 32, 512)
-    assert not one.takes_norm(m, d_a, 512)
-    for call, word in (
-            (lambda: ok(codes, x_scale, norm=(ops.w_a, ops.w_b)), "norm must be an rms_norm.NormPairOperands"),
-            (lambda: ok(codes, x_scale, torch.empty(m, n, device=DEVICE), norm=ops), "norm: out must be bfloat16"),
-            (lambda: ok(codes, x_scale, rope=(cos, sin), norm=ops), "norm: the call has a rope or boundary"),
-            (lambda: plan(codes, x_scale, norm=ops), "D_a=64 and D_b=512 must be multiples of the launch's block_n=128"),
-            (lambda: one(codes, x_scale, norm=ops), "norm: the launch runs 1 warps a program, the pair 4"),
-            (lambda: ok(codes, x_scale, norm=dataclasses.replace(ops, w_a=ops.w_a[:32])), r"y must be \[N, 544\]"),
-            (lambda: ok(codes, x_scale, norm=dataclasses.replace(ops, codes_a=ops.codes_a.float())),
-             "codes_a must have dtype"),
-            (lambda: ok(codes, x_scale, norm=dataclasses.replace(ops, slots=ops.slots[:1])), "slots must have shape"),
-            (lambda: ok(codes, x_scale, norm=dataclasses.replace(ops, window=None)), "slots, cos and sin come with window")):
-        with pytest.raises((TypeError, ValueError), match=word) as err:
-            call()
-        assert "\n" not in str(err.value), str(err.value)
-
-
 def test_planned_configs_keep_fp32_sums_where_fp64_is_slow():
     # A GPU whose FP64 runs at 1/32-1/64 of its FP32 rate (`common.full_rate_fp64` False: the H20,
     # the H800, the consumer parts) takes each measured FP64 configuration's tiles with FP32 sums;
@@ -611,23 +533,3 @@ def test_boundary_epilogue_at_wo_b_on_gpu():
                 again = dataclasses.replace(boundary_operands(_gen(40 + seed), m, n), plan=ops.plan)
                 check_boundary(plan, codes[:m], x_scale[:m], again, plain[:m], (plan.launch_for(m), m, seed))
         assert int(plan._counters.abs().sum()) == 0
-
-
-@pytest.mark.gpu
-def test_norm_epilogue_at_the_fused_wqa_wkv_on_gpu():
-    # The fused wq_a|wkv (1792 x 5120: q_lora 1280 | kv 512) on 4-warp plans at 1-4 rows (the pair's
-    # warps: FP64 block sums at 1 row) and a K split over 3 programs, each twice with new operands on
-    # one plan (the counters reset): bitwise the call without the epilogue followed by the pair's own
-    # launch, whose row sums the epilogue's arriving program reproduces in its layout.
-    n, k = 1792, 5120
-    _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(n + k + 4), 4, n, k)
-    four = {1: ExactConfig.from_spec("8:1024:1:4:3:1:1"), 2: ExactConfig.from_spec("8:1024:2:4:3"),
-            4: ExactConfig.from_spec("8:1024:4:4:3")}
-    split = ExactConfig(block_n=16, block_k=256, rows=4, num_warps=4, split=3)
-    for plan in (ExactMM(weight, w_scale, 4, four), ExactMM(weight, w_scale, 4, split)):
-        plain = plan(codes, x_scale)
-        for m in (1, 2, 3, 4):
-            assert plan.takes_norm(m, 1280, 512), (plan.launch_for(m), m)
-            for seed in (0, 1):
-                check_norm(plan, codes[:m], x_scale[:m], norm_pair_operands(_gen(50 + seed), m, 1280, 256), plain[:m],
-                           (plan.launch_for(m), m, seed))
