@@ -30,8 +30,10 @@ def main() -> None:
     slots = torch.arange(n, device=dev, dtype=torch.int64)
 
     def outputs(m: int):
-        return (torch.empty(m, ql, dtype=torch.bfloat16, device=dev), torch.empty(m, ql, dtype=torch.uint8, device=dev),
-                torch.empty(m, ql // 32, dtype=torch.uint8, device=dev), torch.empty(m, kvd, dtype=torch.bfloat16, device=dev),
+        return (torch.empty(m, ql, dtype=torch.bfloat16, device=dev),
+                torch.empty(m, ql, dtype=torch.uint8, device=dev),
+                torch.empty(m, ql // 32, dtype=torch.uint8, device=dev),
+                torch.empty(m, kvd, dtype=torch.bfloat16, device=dev),
                 torch.zeros(n, WINDOW_KV_BYTES, dtype=torch.uint8, device=dev))
 
     for m in rows:

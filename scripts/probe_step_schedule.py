@@ -102,34 +102,17 @@ from dsv41_decode.state import DecodeState
 from dsv41_decode.testing.synthetic import fill_state, random_checkpoint
 
 C, S = PRIORITY_CRITICAL, PRIORITY_SLACK
-# name: (capture stream, (compressor, mixer, index-query) lane priorities); lower is more urgent
+DEFAULT_PRIORITIES = (C, (C, S, C))
+# The priority variants, name: (capture stream, (compressor, mixer, index-query) lane priorities);
+# lower is more urgent. The schedule variants (`PATCHES`, below) run at the default's.
 PRIORITIES = {
-    "default": (C, (C, S, C)),
+    "default": DEFAULT_PRIORITIES,
     "flat": (0, (0, 0, 0)),
     "deeper": (-2, (-2, 0, -2)),
     "index_first": (-1, (-2, 0, -2)),
     "mix_critical": (C, (C, C, C)),
     "comp_slack": (C, (S, S, C)),
     "comp_slack_deep": (-2, (S, S, -2)),
-    "rope_apart": (C, (C, S, C)),
-    "boundary_folded": (C, (C, S, C)),
-    "boundary_split": (C, (C, S, C)),
-    "mla_after_mix": (C, (C, S, C)),
-    "wq_b_slack": (C, (C, S, C)),
-    "mix_late": (C, (C, S, C)),
-    "mix_early": (C, (C, S, C)),
-    "topk_chunk": (C, (C, S, C)),
-    "wproj_lane": (C, (C, S, C)),
-    "wproj_in_index": (C, (C, S, C)),
-    "wproj_split": (C, (C, S, C)),
-    "comp_tail": (C, (C, S, C)),
-    "boundary_bd256": (C, (C, S, C)),
-    "boundary_bd1024": (C, (C, S, C)),
-    "prefetch_wo_a": (C, (C, S, C)),
-    "skip_pair": (C, (C, S, C)),
-    "skip_boundary": (C, (C, S, C)),
-    "skip_mixer": (C, (C, S, C)),
-    "skip_mla": (C, (C, S, C)),
 }
 
 
@@ -311,11 +294,24 @@ def _skip(obj, name: str):
     return lambda step: _swap([(obj, name, lambda *a, **k: None)])
 
 
+# The schedule variants, name: a patch of the built step (its undo returned), applied for the capture.
+PATCHES = {
+    "rope_apart": _layer_flag("rope_in_wq_b", False), "boundary_folded": _boundary_folded,
+    "boundary_split": _boundary_split, "mla_after_mix": _mla_after_mix, "wq_b_slack": _wq_b_slack,
+    "mix_late": _mix_rows(1), "mix_early": _mix_rows(LOW_BATCH_MAX_ROWS + 1), "topk_chunk": _topk_chunk,
+    "wproj_lane": _layer_flag("proj_own_lane", True), "wproj_in_index": _layer_flag("proj_own_lane", False),
+    "wproj_split": _wproj_split, "comp_tail": _comp_tail, "boundary_bd256": _boundary_chunks(256),
+    "boundary_bd1024": _boundary_chunks(1024), "prefetch_wo_a": _prefetch_wo_a,
+    "skip_pair": _skip(attention_mod, "rms_norm_pair_"), "skip_boundary": _skip(BoundaryOperands, "launch"),
+    "skip_mixer": _skip(boundary_mod, "hc_mix_"), "skip_mla": _skip(attention_mod, "sparse_mla_launch"),
+}
+
+
 def main() -> None:
-    names = arg("variants", ",".join(PRIORITIES)).split(",")
-    unknown = [v for v in names if v not in PRIORITIES]
+    names = arg("variants", ",".join([*PRIORITIES, *PATCHES])).split(",")
+    unknown = [v for v in names if v not in PRIORITIES and v not in PATCHES]
     if unknown:
-        raise SystemExit(f"unknown variants {unknown}; known: {list(PRIORITIES)}")
+        raise SystemExit(f"unknown variants {unknown}; known: {[*PRIORITIES, *PATCHES]}")
     rows = tuple(int(r) for r in arg("rows", "1,8,16,64").split(","))
     timeline = arg("timeline", "")
     print("stream priority range (least, greatest):", torch.cuda.Stream.priority_range(), flush=True)
@@ -327,20 +323,10 @@ def main() -> None:
     step = stack.decode_step(state, max_rows=n, buckets=tuple(sorted(set(rows) | {8})))
     first = None
     for name in names * int(arg("passes", "1")):
-        cap, aux = PRIORITIES[name]
+        cap, aux = PRIORITIES.get(name, DEFAULT_PRIORITIES)
         step.lanes._aux = [torch.cuda.Stream("cuda", priority=p) for p in aux + (aux[2],)]   # weights: index's
         step.lanes.capture = torch.cuda.Stream("cuda", priority=cap)
-        patch = {"mla_after_mix": _mla_after_mix, "wq_b_slack": _wq_b_slack,
-                 "rope_apart": _layer_flag("rope_in_wq_b", False), "boundary_folded": _boundary_folded,
-                 "boundary_split": _boundary_split,
-                 "mix_late": _mix_rows(1), "mix_early": _mix_rows(LOW_BATCH_MAX_ROWS + 1),
-                 "topk_chunk": _topk_chunk, "wproj_lane": _layer_flag("proj_own_lane", True),
-                 "wproj_split": _wproj_split, "wproj_in_index": _layer_flag("proj_own_lane", False),
-                 "comp_tail": _comp_tail, "skip_pair": _skip(attention_mod, "rms_norm_pair_"),
-                 "skip_boundary": _skip(BoundaryOperands, "launch"),
-                 "prefetch_wo_a": _prefetch_wo_a, "boundary_bd256": _boundary_chunks(256),
-                 "boundary_bd1024": _boundary_chunks(1024), "skip_mixer": _skip(boundary_mod, "hc_mix_"),
-                 "skip_mla": _skip(attention_mod, "sparse_mla_launch")}.get(name)
+        patch = PATCHES.get(name)
         undo = patch(step) if patch else (lambda: None)
         step.graphs = {}
         step._capture()
