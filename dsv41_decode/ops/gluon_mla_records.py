@@ -58,13 +58,15 @@ def _e2m1(c):
 
 @gluon.jit
 def _load_chunk(pool_ptr, base, ok, C, WINDOW: gl.constexpr, FP4_PACKED: gl.constexpr,
-                layout: gl.constexpr, DW: gl.constexpr = 128):
+                layout: gl.constexpr, DW: gl.constexpr = 128, SCALE_ONCE: gl.constexpr = True):
     """The bytes of dims [DW C, DW C + DW) of 64 records (byte offsets `base` [64] int64 in the
     rows' slice of `layout`, a [64, DW] layout of DW / 8 consecutive dims per thread; keys with ok
     False load nothing): (codes, scales) for `_decode_loaded`. Window: 512 E4M3 codes, then 16
     UE8M0 scales (one per 32 dims). Compressed: 256 bytes of E2M1 pairs (low nibble first), then 32
     E4M3 scales (one per 16 dims); FP4_PACKED: the chunk's DW / 2 code bytes a key, DW / 16 to a
-    thread (and a scale per byte), else a code byte and a scale per dim."""
+    thread (and a scale per byte: at DW 128 with SCALE_ONCE one load of the byte a thread's 8 code
+    bytes share, broadcast over them; else a load per code byte, which ptxas does not merge), else
+    a code byte and a scale per dim."""
     rc = C * DW + gl.arange(0, DW, layout=gl.SliceLayout(0, layout))
     rows = pool_ptr + base[:, None]
     okb = ok[:, None]
@@ -77,7 +79,19 @@ def _load_chunk(pool_ptr, base, ok, C, WINDOW: gl.constexpr, FP4_PACKED: gl.cons
         ok_b = gl.convert_layout(ok, gl.SliceLayout(1, lb), assert_trivial=True)[:, None]
         rows_b = pool_ptr + gl.convert_layout(base, gl.SliceLayout(1, lb), assert_trivial=True)[:, None]
         codes = gl.load(rows_b + rb[None, :], mask=ok_b, other=0)
-        sc = gl.load(rows_b + 256 + (rb // 8)[None, :], mask=ok_b, other=0)
+        if SCALE_ONCE and DW == 128:
+            # one scale byte a thread and 8 code bytes (16 dims), broadcast over them: [64, DW / 16]
+            # loaded, then [64, DW / 16, 8] reshaped into the codes' layout (no data moved)
+            ls: gl.constexpr = gl.BlockedLayout([1, 1, 8], [4, 8, 1], [_WARPS, 1, 1], [2, 1, 0])
+            l2: gl.constexpr = gl.SliceLayout(2, ls)
+            rs = C * (DW // 16) + gl.arange(0, DW // 16, layout=gl.SliceLayout(0, l2))
+            ok_s = gl.convert_layout(ok, gl.SliceLayout(1, l2), assert_trivial=True)[:, None]
+            rows_s = pool_ptr + gl.convert_layout(base, gl.SliceLayout(1, l2), assert_trivial=True)[:, None]
+            sc1 = gl.load(rows_s + 256 + rs[None, :], mask=ok_s, other=0)
+            sc3 = gl.broadcast(gl.expand_dims(sc1, 2), gl.zeros([_KEYS, DW // 16, 8], gl.uint8, ls))[0]
+            sc = gl.convert_layout(gl.reshape(sc3, [_KEYS, DW // 2]), lb, assert_trivial=True)
+        else:
+            sc = gl.load(rows_b + 256 + (rb // 8)[None, :], mask=ok_b, other=0)
     else:
         codes = gl.load(rows + (rc // 2)[None, :], mask=okb, other=0)
         sc = gl.load(rows + 256 + (rc // 16)[None, :], mask=okb, other=0)

@@ -146,32 +146,73 @@ def _earlier_maxima(block_max_ptr, flags, tile, b, mb, mh, PH: gl.constexpr):
 
 
 @gluon.jit
+def _q_last_two(q_smem, q_rows, h_in, c: gl.constexpr):
+    """Before chunk c's decode (two key buffers): from chunk 2 on, wait until both warpgroups' MMAs
+    of chunk c - 2 have read its buffers; at chunk 2, q's last two chunks into q's two buffers."""
+    if c >= 2:
+        gl.thread_barrier()
+        if c == 2:
+            q_smem.index(0).store(gl.load(q_rows + 2 * _DC, mask=h_in, other=0.0))
+            q_smem.index(1).store(gl.load(q_rows + 3 * _DC, mask=h_in, other=0.0))
+
+
+@gluon.jit
+def _scores_k2_pool(q_smem, k_smem, q_rows, h_in, pool_ptr, base, ok, WINDOW: gl.constexpr,
+                    FP4_PACKED: gl.constexpr, FP4_LUT: gl.constexpr, ld: gl.constexpr, s_l: gl.constexpr):
+    """`_scores_k2` of a block of one pool's keys (WINDOW: the window's, else the compressed
+    entries'), chunk c + 1's bytes loaded before chunk c is decoded: in flight through chunk c's
+    decode and score MMA."""
+    NC: gl.constexpr = 512 // _DC
+    s = gl.zeros([_M, _KEYS], gl.float32, s_l)
+    codes, sc = _load_chunk(pool_ptr, base, ok, 0, WINDOW, FP4_PACKED, ld)
+    for c in gl.static_range(NC):
+        if c + 1 < NC:
+            nxt_codes, nxt_sc = _load_chunk(pool_ptr, base, ok, c + 1, WINDOW, FP4_PACKED, ld)
+        k = _decode_loaded(codes, sc, ok, c, WINDOW, FP4_PACKED, ld, 128, FP4_LUT).to(gl.bfloat16)
+        _q_last_two(q_smem, q_rows, h_in, c)
+        k_smem.index(c % 2).store(k)
+        fence_async_shared()
+        gl.thread_barrier()
+        s = warpgroup_mma(q_smem.index(c % 2), k_smem.index(c % 2).permute((1, 0)), s)
+        if c + 1 < NC:
+            codes = nxt_codes
+            sc = nxt_sc
+    return s
+
+
+@gluon.jit
 def _scores_k2(q_smem, k_smem, q_rows, h_in, wpool_ptr, wbase, w_ok, cpool_ptr, cbase, c_ok, start, nw,
-               FP4_PACKED: gl.constexpr, FP4_LUT: gl.constexpr, ld: gl.constexpr, s_l: gl.constexpr):
+               FP4_PACKED: gl.constexpr, FP4_LUT: gl.constexpr, ld: gl.constexpr, s_l: gl.constexpr,
+               PREFETCH: gl.constexpr = False):
     """S = sum over the 128-dim chunks in order of q_c k_c^T (unscaled, FP32 [64, 64] in s_l) of
     the block whose keys start at `start` of the row's joined list, with two key buffers
     (`GluonSparseMlaConfig.k_buffers=2`): each chunk decoded into k_smem[c % 2] just before its
     score MMA; q's first two chunks already in q_smem's two buffers (stored, not yet fenced), its
     last two loaded into them once both warpgroups' MMAs of the first two are done (no registers
-    held through the decodes). Leaves q's last two chunks in q_smem."""
+    held through the decodes). Leaves q's last two chunks in q_smem. PREFETCH: in a block of one
+    pool (`_scores_k2_pool`), each chunk's bytes in flight during the chunk before it (the same
+    values); the block where the window ends loads each chunk at its decode."""
     NC: gl.constexpr = 512 // _DC
-    s = gl.zeros([_M, _KEYS], gl.float32, s_l)
-    for c in gl.static_range(NC):
-        if c >= 2:
-            gl.thread_barrier()   # both warpgroups' MMAs of chunk c - 2 have read its buffers
-            if c == 2:
-                q_smem.index(0).store(gl.load(q_rows + 2 * _DC, mask=h_in, other=0.0))
-                q_smem.index(1).store(gl.load(q_rows + 3 * _DC, mask=h_in, other=0.0))
-        kb = k_smem.index(c % 2)
-        if start + _KEYS <= nw:
-            kb.store(_decode_chunk(wpool_ptr, wbase, w_ok, c, True, FP4_PACKED, ld).to(gl.bfloat16))
-        elif start >= nw:
-            kb.store(_decode_chunk(cpool_ptr, cbase, c_ok, c, False, FP4_PACKED, ld, 128, FP4_LUT).to(gl.bfloat16))
-        else:
-            kb.store(_decode_mixed_chunk(wpool_ptr, wbase, w_ok, cpool_ptr, cbase, c_ok, c, FP4_PACKED, ld, FP4_LUT))
-        fence_async_shared()
-        gl.thread_barrier()
-        s = warpgroup_mma(q_smem.index(c % 2), k_smem.index(c % 2).permute((1, 0)), s)
+    if PREFETCH and start + _KEYS <= nw:
+        s = _scores_k2_pool(q_smem, k_smem, q_rows, h_in, wpool_ptr, wbase, w_ok, True, FP4_PACKED, FP4_LUT, ld, s_l)
+    elif PREFETCH and start >= nw:
+        s = _scores_k2_pool(q_smem, k_smem, q_rows, h_in, cpool_ptr, cbase, c_ok, False, FP4_PACKED, FP4_LUT, ld,
+                            s_l)
+    else:
+        s = gl.zeros([_M, _KEYS], gl.float32, s_l)
+        for c in gl.static_range(NC):
+            _q_last_two(q_smem, q_rows, h_in, c)
+            kb = k_smem.index(c % 2)
+            if start + _KEYS <= nw:
+                kb.store(_decode_chunk(wpool_ptr, wbase, w_ok, c, True, FP4_PACKED, ld).to(gl.bfloat16))
+            elif start >= nw:
+                kb.store(_decode_chunk(cpool_ptr, cbase, c_ok, c, False, FP4_PACKED, ld, 128, FP4_LUT).to(gl.bfloat16))
+            else:
+                kb.store(_decode_mixed_chunk(wpool_ptr, wbase, w_ok, cpool_ptr, cbase, c_ok, c, FP4_PACKED, ld,
+                                             FP4_LUT))
+            fence_async_shared()
+            gl.thread_barrier()
+            s = warpgroup_mma(q_smem.index(c % 2), k_smem.index(c % 2).permute((1, 0)), s)
     return s
 
 
@@ -275,7 +316,7 @@ def _gluon_sparse_mla_kernel(
     TICKET: gl.constexpr = True, PV_PIPELINE: gl.constexpr = False,
     FP4_LUT: gl.constexpr = False,
     PHASES: gl.constexpr = False, P_OUT: gl.constexpr = False, K_BUFFERS: gl.constexpr = 4,
-    BPP: gl.constexpr = 1,
+    BPP: gl.constexpr = 1, CHUNK_PREFETCH: gl.constexpr = False,
 ):
     # Workspaces (`SparseMlaPlan` with one head group of PH = block_h heads): acc [N, NB, PH, 512],
     # ml [N, NB, 3, PH] (max, sum, valid-key count), block_max [N, NB, PH], flags [N, NB] (here a
@@ -360,7 +401,7 @@ def _gluon_sparse_mla_kernel(
         if K_BUFFERS == 2:
             gl.static_assert(P_OUT and Q_BUFFERS == 2)
             s = _scores_k2(q_smem, k_smem, q_rows, h_in, wpool_ptr, wbase, w_ok, cpool_ptr, cbase, c_ok, start, nw,
-                           FP4_PACKED, FP4_LUT, ld, s_l)
+                           FP4_PACKED, FP4_LUT, ld, s_l, CHUNK_PREFETCH)
             _stamp(log_row, 4, PHASES)
         elif start + _KEYS <= nw:         # window keys only
             _decode_block(k_smem, wpool_ptr, wbase, w_ok, True, FP4_PACKED, PREFETCH, ld, log_row, PHASES)
@@ -504,7 +545,7 @@ def _gluon_sparse_mla_kernel(
                 wsj, csj = _block_slots(wtab_row, ctab_row, bj, nw, W, KC, gl.SliceLayout(1, ld))
                 s = _scores_k2(q_smem, k_smem, q_rows, h_in, wpool_ptr, gl.where(wsj >= 0, wsj, 0).to(gl.int64) * _WREC,
                                wsj >= 0, cpool_ptr, gl.where(csj >= 0, csj, 0).to(gl.int64) * _CREC, csj >= 0,
-                               bj * _KEYS, nw, FP4_PACKED, FP4_LUT, ld, s_l)
+                               bj * _KEYS, nw, FP4_PACKED, FP4_LUT, ld, s_l, CHUNK_PREFETCH)
                 ws_s, cs_s = _block_slots(wtab_row, ctab_row, bj, nw, W, KC, gl.SliceLayout(0, s_l))
                 ok = (ws_s >= 0) | (cs_s >= 0)
                 s = gl.where(ok[None, :], s * scale, float("-inf"))
@@ -599,6 +640,7 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
                   VALUES=config.lookback == "values",
                   PV_PIPELINE=config.pv_pipeline, FP4_LUT=config.fp4_lut, PHASES=config.phases,
                   K_BUFFERS=config.k_buffers, BPP=config.blocks_per_program,
+                  CHUNK_PREFETCH=config.chunk_prefetch,
                   num_warps=NUM_WARPS)
     if config.maxnreg is not None:
         consts["maxnreg"] = config.maxnreg

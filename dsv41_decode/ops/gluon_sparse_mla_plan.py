@@ -121,7 +121,11 @@ class GluonSparseMlaConfig:
     maxima and keeping its scores in the workspace (FP32, beside the blocks' P), then looks back
     once for the blocks before its first and rounds each block's P against the running max there
     (the second block's is the first's new max: the max of the same maxima), so the same bits; half
-    the programs, each with two blocks' decode and scores in series."""
+    the programs, each with two blocks' decode and scores in series.
+
+    chunk_prefetch (with k_buffers=2): in a block of one pool's keys, each 128-dim chunk's bytes
+    loaded before the chunk ahead of it is decoded (in flight through that chunk's decode and score
+    MMA; the block where the window ends loads each chunk at its decode): the same values."""
 
     q_buffers: int = 2
     fp4_packed: bool = True
@@ -139,6 +143,7 @@ class GluonSparseMlaConfig:
     pv_stages: int = 0
     k_buffers: int = 4
     blocks_per_program: int = 1
+    chunk_prefetch: bool = False
 
     def __post_init__(self):
         if self.q_buffers not in (2, 4) or isinstance(self.q_buffers, bool):
@@ -169,6 +174,9 @@ class GluonSparseMlaConfig:
         if bpp == 2 and kb != 2:
             raise ValueError(f"GluonSparseMlaConfig.blocks_per_program=2 runs the first launch's two-buffer block "
                              f"programs: it needs k_buffers=2, got k_buffers={kb!r}")
+        if self.chunk_prefetch is True and kb != 2:
+            raise ValueError(f"GluonSparseMlaConfig.chunk_prefetch loads the two-buffer block programs' chunks "
+                             f"ahead: it needs k_buffers=2, got k_buffers={kb!r}")
         c = self.pv_chunks
         if isinstance(c, bool) or not isinstance(c, int) or c not in PV_CHUNKS:
             raise ValueError(f"GluonSparseMlaConfig.pv_chunks must be one of {PV_CHUNKS}, got {self.pv_chunks!r}")
@@ -189,7 +197,7 @@ class GluonSparseMlaConfig:
                              "needs fp4_lut=True")
         if self.fp4_lut is True and not self.fp4_packed:
             raise ValueError("GluonSparseMlaConfig.fp4_lut decodes fp4_packed's 8-byte loads: it needs fp4_packed=True")
-        for name in ("fp4_packed", "prefetch", "pv_pipeline", "fp4_lut", "phases"):
+        for name in ("fp4_packed", "prefetch", "pv_pipeline", "fp4_lut", "phases", "chunk_prefetch"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"GluonSparseMlaConfig.{name} must be a bool, got {type(getattr(self, name)).__name__}")
 

@@ -68,9 +68,14 @@ PV64R80 = G.GluonSparseMlaConfig(combine="pv", pv_dims=64, fp4_lut=True, maxnreg
 # slices at a cap of 80 registers
 PVRING = G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_stages=3)
 PV64RING = G.GluonSparseMlaConfig(combine="pv", pv_dims=64, fp4_lut=True, maxnreg=128, pv_maxnreg=80, pv_stages=3)
-# the two-buffer block programs taking two blocks of a row each
+# the two-buffer block programs taking two blocks of a row each, and loading each chunk's bytes
+# during the chunk before (with and without the two blocks)
 PVRING4K2B2 = G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, pv_stages=4, k_buffers=2,
                                      blocks_per_program=2)
+PVRING4K2P = G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, pv_stages=4, k_buffers=2,
+                                    chunk_prefetch=True)
+PVRING4K2PB2 = G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, pv_stages=4, k_buffers=2,
+                                      chunk_prefetch=True, blocks_per_program=2)
 # each option both ways: the default, the plainest, two mixes, the dim splits with either
 # combination, the look-back by values, the P.V pipeline, the LUT decode, the step's configurations
 CONFIGS = [DEFAULT, PLAIN, G.GluonSparseMlaConfig(2, False, True), G.GluonSparseMlaConfig(4, True, False),
@@ -78,7 +83,7 @@ CONFIGS = [DEFAULT, PLAIN, G.GluonSparseMlaConfig(2, False, True), G.GluonSparse
            SPREAD, G.GluonSparseMlaConfig(dim_split=4, combine="spread"), SPREAD_VALUES,
            G.GluonSparseMlaConfig(pv_pipeline=True), G.GluonSparseMlaConfig(dim_split=2, pv_pipeline=True),
            LUT, SPLIT4SVL, SPLIT2SVLC, SPREADVLC, PV, PV2, PV64, PV64R80, PVRING, PV64RING, PVRING4, PVRING4K2,
-           PVRING4K2B2]
+           PVRING4K2B2, PVRING4K2P, PVRING4K2PB2]
 
 
 # V4.1-Flash (128 window + 512 top-k keys) at 64 heads with the default configuration, the P.V
@@ -279,9 +284,10 @@ def test_gpu_window_only(h, n):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [DEFAULT, SPREAD, SPREAD_VALUES, LUT, SPLIT4SVL, SPREADVLC, PV, PV64, PV64R80,
-                                    PVRING, PV64RING, PVRING4, PVRING4K2, PVRING4K2B2],
+                                    PVRING, PV64RING, PVRING4, PVRING4K2, PVRING4K2B2, PVRING4K2PB2],
                          ids=["default", "spread", "spread-values", "fp4-lut", "split4svl", "spreadvlc", "pv", "pv64",
-                              "pv64r80", "pv-ring", "pv64-ring", "pv-ring4", "pv-ring4-k2", "pv-ring4-k2-b2"])
+                              "pv64r80", "pv-ring", "pv64-ring", "pv-ring4", "pv-ring4-k2", "pv-ring4-k2-b2",
+                              "pv-ring4-k2-pb2"])
 @pytest.mark.parametrize("w,k", [(16, 8), (16, 72)])
 def test_gpu_small_shapes(w, k, config):
     # one block in all (16 + 8 keys: the spread combination by the block's own programs), and a
@@ -299,8 +305,9 @@ def test_gpu_small_shapes(w, k, config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [DEFAULT, SPREAD, SPREAD_VALUES, SPREADVLC, PV, PVRING4K2B2],
-                         ids=["default", "spread", "spread-values", "spreadvlc", "pv", "pv-ring4-k2-b2"])
+@pytest.mark.parametrize("config", [DEFAULT, SPREAD, SPREAD_VALUES, SPREADVLC, PV, PVRING4K2B2, PVRING4K2PB2],
+                         ids=["default", "spread", "spread-values", "spreadvlc", "pv", "pv-ring4-k2-b2",
+                              "pv-ring4-k2-pb2"])
 def test_gpu_more_than_32_blocks(config):
     # 128 window + 2112 top-k keys: 35 blocks, so the look-back's flag bits span two words per row
     # (both cleared by the combination; the values look-back's board 35 entries a head), the spread
@@ -403,9 +410,9 @@ def test_gpu_bits_against_the_triton_kernel_are_measured():
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [G.GluonSparseMlaConfig(dim_split=4), G.GluonSparseMlaConfig(dim_split=2), SPREAD,
                                     G.GluonSparseMlaConfig(dim_split=4, combine="spread"), SPREAD_VALUES, LUT,
-                                    SPLIT4SVL, SPREADVLC, PVRING4K2, PVRING4K2B2],
+                                    SPLIT4SVL, SPREADVLC, PVRING4K2, PVRING4K2B2, PVRING4K2P],
                          ids=["split4", "split2", "spread", "split4-spread", "spread-values", "fp4-lut", "split4svl",
-                              "spreadvlc", "pv-ring4-k2", "pv-ring4-k2-b2"])
+                              "spreadvlc", "pv-ring4-k2", "pv-ring4-k2-b2", "pv-ring4-k2-p"])
 @pytest.mark.parametrize("h", [8, 64])
 @pytest.mark.parametrize("n", [1, 64])
 def test_gpu_configs_against_the_reference(config, h, n):
