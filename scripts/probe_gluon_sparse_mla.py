@@ -81,12 +81,6 @@ CONFIGS = {
     # the first launch with two key buffers (64 KB): at a cap of 80 three programs an SM, at 128 two
     "pv1s4k2": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, pv_stages=4, k_buffers=2),
     "pv1s4k2r128": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_stages=4, k_buffers=2),
-    "pv1s4k2b2": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, pv_stages=4, k_buffers=2,
-                                        blocks_per_program=2),
-    "pv1s4k2p": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, pv_stages=4, k_buffers=2,
-                                       chunk_prefetch=True),
-    "pv1s4k2pb2": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, pv_stages=4, k_buffers=2,
-                                         chunk_prefetch=True, blocks_per_program=2),
     "pv1d64s4r80": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_dims=64, pv_maxnreg=80,
                                           pv_stages=4),
     "pv2d64": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_chunks=2, pv_dims=64),
@@ -261,7 +255,7 @@ def phases(heads: int, rows_list, names):
             for _ in range(3):                     # compiled, warm; the last launch's log
                 G.gluon_sparse_mla_(plan, q, win, comp, wtab, ctab, sink, scale, o)
             torch.cuda.synchronize()
-            n_prog = rows * -(-plan.base.n_blocks // plan.config.blocks_per_program) * plan.config.dim_split
+            n_prog = rows * plan.base.n_blocks * plan.config.dim_split
             print(f"phases: {name}, {heads} heads, {rows} rows", flush=True)
             print("\n".join(phase_table(plan.phase_log[:n_prog].cpu())), flush=True)
 

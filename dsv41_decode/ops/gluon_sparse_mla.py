@@ -117,106 +117,6 @@ def _decode_block(k_smem, pool_ptr, base, ok, WINDOW: gl.constexpr, FP4_PACKED: 
 
 
 @gluon.jit
-def _publish_max(block_max_ptr, flags, tile, b, s_max, hs, h_st, PH: gl.constexpr):
-    """Block b's score max per head into block_max[tile + b], then bit b % 32 of the row's flag
-    word b // 32 set with release once every thread's store is done (the flag look-back's publish)."""
-    gl.store(block_max_ptr + (tile + b) * PH + hs, s_max, mask=h_st)
-    gl.thread_barrier()
-    gl.atomic_or(flags + b // 32, 1 << (b % 32), sem="release", scope="gpu")
-
-
-@gluon.jit
-def _earlier_maxima(block_max_ptr, flags, tile, b, mb, mh, PH: gl.constexpr):
-    """(maxima [NB_P2, 64] of the row's blocks before b, -1e30 elsewhere; how many of the row's flag
-    words were still incomplete after _SPIN_LIMIT polls, 0 by design): the flag look-back, waiting
-    on the row's words (one for up to 32 blocks), then loading every earlier block's maxima at once
-    (`.cg`: from L2, where their programs stored them)."""
-    stuck = 0
-    for w in range(0, b // 32 + 1):
-        need = -1                      # the words below b's: every bit
-        if w == b // 32:
-            need = (1 << (b % 32)) - 1  # b's word: the bits of the blocks below b
-        polls = 0
-        while ((gl.atomic_add(flags + w, 0, sem="acquire", scope="gpu") & need) != need) & (polls < _SPIN_LIMIT):
-            polls += 1
-        stuck += (polls >= _SPIN_LIMIT).to(gl.int32)
-    earlier = gl.load(block_max_ptr + tile * PH + mb[:, None] * PH + mh[None, :],
-                      mask=(mb < b)[:, None] & (mh < PH)[None, :], other=-1e30, cache_modifier=".cg")
-    return earlier, stuck
-
-
-@gluon.jit
-def _q_last_two(q_smem, q_rows, h_in, c: gl.constexpr):
-    """Before chunk c's decode (two key buffers): from chunk 2 on, wait until both warpgroups' MMAs
-    of chunk c - 2 have read its buffers; at chunk 2, q's last two chunks into q's two buffers."""
-    if c >= 2:
-        gl.thread_barrier()
-        if c == 2:
-            q_smem.index(0).store(gl.load(q_rows + 2 * _DC, mask=h_in, other=0.0))
-            q_smem.index(1).store(gl.load(q_rows + 3 * _DC, mask=h_in, other=0.0))
-
-
-@gluon.jit
-def _scores_k2_pool(q_smem, k_smem, q_rows, h_in, pool_ptr, base, ok, WINDOW: gl.constexpr,
-                    FP4_PACKED: gl.constexpr, FP4_LUT: gl.constexpr, ld: gl.constexpr, s_l: gl.constexpr):
-    """`_scores_k2` of a block of one pool's keys (WINDOW: the window's, else the compressed
-    entries'), chunk c + 1's bytes loaded before chunk c is decoded: in flight through chunk c's
-    decode and score MMA."""
-    NC: gl.constexpr = 512 // _DC
-    s = gl.zeros([_M, _KEYS], gl.float32, s_l)
-    codes, sc = _load_chunk(pool_ptr, base, ok, 0, WINDOW, FP4_PACKED, ld)
-    for c in gl.static_range(NC):
-        if c + 1 < NC:
-            nxt_codes, nxt_sc = _load_chunk(pool_ptr, base, ok, c + 1, WINDOW, FP4_PACKED, ld)
-        k = _decode_loaded(codes, sc, ok, c, WINDOW, FP4_PACKED, ld, 128, FP4_LUT).to(gl.bfloat16)
-        _q_last_two(q_smem, q_rows, h_in, c)
-        k_smem.index(c % 2).store(k)
-        fence_async_shared()
-        gl.thread_barrier()
-        s = warpgroup_mma(q_smem.index(c % 2), k_smem.index(c % 2).permute((1, 0)), s)
-        if c + 1 < NC:
-            codes = nxt_codes
-            sc = nxt_sc
-    return s
-
-
-@gluon.jit
-def _scores_k2(q_smem, k_smem, q_rows, h_in, wpool_ptr, wbase, w_ok, cpool_ptr, cbase, c_ok, start, nw,
-               FP4_PACKED: gl.constexpr, FP4_LUT: gl.constexpr, ld: gl.constexpr, s_l: gl.constexpr,
-               PREFETCH: gl.constexpr = False):
-    """S = sum over the 128-dim chunks in order of q_c k_c^T (unscaled, FP32 [64, 64] in s_l) of
-    the block whose keys start at `start` of the row's joined list, with two key buffers
-    (`GluonSparseMlaConfig.k_buffers=2`): each chunk decoded into k_smem[c % 2] just before its
-    score MMA; q's first two chunks already in q_smem's two buffers (stored, not yet fenced), its
-    last two loaded into them once both warpgroups' MMAs of the first two are done (no registers
-    held through the decodes). Leaves q's last two chunks in q_smem. PREFETCH: in a block of one
-    pool (`_scores_k2_pool`), each chunk's bytes in flight during the chunk before it (the same
-    values); the block where the window ends loads each chunk at its decode."""
-    NC: gl.constexpr = 512 // _DC
-    if PREFETCH and start + _KEYS <= nw:
-        s = _scores_k2_pool(q_smem, k_smem, q_rows, h_in, wpool_ptr, wbase, w_ok, True, FP4_PACKED, FP4_LUT, ld, s_l)
-    elif PREFETCH and start >= nw:
-        s = _scores_k2_pool(q_smem, k_smem, q_rows, h_in, cpool_ptr, cbase, c_ok, False, FP4_PACKED, FP4_LUT, ld,
-                            s_l)
-    else:
-        s = gl.zeros([_M, _KEYS], gl.float32, s_l)
-        for c in gl.static_range(NC):
-            _q_last_two(q_smem, q_rows, h_in, c)
-            kb = k_smem.index(c % 2)
-            if start + _KEYS <= nw:
-                kb.store(_decode_chunk(wpool_ptr, wbase, w_ok, c, True, FP4_PACKED, ld).to(gl.bfloat16))
-            elif start >= nw:
-                kb.store(_decode_chunk(cpool_ptr, cbase, c_ok, c, False, FP4_PACKED, ld, 128, FP4_LUT).to(gl.bfloat16))
-            else:
-                kb.store(_decode_mixed_chunk(wpool_ptr, wbase, w_ok, cpool_ptr, cbase, c_ok, c, FP4_PACKED, ld,
-                                             FP4_LUT))
-            fence_async_shared()
-            gl.thread_barrier()
-            s = warpgroup_mma(q_smem.index(c % 2), k_smem.index(c % 2).permute((1, 0)), s)
-    return s
-
-
-@gluon.jit
 def _stamp(log_row, SLOT: gl.constexpr, PHASES: gl.constexpr):
     """PHASES (debug): once every warp has reached this point (a barrier; the phase's loads are
     consumed before it), the SM's cycle counter into log_row[SLOT] (int64; one thread stores)."""
@@ -316,7 +216,6 @@ def _gluon_sparse_mla_kernel(
     TICKET: gl.constexpr = True, PV_PIPELINE: gl.constexpr = False,
     FP4_LUT: gl.constexpr = False,
     PHASES: gl.constexpr = False, P_OUT: gl.constexpr = False, K_BUFFERS: gl.constexpr = 4,
-    BPP: gl.constexpr = 1, CHUNK_PREFETCH: gl.constexpr = False,
 ):
     # Workspaces (`SparseMlaPlan` with one head group of PH = block_h heads): acc [N, NB, PH, 512],
     # ml [N, NB, 3, PH] (max, sum, valid-key count), block_max [N, NB, PH], flags [N, NB] (here a
@@ -339,11 +238,11 @@ def _gluon_sparse_mla_kernel(
     # the program id stands for it: no program waits on one that cannot start.
     if TICKET:
         ticket = gl.atomic_add(ticket_ptr, 1, sem="relaxed", scope="gpu")
-        if ticket == N * ((NB + BPP - 1) // BPP) * DSPLIT - 1:
+        if ticket == N * NB * DSPLIT - 1:
             gl.store(ticket_ptr, 0)      # every program has its ticket: ready for the next launch
     else:
         ticket = gl.program_id(0)
-    b = (ticket // (N * DSPLIT)) * BPP     # the program's first block (BPP: blocks_per_program)
+    b = ticket // (N * DSPLIT)
     r = (ticket // DSPLIT) % N
     sl = ticket % DSPLIT                 # the dims of P.V and of the partial: chunks [sl NCP, sl NCP + NCP)
     log_row = log_ptr + ticket.to(gl.int64) * _PH_COLS
@@ -394,187 +293,162 @@ def _gluon_sparse_mla_kernel(
         q3 = gl.load(q_rows + 3 * _DC, mask=h_in, other=0.0)
     _stamp(log_row, 2, PHASES)
 
-    if BPP == 1:
-        # The block's records, decoded into shared memory.
-        start = b * _KEYS
-        s = gl.zeros([_M, _KEYS], gl.float32, s_l)
-        if K_BUFFERS == 2:
-            gl.static_assert(P_OUT and Q_BUFFERS == 2)
-            s = _scores_k2(q_smem, k_smem, q_rows, h_in, wpool_ptr, wbase, w_ok, cpool_ptr, cbase, c_ok, start, nw,
-                           FP4_PACKED, FP4_LUT, ld, s_l, CHUNK_PREFETCH)
-            _stamp(log_row, 4, PHASES)
-        elif start + _KEYS <= nw:         # window keys only
-            _decode_block(k_smem, wpool_ptr, wbase, w_ok, True, FP4_PACKED, PREFETCH, ld, log_row, PHASES)
-        elif start >= nw:                 # compressed entries only
-            _decode_block(k_smem, cpool_ptr, cbase, c_ok, False, FP4_PACKED, PREFETCH, ld, log_row, PHASES, FP4_LUT)
-        else:                             # the block where the window ends
-            for c in gl.static_range(NC):
-                k_smem.index(c).store(_decode_mixed_chunk(wpool_ptr, wbase, w_ok, cpool_ptr, cbase, c_ok, c, FP4_PACKED,
-                                                          ld, FP4_LUT))
-                if c == 0:
-                    _stamp(log_row, 3, PHASES)
-        if K_BUFFERS == NC:
-            fence_async_shared()
-            gl.thread_barrier()
-            _stamp(log_row, 4, PHASES)
-
-        # S = sum over the chunks in order of q_c k_c^T (with two key buffers, summed above), then
-        # scaled; -inf where a key is invalid.
-        if K_BUFFERS == 2:
-            pass
-        elif Q_BUFFERS == NC:
-            for c in gl.static_range(NC):
-                s = warpgroup_mma(q_smem.index(c), k_smem.index(c).permute((1, 0)), s)
-        else:
-            acc = warpgroup_mma(q_smem.index(0), k_smem.index(0).permute((1, 0)), s, is_async=True)
-            acc = warpgroup_mma(q_smem.index(1), k_smem.index(1).permute((1, 0)), acc, is_async=True)
-            s = warpgroup_mma_wait(0, deps=[acc])
-            gl.thread_barrier()           # both warpgroups' MMAs have read the buffers
-            q_smem.index(0).store(q2)
-            q_smem.index(1).store(q3)
-            fence_async_shared()
-            gl.thread_barrier()
-            s = warpgroup_mma(q_smem.index(0), k_smem.index(2).permute((1, 0)), s)
-            s = warpgroup_mma(q_smem.index(1), k_smem.index(3).permute((1, 0)), s)
-        ws_s, cs_s = _block_slots(wtab_row, ctab_row, b, nw, W, KC, gl.SliceLayout(0, s_l))
-        ok = (ws_s >= 0) | (cs_s >= 0)
-        s = gl.where(ok[None, :], s * scale, float("-inf"))
-        s_max = gl.reduce(s, 1, _max)
-        _stamp(log_row, 5, PHASES)
-
-        # Publish this block's max (bit b % 32 of the row's flag word b // 32, set with release once
-        # every thread's store is done); the running max of the sequential loop before this block is the
-        # max over the blocks before it, each published by its own program. Waiting on the row's words
-        # (one for up to 32 blocks), then loading every earlier block's maxima at once, costs two
-        # round trips to L2 whatever b is, where a flag per block waited and read in turn costs two per
-        # earlier block; the max is exact, so the order in which the maxima are combined does not matter.
-        # With DSPLIT > 1 each of the block's programs publishes the same max (the same bits: the same
-        # scores) and sets the same bit; the first to do so releases the later blocks.
-        hs = gl.arange(0, _M, layout=gl.SliceLayout(1, s_l))
-        h_st = hs < PH
-        tile = r.to(gl.int64) * NB
-        flags = flag_ptr + tile
-        mb = gl.arange(0, NB_P2, layout=gl.SliceLayout(1, ld))
-        mh = gl.arange(0, _M, layout=gl.SliceLayout(0, ld))
-        stuck = 0
-        if VALUES:
-            # The maxima are their own flags: the row's board (int32 [NB, PH], zero between launches)
-            # takes ~bits(max) per head (never 0 but for the NaN 0xFFFFFFFF), and the earlier blocks'
-            # entries are polled until none is 0: one round trip once they are there, where the bits
-            # cost a fence, a poll and the maxima's load.
-            board = board_ptr + tile * PH
-            gl.store(board + b * PH + hs, ~s_max.to(gl.int32, bitcast=True), mask=h_st)
-            need = (mb < b)[:, None] & (mh < PH)[None, :]
-            got = gl.zeros([NB_P2, _M], gl.int32, ld)
-            pending = 1
-            polls = 0
-            while (pending > 0) & (polls < _SPIN_LIMIT):
-                got = gl.load(board + mb[:, None] * PH + mh[None, :], mask=need, other=-1, volatile=True)
-                pending = gl.reduce(gl.reduce((got == 0).to(gl.int32), 1, _add), 0, _add)
-                polls += 1
-            stuck = (pending > 0).to(gl.int32)
-            earlier = gl.where(need, (~got).to(gl.float32, bitcast=True), -1e30)
-        else:
-            _publish_max(block_max_ptr, flags, tile, b, s_max, hs, h_st, PH)
-            earlier, stuck = _earlier_maxima(block_max_ptr, flags, tile, b, mb, mh, PH)
-        m_i = gl.convert_layout(gl.reduce(earlier, 0, _max), gl.SliceLayout(1, s_l))
-        m_i = gl.where(stuck > 0, float("nan"), m_i)    # never by design: a bug shows as NaN, not a hang
-        new_max = gl.maximum(m_i, s_max)
-        _stamp(log_row, 6, PHASES)
-        p = libdevice.exp(s - new_max[:, None])
-        l_i = gl.reduce(p, 1, _add)
-        nv = gl.reduce(ok.to(gl.int32), 0, _add)
-        if P_OUT:
-            # the block's P (rounded to nearest even: the contract's) for the second launch's P.V
-            ks = gl.arange(0, _KEYS, layout=gl.SliceLayout(0, s_l))
-            gl.store(part_acc_ptr + ((tile + b) * PH + hs[:, None]) * _KEYS + ks[None, :], p.to(gl.bfloat16),
-                     mask=h_st[:, None])
-        else:
-            p_smem.store(p.to(gl.bfloat16))          # round to nearest even: the contract's P
-            fence_async_shared()
-            gl.thread_barrier()
-            # acc = P V, chunk by chunk (this program's NCP chunks), each stored as summed: this block's
-            # partial [PH, 512] (or its dim slice).
-            ho = gl.arange(0, _M, layout=gl.SliceLayout(1, o_l))
-            do = gl.arange(0, _DC, layout=gl.SliceLayout(0, o_l))
-            acc_rows = part_acc_ptr + (tile + b) * (PH * D) + ho[:, None] * D + do[None, :]
-            zero = gl.zeros([_M, _DC], gl.float32, o_l)
-            if PV_PIPELINE and NCP > 1:
-                # chunk c + 1's MMA in flight while chunk c is stored (two accumulators live)
-                prev = warpgroup_mma(p_smem, k_smem.index(sl * NCP), zero, use_acc=False, is_async=True)
-                for c in gl.static_range(1, NCP):
-                    nxt = warpgroup_mma(p_smem, k_smem.index(sl * NCP + c), zero, use_acc=False, is_async=True)
-                    prev = warpgroup_mma_wait(1, deps=[prev])
-                    gl.store(acc_rows + (sl * NCP + c - 1) * _DC, prev, mask=(ho < PH)[:, None])
-                    prev = nxt
-                prev = warpgroup_mma_wait(0, deps=[prev])
-                gl.store(acc_rows + (sl * NCP + NCP - 1) * _DC, prev, mask=(ho < PH)[:, None])
+    # The block's records, decoded into shared memory.
+    start = b * _KEYS
+    s = gl.zeros([_M, _KEYS], gl.float32, s_l)
+    if K_BUFFERS == 2:
+        # (P_OUT) a chunk at a time into two buffers, each chunk's score MMA after its decode: S
+        # in the same chunk order and MMAs as below; q's last two chunks loaded into q's buffers
+        # once both warpgroups' MMAs of the first two are done
+        gl.static_assert(P_OUT and Q_BUFFERS == 2)
+        for c in gl.static_range(NC):
+            if c >= 2:
+                gl.thread_barrier()   # both warpgroups' MMAs of chunk c - 2 have read its buffers
+                if c == 2:            # (loaded here: no registers held through the decodes)
+                    q_smem.index(0).store(gl.load(q_rows + 2 * _DC, mask=h_in, other=0.0))
+                    q_smem.index(1).store(gl.load(q_rows + 3 * _DC, mask=h_in, other=0.0))
+            kb = k_smem.index(c % 2)
+            if start + _KEYS <= nw:
+                kb.store(_decode_chunk(wpool_ptr, wbase, w_ok, c, True, FP4_PACKED, ld).to(gl.bfloat16))
+            elif start >= nw:
+                kb.store(_decode_chunk(cpool_ptr, cbase, c_ok, c, False, FP4_PACKED, ld, 128, FP4_LUT).to(gl.bfloat16))
             else:
-                for c in gl.static_range(NCP):
-                    if DSPLIT == 1:
-                        a = warpgroup_mma(p_smem, k_smem.index(c), zero, use_acc=False)
-                        gl.store(acc_rows + c * _DC, a, mask=(ho < PH)[:, None])
-                    else:
-                        a = warpgroup_mma(p_smem, k_smem.index(sl * NCP + c), zero, use_acc=False)
-                        gl.store(acc_rows + (sl * NCP + c) * _DC, a, mask=(ho < PH)[:, None])
-        ml = part_ml_ptr + (tile + b) * (3 * PH) + hs
-        gl.store(ml, new_max, mask=h_st)
-        gl.store(ml + PH, l_i, mask=h_st)
-        gl.store(ml + 2 * PH, gl.zeros([_M], gl.float32, gl.SliceLayout(1, s_l)) + nv.to(gl.float32), mask=h_st)
-        _stamp(log_row, 7, PHASES)
+                kb.store(_decode_mixed_chunk(wpool_ptr, wbase, w_ok, cpool_ptr, cbase, c_ok, c, FP4_PACKED, ld,
+                                             FP4_LUT))
+            fence_async_shared()
+            gl.thread_barrier()
+            s = warpgroup_mma(q_smem.index(c % 2), k_smem.index(c % 2).permute((1, 0)), s)
+        _stamp(log_row, 4, PHASES)
+    elif start + _KEYS <= nw:         # window keys only
+        _decode_block(k_smem, wpool_ptr, wbase, w_ok, True, FP4_PACKED, PREFETCH, ld, log_row, PHASES)
+    elif start >= nw:                 # compressed entries only
+        _decode_block(k_smem, cpool_ptr, cbase, c_ok, False, FP4_PACKED, PREFETCH, ld, log_row, PHASES, FP4_LUT)
+    else:                             # the block where the window ends
+        for c in gl.static_range(NC):
+            k_smem.index(c).store(_decode_mixed_chunk(wpool_ptr, wbase, w_ok, cpool_ptr, cbase, c_ok, c, FP4_PACKED,
+                                                      ld, FP4_LUT))
+            if c == 0:
+                _stamp(log_row, 3, PHASES)
+    if K_BUFFERS == NC:
+        fence_async_shared()
+        gl.thread_barrier()
+        _stamp(log_row, 4, PHASES)
+
+    # S = sum over the chunks in order of q_c k_c^T (with two key buffers, summed above), then
+    # scaled; -inf where a key is invalid.
+    if K_BUFFERS == 2:
+        pass
+    elif Q_BUFFERS == NC:
+        for c in gl.static_range(NC):
+            s = warpgroup_mma(q_smem.index(c), k_smem.index(c).permute((1, 0)), s)
     else:
-        # (blocks_per_program) blocks b .. b + BPP - 1 of the row, each as above: first every
-        # block's scores, their maxima published and the scores stashed in the workspace (FP32,
-        # past the blocks' P), then one look-back for the blocks before b; block b + j's running
-        # max is block b + j - 1's new max (the max of the maxima before it: exact, so the same
-        # value), and its P and statistics are stored as above.
-        gl.static_assert(K_BUFFERS == 2 and P_OUT and DSPLIT == 1)
-        stash = part_acc_ptr.to(gl.pointer_type(gl.float32), bitcast=True) + N * NB * PH * (_KEYS // 2)
-        hs = gl.arange(0, _M, layout=gl.SliceLayout(1, s_l))
-        h_st = hs < PH
+        acc = warpgroup_mma(q_smem.index(0), k_smem.index(0).permute((1, 0)), s, is_async=True)
+        acc = warpgroup_mma(q_smem.index(1), k_smem.index(1).permute((1, 0)), acc, is_async=True)
+        s = warpgroup_mma_wait(0, deps=[acc])
+        gl.thread_barrier()           # both warpgroups' MMAs have read the buffers
+        q_smem.index(0).store(q2)
+        q_smem.index(1).store(q3)
+        fence_async_shared()
+        gl.thread_barrier()
+        s = warpgroup_mma(q_smem.index(0), k_smem.index(2).permute((1, 0)), s)
+        s = warpgroup_mma(q_smem.index(1), k_smem.index(3).permute((1, 0)), s)
+    ws_s, cs_s = _block_slots(wtab_row, ctab_row, b, nw, W, KC, gl.SliceLayout(0, s_l))
+    ok = (ws_s >= 0) | (cs_s >= 0)
+    s = gl.where(ok[None, :], s * scale, float("-inf"))
+    s_max = gl.reduce(s, 1, _max)
+    _stamp(log_row, 5, PHASES)
+
+    # Publish this block's max (bit b % 32 of the row's flag word b // 32, set with release once
+    # every thread's store is done); the running max of the sequential loop before this block is the
+    # max over the blocks before it, each published by its own program. Waiting on the row's words
+    # (one for up to 32 blocks), then loading every earlier block's maxima at once, costs two
+    # round trips to L2 whatever b is, where a flag per block waited and read in turn costs two per
+    # earlier block; the max is exact, so the order in which the maxima are combined does not matter.
+    # With DSPLIT > 1 each of the block's programs publishes the same max (the same bits: the same
+    # scores) and sets the same bit; the first to do so releases the later blocks.
+    hs = gl.arange(0, _M, layout=gl.SliceLayout(1, s_l))
+    h_st = hs < PH
+    tile = r.to(gl.int64) * NB
+    flags = flag_ptr + tile
+    mb = gl.arange(0, NB_P2, layout=gl.SliceLayout(1, ld))
+    mh = gl.arange(0, _M, layout=gl.SliceLayout(0, ld))
+    stuck = 0
+    if VALUES:
+        # The maxima are their own flags: the row's board (int32 [NB, PH], zero between launches)
+        # takes ~bits(max) per head (never 0 but for the NaN 0xFFFFFFFF), and the earlier blocks'
+        # entries are polled until none is 0: one round trip once they are there, where the bits
+        # cost a fence, a poll and the maxima's load.
+        board = board_ptr + tile * PH
+        gl.store(board + b * PH + hs, ~s_max.to(gl.int32, bitcast=True), mask=h_st)
+        need = (mb < b)[:, None] & (mh < PH)[None, :]
+        got = gl.zeros([NB_P2, _M], gl.int32, ld)
+        pending = 1
+        polls = 0
+        while (pending > 0) & (polls < _SPIN_LIMIT):
+            got = gl.load(board + mb[:, None] * PH + mh[None, :], mask=need, other=-1, volatile=True)
+            pending = gl.reduce(gl.reduce((got == 0).to(gl.int32), 1, _add), 0, _add)
+            polls += 1
+        stuck = (pending > 0).to(gl.int32)
+        earlier = gl.where(need, (~got).to(gl.float32, bitcast=True), -1e30)
+    else:
+        gl.store(block_max_ptr + (tile + b) * PH + hs, s_max, mask=h_st)
+        gl.thread_barrier()
+        gl.atomic_or(flags + b // 32, 1 << (b % 32), sem="release", scope="gpu")
+        for w in range(0, b // 32 + 1):
+            need = -1                      # the words below b's: every bit
+            if w == b // 32:
+                need = (1 << (b % 32)) - 1  # b's word: the bits of the blocks below b
+            polls = 0
+            while ((gl.atomic_add(flags + w, 0, sem="acquire", scope="gpu") & need) != need) & (polls < _SPIN_LIMIT):
+                polls += 1
+            stuck += (polls >= _SPIN_LIMIT).to(gl.int32)
+        earlier = gl.load(block_max_ptr + tile * PH + mb[:, None] * PH + mh[None, :],
+                          mask=(mb < b)[:, None] & (mh < PH)[None, :], other=-1e30, cache_modifier=".cg")
+    m_i = gl.convert_layout(gl.reduce(earlier, 0, _max), gl.SliceLayout(1, s_l))
+    m_i = gl.where(stuck > 0, float("nan"), m_i)    # never by design: a bug shows as NaN, not a hang
+    new_max = gl.maximum(m_i, s_max)
+    _stamp(log_row, 6, PHASES)
+    p = libdevice.exp(s - new_max[:, None])
+    l_i = gl.reduce(p, 1, _add)
+    nv = gl.reduce(ok.to(gl.int32), 0, _add)
+    if P_OUT:
+        # the block's P (rounded to nearest even: the contract's) for the second launch's P.V
         ks = gl.arange(0, _KEYS, layout=gl.SliceLayout(0, s_l))
-        tile = r.to(gl.int64) * NB
-        flags = flag_ptr + tile
-        for j in gl.static_range(BPP):
-            bj = b + j
-            if bj < NB:
-                if j > 0:
-                    gl.thread_barrier()   # both warpgroups' MMAs of the block before have read the buffers
-                    q_smem.index(0).store(gl.load(q_rows, mask=h_in, other=0.0))
-                    q_smem.index(1).store(gl.load(q_rows + _DC, mask=h_in, other=0.0))
-                wsj, csj = _block_slots(wtab_row, ctab_row, bj, nw, W, KC, gl.SliceLayout(1, ld))
-                s = _scores_k2(q_smem, k_smem, q_rows, h_in, wpool_ptr, gl.where(wsj >= 0, wsj, 0).to(gl.int64) * _WREC,
-                               wsj >= 0, cpool_ptr, gl.where(csj >= 0, csj, 0).to(gl.int64) * _CREC, csj >= 0,
-                               bj * _KEYS, nw, FP4_PACKED, FP4_LUT, ld, s_l, CHUNK_PREFETCH)
-                ws_s, cs_s = _block_slots(wtab_row, ctab_row, bj, nw, W, KC, gl.SliceLayout(0, s_l))
-                ok = (ws_s >= 0) | (cs_s >= 0)
-                s = gl.where(ok[None, :], s * scale, float("-inf"))
-                _publish_max(block_max_ptr, flags, tile, bj, gl.reduce(s, 1, _max), hs, h_st, PH)
-                gl.store(stash + ((tile + bj) * PH + hs[:, None]) * _KEYS + ks[None, :], s, mask=h_st[:, None])
-                nv = gl.reduce(ok.to(gl.int32), 0, _add)
-                gl.store(part_ml_ptr + (tile + bj) * (3 * PH) + 2 * PH + hs,
-                         gl.zeros([_M], gl.float32, gl.SliceLayout(1, s_l)) + nv.to(gl.float32), mask=h_st)
-        _stamp(log_row, 5, PHASES)
-        mb = gl.arange(0, NB_P2, layout=gl.SliceLayout(1, ld))
-        mh = gl.arange(0, _M, layout=gl.SliceLayout(0, ld))
-        earlier, stuck = _earlier_maxima(block_max_ptr, flags, tile, b, mb, mh, PH)
-        m_i = gl.convert_layout(gl.reduce(earlier, 0, _max), gl.SliceLayout(1, s_l))
-        m_i = gl.where(stuck > 0, float("nan"), m_i)    # never by design: a bug shows as NaN, not a hang
-        _stamp(log_row, 6, PHASES)
-        for j in gl.static_range(BPP):
-            bj = b + j
-            if bj < NB:
-                s = gl.load(stash + ((tile + bj) * PH + hs[:, None]) * _KEYS + ks[None, :], mask=h_st[:, None],
-                            other=float("-inf"))
-                new_max = gl.maximum(m_i, gl.reduce(s, 1, _max))
-                p = libdevice.exp(s - new_max[:, None])
-                gl.store(part_acc_ptr + ((tile + bj) * PH + hs[:, None]) * _KEYS + ks[None, :], p.to(gl.bfloat16),
-                         mask=h_st[:, None])
-                ml = part_ml_ptr + (tile + bj) * (3 * PH) + hs
-                gl.store(ml, new_max, mask=h_st)
-                gl.store(ml + PH, gl.reduce(p, 1, _add), mask=h_st)
-                m_i = new_max
-        _stamp(log_row, 7, PHASES)
+        gl.store(part_acc_ptr + ((tile + b) * PH + hs[:, None]) * _KEYS + ks[None, :], p.to(gl.bfloat16),
+                 mask=h_st[:, None])
+    else:
+        p_smem.store(p.to(gl.bfloat16))          # round to nearest even: the contract's P
+        fence_async_shared()
+        gl.thread_barrier()
+        # acc = P V, chunk by chunk (this program's NCP chunks), each stored as summed: this block's
+        # partial [PH, 512] (or its dim slice).
+        ho = gl.arange(0, _M, layout=gl.SliceLayout(1, o_l))
+        do = gl.arange(0, _DC, layout=gl.SliceLayout(0, o_l))
+        acc_rows = part_acc_ptr + (tile + b) * (PH * D) + ho[:, None] * D + do[None, :]
+        zero = gl.zeros([_M, _DC], gl.float32, o_l)
+        if PV_PIPELINE and NCP > 1:
+            # chunk c + 1's MMA in flight while chunk c is stored (two accumulators live)
+            prev = warpgroup_mma(p_smem, k_smem.index(sl * NCP), zero, use_acc=False, is_async=True)
+            for c in gl.static_range(1, NCP):
+                nxt = warpgroup_mma(p_smem, k_smem.index(sl * NCP + c), zero, use_acc=False, is_async=True)
+                prev = warpgroup_mma_wait(1, deps=[prev])
+                gl.store(acc_rows + (sl * NCP + c - 1) * _DC, prev, mask=(ho < PH)[:, None])
+                prev = nxt
+            prev = warpgroup_mma_wait(0, deps=[prev])
+            gl.store(acc_rows + (sl * NCP + NCP - 1) * _DC, prev, mask=(ho < PH)[:, None])
+        else:
+            for c in gl.static_range(NCP):
+                if DSPLIT == 1:
+                    a = warpgroup_mma(p_smem, k_smem.index(c), zero, use_acc=False)
+                    gl.store(acc_rows + c * _DC, a, mask=(ho < PH)[:, None])
+                else:
+                    a = warpgroup_mma(p_smem, k_smem.index(sl * NCP + c), zero, use_acc=False)
+                    gl.store(acc_rows + (sl * NCP + c) * _DC, a, mask=(ho < PH)[:, None])
+    ml = part_ml_ptr + (tile + b) * (3 * PH) + hs
+    gl.store(ml, new_max, mask=h_st)
+    gl.store(ml + PH, l_i, mask=h_st)
+    gl.store(ml + 2 * PH, gl.zeros([_M], gl.float32, gl.SliceLayout(1, s_l)) + nv.to(gl.float32), mask=h_st)
+    _stamp(log_row, 7, PHASES)
 
     cnt = count_ptr + r
     if SPREAD:
@@ -624,7 +498,7 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
         return
     nb = base.n_blocks
     o16 = out.view(torch.int16)
-    grid = n * -(-nb // config.blocks_per_program) * config.dim_split
+    grid = n * nb * config.dim_split
     combine = config.combine
     log = plan.phase_log if plan.phase_log is not None else plan.counters
     # with the combination "pv" the blocks' P goes into the partials' workspace (BF16 [n, nb,
@@ -639,8 +513,7 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
                   FP4_PACKED=config.fp4_packed, PREFETCH=config.prefetch, DSPLIT=config.dim_split,
                   VALUES=config.lookback == "values",
                   PV_PIPELINE=config.pv_pipeline, FP4_LUT=config.fp4_lut, PHASES=config.phases,
-                  K_BUFFERS=config.k_buffers, BPP=config.blocks_per_program,
-                  CHUNK_PREFETCH=config.chunk_prefetch,
+                  K_BUFFERS=config.k_buffers,
                   num_warps=NUM_WARPS)
     if config.maxnreg is not None:
         consts["maxnreg"] = config.maxnreg

@@ -114,18 +114,7 @@ class GluonSparseMlaConfig:
     (the block's whole 512 dims, decoded before the scores) or 2 (with q_buffers=2: a chunk at a
     time, each chunk's score MMA after its decode, q's last two chunks loaded once the first two's
     MMAs are done: the same MMAs in the same order, so the same bits; 64 KB of shared memory, three
-    programs an SM at maxnreg=80 without spills on sm_90).
-
-    blocks_per_program (with k_buffers=2): the consecutive blocks of a row one program of the first
-    launch takes (1 or 2). With 2 it computes both blocks' scores first, publishing each block's
-    maxima and keeping its scores in the workspace (FP32, beside the blocks' P), then looks back
-    once for the blocks before its first and rounds each block's P against the running max there
-    (the second block's is the first's new max: the max of the same maxima), so the same bits; half
-    the programs, each with two blocks' decode and scores in series.
-
-    chunk_prefetch (with k_buffers=2): in a block of one pool's keys, each 128-dim chunk's bytes
-    loaded before the chunk ahead of it is decoded (in flight through that chunk's decode and score
-    MMA; the block where the window ends loads each chunk at its decode): the same values."""
+    programs an SM at maxnreg=80 without spills on sm_90)."""
 
     q_buffers: int = 2
     fp4_packed: bool = True
@@ -142,8 +131,6 @@ class GluonSparseMlaConfig:
     pv_maxnreg: int = _PV_MAXNREG
     pv_stages: int = 0
     k_buffers: int = 4
-    blocks_per_program: int = 1
-    chunk_prefetch: bool = False
 
     def __post_init__(self):
         if self.q_buffers not in (2, 4) or isinstance(self.q_buffers, bool):
@@ -168,15 +155,6 @@ class GluonSparseMlaConfig:
             raise ValueError(f"GluonSparseMlaConfig.k_buffers=2 decodes a block's chunks between its score MMAs, "
                              f"which only the first launch of combine='pv' (no P.V there) with q_buffers=2 takes, "
                              f"got combine={self.combine!r}, q_buffers={self.q_buffers!r}")
-        bpp = self.blocks_per_program
-        if isinstance(bpp, bool) or not isinstance(bpp, int) or bpp not in (1, 2):
-            raise ValueError(f"GluonSparseMlaConfig.blocks_per_program must be 1 or 2, got {bpp!r}")
-        if bpp == 2 and kb != 2:
-            raise ValueError(f"GluonSparseMlaConfig.blocks_per_program=2 runs the first launch's two-buffer block "
-                             f"programs: it needs k_buffers=2, got k_buffers={kb!r}")
-        if self.chunk_prefetch is True and kb != 2:
-            raise ValueError(f"GluonSparseMlaConfig.chunk_prefetch loads the two-buffer block programs' chunks "
-                             f"ahead: it needs k_buffers=2, got k_buffers={kb!r}")
         c = self.pv_chunks
         if isinstance(c, bool) or not isinstance(c, int) or c not in PV_CHUNKS:
             raise ValueError(f"GluonSparseMlaConfig.pv_chunks must be one of {PV_CHUNKS}, got {self.pv_chunks!r}")
@@ -197,7 +175,7 @@ class GluonSparseMlaConfig:
                              "needs fp4_lut=True")
         if self.fp4_lut is True and not self.fp4_packed:
             raise ValueError("GluonSparseMlaConfig.fp4_lut decodes fp4_packed's 8-byte loads: it needs fp4_packed=True")
-        for name in ("fp4_packed", "prefetch", "pv_pipeline", "fp4_lut", "phases", "chunk_prefetch"):
+        for name in ("fp4_packed", "prefetch", "pv_pipeline", "fp4_lut", "phases"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"GluonSparseMlaConfig.{name} must be a bool, got {type(getattr(self, name)).__name__}")
 
