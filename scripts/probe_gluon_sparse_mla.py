@@ -81,6 +81,10 @@ CONFIGS = {
     # the first launch with two key buffers (64 KB): at a cap of 80 three programs an SM, at 128 two
     "pv1s4k2": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, pv_stages=4, k_buffers=2),
     "pv1s4k2r128": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_stages=4, k_buffers=2),
+    "pv1s4k2t": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, pv_stages=4, k_buffers=2, q_tma=True),
+    "pv1s4t": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_stages=4, q_tma=True),
+    "spreadvlct": G.GluonSparseMlaConfig(combine="spread", lookback="values", fp4_lut=True, maxnreg=128, q_tma=True),
+    "split4svlt": G.GluonSparseMlaConfig(dim_split=4, combine="spread", lookback="values", fp4_lut=True, q_tma=True),
     "pv1d64s4r80": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_dims=64, pv_maxnreg=80,
                                           pv_stages=4),
     "pv2d64": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_chunks=2, pv_dims=64),

@@ -73,7 +73,9 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.extra import libdevice
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                                warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .common import is_sm90, num_sms
 from .gluon_mla_records import (_CREC, _DC, _KEYS, _M, _WARPS, _WREC, NUM_WARPS, _add, _bf16_rne_bits, _block_slots,
@@ -208,7 +210,7 @@ def _clear_row(flags, board, NB: gl.constexpr, NB_P2: gl.constexpr, PH: gl.const
 def _gluon_sparse_mla_kernel(
     q_ptr, wpool_ptr, cpool_ptr, wtab_ptr, ctab_ptr,
     part_acc_ptr, part_ml_ptr, block_max_ptr, flag_ptr, ticket_ptr,
-    sink_ptr, out_ptr, count_ptr, log_ptr, board_ptr,
+    sink_ptr, out_ptr, count_ptr, log_ptr, board_ptr, q_desc,
     N, H, scale, stride_qn, stride_qh, stride_wt, stride_ct, stride_on, stride_oh,
     W: gl.constexpr, W_P2: gl.constexpr, KC: gl.constexpr, NB: gl.constexpr, NB_P2: gl.constexpr, PH: gl.constexpr,
     Q_BUFFERS: gl.constexpr = 4, FP4_PACKED: gl.constexpr = False, PREFETCH: gl.constexpr = False,
@@ -216,6 +218,7 @@ def _gluon_sparse_mla_kernel(
     TICKET: gl.constexpr = True, PV_PIPELINE: gl.constexpr = False,
     FP4_LUT: gl.constexpr = False,
     PHASES: gl.constexpr = False, P_OUT: gl.constexpr = False, K_BUFFERS: gl.constexpr = 4,
+    Q_TMA: gl.constexpr = False,
 ):
     # Workspaces (`SparseMlaPlan` with one head group of PH = block_h heads): acc [N, NB, PH, 512],
     # ml [N, NB, 3, PH] (max, sum, valid-key count), block_max [N, NB, PH], flags [N, NB] (here a
@@ -265,6 +268,17 @@ def _gluon_sparse_mla_kernel(
     k_smem = gl.allocate_shared_memory(gl.bfloat16, [K_BUFFERS, _KEYS, _DC], chunk_sl)
     if not P_OUT:
         p_smem = gl.allocate_shared_memory(gl.bfloat16, [_M, _KEYS], p_sl)
+    if Q_TMA:
+        # (64 heads: the row's q is one [64, 512] tile of q viewed [N x 64, 512]) q's first
+        # Q_BUFFERS chunks copied by TMA from the program's start, completing on q_bar[0]; with
+        # two key buffers its last two on q_bar[1] (`_scores_k2`)
+        q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar.index(0), count=1)
+        mbarrier.init(q_bar.index(1), count=1)
+        fence_async_shared()          # the initialized barriers before the async proxy's copies
+        mbarrier.expect(q_bar.index(0), Q_BUFFERS * q_desc.block_type.nbytes)
+        for c in gl.static_range(Q_BUFFERS):
+            tma.async_copy_global_to_shared(q_desc, [r * _M, c * _DC], q_bar.index(0), q_smem.index(c))
 
     # The row's window key count (the valid suffix of its window table), then the block's slots.
     wtab_row = wtab_ptr + r * stride_wt
@@ -286,8 +300,9 @@ def _gluon_sparse_mla_kernel(
     rd = gl.arange(0, _DC, layout=gl.SliceLayout(0, ld))
     q_rows = q_ptr + r * stride_qn + rh[:, None] * stride_qh + rd[None, :]
     h_in = (rh < H)[:, None]
-    for c in gl.static_range(Q_BUFFERS):
-        q_smem.index(c).store(gl.load(q_rows + c * _DC, mask=h_in, other=0.0))
+    if not Q_TMA:
+        for c in gl.static_range(Q_BUFFERS):
+            q_smem.index(c).store(gl.load(q_rows + c * _DC, mask=h_in, other=0.0))
     if Q_BUFFERS < NC and K_BUFFERS == NC:    # in flight during the decode, stored after the first MMAs
         q2 = gl.load(q_rows + 2 * _DC, mask=h_in, other=0.0)
         q3 = gl.load(q_rows + 3 * _DC, mask=h_in, other=0.0)
@@ -305,8 +320,13 @@ def _gluon_sparse_mla_kernel(
             if c >= 2:
                 gl.thread_barrier()   # both warpgroups' MMAs of chunk c - 2 have read its buffers
                 if c == 2:            # (loaded here: no registers held through the decodes)
-                    q_smem.index(0).store(gl.load(q_rows + 2 * _DC, mask=h_in, other=0.0))
-                    q_smem.index(1).store(gl.load(q_rows + 3 * _DC, mask=h_in, other=0.0))
+                    if Q_TMA:         # in flight during chunk 2's decode
+                        mbarrier.expect(q_bar.index(1), 2 * q_desc.block_type.nbytes)
+                        tma.async_copy_global_to_shared(q_desc, [r * _M, 2 * _DC], q_bar.index(1), q_smem.index(0))
+                        tma.async_copy_global_to_shared(q_desc, [r * _M, 3 * _DC], q_bar.index(1), q_smem.index(1))
+                    else:
+                        q_smem.index(0).store(gl.load(q_rows + 2 * _DC, mask=h_in, other=0.0))
+                        q_smem.index(1).store(gl.load(q_rows + 3 * _DC, mask=h_in, other=0.0))
             kb = k_smem.index(c % 2)
             if start + _KEYS <= nw:
                 kb.store(_decode_chunk(wpool_ptr, wbase, w_ok, c, True, FP4_PACKED, ld).to(gl.bfloat16))
@@ -317,6 +337,8 @@ def _gluon_sparse_mla_kernel(
                                              FP4_LUT))
             fence_async_shared()
             gl.thread_barrier()
+            if Q_TMA and c % 2 == 0:
+                mbarrier.wait(q_bar.index(c // 2), 0)
             s = warpgroup_mma(q_smem.index(c % 2), k_smem.index(c % 2).permute((1, 0)), s)
         _stamp(log_row, 4, PHASES)
     elif start + _KEYS <= nw:         # window keys only
@@ -333,6 +355,8 @@ def _gluon_sparse_mla_kernel(
         fence_async_shared()
         gl.thread_barrier()
         _stamp(log_row, 4, PHASES)
+        if Q_TMA:
+            mbarrier.wait(q_bar.index(0), 0)
 
     # S = sum over the chunks in order of q_c k_c^T (with two key buffers, summed above), then
     # scaled; -inf where a key is invalid.
@@ -481,6 +505,17 @@ def _gluon_sparse_mla_kernel(
         _stamp_global(log_row, _PH_GEND, "mov.u64 $0, %globaltimer;", PHASES)
 
 
+def _q_desc(plan: GluonSparseMlaPlan, q: torch.Tensor) -> TensorDescriptor:
+    """The TMA descriptor of q's [64, 128] chunks, q (contiguous [rows, 64, 512]) viewed [rows x 64,
+    512], made once per (address, rows) and kept in the plan (`GluonSparseMlaConfig.q_tma`)."""
+    key = (q.data_ptr(), q.shape[0])
+    desc = plan.q_descs.get(key)
+    if desc is None:
+        layout = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
+        desc = plan.q_descs[key] = TensorDescriptor.from_tensor(q.view(-1, q.shape[-1]), [64, 128], layout)
+    return desc
+
+
 def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: torch.Tensor, comp_pool: torch.Tensor,
                       window_table: torch.Tensor, comp_table: torch.Tensor, sink: torch.Tensor, scale: float,
                       out: torch.Tensor) -> None:
@@ -504,16 +539,18 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
     # with the combination "pv" the blocks' P goes into the partials' workspace (BF16 [n, nb,
     # block_h, 64] fits in its FP32 [n, nb, block_h, 512])
     acc_ws = base.part_acc.view(torch.bfloat16) if combine == "pv" else base.part_acc
+    q_tma = config.q_tma and base.block_h == 64 and q.is_contiguous()
+    q_desc = _q_desc(plan, q) if q_tma else None
     args = (q, window_pool, comp_pool, window_table, comp_table,
             acc_ws, base.part_ml, base.block_max, base.flags, base.ticket, sink, o16, plan.counters, log,
-            plan.board, n, base.heads, float(scale), q.stride(0), q.stride(1), window_table.stride(0),
+            plan.board, q_desc, n, base.heads, float(scale), q.stride(0), q.stride(1), window_table.stride(0),
             max(comp_table.stride(0), 1), o16.stride(0), o16.stride(1))
     consts = dict(W=base.window, W_P2=triton.next_power_of_2(base.window), KC=base.topk, NB=nb,
                   NB_P2=max(2, triton.next_power_of_2(nb)), PH=base.block_h, Q_BUFFERS=config.q_buffers,
                   FP4_PACKED=config.fp4_packed, PREFETCH=config.prefetch, DSPLIT=config.dim_split,
                   VALUES=config.lookback == "values",
                   PV_PIPELINE=config.pv_pipeline, FP4_LUT=config.fp4_lut, PHASES=config.phases,
-                  K_BUFFERS=config.k_buffers,
+                  K_BUFFERS=config.k_buffers, Q_TMA=q_tma,
                   num_warps=NUM_WARPS)
     if config.maxnreg is not None:
         consts["maxnreg"] = config.maxnreg

@@ -114,7 +114,12 @@ class GluonSparseMlaConfig:
     (the block's whole 512 dims, decoded before the scores) or 2 (with q_buffers=2: a chunk at a
     time, each chunk's score MMA after its decode, q's last two chunks loaded once the first two's
     MMAs are done: the same MMAs in the same order, so the same bits; 64 KB of shared memory, three
-    programs an SM at maxnreg=80 without spills on sm_90)."""
+    programs an SM at maxnreg=80 without spills on sm_90).
+
+    q_tma (at 64 heads, q contiguous: a row's q is one [64, 512] tile; elsewhere ignored): q's
+    chunks copied into shared memory by TMA from the program's start instead of loaded into
+    registers and stored (with k_buffers=2 its last two chunks during chunk 2's decode; with four,
+    q_buffers=2 loads the last two as before): the same values."""
 
     q_buffers: int = 2
     fp4_packed: bool = True
@@ -131,6 +136,7 @@ class GluonSparseMlaConfig:
     pv_maxnreg: int = _PV_MAXNREG
     pv_stages: int = 0
     k_buffers: int = 4
+    q_tma: bool = False
 
     def __post_init__(self):
         if self.q_buffers not in (2, 4) or isinstance(self.q_buffers, bool):
@@ -175,7 +181,7 @@ class GluonSparseMlaConfig:
                              "needs fp4_lut=True")
         if self.fp4_lut is True and not self.fp4_packed:
             raise ValueError("GluonSparseMlaConfig.fp4_lut decodes fp4_packed's 8-byte loads: it needs fp4_packed=True")
-        for name in ("fp4_packed", "prefetch", "pv_pipeline", "fp4_lut", "phases"):
+        for name in ("fp4_packed", "prefetch", "pv_pipeline", "fp4_lut", "phases", "q_tma"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"GluonSparseMlaConfig.{name} must be a bool, got {type(getattr(self, name)).__name__}")
 
@@ -228,7 +234,8 @@ class GluonSparseMlaPlan:
     arrivals per row), `board` (int32 [max_rows, blocks, block_h] with lookback="values", zero
     between launches; else one unused int32), `resident` (the spread combination's programs per SM
     by `specialization_key` of the launch's arguments, from the compiled kernel of
-    the first launch with that key), and `phase_log` (int64 [max_rows x blocks x
+    the first launch with that key), `q_descs` (with `config.q_tma`, q's TMA descriptors by address
+    and rows, made at a launch's first use) and `phase_log` (int64 [max_rows x blocks x
     dim_split, 16] with `config.phases`, else None). Build with `GluonSparseMlaPlan.build` (or the
     step's, `for_step`); not for concurrent launches (as `base`)."""
 
@@ -238,6 +245,7 @@ class GluonSparseMlaPlan:
     board: torch.Tensor
     phase_log: torch.Tensor | None = None
     resident: dict = field(default_factory=dict)
+    q_descs: dict = field(default_factory=dict)
 
     @classmethod
     def build(cls, max_rows: int, heads: int, window: int, topk: int, device="cuda", *, workspace=None,
