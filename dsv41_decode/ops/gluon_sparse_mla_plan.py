@@ -189,8 +189,7 @@ class GluonSparseMlaConfig:
 _SPLIT4SVL = GluonSparseMlaConfig(dim_split=4, combine="spread", lookback="values", fp4_lut=True)
 _SPLIT2SVLC = GluonSparseMlaConfig(dim_split=2, combine="spread", lookback="values", fp4_lut=True, maxnreg=128)
 _SPREADVLC = GluonSparseMlaConfig(combine="spread", lookback="values", fp4_lut=True, maxnreg=128)
-_PVRING = GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_stages=4)
-_PVRINGK2 = GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, pv_stages=4, k_buffers=2)
+_PVRINGK2T = GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, pv_stages=4, k_buffers=2, q_tma=True)
 
 # The decode step's configuration per row count, by the heads a program holds (`block_h`: 16 for 8
 # and 16 local heads, which the kernel pads to 16, then 32, 64; `GluonSparseMlaPlan.for_step`;
@@ -207,9 +206,11 @@ _PVRINGK2 = GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, pv_stag
 # 64 heads P.V and the combination in a second launch + fp4_lut + maxnreg 128, its codes and P
 # through a 4-slot cp.async ring (`pv_stages`; run AL at 5ad2f48: 44.88 / 64.77 us at 32 / 64 rows
 # against 47.25 / 67.64 without the ring, 45.39 / 75.62 on 64-dim slices, spreadvlc's 54.81 / 97.59;
-# 33.11 at 16 against spreadvlc's 27.24); at 17-32 rows its first launch with two key buffers at a
-# cap of 80 (three programs an SM: run AT at 487b63c, 40.75 against 44.85 us at 32 rows; 33.12
-# against 33.35 at 16, 65.29 against 64.64 at 64, where the ring's first launch as before stays).
+# 33.11 at 16 against spreadvlc's 27.24), its first launch with two key buffers at a cap of 80
+# (three programs an SM: run AT at 487b63c, 40.75 against 44.85 us at 32 rows) and q copied by TMA
+# (run CF at 169d31d: 36.20 / 56.48 us at 32 / 64 rows against 38.58 / 62.51 without, and the
+# four-buffer first launch's 40.27 / 62.53; 29.99 at 16 against spreadvlc's 26.47; at 1-16 rows
+# q by TMA moved the other configurations by at most 1 %, so they load it as before).
 # At 8-32 heads the spread combination beats the second
 # launch at every row count measured: 32 heads 21.32 / 32.72 / 60.17 us at 16 / 32 / 64 rows
 # against the ring's 31.47 / 41.60 / 61.33 (run AL); 16 heads 18.60 / 29.26 / 45.29 against
@@ -221,7 +222,7 @@ _PVRINGK2 = GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, pv_stag
 STEP_CONFIGS: dict[int, tuple] = {
     16: ((2, _SPLIT4SVL), (4, _SPLIT2SVLC), (None, _SPREADVLC)),
     32: ((2, _SPLIT4SVL), (4, _SPLIT2SVLC), (None, _SPREADVLC)),
-    64: ((2, _SPLIT4SVL), (4, _SPLIT2SVLC), (16, _SPREADVLC), (32, _PVRINGK2), (None, _PVRING)),
+    64: ((2, _SPLIT4SVL), (4, _SPLIT2SVLC), (16, _SPREADVLC), (None, _PVRINGK2T)),
 }
 
 
