@@ -13,7 +13,7 @@ import torch
 
 from dsv41_decode.ops import gluon_sparse_mla as G
 from dsv41_decode.ops.sparse_mla import SparseMlaPlan
-from test_gluon_sparse_mla import (PVRING4, PVRING4K2, SPLIT2SVLC, SPLIT4SVL, SPREADVLC, run, step_plan,
+from test_gluon_sparse_mla import (PVRING4K2T, SPLIT2SVLC, SPLIT4SVL, SPREADVLC, run, step_plan,
                                    workspace_is_clear)
 from test_sparse_mla import GPU_POOLS, check_repeatable_on_gpu, gpu_tables, make_case, ulps
 
@@ -120,7 +120,7 @@ def test_gpu_the_steps_plan_choice_on_sm90():
     plans = attention.sparse_mla_plans(64, 64, 128, 512, dev, workspace=pool)
     assert all(isinstance(p, G.GluonSparseMlaPlan) for p in plans)
     assert [(p.max_rows, p.config) for p in plans] == [(2, SPLIT4SVL), (4, SPLIT2SVLC), (16, SPREADVLC),
-                                                       (32, PVRING4K2), (64, PVRING4)]
+                                                       (64, PVRING4K2T)]
     assert all(p.base.part_acc.untyped_storage().data_ptr() in pool.storages() for p in plans)
     ref = G.GluonSparseMlaPlan.build(64, 64, 128, 512, "cuda")
     for n in (1, 2, 3, 4, 5, 16, 17, 32, 33, 64):
