@@ -271,7 +271,7 @@ def _gluon_sparse_mla_kernel(
     if Q_TMA:
         # (64 heads: the row's q is one [64, 512] tile of q viewed [N x 64, 512]) q's first
         # Q_BUFFERS chunks copied by TMA from the program's start, completing on q_bar[0]; with
-        # two key buffers its last two on q_bar[1] (`_scores_k2`)
+        # two key buffers its last two during chunk 2's decode, on q_bar[1] (below)
         q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar.index(0), count=1)
         mbarrier.init(q_bar.index(1), count=1)

@@ -20,7 +20,9 @@ from dsv41_decode.testing import sm90
 from test_gluon_sparse_mla import _TYPES as FIRST_TYPES
 
 # the first launch's, with P (BF16) where the other configurations' partials (FP32) go
-_FIRST_TYPES = dict(FIRST_TYPES, part_acc_ptr="*bf16")
+# (q's TMA descriptor as the launcher makes it with q_tma; without Q_TMA the kernel ignores it)
+_FIRST_TYPES = dict(FIRST_TYPES, part_acc_ptr="*bf16",
+                    q_desc=f"tensordesc<bf16[64, 128],{gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)!r}>")
 # 228 KB of shared memory and 64K registers an SM, 1 KB reserved per program
 SM_SHARED, SM_REGS = 228 * 1024, 65536
 
@@ -139,23 +141,19 @@ def test_first_launch_with_two_key_buffers_three_programs_an_sm(heads, w, k):
 # spills and three programs an SM (two mbarriers more, 16 bytes), q's four [64, 128] chunks as four
 # TMA copies (two from the start, two during chunk 2's decode) and none of q's 16-byte loads
 def test_first_launch_with_q_by_tma_three_programs_an_sm():
-    layout = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
-    types = {**_FIRST_TYPES, "q_desc": f"tensordesc<bf16[64, 128],{layout!r}>"}
-    nb, ph = _shape(64, 128, 512)
-    consts = dict(W=128, W_P2=128, KC=512, NB=nb, NB_P2=max(2, 1 << (nb - 1).bit_length()), PH=ph, Q_BUFFERS=2,
-                  FP4_PACKED=True, PREFETCH=True, DSPLIT=1, SPREAD=False, VALUES=False, TICKET=True, FP4_LUT=True,
-                  P_OUT=True, K_BUFFERS=2, Q_TMA=True)
-    kernel = sm90.compile_sm90(G._gluon_sparse_mla_kernel, types, consts, num_warps=G.NUM_WARPS, maxnreg=80)
+    kernel = _compile_first(64, 128, 512, maxnreg=80, K_BUFFERS=2, Q_TMA=True)
     res = sm90.resources(kernel)
     assert res["LOCAL"] == 0 and res["STACK"] == 0, res
     assert kernel.metadata.shared == 4 * 16384 + 16, kernel.metadata.shared
     assert 3 * (kernel.metadata.shared + 1024) <= SM_SHARED and 3 * res["REG"] * 32 * G.NUM_WARPS <= SM_REGS, res
-    ptx = kernel.asm["ptx"]
-    assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier") == 4
-    plain = _compile_first(64, 128, 512, maxnreg=80, K_BUFFERS=2)
-    loads = lambda k: sum("LDG.E.128" in t for _, t in sm90.sass(k))     # noqa: E731
+    assert kernel.asm["ptx"].count("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier") == 4
+
+    def wide_loads(k):
+        return sum("LDG.E.128" in t for _, t in sm90.sass(k))
     # q's four chunks of 64 x 128 BF16 over 256 threads, 16 bytes a load
-    assert loads(plain) - loads(kernel) == 4 * 64 * 128 * 2 // 256 // 16, (loads(plain), loads(kernel))
+    plain = _compile_first(64, 128, 512, maxnreg=80, K_BUFFERS=2)
+    assert wide_loads(plain) - wide_loads(kernel) == 4 * 64 * 128 * 2 // 256 // 16, (wide_loads(plain),
+                                                                                   wide_loads(kernel))
 
 
 @pytest.mark.parametrize("heads", [64, 8])
