@@ -21,8 +21,8 @@ from test_gluon_sparse_mla import _TYPES as FIRST_TYPES
 
 # the first launch's, with P (BF16) where the other configurations' partials (FP32) go
 # (q's TMA descriptor as the launcher makes it with q_tma; without Q_TMA the kernel ignores it)
-_FIRST_TYPES = dict(FIRST_TYPES, part_acc_ptr="*bf16",
-                    q_desc=f"tensordesc<bf16[64, 128],{gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)!r}>")
+_Q_LAYOUT = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
+_FIRST_TYPES = dict(FIRST_TYPES, part_acc_ptr="*bf16", q_desc=f"tensordesc<bf16[64, 128],{_Q_LAYOUT!r}>")
 # 228 KB of shared memory and 64K registers an SM, 1 KB reserved per program
 SM_SHARED, SM_REGS = 228 * 1024, 65536
 
