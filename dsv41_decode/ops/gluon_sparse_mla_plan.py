@@ -119,7 +119,7 @@ class GluonSparseMlaConfig:
     q_tma (at 64 heads, q contiguous: a row's q is one [64, 512] tile; elsewhere ignored): q's
     chunks copied into shared memory by TMA from the program's start instead of loaded into
     registers and stored (with k_buffers=2 its last two chunks during chunk 2's decode; with four,
-    q_buffers=2 loads the last two as before): the same values."""
+    q_buffers=2 still loads the last two into registers): the same values."""
 
     q_buffers: int = 2
     fp4_packed: bool = True
@@ -210,7 +210,7 @@ _PVRINGK2T = GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, pv_sta
 # (three programs an SM: run AT at 487b63c, 40.75 against 44.85 us at 32 rows) and q copied by TMA
 # (run CF at 169d31d: 36.20 / 56.48 us at 32 / 64 rows against 38.58 / 62.51 without, and the
 # four-buffer first launch's 40.27 / 62.53; 29.99 at 16 against spreadvlc's 26.47; at 1-16 rows
-# q by TMA moved the other configurations by at most 1 %, so they load it as before).
+# q by TMA moved the other configurations by at most 1 %, so they load it with plain loads).
 # At 8-32 heads the spread combination beats the second
 # launch at every row count measured: 32 heads 21.32 / 32.72 / 60.17 us at 16 / 32 / 64 rows
 # against the ring's 31.47 / 41.60 / 61.33 (run AL); 16 heads 18.60 / 29.26 / 45.29 against
