@@ -436,10 +436,13 @@ def _gluon_sparse_mla_kernel(
     l_i = gl.reduce(p, 1, _add)
     nv = gl.reduce(ok.to(gl.int32), 0, _add)
     if P_OUT:
-        # the block's P (rounded to nearest even: the contract's) for the second launch's P.V
-        ks = gl.arange(0, _KEYS, layout=gl.SliceLayout(0, s_l))
-        gl.store(part_acc_ptr + ((tile + b) * PH + hs[:, None]) * _KEYS + ks[None, :], p.to(gl.bfloat16),
-                 mask=h_st[:, None])
+        # the block's P (rounded to nearest even: the contract's) for the second launch's P.V, 16
+        # bytes a thread (`pst`; the accumulator's layout would store 4 at a time)
+        pst: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [_WARPS, 1], [1, 0])
+        hp = gl.arange(0, _M, layout=gl.SliceLayout(1, pst))
+        kp = gl.arange(0, _KEYS, layout=gl.SliceLayout(0, pst))
+        gl.store(part_acc_ptr + ((tile + b) * PH + hp[:, None]) * _KEYS + kp[None, :],
+                 gl.convert_layout(p.to(gl.bfloat16), pst), mask=(hp < PH)[:, None])
     else:
         p_smem.store(p.to(gl.bfloat16))          # round to nearest even: the contract's P
         fence_async_shared()

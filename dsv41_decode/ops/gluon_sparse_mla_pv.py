@@ -16,8 +16,9 @@ exp(m_b - m_all), to the slice's FP32 sum:
 counts, the sums rescaled and added in block order, o = acc / (sum + exp(sink - m_all)) rounded to
 nearest even, zeros where the row has no valid key). So every value is the one the other
 configurations compute: the same P, the same MMA on the same operands, the same combination in the
-same order; the partials only never leave the SM. The program of a row's first slice clears the
-row's flag words for the next launch, as the separate combination does.
+same order; the partials only never leave the SM. A slice's output leaves in 16-byte stores, staged
+through the keys' shared-memory buffer (up to two slices a program). The program of a row's first
+slice clears the row's flag words for the next launch, as the separate combination does.
 
 How a block's bytes arrive (`GluonSparseMlaConfig.pv_stages`): loaded into registers at the block's
 start, P a block ahead (`_direct_slice`), or copied asynchronously (cp.async, zero-filled where a
@@ -108,8 +109,11 @@ def _gluon_mla_pv_kernel(
         c_slots.index(b).store(cs)
     gl.thread_barrier()
 
+    # the output stored 16 bytes a thread (`st`: a row's DW dims over DW / 8 threads), each slice's
+    # BF16 bits staged through v_smem, where the accumulator's layout would store 4 bytes at a time;
+    # at four slices a program in that layout (staged, sm_90 spills 16 bytes at the cap of 128)
+    st: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DW // 8), DW // 8], [_WARPS, 1], [1, 0])
     do = gl.arange(0, DW, layout=gl.SliceLayout(0, o_l))
-    out_rows = out_ptr + r * stride_on + ho[:, None] * stride_oh + do[None, :]
     for cc in gl.static_range(CPP):
         c = sl * CPP + cc
         if RING > 0:
@@ -118,7 +122,17 @@ def _gluon_mla_pv_kernel(
         else:
             o = _direct_slice(p_ptr, tile, PH, w_slots, c_slots, c, nw, wpool_ptr, cpool_ptr, ml, m_all, h_st, v_smem,
                               NB, FP4_PACKED, FP4_LUT, DW, ld, o_l)
-        gl.store(out_rows + c * DW, _bf16_rne_bits(o / den[:, None]), mask=h_ok[:, None])
+        if CPP < 4:
+            gl.thread_barrier()               # every warp's last MMA has read v_smem
+            v_smem.store(_bf16_rne_bits(o / den[:, None]).to(gl.bfloat16, bitcast=True))
+            gl.thread_barrier()
+            hs = gl.arange(0, _M, layout=gl.SliceLayout(1, st))
+            ds = gl.arange(0, DW, layout=gl.SliceLayout(0, st))
+            gl.store(out_ptr + r * stride_on + hs[:, None] * stride_oh + (c * DW + ds)[None, :],
+                     v_smem.load(st).to(gl.int16, bitcast=True), mask=(hs < H)[:, None])
+        else:
+            gl.store(out_ptr + r * stride_on + ho[:, None] * stride_oh + (c * DW + do)[None, :],
+                     _bf16_rne_bits(o / den[:, None]), mask=h_ok[:, None])
 
 
 @gluon.jit

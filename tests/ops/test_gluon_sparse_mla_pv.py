@@ -11,6 +11,9 @@ among others, the workspace clear after each launch (PV64: 64-dim slices, whose 
 sum each output as the first launch's m64 n64 does; PV64R80: the same at a register cap of 80).
 """
 
+import re
+from collections import Counter
+
 import pytest
 from triton.experimental.gluon import language as gl
 
@@ -154,6 +157,28 @@ def test_first_launch_with_q_by_tma_three_programs_an_sm():
     plain = _compile_first(64, 128, 512, maxnreg=80, K_BUFFERS=2)
     assert wide_loads(plain) - wide_loads(kernel) == 4 * 64 * 128 * 2 // 256 // 16, (wide_loads(plain),
                                                                                    wide_loads(kernel))
+
+
+# the blocks' P and the second launch's output leave in 16-byte stores (each through shared
+# memory from the accumulator's layout, whose stores are 4 bytes): the first launch's P [64, 64]
+# BF16 over 256 threads is two a thread (one at 8-16 heads, whose rows past 16 it leaves), and its other global stores (the statistics, the flags)
+# 4-byte ones; the second launch's [64, dims] BF16 a slice is 64 x dims x 2 / 256 / 16 a thread and
+# slice, its one other store a flag word's (at four slices a program the accumulator's layout:
+# staged, sm_90 spills there at the cap of 128)
+@pytest.mark.parametrize("heads", [64, 8])
+def test_p_and_the_output_leave_in_16_byte_stores(heads):
+    def stores(kernel):
+        ops = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for _, t in sm90.sass(kernel)]
+        return dict(Counter(op for op in ops if op.startswith("STG.")))
+    first = stores(_compile_first(heads, 128, 512, maxnreg=80, K_BUFFERS=2))
+    _, block_h = _shape(heads, 128, 512)      # P's rows past block_h (32 a store) are not stored
+    assert first.get("STG.E.128") == -(-block_h // 32) and set(first) == {"STG.E", "STG.E.128"}, first
+    for dims, chunks, ring in ((128, 1, 4), (128, 2, 0), (64, 1, 3), (128, 4, 0)):
+        second = stores(sm90.compile_mla_pv(heads, 128, 512, dims=dims, chunks=chunks, ring=ring))
+        if chunks < 4:
+            assert second == {"STG.E.128": chunks * 64 * dims * 2 // 256 // 16, "STG.E": 1}, (dims, chunks, second)
+        else:
+            assert "STG.E.128" not in second, second
 
 
 @pytest.mark.parametrize("heads", [64, 8])
