@@ -2,7 +2,7 @@
 tiling (`SparseMlaPlan.for_step`) and FlashMLA's Hopper sparse decode on the V4 record (when
 `flash_mla` imports; `bench.attn`'s baseline): 128 window + 512 compressed keys, CUDA-graph replay.
 Per (heads, rows) cell: the time of the Gluon kernel in each configuration of `--configs` (names
-in CONFIGS, a `t` suffix with q copied by TMA; default: default,lut,spreadv,split4sv,split4svl; the
+in CONFIGS, a `t` suffix with q copied by TMA, `tp` with the second launch by PDL as well; default: default,lut,spreadv,split4sv,split4svl; the
 step's: `ops.gluon_sparse_mla.STEP_CONFIGS`, here split4svl, split2svlc, spreadvlc and at 64 heads
 pv1s4k2t), of the Triton step tiling and of
 FlashMLA; the largest error of each Gluon configuration's and of the Triton kernel's outputs
@@ -83,6 +83,8 @@ CONFIGS = {
     "pv1s4k2": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, pv_stages=4, k_buffers=2),
     "pv1s4k2r128": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_stages=4, k_buffers=2),
     "pv1s4k2t": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, pv_stages=4, k_buffers=2, q_tma=True),
+    "pv1s4k2tp": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, pv_stages=4, k_buffers=2, q_tma=True,
+                                        pv_pdl=True),
     "pv1s4t": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_stages=4, q_tma=True),
     "spreadvlct": G.GluonSparseMlaConfig(combine="spread", lookback="values", fp4_lut=True, maxnreg=128, q_tma=True),
     "split4svlt": G.GluonSparseMlaConfig(dim_split=4, combine="spread", lookback="values", fp4_lut=True, q_tma=True),

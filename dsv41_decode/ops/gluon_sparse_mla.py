@@ -83,6 +83,7 @@ from .gluon_mla_records import (_CREC, _DC, _KEYS, _M, _WARPS, _WREC, NUM_WARPS,
 from .gluon_sparse_mla_plan import (PHASE_COLS, PHASE_NAMES, STEP_CONFIGS, GluonSparseMlaConfig, GluonSparseMlaPlan,
                                    programs_per_sm, specialization_key)
 from .gluon_sparse_mla_pv import mla_pv_
+from .pdl import gluon_launch_dependents
 from .sparse_mla import check_sparse_mla_args, combine_partials_
 
 __all__ = ["NUM_WARPS", "PHASE_NAMES", "STEP_CONFIGS", "GluonSparseMlaConfig", "GluonSparseMlaPlan", "gluon_sparse_mla_"]
@@ -232,6 +233,10 @@ def _gluon_sparse_mla_kernel(
     NCP: gl.constexpr = NC // DSPLIT        # the 128-dim chunks of P.V and of the partial a program does
     gl.static_assert(Q_BUFFERS == NC or Q_BUFFERS == 2)
     gl.static_assert(DSPLIT == 1 or DSPLIT == 2 or DSPLIT == 4)
+    if P_OUT:
+        # the second launch, where launched with PDL (`GluonSparseMlaConfig.pv_pdl`), may start once
+        # every program of this one has (its reads and copies of the tables and pools, then its wait)
+        gluon_launch_dependents()
     if PHASES:
         t0 = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
         g0 = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)

@@ -119,7 +119,14 @@ class GluonSparseMlaConfig:
     q_tma (at 64 heads, q contiguous: a row's q is one [64, 512] tile; elsewhere ignored): q's
     chunks copied into shared memory by TMA from the program's start instead of loaded into
     registers and stored (with k_buffers=2 its last two chunks during chunk 2's decode; with four,
-    q_buffers=2 still loads the last two into registers): the same values."""
+    q_buffers=2 still loads the last two into registers): the same values.
+
+    pv_pdl (with combine="pv", on sm_90 outside the interpreter): the second launch launched with
+    programmatic dependent launch (`ops.pdl`), so that its programs start as the first launch's last
+    ones end: each reads the row's tables, stores its slots and copies the codes of its first
+    blocks, then waits (`griddepcontrol.wait`) until the first launch has completed before it reads
+    anything that launch writes (P, the statistics, the look-back words); without it the same code
+    runs after the first launch, the wait returning at once. The same values."""
 
     q_buffers: int = 2
     fp4_packed: bool = True
@@ -137,6 +144,7 @@ class GluonSparseMlaConfig:
     pv_stages: int = 0
     k_buffers: int = 4
     q_tma: bool = False
+    pv_pdl: bool = False
 
     def __post_init__(self):
         if self.q_buffers not in (2, 4) or isinstance(self.q_buffers, bool):
@@ -181,7 +189,10 @@ class GluonSparseMlaConfig:
                              "needs fp4_lut=True")
         if self.fp4_lut is True and not self.fp4_packed:
             raise ValueError("GluonSparseMlaConfig.fp4_lut decodes fp4_packed's 8-byte loads: it needs fp4_packed=True")
-        for name in ("fp4_packed", "prefetch", "pv_pipeline", "fp4_lut", "phases", "q_tma"):
+        if self.pv_pdl is True and self.combine != "pv":
+            raise ValueError(f"GluonSparseMlaConfig.pv_pdl launches the second launch of combine='pv' with PDL: it "
+                             f"needs combine='pv', got combine={self.combine!r}")
+        for name in ("fp4_packed", "prefetch", "pv_pipeline", "fp4_lut", "phases", "q_tma", "pv_pdl"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"GluonSparseMlaConfig.{name} must be a bool, got {type(getattr(self, name)).__name__}")
 
@@ -189,7 +200,8 @@ class GluonSparseMlaConfig:
 _SPLIT4SVL = GluonSparseMlaConfig(dim_split=4, combine="spread", lookback="values", fp4_lut=True)
 _SPLIT2SVLC = GluonSparseMlaConfig(dim_split=2, combine="spread", lookback="values", fp4_lut=True, maxnreg=128)
 _SPREADVLC = GluonSparseMlaConfig(combine="spread", lookback="values", fp4_lut=True, maxnreg=128)
-_PVRINGK2T = GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, pv_stages=4, k_buffers=2, q_tma=True)
+_PVRINGK2TP = GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, pv_stages=4, k_buffers=2, q_tma=True,
+                                   pv_pdl=True)
 
 # The decode step's configuration per row count, by the heads a program holds (`block_h`: 16 for 8
 # and 16 local heads, which the kernel pads to 16, then 32, 64; `GluonSparseMlaPlan.for_step`;
@@ -222,7 +234,7 @@ _PVRINGK2T = GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, pv_sta
 STEP_CONFIGS: dict[int, tuple] = {
     16: ((2, _SPLIT4SVL), (4, _SPLIT2SVLC), (None, _SPREADVLC)),
     32: ((2, _SPLIT4SVL), (4, _SPLIT2SVLC), (None, _SPREADVLC)),
-    64: ((2, _SPLIT4SVL), (4, _SPLIT2SVLC), (16, _SPREADVLC), (None, _PVRINGK2T)),
+    64: ((2, _SPLIT4SVL), (4, _SPLIT2SVLC), (16, _SPREADVLC), (None, _PVRINGK2TP)),
 }
 
 

@@ -39,6 +39,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from .gluon_mla_records import (_CREC, _KEYS, _M, _WARPS, _WREC, NUM_WARPS, _add, _bf16_rne_bits, _block_slots,
                                 _decode_loaded, _fp4_lut, _load_chunk, _ue8m0_value)
+from .pdl import gluon_wait, launch_options, supported
 
 PV_CHUNKS = (1, 2, 4)                        # GluonSparseMlaConfig.pv_chunks: dim slices a program
 PV_DIMS = (128, 64)                          # GluonSparseMlaConfig.pv_dims: the dims of a slice
@@ -71,6 +72,31 @@ def _gluon_mla_pv_kernel(
     v_smem = gl.allocate_shared_memory(gl.bfloat16, [_KEYS, DW], gl.NVMMASharedLayout.get_default_for(
         [_KEYS, DW], gl.bfloat16))
     tile = r.to(gl.int64) * NB
+
+    # (RING) the row's slots, the ring's slots, and (one slice a program) the codes of the ring's
+    # first RING - 1 blocks copied now: the tables and pools are this step's inputs, written before
+    # the first launch started (with two slices sm_90 spills 8 bytes at the cap of 128 in that form)
+    T: gl.constexpr = DW // 8
+    TC: gl.constexpr = DW // 16
+    l3w: gl.constexpr = gl.BlockedLayout([1, 1, T], [4, T // 4, 32 // T], [_WARPS, 1, 1], [2, 1, 0])
+    l3c: gl.constexpr = gl.BlockedLayout([1, 1, TC], [4, TC, 8 // TC], [_WARPS, 1, 1], [2, 1, 0])
+    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
+    if RING > 0:
+        nw, w_slots, c_slots = _row_slots(wtab_ptr + r * stride_wt, ctab_ptr + r * stride_ct, W, W_P2, KC, NB, ld)
+        wcode_r = gl.allocate_shared_memory(gl.uint8, [RING, _KEYS, DW // 32, 32], plain)
+        ccode_r = gl.allocate_shared_memory(gl.uint8, [RING, _KEYS, DW // 16, 8], plain)
+        p_r = gl.allocate_shared_memory(gl.bfloat16, [RING, _M, _KEYS], gl.NVMMASharedLayout.get_default_for(
+            [_M, _KEYS], gl.bfloat16))
+        for i in gl.static_range(RING - 1):
+            if (i < NB) and (CPP == 1):
+                _ring_codes(wcode_r.index(i), ccode_r.index(i), i, sl * CPP, nw, w_slots, c_slots, wpool_ptr,
+                            cpool_ptr, DW, l3w, l3c)
+
+    # The first launch's P, statistics and look-back words from here on: with PDL
+    # (`GluonSparseMlaConfig.pv_pdl`) this launch starts before the first has ended, and waits here
+    # until it has (at once without PDL). Without the ring the row's slots after it (sm_90 spills
+    # less in that order at the 64-dim slices' cap of 80).
+    gluon_wait()
     if sl == 0:
         fw = gl.arange(0, 32, layout=gl.SliceLayout(1, ld))
         for w0 in range(0, NB, 32):
@@ -94,20 +120,8 @@ def _gluon_mla_pv_kernel(
     h_ok = ho < H
     sink = gl.load(sink_ptr + ho, mask=h_ok, other=0.0)
     den = gl.where(n_all > 0, l_all + libdevice.exp(sink - m_all), float("inf"))     # no valid key: o is 0
-
-    # The row's window key count (the valid suffix of its window table), as the first launch, and
-    # every block's window and compressed slots (`_block_slots`' values) into shared memory.
-    wtab_row = wtab_ptr + r * stride_wt
-    ctab_row = ctab_ptr + r * stride_ct
-    rw = gl.arange(0, W_P2, layout=gl.SliceLayout(0, ld))
-    nw = gl.reduce((gl.load(wtab_row + rw, mask=rw < W, other=-1) >= 0).to(gl.int32), 0, _add)
-    w_slots = gl.allocate_shared_memory(gl.int32, [NB, _KEYS], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    c_slots = gl.allocate_shared_memory(gl.int32, [NB, _KEYS], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    for b in gl.static_range(NB):
-        ws, cs = _block_slots(wtab_row, ctab_row, b, nw, W, KC, gl.SliceLayout(1, ld))
-        w_slots.index(b).store(ws)
-        c_slots.index(b).store(cs)
-    gl.thread_barrier()
+    if RING == 0:
+        nw, w_slots, c_slots = _row_slots(wtab_ptr + r * stride_wt, ctab_ptr + r * stride_ct, W, W_P2, KC, NB, ld)
 
     # the output stored 16 bytes a thread (`st`: a row's DW dims over DW / 8 threads), each slice's
     # BF16 bits staged through v_smem, where the accumulator's layout would store 4 bytes at a time;
@@ -118,7 +132,7 @@ def _gluon_mla_pv_kernel(
         c = sl * CPP + cc
         if RING > 0:
             o = _ring_slice(p_ptr, tile, PH, w_slots, c_slots, c, nw, wpool_ptr, cpool_ptr, ml, m_all, h_st, v_smem,
-                            NB, RING, DW, ld, o_l)
+                            wcode_r, ccode_r, p_r, (cc == 0) and (CPP == 1), NB, RING, DW, ld, l3w, l3c, o_l)
         else:
             o = _direct_slice(p_ptr, tile, PH, w_slots, c_slots, c, nw, wpool_ptr, cpool_ptr, ml, m_all, h_st, v_smem,
                               NB, FP4_PACKED, FP4_LUT, DW, ld, o_l)
@@ -133,6 +147,24 @@ def _gluon_mla_pv_kernel(
         else:
             gl.store(out_ptr + r * stride_on + ho[:, None] * stride_oh + (c * DW + do)[None, :],
                      _bf16_rne_bits(o / den[:, None]), mask=h_ok[:, None])
+
+
+@gluon.jit
+def _row_slots(wtab_row, ctab_row, W: gl.constexpr, W_P2: gl.constexpr, KC: gl.constexpr, NB: gl.constexpr,
+               ld: gl.constexpr):
+    """The row's window key count nw (the valid suffix of its window table), as the first launch, and
+    every block's window and compressed slots (`_block_slots`' values) in shared memory (int32 [NB,
+    64] each, -1 where none; after a barrier)."""
+    rw = gl.arange(0, W_P2, layout=gl.SliceLayout(0, ld))
+    nw = gl.reduce((gl.load(wtab_row + rw, mask=rw < W, other=-1) >= 0).to(gl.int32), 0, _add)
+    w_slots = gl.allocate_shared_memory(gl.int32, [NB, _KEYS], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    c_slots = gl.allocate_shared_memory(gl.int32, [NB, _KEYS], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    for b in gl.static_range(NB):
+        ws, cs = _block_slots(wtab_row, ctab_row, b, nw, W, KC, gl.SliceLayout(1, ld))
+        w_slots.index(b).store(ws)
+        c_slots.index(b).store(cs)
+    gl.thread_barrier()
+    return nw, w_slots, c_slots
 
 
 @gluon.jit
@@ -179,13 +211,12 @@ def _direct_slice(p_ptr, tile, PH: gl.constexpr, w_slots, c_slots, c, nw, wpool_
 
 
 @gluon.jit
-def _ring_issue(wcode_s, ccode_s, p_s, b, c, nw, w_slots, c_slots, wpool_ptr, cpool_ptr, p_ptr, tile,
-                PH: gl.constexpr, DW: gl.constexpr, l3w: gl.constexpr, l3c: gl.constexpr, lp: gl.constexpr):
-    """Block b's asynchronous copies into one ring slot (wcode_s [64, DW / 32, 32] and ccode_s
-    [64, DW / 16, 8] u8, p_s [64, 64] BF16): the codes of dims [DW c, DW c + DW) of its window
-    records where the block holds window keys and of its compressed records where it holds
-    compressed entries (keys a pool does not hold: zeros, as the masked-off copy writes), and its
-    P (heads past PH zeros), in `_ring_slice`'s layouts."""
+def _ring_codes(wcode_s, ccode_s, b, c, nw, w_slots, c_slots, wpool_ptr, cpool_ptr, DW: gl.constexpr,
+                l3w: gl.constexpr, l3c: gl.constexpr):
+    """Block b's asynchronous copies of its codes into one ring slot (wcode_s [64, DW / 32, 32] and
+    ccode_s [64, DW / 16, 8] u8): the codes of dims [DW c, DW c + DW) of its window records where the
+    block holds window keys and of its compressed records where it holds compressed entries (keys a
+    pool does not hold: zeros, as the masked-off copy writes), in `_ring_slice`'s layouts."""
     NG: gl.constexpr = DW // 32
     NS: gl.constexpr = DW // 16
     start = b * _KEYS
@@ -205,6 +236,11 @@ def _ring_issue(wcode_s, ccode_s, p_s, b, c, nw, w_slots, c_slots, wpool_ptr, cp
         e = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, l3c)))
         off = (base[:, None] + g[None, :] * 8)[:, :, None] + e[None, None, :]
         async_copy.async_copy_global_to_shared(ccode_s, cpool_ptr + off, mask=ok[:, None, None])
+
+
+@gluon.jit
+def _ring_p(p_s, b, p_ptr, tile, PH: gl.constexpr, lp: gl.constexpr):
+    """Block b's P (BF16 [64, 64], heads past PH zeros) copied asynchronously into a ring slot."""
     rp = gl.arange(0, _M, layout=gl.SliceLayout(1, lp))
     kp = gl.arange(0, _KEYS, layout=gl.SliceLayout(0, lp))
     async_copy.async_copy_global_to_shared(p_s, p_ptr + ((tile + b) * PH + rp[:, None]) * _KEYS + kp[None, :],
@@ -271,29 +307,27 @@ def _ring_compressed(ccode_s, csc, l3c: gl.constexpr, DW: gl.constexpr, ld: gl.c
 
 @gluon.jit
 def _ring_slice(p_ptr, tile, PH: gl.constexpr, w_slots, c_slots, c, nw, wpool_ptr, cpool_ptr, ml, m_all, h_st,
-                v_smem, NB: gl.constexpr, RING: gl.constexpr, DW: gl.constexpr, ld: gl.constexpr, o_l: gl.constexpr):
-    """`_direct_slice`'s sum with each block's codes and P copied asynchronously (cp.async) into a
-    ring of RING slots (block b + RING - 1's issued after block b's MMA: RING - 2 blocks of work
-    ahead of its use), its scales loaded into registers a block ahead: the
-    same values into the same MMA in the same order, so the same bits. The decoded keys go through
-    v_smem as there; P is read by the MMA from its slot. Layouts: window codes [64, DW / 32, 32]
-    (a thread DW / 8 consecutive bytes, within one 32-dim scale group), compressed codes [64, DW /
-    16, 8] (a thread DW / 16 consecutive bytes, within one 16-dim scale group), P [64, 64] BF16 (8 a
-    thread, twice): each thread copies the code bytes it later decodes."""
-    T: gl.constexpr = DW // 8
-    TC: gl.constexpr = DW // 16
-    l3w: gl.constexpr = gl.BlockedLayout([1, 1, T], [4, T // 4, 32 // T], [_WARPS, 1, 1], [2, 1, 0])
-    l3c: gl.constexpr = gl.BlockedLayout([1, 1, TC], [4, TC, 8 // TC], [_WARPS, 1, 1], [2, 1, 0])
+                v_smem, wcode_r, ccode_r, p_r, CODES_ISSUED: gl.constexpr, NB: gl.constexpr, RING: gl.constexpr,
+                DW: gl.constexpr, ld: gl.constexpr, l3w: gl.constexpr, l3c: gl.constexpr, o_l: gl.constexpr):
+    """`_direct_slice`'s sum with each block's codes and P copied asynchronously (cp.async) into the
+    ring of RING slots wcode_r, ccode_r, p_r (block b + RING - 1's issued after block b's MMA: RING -
+    2 blocks of work ahead of its use), its scales loaded into registers a block ahead: the same
+    values into the same MMA in the same order, so the same bits. CODES_ISSUED: the codes of the
+    ring's first RING - 1 blocks are already on their way (the kernel copies a one-slice program's
+    before its PDL wait; their P here, each block's in its own group with them). The decoded keys go
+    through v_smem as there; P is read by the MMA from its slot. Layouts: window codes [64, DW /
+    32, 32] (l3w: a thread DW / 8 consecutive bytes, within one 32-dim scale group), compressed
+    codes [64, DW / 16, 8] (l3c: a thread DW / 16 consecutive bytes, within one 16-dim scale group),
+    P [64, 64] BF16 (8 a thread, twice): each thread copies the code bytes it later decodes."""
     lp: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [_WARPS, 1], [1, 0])
-    plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
-    wcode_r = gl.allocate_shared_memory(gl.uint8, [RING, _KEYS, DW // 32, 32], plain)
-    ccode_r = gl.allocate_shared_memory(gl.uint8, [RING, _KEYS, DW // 16, 8], plain)
-    p_r = gl.allocate_shared_memory(gl.bfloat16, [RING, _M, _KEYS], gl.NVMMASharedLayout.get_default_for(
-        [_M, _KEYS], gl.bfloat16))
+    if not CODES_ISSUED:
+        gl.thread_barrier()               # every warp is done with the ring's slots of the slice before
     for i in gl.static_range(RING - 1):
         if i < NB:
-            _ring_issue(wcode_r.index(i), ccode_r.index(i), p_r.index(i), i, c, nw, w_slots, c_slots, wpool_ptr,
-                        cpool_ptr, p_ptr, tile, PH, DW, l3w, l3c, lp)
+            if not CODES_ISSUED:
+                _ring_codes(wcode_r.index(i), ccode_r.index(i), i, c, nw, w_slots, c_slots, wpool_ptr, cpool_ptr, DW,
+                            l3w, l3c)
+            _ring_p(p_r.index(i), i, p_ptr, tile, PH, lp)
         async_copy.commit_group()
     wsc_n, csc_n = _ring_scales(0, c, w_slots, c_slots, wpool_ptr, cpool_ptr, DW, l3w, l3c)
     zero = gl.zeros([_M, DW], gl.float32, o_l)
@@ -320,8 +354,9 @@ def _ring_slice(p_ptr, tile, PH: gl.constexpr, w_slots, c_slots, c, nw, wpool_pt
         # branch's slot-table read at NB = 1)
         nxt = b + RING - 1
         if (NB > RING - 1) and (nxt < NB):
-            _ring_issue(wcode_r.index(nxt % RING), ccode_r.index(nxt % RING), p_r.index(nxt % RING), nxt, c, nw,
-                        w_slots, c_slots, wpool_ptr, cpool_ptr, p_ptr, tile, PH, DW, l3w, l3c, lp)
+            _ring_codes(wcode_r.index(nxt % RING), ccode_r.index(nxt % RING), nxt, c, nw, w_slots, c_slots,
+                        wpool_ptr, cpool_ptr, DW, l3w, l3c)
+            _ring_p(p_r.index(nxt % RING), nxt, p_ptr, tile, PH, lp)
         async_copy.commit_group()
         o += a * f[:, None]
     async_copy.wait_group(0)
@@ -355,10 +390,11 @@ def mla_pv_(base, config, p: torch.Tensor, window_pool: torch.Tensor, comp_pool:
     record decode's options), p the first launch's P (BF16 [rows, blocks, block_h, 64]), o16 the
     output's int16 view."""
     nb = base.n_blocks
+    opts = launch_options(config.pv_pdl and supported(p.device))
     _gluon_mla_pv_kernel[(rows * (512 // (config.pv_dims * config.pv_chunks)), )](
         p, base.part_ml, base.flags, window_pool, comp_pool, window_table, comp_table, sink, o16,
         base.heads, window_table.stride(0), max(comp_table.stride(0), 1), o16.stride(0), o16.stride(1),
         W=base.window, W_P2=triton.next_power_of_2(base.window), KC=base.topk, NB=nb, PH=base.block_h,
         CPP=config.pv_chunks,
         FP4_PACKED=config.fp4_packed, FP4_LUT=config.fp4_lut, DW=config.pv_dims, RING=config.pv_stages,
-        num_warps=NUM_WARPS, maxnreg=config.pv_maxnreg)
+        num_warps=NUM_WARPS, maxnreg=config.pv_maxnreg, **opts)

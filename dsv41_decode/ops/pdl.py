@@ -16,6 +16,8 @@ ordering is transitive: when kernel n + 2 passes its wait, kernel n + 1 has comp
 completed only after its own wait saw kernel n complete. Kernels launched without the attribute
 (torch ops, side-stream kernels) keep full stream serialization.
 
+Gluon kernels take the same two instructions from `gluon_wait` and `gluon_launch_dependents`.
+
 Off everywhere by default: a launcher passes `PDL=False` (and no launch attribute) unless its caller
 asks for PDL on that launch. PDL never works in the interpreter (the instructions are inline PTX)
 or below sm_90 (`supported`). Measured on an H200, the decode step with PDL on every main-stream
@@ -27,6 +29,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
 
 from .checks import interpreting
 
@@ -83,3 +87,18 @@ def prefetch_rows_l2(row_ptrs, nbytes, PDL: tl.constexpr, MAX_BYTES: tl.constexp
     if PDL:
         size = tl.zeros(row_ptrs.shape, dtype=tl.int32) + tl.minimum(nbytes, MAX_BYTES)
         bulk_prefetch_l2(row_ptrs.to(tl.int64), size)
+
+
+@gluon.jit
+def gluon_wait():
+    """`griddepcontrol.wait` in a Gluon kernel: returns once the predecessor kernel has completed and
+    its memory is visible (at once where the kernel was launched without PDL)."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def gluon_launch_dependents():
+    """`griddepcontrol.launch_dependents` in a Gluon kernel: the successor launched with PDL may launch
+    once every program of this kernel has executed it (or exited); a no-op without one."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)

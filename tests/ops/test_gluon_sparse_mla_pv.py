@@ -181,6 +181,22 @@ def test_p_and_the_output_leave_in_16_byte_stores(heads):
             assert "STG.E.128" not in second, second
 
 
+# PDL (`pv_pdl`): the first launch lets the second launch start (`griddepcontrol.launch_dependents`,
+# once, at its start); the second copies its tables' slots and its first three blocks' codes (window
+# and compressed, two 16-byte copies a thread each) before its wait (ACQBULK), and P, the statistics
+# and the look-back words only after it: no P copy, no store to global memory before the wait
+def test_second_launch_reads_the_first_ones_output_after_its_wait():
+    first = _compile_first(64, 128, 512, maxnreg=80, K_BUFFERS=2, Q_TMA=True)
+    assert first.asm["ptx"].count("griddepcontrol.launch_dependents") == 1
+    for ring in (4, 0):
+        kernel = sm90.compile_mla_pv(64, 128, 512, ring=ring)
+        ins = [t for _, t in sm90.sass(kernel)]
+        (wait, ) = [i for i, t in enumerate(ins) if "ACQBULK" in t]
+        before = ins[:wait]
+        assert sum("LDGSTS" in t for t in before) == (3 * 4 if ring else 0), before
+        assert not [t for t in before if "STG" in t], before
+
+
 @pytest.mark.parametrize("heads", [64, 8])
 def test_first_launch_has_no_pv(heads):
     kernel = _compile_first(heads, 128, 512, maxnreg=128)
@@ -222,3 +238,9 @@ def test_config_errors_name_the_option():
     assert G.GluonSparseMlaConfig(combine="pv", pv_dims=64).pv_dims == 64
     assert G.GluonSparseMlaConfig(combine="pv", pv_chunks=4).pv_chunks == 4
     assert G.GluonSparseMlaConfig().pv_maxnreg == PV._MAXNREG == 128
+    for bad in (dict(combine="separate"), dict(combine="spread")):
+        with pytest.raises(ValueError, match="pv_pdl"):
+            G.GluonSparseMlaConfig(pv_pdl=True, **bad)
+    with pytest.raises(TypeError, match="pv_pdl"):
+        G.GluonSparseMlaConfig(combine="pv", pv_pdl=1)
+    assert G.GluonSparseMlaConfig(combine="pv", pv_pdl=True).pv_pdl
