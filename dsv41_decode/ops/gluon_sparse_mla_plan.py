@@ -200,8 +200,7 @@ class GluonSparseMlaConfig:
 _SPLIT4SVL = GluonSparseMlaConfig(dim_split=4, combine="spread", lookback="values", fp4_lut=True)
 _SPLIT2SVLC = GluonSparseMlaConfig(dim_split=2, combine="spread", lookback="values", fp4_lut=True, maxnreg=128)
 _SPREADVLC = GluonSparseMlaConfig(combine="spread", lookback="values", fp4_lut=True, maxnreg=128)
-_PVRINGK2TP = GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, pv_stages=4, k_buffers=2, q_tma=True,
-                                   pv_pdl=True)
+_PVRINGK2T = GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, pv_stages=4, k_buffers=2, q_tma=True)
 
 # The decode step's configuration per row count, by the heads a program holds (`block_h`: 16 for 8
 # and 16 local heads, which the kernel pads to 16, then 32, 64; `GluonSparseMlaPlan.for_step`;
@@ -222,7 +221,11 @@ _PVRINGK2TP = GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, pv_st
 # (three programs an SM: run AT at 487b63c, 40.75 against 44.85 us at 32 rows) and q copied by TMA
 # (run CF at 169d31d: 36.20 / 56.48 us at 32 / 64 rows against 38.58 / 62.51 without, and the
 # four-buffer first launch's 40.27 / 62.53; 29.99 at 16 against spreadvlc's 26.47; at 1-16 rows
-# q by TMA moved the other configurations by at most 1 %, so they load it with plain loads).
+# q by TMA moved the other configurations by at most 1 %, so they load it with plain loads). Its
+# second launch by PDL (`pv_pdl`; run CN at 2a13c76) is 4-7 % faster alone at 17 and 40-64 rows and
+# 13-18 % slower at 24-32 (26.33 / 34.04 / 37.71 / 43.44 / 51.79 us at 17 / 24 / 32 / 40 / 64 rows
+# against 28.14 / 28.75 / 33.37 / 46.63 / 53.75), and left the step at 64 rows within its run-to-run
+# spread (14500 us against 14508 without, run CL): the step launches it without.
 # At 8-32 heads the spread combination beats the second
 # launch at every row count measured: 32 heads 21.32 / 32.72 / 60.17 us at 16 / 32 / 64 rows
 # against the ring's 31.47 / 41.60 / 61.33 (run AL); 16 heads 18.60 / 29.26 / 45.29 against
@@ -234,7 +237,7 @@ _PVRINGK2TP = GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, pv_st
 STEP_CONFIGS: dict[int, tuple] = {
     16: ((2, _SPLIT4SVL), (4, _SPLIT2SVLC), (None, _SPREADVLC)),
     32: ((2, _SPLIT4SVL), (4, _SPLIT2SVLC), (None, _SPREADVLC)),
-    64: ((2, _SPLIT4SVL), (4, _SPLIT2SVLC), (16, _SPREADVLC), (None, _PVRINGK2TP)),
+    64: ((2, _SPLIT4SVL), (4, _SPLIT2SVLC), (16, _SPREADVLC), (None, _PVRINGK2T)),
 }
 
 

@@ -21,7 +21,8 @@ Gluon kernels take the same two instructions from `gluon_wait` and `gluon_launch
 Off everywhere by default: a launcher passes `PDL=False` (and no launch attribute) unless its caller
 asks for PDL on that launch. PDL never works in the interpreter (the instructions are inline PTX)
 or below sm_90 (`supported`). Measured on an H200, the decode step with PDL on every main-stream
-kernel was slower (docs/step.md), so the step launches without it.
+kernel was slower (docs/step.md), so the step launches without it; so it does the sparse MLA's second
+launch (`GluonSparseMlaConfig.pv_pdl`, docs/attn.md).
 """
 
 from __future__ import annotations

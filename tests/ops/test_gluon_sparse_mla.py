@@ -58,10 +58,10 @@ SPREAD = G.GluonSparseMlaConfig(combine="spread")
 SPREAD_VALUES = G.GluonSparseMlaConfig(combine="spread", lookback="values")
 LUT = G.GluonSparseMlaConfig(fp4_lut=True)
 # the step's configurations at 1-2, 3-4, 5-16 and 17-64 rows (STEP_CONFIGS at 64 heads; at 8-32 heads
-# the first three; the last with its second launch by PDL), and its 17-64-row configuration without
-# PDL, before q went by TMA, and with four key buffers
-SPLIT4SVL, SPLIT2SVLC, SPREADVLC, PVRING4K2TP = (c for _, c in G.STEP_CONFIGS[64])
-PVRING4K2T = replace(PVRING4K2TP, pv_pdl=False)
+# the first three), and its 17-64-row configuration with its second launch by PDL, before q went by
+# TMA, and with four key buffers
+SPLIT4SVL, SPLIT2SVLC, SPREADVLC, PVRING4K2T = (c for _, c in G.STEP_CONFIGS[64])
+PVRING4K2TP = replace(PVRING4K2T, pv_pdl=True)
 PVRING4K2 = G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, pv_stages=4, k_buffers=2)
 PVRING4 = G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_stages=4)
 # P.V and the combination in a second launch, one and two 128-dim chunks a program

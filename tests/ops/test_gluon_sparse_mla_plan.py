@@ -13,7 +13,7 @@ import torch
 
 from dsv41_decode.ops import gluon_sparse_mla as G
 from dsv41_decode.ops.sparse_mla import SparseMlaPlan
-from test_gluon_sparse_mla import (PVRING4K2TP, SPLIT2SVLC, SPLIT4SVL, SPREADVLC, run, step_plan,
+from test_gluon_sparse_mla import (PVRING4K2T, SPLIT2SVLC, SPLIT4SVL, SPREADVLC, run, step_plan,
                                    workspace_is_clear)
 from test_sparse_mla import GPU_POOLS, check_repeatable_on_gpu, gpu_tables, make_case, ulps
 
@@ -57,14 +57,14 @@ def test_the_step_configs_per_row_count():
     # dim_split 4 + spread, 3-4 dim_split 2 + spread with maxnreg 128; at 8-32 heads spread with
     # maxnreg 128 above; at 64 heads that at 5-16 rows, above P.V and the combination in a second
     # launch through a 4-slot ring after a first launch of two key buffers at a cap of 80 with q
-    # copied by TMA, the second launch by PDL; with a pool the plans share its views (each workspace the largest plan's, not
+    # copied by TMA; with a pool the plans share its views (each workspace the largest plan's, not
     # their sum)
     from dsv41_decode.decode.buffers import Workspaces
     split4svl = G.GluonSparseMlaConfig(dim_split=4, combine="spread", lookback="values", fp4_lut=True)
     split2svlc = G.GluonSparseMlaConfig(dim_split=2, combine="spread", lookback="values", fp4_lut=True, maxnreg=128)
     spreadvlc = G.GluonSparseMlaConfig(combine="spread", lookback="values", fp4_lut=True, maxnreg=128)
     pv_ring_k2_tma = G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, pv_stages=4, k_buffers=2,
-                                            q_tma=True, pv_pdl=True)
+                                            q_tma=True)
     assert (SPLIT4SVL, SPLIT2SVLC, SPREADVLC) == (split4svl, split2svlc, spreadvlc)
     low = ((1, [1]), (2, [2]), (3, [2, 3]), (4, [2, 4]))
     cases = {
@@ -120,7 +120,7 @@ def test_gpu_the_steps_plan_choice_on_sm90():
     plans = attention.sparse_mla_plans(64, 64, 128, 512, dev, workspace=pool)
     assert all(isinstance(p, G.GluonSparseMlaPlan) for p in plans)
     assert [(p.max_rows, p.config) for p in plans] == [(2, SPLIT4SVL), (4, SPLIT2SVLC), (16, SPREADVLC),
-                                                       (64, PVRING4K2TP)]
+                                                       (64, PVRING4K2T)]
     assert all(p.base.part_acc.untyped_storage().data_ptr() in pool.storages() for p in plans)
     ref = G.GluonSparseMlaPlan.build(64, 64, 128, 512, "cuda")
     for n in (1, 2, 3, 4, 5, 16, 17, 32, 33, 64):
