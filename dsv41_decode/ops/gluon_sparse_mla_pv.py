@@ -114,9 +114,15 @@ def _gluon_mla_pv_kernel(
         m_all = gl.maximum(m_all, gl.load(ml + b * (3 * PH), mask=h_st, other=-1e30))
         n_all += gl.load(ml + b * (3 * PH) + 2 * PH, mask=h_st, other=0.0)
     l_all = gl.zeros([_M], gl.float32, gl.SliceLayout(1, o_l))
+    if RING > 0:
+        # (RING) each block's factor kept in shared memory for the blocks' loop (read there after its
+        # first barrier): no global load in the loop
+        f_smem = gl.allocate_shared_memory(gl.float32, [NB, _M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     for b in range(NB):
         f = libdevice.exp(gl.load(ml + b * (3 * PH), mask=h_st, other=-1e30) - m_all)
         l_all += gl.load(ml + b * (3 * PH) + PH, mask=h_st, other=0.0) * f
+        if RING > 0:
+            f_smem.index(b).store(f)
     h_ok = ho < H
     sink = gl.load(sink_ptr + ho, mask=h_ok, other=0.0)
     den = gl.where(n_all > 0, l_all + libdevice.exp(sink - m_all), float("inf"))     # no valid key: o is 0
@@ -131,7 +137,7 @@ def _gluon_mla_pv_kernel(
     for cc in gl.static_range(CPP):
         c = sl * CPP + cc
         if RING > 0:
-            o = _ring_slice(p_ptr, tile, PH, w_slots, c_slots, c, nw, wpool_ptr, cpool_ptr, ml, m_all, h_st, v_smem,
+            o = _ring_slice(p_ptr, tile, PH, w_slots, c_slots, c, nw, wpool_ptr, cpool_ptr, f_smem, v_smem,
                             wcode_r, ccode_r, p_r, (cc == 0) and (CPP == 1), NB, RING, DW, ld, l3w, l3c, o_l)
         else:
             o = _direct_slice(p_ptr, tile, PH, w_slots, c_slots, c, nw, wpool_ptr, cpool_ptr, ml, m_all, h_st, v_smem,
@@ -306,13 +312,15 @@ def _ring_compressed(ccode_s, csc, l3c: gl.constexpr, DW: gl.constexpr, ld: gl.c
 
 
 @gluon.jit
-def _ring_slice(p_ptr, tile, PH: gl.constexpr, w_slots, c_slots, c, nw, wpool_ptr, cpool_ptr, ml, m_all, h_st,
-                v_smem, wcode_r, ccode_r, p_r, CODES_ISSUED: gl.constexpr, NB: gl.constexpr, RING: gl.constexpr,
+def _ring_slice(p_ptr, tile, PH: gl.constexpr, w_slots, c_slots, c, nw, wpool_ptr, cpool_ptr, f_smem, v_smem,
+                wcode_r, ccode_r, p_r, CODES_ISSUED: gl.constexpr, NB: gl.constexpr, RING: gl.constexpr,
                 DW: gl.constexpr, ld: gl.constexpr, l3w: gl.constexpr, l3c: gl.constexpr, o_l: gl.constexpr):
     """`_direct_slice`'s sum with each block's codes and P copied asynchronously (cp.async) into the
     ring of RING slots wcode_r, ccode_r, p_r (block b + RING - 1's issued after block b's MMA: RING -
-    2 blocks of work ahead of its use), its scales loaded into registers a block ahead: the same
-    values into the same MMA in the same order, so the same bits. CODES_ISSUED: the codes of the
+    2 blocks of work ahead of its use), its scales loaded into registers a block ahead (after the
+    block before's fence, which waits for the thread's loads in flight), its factor exp(m_b - m_all)
+    from f_smem (FP32 [NB, 64]): the same values into the same MMA in the same order, so the same
+    bits. CODES_ISSUED: the codes of the
     ring's first RING - 1 blocks are already on their way (the kernel copies a one-slice program's
     before its PDL wait; their P here, each block's in its own group with them). The decoded keys go
     through v_smem as there; P is read by the MMA from its slot. Layouts: window codes [64, DW /
@@ -337,14 +345,14 @@ def _ring_slice(p_ptr, tile, PH: gl.constexpr, w_slots, c_slots, c, nw, wpool_pt
         # every thread is done with block b - 1 (its MMA has returned: v_smem is free)
         async_copy.wait_group(RING - 2)
         gl.thread_barrier()
-        wsc, csc = wsc_n, csc_n
-        wsc_n, csc_n = _ring_scales(gl.minimum(b + 1, NB - 1), c, w_slots, c_slots, wpool_ptr, cpool_ptr, DW, l3w,
-                                      l3c)
         cur = b % RING
-        v = _ring_decode(wcode_r.index(cur), ccode_r.index(cur), wsc, csc, b, nw, DW, ld, l3w, l3c)
-        f = libdevice.exp(gl.load(ml + b * (3 * PH), mask=h_st, other=-1e30) - m_all)
+        v = _ring_decode(wcode_r.index(cur), ccode_r.index(cur), wsc_n, csc_n, b, nw, DW, ld, l3w, l3c)
         v_smem.store(v)
         fence_async_shared()
+        # block b + 1's scales loaded after the fence, which waits for this thread's loads in flight
+        wsc_n, csc_n = _ring_scales(gl.minimum(b + 1, NB - 1), c, w_slots, c_slots, wpool_ptr, cpool_ptr, DW, l3w,
+                                      l3c)
+        f = f_smem.index(b).load(gl.SliceLayout(1, o_l))
         gl.thread_barrier()
         a = warpgroup_mma(p_r.index(cur), v_smem, zero, use_acc=False)
         # block b + RING - 1 into block b - 1's slot, which every warp was done with (its decode and
