@@ -181,6 +181,20 @@ def test_p_and_the_output_leave_in_16_byte_stores(heads):
             assert "STG.E.128" not in second, second
 
 
+# the ring's loop over the blocks: its only global loads are the next block's scale bytes, issued
+# after the fence before the block's MMA (the fence, MEMBAR on sm_90, waits for the thread's loads in
+# flight), and each block's factor comes from shared memory, at both slice widths
+@pytest.mark.parametrize("dims", [128, 64])
+def test_second_launch_ring_loop_waits_on_no_global_load(dims):
+    kernel = sm90.compile_mla_pv(64, 128, 512, dims=dims, ring=4 if dims == 128 else 3)
+    (loop, ) = _block_loops(kernel)
+    ops = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in loop]
+    fence = ops.index("MEMBAR.ALL.CTA")
+    loads = [i for i, op in enumerate(ops) if op.startswith("LDG.")]
+    assert loads and min(loads) > fence, (fence, loads)
+    assert {ops[i] for i in loads} == {"LDG.E.U8"}, {ops[i] for i in loads}
+
+
 # PDL (`pv_pdl`): the first launch lets the second launch start (`griddepcontrol.launch_dependents`,
 # once, at its start); the second copies its tables' slots and its first three blocks' codes (window
 # and compressed, two 16-byte copies a thread each) before its wait (ACQBULK), and P, the statistics
