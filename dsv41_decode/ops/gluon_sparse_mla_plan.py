@@ -123,10 +123,11 @@ class GluonSparseMlaConfig:
 
     pv_pdl (with combine="pv", on sm_90 outside the interpreter): the second launch launched with
     programmatic dependent launch (`ops.pdl`), so that its programs start as the first launch's last
-    ones end: each reads the row's tables, stores its slots and copies the codes of its first
-    blocks, then waits (`griddepcontrol.wait`) until the first launch has completed before it reads
-    anything that launch writes (P, the statistics, the look-back words); without it the same code
-    runs after the first launch, the wait returning at once. The same values."""
+    ones end: with the ring (pv_stages) each reads the row's tables, stores its slots and (one slice
+    a program) copies the codes of its first blocks, then waits (`griddepcontrol.wait`) until the
+    first launch has completed before it reads anything that launch writes (P, the statistics, the
+    look-back words; without the ring it waits first); without PDL the same code runs after the
+    first launch, the wait returning at once. The same values."""
 
     q_buffers: int = 2
     fp4_packed: bool = True

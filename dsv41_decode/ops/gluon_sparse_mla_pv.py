@@ -25,6 +25,9 @@ start, P a block ahead (`_direct_slice`), or copied asynchronously (cp.async, ze
 pool does not hold a key) into a ring of shared-memory slots, pv_stages - 2 blocks of work ahead, each
 thread copying the code bytes it later decodes, the scales a block ahead in registers and P read
 by the MMA from its slot (`_ring_slice`): the same values into the same MMA in the same order.
+Nothing the first launch writes is read before the kernel's `griddepcontrol.wait`, so the launch may
+be a programmatic dependent one (`GluonSparseMlaConfig.pv_pdl`): with the ring, the row's slots and
+its first blocks' codes are on their way by then.
 """
 
 from __future__ import annotations
@@ -73,9 +76,9 @@ def _gluon_mla_pv_kernel(
         [_KEYS, DW], gl.bfloat16))
     tile = r.to(gl.int64) * NB
 
-    # (RING) the row's slots, the ring's slots, and (one slice a program) the codes of the ring's
-    # first RING - 1 blocks copied now: the tables and pools are this step's inputs, written before
-    # the first launch started (with two slices sm_90 spills 8 bytes at the cap of 128 in that form)
+    # (RING) the row's slots, the ring's slots, and (one slice a program, the step's form; with more
+    # `_ring_slice` copies them after the wait) the codes of the ring's first RING - 1 blocks copied
+    # now: the tables and pools are this step's inputs, written before the first launch started
     T: gl.constexpr = DW // 8
     TC: gl.constexpr = DW // 16
     l3w: gl.constexpr = gl.BlockedLayout([1, 1, T], [4, T // 4, 32 // T], [_WARPS, 1, 1], [2, 1, 0])
@@ -320,13 +323,13 @@ def _ring_slice(p_ptr, tile, PH: gl.constexpr, w_slots, c_slots, c, nw, wpool_pt
     2 blocks of work ahead of its use), its scales loaded into registers a block ahead (after the
     block before's fence, which waits for the thread's loads in flight), its factor exp(m_b - m_all)
     from f_smem (FP32 [NB, 64]): the same values into the same MMA in the same order, so the same
-    bits. CODES_ISSUED: the codes of the
-    ring's first RING - 1 blocks are already on their way (the kernel copies a one-slice program's
-    before its PDL wait; their P here, each block's in its own group with them). The decoded keys go
-    through v_smem as there; P is read by the MMA from its slot. Layouts: window codes [64, DW /
-    32, 32] (l3w: a thread DW / 8 consecutive bytes, within one 32-dim scale group), compressed
-    codes [64, DW / 16, 8] (l3c: a thread DW / 16 consecutive bytes, within one 16-dim scale group),
-    P [64, 64] BF16 (8 a thread, twice): each thread copies the code bytes it later decodes."""
+    bits. CODES_ISSUED: the codes of the ring's first RING - 1 blocks are already on their way (the
+    kernel copies a one-slice program's before its PDL wait; their P here, each block's in its own
+    group with them). The decoded keys go through v_smem as there; P is read by the MMA from its
+    slot. Layouts: window codes [64, DW / 32, 32] (l3w: a thread DW / 8 consecutive bytes, within
+    one 32-dim scale group), compressed codes [64, DW / 16, 8] (l3c: a thread DW / 16 consecutive
+    bytes, within one 16-dim scale group), P [64, 64] BF16 (8 a thread, twice): each thread copies
+    the code bytes it later decodes."""
     lp: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [_WARPS, 1], [1, 0])
     if not CODES_ISSUED:
         gl.thread_barrier()               # every warp is done with the ring's slots of the slice before
