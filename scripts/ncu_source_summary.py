@@ -27,6 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _args import arg  # noqa: E402
 
+from dsv41_decode.testing.sm90 import unpredicated  # noqa: E402
+
 _SAMPLES = "Warp Stall Sampling (All Samples)"
 _EXECUTED = "Instructions Executed"
 
@@ -48,9 +50,7 @@ def _int(x: str) -> int:
 
 
 def _opcode(source: str) -> str:
-    words = source.split()
-    if words and words[0].startswith("@"):
-        words = words[1:]
+    words = unpredicated(source.strip()).split()
     return words[0].split(".")[0] if words else ""
 
 

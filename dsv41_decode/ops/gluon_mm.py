@@ -728,6 +728,14 @@ def require_sm90_weight(weight: torch.Tensor, needs: str) -> None:
     require_tma_rows(weight, "weight")
 
 
+def tma_desc(t: torch.Tensor, block: list[int], name: str) -> TensorDescriptor:
+    """A TMA descriptor of the 2-D BF16 or E4M3 tensor t with box `block` (swizzled tiles: the NVMMA
+    shared layout's default), after `require_tma_rows` (naming `name`)."""
+    require_tma_rows(t, name)
+    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float8e4nv)
+    return TensorDescriptor.from_tensor(t, block, layout)
+
+
 def fp8_desc(t: torch.Tensor, box: list[int]) -> TensorDescriptor:
     """The TMA descriptor of the 2-D FP8 tensor t's [box[0], box[1]] tiles in the NVMMA shared layout
     (128-byte swizzle) the Gluon tier's rings take; t's rows unchecked (`require_tma_rows`)."""

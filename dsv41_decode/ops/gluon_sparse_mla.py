@@ -82,6 +82,7 @@ from .gluon_mla_records import (_CREC, _DC, _KEYS, _M, _WARPS, _WREC, NUM_WARPS,
                                 _decode_chunk, _decode_loaded, _decode_mixed_chunk, _load_chunk, _max)
 from .gluon_sparse_mla_plan import (PHASE_COLS, PHASE_NAMES, STEP_CONFIGS, GluonSparseMlaConfig, GluonSparseMlaPlan,
                                    programs_per_sm, specialization_key)
+from .gluon_mm import tma_desc
 from .gluon_sparse_mla_pv import mla_pv_
 from .pdl import gluon_launch_dependents
 from .sparse_mla import check_sparse_mla_args, combine_partials_
@@ -519,8 +520,7 @@ def _q_desc(plan: GluonSparseMlaPlan, q: torch.Tensor) -> TensorDescriptor:
     key = (q.data_ptr(), q.shape[0])
     desc = plan.q_descs.get(key)
     if desc is None:
-        layout = gl.NVMMASharedLayout.get_default_for([64, 128], gl.bfloat16)
-        desc = plan.q_descs[key] = TensorDescriptor.from_tensor(q.view(-1, q.shape[-1]), [64, 128], layout)
+        desc = plan.q_descs[key] = tma_desc(q.view(-1, q.shape[-1]), [64, 128], "q")
     return desc
 
 

@@ -136,7 +136,6 @@ def _gluon_mla_pv_kernel(
     # BF16 bits staged through v_smem, where the accumulator's layout would store 4 bytes at a time;
     # at four slices a program in that layout (staged, sm_90 spills 16 bytes at the cap of 128)
     st: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (DW // 8), DW // 8], [_WARPS, 1], [1, 0])
-    do = gl.arange(0, DW, layout=gl.SliceLayout(0, o_l))
     for cc in gl.static_range(CPP):
         c = sl * CPP + cc
         if RING > 0:
@@ -154,6 +153,7 @@ def _gluon_mla_pv_kernel(
             gl.store(out_ptr + r * stride_on + hs[:, None] * stride_oh + (c * DW + ds)[None, :],
                      v_smem.load(st).to(gl.int16, bitcast=True), mask=(hs < H)[:, None])
         else:
+            do = gl.arange(0, DW, layout=gl.SliceLayout(0, o_l))
             gl.store(out_ptr + r * stride_on + ho[:, None] * stride_oh + (c * DW + do)[None, :],
                      _bf16_rne_bits(o / den[:, None]), mask=h_ok[:, None])
 

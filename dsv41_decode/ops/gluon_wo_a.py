@@ -109,12 +109,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                 warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from ..formats import E4M3_MAX, MXFP8_AMAX_FLOOR
 from .act_quant import INV_E4M3_MAX, mxfp8_quantize_tile
 from .common import is_sm90, num_sms, plan_workspace
-from .gluon_mm import _producer, _ring, require_tma_rows
+from .gluon_mm import _producer, _ring, tma_desc
 from .rounding import ue8m0_to_fp32
 from .wo_a import GroupedShape, wo_a_args
 
@@ -751,13 +750,6 @@ def foldable_scale(scale: torch.Tensor | None) -> bool:
     return True
 
 
-def _tma_desc(t: torch.Tensor, block: list[int], name: str) -> TensorDescriptor:
-    """A TMA descriptor of the 2-D BF16 or E4M3 tensor t with box `block` (swizzled tiles)."""
-    require_tma_rows(t, name)
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float8e4nv)
-    return TensorDescriptor.from_tensor(t, block, layout)
-
-
 def gluon_wo_a_(plan: GluonWoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
                 scale: torch.Tensor | None, out: torch.Tensor, codes_out: torch.Tensor | None = None,
                 scales_out: torch.Tensor | None = None,
@@ -790,9 +782,9 @@ def gluon_wo_a_(plan: GluonWoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: tor
         return
     bt = block_t(m)
     bn = plan.config.block_n
-    w_desc = _tma_desc(weight, [bn, BLOCK_K], "weight")
+    w_desc = tma_desc(weight, [bn, BLOCK_K], "weight")
     o2 = o.as_strided((m, plan.heads * plan.head_dim), (o.stride(0), 1))
-    x_desc = _tma_desc(o2, [bt, BLOCK_K], "o")
+    x_desc = tma_desc(o2, [bt, BLOCK_K], "o")
     opts = launch_options(plan, bt)
     _gluon_wo_a_kernel[(plan.n_tiles, plan.split)](
         w_desc, x_desc, cos, sin, scale, out, plan.partials, plan.counters, codes_out, scales_out, cp_pool, cp_src,

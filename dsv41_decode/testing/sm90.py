@@ -113,11 +113,17 @@ def loop_with(kernel, opcode: str) -> list[str]:
     return [t for _, t in ins[lo:hi + 1]]
 
 
+def unpredicated(text: str) -> str:
+    """A SASS instruction's text without its guard predicate (`@P0 `, `@!UP1 `, ...): its opcode
+    with modifiers first."""
+    return re.sub(r"^@!?U?P\w+\s+", "", text)
+
+
 def opcode_counts(texts: list[str]) -> dict[str, int]:
     """How many of each opcode (predicates and modifiers dropped) the instructions hold."""
     counts: dict[str, int] = {}
     for t in texts:
-        op = re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0]
+        op = unpredicated(t).split()[0].split(".")[0]
         counts[op] = counts.get(op, 0) + 1
     return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
@@ -139,7 +145,7 @@ def _written_registers(text: str) -> set[int]:
     destinations, as in `SHFL.IDX PT, R5, ...` or `ATOMG.E.ADD PT, R5, ...`; 64- and 128-bit forms
     2 or 4, `CS2R` 2 unless `.32`), empty for instructions without a register destination and for
     uniform ones."""
-    t = re.sub(r"^@!?U?P\w+\s+", "", text)
+    t = unpredicated(text)
     op = t.split()[0]
     if (op.startswith(_NO_DEST) or op.split(".")[0] in _NO_DEST_OPS or op.startswith("U")
             or "GMMA" in op):

@@ -11,7 +11,6 @@ among others, the workspace clear after each launch (PV64: 64-dim slices, whose 
 sum each output as the first launch's m64 n64 does; PV64R80: the same at a register cap of 80).
 """
 
-import re
 from collections import Counter
 
 import pytest
@@ -161,14 +160,14 @@ def test_first_launch_with_q_by_tma_three_programs_an_sm():
 
 # the blocks' P and the second launch's output leave in 16-byte stores (each through shared
 # memory from the accumulator's layout, whose stores are 4 bytes): the first launch's P [64, 64]
-# BF16 over 256 threads is two a thread (one at 8-16 heads, whose rows past 16 it leaves), and its other global stores (the statistics, the flags)
-# 4-byte ones; the second launch's [64, dims] BF16 a slice is 64 x dims x 2 / 256 / 16 a thread and
-# slice, its one other store a flag word's (at four slices a program the accumulator's layout:
-# staged, sm_90 spills there at the cap of 128)
+# BF16 over 256 threads is two a thread (one at 8-16 heads, whose rows past 16 it leaves), and its
+# other global stores (the statistics, the flags) 4-byte ones; the second launch's [64, dims] BF16
+# a slice is 64 x dims x 2 / 256 / 16 a thread and slice, its one other store a flag word's (at
+# four slices a program the accumulator's layout: staged, sm_90 spills there at the cap of 128)
 @pytest.mark.parametrize("heads", [64, 8])
 def test_p_and_the_output_leave_in_16_byte_stores(heads):
     def stores(kernel):
-        ops = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for _, t in sm90.sass(kernel)]
+        ops = [sm90.unpredicated(t).split()[0] for _, t in sm90.sass(kernel)]
         return dict(Counter(op for op in ops if op.startswith("STG.")))
     first = stores(_compile_first(heads, 128, 512, maxnreg=80, K_BUFFERS=2))
     _, block_h = _shape(heads, 128, 512)      # P's rows past block_h (32 a store) are not stored
@@ -188,7 +187,7 @@ def test_p_and_the_output_leave_in_16_byte_stores(heads):
 def test_second_launch_ring_loop_waits_on_no_global_load(dims):
     kernel = sm90.compile_mla_pv(64, 128, 512, dims=dims, ring=4 if dims == 128 else 3)
     (loop, ) = _block_loops(kernel)
-    ops = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0] for t in loop]
+    ops = [sm90.unpredicated(t).split()[0] for t in loop]
     fence = ops.index("MEMBAR.ALL.CTA")
     loads = [i for i, op in enumerate(ops) if op.startswith("LDG.")]
     assert loads and min(loads) > fence, (fence, loads)
