@@ -11,7 +11,8 @@ store their block's P instead of its partial, and P.V and the combination run in
 (`ops.gluon_sparse_mla_pv`, the same MMAs and arithmetic). A program:
 
 - takes its (row, block) from the plan's atomic ticket (blocks in ascending order, so it only
-  waits for programs already running), loads q [H, 512] of its row into shared memory as four
+  waits for programs already running), or from its program id where the whole grid is resident at
+  once (the spread combination; "pv" where its programs fit the SMs), loads q [H, 512] of its row into shared memory as four
   [64, 128] chunks (heads past H as zeros: the wgmma's M is 64, so 8, 16 and 32 heads are padded
   to 64 rows; `GluonSparseMlaConfig.q_buffers` 2: the last two chunks reuse the first two's
   buffers once their score MMAs have read them, 104 KB of shared memory instead of 136, two
@@ -562,22 +563,29 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
                   num_warps=NUM_WARPS)
     if config.maxnreg is not None:
         consts["maxnreg"] = config.maxnreg
-    if combine == "spread":
-        # the registers and shared memory of the kernel these arguments compile to decide
-        # (`specialization_key`: the one-row kernel's registers differ from the others')
-        key = specialization_key(args)
+    resident = False
+    if combine in ("spread", "pv"):
+        # whether every program of the grid is resident at once: the registers and shared memory of
+        # the kernel these arguments compile to decide (`specialization_key`: the one-row kernel's
+        # registers differ from the others'); the programs then take their (row, block) from the
+        # program id (TICKET off)
+        flags = dict(SPREAD=True) if combine == "spread" else dict(SPREAD=False, P_OUT=True)
+        key = (combine, specialization_key(args))
         per_sm = plan.resident.get(key)
         if per_sm is None:
-            kernel = _gluon_sparse_mla_kernel.warmup(*args, grid=(grid, ), SPREAD=True, TICKET=False, **consts)
+            kernel = _gluon_sparse_mla_kernel.warmup(*args, grid=(grid, ), TICKET=False, **flags, **consts)
             per_sm = plan.resident[key] = programs_per_sm(kernel)
-        if grid > num_sms(base.device) * per_sm:
-            # not every program resident at once: the row's wait could hang; the separate launch
-            # with the flag look-back (the board of maxima stays untouched, zero)
-            combine = "separate"
-            consts["VALUES"] = False
+        resident = grid <= num_sms(base.device) * per_sm
+    if combine == "spread" and not resident:
+        # not every program resident at once: the row's wait could hang; the separate launch
+        # with the flag look-back (the board of maxima stays untouched, zero)
+        combine = "separate"
+        consts["VALUES"] = False
     if combine == "pv":
-        # the blocks' scores and P, then P.V and the combination
-        _gluon_sparse_mla_kernel[(grid, )](*args, SPREAD=False, TICKET=True, P_OUT=True, **consts)
+        # the blocks' scores and P (with the ticket where the grid is not resident at once: a
+        # block's look-back then only waits on programs that have started), then P.V and the
+        # combination
+        _gluon_sparse_mla_kernel[(grid, )](*args, SPREAD=False, TICKET=not resident, P_OUT=True, **consts)
         mla_pv_(base, config, acc_ws, window_pool, comp_pool, window_table, comp_table, sink, o16, n)
         return
     spread = combine == "spread"

@@ -68,7 +68,9 @@ class GluonSparseMlaConfig:
     into the chunk's sum as the separate kernel does: the same MMAs on the same operands and the
     same arithmetic, so the same bits, with the partials kept in registers (84 MB each way at 64
     rows and 64 heads for the other two) and the keys' dims decoded once more there (dim_split 1
-    and the flag look-back only).
+    and the flag look-back only). Where the first launch's programs fit the SMs at once (three an
+    SM at the step's cap of 80: up to 39 rows of ten blocks) they take their (row, block) from the
+    program id, as the spread combination's do, not from the atomic ticket.
 
     lookback: how a block's program learns the maxima of the blocks before it: "flags" (each
     program stores its block's maxima, then sets its bit of the row's flag words with release; the
@@ -249,9 +251,9 @@ class GluonSparseMlaPlan:
     block_h = max(16, heads): the workspace's heads, which the kernel pads to the wgmma's 64),
     `config`, `counters` (int32 [max_rows], zero between launches: the spread combination's
     arrivals per row), `board` (int32 [max_rows, blocks, block_h] with lookback="values", zero
-    between launches; else one unused int32), `resident` (the spread combination's programs per SM
-    by `specialization_key` of the launch's arguments, from the compiled kernel of
-    the first launch with that key), `q_descs` (with `config.q_tma`, q's TMA descriptors by address
+    between launches; else one unused int32), `resident` (the spread combination's and the "pv" first
+    launch's programs per SM by (combine, `specialization_key` of the launch's arguments), from
+    the compiled kernel of the first launch with that key), `q_descs` (with `config.q_tma`, q's TMA descriptors by address
     and rows, made at a launch's first use) and `phase_log` (int64 [max_rows x blocks x
     dim_split, 16] with `config.phases`, else None). Build with `GluonSparseMlaPlan.build` (or the
     step's, `for_step`); not for concurrent launches (as `base`)."""

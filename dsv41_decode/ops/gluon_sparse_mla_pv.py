@@ -56,7 +56,7 @@ _MAXNREG = 128
 def _gluon_mla_pv_kernel(
     p_ptr, part_ml_ptr, flag_ptr, wpool_ptr, cpool_ptr, wtab_ptr, ctab_ptr, sink_ptr, out_ptr,
     H, stride_wt, stride_ct, stride_on, stride_oh,
-    W: gl.constexpr, W_P2: gl.constexpr, KC: gl.constexpr, NB: gl.constexpr,
+    W: gl.constexpr, W_P2: gl.constexpr, KC: gl.constexpr, NB: gl.constexpr, NB_P2: gl.constexpr,
     PH: gl.constexpr, CPP: gl.constexpr, FP4_PACKED: gl.constexpr, FP4_LUT: gl.constexpr, DW: gl.constexpr = 128,
     RING: gl.constexpr = 0,
 ):
@@ -85,7 +85,8 @@ def _gluon_mla_pv_kernel(
     l3c: gl.constexpr = gl.BlockedLayout([1, 1, TC], [4, TC, 8 // TC], [_WARPS, 1, 1], [2, 1, 0])
     plain: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
     if RING > 0:
-        nw, w_slots, c_slots = _row_slots(wtab_ptr + r * stride_wt, ctab_ptr + r * stride_ct, W, W_P2, KC, NB, ld)
+        nw, w_slots, c_slots = _row_slots(wtab_ptr + r * stride_wt, ctab_ptr + r * stride_ct, W, W_P2, KC, NB, NB_P2,
+                                          True, ld)
         wcode_r = gl.allocate_shared_memory(gl.uint8, [RING, _KEYS, DW // 32, 32], plain)
         ccode_r = gl.allocate_shared_memory(gl.uint8, [RING, _KEYS, DW // 16, 8], plain)
         p_r = gl.allocate_shared_memory(gl.bfloat16, [RING, _M, _KEYS], gl.NVMMASharedLayout.get_default_for(
@@ -130,7 +131,8 @@ def _gluon_mla_pv_kernel(
     sink = gl.load(sink_ptr + ho, mask=h_ok, other=0.0)
     den = gl.where(n_all > 0, l_all + libdevice.exp(sink - m_all), float("inf"))     # no valid key: o is 0
     if RING == 0:
-        nw, w_slots, c_slots = _row_slots(wtab_ptr + r * stride_wt, ctab_ptr + r * stride_ct, W, W_P2, KC, NB, ld)
+        nw, w_slots, c_slots = _row_slots(wtab_ptr + r * stride_wt, ctab_ptr + r * stride_ct, W, W_P2, KC, NB, NB_P2,
+                                          False, ld)
 
     # the output stored 16 bytes a thread (`st`: a row's DW dims over DW / 8 threads), each slice's
     # BF16 bits staged through v_smem, where the accumulator's layout would store 4 bytes at a time;
@@ -160,18 +162,36 @@ def _gluon_mla_pv_kernel(
 
 @gluon.jit
 def _row_slots(wtab_row, ctab_row, W: gl.constexpr, W_P2: gl.constexpr, KC: gl.constexpr, NB: gl.constexpr,
-               ld: gl.constexpr):
+               NB_P2: gl.constexpr, ONE_LOAD: gl.constexpr, ld: gl.constexpr):
     """The row's window key count nw (the valid suffix of its window table), as the first launch, and
     every block's window and compressed slots (`_block_slots`' values) in shared memory (int32 [NB,
-    64] each, -1 where none; after a barrier)."""
+    64] each, or [NB_P2, 64] with ONE_LOAD; -1 where none; after a barrier). ONE_LOAD: every block's
+    slots of a table in one [NB_P2, 64] load (a few values a thread), else one [64] load a block and
+    table (sm_90 spills less in the direct form's loop that way at the 64-dim slices' cap of 80)."""
     rw = gl.arange(0, W_P2, layout=gl.SliceLayout(0, ld))
     nw = gl.reduce((gl.load(wtab_row + rw, mask=rw < W, other=-1) >= 0).to(gl.int32), 0, _add)
-    w_slots = gl.allocate_shared_memory(gl.int32, [NB, _KEYS], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    c_slots = gl.allocate_shared_memory(gl.int32, [NB, _KEYS], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
-    for b in gl.static_range(NB):
-        ws, cs = _block_slots(wtab_row, ctab_row, b, nw, W, KC, gl.SliceLayout(1, ld))
-        w_slots.index(b).store(ws)
-        c_slots.index(b).store(cs)
+    if ONE_LOAD:
+        sl: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [_WARPS, 1], [1, 0])
+        plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+        w2 = gl.allocate_shared_memory(gl.int32, [NB_P2, _KEYS], plain2)
+        c2 = gl.allocate_shared_memory(gl.int32, [NB_P2, _KEYS], plain2)
+        j = (gl.arange(0, NB_P2, layout=gl.SliceLayout(1, sl))[:, None] * _KEYS
+             + gl.arange(0, _KEYS, layout=gl.SliceLayout(0, sl))[None, :])
+        # `_block_slots`' loads over the row's NB_P2 x 64 keys at once (past the joined list: -1)
+        w2.store(gl.load(wtab_row + (W - nw) + j, mask=j < nw, other=-1))
+        jc = j - nw
+        c2.store(gl.load(ctab_row + jc, mask=(jc >= 0) & (jc < KC), other=-1))
+        # the same rows as the per-block form's buffers, whose .index(b) is a 1-D row
+        plain1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        w_slots = w2._reinterpret(gl.int32, [NB_P2, _KEYS], plain1)
+        c_slots = c2._reinterpret(gl.int32, [NB_P2, _KEYS], plain1)
+    else:
+        w_slots = gl.allocate_shared_memory(gl.int32, [NB, _KEYS], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        c_slots = gl.allocate_shared_memory(gl.int32, [NB, _KEYS], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        for b in gl.static_range(NB):
+            ws, cs = _block_slots(wtab_row, ctab_row, b, nw, W, KC, gl.SliceLayout(1, ld))
+            w_slots.index(b).store(ws)
+            c_slots.index(b).store(cs)
     gl.thread_barrier()
     return nw, w_slots, c_slots
 
@@ -405,7 +425,8 @@ def mla_pv_(base, config, p: torch.Tensor, window_pool: torch.Tensor, comp_pool:
     _gluon_mla_pv_kernel[(rows * (512 // (config.pv_dims * config.pv_chunks)), )](
         p, base.part_ml, base.flags, window_pool, comp_pool, window_table, comp_table, sink, o16,
         base.heads, window_table.stride(0), max(comp_table.stride(0), 1), o16.stride(0), o16.stride(1),
-        W=base.window, W_P2=triton.next_power_of_2(base.window), KC=base.topk, NB=nb, PH=base.block_h,
+        W=base.window, W_P2=triton.next_power_of_2(base.window), KC=base.topk, NB=nb,
+        NB_P2=max(2, triton.next_power_of_2(nb)), PH=base.block_h,
         CPP=config.pv_chunks,
         FP4_PACKED=config.fp4_packed, FP4_LUT=config.fp4_lut, DW=config.pv_dims, RING=config.pv_stages,
         num_warps=NUM_WARPS, maxnreg=config.pv_maxnreg, **opts)

@@ -257,7 +257,8 @@ def compile_mla_pv(heads: int, window: int, topk: int, *, dims: int = 128, chunk
     base = G.GluonSparseMlaPlan.build(1, heads, window, topk, "cpu").base
     types = {"p_ptr": "*bf16", "part_ml_ptr": "*fp32", "flag_ptr": "*i32", "wpool_ptr": "*u8", "cpool_ptr": "*u8",
              "wtab_ptr": "*i32", "ctab_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": "*i16"}
-    consts = dict(W=window, W_P2=1 << (window - 1).bit_length(), KC=topk, NB=base.n_blocks, PH=base.block_h,
-                  CPP=chunks, FP4_PACKED=True, FP4_LUT=True, DW=dims, RING=ring)
+    consts = dict(W=window, W_P2=1 << (window - 1).bit_length(), KC=topk, NB=base.n_blocks,
+                  NB_P2=max(2, 1 << (base.n_blocks - 1).bit_length()), PH=base.block_h, CPP=chunks,
+                  FP4_PACKED=True, FP4_LUT=True, DW=dims, RING=ring)
     return compile_sm90(PV._gluon_mla_pv_kernel, types, consts, num_warps=PV.NUM_WARPS,
                         maxnreg=PV._MAXNREG if maxnreg is None else maxnreg)

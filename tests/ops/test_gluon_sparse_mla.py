@@ -452,18 +452,19 @@ def test_gpu_phase_log():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [SPREAD, SPREAD_VALUES], ids=["spread", "spread-values"])
+@pytest.mark.parametrize("config", [SPREAD, SPREAD_VALUES, PVRING4K2T], ids=["spread", "spread-values", "pv"])
 @pytest.mark.parametrize("h", [8, 64])
 def test_gpu_spread_combination_at_and_past_the_resident_grid(h, config):
     # the spread combination runs where every program is resident at once and falls back to the
-    # separate launch (with the flag look-back) past that, both the default's bits;
-    # 35 blocks a row at 3 rows (105 programs) and the Flash shape at 1, 13 (130 programs), 26 and
-    # 27 rows (270 > 264 at two a SM on an H200)
+    # separate launch (with the flag look-back) past that; the "pv" first launch takes its (row,
+    # block) from the program id there and from the atomic ticket past it: all the default's bits;
+    # 35 blocks a row at 3 rows (105 programs) and the Flash shape at 1, 13 (130 programs), 26, 27
+    # (270 > 264 at two a SM on an H200), 39 and 40 rows (400 > 396 at three a SM)
     w, k = 128, 512
-    plan = G.GluonSparseMlaPlan.build(27, h, w, k, "cuda", config=config)
+    plan = G.GluonSparseMlaPlan.build(40, h, w, k, "cuda", config=config)
     assert plan.resident == {}
-    ref = G.GluonSparseMlaPlan.build(27, h, w, k, "cuda")
-    for n in (1, 13, 26, 27):
+    ref = G.GluonSparseMlaPlan.build(40, h, w, k, "cuda")
+    for n in (1, 13, 26, 27, 39, 40):
         case = make_case(n, h, w, k, seed=6100 + h + n, window_fill=gpu_tables(n), **GPU_POOLS)
         assert torch.equal(run(plan, case), run(ref, case)), n
     torch.cuda.synchronize()

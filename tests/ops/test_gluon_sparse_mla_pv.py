@@ -40,7 +40,8 @@ def _compile_first(heads, w, k, maxnreg, **extra):
     nb, ph = _shape(heads, w, k)
     consts = dict(W=w, W_P2=1 << (w - 1).bit_length(), KC=k, NB=nb, NB_P2=max(2, 1 << (nb - 1).bit_length()), PH=ph,
                   Q_BUFFERS=2, FP4_PACKED=True, PREFETCH=True, DSPLIT=1, SPREAD=False, VALUES=False, TICKET=True,
-                  FP4_LUT=True, P_OUT=True, **extra)
+                  FP4_LUT=True, P_OUT=True)
+    consts.update(extra)
     return sm90.compile_sm90(G._gluon_sparse_mla_kernel, _FIRST_TYPES, consts, num_warps=G.NUM_WARPS, maxnreg=maxnreg)
 
 
@@ -156,6 +157,20 @@ def test_first_launch_with_q_by_tma_three_programs_an_sm():
     plain = _compile_first(64, 128, 512, maxnreg=80, K_BUFFERS=2)
     assert wide_loads(plain) - wide_loads(kernel) == 4 * 64 * 128 * 2 // 256 // 16, (wide_loads(plain),
                                                                                    wide_loads(kernel))
+
+
+# where the first launch's grid is resident at once (up to 39 rows at the step's shape) the launcher
+# runs it without the atomic ticket (TICKET off: the program id gives the row and block): the same
+# code but for the ticket's atomic add, still no spills and three programs an SM
+def test_first_launch_without_the_ticket_three_programs_an_sm():
+    def atomics(k):
+        return [t for _, t in sm90.sass(k) if sm90.unpredicated(t).split()[0].startswith("ATOMG")]
+    ticket = _compile_first(64, 128, 512, maxnreg=80, K_BUFFERS=2, Q_TMA=True)
+    kernel = _compile_first(64, 128, 512, maxnreg=80, K_BUFFERS=2, Q_TMA=True, TICKET=False)
+    res = sm90.resources(kernel)
+    assert res["LOCAL"] == 0 and res["STACK"] == 0, res
+    assert 3 * (kernel.metadata.shared + 1024) <= SM_SHARED and 3 * res["REG"] * 32 * G.NUM_WARPS <= SM_REGS, res
+    assert len(atomics(ticket)) == 1 and not atomics(kernel), (atomics(ticket), atomics(kernel))
 
 
 # the blocks' P and the second launch's output leave in 16-byte stores (each through shared
