@@ -14,7 +14,9 @@ over its row's tiles of BLOCK_E = 64 entries: tile p, p + P, ...):
   scale word into a ring of STAGES shared-memory slots with the asynchronous copy (4-byte copies,
   each thread four consecutive words of a record, a warp's lanes on eight records' code words).
   STAGES - 1 tiles are in flight while a program scores one; masked entries (past n_vis, outside
-  the candidate mask) are not read.
+  the candidate mask) are not read. A tile's page (with a page a multiple of 64) is loaded an
+  iteration before its copies are issued, and a tile's words leave their slot before the next
+  tile's copies are issued: no global or shared load's latency is waited for at the issue.
 - **E2M1 -> E4M3 by integer ops, into shared memory.** Each code word (8 nibbles: key dims 8w ..
   8w + 7) becomes two words of E4M3 bytes: `ops.indexer`'s byte trick (E4M3 byte
   ((c & 7) << 2) | ((c & 8) << 4) is exactly E2M1(c) * 2^-6), four bytes an operation; two byte
@@ -119,13 +121,24 @@ def _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, blk: gl.constexpr, BLOCK_H:
 
 
 @gluon.jit
-def _records(pool_ptr, bt_ptr, slot, bt_stride, n_vis, cand_row, tile, e, PAGE: gl.constexpr,
+def _tile_block(bt_ptr, slot, bt_stride, n_vis, tile, PAGE: gl.constexpr):
+    """With PAGE a multiple of 64, tile `tile`'s page: block_table[slot, tile * 64 // PAGE] (0 for a
+    tile past n_vis), loaded an iteration ahead of the tile's copies (`_issue`), which would
+    otherwise wait a global load's latency for it; else 0 (unused: `_records` loads each entry's)."""
+    if PAGE % _BLOCK_E == 0:
+        return gl.load(bt_ptr + slot * bt_stride + (tile * _BLOCK_E) // PAGE, mask=tile * _BLOCK_E < n_vis, other=0)
+    else:
+        return 0
+
+
+@gluon.jit
+def _records(pool_ptr, bt_ptr, slot, bt_stride, n_vis, cand_row, tile, blk, e, PAGE: gl.constexpr,
              HAS_CAND: gl.constexpr):
     """(pointers to the first word of each record, read flags) of tile `tile`'s entries
     j = tile * 64 + e (e: any layout): entry j is pool record block_table[slot, j // PAGE] * PAGE +
     j % PAGE, read where j < n_vis (and in the candidate mask). With PAGE a multiple of 64 a tile
-    lies in one page: one block-table entry, a uniform base and each record at 17 words past the
-    one before it."""
+    lies in one page, blk (`_tile_block`): a uniform base and each record at 17 words past the one
+    before it."""
     offs = tile * _BLOCK_E + e
     vis = offs < n_vis
     if HAS_CAND:
@@ -135,7 +148,6 @@ def _records(pool_ptr, bt_ptr, slot, bt_stride, n_vis, cand_row, tile, e, PAGE: 
     # time from records that are 4-byte aligned (as `ops.indexer` avoids by not specializing the
     # page).
     if PAGE % _BLOCK_E == 0:
-        blk = gl.load(bt_ptr + slot * bt_stride + (tile * _BLOCK_E) // PAGE, mask=tile * _BLOCK_E < n_vis, other=0)
         base = pool_ptr + (blk.to(gl.int64) * PAGE + (tile * _BLOCK_E) % PAGE) * _WORDS
         words = gl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [e * _WORDS], dtype=gl.int32, is_pure=True,
                                           pack=1)
@@ -148,19 +160,20 @@ def _records(pool_ptr, bt_ptr, slot, bt_stride, n_vis, cand_row, tile, e, PAGE: 
 
 
 @gluon.jit
-def _issue(raw_s, scl_s, pool_ptr, bt_ptr, slot, bt_stride, n_vis, cand_row, tile, PAGE: gl.constexpr,
+def _issue(raw_s, scl_s, pool_ptr, bt_ptr, slot, bt_stride, n_vis, cand_row, tile, blk, PAGE: gl.constexpr,
            HAS_CAND: gl.constexpr, copy_l: gl.constexpr, scl_l: gl.constexpr):
     """Start the asynchronous copies of tile `tile`'s records into a ring slot (raw_s [64, 16] code
     words; scl_s [2, 64]: row 0 the scale words, row 1 unused, so that each of the 128 threads
     copies one element or none), one commit group; entries past n_vis (or outside the candidate
-    mask) are not read (a tile past the row's last is an empty group). Each layout computes its own
-    record pointers (cached block-table loads) rather than converting them through shared memory."""
+    mask) are not read (a tile past the row's last is an empty group). blk: the tile's
+    `_tile_block`. Each layout computes its own record pointers (cached block-table loads where
+    PAGE is not a multiple of 64) rather than converting them through shared memory."""
     e = gl.arange(0, _BLOCK_E, layout=gl.SliceLayout(1, copy_l))
-    rec, vis = _records(pool_ptr, bt_ptr, slot, bt_stride, n_vis, cand_row, tile, e, PAGE, HAS_CAND)
+    rec, vis = _records(pool_ptr, bt_ptr, slot, bt_stride, n_vis, cand_row, tile, blk, e, PAGE, HAS_CAND)
     rw = gl.arange(0, 16, layout=gl.SliceLayout(0, copy_l))
     async_copy.async_copy_global_to_shared(raw_s, rec[:, None] + rw[None, :], mask=vis[:, None] & (rw < 16)[None, :])
     e_s = gl.arange(0, _BLOCK_E, layout=gl.SliceLayout(0, scl_l))
-    rec_s, vis_s = _records(pool_ptr, bt_ptr, slot, bt_stride, n_vis, cand_row, tile, e_s, PAGE, HAS_CAND)
+    rec_s, vis_s = _records(pool_ptr, bt_ptr, slot, bt_stride, n_vis, cand_row, tile, blk, e_s, PAGE, HAS_CAND)
     rr = gl.arange(0, 2, layout=gl.SliceLayout(1, scl_l))
     async_copy.async_copy_global_to_shared(scl_s, rec_s[None, :] + 16 + rr[:, None],
                                            mask=vis_s[None, :] & (rr == 0)[:, None])
@@ -279,8 +292,11 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
 
     # the first STAGES - 1 tiles in flight before the query is prepared
     for s in gl.static_range(STAGES - 1):
-        _issue(raw.index(s), scl.index(s), pool_ptr, bt_ptr, slot, bt_stride, n_vis, cand_row, pid + s * nprog,
+        blk = _tile_block(bt_ptr, slot, bt_stride, n_vis, pid + s * nprog, PAGE)
+        _issue(raw.index(s), scl.index(s), pool_ptr, bt_ptr, slot, bt_stride, n_vis, cand_row, pid + s * nprog, blk,
                PAGE, HAS_CAND, copy_l, scl_l)
+    # the page of the tile the loop's first iteration issues (each iteration loads the next one's)
+    blk_n = _tile_block(bt_ptr, slot, bt_stride, n_vis, pid + (STAGES - 1) * nprog, PAGE)
 
     f0 = _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, 0, BLOCK_H, q_l, col_l, KPERM)
     f1 = _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, 1, BLOCK_H, q_l, col_l, KPERM)
@@ -304,20 +320,25 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
         # says that every thread is done with the slot refilled next (read one iteration ago)
         async_copy.wait_group(STAGES - 2)
         gl.thread_barrier()
+        # the tile's words out of its slot first (their shared-memory latency under the next copies'
+        # issue), then the copies of tile t + STAGES - 1 into the slot read one iteration ago, then
+        # the page of the tile after that
+        cur = i % STAGES
+        words = raw.index(cur).load(copy_l)
+        sw = scl.index(cur)._reinterpret(gl.int32, [2 * _BLOCK_E], plain1).slice(0, _BLOCK_E).load(row_l)
         nxt = (i + STAGES - 1) % STAGES
         _issue(raw.index(nxt), scl.index(nxt), pool_ptr, bt_ptr, slot, bt_stride, n_vis, cand_row,
-               t + (STAGES - 1) * nprog, PAGE, HAS_CAND, copy_l, scl_l)
-        cur = i % STAGES
+               t + (STAGES - 1) * nprog, blk_n, PAGE, HAS_CAND, copy_l, scl_l)
+        blk_n = _tile_block(bt_ptr, slot, bt_stride, n_vis, t + STAGES * nprog, PAGE)
         if KPERM:
             # block b's 8 words: its 4 code words' low-nibble bytes, then their high-nibble bytes (a
             # thread holds one block's 4 words: no byte permutes)
-            lo, hi = _widen_split(raw.index(cur).load(copy_l))
+            lo, hi = _widen_split(words)
             a4 = gl.permute(gl.join(gl.reshape(lo, [_BLOCK_E, 4, 4]), gl.reshape(hi, [_BLOCK_E, 4, 4])), [0, 1, 3, 2])
             a_words.store(gl.reshape(a4, [_BLOCK_E, 32]))
         else:
-            lo, hi = _widen(raw.index(cur).load(copy_l))
+            lo, hi = _widen(words)
             a_words.store(gl.reshape(gl.join(lo, hi), [_BLOCK_E, 32]))
-        sw = scl.index(cur)._reinterpret(gl.int32, [2 * _BLOCK_E], plain1).slice(0, _BLOCK_E).load(row_l)
         # the generic-proxy stores before the wgmma's (async proxy) reads, from every thread
         fence_async_shared()
         gl.thread_barrier()
