@@ -15,8 +15,8 @@ over its row's tiles of BLOCK_E = 64 entries: tile p, p + P, ...):
   each thread four consecutive words of a record, a warp's lanes on eight records' code words).
   STAGES - 1 tiles are in flight while a program scores one; masked entries (past n_vis, outside
   the candidate mask) are not read. A tile's page (with a page a multiple of 64) is loaded an
-  iteration before its copies are issued, and a tile's words leave their slot before the next
-  tile's copies are issued: no global or shared load's latency is waited for at the issue.
+  iteration before its copies are issued, so the issue does not wait a global load's latency for
+  it.
 - **E2M1 -> E4M3 by integer ops, into shared memory.** Each code word (8 nibbles: key dims 8w ..
   8w + 7) becomes two words of E4M3 bytes: `ops.indexer`'s byte trick (E4M3 byte
   ((c & 7) << 2) | ((c & 8) << 4) is exactly E2M1(c) * 2^-6), four bytes an operation; two byte
@@ -320,16 +320,15 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
         # says that every thread is done with the slot refilled next (read one iteration ago)
         async_copy.wait_group(STAGES - 2)
         gl.thread_barrier()
-        # the tile's words out of its slot first (their shared-memory latency under the next copies'
-        # issue), then the copies of tile t + STAGES - 1 into the slot read one iteration ago, then
-        # the page of the tile after that
+        # the copies of tile t + STAGES - 1 into the slot read one iteration ago (its page loaded an
+        # iteration ago), the page of the tile after that, then this tile's words out of its slot
         cur = i % STAGES
-        words = raw.index(cur).load(copy_l)
-        sw = scl.index(cur)._reinterpret(gl.int32, [2 * _BLOCK_E], plain1).slice(0, _BLOCK_E).load(row_l)
         nxt = (i + STAGES - 1) % STAGES
         _issue(raw.index(nxt), scl.index(nxt), pool_ptr, bt_ptr, slot, bt_stride, n_vis, cand_row,
                t + (STAGES - 1) * nprog, blk_n, PAGE, HAS_CAND, copy_l, scl_l)
         blk_n = _tile_block(bt_ptr, slot, bt_stride, n_vis, t + STAGES * nprog, PAGE)
+        words = raw.index(cur).load(copy_l)
+        sw = scl.index(cur)._reinterpret(gl.int32, [2 * _BLOCK_E], plain1).slice(0, _BLOCK_E).load(row_l)
         if KPERM:
             # block b's 8 words: its 4 code words' low-nibble bytes, then their high-nibble bytes (a
             # thread holds one block's 4 words: no byte permutes)

@@ -161,6 +161,41 @@ def _written_registers(text: str) -> set[int]:
     return set(range(int(m.group(1)), int(m.group(1)) + width))
 
 
+def _read_registers(text: str) -> set[int]:
+    """The general registers an instruction's source operands name (64-bit operands `Rn.64` as n,
+    n + 1; its destination, where `_written_registers` finds one, left out)."""
+    t = unpredicated(text)
+    op = t.split()[0]
+    rest = t[len(op):]
+    if _written_registers(text):
+        rest = re.sub(r"^(?:\s*!?P(?:\d+|T)\s*,)*\s*R\d+\s*,?", "", rest)
+    regs: set[int] = set()
+    for m in re.finditer(r"\bR(\d+)(\.64)?\b", rest):
+        regs.update(range(int(m.group(1)), int(m.group(1)) + (2 if m.group(2) else 1)))
+    return regs
+
+
+def load_use_distances(loop: list[str]) -> list[tuple[str, int | None]]:
+    """Each plain global load (`LDG`, not the asynchronous copies) of a loop's SASS with the number of
+    instructions after it up to the first one of the same pass through the loop that reads its
+    result (before anything rewrites it; None: none does, the result is read in a later pass).
+    A short distance is a load whose latency the iteration waits for early."""
+    out = []
+    for i, t in enumerate(loop):
+        if not unpredicated(t).startswith("LDG."):
+            continue
+        dest, dist = _written_registers(t), None
+        for j, later in enumerate(loop[i + 1:], 1):
+            if dest & _read_registers(later):
+                dist = j
+                break
+            dest -= _written_registers(later)
+            if not dest:
+                break
+        out.append((t, dist))
+    return out
+
+
 def wgmma_register_hazards(kernel) -> list[str]:
     """The instructions of the kernel's innermost loop around its register-A wgmmas (`HGMMA ... Rd,
     Ra, gdesc...` reads Ra..Ra+3) that write a register an in-flight wgmma still reads: after the
