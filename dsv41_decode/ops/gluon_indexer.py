@@ -321,11 +321,12 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
         async_copy.wait_group(STAGES - 2)
         gl.thread_barrier()
         # the copies of tile t + STAGES - 1 into the slot read one iteration ago (its page loaded an
-        # iteration ago), then this tile's words out of its slot
+        # iteration ago), the page of the tile after that, then this tile's words out of its slot
         cur = i % STAGES
         nxt = (i + STAGES - 1) % STAGES
         _issue(raw.index(nxt), scl.index(nxt), pool_ptr, bt_ptr, slot, bt_stride, n_vis, cand_row,
                t + (STAGES - 1) * nprog, blk_n, PAGE, HAS_CAND, copy_l, scl_l)
+        blk_n = _tile_block(bt_ptr, slot, bt_stride, n_vis, t + STAGES * nprog, PAGE)
         words = raw.index(cur).load(copy_l)
         sw = scl.index(cur)._reinterpret(gl.int32, [2 * _BLOCK_E], plain1).slice(0, _BLOCK_E).load(row_l)
         if KPERM:
@@ -340,9 +341,6 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
         # the generic-proxy stores before the wgmma's (async proxy) reads, from every thread
         fence_async_shared()
         gl.thread_barrier()
-        # the page of the tile the next iteration issues, loaded after the fence (MEMBAR on sm_90,
-        # which waits for the thread's global loads in flight)
-        blk_n = _tile_block(bt_ptr, slot, bt_stride, n_vis, t + STAGES * nprog, PAGE)
         offs = t * _BLOCK_E + gl.arange(0, _BLOCK_E, layout=row_l)
         vis = offs < n_vis
         if HAS_CAND:

@@ -48,10 +48,7 @@ def measure(heads: int, page: int, stages: int, cand: int = 0, hist: int = 0, ma
             "shared_limit": GI.shared_bytes(stages, heads), "shared": kernel.metadata.shared,
             **sm90.resources(kernel), "ops": sm90.opcode_counts(ins),
             "loop_ops": sm90.opcode_counts(sm90.main_loop(kernel)),
-            "loop_loads": sm90.load_use_distances(sm90.main_loop(kernel)),
-            "loop_loads_after_fence": [t for t in sm90.main_loop(kernel)[
-                [sm90.unpredicated(t).split()[0] for t in sm90.main_loop(kernel)].index("MEMBAR.ALL.CTA"):]
-                if sm90.unpredicated(t).startswith("LDG.")],
+            "loop_len": len(sm90.main_loop(kernel)), "loop_loads": sm90.load_use_distances(sm90.main_loop(kernel)),
             "gmma": sm90.wgmma_ops(ins),
             "ldgsts": sorted({t.split()[0] for t in ins if t.startswith("LDGSTS")}),
             "waits": sorted({t for t in ins if t.startswith("WARPGROUP.DEPBAR") or t.startswith("LDGDEPBAR")
