@@ -91,6 +91,13 @@ CONFIGS = {
     "pv1d64s4r80": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_dims=64, pv_maxnreg=80,
                                           pv_stages=4),
     "pv2d64": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_chunks=2, pv_dims=64),
+    # the step's 17-64-row first launch with 64-dim slices in the second launch (eight programs a row,
+    # a three-slot ring at a cap of 80: three an SM), without and with PDL: for 16-24 rows, where the
+    # 128-dim second launch has four programs a row
+    "pv1d64s3k2t": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, k_buffers=2, q_tma=True, pv_dims=64,
+                                          pv_maxnreg=80, pv_stages=3),
+    "pv1d64s3k2tp": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, k_buffers=2, q_tma=True,
+                                           pv_dims=64, pv_maxnreg=80, pv_stages=3, pv_pdl=True),
 }
 
 
