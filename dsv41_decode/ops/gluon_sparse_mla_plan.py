@@ -253,8 +253,8 @@ class GluonSparseMlaPlan:
     arrivals per row), `board` (int32 [max_rows, blocks, block_h] with lookback="values", zero
     between launches; else one unused int32), `resident` (the spread combination's and the "pv" first
     launch's programs per SM by (combine, `specialization_key` of the launch's arguments), from
-    the compiled kernel of the first launch with that key), `q_descs` (with `config.q_tma`, q's TMA descriptors by address
-    and rows, made at a launch's first use) and `phase_log` (int64 [max_rows x blocks x
+    the compiled kernel of the first launch with that key), `q_descs` (with `config.q_tma`, q's TMA
+    descriptors by address and rows, made at a launch's first use) and `phase_log` (int64 [max_rows x blocks x
     dim_split, 16] with `config.phases`, else None). Build with `GluonSparseMlaPlan.build` (or the
     step's, `for_step`); not for concurrent launches (as `base`)."""
 
