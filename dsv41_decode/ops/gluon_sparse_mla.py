@@ -13,10 +13,10 @@ store their block's P instead of its partial, and P.V and the combination run in
 - takes its (row, block) from the plan's atomic ticket (blocks in ascending order, so it only
   waits for programs already running), or from its program id where the whole grid is resident at
   once (the spread combination; "pv" where its programs fit the SMs), loads q [H, 512] of its row
-  into shared memory as four [64, 128] chunks (heads past H as zeros: the wgmma's M is 64, so 8, 16 and 32 heads are padded
-  to 64 rows; `GluonSparseMlaConfig.q_buffers` 2: the last two chunks reuse the first two's
-  buffers once their score MMAs have read them, 104 KB of shared memory instead of 136, two
-  programs per SM);
+  into shared memory as four [64, 128] chunks (heads past H as zeros: the wgmma's M is 64, so 8,
+  16 and 32 heads are padded to 64 rows; `GluonSparseMlaConfig.q_buffers` 2: the last two chunks
+  reuse the first two's buffers once their score MMAs have read them, 104 KB of shared memory
+  instead of 136, two programs per SM);
 - gathers its block's 64 records (window: ring slots into the [S_w, 528] MXFP8 pool; compressed:
   slots into the [S_c, 288] NVFP4 pool; -1 entries masked to zero) with plain loads into registers
   (16 code bytes a thread for the window, 8 for the compressed codes with `fp4_packed`, whose
