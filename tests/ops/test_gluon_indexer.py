@@ -97,6 +97,21 @@ def test_compiles_for_sm90_without_spills(sm90_builds, case):
         assert r["REG"] <= (r["maxnreg"] or (128 if pairs else 168)), r
 
 
+def test_load_use_distances_reads_sass_registers():
+    # sm90.load_use_distances on hand-written loops: the first read of a load's register (a guarded
+    # load, a 64-bit operand, a move to a uniform register), none where the register is rewritten
+    # first or never read in the pass
+    from dsv41_decode.testing import sm90
+    loop = ["@!P1 LDG.E R24, desc[UR30][R26.64]", "IADD3 R5, R6, R7, RZ", "IMAD.WIDE R24, R24, 0x1100, RZ",
+            "LDG.E R40, desc[UR30][R2.64]", "MOV R40, R3", "IADD3 R1, R40, R1, RZ",
+            "LDG.E R25, desc[UR30][R8.64]", "LDG.E.64 R10, desc[UR30][R24.64]", "@P0 R2UR UR5, R11", "BRA 0x0"]
+    assert sm90.load_use_distances(loop) == [("@!P1 LDG.E R24, desc[UR30][R26.64]", 2),
+                                             ("LDG.E R40, desc[UR30][R2.64]", None),
+                                             ("LDG.E R25, desc[UR30][R8.64]", 1),
+                                             ("LDG.E.64 R10, desc[UR30][R24.64]", 1)]
+    assert sm90.load_use_distances(["LDGSTS.E [R35], desc[UR26][R24.64]", "IADD3 R1, R24, R1, RZ"]) == []
+
+
 def test_default_options_by_call_size():
     """The launch's defaults: three programs an SM, four wgmmas in flight, up to SMALL_CALL_MAX rows x
     entries; above, the wgmmas two at a time and the permuted key order at four an SM; the scratch
