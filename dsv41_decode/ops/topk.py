@@ -755,11 +755,9 @@ def covering_chunk(chunk: int, n_elem: int) -> int:
     return max(chunk, triton.next_power_of_2(triton.cdiv(n_elem, _MAX_CHUNKS)))
 
 
-def key_high_histogram(scores: torch.Tensor, n_vis: torch.Tensor) -> torch.Tensor:
-    """[N, 256] int32: per row, how many of scores[n, :n_vis[n]] have each high byte of `_keys`' key
-    (-0.0 as +0.0; -inf and NaN not counted), in torch: what a scorer adds into `TopKPlan.hist_hi`
-    for `topk_ascending_(..., hist_ready=True)`. scores: [N, max_entries] FP32 (BF16-representable)
-    or BF16; n_vis: [N] int32."""
+def _torch_keys(scores: torch.Tensor, n_vis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int32 keys, selectable flags) of `_keys` in torch: the 16-bit order-preserving key of each
+    score (-0.0 as +0.0), selectable where not -inf, not NaN and before n_vis."""
     if scores.dtype == torch.bfloat16:
         b = scores.view(torch.int16).to(torch.int32) & 0xFFFF
     else:                                   # the top 16 bits, as the kernels read them
@@ -768,6 +766,15 @@ def key_high_histogram(scores: torch.Tensor, n_vis: torch.Tensor) -> torch.Tenso
     key = torch.where(b >= 0x8000, 0xFFFF - b, b | 0x8000)
     cols = torch.arange(scores.shape[1], device=scores.device)
     ok = (scores > float("-inf")) & (cols[None, :] < n_vis[:, None].to(cols.dtype))
+    return key, ok
+
+
+def key_high_histogram(scores: torch.Tensor, n_vis: torch.Tensor) -> torch.Tensor:
+    """[N, 256] int32: per row, how many of scores[n, :n_vis[n]] have each high byte of `_keys`' key
+    (-0.0 as +0.0; -inf and NaN not counted), in torch: what a scorer adds into `TopKPlan.hist_hi`
+    for `topk_ascending_(..., hist_ready=True)`. scores: [N, max_entries] FP32 (BF16-representable)
+    or BF16; n_vis: [N] int32."""
+    key, ok = _torch_keys(scores, n_vis)
     hist = torch.zeros(scores.shape[0], 256, dtype=torch.int32, device=scores.device)
     return hist.scatter_add_(1, (key >> 8).long(), ok.to(torch.int32))
 
@@ -776,14 +783,7 @@ def key_count_histogram(scores: torch.Tensor, n_vis: torch.Tensor) -> torch.Tens
     """[N, KEYS] int32: per row, how many of scores[n, :n_vis[n]] have each 16-bit key of `_keys`
     (-0.0 as +0.0; -inf and NaN not counted), in torch: what a scorer adds into
     `topk_ascending_`'s key_counts (whose high bytes' sums are `key_high_histogram`'s)."""
-    if scores.dtype == torch.bfloat16:
-        b = scores.view(torch.int16).to(torch.int32) & 0xFFFF
-    else:
-        b = (scores.view(torch.int32) >> 16) & 0xFFFF
-    b = torch.where(b == 0x8000, 0, b)
-    key = torch.where(b >= 0x8000, 0xFFFF - b, b | 0x8000)
-    cols = torch.arange(scores.shape[1], device=scores.device)
-    ok = (scores > float("-inf")) & (cols[None, :] < n_vis[:, None].to(cols.dtype))
+    key, ok = _torch_keys(scores, n_vis)
     counts = torch.zeros(scores.shape[0], KEYS, dtype=torch.int32, device=scores.device)
     return counts.scatter_add_(1, key.long(), ok.to(torch.int32))
 
