@@ -29,6 +29,11 @@ the caller's scorer has already added the high-byte histogram into the workspace
      keys > T and == T, publishes the counts, sums those of the chunks before its own as they
      arrive (a look-back that cannot deadlock: see the kernel), and writes its selected indices at
      that offset. The scores are read once per launch: three (two) passes instead of four.
+With the key counts ready as well (`key_counts`: every 16-bit key's count of the row, which the
+Gluon scorer can add while scoring) the counted path is one launch, `_write_counted_kernel`: each
+program finds T, need and skip itself from the high-byte histogram and the 256 counts under b1,
+then writes as `_write_linked_kernel` does; the call leaves the counts zero (each program clears its
+own keys' counts outside the b1 slice, the last to have read the histograms that slice).
 With `one_launch=True` (opt-in: faster alone, slower in the step, see `topk_ascending_`)
 `_one_launch_kernel` does all of it in one launch whose grid fits the SMs: each program
 reads its chunk once and waits, within the launch, for its row's histograms and the earlier chunks'
@@ -60,7 +65,8 @@ reads the scores once instead of three times.
 Workspace per row (int32, `_WS` words): the two histograms, the row's saved selection and the
 linked and one-launch paths' counters, then the per-chunk counts (offsets `_WS_*` below): the
 four-launch path's, which the linked path's reuse with a flag bit (cleared by its low-byte pass
-for the write pass), and the one-launch path's own (flagged, left zero by its last program).
+for the write pass), and the one-launch path's own (flagged, left zero by its last program; the
+counted path's too), then the counted path's ticket counter.
 """
 
 from __future__ import annotations
