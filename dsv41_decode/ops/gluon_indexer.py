@@ -47,7 +47,7 @@ over its row's tiles of BLOCK_E = 64 entries: tile p, p + P, ...):
   (`_key_votes`), with no barrier and no contention with other programs. At its end the program adds its nonzero bins
   into hist[row, 0:256], one relaxed atomic each (integer sums: the totals do not depend on the
   order they land in).
-- **The optional key counts** (`key_counts`, with the histogram: the counted top-k's): each
+- **The optional key counts** (`key_counts`, the counted top-k's, with or without the histogram): each
   selectable score's full 16-bit key counted into the row's 65536 counters, one relaxed add an
   entry by the leading lane of its quad (`_key16`).
 
@@ -517,8 +517,9 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
     kperm: the key tile's columns in a block in the widening's natural order (low nibbles' bytes, then
       high nibbles'), the query's permuted to match (no byte permutes); the same bits (a block's
       products are exact).
-    key_counts: with hist, optionally int32 [>= N, ops.topk.KEYS] (contiguous last dim), the counted
-      top-k's (`ops.topk.topk_ascending_(..., key_counts=)`): the launch also adds to
+    key_counts: optionally int32 [>= N, ops.topk.KEYS] (contiguous last dim), the counted top-k's
+      (`ops.topk.topk_ascending_(..., key_counts=)`, which takes hist as well or sums it from the
+      counts): the launch also adds to
       key_counts[n, key] the count of row n's selectable scores with each 16-bit key
       (`ops.topk.key_count_histogram`), one relaxed add an entry; the caller zeroes it (the top-k
       leaves it zero).
@@ -536,8 +537,6 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
         raise ValueError(f"hist_scratch must be None or a contiguous int32 tensor on {iq.device}, got "
                          f"{tuple(hist_scratch.shape)} {hist_scratch.dtype} on {hist_scratch.device}")
     if key_counts is not None:
-        if hist is None:
-            raise ValueError("key_counts: needs hist (the counted top-k reads the high-byte histogram as well)")
         if not (key_counts.dim() == 2 and key_counts.shape[0] >= n_rows and key_counts.shape[1] == KEYS
                 and key_counts.dtype == torch.int32 and key_counts.stride(1) == 1):
             raise ValueError(f"key_counts must be None or an int32 [>= N={n_rows}, {KEYS}] tensor with a contiguous "

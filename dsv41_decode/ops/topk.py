@@ -29,8 +29,9 @@ the caller's scorer has already added the high-byte histogram into the workspace
      keys > T and == T, publishes the counts, sums those of the chunks before its own as they
      arrive (a look-back that cannot deadlock: see the kernel), and writes its selected indices at
      that offset. The scores are read once per launch: three (two) passes instead of four.
-With the key counts ready as well (`key_counts`: every 16-bit key's count of the row, which the
-Gluon scorer can add while scoring) the counted path is one launch, `_write_counted_kernel`: each
+With the key counts ready (`key_counts`: every 16-bit key's count of the row, which the Gluon
+scorer can add while scoring) the counted path is one launch with the high-byte histogram ready,
+else two (`_hist_from_counts_kernel` sums it from the counts first), `_write_counted_kernel`: each
 program finds T, need and skip itself from the high-byte histogram and the 256 counts under b1,
 then writes as `_write_linked_kernel` does; the call leaves the counts zero (each program clears its
 own keys' counts outside the b1 slice, the last to have read the histograms that slice).
@@ -101,6 +102,7 @@ _WS_ONE_EQ = tl.constexpr(520 + 3 * _MAX_CHUNKS)   # [_MAX_CHUNKS] one-launch: k
 _WS_TICKET_KC = tl.constexpr(520 + 4 * _MAX_CHUNKS)   # counted top-k: chunks handed out (0 between calls)
 _WS = 520 + 4 * _MAX_CHUNKS + 4
 KEYS = 1 << 16         # the 16-bit keys' count: the width of `topk_ascending_`'s key_counts
+_HB = 16               # high bytes a program of `_hist_from_counts_kernel` sums (16 x 256 counts)
 _WS_C = tl.constexpr(_WS)
 _MAXC = tl.constexpr(_MAX_CHUNKS)
 _KEY_INF = tl.constexpr(0xFF80)   # the key of +inf (BF16 0x7F80); key 0 (a NaN's) is never selectable
@@ -544,6 +546,18 @@ def _write_linked_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width,
 
 
 @triton.jit
+def _hist_from_counts_kernel(ws_ptr, kc_ptr, kc_sn, HB: tl.constexpr, PDL: tl.constexpr):
+    """The counted top-k's high-byte histogram from the key counts (when the scorer added only
+    those): program (n, p) sums row n's counts of high bytes p HB .. p HB + HB - 1 (256 each) and
+    adds the sums into the workspace's histogram (zero before: integer sums)."""
+    _pdl.enter(PDL)
+    n = tl.program_id(0)
+    hb = tl.program_id(1) * HB + tl.arange(0, HB)
+    counts = tl.load(kc_ptr + n.to(tl.int64) * kc_sn + hb[:, None] * 256 + tl.arange(0, 256)[None, :])
+    tl.atomic_add(ws_ptr + n * _WS_C + _WS_HI + hb, tl.sum(counts, 1), sem="relaxed")
+
+
+@triton.jit
 def _write_counted_kernel(s_ptr, nvis_ptr, ws_ptr, kc_ptr, out_ptr, s_sn, kc_sn, out_sn, width,
                           slot_ptr, bt_ptr, bt_sn, tab_ptr, tab_sn, len_ptr,
                           K: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
@@ -860,12 +874,16 @@ def _select_linked(scores, n_vis, out, plan, hist_ready, pdl, table=None):
                                num_warps=warps, **tkw, **opt)
 
 
-def _select_counted(scores, n_vis, out, plan, key_counts, pdl, table=None):
-    """The counted top-k: `_write_counted_kernel` alone (the high-byte histogram and the key counts
-    ready), launched with PDL when asked."""
+def _select_counted(scores, n_vis, out, plan, key_counts, hist_ready, pdl, table=None):
+    """The counted top-k: `_write_counted_kernel` (the key counts ready), after
+    `_hist_from_counts_kernel` unless the high-byte histogram is ready too; each launched with PDL
+    when asked."""
     n_elem = scores.shape[1]
     chunk, warps = plan.launch_shape(n_elem)
     grid = (scores.shape[0], triton.cdiv(n_elem, chunk))
+    if not hist_ready:
+        _hist_from_counts_kernel[(scores.shape[0], 256 // _HB)](plan.ws, key_counts, key_counts.stride(0), HB=_HB,
+                                                               PDL=pdl, num_warps=4, **_pdl.launch_options(pdl))
     targs, tkw = _table_args(table, out, n_vis)
     _write_counted_kernel[grid](scores, n_vis, plan.ws, key_counts, out, scores.stride(0), key_counts.stride(0),
                                 out.stride(0), out.shape[1], *targs, K=plan.k, CHUNK=chunk, BLOCK_K=1024, PDL=pdl,
@@ -930,11 +948,12 @@ def topk_ascending_(scores: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor
     block-table row, -1 where out pads, each row's length = its selected count), so the sparse-index
     table costs no launch of its own. Every path but one_launch (an error with it).
     key_counts: None, or int32 [>= N, KEYS] (contiguous last dim, zero before the scorer's launch)
-    into which the caller has also added each row's count of every 16-bit key
-    (`key_count_histogram`), in a launch before this call on the same stream, with hist_ready:
-    then one launch (`_write_counted_kernel`: T from the high-byte histogram and the 256 counts
-    under its level, no pass over the scores before the write), the same output, and the call
-    leaves key_counts zero again. Not with separate_count or one_launch.
+    into which the caller has added each row's count of every 16-bit key (`key_count_histogram`),
+    in a launch before this call on the same stream: then the counted path, one launch with
+    hist_ready (`_write_counted_kernel`: T from the high-byte histogram and the 256 counts under its
+    level, no pass over the scores before the write), two without (the high-byte histogram summed
+    from the counts first, `_hist_from_counts_kernel`); the same output, and the call leaves
+    key_counts zero again. Not with separate_count or one_launch.
     Returns out.
     """
     _validate(scores, n_vis, out, plan, torch.int32, "out")
@@ -948,9 +967,8 @@ def topk_ascending_(scores: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor
     if one_launch and (separate_count or pdl):
         raise ValueError("one_launch: not with separate_count or pdl")
     if key_counts is not None:
-        if not hist_ready or separate_count or one_launch:
-            raise ValueError("key_counts: needs hist_ready (the high-byte histogram added as well), not with "
-                             "separate_count or one_launch")
+        if separate_count or one_launch:
+            raise ValueError("key_counts: not with separate_count or one_launch")
         if not (key_counts.dim() == 2 and key_counts.shape[0] >= scores.shape[0] and key_counts.shape[1] == KEYS
                 and key_counts.dtype == torch.int32 and key_counts.stride(1) == 1):
             raise ValueError(f"key_counts must be an int32 [>= N={scores.shape[0]}, {KEYS}] tensor with a contiguous "
@@ -977,7 +995,7 @@ def topk_ascending_(scores: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor
             table[3].fill_(-1)
             table[4].zero_()
     elif key_counts is not None:
-        _select_counted(scores, n_vis, out, plan, key_counts, pdl, table)
+        _select_counted(scores, n_vis, out, plan, key_counts, hist_ready, pdl, table)
     elif n_cols <= _SMALL_MAX:
         targs, tkw = _table_args(table, out, n_vis)
         _row_topk_kernel[(n_rows,)](scores, n_vis, plan.ws, out, scores.stride(0), out.stride(0), out.shape[1],

@@ -18,11 +18,12 @@ from dsv41_decode.testing import sm90
 # at small calls; two at a time with the permuted key order, 128 registers uncapped, above), the
 # candidate-restricted call, 64 heads, the tests' pages of 16, the wgmmas two at a time with the
 # BF16x2 terms (a deeper ring and a cap of 112), the permuted key order alone (candidate mode at
-# pages of 16), every option with the histogram, the histogram with the key counts in both defaults
+# pages of 16), every option with the histogram, the histogram with the key counts in both defaults,
+# the key counts alone in the large calls' default
 CASES = [(32, 64, 4, 0, 0), (32, 64, 4, 0, 1), (32, 64, 4, 1, 0), (64, 64, 4, 0, 0), (32, 16, 4, 0, 0),
          (32, 64, 4, 0, 0, 0, 0, 1, 1), (32, 64, 4, 0, 1, 0, 0, 1, 1), (32, 64, 6, 0, 0, 112, 1, 1),
          (32, 16, 4, 1, 0, 0, 0, 0, 1), (32, 64, 4, 0, 1, 0, 1, 1, 1), (32, 64, 4, 0, 1, 0, 0, 0, 0, 1),
-         (32, 64, 4, 0, 1, 0, 0, 1, 1, 1)]
+         (32, 64, 4, 0, 1, 0, 0, 1, 1, 1), (32, 64, 4, 0, 0, 0, 0, 1, 1, 1)]
 TYPES = {"iq_ptr": "*bf16", "w_ptr": "*bf16", "pool_ptr": "*i32", "bt_ptr": "*i32", "slot_ptr": "*i64",
          "nvis_ptr": "*i32", "cand_ptr": "*u8", "out_ptr": "*fp32", "hist_ptr": "*i32",
          "scratch_ptr": "*i32", "kc_ptr": "*i32"}

@@ -444,20 +444,25 @@ def test_key_count_histogram_sums_to_the_high_histogram():
     assert zero.sum() == 2 and zero[0, 0x8000] == 2
 
 
-def _add_counts(plan, kc, s, nv):
-    """What a scorer does before `key_counts=`: the high-byte histogram and the full key counts."""
-    _add_hist(plan, s, nv)
+def _add_counts(plan, kc, s, nv, hist=True):
+    """What a scorer does before `key_counts=`: the full key counts, and (hist) the high-byte
+    histogram (`hist_ready=True`)."""
+    if hist:
+        _add_hist(plan, s, nv)
     kc[:s.shape[0]] += key_count_histogram(s, nv)
 
 
-@pytest.mark.parametrize("dtype,max_chunks,guess_shift", [(torch.float32, 1024, 0), (torch.bfloat16, 2, 1)])
-def test_topk_counted_equals_the_reference(monkeypatch, dtype, max_chunks, guess_shift):
+@pytest.mark.parametrize("dtype,max_chunks,guess_shift,hist", [(torch.float32, 1024, 0, True),
+                                                               (torch.bfloat16, 2, 1, True),
+                                                               (torch.float32, 2, 1, False)])
+def test_topk_counted_equals_the_reference(monkeypatch, dtype, max_chunks, guess_shift, hist):
     """key_counts= (the counted top-k: T from the high-byte histogram and the key counts, one write
-    launch): the reference's selections on `test_topk_linked_equals_separate_and_reference`'s rows
-    (ties across chunks, -0.0, NaN, -inf, n_vis 0 / 1 / < k / not a multiple of the chunk), six rows
-    then one alone, rows of at most 4096 entries too (no row kernel on this path); after every call
-    the key counts and the whole workspace zero. The same plan then serves the linked path and the
-    counted one again (their counters apart)."""
+    launch; without hist_ready that histogram summed from the counts first): the reference's
+    selections on `test_topk_linked_equals_separate_and_reference`'s rows (ties across chunks, -0.0,
+    NaN, -inf, n_vis 0 / 1 / < k / not a multiple of the chunk), six rows then one alone, rows of at
+    most 4096 entries too (no row kernel on this path); after every call the key counts and the
+    whole workspace zero. The same plan then serves the linked path and the counted one again
+    (their counters apart)."""
     from dsv41_decode.ops import topk as topk_mod
     monkeypatch.setattr(topk_mod, "_CHUNK_SHIFT", guess_shift)
     monkeypatch.setattr(topk_mod, "_MAX_CHUNKS", max_chunks)
@@ -468,34 +473,32 @@ def test_topk_counted_equals_the_reference(monkeypatch, dtype, max_chunks, guess
     for rows, nv in ((6, [entries, 0, 1, 40, 65, 299]), (1, [entries])):
         nv = torch.tensor(nv, dtype=torch.int32, device=_DEVICE)
         x = s[:rows]
-        _add_counts(plan, kc, x, nv)
+        _add_counts(plan, kc, x, nv, hist)
         out = topk_ascending_(x, nv, torch.full((rows, k), 5, dtype=torch.int32, device=_DEVICE), plan,
-                              hist_ready=True, key_counts=kc)
+                              hist_ready=hist, key_counts=kc)
         assert torch.equal(out, _ref_topk_nan(x.float(), nv, k)), f"{rows} rows, n_vis {nv.tolist()}"
         assert int(kc.abs().sum()) == 0 and int(plan.ws.abs().sum()) == 0, "key counts or workspace left non-zero"
     nv = torch.tensor([entries, 0, 1, 40, 65, 299], dtype=torch.int32, device=_DEVICE)
     want = _ref_topk_nan(s.float(), nv, k)
     for counted in (False, True):
         if counted:
-            _add_counts(plan, kc, s, nv)
+            _add_counts(plan, kc, s, nv, hist)
         else:
             _add_hist(plan, s, nv)
-        out = topk_ascending_(s, nv, torch.empty(6, k, dtype=torch.int32, device=_DEVICE), plan, hist_ready=True,
-                              separate_count=False, key_counts=kc if counted else None)
+        out = topk_ascending_(s, nv, torch.empty(6, k, dtype=torch.int32, device=_DEVICE), plan,
+                              hist_ready=hist or not counted, separate_count=False, key_counts=kc if counted else None)
         assert torch.equal(out, want), f"counted={counted} after the other path"
     assert int(kc.abs().sum()) == 0
 
 
 def test_topk_counted_bad_arguments():
-    """key_counts= needs hist_ready, refuses separate_count / one_launch and a tensor of another shape,
-    dtype or device, each error naming it."""
+    """key_counts= refuses separate_count / one_launch and a tensor of another shape, dtype or
+    device, each error naming it."""
     plan = TopKPlan.build(3, 8, device="cpu")
     s, nv, out = torch.zeros(3, 40), torch.full((3,), 40, dtype=torch.int32), torch.empty(3, 8, dtype=torch.int32)
     kc = torch.zeros(3, KEYS, dtype=torch.int32)
-    for kwargs, match in [(dict(), "key_counts: needs hist_ready"),
-                          (dict(hist_ready=True, separate_count=True), "key_counts: needs hist_ready"),
-                          (dict(hist_ready=True, one_launch=True), "key_counts: needs hist_ready")]:
-        with pytest.raises(ValueError, match=match):
+    for kwargs in (dict(hist_ready=True, separate_count=True), dict(one_launch=True)):
+        with pytest.raises(ValueError, match="key_counts: not with separate_count or one_launch"):
             topk_ascending_(s, nv, out, plan, key_counts=kc, **kwargs)
     for bad in (kc[:2], kc[:, :256], kc.long(), kc.t()):
         with pytest.raises(ValueError, match="key_counts must be an int32"):
@@ -675,21 +678,24 @@ def test_gpu_linked_equals_four_launch_and_repeats(rows, entries, dist):
                                           (1, 1 << 20)])
 def test_gpu_counted_equals_four_launch_and_repeats(rows, entries, dist):
     """The counted top-k (key_counts=) at 1-64 rows and 32K-1M entries, FP32 and BF16 scores, with
-    and without PDL, at chunks of 1024 and 4096: the four-launch path's output bitwise, three calls
-    each (the look-back's and the arrivals' order varies, the output must not), the key counts and
-    the workspace zero after every call."""
+    and without the high-byte histogram ready, with and without PDL, at chunks of 1024 and 4096: the
+    four-launch path's output bitwise, three calls each (the look-back's and the arrivals' order
+    varies, the output must not), the key counts and the workspace zero after every call."""
     s, nv = _gpu_case(rows, entries, dist, rows * 13 + entries, (float("-inf"), float("nan")))
     want = topk_ascending_(s, nv, torch.empty(rows, 512, dtype=torch.int32, device=_DEVICE),
                            TopKPlan.build(rows, 512, 1, _DEVICE), separate_count=True)
     kc = torch.zeros(rows, KEYS, dtype=torch.int32, device=_DEVICE)
-    for dtype, pdl, chunk in ((torch.float32, False, 1024), (torch.bfloat16, False, 4096), (torch.float32, True, 1024)):
+    for dtype, pdl, chunk, ready in ((torch.float32, False, 1024, True), (torch.bfloat16, False, 4096, True),
+                                     (torch.float32, True, 1024, True), (torch.float32, False, 1024, False),
+                                     (torch.bfloat16, True, 1024, False)):
         plan = TopKPlan.build(rows, 512, 1, _DEVICE, chunk=chunk)
         x = s.to(dtype)
         for _ in range(3):
-            plan.hist_hi[:rows] += key_high_histogram(x, nv)
+            if ready:
+                plan.hist_hi[:rows] += key_high_histogram(x, nv)
             kc += key_count_histogram(x, nv)
-            out = topk_ascending_(x, nv, torch.empty_like(want), plan, hist_ready=True, pdl=pdl, key_counts=kc)
-            assert torch.equal(out, want), f"{dtype} pdl={pdl} chunk={chunk}"
+            out = topk_ascending_(x, nv, torch.empty_like(want), plan, hist_ready=ready, pdl=pdl, key_counts=kc)
+            assert torch.equal(out, want), f"{dtype} pdl={pdl} chunk={chunk} hist_ready={ready}"
             assert int(kc.abs().sum()) == 0 and int(plan.ws.abs().sum()) == 0
 
 
