@@ -5,7 +5,7 @@ pages). CUDA-graph replay (`bench.timing.graph_time_us`); the streaming read
 (`bench.floor.read_bandwidth_gbps`) as the floor. Per rows x context: us of the Triton path and of
 each Gluon variant (`--variants=stages:programs_per_sm[:h][:c][:t][:p][:m][:k][:rN]`, h = with the
 fused histogram, c = with the key counts (`key_counts`), t = the pair: the scorer then the
-top-k with the histogram ready (`ops.topk.topk_ascending_`: the linked path, with c the counted
+top-k (`ops.topk.topk_ascending_`, the histogram ready with h: the linked path, with c the counted
 one), p = the BF16x2 terms (`packed_terms`), m = the wgmmas two at a time (`mma_pairs`), k = the
 permuted key order (`kperm`), rN = a register cap of N; `d`, `d:h`, `d:t`, `d:h:t`, `d:c:t`,
 `d:h:c:t`: the launch's defaults, `default_options` by the call's size), GB/s and %
