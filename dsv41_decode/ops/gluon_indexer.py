@@ -47,9 +47,9 @@ over its row's tiles of BLOCK_E = 64 entries: tile p, p + P, ...):
   (`_key_votes`), with no barrier and no contention with other programs. At its end the program adds its nonzero bins
   into hist[row, 0:256], one relaxed atomic each (integer sums: the totals do not depend on the
   order they land in).
-- **The optional key counts** (`key_counts`, the counted top-k's, with or without the histogram): each
-  selectable score's full 16-bit key counted into the row's 65536 counters, one relaxed add an
-  entry by the leading lane of its quad (`_key16`).
+- **The optional key counts** (`key_counts`, the counted top-k's, with or without the histogram):
+  each selectable score's full 16-bit key counted into the row's 65536 counters, one relaxed add
+  an entry by the leading lane of its quad (`_key16`).
 
 Past the visible tiles, each program writes -inf to its share of the tiles up to max_entries.
 """
@@ -519,10 +519,9 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
       products are exact).
     key_counts: optionally int32 [>= N, ops.topk.KEYS] (contiguous last dim), the counted top-k's
       (`ops.topk.topk_ascending_(..., key_counts=)`, which takes hist as well or sums it from the
-      counts): the launch also adds to
-      key_counts[n, key] the count of row n's selectable scores with each 16-bit key
-      (`ops.topk.key_count_histogram`), one relaxed add an entry; the caller zeroes it (the top-k
-      leaves it zero).
+      counts): the launch also adds to key_counts[n, key] the count of row n's selectable scores
+      with each 16-bit key (`ops.topk.key_count_histogram`), one relaxed add an entry; the caller
+      zeroes it (the top-k leaves it zero).
     Unchecked: as `index_scores_mxfp4_`. Returns out.
     """
     n_rows, heads = index_scores_args(iq, w, pool, block_table, page, req_slot, n_vis, out, cand_mask)
