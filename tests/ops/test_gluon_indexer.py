@@ -314,18 +314,8 @@ def _check_hist_with_scratch(args, max_entries: int, kw: dict) -> None:
     scratch = torch.zeros(GI.hist_scratch_numel(rows, max_entries, DEVICE, pps), dtype=torch.int32, device=DEVICE)
     got, ref = _pair(args, 64, max_entries, hist=hist, hist_scratch=scratch, **kw)
     _assert_bits_equal(got, ref, f"{rows} rows with the histogram {kw}")
-    assert torch.equal(hist[:, :256].cpu(), _key_hist(ref, args[5]).int().cpu()), kw
+    assert torch.equal(hist[:, :256].cpu(), key_high_histogram(ref, args[5]).cpu()), kw
     assert not bool(hist[:, 256:].any()) and not bool(scratch.any()), kw
-
-
-def _key_hist(scores: torch.Tensor, n_vis: torch.Tensor) -> torch.Tensor:
-    """torch's histogram of the high bytes of `ops.topk`'s 16-bit keys of the selectable scores."""
-    b = (scores.contiguous().view(torch.int32) >> 16) & 0xFFFF
-    b = torch.where(b == 0x8000, torch.zeros_like(b), b)
-    key = torch.where(b >= 0x8000, 0xFFFF - b, b | 0x8000)
-    cols = torch.arange(scores.shape[1], device=scores.device)
-    ok = (scores > float("-inf")) & (cols[None, :] < n_vis[:, None])
-    return torch.stack([torch.bincount((key[i][ok[i]] >> 8).long(), minlength=256) for i in range(scores.shape[0])])
 
 
 @pytest.mark.gpu
@@ -365,7 +355,7 @@ def test_gpu_histogram_of_the_key_high_bytes(rows):
     # which ops.topk keys as +0.0 and leaves out
     args[1][0, :] = -0.0
     args[2][::97, 64] = 255
-    want = _key_hist(_pair(args, 64, 4160)[1], args[5]).int().cpu()
+    want = key_high_histogram(_pair(args, 64, 4160)[1], args[5]).cpu()
     for kw in ({}, {"mma_pairs": True, "packed_terms": True, "kperm": True}, {"programs_per_sm": 1, "stages": 2}):
         hist = torch.zeros(rows, 2568, dtype=torch.int32, device=DEVICE)
         hist[:, 256:] = 7                      # the rest of the workspace is left alone
