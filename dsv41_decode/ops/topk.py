@@ -546,6 +546,15 @@ def _write_linked_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width,
 
 
 @triton.jit
+def _clear_one_slots(ws_row, n_chunks):
+    """Zero the one-launch count slots of a row's n_chunks chunks (the one-launch and counted paths'
+    last program of the row, every program past its look-back)."""
+    rc = tl.arange(0, _MAXC)
+    tl.store(ws_row + _WS_ONE_GT + rc, tl.zeros([_MAXC], dtype=tl.int32), mask=rc < n_chunks)
+    tl.store(ws_row + _WS_ONE_EQ + rc, tl.zeros([_MAXC], dtype=tl.int32), mask=rc < n_chunks)
+
+
+@triton.jit
 def _hist_from_counts_kernel(ws_ptr, kc_ptr, kc_sn, HB: tl.constexpr, PDL: tl.constexpr):
     """The counted top-k's high-byte histogram from the key counts (when the scorer added only
     those): program (n, p) sums row n's counts of high bytes p HB .. p HB + HB - 1 (256 each) and
@@ -613,9 +622,7 @@ def _write_counted_kernel(s_ptr, nvis_ptr, ws_ptr, kc_ptr, out_ptr, s_sn, kc_sn,
     tl.debug_barrier()
     departed = tl.atomic_add(ws_row + _WS_DEPARTED, 1, sem="acq_rel", scope="gpu")
     if departed == n_chunks - 1:      # every program of the row is past its last read of the slots
-        rc = tl.arange(0, _MAXC)
-        tl.store(ws_row + _WS_ONE_GT + rc, tl.zeros([_MAXC], dtype=tl.int32), mask=rc < n_chunks)
-        tl.store(ws_row + _WS_ONE_EQ + rc, tl.zeros([_MAXC], dtype=tl.int32), mask=rc < n_chunks)
+        _clear_one_slots(ws_row, n_chunks)
         tl.store(ws_row + _WS_TICKET_KC, 0)
         tl.store(ws_row + _WS_DEPARTED, 0)
 
@@ -692,9 +699,7 @@ def _one_launch_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width, K:
     departed = tl.atomic_add(ws_row + _WS_DEPARTED, 1, sem="acq_rel", scope="gpu")
     if departed == n_chunks - 1:      # every program of the row is past its last read of the workspace
         tl.store(ws_row + _WS_HI + tl.arange(0, 512), tl.zeros([512], dtype=tl.int32))
-        rc = tl.arange(0, _MAXC)
-        tl.store(ws_row + _WS_ONE_GT + rc, tl.zeros([_MAXC], dtype=tl.int32), mask=rc < n_chunks)
-        tl.store(ws_row + _WS_ONE_EQ + rc, tl.zeros([_MAXC], dtype=tl.int32), mask=rc < n_chunks)
+        _clear_one_slots(ws_row, n_chunks)
         tl.store(ws_row + _WS_ARRIVED_HI, 0)
         tl.store(ws_row + _WS_ARRIVED_LO, 0)
         tl.store(ws_row + _WS_DEPARTED, 0)
