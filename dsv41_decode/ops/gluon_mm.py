@@ -748,9 +748,8 @@ def activation_operands(codes: torch.Tensor, x_scale: torch.Tensor, bt: int,
     """A Gluon linear launch's activation side: the TMA descriptor of codes' [bt, block_k] tiles and
     x_scale's int32 words (`_words`), after checks that name them (codes' rows 16-byte aligned,
     x_scale's on 4-byte boundaries)."""
-    require_tma_rows(codes, "codes")
-    sx_words = _words(x_scale, "x_scale")
-    return fp8_desc(codes, [bt, block_k]), sx_words
+    desc = tma_desc(codes, [bt, block_k], "codes")
+    return desc, _words(x_scale, "x_scale")
 
 
 class GluonMM:
