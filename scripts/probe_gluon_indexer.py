@@ -3,12 +3,11 @@
 (`bench.attn_indexer.indexer_inputs`: ratio-1 keys, 32 index heads, pages of 64, each row its own
 pages). CUDA-graph replay (`bench.timing.graph_time_us`); the streaming read
 (`bench.floor.read_bandwidth_gbps`) as the floor. Per rows x context: us of the Triton path and of
-each Gluon variant (`--variants=stages:programs_per_sm[:h][:c][:t][:p][:m][:k][:rN]`, h = with the
-fused histogram, c = with the key counts (`key_counts`), t = the pair: the scorer then the
-top-k (`ops.topk.topk_ascending_`, the histogram ready with h: the linked path, with c the counted
-one), p = the BF16x2 terms (`packed_terms`), m = the wgmmas two at a time (`mma_pairs`), k = the
-permuted key order (`kperm`), rN = a register cap of N; `d`, `d:h`, `d:t`, `d:h:t`, `d:c:t`,
-`d:h:c:t`: the launch's defaults, `default_options` by the call's size), GB/s and %
+each Gluon variant (`--variants=stages:programs_per_sm[:h][:t][:p][:m][:k][:rN]`, h = with the
+fused histogram, t = the pair: the scorer then the top-k (`ops.topk.topk_ascending_`, the
+histogram ready with h: the linked path), p = the BF16x2 terms (`packed_terms`), m = the wgmmas two
+at a time (`mma_pairs`), k = the permuted key order (`kperm`), rN = a register cap of N; `d`,
+`d:h`, `d:t`, `d:h:t`: the launch's defaults, `default_options` by the call's size), GB/s and %
 of the read (68 key bytes read and 4 score bytes written per entry), and how many of the Gluon
 scores differ bitwise from the Triton path's (0 expected). `--rows=1,4,16,64`,
 `--contexts=8192,32768,131072,1048576`, or `--cells=rows:context,...` (those cells only). Prints;
@@ -31,7 +30,7 @@ from dsv41_decode.bench.floor import read_bandwidth_gbps  # noqa: E402
 from dsv41_decode.bench.timing import graph_time_us  # noqa: E402
 from dsv41_decode.ops.gluon_indexer import HIST_BINS, gluon_index_scores_mxfp4_  # noqa: E402
 from dsv41_decode.ops.indexer import index_scores_mxfp4_  # noqa: E402
-from dsv41_decode.ops.topk import KEYS, TopKPlan, topk_ascending_  # noqa: E402
+from dsv41_decode.ops.topk import TopKPlan, topk_ascending_  # noqa: E402
 from dsv41_decode.testing.compare import bits_differ  # noqa: E402
 
 
@@ -69,17 +68,15 @@ def main() -> None:
             hist = None
             if "h" in flags:      # with the pair, the top-k plan's histogram (the top-k zeroes it)
                 hist = plan.hist_hi[:rows] if plan else torch.zeros(rows, HIST_BINS, dtype=torch.int32, device="cuda")
-            counts = torch.zeros(rows, KEYS, dtype=torch.int32, device="cuda") if "c" in flags else None
             cap = next((int(x[1:]) for x in flags if x.startswith("r")), None)
             opts = {} if dflt else {"mma_pairs": "m" in flags, "kperm": "k" in flags}
             sel = torch.empty(rows, 512, dtype=torch.int32, device="cuda")
 
             def gluon():
                 gluon_index_scores_mxfp4_(iq, w, pool, table, PAGE, req, n_vis, scores, hist=hist, stages=stages,
-                                          programs_per_sm=pps, maxnreg=cap, packed_terms="p" in flags,
-                                          key_counts=counts, **opts)
+                                          programs_per_sm=pps, maxnreg=cap, packed_terms="p" in flags, **opts)
                 if plan is not None:
-                    topk_ascending_(scores, n_vis, sel, plan, hist_ready=hist is not None, key_counts=counts)
+                    topk_ascending_(scores, n_vis, sel, plan, hist_ready=hist is not None)
 
             t = graph_time_us(gluon, **kw)
             scores.fill_(float("nan"))

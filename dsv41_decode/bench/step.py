@@ -120,8 +120,7 @@ def _layer_kinds(cfg: ModelConfig) -> dict[str, int]:
 # tc_linears runs the FP8 linears on FP8 tensor cores (outside the contract: truncated block sums,
 # spec decision 38), the price of the default's exact linears; fp32_dots the sparse MLA and wo_a
 # with FP32 IEEE dots; mix_early every site's mixer right after the boundary in every bucket (the
-# step's default enqueues it after the next layer's input projections from MIX_LATE_ROWS rows);
-# counted_topk the dense indexers' top-k from the scorer's key counts (sm_90).
+# step's default enqueues it after the next layer's input projections from MIX_LATE_ROWS rows).
 VARIANTS = {
     "no_overlap": dict(overlap=False),
     "wo_a_fp8": dict(wo_a_fp8=True),
@@ -130,7 +129,6 @@ VARIANTS = {
     "fold_index_chain": dict(fold_index_chain=True),
     "weights_in_index_lane": dict(weights_lane=False),
     "mix_early": dict(mix_late_rows=LOW_BATCH_MAX_ROWS + 1),
-    "counted_topk": dict(counted_topk=True),
 }
 DEFAULT_VARIANTS = ("no_overlap", "wo_a_fp8", "tc_linears")
 

@@ -192,23 +192,18 @@ FUSED_HISTOGRAM_MAX = 1 << 17       # rows x entries per call at which the step 
 
 
 def index_scores_launch(iq, w, pool, block_table, page, req_slot, n_vis, out, cand_mask=None,
-                        hist: torch.Tensor | None = None, key_counts: torch.Tensor | None = None) -> bool:
+                        hist: torch.Tensor | None = None) -> bool:
     """The step's indexer scores, the bits of `ops.indexer.index_scores_mxfp4_(..., fp8_dot=True)`:
     on an sm_90 GPU the Gluon scorer (`ops.gluon_indexer` at its size's defaults; on the H200
     1.3-2x faster than the Triton path from 1 row x 128K up, slower at 1 x 32K, 7.3 against 5.9 us,
     where the histogram it builds saves the top-k more; docs/attn.md), which also adds the top-k's
     high-byte histogram into `hist` (a `TopKPlan.hist_hi` view) when given and the call is small
     enough for that to pay (rows x entries <= FUSED_HISTOGRAM_MAX); elsewhere the Triton FP8 path. Returns whether `hist` was
-    filled (the top-k's `hist_ready`; the selection is the same either way). key_counts (sm_90
-    only, an error elsewhere): the Gluon scorer also counts every 16-bit key into it, for the
-    counted top-k (`topk_ascending_(..., key_counts=)`)."""
-    if key_counts is not None and not is_sm90(iq.device):
-        raise ValueError(f"key_counts: the Gluon scorer's (sm_90), iq is on {iq.device}")
+    filled (the top-k's `hist_ready`; the selection is the same either way)."""
     if is_sm90(iq.device):
         if hist is not None and out.shape[0] * out.shape[1] > FUSED_HISTOGRAM_MAX:
             hist = None
-        gluon_index_scores_mxfp4_(iq, w, pool, block_table, page, req_slot, n_vis, out, cand_mask, hist=hist,
-                                  key_counts=key_counts)
+        gluon_index_scores_mxfp4_(iq, w, pool, block_table, page, req_slot, n_vis, out, cand_mask, hist=hist)
         return hist is not None
     index_scores_mxfp4_(iq, w, pool, block_table, page, req_slot, n_vis, out, cand_mask, fp8_dot=True)
     return False
@@ -232,12 +227,9 @@ class AttentionStep:
     def __init__(self, layer: AttentionLayer, state: DecodeState, meta: StepMeta, scratch: Scratch,
                  lanes: Lanes, max_rows: int, sources: Mapping[int, "AttentionStep"] | None = None,
                  wo_a_fp8: bool = False, exact_linears: bool = True, fp32_dots: bool = False,
-                 fold_index_chain: bool = False, weights_lane: bool = True, comp_tail: bool = False,
-                 key_counts: torch.Tensor | None = None):
+                 fold_index_chain: bool = False, weights_lane: bool = True, comp_tail: bool = False):
         """sources: the step's layers built before this one (by id), among them this layer's index and
         KV sources: a layer that reuses a selection or a candidate pool reads its source's buffers.
-        key_counts: the step's key-count buffer (`DecodeStep(counted_topk=True)`, sm_90), which the
-        layer's dense indexer then passes from its scorer to the counted top-k.
         The layer's own selection and candidate pool (when it makes them) are its attributes
         `selection` and `candidate_mask`."""
         cfg, spec, w = layer.cfg, layer.spec, layer.w
@@ -332,7 +324,6 @@ class AttentionStep:
             self.w_proj = w["attn.indexer.weights_proj.weight"]
             self.proj_plan = LlBf16Plan.build(cfg.index_n_heads, cfg.dim, max_rows, self.w_proj.dtype, dev, **wide)
             self.topk_plan = TopKPlan.build(max_rows, cfg.index_topk, 1, dev)
-            self.key_counts = key_counts
             self.selection = IndexSelection.empty(sel_rows, cfg.index_topk, dev)
             if spec.candidate_role == "source":
                 self.cand_plan = TopKPlan.build(max_rows, cfg.candidate_topk_blocks, cfg.candidate_block_size,
@@ -511,17 +502,16 @@ class AttentionStep:
         width = -(-st.max_context // r)
         scores = s.scores[:B, :width]
         cand = self.source_candidates[:B, :width] if self.source_candidates is not None else None
-        kc = self.key_counts[:B] if self.key_counts is not None else None
         ready = index_scores_launch(s.iq[:B], s.iw[:B], st.index_keys[spec.kv_source], st.block_table[r],
                                     st.page_size, m.kernel_slot[:B], n_vis, scores, cand,
-                                    hist=self.topk_plan.hist_hi[:B], key_counts=kc)
+                                    hist=self.topk_plan.hist_hi[:B])
         if self.fold_index_chain and self.forced_topk is None:   # the table by the top-k's last launch
             topk_ascending_(scores, n_vis, sel.topk[:B], self.topk_plan, hist_ready=ready,
                             table=(m.kernel_slot[:B], st.block_table[r], st.page_size, sel.table[:B],
-                                   sel.lengths[:B]), key_counts=kc)
+                                   sel.lengths[:B]))
             events.tables[spec.layer] = lanes.mark()          # protects sel.table
         else:
-            topk_ascending_(scores, n_vis, sel.topk[:B], self.topk_plan, hist_ready=ready, key_counts=kc)
+            topk_ascending_(scores, n_vis, sel.topk[:B], self.topk_plan, hist_ready=ready)
             if self.forced_topk is not None:
                 sel.topk[:B].copy_(self.forced_topk[:B])
         if spec.candidate_role == "source":

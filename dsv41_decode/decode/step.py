@@ -36,8 +36,6 @@ import torch
 
 from ..ops import LOW_BATCH_MAX_ROWS
 from ..ops.allreduce_boundary import Mailbox
-from ..ops.common import is_sm90
-from ..ops.topk import KEYS
 from ..state import DecodeState, StepRows
 from .attention import AttentionStep
 from .boundary import Boundary
@@ -141,13 +139,6 @@ class DecodeStep:
         measured slower on an H200, 20.7-26.4 us a layer in the step at 1 row against 14-17 for
         the three launches; its form of one program per wk N tile measured within noise of them
         (`comp_tail` in scripts/probe_step_schedule.py times both, docs/step.md).
-    counted_topk: on an sm_90 GPU, the dense indexers' top-k by key counts: the Gluon scorer also
-        counts every score's 16-bit key (one relaxed add an entry, into a buffer of 256 KB a row the
-        layers share, their chains being serial) and the top-k finds its threshold from the counts
-        (`topk_ascending_(..., key_counts=)`: one launch with the scorer's histogram, two without,
-        where the linked path takes two and three); the same bits. Off by default (not yet
-        measured; docs/attn.md); elsewhere it changes nothing. The row-sharded indexers under TP
-        keep the linked path.
     mix_late_rows: in the buckets of at least this many rows each site's mixer is enqueued at the
         end of the next layer's input projections instead of right after the boundary before it
         (default `MIX_LATE_ROWS`, where it measured faster on an H200; LOW_BATCH_MAX_ROWS + 1:
@@ -166,7 +157,7 @@ class DecodeStep:
                  graphs: bool = True, overlap: bool = True, tp_boundary: str = "auto", wo_a_fp8: bool = False,
                  exact_linears: bool = True, fp32_dots: bool = False, fold_index_chain: bool = False,
                  fold_boundary: bool = False, weights_lane: bool = True, comp_tail: bool = False,
-                 mix_late_rows: int = MIX_LATE_ROWS, counted_topk: bool = False):
+                 mix_late_rows: int = MIX_LATE_ROWS):
         if buckets is None:
             buckets = tuple(b for b in DEFAULT_BUCKETS if b < max_rows) + (max_rows,)
         buckets = tuple(sorted(set(buckets)))
@@ -197,14 +188,11 @@ class DecodeStep:
         self.scratch = Scratch(stack.layers[stack.ids[0]].cfg, state, B)   # this rank's heads and groups
         self.lanes = Lanes(dev, overlap)
         self.layers: dict[int, AttentionStep] = {}
-        # counted_topk: one key-count buffer for every dense indexer (their chains share the scores too)
-        key_counts = (torch.zeros(B, KEYS, dtype=torch.int32, device=dev) if counted_topk and is_sm90(dev)
-                      else None)
         for i in stack.ids:                       # ascending: a layer's sources are built before it
             self.layers[i] = AttentionStep(stack.layers[i], state, self.meta, self.scratch, self.lanes, B,
                                            self.layers, wo_a_fp8=wo_a_fp8, exact_linears=exact_linears,
                                            fp32_dots=fp32_dots, fold_index_chain=fold_index_chain,
-                                           weights_lane=weights_lane, comp_tail=comp_tail, key_counts=key_counts)
+                                           weights_lane=weights_lane, comp_tail=comp_tail)
         self.scratch.workspaces.seal()           # every plan has its view; the graphs take the addresses
         mailbox = None
         if tp_boundary != "collective" and stack.tp.tp > 1 and dev.type == "cuda":

@@ -47,9 +47,6 @@ over its row's tiles of BLOCK_E = 64 entries: tile p, p + P, ...):
   (`_key_votes`), with no barrier and no contention with other programs. At its end the program adds its nonzero bins
   into hist[row, 0:256], one relaxed atomic each (integer sums: the totals do not depend on the
   order they land in).
-- **The optional key counts** (`key_counts`, the counted top-k's, with or without the histogram):
-  each selectable score's full 16-bit key counted into the row's 65536 counters, one relaxed add
-  an entry by the leading lane of its quad (`_key16`).
 
 Past the visible tiles, each program writes -inf to its share of the tiles up to max_entries.
 """
@@ -66,7 +63,6 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from .common import is_sm90, num_sms
 from .fp4 import bf16_round
 from .indexer import index_scores_args
-from .topk import KEYS
 
 BLOCK_E = 64          # entries per tile: the wgmma's M (one warpgroup)
 HIST_BINS = 256       # the high byte of a score's 16-bit key
@@ -226,7 +222,7 @@ def _block_scale(sw, blk: gl.constexpr):
     return (((sw >> (8 * blk)) & 0xFF) << 23).to(gl.float32, bitcast=True)
 
 
-# PTX shared by `_key_votes` and `_key16`, on a score's FP32 bits $2: v whether it is selectable (not
+# `_key_votes`' PTX in parts, on a score's FP32 bits $2: v whether it is selectable (not
 # -inf, not NaN), k its order-preserving key in the top 16 bits (-0.0 as +0.0: the bits with the
 # sign's complement flipped in, x ^ (x >> 31 | 0x80000000)); then p whether this lane leads its quad
 # (lane % 4 == 0) and the score is selectable
@@ -240,8 +236,6 @@ _KEY_VOTES_PTX = gl.constexpr(
     "match.any.sync.b32 m, sel, 0xffffffff;\n\t"
     "mov.u32 lt, %lanemask_lt;\n\tand.b32 lt, m, lt;\n\tsetp.eq.u32 q, lt, 0;\n\tand.pred q, q, p;\n\t"
     "popc.b32 t, m;\n\tselp.b32 $0, t, 0, q;\n\tmov.b32 $1, k;\n\t}")
-_KEY16_PTX = gl.constexpr("{\n\t.reg .b32 b, s, k, ln, t;\n\t.reg .pred v, z, p;\n\t" + _KEY_PTX
-                          + "shr.u32 $0, k, 16;\n\t" + _LEADER_PTX + "selp.b32 $1, 1, 0, p;\n\t}")
 
 
 @gluon.jit
@@ -256,25 +250,13 @@ def _key_votes(score):
                                      dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
 
 
-@gluon.jit
-def _key16(score):
-    """(key, one) per element of `score` (FP32, BF16-representable) in the wgmma accumulator's entry
-    layout (`_key_votes`' quads): key the 16-bit order-preserving key of `ops.topk._keys` (-0.0
-    keyed as +0.0), one 1 on the quad's leading lane (lane % 4 == 0) where the score is selectable
-    (not -inf, not NaN), else 0."""
-    return gl.inline_asm_elementwise(_KEY16_PTX, "=r,=r,r", [score.to(gl.int32, bitcast=True)],
-                                     dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
-
-
 @gluon.jit(do_not_specialize=["heads", "max_entries", "bt_stride", "iq_sn", "iq_sh", "w_sn", "cand_sn", "out_sn",
-                              "hist_sn", "kc_sn"])
+                              "hist_sn"])
 def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_ptr, cand_ptr, out_ptr, hist_ptr,
-                               scratch_ptr, kc_ptr, heads, max_entries, bt_stride, iq_sn, iq_sh, w_sn, cand_sn, out_sn,
-                               hist_sn, kc_sn,
+                               scratch_ptr, heads, max_entries, bt_stride, iq_sn, iq_sh, w_sn, cand_sn, out_sn, hist_sn,
                                PAGE: gl.constexpr, BLOCK_H: gl.constexpr, STAGES: gl.constexpr,
                                HAS_CAND: gl.constexpr, HIST: gl.constexpr, PACKED: gl.constexpr = False,
-                               MMA_PAIRS: gl.constexpr = False, KPERM: gl.constexpr = False,
-                               COUNTS: gl.constexpr = False):
+                               MMA_PAIRS: gl.constexpr = False, KPERM: gl.constexpr = False):
     n = gl.program_id(0)
     pid = gl.program_id(1)
     nprog = gl.num_programs(1)
@@ -405,11 +387,6 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
             # counters (no contention with other programs, no barrier)
             cnt, b = _key_votes(score)
             gl.atomic_add(priv + b, cnt, mask=cnt > 0, sem="relaxed")
-        if COUNTS:
-            # each selectable score's full 16-bit key counted in the row's key counts, one relaxed
-            # add by the lane of its quad that leads (the four hold the same entries)
-            key, one = _key16(score)
-            gl.atomic_add(kc_ptr + n.to(gl.int64) * kc_sn + key, one, mask=one > 0, sem="relaxed")
         i += 1
     async_copy.wait_group(0)
 
@@ -438,17 +415,14 @@ def shared_bytes(stages: int, heads: int) -> int:
 
 
 def launch_options(heads: int, page: int, stages: int, cand: bool, hist: bool, maxnreg: int | None = None,
-                   packed_terms: bool = False, mma_pairs: bool = False, kperm: bool = False,
-                   counts: bool = False) -> dict:
+                   packed_terms: bool = False, mma_pairs: bool = False, kperm: bool = False) -> dict:
     """The kernel's constexpr arguments and launch options (the launch and the sm_90 compile test
     share them). The page is a constant of the kernel (a record's place without a division);
     maxnreg: a register cap per thread (None: the compiler's choice); packed_terms: the weighted
     terms in BF16x2 (`_weighted_terms_bf16x2`); mma_pairs: the four block wgmmas two at a time;
-    kperm: each block's key dims in `_widen_split`'s order (no byte permutes), the query's to match;
-    counts: every selectable score's 16-bit key counted (`gluon_index_scores_mxfp4_`'s key_counts)."""
+    kperm: each block's key dims in `_widen_split`'s order (no byte permutes), the query's to match."""
     opts = {"PAGE": page, "BLOCK_H": block_h(heads), "STAGES": stages, "HAS_CAND": cand, "HIST": hist,
-            "PACKED": bool(packed_terms), "MMA_PAIRS": bool(mma_pairs), "KPERM": bool(kperm), "COUNTS": bool(counts),
-            "num_warps": 4}
+            "PACKED": bool(packed_terms), "MMA_PAIRS": bool(mma_pairs), "KPERM": bool(kperm), "num_warps": 4}
     if maxnreg is not None:
         opts["maxnreg"] = maxnreg
     return opts
@@ -491,8 +465,7 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
                               cand_mask: torch.Tensor | None = None, hist: torch.Tensor | None = None,
                               stages: int = 4, programs_per_sm: int | None = None, maxnreg: int | None = None,
                               packed_terms: bool = False, mma_pairs: bool | None = None, kperm: bool | None = None,
-                              hist_scratch: torch.Tensor | None = None,
-                              key_counts: torch.Tensor | None = None) -> torch.Tensor:
+                              hist_scratch: torch.Tensor | None = None) -> torch.Tensor:
     """Write the indexer scores of N decode rows into `out`: `ops.indexer.index_scores_mxfp4_(...,
     fp8_dot=True)`'s arguments and scores (see the module docstring), on an sm_90 device.
 
@@ -519,11 +492,6 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
     kperm: the key tile's columns in a block in the widening's natural order (low nibbles' bytes, then
       high nibbles'), the query's permuted to match (no byte permutes); the same bits (a block's
       products are exact).
-    key_counts: optionally int32 [>= N, ops.topk.KEYS] (contiguous last dim), the counted top-k's
-      (`ops.topk.topk_ascending_(..., key_counts=)`, which takes hist as well or sums it from the
-      counts): the launch also adds to key_counts[n, key] the count of row n's selectable scores
-      with each 16-bit key (`ops.topk.key_count_histogram`), one relaxed add an entry; the caller
-      zeroes it (the top-k leaves it zero).
     Unchecked: as `index_scores_mxfp4_`. Returns out.
     """
     n_rows, heads = index_scores_args(iq, w, pool, block_table, page, req_slot, n_vis, out, cand_mask)
@@ -537,13 +505,6 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
                                          and hist_scratch.device == iq.device):
         raise ValueError(f"hist_scratch must be None or a contiguous int32 tensor on {iq.device}, got "
                          f"{tuple(hist_scratch.shape)} {hist_scratch.dtype} on {hist_scratch.device}")
-    if key_counts is not None:
-        if not (key_counts.dim() == 2 and key_counts.shape[0] >= n_rows and key_counts.shape[1] == KEYS
-                and key_counts.dtype == torch.int32 and key_counts.stride(1) == 1):
-            raise ValueError(f"key_counts must be None or an int32 [>= N={n_rows}, {KEYS}] tensor with a contiguous "
-                             f"last dim, got {tuple(key_counts.shape)} {key_counts.dtype}")
-        if key_counts.device != iq.device:
-            raise ValueError(f"key_counts must be on iq's device {iq.device}, got {key_counts.device}")
     if isinstance(stages, bool) or not isinstance(stages, int) or not 2 <= stages <= MAX_STAGES:
         raise ValueError(f"stages must be an int in [2, {MAX_STAGES}], got {stages!r}")
     defaults = default_options(n_rows, out.shape[1])
@@ -574,11 +535,10 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
             raise ValueError(f"hist_scratch must hold >= {need} elements (hist_scratch_numel), got {hist_scratch.numel()}")
         else:
             scratch = hist_scratch
-    kc = key_counts if key_counts is not None else n_vis
     _gluon_index_scores_kernel[grid](
-        iq, w, pool.view(torch.int32), block_table, req_slot, n_vis, cand, out, hist_t, scratch, kc,
+        iq, w, pool.view(torch.int32), block_table, req_slot, n_vis, cand, out, hist_t, scratch,
         heads, max_entries, block_table.stride(0), iq.stride(0), iq.stride(1), w.stride(0),
-        cand.stride(0), out.stride(0), hist_t.stride(0), kc.stride(0),
+        cand.stride(0), out.stride(0), hist_t.stride(0),
         **launch_options(heads, page, stages, cand_mask is not None, hist is not None, maxnreg, packed_terms,
-                         mma_pairs, kperm, key_counts is not None))
+                         mma_pairs, kperm))
     return out

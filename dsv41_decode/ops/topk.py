@@ -29,12 +29,6 @@ the caller's scorer has already added the high-byte histogram into the workspace
      keys > T and == T, publishes the counts, sums those of the chunks before its own as they
      arrive (a look-back that cannot deadlock: see the kernel), and writes its selected indices at
      that offset. The scores are read once per launch: three (two) passes instead of four.
-With the key counts ready (`key_counts`: every 16-bit key's count of the row, which the Gluon
-scorer can add while scoring) the counted path is one launch with the high-byte histogram ready,
-else two (`_hist_from_counts_kernel` sums it from the counts first), `_write_counted_kernel`: each
-program finds T, need and skip itself from the high-byte histogram and the 256 counts under b1,
-then writes as `_write_linked_kernel` does; the call leaves the counts zero (each program clears its
-own keys' counts outside the b1 slice, the last to have read the histograms that slice).
 With `one_launch=True` (opt-in: faster alone, slower in the step, see `topk_ascending_`)
 `_one_launch_kernel` does all of it in one launch whose grid fits the SMs: each program
 reads its chunk once and waits, within the launch, for its row's histograms and the earlier chunks'
@@ -66,8 +60,7 @@ reads the scores once instead of three times.
 Workspace per row (int32, `_WS` words): the two histograms, the row's saved selection and the
 linked and one-launch paths' counters, then the per-chunk counts (offsets `_WS_*` below): the
 four-launch path's, which the linked path's reuse with a flag bit (cleared by its low-byte pass
-for the write pass), and the one-launch path's own (flagged, left zero by its last program; the
-counted path's too), then the counted path's ticket counter.
+for the write pass), and the one-launch path's own (flagged, left zero by its last program).
 """
 
 from __future__ import annotations
@@ -99,10 +92,7 @@ _WS_CHUNK_EQ = tl.constexpr(520 + _MAX_CHUNKS)   # [_MAX_CHUNKS] per chunk: keys
 _LINKED = tl.constexpr(1 << 30)   # a linked write program's published count carries this bit (counts < 2**30)
 _WS_ONE_GT = tl.constexpr(520 + 2 * _MAX_CHUNKS)   # [_MAX_CHUNKS] one-launch: keys > T | _LINKED (0 between calls)
 _WS_ONE_EQ = tl.constexpr(520 + 3 * _MAX_CHUNKS)   # [_MAX_CHUNKS] one-launch: keys == T | _LINKED
-_WS_TICKET_KC = tl.constexpr(520 + 4 * _MAX_CHUNKS)   # counted top-k: chunks handed out (0 between calls)
-_WS = 520 + 4 * _MAX_CHUNKS + 4
-KEYS = 1 << 16         # the 16-bit keys' count: the width of `topk_ascending_`'s key_counts
-_HB = 16               # high bytes a program of `_hist_from_counts_kernel` sums (16 x 256 counts)
+_WS = 520 + 4 * _MAX_CHUNKS
 _WS_C = tl.constexpr(_WS)
 _MAXC = tl.constexpr(_MAX_CHUNKS)
 _KEY_INF = tl.constexpr(0xFF80)   # the key of +inf (BF16 0x7F80); key 0 (a NaN's) is never selectable
@@ -547,84 +537,11 @@ def _write_linked_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width,
 
 @triton.jit
 def _clear_one_slots(ws_row, n_chunks):
-    """Zero the one-launch count slots of a row's n_chunks chunks (the one-launch and counted paths'
-    last program of the row, every program past its look-back)."""
+    """Zero the one-launch count slots of a row's n_chunks chunks (the one-launch path's last
+    program of the row, every program past its look-back)."""
     rc = tl.arange(0, _MAXC)
     tl.store(ws_row + _WS_ONE_GT + rc, tl.zeros([_MAXC], dtype=tl.int32), mask=rc < n_chunks)
     tl.store(ws_row + _WS_ONE_EQ + rc, tl.zeros([_MAXC], dtype=tl.int32), mask=rc < n_chunks)
-
-
-@triton.jit
-def _hist_from_counts_kernel(ws_ptr, kc_ptr, kc_sn, HB: tl.constexpr, PDL: tl.constexpr):
-    """The counted top-k's high-byte histogram from the key counts (when the scorer added only
-    those): program (n, p) sums row n's counts of high bytes p HB .. p HB + HB - 1 (256 each) and
-    adds the sums into the workspace's histogram (zero before: integer sums)."""
-    _pdl.enter(PDL)
-    n = tl.program_id(0)
-    hb = tl.program_id(1) * HB + tl.arange(0, HB)
-    counts = tl.load(kc_ptr + n.to(tl.int64) * kc_sn + hb[:, None] * 256 + tl.arange(0, 256)[None, :])
-    tl.atomic_add(ws_ptr + n * _WS_C + _WS_HI + hb, tl.sum(counts, 1), sem="relaxed")
-
-
-@triton.jit
-def _write_counted_kernel(s_ptr, nvis_ptr, ws_ptr, kc_ptr, out_ptr, s_sn, kc_sn, out_sn, width,
-                          slot_ptr, bt_ptr, bt_sn, tab_ptr, tab_sn, len_ptr,
-                          K: tl.constexpr, CHUNK: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                          GUESS_SHIFT: tl.constexpr, SPIN: tl.constexpr, PAGE: tl.constexpr, TABLE: tl.constexpr):
-    """The counted top-k in one launch, with the high-byte histogram ready in the workspace and each
-    row's count of every 16-bit key in kc (`topk_ascending_`'s key_counts): each program takes the
-    row's next chunk c by ticket (as `_write_linked_kernel`), finds T and skip itself from the
-    high-byte histogram and the 256 counts under its level b1 (every program the same), then counts,
-    publishes, looks back and writes as the linked write pass does (in the one-launch path's count
-    slots, which every call leaves zero). No pass over the scores before it: the low-byte histogram
-    is kc's row slice [256 b1, 256 b1 + 256).
-
-    What it leaves zero for the next call: each program its own keys' counts outside the b1 slice
-    (no program reads them); the last program to have read the histograms (an acq_rel arrival
-    after them, the semaphore pattern of `_lo_select_kernel`) the b1 slice and the high-byte
-    histogram; the last program to finish the count slots and the counters."""
-    _pdl.enter(PDL)
-    n = tl.program_id(0)
-    n_chunks = tl.num_programs(1)
-    n_vis = tl.load(nvis_ptr + n)
-    ws_row = ws_ptr + n * _WS_C
-    kc_row = kc_ptr + n.to(tl.int64) * kc_sn
-    row_off = n.to(tl.int64) * s_sn
-    c = tl.atomic_add(ws_row + _WS_TICKET_KC, 1, sem="relaxed", scope="gpu")
-    guess = (tl.program_id(1) + GUESS_SHIFT) % n_chunks
-    offs = guess * CHUNK + tl.arange(0, CHUNK)
-    key, ok = _keys(s_ptr, row_off, offs, n_vis, 1)
-    r256 = tl.arange(0, 256)
-    k_eff, h1 = _k_eff(ws_row, n_vis, K, 1)
-    b1, _ = _level(h1, k_eff)
-    h2 = tl.load(kc_row + b1 * 256 + r256)
-    thr, skip = _threshold(h1, h2, k_eff)
-    tl.debug_barrier()
-    arrived = tl.atomic_add(ws_row + _WS_ARRIVED_LO, 1, sem="acq_rel", scope="gpu")
-    if arrived == n_chunks - 1:      # every program of the row has read both histograms
-        tl.store(kc_row + b1 * 256 + r256, tl.zeros([256], dtype=tl.int32))
-        tl.store(ws_row + _WS_HI + r256, tl.zeros([256], dtype=tl.int32))
-        tl.store(ws_row + _WS_ARRIVED_LO, 0)
-    if c != guess:
-        offs = c * CHUNK + tl.arange(0, CHUNK)
-        key, ok = _keys(s_ptr, row_off, offs, n_vis, 1)
-    tl.store(kc_row + key, tl.zeros_like(key), mask=ok & ((key >> 8) != b1))
-    out_row = out_ptr + n.to(tl.int64) * out_sn
-    bt_row, tab_row = _table_rows(n, out_row, slot_ptr, bt_ptr, bt_sn, tab_ptr, tab_sn, TABLE)
-    if k_eff > 0:
-        gt = ok & (key > thr)
-        eq = ok & (key == thr)
-        _publish_and_write(s_ptr, row_off, ws_row + _WS_ONE_GT, ws_row + _WS_ONE_EQ, c, n_vis, thr, skip, gt, eq,
-                           offs, out_row, bt_row, tab_row, CHUNK, SPIN, PAGE, TABLE)
-    if c == 0:
-        _pad(out_row, width, k_eff, BLOCK_K)
-        _table_tail(n, tab_row, len_ptr, width, k_eff, BLOCK_K, TABLE)
-    tl.debug_barrier()
-    departed = tl.atomic_add(ws_row + _WS_DEPARTED, 1, sem="acq_rel", scope="gpu")
-    if departed == n_chunks - 1:      # every program of the row is past its last read of the slots
-        _clear_one_slots(ws_row, n_chunks)
-        tl.store(ws_row + _WS_TICKET_KC, 0)
-        tl.store(ws_row + _WS_DEPARTED, 0)
 
 
 @triton.jit
@@ -780,9 +697,11 @@ def covering_chunk(chunk: int, n_elem: int) -> int:
     return max(chunk, triton.next_power_of_2(triton.cdiv(n_elem, _MAX_CHUNKS)))
 
 
-def _torch_keys(scores: torch.Tensor, n_vis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(int32 keys, selectable flags) of `_keys` in torch: the 16-bit order-preserving key of each
-    score (-0.0 as +0.0), selectable where not -inf, not NaN and before n_vis."""
+def key_high_histogram(scores: torch.Tensor, n_vis: torch.Tensor) -> torch.Tensor:
+    """[N, 256] int32: per row, how many of scores[n, :n_vis[n]] have each high byte of `_keys`' key
+    (-0.0 as +0.0; -inf and NaN not counted), in torch: what a scorer adds into `TopKPlan.hist_hi`
+    for `topk_ascending_(..., hist_ready=True)`. scores: [N, max_entries] FP32 (BF16-representable)
+    or BF16; n_vis: [N] int32."""
     if scores.dtype == torch.bfloat16:
         b = scores.view(torch.int16).to(torch.int32) & 0xFFFF
     else:                                   # the top 16 bits, as the kernels read them
@@ -791,26 +710,8 @@ def _torch_keys(scores: torch.Tensor, n_vis: torch.Tensor) -> tuple[torch.Tensor
     key = torch.where(b >= 0x8000, 0xFFFF - b, b | 0x8000)
     cols = torch.arange(scores.shape[1], device=scores.device)
     ok = (scores > float("-inf")) & (cols[None, :] < n_vis[:, None].to(cols.dtype))
-    return key, ok
-
-
-def key_high_histogram(scores: torch.Tensor, n_vis: torch.Tensor) -> torch.Tensor:
-    """[N, 256] int32: per row, how many of scores[n, :n_vis[n]] have each high byte of `_keys`' key
-    (-0.0 as +0.0; -inf and NaN not counted), in torch: what a scorer adds into `TopKPlan.hist_hi`
-    for `topk_ascending_(..., hist_ready=True)`. scores: [N, max_entries] FP32 (BF16-representable)
-    or BF16; n_vis: [N] int32."""
-    key, ok = _torch_keys(scores, n_vis)
     hist = torch.zeros(scores.shape[0], 256, dtype=torch.int32, device=scores.device)
     return hist.scatter_add_(1, (key >> 8).long(), ok.to(torch.int32))
-
-
-def key_count_histogram(scores: torch.Tensor, n_vis: torch.Tensor) -> torch.Tensor:
-    """[N, KEYS] int32: per row, how many of scores[n, :n_vis[n]] have each 16-bit key of `_keys`
-    (-0.0 as +0.0; -inf and NaN not counted), in torch: what a scorer adds into
-    `topk_ascending_`'s key_counts (whose high bytes' sums are `key_high_histogram`'s)."""
-    key, ok = _torch_keys(scores, n_vis)
-    counts = torch.zeros(scores.shape[0], KEYS, dtype=torch.int32, device=scores.device)
-    return counts.scatter_add_(1, key.long(), ok.to(torch.int32))
 
 
 def _validate(scores, n_vis, out, plan, out_dtype, out_name):
@@ -879,23 +780,6 @@ def _select_linked(scores, n_vis, out, plan, hist_ready, pdl, table=None):
                                num_warps=warps, **tkw, **opt)
 
 
-def _select_counted(scores, n_vis, out, plan, key_counts, hist_ready, pdl, table=None):
-    """The counted top-k: `_write_counted_kernel` (the key counts ready), after
-    `_hist_from_counts_kernel` unless the high-byte histogram is ready too; each launched with PDL
-    when asked."""
-    n_elem = scores.shape[1]
-    chunk, warps = plan.launch_shape(n_elem)
-    grid = (scores.shape[0], triton.cdiv(n_elem, chunk))
-    if not hist_ready:
-        _hist_from_counts_kernel[(scores.shape[0], 256 // _HB)](plan.ws, key_counts, key_counts.stride(0), HB=_HB,
-                                                               PDL=pdl, num_warps=4, **_pdl.launch_options(pdl))
-    targs, tkw = _table_args(table, out, n_vis)
-    _write_counted_kernel[grid](scores, n_vis, plan.ws, key_counts, out, scores.stride(0), key_counts.stride(0),
-                                out.stride(0), out.shape[1], *targs, K=plan.k, CHUNK=chunk, BLOCK_K=1024, PDL=pdl,
-                                GUESS_SHIFT=_CHUNK_SHIFT, SPIN=_SPIN_LIMIT, num_warps=warps, **tkw,
-                                **_pdl.launch_options(pdl))
-
-
 def _select_one_launch(scores, n_vis, out, plan, hist_ready):
     """`_one_launch_kernel` over chunks of the plan's size or larger (doubled until the grid fits
     the device's SMs, one program each, so that every program of a row is resident together); the
@@ -915,8 +799,7 @@ def _select_one_launch(scores, n_vis, out, plan, hist_ready):
 
 def topk_ascending_(scores: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor, plan: TopKPlan, *,
                     hist_ready: bool = False, separate_count: bool | None = None, pdl: bool = False,
-                    one_launch: bool = False, table: tuple | None = None,
-                    key_counts: torch.Tensor | None = None) -> torch.Tensor:
+                    one_launch: bool = False, table: tuple | None = None) -> torch.Tensor:
     """out[n] = indices of the min(k, n_vis[n]) largest scores[n, :n_vis[n]], ascending; entries scored
     -inf become -1; -1 padded to out's width. At equal scores the higher index wins (of the entries
     tied at the threshold, the highest-indexed are taken), as `reference.indexer.topk_ascending`.
@@ -952,13 +835,6 @@ def topk_ascending_(scores: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor
     table_out, lengths_out)` writes after it (each written index's slot through its request's
     block-table row, -1 where out pads, each row's length = its selected count), so the sparse-index
     table costs no launch of its own. Every path but one_launch (an error with it).
-    key_counts: None, or int32 [>= N, KEYS] (contiguous last dim, zero before the scorer's launch)
-    into which the caller has added each row's count of every 16-bit key (`key_count_histogram`),
-    in a launch before this call on the same stream: then the counted path, one launch with
-    hist_ready (`_write_counted_kernel`: T from the high-byte histogram and the 256 counts under its
-    level, no pass over the scores before the write), two without (the high-byte histogram summed
-    from the counts first, `_hist_from_counts_kernel`); the same output, and the call leaves
-    key_counts zero again. Not with separate_count or one_launch.
     Returns out.
     """
     _validate(scores, n_vis, out, plan, torch.int32, "out")
@@ -971,15 +847,6 @@ def topk_ascending_(scores: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor
                           and scores.shape[1] > _FOUR_MIN_COLS)
     if one_launch and (separate_count or pdl):
         raise ValueError("one_launch: not with separate_count or pdl")
-    if key_counts is not None:
-        if separate_count or one_launch:
-            raise ValueError("key_counts: not with separate_count or one_launch")
-        if not (key_counts.dim() == 2 and key_counts.shape[0] >= scores.shape[0] and key_counts.shape[1] == KEYS
-                and key_counts.dtype == torch.int32 and key_counts.stride(1) == 1):
-            raise ValueError(f"key_counts must be an int32 [>= N={scores.shape[0]}, {KEYS}] tensor with a contiguous "
-                             f"last dim, got {tuple(key_counts.shape)} {key_counts.dtype}")
-        if key_counts.device != scores.device:
-            raise ValueError(f"key_counts is on {key_counts.device}, scores on {scores.device}")
     if pdl and not _pdl.supported(scores.device):
         raise ValueError(f"pdl: programmatic dependent launch needs sm_90 or later outside the interpreter "
                          f"(scores on {scores.device})")
@@ -999,8 +866,6 @@ def topk_ascending_(scores: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor
         if table is not None:
             table[3].fill_(-1)
             table[4].zero_()
-    elif key_counts is not None:
-        _select_counted(scores, n_vis, out, plan, key_counts, hist_ready, pdl, table)
     elif n_cols <= _SMALL_MAX:
         targs, tkw = _table_args(table, out, n_vis)
         _row_topk_kernel[(n_rows,)](scores, n_vis, plan.ws, out, scores.stride(0), out.stride(0), out.shape[1],

@@ -188,21 +188,6 @@ def test_fold_index_chain_gives_the_same_bits(cpu_setup):
     _assert_same_caches(states)
 
 
-def test_counted_topk_is_the_gluon_scorers(cpu_setup):
-    """counted_topk (sm_90: the top-k from the Gluon scorer's key counts; its bits are the GPU tests')
-    leaves the step as it is elsewhere: no key-count buffer on the CPU, and the scorer's launcher
-    refuses key counts off sm_90, naming them."""
-    from dsv41_decode.decode.attention import index_scores_launch
-    from dsv41_decode.ops.topk import KEYS
-    _, _, base, ckpt = cpu_setup
-    stack = AttentionStack(ckpt, [1, 3])
-    step = stack.decode_step(copy.deepcopy(base), max_rows=2, counted_topk=True)
-    indexers = [i for i in stack.ids if step.layers[i].spec.runs_indexer]
-    assert indexers and all(step.layers[i].key_counts is None for i in indexers)
-    with pytest.raises(ValueError, match="key_counts"):
-        index_scores_launch(torch.zeros(1, 1, 1), *([None] * 7), key_counts=torch.zeros(1, KEYS, dtype=torch.int32))
-
-
 @interpreter
 def test_comp_tail_in_one_launch_gives_the_same_bits(cpu_setup):
     """comp_tail (the compressor's latent norm, the indexer's wk and the compressed record + index

@@ -177,13 +177,11 @@ def test_gpu_long_run_vs_generic(gpu_setup):
 # "comp_tail": the compressor's tail in one launch (`ops.compressor_tail`), not three; "mix_late":
 # each site's mixer enqueued after its layer's input projections in every bucket (the step's
 # default from MIX_LATE_ROWS rows, past this step's 16), also with the boundary in wo_b's epilogue
-# (wo_b then waits for the late mixer's event); "counted_topk": the dense indexers' top-k from the
-# scorer's key counts.
+# (wo_b then waits for the late mixer's event).
 SAME_BITS = {"graph_again": {}, "eager": dict(graphs=False), "no_overlap": dict(overlap=False),
              "fold_index_chain": dict(fold_index_chain=True), "fold_boundary": dict(fold_boundary=True),
              "weights_in_index_lane": dict(weights_lane=False), "comp_tail": dict(comp_tail=True),
-             "mix_late": dict(mix_late_rows=1), "mix_late_fold": dict(mix_late_rows=1, fold_boundary=True),
-             "counted_topk": dict(counted_topk=True)}
+             "mix_late": dict(mix_late_rows=1), "mix_late_fold": dict(mix_late_rows=1, fold_boundary=True)}
 
 
 @pytest.fixture(scope="module")

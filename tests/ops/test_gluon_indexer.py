@@ -30,8 +30,7 @@ import torch
 
 from dsv41_decode.ops import gluon_indexer as GI
 from dsv41_decode.ops.indexer import index_scores_mxfp4_
-from dsv41_decode.ops.topk import (KEYS, TopKPlan, key_count_histogram, key_high_histogram, topk_ascending,
-                                   topk_ascending_)
+from dsv41_decode.ops.topk import key_high_histogram
 from dsv41_decode.testing.compare import bits_differ
 from _gluon_indexer_sm90 import CASES
 import test_indexer as TI
@@ -52,8 +51,7 @@ def sm90_builds() -> dict:
                                              + (f"-r{c[5]}" if len(c) > 5 and c[5] else "")
                                              + ("-packed" if len(c) > 6 and c[6] else "")
                                              + ("-pairs" if len(c) > 7 and c[7] else "")
-                                             + ("-kperm" if len(c) > 8 and c[8] else "")
-                                             + ("-counts" if len(c) > 9 and c[9] else "") for c in CASES])
+                                             + ("-kperm" if len(c) > 8 and c[8] else "") for c in CASES])
 def test_compiles_for_sm90_without_spills(sm90_builds, case):
     r = sm90_builds[case]
     assert r["LOCAL"] == 0 and r["STACK"] == 0, r
@@ -91,11 +89,8 @@ def test_compiles_for_sm90_without_spills(sm90_builds, case):
             assert all(d is None or d > r["loop_len"] // 2 for _, d in r["loop_loads"]), (r["loop_len"],
                                                                                          r["loop_loads"])
     # the histogram: per tile, two warp votes (one per entry register) and a relaxed add each to the
-    # program's own counters, no barrier; only when asked for; with the key counts a relaxed add more
-    # per entry register
-    counts = len(case) > 9 and case[9]
-    assert (loop.get("MATCH", 0), loop.get("REDG", 0)) == ((2 if case[4] else 0),
-                                                           (2 if case[4] else 0) + (2 if counts else 0)), loop
+    # program's own counters, no barrier; only when asked for
+    assert (loop.get("MATCH", 0), loop.get("REDG", 0)) == ((2, 2) if case[4] else (0, 0)), loop
     assert loop.get("BAR", 0) == 3, loop
     # at the step's 32 heads, a register budget that keeps three programs resident per SM (the four
     # block partials hold BLOCK_H / 2 registers each: 64 heads need more, without spilling)
@@ -151,9 +146,6 @@ def test_bad_inputs_raise_naming_the_argument():
             ((iq, w, pool, bt, 16, slot, nv, out), {"programs_per_sm": 0}, "programs_per_sm must be"),
             ((iq, w, pool, bt, 16, slot, nv, out), {"maxnreg": 100}, "maxnreg must be"),
             ((iq, w, pool, bt, 16, slot, nv, out), {"hist_scratch": torch.zeros(4096)}, "hist_scratch must be"),
-            ((iq, w, pool, bt, 16, slot, nv, out), {"key_counts": torch.zeros(2, 256, dtype=torch.int32)},
-             "key_counts must be"),
-            ((iq, w, pool, bt, 16, slot, nv, out), {"key_counts": torch.zeros(2, KEYS)}, "key_counts must be"),
             ((iq, w, pool, bt, 16, slot, nv, out), {}, "compute capability 9.0")):
         with pytest.raises(ValueError, match=match):
             run(*args, **kw)
@@ -316,33 +308,6 @@ def _check_hist_with_scratch(args, max_entries: int, kw: dict) -> None:
     _assert_bits_equal(got, ref, f"{rows} rows with the histogram {kw}")
     assert torch.equal(hist[:, :256].cpu(), key_high_histogram(ref, args[5]).cpu()), kw
     assert not bool(hist[:, 256:].any()) and not bool(scratch.any()), kw
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 16])
-def test_gpu_key_counts_feed_the_counted_topk(rows):
-    """key_counts= (with the histogram into a top-k plan's workspace, and without it): the Triton
-    path's scores bitwise, every selectable score's 16-bit key counted (`ops.topk.key_count_histogram`
-    of them, -0.0 and NaN scores among them), and the counted top-k on them (`topk_ascending_(...,
-    key_counts=)`, hist_ready where the histogram was built) gives the default top-k's selections
-    and leaves the counts and the workspace zero; twice each, in both default configurations."""
-    n_vis = _contexts(rows, seed=rows + 300) if rows > 1 else [4103]
-    args = _inputs(rows, n_vis, seed=rows + 300, page=64)
-    args[1][0, :] = -0.0
-    args[2][::97, 64] = 255
-    plan = TopKPlan.build(rows, 512, 1, DEVICE)
-    kc = torch.zeros(rows, KEYS, dtype=torch.int32, device=DEVICE)
-    for ready in (True, False):
-        for kw in ({"mma_pairs": False, "kperm": False, "programs_per_sm": 3}, {"mma_pairs": True, "kperm": True}) * 2:
-            got, ref = _pair(args, 64, 4160, hist=plan.hist_hi[:rows] if ready else None, key_counts=kc, **kw)
-            _assert_bits_equal(got, ref, f"with the key counts {kw}")
-            assert torch.equal(kc, key_count_histogram(got, args[5])), kw
-            assert torch.equal(plan.hist_hi[:rows], key_high_histogram(got, args[5]) if ready
-                               else torch.zeros_like(plan.hist_hi[:rows])), kw
-            out = topk_ascending_(got, args[5], torch.empty(rows, 512, dtype=torch.int32, device=DEVICE), plan,
-                                  hist_ready=ready, key_counts=kc)
-            assert torch.equal(out, topk_ascending(got, args[5])), (ready, kw)
-            assert not bool(kc.any()) and not bool(plan.ws.any()), (ready, kw)
 
 
 @pytest.mark.gpu

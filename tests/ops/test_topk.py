@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from dsv41_decode.ops.common import num_sms
-from dsv41_decode.ops.topk import (KEYS, TopKPlan, candidate_mask_, key_count_histogram, key_high_histogram,
-                                   topk_ascending, topk_ascending_)
+from dsv41_decode.ops.topk import (TopKPlan, candidate_mask_, key_high_histogram, topk_ascending,
+                                   topk_ascending_)
 from dsv41_decode.reference import indexer as ref
 from dsv41_decode.testing.compare import check_topk_invariants
 
@@ -429,82 +429,6 @@ def test_topk_linked_equals_separate_and_reference(monkeypatch, dtype, max_chunk
         assert int(plan.ws[:, :512].abs().sum()) == 0, "histograms left non-zero"
 
 
-def test_key_count_histogram_sums_to_the_high_histogram():
-    """The full 16-bit key counts a scorer adds for key_counts=: per high byte they sum to
-    `key_high_histogram`'s (itself the kernels' pass's), -0.0 with +0.0, NaN / -inf / past n_vis
-    not counted; BF16 scores give the FP32 ones' counts."""
-    s = _edge_rows(300, 21)
-    nv = torch.tensor([300, 0, 1, 299, 170, 64], dtype=torch.int32, device=_DEVICE)
-    kc = key_count_histogram(s, nv)
-    assert kc.shape == (6, KEYS) and kc.dtype == torch.int32
-    assert torch.equal(kc.view(6, 256, 256).sum(-1, dtype=torch.int32), key_high_histogram(s, nv))
-    assert torch.equal(key_count_histogram(s.bfloat16(), nv), kc)
-    zero = key_count_histogram(torch.tensor([[0.0, -0.0, float("nan"), float("-inf")]], device=_DEVICE),
-                               torch.tensor([4], dtype=torch.int32, device=_DEVICE))
-    assert zero.sum() == 2 and zero[0, 0x8000] == 2
-
-
-def _add_counts(plan, kc, s, nv, hist=True):
-    """What a scorer does before `key_counts=`: the full key counts, and (hist) the high-byte
-    histogram (`hist_ready=True`)."""
-    if hist:
-        _add_hist(plan, s, nv)
-    kc[:s.shape[0]] += key_count_histogram(s, nv)
-
-
-@pytest.mark.parametrize("dtype,max_chunks,guess_shift,hist", [(torch.float32, 1024, 0, True),
-                                                               (torch.bfloat16, 2, 1, True),
-                                                               (torch.float32, 2, 1, False)])
-def test_topk_counted_equals_the_reference(monkeypatch, dtype, max_chunks, guess_shift, hist):
-    """key_counts= (the counted top-k: T from the high-byte histogram and the key counts, one write
-    launch; without hist_ready that histogram summed from the counts first): the reference's
-    selections on `test_topk_linked_equals_separate_and_reference`'s rows (ties across chunks, -0.0,
-    NaN, -inf, n_vis 0 / 1 / < k / not a multiple of the chunk), six rows then one alone, rows of at
-    most 4096 entries too (no row kernel on this path); after every call the key counts and the
-    whole workspace zero. The same plan then serves the linked path and the counted one again
-    (their counters apart)."""
-    from dsv41_decode.ops import topk as topk_mod
-    monkeypatch.setattr(topk_mod, "_CHUNK_SHIFT", guess_shift)
-    monkeypatch.setattr(topk_mod, "_MAX_CHUNKS", max_chunks)
-    k, entries = 64, 300
-    s = _edge_rows(entries, 31).to(dtype)
-    plan = TopKPlan.build(6, k, device=_DEVICE, chunk=64)
-    kc = torch.zeros(6, KEYS, dtype=torch.int32, device=_DEVICE)
-    for rows, nv in ((6, [entries, 0, 1, 40, 65, 299]), (1, [entries])):
-        nv = torch.tensor(nv, dtype=torch.int32, device=_DEVICE)
-        x = s[:rows]
-        _add_counts(plan, kc, x, nv, hist)
-        out = topk_ascending_(x, nv, torch.full((rows, k), 5, dtype=torch.int32, device=_DEVICE), plan,
-                              hist_ready=hist, key_counts=kc)
-        assert torch.equal(out, _ref_topk_nan(x.float(), nv, k)), f"{rows} rows, n_vis {nv.tolist()}"
-        assert int(kc.abs().sum()) == 0 and int(plan.ws.abs().sum()) == 0, "key counts or workspace left non-zero"
-    nv = torch.tensor([entries, 0, 1, 40, 65, 299], dtype=torch.int32, device=_DEVICE)
-    want = _ref_topk_nan(s.float(), nv, k)
-    for counted in (False, True):
-        if counted:
-            _add_counts(plan, kc, s, nv, hist)
-        else:
-            _add_hist(plan, s, nv)
-        out = topk_ascending_(s, nv, torch.empty(6, k, dtype=torch.int32, device=_DEVICE), plan,
-                              hist_ready=hist or not counted, separate_count=False, key_counts=kc if counted else None)
-        assert torch.equal(out, want), f"counted={counted} after the other path"
-    assert int(kc.abs().sum()) == 0
-
-
-def test_topk_counted_bad_arguments():
-    """key_counts= refuses separate_count / one_launch and a tensor of another shape, dtype or
-    device, each error naming it."""
-    plan = TopKPlan.build(3, 8, device="cpu")
-    s, nv, out = torch.zeros(3, 40), torch.full((3,), 40, dtype=torch.int32), torch.empty(3, 8, dtype=torch.int32)
-    kc = torch.zeros(3, KEYS, dtype=torch.int32)
-    for kwargs in (dict(hist_ready=True, separate_count=True), dict(one_launch=True)):
-        with pytest.raises(ValueError, match="key_counts: not with separate_count or one_launch"):
-            topk_ascending_(s, nv, out, plan, key_counts=kc, **kwargs)
-    for bad in (kc[:2], kc[:, :256], kc.long(), kc.t()):
-        with pytest.raises(ValueError, match="key_counts must be an int32"):
-            topk_ascending_(s, nv, out, plan, hist_ready=True, key_counts=bad)
-
-
 def test_topk_linked_64_rows_and_row_kernel_hist_ready(monkeypatch):
     """64 rows through the one-program row kernel with hist_ready (it takes the workspace's
     histogram and zeroes it), then through the linked path (hist_ready, BF16 scores, two chunks a
@@ -547,11 +471,11 @@ def _check_table(out, table):
     assert torch.equal(tab, want) and torch.equal(lens, want_len)
 
 
-@pytest.mark.parametrize("path,page", [("row", 16), ("four", 5), ("linked", 16), ("ready", 7), ("counted", 9)])
+@pytest.mark.parametrize("path,page", [("row", 16), ("four", 5), ("linked", 16), ("ready", 7)])
 def test_topk_table_equals_topk_slots(monkeypatch, path, page):
     """table=: on the row kernel, the four-launch path, the linked path (two-chunk cap, every write
-    program's ticket naming another chunk than its first guess), the linked path with hist_ready
-    and BF16 scores and the counted one (key_counts=): the same indices as without the table (the reference's), and table_out /
+    program's ticket naming another chunk than its first guess) and the linked path with hist_ready
+    and BF16 scores: the same indices as without the table (the reference's), and table_out /
     lengths_out bit for bit `topk_slots_`'s on them: ties at the threshold across chunks, NaN, -inf,
     n_vis 0 / 1 / < k, pages of 5-16 entries in shuffled block tables; six rows, then one alone."""
     from dsv41_decode.ops import topk as topk_mod
@@ -562,18 +486,14 @@ def test_topk_table_equals_topk_slots(monkeypatch, path, page):
     k, entries = 64, 300
     s = _edge_rows(entries, 51)
     plan = TopKPlan.build(6, k, device=_DEVICE, chunk=64)
-    kc = torch.zeros(6, KEYS, dtype=torch.int32, device=_DEVICE) if path == "counted" else None
     for rows, nv in ((6, [entries, 0, 1, 40, 65, 299]), (1, [entries])):
         nv = torch.tensor(nv, dtype=torch.int32, device=_DEVICE)
         x = s[:rows].bfloat16() if path == "ready" else s[:rows]
         if path == "ready":
             _add_hist(plan, x, nv)
-        if path == "counted":
-            _add_counts(plan, kc, x, nv)
         table = _table_case(rows, entries, k, page, rows + page)
         out = torch.full((rows, k), 5, dtype=torch.int32, device=_DEVICE)
-        topk_ascending_(x, nv, out, plan, hist_ready=path in ("ready", "counted"), separate_count=path == "four",
-                        table=table, key_counts=kc)
+        topk_ascending_(x, nv, out, plan, hist_ready=path == "ready", separate_count=path == "four", table=table)
         assert torch.equal(out, _ref_topk_nan(s[:rows], nv, k)), f"{rows} rows"
         _check_table(out, table)
         assert table[4].tolist() == [int((out[i] >= 0).sum()) for i in range(rows)]
@@ -670,33 +590,6 @@ def test_gpu_linked_equals_four_launch_and_repeats(rows, entries, dist):
             out = topk_ascending_(x, nv, torch.empty_like(want), plan, hist_ready=ready, **opts)
             assert torch.equal(out, want), f"{dtype} hist_ready={ready} {opts} chunk={chunk} warps={warps}"
         assert int(plan.ws[:, :512].abs().sum()) == 0, "histograms left non-zero"
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dist", ["few", "randn"])
-@pytest.mark.parametrize("rows,entries", [(1, 32768), (4, 32768), (64, 32768), (1, 131072), (16, 131072),
-                                          (1, 1 << 20)])
-def test_gpu_counted_equals_four_launch_and_repeats(rows, entries, dist):
-    """The counted top-k (key_counts=) at 1-64 rows and 32K-1M entries, FP32 and BF16 scores, with
-    and without the high-byte histogram ready, with and without PDL, at chunks of 1024 and 4096: the
-    four-launch path's output bitwise, three calls each (the look-back's and the arrivals' order
-    varies, the output must not), the key counts and the workspace zero after every call."""
-    s, nv = _gpu_case(rows, entries, dist, rows * 13 + entries, (float("-inf"), float("nan")))
-    want = topk_ascending_(s, nv, torch.empty(rows, 512, dtype=torch.int32, device=_DEVICE),
-                           TopKPlan.build(rows, 512, 1, _DEVICE), separate_count=True)
-    kc = torch.zeros(rows, KEYS, dtype=torch.int32, device=_DEVICE)
-    for dtype, pdl, chunk, ready in ((torch.float32, False, 1024, True), (torch.bfloat16, False, 4096, True),
-                                     (torch.float32, True, 1024, True), (torch.float32, False, 1024, False),
-                                     (torch.bfloat16, True, 1024, False)):
-        plan = TopKPlan.build(rows, 512, 1, _DEVICE, chunk=chunk)
-        x = s.to(dtype)
-        for _ in range(3):
-            if ready:
-                plan.hist_hi[:rows] += key_high_histogram(x, nv)
-            kc += key_count_histogram(x, nv)
-            out = topk_ascending_(x, nv, torch.empty_like(want), plan, hist_ready=ready, pdl=pdl, key_counts=kc)
-            assert torch.equal(out, want), f"{dtype} pdl={pdl} chunk={chunk} hist_ready={ready}"
-            assert int(kc.abs().sum()) == 0 and int(plan.ws.abs().sum()) == 0
 
 
 # the one-launch top-k at 1-4 rows with hist_ready, on a plan of 4096-entry chunks: one launch where the
