@@ -204,6 +204,8 @@ _SPLIT4SVL = GluonSparseMlaConfig(dim_split=4, combine="spread", lookback="value
 _SPLIT2SVLC = GluonSparseMlaConfig(dim_split=2, combine="spread", lookback="values", fp4_lut=True, maxnreg=128)
 _SPREADVLC = GluonSparseMlaConfig(combine="spread", lookback="values", fp4_lut=True, maxnreg=128)
 _PVRINGK2T = GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, pv_stages=4, k_buffers=2, q_tma=True)
+_PV64RINGK2T = GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, k_buffers=2, q_tma=True, pv_dims=64,
+                                    pv_maxnreg=80, pv_stages=3)
 
 # The decode step's configuration per row count, by the heads a program holds (`block_h`: 16 for 8
 # and 16 local heads, which the kernel pads to 16, then 32, 64; `GluonSparseMlaPlan.for_step`;
@@ -228,7 +230,11 @@ _PVRINGK2T = GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, pv_sta
 # second launch by PDL (`pv_pdl`; run CN at 2a13c76) is 4-7 % faster alone at 17 and 40-64 rows and
 # 13-18 % slower at 24-32 (26.33 / 34.04 / 37.71 / 43.44 / 51.79 us at 17 / 24 / 32 / 40 / 64 rows
 # against 28.14 / 28.75 / 33.37 / 46.63 / 53.75), and left the step at 64 rows within its run-to-run
-# spread (14500 us against 14508 without, run CL): the step launches it without.
+# spread (14500 us against 14508 without, run CL): the step launches it without. At 13-16 rows the
+# same first launch with 64-dim slices in the second launch (eight programs a row, a three-slot
+# ring at a cap of 80: three an SM; run CU at cc5f8b3: 21.49 / 23.76 / 28.81 / 28.92 us at 12 / 16
+# / 20 / 24 rows against spreadvlc's 18.09 / 26.51 / 27.79 / 33.51 and the 128-dim ring's 24.69 /
+# 26.90 / 27.13 / 27.04; FlashMLA 15.14 / 16.03 / 18.74 / 19.36).
 # At 8-32 heads the spread combination beats the second
 # launch at every row count measured: 32 heads 21.32 / 32.72 / 60.17 us at 16 / 32 / 64 rows
 # against the ring's 31.47 / 41.60 / 61.33 (run AL); 16 heads 18.60 / 29.26 / 45.29 against
@@ -240,7 +246,7 @@ _PVRINGK2T = GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, pv_sta
 STEP_CONFIGS: dict[int, tuple] = {
     16: ((2, _SPLIT4SVL), (4, _SPLIT2SVLC), (None, _SPREADVLC)),
     32: ((2, _SPLIT4SVL), (4, _SPLIT2SVLC), (None, _SPREADVLC)),
-    64: ((2, _SPLIT4SVL), (4, _SPLIT2SVLC), (16, _SPREADVLC), (None, _PVRINGK2T)),
+    64: ((2, _SPLIT4SVL), (4, _SPLIT2SVLC), (12, _SPREADVLC), (16, _PV64RINGK2T), (None, _PVRINGK2T)),
 }
 
 

@@ -57,10 +57,10 @@ PLAIN = G.GluonSparseMlaConfig(q_buffers=4, fp4_packed=False, prefetch=False)
 SPREAD = G.GluonSparseMlaConfig(combine="spread")
 SPREAD_VALUES = G.GluonSparseMlaConfig(combine="spread", lookback="values")
 LUT = G.GluonSparseMlaConfig(fp4_lut=True)
-# the step's configurations at 1-2, 3-4, 5-16 and 17-64 rows (STEP_CONFIGS at 64 heads; at 8-32 heads
-# the first three), and its 17-64-row configuration with its second launch by PDL, before q went by
-# TMA, and with four key buffers
-SPLIT4SVL, SPLIT2SVLC, SPREADVLC, PVRING4K2T = (c for _, c in G.STEP_CONFIGS[64])
+# the step's configurations at 1-2, 3-4, 5-12, 13-16 and 17-64 rows (STEP_CONFIGS at 64 heads; at
+# 8-32 heads the first three), and its 17-64-row configuration with its second launch by PDL, before
+# q went by TMA, and with four key buffers
+SPLIT4SVL, SPLIT2SVLC, SPREADVLC, PV64RING3K2T, PVRING4K2T = (c for _, c in G.STEP_CONFIGS[64])
 PVRING4K2TP = replace(PVRING4K2T, pv_pdl=True)
 PVRING4K2 = G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, pv_stages=4, k_buffers=2)
 PVRING4 = G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_stages=4)
@@ -81,7 +81,7 @@ CONFIGS = [DEFAULT, PLAIN, G.GluonSparseMlaConfig(2, False, True), G.GluonSparse
            SPREAD, G.GluonSparseMlaConfig(dim_split=4, combine="spread"), SPREAD_VALUES,
            G.GluonSparseMlaConfig(pv_pipeline=True), G.GluonSparseMlaConfig(dim_split=2, pv_pipeline=True),
            LUT, SPLIT4SVL, SPLIT2SVLC, SPREADVLC, PV, PV2, PV64, PV64R80, PVRING, PV64RING, PVRING4, PVRING4K2,
-           PVRING4K2T, PVRING4K2TP, G.GluonSparseMlaConfig(combine="pv", q_tma=True),
+           PVRING4K2T, PVRING4K2TP, PV64RING3K2T, G.GluonSparseMlaConfig(combine="pv", q_tma=True),
            G.GluonSparseMlaConfig(q_tma=True), G.GluonSparseMlaConfig(q_buffers=4, q_tma=True),
            G.GluonSparseMlaConfig(combine="pv", pv_chunks=2, pv_pdl=True)]
 
@@ -290,10 +290,10 @@ def test_gpu_window_only(h, n):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [DEFAULT, SPREAD, SPREAD_VALUES, LUT, SPLIT4SVL, SPREADVLC, PV, PV64, PV64R80,
-                                    PVRING, PV64RING, PVRING4, PVRING4K2, PVRING4K2T, PVRING4K2TP],
+                                    PVRING, PV64RING, PVRING4, PVRING4K2, PVRING4K2T, PVRING4K2TP, PV64RING3K2T],
                          ids=["default", "spread", "spread-values", "fp4-lut", "split4svl", "spreadvlc", "pv", "pv64",
                               "pv64r80", "pv-ring", "pv64-ring", "pv-ring4", "pv-ring4-k2", "pv-ring4-k2-tma",
-                              "pv-ring4-k2-tma-pdl"])
+                              "pv-ring4-k2-tma-pdl", "pv64-ring3-k2-tma"])
 @pytest.mark.parametrize("w,k", [(16, 8), (16, 72)])
 def test_gpu_small_shapes(w, k, config):
     # one block in all (16 + 8 keys: the spread combination by the block's own programs), and a
@@ -414,9 +414,9 @@ def test_gpu_bits_against_the_triton_kernel_are_measured():
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [G.GluonSparseMlaConfig(dim_split=4), G.GluonSparseMlaConfig(dim_split=2), SPREAD,
                                     G.GluonSparseMlaConfig(dim_split=4, combine="spread"), SPREAD_VALUES, LUT,
-                                    SPLIT4SVL, SPREADVLC, PVRING4K2, PVRING4K2T, PVRING4K2TP],
+                                    SPLIT4SVL, SPREADVLC, PVRING4K2, PVRING4K2T, PVRING4K2TP, PV64RING3K2T],
                          ids=["split4", "split2", "spread", "split4-spread", "spread-values", "fp4-lut", "split4svl",
-                              "spreadvlc", "pv-ring4-k2", "pv-ring4-k2-tma", "pv-ring4-k2-tma-pdl"])
+                              "spreadvlc", "pv-ring4-k2", "pv-ring4-k2-tma", "pv-ring4-k2-tma-pdl", "pv64-ring3-k2-tma"])
 @pytest.mark.parametrize("h", [8, 64])
 @pytest.mark.parametrize("n", [1, 64])
 def test_gpu_configs_against_the_reference(config, h, n):

@@ -13,7 +13,7 @@ import torch
 
 from dsv41_decode.ops import gluon_sparse_mla as G
 from dsv41_decode.ops.sparse_mla import SparseMlaPlan
-from test_gluon_sparse_mla import (PVRING4K2T, SPLIT2SVLC, SPLIT4SVL, SPREADVLC, run, step_plan,
+from test_gluon_sparse_mla import (PV64RING3K2T, PVRING4K2T, SPLIT2SVLC, SPLIT4SVL, SPREADVLC, run, step_plan,
                                    workspace_is_clear)
 from test_sparse_mla import GPU_POOLS, check_repeatable_on_gpu, gpu_tables, make_case, ulps
 
@@ -55,9 +55,10 @@ def test_the_step_configs_per_row_count():
     # GluonSparseMlaPlan.for_step: one plan per STEP_CONFIGS bucket of the heads' block_h holding
     # some of the rows, ascending, the last one's max_rows the step's: at every head count 1-2 rows
     # dim_split 4 + spread, 3-4 dim_split 2 + spread with maxnreg 128; at 8-32 heads spread with
-    # maxnreg 128 above; at 64 heads that at 5-16 rows, above P.V and the combination in a second
-    # launch through a 4-slot ring after a first launch of two key buffers at a cap of 80 with q
-    # copied by TMA; with a pool the plans share its views (each workspace the largest plan's, not
+    # maxnreg 128 above; at 64 heads that at 5-12 rows, above P.V and the combination in a second
+    # launch after a first launch of two key buffers at a cap of 80 with q copied by TMA, at 13-16
+    # rows on 64-dim slices through a 3-slot ring at a cap of 80, above on 128-dim slices through a
+    # 4-slot ring; with a pool the plans share its views (each workspace the largest plan's, not
     # their sum)
     from dsv41_decode.decode.buffers import Workspaces
     split4svl = G.GluonSparseMlaConfig(dim_split=4, combine="spread", lookback="values", fp4_lut=True)
@@ -65,12 +66,14 @@ def test_the_step_configs_per_row_count():
     spreadvlc = G.GluonSparseMlaConfig(combine="spread", lookback="values", fp4_lut=True, maxnreg=128)
     pv_ring_k2_tma = G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, pv_stages=4, k_buffers=2,
                                             q_tma=True)
+    pv64_ring3_k2_tma = G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, k_buffers=2, q_tma=True,
+                                               pv_dims=64, pv_maxnreg=80, pv_stages=3)
     assert (SPLIT4SVL, SPLIT2SVLC, SPREADVLC) == (split4svl, split2svlc, spreadvlc)
     low = ((1, [1]), (2, [2]), (3, [2, 3]), (4, [2, 4]))
     cases = {
-        64: (low + ((8, [2, 4, 8]), (16, [2, 4, 16]), (17, [2, 4, 16, 17]), (32, [2, 4, 16, 32]),
-                     (64, [2, 4, 16, 64])),
-             [split4svl, split2svlc, spreadvlc, pv_ring_k2_tma]),
+        64: (low + ((8, [2, 4, 8]), (12, [2, 4, 12]), (13, [2, 4, 12, 13]), (16, [2, 4, 12, 16]),
+                     (17, [2, 4, 12, 16, 17]), (32, [2, 4, 12, 16, 32]), (64, [2, 4, 12, 16, 64])),
+             [split4svl, split2svlc, spreadvlc, pv64_ring3_k2_tma, pv_ring_k2_tma]),
         32: (low + ((16, [2, 4, 16]), (17, [2, 4, 17]), (64, [2, 4, 64])), [split4svl, split2svlc, spreadvlc]),
         16: (low + ((16, [2, 4, 16]), (64, [2, 4, 64])), [split4svl, split2svlc, spreadvlc]),
         8: (low + ((64, [2, 4, 64]), ), [split4svl, split2svlc, spreadvlc]),
@@ -119,11 +122,11 @@ def test_gpu_the_steps_plan_choice_on_sm90():
     pool = Workspaces(dev)
     plans = attention.sparse_mla_plans(64, 64, 128, 512, dev, workspace=pool)
     assert all(isinstance(p, G.GluonSparseMlaPlan) for p in plans)
-    assert [(p.max_rows, p.config) for p in plans] == [(2, SPLIT4SVL), (4, SPLIT2SVLC), (16, SPREADVLC),
-                                                       (64, PVRING4K2T)]
+    assert [(p.max_rows, p.config) for p in plans] == [(2, SPLIT4SVL), (4, SPLIT2SVLC), (12, SPREADVLC),
+                                                       (16, PV64RING3K2T), (64, PVRING4K2T)]
     assert all(p.base.part_acc.untyped_storage().data_ptr() in pool.storages() for p in plans)
     ref = G.GluonSparseMlaPlan.build(64, 64, 128, 512, "cuda")
-    for n in (1, 2, 3, 4, 5, 16, 17, 32, 33, 64):
+    for n in (1, 2, 3, 4, 5, 12, 13, 16, 17, 32, 33, 64):
         case = make_case(n, 64, 128, 512, seed=7000 + n, window_fill=gpu_tables(n), **GPU_POOLS)
         plan = next(p for p in plans if n <= p.max_rows)
         assert torch.equal(run(plan, case), run(ref, case)), n
