@@ -3,15 +3,18 @@
 (`bench.attn_indexer.indexer_inputs`: ratio-1 keys, 32 index heads, pages of 64, each row its own
 pages). CUDA-graph replay (`bench.timing.graph_time_us`); the streaming read
 (`bench.floor.read_bandwidth_gbps`) as the floor. Per rows x context: us of the Triton path and of
-each Gluon variant (`--variants=stages:programs_per_sm[:h][:t][:p][:m][:k][:rN]`, h = with the
+each Gluon variant (`--variants=stages:programs_per_sm[:h][:t][:p][:m][:k][:rN][:gN]`, h = with the
 fused histogram, t = the pair: the scorer then the top-k (`ops.topk.topk_ascending_`, the
 histogram ready with h: the linked path), p = the BF16x2 terms (`packed_terms`), m = the wgmmas two
-at a time (`mma_pairs`), k = the permuted key order (`kperm`), rN = a register cap of N; `d`,
+at a time (`mma_pairs`), k = the permuted key order (`kperm`), rN = a register cap of N, gN = a
+request's rows scored N at a time on each key tile read (`row_group`); `d`,
 `d:h`, `d:t`, `d:h:t`: the launch's defaults, `default_options` by the call's size), GB/s and %
 of the read (68 key bytes read and 4 score bytes written per entry), and how many of the Gluon
 scores differ bitwise from the Triton path's (0 expected). `--rows=1,4,16,64`,
-`--contexts=8192,32768,131072,1048576`, or `--cells=rows:context,...` (those cells only). Prints;
-writes nothing. About 30-60 s.
+`--contexts=8192,32768,131072,1048576`, or `--cells=rows:context,...` (those cells only).
+`--draft=R` (default 1): the rows as requests of R rows each (a decode row and R - 1 draft rows:
+one request slot, its rows seeing context - R + 1 .. context entries), the keys' bytes counted once
+a request. Prints; writes nothing. About 30-60 s.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ def main() -> None:
     rows_list = [int(v) for v in arg("rows", "1,4,16,64").split(",")]
     contexts = [int(v) for v in arg("contexts", "8192,32768,131072,1048576").split(",")]
     variants = [v.split(":") for v in arg("variants", "4:3,4:4:m,6:4:m:k,4:4:m:p:k,6:5:m:p:k:r96,4:3:h,4:4:m:k:h").split(",")]
+    draft = int(arg("draft", "1"))
     gen = torch.Generator(device="cuda").manual_seed(0)
     read = read_bandwidth_gbps()
     print(f"streaming read {read:.0f} GB/s on {torch.cuda.get_device_name()}", flush=True)
@@ -51,6 +55,11 @@ def main() -> None:
     for rows, context in cells:
         pool, table, iq, w, req, n_vis, scores = indexer_inputs(rows, context, gen)
         nbytes = rows * context * (68 + 4)
+        if draft > 1:        # request r // draft's slot; its rows see context - draft + 1 .. context entries
+            rank = torch.arange(rows, device="cuda") % draft
+            req = req - rank
+            n_vis = (n_vis - (draft - 1 - rank)).clamp(min=0).to(torch.int32)
+            nbytes = -(-rows // draft) * context * 68 + rows * context * 4
         ref = torch.empty_like(scores)
         small = rows * context < (4 << 20)
         kw = dict(replays=20 if small else 10, min_calls=32 if small else 4)
@@ -69,12 +78,14 @@ def main() -> None:
             if "h" in flags:      # with the pair, the top-k plan's histogram (the top-k zeroes it)
                 hist = plan.hist_hi[:rows] if plan else torch.zeros(rows, HIST_BINS, dtype=torch.int32, device="cuda")
             cap = next((int(x[1:]) for x in flags if x.startswith("r")), None)
+            group = next((int(x[1:]) for x in flags if x.startswith("g")), 1)
             opts = {} if dflt else {"mma_pairs": "m" in flags, "kperm": "k" in flags}
             sel = torch.empty(rows, 512, dtype=torch.int32, device="cuda")
 
             def gluon():
                 gluon_index_scores_mxfp4_(iq, w, pool, table, PAGE, req, n_vis, scores, hist=hist, stages=stages,
-                                          programs_per_sm=pps, maxnreg=cap, packed_terms="p" in flags, **opts)
+                                          programs_per_sm=pps, maxnreg=cap, packed_terms="p" in flags,
+                                          row_group=group, **opts)
                 if plan is not None:
                     topk_ascending_(scores, n_vis, sel, plan, hist_ready=hist is not None)
 

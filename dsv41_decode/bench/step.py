@@ -120,7 +120,9 @@ def _layer_kinds(cfg: ModelConfig) -> dict[str, int]:
 # tc_linears runs the FP8 linears on FP8 tensor cores (outside the contract: truncated block sums,
 # spec decision 38), the price of the default's exact linears; fp32_dots the sparse MLA and wo_a
 # with FP32 IEEE dots; mix_early every site's mixer right after the boundary in every bucket (the
-# step's default enqueues it after the next layer's input projections from MIX_LATE_ROWS rows).
+# step's default enqueues it after the next layer's input projections from MIX_LATE_ROWS rows);
+# index_row_group4 the dense indexers' Gluon scorer scoring a request's rows four at a time on each
+# key tile it reads (sm_90; the draft rows of the `4x(1+3)` rows).
 VARIANTS = {
     "no_overlap": dict(overlap=False),
     "wo_a_fp8": dict(wo_a_fp8=True),
@@ -129,6 +131,7 @@ VARIANTS = {
     "fold_index_chain": dict(fold_index_chain=True),
     "weights_in_index_lane": dict(weights_lane=False),
     "mix_early": dict(mix_late_rows=LOW_BATCH_MAX_ROWS + 1),
+    "index_row_group4": dict(index_row_group=4),
 }
 DEFAULT_VARIANTS = ("no_overlap", "wo_a_fp8", "tc_linears")
 

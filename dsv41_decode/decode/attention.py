@@ -195,18 +195,21 @@ FUSED_HISTOGRAM_MAX = 1 << 17       # rows x entries per call at which the step 
 
 
 def index_scores_launch(iq, w, pool, block_table, page, req_slot, n_vis, out, cand_mask=None,
-                        hist: torch.Tensor | None = None) -> bool:
+                        hist: torch.Tensor | None = None, row_group: int = 1) -> bool:
     """The step's indexer scores, the bits of `ops.indexer.index_scores_mxfp4_(..., fp8_dot=True)`:
     on an sm_90 GPU the Gluon scorer (`ops.gluon_indexer` at its size's defaults; on the H200
     1.3-2x faster than the Triton path from 1 row x 128K up, slower at 1 x 32K, 7.3 against 5.9 us,
     where the histogram it builds saves the top-k more; docs/attn.md), which also adds the top-k's
     high-byte histogram into `hist` (a `TopKPlan.hist_hi` view) when given and the call is small
     enough for that to pay (rows x entries <= FUSED_HISTOGRAM_MAX); elsewhere the Triton FP8 path. Returns whether `hist` was
-    filled (the top-k's `hist_ready`; the selection is the same either way)."""
+    filled (the top-k's `hist_ready`; the selection is the same either way). row_group: the Gluon
+    scorer's (a request's rows scored that many at a time on each key tile read; the same bits),
+    unused elsewhere."""
     if is_sm90(iq.device):
         if hist is not None and out.shape[0] * out.shape[1] > FUSED_HISTOGRAM_MAX:
             hist = None
-        gluon_index_scores_mxfp4_(iq, w, pool, block_table, page, req_slot, n_vis, out, cand_mask, hist=hist)
+        gluon_index_scores_mxfp4_(iq, w, pool, block_table, page, req_slot, n_vis, out, cand_mask, hist=hist,
+                                  row_group=row_group)
         return hist is not None
     index_scores_mxfp4_(iq, w, pool, block_table, page, req_slot, n_vis, out, cand_mask, fp8_dot=True)
     return False
@@ -230,7 +233,8 @@ class AttentionStep:
     def __init__(self, layer: AttentionLayer, state: DecodeState, meta: StepMeta, scratch: Scratch,
                  lanes: Lanes, max_rows: int, sources: Mapping[int, "AttentionStep"] | None = None,
                  wo_a_fp8: bool = False, exact_linears: bool = True, fp32_dots: bool = False,
-                 fold_index_chain: bool = False, weights_lane: bool = True, comp_tail: bool = False):
+                 fold_index_chain: bool = False, weights_lane: bool = True, comp_tail: bool = False,
+                 index_row_group: int = 1):
         """sources: the step's layers built before this one (by id), among them this layer's index and
         KV sources: a layer that reuses a selection or a candidate pool reads its source's buffers.
         The layer's own selection and candidate pool (when it makes them) are its attributes
@@ -290,6 +294,7 @@ class AttentionStep:
         # (the trace verifier's teacher forcing at a tie, testing.trace_step); None in a step
         self.forced_topk: torch.Tensor | None = None
         self.comp_tail_fused = False
+        self.index_row_group = index_row_group      # the dense scorer's row_group (`index_scores_launch`)
         self.comp_tail_plan: CompressorTailPlan | None = None
         if spec.owns_compressor:
             if spec.ratio == 2:
@@ -507,7 +512,7 @@ class AttentionStep:
         cand = self.source_candidates[:B, :width] if self.source_candidates is not None else None
         ready = index_scores_launch(s.iq[:B], s.iw[:B], st.index_keys[spec.kv_source], st.block_table[r],
                                     st.page_size, m.kernel_slot[:B], n_vis, scores, cand,
-                                    hist=self.topk_plan.hist_hi[:B])
+                                    hist=self.topk_plan.hist_hi[:B], row_group=self.index_row_group)
         if self.fold_index_chain and self.forced_topk is None:   # the table by the top-k's last launch
             topk_ascending_(scores, n_vis, sel.topk[:B], self.topk_plan, hist_ready=ready,
                             table=(m.kernel_slot[:B], st.block_table[r], st.page_size, sel.table[:B],

@@ -36,6 +36,7 @@ import torch
 
 from ..ops import LOW_BATCH_MAX_ROWS
 from ..ops.allreduce_boundary import Mailbox
+from ..ops.gluon_indexer import ROW_GROUPS
 from ..state import DecodeState, StepRows
 from .attention import AttentionStep
 from .boundary import Boundary
@@ -139,6 +140,10 @@ class DecodeStep:
         measured slower on an H200, 20.7-26.4 us a layer in the step at 1 row against 14-17 for
         the three launches; its form of one program per wk N tile measured within noise of them
         (`comp_tail` in scripts/probe_step_schedule.py times both, docs/step.md).
+    index_row_group: on an sm_90 GPU, the dense indexers' Gluon scorer scores a request's rows this
+        many at a time on each key tile it reads (`gluon_index_scores_mxfp4_(row_group=)`: the keys
+        read and widened once for a request's decode and draft rows); the same bits. 1 (default)
+        or 2, 4, 8; elsewhere it changes nothing.
     mix_late_rows: in the buckets of at least this many rows each site's mixer is enqueued at the
         end of the next layer's input projections instead of right after the boundary before it
         (default `MIX_LATE_ROWS`, where it measured faster on an H200; LOW_BATCH_MAX_ROWS + 1:
@@ -157,7 +162,7 @@ class DecodeStep:
                  graphs: bool = True, overlap: bool = True, tp_boundary: str = "auto", wo_a_fp8: bool = False,
                  exact_linears: bool = True, fp32_dots: bool = False, fold_index_chain: bool = False,
                  fold_boundary: bool = False, weights_lane: bool = True, comp_tail: bool = False,
-                 mix_late_rows: int = MIX_LATE_ROWS):
+                 mix_late_rows: int = MIX_LATE_ROWS, index_row_group: int = 1):
         if buckets is None:
             buckets = tuple(b for b in DEFAULT_BUCKETS if b < max_rows) + (max_rows,)
         buckets = tuple(sorted(set(buckets)))
@@ -170,6 +175,8 @@ class DecodeStep:
                             f"build the DecodeState with stage_rows >= {buckets[-1]}")
         if isinstance(mix_late_rows, bool) or not isinstance(mix_late_rows, int) or mix_late_rows < 1:
             raise StepError(f"mix_late_rows must be an int >= 1, got {mix_late_rows!r}")
+        if isinstance(index_row_group, bool) or index_row_group not in ROW_GROUPS:
+            raise StepError(f"index_row_group must be one of {ROW_GROUPS}, got {index_row_group!r}")
         if tp_boundary not in ("auto", "collective", "fused"):
             raise StepError(f"tp_boundary must be 'auto', 'collective' or 'fused', got {tp_boundary!r}")
         dev = state.device
@@ -192,7 +199,8 @@ class DecodeStep:
             self.layers[i] = AttentionStep(stack.layers[i], state, self.meta, self.scratch, self.lanes, B,
                                            self.layers, wo_a_fp8=wo_a_fp8, exact_linears=exact_linears,
                                            fp32_dots=fp32_dots, fold_index_chain=fold_index_chain,
-                                           weights_lane=weights_lane, comp_tail=comp_tail)
+                                           weights_lane=weights_lane, comp_tail=comp_tail,
+                                           index_row_group=index_row_group)
         self.scratch.workspaces.seal()           # every plan has its view; the graphs take the addresses
         mailbox = None
         if tp_boundary != "collective" and stack.tp.tp > 1 and dev.type == "cuda":

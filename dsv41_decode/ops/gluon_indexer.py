@@ -67,6 +67,7 @@ from .indexer import index_scores_args
 BLOCK_E = 64          # entries per tile: the wgmma's M (one warpgroup)
 HIST_BINS = 256       # the high byte of a score's 16-bit key
 MAX_STAGES = 12
+ROW_GROUPS = (1, 2, 4, 8)   # gluon_index_scores_mxfp4_'s row_group
 _BLOCK_E = gl.constexpr(BLOCK_E)
 _HIST_BINS = gl.constexpr(HIST_BINS)
 _WORDS = gl.constexpr(17)      # int32 words per 68-byte record: 16 code words, then the 4 scale bytes
@@ -250,16 +251,86 @@ def _key_votes(score):
                                      dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
 
 
+@gluon.jit
+def _score_tile(a8, q_smem, sw, f0, f1, f2, f3, wv, wb, zero, offs, vis, out_row, max_entries, priv,
+                BLOCK_H: gl.constexpr, HIST: gl.constexpr, PACKED: gl.constexpr, MMA_PAIRS: gl.constexpr,
+                mma_l: gl.constexpr):
+    """One row's scores of the key tile in a8 (E4M3 [64, 128], its scale words sw): the four block
+    wgmmas against the row's query q_smem (E4M3 [BLOCK_H, 128]; its per-head powers of two f0..f3,
+    its head weights wv and their BF16 bits wb, all in the accumulator's column layout), `ops.indexer`'s
+    FP8 epilogue, the scores stored at out_row + offs (-inf where not vis, offs < max_entries) and,
+    with HIST, their high-byte votes added into the 256 counters at priv."""
+    # `ops.indexer`'s FP8 path: each block's partial times the query's then the key's power of
+    # two, the four blocks added in order
+    if MMA_PAIRS:
+        # two blocks' wgmmas at a time: two partials live instead of four (fewer registers)
+        d0 = _block_mma(a8, q_smem, zero, 0)
+        d1 = _block_mma(a8, q_smem, zero, 1)
+        d0, d1 = warpgroup_mma_wait(num_outstanding=0, deps=(d0, d1))
+        acc = (d0 * f0[None, :]) * _block_scale(sw, 0)[:, None]
+        acc += (d1 * f1[None, :]) * _block_scale(sw, 1)[:, None]
+        d2 = _block_mma(a8, q_smem, zero, 2)
+        d3 = _block_mma(a8, q_smem, zero, 3)
+        d2, d3 = warpgroup_mma_wait(num_outstanding=0, deps=(d2, d3))
+    else:
+        d0 = _block_mma(a8, q_smem, zero, 0)
+        d1 = _block_mma(a8, q_smem, zero, 1)
+        d2 = _block_mma(a8, q_smem, zero, 2)
+        d3 = _block_mma(a8, q_smem, zero, 3)
+        d0, d1, d2, d3 = warpgroup_mma_wait(num_outstanding=0, deps=(d0, d1, d2, d3))
+        acc = (d0 * f0[None, :]) * _block_scale(sw, 0)[:, None]
+        acc += (d1 * f1[None, :]) * _block_scale(sw, 1)[:, None]
+    acc += (d2 * f2[None, :]) * _block_scale(sw, 2)[:, None]
+    acc += (d3 * f3[None, :]) * _block_scale(sw, 3)[:, None]
+    # the per-(entry, head) bf16 round trips by the packed hardware conversion (`_bf16_pair`),
+    # or the relu and the weight too in BF16x2 (PACKED); the score's rounding is `bf16_round`
+    # itself (its NaN bits)
+    if PACKED:
+        term = _weighted_terms_bf16x2(acc, wb[None, :] + gl.zeros([_BLOCK_E, BLOCK_H], gl.int32, mma_l))
+    else:
+        term = _bf16_pair(gl.maximum(_bf16_pair(acc), 0.0) * wv[None, :])
+    score = gl.where(vis, bf16_round(gl.sum(term, axis=1)), float("-inf"))
+    gl.store(out_row + offs, score, mask=offs < max_entries)
+    if HIST:
+        # one relaxed add per distinct bin per warp and entry register into the program's own
+        # counters (no contention with other programs, no barrier)
+        cnt, b = _key_votes(score)
+        gl.atomic_add(priv + b, cnt, mask=cnt > 0, sem="relaxed")
+
+
+@gluon.jit
+def _row_group(slot_ptr, n, n_rows, GROUP: gl.constexpr):
+    """(lead, size, rank) of row n's group: the rows of a run of consecutive rows with row n's
+    request slot (a request's draft rows) taken GROUP at a time from the run's first row; lead the
+    group's first row, size its rows (1..GROUP), rank row n's place in it. Every row of a group
+    computes the same group."""
+    slot_n = gl.load(slot_ptr + n)
+    first = n
+    prev = gl.load(slot_ptr + n - 1, mask=n > 0, other=-1)
+    while (prev == slot_n) & (first > 0):
+        first -= 1
+        prev = gl.load(slot_ptr + first - 1, mask=first > 0, other=-1)
+    lead = first + (n - first) // GROUP * GROUP
+    size = n * 0 + 1
+    for j in gl.static_range(1, GROUP):
+        ok = lead + j < n_rows
+        nxt = gl.load(slot_ptr + lead + j, mask=ok, other=-1)
+        size += ((nxt == slot_n) & ok & (size == j)).to(gl.int32)
+    return lead, size, n - lead
+
+
 @gluon.jit(do_not_specialize=["heads", "max_entries", "bt_stride", "iq_sn", "iq_sh", "w_sn", "cand_sn", "out_sn",
                               "hist_sn"])
 def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_ptr, cand_ptr, out_ptr, hist_ptr,
                                scratch_ptr, heads, max_entries, bt_stride, iq_sn, iq_sh, w_sn, cand_sn, out_sn, hist_sn,
                                PAGE: gl.constexpr, BLOCK_H: gl.constexpr, STAGES: gl.constexpr,
                                HAS_CAND: gl.constexpr, HIST: gl.constexpr, PACKED: gl.constexpr = False,
-                               MMA_PAIRS: gl.constexpr = False, KPERM: gl.constexpr = False):
+                               MMA_PAIRS: gl.constexpr = False, KPERM: gl.constexpr = False,
+                               GROUP: gl.constexpr = 1):
     n = gl.program_id(0)
     pid = gl.program_id(1)
     nprog = gl.num_programs(1)
+    gl.static_assert(GROUP == 1 or not HAS_CAND, "row groups are scored without a candidate mask")
 
     # the records' copy: four words of one record a thread, a warp's lanes along 8 records' code
     # words (512 contiguous bytes but for the scale words between records); two records a thread
@@ -287,10 +358,26 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
                                         gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
     a8 = a_words._reinterpret(gl.float8e4nv, [_BLOCK_E, 128],
                               gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
-    q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_H, 128],
-                                       gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2))
-
-    n_vis = gl.minimum(gl.load(nvis_ptr + n), max_entries)
+    q_l8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    if GROUP == 1:
+        q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_H, 128], q_l8)
+        n_vis = gl.minimum(gl.load(nvis_ptr + n), max_entries)
+        first_tile = pid
+        stride = nprog
+    else:
+        # the group's rows share its key tiles: its size x nprog programs take them in turn, each
+        # scoring every row of the group on its tiles (the rows' queries, powers of two and head
+        # weights in shared memory); the records are read up to the group's largest n_vis
+        lead, size, rank = _row_group(slot_ptr, n, gl.num_programs(0), GROUP)
+        q_rows = gl.allocate_shared_memory(gl.float8e4nv, [GROUP, BLOCK_H, 128], q_l8)
+        f_rows = gl.allocate_shared_memory(gl.float32, [4 * GROUP, BLOCK_H], plain1)
+        w_rows = gl.allocate_shared_memory(gl.float32, [GROUP, BLOCK_H], plain1)
+        n_vis = gl.minimum(gl.load(nvis_ptr + lead), max_entries)
+        for j in gl.static_range(1, GROUP):
+            v = gl.load(nvis_ptr + lead + j, mask=j < size, other=0)
+            n_vis = gl.maximum(n_vis, gl.minimum(v, max_entries))
+        first_tile = rank * nprog + pid
+        stride = size * nprog
     slot = gl.load(slot_ptr + n).to(gl.int64)
     out_row = out_ptr + n.to(gl.int64) * out_sn
     cand_row = cand_ptr + n.to(gl.int64) * cand_sn
@@ -298,30 +385,43 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
 
     # the first STAGES - 1 tiles in flight before the query is prepared
     for s in gl.static_range(STAGES - 1):
-        blk = _tile_block(bt_ptr, slot, bt_stride, n_vis, pid + s * nprog, PAGE)
-        _issue(raw.index(s), scl.index(s), pool_ptr, bt_ptr, slot, bt_stride, n_vis, cand_row, pid + s * nprog, blk,
-               PAGE, HAS_CAND, copy_l, scl_l)
+        blk = _tile_block(bt_ptr, slot, bt_stride, n_vis, first_tile + s * stride, PAGE)
+        _issue(raw.index(s), scl.index(s), pool_ptr, bt_ptr, slot, bt_stride, n_vis, cand_row, first_tile + s * stride,
+               blk, PAGE, HAS_CAND, copy_l, scl_l)
     # the page of the tile the loop's first iteration issues (each iteration loads the next one's)
-    blk_n = _tile_block(bt_ptr, slot, bt_stride, n_vis, pid + (STAGES - 1) * nprog, PAGE)
+    blk_n = _tile_block(bt_ptr, slot, bt_stride, n_vis, first_tile + (STAGES - 1) * stride, PAGE)
 
-    f0 = _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, 0, BLOCK_H, q_l, col_l, KPERM)
-    f1 = _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, 1, BLOCK_H, q_l, col_l, KPERM)
-    f2 = _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, 2, BLOCK_H, q_l, col_l, KPERM)
-    f3 = _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, 3, BLOCK_H, q_l, col_l, KPERM)
     rh = gl.arange(0, BLOCK_H, layout=col_l)
-    wraw = gl.load(w_ptr + n.to(gl.int64) * w_sn + rh, mask=rh < heads, other=0.0)
-    wv = wraw.to(gl.float32)
-    wb = wraw.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    if GROUP == 1:
+        f0 = _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, 0, BLOCK_H, q_l, col_l, KPERM)
+        f1 = _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, 1, BLOCK_H, q_l, col_l, KPERM)
+        f2 = _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, 2, BLOCK_H, q_l, col_l, KPERM)
+        f3 = _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, 3, BLOCK_H, q_l, col_l, KPERM)
+        wraw = gl.load(w_ptr + n.to(gl.int64) * w_sn + rh, mask=rh < heads, other=0.0)
+        wv = wraw.to(gl.float32)
+        wb = wraw.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+    else:
+        # every row of the group's slots (a row past the group, of another group or the last row,
+        # fills a slot no tile reads); the loop's first barrier orders these stores before its reads
+        for j in gl.static_range(GROUP):
+            row = gl.minimum(lead + j, gl.num_programs(0) - 1)
+            for b in gl.static_range(4):
+                f_rows.index(4 * j + b).store(_q_block(iq_ptr, row, iq_sn, iq_sh, heads, q_rows.index(j), b, BLOCK_H,
+                                                       q_l, col_l, KPERM))
+            w_rows.index(j).store(gl.load(w_ptr + row.to(gl.int64) * w_sn + rh, mask=rh < heads,
+                                          other=0.0).to(gl.float32))
     zero = gl.zeros([_BLOCK_E, BLOCK_H], gl.float32, mma_l)
     bins = gl.arange(0, _HIST_BINS, layout=hist_l)
-    # the program's own histogram: 256 counters in global memory (L2) that only this program adds to
-    priv = scratch_ptr + (n * nprog + pid).to(gl.int64) * _HIST_BINS
+    # the program's own histograms, one per row it scores (GROUP): 256 counters each in global
+    # memory (L2) that only this program adds to
+    priv = scratch_ptr + (n * nprog + pid).to(gl.int64) * (GROUP * _HIST_BINS)
     if HIST:
-        gl.store(priv + bins, gl.zeros([_HIST_BINS], gl.int32, hist_l))    # before the loop's first barrier
+        for j in gl.static_range(GROUP):      # before the loop's first barrier
+            gl.store(priv + j * _HIST_BINS + bins, gl.zeros([_HIST_BINS], gl.int32, hist_l))
     rr = gl.arange(0, 2, layout=gl.SliceLayout(1, scl_l))
 
     i = 0
-    for t in range(pid, n_tiles, nprog):
+    for t in range(first_tile, n_tiles, stride):
         # tile t's copies (this thread's) have landed; the barrier makes every thread's visible and
         # says that every thread is done with the slot refilled next (read one iteration ago)
         async_copy.wait_group(STAGES - 2)
@@ -331,8 +431,8 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
         cur = i % STAGES
         nxt = (i + STAGES - 1) % STAGES
         _issue(raw.index(nxt), scl.index(nxt), pool_ptr, bt_ptr, slot, bt_stride, n_vis, cand_row,
-               t + (STAGES - 1) * nprog, blk_n, PAGE, HAS_CAND, copy_l, scl_l)
-        blk_n = _tile_block(bt_ptr, slot, bt_stride, n_vis, t + STAGES * nprog, PAGE)
+               t + (STAGES - 1) * stride, blk_n, PAGE, HAS_CAND, copy_l, scl_l)
+        blk_n = _tile_block(bt_ptr, slot, bt_stride, n_vis, t + STAGES * stride, PAGE)
         words = raw.index(cur).load(copy_l)
         sw = scl.index(cur)._reinterpret(gl.int32, [2 * _BLOCK_E], plain1).slice(0, _BLOCK_E).load(row_l)
         if KPERM:
@@ -348,59 +448,50 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
         fence_async_shared()
         gl.thread_barrier()
         offs = t * _BLOCK_E + gl.arange(0, _BLOCK_E, layout=row_l)
-        vis = offs < n_vis
-        if HAS_CAND:
-            vis = vis & (gl.load(cand_row + offs, mask=vis, other=0) != 0)
-        # `ops.indexer`'s FP8 path: each block's partial times the query's then the key's power of
-        # two, the four blocks added in order
-        if MMA_PAIRS:
-            # two blocks' wgmmas at a time: two partials live instead of four (fewer registers)
-            d0 = _block_mma(a8, q_smem, zero, 0)
-            d1 = _block_mma(a8, q_smem, zero, 1)
-            d0, d1 = warpgroup_mma_wait(num_outstanding=0, deps=(d0, d1))
-            acc = (d0 * f0[None, :]) * _block_scale(sw, 0)[:, None]
-            acc += (d1 * f1[None, :]) * _block_scale(sw, 1)[:, None]
-            d2 = _block_mma(a8, q_smem, zero, 2)
-            d3 = _block_mma(a8, q_smem, zero, 3)
-            d2, d3 = warpgroup_mma_wait(num_outstanding=0, deps=(d2, d3))
+        if GROUP == 1:
+            vis = offs < n_vis
+            if HAS_CAND:
+                vis = vis & (gl.load(cand_row + offs, mask=vis, other=0) != 0)
+            _score_tile(a8, q_smem, sw, f0, f1, f2, f3, wv, wb, zero, offs, vis, out_row, max_entries, priv, BLOCK_H,
+                        HIST, PACKED, MMA_PAIRS, mma_l)
         else:
-            d0 = _block_mma(a8, q_smem, zero, 0)
-            d1 = _block_mma(a8, q_smem, zero, 1)
-            d2 = _block_mma(a8, q_smem, zero, 2)
-            d3 = _block_mma(a8, q_smem, zero, 3)
-            d0, d1, d2, d3 = warpgroup_mma_wait(num_outstanding=0, deps=(d0, d1, d2, d3))
-            acc = (d0 * f0[None, :]) * _block_scale(sw, 0)[:, None]
-            acc += (d1 * f1[None, :]) * _block_scale(sw, 1)[:, None]
-        acc += (d2 * f2[None, :]) * _block_scale(sw, 2)[:, None]
-        acc += (d3 * f3[None, :]) * _block_scale(sw, 3)[:, None]
-        # the per-(entry, head) bf16 round trips by the packed hardware conversion (`_bf16_pair`),
-        # or the relu and the weight too in BF16x2 (PACKED); the score's rounding is `bf16_round`
-        # itself (its NaN bits)
-        if PACKED:
-            term = _weighted_terms_bf16x2(acc, wb[None, :] + gl.zeros([_BLOCK_E, BLOCK_H], gl.int32, mma_l))
-        else:
-            term = _bf16_pair(gl.maximum(_bf16_pair(acc), 0.0) * wv[None, :])
-        score = gl.where(vis, bf16_round(gl.sum(term, axis=1)), float("-inf"))
-        gl.store(out_row + offs, score, mask=offs < max_entries)
-        if HIST:
-            # one relaxed add per distinct bin per warp and entry register into the program's own
-            # counters (no contention with other programs, no barrier)
-            cnt, b = _key_votes(score)
-            gl.atomic_add(priv + b, cnt, mask=cnt > 0, sem="relaxed")
+            for g in range(size):
+                row = lead + g
+                wv_g = w_rows.index(g).load(col_l)
+                wb_g = (wv_g.to(gl.int32, bitcast=True) >> 16) & 0xFFFF      # its BF16 bits (exact in FP32)
+                _score_tile(a8, q_rows.index(g), sw, f_rows.index(4 * g).load(col_l),
+                            f_rows.index(4 * g + 1).load(col_l), f_rows.index(4 * g + 2).load(col_l),
+                            f_rows.index(4 * g + 3).load(col_l), wv_g, wb_g, zero, offs,
+                            offs < gl.minimum(gl.load(nvis_ptr + row), max_entries),
+                            out_ptr + row.to(gl.int64) * out_sn, max_entries, priv + g * _HIST_BINS, BLOCK_H, HIST,
+                            PACKED, MMA_PAIRS, mma_l)
         i += 1
     async_copy.wait_group(0)
 
     if HIST:
         # every thread's adds are done (the barrier orders them before these reads, from L2)
         gl.thread_barrier()
-        h = gl.load(priv + bins, cache_modifier=".cg")
-        gl.store(priv + bins, gl.zeros([_HIST_BINS], gl.int32, hist_l))     # each thread its own bins
-        gl.atomic_add(hist_ptr + n.to(gl.int64) * hist_sn + bins, h, mask=h > 0, sem="relaxed")
+        if GROUP == 1:
+            h = gl.load(priv + bins, cache_modifier=".cg")
+            gl.store(priv + bins, gl.zeros([_HIST_BINS], gl.int32, hist_l))     # each thread its own bins
+            gl.atomic_add(hist_ptr + n.to(gl.int64) * hist_sn + bins, h, mask=h > 0, sem="relaxed")
+        else:
+            for g in range(size):
+                h = gl.load(priv + g * _HIST_BINS + bins, cache_modifier=".cg")
+                gl.store(priv + g * _HIST_BINS + bins, gl.zeros([_HIST_BINS], gl.int32, hist_l))
+                gl.atomic_add(hist_ptr + (lead + g).to(gl.int64) * hist_sn + bins, h, mask=h > 0, sem="relaxed")
 
     neg = gl.full([_BLOCK_E], float("-inf"), gl.float32, row_l)
-    for t in range(n_tiles + pid, gl.cdiv(max_entries, _BLOCK_E), nprog):
-        offs = t * _BLOCK_E + gl.arange(0, _BLOCK_E, layout=row_l)
-        gl.store(out_row + offs, neg, mask=offs < max_entries)
+    if GROUP == 1:
+        for t in range(n_tiles + pid, gl.cdiv(max_entries, _BLOCK_E), nprog):
+            offs = t * _BLOCK_E + gl.arange(0, _BLOCK_E, layout=row_l)
+            gl.store(out_row + offs, neg, mask=offs < max_entries)
+    else:
+        for g in range(size):
+            row_g = out_ptr + (lead + g).to(gl.int64) * out_sn
+            for t in range(n_tiles + first_tile, gl.cdiv(max_entries, _BLOCK_E), stride):
+                offs = t * _BLOCK_E + gl.arange(0, _BLOCK_E, layout=row_l)
+                gl.store(row_g + offs, neg, mask=offs < max_entries)
 
 
 def block_h(heads: int) -> int:
@@ -408,21 +499,26 @@ def block_h(heads: int) -> int:
     return max(16, triton.next_power_of_2(heads))
 
 
-def shared_bytes(stages: int, heads: int) -> int:
+def shared_bytes(stages: int, heads: int, group: int = 1) -> int:
     """A program's shared memory: the ring (stages x 64 records: 16 code words and 2 scale-column
-    words each), the E4M3 key tile, the E4M3 query and 1 KB for what the compiler adds."""
-    return stages * BLOCK_E * 18 * 4 + BLOCK_E * 128 + block_h(heads) * 128 + 1024
+    words each), the E4M3 key tile, the E4M3 query (with row groups, `group` of them, each with its
+    four FP32 powers of two and head weights a head) and 1 KB for what the compiler adds."""
+    rows = block_h(heads) * (128 if group == 1 else group * (128 + 5 * 4))
+    return stages * BLOCK_E * 18 * 4 + BLOCK_E * 128 + rows + 1024
 
 
 def launch_options(heads: int, page: int, stages: int, cand: bool, hist: bool, maxnreg: int | None = None,
-                   packed_terms: bool = False, mma_pairs: bool = False, kperm: bool = False) -> dict:
+                   packed_terms: bool = False, mma_pairs: bool = False, kperm: bool = False, group: int = 1) -> dict:
     """The kernel's constexpr arguments and launch options (the launch and the sm_90 compile test
     share them). The page is a constant of the kernel (a record's place without a division);
     maxnreg: a register cap per thread (None: the compiler's choice); packed_terms: the weighted
     terms in BF16x2 (`_weighted_terms_bf16x2`); mma_pairs: the four block wgmmas two at a time;
-    kperm: each block's key dims in `_widen_split`'s order (no byte permutes), the query's to match."""
+    kperm: each block's key dims in `_widen_split`'s order (no byte permutes), the query's to match;
+    group: the rows a program scores on each key tile it reads (`gluon_index_scores_mxfp4_`'s
+    row_group; 1 without a candidate mask)."""
     opts = {"PAGE": page, "BLOCK_H": block_h(heads), "STAGES": stages, "HAS_CAND": cand, "HIST": hist,
-            "PACKED": bool(packed_terms), "MMA_PAIRS": bool(mma_pairs), "KPERM": bool(kperm), "num_warps": 4}
+            "PACKED": bool(packed_terms), "MMA_PAIRS": bool(mma_pairs), "KPERM": bool(kperm),
+            "GROUP": group if not cand else 1, "num_warps": 4}
     if maxnreg is not None:
         opts["maxnreg"] = maxnreg
     return opts
@@ -452,12 +548,13 @@ def default_options(n_rows: int, max_entries: int) -> dict:
     return {"programs_per_sm": 4, "mma_pairs": True, "kperm": True}
 
 
-def hist_scratch_numel(n_rows: int, max_entries: int, device, programs_per_sm: int | None = None) -> int:
+def hist_scratch_numel(n_rows: int, max_entries: int, device, programs_per_sm: int | None = None,
+                       row_group: int = 1) -> int:
     """The int32 elements `gluon_index_scores_mxfp4_(..., hist=, hist_scratch=)` needs: 256 per program
-    (programs_per_sm None: the launch's default, `default_options`)."""
+    and row it may score (row_group; programs_per_sm None: the launch's default, `default_options`)."""
     if programs_per_sm is None:
         programs_per_sm = default_options(n_rows, max_entries)["programs_per_sm"]
-    return n_rows * programs_per_row(n_rows, max_entries, device, programs_per_sm) * HIST_BINS
+    return n_rows * programs_per_row(n_rows, max_entries, device, programs_per_sm) * HIST_BINS * row_group
 
 
 def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, block_table: torch.Tensor,
@@ -465,7 +562,7 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
                               cand_mask: torch.Tensor | None = None, hist: torch.Tensor | None = None,
                               stages: int = 4, programs_per_sm: int | None = None, maxnreg: int | None = None,
                               packed_terms: bool = False, mma_pairs: bool | None = None, kperm: bool | None = None,
-                              hist_scratch: torch.Tensor | None = None) -> torch.Tensor:
+                              hist_scratch: torch.Tensor | None = None, row_group: int = 1) -> torch.Tensor:
     """Write the indexer scores of N decode rows into `out`: `ops.indexer.index_scores_mxfp4_(...,
     fp8_dot=True)`'s arguments and scores (see the module docstring), on an sm_90 device.
 
@@ -492,6 +589,13 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
     kperm: the key tile's columns in a block in the widening's natural order (low nibbles' bytes, then
       high nibbles'), the query's permuted to match (no byte permutes); the same bits (a block's
       products are exact).
+    row_group: 1, 2, 4 or 8. Above 1 (and without cand_mask; with it rows are scored one a program),
+      consecutive rows of one request slot (a request's draft rows) are scored row_group at a time
+      on each key tile read: a run of such rows splits into groups of row_group from its first row,
+      and a group's programs (row_group x its rows' share) take its tiles in turn up to its rows'
+      largest n_vis, each scoring every row of the group on them (the keys read and widened once a
+      group instead of once a row; the same bits: each row's scores are the same MMAs and epilogue).
+      With hist the scratch holds row_group counters a program (`hist_scratch_numel`).
     Unchecked: as `index_scores_mxfp4_`. Returns out.
     """
     n_rows, heads = index_scores_args(iq, w, pool, block_table, page, req_slot, n_vis, out, cand_mask)
@@ -505,6 +609,8 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
                                          and hist_scratch.device == iq.device):
         raise ValueError(f"hist_scratch must be None or a contiguous int32 tensor on {iq.device}, got "
                          f"{tuple(hist_scratch.shape)} {hist_scratch.dtype} on {hist_scratch.device}")
+    if row_group not in ROW_GROUPS or isinstance(row_group, bool):
+        raise ValueError(f"row_group must be one of {ROW_GROUPS}, got {row_group!r}")
     if isinstance(stages, bool) or not isinstance(stages, int) or not 2 <= stages <= MAX_STAGES:
         raise ValueError(f"stages must be an int in [2, {MAX_STAGES}], got {stages!r}")
     defaults = default_options(n_rows, out.shape[1])
@@ -525,10 +631,11 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
     cand = cand_mask.view(torch.uint8) if cand_mask is not None else out
     hist_t = hist if hist is not None else n_vis
     grid = (n_rows, programs_per_row(n_rows, max_entries, iq.device, programs_per_sm))
+    group = row_group if cand_mask is None else 1
     scratch = n_vis
     if hist is not None:
-        # each program's own 256 counters, which it zeroes first: any contents will do
-        need = grid[0] * grid[1] * HIST_BINS
+        # each program's own 256 counters a row it scores, which it zeroes first: any contents will do
+        need = grid[0] * grid[1] * HIST_BINS * group
         if hist_scratch is None:
             scratch = torch.empty(need, dtype=torch.int32, device=iq.device)
         elif hist_scratch.numel() < need:
@@ -540,5 +647,5 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
         heads, max_entries, block_table.stride(0), iq.stride(0), iq.stride(1), w.stride(0),
         cand.stride(0), out.stride(0), hist_t.stride(0),
         **launch_options(heads, page, stages, cand_mask is not None, hist is not None, maxnreg, packed_terms,
-                         mma_pairs, kperm))
+                         mma_pairs, kperm, group))
     return out

@@ -322,6 +322,20 @@ def test_late_mixer_gives_the_same_bits(cpu_setup, monkeypatch):
         stack.decode_step(copy.deepcopy(base), max_rows=2, mix_late_rows=0)
 
 
+def test_index_row_group_reaches_the_dense_scorers(cpu_setup):
+    """index_row_group (sm_90: the Gluon scorer's row_group; its bits are the GPU tests') is each
+    dense indexer's and changes nothing off sm_90; a value the scorer does not take is a StepError
+    naming it."""
+    _, _, base, ckpt = cpu_setup
+    stack = AttentionStack(ckpt, [1, 3])
+    step = stack.decode_step(copy.deepcopy(base), max_rows=2, index_row_group=4)
+    indexers = [i for i in stack.ids if step.layers[i].spec.runs_indexer]
+    assert indexers and all(step.layers[i].index_row_group == 4 for i in indexers)
+    for bad in (3, True):
+        with pytest.raises(StepError, match="index_row_group must be one of"):
+            stack.decode_step(copy.deepcopy(base), max_rows=2, index_row_group=bad)
+
+
 @interpreter
 def test_memory_bytes_counts_the_layers_copies_and_workspaces(cpu_setup):
     """DecodeStep.memory_bytes: every family; per layer at least the fused wq_a|wkv copy; the

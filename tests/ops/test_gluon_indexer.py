@@ -51,7 +51,8 @@ def sm90_builds() -> dict:
                                              + (f"-r{c[5]}" if len(c) > 5 and c[5] else "")
                                              + ("-packed" if len(c) > 6 and c[6] else "")
                                              + ("-pairs" if len(c) > 7 and c[7] else "")
-                                             + ("-kperm" if len(c) > 8 and c[8] else "") for c in CASES])
+                                             + ("-kperm" if len(c) > 8 and c[8] else "")
+                                             + (f"-group{c[9]}" if len(c) > 9 else "") for c in CASES])
 def test_compiles_for_sm90_without_spills(sm90_builds, case):
     r = sm90_builds[case]
     assert r["LOCAL"] == 0 and r["STACK"] == 0, r
@@ -83,9 +84,11 @@ def test_compiles_for_sm90_without_spills(sm90_builds, case):
     # issued next iteration: read (moved to a uniform register) in the loop's second half, not right
     # after its load, where the issue waited a global load's latency every tile (uncapped: at the cap
     # of 112 ptxas moves it 120 instructions in)
+    # (with row groups also each row's n_vis, read where the row's scores are masked)
+    group = case[9] if len(case) > 9 else 1
     if case[1] % 64 == 0 and not case[3]:
-        assert len(r["loop_loads"]) == 1, r["loop_loads"]
-        if not r["maxnreg"]:
+        assert len(r["loop_loads"]) == (1 if group == 1 else 2), r["loop_loads"]
+        if not r["maxnreg"] and group == 1:
             assert all(d is None or d > r["loop_len"] // 2 for _, d in r["loop_loads"]), (r["loop_len"],
                                                                                          r["loop_loads"])
     # the histogram: per tile, two warp votes (one per entry register) and a relaxed add each to the
@@ -93,9 +96,11 @@ def test_compiles_for_sm90_without_spills(sm90_builds, case):
     assert (loop.get("MATCH", 0), loop.get("REDG", 0)) == ((2, 2) if case[4] else (0, 0)), loop
     assert loop.get("BAR", 0) == 3, loop
     # at the step's 32 heads, a register budget that keeps three programs resident per SM (the four
-    # block partials hold BLOCK_H / 2 registers each: 64 heads need more, without spilling)
+    # block partials hold BLOCK_H / 2 registers each: 64 heads need more, without spilling); with the
+    # wgmmas two at a time four, by shared memory too (a row group's queries included)
     if r["block_h"] <= 32:
         assert r["REG"] <= (r["maxnreg"] or (128 if pairs else 168)), r
+        assert (4 if pairs else 3) * (r["shared"] + 1024) <= 228 * 1024, r
 
 
 def test_load_use_distances_reads_sass_registers():
@@ -125,6 +130,7 @@ def test_default_options_by_call_size():
     assert GI.hist_scratch_numel(1, 131072, "cpu") == 4 * 132 * GI.HIST_BINS
     assert GI.hist_scratch_numel(1, 32768, "cpu") == 3 * 132 * GI.HIST_BINS
     assert GI.hist_scratch_numel(1, 32768, "cpu", 4) == 512 * GI.HIST_BINS
+    assert GI.hist_scratch_numel(16, 32768, "cpu", 4, row_group=4) == 16 * 33 * 4 * GI.HIST_BINS
 
 
 def test_bad_inputs_raise_naming_the_argument():
@@ -146,6 +152,8 @@ def test_bad_inputs_raise_naming_the_argument():
             ((iq, w, pool, bt, 16, slot, nv, out), {"programs_per_sm": 0}, "programs_per_sm must be"),
             ((iq, w, pool, bt, 16, slot, nv, out), {"maxnreg": 100}, "maxnreg must be"),
             ((iq, w, pool, bt, 16, slot, nv, out), {"hist_scratch": torch.zeros(4096)}, "hist_scratch must be"),
+            ((iq, w, pool, bt, 16, slot, nv, out), {"row_group": 3}, "row_group must be"),
+            ((iq, w, pool, bt, 16, slot, nv, out), {"row_group": True}, "row_group must be"),
             ((iq, w, pool, bt, 16, slot, nv, out), {}, "compute capability 9.0")):
         with pytest.raises(ValueError, match=match):
             run(*args, **kw)
@@ -333,3 +341,45 @@ def test_gpu_histogram_of_the_key_high_bytes(rows):
     got, _ = _pair(args, 64, 4160, hist=hist, hist_scratch=scratch)
     assert torch.equal(hist[:, :256].cpu(), 2 * want)
     assert not bool(scratch.any())
+
+
+def _draft_rows(runs: list[tuple[int, int]], seed: int, page: int = 64):
+    """Operands laid out as a step with draft rows lays them out: per (n_vis, rows) of `runs` one
+    request slot read by that many consecutive rows, seeing n_vis - rows + 1 .. n_vis entries (at
+    least 0), the rows' queries and weights their own."""
+    n_vis = [max(0, nv - (r - 1 - j)) for nv, r in runs for j in range(r)]
+    iq, w, pool, bt, _, nv = _inputs(len(n_vis), n_vis, seed=seed, page=page)
+    slot = torch.tensor([i for i, (_, r) in enumerate(runs) for _ in range(r)], dtype=torch.int32, device=DEVICE)
+    return iq, w, pool, bt, slot, nv
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page", [16, 64])
+def test_gpu_row_groups_give_the_same_bits(page):
+    """row_group 2, 4, 8 (draft rows scored together on each key tile read): the scores of row_group
+    1 bit for bit (and so the Triton path's), the fused histogram equal, a zeroed scratch left zero,
+    in both default configurations: runs of 1-9 rows of one slot (a run of 5 or 9 is groups of 4 and
+    1 at row_group 4), n_vis 0 and not a multiple of the tile, a slot read again after another's
+    rows (two runs), and with a candidate mask (rows then scored one a program)."""
+    runs = [(4103, 1), (777, 4), (130, 5), (2, 3), (1000, 2), (64, 1), (2048, 9), (65, 4)]
+    args = _draft_rows(runs, seed=page, page=page)
+    rows = args[0].shape[0]
+    args[4][-4:] = 1                      # the last run reads the second run's slot again
+    want = key_high_histogram(_pair(args, page, 4160)[1], args[5]).cpu()
+    g = torch.Generator(device=DEVICE).manual_seed(page)
+    cand = torch.rand(rows, 4160, generator=g, device=DEVICE) < 0.3
+    for kw in ({}, {"programs_per_sm": 3, "mma_pairs": False, "kperm": False}):
+        plain, ref = _pair(args, page, 4160, **kw)
+        _assert_bits_equal(plain, ref, f"page={page} {kw}")
+        for group in (2, 4, 8):
+            hist = torch.zeros(rows, 2568, dtype=torch.int32, device=DEVICE)
+            scratch = torch.zeros(GI.hist_scratch_numel(rows, 4160, DEVICE, kw.get("programs_per_sm"), group),
+                                  dtype=torch.int32, device=DEVICE)
+            got, _ = _pair(args, page, 4160, hist=hist, hist_scratch=scratch, row_group=group, **kw)
+            _assert_bits_equal(got, plain, f"row_group={group} page={page} {kw}")
+            assert torch.equal(hist[:, :256].cpu(), want), (group, kw)
+            assert not bool(hist[:, 256:].any()) and not bool(scratch.any()), (group, kw)
+            got, _ = _pair(args, page, 4160, row_group=group, **kw)
+            _assert_bits_equal(got, plain, f"row_group={group} page={page} {kw} without the histogram")
+    got, ref = _pair(args, page, 4160, cand=cand, row_group=4)
+    _assert_bits_equal(got, ref, f"row_group=4 page={page} with a candidate mask")
