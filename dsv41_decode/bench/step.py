@@ -280,7 +280,9 @@ def _call_cost(step, rows, name, ctx, nbytes, floor, info, gen, bench_name, prog
 
 def _kind_breakdown(steps, cfg, ctx, kinds_rows, floor, info, gen, bench_name, progress) -> list[dict]:
     """One layer of each kind alone, full vs the no_overlap variant where it was built (graphs of
-    repeated calls)."""
+    repeated calls). A row count that is not one of the steps' buckets runs in the smallest bucket
+    that holds it (its kernels launched at the bucket's rows): the record's case then names the
+    bucket ("bucket"), and so does the progress line."""
     out = []
     variants = [v for v in ("full", "no_overlap") if v in steps]
     for n in kinds_rows:
@@ -292,9 +294,12 @@ def _kind_breakdown(steps, cfg, ctx, kinds_rows, floor, info, gen, bench_name, p
                 us[variant] = graph_time_us(step.layer_call(L, bucket), replays=20, min_calls=8)
             nbytes = layer_weight_bytes(steps["full"].layers[L]) + kv_bytes_layer(cfg, L, ctx, n)
             base = {v: us[v] for v in variants if v != "full"}
-            out.append(record(bench_name, {"op": "layer", "kind": label, "layer": L, "rows": n, "context": ctx,
-                                           "tp": 1}, us["full"], nbytes, floor, base, info))
-            progress(f"  layer {L} {label} rows {n}: full {us['full']:.1f} us"
+            case = {"op": "layer", "kind": label, "layer": L, "rows": n, "context": ctx, "tp": 1}
+            if bucket != n:
+                case["bucket"] = bucket
+            out.append(record(bench_name, case, us["full"], nbytes, floor, base, info))
+            where = "" if bucket == n else f" (in the {bucket}-row bucket)"
+            progress(f"  layer {L} {label} rows {n}{where}: full {us['full']:.1f} us"
                      + "".join(f", {v} {us[v]:.1f} us" for v in base))
     return out
 
