@@ -142,8 +142,8 @@ class DecodeStep:
         (`comp_tail` in scripts/probe_step_schedule.py times both, docs/step.md).
     index_row_group: on an sm_90 GPU, the dense indexers' Gluon scorer scores a request's rows this
         many at a time on each key tile it reads (`gluon_index_scores_mxfp4_(row_group=)`: the keys
-        read and widened once for a request's decode and draft rows); the same bits. 1 (default)
-        or 2, 4, 8; elsewhere it changes nothing.
+        read and widened once for a request's decode and draft rows); the same bits. 1 (default),
+        2 or 4; elsewhere it changes nothing.
     mix_late_rows: in the buckets of at least this many rows each site's mixer is enqueued at the
         end of the next layer's input projections instead of right after the boundary before it
         (default `MIX_LATE_ROWS`, where it measured faster on an H200; LOW_BATCH_MAX_ROWS + 1:
@@ -175,7 +175,7 @@ class DecodeStep:
                             f"build the DecodeState with stage_rows >= {buckets[-1]}")
         if isinstance(mix_late_rows, bool) or not isinstance(mix_late_rows, int) or mix_late_rows < 1:
             raise StepError(f"mix_late_rows must be an int >= 1, got {mix_late_rows!r}")
-        if isinstance(index_row_group, bool) or index_row_group not in ROW_GROUPS:
+        if isinstance(index_row_group, bool) or not isinstance(index_row_group, int) or index_row_group not in ROW_GROUPS:
             raise StepError(f"index_row_group must be one of {ROW_GROUPS}, got {index_row_group!r}")
         if tp_boundary not in ("auto", "collective", "fused"):
             raise StepError(f"tp_boundary must be 'auto', 'collective' or 'fused', got {tp_boundary!r}")

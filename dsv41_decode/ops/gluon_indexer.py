@@ -49,6 +49,13 @@ over its row's tiles of BLOCK_E = 64 entries: tile p, p + P, ...):
   order they land in).
 
 Past the visible tiles, each program writes -inf to its share of the tiles up to max_entries.
+
+With `row_group` (GROUP > 1), a request's consecutive rows (its decode and draft rows: one request
+slot, n_vis > 0) are scored GROUP at a time: the group's programs (GROUP x a row's share) take its
+tiles in turn up to its rows' largest n_vis, and each copies and widens a tile once and runs every
+row's wgmmas and epilogue on it (`_score_tile`), with the rows' queries, powers of two and head
+weights in shared memory, a histogram's counters per row, and each row's entries past its own
+n_vis -inf.
 """
 
 from __future__ import annotations
@@ -67,7 +74,7 @@ from .indexer import index_scores_args
 BLOCK_E = 64          # entries per tile: the wgmma's M (one warpgroup)
 HIST_BINS = 256       # the high byte of a score's 16-bit key
 MAX_STAGES = 12
-ROW_GROUPS = (1, 2, 4, 8)   # gluon_index_scores_mxfp4_'s row_group
+ROW_GROUPS = (1, 2, 4)      # gluon_index_scores_mxfp4_'s row_group
 _BLOCK_E = gl.constexpr(BLOCK_E)
 _HIST_BINS = gl.constexpr(HIST_BINS)
 _WORDS = gl.constexpr(17)      # int32 words per 68-byte record: 16 code words, then the 4 scale bytes
@@ -299,23 +306,29 @@ def _score_tile(a8, q_smem, sw, f0, f1, f2, f3, wv, wb, zero, offs, vis, out_row
 
 
 @gluon.jit
-def _row_group(slot_ptr, n, n_rows, GROUP: gl.constexpr):
+def _row_group(slot_ptr, nvis_ptr, n, n_rows, GROUP: gl.constexpr):
     """(lead, size, rank) of row n's group: the rows of a run of consecutive rows with row n's
-    request slot (a request's draft rows) taken GROUP at a time from the run's first row; lead the
-    group's first row, size its rows (1..GROUP), rank row n's place in it. Every row of a group
-    computes the same group."""
+    request slot and entries to score (n_vis > 0: a request's decode and draft rows; a row without
+    entries, such as the step's padding rows, is a group of its own) taken GROUP at a time from the
+    run's first row; lead the group's first row, size its rows (1..GROUP), rank row n's place in
+    it. Every row of a group computes the same group."""
     slot_n = gl.load(slot_ptr + n)
     first = n
-    prev = gl.load(slot_ptr + n - 1, mask=n > 0, other=-1)
-    while (prev == slot_n) & (first > 0):
-        first -= 1
-        prev = gl.load(slot_ptr + first - 1, mask=first > 0, other=-1)
+    if gl.load(nvis_ptr + n) > 0:
+        go = (n > 0) & (gl.load(slot_ptr + n - 1, mask=n > 0, other=0) == slot_n)
+        go = go & (gl.load(nvis_ptr + n - 1, mask=n > 0, other=0) > 0)
+        while go:
+            first -= 1
+            go = (first > 0) & (gl.load(slot_ptr + first - 1, mask=first > 0, other=0) == slot_n)
+            go = go & (gl.load(nvis_ptr + first - 1, mask=first > 0, other=0) > 0)
     lead = first + (n - first) // GROUP * GROUP
     size = n * 0 + 1
+    grow = gl.load(nvis_ptr + n) > 0
     for j in gl.static_range(1, GROUP):
         ok = lead + j < n_rows
-        nxt = gl.load(slot_ptr + lead + j, mask=ok, other=-1)
-        size += ((nxt == slot_n) & ok & (size == j)).to(gl.int32)
+        nxt = gl.load(slot_ptr + lead + j, mask=ok, other=0)
+        more = gl.load(nvis_ptr + lead + j, mask=ok, other=0) > 0
+        size += (grow & (nxt == slot_n) & ok & more & (size == j)).to(gl.int32)
     return lead, size, n - lead
 
 
@@ -368,7 +381,7 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
         # the group's rows share its key tiles: its size x nprog programs take them in turn, each
         # scoring every row of the group on its tiles (the rows' queries, powers of two and head
         # weights in shared memory); the records are read up to the group's largest n_vis
-        lead, size, rank = _row_group(slot_ptr, n, gl.num_programs(0), GROUP)
+        lead, size, rank = _row_group(slot_ptr, nvis_ptr, n, gl.num_programs(0), GROUP)
         q_rows = gl.allocate_shared_memory(gl.float8e4nv, [GROUP, BLOCK_H, 128], q_l8)
         f_rows = gl.allocate_shared_memory(gl.float32, [4 * GROUP, BLOCK_H], plain1)
         w_rows = gl.allocate_shared_memory(gl.float32, [GROUP, BLOCK_H], plain1)
@@ -401,15 +414,15 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
         wv = wraw.to(gl.float32)
         wb = wraw.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
     else:
-        # every row of the group's slots (a row past the group, of another group or the last row,
-        # fills a slot no tile reads); the loop's first barrier orders these stores before its reads
+        # the group's rows' slots; the loop's first barrier orders these stores before its reads
         for j in gl.static_range(GROUP):
-            row = gl.minimum(lead + j, gl.num_programs(0) - 1)
-            for b in gl.static_range(4):
-                f_rows.index(4 * j + b).store(_q_block(iq_ptr, row, iq_sn, iq_sh, heads, q_rows.index(j), b, BLOCK_H,
-                                                       q_l, col_l, KPERM))
-            w_rows.index(j).store(gl.load(w_ptr + row.to(gl.int64) * w_sn + rh, mask=rh < heads,
-                                          other=0.0).to(gl.float32))
+            if j < size:
+                row = lead + j
+                for b in gl.static_range(4):
+                    f_rows.index(4 * j + b).store(_q_block(iq_ptr, row, iq_sn, iq_sh, heads, q_rows.index(j), b,
+                                                           BLOCK_H, q_l, col_l, KPERM))
+                w_rows.index(j).store(gl.load(w_ptr + row.to(gl.int64) * w_sn + rh, mask=rh < heads,
+                                              other=0.0).to(gl.float32))
     zero = gl.zeros([_BLOCK_E, BLOCK_H], gl.float32, mma_l)
     bins = gl.arange(0, _HIST_BINS, layout=hist_l)
     # the program's own histograms, one per row it scores (GROUP): 256 counters each in global
@@ -572,7 +585,7 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
       `_WS_HI` at column 0): the launch adds to hist[n, 0:256] the histogram of the high bytes of
       row n's selectable scores' 16-bit keys (`ops.topk._keys`, group 1); the caller zeroes it.
     hist_scratch: with hist, optionally the programs' counters: int32, contiguous, at least
-      `hist_scratch_numel(N, max_entries, device, programs_per_sm)` elements; left as it was found
+      `hist_scratch_numel(N, max_entries, device, programs_per_sm, row_group)` elements; left as it was found
       when that was zero (each program zeroes its counters before and after use). None: the launch
       allocates one (torch.empty).
     stages: ring slots of 64 records (2..MAX_STAGES); STAGES - 1 tiles are in flight per program.
@@ -589,9 +602,10 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
     kperm: the key tile's columns in a block in the widening's natural order (low nibbles' bytes, then
       high nibbles'), the query's permuted to match (no byte permutes); the same bits (a block's
       products are exact).
-    row_group: 1, 2, 4 or 8. Above 1 (and without cand_mask; with it rows are scored one a program),
-      consecutive rows of one request slot (a request's draft rows) are scored row_group at a time
-      on each key tile read: a run of such rows splits into groups of row_group from its first row,
+    row_group: 1, 2 or 4. Above 1 (and without cand_mask; with it rows are scored one a program),
+      consecutive rows of one request slot with n_vis > 0 (a request's decode and draft rows) are
+      scored row_group at a time on each key tile read: a run of such rows splits into groups of
+      row_group from its first row (a row with n_vis 0 is a group of its own),
       and a group's programs (row_group x its rows' share) take its tiles in turn up to its rows'
       largest n_vis, each scoring every row of the group on them (the keys read and widened once a
       group instead of once a row; the same bits: each row's scores are the same MMAs and epilogue).
@@ -609,7 +623,7 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
                                          and hist_scratch.device == iq.device):
         raise ValueError(f"hist_scratch must be None or a contiguous int32 tensor on {iq.device}, got "
                          f"{tuple(hist_scratch.shape)} {hist_scratch.dtype} on {hist_scratch.device}")
-    if row_group not in ROW_GROUPS or isinstance(row_group, bool):
+    if isinstance(row_group, bool) or not isinstance(row_group, int) or row_group not in ROW_GROUPS:
         raise ValueError(f"row_group must be one of {ROW_GROUPS}, got {row_group!r}")
     if isinstance(stages, bool) or not isinstance(stages, int) or not 2 <= stages <= MAX_STAGES:
         raise ValueError(f"stages must be an int in [2, {MAX_STAGES}], got {stages!r}")

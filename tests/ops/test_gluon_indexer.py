@@ -346,40 +346,69 @@ def test_gpu_histogram_of_the_key_high_bytes(rows):
 def _draft_rows(runs: list[tuple[int, int]], seed: int, page: int = 64):
     """Operands laid out as a step with draft rows lays them out: per (n_vis, rows) of `runs` one
     request slot read by that many consecutive rows, seeing n_vis - rows + 1 .. n_vis entries (at
-    least 0), the rows' queries and weights their own."""
+    least 0), the rows' queries and weights their own; int64 slots (the step's)."""
     n_vis = [max(0, nv - (r - 1 - j)) for nv, r in runs for j in range(r)]
     iq, w, pool, bt, _, nv = _inputs(len(n_vis), n_vis, seed=seed, page=page)
-    slot = torch.tensor([i for i, (_, r) in enumerate(runs) for _ in range(r)], dtype=torch.int32, device=DEVICE)
+    slot = torch.tensor([i for i, (_, r) in enumerate(runs) for _ in range(r)], dtype=torch.int64, device=DEVICE)
     return iq, w, pool, bt, slot, nv
+
+
+def _check_row_groups(args, page: int, max_entries: int, kws: list[dict], groups=(2, 4)) -> None:
+    """row_group in `groups` against row_group 1 (itself against the Triton path) in each
+    configuration of `kws`: the scores bit for bit, the fused histogram (with a zeroed scratch of
+    the caller's, left zero, and with the launch's own), and without the histogram."""
+    rows = args[0].shape[0]
+    want = key_high_histogram(_pair(args, page, max_entries)[1], args[5]).cpu()
+    for kw in kws:
+        plain, ref = _pair(args, page, max_entries, **kw)
+        _assert_bits_equal(plain, ref, f"page={page} {kw}")
+        for group in groups:
+            hist = torch.zeros(rows, 2568, dtype=torch.int32, device=DEVICE)
+            scratch = torch.zeros(GI.hist_scratch_numel(rows, max_entries, DEVICE, kw.get("programs_per_sm"), group),
+                                  dtype=torch.int32, device=DEVICE)
+            got, _ = _pair(args, page, max_entries, hist=hist, hist_scratch=scratch, row_group=group, **kw)
+            _assert_bits_equal(got, plain, f"row_group={group} page={page} {kw}")
+            assert torch.equal(hist[:, :256].cpu(), want), (group, kw)
+            assert not bool(hist[:, 256:].any()) and not bool(scratch.any()), (group, kw)
+            hist.zero_()
+            got, _ = _pair(args, page, max_entries, hist=hist, row_group=group, **kw)     # the launch's scratch
+            _assert_bits_equal(got, plain, f"row_group={group} page={page} {kw}, the launch's scratch")
+            assert torch.equal(hist[:, :256].cpu(), want), (group, kw)
+            got, _ = _pair(args, page, max_entries, row_group=group, **kw)
+            _assert_bits_equal(got, plain, f"row_group={group} page={page} {kw} without the histogram")
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("page", [16, 64])
 def test_gpu_row_groups_give_the_same_bits(page):
-    """row_group 2, 4, 8 (draft rows scored together on each key tile read): the scores of row_group
-    1 bit for bit (and so the Triton path's), the fused histogram equal, a zeroed scratch left zero,
-    in both default configurations: runs of 1-9 rows of one slot (a run of 5 or 9 is groups of 4 and
-    1 at row_group 4), n_vis 0 and not a multiple of the tile, a slot read again after another's
-    rows (two runs), and with a candidate mask (rows then scored one a program)."""
-    runs = [(4103, 1), (777, 4), (130, 5), (2, 3), (1000, 2), (64, 1), (2048, 9), (65, 4)]
+    """row_group 2 and 4 (a request's rows scored together on each key tile read): the scores of
+    row_group 1 bit for bit (and so the Triton path's) and the fused histogram, in both default
+    configurations, with the BF16x2 terms, and with one program a row and a two-slot ring (every
+    program several tiles, the ring refilled under a multi-row group): runs of 1-9 rows of one slot
+    (at row_group 4 a run of 5 or 9 is groups of 4 and 1), the first row in a run, n_vis 0, past
+    max_entries (4100, not a multiple of the tile) and not a multiple of the tile, a slot read again
+    after another's rows, and the step's padding after a run of slot 0 (rows of slot 0 and n_vis
+    0: groups of their own); then with a candidate mask (rows scored one a program)."""
+    runs = [(4103, 3), (777, 4), (130, 5), (2, 3), (1000, 2), (64, 1), (2048, 9), (65, 4), (0, 1)]
     args = _draft_rows(runs, seed=page, page=page)
-    rows = args[0].shape[0]
-    args[4][-4:] = 1                      # the last run reads the second run's slot again
-    want = key_high_histogram(_pair(args, page, 4160)[1], args[5]).cpu()
+    args[4][-5:-1] = 1                    # the last run reads the second run's slot again
+    args[4][-1] = 0                       # then a padding row: slot 0, n_vis 0
+    configs = [{}, {"programs_per_sm": 3, "mma_pairs": False, "kperm": False}, {"packed_terms": True},
+               {"programs_per_sm": 1, "stages": 2}]
+    _check_row_groups(args, page, 4100, configs)
     g = torch.Generator(device=DEVICE).manual_seed(page)
-    cand = torch.rand(rows, 4160, generator=g, device=DEVICE) < 0.3
-    for kw in ({}, {"programs_per_sm": 3, "mma_pairs": False, "kperm": False}):
-        plain, ref = _pair(args, page, 4160, **kw)
-        _assert_bits_equal(plain, ref, f"page={page} {kw}")
-        for group in (2, 4, 8):
-            hist = torch.zeros(rows, 2568, dtype=torch.int32, device=DEVICE)
-            scratch = torch.zeros(GI.hist_scratch_numel(rows, 4160, DEVICE, kw.get("programs_per_sm"), group),
-                                  dtype=torch.int32, device=DEVICE)
-            got, _ = _pair(args, page, 4160, hist=hist, hist_scratch=scratch, row_group=group, **kw)
-            _assert_bits_equal(got, plain, f"row_group={group} page={page} {kw}")
-            assert torch.equal(hist[:, :256].cpu(), want), (group, kw)
-            assert not bool(hist[:, 256:].any()) and not bool(scratch.any()), (group, kw)
-            got, _ = _pair(args, page, 4160, row_group=group, **kw)
-            _assert_bits_equal(got, plain, f"row_group={group} page={page} {kw} without the histogram")
-    got, ref = _pair(args, page, 4160, cand=cand, row_group=4)
+    cand = torch.rand(args[0].shape[0], 4100, generator=g, device=DEVICE) < 0.3
+    got, ref = _pair(args, page, 4100, cand=cand, row_group=4)
     _assert_bits_equal(got, ref, f"row_group=4 page={page} with a candidate mask")
+
+
+@pytest.mark.gpu
+def test_gpu_row_groups_at_the_steps_shapes():
+    """The step's layout at 16 rows: four requests of a decode row and three draft rows at 32K
+    entries (ratio 1) and one at 1 row x 128K + padding rows (slot 0, n_vis 0), row_group 4 against
+    1, at pages of 64 with the histogram."""
+    args = _draft_rows([(32768, 4), (30000, 4), (32000, 4), (20000, 4)], seed=91, page=64)
+    _check_row_groups(args, 64, 32768, [{}], groups=(4,))
+    args = _draft_rows([(131072, 1), (0, 7)], seed=92, page=64)
+    args[4][1:] = 0
+    _check_row_groups(args, 64, 131072, [{}], groups=(4,))
