@@ -605,10 +605,11 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
     row_group: 1, 2 or 4. Above 1 (and without cand_mask; with it rows are scored one a program),
       consecutive rows of one request slot with n_vis > 0 (a request's decode and draft rows) are
       scored row_group at a time on each key tile read: a run of such rows splits into groups of
-      row_group from its first row (a row with n_vis 0 is a group of its own),
-      and a group's programs (row_group x its rows' share) take its tiles in turn up to its rows'
-      largest n_vis, each scoring every row of the group on them (the keys read and widened once a
-      group instead of once a row; the same bits: each row's scores are the same MMAs and epilogue).
+      row_group from its first row (a row with n_vis 0 is a group of its own; a call of one row
+      runs without groups), and a group's programs (row_group x its rows' share) take its tiles in
+      turn up to its rows' largest n_vis, each scoring every row of the group on them (the keys read
+      and widened once a group instead of once a row; the same bits: each row's scores are the same
+      MMAs and epilogue). Finding a row's group costs a few dependent loads before the first copy.
       With hist the scratch holds row_group counters a program (`hist_scratch_numel`).
     Unchecked: as `index_scores_mxfp4_`. Returns out.
     """
@@ -645,7 +646,7 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
     cand = cand_mask.view(torch.uint8) if cand_mask is not None else out
     hist_t = hist if hist is not None else n_vis
     grid = (n_rows, programs_per_row(n_rows, max_entries, iq.device, programs_per_sm))
-    group = row_group if cand_mask is None else 1
+    group = row_group if cand_mask is None and n_rows > 1 else 1      # one row: nothing to group
     scratch = n_vis
     if hist is not None:
         # each program's own 256 counters a row it scores, which it zeroes first: any contents will do
