@@ -602,7 +602,9 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
     kperm: the key tile's columns in a block in the widening's natural order (low nibbles' bytes, then
       high nibbles'), the query's permuted to match (no byte permutes); the same bits (a block's
       products are exact).
-    row_group: 1, 2 or 4. Above 1 (and without cand_mask; with it rows are scored one a program),
+    row_group: 1, 2 or 4. Above 1 (and without cand_mask; with it rows are scored one a program: the
+      union of a group's masks took 156-176 registers with mma_pairs, three programs an SM, and
+      spilled at a cap of 128, sm_90 compiles),
       consecutive rows of one request slot with n_vis > 0 (a request's decode and draft rows) are
       scored row_group at a time on each key tile read: a run of such rows splits into groups of
       row_group from its first row (a row with n_vis 0 is a group of its own; a call of one row
