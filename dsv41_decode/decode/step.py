@@ -175,7 +175,8 @@ class DecodeStep:
                             f"build the DecodeState with stage_rows >= {buckets[-1]}")
         if isinstance(mix_late_rows, bool) or not isinstance(mix_late_rows, int) or mix_late_rows < 1:
             raise StepError(f"mix_late_rows must be an int >= 1, got {mix_late_rows!r}")
-        if isinstance(index_row_group, bool) or not isinstance(index_row_group, int) or index_row_group not in ROW_GROUPS:
+        if (isinstance(index_row_group, bool) or not isinstance(index_row_group, int)
+                or index_row_group not in ROW_GROUPS):
             raise StepError(f"index_row_group must be one of {ROW_GROUPS}, got {index_row_group!r}")
         if tp_boundary not in ("auto", "collective", "fused"):
             raise StepError(f"tp_boundary must be 'auto', 'collective' or 'fused', got {tp_boundary!r}")

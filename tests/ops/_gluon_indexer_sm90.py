@@ -1,8 +1,9 @@
 """Run by tests/ops/test_gluon_indexer.py in a subprocess without the Triton interpreter (the kernel calls
 `fp4.bf16_round`, a Triton JIT function that the interpreter would replace), and by hand: compiles
 `ops.gluon_indexer`'s kernel for sm_90 in CASES and prints one JSON object per case: its registers,
-stack, local memory and shared memory, the opcode counts, the wgmma instructions and waits. `python
-tests/ops/_gluon_indexer_sm90.py [heads:page:stages:cand:hist[:maxnreg[:packed[:pairs[:kperm[:group]]]]]] ...]` compiles the given cases instead."""
+stack, local memory and shared memory, the opcode counts, the wgmma instructions and waits.
+`python tests/ops/_gluon_indexer_sm90.py [heads:page:stages:cand:hist[:maxnreg[:packed[:pairs[:kperm
+[:group]]]]]] ...]` (one case per argument, colon-separated) compiles the given cases instead."""
 
 from __future__ import annotations
 

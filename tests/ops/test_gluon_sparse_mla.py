@@ -416,7 +416,8 @@ def test_gpu_bits_against_the_triton_kernel_are_measured():
                                     G.GluonSparseMlaConfig(dim_split=4, combine="spread"), SPREAD_VALUES, LUT,
                                     SPLIT4SVL, SPREADVLC, PVRING4K2, PVRING4K2T, PVRING4K2TP, PV64RING3K2T],
                          ids=["split4", "split2", "spread", "split4-spread", "spread-values", "fp4-lut", "split4svl",
-                              "spreadvlc", "pv-ring4-k2", "pv-ring4-k2-tma", "pv-ring4-k2-tma-pdl", "pv64-ring3-k2-tma"])
+                              "spreadvlc", "pv-ring4-k2", "pv-ring4-k2-tma", "pv-ring4-k2-tma-pdl",
+                              "pv64-ring3-k2-tma"])
 @pytest.mark.parametrize("h", [8, 64])
 @pytest.mark.parametrize("n", [1, 64])
 def test_gpu_configs_against_the_reference(config, h, n):
