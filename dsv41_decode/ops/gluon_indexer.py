@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -305,30 +306,31 @@ def _score_tile(a8, q_smem, sw, f0, f1, f2, f3, wv, wb, zero, offs, vis, out_row
         gl.atomic_add(priv + b, cnt, mask=cnt > 0, sem="relaxed")
 
 
-@gluon.jit
-def _row_group(slot_ptr, nvis_ptr, n, n_rows, GROUP: gl.constexpr):
+@triton.jit
+def row_group(slot_ptr, nvis_ptr, n, n_rows, GROUP: tl.constexpr):
     """(lead, size, rank) of row n's group: the rows of a run of consecutive rows with row n's
     request slot and entries to score (n_vis > 0: a request's decode and draft rows; a row without
     entries, such as the step's padding rows, is a group of its own) taken GROUP at a time from the
     run's first row; lead the group's first row, size its rows (1..GROUP), rank row n's place in
-    it. Every row of a group computes the same group."""
-    slot_n = gl.load(slot_ptr + n)
+    it. Every row of a group computes the same group. A Triton function (scalar loads only), so the
+    interpreter tests the scorer's grouping on the CPU (tests/ops/test_gluon_indexer.py)."""
+    slot_n = tl.load(slot_ptr + n)
     first = n
-    if gl.load(nvis_ptr + n) > 0:
-        go = (n > 0) & (gl.load(slot_ptr + n - 1, mask=n > 0, other=0) == slot_n)
-        go = go & (gl.load(nvis_ptr + n - 1, mask=n > 0, other=0) > 0)
+    if tl.load(nvis_ptr + n) > 0:
+        go = (n > 0) & (tl.load(slot_ptr + n - 1, mask=n > 0, other=0) == slot_n)
+        go = go & (tl.load(nvis_ptr + n - 1, mask=n > 0, other=0) > 0)
         while go:
             first -= 1
-            go = (first > 0) & (gl.load(slot_ptr + first - 1, mask=first > 0, other=0) == slot_n)
-            go = go & (gl.load(nvis_ptr + first - 1, mask=first > 0, other=0) > 0)
+            go = (first > 0) & (tl.load(slot_ptr + first - 1, mask=first > 0, other=0) == slot_n)
+            go = go & (tl.load(nvis_ptr + first - 1, mask=first > 0, other=0) > 0)
     lead = first + (n - first) // GROUP * GROUP
     size = n * 0 + 1
-    grow = gl.load(nvis_ptr + n) > 0
-    for j in gl.static_range(1, GROUP):
+    grow = tl.load(nvis_ptr + n) > 0
+    for j in tl.static_range(1, GROUP):
         ok = lead + j < n_rows
-        nxt = gl.load(slot_ptr + lead + j, mask=ok, other=0)
-        more = gl.load(nvis_ptr + lead + j, mask=ok, other=0) > 0
-        size += (grow & (nxt == slot_n) & ok & more & (size == j)).to(gl.int32)
+        nxt = tl.load(slot_ptr + lead + j, mask=ok, other=0)
+        more = tl.load(nvis_ptr + lead + j, mask=ok, other=0) > 0
+        size += (grow & (nxt == slot_n) & ok & more & (size == j)).to(tl.int32)
     return lead, size, n - lead
 
 
@@ -381,7 +383,7 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
         # the group's rows share its key tiles: its size x nprog programs take them in turn, each
         # scoring every row of the group on its tiles (the rows' queries, powers of two and head
         # weights in shared memory); the records are read up to the group's largest n_vis
-        lead, size, rank = _row_group(slot_ptr, nvis_ptr, n, gl.num_programs(0), GROUP)
+        lead, size, rank = row_group(slot_ptr, nvis_ptr, n, gl.num_programs(0), GROUP)
         q_rows = gl.allocate_shared_memory(gl.float8e4nv, [GROUP, BLOCK_H, 128], q_l8)
         f_rows = gl.allocate_shared_memory(gl.float32, [4 * GROUP, BLOCK_H], plain1)
         w_rows = gl.allocate_shared_memory(gl.float32, [GROUP, BLOCK_H], plain1)

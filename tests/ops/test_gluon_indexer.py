@@ -3,7 +3,8 @@
 On the CPU: the kernel compiles for sm_90 (Triton's own ptxas) for the step's dense call with and
 without the fused histogram, the candidate-restricted call, 64 heads and a deep ring, without
 spills, and its SASS holds four FP8 wgmmas (m64 n{BLOCK_H} k32, each from a zero accumulator) and
-the asynchronous record copies (LDGSTS); bad arguments raise errors that name them.
+the asynchronous record copies (LDGSTS); bad arguments raise errors that name them; the grouping of
+a request's rows (`row_group`, a Triton function the kernel calls) in the interpreter.
 
 On the GPU (`-m gpu`): the scores against `ops.indexer.index_scores_mxfp4_(fp8_dot=True)` (the
 Triton FP8 path, the step's), bit for bit, at 1, 4, 16 and 64 rows, contexts 0..4103 (partial
@@ -23,10 +24,13 @@ confirms it. Against the reference the tolerance is `test_indexer._check`'s (the
 order: at most one BF16 ulp of the row's largest score, >= 99 % of scores equal).
 """
 
+import random
 from pathlib import Path
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from dsv41_decode.ops import gluon_indexer as GI
 from dsv41_decode.ops.indexer import index_scores_mxfp4_
@@ -157,6 +161,54 @@ def test_bad_inputs_raise_naming_the_argument():
             ((iq, w, pool, bt, 16, slot, nv, out), {}, "compute capability 9.0")):
         with pytest.raises(ValueError, match=match):
             run(*args, **kw)
+
+
+@triton.jit
+def _row_groups_kernel(slot_ptr, nvis_ptr, out_ptr, n_rows, GROUP: tl.constexpr):
+    n = tl.program_id(0)
+    lead, size, rank = GI.row_group(slot_ptr, nvis_ptr, n, n_rows, GROUP)
+    tl.store(out_ptr + 3 * n, lead)
+    tl.store(out_ptr + 3 * n + 1, size)
+    tl.store(out_ptr + 3 * n + 2, rank)
+
+
+def _row_groups_wanted(slots: list[int], n_vis: list[int], group: int) -> list[tuple[int, int, int]]:
+    """(lead, size, rank) of every row by the definition: runs of consecutive rows with one slot and
+    n_vis > 0, each split into groups of `group` rows from its first; any other row alone."""
+    out, i, n = [], 0, len(slots)
+    while i < n:
+        j = i + 1
+        if n_vis[i] > 0:
+            while j < n and n_vis[j] > 0 and slots[j] == slots[i]:
+                j += 1
+        for a in range(i, j, group):
+            b = min(a + group, j)
+            out += [(a, b - a, r - a) for r in range(a, b)]
+        i = j
+    return out
+
+
+def test_row_group_finds_each_rows_group():
+    """`gluon_indexer.row_group` (the scorer's grouping of a request's rows, a Triton function the
+    Gluon kernel calls), run by the interpreter: every row's (lead, size, rank) as defined, at
+    row_group 2 and 4, on the step's layouts (requests of 1-9 rows, padding rows of slot 0 and n_vis
+    0 after a real slot-0 request, a slot again after another's rows, n_vis 0 inside a request, one
+    row, int32 and int64 slots) and random ones."""
+    layouts = [([0], [5]), ([0] * 9, [7] * 9), ([3, 3, 3, 3, 3, 1, 1, 0, 0, 0], [9, 9, 9, 9, 9, 4, 4, 2, 0, 0]),
+               ([2, 2, 5, 2, 2, 2], [1, 0, 3, 3, 3, 3]), ([0, 0, 0, 1, 1, 1, 1, 1], [5, 6, 0, 1, 2, 3, 4, 5])]
+    rng = random.Random(3)
+    for _ in range(12):
+        n = rng.randint(1, 40)
+        slots = [rng.choice((0, 1, 2)) for _ in range(n)]
+        layouts.append((slots, [rng.choice((0, 1, 64, 4000)) for _ in range(n)]))
+    for slots, n_vis in layouts:
+        for group in (2, 4):
+            for dtype in (torch.int32, torch.int64):
+                out = torch.full((len(slots), 3), -7, dtype=torch.int32)
+                _row_groups_kernel[(len(slots),)](torch.tensor(slots, dtype=dtype),
+                                                  torch.tensor(n_vis, dtype=torch.int32), out, len(slots), group)
+                got = [tuple(r) for r in out.tolist()]
+                assert got == _row_groups_wanted(slots, n_vis, group), (slots, n_vis, group, dtype)
 
 
 # --- GPU ---------------------------------------------------------------------------------------
