@@ -317,8 +317,18 @@ def row_group(slot_ptr, nvis_ptr, n, n_rows, GROUP: tl.constexpr):
     slot_n = tl.load(slot_ptr + n)
     first = n
     if tl.load(nvis_ptr + n) > 0:
-        go = (n > 0) & (tl.load(slot_ptr + n - 1, mask=n > 0, other=0) == slot_n)
-        go = go & (tl.load(nvis_ptr + n - 1, mask=n > 0, other=0) > 0)
+        # the GROUP - 1 rows before row n in one round of independent loads (a request's rows: its
+        # decode row and its drafts), then one row at a time where the run is longer
+        go = n >= 0
+        for j in tl.static_range(1, GROUP):
+            ok = n - j >= 0
+            same = (tl.load(slot_ptr + n - j, mask=ok, other=0) == slot_n) & (tl.load(nvis_ptr + n - j, mask=ok,
+                                                                                       other=0) > 0)
+            go = go & ok & same
+            first -= go.to(tl.int32)
+        go = go & (first > 0)
+        go = go & (tl.load(slot_ptr + first - 1, mask=go, other=0) == slot_n)
+        go = go & (tl.load(nvis_ptr + first - 1, mask=go, other=0) > 0)
         while go:
             first -= 1
             go = (first > 0) & (tl.load(slot_ptr + first - 1, mask=first > 0, other=0) == slot_n)
