@@ -426,9 +426,10 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
         wv = wraw.to(gl.float32)
         wb = wraw.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
     else:
-        # the group's rows' slots; the loop's first barrier orders these stores before its reads
+        # the group's rows' slots (a program without tiles skips them); the loop's first barrier
+        # orders these stores before its reads
         for j in gl.static_range(GROUP):
-            if j < size:
+            if (j < size) & (first_tile < n_tiles):
                 row = lead + j
                 for b in gl.static_range(4):
                     f_rows.index(4 * j + b).store(_q_block(iq_ptr, row, iq_sn, iq_sh, heads, q_rows.index(j), b,
