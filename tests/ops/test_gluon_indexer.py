@@ -213,12 +213,13 @@ def test_row_group_finds_each_rows_group():
 
 # --- GPU ---------------------------------------------------------------------------------------
 
-def _inputs(rows: int, n_vis: list[int], seed: int, page: int = 16, heads: int = 32):
-    """test_indexer's operands at `page` entries a page (the module's page is rebound for the call)."""
+def _inputs(rows: int, n_vis: list[int], seed: int, page: int = 16, heads: int = 32, slots: int | None = None):
+    """test_indexer's operands at `page` entries a page (the module's page is rebound for the call);
+    slots: the request slots with pages (default: one a row)."""
     old = TI._PAGE
     TI._PAGE = page
     try:
-        return TI.make_inputs(rows, heads, n_vis, seed)
+        return TI.make_inputs(rows, heads, n_vis, seed, slots)
     finally:
         TI._PAGE = old
 
@@ -400,7 +401,7 @@ def _draft_rows(runs: list[tuple[int, int]], seed: int, page: int = 64):
     request slot read by that many consecutive rows, seeing n_vis - rows + 1 .. n_vis entries (at
     least 0), the rows' queries and weights their own; int64 slots (the step's)."""
     n_vis = [max(0, nv - (r - 1 - j)) for nv, r in runs for j in range(r)]
-    iq, w, pool, bt, _, nv = _inputs(len(n_vis), n_vis, seed=seed, page=page)
+    iq, w, pool, bt, _, nv = _inputs(len(n_vis), n_vis, seed=seed, page=page, slots=len(runs))
     slot = torch.tensor([i for i, (_, r) in enumerate(runs) for _ in range(r)], dtype=torch.int64, device=DEVICE)
     return iq, w, pool, bt, slot, nv
 
