@@ -231,22 +231,6 @@ def _block_scale(sw, blk: gl.constexpr):
     return (((sw >> (8 * blk)) & 0xFF) << 23).to(gl.float32, bitcast=True)
 
 
-# `_key_votes`' PTX in parts, on a score's FP32 bits $2: v whether it is selectable (not
-# -inf, not NaN), k its order-preserving key in the top 16 bits (-0.0 as +0.0: the bits with the
-# sign's complement flipped in, x ^ (x >> 31 | 0x80000000)); then p whether this lane leads its quad
-# (lane % 4 == 0) and the score is selectable
-_KEY_PTX = ("setp.gt.f32 v, $2, 0fFF800000;\n\t"
-            "setp.eq.u32 z, $2, 0x80000000;\n\tselp.b32 b, 0, $2, z;\n\t"
-            "shr.s32 s, b, 31;\n\tor.b32 s, s, 0x80000000;\n\txor.b32 k, b, s;\n\t")
-_LEADER_PTX = "mov.u32 ln, %laneid;\n\tand.b32 t, ln, 3;\n\tsetp.eq.u32 p, t, 0;\n\tand.pred p, p, v;\n\t"
-_KEY_VOTES_PTX = gl.constexpr(
-    "{\n\t.reg .b32 b, s, k, ln, t, sel, m, lt;\n\t.reg .pred v, z, p, q;\n\t" + _KEY_PTX + "shr.u32 k, k, 24;\n\t"
-    + _LEADER_PTX + "add.u32 t, ln, 256;\n\tselp.b32 sel, k, t, p;\n\t"
-    "match.any.sync.b32 m, sel, 0xffffffff;\n\t"
-    "mov.u32 lt, %lanemask_lt;\n\tand.b32 lt, m, lt;\n\tsetp.eq.u32 q, lt, 0;\n\tand.pred q, q, p;\n\t"
-    "popc.b32 t, m;\n\tselp.b32 $0, t, 0, q;\n\tmov.b32 $1, k;\n\t}")
-
-
 @gluon.jit
 def _key_votes(score):
     """(count, bin) per element of `score` (FP32, BF16-representable) in the wgmma accumulator's
@@ -254,9 +238,19 @@ def _key_votes(score):
     `ops.topk._keys`'s order-preserving 16-bit key (group 1: -0.0 keyed as +0.0), and count, on
     the lowest lane of each group of quad-leading lanes (lane % 4 == 0) whose selectable scores
     share a bin, is how many they are (match.any); 0 elsewhere and for scores that are not
-    selectable (-inf, NaN) (`_KEY_PTX`'s key, its top byte)."""
-    return gl.inline_asm_elementwise(_KEY_VOTES_PTX, "=r,=r,r", [score.to(gl.int32, bitcast=True)],
-                                     dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
+    selectable (-inf, NaN). The key's high byte: the bits with the sign's complement flipped in
+    (x ^ (x >> 31 | 0x80000000)), the top byte of the result."""
+    return gl.inline_asm_elementwise(
+        "{\n\t.reg .b32 b, s, k, ln, t, sel, m, lt;\n\t.reg .pred v, z, p, q;\n\t"
+        "setp.gt.f32 v, $2, 0fFF800000;\n\t"
+        "setp.eq.u32 z, $2, 0x80000000;\n\tselp.b32 b, 0, $2, z;\n\t"
+        "shr.s32 s, b, 31;\n\tor.b32 s, s, 0x80000000;\n\txor.b32 k, b, s;\n\tshr.u32 k, k, 24;\n\t"
+        "mov.u32 ln, %laneid;\n\tand.b32 t, ln, 3;\n\tsetp.eq.u32 p, t, 0;\n\tand.pred p, p, v;\n\t"
+        "add.u32 t, ln, 256;\n\tselp.b32 sel, k, t, p;\n\t"
+        "match.any.sync.b32 m, sel, 0xffffffff;\n\t"
+        "mov.u32 lt, %lanemask_lt;\n\tand.b32 lt, m, lt;\n\tsetp.eq.u32 q, lt, 0;\n\tand.pred q, q, p;\n\t"
+        "popc.b32 t, m;\n\tselp.b32 $0, t, 0, q;\n\tmov.b32 $1, k;\n\t}",
+        "=r,=r,r", [score.to(gl.int32, bitcast=True)], dtype=(gl.int32, gl.int32), is_pure=True, pack=1)
 
 
 @gluon.jit

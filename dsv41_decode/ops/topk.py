@@ -536,15 +536,6 @@ def _write_linked_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width,
 
 
 @triton.jit
-def _clear_one_slots(ws_row, n_chunks):
-    """Zero the one-launch count slots of a row's n_chunks chunks (the one-launch path's last
-    program of the row, every program past its look-back)."""
-    rc = tl.arange(0, _MAXC)
-    tl.store(ws_row + _WS_ONE_GT + rc, tl.zeros([_MAXC], dtype=tl.int32), mask=rc < n_chunks)
-    tl.store(ws_row + _WS_ONE_EQ + rc, tl.zeros([_MAXC], dtype=tl.int32), mask=rc < n_chunks)
-
-
-@triton.jit
 def _row_histogram(ws_row, ARRIVED: tl.constexpr, HIST: tl.constexpr, s_ptr, row_off, n_chunks, n_vis, b1,
                    LOW: tl.constexpr, CHUNK: tl.constexpr, SPIN: tl.constexpr):
     """The one-launch kernel's arrival at a histogram of the row (the program's own share already
@@ -616,7 +607,9 @@ def _one_launch_kernel(s_ptr, nvis_ptr, ws_ptr, out_ptr, s_sn, out_sn, width, K:
     departed = tl.atomic_add(ws_row + _WS_DEPARTED, 1, sem="acq_rel", scope="gpu")
     if departed == n_chunks - 1:      # every program of the row is past its last read of the workspace
         tl.store(ws_row + _WS_HI + tl.arange(0, 512), tl.zeros([512], dtype=tl.int32))
-        _clear_one_slots(ws_row, n_chunks)
+        rc = tl.arange(0, _MAXC)
+        tl.store(ws_row + _WS_ONE_GT + rc, tl.zeros([_MAXC], dtype=tl.int32), mask=rc < n_chunks)
+        tl.store(ws_row + _WS_ONE_EQ + rc, tl.zeros([_MAXC], dtype=tl.int32), mask=rc < n_chunks)
         tl.store(ws_row + _WS_ARRIVED_HI, 0)
         tl.store(ws_row + _WS_ARRIVED_LO, 0)
         tl.store(ws_row + _WS_DEPARTED, 0)
