@@ -381,6 +381,8 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
     if GROUP == 1:
         q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_H, 128], q_l8)
         n_vis = gl.minimum(gl.load(nvis_ptr + n), max_entries)
+        lead = n
+        size = 1
         first_tile = pid
         stride = nprog
     else:
@@ -491,27 +493,17 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
     if HIST:
         # every thread's adds are done (the barrier orders them before these reads, from L2)
         gl.thread_barrier()
-        if GROUP == 1:
-            h = gl.load(priv + bins, cache_modifier=".cg")
-            gl.store(priv + bins, gl.zeros([_HIST_BINS], gl.int32, hist_l))     # each thread its own bins
-            gl.atomic_add(hist_ptr + n.to(gl.int64) * hist_sn + bins, h, mask=h > 0, sem="relaxed")
-        else:
-            for g in range(size):
-                h = gl.load(priv + g * _HIST_BINS + bins, cache_modifier=".cg")
-                gl.store(priv + g * _HIST_BINS + bins, gl.zeros([_HIST_BINS], gl.int32, hist_l))
-                gl.atomic_add(hist_ptr + (lead + g).to(gl.int64) * hist_sn + bins, h, mask=h > 0, sem="relaxed")
+        for g in range(size):                # each row the program scored (its group's)
+            h = gl.load(priv + g * _HIST_BINS + bins, cache_modifier=".cg")
+            gl.store(priv + g * _HIST_BINS + bins, gl.zeros([_HIST_BINS], gl.int32, hist_l))   # each thread its own
+            gl.atomic_add(hist_ptr + (lead + g).to(gl.int64) * hist_sn + bins, h, mask=h > 0, sem="relaxed")
 
     neg = gl.full([_BLOCK_E], float("-inf"), gl.float32, row_l)
-    if GROUP == 1:
-        for t in range(n_tiles + pid, gl.cdiv(max_entries, _BLOCK_E), nprog):
+    for g in range(size):
+        row_g = out_ptr + (lead + g).to(gl.int64) * out_sn
+        for t in range(n_tiles + first_tile, gl.cdiv(max_entries, _BLOCK_E), stride):
             offs = t * _BLOCK_E + gl.arange(0, _BLOCK_E, layout=row_l)
-            gl.store(out_row + offs, neg, mask=offs < max_entries)
-    else:
-        for g in range(size):
-            row_g = out_ptr + (lead + g).to(gl.int64) * out_sn
-            for t in range(n_tiles + first_tile, gl.cdiv(max_entries, _BLOCK_E), stride):
-                offs = t * _BLOCK_E + gl.arange(0, _BLOCK_E, layout=row_l)
-                gl.store(row_g + offs, neg, mask=offs < max_entries)
+            gl.store(row_g + offs, neg, mask=offs < max_entries)
 
 
 def block_h(heads: int) -> int:
