@@ -359,13 +359,14 @@ def test_gpu_default_configurations():
     _check_hist_with_scratch(_inputs(2, [4103, 1000], seed=78, page=64), 4160, {})
 
 
-def _check_hist_with_scratch(args, max_entries: int, kw: dict) -> None:
-    """The scores' bits and the fused histogram with a caller's zeroed scratch (left zero)."""
+def _check_hist_with_scratch(args, max_entries: int, kw: dict, page: int = 64) -> None:
+    """The scores' bits and the fused histogram with a caller's zeroed scratch (left zero; sized
+    for kw's programs_per_sm and row_group)."""
     rows = args[0].shape[0]
     hist = torch.zeros(rows, 2568, dtype=torch.int32, device=DEVICE)
-    pps = kw.get("programs_per_sm")
-    scratch = torch.zeros(GI.hist_scratch_numel(rows, max_entries, DEVICE, pps), dtype=torch.int32, device=DEVICE)
-    got, ref = _pair(args, 64, max_entries, hist=hist, hist_scratch=scratch, **kw)
+    numel = GI.hist_scratch_numel(rows, max_entries, DEVICE, kw.get("programs_per_sm"), kw.get("row_group", 1))
+    scratch = torch.zeros(numel, dtype=torch.int32, device=DEVICE)
+    got, ref = _pair(args, page, max_entries, hist=hist, hist_scratch=scratch, **kw)
     _assert_bits_equal(got, ref, f"{rows} rows with the histogram {kw}")
     assert torch.equal(hist[:, :256].cpu(), key_high_histogram(ref, args[5]).cpu()), kw
     assert not bool(hist[:, 256:].any()) and not bool(scratch.any()), kw
@@ -416,14 +417,8 @@ def _check_row_groups(args, page: int, max_entries: int, kws: list[dict], groups
         plain, ref = _pair(args, page, max_entries, **kw)
         _assert_bits_equal(plain, ref, f"page={page} {kw}")
         for group in groups:
+            _check_hist_with_scratch(args, max_entries, dict(kw, row_group=group), page)
             hist = torch.zeros(rows, 2568, dtype=torch.int32, device=DEVICE)
-            scratch = torch.zeros(GI.hist_scratch_numel(rows, max_entries, DEVICE, kw.get("programs_per_sm"), group),
-                                  dtype=torch.int32, device=DEVICE)
-            got, _ = _pair(args, page, max_entries, hist=hist, hist_scratch=scratch, row_group=group, **kw)
-            _assert_bits_equal(got, plain, f"row_group={group} page={page} {kw}")
-            assert torch.equal(hist[:, :256].cpu(), want), (group, kw)
-            assert not bool(hist[:, 256:].any()) and not bool(scratch.any()), (group, kw)
-            hist.zero_()
             got, _ = _pair(args, page, max_entries, hist=hist, row_group=group, **kw)     # the launch's scratch
             _assert_bits_equal(got, plain, f"row_group={group} page={page} {kw}, the launch's scratch")
             assert torch.equal(hist[:, :256].cpu(), want), (group, kw)
