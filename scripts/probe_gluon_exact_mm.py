@@ -19,8 +19,13 @@ with and without the K split), so the timing loop loads them from Triton's cache
     PYTHONPATH=. python scripts/probe_gluon_exact_mm.py --rows=1,8,64 --only=wq_b --alt=int:128:32:1:32:4:1
 
 --alt: GluonExactMM configurations convert:block_n:block_m:warps_n:mma_k:stages:split[:maxnreg[:warps_k
-[:block_k]]] (`GluonExactConfig`; split: K splits for calls of at most min(16, block_m) rows; maxnreg 0:
-None, default 128; warps_k default 1; block_k default 128).
+[:block_k[:fuse_scales]]]] (`GluonExactConfig`; split: K splits for calls of at most min(16, block_m) rows;
+maxnreg 0: None, default 128; warps_k default 1; block_k default 128; fuse_scales 0 or 1, default 0).
+--fused=1: each configuration also with its fused scaling (`GluonExactConfig.fuse_scales`), e.g. the
+step's plan and its fused twin:
+
+    PYTHONPATH=. python scripts/probe_gluon_exact_mm.py --rows=4,8,16,32,64 --fused=1 \
+        --alt=f16d:16:8:1:32:4:1:80:4:256,f16d:16:16:1:32:4:1:80:4:256,f16d:128:16:1:32:4:1,f16w:64:32:1:32:4:1:80
 `PROBE_DRY=1` runs the script on the CPU at small shapes with the reference in place of every
 kernel (checks the script only, no timing worth reading).
 """
@@ -367,6 +372,9 @@ def main() -> None:
                             ).split(",") if s]
     for s in specs:
         config_of(s)                        # a bad spec fails here, before anything runs
+    if arg("fused", "0") == "1":
+        # each configuration also with its fused scaling, timed beside it in the same run
+        specs += [t for t in (dataclasses.replace(config_of(s), fuse_scales=True).spec for s in specs) if t not in specs]
     failed = precompile(specs, rows, int(arg("workers", "2" if DRY else "14")), float(arg("compile_timeout", "120")))
 
     def others(ws):

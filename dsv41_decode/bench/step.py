@@ -122,7 +122,8 @@ def _layer_kinds(cfg: ModelConfig) -> dict[str, int]:
 # with FP32 IEEE dots; mix_early every site's mixer right after the boundary in every bucket (the
 # step's default enqueues it after the next layer's input projections from MIX_LATE_ROWS rows);
 # index_row_group4 the dense indexers' Gluon scorer scoring a request's rows four at a time on each
-# key tile it reads (sm_90; the draft rows of the `4x(1+3)` rows).
+# key tile it reads (sm_90; the draft rows of the `4x(1+3)` rows); fuse_scales the exact linears'
+# GluonExactMM with each block term and its add in one FMA (sm_90, the same bits).
 VARIANTS = {
     "no_overlap": dict(overlap=False),
     "wo_a_fp8": dict(wo_a_fp8=True),
@@ -132,6 +133,7 @@ VARIANTS = {
     "weights_in_index_lane": dict(weights_lane=False),
     "mix_early": dict(mix_late_rows=LOW_BATCH_MAX_ROWS + 1),
     "index_row_group4": dict(index_row_group=4),
+    "fuse_scales": dict(fuse_scales=True),
 }
 DEFAULT_VARIANTS = ("no_overlap", "wo_a_fp8", "tc_linears")
 

@@ -18,6 +18,8 @@ the step rotates its queries in wq_b's launch whichever op runs it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .common import full_rate_fp64, is_sm90
@@ -108,15 +110,21 @@ class ExactLinear:
     (None: `_FMA_PLAN`'s, on sm_90 parts whose FP64 runs at full rate only (`common.full_rate_fp64`),
     none for an unlisted shape; 0: never); where FP64 runs slowly an unlisted shape's default
     mma_above is max_rows (GluonExactMM's default configuration is the FP64 MMA); both for tests and
-    probes. `fma_rows` the attribute: the (first, last) row counts GluonExactFMA runs ((1, 0): none)."""
+    probes. `fma_rows` the attribute: the (first, last) row counts GluonExactFMA runs ((1, 0): none).
+    fuse_scales: GluonExactMM's configurations with `GluonExactConfig.fuse_scales` (each block term
+    and its add in one FMA where the scales allow it; the same bits)."""
 
     def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int = MAX_ROWS,
                  exact_config=None, workspace=None, mma_above: int | None = None,
-                 fma_rows: int | None = None):
+                 fma_rows: int | None = None, fuse_scales: bool = False):
         self.cuda_cores = ExactMM(weight, w_scale, max_rows, exact_config, workspace)
         n, k = self.cuda_cores.n, self.cuda_cores.k
         self.n, self.k, self.max_rows, self.device = n, k, max_rows, weight.device
         above, configs = _GLUON_PLAN.get((n, k), (_DEFAULT_ABOVE, None))
+        self.fuse_scales = bool(fuse_scales)
+        if fuse_scales:
+            configs = ({rows: dataclasses.replace(c, fuse_scales=True) for rows, c in configs.items()}
+                       if configs is not None else GluonExactConfig(fuse_scales=True))
         fma_lo, planned_fma_rows, fma_config = _FMA_PLAN.get((n, k), (1, 0, None))
         if is_sm90(weight.device):
             # The FP64 forms only where FP64 runs at full rate (`common.full_rate_fp64`): elsewhere

@@ -1,9 +1,10 @@
 """What the exact Gluon linears (`gluon_exact_mm.GluonExactMM` on the FP64 MMA,
 `gluon_exact_fma.GluonExactFMA` on the FP64 CUDA cores) share: the exact power-of-two scaling of
 FP64 values (`pow2`), the consumers' start of a ring slot (`wait_slot`), a block's term and its
-K-ordered add or workspace store (`block_term`, `scaled_term`, `take_term`, `ws_tile`), the tile's store with the
-query-RoPE epilogue (`store_tile`), the K split's last step that continues the sum in K order
-(`split_k_sum`, `sum_chunk`), the weight's checks
+K-ordered add or workspace store (`block_term`, `scaled_term`, `take_term`, `ws_tile`), the same in one
+FMA where the scales allow it (`fused_scale_range`, `fused_scales_ok`, `fused_scale`, `fused_take`),
+the tile's store with the query-RoPE epilogue (`store_tile`), the K split's last step that continues
+the sum in K order (`split_k_sum`, `sum_chunk`), the weight's checks
 (`ring_weight_args`) and the plan side (`GluonExactPlan`: the weight bound once on sm_90, the split's
 workspace, the configuration per row count, the call's checks). `gluon_exact_mm`'s module docstring
 argues the exactness these pieces keep.
@@ -20,7 +21,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from .checks import config_for_rows, mxfp8_linear_args, mxfp8_weight_args
 from .common import plan_workspace
 from .exact_mm import reduction_order, rope_kwargs
-from .gluon_epilogues import bf16_out
+from .gluon_epilogues import _max, bf16_out
 from .gluon_mm import BLOCK_K as RING_K
 from .gluon_mm import fp8_desc, require_sm90_weight
 from .gluon_mm import _scale, _slot_words
@@ -52,6 +53,81 @@ def scaled_term(part, sx, sw):
     `mul.rn`, never contracted into the accumulator's add."""
     scaled, sw_b = gl.broadcast(part * sx, sw)
     return libdevice.mul_rn(scaled, sw_b)
+
+
+# The fused scaling (`fused_take`): acc + RN(RN(p * sx) * sw) in one FMA, fma(p, sx * sw, acc). A
+# block partial p is the FP32 rounding of a sum of 32 products of E4M3 values (multiples of 2^-18,
+# |sum| <= 32 * 448^2 < 2^23), so p is a multiple of 2^-18 with |p| < 2^23. With sx = 2^a, sw = 2^b
+# (UE8M0 bytes bx = a + 127, bw = b + 127, both decoded as powers of two: bytes 1..254), p * 2^a is
+# exact when its lowest bit stays at or above FP32's least subnormal 2^-149 (-18 + a >= -149: every
+# a >= -126) and |p * 2^a| < 2^127 (a <= 104); the same for p * 2^(a + b) (-131 <= a + b <= 104).
+# Then RN(RN(p * sx) * sw) = p * 2^(a + b) exactly, and fma(p, s, acc) = RN(acc + p * s) is the
+# reference's RN(acc + term) bit for bit (a zero p gives a zero of p's sign either way, which the
+# add treats alike). s = 2^(a + b) is built from the bytes as an FP32 normal (a + b >= -126). So the
+# x bytes 1..231 with bx + bw in 128..358 qualify: FUSED_X_BYTES, FUSED_SUM_BYTES.
+FUSED_X_BYTES = (1, 231)
+FUSED_SUM_BYTES = (128, 358)
+
+
+def fused_scale_range(w_scale: torch.Tensor) -> tuple[int, int]:
+    """The x scale bytes [lo, hi] with which `fused_take` gives `block_term`'s bits against every
+    scale of this weight (w_scale: its UE8M0 bytes, any shape): FUSED_X_BYTES narrowed so that bx +
+    bw stays in FUSED_SUM_BYTES for the weight's smallest and largest byte; (1, 0), no byte, when a
+    weight byte is 0 or 255 (decoded as 0 and NaN, not powers of two). One reduction over the
+    weight's scales, when a plan binds it."""
+    b = w_scale.view(torch.uint8)
+    lo_w, hi_w = int(b.min()), int(b.max())
+    if lo_w < 1 or hi_w > 254:
+        return 1, 0
+    return max(FUSED_X_BYTES[0], FUSED_SUM_BYTES[0] - lo_w), min(FUSED_X_BYTES[1], FUSED_SUM_BYTES[1] - hi_w)
+
+
+@gluon.jit
+def fused_scales_ok(sx_ptr, stride_sxm, M, word_lo, n_words, lo, hi, BT: gl.constexpr):
+    """Whether every UE8M0 byte of x's scale words a program reads lies in [lo, hi]
+    (`fused_scale_range`): rows 0 .. min(M, BT) - 1 from sx_ptr (row stride stride_sxm words), words
+    word_lo .. word_lo + n_words - 1 of each. A scalar, the same for every thread of the 4 warps
+    that run it: the consumer's choice between `fused_take` and `block_term`'s order for the whole
+    program (one check before its first slot, while the producer fills the ring): [BT, 1024 / BT]
+    words at a time, 8 loads a thread, all independent (one pass for `wo_b`'s 64 words a row up to
+    16 rows)."""
+    CW: gl.constexpr = 1024 // BT
+    layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[2, 16], warps_per_cta=[4, 1],
+                                            order=[1, 0])
+    rm = gl.arange(0, BT, layout=gl.SliceLayout(1, layout))[:, None]
+    rw = gl.arange(0, CW, layout=gl.SliceLayout(0, layout))[None, :]
+    bad = gl.zeros([BT, CW], gl.int32, layout)
+    for c in range(0, n_words, CW):
+        valid = (rm < M) & (c + rw < n_words)
+        w = gl.load(sx_ptr + rm * stride_sxm + (word_lo + c) + rw, mask=valid, other=0)
+        for j in gl.static_range(4):
+            b = (w >> (8 * j)) & 255
+            bad = bad | (valid & ((b < lo) | (b > hi))).to(gl.int32)
+    # gl.reduce with a Gluon combine (gl.max's is a Triton function, which the interpreter wraps)
+    return gl.reduce(gl.reduce(bad, 1, _max), 0, _max) == 0
+
+
+@gluon.jit
+def fused_scale(sx, sw, j: gl.constexpr):
+    """sx * sw of byte j of the x and weight scale words (int32, broadcast against each other: [1,
+    BT] and [BN, 1], or any pair) as FP32 2^(bx + bw - 254), built from the bytes' sum: exact for
+    bytes in `fused_scale_range` (a normal power of two). A pair of words shared by several outputs
+    of a thread yields one value for them (the compiler merges the same operations)."""
+    bx, bw = gl.broadcast((sx >> (8 * j)) & 255, (sw >> (8 * j)) & 255)
+    return ((bx + bw - 127) << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def fused_take(acc, part, s, block, ws_ptr, ws_offs, ws_mask, BN: gl.constexpr, M, SPLIT_K: gl.constexpr):
+    """`take_term` of `block_term`'s term in one FMA: acc = fma(part, s, acc) with s = sx * sw
+    (`fused_scale`, or the decoded scales' product), or with SPLIT_K part * s stored to the
+    workspace; bitwise `take_term(acc, scaled_term(part, sx, sw), ...)` for scale bytes in
+    `fused_scale_range` (the module's argument above FUSED_X_BYTES). Returns the accumulator."""
+    if SPLIT_K:
+        gl.store(ws_ptr + block * (BN * M) + ws_offs, part * s, mask=ws_mask)
+    else:
+        acc = gl.fma(part, s, acc)
+    return acc
 
 
 @gluon.jit
@@ -186,11 +262,13 @@ class GluonExactPlan:
 
     def _bind(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int, boxes) -> None:
         """Check the weight's device and rows (`gluon_mm.require_sm90_weight`) and bind it: w_scale
-        as bytes and int32 words, N, K, max_rows, the device, and a TMA descriptor of the weight per
-        box (block_n, block_k) in `boxes` (`_w_descs[box]`)."""
+        as bytes and int32 words, the x scale bytes of the fused scaling (`fused_range`:
+        `fused_scale_range`), N, K, max_rows, the device, and a TMA descriptor of the weight per box
+        (block_n, block_k) in `boxes` (`_w_descs[box]`)."""
         require_sm90_weight(weight, "TMA, warp specialization")
         self.weight, self.w_scale = weight, w_scale.view(torch.uint8)
         self._sw_words = _scale_words(self.w_scale, "w_scale")
+        self.fused_range = fused_scale_range(self.w_scale)
         (self.n, self.k), self.max_rows, self.device = weight.shape, max_rows, weight.device
         self._w_descs = {box: fp8_desc(weight, box) for box in set(boxes)}
 

@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                 warpgroup_mma_wait)
 
-from .gluon_exact_common import scaled_term, take_term, wait_slot, ws_tile
+from .gluon_exact_common import fused_scale, fused_scales_ok, fused_take, scaled_term, take_term, wait_slot, ws_tile
 from .gluon_mm import _scale, _slot_words
 
 
@@ -229,9 +229,48 @@ def store_x_scales(sx0, sx1, dst):
 
 
 @gluon.jit
+def store_fused_scales(sw0, sw1, sx0, sx1, dst):
+    """`store_x_scales` of the scales' products for the fused scaling: dst[j, m] = sx[m, j] * sw[j]
+    (`gluon_exact_common.fused_scale`), sw0 / sw1 the words of the tile's one weight scale block
+    (its rows' common scales) in the same [NB, BT] layout as sx0 / sx1 (every entry that row's
+    word)."""
+    NB: gl.constexpr = dst.shape[0]
+    jj = gl.arange(0, NB, layout=gl.SliceLayout(1, sx0.type.layout))[:, None]
+    if NB == 4:
+        wx = sx0
+        ww = sw0
+    else:
+        wx = gl.where(jj < 4, sx0, sx1)
+        ww = gl.where(jj < 4, sw0, sw1)
+    dst.store(fused_scale(wx >> (8 * (jj % 4)), ww >> (8 * (jj % 4)), 0))
+
+
+@gluon.jit
 def consumer_wg(w_smem, x_smem, xd, xs, ready, empty, sw_words, sx_words, ws_ptr, step_lo, n_steps, M,
+                sx_ptr, stride_sxm, fuse_lo, fuse_hi,
                 STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, SPLIT_K: gl.constexpr,
-                mma_layout: gl.constexpr, cvt_l: gl.constexpr, PIPE: gl.constexpr):
+                mma_layout: gl.constexpr, cvt_l: gl.constexpr, PIPE: gl.constexpr, FUSE: gl.constexpr):
+    """The consumer warpgroup of the FP16 digits on wgmma: `consumer_wg_slots`, with FUSE and x's
+    scale bytes in [fuse_lo, fuse_hi] (`gluon_exact_common.fused_scales_ok` over the program's rows
+    and K steps) in its fused form. Returns (acc, )."""
+    if FUSE:
+        NB: gl.constexpr = w_smem.shape[2] // 32
+        if fused_scales_ok(sx_ptr, stride_sxm, M, step_lo * (NB // 4), n_steps * (NB // 4), fuse_lo, fuse_hi, BT):
+            acc = consumer_wg_slots(w_smem, x_smem, xd, xs, ready, empty, sw_words, sx_words, ws_ptr, step_lo,
+                                    n_steps, M, STAGES, BN, BT, SPLIT_K, mma_layout, cvt_l, PIPE, True)
+        else:
+            acc = consumer_wg_slots(w_smem, x_smem, xd, xs, ready, empty, sw_words, sx_words, ws_ptr, step_lo,
+                                    n_steps, M, STAGES, BN, BT, SPLIT_K, mma_layout, cvt_l, PIPE, False)
+    else:
+        acc = consumer_wg_slots(w_smem, x_smem, xd, xs, ready, empty, sw_words, sx_words, ws_ptr, step_lo, n_steps,
+                                M, STAGES, BN, BT, SPLIT_K, mma_layout, cvt_l, PIPE, False)
+    return (acc, )
+
+
+@gluon.jit
+def consumer_wg_slots(w_smem, x_smem, xd, xs, ready, empty, sw_words, sx_words, ws_ptr, step_lo, n_steps, M,
+                      STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, SPLIT_K: gl.constexpr,
+                      mma_layout: gl.constexpr, cvt_l: gl.constexpr, PIPE: gl.constexpr, FUSED: gl.constexpr):
     """`_consumer` for the FP16 digits on wgmma ("f16w"; one consumer warpgroup, mma_layout the
     wgmma's [BN, BT] accumulator layout): per ring slot, x's digits written once to shared memory
     (`_x_digit_tiles`) and x's scales decoded once (`store_x_scales`, one or two bytes a thread,
@@ -246,7 +285,9 @@ def consumer_wg(w_smem, x_smem, xd, xs, ready, empty, sw_words, sx_words, ws_ptr
     `x_scales_layout` (each row the x rows' first scale words). PIPE ("f16wp"): block j + 1's cross
     dots are issued before block j's H and L are waited for (the wait leaves them in flight), so the
     MMAs overlap the adds within a slot. The slot goes back to the producer once every warp's MMAs
-    of it have retired. Returns (acc, )."""
+    of it have retired. FUSED: each term and its add in one FMA with the decoded scales' product
+    (`gluon_exact_common.fused_take`: the same bits for the bytes `fused_scales_ok` checked).
+    Returns the accumulator (zeros with SPLIT_K)."""
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_layout, k_width=2)
     acc = gl.zeros([BN, BT], gl.float32, mma_layout)
     zero = gl.zeros([BN, BT], gl.float32, mma_layout)
@@ -283,6 +324,11 @@ def consumer_wg(w_smem, x_smem, xd, xs, ready, empty, sw_words, sx_words, ws_ptr
                 mbarrier.arrive(empty.index(s), count=1)
             sx = x_scales.slice(j, 1, dim=0).load(mma_layout)                  # [1, BT]
             sw = _scale(sw0 if j < 4 else sw1, j % 4)[:, None]
-            acc = take_term(acc, scaled_term(part, sx, sw), (step_lo + i) * NB + j, ws_ptr, ws_offs, ws_mask, BN, M,
-                            SPLIT_K)
-    return (acc, )
+            if FUSED:
+                sx_b, sw_b = gl.broadcast(sx, sw)
+                acc = fused_take(acc, part, sx_b * sw_b, (step_lo + i) * NB + j, ws_ptr, ws_offs, ws_mask, BN, M,
+                                 SPLIT_K)
+            else:
+                acc = take_term(acc, scaled_term(part, sx, sw), (step_lo + i) * NB + j, ws_ptr, ws_offs, ws_mask, BN,
+                                M, SPLIT_K)
+    return acc

@@ -102,9 +102,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from .checks import row_configs
-from .gluon_exact_common import (GluonExactPlan, block_term, ring_weight_args, scaled_term, split_k_sum,
-                                 store_tile, sum_chunk, take_term, wait_slot, ws_tile)
-from .gluon_exact_digits import consumer_wg, digit_partial, digit_slot_partials, store_x_scales, x_scales_layout
+from .gluon_exact_common import (GluonExactPlan, block_term, fused_scale, fused_scales_ok, fused_take,
+                                 ring_weight_args, scaled_term, split_k_sum, store_tile, sum_chunk, take_term,
+                                 wait_slot, ws_tile)
+from .gluon_exact_digits import (consumer_wg, digit_partial, digit_slot_partials, store_fused_scales, store_x_scales,
+                                 x_scales_layout)
 from .gluon_exact_fp64 import form, fp64_partial, fp64_slot_partials, is_packed
 from .gluon_mm import (SHARED_LIMIT, _producer, _ring, _scale, _slot_words, _tile_scales, activation_operands,
                       require_maxnreg, split_bounds)
@@ -146,14 +148,37 @@ def _slot_partials(w_tile, x_tile, zero, CONVERT: gl.constexpr, KC: gl.constexpr
 
 @gluon.jit
 def _consumer(w_smem, x_smem, ready, empty, sw_words, sx_words, ws_ptr, step_lo, n_steps, M,
+              sx_ptr, stride_sxm, fuse_lo, fuse_hi,
               STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, CONVERT: gl.constexpr, KC: gl.constexpr,
-              SPLIT_K: gl.constexpr, mma_layout: gl.constexpr):
-    """The consumer warps: per ring slot, its NB K blocks' exact partials (`_block_partial`; NB =
-    block_k / 32, 4 or 8) and terms (`block_term`), added to the FP32 accumulator in K order, or,
-    SPLIT_K, stored to the
-    workspace (`ws_ptr`: this tile's terms, block kb at ws_ptr + kb * BN * M, [BN, M] n-major, the
-    M real rows). The slot goes back to the producer once every consumer thread has loaded its last
-    block. Returns (acc, ) (zeros with SPLIT_K)."""
+              SPLIT_K: gl.constexpr, mma_layout: gl.constexpr, FUSE: gl.constexpr):
+    """The consumer warps: `_consumer_slots`, with FUSE and x's scale bytes in [fuse_lo, fuse_hi]
+    (`fused_scales_ok` over the program's rows and K steps, x's scales at sx_ptr, row stride
+    stride_sxm words) in its fused form. Returns (acc, )."""
+    if FUSE:
+        NB: gl.constexpr = w_smem.shape[2] // 32
+        if fused_scales_ok(sx_ptr, stride_sxm, M, step_lo * (NB // 4), n_steps * (NB // 4), fuse_lo, fuse_hi, BT):
+            acc = _consumer_slots(w_smem, x_smem, ready, empty, sw_words, sx_words, ws_ptr, step_lo, n_steps, M,
+                                  STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout, True)
+        else:
+            acc = _consumer_slots(w_smem, x_smem, ready, empty, sw_words, sx_words, ws_ptr, step_lo, n_steps, M,
+                                  STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout, False)
+    else:
+        acc = _consumer_slots(w_smem, x_smem, ready, empty, sw_words, sx_words, ws_ptr, step_lo, n_steps, M,
+                              STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout, False)
+    return (acc, )
+
+
+@gluon.jit
+def _consumer_slots(w_smem, x_smem, ready, empty, sw_words, sx_words, ws_ptr, step_lo, n_steps, M,
+                    STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, CONVERT: gl.constexpr,
+                    KC: gl.constexpr, SPLIT_K: gl.constexpr, mma_layout: gl.constexpr, FUSED: gl.constexpr):
+    """The consumer warps' slots: per ring slot, its NB K blocks' exact partials (`_block_partial`;
+    NB = block_k / 32, 4 or 8) and terms (`block_term`), added to the FP32 accumulator in K order,
+    or, SPLIT_K, stored to the workspace (`ws_ptr`: this tile's terms, block kb at ws_ptr + kb * BN
+    * M, [BN, M] n-major, the M real rows); FUSED: each term and its add in one FMA with the
+    scales' product (`fused_scale`, `fused_take`: the same bits for the bytes `fused_scales_ok`
+    checked). The slot goes back to the producer once every consumer thread has loaded its last
+    block. Returns the accumulator (zeros with SPLIT_K)."""
     acc = gl.zeros([BN, BT], gl.float32, mma_layout)
     zero = gl.zeros([BN, BT], gl.float64, mma_layout)
     NB: gl.constexpr = w_smem.shape[2] // 32
@@ -170,16 +195,47 @@ def _consumer(w_smem, x_smem, ready, empty, sw_words, sx_words, ws_ptr, step_lo,
                 # the MMA) before one thread hands the slot back.
                 gl.thread_barrier()
                 mbarrier.arrive(empty.index(s), count=1)
-            acc = take_term(acc, block_term(part, words, j), (step_lo + i) * NB + j, ws_ptr, ws_offs, ws_mask, BN, M,
-                            SPLIT_K)
-    return (acc, )
+            if FUSED:
+                if j < 4:
+                    sw, _, sx, _ = words
+                else:
+                    _, sw, _, sx = words
+                acc = fused_take(acc, part, fused_scale(sx[None, :], sw[:, None], j % 4), (step_lo + i) * NB + j,
+                                 ws_ptr, ws_offs, ws_mask, BN, M, SPLIT_K)
+            else:
+                acc = take_term(acc, block_term(part, words, j), (step_lo + i) * NB + j, ws_ptr, ws_offs, ws_mask,
+                                BN, M, SPLIT_K)
+    return acc
 
 
 @gluon.jit
 def _consumer_k(w_smem, x_smem, ready, empty, terms, xs, sw_words, sx_words, ws_ptr, step_lo, n_steps, M,
+                sw_row_words, sx_ptr, stride_sxm, fuse_lo, fuse_hi,
                 STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, CONVERT: gl.constexpr, KC: gl.constexpr,
-                SPLIT_K: gl.constexpr, mma_layout: gl.constexpr, out_layout: gl.constexpr):
-    """`_consumer` with the consumer warps splitting each slot's NB K blocks (`warps_k` > 1; NB =
+                SPLIT_K: gl.constexpr, mma_layout: gl.constexpr, out_layout: gl.constexpr, FUSE: gl.constexpr):
+    """The consumer warps along K: `_consumer_k_slots`, with FUSE (a tile of one 32-row weight scale
+    block: block_n <= 32) and x's scale bytes in [fuse_lo, fuse_hi] (`fused_scales_ok`, as
+    `_consumer`) in its fused form. Returns (acc, ) in out_layout."""
+    if FUSE:
+        NB: gl.constexpr = w_smem.shape[2] // 32
+        if fused_scales_ok(sx_ptr, stride_sxm, M, step_lo * (NB // 4), n_steps * (NB // 4), fuse_lo, fuse_hi, BT):
+            acc = _consumer_k_slots(w_smem, x_smem, ready, empty, terms, xs, sw_row_words, sx_words, ws_ptr, step_lo,
+                                    n_steps, M, STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout, out_layout, True)
+        else:
+            acc = _consumer_k_slots(w_smem, x_smem, ready, empty, terms, xs, sw_words, sx_words, ws_ptr, step_lo,
+                                    n_steps, M, STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout, out_layout, False)
+    else:
+        acc = _consumer_k_slots(w_smem, x_smem, ready, empty, terms, xs, sw_words, sx_words, ws_ptr, step_lo,
+                                n_steps, M, STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout, out_layout, False)
+    return (acc, )
+
+
+@gluon.jit
+def _consumer_k_slots(w_smem, x_smem, ready, empty, terms, xs, sw_words, sx_words, ws_ptr, step_lo, n_steps, M,
+                      STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, CONVERT: gl.constexpr,
+                      KC: gl.constexpr, SPLIT_K: gl.constexpr, mma_layout: gl.constexpr, out_layout: gl.constexpr,
+                      FUSED: gl.constexpr):
+    """`_consumer_slots` with the consumer warps splitting each slot's NB K blocks (`warps_k` > 1; NB =
     block_k / 32, 4 or 8; mma_layout: the batched [NB, BN, BT] MMA layout, batch j = K block j, warp
     w the blocks w, w + warps_k, ...: with NB = 8 each warp two or more independent MMA chains): per
     slot every warp forms its blocks' exact partials (`_slot_partials`) and terms (`scaled_term`'s
@@ -192,61 +248,97 @@ def _consumer_k(w_smem, x_smem, ready, empty, terms, xs, sw_words, sx_words, ws_
     buffer, the first slot's before the loop. The barrier also precedes the slot's release (every
     thread's operand loads are done), and the compiler puts one between the reads of the terms and
     the next slot's scale loads and terms stores, which publishes the scales (three barriers a slot
-    in the sm_90 SASS, as without the decode). Returns (acc, ) in out_layout (zeros with SPLIT_K)."""
+    in the sm_90 SASS, as without the decode).
+
+    FUSED (the tile's rows in one weight scale block; sw_words then the [NB, BT] pointers, in
+    `x_scales_layout`, of that block's row of words): the terms are the partials themselves, `xs`
+    holds the scales' products (`gluon_exact_digits.store_fused_scales`, the next slot's stored
+    before the slot's barrier, which publishes them), and the reading thread adds each term in one
+    FMA (`fused_take`'s form: the same bits for the bytes `fused_scales_ok` checked). Returns the
+    accumulator in out_layout (zeros with SPLIT_K)."""
     acc = gl.zeros([BN, BT], gl.float32, out_layout)
     NB: gl.constexpr = w_smem.shape[2] // 32
     zero = gl.zeros([NB, BN, BT], gl.float64, mma_layout)
+    terms_l: gl.constexpr = _terms_layout(BN, BT, NB)
     # K block j of batch element j: the byte j % 4 of each row's scale word j // 4
     j3 = gl.expand_dims(gl.expand_dims(gl.arange(0, NB, layout=gl.SliceLayout(1, gl.SliceLayout(2, mma_layout))), 1), 2)
     ws_offs, ws_mask = ws_tile(BN, BT, M, out_layout)
     words_next = _slot_words(sw_words, sx_words, step_lo, NB // 4)
-    store_x_scales(words_next[2], words_next[3], xs.index(0))
+    if FUSED:
+        store_fused_scales(words_next[0], words_next[1], words_next[2], words_next[3], xs.index(0))
+    else:
+        store_x_scales(words_next[2], words_next[3], xs.index(0))
     gl.thread_barrier()
     for i in range(n_steps):
         words, words_next, s = wait_slot(i, words_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES, NB)
-        sw, sw1, _, _ = words
         part = _slot_partials(w_smem.index(s), x_smem.index(s), zero, CONVERT, KC, mma_layout)   # [NB, BN, BT]
-        if NB == 4:
-            sw3 = gl.expand_dims(gl.expand_dims(sw, 1), 0) >> (8 * j3)             # [4, BN, 1]: byte j at 0
+        if FUSED:
+            terms.store(part)
+            # the next slot's scale products, published by the barrier below (this slot's were by the
+            # last one)
+            store_fused_scales(words_next[0], words_next[1], words_next[2], words_next[3], xs.index((i + 1) % 2))
         else:
-            sw3 = gl.where(j3 < 4, gl.expand_dims(gl.expand_dims(sw, 1), 0),
-                           gl.expand_dims(gl.expand_dims(sw1, 1), 0)) >> (8 * (j3 % 4))   # [8, BN, 1]
-        sx3 = gl.expand_dims(xs.index(i % 2).load(gl.SliceLayout(1, mma_layout)), 1)      # [NB, 1, BT]
-        terms.store(scaled_term(part, sx3, _scale(sw3, 0)))
+            sw, sw1, _, _ = words
+            if NB == 4:
+                sw3 = gl.expand_dims(gl.expand_dims(sw, 1), 0) >> (8 * j3)             # [4, BN, 1]: byte j at 0
+            else:
+                sw3 = gl.where(j3 < 4, gl.expand_dims(gl.expand_dims(sw, 1), 0),
+                               gl.expand_dims(gl.expand_dims(sw1, 1), 0)) >> (8 * (j3 % 4))   # [8, BN, 1]
+            sx3 = gl.expand_dims(xs.index(i % 2).load(gl.SliceLayout(1, mma_layout)), 1)      # [NB, 1, BT]
+            terms.store(scaled_term(part, sx3, _scale(sw3, 0)))
         # every thread's terms stored (so its loads of the slot's operands and scales done) before
         # any reads
         gl.thread_barrier()
-        # the next slot's x scales (its words loaded at this slot's start) into the other buffer;
-        # the barrier the compiler puts before the next slot's scale loads and terms stores
-        # publishes them
-        store_x_scales(words_next[2], words_next[3], xs.index((i + 1) % 2))
-        if NB == 4:
-            # each thread its outputs' four terms, [BN, BT, 2, 2]: j = 2 a + b
-            t = gl.reshape(gl.permute(terms.load(_terms_layout(BN, BT)), (1, 2, 0)), [BN, BT, 2, 2])
-            t02, t13 = gl.split(t)
-            t0, t2 = gl.split(t02)
-            t1, t3 = gl.split(t13)
-            ts = (t0, t1, t2, t3)
-        else:
-            # each thread its outputs' eight terms, [BN, BT, 2, 2, 2]: j = 4 a + 2 b + c
-            t = gl.reshape(gl.permute(terms.load(_terms_layout(BN, BT, 8)), (1, 2, 0)), [BN, BT, 2, 2, 2])
-            c0, c1 = gl.split(t)
-            c00, c01 = gl.split(c0)
-            c10, c11 = gl.split(c1)
-            t0, t4 = gl.split(c00)
-            t2, t6 = gl.split(c01)
-            t1, t5 = gl.split(c10)
-            t3, t7 = gl.split(c11)
-            ts = (t0, t1, t2, t3, t4, t5, t6, t7)
+        if not FUSED:
+            # the next slot's x scales (its words loaded at this slot's start) into the other buffer;
+            # the barrier the compiler puts before the next slot's scale loads and terms stores
+            # publishes them
+            store_x_scales(words_next[2], words_next[3], xs.index((i + 1) % 2))
+        t = terms.load(terms_l)
+        ts = _block_split(t)
+        if FUSED:
+            # each term's scale product: xs [NB, BT] over the terms' [NB, BN, BT]
+            ss = _block_split(gl.broadcast(gl.expand_dims(xs.index(i % 2).load(gl.SliceLayout(1, terms_l)), 1), t)[0])
         for j in gl.static_range(NB):
             term = gl.convert_layout(ts[j], out_layout, assert_trivial=True)
-            if SPLIT_K:
+            if FUSED:
+                acc = fused_take(acc, term, gl.convert_layout(ss[j], out_layout, assert_trivial=True),
+                                 (step_lo + i) * NB + j, ws_ptr, ws_offs, ws_mask, BN, M, SPLIT_K)
+            elif SPLIT_K:
                 gl.store(ws_ptr + ((step_lo + i) * NB + j) * (BN * M) + ws_offs, term, mask=ws_mask)
             else:
                 acc = acc + term
         # after the barrier: every consumer thread's operand loads of the slot are done
         mbarrier.arrive(empty.index(s), count=1)
-    return (acc, )
+    return acc
+
+
+@gluon.jit
+def _block_split(t):
+    """The NB per-block [BN, BT] tensors of a slot's [NB, BN, BT] block values in `_terms_layout`
+    (each output's NB values in its thread), as a tuple in K order: renamings, no data moves."""
+    NB: gl.constexpr = t.shape[0]
+    BN: gl.constexpr = t.shape[1]
+    BT: gl.constexpr = t.shape[2]
+    if NB == 4:
+        # [BN, BT, 2, 2]: j = 2 a + b
+        t = gl.reshape(gl.permute(t, (1, 2, 0)), [BN, BT, 2, 2])
+        t02, t13 = gl.split(t)
+        t0, t2 = gl.split(t02)
+        t1, t3 = gl.split(t13)
+        ts = (t0, t1, t2, t3)
+    else:
+        # [BN, BT, 2, 2, 2]: j = 4 a + 2 b + c
+        t = gl.reshape(gl.permute(t, (1, 2, 0)), [BN, BT, 2, 2, 2])
+        c0, c1 = gl.split(t)
+        c00, c01 = gl.split(c0)
+        c10, c11 = gl.split(c1)
+        t0, t4 = gl.split(c00)
+        t2, t6 = gl.split(c01)
+        t1, t5 = gl.split(c10)
+        t3, t7 = gl.split(c11)
+        ts = (t0, t1, t2, t3, t4, t5, t6, t7)
+    return ts
 
 
 @gluon.constexpr_function
@@ -277,12 +369,12 @@ def _tile_weight_scales(sw_ptr, off_n, N, stride_swn, BN: gl.constexpr, layout: 
 
 
 @gluon.jit(do_not_specialize=["M", "stride_sxm", "stride_swn", "steps_per_split", "n_steps_total", "n_split",
-                             "stride_cm", "stride_sm"])
+                             "fuse_lo", "fuse_hi", "stride_cm", "stride_sm"])
 def _gluon_exact_mm_kernel(
     w_desc, x_desc, sx_ptr, sw_ptr, y_ptr, ws_ptr, cnt_ptr,
-    M, N, stride_sxm, stride_swn, stride_ym, steps_per_split, n_steps_total, n_split,
+    M, N, stride_sxm, stride_swn, stride_ym, steps_per_split, n_steps_total, n_split, fuse_lo, fuse_hi,
     BT: gl.constexpr, STAGES: gl.constexpr, CONVERT: gl.constexpr, KC: gl.constexpr, WARPS_N: gl.constexpr,
-    SPLIT_K: gl.constexpr, OUT_F32: gl.constexpr, WARPS_K: gl.constexpr = 1,
+    SPLIT_K: gl.constexpr, OUT_F32: gl.constexpr, WARPS_K: gl.constexpr = 1, FUSE: gl.constexpr = False,
     cos_ptr=None, sin_ptr=None, stride_cm=None, stride_sm=None, ROPE: gl.constexpr = False,
 ):
     # Grid (N tiles, M tiles, n_split K splits): program (t, u, s) covers weight rows [t*BN, +BN),
@@ -292,7 +384,9 @@ def _gluon_exact_mm_kernel(
     # or M read the last valid row's scales and are masked at the stores. SPLIT_K: n_split > 1 (one
     # M tile), the block terms through ws_ptr ([N tiles, K / 32, BN, M] FP32) and the last
     # arriver's K-ordered sum (module doc). WARPS_K > 1: the consumer warps split each slot's K
-    # blocks (`_consumer_k`), the block terms through shared memory. ROPE: the query RoPE epilogue
+    # blocks (`_consumer_k`), the block terms through shared memory. FUSE: the block terms and their
+    # adds in one FMA where x's scale bytes lie in [fuse_lo, fuse_hi] (`GluonExactConfig.fuse_scales`;
+    # with WARPS_K > 1 for tiles of one weight scale block). ROPE: the query RoPE epilogue
     # (`store_tile`) with cos/sin [M, 32] FP32 at cos_ptr / sin_ptr (row strides stride_cm / stride_sm;
     # all four None without it, so that they take no kernel parameter).
     BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -341,6 +435,8 @@ def _gluon_exact_mm_kernel(
         xs_l: gl.constexpr = x_scales_layout(NB, BT)
         rm = gl.arange(0, BT, layout=gl.SliceLayout(0, xs_l))
         sx_words = (sx_ptr + gl.minimum(rm, M - 1) * stride_sxm)[None, :] + gl.zeros([NB, 1], gl.int32, xs_l)
+        # the fused scaling along K: the tile's one weight scale row of words, in the same layout
+        sw_row_words = sw_ptr + (gl.minimum(pid_n * BN, N - 1) // 32) * stride_swn + gl.zeros([NB, BT], gl.int32, xs_l)
     if CONVERT == "f16w" or CONVERT == "f16wp":
         # x's digit tiles of one slot: per K block the integer digits and the remainders, [BT, 32] FP16
         xd = gl.allocate_shared_memory(gl.float16, [2 * NB * BT, 32], gl.NVMMASharedLayout.get_default_for(
@@ -349,14 +445,16 @@ def _gluon_exact_mm_kernel(
                                                warps_per_cta=[4, 1], order=[1, 0])
         acc, = gl.warp_specialize([
             (consumer_wg, (w_smem, x_smem, xd, xs, ready, empty, sw_words, sx_words, ws_tile, step_lo, n_steps, M,
-                            STAGES, BN, BT, SPLIT_K, mma_layout, cvt_l, CONVERT == "f16wp")),
+                           sx_ptr, stride_sxm, fuse_lo, fuse_hi, STAGES, BN, BT, SPLIT_K, mma_layout, cvt_l,
+                           CONVERT == "f16wp", FUSE)),
             (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, off_m, 0, step_lo, n_steps, 0,
                          n_steps, STAGES, False)),
         ], [1], [24])
     elif WARPS_K == 1:
         acc, = gl.warp_specialize([
             (_consumer, (w_smem, x_smem, ready, empty, sw_words, sx_words, ws_tile, step_lo, n_steps, M,
-                         STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout)),
+                         sx_ptr, stride_sxm, fuse_lo, fuse_hi, STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout,
+                         FUSE)),
             (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, off_m, 0, step_lo, n_steps, 0,
                          n_steps, STAGES, False)),
         ], [1], [24])
@@ -364,7 +462,8 @@ def _gluon_exact_mm_kernel(
         terms = gl.allocate_shared_memory(gl.float32, [NB, BN, BT], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
         acc, = gl.warp_specialize([
             (_consumer_k, (w_smem, x_smem, ready, empty, terms, xs, sw_words, sx_words, ws_tile, step_lo, n_steps, M,
-                           STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout, out_layout)),
+                           sw_row_words, sx_ptr, stride_sxm, fuse_lo, fuse_hi, STAGES, BN, BT, CONVERT, KC, SPLIT_K,
+                           mma_layout, out_layout, FUSE and BN <= 32)),
             (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, off_m, 0, step_lo, n_steps, 0,
                          n_steps, STAGES, False)),
         ], [1], [24])
@@ -446,6 +545,12 @@ class GluonExactConfig:
         warps_k=1 eight blocks' chains in one stretch of code (without spills at 8 x rows and a cap
         of 128, 128 x 8 "rawp" or 64 x 8 at 64; at 16 x rows and more they spill). The ring's bytes:
         stages x (block_n + block_m) x block_k.
+    fuse_scales: each block's term and its K-ordered add (or the split's stored term) in one FMA
+        with the two scales' product, fma(part, sx * sw, acc), instead of two rounded products and an
+        add: the same bits wherever x's scale bytes and the weight's allow it (FP32 values exact
+        throughout: `gluon_exact_common.fused_scale_range`), which the consumer checks once per
+        program over the scales it reads, running the unfused loop otherwise. With warps_k > 1 for
+        block_n <= 32 (a tile of one weight scale block; wider tiles run unfused).
     """
 
     convert: str = "int"
@@ -459,34 +564,35 @@ class GluonExactConfig:
     split_rows: int = 16
     maxnreg: int | None = 128
     block_k: int = 128
+    fuse_scales: bool = False
 
     @classmethod
     def from_spec(cls, spec: str) -> "GluonExactConfig":
         """The configuration a spec string names, convert:block_n:block_m:warps_n:mma_k:stages:split
-        [:maxnreg[:warps_k[:block_k]]] (maxnreg 0: None; absent: 128; warps_k absent: 1; block_k
-        absent: 128), the form the probe (scripts/probe_gluon_exact_mm.py) prints and
-        `ops.exact_linear`'s plan is written in."""
+        [:maxnreg[:warps_k[:block_k[:fuse_scales]]]] (maxnreg 0: None; absent: 128; warps_k absent:
+        1; block_k absent: 128; fuse_scales 0 or 1, absent: 0), the form the probe
+        (scripts/probe_gluon_exact_mm.py) prints and `ops.exact_linear`'s plan is written in."""
         try:
             convert, bn, bm, wn, mk, stages, split, *rest = spec.split(":")
-            if len(rest) > 3:
+            if len(rest) > 4 or (len(rest) == 4 and rest[3] not in ("0", "1")):
                 raise ValueError
             ints = [int(v) for v in (bn, bm, wn, mk, stages, split, *rest)]
         except ValueError:
             raise ValueError(f"a GluonExactConfig spec is convert:block_n:block_m:warps_n:mma_k:stages:split"
-                             f"[:maxnreg[:warps_k[:block_k]]] with integers after the conversion, got {spec!r}"
-                             ) from None
+                             f"[:maxnreg[:warps_k[:block_k[:fuse_scales]]]] with integers after the conversion "
+                             f"(fuse_scales 0 or 1), got {spec!r}") from None
         bn, bm, wn, mk, stages, split, *rest = ints
         maxnreg = rest[0] if rest else 128
         return cls(convert=convert, block_n=bn, block_m=bm, warps_n=wn, mma_k=mk, stages=stages, split=split,
                    maxnreg=maxnreg or None, warps_k=rest[1] if len(rest) > 1 else 1,
-                   block_k=rest[2] if len(rest) > 2 else 128)
+                   block_k=rest[2] if len(rest) > 2 else 128, fuse_scales=bool(rest[3]) if len(rest) > 3 else False)
 
     @property
     def spec(self) -> str:
         """The spec string `from_spec` reads back as this configuration, every field written (maxnreg
-        None as 0)."""
+        None as 0, fuse_scales as 0 or 1)."""
         return (f"{self.convert}:{self.block_n}:{self.block_m}:{self.warps_n}:{self.mma_k}:{self.stages}:{self.split}:"
-                f"{self.maxnreg or 0}:{self.warps_k}:{self.block_k}")
+                f"{self.maxnreg or 0}:{self.warps_k}:{self.block_k}:{int(self.fuse_scales)}")
 
     def __post_init__(self):
         def is_int(v):
@@ -523,6 +629,8 @@ class GluonExactConfig:
             if self.convert == "int+cvt" and self.mma_k != 16:
                 raise ValueError(f"GluonExactConfig.convert 'int+cvt' with warps_k={self.warps_k} alternates per "
                                  f"16-deep half of each K block: mma_k must be 16, got {self.mma_k!r}")
+        if not isinstance(self.fuse_scales, bool):
+            raise ValueError(f"GluonExactConfig.fuse_scales must be a bool, got {self.fuse_scales!r}")
         if self.block_k not in BLOCK_KS or not is_int(self.block_k):
             raise ValueError(f"GluonExactConfig.block_k must be one of {BLOCK_KS}, got {self.block_k!r}")
         if self.block_m not in ROW_BUCKETS or not is_int(self.block_m):
@@ -580,7 +688,7 @@ def launch_options(config: GluonExactConfig, bt: int, split: int) -> dict:
     the FP32 subnormals of the scaling's `mul.rn` (libdevice; Triton's default flushes them)."""
     opts = {"BT": bt, "STAGES": config.stages, "CONVERT": config.convert, "KC": config.mma_k,
             "WARPS_N": launch_warps_n(config, bt),
-            "SPLIT_K": split > 1, "WARPS_K": config.warps_k, "num_warps": CONSUMER_WARPS,
+            "SPLIT_K": split > 1, "WARPS_K": config.warps_k, "FUSE": config.fuse_scales, "num_warps": CONSUMER_WARPS,
             "enable_reflect_ftz": False}
     if config.maxnreg is not None:
         opts["maxnreg"] = config.maxnreg
@@ -641,5 +749,5 @@ class GluonExactMM(GluonExactPlan):
             self._w_descs[(cfg.block_n, cfg.block_k)], x_desc, sx_words, self._sw_words, out, self._workspace,
             self._counters,
             m, self.n, sx_words.stride(0), self._sw_words.stride(0), out.stride(0), per, steps, split,
-            OUT_F32=out.dtype == torch.float32, **launch_options(cfg, bt, split), **epilogue,
+            *self.fused_range, OUT_F32=out.dtype == torch.float32, **launch_options(cfg, bt, split), **epilogue,
         )

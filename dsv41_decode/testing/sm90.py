@@ -113,6 +113,21 @@ def loop_with(kernel, opcode: str) -> list[str]:
     return [t for _, t in ins[lo:hi + 1]]
 
 
+def loops_with(kernel, opcode: str) -> list[list[str]]:
+    """The SASS of each loop holding `opcode` instructions, in program order: the shortest
+    backward-branch spans holding one, pairwise disjoint (a longer span that overlaps a chosen one,
+    such as an mbarrier wait's retry branch placed past the loop, is not a loop of its own). A
+    kernel with several copies of a loop (an exact linear's consumer with and without its fused
+    scaling) has one each; where there is one, `loop_with`'s."""
+    ins = sass(kernel)
+    hits = [i for i, (_, t) in enumerate(ins) if t.startswith(opcode)]
+    chosen: list[tuple[int, int]] = []
+    for lo, hi in sorted(_backward_branches(ins), key=lambda span: span[1] - span[0]):
+        if any(lo <= h <= hi for h in hits) and all(hi < c_lo or lo > c_hi for c_lo, c_hi in chosen):
+            chosen.append((lo, hi))
+    return [[t for _, t in ins[lo:hi + 1]] for lo, hi in sorted(chosen)]
+
+
 def unpredicated(text: str) -> str:
     """A SASS instruction's text without its guard predicate (`@P0 `, `@!UP1 `, ...): its opcode
     with modifiers first."""
