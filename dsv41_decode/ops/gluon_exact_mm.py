@@ -10,7 +10,12 @@ to `reference.linear.mxfp8_mm`. The same contract, arguments and reduction order
   sum, and one `cvt.rn.f32.f64` rounds it once to nearest even (the block partial);
 - the partial is scaled by sx[m, kb], then by sw[n // 32, kb] in a separate `mul.rn` (never fused
   into the add), and added in K order into an FP32 accumulator that starts at 0; the sum is
-  rounded to BF16 (nearest even) or left FP32.
+  rounded to BF16 (nearest even) or left FP32. With `GluonExactConfig.fuse_scales` a program whose
+  x scale bytes all lie in the weight's `gluon_exact_common.fused_scale_range` adds each partial in
+  one FMA with the scales' product instead, fma(part, sx * sw, acc): there both products are exact
+  (no rounding, no underflow below FP32's least subnormal, no overflow), so the FMA's one rounding is
+  the add's (that module's argument above FUSED_X_BYTES; the same bits); the program checks the
+  bytes once before its first slot and runs the unfused loop otherwise.
 
 What the Gluon form does differently (the layout of `ops.gluon_mm`, the Gluon FP8 tier):
 

@@ -6,13 +6,17 @@ ones with one byte permute a code, on the words as loaded), 16- and 32-deep MMA 
 weight rows, x's rows split across warps, the warps along K, 128- and 256-deep ring slots, 8 to 32
 x rows a program, with and without the K split, BF16 and FP32 out - with no spills, the FP64 MMA (DMMA) once per 16
 weight rows, 8 x rows and 16 of K, wide shared-memory loads of the operands, the block terms' last
-product kept apart from the add (`mul.rn`, no FFMA), no FP32 op that flushes subnormals; and the
+product kept apart from the add (`mul.rn`, no FFMA), no FP32 op that flushes subnormals; the
+fused scaling (`fuse_scales`) exact over its byte range (a CPU model of both orders) and compiled
+in each consumer form beside the unfused loop, one FFMA a block and output; and the
 plan's bad arguments raise errors that name them. On the GPU (`-m gpu`): bitwise
 `reference.linear.mxfp8_mm` on small shapes (model-like, heavy-tailed, uniform and subnormal
 codes; row tiles, partial tiles, K splits; rows and columns past the call untouched), bitwise
 `ExactMM` at the V4.1-Flash TP1 shapes at 1, 8, 16, 32 and 64 rows, run to run, across row counts,
 bitwise `mxfp8_mm` there at 1, 5, 8, 16, 33 and 64 rows (model-like and heavy-tailed codes) with
-the warps along K, the packed conversions and 256-deep slots, and the call's argument errors. The
+the warps along K, the packed conversions and 256-deep slots, the fused scaling (in range, at its
+ends and past them: both loops) and the plan's configurations with it at those shapes, and the
+call's argument errors. The
 small-shape bitwise test covers the FP16 digit forms too; their own tests (CPU model, sm_90
 compiles, TP1 shapes) are in tests/ops/test_gluon_exact_digits.py.
 
