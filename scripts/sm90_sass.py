@@ -9,14 +9,15 @@ Usage: python scripts/sm90_sass.py [indexer] [combine] [mla_pv] [wo_a] [ll_tail]
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import triton
 
 from dsv41_decode.ops import gluon_exact_mm, gluon_sparse_mla_pv, indexer, low_latency_mm, sparse_mla, wo_a
 from dsv41_decode.ops.exact_linear import _GLUON_PLAN
-from dsv41_decode.testing.sm90 import (compile_exact_mm, compile_mla_pv, compile_sm90, loop_with, main_loop,
-                                       opcode_counts, resources, sass)
+from dsv41_decode.testing.sm90 import (compile_exact_mm, compile_mla_pv, compile_sm90, loops_with,
+                                       main_loop, opcode_counts, resources, sass)
 
 
 def _line(name: str, kernel, loop_note: str = "") -> str:
@@ -114,20 +115,22 @@ def ll_scales() -> None:
 def exact_mm(specs: list[str]) -> None:
     """`GluonExactMM`'s consumer loop (the loop holding every MMA: one ring slot) per configuration
     and row count: `specs` as SPEC@ROWS (`GluonExactConfig.from_spec`), default every configuration
-    of `_GLUON_PLAN` at the most rows it serves."""
+    of `_GLUON_PLAN` at the most rows it serves, each also with its fused scaling (`fuse_scales`:
+    its fused loop, then the unfused one compiled beside it)."""
     cases = [(s.split("@")[0], int(s.split("@")[1])) for s in specs]
     if not cases:
-        cases = list(dict.fromkeys((c.spec, rows) for _, configs in _GLUON_PLAN.values()
-                                   for rows, c in configs.items()))
+        cases = list(dict.fromkeys((variant.spec, rows) for _, configs in _GLUON_PLAN.values()
+                                   for rows, c in configs.items()
+                                   for variant in (c, dataclasses.replace(c, fuse_scales=True))))
     for spec, rows in cases:
         config = gluon_exact_mm.GluonExactConfig.from_spec(spec)
         bt = gluon_exact_mm.block_t(rows, config)
         k = compile_exact_mm(config, bt)
         mma = {"f16d": "HMMA", "f16w": "HGMMA", "f16wp": "HGMMA"}.get(config.convert, "DMMA")
-        loop = loop_with(k, mma)
-        top = ", ".join(f"{op} {n}" for op, n in list(opcode_counts(loop).items())[:10])
+        loops = loops_with(k, mma)
+        top = ", ".join(f"{op} {n}" for op, n in list(opcode_counts(loops[0]).items())[:10])
         print(f"exact_mm {spec}@{rows} (x rows {bt}): regs {resources(k)['REG']}, stack {resources(k)['STACK']}, "
-              f"consumer loop {len(loop)} a slot  [{top}]", flush=True)
+              f"consumer loop {' / '.join(str(len(lp)) for lp in loops)} a slot  [{top}]", flush=True)
 
 
 STAGES = {"indexer": indexer_paths, "combine": combine, "mla_pv": mla_pv, "wo_a": wo_a_paths, "ll_tail": ll_tail,

@@ -580,8 +580,10 @@ def test_fused_scaling_bitwise_on_gpu(config):
     # Bitwise `mxfp8_mm`, BF16 and FP32 out, at 1-40 rows (row tiles, partial weight tiles, K of 5
     # and 10 ring slots): on model-like operands (x's scale bytes in the plan's fused range: the
     # fused loop), on heavy-tailed codes with every x scale byte at an end of that range (terms up
-    # to the FP32 overflow and down to its subnormals: the exactness at the range's bounds), and the
-    # same with one byte a row just past its top (each program's check fails: the unfused loop).
+    # to ~2^112 and down to FP32's subnormals: the exactness at the range's bounds), with one byte a
+    # row just past its top (each program's check fails there: the unfused loop), and, on codes of
+    # the E4M3 subnormals and smallest normals with one weight scale byte, every x byte at the
+    # range's bottom (every term, sum and output an FP32 subnormal or zero: none flushed).
     for m, n, k in ((1, 130, 1280), (9, 96, 640), (40, 160, 1280)):
         if k % config.block_k:
             continue
@@ -595,11 +597,17 @@ def test_fused_scaling_bitwise_on_gpu(config):
         ends = torch.where(torch.rand((m, k // 32), generator=gen, device=DEVICE) < 0.5, lo, hi).to(torch.uint8)
         past = ends.clone()
         past[:, m % (k // 32)] = hi + 1
-        for what, c, sx in (("model", codes, x_scale), ("ends", heavy, ends), ("past", heavy, past)):
+        tiny, _, tiny_w, tiny_sw = kind_operands("subnormal", m, n, k)
+        tiny_sw = torch.full_like(tiny_sw.view(torch.uint8), 120)
+        tiny_plan = E.GluonExactMM(tiny_w, tiny_sw, config=config)
+        assert tiny_plan.fused_range[0] == 8                    # 2^(8 - 127) x 2^(120 - 127) = 2^-126
+        low = torch.full_like(ends, 8)
+        for what, p, c, sx in (("model", plan, codes, x_scale), ("ends", plan, heavy, ends),
+                               ("past", plan, heavy, past), ("low", tiny_plan, tiny, low)):
             for dtype in (torch.bfloat16, torch.float32):
-                ref = mxfp8_mm(c, sx, weight, w_scale, dtype)
-                check_window(plan, c, sx, ref, 8, (config.spec, m, n, k, what, dtype))
-        assert int(plan._counters.abs().sum()) == 0
+                ref = mxfp8_mm(c, sx, p.weight, p.w_scale, dtype)
+                check_window(p, c, sx, ref, 8, (config.spec, m, n, k, what, dtype))
+        assert int(plan._counters.abs().sum()) == 0 and int(tiny_plan._counters.abs().sum()) == 0
 
 
 @pytest.mark.gpu
