@@ -5,6 +5,8 @@ indexer's query of its `wq_b` (`index_query_tile`: RoPE, then MXFP4 quantize-deq
 Each is the Gluon port of a Triton-tier helper (`kv_write.rope_tile`, `index_query.index_query_tile`,
 `fp4.mx_quant_pairs` / `mx_dequant_pairs`): the Triton helpers cannot be called from a Gluon kernel
 (in the processes that compile it for sm_90 under the interpreter they are interpreted functions).
+For the same reason every Gluon kernel's reductions take their combine functions from here
+(`add_combine`, `max_combine`).
 The kernels that call them launch without reflect-FTZ, so libdevice's _rn operations keep FP32
 subnormals as the Triton helpers do.
 """
@@ -107,7 +109,16 @@ def _e2m1_fake(v, inv, s):
 
 
 @gluon.jit
-def _max(a, b):
+def add_combine(a, b):
+    """a + b: the combine function of a Gluon sum, `gl.reduce(x, axis, add_combine)` (gl.sum's is a
+    Triton JIT function, which the interpreter wraps in the processes that compile Gluon kernels
+    for sm_90 beside interpreted tests); the sum's order is the layout's, as gl.sum's."""
+    return a + b
+
+
+@gluon.jit
+def max_combine(a, b):
+    """max(a, b): the combine function of a Gluon maximum (`add_combine`'s reason)."""
     return gl.maximum(a, b)
 
 
@@ -123,8 +134,7 @@ def mxfp4_fake_pairs(xe, xo):
     ao = gl.abs(xo)
     ae = gl.where(ae == ae, ae, float("inf"))
     ao = gl.where(ao == ao, ao, float("inf"))
-    # gl.reduce with a Gluon combine: gl.max's is a Triton JIT function, interpreted there too
-    amax = gl.maximum(gl.reduce(ae, 1, _max), gl.reduce(ao, 1, _max))
+    amax = gl.maximum(gl.reduce(ae, 1, max_combine), gl.reduce(ao, 1, max_combine))
     p_bits = (gl.maximum(amax, MXFP4_FLOOR) * INV_E2M1_MAX).to(gl.int32, bitcast=True)
     k = (p_bits >> 23) - 127 + ((p_bits & 0x7FFFFF) != 0).to(gl.int32)
     byte = gl.minimum(k + 127, 255)

@@ -21,7 +21,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from .checks import config_for_rows, mxfp8_linear_args, mxfp8_weight_args
 from .common import plan_workspace
 from .exact_mm import reduction_order, rope_kwargs
-from .gluon_epilogues import _max, bf16_out
+from .gluon_epilogues import bf16_out, max_combine
 from .gluon_mm import BLOCK_K as RING_K
 from .gluon_mm import fp8_desc, require_sm90_weight
 from .gluon_mm import _scale, _slot_words
@@ -103,8 +103,7 @@ def fused_scales_ok(sx_ptr, stride_sxm, M, word_lo, n_words, lo, hi, BT: gl.cons
         for j in gl.static_range(4):
             b = (w >> (8 * j)) & 255
             bad = bad | (valid & ((b < lo) | (b > hi))).to(gl.int32)
-    # gl.reduce with a Gluon combine (gl.max's is a Triton function, which the interpreter wraps)
-    return gl.reduce(gl.reduce(bad, 1, _max), 0, _max) == 0
+    return gl.reduce(gl.reduce(bad, 1, max_combine), 0, max_combine) == 0
 
 
 @gluon.jit

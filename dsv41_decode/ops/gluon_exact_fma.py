@@ -132,6 +132,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from .checks import row_configs
 from .common import num_sms
 from .exact_mm import HI_WORDS_PTX
+from .gluon_epilogues import add_combine
 from .gluon_exact_common import GluonExactPlan, pow2, ring_weight_args, split_k_sum, store_tile, sum_chunk
 from .gluon_mm import SHARED_LIMIT, _producer, _ring, _scale, activation_operands, require_maxnreg, split_bounds
 
@@ -187,13 +188,6 @@ def _word(acc0, acc1, codes, xf, q: gl.constexpr, g: gl.constexpr, WK: gl.conste
 
 
 @gluon.jit
-def _add(a, b):
-    """a + b (the combine of the parts' reduction; `gl.sum`'s is a Triton function, which the
-    interpreter's runs would wrap)."""
-    return a + b
-
-
-@gluon.jit
 def _group_sums(w_tile, xf, g: gl.constexpr, BN: gl.constexpr, WK: gl.constexpr, LK: gl.constexpr,
                 R: gl.constexpr, L: gl.constexpr, CODES: gl.constexpr):
     """The exact block sums times 2^-16 [BN, WK, R] (FP64, SliceLayout(2, L)) of the slot's block group
@@ -237,7 +231,7 @@ def _group_sums(w_tile, xf, g: gl.constexpr, BN: gl.constexpr, WK: gl.constexpr,
             acc0, acc1 = _word(acc0, acc1, (ws0, ws1)[q0], xf, q0, g, WK, LK, R, TWO, L)
     if TWO:
         acc0 = acc0 + acc1
-    return gl.reduce(acc0, 2, _add)
+    return gl.reduce(acc0, 2, add_combine)
 
 
 @gluon.jit

@@ -36,16 +36,6 @@ _CREC: gl.constexpr = gl.constexpr(COMPRESSED_KV_BYTES)
 
 
 @gluon.jit
-def _add(a, b):
-    return a + b
-
-
-@gluon.jit
-def _max(a, b):
-    return gl.maximum(a, b)
-
-
-@gluon.jit
 def _e2m1(c):
     """FP32 value of E2M1 codes 0..15 (int32; bit 3 sign; magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6), as
     `fp4.e2m1_value`."""

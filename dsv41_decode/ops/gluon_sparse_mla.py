@@ -79,8 +79,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .common import is_sm90, num_sms
-from .gluon_mla_records import (_CREC, _DC, _KEYS, _M, _WARPS, _WREC, NUM_WARPS, _add, _bf16_rne_bits, _block_slots,
-                                _decode_chunk, _decode_loaded, _decode_mixed_chunk, _load_chunk, _max)
+from .gluon_epilogues import add_combine, max_combine
+from .gluon_mla_records import (_CREC, _DC, _KEYS, _M, _WARPS, _WREC, NUM_WARPS, _bf16_rne_bits, _block_slots,
+                                _decode_chunk, _decode_loaded, _decode_mixed_chunk, _load_chunk)
 from .gluon_sparse_mla_plan import (PHASE_COLS, PHASE_NAMES, STEP_CONFIGS, GluonSparseMlaConfig, GluonSparseMlaPlan,
                                    programs_per_sm, specialization_key)
 from .gluon_mm import tma_desc
@@ -170,8 +171,8 @@ def _combine_slice(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, r, H, stride_on
     in_nb = (sb < NB)[None, :]
     m2 = gl.load(ml, mask=in_nb, other=-1e30, cache_modifier=".cg")
     l2 = gl.load(ml + PH, mask=in_nb, other=0.0, cache_modifier=".cg")
-    n_all = gl.reduce(gl.load(ml + 2 * PH, mask=in_nb, other=0.0, cache_modifier=".cg"), 1, _add)
-    m_all = gl.maximum(gl.reduce(m2, 1, _max), -1e30)
+    n_all = gl.reduce(gl.load(ml + 2 * PH, mask=in_nb, other=0.0, cache_modifier=".cg"), 1, add_combine)
+    m_all = gl.maximum(gl.reduce(m2, 1, max_combine), -1e30)
     # each block's factor exp(m_b - m_all) and its rescaled sum, the sums added in block order
     f_smem = gl.allocate_shared_memory(gl.float32, [PH, NB_P2], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     l_smem = gl.allocate_shared_memory(gl.float32, [PH, NB_P2], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
@@ -291,7 +292,7 @@ def _gluon_sparse_mla_kernel(
     wtab_row = wtab_ptr + r * stride_wt
     ctab_row = ctab_ptr + r * stride_ct
     rw = gl.arange(0, W_P2, layout=gl.SliceLayout(0, ld))
-    nw = gl.reduce((gl.load(wtab_row + rw, mask=rw < W, other=-1) >= 0).to(gl.int32), 0, _add)
+    nw = gl.reduce((gl.load(wtab_row + rw, mask=rw < W, other=-1) >= 0).to(gl.int32), 0, add_combine)
     ws, cs = _block_slots(wtab_row, ctab_row, b, nw, W, KC, gl.SliceLayout(1, ld))
     w_ok = ws >= 0
     c_ok = cs >= 0
@@ -386,7 +387,7 @@ def _gluon_sparse_mla_kernel(
     ws_s, cs_s = _block_slots(wtab_row, ctab_row, b, nw, W, KC, gl.SliceLayout(0, s_l))
     ok = (ws_s >= 0) | (cs_s >= 0)
     s = gl.where(ok[None, :], s * scale, float("-inf"))
-    s_max = gl.reduce(s, 1, _max)
+    s_max = gl.reduce(s, 1, max_combine)
     _stamp(log_row, 5, PHASES)
 
     # Publish this block's max (bit b % 32 of the row's flag word b // 32, set with release once
@@ -417,7 +418,7 @@ def _gluon_sparse_mla_kernel(
         polls = 0
         while (pending > 0) & (polls < _SPIN_LIMIT):
             got = gl.load(board + mb[:, None] * PH + mh[None, :], mask=need, other=-1, volatile=True)
-            pending = gl.reduce(gl.reduce((got == 0).to(gl.int32), 1, _add), 0, _add)
+            pending = gl.reduce(gl.reduce((got == 0).to(gl.int32), 1, add_combine), 0, add_combine)
             polls += 1
         stuck = (pending > 0).to(gl.int32)
         earlier = gl.where(need, (~got).to(gl.float32, bitcast=True), -1e30)
@@ -435,13 +436,13 @@ def _gluon_sparse_mla_kernel(
             stuck += (polls >= _SPIN_LIMIT).to(gl.int32)
         earlier = gl.load(block_max_ptr + tile * PH + mb[:, None] * PH + mh[None, :],
                           mask=(mb < b)[:, None] & (mh < PH)[None, :], other=-1e30, cache_modifier=".cg")
-    m_i = gl.convert_layout(gl.reduce(earlier, 0, _max), gl.SliceLayout(1, s_l))
+    m_i = gl.convert_layout(gl.reduce(earlier, 0, max_combine), gl.SliceLayout(1, s_l))
     m_i = gl.where(stuck > 0, float("nan"), m_i)    # never by design: a bug shows as NaN, not a hang
     new_max = gl.maximum(m_i, s_max)
     _stamp(log_row, 6, PHASES)
     p = libdevice.exp(s - new_max[:, None])
-    l_i = gl.reduce(p, 1, _add)
-    nv = gl.reduce(ok.to(gl.int32), 0, _add)
+    l_i = gl.reduce(p, 1, add_combine)
+    nv = gl.reduce(ok.to(gl.int32), 0, add_combine)
     if P_OUT:
         # the block's P (rounded to nearest even: the contract's) for the second launch's P.V, 16
         # bytes a thread (`pst`; the accumulator's layout would store 4 at a time)

@@ -40,7 +40,8 @@ from triton.experimental.gluon.language.extra import libdevice
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
-from .gluon_mla_records import (_CREC, _KEYS, _M, _WARPS, _WREC, NUM_WARPS, _add, _bf16_rne_bits, _block_slots,
+from .gluon_epilogues import add_combine
+from .gluon_mla_records import (_CREC, _KEYS, _M, _WARPS, _WREC, NUM_WARPS, _bf16_rne_bits, _block_slots,
                                 _decode_loaded, _fp4_lut, _load_chunk, _ue8m0_value)
 from .pdl import gluon_wait, launch_options, supported
 
@@ -169,7 +170,7 @@ def _row_slots(wtab_row, ctab_row, W: gl.constexpr, W_P2: gl.constexpr, KC: gl.c
     slots of a table in one [NB_P2, 64] load (a few values a thread), else one [64] load a block and
     table (sm_90 spills less in the direct form's loop that way at the 64-dim slices' cap of 80)."""
     rw = gl.arange(0, W_P2, layout=gl.SliceLayout(0, ld))
-    nw = gl.reduce((gl.load(wtab_row + rw, mask=rw < W, other=-1) >= 0).to(gl.int32), 0, _add)
+    nw = gl.reduce((gl.load(wtab_row + rw, mask=rw < W, other=-1) >= 0).to(gl.int32), 0, add_combine)
     if ONE_LOAD:
         sl: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [_WARPS, 1], [1, 0])
         plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
