@@ -83,15 +83,17 @@ def fused_scale_range(w_scale: torch.Tensor) -> tuple[int, int]:
 
 
 @gluon.jit
-def fused_scales_ok(sx_ptr, stride_sxm, M, word_lo, n_words, lo, hi, BT: gl.constexpr):
+def fused_scales_ok(sx_ptr, stride_sxm, M, step_lo, n_steps, lo, hi, BT: gl.constexpr, WORDS: gl.constexpr):
     """Whether every UE8M0 byte of x's scale words a program reads lies in [lo, hi]
-    (`fused_scale_range`): rows 0 .. min(M, BT) - 1 from sx_ptr (row stride stride_sxm words), words
-    word_lo .. word_lo + n_words - 1 of each. A scalar, the same for every thread of the 4 warps
+    (`fused_scale_range`): rows 0 .. min(M, BT) - 1 from sx_ptr (row stride stride_sxm words), the
+    WORDS words a ring slot of each of its slots step_lo .. step_lo + n_steps - 1. A scalar, the same for every thread of the 4 warps
     that run it: the consumer's choice between `fused_take` and `block_term`'s order for the whole
     program (one check before its first slot, while the producer fills the ring): [BT, 1024 / BT]
     words at a time, 8 loads a thread, all independent (one pass for `wo_b`'s 64 words a row up to
     16 rows)."""
     CW: gl.constexpr = 1024 // BT
+    word_lo = step_lo * WORDS
+    n_words = n_steps * WORDS
     layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[2, 16], warps_per_cta=[4, 1],
                                             order=[1, 0])
     rm = gl.arange(0, BT, layout=gl.SliceLayout(1, layout))[:, None]

@@ -254,8 +254,7 @@ def consumer_wg(w_smem, x_smem, xd, xs, ready, empty, sw_words, sx_words, ws_ptr
     scale bytes in [fuse_lo, fuse_hi] (`gluon_exact_common.fused_scales_ok` over the program's rows
     and K steps) in its fused form. Returns (acc, )."""
     if FUSE:
-        NB: gl.constexpr = w_smem.shape[2] // 32
-        if fused_scales_ok(sx_ptr, stride_sxm, M, step_lo * (NB // 4), n_steps * (NB // 4), fuse_lo, fuse_hi, BT):
+        if fused_scales_ok(sx_ptr, stride_sxm, M, step_lo, n_steps, fuse_lo, fuse_hi, BT, w_smem.shape[2] // 128):
             acc = consumer_wg_slots(w_smem, x_smem, xd, xs, ready, empty, sw_words, sx_words, ws_ptr, step_lo,
                                     n_steps, M, STAGES, BN, BT, SPLIT_K, mma_layout, cvt_l, PIPE, True)
         else:

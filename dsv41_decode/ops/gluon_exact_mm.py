@@ -160,8 +160,7 @@ def _consumer(w_smem, x_smem, ready, empty, sw_words, sx_words, ws_ptr, step_lo,
     (`fused_scales_ok` over the program's rows and K steps, x's scales at sx_ptr, row stride
     stride_sxm words) in its fused form. Returns (acc, )."""
     if FUSE:
-        NB: gl.constexpr = w_smem.shape[2] // 32
-        if fused_scales_ok(sx_ptr, stride_sxm, M, step_lo * (NB // 4), n_steps * (NB // 4), fuse_lo, fuse_hi, BT):
+        if fused_scales_ok(sx_ptr, stride_sxm, M, step_lo, n_steps, fuse_lo, fuse_hi, BT, w_smem.shape[2] // 128):
             acc = _consumer_slots(w_smem, x_smem, ready, empty, sw_words, sx_words, ws_ptr, step_lo, n_steps, M,
                                   STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout, True)
         else:
@@ -222,8 +221,7 @@ def _consumer_k(w_smem, x_smem, ready, empty, terms, xs, sw_words, sx_words, ws_
     block: block_n <= 32) and x's scale bytes in [fuse_lo, fuse_hi] (`fused_scales_ok`, as
     `_consumer`) in its fused form. Returns (acc, ) in out_layout."""
     if FUSE:
-        NB: gl.constexpr = w_smem.shape[2] // 32
-        if fused_scales_ok(sx_ptr, stride_sxm, M, step_lo * (NB // 4), n_steps * (NB // 4), fuse_lo, fuse_hi, BT):
+        if fused_scales_ok(sx_ptr, stride_sxm, M, step_lo, n_steps, fuse_lo, fuse_hi, BT, w_smem.shape[2] // 128):
             acc = _consumer_k_slots(w_smem, x_smem, ready, empty, terms, xs, sw_row_words, sx_words, ws_ptr, step_lo,
                                     n_steps, M, STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout, out_layout, True)
         else:
@@ -440,8 +438,6 @@ def _gluon_exact_mm_kernel(
         xs_l: gl.constexpr = x_scales_layout(NB, BT)
         rm = gl.arange(0, BT, layout=gl.SliceLayout(0, xs_l))
         sx_words = (sx_ptr + gl.minimum(rm, M - 1) * stride_sxm)[None, :] + gl.zeros([NB, 1], gl.int32, xs_l)
-        # the fused scaling along K: the tile's one weight scale row of words, in the same layout
-        sw_row_words = sw_ptr + (gl.minimum(pid_n * BN, N - 1) // 32) * stride_swn + gl.zeros([NB, BT], gl.int32, xs_l)
     if CONVERT == "f16w" or CONVERT == "f16wp":
         # x's digit tiles of one slot: per K block the integer digits and the remainders, [BT, 32] FP16
         xd = gl.allocate_shared_memory(gl.float16, [2 * NB * BT, 32], gl.NVMMASharedLayout.get_default_for(
@@ -465,6 +461,8 @@ def _gluon_exact_mm_kernel(
         ], [1], [24])
     else:
         terms = gl.allocate_shared_memory(gl.float32, [NB, BN, BT], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
+        # the fused scaling along K: the tile's one weight scale row of words, in x's scales' layout
+        sw_row_words = sw_ptr + (gl.minimum(pid_n * BN, N - 1) // 32) * stride_swn + gl.zeros([NB, BT], gl.int32, xs_l)
         acc, = gl.warp_specialize([
             (_consumer_k, (w_smem, x_smem, ready, empty, terms, xs, sw_words, sx_words, ws_tile, step_lo, n_steps, M,
                            sw_row_words, sx_ptr, stride_sxm, fuse_lo, fuse_hi, STAGES, BN, BT, CONVERT, KC, SPLIT_K,

@@ -527,10 +527,10 @@ def launch_options(heads: int, page: int, stages: int, cand: bool, hist: bool, m
     terms in BF16x2 (`_weighted_terms_bf16x2`); mma_pairs: the four block wgmmas two at a time;
     kperm: each block's key dims in `_widen_split`'s order (no byte permutes), the query's to match;
     group: the rows a program scores on each key tile it reads (`gluon_index_scores_mxfp4_`'s
-    row_group; 1 without a candidate mask)."""
+    row_group; 1 with a candidate mask, which the kernel refuses to group)."""
     opts = {"PAGE": page, "BLOCK_H": block_h(heads), "STAGES": stages, "HAS_CAND": cand, "HIST": hist,
             "PACKED": bool(packed_terms), "MMA_PAIRS": bool(mma_pairs), "KPERM": bool(kperm),
-            "GROUP": group if not cand else 1, "num_warps": 4}
+            "GROUP": group, "num_warps": 4}
     if maxnreg is not None:
         opts["maxnreg"] = maxnreg
     return opts

@@ -51,7 +51,7 @@ def measure(heads: int, page: int, stages: int, cand: int = 0, hist: int = 0, ma
     kernel = compile_case(heads, page, stages, cand, hist, maxnreg, packed, pairs, kperm, group)
     ins = [t for _, t in sm90.sass(kernel)]
     return {"case": case, "maxnreg": maxnreg, "block_h": GI.block_h(heads),
-            "shared_limit": GI.shared_bytes(stages, heads, group if not cand else 1), "shared": kernel.metadata.shared,
+            "shared_limit": GI.shared_bytes(stages, heads, group), "shared": kernel.metadata.shared,
             **sm90.resources(kernel), "ops": sm90.opcode_counts(ins),
             "loop_ops": sm90.opcode_counts(sm90.main_loop(kernel)),
             "loop_len": len(sm90.main_loop(kernel)), "loop_loads": sm90.load_use_distances(sm90.main_loop(kernel)),

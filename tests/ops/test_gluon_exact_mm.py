@@ -27,6 +27,7 @@ tests/ops/test_exact_mm.py's, on which a plain FP32 block sum is not the exactly
 (checked there, `test_data_defeats_a_plain_fp32_block_sum`).
 """
 
+import dataclasses
 import re
 
 import pytest
@@ -314,7 +315,6 @@ FUSED_COMPILE_CASES = [
 @pytest.mark.parametrize("config,bt,split", FUSED_COMPILE_CASES,
                          ids=[_case_id((c, bt, split, False)) for c, bt, split in FUSED_COMPILE_CASES])
 def test_fused_scaling_compiles_for_sm90_without_spills(config, bt, split):
-    import dataclasses
     fused = dataclasses.replace(config, fuse_scales=True)
     kernel = compile_exact_mm(fused, bt, split)
     spill_free(kernel, fused.maxnreg or 255, E.shared_bytes(fused, bt))
@@ -616,6 +616,5 @@ def test_fused_plan_flash_shapes_match_the_reference_on_gpu(name, n, k):
     # `exact_linear._GLUON_PLAN`'s configurations of the shape with the fused scaling, at 1-64 rows
     # (`_flash_shape_matches_the_reference`: model-like and heavy-tailed codes, x's scale bytes
     # 120..133, in the fused range of both weights).
-    import dataclasses
     plan = {rows: dataclasses.replace(c, fuse_scales=True) for rows, c in _GLUON_PLAN[(n, k)][1].items()}
     _flash_shape_matches_the_reference(name, n, k, (plan, ))
