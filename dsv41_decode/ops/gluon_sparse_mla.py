@@ -89,7 +89,8 @@ from .gluon_sparse_mla_pv import mla_pv_
 from .pdl import gluon_launch_dependents
 from .sparse_mla import check_sparse_mla_args, combine_partials_
 
-__all__ = ["NUM_WARPS", "PHASE_NAMES", "STEP_CONFIGS", "GluonSparseMlaConfig", "GluonSparseMlaPlan", "gluon_sparse_mla_"]
+__all__ = ["NUM_WARPS", "PHASE_NAMES", "STEP_CONFIGS", "GluonSparseMlaConfig", "GluonSparseMlaPlan", "gluon_sparse_mla_",
+           "q_by_tma"]
 
 # Polls of the look-back before a program gives up (about a microsecond each: seconds in all). The
 # blocks a program waits for belong to programs already running, so the wait always ends; the bound
@@ -277,16 +278,18 @@ def _gluon_sparse_mla_kernel(
     if not P_OUT:
         p_smem = gl.allocate_shared_memory(gl.bfloat16, [_M, _KEYS], p_sl)
     if Q_TMA:
-        # (64 heads: the row's q is one [64, 512] tile of q viewed [N x 64, 512]) q's first
-        # Q_BUFFERS chunks copied by TMA from the program's start, completing on q_bar[0]; with
-        # two key buffers its last two during chunk 2's decode, on q_bar[1] (below)
+        # (q viewed [rows x H, 512], H = PH: the row's heads are the first H of the [64, 512] tile
+        # at row r H; the heads past H, which no store reads, the next rows' q or the TMA's zeros
+        # past the tensor) q's first Q_BUFFERS chunks copied by TMA from the program's start,
+        # completing on q_bar[0]; with two key buffers its last two during chunk 2's decode, on
+        # q_bar[1] (below)
         q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar.index(0), count=1)
         mbarrier.init(q_bar.index(1), count=1)
         fence_async_shared()          # the initialized barriers before the async proxy's copies
         mbarrier.expect(q_bar.index(0), Q_BUFFERS * q_desc.block_type.nbytes)
         for c in gl.static_range(Q_BUFFERS):
-            tma.async_copy_global_to_shared(q_desc, [r * _M, c * _DC], q_bar.index(0), q_smem.index(c))
+            tma.async_copy_global_to_shared(q_desc, [r * H, c * _DC], q_bar.index(0), q_smem.index(c))
 
     # The row's window key count (the valid suffix of its window table), then the block's slots.
     wtab_row = wtab_ptr + r * stride_wt
@@ -330,8 +333,8 @@ def _gluon_sparse_mla_kernel(
                 if c == 2:            # (loaded here: no registers held through the decodes)
                     if Q_TMA:         # in flight during chunk 2's decode
                         mbarrier.expect(q_bar.index(1), 2 * q_desc.block_type.nbytes)
-                        tma.async_copy_global_to_shared(q_desc, [r * _M, 2 * _DC], q_bar.index(1), q_smem.index(0))
-                        tma.async_copy_global_to_shared(q_desc, [r * _M, 3 * _DC], q_bar.index(1), q_smem.index(1))
+                        tma.async_copy_global_to_shared(q_desc, [r * H, 2 * _DC], q_bar.index(1), q_smem.index(0))
+                        tma.async_copy_global_to_shared(q_desc, [r * H, 3 * _DC], q_bar.index(1), q_smem.index(1))
                     else:
                         q_smem.index(0).store(gl.load(q_rows + 2 * _DC, mask=h_in, other=0.0))
                         q_smem.index(1).store(gl.load(q_rows + 3 * _DC, mask=h_in, other=0.0))
@@ -516,9 +519,20 @@ def _gluon_sparse_mla_kernel(
         _stamp_global(log_row, _PH_GEND, "mov.u64 $0, %globaltimer;", PHASES)
 
 
+def q_by_tma(config: GluonSparseMlaConfig, base, q: torch.Tensor) -> bool:
+    """Whether a launch of `base` (the plan's `SparseMlaPlan`) on q copies q by TMA: with
+    `config.q_tma`, where the heads are the program's (block_h: 16, 32 or 64), q is contiguous and
+    has at least one [64, 512] tile of rows x heads. A row's q is then the first heads of the tile
+    that starts at its first head; the tile's other rows (the next rows' heads, or the TMA's zeros
+    past the tensor) fill the MMA rows of the padded heads, which no store reads."""
+    return bool(config.q_tma and base.heads == base.block_h and q.is_contiguous()
+                and q.shape[0] * base.heads >= _M.value)
+
+
 def _q_desc(plan: GluonSparseMlaPlan, q: torch.Tensor) -> TensorDescriptor:
-    """The TMA descriptor of q's [64, 128] chunks, q (contiguous [rows, 64, 512]) viewed [rows x 64,
-    512], made once per (address, rows) and kept in the plan (`GluonSparseMlaConfig.q_tma`)."""
+    """The TMA descriptor of q's [64, 128] chunks, q (contiguous [rows, heads, 512], rows x heads >=
+    64) viewed [rows x heads, 512], made once per (address, rows) and kept in the plan
+    (`GluonSparseMlaConfig.q_tma`)."""
     key = (q.data_ptr(), q.shape[0])
     desc = plan.q_descs.get(key)
     if desc is None:
@@ -549,7 +563,7 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
     # with the combination "pv" the blocks' P goes into the partials' workspace (BF16 [n, nb,
     # block_h, 64] fits in its FP32 [n, nb, block_h, 512])
     acc_ws = base.part_acc.view(torch.bfloat16) if combine == "pv" else base.part_acc
-    q_tma = config.q_tma and base.block_h == 64 and q.is_contiguous()
+    q_tma = q_by_tma(config, base, q)
     q_desc = _q_desc(plan, q) if q_tma else None
     args = (q, window_pool, comp_pool, window_table, comp_table,
             acc_ws, base.part_ml, base.block_max, base.flags, base.ticket, sink, o16, plan.counters, log,

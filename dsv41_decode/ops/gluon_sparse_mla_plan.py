@@ -118,10 +118,13 @@ class GluonSparseMlaConfig:
     MMAs are done: the same MMAs in the same order, so the same bits; 64 KB of shared memory, three
     programs an SM at maxnreg=80 without spills on sm_90).
 
-    q_tma (at 64 heads, q contiguous: a row's q is one [64, 512] tile; elsewhere ignored): q's
-    chunks copied into shared memory by TMA from the program's start instead of loaded into
-    registers and stored (with k_buffers=2 its last two chunks during chunk 2's decode; with four,
-    q_buffers=2 still loads the last two into registers): the same values.
+    q_tma (at 16, 32 or 64 heads, the heads of block_h, with q contiguous and at least 64 of its
+    [rows x heads, 512] rows; elsewhere ignored): q's chunks copied into shared memory by TMA from
+    the program's start instead of loaded into registers and stored (with k_buffers=2 its last two
+    chunks during chunk 2's decode; with four, q_buffers=2 still loads the last two into
+    registers): a row's q is the first heads of the [64, 512] tile that starts at its first head,
+    the tile's other rows (the next rows' heads, or the TMA's zeros past the tensor) in the MMA
+    rows of the padded heads, which no store reads. The same values.
 
     pv_pdl (with combine="pv", on sm_90 outside the interpreter): the second launch launched with
     programmatic dependent launch (`ops.pdl`), so that its programs start as the first launch's last

@@ -144,6 +144,21 @@ def test_plan_is_one_head_group_of_the_real_heads():
         assert p.part_acc.numel() == 4 * 10 * max(16, heads) * D
 
 
+def test_q_goes_by_tma_where_a_row_starts_a_tile_of_its_heads():
+    # q by TMA (`q_tma`) where the heads are the program's (16, 32, 64: block_h) and q, contiguous,
+    # holds a [64, 512] tile of rows x heads: the row's tile starts at its first head
+    tma = replace(DEFAULT, q_tma=True)
+    for heads, rows, want in ((64, 1, True), (32, 1, False), (32, 2, True), (16, 3, False), (16, 4, True),
+                              (64, 2, True), (8, 64, False)):
+        base = G.GluonSparseMlaPlan.build(64, heads, 128, 512, "cpu").base
+        q = torch.zeros(rows, heads, D, dtype=torch.bfloat16)
+        assert G.q_by_tma(tma, base, q) is want, (heads, rows)
+        assert G.q_by_tma(DEFAULT, base, q) is False
+        if want and rows > 1:     # a view with a row stride past its heads: plain loads
+            wide = torch.zeros(rows, heads + 16, D, dtype=torch.bfloat16)[:, :heads]
+            assert G.q_by_tma(tma, base, wide) is False
+
+
 def test_the_combination_reads_the_kernels_workspace():
     # The kernel's per-block partials as it stores them (a torch model: acc [N, NB, PH, 512],
     # ml [N, NB, 3, PH] of (running max at the block, sum of the unrounded exp, valid keys), PH =
@@ -391,6 +406,22 @@ def test_gpu_every_config_gives_the_same_bits(h, n):
             assert torch.equal(out, outs[0]), (config, int((ulps(out, outs[0]) > 0).sum()))
     torch.cuda.synchronize()
     assert all(workspace_is_clear(plan) for plan in plans)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", [16, 32])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 17, 64])
+def test_gpu_q_by_tma_at_fewer_heads_gives_the_same_bits(h, n):
+    # q by TMA at 16 and 32 heads (`q_by_tma`: a row's heads the first of a [64, 512] tile, its
+    # other rows the next rows' q or zeros past the tensor) against plain loads: the same bits, at
+    # row counts below, at and past one tile of rows x heads (the last rows' tiles past the tensor)
+    w, k = 128, 512
+    case = make_case(n, h, w, k, seed=500 + n + h, window_fill=gpu_tables(n), **GPU_POOLS)
+    plans = [G.GluonSparseMlaPlan.build(64, h, w, k, "cuda", config=c) for c in (PVRING4K2, PVRING4K2T)]
+    plain, tma = (run(plan, case) for plan in plans)
+    assert torch.equal(tma, plain), int((ulps(tma, plain) > 0).sum())
+    assert bool(plans[1].q_descs) == (n * h >= 64)
+    check_bound(tma, case, reference(*case))
 
 
 @pytest.mark.gpu
