@@ -140,11 +140,13 @@ def test_first_launch_with_two_key_buffers_three_programs_an_sm(heads, w, k):
     assert gmma == ["HGMMA.64x32x16.F32.BF16"] * 32, sorted(set(gmma))
 
 
-# the same at 64 heads with q copied by TMA (`q_tma`, the step's 17-64-row configuration): still no
-# spills and three programs an SM (two mbarriers more, 16 bytes), q's four [64, 128] chunks as four
-# TMA copies (two from the start, two during chunk 2's decode) and none of q's 16-byte loads
-def test_first_launch_with_q_by_tma_three_programs_an_sm():
-    kernel = _compile_first(64, 128, 512, maxnreg=80, K_BUFFERS=2, Q_TMA=True)
+# the same with q copied by TMA (`q_tma`, the step's 17-64-row configuration at 64 heads; at 32
+# heads a row's q the first half of its [64, 128] tiles): still no spills and three programs an SM
+# (two mbarriers more, 16 bytes), q's four [64, 128] chunks as four TMA copies (two from the start,
+# two during chunk 2's decode) and none of q's 16-byte loads
+@pytest.mark.parametrize("heads", [64, 32])
+def test_first_launch_with_q_by_tma_three_programs_an_sm(heads):
+    kernel = _compile_first(heads, 128, 512, maxnreg=80, K_BUFFERS=2, Q_TMA=True)
     res = sm90.resources(kernel)
     assert res["LOCAL"] == 0 and res["STACK"] == 0, res
     assert kernel.metadata.shared == 4 * 16384 + 16, kernel.metadata.shared
@@ -154,7 +156,7 @@ def test_first_launch_with_q_by_tma_three_programs_an_sm():
     def wide_loads(k):
         return sum("LDG.E.128" in t for _, t in sm90.sass(k))
     # q's four chunks of 64 x 128 BF16 over 256 threads, 16 bytes a load
-    plain = _compile_first(64, 128, 512, maxnreg=80, K_BUFFERS=2)
+    plain = _compile_first(heads, 128, 512, maxnreg=80, K_BUFFERS=2)
     assert wide_loads(plain) - wide_loads(kernel) == 4 * 64 * 128 * 2 // 256 // 16, (wide_loads(plain),
                                                                                    wide_loads(kernel))
 
