@@ -279,10 +279,10 @@ def _gluon_sparse_mla_kernel(
         p_smem = gl.allocate_shared_memory(gl.bfloat16, [_M, _KEYS], p_sl)
     if Q_TMA:
         # (q viewed [rows x H, 512], H = PH: the row's heads are the first H of the [64, 512] tile
-        # at row r H; the heads past H, which no store reads, the next rows' q or the TMA's zeros
-        # past the tensor) q's first Q_BUFFERS chunks copied by TMA from the program's start,
-        # completing on q_bar[0]; with two key buffers its last two during chunk 2's decode, on
-        # q_bar[1] (below)
+        # at row r H; past them the next rows' q or the TMA's zeros past the tensor, in the padded
+        # heads' rows, whose values no store writes) q's first Q_BUFFERS chunks copied by TMA from
+        # the program's start, completing on q_bar[0]; with two key buffers its last two during
+        # chunk 2's decode, on q_bar[1] (below)
         q_bar = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar.index(0), count=1)
         mbarrier.init(q_bar.index(1), count=1)
@@ -524,7 +524,7 @@ def q_by_tma(config: GluonSparseMlaConfig, base, q: torch.Tensor) -> bool:
     `config.q_tma`, where the heads are the program's (block_h: 16, 32 or 64), q is contiguous and
     has at least one [64, 512] tile of rows x heads. A row's q is then the first heads of the tile
     that starts at its first head; the tile's other rows (the next rows' heads, or the TMA's zeros
-    past the tensor) fill the MMA rows of the padded heads, which no store reads."""
+    past the tensor) fill the MMA rows of the padded heads, whose values no store writes."""
     return bool(config.q_tma and base.heads == base.block_h and q.is_contiguous()
                 and q.shape[0] * base.heads >= _M.value)
 

@@ -124,7 +124,7 @@ class GluonSparseMlaConfig:
     chunks during chunk 2's decode; with four, q_buffers=2 still loads the last two into
     registers): a row's q is the first heads of the [64, 512] tile that starts at its first head,
     the tile's other rows (the next rows' heads, or the TMA's zeros past the tensor) in the MMA
-    rows of the padded heads, which no store reads. The same values.
+    rows of the padded heads, whose values no store writes. The same values.
 
     pv_pdl (with combine="pv", on sm_90 outside the interpreter): the second launch launched with
     programmatic dependent launch (`ops.pdl`), so that its programs start as the first launch's last
