@@ -24,8 +24,8 @@ import torch
 from dsv41_decode.ops import gluon_sparse_mla as G
 from dsv41_decode.ops.sparse_mla import HEAD_DIM as D, SparseMlaPlan, sparse_mla_
 from dsv41_decode.testing import sm90
-from test_sparse_mla import (EXACT_SCALE, GPU_POOLS, SCALE, check_bound, check_exact_gpu, check_repeatable_on_gpu,
-                             gpu_tables, make_case, reference, ulps)
+from test_sparse_mla import (EXACT_SCALE, GPU_POOLS, SCALE, check_bad_launch_args, check_bound, check_exact_gpu,
+                             check_repeatable_on_gpu, gpu_tables, make_case, reference, ulps)
 
 _TYPES = {"q_ptr": "*bf16", "wpool_ptr": "*u8", "cpool_ptr": "*u8", "wtab_ptr": "*i32", "ctab_ptr": "*i32",
           "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "block_max_ptr": "*fp32", "flag_ptr": "*i32",
@@ -207,26 +207,8 @@ def test_the_combination_reads_the_kernels_workspace():
 
 def test_bad_arguments_name_the_argument():
     n, h, w, k = 2, 16, 16, 8
-    q, wpool, cpool, wt, ct, sink = make_case(n, h, w, k, seed=1)
     plan = G.GluonSparseMlaPlan.build(2, h, w, k, "cpu")
-    out = torch.empty(n, h, D, dtype=torch.bfloat16)
-    args = dict(q=q, window_pool=wpool, comp_pool=cpool, window_table=wt, comp_table=ct, sink=sink,
-                scale=SCALE, out=out)
-    bad = {
-        "q": (q.float(), TypeError),
-        "window_pool": (wpool[:, :512], ValueError),
-        "comp_pool": (cpool.to(torch.int8), TypeError),
-        "window_table": (wt.long(), TypeError),
-        "comp_table": (ct[:, :4], ValueError),
-        "sink": (sink[:4], ValueError),
-        "out": (out.float(), TypeError),
-        "scale": ("0.1", TypeError),
-    }
-    for name, (value, exc) in bad.items():
-        with pytest.raises(exc, match=name):
-            G.gluon_sparse_mla_(plan, **{**args, name: value})
-    with pytest.raises(ValueError, match="max_rows"):
-        G.gluon_sparse_mla_(plan, **{**args, "q": torch.cat((q, q))})
+    args = check_bad_launch_args(G.gluon_sparse_mla_, plan, n, h, w, k)
     with pytest.raises(TypeError, match="plan"):
         G.gluon_sparse_mla_(None, **args)
     with pytest.raises(TypeError, match="plan must be a GluonSparseMlaPlan"):

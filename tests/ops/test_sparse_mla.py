@@ -262,10 +262,11 @@ def test_dot_dims_needs_fp32_operands_and_the_split():
         SparseMlaPlan.for_step(2, 16, 16, 8, "cpu", fp32_dots="yes")
 
 
-def test_bad_inputs_name_the_argument():
-    n, h, w, k = 2, 8, 16, 8
+def check_bad_launch_args(launch, plan, n: int, h: int, w: int, k: int) -> dict:
+    """`launch(plan, **args)` (`sparse_mla_`'s arguments, n rows of h heads, w window slots and k
+    top-k entries, plan built for n rows) raises an error that names each bad argument in turn and
+    names max_rows for more rows than the plan's; returns the good arguments."""
     q, wpool, cpool, wt, ct, sink = make_case(n, h, w, k, seed=1)
-    plan = SparseMlaPlan.build(2, h, w, k, "cpu")
     out = torch.empty(n, h, D, dtype=torch.bfloat16)
     args = dict(q=q, window_pool=wpool, comp_pool=cpool, window_table=wt, comp_table=ct, sink=sink,
                 scale=SCALE, out=out)
@@ -277,12 +278,19 @@ def test_bad_inputs_name_the_argument():
         "comp_table": (ct[:, :4], ValueError),
         "sink": (sink[:4], ValueError),
         "out": (out.float(), TypeError),
+        "scale": ("0.1", TypeError),
     }
     for name, (value, exc) in bad.items():
         with pytest.raises(exc, match=name):
-            sparse_mla_(plan, **{**args, name: value})
+            launch(plan, **{**args, name: value})
     with pytest.raises(ValueError, match="max_rows"):
-        sparse_mla_(plan, **{**args, "q": torch.cat((q, q))})
+        launch(plan, **{**args, "q": torch.cat((q, q))})
+    return args
+
+
+def test_bad_inputs_name_the_argument():
+    n, h, w, k = 2, 8, 16, 8
+    args = check_bad_launch_args(sparse_mla_, SparseMlaPlan.build(2, h, w, k, "cpu"), n, h, w, k)
     with pytest.raises(ValueError, match="heads"):
         SparseMlaPlan.build(2, 12, w, k, "cpu")
     with pytest.raises(ValueError, match="max_rows"):
