@@ -19,8 +19,10 @@ with and without the K split), so the timing loop loads them from Triton's cache
     PYTHONPATH=. python scripts/probe_gluon_exact_mm.py --rows=1,8,64 --only=wq_b --alt=int:128:32:1:32:4:1
 
 --alt: GluonExactMM configurations convert:block_n:block_m:warps_n:mma_k:stages:split[:maxnreg[:warps_k
-[:block_k[:fuse_scales]]]] (`GluonExactConfig`; split: K splits for calls of at most min(16, block_m) rows;
-maxnreg 0: None, default 128; warps_k default 1; block_k default 128; fuse_scales 0 or 1, default 0).
+[:block_k[:fuse_scales[:pair_slots]]]]] (`GluonExactConfig`; split: K splits for calls of at most min(16,
+block_m) rows; maxnreg 0: None, default 128; warps_k default 1; block_k default 128; fuse_scales and
+pair_slots 0 or 1, default 0; a configuration the shape cannot take, e.g. pair_slots where K is not a
+multiple of 2 x block_k, is reported and skipped).
 --fused=1: each configuration also with its fused scaling (`GluonExactConfig.fuse_scales`), e.g. the
 step's plan and its fused twin:
 
@@ -172,8 +174,9 @@ def compile_task(spec: str, rows: int, split_k: bool):
     try:
         t = time.time()
         g = torch.Generator(device=DEV).manual_seed(1)
-        weight, w_scale = fp8_block_quantize(torch.randn(256, 1280, generator=g, device=DEV) * 0.03)
-        codes, x_scale = mxfp8_quantize(torch.randn(rows, 1280, generator=g, device=DEV).to(torch.bfloat16))
+        # K = 1536: a multiple of every configuration's unit (block_k, twice it with pair_slots)
+        weight, w_scale = fp8_block_quantize(torch.randn(256, 1536, generator=g, device=DEV) * 0.03)
+        codes, x_scale = mxfp8_quantize(torch.randn(rows, 1536, generator=g, device=DEV).to(torch.bfloat16))
         cfg = config_of(spec)
         if not split_k:
             cfg = dataclasses.replace(cfg, split=1)

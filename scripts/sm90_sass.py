@@ -113,10 +113,11 @@ def ll_scales() -> None:
 
 
 def exact_mm(specs: list[str]) -> None:
-    """`GluonExactMM`'s consumer loop (the loop holding every MMA: one ring slot) per configuration
-    and row count: `specs` as SPEC@ROWS (`GluonExactConfig.from_spec`), default every configuration
-    of `_GLUON_PLAN` at the most rows it serves, each also with its fused scaling (`fuse_scales`:
-    its fused loop, then the unfused one compiled beside it)."""
+    """`GluonExactMM`'s consumer loop (the loop holding every MMA: one ring slot, two with
+    `pair_slots`) per configuration and row count: `specs` as SPEC@ROWS
+    (`GluonExactConfig.from_spec`), default every configuration of `_GLUON_PLAN` at the most rows it
+    serves, each also with its fused scaling (`fuse_scales`: its fused loop, then the unfused one
+    compiled beside it)."""
     cases = [(s.split("@")[0], int(s.split("@")[1])) for s in specs]
     if not cases:
         cases = list(dict.fromkeys((variant.spec, rows) for _, configs in _GLUON_PLAN.values()
@@ -130,7 +131,8 @@ def exact_mm(specs: list[str]) -> None:
         loops = loops_with(k, mma)
         top = ", ".join(f"{op} {n}" for op, n in list(opcode_counts(loops[0]).items())[:10])
         print(f"exact_mm {spec}@{rows} (x rows {bt}): regs {resources(k)['REG']}, stack {resources(k)['STACK']}, "
-              f"consumer loop {' / '.join(str(len(lp)) for lp in loops)} a slot  [{top}]", flush=True)
+              f"consumer loop {' / '.join(str(len(lp)) for lp in loops)} "
+              f"{'a unit of two slots' if config.pair_slots else 'a slot'}  [{top}]", flush=True)
 
 
 STAGES = {"indexer": indexer_paths, "combine": combine, "mla_pv": mla_pv, "wo_a": wo_a_paths, "ll_tail": ll_tail,

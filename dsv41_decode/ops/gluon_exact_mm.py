@@ -45,6 +45,13 @@ What the Gluon form does differently (the layout of `ops.gluon_mm`, the Gluon FP
   one round of the terms through shared memory) per 256 of K instead of two; with warps_k=4 each
   warp takes blocks w and w + 4 of the batched MMA: two independent MMA chains a slot. The
   terms join the sum in the same K order.
+- **Two slots a wait** (`GluonExactConfig.pair_slots`, with the warps along K; K % (2 x block_k)
+  == 0, no K split): the producer fills two ring slots on the first one's ready barrier and waits
+  for their release on its empty barrier (`_pair_producer`), and the consumer warps take the two
+  slots as one unit (`_consumer_k_slots` with SLOTS=2: both slots' MMA chains, their terms in two
+  buffers, one barrier, the terms added slot by slot in K order). Triton 3.6 puts a CTA barrier
+  before every mbarrier wait and arrive of the consumer warpgroup, so a unit holds the barriers of
+  one slot (three with the terms' barrier) for two slots' work; the same bits.
 - **Optional K split** (`GluonExactConfig.split`, calls of at most `split_rows` rows): several
   programs share a weight tile's K; each stores its block terms (the M real rows) in a plan-owned
   workspace, and the tile's last program to arrive (an acq_rel atomic counter, reset for the next
@@ -104,7 +111,7 @@ from dataclasses import dataclass
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from .checks import row_configs
 from .gluon_exact_common import (GluonExactPlan, block_term, fused_scale, fused_scales_ok, fused_take,
@@ -216,20 +223,23 @@ def _consumer_slots(w_smem, x_smem, ready, empty, sw_words, sx_words, ws_ptr, st
 def _consumer_k(w_smem, x_smem, ready, empty, terms, xs, sw_words, sx_words, ws_ptr, step_lo, n_steps, M,
                 sw_row_words, sx_ptr, stride_sxm, fuse_lo, fuse_hi,
                 STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, CONVERT: gl.constexpr, KC: gl.constexpr,
-                SPLIT_K: gl.constexpr, mma_layout: gl.constexpr, out_layout: gl.constexpr, FUSE: gl.constexpr):
+                SPLIT_K: gl.constexpr, mma_layout: gl.constexpr, out_layout: gl.constexpr, FUSE: gl.constexpr,
+                SLOTS: gl.constexpr):
     """The consumer warps along K: `_consumer_k_slots`, with FUSE (a tile of one 32-row weight scale
     block: block_n <= 32) and x's scale bytes in [fuse_lo, fuse_hi] (`fused_scales_ok`, as
     `_consumer`) in its fused form. Returns (acc, ) in out_layout."""
     if FUSE:
         if fused_scales_ok(sx_ptr, stride_sxm, M, step_lo, n_steps, fuse_lo, fuse_hi, BT, w_smem.shape[2] // 128):
             acc = _consumer_k_slots(w_smem, x_smem, ready, empty, terms, xs, sw_row_words, sx_words, ws_ptr, step_lo,
-                                    n_steps, M, STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout, out_layout, True)
+                                    n_steps, M, STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout, out_layout, True,
+                                    SLOTS)
         else:
             acc = _consumer_k_slots(w_smem, x_smem, ready, empty, terms, xs, sw_words, sx_words, ws_ptr, step_lo,
-                                    n_steps, M, STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout, out_layout, False)
+                                    n_steps, M, STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout, out_layout, False,
+                                    SLOTS)
     else:
         acc = _consumer_k_slots(w_smem, x_smem, ready, empty, terms, xs, sw_words, sx_words, ws_ptr, step_lo,
-                                n_steps, M, STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout, out_layout, False)
+                                n_steps, M, STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout, out_layout, False, SLOTS)
     return (acc, )
 
 
@@ -237,26 +247,29 @@ def _consumer_k(w_smem, x_smem, ready, empty, terms, xs, sw_words, sx_words, ws_
 def _consumer_k_slots(w_smem, x_smem, ready, empty, terms, xs, sw_words, sx_words, ws_ptr, step_lo, n_steps, M,
                       STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, CONVERT: gl.constexpr,
                       KC: gl.constexpr, SPLIT_K: gl.constexpr, mma_layout: gl.constexpr, out_layout: gl.constexpr,
-                      FUSED: gl.constexpr):
+                      FUSED: gl.constexpr, SLOTS: gl.constexpr):
     """`_consumer_slots` with the consumer warps splitting each slot's NB K blocks (`warps_k` > 1; NB =
     block_k / 32, 4 or 8; mma_layout: the batched [NB, BN, BT] MMA layout, batch j = K block j, warp
-    w the blocks w, w + warps_k, ...: with NB = 8 each warp two or more independent MMA chains): per
-    slot every warp forms its blocks' exact partials (`_slot_partials`) and terms (`scaled_term`'s
-    two roundings) and stores them to `terms` ([NB, BN, BT] FP32 in shared memory); after a barrier
-    every thread reads its outputs' NB terms (out_layout: each output one thread's) and adds them in
-    K order, blocks 0, 1, ..., NB - 1, to its FP32 accumulator, or, SPLIT_K, stores them to the workspace as `_consumer`
-    does. x's scales come decoded from `xs` ([2, NB, BT] FP32, one buffer per slot parity): after
-    the slot's barrier the warps decode the next slot's (`gluon_exact_digits.store_x_scales`, one
-    or two bytes a thread, from sx_words: [NB, BT] pointers in `x_scales_layout`) into the other
-    buffer, the first slot's before the loop. The barrier also precedes the slot's release (every
-    thread's operand loads are done), and the compiler puts one between the reads of the terms and
-    the next slot's scale loads and terms stores, which publishes the scales (three barriers a slot
-    in the sm_90 SASS, as without the decode).
+    w the blocks w, w + warps_k, ...: with NB = 8 each warp two or more independent MMA chains), a
+    unit of SLOTS ring slots (1, or 2 with `GluonExactConfig.pair_slots`: the producer fills both on
+    one ready barrier, `_pair_producer`) per wait: per slot of the unit every warp forms its blocks'
+    exact partials (`_slot_partials`) and terms (`scaled_term`'s two roundings) and stores them to
+    `terms[t]` ([NB, BN, BT] FP32 in shared memory, a tuple of SLOTS allocations: one buffer would
+    take the compiler's barrier between two slots' stores); after a barrier every thread reads its
+    outputs' terms, slot by slot, and adds them in K order, blocks 0, 1, ..., NB - 1 of each, to its
+    FP32 accumulator, or, SPLIT_K, stores them to the workspace as `_consumer` does. x's scales come
+    decoded from `xs[t]` ([2, NB, BT] FP32, one buffer per unit parity, a tuple of SLOTS
+    allocations likewise): after the unit's barrier the warps decode the next unit's (`store_x_scales`, one or two
+    bytes a thread, from sx_words: [NB, BT] pointers in `x_scales_layout`) into the other buffers,
+    the first unit's before the loop. The barrier also precedes the unit's release (every thread's
+    operand loads are done), and the compiler puts one between the reads of the terms and the next
+    unit's scale loads and terms stores, which publishes the scales (three barriers a unit in the
+    sm_90 SASS, as without the decode: Triton puts one before every mbarrier wait and arrive).
 
     FUSED (the tile's rows in one weight scale block; sw_words then the [NB, BT] pointers, in
     `x_scales_layout`, of that block's row of words): the terms are the partials themselves, `xs`
-    holds the scales' products (`gluon_exact_digits.store_fused_scales`, the next slot's stored
-    before the slot's barrier, which publishes them), and the reading thread adds each term in one
+    holds the scales' products (`gluon_exact_digits.store_fused_scales`, the next unit's stored
+    before the unit's barrier, which publishes them), and the reading thread adds each term in one
     FMA (`fused_take`'s form: the same bits for the bytes `fused_scales_ok` checked). Returns the
     accumulator in out_layout (zeros with SPLIT_K)."""
     acc = gl.zeros([BN, BT], gl.float32, out_layout)
@@ -266,53 +279,112 @@ def _consumer_k_slots(w_smem, x_smem, ready, empty, terms, xs, sw_words, sx_word
     # K block j of batch element j: the byte j % 4 of each row's scale word j // 4
     j3 = gl.expand_dims(gl.expand_dims(gl.arange(0, NB, layout=gl.SliceLayout(1, gl.SliceLayout(2, mma_layout))), 1), 2)
     ws_offs, ws_mask = ws_tile(BN, BT, M, out_layout)
-    words_next = _slot_words(sw_words, sx_words, step_lo, NB // 4)
-    if FUSED:
-        store_fused_scales(words_next[0], words_next[1], words_next[2], words_next[3], xs.index(0))
+    if SLOTS == 1:
+        words_next = _slot_words(sw_words, sx_words, step_lo, NB // 4)
+        unit_next = (words_next, )
     else:
-        store_x_scales(words_next[2], words_next[3], xs.index(0))
+        unit_next = _pair_words(sw_words, sx_words, step_lo, NB // 4)
+    for t in gl.static_range(SLOTS):
+        _store_slot_scales(unit_next[t], xs[t].index(0), FUSED)
     gl.thread_barrier()
-    for i in range(n_steps):
-        words, words_next, s = wait_slot(i, words_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES, NB)
-        part = _slot_partials(w_smem.index(s), x_smem.index(s), zero, CONVERT, KC, mma_layout)   # [NB, BN, BT]
-        if FUSED:
-            terms.store(part)
-            # the next slot's scale products, published by the barrier below (this slot's were by the
-            # last one)
-            store_fused_scales(words_next[0], words_next[1], words_next[2], words_next[3], xs.index((i + 1) % 2))
+    for u in range(n_steps // SLOTS):
+        i = u * SLOTS
+        if SLOTS == 1:
+            words, words_next, s = wait_slot(i, words_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES, NB)
+            unit = (words, )
+            unit_next = (words_next, )
         else:
-            sw, sw1, _, _ = words
-            if NB == 4:
-                sw3 = gl.expand_dims(gl.expand_dims(sw, 1), 0) >> (8 * j3)             # [4, BN, 1]: byte j at 0
-            else:
-                sw3 = gl.where(j3 < 4, gl.expand_dims(gl.expand_dims(sw, 1), 0),
-                               gl.expand_dims(gl.expand_dims(sw1, 1), 0)) >> (8 * (j3 % 4))   # [8, BN, 1]
-            sx3 = gl.expand_dims(xs.index(i % 2).load(gl.SliceLayout(1, mma_layout)), 1)      # [NB, 1, BT]
-            terms.store(scaled_term(part, sx3, _scale(sw3, 0)))
-        # every thread's terms stored (so its loads of the slot's operands and scales done) before
+            # the unit's words (loaded a unit ahead), the next unit's loads issued, then the wait
+            unit = unit_next
+            unit_next = _pair_words(sw_words, sx_words, step_lo + gl.minimum(i + 2, n_steps - 2), NB // 4)
+            s = u % (STAGES // 2) * 2
+            mbarrier.wait(ready.index(s), (u // (STAGES // 2)) & 1)
+        for t in gl.static_range(SLOTS):
+            _store_slot_terms(w_smem.index(s + t), x_smem.index(s + t), zero, unit[t], xs[t].index(u % 2), terms[t],
+                              j3, CONVERT, KC, mma_layout, FUSED)
+        if FUSED:
+            # the next unit's scale products, published by the barrier below (this unit's were by the
+            # last one)
+            for t in gl.static_range(SLOTS):
+                _store_slot_scales(unit_next[t], xs[t].index((u + 1) % 2), True)
+        # every thread's terms stored (so its loads of the unit's operands and scales done) before
         # any reads
         gl.thread_barrier()
         if not FUSED:
-            # the next slot's x scales (its words loaded at this slot's start) into the other buffer;
-            # the barrier the compiler puts before the next slot's scale loads and terms stores
-            # publishes them
-            store_x_scales(words_next[2], words_next[3], xs.index((i + 1) % 2))
-        t = terms.load(terms_l)
-        ts = _block_split(t)
-        if FUSED:
-            # each term's scale product: xs [NB, BT] over the terms' [NB, BN, BT]
-            ss = _block_split(gl.broadcast(gl.expand_dims(xs.index(i % 2).load(gl.SliceLayout(1, terms_l)), 1), t)[0])
-        for j in gl.static_range(NB):
-            term = gl.convert_layout(ts[j], out_layout, assert_trivial=True)
-            if FUSED:
-                acc = fused_take(acc, term, gl.convert_layout(ss[j], out_layout, assert_trivial=True),
-                                 (step_lo + i) * NB + j, ws_ptr, ws_offs, ws_mask, BN, M, SPLIT_K)
-            elif SPLIT_K:
-                gl.store(ws_ptr + ((step_lo + i) * NB + j) * (BN * M) + ws_offs, term, mask=ws_mask)
-            else:
-                acc = acc + term
-        # after the barrier: every consumer thread's operand loads of the slot are done
+            # the next unit's x scales (its words loaded at this unit's start) into the other
+            # buffers; the barrier the compiler puts before the next unit's scale loads and terms
+            # stores publishes them
+            for t in gl.static_range(SLOTS):
+                _store_slot_scales(unit_next[t], xs[t].index((u + 1) % 2), False)
+        for t in gl.static_range(SLOTS):
+            acc = _add_slot_terms(acc, terms[t], xs[t].index(u % 2), (step_lo + i + t) * NB, ws_ptr, ws_offs, ws_mask,
+                                  BN, M, SPLIT_K, terms_l, out_layout, FUSED)
+        # after the barrier: every consumer thread's operand loads of the unit are done
         mbarrier.arrive(empty.index(s), count=1)
+    return acc
+
+
+@gluon.jit
+def _pair_words(sw_words, sx_words, step, WORDS: gl.constexpr):
+    """The scale words (`_slot_words`) of ring slots step and step + 1: a unit of two slots."""
+    return (_slot_words(sw_words, sx_words, step, WORDS), _slot_words(sw_words, sx_words, step + 1, WORDS))
+
+
+@gluon.jit
+def _store_slot_scales(words, dst, FUSED: gl.constexpr):
+    """A slot's x scales decoded into dst ([NB, BT] FP32 in shared memory, `store_x_scales`), or with
+    FUSED the scales' products (`store_fused_scales`), from the slot's words (`_slot_words`)."""
+    sw0, sw1, sx0, sx1 = words
+    if FUSED:
+        store_fused_scales(sw0, sw1, sx0, sx1, dst)
+    else:
+        store_x_scales(sx0, sx1, dst)
+
+
+@gluon.jit
+def _store_slot_terms(w_tile, x_tile, zero, words, xs_slot, terms_slot, j3, CONVERT: gl.constexpr, KC: gl.constexpr,
+                      mma_layout: gl.constexpr, FUSED: gl.constexpr):
+    """One ring slot's NB block partials (`_slot_partials`, [NB, BN, BT]) stored to terms_slot (FP32
+    in shared memory): with FUSED the partials themselves, else `scaled_term`'s terms with x's
+    decoded scales from xs_slot ([NB, BT]) and the weight's bytes of the slot's words (j3: the
+    batch index, K block j's byte j % 4 of word j // 4)."""
+    NB: gl.constexpr = w_tile.shape[1] // 32
+    part = _slot_partials(w_tile, x_tile, zero, CONVERT, KC, mma_layout)   # [NB, BN, BT]
+    if FUSED:
+        terms_slot.store(part)
+    else:
+        sw, sw1, _, _ = words
+        if NB == 4:
+            sw3 = gl.expand_dims(gl.expand_dims(sw, 1), 0) >> (8 * j3)             # [4, BN, 1]: byte j at 0
+        else:
+            sw3 = gl.where(j3 < 4, gl.expand_dims(gl.expand_dims(sw, 1), 0),
+                           gl.expand_dims(gl.expand_dims(sw1, 1), 0)) >> (8 * (j3 % 4))   # [8, BN, 1]
+        sx3 = gl.expand_dims(xs_slot.load(gl.SliceLayout(1, mma_layout)), 1)      # [NB, 1, BT]
+        terms_slot.store(scaled_term(part, sx3, _scale(sw3, 0)))
+
+
+@gluon.jit
+def _add_slot_terms(acc, terms_slot, xs_slot, block0, ws_ptr, ws_offs, ws_mask, BN: gl.constexpr, M,
+                    SPLIT_K: gl.constexpr, terms_l: gl.constexpr, out_layout: gl.constexpr, FUSED: gl.constexpr):
+    """A slot's NB terms from terms_slot, each output's in its thread (terms_l), added to the FP32
+    accumulator in K order as K blocks block0, block0 + 1, ... (`take_term`'s order; with FUSED each
+    with its scales' product from xs_slot in one FMA, `fused_take`), or with SPLIT_K stored to the
+    workspace. Returns the accumulator."""
+    NB: gl.constexpr = terms_slot.shape[0]
+    t = terms_slot.load(terms_l)
+    ts = _block_split(t)
+    if FUSED:
+        # each term's scale product: xs [NB, BT] over the terms' [NB, BN, BT]
+        ss = _block_split(gl.broadcast(gl.expand_dims(xs_slot.load(gl.SliceLayout(1, terms_l)), 1), t)[0])
+    for j in gl.static_range(NB):
+        term = gl.convert_layout(ts[j], out_layout, assert_trivial=True)
+        if FUSED:
+            acc = fused_take(acc, term, gl.convert_layout(ss[j], out_layout, assert_trivial=True), block0 + j, ws_ptr,
+                             ws_offs, ws_mask, BN, M, SPLIT_K)
+        elif SPLIT_K:
+            gl.store(ws_ptr + (block0 + j) * (BN * M) + ws_offs, term, mask=ws_mask)
+        else:
+            acc = acc + term
     return acc
 
 
@@ -371,6 +443,29 @@ def _tile_weight_scales(sw_ptr, off_n, N, stride_swn, BN: gl.constexpr, layout: 
     return sw_ptr + (gl.minimum(rn16, N - 1) // 32) * stride_swn
 
 
+@gluon.jit
+def _pair_producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, step_lo, n_steps,
+                   STAGES: gl.constexpr):
+    """The 1-warp TMA producer of a ring taken two slots at a time (`GluonExactConfig.pair_slots`):
+    steps 2p and 2p + 1's weight tiles [BN, BLOCK_K] at (off_n, k) and activation tiles [BT,
+    BLOCK_K] at (x_row, k), k = (step_lo + 2p + t) x BLOCK_K, into ring slots 2q and 2q + 1 (q = p %
+    (STAGES / 2)), all four copies on the even slot's ready barrier, once the consumer has released
+    the pair on the even slot's empty barrier (`gluon_mm._producer`'s ring, the odd slots' barriers
+    unused); n_steps even."""
+    PAIRS: gl.constexpr = STAGES // 2
+    BK: gl.constexpr = w_desc.block_type.shape[1]
+    for p in range(n_steps // 2):
+        s = p % PAIRS * 2
+        # a fresh barrier counts as having completed the phase before its first: the first pass
+        # over the ring does not wait
+        mbarrier.wait(empty.index(s), ((p // PAIRS) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), 2 * (w_desc.block_type.nbytes + x_desc.block_type.nbytes))
+        for t in gl.static_range(2):
+            k = (step_lo + 2 * p + t) * BK
+            tma.async_copy_global_to_shared(w_desc, [off_n, k], ready.index(s), w_smem.index(s + t))
+            tma.async_copy_global_to_shared(x_desc, [x_row, k], ready.index(s), x_smem.index(s + t))
+
+
 @gluon.jit(do_not_specialize=["M", "stride_sxm", "stride_swn", "steps_per_split", "n_steps_total", "n_split",
                              "fuse_lo", "fuse_hi", "stride_cm", "stride_sm"])
 def _gluon_exact_mm_kernel(
@@ -378,6 +473,7 @@ def _gluon_exact_mm_kernel(
     M, N, stride_sxm, stride_swn, stride_ym, steps_per_split, n_steps_total, n_split, fuse_lo, fuse_hi,
     BT: gl.constexpr, STAGES: gl.constexpr, CONVERT: gl.constexpr, KC: gl.constexpr, WARPS_N: gl.constexpr,
     SPLIT_K: gl.constexpr, OUT_F32: gl.constexpr, WARPS_K: gl.constexpr = 1, FUSE: gl.constexpr = False,
+    PAIRS: gl.constexpr = False,
     cos_ptr=None, sin_ptr=None, stride_cm=None, stride_sm=None, ROPE: gl.constexpr = False,
 ):
     # Grid (N tiles, M tiles, n_split K splits): program (t, u, s) covers weight rows [t*BN, +BN),
@@ -389,7 +485,9 @@ def _gluon_exact_mm_kernel(
     # arriver's K-ordered sum (module doc). WARPS_K > 1: the consumer warps split each slot's K
     # blocks (`_consumer_k`), the block terms through shared memory. FUSE: the block terms and their
     # adds in one FMA where x's scale bytes lie in [fuse_lo, fuse_hi] (`GluonExactConfig.fuse_scales`;
-    # with WARPS_K > 1 for tiles of one weight scale block). ROPE: the query RoPE epilogue
+    # with WARPS_K > 1 for tiles of one weight scale block). PAIRS (WARPS_K > 1, no split, an even
+    # number of steps a program): the ring's slots filled, waited for and released two at a time
+    # (`_pair_producer`, `_consumer_k_slots`' units of two slots). ROPE: the query RoPE epilogue
     # (`store_tile`) with cos/sin [M, 32] FP32 at cos_ptr / sin_ptr (row strides stride_cm / stride_sm;
     # all four None without it, so that they take no kernel parameter).
     BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -460,16 +558,36 @@ def _gluon_exact_mm_kernel(
                          n_steps, STAGES, False)),
         ], [1], [24])
     else:
-        terms = gl.allocate_shared_memory(gl.float32, [NB, BN, BT], gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0]))
+        # per slot of a unit (`_consumer_k_slots`) its terms' and x scales' buffers, separate
+        # allocations
+        terms_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
+        terms = gl.allocate_shared_memory(gl.float32, [NB, BN, BT], terms_sl)
+        if PAIRS:
+            SLOTS: gl.constexpr = 2
+            xs_u = (xs, gl.allocate_shared_memory(gl.float32, [2, NB, BT], xs.layout))
+            terms_u = (terms, gl.allocate_shared_memory(gl.float32, [NB, BN, BT], terms_sl))
+        else:
+            SLOTS: gl.constexpr = 1
+            xs_u = (xs, )
+            terms_u = (terms, )
         # the fused scaling along K: the tile's one weight scale row of words, in x's scales' layout
         sw_row_words = sw_ptr + (gl.minimum(pid_n * BN, N - 1) // 32) * stride_swn + gl.zeros([NB, BT], gl.int32, xs_l)
-        acc, = gl.warp_specialize([
-            (_consumer_k, (w_smem, x_smem, ready, empty, terms, xs, sw_words, sx_words, ws_tile, step_lo, n_steps, M,
-                           sw_row_words, sx_ptr, stride_sxm, fuse_lo, fuse_hi, STAGES, BN, BT, CONVERT, KC, SPLIT_K,
-                           mma_layout, out_layout, FUSE and BN <= 32)),
-            (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, off_m, 0, step_lo, n_steps, 0,
-                         n_steps, STAGES, False)),
-        ], [1], [24])
+        if PAIRS:
+            acc, = gl.warp_specialize([
+                (_consumer_k, (w_smem, x_smem, ready, empty, terms_u, xs_u, sw_words, sx_words, ws_tile, step_lo,
+                               n_steps, M, sw_row_words, sx_ptr, stride_sxm, fuse_lo, fuse_hi, STAGES, BN, BT,
+                               CONVERT, KC, SPLIT_K, mma_layout, out_layout, FUSE and BN <= 32, SLOTS)),
+                (_pair_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, off_m, step_lo, n_steps,
+                                  STAGES)),
+            ], [1], [24])
+        else:
+            acc, = gl.warp_specialize([
+                (_consumer_k, (w_smem, x_smem, ready, empty, terms_u, xs_u, sw_words, sx_words, ws_tile, step_lo,
+                               n_steps, M, sw_row_words, sx_ptr, stride_sxm, fuse_lo, fuse_hi, STAGES, BN, BT,
+                               CONVERT, KC, SPLIT_K, mma_layout, out_layout, FUSE and BN <= 32, SLOTS)),
+                (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, off_m, 0, step_lo, n_steps, 0,
+                             n_steps, STAGES, False)),
+            ], [1], [24])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
@@ -554,6 +672,12 @@ class GluonExactConfig:
         throughout: `gluon_exact_common.fused_scale_range`), which the consumer checks once per
         program over the scales it reads, running the unfused loop otherwise. With warps_k > 1 for
         block_n <= 32 (a tile of one weight scale block; wider tiles run unfused).
+    pair_slots: with warps_k > 1, the ring's slots filled, waited for and released two at a time
+        (one ready / empty barrier pair, one wait, one release and one round of the terms through
+        shared memory per 2 x block_k of K; each warp's MMA chains of both slots in one stretch):
+        Triton 3.6 puts a CTA barrier before every mbarrier wait and arrive of the consumer
+        warpgroup, so this halves the barriers a K step. An even number of stages, no K split
+        (split=1), K a multiple of 2 x block_k; twice the terms' and x scales' shared memory.
     """
 
     convert: str = "int"
@@ -568,34 +692,37 @@ class GluonExactConfig:
     maxnreg: int | None = 128
     block_k: int = 128
     fuse_scales: bool = False
+    pair_slots: bool = False
 
     @classmethod
     def from_spec(cls, spec: str) -> "GluonExactConfig":
         """The configuration a spec string names, convert:block_n:block_m:warps_n:mma_k:stages:split
-        [:maxnreg[:warps_k[:block_k[:fuse_scales]]]] (maxnreg 0: None; absent: 128; warps_k absent:
-        1; block_k absent: 128; fuse_scales 0 or 1, absent: 0), the form the probe
-        (scripts/probe_gluon_exact_mm.py) prints and `ops.exact_linear`'s plan is written in."""
+        [:maxnreg[:warps_k[:block_k[:fuse_scales[:pair_slots]]]]] (maxnreg 0: None; absent: 128;
+        warps_k absent: 1; block_k absent: 128; fuse_scales and pair_slots 0 or 1, absent: 0), the
+        form the probe (scripts/probe_gluon_exact_mm.py) prints and `ops.exact_linear`'s plan is
+        written in."""
         try:
             convert, bn, bm, wn, mk, stages, split, *rest = spec.split(":")
-            if len(rest) > 4 or (len(rest) == 4 and rest[3] not in ("0", "1")):
+            if len(rest) > 5 or any(flag not in ("0", "1") for flag in rest[3:]):
                 raise ValueError
             ints = [int(v) for v in (bn, bm, wn, mk, stages, split, *rest)]
         except ValueError:
             raise ValueError(f"a GluonExactConfig spec is convert:block_n:block_m:warps_n:mma_k:stages:split"
-                             f"[:maxnreg[:warps_k[:block_k[:fuse_scales]]]] with integers after the conversion "
-                             f"(fuse_scales 0 or 1), got {spec!r}") from None
+                             f"[:maxnreg[:warps_k[:block_k[:fuse_scales[:pair_slots]]]]] with integers after the "
+                             f"conversion (fuse_scales and pair_slots 0 or 1), got {spec!r}") from None
         bn, bm, wn, mk, stages, split, *rest = ints
         maxnreg = rest[0] if rest else 128
         return cls(convert=convert, block_n=bn, block_m=bm, warps_n=wn, mma_k=mk, stages=stages, split=split,
                    maxnreg=maxnreg or None, warps_k=rest[1] if len(rest) > 1 else 1,
-                   block_k=rest[2] if len(rest) > 2 else 128, fuse_scales=bool(rest[3]) if len(rest) > 3 else False)
+                   block_k=rest[2] if len(rest) > 2 else 128, fuse_scales=bool(rest[3]) if len(rest) > 3 else False,
+                   pair_slots=bool(rest[4]) if len(rest) > 4 else False)
 
     @property
     def spec(self) -> str:
         """The spec string `from_spec` reads back as this configuration, every field written (maxnreg
-        None as 0, fuse_scales as 0 or 1)."""
+        None as 0, fuse_scales and pair_slots as 0 or 1)."""
         return (f"{self.convert}:{self.block_n}:{self.block_m}:{self.warps_n}:{self.mma_k}:{self.stages}:{self.split}:"
-                f"{self.maxnreg or 0}:{self.warps_k}:{self.block_k}:{int(self.fuse_scales)}")
+                f"{self.maxnreg or 0}:{self.warps_k}:{self.block_k}:{int(self.fuse_scales)}:{int(self.pair_slots)}")
 
     def __post_init__(self):
         def is_int(v):
@@ -634,6 +761,11 @@ class GluonExactConfig:
                                  f"16-deep half of each K block: mma_k must be 16, got {self.mma_k!r}")
         if not isinstance(self.fuse_scales, bool):
             raise ValueError(f"GluonExactConfig.fuse_scales must be a bool, got {self.fuse_scales!r}")
+        if not isinstance(self.pair_slots, bool):
+            raise ValueError(f"GluonExactConfig.pair_slots must be a bool, got {self.pair_slots!r}")
+        if self.pair_slots and (self.warps_k == 1 or self.split != 1 or self.stages % 2):
+            raise ValueError(f"GluonExactConfig.pair_slots takes warps_k > 1, split=1 and an even number of stages, "
+                             f"got warps_k={self.warps_k!r}, split={self.split!r}, stages={self.stages!r}")
         if self.block_k not in BLOCK_KS or not is_int(self.block_k):
             raise ValueError(f"GluonExactConfig.block_k must be one of {BLOCK_KS}, got {self.block_k!r}")
         if self.block_m not in ROW_BUCKETS or not is_int(self.block_m):
@@ -672,15 +804,16 @@ def launch_warps_n(config: GluonExactConfig, bt: int) -> int:
 
 def shared_bytes(config: GluonExactConfig, bt: int) -> int:
     """The ring's weight and activation tiles at row bucket `bt`, 1 KB for the mbarriers and what the
-    compiler adds, with warps_k > 1 the slot's block terms (block_k / 32 x block_n x bt FP32), in
-    "f16w" / "f16wp" x's digit tiles (2 x block_k x bt FP16), and in both two slots' decoded x
-    scales (2 x block_k / 32 x bt FP32): with warps_k=1 and block_k=128 at most 8 x (128 + 64) x 128
-    + 1024 = 197632 bytes, within sm_90's `gluon_mm.SHARED_LIMIT` (GluonExactConfig checks the
-    others at block_m)."""
-    terms = config.block_k // 32 * config.block_n * bt * 4 if config.warps_k > 1 else 0
+    compiler adds, with warps_k > 1 the slot's block terms (block_k / 32 x block_n x bt FP32; twice
+    with pair_slots), in "f16w" / "f16wp" x's digit tiles (2 x block_k x bt FP16), and in both two
+    slots' decoded x scales (2 x block_k / 32 x bt FP32; twice with pair_slots): with warps_k=1 and
+    block_k=128 at most 8 x (128 + 64) x 128 + 1024 = 197632 bytes, within sm_90's
+    `gluon_mm.SHARED_LIMIT` (GluonExactConfig checks the others at block_m)."""
+    slots = 2 if config.pair_slots else 1
+    terms = slots * config.block_k // 32 * config.block_n * bt * 4 if config.warps_k > 1 else 0
     wg = config.convert in ("f16w", "f16wp")
     digits = 2 * config.block_k * bt * 2 if wg else 0
-    scales = 2 * config.block_k // 32 * bt * 4 if wg or config.warps_k > 1 else 0
+    scales = 2 * slots * config.block_k // 32 * bt * 4 if wg or config.warps_k > 1 else 0
     return config.stages * (config.block_n + bt) * config.block_k + 1024 + terms + digits + scales
 
 
@@ -691,7 +824,8 @@ def launch_options(config: GluonExactConfig, bt: int, split: int) -> dict:
     the FP32 subnormals of the scaling's `mul.rn` (libdevice; Triton's default flushes them)."""
     opts = {"BT": bt, "STAGES": config.stages, "CONVERT": config.convert, "KC": config.mma_k,
             "WARPS_N": launch_warps_n(config, bt),
-            "SPLIT_K": split > 1, "WARPS_K": config.warps_k, "FUSE": config.fuse_scales, "num_warps": CONSUMER_WARPS,
+            "SPLIT_K": split > 1, "WARPS_K": config.warps_k, "FUSE": config.fuse_scales, "PAIRS": config.pair_slots,
+            "num_warps": CONSUMER_WARPS,
             "enable_reflect_ftz": False}
     if config.maxnreg is not None:
         opts["maxnreg"] = config.maxnreg
@@ -730,6 +864,9 @@ class GluonExactMM(GluonExactPlan):
             if k % c.block_k:
                 raise ValueError(f"GluonExactConfig.block_k={c.block_k} must divide K (the ring's slots), got "
                                  f"weight {(n, k)}: block_k=128")
+            if c.pair_slots and k % (2 * c.block_k):
+                raise ValueError(f"GluonExactConfig.pair_slots takes K a multiple of 2 x block_k={2 * c.block_k} "
+                                 f"(its slots two at a time), got weight {(n, k)}")
         self._bind(weight, w_scale, max_rows, [(c.block_n, c.block_k) for _, c in self._configs])
         # The split launches' workspace: each weight tile's [K/32, block_n, rows] block terms.
         self._bind_split(workspace, [(c.block_n, k // 32 * c.block_n * min(split_rows(c), most, max_rows))

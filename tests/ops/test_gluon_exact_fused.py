@@ -139,7 +139,9 @@ def test_fused_scaling_compiles_for_sm90_without_spills(config, bt, split):
 
 # The fused scaling (`GluonExactConfig.fuse_scales`) on the GPU, in each consumer form: the FP16
 # digits on mma.sync (128 x 16, the K split), an FP64 form ("rawp" 128 x 8), along K on 16- and
-# 32-row tiles (256- and 128-deep slots, the K split) and on 64-row ones (run unfused), on wgmma.
+# 32-row tiles (256- and 128-deep slots, the K split) and on 64-row ones (run unfused), on wgmma,
+# and along K with the ring's slots two at a time (`pair_slots`; K of 1536 only, the others not
+# multiples of 512).
 FUSED_GPU_CONFIGS = [
     C(convert="f16d", block_n=128, block_m=16, fuse_scales=True),
     C(convert="f16d", block_n=128, block_m=16, split=2, fuse_scales=True),
@@ -149,21 +151,23 @@ FUSED_GPU_CONFIGS = [
     C(convert="f16d", warps_k=4, block_n=16, block_m=8, split=2, fuse_scales=True),
     C(convert="f16d", warps_k=2, block_n=64, block_m=16, fuse_scales=True),
     C(convert="f16w", block_m=32, fuse_scales=True),
+    C(convert="f16d", warps_k=4, block_n=16, block_m=16, maxnreg=80, block_k=256, fuse_scales=True, pair_slots=True),
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", FUSED_GPU_CONFIGS, ids=lambda c: c.spec)
 def test_fused_scaling_bitwise_on_gpu(config):
-    # Bitwise `mxfp8_mm`, BF16 and FP32 out, at 1-40 rows (row tiles, partial weight tiles, K of 5
-    # and 10 ring slots): on model-like operands (x's scale bytes in the plan's fused range: the
-    # fused loop), on heavy-tailed codes with every x scale byte at an end of that range (terms up
-    # to ~2^112 and down to FP32's subnormals: the exactness at the range's bounds), with one byte a
-    # row just past its top (each program's check fails there: the unfused loop), and, on codes of
-    # the E4M3 subnormals and smallest normals with one weight scale byte, every x byte at the
-    # range's bottom (every term, sum and output an FP32 subnormal or zero: none flushed).
-    for m, n, k in ((1, 130, 1280), (9, 96, 640), (40, 160, 1280)):
-        if k % config.block_k:
+    # Bitwise `mxfp8_mm`, BF16 and FP32 out, at 1-40 rows (row tiles, partial weight tiles, K of
+    # 640, 1280 and 1536: 3-12 ring slots): on model-like operands (x's scale bytes in the plan's
+    # fused range: the fused loop), on heavy-tailed codes with every x scale byte at an end of that
+    # range (terms up to ~2^112 and down to FP32's subnormals: the exactness at the range's bounds),
+    # with one byte a row just past its top (each program's check fails there: the unfused loop),
+    # and, on codes of the E4M3 subnormals and smallest normals with one weight scale byte, every x
+    # byte at the range's bottom (every term, sum and output an FP32 subnormal or zero: none
+    # flushed).
+    for m, n, k in ((1, 130, 1280), (9, 96, 640), (40, 160, 1280), (16, 96, 1536)):
+        if k % (config.block_k * (2 if config.pair_slots else 1)):
             continue
         codes, x_scale, weight, w_scale = kind_operands("quantized", m, n, k)
         gen = torch.Generator(device=DEVICE).manual_seed(m + n + k)

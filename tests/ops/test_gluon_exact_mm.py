@@ -24,6 +24,7 @@ tests/ops/test_exact_mm.py's, on which a plain FP32 block sum is not the exactly
 (checked there, `test_data_defeats_a_plain_fp32_block_sum`).
 """
 
+import dataclasses
 import re
 
 import pytest
@@ -39,7 +40,7 @@ from dsv41_decode.ops.exact_linear import _GLUON_PLAN
 from dsv41_decode.ops.exact_mm import ExactMM
 from dsv41_decode.ops.gluon_mm import SHARED_LIMIT
 from dsv41_decode.reference.linear import mxfp8_mm
-from dsv41_decode.testing.sm90 import compile_exact_mm, loop_with
+from dsv41_decode.testing.sm90 import compile_exact_mm, loop_with, loops_with, resources, sass
 from dsv41_decode.testing.synthetic import heavy_e4m3
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -148,6 +149,33 @@ def test_compiles_for_sm90_without_spills(config, bt, split, out_f32):
     assert sum(t.startswith("BAR.SYNC") for t in loop) == (2 if wk == 1 else 3), loop
 
 
+# The ring's slots two at a time along K (`pair_slots`): the FP16 digits' 16 x 16 tiles in 256-deep
+# slots (`wo_b`'s plan entry at 3-32 rows), unfused and with the fused scaling's two loops, and an
+# FP64 form's 16 x 8: no spills; a unit's loop holds two slots' MMAs behind one slot's barriers
+# (three CTA barriers, one wait, one release: Triton 3.6 puts a barrier before every mbarrier
+# operation, and one publishes the terms), and the producer issues twice the TMA copies a wait.
+@pytest.mark.parametrize("spec,bt", [("f16d:16:16:1:32:4:1:80:4:256:0", 16), ("f16d:16:16:1:32:4:1:80:4:256:1", 16),
+                                     ("rawp:16:8:1:32:4:1:80:4:256:0", 8)])
+def test_pair_slots_run_two_slots_behind_one_slots_barriers(spec, bt):
+    single = C.from_spec(spec)
+    kernels = compile_exact_mm(single, bt), compile_exact_mm(dataclasses.replace(single, pair_slots=True), bt)
+    mma = "HMMA" if single.convert == "f16d" else "DMMA"
+    for k in kernels:
+        res = resources(k)
+        assert res["LOCAL"] == 0 and res["STACK"] == 0, res
+
+    def count(texts, op):
+        return sum(op in t.split()[0] or (t.startswith("@") and op in t.split()[1]) for t in texts)
+    one, two = (loops_with(k, mma) for k in kernels)
+    assert len(one) == len(two) == (2 if single.fuse_scales else 1)
+    for a, b in zip(one, two):
+        assert count(b, mma) == 2 * count(a, mma) > 0, (count(a, mma), count(b, mma))
+        assert count(a, "BAR.SYNC") == count(b, "BAR.SYNC") == 3
+        assert count(a, "SYNCS") == count(b, "SYNCS") == 2
+    copies = [count([t for _, t in sass(k)], "UTMALDG") for k in kernels]
+    assert copies[1] == 2 * copies[0], copies
+
+
 # The query-RoPE epilogue (wq_b): configurations of its plan's FP16 digits on mma.sync (128 x 8 at
 # a cap of 80, 128 x 16, 64 x 32 on two warps along x; `exact_linear._GLUON_PLAN` runs 128 x 16 up
 # to 16 rows) and on wgmma ("f16wp" 64 x 32, the plan's above), the FP64
@@ -199,13 +227,16 @@ def test_bad_plan_arguments_name_the_argument():
     assert E.GluonExactConfig.from_spec("raw:64:64:2:32:4:1:0").maxnreg is None
     assert E.GluonExactConfig.from_spec("cvt:64:32:1:32:4:1") == E.GluonExactConfig(convert="cvt")
     # and back: `spec` writes every field, which from_spec reads as the same configuration
-    assert E.GluonExactConfig.from_spec("raw:64:64:2:32:4:1:0").spec == "raw:64:64:2:32:4:1:0:1:128:0"
+    assert E.GluonExactConfig.from_spec("raw:64:64:2:32:4:1:0").spec == "raw:64:64:2:32:4:1:0:1:128:0:0"
     assert E.GluonExactConfig.from_spec("f16d:16:8:1:32:4:1:80:4:256:1") == C(
         convert="f16d", block_n=16, block_m=8, maxnreg=80, warps_k=4, block_k=256, fuse_scales=True)
-    assert C(fuse_scales=True).spec.endswith(":128:1")
+    assert C(fuse_scales=True).spec.endswith(":128:1:0")
+    assert E.GluonExactConfig.from_spec("f16d:16:16:1:32:4:1:80:4:256:0:1") == C(
+        convert="f16d", block_n=16, block_m=16, maxnreg=80, warps_k=4, block_k=256, pair_slots=True)
     for c in [C(), C(convert="f16w", maxnreg=None), *(c for _, cs in _GLUON_PLAN.values() for c in cs.values())]:
         assert E.GluonExactConfig.from_spec(c.spec) == c, c
-    for bad in ("int:64:32", "int:64:32:1:32:4:1:128:4:256:9", "int:64:x:1:32:4:1", "int:64:32:1:32:4:1:128:4:256:1:0"):
+    for bad in ("int:64:32", "int:64:32:1:32:4:1:128:4:256:9", "int:64:x:1:32:4:1", "int:64:32:1:32:4:1:128:4:256:1:2",
+                "int:64:32:1:32:4:1:128:4:256:1:0:0"):
         raises("a GluonExactConfig spec is convert:block_n", lambda: E.GluonExactConfig.from_spec(bad))
     raises("block_n must be", lambda: E.GluonExactConfig.from_spec("int:48:32:1:32:4:1"))
     raises(r"config must cover max_rows=64 rows, got keys \[16\]", lambda: E.GluonExactMM(w, s, config={16: C()}))
@@ -235,6 +266,13 @@ def test_bad_plan_arguments_name_the_argument():
     raises("split_rows must be an int in", lambda: C(split_rows=17))
     raises("maxnreg must be None or a multiple of 8", lambda: C(maxnreg=100))
     raises("fuse_scales must be a bool, got 1", lambda: C(fuse_scales=1))
+    raises("pair_slots must be a bool, got 1", lambda: C(pair_slots=1))
+    for bad in (dict(), dict(warps_k=4, block_n=16, split=2), dict(warps_k=4, block_n=16, stages=3)):
+        raises("pair_slots takes warps_k > 1, split=1 and an even number of stages",
+               lambda: C(pair_slots=True, **bad))
+    raises(r"pair_slots takes K a multiple of 2 x block_k=512.*\(64, 768\)", lambda: E.GluonExactMM(
+        torch.zeros(64, 768, dtype=torch.float8_e4m3fn), torch.zeros(2, 24, dtype=torch.uint8),
+        config=C(convert="f16d", warps_k=4, block_n=16, block_k=256, pair_slots=True)))
 
 
 # ---------------------------------------------------------------------------------------------- GPU
@@ -295,6 +333,13 @@ def test_bad_plan_arguments_name_the_argument():
     (3, 96, 640, C(convert="f16d", warps_k=4, block_n=16, split=2), "subnormal"),
     (16, 64, 256, C(convert="f16d", warps_k=2, block_n=64, block_m=16), "uniform"),
     (17, 96, 512, C(convert="f16d", warps_k=4, block_n=32, block_m=16, block_k=256), "heavy"),
+    # the ring's slots two at a time (pair_slots): 256-deep and 128-deep slots, the FP64 form, a
+    # program's even steps over several ring passes, N past a tile, row tiles
+    (5, 130, 2560, C(convert="f16d", warps_k=4, block_n=16, block_m=8, maxnreg=80, block_k=256,
+                     pair_slots=True), "subnormal"),
+    (20, 96, 1024, C(convert="f16d", warps_k=4, block_n=32, block_m=16, stages=4, pair_slots=True), "heavy"),
+    (9, 64, 1536, C(convert="rawp", warps_k=4, block_n=16, block_m=16, block_k=256, stages=2, pair_slots=True),
+     "uniform"),
     # on wgmma: the same kinds and tilings, x's digit tiles rewritten every slot
     (1, 96, 512, C(convert="f16w"), "quantized"),
     (5, 160, 384, C(convert="f16w", block_m=8), "heavy"),
