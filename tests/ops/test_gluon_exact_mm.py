@@ -333,13 +333,6 @@ def test_bad_plan_arguments_name_the_argument():
     (3, 96, 640, C(convert="f16d", warps_k=4, block_n=16, split=2), "subnormal"),
     (16, 64, 256, C(convert="f16d", warps_k=2, block_n=64, block_m=16), "uniform"),
     (17, 96, 512, C(convert="f16d", warps_k=4, block_n=32, block_m=16, block_k=256), "heavy"),
-    # the ring's slots two at a time (pair_slots): 256-deep and 128-deep slots, the FP64 form, a
-    # program's even steps over several ring passes, N past a tile, row tiles
-    (5, 130, 2560, C(convert="f16d", warps_k=4, block_n=16, block_m=8, maxnreg=80, block_k=256,
-                     pair_slots=True), "subnormal"),
-    (20, 96, 1024, C(convert="f16d", warps_k=4, block_n=32, block_m=16, stages=4, pair_slots=True), "heavy"),
-    (9, 64, 1536, C(convert="rawp", warps_k=4, block_n=16, block_m=16, block_k=256, stages=2, pair_slots=True),
-     "uniform"),
     # on wgmma: the same kinds and tilings, x's digit tiles rewritten every slot
     (1, 96, 512, C(convert="f16w"), "quantized"),
     (5, 160, 384, C(convert="f16w", block_m=8), "heavy"),
@@ -352,6 +345,26 @@ def test_bad_plan_arguments_name_the_argument():
     (20, 96, 512, C(convert="f16wp", block_n=128, block_m=16, maxnreg=None), "heavy"),
 ])
 def test_bitwise_equal_to_the_reference_on_gpu(m, n, k, config, kind):
+    _check_bitwise(m, n, k, config, kind)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,config,kind", [
+    # the ring's slots two at a time (pair_slots): 256-deep and 128-deep slots, the FP64 form, a
+    # program's even steps over several ring passes, N past a tile, row tiles
+    (5, 130, 2560, C(convert="f16d", warps_k=4, block_n=16, block_m=8, maxnreg=80, block_k=256,
+                     pair_slots=True), "subnormal"),
+    (20, 96, 1024, C(convert="f16d", warps_k=4, block_n=32, block_m=16, stages=4, pair_slots=True), "heavy"),
+    (9, 64, 1536, C(convert="rawp", warps_k=4, block_n=16, block_m=16, block_k=256, stages=2, pair_slots=True),
+     "uniform"),
+])
+def test_pair_slots_bitwise_equal_to_the_reference_on_gpu(m, n, k, config, kind):
+    _check_bitwise(m, n, k, config, kind)
+
+
+def _check_bitwise(m, n, k, config, kind):
+    """`GluonExactMM` in `config` against `mxfp8_mm` on `kind` operands of m x n x k, BF16 and FP32
+    out, bitwise, into poisoned windows, twice (the split's counters replayed)."""
     codes, x_scale, weight, w_scale = kind_operands(kind, m, n, k)
     plan = E.GluonExactMM(weight, w_scale, config=config)
     for dtype in (torch.bfloat16, torch.float32):
