@@ -225,9 +225,10 @@ def _consumer_k(w_smem, x_smem, ready, empty, terms, xs, sw_words, sx_words, ws_
                 STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, CONVERT: gl.constexpr, KC: gl.constexpr,
                 SPLIT_K: gl.constexpr, mma_layout: gl.constexpr, out_layout: gl.constexpr, FUSE: gl.constexpr,
                 SLOTS: gl.constexpr):
-    """The consumer warps along K: `_consumer_k_slots`, with FUSE (a tile of one 32-row weight scale
-    block: block_n <= 32) and x's scale bytes in [fuse_lo, fuse_hi] (`fused_scales_ok`, as
-    `_consumer`) in its fused form. Returns (acc, ) in out_layout."""
+    """The consumer warps along K: `_consumer_k_slots` (terms, xs: tuples of SLOTS buffers, one a slot
+    of a unit), with FUSE (a tile of one 32-row weight scale block: block_n <= 32) and x's scale
+    bytes in [fuse_lo, fuse_hi] (`fused_scales_ok`, as `_consumer`) in its fused form. Returns (acc, )
+    in out_layout."""
     if FUSE:
         if fused_scales_ok(sx_ptr, stride_sxm, M, step_lo, n_steps, fuse_lo, fuse_hi, BT, w_smem.shape[2] // 128):
             acc = _consumer_k_slots(w_smem, x_smem, ready, empty, terms, xs, sw_row_words, sx_words, ws_ptr, step_lo,
@@ -258,13 +259,14 @@ def _consumer_k_slots(w_smem, x_smem, ready, empty, terms, xs, sw_words, sx_word
     take the compiler's barrier between two slots' stores); after a barrier every thread reads its
     outputs' terms, slot by slot, and adds them in K order, blocks 0, 1, ..., NB - 1 of each, to its
     FP32 accumulator, or, SPLIT_K, stores them to the workspace as `_consumer` does. x's scales come
-    decoded from `xs[t]` ([2, NB, BT] FP32, one buffer per unit parity, a tuple of SLOTS
-    allocations likewise): after the unit's barrier the warps decode the next unit's (`store_x_scales`, one or two
-    bytes a thread, from sx_words: [NB, BT] pointers in `x_scales_layout`) into the other buffers,
-    the first unit's before the loop. The barrier also precedes the unit's release (every thread's
-    operand loads are done), and the compiler puts one between the reads of the terms and the next
-    unit's scale loads and terms stores, which publishes the scales (three barriers a unit in the
-    sm_90 SASS, as without the decode: Triton puts one before every mbarrier wait and arrive).
+    decoded from `xs[t]` ([2, NB, BT] FP32, one buffer per unit parity, a tuple of SLOTS allocations
+    likewise): after the unit's barrier the warps decode the next unit's (`store_x_scales`, one or
+    two bytes a thread, from sx_words: [NB, BT] pointers in `x_scales_layout`) into the other
+    buffers, the first unit's before the loop. The barrier also precedes the unit's release (every
+    thread's operand loads are done), and the compiler puts one between the reads of the terms and
+    the next unit's scale loads and terms stores, which publishes the scales (three barriers a unit
+    in the sm_90 SASS, as without the decode: Triton puts one before every mbarrier wait and
+    arrive).
 
     FUSED (the tile's rows in one weight scale block; sw_words then the [NB, BT] pointers, in
     `x_scales_layout`, of that block's row of words): the terms are the partials themselves, `xs`
