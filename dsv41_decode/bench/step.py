@@ -123,7 +123,8 @@ def _layer_kinds(cfg: ModelConfig) -> dict[str, int]:
 # step's default enqueues it after the next layer's input projections from MIX_LATE_ROWS rows);
 # index_row_group4 the dense indexers' Gluon scorer scoring a request's rows four at a time on each
 # key tile it reads (sm_90; the draft rows of the `4x(1+3)` rows); fuse_scales the exact linears'
-# GluonExactMM with each block term and its add in one FMA (sm_90, the same bits).
+# GluonExactMM with each block term and its add in one FMA (sm_90, the same bits); pair_slots its
+# configurations with the warps along K taking the ring's slots two at a time (sm_90, the same bits).
 VARIANTS = {
     "no_overlap": dict(overlap=False),
     "wo_a_fp8": dict(wo_a_fp8=True),
@@ -134,6 +135,7 @@ VARIANTS = {
     "mix_early": dict(mix_late_rows=LOW_BATCH_MAX_ROWS + 1),
     "index_row_group4": dict(index_row_group=4),
     "fuse_scales": dict(fuse_scales=True),
+    "pair_slots": dict(pair_slots=True),
 }
 DEFAULT_VARIANTS = ("no_overlap", "wo_a_fp8", "tc_linears")
 

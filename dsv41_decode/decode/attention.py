@@ -69,7 +69,7 @@ def _few_programs(device: torch.device) -> bool:
 
 
 def fp8_linear_plan(weight: torch.Tensor, scale: torch.Tensor, max_rows: int, exact: bool = False,
-                    workspace=None, fuse_scales: bool = False):
+                    workspace=None, fuse_scales: bool = False, pair_slots: bool = False):
     """The GEMM plan of one FP8 linear, the same call whichever it is: `ops.exact_linear.ExactLinear`
     (the contract's bits: `ExactMM` on CUDA cores, and on sm_90 `GluonExactMM` on the FP64 MMA
     where that measured faster) when `exact`; else FP8 tensor cores, whose 32-deep block sums
@@ -79,14 +79,15 @@ def fp8_linear_plan(weight: torch.Tensor, scale: torch.Tensor, max_rows: int, ex
     the rows (batch invariance). workspace: None (the plan's own split-K workspace) or the step's
     `Workspaces` pool, for a linear on the main stream only (the plans' `workspace` contract).
     fuse_scales: the exact linear's `GluonExactMM` with its fused scaling (`ExactLinear(fuse_scales=)`;
-    the same bits)."""
+    the same bits); pair_slots: with the ring's slots two at a time along K
+    (`ExactLinear(pair_slots=)`; the same bits)."""
     n, k = weight.shape
     few = _few_programs(weight.device)
     # in the interpreter: one program per 512 weight rows, the deepest K step that divides K
     wide_n, deep_k = min(512, triton.next_power_of_2(n)), next((b for b in (256, 128, 64) if k % b == 0), 32)
     if exact:
         config = ExactConfig(block_n=wide_n, block_k=deep_k, rows=4) if few else None
-        return ExactLinear(weight, scale, max_rows, config, workspace, fuse_scales=fuse_scales)
+        return ExactLinear(weight, scale, max_rows, config, workspace, fuse_scales=fuse_scales, pair_slots=pair_slots)
     if is_sm90(weight.device):
         try:
             return GluonMM(weight, scale, max_rows, workspace=workspace)
@@ -225,8 +226,9 @@ def _fp8_weight(w: dict, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     return weight, scale.view(torch.uint8)
 
 
-def _fp8_plan(w: dict, name: str, max_rows: int, exact: bool = False, workspace=None, fuse_scales: bool = False):
-    return fp8_linear_plan(*_fp8_weight(w, name), max_rows, exact, workspace, fuse_scales)
+def _fp8_plan(w: dict, name: str, max_rows: int, exact: bool = False, workspace=None, fuse_scales: bool = False,
+              pair_slots: bool = False):
+    return fp8_linear_plan(*_fp8_weight(w, name), max_rows, exact, workspace, fuse_scales, pair_slots)
 
 
 class AttentionStep:
@@ -236,7 +238,7 @@ class AttentionStep:
                  lanes: Lanes, max_rows: int, sources: Mapping[int, "AttentionStep"] | None = None,
                  wo_a_fp8: bool = False, exact_linears: bool = True, fp32_dots: bool = False,
                  fold_index_chain: bool = False, weights_lane: bool = True, comp_tail: bool = False,
-                 index_row_group: int = 1, fuse_scales: bool = False):
+                 index_row_group: int = 1, fuse_scales: bool = False, pair_slots: bool = False):
         """sources: the step's layers built before this one (by id), among them this layer's index and
         KV sources: a layer that reuses a selection or a candidate pool reads its source's buffers.
         The layer's own selection and candidate pool (when it makes them) are its attributes
@@ -266,13 +268,13 @@ class AttentionStep:
         # wq_b, the BF16 side projections, the candidate pool) keep their own, and so does the
         # top-k's (main stream, under a MiB).
         pool = scratch.workspaces
-        self.mm_qkv = fp8_linear_plan(self.w_qkv, self.s_qkv, max_rows, exact_linears, pool, fuse_scales)
-        self.mm_wq_b = _fp8_plan(w, "wq_b", max_rows, exact_linears, pool, fuse_scales)
+        self.mm_qkv = fp8_linear_plan(self.w_qkv, self.s_qkv, max_rows, exact_linears, pool, fuse_scales, pair_slots)
+        self.mm_wq_b = _fp8_plan(w, "wq_b", max_rows, exact_linears, pool, fuse_scales, pair_slots)
         # the query RoPE runs in wq_b's epilogue where its plan has one (the exact linears, the
         # Gluon and Triton tiers), else as its own launch after it; the window insert runs in the
         # q/kv norm pair's launch
         self.rope_in_wq_b = isinstance(self.mm_wq_b, (ExactLinear, GluonMM, LowLatencyMM))
-        self.mm_wo_b = _fp8_plan(w, "wo_b", max_rows, exact_linears, pool, fuse_scales)
+        self.mm_wo_b = _fp8_plan(w, "wo_b", max_rows, exact_linears, pool, fuse_scales, pair_slots)
         if "attn.wo_a.scale" in w:
             self.wo_a_w, self.wo_a_s = w["attn.wo_a.weight"], w["attn.wo_a.scale"]
         elif wo_a_fp8:
@@ -323,7 +325,8 @@ class AttentionStep:
         self.row_shardable = tp > 1 and spec.kind == FULL
         sel_rows = tp * -(-max_rows // tp) if self.row_shardable else max_rows
         if spec.runs_indexer:
-            self.mm_idx_wq_b = _fp8_plan(w, "indexer.wq_b", max_rows, exact_linears, fuse_scales=fuse_scales)
+            self.mm_idx_wq_b = _fp8_plan(w, "indexer.wq_b", max_rows, exact_linears, fuse_scales=fuse_scales,
+                                         pair_slots=pair_slots)
             # fold_index_chain: the index query's RoPE + MXFP4 in the indexer wq_b's epilogue and its
             # head weights in weights_proj's (the Gluon and Triton tiers; the exact linears keep
             # `index_query_` after both), the sparse-index table in the top-k's last launch; the

@@ -147,6 +147,9 @@ class DecodeStep:
     fuse_scales: the exact linears' `GluonExactMM` (sm_90, from a few rows up) with each K block's
         scaling and K-ordered add in one FMA where the scale bytes allow it (`GluonExactConfig.
         fuse_scales`); the same bits. Off by default; elsewhere it changes nothing.
+    pair_slots: the exact linears' `GluonExactMM` configurations with the warps along K (sm_90) taking
+        the ring's slots two at a time (`GluonExactConfig.pair_slots`: half the CTA barriers a K
+        step); the same bits. Off by default; elsewhere it changes nothing.
     mix_late_rows: in the buckets of at least this many rows each site's mixer is enqueued at the
         end of the next layer's input projections instead of right after the boundary before it
         (default `MIX_LATE_ROWS`, where it measured faster on an H200; LOW_BATCH_MAX_ROWS + 1:
@@ -165,7 +168,8 @@ class DecodeStep:
                  graphs: bool = True, overlap: bool = True, tp_boundary: str = "auto", wo_a_fp8: bool = False,
                  exact_linears: bool = True, fp32_dots: bool = False, fold_index_chain: bool = False,
                  fold_boundary: bool = False, weights_lane: bool = True, comp_tail: bool = False,
-                 mix_late_rows: int = MIX_LATE_ROWS, index_row_group: int = 1, fuse_scales: bool = False):
+                 mix_late_rows: int = MIX_LATE_ROWS, index_row_group: int = 1, fuse_scales: bool = False,
+                 pair_slots: bool = False):
         if buckets is None:
             buckets = tuple(b for b in DEFAULT_BUCKETS if b < max_rows) + (max_rows,)
         buckets = tuple(sorted(set(buckets)))
@@ -181,8 +185,9 @@ class DecodeStep:
         if (isinstance(index_row_group, bool) or not isinstance(index_row_group, int)
                 or index_row_group not in ROW_GROUPS):
             raise StepError(f"index_row_group must be one of {ROW_GROUPS}, got {index_row_group!r}")
-        if not isinstance(fuse_scales, bool):
-            raise StepError(f"fuse_scales must be a bool, got {fuse_scales!r}")
+        for name, flag in (("fuse_scales", fuse_scales), ("pair_slots", pair_slots)):
+            if not isinstance(flag, bool):
+                raise StepError(f"{name} must be a bool, got {flag!r}")
         if tp_boundary not in ("auto", "collective", "fused"):
             raise StepError(f"tp_boundary must be 'auto', 'collective' or 'fused', got {tp_boundary!r}")
         dev = state.device
@@ -206,7 +211,8 @@ class DecodeStep:
                                            self.layers, wo_a_fp8=wo_a_fp8, exact_linears=exact_linears,
                                            fp32_dots=fp32_dots, fold_index_chain=fold_index_chain,
                                            weights_lane=weights_lane, comp_tail=comp_tail,
-                                           index_row_group=index_row_group, fuse_scales=fuse_scales)
+                                           index_row_group=index_row_group, fuse_scales=fuse_scales,
+                                           pair_slots=pair_slots)
         self.scratch.workspaces.seal()           # every plan has its view; the graphs take the addresses
         mailbox = None
         if tp_boundary != "collective" and stack.tp.tp > 1 and dev.type == "cuda":

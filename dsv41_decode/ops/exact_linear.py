@@ -97,6 +97,12 @@ _FMA_PLAN: dict[tuple[int, int], tuple[int, int, GluonExactFMAConfig]] = {
 _DEFAULT_ABOVE = 4
 
 
+def takes_pair_slots(config: GluonExactConfig, k: int) -> bool:
+    """Whether `config` can run with `GluonExactConfig.pair_slots` at depth K = k: the warps along K,
+    no K split, an even number of stages, K a multiple of two slots."""
+    return config.warps_k > 1 and config.split == 1 and config.stages % 2 == 0 and k % (2 * config.block_k) == 0
+
+
 class ExactLinear:
     """The contract-exact MXFP8 linear for 1..max_rows rows, whichever exact op is faster per call:
     on an sm_90 GPU where the Gluon tier builds (K a multiple of 128, 16-byte aligned rows),
@@ -112,19 +118,24 @@ class ExactLinear:
     mma_above is max_rows (GluonExactMM's default configuration is the FP64 MMA); both for tests and
     probes. `fma_rows` the attribute: the (first, last) row counts GluonExactFMA runs ((1, 0): none).
     fuse_scales: GluonExactMM's configurations with `GluonExactConfig.fuse_scales` (each block term
-    and its add in one FMA where the scales allow it; the same bits)."""
+    and its add in one FMA where the scales allow it; the same bits). pair_slots: its configurations
+    with the warps along K that can take it (`takes_pair_slots`) with `GluonExactConfig.pair_slots`
+    (the ring's slots two at a time; the same bits)."""
 
     def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int = MAX_ROWS,
                  exact_config=None, workspace=None, mma_above: int | None = None,
-                 fma_rows: int | None = None, fuse_scales: bool = False):
+                 fma_rows: int | None = None, fuse_scales: bool = False, pair_slots: bool = False):
         self.cuda_cores = ExactMM(weight, w_scale, max_rows, exact_config, workspace)
         n, k = self.cuda_cores.n, self.cuda_cores.k
         self.n, self.k, self.max_rows, self.device = n, k, max_rows, weight.device
         above, configs = _GLUON_PLAN.get((n, k), (_DEFAULT_ABOVE, None))
-        self.fuse_scales = bool(fuse_scales)
+        self.fuse_scales, self.pair_slots = bool(fuse_scales), bool(pair_slots)
         if fuse_scales:
             configs = ({rows: dataclasses.replace(c, fuse_scales=True) for rows, c in configs.items()}
                        if configs is not None else GluonExactConfig(fuse_scales=True))
+        if pair_slots and configs is not None:
+            configs = {rows: dataclasses.replace(c, pair_slots=True) if takes_pair_slots(c, k) else c
+                       for rows, c in configs.items()}
         fma_lo, planned_fma_rows, fma_config = _FMA_PLAN.get((n, k), (1, 0, None))
         if is_sm90(weight.device):
             # The FP64 forms only where FP64 runs at full rate (`common.full_rate_fp64`): elsewhere

@@ -336,18 +336,19 @@ def test_index_row_group_reaches_the_dense_scorers(cpu_setup):
             stack.decode_step(copy.deepcopy(base), max_rows=2, index_row_group=bad)
 
 
-def test_fuse_scales_reaches_the_exact_linears(cpu_setup):
-    """fuse_scales (sm_90: GluonExactMM's fused scaling; its bits are the GPU tests') is each exact
-    linear's, the four of every layer, and changes nothing off sm_90; a value that is not a bool is
-    a StepError naming it."""
+@pytest.mark.parametrize("option", ["fuse_scales", "pair_slots"])
+def test_exact_linear_options_reach_the_exact_linears(cpu_setup, option):
+    """fuse_scales and pair_slots (sm_90: GluonExactMM's fused scaling, its ring two slots a wait;
+    their bits are the GPU tests') are each exact linear's, the four of every layer, and change
+    nothing off sm_90; a value that is not a bool is a StepError naming it."""
     _, _, base, ckpt = cpu_setup
     stack = AttentionStack(ckpt, [1, 3])
-    step = stack.decode_step(copy.deepcopy(base), max_rows=2, fuse_scales=True)
+    step = stack.decode_step(copy.deepcopy(base), max_rows=2, **{option: True})
     plans = [getattr(step.layers[i], name, None) for i in stack.ids
              for name in ("mm_qkv", "mm_wq_b", "mm_wo_b", "mm_idx_wq_b")]
-    assert all(p.fuse_scales for p in plans if p is not None) and sum(p is not None for p in plans) > 4
-    with pytest.raises(StepError, match="fuse_scales must be a bool, got 1"):
-        stack.decode_step(copy.deepcopy(base), max_rows=2, fuse_scales=1)
+    assert all(getattr(p, option) for p in plans if p is not None) and sum(p is not None for p in plans) > 4
+    with pytest.raises(StepError, match=f"{option} must be a bool, got 1"):
+        stack.decode_step(copy.deepcopy(base), max_rows=2, **{option: 1})
 
 
 @interpreter

@@ -179,12 +179,14 @@ def test_gpu_long_run_vs_generic(gpu_setup):
 # default from MIX_LATE_ROWS rows, past this step's 16), also with the boundary in wo_b's epilogue
 # (wo_b then waits for the late mixer's event); "index_row_group": the dense indexers' scorer taking a
 # request's rows (1, 2 or 4 a step in this schedule) two at a time on each key tile it reads;
-# "fuse_scales": the exact linears' GluonExactMM (from a few rows) with its fused scaling.
+# "fuse_scales": the exact linears' GluonExactMM (from a few rows) with its fused scaling;
+# "pair_slots": its configurations with the warps along K taking the ring's slots two at a time.
 SAME_BITS = {"graph_again": {}, "eager": dict(graphs=False), "no_overlap": dict(overlap=False),
              "fold_index_chain": dict(fold_index_chain=True), "fold_boundary": dict(fold_boundary=True),
              "weights_in_index_lane": dict(weights_lane=False), "comp_tail": dict(comp_tail=True),
              "mix_late": dict(mix_late_rows=1), "mix_late_fold": dict(mix_late_rows=1, fold_boundary=True),
-             "index_row_group": dict(index_row_group=2), "fuse_scales": dict(fuse_scales=True)}
+             "index_row_group": dict(index_row_group=2), "fuse_scales": dict(fuse_scales=True),
+             "pair_slots": dict(pair_slots=True)}
 
 
 def _graph_run(gpu_setup, **options):

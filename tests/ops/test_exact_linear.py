@@ -15,7 +15,7 @@ from helpers import (FLASH_LINEAR_SHAPES, boundary_operands, check_mxfp8_plan_er
 from _gluon_linear_support import spill_free
 from test_exact_mm import _bits, _exact_operands, _gen, check_boundary, check_rope
 
-from dsv41_decode.ops.exact_linear import _FMA_PLAN, _GLUON_PLAN, ExactLinear
+from dsv41_decode.ops.exact_linear import _FMA_PLAN, _GLUON_PLAN, ExactLinear, takes_pair_slots
 from dsv41_decode.ops.exact_mm_plan import ExactConfig
 from dsv41_decode.ops.gluon_exact_fma import GluonExactFMAConfig
 from dsv41_decode.ops import gluon_exact_mm as E
@@ -67,6 +67,20 @@ def test_plan_compiles_for_sm90_without_spills(name, config, bt, split):
     # configurations the hardware runs as measured.
     kernel = compile_exact_mm(config, bt, split)
     spill_free(kernel, config.maxnreg or 255, E.shared_bytes(config, bt))
+
+
+def test_pair_slots_take_the_plans_entries_along_k_that_fit():
+    # `takes_pair_slots`: the plan's entries with the warps along K whose K holds whole pairs of slots
+    # (wo_b's and the fused wq_a|wkv's 256-deep ones, wo_b's 128-deep 33-64-row one), not the
+    # indexer's 256-deep ones at K 1280, not the entries along the weight rows (wq_b), not a K split
+    taken = {(name, rows): takes_pair_slots(c, k) for name, n, k in STEP_SHAPES
+             for rows, c in _GLUON_PLAN[(n, k)][1].items()}
+    assert taken == {("fused_wqa_wkv", 16): True, ("fused_wqa_wkv", 32): True, ("fused_wqa_wkv", 64): False,
+                     ("wq_b", 16): False, ("wq_b", 64): False,
+                     ("idx_wq_b", 16): False, ("idx_wq_b", 32): True, ("idx_wq_b", 64): False,
+                     ("wo_b", 32): True, ("wo_b", 64): True}, taken
+    assert not takes_pair_slots(GluonExactConfig(convert="f16d", warps_k=4, block_n=16, split=2), 8192)
+    assert not takes_pair_slots(GluonExactConfig(convert="f16d", warps_k=4, block_n=16, stages=3), 8192)
 
 
 def test_off_sm90_only_the_cuda_core_op():
