@@ -447,6 +447,13 @@ def _record(args, console: Console) -> int:
 
 def _bench(args, console: Console) -> int:
     import torch
+    if args.bench_cmd == "step":
+        # the variants' names before anything else (on any machine): a typo costs no GPU time
+        from .bench.step import DEFAULT_VARIANTS, VARIANTS
+        variants = DEFAULT_VARIANTS if args.variants is None else tuple(v for v in args.variants.split(",") if v)
+        bad = [v for v in variants if v not in VARIANTS]
+        if bad:
+            raise UsageError(f"--variants: unknown variant {bad[0]!r}; choose from {', '.join(VARIANTS)}")
     if not torch.cuda.is_available():
         raise UsageError(f"bench {args.bench_cmd} needs a CUDA GPU; none is visible (torch {torch.__version__})")
     if args.bench_cmd == "attn":
@@ -467,11 +474,7 @@ def _bench(args, console: Console) -> int:
         run_step_bench_tp(args.tp, args.rows, args.generic_contexts, args.out, console.print)
         return 0
     if args.bench_cmd == "step":
-        from .bench.step import DEFAULT_VARIANTS, VARIANTS, run_step_bench
-        variants = DEFAULT_VARIANTS if args.variants is None else tuple(v for v in args.variants.split(",") if v)
-        bad = [v for v in variants if v not in VARIANTS]
-        if bad:
-            raise UsageError(f"--variants: unknown variant {bad[0]!r}; choose from {', '.join(VARIANTS)}")
+        from .bench.step import run_step_bench
         run_step_bench(args.rows, args.contexts, args.out, console.print, args.generic_rows,
                        args.generic_contexts, bench_name=args.name, extra_variants=variants)
         return 0

@@ -48,6 +48,7 @@ USAGE = [
     (["plot", "/no/such.jsonl"], "/no/such.jsonl: no such results file"),
     (["bench", "attn", "--families", "sparse_mla,bogus"], "unknown name 'bogus'; choose from sparse_mla"),
     (["bench", "gemm", "--rows", "1,0"], "argument --rows: expected integers >= 1, got 0"),
+    (["bench", "step", "--variants", "fuse_scales,pair_slotz"], "--variants: unknown variant 'pair_slotz'; choose from"),
 ]
 if not CUDA:
     USAGE += [(["demo", "--device", "cuda"], "--device cuda: CUDA is not available"),
