@@ -98,9 +98,12 @@ _DEFAULT_ABOVE = 4
 
 
 def takes_pair_slots(config: GluonExactConfig, k: int) -> bool:
-    """Whether `config` can run with `GluonExactConfig.pair_slots` at depth K = k: the warps along K,
-    no K split, an even number of stages, K a multiple of two slots."""
-    return config.warps_k > 1 and config.split == 1 and config.stages % 2 == 0 and k % (2 * config.block_k) == 0
+    """Whether `ExactLinear(pair_slots=True)` gives `config` `GluonExactConfig.pair_slots` at depth K
+    = k: the warps along K (the plan's configurations along the weight rows spill with it: `wq_b`'s
+    128 x 16 40 bytes at its cap of 128), no K split, an even number of stages, K a multiple of two
+    slots."""
+    return (config.warps_k > 1 and config.split == 1 and config.stages % 2 == 0
+            and k % (2 * config.block_k) == 0)
 
 
 class ExactLinear:
@@ -119,8 +122,8 @@ class ExactLinear:
     probes. `fma_rows` the attribute: the (first, last) row counts GluonExactFMA runs ((1, 0): none).
     fuse_scales: GluonExactMM's configurations with `GluonExactConfig.fuse_scales` (each block term
     and its add in one FMA where the scales allow it; the same bits). pair_slots: its configurations
-    with the warps along K that can take it (`takes_pair_slots`) with `GluonExactConfig.pair_slots`
-    (the ring's slots two at a time; the same bits)."""
+    along K that can take it (`takes_pair_slots`) with `GluonExactConfig.pair_slots` (the ring's
+    slots two at a time; the same bits)."""
 
     def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int = MAX_ROWS,
                  exact_config=None, workspace=None, mma_above: int | None = None,

@@ -45,13 +45,14 @@ What the Gluon form does differently (the layout of `ops.gluon_mm`, the Gluon FP
   one round of the terms through shared memory) per 256 of K instead of two; with warps_k=4 each
   warp takes blocks w and w + 4 of the batched MMA: two independent MMA chains a slot. The
   terms join the sum in the same K order.
-- **Two slots a wait** (`GluonExactConfig.pair_slots`, with the warps along K; K % (2 x block_k)
-  == 0, no K split): the producer fills two ring slots on the first one's ready barrier and waits
-  for their release on its empty barrier (`_pair_producer`), and the consumer warps take the two
-  slots as one unit (`_consumer_k_slots` with SLOTS=2: both slots' MMA chains, their terms in two
-  buffers, one barrier, the terms added slot by slot in K order). Triton 3.6 puts a CTA barrier
-  before every mbarrier wait and arrive of the consumer warpgroup, so a unit holds the barriers of
-  one slot (three with the terms' barrier) for two slots' work; the same bits.
+- **Two slots a wait** (`GluonExactConfig.pair_slots`, the mma.sync consumers; K % (2 x
+  block_k) == 0, no K split): the producer fills two ring slots on the first one's ready barrier
+  and waits for their release on its empty barrier (`_pair_producer`), and the consumer warps take
+  the two slots as one unit (`_consumer_slots` / `_consumer_k_slots` with SLOTS=2: both slots'
+  blocks in K order; along K both slots' MMA chains, their terms in two buffers, one barrier, the
+  terms added slot by slot in K order). Triton 3.6 puts a CTA barrier before every mbarrier wait
+  and arrive of the consumer warpgroup, so a unit holds the barriers of one slot (two, three along
+  K with the terms' barrier) for two slots' work; the same bits.
 - **Optional K split** (`GluonExactConfig.split`, calls of at most `split_rows` rows): several
   programs share a weight tile's K; each stores its block terms (the M real rows) in a plan-owned
   workspace, and the tile's last program to arrive (an acq_rel atomic counter, reset for the next
@@ -162,60 +163,86 @@ def _slot_partials(w_tile, x_tile, zero, CONVERT: gl.constexpr, KC: gl.constexpr
 def _consumer(w_smem, x_smem, ready, empty, sw_words, sx_words, ws_ptr, step_lo, n_steps, M,
               sx_ptr, stride_sxm, fuse_lo, fuse_hi,
               STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, CONVERT: gl.constexpr, KC: gl.constexpr,
-              SPLIT_K: gl.constexpr, mma_layout: gl.constexpr, FUSE: gl.constexpr):
+              SPLIT_K: gl.constexpr, mma_layout: gl.constexpr, FUSE: gl.constexpr, SLOTS: gl.constexpr):
     """The consumer warps: `_consumer_slots`, with FUSE and x's scale bytes in [fuse_lo, fuse_hi]
     (`fused_scales_ok` over the program's rows and K steps, x's scales at sx_ptr, row stride
     stride_sxm words) in its fused form. Returns (acc, )."""
     if FUSE:
         if fused_scales_ok(sx_ptr, stride_sxm, M, step_lo, n_steps, fuse_lo, fuse_hi, BT, w_smem.shape[2] // 128):
             acc = _consumer_slots(w_smem, x_smem, ready, empty, sw_words, sx_words, ws_ptr, step_lo, n_steps, M,
-                                  STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout, True)
+                                  STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout, True, SLOTS)
         else:
             acc = _consumer_slots(w_smem, x_smem, ready, empty, sw_words, sx_words, ws_ptr, step_lo, n_steps, M,
-                                  STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout, False)
+                                  STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout, False, SLOTS)
     else:
         acc = _consumer_slots(w_smem, x_smem, ready, empty, sw_words, sx_words, ws_ptr, step_lo, n_steps, M,
-                              STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout, False)
+                              STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout, False, SLOTS)
     return (acc, )
 
 
 @gluon.jit
 def _consumer_slots(w_smem, x_smem, ready, empty, sw_words, sx_words, ws_ptr, step_lo, n_steps, M,
                     STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, CONVERT: gl.constexpr,
-                    KC: gl.constexpr, SPLIT_K: gl.constexpr, mma_layout: gl.constexpr, FUSED: gl.constexpr):
-    """The consumer warps' slots: per ring slot, its NB K blocks' exact partials (`_block_partial`;
-    NB = block_k / 32, 4 or 8) and terms (`block_term`), added to the FP32 accumulator in K order,
-    or, SPLIT_K, stored to the workspace (`ws_ptr`: this tile's terms, block kb at ws_ptr + kb * BN
-    * M, [BN, M] n-major, the M real rows); FUSED: each term and its add in one FMA with the
-    scales' product (`fused_scale`, `fused_take`: the same bits for the bytes `fused_scales_ok`
-    checked). The slot goes back to the producer once every consumer thread has loaded its last
-    block. Returns the accumulator (zeros with SPLIT_K)."""
+                    KC: gl.constexpr, SPLIT_K: gl.constexpr, mma_layout: gl.constexpr, FUSED: gl.constexpr,
+                    SLOTS: gl.constexpr):
+    """The consumer warps' slots, a unit of SLOTS ring slots (1, or 2 with
+    `GluonExactConfig.pair_slots`: `_pair_producer` fills both on one ready barrier) per wait: per
+    slot, its NB K blocks' exact partials (`_block_partial`; NB = block_k / 32, 4 or 8) and terms
+    (`block_term`), added to the FP32 accumulator in K order, or, SPLIT_K, stored to the workspace
+    (`ws_ptr`: this tile's terms, block kb at ws_ptr + kb * BN * M, [BN, M] n-major, the M real
+    rows); FUSED: each term and its add in one FMA with the scales' product (`fused_scale`,
+    `fused_take`: the same bits for the bytes `fused_scales_ok` checked). The unit goes back to the
+    producer once every consumer thread has loaded its last block. Returns the accumulator (zeros
+    with SPLIT_K)."""
     acc = gl.zeros([BN, BT], gl.float32, mma_layout)
     zero = gl.zeros([BN, BT], gl.float64, mma_layout)
     NB: gl.constexpr = w_smem.shape[2] // 32
     ws_offs, ws_mask = ws_tile(BN, BT, M, mma_layout)
-    words_next = _slot_words(sw_words, sx_words, step_lo, NB // 4)
-    for i in range(n_steps):
-        words, words_next, s = wait_slot(i, words_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES, NB)
-        w_tile = w_smem.index(s)
-        x_tile = x_smem.index(s)
-        for j in gl.static_range(NB):
-            part = _block_partial(w_tile, x_tile, j, zero, CONVERT, KC, mma_layout)
-            if j == NB - 1:
-                # Every consumer thread's loads of the slot are done (their values were used by
-                # the MMA) before one thread hands the slot back.
-                gl.thread_barrier()
-                mbarrier.arrive(empty.index(s), count=1)
-            if FUSED:
-                if j < 4:
-                    sw, _, sx, _ = words
-                else:
-                    _, sw, _, sx = words
-                acc = fused_take(acc, part, fused_scale(sx[None, :], sw[:, None], j % 4), (step_lo + i) * NB + j,
-                                 ws_ptr, ws_offs, ws_mask, BN, M, SPLIT_K)
-            else:
-                acc = take_term(acc, block_term(part, words, j), (step_lo + i) * NB + j, ws_ptr, ws_offs, ws_mask,
-                                BN, M, SPLIT_K)
+    if SLOTS == 1:
+        words_next = _slot_words(sw_words, sx_words, step_lo, NB // 4)
+    else:
+        unit_next = _pair_words(sw_words, sx_words, step_lo, NB // 4)
+    for u in range(n_steps // SLOTS):
+        i = u * SLOTS
+        if SLOTS == 1:
+            words, words_next, s = wait_slot(i, words_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES, NB)
+            unit = (words, )
+        else:
+            # the unit's words (loaded a unit ahead), the next unit's loads issued, then the wait
+            unit = unit_next
+            unit_next = _pair_words(sw_words, sx_words, step_lo + gl.minimum(i + 2, n_steps - 2), NB // 4)
+            s = u % (STAGES // 2) * 2
+            mbarrier.wait(ready.index(s), (u // (STAGES // 2)) & 1)
+        for t in gl.static_range(SLOTS):
+            w_tile = w_smem.index(s + t)
+            x_tile = x_smem.index(s + t)
+            for j in gl.static_range(NB):
+                part = _block_partial(w_tile, x_tile, j, zero, CONVERT, KC, mma_layout)
+                if t == SLOTS - 1 and j == NB - 1:
+                    # Every consumer thread's loads of the unit are done (their values were used
+                    # by the MMA) before one thread hands the unit back.
+                    gl.thread_barrier()
+                    mbarrier.arrive(empty.index(s), count=1)
+                acc = _take_block(acc, part, unit[t], j, (step_lo + i + t) * NB + j, ws_ptr, ws_offs, ws_mask, BN,
+                                  M, SPLIT_K, FUSED)
+    return acc
+
+
+@gluon.jit
+def _take_block(acc, part, words, j: gl.constexpr, block, ws_ptr, ws_offs, ws_mask, BN: gl.constexpr, M,
+                SPLIT_K: gl.constexpr, FUSED: gl.constexpr):
+    """K block `block` (the slot's block j, its scales in the slot's words) added to the accumulator
+    in K order: `take_term` of `block_term`'s term, or with FUSED `fused_take` with the scales'
+    product (`fused_scale`). Returns the accumulator."""
+    if FUSED:
+        if j < 4:
+            sw, _, sx, _ = words
+        else:
+            _, sw, _, sx = words
+        acc = fused_take(acc, part, fused_scale(sx[None, :], sw[:, None], j % 4), block, ws_ptr, ws_offs, ws_mask,
+                         BN, M, SPLIT_K)
+    else:
+        acc = take_term(acc, block_term(part, words, j), block, ws_ptr, ws_offs, ws_mask, BN, M, SPLIT_K)
     return acc
 
 
@@ -487,9 +514,9 @@ def _gluon_exact_mm_kernel(
     # arriver's K-ordered sum (module doc). WARPS_K > 1: the consumer warps split each slot's K
     # blocks (`_consumer_k`), the block terms through shared memory. FUSE: the block terms and their
     # adds in one FMA where x's scale bytes lie in [fuse_lo, fuse_hi] (`GluonExactConfig.fuse_scales`;
-    # with WARPS_K > 1 for tiles of one weight scale block). PAIRS (WARPS_K > 1, no split, an even
-    # number of steps a program): the ring's slots filled, waited for and released two at a time
-    # (`_pair_producer`, `_consumer_k_slots`' units of two slots). ROPE: the query RoPE epilogue
+    # with WARPS_K > 1 for tiles of one weight scale block). PAIRS (the mma.sync consumers, no split,
+    # an even number of steps a program): the ring's slots filled, waited for and released two at a
+    # time (`_pair_producer`, the consumers' units of two slots). ROPE: the query RoPE epilogue
     # (`store_tile`) with cos/sin [M, 32] FP32 at cos_ptr / sin_ptr (row strides stride_cm / stride_sm;
     # all four None without it, so that they take no kernel parameter).
     BN: gl.constexpr = w_desc.block_type.shape[0]
@@ -551,11 +578,19 @@ def _gluon_exact_mm_kernel(
             (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, off_m, 0, step_lo, n_steps, 0,
                          n_steps, STAGES, False)),
         ], [1], [24])
+    elif WARPS_K == 1 and PAIRS:
+        acc, = gl.warp_specialize([
+            (_consumer, (w_smem, x_smem, ready, empty, sw_words, sx_words, ws_tile, step_lo, n_steps, M,
+                         sx_ptr, stride_sxm, fuse_lo, fuse_hi, STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout,
+                         FUSE, 2)),
+            (_pair_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, off_m, step_lo, n_steps,
+                              STAGES)),
+        ], [1], [24])
     elif WARPS_K == 1:
         acc, = gl.warp_specialize([
             (_consumer, (w_smem, x_smem, ready, empty, sw_words, sx_words, ws_tile, step_lo, n_steps, M,
                          sx_ptr, stride_sxm, fuse_lo, fuse_hi, STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout,
-                         FUSE)),
+                         FUSE, 1)),
             (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, off_m, 0, step_lo, n_steps, 0,
                          n_steps, STAGES, False)),
         ], [1], [24])
@@ -674,12 +709,13 @@ class GluonExactConfig:
         throughout: `gluon_exact_common.fused_scale_range`), which the consumer checks once per
         program over the scales it reads, running the unfused loop otherwise. With warps_k > 1 for
         block_n <= 32 (a tile of one weight scale block; wider tiles run unfused).
-    pair_slots: with warps_k > 1, the ring's slots filled, waited for and released two at a time
-        (one ready / empty barrier pair, one wait, one release and one round of the terms through
+    pair_slots: the ring's slots filled, waited for and released two at a time (one ready / empty
+        barrier pair, one wait, one release and, with warps_k > 1, one round of the terms through
         shared memory per 2 x block_k of K; each warp's MMA chains of both slots in one stretch):
         Triton 3.6 puts a CTA barrier before every mbarrier wait and arrive of the consumer
-        warpgroup, so this halves the barriers a K step. An even number of stages, no K split
-        (split=1), K a multiple of 2 x block_k; twice the terms' and x scales' shared memory.
+        warpgroup, so this halves the barriers a K step. The mma.sync consumers (not "f16w" /
+        "f16wp"), an even number of stages, no K split (split=1), K a multiple of 2 x block_k;
+        with warps_k > 1 twice the terms' and x scales' shared memory.
     """
 
     convert: str = "int"
@@ -765,9 +801,10 @@ class GluonExactConfig:
             raise ValueError(f"GluonExactConfig.fuse_scales must be a bool, got {self.fuse_scales!r}")
         if not isinstance(self.pair_slots, bool):
             raise ValueError(f"GluonExactConfig.pair_slots must be a bool, got {self.pair_slots!r}")
-        if self.pair_slots and (self.warps_k == 1 or self.split != 1 or self.stages % 2):
-            raise ValueError(f"GluonExactConfig.pair_slots takes warps_k > 1, split=1 and an even number of stages, "
-                             f"got warps_k={self.warps_k!r}, split={self.split!r}, stages={self.stages!r}")
+        if self.pair_slots and (self.convert in ("f16w", "f16wp") or self.split != 1 or self.stages % 2):
+            raise ValueError(f"GluonExactConfig.pair_slots takes the mma.sync consumers (not 'f16w' / 'f16wp'), "
+                             f"split=1 and an even number of stages, got convert={self.convert!r}, "
+                             f"split={self.split!r}, stages={self.stages!r}")
         if self.block_k not in BLOCK_KS or not is_int(self.block_k):
             raise ValueError(f"GluonExactConfig.block_k must be one of {BLOCK_KS}, got {self.block_k!r}")
         if self.block_m not in ROW_BUCKETS or not is_int(self.block_m):

@@ -71,8 +71,9 @@ def test_plan_compiles_for_sm90_without_spills(name, config, bt, split):
 
 def test_pair_slots_take_the_plans_entries_along_k_that_fit():
     # `takes_pair_slots`: the plan's entries with the warps along K whose K holds whole pairs of slots
-    # (wo_b's and the fused wq_a|wkv's 256-deep ones, wo_b's 128-deep 33-64-row one), not the
-    # indexer's 256-deep ones at K 1280, not the entries along the weight rows (wq_b), not a K split
+    # (wo_b's and the fused wq_a|wkv's 256-deep ones, the 128-deep ones), not the indexer's 256-deep
+    # ones at K 1280, not the entries along the weight rows (wq_b, which spills with it, and the
+    # 33-64-row ones of the fused wq_a|wkv and the indexer's wq_b), not a K split
     taken = {(name, rows): takes_pair_slots(c, k) for name, n, k in STEP_SHAPES
              for rows, c in _GLUON_PLAN[(n, k)][1].items()}
     assert taken == {("fused_wqa_wkv", 16): True, ("fused_wqa_wkv", 32): True, ("fused_wqa_wkv", 64): False,
