@@ -351,13 +351,16 @@ def test_bitwise_equal_to_the_reference_on_gpu(m, n, k, config, kind):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k,config,kind", [
-    # the ring's slots two at a time (pair_slots): 256-deep and 128-deep slots, the FP64 form, a
-    # program's even steps over several ring passes, N past a tile, row tiles
+    # the ring's slots two at a time (pair_slots) along K: 256-deep and 128-deep slots, an FP64 form,
+    # a program's even steps over several ring passes, N past a tile, row tiles
     (5, 130, 2560, C(convert="f16d", warps_k=4, block_n=16, block_m=8, maxnreg=80, block_k=256,
                      pair_slots=True), "subnormal"),
     (20, 96, 1024, C(convert="f16d", warps_k=4, block_n=32, block_m=16, stages=4, pair_slots=True), "heavy"),
     (9, 64, 1536, C(convert="rawp", warps_k=4, block_n=16, block_m=16, block_k=256, stages=2, pair_slots=True),
      "uniform"),
+    # along the weight rows: the digits in 256-deep slots, an FP64 form in 128-deep ones
+    (7, 160, 1536, C(convert="f16d", block_n=128, block_m=8, block_k=256, pair_slots=True), "heavy"),
+    (12, 96, 1024, C(convert="int", block_m=16, stages=2, pair_slots=True), "subnormal"),
 ])
 def test_pair_slots_bitwise_equal_to_the_reference_on_gpu(m, n, k, config, kind):
     _check_bitwise(m, n, k, config, kind)
