@@ -208,11 +208,7 @@ def _consumer_slots(w_smem, x_smem, ready, empty, sw_words, sx_words, ws_ptr, st
             words, words_next, s = wait_slot(i, words_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES, NB)
             unit = (words, )
         else:
-            # the unit's words (loaded a unit ahead), the next unit's loads issued, then the wait
-            unit = unit_next
-            unit_next = _pair_words(sw_words, sx_words, step_lo + gl.minimum(i + 2, n_steps - 2), NB // 4)
-            s = u % (STAGES // 2) * 2
-            mbarrier.wait(ready.index(s), (u // (STAGES // 2)) & 1)
+            unit, unit_next, s = _wait_pair(u, unit_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES, NB)
         for t in gl.static_range(SLOTS):
             w_tile = w_smem.index(s + t)
             x_tile = x_smem.index(s + t)
@@ -323,11 +319,7 @@ def _consumer_k_slots(w_smem, x_smem, ready, empty, terms, xs, sw_words, sx_word
             unit = (words, )
             unit_next = (words_next, )
         else:
-            # the unit's words (loaded a unit ahead), the next unit's loads issued, then the wait
-            unit = unit_next
-            unit_next = _pair_words(sw_words, sx_words, step_lo + gl.minimum(i + 2, n_steps - 2), NB // 4)
-            s = u % (STAGES // 2) * 2
-            mbarrier.wait(ready.index(s), (u // (STAGES // 2)) & 1)
+            unit, unit_next, s = _wait_pair(u, unit_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES, NB)
         for t in gl.static_range(SLOTS):
             _store_slot_terms(w_smem.index(s + t), x_smem.index(s + t), zero, unit[t], xs[t].index(u % 2), terms[t],
                               j3, CONVERT, KC, mma_layout, FUSED)
@@ -351,6 +343,19 @@ def _consumer_k_slots(w_smem, x_smem, ready, empty, terms, xs, sw_words, sx_word
         # after the barrier: every consumer thread's operand loads of the unit are done
         mbarrier.arrive(empty.index(s), count=1)
     return acc
+
+
+@gluon.jit
+def _wait_pair(u, unit_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES: gl.constexpr, NB: gl.constexpr):
+    """The consumers' start of unit u of two ring slots (`GluonExactConfig.pair_slots`; `wait_slot`'s
+    form): its scale words (loaded a unit ahead: `unit_next`) and the next unit's loads issued, then
+    the wait for both slots' tiles on the even slot's ready barrier. Returns (the unit's words, the
+    next unit's, the even slot)."""
+    unit = unit_next
+    unit_next = _pair_words(sw_words, sx_words, step_lo + gl.minimum(2 * u + 2, n_steps - 2), NB // 4)
+    s = u % (STAGES // 2) * 2
+    mbarrier.wait(ready.index(s), (u // (STAGES // 2)) & 1)
+    return unit, unit_next, s
 
 
 @gluon.jit
