@@ -47,7 +47,7 @@ What the Gluon form does differently (the layout of `ops.gluon_mm`, the Gluon FP
   terms join the sum in the same K order.
 - **Two slots a wait** (`GluonExactConfig.pair_slots`, the mma.sync consumers; K % (2 x
   block_k) == 0, no K split): the producer fills two ring slots on the first one's ready barrier
-  and waits for their release on its empty barrier (`_pair_producer`), and the consumer warps take
+  and waits for their release on its empty barrier (`_ring_producer`), and the consumer warps take
   the two slots as one unit (`_consumer_slots` / `_consumer_k_slots` with SLOTS=2: both slots'
   blocks in K order; along K both slots' MMA chains, their terms in two buffers, one barrier, the
   terms added slot by slot in K order). Triton 3.6 puts a CTA barrier before every mbarrier wait
@@ -186,7 +186,7 @@ def _consumer_slots(w_smem, x_smem, ready, empty, sw_words, sx_words, ws_ptr, st
                     KC: gl.constexpr, SPLIT_K: gl.constexpr, mma_layout: gl.constexpr, FUSED: gl.constexpr,
                     SLOTS: gl.constexpr):
     """The consumer warps' slots, a unit of SLOTS ring slots (1, or 2 with
-    `GluonExactConfig.pair_slots`: `_pair_producer` fills both on one ready barrier) per wait: per
+    `GluonExactConfig.pair_slots`: `_ring_producer` fills both on one ready barrier) per wait: per
     slot, its NB K blocks' exact partials (`_block_partial`; NB = block_k / 32, 4 or 8) and terms
     (`block_term`), added to the FP32 accumulator in K order, or, SPLIT_K, stored to the workspace
     (`ws_ptr`: this tile's terms, block kb at ws_ptr + kb * BN * M, [BN, M] n-major, the M real
@@ -276,7 +276,7 @@ def _consumer_k_slots(w_smem, x_smem, ready, empty, terms, xs, sw_words, sx_word
     block_k / 32, 4 or 8; mma_layout: the batched [NB, BN, BT] MMA layout, batch j = K block j, warp
     w the blocks w, w + warps_k, ...: with NB = 8 each warp two or more independent MMA chains), a
     unit of SLOTS ring slots (1, or 2 with `GluonExactConfig.pair_slots`: the producer fills both on
-    one ready barrier, `_pair_producer`) per wait: per slot of the unit every warp forms its blocks'
+    one ready barrier, `_ring_producer`) per wait: per slot of the unit every warp forms its blocks'
     exact partials (`_slot_partials`) and terms (`scaled_term`'s two roundings) and stores them to
     `terms[t]` ([NB, BN, BT] FP32 in shared memory, a tuple of SLOTS allocations: one buffer would
     take the compiler's barrier between two slots' stores); after a barrier every thread reads its
@@ -478,26 +478,30 @@ def _tile_weight_scales(sw_ptr, off_n, N, stride_swn, BN: gl.constexpr, layout: 
 
 
 @gluon.jit
-def _pair_producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, step_lo, n_steps,
-                   STAGES: gl.constexpr):
-    """The 1-warp TMA producer of a ring taken two slots at a time (`GluonExactConfig.pair_slots`):
-    steps 2p and 2p + 1's weight tiles [BN, BLOCK_K] at (off_n, k) and activation tiles [BT,
-    BLOCK_K] at (x_row, k), k = (step_lo + 2p + t) x BLOCK_K, into ring slots 2q and 2q + 1 (q = p %
-    (STAGES / 2)), all four copies on the even slot's ready barrier, once the consumer has released
-    the pair on the even slot's empty barrier (`gluon_mm._producer`'s ring, the odd slots' barriers
-    unused); n_steps even."""
-    PAIRS: gl.constexpr = STAGES // 2
-    BK: gl.constexpr = w_desc.block_type.shape[1]
-    for p in range(n_steps // 2):
-        s = p % PAIRS * 2
-        # a fresh barrier counts as having completed the phase before its first: the first pass
-        # over the ring does not wait
-        mbarrier.wait(empty.index(s), ((p // PAIRS) & 1) ^ 1)
-        mbarrier.expect(ready.index(s), 2 * (w_desc.block_type.nbytes + x_desc.block_type.nbytes))
-        for t in gl.static_range(2):
-            k = (step_lo + 2 * p + t) * BK
-            tma.async_copy_global_to_shared(w_desc, [off_n, k], ready.index(s), w_smem.index(s + t))
-            tma.async_copy_global_to_shared(x_desc, [x_row, k], ready.index(s), x_smem.index(s + t))
+def _ring_producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, step_lo, n_steps,
+                   STAGES: gl.constexpr, PAIRS: gl.constexpr):
+    """The kernel's 1-warp TMA producer: `gluon_mm._producer`'s ring slot by slot, or with PAIRS
+    (`GluonExactConfig.pair_slots`) two slots at a time: steps 2p and 2p + 1's weight tiles [BN,
+    BLOCK_K] at (off_n, k) and activation tiles [BT, BLOCK_K] at (x_row, k), k = (step_lo + 2p + t) x
+    BLOCK_K, into ring slots 2q and 2q + 1 (q = p % (STAGES / 2)), all four copies on the even
+    slot's ready barrier, once the consumer has released the pair on the even slot's empty barrier
+    (the odd slots' barriers unused); n_steps even."""
+    if PAIRS:
+        UNITS: gl.constexpr = STAGES // 2
+        BK: gl.constexpr = w_desc.block_type.shape[1]
+        for p in range(n_steps // 2):
+            s = p % UNITS * 2
+            # a fresh barrier counts as having completed the phase before its first: the first pass
+            # over the ring does not wait
+            mbarrier.wait(empty.index(s), ((p // UNITS) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), 2 * (w_desc.block_type.nbytes + x_desc.block_type.nbytes))
+            for t in gl.static_range(2):
+                k = (step_lo + 2 * p + t) * BK
+                tma.async_copy_global_to_shared(w_desc, [off_n, k], ready.index(s), w_smem.index(s + t))
+                tma.async_copy_global_to_shared(x_desc, [x_row, k], ready.index(s), x_smem.index(s + t))
+    else:
+        _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, 0, step_lo, n_steps, 0, n_steps, STAGES,
+                  False)
 
 
 @gluon.jit(do_not_specialize=["M", "stride_sxm", "stride_swn", "steps_per_split", "n_steps_total", "n_split",
@@ -521,11 +525,12 @@ def _gluon_exact_mm_kernel(
     # adds in one FMA where x's scale bytes lie in [fuse_lo, fuse_hi] (`GluonExactConfig.fuse_scales`;
     # with WARPS_K > 1 for tiles of one weight scale block). PAIRS (the mma.sync consumers, no split,
     # an even number of steps a program): the ring's slots filled, waited for and released two at a
-    # time (`_pair_producer`, the consumers' units of two slots). ROPE: the query RoPE epilogue
+    # time (`_ring_producer`, the consumers' units of two slots). ROPE: the query RoPE epilogue
     # (`store_tile`) with cos/sin [M, 32] FP32 at cos_ptr / sin_ptr (row strides stride_cm / stride_sm;
     # all four None without it, so that they take no kernel parameter).
     BN: gl.constexpr = w_desc.block_type.shape[0]
     NB: gl.constexpr = w_desc.block_type.shape[1] // 32      # K blocks a slot: 4, or 8 (block_k 256)
+    SLOTS: gl.constexpr = 2 if PAIRS else 1                   # ring slots a consumer's wait
     if CONVERT == "f16w" or CONVERT == "f16wp":
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, BT, 16])
@@ -580,24 +585,16 @@ def _gluon_exact_mm_kernel(
             (consumer_wg, (w_smem, x_smem, xd, xs, ready, empty, sw_words, sx_words, ws_tile, step_lo, n_steps, M,
                            sx_ptr, stride_sxm, fuse_lo, fuse_hi, STAGES, BN, BT, SPLIT_K, mma_layout, cvt_l,
                            CONVERT == "f16wp", FUSE)),
-            (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, off_m, 0, step_lo, n_steps, 0,
-                         n_steps, STAGES, False)),
-        ], [1], [24])
-    elif WARPS_K == 1 and PAIRS:
-        acc, = gl.warp_specialize([
-            (_consumer, (w_smem, x_smem, ready, empty, sw_words, sx_words, ws_tile, step_lo, n_steps, M,
-                         sx_ptr, stride_sxm, fuse_lo, fuse_hi, STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout,
-                         FUSE, 2)),
-            (_pair_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, off_m, step_lo, n_steps,
-                              STAGES)),
+            (_ring_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, off_m, step_lo, n_steps,
+                              STAGES, False)),
         ], [1], [24])
     elif WARPS_K == 1:
         acc, = gl.warp_specialize([
             (_consumer, (w_smem, x_smem, ready, empty, sw_words, sx_words, ws_tile, step_lo, n_steps, M,
                          sx_ptr, stride_sxm, fuse_lo, fuse_hi, STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout,
-                         FUSE, 1)),
-            (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, off_m, 0, step_lo, n_steps, 0,
-                         n_steps, STAGES, False)),
+                         FUSE, SLOTS)),
+            (_ring_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, off_m, step_lo, n_steps,
+                              STAGES, PAIRS)),
         ], [1], [24])
     else:
         # per slot of a unit (`_consumer_k_slots`) its terms' and x scales' buffers, separate
@@ -605,31 +602,20 @@ def _gluon_exact_mm_kernel(
         terms_sl: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[2, 1, 0])
         terms = gl.allocate_shared_memory(gl.float32, [NB, BN, BT], terms_sl)
         if PAIRS:
-            SLOTS: gl.constexpr = 2
             xs_u = (xs, gl.allocate_shared_memory(gl.float32, [2, NB, BT], xs.layout))
             terms_u = (terms, gl.allocate_shared_memory(gl.float32, [NB, BN, BT], terms_sl))
         else:
-            SLOTS: gl.constexpr = 1
             xs_u = (xs, )
             terms_u = (terms, )
         # the fused scaling along K: the tile's one weight scale row of words, in x's scales' layout
         sw_row_words = sw_ptr + (gl.minimum(pid_n * BN, N - 1) // 32) * stride_swn + gl.zeros([NB, BT], gl.int32, xs_l)
-        if PAIRS:
-            acc, = gl.warp_specialize([
-                (_consumer_k, (w_smem, x_smem, ready, empty, terms_u, xs_u, sw_words, sx_words, ws_tile, step_lo,
-                               n_steps, M, sw_row_words, sx_ptr, stride_sxm, fuse_lo, fuse_hi, STAGES, BN, BT,
-                               CONVERT, KC, SPLIT_K, mma_layout, out_layout, FUSE and BN <= 32, SLOTS)),
-                (_pair_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, off_m, step_lo, n_steps,
-                                  STAGES)),
-            ], [1], [24])
-        else:
-            acc, = gl.warp_specialize([
-                (_consumer_k, (w_smem, x_smem, ready, empty, terms_u, xs_u, sw_words, sx_words, ws_tile, step_lo,
-                               n_steps, M, sw_row_words, sx_ptr, stride_sxm, fuse_lo, fuse_hi, STAGES, BN, BT,
-                               CONVERT, KC, SPLIT_K, mma_layout, out_layout, FUSE and BN <= 32, SLOTS)),
-                (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, off_m, 0, step_lo, n_steps, 0,
-                             n_steps, STAGES, False)),
-            ], [1], [24])
+        acc, = gl.warp_specialize([
+            (_consumer_k, (w_smem, x_smem, ready, empty, terms_u, xs_u, sw_words, sx_words, ws_tile, step_lo, n_steps,
+                           M, sw_row_words, sx_ptr, stride_sxm, fuse_lo, fuse_hi, STAGES, BN, BT, CONVERT, KC,
+                           SPLIT_K, mma_layout, out_layout, FUSE and BN <= 32, SLOTS)),
+            (_ring_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, off_m, step_lo, n_steps,
+                              STAGES, PAIRS)),
+        ], [1], [24])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
