@@ -102,8 +102,13 @@ def takes_pair_slots(config: GluonExactConfig, k: int) -> bool:
     = k: the warps along K (the plan's configurations along the weight rows spill with it: `wq_b`'s
     128 x 16 40 bytes at its cap of 128), no K split, an even number of stages, K a multiple of two
     slots."""
-    return (config.warps_k > 1 and config.split == 1 and config.stages % 2 == 0
-            and k % (2 * config.block_k) == 0)
+    if config.warps_k == 1 or k % (2 * config.block_k):
+        return False
+    try:                    # the rest is the configuration's own rule (`GluonExactConfig.__post_init__`)
+        dataclasses.replace(config, pair_slots=True)
+    except ValueError:
+        return False
+    return True
 
 
 class ExactLinear:

@@ -198,17 +198,10 @@ def _consumer_slots(w_smem, x_smem, ready, empty, sw_words, sx_words, ws_ptr, st
     zero = gl.zeros([BN, BT], gl.float64, mma_layout)
     NB: gl.constexpr = w_smem.shape[2] // 32
     ws_offs, ws_mask = ws_tile(BN, BT, M, mma_layout)
-    if SLOTS == 1:
-        words_next = _slot_words(sw_words, sx_words, step_lo, NB // 4)
-    else:
-        unit_next = _pair_words(sw_words, sx_words, step_lo, NB // 4)
+    unit_next = _unit_words(sw_words, sx_words, step_lo, NB // 4, SLOTS)
     for u in range(n_steps // SLOTS):
         i = u * SLOTS
-        if SLOTS == 1:
-            words, words_next, s = wait_slot(i, words_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES, NB)
-            unit = (words, )
-        else:
-            unit, unit_next, s = _wait_pair(u, unit_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES, NB)
+        unit, unit_next, s = _wait_unit(u, unit_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES, NB, SLOTS)
         for t in gl.static_range(SLOTS):
             w_tile = w_smem.index(s + t)
             x_tile = x_smem.index(s + t)
@@ -304,22 +297,13 @@ def _consumer_k_slots(w_smem, x_smem, ready, empty, terms, xs, sw_words, sx_word
     # K block j of batch element j: the byte j % 4 of each row's scale word j // 4
     j3 = gl.expand_dims(gl.expand_dims(gl.arange(0, NB, layout=gl.SliceLayout(1, gl.SliceLayout(2, mma_layout))), 1), 2)
     ws_offs, ws_mask = ws_tile(BN, BT, M, out_layout)
-    if SLOTS == 1:
-        words_next = _slot_words(sw_words, sx_words, step_lo, NB // 4)
-        unit_next = (words_next, )
-    else:
-        unit_next = _pair_words(sw_words, sx_words, step_lo, NB // 4)
+    unit_next = _unit_words(sw_words, sx_words, step_lo, NB // 4, SLOTS)
     for t in gl.static_range(SLOTS):
         _store_slot_scales(unit_next[t], xs[t].index(0), FUSED)
     gl.thread_barrier()
     for u in range(n_steps // SLOTS):
         i = u * SLOTS
-        if SLOTS == 1:
-            words, words_next, s = wait_slot(i, words_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES, NB)
-            unit = (words, )
-            unit_next = (words_next, )
-        else:
-            unit, unit_next, s = _wait_pair(u, unit_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES, NB)
+        unit, unit_next, s = _wait_unit(u, unit_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES, NB, SLOTS)
         for t in gl.static_range(SLOTS):
             _store_slot_terms(w_smem.index(s + t), x_smem.index(s + t), zero, unit[t], xs[t].index(u % 2), terms[t],
                               j3, CONVERT, KC, mma_layout, FUSED)
@@ -346,22 +330,32 @@ def _consumer_k_slots(w_smem, x_smem, ready, empty, terms, xs, sw_words, sx_word
 
 
 @gluon.jit
-def _wait_pair(u, unit_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES: gl.constexpr, NB: gl.constexpr):
-    """The consumers' start of unit u of two ring slots (`GluonExactConfig.pair_slots`; `wait_slot`'s
-    form): its scale words (loaded a unit ahead: `unit_next`) and the next unit's loads issued, then
-    the wait for both slots' tiles on the even slot's ready barrier. Returns (the unit's words, the
-    next unit's, the even slot)."""
-    unit = unit_next
-    unit_next = _pair_words(sw_words, sx_words, step_lo + gl.minimum(2 * u + 2, n_steps - 2), NB // 4)
-    s = u % (STAGES // 2) * 2
-    mbarrier.wait(ready.index(s), (u // (STAGES // 2)) & 1)
-    return unit, unit_next, s
+def _unit_words(sw_words, sx_words, step, WORDS: gl.constexpr, SLOTS: gl.constexpr):
+    """The scale words (`_slot_words`) of the SLOTS ring slots from `step` on, a tuple: one unit."""
+    if SLOTS == 1:
+        words = (_slot_words(sw_words, sx_words, step, WORDS), )
+    else:
+        words = (_slot_words(sw_words, sx_words, step, WORDS), _slot_words(sw_words, sx_words, step + 1, WORDS))
+    return words
 
 
 @gluon.jit
-def _pair_words(sw_words, sx_words, step, WORDS: gl.constexpr):
-    """The scale words (`_slot_words`) of ring slots step and step + 1: a unit of two slots."""
-    return (_slot_words(sw_words, sx_words, step, WORDS), _slot_words(sw_words, sx_words, step + 1, WORDS))
+def _wait_unit(u, unit_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES: gl.constexpr, NB: gl.constexpr,
+               SLOTS: gl.constexpr):
+    """The consumers' start of unit u of SLOTS ring slots (`wait_slot`, whose form one slot takes;
+    two with `GluonExactConfig.pair_slots`): its scale words (loaded a unit ahead: `unit_next`) and
+    the next unit's loads issued, then the wait for the unit's tiles on its first slot's ready
+    barrier. Returns (the unit's words, the next unit's, its first slot)."""
+    if SLOTS == 1:
+        words, words_next, s = wait_slot(u, unit_next[0], sw_words, sx_words, ready, step_lo, n_steps, STAGES, NB)
+        unit = (words, )
+        unit_next = (words_next, )
+    else:
+        unit = unit_next
+        unit_next = _unit_words(sw_words, sx_words, step_lo + gl.minimum(2 * u + 2, n_steps - 2), NB // 4, 2)
+        s = u % (STAGES // 2) * 2
+        mbarrier.wait(ready.index(s), (u // (STAGES // 2)) & 1)
+    return unit, unit_next, s
 
 
 @gluon.jit
