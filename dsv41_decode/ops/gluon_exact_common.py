@@ -1,6 +1,7 @@
 """What the exact Gluon linears (`gluon_exact_mm.GluonExactMM` on the FP64 MMA,
 `gluon_exact_fma.GluonExactFMA` on the FP64 CUDA cores) share: the exact power-of-two scaling of
-FP64 values (`pow2`), the consumers' start of a ring slot (`wait_slot`), a block's term and its
+FP64 values (`pow2`), the consumers' start of a ring slot (`wait_slot`) or of a unit of them
+(`unit_words`, `wait_unit`), a block's term and its
 K-ordered add or workspace store (`block_term`, `scaled_term`, `take_term`, `ws_tile`), the same in one
 FMA where the scales allow it (`fused_scale_range`, `fused_scales_ok`, `fused_scale`, `fused_take`),
 the tile's store with the query-RoPE epilogue (`store_tile`), the K split's last step that continues
@@ -141,6 +142,35 @@ def wait_slot(i, words_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES
     s = i % STAGES
     mbarrier.wait(ready.index(s), (i // STAGES) & 1)
     return words, words_next, s
+
+
+@gluon.jit
+def unit_words(sw_words, sx_words, step, WORDS: gl.constexpr, SLOTS: gl.constexpr):
+    """The scale words (`_slot_words`) of the SLOTS ring slots from `step` on, a tuple: one unit."""
+    if SLOTS == 1:
+        words = (_slot_words(sw_words, sx_words, step, WORDS), )
+    else:
+        words = (_slot_words(sw_words, sx_words, step, WORDS), _slot_words(sw_words, sx_words, step + 1, WORDS))
+    return words
+
+
+@gluon.jit
+def wait_unit(u, unit_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES: gl.constexpr, NB: gl.constexpr,
+               SLOTS: gl.constexpr):
+    """The consumers' start of unit u of SLOTS ring slots (`wait_slot`, whose form one slot takes;
+    two with `GluonExactConfig.pair_slots`): its scale words (loaded a unit ahead: `unit_next`) and
+    the next unit's loads issued, then the wait for the unit's tiles on its first slot's ready
+    barrier. Returns (the unit's words, the next unit's, its first slot)."""
+    if SLOTS == 1:
+        words, words_next, s = wait_slot(u, unit_next[0], sw_words, sx_words, ready, step_lo, n_steps, STAGES, NB)
+        unit = (words, )
+        unit_next = (words_next, )
+    else:
+        unit = unit_next
+        unit_next = unit_words(sw_words, sx_words, step_lo + gl.minimum(2 * u + 2, n_steps - 2), NB // 4, 2)
+        s = u % (STAGES // 2) * 2
+        mbarrier.wait(ready.index(s), (u // (STAGES // 2)) & 1)
+    return unit, unit_next, s
 
 
 @gluon.jit

@@ -205,7 +205,7 @@ def _issue_parts(mid, wh, wl, xd, j: gl.constexpr):
 
 @gluon.constexpr_function
 def x_scales_layout(NB, BT):
-    """The layout in which the 128 consumer threads (`consumer_wg`'s, `gluon_exact_mm._consumer_k`'s)
+    """The layout in which the 128 consumer threads (`consumer_wg`'s, `gluon_exact_k.consumer_k`'s)
     decode a slot's x scales, [NB K blocks, BT x rows]: a warp's lanes along the rows (BT >= 8), the
     warps along the blocks (replicated where the tile has fewer than 128 entries)."""
     lanes = min(BT, 32)

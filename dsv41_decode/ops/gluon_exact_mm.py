@@ -45,14 +45,14 @@ What the Gluon form does differently (the layout of `ops.gluon_mm`, the Gluon FP
   one round of the terms through shared memory) per 256 of K instead of two; with warps_k=4 each
   warp takes blocks w and w + 4 of the batched MMA: two independent MMA chains a slot. The
   terms join the sum in the same K order.
-- **Two slots a wait** (`GluonExactConfig.pair_slots`, the mma.sync consumers; K % (2 x
-  block_k) == 0, no K split): the producer fills two ring slots on the first one's ready barrier
-  and waits for their release on its empty barrier (`_ring_producer`), and the consumer warps take
-  the two slots as one unit (`_consumer_slots` / `_consumer_k_slots` with SLOTS=2: both slots'
+- **Two slots a wait** (`GluonExactConfig.pair_slots`, the mma.sync consumers; K % (2 x block_k) ==
+  0, no K split): the producer fills two ring slots on the first one's ready barrier and waits for
+  their release on its empty barrier (`_ring_producer`), and the consumer warps take the two slots
+  as one unit (`_consumer_slots` / `gluon_exact_k._consumer_k_slots` with SLOTS=2: both slots'
   blocks in K order; along K both slots' MMA chains, their terms in two buffers, one barrier, the
-  terms added slot by slot in K order). Triton 3.6 puts a CTA barrier before every mbarrier wait
-  and arrive of the consumer warpgroup, so a unit holds the barriers of one slot (two, three along
-  K with the terms' barrier) for two slots' work; the same bits.
+  terms added slot by slot in K order). Triton 3.6 puts a CTA barrier before every mbarrier wait and
+  arrive of the consumer warpgroup, so a unit holds the barriers of one slot (two, three along K
+  with the terms' barrier) for two slots' work; the same bits.
 - **Optional K split** (`GluonExactConfig.split`, calls of at most `split_rows` rows): several
   programs share a weight tile's K; each stores its block terms (the M real rows) in a plan-owned
   workspace, and the tile's last program to arrive (an acq_rel atomic counter, reset for the next
@@ -60,18 +60,18 @@ What the Gluon form does differently (the layout of `ops.gluon_mm`, the Gluon FP
   never partial sums added together (`gluon_exact_common.split_k_sum`, which `gluon_exact_fma` runs too: the terms
   loaded up to 64 registers' worth at a time, independent loads ahead of their adds, so one L2
   round trip per chunk rather than per term).
-- **Warps along K** (`GluonExactConfig.warps_k` = 2 or 4; 1, the default, is the layout above):
-  the consumer warps split each slot's four 32-deep K blocks instead of the weight rows. The MMA
-  is batched, [4, BN, KC] x [4, KC, BT] in an `NVMMADistributedLayout(instr_shape=[1, 16, 8])` of
-  warps [warps_k, 4 / warps_k, 1] (batch j: K block j, `gluon_exact_fp64._operands_k` loading both
-  tiles' four blocks at once, the k permutation as above); each warp forms its blocks' exact partials, rounds
-  and scales them (the block terms, the same values as above) and stores them to a [4, BN, BT]
-  FP32 buffer in shared memory; after a barrier each thread reads its outputs' four terms and
-  adds them in K order to its accumulator (`_consumer_k`). So the terms join the sum in the same
-  order, one at a time, and nothing leaves the program: block_n can drop to 16 or 32 (each warp's
-  MMA still m16n8k16), N / 16 programs for the shapes with few 64-row tiles, without the split's
-  global workspace (which still combines with it). Each x code is converted by 4 / warps_k warps
-  (with warps_k=1 by every warp).
+- **Warps along K** (`GluonExactConfig.warps_k` = 2 or 4; 1, the default, is the layout above): the
+  consumer warps split each slot's four 32-deep K blocks instead of the weight rows. The MMA is
+  batched, [4, BN, KC] x [4, KC, BT] in an `NVMMADistributedLayout(instr_shape=[1, 16, 8])` of warps
+  [warps_k, 4 / warps_k, 1] (batch j: K block j, `gluon_exact_fp64._operands_k` loading both tiles'
+  four blocks at once, the k permutation as above); each warp forms its blocks' exact partials,
+  rounds and scales them (the block terms, the same values as above) and stores them to a [4, BN,
+  BT] FP32 buffer in shared memory; after a barrier each thread reads its outputs' four terms and
+  adds them in K order to its accumulator (`gluon_exact_k.consumer_k`). So the terms join the sum in
+  the same order, one at a time, and nothing leaves the program: block_n can drop to 16 or 32 (each
+  warp's MMA still m16n8k16), N / 16 programs for the shapes with few 64-row tiles, without the
+  split's global workspace (which still combines with it). Each x code is converted by 4 / warps_k
+  warps (with warps_k=1 by every warp).
 - **The query RoPE epilogue** (`rope=(cos, sin)`, the step's wq_b): the program that stores a tile
   (with the K split the last arriver; each row tile with its own rows of cos/sin) rotates each
   head's channels 448..511 on the BF16-rounded tile (`gluon_epilogues.bf16_out`), the bits of the
@@ -116,13 +116,13 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from .checks import row_configs
 from .gluon_exact_common import (GluonExactPlan, block_term, fused_scale, fused_scales_ok, fused_take,
-                                 ring_weight_args, scaled_term, split_k_sum, store_tile, sum_chunk, take_term,
-                                 wait_slot, ws_tile)
-from .gluon_exact_digits import (consumer_wg, digit_partial, digit_slot_partials, store_fused_scales, store_x_scales,
-                                 x_scales_layout)
-from .gluon_exact_fp64 import form, fp64_partial, fp64_slot_partials, is_packed
-from .gluon_mm import (SHARED_LIMIT, _producer, _ring, _scale, _slot_words, _tile_scales, activation_operands,
-                      require_maxnreg, split_bounds)
+                                 ring_weight_args, split_k_sum, store_tile, sum_chunk, take_term, unit_words, wait_unit,
+                                 ws_tile)
+from .gluon_exact_digits import consumer_wg, digit_partial, x_scales_layout
+from .gluon_exact_fp64 import form, fp64_partial, is_packed
+from .gluon_exact_k import consumer_k, sum_layout
+from .gluon_mm import (SHARED_LIMIT, _producer, _ring, _tile_scales, activation_operands, require_maxnreg,
+                      split_bounds)
 
 MAX_ROWS = 64
 BLOCK_K = 128                   # K per ring slot: four 32-wide blocks, one 32-bit scale word per row
@@ -145,17 +145,6 @@ def _block_partial(w_tile, x_tile, j: gl.constexpr, zero, CONVERT: gl.constexpr,
         part = digit_partial(w_tile, x_tile, j, mma_layout)
     else:
         part = fp64_partial(w_tile, x_tile, j, zero, CONVERT, KC, mma_layout)
-    return part
-
-
-@gluon.jit
-def _slot_partials(w_tile, x_tile, zero, CONVERT: gl.constexpr, KC: gl.constexpr, mma_layout: gl.constexpr):
-    """`_block_partial` of the slot's NB K blocks at once (`warps_k` > 1): [NB, BN, BT] FP32, batch j
-    block j's (`digit_slot_partials`, `fp64_slot_partials`)."""
-    if CONVERT == "f16d":
-        part = digit_slot_partials(w_tile, x_tile, mma_layout)
-    else:
-        part = fp64_slot_partials(w_tile, x_tile, zero, CONVERT, KC, mma_layout)
     return part
 
 
@@ -198,10 +187,10 @@ def _consumer_slots(w_smem, x_smem, ready, empty, sw_words, sx_words, ws_ptr, st
     zero = gl.zeros([BN, BT], gl.float64, mma_layout)
     NB: gl.constexpr = w_smem.shape[2] // 32
     ws_offs, ws_mask = ws_tile(BN, BT, M, mma_layout)
-    unit_next = _unit_words(sw_words, sx_words, step_lo, NB // 4, SLOTS)
+    unit_next = unit_words(sw_words, sx_words, step_lo, NB // 4, SLOTS)
     for u in range(n_steps // SLOTS):
         i = u * SLOTS
-        unit, unit_next, s = _wait_unit(u, unit_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES, NB, SLOTS)
+        unit, unit_next, s = wait_unit(u, unit_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES, NB, SLOTS)
         for t in gl.static_range(SLOTS):
             w_tile = w_smem.index(s + t)
             x_tile = x_smem.index(s + t)
@@ -233,230 +222,6 @@ def _take_block(acc, part, words, j: gl.constexpr, block, ws_ptr, ws_offs, ws_ma
     else:
         acc = take_term(acc, block_term(part, words, j), block, ws_ptr, ws_offs, ws_mask, BN, M, SPLIT_K)
     return acc
-
-
-@gluon.jit
-def _consumer_k(w_smem, x_smem, ready, empty, terms, xs, sw_words, sx_words, ws_ptr, step_lo, n_steps, M,
-                sw_row_words, sx_ptr, stride_sxm, fuse_lo, fuse_hi,
-                STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, CONVERT: gl.constexpr, KC: gl.constexpr,
-                SPLIT_K: gl.constexpr, mma_layout: gl.constexpr, out_layout: gl.constexpr, FUSE: gl.constexpr,
-                SLOTS: gl.constexpr):
-    """The consumer warps along K: `_consumer_k_slots` (terms, xs: tuples of SLOTS buffers, one a slot
-    of a unit), with FUSE (a tile of one 32-row weight scale block: block_n <= 32) and x's scale
-    bytes in [fuse_lo, fuse_hi] (`fused_scales_ok`, as `_consumer`) in its fused form. Returns (acc, )
-    in out_layout."""
-    if FUSE:
-        if fused_scales_ok(sx_ptr, stride_sxm, M, step_lo, n_steps, fuse_lo, fuse_hi, BT, w_smem.shape[2] // 128):
-            acc = _consumer_k_slots(w_smem, x_smem, ready, empty, terms, xs, sw_row_words, sx_words, ws_ptr, step_lo,
-                                    n_steps, M, STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout, out_layout, True,
-                                    SLOTS)
-        else:
-            acc = _consumer_k_slots(w_smem, x_smem, ready, empty, terms, xs, sw_words, sx_words, ws_ptr, step_lo,
-                                    n_steps, M, STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout, out_layout, False,
-                                    SLOTS)
-    else:
-        acc = _consumer_k_slots(w_smem, x_smem, ready, empty, terms, xs, sw_words, sx_words, ws_ptr, step_lo,
-                                n_steps, M, STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout, out_layout, False, SLOTS)
-    return (acc, )
-
-
-@gluon.jit
-def _consumer_k_slots(w_smem, x_smem, ready, empty, terms, xs, sw_words, sx_words, ws_ptr, step_lo, n_steps, M,
-                      STAGES: gl.constexpr, BN: gl.constexpr, BT: gl.constexpr, CONVERT: gl.constexpr,
-                      KC: gl.constexpr, SPLIT_K: gl.constexpr, mma_layout: gl.constexpr, out_layout: gl.constexpr,
-                      FUSED: gl.constexpr, SLOTS: gl.constexpr):
-    """`_consumer_slots` with the consumer warps splitting each slot's NB K blocks (`warps_k` > 1; NB =
-    block_k / 32, 4 or 8; mma_layout: the batched [NB, BN, BT] MMA layout, batch j = K block j, warp
-    w the blocks w, w + warps_k, ...: with NB = 8 each warp two or more independent MMA chains), a
-    unit of SLOTS ring slots (1, or 2 with `GluonExactConfig.pair_slots`: the producer fills both on
-    one ready barrier, `_ring_producer`) per wait: per slot of the unit every warp forms its blocks'
-    exact partials (`_slot_partials`) and terms (`scaled_term`'s two roundings) and stores them to
-    `terms[t]` ([NB, BN, BT] FP32 in shared memory, a tuple of SLOTS allocations: one buffer would
-    take the compiler's barrier between two slots' stores); after a barrier every thread reads its
-    outputs' terms, slot by slot, and adds them in K order, blocks 0, 1, ..., NB - 1 of each, to its
-    FP32 accumulator, or, SPLIT_K, stores them to the workspace as `_consumer` does. x's scales come
-    decoded from `xs[t]` ([2, NB, BT] FP32, one buffer per unit parity, a tuple of SLOTS allocations
-    likewise): after the unit's barrier the warps decode the next unit's (`store_x_scales`, one or
-    two bytes a thread, from sx_words: [NB, BT] pointers in `x_scales_layout`) into the other
-    buffers, the first unit's before the loop. The barrier also precedes the unit's release (every
-    thread's operand loads are done), and the compiler puts one between the reads of the terms and
-    the next unit's scale loads and terms stores, which publishes the scales (three barriers a unit
-    in the sm_90 SASS, as without the decode: Triton puts one before every mbarrier wait and
-    arrive).
-
-    FUSED (the tile's rows in one weight scale block; sw_words then the [NB, BT] pointers, in
-    `x_scales_layout`, of that block's row of words): the terms are the partials themselves, `xs`
-    holds the scales' products (`gluon_exact_digits.store_fused_scales`, the next unit's stored
-    before the unit's barrier, which publishes them), and the reading thread adds each term in one
-    FMA (`fused_take`'s form: the same bits for the bytes `fused_scales_ok` checked). Returns the
-    accumulator in out_layout (zeros with SPLIT_K)."""
-    acc = gl.zeros([BN, BT], gl.float32, out_layout)
-    NB: gl.constexpr = w_smem.shape[2] // 32
-    zero = gl.zeros([NB, BN, BT], gl.float64, mma_layout)
-    terms_l: gl.constexpr = _terms_layout(BN, BT, NB)
-    # K block j of batch element j: the byte j % 4 of each row's scale word j // 4
-    j3 = gl.expand_dims(gl.expand_dims(gl.arange(0, NB, layout=gl.SliceLayout(1, gl.SliceLayout(2, mma_layout))), 1), 2)
-    ws_offs, ws_mask = ws_tile(BN, BT, M, out_layout)
-    unit_next = _unit_words(sw_words, sx_words, step_lo, NB // 4, SLOTS)
-    for t in gl.static_range(SLOTS):
-        _store_slot_scales(unit_next[t], xs[t].index(0), FUSED)
-    gl.thread_barrier()
-    for u in range(n_steps // SLOTS):
-        i = u * SLOTS
-        unit, unit_next, s = _wait_unit(u, unit_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES, NB, SLOTS)
-        for t in gl.static_range(SLOTS):
-            _store_slot_terms(w_smem.index(s + t), x_smem.index(s + t), zero, unit[t], xs[t].index(u % 2), terms[t],
-                              j3, CONVERT, KC, mma_layout, FUSED)
-        if FUSED:
-            # the next unit's scale products, published by the barrier below (this unit's were by the
-            # last one)
-            for t in gl.static_range(SLOTS):
-                _store_slot_scales(unit_next[t], xs[t].index((u + 1) % 2), True)
-        # every thread's terms stored (so its loads of the unit's operands and scales done) before
-        # any reads
-        gl.thread_barrier()
-        if not FUSED:
-            # the next unit's x scales (its words loaded at this unit's start) into the other
-            # buffers; the barrier the compiler puts before the next unit's scale loads and terms
-            # stores publishes them
-            for t in gl.static_range(SLOTS):
-                _store_slot_scales(unit_next[t], xs[t].index((u + 1) % 2), False)
-        for t in gl.static_range(SLOTS):
-            acc = _add_slot_terms(acc, terms[t], xs[t].index(u % 2), (step_lo + i + t) * NB, ws_ptr, ws_offs, ws_mask,
-                                  BN, M, SPLIT_K, terms_l, out_layout, FUSED)
-        # after the barrier: every consumer thread's operand loads of the unit are done
-        mbarrier.arrive(empty.index(s), count=1)
-    return acc
-
-
-@gluon.jit
-def _unit_words(sw_words, sx_words, step, WORDS: gl.constexpr, SLOTS: gl.constexpr):
-    """The scale words (`_slot_words`) of the SLOTS ring slots from `step` on, a tuple: one unit."""
-    if SLOTS == 1:
-        words = (_slot_words(sw_words, sx_words, step, WORDS), )
-    else:
-        words = (_slot_words(sw_words, sx_words, step, WORDS), _slot_words(sw_words, sx_words, step + 1, WORDS))
-    return words
-
-
-@gluon.jit
-def _wait_unit(u, unit_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES: gl.constexpr, NB: gl.constexpr,
-               SLOTS: gl.constexpr):
-    """The consumers' start of unit u of SLOTS ring slots (`wait_slot`, whose form one slot takes;
-    two with `GluonExactConfig.pair_slots`): its scale words (loaded a unit ahead: `unit_next`) and
-    the next unit's loads issued, then the wait for the unit's tiles on its first slot's ready
-    barrier. Returns (the unit's words, the next unit's, its first slot)."""
-    if SLOTS == 1:
-        words, words_next, s = wait_slot(u, unit_next[0], sw_words, sx_words, ready, step_lo, n_steps, STAGES, NB)
-        unit = (words, )
-        unit_next = (words_next, )
-    else:
-        unit = unit_next
-        unit_next = _unit_words(sw_words, sx_words, step_lo + gl.minimum(2 * u + 2, n_steps - 2), NB // 4, 2)
-        s = u % (STAGES // 2) * 2
-        mbarrier.wait(ready.index(s), (u // (STAGES // 2)) & 1)
-    return unit, unit_next, s
-
-
-@gluon.jit
-def _store_slot_scales(words, dst, FUSED: gl.constexpr):
-    """A slot's x scales decoded into dst ([NB, BT] FP32 in shared memory, `store_x_scales`), or with
-    FUSED the scales' products (`store_fused_scales`), from the slot's words (`_slot_words`)."""
-    sw0, sw1, sx0, sx1 = words
-    if FUSED:
-        store_fused_scales(sw0, sw1, sx0, sx1, dst)
-    else:
-        store_x_scales(sx0, sx1, dst)
-
-
-@gluon.jit
-def _store_slot_terms(w_tile, x_tile, zero, words, xs_slot, terms_slot, j3, CONVERT: gl.constexpr, KC: gl.constexpr,
-                      mma_layout: gl.constexpr, FUSED: gl.constexpr):
-    """One ring slot's NB block partials (`_slot_partials`, [NB, BN, BT]) stored to terms_slot (FP32
-    in shared memory): with FUSED the partials themselves, else `scaled_term`'s terms with x's
-    decoded scales from xs_slot ([NB, BT]) and the weight's bytes of the slot's words (j3: the
-    batch index, K block j's byte j % 4 of word j // 4)."""
-    NB: gl.constexpr = w_tile.shape[1] // 32
-    part = _slot_partials(w_tile, x_tile, zero, CONVERT, KC, mma_layout)   # [NB, BN, BT]
-    if FUSED:
-        terms_slot.store(part)
-    else:
-        sw, sw1, _, _ = words
-        if NB == 4:
-            sw3 = gl.expand_dims(gl.expand_dims(sw, 1), 0) >> (8 * j3)             # [4, BN, 1]: byte j at 0
-        else:
-            sw3 = gl.where(j3 < 4, gl.expand_dims(gl.expand_dims(sw, 1), 0),
-                           gl.expand_dims(gl.expand_dims(sw1, 1), 0)) >> (8 * (j3 % 4))   # [8, BN, 1]
-        sx3 = gl.expand_dims(xs_slot.load(gl.SliceLayout(1, mma_layout)), 1)      # [NB, 1, BT]
-        terms_slot.store(scaled_term(part, sx3, _scale(sw3, 0)))
-
-
-@gluon.jit
-def _add_slot_terms(acc, terms_slot, xs_slot, block0, ws_ptr, ws_offs, ws_mask, BN: gl.constexpr, M,
-                    SPLIT_K: gl.constexpr, terms_l: gl.constexpr, out_layout: gl.constexpr, FUSED: gl.constexpr):
-    """A slot's NB terms from terms_slot, each output's in its thread (terms_l), added to the FP32
-    accumulator in K order as K blocks block0, block0 + 1, ... (`take_term`'s order; with FUSED each
-    with its scales' product from xs_slot in one FMA, `fused_take`), or with SPLIT_K stored to the
-    workspace. Returns the accumulator."""
-    NB: gl.constexpr = terms_slot.shape[0]
-    t = terms_slot.load(terms_l)
-    ts = _block_split(t)
-    if FUSED:
-        # each term's scale product: xs [NB, BT] over the terms' [NB, BN, BT]
-        ss = _block_split(gl.broadcast(gl.expand_dims(xs_slot.load(gl.SliceLayout(1, terms_l)), 1), t)[0])
-    for j in gl.static_range(NB):
-        term = gl.convert_layout(ts[j], out_layout, assert_trivial=True)
-        if FUSED:
-            acc = fused_take(acc, term, gl.convert_layout(ss[j], out_layout, assert_trivial=True), block0 + j, ws_ptr,
-                             ws_offs, ws_mask, BN, M, SPLIT_K)
-        elif SPLIT_K:
-            gl.store(ws_ptr + (block0 + j) * (BN * M) + ws_offs, term, mask=ws_mask)
-        else:
-            acc = acc + term
-    return acc
-
-
-@gluon.jit
-def _block_split(t):
-    """The NB per-block [BN, BT] tensors of a slot's [NB, BN, BT] block values in `_terms_layout`
-    (each output's NB values in its thread), as a tuple in K order: renamings, no data moves."""
-    NB: gl.constexpr = t.shape[0]
-    BN: gl.constexpr = t.shape[1]
-    BT: gl.constexpr = t.shape[2]
-    if NB == 4:
-        # [BN, BT, 2, 2]: j = 2 a + b
-        t = gl.reshape(gl.permute(t, (1, 2, 0)), [BN, BT, 2, 2])
-        t02, t13 = gl.split(t)
-        t0, t2 = gl.split(t02)
-        t1, t3 = gl.split(t13)
-        ts = (t0, t1, t2, t3)
-    else:
-        # [BN, BT, 2, 2, 2]: j = 4 a + 2 b + c
-        t = gl.reshape(gl.permute(t, (1, 2, 0)), [BN, BT, 2, 2, 2])
-        c0, c1 = gl.split(t)
-        c00, c01 = gl.split(c0)
-        c10, c11 = gl.split(c1)
-        t0, t4 = gl.split(c00)
-        t2, t6 = gl.split(c01)
-        t1, t5 = gl.split(c10)
-        t3, t7 = gl.split(c11)
-        ts = (t0, t1, t2, t3, t4, t5, t6, t7)
-    return ts
-
-
-@gluon.constexpr_function
-def _terms_layout(BN, BT, NB=4):
-    """`_sum_layout` with the slot's NB K blocks' terms of each output in its thread: [NB, BN, BT]."""
-    return gl.BlockedLayout(size_per_thread=[NB, 1, 1], threads_per_warp=[1, 32 // min(BT, 32), min(BT, 32)],
-                            warps_per_cta=[1, 4, 1], order=[0, 2, 1])
-
-
-@gluon.constexpr_function
-def _sum_layout(BN, BT):
-    """The layout of `_consumer_k`'s K-ordered sums [BN, BT] over the 4 consumer warps: each output
-    one thread's, a warp's threads along x's rows first (BT >= 8), then along the weight rows."""
-    return gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[32 // min(BT, 32), min(BT, 32)],
-                            warps_per_cta=[4, 1], order=[1, 0])
 
 
 @gluon.jit
@@ -508,20 +273,20 @@ def _gluon_exact_mm_kernel(
     PAIRS: gl.constexpr = False,
     cos_ptr=None, sin_ptr=None, stride_cm=None, stride_sm=None, ROPE: gl.constexpr = False,
 ):
-    # Grid (N tiles, M tiles, n_split K splits): program (t, u, s) covers weight rows [t*BN, +BN),
-    # x rows [u*BT, +BT) and the K steps (32 NB deep, the descriptors' box) [s*steps_per_split,
-    # +steps_per_split); sx_ptr and
-    # sw_ptr point at the scales as int32 words (four UE8M0 bytes), strides in words. Rows past N
-    # or M read the last valid row's scales and are masked at the stores. SPLIT_K: n_split > 1 (one
-    # M tile), the block terms through ws_ptr ([N tiles, K / 32, BN, M] FP32) and the last
-    # arriver's K-ordered sum (module doc). WARPS_K > 1: the consumer warps split each slot's K
-    # blocks (`_consumer_k`), the block terms through shared memory. FUSE: the block terms and their
-    # adds in one FMA where x's scale bytes lie in [fuse_lo, fuse_hi] (`GluonExactConfig.fuse_scales`;
-    # with WARPS_K > 1 for tiles of one weight scale block). PAIRS (the mma.sync consumers, no split,
-    # an even number of steps a program): the ring's slots filled, waited for and released two at a
-    # time (`_ring_producer`, the consumers' units of two slots). ROPE: the query RoPE epilogue
-    # (`store_tile`) with cos/sin [M, 32] FP32 at cos_ptr / sin_ptr (row strides stride_cm / stride_sm;
-    # all four None without it, so that they take no kernel parameter).
+    # Grid (N tiles, M tiles, n_split K splits): program (t, u, s) covers weight rows [t*BN, +BN), x
+    # rows [u*BT, +BT) and the K steps (32 NB deep, the descriptors' box) [s*steps_per_split,
+    # +steps_per_split); sx_ptr and sw_ptr point at the scales as int32 words (four UE8M0 bytes),
+    # strides in words. Rows past N or M read the last valid row's scales and are masked at the
+    # stores. SPLIT_K: n_split > 1 (one M tile), the block terms through ws_ptr ([N tiles, K / 32,
+    # BN, M] FP32) and the last arriver's K-ordered sum (module doc). WARPS_K > 1: the consumer
+    # warps split each slot's K blocks (`gluon_exact_k.consumer_k`), the block terms through shared
+    # memory. FUSE: the block terms and their adds in one FMA where x's scale bytes lie in [fuse_lo,
+    # fuse_hi] (`GluonExactConfig.fuse_scales`; with WARPS_K > 1 for tiles of one weight scale
+    # block). PAIRS (the mma.sync consumers, no split, an even number of steps a program): the
+    # ring's slots filled, waited for and released two at a time (`_ring_producer`, the consumers'
+    # units of two slots). ROPE: the query RoPE epilogue (`store_tile`) with cos/sin [M, 32] FP32 at
+    # cos_ptr / sin_ptr (row strides stride_cm / stride_sm; all four None without it, so that they
+    # take no kernel parameter).
     BN: gl.constexpr = w_desc.block_type.shape[0]
     NB: gl.constexpr = w_desc.block_type.shape[1] // 32      # K blocks a slot: 4, or 8 (block_k 256)
     SLOTS: gl.constexpr = 2 if PAIRS else 1                   # ring slots a consumer's wait
@@ -536,7 +301,7 @@ def _gluon_exact_mm_kernel(
     else:
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS_K, 4 // WARPS_K, 1],
                                                              instr_shape=[1, 16, 8])
-        out_layout: gl.constexpr = _sum_layout(BN, BT)
+        out_layout: gl.constexpr = sum_layout(BN, BT)
     w_smem, x_smem, ready, empty = _ring(w_desc, x_desc, STAGES)
 
     pid_n = gl.program_id(0)
@@ -604,7 +369,7 @@ def _gluon_exact_mm_kernel(
         # the fused scaling along K: the tile's one weight scale row of words, in x's scales' layout
         sw_row_words = sw_ptr + (gl.minimum(pid_n * BN, N - 1) // 32) * stride_swn + gl.zeros([NB, BT], gl.int32, xs_l)
         acc, = gl.warp_specialize([
-            (_consumer_k, (w_smem, x_smem, ready, empty, terms_u, xs_u, sw_words, sx_words, ws_tile, step_lo, n_steps,
+            (consumer_k, (w_smem, x_smem, ready, empty, terms_u, xs_u, sw_words, sx_words, ws_tile, step_lo, n_steps,
                            M, sw_row_words, sx_ptr, stride_sxm, fuse_lo, fuse_hi, STAGES, BN, BT, CONVERT, KC,
                            SPLIT_K, mma_layout, out_layout, FUSE and BN <= 32, SLOTS)),
             (_ring_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, off_m, step_lo, n_steps,
@@ -664,7 +429,7 @@ class GluonExactConfig:
         the weight rows): 1 (every warp all four blocks of its rows, in K order, in registers), 2
         or 4 (warp w the blocks w, w + warps_k, ...: each block's exact partial and term formed by
         one warp, the slot's terms through shared memory and added in K order after a barrier,
-        `_consumer_k`; 4 x block_n x block_m FP32 of shared memory more). More, smaller
+        `consumer_k`; 4 x block_n x block_m FP32 of shared memory more). More, smaller
         programs for the shapes with few weight tiles (block_n 16: N / 16 programs) without the
         split's global workspace. The conversions "raw+cvt" / "rawp+cvt" (per K block) and
         "intp+cvt" are not offered with warps_k > 1, "int+cvt" alternates per 16-deep half of each
