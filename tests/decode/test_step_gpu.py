@@ -7,7 +7,9 @@ GPU (marked `gpu`; the `small` preset, all 12 layers, state on CUDA; ~2.5 min on
   path), decoded with draft rows and freed, against the generic path on a twin state fed the
   step's selections (see test_gpu_long_run_vs_generic for why);
 - graph replay bitwise equal to the eager step and to the step without overlap, and two graph
-  runs bitwise equal.
+  runs bitwise equal;
+- the exact linears in the forms of V4.1-Flash's plan (`exact_linear._GLUON_PLAN` lists none of
+  this preset's shapes), alone and with each of their options, bitwise the default step.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import torch
 
 from dsv41_decode.config import ModelConfig
 from dsv41_decode.layer import CallContext
+from dsv41_decode.ops import exact_linear
+from dsv41_decode.ops.gluon_exact_mm import GluonExactConfig
 from dsv41_decode.stack import AttentionStack
 from dsv41_decode.state import DecodeState
 from dsv41_decode.weights import load_checkpoint, write_synthetic_checkpoint
@@ -179,35 +183,34 @@ def test_gpu_long_run_vs_generic(gpu_setup):
 # default from MIX_LATE_ROWS rows, past this step's 16), also with the boundary in wo_b's epilogue
 # (wo_b then waits for the late mixer's event); "index_row_group": the dense indexers' scorer taking a
 # request's rows (1, 2 or 4 a step in this schedule) two at a time on each key tile it reads;
-# "fuse_scales": the exact linears' GluonExactMM (from a few rows) with its fused scaling;
-# "pair_slots": its configurations with the warps along K taking the ring's slots two at a time.
+# "fuse_scales": the exact linears' GluonExactMM (from a few rows; this preset's shapes in its default
+# configuration) with its fused scaling. (`pair_slots` changes no configuration of this preset's
+# own plan: test_gpu_exact_options_on_the_plan_forms_give_the_step_bits.)
 SAME_BITS = {"graph_again": {}, "eager": dict(graphs=False), "no_overlap": dict(overlap=False),
              "fold_index_chain": dict(fold_index_chain=True), "fold_boundary": dict(fold_boundary=True),
              "weights_in_index_lane": dict(weights_lane=False), "comp_tail": dict(comp_tail=True),
              "mix_late": dict(mix_late_rows=1), "mix_late_fold": dict(mix_late_rows=1, fold_boundary=True),
-             "index_row_group": dict(index_row_group=2), "fuse_scales": dict(fuse_scales=True),
-             "pair_slots": dict(pair_slots=True)}
+             "index_row_group": dict(index_row_group=2), "fuse_scales": dict(fuse_scales=True)}
 
 
 def _graph_run(gpu_setup, **options):
     """16 steps of one schedule (seed 5) on a copy of the state through a step built with
-    `options`: (state, outputs, whether the step replays graphs). The schedule, its inputs and the
-    generic path's prefills are the same every run, so runs in different processes compare bitwise;
-    each variant runs on its own (a worker builds the plain step once and the variants it is given,
-    not every variant)."""
+    `options`: (state, outputs, the step). The schedule, its inputs and the generic path's prefills
+    are the same every run, so runs in different processes compare bitwise; each variant runs on
+    its own (a worker builds the plain step once and the variants it is given, not every variant)."""
     cfg, stack, base = gpu_setup
     st = copy.deepcopy(base)
     step = stack.decode_step(st, max_rows=16, **options)
     (outs,) = _serve(stack, [st], Schedule(cfg, seed=5), 16, [step])
     torch.cuda.synchronize()
-    return st, outs, step.use_graphs
+    return st, outs, step
 
 
 @pytest.fixture(scope="module")
 def gpu_graph_run(gpu_setup):
     """The plain graphed step's run (`_graph_run`): (state, outputs)."""
-    st, outs, graphs = _graph_run(gpu_setup)
-    assert graphs
+    st, outs, step = _graph_run(gpu_setup)
+    assert step.use_graphs
     return st, outs
 
 
@@ -222,6 +225,64 @@ def _assert_same_run(a, b, outs_a, outs_b):
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", list(SAME_BITS))
 def test_gpu_variant_gives_the_graph_step_bits(gpu_setup, gpu_graph_run, variant):
-    (st_a, outs_a), (st_b, outs_b, graphs) = gpu_graph_run, _graph_run(gpu_setup, **SAME_BITS[variant])
-    assert graphs == (variant != "eager")
+    (st_a, outs_a), (st_b, outs_b, step) = gpu_graph_run, _graph_run(gpu_setup, **SAME_BITS[variant])
+    assert step.use_graphs == (variant != "eager")
+    _assert_same_run(st_a, st_b, outs_a, outs_b)
+
+
+# GluonExactMM in the forms of V4.1-Flash's plan (`exact_linear._GLUON_PLAN`: the FP16 digits, four
+# warps along K on 16-row weight tiles in 128- or 256-deep slots, `wq_b`'s 128 x 16 along the
+# weight rows) for this preset's shapes at 3-16 rows, {(N, K): (ExactMM's most rows, spec)}: the
+# fused wq_a|wkv (K = 256: two 128-deep slots), `wo_b` (K = 512: two 256-deep slots), `wq_b` and the
+# indexer's `wq_b` (K = 128: one slot). The plan lists none of these shapes, whose linears would
+# otherwise run GluonExactMM's default configuration (the FP64 MMA), and `pair_slots` takes the
+# configurations along K of at least two slots: the fused wq_a|wkv and `wo_b` here.
+PLAN_FORMS = {(640, 256): (2, "f16d:16:8:1:32:4:1:80:4:128"), (256, 512): (2, "f16d:16:16:1:32:4:1:80:4:256"),
+              (4096, 128): (2, "f16d:128:16:1:32:4:1"), (1024, 128): (2, "f16d:16:16:1:32:4:1:80:4:128")}
+EXACT_LINEARS = ("mm_qkv", "mm_wq_b", "mm_wo_b", "mm_idx_wq_b")
+
+
+def _plan_forms(mp: pytest.MonkeyPatch) -> None:
+    """`PLAN_FORMS` as the exact linears' plan while `mp` holds (read when a step is built)."""
+    for shape, (above, spec) in PLAN_FORMS.items():
+        mp.setitem(exact_linear._GLUON_PLAN, shape, (above, {16: GluonExactConfig.from_spec(spec)}))
+
+
+def _mma_configs(step) -> list[GluonExactConfig]:
+    """The GluonExactMM configurations of every exact linear of `step`."""
+    return [c for a in step.layers.values() for name in EXACT_LINEARS
+            if getattr(a, name, None) is not None and getattr(a, name).mma is not None
+            for _, c in getattr(a, name).mma._configs]
+
+
+@pytest.fixture(scope="module")
+def gpu_plan_forms_run(gpu_setup):
+    """`_graph_run` of the plain step with the exact linears in `PLAN_FORMS`: (state, outputs)."""
+    with pytest.MonkeyPatch.context() as mp:
+        _plan_forms(mp)
+        st, outs, step = _graph_run(gpu_setup)
+    configs = _mma_configs(step)
+    assert {c.spec for c in configs} == {GluonExactConfig.from_spec(s).spec for _, s in PLAN_FORMS.values()}
+    return st, outs
+
+
+@pytest.mark.gpu
+def test_gpu_exact_plan_forms_give_the_step_bits(gpu_graph_run, gpu_plan_forms_run):
+    # every GluonExactConfig gives the same bits: the plan's forms those of the default configuration
+    (st_a, outs_a), (st_b, outs_b) = gpu_graph_run, gpu_plan_forms_run
+    _assert_same_run(st_a, st_b, outs_a, outs_b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("option", ["fuse_scales", "pair_slots"])
+def test_gpu_exact_options_on_the_plan_forms_give_the_step_bits(gpu_setup, gpu_plan_forms_run, option, monkeypatch):
+    # the fused scaling (every form here: block_n <= 32 along K, any along the weight rows) and the
+    # ring two slots a wait (the fused wq_a|wkv's and wo_b's) on the plan's forms; each must reach a
+    # configuration, so that the comparison tests something
+    _plan_forms(monkeypatch)
+    st_b, outs_b, step = _graph_run(gpu_setup, **{option: True})
+    reached = {c.spec for c in _mma_configs(step) if getattr(c, option)}
+    want = 4 if option == "fuse_scales" else 2
+    assert len(reached) == want, reached
+    (st_a, outs_a) = gpu_plan_forms_run
     _assert_same_run(st_a, st_b, outs_a, outs_b)

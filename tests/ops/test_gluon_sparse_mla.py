@@ -397,9 +397,27 @@ def test_gpu_q_by_tma_at_fewer_heads_gives_the_same_bits(h, n):
     # q by TMA at 16 and 32 heads (`q_by_tma`: a row's heads the first of a [64, 512] tile, its
     # other rows the next rows' q or zeros past the tensor) against plain loads: the same bits, at
     # row counts below, at and past one tile of rows x heads (the last rows' tiles past the tensor)
+    _check_q_by_tma(PVRING4K2, h, n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [DEFAULT, SPREADVLC, SPLIT4SVL, PV64RING3K2T],
+                         ids=["default", "spreadvlc", "split4svl", "pv64ring3k2"])
+@pytest.mark.parametrize("h", [16, 32])
+@pytest.mark.parametrize("n", [4, 17])
+def test_gpu_q_by_tma_in_other_configurations_gives_the_same_bits(config, h, n):
+    # the option with the other combinations (separate, spread, the second launch on 64-dim slices)
+    # and the dim split, whose stores and look-back are masked to the heads as well: the padded
+    # heads' rows (another row's q) must reach no output
+    _check_q_by_tma(config, h, n)
+
+
+def _check_q_by_tma(config, h: int, n: int) -> None:
+    """`config` without and with q_tma at h heads and n rows: the same bits, TMA taken where
+    rows x heads >= 64, within the flip bound of the reference."""
     w, k = 128, 512
     case = make_case(n, h, w, k, seed=500 + n + h, window_fill=gpu_tables(n), **GPU_POOLS)
-    plans = [G.GluonSparseMlaPlan.build(64, h, w, k, "cuda", config=c) for c in (PVRING4K2, PVRING4K2T)]
+    plans = [G.GluonSparseMlaPlan.build(64, h, w, k, "cuda", config=replace(config, q_tma=t)) for t in (False, True)]
     plain, tma = (run(plan, case) for plan in plans)
     assert torch.equal(tma, plain), int((ulps(tma, plain) > 0).sum())
     assert bool(plans[1].q_descs) == (n * h >= 64)
