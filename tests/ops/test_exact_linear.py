@@ -203,11 +203,14 @@ def test_step_shapes_on_gpu(name, n, k):
             assert linear.op_for(m) is want, (name, m)
         for m in (max(above, fma_hi) + 1, 64):
             assert linear.mma.config_for(m) == next(c for r, c in sorted(configs.items()) if m <= r)
+        rows = sorted({1, 2, 3, above, above + 1, 8, 16, 17, 32, 33})
+        # every configuration of the plan runs alone at some row count below
+        assert {linear.mma.config_for(m).spec for m in rows if m > above} == {c.spec for c in configs.values()}
         if fma_hi:
             assert linear.fma.config_for(fma_hi) == fma_config
         together = linear(codes, x_scale)
         assert torch.equal(_bits(together), _bits(mxfp8_mm(codes, x_scale, weight, w_scale))), (name, kind)
-        for m in sorted({1, 2, 3, above, above + 1, 8, 16, 33}):
+        for m in rows:
             alone = linear(codes[:m], x_scale[:m])
             assert torch.equal(_bits(alone), _bits(together[:m])), (name, kind, m)
 

@@ -195,8 +195,10 @@ def test_fused_scaling_bitwise_on_gpu(config):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name,n,k", TP1_SHAPES, ids=["fused_wqa_wkv", "wq_b", "idx_wq_b", "wo_b"])
 def test_fused_plan_flash_shapes_match_the_reference_on_gpu(name, n, k):
-    # `exact_linear._GLUON_PLAN`'s configurations of the shape with the fused scaling, at 1-64 rows
-    # (`_flash_shape_matches_the_reference`: model-like and heavy-tailed codes, x's scale bytes
-    # 120..133, in the fused range of both weights).
+    # `exact_linear._GLUON_PLAN`'s configurations of the shape with the fused scaling, at 1-64 rows,
+    # each configuration at the first and last row count it takes (`_flash_shape_matches_the_reference`:
+    # model-like and heavy-tailed codes, x's scale bytes 120..133, in the fused range of both weights).
     plan = {rows: dataclasses.replace(c, fuse_scales=True) for rows, c in _GLUON_PLAN[(n, k)][1].items()}
-    _flash_shape_matches_the_reference(name, n, k, (plan, ))
+    bounds = sorted(plan)
+    rows = sorted({1, *bounds, *(b + 1 for b in bounds[:-1])})
+    _flash_shape_matches_the_reference(name, n, k, (plan, ), rows)

@@ -441,10 +441,10 @@ BLOCK_K_CONFIGS = (
 )
 
 
-def _flash_shape_matches_the_reference(name, n, k, configs):
-    # Bitwise `reference.linear.mxfp8_mm` at 1, 5, 8, 16, 33 and 64 rows, on model-like operands and
-    # on heavy-tailed codes (448 down to the subnormals, both operands; scales of 2^-7..2^6), BF16
-    # and FP32 out. The reference's rows do not depend on each other: one call of 64 rows serves.
+def _flash_shape_matches_the_reference(name, n, k, configs, rows=(1, 5, 8, 16, 33, 64)):
+    # Bitwise `reference.linear.mxfp8_mm` at each of `rows`, on model-like operands and on
+    # heavy-tailed codes (448 down to the subnormals, both operands; scales of 2^-7..2^6), BF16 and
+    # FP32 out. The reference's rows do not depend on each other: one call of 64 rows serves.
     gen = torch.Generator(device=DEVICE).manual_seed(n + k)
     _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(n + k), 64, n, k)
     heavy = (heavy_e4m3((64, k), gen), torch.randint(120, 134, (64, k // 32), dtype=torch.uint8, device=DEVICE),
@@ -453,7 +453,7 @@ def _flash_shape_matches_the_reference(name, n, k, configs):
         ref = {dtype: mxfp8_mm(c, sx, w, sw, dtype) for dtype in (torch.bfloat16, torch.float32)}
         for cfg in configs:
             plan = E.GluonExactMM(w, sw, config=cfg)
-            for m in (1, 5, 8, 16, 33, 64):
+            for m in rows:
                 for dtype in (torch.bfloat16, torch.float32):
                     y = plan(c[:m], sx[:m], _poisoned(m, n, dtype))
                     assert torch.equal(_bits(y), _bits(ref[dtype][:m])), (name, kind, cfg, m, dtype)

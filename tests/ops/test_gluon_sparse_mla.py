@@ -295,13 +295,15 @@ def test_gpu_window_only(h, n):
 def test_gpu_small_shapes(w, k, config):
     # one block in all (16 + 8 keys: the spread combination by the block's own programs), and a
     # 16-key window with 72 top-k entries (two blocks, the first mixing window and compressed keys);
-    # windows full, partial, a single key
-    n, h = 3, 16
+    # windows full, partial, a single key; 4 rows of 16 heads: one tile of rows x heads, so the
+    # q_tma configurations copy q by TMA (the last rows' tiles past the tensor)
+    n, h = 4, 16
     plan = G.GluonSparseMlaPlan.build(n, h, w, k, "cuda", config=config)
-    case = make_case(n, h, w, k, seed=w + k, window_fill=[16, 5, 1], exact=True, **GPU_POOLS)
+    case = make_case(n, h, w, k, seed=w + k, window_fill=[16, 5, 1, 16], exact=True, **GPU_POOLS)
     out = run(plan, case, EXACT_SCALE)
     check_exact_gpu(out, case, reference(*case, EXACT_SCALE), EXACT_SCALE)
-    case = make_case(n, h, w, k, seed=w + k + 1, window_fill=[16, 5, 1], **GPU_POOLS)
+    assert bool(plan.q_descs) == config.q_tma
+    case = make_case(n, h, w, k, seed=w + k + 1, window_fill=[16, 5, 1, 16], **GPU_POOLS)
     check_bound(run(plan, case), case, reference(*case))
     torch.cuda.synchronize()
     assert workspace_is_clear(plan)
@@ -391,12 +393,12 @@ def test_gpu_every_config_gives_the_same_bits(h, n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("h", [16, 32])
-@pytest.mark.parametrize("n", [1, 2, 3, 4, 17, 64])
+@pytest.mark.parametrize("h,n", [(16, 4), (16, 17), (16, 64), (32, 2), (32, 3), (32, 17), (32, 64)])
 def test_gpu_q_by_tma_at_fewer_heads_gives_the_same_bits(h, n):
     # q by TMA at 16 and 32 heads (`q_by_tma`: a row's heads the first of a [64, 512] tile, its
     # other rows the next rows' q or zeros past the tensor) against plain loads: the same bits, at
-    # row counts below, at and past one tile of rows x heads (the last rows' tiles past the tensor)
+    # one tile of rows x heads and past it (the last rows' tiles past the tensor); below one tile
+    # the launcher loads q as without the option (`test_q_goes_by_tma_where_a_row_starts_a_tile_of_its_heads`)
     _check_q_by_tma(PVRING4K2, h, n)
 
 
@@ -454,6 +456,8 @@ def test_gpu_bits_against_the_triton_kernel_are_measured():
 def test_gpu_configs_against_the_reference(config, h, n):
     # the new configurations as the default's test: exact-score bits, the random-input bound, two
     # launches give the same bits, flags, ticket and counters clear after each
+    if h == 8 and config == PVRING4K2T:
+        pytest.skip("q_tma takes no effect at 8 heads (block_h 16): the pv-ring4-k2 case's kernel")
     plan = G.GluonSparseMlaPlan.build(64, h, 128, 512, "cuda", config=config)
     check_repeatable_on_gpu(plan, n, h, h * 1000 + n + 7, run, workspace_is_clear)
 
