@@ -136,6 +136,7 @@ class ExactLinear:
         self.cuda_cores = ExactMM(weight, w_scale, max_rows, exact_config, workspace)
         n, k = self.cuda_cores.n, self.cuda_cores.k
         self.n, self.k, self.max_rows, self.device = n, k, max_rows, weight.device
+        listed = (n, k) in _GLUON_PLAN
         above, configs = _GLUON_PLAN.get((n, k), (_DEFAULT_ABOVE, None))
         self.fuse_scales, self.pair_slots = bool(fuse_scales), bool(pair_slots)
         if fuse_scales:
@@ -150,7 +151,7 @@ class ExactLinear:
             # no GluonExactFMA, and a shape without a measured plan (the TP shards), whose
             # GluonExactMM default runs the FP64 MMA, keeps ExactMM at every row count.
             full_fp64 = full_rate_fp64(weight.device)
-            planned_above = above if configs is not None or full_fp64 else max_rows
+            planned_above = above if listed or full_fp64 else max_rows
             mma_above = planned_above if mma_above is None else mma_above
             fma_rows = (planned_fma_rows if full_fp64 else 0) if fma_rows is None else fma_rows
         self.mma = None

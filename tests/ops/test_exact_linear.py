@@ -135,6 +135,27 @@ def test_boundary_reaches_exact_mm_only():
            lambda: plan(codes, x_scale, boundary=boundary_operands(_gen(12), m, n, 256)))
 
 
+@pytest.mark.parametrize("full_fp64", [True, False])
+def test_an_unlisted_shape_takes_the_same_ops_with_the_options(monkeypatch, full_fp64):
+    # The plan's choice of ops on sm_90 (the device checks forced: construction only, nothing runs)
+    # for a shape `_GLUON_PLAN` does not list (a TP shard): GluonExactMM's default configuration from
+    # 5 rows where FP64 runs at full rate, ExactMM throughout where it does not; fuse_scales and
+    # pair_slots change GluonExactMM's configurations, never which op runs.
+    from dsv41_decode.ops import exact_linear, gluon_mm
+    monkeypatch.setattr(exact_linear, "is_sm90", lambda device: True)
+    monkeypatch.setattr(gluon_mm, "is_sm90", lambda device: True)
+    monkeypatch.setattr(exact_linear, "full_rate_fp64", lambda device: full_fp64)
+    _, _, _, _, weight, w_scale = linear_operands(_gen(23), 1, 256, 512)
+    for options in ({}, {"fuse_scales": True}, {"pair_slots": True}):
+        linear = ExactLinear(weight, w_scale, max_rows=16, **options)
+        assert linear.fma is None, options
+        if full_fp64:
+            assert linear.mma is not None and linear.mma_above == 4, options
+            assert linear.mma.config_for(16).fuse_scales == bool(options.get("fuse_scales")), options
+        else:
+            assert linear.mma is None and linear.op_for(16) is linear.cuda_cores, options
+
+
 @pytest.mark.gpu
 def test_no_fp64_forms_where_fp64_is_slow_on_gpu(monkeypatch):
     # On a GPU whose FP64 runs at 1/32-1/64 of its FP32 rate (`common.full_rate_fp64` False, forced
