@@ -129,7 +129,8 @@ def test_gpu_teacher_forced_layers(gpu_setup, monkeypatch):
     # With the exact linears (the contract's bits for wq_a|wkv) the window records are compared bit
     # for bit; the tensor-core linears truncate their block sums (docs/gemm.md, "Exactness").
     tol = dict(o=5e-3, proj=2e-3, y=2.5e-2, window_bytes=1.0, entry_bytes=0.95, boundary=2e-3)
-    steps = [[("a", 4), ("b", 2), ("c", 1)], [("c", 4), ("a", 1), ("b", 3), ("d", 4)]]
+    # buckets 8 and 16 (GluonExactMM at this preset), then 2 (ExactMM)
+    steps = [[("a", 4), ("b", 2), ("c", 1)], [("c", 4), ("a", 1), ("b", 3), ("d", 4)], [("d", 1), ("b", 1)]]
     m = teacher_forced(stack, st, step, rec, steps, g, tol)
     assert m["kinds"] == {"swa", "full", "full+cand", "reindex", "reuse"}
 
@@ -285,4 +286,24 @@ def test_gpu_exact_options_on_the_plan_forms_give_the_step_bits(gpu_setup, gpu_p
     want = 4 if option == "fuse_scales" else 2
     assert len(reached) == want, reached
     (st_a, outs_a) = gpu_plan_forms_run
+    _assert_same_run(st_a, st_b, outs_a, outs_b)
+
+
+@pytest.fixture(scope="module")
+def gpu_tc_run(gpu_setup):
+    """`_graph_run` of the step with its FP8 linears on tensor cores (`exact_linears=False`):
+    (state, outputs)."""
+    st, outs, _ = _graph_run(gpu_setup, exact_linears=False)
+    return st, outs
+
+
+@pytest.mark.gpu
+def test_gpu_fold_index_chain_on_tensor_cores_gives_their_step_bits(gpu_setup, gpu_tc_run):
+    # with the tensor-core linears `fold_index_chain` also folds the index query into the indexer
+    # wq_b's epilogue and the head weights into weights_proj's (the exact linears keep both
+    # launches: the SAME_BITS variant covers the table in the top-k's last launch only)
+    st_b, outs_b, step = _graph_run(gpu_setup, exact_linears=False, fold_index_chain=True)
+    indexers = [a for a in step.layers.values() if getattr(a, "mm_idx_wq_b", None) is not None]
+    assert indexers and all(a.index_query_in_gemm for a in indexers)
+    (st_a, outs_a) = gpu_tc_run
     _assert_same_run(st_a, st_b, outs_a, outs_b)

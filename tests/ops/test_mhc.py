@@ -194,7 +194,10 @@ def test_split_boundary_rejects_a_plan_of_another_shape():
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [1, 16, 64])
 def test_gpu_split_boundary_real_dim(n):
-    plan = MhcBoundaryPlan.build(5120, 64, "cuda")
+    # the split form itself (on CUDA the plan's default is the co-resident one where it fits:
+    # test_gpu_coresident_boundary_is_the_split_kernel_bitwise)
+    plan = MhcBoundaryPlan.build(5120, 64, "cuda", coresident=False)
+    assert not plan.coresident
     case = _boundary_case(n, 5120, seed=n)
     _check_boundary(*case, mhc_boundary(*_dev(*case), _EPS, plan=plan))
     _check_boundary(*case, mhc_boundary(*_dev(*case), _EPS, plan=plan))
