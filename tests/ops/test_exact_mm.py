@@ -21,7 +21,7 @@ from helpers import FLASH_LINEAR_SHAPES as FLASH_SHAPES
 from helpers import (boundary_operands, check_mxfp8_plan_errors, compile_script, linear_operands, raises, rope_operands,
                      run_b32_ptx)
 
-from dsv41_decode.ops.common import fp64_rate_ratio, full_rate_fp64
+from dsv41_decode.ops.common import fp64_rate_ratio, full_rate_fp64, num_sms
 from dsv41_decode.ops.exact_mm import HI_WORDS_PTX, ExactMM, _chain_asm
 from dsv41_decode.ops.exact_mm_plan import _TUNED, _TUNED_FP32, ExactConfig, planned_config
 from dsv41_decode.ops.kv_write import query_rope_
@@ -478,7 +478,10 @@ def test_compiles_for_sm90_without_spills():
 def test_flash_shapes_on_gpu(name, n, k):
     _, _, codes_all, sx_all, weight, w_scale = linear_operands(_gen(n + k), 64, n, k)
     plan = ExactMM(weight, w_scale)
-    for m in (1, 3, 16, 64):
+    rows = (1, 2, 3, 4, 16, 64)
+    # every row bucket of the tuned plan runs (FP64 block sums at 1-2 rows on an H200)
+    assert {plan.launch_for(m).config for m in rows} == {plan.launch_for(m).config for m in range(1, 65)}, name
+    for m in rows:
         codes, x_scale = codes_all[:m], sx_all[:m]
         for dtype in (torch.bfloat16, torch.float32):
             y = plan(codes, x_scale, _poisoned(m, n, dtype))
@@ -491,10 +494,12 @@ def test_flash_shapes_on_gpu(name, n, k):
             y = split(codes_all[:m], sx_all[:m], _poisoned(m, n))
             assert torch.equal(_bits(y), _bits(mxfp8_mm(codes_all[:m], sx_all[:m], weight, w_scale))), (name, m)
         assert int(split._counters.abs().sum()) == 0
-    # Heavy-tailed codes, where an inexact block sum shows.
+    # Heavy-tailed codes, where an inexact block sum shows, at 1, 2 and 4 rows (the buckets of their
+    # own plans) and 16.
     codes, x_scale, weight, w_scale = _exact_operands(_gen(n), 16, n, k, "heavy")
-    y = ExactMM(weight, w_scale)(codes, x_scale)
-    assert torch.equal(_bits(y), _bits(mxfp8_mm(codes, x_scale, weight, w_scale))), name
+    heavy, ref = ExactMM(weight, w_scale), mxfp8_mm(codes, x_scale, weight, w_scale)
+    for m in (1, 2, 4, 16):
+        assert torch.equal(_bits(heavy(codes[:m], x_scale[:m])), _bits(ref[:m])), (name, m)
 
 
 WQ_B_SHAPES = [s for s in FLASH_SHAPES if s[0].startswith("wq_b")]
@@ -519,13 +524,16 @@ def test_rope_epilogue_on_gpu(name, n, k):
 @pytest.mark.gpu
 def test_boundary_epilogue_at_wo_b_on_gpu():
     # wo_b (5120 x 8192) at dim 5120 with the step's plan (chunks of 512 columns): the planned
-    # configurations at 1-4 rows (1 row: 4-column tiles, 128 a chunk, the register cap) and a K split
-    # over 3 programs, each twice with new operands on one plan (the counters reset): bitwise the
-    # call without the epilogue followed by mhc_boundary_.
+    # configurations at 1-4 rows (on a GPU with full-rate FP64 its FP64 block sums at 1-2 rows, else
+    # `_TUNED_FP32`'s: at 1 row 4-column tiles, 128 a chunk, under the register cap; both run here)
+    # and a K split over 3 programs, each twice with new operands on one plan (the counters reset):
+    # bitwise the call without the epilogue followed by mhc_boundary_.
     n, k = 5120, 8192
     _, _, codes, x_scale, weight, w_scale = linear_operands(_gen(n + k + 3), 4, n, k)
     split = ExactConfig(block_n=8, block_k=256, rows=4, num_warps=2, split=3)
-    for plan in (ExactMM(weight, w_scale), ExactMM(weight, w_scale, config=split)):
+    fp32 = {b: planned_config(n, k, b, num_sms(weight.device), fp64=False) for b in (1, 2, 4, 64)}
+    assert not fp32[1].f64 and fp32[1].block_n == 4, fp32[1]
+    for plan in (ExactMM(weight, w_scale), ExactMM(weight, w_scale, config=fp32), ExactMM(weight, w_scale, config=split)):
         plain = plan(codes, x_scale)
         for m in (1, 2, 3, 4):
             ops = boundary_operands(_gen(30 + m), m, n)

@@ -12,8 +12,9 @@ reason. The kernel keeps the contract's blocks, the running max per block (the s
 by the same kernel in block order; what it leaves to the hardware is the FP32 order of the tensor
 cores' sums (the score's 512 products, P.V's 64 keys: the same class of MMA as `sparse_mla`'s BF16
 dots) and of the block's exp sum. So on exact-score inputs P is the contract's except where the GPU's
-expf and torch's differ in the last bit (`check_exact_gpu`: the flip bound and 99.5 % of the
-elements bitwise), and on random inputs the flip bound (`check_bound`).
+expf and torch's differ in the last bit (`check_exact_gpu`: the flip bound, 99.5 % of the
+elements bitwise, and nearer the contract's 64-key blocks than other block sizes' references), and
+on random inputs the flip bound (`check_bound`).
 """
 
 from dataclasses import replace

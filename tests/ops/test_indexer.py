@@ -17,7 +17,7 @@ import torch
 
 from dsv41_decode.formats import mxfp4_fake
 from dsv41_decode.records import pack_index_key, unpack_index_key
-from dsv41_decode.ops.indexer import index_scores_mxfp4, index_scores_mxfp4_
+from dsv41_decode.ops.indexer import index_scores_mxfp4_
 from dsv41_decode.reference.indexer import index_scores
 from dsv41_decode.testing.compare import row_ulp_distance
 
@@ -153,6 +153,20 @@ def test_gpu_large(rows, entries, fp8_dot):
         assert row_ulp_distance(got[i, j].cpu(), s.cpu()) <= 1.0
         assert float((got[i, j] == s).float().mean()) >= 0.99
         assert bool(torch.isneginf(got[i, int(nv[i]):]).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_dot", [False, True])
+@pytest.mark.parametrize("heads", [32, 64])
+def test_gpu_candidate_masks_and_64_heads(heads, fp8_dot):
+    # The Triton path is the Gluon scorer's expected result in its GPU tests, at 64 heads (the FP8
+    # path's launch of 8 warps) and with candidate masks: against the reference here, dense and
+    # masked, over pages of several requests and rows ending inside a page.
+    args = make_inputs(4, heads, [2048, 1500, 333, 7], seed=heads + 9)
+    g = torch.Generator().manual_seed(heads)
+    cand = (torch.rand(4, 2048, generator=g) < 0.3).to(_DEVICE)
+    _check(_scores(args, 2048, fp8_dot=fp8_dot), reference_scores(*args, 2048))
+    _check(_scores(args, 2048, cand_mask=cand, fp8_dot=fp8_dot), reference_scores(*args, 2048, cand=cand))
 
 
 @pytest.mark.gpu

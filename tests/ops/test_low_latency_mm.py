@@ -208,20 +208,29 @@ def test_flash_shapes_on_gpu(name, n, k):
         assert int(plan._counters.abs().sum()) == 0
 
 
+WORD_SHAPES = [s for s in FLASH_SHAPES if s[0] in ("fused_wqa_wkv", "wq_b", "wo_b", "wo_b_tp2")]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("name,n,k", [s for s in FLASH_SHAPES if s[0] in ("fused_wqa_wkv", "wq_b", "wo_b")],
-                         ids=["fused_wqa_wkv", "wq_b", "wo_b"])
+@pytest.mark.parametrize("name,n,k", WORD_SHAPES, ids=[s[0] for s in WORD_SHAPES])
 def test_gpu_scale_words_give_the_byte_path_bits(name, n, k):
-    """At the real shapes, every row bucket, both loops (the tuned table dequantizes on some): the
-    tuned configs with word-loaded scales give the bits of the same configs with byte loads."""
+    """At the real shapes (and `wo_b`'s TP2 shard, whose tuned table dequantizes: the other loop),
+    every row bucket whose tuned config can load words (block_k 128 or 256): the tuned configs with
+    word-loaded scales give the bits of the same configs with byte loads."""
     x_all, _, codes_all, sx_all, weight, w_scale = linear_operands(_gen(n + k + 1), 64, n, k)
     tuned = LowLatencyMM(weight, w_scale)
     words, plan = (LowLatencyMM(weight, w_scale, config={b: dataclasses.replace(tuned.launch_for(b).config,
                                                                                 scale_words=on)
                                                          for b in (16, 32, 64)}) for on in (True, False))
-    for m in (1, 5, 16, 33, 64):
+    ran = []
+    for m in (1, 5, 16, 17, 32, 33, 64):
+        if not words.launch_for(m).scale_word:        # a 64-deep step: bytes on both sides
+            continue
+        assert plan.launch_for(m).scale_word == 0, (name, m)
         y = plan(codes_all[:m], sx_all[:m], _poisoned(m, n))
         assert torch.equal(words(codes_all[:m], sx_all[:m], _poisoned(m, n)), y), (name, m)
+        ran.append(words.launch_for(m).config.dequant)
+    assert ran and (name != "wo_b_tp2" or any(ran)), (name, ran)
 
 
 def _check_rope_epilogue(plan: LowLatencyMM, codes, x_scale, cos, sin, what) -> None:

@@ -15,8 +15,9 @@ last bit of exp. So:
   0.1-2 % of the elements, by up to 132 ulps). On the GPU the kernel's exp (the CUDA math library's
   expf) and torch's may still differ in the last FP32 bit, which flips P where exp(s - max) lies
   within that bit of a BF16 rounding boundary (a chance of about 2^-15 per probability); so there
-  the exact-score check is the flip bound below and at least 99.5 % of the elements bitwise equal
-  (`check_exact_gpu`).
+  the exact-score check is the flip bound below, at least 99.5 % of the elements bitwise equal, and
+  `out` nearer the contract's reference than the references of 16-, 32-, 128- and 1024-key blocks,
+  which on some cases differ from it in fewer elements than that allowance (`check_exact_gpu`).
 - On random inputs a score's FP32 sum order can differ from the reference's by a few FP32 ulps,
   which flips P's BF16 rounding where exp(s - max) lies that close to a rounding boundary; a flip
   moves P_j by one BF16 ulp (<= 2^-7 P_j). Every P flipping at once bounds |o - o_ref| by
@@ -110,10 +111,26 @@ def check_exact(out, ref):
 
 
 def check_exact_gpu(out, case, ref, scale):
-    """Exact-score inputs on the GPU (module doc)."""
+    """Exact-score inputs on the GPU (module doc): the flip bound, at least 99.5 % of the elements
+    bitwise, and nearer the contract's 64-key blocks than any other: wherever a reference with
+    16-, 32-, 128- or 1024-key blocks differs from the contract's, `out` differs from it in more
+    elements than from the contract's (the bound and the count alone pass another block size on
+    some cases: a few elements differ there)."""
     check_bound(out, case, ref, scale)
     u = ulps(out, ref)
-    assert int((u > 0).sum()) <= u.numel() // 200, f"{int((u > 0).sum())} of {u.numel()} differ"
+    differ = int((u > 0).sum())
+    assert differ <= u.numel() // 200, f"{differ} of {u.numel()} differ"
+    for keys in OTHER_BLOCK_KEYS:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(ref_attention, "BLOCK_KEYS", keys)
+            other = reference(*case, scale)
+        if bool((ulps(other, ref) > 0).any()):
+            apart = int((ulps(out, other) > 0).sum())
+            assert differ < apart, (f"nearer {keys}-key blocks than the contract's 64: {differ} elements differ from "
+                                    f"the contract's reference, {apart} from that one")
+
+
+OTHER_BLOCK_KEYS = (16, 32, 128, 1024)      # check_exact_gpu's other block sizes (1024: one block a row)
 
 
 def check_bound(out, case, ref, scale=SCALE):
@@ -156,6 +173,25 @@ def test_other_block_boundaries_fail(monkeypatch):
     monkeypatch.setattr(ref_attention, "BLOCK_KEYS", 16)
     with pytest.raises(AssertionError):
         check_exact(out, reference(*case, EXACT_SCALE))
+
+
+@pytest.mark.parametrize("keys", OTHER_BLOCK_KEYS)
+def test_the_gpu_check_refuses_other_block_sizes(keys, monkeypatch):
+    # `check_exact_gpu` (the GPU tests' exact-score check) on the CPU: the kernel's output passes,
+    # the reference of another block size fails, also where the count alone lets it pass (16-, 32-
+    # and 128-key blocks on this case: the nearness to the contract's blocks catches them)
+    n, h, w, k = 2, 8, 128, 512
+    case = make_case(n, h, w, k, seed=8, window_fill=[128, 60], exact=True)
+    ref = reference(*case, EXACT_SCALE)
+    check_exact_gpu(run(SparseMlaPlan.build(n, h, w, k, "cpu", split=False), case, EXACT_SCALE), case, ref, EXACT_SCALE)
+    with monkeypatch.context() as mp:
+        mp.setattr(ref_attention, "BLOCK_KEYS", keys)
+        other = reference(*case, EXACT_SCALE)
+    differ = int((ulps(other, ref) > 0).sum())
+    within = differ <= other.numel() // 200
+    assert differ > 0 and within == (keys != 1024), differ
+    with pytest.raises(AssertionError, match="nearer" if within else "differ"):
+        check_exact_gpu(other, case, ref, EXACT_SCALE)
 
 
 @pytest.mark.parametrize("n, h, k", [(2, 16, 40), (1, 32, 200)])
