@@ -228,8 +228,8 @@ def _parser() -> argparse.ArgumentParser:
     st.add_argument("--generic-contexts", type=rows, default=(32768,), help="contexts of the generic path, the "
                     "layer breakdown and the timeline (default: 32768)")
     st.add_argument("--tp", type=_int_at_least(1), default=1, help="tensor-parallel GPUs: N > 1 runs the TP step "
-                    "(collective vs fused boundary) and the boundary alone; launch with torchrun --nproc-per-node N "
-                    "(default: 1)")
+                    "(collective vs fused boundary) at --rows x --contexts and the boundary alone; launch with "
+                    "torchrun --nproc-per-node N (default: 1)")
     st.add_argument("--name", default="step", help="results file stem (default: step)")
     st.add_argument("--variants", default=None, help="step variants timed next to the default one, comma-separated "
                     "of no_overlap, wo_a_fp8, tc_linears, fp32_dots, fold_index_chain, weights_in_index_lane, mix_early, "
@@ -454,6 +454,15 @@ def _bench(args, console: Console) -> int:
         bad = [v for v in variants if v not in VARIANTS]
         if bad:
             raise UsageError(f"--variants: unknown variant {bad[0]!r}; choose from {', '.join(VARIANTS)}")
+        if args.tp > 1:
+            # the TP bench times the default step (collective and fused boundary) at --rows x
+            # --contexts: the single-GPU run's other options would be dropped silently
+            defaults = _parser().parse_args(["bench", "step"])
+            given = [f"--{name.replace('_', '-')}" for name in ("variants", "generic_rows", "generic_contexts", "name")
+                     if getattr(args, name) != getattr(defaults, name)]
+            if given:
+                raise UsageError(f"{given[0]}: not taken with --tp {args.tp} (the TP bench times the default step at "
+                                 f"--rows x --contexts)")
     if not torch.cuda.is_available():
         raise UsageError(f"bench {args.bench_cmd} needs a CUDA GPU; none is visible (torch {torch.__version__})")
     if args.bench_cmd == "attn":
@@ -471,7 +480,7 @@ def _bench(args, console: Console) -> int:
         return 0
     if args.bench_cmd == "step" and args.tp > 1:
         from .bench.step_tp import run_step_bench_tp
-        run_step_bench_tp(args.tp, args.rows, args.generic_contexts, args.out, console.print)
+        run_step_bench_tp(args.tp, args.rows, args.contexts, args.out, console.print)
         return 0
     if args.bench_cmd == "step":
         from .bench.step import run_step_bench

@@ -17,8 +17,8 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
     comp_slack_deep the same with the capture stream and the index query's lane at -2
     rope_apart      the query RoPE in a launch of its own after wq_b in every layer (`query_rope_`),
                     where wq_b's op has it in its epilogue (`rope_in_wq_b`)
-    boundary_folded the mHC boundary in wo_b's epilogue where wo_b's op is ExactMM (at 1 row on the
-                    H200; `DecodeStep(fold_boundary=True)`) instead of its own launch after wo_b
+    boundary_folded the mHC boundary in wo_b's epilogue where wo_b's op is ExactMM (at 1-2 rows on
+                    the H200; `DecodeStep(fold_boundary=True)`) instead of its own launch after wo_b
     boundary_split  the mHC boundary's own launch in the split form (the last chunk of a row to
                     arrive normalizes and quantizes the whole row) instead of the co-resident one
                     (every chunk normalizes itself: `MhcBoundaryPlan.coresident`, the step's plan)

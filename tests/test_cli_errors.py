@@ -49,6 +49,8 @@ USAGE = [
     (["bench", "attn", "--families", "sparse_mla,bogus"], "unknown name 'bogus'; choose from sparse_mla"),
     (["bench", "gemm", "--rows", "1,0"], "argument --rows: expected integers >= 1, got 0"),
     (["bench", "step", "--variants", "fuse_scales,pair_slotz"], "--variants: unknown variant 'pair_slotz'; choose from"),
+    (["bench", "step", "--tp", "2", "--variants", "tc_linears"], "--variants: not taken with --tp 2"),
+    (["bench", "step", "--tp", "2", "--generic-contexts", "4096"], "--generic-contexts: not taken with --tp 2"),
 ]
 if not CUDA:
     USAGE += [(["demo", "--device", "cuda"], "--device cuda: CUDA is not available"),

@@ -123,11 +123,11 @@ class DecodeStep:
         (`topk_ascending_(..., table=)`); the same bits. Off by default: on an H200 the step took
         1.02x the default's time at 1 row and 1.00x at 8-64 (docs/step.md).
     fold_boundary: on one GPU, the mHC boundary after a layer in its wo_b's epilogue wherever wo_b's
-        op for the bucket's rows is `ExactMM` (exact linears on an sm_90 GPU: 1 row; off sm_90
+        op for the bucket's rows is `ExactMM` (exact linears on an sm_90 GPU: 1-2 rows; off sm_90
         and in the interpreter: every bucket): `ExactMM(..., boundary=)` with `Boundary.operands`,
         one launch less a layer, the same bits (`boundary_folded`). Off by default (the boundary's
-        own launch after wo_b, `Boundary.exit`): on an H200 the step took 3988 us at 1 row with it
-        against 3764 without (1.06x; docs/step.md); no layer folds at 2-64 rows there.
+        own launch after wo_b, `Boundary.exit`): on an H200 the step took 1.33x / 1.53x the
+        default's time at 1 / 2 rows with it (docs/step.md); no layer folds at 3-64 rows there.
     weights_lane: the indexer's head weights (`weights_proj`) on a lane of their own (`AUX_INDEX_W`)
         beside the index query's GEMM, the index query waiting for both (default), in the buckets of
         at most `attention.WEIGHTS_LANE_MAX_ROWS` rows (where it measured faster on an H200),

@@ -1,4 +1,6 @@
-"""The regular MXFP8 GEMM, for row counts above the low-batch limit (prefill, generic path).
+"""The regular MXFP8 GEMM, for row counts above the low-batch limit (`LOW_BATCH_MAX_ROWS`): `bench
+gemm`'s regular baseline; the step and the prefill run the low-batch linears, in chunks of at most
+64 rows.
 
 y[M, N] BF16 = sum over 32-wide K blocks of (codes . weight codes) * 2^sx * 2^sw, FP32 accumulation:
 the contract of `reference.linear.mxfp8_mm`. Hopper has FP8 tensor cores but no MX-scaled ones, so
