@@ -1,6 +1,7 @@
 """The parts of `DecodeStep(fold_index_chain=True)` one by one, recaptured on one 40-layer V4.1-Flash step
-(32K, graph replay): us per replay at 1 / 8 / 16 / 64 rows and whether the 8-row output is bitwise
-the first variant's, for
+with its FP8 linears on tensor cores (`exact_linears=False`: the exact linears take no index query
+in their epilogue, so with them only the table folds) (32K, graph replay): us per replay at 1 / 8 /
+16 / 64 rows and whether the 8-row output is bitwise the first variant's, for
     off         neither part (the default step)
     all         the index query in the index GEMM's epilogue (with the head weights in weights_proj's)
                 and the sparse-index table in the top-k's last launch
@@ -49,7 +50,7 @@ def main() -> None:
     stack = AttentionStack(random_checkpoint(cfg, "cuda"))
     state = DecodeState(cfg, max_requests=64, max_context=32768 + 1024, page_size=64, device="cuda", max_drafts=3)
     fill_state(state, {i: 32768 for i in range(64)})
-    step = stack.decode_step(state, max_rows=64, buckets=ROWS, fold_index_chain=True)
+    step = stack.decode_step(state, max_rows=64, buckets=ROWS, fold_index_chain=True, exact_linears=False)
     idx_layers = [i for i, layer in step.layers.items() if layer.spec.runs_indexer]
     print("indexer layers", idx_layers, flush=True)
     first = None

@@ -15,8 +15,8 @@ table itself (`table=`), both less the copy; `tsame`: whether both gave the same
 (not with `--one=1`: the one-launch top-k has no table).
 
 Options: `--rows=1,4,16,64`, `--entries=32768,131072,1048576`, `--dist=randn` (or `randn,few`),
-`--chunks=4096` and `--warps=4` (lists: every pair is a plan for the linked columns; the four-launch
-path keeps chunk 4096, 4 warps), `--dtypes=fp32,bf16` (the linked columns' score dtypes; a column
+`--chunks=1024` and `--warps=4` (lists: every pair is a plan for the linked columns; the default is
+`TopKPlan`'s, the step's; the four-launch path keeps chunk 4096, 4 warps), `--dtypes=fp32,bf16` (the linked columns' score dtypes; a column
 left out prints 0), `--pdl=0` (1: the linked launches with PDL), `--one=0` (1: the linked columns
 time the one-launch top-k, `one_launch=True`, instead; its chunk grows until the grid fits the
 SMs), `--mask=0`, `--table=0`.
@@ -96,7 +96,7 @@ def main() -> None:
     rows_list = _ints("rows", "1,4,16,64")
     entries_list = _ints("entries", "32768,131072,1048576")
     dists = arg("dist", "randn").split(",")
-    configs = [(c, w) for c in _ints("chunks", "4096") for w in _ints("warps", "4")]
+    configs = [(c, w) for c in _ints("chunks", "1024") for w in _ints("warps", "4")]
     pdl = arg("pdl", "0") == "1"
     one = {"one_launch": True} if arg("one", "0") == "1" else {"pdl": pdl, "separate_count": False}
     dtypes = [{"fp32": torch.float32, "bf16": torch.bfloat16}[d] for d in arg("dtypes", "fp32,bf16").split(",")]
