@@ -20,11 +20,12 @@ compressors' open groups) and advance the request by the prompt's length:
 
 What the kernel path's numbers are, relative to the reference (the step's contract, measured in
 tests/decode and tests/test_prefill.py): given the same layer input, a layer writes the reference's
-records (bitwise on the CPU; >= 99.48 % of the window-record bytes on the H200, where the fused
-wq_a|wkv GEMM sums in another order and a BF16 value can round the other way), the reference's
-top-k up to ties, and an output within the step's tolerance (`tests/helpers.CPU_TOL`). Over the
-whole stack the layers' inputs then drift by the earlier layers' output differences, so later
-layers' records are close but not bitwise the reference's. The kernel path is deterministic and
+records (bitwise on the CPU; on the H200 the window records bit for bit with the step's default
+exact linears, and with `exact_linears=False` >= 99.48 % of the window-record bytes, where the
+fused wq_a|wkv GEMM's tensor-core block sums truncate and a BF16 value can round the other way),
+the reference's top-k up to ties, and an output within the step's tolerance
+(`tests/helpers.CPU_TOL`). Over the whole stack the layers' inputs then drift by the earlier
+layers' output differences, so later layers' records are close but not bitwise the reference's. The kernel path is deterministic and
 batch-invariant: its records and outputs do not depend on the chunk size (a chunk's rows give the
 bits they give alone, spec decision 12), and a decode step after it continues it exactly.
 """
@@ -56,7 +57,8 @@ def prefill_step(stack, state: DecodeState, chunk: int = DEFAULT_CHUNK, graphs: 
     `chunk`, and `chunk`: a shorter last chunk runs in the smallest that holds it, with padding rows
     that write nothing). Build it once and pass it to `prefill(..., step=)` to prefill several
     requests without rebuilding plans and graphs (graphs=False: eager, as on the CPU). options:
-    DecodeStep's other keyword arguments (e.g. exact_linears=True: the contract's bits)."""
+    DecodeStep's other keyword arguments (e.g. exact_linears=False: tensor-core linears, outside
+    the contract)."""
     _check_chunk(chunk, "kernels")
     if chunk > state.stage_rows:
         raise ValueError(f"prefill: chunk={chunk} exceeds the state's stage_rows={state.stage_rows} (the "

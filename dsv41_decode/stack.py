@@ -127,8 +127,8 @@ class AttentionStack:
         buffers and CUDA graphs (one per row bucket up to max_rows) are built here, once.
 
         options: the keyword arguments of DecodeStep (buckets, graphs, overlap, tp_boundary,
-        wo_a_fp8, exact_linears, fp32_dots, fold_index_chain, fold_boundary, weights_lane, comp_tail), documented
-        there.
+        wo_a_fp8, exact_linears, fp32_dots, fold_index_chain, fold_boundary, weights_lane, comp_tail,
+        mix_late_rows, index_row_group, fuse_scales, pair_slots), documented there.
         """
         from .decode import DecodeStep   # decode/ composes the stack, not the other way round
         return DecodeStep(self, state, max_rows=max_rows, **options)

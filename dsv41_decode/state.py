@@ -451,7 +451,8 @@ class DecodeState:
         (rewritten when their positions come again) and the pages past the kept entries go back to
         the pools; each ratio-2 compressor's open group (both rows, bit for bit) is restored from
         `comp_rows`. Device work: one small host-to-device copy, one indexed copy over every
-        ratio-2 source, the `seq_lens` mirror; nothing waits for the device.
+        ratio-2 source, per ratio a `block_table[r][slot, pages:].fill_(-1)` for each request whose
+        pages go back, the `seq_lens` mirror; nothing waits for the device.
 
         Once per call and request: the next `plan` (or a second `accept` of the request) ends it.
         KeyError for a request that is not live; ValueError for a request that was not in the last

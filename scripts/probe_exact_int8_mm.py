@@ -1,11 +1,11 @@
 """Probe `exact_int8_mm` on a GPU: `ExactInt8MM` in a few configurations against `ExactMM` (the exact
-linear on CUDA cores, its tuned table) and the step's default FP8 plan (`fp8_linear_plan`: the
-Gluon tier on sm_90, FP8 tensor cores, not exact) at the four V4.1-Flash shapes of the step's GEMMs
-(TP1): time per call from CUDA-graph replay (median of 10 replays of 20 calls; one weight copy),
-and the bits of every ExactInt8MM configuration against `reference.linear.mxfp8_mm` (must be 0
-differing outputs, on model-like and on heavy-tailed operands). One line per (shape, rows), then per
-shape and row count the fastest configuration (`ops.exact_int8_mm._INT8_PLAN` takes the row
-count from which it beats ExactMM and the configurations).
+linear on CUDA cores, its tuned table) and the step's tensor-core FP8 plan (`fp8_linear_plan` with
+exact=False: the Gluon tier on sm_90, FP8 tensor cores, not exact) at the four V4.1-Flash shapes of
+the step's GEMMs (TP1): time per call from CUDA-graph replay (median of 10 replays of 20 calls; one
+weight copy), and the bits of every ExactInt8MM configuration against `reference.linear.mxfp8_mm`
+(must be 0 differing outputs, on model-like and on heavy-tailed operands). One line per (shape,
+rows), then per shape and row count the fastest configuration (`ops.exact_int8_mm._INT8_PLAN`
+takes the row count from which it beats ExactMM and the configurations).
 
     PYTHONPATH=. python scripts/probe_exact_int8_mm.py --rows=1,4,16,64 --only=wq_b --alt=64:16:4:4,32:64:4:4
 """

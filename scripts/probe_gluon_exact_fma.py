@@ -1,6 +1,6 @@
 """Probe `gluon_exact_fma` on a GPU (sm_90): `GluonExactFMA` (the contract-exact linear on the FP64
 CUDA cores in Gluon, 1-4 rows) in candidate configurations against `ExactMM` (CUDA cores, FP32),
-`GluonExactMM` in `ExactLinear`'s plan (`ExactLinear(mma_above=0, fma_rows=0)`: the FP64 MMA in
+`GluonExactMM` in `ExactLinear`'s plan (`ExactLinear(mma_above=0, fma_rows=0)`: GluonExactMM in
 its measured configurations at every row count), `ExactLinear` as it is (the step's exact
 linear) and the
 step's tensor-core FP8 plan `GluonMM` (not exact), at the four V4.1-Flash shapes of the step's

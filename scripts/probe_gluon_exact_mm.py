@@ -1,6 +1,7 @@
 """Probe `gluon_exact_mm` on a GPU (sm_90): `GluonExactMM` (the contract-exact linear on the FP64 MMA
-in Gluon) in candidate configurations against the other exact linears - `ExactF64MM`, `ExactLinear` (the step's exact linear today), (the same
-FP64 MMA in Triton, its default configurations) and `ExactMM` (CUDA cores, its tuned table) - and
+or on FP16 MMAs over the codes' digits, in Gluon) in candidate configurations against the other
+exact linears - `ExactF64MM` (the FP64 MMA in Triton, its default configurations), `ExactLinear`
+(the step's exact linear) and `ExactMM` (CUDA cores, its tuned table) - and
 the step's tensor-core FP8 plan `GluonMM` (not exact), at the four V4.1-Flash shapes of the step's
 GEMMs (TP1), rows 1, 2, 4, 8, 16, 32, 64: us per call from CUDA-graph replay over weight copies
 rotated beyond L2 (as `bench gemm`; median of the replays), % of the streaming read measured in

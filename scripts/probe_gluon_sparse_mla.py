@@ -4,9 +4,9 @@ tiling (`SparseMlaPlan.for_step`) and FlashMLA's Hopper sparse decode on the V4 
 Per (heads, rows) cell: the time of the Gluon kernel in each configuration of `--configs` (names
 in CONFIGS, a `t` suffix with q copied by TMA, `tp` with the second launch by PDL as well; default:
 default,lut,spreadv,split4sv,split4svl; the step's: `ops.gluon_sparse_mla.STEP_CONFIGS`, here
-split4svl, split2svlc, spreadvlc and at 64 heads pv1s4k2t), of the Triton step tiling and of
-FlashMLA; the largest error of each Gluon configuration's and of the Triton kernel's outputs
-from the reference on the GPU, in BF16 ulps at each head's largest |output| (`ulp_max`; on the
+split4svl, split2svlc, spreadvlc and at 64 heads pv1d64s3k2t and pv1s4k2t), of the Triton step
+tiling and of FlashMLA; the largest error of each Gluon configuration's and of the Triton kernel's
+outputs from the reference on the GPU, in BF16 ulps at each head's largest |output| (`ulp_max`; on the
 first and last rows: rows are independent, and the reference runs row by row); whether the Gluon
 configurations give the same bits as each other on every row (`cfg==`: they must, no configuration
 changes a bit) and the first one the Triton kernel's (`==triton`; `--triton=0` leaves the Triton

@@ -1,9 +1,11 @@
-"""Probe the Gluon grouped `wo_a` (`ops.gluon_wo_a`) on an H200 against the step's Triton plan
-(`ops.wo_a.WoAPlan`, its default: for a BF16 weight swapped BF16 wgmma at split 2, for FP8 TF32
-dots at split 4) and, for BF16, cuBLAS (`torch.bmm` per group, no rotation: a speed reference), at
-the step's shape (64 heads, 8 groups of 1024 outputs, K = 4096 per group: 67 MB of BF16 weight,
-34 MB of FP8 with its scales). CUDA-graph replay over weight copies rotated beyond L2 (`bench.timing`, as `bench gemm`), the streaming read of the same run
-(`bench.floor.read_bandwidth_gbps`) as the floor. Per row count: us and % of the read for each,
+"""Probe the Gluon grouped `wo_a` (`ops.gluon_wo_a`; the step's on sm_90, `decode.attention.wo_a_plan`:
+for a BF16 weight the "default" variant, for FP8 the folded consumer of `--fp8fold`) on an H200
+against the Triton plan (`ops.wo_a.WoAPlan`, the step's off sm_90; its default: for a BF16 weight
+swapped BF16 wgmma at split 2, for FP8 TF32 dots at split 4) and, for BF16, cuBLAS (`torch.bmm`
+per group, no rotation: a speed reference), at the step's shape (64 heads, 8 groups of 1024
+outputs, K = 4096 per group: 67 MB of BF16 weight, 34 MB of FP8 with its scales). CUDA-graph replay
+over weight copies rotated beyond L2 (`bench.timing`, as `bench gemm`), the streaming read of the
+same run (`bench.floor.read_bandwidth_gbps`) as the floor. Per row count: us and % of the read for each,
 the Gluon plan's variants (`--variants=`, names below), the max BF16 ulp (of the row's largest |z|)
 of the Gluon and Triton z from the reference, and how many of the Gluon z's elements differ
 bitwise from the Triton kernel's. "+quant" also writes the MXFP8 of z (the step's call; fused in
@@ -13,9 +15,10 @@ nothing. About 60-90 s.
 
 `--fp8fold` instead compares the FP8 consumers (`python scripts/probe_gluon_wo_a.py --fp8fold`,
 about 45 s): per row count (`--rows=`) the folded FP8 consumer (`GluonWoAConfig(fold_scales=True)`),
-the folded consumer with its bit conversion ("fold bits": `fold_bits=True`, the step's; also with
-`--fold_variants=` of VARIANTS' other fields, e.g. s8 or wg2), the block-partial FP8 consumer
-(the default config), the step's FP8 Triton plan and the BF16-weight Gluon plan (the BF16 copy of
+the folded consumer with its bit conversion ("fold bits": `fold_bits=True`, 6 ring slots; also with
+`--fold_variants=` of VARIANTS' other fields, e.g. s8 or wg2: "fold bits:s8", 8 slots, is the step's
+on sm_90, `decode.attention.FP8_WO_A_STAGES`), the block-partial FP8 consumer (the default config),
+the FP8 Triton plan (the step's off sm_90) and the BF16-weight Gluon plan (the BF16 copy of
 the same weight, twice the bytes), each with us, GB/s (the bytes it reads: weight and scales),
 % of the streaming read measured in the same run, and max |z - reference| (the reference on the
 weight that path reads: for FP8 the dequantized weight, which the folded consumer's z should

@@ -34,8 +34,8 @@ class GemmOps:
         return lambda: plan(codes, sx, out)
 
     def fp8(self, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> Launch:
-        """The step's FP8 linear (`decode.attention.fp8_linear_plan`: the Gluon tier on sm_90 where
-        it builds, else the Triton tier)."""
+        """The step's tensor-core FP8 linear (`exact_linears=False`; `decode.attention.fp8_linear_plan`:
+        the Gluon tier on sm_90 where it builds, else the Triton tier)."""
         return self._launch(fp8_linear_plan(q, s, 64), x, q.shape[0])
 
     def triton(self, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> Launch:
@@ -44,7 +44,9 @@ class GemmOps:
 
     def exact(self, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> Launch:
         """The exact linear as the step's `exact_linears=True` builds it (`ops.exact_linear.ExactLinear`:
-        `ExactMM` on CUDA cores, the FP64 MMA above its row threshold) on the same operands."""
+        `ExactMM` or `GluonExactFMA` on CUDA cores at few rows, `GluonExactMM` above its row
+        threshold, on FP16 MMAs over the codes' digits in the measured plans and on the FP64 MMA for
+        unlisted shapes) on the same operands."""
         return self._launch(ExactLinear(q, s, max_rows=64), x, q.shape[0])
 
     def regular(self, x: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> Launch:

@@ -10,9 +10,10 @@ scales (the low-latency MXFP8 GEMM) or a BF16/FP32 side projection (`ll_bf16`); 
 stored (BF16, or FP8 + scale when the checkpoint ships it so) unless the step was built with
 `wo_a_fp8=True`, which quantizes a BF16 `wo_a` once and changes the numbers (ops.wo_a.quantize_wo_a).
 The FP8 linears run with the contract's bits (`ExactLinear`: each 32-deep block sum exact and
-rounded once, then K order; on CUDA cores, or on the FP64 MMA where that is faster), or with
-`exact_linears=False` on FP8 tensor cores (`GluonMM` on sm_90, else `LowLatencyMM`: truncated
-block sums, outside the contract);
+rounded once, then K order; `ExactMM` or `GluonExactFMA` on CUDA cores at few rows, `GluonExactMM`
+above where that measured faster: FP16 MMAs over the codes' digits in the measured plans, the FP64
+MMA for unlisted shapes), or with `exact_linears=False` on FP8 tensor cores (`GluonMM` on sm_90,
+else `LowLatencyMM`: truncated block sums, outside the contract);
 `fp32_dots=True` gives the sparse MLA and `wo_a` FP32 operands with IEEE dots (CUDA-core FMAs:
 FP32 round-to-nearest sums where a tensor-core MMA truncates; `SparseMlaPlan.for_step(fp32_dots=
 True)`, `WoAPlan.build(ieee_dot=True)`). A `wo_a` runs the Gluon kernel on sm_90 otherwise
@@ -71,10 +72,11 @@ def _few_programs(device: torch.device) -> bool:
 def fp8_linear_plan(weight: torch.Tensor, scale: torch.Tensor, max_rows: int, exact: bool = False,
                     workspace=None, fuse_scales: bool = False, pair_slots: bool = False):
     """The GEMM plan of one FP8 linear, the same call whichever it is: `ops.exact_linear.ExactLinear`
-    (the contract's bits: `ExactMM` on CUDA cores, and on sm_90 `GluonExactMM` on the FP64 MMA
-    where that measured faster) when `exact`; else FP8 tensor cores, whose 32-deep block sums
-    truncate (docs/gemm.md, "Exactness"): the Gluon tier `ops.gluon_mm.GluonMM` on an sm_90 GPU
-    where it builds (K a multiple of 128, aligned rows), otherwise the Triton tier
+    (the contract's bits: `ExactMM` on CUDA cores, and on sm_90 `GluonExactFMA` on CUDA cores and
+    `GluonExactMM` - FP16 MMAs over the codes' digits in the measured plans, the FP64 MMA for
+    unlisted shapes - where those measured faster) when `exact`; else FP8 tensor cores, whose
+    32-deep block sums truncate (docs/gemm.md, "Exactness"): the Gluon tier `ops.gluon_mm.GluonMM`
+    on an sm_90 GPU where it builds (K a multiple of 128, aligned rows), otherwise the Triton tier
     `ops.low_latency_mm.LowLatencyMM`. Each plan's reduction order is fixed per weight, whatever
     the rows (batch invariance). workspace: None (the plan's own split-K workspace) or the step's
     `Workspaces` pool, for a linear on the main stream only (the plans' `workspace` contract).

@@ -8,9 +8,10 @@ on CUDA in the co-resident form, `MhcBoundaryPlan.coresident`: every chunk norma
 the row's sum of squares is complete), or, with `DecodeStep(fold_boundary=True)` on one GPU where layer i's wo_b runs `ExactMM`
 (`AttentionStep.takes_boundary`), the same work in wo_b's epilogue with the same bits
 (`operands`, passed to `AttentionStep.run`). Site i+1's mixer depends only on the streams
-entering it, so it runs on a side lane (`ops.hc_mix.hc_mix_`) from the moment those streams are
-written, and is joined where its post/comb/pre are first read (before the boundary's launch, or
-before wo_b when wo_b runs it).
+entering it, so it runs on a side lane (`ops.hc_mix.hc_mix_`): in the buckets below
+`DecodeStep(mix_late_rows=)` rows (default `MIX_LATE_ROWS`) from the moment those streams are
+written, in the others enqueued after layer i+1's input projections; it is joined where its
+post/comb/pre are first read (before the boundary's launch, or before wo_b when wo_b runs it).
 
 Buffers are double-buffered by site parity: site k's mixer writes set k % 2 while the boundary of
 site k-1 reads set (k-1) % 2.

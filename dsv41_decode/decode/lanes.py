@@ -13,10 +13,14 @@ took 3.82 / 4.27 / 5.25 / 10.21 ms at 1 / 8 / 16 / 64 rows this way against 3.96
 10.46 with every stream at the default priority, with the same bits.
 
 An invariant the schedule keeps: no kernel on a side lane waits for other programs of its own
-launch. The sparse MLA's configurations at 1-16 rows (the spread combination) and the one-launch
-top-k do, and count on every program of the launch becoming resident; beside side-lane kernels
-that finish on their own they are only delayed, beside another waiting kernel both could stall
-until their bounded waits give up.
+launch. On the main stream the sparse MLA's spread combination and the first launch of its "pv"
+combination wherever their grid fits on the SMs at once (`TICKET` off in `ops.gluon_sparse_mla`;
+`STEP_CONFIGS`: at 64 heads the spread combination at 1-12 rows and "pv" from 13, at 8-32 heads the
+spread combination at every row count) and the co-resident mHC boundary (`ops.mhc`,
+`MhcBoundaryPlan.coresident`) do, and count on every program of the launch becoming resident;
+beside side-lane kernels that finish on their own they are only delayed, beside another waiting
+kernel both could stall until their bounded waits give up. The step never runs the one-launch
+top-k (`topk_ascending_(one_launch=True)`), which waits likewise.
 """
 
 from __future__ import annotations

@@ -105,23 +105,27 @@ class DecodeStep:
         Both give the same bits. When the fused boundary cannot be built the step falls back to
         "collective" and says why (a RuntimeWarning); `boundary_mode` tells which runs.
     wo_a_fp8: quantize a BF16 `wo_a` to FP8 once at build (changes the numbers; `ops.wo_a`).
-    exact_linears: the FP8 linears with the contract's bits (default; `ops.exact_linear.ExactLinear`:
-        CUDA cores at few rows, the FP64 MMA above, whichever measured faster per shape and rows):
-        the cache records a layer writes are the reference's, bit for bit, given its input, and
+    exact_linears: the FP8 linears with the contract's bits (default; `ops.exact_linear.ExactLinear`,
+        whichever op measured faster per shape and rows: `ExactMM` or `GluonExactFMA` on CUDA cores
+        at few rows, `GluonExactMM` above, on FP16 MMAs over the codes' digits in the measured plans
+        and on the FP64 MMA for unlisted shapes; each with the query RoPE in wq_b's epilogue): the
+        cache records a layer writes are the reference's, bit for bit, given its input, and
         `trace verify --path step --device cuda` passes the official cases. False runs them on FP8
         tensor cores (`GluonMM` on sm_90, else `LowLatencyMM`; faster from 2 rows, with the query
-        RoPE and the index query in their epilogues), outside the contract: their 32-deep block
-        sums truncate, so about 3 % of their BF16 outputs land one ulp off the contract's and the
-        official cases fail (spec decision 38; docs/gemm.md, "Exactness").
+        RoPE in wq_b's epilogue and, with fold_index_chain, the index query in the indexer wq_b's),
+        outside the contract: their 32-deep block sums truncate, so about 3 % of their BF16 outputs
+        land one ulp off the contract's and the official cases fail (spec decision 38; docs/gemm.md,
+        "Exactness").
     fp32_dots: run the sparse MLA and `wo_a` with FP32 operands and IEEE dots (CUDA-core FMAs: FP32
         round-to-nearest sums, where the default's BF16 / TF32 tensor-core dots truncate; spec
         decision 40): their outputs then differ from the reference's only by FP32 summation order.
-    fold_index_chain: two launches off the indexer layers' chain - the index query's RoPE and MXFP4
-        in the indexer wq_b's epilogue with its head weights in weights_proj's (`GluonMM` /
-        `LowLatencyMM(..., index_query=)`, `ll_bf16_(..., scale=)`; the exact linears keep
-        `index_query_`), and the sparse-index table in the top-k's last launch
-        (`topk_ascending_(..., table=)`); the same bits. Off by default: on an H200 the step took
-        1.02x the default's time at 1 row and 1.00x at 8-64 (docs/step.md).
+    fold_index_chain: launches off the indexer layers' chain - the sparse-index table in the top-k's
+        last launch (`topk_ascending_(..., table=)`), and with exact_linears=False the index query's
+        RoPE and MXFP4 in the indexer wq_b's epilogue with its head weights in weights_proj's
+        (`GluonMM` / `LowLatencyMM(..., index_query=)`, `ll_bf16_(..., scale=)`; the exact linears
+        keep `index_query_`): one launch with the exact linears, two with exact_linears=False; the
+        same bits. Off by default: on an H200 the step took 1.02x the default's time at 1 row and
+        1.00x at 8-64 (docs/step.md).
     fold_boundary: on one GPU, the mHC boundary after a layer in its wo_b's epilogue wherever wo_b's
         op for the bucket's rows is `ExactMM` (exact linears on an sm_90 GPU: 1-2 rows; off sm_90
         and in the interpreter: every bucket): `ExactMM(..., boundary=)` with `Boundary.operands`,
@@ -143,7 +147,9 @@ class DecodeStep:
     index_row_group: on an sm_90 GPU, the dense indexers' Gluon scorer scores a request's rows this
         many at a time on each key tile it reads (`gluon_index_scores_mxfp4_(row_group=)`: the keys
         read and widened once for a request's decode and draft rows); the same bits. 1 (default),
-        2 or 4; elsewhere it changes nothing.
+        2 or 4; it changes nothing elsewhere, nor in the buckets where a TP step row-shards the dense
+        indexers (`AttentionStep._select_shared` scores the rank's share of the rows,
+        `TensorParallel.row_share`, without it).
     fuse_scales: the exact linears' `GluonExactMM` (sm_90, from a few rows up) with each K block's
         scaling and K-ordered add in one FMA where the scale bytes allow it (`GluonExactConfig.
         fuse_scales`); the same bits. Off by default; elsewhere it changes nothing.
@@ -156,8 +162,10 @@ class DecodeStep:
         never); the same bits.
 
     Errors: StepError for buckets outside 1..LOW_BATCH_MAX_ROWS or past the state's stage_rows, a
-    state of another configuration, or an unknown tp_boundary; `NotEligible` for a layer whose
-    weights do not suit the step.
+    state of another configuration, a mix_late_rows that is not an int >= 1, an index_row_group
+    outside `ROW_GROUPS`, a fuse_scales or pair_slots that is not a bool, an unknown tp_boundary,
+    or tp_boundary="fused" under TP off CUDA; `NotEligible` for a layer whose weights do not suit
+    the step.
 
     Under TP the Full layers' dense indexers run row-sharded in the buckets of at least
     `indexer_shard_rows` rows (default `INDEXER_SHARD_ROWS`; `AttentionStep.run(shard=)`) and

@@ -1,4 +1,4 @@
-"""Per-step metadata and sparse-index tables of the specialized decode step (design section 2.4-2.5).
+"""Per-step metadata and window tables of the specialized decode step (design section 2.4-2.5).
 
 `StepMeta` owns every per-row quantity of a step in persistent device buffers sized for the largest
 row bucket. The host fills one small int64 record per row before a replay (`load`: built with numpy
@@ -14,6 +14,10 @@ of the request's first row in the step, and the request's last position in this 
 Window records of the step's own rows are staged (`DecodeState.stage_base + row`) and copied into
 their ring slots after the layer's attention has read the ring (`ring_dst`/`stage_src`): a
 request's later rows would otherwise overwrite ring slots its earlier rows still see.
+
+The sparse-index tables are not built here: each indexer layer builds its own into its
+`IndexSelection` (`ops.sparse_tables.topk_slots_`, or `ops.topk.topk_ascending_(table=)` with
+`DecodeStep(fold_index_chain=True)`).
 """
 
 from __future__ import annotations

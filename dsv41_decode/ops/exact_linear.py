@@ -47,7 +47,8 @@ _fma_cfg = GluonExactFMAConfig.from_spec
 # fastest configuration per row count, and the
 # threshold where ExactMM's time, linear in the rows between the measured counts, crosses
 # GluonExactMM's. Shapes without an entry (the TP shards) run GluonExactMM in its default
-# configuration above 4 rows. Every configuration gives the same bits.
+# configuration above 4 rows where FP64 runs at full rate (else ExactMM at every row count).
+# Every configuration gives the same bits.
 _GLUON_PLAN: dict[tuple[int, int], tuple[int, dict[int, GluonExactConfig]]] = {
     # fused wq_a|wkv: the FP16 digits along K 11.3 us at 4-8 rows, 14.0 at 16, 21.0 at 32 against
     # the FP64 forms' 12.7 / 15.7 / 24.0; at 64 the FP16 digits 33.9 against 42.3 (run F); ExactMM
@@ -119,16 +120,17 @@ class ExactLinear:
     listed there; elsewhere ExactMM. All give the reference's bits, so a row's result does not
     depend on which runs (batch invariance). Arguments, errors and the call: `ExactMM`'s
     (exact_config its config; workspace its workspace, which GluonExactMM shares: the ops never
-    run at once). mma_above: override the threshold (None: `_GLUON_PLAN`'s, on sm_90 only; 0: the
-    FP64 MMA for every call; >= max_rows: never); fma_rows: override the most rows GluonExactFMA runs
-    (None: `_FMA_PLAN`'s, on sm_90 parts whose FP64 runs at full rate only (`common.full_rate_fp64`),
-    none for an unlisted shape; 0: never); where FP64 runs slowly an unlisted shape's default
-    mma_above is max_rows (GluonExactMM's default configuration is the FP64 MMA); both for tests and
-    probes. `fma_rows` the attribute: the (first, last) row counts GluonExactFMA runs ((1, 0): none).
-    fuse_scales: GluonExactMM's configurations with `GluonExactConfig.fuse_scales` (each block term
-    and its add in one FMA where the scales allow it; the same bits). pair_slots: its configurations
-    along K that can take it (`takes_pair_slots`) with `GluonExactConfig.pair_slots` (the ring's
-    slots two at a time; the same bits)."""
+    run at once). mma_above: override the threshold (None: `_GLUON_PLAN`'s, on sm_90 only; 0:
+    GluonExactMM for every call that GluonExactFMA does not take; >= max_rows: never); fma_rows:
+    override the most rows GluonExactFMA runs (None: `_FMA_PLAN`'s, on sm_90 parts whose FP64 runs
+    at full rate only (`common.full_rate_fp64`), none for an unlisted shape; 0: never); where FP64
+    runs slowly an unlisted shape's default mma_above is max_rows (GluonExactMM's default
+    configuration is the FP64 MMA); both for tests and probes. `fma_rows` the attribute: the
+    (first, last) row counts GluonExactFMA runs ((1, 0): none). fuse_scales: GluonExactMM's
+    configurations with `GluonExactConfig.fuse_scales` (each block term and its add in one FMA
+    where the scales allow it; the same bits). pair_slots: its configurations along K that can take
+    it (`takes_pair_slots`) with `GluonExactConfig.pair_slots` (the ring's slots two at a time; the
+    same bits)."""
 
     def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int = MAX_ROWS,
                  exact_config=None, workspace=None, mma_above: int | None = None,

@@ -1,5 +1,6 @@
-"""What the exact Gluon linears (`gluon_exact_mm.GluonExactMM` on the FP64 MMA,
-`gluon_exact_fma.GluonExactFMA` on the FP64 CUDA cores) share: the exact power-of-two scaling of
+"""What the exact Gluon linears (`gluon_exact_mm.GluonExactMM` on the FP64 MMA or on FP16 MMAs over
+the codes' digits, `GluonExactConfig.convert` "f16d" / "f16w" / "f16wp"; `gluon_exact_fma.GluonExactFMA`
+on the FP64 CUDA cores) share: the exact power-of-two scaling of
 FP64 values (`pow2`), the consumers' start of a ring slot (`wait_slot`) or of a unit of them
 (`unit_words`, `wait_unit`), a block's term and its
 K-ordered add or workspace store (`block_term`, `scaled_term`, `take_term`, `ws_tile`), the same in one

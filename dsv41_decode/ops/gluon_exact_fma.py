@@ -100,7 +100,9 @@ the tile's terms at ~64 bytes a cycle: ~1.5-2.3 us at 1 row, up to ~9 us with 12
 rows (the terms of 4 rows, 2 KB per block a tile: smaller tiles and fewer splits there). The
 estimates (the model above with the tail; the probe's SPLIT_CANDIDATES list the others), at 1 / 2
 / 4 rows: wo_b 128-row tiles x 6 splits (240 programs of 11 steps) ~18.5 / 24.4 / 37 us, 64-row
-tiles x 3 ~21 / 26 / 38 (ExactMM 17.0 / 30.4 / 54.1, GluonExactMM 29.7: a gain at 2 rows); fused
+tiles x 3 ~21 / 26 / 38 (ExactMM with FP32 sums 17.0 / 30.4 / 54.1, GluonExactMM 29.7: a gain at 2
+rows against those; ExactMM with FP64 block sums measured faster there, 24.5-25.0 against the
+6-split kernel's 25.2-25.3, so ExactMM runs it: `exact_linear._FMA_PLAN`); fused
 wq_a|wkv 64-row tiles x 14 splits (392 programs of 3 steps) ~8.0 / 9.2 / 12.9 (ExactMM 6.45 /
 11.1 / 15.9, GluonExactMM 12.6: at 2 rows); the indexer's wq_b 128-row tiles x 10 (320 programs of
 one step) ~5.3 / 6.3 / 8.2, 64-row tiles x 2 ~5.7 / 6.4 / 7.9 (ExactMM 4.7 / 6.4 / 8.7,

@@ -624,7 +624,9 @@ def launch_options(config: GluonExactConfig, bt: int, split: int) -> dict:
 class GluonExactMM(GluonExactPlan):
     """y[M, N] = bf16(sum over 32-wide K blocks kb, in K order, of RN(codes[:, kb] . weight[:, kb])
     * sx * sw) for 1 <= M <= max_rows <= 64, with the weight bound once: bitwise the contract of
-    `reference.linear.mxfp8_mm`, on the FP64 MMA from a TMA ring (module docstring); sm_90 only.
+    `reference.linear.mxfp8_mm`, on the FP64 MMA or on FP16 MMAs over the codes' digits
+    (`GluonExactConfig.convert` "f16d", "f16w", "f16wp") from a TMA ring (module docstring); sm_90
+    only.
     Reduction order: `exact_mm.reduction_order`, the same for every row count.
 
     weight: [N, K] float8_e4m3fn, unit stride along K, 16-byte aligned rows (TMA); K a positive

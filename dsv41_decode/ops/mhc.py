@@ -1,5 +1,5 @@
 """The mHC boundary of a site (spec section 4): the post-mix after an attention sublayer fused with the
-collapse, RMSNorm and MXFP8 quantization of the next input, and the mixer (pre, post, comb) of a site.
+collapse, RMSNorm and MXFP8 quantization of the next input.
 
 - `mhc_enter_`: the first site's input (the collapse, RMSNorm and MXFP8 without a post-mix), as
   `mhc_boundary_` computes them.
