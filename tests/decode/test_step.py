@@ -322,15 +322,27 @@ def test_late_mixer_gives_the_same_bits(cpu_setup, monkeypatch):
         stack.decode_step(copy.deepcopy(base), max_rows=2, mix_late_rows=0)
 
 
-def test_index_row_group_reaches_the_dense_scorers(cpu_setup):
+def test_index_row_group_reaches_the_dense_scorers(cpu_setup, monkeypatch):
     """index_row_group (sm_90: the Gluon scorer's row_group; its bits are the GPU tests') is each
-    dense indexer's and changes nothing off sm_90; a value the scorer does not take is a StepError
-    naming it."""
-    _, _, base, ckpt = cpu_setup
+    dense indexer's: a step's scores launches take it, and on sm_90 (the device check forced, the
+    scorer recorded) `index_scores_launch` hands it to the Gluon scorer; off sm_90 it changes
+    nothing. A value the scorer does not take is a StepError naming it."""
+    from dsv41_decode.decode import attention
+    cfg, _, base, ckpt = cpu_setup
     stack = AttentionStack(ckpt, [1, 3])
-    step = stack.decode_step(copy.deepcopy(base), max_rows=2, index_row_group=4)
+    step = stack.decode_step(copy.deepcopy(base), max_rows=4, index_row_group=4)
     indexers = [i for i in stack.ids if step.layers[i].spec.runs_indexer]
     assert indexers and all(step.layers[i].index_row_group == 4 for i in indexers)
+    launched, real = [], attention.index_scores_launch
+    monkeypatch.setattr(attention, "index_scores_launch",
+                        lambda *a, **kw: launched.append(kw.get("row_group")) or real(*a, **kw))
+    step(streams(3, cfg, torch.Generator().manual_seed(1)), [("b", 2), ("c", 1)])
+    assert launched and set(launched) == {4}, launched
+    handed = []
+    monkeypatch.setattr(attention, "is_sm90", lambda device: True)
+    monkeypatch.setattr(attention, "gluon_index_scores_mxfp4_", lambda *a, **kw: handed.append(kw.get("row_group")))
+    attention.index_scores_launch(torch.empty(2, 1), *(None,) * 6, torch.empty(2, 8), row_group=4)
+    assert handed == [4]
     for bad in (3, True):
         with pytest.raises(StepError, match="index_row_group must be one of"):
             stack.decode_step(copy.deepcopy(base), max_rows=2, index_row_group=bad)

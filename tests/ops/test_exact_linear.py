@@ -21,7 +21,7 @@ from dsv41_decode.ops.gluon_exact_fma import GluonExactFMAConfig
 from dsv41_decode.ops import gluon_exact_mm as E
 from dsv41_decode.ops.gluon_exact_mm import GluonExactConfig
 from dsv41_decode.reference.linear import mxfp8_mm
-from dsv41_decode.testing.sm90 import compile_exact_mm
+from dsv41_decode.testing.sm90 import compile_exact_mm, resources
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 STEP_SHAPES = [("fused_wqa_wkv", 1792, 5120), ("wq_b", 32768, 1280), ("idx_wq_b", 4096, 1280),
@@ -55,18 +55,58 @@ def _plan_launches() -> list[tuple[str, GluonExactConfig, int, int]]:
     return list(launches)
 
 
+def _option_launches() -> list[tuple[str, GluonExactConfig, int, int]]:
+    """`_plan_launches` as `ExactLinear(fuse_scales=True)` and `ExactLinear(pair_slots=True)` make
+    them: every launch fused, and the launches whose configuration takes pair_slots paired."""
+    k_of = {name: k for name, _, k in STEP_SHAPES}
+    return ([(n, dataclasses.replace(c, fuse_scales=True), bt, s) for n, c, bt, s in _plan_launches()]
+            + [(n, dataclasses.replace(c, pair_slots=True), bt, s) for n, c, bt, s in _plan_launches()
+               if takes_pair_slots(c, k_of[n])])
+
+
 PLAN_LAUNCHES = _plan_launches()
+OPTION_LAUNCHES = _option_launches()
+# the fused scaling's one launch with spills: `wq_b`'s 64 x 32 on wgmma at its cap of 80 (docs/gemm.md)
+FUSED_STACK = {"f16w:64:32:1:32:4:1:80:1:128:1:0": 40}
 
 
-@pytest.mark.parametrize("name,config,bt,split", PLAN_LAUNCHES,
+@pytest.mark.parametrize("name,config,bt,split", PLAN_LAUNCHES + OPTION_LAUNCHES,
                          ids=[f"{n}-{c.convert}-n{c.block_n}-m{c.block_m}-wk{c.warps_k}-bk{c.block_k}-bt{bt}-s{s}"
-                              for n, c, bt, s in PLAN_LAUNCHES])
+                              + ("-fused" if c.fuse_scales else "") + ("-pairs" if c.pair_slots else "")
+                              for n, c, bt, s in PLAN_LAUNCHES + OPTION_LAUNCHES])
 def test_plan_compiles_for_sm90_without_spills(name, config, bt, split):
-    # Every launch the plan makes at the step's shapes compiles for sm_90 (on the CPU) within its
-    # register cap and shared memory, with no local memory (`spill_free`): the plan names only
-    # configurations the hardware runs as measured.
+    # Every launch the plan makes at the step's shapes, and with each of ExactLinear's options,
+    # compiles for sm_90 (on the CPU) within its register cap and shared memory, with no local
+    # memory (`spill_free`): the plan names only configurations the hardware runs as measured.
     kernel = compile_exact_mm(config, bt, split)
+    if config.spec in FUSED_STACK:
+        res = resources(kernel)
+        assert 0 < res["STACK"] <= FUSED_STACK[config.spec] and res["REG"] <= config.maxnreg, res
+        return
     spill_free(kernel, config.maxnreg or 255, E.shared_bytes(config, bt))
+
+
+def test_options_reach_a_listed_shapes_configurations(monkeypatch):
+    # ExactLinear's options on a shape the plan lists (here one patched in, the device checks
+    # forced: construction only, nothing runs): fuse_scales on every GluonExactMM configuration,
+    # pair_slots on those `takes_pair_slots` takes (along K, K a multiple of two slots), neither
+    # without the option; the ops and thresholds unchanged.
+    from dsv41_decode.ops import exact_linear, gluon_mm
+    monkeypatch.setattr(exact_linear, "is_sm90", lambda device: True)
+    monkeypatch.setattr(gluon_mm, "is_sm90", lambda device: True)
+    monkeypatch.setattr(exact_linear, "full_rate_fp64", lambda device: True)
+    n, k = 256, 1024
+    plan = {8: GluonExactConfig.from_spec("f16d:16:8:1:32:4:1:80:4:256"),
+            16: GluonExactConfig.from_spec("f16d:16:16:1:32:4:1:80:4:256"), 64: GluonExactConfig.from_spec("f16d:128:16:1:32:4:1")}
+    monkeypatch.setitem(_GLUON_PLAN, (n, k), (2, plan))
+    _, _, _, _, weight, w_scale = linear_operands(_gen(29), 1, n, k)
+    for options in ({}, {"fuse_scales": True}, {"pair_slots": True}):
+        linear = ExactLinear(weight, w_scale, **options)
+        assert linear.mma is not None and linear.mma_above == 2, options
+        configs = [c for _, c in linear.mma._configs]
+        assert [dataclasses.replace(c, fuse_scales=False, pair_slots=False) for c in configs] == list(plan.values())
+        assert [c.fuse_scales for c in configs] == [bool(options.get("fuse_scales"))] * 3, options
+        assert [c.pair_slots for c in configs] == ([True, True, False] if options.get("pair_slots") else [False] * 3)
 
 
 def test_pair_slots_take_the_plans_entries_along_k_that_fit():
