@@ -89,10 +89,23 @@ def test_tp_reference_matches_tp1(preset, world, tmp_path_factory, tmp_path):
     run_ranks(_rank, world, (world, ckpt_dir, str(tmp_path / "store")))
 
 
-def test_reduce_partials_is_rank_ordered_and_rejects_bf16():
+def test_reduce_partials_is_rank_ordered_and_rejects_bf16(monkeypatch):
     tp = TensorParallel()
     p = torch.randn(3, 8)
     assert tp.reduce_partials(p) is p
+    # four ranks' partials whose FP32 sum depends on the order (the gather stubbed: every rank
+    # receives the same list): ((p0 + p1) + p2) + p3, on each rank
+    parts = [torch.tensor([[1.0, 3.0]]), torch.tensor([[2.0 ** 24, 2.0 ** -30]]), torch.tensor([[1.0, -3.0]]),
+             torch.tensor([[-2.0 ** 24, 1.0]])]
+
+    def gather(out, mine, group=None):
+        for o, q in zip(out, parts):
+            o.copy_(q)
+    monkeypatch.setattr(dist, "all_gather", gather)
+    want = ((parts[0] + parts[1]) + parts[2]) + parts[3]
+    assert not torch.equal(want, ((parts[3] + parts[2]) + parts[1]) + parts[0])      # the order shows
+    for rank in range(4):
+        assert torch.equal(TensorParallel(4, rank).reduce_partials(parts[rank]), want), rank
     with pytest.raises(TypeError, match="float32"):
         tp.reduce_partials(p.to(torch.bfloat16))
     with pytest.raises(ValueError, match="rank"):

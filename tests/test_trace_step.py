@@ -71,12 +71,9 @@ def test_step_replay_within_tolerances(step_results):
     assert not failures
 
 
-@interpreter
-def test_step_replay_with_exact_linears():
-    """The step built with exact_linears=True and fp32_dots=True runs ExactLinear plans (ExactMM
-    alone off sm_90), wo_a with IEEE dots and the sparse MLA with FP32 operands, and passes the
-    verifier's checks."""
-    from dsv41_decode.ops.exact_linear import ExactLinear
+def _replay(calls: int, **options):
+    """verify_trace of the official case's prefill and first `calls` decode calls through the step
+    built with `options`: (results, the step built)."""
     from dsv41_decode.testing import trace_step
     built = []
     real = trace_step.StepReplay.__init__
@@ -86,12 +83,39 @@ def test_step_replay_with_exact_linears():
         built.append(self.step)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(trace_step.StepReplay, "__init__", spy)
-        res = verify_trace(OFFICIAL, path="step", calls=1, exact_linears=True, fp32_dots=True)
-    layer = next(iter(built[0].layers.values()))
+        res = verify_trace(OFFICIAL, path="step", calls=calls, **options)
+    return res, built[0]
+
+
+@interpreter
+def test_step_replay_with_fp32_dots():
+    """The step built with fp32_dots=True (and the default exact linears) runs ExactLinear plans
+    (ExactMM alone off sm_90), wo_a with IEEE dots and the sparse MLA with FP32 operands, and passes
+    the verifier's checks."""
+    from dsv41_decode.ops.exact_linear import ExactLinear
+    res, step = _replay(1, exact_linears=True, fp32_dots=True)
+    layer = next(iter(step.layers.values()))
     assert layer.wo_a_plan.ieee_dot and not any(p.bf16_dot for p in layer.mla_plans)
     assert all(isinstance(p, ExactLinear) and p.mma is None for p in (layer.mm_qkv, layer.mm_wq_b, layer.mm_wo_b))
     assert [r.call for r in res if r.path == "step"] == ["decode00"] * 7
     assert not [(r.call, r.layer, f) for r in res for f in r.failures]
+
+
+@interpreter
+def test_step_replay_with_tensor_core_linears():
+    """The step built with exact_linears=False runs its FP8 linears on the tensor-core tier's plans
+    (`LowLatencyMM` off sm_90; in the interpreter the FP8 dots sum exactly, so the contract's bits)
+    with the query RoPE in wq_b's epilogue, and passes the verifier's checks over two calls (the
+    second completes a ratio-2 group)."""
+    from dsv41_decode.ops.low_latency_mm import LowLatencyMM
+    res, step = _replay(2, exact_linears=False)
+    layer = next(iter(step.layers.values()))
+    assert all(isinstance(p, LowLatencyMM) for p in (layer.mm_qkv, layer.mm_wq_b, layer.mm_wo_b))
+    assert [r.call for r in res if r.path == "step"] == ["decode00"] * 7 + ["decode01"] * 7
+    assert not [(r.call, r.layer, f) for r in res for f in r.failures]
+
+
+def test_step_options_need_the_step_path():
     for option, value in (("exact_linears", False), ("fp32_dots", True)):
         with pytest.raises(ValueError, match="exact_linears=False and fp32_dots=True build the step's kernels"):
             verify_trace(OFFICIAL, path="reference", **{option: value})

@@ -25,22 +25,37 @@ from dsv41_decode.state import DecodeState
 from dsv41_decode.testing.synthetic import fill_state, random_checkpoint
 from helpers import reduced_config, streams
 
-# tensor -> host value: each of these waits for the device when the tensor lives on a GPU
+# tensor -> host value: each of these waits for the device when the tensor lives on a GPU (the
+# last four of each: a result whose size or value depends on the data)
 _READS = ("item", "tolist", "cpu", "numpy", "__array__", "__bool__", "__int__", "__float__", "__index__",
-          "nonzero")
+          "nonzero", "unique", "masked_select", "equal")
+_TORCH_READS = ("nonzero", "unique", "masked_select", "equal")
 
 
 @contextlib.contextmanager
 def no_host_reads(monkeypatch):
-    """Every tensor -> host-value conversion raises inside the block (and synchronizing calls)."""
+    """Every tensor -> host-value conversion raises inside the block (and synchronizing calls), as
+    do indexing with a boolean mask (its result's size is the data's)."""
     def refuse(name):
         def read(*args, **kwargs):
-            raise AssertionError(f"the step's call path called Tensor.{name}")
+            raise AssertionError(f"the step's call path called {name}")
         return read
+
+    def no_masks(method):
+        def index(self, key, *rest):
+            keys = key if isinstance(key, tuple) else (key,)
+            if any(isinstance(k, torch.Tensor) and k.dtype == torch.bool for k in keys):
+                raise AssertionError(f"the step's call path indexed with a boolean mask (Tensor.{method.__name__})")
+            return method(self, key, *rest)
+        return index
     with monkeypatch.context() as m:
         for name in _READS:
-            m.setattr(torch.Tensor, name, refuse(name))
-        m.setattr(torch.cuda, "synchronize", refuse("cuda.synchronize"))
+            m.setattr(torch.Tensor, name, refuse(f"Tensor.{name}"))
+        for name in _TORCH_READS:
+            m.setattr(torch, name, refuse(f"torch.{name}"))
+        for name in ("__getitem__", "__setitem__"):
+            m.setattr(torch.Tensor, name, no_masks(getattr(torch.Tensor, name)))
+        m.setattr(torch.cuda, "synchronize", refuse("torch.cuda.synchronize"))
         yield
 
 
@@ -60,6 +75,8 @@ def test_call_reads_nothing_back(monkeypatch):
         with no_host_reads(monkeypatch):
             with pytest.raises(AssertionError, match="Tensor.item"):
                 torch.zeros(1).item()                     # the guard is on
+            with pytest.raises(AssertionError, match="boolean mask"):
+                torch.zeros(2)[torch.ones(2, dtype=torch.bool)]
             out, pre = step(x, rows)
             if kept:
                 step.accept(kept)

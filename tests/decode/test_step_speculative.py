@@ -121,7 +121,7 @@ def test_step_state_writes_with_drafts_equal_accepted_only():
         sp.serve(w, truth, plan, junk_seed=6 if drafted else None, accept=st.accept if drafted else None,
                  after=lambda _: held.append({r: sp.held_state(st, r) for r in REQS}))
         runs[drafted] = st, w, held
-    (st_d, w_d, held_d), (st_o, w_o, held_o) = runs[True], runs[False]
+    (_, w_d, held_d), (_, w_o, held_o) = runs[True], runs[False]
     for k, (a, b) in enumerate(zip(held_d, held_o)):
         for r in REQS:
             for key, v in a[r].items():
@@ -185,11 +185,12 @@ def _step_state(cfg, stack, max_drafts):
 @interpreter
 def test_decode_step_with_drafts_equals_accepted_only(mini_stack):
     """Request a at positions 5..8 keeps 5: it rejects a first half of a pair (6, then 8) and a
-    completed group (7, publishing entry 3), and the 7-slot ring wraps; the second call
-    re-decodes the rejected positions 6..8 and keeps them. (Several requests per call, fresh
-    groups and every pattern: the state-writes test above and the GPU test.)"""
+    completed group (7, publishing entry 3), and the 7-slot ring wraps; at 6..9 it keeps 6, so the
+    ratio-2 group (6, 7) stays open while its rejected second row 7 completed it (`accept` restores
+    the open group); the third call re-decodes 7..8 and keeps them. (Several requests per call,
+    fresh groups and every pattern: the state-writes test above and the GPU test.)"""
     cfg, stack = mini_stack
-    plan = [{"a": (3, 1)}, {"a": (2, 3)}]
+    plan = [{"a": (3, 1)}, {"a": (3, 1)}, {"a": (1, 2)}]
     truth = sp.true_inputs(cfg, sp.needed_tokens(plan), seed=1)
     outs, states = [], []
     for md, drafted in ((3, True), (0, False)):
