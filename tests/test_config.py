@@ -75,7 +75,17 @@ def _raises(field: str, fn, *args, **kw) -> str:
     with pytest.raises(ConfigError) as ei:
         fn(*args, **kw)
     msg = str(ei.value)
-    assert msg.startswith(f"{field}:") or field in msg, f"message does not name {field!r}: {msg}"
+    assert msg.startswith(f"{field}:"), f"message does not start with {field!r}: {msg}"
+    return msg
+
+
+def _raises_saying(text: str, fn, *args, **kw) -> str:
+    """Call fn, expect a ConfigError whose message holds `text` (a config-wide error: an unknown
+    preset, missing keys); return the message."""
+    with pytest.raises(ConfigError) as ei:
+        fn(*args, **kw)
+    msg = str(ei.value)
+    assert text in msg, f"message does not say {text!r}: {msg}"
     return msg
 
 
@@ -185,10 +195,10 @@ def test_preset_round_trips_through_dict_and_json(name, tmp_path):
 
 
 def test_load_errors(tmp_path):
-    _raises("unknown preset", ModelConfig.preset, "nope")
-    _raises("no config file", ModelConfig.from_json, tmp_path / "absent.json")
+    _raises_saying("unknown preset 'nope'", ModelConfig.preset, "nope")
+    _raises_saying("no config file at", ModelConfig.from_json, tmp_path / "absent.json")
     (tmp_path / "config.json").write_text("{not json")
-    _raises("not valid JSON", ModelConfig.from_json, tmp_path)
+    _raises_saying("config.json: not valid JSON", ModelConfig.from_json, tmp_path)
     assert issubclass(ConfigError, ValueError)
 
 
@@ -282,19 +292,22 @@ def test_check_tp(flash):
     _raises("tp", flash.check_tp, 0)
 
 
-@pytest.mark.parametrize("field,value", [
-    ("dim", 0), ("n_heads", -4), ("index_topk", 0), ("window_size", 0), ("hc_mult", 3),
-    ("head_dim", 256), ("rope_head_dim", 32), ("index_head_dim", 64), ("dim", 5121),
-    ("q_lora_rank", 1290), ("rope_factor", 0.5), ("n_layers", True),
+@pytest.mark.parametrize("field,value,rule", [
+    ("dim", 0, "must be a positive integer"), ("n_heads", -4, "must be a positive integer"),
+    ("index_topk", 0, "must be a positive integer"), ("window_size", 0, "must be a positive integer"),
+    ("hc_mult", 3, "assumes 4 streams"), ("head_dim", 256, "assume 512"), ("rope_head_dim", 32, "assumes 64"),
+    ("index_head_dim", 64, "assumes 128"), ("dim", 5121, "must be a multiple of 32"),
+    ("q_lora_rank", 1290, "must be a multiple of 32"), ("rope_factor", 0.5, "must be >= 1"),
+    ("n_layers", True, "must be a positive integer"),
 ])
-def test_bad_scalar_fields(flash, field, value):
-    _raises(field, flash.replace, **{field: value})
+def test_bad_scalar_fields(flash, field, value, rule):
+    assert rule in _raises(field, flash.replace, **{field: value})
 
 
 def test_missing_keys_are_listed(flash):
     d = flash.to_dict()
     del d["index_topk"], d["window_size"]
-    msg = _raises("missing", ModelConfig.from_dict, d)
+    msg = _raises_saying("config is missing key(s):", ModelConfig.from_dict, d)
     assert "index_topk" in msg and "window_size" in msg
 
 
@@ -311,20 +324,20 @@ def test_candidate_source_may_be_absent():
 def test_hf_missing_rope_scaling():
     d = _flash_hf_dict()
     del d["rope_scaling"]
-    _raises("rope_scaling", ModelConfig.from_dict, d)
+    _raises_saying("missing key(s): rope_scaling", ModelConfig.from_dict, d)
     d = _flash_hf_dict()
     del d["rope_scaling"]["beta_fast"]
-    _raises("rope_scaling.beta_fast", ModelConfig.from_dict, d)
+    _raises_saying("missing key(s): rope_scaling.beta_fast", ModelConfig.from_dict, d)
 
 
 def test_hf_file_missing_rope_scaling(tmp_path):
     d = json.loads(_needs(FLASH_HF).read_text())
     del d["rope_scaling"]
     (tmp_path / "config.json").write_text(json.dumps(d))
-    _raises("rope_scaling", ModelConfig.from_json, tmp_path)
+    _raises_saying("missing key(s): rope_scaling", ModelConfig.from_json, tmp_path)
 
 
 def test_hf_missing_key_is_listed_by_our_name():
     d = _flash_hf_dict()
     del d["index_topk"]
-    _raises("index_topk", ModelConfig.from_dict, d)
+    _raises_saying("missing key(s): index_topk", ModelConfig.from_dict, d)

@@ -12,14 +12,22 @@ _DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6
 
 
-def _case(n, dim, tp, seed):
+def _case(n, dim, tp, seed, cancelling=False):
+    """Boundary operands and tp partials: Gaussian ones, or (cancelling, tp >= 3) a, b, -a[, -b]
+    over many powers of two, whose FP32 sum depends on the order of the adds (rank order:
+    ((a + b) - a) - b keeps b's rounding error, other orders do not)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 4, dim, generator=g).to(torch.bfloat16)
     post = 2 * torch.rand(n, 4, generator=g)
     comb = torch.softmax(torch.randn(n, 4, 4, generator=g), -1)
     pre = torch.rand(n, 4, generator=g) + 0.1
     w = (1 + 0.1 * torch.randn(dim, generator=g)).to(torch.bfloat16)
-    parts = [torch.randn(n, dim, generator=g) * 3 for _ in range(tp)]
+    if cancelling:
+        a, b = (torch.randn(n, dim, generator=g) * 2.0 ** torch.randint(-10, 11, (n, dim), generator=g).float()
+                for _ in range(2))
+        parts = [a, b, -a, -b][:tp]
+    else:
+        parts = [torch.randn(n, dim, generator=g) * 3 for _ in range(tp)]
     return [t.to(_DEVICE) for t in (x, post, comb, pre, w)], [p.to(_DEVICE) for p in parts]
 
 
@@ -31,11 +39,21 @@ def _outputs(n, dim):
             torch.empty(n, dim, dtype=torch.bfloat16, device=_DEVICE))
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_every_rank_gets_the_boundary_of_the_rank_ordered_sum(tp):
+@pytest.mark.parametrize("tp,cancelling", [(2, False), (4, False), (3, True), (4, True)])
+def test_every_rank_gets_the_boundary_of_the_rank_ordered_sum(tp, cancelling):
+    # Gaussian partials (the boundary's bits), and partials whose sum depends on the order of the
+    # adds, so that a rank adding in another order (its own partial first) shows
     n, dim, layers, k = 3, 256, 4, 2
     boxes = Mailbox.local_group(tp, 4, dim, layers, _DEVICE)
-    (x, post, comb, pre, w), parts = _case(n, dim, tp, seed=tp)
+    (x, post, comb, pre, w), parts = _case(n, dim, tp, seed=tp, cancelling=cancelling)
+    if cancelling:          # the order shows: some rank starting from its own partial would differ
+        sums = []
+        for r in range(tp):
+            acc = parts[r].clone()
+            for p in parts[r + 1:] + parts[:r]:
+                acc += p
+            sums.append(acc.to(torch.bfloat16))
+        assert any(not torch.equal(t, sums[0]) for t in sums[1:])
     for box, p in zip(boxes, parts):              # every rank's wo_b publishes into its slot
         box.slot(k)[:n] = p
     total = parts[0].clone()

@@ -74,8 +74,37 @@ def test_side_projection_mixer_and_wo_a_plans_fix_their_order():
     mixes = [HcMixPlan.build(5120, r, DEVICE) for r in (1, 16, 64)]
     assert {t.block_k for p in mixes for t in p.tiles} == {32} and max(t.block_m for t in mixes[-1].tiles) == 8
     assert len({(p.split, p.k_per_split) for p in mixes}) == 1
-    for dt in (torch.bfloat16, torch.float8_e4m3fn):
-        assert isinstance(WoAPlan.build(64, 8, 1024, 64, dt, DEVICE).swapped, bool)
+
+
+@pytest.mark.parametrize("swap_ab", [None, False, True])
+def test_wo_a_swap_is_the_plans_at_every_row_count(swap_ab, monkeypatch):
+    """wo_a_: every launch runs the plan's swap (`WoAPlan.swapped`), whatever the rows (the launch
+    recorded, not run: in the interpreter both orientations give the same bits, so no row test can
+    see it); an unswapped plan launches at most MAX_UNSWAPPED_ROWS rows at a time."""
+    from dsv41_decode.ops import wo_a as wo_a_mod
+    seen = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append((kw["SWAP_AB"], kw["BLOCK_M"], args[13]))   # 13: the rows
+    monkeypatch.setattr(wo_a_mod, "_wo_a_kernel", Spy())
+    heads, groups, rank = 2, 1, 64
+    w = torch.randn(groups * rank, heads // groups * 512, generator=torch.Generator().manual_seed(6)) / 45
+    for fp8 in (False, True):
+        weight, scale = fp8_block_quantize(w) if fp8 else (w.bfloat16(), None)
+        weight, scale = weight.to(DEVICE), None if scale is None else scale.to(DEVICE)
+        dt = weight.dtype
+        plan = WoAPlan.build(heads, groups, rank, 64, weight.dtype, DEVICE, swap_ab=swap_ab)
+        for m in (1, 16, 17, 33, 64):
+            seen.clear()
+            o = torch.zeros(m, heads, 512, dtype=torch.bfloat16, device=DEVICE)
+            cos = torch.ones(m, 32, device=DEVICE)
+            z = torch.empty(m, groups * rank, dtype=torch.bfloat16, device=DEVICE)
+            wo_a_(plan, o, cos, torch.zeros_like(cos), weight, scale, z)
+            assert seen and {swap for swap, _, _ in seen} == {plan.swapped}, (dt, m, seen)
+            assert sum(rows for _, _, rows in seen) == m, (dt, m, seen)
+            if not plan.swapped:
+                assert all(rows <= wo_a_mod.MAX_UNSWAPPED_ROWS and block_m <= 32 for _, block_m, rows in seen), seen
 
 
 # --- the ops: a row alone and among others (interpreter: small shapes) --------------------------------

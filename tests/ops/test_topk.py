@@ -276,12 +276,14 @@ def _rows_of(entries, cases):
 _TOPK_ROWS = [(_FEW, 0.0), ((1.0, 0.5), 0.0), (_FEW, 0.85), ((3.0,), 0.3)]
 
 
-@pytest.mark.parametrize("small_max,max_chunks", [(4096, 1024), (0, 1024), (0, 2)])
-def test_topk_ties_equal_the_reference(monkeypatch, small_max, max_chunks):
+@pytest.mark.parametrize("small_max,max_chunks,separate", [(4096, 1024, False), (0, 1024, False), (0, 1024, True),
+                                                             (0, 2, False), (0, 2, True)])
+def test_topk_ties_equal_the_reference(monkeypatch, small_max, max_chunks, separate):
     """Hundreds of scores equal at the threshold (the highest-indexed taken), spread over chunks,
-    on each path: the row kernel, count + write over chunks of 256, larger chunks past the chunk
-    cap. Four rows (-inf entries, fewer visible or finite entries than k, an empty row), then one
-    row alone through the same plan."""
+    on each path: the row kernel, the linked path and the four-launch count + write
+    (`separate_count=True`) over chunks of 256, both with larger chunks past the chunk cap. Four
+    rows (-inf entries, fewer visible or finite entries than k, an empty row), then one row alone
+    through the same plan."""
     from dsv41_decode.ops import topk as topk_mod
     monkeypatch.setattr(topk_mod, "_SMALL_MAX", small_max)
     monkeypatch.setattr(topk_mod, "_MAX_CHUNKS", max_chunks)
@@ -290,7 +292,8 @@ def test_topk_ties_equal_the_reference(monkeypatch, small_max, max_chunks):
     s = _rows_of(entries, _TOPK_ROWS)
     for rows, nv in ((4, [entries, 100, 699, 0]), (1, [entries])):
         nv = torch.tensor(nv, dtype=torch.int32, device=_DEVICE)
-        out = topk_ascending_(s[:rows], nv, torch.empty(rows, k, dtype=torch.int32, device=_DEVICE), plan)
+        out = topk_ascending_(s[:rows], nv, torch.empty(rows, k, dtype=torch.int32, device=_DEVICE), plan,
+                              separate_count=separate)
         assert torch.equal(out, _ref_topk(s[:rows], nv, k)), f"{rows} rows"
         for i in range(rows):
             m = int(nv[i])
