@@ -221,8 +221,8 @@ def _parser() -> argparse.ArgumentParser:
                          "step-timeline-<gpu>.json (profiler trace) and step-timeline-<gpu>.png.")
     st.add_argument("--rows", type=rows, default=(1, 2, 4, 8, 16, 32, 64),
                     help="row buckets (default: 1,2,4,8,16,32,64)")
-    st.add_argument("--contexts", type=rows, default=(4096, 32768, 131072),
-                    help="contexts (default: 4096,32768,131072)")
+    st.add_argument("--contexts", type=rows, default=None,
+                    help="contexts (default: 4096,32768,131072; with --tp: 32768)")
     st.add_argument("--generic-rows", type=rows, default=(1, 8),
                     help="rows at which the generic path is timed (default: 1,8)")
     st.add_argument("--generic-contexts", type=rows, default=(32768,), help="contexts of the generic path, the "
@@ -480,11 +480,11 @@ def _bench(args, console: Console) -> int:
         return 0
     if args.bench_cmd == "step" and args.tp > 1:
         from .bench.step_tp import run_step_bench_tp
-        run_step_bench_tp(args.tp, args.rows, args.contexts, args.out, console.print)
+        run_step_bench_tp(args.tp, args.rows, args.contexts or (32768,), args.out, console.print)
         return 0
     if args.bench_cmd == "step":
         from .bench.step import run_step_bench
-        run_step_bench(args.rows, args.contexts, args.out, console.print, args.generic_rows,
+        run_step_bench(args.rows, args.contexts or (4096, 32768, 131072), args.out, console.print, args.generic_rows,
                        args.generic_contexts, bench_name=args.name, extra_variants=variants)
         return 0
     from .bench.gemm import flash_shapes, run_gemm_bench

@@ -186,7 +186,7 @@ def test_an_unlisted_shape_takes_the_same_ops_with_the_options(monkeypatch, full
     monkeypatch.setattr(gluon_mm, "is_sm90", lambda device: True)
     monkeypatch.setattr(exact_linear, "full_rate_fp64", lambda device: full_fp64)
     _, _, _, _, weight, w_scale = linear_operands(_gen(23), 1, 256, 512)
-    for options in ({}, {"fuse_scales": True}, {"pair_slots": True}):
+    for options in ({}, {"fuse_scales": True}, {"pair_slots": True}, {"fuse_scales": True, "pair_slots": True}):
         linear = ExactLinear(weight, w_scale, max_rows=16, **options)
         assert linear.fma is None, options
         if full_fp64:
