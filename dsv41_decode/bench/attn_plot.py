@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .results import runs_label
+
 
 def plot_attn(rows: list[dict], path: str | Path) -> None:
     """Three panels from `bench attn` records (the JSON lines it writes); panels without records
@@ -44,9 +46,9 @@ def plot_attn(rows: list[dict], path: str | Path) -> None:
         if all("bf16_path" in r["baselines"] for r in sel):
             a_idx.plot(ctx, [r["gbps"] * r["us"] / r["baselines"]["bf16_path"] for r in sel], ".--",
                        color=line.get_color(), label=f"BF16 path, {n} rows")
-    if rows and "read_gbps" in rows[0]:
-        a_idx.axhline(rows[0]["read_gbps"], color="gray", lw=0.8, label="streaming read")
-        a_idx.axhline(0.7 * rows[0]["read_gbps"], color="gray", lw=0.8, ls=":", label="70 % target")
+    if logits and "read_gbps" in logits[0]:     # the indexer rows' own run's floor
+        a_idx.axhline(logits[0]["read_gbps"], color="gray", lw=0.8, label="streaming read")
+        a_idx.axhline(0.7 * logits[0]["read_gbps"], color="gray", lw=0.8, ls=":", label="70 % target")
     a_idx.set(xlabel="visible entries (ratio 1)", ylabel="GB/s (68-byte keys + FP32 scores)",
               title="indexer logits, 32 index heads")
     a_idx.set_xscale("log", base=2)
@@ -59,7 +61,7 @@ def plot_attn(rows: list[dict], path: str | Path) -> None:
     a_top.set_xscale("log", base=2)
     a_top.legend(fontsize=8)
     if rows:
-        fig.suptitle(f"bench attn on {rows[0]['gpu']} ({rows[0]['commit']}, {rows[0]['date']})")
+        fig.suptitle(f"bench attn on {rows[0]['gpu']} ({runs_label(rows)})")
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(path, dpi=90)
     plt.close(fig)

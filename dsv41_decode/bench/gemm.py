@@ -10,7 +10,7 @@ import torch
 
 from ..formats import fp8_block_quantize
 from .floor import read_bandwidth_gbps
-from .results import format_table, record, run_info, write_jsonl
+from .results import format_table, record, run_info, runs_label, write_jsonl
 from .timing import graph_time_us, l2_rotation
 
 ROWS = (1, 2, 4, 8, 16, 32, 64)
@@ -142,11 +142,16 @@ def run_gemm_bench(ops, rows=ROWS, shapes: list[Shape] | None = None, out_dir="o
 
 
 def plot_gemm(rows: list[dict], path, floor_gbps: float) -> None:
-    """GB/s vs rows, one panel per (op, tp), ours against the baselines and the measured floor."""
+    """GB/s vs rows, one panel per (op, tp), ours against the baselines and the measured floor (each
+    panel's rows' own `read_gbps` where they carry one, else floor_gbps); each baseline in one colour
+    in every panel, each panel titled with its run's commit."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     keys = sorted({(r["case"]["op"], r["case"]["tp"]) for r in rows}, key=lambda k: (k[0], k[1]))
+    names = sorted({b for r in rows for b in r["baselines"]})
+    cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    colour = {"ours": cycle[0], **{b: cycle[(1 + i) % len(cycle)] for i, b in enumerate(names)}}
     cols = 4
     fig, axes = plt.subplots(-(-len(keys) // cols), cols, figsize=(4 * cols, 3 * -(-len(keys) // cols)),
                              squeeze=False)
@@ -154,12 +159,13 @@ def plot_gemm(rows: list[dict], path, floor_gbps: float) -> None:
         sel = [r for r in rows if (r["case"]["op"], r["case"]["tp"]) == key]
         ms = [r["case"]["rows"] for r in sel]
         nbytes = [r["gbps"] * r["us"] for r in sel]   # GB/s * us = bytes / 1e3
-        ax.plot(ms, [r["gbps"] for r in sel], "o-", label="ours")
+        ax.plot(ms, [r["gbps"] for r in sel], "o-", color=colour["ours"], label="ours")
         for b in sorted({b for r in sel for b in r["baselines"]}):
-            ax.plot(ms, [nb / r["baselines"][b] for nb, r in zip(nbytes, sel)], ".--", label=b)
-        ax.axhline(floor_gbps, color="gray", lw=0.8, label="streaming read")
+            ax.plot(ms, [nb / r["baselines"][b] for nb, r in zip(nbytes, sel)], ".--", color=colour[b], label=b)
+        ax.axhline(sel[0].get("read_gbps", floor_gbps), color="gray", lw=0.8, label="streaming read")
         ax.set_xscale("log", base=2)
-        ax.set_title(f"{key[0]} tp{key[1]} ({sel[0]['case']['weight_mb']} MB)", fontsize=9)
+        ax.set_title(f"{key[0]} tp{key[1]} ({sel[0]['case']['weight_mb']} MB; "
+                     f"{', '.join(dict.fromkeys(r['commit'] for r in sel))})", fontsize=9)
         ax.set_xlabel("rows")
         ax.set_ylabel("GB/s")
     for ax in list(axes.flat)[len(keys):]:
@@ -169,8 +175,8 @@ def plot_gemm(rows: list[dict], path, floor_gbps: float) -> None:
         for h, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, h)
     fig.legend(handles.values(), handles.keys(), loc="lower right", fontsize=9)
-    fig.suptitle(f"bench gemm on {rows[0]['gpu']} ({rows[0]['commit']}, {rows[0]['date']}): GB/s counts the "
-                 f"bytes our op moves (FP8 weights), for every line")
+    fig.suptitle(f"bench gemm on {rows[0]['gpu']} ({runs_label(rows)}): GB/s counts the bytes our op moves "
+                 f"(its weights as stored), for every line")
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     fig.savefig(path, dpi=90)
     plt.close(fig)

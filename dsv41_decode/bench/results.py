@@ -37,6 +37,13 @@ def record(bench: str, case: dict, us: float, nbytes: float, floor_gbps: float, 
             "baselines": {k: round(v, 3) for k, v in baselines.items()}, **info}
 
 
+def runs_label(rows: list[dict]) -> str:
+    """The runs `rows` come from, for a plot's title: "commit date, commit date, ..." in the order
+    they first appear (a committed results file may hold several runs' rows)."""
+    runs = dict.fromkeys((r["commit"], r["date"]) for r in rows)
+    return ", ".join(f"{c} {d}" for c, d in runs)
+
+
 def write_jsonl(rows: list[dict], out_dir: str | Path, bench: str) -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from .results import runs_label
+
 
 def load_jsonl(path: str | Path) -> list[dict]:
     """The result rows of a JSON-lines file (results format of architecture.md section 4)."""
@@ -68,7 +70,7 @@ def plot_step(rows: list[dict], path: str | Path) -> Path:
             ax.plot(xs, [r["baselines"][b] for r in cur], ".--", label=f"{b} + separate boundary")
         _style(ax, "rows", "us per boundary", f"TP{cur[0]['case'].get('tp', '?')} boundary")
     first = (steps or bounds)[0]
-    fig.suptitle(f"{first['bench']} on {first['gpu']}\n(commit {first['commit']}, {first['date']}; "
+    fig.suptitle(f"{first['bench']} on {first['gpu']}\n({runs_label(steps + bounds)}; "
                  f"read {first.get('read_gbps', '?')} GB/s)", fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 0.92))
     path = Path(path)
