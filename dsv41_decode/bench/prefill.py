@@ -146,9 +146,11 @@ def run_prefill_bench(prompts=PROMPTS, chunk: int = 64, out_dir="docs/results", 
         base = {"reference_est": ref_us * n} if ref_us is not None else {}
         key = {"op": "prefill", "tokens": n, "chunk": chunk, "layers": len(stack.ids), **_options(exact_linears, fp32_dots)}
         rec = record(bench_name, key, us, nbytes, floor, base, info)
+        # the floor is the larger of the bytes' and the compute's, and pct_floor = 100 floor_us / us
+        floor_us = max(bytes_us, compute_us)
         rec.update(tokens_per_s=round(n / (us * 1e-6), 1), s=round(us * 1e-6, 3),
                    bytes_floor_us=round(bytes_us, 1), compute_floor_us=round(compute_us, 1),
-                   pct_floor=round(100 * max(bytes_us, compute_us) / us, 1), peak_tflops=PEAK_TFLOPS)
+                   floor_us=round(floor_us, 3), pct_floor=round(100 * floor_us / us, 1), peak_tflops=PEAK_TFLOPS)
         results.append(rec)
         progress(f"prompt {n}: {us * 1e-6:.2f} s, {n / (us * 1e-6):.0f} tokens/s (floors: bytes "
                  f"{bytes_us * 1e-6:.2f} s, compute {compute_us * 1e-6:.2f} s)")

@@ -191,7 +191,7 @@ def run_step_bench(rows=ROWS, contexts=CONTEXTS, out_dir="out", progress=print, 
             step = steps["full"]
             rec = record(bench_name, {"op": "step_40_layers", "rows": n, "requests": name, "context": ctx,
                                       "tp": 1}, times[(name, "full")], nbytes, floor, base, info)
-            rec["memory_mb"] = {"state": round(mem_state / 2**20, 1),
+            rec["memory_mb"] = {"state": round(mem_state / 2**20, 1),     # MiB (the field's unit)
                                 "state_per_request": round(mem_state / max_rows / 2**20, 2),
                                 "step_buffers": round(sum(step.memory_bytes().values()) / 2**20, 1)}
             results.append(rec)

@@ -139,7 +139,9 @@ def _bench_boundary(tp, cfg: ModelConfig, rows, floor, info, say) -> list[dict]:
         t_fused = graph_time_us(fused, calls_per_graph=layers, replays=30)
         dist.barrier()
         t_col = graph_time_us(collective, replays=30)
-        nbytes = n * dim * 4 * tp.tp + n * 4 * dim * 2 * 2     # partials read + streams read and written
+        # partials read, streams read and written, the reduced y (BF16), u (BF16) and u's MXFP8 codes
+        # and scales written
+        nbytes = n * dim * 4 * tp.tp + n * 4 * dim * 2 * 2 + n * dim * (2 + 2 + 1) + n * dim // 32
         out.append(record("boundary", {"op": "boundary", "rows": n, "tp": tp.tp}, t_fused, nbytes, floor,
                           {"collective": t_col}, info))
         say(f"boundary rows {n}: fused {t_fused:.2f} us, collective + boundary {t_col:.2f} us")
