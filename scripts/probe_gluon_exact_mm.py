@@ -128,10 +128,16 @@ def config_of(spec: str) -> GluonExactConfig:
 
 
 class _DryPlan:
-    """PROBE_DRY's stand-in for every plan on the CPU: the reference's output."""
+    """PROBE_DRY's stand-in for every plan on the CPU: the reference's output, after GluonExactMM's
+    checks of K against the configurations (so that a dry run refuses what the GPU run would)."""
 
     def __init__(self, weight, w_scale, max_rows=64, config=None):
         self.weight, self.w_scale = weight, w_scale
+        k = weight.shape[1]
+        for c in (config.values() if isinstance(config, dict) else [config]):
+            if isinstance(c, GluonExactConfig) and (k % c.block_k or (c.pair_slots and k % (2 * c.block_k))):
+                raise ValueError(f"{c.spec}: K = {k} is not a multiple of "
+                                 f"{2 * c.block_k if c.pair_slots else c.block_k} (GluonExactMM's check)")
 
     def __call__(self, codes, x_scale, out=None):
         y = mxfp8_mm(codes, x_scale, self.weight, self.w_scale)
