@@ -164,8 +164,7 @@ def plot_gemm(rows: list[dict], path, floor_gbps: float) -> None:
             ax.plot(ms, [nb / r["baselines"][b] for nb, r in zip(nbytes, sel)], ".--", color=colour[b], label=b)
         ax.axhline(sel[0].get("read_gbps", floor_gbps), color="gray", lw=0.8, label="streaming read")
         ax.set_xscale("log", base=2)
-        ax.set_title(f"{key[0]} tp{key[1]} ({sel[0]['case']['weight_mb']} MB; "
-                     f"{', '.join(dict.fromkeys(r['commit'] for r in sel))})", fontsize=9)
+        ax.set_title(f"{key[0]} tp{key[1]} ({sel[0]['case']['weight_mb']} MB; {runs_label(sel)})", fontsize=9)
         ax.set_xlabel("rows")
         ax.set_ylabel("GB/s")
     for ax in list(axes.flat)[len(keys):]:

@@ -143,8 +143,8 @@ class ExactLinear:
         self.fuse_scales, self.pair_slots = bool(fuse_scales), bool(pair_slots)
         if fuse_scales:
             configs = ({rows: dataclasses.replace(c, fuse_scales=True) for rows, c in configs.items()}
-                       if configs is not None else GluonExactConfig(fuse_scales=True))
-        if pair_slots and isinstance(configs, dict):      # GluonExactMM's default (one warp along K) takes none
+                       if listed else GluonExactConfig(fuse_scales=True))
+        if pair_slots and listed:       # GluonExactMM's default (one warp along K) takes none
             configs = {rows: dataclasses.replace(c, pair_slots=True) if takes_pair_slots(c, k) else c
                        for rows, c in configs.items()}
         fma_lo, planned_fma_rows, fma_config = _FMA_PLAN.get((n, k), (1, 0, None))

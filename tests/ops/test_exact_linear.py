@@ -86,15 +86,21 @@ def test_plan_compiles_for_sm90_without_spills(name, config, bt, split):
     spill_free(kernel, config.maxnreg or 255, E.shared_bytes(config, bt))
 
 
+def _as_on_sm90(monkeypatch, full_fp64: bool) -> None:
+    """ExactLinear's plan built as on an sm_90 GPU whose FP64 runs at full rate or not (the device
+    checks forced: construction only, nothing may run)."""
+    from dsv41_decode.ops import exact_linear, gluon_mm
+    monkeypatch.setattr(exact_linear, "is_sm90", lambda device: True)
+    monkeypatch.setattr(gluon_mm, "is_sm90", lambda device: True)
+    monkeypatch.setattr(exact_linear, "full_rate_fp64", lambda device: full_fp64)
+
+
 def test_options_reach_a_listed_shapes_configurations(monkeypatch):
     # ExactLinear's options on a shape the plan lists (here one patched in, the device checks
     # forced: construction only, nothing runs): fuse_scales on every GluonExactMM configuration,
     # pair_slots on those `takes_pair_slots` takes (along K, K a multiple of two slots), neither
     # without the option; the ops and thresholds unchanged.
-    from dsv41_decode.ops import exact_linear, gluon_mm
-    monkeypatch.setattr(exact_linear, "is_sm90", lambda device: True)
-    monkeypatch.setattr(gluon_mm, "is_sm90", lambda device: True)
-    monkeypatch.setattr(exact_linear, "full_rate_fp64", lambda device: True)
+    _as_on_sm90(monkeypatch, full_fp64=True)
     n, k = 256, 1024
     plan = {8: GluonExactConfig.from_spec("f16d:16:8:1:32:4:1:80:4:256"),
             16: GluonExactConfig.from_spec("f16d:16:16:1:32:4:1:80:4:256"), 64: GluonExactConfig.from_spec("f16d:128:16:1:32:4:1")}
@@ -181,10 +187,7 @@ def test_an_unlisted_shape_takes_the_same_ops_with_the_options(monkeypatch, full
     # for a shape `_GLUON_PLAN` does not list (a TP shard): GluonExactMM's default configuration from
     # 5 rows where FP64 runs at full rate, ExactMM throughout where it does not; fuse_scales and
     # pair_slots change GluonExactMM's configurations, never which op runs.
-    from dsv41_decode.ops import exact_linear, gluon_mm
-    monkeypatch.setattr(exact_linear, "is_sm90", lambda device: True)
-    monkeypatch.setattr(gluon_mm, "is_sm90", lambda device: True)
-    monkeypatch.setattr(exact_linear, "full_rate_fp64", lambda device: full_fp64)
+    _as_on_sm90(monkeypatch, full_fp64)
     _, _, _, _, weight, w_scale = linear_operands(_gen(23), 1, 256, 512)
     for options in ({}, {"fuse_scales": True}, {"pair_slots": True}, {"fuse_scales": True, "pair_slots": True}):
         linear = ExactLinear(weight, w_scale, max_rows=16, **options)
