@@ -157,7 +157,7 @@ def sparse_mla_plans(max_rows: int, heads: int, window: int, topk: int, device: 
     row), one configuration per row bucket and head count (`STEP_CONFIGS`): at 1-2 rows dim_split
     4 with the spread combination, the values look-back and fp4_lut (12.8 / 13.2 us at 64 heads on
     the H200, the default 17.7 / 17.4), at 3-4 rows the same with dim_split 2 and maxnreg 128 (14.8 at 4 rows), at
-    5-12 rows (at 8-32 heads every row count above 4) the spread combination with the values
+    5-12 rows (at 32 heads 5-26 and 33-52, at 8-16 heads every row count above 4) the spread combination with the values
     look-back, fp4_lut and maxnreg 128 (17.6 / 28.6 at 8 / 16, 17.2 at 4; the default 17.9 / 19.2 /
     34.9 at 4 / 8 / 16), at 64 heads from 13 rows P.V and the combination in a
     second launch (`combine="pv"`, fp4_lut) after a first launch of two key buffers at maxnreg 80
@@ -165,7 +165,8 @@ def sparse_mla_plans(max_rows: int, heads: int, window: int, topk: int, device: 
     cp.async ring at a cap of 80 (pv_dims 64, pv_stages 3, pv_maxnreg 80; 23.8 at 16 against the
     spread combination's 26.5, FlashMLA 16.0), above on 128-dim slices through a 4-slot ring
     (pv_stages 4; 30.7 / 52.4 at 32 / 64; the default 52.0 / 91.7; the Triton tilings 261.8 at 64:
-    docs/attn.md). Every
+    docs/attn.md), and at 32 heads that 128-dim ring at 27-32 and 53-64 rows (29.6 / 51.5 at 32 /
+    64 against the spread combination's 31.7 / 57.6). Every
     configuration gives the same bits on every row (the probe's and the GPU tests' check), so a row's outputs do not
     depend on the bucket: batch invariance holds. With `fp32_dots` the Triton FP32 plan
     (`SparseMlaPlan.for_step(fp32_dots=True)`); other GPUs the Triton `STEP_TILINGS`; the

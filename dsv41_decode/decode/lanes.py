@@ -15,8 +15,9 @@ took 3.82 / 4.27 / 5.25 / 10.21 ms at 1 / 8 / 16 / 64 rows this way against 3.96
 An invariant the schedule keeps: no kernel on a side lane waits for other programs of its own
 launch. On the main stream the sparse MLA's spread combination and the first launch of its "pv"
 combination wherever their grid fits on the SMs at once (`TICKET` off in `ops.gluon_sparse_mla`;
-`STEP_CONFIGS`: at 64 heads the spread combination at 1-12 rows and "pv" from 13, at 8-32 heads the
-spread combination at every row count) and the co-resident mHC boundary (`ops.mhc`,
+`STEP_CONFIGS`: at 64 heads the spread combination at 1-12 rows and "pv" from 13, at 32 heads "pv"
+at 27-32 and 53-64 rows and the spread combination at the others, at 8-16 heads the spread
+combination at every row count) and the co-resident mHC boundary (`ops.mhc`,
 `MhcBoundaryPlan.coresident`) do, and count on every program of the launch becoming resident;
 beside side-lane kernels that finish on their own they are only delayed, beside another waiting
 kernel both could stall until their bounded waits give up. The step never runs the one-launch

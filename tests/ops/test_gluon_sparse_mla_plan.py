@@ -23,8 +23,8 @@ from test_sparse_mla import GPU_POOLS, check_repeatable_on_gpu, gpu_tables, make
 @pytest.mark.parametrize("n", [1, 2, 4, 16, 32, 64])
 def test_gpu_step_plans_against_the_reference(h, n):
     # the step's plan for n rows (STEP_CONFIGS: split4svl at 1-2, split2svlc at 3-4, spreadvlc at
-    # 5-16 and at 8-32 heads above, at 64 heads the ring's pv at 32 (its first launch with two key
-    # buffers) and 64), window
+    # 5-16 and at 8-16 heads above, at 32 and 64 heads the ring's pv at 32 (its first launch with
+    # two key buffers) and 64), window
     # + compressed keys (V4.1-Flash: 128 + 512, 5 % of the top-k entries -1; windows full, ending
     # inside a block, a single key): exact-score bits, the random-input bound, two launches give the
     # same bits, the workspace is clear after each
@@ -54,11 +54,12 @@ def test_the_steps_plan_choice_off_sm90(monkeypatch):
 def test_the_step_configs_per_row_count():
     # GluonSparseMlaPlan.for_step: one plan per STEP_CONFIGS bucket of the heads' block_h holding
     # some of the rows, ascending, the last one's max_rows the step's: at every head count 1-2 rows
-    # dim_split 4 + spread, 3-4 dim_split 2 + spread with maxnreg 128; at 8-32 heads spread with
+    # dim_split 4 + spread, 3-4 dim_split 2 + spread with maxnreg 128; at 8-16 heads spread with
     # maxnreg 128 above; at 64 heads that at 5-12 rows, above P.V and the combination in a second
     # launch after a first launch of two key buffers at a cap of 80 with q copied by TMA, at 13-16
     # rows on 64-dim slices through a 3-slot ring at a cap of 80, above on 128-dim slices through a
-    # 4-slot ring; with a pool the plans share its views (each workspace the largest plan's, not
+    # 4-slot ring; at 32 heads spread at 5-26 and 33-52 rows, the 128-dim ring at 27-32 and 53-64;
+    # with a pool the plans share its views (each workspace the largest plan's, not
     # their sum)
     from dsv41_decode.decode.buffers import Workspaces
     split4svl = G.GluonSparseMlaConfig(dim_split=4, combine="spread", lookback="values", fp4_lut=True)
@@ -74,7 +75,10 @@ def test_the_step_configs_per_row_count():
         64: (low + ((8, [2, 4, 8]), (12, [2, 4, 12]), (13, [2, 4, 12, 13]), (16, [2, 4, 12, 16]),
                      (17, [2, 4, 12, 16, 17]), (32, [2, 4, 12, 16, 32]), (64, [2, 4, 12, 16, 64])),
              [split4svl, split2svlc, spreadvlc, pv64_ring3_k2_tma, pv_ring_k2_tma]),
-        32: (low + ((16, [2, 4, 16]), (17, [2, 4, 17]), (64, [2, 4, 64])), [split4svl, split2svlc, spreadvlc]),
+        32: (low + ((16, [2, 4, 16]), (26, [2, 4, 26]), (27, [2, 4, 26, 27]), (32, [2, 4, 26, 32]),
+                     (33, [2, 4, 26, 32, 33]), (52, [2, 4, 26, 32, 52]), (53, [2, 4, 26, 32, 52, 53]),
+                     (64, [2, 4, 26, 32, 52, 64])),
+             [split4svl, split2svlc, spreadvlc, pv_ring_k2_tma, spreadvlc, pv_ring_k2_tma]),
         16: (low + ((16, [2, 4, 16]), (64, [2, 4, 64])), [split4svl, split2svlc, spreadvlc]),
         8: (low + ((64, [2, 4, 64]), ), [split4svl, split2svlc, spreadvlc]),
     }
