@@ -53,9 +53,10 @@ _GLUON_PLAN: dict[tuple[int, int], tuple[int, dict[int, GluonExactConfig]]] = {
     # fused wq_a|wkv: the FP16 digits along K 11.3 us at 4-8 rows, 14.0 at 16, 21.0 at 32 against
     # the FP64 forms' 12.7 / 15.7 / 24.0; at 64 the FP16 digits 33.9 against 42.3 (run F); ExactMM
     # 15.9 at 4, 9.2-9.4 at 2 on its bucket-2 entry (runs AV and AX, weights from DRAM); with x's
-    # scales decoded once a slot, at 17-32 rows on 16 x 16 tiles 18.4 against 32 x 8's 20.5 (run W)
+    # scales decoded once a slot, at 17-32 rows on 16 x 16 tiles 18.4 against 32 x 8's 20.5 (run W);
+    # at 33-64 rows with the fused scaling 33.23 against 34.78 (run DB at 5f33af4)
     (1792, 5120): (2, {16: _cfg("f16d:16:8:1:32:4:1:80:4:256"), 32: _cfg("f16d:16:16:1:32:4:1:80:4:256"),
-                       64: _cfg("f16d:128:8:1:32:3:1:128:1:256")}),
+                       64: _cfg("f16d:128:8:1:32:3:1:128:1:256:1:0")}),
     # wq_b: the FP16 digits (`chained_dot`) 18.9-19.0 at 4-8 rows and 26.4 at 16 on 128 x 16 tiles
     # (19.4 at 4-8 on 128 x 8 at a cap of 80), on wgmma ("f16wp", 64 x 32) 44.6 / 85.2 at 32 / 64
     # (mma.sync 49.4 / 94.8 on 64 x 32; 128 x 16 at a cap of 80 spills with `chained_dot`) against
@@ -65,8 +66,10 @@ _GLUON_PLAN: dict[tuple[int, int], tuple[int, dict[int, GluonExactConfig]]] = {
     # 32 / 64 against "f16wp"'s 44.7 / 84.5 (run R); with x's scales decoded once a slot 46.6 / 71.5,
     # no configuration faster at 17-64 rows, 26.1 on the plan's 128 x 16 at 16 (run V). ExactMM 16.1
     # at 1, 26.6 at 2 (23.6 at best with the weights from DRAM, run AV; 1-2 rows run GluonExactFMA:
-    # _FMA_PLAN)
-    (32768, 1280): (1, {16: _cfg("f16d:128:16:1:32:4:1"), 64: _cfg("f16w:64:32:1:32:4:1:80")}),
+    # _FMA_PLAN); at 17-32 rows "f16w" at a cap of 104 (two programs an SM) 43.58 against the cap of
+    # 80's 46.64, at 64 83.96 against 71.96 (run DB at 5f33af4)
+    (32768, 1280): (1, {16: _cfg("f16d:128:16:1:32:4:1"), 32: _cfg("f16w:64:32:1:32:4:1:104"),
+                        64: _cfg("f16w:64:32:1:32:4:1:80")}),
     # the indexer's wq_b: the FP16 digits along K 6.2 at 4-8, 7.9 at 16, 11.6 at 32 against the
     # FP64 forms' 6.5 / 8.6 / 11.6; at 64 16.0 against 21.2 (run F); ExactMM 8.8 at 4, 6.1-6.2 at
     # 2 on its bucket-2 entry (runs AV and AX)
@@ -78,8 +81,12 @@ _GLUON_PLAN: dict[tuple[int, int], tuple[int, dict[int, GluonExactConfig]]] = {
     # best (runs AV and AX), with FP64 block sums 16.4-16.6 at 1 and 24.5-25.0 at 2 against
     # GluonExactFMA's K split 25.2-25.3 (runs BA and BC); at 33-64 rows
     # 32 x 16 tiles with four warps along K at a register cap of 80 (three programs an SM) 119.5
-    # against 64 x 8's 127.0 at 64 rows (run T)
-    (5120, 8192): (2, {32: _cfg("f16d:16:16:1:32:4:1:80:4:256"), 64: _cfg("f16d:32:16:1:32:4:1:80:4")}),
+    # against 64 x 8's 127.0 at 64 rows (run T); the ring two slots a wait (`pair_slots`) 25.61 /
+    # 26.49 at 4 / 8 rows against 26.42 / 27.18 (no gain at 16: 41.60 against 41.17), and at 17-64
+    # rows 32 x 16 with the fused scaling and two slots a wait 64.72 / 106.41 at 32 / 64 against the
+    # plan's 66.36 / 111.16 (run CY at 623d897)
+    (5120, 8192): (2, {8: _cfg("f16d:16:16:1:32:4:1:80:4:256:0:1"), 16: _cfg("f16d:16:16:1:32:4:1:80:4:256"),
+                       64: _cfg("f16d:32:16:1:32:4:1:80:4:128:1:1")}),
 }
 # Per (N, K): the row counts GluonExactFMA (FP64 CUDA cores) runs, ahead of both ops above, first
 # to last, and its configuration (rows_per_thread:warps_k:lanes_k:stages[:maxnreg[:split]]).
