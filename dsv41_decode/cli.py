@@ -231,7 +231,8 @@ def _parser() -> argparse.ArgumentParser:
                     "(collective vs fused boundary) at --rows x --contexts and the boundary alone; launch with "
                     "torchrun --nproc-per-node N (default: 1)")
     st.add_argument("--name", default="step", help="results file stem (default: step)")
-    st.add_argument("--variants", default=None, help="step variants timed next to the default one, comma-separated "
+    st.add_argument("--variants", default=None, help="step variants timed next to the default one at the "
+                    "--generic-contexts (no_overlap at every context), comma-separated "
                     "of no_overlap, wo_a_fp8, tc_linears, fp32_dots, fold_index_chain, weights_in_index_lane, mix_early, "
                     "index_row_group4, fuse_scales, pair_slots "
                     "(bench.step.VARIANTS; default: "
