@@ -152,10 +152,13 @@ class DecodeStep:
         `TensorParallel.row_share`, without it).
     fuse_scales: the exact linears' `GluonExactMM` (sm_90, from a few rows up) with each K block's
         scaling and K-ordered add in one FMA where the scale bytes allow it (`GluonExactConfig.
-        fuse_scales`); the same bits. Off by default; elsewhere it changes nothing.
+        fuse_scales`) in every configuration; the same bits. Off by default (the plan's own
+        configurations take it where it measured faster, `ops.exact_linear._GLUON_PLAN`);
+        elsewhere it changes nothing.
     pair_slots: the exact linears' `GluonExactMM` configurations with the warps along K (sm_90) taking
         the ring's slots two at a time (`GluonExactConfig.pair_slots`: half the CTA barriers a K
-        step); the same bits. Off by default; elsewhere it changes nothing.
+        step) in every configuration that can; the same bits. Off by default (the plan's own
+        configurations take it where it measured faster); elsewhere it changes nothing.
     mix_late_rows: in the buckets of at least this many rows each site's mixer is enqueued at the
         end of the next layer's input projections instead of right after the boundary before it
         (default `MIX_LATE_ROWS`, where it measured faster on an H200; LOW_BATCH_MAX_ROWS + 1:

@@ -66,10 +66,10 @@ _GLUON_PLAN: dict[tuple[int, int], tuple[int, dict[int, GluonExactConfig]]] = {
     # 32 / 64 against "f16wp"'s 44.7 / 84.5 (run R); with x's scales decoded once a slot 46.6 / 71.5,
     # no configuration faster at 17-64 rows, 26.1 on the plan's 128 x 16 at 16 (run V). ExactMM 16.1
     # at 1, 26.6 at 2 (23.6 at best with the weights from DRAM, run AV; 1-2 rows run GluonExactFMA:
-    # _FMA_PLAN); at 17-32 rows "f16w" at a cap of 104 (two programs an SM) 43.58 against the cap of
-    # 80's 46.64, at 64 83.96 against 71.96 (run DB at 5f33af4)
-    (32768, 1280): (1, {16: _cfg("f16d:128:16:1:32:4:1"), 32: _cfg("f16w:64:32:1:32:4:1:104"),
-                        64: _cfg("f16w:64:32:1:32:4:1:80")}),
+    # _FMA_PLAN); at 17-32 rows "f16w" at a cap of 104 (two programs an SM) 43.58 alone against the
+    # cap of 80's 46.64 (at 64 83.96 against 71.96; run DB at 5f33af4), but the step's 32-row bucket
+    # with it and wo_b's 17-32-row pair below no faster (9118 / 9057 us against 9048 / 9050, run DE)
+    (32768, 1280): (1, {16: _cfg("f16d:128:16:1:32:4:1"), 64: _cfg("f16w:64:32:1:32:4:1:80")}),
     # the indexer's wq_b: the FP16 digits along K 6.2 at 4-8, 7.9 at 16, 11.6 at 32 against the
     # FP64 forms' 6.5 / 8.6 / 11.6; at 64 16.0 against 21.2 (run F); ExactMM 8.8 at 4, 6.1-6.2 at
     # 2 on its bucket-2 entry (runs AV and AX)
@@ -82,10 +82,12 @@ _GLUON_PLAN: dict[tuple[int, int], tuple[int, dict[int, GluonExactConfig]]] = {
     # GluonExactFMA's K split 25.2-25.3 (runs BA and BC); at 33-64 rows
     # 32 x 16 tiles with four warps along K at a register cap of 80 (three programs an SM) 119.5
     # against 64 x 8's 127.0 at 64 rows (run T); the ring two slots a wait (`pair_slots`) 25.61 /
-    # 26.49 at 4 / 8 rows against 26.42 / 27.18 (no gain at 16: 41.60 against 41.17), and at 17-64
-    # rows 32 x 16 with the fused scaling and two slots a wait 64.72 / 106.41 at 32 / 64 against the
-    # plan's 66.36 / 111.16 (run CY at 623d897)
-    (5120, 8192): (2, {8: _cfg("f16d:16:16:1:32:4:1:80:4:256:0:1"), 16: _cfg("f16d:16:16:1:32:4:1:80:4:256"),
+    # 26.49 at 4 / 8 rows against 26.42 / 27.18 (no gain at 16: 41.60 against 41.17), and 32 x 16
+    # with the fused scaling and two slots a wait 64.72 / 106.41 at 32 / 64 against the plan's 66.36
+    # / 111.16 (run CY at 623d897): taken at 3-8 and 33-64 rows (the step with them and the fused
+    # wq_a|wkv's 33-64-row entry 4412 / 4398 us at 4 rows against 4418 / 4423, 14184 / 14174 at 64
+    # against 14415 / 14418, run DE; at 17-32 rows, with wq_b's cap of 104, no faster, above)
+    (5120, 8192): (2, {8: _cfg("f16d:16:16:1:32:4:1:80:4:256:0:1"), 32: _cfg("f16d:16:16:1:32:4:1:80:4:256"),
                        64: _cfg("f16d:32:16:1:32:4:1:80:4:128:1:1")}),
 }
 # Per (N, K): the row counts GluonExactFMA (FP64 CUDA cores) runs, ahead of both ops above, first
