@@ -238,14 +238,14 @@ _PV64RINGK2T = GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=80, k_bu
 # ring at a cap of 80: three an SM; run CU at cc5f8b3: 21.49 / 23.76 / 28.81 / 28.92 us at 12 / 16
 # / 20 / 24 rows against spreadvlc's 18.09 / 26.51 / 27.79 / 33.51 and the 128-dim ring's 24.69 /
 # 26.90 / 27.13 / 27.04; FlashMLA 15.14 / 16.03 / 18.74 / 19.36).
-# At 32 heads the same ring (two key buffers, q by TMA) where the
-# spread combination's grid is past one wave of the GPU and the ring's is not: 29.59 / 29.66 us at
-# 32 rows against spreadvlc's 31.69 / 31.66, 51.49 / 51.63 at 64 against 57.57 / 57.53 (two probes
-# of run DC at 5f33af4), at 27-32 and 53-64 rows likewise (27: 29.17 against 29.98; 56: 50.64
-# against 54.28), and slower at 12-26 and 33-52 (24: 26.98 against 19.96; 40: 44.35 against 38.22;
-# 52: 47.93 against 45.48; FlashMLA at 64 heads 21.14 / 41.23 at 32 / 64 rows). At 8-16 heads the
-# spread combination beats the second launch at every row count measured: 16 heads 16.95 / 26.61 /
-# 42.44 us at 16 / 32 / 64 rows against the ring's 26.62 / 30.70 / 51.68 (run CZ at 5f33af4). Every configuration gives
+# At 32 heads the same ring (two key buffers, q by TMA) where the spread combination's grid is past
+# one wave of the GPU and the ring's is not: 29.59 / 29.66 us at 32 rows against spreadvlc's 31.69 /
+# 31.66, 51.49 / 51.63 at 64 against 57.57 / 57.53 (two probes of run DC at 5f33af4), at 27-32 and
+# 53-64 rows likewise (27: 29.17 against 29.98; 56: 50.64 against 54.28), and slower at 12-26 and
+# 33-52 (24: 26.98 against 19.96; 40: 44.35 against 38.22; 52: 47.93 against 45.48; FlashMLA at 64
+# heads 21.14 / 41.23 at 32 / 64 rows). At 8-16 heads the spread combination beats the second
+# launch at every row count measured: 16 heads 16.95 / 26.61 / 42.44 us at 16 / 32 / 64 rows
+# against the ring's 26.62 / 30.70 / 51.68 (run CZ at 5f33af4). Every configuration gives
 # the default's bits on every row (the probe's `cfg==` in every cell;
 # `test_gpu_every_config_gives_the_same_bits`), so a row's outputs do not depend on the bucket its
 # step runs in: batch invariance holds across the buckets.
