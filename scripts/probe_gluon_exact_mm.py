@@ -133,11 +133,9 @@ class _DryPlan:
 
     def __init__(self, weight, w_scale, max_rows=64, config=None):
         self.weight, self.w_scale = weight, w_scale
-        k = weight.shape[1]
         for c in (config.values() if isinstance(config, dict) else [config]):
-            if isinstance(c, GluonExactConfig) and (k % c.block_k or (c.pair_slots and k % (2 * c.block_k))):
-                raise ValueError(f"{c.spec}: K = {k} is not a multiple of "
-                                 f"{2 * c.block_k if c.pair_slots else c.block_k} (GluonExactMM's check)")
+            if isinstance(c, GluonExactConfig):
+                E.check_depth(c, *weight.shape)
 
     def __call__(self, codes, x_scale, out=None):
         y = mxfp8_mm(codes, x_scale, self.weight, self.w_scale)

@@ -621,6 +621,17 @@ def launch_options(config: GluonExactConfig, bt: int, split: int) -> dict:
     return opts
 
 
+def check_depth(config: GluonExactConfig, n: int, k: int) -> None:
+    """ValueError unless `config` runs a weight of (n, k): K a multiple of block_k (the ring's
+    slots), and of 2 x block_k with pair_slots (its slots two at a time)."""
+    if k % config.block_k:
+        raise ValueError(f"GluonExactConfig.block_k={config.block_k} must divide K (the ring's slots), got "
+                         f"weight {(n, k)}")
+    if config.pair_slots and k % (2 * config.block_k):
+        raise ValueError(f"GluonExactConfig.pair_slots takes K a multiple of 2 x block_k={2 * config.block_k} "
+                         f"(its slots two at a time), got weight {(n, k)}")
+
+
 class GluonExactMM(GluonExactPlan):
     """y[M, N] = bf16(sum over 32-wide K blocks kb, in K order, of RN(codes[:, kb] . weight[:, kb])
     * sx * sw) for 1 <= M <= max_rows <= 64, with the weight bound once: bitwise the contract of
@@ -652,12 +663,7 @@ class GluonExactMM(GluonExactPlan):
         self._configs = row_configs(GluonExactConfig() if config is None else config, GluonExactConfig,
                                     "a GluonExactConfig", max_rows)
         for _, c in self._configs:
-            if k % c.block_k:
-                raise ValueError(f"GluonExactConfig.block_k={c.block_k} must divide K (the ring's slots), got "
-                                 f"weight {(n, k)}: block_k=128")
-            if c.pair_slots and k % (2 * c.block_k):
-                raise ValueError(f"GluonExactConfig.pair_slots takes K a multiple of 2 x block_k={2 * c.block_k} "
-                                 f"(its slots two at a time), got weight {(n, k)}")
+            check_depth(c, n, k)
         self._bind(weight, w_scale, max_rows, [(c.block_n, c.block_k) for _, c in self._configs])
         # The split launches' workspace: each weight tile's [K/32, block_n, rows] block terms.
         self._bind_split(workspace, [(c.block_n, k // 32 * c.block_n * min(split_rows(c), most, max_rows))
