@@ -480,12 +480,12 @@ def _bench(args, console: Console) -> int:
                           exact_linears=not args.tc_linears, fp32_dots=args.fp32_dots)
         return 0
     if args.bench_cmd == "step" and args.tp > 1:
-        from .bench.step_tp import run_step_bench_tp
-        run_step_bench_tp(args.tp, args.rows, args.contexts or (32768,), args.out, console.print)
+        from .bench.step_tp import TP_CONTEXTS, run_step_bench_tp
+        run_step_bench_tp(args.tp, args.rows, args.contexts or TP_CONTEXTS, args.out, console.print)
         return 0
     if args.bench_cmd == "step":
-        from .bench.step import run_step_bench
-        run_step_bench(args.rows, args.contexts or (4096, 32768, 131072), args.out, console.print, args.generic_rows,
+        from .bench.step import CONTEXTS, run_step_bench
+        run_step_bench(args.rows, args.contexts or CONTEXTS, args.out, console.print, args.generic_rows,
                        args.generic_contexts, bench_name=args.name, extra_variants=variants)
         return 0
     from .bench.gemm import flash_shapes, run_gemm_bench

@@ -29,9 +29,10 @@ from .step import _arm, _replay_us, kv_bytes, weight_bytes
 from .timing import graph_time_us
 
 NO_MULTICAST = {"TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1"}
+TP_CONTEXTS = (32768,)      # bench step --tp's default contexts
 
 
-def run_step_bench_tp(tp_size: int, rows=(1, 2, 4, 8, 16, 32, 64), contexts=(32768,), out_dir="out",
+def run_step_bench_tp(tp_size: int, rows=(1, 2, 4, 8, 16, 32, 64), contexts=TP_CONTEXTS, out_dir="out",
                       progress=print) -> list[dict]:
     """The TP step (collective vs fused) and the boundary at each row count; rank 0 writes results."""
     for k, v in NO_MULTICAST.items():
