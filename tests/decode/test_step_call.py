@@ -25,11 +25,11 @@ from dsv41_decode.state import DecodeState
 from dsv41_decode.testing.synthetic import fill_state, random_checkpoint
 from helpers import reduced_config, streams
 
-# tensor -> host value: each of these waits for the device when the tensor lives on a GPU (the
-# last four of each: a result whose size or value depends on the data)
-_READS = ("item", "tolist", "cpu", "numpy", "__array__", "__bool__", "__int__", "__float__", "__index__",
-          "nonzero", "unique", "masked_select", "equal")
+# tensor -> host value: each of these waits for the device when the tensor lives on a GPU; the
+# torch functions (also Tensor methods) give a result whose size or value depends on the data
 _TORCH_READS = ("nonzero", "unique", "masked_select", "equal")
+_READS = ("item", "tolist", "cpu", "numpy", "__array__", "__bool__", "__int__", "__float__", "__index__",
+          *_TORCH_READS)
 
 
 @contextlib.contextmanager
