@@ -233,7 +233,7 @@ def test_plot_gemm_and_attn_results(name, tmp_path):
 def test_every_argument_has_help():
     import argparse
 
-    from dsv41_decode.cli import _parser
+    from dsv41_decode.cli_args import build_parser as _parser
 
     def walk(p, path):
         for a in p._actions:
