@@ -3,10 +3,11 @@
 (`bench.attn_indexer.indexer_inputs`: ratio-1 keys, 32 index heads, pages of 64, each row its own
 pages). CUDA-graph replay (`bench.timing.graph_time_us`); the streaming read
 (`bench.floor.read_bandwidth_gbps`) as the floor. Per rows x context: us of the Triton path and of
-each Gluon variant (`--variants=stages:programs_per_sm[:h][:t][:p][:m][:k][:rN][:gN]`, h = with the
+each Gluon variant (`--variants=stages:programs_per_sm[:h][:t][:p][:m][:k][:q][:rN][:gN]`, h = with the
 fused histogram, t = the pair: the scorer then the top-k (`ops.topk.topk_ascending_`, the
 histogram ready with h: the linked path), p = the BF16x2 terms (`packed_terms`), m = the wgmmas two
-at a time (`mma_pairs`), k = the permuted key order (`kperm`), rN = a register cap of N, gN = a
+at a time (`mma_pairs`), k = the permuted key order (`kperm`), q = the query's powers of two and head
+weights read from shared memory each tile (`qf_smem`: 96 registers with m), rN = a register cap of N, gN = a
 request's rows scored N at a time on each key tile read (`row_group`); `d`,
 `d:h`, `d:t`, `d:h:t`: the launch's defaults, `default_options` by the call's size), GB/s and %
 of the read (68 key bytes read and 4 score bytes written per entry), and how many of the Gluon
@@ -41,7 +42,7 @@ def main() -> None:
     t0 = time.time()
     rows_list = [int(v) for v in arg("rows", "1,4,16,64").split(",")]
     contexts = [int(v) for v in arg("contexts", "8192,32768,131072,1048576").split(",")]
-    variants = [v.split(":") for v in arg("variants", "4:3,4:4:m,6:4:m:k,4:4:m:p:k,6:5:m:p:k:r96,4:3:h,4:4:m:k:h").split(",")]
+    variants = [v.split(":") for v in arg("variants", "4:3,4:4:m,6:4:m:k,4:4:m:p:k,4:5:m:k:q,4:4:q,4:3:h,4:4:m:k:h,4:5:m:k:q:h").split(",")]
     draft = int(arg("draft", "1"))
     gen = torch.Generator(device="cuda").manual_seed(0)
     read = read_bandwidth_gbps()
@@ -85,7 +86,7 @@ def main() -> None:
             def gluon():
                 gluon_index_scores_mxfp4_(iq, w, pool, table, PAGE, req, n_vis, scores, hist=hist, stages=stages,
                                           programs_per_sm=pps, maxnreg=cap, packed_terms="p" in flags,
-                                          row_group=group, **opts)
+                                          row_group=group, qf_smem="q" in flags, **opts)
                 if plan is not None:
                     topk_ascending_(scores, n_vis, sel, plan, hist_ready=hist is not None)
 

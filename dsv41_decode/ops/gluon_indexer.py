@@ -50,6 +50,13 @@ over its row's tiles of BLOCK_E = 64 entries: tile p, p + P, ...):
 
 Past the visible tiles, each program writes -inf to its share of the tiles up to max_entries.
 
+With `qf_smem` the query's four powers of two and the head weights (in the accumulator's column
+layout: eight values of each a thread at 32 heads) stay in shared memory and are read for each tile's
+epilogue, and each tile's page is loaded two iterations ahead: at <= 32 heads with `mma_pairs` the
+kernel then fits a cap of 96 registers without spills (128 without it), five programs an SM instead
+of four (the scorer is bound by latency at four: ~1000 cycles a tile an SM against ~440 issue
+slots), for 20 shared-memory loads more a tile. The same operations on the same values: the same bits.
+
 With `row_group` (GROUP > 1), a request's consecutive rows (its decode and draft rows: one request
 slot, n_vis > 0) are scored GROUP at a time: the group's programs (GROUP x a row's share) take its
 tiles in turn up to its rows' largest n_vis, and each copies and widens a tile once and runs every
@@ -76,6 +83,7 @@ BLOCK_E = 64          # entries per tile: the wgmma's M (one warpgroup)
 HIST_BINS = 256       # the high byte of a score's 16-bit key
 MAX_STAGES = 12
 ROW_GROUPS = (1, 2, 4)      # gluon_index_scores_mxfp4_'s row_group
+QF_SMEM_MAXNREG = 96        # qf_smem's register cap with mma_pairs at <= 32 heads: five 4-warp programs an SM
 _BLOCK_E = gl.constexpr(BLOCK_E)
 _HIST_BINS = gl.constexpr(HIST_BINS)
 _WORDS = gl.constexpr(17)      # int32 words per 68-byte record: 16 code words, then the 4 scale bytes
@@ -345,7 +353,7 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
                                PAGE: gl.constexpr, BLOCK_H: gl.constexpr, STAGES: gl.constexpr,
                                HAS_CAND: gl.constexpr, HIST: gl.constexpr, PACKED: gl.constexpr = False,
                                MMA_PAIRS: gl.constexpr = False, KPERM: gl.constexpr = False,
-                               GROUP: gl.constexpr = 1):
+                               GROUP: gl.constexpr = 1, QF_SMEM: gl.constexpr = False):
     n = gl.program_id(0)
     pid = gl.program_id(1)
     nprog = gl.num_programs(1)
@@ -380,6 +388,10 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
     q_l8: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
     if GROUP == 1:
         q_smem = gl.allocate_shared_memory(gl.float8e4nv, [BLOCK_H, 128], q_l8)
+        if QF_SMEM:
+            # the query's powers of two and head weights, read back for each tile instead of held
+            f_rows = gl.allocate_shared_memory(gl.float32, [4, BLOCK_H], plain1)
+            w_rows = gl.allocate_shared_memory(gl.float32, [1, BLOCK_H], plain1)
         n_vis = gl.minimum(gl.load(nvis_ptr + n), max_entries)
         lead = n
         size = 1
@@ -411,6 +423,9 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
                blk, PAGE, HAS_CAND, copy_l, scl_l)
     # the page of the tile the loop's first iteration issues (each iteration loads the next one's)
     blk_n = _tile_block(bt_ptr, slot, bt_stride, n_vis, first_tile + (STAGES - 1) * stride, PAGE)
+    if QF_SMEM:
+        # (at 96 registers ptxas reads a page loaded one iteration ahead early in the next: two ahead)
+        blk_nn = _tile_block(bt_ptr, slot, bt_stride, n_vis, first_tile + STAGES * stride, PAGE)
 
     rh = gl.arange(0, BLOCK_H, layout=col_l)
     if GROUP == 1:
@@ -421,6 +436,13 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
         wraw = gl.load(w_ptr + n.to(gl.int64) * w_sn + rh, mask=rh < heads, other=0.0)
         wv = wraw.to(gl.float32)
         wb = wraw.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+        if QF_SMEM:
+            # the loop's first barrier orders these stores before its reads
+            f_rows.index(0).store(f0)
+            f_rows.index(1).store(f1)
+            f_rows.index(2).store(f2)
+            f_rows.index(3).store(f3)
+            w_rows.index(0).store(wv)
     else:
         # the group's rows' slots (a program without tiles skips them); the loop's first barrier
         # orders these stores before its reads
@@ -440,7 +462,6 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
     if HIST:
         for j in gl.static_range(GROUP):      # before the loop's first barrier
             gl.store(priv + j * _HIST_BINS + bins, gl.zeros([_HIST_BINS], gl.int32, hist_l))
-    rr = gl.arange(0, 2, layout=gl.SliceLayout(1, scl_l))
 
     i = 0
     for t in range(first_tile, n_tiles, stride):
@@ -454,7 +475,11 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
         nxt = (i + STAGES - 1) % STAGES
         _issue(raw.index(nxt), scl.index(nxt), pool_ptr, bt_ptr, slot, bt_stride, n_vis, cand_row,
                t + (STAGES - 1) * stride, blk_n, PAGE, HAS_CAND, copy_l, scl_l)
-        blk_n = _tile_block(bt_ptr, slot, bt_stride, n_vis, t + STAGES * stride, PAGE)
+        if QF_SMEM:
+            blk_n = blk_nn
+            blk_nn = _tile_block(bt_ptr, slot, bt_stride, n_vis, t + (STAGES + 1) * stride, PAGE)
+        else:
+            blk_n = _tile_block(bt_ptr, slot, bt_stride, n_vis, t + STAGES * stride, PAGE)
         words = raw.index(cur).load(copy_l)
         sw = scl.index(cur)._reinterpret(gl.int32, [2 * _BLOCK_E], plain1).slice(0, _BLOCK_E).load(row_l)
         if KPERM:
@@ -474,8 +499,15 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
             vis = offs < n_vis
             if HAS_CAND:
                 vis = vis & (gl.load(cand_row + offs, mask=vis, other=0) != 0)
-            _score_tile(a8, q_smem, sw, f0, f1, f2, f3, wv, wb, zero, offs, vis, out_row, max_entries, priv, BLOCK_H,
-                        HIST, PACKED, MMA_PAIRS, mma_l)
+            if QF_SMEM:
+                wv_t = w_rows.index(0).load(col_l)
+                _score_tile(a8, q_smem, sw, f_rows.index(0).load(col_l), f_rows.index(1).load(col_l),
+                            f_rows.index(2).load(col_l), f_rows.index(3).load(col_l), wv_t,
+                            (wv_t.to(gl.int32, bitcast=True) >> 16) & 0xFFFF, zero, offs, vis, out_row, max_entries,
+                            priv, BLOCK_H, HIST, PACKED, MMA_PAIRS, mma_l)
+            else:
+                _score_tile(a8, q_smem, sw, f0, f1, f2, f3, wv, wb, zero, offs, vis, out_row, max_entries, priv,
+                            BLOCK_H, HIST, PACKED, MMA_PAIRS, mma_l)
         else:
             for g in range(size):
                 row = lead + g
@@ -511,26 +543,33 @@ def block_h(heads: int) -> int:
     return max(16, triton.next_power_of_2(heads))
 
 
-def shared_bytes(stages: int, heads: int, group: int = 1) -> int:
+def shared_bytes(stages: int, heads: int, group: int = 1, qf_smem: bool = False) -> int:
     """A program's shared memory: the ring (stages x 64 records: 16 code words and 2 scale-column
     words each), the E4M3 key tile, the E4M3 query (with row groups, `group` of them, each with its
-    four FP32 powers of two and head weights a head) and 1 KB for what the compiler adds."""
-    rows = block_h(heads) * (128 if group == 1 else group * (128 + 5 * 4))
+    four FP32 powers of two and head weights a head; with qf_smem the one row's) and 1 KB for what
+    the compiler adds."""
+    rows = block_h(heads) * (128 + (5 * 4 if qf_smem else 0) if group == 1 else group * (128 + 5 * 4))
     return stages * BLOCK_E * 18 * 4 + BLOCK_E * 128 + rows + 1024
 
 
 def launch_options(heads: int, page: int, stages: int, cand: bool, hist: bool, maxnreg: int | None = None,
-                   packed_terms: bool = False, mma_pairs: bool = False, kperm: bool = False, group: int = 1) -> dict:
+                   packed_terms: bool = False, mma_pairs: bool = False, kperm: bool = False, group: int = 1,
+                   qf_smem: bool = False) -> dict:
     """The kernel's constexpr arguments and launch options (the launch and the sm_90 compile test
     share them). The page is a constant of the kernel (a record's place without a division);
     maxnreg: a register cap per thread (None: the compiler's choice); packed_terms: the weighted
     terms in BF16x2 (`_weighted_terms_bf16x2`); mma_pairs: the four block wgmmas two at a time;
     kperm: each block's key dims in `_widen_split`'s order (no byte permutes), the query's to match;
     group: the rows a program scores on each key tile it reads (`gluon_index_scores_mxfp4_`'s
-    row_group; 1 with a candidate mask, which the kernel refuses to group)."""
+    row_group; 1 with a candidate mask, which the kernel refuses to group); qf_smem: the query's
+    powers of two and head weights read from shared memory for each tile (a row group's always are),
+    and each tile's page loaded two iterations ahead; with mma_pairs at <= 32 heads and no maxnreg, a
+    cap of QF_SMEM_MAXNREG registers (five programs an SM: uncapped, ptxas takes ~121)."""
     opts = {"PAGE": page, "BLOCK_H": block_h(heads), "STAGES": stages, "HAS_CAND": cand, "HIST": hist,
             "PACKED": bool(packed_terms), "MMA_PAIRS": bool(mma_pairs), "KPERM": bool(kperm),
-            "GROUP": group, "num_warps": 4}
+            "GROUP": group, "QF_SMEM": bool(qf_smem) and group == 1, "num_warps": 4}
+    if maxnreg is None and opts["QF_SMEM"] and mma_pairs and opts["BLOCK_H"] <= 32:
+        maxnreg = QF_SMEM_MAXNREG
     if maxnreg is not None:
         opts["maxnreg"] = maxnreg
     return opts
@@ -574,7 +613,8 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
                               cand_mask: torch.Tensor | None = None, hist: torch.Tensor | None = None,
                               stages: int = 4, programs_per_sm: int | None = None, maxnreg: int | None = None,
                               packed_terms: bool = False, mma_pairs: bool | None = None, kperm: bool | None = None,
-                              hist_scratch: torch.Tensor | None = None, row_group: int = 1) -> torch.Tensor:
+                              hist_scratch: torch.Tensor | None = None, row_group: int = 1,
+                              qf_smem: bool = False) -> torch.Tensor:
     """Write the indexer scores of N decode rows into `out`: `ops.indexer.index_scores_mxfp4_(...,
     fp8_dot=True)`'s arguments and scores (see the module docstring), on an sm_90 device.
 
@@ -612,6 +652,12 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
       and widened once a group instead of once a row; the same bits: each row's scores are the same
       MMAs and epilogue). Finding a row's group costs a few dependent loads before the first copy.
       With hist the scratch holds row_group counters a program (`hist_scratch_numel`).
+    qf_smem: the query's four powers of two and the head weights kept in shared memory and read
+      for each tile instead of held in registers across the loop (a row group's always are): the
+      same bits; at <= 32 heads with mma_pairs compiled at a cap of QF_SMEM_MAXNREG = 96 registers
+      a thread (128 without it; sm_90 compiles, no spills), so five programs an SM fit
+      (`programs_per_sm=5`), for 20 more shared-memory loads a tile and each tile's page loaded two
+      iterations ahead. Off by default: not yet measured.
     Unchecked: as `index_scores_mxfp4_`. Returns out.
     """
     n_rows, heads = index_scores_args(iq, w, pool, block_table, page, req_slot, n_vis, out, cand_mask)
@@ -627,6 +673,8 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
                          f"{tuple(hist_scratch.shape)} {hist_scratch.dtype} on {hist_scratch.device}")
     if isinstance(row_group, bool) or not isinstance(row_group, int) or row_group not in ROW_GROUPS:
         raise ValueError(f"row_group must be one of {ROW_GROUPS}, got {row_group!r}")
+    if not isinstance(qf_smem, bool):
+        raise ValueError(f"qf_smem must be a bool, got {qf_smem!r}")
     if isinstance(stages, bool) or not isinstance(stages, int) or not 2 <= stages <= MAX_STAGES:
         raise ValueError(f"stages must be an int in [2, {MAX_STAGES}], got {stages!r}")
     defaults = default_options(n_rows, out.shape[1])
@@ -663,5 +711,5 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
         heads, max_entries, block_table.stride(0), iq.stride(0), iq.stride(1), w.stride(0),
         cand.stride(0), out.stride(0), hist_t.stride(0),
         **launch_options(heads, page, stages, cand_mask is not None, hist is not None, maxnreg, packed_terms,
-                         mma_pairs, kperm, group))
+                         mma_pairs, kperm, group, qf_smem))
     return out

@@ -56,7 +56,8 @@ def sm90_builds() -> dict:
                                              + ("-packed" if len(c) > 6 and c[6] else "")
                                              + ("-pairs" if len(c) > 7 and c[7] else "")
                                              + ("-kperm" if len(c) > 8 and c[8] else "")
-                                             + (f"-group{c[9]}" if len(c) > 9 else "") for c in CASES])
+                                             + (f"-group{c[9]}" if len(c) > 9 and c[9] != 1 else "")
+                                             + ("-qf" if len(c) > 10 and c[10] else "") for c in CASES])
 def test_compiles_for_sm90_without_spills(sm90_builds, case):
     r = sm90_builds[case]
     assert r["LOCAL"] == 0 and r["STACK"] == 0, r
@@ -89,12 +90,15 @@ def test_compiles_for_sm90_without_spills(sm90_builds, case):
     # after its load, where the issue waited a global load's latency every tile (uncapped: at the cap
     # of 112 ptxas moves it 120 instructions in)
     # (with row groups also each row's n_vis, read where the row's scores are masked)
+    # (qf_smem: loaded two iterations ahead; compiled at 96 registers with the wgmmas two at a time, where
+    # ptxas moves the page into a uniform register 200 instructions after its load, 250 before the loop's end)
     group = case[9] if len(case) > 9 else 1
+    qf = len(case) > 10 and case[10]
     if case[1] % 64 == 0 and not case[3]:
         assert len(r["loop_loads"]) == (1 if group == 1 else 2), r["loop_loads"]
         if not r["maxnreg"] and group == 1:
-            assert all(d is None or d > r["loop_len"] // 2 for _, d in r["loop_loads"]), (r["loop_len"],
-                                                                                         r["loop_loads"])
+            least = 150 if qf else r["loop_len"] // 2
+            assert all(d is None or d > least for _, d in r["loop_loads"]), (r["loop_len"], r["loop_loads"])
     # the histogram: per tile, two warp votes (one per entry register) and a relaxed add each to the
     # program's own counters, no barrier; only when asked for
     assert (loop.get("MATCH", 0), loop.get("REDG", 0)) == ((2, 2) if case[4] else (0, 0)), loop
@@ -102,9 +106,13 @@ def test_compiles_for_sm90_without_spills(sm90_builds, case):
     # at the step's 32 heads, a register budget that keeps three programs resident per SM (the four
     # block partials hold BLOCK_H / 2 registers each: 64 heads need more, without spilling); with the
     # wgmmas two at a time four, by shared memory too (a row group's queries included)
+    # (the query's scales and weights in shared memory, qf_smem, with the wgmmas two at a time: 96
+    # registers, five programs an SM)
     if r["block_h"] <= 32:
-        assert r["REG"] <= (r["maxnreg"] or (128 if pairs else 168)), r
-        assert (4 if pairs else 3) * (r["shared"] + 1024) <= 228 * 1024, r
+        assert r["REG"] <= (r["maxnreg"] or (96 if pairs and qf else 128 if pairs else 168)), r
+        assert (5 if pairs and qf else 4 if pairs else 3) * (r["shared"] + 1024) <= 228 * 1024, r
+    # qf_smem: the four powers of two and the weights are loaded again from shared memory every tile
+    assert (loop.get("LDS", 0) >= 20) == bool(qf or group > 1), loop
 
 
 def test_load_use_distances_reads_sass_registers():
@@ -158,6 +166,7 @@ def test_bad_inputs_raise_naming_the_argument():
             ((iq, w, pool, bt, 16, slot, nv, out), {"hist_scratch": torch.zeros(4096)}, "hist_scratch must be"),
             ((iq, w, pool, bt, 16, slot, nv, out), {"row_group": 3}, "row_group must be"),
             ((iq, w, pool, bt, 16, slot, nv, out), {"row_group": True}, "row_group must be"),
+            ((iq, w, pool, bt, 16, slot, nv, out), {"qf_smem": 1}, "qf_smem must be"),
             ((iq, w, pool, bt, 16, slot, nv, out), {}, "compute capability 9.0")):
         with pytest.raises(ValueError, match=match):
             run(*args, **kw)
@@ -312,6 +321,38 @@ def test_gpu_scale_extremes():
         got, ref = _pair(args, TI._PAGE, 64, **kw)
         _assert_bits_equal(got, ref, f"scale extremes (8 heads) {kw}")
     TI._check(got, TI.reference_scores(*args, 64))
+
+
+@pytest.mark.gpu
+def test_gpu_qf_smem_gives_the_same_bits():
+    """qf_smem (the query's powers of two and head weights read from shared memory each tile, pages
+    two iterations ahead; at a cap of 96 registers with the wgmmas two at a time): the Triton FP8
+    path's bits with the wgmmas two at a time at five programs an SM and with four in flight at four,
+    at pages of 16 and 64, with a candidate mask, with the histogram (a caller's zeroed scratch, left
+    zero), and at the scale extremes of test_gpu_scale_extremes."""
+    rows = 16
+    n_vis = _contexts(rows, seed=91)
+    g = torch.Generator(device=DEVICE).manual_seed(91)
+    cand = torch.rand(rows, 4160, generator=g, device=DEVICE) < 0.3
+    for kw in ({"qf_smem": True, "programs_per_sm": 5, "mma_pairs": True, "kperm": True},
+               {"qf_smem": True, "programs_per_sm": 4, "mma_pairs": False, "kperm": False}):
+        for page in (16, 64):
+            args = _inputs(rows, n_vis, seed=91 + page, page=page)
+            got, ref = _pair(args, page, 4160, **kw)
+            _assert_bits_equal(got, ref, f"page={page} {kw}")
+        got, ref = _pair(args, 64, 4160, cand=cand, **kw)
+        _assert_bits_equal(got, ref, f"candidate mask {kw}")
+        _check_hist_with_scratch(args, 4160, kw)
+    iq, w, pool, bt, slot, nv = TI.make_inputs(2, 8, [64, 50], seed=11)
+    iq = iq.float().cpu()
+    iq[0, :, :32] *= 2.0 ** -40
+    iq[0, :, 32:64] = 0.0
+    iq[1, :, 64:96] *= 2.0 ** 40
+    pool = pool.cpu().clone()
+    pool[:, 64] = torch.randint(90, 160, (pool.shape[0],), dtype=torch.uint8)
+    args = (iq.bfloat16().to(DEVICE), w, pool.to(DEVICE), bt, slot, nv)
+    got, ref = _pair(args, TI._PAGE, 64, qf_smem=True, mma_pairs=True, kperm=True)
+    _assert_bits_equal(got, ref, "scale extremes (8 heads), qf_smem")
 
 
 @pytest.mark.gpu
