@@ -28,6 +28,7 @@ would hold (spec decision 12).
 
 from __future__ import annotations
 
+import copy
 import heapq
 import uuid
 from dataclasses import dataclass
@@ -69,7 +70,8 @@ class StepRows:
         request).
     row_start: the index of each request's first row among the N rows.
     plan_key: which plan of which state made these rows (`DecodeState.check_step` compares it; a
-        deep copy of the state keeps its key, so a snapshot accepts the rows planned before it).
+        deep copy of the state keeps the pending plan's key, so a snapshot accepts the rows planned
+        before it, and numbers its later plans under an id of its own).
     slots: each request's slot, on the host (what a caller builds host tables from without reading
         `req_slot` back from the device).
     """
@@ -242,6 +244,7 @@ class DecodeState:
         # (this state's id, plan number) of the last plan() not yet advanced (check_step)
         self._plan_key: tuple[str, int] = (uuid.uuid4().hex, 0)
         self._planned: tuple | None = None
+        self._planned_slots: tuple[int, ...] = ()     # the request slots of the last plan()
         self._accepting: dict[int, tuple[int, int]] = {}  # slot -> (start, count) of the last advanced call
         self._pages: dict[int, list[list[int]]] = {
             r: [[] for _ in range(max_requests)] for r in self.ratios}
@@ -250,6 +253,17 @@ class DecodeState:
         # 1 + the highest position written through write_window since admission, per layer/slot:
         # the ring has lost every position below it minus W, whatever the lengths say.
         self._window_hi: dict[int, list[int]] = {L: [0] * max_requests for L in self.window}
+
+    def __deepcopy__(self, memo) -> "DecodeState":
+        """A snapshot: every tensor and table copied; a plan id of its own for the plans made after
+        the copy (so neither state takes the other's later steps), the pending plan kept (so the
+        snapshot can still advance the rows planned before it)."""
+        twin = DecodeState.__new__(DecodeState)
+        memo[id(self)] = twin
+        for k, v in self.__dict__.items():
+            setattr(twin, k, copy.deepcopy(v, memo))
+        twin._plan_key = (uuid.uuid4().hex, self._plan_key[1])
+        return twin
 
     # ----- requests -----
     def admit(self, req_id: Hashable) -> int:
@@ -330,7 +344,9 @@ class DecodeState:
         this call. Either every page is allocated or, on an error, none: KeyError for an unknown id,
         ValueError for an empty call, a count < 1 or a request listed twice, CapacityError when a
         request would exceed `max_context` or a ratio's free pages do not suffice.
-        A new plan replaces an earlier one that was not advanced.
+        A new plan replaces an earlier one that was not advanced: that plan's requests keep the
+        pages of their lengths (or of this call), the rest of what it allocated goes back to the
+        pools (and counts as free for this call).
         """
         if len(rows) == 0:
             raise ValueError("plan: the call has no rows")
@@ -353,24 +369,37 @@ class DecodeState:
             starts.append(start)
             slots.append(s)
 
-        grants: dict[int, list[tuple[int, int]]] = {}  # ratio -> (slot, first new column)
+        # the requests of a replaced plan (planned, not advanced) go back to the pages their
+        # lengths need: the pages it allocated for its rows count as free for this call
+        replaced = [s for s in self._planned_slots if self._pending[s]]
+        grants: dict[int, list[tuple[int, int]]] = {}  # ratio -> (slot, pages to add)
+        trims: dict[int, list[tuple[int, int]]] = {}   # ratio -> (slot, pages to keep)
         for r in self.ratios:
-            need, todo = 0, []
+            keep = {s: _cdiv(self._lengths[s] // r, self.page_size) for s in replaced}
             for s, start, count in zip(slots, starts, counts):
+                keep[s] = _cdiv((start + count) // r, self.page_size)
+            need, todo, back = 0, [], []
+            for s, want in keep.items():
                 have = len(self._pages[r][s])
-                want = _cdiv((start + count) // r, self.page_size)
                 if want > have:
                     need += want - have
                     todo.append((s, want - have))
-            free = len(self._free_pages[r])
+                elif want < have:
+                    back.append((s, want))
+            free = len(self._free_pages[r]) + sum(len(self._pages[r][s]) - want for s, want in back)
             if need > free:
                 raise CapacityError(
                     f"pages of ratio {r}: the call needs {need} more page(s) but only {free} of "
                     f"{self.n_pages[r]} are free (page_size={self.page_size}, "
                     f"max_tokens={self.max_tokens})")
-            grants[r] = todo
+            grants[r], trims[r] = todo, back
         for r, todo in grants.items():
             table = self.block_table[r]
+            for s, want in trims[r]:
+                held = self._pages[r][s]
+                self._free_pages[r].extend(reversed(held[want:]))
+                del held[want:]
+                table[s, want:].fill_(-1)
             t_flat, t_pages = [], []      # flat index of (slot, column) in the table, page
             for s, n in todo:
                 held = self._pages[r][s]
@@ -394,6 +423,7 @@ class DecodeState:
             pos_rows.extend(range(start, start + count))
         self._plan_key = (self._plan_key[0], self._plan_key[1] + 1)
         self._planned = self._plan_key
+        self._planned_slots = tuple(slots)
         slot_pos = self._upload.tensor([slot_rows, pos_rows], torch.int64)
         return StepRows(
             req_ids=tuple(ids), counts=tuple(counts), starts=tuple(starts),

@@ -186,6 +186,76 @@ def test_page_capacity_exact_numbers_and_no_partial_allocation(tiny):
     assert (st.free_pages(1), st.free_pages(2)) == (0, 1)
 
 
+def test_replaced_plan_gives_its_pages_back(tiny):
+    """A plan that is replaced before it is advanced (its forward raised, say) leaves its requests
+    the pages of their lengths: what it allocated goes back to the pools, counts as free for the
+    plan that replaces it, and the table rows past the kept pages are -1 again."""
+    st = DecodeState(tiny, max_requests=2, max_context=16, max_tokens=8, page_size=2)
+    st.admit("a"), st.admit("b")
+    free = {r: st.free_pages(r) for r in st.ratios}
+    st.plan([("a", 8)])                                     # 4 pages of ratio 1, 2 of ratio 2
+    assert (st.free_pages(1), st.free_pages(2)) == (free[1] - 4, free[2] - 2)
+    st.advance(st.plan([("a", 1)]))                         # replaces it: a keeps 1 page of ratio 1
+    assert {r: len(st.pages_of("a", r)) for r in st.ratios} == {1: 1, 2: 0}
+    assert (st.free_pages(1), st.free_pages(2)) == (free[1] - 1, free[2])
+    assert st.block_table[1][0, 1:].eq(-1).all() and st.block_table[2][0].eq(-1).all()
+    st.advance(st.plan([("b", 6)]))                         # 7 tokens held in all: within max_tokens=8
+    # a replaced plan's pages count as free for the plan that replaces it, and a failed replacement
+    # leaves the earlier plan as it was
+    st2 = DecodeState(tiny, max_requests=2, max_context=16, max_tokens=8, page_size=2)
+    st2.admit("a"), st2.admit("b")
+    first = st2.plan([("a", 10)])                           # 5 of ratio 1's 6 pages
+    with pytest.raises(CapacityError, match="needs 7 more page"):
+        st2.plan([("b", 14)])
+    assert len(st2.pages_of("a", 1)) == 5
+    st2.advance(st2.plan([("b", 11)]))                      # fits once a's 5 pages are back
+    assert len(st2.pages_of("a", 1)) == 0 and len(st2.pages_of("b", 1)) == 6
+    with pytest.raises(ValueError, match="not this state's current plan"):
+        st2.advance(first)
+
+
+def test_a_copy_numbers_its_own_plans(tiny):
+    """A deep copy advances the rows planned before it (a snapshot), and neither state takes the
+    other's later steps."""
+    import copy
+    st = DecodeState(tiny, max_requests=2, max_context=64)
+    st.admit("a"), st.admit("b")
+    before = st.plan([("a", 2)])
+    twin = copy.deepcopy(st)
+    twin.advance(before)
+    assert twin.length("a") == 2 and st.length("a") == 0
+    st.advance(before)
+    mine, theirs = st.plan([("a", 1)]), twin.plan([("a", 1), ("b", 1)])
+    with pytest.raises(ValueError, match="not this state's current plan"):
+        twin.advance(mine)
+    with pytest.raises(ValueError, match="not this state's current plan"):
+        st.advance(theirs)
+    twin.advance(theirs), st.advance(mine)
+    assert (st.length("a"), st.length("b"), twin.length("a"), twin.length("b")) == (3, 0, 3, 1)
+
+
+def test_fill_state_keeps_the_open_group_of_one_token(tiny):
+    """`testing.synthetic.fill_state` writes a ratio-2 source's open group and its kept rows at any
+    length, 1 included (no entry completed yet): a state that then decodes two rows and keeps one
+    holds the group a state that decoded only the kept row holds."""
+    from dsv41_decode.testing.synthetic import fill_state
+    L, s = 1, 0
+    kv, score = torch.randn(2, 512), torch.randn(2, 512)
+    states = []
+    for drafts, rows in ((1, 2), (0, 1)):
+        st = DecodeState(tiny, max_requests=1, max_context=64, max_drafts=drafts)
+        fill_state(st, {"a": 1}, seed=0)
+        step = st.plan([("a", rows)])
+        st.comp_kv[L][s, step.positions % 2] = kv[:rows]
+        st.comp_score[L][s, step.positions % 2] = score[:rows]
+        st.write_compressor_rows(L, s, step.positions, kv[:rows], score[:rows])
+        st.advance(step)
+        states.append(st)
+    states[0].accept({"a": 1})
+    for name in ("comp_kv", "comp_score"):
+        assert torch.equal(getattr(states[0], name)[L][s], getattr(states[1], name)[L][s]), name
+
+
 # ----- paging on group boundaries -----
 
 def test_pages_allocated_exactly_when_groups_complete(tiny):

@@ -95,11 +95,10 @@ def fill_state(state: DecodeState, lengths: Mapping[Hashable, int], seed: int = 
         for L in state.kv_sources:
             r = cfg.ratio(L)
             m = n // r
-            if m == 0:
-                continue
-            slots = state.entry_slots(r, s, torch.arange(m, device=dev))
-            state.compressed[L][slots] = _random_records(m, pack_compressed_kv, cfg.head_dim, dev, gen)
-            state.index_keys[L][slots] = _random_records(m, pack_index_key, cfg.index_head_dim, dev, gen)
+            if m:
+                slots = state.entry_slots(r, s, torch.arange(m, device=dev))
+                state.compressed[L][slots] = _random_records(m, pack_compressed_kv, cfg.head_dim, dev, gen)
+                state.index_keys[L][slots] = _random_records(m, pack_index_key, cfg.index_head_dim, dev, gen)
             if r == 2:   # the open group's rows (positions n-2, n-1), kept for accept as a run would
                 pos = torch.arange(max(0, n - 2), n, device=dev)
                 kv = torch.randn(len(pos), cfg.head_dim, generator=gen, device=dev)
