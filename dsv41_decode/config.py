@@ -99,6 +99,8 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
         """Build from a dict in the official key style or the Hugging Face style."""
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"a config must be a JSON object (keys and values), got {type(d).__name__}")
         d = _from_hf(d) if "hidden_size" in d else dict(d)
         names = {f.name for f in dataclasses.fields(cls)}
         required = [f.name for f in dataclasses.fields(cls)
@@ -111,17 +113,14 @@ class ModelConfig:
         if not isinstance(kw["n_layers"], int) or isinstance(kw["n_layers"], bool):
             raise ConfigError(f"n_layers: expected an integer, got {kw['n_layers']!r}")
         n = kw["n_layers"]
-        try:
-            ratios = tuple(int(r) for r in kw["compress_ratios"])
-        except (TypeError, ValueError):
-            raise ConfigError(f"compress_ratios: expected a list of integers, got {kw['compress_ratios']!r}") from None
+        ratios = _int_list("compress_ratios", kw["compress_ratios"])
         if len(ratios) < n:
             raise ConfigError(f"compress_ratios: {len(ratios)} entries for n_layers={n}")
         if "n_mtp_layers" not in d:
             kw["n_mtp_layers"] = len(ratios) - n
         kw["compress_ratios"] = ratios[:n]  # the draft blocks are not part of the attention stack
         for k in ("kv_source_layers", "index_source_layers"):
-            kw[k] = tuple(int(v) for v in kw[k])
+            kw[k] = _int_list(k, kw[k])
         for f in dataclasses.fields(cls):
             v = kw.get(f.name)
             if f.type == "float" and not isinstance(v, (int, float)) or isinstance(v, bool):
@@ -246,10 +245,21 @@ class LayerPlan:
         return "\n".join(lines)
 
 
+def _int_list(field: str, v: Any) -> tuple[int, ...]:
+    """v (a list or tuple of integers) as a tuple; ConfigError naming the field otherwise (a
+    fraction is not truncated, a string not parsed)."""
+    if not isinstance(v, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        raise ConfigError(f"{field}: expected a list of integers, got {v!r}")
+    return tuple(v)
+
+
 def _validate(c: ModelConfig) -> None:
     def need(cond: bool, field: str, msg: str) -> None:
         if not cond:
             raise ConfigError(f"{field}: {msg}")
+
+    for f in ("compress_ratios", "kv_source_layers", "index_source_layers"):
+        _int_list(f, getattr(c, f))
 
     for f in ("dim", "n_layers", "n_heads", "q_lora_rank", "head_dim", "rope_head_dim", "o_groups",
               "o_lora_rank", "window_size", "index_n_heads", "index_head_dim", "index_topk",
@@ -290,6 +300,8 @@ def _validate(c: ModelConfig) -> None:
              f"layer {i} has ratio {r} but its KV source {srcs[-1]} has ratio "
              f"{c.compress_ratios[srcs[-1]]}")
     cs = c.candidate_source_layer
+    need(cs is None or isinstance(cs, int) and not isinstance(cs, bool), "candidate_source_layer",
+         f"must be a layer id or null, got {cs!r}")
     if cs is not None:
         need(cs in c.kv_source_layers, "candidate_source_layer",
              f"layer {cs} is not a KV source layer")
@@ -302,6 +314,13 @@ def _validate(c: ModelConfig) -> None:
              f"(its KV source is {kv}, candidate source {cs})")
     for f in ("norm_eps", "hc_eps", "rope_theta", "compress_rope_theta"):
         need(getattr(c, f) > 0, f, f"must be positive, got {getattr(c, f)!r}")
+    v = c.original_seq_len
+    need(isinstance(v, int) and not isinstance(v, bool) and v >= 0, "original_seq_len",
+         f"must be a non-negative integer (0: no YaRN), got {v!r}")
+    for f in ("beta_fast", "beta_slow"):
+        v = getattr(c, f)
+        need(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), f,
+             f"must be a finite number, got {v!r}")
     need(not math.isnan(c.rope_factor) and c.rope_factor >= 1, "rope_factor",
          f"must be >= 1, got {c.rope_factor}")
 

@@ -299,9 +299,31 @@ def test_check_tp(flash):
     ("index_head_dim", 64, "assumes 128"), ("dim", 5121, "must be a multiple of 32"),
     ("q_lora_rank", 1290, "must be a multiple of 32"), ("rope_factor", 0.5, "must be >= 1"),
     ("n_layers", True, "must be a positive integer"),
+    ("original_seq_len", "65536", "must be a non-negative integer"), ("original_seq_len", -1, "non-negative"),
+    ("beta_fast", float("nan"), "must be a finite number"), ("beta_slow", float("inf"), "finite"),
+    ("candidate_source_layer", 20.0, "must be a layer id or null"),
 ])
 def test_bad_scalar_fields(flash, field, value, rule):
     assert rule in _raises(field, flash.replace, **{field: value})
+
+
+@pytest.mark.parametrize("field,value", [
+    ("compress_ratios", 2), ("compress_ratios", [0, 2.5, 2, 1, 1, 1, 1]), ("compress_ratios", ["0"] * 7),
+    ("kv_source_layers", 1), ("kv_source_layers", [1.5, 3]), ("index_source_layers", [1, 3, True]),
+])
+def test_layer_lists_must_hold_integers(field, value):
+    """A layer list that is not a list of integers names its key (a fraction is not truncated, a
+    string not parsed), from a dict and through replace."""
+    d = ModelConfig.preset("tiny").to_dict()
+    d[field] = value
+    assert "expected a list of integers" in _raises(field, ModelConfig.from_dict, d)
+    assert "expected a list of integers" in _raises(field, ModelConfig.preset("tiny").replace, **{field: value})
+
+
+def test_a_config_must_be_an_object(tmp_path):
+    for text in ("[1, 2]", "null", "7"):
+        (tmp_path / "config.json").write_text(text)
+        _raises_saying("a config must be a JSON object", ModelConfig.from_json, tmp_path)
 
 
 def test_missing_keys_are_listed(flash):
