@@ -141,7 +141,8 @@ def _config(args, default: str) -> ModelConfig:
 
 
 def _checkpoint_dir(args) -> Path | None:
-    """--checkpoint, checked to be a folder with a config.json (or --config given)."""
+    """--checkpoint, checked to be a folder with a config.json (or --config given) and weight files."""
+    from .weights import NO_WEIGHT_FILES, has_weight_files
     ck = args.checkpoint
     if ck is None:
         return None
@@ -149,6 +150,8 @@ def _checkpoint_dir(args) -> Path | None:
         raise UsageError(f"--checkpoint {ck}: no such folder")
     if args.config is None and not (ck / "config.json").is_file():
         raise UsageError(f"--checkpoint {ck}: no config.json in it (or give --config)")
+    if not has_weight_files(ck):
+        raise UsageError(f"--checkpoint {ck}: {NO_WEIGHT_FILES} in it")
     return ck
 
 

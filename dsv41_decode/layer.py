@@ -88,8 +88,9 @@ class AttentionLayer:
         """
         cfg, spec, w = self.cfg, self.spec, self.w
         state.check_step(step, f"layer {spec.layer}")   # before any cache is written
-        if x.shape != (step.n_rows, cfg.dim):
-            raise ValueError(f"layer {spec.layer}: x must be [{step.n_rows}, {cfg.dim}], got {tuple(x.shape)}")
+        if x.shape != (step.n_rows, cfg.dim) or x.dtype != torch.bfloat16:
+            raise ValueError(f"layer {spec.layer}: x must be [{step.n_rows}, {cfg.dim}] bfloat16, got "
+                             f"{tuple(x.shape)} {x.dtype}")
         eps, rd = cfg.norm_eps, cfg.rope_head_dim
         dev = x.device
         pos = step.positions.to(dev)

@@ -89,8 +89,8 @@ def prefill(stack, state: DecodeState, request: Hashable, x: torch.Tensor, *, ch
         (default: built here for this call).
     Returns (streams [n, hc, dim] BF16, carried pre [n, hc] FP32) leaving the last layer.
     Errors (before any cache is written): ValueError for a bad path, chunk, step, x or pre;
-    KeyError for a request the state does not hold; CapacityError past the state's capacities
-    (raised by the chunk that would exceed them; earlier chunks stay written).
+    KeyError for a request the state does not hold; CapacityError when the whole prompt would pass
+    the state's capacities (its context or its pages, as `DecodeState.plan` of all n rows says).
     """
     cfg = stack.cfg
     path = prefill_path(path, state.device)
@@ -102,6 +102,9 @@ def prefill(stack, state: DecodeState, request: Hashable, x: torch.Tensor, *, ch
     if pre is not None and (pre.shape != (n, cfg.hc_mult) or pre.dtype != torch.float32):
         raise ValueError(f"prefill: pre must be [{n}, {cfg.hc_mult}] float32, got {tuple(pre.shape)} {pre.dtype}")
     state.slot(request)                                   # KeyError naming an unknown request
+    # the whole prompt planned once, never advanced: CapacityError now rather than after some chunks
+    # (the first chunk's plan replaces it, and the pages it allocated past that chunk go back)
+    state.plan([(request, n)])
     if path == "kernels":
         if step is None:
             step = prefill_step(stack, state, chunk)

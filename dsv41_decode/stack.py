@@ -44,6 +44,14 @@ class AttentionStack:
         rank's shard and reduces its output across the ranks (AttentionLayer).
         """
         cfg = ckpt.config
+        if layer_ids is not None:
+            bad = [i for i in layer_ids if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < cfg.n_layers]
+            if bad:
+                raise ValueError(f"layer_ids: {bad[0]!r} is not a layer id of this configuration "
+                                 f"(0..{cfg.n_layers - 1})")
+            twice = sorted({i for i in layer_ids if list(layer_ids).count(i) > 1})
+            if twice:
+                raise ValueError(f"layer_ids: layer {twice[0]} is listed twice")
         ids = list(range(cfg.n_layers)) if layer_ids is None else sorted(layer_ids)
         for i in ids:
             spec = cfg.plan[i]
@@ -79,7 +87,11 @@ class AttentionStack:
             return mid, mix.pre, rec
         f = hc_mixes(mid, w["hc_ffn_fn"], w["hc_ffn_scale"], w["hc_ffn_base"], cfg.norm_eps, cfg.hc_eps,
                      cfg.hc_sinkhorn_iters)
-        out = ffn(i, rms_norm(hc_pre(mid, mix.pre), w["ffn_norm.weight"], cfg.norm_eps))
+        h = rms_norm(hc_pre(mid, mix.pre), w["ffn_norm.weight"], cfg.norm_eps)
+        out = ffn(i, h)
+        if not isinstance(out, torch.Tensor) or out.shape != h.shape or out.dtype != torch.bfloat16:
+            raise ValueError(f"ffn(layer={i}, h) must return a {list(h.shape)} bfloat16 tensor like h, got "
+                             f"{tuple(getattr(out, 'shape', ()))} {getattr(out, 'dtype', type(out).__name__)}")
         return hc_post(out, mid, f.post, f.comb), f.pre, rec
 
     def forward(self, x: torch.Tensor, step: StepRows, state: DecodeState, pre_in: torch.Tensor | None = None,
@@ -95,8 +107,8 @@ class AttentionStack:
         or replaced step, a freed request; the state's layer plan; the shapes of x and pre_in).
         """
         state.check_step(step, "forward")
-        if state.layer_plan != self.cfg.plan:
-            raise ValueError("forward: the DecodeState was built for another configuration's layer plan")
+        if state.cfg is not self.cfg and state.cfg != self.cfg:
+            raise ValueError("forward: the DecodeState was built for another configuration than the stack")
         if x.dim() != 3 or x.shape[0] != step.n_rows or x.shape[1:] != (self.cfg.hc_mult, self.cfg.dim) \
                 or x.dtype != torch.bfloat16:
             raise ValueError(f"streams must be [{step.n_rows}, {self.cfg.hc_mult}, {self.cfg.dim}] bfloat16, "

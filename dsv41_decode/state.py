@@ -348,11 +348,17 @@ class DecodeState:
         pages of their lengths (or of this call), the rest of what it allocated goes back to the
         pools (and counts as free for this call).
         """
+        if isinstance(rows, (Mapping, str, bytes)):
+            raise ValueError(f"plan: rows must be a list of (req_id, count) pairs, got a {type(rows).__name__}"
+                             + (" (list(rows.items()) makes one)" if isinstance(rows, Mapping) else ""))
         if len(rows) == 0:
             raise ValueError("plan: the call has no rows")
         ids, counts, starts, slots = [], [], [], []
         seen = set()
-        for req_id, count in rows:
+        for entry in rows:
+            if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+                raise ValueError(f"plan: rows entries must be (req_id, count) pairs, got {entry!r}")
+            req_id, count = entry
             s = self.slot(req_id)
             if req_id in seen:
                 raise ValueError(f"plan: request {req_id!r} is listed twice in one call")

@@ -193,6 +193,15 @@ def dequantized(tensors: Mapping[str, torch.Tensor], name: str) -> torch.Tensor:
     return w.float()
 
 
+def has_weight_files(root: Path) -> bool:
+    """Whether folder `root` holds weights in a layout `load_checkpoint` reads (an index, one file,
+    or shards); when it does not, loading raises CheckpointError saying `NO_WEIGHT_FILES`."""
+    return (root / INDEX_FILE).exists() or (root / SINGLE_FILE).exists() or any(root.glob("*.safetensors"))
+
+
+NO_WEIGHT_FILES = f"no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors shard"
+
+
 class _Shards:
     """Which file holds each tensor name; files are opened (header only) when first needed."""
 
@@ -212,7 +221,7 @@ class _Shards:
         else:
             files = sorted(root.glob("*.safetensors"))
             if not files:
-                raise CheckpointError(f"{root}: no {SINGLE_FILE}, {INDEX_FILE} or *.safetensors shard")
+                raise CheckpointError(f"{root}: {NO_WEIGHT_FILES}")
             self.source = f"the {len(files)} *.safetensors shard(s) of {root}"
             self._scan(files)
         self.stored: dict[str, str] = {}   # official name -> the name in the file, where they differ
@@ -402,7 +411,10 @@ def _load_layer(cfg: ModelConfig, layer: int, shards: _Shards, device: torch.dev
 def _select(cfg: ModelConfig, layers: Iterable[int] | None) -> list[int]:
     if layers is None:
         return list(range(cfg.n_layers))
-    sel = sorted({int(i) for i in layers})
+    ids = None if isinstance(layers, (str, bytes)) else list(layers)
+    if ids is None or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"layers: expected layer ids (integers), got {layers!r}")
+    sel = sorted(set(ids))
     bad = [i for i in sel if not 0 <= i < cfg.n_layers]
     if bad:
         raise ValueError(f"layers: {bad} out of range [0, {cfg.n_layers})")
@@ -434,6 +446,12 @@ def load_checkpoint(path: str | Path, layers: Iterable[int] | None = None,
         raise CheckpointError(f"{root}: not a checkpoint directory")
     cfg = config if config is not None else ModelConfig.from_json(root)
     sel = _select(cfg, layers)
+    for name, v in (("tp", tp), ("rank", rank)):
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise ValueError(f"{name} must be an integer, got {v!r}")
+    cfg.check_tp(tp)
+    if not 0 <= rank < tp:
+        raise ValueError(f"rank must lie in [0, {tp}), got {rank}")
     parts = shard_ranges(cfg, tp, rank) if tp > 1 else None
     dev = torch.device(device)
     console = Console(stderr=True)

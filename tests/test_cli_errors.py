@@ -190,6 +190,13 @@ def test_demo_checkpoint_errors_and_debug(tmp_path, capsys):
     (ck / "config.json").unlink()
     assert main(["demo", "--checkpoint", str(ck)]) == 2
     assert "no config.json in it (or give --config)" in one_line_error(capsys)
+    # a missing weight file is a missing input file too (usage, 2), like the missing config
+    (ck / "model.safetensors").unlink()
+    for argv in (["demo", "--checkpoint", str(ck), "--config", "tiny"],
+                 ["trace", "record", str(tmp_path / "rec"), "--checkpoint", str(ck), "--config", "tiny"]):
+        assert main(argv) == 2
+        assert "no model.safetensors, model.safetensors.index.json or *.safetensors shard in it" in \
+            one_line_error(capsys)
 
 
 def test_demo_with_a_checkpoint_folder(tmp_path, capsys):

@@ -171,6 +171,12 @@ def test_rejected_plans_admits_and_frees_change_nothing(stack):
         (ValueError, "listed twice", lambda: st.plan([("a", 1), ("a", 1)])),
         (ValueError, "count 0", lambda: st.plan([("a", 1), ("b", 0)])),
         (ValueError, "no rows", lambda: st.plan([])),
+        (ValueError, r"rows must be a list of \(req_id, count\) pairs, got a dict \(list\(rows.items\(\)\)",
+         lambda: st.plan({"a": 1})),
+        (ValueError, r"rows entries must be \(req_id, count\) pairs, got 'ab'", lambda: st.plan(["ab"])),
+        (ValueError, r"rows entries must be \(req_id, count\) pairs, got \('a', 1, 9\)",
+         lambda: st.plan([("a", 1, 9)])),
+        (ValueError, "has count '1'", lambda: st.plan([("a", "1")])),
     ]
     for exc, msg, call in calls:
         with pytest.raises(exc, match=msg):
@@ -187,3 +193,61 @@ def test_page_capacity_is_checked_before_any_page_is_taken(stack):
     with pytest.raises(CapacityError, match="pages of ratio"):
         st.plan([("b", 4), ("a", 12)])           # b's pages would fit, a's do not: neither is taken
     unchanged(st, snap)
+
+
+def test_stack_layer_ids_are_checked(stack, tmp_path):
+    ckpt = load_checkpoint(write_synthetic_checkpoint(stack.cfg, tmp_path / "ck", seed=3))
+    with pytest.raises(ValueError, match="layer_ids: layer 1 is listed twice"):
+        AttentionStack(ckpt, layer_ids=[0, 1, 1, 2])
+    for bad in ([99], [-1], [1.0]):
+        with pytest.raises(ValueError, match=r"layer_ids: .* is not a layer id of this configuration \(0..6\)"):
+            AttentionStack(ckpt, layer_ids=bad)
+
+
+def test_a_state_of_another_configuration_is_refused_before_any_cache_is_written(stack):
+    """Another window size (the layer plan alike): refused by forward and prefill before a chunk
+    is written, as decode_step refuses it."""
+    from dsv41_decode.prefill import prefill
+    st = DecodeState(stack.cfg.replace(window_size=8), max_requests=1, max_context=32)
+    st.admit("a")
+    snap = snapshot(st)
+    with pytest.raises(ValueError, match="built for another configuration than the stack"):
+        prefill(stack, st, "a", streams(20, stack.cfg, 0), chunk=10, path="reference")
+    assert st.length("a") == 0
+    with pytest.raises(ValueError, match="built for another configuration than the stack"):
+        stack.forward(streams(2, stack.cfg, 0), st.plan([("a", 2)]), st)
+    assert st.length("a") == 0
+    del snap
+
+
+def test_layer_input_dtype_and_the_ffn_hooks_output_are_checked(stack):
+    st = served(stack)
+    step = st.plan([("a", 2)])
+    snap = snapshot(st)
+    x = streams(2, stack.cfg, 1)
+    with pytest.raises(ValueError, match=r"layer 0: x must be \[2, 128\] bfloat16, got \(2, 128\) torch.float32"):
+        stack.layers[0].forward(x[:, 0].float(), step, st, CallContext())
+    unchanged(st, snap)
+    for hook, got in ((lambda i, h: h[:1], r"\(1, 128\) torch.bfloat16"), (lambda i, h: h.float(), "float32"),
+                      (lambda i, h: None, "NoneType")):
+        with pytest.raises(ValueError, match=r"ffn\(layer=0, h\) must return a \[2, 128\] bfloat16 tensor like h, "
+                                             r"got .*" + got):
+            stack.forward(x, step, st, ffn=hook)
+    assert st.length("a") == 9                                 # not advanced
+    stack.forward(x, st.plan([("a", 2)]), st, ffn=lambda i, h: h)   # a well-formed hook runs
+
+
+def test_prefill_past_the_capacity_writes_nothing(stack):
+    """A prompt that would pass max_context (or the pages) raises before its first chunk."""
+    from dsv41_decode.prefill import prefill
+    st = DecodeState(stack.cfg, max_requests=2, max_context=40, page_size=4)
+    st.admit("a")
+    snap = snapshot(st)
+    with pytest.raises(CapacityError, match="context: request 'a' would hold 41 tokens"):
+        prefill(stack, st, "a", streams(41, stack.cfg, 0), chunk=16, path="reference")
+    unchanged(st, snap)
+    small = DecodeState(stack.cfg, max_requests=2, max_context=40, max_tokens=8, page_size=4)
+    small.admit("a")
+    with pytest.raises(CapacityError, match="pages of ratio 1"):
+        prefill(stack, small, "a", streams(20, stack.cfg, 0), chunk=8, path="reference")
+    assert small.length("a") == 0 and small.free_pages(1) == small.n_pages[1]

@@ -186,6 +186,16 @@ def test_layer_subset(tmp_path, tiny_cfg, tiny_ckpt):
         assert _same(t, alone.layer(5)[k]), k
 
 
+def test_load_arguments_are_checked(tiny_ckpt):
+    for kw, match in (({"layers": "12"}, "layers: expected layer ids"), ({"layers": [1.7]}, "layers: expected"),
+                      ({"layers": [True]}, "layers: expected"), ({"tp": 0}, "tp: must be >= 1"),
+                      ({"tp": -1}, "tp: must be >= 1"), ({"tp": 1, "rank": 3}, r"rank must lie in \[0, 1\)"),
+                      ({"tp": 2, "rank": 2}, r"rank must lie in \[0, 2\)"), ({"tp": 2.0}, "tp must be an integer")):
+        with pytest.raises(ValueError, match=match):
+            load_checkpoint(tiny_ckpt, **kw)
+    assert sorted(load_checkpoint(tiny_ckpt, layers=(i for i in (3, 1))).layers) == [1, 3]    # any iterable
+
+
 def test_unselected_layers_are_not_read(tmp_path, tiny_cfg, tiny_ckpt):
     def poison(t):
         t["layers.0.attn.q_norm.weight"][0] = float("nan")

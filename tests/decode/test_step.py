@@ -463,6 +463,12 @@ def test_errors(cpu_setup):
         step(streams(1, cfg, g).float(), [("a", 1)])
     with pytest.raises(StepError, match="rows entries"):
         step(streams(1, cfg, g), [("a",)])
+    with pytest.raises(StepError, match="rows entries"):
+        step(streams(1, cfg, g), ["a1"])
+    with pytest.raises(StepError, match=r"rows must be a list .* got a dict \(list\(rows.items\(\)\) makes one\)"):
+        step(streams(1, cfg, g), {"a": 1})
+    with pytest.raises(StepError, match="request 'a': count must be an integer, got '1'"):
+        step(streams(1, cfg, g), [("a", "1")])
     with pytest.raises(StepError, match=r"pre must be \[1, 4\] float32"):   # would broadcast over rows
         step(streams(1, cfg, g), [("a", 1)], pre=torch.ones(4))
     assert {r: st.length(r) for r in PREFILL} == lengths           # nothing planned or advanced
