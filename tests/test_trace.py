@@ -145,3 +145,36 @@ def test_corrupted_mixer_coefficient_fails(tmp_path):
     res = verify_trace(tmp_path / "bad", calls=2)
     bad = [(r.call, r.layer) for r in res if any("mHC coefficients" in f for f in r.failures)]
     assert bad == [("decode01", 2)]
+
+
+@pytest.mark.parametrize("key,value,expect", [
+    ("decode01.layers.2.block_out", float("nan"), "boundary streams"),
+    ("decode01.layers.2.block_out", float("inf"), "boundary streams"),
+    ("decode01.layers.2.attn_comb", float("nan"), "mHC coefficients"),
+    ("decode01.layers.2.attn_pre", float("nan"), "mHC coefficients"),
+])
+def test_a_non_finite_boundary_value_fails(tmp_path, key, value, expect):
+    """A NaN or an infinity where the official run holds a number is past every tolerance (a
+    maximum that let a NaN distance through would keep the old value and report 0 ulp)."""
+    def poison(t):
+        t.view(-1)[2] = value
+        return t
+    _corrupt(OFFICIAL, tmp_path / "bad", key, poison)
+    res = verify_trace(tmp_path / "bad", calls=2)
+    bad = [(r.call, r.layer) for r in res if any(expect in f for f in r.failures)]
+    assert bad == [("decode01", 2)], [(r.call, r.layer, r.failures) for r in res if r.failures]
+
+
+def test_ulp_distances_keep_non_finite_mismatches():
+    from dsv41_decode.testing.compare import row_ulp_distance, ulp_distance
+    big = torch.tensor([torch.finfo(torch.bfloat16).max], dtype=torch.bfloat16)
+    inf, nan, one = (torch.tensor([v], dtype=torch.bfloat16) for v in (float("inf"), float("nan"), 1.0))
+    assert ulp_distance(inf, big) == float("inf") and ulp_distance(-inf, inf) == float("inf")
+    assert ulp_distance(nan, one) == float("inf") and ulp_distance(one, nan) == float("inf")
+    assert ulp_distance(inf, inf) == 0 and ulp_distance(nan, nan) == 0
+    assert ulp_distance(torch.tensor([1.0, 2.0]).bfloat16(), torch.tensor([1.0, 2.015625]).bfloat16()) == 1.0
+    ref = torch.tensor([[1.0, 2.0, float("inf")]])
+    assert row_ulp_distance(torch.tensor([[1.0, 2.0, float("inf")]]), ref) == 0.0
+    assert row_ulp_distance(torch.tensor([[float("nan"), 2.0, float("inf")]]), ref) == float("inf")
+    # the row's ulp comes from its finite values: an infinity does not make other errors vanish
+    assert row_ulp_distance(torch.tensor([[1.0, 2.015625, float("inf")]]), ref) == 1.0

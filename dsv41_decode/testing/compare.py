@@ -5,19 +5,28 @@ from __future__ import annotations
 import torch
 
 
+def abs_difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """|a - b| in FP32, elementwise: 0 where the two are equal (the same infinity, or NaN on both
+    sides), inf where they differ and either is not finite (NaN against a number, inf against a
+    finite value), so that a maximum over it cannot lose a non-finite mismatch."""
+    af, bf = a.float(), b.float()
+    same = (af == bf) | (torch.isnan(af) & torch.isnan(bf))
+    d = torch.where(same, torch.zeros_like(af), (af - bf).abs())
+    return torch.where(~same & ~(torch.isfinite(af) & torch.isfinite(bf)), torch.full_like(d, float("inf")), d)
+
+
 def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Largest |a - b| in units of the BF16 ulp at max(|a|, |b|) (0 when bitwise equal; NaNs must match)."""
+    """Largest |a - b| in units of the BF16 ulp at max(|a|, |b|): 0 when equal (NaN on both sides
+    counts as equal), inf where one side is not finite and they differ."""
     if a.shape != b.shape:
         raise ValueError(f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
     if a.numel() == 0:
         return 0.0
-    af, bf = a.float(), b.float()
-    if not torch.equal(torch.isnan(af), torch.isnan(bf)):
-        return float("inf")
-    af, bf = torch.nan_to_num(af, nan=0.0), torch.nan_to_num(bf, nan=0.0)
-    mag = torch.maximum(af.abs(), bf.abs()).clamp(min=2.0 ** -126)
+    d = abs_difference(a, b)
+    finite = lambda t: torch.nan_to_num(t.float().abs(), nan=0.0, posinf=0.0, neginf=0.0)  # noqa: E731
+    mag = torch.maximum(finite(a), finite(b)).clamp(min=2.0 ** -126)
     ulp = torch.exp2(torch.floor(torch.log2(mag)) - 7)   # BF16 has 8 significant bits
-    return float(((af - bf).abs() / ulp).max())
+    return float((d / ulp).max())
 
 
 def rel_rms(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -74,6 +83,7 @@ def row_ulp_distance(a: torch.Tensor, ref: torch.Tensor) -> float:
     """
     if a.numel() == 0:
         return 0.0
-    mag = ref.float().abs().amax(-1, keepdim=True).clamp(min=2.0 ** -126)
+    finite = torch.nan_to_num(ref.float().abs(), nan=0.0, posinf=0.0, neginf=0.0)   # the row's finite values
+    mag = finite.amax(-1, keepdim=True).clamp(min=2.0 ** -126)
     ulp = torch.exp2(torch.floor(torch.log2(mag)) - 7)
-    return float(((a.float() - ref.float()).abs() / ulp).max())
+    return float((abs_difference(a, ref) / ulp).max())     # inf where a non-finite value differs

@@ -28,7 +28,7 @@ from ..stack import AttentionStack
 from ..state import DecodeState
 from ..weights import load_checkpoint
 from .attribution import Flip, explain_o_row, explain_wo_b_row, mix_bounds
-from .compare import bits_differ, rel_rms, row_ulp_distance, topk_agreement, ulp_distance
+from .compare import abs_difference, bits_differ, rel_rms, row_ulp_distance, topk_agreement, ulp_distance
 
 # Spec section 9: quantized values bit-exact, top-k equal as sets (of scores when BF16 scores tie),
 # attention outputs within about one BF16 ulp. "About one": each side rounds once, so two ulps.
@@ -420,7 +420,7 @@ def _compare_boundary(res, cfg, w, get, B, s, next_norm=None, kernels=None) -> N
     b_ffn = mix_bounds(mid, w["hc_ffn_fn"], w["hc_ffn_scale"], w["hc_ffn_base"], *bound_args)
     for a, bound, name in ((mix.pre, b_attn.pre, "attn_pre"), (mix.post, b_attn.post, "attn_post"),
                            (mix.comb, b_attn.comb, "attn_comb"), (f.pre, b_ffn.pre, "pre_mix_out")):
-        d = (a - rec[name].reshape(a.shape)).abs()
+        d = abs_difference(a, rec[name].reshape(a.shape))          # inf where a NaN or inf differs
         res.mix_abs = max(res.mix_abs, float(d.max()))
         res.mix_ratio = max(res.mix_ratio, float((d.double() / bound).max()))
 
