@@ -284,8 +284,7 @@ def _demo(args, console: Console) -> int:
             raise UsageError("--tp: runs gloo processes on the CPU; drop --device")
         cfg.check_tp(args.tp)
         return 0 if run_demo_tp(cfg, plan, args.tp, console, checkpoint=ck) else 1
-    stats = run_demo(cfg, plan, args.device, console, checkpoint=ck)
-    return 0 if all(s.bitwise == s.rows for s in stats.values()) else 1
+    return 0 if run_demo(cfg, plan, args.device, console, checkpoint=ck).ok else 1
 
 
 def _plot(args, console: Console) -> int:

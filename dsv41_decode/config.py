@@ -87,13 +87,19 @@ class ModelConfig:
         return self.compress_ratios[layer]
 
     def check_tp(self, tp: int) -> None:
-        """Raise ConfigError unless the heads and `wo_a` groups split evenly over `tp` ranks."""
+        """Raise ConfigError unless the heads and `wo_a` groups split evenly over `tp` ranks, and each
+        rank's `wo_a` rows (= `wo_b` columns: its groups x o_lora_rank) are whole 32x32 scale blocks
+        (a rank's `wq_b` rows, its heads x 512, always are)."""
         if tp < 1:
             raise ConfigError(f"tp: must be >= 1, got {tp}")
         if self.n_heads % tp:
             raise ConfigError(f"n_heads: {self.n_heads} heads do not split over tp={tp} ranks")
         if self.o_groups % tp:
             raise ConfigError(f"o_groups: {self.o_groups} wo_a groups do not split over tp={tp} ranks")
+        rows = self.o_groups // tp * self.o_lora_rank
+        if rows % 32:
+            raise ConfigError(f"o_lora_rank: a rank's wo_a rows / wo_b columns at tp={tp} ({self.o_groups // tp} "
+                              f"groups x {self.o_lora_rank} = {rows}) are not whole 32-wide scale blocks")
 
     # ----- constructors -----
     @classmethod

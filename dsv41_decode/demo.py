@@ -51,6 +51,19 @@ class KindStats:
     prefill_s: float = 0.0
 
 
+@dataclass
+class DemoResult:
+    """What a demo run found: the per-kind figures, and whether every rank of a tensor-parallel
+    group held the same outputs (True on one rank)."""
+    stats: dict[str, KindStats]
+    ranks_same: bool = True
+
+    @property
+    def ok(self) -> bool:
+        """Decode equals prefill at every decoded position and the ranks agree."""
+        return self.ranks_same and all(s.bitwise == s.rows for s in self.stats.values())
+
+
 _PHASE = {None: "prefill", "decode_s": "decode step", "prefill_s": "whole-sequence prefill"}
 
 
@@ -87,8 +100,9 @@ def _run(stack, state, calls, embed, stats, progress, junk=None):
 
 
 def run_demo(cfg: ModelConfig, plan: DemoPlan, device: str = "cpu", console: Console | None = None,
-             tp: TensorParallel | None = None, checkpoint: str | Path | None = None) -> dict:
-    """Run the demo and print its table (rank 0 under tensor parallelism); returns the per-kind figures.
+             tp: TensorParallel | None = None, checkpoint: str | Path | None = None) -> DemoResult:
+    """Run the demo and print its table (rank 0 under tensor parallelism); returns the per-kind
+    figures and whether the ranks agree (`DemoResult.ok`: what the command's exit status says).
 
     tp: this process's rank of a tensor-parallel group: every rank runs the demo on its shard of
     the heads and groups, and the table adds whether every rank holds the same outputs.
@@ -149,7 +163,7 @@ def run_demo(cfg: ModelConfig, plan: DemoPlan, device: str = "cpu", console: Con
     drafted = plan.steps * sum(plan.drafts)
     accepted = sum(k - 1 for step in kept for k in step)
     _print(console, cfg, plan, stats, sum(total.values()), tp, same, (accepted, drafted))
-    return dict(stats)
+    return DemoResult(dict(stats), same)
 
 
 def _print(console, cfg, plan, stats, n_tokens, tp: TensorParallel, ranks_same: bool,
@@ -207,8 +221,7 @@ def _demo_rank(rank, world, cfg, plan, store, results, width, checkpoint=None) -
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
         tp = TensorParallel(world, rank)
-        stats = run_demo(cfg, plan, "cpu", Console(width=width, quiet=rank != 0), tp, checkpoint)
-        ok = all(s.bitwise == s.rows for s in stats.values())
+        ok = run_demo(cfg, plan, "cpu", Console(width=width, quiet=rank != 0), tp, checkpoint).ok
         dist.destroy_process_group()
     except Exception as e:   # one line per rank, as the command line prints its own errors
         import sys

@@ -52,11 +52,12 @@ class TensorParallel:
         if self.tp == 1:
             return rows
         n = len(rows)
-        width = torch.tensor([max((t.numel() for t in rows), default=0)])
+        dev = rows[0].device if rows else torch.device("cpu")
+        # on the rows' device: NCCL gathers device tensors only (gloo, the CPU's)
+        width = torch.tensor([max((t.numel() for t in rows), default=0)], device=dev)
         widths = [torch.zeros_like(width) for _ in range(self.tp)]
         dist.all_gather(widths, width, group=self.group)
         w = int(max(widths).item())
-        dev = rows[0].device if rows else torch.device("cpu")
         packed = torch.full((n, w), pad, dtype=torch.int64, device=dev)
         for r, t in enumerate(rows):
             if r % self.tp == self.rank:

@@ -23,8 +23,8 @@ def shard_ranges(cfg: ModelConfig, tp: int, rank: int) -> dict[str, tuple[int, i
     """name (without `layers.N.`) -> (axis, start, stop) of the part rank `rank` of `tp` holds, for
     every sharded tensor (`attn.wo_a.scale` included; absent from a BF16-wo_a checkpoint).
 
-    Raises ConfigError (via `cfg.check_tp`) when heads or groups do not split, and ValueError for a
-    rank out of range or a cut that would split a 32x32 scale block.
+    Raises ConfigError (via `cfg.check_tp`) when heads or groups do not split or a cut would split
+    a 32x32 scale block, and ValueError for a rank out of range.
     """
     cfg.check_tp(tp)
     if not 0 <= rank < tp:
@@ -32,9 +32,6 @@ def shard_ranges(cfg: ModelConfig, tp: int, rank: int) -> dict[str, tuple[int, i
     heads, groups = cfg.n_heads // tp, cfg.o_groups // tp
     q_rows = heads * cfg.head_dim                     # wq_b rows of the rank's heads
     a_rows = groups * cfg.o_lora_rank                 # wo_a rows of the rank's groups (= wo_b columns)
-    for what, n in (("wq_b rows", q_rows), ("wo_a rows / wo_b columns", a_rows)):
-        if n % _BLOCK:
-            raise ValueError(f"tp={tp}: {what} per rank ({n}) is not a multiple of the {_BLOCK}-wide scale blocks")
     q0, a0 = rank * q_rows, rank * a_rows
     return {
         "attn.wq_b.weight": (0, q0, q0 + q_rows),

@@ -88,3 +88,12 @@ def test_bench_step_help_names_every_variant(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert all(name in text for name in VARIANTS)
     assert f"default: {','.join(DEFAULT_VARIANTS)}" in text
+
+
+def test_the_demos_verdict_counts_the_ranks():
+    """The demo's exit status (`DemoResult.ok`) needs decode == prefill and, under TP, ranks that
+    agree."""
+    from dsv41_decode.demo import DemoResult, KindStats
+    good = {"swa": KindStats(rows=3, bitwise=3)}
+    assert DemoResult(good).ok and not DemoResult(good, ranks_same=False).ok
+    assert not DemoResult({"swa": KindStats(rows=3, bitwise=2)}).ok

@@ -290,6 +290,10 @@ def test_check_tp(flash):
     assert "tp=3" in msg
     _raises("o_groups", flash.check_tp, 16)  # 64 heads split over 16 ranks, 8 groups do not
     _raises("tp", flash.check_tp, 0)
+    # a rank's wo_a rows (its groups x o_lora_rank) must be whole 32-wide scale blocks
+    odd = ModelConfig.preset("tiny").replace(o_lora_rank=48)
+    odd.check_tp(1)
+    assert "(1 groups x 48 = 48) are not whole 32-wide scale blocks" in _raises("o_lora_rank", odd.check_tp, 2)
 
 
 @pytest.mark.parametrize("field,value,rule", [
