@@ -178,3 +178,34 @@ def test_ulp_distances_keep_non_finite_mismatches():
     assert row_ulp_distance(torch.tensor([[float("nan"), 2.0, float("inf")]]), ref) == float("inf")
     # the row's ulp comes from its finite values: an infinity does not make other errors vanish
     assert row_ulp_distance(torch.tensor([[1.0, 2.015625, float("inf")]]), ref) == 1.0
+
+
+@pytest.mark.parametrize("collapse", ["zero", "coarse"])
+def test_a_scorer_whose_scores_collapse_fails(monkeypatch, collapse):
+    """Layer 1's index scores all 0, or rounded to their power of two: nearly every row then ties
+    with the recorded selection, so the ties explain no longer a stray row and the layer fails."""
+    import dsv41_decode.layer as layer_mod
+    from dsv41_decode.testing.trace import TIE_SHARE
+    ref_idx, orig_select = layer_mod.ref_idx, layer_mod.AttentionLayer._select
+    good = ref_idx.index_scores
+
+    def broken(iq, w, keys):
+        f = good(iq, w, keys).float()
+        if collapse == "zero":
+            return torch.zeros_like(f)
+        return (torch.sign(f) * torch.exp2(torch.floor(torch.log2(f.abs())))).nan_to_num(0.0)
+
+    def select(self, *a, **k):
+        if self.spec.layer == 1:
+            monkeypatch.setattr(ref_idx, "index_scores", broken)
+        try:
+            return orig_select(self, *a, **k)
+        finally:
+            monkeypatch.setattr(ref_idx, "index_scores", good)
+    monkeypatch.setattr(layer_mod.AttentionLayer, "_select", select)
+    res = verify_trace(OFFICIAL)
+    ties = sum(r.topk.get("tie", 0) for r in res if r.layer == 1)
+    rows = sum(sum(r.topk.values()) for r in res if r.layer == 1)
+    assert ties > rows // TIE_SHARE
+    failed = [(r.call, r.layer) for r in res if any("differ by tied scores" in f for f in r.failures)]
+    assert failed == [(res[-1].call, 1)], failed

@@ -38,6 +38,10 @@ MAX_ULP = 2.0
 # The mHC mixer coefficients: per coefficient, the bound derived in attribution.mix_bounds (FP32
 # evaluation order of both sides); the result holds the largest |difference| / bound.
 MAX_MIX_RATIO = 1.0
+# Ties explain a stray row: over the trace, at most one in TIE_SHARE of a layer's top-k rows (and
+# always one) may differ from the recorded selection by tied scores; a scorer whose scores collapse
+# (all equal, or rounded coarsely) ties nearly every row. The official cases: one tie row in 54.
+TIE_SHARE = 8
 PATHS = ("reference", "step")
 
 
@@ -56,6 +60,7 @@ class CallLayerResult:
     quant_bits: dict[str, int] = field(default_factory=dict)   # name -> elements differing bitwise
     latent_ulp: float = 0.0
     topk: dict[str, int] = field(default_factory=dict)         # equal / tie / differ -> rows
+    ties_past_bound: tuple[int, int] | None = None   # (tie rows, rows) of the layer over the trace, on its last call
     candidate_rows_differ: int = 0
     boundary_ulp: float = 0.0        # attn_in: element ulps; block_out: ulps of each stream's max
     mix_abs: float = 0.0             # largest |coefficient difference|
@@ -67,6 +72,10 @@ class CallLayerResult:
         out = [f"{k}: {v} values not bit-exact" for k, v in self.quant_bits.items() if v]
         if self.topk.get("differ"):
             out.append(f"top-k: {self.topk['differ']} rows select different scores")
+        if self.ties_past_bound is not None:
+            ties, rows = self.ties_past_bound
+            out.append(f"top-k: {ties} of the layer's {rows} rows differ by tied scores, more than "
+                       f"{max(1, rows // TIE_SHARE)} (one in {TIE_SHARE}): scores that collapse")
         if self.candidate_rows_differ:
             out.append(f"candidates: {self.candidate_rows_differ} rows differ")
         if self.attn_out_unexplained_ulp > MAX_ULP:
@@ -294,7 +303,23 @@ def verify_trace(folder: str | Path, progress: bool = False, path: str = "refere
         state.advance(step)
     if bar is not None:
         bar[0].stop()
+    _bound_ties(results)
     return results
+
+
+def _bound_ties(results: list[CallLayerResult]) -> None:
+    """Mark the last result of each layer whose tie rows over the trace pass TIE_SHARE."""
+    last: dict[int, CallLayerResult] = {}
+    count: dict[int, list[int]] = {}
+    for res in results:
+        if "tie" in res.topk or "equal" in res.topk:
+            c = count.setdefault(res.layer, [0, 0])
+            c[0] += res.topk.get("tie", 0)
+            c[1] += sum(res.topk.values())
+            last[res.layer] = res
+    for layer, (ties, rows) in count.items():
+        if ties > max(1, rows // TIE_SHARE):
+            last[layer].ties_past_bound = (ties, rows)
 
 
 def _topk_verdicts(res, ours, theirs, scores) -> bool:
