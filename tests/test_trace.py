@@ -64,6 +64,7 @@ def _flip_one(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("key,expect,calls", [        # calls: replay up to the corrupted call
     ("decode05.layers.3.window_kv", "window_kv", 6),
+    ("decode05.layers.1.compress_topk", "compress_topk", 6),   # an index source's: equal to its indexer_topk
     ("decode05.layers.3.compress_kv", "compress_kv", 6),
     ("prefill.layers.1.index_k", "index_k", 0),
     ("decode02.layers.6.attn_out", "attn_out", 3),

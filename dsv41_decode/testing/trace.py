@@ -61,6 +61,7 @@ class CallLayerResult:
     latent_ulp: float = 0.0
     topk: dict[str, int] = field(default_factory=dict)         # equal / tie / differ -> rows
     ties_past_bound: tuple[int, int] | None = None   # (tie rows, rows) of the layer over the trace, on its last call
+    recorded_topk_rows_differ: int = 0   # an index source's recorded compress_topk rows not equal to its indexer_topk
     candidate_rows_differ: int = 0
     boundary_ulp: float = 0.0        # attn_in: element ulps; block_out: ulps of each stream's max
     mix_abs: float = 0.0             # largest |coefficient difference|
@@ -72,6 +73,9 @@ class CallLayerResult:
         out = [f"{k}: {v} values not bit-exact" for k, v in self.quant_bits.items() if v]
         if self.topk.get("differ"):
             out.append(f"top-k: {self.topk['differ']} rows select different scores")
+        if self.recorded_topk_rows_differ:
+            out.append(f"compress_topk: {self.recorded_topk_rows_differ} rows differ from the layer's recorded "
+                       f"indexer_topk (an index source attends to its own selection)")
         if self.ties_past_bound is not None:
             ties, rows = self.ties_past_bound
             out.append(f"top-k: {ties} of the layer's {rows} rows differ by tied scores, more than "
@@ -250,6 +254,10 @@ def verify_trace(folder: str | Path, progress: bool = False, path: str = "refere
             spec = plan[L]
             res = CallLayerResult(call, L, spec.label, "step" if on_step else "reference")
             u = get(L, "attn_in").reshape(B * s, cfg.dim).to(device)
+            if spec.runs_indexer and get(L, "compress_topk") is not None:
+                res.recorded_topk_rows_differ = sum(
+                    sorted(a[a >= 0].tolist()) != sorted(b[b >= 0].tolist())
+                    for a, b in zip(get(L, "compress_topk").reshape(B * s, -1), get(L, "indexer_topk").reshape(B * s, -1)))
             if on_step:
                 out = replay.run_layer(L, u)
                 y, z, o = out.y, out.z, out.o
