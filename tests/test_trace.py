@@ -72,7 +72,10 @@ def _flip_one(t: torch.Tensor) -> torch.Tensor:
 def test_corrupted_trace_fails(tmp_path, key, expect, calls, capsys):
     _corrupt(OFFICIAL, tmp_path / "bad", key, _flip_one)
     assert main(["trace", "verify", str(tmp_path / "bad"), "--quiet", "--calls", str(calls)]) == 1
-    assert expect in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert expect in out
+    if expect == "attn_out":                       # the row is named (element 3 of the call's one row)
+        assert "at row 0" in out
 
 
 def test_wrong_topk_is_caught(tmp_path):
@@ -82,7 +85,7 @@ def test_wrong_topk_is_caught(tmp_path):
         return t
     _corrupt(OFFICIAL, tmp_path / "bad", "decode00.layers.3.indexer_topk", swap_to_worst)
     res = verify_trace(tmp_path / "bad", calls=1)
-    assert any("top-k" in f for r in res for f in r.failures)
+    assert any("top-k: 1 rows select different scores (rows 0)" in f for r in res for f in r.failures)
 
 
 def test_missing_file_is_named(tmp_path, capsys):

@@ -57,6 +57,8 @@ class CallLayerResult:
     attn_out_rel_rms: float = 0.0
     flips: list[Flip] = field(default_factory=list)   # rows past MAX_ULP explained by one FP8 flip
     attn_out_unexplained_ulp: float = 0.0             # the largest row distance once flips are applied
+    attn_out_worst_row: int = 0                       # its row (batch-major: b * s + position in the call)
+    topk_differ_rows: list[int] = field(default_factory=list)   # the rows whose top-k differs
     quant_bits: dict[str, int] = field(default_factory=dict)   # name -> elements differing bitwise
     latent_ulp: float = 0.0
     topk: dict[str, int] = field(default_factory=dict)         # equal / tie / differ -> rows
@@ -72,7 +74,8 @@ class CallLayerResult:
     def failures(self) -> list[str]:
         out = [f"{k}: {v} values not bit-exact" for k, v in self.quant_bits.items() if v]
         if self.topk.get("differ"):
-            out.append(f"top-k: {self.topk['differ']} rows select different scores")
+            rows = f" (rows {', '.join(map(str, self.topk_differ_rows[:8]))})" if self.topk_differ_rows else ""
+            out.append(f"top-k: {self.topk['differ']} rows select different scores{rows}")
         if self.recorded_topk_rows_differ:
             out.append(f"compress_topk: {self.recorded_topk_rows_differ} rows differ from the layer's recorded "
                        f"indexer_topk (an index source attends to its own selection)")
@@ -83,8 +86,8 @@ class CallLayerResult:
         if self.candidate_rows_differ:
             out.append(f"candidates: {self.candidate_rows_differ} rows differ")
         if self.attn_out_unexplained_ulp > MAX_ULP:
-            out.append(f"attn_out: {self.attn_out_unexplained_ulp:.3g} ulp > {MAX_ULP} (not explained by one "
-                       f"FP8 code flip of wo_b's input)")
+            out.append(f"attn_out: {self.attn_out_unexplained_ulp:.3g} ulp > {MAX_ULP} at row {self.attn_out_worst_row} "
+                       f"(not explained by one FP8 code flip of wo_b's input)")
         for name, v in (("compressor_latent", self.latent_ulp), ("boundary streams", self.boundary_ulp)):
             if v > MAX_ULP:
                 out.append(f"{name}: {v:.3g} ulp > {MAX_ULP}")
@@ -333,15 +336,19 @@ def _bound_ties(results: list[CallLayerResult]) -> None:
 def _topk_verdicts(res, ours, theirs, scores) -> bool:
     """Count each row's top-k agreement into res.topk; True when some row is not 'equal'."""
     verdicts = [topk_agreement(ours[r].cpu(), theirs[r], scores[r].cpu()) for r in range(theirs.shape[0])]
-    for v in verdicts:
+    for r, v in enumerate(verdicts):
         res.topk[v] = res.topk.get(v, 0) + 1
+        if v == "differ":
+            res.topk_differ_rows.append(r)
     return any(v != "equal" for v in verdicts)
 
 
 def _reuse_agreement(res, src, theirs) -> None:
     """A Reuse or Reindex-consumer layer's selection is its index source's: compare it as sets."""
-    res.topk["equal"] = sum(sorted(a[a >= 0].tolist()) == sorted(b[b >= 0].tolist()) for a, b in zip(src, theirs))
+    same = [sorted(a[a >= 0].tolist()) == sorted(b[b >= 0].tolist()) for a, b in zip(src, theirs)]
+    res.topk["equal"] = sum(same)
     res.topk["differ"] = theirs.shape[0] - res.topk["equal"]
+    res.topk_differ_rows = [r for r, ok in enumerate(same) if not ok]
 
 
 def wo_b_input(layer: AttentionLayer, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -370,7 +377,8 @@ def attribute_attn_out(res, y, z, o, positions, layer: AttentionLayer, ref) -> N
             if flip is not None:
                 res.flips.append(flip)
                 d = flip.residual_ulp
-        worst = max(worst, d)
+        if d > worst:
+            worst, res.attn_out_worst_row = d, r
     res.attn_out_unexplained_ulp = worst
 
 
@@ -380,7 +388,6 @@ def _compare_state(res, cfg, L, state, reqs, pos, get, latent, cands) -> None:
     visible entries)."""
     spec = cfg.plan[L]
     last = int(pos[-1])
-    s = pos.numel()
     wpos = window_positions(last, cfg.window_size)
     held = wpos >= 0
     win_ref = get(L, "window_kv")
