@@ -307,8 +307,9 @@ def test_gpu_candidate_restricted():
     assert bool(torch.isneginf(got[~cand]).all())
 
 
-@pytest.mark.gpu
-def test_gpu_scale_extremes():
+def _scale_extremes() -> tuple:
+    """Two rows of 8 heads, row 0's first query block scaled by 2^-40 and its second zero, row 1's
+    third scaled by 2^40, every key's first scale byte in 90..160 (operands for `_pair`)."""
     iq, w, pool, bt, slot, nv = TI.make_inputs(2, 8, [64, 50], seed=11)
     iq = iq.float().cpu()
     iq[0, :, :32] *= 2.0 ** -40
@@ -316,7 +317,12 @@ def test_gpu_scale_extremes():
     iq[1, :, 64:96] *= 2.0 ** 40
     pool = pool.cpu().clone()
     pool[:, 64] = torch.randint(90, 160, (pool.shape[0],), dtype=torch.uint8)
-    args = (iq.bfloat16().to(DEVICE), w, pool.to(DEVICE), bt, slot, nv)
+    return iq.bfloat16().to(DEVICE), w, pool.to(DEVICE), bt, slot, nv
+
+
+@pytest.mark.gpu
+def test_gpu_scale_extremes():
+    args = _scale_extremes()
     for kw in ({}, {"kperm": True, "packed_terms": True}):
         got, ref = _pair(args, TI._PAGE, 64, **kw)
         _assert_bits_equal(got, ref, f"scale extremes (8 heads) {kw}")
@@ -343,15 +349,7 @@ def test_gpu_qf_smem_gives_the_same_bits():
         got, ref = _pair(args, 64, 4160, cand=cand, **kw)
         _assert_bits_equal(got, ref, f"candidate mask {kw}")
         _check_hist_with_scratch(args, 4160, kw)
-    iq, w, pool, bt, slot, nv = TI.make_inputs(2, 8, [64, 50], seed=11)
-    iq = iq.float().cpu()
-    iq[0, :, :32] *= 2.0 ** -40
-    iq[0, :, 32:64] = 0.0
-    iq[1, :, 64:96] *= 2.0 ** 40
-    pool = pool.cpu().clone()
-    pool[:, 64] = torch.randint(90, 160, (pool.shape[0],), dtype=torch.uint8)
-    args = (iq.bfloat16().to(DEVICE), w, pool.to(DEVICE), bt, slot, nv)
-    got, ref = _pair(args, TI._PAGE, 64, qf_smem=True, mma_pairs=True, kperm=True)
+    got, ref = _pair(_scale_extremes(), TI._PAGE, 64, qf_smem=True, mma_pairs=True, kperm=True)
     _assert_bits_equal(got, ref, "scale extremes (8 heads), qf_smem")
 
 
