@@ -300,7 +300,8 @@ def verify_trace(folder: str | Path, progress: bool = False, path: str = "refere
             res.attn_out = y
             ref = get(L, "attn_out").reshape(B * s, cfg.dim)
             res.attn_out_ulp, res.attn_out_rel_rms = ulp_distance(y, ref), rel_rms(y, ref)
-            attribute_attn_out(res, y, z.cpu(), o.cpu(), step.positions, layers[L], ref)
+            attribute_attn_out(res, y, z.cpu(), o.cpu(), step.positions, layers[L], ref,
+                               o_moves=on_step or torch.device(device).type != "cpu")
             _compare_state(res, cfg, L, state, reqs, pos, get, latent, cands)
             if on_step:
                 nxt = L + 1 if L + 1 in layers else None
@@ -357,20 +358,21 @@ def wo_b_input(layer: AttentionLayer, o: torch.Tensor, positions: torch.Tensor) 
     return grouped_wo_a(o, cis, layer.wo_a, layer.cfg.o_groups, layer.cfg.rope_head_dim)
 
 
-def attribute_attn_out(res, y, z, o, positions, layer: AttentionLayer, ref) -> None:
+def attribute_attn_out(res, y, z, o, positions, layer: AttentionLayer, ref, o_moves: bool = True) -> None:
     """Rows of attn_out past MAX_ULP: explained by one FP8 flip of wo_b's input caused by an
-    ulp-level move of z (attribution.explain_wo_b_row), or - where the step ran the layer, whose
-    sparse MLA sums in an order of its own - of o (explain_o_row), or not. The reference's o is
-    the contract's, so a move of it explains nothing there: one o element moves every z element
-    of its wo_a group, and among the moves of 2 ulps some land within MAX_ULP of a row that a
-    corruption put a few ulps off."""
+    ulp-level move of z (attribution.explain_wo_b_row), or - with o_moves: where the step ran the
+    layer, whose sparse MLA sums in an order of its own, or the reference ran on a GPU, whose
+    kernels sum in theirs - of o (explain_o_row), or not. The reference's o on the CPU is the
+    contract's, so a move of it explains nothing there: one o element moves every z element of its
+    wo_a group, and among the moves of 2 ulps some land within MAX_ULP of a row that a corruption
+    put a few ulps off."""
     worst = 0.0
     w, cfg = layer.w, layer.cfg
     for r in range(y.shape[0]):
         d = ulp_distance(y[r], ref[r])
         if d > MAX_ULP:
             flip = explain_wo_b_row(z[r], ref[r], w["attn.wo_b.weight"], w["attn.wo_b.scale"], MAX_ULP, r)
-            if flip is None and res.path == "step":
+            if flip is None and o_moves:
                 cis = rope_cis(layer.freqs.cpu(), positions[r:r + 1].cpu())[0]
                 flip = explain_o_row(o[r], cis, layer.wo_a, cfg.o_groups, cfg.rope_head_dim, ref[r],
                                      w["attn.wo_b.weight"], w["attn.wo_b.scale"], MAX_ULP, r)
