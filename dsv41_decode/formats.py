@@ -6,11 +6,15 @@ and every power-of-two scale follows the spec's bit rule (`pow2_ceil_scale`). Pl
 PyTorch that gives the same bits on the CPU and the GPU. The arithmetic is FP32; inputs of other
 float dtypes are converted to FP32 first (exact for BF16 and FP16).
 
-Codes times scales are exact in BF16, so for each format `*_fake(x)` (quantize, then dequantize)
-equals the dequantized codes bit for bit (and so does `records.unpack_*(records.pack_*(x))`).
+Codes times scales are exact in BF16 (but at the top of BF16's range, |x| of about 2^128, where
+a code rounded up times its scale is 2^128: inf; MXFP8 from 0x7F78, MXFP4 from about 3.5 * 2^126), so for each format
+`*_fake(x)` (quantize, then dequantize) equals the dequantized codes bit for bit (and so does
+`records.unpack_*(records.pack_*(x))`).
 
-Non-finite inputs are not representable: a block holding an inf or NaN gets a NaN scale, so it
-dequantizes to NaN instead of to a plausible wrong value.
+Non-finite inputs are not representable: an MXFP8 / MXFP4 block holding an inf or NaN gets a NaN
+scale (UE8M0 byte 0xFF), so it dequantizes to NaN instead of to a plausible wrong value. An NVFP4
+group's E4M3 scale has no such code: a NaN amax gives a NaN scale, an inf one saturates to 448, as
+the FP32 -> E4M3 cast (torch's `float8_e4m3fn`, the official code's) saturates it.
 """
 
 from __future__ import annotations
