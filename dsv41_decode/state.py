@@ -258,7 +258,7 @@ class DecodeState:
         """A snapshot: every tensor and table copied; a plan id of its own for the plans made after
         the copy (so neither state takes the other's later steps), the pending plan kept (so the
         snapshot can still advance the rows planned before it)."""
-        twin = DecodeState.__new__(DecodeState)
+        twin = type(self).__new__(type(self))
         memo[id(self)] = twin
         for k, v in self.__dict__.items():
             setattr(twin, k, copy.deepcopy(v, memo))
