@@ -215,10 +215,13 @@ def index_scores_args(iq: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, blo
            and block_table.shape[1] > 0,
            f"block_table must be [slots, pages>0] int32, got {tuple(block_table.shape)} {block_table.dtype}")
     _check(isinstance(page, int) and page > 0, f"page must be a positive int, got {page!r}")
-    _check(req_slot.shape == (n_rows,) and req_slot.dtype in (torch.int32, torch.int64),
-           f"req_slot must be [N={n_rows}] int32/int64, got {tuple(req_slot.shape)} {req_slot.dtype}")
-    _check(n_vis.shape == (n_rows,) and n_vis.dtype == torch.int32,
-           f"n_vis must be [N={n_rows}] int32, got {tuple(n_vis.shape)} {n_vis.dtype}")
+    _check(req_slot.shape == (n_rows,) and req_slot.dtype in (torch.int32, torch.int64)
+           and (n_rows < 2 or req_slot.stride(0) == 1),
+           f"req_slot must be a contiguous [N={n_rows}] int32/int64, got {tuple(req_slot.shape)} {req_slot.dtype} "
+           f"strides {req_slot.stride()}")
+    _check(n_vis.shape == (n_rows,) and n_vis.dtype == torch.int32 and (n_rows < 2 or n_vis.stride(0) == 1),
+           f"n_vis must be a contiguous [N={n_rows}] int32, got {tuple(n_vis.shape)} {n_vis.dtype} "
+           f"strides {n_vis.stride()}")
     _check(out.dim() == 2 and out.shape[0] == n_rows and out.dtype == torch.float32 and out.stride(1) == 1,
            f"out must be [N={n_rows}, max_entries] FP32, got {tuple(out.shape)} {out.dtype}")
     if cand_mask is not None:

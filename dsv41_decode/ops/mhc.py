@@ -491,8 +491,8 @@ def check_boundary_call(y, x, post, comb, pre, norm_weight, eps, x_out, u_out, c
     if not isinstance(y, torch.Tensor) or y.dim() != 2:
         raise ValueError(f"y must be a 2-D tensor [N, dim], got {getattr(y, 'shape', type(y).__name__)}")
     n, dim = y.shape
-    if dim % 32:
-        raise ValueError(f"y: dim={dim} must be a multiple of 32 (the MXFP8 block)")
+    if dim % 32 or dim == 0:
+        raise ValueError(f"y: dim={dim} must be a positive multiple of 32 (the MXFP8 block)")
     dev = y.device
     require_tensor(y, "y", (torch.bfloat16,), (n, dim), dev)
     check_boundary_operands(n, dim, dev, x, post, comb, pre, norm_weight, x_out, u_out, codes_out, scales_out)
@@ -608,8 +608,8 @@ def mhc_enter_(x: torch.Tensor, pre: torch.Tensor, norm_weight: torch.Tensor, ep
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
         raise ValueError(f"x must be a 3-D tensor [N, 4, dim], got {getattr(x, 'shape', type(x).__name__)}")
     n, dim = x.shape[0], x.shape[2]
-    if dim % 32:
-        raise ValueError(f"x: dim={dim} must be a multiple of 32 (the MXFP8 block)")
+    if dim % 32 or dim == 0:
+        raise ValueError(f"x: dim={dim} must be a positive multiple of 32 (the MXFP8 block)")
     dev = x.device
     require_tensor(x, "x", (torch.bfloat16,), (n, HC, dim), dev)
     require_tensor(pre, "pre", (torch.float32,), (n, HC), dev)

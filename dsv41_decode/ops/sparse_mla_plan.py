@@ -163,6 +163,9 @@ class SparseMlaPlan:
         if dot_dims < 128 and (bf16_dot or not split):
             raise ValueError(f"dot_dims={dot_dims} needs FP32 operands (bf16_dot=False) and the split "
                              f"(split=True): the chunked tiling runs one block per program")
+        if bf16_dot and not gpu:
+            raise ValueError("bf16_dot=True needs a CUDA device outside Triton's interpreter, whose dots on BF16 "
+                             "operands are wrong (the FP32 dots are its path: leave bf16_dot None or False)")
         if native_fp8 is None:   # the hardware's exact E4M3 -> FP32 conversion (same bits)
             native_fp8 = device.type == "cuda" and not interpreting()
         hg = triton.cdiv(heads, block_h)

@@ -209,8 +209,8 @@ def step_rows_(record: torch.Tensor, window: int, stage_base: int, block_tables:
         raise ValueError("n_vis and entry_slot must hold N rows per ratio with the same row stride")
     for r, bt in block_tables:
         _require_int(r, "ratio")
-        if not isinstance(bt, torch.Tensor) or bt.dim() != 2:
-            raise ValueError(f"block table of ratio {r} must be a 2-D int32 tensor")
+        if not isinstance(bt, torch.Tensor) or bt.dim() != 2 or bt.shape[1] == 0:
+            raise ValueError(f"block table of ratio {r} must be a 2-D int32 tensor with at least one column")
         require_tensor(bt, f"block table of ratio {r}", torch.int32, tuple(bt.shape), dev)
     if n == 0:
         return

@@ -714,8 +714,9 @@ def _validate(scores, n_vis, out, plan, out_dtype, out_name):
     n_rows = scores.shape[0]
     if n_rows > plan.max_rows:
         raise ValueError(f"scores: {n_rows} rows exceed plan.max_rows={plan.max_rows}")
-    if n_vis.shape != (n_rows,) or n_vis.dtype != torch.int32:
-        raise ValueError(f"n_vis must be [N={n_rows}] int32, got {tuple(n_vis.shape)} {n_vis.dtype}")
+    if n_vis.shape != (n_rows,) or n_vis.dtype != torch.int32 or (n_rows > 1 and n_vis.stride(0) != 1):
+        raise ValueError(f"n_vis must be a contiguous [N={n_rows}] int32, got {tuple(n_vis.shape)} {n_vis.dtype} "
+                         f"strides {n_vis.stride()}")
     if out.dim() != 2 or out.shape[0] != n_rows or out.dtype != out_dtype or out.stride(1) != 1:
         raise ValueError(f"{out_name} must be [N={n_rows}, ...] {out_dtype}, got {tuple(out.shape)} {out.dtype}")
     for name, dev in (("n_vis", n_vis.device), (out_name, out.device), ("plan", plan.ws.device)):
@@ -882,8 +883,8 @@ def topk_ascending(scores: torch.Tensor, n_vis: torch.Tensor, k: int = 512) -> t
 
 def candidate_mask_(scores: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor, plan: TopKPlan) -> torch.Tensor:
     """out[n, j] = 1 where entry j < n_vis[n] lies in one of the top min(plan.k, blocks) blocks of
-    plan.group entries by block max (the newest entry's block forced in, -inf blocks never kept), else 0.
-    At equal block maxima the higher block wins, as `reference.indexer.candidate_mask`.
+    plan.group (>= 2) entries by block max (the newest entry's block forced in, -inf blocks never kept),
+    else 0. At equal block maxima the higher block wins, as `reference.indexer.candidate_mask`.
 
     scores: [N, max_entries] FP32 (BF16-representable, unchecked); n_vis: [N] int32 (<= max_entries,
     unchecked); out: [N, max_entries] uint8 (a bool tensor viewed as uint8 works; between the
@@ -891,6 +892,9 @@ def candidate_mask_(scores: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor
     with group 8 and k 2048 in V4.1. Returns out.
     """
     _validate(scores, n_vis, out, plan, torch.uint8, "out")
+    if plan.group < 2:
+        raise ValueError(f"plan: candidate_mask_ ranks blocks of >= 2 entries, got a plan of group {plan.group} "
+                         f"(the top-k's)")
     if out.shape[1] != scores.shape[1]:
         raise ValueError(f"out: width {out.shape[1]} must equal scores' {scores.shape[1]}")
     if scores.shape[0] and scores.shape[1]:

@@ -133,6 +133,13 @@ def test_bad_inputs_named():
         index_scores_mxfp4_(iq, w, pool, bt, _PAGE, slot, nv.long(), out)
     with pytest.raises(ValueError, match="req_slot"):
         index_scores_mxfp4_(iq, w, pool, bt, _PAGE, slot[:0], nv, out)
+    # the kernel reads req_slot[n] and n_vis[n] at unit stride: a strided view is refused, not misread
+    iq2, w2, pool2, bt2, slot2, nv2 = make_inputs(2, 4, [10, 20], seed=2)
+    out2 = torch.empty(2, 32, device=_DEVICE)
+    with pytest.raises(ValueError, match=r"req_slot must be a contiguous \[N=2\].*strides \(2,\)"):
+        index_scores_mxfp4_(iq2, w2, pool2, bt2, _PAGE, slot2.repeat_interleave(2)[::2], nv2, out2)
+    with pytest.raises(ValueError, match=r"n_vis must be a contiguous \[N=2\].*strides \(2,\)"):
+        index_scores_mxfp4_(iq2, w2, pool2, bt2, _PAGE, slot2, nv2.repeat_interleave(2)[::2], out2)
     with pytest.raises(ValueError, match="out"):
         index_scores_mxfp4_(iq, w, pool, bt, _PAGE, slot, nv, out.double())
     with pytest.raises(ValueError, match="cand_mask"):

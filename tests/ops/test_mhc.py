@@ -459,6 +459,8 @@ def test_enter_rejects_bad_arguments():
         mhc_enter_(x, torch.zeros(2, 3), w, _EPS, u, codes, scales)
     with pytest.raises(ValueError, match="x: dim=48"):
         mhc_enter_(torch.zeros(2, 4, 48, dtype=torch.bfloat16), pre, w, _EPS, u, codes, scales)
+    with pytest.raises(ValueError, match="x: dim=0 must be a positive multiple of 32"):
+        mhc_enter_(x[..., :0], pre, w[:0], _EPS, u[:, :0], codes[:, :0], scales[:, :0])
     with pytest.raises(ValueError, match="u_out must not overlap x"):
         mhc_enter_(x, pre, w, _EPS, x[:, 0], codes, scales)
     with pytest.raises(TypeError, match="eps must be a float"):
@@ -552,6 +554,9 @@ def test_boundary_rejects_aliasing_and_bad_dim():
         mhc_boundary_(**args)
     with pytest.raises(ValueError, match="multiple of 32"):
         mhc_boundary(*_dev(*_boundary_case(1, 48, seed=1)), _EPS)
+    y, x, post, comb, pre, nw = _dev(*_boundary_case(2, 64, seed=1))
+    with pytest.raises(ValueError, match="y: dim=0 must be a positive multiple of 32"):
+        mhc_boundary(y[:, :0], x[..., :0], post, comb, pre, nw[:0], _EPS)
 
 
 # --- mixer -----------------------------------------------------------------------------------------

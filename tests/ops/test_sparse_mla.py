@@ -294,6 +294,8 @@ def test_dot_dims_needs_fp32_operands_and_the_split():
         SparseMlaPlan.build(2, 16, 16, 8, "cpu", bf16_dot=True, dot_dims=32)
     with pytest.raises(ValueError, match="dot_dims must be one of"):
         SparseMlaPlan.build(2, 16, 16, 8, "cpu", dot_dims=48)
+    with pytest.raises(ValueError, match="bf16_dot=True needs a CUDA device outside Triton's interpreter"):
+        SparseMlaPlan.build(2, 16, 16, 8, "cpu", bf16_dot=True)
     with pytest.raises(TypeError, match="fp32_dots"):
         SparseMlaPlan.for_step(2, 16, 16, 8, "cpu", fp32_dots="yes")
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dsv41_decode.ops.sparse_tables import topk_slots_, window_table_
+from dsv41_decode.ops.sparse_tables import step_rows_, topk_slots_, window_table_
 
 
 def ref_window_table(req_slot, positions, window, ring=None):
@@ -92,3 +92,15 @@ def test_bad_inputs_name_the_argument():
         topk_slots_(topk, slot, bt, 4, o[:, :2], ln)
     with pytest.raises(ValueError, match="req_slot"):
         topk_slots_(topk, slot[:2], bt, 4, o, ln)
+
+
+def test_step_rows_refuses_a_block_table_without_columns():
+    """A block table of no columns would send the kernel's last-column clamp to column -1."""
+    n, w = 2, 4
+    record = torch.tensor([[0, 0], [5, 6], [5, 5], [0, 0], [6, 6]], dtype=torch.int64)
+    tables = [torch.zeros(n, w, dtype=torch.int32)] + [torch.zeros(n, dtype=torch.int64) for _ in range(3)]
+    n_vis, entry = torch.zeros(1, n, dtype=torch.int32), torch.zeros(1, n, dtype=torch.int64)
+    with pytest.raises(ValueError, match="block table of ratio 1 must be a 2-D int32 tensor with at least one column"):
+        step_rows_(record, w, 8, [(1, torch.empty(2, 0, dtype=torch.int32))], 4, *tables, n_vis, entry)
+    step_rows_(record, w, 8, [(1, torch.zeros(2, 3, dtype=torch.int32))], 4, *tables, n_vis, entry)   # one column is enough
+    assert n_vis[0].tolist() == [6, 7]

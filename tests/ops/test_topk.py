@@ -146,6 +146,11 @@ def test_bad_inputs_named():
         topk_ascending_(s.double(), nv, out, plan)
     with pytest.raises(ValueError, match="n_vis"):
         topk_ascending_(s, nv.long(), out, plan)
+    with pytest.raises(ValueError, match=r"n_vis must be a contiguous \[N=2\].*strides \(2,\)"):
+        topk_ascending_(s, nv.repeat_interleave(2)[::2], out, plan)
+    with pytest.raises(ValueError, match=r"n_vis must be a contiguous"):
+        candidate_mask_(s, nv.repeat_interleave(2)[::2], torch.empty(2, 40, dtype=torch.uint8, device=_DEVICE),
+                        TopKPlan.build(2, 16, 8, device=_DEVICE))
     with pytest.raises(ValueError, match="out"):
         topk_ascending_(s, nv, out.long(), plan)
     with pytest.raises(ValueError, match="out"):
@@ -176,8 +181,10 @@ def test_topk_multi_program_paths(monkeypatch, small_max, max_chunks, four_min_c
         topk_ascending_(s, torch.tensor(nv, dtype=torch.int32, device=_DEVICE), out, plan)
         for i in range(3):
             _check_row(out[i].cpu(), s[i, :nv[i]].cpu(), 64)
-    cplan = TopKPlan.build(3, 5, 1, device=_DEVICE, chunk=64)   # a group-1 plan used for a mask, then top-k
-    candidate_mask_(s, torch.tensor(nv, dtype=torch.int32, device=_DEVICE), torch.empty(3, 300, dtype=torch.uint8, device=_DEVICE), cplan)
+    cplan = TopKPlan.build(3, 5, 1, device=_DEVICE, chunk=64)   # a group-1 plan: the top-k's, not a mask's
+    with pytest.raises(ValueError, match="candidate_mask_ ranks blocks of >= 2 entries, got a plan of group 1"):
+        candidate_mask_(s, torch.tensor(nv, dtype=torch.int32, device=_DEVICE),
+                        torch.empty(3, 300, dtype=torch.uint8, device=_DEVICE), cplan)
     out5 = torch.empty(3, 5, dtype=torch.int32, device=_DEVICE)
     topk_ascending_(s, torch.tensor(nv, dtype=torch.int32, device=_DEVICE), out5, cplan)
     for i in range(3):
