@@ -13,7 +13,7 @@ ordered on the current stream, so the host prepares the next step while the devi
 on a state built with `max_drafts`). Requests are admitted and freed on the state between steps;
 nothing is recaptured. Eager mode (`graphs=False`, and always on the CPU) runs the same schedule
 without a graph. `prepare` and `replay` are the two halves of a call without the state's advance
-(what a benchmark repeats).
+(what a benchmark repeats; `prepare` says when repeats recompute the same values).
 
 The step leaves the tensors of the generic path (`AttentionStack.forward`) at every boundary, up to
 the kernels' rounding (see tests/decode); it does not run an FFN between the attention sublayers.
@@ -373,8 +373,11 @@ class DecodeStep:
     def prepare(self, rows: Sequence[tuple], x: torch.Tensor, pre: torch.Tensor | None = None) -> int:
         """The first half of a call: plan `rows` in the state (pages, capacities; the state is not
         advanced) and load their records, x and pre (arguments as for a call) into the step's
-        inputs. Returns the bucket that `replay` runs; replaying a prepared step again recomputes
-        the same values into the same cache slots (what a benchmark times)."""
+        inputs. Returns the bucket that `replay` runs. Where each request has one row, replaying a
+        prepared step again recomputes the same values into the same cache slots (what `bench step`
+        times). A request of several rows is not replayed so: a replay moves its rows' staged window
+        records into the ring and its ratio-2 compressor's open group forward, which a second replay
+        reads moved (the same work and time, other values); such a state is a benchmark's only."""
         return self._upload(rows, x, pre)[1]
 
     def replay(self, bucket: int) -> None:

@@ -439,6 +439,21 @@ def test_main_stream_workspaces_are_shared_once(cpu_setup, monkeypatch):
 
 
 @interpreter
+def test_replays_of_one_row_requests_repeat(cpu_setup):
+    """A prepared step of one row a request replayed twice gives the same outputs and caches (what
+    `bench step` times; `DecodeStep.prepare`), a ratio-2 group's second row among them (a at p=21)."""
+    cfg, stack, base, _ = cpu_setup
+    st = copy.deepcopy(base)
+    step = stack.decode_step(st, max_rows=4)
+    b = step.prepare([("a", 1), ("b", 1), ("c", 1)], streams(3, cfg, torch.Generator().manual_seed(9)))
+    step.replay(b)
+    first = step.io.x_out[:3].clone(), {L: t.clone() for L, t in st.compressed.items()}
+    step.replay(b)
+    assert torch.equal(step.io.x_out[:3], first[0])
+    assert all(torch.equal(st.compressed[L], t) for L, t in first[1].items())
+
+
+@interpreter
 def test_errors(cpu_setup):
     cfg, stack, base, _ = cpu_setup
     st = copy.deepcopy(base)
