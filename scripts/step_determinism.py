@@ -4,7 +4,7 @@ gives the bits it gives among 7 others (batch invariance); prints a digest per s
 digests before and after a change = the same bits).
 
     PYTHONPATH=. python scripts/step_determinism.py 20480,131072,524288     # exit 1 on a mismatch
-    PRESET=small python scripts/step_determinism.py 60                       # CPU: checks the script only
+    TRITON_INTERPRET=1 PRESET=small PYTHONPATH=. python scripts/step_determinism.py 60   # CPU: checks the script only (minutes a step)
 """
 import hashlib, sys, time
 import torch
