@@ -87,19 +87,15 @@ class ModelConfig:
         return self.compress_ratios[layer]
 
     def check_tp(self, tp: int) -> None:
-        """Raise ConfigError unless the heads and `wo_a` groups split evenly over `tp` ranks, and each
-        rank's `wo_a` rows (= `wo_b` columns: its groups x o_lora_rank) are whole 32x32 scale blocks
-        (a rank's `wq_b` rows, its heads x 512, always are)."""
+        """Raise ConfigError unless the heads and `wo_a` groups split evenly over `tp` ranks (a rank's
+        `wo_a` rows and `wq_b` rows are then whole 32x32 scale blocks: o_lora_rank and head_dim are
+        multiples of 32, `_validate`)."""
         if tp < 1:
             raise ConfigError(f"tp: must be >= 1, got {tp}")
         if self.n_heads % tp:
             raise ConfigError(f"n_heads: {self.n_heads} heads do not split over tp={tp} ranks")
         if self.o_groups % tp:
             raise ConfigError(f"o_groups: {self.o_groups} wo_a groups do not split over tp={tp} ranks")
-        rows = self.o_groups // tp * self.o_lora_rank
-        if rows % 32:
-            raise ConfigError(f"o_lora_rank: a rank's wo_a rows / wo_b columns at tp={tp} ({self.o_groups // tp} "
-                              f"groups x {self.o_lora_rank} = {rows}) are not whole 32-wide scale blocks")
 
     # ----- constructors -----
     @classmethod
@@ -282,6 +278,10 @@ def _validate(c: ModelConfig) -> None:
          f"the 68-byte index-key record assumes 128, got {c.index_head_dim}")
     need(c.dim % 32 == 0, "dim", f"must be a multiple of 32 (MXFP8 input blocks), got {c.dim}")
     need(c.q_lora_rank % 32 == 0, "q_lora_rank", f"must be a multiple of 32, got {c.q_lora_rank}")
+    need(c.o_lora_rank % 32 == 0, "o_lora_rank",
+         f"must be a multiple of 32 (a wo_a group's rows are whole 32x32 scale blocks), got {c.o_lora_rank}")
+    need(c.candidate_block_size >= 2, "candidate_block_size",
+         f"must be >= 2 (the candidate pool ranks blocks of entries), got {c.candidate_block_size}")
     need(c.n_heads % c.o_groups == 0, "n_heads",
          f"{c.n_heads} heads are not divisible into o_groups={c.o_groups}")
     need(len(c.compress_ratios) == c.n_layers, "compress_ratios",

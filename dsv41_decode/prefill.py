@@ -102,9 +102,8 @@ def prefill(stack, state: DecodeState, request: Hashable, x: torch.Tensor, *, ch
     if pre is not None and (pre.shape != (n, cfg.hc_mult) or pre.dtype != torch.float32):
         raise ValueError(f"prefill: pre must be [{n}, {cfg.hc_mult}] float32, got {tuple(pre.shape)} {pre.dtype}")
     state.slot(request)                                   # KeyError naming an unknown request
-    # the whole prompt planned once, never advanced: CapacityError now rather than after some chunks
-    # (the first chunk's plan replaces it, and the pages it allocated past that chunk go back)
-    state.plan([(request, n)])
+    if state.cfg is not cfg and state.cfg != cfg:
+        raise ValueError("prefill: the DecodeState was built for another configuration than the stack")
     if path == "kernels":
         if step is None:
             step = prefill_step(stack, state, chunk)
@@ -112,6 +111,9 @@ def prefill(stack, state: DecodeState, request: Hashable, x: torch.Tensor, *, ch
             raise ValueError("prefill: the given step was built for another stack or state")
         elif step.max_rows < chunk:
             raise ValueError(f"prefill: the given step holds {step.max_rows} rows, fewer than chunk={chunk}")
+    # the whole prompt planned once, never advanced: a CapacityError before the first chunk (the
+    # first chunk's plan replaces it, and the pages it allocated past that chunk go back)
+    state.plan([(request, n)])
     outs, pres = [], []
     for a in range(0, n, chunk):
         b = min(n, a + chunk)

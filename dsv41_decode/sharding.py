@@ -23,8 +23,9 @@ def shard_ranges(cfg: ModelConfig, tp: int, rank: int) -> dict[str, tuple[int, i
     """name (without `layers.N.`) -> (axis, start, stop) of the part rank `rank` of `tp` holds, for
     every sharded tensor (`attn.wo_a.scale` included; absent from a BF16-wo_a checkpoint).
 
-    Raises ConfigError (via `cfg.check_tp`) when heads or groups do not split or a cut would split
-    a 32x32 scale block, and ValueError for a rank out of range.
+    Raises ConfigError (via `cfg.check_tp`) when heads or groups do not split (every cut then falls
+    on a 32x32 scale block's boundary: the configuration's o_lora_rank and head_dim are multiples of
+    32), and ValueError for a rank out of range.
     """
     cfg.check_tp(tp)
     if not 0 <= rank < tp:

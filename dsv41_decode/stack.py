@@ -45,13 +45,14 @@ class AttentionStack:
         """
         cfg = ckpt.config
         if layer_ids is not None:
+            layer_ids = list(layer_ids)
             bad = [i for i in layer_ids if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < cfg.n_layers]
             if bad:
                 raise ValueError(f"layer_ids: {bad[0]!r} is not a layer id of this configuration "
                                  f"(0..{cfg.n_layers - 1})")
-            twice = sorted({i for i in layer_ids if list(layer_ids).count(i) > 1})
-            if twice:
-                raise ValueError(f"layer_ids: layer {twice[0]} is listed twice")
+            if len(set(layer_ids)) < len(layer_ids):
+                twice = min(i for i in layer_ids if layer_ids.count(i) > 1)
+                raise ValueError(f"layer_ids: layer {twice} is listed twice")
         ids = list(range(cfg.n_layers)) if layer_ids is None else sorted(layer_ids)
         for i in ids:
             spec = cfg.plan[i]

@@ -348,17 +348,20 @@ class DecodeState:
         pages of their lengths (or of this call), the rest of what it allocated goes back to the
         pools (and counts as free for this call).
         """
-        if isinstance(rows, (Mapping, str, bytes)):
+        if isinstance(rows, (dict, str, bytes)):
             raise ValueError(f"plan: rows must be a list of (req_id, count) pairs, got a {type(rows).__name__}"
-                             + (" (list(rows.items()) makes one)" if isinstance(rows, Mapping) else ""))
+                             + (" (list(rows.items()) makes one)" if isinstance(rows, dict) else ""))
         if len(rows) == 0:
             raise ValueError("plan: the call has no rows")
         ids, counts, starts, slots = [], [], [], []
         seen = set()
         for entry in rows:
-            if not isinstance(entry, (tuple, list)) or len(entry) != 2:
-                raise ValueError(f"plan: rows entries must be (req_id, count) pairs, got {entry!r}")
-            req_id, count = entry
+            try:
+                if entry.__class__ is str:
+                    raise TypeError
+                req_id, count = entry
+            except (TypeError, ValueError):
+                raise ValueError(f"plan: rows entries must be (req_id, count) pairs, got {entry!r}") from None
             s = self.slot(req_id)
             if req_id in seen:
                 raise ValueError(f"plan: request {req_id!r} is listed twice in one call")
@@ -377,15 +380,16 @@ class DecodeState:
 
         # the requests of a replaced plan (planned, not advanced) go back to the pages their
         # lengths need: the pages it allocated for its rows count as free for this call
-        replaced = [s for s in self._planned_slots if self._pending[s]]
+        replaced = [s for s in self._planned_slots if self._pending[s]] if self._planned is not None else ()
         grants: dict[int, list[tuple[int, int]]] = {}  # ratio -> (slot, pages to add)
         trims: dict[int, list[tuple[int, int]]] = {}   # ratio -> (slot, pages to keep)
         for r in self.ratios:
-            keep = {s: _cdiv(self._lengths[s] // r, self.page_size) for s in replaced}
-            for s, start, count in zip(slots, starts, counts):
-                keep[s] = _cdiv((start + count) // r, self.page_size)
+            keep = [(s, _cdiv((start + count) // r, self.page_size)) for s, start, count in zip(slots, starts, counts)]
+            if replaced:
+                call = set(slots)
+                keep += [(s, _cdiv(self._lengths[s] // r, self.page_size)) for s in replaced if s not in call]
             need, todo, back = 0, [], []
-            for s, want in keep.items():
+            for s, want in keep:
                 have = len(self._pages[r][s])
                 if want > have:
                     need += want - have

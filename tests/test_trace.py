@@ -213,3 +213,15 @@ def test_a_scorer_whose_scores_collapse_fails(monkeypatch, collapse):
     assert ties > rows // TIE_SHARE
     failed = [(r.call, r.layer) for r in res if any("differ by tied scores" in f for f in r.failures)]
     assert failed == [(res[-1].call, 1)], failed
+
+
+def test_a_failure_names_its_row(tmp_path):
+    """The prefill call's row 5 of layer 6 corrupted: the failure names row 5."""
+    def flip_row5(t):
+        rows = t.view(-1, t.shape[-1])
+        rows[5, 3] = -rows[5, 3] if rows[5, 3] != 0 else 1.0
+        return t
+    _corrupt(OFFICIAL, tmp_path / "bad", "prefill.layers.6.attn_out", flip_row5)
+    res = verify_trace(tmp_path / "bad", calls=0)
+    assert [f for r in res for f in r.failures if r.layer == 6] and \
+        all("at row 5" in f for r in res for f in r.failures if f.startswith("attn_out"))

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -407,15 +407,15 @@ class DecodeStep:
         return call
 
     def _upload(self, rows: Sequence[tuple], x: torch.Tensor, pre: torch.Tensor | None) -> tuple[StepRows, int]:
-        if isinstance(rows, (Mapping, str, bytes)):
+        if isinstance(rows, (dict, str, bytes)):
             raise StepError(f"rows must be a list of (req_id, count[, first_position]) entries, got a "
-                            f"{type(rows).__name__}" + (" (list(rows.items()) makes one)" if isinstance(rows, Mapping)
+                            f"{type(rows).__name__}" + (" (list(rows.items()) makes one)" if isinstance(rows, dict)
                                                         else ""))
         plan_rows = []
         for entry in rows:
             if not isinstance(entry, (tuple, list)):
                 raise StepError(f"rows entries must be (req_id, count[, first_position]), got {entry!r}")
-            if len(entry) >= 2 and (not isinstance(entry[1], int) or isinstance(entry[1], bool)):
+            if len(entry) >= 2 and type(entry[1]) is not int:
                 raise StepError(f"request {entry[0]!r}: count must be an integer, got {entry[1]!r}")
             if len(entry) == 3:
                 req, count, first = entry

@@ -140,8 +140,8 @@ def _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, blk: gl.constexpr, BLOCK_H:
 @gluon.jit
 def _tile_block(bt_ptr, slot, bt_stride, n_vis, tile, PAGE: gl.constexpr):
     """With PAGE a multiple of 64, tile `tile`'s page: block_table[slot, tile * 64 // PAGE] (0 for a
-    tile past n_vis), loaded an iteration ahead of the tile's copies (`_issue`), which would
-    otherwise wait a global load's latency for it; else 0 (unused: `_records` loads each entry's)."""
+    tile past n_vis), loaded an iteration (QF_SMEM: two) ahead of the tile's copies (`_issue`), which
+    would otherwise wait a global load's latency for it; else 0 (unused: `_records` loads each entry's)."""
     if PAGE % _BLOCK_E == 0:
         return gl.load(bt_ptr + slot * bt_stride + (tile * _BLOCK_E) // PAGE, mask=tile * _BLOCK_E < n_vis, other=0)
     else:

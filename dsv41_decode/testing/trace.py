@@ -468,7 +468,8 @@ def _compare_boundary(res, cfg, w, get, B, s, next_norm=None, kernels=None) -> N
                            (mix.comb, b_attn.comb, "attn_comb"), (f.pre, b_ffn.pre, "pre_mix_out")):
         d = abs_difference(a, rec[name].reshape(a.shape))          # inf where a NaN or inf differs
         res.mix_abs = max(res.mix_abs, float(d.max()))
-        res.mix_ratio = max(res.mix_ratio, float((d.double() / bound).max()))
+        ratio = torch.where(d == 0, torch.zeros_like(bound), d.double() / bound)   # a NaN bound: inf
+        res.mix_ratio = max(res.mix_ratio, float(torch.nan_to_num(ratio, nan=float("inf")).max()))
 
 
 def _progress(enabled: bool, total: int):
