@@ -199,6 +199,7 @@ def test_stack_layer_ids_are_checked(stack, tmp_path):
     ckpt = load_checkpoint(write_synthetic_checkpoint(stack.cfg, tmp_path / "ck", seed=3))
     with pytest.raises(ValueError, match="layer_ids: layer 1 is listed twice"):
         AttentionStack(ckpt, layer_ids=[0, 1, 1, 2])
+    assert AttentionStack(ckpt, layer_ids=iter([1, 0])).ids == [0, 1]        # any iterable
     for bad in ([99], [-1], [1.0]):
         with pytest.raises(ValueError, match=r"layer_ids: .* is not a layer id of this configuration \(0..6\)"):
             AttentionStack(ckpt, layer_ids=bad)
