@@ -169,9 +169,9 @@ def _qkv_rope_insert_kernel(
         if b == 0:
             # Window KV: RoPE on pairs 224..255, MXFP8 blocks of 32 = 16 pairs, insert at the slot.
             j = tl.arange(0, 16)[:, None] * 16 + tl.arange(0, 16)[None, :]  # [16 blocks, 16 pairs]
-            row = kv_ptr + n * stride_kvn
-            xe = tl.load(row + 2 * j).to(tl.float32)
-            xo = tl.load(row + 2 * j + 1).to(tl.float32)
+            row = kv_ptr + n * stride_kvn                                   # int16 bits of BF16
+            xe = bf16_widen(tl.load(row + 2 * j))
+            xo = bf16_widen(tl.load(row + 2 * j + 1))
             window_insert(xe, xo, cs_row, sn_row, slots_ptr, n, pool_ptr, S, stride_pool, REQUANT)
         else:
             _query_rope(q_ptr, cs_row, sn_row, n, b - 1, H, stride_qn, stride_qh, HB)
@@ -193,9 +193,9 @@ def _compressed_entry_kernel(
     if DO_CKV:
         if pid1 == 0:
             j = tl.arange(0, 32)[:, None] * 8 + tl.arange(0, 8)[None, :]  # [32 groups, 8 pairs]
-            row = lat_ptr + g * stride_lat
-            xe = tl.load(row + 2 * j).to(tl.float32)
-            xo = tl.load(row + 2 * j + 1).to(tl.float32)
+            row = lat_ptr + g * stride_lat                                  # int16 bits of BF16
+            xe = bf16_widen(tl.load(row + 2 * j))
+            xo = bf16_widen(tl.load(row + 2 * j + 1))
             compressed_record(xe, xo, cs_row, sn_row, slot, ckv_ptr, S_CKV, stride_ckv, REQUANT)
     if DO_IK:
         if pid1 == IK_PID:
@@ -298,7 +298,7 @@ def qkv_rope_insert_(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: 
     hb = min(triton.next_power_of_2(max(h, 1)), 16)
     grid = (n, 1 + triton.cdiv(h, hb))
     _qkv_rope_insert_kernel[grid](
-        q.view(torch.int16), kv, cos, sin, slots, window,
+        q.view(torch.int16), kv.view(torch.int16), cos, sin, slots, window,
         h, window.shape[0], q.stride(0), q.stride(1), kv.stride(0), cos.stride(0), sin.stride(0),
         window.stride(0), HB=hb, REQUANT=bool(requant), PDL=False, num_warps=4, enable_fp_fusion=False,
     )
@@ -356,7 +356,7 @@ def compressed_entry_store_(lat: torch.Tensor | None, wk_out: torch.Tensor | Non
     if g == 0:
         return
     _compressed_entry_kernel[(g, int(do_ckv) + int(do_ik))](
-        lat if do_ckv else cos, wk_out if do_ik else cos, k_norm if do_ik else cos, cos, sin, slots,
+        lat.view(torch.int16) if do_ckv else cos, wk_out if do_ik else cos, k_norm if do_ik else cos, cos, sin, slots,
         compressed if do_ckv else slots, index_keys if do_ik else slots,
         compressed.shape[0] if do_ckv else 0, index_keys.shape[0] if do_ik else 0,
         float(eps) if do_ik else 0.0,

@@ -152,6 +152,22 @@ def test_qkv_convenience_and_non_finite():
     assert int(rec[0, 512]) == 255 and int(rec[1, 512 + 15]) == 255
 
 
+def test_subnormal_inputs_keep_the_sign_of_zero_codes():
+    """BF16 subnormals in the RoPE dims (-0.0 beside 5.9e-39, whose rotations are FP32 subnormals)
+    round to zero codes of the right sign in both records: the kernels widen the BF16 bits exactly
+    (Triton's interpreter converts BF16 subnormals wrongly)."""
+    cis = rope_cis(1.0 / (160000 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64)), torch.tensor([5217]))
+    kv = torch.zeros(1, 512, dtype=torch.bfloat16)
+    kv.view(torch.int16)[0, 474] = -0x8000                    # -0.0
+    kv.view(torch.int16)[0, 475] = 0x0040                     # +5.877e-39
+    cos, sin = rope_cos_sin(cis)
+    _, rec = qkv_rope_insert(*_dev(torch.zeros(1, 1, 512, dtype=torch.bfloat16), kv, cos, sin))
+    _assert_bytes(rec.cpu(), pack_window_kv(rope_tail(kv, cis, 64)), "window record")
+    ck = torch.zeros(1, 288, dtype=torch.uint8, device=_DEVICE)
+    compressed_kv_store_(*_dev(kv, cos, sin), torch.zeros(1, dtype=torch.int64, device=_DEVICE), ck)
+    _assert_bytes(ck.cpu(), pack_compressed_kv(rope_tail(kv, cis, 64)), "compressed record")
+
+
 # --- compressed KV and index keys -----------------------------------------------------------------
 
 
