@@ -308,6 +308,21 @@ def _score_tile(a8, q_smem, sw, f0, f1, f2, f3, wv, wb, zero, offs, vis, out_row
         gl.atomic_add(priv + b, cnt, mask=cnt > 0, sem="relaxed")
 
 
+@gluon.jit
+def _score_tile_smem(a8, q_smem, sw, f_rows, w_rows, g, zero, offs, vis, out_row, max_entries, priv,
+                     BLOCK_H: gl.constexpr, HIST: gl.constexpr, PACKED: gl.constexpr, MMA_PAIRS: gl.constexpr,
+                     mma_l: gl.constexpr):
+    """`_score_tile` for row g of the rows whose query scales and head weights sit in shared memory
+    (f_rows [4 x rows, BLOCK_H]: row g's four powers of two at 4g..4g+3; w_rows [rows, BLOCK_H]),
+    read here for this tile (a row group's, or one row's with QF_SMEM)."""
+    col_l: gl.constexpr = gl.SliceLayout(0, mma_l)
+    wv = w_rows.index(g).load(col_l)
+    wb = (wv.to(gl.int32, bitcast=True) >> 16) & 0xFFFF      # its BF16 bits (exact in FP32)
+    _score_tile(a8, q_smem, sw, f_rows.index(4 * g).load(col_l), f_rows.index(4 * g + 1).load(col_l),
+                f_rows.index(4 * g + 2).load(col_l), f_rows.index(4 * g + 3).load(col_l), wv, wb, zero, offs, vis,
+                out_row, max_entries, priv, BLOCK_H, HIST, PACKED, MMA_PAIRS, mma_l)
+
+
 @triton.jit
 def row_group(slot_ptr, nvis_ptr, n, n_rows, GROUP: tl.constexpr):
     """(lead, size, rank) of row n's group: the rows of a run of consecutive rows with row n's
@@ -500,25 +515,18 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
             if HAS_CAND:
                 vis = vis & (gl.load(cand_row + offs, mask=vis, other=0) != 0)
             if QF_SMEM:
-                wv_t = w_rows.index(0).load(col_l)
-                _score_tile(a8, q_smem, sw, f_rows.index(0).load(col_l), f_rows.index(1).load(col_l),
-                            f_rows.index(2).load(col_l), f_rows.index(3).load(col_l), wv_t,
-                            (wv_t.to(gl.int32, bitcast=True) >> 16) & 0xFFFF, zero, offs, vis, out_row, max_entries,
-                            priv, BLOCK_H, HIST, PACKED, MMA_PAIRS, mma_l)
+                _score_tile_smem(a8, q_smem, sw, f_rows, w_rows, 0, zero, offs, vis, out_row, max_entries, priv,
+                                 BLOCK_H, HIST, PACKED, MMA_PAIRS, mma_l)
             else:
                 _score_tile(a8, q_smem, sw, f0, f1, f2, f3, wv, wb, zero, offs, vis, out_row, max_entries, priv,
                             BLOCK_H, HIST, PACKED, MMA_PAIRS, mma_l)
         else:
             for g in range(size):
                 row = lead + g
-                wv_g = w_rows.index(g).load(col_l)
-                wb_g = (wv_g.to(gl.int32, bitcast=True) >> 16) & 0xFFFF      # its BF16 bits (exact in FP32)
-                _score_tile(a8, q_rows.index(g), sw, f_rows.index(4 * g).load(col_l),
-                            f_rows.index(4 * g + 1).load(col_l), f_rows.index(4 * g + 2).load(col_l),
-                            f_rows.index(4 * g + 3).load(col_l), wv_g, wb_g, zero, offs,
-                            offs < gl.minimum(gl.load(nvis_ptr + row), max_entries),
-                            out_ptr + row.to(gl.int64) * out_sn, max_entries, priv + g * _HIST_BINS, BLOCK_H, HIST,
-                            PACKED, MMA_PAIRS, mma_l)
+                _score_tile_smem(a8, q_rows.index(g), sw, f_rows, w_rows, g, zero, offs,
+                                 offs < gl.minimum(gl.load(nvis_ptr + row), max_entries),
+                                 out_ptr + row.to(gl.int64) * out_sn, max_entries, priv + g * _HIST_BINS, BLOCK_H,
+                                 HIST, PACKED, MMA_PAIRS, mma_l)
         i += 1
     async_copy.wait_group(0)
 
