@@ -27,7 +27,7 @@ from .parallel import TensorParallel
 from .runtime import Steps
 from .stack import AttentionStack
 from .state import DecodeState
-from .testing.compare import ulp_distance
+from .testing.compare import selected, ulp_distance
 from .weights import load_checkpoint, write_synthetic_checkpoint
 
 
@@ -158,7 +158,7 @@ def run_demo(cfg: ModelConfig, plan: DemoPlan, device: str = "cpu", console: Con
         st.max_ulp = max(st.max_ulp, ulp_distance(ya, yb))
         if ta is not None:
             st.topk_rows += 1
-            st.topk_equal += int(sorted(ta[ta >= 0].tolist()) == sorted(tb[tb >= 0].tolist()))
+            st.topk_equal += int(selected(ta) == selected(tb))
     same = tp.same_on_all_ranks(torch.stack([a[k][0] for k in sorted(a, key=str)]))
     drafted = plan.steps * sum(plan.drafts)
     accepted = sum(k - 1 for step in kept for k in step)

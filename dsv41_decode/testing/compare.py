@@ -5,6 +5,16 @@ from __future__ import annotations
 import torch
 
 
+def selected(idx: torch.Tensor) -> list[int]:
+    """A top-k row's selection as a set: its valid (>= 0) indices, sorted (-1 padding dropped)."""
+    return sorted(idx[idx >= 0].tolist())
+
+
+def _finite_abs(t: torch.Tensor) -> torch.Tensor:
+    """|t| in FP32 with NaN and infinities as 0 (the magnitudes an ulp is measured at)."""
+    return torch.nan_to_num(t.float().abs(), nan=0.0, posinf=0.0, neginf=0.0)
+
+
 def abs_difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """|a - b| in FP32, elementwise: 0 where the two are equal (the same infinity, or NaN on both
     sides), inf where they differ and either is not finite (NaN against a number, inf against a
@@ -23,8 +33,7 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.numel() == 0:
         return 0.0
     d = abs_difference(a, b)
-    finite = lambda t: torch.nan_to_num(t.float().abs(), nan=0.0, posinf=0.0, neginf=0.0)  # noqa: E731
-    mag = torch.maximum(finite(a), finite(b)).clamp(min=2.0 ** -126)
+    mag = torch.maximum(_finite_abs(a), _finite_abs(b)).clamp(min=2.0 ** -126)
     ulp = torch.exp2(torch.floor(torch.log2(mag)) - 7)   # BF16 has 8 significant bits
     return float((d / ulp).max())
 
@@ -50,8 +59,7 @@ def topk_agreement(ours: torch.Tensor, theirs: torch.Tensor, scores: torch.Tenso
 
     ours / theirs: [k] int indices with -1 padding; scores: [m] the row's scores (ours).
     """
-    a = sorted(int(i) for i in ours if i >= 0)
-    b = sorted(int(i) for i in theirs if i >= 0)
+    a, b = selected(ours), selected(theirs)
     if a == b:
         return "equal"
     if len(a) == len(b) and all(i < scores.numel() for i in b):
@@ -83,7 +91,6 @@ def row_ulp_distance(a: torch.Tensor, ref: torch.Tensor) -> float:
     """
     if a.numel() == 0:
         return 0.0
-    finite = torch.nan_to_num(ref.float().abs(), nan=0.0, posinf=0.0, neginf=0.0)   # the row's finite values
-    mag = finite.amax(-1, keepdim=True).clamp(min=2.0 ** -126)
+    mag = _finite_abs(ref).amax(-1, keepdim=True).clamp(min=2.0 ** -126)   # the row's finite values
     ulp = torch.exp2(torch.floor(torch.log2(mag)) - 7)
     return float((abs_difference(a, ref) / ulp).max())     # inf where a non-finite value differs

@@ -28,7 +28,8 @@ from ..stack import AttentionStack
 from ..state import DecodeState
 from ..weights import load_checkpoint
 from .attribution import Flip, explain_o_row, explain_wo_b_row, mix_bounds
-from .compare import abs_difference, bits_differ, rel_rms, row_ulp_distance, topk_agreement, ulp_distance
+from .compare import (abs_difference, bits_differ, rel_rms, row_ulp_distance, selected, topk_agreement,
+                      ulp_distance)
 
 # Spec section 9: quantized values bit-exact, top-k equal as sets (of scores when BF16 scores tie),
 # attention outputs within about one BF16 ulp. "About one": each side rounds once, so two ulps.
@@ -259,7 +260,7 @@ def verify_trace(folder: str | Path, progress: bool = False, path: str = "refere
             u = get(L, "attn_in").reshape(B * s, cfg.dim).to(device)
             if spec.runs_indexer and get(L, "compress_topk") is not None:
                 res.recorded_topk_rows_differ = sum(
-                    sorted(a[a >= 0].tolist()) != sorted(b[b >= 0].tolist())
+                    selected(a) != selected(b)
                     for a, b in zip(get(L, "compress_topk").reshape(B * s, -1), get(L, "indexer_topk").reshape(B * s, -1)))
             if on_step:
                 out = replay.run_layer(L, u)
@@ -324,7 +325,7 @@ def _bound_ties(results: list[CallLayerResult]) -> None:
     last: dict[int, CallLayerResult] = {}
     count: dict[int, list[int]] = {}
     for res in results:
-        if "tie" in res.topk or "equal" in res.topk:
+        if res.topk:
             c = count.setdefault(res.layer, [0, 0])
             c[0] += res.topk.get("tie", 0)
             c[1] += sum(res.topk.values())
@@ -346,7 +347,7 @@ def _topk_verdicts(res, ours, theirs, scores) -> bool:
 
 def _reuse_agreement(res, src, theirs) -> None:
     """A Reuse or Reindex-consumer layer's selection is its index source's: compare it as sets."""
-    same = [sorted(a[a >= 0].tolist()) == sorted(b[b >= 0].tolist()) for a, b in zip(src, theirs)]
+    same = [selected(a) == selected(b) for a, b in zip(src, theirs)]
     res.topk["equal"] = sum(same)
     res.topk["differ"] = theirs.shape[0] - res.topk["equal"]
     res.topk_differ_rows = [r for r, ok in enumerate(same) if not ok]
