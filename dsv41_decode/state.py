@@ -244,7 +244,6 @@ class DecodeState:
         # (this state's id, plan number) of the last plan() not yet advanced (check_step)
         self._plan_key: tuple[str, int] = (uuid.uuid4().hex, 0)
         self._planned: tuple | None = None
-        self._planned_slots: tuple[int, ...] = ()     # the request slots of the last plan()
         self._accepting: dict[int, tuple[int, int]] = {}  # slot -> (start, count) of the last advanced call
         self._pages: dict[int, list[list[int]]] = {
             r: [[] for _ in range(max_requests)] for r in self.ratios}
@@ -296,10 +295,7 @@ class DecodeState:
         """Release `req_id`'s slot and return its pages to the pools. KeyError for an unknown id."""
         s = self.slot(req_id)
         for r in self.ratios:
-            pages = self._pages[r][s]
-            self._free_pages[r].extend(reversed(pages))
-            self._pages[r][s] = []
-            self.block_table[r][s].fill_(-1)
+            self._give_back_pages(r, s, 0)
         del self._req_slot[req_id]
         self._slot_req[s] = None
         self._lengths[s] = 0
@@ -307,6 +303,14 @@ class DecodeState:
         self._accepting.pop(s, None)
         self.seq_lens[s] = 0
         heapq.heappush(self._free_slots, s)
+
+    def _give_back_pages(self, r: int, s: int, keep: int) -> None:
+        """Slot s's pages of ratio r past its first `keep` back to the pool (last first, so the next
+        allocations take them in entry order again); their block-table entries -1."""
+        held = self._pages[r][s]
+        self._free_pages[r].extend(reversed(held[keep:]))
+        del held[keep:]
+        self.block_table[r][s, keep:].fill_(-1)
 
     def slot(self, req_id: Hashable) -> int:
         """The request slot of live request `req_id`; KeyError naming it otherwise."""
@@ -380,7 +384,7 @@ class DecodeState:
 
         # the requests of a replaced plan (planned, not advanced) go back to the pages their
         # lengths need: the pages it allocated for its rows count as free for this call
-        replaced = [s for s in self._planned_slots if self._pending[s]] if self._planned is not None else ()
+        replaced = [s for s, c in enumerate(self._pending) if c] if self._planned is not None else ()
         grants: dict[int, list[tuple[int, int]]] = {}  # ratio -> (slot, pages to add)
         trims: dict[int, list[tuple[int, int]]] = {}   # ratio -> (slot, pages to keep)
         for r in self.ratios:
@@ -406,10 +410,7 @@ class DecodeState:
         for r, todo in grants.items():
             table = self.block_table[r]
             for s, want in trims[r]:
-                held = self._pages[r][s]
-                self._free_pages[r].extend(reversed(held[want:]))
-                del held[want:]
-                table[s, want:].fill_(-1)
+                self._give_back_pages(r, s, want)
             t_flat, t_pages = [], []      # flat index of (slot, column) in the table, page
             for s, n in todo:
                 held = self._pages[r][s]
@@ -433,7 +434,6 @@ class DecodeState:
             pos_rows.extend(range(start, start + count))
         self._plan_key = (self._plan_key[0], self._plan_key[1] + 1)
         self._planned = self._plan_key
-        self._planned_slots = tuple(slots)
         slot_pos = self._upload.tensor([slot_rows, pos_rows], torch.int64)
         return StepRows(
             req_ids=tuple(ids), counts=tuple(counts), starts=tuple(starts),
@@ -523,11 +523,9 @@ class DecodeState:
             for hi in self._window_hi.values():
                 hi[s] = min(hi[s], n)
             for r in self.ratios:
-                held, want = self._pages[r][s], _cdiv(n // r, self.page_size)
-                if len(held) > want:
-                    self._free_pages[r].extend(reversed(held[want:]))
-                    del held[want:]
-                    self.block_table[r][s, want:].fill_(-1)
+                want = _cdiv(n // r, self.page_size)
+                if len(self._pages[r][s]) > want:
+                    self._give_back_pages(r, s, want)
             if self.comp_rows:
                 for p in (n - 1, n - 2):
                     restore.append((s, p % 2) + ((s, p % self.comp_history) if p >= 0
