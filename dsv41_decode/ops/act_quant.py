@@ -15,7 +15,7 @@ from ..formats import E4M3_MAX, MXFP8_AMAX_FLOOR
 from . import pdl
 from .checks import require_tensor
 from .fp4 import abs_nan_inf, pow2_ceil_exponent, pow2_inv
-from .rounding import e4m3_rne_code
+from .rounding import e4m3_rne_code, to_f32
 
 # fp32(1/448), the constant of the spec's bit rule; exact as a Python float, so Triton's own
 # FP32 conversion of the literal cannot change it.
@@ -71,7 +71,7 @@ def _act_quant_mxfp8_kernel(
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    x = to_f32(tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0))
     codes, scale_byte = mxfp8_quantize_tile(x, AMAX_FLOOR, INV_QMAX, QMAX)
 
     tl.store(codes_ptr + rows[:, None] * stride_cm + cols[None, :], codes, mask=mask)

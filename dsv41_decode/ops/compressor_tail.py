@@ -67,7 +67,7 @@ from .fp4 import bf16_round
 from .kv_write import DIM, INDEX_DIM, _HALF_ROPE, compressed_record, index_key_record
 from .ll_bf16 import MODE_TF32, LlBf16Plan, ll_dot
 from .rms_norm import _rms_norm_row, normed, rms_row
-from .rounding import bf16_widen
+from .rounding import bf16_widen, to_f32
 
 
 @triton.jit
@@ -104,10 +104,10 @@ def _compressor_tail_kernel(
         _, r = rms_row(c_row, eps, 512, 512, ROUND_IN)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in tl.range(0, 512, BLOCK_K, num_stages=1):      # the prefetch above is the pipeline
-            x = tl.load(x_ptrs + k0, mask=first, other=0.0).to(tl.float32)
+            x = to_f32(tl.load(x_ptrs + k0, mask=first, other=0.0))
             if ROUND_IN:
                 x = bf16_round(x)
-            nw = tl.load(nw_ptr + k0 + rk).to(tl.float32)
+            nw = to_f32(tl.load(nw_ptr + k0 + rk))
             lat = bf16_round(normed(x, nw[None, :], r))                  # lat's values, row 0
             w = w_a.to(tl.float32)
             w_a = w_b

@@ -85,7 +85,7 @@ from .exact_mm_plan import _BOUNDARY_MAXNREG, _ROW_BUCKETS, ExactConfig, planned
 from .fp4 import bf16_round
 from .kv_write import rope_tile
 from .mhc import BoundaryOperands, MhcBoundaryPlan, _boundary_block_d, tile_boundary
-from .rounding import bf16_rne_bits, ue8m0_to_fp32
+from .rounding import bf16_rne_bits, to_f32, ue8m0_to_fp32
 
 MAX_ROWS = 64
 
@@ -270,7 +270,7 @@ def _f64_part(s, BLOCK_N: tl.constexpr, SUB: tl.constexpr):
 @triton.jit
 def _x_f64(x_row, k0, BLOCK_K: tl.constexpr):
     """Row x_row's codes k0 .. k0 + BLOCK_K as FP64 values, through FP32 (exact; a NaN code stays NaN)."""
-    return tl.load(x_row + k0 + tl.arange(0, BLOCK_K)).to(tl.float32).to(tl.float64)
+    return to_f32(tl.load(x_row + k0 + tl.arange(0, BLOCK_K))).to(tl.float64)
 
 
 @triton.jit
@@ -291,7 +291,7 @@ def _row_step(acc, w, x_row, sx_row, sw, k0, ws_row, BLOCK_N: tl.constexpr, BLOC
     step's [BLOCK_N, BLOCK_K] weight tile in FP32, sw its [BLOCK_N, BLOCK_K / 32] scales in FP32;
     x_row / sx_row this row's codes and scale bytes. With SPLIT > 1 the terms are stored instead,
     at ws_row[kb * BLOCK_N + n], for the tile's last program to add (`_sum_terms`)."""
-    x = tl.load(x_row + k0 + tl.arange(0, BLOCK_K)).to(tl.float32)
+    x = to_f32(tl.load(x_row + k0 + tl.arange(0, BLOCK_K)))
     part = _block_sums(w, x, BLOCK_N, BLOCK_K, CHAIN, ASM)                                  # [BN, SUB]
     return _row_terms(acc, part, sx_row, sw, k0, ws_row, BLOCK_N, BLOCK_K, SPLIT, ASM)
 
@@ -494,7 +494,7 @@ def _exact_mm_kernel(
                     acc3 = _row_terms(acc3, p3, sx_ptr + r3 * stride_sxm, sw, k0, ws_tile + 3 * KB * BLOCK_N,
                                       BLOCK_N, BLOCK_K, SPLIT, ASM)
             else:
-                w = tl.load(w_rows[:, None] + k0 + rk[None, :]).to(tl.float32)           # [BN, BK]
+                w = to_f32(tl.load(w_rows[:, None] + k0 + rk[None, :]))           # [BN, BK]
                 sw = ue8m0_to_fp32(tl.max(tl.load(sw_ptrs + k0 // 32), axis=2).to(tl.int32))   # [BN, SUB]
                 acc0 = _row_step(acc0, w, x_ptr + r0 * stride_xm, sx_ptr + r0 * stride_sxm, sw, k0, ws_tile,
                                  BLOCK_N, BLOCK_K, SPLIT, CHAIN, ASM)

@@ -31,6 +31,7 @@ import triton.language as tl
 from .checks import planned_rows, require_tensor
 from .common import num_sms, splitk_reduce
 from .mhc import HC, N_MIX
+from .rounding import to_f32
 
 _MIX_COLS = 32             # the outputs padded to a power of two; column N_MIX carries the sum of squares
 _K_GRAIN = 128  # every split but the last covers a multiple of this, so every BLOCK_K divides it
@@ -139,7 +140,7 @@ def _hc_mix_kernel(
     for kk in tl.range(0, K_PER_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
         k0 = k_lo + kk
         k_ok = (k0 + rk) < K
-        x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        x = to_f32(tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0))
         w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         sq += x * x
         acc += x[:, None, :] * w[None, :, :]

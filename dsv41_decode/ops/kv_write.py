@@ -37,7 +37,7 @@ from ..records import COMPRESSED_KV_BYTES, INDEX_KEY_BYTES, WINDOW_KV_BYTES
 from . import pdl
 from .checks import require_tensor
 from .fp4 import bf16_round, mx_dequant_pairs, mx_quant_pairs, nvfp4_dequant_pairs, nvfp4_quant_pairs
-from .rounding import bf16_rne_bits, bf16_widen
+from .rounding import bf16_rne_bits, bf16_widen, to_f32
 
 DIM = 512          # head_dim (window and compressed KV, queries)
 ROPE_DIM = 64      # the rotated tail
@@ -237,8 +237,8 @@ def index_key_record(wk_row, knw_ptr, cs_row, sn_row, slot, ik_ptr, S_IK, stride
     ms = ss * 0.0078125  # mean over 128: exact
     root = tl.sqrt_rn(ms + eps)
     r = tl.div_rn(tl.where(root == root, 1.0, 1.0), root)  # 1 / sqrt, both IEEE (as torch CPU rsqrt)
-    we = tl.load(knw_ptr + 2 * j).to(tl.float32)
-    wo = tl.load(knw_ptr + 2 * j + 1).to(tl.float32)
+    we = to_f32(tl.load(knw_ptr + 2 * j))
+    wo = to_f32(tl.load(knw_ptr + 2 * j + 1))
     ye = bf16_round(we * (xe * r))
     yo = bf16_round(wo * (xo * r))
     ye, yo = rope_pairs(ye, yo, cs_row, sn_row, j, 32)

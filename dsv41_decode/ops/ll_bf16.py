@@ -40,7 +40,7 @@ import triton.language as tl
 from .checks import planned_rows, require_tensor
 from .common import num_sms, splitk_reduce
 from .fp4 import bf16_round
-from .rounding import bf16_rne_bits
+from .rounding import bf16_rne_bits, to_f32
 
 MODE_TF32 = 0   # tl.dot, TF32 inputs: exact products of BF16-valued operands, tensor cores
 MODE_IEEE = 1   # tl.dot, tf32x3 (split FP32 weight, tensor cores): FP32 weights
@@ -87,8 +87,8 @@ def _ll_bf16_kernel(
     for kk in tl.range(0, K_PER_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
         k0 = k_lo + kk
         k_ok = (k0 + rk) < K
-        x = tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        w = tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        x = to_f32(tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0))
+        w = to_f32(tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0))
         acc = ll_dot(x, w, acc, MODE)
     y = acc
 

@@ -41,7 +41,7 @@ from .checks import interpreting, require_tensor
 from .act_quant import mxfp8_blocks
 from .common import butterfly_sum, in_order_sum, num_sms
 from .rms_norm import inv_rms
-from .rounding import bf16_rne_bits, bf16_widen
+from .rounding import bf16_rne_bits, bf16_widen, to_f32
 
 HC = 4                     # streams
 N_MIX = HC * (2 + HC)      # mixer outputs per row: pre (4) + post (4) + comb (16) = 24
@@ -67,17 +67,17 @@ def _new_stream_bits(j: tl.constexpr, y, x0, x1, x2, x3, post_row, comb_row, str
 def _boundary_chunk(y_row, x_row, stride_xh, post_row, comb_row, stride_ci, pre_row, d, mask):
     """The new streams' bits (4 x [BLOCK_D] int16) and the collapse bf16(sum_i pre[i] * x_out[i])
     widened to FP32, at the columns d of one row."""
-    y = tl.load(y_row + d, mask=mask, other=0.0).to(tl.float32)
+    y = to_f32(tl.load(y_row + d, mask=mask, other=0.0))
     return mix_chunk(y, x_row, stride_xh, post_row, comb_row, stride_ci, pre_row, d, mask)
 
 
 @triton.jit
 def mix_chunk(y, x_row, stride_xh, post_row, comb_row, stride_ci, pre_row, d, mask):
     """`_boundary_chunk` for a site output y (FP32 holding BF16 values) already in registers."""
-    x0 = tl.load(x_row + d, mask=mask, other=0.0).to(tl.float32)
-    x1 = tl.load(x_row + stride_xh + d, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_row + 2 * stride_xh + d, mask=mask, other=0.0).to(tl.float32)
-    x3 = tl.load(x_row + 3 * stride_xh + d, mask=mask, other=0.0).to(tl.float32)
+    x0 = to_f32(tl.load(x_row + d, mask=mask, other=0.0))
+    x1 = to_f32(tl.load(x_row + stride_xh + d, mask=mask, other=0.0))
+    x2 = to_f32(tl.load(x_row + 2 * stride_xh + d, mask=mask, other=0.0))
+    x3 = to_f32(tl.load(x_row + 3 * stride_xh + d, mask=mask, other=0.0))
     b0 = _new_stream_bits(0, y, x0, x1, x2, x3, post_row, comb_row, stride_ci)
     b1 = _new_stream_bits(1, y, x0, x1, x2, x3, post_row, comb_row, stride_ci)
     b2 = _new_stream_bits(2, y, x0, x1, x2, x3, post_row, comb_row, stride_ci)
@@ -101,10 +101,10 @@ def collapse(pre_row, s0, s1, s2, s3):
 @triton.jit
 def _enter_chunk(x_row, stride_xh, pre_row, d, mask):
     """The collapse of the streams x (no post-mix) at the columns d of one row, FP32."""
-    x0 = tl.load(x_row + d, mask=mask, other=0.0).to(tl.float32)
-    x1 = tl.load(x_row + stride_xh + d, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_row + 2 * stride_xh + d, mask=mask, other=0.0).to(tl.float32)
-    x3 = tl.load(x_row + 3 * stride_xh + d, mask=mask, other=0.0).to(tl.float32)
+    x0 = to_f32(tl.load(x_row + d, mask=mask, other=0.0))
+    x1 = to_f32(tl.load(x_row + stride_xh + d, mask=mask, other=0.0))
+    x2 = to_f32(tl.load(x_row + 2 * stride_xh + d, mask=mask, other=0.0))
+    x3 = to_f32(tl.load(x_row + 3 * stride_xh + d, mask=mask, other=0.0))
     return collapse(pre_row, x0, x1, x2, x3)
 
 
@@ -163,7 +163,7 @@ def _mhc_boundary_kernel(
             store_streams(b0, b1, b2, b3, xo_row, stride_xoh, d, mask)
         else:
             c = _enter_chunk(x_row, stride_xh, pre_row, d, mask)
-        w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
+        w = to_f32(tl.load(w_ptr + d, mask=mask, other=0.0))
         _store_normed(c, r, w, u_row, codes_ptr + n * stride_codes, scales_ptr + n * stride_scales, d0, d, mask,
                       D, BLOCK_D)
 
@@ -238,7 +238,7 @@ def _mhc_boundary_coresident_kernel(
             polls += 1
     stuck = (seen != 0) & (seen < NCH)
     r = tl.where(stuck, float("nan"), row_inv_rms(ws_ptr + n * stride_ws, eps, D, NCH, NCH_P2))
-    w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
+    w = to_f32(tl.load(w_ptr + d, mask=mask, other=0.0))
     _store_normed(c, r, w, u_ptr + n * stride_u, codes_ptr + n * stride_codes, scales_ptr + n * stride_scales,
                   ch * BLOCK_D, d, mask, D, BLOCK_D)
 
@@ -312,14 +312,14 @@ def finish_chunk(ss, n, ch, w_ptr, u_ptr, codes_ptr, scales_ptr, ws_ptr, cnt_ptr
         codes_row = codes_ptr + n * stride_codes
         dd = tl.arange(0, BLOCK_N)
         cc = bf16_widen(tl.load(u_row + dd, mask=dd < D, other=0, cache_modifier=".cg"))
-        ww = tl.load(w_ptr + dd, mask=dd < D, other=0.0).to(tl.float32)
+        ww = to_f32(tl.load(w_ptr + dd, mask=dd < D, other=0.0))
         for i in tl.static_range(NS):
             d0 = i * BLOCK_N
             dd = d0 + tl.arange(0, BLOCK_N)
             if i + 1 < NS:
                 dn = dd + BLOCK_N
                 cc_next = bf16_widen(tl.load(u_row + dn, mask=dn < D, other=0, cache_modifier=".cg"))
-                ww_next = tl.load(w_ptr + dn, mask=dn < D, other=0.0).to(tl.float32)
+                ww_next = to_f32(tl.load(w_ptr + dn, mask=dn < D, other=0.0))
             _store_normed(cc, r, ww, u_row, codes_row, scales_row, d0, dd, dd < D, D, BLOCK_N)
             if i + 1 < NS:
                 cc = cc_next

@@ -23,7 +23,7 @@ from .act_quant import mxfp8_blocks
 from .fp4 import bf16_round
 from .kv_write import DIM as KV_DIM, ROPE_DIM, window_insert
 from ..records import WINDOW_KV_BYTES
-from .rounding import bf16_rne_bits, bf16_widen
+from .rounding import bf16_rne_bits, bf16_widen, to_f32
 
 MAX_DIM = 8192
 
@@ -45,7 +45,7 @@ def rms_row(x_row, eps, D: tl.constexpr, BLOCK: tl.constexpr, ROUND_IN: tl.const
     of squares one `tl.sum` over the [BLOCK] vector (its order is the layout's: every kernel that
     must reproduce a row's r - `ops.compressor_tail` - calls this with the same BLOCK and warps)."""
     d = tl.arange(0, BLOCK)
-    x = tl.load(x_row + d, mask=d < D, other=0.0).to(tl.float32)
+    x = to_f32(tl.load(x_row + d, mask=d < D, other=0.0))
     if ROUND_IN:
         x = bf16_round(x)
     return x, inv_rms(tl.sum(x * x, axis=0), eps, D)
@@ -65,7 +65,7 @@ def _rms_norm_row(x_row, w_ptr, o_row, c_row, s_row, eps, D: tl.constexpr, BLOCK
     d = tl.arange(0, BLOCK)
     mask = d < D
     x, r = rms_row(x_row, eps, D, BLOCK, ROUND_IN)
-    w = tl.load(w_ptr + d, mask=mask, other=0.0).to(tl.float32)
+    w = to_f32(tl.load(w_ptr + d, mask=mask, other=0.0))
     bits = bf16_rne_bits(normed(x, w, r))
     tl.store(o_row + d, bits, mask=mask)
     if QUANT:

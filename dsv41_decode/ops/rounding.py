@@ -36,6 +36,17 @@ def bf16_widen(bits):
 
 
 @triton.jit
+def to_f32(x):
+    """x as FP32, exactly: a BF16 tensor widened from its bits (`bf16_widen`), any other dtype by
+    `.to(tl.float32)`. Triton 3.6's interpreter widens BF16 subnormals wrongly in its own conversion
+    (5.877e-39 -> 0.0, 1.01e-39 -> 4.41e-39); the GPU's is exact, and both agree on this form."""
+    if x.dtype == tl.bfloat16:
+        return bf16_widen(x.to(tl.int16, bitcast=True))
+    else:
+        return x.to(tl.float32)
+
+
+@triton.jit
 def e4m3_rne_code(x):
     """uint8 E4M3 (fn) code of x, rounded to nearest even, as torch's `.to(torch.float8_e4m3fn)`.
 

@@ -56,6 +56,20 @@ def test_matches_float64(m, n, k, dtype):
     assert not plan.counters.any(), "the last program of every tile resets its counter"
 
 
+def test_bf16_subnormal_inputs_are_read_exactly():
+    # Subnormal x against large w, then large x against subnormal w: each product is a normal FP32
+    # number, so a wrong widening of a subnormal operand (Triton 3.6's interpreter's own
+    # bf16 -> fp32 conversion: 5.877e-39 -> 0.0, 1.01e-39 -> 4.41e-39) breaks the bound.
+    g = torch.Generator().manual_seed(9)
+    m, n, k = 2, 32, 64
+    tiny = torch.randint(-127, 128, (n, k), generator=g).float() * 2.0**-133
+    big = torch.randn(n, k, generator=g) * 2.0**60
+    plan = LlBf16Plan.build(n, k, 64, torch.bfloat16, _DEVICE)
+    for x, w in ((tiny[:m], big), (big[:m], tiny)):
+        x, w = x.bfloat16().to(_DEVICE), w.bfloat16().to(_DEVICE)
+        _check(ll_bf16(x, w, plan=plan), x, w)
+
+
 def test_plan_modes_and_split():
     bf, fp = (LlBf16Plan.build(96, 512, 64, dt, "cpu") for dt in (torch.bfloat16, torch.float32))
     assert [bf.tile(m).mode for m in (1, 16, 64)] == [MODE_TF32] * 3

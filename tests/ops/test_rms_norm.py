@@ -38,6 +38,26 @@ def test_matches_reference_within_one_ulp(n, d):
     assert torch.equal(codes.view(torch.uint8), rc.view(torch.uint8)) and torch.equal(scales, rs)
 
 
+def test_bf16_subnormal_inputs_are_read_exactly():
+    # Rows of normal values with BF16 subnormals in them (and a weight with subnormals): the
+    # subnormal x * r * w lands in BF16's subnormal range, where a wrong widening (Triton 3.6's
+    # interpreter's own bf16 -> fp32 conversion: 5.877e-39 -> 0.0) differs by many ulps.
+    g = torch.Generator().manual_seed(5)
+    d = 256
+    x = torch.randn(2, d, generator=g)
+    x[:, ::3] = torch.randint(1, 128, (2, len(range(0, d, 3))), generator=g).float() * 2.0**-133
+    w = 1 + 0.1 * torch.randn(d, generator=g)
+    w[1::7] = 2.0**-130
+    x, w = x.to(torch.bfloat16), w.to(torch.bfloat16)
+    out = torch.empty(2, d, dtype=torch.bfloat16, device=_DEVICE)
+    codes = torch.zeros(2, d, dtype=torch.float8_e4m3fn, device=_DEVICE)
+    scales = torch.zeros(2, d // 32, dtype=torch.uint8, device=_DEVICE)
+    rms_norm_(x.to(_DEVICE), w.to(_DEVICE), 1e-20, out, codes, scales)
+    want = ref_rms_norm(x, w, 1e-20)
+    assert bool((want.float().abs() < 2.0**-126).sum() > 50), "the case must produce BF16 subnormals"
+    assert _ulps(out.cpu(), want) <= 1
+
+
 def test_fp32_input_is_the_compressor_latent():
     g = torch.Generator().manual_seed(1)
     c = torch.randn(4, 512, generator=g)
