@@ -105,7 +105,9 @@ class AttentionStack:
         observe(layer, record) is called after each block. Returns (streams [N, hc, dim] BF16,
         carried pre [N, hc] FP32).
         Everything is checked before any cache is written (`DecodeState.check_step`: a stale, foreign
-        or replaced step, a freed request; the state's layer plan; the shapes of x and pre_in).
+        or replaced step, a freed request; the state's layer plan; the shapes of x and pre_in). An
+        exception in a layer, an `ffn` hook or `observe` abandons the call (`DecodeState.abandon`:
+        its rows can be planned again) before it propagates.
         """
         state.check_step(step, "forward")
         if state.cfg is not self.cfg and state.cfg != self.cfg:
@@ -119,10 +121,14 @@ class AttentionStack:
                              f"{tuple(pre_in.shape)} {pre_in.dtype}")
         ctx = ctx if ctx is not None else CallContext()
         pre = self.initial_pre(step.n_rows, x.device) if pre_in is None else pre_in
-        for i in self.ids:
-            x, pre, rec = self.block(i, x, pre, step, state, ctx, ffn)
-            if observe is not None:
-                observe(i, rec)
+        try:
+            for i in self.ids:
+                x, pre, rec = self.block(i, x, pre, step, state, ctx, ffn)
+                if observe is not None:
+                    observe(i, rec)
+        except BaseException:
+            state.abandon(step)
+            raise
         state.advance(step)
         return x, pre
 

@@ -23,7 +23,7 @@ A call (a prefill chunk or a decode step) is `plan()`ned, run through every laye
 and completed compressed entries of the planned positions, and read them back. After `advance`,
 `accept({req: kept})` keeps only the first `kept` rows of a request's call (speculative decoding:
 the sampler accepted a prefix of the 1 + d rows) and leaves the state a run fed only the kept rows
-would hold (spec decision 12).
+would hold (spec decision 12). A call that fails between its plan and its advance is `abandon`ed.
 """
 
 from __future__ import annotations
@@ -252,6 +252,8 @@ class DecodeState:
         # 1 + the highest position written through write_window since admission, per layer/slot:
         # the ring has lost every position below it minus W, whatever the lengths say.
         self._window_hi: dict[int, list[int]] = {L: [0] * max_requests for L in self.window}
+        # slot -> rows of the abandoned call that overwrote what the slot's next call would read
+        self._lost: dict[int, int] = {}
 
     def __deepcopy__(self, memo) -> "DecodeState":
         """A snapshot: every tensor and table copied; a plan id of its own for the plans made after
@@ -284,6 +286,7 @@ class DecodeState:
         self._lengths[s] = 0
         self._pending[s] = 0
         self._accepting.pop(s, None)
+        self._lost.pop(s, None)
         for hi in self._window_hi.values():
             hi[s] = 0
         self._comp[s, :, :, 0] = 0.0
@@ -369,6 +372,11 @@ class DecodeState:
             s = self.slot(req_id)
             if req_id in seen:
                 raise ValueError(f"plan: request {req_id!r} is listed twice in one call")
+            if s in self._lost:
+                raise ValueError(
+                    f"plan: request {req_id!r} lost cached rows in an abandoned call of {self._lost[s]} rows "
+                    f"(they overwrote window records or the open compressor group that its next rows read; "
+                    f"max_drafts={self.max_drafts}): free it and prefill it again")
             if not isinstance(count, int) or isinstance(count, bool) or count < 1:
                 raise ValueError(f"plan: request {req_id!r} has count {count!r}; need an integer >= 1")
             start = self._lengths[s]
@@ -476,6 +484,51 @@ class DecodeState:
             self._pending[s] = 0
             self._accepting[s] = (start, count)
         self._upload.copy_(self.seq_lens, self._lengths)
+
+    def abandon(self, step: StepRows) -> None:
+        """Undo a planned call that will not be advanced: its layers stopped midway (an exception in
+        `AttentionStack.forward` or a step's call, which call this before they re-raise).
+
+        `check_step` first. Each request of the call keeps its length; what a retry of its rows (or
+        any later call) reads is restored, as `accept` restores it for rejected rows (spec decision
+        12): the window ring's positions `length - W + 1 .. length - 1`, the ratio-2 compressors'
+        open group (from `comp_rows`), the pages of its length (the rest go back to the pools).
+        Where the call's rows overwrote one of those - ring slots of positions `length - W + 1`
+        and up (more than `max_drafts + 1` rows after W cached tokens), or the open group's first
+        row (an odd length, more rows than `comp_rows` keeps) - the request has lost cached rows:
+        a later `plan` of it raises ValueError naming it (free it and prefill it again).
+        """
+        slots = self.check_step(step, "abandon")
+        self._planned = None
+        self._accepting = {}
+        H, M, W = self.comp_history, self.ring_size, self.window_size
+        restore = []   # (slot, p % 2, source slot, p % H) of the rows a later call reads
+        for s, start, count in zip(slots, step.starts, step.counts):
+            self._pending[s] = 0
+            for r in self.ratios:
+                want = _cdiv(start // r, self.page_size)
+                if len(self._pages[r][s]) > want:
+                    self._give_back_pages(r, s, want)
+            # the call's last row overwrote the ring slot of position start + count - 1 - M; the
+            # open group's row start - 1 (odd start) sits in comp slot (start - 1) % 2, which row
+            # start + 1 overwrote, and in comp_rows row (start - 1) % H, which row start - 1 + H did
+            ring_lost = start + count - 1 - M >= max(0, start - W + 1)
+            group_lost = bool(self.comp_kv) and start % 2 == 1 and count >= (H if H else 2)
+            if ring_lost or group_lost:
+                self._lost[s] = count
+                continue
+            for hi in self._window_hi.values():
+                hi[s] = min(hi[s], start)
+            # position p's compressor row is held at p % H unless the call overwrote it (p + H is
+            # one of its rows); start - 1 survives here, start - 2 is read by no later call
+            for p in (start - 1, start - 2):
+                if p < 0:
+                    restore.append((s, p % 2, self.max_requests, 0))
+                elif p + H >= start + count:
+                    restore.append((s, p % 2, s, p % H))
+        if restore and H:
+            idx = self._upload.tensor(list(zip(*restore)), torch.int64)
+            self._comp[idx[0], idx[1]] = self._comp_rows[idx[2], idx[3]]
 
     def accept(self, kept: Mapping[Hashable, int]) -> None:
         """Keep only the first `kept[req]` rows of each listed request's last advanced call.

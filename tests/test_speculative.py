@@ -105,3 +105,117 @@ def test_readme_speculative_example_runs(tmp_path, monkeypatch):
     scope: dict = {"__name__": "readme_speculative"}
     exec(compile(m.group(1), "README.md (Speculative decoding)", "exec"), scope)
     assert scope["state"].length("a") == 2 and scope["state"].max_drafts == 3
+
+
+class _Stop(Exception):
+    pass
+
+
+def _stopping_hook(layer: int):
+    """An FFN hook that passes h through, but raises once at `layer` (then passes again)."""
+    armed = [True]
+
+    def ffn(i, h):
+        if i == layer and armed[0]:
+            armed[0] = False
+            raise _Stop(f"stopped at layer {i}")
+        return h
+    return ffn
+
+
+def _rows_input(cfg, rows, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(sum(n for _, n in rows), cfg.hc_mult, cfg.dim, generator=g).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("where", ["first", "middle", "observe_last"])
+def test_a_call_that_stops_midway_is_retried_exactly(setup, where):
+    """A forward that raises after some layers wrote their caches (an FFN hook at the first or a
+    middle layer, an `observe` after the last) abandons its call: the same rows planned again give
+    the bits of a run that never stopped, and so does the call after them. Rows per request up to
+    max_drafts + 1 = 4 (a's start 5 is odd: its ratio-2 group is open, and 4 rows overwrite it)."""
+    import copy
+    cfg, stack, _, _ = setup
+    ids = list(stack.ids)
+    st = _state(cfg, stack, max_drafts=3)
+    ref = copy.deepcopy(st)
+    rows = [("a", 4), ("b", 3), ("c", 1)]
+    x = _rows_input(cfg, rows, seed=11)
+    ffn = (lambda i, h: h)
+    if where == "observe_last":
+        def observe(i, rec):
+            if i == ids[-1]:
+                raise _Stop("observer")
+        with pytest.raises(_Stop):
+            stack.forward(x, st.plan(rows), st, ffn=ffn, observe=observe)
+    else:
+        with pytest.raises(_Stop):
+            stack.forward(x, st.plan(rows), st, ffn=_stopping_hook(ids[0] if where == "first" else ids[len(ids) // 2]))
+    assert {r: st.length(r) for r in PREFILL} == PREFILL            # nothing advanced
+    outs = [stack.forward(x, s.plan(rows), s, ffn=ffn) for s in (st, ref)]
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    rows2 = [("a", 1), ("b", 2), ("c", 3)]
+    x2 = _rows_input(cfg, rows2, seed=12)
+    outs = [stack.forward(x2, s.plan(rows2), s, ffn=ffn) for s in (st, ref)]
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    assert sp.state_difference(st, ref, list(PREFILL)) is None
+
+
+def test_an_abandoned_call_longer_than_the_ring_spare_loses_the_request(setup):
+    """A call can overwrite what its retry would read (here a's 5 rows at start 5: the ring slot of
+    position 0 and the open group's row in `comp_rows`): the request is refused by name until it
+    is freed; the call's other requests go on; pages go back."""
+    cfg, stack, _, _ = setup
+    st = _state(cfg, stack, max_drafts=3)
+    free = {r: st.free_pages(r) for r in st.ratios}
+    rows = [("a", 5), ("b", 1)]
+    with pytest.raises(_Stop):
+        stack.forward(_rows_input(cfg, rows, 13), st.plan(rows), st, ffn=_stopping_hook(list(stack.ids)[-1]))
+    assert {r: st.free_pages(r) for r in st.ratios} == free               # the call's pages are back
+    with pytest.raises(ValueError, match=r"plan: request 'a' lost cached rows in an abandoned call of 5 rows "
+                                         r"\(they overwrote window records or the open compressor group that its "
+                                         r"next rows read; max_drafts=3\): free it and prefill it again"):
+        st.plan([("b", 1), ("a", 1)])
+    stack.forward(_rows_input(cfg, [("b", 1)], 14), st.plan([("b", 1)]), st)
+    assert st.length("b") == PREFILL["b"] + 1
+    st.free("a")
+    st.admit("a")
+    stack.forward(_rows_input(cfg, [("a", 2)], 15), st.plan([("a", 2)]), st)
+    assert st.length("a") == 2
+    stale = st.plan([("a", 1)])
+    st.plan([("b", 1)])
+    with pytest.raises(ValueError, match="not this state's current plan"):
+        st.abandon(stale)
+
+
+@pytest.mark.parametrize("max_drafts, start, count, lost", [
+    (0, 2, 3, False),    # even start: no open group; the ring (W = 6 slots) keeps positions 0, 1
+    (0, 5, 1, False),    # one row leaves the open group's first row in its slot
+    (0, 5, 2, True),     # the second row overwrites it, and no comp_rows keep it
+    (3, 2, 5, False),    # more than max_drafts + 1 rows, all within the ring's spare and history
+    (3, 5, 4, False),    # max_drafts + 1 rows: comp_rows still hold position 4
+    (3, 9, 5, True),     # position 13 takes the ring slot of position 4, which the retry reads
+])
+def test_what_an_abandoned_call_loses(setup, max_drafts, start, count, lost):
+    """`abandon` tells exactly when a request survives its abandoned call: where it does, the retry
+    and the next call equal a run that never stopped; where it does not, `plan` refuses it."""
+    import copy
+    cfg, stack, _, _ = setup
+    st = DecodeState(cfg, max_requests=1, max_context=64, page_size=4, max_drafts=max_drafts)
+    st.admit("a")
+    stack.forward(_rows_input(cfg, [("a", start)], 20), st.plan([("a", start)]), st)
+    ref = copy.deepcopy(st)
+    rows = [("a", count)]
+    x = _rows_input(cfg, rows, 21)
+    with pytest.raises(_Stop):
+        stack.forward(x, st.plan(rows), st, ffn=_stopping_hook(list(stack.ids)[-1]))
+    if lost:
+        with pytest.raises(ValueError, match="lost cached rows"):
+            st.plan(rows)
+        return
+    ffn = (lambda i, h: h)
+    for call in (rows, [("a", 1)]):
+        x = _rows_input(cfg, call, 22)
+        outs = [stack.forward(x, s.plan(call), s, ffn=ffn) for s in (st, ref)]
+        assert all(torch.equal(a, b) for a, b in zip(*outs))
+    assert sp.state_difference(st, ref, ["a"]) is None

@@ -189,8 +189,8 @@ def test_page_capacity_exact_numbers_and_no_partial_allocation(tiny):
 def test_replaced_plan_gives_its_pages_back(tiny):
     """A plan that is replaced before it is advanced (its forward refused its input, say) leaves its
     requests the pages of their lengths: what it allocated goes back to the pools, counts as free
-    for the plan that replaces it, and the table rows past the kept pages are -1 again (the pages
-    only: a forward that stopped midway may have written ring slots its retry reads)."""
+    for the plan that replaces it, and the table rows past the kept pages are -1 again (a forward
+    that stopped midway abandons its call instead: tests/test_speculative.py)."""
     st = DecodeState(tiny, max_requests=2, max_context=16, max_tokens=8, page_size=2)
     st.admit("a"), st.admit("b")
     free = {r: st.free_pages(r) for r in st.ratios}

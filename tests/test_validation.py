@@ -235,7 +235,11 @@ def test_layer_input_dtype_and_the_ffn_hooks_output_are_checked(stack):
         with pytest.raises(ValueError, match=r"ffn\(layer=0, h\) must return a \[2, 128\] bfloat16 tensor like h, "
                                              r"got .*" + got):
             stack.forward(x, step, st, ffn=hook)
-    assert st.length("a") == 9                                 # not advanced
+        assert st.length("a") == 9                             # not advanced: the call is abandoned
+        with pytest.raises(ValueError, match="not this state's current plan"):
+            stack.forward(x, step, st)
+        st = served(stack)
+        step = st.plan([("a", 2)])
     stack.forward(x, st.plan([("a", 2)]), st, ffn=lambda i, h: h)   # a well-formed hook runs
 
 

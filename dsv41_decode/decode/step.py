@@ -353,7 +353,9 @@ class DecodeStep:
             (StepError otherwise: positions that go backwards or skip).
         pre: [N, hc] FP32 carried pre (default: one-hot on stream 0, as the stack's first block).
         Errors: KeyError for an unknown request, CapacityError past the state's capacities (both
-        from DecodeState.plan), StepError for more rows than the largest bucket or a wrong x/pre.
+        from DecodeState.plan), StepError for more rows than the largest bucket or a wrong x/pre;
+        an error after the plan (the replay, the TP boundary's check) abandons the call
+        (`DecodeState.abandon`) before it propagates.
 
         On the host: the plan (Python bookkeeping), the rows' record (numpy), a few copies and small
         kernels enqueued on the current stream (the tables from pinned memory, x and pre into the
@@ -362,11 +364,15 @@ class DecodeStep:
         check for a rank that never arrived reads the mailbox's error flag.
         """
         planned, bucket = self._upload(rows, x, pre)
-        self.replay(bucket)
-        n = planned.n_rows
-        out = self.io.x_out[:n].clone(), self.pre_out[:n].clone()
-        if self.mailbox is not None:
-            self.mailbox.check()                              # a rank that never arrived: raise
+        try:
+            self.replay(bucket)
+            n = planned.n_rows
+            out = self.io.x_out[:n].clone(), self.pre_out[:n].clone()
+            if self.mailbox is not None:
+                self.mailbox.check()                          # a rank that never arrived: raise
+        except BaseException:
+            self.state.abandon(planned)
+            raise
         self.state.advance(planned)
         return out
 

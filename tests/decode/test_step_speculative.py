@@ -201,3 +201,31 @@ def test_decode_step_with_drafts_equals_accepted_only(mini_stack):
         states.append(st)
     assert sp.first_difference(*outs) is None, sp.first_difference(*outs)
     assert sp.state_difference(*states, ["a"]) is None, sp.state_difference(*states, ["a"])
+
+
+@interpreter
+def test_a_step_call_that_fails_after_its_replay_is_retried_exactly(mini_stack):
+    """An exception after the step's kernels wrote the state (here: its replay, once) abandons the
+    call (`DecodeState.abandon`): the same 4 rows of a (max_drafts + 1; start 5 leaves its ratio-2
+    group open) called again give the outputs and state of a step that never failed."""
+    cfg, stack = mini_stack
+    x = torch.randn(4, cfg.hc_mult, cfg.dim, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    outs, states = [], []
+    for fail in (True, False):
+        st = _step_state(cfg, stack, 3)
+        step = stack.decode_step(st, max_rows=4, buckets=(4,), graphs=False)
+        if fail:
+            replay = step.replay
+
+            def failing(bucket):
+                replay(bucket)
+                raise RuntimeError("replay failed")
+            step.replay = failing
+            with pytest.raises(RuntimeError, match="replay failed"):
+                step(x, [("a", 4)])
+            assert st.length("a") == PREFILL["a"]
+            step.replay = replay
+        outs.append(step(x, [("a", 4)]))
+        states.append(st)
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    assert sp.state_difference(*states, ["a"]) is None, sp.state_difference(*states, ["a"])
