@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import interpreting, require_tensor
+from .checks import interpreting, require_int, require_tensor
 from .mhc import MhcBoundaryPlan, _boundary_block_d, check_boundary_operands, mix_chunk, split_finish
 from .rounding import bf16_rne_bits, bf16_widen
 
@@ -123,7 +123,8 @@ class Mailbox:
         return self.layers + 2 - self.layers % 2
 
     def slot(self, layer_index: int) -> torch.Tensor:
-        """Where the `layer_index`-th boundary's partial is published: data[(k + 1) % 2]."""
+        """Where the `layer_index`-th boundary's partial is published: data[(k + 1) % 2] (0 <= k < layers)."""
+        require_int(layer_index, "layer_index", 0, self.layers - 1)
         return self.data[(layer_index + 1) % 2]
 
     def next_step(self) -> None:
@@ -141,6 +142,8 @@ class Mailbox:
     def local_group(cls, tp: int, max_rows: int, dim: int, layers: int, device="cpu") -> list["Mailbox"]:
         """`tp` mailboxes in one process whose buffers are ordinary tensors (for tests and the
         interpreter): each rank's view points at all of them."""
+        for name, v in (("tp", tp), ("max_rows", max_rows), ("dim", dim), ("layers", layers)):
+            require_int(v, name)
         data = [torch.zeros(2, max_rows, dim, dtype=torch.float32, device=device) for _ in range(tp)]
         flags = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(tp)]
         dptr = torch.tensor([t.data_ptr() for t in data], dtype=torch.int64, device=device)
@@ -178,15 +181,17 @@ def allreduce_boundary_(box: Mailbox, layer_index: int, rows: int, x: torch.Tens
     `ops.mhc.mhc_boundary_(y, x, post, comb, pre, norm_weight, eps, x_out, u_out, codes_out,
     scales_out, plan)`; y is also written to y_out. Shapes as in `mhc_boundary_` with N = rows;
     y_out: [rows, dim] bfloat16. The partials must be in `box.slot(layer_index)[:rows]` of every rank.
+    max_spin: polls of a peer's flag before the wait gives up (besides `box.wait_ns`), 1 .. 2**63 - 1.
     """
     if not isinstance(box, Mailbox):
         raise TypeError(f"box must be a Mailbox, got {type(box).__name__}")
     if not isinstance(plan, MhcBoundaryPlan):
         raise TypeError(f"plan must be an MhcBoundaryPlan, got {type(plan).__name__}")
-    if not 0 <= layer_index < box.layers:
-        raise ValueError(f"layer_index must lie in [0, {box.layers}), got {layer_index}")
-    if not 1 <= rows <= min(box.max_rows, plan.max_rows):
+    require_int(layer_index, "layer_index", 0, box.layers - 1)
+    require_int(rows, "rows")
+    if rows > min(box.max_rows, plan.max_rows):
         raise ValueError(f"rows={rows} must lie in 1..{min(box.max_rows, plan.max_rows)}")
+    require_int(max_spin, "max_spin", 1, 2**63 - 1)
     dim, dev = box.dim, box.data.device
     if plan.dim != dim:
         raise ValueError(f"plan is for dim={plan.dim}, the mailbox for dim={dim}")

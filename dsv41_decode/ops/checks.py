@@ -7,12 +7,26 @@ import os
 import torch
 
 
+def require_is_tensor(t, name: str) -> None:
+    """Raise TypeError naming `name` unless t is a torch.Tensor."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+
+
+def require_ndim(t, name: str, dims: str) -> torch.Size:
+    """The shape of t, after a ValueError naming `name` unless t is a tensor with as many dimensions
+    as `dims` names (e.g. "[M, K]")."""
+    ndim = dims.count(",") + 1
+    if not isinstance(t, torch.Tensor) or t.dim() != ndim:
+        raise ValueError(f"{name} must be a {ndim}-D tensor {dims}, got {getattr(t, 'shape', type(t).__name__)}")
+    return t.shape
+
+
 def require_tensor(t, name: str, dtypes, shape, device=None) -> None:
     """Raise TypeError/ValueError naming `name` unless t is a tensor of one of `dtypes` (a dtype or
     a tuple), of `shape` (None entries: any size), with unit stride in its last dimension (when
     that has more than one element), on `device` (None: any)."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    require_is_tensor(t, name)
     dtypes = dtypes if isinstance(dtypes, tuple) else (dtypes,)
     if t.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {t.dtype}")
@@ -25,16 +39,44 @@ def require_tensor(t, name: str, dtypes, shape, device=None) -> None:
         raise ValueError(f"{name} must be on {device} like the other operands, got {t.device}")
 
 
+# The most warps a Triton launch of these ops takes (Triton: a power of two).
+MAX_WARPS = 16
+
+
+def require_int(v, name: str, lo: int = 1, hi: int | None = None, *, power_of_two: bool = False) -> int:
+    """Raise ValueError naming `name` and v unless v is an int (a bool is not one) in lo..hi (hi
+    None: no upper bound) and, with power_of_two, a power of two. Returns v."""
+    if (isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi)
+            or (power_of_two and v & (v - 1))):
+        kind = "a power of two" if power_of_two else "an int"
+        if hi is not None:
+            want = f"{kind} in {lo}..{hi}"
+        elif power_of_two or lo not in (0, 1):
+            want = f"{kind} >= {lo}"
+        else:
+            want = "a positive int" if lo == 1 else "a non-negative int"
+        raise ValueError(f"{name} must be {want}, got {v!r}")
+    return v
+
+
+def require_num_warps(v, name: str = "num_warps") -> int:
+    """`require_int` for a launch's warps: a power of two in 1..MAX_WARPS. Returns v."""
+    return require_int(v, name, 1, MAX_WARPS, power_of_two=True)
+
+
+def require_bool(v, name: str, optional: bool = False) -> None:
+    """Raise TypeError naming `name` unless v is a bool (or, with optional, None)."""
+    if not isinstance(v, bool) and not (optional and v is None):
+        raise TypeError(f"{name} must be {'None, True or False' if optional else 'a bool'}, got {v!r}")
+
+
 def planned_rows(plan, plan_type: type, t, name: str, dims: str) -> int:
     """The row count M of `t`, the first operand of a launch that takes a plan, after checking that
     `plan` is a `plan_type` (TypeError), that `t` is a tensor with as many dimensions as `dims`
     names (e.g. "[M, K]"; ValueError naming `name`) and that M <= plan.max_rows (ValueError)."""
     if not isinstance(plan, plan_type):
         raise TypeError(f"plan must be of type {plan_type.__name__}, got {type(plan).__name__}")
-    ndim = dims.count(",") + 1
-    if not isinstance(t, torch.Tensor) or t.dim() != ndim:
-        raise ValueError(f"{name} must be a {ndim}-D tensor {dims}, got {getattr(t, 'shape', type(t).__name__)}")
-    m = t.shape[0]
+    m = require_ndim(t, name, dims)[0]
     if m > plan.max_rows:
         raise ValueError(f"{name} has {m} rows, more than the plan's max_rows={plan.max_rows}")
     return m

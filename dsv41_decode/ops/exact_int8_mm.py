@@ -42,7 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import config_for_rows, interpreting, mxfp8_linear_args, mxfp8_weight_args, row_configs
+from .checks import (config_for_rows, interpreting, mxfp8_linear_args, mxfp8_weight_args, require_bool,
+                     require_is_tensor, require_num_warps, row_configs)
 from .exact_mm import _mul_rn, reduction_order
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
 
@@ -52,6 +53,7 @@ MAX_ROWS = 64
 def weight_digits(weight: torch.Tensor) -> torch.Tensor:
     """The three int8 digit planes [3, N, K] of an E4M3 weight [N, K] (`_digits`, in torch): for a
     plan that reads them instead of decoding the codes in the kernel (three times the bytes)."""
+    require_is_tensor(weight, "weight")
     c = weight.view(torch.uint8).to(torch.int32)
     e, m = (c >> 3) & 15, c & 7
     a = torch.where(e == 0, m, (m | 8) << (e - 1).clamp(min=0))
@@ -217,6 +219,7 @@ class Int8Config:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Int8Config.{name} must be a positive int, got {value!r}")
+        require_num_warps(self.num_warps, "Int8Config.num_warps")
         if not isinstance(self.pairs, bool):
             raise ValueError(f"Int8Config.pairs must be a bool, got {self.pairs!r}")
         if self.block_n not in (16, 32, 64, 128):
@@ -267,6 +270,7 @@ class ExactInt8MM:
     def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int = MAX_ROWS,
                  config: Int8Config | dict[int, Int8Config] | None = None, digits: bool = True):
         n, k = mxfp8_weight_args(weight, w_scale, max_rows, MAX_ROWS)
+        require_bool(digits, "digits")
         self._configs = row_configs(Int8Config() if config is None else config, Int8Config, "an Int8Config", max_rows)
         for _, c in self._configs:
             if c.pairs and ((k // 32) % 2 or not digits):

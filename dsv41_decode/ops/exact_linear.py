@@ -22,6 +22,7 @@ import dataclasses
 
 import torch
 
+from .checks import require_bool, require_int
 from .common import full_rate_fp64, is_sm90
 from .exact_mm import ExactMM, reduction_order
 from .gluon_exact_fma import MAX_ROWS as FMA_MAX_ROWS, GluonExactFMA, GluonExactFMAConfig
@@ -144,6 +145,11 @@ class ExactLinear:
     def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int = MAX_ROWS,
                  exact_config=None, workspace=None, mma_above: int | None = None,
                  fma_rows: int | None = None, fuse_scales: bool = False, pair_slots: bool = False):
+        for name, v in (("mma_above", mma_above), ("fma_rows", fma_rows)):
+            if v is not None:
+                require_int(v, name, 0)
+        require_bool(fuse_scales, "fuse_scales")
+        require_bool(pair_slots, "pair_slots")
         self.cuda_cores = ExactMM(weight, w_scale, max_rows, exact_config, workspace)
         n, k = self.cuda_cores.n, self.cuda_cores.k
         self.n, self.k, self.max_rows, self.device = n, k, max_rows, weight.device

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from .checks import require_num_warps
 from .common import CPU_SMS
 
 
@@ -42,6 +43,7 @@ class ExactConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ExactConfig.{name} must be a positive int, got {value!r}")
+        require_num_warps(self.num_warps, "ExactConfig.num_warps")
         if not isinstance(self.f64, bool):
             raise ValueError(f"ExactConfig.f64 must be a bool, got {self.f64!r}")
         if self.block_n < 2 or self.block_n & (self.block_n - 1):

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .act_quant import act_quant_mxfp8
-from .checks import require_tensor
+from .checks import require_int, require_num_warps, require_tensor
 from .common import num_sms
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
 
@@ -66,13 +66,30 @@ def _fp8_mm_kernel(
 
 
 class Fp8MmConfig(NamedTuple):
-    """Tile sizes and launch options of `_fp8_mm_kernel` (chosen once per shape)."""
+    """Tile sizes and launch options of `_fp8_mm_kernel` (chosen once per shape): block_m, block_n
+    powers of two >= 16 (a dot's M and N), block_k a positive multiple of 32 dividing K, group_m >= 1
+    row tiles per group, num_warps a power of two in 1..16, num_stages >= 1 (`check_config`)."""
     block_m: int
     block_n: int
     block_k: int
     group_m: int
     num_warps: int
     num_stages: int
+
+
+def check_config(config, k: int) -> None:
+    """Raise TypeError unless config is an Fp8MmConfig, ValueError naming the field unless its
+    fields are as `Fp8MmConfig` says for a product of depth k."""
+    if not isinstance(config, Fp8MmConfig):
+        raise TypeError(f"config must be an Fp8MmConfig, got {type(config).__name__}")
+    require_int(config.block_m, "config.block_m", 16, power_of_two=True)
+    require_int(config.block_n, "config.block_n", 16, power_of_two=True)
+    require_int(config.block_k, "config.block_k")
+    if k % config.block_k or config.block_k % 32:
+        raise ValueError(f"config.block_k={config.block_k} must be a multiple of 32 dividing K={k}")
+    require_int(config.group_m, "config.group_m")
+    require_num_warps(config.num_warps, "config.num_warps")
+    require_int(config.num_stages, "config.num_stages")
 
 
 # Largest tile first. 128x128 with 8 warps: two m64 warpgroups, the FP32 accumulator plus the
@@ -123,14 +140,14 @@ def fp8_mm_(codes: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_
     require_tensor(weight, "weight", fp8, (n, k), dev)
     require_tensor(w_scale, "w_scale", ue8m0, (triton.cdiv(n, 32), k // 32), dev)
     require_tensor(out, "out", (torch.bfloat16,), (m, n), dev)
+    if config is not None:
+        check_config(config, k)
     if m == 0 or n == 0:
         return
     if k == 0:
         out.zero_()
         return
-    cfg = config or fp8_mm_config(m, n, k, dev)
-    if k % cfg.block_k or cfg.block_k % 32:
-        raise ValueError(f"config: block_k={cfg.block_k} must be a multiple of 32 dividing K={k}")
+    cfg = fp8_mm_config(m, n, k, dev) if config is None else config
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _fp8_mm_kernel[grid](
         codes.view(torch.float8_e4m3fn), x_scale.view(torch.uint8), weight.view(torch.float8_e4m3fn),

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import require_tensor
+from .checks import require_ndim, require_tensor
 from .fp4 import bf16_round, mx_dequant_pairs, mx_quant_pairs
 from .kv_write import rope_pairs, rope_rows
 from .rounding import bf16_rne_bits, bf16_widen
@@ -87,9 +87,7 @@ def index_query_(iq_raw: torch.Tensor, wproj: torch.Tensor, cos: torch.Tensor, s
     cos, sin: [N, 32] float32 at each row's position. iq_out: [N, Hi, 128] bfloat16 (last dim
     contiguous); w_out: [N, Hi] bfloat16. All on one device.
     """
-    if not isinstance(wproj, torch.Tensor) or wproj.dim() != 2:
-        raise ValueError(f"wproj must be a 2-D tensor [N, Hi], got {getattr(wproj, 'shape', type(wproj).__name__)}")
-    n, h = wproj.shape
+    n, h = require_ndim(wproj, "wproj", "[N, Hi]")
     dev = wproj.device
     require_tensor(wproj, "wproj", (torch.float32,), (n, h), dev)
     require_tensor(iq_raw, "iq_raw", (torch.bfloat16,), (n, h * HEAD_DIM), dev)
@@ -115,7 +113,7 @@ def index_query_(iq_raw: torch.Tensor, wproj: torch.Tensor, cos: torch.Tensor, s
 def index_query(iq_raw: torch.Tensor, wproj: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocating form of `index_query_`: (iq [N, Hi, 128] bfloat16, w [N, Hi] bfloat16)."""
-    n, h = wproj.shape
+    n, h = require_ndim(wproj, "wproj", "[N, Hi]")
     iq = torch.empty(n, h, HEAD_DIM, dtype=torch.bfloat16, device=wproj.device)
     w = torch.empty(n, h, dtype=torch.bfloat16, device=wproj.device)
     index_query_(iq_raw, wproj, cos, sin, scale, iq, w)

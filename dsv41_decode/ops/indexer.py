@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from ..records import INDEX_KEY_BYTES
-from .checks import interpreting
+from .checks import interpreting, require_bool, require_int, require_is_tensor, require_num_warps
 from .common import num_sms
 from .fp4 import bf16_round
 
@@ -202,6 +202,11 @@ def index_scores_args(iq: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, blo
     """The checks of `index_scores_mxfp4_`'s common arguments (its docstring), shared with the Gluon
     scorer (`ops.gluon_indexer`); a ValueError names the first argument that fails. Returns
     (N rows, Hi heads)."""
+    for name, t in (("iq", iq), ("w", w), ("pool", pool), ("block_table", block_table), ("req_slot", req_slot),
+                    ("n_vis", n_vis), ("out", out)):
+        require_is_tensor(t, name)
+    if cand_mask is not None:
+        require_is_tensor(cand_mask, "cand_mask")
     _check(iq.dim() == 3 and iq.shape[2] == _HEAD_DIM and iq.dtype == torch.bfloat16 and iq.stride(2) == 1,
            f"iq must be [N, Hi, 128] BF16 with a contiguous last dim, got {tuple(iq.shape)} {iq.dtype}")
     n_rows, heads = iq.shape[0], iq.shape[1]
@@ -214,7 +219,7 @@ def index_scores_args(iq: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, blo
     _check(block_table.dim() == 2 and block_table.dtype == torch.int32 and block_table.stride(1) == 1
            and block_table.shape[1] > 0,
            f"block_table must be [slots, pages>0] int32, got {tuple(block_table.shape)} {block_table.dtype}")
-    _check(isinstance(page, int) and page > 0, f"page must be a positive int, got {page!r}")
+    require_int(page, "page")
     _check(req_slot.shape == (n_rows,) and req_slot.dtype in (torch.int32, torch.int64)
            and (n_rows < 2 or req_slot.stride(0) == 1),
            f"req_slot must be a contiguous [N={n_rows}] int32/int64, got {tuple(req_slot.shape)} {req_slot.dtype} "
@@ -247,8 +252,9 @@ def index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, b
     out: [N, max_entries] FP32, last dim contiguous; receives BF16-representable values, -inf past n_vis.
     cand_mask: optional [N, max_entries] bool/uint8; entries where it is 0 score -inf.
     block_e: entries per loop step of a program (power of two >= 16); each row gets at most
-    ceil(programs_per_sm * SMs / N) programs, which loop over its entry blocks. num_warps: 4, or 8
-    for the FP8 path above 32 heads (at 64 heads and 4 warps it spills on sm_90).
+    ceil(programs_per_sm * SMs / N) programs (programs_per_sm >= 1), which loop over its entry
+    blocks. num_warps: a power of two in 1..16; None: 4, or 8 for the FP8 path above 32 heads (at 64
+    heads and 4 warps it spills on sm_90).
     fp8_dot: the FP8 path (one K=32 E4M3 tensor-core dot per scale block, the codes turned into
     E4M3 bytes by bit operations; see above): per block exact, the four blocks added in order,
     so the FP32 dot sums 4 exact terms instead of 128 products. The decode step's path (measured
@@ -257,7 +263,11 @@ def index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, b
     Returns out.
     """
     n_rows, heads = index_scores_args(iq, w, pool, block_table, page, req_slot, n_vis, out, cand_mask)
-    _check(block_e >= 16 and block_e & (block_e - 1) == 0, f"block_e must be a power of two >= 16, got {block_e}")
+    require_int(block_e, "block_e", 16, power_of_two=True)
+    if num_warps is not None:
+        require_num_warps(num_warps)
+    require_int(programs_per_sm, "programs_per_sm")
+    require_bool(fp8_dot, "fp8_dot")
     max_entries = out.shape[1]
     if n_rows == 0 or max_entries == 0:
         return out
@@ -280,5 +290,7 @@ def index_scores_mxfp4(iq: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, bl
                        page: int, req_slot: torch.Tensor, n_vis: torch.Tensor, max_entries: int,
                        cand_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Allocating form of `index_scores_mxfp4_`: returns scores [N, max_entries] FP32."""
+    require_is_tensor(iq, "iq")
+    require_int(max_entries, "max_entries", 0)
     out = torch.empty(iq.shape[0], max_entries, dtype=torch.float32, device=iq.device)
     return index_scores_mxfp4_(iq, w, pool, block_table, page, req_slot, n_vis, out, cand_mask)

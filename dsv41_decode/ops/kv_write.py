@@ -35,7 +35,7 @@ import triton.language as tl
 
 from ..records import COMPRESSED_KV_BYTES, INDEX_KEY_BYTES, WINDOW_KV_BYTES
 from . import pdl
-from .checks import require_tensor
+from .checks import require_is_tensor, require_ndim, require_tensor
 from .fp4 import bf16_round, mx_dequant_pairs, mx_quant_pairs, nvfp4_dequant_pairs, nvfp4_quant_pairs
 from .rounding import bf16_rne_bits, bf16_widen, to_f32
 
@@ -262,9 +262,7 @@ def _check_rope(cos, sin, n: int, device) -> None:
 
 def _check_query(q) -> tuple[int, int]:
     """The checks of a query tensor [N, H, 512] bfloat16; returns (N, H)."""
-    if not isinstance(q, torch.Tensor) or q.dim() != 3:
-        raise ValueError(f"q must be a 3-D tensor [N, H, 512], got {getattr(q, 'shape', type(q).__name__)}")
-    n, h = q.shape[0], q.shape[1]
+    n, h, _ = require_ndim(q, "q", "[N, H, 512]")
     require_tensor(q, "q", (torch.bfloat16,), (n, h, DIM))
     return n, h
 
@@ -386,12 +384,15 @@ def index_key_store_(wk_out: torch.Tensor, k_norm: torch.Tensor, eps: float, cos
 
 def rope_cos_sin(cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) [n, 32] float32, contiguous, of `rope_cis(...)` [n, 32] complex64."""
+    require_is_tensor(cis, "cis")
     return cis.real.contiguous(), cis.imag.contiguous()
 
 
 def qkv_rope_insert(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rotated copy of q, window records [N, 528] uint8 of kv, row r at slot r)."""
+    require_ndim(q, "q", "[N, H, 512]")
+    require_ndim(kv, "kv", "[N, 512]")
     q2 = q.clone()
     rec = torch.zeros(kv.shape[0], WINDOW_KV_BYTES, dtype=torch.uint8, device=kv.device)
     slots = torch.arange(kv.shape[0], dtype=torch.int64, device=kv.device)
@@ -401,6 +402,7 @@ def qkv_rope_insert(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: t
 
 def compressed_kv_records(lat: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """288-byte records [G, 288] uint8 of `compressed_kv_store_` at slots 0..G-1."""
+    require_ndim(lat, "lat", "[G, 512]")
     rec = torch.zeros(lat.shape[0], COMPRESSED_KV_BYTES, dtype=torch.uint8, device=lat.device)
     slots = torch.arange(lat.shape[0], dtype=torch.int64, device=lat.device)
     compressed_kv_store_(lat, cos, sin, slots, rec)
@@ -410,6 +412,7 @@ def compressed_kv_records(lat: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
 def index_key_records(wk_out: torch.Tensor, k_norm: torch.Tensor, eps: float, cos: torch.Tensor,
                       sin: torch.Tensor) -> torch.Tensor:
     """68-byte index keys [G, 68] uint8 of `index_key_store_` at slots 0..G-1."""
+    require_ndim(wk_out, "wk_out", "[G, 128]")
     rec = torch.zeros(wk_out.shape[0], INDEX_KEY_BYTES, dtype=torch.uint8, device=wk_out.device)
     slots = torch.arange(wk_out.shape[0], dtype=torch.int64, device=wk_out.device)
     index_key_store_(wk_out, k_norm, eps, cos, sin, slots, rec)

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import planned_rows, require_tensor
+from .checks import planned_rows, require_int, require_tensor
 from .common import num_sms, splitk_reduce
 from .fp4 import bf16_round
 from .rounding import bf16_rne_bits, to_f32
@@ -181,8 +181,7 @@ class LlBf16Plan:
         block_n: weight rows per program, a power of two >= 16.
         """
         for name, v in (("n", n), ("k", k), ("max_rows", max_rows), ("block_n", block_n)):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+            require_int(v, name)
         if max_rows > 64:
             raise ValueError(f"max_rows must be at most 64 (the low-batch limit), got {max_rows}")
         if weight_dtype not in (torch.bfloat16, torch.float32):
@@ -196,8 +195,8 @@ class LlBf16Plan:
             # About two programs per SM, but at least 4 K steps each: the tiny weights are bound
             # by latency, where fewer, longer (pipelined) programs and fewer partials win.
             split = max(1, min(round(2 * num_sms(device) / n_tiles), triton.cdiv(grains, 4)))
-        elif not isinstance(split, int) or split < 1:
-            raise ValueError(f"split must be a positive int, got {split!r}")
+        else:
+            require_int(split, "split")
         k_per_split = triton.cdiv(grains, min(split, grains)) * _K_GRAIN
         split = triton.cdiv(k, k_per_split)
         tiles = tuple(_tile_for(1 << i, weight_dtype) for i in range((max_rows - 1).bit_length() + 1))

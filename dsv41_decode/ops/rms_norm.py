@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .checks import require_tensor
+from .checks import require_ndim, require_num_warps, require_tensor
 from .act_quant import mxfp8_blocks
 from .fp4 import bf16_round
 from .kv_write import DIM as KV_DIM, ROPE_DIM, window_insert
@@ -113,9 +113,7 @@ def _check_norm(x, weight, out, codes, scales, quant: bool, eps, x_dtypes, names
     """The argument checks of one normed tensor (names: x, weight, out, codes, scales as the caller
     calls them); returns (N, D)."""
     nx, nw, no, nc, ns = names
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        raise ValueError(f"{nx} must be a 2-D tensor [N, D], got {getattr(x, 'shape', type(x).__name__)}")
-    n, dim = x.shape
+    n, dim = require_ndim(x, nx, "[N, D]")
     dev = x.device if device is None else device
     if dim > MAX_DIM:
         raise ValueError(f"{nx}: D={dim} exceeds {MAX_DIM} (a row is held in registers)")
@@ -157,7 +155,7 @@ def rms_norm_(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tens
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Allocating form of `rms_norm_`: [N, D] bfloat16."""
-    out = torch.empty(x.shape, dtype=torch.bfloat16, device=x.device)
+    out = torch.empty(require_ndim(x, "x", "[N, D]"), dtype=torch.bfloat16, device=x.device)
     rms_norm_(x, weight, eps, out)
     return out
 
@@ -176,14 +174,15 @@ def rms_norm_pair_(x_a: torch.Tensor, w_a: torch.Tensor, out_a: torch.Tensor, co
     from the normalized rows in registers: window [S, 528] uint8 pool, slots [N] int64 (a slot
     outside [0, S) writes nothing), cos, sin [N, 32] float32.
 
-    num_warps: the warps of a program; a row's sum of squares is summed in its layout's order, so
-    the bits of a row are those of the launch's warp count (`rms_row`)."""
+    num_warps: the warps of a program (a power of two in 1..16); a row's sum of squares is summed in
+    its layout's order, so the bits of a row are those of the launch's warp count (`rms_row`)."""
     n, da = _check_norm(x_a, w_a, out_a, codes_a, scales_a, True, eps, (torch.bfloat16,),
                         ("x_a", "w_a", "out_a", "codes_a", "scales_a"))
     nb, db = _check_norm(x_b, w_b, out_b, None, None, False, eps, (torch.bfloat16,),
                          ("x_b", "w_b", "out_b", "", ""), device=x_a.device)
     if nb != n:
         raise ValueError(f"x_a and x_b must have the same rows, got {n} and {nb}")
+    require_num_warps(num_warps)
     insert = window is not None
     if insert:
         if db != KV_DIM:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .checks import interpreting
+from .checks import interpreting, require_bool, require_num_warps
 from .common import plan_workspace
 
 HEAD_DIM = 512
@@ -139,26 +139,30 @@ class SparseMlaPlan:
         takes part_acc, part_ml, block_max (FP32 slots 0-2) and flags, counters, ticket (int32 slots
         0-2; zero when taken). The pool's other takers may hold the same memory, so the caller
         guarantees that no two launches using it overlap in time (one stream, in order)."""
-        for name, v in (("max_rows", max_rows), ("window", window), ("num_warps", num_warps)):
+        for name, v in (("max_rows", max_rows), ("window", window)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
+        require_num_warps(num_warps)
         if isinstance(topk, bool) or not isinstance(topk, int) or topk < 0:
             raise ValueError(f"topk must be a non-negative int, got {topk!r}")
         if max_rows > 256:
             raise ValueError(f"max_rows must be at most 256, got {max_rows}")
-        if heads not in SUPPORTED_HEADS:
+        if isinstance(heads, bool) or not isinstance(heads, int) or heads not in SUPPORTED_HEADS:
             raise ValueError(f"heads must be one of {SUPPORTED_HEADS}, got {heads!r}")
         if isinstance(block_h, bool) or not isinstance(block_h, int) or block_h < 16 or block_h & (block_h - 1):
             raise ValueError(f"block_h must be a power of two >= 16, got {block_h!r}")
         if not isinstance(split, bool):
             raise TypeError(f"split must be a bool, got {type(split).__name__}")
+        for name, v in (("bf16_dot", bf16_dot), ("native_fp8", native_fp8)):
+            require_bool(v, name, optional=True)
+        require_bool(separate_combine, "separate_combine")
         device = torch.device(device)
         gpu = device.type == "cuda" and not interpreting()
         if bf16_dot is None:
             bf16_dot = gpu
         if dot_dims is None:
             dot_dims = FP32_DOT_DIMS if gpu and split and not bf16_dot else 128
-        if dot_dims not in DOT_DIMS:
+        if isinstance(dot_dims, bool) or not isinstance(dot_dims, int) or dot_dims not in DOT_DIMS:
             raise ValueError(f"dot_dims must be one of {DOT_DIMS}, got {dot_dims!r}")
         if dot_dims < 128 and (bf16_dot or not split):
             raise ValueError(f"dot_dims={dot_dims} needs FP32 operands (bf16_dot=False) and the split "

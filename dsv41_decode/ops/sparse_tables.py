@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import require_tensor
+from .checks import require_int, require_tensor
 
 
 @triton.jit
@@ -59,11 +59,6 @@ def _topk_slots_kernel(topk_ptr, slot_ptr, bt_ptr, out_ptr, len_ptr, stride_t, s
     tl.store(len_ptr + r, tl.sum(count, axis=0))
 
 
-def _require_int(v, name: str) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"{name} must be a positive int, got {v!r}")
-
-
 def _require_ring(ring, window: int) -> None:
     if isinstance(ring, bool) or not isinstance(ring, int) or ring < window:
         raise ValueError(f"ring must be an int >= window={window} (slots per request), got {ring!r}")
@@ -80,7 +75,7 @@ def window_table_(req_slot: torch.Tensor, positions: torch.Tensor, window: int, 
     if not isinstance(req_slot, torch.Tensor) or req_slot.dim() != 1:
         raise ValueError(f"req_slot must be a 1-D tensor [N], got {getattr(req_slot, 'shape', type(req_slot).__name__)}")
     n = req_slot.shape[0]
-    _require_int(window, "window")
+    require_int(window, "window")
     ring = window if ring is None else ring
     _require_ring(ring, window)
     dev = req_slot.device
@@ -98,7 +93,7 @@ def require_slot_table(n: int, k: int, device: torch.device, req_slot, block_tab
     """Check `topk_slots_`'s table arguments for N rows of K entries on `device` (errors name each
     argument, after `prefix`): req_slot [N] int64, block_table [R, P] int32, page_size >= 1,
     out [N, K] int32, lengths_out [N] int32."""
-    _require_int(page_size, prefix + "page_size")
+    require_int(page_size, prefix + "page_size")
     require_tensor(req_slot, prefix + "req_slot", torch.int64, (n,), device)
     if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
         raise ValueError(f"{prefix}block_table must be a 2-D tensor [R, P], got "
@@ -179,8 +174,9 @@ def step_rows_(record: torch.Tensor, window: int, stage_base: int, block_tables:
     record: int64 [5, N] rows (request slot or -1 for padding, position or -1, the request's first
       position in the step, its first row, its last position), any row stride.
     window: W; stage_base: the first staging row of the window pools; ring: M, the ring slots per
-      request (`DecodeState.ring_size`, >= W; default W).
-    block_tables: up to two (ratio, int32 [R, P] block table); page_size: entries per page.
+      request (`DecodeState.ring_size`, >= W; default W); stage_base >= 0.
+    block_tables: a list or tuple of up to two (ratio, int32 [R, P] block table); page_size: entries
+      per page.
     Writes, for the N rows: window_table [N, W] int32 (positions p-W+1..p: staged rows
       `stage_base + first + (q - start)` for q >= start, ring slots `slot*M + q % M` below, -1 for
       q < 0); stage_slot [N] int64 (`stage_base + row`, -1 for padding); ring_dst [N] int64 (the
@@ -192,12 +188,21 @@ def step_rows_(record: torch.Tensor, window: int, stage_base: int, block_tables:
     if not isinstance(record, torch.Tensor) or record.dim() != 2 or record.shape[0] != 5:
         raise ValueError(f"record must be a [5, N] tensor, got {getattr(record, 'shape', type(record).__name__)}")
     n, dev = record.shape[1], record.device
-    _require_int(window, "window")
-    _require_int(page_size, "page_size")
+    require_int(window, "window")
+    require_int(page_size, "page_size")
     ring = window if ring is None else ring
     _require_ring(ring, window)
+    require_int(stage_base, "stage_base", 0)
+    if not isinstance(block_tables, (list, tuple)):
+        raise TypeError(f"block_tables must be a list of (ratio, block table) pairs, got "
+                        f"{type(block_tables).__name__}")
     if len(block_tables) > 2:
         raise ValueError(f"block_tables: at most two ratios, got {len(block_tables)}")
+    for entry in block_tables:
+        if not isinstance(entry, (list, tuple)) or len(entry) != 2:
+            size = f" of {len(entry)}" if isinstance(entry, (list, tuple)) else ""
+            raise ValueError(f"block_tables: each entry must be a (ratio, block table) pair, got a "
+                             f"{type(entry).__name__}{size}")
     require_tensor(record, "record", torch.int64, (5, n), dev)
     require_tensor(window_table, "window_table", torch.int32, (n, window), dev)
     for t, name in ((stage_slot, "stage_slot"), (ring_dst, "ring_dst"), (kernel_slot, "kernel_slot")):
@@ -208,7 +213,7 @@ def step_rows_(record: torch.Tensor, window: int, stage_base: int, block_tables:
     if nr and (n_vis.shape[1] < n or entry_slot.shape[1] < n or n_vis.stride(0) != entry_slot.stride(0)):
         raise ValueError("n_vis and entry_slot must hold N rows per ratio with the same row stride")
     for r, bt in block_tables:
-        _require_int(r, "ratio")
+        require_int(r, "ratio")
         if not isinstance(bt, torch.Tensor) or bt.dim() != 2 or bt.shape[1] == 0:
             raise ValueError(f"block table of ratio {r} must be a 2-D int32 tensor with at least one column")
         require_tensor(bt, f"block table of ratio {r}", torch.int32, tuple(bt.shape), dev)

@@ -72,10 +72,12 @@ import triton
 import triton.language as tl
 
 from . import pdl as _pdl
+from .checks import require_int, require_is_tensor, require_ndim, require_num_warps
 from .common import num_sms
 from .sparse_tables import entry_slots, require_slot_table
 
 _MAX_CHUNKS = 1024     # per-chunk count slots per row; wider rows take larger chunks
+MAX_K = 4096           # the most entries (top-k) or blocks (candidate mask) a plan selects
 WIDE_ENTRIES = 1 << 17  # the four-launch top-k's rows of more elements take TopKPlan.wide_chunk
 _WS_HI = tl.constexpr(0)                      # [256] histogram of the keys' high bytes
 _WS_LO = tl.constexpr(256)                    # [256] histogram of the low bytes under high byte b1
@@ -649,19 +651,13 @@ class TopKPlan:
     @staticmethod
     def build(max_rows: int, k: int = 512, group: int = 1, device="cuda", chunk: int = 1024,
               warps: int = 4, wide_chunk: int = 4096, wide_warps: int = 4) -> "TopKPlan":
-        if max_rows < 1:
-            raise ValueError(f"max_rows must be >= 1, got {max_rows}")
-        if not 1 <= k <= 4096:
-            raise ValueError(f"k must lie in 1..4096, got {k}")
-        if group < 1 or group & (group - 1):
-            raise ValueError(f"group must be a power of two, got {group}")
-        if chunk < 16 or chunk & (chunk - 1):
-            raise ValueError(f"chunk must be a power of two >= 16, got {chunk}")
-        if wide_chunk < 16 or wide_chunk & (wide_chunk - 1):
-            raise ValueError(f"wide_chunk must be a power of two >= 16, got {wide_chunk}")
-        for name, w in (("warps", warps), ("wide_warps", wide_warps)):
-            if w not in (1, 2, 4, 8, 16):
-                raise ValueError(f"{name} must be a power of two in 1..16, got {w}")
+        require_int(max_rows, "max_rows")
+        require_int(k, "k", 1, MAX_K)
+        require_int(group, "group", power_of_two=True)
+        require_int(chunk, "chunk", 16, power_of_two=True)
+        require_int(wide_chunk, "wide_chunk", 16, power_of_two=True)
+        require_num_warps(warps, "warps")
+        require_num_warps(wide_warps, "wide_warps")
         return TopKPlan(max_rows, k, group, chunk, torch.zeros(max_rows, _WS, dtype=torch.int32, device=device), warps,
                         wide_chunk, wide_warps)
 
@@ -695,6 +691,8 @@ def key_high_histogram(scores: torch.Tensor, n_vis: torch.Tensor) -> torch.Tenso
     (-0.0 as +0.0; -inf and NaN not counted), in torch: what a scorer adds into `TopKPlan.hist_hi`
     for `topk_ascending_(..., hist_ready=True)`. scores: [N, max_entries] FP32 (BF16-representable)
     or BF16; n_vis: [N] int32."""
+    require_ndim(scores, "scores", "[N, max_entries]")
+    require_ndim(n_vis, "n_vis", "[N]")
     if scores.dtype == torch.bfloat16:
         b = scores.view(torch.int16).to(torch.int32) & 0xFFFF
     else:                                   # the top 16 bits, as the kernels read them
@@ -708,6 +706,10 @@ def key_high_histogram(scores: torch.Tensor, n_vis: torch.Tensor) -> torch.Tenso
 
 
 def _validate(scores, n_vis, out, plan, out_dtype, out_name):
+    if not isinstance(plan, TopKPlan):
+        raise TypeError(f"plan must be a TopKPlan, got {type(plan).__name__}")
+    for name, t in (("scores", scores), ("n_vis", n_vis), (out_name, out)):
+        require_is_tensor(t, name)
     if scores.dim() != 2 or scores.dtype not in (torch.float32, torch.bfloat16) or scores.stride(1) != 1:
         raise ValueError(f"scores must be [N, max_entries] FP32 or BF16 with a contiguous last dim, got "
                          f"{tuple(scores.shape)} {scores.dtype}")
@@ -876,6 +878,7 @@ def topk_ascending_(scores: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor
 
 def topk_ascending(scores: torch.Tensor, n_vis: torch.Tensor, k: int = 512) -> torch.Tensor:
     """Allocating form of `topk_ascending_`: int32 [N, k]."""
+    require_ndim(scores, "scores", "[N, max_entries]")
     plan = TopKPlan.build(max(1, scores.shape[0]), k, 1, scores.device)
     out = torch.empty(scores.shape[0], k, dtype=torch.int32, device=scores.device)
     return topk_ascending_(scores, n_vis, out, plan)
@@ -903,7 +906,11 @@ def candidate_mask_(scores: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor
 
 
 def candidate_mask(scores: torch.Tensor, n_vis: torch.Tensor, block_size: int = 8, topk_blocks: int = 2048) -> torch.Tensor:
-    """Allocating form of `candidate_mask_`: uint8 [N, max_entries]."""
+    """Allocating form of `candidate_mask_`: uint8 [N, max_entries]; block_size: a power of two >= 2,
+    topk_blocks: 1..MAX_K (the plan's group and k)."""
+    require_ndim(scores, "scores", "[N, max_entries]")
+    require_int(block_size, "block_size", 2, power_of_two=True)
+    require_int(topk_blocks, "topk_blocks", 1, MAX_K)
     plan = TopKPlan.build(max(1, scores.shape[0]), topk_blocks, block_size, scores.device, chunk=512)
     out = torch.empty(scores.shape, dtype=torch.uint8, device=scores.device)
     return candidate_mask_(scores, n_vis, out, plan)

@@ -37,7 +37,7 @@ import triton.language as tl
 from ..formats import E4M3_MAX, MXFP8_AMAX_FLOOR, fp8_block_quantize
 from . import pdl
 from .act_quant import INV_E4M3_MAX, mxfp8_quantize_tile
-from .checks import interpreting, planned_rows, require_tensor
+from .checks import interpreting, planned_rows, require_bool, require_int, require_num_warps, require_tensor
 from .common import num_sms, plan_workspace, splitk_reduce
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
 
@@ -280,10 +280,11 @@ class WoAPlan(GroupedShape):
         per SM with TF32 dots, unswapped (21.3 us; swapped 27.4; BF16 operands gain nothing there)
         and 2 stages (20.5 vs 21.3 us at 1 row, 21.6 vs 22.7 at 16).
         split: programs along K (default: the largest divisor of group_width / 128 at most
-        (2 for BF16, 4 for FP8) * SMs / output tiles); bf16_dot: None = on for a BF16 weight; num_warps: warps per program up to 16 rows, twice that above
+        (2 for BF16, 4 for FP8) * SMs / output tiles); bf16_dot: None = on for a BF16 weight;
+        num_warps: warps per program up to 16 rows (a power of two in 1..16), twice that above
         (4: one m16 MMA row of 64 columns; 32-64 rows at 4 warps spill; not used with ieee_dot,
         whose launches take `ieee_tile`); num_stages: K steps in
-        flight (None: `stages(rows)` picks per launch); swap_ab: None = `swapped` picks (a BF16
+        flight, >= 1 (None: `stages(rows)` picks per launch); swap_ab: None = `swapped` picks (a BF16
         weight with BF16 dots swapped, an FP8 one unswapped at every row count, for batch
         invariance: swapped measured 45.6 vs 48.0 us at 32 rows and 61.2 vs 85.6 at 64, but 27.4
         vs 21.3 at 1; unswapped, 33-64 rows run as two launches of at most 32;
@@ -298,8 +299,7 @@ class WoAPlan(GroupedShape):
         """
         for name, v in (("heads", heads), ("o_groups", o_groups), ("rank", rank), ("max_rows", max_rows),
                         ("head_dim", head_dim), ("rope_dim", rope_dim)):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+            require_int(v, name)
         if heads % o_groups:
             raise ValueError(f"heads={heads} must be a multiple of o_groups={o_groups}")
         if rank % 32:
@@ -318,6 +318,11 @@ class WoAPlan(GroupedShape):
         fp8 = weight_dtype == torch.float8_e4m3fn
         if not isinstance(ieee_dot, bool):
             raise TypeError(f"ieee_dot must be a bool, got {type(ieee_dot).__name__}")
+        require_bool(bf16_dot, "bf16_dot", optional=True)
+        require_bool(swap_ab, "swap_ab", optional=True)
+        require_num_warps(num_warps)
+        if num_stages is not None:
+            require_int(num_stages, "num_stages")
         if ieee_dot and bf16_dot:
             raise ValueError("ieee_dot and bf16_dot exclude each other: IEEE dots take FP32 operands")
         if bf16_dot is None:
@@ -325,7 +330,7 @@ class WoAPlan(GroupedShape):
         if split is None:
             target = max(1, round((4 if fp8 else 2) * num_sms(device) / n_tiles))
             split = max(d for d in range(1, grains + 1) if grains % d == 0 and d <= target)
-        elif not isinstance(split, int) or split < 1 or grains % split:
+        elif isinstance(split, bool) or not isinstance(split, int) or split < 1 or grains % split:
             raise ValueError(f"split must be a positive divisor of group_width / {_BLOCK_K} = {grains}, "
                              f"got {split!r}")
         partials = plan_workspace(workspace, 0, (split if split > 1 else 0, max_rows, o_groups * rank),

@@ -110,3 +110,26 @@ def test_bad_arguments():
         allreduce_boundary_(box, 0, 3, x, post, comb, pre, w, EPS, *out, plan=MhcBoundaryPlan.build(64, 4, _DEVICE))
     with pytest.raises(ValueError, match="plan is for dim=128"):
         allreduce_boundary_(box, 0, 2, x, post, comb, pre, w, EPS, *out, plan=MhcBoundaryPlan.build(128, 2, _DEVICE))
+
+
+def test_bad_scalar_arguments_name_the_argument():
+    box = Mailbox.local_group(2, 2, 64, 2, _DEVICE)[0]
+    (x, post, comb, pre, w), _ = _case(2, 64, 2, seed=1)
+    args = dict(box=box, layer_index=0, rows=2, x=x, post=post, comb=comb, pre=pre, norm_weight=w, eps=EPS,
+                **dict(zip(("x_out", "u_out", "codes_out", "scales_out", "y_out"), _outputs(2, 64))),
+                plan=MhcBoundaryPlan.build(64, 2, _DEVICE))
+    for kw, match in ((dict(layer_index=None), r"layer_index must be an int in 0..1, got None"),
+                      (dict(layer_index=0.0), r"layer_index must be an int in 0..1, got 0.0"),
+                      (dict(rows=None), "rows must be a positive int, got None"),
+                      (dict(rows=2.0), "rows must be a positive int, got 2.0"),
+                      (dict(max_spin=0), r"max_spin must be an int in 1..\d+, got 0"),
+                      (dict(max_spin=2.5), r"max_spin must be an int in 1..\d+, got 2.5"),
+                      (dict(max_spin=None), r"max_spin must be an int in 1..\d+, got None")):
+        with pytest.raises(ValueError, match=match):
+            allreduce_boundary_(**{**args, **kw})
+    for bad in (None, 2, 2.0, -1):
+        with pytest.raises(ValueError, match=rf"layer_index must be an int in 0..1, got {bad}"):
+            box.slot(bad)
+    for name in ("tp", "max_rows", "dim", "layers"):
+        with pytest.raises(ValueError, match=f"{name} must be a positive int, got None"):
+            Mailbox.local_group(**{**dict(tp=2, max_rows=2, dim=64, layers=2), name: None})

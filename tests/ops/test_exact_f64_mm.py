@@ -134,6 +134,12 @@ def test_bad_inputs_name_the_argument():
            lambda: plan(strided, x_scale))
 
 
+def test_bad_num_warps_name_the_field():
+    # Triton takes a power of two: any other count would reach the compiler
+    for bad in (3, 6, 32, 64):
+        raises(rf"F64Config.num_warps must be a power of two in 1..16, got {bad}", lambda: F64Config(num_warps=bad))
+
+
 def test_compiles_for_sm90_without_spills():
     """The kernel in the plans' default configurations, a wider tile and a K split
     (tests/ops/_exact_f64_mm_sm90.py), compiled for sm_90 by Triton's own ptxas in a subprocess without the

@@ -85,6 +85,20 @@ def test_bad_inputs_name_the_argument():
                                                                               config=Int8Config(pairs=True)))
 
 
+def test_non_tensor_weight_and_non_bool_digits_name_the_argument():
+    _, _, _, _, weight, w_scale = linear_operands(_gen(8), 2, 64, 128)
+    raises("weight must be a torch.Tensor, got NoneType", lambda: weight_digits(None))
+    raises("weight must be a torch.Tensor, got list", lambda: weight_digits([1, 2]))
+    raises("digits must be a bool, got 'no'", lambda: ExactInt8MM(weight, w_scale, digits="no"))
+    raises("digits must be a bool, got 0", lambda: ExactInt8MM(weight, w_scale, digits=0))
+
+
+def test_bad_num_warps_name_the_field():
+    # Triton takes a power of two: any other count would reach the compiler
+    for bad in (3, 6, 32, 64):
+        raises(rf"Int8Config.num_warps must be a power of two in 1..16, got {bad}", lambda: Int8Config(num_warps=bad))
+
+
 def test_compiles_for_sm90_without_spills():
     """The plans' configurations (`_INT8_PLAN`, `Int8Config()`) with digit planes, the default with
     codes decoded in the kernel, and a wgmma one (64 x rows), compiled for sm_90 by Triton's own ptxas in a subprocess without the

@@ -152,6 +152,15 @@ def test_bad_inputs_name_the_argument():
     raises("codes must be a 2-D", lambda: ExactLinear(weight, w_scale, 8)("x", x_scale))
 
 
+def test_bad_plan_options_name_the_option():
+    _, _, _, _, weight, w_scale = linear_operands(_gen(8), 2, 64, 128)
+    raises("mma_above must be a non-negative int, got 2.0", lambda: ExactLinear(weight, w_scale, 8, mma_above=2.0))
+    raises("mma_above must be a non-negative int, got -1", lambda: ExactLinear(weight, w_scale, 8, mma_above=-1))
+    raises("fma_rows must be a non-negative int, got '2'", lambda: ExactLinear(weight, w_scale, 8, fma_rows="2"))
+    raises("fuse_scales must be a bool, got 'yes'", lambda: ExactLinear(weight, w_scale, 8, fuse_scales="yes"))
+    raises("pair_slots must be a bool, got 1", lambda: ExactLinear(weight, w_scale, 8, pair_slots=1))
+
+
 def test_rope_reaches_the_op():
     # rope=(cos, sin) goes to the op that runs (here ExactMM, one program): the call without it
     # followed by `query_rope_`; its argument errors name the argument.

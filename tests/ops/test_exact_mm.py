@@ -419,6 +419,12 @@ def test_bad_inputs_name_the_argument():
     raises("f64 must be a bool", lambda: ExactConfig(f64=1))
 
 
+def test_bad_num_warps_name_the_field():
+    # Triton takes a power of two: any other count would reach the compiler
+    for bad in (3, 6, 32, 64):
+        raises(rf"ExactConfig.num_warps must be a power of two in 1..16, got {bad}", lambda: ExactConfig(num_warps=bad))
+
+
 def test_config_spec_round_trips():
     # The spec form the probe takes and the sm_90 script prints: split 1 and f64 off unless given.
     for cfg in (*_CONFIGS.values(), *_TUNED.values(), *_TUNED_FP32.values()):

@@ -130,6 +130,29 @@ def test_bad_inputs_raise_naming_the_argument(case, match):
         fp8_mm_(*case(*_args()))
 
 
+_GOOD = Fp8MmConfig(64, 64, 32, group_m=1, num_warps=4, num_stages=2)
+
+
+@pytest.mark.parametrize("config, match", [
+    (_GOOD._replace(block_m=48), r"config.block_m must be a power of two >= 16, got 48"),
+    (_GOOD._replace(block_m=8), r"config.block_m must be a power of two >= 16, got 8"),
+    (_GOOD._replace(block_m=64.0), r"config.block_m must be a power of two >= 16, got 64.0"),
+    (_GOOD._replace(block_n=0), r"config.block_n must be a power of two >= 16, got 0"),
+    (_GOOD._replace(block_n=True), r"config.block_n must be a power of two >= 16, got True"),
+    (_GOOD._replace(block_k=0), r"config.block_k must be a positive int, got 0"),
+    (_GOOD._replace(block_k=48), r"config.block_k=48 must be a multiple of 32 dividing K=64"),
+    (_GOOD._replace(group_m=0), r"config.group_m must be a positive int, got 0"),
+    (_GOOD._replace(num_warps=3), r"config.num_warps must be a power of two in 1..16, got 3"),
+    (_GOOD._replace(num_warps=32), r"config.num_warps must be a power of two in 1..16, got 32"),
+    (_GOOD._replace(num_stages=0), r"config.num_stages must be a positive int, got 0"),
+    (tuple(_GOOD), "config must be an Fp8MmConfig, got tuple"),
+    ("fast", "config must be an Fp8MmConfig, got str"),
+])
+def test_bad_configs_raise_naming_the_field(config, match):
+    with pytest.raises((TypeError, ValueError), match=match):
+        fp8_mm_(*_args(), config=config)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("k, n", [(5120, 1792), (1280, 32768), (8192, 5120)])
 @pytest.mark.parametrize("m", [128, 1024, 4096])

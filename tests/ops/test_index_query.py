@@ -39,3 +39,10 @@ def test_bad_arguments_name_the_argument():
         index_query(**{**args, "wproj": torch.zeros(n, h, dtype=torch.bfloat16)})
     with pytest.raises(ValueError, match="cos"):
         index_query(**{**args, "cos": torch.zeros(n, 16)})
+
+
+def test_non_tensor_wproj_names_the_argument():
+    n, h = 2, 8
+    for bad in (None, [1.0, 2.0], torch.zeros(n, h, 1)):
+        with pytest.raises(ValueError, match="wproj must be a 2-D tensor"):
+            index_query(torch.zeros(n, h * 128, dtype=torch.bfloat16), bad, torch.zeros(n, 32), torch.zeros(n, 32), 0.1)

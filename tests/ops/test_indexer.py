@@ -17,7 +17,7 @@ import torch
 
 from dsv41_decode.formats import mxfp4_fake
 from dsv41_decode.records import pack_index_key, unpack_index_key
-from dsv41_decode.ops.indexer import index_scores_mxfp4_
+from dsv41_decode.ops.indexer import index_scores_mxfp4, index_scores_mxfp4_
 from dsv41_decode.reference.indexer import index_scores
 from dsv41_decode.testing.compare import row_ulp_distance
 
@@ -144,6 +144,30 @@ def test_bad_inputs_named():
         index_scores_mxfp4_(iq, w, pool, bt, _PAGE, slot, nv, out.double())
     with pytest.raises(ValueError, match="cand_mask"):
         index_scores_mxfp4_(iq, w, pool, bt, _PAGE, slot, nv, out, cand_mask=torch.ones(1, 3, dtype=torch.bool))
+
+
+def test_non_tensor_and_bad_launch_arguments_name_the_argument():
+    iq, w, pool, bt, slot, nv = make_inputs(1, 4, [10], seed=1)
+    args = dict(iq=iq, w=w, pool=pool, block_table=bt, page=_PAGE, req_slot=slot, n_vis=nv,
+                out=torch.empty(1, 16, device=_DEVICE))
+    for name in ("iq", "w", "pool", "block_table", "req_slot", "n_vis", "out", "cand_mask"):
+        for bad in ([1.0, 2.0], 3) if name == "cand_mask" else (None, [1.0, 2.0]):
+            with pytest.raises(TypeError, match=f"{name} must be a torch.Tensor"):
+                index_scores_mxfp4_(**{**args, name: bad})
+    with pytest.raises(TypeError, match="iq must be a torch.Tensor"):
+        index_scores_mxfp4(None, w, pool, bt, _PAGE, slot, nv, 16)
+    with pytest.raises(ValueError, match="max_entries must be a non-negative int, got None"):
+        index_scores_mxfp4(iq, w, pool, bt, _PAGE, slot, nv, None)
+    for kw, match in ((dict(page=True), "page must be a positive int, got True"),
+                      (dict(block_e=16.0), "block_e must be a power of two >= 16, got 16.0"),
+                      (dict(block_e=None), "block_e must be a power of two >= 16, got None"),
+                      (dict(num_warps=3), "num_warps must be a power of two in 1..16, got 3"),
+                      (dict(num_warps=4.0), "num_warps must be a power of two in 1..16, got 4.0"),
+                      (dict(programs_per_sm=0), "programs_per_sm must be a positive int, got 0"),
+                      (dict(programs_per_sm=None), "programs_per_sm must be a positive int, got None"),
+                      (dict(fp8_dot="no"), "fp8_dot must be a bool, got 'no'")):
+        with pytest.raises((TypeError, ValueError), match=match):
+            index_scores_mxfp4_(**{**args, **kw})
 
 
 @pytest.mark.gpu

@@ -271,6 +271,23 @@ def test_entry_bad_inputs_name_the_argument():
         compressed_entry_store_(lat, wk_out, k_norm, cos, sin, slots, None, None, _EPS)
 
 
+def test_conveniences_name_a_non_tensor_argument():
+    n = 2
+    q, kv = torch.zeros(n, 4, 512, dtype=torch.bfloat16), torch.zeros(n, 512, dtype=torch.bfloat16)
+    cs = torch.zeros(n, 32)
+    for bad in (None, [1.0, 2.0]):
+        with pytest.raises(ValueError, match="q must be a 3-D tensor"):
+            qkv_rope_insert(bad, kv, cs, cs)
+        with pytest.raises(ValueError, match="kv must be a 2-D tensor"):
+            qkv_rope_insert(q, bad, cs, cs)
+        with pytest.raises(ValueError, match="lat must be a 2-D tensor"):
+            compressed_kv_records(bad, cs, cs)
+        with pytest.raises(ValueError, match="wk_out must be a 2-D tensor"):
+            index_key_records(bad, torch.ones(128, dtype=torch.bfloat16), _EPS, cs, cs)
+        with pytest.raises(TypeError, match="cis must be a torch.Tensor"):
+            rope_cos_sin(bad)
+
+
 # --- GPU at V4.1-Flash sizes ----------------------------------------------------------------------
 
 

@@ -154,6 +154,9 @@ def test_bad_inputs_raise_naming_the_argument(case, match):
     (dict(n=0), "n must be a positive int"),
     (dict(block_n=24), "block_n must be a power of two"),
     (dict(split=0), "split must be a positive int"),
+    (dict(split=True), "split must be a positive int, got True"),
+    (dict(max_rows=True), "max_rows must be a positive int, got True"),
+    (dict(n=True), "n must be a positive int, got True"),
 ])
 def test_bad_plans_raise_naming_the_field(kw, match):
     args = dict(n=32, k=64, max_rows=8, weight_dtype=torch.bfloat16, device="cpu") | kw

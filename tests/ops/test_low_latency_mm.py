@@ -173,6 +173,13 @@ def test_bad_inputs_name_the_argument():
     raises("weight must be a torch.Tensor", lambda: low_latency_mm(codes, x_scale, None, w_scale))
 
 
+def test_bad_num_warps_name_the_field():
+    # Triton takes a power of two: any other count would reach the compiler
+    for bad in (3, 6, 32, 64):
+        raises(rf"LowLatencyConfig.num_warps must be a power of two in 1..16, got {bad}",
+               lambda: LowLatencyConfig(num_warps=bad))
+
+
 # (name, N, K) of the V4.1-Flash attention linears the op serves, with the TP shards of wq_b
 # (N / tp) and wo_b (K / tp); the indexer's wq_b is wq_b's TP8 shape.
 FLASH_SHAPES = FLASH_LINEAR_SHAPES   # the real shapes and TP shards (tests/helpers.py)

@@ -173,3 +173,15 @@ def test_bad_arguments_name_the_argument():
         rms_norm_(x, torch.ones(32), 1e-6, torch.empty(2, 64, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="8192"):
         rms_norm(torch.zeros(1, 8224, dtype=torch.bfloat16), torch.ones(8224), 1e-6)
+
+
+def test_non_tensor_x_and_bad_num_warps_name_the_argument():
+    for bad in (None, [1.0, 2.0]):
+        with pytest.raises(ValueError, match="x must be a 2-D tensor"):
+            rms_norm(bad, torch.ones(64), 1e-6)
+    x = torch.zeros(2, 64, dtype=torch.bfloat16)
+    base = (x, torch.ones(64), torch.empty_like(x), torch.empty(2, 64, dtype=torch.uint8),
+            torch.empty(2, 2, dtype=torch.uint8), x, torch.ones(64), torch.empty_like(x), 1e-6)
+    for bad in (0, 3, 32, 4.0, None):
+        with pytest.raises(ValueError, match=f"num_warps must be a power of two in 1..16, got {bad}"):
+            rms_norm_pair_(*base, num_warps=bad)

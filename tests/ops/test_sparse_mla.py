@@ -339,6 +339,21 @@ def test_bad_inputs_name_the_argument():
         sparse_mla_(None, **args)
 
 
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(num_warps=3), ValueError, "num_warps must be a power of two in 1..16, got 3"),
+    (dict(num_warps=32), ValueError, "num_warps must be a power of two in 1..16, got 32"),
+    (dict(heads=16.0), ValueError, "heads must be one of"),
+    (dict(dot_dims=64.0), ValueError, "dot_dims must be one of"),
+    (dict(separate_combine="yes"), TypeError, "separate_combine must be a bool, got 'yes'"),
+    (dict(native_fp8="no"), TypeError, "native_fp8 must be None, True or False, got 'no'"),
+    (dict(bf16_dot=0), TypeError, "bf16_dot must be None, True or False, got 0"),
+])
+def test_bad_plan_options_name_the_option(kw, exc, match):
+    args = dict(max_rows=2, heads=16, window=16, topk=8, device="cpu") | kw
+    with pytest.raises(exc, match=match):
+        SparseMlaPlan.build(**args)
+
+
 GPU_POOLS = dict(device="cuda", s_w=4096, s_c=8192, comp_valid=0.95)
 
 

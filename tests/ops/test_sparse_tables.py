@@ -94,6 +94,24 @@ def test_bad_inputs_name_the_argument():
         topk_slots_(topk, slot[:2], bt, 4, o, ln)
 
 
+def test_step_rows_bad_arguments_name_the_argument():
+    n, w = 2, 4
+    record = torch.tensor([[0, 0], [5, 6], [5, 5], [0, 0], [6, 6]], dtype=torch.int64)
+    tables = [torch.zeros(n, w, dtype=torch.int32)] + [torch.zeros(n, dtype=torch.int64) for _ in range(3)]
+    n_vis, entry = torch.zeros(1, n, dtype=torch.int32), torch.zeros(1, n, dtype=torch.int64)
+    bt = torch.zeros(2, 3, dtype=torch.int32)
+    for stage_base, match in ((None, "got None"), (2.0, "got 2.0"), (-1, "got -1")):
+        with pytest.raises(ValueError, match=f"stage_base must be a non-negative int, {match}"):
+            step_rows_(record, w, stage_base, [(1, bt)], 4, *tables, n_vis, entry)
+    with pytest.raises(TypeError, match=r"block_tables must be a list of \(ratio, block table\) pairs, got NoneType"):
+        step_rows_(record, w, 8, None, 4, *tables, n_vis, entry)
+    pair = r"block_tables: each entry must be a \(ratio, block table\) pair, got a "
+    with pytest.raises(ValueError, match=pair + "tuple of 1"):
+        step_rows_(record, w, 8, [(1,)], 4, *tables, n_vis, entry)
+    with pytest.raises(ValueError, match=pair + "Tensor"):
+        step_rows_(record, w, 8, [bt], 4, *tables, n_vis, entry)
+
+
 def test_step_rows_refuses_a_block_table_without_columns():
     """A block table of no columns would send the kernel's last-column clamp to column -1."""
     n, w = 2, 4

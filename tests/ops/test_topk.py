@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dsv41_decode.ops.common import num_sms
-from dsv41_decode.ops.topk import (TopKPlan, candidate_mask_, key_high_histogram, topk_ascending,
+from dsv41_decode.ops.topk import (TopKPlan, candidate_mask, candidate_mask_, key_high_histogram, topk_ascending,
                                    topk_ascending_)
 from dsv41_decode.reference import indexer as ref
 from dsv41_decode.testing.compare import check_topk_invariants
@@ -163,6 +163,55 @@ def test_bad_inputs_named():
         TopKPlan.build(2, 0)
     with pytest.raises(ValueError, match="out"):
         candidate_mask_(s, nv, torch.empty(2, 39, dtype=torch.uint8, device=_DEVICE), TopKPlan.build(2, 16, 8, device=_DEVICE))
+
+
+def test_non_tensor_arguments_name_the_argument():
+    s = _scores(2, 40, seed=1)
+    nv = torch.full((2,), 40, dtype=torch.int32)
+    out = torch.empty(2, 16, dtype=torch.int32)
+    mask = torch.empty(2, 40, dtype=torch.uint8)
+    plan, blocks = TopKPlan.build(2, 16, device="cpu"), TopKPlan.build(2, 16, 8, device="cpu")
+    for bad in (None, [1.0, 2.0]):
+        with pytest.raises(TypeError, match="scores must be a torch.Tensor"):
+            topk_ascending_(bad, nv, out, plan)
+        with pytest.raises(TypeError, match="n_vis must be a torch.Tensor"):
+            candidate_mask_(s, bad, mask, blocks)
+        with pytest.raises(TypeError, match="out must be a torch.Tensor"):
+            topk_ascending_(s, nv, bad, plan)
+        with pytest.raises(TypeError, match="plan must be a TopKPlan"):
+            candidate_mask_(s, nv, mask, bad)
+        with pytest.raises(ValueError, match="scores must be a 2-D tensor"):
+            topk_ascending(bad, nv, 16)
+        with pytest.raises(ValueError, match="scores must be a 2-D tensor"):
+            candidate_mask(bad, nv)
+        with pytest.raises(ValueError, match="n_vis must be a 1-D tensor"):
+            key_high_histogram(s, bad)
+
+
+@pytest.mark.parametrize("build, match", [
+    (lambda: TopKPlan.build(None, device="cpu"), "max_rows must be a positive int, got None"),
+    (lambda: TopKPlan.build(2.5, device="cpu"), "max_rows must be a positive int, got 2.5"),
+    (lambda: TopKPlan.build(2, None, device="cpu"), r"k must be an int in 1..4096, got None"),
+    (lambda: TopKPlan.build(2, 512.0, device="cpu"), r"k must be an int in 1..4096, got 512.0"),
+    (lambda: TopKPlan.build(2, 16, 2.0, device="cpu"), "group must be a power of two >= 1, got 2.0"),
+    (lambda: TopKPlan.build(2, 16, True, device="cpu"), "group must be a power of two >= 1, got True"),
+    (lambda: TopKPlan.build(2, device="cpu", chunk=1024.0), "chunk must be a power of two >= 16, got 1024.0"),
+    (lambda: TopKPlan.build(2, device="cpu", wide_chunk=None), "wide_chunk must be a power of two >= 16, got None"),
+    (lambda: TopKPlan.build(2, device="cpu", warps=4.0), r"warps must be a power of two in 1..16, got 4.0"),
+    (lambda: TopKPlan.build(2, device="cpu", wide_warps=True), r"wide_warps must be a power of two in 1..16, got True"),
+    (lambda: topk_ascending(torch.zeros(2, 40), torch.zeros(2, dtype=torch.int32), None), "k must be an int"),
+    (lambda: candidate_mask(torch.zeros(2, 40), torch.zeros(2, dtype=torch.int32), block_size=3),
+     "block_size must be a power of two >= 2, got 3"),
+    (lambda: candidate_mask(torch.zeros(2, 40), torch.zeros(2, dtype=torch.int32), block_size=None),
+     "block_size must be a power of two >= 2, got None"),
+    (lambda: candidate_mask(torch.zeros(2, 40), torch.zeros(2, dtype=torch.int32), topk_blocks=0),
+     r"topk_blocks must be an int in 1..4096, got 0"),
+    (lambda: candidate_mask(torch.zeros(2, 40), torch.zeros(2, dtype=torch.int32), topk_blocks=2.0),
+     r"topk_blocks must be an int in 1..4096, got 2.0"),
+])
+def test_bad_plan_arguments_name_the_argument(build, match):
+    with pytest.raises(ValueError, match=match):
+        build()
 
 
 @pytest.mark.parametrize("small_max,max_chunks,four_min_cols", [(0, 1024, 1 << 18), (0, 1, 1 << 18), (0, 1024, 0)])

@@ -217,6 +217,23 @@ def test_bad_inputs_raise_naming_the_argument(case, match):
         wo_a_(plan, *case(o, cos, sin, weight, scale, torch.empty(3, 128, dtype=torch.bfloat16)))
 
 
+@pytest.mark.parametrize("kw, exc, match", [
+    (dict(split=True), ValueError, r"split must be a positive divisor of group_width / \d+ = \d+, got True"),
+    (dict(heads=True, o_groups=True), ValueError, "heads must be a positive int, got True"),
+    (dict(num_warps=3), ValueError, "num_warps must be a power of two in 1..16, got 3"),
+    (dict(num_warps=0), ValueError, "num_warps must be a power of two in 1..16, got 0"),
+    (dict(num_warps="4"), ValueError, "num_warps must be a power of two in 1..16, got '4'"),
+    (dict(num_stages=0), ValueError, "num_stages must be a positive int, got 0"),
+    (dict(num_stages=2.0), ValueError, "num_stages must be a positive int, got 2.0"),
+    (dict(bf16_dot="yes"), TypeError, "bf16_dot must be None, True or False, got 'yes'"),
+    (dict(swap_ab=1), TypeError, "swap_ab must be None, True or False, got 1"),
+])
+def test_bad_launch_options_name_the_option(kw, exc, match):
+    args = dict(heads=4, o_groups=2, rank=64, max_rows=8, weight_dtype=torch.bfloat16, device="cpu") | kw
+    with pytest.raises(exc, match=match):
+        WoAPlan.build(**args)
+
+
 def test_bf16_plan_rejects_a_scale_and_bad_plans_name_the_field():
     plan = WoAPlan.build(4, 2, 64, 8, torch.bfloat16, "cpu")
     o, _, cos, sin, w = (t.cpu() for t in _inputs(3, 4, 2, 64, seed=0))
