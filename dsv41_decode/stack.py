@@ -19,7 +19,7 @@ from .layer import AttentionLayer, CallContext
 from .parallel import TensorParallel
 from .reference.linear import rms_norm
 from .reference.mhc import Mix, hc_mixes, hc_post, hc_pre
-from .state import DecodeState, StepRows
+from .state import DecodeState, StepRows, abandon_after
 from .weights import Checkpoint
 
 FfnHook = Callable[[int, torch.Tensor], torch.Tensor]
@@ -126,8 +126,8 @@ class AttentionStack:
                 x, pre, rec = self.block(i, x, pre, step, state, ctx, ffn)
                 if observe is not None:
                     observe(i, rec)
-        except BaseException:
-            state.abandon(step)
+        except BaseException as err:
+            abandon_after(state, step, err)
             raise
         state.advance(step)
         return x, pre

@@ -51,6 +51,17 @@ from .records import (
 from .upload import HostUpload
 
 
+def abandon_after(state: "DecodeState", step: "StepRows", err: BaseException) -> None:
+    """`state.abandon(step)` for a call that raised `err`, which the caller then re-raises: where
+    the state cannot abandon it (the call's own hooks advanced or replaced the plan), err keeps
+    that reason as a note (Python >= 3.11) instead of being replaced by it."""
+    try:
+        state.abandon(step)
+    except Exception as why:
+        if hasattr(err, "add_note"):
+            err.add_note(f"(the call could not be abandoned: {why})")
+
+
 class CapacityError(RuntimeError):
     """A request, context or page capacity of a `DecodeState` would be exceeded.
 
@@ -254,6 +265,8 @@ class DecodeState:
         self._window_hi: dict[int, list[int]] = {L: [0] * max_requests for L in self.window}
         # slot -> rows of the abandoned call that overwrote what the slot's next call would read
         self._lost: dict[int, int] = {}
+        # the generic path wrote caches for the current plan (a plan() may not replace it then)
+        self._written = False
 
     def __deepcopy__(self, memo) -> "DecodeState":
         """A snapshot: every tensor and table copied; a plan id of its own for the plans made after
@@ -301,6 +314,7 @@ class DecodeState:
             self._give_back_pages(r, s, 0)
         del self._req_slot[req_id]
         self._slot_req[s] = None
+        self._lost.pop(s, None)
         self._lengths[s] = 0
         self._pending[s] = 0
         self._accepting.pop(s, None)
@@ -360,6 +374,9 @@ class DecodeState:
                              + (" (list(rows.items()) makes one)" if isinstance(rows, dict) else ""))
         if len(rows) == 0:
             raise ValueError("plan: the call has no rows")
+        if self._planned is not None and self._written:
+            raise ValueError("plan: the current plan's layers have written the caches, and it was neither advanced "
+                             "nor abandoned (a plan() from inside a forward: its FFN hook or observer?)")
         ids, counts, starts, slots = [], [], [], []
         seen = set()
         for entry in rows:
@@ -442,6 +459,7 @@ class DecodeState:
             pos_rows.extend(range(start, start + count))
         self._plan_key = (self._plan_key[0], self._plan_key[1] + 1)
         self._planned = self._plan_key
+        self._written = False
         slot_pos = self._upload.tensor([slot_rows, pos_rows], torch.int64)
         return StepRows(
             req_ids=tuple(ids), counts=tuple(counts), starts=tuple(starts),
@@ -479,6 +497,7 @@ class DecodeState:
         """
         slots = self.check_step(step, "advance")
         self._planned = None
+        self._written = False
         for s, start, count in zip(slots, step.starts, step.counts):
             self._lengths[s] += count
             self._pending[s] = 0
@@ -489,30 +508,40 @@ class DecodeState:
         """Undo a planned call that will not be advanced: its layers stopped midway (an exception in
         `AttentionStack.forward` or a step's call, which call this before they re-raise).
 
-        `check_step` first. Each request of the call keeps its length; what a retry of its rows (or
-        any later call) reads is restored, as `accept` restores it for rejected rows (spec decision
+        `step` must be the current plan (ValueError otherwise); a request freed since the plan is
+        skipped. Each other request of the call keeps its length; what a retry of its rows (or any
+        later call) reads is restored, as `accept` restores it for rejected rows (spec decision
         12): the window ring's positions `length - W + 1 .. length - 1`, the ratio-2 compressors'
         open group (from `comp_rows`), the pages of its length (the rest go back to the pools).
-        Where the call's rows overwrote one of those - ring slots of positions `length - W + 1`
-        and up (more than `max_drafts + 1` rows after W cached tokens), or the open group's first
-        row (an odd length, more rows than `comp_rows` keeps) - the request has lost cached rows:
-        a later `plan` of it raises ValueError naming it (free it and prefill it again).
+        Where the call's rows overwrote one of those - a ring slot of a cached position from
+        `length - W + 1` on (more than `max_drafts + 1` rows after a cached token), or the open
+        group's first row (an odd length, at least `max_drafts + 2` rows; 2 without drafts) - the
+        request has lost cached rows: a later `plan` of it raises ValueError naming it (free it and
+        prefill it again).
         """
-        slots = self.check_step(step, "abandon")
+        if not isinstance(step, StepRows):
+            raise TypeError(f"abandon: expected the StepRows of DecodeState.plan, got {type(step).__name__}")
+        if step.plan_key != self._planned:
+            raise ValueError("abandon: the step is not this state's current plan (advanced, abandoned, planned by "
+                             "another DecodeState, or replaced by a later plan())")
         self._planned = None
+        self._written = False
         self._accepting = {}
         H, M, W = self.comp_history, self.ring_size, self.window_size
         restore = []   # (slot, p % 2, source slot, p % H) of the rows a later call reads
-        for s, start, count in zip(slots, step.starts, step.counts):
+        for req_id, s, start, count in zip(step.req_ids, step.slots, step.starts, step.counts):
+            if self._slot_req[s] != req_id or self._pending[s] != count or self._lengths[s] != start:
+                continue                                  # freed (and maybe re-admitted) since the plan
             self._pending[s] = 0
             for r in self.ratios:
                 want = _cdiv(start // r, self.page_size)
                 if len(self._pages[r][s]) > want:
                     self._give_back_pages(r, s, want)
-            # the call's last row overwrote the ring slot of position start + count - 1 - M; the
-            # open group's row start - 1 (odd start) sits in comp slot (start - 1) % 2, which row
-            # start + 1 overwrote, and in comp_rows row (start - 1) % H, which row start - 1 + H did
-            ring_lost = start + count - 1 - M >= max(0, start - W + 1)
+            # the call's rows took the ring slots of positions start - M .. start + count - 1 - M, of
+            # which a later call reads the cached ones from start - W + 1 on; the open group's row
+            # start - 1 (odd start) sits in comp slot (start - 1) % 2, which row start + 1 overwrote,
+            # and in comp_rows row (start - 1) % H, which row start - 1 + H overwrote
+            ring_lost = start > 0 and start + count - 1 - M >= max(0, start - W + 1)
             group_lost = bool(self.comp_kv) and start % 2 == 1 and count >= (H if H else 2)
             if ring_lost or group_lost:
                 self._lost[s] = count
@@ -632,6 +661,7 @@ class DecodeState:
             values = values[keep[0]:]
             pos = pos[keep[0]:]
         idx = torch.tensor([req_slot * M + p % M for p in pos], dtype=torch.int64, device=self.device)
+        self._written = True
         self.window[layer].index_copy_(0, idx, pack_window_kv(values))
         hi = self._window_hi[layer]
         hi[req_slot] = max(hi[req_slot], pos[-1] + 1)
@@ -680,6 +710,7 @@ class DecodeState:
         n = len(pos)
         rows = torch.cat([kv[-n:], score[-n:]], dim=1)
         idx = torch.tensor([p % H for p in pos], dtype=torch.int64, device=self.device)
+        self._written = True
         self.comp_rows[layer][req_slot].index_copy_(0, idx, rows.to(torch.float32))
 
     # ----- compressed caches (generic path) -----
@@ -735,6 +766,7 @@ class DecodeState:
         if e_max >= done:
             raise ValueError(f"write_entries: layer {layer}, slot {req_slot}: entry {e_max} is not "
                              f"completed; entries 0..{done - 1} are (ratio {r})")
+        self._written = True
         idx = self.entry_slots(r, req_slot, entries)
         self.compressed[layer].index_copy_(0, idx, pack_compressed_kv(kv))
         self.index_keys[layer].index_copy_(0, idx, pack_index_key(index_key))

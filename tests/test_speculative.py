@@ -189,6 +189,7 @@ def test_an_abandoned_call_longer_than_the_ring_spare_loses_the_request(setup):
 
 
 @pytest.mark.parametrize("max_drafts, start, count, lost", [
+    (0, 0, 8, False),    # a fresh request: nothing cached to lose, whatever the call's length
     (0, 2, 3, False),    # even start: no open group; the ring (W = 6 slots) keeps positions 0, 1
     (0, 5, 1, False),    # one row leaves the open group's first row in its slot
     (0, 5, 2, True),     # the second row overwrites it, and no comp_rows keep it
@@ -203,7 +204,8 @@ def test_what_an_abandoned_call_loses(setup, max_drafts, start, count, lost):
     cfg, stack, _, _ = setup
     st = DecodeState(cfg, max_requests=1, max_context=64, page_size=4, max_drafts=max_drafts)
     st.admit("a")
-    stack.forward(_rows_input(cfg, [("a", start)], 20), st.plan([("a", start)]), st)
+    if start:
+        stack.forward(_rows_input(cfg, [("a", start)], 20), st.plan([("a", start)]), st)
     ref = copy.deepcopy(st)
     rows = [("a", count)]
     x = _rows_input(cfg, rows, 21)
@@ -219,3 +221,53 @@ def test_what_an_abandoned_call_loses(setup, max_drafts, start, count, lost):
         outs = [stack.forward(x, s.plan(call), s, ffn=ffn) for s in (st, ref)]
         assert all(torch.equal(a, b) for a, b in zip(*outs))
     assert sp.state_difference(st, ref, ["a"]) is None
+
+
+def test_a_forward_whose_hooks_change_the_state_keeps_its_own_error(setup):
+    """An FFN hook that plans another call is refused (the call's caches are written): its error
+    propagates and the call is abandoned, exactly; one that frees a request of the call leaves
+    the others abandoned exactly; one that advances the call itself leaves nothing to abandon,
+    and the hook's own exception propagates with the reason as a note."""
+    import copy
+    cfg, stack, _, _ = setup
+    st = _state(cfg, stack, max_drafts=3)
+    ref = copy.deepcopy(st)
+    rows = [("a", 2), ("b", 1)]
+    x = _rows_input(cfg, rows, 30)
+    mid = list(stack.ids)[len(stack.ids) // 2]
+
+    def replan(i, h):
+        if i == mid:
+            st.plan([("c", 1)])
+        return h
+    with pytest.raises(ValueError, match="plan: the current plan's layers have written the caches"):
+        stack.forward(x, st.plan(rows), st, ffn=replan)
+    ffn = (lambda i, h: h)
+    outs = [stack.forward(x, s.plan(rows), s, ffn=ffn) for s in (st, ref)]
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    assert sp.state_difference(st, ref, list(PREFILL)) is None
+
+    def free_b(i, h):
+        if i == mid:
+            st.free("b")
+            raise _Stop("freed b")
+        return h
+    with pytest.raises(_Stop, match="freed b"):
+        stack.forward(x, st.plan(rows), st, ffn=free_b)
+    ref.free("b")
+    outs = [stack.forward(x[:2], s.plan([("a", 2)]), s, ffn=ffn) for s in (st, ref)]
+    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    assert sp.state_difference(st, ref, ["a", "c"]) is None
+
+    step = st.plan([("a", 1)])
+
+    def advance(i, h):
+        if i == mid:
+            st.advance(step)
+            raise _Stop("advanced")
+        return h
+    with pytest.raises(_Stop, match="advanced") as info:
+        stack.forward(x[:1], step, st, ffn=advance)
+    notes = getattr(info.value, "__notes__", None)
+    if notes is not None:
+        assert any("could not be abandoned: abandon: the step is not this state's current plan" in n for n in notes)

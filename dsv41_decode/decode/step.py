@@ -37,7 +37,7 @@ import torch
 from ..ops import LOW_BATCH_MAX_ROWS
 from ..ops.allreduce_boundary import Mailbox
 from ..ops.gluon_indexer import ROW_GROUPS
-from ..state import DecodeState, StepRows
+from ..state import DecodeState, StepRows, abandon_after
 from .attention import AttentionStep
 from .boundary import Boundary
 from .buffers import IndexSelection, Scratch, StepIO, storage_bytes
@@ -355,7 +355,10 @@ class DecodeStep:
         Errors: KeyError for an unknown request, CapacityError past the state's capacities (both
         from DecodeState.plan), StepError for more rows than the largest bucket or a wrong x/pre;
         an error after the plan (the replay, the TP boundary's check) abandons the call
-        (`DecodeState.abandon`) before it propagates.
+        (`DecodeState.abandon`) before it propagates. Under TP the boundary's check fails on the
+        rank that waited for a rank that never arrived: that rank abandons while the others may
+        have advanced, so the ranks' states differ from then on (free the call's requests on every
+        rank).
 
         On the host: the plan (Python bookkeeping), the rows' record (numpy), a few copies and small
         kernels enqueued on the current stream (the tables from pinned memory, x and pre into the
@@ -370,8 +373,8 @@ class DecodeStep:
             out = self.io.x_out[:n].clone(), self.pre_out[:n].clone()
             if self.mailbox is not None:
                 self.mailbox.check()                          # a rank that never arrived: raise
-        except BaseException:
-            self.state.abandon(planned)
+        except BaseException as err:
+            abandon_after(self.state, planned, err)
             raise
         self.state.advance(planned)
         return out
