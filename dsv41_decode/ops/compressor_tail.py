@@ -109,7 +109,7 @@ def _compressor_tail_kernel(
                 x = bf16_round(x)
             nw = to_f32(tl.load(nw_ptr + k0 + rk))
             lat = bf16_round(normed(x, nw[None, :], r))                  # lat's values, row 0
-            w = w_a.to(tl.float32)
+            w = to_f32(w_a)
             w_a = w_b
             w_b = tl.load(w_ptrs + k0 + 2 * BLOCK_K, mask=n_ok & (k0 + 2 * BLOCK_K + rk < 512)[None, :], other=0.0)
             acc = ll_dot(lat, w, acc, 0)

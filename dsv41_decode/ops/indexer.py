@@ -25,6 +25,7 @@ from ..records import INDEX_KEY_BYTES
 from .checks import interpreting, require_bool, require_int, require_is_tensor, require_num_warps
 from .common import num_sms
 from .fp4 import bf16_round
+from .rounding import to_f32
 
 _HEAD_DIM = 128
 
@@ -89,8 +90,8 @@ def _q_block_e4m3(iq_ptr, n, iq_sn, iq_sh, heads, blk: tl.constexpr, BLOCK_H: tl
     per-head power of two f with q = q' * f / 2^6 exactly (the 2^6 undoes the keys' 2^-6; see
     above; an all-zero block gives q' = 0)."""
     offs_h = tl.arange(0, BLOCK_H)
-    q = tl.load(iq_ptr + n.to(tl.int64) * iq_sn + offs_h[None, :] * iq_sh + (blk * 32 + tl.arange(0, 32))[:, None],
-                mask=(offs_h < heads)[None, :], other=0.0).to(tl.float32)
+    q = to_f32(tl.load(iq_ptr + n.to(tl.int64) * iq_sn + offs_h[None, :] * iq_sh + (blk * 32 + tl.arange(0, 32))[:, None],
+                mask=(offs_h < heads)[None, :], other=0.0))
     amax = tl.max(tl.abs(q), axis=0)
     e = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF          # biased exponent of max|q|
     e = tl.minimum(tl.maximum(e, 1), 244)                        # zero (or subnormal) blocks: any s
@@ -133,7 +134,7 @@ def _index_scores_kernel(iq_ptr, w_ptr, pool_ptr, pool8_ptr, bt_ptr, slot_ptr, n
     slot = tl.load(slot_ptr + n).to(tl.int64)
     out_row = out_ptr + n.to(tl.int64) * out_sn
     offs_h = tl.arange(0, BLOCK_H)
-    wv = tl.load(w_ptr + n.to(tl.int64) * w_sn + offs_h, mask=offs_h < heads, other=0.0).to(tl.float32)
+    wv = to_f32(tl.load(w_ptr + n.to(tl.int64) * w_sn + offs_h, mask=offs_h < heads, other=0.0))
     if FP8:
         qa, fa = _q_block_e4m3(iq_ptr, n, iq_sn, iq_sh, heads, 0, BLOCK_H)
         qb, fb = _q_block_e4m3(iq_ptr, n, iq_sn, iq_sh, heads, 1, BLOCK_H)

@@ -50,7 +50,7 @@ from ..records import COMPRESSED_KV_BYTES, WINDOW_KV_BYTES
 from . import pdl
 from .checks import interpreting, require_tensor
 from .fp4 import bf16_round, e2m1_value, e4m3_value
-from .rounding import bf16_rne_bits, ue8m0_to_fp32
+from .rounding import bf16_rne_bits, to_f32, ue8m0_to_fp32
 from .sparse_mla_plan import (BLOCK_KEYS, FP32_STEP_TILING, HEAD_DIM, STEP_TILINGS, SUPPORTED_HEADS,
                               SparseMlaPlan)
 
@@ -191,7 +191,7 @@ def _streamed_scores(q_rows, h_ok, wpool_ptr, cpool_ptr, wtab_row, ctab_row, b, 
     rd = tl.arange(0, DOT_DIMS)
     s = tl.zeros((BLOCK_H, _KEYS), dtype=tl.float32)
     for c in tl.static_range(512 // DOT_DIMS):
-        q_c = tl.load(q_rows + c * DOT_DIMS + rd[None, :], mask=h_ok[:, None], other=0.0).to(tl.float32)
+        q_c = to_f32(tl.load(q_rows + c * DOT_DIMS + rd[None, :], mask=h_ok[:, None], other=0.0))
         k_c = _joined_chunk(wpool_ptr, cpool_ptr, wbase, w_ok, cbase, c_ok, kind, c, False, NATIVE_FP8, DOT_DIMS)
         s = tl.dot(q_c, tl.trans(k_c), s, input_precision="ieee")
     ok = w_ok | c_ok
@@ -226,7 +226,7 @@ def _row_setup(q_ptr, wtab_ptr, ctab_ptr, r, g, H, stride_qn, stride_qh, stride_
     q2 = tl.load(q_rows + 256, mask=h_ok[:, None], other=0.0)
     q3 = tl.load(q_rows + 384, mask=h_ok[:, None], other=0.0)
     if not BF16_DOT:
-        q0, q1, q2, q3 = q0.to(tl.float32), q1.to(tl.float32), q2.to(tl.float32), q3.to(tl.float32)
+        q0, q1, q2, q3 = to_f32(q0), to_f32(q1), to_f32(q2), to_f32(q3)
     wtab_row = wtab_ptr + r * stride_wt
     rw = tl.arange(0, W_P2)
     nw = tl.sum((tl.load(wtab_row + rw, mask=rw < W, other=-1) >= 0).to(tl.int32), axis=0)

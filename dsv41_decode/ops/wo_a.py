@@ -39,7 +39,7 @@ from . import pdl
 from .act_quant import INV_E4M3_MAX, mxfp8_quantize_tile
 from .checks import interpreting, planned_rows, require_bool, require_int, require_num_warps, require_tensor
 from .common import num_sms, plan_workspace, splitk_reduce
-from .rounding import bf16_rne_bits, ue8m0_to_fp32
+from .rounding import bf16_rne_bits, to_f32, ue8m0_to_fp32
 
 _BLOCK_K = 128   # K per loop step: four 32-wide scale blocks
 MAX_UNSWAPPED_ROWS = 32   # rows per unswapped launch: mma.sync up to BLOCK_M 32, wgmma at 64
@@ -104,7 +104,7 @@ def _wo_a_kernel(
             d0 = tl.multiple_of(kc % HEAD_DIM, 32)   # lets the activation loads vectorize
             o_ptrs = o_ptr + rm[:, None] * stride_om + (g * HEADS_PER_GROUP + kc // HEAD_DIM) * stride_oh \
                 + (d0 + rc)[None, :]
-            x = tl.load(o_ptrs, mask=m_ok[:, None], other=0.0).to(tl.float32)
+            x = to_f32(tl.load(o_ptrs, mask=m_ok[:, None], other=0.0))
             if d0 >= NOPE:
                 x = _inverse_rope_bf16(x, cos_ptr, sin_ptr, rm, m_ok, (d0 - NOPE) // 2,
                                        stride_cm, stride_sm, BLOCK_M)
