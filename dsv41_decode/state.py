@@ -533,10 +533,7 @@ class DecodeState:
             if self._slot_req[s] != req_id or self._pending[s] != count or self._lengths[s] != start:
                 continue                                  # freed (and maybe re-admitted) since the plan
             self._pending[s] = 0
-            for r in self.ratios:
-                want = _cdiv(start // r, self.page_size)
-                if len(self._pages[r][s]) > want:
-                    self._give_back_pages(r, s, want)
+            self._cut_to(s, start)
             # the call's rows took the ring slots of positions start - M .. start + count - 1 - M, of
             # which a later call reads the cached ones from start - W + 1 on; the open group's row
             # start - 1 (odd start) sits in comp slot (start - 1) % 2, which row start + 1 overwrote,
@@ -546,16 +543,30 @@ class DecodeState:
             if ring_lost or group_lost:
                 self._lost[s] = count
                 continue
-            for hi in self._window_hi.values():
-                hi[s] = min(hi[s], start)
             # position p's compressor row is held at p % H unless the call overwrote it (p + H is
             # one of its rows); start - 1 survives here, start - 2 is read by no later call
-            for p in (start - 1, start - 2):
-                if p < 0:
-                    restore.append((s, p % 2, self.max_requests, 0))
-                elif p + H >= start + count:
-                    restore.append((s, p % 2, s, p % H))
-        if restore and H:
+            restore += [self._group_row(s, p) for p in (start - 1, start - 2) if p < 0 or p + H >= start + count]
+        self._restore_groups(restore)
+
+    def _cut_to(self, s: int, n: int) -> None:
+        """Slot s back to n tokens in what the generic path's ring reads (its high-water mark) and
+        in pages (those past n's entries go back to the pools)."""
+        for hi in self._window_hi.values():
+            hi[s] = min(hi[s], n)
+        for r in self.ratios:
+            want = _cdiv(n // r, self.page_size)
+            if len(self._pages[r][s]) > want:
+                self._give_back_pages(r, s, want)
+
+    def _group_row(self, s: int, p: int) -> tuple[int, int, int, int]:
+        """(slot, p % 2, source slot, source row) that restores position p's row of slot s's open
+        group from `comp_rows` (a fresh group's zeros and -inf for p < 0)."""
+        return (s, p % 2) + ((s, p % self.comp_history) if p >= 0 else (self.max_requests, 0))
+
+    def _restore_groups(self, restore: list) -> None:
+        """Copy the `_group_row`s in `restore` back into the open groups: one upload, one indexed
+        copy over every ratio-2 source (nothing without ratio-2 sources or drafts)."""
+        if restore and self.comp_rows:
             idx = self._upload.tensor(list(zip(*restore)), torch.int64)
             self._comp[idx[0], idx[1]] = self._comp_rows[idx[2], idx[3]]
 
@@ -602,19 +613,9 @@ class DecodeState:
             if n == old:
                 continue
             self._lengths[s] = n
-            for hi in self._window_hi.values():
-                hi[s] = min(hi[s], n)
-            for r in self.ratios:
-                want = _cdiv(n // r, self.page_size)
-                if len(self._pages[r][s]) > want:
-                    self._give_back_pages(r, s, want)
-            if self.comp_rows:
-                for p in (n - 1, n - 2):
-                    restore.append((s, p % 2) + ((s, p % self.comp_history) if p >= 0
-                                                 else (self.max_requests, 0)))
-        if restore:
-            idx = self._upload.tensor(list(zip(*restore)), torch.int64)
-            self._comp[idx[0], idx[1]] = self._comp_rows[idx[2], idx[3]]
+            self._cut_to(s, n)
+            restore += [self._group_row(s, p) for p in (n - 1, n - 2)]
+        self._restore_groups(restore)
         if todo:
             self._upload.copy_(self.seq_lens, self._lengths)
 
