@@ -63,8 +63,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import (config_for_rows, interpreting, mxfp8_linear_args, mxfp8_weight_args, require_num_warps,
-                     row_configs)
+from .checks import (config_for_rows, interpreting, mxfp8_linear_args, mxfp8_weight_args, require_int,
+                     require_num_warps, row_configs)
 from .common import plan_workspace
 from .exact_mm import _mul_rn, reduction_order
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
@@ -208,9 +208,7 @@ class F64Config:
 
     def __post_init__(self):
         for name in ("block_n", "block_m", "num_warps", "num_stages", "split"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"F64Config.{name} must be a positive int, got {value!r}")
+            require_int(getattr(self, name), f"F64Config.{name}")
         require_num_warps(self.num_warps, "F64Config.num_warps")
         if self.block_n not in (16, 32, 64, 128):
             raise ValueError(f"F64Config.block_n must be 16, 32, 64 or 128, got {self.block_n}")

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from .checks import (config_for_rows, interpreting, mxfp8_linear_args, mxfp8_weight_args, require_bool,
-                     require_is_tensor, require_num_warps, row_configs)
+                     require_is_tensor, require_int, require_num_warps, row_configs)
 from .exact_mm import _mul_rn, reduction_order
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
 
@@ -216,9 +216,7 @@ class Int8Config:
 
     def __post_init__(self):
         for name in ("block_n", "block_m", "num_warps", "num_stages"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"Int8Config.{name} must be a positive int, got {value!r}")
+            require_int(getattr(self, name), f"Int8Config.{name}")
         require_num_warps(self.num_warps, "Int8Config.num_warps")
         if not isinstance(self.pairs, bool):
             raise ValueError(f"Int8Config.pairs must be a bool, got {self.pairs!r}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from .checks import require_num_warps
+from .checks import require_int, require_num_warps
 from .common import CPU_SMS
 
 
@@ -40,9 +40,7 @@ class ExactConfig:
 
     def __post_init__(self):
         for name in ("block_n", "block_k", "rows", "num_warps", "num_stages", "split"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ExactConfig.{name} must be a positive int, got {value!r}")
+            require_int(getattr(self, name), f"ExactConfig.{name}")
         require_num_warps(self.num_warps, "ExactConfig.num_warps")
         if not isinstance(self.f64, bool):
             raise ValueError(f"ExactConfig.f64 must be a bool, got {self.f64!r}")

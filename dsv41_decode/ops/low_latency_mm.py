@@ -40,7 +40,7 @@ import triton.language as tl
 
 from . import pdl
 from .checks import (index_query_epilogue_args, interpreting, mxfp8_linear_args, mxfp8_weight_args,
-                     require_num_warps, rope_epilogue_args)
+                     require_int, require_num_warps, rope_epilogue_args)
 from .common import num_sms, plan_workspace
 from .fp4 import bf16_round
 from .index_query import index_query_tile
@@ -222,9 +222,7 @@ class LowLatencyConfig:
 
     def __post_init__(self):
         for name in ("block_n", "block_k", "split", "num_warps", "num_stages"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"LowLatencyConfig.{name} must be a positive int, got {value!r}")
+            require_int(getattr(self, name), f"LowLatencyConfig.{name}")
         require_num_warps(self.num_warps, "LowLatencyConfig.num_warps")
         if self.scale_words is not None and not isinstance(self.scale_words, bool):
             raise ValueError(f"LowLatencyConfig.scale_words must be None, True or False, got {self.scale_words!r}")
