@@ -13,7 +13,7 @@ import triton.language as tl
 
 from ..formats import E4M3_MAX, MXFP8_AMAX_FLOOR
 from . import pdl
-from .checks import require_tensor
+from .checks import require_ndim, require_tensor
 from .fp4 import abs_nan_inf, pow2_ceil_exponent, pow2_inv
 from .rounding import e4m3_rne_code, to_f32
 
@@ -95,9 +95,7 @@ def act_quant_mxfp8_(x: torch.Tensor, codes_out: torch.Tensor, scales_out: torch
     scales_out: [M, K/32] uint8 UE8M0 bytes (or float8_e8m0fnu), unit stride in K/32.
     A block holding an inf or NaN gets scale byte 255 and NaN codes 0x7F, as in formats.py.
     """
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        raise ValueError(f"x must be a 2-D tensor [M, K], got {getattr(x, 'shape', type(x).__name__)}")
-    m, k = x.shape
+    m, k = require_ndim(x, "x", "[M, K]")
     if k % 32:
         raise ValueError(f"x: K={k} must be a multiple of 32 (the MXFP8 block)")
     require_tensor(x, "x", (torch.bfloat16,), (m, k), None)
@@ -121,9 +119,7 @@ def act_quant_mxfp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x: [M, K] bfloat16, K a multiple of 32, unit stride in K.
     Returns (codes float8_e4m3fn [M, K], scales uint8 [M, K/32] UE8M0 bytes).
     """
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        raise ValueError(f"x must be a 2-D tensor [M, K], got {getattr(x, 'shape', type(x).__name__)}")
-    m, k = x.shape
+    m, k = require_ndim(x, "x", "[M, K]")
     codes = torch.empty(m, k, dtype=torch.float8_e4m3fn, device=x.device)
     scales = torch.empty(m, k // 32, dtype=torch.uint8, device=x.device)
     act_quant_mxfp8_(x, codes, scales)

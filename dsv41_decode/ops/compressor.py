@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from .checks import interpreting, require_tensor
+from .checks import interpreting, require_ndim, require_tensor
 
 _BLOCK_C = 128
 
@@ -88,12 +88,8 @@ def _compress_ratio2_kernel(kvs_ptr, slot_ptr, pos_ptr, skv_ptr, ssc_ptr, out_pt
 
 
 def _require_ranks(kv_score, state_kv) -> None:
-    if not isinstance(state_kv, torch.Tensor) or state_kv.dim() != 3:
-        raise ValueError(f"state_kv must be a 3-D tensor [R, 2, D], got "
-                         f"{getattr(state_kv, 'shape', type(state_kv).__name__)}")
-    if not isinstance(kv_score, torch.Tensor) or kv_score.dim() != 2:
-        raise ValueError(f"kv_score must be a 2-D tensor [N, 2D], got "
-                         f"{getattr(kv_score, 'shape', type(kv_score).__name__)}")
+    require_ndim(state_kv, "state_kv", "[R, 2, D]")
+    require_ndim(kv_score, "kv_score", "[N, 2D]")
 
 
 def compress_ratio2_(kv_score: torch.Tensor, req_slot: torch.Tensor, positions: torch.Tensor,
@@ -124,9 +120,8 @@ def compress_ratio2_(kv_score: torch.Tensor, req_slot: torch.Tensor, positions: 
     require_tensor(out, "out", torch.float32, (n, d), dev)
     require_tensor(done, "done", torch.int32, (n,), dev)
     if history is not None:
-        if not isinstance(history, torch.Tensor) or history.dim() != 3 or history.shape[1] < 1:
-            raise ValueError(f"history must be a 3-D tensor [R, H >= 1, 2D], got "
-                             f"{getattr(history, 'shape', type(history).__name__)}")
+        if require_ndim(history, "history", "[R, H >= 1, 2D]")[1] < 1:
+            raise ValueError(f"history must be a 3-D tensor [R, H >= 1, 2D], got {history.shape}")
         require_tensor(history, "history", torch.float32, (n_req, history.shape[1], 2 * d), dev)
     if n == 0 or d == 0:
         return

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from .act_quant import act_quant_mxfp8
-from .checks import require_int, require_num_warps, require_tensor
+from .checks import require_int, require_ndim, require_num_warps, require_tensor
 from .common import num_sms
 from .rounding import bf16_rne_bits, ue8m0_to_fp32
 
@@ -124,12 +124,8 @@ def fp8_mm_(codes: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_
     Every operand needs unit stride in its last dimension and the same device. Scale bytes must be
     1..254 (unchecked; the MX scale rule gives 105..247 for activations, 255 gives NaN).
     """
-    if not isinstance(codes, torch.Tensor) or codes.dim() != 2:
-        raise ValueError(f"codes must be a 2-D tensor [M, K], got {getattr(codes, 'shape', type(codes).__name__)}")
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise ValueError(f"weight must be a 2-D tensor [N, K], got {getattr(weight, 'shape', type(weight).__name__)}")
-    m, k = codes.shape
-    n = weight.shape[0]
+    m, k = require_ndim(codes, "codes", "[M, K]")
+    n = require_ndim(weight, "weight", "[N, K]")[0]
     if k % 32:
         raise ValueError(f"codes: K={k} must be a multiple of 32 (the MXFP8 block)")
     fp8 = (torch.float8_e4m3fn, torch.uint8)

@@ -114,7 +114,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from .checks import row_configs
+from .checks import require_int, row_configs
 from .gluon_exact_common import (GluonExactPlan, block_term, fused_scale, fused_scales_ok, fused_take,
                                  ring_weight_args, split_k_sum, store_tile, sum_chunk, take_term, unit_words, wait_unit,
                                  ws_tile)
@@ -561,8 +561,7 @@ class GluonExactConfig:
             raise ValueError(f"GluonExactConfig.block_m must be one of {ROW_BUCKETS}, got {self.block_m!r}")
         if not is_int(self.stages) or not 2 <= self.stages <= 8:
             raise ValueError(f"GluonExactConfig.stages must be an int in [2, 8], got {self.stages!r}")
-        if not is_int(self.split) or self.split < 1:
-            raise ValueError(f"GluonExactConfig.split must be a positive int, got {self.split!r}")
+        require_int(self.split, "GluonExactConfig.split")
         if not is_int(self.split_rows) or not 1 <= self.split_rows <= 16:
             raise ValueError(f"GluonExactConfig.split_rows must be an int in [1, 16], got {self.split_rows!r}")
         require_maxnreg(self)

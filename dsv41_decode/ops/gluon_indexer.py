@@ -75,6 +75,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+from .checks import require_int
 from .common import is_sm90, num_sms
 from .fp4 import bf16_round
 from .indexer import index_scores_args
@@ -689,8 +690,7 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
     programs_per_sm = defaults["programs_per_sm"] if programs_per_sm is None else programs_per_sm
     mma_pairs = defaults["mma_pairs"] if mma_pairs is None else mma_pairs
     kperm = defaults["kperm"] if kperm is None else kperm
-    if isinstance(programs_per_sm, bool) or not isinstance(programs_per_sm, int) or programs_per_sm < 1:
-        raise ValueError(f"programs_per_sm must be a positive int, got {programs_per_sm!r}")
+    require_int(programs_per_sm, "programs_per_sm")
     if maxnreg is not None and (isinstance(maxnreg, bool) or not isinstance(maxnreg, int) or not 64 <= maxnreg <= 256
                                 or maxnreg % 8):
         raise ValueError(f"maxnreg must be None or a multiple of 8 in [64, 256], got {maxnreg!r}")

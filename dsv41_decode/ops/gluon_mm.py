@@ -87,7 +87,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .checks import UE8M0_DTYPES, index_query_epilogue_args, mxfp8_linear_args, require_tensor, rope_epilogue_args
+from .checks import (UE8M0_DTYPES, index_query_epilogue_args, mxfp8_linear_args, require_ndim, require_tensor,
+                     rope_epilogue_args)
 from .common import is_sm90, num_sms, plan_workspace
 from .gluon_epilogues import bf16_out
 from .low_latency_mm import _Operands   # the plan cache's key: same memory, same view
@@ -772,10 +773,7 @@ class GluonMM:
 
     def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int = MAX_ROWS,
                  config: GluonMMConfig | None = None, workspace=None):
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-            raise ValueError(f"weight must be a 2-D [N, K] tensor, got "
-                             f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__}")
-        n, k = weight.shape
+        n, k = require_ndim(weight, "weight", "[N, K]")
         if k % BLOCK_K or k == 0 or n == 0:
             raise ValueError(f"weight must be [N, K] with N >= 1 and K a positive multiple of {BLOCK_K}, "
                              f"got {(n, k)} (use ops.low_latency_mm)")

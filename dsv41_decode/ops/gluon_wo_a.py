@@ -112,6 +112,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 
 from ..formats import E4M3_MAX, MXFP8_AMAX_FLOOR
 from .act_quant import INV_E4M3_MAX, mxfp8_quantize_tile
+from .checks import require_int
 from .common import is_sm90, num_sms, plan_workspace
 from .gluon_mm import _producer, _ring, tma_desc
 from .rounding import ue8m0_to_fp32
@@ -679,8 +680,7 @@ class GluonWoAPlan(GroupedShape):
         leading arguments."""
         for name, v in (("heads", heads), ("o_groups", o_groups), ("rank", rank), ("max_rows", max_rows),
                         ("head_dim", head_dim), ("rope_dim", rope_dim)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+            require_int(v, name)
         if weight_dtype not in (torch.bfloat16, torch.float8_e4m3fn):
             raise TypeError(f"weight_dtype must be torch.bfloat16 or torch.float8_e4m3fn, got {weight_dtype}")
         fp8 = weight_dtype == torch.float8_e4m3fn

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import planned_rows, require_tensor
+from .checks import planned_rows, require_int, require_ndim, require_tensor
 from .common import column, num_sms, splitk_reduce
 from .mhc import HC, N_MIX
 from .rounding import to_f32
@@ -265,9 +265,8 @@ class HcMixPlan:
         per program: 80 programs of 256 columns at dim 5120; not tuned on a GPU). Not a function
         of max_rows, so that a row's bits do not depend on the plan's capacity either.
         """
-        for name, v in (("dim", dim), ("max_rows", max_rows)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        require_int(dim, "dim")
+        require_int(max_rows, "max_rows")
         if dim % 32:
             raise ValueError(f"dim={dim} must be a multiple of 32")
         device = torch.device(device)
@@ -275,8 +274,8 @@ class HcMixPlan:
         row_tiles = triton.cdiv(max_rows, _MAX_BLOCK_M)
         if split is None:
             split = max(1, min(2 * num_sms(device), triton.cdiv(grains, 2)))
-        elif not isinstance(split, int) or isinstance(split, bool) or split < 1:
-            raise ValueError(f"split must be a positive int, got {split!r}")
+        else:
+            require_int(split, "split")
         k_per_split = triton.cdiv(grains, min(split, grains)) * _K_GRAIN
         split = triton.cdiv(HC * dim, k_per_split)
         tiles = tuple(_mix_tile(1 << i) for i in range((max_rows - 1).bit_length() + 1))
@@ -318,8 +317,7 @@ def hc_mix_(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.
     for v, name in ((norm_eps, "norm_eps"), (hc_eps, "hc_eps")):
         if not isinstance(v, (int, float)) or isinstance(v, bool):
             raise TypeError(f"{name} must be a float, got {type(v).__name__}")
-    if not isinstance(sinkhorn_iters, int) or isinstance(sinkhorn_iters, bool) or sinkhorn_iters < 1:
-        raise ValueError(f"sinkhorn_iters must be a positive int, got {sinkhorn_iters!r}")
+    require_int(sinkhorn_iters, "sinkhorn_iters")
     if m == 0:
         return
     t = plan.tile(m)
@@ -341,9 +339,7 @@ def hc_mix(x: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.T
 
     plan: optional `HcMixPlan` (default: built here for M rows, which allocates; pass one for CUDA graphs).
     """
-    if not isinstance(x, torch.Tensor) or x.dim() != 3:
-        raise ValueError(f"x must be a 3-D tensor [M, 4, dim], got {getattr(x, 'shape', type(x).__name__)}")
-    m = x.shape[0]
+    m = require_ndim(x, "x", "[M, 4, dim]")[0]
     if plan is None:
         plan = HcMixPlan.build(x.shape[2], max(1, m), x.device)
     pre = torch.empty(m, HC, dtype=torch.float32, device=x.device)

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .checks import interpreting, require_tensor
+from .checks import interpreting, require_int, require_ndim, require_tensor
 from .act_quant import mxfp8_blocks
 from .common import butterfly_sum, in_order_sum, num_sms
 from .rms_norm import inv_rms
@@ -419,8 +419,7 @@ class MhcBoundaryPlan:
         why); True on a CUDA device where they do not fit raises ValueError. spin_limit: polls of a
         co-resident program's wait (int32)."""
         for name, v in (("dim", dim), ("max_rows", max_rows), ("block_d", block_d), ("spin_limit", spin_limit)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+            require_int(v, name)
         if spin_limit >= 1 << 31:
             raise ValueError(f"spin_limit={spin_limit} must be below 2**31 (an int32 kernel argument)")
         if dim % 32 or block_d % 32 or block_d & (block_d - 1) or block_d > 1024:
@@ -488,9 +487,7 @@ def check_boundary_call(y, x, post, comb, pre, norm_weight, eps, x_out, u_out, c
                         plan: MhcBoundaryPlan | None) -> tuple[int, int]:
     """`mhc_boundary_`'s checks of its arguments (TypeError / ValueError naming the one at fault);
     returns (N, dim)."""
-    if not isinstance(y, torch.Tensor) or y.dim() != 2:
-        raise ValueError(f"y must be a 2-D tensor [N, dim], got {getattr(y, 'shape', type(y).__name__)}")
-    n, dim = y.shape
+    n, dim = require_ndim(y, "y", "[N, dim]")
     if dim % 32 or dim == 0:
         raise ValueError(f"y: dim={dim} must be a positive multiple of 32 (the MXFP8 block)")
     dev = y.device
@@ -605,9 +602,7 @@ def mhc_enter_(x: torch.Tensor, pre: torch.Tensor, norm_weight: torch.Tensor, ep
     [N, dim] float8_e4m3fn (or uint8); scales_out: [N, dim/32] uint8 (or float8_e8m0fnu): bitwise
     formats.mxfp8_quantize(u_out). The outputs must not overlap x (checked).
     """
-    if not isinstance(x, torch.Tensor) or x.dim() != 3:
-        raise ValueError(f"x must be a 3-D tensor [N, 4, dim], got {getattr(x, 'shape', type(x).__name__)}")
-    n, dim = x.shape[0], x.shape[2]
+    n, _, dim = require_ndim(x, "x", "[N, 4, dim]")
     if dim % 32 or dim == 0:
         raise ValueError(f"x: dim={dim} must be a positive multiple of 32 (the MXFP8 block)")
     dev = x.device
@@ -636,9 +631,7 @@ def mhc_boundary(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: tor
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x_out, u, codes, scales) of `mhc_boundary_`: new streams [N, 4, dim] bfloat16, the next input
     [N, dim] bfloat16, its MXFP8 codes [N, dim] float8_e4m3fn and scales [N, dim/32] uint8."""
-    if not isinstance(y, torch.Tensor) or y.dim() != 2:
-        raise ValueError(f"y must be a 2-D tensor [N, dim], got {getattr(y, 'shape', type(y).__name__)}")
-    n, dim = y.shape
+    n, dim = require_ndim(y, "y", "[N, dim]")
     x_out = torch.empty(n, HC, dim, dtype=torch.bfloat16, device=y.device)
     u = torch.empty(n, dim, dtype=torch.bfloat16, device=y.device)
     codes = torch.empty(n, dim, dtype=torch.float8_e4m3fn, device=y.device)

@@ -48,7 +48,7 @@ from triton.language.extra import libdevice
 
 from ..records import COMPRESSED_KV_BYTES, WINDOW_KV_BYTES
 from . import pdl
-from .checks import interpreting, require_tensor
+from .checks import interpreting, require_ndim, require_tensor
 from .fp4 import bf16_round, e2m1_value, e4m3_value
 from .rounding import bf16_rne_bits, to_f32, ue8m0_to_fp32
 from .sparse_mla_plan import (BLOCK_KEYS, FP32_STEP_TILING, HEAD_DIM, STEP_TILINGS, SUPPORTED_HEADS,
@@ -472,17 +472,14 @@ def check_sparse_mla_args(plan: SparseMlaPlan, q, window_pool, comp_pool, window
     """The row count N of a `sparse_mla_` launch (or of another kernel's with the same arguments,
     `ops.gluon_sparse_mla`), after checking every argument against `plan` (errors name the
     argument)."""
-    if not isinstance(q, torch.Tensor) or q.dim() != 3:
-        raise ValueError(f"q must be a 3-D tensor [N, H, 512], got {getattr(q, 'shape', type(q).__name__)}")
-    n = q.shape[0]
+    n = require_ndim(q, "q", "[N, H, 512]")[0]
     if n > plan.max_rows:
         raise ValueError(f"q has {n} rows, more than the plan's max_rows={plan.max_rows}")
     dev = plan.device
     h = plan.heads
     require_tensor(q, "q", torch.bfloat16, (n, h, HEAD_DIM), dev)
     for t, name, rec in ((window_pool, "window_pool", WINDOW_KV_BYTES), (comp_pool, "comp_pool", COMPRESSED_KV_BYTES)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 2:
-            raise ValueError(f"{name} must be a 2-D tensor [S, {rec}], got {getattr(t, 'shape', type(t).__name__)}")
+        require_ndim(t, name, f"[S, {rec}]")
         require_tensor(t, name, torch.uint8, (t.shape[0], rec), dev)
         if t.shape[0] > 1 and t.stride(0) != rec:
             raise ValueError(f"{name} must have contiguous records (row stride {rec}), got strides {t.stride()}")
@@ -539,12 +536,9 @@ def sparse_mla_(plan: SparseMlaPlan, q: torch.Tensor, window_pool: torch.Tensor,
 def sparse_mla(q: torch.Tensor, window_pool: torch.Tensor, comp_pool: torch.Tensor, window_table: torch.Tensor,
                comp_table: torch.Tensor, sink: torch.Tensor, scale: float, **plan_options) -> torch.Tensor:
     """Convenience: build a plan for these shapes, allocate out, launch; returns [N, H, 512] bfloat16."""
-    if not isinstance(q, torch.Tensor) or q.dim() != 3:
-        raise ValueError(f"q must be a 3-D tensor [N, H, 512], got {getattr(q, 'shape', type(q).__name__)}")
+    n = require_ndim(q, "q", "[N, H, 512]")[0]
     for t, name in ((window_table, "window_table"), (comp_table, "comp_table")):
-        if not isinstance(t, torch.Tensor) or t.dim() != 2:
-            raise ValueError(f"{name} must be a 2-D tensor [N, width], got {getattr(t, 'shape', type(t).__name__)}")
-    n = q.shape[0]
+        require_ndim(t, name, "[N, width]")
     out = torch.empty(n, q.shape[1], HEAD_DIM, dtype=torch.bfloat16, device=q.device)
     if n == 0:
         return out

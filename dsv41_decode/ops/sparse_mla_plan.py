@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from .checks import interpreting, require_bool, require_num_warps
+from .checks import interpreting, require_bool, require_int, require_num_warps
 from .common import plan_workspace
 
 HEAD_DIM = 512
@@ -139,12 +139,10 @@ class SparseMlaPlan:
         takes part_acc, part_ml, block_max (FP32 slots 0-2) and flags, counters, ticket (int32 slots
         0-2; zero when taken). The pool's other takers may hold the same memory, so the caller
         guarantees that no two launches using it overlap in time (one stream, in order)."""
-        for name, v in (("max_rows", max_rows), ("window", window)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        require_int(max_rows, "max_rows")
+        require_int(window, "window")
         require_num_warps(num_warps)
-        if isinstance(topk, bool) or not isinstance(topk, int) or topk < 0:
-            raise ValueError(f"topk must be a non-negative int, got {topk!r}")
+        require_int(topk, "topk", 0)
         if max_rows > 256:
             raise ValueError(f"max_rows must be at most 256, got {max_rows}")
         if isinstance(heads, bool) or not isinstance(heads, int) or heads not in SUPPORTED_HEADS:

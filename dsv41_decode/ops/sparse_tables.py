@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import require_int, require_tensor
+from .checks import require_int, require_ndim, require_tensor
 
 
 @triton.jit
@@ -72,9 +72,7 @@ def window_table_(req_slot: torch.Tensor, positions: torch.Tensor, window: int, 
     slots per request M >= W (`DecodeState.ring_size`; default W); out: [N, W] int32, unit stride
     in W. All on one device.
     """
-    if not isinstance(req_slot, torch.Tensor) or req_slot.dim() != 1:
-        raise ValueError(f"req_slot must be a 1-D tensor [N], got {getattr(req_slot, 'shape', type(req_slot).__name__)}")
-    n = req_slot.shape[0]
+    n = require_ndim(req_slot, "req_slot", "[N]")[0]
     require_int(window, "window")
     ring = window if ring is None else ring
     _require_ring(ring, window)
@@ -95,9 +93,7 @@ def require_slot_table(n: int, k: int, device: torch.device, req_slot, block_tab
     out [N, K] int32, lengths_out [N] int32."""
     require_int(page_size, prefix + "page_size")
     require_tensor(req_slot, prefix + "req_slot", torch.int64, (n,), device)
-    if not isinstance(block_table, torch.Tensor) or block_table.dim() != 2:
-        raise ValueError(f"{prefix}block_table must be a 2-D tensor [R, P], got "
-                         f"{getattr(block_table, 'shape', type(block_table).__name__)}")
+    require_ndim(block_table, prefix + "block_table", "[R, P]")
     require_tensor(block_table, prefix + "block_table", torch.int32, tuple(block_table.shape), device)
     require_tensor(out, prefix + "out", torch.int32, (n, k), device)
     require_tensor(lengths_out, prefix + "lengths_out", torch.int32, (n,), device)
@@ -111,9 +107,7 @@ def topk_slots_(topk: torch.Tensor, req_slot: torch.Tensor, block_table: torch.T
     req_slot: [N] int64; block_table: [R, P] int32 (any row stride); page_size >= 1;
     out: [N, K] int32; lengths_out: [N] int32 = the number of valid entries per row.
     """
-    if not isinstance(topk, torch.Tensor) or topk.dim() != 2:
-        raise ValueError(f"topk must be a 2-D tensor [N, K], got {getattr(topk, 'shape', type(topk).__name__)}")
-    n, k = topk.shape
+    n, k = require_ndim(topk, "topk", "[N, K]")
     require_tensor(topk, "topk", torch.int32, (n, k))
     require_slot_table(n, k, topk.device, req_slot, block_table, page_size, out, lengths_out)
     if n == 0:
@@ -185,8 +179,8 @@ def step_rows_(record: torch.Tensor, window: int, stage_base: int, block_tables:
       ((p + 1) // r, 0 for padding) and entry_slot[k] int64 (the global slot of the entry the row
       completes, -1 if none or its page is unallocated). n_vis, entry_slot: [len(block_tables), >= N].
     """
-    if not isinstance(record, torch.Tensor) or record.dim() != 2 or record.shape[0] != 5:
-        raise ValueError(f"record must be a [5, N] tensor, got {getattr(record, 'shape', type(record).__name__)}")
+    if require_ndim(record, "record", "[5, N]")[0] != 5:
+        raise ValueError(f"record must be a [5, N] tensor, got {record.shape}")
     n, dev = record.shape[1], record.device
     require_int(window, "window")
     require_int(page_size, "page_size")

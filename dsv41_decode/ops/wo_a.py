@@ -37,7 +37,8 @@ import triton.language as tl
 from ..formats import E4M3_MAX, MXFP8_AMAX_FLOOR, fp8_block_quantize
 from . import pdl
 from .act_quant import INV_E4M3_MAX, mxfp8_quantize_tile
-from .checks import interpreting, planned_rows, require_bool, require_int, require_num_warps, require_tensor
+from .checks import (interpreting, planned_rows, require_bool, require_int, require_ndim, require_num_warps,
+                     require_tensor)
 from .common import num_sms, plan_workspace, splitk_reduce
 from .rounding import bf16_rne_bits, to_f32, ue8m0_to_fp32
 
@@ -490,8 +491,7 @@ def wo_a(o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Te
     Operands as in `wo_a_`; o_groups: G on this rank (R = weight.shape[0] / G). plan: optional
     (default: built here, which allocates; pass one for CUDA graphs). Returns out or a new tensor.
     """
-    if not isinstance(o, torch.Tensor) or o.dim() != 3:
-        raise ValueError(f"o must be a 3-D tensor [M, H, head_dim], got {getattr(o, 'shape', type(o).__name__)}")
+    require_ndim(o, "o", "[M, H, head_dim]")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ValueError(f"weight must be a 2-D tensor, got {getattr(weight, 'shape', type(weight).__name__)}")
     if not isinstance(o_groups, int) or o_groups < 1 or weight.shape[0] % o_groups:
