@@ -1,21 +1,20 @@
 """The mixer of an mHC site (spec section 4; `reference.mhc.hc_mixes`): pre, post and comb from the
 streams entering the site, one launch.
 
-The [24, hc*dim] projection and the sum of squares run split over K: each program writes an FP32
-partial [rows, 25] (the 24 projections, then the sum of squares packed in column 24) to the plan's
-workspace, and the last program of a row tile to arrive (`common.splitk_reduce`: an atomic counter
-that it resets, so a CUDA-graph replay needs no memset) adds the partials in split order, then
-computes the sigmoids and the Sinkhorn rounds. Deterministic and batch-invariant: a row's outputs do
-not depend on the other rows or the row count. Every row count runs the same arithmetic: FP32
-products (FMA on the GPU) accumulated in 32 lanes along K, one lane per K residue mod 32, in K
-order, then the lanes added in a fixed pairwise tree (`_pair_sum`: never `tl.sum`, whose tree
-follows the register layout, and that follows the tile's shape); the epilogue holds each of a row's
-25 sums as its own value, so its sums over 4 terms are fixed trees of scalar adds (`_sum4`) and its
-Sinkhorn rounds exchange no data between threads; a program takes at most 8 rows, more rows take
-more row tiles. Sums are in a different order than the reference's (and on the GPU the products may
-be FMA-contracted, and exp and division approximate to a few ulps), so the outputs agree with the
-reference within 1e-5 absolute, not bit for bit (measured in the interpreter at dims 64-5120, 1-70
-rows: at most 4.8e-7; see tests/ops/test_mhc.py).
+The [24, hc*dim] projection and the sum of squares run split over K: each program writes an FP32 partial [rows, 25] (the 24
+  projections, then the sum of squares packed in column 24) to the plan's workspace, and the last
+  program of a row tile to arrive (`common.splitk_reduce`: an atomic counter that it resets, so a
+  CUDA-graph replay needs no memset) adds the partials in split order, then computes the sigmoids
+  and the Sinkhorn rounds. Deterministic and batch-invariant: a row's outputs do not depend on the
+  other rows or the row count. Every row count runs the same arithmetic: FP32 products (FMA on the
+  GPU) accumulated in 32 lanes along K, one lane per K residue mod 32, in K order, then the lanes
+  added in a fixed pairwise tree, and the epilogue's sums over 4 and 8 terms in fixed trees too
+  (`_pair_sum`: never `tl.sum`, whose tree follows the register layout, and that follows the tile's
+  shape); a program takes at most 8 rows, more rows take more row tiles. Sums are in a different
+  order than the reference's (and on the GPU the products may be FMA-contracted, and exp and
+  division approximate to a few ulps), so the outputs agree with the reference within 1e-5
+  absolute, not bit for bit (measured in the interpreter at dims 64-5120, 1-70 rows: at most
+  4.8e-7; see tests/ops/test_mhc.py).
 
 Takes hc = 4 streams (the model's hc_mult; config.py rejects others).
 """
@@ -30,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .checks import planned_rows, require_int, require_ndim, require_tensor
-from .common import column, num_sms, splitk_reduce
+from .common import num_sms, splitk_reduce
 from .mhc import HC, N_MIX
 from .rounding import to_f32
 
@@ -68,99 +67,51 @@ def _pair_sum(x):
 
 
 @triton.jit
-def _sum4(a, b, c, d):
-    """(a + b) + (c + d): the epilogue's every sum over 4 terms, in one fixed tree."""
-    return (a + b) + (c + d)
+def _pair_sum_last(x):
+    """[A, B, C] -> [A, B, 1]: `_pair_sum` over the last axis."""
+    A: tl.constexpr = x.shape[0]
+    B: tl.constexpr = x.shape[1]
+    C: tl.constexpr = x.shape[2]
+    return tl.reshape(_pair_sum(tl.reshape(x, (A * B, C))), (A, B, 1))
 
 
 @triton.jit
-def _norm4(a, b, c, d, eps):
-    """a, b, c, d each divided by their sum plus eps (one Sinkhorn normalisation of a row or column)."""
-    s = _sum4(a, b, c, d) + eps
-    return a / s, b / s, c / s, d / s
-
-
-@triton.jit
-def _softmax4(a, b, c, d, eps):
-    """exp(v - max) / sum + eps of a, b, c, d: the Sinkhorn's first row step."""
-    top = tl.maximum(tl.maximum(a, b), tl.maximum(c, d))
-    a = tl.exp(a - top)
-    b = tl.exp(b - top)
-    c = tl.exp(c - top)
-    d = tl.exp(d - top)
-    s = _sum4(a, b, c, d)
-    return a / s + eps, b / s + eps, c / s + eps, d / s + eps
+def _pair_sum_groups(x):
+    """[A, B, C] -> [A, 1, C]: `_pair_sum` over the middle axis."""
+    return tl.permute(_pair_sum_last(tl.permute(x, (0, 2, 1))), (0, 2, 1))
 
 
 @triton.jit
 def _mix_epilogue(total, rm, m_ok, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr,
                   stride_pre, stride_post, stride_cn, norm_eps, hc_eps,
                   K: tl.constexpr, ITERS: tl.constexpr, BLOCK_M: tl.constexpr):
-    """pre, post, comb of the rows rm from total [BLOCK_M, 32] = (x @ fn^T | sum x^2 | 0...).
-
-    Each of the 25 columns taken out as its own [BLOCK_M] tensor (`column`), so that the Sinkhorn
-    rounds are element-wise arithmetic in every thread's registers: no reduction, no data exchanged
-    between threads. Every sum over 4 terms is `_sum4`'s tree; a column sum over the comb's rows
-    i = 0..3 is (r0 + r1) + (r2 + r3)."""
-    ss = column(total, 24, 32)
+    """pre, post, comb of the rows rm from total [BLOCK_M, 32] = (x @ fn^T | sum x^2 | 0...)."""
+    col = tl.arange(0, 32)[None, :]
+    ss = tl.sum(tl.where(col == 24, total, 0.0), axis=1)  # the other terms are +0: exact
     ms = tl.div_rn(ss, tl.full([BLOCK_M], K, tl.float32))
     root = tl.sqrt_rn(ms + norm_eps)
     inv = tl.div_rn(tl.full([BLOCK_M], 1.0, tl.float32), root)
-    s_pre = tl.load(scale_ptr)
-    s_post = tl.load(scale_ptr + 1)
-    s_comb = tl.load(scale_ptr + 2)
-    for j in tl.static_range(4):
-        z = column(total, j, 32) * inv * s_pre + tl.load(base_ptr + j)
-        tl.store(pre_ptr + rm * stride_pre + j, tl.sigmoid(z) + hc_eps, mask=m_ok)
-        z = column(total, 4 + j, 32) * inv * s_post + tl.load(base_ptr + 4 + j)
-        tl.store(post_ptr + rm * stride_post + j, 2.0 * tl.sigmoid(z), mask=m_ok)
-    # comb's logits z[i][j] = column 8 + 4 i + j; rows first, then columns, as `reference.mhc.sinkhorn`
-    c00, c01, c02, c03 = _softmax4(column(total, 8, 32) * inv * s_comb + tl.load(base_ptr + 8),
-                                   column(total, 9, 32) * inv * s_comb + tl.load(base_ptr + 9),
-                                   column(total, 10, 32) * inv * s_comb + tl.load(base_ptr + 10),
-                                   column(total, 11, 32) * inv * s_comb + tl.load(base_ptr + 11), hc_eps)
-    c10, c11, c12, c13 = _softmax4(column(total, 12, 32) * inv * s_comb + tl.load(base_ptr + 12),
-                                   column(total, 13, 32) * inv * s_comb + tl.load(base_ptr + 13),
-                                   column(total, 14, 32) * inv * s_comb + tl.load(base_ptr + 14),
-                                   column(total, 15, 32) * inv * s_comb + tl.load(base_ptr + 15), hc_eps)
-    c20, c21, c22, c23 = _softmax4(column(total, 16, 32) * inv * s_comb + tl.load(base_ptr + 16),
-                                   column(total, 17, 32) * inv * s_comb + tl.load(base_ptr + 17),
-                                   column(total, 18, 32) * inv * s_comb + tl.load(base_ptr + 18),
-                                   column(total, 19, 32) * inv * s_comb + tl.load(base_ptr + 19), hc_eps)
-    c30, c31, c32, c33 = _softmax4(column(total, 20, 32) * inv * s_comb + tl.load(base_ptr + 20),
-                                   column(total, 21, 32) * inv * s_comb + tl.load(base_ptr + 21),
-                                   column(total, 22, 32) * inv * s_comb + tl.load(base_ptr + 22),
-                                   column(total, 23, 32) * inv * s_comb + tl.load(base_ptr + 23), hc_eps)
-    c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, hc_eps)
-    c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, hc_eps)
-    c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, hc_eps)
-    c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, hc_eps)
+    # Group g of 4 columns: 0 pre, 1 post, 2..5 rows i = g - 2 of comb, 6..7 padding.
+    g = tl.arange(0, 8)[None, :, None]
+    j = tl.arange(0, 4)[None, None, :]
+    m3 = tl.reshape(total * inv[:, None], (BLOCK_M, 8, 4))
+    sc = tl.load(scale_ptr + tl.minimum(g, 2))
+    bs = tl.load(base_ptr + g * 4 + j, mask=g < 6, other=0.0)
+    z = m3 * sc + bs
+    sig = tl.sigmoid(z)
+    row = rm[:, None, None]
+    ok = m_ok[:, None, None]
+    tl.store(pre_ptr + row * stride_pre + j + g * 0, sig + hc_eps, mask=ok & (g == 0))
+    tl.store(post_ptr + row * stride_post + j + g * 0, 2.0 * sig, mask=ok & (g == 1))
+    is_c = (g >= 2) & (g < 6)
+    e = tl.exp(z - tl.max(z, axis=2, keep_dims=True))
+    # The row and column sums in fixed trees (the padding groups add exact zeros to the column sums)
+    c = e / _pair_sum_last(e) + hc_eps
+    c = c / (_pair_sum_groups(tl.where(is_c, c, 0.0)) + hc_eps)
     for _ in range(ITERS - 1):
-        c00, c01, c02, c03 = _norm4(c00, c01, c02, c03, hc_eps)
-        c10, c11, c12, c13 = _norm4(c10, c11, c12, c13, hc_eps)
-        c20, c21, c22, c23 = _norm4(c20, c21, c22, c23, hc_eps)
-        c30, c31, c32, c33 = _norm4(c30, c31, c32, c33, hc_eps)
-        c00, c10, c20, c30 = _norm4(c00, c10, c20, c30, hc_eps)
-        c01, c11, c21, c31 = _norm4(c01, c11, c21, c31, hc_eps)
-        c02, c12, c22, c32 = _norm4(c02, c12, c22, c32, hc_eps)
-        c03, c13, c23, c33 = _norm4(c03, c13, c23, c33, hc_eps)
-    out = comb_ptr + rm * stride_cn
-    tl.store(out + 0, c00, mask=m_ok)
-    tl.store(out + 1, c01, mask=m_ok)
-    tl.store(out + 2, c02, mask=m_ok)
-    tl.store(out + 3, c03, mask=m_ok)
-    tl.store(out + 4, c10, mask=m_ok)
-    tl.store(out + 5, c11, mask=m_ok)
-    tl.store(out + 6, c12, mask=m_ok)
-    tl.store(out + 7, c13, mask=m_ok)
-    tl.store(out + 8, c20, mask=m_ok)
-    tl.store(out + 9, c21, mask=m_ok)
-    tl.store(out + 10, c22, mask=m_ok)
-    tl.store(out + 11, c23, mask=m_ok)
-    tl.store(out + 12, c30, mask=m_ok)
-    tl.store(out + 13, c31, mask=m_ok)
-    tl.store(out + 14, c32, mask=m_ok)
-    tl.store(out + 15, c33, mask=m_ok)
+        c = c / (_pair_sum_last(c) + hc_eps)
+        c = c / (_pair_sum_groups(tl.where(is_c, c, 0.0)) + hc_eps)
+    tl.store(comb_ptr + row * stride_cn + (g - 2) * 4 + j, c, mask=ok & is_c)
 
 
 @triton.jit

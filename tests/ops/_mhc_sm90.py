@@ -2,25 +2,18 @@
 real JIT function to compile), and by hand: compiles `ops.mhc`'s co-resident boundary kernel and the
 split one for sm_90 at dim 5120 with the step's plan (chunks of 512 columns, 4 warps) and prints,
 per kernel, one JSON object: registers, stack, shared and local memory, spill instructions (STL/LDL)
-and the programs an H200 SM holds at once by registers, threads and shared memory. With the
-argument `mixer`, the mixer (`ops.hc_mix`) instead, at dim 5120 with its plan on an H200 (80 K
-splits of 256 columns, 20 Sinkhorn rounds) at each row tile 1, 2, 4, 8: the same resources, and
-its Sinkhorn loop's (the loop holding MUFU, the divisions' reciprocals) barriers, shared-memory
-accesses and shuffles."""
+and the programs an H200 SM holds at once by registers, threads and shared memory."""
 
 from __future__ import annotations
 
 import json
-import sys
 
-from dsv41_decode.ops import hc_mix, mhc
-from dsv41_decode.testing.sm90 import compile_sm90, loops_with, opcode_counts, resources, sass
+from dsv41_decode.ops import mhc
+from dsv41_decode.testing.sm90 import compile_sm90, opcode_counts, resources, sass
 
 TYPES = {"y_ptr": "*bf16", "x_ptr": "*bf16", "post_ptr": "*fp32", "comb_ptr": "*fp32", "pre_ptr": "*fp32",
          "w_ptr": "*bf16", "xo_ptr": "*i16", "u_ptr": "*i16", "codes_ptr": "*u8", "scales_ptr": "*u8",
-         "ws_ptr": "*fp32", "cnt_ptr": "*i32", "eps": "fp32",
-         "fn_ptr": "*fp32", "scale_ptr": "*fp32", "base_ptr": "*fp32", "part_ptr": "*fp32", "count_ptr": "*i32",
-         "norm_eps": "fp32", "hc_eps": "fp32"}
+         "ws_ptr": "*fp32", "cnt_ptr": "*i32", "eps": "fp32"}
 # the step's buffers: the streams' and outputs' rows 16-divisible; the mixer's rows (4, 16 wide)
 # and the plan's workspace row (10 wide) as the launcher finds them
 DIVISIBLE = ("stride_y", "stride_xn", "stride_xh", "stride_cn", "stride_xon", "stride_xoh", "stride_u",
@@ -44,28 +37,9 @@ def row(name: str, fn, consts: dict) -> dict:
     return dict(name=name, **res, spills=ops.get("STL", 0) + ops.get("LDL", 0), per_sm=programs_per_sm(res))
 
 
-def mixer_row(block_m: int) -> dict:
-    plan = hc_mix.HcMixPlan.build(DIM, 64, "cpu", split=80)
-    t = plan.tile(block_m)
-    kernel = compile_sm90(hc_mix._hc_mix_kernel, TYPES, dict(K=plan.k, ITERS=20, K_PER_SPLIT=plan.k_per_split,
-                                                             SPLIT=plan.split, BLOCK_M=t.block_m, BLOCK_K=t.block_k,
-                                                             NUM_STAGES=t.num_stages),
-                          num_warps=t.num_warps, num_stages=t.num_stages)
-    res = resources(kernel)
-    ops = opcode_counts([t for _, t in sass(kernel)])
-    rounds = loops_with(kernel, "MUFU")
-    loop = opcode_counts(rounds[0]) if len(rounds) == 1 else {}
-    return dict(name=f"mixer{block_m}", **res, spills=ops.get("STL", 0) + ops.get("LDL", 0), k_per_split=plan.k_per_split,
-                sinkhorn_loops=len(rounds), **{f"loop_{op}": loop.get(op, 0) for op in ("BAR", "LDS", "STS", "SHFL")})
-
-
 def main() -> None:
-    if sys.argv[1:] == ["mixer"]:
-        rows = (mixer_row(m) for m in (1, 2, 4, 8))
-    else:
-        rows = (row("coresident", mhc._mhc_boundary_coresident_kernel, {}),
-                row("split", mhc._mhc_boundary_split_kernel, dict(BLOCK_N=1024)))
-    for r in rows:
+    for r in (row("coresident", mhc._mhc_boundary_coresident_kernel, {}),
+              row("split", mhc._mhc_boundary_split_kernel, dict(BLOCK_N=1024))):
         print(json.dumps(r), flush=True)
 
 

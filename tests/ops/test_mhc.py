@@ -263,23 +263,6 @@ def test_coresident_boundary_compiles_for_sm90_without_spills():
     assert 132 * rows["coresident"]["per_sm"] >= coresident_capacity(512, "cpu") >= 64 * 10, rows["coresident"]
 
 
-def test_mixer_compiles_for_sm90_with_sinkhorn_rounds_in_registers():
-    """The mixer at dim 5120 with the plan of an H200 (80 K splits of 256 columns, 20 Sinkhorn
-    rounds), compiled for sm_90 at every row tile 1, 2, 4, 8 (tests/ops/_mhc_sm90.py): no local
-    memory, stack or spills, and its Sinkhorn rounds one loop with no barrier, no shared-memory
-    access and no shuffle: each round is arithmetic in the threads' own registers (a row's 16
-    coefficients held as separate values), where a reduction over a tile's axis would exchange
-    data through shared memory between threads at every sum of every round."""
-    rows = {r["name"]: r for r in compile_script(Path(__file__).with_name("_mhc_sm90.py"), "mixer")[1]}
-    assert set(rows) == {"mixer1", "mixer2", "mixer4", "mixer8"}, rows
-    for block_m in (1, 2, 4, 8):
-        r = rows[f"mixer{block_m}"]
-        assert r["k_per_split"] == 256, r
-        assert r["LOCAL"] == 0 and r["STACK"] == 0 and r["spills"] == 0, r
-        assert r["sinkhorn_loops"] == 1, r
-        assert r["loop_BAR"] == r["loop_LDS"] == r["loop_STS"] == r["loop_SHFL"] == 0, r
-
-
 @pytest.mark.gpu
 def test_gpu_boundary_plan_coresident_only_where_it_fits():
     """On CUDA the plan is co-resident where its rows x chunks fit the device at once
