@@ -44,7 +44,7 @@ def sparse_attention(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, s
 def sparse_attention_records(q: torch.Tensor, window_pool: torch.Tensor, comp_pool: torch.Tensor,
                              window_table: torch.Tensor, comp_table: torch.Tensor, sink: torch.Tensor,
                              scale: float) -> torch.Tensor:
-    """`sparse_attention` of each row over its cache records: the arguments of `ops.sparse_mla_`.
+    """`sparse_attention` of each row over its cache records: the arguments of `ops.sparse_mla.sparse_mla_`.
 
     q: [N, H, 512] BF16; window_pool: [S_w, 528] uint8 window records; comp_pool: [S_c, 288] uint8
     compressed records; window_table: [N, W] int32 ring slots, oldest first (-1 = none);
