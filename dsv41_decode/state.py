@@ -34,6 +34,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Hashable, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from .config import FULL, ModelConfig
@@ -260,9 +261,11 @@ class DecodeState:
             r: [[] for _ in range(max_requests)] for r in self.ratios}
         self._free_pages: dict[int, list[int]] = {
             r: list(range(n - 1, -1, -1)) for r, n in self.n_pages.items()}
-        # 1 + the highest position written through write_window since admission, per layer/slot:
-        # the ring has lost every position below it minus W, whatever the lengths say.
-        self._window_hi: dict[int, list[int]] = {L: [0] * max_requests for L in self.window}
+        # 1 + the highest position written through write_window since admission, per layer (row
+        # _window_row[L]) and slot: the ring has lost every position below it minus W, whatever the
+        # lengths say. One array, so that a slot's column is reset or cut in one operation.
+        self._window_row: dict[int, int] = {L: i for i, L in enumerate(self.window)}
+        self._window_hi = np.zeros((len(self.window), max_requests), dtype=np.int64)
         # slot -> rows of the abandoned call that overwrote what the slot's next call would read
         self._lost: dict[int, int] = {}
         # the generic path wrote caches for the current plan (a plan() may not replace it then)
@@ -300,8 +303,7 @@ class DecodeState:
         self._pending[s] = 0
         self._accepting.pop(s, None)
         self._lost.pop(s, None)
-        for hi in self._window_hi.values():
-            hi[s] = 0
+        self._window_hi[:, s] = 0
         self._comp[s, :, :, 0] = 0.0
         self._comp[s, :, :, 1] = float("-inf")
         self.seq_lens[s] = 0
@@ -551,8 +553,8 @@ class DecodeState:
     def _cut_to(self, s: int, n: int) -> None:
         """Slot s back to n tokens in what the generic path's ring reads (its high-water mark) and
         in pages (those past n's entries go back to the pools)."""
-        for hi in self._window_hi.values():
-            hi[s] = min(hi[s], n)
+        col = self._window_hi[:, s]
+        np.minimum(col, n, out=col)
         for r in self.ratios:
             want = _cdiv(n // r, self.page_size)
             if len(self._pages[r][s]) > want:
@@ -564,11 +566,17 @@ class DecodeState:
         return (s, p % 2) + ((s, p % self.comp_history) if p >= 0 else (self.max_requests, 0))
 
     def _restore_groups(self, restore: list) -> None:
-        """Copy the `_group_row`s in `restore` back into the open groups: one upload, one indexed
-        copy over every ratio-2 source (nothing without ratio-2 sources or drafts)."""
+        """Copy the `_group_row`s in `restore` back into the open groups: one upload, one gather and
+        one indexed copy over every ratio-2 source, both on the tensors' leading two dimensions
+        flattened (`index_select` / `index_copy_`: less host work than advanced indexing; no
+        destination twice: a slot's rows are of two parities). Nothing without ratio-2 sources or
+        drafts."""
         if restore and self.comp_rows:
-            idx = self._upload.tensor(list(zip(*restore)), torch.int64)
-            self._comp[idx[0], idx[1]] = self._comp_rows[idx[2], idx[3]]
+            H = self._comp_rows.shape[1]
+            idx = self._upload.tensor([[s * 2 + half for s, half, _, _ in restore],
+                                       [src * H + row for _, _, src, row in restore]], torch.int64)
+            rows = self._comp_rows.view(-1, *self._comp_rows.shape[2:]).index_select(0, idx[1])
+            self._comp.view(-1, *self._comp.shape[2:]).index_copy_(0, idx[0], rows)
 
     def accept(self, kept: Mapping[Hashable, int]) -> None:
         """Keep only the first `kept[req]` rows of each listed request's last advanced call.
@@ -583,9 +591,9 @@ class DecodeState:
         compressed entries and index keys that rejected rows published lie at entries >= length // r
         (rewritten when their positions come again) and the pages past the kept entries go back to
         the pools; each ratio-2 compressor's open group (both rows, bit for bit) is restored from
-        `comp_rows`. Device work: one small host-to-device copy, one indexed copy over every
-        ratio-2 source, per ratio a `block_table[r][slot, pages:].fill_(-1)` for each request whose
-        pages go back, the `seq_lens` mirror; nothing waits for the device.
+        `comp_rows`. Device work: one small host-to-device copy, one gather and one indexed copy
+        over every ratio-2 source, per ratio a `block_table[r][slot, pages:].fill_(-1)` for each
+        request whose pages go back, the `seq_lens` mirror; nothing waits for the device.
 
         Once per call and request: the next `plan` (or a second `accept` of the request) ends it.
         KeyError for a request that is not live; ValueError for a request that was not in the last
@@ -664,8 +672,8 @@ class DecodeState:
         idx = torch.tensor([req_slot * M + p % M for p in pos], dtype=torch.int64, device=self.device)
         self._written = True
         self.window[layer].index_copy_(0, idx, pack_window_kv(values))
-        hi = self._window_hi[layer]
-        hi[req_slot] = max(hi[req_slot], pos[-1] + 1)
+        hi = self._window_hi[self._window_row[layer]]
+        hi[req_slot] = max(int(hi[req_slot]), pos[-1] + 1)
 
     def read_window(self, layer: int, req_slot: int, positions: torch.Tensor) -> torch.Tensor:
         """`unpack_window_kv` of the ring records of `positions` of `req_slot`: bf16 [n, 512].
@@ -678,7 +686,7 @@ class DecodeState:
         self._check_layer(layer, "read_window")
         self._check_slot(req_slot, "read_window")
         pos = self._positions(positions, "read_window")
-        top = max(self._lengths[req_slot], self._window_hi[layer][req_slot])
+        top = max(self._lengths[req_slot], int(self._window_hi[self._window_row[layer], req_slot]))
         lo = max(0, top - self.window_size)
         bad = [p for p in pos if not lo <= p < top]
         if bad:

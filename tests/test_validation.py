@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,8 +25,8 @@ def stack(tmp_path_factory):
 
 
 def _copy(v):
-    if isinstance(v, torch.Tensor):
-        return v.clone()
+    if isinstance(v, (torch.Tensor, np.ndarray)):
+        return v.clone() if isinstance(v, torch.Tensor) else v.copy()
     if isinstance(v, dict):
         return {k: _copy(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
@@ -39,6 +40,8 @@ def _same(a, b, where="state") -> None:
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
         assert torch.equal(a, b), f"{where} changed"   # the state holds no NaN (-inf compares equal)
+    elif isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b), f"{where} changed"
     elif isinstance(a, dict):
         assert a.keys() == b.keys(), f"{where}: keys changed"
         for k in a:
