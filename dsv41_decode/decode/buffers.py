@@ -139,14 +139,17 @@ class IndexSelection:
 class StepIO:
     """The step's inputs and outputs for `max_rows` rows: streams x_in/x_out [max_rows, hc, dim]
     BF16, the carried pre_in [max_rows, hc] FP32, and y [max_rows, dim] BF16 (each layer's output,
-    this rank's partial under TP before the boundary reduces it)."""
+    this rank's partial under TP before the boundary reduces it); pre_first [max_rows, hc] FP32, the
+    carried pre entering the first block (`AttentionStack.initial_pre(max_rows)`, given), kept so
+    that a call without its own pre loads pre_in with one copy."""
 
-    def __init__(self, cfg: ModelConfig, max_rows: int, device: torch.device):
+    def __init__(self, cfg: ModelConfig, max_rows: int, device: torch.device, pre_first: torch.Tensor):
         B, hc, d = max_rows, cfg.hc_mult, cfg.dim
         self.x_in = torch.zeros(B, hc, d, dtype=torch.bfloat16, device=device)
         self.pre_in = torch.zeros(B, hc, dtype=torch.float32, device=device)
+        self.pre_first = pre_first
         self.x_out = torch.zeros(B, hc, d, dtype=torch.bfloat16, device=device)
         self.y = torch.zeros(B, d, dtype=torch.bfloat16, device=device)
 
     def memory_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.x_in, self.pre_in, self.x_out, self.y))
+        return sum(t.numel() * t.element_size() for t in (self.x_in, self.pre_in, self.pre_first, self.x_out, self.y))

@@ -233,7 +233,7 @@ class DecodeStep:
         self.mailbox = mailbox
         self.boundary_mode = "single" if stack.tp.tp == 1 else ("fused" if mailbox is not None else "collective")
         self.boundary = Boundary(stack, B, dev, mailbox)
-        self.io = StepIO(cfg, B, dev)
+        self.io = StepIO(cfg, B, dev, stack.initial_pre(B, dev))
         self.pre_out = self.boundary.pre[(len(stack.ids) - 1) % 2]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.use_graphs = graphs and dev.type == "cuda"
@@ -449,10 +449,7 @@ class DecodeStep:
         planned = self.state.plan(plan_rows)
         self.meta.load(planned, bucket)
         self.io.x_in[:n].copy_(x)
-        if pre is None:
-            self.io.pre_in[:n] = self.stack.initial_pre(n, self.device)
-        else:
-            self.io.pre_in[:n].copy_(pre)
+        self.io.pre_in[:n].copy_(self.io.pre_first[:n] if pre is None else pre)
         return planned, bucket
 
     def accept(self, kept) -> None:
