@@ -31,7 +31,8 @@ from __future__ import annotations
 import copy
 import heapq
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Hashable, Mapping, Sequence
 
 import numpy as np
@@ -80,6 +81,8 @@ class StepRows:
     req_slot: int64 [N] on the state's device: each row's request slot.
     positions: int64 [N] on the state's device: each row's absolute position (p, p+1, ... within a
         request).
+    (Both uploaded from the host fields at their first read, one copy for the two, through `upload`:
+    the specialized step, which builds its own record from the host fields, never reads them.)
     row_start: the index of each request's first row among the N rows.
     plan_key: which plan of which state made these rows (`DecodeState.check_step` compares it; a
         deep copy of the state keeps the pending plan's key, so a snapshot accepts the rows planned
@@ -91,11 +94,27 @@ class StepRows:
     req_ids: tuple
     counts: tuple[int, ...]
     starts: tuple[int, ...]
-    req_slot: torch.Tensor
-    positions: torch.Tensor
     row_start: tuple[int, ...]
     plan_key: tuple = ()
     slots: tuple[int, ...] = ()
+    upload: HostUpload | None = field(default=None, repr=False)   # the state's (None: the CPU)
+
+    @cached_property
+    def _slot_pos(self) -> torch.Tensor:
+        """int64 [2, N]: req_slot, positions (one upload)."""
+        rows = [[s for s, c in zip(self.slots, self.counts) for _ in range(c)],
+                [p for a, c in zip(self.starts, self.counts) for p in range(a, a + c)]]
+        if self.upload is None:
+            return torch.tensor(rows, dtype=torch.int64)
+        return self.upload.tensor(rows, torch.int64)
+
+    @property
+    def req_slot(self) -> torch.Tensor:
+        return self._slot_pos[0]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self._slot_pos[1]
 
     @property
     def n_rows(self) -> int:
@@ -163,8 +182,9 @@ class DecodeState:
         free slot); the host-side `length()` is the source of truth.
     with `pages_r = ceil(max_tokens / r / page_size) + max_requests`.
 
-    The host tables a call writes to the device (its rows' slots and positions, new block-table
-    entries, `seq_lens`, the rows `accept` restores) go through pinned host memory
+    The host tables a call writes to the device (its rows' slots and positions, at their first read
+    from the `StepRows`; new block-table entries, `seq_lens`, the rows `accept` restores) go
+    through pinned host memory
     (`upload.HostUpload`), ordered on the current stream: `plan`, `advance` and `accept` enqueue
     their device work and never wait for the device.
     """
@@ -452,21 +472,15 @@ class DecodeState:
         self._pending = [0] * self.max_requests
         self._accepting = {}   # a new call: the last one can no longer be accepted
         row_start, n = [], 0
-        slot_rows, pos_rows = [], []
-        for s, start, count in zip(slots, starts, counts):
+        for s, count in zip(slots, counts):
             self._pending[s] = count
             row_start.append(n)
             n += count
-            slot_rows.extend([s] * count)
-            pos_rows.extend(range(start, start + count))
         self._plan_key = (self._plan_key[0], self._plan_key[1] + 1)
         self._planned = self._plan_key
         self._written = False
-        slot_pos = self._upload.tensor([slot_rows, pos_rows], torch.int64)
-        return StepRows(
-            req_ids=tuple(ids), counts=tuple(counts), starts=tuple(starts),
-            req_slot=slot_pos[0], positions=slot_pos[1],
-            row_start=tuple(row_start), plan_key=self._plan_key, slots=tuple(slots))
+        return StepRows(req_ids=tuple(ids), counts=tuple(counts), starts=tuple(starts), row_start=tuple(row_start),
+                        plan_key=self._plan_key, slots=tuple(slots), upload=self._upload)
 
     def check_step(self, step: StepRows, what: str = "step") -> list[int]:
         """Raise unless `step` is this state's current plan; return its requests' slots.
