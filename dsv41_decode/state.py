@@ -184,9 +184,8 @@ class DecodeState:
 
     The host tables a call writes to the device (its rows' slots and positions, at their first read
     from the `StepRows`; new block-table entries, `seq_lens`, the rows `accept` restores) go
-    through pinned host memory
-    (`upload.HostUpload`), ordered on the current stream: `plan`, `advance` and `accept` enqueue
-    their device work and never wait for the device.
+    through pinned host memory (`upload.HostUpload`), ordered on the current stream: `plan`,
+    `advance` and `accept` enqueue their device work and never wait for the device.
     """
 
     def __init__(self, cfg: ModelConfig, max_requests: int, max_context: int,
