@@ -31,7 +31,7 @@ from __future__ import annotations
 import copy
 import heapq
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Hashable, Mapping, Sequence
 
@@ -81,8 +81,9 @@ class StepRows:
     req_slot: int64 [N] on the state's device: each row's request slot.
     positions: int64 [N] on the state's device: each row's absolute position (p, p+1, ... within a
         request).
-    (Both uploaded from the host fields at their first read, one copy for the two, through `upload`:
-    the specialized step, which builds its own record from the host fields, never reads them.)
+    (Both uploaded from the host fields at their first read, one copy for the two, through `upload`,
+    on the stream and device current then: the specialized step, which builds its own record from
+    the host fields, never reads them. They need `slots`.)
     row_start: the index of each request's first row among the N rows.
     plan_key: which plan of which state made these rows (`DecodeState.check_step` compares it; a
         deep copy of the state keeps the pending plan's key, so a snapshot accepts the rows planned
@@ -99,9 +100,16 @@ class StepRows:
     slots: tuple[int, ...] = ()
     upload: HostUpload | None = field(default=None, repr=False)   # the state's (None: the CPU)
 
+    def __deepcopy__(self, memo) -> "StepRows":
+        """The same rows (the fields are immutable), sharing the state's `upload`."""
+        return replace(self)
+
     @cached_property
     def _slot_pos(self) -> torch.Tensor:
         """int64 [2, N]: req_slot, positions (one upload)."""
+        if len(self.slots) != len(self.counts):
+            raise ValueError("StepRows: req_slot and positions need the rows' host slots (plan them with "
+                             "DecodeState.plan)")
         rows = [[s for s, c in zip(self.slots, self.counts) for _ in range(c)],
                 [p for a, c in zip(self.starts, self.counts) for p in range(a, a + c)]]
         if self.upload is None:
@@ -184,8 +192,9 @@ class DecodeState:
 
     The host tables a call writes to the device (its rows' slots and positions, at their first read
     from the `StepRows`; new block-table entries, `seq_lens`, the rows `accept` restores) go
-    through pinned host memory (`upload.HostUpload`), ordered on the current stream: `plan`,
-    `advance` and `accept` enqueue their device work and never wait for the device.
+    through pinned host memory (`upload.HostUpload`), ordered on the current stream (the rows' at
+    their first read): `plan`, `advance` and `accept` enqueue their device work and never wait for
+    the device.
     """
 
     def __init__(self, cfg: ModelConfig, max_requests: int, max_context: int,

@@ -1,5 +1,6 @@
 """DecodeState: requests, rows, paged compressed caches, window rings, capacities (CPU)."""
 
+import copy
 import re
 
 import pytest
@@ -128,6 +129,26 @@ def test_plan_positions_for_several_requests(tiny):
     assert step.request_rows(1) == slice(3, 4)
     st.advance(step)
     assert (st.length("a"), st.length("b"), st.length("c")) == (6, 4, 5)
+
+
+def test_step_rows_upload_their_slots_and_positions_once_at_the_first_read(tiny):
+    """req_slot and positions come from the plan's host fields at their first read (one upload,
+    then the same tensors); a deep copy shares the state's uploader and gives the same values;
+    rows without host slots name what they lack."""
+    st = DecodeState(tiny, max_requests=4, max_context=64)
+    st.admit("a"), st.admit("b")
+    st.advance(st.plan([("b", 3)]))
+    step = st.plan([("a", 2), ("b", 2)])
+    assert "_slot_pos" not in vars(step)                       # nothing uploaded by the plan
+    assert step.positions.tolist() == [0, 1, 3, 4] and step.req_slot.tolist() == [0, 0, 1, 1]
+    assert step.positions.data_ptr() == step.positions.data_ptr() and step.req_slot.device == st.seq_lens.device
+    twin = copy.deepcopy(step)
+    assert twin.upload is step.upload and twin.plan_key == step.plan_key
+    assert twin.positions.tolist() == [0, 1, 3, 4] and twin.req_slot.tolist() == [0, 0, 1, 1]
+    st.advance(twin)                                           # the copy is the same plan
+    bare = StepRows(req_ids=("a",), counts=(2,), starts=(0,), row_start=(0,))
+    with pytest.raises(ValueError, match="need the rows' host slots"):
+        bare.positions
 
 
 def test_plan_rejects_bad_calls_without_side_effects(tiny):
