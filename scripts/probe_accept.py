@@ -5,33 +5,47 @@ drafts) rows planned and advanced (the state's bookkeeping, no attention), then 
 
     PYTHONPATH=. python scripts/probe_accept.py [--context=32768] [--steps=40] [--device=cuda]
     PYTHONPATH=. python scripts/probe_accept.py --context=4096 --steps=8 --device=cpu    # checks the script
+    PYTHONPATH=. python scripts/probe_accept.py --step=64,64 [--buckets=1,16,64]         # bench step's case (GPU)
 
 Prints the median host time of the call alone (it enqueues its device work and returns), the same
 with the device synchronized after it (what `bench step` reports), the plan + advance beside them,
 then a torch profiler table of one pass of `--steps` accepts: the ops by host time, with the
-device time of each (the device's kernels and copies)."""
+device time of each (the device's kernels and copies).
+
+With `--step=R,F` (CUDA only) the state is bench step's instead (`max_requests` R, F requests
+filled at `--context`) and a captured V4.1-Flash `DecodeStep` (random weights, `--buckets`) runs
+each 4 x (1 + 3) call: per step the call's time and the accept's (host alone, and with the device
+synchronized after it), against the state's own plan + advance + accept on the same state, the
+first again, then with Python's garbage collector off; then a profiler table of the ops run inside
+`--steps` accepts that follow step calls (host time inclusive per accept)."""
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from _args import arg
 from dsv41_decode.config import ModelConfig
 from dsv41_decode.state import DecodeState
 from dsv41_decode.testing.synthetic import fill_state
 
+ROWS = [(i, 4) for i in range(4)]
 
-def main() -> None:
-    context, steps, device = int(arg("context", "32768")), int(arg("steps", "40")), arg("device", "cuda")
+
+def kept(k: int) -> dict[int, int]:
+    """Step k's acceptance: request i keeps 1 + (i + k) % 4 of its 4 rows."""
+    return {i: 1 + (i + k) % 4 for i in range(4)}
+
+
+def state_only(context: int, steps: int, device: str) -> None:
     cfg = ModelConfig.preset("v41-flash")
     state = DecodeState(cfg, max_requests=16, max_context=context + 4 * steps + 1024, page_size=64, device=device,
                         max_drafts=3)
     fill_state(state, {i: context for i in range(4)})
-    rows = [(i, 4) for i in range(4)]
 
     def sync() -> None:
         if device != "cpu":
@@ -41,9 +55,9 @@ def main() -> None:
         """(plan + advance, accept) host us of step k; wait: the device synchronized after accept."""
         sync()
         t0 = time.perf_counter()
-        state.advance(state.plan(rows))
+        state.advance(state.plan(ROWS))
         t1 = time.perf_counter()
-        state.accept({i: 1 + (i + k) % 4 for i in range(4)})
+        state.accept(kept(k))
         if wait:
             sync()
         return (t1 - t0) * 1e6, (time.perf_counter() - t1) * 1e6
@@ -61,6 +75,91 @@ def main() -> None:
         for k in range(steps):
             one(k, True)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+
+
+def after_step(context: int, steps: int, max_requests: int, filled: int, buckets: tuple[int, ...]) -> None:
+    from dsv41_decode.stack import AttentionStack
+    from dsv41_decode.testing.synthetic import random_checkpoint
+    t0 = time.time()
+    cfg = ModelConfig.preset("v41-flash")
+    stack = AttentionStack(random_checkpoint(cfg, "cuda"))
+    state = DecodeState(cfg, max_requests=max_requests, max_context=context + 1024, page_size=64, device="cuda",
+                        max_drafts=3)
+    fill_state(state, {i: context for i in range(filled)})
+    step = stack.decode_step(state, max_rows=max(buckets), buckets=buckets)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    print(f"V4.1-Flash DecodeStep, buckets {buckets}, max_requests {max_requests}, {filled} requests at {context} "
+          f"cached tokens (built in {time.time() - t0:.0f} s); 4 x (1 + 3) rows, {steps} steps: median us")
+
+    def via_step(k: int) -> tuple[float, float, float]:
+        x = torch.randn(16, cfg.hc_mult, cfg.dim, generator=gen, device="cuda").to(torch.bfloat16)
+        torch.cuda.synchronize()
+        a = time.perf_counter()
+        step(x, ROWS)
+        torch.cuda.synchronize()
+        b = time.perf_counter()
+        step.accept(kept(k))
+        c = time.perf_counter()
+        torch.cuda.synchronize()
+        return (b - a) * 1e6, (c - b) * 1e6, (time.perf_counter() - b) * 1e6
+
+    def via_state(k: int) -> tuple[float, float, float]:
+        torch.cuda.synchronize()
+        a = time.perf_counter()
+        state.advance(state.plan(ROWS))
+        torch.cuda.synchronize()
+        b = time.perf_counter()
+        state.accept(kept(k))
+        c = time.perf_counter()
+        torch.cuda.synchronize()
+        return (b - a) * 1e6, (c - b) * 1e6, (time.perf_counter() - b) * 1e6
+
+    def report(name: str, f) -> None:
+        for k in range(3):
+            f(k)
+        r = [f(k) for k in range(steps)]
+        med = [statistics.median(v[i] for v in r) for i in range(3)]
+        print(f"  {name:34s} call {med[0]:8.1f}  accept {med[1]:7.1f}  accept + sync {med[2]:7.1f}"
+              f"  (min {min(v[2] for v in r):.1f}, max {max(v[2] for v in r):.1f})", flush=True)
+
+    report("step call, then accept", via_step)
+    report("state plan + advance, then accept", via_state)
+    report("step call, then accept", via_step)
+    gc.disable()
+    try:
+        report("step call, then accept (gc off)", via_step)
+    finally:
+        gc.enable()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for k in range(steps):
+            x = torch.randn(16, cfg.hc_mult, cfg.dim, generator=gen, device="cuda").to(torch.bfloat16)
+            step(x, ROWS)
+            torch.cuda.synchronize()
+            with record_function("probe_accept"):
+                step.accept(kept(k))
+                torch.cuda.synchronize()
+    spans = [e.time_range for e in prof.events() if e.name == "probe_accept" and e.device_type.name == "CPU"]
+    inside: dict[str, list] = {}
+    for e in prof.events():
+        if e.name != "probe_accept" and any(s.start <= e.time_range.start and e.time_range.end <= s.end for s in spans):
+            entry = inside.setdefault(e.name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += e.cpu_time_total
+    print(f"ops inside {len(spans)} accepts after step calls (host us per accept, inclusive):")
+    for name, (count, total) in sorted(inside.items(), key=lambda kv: -kv[1][1])[:25]:
+        print(f"  {name[:64]:64s} {count:5d} calls {total / max(1, len(spans)):9.1f}")
+
+
+def main() -> None:
+    context, steps = int(arg("context", "32768")), int(arg("steps", "40"))
+    step = arg("step", "")
+    if step:
+        if not torch.cuda.is_available():
+            raise SystemExit("probe_accept: --step needs a CUDA device (the captured DecodeStep)")
+        max_requests, filled = (int(v) for v in step.split(","))
+        after_step(context, steps, max_requests, filled, tuple(int(v) for v in arg("buckets", "1,16,64").split(",")))
+    else:
+        state_only(context, steps, arg("device", "cuda"))
 
 
 if __name__ == "__main__":
