@@ -81,8 +81,10 @@ def prefill(stack, state: DecodeState, request: Hashable, x: torch.Tensor, *, ch
     `chunk` rows, writing their cache records into `state` and advancing the request by len(x).
 
     x: [n, hc, dim] BF16 streams entering the stack's first layer, at positions
-        state.length(request) .. + n - 1 (a prefill may continue a request that holds tokens).
-    pre: [n, hc] FP32 carried pre (default one-hot on stream 0, as `AttentionStack.forward`).
+        state.length(request) .. + n - 1 (a prefill may continue a request that holds tokens); on
+        another device than the state's it is moved there once, whole.
+    pre: [n, hc] FP32 carried pre (default one-hot on stream 0, as `AttentionStack.forward`; moved
+        like x).
     path: "auto", "kernels" or "reference" (module docstring). chunk: rows per call (kernel path:
         1..LOW_BATCH_MAX_ROWS and at most the state's stage_rows).
     step: the kernel path's `prefill_step(stack, state, c)` with c >= chunk, reused across calls
@@ -102,6 +104,8 @@ def prefill(stack, state: DecodeState, request: Hashable, x: torch.Tensor, *, ch
     if pre is not None and (pre.shape != (n, cfg.hc_mult) or pre.dtype != torch.float32):
         raise ValueError(f"prefill: pre must be [{n}, {cfg.hc_mult}] float32, got {tuple(pre.shape)} {pre.dtype}")
     state.slot(request)                                   # KeyError naming an unknown request
+    x = x.to(state.device)                                # one copy, not one a chunk (the step refuses another device)
+    pre = None if pre is None else pre.to(state.device)
     if state.cfg is not cfg and state.cfg != cfg:
         raise ValueError("prefill: the DecodeState was built for another configuration than the stack")
     if path == "kernels":

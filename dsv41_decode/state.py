@@ -142,7 +142,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _same_device(a: torch.device, b: torch.device) -> bool:
+def same_device(a: torch.device, b: torch.device) -> bool:
     """True when `a` is `b`, taking a device without an index ("cuda") as the current one."""
     if a.type != b.type:
         return False
@@ -882,5 +882,5 @@ class DecodeState:
             raise ValueError(f"{what}: {name} must be bfloat16, got {t.dtype}")
         if tuple(t.shape) != shape:
             raise ValueError(f"{what}: {name} must have shape {list(shape)}, got {list(t.shape)}")
-        if not _same_device(t.device, self.device):
+        if not same_device(t.device, self.device):
             raise ValueError(f"{what}: {name} is on {t.device}, the state on {self.device}")

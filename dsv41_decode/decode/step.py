@@ -37,7 +37,7 @@ import torch
 from ..ops import LOW_BATCH_MAX_ROWS
 from ..ops.allreduce_boundary import Mailbox
 from ..ops.gluon_indexer import ROW_GROUPS
-from ..state import DecodeState, StepRows, abandon_after
+from ..state import DecodeState, StepRows, abandon_after, same_device
 from .attention import AttentionStep
 from .boundary import Boundary
 from .buffers import IndexSelection, Scratch, StepIO, storage_bytes
@@ -353,12 +353,12 @@ class DecodeStep:
             (StepError otherwise: positions that go backwards or skip).
         pre: [N, hc] FP32 carried pre (default: one-hot on stream 0, as the stack's first block).
         Errors: KeyError for an unknown request, CapacityError past the state's capacities (both
-        from DecodeState.plan), StepError for more rows than the largest bucket or a wrong x/pre;
-        an error after the plan (the replay, the TP boundary's check) abandons the call
-        (`DecodeState.abandon`) before it propagates. Under TP the boundary's check fails on the
-        rank that waited for a rank that never arrived: that rank abandons while the others may
-        have advanced, so the ranks' states differ from then on (free the call's requests on every
-        rank).
+        from DecodeState.plan), StepError for more rows than the largest bucket or a wrong x/pre
+        (shape, dtype, or a device other than the step's); an error after the plan (the replay, the
+        TP boundary's check) abandons the call (`DecodeState.abandon`) before it propagates. Under
+        TP the boundary's check fails on the rank that waited for a rank that never arrived: that
+        rank abandons while the others may have advanced, so the ranks' states differ from then on
+        (free the call's requests on every rank).
 
         On the host: the plan (Python bookkeeping), the rows' record (numpy), a few copies and small
         kernels enqueued on the current stream (the tables from pinned memory, x and pre into the
@@ -440,12 +440,17 @@ class DecodeStep:
         n = sum(c for _, c in plan_rows)
         bucket = self.bucket_for(n)
         cfg = self.cfg
-        if x.shape != (n, cfg.hc_mult, cfg.dim) or x.dtype != torch.bfloat16:
-            raise StepError(f"x must be [{n}, {cfg.hc_mult}, {cfg.dim}] bfloat16, got {tuple(x.shape)} {x.dtype}")
+        if not isinstance(x, torch.Tensor) or x.shape != (n, cfg.hc_mult, cfg.dim) or x.dtype != torch.bfloat16:
+            raise StepError(f"x must be [{n}, {cfg.hc_mult}, {cfg.dim}] bfloat16, got "
+                            f"{tuple(getattr(x, 'shape', ()))} {getattr(x, 'dtype', type(x).__name__)}")
         if pre is not None and (not isinstance(pre, torch.Tensor) or pre.shape != (n, cfg.hc_mult)
                                 or pre.dtype != torch.float32):
             raise StepError(f"pre must be [{n}, {cfg.hc_mult}] float32, got "
                             f"{tuple(getattr(pre, 'shape', ()))} {getattr(pre, 'dtype', type(pre).__name__)}")
+        for name, t in (("x", x), ("pre", pre)):
+            # a copy from another device would be synchronous (host memory) or a peer transfer
+            if t is not None and not same_device(t.device, self.device):
+                raise StepError(f"{name} is on {t.device}, the step on {self.device}: move it to the step's device")
         planned = self.state.plan(plan_rows)
         self.meta.load(planned, bucket)
         self.io.x_in[:n].copy_(x)

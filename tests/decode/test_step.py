@@ -488,6 +488,12 @@ def test_errors(cpu_setup):
         step(streams(1, cfg, g), [("a", "1")])
     with pytest.raises(StepError, match=r"pre must be \[1, 4\] float32"):   # would broadcast over rows
         step(streams(1, cfg, g), [("a", 1)], pre=torch.ones(4))
+    with pytest.raises(StepError, match=r"x must be \[1, 4, 256\] bfloat16, got \(\) list"):
+        step([[0.0]], [("a", 1)])
+    with pytest.raises(StepError, match=r"x is on meta, the step on cpu"):
+        step(streams(1, cfg, g).to("meta"), [("a", 1)])
+    with pytest.raises(StepError, match=r"pre is on meta, the step on cpu"):
+        step(streams(1, cfg, g), [("a", 1)], pre=torch.ones(1, 4, device="meta"))
     assert {r: st.length(r) for r in PREFILL} == lengths           # nothing planned or advanced
     assert {(r, k): st.pages_of(r, k) for r in PREFILL for k in (1, 2)} == pages
     assert step.prepare([("a", 1), ("b", 2)], streams(3, cfg, g)) == 4      # planned and loaded ...
