@@ -91,28 +91,25 @@ def after_step(context: int, steps: int, max_requests: int, filled: int, buckets
     print(f"V4.1-Flash DecodeStep, buckets {buckets}, max_requests {max_requests}, {filled} requests at {context} "
           f"cached tokens (built in {time.time() - t0:.0f} s); 4 x (1 + 3) rows, {steps} steps: median us")
 
-    def via_step(k: int) -> tuple[float, float, float]:
-        x = torch.randn(16, cfg.hc_mult, cfg.dim, generator=gen, device="cuda").to(torch.bfloat16)
-        torch.cuda.synchronize()
-        a = time.perf_counter()
-        step(x, ROWS)
-        torch.cuda.synchronize()
-        b = time.perf_counter()
-        step.accept(kept(k))
-        c = time.perf_counter()
-        torch.cuda.synchronize()
-        return (b - a) * 1e6, (c - b) * 1e6, (time.perf_counter() - b) * 1e6
+    xs = [torch.randn(16, cfg.hc_mult, cfg.dim, generator=gen, device="cuda").to(torch.bfloat16) for _ in range(4)]
 
-    def via_state(k: int) -> tuple[float, float, float]:
-        torch.cuda.synchronize()
-        a = time.perf_counter()
-        state.advance(state.plan(ROWS))
-        torch.cuda.synchronize()
-        b = time.perf_counter()
-        state.accept(kept(k))
-        c = time.perf_counter()
-        torch.cuda.synchronize()
-        return (b - a) * 1e6, (c - b) * 1e6, (time.perf_counter() - b) * 1e6
+    def timed(call, accept):
+        """Step k's (call, accept, accept + sync) host us: call(k), the device synchronized, then
+        accept(kept(k)) alone and with the device synchronized after it."""
+        def one(k: int) -> tuple[float, float, float]:
+            torch.cuda.synchronize()
+            a = time.perf_counter()
+            call(k)
+            torch.cuda.synchronize()
+            b = time.perf_counter()
+            accept(kept(k))
+            c = time.perf_counter()
+            torch.cuda.synchronize()
+            return (b - a) * 1e6, (c - b) * 1e6, (time.perf_counter() - b) * 1e6
+        return one
+
+    via_step = timed(lambda k: step(xs[k % 4], ROWS), step.accept)
+    via_state = timed(lambda k: state.advance(state.plan(ROWS)), state.accept)
 
     def report(name: str, f) -> None:
         for k in range(3):
@@ -132,8 +129,7 @@ def after_step(context: int, steps: int, max_requests: int, filled: int, buckets
         gc.enable()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for k in range(steps):
-            x = torch.randn(16, cfg.hc_mult, cfg.dim, generator=gen, device="cuda").to(torch.bfloat16)
-            step(x, ROWS)
+            step(xs[k % 4], ROWS)
             torch.cuda.synchronize()
             with record_function("probe_accept"):
                 step.accept(kept(k))
