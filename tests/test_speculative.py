@@ -9,6 +9,8 @@ trace of them in any later output or in the state fails the comparison.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -134,7 +136,6 @@ def test_a_call_that_stops_midway_is_retried_exactly(setup, where):
     middle layer, an `observe` after the last) abandons its call: the same rows planned again give
     the bits of a run that never stopped, and so does the call after them. Rows per request up to
     max_drafts + 1 = 4 (a's start 5 is odd: its ratio-2 group is open, and 4 rows overwrite it)."""
-    import copy
     cfg, stack, _, _ = setup
     ids = list(stack.ids)
     st = _state(cfg, stack, max_drafts=3)
@@ -200,7 +201,6 @@ def test_an_abandoned_call_longer_than_the_ring_spare_loses_the_request(setup):
 def test_what_an_abandoned_call_loses(setup, max_drafts, start, count, lost):
     """`abandon` tells exactly when a request survives its abandoned call: where it does, the retry
     and the next call equal a run that never stopped; where it does not, `plan` refuses it."""
-    import copy
     cfg, stack, _, _ = setup
     st = DecodeState(cfg, max_requests=1, max_context=64, page_size=4, max_drafts=max_drafts)
     st.admit("a")
@@ -228,7 +228,6 @@ def test_a_forward_whose_hooks_change_the_state_keeps_its_own_error(setup):
     propagates and the call is abandoned, exactly; one that frees a request of the call leaves
     the others abandoned exactly; one that advances the call itself leaves nothing to abandon,
     and the hook's own exception propagates with the reason as a note."""
-    import copy
     cfg, stack, _, _ = setup
     st = _state(cfg, stack, max_drafts=3)
     ref = copy.deepcopy(st)

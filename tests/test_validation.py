@@ -25,8 +25,10 @@ def stack(tmp_path_factory):
 
 
 def _copy(v):
-    if isinstance(v, (torch.Tensor, np.ndarray)):
-        return v.clone() if isinstance(v, torch.Tensor) else v.copy()
+    if isinstance(v, torch.Tensor):
+        return v.clone()
+    if isinstance(v, np.ndarray):
+        return v.copy()
     if isinstance(v, dict):
         return {k: _copy(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
