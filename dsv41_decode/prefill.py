@@ -104,8 +104,6 @@ def prefill(stack, state: DecodeState, request: Hashable, x: torch.Tensor, *, ch
     if pre is not None and (pre.shape != (n, cfg.hc_mult) or pre.dtype != torch.float32):
         raise ValueError(f"prefill: pre must be [{n}, {cfg.hc_mult}] float32, got {tuple(pre.shape)} {pre.dtype}")
     state.slot(request)                                   # KeyError naming an unknown request
-    x = x.to(state.device)                                # one copy, not one a chunk (the step refuses another device)
-    pre = None if pre is None else pre.to(state.device)
     if state.cfg is not cfg and state.cfg != cfg:
         raise ValueError("prefill: the DecodeState was built for another configuration than the stack")
     if path == "kernels":
@@ -118,6 +116,8 @@ def prefill(stack, state: DecodeState, request: Hashable, x: torch.Tensor, *, ch
     # the whole prompt planned once, never advanced: a CapacityError before the first chunk (the
     # first chunk's plan replaces it, and the pages it allocated past that chunk go back)
     state.plan([(request, n)])
+    x = x.to(state.device)                                # one copy, not one a chunk (the step refuses another device)
+    pre = None if pre is None else pre.to(state.device)
     outs, pres = [], []
     for a in range(0, n, chunk):
         b = min(n, a + chunk)
