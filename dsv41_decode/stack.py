@@ -19,7 +19,7 @@ from .layer import AttentionLayer, CallContext
 from .parallel import TensorParallel
 from .reference.linear import rms_norm
 from .reference.mhc import Mix, hc_mixes, hc_post, hc_pre
-from .state import DecodeState, StepRows, abandon_after
+from .state import DecodeState, StepRows, abandon_after, same_device
 from .weights import Checkpoint
 
 FfnHook = Callable[[int, torch.Tensor], torch.Tensor]
@@ -46,6 +46,8 @@ class AttentionStack:
         cfg = ckpt.config
         if layer_ids is not None:
             layer_ids = list(layer_ids)
+            if not layer_ids:
+                raise ValueError("layer_ids: empty; a stack needs at least one layer (None: all of them)")
             bad = [i for i in layer_ids if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < cfg.n_layers]
             if bad:
                 raise ValueError(f"layer_ids: {bad[0]!r} is not a layer id of this configuration "
@@ -105,20 +107,31 @@ class AttentionStack:
         observe(layer, record) is called after each block. Returns (streams [N, hc, dim] BF16,
         carried pre [N, hc] FP32).
         Everything is checked before any cache is written (`DecodeState.check_step`: a stale, foreign
-        or replaced step, a freed request; the state's layer plan; the shapes of x and pre_in). An
+        or replaced step, a freed request; the state's layer plan; the types, shapes, dtypes and
+        devices of x and pre_in: TypeError / ValueError naming them). An
         exception in a layer, an `ffn` hook or `observe` abandons the call (`DecodeState.abandon`:
         its rows can be planned again) before it propagates.
         """
+        if not isinstance(state, DecodeState):
+            raise TypeError(f"forward: state must be a DecodeState, got a {type(state).__name__} "
+                            f"(the arguments are x, step, state)")
         state.check_step(step, "forward")
         if state.cfg is not self.cfg and state.cfg != self.cfg:
             raise ValueError("forward: the DecodeState was built for another configuration than the stack")
+        for name, t in (("x", x), ("pre_in", pre_in)):
+            if t is not None and not isinstance(t, torch.Tensor):
+                raise TypeError(f"forward: {name} must be a torch.Tensor, got a {type(t).__name__}")
         if x.dim() != 3 or x.shape[0] != step.n_rows or x.shape[1:] != (self.cfg.hc_mult, self.cfg.dim) \
                 or x.dtype != torch.bfloat16:
-            raise ValueError(f"streams must be [{step.n_rows}, {self.cfg.hc_mult}, {self.cfg.dim}] bfloat16, "
-                             f"got {tuple(x.shape)} {x.dtype}")
+            raise ValueError(f"forward: streams x must be [{step.n_rows}, {self.cfg.hc_mult}, {self.cfg.dim}] "
+                             f"bfloat16, got {tuple(x.shape)} {x.dtype}")
         if pre_in is not None and (pre_in.shape != (step.n_rows, self.cfg.hc_mult) or pre_in.dtype != torch.float32):
-            raise ValueError(f"pre_in must be [{step.n_rows}, {self.cfg.hc_mult}] float32, got "
+            raise ValueError(f"forward: pre_in must be [{step.n_rows}, {self.cfg.hc_mult}] float32, got "
                              f"{tuple(pre_in.shape)} {pre_in.dtype}")
+        for name, t in (("x", x), ("pre_in", pre_in)):
+            if t is not None and not same_device(t.device, state.device):
+                raise ValueError(f"forward: {name} is on {t.device}, the state on {state.device}: move it to "
+                                 f"the state's device")
         ctx = ctx if ctx is not None else CallContext()
         pre = self.initial_pre(step.n_rows, x.device) if pre_in is None else pre_in
         try:

@@ -142,6 +142,15 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def as_count(value) -> int | None:
+    """`value` as a Python int when it is an integer: a Python int or a numpy integer (what a
+    sampler's arrays hold), not a bool; None for anything else (a float, a string, a tensor, whose
+    value a GPU would have to be waited for)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        return None
+    return int(value)
+
+
 def same_device(a: torch.device, b: torch.device) -> bool:
     """True when `a` is `b`, taking a device without an index ("cuda") as the current one."""
     if a.type != b.type:
@@ -200,6 +209,9 @@ class DecodeState:
     def __init__(self, cfg: ModelConfig, max_requests: int, max_context: int,
                  max_tokens: int | None = None, page_size: int = 64,
                  device: str | torch.device = "cpu", stage_rows: int = 64, max_drafts: int = 0) -> None:
+        if not isinstance(cfg, ModelConfig):
+            raise TypeError(f"DecodeState: cfg must be a ModelConfig (e.g. ModelConfig.preset(name)), got a "
+                            f"{type(cfg).__name__}")
         for name, v in (("max_requests", max_requests), ("max_context", max_context),
                         ("page_size", page_size)):
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -316,8 +328,15 @@ class DecodeState:
 
         The slot's compressor state is reset; its window ring and pages are not cleared (reads are
         guarded by lengths). Raises ValueError for an id already live, CapacityError when all
-        `max_requests` slots are in use.
+        `max_requests` slots are in use. An id is any hashable but None (ValueError; TypeError for
+        an unhashable one).
         """
+        if req_id is None:
+            raise ValueError("admit: None is not a request id (it marks a free slot); use any other hashable")
+        try:
+            hash(req_id)
+        except TypeError:
+            raise TypeError(f"admit: request ids must be hashable, got a {type(req_id).__name__}") from None
         if req_id in self._req_slot:
             raise ValueError(f"admit: request {req_id!r} is already live in slot "
                              f"{self._req_slot[req_id]}")
@@ -389,8 +408,8 @@ class DecodeState:
     def plan(self, rows: Sequence[tuple[Hashable, int]]) -> StepRows:
         """Lay out one call's rows and allocate the pages of the entries the call completes.
 
-        rows: (req_id, count) per request, in call order; request i gets positions
-            `length(req_id) .. length(req_id) + count - 1`.
+        rows: (req_id, count) per request, in call order (any iterable of pairs; a count is a Python
+            or numpy int); request i gets positions `length(req_id) .. length(req_id) + count - 1`.
         For each ratio r, a request holds pages for entries `0 .. (start + count) // r - 1` after
         this call. Either every page is allocated or, on an error, none: KeyError for an unknown id,
         ValueError for an empty call, a count < 1 or a request listed twice, CapacityError when a
@@ -402,6 +421,12 @@ class DecodeState:
         if isinstance(rows, (dict, str, bytes)):
             raise ValueError(f"plan: rows must be a list of (req_id, count) pairs, got a {type(rows).__name__}"
                              + (" (list(rows.items()) makes one)" if isinstance(rows, dict) else ""))
+        if not isinstance(rows, (list, tuple)):
+            try:
+                rows = list(rows)
+            except TypeError:
+                raise ValueError(f"plan: rows must be a list of (req_id, count) pairs, got a "
+                                 f"{type(rows).__name__}") from None
         if len(rows) == 0:
             raise ValueError("plan: the call has no rows")
         if self._planned is not None and self._written:
@@ -424,8 +449,11 @@ class DecodeState:
                     f"plan: request {req_id!r} lost cached rows in an abandoned call of {self._lost[s]} rows "
                     f"(they overwrote window records or the open compressor group that its next rows read; "
                     f"max_drafts={self.max_drafts}): free it and prefill it again")
-            if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-                raise ValueError(f"plan: request {req_id!r} has count {count!r}; need an integer >= 1")
+            n = as_count(count)
+            if n is None or n < 1:
+                raise ValueError(f"plan: request {req_id!r} has count {count!r}; need an integer >= 1 "
+                                 f"(a Python or numpy int)")
+            count = n
             start = self._lengths[s]
             if start + count > self.max_context:
                 raise CapacityError(
@@ -528,7 +556,7 @@ class DecodeState:
             self._accepting[s] = (start, count)
         self._upload.copy_(self.seq_lens, self._lengths)
 
-    def abandon(self, step: StepRows) -> None:
+    def abandon(self, step: StepRows, *, ran: bool = True) -> None:
         """Undo a planned call that will not be advanced: its layers stopped midway (an exception in
         `AttentionStack.forward` or a step's call, which call this before they re-raise).
 
@@ -541,7 +569,8 @@ class DecodeState:
         `length - W + 1` on (more than `max_drafts + 1` rows after a cached token), or the open
         group's first row (an odd length, at least `max_drafts + 2` rows; 2 without drafts) - the
         request has lost cached rows: a later `plan` of it raises ValueError naming it (free it and
-        prefill it again).
+        prefill it again). ran=False: no layer of the call ran (nothing was written): the requests
+        only give back the plan's pages and lose nothing.
         """
         if not isinstance(step, StepRows):
             raise TypeError(f"abandon: expected the StepRows of DecodeState.plan, got {type(step).__name__}")
@@ -562,6 +591,8 @@ class DecodeState:
             # which a later call reads the cached ones from start - W + 1 on; the open group's row
             # start - 1 (odd start) sits in comp slot (start - 1) % 2, which row start + 1 overwrote,
             # and in comp_rows row (start - 1) % H, which row start - 1 + H overwrote
+            if not ran:
+                continue
             ring_lost = start > 0 and start + count - 1 - M >= max(0, start - W + 1)
             group_lost = bool(self.comp_kv) and start % 2 == 1 and count >= (H if H else 2)
             if ring_lost or group_lost:
@@ -604,8 +635,8 @@ class DecodeState:
         """Keep only the first `kept[req]` rows of each listed request's last advanced call.
 
         Speculative decoding: a call scored 1 + d rows of a request (its next token and d drafts)
-        and the sampler accepted a prefix of them. kept: {req_id: rows kept}, each in
-        `count - max_drafts .. count` and >= 1; requests not listed keep every row. Afterwards the
+        and the sampler accepted a prefix of them. kept: {req_id: rows kept}, each a Python or numpy
+        int in `count - max_drafts .. count` and >= 1; requests not listed keep every row. Afterwards the
         state is what a run that only ever saw the kept rows holds, in everything a later call
         reads (spec decision 12): the request's length is `start + kept`; the window ring holds
         positions `length - W .. length - 1` (the rejected rows' records sit in ring slots of
@@ -619,8 +650,11 @@ class DecodeState:
 
         Once per call and request: the next `plan` (or a second `accept` of the request) ends it.
         KeyError for a request that is not live; ValueError for a request that was not in the last
-        advanced call, a kept count outside `1 .. count`, or more rejected rows than `max_drafts`.
+        advanced call, a kept count that is not an integer or outside `1 .. count`, or more rejected
+        rows than `max_drafts`; TypeError when kept is not a mapping. Nothing changes on an error.
         """
+        if not isinstance(kept, Mapping):
+            raise TypeError(f"accept: kept must be a mapping {{req_id: rows kept}}, got a {type(kept).__name__}")
         todo = []
         for req_id, k in kept.items():
             s = self.slot(req_id)
@@ -629,9 +663,14 @@ class DecodeState:
                                  f"(or its rows were already accepted); accept after advance, "
                                  f"before the next plan")
             start, count = self._accepting[s]
-            if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= count:
+            n = as_count(k)
+            if n is None:
+                raise ValueError(f"accept: request {req_id!r} keeps {k!r} rows; need an integer (a Python "
+                                 f"or numpy int) in 1..{count}")
+            if not 1 <= n <= count:
                 raise ValueError(f"accept: request {req_id!r} keeps {k!r} rows; its call had {count} "
                                  f"rows and keeps 1..{count}")
+            k = n
             if count - k > self.max_drafts:
                 raise ValueError(f"accept: request {req_id!r} rejects {count - k} of its {count} rows, "
                                  f"more than max_drafts={self.max_drafts} (build the DecodeState with "

@@ -146,7 +146,7 @@ def test_bad_inputs_to_forward_change_nothing(stack):
     st = served(stack)
     step = st.plan([("a", 2)])
     snap = snapshot(st)
-    for x, pre, msg in ((streams(3, stack.cfg, 1), None, r"streams must be \[2, 4, 128\]"),
+    for x, pre, msg in ((streams(3, stack.cfg, 1), None, r"forward: streams x must be \[2, 4, 128\]"),
                         (streams(2, stack.cfg, 1).float(), None, "bfloat16"),
                         (streams(2, stack.cfg, 1), torch.ones(4), r"pre_in must be \[2, 4\] float32")):
         with pytest.raises(ValueError, match=msg):
@@ -182,6 +182,11 @@ def test_rejected_plans_admits_and_frees_change_nothing(stack):
         (ValueError, r"rows entries must be \(req_id, count\) pairs, got \('a', 1, 9\)",
          lambda: st.plan([("a", 1, 9)])),
         (ValueError, "has count '1'", lambda: st.plan([("a", "1")])),
+        (ValueError, "has count 1.0", lambda: st.plan([("a", 1.0)])),
+        (ValueError, "has count tensor", lambda: st.plan([("a", torch.tensor(1))])),   # its value: a device read
+        (ValueError, "rows must be a list of .* got a NoneType", lambda: st.plan(None)),
+        (ValueError, "None is not a request id", lambda: st.admit(None)),
+        (TypeError, "request ids must be hashable, got a list", lambda: st.admit(["c2"])),
     ]
     for exc, msg, call in calls:
         with pytest.raises(exc, match=msg):
@@ -262,3 +267,64 @@ def test_prefill_past_the_capacity_writes_nothing(stack):
     with pytest.raises(CapacityError, match="pages of ratio 1"):
         prefill(stack, small, "a", streams(20, stack.cfg, 0), chunk=8, path="reference")
     assert small.length("a") == 0 and small.free_pages(1) == small.n_pages[1]
+
+
+def test_wrong_argument_types_to_forward_are_named_and_change_nothing(stack):
+    st = served(stack)
+    step = st.plan([("a", 2)])
+    snap = snapshot(st)
+    x = streams(2, stack.cfg, 1)
+    for call, exc, msg in (
+            (lambda: stack.forward(x, st, step), TypeError, r"state must be a DecodeState, got a StepRows"),
+            (lambda: stack.forward(x.tolist(), step, st), TypeError, "x must be a torch.Tensor, got a list"),
+            (lambda: stack.forward(x, step, st, pre_in=np.ones((2, 4), np.float32)), TypeError,
+             "pre_in must be a torch.Tensor, got a ndarray"),
+            (lambda: stack.forward(x.to("meta"), step, st), ValueError, "x is on meta, the state on cpu"),
+            (lambda: stack.forward(x, step, st, pre_in=torch.ones(2, 4, device="meta")), ValueError,
+             "pre_in is on meta")):
+        with pytest.raises(exc, match=msg):
+            call()
+        unchanged(st, snap)
+    stack.forward(x, step, st)                              # the planned step still runs
+    assert st.length("a") == 11
+
+
+def test_counts_may_be_numpy_integers(stack):
+    """A sampler's counts (numpy integers) plan and accept as Python ints do, with the same result."""
+    cfg = stack.cfg
+    runs = []
+    for as_int in (int, np.int64):
+        st = DecodeState(cfg, max_requests=2, max_context=32, page_size=4, max_drafts=2)
+        st.admit("a")
+        out, _ = stack.forward(streams(3, cfg, 4), st.plan([("a", as_int(3))]), st)
+        st.accept({"a": as_int(2)})
+        runs.append((out, st.length("a"), st.seq_lens.clone()))
+    assert runs[0][1] == runs[1][1] == 2 and type(runs[1][1]) is int
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][2], runs[1][2])
+
+
+def test_bad_accepts_are_named_and_change_nothing(stack):
+    cfg = stack.cfg
+    st = DecodeState(cfg, max_requests=2, max_context=32, page_size=4, max_drafts=2)
+    st.admit("a")
+    stack.forward(streams(3, cfg, 4), st.plan([("a", 3)]), st)
+    snap = snapshot(st)
+    for kept, exc, msg in (([("a", 2)], TypeError, r"kept must be a mapping \{req_id: rows kept\}, got a list"),
+                           ({"a": 2.0}, ValueError, r"keeps 2.0 rows; need an integer .* in 1..3"),
+                           ({"a": torch.tensor(2)}, ValueError, r"keeps tensor\(2\) rows; need an integer")):
+        with pytest.raises(exc, match=msg):
+            st.accept(kept)
+        unchanged(st, snap)
+    st.accept({"a": 2})
+    assert st.length("a") == 2
+
+
+def test_an_empty_layer_list_is_refused(stack, tmp_path):
+    ckpt = load_checkpoint(write_synthetic_checkpoint(stack.cfg, tmp_path, seed=3))
+    with pytest.raises(ValueError, match="layer_ids: empty"):
+        AttentionStack(ckpt, layer_ids=[])
+
+
+def test_a_state_needs_a_model_config():
+    with pytest.raises(TypeError, match="cfg must be a ModelConfig .* got a str"):
+        DecodeState("tiny", max_requests=1, max_context=8)
