@@ -90,13 +90,20 @@ def prefill(stack, state: DecodeState, request: Hashable, x: torch.Tensor, *, ch
     step: the kernel path's `prefill_step(stack, state, c)` with c >= chunk, reused across calls
         (default: built here for this call).
     Returns (streams [n, hc, dim] BF16, carried pre [n, hc] FP32) leaving the last layer.
-    Errors (before any cache is written): ValueError for a bad path, chunk, step, x or pre;
-    KeyError for a request the state does not hold; CapacityError when the whole prompt would pass
-    the state's capacities (its context or its pages, as `DecodeState.plan` of all n rows says).
+    Errors (before any cache is written): ValueError for a bad path, chunk, step (or a step given
+    on the reference path, which takes none), x or pre; TypeError for an x, pre or step of the wrong
+    type; KeyError for a request the state does not hold; CapacityError when the whole prompt would
+    pass the state's capacities (its context or its pages, as `DecodeState.plan` of all n rows
+    says). An error while a chunk runs abandons that chunk's call (`DecodeState.abandon`); the
+    chunks before it stay committed: the request then holds `state.length(request)` tokens (prefill
+    the rest from there, or free it).
     """
     cfg = stack.cfg
     path = prefill_path(path, state.device)
     _check_chunk(chunk, path)
+    for name, t in (("x", x), ("pre", pre)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"prefill: {name} must be a torch.Tensor, got a {type(t).__name__}")
     if x.dim() != 3 or x.shape[1:] != (cfg.hc_mult, cfg.dim) or x.dtype != torch.bfloat16 or x.shape[0] < 1:
         raise ValueError(f"prefill: x must be [n >= 1, {cfg.hc_mult}, {cfg.dim}] bfloat16, got "
                          f"{tuple(x.shape)} {x.dtype}")
@@ -109,15 +116,24 @@ def prefill(stack, state: DecodeState, request: Hashable, x: torch.Tensor, *, ch
     if path == "kernels":
         if step is None:
             step = prefill_step(stack, state, chunk)
+        elif not hasattr(step, "state") or not hasattr(step, "max_rows"):
+            raise TypeError(f"prefill: step must be a DecodeStep of prefill_step(), got a {type(step).__name__}")
         elif step.state is not state or step.stack is not stack:
             raise ValueError("prefill: the given step was built for another stack or state")
         elif step.max_rows < chunk:
             raise ValueError(f"prefill: the given step holds {step.max_rows} rows, fewer than chunk={chunk}")
+    elif step is not None:
+        raise ValueError("prefill: a step was given but the path is 'reference', which takes none "
+                         "(path='kernels' runs the step)")
     # the whole prompt planned once, never advanced: a CapacityError before the first chunk (the
     # first chunk's plan replaces it, and the pages it allocated past that chunk go back)
-    state.plan([(request, n)])
-    x = x.to(state.device)                                # one copy, not one a chunk (the step refuses another device)
-    pre = None if pre is None else pre.to(state.device)
+    whole = state.plan([(request, n)])
+    try:                                                  # one copy, not one a chunk (the step refuses another device)
+        x = x.to(state.device)
+        pre = None if pre is None else pre.to(state.device)
+    except BaseException:
+        state.abandon(whole, ran=False)                   # e.g. out of memory: the plan's pages go back
+        raise
     outs, pres = [], []
     for a in range(0, n, chunk):
         b = min(n, a + chunk)

@@ -231,8 +231,30 @@ def test_errors(setup):
         stack.prefill(st, "a", x, chunk=4, path="kernels", step=small)
     with pytest.raises(ValueError, match="another stack or state"):
         stack.prefill(copy.deepcopy(base), "a", x, chunk=2, path="kernels", step=small)
+    with pytest.raises(TypeError, match="step must be a DecodeStep of prefill_step"):
+        stack.prefill(st, "a", x, chunk=2, path="kernels", step="small")
+    with pytest.raises(ValueError, match="a step was given but the path is 'reference'"):
+        stack.prefill(st, "a", x, chunk=2, path="reference", step=small)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor, got a list"):
+        stack.prefill(st, "a", x.tolist())
     assert st.length("a") == 0
     assert all(torch.equal(st.window[L], before[L]) for L in IDS)
+
+
+def test_a_failed_copy_of_the_prompt_gives_the_plan_back(setup):
+    """The prompt's copy to the state's device fails after the capacity plan (here: a meta tensor,
+    which cannot be copied out; on a GPU, say, out of memory): the plan's pages go back, nothing is
+    pending, and the request - which holds tokens - has lost nothing."""
+    cfg, stack, x, base = setup
+    st = copy.deepcopy(base)
+    def held():
+        return {r: (st.pages_of("other", r), st.free_pages(r)) for r in st.ratios}
+    before = held()
+    with pytest.raises(NotImplementedError):
+        stack.prefill(st, "other", x.to("meta"))
+    assert st.length("other") == 5 and held() == before
+    stack.prefill(st, "other", x[:3])                    # plans again, not refused as a lost request
+    assert st.length("other") == 8
 
 
 # ------------------------------------------------------------------------------------------- GPU
