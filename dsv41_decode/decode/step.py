@@ -37,7 +37,7 @@ import torch
 from ..ops import LOW_BATCH_MAX_ROWS
 from ..ops.allreduce_boundary import Mailbox
 from ..ops.gluon_indexer import ROW_GROUPS
-from ..state import DecodeState, StepRows, abandon_after, same_device
+from ..state import DecodeState, StepRows, abandon_after, as_count, same_device
 from .attention import AttentionStep
 from .boundary import Boundary
 from .buffers import IndexSelection, Scratch, StepIO, storage_bytes
@@ -166,7 +166,8 @@ class DecodeStep:
 
     Errors: StepError for buckets outside 1..LOW_BATCH_MAX_ROWS or past the state's stage_rows, a
     state of another configuration, a mix_late_rows that is not an int >= 1, an index_row_group
-    outside `ROW_GROUPS`, a fuse_scales or pair_slots that is not a bool, an unknown tp_boundary,
+    outside `ROW_GROUPS`, a max_rows or bucket that is not an int, an option documented as a bool
+    (graphs .. pair_slots) that is not one, an unknown tp_boundary,
     or tp_boundary="fused" under TP off CUDA; `NotEligible` for a layer whose weights do not suit
     the step.
 
@@ -181,9 +182,14 @@ class DecodeStep:
                  fold_boundary: bool = False, weights_lane: bool = True, comp_tail: bool = False,
                  mix_late_rows: int = MIX_LATE_ROWS, index_row_group: int = 1, fuse_scales: bool = False,
                  pair_slots: bool = False):
+        if as_count(max_rows) is None:
+            raise StepError(f"max_rows must be an int, got {max_rows!r}")
+        max_rows = int(max_rows)
         if buckets is None:
             buckets = tuple(b for b in DEFAULT_BUCKETS if b < max_rows) + (max_rows,)
-        buckets = tuple(sorted(set(buckets)))
+        elif isinstance(buckets, (str, bytes)) or not all(as_count(b) is not None for b in buckets):
+            raise StepError(f"buckets must be ints, got {buckets!r}")
+        buckets = tuple(sorted({int(b) for b in buckets}))
         if not buckets or buckets[0] < 1 or buckets[-1] > LOW_BATCH_MAX_ROWS:
             raise StepError(f"buckets must lie in 1..{LOW_BATCH_MAX_ROWS} (LOW_BATCH_MAX_ROWS), got {buckets}")
         if state.cfg is not stack.cfg and state.cfg != stack.cfg:
@@ -196,7 +202,10 @@ class DecodeStep:
         if (isinstance(index_row_group, bool) or not isinstance(index_row_group, int)
                 or index_row_group not in ROW_GROUPS):
             raise StepError(f"index_row_group must be one of {ROW_GROUPS}, got {index_row_group!r}")
-        for name, flag in (("fuse_scales", fuse_scales), ("pair_slots", pair_slots)):
+        flags = dict(graphs=graphs, overlap=overlap, wo_a_fp8=wo_a_fp8, exact_linears=exact_linears,
+                     fp32_dots=fp32_dots, fold_index_chain=fold_index_chain, fold_boundary=fold_boundary,
+                     weights_lane=weights_lane, comp_tail=comp_tail, fuse_scales=fuse_scales, pair_slots=pair_slots)
+        for name, flag in flags.items():
             if not isinstance(flag, bool):
                 raise StepError(f"{name} must be a bool, got {flag!r}")
         if tp_boundary not in ("auto", "collective", "fused"):
@@ -335,7 +344,9 @@ class DecodeStep:
 
     # ------------------------------------------------------------------ public call
     def bucket_for(self, rows: int) -> int:
-        """The smallest captured bucket holding `rows` rows; StepError past the largest."""
+        """The smallest captured bucket holding `rows` rows; StepError past the largest or below 1."""
+        if as_count(rows) is None or rows < 1:
+            raise StepError(f"bucket_for: rows must be an int >= 1, got {rows!r}")
         for b in self.buckets:
             if rows <= b:
                 return b
@@ -424,11 +435,14 @@ class DecodeStep:
         for entry in rows:
             if not isinstance(entry, (tuple, list)):
                 raise StepError(f"rows entries must be (req_id, count[, first_position]), got {entry!r}")
-            if len(entry) >= 2 and type(entry[1]) is not int:
-                raise StepError(f"request {entry[0]!r}: count must be an integer, got {entry[1]!r}")
+            if len(entry) >= 2 and as_count(entry[1]) is None:
+                raise StepError(f"request {entry[0]!r}: count must be an integer (a Python or numpy int), "
+                                f"got {entry[1]!r}")
             if len(entry) == 3:
                 req, count, first = entry
                 have = self.state.length(req)
+                if as_count(first) is None:
+                    raise StepError(f"request {req!r}: first_position must be an integer, got {first!r}")
                 if first != have:
                     raise StepError(f"request {req!r}: the step starts at position {first} but the "
                                     f"request holds {have} tokens; positions must continue it")
@@ -436,7 +450,7 @@ class DecodeStep:
                 req, count = entry
             else:
                 raise StepError(f"rows entries must be (req_id, count[, first_position]), got {entry!r}")
-            plan_rows.append((req, count))
+            plan_rows.append((req, int(count)))
         n = sum(c for _, c in plan_rows)
         bucket = self.bucket_for(n)
         cfg = self.cfg
@@ -453,8 +467,9 @@ class DecodeStep:
                 raise StepError(f"{name} is on {t.device}, the step on {self.device}: move it to the step's device")
         planned = self.state.plan(plan_rows)
         self.meta.load(planned, bucket)
-        self.io.x_in[:n].copy_(x)
-        self.io.pre_in[:n].copy_(self.io.pre_first[:n] if pre is None else pre)
+        # detached: a copy from a tensor that requires grad would chain the step's buffers into its graph
+        self.io.x_in[:n].copy_(x.detach())
+        self.io.pre_in[:n].copy_(self.io.pre_first[:n] if pre is None else pre.detach())
         return planned, bucket
 
     def accept(self, kept) -> None:

@@ -25,6 +25,7 @@ import contextlib
 import copy
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -484,8 +485,10 @@ def test_errors(cpu_setup):
         step(streams(1, cfg, g), ["a1"])
     with pytest.raises(StepError, match=r"rows must be a list .* got a dict \(list\(rows.items\(\)\) makes one\)"):
         step(streams(1, cfg, g), {"a": 1})
-    with pytest.raises(StepError, match="request 'a': count must be an integer, got '1'"):
+    with pytest.raises(StepError, match=r"request 'a': count must be an integer \(a Python or numpy int\), got '1'"):
         step(streams(1, cfg, g), [("a", "1")])
+    with pytest.raises(StepError, match=r"request 'a': first_position must be an integer, got 21.0"):
+        step(streams(1, cfg, g), [("a", 1, float(st.length("a")))])
     with pytest.raises(StepError, match=r"pre must be \[1, 4\] float32"):   # would broadcast over rows
         step(streams(1, cfg, g), [("a", 1)], pre=torch.ones(4))
     with pytest.raises(StepError, match=r"x must be \[1, 4, 256\] bfloat16, got \(\) list"):
@@ -494,6 +497,8 @@ def test_errors(cpu_setup):
         step(streams(1, cfg, g).to("meta"), [("a", 1)])
     with pytest.raises(StepError, match=r"pre is on meta, the step on cpu"):
         step(streams(1, cfg, g), [("a", 1)], pre=torch.ones(1, 4, device="meta"))
+    with pytest.raises(StepError, match=r"bucket_for: rows must be an int >= 1, got 0"):
+        step.bucket_for(0)
     assert {r: st.length(r) for r in PREFILL} == lengths           # nothing planned or advanced
     assert {(r, k): st.pages_of(r, k) for r in PREFILL for k in (1, 2)} == pages
     assert step.prepare([("a", 1), ("b", 2)], streams(3, cfg, g)) == 4      # planned and loaded ...
@@ -523,3 +528,31 @@ def test_errors(cpu_setup):
     assert step.buckets == (3,) and step.bucket_for(1) == 3
     with pytest.raises(StepError, match=r"largest captured bucket 3"):
         step.bucket_for(4)
+
+
+@interpreter
+def test_constructor_arguments_are_checked(cpu_setup):
+    """max_rows and buckets are ints, the options documented as bools are bools: a StepError naming
+    the argument (a string "no" for graphs= would otherwise capture graphs)."""
+    _, stack, base, _ = cpu_setup
+    for kwargs, msg in ((dict(max_rows=2.5), "max_rows must be an int, got 2.5"),
+                        (dict(max_rows=None), "max_rows must be an int, got None"),
+                        (dict(max_rows=2, buckets=(True, 2)), r"buckets must be ints, got \(True, 2\)"),
+                        (dict(max_rows=2, graphs="no"), "graphs must be a bool, got 'no'"),
+                        (dict(max_rows=2, exact_linears=1), "exact_linears must be a bool, got 1")):
+        with pytest.raises(StepError, match=msg):
+            stack.decode_step(copy.deepcopy(base), **kwargs)
+    assert stack.decode_step(copy.deepcopy(base), max_rows=np.int64(2)).buckets == (1, 2)
+
+
+@interpreter
+def test_numpy_counts_and_inputs_that_require_grad(cpu_setup, monkeypatch):
+    """A sampler's numpy counts run as ints; an x that requires grad is copied detached: the step's
+    input buffer stays out of autograd (a copy with history would chain every later call's x)."""
+    cfg, stack, base, _ = cpu_setup
+    step = stack.decode_step(copy.deepcopy(base), max_rows=2)
+    monkeypatch.setattr(step, "replay", lambda bucket: None)
+    x = streams(2, cfg, torch.Generator().manual_seed(5)).float().requires_grad_().to(torch.bfloat16)
+    step(x, [("a", np.int64(2))])
+    assert step.io.x_in.grad_fn is None and not step.io.x_in.requires_grad
+    assert step.state.length("a") == base.length("a") + 2
