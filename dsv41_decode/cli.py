@@ -292,10 +292,14 @@ def _plot(args, console: Console) -> int:
     from .bench.step_plot import load_jsonl
     if not args.jsonl.is_file():
         raise UsageError(f"{args.jsonl}: no such results file")
+    out = args.out or args.jsonl.with_suffix(".png")
+    if not out.parent.is_dir():
+        raise UsageError(f"--out {out}: no such folder {out.parent}")
     try:
-        out = plot_results(load_jsonl(args.jsonl), args.out or args.jsonl.with_suffix(".png"))
+        out = plot_results(load_jsonl(args.jsonl), out)
     except ValueError as e:
-        raise UsageError(f"{args.jsonl}: {e}") from None
+        msg = str(e)
+        raise UsageError(msg if msg.startswith(str(args.jsonl)) else f"{args.jsonl}: {msg}") from None
     console.print(f"wrote {out}")
     return 0
 

@@ -21,6 +21,7 @@ from dsv41_decode.runtime import MAX_THREADS, cpu_threads
 from dsv41_decode.weights import CheckpointError, write_synthetic_checkpoint
 
 CUDA = torch.cuda.is_available()
+STEP_RESULTS = str(Path(__file__).resolve().parents[1] / "docs" / "results" / "step-h200.jsonl")
 
 
 def test_version(capsys):
@@ -46,6 +47,7 @@ USAGE = [
     (["trace", "record", "/no/such/parent/out"], "its parent folder /no/such/parent does not exist"),
     (["plan", "--config", "no-such-preset"], "no-such-preset"),
     (["plot", "/no/such.jsonl"], "/no/such.jsonl: no such results file"),
+    (["plot", STEP_RESULTS, "--out", "/no/such/dir/x.png"], "--out /no/such/dir/x.png: no such folder /no/such/dir"),
     (["bench", "attn", "--families", "sparse_mla,bogus"], "unknown name 'bogus'; choose from sparse_mla"),
     (["bench", "gemm", "--rows", "1,0"], "argument --rows: expected integers >= 1, got 0"),
     (["bench", "step", "--variants", "fuse_scales,pair_slotz"], "--variants: unknown variant 'pair_slotz'; choose from"),
@@ -150,6 +152,19 @@ def test_verify_quiet_prints_only_its_summary(trace_dir, tmp_path, capsys):
     out, err = capsys.readouterr()
     assert "FAIL decode00 layer 3: attn_out" in out and "failure(s) in 2 of 14" in out.strip().splitlines()[-1]
     assert "trace verify: layer 14/14" in err                                    # progress when piped
+
+
+def test_verify_refuses_more_calls_than_the_trace_holds(trace_dir, capsys):
+    assert main(["trace", "verify", str(trace_dir), "--calls", "5", "--quiet"]) == 1
+    assert "calls=5 but the trace holds 1 calls after the first" in one_line_error(capsys)
+
+
+def test_plot_names_a_bad_results_line_once(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    assert main(["plot", str(bad)]) == 2
+    line = one_line_error(capsys)
+    assert line.count("bad.jsonl") == 1, line
 
 
 def test_verify_hints_at_the_tc_linears_only_for_the_step_on_a_gpu():

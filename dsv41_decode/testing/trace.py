@@ -182,7 +182,8 @@ def verify_trace(folder: str | Path, progress: bool = False, path: str = "refere
         ValueError when one holds more rows than the step runs, LOW_BATCH_MAX_ROWS).
     device: where the checkpoint, the state and the path run ("cpu" runs the step's kernels in
         Triton's interpreter).
-    calls: replay only the first `calls` calls after the first one (None: all).
+    calls: replay only the first `calls` calls after the first one (None: all; TraceError past the
+        trace's).
     heads: pad the checkpoint to this many query heads with zero heads (`trace_step.pad_heads`);
         the step path pads on its own when it does not run the trace's head count natively.
     log: called with a line of text for what the reader should know (the padding).
@@ -215,6 +216,9 @@ def verify_trace(folder: str | Path, progress: bool = False, path: str = "refere
     cfg: ModelConfig = ckpt.config
     case = read_case(folder / "trace.safetensors")
     B, plan = case["batch"], cfg.plan
+    if calls is not None and calls > len(case["calls"]) - 1:
+        raise TraceError(f"{folder}: calls={calls} but the trace holds {len(case['calls']) - 1} calls after "
+                         f"the first")
     names = case["calls"] if calls is None else case["calls"][:1 + calls]
     stack = AttentionStack(ckpt)
     layers = stack.layers
