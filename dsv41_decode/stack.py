@@ -35,7 +35,12 @@ class BlockRecord:
 
 
 class AttentionStack:
-    """Layers `layer_ids` (ascending; every KV and index source they need must be among them)."""
+    """Layers `layer_ids` (ascending; every KV and index source they need must be among them).
+
+    A stack of some of the configuration's layers runs on a `DecodeState` of the whole configuration
+    and advances its requests as a call of every layer would: the other layers' caches are not
+    written, so a later stack that runs them reads nothing for those positions. Serve with one
+    stack of all layers; a partial stack is for tests and benchmarks of its layers."""
 
     def __init__(self, ckpt: Checkpoint, layer_ids: Sequence[int] | None = None, tp: TensorParallel | None = None):
         """Build the layers from a loaded checkpoint (its tensors stay on the device they were loaded to).
