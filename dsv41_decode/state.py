@@ -587,12 +587,12 @@ class DecodeState:
                 continue                                  # freed (and maybe re-admitted) since the plan
             self._pending[s] = 0
             self._cut_to(s, start)
+            if not ran:
+                continue                                  # nothing written: nothing overwritten
             # the call's rows took the ring slots of positions start - M .. start + count - 1 - M, of
             # which a later call reads the cached ones from start - W + 1 on; the open group's row
             # start - 1 (odd start) sits in comp slot (start - 1) % 2, which row start + 1 overwrote,
             # and in comp_rows row (start - 1) % H, which row start - 1 + H overwrote
-            if not ran:
-                continue
             ring_lost = start > 0 and start + count - 1 - M >= max(0, start - W + 1)
             group_lost = bool(self.comp_kv) and start % 2 == 1 and count >= (H if H else 2)
             if ring_lost or group_lost:
