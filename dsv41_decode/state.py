@@ -232,6 +232,9 @@ class DecodeState:
         self.max_tokens = max_tokens
         self.page_size = page_size
         self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"DecodeState: device {device}: CUDA is not available (no GPU visible, or a CPU "
+                             f"build of torch)")
         self.window_size = cfg.window_size
         self.head_dim = cfg.head_dim
         self.stage_rows = stage_rows

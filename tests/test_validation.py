@@ -325,6 +325,9 @@ def test_an_empty_layer_list_is_refused(stack, tmp_path):
         AttentionStack(ckpt, layer_ids=[])
 
 
-def test_a_state_needs_a_model_config():
+def test_a_state_needs_a_model_config_and_a_device_that_is_there():
     with pytest.raises(TypeError, match="cfg must be a ModelConfig .* got a str"):
         DecodeState("tiny", max_requests=1, max_context=8)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device cuda: CUDA is not available"):
+            DecodeState(ModelConfig.preset("tiny"), max_requests=1, max_context=8, device="cuda")
