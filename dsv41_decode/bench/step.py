@@ -136,6 +136,7 @@ VARIANTS = {
     "index_row_group4": dict(index_row_group=4),
     "fuse_scales": dict(fuse_scales=True),
     "pair_slots": dict(pair_slots=True),
+    "comp_tail": dict(comp_tail=True),
 }
 DEFAULT_VARIANTS = ("no_overlap", "wo_a_fp8", "tc_linears")
 
