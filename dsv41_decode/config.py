@@ -151,7 +151,10 @@ class ModelConfig:
 
     @classmethod
     def load(cls, spec: str | Path) -> "ModelConfig":
-        """A preset name, a config.json path, or a directory holding a config.json."""
+        """A preset name, a config.json path, or a directory holding a config.json (ConfigError for
+        an empty spec)."""
+        if not str(spec).strip():
+            raise ConfigError(f"config: empty; give a preset ({', '.join(PRESETS)}), a config.json or its folder")
         if str(spec) in PRESETS:
             return cls.preset(str(spec))
         return cls.from_json(spec)

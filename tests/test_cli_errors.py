@@ -46,6 +46,7 @@ USAGE = [
     (["trace", "record", "x", "--prefill", "0"], "argument --prefill: expected an integer >= 1, got 0"),
     (["trace", "record", "/no/such/parent/out"], "its parent folder /no/such/parent does not exist"),
     (["plan", "--config", "no-such-preset"], "no-such-preset"),
+    (["plan", "--config", ""], "config: empty; give a preset (v41-flash, tiny, small)"),
     (["plot", "/no/such.jsonl"], "/no/such.jsonl: no such results file"),
     (["plot", STEP_RESULTS, "--out", "/no/such/dir/x.png"], "--out /no/such/dir/x.png: no such folder /no/such/dir"),
     (["bench", "attn", "--families", "sparse_mla,bogus"], "unknown name 'bogus'; choose from sparse_mla"),
