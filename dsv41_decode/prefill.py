@@ -95,8 +95,10 @@ def prefill(stack, state: DecodeState, request: Hashable, x: torch.Tensor, *, ch
     type; KeyError for a request the state does not hold; CapacityError when the whole prompt would
     pass the state's capacities (its context or its pages, as `DecodeState.plan` of all n rows
     says). An error while a chunk runs abandons that chunk's call (`DecodeState.abandon`); the
-    chunks before it stay committed: the request then holds `state.length(request)` tokens (prefill
-    the rest from there, or free it).
+    chunks before it stay committed: the request then holds `state.length(request)` tokens. Where
+    the failed chunk overwrote rows the request still reads (more than `max_drafts + 1` rows after a
+    cached token: any chunk but a fresh request's first, as a rule), its next plan raises ValueError
+    naming it: free it and prefill it again; else prefill the rest from there.
     """
     cfg = stack.cfg
     path = prefill_path(path, state.device)

@@ -411,8 +411,9 @@ class DecodeState:
     def plan(self, rows: Sequence[tuple[Hashable, int]]) -> StepRows:
         """Lay out one call's rows and allocate the pages of the entries the call completes.
 
-        rows: (req_id, count) per request, in call order (any iterable of pairs; a count is a Python
-            or numpy int); request i gets positions `length(req_id) .. length(req_id) + count - 1`.
+        rows: (req_id, count) per request, in call order (a list, tuple or other ordered iterable of
+            pairs; a count is a Python or numpy int); request i gets positions
+            `length(req_id) .. length(req_id) + count - 1`.
         For each ratio r, a request holds pages for entries `0 .. (start + count) // r - 1` after
         this call. Either every page is allocated or, on an error, none: KeyError for an unknown id,
         ValueError for an empty call, a count < 1 or a request listed twice, CapacityError when a
@@ -421,15 +422,16 @@ class DecodeState:
         pages of their lengths (or of this call), the rest of what it allocated goes back to the
         pools (and counts as free for this call).
         """
-        if isinstance(rows, (dict, str, bytes)):
+        if isinstance(rows, (dict, str, bytes, set, frozenset)):   # a set has no call order
             raise ValueError(f"plan: rows must be a list of (req_id, count) pairs, got a {type(rows).__name__}"
                              + (" (list(rows.items()) makes one)" if isinstance(rows, dict) else ""))
         if not isinstance(rows, (list, tuple)):
             try:
-                rows = list(rows)
+                it = iter(rows)
             except TypeError:
                 raise ValueError(f"plan: rows must be a list of (req_id, count) pairs, got a "
                                  f"{type(rows).__name__}") from None
+            rows = list(it)
         if len(rows) == 0:
             raise ValueError("plan: the call has no rows")
         if self._planned is not None and self._written:
@@ -572,14 +574,17 @@ class DecodeState:
         `length - W + 1` on (more than `max_drafts + 1` rows after a cached token), or the open
         group's first row (an odd length, at least `max_drafts + 2` rows; 2 without drafts) - the
         request has lost cached rows: a later `plan` of it raises ValueError naming it (free it and
-        prefill it again). ran=False: no layer of the call ran (nothing was written): the requests
-        only give back the plan's pages and lose nothing.
+        prefill it again). ran=False: the caller vouches that no layer of the call ran (nothing was
+        written): the requests only give back the plan's pages and lose nothing (ValueError where the
+        generic path's layers have written; the step's kernels write unseen by the state).
         """
         if not isinstance(step, StepRows):
             raise TypeError(f"abandon: expected the StepRows of DecodeState.plan, got {type(step).__name__}")
         if step.plan_key != self._planned:
             raise ValueError("abandon: the step is not this state's current plan (advanced, abandoned, planned by "
                              "another DecodeState, or replaced by a later plan())")
+        if not ran and self._written:
+            raise ValueError("abandon: ran=False, but the call's layers have written the caches")
         self._planned = None
         self._written = False
         self._accepting = {}

@@ -185,6 +185,7 @@ def test_rejected_plans_admits_and_frees_change_nothing(stack):
         (ValueError, "has count 1.0", lambda: st.plan([("a", 1.0)])),
         (ValueError, "has count tensor", lambda: st.plan([("a", torch.tensor(1))])),   # its value: a device read
         (ValueError, "rows must be a list of .* got a NoneType", lambda: st.plan(None)),
+        (ValueError, "rows must be a list of .* got a set", lambda: st.plan({("a", 1)})),   # no call order
         (ValueError, "None is not a request id", lambda: st.admit(None)),
         (TypeError, "request ids must be hashable, got a list", lambda: st.admit(["c2"])),
     ]
@@ -331,3 +332,36 @@ def test_a_state_needs_a_model_config_and_a_device_that_is_there():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="device cuda: CUDA is not available"):
             DecodeState(ModelConfig.preset("tiny"), max_requests=1, max_context=8, device="cuda")
+
+
+def test_plan_takes_an_ordered_iterable_of_pairs(stack):
+    outs = []
+    for rows in ([("a", 2), ("b", 1)], (r for r in (("a", 2), ("b", 1))), {"a": 2, "b": 1}.items()):
+        st = served(stack)
+        out, _ = stack.forward(streams(3, stack.cfg, 2), st.plan(rows), st)
+        outs.append(out)
+        assert (st.length("a"), st.length("b")) == (11, 6)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+def test_abandon_of_a_plan_no_layer_ran(stack):
+    """ran=False: the plan's pages go back and a request holding tokens loses nothing (with ran=True
+    a call this long after cached tokens would have overwritten ring slots the request reads); once
+    the generic path's layers have written, ran=False is refused and nothing changes."""
+    st = served(stack)
+    held = {r: (st.pages_of("a", r), st.free_pages(r)) for r in st.ratios}
+    st.abandon(st.plan([("a", 20)]), ran=False)
+    assert {r: (st.pages_of("a", r), st.free_pages(r)) for r in st.ratios} == held and st.length("a") == 9
+    st.plan([("a", 1)])                                     # not refused as a lost request
+    st = served(stack)
+    step = st.plan([("a", 20)])
+    st.abandon(step, ran=True)
+    with pytest.raises(ValueError, match="'a' lost cached rows"):
+        st.plan([("a", 1)])
+    st = served(stack)
+    step = st.plan([("a", 2)])
+    stack.block(stack.ids[0], streams(2, stack.cfg, 1), stack.initial_pre(2), step, st, CallContext())
+    snap = snapshot(st)
+    with pytest.raises(ValueError, match="ran=False, but the call's layers have written the caches"):
+        st.abandon(step, ran=False)
+    unchanged(st, snap)

@@ -187,8 +187,14 @@ class DecodeStep:
         max_rows = int(max_rows)
         if buckets is None:
             buckets = tuple(b for b in DEFAULT_BUCKETS if b < max_rows) + (max_rows,)
-        elif isinstance(buckets, (str, bytes)) or not all(as_count(b) is not None for b in buckets):
-            raise StepError(f"buckets must be ints, got {buckets!r}")
+        else:
+            try:
+                given = tuple(buckets) if not isinstance(buckets, (str, bytes)) else None
+            except TypeError:
+                given = None
+            if given is None or not all(as_count(b) is not None for b in given):
+                raise StepError(f"buckets must be a sequence of ints, got {buckets!r}")
+            buckets = given
         buckets = tuple(sorted({int(b) for b in buckets}))
         if not buckets or buckets[0] < 1 or buckets[-1] > LOW_BATCH_MAX_ROWS:
             raise StepError(f"buckets must lie in 1..{LOW_BATCH_MAX_ROWS} (LOW_BATCH_MAX_ROWS), got {buckets}")
@@ -216,7 +222,7 @@ class DecodeStep:
         self.stack, self.state, self.cfg = stack, state, stack.cfg
         self.buckets, self.max_rows = buckets, buckets[-1]
         self.device = dev
-        self.fold_boundary = bool(fold_boundary)
+        self.fold_boundary = fold_boundary
         self.mix_late_rows = mix_late_rows
         self.plan = dict(low_batch=True, overlap=bool(overlap),
                          layers=[(i, stack.cfg.plan[i].label) for i in stack.ids],

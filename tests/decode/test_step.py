@@ -487,7 +487,8 @@ def test_errors(cpu_setup):
         step(streams(1, cfg, g), {"a": 1})
     with pytest.raises(StepError, match=r"request 'a': count must be an integer \(a Python or numpy int\), got '1'"):
         step(streams(1, cfg, g), [("a", "1")])
-    with pytest.raises(StepError, match=r"request 'a': first_position must be an integer, got 21.0"):
+    first = float(st.length("a"))
+    with pytest.raises(StepError, match=rf"request 'a': first_position must be an integer, got {first}"):
         step(streams(1, cfg, g), [("a", 1, float(st.length("a")))])
     with pytest.raises(StepError, match=r"pre must be \[1, 4\] float32"):   # would broadcast over rows
         step(streams(1, cfg, g), [("a", 1)], pre=torch.ones(4))
@@ -537,12 +538,14 @@ def test_constructor_arguments_are_checked(cpu_setup):
     _, stack, base, _ = cpu_setup
     for kwargs, msg in ((dict(max_rows=2.5), "max_rows must be an int, got 2.5"),
                         (dict(max_rows=None), "max_rows must be an int, got None"),
-                        (dict(max_rows=2, buckets=(True, 2)), r"buckets must be ints, got \(True, 2\)"),
+                        (dict(max_rows=2, buckets=(True, 2)), r"buckets must be a sequence of ints, got \(True, 2\)"),
+                        (dict(max_rows=2, buckets=4), "buckets must be a sequence of ints, got 4"),
                         (dict(max_rows=2, graphs="no"), "graphs must be a bool, got 'no'"),
                         (dict(max_rows=2, exact_linears=1), "exact_linears must be a bool, got 1")):
         with pytest.raises(StepError, match=msg):
             stack.decode_step(copy.deepcopy(base), **kwargs)
     assert stack.decode_step(copy.deepcopy(base), max_rows=np.int64(2)).buckets == (1, 2)
+    assert stack.decode_step(copy.deepcopy(base), max_rows=2, buckets=(b for b in (2, 1))).buckets == (1, 2)
 
 
 @interpreter
@@ -553,6 +556,8 @@ def test_numpy_counts_and_inputs_that_require_grad(cpu_setup, monkeypatch):
     step = stack.decode_step(copy.deepcopy(base), max_rows=2)
     monkeypatch.setattr(step, "replay", lambda bucket: None)
     x = streams(2, cfg, torch.Generator().manual_seed(5)).float().requires_grad_().to(torch.bfloat16)
-    step(x, [("a", np.int64(2))])
+    pre = torch.full((2, cfg.hc_mult), 0.25, requires_grad=True)
+    step(x, [("a", np.int64(2))], pre)
     assert step.io.x_in.grad_fn is None and not step.io.x_in.requires_grad
+    assert step.io.pre_in.grad_fn is None and not step.io.pre_in.requires_grad
     assert step.state.length("a") == base.length("a") + 2
