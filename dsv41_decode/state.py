@@ -146,9 +146,11 @@ def as_count(value) -> int | None:
     """`value` as a Python int when it is an integer: a Python int or a numpy integer (what a
     sampler's arrays hold), not a bool; None for anything else (a float, a string, a tensor, whose
     value a GPU would have to be waited for)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        return None
-    return int(value)
+    if type(value) is int:                                # the common case first: a call's rows go through here
+        return value
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return int(value)
+    return None
 
 
 def same_device(a: torch.device, b: torch.device) -> bool:
@@ -454,7 +456,7 @@ class DecodeState:
                     f"plan: request {req_id!r} lost cached rows in an abandoned call of {self._lost[s]} rows "
                     f"(they overwrote window records or the open compressor group that its next rows read; "
                     f"max_drafts={self.max_drafts}): free it and prefill it again")
-            n = as_count(count)
+            n = count if type(count) is int else as_count(count)
             if n is None or n < 1:
                 raise ValueError(f"plan: request {req_id!r} has count {count!r}; need an integer >= 1 "
                                  f"(a Python or numpy int)")

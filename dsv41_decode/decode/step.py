@@ -441,7 +441,7 @@ class DecodeStep:
         for entry in rows:
             if not isinstance(entry, (tuple, list)):
                 raise StepError(f"rows entries must be (req_id, count[, first_position]), got {entry!r}")
-            if len(entry) >= 2 and as_count(entry[1]) is None:
+            if len(entry) >= 2 and type(entry[1]) is not int and as_count(entry[1]) is None:
                 raise StepError(f"request {entry[0]!r}: count must be an integer (a Python or numpy int), "
                                 f"got {entry[1]!r}")
             if len(entry) == 3:
@@ -456,7 +456,7 @@ class DecodeStep:
                 req, count = entry
             else:
                 raise StepError(f"rows entries must be (req_id, count[, first_position]), got {entry!r}")
-            plan_rows.append((req, int(count)))
+            plan_rows.append((req, count if type(count) is int else int(count)))
         n = sum(c for _, c in plan_rows)
         bucket = self.bucket_for(n)
         cfg = self.cfg
@@ -474,8 +474,8 @@ class DecodeStep:
         planned = self.state.plan(plan_rows)
         self.meta.load(planned, bucket)
         # detached: a copy from a tensor that requires grad would chain the step's buffers into its graph
-        self.io.x_in[:n].copy_(x.detach())
-        self.io.pre_in[:n].copy_(self.io.pre_first[:n] if pre is None else pre.detach())
+        self.io.x_in[:n].copy_(x.detach() if x.requires_grad else x)
+        self.io.pre_in[:n].copy_(self.io.pre_first[:n] if pre is None else pre.detach() if pre.requires_grad else pre)
         return planned, bucket
 
     def accept(self, kept) -> None:
