@@ -295,6 +295,8 @@ def _plot(args, console: Console) -> int:
     out = args.out or args.jsonl.with_suffix(".png")
     if not out.parent.is_dir():
         raise UsageError(f"--out {out}: no such folder {out.parent}")
+    if out.is_dir():
+        raise UsageError(f"--out {out}: a folder; give the image's file name (e.g. {out / 'step.png'})")
     try:
         out = plot_results(load_jsonl(args.jsonl), out)
     except ValueError as e:

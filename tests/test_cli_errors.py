@@ -49,6 +49,7 @@ USAGE = [
     (["plan", "--config", ""], "config: empty; give a preset (v41-flash, tiny, small)"),
     (["plot", "/no/such.jsonl"], "/no/such.jsonl: no such results file"),
     (["plot", STEP_RESULTS, "--out", "/no/such/dir/x.png"], "--out /no/such/dir/x.png: no such folder /no/such/dir"),
+    (["plot", STEP_RESULTS, "--out", "/tmp"], "--out /tmp: a folder; give the image's file name"),
     (["bench", "attn", "--families", "sparse_mla,bogus"], "unknown name 'bogus'; choose from sparse_mla"),
     (["bench", "gemm", "--rows", "1,0"], "argument --rows: expected integers >= 1, got 0"),
     (["bench", "step", "--variants", "fuse_scales,pair_slotz"], "--variants: unknown variant 'pair_slotz'; choose from"),
