@@ -456,7 +456,7 @@ class DecodeState:
                     f"plan: request {req_id!r} lost cached rows in an abandoned call of {self._lost[s]} rows "
                     f"(they overwrote window records or the open compressor group that its next rows read; "
                     f"max_drafts={self.max_drafts}): free it and prefill it again")
-            n = count if type(count) is int else as_count(count)
+            n = as_count(count)
             if n is None or n < 1:
                 raise ValueError(f"plan: request {req_id!r} has count {count!r}; need an integer >= 1 "
                                  f"(a Python or numpy int)")

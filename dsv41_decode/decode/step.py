@@ -439,24 +439,20 @@ class DecodeStep:
                                                         else ""))
         plan_rows = []
         for entry in rows:
-            if not isinstance(entry, (tuple, list)):
+            if not isinstance(entry, (tuple, list)) or len(entry) not in (2, 3):
                 raise StepError(f"rows entries must be (req_id, count[, first_position]), got {entry!r}")
-            if len(entry) >= 2 and type(entry[1]) is not int and as_count(entry[1]) is None:
-                raise StepError(f"request {entry[0]!r}: count must be an integer (a Python or numpy int), "
+            req, count = entry[0], as_count(entry[1])
+            if count is None:
+                raise StepError(f"request {req!r}: count must be an integer (a Python or numpy int), "
                                 f"got {entry[1]!r}")
             if len(entry) == 3:
-                req, count, first = entry
-                have = self.state.length(req)
+                first, have = entry[2], self.state.length(req)
                 if as_count(first) is None:
                     raise StepError(f"request {req!r}: first_position must be an integer, got {first!r}")
                 if first != have:
                     raise StepError(f"request {req!r}: the step starts at position {first} but the "
                                     f"request holds {have} tokens; positions must continue it")
-            elif len(entry) == 2:
-                req, count = entry
-            else:
-                raise StepError(f"rows entries must be (req_id, count[, first_position]), got {entry!r}")
-            plan_rows.append((req, count if type(count) is int else int(count)))
+            plan_rows.append((req, count))
         n = sum(c for _, c in plan_rows)
         bucket = self.bucket_for(n)
         cfg = self.cfg
