@@ -302,6 +302,7 @@ class DecodeState:
         self._plan_key: tuple[str, int] = (uuid.uuid4().hex, 0)
         self._planned: tuple | None = None
         self._accepting: dict[int, tuple[int, int]] = {}  # slot -> (start, count) of the last advanced call
+        self._stale_groups: set[int] = set()   # slots whose open groups a deferred accept left to restore
         self._pages: dict[int, list[list[int]]] = {
             r: [[] for _ in range(max_requests)] for r in self.ratios}
         self._free_pages: dict[int, list[int]] = {
@@ -372,6 +373,7 @@ class DecodeState:
         self._lengths[s] = 0
         self._pending[s] = 0
         self._accepting.pop(s, None)
+        self._stale_groups.discard(s)
         self.seq_lens[s] = 0
         heapq.heappush(self._free_slots, s)
 
@@ -549,7 +551,9 @@ class DecodeState:
         return slots
 
     def advance(self, step: StepRows) -> None:
-        """Commit a planned call after every layer ran: each request's length += its count.
+        """Commit a planned call after every layer ran: each request's length += its count. The
+        call's layers read and rewrote its requests' open groups (`sync_groups` or the step's
+        compressor kernels, which read them from `comp_rows`): none is left to restore.
 
         `check_step` first (nothing changes on an error): ValueError when `step` is stale or not the
         current plan, KeyError when one of its requests was freed.
@@ -557,6 +561,8 @@ class DecodeState:
         slots = self.check_step(step, "advance")
         self._planned = None
         self._written = False
+        if self._stale_groups:
+            self._stale_groups.difference_update(slots)
         for s, start, count in zip(slots, step.starts, step.counts):
             self._lengths[s] += count
             self._pending[s] = 0
@@ -598,7 +604,9 @@ class DecodeState:
             self._pending[s] = 0
             self._cut_to(s, start)
             if not ran:
-                continue                                  # nothing written: nothing overwritten
+                continue                                  # nothing written: nothing overwritten (a group left
+                                                          # to restore still is)
+            self._stale_groups.discard(s)                 # restored below, or the request is lost
             # the call's rows took the ring slots of positions start - M .. start + count - 1 - M, of
             # which a later call reads the cached ones from start - W + 1 on; the open group's row
             # start - 1 (odd start) sits in comp slot (start - 1) % 2, which row start + 1 overwrote,
@@ -641,7 +649,7 @@ class DecodeState:
             rows = self._comp_rows.view(-1, *self._comp_rows.shape[2:]).index_select(0, idx[1])
             self._comp.view(-1, *self._comp.shape[2:]).index_copy_(0, idx[0], rows)
 
-    def accept(self, kept: Mapping[Hashable, int]) -> None:
+    def accept(self, kept: Mapping[Hashable, int], *, defer_groups: bool = False) -> None:
         """Keep only the first `kept[req]` rows of each listed request's last advanced call.
 
         Speculative decoding: a call scored 1 + d rows of a request (its next token and d drafts)
@@ -658,6 +666,13 @@ class DecodeState:
         over every ratio-2 source, per ratio a `block_table[r][slot, pages:].fill_(-1)` for each
         request whose pages go back, the `seq_lens` mirror; nothing waits for the device.
 
+        defer_groups=True (what `decode.DecodeStep.accept` passes when its stack runs every ratio-2
+        source): the open groups are not copied here but left to the next reader - the step's
+        compressor kernels read a call's requests' groups from `comp_rows` themselves, and
+        `AttentionStack.forward` (the generic path) runs `sync_groups` first - so until then
+        `comp_kv` / `comp_score` hold the rejected rows' values for those requests (`sync_groups`
+        restores them). Its device work is the rest: the `seq_lens` mirror and the page fills.
+
         Once per call and request: the next `plan` (or a second `accept` of the request) ends it.
         KeyError for a request that is not live; ValueError for a request that was not in the last
         advanced call, a kept count that is not an integer or outside `1 .. count`, or more rejected
@@ -665,6 +680,8 @@ class DecodeState:
         """
         if not isinstance(kept, Mapping):
             raise TypeError(f"accept: kept must be a mapping {{req_id: rows kept}}, got a {type(kept).__name__}")
+        if not isinstance(defer_groups, bool):
+            raise TypeError(f"accept: defer_groups must be a bool, got {defer_groups!r}")
         todo = []
         for req_id, k in kept.items():
             s = self.slot(req_id)
@@ -693,10 +710,41 @@ class DecodeState:
                 continue
             self._lengths[s] = n
             self._cut_to(s, n)
-            restore += [self._group_row(s, p) for p in (n - 1, n - 2)]
+            if defer_groups:
+                self._stale_groups.add(s)
+            else:
+                restore += [self._group_row(s, p) for p in (n - 1, n - 2)]
         self._restore_groups(restore)
         if todo:
             self._upload.copy_(self.seq_lens, self._lengths)
+
+    def open_group(self, layer: int, req_slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(kv, score), float32 [2, head_dim] each (row p % 2): ratio-2 source `layer`'s open group of
+        `req_slot` as the next call reads it - `comp_kv` / `comp_score`, or, where a deferred accept
+        left the group to restore, the rows `sync_groups` would copy there. Copies; nothing changes."""
+        r = self._check_source(layer, "open_group")
+        if r != 2:
+            raise ValueError(f"open_group: layer {layer} has ratio {r}; only ratio-2 compressors keep an open group")
+        self._check_slot(req_slot, "open_group")
+        kv, score = self.comp_kv[layer][req_slot].clone(), self.comp_score[layer][req_slot].clone()
+        if req_slot in self._stale_groups:
+            D = self.head_dim
+            for _, half, src, row in (self._group_row(req_slot, p) for p in (self._lengths[req_slot] - 1,
+                                                                          self._lengths[req_slot] - 2)):
+                kept = self._comp_rows[src, row, list(self.comp_kv).index(layer)]
+                kv[half], score[half] = kept[0], kept[1]
+        return kv, score
+
+    def sync_groups(self) -> None:
+        """Restore the open groups that `accept(defer_groups=True)` left to restore (each request's
+        last two positions' rows from `comp_rows`, as `accept` copies them): afterwards `comp_kv` /
+        `comp_score` hold every live request's group. Device work only where one is left (one upload,
+        one gather, one indexed copy); `AttentionStack.forward` runs it before its layers."""
+        if self._stale_groups:
+            restore = [self._group_row(s, p) for s in sorted(self._stale_groups)
+                       for p in (self._lengths[s] - 1, self._lengths[s] - 2)]
+            self._stale_groups.clear()
+            self._restore_groups(restore)
 
     # ----- window cache (generic path) -----
     def window_slots(self, req_slot: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,8 @@ drafts) rows planned and advanced (the state's bookkeeping, no attention), then 
     PYTHONPATH=. python scripts/probe_accept.py --step=64,64 [--buckets=1,16,64]         # bench step's case (GPU)
 
 Prints the median host time of the call alone (it enqueues its device work and returns), the same
-with the device synchronized after it (what `bench step` reports), the plan + advance beside them,
+with the device synchronized after it (what `bench step` reports), the same with the open groups
+deferred (`defer_groups=True`, what `DecodeStep.accept` passes), the plan + advance beside them,
 then a torch profiler table of one pass of `--steps` accepts: the ops by host time, with the
 device time of each (the device's kernels and copies).
 
@@ -51,13 +52,14 @@ def state_only(context: int, steps: int, device: str) -> None:
         if device != "cpu":
             torch.cuda.synchronize()
 
-    def one(k: int, wait: bool) -> tuple[float, float]:
-        """(plan + advance, accept) host us of step k; wait: the device synchronized after accept."""
+    def one(k: int, wait: bool, defer: bool = False) -> tuple[float, float]:
+        """(plan + advance, accept) host us of step k; wait: the device synchronized after accept;
+        defer: the open groups left to the next call (`DecodeStep.accept`'s form)."""
         sync()
         t0 = time.perf_counter()
         state.advance(state.plan(ROWS))
         t1 = time.perf_counter()
-        state.accept(kept(k))
+        state.accept(kept(k), defer_groups=defer)
         if wait:
             sync()
         return (t1 - t0) * 1e6, (time.perf_counter() - t1) * 1e6
@@ -66,10 +68,12 @@ def state_only(context: int, steps: int, device: str) -> None:
         one(k, True)
     alone = [one(k, False) for k in range(steps)]
     waited = [one(k, True) for k in range(steps)]
+    deferred = [one(k, True, True) for k in range(steps)]
     print(f"V4.1-Flash state, 4 x (1 + 3) rows at {context} cached tokens, {steps} steps on {device}: median us")
     print(f"  plan + advance {statistics.median(a for a, _ in alone):8.1f}")
     print(f"  accept         {statistics.median(b for _, b in alone):8.1f}   (host, not waiting for the device)")
     print(f"  accept + sync  {statistics.median(b for _, b in waited):8.1f}   (as bench step's step_accept)")
+    print(f"  deferred + sync {statistics.median(b for _, b in deferred):7.1f}   (defer_groups=True: DecodeStep.accept's form)")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device != "cpu" else [])
     with profile(activities=activities) as prof:
         for k in range(steps):

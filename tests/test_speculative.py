@@ -50,8 +50,9 @@ def _run(stack, st: DecodeState):
     return lambda x, rows: stack.forward(x, st.plan(rows), st)
 
 
-def _serve(stack, st, truth, plan, drafted: bool, accept=True):
-    """Serve `plan`; returns (kept rows' outputs, held state after every call)."""
+def _serve(stack, st, truth, plan, drafted: bool, accept=True, defer=False):
+    """Serve `plan`; returns (kept rows' outputs, held state after every call). defer: accept leaves
+    the open groups to the next call (`forward` restores them before its layers)."""
     held = []
 
     def after(_):
@@ -59,7 +60,7 @@ def _serve(stack, st, truth, plan, drafted: bool, accept=True):
         held.append({r: {**sp.held_state(st, r), **{f"pages.{ratio}": len(st.pages_of(r, ratio))
                                                     for ratio in st.ratios}} for r in PREFILL})
     out = sp.serve(_run(stack, st), truth, plan, junk_seed=2 if drafted else None,
-                   accept=st.accept if accept else None, after=after)
+                   accept=(lambda kept: st.accept(kept, defer_groups=defer)) if accept else None, after=after)
     return out, held
 
 
@@ -73,10 +74,11 @@ def test_plan_covers_patterns_wraps_and_groups(setup):
     assert min(end[r] // 2 - PREFILL[r] // 2 for r in PREFILL) >= 10
 
 
-def test_drafted_run_equals_accepted_only_run(setup):
+@pytest.mark.parametrize("defer", [False, True], ids=["accept_restores", "forward_restores"])
+def test_drafted_run_equals_accepted_only_run(setup, defer):
     cfg, stack, plan, truth = setup
     st_d, st_o = _state(cfg, stack, max_drafts=3), _state(cfg, stack, max_drafts=0)
-    out_d, held_d = _serve(stack, st_d, truth, plan, drafted=True)
+    out_d, held_d = _serve(stack, st_d, truth, plan, drafted=True, defer=defer)
     out_o, held_o = _serve(stack, st_o, truth, plan, drafted=False)
     assert sp.first_difference(out_d, out_o) is None, sp.first_difference(out_d, out_o)
     for k, (a, b) in enumerate(zip(held_d, held_o)):

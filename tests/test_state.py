@@ -558,19 +558,7 @@ def test_accept_restores_the_open_group(tiny):
     gen = torch.Generator().manual_seed(4)
     L = 1
     for start, count, kept in [(0, 4, 1), (0, 3, 2), (5, 4, 1), (5, 4, 2), (6, 4, 3), (6, 2, 1)]:
-        st = DecodeState(tiny, max_requests=2, max_context=64, max_drafts=3)
-        st.admit("pad")
-        s = st.admit("a")
-        kv = torch.randn(start + count, 512, generator=gen)
-        score = torch.randn(start + count, 512, generator=gen)
-        for lo, hi in ((0, start), (start, start + count)):
-            if hi > lo:
-                step = st.plan([("a", hi - lo)])
-                pos = step.positions
-                st.comp_kv[L][s, pos % 2] = kv[lo:hi]       # as the compressor leaves them
-                st.comp_score[L][s, pos % 2] = score[lo:hi]
-                st.write_compressor_rows(L, s, pos, kv[lo:hi], score[lo:hi])
-                st.advance(step)
+        st, s, kv, score = _drafted_state(tiny, gen, start, count)
         st.accept({"a": kept})
         n = start + kept
         for p in (n - 1, n - 2):
@@ -579,6 +567,80 @@ def test_accept_restores_the_open_group(tiny):
             assert torch.equal(st.comp_kv[L][s, p % 2], want_kv), (start, count, kept, p)
             assert torch.equal(st.comp_score[L][s, p % 2], want_sc), (start, count, kept, p)
         assert st.comp_kv[L][0].eq(0).all() and st.comp_score[L][0].isneginf().all()   # other slots untouched
+
+
+def _drafted_state(tiny, gen, start, count):
+    """(state, slot of "a", kv, score): a state with drafts, a request "pad" in slot 0 and "a",
+    whose compressor rows at positions 0 .. start + count - 1 are kv, score (written as the
+    compressor leaves them: the open group and comp_rows), in two advanced calls (start, count)."""
+    L = 1
+    st = DecodeState(tiny, max_requests=3, max_context=64, max_drafts=3)
+    st.admit("pad")
+    s = st.admit("a")
+    kv = torch.randn(start + count, 512, generator=gen)
+    score = torch.randn(start + count, 512, generator=gen)
+    for lo, hi in ((0, start), (start, start + count)):
+        if hi > lo:
+            step = st.plan([("a", hi - lo)])
+            pos = step.positions
+            st.comp_kv[L][s, pos % 2] = kv[lo:hi]
+            st.comp_score[L][s, pos % 2] = score[lo:hi]
+            st.write_compressor_rows(L, s, pos, kv[lo:hi], score[lo:hi])
+            st.advance(step)
+    return st, s, kv, score
+
+
+def test_a_deferred_accept_leaves_the_open_group_to_the_next_reader(tiny):
+    """accept(defer_groups=True) copies nothing into comp_kv / comp_score; open_group reads the
+    group as the next call would, and sync_groups writes it: both the eager accept's bits."""
+    L = 1
+    for start, count, kept in [(0, 4, 1), (5, 4, 1), (5, 4, 2), (6, 4, 3), (6, 2, 1)]:
+        eager, s, _, _ = _drafted_state(tiny, torch.Generator().manual_seed(start * 10 + kept), start, count)
+        lazy = _drafted_state(tiny, torch.Generator().manual_seed(start * 10 + kept), start, count)[0]
+        eager.accept({"a": kept})
+        before = lazy._comp.clone()
+        lazy.accept({"a": kept}, defer_groups=True)
+        assert torch.equal(lazy._comp, before), "a deferred accept wrote the open groups"
+        assert lazy.length("a") == eager.length("a") == start + kept
+        for got, want in zip(lazy.open_group(L, s), (eager.comp_kv[L][s], eager.comp_score[L][s])):
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (start, count, kept)
+        lazy.sync_groups()
+        assert torch.equal(lazy._comp.view(torch.int32), eager._comp.view(torch.int32)), (start, count, kept)
+        lazy.sync_groups()                                  # nothing left: no change
+        assert torch.equal(lazy._comp.view(torch.int32), eager._comp.view(torch.int32))
+
+
+def test_what_ends_a_deferred_restore(tiny):
+    """A deferred group stays left to restore until a call that ran advances (its layers read it),
+    a call that ran is abandoned (restored there), or the request is freed; an abandon with
+    ran=False leaves it; all keep comp_kv alone."""
+    def deferred():
+        st, s, _, _ = _drafted_state(tiny, torch.Generator().manual_seed(1), 5, 4)
+        st.accept({"a": 2}, defer_groups=True)
+        return st, s
+    st, s = deferred()
+    st.abandon(st.plan([("a", 1)]), ran=False)
+    assert s in st._stale_groups
+    st.advance(st.plan([("a", 1)]))
+    assert not st._stale_groups
+    st, s = deferred()
+    st.abandon(st.plan([("a", 1)]))
+    assert not st._stale_groups
+    st, s = deferred()
+    st.advance(st.plan([("pad", 1)]))                     # another request's call: still left
+    assert s in st._stale_groups
+    st.free("a")
+    assert not st._stale_groups
+    with pytest.raises(TypeError, match="defer_groups must be a bool"):
+        deferred()[0].accept({"a": 1}, defer_groups=1)
+
+
+def test_open_group_names_a_bad_layer_or_slot(tiny):
+    st, s = _drafted_state(tiny, torch.Generator().manual_seed(2), 2, 1)[:2]
+    with pytest.raises(ValueError, match="open_group: layer 0"):
+        st.open_group(0, s)
+    with pytest.raises(ValueError, match="not a live slot"):
+        st.open_group(1, 2)
 
 
 def test_window_ring_with_drafts(tiny):

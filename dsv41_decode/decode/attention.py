@@ -478,8 +478,10 @@ class AttentionStep:
         if spec.owns_compressor:
             with lanes.side(AUX_COMPRESSOR):
                 if r == 2:
+                    # with drafts, the open group comes from comp_rows (what a deferred accept leaves)
                     compress_ratio2_(kv_score, m.record[0, :B], m.record[1, :B], st.comp_kv[L],
-                                     st.comp_score[L], s.c[:B], s.done[:B], st.comp_rows.get(L))
+                                     st.comp_score[L], s.c[:B], s.done[:B], st.comp_rows.get(L),
+                                     restore=L in st.comp_rows)
                     c = s.c[:B]
                 else:
                     c = kv_score

@@ -246,6 +246,9 @@ class DecodeStep:
         for k, i in enumerate(stack.ids if mailbox is not None else ()):
             self.layers[i].publish = mailbox.slot(k)
         self.mailbox = mailbox
+        # every ratio-2 source runs here: its compressor kernel reads a call's open groups from
+        # comp_rows, so accept can leave them to it (`DecodeState.accept(defer_groups=True)`)
+        self.restores_groups = bool(state.comp_rows) and set(state.comp_kv) <= set(self.layers)
         self.boundary_mode = "single" if stack.tp.tp == 1 else ("fused" if mailbox is not None else "collective")
         self.boundary = Boundary(stack, B, dev, mailbox)
         self.io = StepIO(cfg, B, dev, stack.initial_pre(B, dev))
@@ -402,8 +405,9 @@ class DecodeStep:
         inputs. Returns the bucket that `replay` runs. Where each request has one row, replaying a
         prepared step again recomputes the same values into the same cache slots (what `bench step`
         times). A request of several rows is not replayed so: a replay moves its rows' staged window
-        records into the ring and its ratio-2 compressor's open group forward, which a second replay
-        reads moved (the same work and time, other values); such a state is a benchmark's only."""
+        records into the ring (and, in a state without drafts, its ratio-2 compressor's open group
+        forward), which a second replay reads moved (the same work and time, other values); such a
+        state is a benchmark's only."""
         return self._upload(rows, x, pre)[1]
 
     def replay(self, bucket: int) -> None:
@@ -467,6 +471,8 @@ class DecodeStep:
             # a copy from another device would be synchronous (host memory) or a peer transfer
             if t is not None and not same_device(t.device, self.device):
                 raise StepError(f"{name} is on {t.device}, the step on {self.device}: move it to the step's device")
+        if not self.restores_groups:
+            self.state.sync_groups()      # another step's deferred accept: this one's layers do not all restore
         planned = self.state.plan(plan_rows)
         self.meta.load(planned, bucket)
         # detached: a copy from a tensor that requires grad would chain the step's buffers into its graph
@@ -477,9 +483,13 @@ class DecodeStep:
     def accept(self, kept) -> None:
         """Keep only the first `kept[req]` of each listed request's rows of the last step
         (`DecodeState.accept`: the state is then what a run fed only the kept rows holds). Host
-        bookkeeping plus a few small device copies outside the graphs; nothing waits for the device.
-        Later steps that replay the same buckets give the kept-only run's bits (spec decision 12)."""
-        self.state.accept(kept)
+        bookkeeping plus the `seq_lens` mirror (and a block-table fill where pages go back); nothing
+        waits for the device. Where the stack runs every ratio-2 source (`restores_groups`) the
+        open groups of requests with rejected rows are left to the next call's compressor kernels,
+        which read them from `comp_rows` (`DecodeState.accept(defer_groups=True)`; the generic path
+        and `DecodeState.sync_groups` restore them otherwise), else copied here. Later steps that
+        replay the same buckets give the kept-only run's bits (spec decision 12)."""
+        self.state.accept(kept, defer_groups=self.restores_groups)
 
     def memory_bytes(self) -> dict[str, int]:
         """Device bytes the step owns beyond the stack's weights and the state's caches (by family):

@@ -30,7 +30,7 @@ def _compress_ratio2_kernel(kvs_ptr, slot_ptr, pos_ptr, skv_ptr, ssc_ptr, out_pt
                             stride_x, stride_kv0, stride_kv1, stride_sc0, stride_sc1, stride_o,
                             stride_h0, stride_h1, H,
                             D: tl.constexpr, BLOCK_C: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
-                            HISTORY: tl.constexpr):
+                            HISTORY: tl.constexpr, RESTORE: tl.constexpr):
     r = tl.program_id(0)
     cb = tl.program_id(1)
     c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -46,10 +46,27 @@ def _compress_ratio2_kernel(kvs_ptr, slot_ptr, pos_ptr, skv_ptr, ssc_ptr, out_pt
     sc_base = ssc_ptr + s * stride_sc0 + c
     go = (s >= 0) & (prev != s)           # the first row of its request owns the request
     ld = in_c & go
-    kv0 = tl.load(kv_base, mask=ld, other=0.0)
-    kv1 = tl.load(kv_base + stride_kv1, mask=ld, other=0.0)
-    sc0 = tl.load(sc_base, mask=ld, other=0.0)
-    sc1 = tl.load(sc_base + stride_sc1, mask=ld, other=0.0)
+    if RESTORE:
+        # the open group from the history rows of the request's last two positions p0 - 1 (row a)
+        # and p0 - 2 (row b), a fresh group's zeros and -inf below position 0
+        p0 = tl.load(pos_ptr + r, mask=go, other=0)
+        h_s = hist_ptr + s.to(tl.int64) * stride_h0 + c
+        a_ok = ld & (p0 >= 1)
+        b_ok = ld & (p0 >= 2)
+        kva = tl.load(h_s + ((p0 + H - 1) % H) * stride_h1, mask=a_ok, other=0.0)
+        sca = tl.load(h_s + ((p0 + H - 1) % H) * stride_h1 + D, mask=a_ok, other=float("-inf"))
+        kvb = tl.load(h_s + ((p0 + H - 2) % H) * stride_h1, mask=b_ok, other=0.0)
+        scb = tl.load(h_s + ((p0 + H - 2) % H) * stride_h1 + D, mask=b_ok, other=float("-inf"))
+        a_even = (p0 % 2) == 1                # p0 - 1 sits in row 0 when p0 is odd
+        kv0 = tl.where(a_even, kva, kvb)
+        kv1 = tl.where(a_even, kvb, kva)
+        sc0 = tl.where(a_even, sca, scb)
+        sc1 = tl.where(a_even, scb, sca)
+    else:
+        kv0 = tl.load(kv_base, mask=ld, other=0.0)
+        kv1 = tl.load(kv_base + stride_kv1, mask=ld, other=0.0)
+        sc0 = tl.load(sc_base, mask=ld, other=0.0)
+        sc1 = tl.load(sc_base + stride_sc1, mask=ld, other=0.0)
     i = r.to(tl.int64)
     while go:
         p = tl.load(pos_ptr + i)
@@ -94,11 +111,17 @@ def _require_ranks(kv_score, state_kv) -> None:
 
 def compress_ratio2_(kv_score: torch.Tensor, req_slot: torch.Tensor, positions: torch.Tensor,
                      state_kv: torch.Tensor, state_score: torch.Tensor, out: torch.Tensor,
-                     done: torch.Tensor, history: torch.Tensor | None = None) -> None:
+                     done: torch.Tensor, history: torch.Tensor | None = None, restore: bool = False) -> None:
     """out[r] = sum_j state_kv[s, j] * softmax_j(state_score[s, j]) once row r (slot s, position p,
     odd) has written state[s, p % 2] = kv_score[r, :D], kv_score[r, D:]; out[r] = 0 at even p.
     With `history` [R, H, 2D] FP32 (`DecodeState.comp_rows`), row r also stores its kv_score row
     there at [s, p % H] (what `DecodeState.accept` restores an open group from).
+    restore=True (with a history of H >= 2 rows): each request's open group is read from history
+    instead of from the state - row (p0 - 1) % 2 from history[s, (p0 - 1) % H] and row (p0 - 2) % 2
+    from history[s, (p0 - 2) % H], p0 the request's first position, a fresh group's zeros and -inf
+    for positions below 0 - and written to the state as without it. Wherever the state is current
+    (every call keeps both) that is the state's own group, bit for bit; after a deferred accept
+    (`DecodeState.accept(defer_groups=True)`) it is the kept rows' group that accept left to restore.
 
     kv_score: [N, 2D] FP32, x @ wkv^T then x @ wgate^T (D = 512 in the model; any row stride);
     req_slot: [N] int64 request slot per row, -1 = padding (ignored: out 0, done 0);
@@ -123,6 +146,9 @@ def compress_ratio2_(kv_score: torch.Tensor, req_slot: torch.Tensor, positions: 
         if require_ndim(history, "history", "[R, H >= 1, 2D]")[1] < 1:
             raise ValueError(f"history must be a 3-D tensor [R, H >= 1, 2D], got {history.shape}")
         require_tensor(history, "history", torch.float32, (n_req, history.shape[1], 2 * d), dev)
+    if restore and (history is None or history.shape[1] < 2):
+        raise ValueError("restore=True reads the open group from history: pass a history of H >= 2 rows "
+                         f"(got {None if history is None else tuple(history.shape)})")
     if n == 0 or d == 0:
         return
     grid = (n, triton.cdiv(d, _BLOCK_C))
@@ -134,7 +160,7 @@ def compress_ratio2_(kv_score: torch.Tensor, req_slot: torch.Tensor, positions: 
         state_score.stride(1), out.stride(0),
         0 if history is None else history.stride(0), 0 if history is None else history.stride(1),
         1 if history is None else history.shape[1],
-        D=d, BLOCK_C=_BLOCK_C, LIBDEVICE_EXP=not interpreting(), HISTORY=history is not None,
+        D=d, BLOCK_C=_BLOCK_C, LIBDEVICE_EXP=not interpreting(), HISTORY=history is not None, RESTORE=bool(restore),
         num_warps=1, enable_fp_fusion=False)
 
 

@@ -152,8 +152,9 @@ def held_state(state: DecodeState, req_id: Hashable, layers: Sequence[int] | Non
         out[f"index_keys.{L}"] = state.index_keys[L][idx]
     for L in state.comp_kv:
         if L in keep:
-            out[f"comp_kv.{L}"] = state.comp_kv[L][s].view(torch.int32)
-            out[f"comp_score.{L}"] = state.comp_score[L][s].view(torch.int32)
+            kv, score = state.open_group(L, s)     # as the next call reads it (a deferred accept's too)
+            out[f"comp_kv.{L}"] = kv.view(torch.int32)
+            out[f"comp_score.{L}"] = score.view(torch.int32)
     return out
 
 

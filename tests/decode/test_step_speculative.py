@@ -52,10 +52,13 @@ class StepWrites:
     """What a step writes into the state, through the step's own table kernel and compressor
     kernel: window records (staged, then moved into the ring), compressor state and rows, and the
     compressed-KV / index-key records of completed groups (from the compressor's output), for
-    `layers` (the stack's; None: every layer of the state)."""
+    `layers` (the stack's; None: every layer of the state). restore: the compressor kernel reads
+    each request's open group from `comp_rows` (the step's form with drafts), so that accept can
+    leave it there (`accept(defer_groups=True)`)."""
 
-    def __init__(self, state: DecodeState, layers=None):
+    def __init__(self, state: DecodeState, layers=None, restore: bool = False):
         self.state = state
+        self.restore = restore
         self.layers = set(state.window) if layers is None else set(layers)
         self.pools = {L: p for L, p in state.window.items() if L in self.layers}
         self.meta = StepMeta(state.cfg, state, BUCKET)
@@ -82,7 +85,7 @@ class StepWrites:
         kv_score[:n] = values
         for L in (L for L in st.comp_kv if L in self.layers):
             compress_ratio2_(kv_score, m.record[0], m.record[1], st.comp_kv[L], st.comp_score[L],
-                             self.out, self.done, st.comp_rows.get(L))
+                             self.out, self.done, st.comp_rows.get(L), restore=self.restore and L in st.comp_rows)
             e = m.entry_slot[2][:BUCKET]
             ok = e >= 0
             lat = self.out[ok].to(torch.bfloat16)
@@ -105,7 +108,10 @@ def _writes_state(cfg, max_drafts):
 
 
 @interpreter
-def test_step_state_writes_with_drafts_equal_accepted_only():
+@pytest.mark.parametrize("defer", [False, True], ids=["accept_restores", "kernel_restores"])
+def test_step_state_writes_with_drafts_equal_accepted_only(defer):
+    """defer: accept leaves the open groups to the next call's compressor kernel, which reads them
+    from comp_rows (`DecodeStep.accept`'s form); the held state reads them as that call would."""
     cfg = mini_config()
     plan = sp.acceptance_plan(REQS, 12, max_drafts=3, seed=4)
     need = sp.needed_tokens(plan)
@@ -116,9 +122,10 @@ def test_step_state_writes_with_drafts_equal_accepted_only():
     runs = {}
     for md, drafted in ((3, True), (0, False)):
         st = _writes_state(cfg, md)
-        w = StepWrites(st)
+        w = StepWrites(st, restore=defer and drafted)
         held = []
-        sp.serve(w, truth, plan, junk_seed=6 if drafted else None, accept=st.accept if drafted else None,
+        accept = (lambda kept: st.accept(kept, defer_groups=defer)) if drafted else None
+        sp.serve(w, truth, plan, junk_seed=6 if drafted else None, accept=accept,
                  after=lambda _: held.append({r: sp.held_state(st, r) for r in REQS}))
         runs[drafted] = st, w, held
     (_, w_d, held_d), (_, w_o, held_o) = runs[True], runs[False]

@@ -180,6 +180,39 @@ def test_compress_ratio2_history_rows(hist):
             compress_ratio2_(b["kv_score"], b["req_slot"], b["positions"], *state, out, done, bad)
 
 
+@pytest.mark.parametrize("layout", ["mixed", "odd_starts", "singles"])
+def test_compress_ratio2_restore_reads_the_group_from_history(layout):
+    """restore=True: each request's open group comes from history at its first position p0's
+    p0 - 1 and p0 - 2 (fresh below 0), whatever the state holds (NaN here): out, done and the state
+    are the reference's run from that group, bit for bit for the state."""
+    H = 4
+    b = _batch(_LAYOUTS[layout], n_slots=6, d=512, dim=32, fresh=False, seed=23)
+    g = torch.Generator().manual_seed(24)
+    history = torch.randn(6, H, 1024, generator=g)
+    group_kv, group_sc = torch.zeros(6, 2, 512), torch.full((6, 2, 512), float("-inf"))
+    slots, pos = b["req_slot"].tolist(), b["positions"].tolist()
+    for r, (s, p0) in enumerate(zip(slots, pos)):
+        if s < 0 or (r > 0 and slots[r - 1] == s):
+            continue
+        for q in (p0 - 1, p0 - 2):
+            if q >= 0:
+                group_kv[s, q % 2], group_sc[s, q % 2] = history[s, q % H, :512], history[s, q % H, 512:]
+    state = (torch.full((6, 2, 512), float("nan")), torch.full((6, 2, 512), float("nan")))
+    n = b["kv_score"].shape[0]
+    out, done = torch.zeros(n, 512), torch.zeros(n, dtype=torch.int32)
+    compress_ratio2_(b["kv_score"], b["req_slot"], b["positions"], *state, out, done, history, restore=True)
+    b["state_kv"], b["state_score"] = group_kv, group_sc
+    served = {s for s in slots if s >= 0}
+    for t, ref in zip(state, (group_kv, group_sc)):      # slots no row served keep what they held
+        for s in range(6):
+            if s not in served:
+                t[s] = ref[s]
+    _check(b, out, done, *state)
+    for bad in (None, history[:, :1]):
+        with pytest.raises(ValueError, match="restore=True"):
+            compress_ratio2_(b["kv_score"], b["req_slot"], b["positions"], *state, out, done, bad, restore=True)
+
+
 def test_empty_batch():
     state_kv, state_score = torch.zeros(2, 2, 512), torch.zeros(2, 2, 512)
     out, done = compress_ratio2(torch.zeros(0, 1024), torch.zeros(0, dtype=torch.int64),
