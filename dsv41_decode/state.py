@@ -728,7 +728,6 @@ class DecodeState:
         self._check_slot(req_slot, "open_group")
         kv, score = self.comp_kv[layer][req_slot].clone(), self.comp_score[layer][req_slot].clone()
         if req_slot in self._stale_groups:
-            D = self.head_dim
             for _, half, src, row in (self._group_row(req_slot, p) for p in (self._lengths[req_slot] - 1,
                                                                           self._lengths[req_slot] - 2)):
                 kept = self._comp_rows[src, row, list(self.comp_kv).index(layer)]
