@@ -139,7 +139,6 @@ class AttentionStack:
                                  f"the state's device")
         ctx = ctx if ctx is not None else CallContext()
         pre = self.initial_pre(step.n_rows, x.device) if pre_in is None else pre_in
-        state.sync_groups()                  # the layers read comp_kv / comp_score as they stand
         try:
             for i in self.ids:
                 x, pre, rec = self.block(i, x, pre, step, state, ctx, ffn)

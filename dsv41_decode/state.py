@@ -359,6 +359,8 @@ class DecodeState:
         self._window_hi[:, s] = 0
         self._comp[s, :, :, 0] = 0.0
         self._comp[s, :, :, 1] = float("-inf")
+        if self.comp_history:   # the step's compressor reads the open group from here: no earlier occupant's rows
+            self._comp_rows[s].copy_(self._comp_rows[self.max_requests])
         self.seq_lens[s] = 0
         return s
 
@@ -669,7 +671,7 @@ class DecodeState:
         defer_groups=True (what `decode.DecodeStep.accept` passes when its stack runs every ratio-2
         source): the open groups are not copied here but left to the next reader - the step's
         compressor kernels read a call's requests' groups from `comp_rows` themselves, and
-        `AttentionStack.forward` (the generic path) runs `sync_groups` first - so until then
+        the generic layer (`AttentionLayer.forward`) runs `sync_groups` first - so until then
         `comp_kv` / `comp_score` hold the rejected rows' values for those requests (`sync_groups`
         restores them). Its device work is the rest: the `seq_lens` mirror and the page fills.
 
@@ -720,8 +722,10 @@ class DecodeState:
 
     def open_group(self, layer: int, req_slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(kv, score), float32 [2, head_dim] each (row p % 2): ratio-2 source `layer`'s open group of
-        `req_slot` as the next call reads it - `comp_kv` / `comp_score`, or, where a deferred accept
-        left the group to restore, the rows `sync_groups` would copy there. Copies; nothing changes."""
+        `req_slot` as a later call reads it - `comp_kv` / `comp_score`, or, where a deferred accept
+        left the group to restore, the rows `sync_groups` would copy there (after an abandoned call
+        a row no later output reads may differ from the step's view: spec decision 12). Copies;
+        nothing changes."""
         r = self._check_source(layer, "open_group")
         if r != 2:
             raise ValueError(f"open_group: layer {layer} has ratio {r}; only ratio-2 compressors keep an open group")
@@ -738,7 +742,7 @@ class DecodeState:
         """Restore the open groups that `accept(defer_groups=True)` left to restore (each request's
         last two positions' rows from `comp_rows`, as `accept` copies them): afterwards `comp_kv` /
         `comp_score` hold every live request's group. Device work only where one is left (one upload,
-        one gather, one indexed copy); `AttentionStack.forward` runs it before its layers."""
+        one gather, one indexed copy); the generic layer (`AttentionLayer.forward`) runs it before it reads."""
         if self._stale_groups:
             restore = [self._group_row(s, p) for s in sorted(self._stale_groups)
                        for p in (self._lengths[s] - 1, self._lengths[s] - 2)]

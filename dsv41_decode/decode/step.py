@@ -405,8 +405,8 @@ class DecodeStep:
         inputs. Returns the bucket that `replay` runs. Where each request has one row, replaying a
         prepared step again recomputes the same values into the same cache slots (what `bench step`
         times). A request of several rows is not replayed so: a replay moves its rows' staged window
-        records into the ring (and, in a state without drafts, its ratio-2 compressor's open group
-        forward), which a second replay reads moved (the same work and time, other values); such a
+        records into the ring (and its ratio-2 compressor's open group forward, where the state takes
+        no drafts or the request has more than max_drafts + 1 rows), which a second replay reads moved (the same work and time, other values); such a
         state is a benchmark's only."""
         return self._upload(rows, x, pre)[1]
 

@@ -16,6 +16,7 @@ GPU, V4.1-Flash sizes and CUDA graphs: test_speculative_gpu.py.
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -23,13 +24,15 @@ import torch
 
 from dsv41_decode.config import ModelConfig
 from dsv41_decode.decode.tables import StepMeta
+from dsv41_decode.layer import CallContext
 from dsv41_decode.ops.compressor import compress_ratio2_
 from dsv41_decode.records import pack_compressed_kv, pack_index_key, pack_window_kv
 from dsv41_decode.stack import AttentionStack
 from dsv41_decode.state import DecodeState
 from dsv41_decode.testing import speculative as sp
-from dsv41_decode.testing.synthetic import fill_state
+from dsv41_decode.testing.synthetic import fill_state, random_checkpoint
 from dsv41_decode.weights import load_checkpoint, write_synthetic_checkpoint
+from helpers import reduced_config, streams
 
 interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="CPU tensors need TRITON_INTERPRET=1")
@@ -236,3 +239,124 @@ def test_a_step_call_that_fails_after_its_replay_is_retried_exactly(mini_stack):
         states.append(st)
     assert all(torch.equal(a, b) for a, b in zip(*outs))
     assert sp.state_difference(*states, ["a"]) is None, sp.state_difference(*states, ["a"])
+
+
+@interpreter
+def test_deferred_accept_across_paths_equals_accepted_only(mini_stack):
+    """`DecodeStep.accept` leaves the open groups to the next call (the stack runs the state's one
+    ratio-2 source: `restores_groups`). Against the accepted-only run, bit for bit in the kept rows'
+    outputs and the held state after every call. Each deferral keeps one of three rows from an even
+    start, so the kept length is odd and the next row completes a group with the row of the kept
+    length - 1, which a rejected row overwrote in comp_kv: read by the step's compressor kernel from
+    comp_rows (request a, call 4, after a step call that left it out), restored by the generic
+    layer first (b, call 6), restored by an abandoned step call that ran its layers (a, call 8,
+    drafted run only); then b is freed and its slot re-admitted (c from a fresh group)."""
+    cfg, stack = mini_stack
+    plan = [("step", {"a": (0, 1), "b": (0, 1)}), ("step", {"a": (2, 1), "b": (0, 1)}), ("step", {"b": (0, 1)}),
+            ("step", {"a": (0, 1), "b": (0, 1)}), ("step", {"b": (2, 1)}), ("forward", {"b": (0, 1)}),
+            ("step", {"a": (2, 1)}), ("abandon", {"a": (1, 0)}), ("step", {"a": (0, 1)}),
+            ("free b, admit c", {}), ("step", {"c": (1, 1), "a": (0, 1)})]
+    g = torch.Generator().manual_seed(8)
+    truth = {r: torch.randn(8, cfg.hc_mult, cfg.dim, generator=g).to(torch.bfloat16) for r in "abc"}
+    runs = []
+    for drafted in (True, False):
+        st = _step_state(cfg, stack, 3 if drafted else 0)
+        st.admit("b")
+        step = stack.decode_step(st, max_rows=4, buckets=(4,), graphs=False)
+        assert step.restores_groups == drafted
+        junk = torch.Generator().manual_seed(9)
+        done = {r: 0 for r in truth}
+        outs, held = [], []
+        for kind, call in plan:
+            if kind == "free b, admit c":
+                st.free("b")
+                st.admit("c")
+                continue
+            rows = [(r, d + 1 if drafted else k) for r, (d, k) in call.items()]
+            xs = [torch.cat([truth[r][done[r]:done[r] + k],
+                             torch.randn(n - k, cfg.hc_mult, cfg.dim, generator=junk).to(torch.bfloat16)])
+                  for (r, (_, k)), (_, n) in zip(call.items(), rows)]
+            if kind == "abandon":
+                if drafted:
+                    replay = step.replay
+
+                    def failing(bucket):
+                        replay(bucket)
+                        raise RuntimeError("replay failed")
+                    step.replay = failing
+                    with pytest.raises(RuntimeError, match="replay failed"):
+                        step(torch.cat(xs), rows)
+                    step.replay = replay
+                continue
+            y, pre = step(torch.cat(xs), rows) if kind == "step" else stack.forward(torch.cat(xs), st.plan(rows), st)
+            at = 0
+            for (r, (_, k)), (_, n) in zip(call.items(), rows):
+                outs += [(r, y[at + i], pre[at + i]) for i in range(k)]
+                at += n
+                done[r] += k
+            if drafted:
+                step.accept({r: k for r, (_, k) in call.items()})
+            held.append({r: sp.held_state(st, r) for r in st.live_requests})
+        runs.append((outs, held))
+    (out_d, held_d), (out_o, held_o) = runs
+    for i, ((r, y1, p1), (_, y2, p2)) in enumerate(zip(out_d, out_o)):
+        assert torch.equal(y1, y2) and torch.equal(p1, p2), f"kept row {i} of request {r!r} differs"
+    for k, (a, b) in enumerate(zip(held_d, held_o)):
+        for r in a:
+            for key, v in a[r].items():
+                same = v == b[r][key] if isinstance(v, int) else torch.equal(v, b[r][key])
+                assert same, f"after call {k}: request {r!r}: {key} differs"
+
+
+@pytest.fixture(scope="module")
+def reduced_checkpoint():
+    cfg = reduced_config()           # layer 0 SWA, layer 1 a ratio-2 Full layer
+    return cfg, random_checkpoint(cfg, "cpu", progress=False)
+
+
+def test_a_layer_alone_after_a_deferred_accept_reads_the_kept_group(reduced_checkpoint):
+    """The generic layer restores the groups a deferred accept left before it reads them, also when
+    it runs outside `AttentionStack.forward` (`AttentionStack.block`, as the trace recorder runs
+    it): the kept length 5 is odd and its next row completes the group (4, 5) with position 4's row,
+    which rejected row 6 overwrote; the compressed entry equals the eager accept's."""
+    cfg, ck = reduced_checkpoint
+    stack = AttentionStack(ck, [1])
+    g = torch.Generator().manual_seed(3)
+    st = DecodeState(cfg, max_requests=2, max_context=64, page_size=4, max_drafts=3)
+    st.admit("a")
+    stack.forward(streams(4, cfg, g), st.plan([("a", 4)]), st)
+    stack.forward(streams(4, cfg, g), st.plan([("a", 4)]), st)            # positions 4..7
+    eager, lazy = st, copy.deepcopy(st)
+    eager.accept({"a": 1})
+    lazy.accept({"a": 1}, defer_groups=True)
+    x = streams(1, cfg, g)
+    outs = []
+    for s in (eager, lazy):
+        step = s.plan([("a", 1)])
+        y, _, _ = stack.block(1, x, stack.initial_pre(1), step, s, CallContext(), None)
+        s.advance(step)
+        outs.append((y, s.compressed[1].clone()))
+    assert torch.equal(outs[0][1], outs[1][1]) and torch.equal(outs[0][0], outs[1][0])
+
+
+@interpreter
+def test_a_readmitted_slot_starts_from_a_fresh_row_history(reduced_checkpoint):
+    """`admit` resets a slot's `comp_rows` with its open group: a request advanced by a stack without
+    the ratio-2 source (its group stays fresh), then stepped by one with it, reads a fresh group
+    through the kernel's history, not the slot's previous request's rows - as the state without
+    drafts reads its fresh comp_kv."""
+    cfg, ck = reduced_checkpoint
+    swa, full = AttentionStack(ck, [0]), AttentionStack(ck, [1])
+    g = torch.Generator().manual_seed(4)
+    xs = [streams(n, cfg, g) for n in (5, 5, 1)]
+    outs = []
+    for md in (3, 0):
+        st = DecodeState(cfg, max_requests=1, max_context=64, page_size=4, stage_rows=8, max_drafts=md)
+        st.admit("x")
+        full.forward(xs[0], st.plan([("x", 5)]), st)                        # comp_rows rows 0..4
+        st.free("x")
+        st.admit("y")                                                       # the same slot
+        swa.forward(xs[1], st.plan([("y", 5)]), st)                         # layer 1 not run at 0..4
+        step = full.decode_step(st, max_rows=1, buckets=(1,), graphs=False)
+        outs.append(step(xs[2], [("y", 1)])[0])                              # p0 = 5 reads rows 3, 4
+    assert torch.equal(outs[0], outs[1])
