@@ -88,7 +88,7 @@ class AttentionLayer:
         """
         cfg, spec, w = self.cfg, self.spec, self.w
         state.check_step(step, f"layer {spec.layer}")   # before any cache is written
-        state.sync_groups()         # open groups a deferred accept left: this layer reads comp_kv as it stands
+        state.sync()         # open groups a deferred accept left: this layer reads comp_kv as it stands
         if x.shape != (step.n_rows, cfg.dim) or x.dtype != torch.bfloat16:
             raise ValueError(f"layer {spec.layer}: x must be [{step.n_rows}, {cfg.dim}] bfloat16, got "
                              f"{tuple(x.shape)} {x.dtype}")

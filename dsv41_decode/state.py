@@ -193,12 +193,17 @@ class DecodeState:
       comp_kv[L]: float32 [max_requests, 2, head_dim], zeros; comp_score[L]: float32
         [max_requests, 2, head_dim], -inf: the open group of every ratio-2 KV source L, row `p % 2`;
         reset when a slot is admitted. Views of one buffer over all ratio-2 sources (any strides
-        but the last), so that `accept` restores every layer's in one indexed copy.
+        but the last), so that `accept` restores every layer's in one indexed copy. After
+        `accept(defer=True)` a request's rows here wait for the next call (`open_group`
+        reads them as it will; `sync` restores them).
       comp_rows[L] (max_drafts > 0 only): float32 [max_requests, max_drafts + 2, 2 * head_dim]: the
         FP32 inputs `kv | score` of the compressor's rows at positions p, at row `p % (max_drafts
-        + 2)`, written by every call (the generic layer and the step's compressor kernel alike).
-      seq_lens: int32 [max_requests], the tokens each slot held after the last `advance` (0 for a
-        free slot); the host-side `length()` is the source of truth.
+        + 2)`, written by every call (the generic layer and the step's compressor kernel alike),
+        reset with the open group when a slot is admitted; the step's compressor kernel reads each
+        call's open groups from here.
+      seq_lens: int32 [max_requests], the tokens each slot held after the last `advance` or eager
+        `accept` (0 for a free slot; a deferred accept's lengths arrive with the next `advance` or
+        `sync`); the host-side `length()` is the source of truth.
     with `pages_r = ceil(max_tokens / r / page_size) + max_requests`.
 
     The host tables a call writes to the device (its rows' slots and positions, at their first read
@@ -303,6 +308,7 @@ class DecodeState:
         self._planned: tuple | None = None
         self._accepting: dict[int, tuple[int, int]] = {}  # slot -> (start, count) of the last advanced call
         self._stale_groups: set[int] = set()   # slots whose open groups a deferred accept left to restore
+        self._stale_mirror = False              # seq_lens behind the lengths since a deferred accept
         self._pages: dict[int, list[list[int]]] = {
             r: [[] for _ in range(max_requests)] for r in self.ratios}
         self._free_pages: dict[int, list[int]] = {
@@ -554,7 +560,7 @@ class DecodeState:
 
     def advance(self, step: StepRows) -> None:
         """Commit a planned call after every layer ran: each request's length += its count. The
-        call's layers read and rewrote its requests' open groups (`sync_groups` or the step's
+        call's layers read and rewrote its requests' open groups (`sync` or the step's
         compressor kernels, which read them from `comp_rows`): none is left to restore.
 
         `check_step` first (nothing changes on an error): ValueError when `step` is stale or not the
@@ -569,6 +575,7 @@ class DecodeState:
             self._lengths[s] += count
             self._pending[s] = 0
             self._accepting[s] = (start, count)
+        self._stale_mirror = False
         self._upload.copy_(self.seq_lens, self._lengths)
 
     def abandon(self, step: StepRows, *, ran: bool = True) -> None:
@@ -651,7 +658,7 @@ class DecodeState:
             rows = self._comp_rows.view(-1, *self._comp_rows.shape[2:]).index_select(0, idx[1])
             self._comp.view(-1, *self._comp.shape[2:]).index_copy_(0, idx[0], rows)
 
-    def accept(self, kept: Mapping[Hashable, int], *, defer_groups: bool = False) -> None:
+    def accept(self, kept: Mapping[Hashable, int], *, defer: bool = False) -> None:
         """Keep only the first `kept[req]` rows of each listed request's last advanced call.
 
         Speculative decoding: a call scored 1 + d rows of a request (its next token and d drafts)
@@ -668,12 +675,13 @@ class DecodeState:
         over every ratio-2 source, per ratio a `block_table[r][slot, pages:].fill_(-1)` for each
         request whose pages go back, the `seq_lens` mirror; nothing waits for the device.
 
-        defer_groups=True (what `decode.DecodeStep.accept` passes when its stack runs every ratio-2
-        source): the open groups are not copied here but left to the next reader - the step's
-        compressor kernels read a call's requests' groups from `comp_rows` themselves, and
-        the generic layer (`AttentionLayer.forward`) runs `sync_groups` first - so until then
-        `comp_kv` / `comp_score` hold the rejected rows' values for those requests (`sync_groups`
-        restores them). Its device work is the rest: the `seq_lens` mirror and the page fills.
+        defer=True (what `decode.DecodeStep.accept` passes when its stack runs every ratio-2
+        source): the device work is left to the next call - the step's compressor kernels read a
+        call's requests' open groups from `comp_rows` themselves, the generic layer
+        (`AttentionLayer.forward`) runs `sync` first, and the next `advance` uploads `seq_lens` - so
+        until then `comp_kv` / `comp_score` hold the rejected rows' values for those requests and
+        `seq_lens` the lengths before the accept (`sync` brings both up to date). What is left on
+        the device: a block-table fill where a request's pages go back.
 
         Once per call and request: the next `plan` (or a second `accept` of the request) ends it.
         KeyError for a request that is not live; ValueError for a request that was not in the last
@@ -682,8 +690,8 @@ class DecodeState:
         """
         if not isinstance(kept, Mapping):
             raise TypeError(f"accept: kept must be a mapping {{req_id: rows kept}}, got a {type(kept).__name__}")
-        if not isinstance(defer_groups, bool):
-            raise TypeError(f"accept: defer_groups must be a bool, got {defer_groups!r}")
+        if not isinstance(defer, bool):
+            raise TypeError(f"accept: defer must be a bool, got {defer!r}")
         todo = []
         for req_id, k in kept.items():
             s = self.slot(req_id)
@@ -706,24 +714,28 @@ class DecodeState:
                                  f"max_drafts >= {count - k})")
             todo.append((s, start + k, start + count))
         restore = []   # (slot, p % 2, source slot, p % H) of the open group's two rows
+        changed = False
         for s, n, old in todo:
             self._accepting.pop(s)
             if n == old:
                 continue
+            changed = True
             self._lengths[s] = n
             self._cut_to(s, n)
-            if defer_groups:
+            if defer:
                 self._stale_groups.add(s)
             else:
                 restore += [self._group_row(s, p) for p in (n - 1, n - 2)]
         self._restore_groups(restore)
-        if todo:
+        if changed and defer:
+            self._stale_mirror = True
+        elif changed:
             self._upload.copy_(self.seq_lens, self._lengths)
 
     def open_group(self, layer: int, req_slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(kv, score), float32 [2, head_dim] each (row p % 2): ratio-2 source `layer`'s open group of
         `req_slot` as a later call reads it - `comp_kv` / `comp_score`, or, where a deferred accept
-        left the group to restore, the rows `sync_groups` would copy there (after an abandoned call
+        left the group to restore, the rows `sync` would copy there (after an abandoned call
         a row no later output reads may differ from the step's view: spec decision 12). Copies;
         nothing changes."""
         r = self._check_source(layer, "open_group")
@@ -738,11 +750,15 @@ class DecodeState:
                 kv[half], score[half] = kept[0], kept[1]
         return kv, score
 
-    def sync_groups(self) -> None:
-        """Restore the open groups that `accept(defer_groups=True)` left to restore (each request's
-        last two positions' rows from `comp_rows`, as `accept` copies them): afterwards `comp_kv` /
-        `comp_score` hold every live request's group. Device work only where one is left (one upload,
-        one gather, one indexed copy); the generic layer (`AttentionLayer.forward`) runs it before it reads."""
+    def sync(self) -> None:
+        """Do the device work that `accept(defer=True)` left: restore the open groups (each
+        request's last two positions' rows from `comp_rows`, as `accept` copies them) and upload
+        `seq_lens`; afterwards `comp_kv` / `comp_score` hold every live request's group and
+        `seq_lens` its length. Device work only where some is left (one upload, one gather, one
+        indexed copy; one upload); the generic layer (`AttentionLayer.forward`) runs it before it reads."""
+        if self._stale_mirror:
+            self._stale_mirror = False
+            self._upload.copy_(self.seq_lens, self._lengths)
         if self._stale_groups:
             restore = [self._group_row(s, p) for s in sorted(self._stale_groups)
                        for p in (self._lengths[s] - 1, self._lengths[s] - 2)]

@@ -9,7 +9,7 @@ drafts) rows planned and advanced (the state's bookkeeping, no attention), then 
 
 Prints the median host time of the call alone (it enqueues its device work and returns), the same
 with the device synchronized after it (what `bench step` reports), the same with the open groups
-deferred (`defer_groups=True`, what `DecodeStep.accept` passes), the plan + advance beside them,
+deferred (`defer=True`, what `DecodeStep.accept` passes), the plan + advance beside them,
 then a torch profiler table of one pass of `--steps` accepts: the ops by host time, with the
 device time of each (the device's kernels and copies).
 
@@ -59,7 +59,7 @@ def state_only(context: int, steps: int, device: str) -> None:
         t0 = time.perf_counter()
         state.advance(state.plan(ROWS))
         t1 = time.perf_counter()
-        state.accept(kept(k), defer_groups=defer)
+        state.accept(kept(k), defer=defer)
         if wait:
             sync()
         return (t1 - t0) * 1e6, (time.perf_counter() - t1) * 1e6
@@ -73,7 +73,7 @@ def state_only(context: int, steps: int, device: str) -> None:
     print(f"  plan + advance {statistics.median(a for a, _ in alone):8.1f}")
     print(f"  accept         {statistics.median(b for _, b in alone):8.1f}   (host, not waiting for the device)")
     print(f"  accept + sync  {statistics.median(b for _, b in waited):8.1f}   (as bench step's step_accept)")
-    print(f"  deferred + sync {statistics.median(b for _, b in deferred):7.1f}   (defer_groups=True: DecodeStep.accept's form)")
+    print(f"  deferred + sync {statistics.median(b for _, b in deferred):7.1f}   (defer=True: DecodeStep.accept's form)")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device != "cpu" else [])
     with profile(activities=activities) as prof:
         for k in range(steps):

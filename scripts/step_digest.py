@@ -45,8 +45,8 @@ def digest(device: str, preset: str, layers: list[int] | None) -> str:
         for t in step(x, rows):
             add(t)
         step.accept({rows[0][0]: 1})
-    # the open groups a deferred accept left to the next call (a tree without sync_groups restores them in accept)
-    getattr(state, "sync_groups", lambda: None)()
+    # the open groups a deferred accept left to the next call (a tree without sync restores them in accept)
+    getattr(state, "sync", lambda: None)()
     for name in CACHES:
         for _, t in sorted(getattr(state, name).items()):
             add(t)

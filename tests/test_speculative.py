@@ -60,7 +60,7 @@ def _serve(stack, st, truth, plan, drafted: bool, accept=True, defer=False):
         held.append({r: {**sp.held_state(st, r), **{f"pages.{ratio}": len(st.pages_of(r, ratio))
                                                     for ratio in st.ratios}} for r in PREFILL})
     out = sp.serve(_run(stack, st), truth, plan, junk_seed=2 if drafted else None,
-                   accept=(lambda kept: st.accept(kept, defer_groups=defer)) if accept else None, after=after)
+                   accept=(lambda kept: st.accept(kept, defer=defer)) if accept else None, after=after)
     return out, held
 
 

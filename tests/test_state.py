@@ -591,22 +591,25 @@ def _drafted_state(tiny, gen, start, count):
 
 
 def test_a_deferred_accept_leaves_the_open_group_to_the_next_reader(tiny):
-    """accept(defer_groups=True) copies nothing into comp_kv / comp_score; open_group reads the
-    group as the next call would, and sync_groups writes it: both the eager accept's bits."""
+    """accept(defer=True) copies nothing into comp_kv / comp_score and leaves seq_lens at the
+    lengths before it; open_group reads the group as the next call would, and sync writes it and
+    the lengths: the eager accept's bits."""
     L = 1
     for start, count, kept in [(0, 4, 1), (5, 4, 1), (5, 4, 2), (6, 4, 3), (6, 2, 1)]:
         eager, s, _, _ = _drafted_state(tiny, torch.Generator().manual_seed(start * 10 + kept), start, count)
         lazy = _drafted_state(tiny, torch.Generator().manual_seed(start * 10 + kept), start, count)[0]
         eager.accept({"a": kept})
         before = lazy._comp.clone()
-        lazy.accept({"a": kept}, defer_groups=True)
+        lazy.accept({"a": kept}, defer=True)
         assert torch.equal(lazy._comp, before), "a deferred accept wrote the open groups"
         assert lazy.length("a") == eager.length("a") == start + kept
+        assert (lazy.seq_lens[s].item(), eager.seq_lens[s].item()) == (start + count, start + kept)
         for got, want in zip(lazy.open_group(L, s), (eager.comp_kv[L][s], eager.comp_score[L][s])):
             assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (start, count, kept)
-        lazy.sync_groups()
+        lazy.sync()
         assert torch.equal(lazy._comp.view(torch.int32), eager._comp.view(torch.int32)), (start, count, kept)
-        lazy.sync_groups()                                  # nothing left: no change
+        assert torch.equal(lazy.seq_lens, eager.seq_lens)
+        lazy.sync()                                  # nothing left: no change
         assert torch.equal(lazy._comp.view(torch.int32), eager._comp.view(torch.int32))
 
 
@@ -616,13 +619,14 @@ def test_what_ends_a_deferred_restore(tiny):
     ran=False leaves it; all keep comp_kv alone."""
     def deferred():
         st, s, _, _ = _drafted_state(tiny, torch.Generator().manual_seed(1), 5, 4)
-        st.accept({"a": 2}, defer_groups=True)
+        st.accept({"a": 2}, defer=True)
         return st, s
     st, s = deferred()
     st.abandon(st.plan([("a", 1)]), ran=False)
     assert s in st._stale_groups
     st.advance(st.plan([("a", 1)]))
     assert not st._stale_groups
+    assert st.seq_lens.tolist()[:2] == [0, 8]           # the advance's upload: the kept 7 + 1
     st, s = deferred()
     st.abandon(st.plan([("a", 1)]))
     assert not st._stale_groups
@@ -631,8 +635,8 @@ def test_what_ends_a_deferred_restore(tiny):
     assert s in st._stale_groups
     st.free("a")
     assert not st._stale_groups
-    with pytest.raises(TypeError, match="defer_groups must be a bool"):
-        deferred()[0].accept({"a": 1}, defer_groups=1)
+    with pytest.raises(TypeError, match="defer must be a bool"):
+        deferred()[0].accept({"a": 1}, defer=1)
 
 
 def test_open_group_names_a_bad_layer_or_slot(tiny):

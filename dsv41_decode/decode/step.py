@@ -247,7 +247,7 @@ class DecodeStep:
             self.layers[i].publish = mailbox.slot(k)
         self.mailbox = mailbox
         # every ratio-2 source runs here: its compressor kernel reads a call's open groups from
-        # comp_rows, so accept can leave them to it (`DecodeState.accept(defer_groups=True)`)
+        # comp_rows, so accept can leave them to it (`DecodeState.accept(defer=True)`)
         self.restores_groups = bool(state.comp_rows) and set(state.comp_kv) <= set(self.layers)
         self.boundary_mode = "single" if stack.tp.tp == 1 else ("fused" if mailbox is not None else "collective")
         self.boundary = Boundary(stack, B, dev, mailbox)
@@ -472,7 +472,7 @@ class DecodeStep:
             if t is not None and not same_device(t.device, self.device):
                 raise StepError(f"{name} is on {t.device}, the step on {self.device}: move it to the step's device")
         if not self.restores_groups:
-            self.state.sync_groups()      # another step's deferred accept: this one's layers do not all restore
+            self.state.sync()      # another step's deferred accept: this one's layers do not all restore
         planned = self.state.plan(plan_rows)
         self.meta.load(planned, bucket)
         # detached: a copy from a tensor that requires grad would chain the step's buffers into its graph
@@ -482,14 +482,15 @@ class DecodeStep:
 
     def accept(self, kept) -> None:
         """Keep only the first `kept[req]` of each listed request's rows of the last step
-        (`DecodeState.accept`: the state is then what a run fed only the kept rows holds). Host
-        bookkeeping plus the `seq_lens` mirror (and a block-table fill where pages go back); nothing
-        waits for the device. Where the stack runs every ratio-2 source (`restores_groups`) the
-        open groups of requests with rejected rows are left to the next call's compressor kernels,
-        which read them from `comp_rows` (`DecodeState.accept(defer_groups=True)`; the generic path
-        and `DecodeState.sync_groups` restore them otherwise), else copied here. Later steps that
-        replay the same buckets give the kept-only run's bits (spec decision 12)."""
-        self.state.accept(kept, defer_groups=self.restores_groups)
+        (`DecodeState.accept`: the state is then what a run fed only the kept rows holds); nothing
+        waits for the device. Where the stack runs every ratio-2 source (`restores_groups`) it is
+        host bookkeeping (and a block-table fill where pages go back): the open groups of requests
+        with rejected rows are left to the next call's compressor kernels, which read them from
+        `comp_rows`, and `seq_lens` to the next call's advance (`DecodeState.accept(defer=True)`;
+        the generic path and `DecodeState.sync` bring them up to date otherwise); else the groups
+        are copied and the mirror uploaded here. Later steps that replay the same buckets give the
+        kept-only run's bits (spec decision 12)."""
+        self.state.accept(kept, defer=self.restores_groups)
 
     def memory_bytes(self) -> dict[str, int]:
         """Device bytes the step owns beyond the stack's weights and the state's caches (by family):

@@ -121,7 +121,7 @@ def compress_ratio2_(kv_score: torch.Tensor, req_slot: torch.Tensor, positions: 
     from history[s, (p0 - 2) % H], p0 the request's first position, a fresh group's zeros and -inf
     for positions below 0 - and written to the state as without it. Wherever the state is current
     (every call keeps both) that is the state's own group, bit for bit; after a deferred accept
-    (`DecodeState.accept(defer_groups=True)`) it is the kept rows' group that accept left to restore.
+    (`DecodeState.accept(defer=True)`) it is the kept rows' group that accept left to restore.
 
     kv_score: [N, 2D] FP32, x @ wkv^T then x @ wgate^T (D = 512 in the model; any row stride);
     req_slot: [N] int64 request slot per row, -1 = padding (ignored: out 0, done 0);

@@ -57,7 +57,7 @@ class StepWrites:
     compressed-KV / index-key records of completed groups (from the compressor's output), for
     `layers` (the stack's; None: every layer of the state). restore: the compressor kernel reads
     each request's open group from `comp_rows` (the step's form with drafts), so that accept can
-    leave it there (`accept(defer_groups=True)`)."""
+    leave it there (`accept(defer=True)`)."""
 
     def __init__(self, state: DecodeState, layers=None, restore: bool = False):
         self.state = state
@@ -127,7 +127,7 @@ def test_step_state_writes_with_drafts_equal_accepted_only(defer):
         st = _writes_state(cfg, md)
         w = StepWrites(st, restore=defer and drafted)
         held = []
-        accept = (lambda kept: st.accept(kept, defer_groups=defer)) if drafted else None
+        accept = (lambda kept: st.accept(kept, defer=defer)) if drafted else None
         sp.serve(w, truth, plan, junk_seed=6 if drafted else None, accept=accept,
                  after=lambda _: held.append({r: sp.held_state(st, r) for r in REQS}))
         runs[drafted] = st, w, held
@@ -328,7 +328,7 @@ def test_a_layer_alone_after_a_deferred_accept_reads_the_kept_group(reduced_chec
     stack.forward(streams(4, cfg, g), st.plan([("a", 4)]), st)            # positions 4..7
     eager, lazy = st, copy.deepcopy(st)
     eager.accept({"a": 1})
-    lazy.accept({"a": 1}, defer_groups=True)
+    lazy.accept({"a": 1}, defer=True)
     x = streams(1, cfg, g)
     outs = []
     for s in (eager, lazy):
