@@ -1,5 +1,6 @@
 """Speculative decoding on the H200 (marked `gpu`): V4.1-Flash sizes (window 128, top-k 512, 64
-heads), CUDA graphs, a stack of every layer kind.
+heads), CUDA graphs, a stack of every layer kind and every ratio-2 source (so `DecodeStep.accept`
+leaves the open groups to the next call's compressor kernels: `restores_groups`).
 
 A drafted run (4 requests, every acceptance pattern of 1-3 drafts and then random ones, junk inputs
 in the rejected rows, `DecodeStep.accept` after every step) against the run fed only the accepted
@@ -27,9 +28,9 @@ CACHED = {"a": 1, "b": 77, "c": 300, "d": 1000}
 STEPS = 160
 
 
-def _layers(cfg: ModelConfig, kinds=(0, 2, 3, 20, 21, 24, 25)) -> list[int]:
-    """`kinds` and every KV / index source they need (SWA, Full r2 + Reuse, the ratio-1 candidate
-    source and its Reuse, a Reindex consumer and its Reuse)."""
+def _layers(cfg: ModelConfig, kinds=(0, 2, 3, 8, 14, 20, 21, 24, 25)) -> list[int]:
+    """`kinds` and every KV / index source they need (SWA, the Full r2 layers + a Reuse, the ratio-1
+    candidate source and its Reuse, a Reindex consumer and its Reuse)."""
     ids = set(kinds)
     for L in kinds:
         spec = cfg.plan[L]
@@ -64,7 +65,7 @@ def test_gpu_drafted_run_equals_accepted_only(flash, buckets):
     for md, drafted in ((3, True), (0, False)):
         st = _state(cfg, md)
         step = stack.decode_step(st, max_rows=16, buckets=buckets)
-        assert step.use_graphs
+        assert step.use_graphs and step.restores_groups == drafted
         outs.append(sp.serve(step, truth, plan, junk_seed=2 if drafted else None,
                              accept=step.accept if drafted else None))
         states.append(st)
