@@ -406,8 +406,8 @@ class DecodeStep:
         prepared step again recomputes the same values into the same cache slots (what `bench step`
         times). A request of several rows is not replayed so: a replay moves its rows' staged window
         records into the ring (and its ratio-2 compressor's open group forward, where the state takes
-        no drafts or the request has more than max_drafts + 1 rows), which a second replay reads moved (the same work and time, other values); such a
-        state is a benchmark's only."""
+        no drafts or the request has more than max_drafts + 1 rows), which a second replay reads
+        moved (the same work and time, other values); such a state is a benchmark's only."""
         return self._upload(rows, x, pre)[1]
 
     def replay(self, bucket: int) -> None:
