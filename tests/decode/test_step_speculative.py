@@ -213,6 +213,21 @@ def test_decode_step_with_drafts_equals_accepted_only(mini_stack):
     assert sp.state_difference(*states, ["a"]) is None, sp.state_difference(*states, ["a"])
 
 
+def _call_failing_after_replay(step, x, rows) -> None:
+    """step(x, rows) with its replay raising after the kernels ran (the call is abandoned)."""
+    replay = step.replay
+
+    def failing(bucket):
+        replay(bucket)
+        raise RuntimeError("replay failed")
+    step.replay = failing
+    try:
+        with pytest.raises(RuntimeError, match="replay failed"):
+            step(x, rows)
+    finally:
+        step.replay = replay
+
+
 @interpreter
 def test_a_step_call_that_fails_after_its_replay_is_retried_exactly(mini_stack):
     """An exception after the step's kernels wrote the state (here: its replay, once) abandons the
@@ -225,16 +240,8 @@ def test_a_step_call_that_fails_after_its_replay_is_retried_exactly(mini_stack):
         st = _step_state(cfg, stack, 3)
         step = stack.decode_step(st, max_rows=4, buckets=(4,), graphs=False)
         if fail:
-            replay = step.replay
-
-            def failing(bucket):
-                replay(bucket)
-                raise RuntimeError("replay failed")
-            step.replay = failing
-            with pytest.raises(RuntimeError, match="replay failed"):
-                step(x, [("a", 4)])
+            _call_failing_after_replay(step, x, [("a", 4)])
             assert st.length("a") == PREFILL["a"]
-            step.replay = replay
         outs.append(step(x, [("a", 4)]))
         states.append(st)
     assert all(torch.equal(a, b) for a, b in zip(*outs))
@@ -278,15 +285,7 @@ def test_deferred_accept_across_paths_equals_accepted_only(mini_stack):
                   for (r, (_, k)), (_, n) in zip(call.items(), rows)]
             if kind == "abandon":
                 if drafted:
-                    replay = step.replay
-
-                    def failing(bucket):
-                        replay(bucket)
-                        raise RuntimeError("replay failed")
-                    step.replay = failing
-                    with pytest.raises(RuntimeError, match="replay failed"):
-                        step(torch.cat(xs), rows)
-                    step.replay = replay
+                    _call_failing_after_replay(step, torch.cat(xs), rows)
                 continue
             y, pre = step(torch.cat(xs), rows) if kind == "step" else stack.forward(torch.cat(xs), st.plan(rows), st)
             at = 0
