@@ -194,16 +194,17 @@ class DecodeState:
         [max_requests, 2, head_dim], -inf: the open group of every ratio-2 KV source L, row `p % 2`;
         reset when a slot is admitted. Views of one buffer over all ratio-2 sources (any strides
         but the last), so that `accept` restores every layer's in one indexed copy. After
-        `accept(defer=True)` a request's rows here wait for the next call (`open_group`
-        reads them as it will; `sync` restores them).
+        `accept(defer=True)` a request's rows here wait for its next call (or `sync`; `open_group`
+        reads them as that call will).
       comp_rows[L] (max_drafts > 0 only): float32 [max_requests, max_drafts + 2, 2 * head_dim]: the
         FP32 inputs `kv | score` of the compressor's rows at positions p, at row `p % (max_drafts
-        + 2)`, written by every call (the generic layer and the step's compressor kernel alike),
+        + 2)`, written by every call that runs the source (the generic layer and the step's
+        compressor kernel alike),
         reset with the open group when a slot is admitted; the step's compressor kernel reads each
         call's open groups from here.
-      seq_lens: int32 [max_requests], the tokens each slot held after the last `advance` or eager
-        `accept` (0 for a free slot; a deferred accept's lengths arrive with the next `advance` or
-        `sync`); the host-side `length()` is the source of truth.
+      seq_lens: int32 [max_requests], the tokens each slot held after the last `advance`, eager
+        `accept` or `sync` (0 for a free slot; a deferred accept's lengths arrive with the next of
+        those); the host-side `length()` is the source of truth.
     with `pages_r = ceil(max_tokens / r / page_size) + max_requests`.
 
     The host tables a call writes to the device (its rows' slots and positions, at their first read
@@ -679,9 +680,10 @@ class DecodeState:
         source): the device work is left to the next call - the step's compressor kernels read a
         call's requests' open groups from `comp_rows` themselves, the generic layer
         (`AttentionLayer.forward`) runs `sync` first, and the next `advance` uploads `seq_lens` - so
-        until then `comp_kv` / `comp_score` hold the rejected rows' values for those requests and
-        `seq_lens` the lengths before the accept (`sync` brings both up to date). What is left on
-        the device: a block-table fill where a request's pages go back.
+        `comp_kv` / `comp_score` hold what the call left (its rejected rows' values among them) for
+        those requests until each one's next call or `sync`, and `seq_lens` the lengths before the
+        accept until the next `advance`, eager accept or `sync`. What is left on the device: a
+        block-table fill where a request's pages go back.
 
         Once per call and request: the next `plan` (or a second `accept` of the request) ends it.
         KeyError for a request that is not live; ValueError for a request that was not in the last

@@ -599,42 +599,55 @@ def test_a_deferred_accept_leaves_the_open_group_to_the_next_reader(tiny):
         eager, s, _, _ = _drafted_state(tiny, torch.Generator().manual_seed(start * 10 + kept), start, count)
         lazy = _drafted_state(tiny, torch.Generator().manual_seed(start * 10 + kept), start, count)[0]
         eager.accept({"a": kept})
-        before = lazy._comp.clone()
+        before = [t.clone() for t in (lazy.comp_kv[L], lazy.comp_score[L])]
         lazy.accept({"a": kept}, defer=True)
-        assert torch.equal(lazy._comp, before), "a deferred accept wrote the open groups"
+        assert all(torch.equal(t, b) for t, b in zip((lazy.comp_kv[L], lazy.comp_score[L]), before)), \
+            "a deferred accept wrote the open groups"
         assert lazy.length("a") == eager.length("a") == start + kept
         assert (lazy.seq_lens[s].item(), eager.seq_lens[s].item()) == (start + count, start + kept)
         for got, want in zip(lazy.open_group(L, s), (eager.comp_kv[L][s], eager.comp_score[L][s])):
             assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (start, count, kept)
-        lazy.sync()
-        assert torch.equal(lazy._comp.view(torch.int32), eager._comp.view(torch.int32)), (start, count, kept)
-        assert torch.equal(lazy.seq_lens, eager.seq_lens)
-        lazy.sync()                                  # nothing left: no change
-        assert torch.equal(lazy._comp.view(torch.int32), eager._comp.view(torch.int32))
+        for _ in range(2):                           # the second: nothing left, no change
+            lazy.sync()
+            for name in ("comp_kv", "comp_score"):
+                got, want = getattr(lazy, name)[L], getattr(eager, name)[L]
+                assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (start, count, kept, name)
+            assert torch.equal(lazy.seq_lens, eager.seq_lens)
 
 
 def test_what_ends_a_deferred_restore(tiny):
-    """A deferred group stays left to restore until a call that ran advances (its layers read it),
-    a call that ran is abandoned (restored there), or the request is freed; an abandon with
-    ran=False leaves it; all keep comp_kv alone."""
+    """A deferred group stays left to restore (open_group reads other rows than comp_kv holds: both
+    of the kept length 7's rows were overwritten by rejected rows 7 and 8) until a call that ran
+    advances (its layers read and rewrote it; plan + advance alone stand in for it here), a call
+    that ran is abandoned (restored there: the eager accept's group), or the request is freed; an
+    abandon with ran=False and another request's call leave it."""
+    L = 1
+
     def deferred():
         st, s, _, _ = _drafted_state(tiny, torch.Generator().manual_seed(1), 5, 4)
+        eager = copy.deepcopy(st)
+        eager.accept({"a": 2})
         st.accept({"a": 2}, defer=True)
-        return st, s
-    st, s = deferred()
+        return st, s, (eager.comp_kv[L][s], eager.comp_score[L][s])
+
+    def pending(st, s) -> bool:
+        return not all(torch.equal(g, h) for g, h in zip(st.open_group(L, s), (st.comp_kv[L][s], st.comp_score[L][s])))
+    st, s, _ = deferred()
+    assert pending(st, s)
     st.abandon(st.plan([("a", 1)]), ran=False)
-    assert s in st._stale_groups
+    assert pending(st, s)
     st.advance(st.plan([("a", 1)]))
-    assert not st._stale_groups
+    assert not pending(st, s)
     assert st.seq_lens.tolist()[:2] == [0, 8]           # the advance's upload: the kept 7 + 1
-    st, s = deferred()
+    st, s, restored = deferred()
     st.abandon(st.plan([("a", 1)]))
-    assert not st._stale_groups
-    st, s = deferred()
+    assert not pending(st, s)
+    assert all(torch.equal(g, h) for g, h in zip((st.comp_kv[L][s], st.comp_score[L][s]), restored))
+    st, s, _ = deferred()
     st.advance(st.plan([("pad", 1)]))                     # another request's call: still left
-    assert s in st._stale_groups
+    assert pending(st, s)
     st.free("a")
-    assert not st._stale_groups
+    assert not st._stale_groups                           # a freed slot has nothing left to restore
     with pytest.raises(TypeError, match="defer must be a bool"):
         deferred()[0].accept({"a": 1}, defer=1)
 
@@ -643,6 +656,8 @@ def test_open_group_names_a_bad_layer_or_slot(tiny):
     st, s = _drafted_state(tiny, torch.Generator().manual_seed(2), 2, 1)[:2]
     with pytest.raises(ValueError, match="open_group: layer 0"):
         st.open_group(0, s)
+    with pytest.raises(ValueError, match="open_group: layer 3 has ratio 1"):
+        st.open_group(3, s)
     with pytest.raises(ValueError, match="not a live slot"):
         st.open_group(1, 2)
 

@@ -257,11 +257,12 @@ def test_deferred_accept_across_paths_equals_accepted_only(mini_stack):
     length - 1, which a rejected row overwrote in comp_kv: read by the step's compressor kernel from
     comp_rows (request a, call 4, after a step call that left it out), restored by the generic
     layer first (b, call 6), restored by an abandoned step call that ran its layers (a, call 8,
-    drafted run only); then b is freed and its slot re-admitted (c from a fresh group)."""
+    drafted run only; the generic layer reads what the abandon restored next); then b is freed and
+    its slot re-admitted (c from a fresh group)."""
     cfg, stack = mini_stack
     plan = [("step", {"a": (0, 1), "b": (0, 1)}), ("step", {"a": (2, 1), "b": (0, 1)}), ("step", {"b": (0, 1)}),
             ("step", {"a": (0, 1), "b": (0, 1)}), ("step", {"b": (2, 1)}), ("forward", {"b": (0, 1)}),
-            ("step", {"a": (2, 1)}), ("abandon", {"a": (1, 0)}), ("step", {"a": (0, 1)}),
+            ("step", {"a": (2, 1)}), ("abandon", {"a": (1, 0)}), ("forward", {"a": (0, 1)}),
             ("free b, admit c", {}), ("step", {"c": (1, 1), "a": (0, 1)})]
     g = torch.Generator().manual_seed(8)
     truth = {r: torch.randn(8, cfg.hc_mult, cfg.dim, generator=g).to(torch.bfloat16) for r in "abc"}
@@ -359,3 +360,26 @@ def test_a_readmitted_slot_starts_from_a_fresh_row_history(reduced_checkpoint):
         step = full.decode_step(st, max_rows=1, buckets=(1,), graphs=False)
         outs.append(step(xs[2], [("y", 1)])[0])                              # p0 = 5 reads rows 3, 4
     assert torch.equal(outs[0], outs[1])
+
+
+def test_a_step_without_every_ratio2_source_restores_a_pending_group_first(reduced_checkpoint, monkeypatch):
+    """A step whose stack leaves out a ratio-2 source (here layer 3's alone) runs `sync` before its
+    plan: its advance ends the request's deferral, so the group of the source it does not run
+    would otherwise stay unrestored for good (open_group and the generic layer would read the
+    rejected rows); the state afterwards holds the eager accept's group."""
+    cfg, ck = reduced_checkpoint
+    st = DecodeState(cfg, max_requests=2, max_context=64, page_size=4, stage_rows=4, max_drafts=3)
+    st.admit("a")
+    g = torch.Generator().manual_seed(0)
+    layer1 = AttentionStack(ck, [1])
+    layer1.forward(streams(6, cfg, g), st.plan([("a", 6)]), st)
+    layer1.forward(streams(3, cfg, g), st.plan([("a", 3)]), st)          # positions 6..8
+    eager = copy.deepcopy(st)
+    eager.accept({"a": 1})                                               # length 7: row 6 of group (6, 7)
+    st.accept({"a": 1}, defer=True)
+    step = AttentionStack(ck, [3]).decode_step(st, max_rows=4, graphs=False)
+    assert not step.restores_groups
+    monkeypatch.setattr(step, "replay", lambda bucket: None)             # the host path is what is tested
+    step(streams(1, cfg, g), [("a", 1)])
+    for got, want in zip(st.open_group(1, 0), (eager.comp_kv[1][0], eager.comp_score[1][0])):
+        assert torch.equal(got, want)

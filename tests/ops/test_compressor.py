@@ -206,6 +206,7 @@ def test_compress_ratio2_restore_reads_the_group_from_history(layout):
     for t, ref in zip(state, (group_kv, group_sc)):      # slots no row served keep what they held
         for s in range(6):
             if s not in served:
+                assert t[s].isnan().all(), s
                 t[s] = ref[s]
     _check(b, out, done, *state)
     for bad in (None, history[:, :1]):
