@@ -199,9 +199,8 @@ class DecodeState:
       comp_rows[L] (max_drafts > 0 only): float32 [max_requests, max_drafts + 2, 2 * head_dim]: the
         FP32 inputs `kv | score` of the compressor's rows at positions p, at row `p % (max_drafts
         + 2)`, written by every call that runs the source (the generic layer and the step's
-        compressor kernel alike),
-        reset with the open group when a slot is admitted; the step's compressor kernel reads each
-        call's open groups from here.
+        compressor kernel alike), reset with the open group when a slot is admitted; the step's
+        compressor kernel reads each call's open groups from here.
       seq_lens: int32 [max_requests], the tokens each slot held after the last `advance`, eager
         `accept` or `sync` (0 for a free slot; a deferred accept's lengths arrive with the next of
         those); the host-side `length()` is the source of truth.
@@ -576,8 +575,7 @@ class DecodeState:
             self._lengths[s] += count
             self._pending[s] = 0
             self._accepting[s] = (start, count)
-        self._stale_mirror = False
-        self._upload.copy_(self.seq_lens, self._lengths)
+        self._mirror_lengths()
 
     def abandon(self, step: StepRows, *, ran: bool = True) -> None:
         """Undo a planned call that will not be advanced: its layers stopped midway (an exception in
@@ -640,6 +638,16 @@ class DecodeState:
             want = _cdiv(n // r, self.page_size)
             if len(self._pages[r][s]) > want:
                 self._give_back_pages(r, s, want)
+
+    def _mirror_lengths(self) -> None:
+        """Upload the host lengths into `seq_lens` (none is then left to a deferred accept)."""
+        self._stale_mirror = False
+        self._upload.copy_(self.seq_lens, self._lengths)
+
+    def _kept_group(self, s: int) -> list[tuple[int, int, int, int]]:
+        """The `_group_row`s of slot s's open group at its length: positions length - 1, length - 2."""
+        n = self._lengths[s]
+        return [self._group_row(s, p) for p in (n - 1, n - 2)]
 
     def _group_row(self, s: int, p: int) -> tuple[int, int, int, int]:
         """(slot, p % 2, source slot, source row) that restores position p's row of slot s's open
@@ -727,12 +735,12 @@ class DecodeState:
             if defer:
                 self._stale_groups.add(s)
             else:
-                restore += [self._group_row(s, p) for p in (n - 1, n - 2)]
+                restore += self._kept_group(s)
         self._restore_groups(restore)
         if changed and defer:
             self._stale_mirror = True
         elif changed:
-            self._upload.copy_(self.seq_lens, self._lengths)
+            self._mirror_lengths()
 
     def open_group(self, layer: int, req_slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(kv, score), float32 [2, head_dim] each (row p % 2): ratio-2 source `layer`'s open group of
@@ -746,8 +754,7 @@ class DecodeState:
         self._check_slot(req_slot, "open_group")
         kv, score = self.comp_kv[layer][req_slot].clone(), self.comp_score[layer][req_slot].clone()
         if req_slot in self._stale_groups:
-            for _, half, src, row in (self._group_row(req_slot, p) for p in (self._lengths[req_slot] - 1,
-                                                                          self._lengths[req_slot] - 2)):
+            for _, half, src, row in self._kept_group(req_slot):
                 kept = self._comp_rows[src, row, list(self.comp_kv).index(layer)]
                 kv[half], score[half] = kept[0], kept[1]
         return kv, score
@@ -759,11 +766,9 @@ class DecodeState:
         `seq_lens` its length. Device work only where some is left (one upload, one gather, one
         indexed copy; one upload); the generic layer (`AttentionLayer.forward`) runs it before it reads."""
         if self._stale_mirror:
-            self._stale_mirror = False
-            self._upload.copy_(self.seq_lens, self._lengths)
+            self._mirror_lengths()
         if self._stale_groups:
-            restore = [self._group_row(s, p) for s in sorted(self._stale_groups)
-                       for p in (self._lengths[s] - 1, self._lengths[s] - 2)]
+            restore = [row for s in sorted(self._stale_groups) for row in self._kept_group(s)]
             self._stale_groups.clear()
             self._restore_groups(restore)
 

@@ -5,7 +5,8 @@ prefill; built with `max_drafts=3`, as a speculative server would: rings of W + 
 compressors' row history), one row per request (and, where the largest `--rows` is at least 16,
 4 requests x (1 + 3 draft rows), whose acceptance - `DecodeStep.accept` of the patterns 1..4 rows
 kept - is timed per step as `step_accept` rows: host wall time from the call to its device work
-done (the device synchronized before and after), against the whole step call, `step_call`, as its baseline); and the public call in a loop:
+done (the device synchronized before and after), against the whole step call, `step_call`, as its
+baseline); and the public call in a loop:
 `step_call` rows, the median wall time per call of `step(x, rows)` called back to back (the device
 synchronized before the first call and after the last only), against `graph_replay`, the same rows'
 graph replay alone timed just before on the same state. Variants, in the same run:

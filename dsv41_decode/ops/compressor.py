@@ -57,11 +57,11 @@ def _compress_ratio2_kernel(kvs_ptr, slot_ptr, pos_ptr, skv_ptr, ssc_ptr, out_pt
         sca = tl.load(h_s + ((p0 + H - 1) % H) * stride_h1 + D, mask=a_ok, other=float("-inf"))
         kvb = tl.load(h_s + ((p0 + H - 2) % H) * stride_h1, mask=b_ok, other=0.0)
         scb = tl.load(h_s + ((p0 + H - 2) % H) * stride_h1 + D, mask=b_ok, other=float("-inf"))
-        a_even = (p0 % 2) == 1                # p0 - 1 sits in row 0 when p0 is odd
-        kv0 = tl.where(a_even, kva, kvb)
-        kv1 = tl.where(a_even, kvb, kva)
-        sc0 = tl.where(a_even, sca, scb)
-        sc1 = tl.where(a_even, scb, sca)
+        a_row0 = (p0 % 2) == 1                # p0 - 1 sits in row 0 when p0 is odd
+        kv0 = tl.where(a_row0, kva, kvb)
+        kv1 = tl.where(a_row0, kvb, kva)
+        sc0 = tl.where(a_row0, sca, scb)
+        sc1 = tl.where(a_row0, scb, sca)
     else:
         kv0 = tl.load(kv_base, mask=ld, other=0.0)
         kv1 = tl.load(kv_base + stride_kv1, mask=ld, other=0.0)
