@@ -5,7 +5,8 @@ The public API (README "Python API" shows it end to end):
     ModelConfig, ConfigError               config.py: a config.json (official or Hugging Face) or a preset
     load_checkpoint, Checkpoint,           weights.py: read and validate a checkpoint folder; write a
     CheckpointError, write_synthetic_checkpoint     synthetic one in the same layout
-    DecodeState, StepRows, CapacityError   state.py: caches and requests; plan / advance a call's rows
+    DecodeState                            state.py: caches and requests; plan / advance a call's rows
+    StepRows, CapacityError                rows.py: a call's rows as `plan` lays them out; its capacity error
     AttentionStack, AttentionLayer,        stack.py, layer.py: the generic path (prefill, any rows)
     CallContext
     DecodeStep, StepError                  decode/: the specialized decode step (`stack.decode_step`)
@@ -13,7 +14,7 @@ The public API (README "Python API" shows it end to end):
     verify_trace, record_trace             testing/: golden traces
 
 Names are imported on first use (torch and Triton load then, not at `import dsv41_decode`).
-Layout: `config`, `formats`, `records`, `weights`, `state`, `reference/` (the numerical contract),
+Layout: `config`, `formats`, `records`, `weights`, `rows`, `open_groups`, `state`, `reference/` (the numerical contract),
 `layer`, `stack`, `decode/`, `ops/` (Triton kernels), `testing/`, `bench/`, `cli`.
 """
 
@@ -27,7 +28,7 @@ _EXPORTS = {
     "ModelConfig": "config", "ConfigError": "config",
     "load_checkpoint": "weights", "Checkpoint": "weights", "CheckpointError": "weights",
     "write_synthetic_checkpoint": "weights",
-    "DecodeState": "state", "StepRows": "state", "CapacityError": "state",
+    "DecodeState": "state", "StepRows": "rows", "CapacityError": "rows",
     "AttentionStack": "stack", "AttentionLayer": "layer", "CallContext": "layer",
     "DecodeStep": "decode.step", "StepError": "decode.step",
     "TensorParallel": "parallel",

@@ -323,7 +323,7 @@ def _run(args, console: Console) -> int:
 
 # Errors whose message already says what is wrong: printed as they are (others get their type name).
 def _domain_errors() -> tuple[type, ...]:
-    from .state import CapacityError
+    from .rows import CapacityError
     from .weights import CheckpointError
     return (CheckpointError, CapacityError, ValueError, KeyError, OSError)
 

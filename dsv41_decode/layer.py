@@ -22,7 +22,8 @@ from .reference.linear import fp8_linear, rms_norm
 from .reference.rope import rope_cis, rope_freqs, rope_tail
 from .parallel import TensorParallel
 from .sharding import shard_layer
-from .state import DecodeState, StepRows
+from .rows import StepRows
+from .state import DecodeState
 from .weights import dequantized
 
 

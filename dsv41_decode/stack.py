@@ -19,7 +19,8 @@ from .layer import AttentionLayer, CallContext
 from .parallel import TensorParallel
 from .reference.linear import rms_norm
 from .reference.mhc import Mix, hc_mixes, hc_post, hc_pre
-from .state import DecodeState, StepRows, abandon_after, same_device
+from .rows import StepRows, same_device
+from .state import DecodeState, abandon_after
 from .weights import Checkpoint
 
 FfnHook = Callable[[int, torch.Tensor], torch.Tensor]

@@ -12,8 +12,11 @@ capacities (spec sections 2, 3 and 6):
   tokens, so one page list per request serves them all);
 - the open-group state of each ratio-2 compressor (spec section 3, step 4) and, when the state
   takes drafts, the compressor's last `max_drafts + 2` input rows per request, which `accept`
-  restores the open group from;
+  restores the open group from (`open_groups.OpenGroups`: the buffers and the restore; the state
+  decides which slots and positions, and when);
 - the tokens held per request slot, on the host and mirrored on the device (`seq_lens`).
+
+A call's rows are `rows.StepRows`; a capacity that would be exceeded raises `rows.CapacityError`.
 
 Only the block tables (int32) grow with `max_context`; the record pools are sized by `max_tokens`,
 the total held over all live requests, plus one partly-filled page per request slot and ratio.
@@ -31,8 +34,6 @@ from __future__ import annotations
 import copy
 import heapq
 import uuid
-from dataclasses import dataclass, field, replace
-from functools import cached_property
 from typing import Hashable, Mapping, Sequence
 
 import numpy as np
@@ -50,6 +51,8 @@ from .records import (
     unpack_index_key,
     unpack_window_kv,
 )
+from .open_groups import OpenGroups
+from .rows import CapacityError, StepRows, as_count, same_device
 from .upload import HostUpload
 
 
@@ -64,103 +67,8 @@ def abandon_after(state: "DecodeState", step: "StepRows", err: BaseException) ->
             err.add_note(f"(the call could not be abandoned: {why})")
 
 
-class CapacityError(RuntimeError):
-    """A request, context or page capacity of a `DecodeState` would be exceeded.
-
-    The message names the capacity ("requests", "context", "pages of ratio r") and the numbers.
-    """
-
-
-@dataclass(frozen=True, eq=False)
-class StepRows:
-    """The rows of one call (a prefill chunk or a decode step), grouped by request, in order.
-
-    req_ids: one id per request in the call, in call order.
-    counts: rows per request (1 + draft tokens in decode; the chunk length in prefill).
-    starts: each request's first position (= its cached length before the call).
-    req_slot: int64 [N] on the state's device: each row's request slot.
-    positions: int64 [N] on the state's device: each row's absolute position (p, p+1, ... within a
-        request).
-    (Both uploaded from the host fields at their first read, one copy for the two, through `upload`,
-    on the stream and device current then: the specialized step, which builds its own record from
-    the host fields, never reads them. They need `slots`.)
-    row_start: the index of each request's first row among the N rows.
-    plan_key: which plan of which state made these rows (`DecodeState.check_step` compares it; a
-        deep copy of the state keeps the pending plan's key, so a snapshot accepts the rows planned
-        before it, and numbers its later plans under an id of its own).
-    slots: each request's slot, on the host (what a caller builds host tables from without reading
-        `req_slot` back from the device).
-    """
-
-    req_ids: tuple
-    counts: tuple[int, ...]
-    starts: tuple[int, ...]
-    row_start: tuple[int, ...]
-    plan_key: tuple = ()
-    slots: tuple[int, ...] = ()
-    upload: HostUpload | None = field(default=None, repr=False)   # the state's (None: the CPU)
-
-    def __deepcopy__(self, memo) -> "StepRows":
-        """The same rows (the fields are immutable), sharing the state's `upload`."""
-        return replace(self)
-
-    @cached_property
-    def _slot_pos(self) -> torch.Tensor:
-        """int64 [2, N]: req_slot, positions (one upload)."""
-        if len(self.slots) != len(self.counts):
-            raise ValueError("StepRows: req_slot and positions need the rows' host slots (plan them with "
-                             "DecodeState.plan)")
-        rows = [[s for s, c in zip(self.slots, self.counts) for _ in range(c)],
-                [p for a, c in zip(self.starts, self.counts) for p in range(a, a + c)]]
-        if self.upload is None:
-            return torch.tensor(rows, dtype=torch.int64)
-        return self.upload.tensor(rows, torch.int64)
-
-    @property
-    def req_slot(self) -> torch.Tensor:
-        return self._slot_pos[0]
-
-    @property
-    def positions(self) -> torch.Tensor:
-        return self._slot_pos[1]
-
-    @property
-    def n_rows(self) -> int:
-        """N, the rows of the call over all its requests."""
-        return sum(self.counts)
-
-    @property
-    def n_requests(self) -> int:
-        return len(self.req_ids)
-
-    def request_rows(self, i: int) -> slice:
-        """The rows of the call's i-th request: `slice(row_start[i], row_start[i] + counts[i])`."""
-        return slice(self.row_start[i], self.row_start[i] + self.counts[i])
-
-
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def as_count(value) -> int | None:
-    """`value` as a Python int when it is an integer: a Python int or a numpy integer (what a
-    sampler's arrays hold), not a bool; None for anything else (a float, a string, a tensor, whose
-    value a GPU would have to be waited for)."""
-    if type(value) is int:                                # the common case first: a call's rows go through here
-        return value
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        return int(value)
-    return None
-
-
-def same_device(a: torch.device, b: torch.device) -> bool:
-    """True when `a` is `b`, taking a device without an index ("cuda") as the current one."""
-    if a.type != b.type:
-        return False
-    if a.index is None or b.index is None:
-        cur = torch.cuda.current_device() if a.type == "cuda" else None
-        return (a.index if a.index is not None else cur) == (b.index if b.index is not None else cur)
-    return a.index == b.index
 
 
 class DecodeState:
@@ -264,29 +172,17 @@ class DecodeState:
             for s in self.layer_plan}
         self.compressed: dict[int, torch.Tensor] = {}
         self.index_keys: dict[int, torch.Tensor] = {}
-        self.comp_kv: dict[int, torch.Tensor] = {}
-        self.comp_score: dict[int, torch.Tensor] = {}
-        self.comp_rows: dict[int, torch.Tensor] = {}
         for L in self.kv_sources:
             r = cfg.ratio(L)
             slots = self.n_pages[r] * page_size
             self.compressed[L] = torch.zeros(slots, COMPRESSED_KV_BYTES, dtype=torch.uint8,
                                              device=dev)
             self.index_keys[L] = torch.zeros(slots, INDEX_KEY_BYTES, dtype=torch.uint8, device=dev)
-        r2 = [L for L in self.kv_sources if cfg.ratio(L) == 2]
-        # [slot, p % 2, ratio-2 source, kv | score, channel]; the rows' ring [slot, p % H, source,
-        # kv | score, channel] has one more slot row (index max_requests): a fresh group's values
-        self._comp = torch.zeros(max_requests, 2, len(r2), 2, self.head_dim, dtype=torch.float32, device=dev)
-        self._comp[:, :, :, 1] = float("-inf")
-        H = self.comp_history
-        self._comp_rows = torch.zeros(max_requests + 1, H, len(r2), 2, self.head_dim,
-                                      dtype=torch.float32, device=dev)
-        self._comp_rows[max_requests, :, :, 1] = float("-inf")
-        for k, L in enumerate(r2):
-            self.comp_kv[L] = self._comp[:, :, k, 0]
-            self.comp_score[L] = self._comp[:, :, k, 1]
-            if H:
-                self.comp_rows[L] = self._comp_rows[:max_requests, :, k].flatten(2)
+        self._groups = OpenGroups([L for L in self.kv_sources if cfg.ratio(L) == 2], max_requests,
+                                  self.head_dim, self.comp_history, dev)
+        self.comp_kv = self._groups.kv
+        self.comp_score = self._groups.score
+        self.comp_rows = self._groups.rows
         self.block_table: dict[int, torch.Tensor] = {
             r: torch.full((max_requests, _cdiv(max_context, r * page_size)), -1,
                           dtype=torch.int32, device=dev)
@@ -307,7 +203,6 @@ class DecodeState:
         self._plan_key: tuple[str, int] = (uuid.uuid4().hex, 0)
         self._planned: tuple | None = None
         self._accepting: dict[int, tuple[int, int]] = {}  # slot -> (start, count) of the last advanced call
-        self._stale_groups: set[int] = set()   # slots whose open groups a deferred accept left to restore
         self._stale_mirror = False              # seq_lens behind the lengths since a deferred accept
         self._pages: dict[int, list[list[int]]] = {
             r: [[] for _ in range(max_requests)] for r in self.ratios}
@@ -363,10 +258,7 @@ class DecodeState:
         self._accepting.pop(s, None)
         self._lost.pop(s, None)
         self._window_hi[:, s] = 0
-        self._comp[s, :, :, 0] = 0.0
-        self._comp[s, :, :, 1] = float("-inf")
-        if self.comp_history:   # the step's compressor reads the open group from here: no earlier occupant's rows
-            self._comp_rows[s].copy_(self._comp_rows[self.max_requests])
+        self._groups.reset(s)
         self.seq_lens[s] = 0
         return s
 
@@ -381,7 +273,7 @@ class DecodeState:
         self._lengths[s] = 0
         self._pending[s] = 0
         self._accepting.pop(s, None)
-        self._stale_groups.discard(s)
+        self._groups.settle((s,))
         self.seq_lens[s] = 0
         heapq.heappush(self._free_slots, s)
 
@@ -569,8 +461,7 @@ class DecodeState:
         slots = self.check_step(step, "advance")
         self._planned = None
         self._written = False
-        if self._stale_groups:
-            self._stale_groups.difference_update(slots)
+        self._groups.settle(slots)
         for s, start, count in zip(slots, step.starts, step.counts):
             self._lengths[s] += count
             self._pending[s] = 0
@@ -614,7 +505,7 @@ class DecodeState:
             if not ran:
                 continue                                  # nothing written: nothing overwritten (a group left
                                                           # to restore still is)
-            self._stale_groups.discard(s)                 # restored below, or the request is lost
+            self._groups.settle((s,))                     # restored below, or the request is lost
             # the call's rows took the ring slots of positions start - M .. start + count - 1 - M, of
             # which a later call reads the cached ones from start - W + 1 on; the open group's row
             # start - 1 (odd start) sits in comp slot (start - 1) % 2, which row start + 1 overwrote,
@@ -626,8 +517,8 @@ class DecodeState:
                 continue
             # position p's compressor row is held at p % H unless the call overwrote it (p + H is
             # one of its rows); start - 1 survives here, start - 2 is read by no later call
-            restore += [self._group_row(s, p) for p in (start - 1, start - 2) if p < 0 or p + H >= start + count]
-        self._restore_groups(restore)
+            restore += [self._groups.row(s, p) for p in (start - 1, start - 2) if p < 0 or p + H >= start + count]
+        self._groups.restore(restore, self._upload)
 
     def _cut_to(self, s: int, n: int) -> None:
         """Slot s back to n tokens in what the generic path's ring reads (its high-water mark) and
@@ -643,29 +534,6 @@ class DecodeState:
         """Upload the host lengths into `seq_lens` (none is then left to a deferred accept)."""
         self._stale_mirror = False
         self._upload.copy_(self.seq_lens, self._lengths)
-
-    def _kept_group(self, s: int) -> list[tuple[int, int, int, int]]:
-        """The `_group_row`s of slot s's open group at its length: positions length - 1, length - 2."""
-        n = self._lengths[s]
-        return [self._group_row(s, p) for p in (n - 1, n - 2)]
-
-    def _group_row(self, s: int, p: int) -> tuple[int, int, int, int]:
-        """(slot, p % 2, source slot, source row) that restores position p's row of slot s's open
-        group from `comp_rows` (a fresh group's zeros and -inf for p < 0)."""
-        return (s, p % 2) + ((s, p % self.comp_history) if p >= 0 else (self.max_requests, 0))
-
-    def _restore_groups(self, restore: list) -> None:
-        """Copy the `_group_row`s in `restore` back into the open groups: one upload, one gather and
-        one indexed copy over every ratio-2 source, both on the tensors' leading two dimensions
-        flattened (`index_select` / `index_copy_`: less host work than advanced indexing; no
-        destination twice: a slot's rows are of two parities). Nothing without ratio-2 sources or
-        drafts."""
-        if restore and self.comp_rows:
-            H = self._comp_rows.shape[1]
-            idx = self._upload.tensor([[s * 2 + half for s, half, _, _ in restore],
-                                       [src * H + row for _, _, src, row in restore]], torch.int64)
-            rows = self._comp_rows.view(-1, *self._comp_rows.shape[2:]).index_select(0, idx[1])
-            self._comp.view(-1, *self._comp.shape[2:]).index_copy_(0, idx[0], rows)
 
     def accept(self, kept: Mapping[Hashable, int], *, defer: bool = False) -> None:
         """Keep only the first `kept[req]` rows of each listed request's last advanced call.
@@ -733,10 +601,10 @@ class DecodeState:
             self._lengths[s] = n
             self._cut_to(s, n)
             if defer:
-                self._stale_groups.add(s)
+                self._groups.leave(s)
             else:
-                restore += self._kept_group(s)
-        self._restore_groups(restore)
+                restore += self._groups.at_length(s, n)
+        self._groups.restore(restore, self._upload)
         if changed and defer:
             self._stale_mirror = True
         elif changed:
@@ -752,12 +620,7 @@ class DecodeState:
         if r != 2:
             raise ValueError(f"open_group: layer {layer} has ratio {r}; only ratio-2 compressors keep an open group")
         self._check_slot(req_slot, "open_group")
-        kv, score = self.comp_kv[layer][req_slot].clone(), self.comp_score[layer][req_slot].clone()
-        if req_slot in self._stale_groups:
-            for _, half, src, row in self._kept_group(req_slot):
-                kept = self._comp_rows[src, row, list(self.comp_kv).index(layer)]
-                kv[half], score[half] = kept[0], kept[1]
-        return kv, score
+        return self._groups.read(layer, req_slot, self._lengths[req_slot])
 
     def sync(self) -> None:
         """Do the device work that `accept(defer=True)` left: restore the open groups (each
@@ -767,10 +630,7 @@ class DecodeState:
         indexed copy; one upload); the generic layer (`AttentionLayer.forward`) runs it before it reads."""
         if self._stale_mirror:
             self._mirror_lengths()
-        if self._stale_groups:
-            restore = [row for s in sorted(self._stale_groups) for row in self._kept_group(s)]
-            self._stale_groups.clear()
-            self._restore_groups(restore)
+        self._groups.sync(self._lengths, self._upload)
 
     # ----- window cache (generic path) -----
     def window_slots(self, req_slot: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -862,10 +722,8 @@ class DecodeState:
             return
         pos = self._positions(positions, "write_compressor_rows")[-H:]
         n = len(pos)
-        rows = torch.cat([kv[-n:], score[-n:]], dim=1)
-        idx = torch.tensor([p % H for p in pos], dtype=torch.int64, device=self.device)
         self._written = True
-        self.comp_rows[layer][req_slot].index_copy_(0, idx, rows.to(torch.float32))
+        self._groups.keep_rows(layer, req_slot, pos, torch.cat([kv[-n:], score[-n:]], dim=1).to(torch.float32))
 
     # ----- compressed caches (generic path) -----
     def entry_slots(self, ratio: int, req_slot: int, entries: torch.Tensor) -> torch.Tensor:
@@ -952,7 +810,7 @@ class DecodeState:
             "window": size(self.window.values()),
             "compressed": size(self.compressed.values()),
             "index_keys": size(self.index_keys.values()),
-            "compressor": size([self._comp, self._comp_rows]),
+            "compressor": self._groups.nbytes(),
             "tables": size(self.block_table.values()) + size([self.seq_lens]),
         }
 

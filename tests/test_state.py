@@ -15,7 +15,8 @@ from dsv41_decode.records import (
     unpack_index_key,
     unpack_window_kv,
 )
-from dsv41_decode.state import CapacityError, DecodeState, StepRows
+from dsv41_decode.rows import CapacityError, StepRows
+from dsv41_decode.state import DecodeState
 
 
 @pytest.fixture(scope="module")
@@ -647,7 +648,7 @@ def test_what_ends_a_deferred_restore(tiny):
     st.advance(st.plan([("pad", 1)]))                     # another request's call: still left
     assert pending(st, s)
     st.free("a")
-    assert not st._stale_groups                           # a freed slot has nothing left to restore
+    assert not st._groups.stale                           # a freed slot has nothing left to restore
     with pytest.raises(TypeError, match="defer must be a bool"):
         deferred()[0].accept({"a": 1}, defer=1)
 

@@ -12,8 +12,10 @@ import torch
 
 from dsv41_decode.config import ModelConfig
 from dsv41_decode.layer import CallContext
+from dsv41_decode.open_groups import OpenGroups
 from dsv41_decode.stack import AttentionStack
-from dsv41_decode.state import CapacityError, DecodeState, StepRows
+from dsv41_decode.rows import CapacityError, StepRows
+from dsv41_decode.state import DecodeState
 from dsv41_decode.upload import HostUpload
 from dsv41_decode.weights import load_checkpoint, write_synthetic_checkpoint
 
@@ -35,11 +37,15 @@ def _copy(v):
         return type(v)(_copy(x) for x in v)
     if isinstance(v, (StepRows, ModelConfig, HostUpload)) or hasattr(v, "layers"):
         return v                      # compared by identity (HostUpload: machinery, not state)
+    if isinstance(v, OpenGroups):
+        return {k: _copy(x) for k, x in vars(v).items()}    # its buffers and host sets, as the state's
     return copy.deepcopy(v)
 
 
 def _same(a, b, where="state") -> None:
-    if isinstance(a, torch.Tensor):
+    if isinstance(b, OpenGroups):                     # snapshotted as the dict of its attributes
+        _same(a, vars(b), where)
+    elif isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
         assert torch.equal(a, b), f"{where} changed"   # the state holds no NaN (-inf compares equal)
     elif isinstance(a, np.ndarray):

@@ -37,7 +37,8 @@ import torch
 from ..ops import LOW_BATCH_MAX_ROWS
 from ..ops.allreduce_boundary import Mailbox
 from ..ops.gluon_indexer import ROW_GROUPS
-from ..state import DecodeState, StepRows, abandon_after, as_count, same_device
+from ..rows import StepRows, as_count, same_device
+from ..state import DecodeState, abandon_after
 from .attention import AttentionStep
 from .boundary import Boundary
 from .buffers import IndexSelection, Scratch, StepIO, storage_bytes

@@ -28,7 +28,8 @@ import torch
 from ..config import ModelConfig
 from ..reference.rope import rope_cis, rope_freqs
 from ..ops.sparse_tables import step_rows_
-from ..state import DecodeState, StepRows
+from ..rows import StepRows
+from ..state import DecodeState
 from ..upload import HostUpload
 
 FIELDS = ("req_slot", "position", "start", "first_row", "last_position")
