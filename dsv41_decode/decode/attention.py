@@ -47,6 +47,7 @@ from ..ops.gluon_wo_a import GluonWoAConfig, GluonWoAPlan, foldable_scale, gluon
 from ..ops.gluon_sparse_mla import GluonSparseMlaPlan, gluon_sparse_mla_
 from ..ops.ll_bf16 import LlBf16Plan, ll_bf16_
 from ..ops.mhc import BoundaryOperands
+from ..ops.pdl import supported as pdl_supported
 from ..ops.rms_norm import rms_norm_, rms_norm_pair_
 from ..ops.low_latency_mm import LowLatencyConfig, LowLatencyMM
 from ..ops.sparse_mla import SUPPORTED_HEADS, SparseMlaPlan, sparse_mla_
@@ -241,7 +242,8 @@ class AttentionStep:
                  lanes: Lanes, max_rows: int, sources: Mapping[int, "AttentionStep"] | None = None,
                  wo_a_fp8: bool = False, exact_linears: bool = True, fp32_dots: bool = False,
                  fold_index_chain: bool = False, weights_lane: bool = True, comp_tail: bool = False,
-                 index_row_group: int = 1, fuse_scales: bool = False, pair_slots: bool = False):
+                 index_row_group: int = 1, fuse_scales: bool = False, pair_slots: bool = False,
+                 wo_a_pdl: bool = False):
         """sources: the step's layers built before this one (by id), among them this layer's index and
         KV sources: a layer that reuses a selection or a candidate pool reads its source's buffers.
         The layer's own selection and candidate pool (when it makes them) are its attributes
@@ -258,6 +260,9 @@ class AttentionStep:
         # the indexer's head weights (weights_proj) on a lane of their own, beside the index query's
         # GEMM, instead of ahead of it on the index query's lane (a schedule choice: the same bits)
         self.proj_own_lane = bool(weights_lane)
+        # wo_a_pdl: the Gluon wo_a launched by PDL after the Gluon sparse MLA, which releases it at
+        # its start (a schedule choice: the same bits; `_output`)
+        self.wo_a_pdl = bool(wo_a_pdl) and pdl_supported(state.device)
         self.state, self.meta, self.s, self.lanes = state, meta, scratch, lanes
         dev = state.device
         # fused_wqa_wkv: one low-latency GEMM over the stacked weights (both FP8, 32-row blocks)
@@ -589,8 +594,9 @@ class AttentionStep:
             comp_pool, comp_table = st.compressed[spec.kv_source], self.source_selection.table[:B]
         o = s.o[:B]
         plan = next(p for p in self.mla_plans if B <= p.max_rows)
+        pdl = dict(release=True) if self.wo_a_pdl and isinstance(plan, GluonSparseMlaPlan) else {}
         sparse_mla_launch(plan, s.q[:B], st.window[spec.layer], comp_pool, m.window_table[:B], comp_table, self.sink,
-                          cfg.softmax_scale, o)
+                          cfg.softmax_scale, o, **pdl)
         return o
 
     def _output(self, B: int, o: torch.Tensor, y: torch.Tensor, boundary: BoundaryOperands | None = None,
@@ -600,8 +606,9 @@ class AttentionStep:
         `boundary`, the mHC boundary in its epilogue)."""
         s, m, r = self.s, self.meta, self.spec.ratio
         copy = (self.state.window[self.spec.layer], m.stage_src, m.ring_dst)
+        pdl = dict(pdl=True) if self.wo_a_pdl and isinstance(self.wo_a_plan, GluonWoAPlan) else {}
         wo_a_launch(self.wo_a_plan, o, m.cos[r][:B], m.sin[r][:B], self.wo_a_w, self.wo_a_s, s.z[:B],
-                    s.z_codes[:B], s.z_scales[:B], window_copy=copy)
+                    s.z_codes[:B], s.z_scales[:B], window_copy=copy, **pdl)
         if boundary is not None:
             if not self.takes_boundary(B):
                 raise ValueError(f"boundary: layer {self.spec.layer}'s wo_b at {B} rows has no boundary epilogue")

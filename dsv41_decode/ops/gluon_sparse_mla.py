@@ -223,7 +223,7 @@ def _gluon_sparse_mla_kernel(
     TICKET: gl.constexpr = True, PV_PIPELINE: gl.constexpr = False,
     FP4_LUT: gl.constexpr = False,
     PHASES: gl.constexpr = False, P_OUT: gl.constexpr = False, K_BUFFERS: gl.constexpr = 4,
-    Q_TMA: gl.constexpr = False,
+    Q_TMA: gl.constexpr = False, RELEASE: gl.constexpr = False,
 ):
     # Workspaces (`SparseMlaPlan` with one head group of PH = block_h heads): acc [N, NB, PH, 512],
     # ml [N, NB, 3, PH] (max, sum, valid-key count), block_max [N, NB, PH], flags [N, NB] (here a
@@ -237,9 +237,10 @@ def _gluon_sparse_mla_kernel(
     NCP: gl.constexpr = NC // DSPLIT        # the 128-dim chunks of P.V and of the partial a program does
     gl.static_assert(Q_BUFFERS == NC or Q_BUFFERS == 2)
     gl.static_assert(DSPLIT == 1 or DSPLIT == 2 or DSPLIT == 4)
-    if P_OUT:
-        # the second launch, where launched with PDL (`GluonSparseMlaConfig.pv_pdl`), may start once
-        # every program of this one has (its reads and copies of the tables and pools, then its wait)
+    if P_OUT or RELEASE:
+        # the second launch, where launched with PDL (`GluonSparseMlaConfig.pv_pdl`), or (RELEASE)
+        # the kernel after this one, where launched with PDL (`gluon_wo_a_(pdl=True)`), may start once
+        # every program of this one has (its reads and copies, then its wait before what this writes)
         gluon_launch_dependents()
     if PHASES:
         t0 = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
@@ -542,10 +543,15 @@ def _q_desc(plan: GluonSparseMlaPlan, q: torch.Tensor) -> TensorDescriptor:
 
 def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: torch.Tensor, comp_pool: torch.Tensor,
                       window_table: torch.Tensor, comp_table: torch.Tensor, sink: torch.Tensor, scale: float,
-                      out: torch.Tensor) -> None:
+                      out: torch.Tensor, *, release: bool = False) -> None:
     """`sparse_mla.sparse_mla_`'s contract and arguments (see its doc), with a `GluonSparseMlaPlan`:
     out[r, h] = sparse_attention(q[r, h], keys of row r, sink[h], scale). sm_90 only; every
-    configuration gives the same bits."""
+    configuration gives the same bits.
+
+    release: where the configuration runs one launch (the combination "spread" with every program
+    resident), its programs let the next kernel on the stream start at their own start, if that kernel is launched by programmatic dependent launch
+    (`gluon_wo_a_(pdl=True)`, which waits for this one before it reads o); a no-op otherwise. The
+    same values."""
     if not isinstance(plan, GluonSparseMlaPlan):
         raise TypeError(f"plan must be a GluonSparseMlaPlan, got {type(plan).__name__}")
     base, config = plan.base, plan.config
@@ -604,6 +610,7 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
         mla_pv_(base, config, acc_ws, window_pool, comp_pool, window_table, comp_table, sink, o16, n)
         return
     spread = combine == "spread"
-    _gluon_sparse_mla_kernel[(grid, )](*args, SPREAD=spread, TICKET=not spread, **consts)
+    _gluon_sparse_mla_kernel[(grid, )](*args, SPREAD=spread, TICKET=not spread, RELEASE=release and spread,
+                                       **consts)
     if combine == "separate":
         combine_partials_(base.part_acc, base.part_ml, base.flags, sink, o16, base.heads, 1, n, nb, base.block_h)

@@ -107,7 +107,7 @@ from dataclasses import dataclass
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                 warpgroup_mma_wait)
 
 from ..formats import E4M3_MAX, MXFP8_AMAX_FLOOR
@@ -115,6 +115,7 @@ from .act_quant import INV_E4M3_MAX, mxfp8_quantize_tile
 from .checks import require_int
 from .common import is_sm90, num_sms, plan_workspace
 from .gluon_mm import _producer, _ring, tma_desc
+from .pdl import gluon_wait, supported as pdl_supported
 from .rounding import ue8m0_to_fp32
 from .wo_a import GroupedShape, wo_a_args
 
@@ -130,6 +131,37 @@ FOLD_SCALE_BYTES = (10, 246)
 _AMAX_FLOOR = gl.constexpr(MXFP8_AMAX_FLOOR)
 _INV_QMAX = gl.constexpr(INV_E4M3_MAX)
 _QMAX = gl.constexpr(E4M3_MAX)
+
+
+@gluon.jit
+def _producer_pdl(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_col, step_lo, N_STEPS: gl.constexpr,
+                  STAGES: gl.constexpr):
+    """`gluon_mm._producer` for a launch by programmatic dependent launch (`gluon_wo_a_(pdl=True)`):
+    the weight tiles of the ring's first slots (constant data) are requested before
+    `griddepcontrol.wait`, while the kernel before this one (the sparse MLA, which writes o) still
+    runs; their o tiles after the wait; then the ring as usual. The same slots, tiles and barriers
+    (each first slot's `ready` expects both tiles' bytes at once), so the same values."""
+    PRE: gl.constexpr = STAGES if STAGES < N_STEPS else N_STEPS
+    BK: gl.constexpr = w_desc.block_type.shape[1]
+    for i in gl.static_range(PRE):
+        mbarrier.expect(ready.index(i), w_desc.block_type.nbytes + x_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(w_desc, [off_n, (step_lo + i) * BK], ready.index(i), w_smem.index(i))
+    gluon_wait()
+    for i in gl.static_range(PRE):
+        tma.async_copy_global_to_shared(x_desc, [0, x_col + (step_lo + i) * BK], ready.index(i), x_smem.index(i))
+    _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, 0, x_col, step_lo + PRE, N_STEPS - PRE, PRE,
+              N_STEPS, STAGES, False)
+
+
+@gluon.jit
+def _ring_producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_col, step_lo, N_STEPS: gl.constexpr,
+                   STAGES: gl.constexpr, PDL: gl.constexpr):
+    """The kernel's producer partition: `_producer_pdl` for a launch by PDL, else `gluon_mm._producer`."""
+    if PDL:
+        _producer_pdl(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_col, step_lo, N_STEPS, STAGES)
+    else:
+        _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, 0, x_col, step_lo, N_STEPS, 0, N_STEPS,
+                  STAGES, False)
 
 
 @gluon.jit
@@ -409,6 +441,7 @@ def _gluon_wo_a_kernel(
     SPLIT: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr = False,
     FOLD: gl.constexpr = False, FOLD_BITS: gl.constexpr = False, QUANT: gl.constexpr = False,
     COPY_WORDS: gl.constexpr = 0, COPY_BLOCK: gl.constexpr = 1, N_TILES: gl.constexpr = 1,
+    PDL: gl.constexpr = False,
 ):
     # Grid (G*R / BN tiles, SPLIT): program (t, s) covers weight rows [t*BN, +BN) (all in group
     # g = t*BN // R) and the group's K steps [s*STEPS_PER_SPLIT, +STEPS_PER_SPLIT) of 64 channels;
@@ -437,8 +470,8 @@ def _gluon_wo_a_kernel(
             (_consumer_fp8_folded, (w_smem, x_smem, ready, empty, cos_ptr, sin_ptr, s_ptr, M, stride_cm, stride_sm,
                                     stride_sn, off_n, step_lo, STEPS_PER_SPLIT, STAGES, BN, BT, HEAD_STEPS,
                                     mma_layout, rot_l, pair_l, FOLD_BITS)),
-            (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, 0, x_col, step_lo, STEPS_PER_SPLIT, 0,
-                         STEPS_PER_SPLIT, STAGES, False)),
+            (_ring_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_col, step_lo, STEPS_PER_SPLIT,
+                              STAGES, PDL)),
         ], [1], [24])
     elif FP8:
         # the BF16 staging tile of the converted weight (the o tile's 128-byte swizzle)
@@ -449,20 +482,25 @@ def _gluon_wo_a_kernel(
             (_consumer_fp8, (w_smem, wb_smem, x_smem, ready, empty, cos_ptr, sin_ptr, s_ptr, M, stride_cm,
                              stride_sm, stride_sn, off_n, step_lo, STEPS_PER_SPLIT, STAGES, BN, BT, HEAD_STEPS,
                              mma_layout, rot_l, pair_l, cvt_l)),
-            (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, 0, x_col, step_lo, STEPS_PER_SPLIT, 0,
-                         STEPS_PER_SPLIT, STAGES, False)),
+            (_ring_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_col, step_lo, STEPS_PER_SPLIT,
+                              STAGES, PDL)),
         ], [1], [24])
     else:
         acc, = gl.warp_specialize([
             (_consumer, (w_smem, x_smem, ready, empty, cos_ptr, sin_ptr, M, stride_cm, stride_sm, step_lo,
                          STEPS_PER_SPLIT, STAGES, BN, BT, HEAD_STEPS, mma_layout, rot_l, pair_l)),
-            (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, 0, x_col, step_lo, STEPS_PER_SPLIT, 0,
-                         STEPS_PER_SPLIT, STAGES, False)),
+            (_ring_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_col, step_lo, STEPS_PER_SPLIT,
+                              STAGES, PDL)),
         ], [1], [24])
 
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
+    if PDL:
+        # these threads' own wait before the epilogue's writes (the workspace may be the sparse MLA's
+        # pool, the window copy overwrites ring slots it read): the predecessor has completed by now
+        # (its o was read), so it returns at once
+        gluon_wait()
 
     # The epilogue in a layout where each thread holds 8 consecutive n of one row m (16-byte
     # stores of z and of the workspace, both n-contiguous) instead of the wgmma's scattered pairs.
@@ -614,16 +652,18 @@ def default_split(group_width: int, n_tiles: int, sms: int) -> int:
     return max(d for d in range(1, grains + 1) if grains % d == 0 and d <= target)
 
 
-def launch_options(plan: "GluonWoAPlan", bt: int) -> dict:
+def launch_options(plan: "GluonWoAPlan", bt: int, pdl: bool = False) -> dict:
     """The kernel's constexpr arguments and launch options at row bucket `bt` (the launch and the
-    sm_90 compile test share them)."""
+    sm_90 compile test share them); pdl: launched by programmatic dependent launch (`gluon_wo_a_`)."""
     opts = {"R": plan.rank, "GW": plan.group_width, "HEAD_STEPS": plan.head_dim // BLOCK_K,
             "STEPS_PER_SPLIT": plan.k_per_split // BLOCK_K, "SPLIT": plan.split, "BT": bt,
             "STAGES": plan.config.stages, "FP8": plan.fp8, "FOLD": plan.folds_scales,
             "FOLD_BITS": plan.folds_scales and plan.config.fold_bits, "num_warps": 4 * plan.config.warpgroups,
             "maxnreg": register_cap(plan.config, bt, plan.fp8),
             # the rotation's products and sums rounded as torch rounds them (no FMA)
-            "enable_fp_fusion": False}
+            "enable_fp_fusion": False, "PDL": pdl}
+    if pdl:
+        opts["launch_pdl"] = True
     return opts
 
 
@@ -753,7 +793,8 @@ def foldable_scale(scale: torch.Tensor | None) -> bool:
 def gluon_wo_a_(plan: GluonWoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor,
                 scale: torch.Tensor | None, out: torch.Tensor, codes_out: torch.Tensor | None = None,
                 scales_out: torch.Tensor | None = None,
-                window_copy: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+                window_copy: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, *,
+                pdl: bool = False) -> None:
     """Write z = `reference.attention.grouped_wo_a(o, cos + j sin, weight, G, 64)` into out: the
     arguments of `ops.wo_a.wo_a_` (see there), with these limits:
 
@@ -766,6 +807,11 @@ def gluon_wo_a_(plan: GluonWoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: tor
     codes_out, scales_out: optionally the MXFP8 of out in the same launch (`act_quant_mxfp8_(out,
        codes_out, scales_out)` bit for bit), as `ops.wo_a.wo_a_`.
     window_copy: optionally (pool, src, dst), as `ops.wo_a.wo_a_` (same checks, same guarantees).
+    pdl: launch by programmatic dependent launch (`ops.pdl`): where the kernel before it on the stream
+       lets it (`gluon_sparse_mla_(release=True)`), its programs start while that kernel runs and
+       fill the ring's first slots with weight tiles, then wait for it before they read o or write
+       anything; without such a predecessor it runs as without pdl. The same values either way.
+       ValueError where PDL is not available (`ops.pdl.supported`).
     """
     m, scale, quant, codes_out, scales_out, (cp_pool, cp_src, cp_dst, copy_words) = wo_a_args(
         plan, GluonWoAPlan, o, cos, sin, weight, scale, out, codes_out, scales_out, window_copy)
@@ -785,7 +831,9 @@ def gluon_wo_a_(plan: GluonWoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: tor
     w_desc = tma_desc(weight, [bn, BLOCK_K], "weight")
     o2 = o.as_strided((m, plan.heads * plan.head_dim), (o.stride(0), 1))
     x_desc = tma_desc(o2, [bt, BLOCK_K], "o")
-    opts = launch_options(plan, bt)
+    if pdl and not pdl_supported(dev):
+        raise ValueError(f"pdl: programmatic dependent launch needs sm_90 or later outside the interpreter, got {dev}")
+    opts = launch_options(plan, bt, pdl)
     _gluon_wo_a_kernel[(plan.n_tiles, plan.split)](
         w_desc, x_desc, cos, sin, scale, out, plan.partials, plan.counters, codes_out, scales_out, cp_pool, cp_src,
         cp_dst, m, cos.stride(0), sin.stride(0), scale.stride(0), out.stride(0), codes_out.stride(0),

@@ -6,9 +6,9 @@ MXFP8 of z and the window copy of 528-byte records), and prints one JSON object 
 registers, stack, local memory and shared memory, the opcode counts, the wgmma instructions, the
 writes to an in-flight wgmma's register operand (`sm90.wgmma_register_hazards`), the wgmma waits
 and the plan's split, steps per program and register cap. `python tests/ops/_gluon_wo_a_sm90.py
-[heads:bt:warpgroups[:split[:fp8]] ...]` compiles the given cases instead (fp8: 0 BF16, 1 FP8
+[heads:bt:warpgroups[:split[:fp8[:pdl]]] ...]` compiles the given cases instead (fp8: 0 BF16, 1 FP8
 block partials, 2 FP8 folded, 3 FP8 folded with `fold_bits`, 4 that in the step's ring of
-`decode.attention.FP8_WO_A_STAGES` slots)."""
+`decode.attention.FP8_WO_A_STAGES` slots; pdl: 1 for the launch by programmatic dependent launch)."""
 
 from __future__ import annotations
 
@@ -28,8 +28,9 @@ RANK = 1024   # o_lora_rank of V4.1; 8 heads per group
 # 16), each bucket once, 128-row programs once, the epilogue without split-K once; FP8 block
 # partials at its tightest bucket with one and two warpgroups, and at 1 row; FP8 folded at every
 # bucket (TP1..8) and with two warpgroups; its bit conversion at every bucket, and in the step's ring
-# at the smallest and the largest bucket
-CASES = [(64, 8, 1, 0, 0), (32, 16, 1, 0, 0), (16, 32, 1, 0, 0), (8, 64, 1, 0, 0), (64, 64, 2, 0, 0),
+# at the smallest and the largest bucket; a sixth field 1: the launch by programmatic dependent launch
+# (`gluon_wo_a_(pdl=True)`), BF16 at 1 row and the folded FP8 consumer in the step's ring at 64
+CASES = [(64, 8, 1, 0, 0, 1), (64, 64, 1, 0, 4, 1), (64, 8, 1, 0, 0), (32, 16, 1, 0, 0), (16, 32, 1, 0, 0), (8, 64, 1, 0, 0), (64, 64, 2, 0, 0),
          (8, 16, 1, 1, 0), (64, 8, 1, 0, 1), (16, 64, 1, 0, 1), (64, 64, 2, 0, 1),
          (64, 8, 1, 0, 2), (32, 16, 1, 0, 2), (16, 32, 1, 0, 2), (8, 64, 1, 0, 2), (64, 64, 2, 0, 2),
          (64, 8, 1, 0, 3), (32, 16, 1, 0, 3), (16, 32, 1, 0, 3), (8, 64, 1, 0, 3),
@@ -44,9 +45,10 @@ def _desc(block, fp8: bool = False) -> str:
     return f"tensordesc<{'fp8e4nv' if fp8 else 'bf16'}[{block[0]}, {block[1]}],{layout!r}>"
 
 
-def compile_case(plan: W.GluonWoAPlan, bt: int, quant: bool = True, copy_words: int = COPY_WORDS):
+def compile_case(plan: W.GluonWoAPlan, bt: int, quant: bool = True, copy_words: int = COPY_WORDS, pdl: bool = False):
     """The kernel of `plan`'s launch at row bucket `bt`, compiled for sm_90 as the launcher would."""
-    opts = W.launch_options(plan, bt)
+    opts = W.launch_options(plan, bt, pdl)
+    opts.pop("launch_pdl", None)                       # a launch option, not the compiler's
     options = {k: opts.pop(k) for k in ("num_warps", "maxnreg", "enable_fp_fusion")}
     w_block = [plan.config.block_n, W.BLOCK_K]
     types = {"w_desc": _desc(w_block, plan.fp8), "x_desc": _desc([bt, W.BLOCK_K]),
@@ -63,14 +65,18 @@ def compile_case(plan: W.GluonWoAPlan, bt: int, quant: bool = True, copy_words: 
                              **options)
 
 
-def measure(heads: int, bt: int, wg: int, split: int = 0, fp8: int = 0) -> dict:
+def measure(heads: int, bt: int, wg: int, split: int = 0, fp8: int = 0, pdl: int = 0) -> dict:
     config = W.GluonWoAConfig(warpgroups=wg, split=split or None, fold_scales=fp8 >= 2, fold_bits=fp8 >= 3,
                               **({"stages": FP8_WO_A_STAGES} if fp8 == 4 else {}))
     dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
     plan = W.GluonWoAPlan.build(heads, heads // 8, RANK, 64, dtype, "cpu", config=config)
-    kernel = compile_case(plan, bt)
+    kernel = compile_case(plan, bt, pdl=bool(pdl))
     ins = [t for _, t in sm90.sass(kernel)]
-    return {"case": [heads, bt, wg, split, fp8], "bt": bt, "split": plan.split, "n_tiles": plan.n_tiles,
+    # the PTX's TMA copies and griddepcontrol.wait in program order: "c" a copy, "w" a wait
+    ptx_order = "".join("w" if "griddepcontrol.wait" in line else "c" for line in kernel.asm["ptx"].split("\n")
+                        if "griddepcontrol.wait" in line or "cp.async.bulk.tensor" in line)
+    return {"case": [heads, bt, wg, split, fp8] + ([pdl] if pdl else []), "bt": bt, "stages": plan.config.stages,
+            "ptx_order": ptx_order, "split": plan.split, "n_tiles": plan.n_tiles,
             "steps": plan.k_per_split // W.BLOCK_K, "maxnreg": W.register_cap(plan.config, bt, plan.fp8),
             "shared_limit": W.shared_bytes(plan.config, bt, plan.fp8), "shared": kernel.metadata.shared,
             **sm90.resources(kernel), "ops": sm90.opcode_counts(ins),

@@ -39,7 +39,7 @@ SMEM_LIMIT = 227 * 1024
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _compile(heads, w, k, config):
+def _compile(heads, w, k, config, release=False):
     p = G.GluonSparseMlaPlan.build(1, heads, w, k, "cpu").base
     consts = {"W": w, "W_P2": 1 << (w - 1).bit_length(), "KC": k, "NB": p.n_blocks,
               "NB_P2": max(2, 1 << (p.n_blocks - 1).bit_length()), "PH": p.block_h,
@@ -48,7 +48,7 @@ def _compile(heads, w, k, config):
               "VALUES": config.lookback == "values", "TICKET": config.combine != "spread",
               "PV_PIPELINE": config.pv_pipeline,
               "FP4_LUT": config.fp4_lut,
-              "PHASES": config.phases}
+              "PHASES": config.phases, "RELEASE": release}
     regs = {} if config.maxnreg is None else {"maxnreg": config.maxnreg}
     return sm90.compile_sm90(G._gluon_sparse_mla_kernel, _TYPES, consts, num_warps=G.NUM_WARPS, **regs)
 
@@ -135,6 +135,19 @@ def test_compiles_for_sm90_without_spills(heads, w, k, config):
         # the compressed-only and the mixed block's code (4 + 4 + 4 x 2 chunk decodes): 32 (a load
         # per compressed code byte would make it 144)
         assert loads.count("LDG.E.U8") == 32, loads.count("LDG.E.U8")
+
+
+def test_release_lets_the_next_kernel_launch_at_the_programs_start():
+    """`gluon_sparse_mla_(release=True)` (the step's `wo_a_pdl`, at its 1-2-row configuration): one
+    griddepcontrol.launch_dependents, before the program's first global access (its ticket or the
+    tables' loads); none without it."""
+    for release in (False, True):
+        ptx = _compile(64, 128, 512, SPLIT4SVL, release=release).asm["ptx"].split("\n")
+        marks = [i for i, line in enumerate(ptx) if "griddepcontrol.launch_dependents" in line]
+        assert len(marks) == int(release), marks
+        if release:
+            first_global = next(i for i, line in enumerate(ptx) if "ld.global" in line or "atom.global" in line)
+            assert marks[0] < first_global, (marks, first_global)
 
 
 def test_plan_is_one_head_group_of_the_real_heads():

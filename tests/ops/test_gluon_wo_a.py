@@ -60,9 +60,9 @@ def sm90_builds() -> dict:
 
 
 def _case_id(case) -> str:
-    heads, bt, wg, split, fp8 = case
+    heads, bt, wg, split, fp8, *pdl = case
     return (f"{('bf16', 'fp8', 'fp8fold', 'fp8foldbits', 'fp8foldbits-ring')[fp8]}-h{heads}-bt{bt}-wg{wg}"
-            + (f"-split{split}" if split else ""))
+            + (f"-split{split}" if split else "") + ("-pdl" if pdl else ""))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
@@ -95,8 +95,16 @@ def test_compiles_for_sm90_without_spills(sm90_builds, case):
     # fold_bits: the conversion by BF16 multiplies (HMUL2), no F16 -> FP32 conversion (HADD2.F32)
     assert (ops.get("HMUL2", 0) > 0) == (case[4] >= 3) and (ops.get("HADD2", 0) > 0) == (case[4] == 2), ops
     assert r["a_hazards"] == [], r["a_hazards"]
-    # the producer's weight and o tiles (its loop unrolled where the program's K range is short)
-    assert ops.get("UTMALDG", 0) in (2, 2 * r["steps"]), ops
+    # the producer's weight and o tiles (its loop unrolled where the program's K range is short); by
+    # PDL first the weight tiles of the ring's first slots, then griddepcontrol.wait (SASS ACQBULK),
+    # their o tiles, the ring's loop, and the epilogue's own wait
+    pre = min(r["stages"], r["steps"])
+    if len(case) > 5:
+        assert r["ptx_order"] == "c" * pre + "w" + "c" * pre + "c" * (2 if r["steps"] > pre else 0) + "w", r["ptx_order"]
+        assert ops.get("UTMALDG", 0) in (2 * pre + 2, 2 * r["steps"]) and ops.get("ACQBULK", 0) == 2, ops
+    else:
+        assert "w" not in r["ptx_order"] and ops.get("ACQBULK", 0) == 0, r["ptx_order"]
+        assert ops.get("UTMALDG", 0) in (2, 2 * r["steps"]), ops
     assert ops.get("SYNCS", 0) > 0, ops           # the mbarrier ring
     # More than one slot in flight: a wait that leaves the newest slot's wgmma group(s) outstanding
     # (one group a slot; the folded consumer's slot is two groups, one per 32-deep K block),
