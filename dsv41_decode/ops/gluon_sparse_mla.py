@@ -548,8 +548,9 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
     out[r, h] = sparse_attention(q[r, h], keys of row r, sink[h], scale). sm_90 only; every
     configuration gives the same bits.
 
-    release: where the configuration runs one launch (the combination "spread" with every program
-    resident), its programs let the next kernel on the stream start at their own start, if that kernel is launched by programmatic dependent launch
+    release: where the configuration's last launch writes o (the combination "spread" with every
+    program resident, or "pv"'s second launch), its programs let the next kernel on the stream start
+    at their own start, if that kernel is launched by programmatic dependent launch
     (`gluon_wo_a_(pdl=True)`, which waits for this one before it reads o); a no-op otherwise. The
     same values."""
     if not isinstance(plan, GluonSparseMlaPlan):
@@ -607,7 +608,7 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
         # block's look-back then only waits on programs that have started), then P.V and the
         # combination
         _gluon_sparse_mla_kernel[(grid, )](*args, SPREAD=False, TICKET=not resident, P_OUT=True, **consts)
-        mla_pv_(base, config, acc_ws, window_pool, comp_pool, window_table, comp_table, sink, o16, n)
+        mla_pv_(base, config, acc_ws, window_pool, comp_pool, window_table, comp_table, sink, o16, n, release=release)
         return
     spread = combine == "spread"
     _gluon_sparse_mla_kernel[(grid, )](*args, SPREAD=spread, TICKET=not spread, RELEASE=release and spread,

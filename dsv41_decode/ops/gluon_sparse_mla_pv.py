@@ -43,7 +43,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 from .gluon_epilogues import add_combine
 from .gluon_mla_records import (_CREC, _KEYS, _M, _WARPS, _WREC, NUM_WARPS, _bf16_rne_bits, _block_slots,
                                 _decode_loaded, _fp4_lut, _load_chunk, _ue8m0_value)
-from .pdl import gluon_wait, launch_options, supported
+from .pdl import gluon_launch_dependents, gluon_wait, launch_options, supported
 
 PV_CHUNKS = (1, 2, 4)                        # GluonSparseMlaConfig.pv_chunks: dim slices a program
 PV_DIMS = (128, 64)                          # GluonSparseMlaConfig.pv_dims: the dims of a slice
@@ -59,13 +59,17 @@ def _gluon_mla_pv_kernel(
     H, stride_wt, stride_ct, stride_on, stride_oh,
     W: gl.constexpr, W_P2: gl.constexpr, KC: gl.constexpr, NB: gl.constexpr, NB_P2: gl.constexpr,
     PH: gl.constexpr, CPP: gl.constexpr, FP4_PACKED: gl.constexpr, FP4_LUT: gl.constexpr, DW: gl.constexpr = 128,
-    RING: gl.constexpr = 0,
+    RING: gl.constexpr = 0, RELEASE: gl.constexpr = False,
 ):
     # Grid: rows x (512 / (DW CPP)) programs, the slice the fastest; a program the CPP DW-wide dim
     # slices (DW: 128 or 64) sl CPP, ..., sl CPP + CPP - 1 of its row. p_ptr: BF16 [N, NB, PH, 64],
     # the blocks' P; part_ml_ptr: FP32 [N, NB, 3, PH] (max, sum, valid-key count); flag_ptr: int32
     # [N, NB], the first launch's look-back words (zeroed here).
     SL: gl.constexpr = 512 // (DW * CPP)
+    if RELEASE:
+        # the kernel after this one, where launched with PDL (`gluon_wo_a_(pdl=True)`, which waits for
+        # this one before it reads o), may start once every program of this one has started
+        gluon_launch_dependents()
     pid = gl.program_id(0)
     r = pid // SL
     sl = pid % SL
@@ -415,12 +419,13 @@ def _block_bytes(w_slots, c_slots, b, c, wpool_ptr, cpool_ptr, FP4_PACKED: gl.co
 
 def mla_pv_(base, config, p: torch.Tensor, window_pool: torch.Tensor, comp_pool: torch.Tensor,
             window_table: torch.Tensor, comp_table: torch.Tensor, sink: torch.Tensor, o16: torch.Tensor,
-            rows: int) -> None:
+            rows: int, release: bool = False) -> None:
     """`_gluon_mla_pv_kernel` over `rows` rows (arguments checked by the caller,
     `gluon_sparse_mla_`): base the plan's `SparseMlaPlan` (its shape, statistics and look-back
     words), config its `GluonSparseMlaConfig` (pv_chunks slices of pv_dims dims a program, the
     record decode's options), p the first launch's P (BF16 [rows, blocks, block_h, 64]), o16 the
-    output's int16 view."""
+    output's int16 view; release: its programs let a next kernel launched by PDL start at their
+    start (`gluon_sparse_mla_(release=)`)."""
     nb = base.n_blocks
     opts = launch_options(config.pv_pdl and supported(p.device))
     _gluon_mla_pv_kernel[(rows * (512 // (config.pv_dims * config.pv_chunks)), )](
@@ -430,4 +435,4 @@ def mla_pv_(base, config, p: torch.Tensor, window_pool: torch.Tensor, comp_pool:
         NB_P2=max(2, triton.next_power_of_2(nb)), PH=base.block_h,
         CPP=config.pv_chunks,
         FP4_PACKED=config.fp4_packed, FP4_LUT=config.fp4_lut, DW=config.pv_dims, RING=config.pv_stages,
-        num_warps=NUM_WARPS, maxnreg=config.pv_maxnreg, **opts)
+        RELEASE=release, num_warps=NUM_WARPS, maxnreg=config.pv_maxnreg, **opts)

@@ -297,18 +297,18 @@ def compile_exact_mm(config, bt: int, split: int = 1, out_f32: bool = False, rop
 
 
 def compile_mla_pv(heads: int, window: int, topk: int, *, dims: int = 128, chunks: int = 1, ring: int = 0,
-                   maxnreg: int | None = None):
+                   maxnreg: int | None = None, release: bool = False):
     """`ops.gluon_sparse_mla_pv`'s kernel (the sparse MLA's "pv" second launch) compiled for sm_90 as
     `mla_pv_` launches it for `heads` heads, `window` window slots and `topk` compressed entries a
     row, with the packed FP4 LUT decode: `dims`-wide slices (`pv_dims`), `chunks` a program
     (`pv_chunks`), a ring of `ring` slots (`pv_stages`; 0: none), at the register cap `maxnreg`
-    (None: the launcher's default)."""
+    (None: the launcher's default); release: its programs let a PDL successor launch (`mla_pv_`)."""
     from ..ops import gluon_sparse_mla as G, gluon_sparse_mla_pv as PV
     base = G.GluonSparseMlaPlan.build(1, heads, window, topk, "cpu").base
     types = {"p_ptr": "*bf16", "part_ml_ptr": "*fp32", "flag_ptr": "*i32", "wpool_ptr": "*u8", "cpool_ptr": "*u8",
              "wtab_ptr": "*i32", "ctab_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": "*i16"}
     consts = dict(W=window, W_P2=1 << (window - 1).bit_length(), KC=topk, NB=base.n_blocks,
                   NB_P2=max(2, 1 << (base.n_blocks - 1).bit_length()), PH=base.block_h, CPP=chunks,
-                  FP4_PACKED=True, FP4_LUT=True, DW=dims, RING=ring)
+                  FP4_PACKED=True, FP4_LUT=True, DW=dims, RING=ring, RELEASE=release)
     return compile_sm90(PV._gluon_mla_pv_kernel, types, consts, num_warps=PV.NUM_WARPS,
                         maxnreg=PV._MAXNREG if maxnreg is None else maxnreg)

@@ -274,3 +274,19 @@ def test_config_errors_name_the_option():
     with pytest.raises(TypeError, match="pv_pdl"):
         G.GluonSparseMlaConfig(combine="pv", pv_pdl=1)
     assert G.GluonSparseMlaConfig(combine="pv", pv_pdl=True).pv_pdl
+
+
+def test_second_launch_releases_its_successor_at_its_start():
+    """`mla_pv_(release=True)` (the step's `wo_a_pdl` from 13 rows, in the step's 13-64-row form: 64-dim
+    slices, a ring of three, a cap of 80): one griddepcontrol.launch_dependents before the program's
+    first global access, the loop over the blocks still without spills; none without release."""
+    for release in (False, True):
+        kernel = sm90.compile_mla_pv(64, 128, 512, dims=64, ring=3, maxnreg=80, release=release)
+        ptx = kernel.asm["ptx"].split("\n")
+        marks = [i for i, line in enumerate(ptx) if "griddepcontrol.launch_dependents" in line]
+        assert len(marks) == int(release), marks
+        if release:
+            first_global = next(i for i, line in enumerate(ptx) if ".global" in line and ("ld." in line or "cp.async" in line))
+            assert marks[0] < first_global, (marks, first_global)
+        (loop, ) = _block_loops(kernel)
+        assert not [t for t in loop if "STL" in t or "LDL" in t] and sm90.resources(kernel)["STACK"] <= 32
