@@ -59,6 +59,8 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
                     sparse MLA, released at the MLA programs' start where the MLA runs one launch
                     (`DecodeStep(wo_a_pdl=True)`): its rings' first weight tiles read while the MLA
                     runs; the same bits
+    wq_b_pdl        each layer's exact wq_b launched by PDL after the q/kv norm pair, which releases
+                    it at its start (`DecodeStep(wq_b_pdl=True)`); the same bits
     skip_pair       knock-outs (not the step: outputs differ; the 8-row output's comparison says so):
     skip_boundary   the q/kv norm pair, the mHC boundary's launch, every site's mixer or the sparse
     skip_mixer      MLA left out of the captured step, each alone: what that launch costs the
@@ -306,7 +308,7 @@ PATCHES = {
     "wproj_lane": _layer_flag("proj_own_lane", True), "wproj_in_index": _layer_flag("proj_own_lane", False),
     "wproj_split": _wproj_split, "comp_tail": _comp_tail, "boundary_bd256": _boundary_chunks(256),
     "boundary_bd1024": _boundary_chunks(1024), "prefetch_wo_a": _prefetch_wo_a,
-    "wo_a_pdl": _layer_flag("wo_a_pdl", True),
+    "wo_a_pdl": _layer_flag("wo_a_pdl", True), "wq_b_pdl": _layer_flag("wq_b_pdl", True),
     "skip_pair": _skip(attention_mod, "rms_norm_pair_"), "skip_boundary": _skip(BoundaryOperands, "launch"),
     "skip_mixer": _skip(boundary_mod, "hc_mix_"), "skip_mla": _skip(attention_mod, "sparse_mla_launch"),
 }

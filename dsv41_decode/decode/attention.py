@@ -243,7 +243,7 @@ class AttentionStep:
                  wo_a_fp8: bool = False, exact_linears: bool = True, fp32_dots: bool = False,
                  fold_index_chain: bool = False, weights_lane: bool = True, comp_tail: bool = False,
                  index_row_group: int = 1, fuse_scales: bool = False, pair_slots: bool = False,
-                 wo_a_pdl: bool = False):
+                 wo_a_pdl: bool = False, wq_b_pdl: bool = False):
         """sources: the step's layers built before this one (by id), among them this layer's index and
         KV sources: a layer that reuses a selection or a candidate pool reads its source's buffers.
         The layer's own selection and candidate pool (when it makes them) are its attributes
@@ -282,6 +282,9 @@ class AttentionStep:
         # Gluon and Triton tiers), else as its own launch after it; the window insert runs in the
         # q/kv norm pair's launch
         self.rope_in_wq_b = isinstance(self.mm_wq_b, (ExactLinear, GluonMM, LowLatencyMM))
+        # wq_b_pdl: the exact wq_b launched by PDL after the q/kv norm pair, which releases it at its
+        # start (a schedule choice: the same bits; `_inputs`, `_prepare`)
+        self.wq_b_pdl = bool(wq_b_pdl) and pdl_supported(dev) and isinstance(self.mm_wq_b, ExactLinear)
         self.mm_wo_b = _fp8_plan(w, "wo_b", max_rows, exact_linears, pool, fuse_scales, pair_slots)
         if "attn.wo_a.scale" in w:
             self.wo_a_w, self.wo_a_s = w["attn.wo_a.weight"], w["attn.wo_a.scale"]
@@ -451,7 +454,8 @@ class AttentionStep:
         m, r = self.meta, spec.ratio     # one launch: q_norm (+ MXFP8), kv_norm + the window insert
         rms_norm_pair_(qkv[:, :ql], self.w["attn.q_norm.weight"], s.qr[:B], s.qr_codes[:B], s.qr_scales[:B],
                        qkv[:, ql:], self.w["attn.kv_norm.weight"], s.kv[:B], cfg.norm_eps,
-                       window=self.state.window[spec.layer], slots=m.stage_slot[:B], cos=m.cos[r][:B], sin=m.sin[r][:B])
+                       window=self.state.window[spec.layer], slots=m.stage_slot[:B], cos=m.cos[r][:B], sin=m.sin[r][:B],
+                       release=self.wq_b_pdl)
         return kv_score, lanes.mark(), proj_ready             # the second event protects qr codes
 
     def _prepare(self, B: int, kv_score, qr_ready, proj_ready, own: slice):
@@ -503,7 +507,9 @@ class AttentionStep:
                                             st.index_keys[L], cfg.norm_eps)
                 latent_ready = lanes.mark()                   # protects compressed + index-key records
         q = s.q[:B]
-        if self.rope_in_wq_b:       # the query RoPE in wq_b's epilogue (the window insert ran in the norm pair)
+        if self.wq_b_pdl:           # by PDL after the norm pair (an exact wq_b: the RoPE in its epilogue)
+            self.mm_wq_b(s.qr_codes[:B], s.qr_scales[:B], q.view(B, -1), rope=(m.cos[r][:B], m.sin[r][:B]), pdl=True)
+        elif self.rope_in_wq_b:     # the query RoPE in wq_b's epilogue (the window insert ran in the norm pair)
             self.mm_wq_b(s.qr_codes[:B], s.qr_scales[:B], q.view(B, -1), rope=(m.cos[r][:B], m.sin[r][:B]))
         else:
             self.mm_wq_b(s.qr_codes[:B], s.qr_scales[:B], q.view(B, -1))

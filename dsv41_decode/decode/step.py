@@ -165,6 +165,11 @@ class DecodeStep:
         one launch (`gluon_sparse_mla_(release=True)`): its programs fill their rings' first slots
         with weight tiles while the MLA runs, then wait for it (`gluon_wo_a_(pdl=True)`); the same
         bits. Off by default (docs/step.md); elsewhere it changes nothing.
+    wq_b_pdl: on an sm_90 GPU, each layer's exact wq_b (`ExactLinear`, in its Gluon ops) launched by
+        programmatic dependent launch after the q/kv norm pair, which lets it start at the pair's
+        start (`rms_norm_pair_(release=True)`): its programs request their rings' first weight tiles
+        while the pair runs, then wait for it (`ExactLinear(..., pdl=True)`); the same bits. Off by
+        default (docs/step.md); elsewhere it changes nothing.
     mix_late_rows: in the buckets of at least this many rows each site's mixer is enqueued at the
         end of the next layer's input projections instead of right after the boundary before it
         (default `MIX_LATE_ROWS`, where it measured faster on an H200; LOW_BATCH_MAX_ROWS + 1:
@@ -173,7 +178,7 @@ class DecodeStep:
     Errors: StepError for buckets outside 1..LOW_BATCH_MAX_ROWS or past the state's stage_rows, a
     state of another configuration, a mix_late_rows that is not an int >= 1, an index_row_group
     outside `ROW_GROUPS`, a max_rows or bucket that is not an int, an option documented as a bool
-    (graphs .. pair_slots, wo_a_pdl) that is not one, an unknown tp_boundary,
+    (graphs .. pair_slots, wo_a_pdl, wq_b_pdl) that is not one, an unknown tp_boundary,
     or tp_boundary="fused" under TP off CUDA; `NotEligible` for a layer whose weights do not suit
     the step.
 
@@ -187,7 +192,7 @@ class DecodeStep:
                  exact_linears: bool = True, fp32_dots: bool = False, fold_index_chain: bool = False,
                  fold_boundary: bool = False, weights_lane: bool = True, comp_tail: bool = False,
                  mix_late_rows: int = MIX_LATE_ROWS, index_row_group: int = 1, fuse_scales: bool = False,
-                 pair_slots: bool = False, wo_a_pdl: bool = False):
+                 pair_slots: bool = False, wo_a_pdl: bool = False, wq_b_pdl: bool = False):
         if as_count(max_rows) is None:
             raise StepError(f"max_rows must be an int, got {max_rows!r}")
         max_rows = int(max_rows)
@@ -217,7 +222,7 @@ class DecodeStep:
         flags = dict(graphs=graphs, overlap=overlap, wo_a_fp8=wo_a_fp8, exact_linears=exact_linears,
                      fp32_dots=fp32_dots, fold_index_chain=fold_index_chain, fold_boundary=fold_boundary,
                      weights_lane=weights_lane, comp_tail=comp_tail, fuse_scales=fuse_scales, pair_slots=pair_slots,
-                     wo_a_pdl=wo_a_pdl)
+                     wo_a_pdl=wo_a_pdl, wq_b_pdl=wq_b_pdl)
         for name, flag in flags.items():
             if not isinstance(flag, bool):
                 raise StepError(f"{name} must be a bool, got {flag!r}")
@@ -245,7 +250,7 @@ class DecodeStep:
                                            fp32_dots=fp32_dots, fold_index_chain=fold_index_chain,
                                            weights_lane=weights_lane, comp_tail=comp_tail,
                                            index_row_group=index_row_group, fuse_scales=fuse_scales,
-                                           pair_slots=pair_slots, wo_a_pdl=wo_a_pdl)
+                                           pair_slots=pair_slots, wo_a_pdl=wo_a_pdl, wq_b_pdl=wq_b_pdl)
         self.scratch.workspaces.seal()           # every plan has its view; the graphs take the addresses
         mailbox = None
         if tp_boundary != "collective" and stack.tp.tp > 1 and dev.type == "cuda":

@@ -204,14 +204,21 @@ class ExactLinear:
 
     def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None,
                  rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 boundary: BoundaryOperands | None = None) -> torch.Tensor:
+                 boundary: BoundaryOperands | None = None, *, pdl: bool = False) -> torch.Tensor:
         """`ExactMM.__call__`'s arguments and result; rope=(cos, sin): the query RoPE of
         `kv_write.query_rope_` in the epilogue of whichever op runs (each op's own: the same bits as
         the call without it followed by that op); boundary: `ExactMM`'s mHC boundary epilogue, for
-        a call whose op is ExactMM (`takes_boundary`; ValueError naming `boundary` otherwise)."""
+        a call whose op is ExactMM (`takes_boundary`; ValueError naming `boundary` otherwise);
+        pdl: where the op is a Gluon one (`GluonExactFMA`, `GluonExactMM`), its launch by
+        programmatic dependent launch (their `pdl`); `ExactMM` launches plainly."""
         if not isinstance(codes, torch.Tensor) or codes.dim() != 2:
             return self.cuda_cores(codes, x_scale, out, rope, boundary)     # its error names the argument
         op = self.op_for(codes.shape[0])
+        if pdl and op is not self.cuda_cores:
+            if boundary is not None:
+                raise ValueError(f"boundary: a call of {codes.shape[0]} rows runs {type(op).__name__}, which has no "
+                                 f"mHC boundary epilogue (ExactLinear.takes_boundary)")
+            return op(codes, x_scale, out, rope, pdl=True)
         if boundary is None:
             return op(codes, x_scale, out, rope)
         if op is not self.cuda_cores:

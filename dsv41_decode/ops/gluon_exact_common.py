@@ -28,6 +28,7 @@ from .gluon_mm import BLOCK_K as RING_K
 from .gluon_mm import fp8_desc, require_sm90_weight
 from .gluon_mm import _scale, _slot_words
 from .gluon_mm import _words as _scale_words
+from .pdl import supported as pdl_supported
 
 
 @gluon.jit
@@ -323,13 +324,24 @@ class GluonExactPlan:
         return reduction_order(self.k)
 
     def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None,
-                 rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 rope: tuple[torch.Tensor, torch.Tensor] | None = None, *, pdl: bool = False) -> torch.Tensor:
         """y = codes x weight^T with both block scales, into out: the arguments and the result of
         `exact_mm.ExactMM.__call__` (a float32 out receives the unrounded FP32 sums; rope=(cos, sin):
         the query RoPE of `kv_write.query_rope_` in the epilogue, by the program that stores each
         tile - with a K split the last arriver - on the BF16-rounded sums, the same bits as the
-        call without it followed by that op). Returns out."""
+        call without it followed by that op). pdl: launch by programmatic dependent launch
+        (`ops.pdl`): where the kernel before it on the stream lets it (a `release`), its programs
+        start while that kernel runs and request their rings' first weight tiles
+        (`gluon_mm.ring_prefill`), then wait for it before they read x or write anything; without
+        such a predecessor it runs as without pdl. The same values either way. ValueError where PDL
+        is not available (`ops.pdl.supported`). Returns out."""
         out = mxfp8_linear_args(codes, x_scale, out, self.n, self.k, self.max_rows, self.device)
+        if pdl and not pdl_supported(self.device):
+            raise ValueError(f"pdl: programmatic dependent launch needs sm_90 or later outside the interpreter, "
+                             f"got {self.device}")
         m = codes.shape[0]
-        self._launch(codes, x_scale, out, m, self.config_for(m), rope_kwargs(rope, out, self.n, m, self.device))
+        epilogue = rope_kwargs(rope, out, self.n, m, self.device)
+        if pdl:
+            epilogue.update(PDL=True, launch_pdl=True)
+        self._launch(codes, x_scale, out, m, self.config_for(m), epilogue)
         return out

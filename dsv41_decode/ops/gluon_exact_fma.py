@@ -136,7 +136,8 @@ from .common import num_sms
 from .exact_mm import HI_WORDS_PTX
 from .gluon_epilogues import add_combine
 from .gluon_exact_common import GluonExactPlan, pow2, ring_weight_args, split_k_sum, store_tile, sum_chunk
-from .gluon_mm import SHARED_LIMIT, _producer, _ring, _scale, activation_operands, require_maxnreg, split_bounds
+from .gluon_mm import (SHARED_LIMIT, _producer, _ring, _scale, activation_operands, producer_prefilled, require_maxnreg,
+                       ring_prefill, split_bounds)
 
 MAX_ROWS = 4
 BLOCK_K = 128                   # K per ring slot: four 32-deep blocks, one 32-bit scale word per row
@@ -351,6 +352,18 @@ def _consumer(w_smem, x_smem, ready, empty, xf, terms, sw_words, sx_words, n_ste
     return (acc, )
 
 
+@gluon.jit
+def _ring_producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, step_lo, n_steps, STAGES: gl.constexpr,
+                   PDL: gl.constexpr):
+    """The kernel's 1-warp TMA producer: `gluon_mm.producer_prefilled` after the PDL launch's
+    `ring_prefill`, else `gluon_mm._producer`."""
+    if PDL:
+        producer_prefilled(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, 0, 0, step_lo, n_steps, STAGES)
+    else:
+        _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, 0, 0, step_lo, n_steps, 0, n_steps, STAGES,
+                  False)
+
+
 @gluon.jit(do_not_specialize=["M", "stride_sxm", "stride_swn", "n_steps", "steps_per_split", "n_split", "stride_cm",
                              "stride_sm"])
 def _gluon_exact_fma_kernel(
@@ -358,7 +371,7 @@ def _gluon_exact_fma_kernel(
     M, N, stride_sxm, stride_swn, stride_ym, n_steps,
     ws_ptr, cnt_ptr, steps_per_split, n_split,
     WK: gl.constexpr, LK: gl.constexpr, STAGES: gl.constexpr, OUT_F32: gl.constexpr, SPLIT: gl.constexpr = False,
-    cos_ptr=None, sin_ptr=None, stride_cm=None, stride_sm=None, ROPE: gl.constexpr = False,
+    cos_ptr=None, sin_ptr=None, stride_cm=None, stride_sm=None, ROPE: gl.constexpr = False, PDL: gl.constexpr = False,
 ):
     # Grid (N / BN, n_split): program (t, s) covers weight rows [t BN, +BN), all M rows of x and
     # the K steps [s steps_per_split, +steps_per_split) of the n_steps (every step without SPLIT);
@@ -372,7 +385,9 @@ def _gluon_exact_fma_kernel(
     # with the other splits' terms in K order (`gluon_exact_common.split_k_sum`): the same FP32 adds
     # in the same order as without the split. ROPE: the query RoPE epilogue (`gluon_exact_common.store_tile`)
     # with cos/sin [M, 32] FP32 at cos_ptr / sin_ptr (row strides stride_cm / stride_sm; all four
-    # None without it, so that they take no kernel parameter).
+    # None without it, so that they take no kernel parameter). PDL: launched by programmatic
+    # dependent launch, the ring's first weight tiles requested before the wait for the kernel
+    # before it (`gluon_mm.ring_prefill`), its x tiles after (`gluon_mm.producer_prefilled`).
     BN: gl.constexpr = w_desc.block_type.shape[0]
     R: gl.constexpr = x_desc.block_type.shape[0]
     # LANES [BN, WK, LK, R]: the (weight row, K block, part of the block, x row) of each thread's
@@ -404,19 +419,21 @@ def _gluon_exact_fma_kernel(
         pid_s = gl.program_id(1)
         step_lo = pid_s * steps_per_split
         n_here = gl.minimum(steps_per_split, n_steps - step_lo)
+        if PDL:
+            ring_prefill(w_desc, x_desc, w_smem, ready, pid_n * BN, step_lo, n_here, STAGES)
         ws_tile = ws_ptr + pid_n * (n_steps * 4 * SLAB)
         acc, = gl.warp_specialize([
             (_consumer, (w_smem, x_smem, ready, empty, xf, terms, sw_words + step_lo, sx_words + step_lo, n_here,
                          BN, WK, LK, R, STAGES, LANES, CODES, TERMS, True, ws_tile + step_lo * (4 * SLAB), pid_s > 0)),
-            (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, 0, 0, step_lo, n_here, 0, n_here,
-                         STAGES, False)),
+            (_ring_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, step_lo, n_here, STAGES, PDL)),
         ], [1], [24])
     else:
+        if PDL:
+            ring_prefill(w_desc, x_desc, w_smem, ready, pid_n * BN, 0, n_steps, STAGES)
         acc, = gl.warp_specialize([
             (_consumer, (w_smem, x_smem, ready, empty, xf, terms, sw_words, sx_words, n_steps, BN, WK, LK, R, STAGES,
                          LANES, CODES, TERMS)),
-            (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, 0, 0, 0, n_steps, 0, n_steps,
-                         STAGES, False)),
+            (_ring_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, 0, n_steps, STAGES, PDL)),
         ], [1], [24])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))

@@ -121,8 +121,9 @@ from .gluon_exact_common import (GluonExactPlan, block_term, fused_scale, fused_
 from .gluon_exact_digits import consumer_wg, digit_partial, x_scales_layout
 from .gluon_exact_fp64 import form, fp64_partial, is_packed
 from .gluon_exact_k import consumer_k, sum_layout
-from .gluon_mm import (SHARED_LIMIT, _producer, _ring, _tile_scales, activation_operands, require_maxnreg,
-                      split_bounds)
+from .gluon_mm import (SHARED_LIMIT, _producer, _ring, _tile_scales, activation_operands, producer_prefilled,
+                      require_maxnreg, ring_prefill, split_bounds)
+from .pdl import gluon_wait
 
 MAX_ROWS = 64
 BLOCK_K = 128                   # K per ring slot: four 32-wide blocks, one 32-bit scale word per row
@@ -238,13 +239,14 @@ def _tile_weight_scales(sw_ptr, off_n, N, stride_swn, BN: gl.constexpr, layout: 
 
 @gluon.jit
 def _ring_producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, step_lo, n_steps,
-                   STAGES: gl.constexpr, PAIRS: gl.constexpr):
+                   STAGES: gl.constexpr, PAIRS: gl.constexpr, PREFILLED: gl.constexpr = False):
     """The kernel's 1-warp TMA producer: `gluon_mm._producer`'s ring slot by slot, or with PAIRS
     (`GluonExactConfig.pair_slots`) two slots at a time: steps 2p and 2p + 1's weight tiles [BN,
     BLOCK_K] at (off_n, k) and activation tiles [BT, BLOCK_K] at (x_row, k), k = (step_lo + 2p + t) x
     BLOCK_K, into ring slots 2q and 2q + 1 (q = p % (STAGES / 2)), all four copies on the even
     slot's ready barrier, once the consumer has released the pair on the even slot's empty barrier
-    (the odd slots' barriers unused); n_steps even."""
+    (the odd slots' barriers unused); n_steps even. PREFILLED (not with PAIRS): after the PDL
+    launch's `gluon_mm.ring_prefill`, `gluon_mm.producer_prefilled`."""
     if PAIRS:
         UNITS: gl.constexpr = STAGES // 2
         BK: gl.constexpr = w_desc.block_type.shape[1]
@@ -258,6 +260,8 @@ def _ring_producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, s
                 k = (step_lo + 2 * p + t) * BK
                 tma.async_copy_global_to_shared(w_desc, [off_n, k], ready.index(s), w_smem.index(s + t))
                 tma.async_copy_global_to_shared(x_desc, [x_row, k], ready.index(s), x_smem.index(s + t))
+    elif PREFILLED:
+        producer_prefilled(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, 0, step_lo, n_steps, STAGES)
     else:
         _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, 0, step_lo, n_steps, 0, n_steps, STAGES,
                   False)
@@ -272,6 +276,7 @@ def _gluon_exact_mm_kernel(
     SPLIT_K: gl.constexpr, OUT_F32: gl.constexpr, WARPS_K: gl.constexpr = 1, FUSE: gl.constexpr = False,
     PAIRS: gl.constexpr = False,
     cos_ptr=None, sin_ptr=None, stride_cm=None, stride_sm=None, ROPE: gl.constexpr = False,
+    PDL: gl.constexpr = False,
 ):
     # Grid (N tiles, M tiles, n_split K splits): program (t, u, s) covers weight rows [t*BN, +BN), x
     # rows [u*BT, +BT) and the K steps (32 NB deep, the descriptors' box) [s*steps_per_split,
@@ -286,7 +291,9 @@ def _gluon_exact_mm_kernel(
     # ring's slots filled, waited for and released two at a time (`_ring_producer`, the consumers'
     # units of two slots). ROPE: the query RoPE epilogue (`store_tile`) with cos/sin [M, 32] FP32 at
     # cos_ptr / sin_ptr (row strides stride_cm / stride_sm; all four None without it, so that they
-    # take no kernel parameter).
+    # take no kernel parameter). PDL: launched by programmatic dependent launch: without PAIRS the
+    # ring's first weight tiles requested before the wait for the kernel before it
+    # (`gluon_mm.ring_prefill`), the x tiles after; with PAIRS the wait first.
     BN: gl.constexpr = w_desc.block_type.shape[0]
     NB: gl.constexpr = w_desc.block_type.shape[1] // 32      # K blocks a slot: 4, or 8 (block_k 256)
     SLOTS: gl.constexpr = 2 if PAIRS else 1                   # ring slots a consumer's wait
@@ -316,6 +323,10 @@ def _gluon_exact_mm_kernel(
         sin_ptr += off_m * stride_sm
     step_lo = pid_s * steps_per_split
     n_steps = gl.minimum(steps_per_split, n_steps_total - step_lo)
+    if PDL and not PAIRS:
+        ring_prefill(w_desc, x_desc, w_smem, ready, pid_n * BN, step_lo, n_steps, STAGES)
+    elif PDL:
+        gluon_wait()
     if WARPS_K == 1:
         scale_layout: gl.constexpr = mma_layout
     else:
@@ -345,7 +356,7 @@ def _gluon_exact_mm_kernel(
                            sx_ptr, stride_sxm, fuse_lo, fuse_hi, STAGES, BN, BT, SPLIT_K, mma_layout, cvt_l,
                            CONVERT == "f16wp", FUSE)),
             (_ring_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, off_m, step_lo, n_steps,
-                              STAGES, False)),
+                              STAGES, False, PDL)),
         ], [1], [24])
     elif WARPS_K == 1:
         acc, = gl.warp_specialize([
@@ -353,7 +364,7 @@ def _gluon_exact_mm_kernel(
                          sx_ptr, stride_sxm, fuse_lo, fuse_hi, STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout,
                          FUSE, SLOTS)),
             (_ring_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, off_m, step_lo, n_steps,
-                              STAGES, PAIRS)),
+                              STAGES, PAIRS, PDL and not PAIRS)),
         ], [1], [24])
     else:
         # per slot of a unit (`_consumer_k_slots`) its terms' and x scales' buffers, separate
@@ -373,7 +384,7 @@ def _gluon_exact_mm_kernel(
                            M, sw_row_words, sx_ptr, stride_sxm, fuse_lo, fuse_hi, STAGES, BN, BT, CONVERT, KC,
                            SPLIT_K, mma_layout, out_layout, FUSE and BN <= 32, SLOTS)),
             (_ring_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, off_m, step_lo, n_steps,
-                              STAGES, PAIRS)),
+                              STAGES, PAIRS, PDL and not PAIRS)),
         ], [1], [24])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))

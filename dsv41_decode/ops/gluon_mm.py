@@ -91,6 +91,7 @@ from .checks import (UE8M0_DTYPES, index_query_epilogue_args, mxfp8_linear_args,
                      rope_epilogue_args)
 from .common import is_sm90, num_sms, plan_workspace
 from .gluon_epilogues import bf16_out
+from .pdl import gluon_wait
 from .low_latency_mm import _Operands   # the plan cache's key: same memory, same view
 
 MAX_ROWS = 64
@@ -138,6 +139,38 @@ def _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, x_col,
         else:
             tma.async_copy_global_to_shared(w_desc, [off_n, k], ready.index(s), w_smem.index(s))
         tma.async_copy_global_to_shared(x_desc, [x_row, x_col + k], ready.index(s), x_smem.index(s))
+
+
+@gluon.jit
+def ring_prefill(w_desc, x_desc, w_smem, ready, off_n, step_lo, n_steps, STAGES: gl.constexpr):
+    """The prologue of a ring's kernel launched by programmatic dependent launch (`ops.pdl`), run by
+    the whole program before it forks its producer: the weight tiles of the ring's first
+    min(STAGES, n_steps) slots (steps step_lo, step_lo + 1, ...; the weight is constant data) are
+    requested while the kernel before this one still runs, each slot's `ready` barrier expecting its
+    weight and activation tiles' bytes at once; then `griddepcontrol.wait`: everything after it may
+    read what that kernel wrote. `producer_prefilled` then fills the rest. The same slots, tiles and
+    barriers as `_producer` alone, so the same values."""
+    BK: gl.constexpr = w_desc.block_type.shape[1]
+    for i in gl.static_range(STAGES):
+        if i < n_steps:
+            mbarrier.expect(ready.index(i), w_desc.block_type.nbytes + x_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(w_desc, [off_n, (step_lo + i) * BK], ready.index(i), w_smem.index(i))
+    gluon_wait()
+
+
+@gluon.jit
+def producer_prefilled(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, x_col, step_lo, n_steps,
+                       STAGES: gl.constexpr):
+    """`_producer` after `ring_prefill`: the activation tiles of the prefilled slots, then the ring
+    from the first step past them."""
+    BK: gl.constexpr = w_desc.block_type.shape[1]
+    for i in gl.static_range(STAGES):
+        if i < n_steps:
+            tma.async_copy_global_to_shared(x_desc, [x_row, x_col + (step_lo + i) * BK], ready.index(i),
+                                            x_smem.index(i))
+    pre = gl.minimum(n_steps, STAGES)
+    _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, x_col, step_lo + pre, n_steps - pre, pre,
+              n_steps, STAGES, False)
 
 
 @gluon.jit

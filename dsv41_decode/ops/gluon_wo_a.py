@@ -107,15 +107,15 @@ from dataclasses import dataclass
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
                                                                 warpgroup_mma_wait)
 
 from ..formats import E4M3_MAX, MXFP8_AMAX_FLOOR
 from .act_quant import INV_E4M3_MAX, mxfp8_quantize_tile
 from .checks import require_int
 from .common import is_sm90, num_sms, plan_workspace
-from .gluon_mm import _producer, _ring, tma_desc
-from .pdl import gluon_wait, supported as pdl_supported
+from .gluon_mm import _producer, _ring, producer_prefilled, ring_prefill, tma_desc
+from .pdl import supported as pdl_supported
 from .rounding import ue8m0_to_fp32
 from .wo_a import GroupedShape, wo_a_args
 
@@ -134,31 +134,12 @@ _QMAX = gl.constexpr(E4M3_MAX)
 
 
 @gluon.jit
-def _producer_pdl(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_col, step_lo, N_STEPS: gl.constexpr,
-                  STAGES: gl.constexpr):
-    """`gluon_mm._producer` for a launch by programmatic dependent launch (`gluon_wo_a_(pdl=True)`):
-    the weight tiles of the ring's first slots (constant data) are requested before
-    `griddepcontrol.wait`, while the kernel before this one (the sparse MLA, which writes o) still
-    runs; their o tiles after the wait; then the ring as usual. The same slots, tiles and barriers
-    (each first slot's `ready` expects both tiles' bytes at once), so the same values."""
-    PRE: gl.constexpr = STAGES if STAGES < N_STEPS else N_STEPS
-    BK: gl.constexpr = w_desc.block_type.shape[1]
-    for i in gl.static_range(PRE):
-        mbarrier.expect(ready.index(i), w_desc.block_type.nbytes + x_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(w_desc, [off_n, (step_lo + i) * BK], ready.index(i), w_smem.index(i))
-    gluon_wait()
-    for i in gl.static_range(PRE):
-        tma.async_copy_global_to_shared(x_desc, [0, x_col + (step_lo + i) * BK], ready.index(i), x_smem.index(i))
-    _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, 0, x_col, step_lo + PRE, N_STEPS - PRE, PRE,
-              N_STEPS, STAGES, False)
-
-
-@gluon.jit
 def _ring_producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_col, step_lo, N_STEPS: gl.constexpr,
                    STAGES: gl.constexpr, PDL: gl.constexpr):
-    """The kernel's producer partition: `_producer_pdl` for a launch by PDL, else `gluon_mm._producer`."""
+    """The kernel's producer partition: `gluon_mm.producer_prefilled` after the PDL launch's
+    `ring_prefill`, else `gluon_mm._producer`."""
     if PDL:
-        _producer_pdl(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_col, step_lo, N_STEPS, STAGES)
+        producer_prefilled(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, 0, x_col, step_lo, N_STEPS, STAGES)
     else:
         _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, 0, x_col, step_lo, N_STEPS, 0, N_STEPS,
                   STAGES, False)
@@ -464,6 +445,9 @@ def _gluon_wo_a_kernel(
                                             warps_per_cta=[4 * WG, 1], order=[1, 0])
 
     w_smem, x_smem, ready, empty = _ring(w_desc, x_desc, STAGES)
+    if PDL:
+        # launched by PDL: the ring's first weight tiles while the sparse MLA still runs, then its wait
+        ring_prefill(w_desc, x_desc, w_smem, ready, off_n, step_lo, STEPS_PER_SPLIT, STAGES)
 
     if FP8 and FOLD:
         acc, = gl.warp_specialize([
@@ -496,11 +480,6 @@ def _gluon_wo_a_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
-    if PDL:
-        # these threads' own wait before the epilogue's writes (the workspace may be the sparse MLA's
-        # pool, the window copy overwrites ring slots it read): the predecessor has completed by now
-        # (its o was read), so it returns at once
-        gluon_wait()
 
     # The epilogue in a layout where each thread holds 8 consecutive n of one row m (16-byte
     # stores of z and of the workspace, both n-contiguous) instead of the wgmma's scattered pairs.

@@ -163,7 +163,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rms_norm_pair_(x_a: torch.Tensor, w_a: torch.Tensor, out_a: torch.Tensor, codes_a: torch.Tensor,
                    scales_a: torch.Tensor, x_b: torch.Tensor, w_b: torch.Tensor, out_b: torch.Tensor,
                    eps: float, *, window: torch.Tensor | None = None, slots: torch.Tensor | None = None,
-                   cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, num_warps: int = 4) -> None:
+                   cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, num_warps: int = 4,
+                   release: bool = False) -> None:
     """`rms_norm_(x_a, w_a, eps, out_a, codes_a, scales_a)` and `rms_norm_(x_b, w_b, eps, out_b)` in
     one launch (the step's q_norm with the MXFP8 of qr, and kv_norm), bit for bit the same.
     x_a, x_b: [N, D_a], [N, D_b] bfloat16 (same N; D_a a multiple of 32); shapes and dtypes of the
@@ -175,7 +176,12 @@ def rms_norm_pair_(x_a: torch.Tensor, w_a: torch.Tensor, out_a: torch.Tensor, co
     outside [0, S) writes nothing), cos, sin [N, 32] float32.
 
     num_warps: the warps of a program (a power of two in 1..16); a row's sum of squares is summed in
-    its layout's order, so the bits of a row are those of the launch's warp count (`rms_row`)."""
+    its layout's order, so the bits of a row are those of the launch's warp count (`rms_row`).
+
+    release (sm_90 outside the interpreter, `ops.pdl.supported`; ignored elsewhere): the programs let
+    the next kernel on the stream start at their own start, where that kernel is launched by
+    programmatic dependent launch (the step's `wq_b`, `ExactLinear(..., pdl=True)`, which waits for
+    this one before it reads qr)."""
     n, da = _check_norm(x_a, w_a, out_a, codes_a, scales_a, True, eps, (torch.bfloat16,),
                         ("x_a", "w_a", "out_a", "codes_a", "scales_a"))
     nb, db = _check_norm(x_b, w_b, out_b, None, None, False, eps, (torch.bfloat16,),
@@ -203,5 +209,6 @@ def rms_norm_pair_(x_a: torch.Tensor, w_a: torch.Tensor, out_a: torch.Tensor, co
     _rms_norm_pair_kernel[(n, 2)](
         x_a, w_a, oa, ca, sa, x_b, w_b, ob, float(eps), x_a.stride(0), oa.stride(0), ca.stride(0), sa.stride(0),
         x_b.stride(0), ob.stride(0), *win, D_A=da, BLOCK_A=max(32, triton.next_power_of_2(da)), D_B=db,
-        BLOCK_B=max(32, triton.next_power_of_2(db)), PDL=False, WINDOW=insert, num_warps=num_warps,
+        BLOCK_B=max(32, triton.next_power_of_2(db)), PDL=release and pdl.supported(x_a.device), WINDOW=insert,
+        num_warps=num_warps,
         enable_fp_fusion=False)

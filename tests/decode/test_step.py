@@ -364,20 +364,22 @@ def test_exact_linear_options_reach_the_exact_linears(cpu_setup, option):
         stack.decode_step(copy.deepcopy(base), max_rows=2, **{option: 1})
 
 
-def test_wo_a_pdl_is_off_without_pdl_and_checked(cpu_setup, monkeypatch):
-    """wo_a_pdl (sm_90: the Gluon wo_a launched by PDL after the sparse MLA; its bits are the GPU
-    tests') changes nothing where PDL is not available (here, the CPU); a value that is not a bool is
-    a StepError naming it; where it is on, the MLA's launch releases and wo_a's is by PDL."""
+@pytest.mark.parametrize("option", ["wo_a_pdl", "wq_b_pdl"])
+def test_pdl_options_are_off_without_pdl_and_checked(cpu_setup, monkeypatch, option):
+    """wo_a_pdl and wq_b_pdl (sm_90: the Gluon wo_a after the sparse MLA, the exact wq_b after the
+    norm pair, launched by PDL; their bits are the GPU tests') change nothing where PDL is not
+    available (here, the CPU); a value that is not a bool is a StepError naming it; where PDL is
+    available every layer takes it."""
     from dsv41_decode.decode import attention
     _, _, base, ckpt = cpu_setup
     stack = AttentionStack(ckpt, [1, 3])
-    step = stack.decode_step(copy.deepcopy(base), max_rows=2, wo_a_pdl=True)
-    assert not any(layer.wo_a_pdl for layer in step.layers.values())
-    with pytest.raises(StepError, match="wo_a_pdl must be a bool, got 1"):
-        stack.decode_step(copy.deepcopy(base), max_rows=2, wo_a_pdl=1)
+    step = stack.decode_step(copy.deepcopy(base), max_rows=2, **{option: True})
+    assert not any(getattr(layer, option) for layer in step.layers.values())
+    with pytest.raises(StepError, match=f"{option} must be a bool, got 1"):
+        stack.decode_step(copy.deepcopy(base), max_rows=2, **{option: 1})
     monkeypatch.setattr(attention, "pdl_supported", lambda device: True)
-    step = stack.decode_step(copy.deepcopy(base), max_rows=2, wo_a_pdl=True)
-    assert all(layer.wo_a_pdl for layer in step.layers.values())
+    step = stack.decode_step(copy.deepcopy(base), max_rows=2, **{option: True})
+    assert all(getattr(layer, option) for layer in step.layers.values())
 
 
 @interpreter

@@ -306,3 +306,37 @@ def test_rope_epilogue_on_gpu(name, n, k):
     for m in range(1, 65):
         check_rope(linear, codes[:m], x_scale[:m], cos[:m], sin[:m], plain[:m],
                    (name, m, type(linear.op_for(m)).__name__))
+
+
+@pytest.mark.parametrize("op,spec,bt", [("fma", "2:2:1:4", 1), ("mm", "f16d:128:16:1:32:4:1", 16),
+                                        ("mm", "f16w:64:32:1:32:4:1:80", 64)],
+                         ids=["fma-1-2-rows", "f16d-3-16-rows", "f16w-17-64-rows"])
+def test_pdl_launch_prefills_the_weight_before_its_wait(op, spec, bt):
+    """`ExactLinear(..., pdl=True)` (the step's `wq_b_pdl`), compiled for sm_90 in wq_b's plan
+    configurations with the RoPE epilogue: the ring's first weight tiles (one predicated copy a slot)
+    before the one griddepcontrol.wait (SASS ACQBULK), the activation tiles of those slots and the
+    ring's loop after it, no new local memory; without pdl no wait."""
+    from dsv41_decode.ops import exact_linear as EL, gluon_exact_fma as F, gluon_exact_mm as E
+    from dsv41_decode.testing import sm90
+    kernels = {}
+    for pdl in (False, True):
+        rope = sm90.rope_epilogue(True)
+        consts = {**rope["consts"], "PDL": pdl}
+        if op == "fma":
+            cfg = EL._fma_cfg(spec)
+            kernels[pdl] = sm90.compile_linear(F._gluon_exact_fma_kernel, F.launch_options(cfg, 1), [cfg.block_n, F.BLOCK_K],
+                                               [bt, F.BLOCK_K], False, rope["types"], consts)
+        else:
+            cfg = EL._cfg(spec)
+            kernels[pdl] = sm90.compile_linear(E._gluon_exact_mm_kernel, E.launch_options(cfg, bt, 1),
+                                               [cfg.block_n, cfg.block_k], [bt, cfg.block_k], False, rope["types"], consts)
+    orders = {pdl: "".join("w" if "griddepcontrol.wait" in line else "c" for line in k.asm["ptx"].split("\n")
+                           if "griddepcontrol.wait" in line or "cp.async.bulk.tensor" in line)
+              for pdl, k in kernels.items()}
+    stages = cfg.stages
+    assert orders[False] == "cc", orders
+    assert orders[True] == "c" * stages + "w" + "c" * stages + "cc", orders
+    ops = sm90.opcode_counts([t for _, t in sm90.sass(kernels[True])])
+    assert ops.get("ACQBULK", 0) == 1 and ops.get("UTMALDG", 0) == 2 * stages + 2, ops
+    plain, pdl = sm90.resources(kernels[False]), sm90.resources(kernels[True])
+    assert pdl["LOCAL"] == plain["LOCAL"] == 0 and pdl["STACK"] <= plain["STACK"] + 16, (plain, pdl)
