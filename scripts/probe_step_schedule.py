@@ -61,6 +61,7 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
                     runs; the same bits
     wq_b_pdl        each layer's exact wq_b launched by PDL after the q/kv norm pair, which releases
                     it at its start (`DecodeStep(wq_b_pdl=True)`); the same bits
+    pdl             both
     skip_pair       knock-outs (not the step: outputs differ; the 8-row output's comparison says so):
     skip_boundary   the q/kv norm pair, the mHC boundary's launch, every site's mixer or the sparse
     skip_mixer      MLA left out of the captured step, each alone: what that launch costs the
@@ -309,6 +310,7 @@ PATCHES = {
     "wproj_split": _wproj_split, "comp_tail": _comp_tail, "boundary_bd256": _boundary_chunks(256),
     "boundary_bd1024": _boundary_chunks(1024), "prefetch_wo_a": _prefetch_wo_a,
     "wo_a_pdl": _layer_flag("wo_a_pdl", True), "wq_b_pdl": _layer_flag("wq_b_pdl", True),
+    "pdl": lambda step: _swap([(layer, flag, True) for layer in step.layers.values() for flag in ("wo_a_pdl", "wq_b_pdl")]),
     "skip_pair": _skip(attention_mod, "rms_norm_pair_"), "skip_boundary": _skip(BoundaryOperands, "launch"),
     "skip_mixer": _skip(boundary_mod, "hc_mix_"), "skip_mla": _skip(attention_mod, "sparse_mla_launch"),
 }
