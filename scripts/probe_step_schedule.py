@@ -55,13 +55,12 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
                     (`pdl.bulk_prefetch_l2`, 16 KB an instruction, 32 a program) on the weights lane, issued once
                     wq_b is done, beside the sparse MLA (which reads little of DRAM), joined at
                     the step's end; the same bits
-    wo_a_pdl        each layer's Gluon wo_a launched by programmatic dependent launch after the Gluon
-                    sparse MLA, released at the MLA programs' start where the MLA runs one launch
-                    (`DecodeStep(wo_a_pdl=True)`): its rings' first weight tiles read while the MLA
-                    runs; the same bits
-    wq_b_pdl        each layer's exact wq_b launched by PDL after the q/kv norm pair, which releases
-                    it at its start (`DecodeStep(wq_b_pdl=True)`); the same bits
-    pdl             both
+    no_pdl          every kernel launched plainly: not each layer's Gluon wo_a by programmatic
+                    dependent launch after the Gluon sparse MLA (released at the start of the MLA's
+                    last launch's programs: its rings' first weight tiles read while the MLA runs) nor
+                    at 1-8 rows its exact wq_b after the q/kv norm pair, the step's default
+                    (`DecodeStep(wo_a_pdl=, wq_b_pdl=)`); the same bits
+    no_wq_b_pdl     wo_a's launch by PDL alone
     skip_pair       knock-outs (not the step: outputs differ; the 8-row output's comparison says so):
     skip_boundary   the q/kv norm pair, the mHC boundary's launch, every site's mixer or the sparse
     skip_mixer      MLA left out of the captured step, each alone: what that launch costs the
@@ -309,8 +308,9 @@ PATCHES = {
     "wproj_lane": _layer_flag("proj_own_lane", True), "wproj_in_index": _layer_flag("proj_own_lane", False),
     "wproj_split": _wproj_split, "comp_tail": _comp_tail, "boundary_bd256": _boundary_chunks(256),
     "boundary_bd1024": _boundary_chunks(1024), "prefetch_wo_a": _prefetch_wo_a,
-    "wo_a_pdl": _layer_flag("wo_a_pdl", True), "wq_b_pdl": _layer_flag("wq_b_pdl", True),
-    "pdl": lambda step: _swap([(layer, flag, True) for layer in step.layers.values() for flag in ("wo_a_pdl", "wq_b_pdl")]),
+    "no_pdl": lambda step: _swap([(layer, flag, False) for layer in step.layers.values()
+                                  for flag in ("wo_a_pdl", "wq_b_pdl")]),
+    "no_wq_b_pdl": _layer_flag("wq_b_pdl", False),
     "skip_pair": _skip(attention_mod, "rms_norm_pair_"), "skip_boundary": _skip(BoundaryOperands, "launch"),
     "skip_mixer": _skip(boundary_mod, "hc_mix_"), "skip_mla": _skip(attention_mod, "sparse_mla_launch"),
 }

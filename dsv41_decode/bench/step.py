@@ -126,8 +126,9 @@ def _layer_kinds(cfg: ModelConfig) -> dict[str, int]:
 # key tile it reads (sm_90; the draft rows of the `4x(1+3)` rows); fuse_scales the exact linears'
 # GluonExactMM with each block term and its add in one FMA (sm_90, the same bits); pair_slots its
 # configurations with the warps along K taking the ring's slots two at a time (sm_90, the same bits);
-# wo_a_pdl each layer's Gluon wo_a launched by PDL after the sparse MLA, wq_b_pdl its exact wq_b after
-# the norm pair, pdl both (sm_90, the same bits).
+# no_pdl every kernel launched plainly (the step's default launches each layer's Gluon wo_a by PDL
+# after the sparse MLA and, at 1-8 rows, its exact wq_b after the norm pair), no_wq_b_pdl wo_a's alone
+# (sm_90, the same bits).
 VARIANTS = {
     "no_overlap": dict(overlap=False),
     "wo_a_fp8": dict(wo_a_fp8=True),
@@ -140,9 +141,8 @@ VARIANTS = {
     "fuse_scales": dict(fuse_scales=True),
     "pair_slots": dict(pair_slots=True),
     "comp_tail": dict(comp_tail=True),
-    "wo_a_pdl": dict(wo_a_pdl=True),
-    "wq_b_pdl": dict(wq_b_pdl=True),
-    "pdl": dict(wo_a_pdl=True, wq_b_pdl=True),
+    "no_pdl": dict(wo_a_pdl=False, wq_b_pdl=False),
+    "no_wq_b_pdl": dict(wq_b_pdl=False),
 }
 DEFAULT_VARIANTS = ("no_overlap", "wo_a_fp8", "tc_linears")
 

@@ -106,6 +106,13 @@ def fp8_linear_plan(weight: torch.Tensor, scale: torch.Tensor, max_rows: int, ex
 # against 5067 / 5217 / 7099 (0.2-0.3 % slower at 32-64): docs/step.md
 WEIGHTS_LANE_MAX_ROWS = 2
 
+# The exact wq_b launched by PDL after the norm pair (`DecodeStep(wq_b_pdl=True)`) in the buckets of at
+# most this many rows: on an H100 (32K, two passes of scripts/probe_step_schedule.py at 0a0e41f+, both
+# PDL launches against neither) 3930 / 5060-5064 us at 1 / 8 rows against 4042-4049 / 5148-5151 with
+# 1.6 / 0.6 % of it from wq_b's launch (3906 / 5053 against wo_a's alone 3968 / 5084 in bench step),
+# but wq_b's launch by PDL 0.6-1.2 % slower at 16-64 rows: docs/step.md
+WQ_B_PDL_MAX_ROWS = 8
+
 
 # The ring slots of an FP8 `wo_a`'s folded Gluon consumer (a slot holds half the bytes of the BF16
 # weight's, whose plan keeps its default 6): 14.0 / 14.1 / 14.3 / 14.9 / 19.0 us at 1 / 2 / 8 / 16 /
@@ -243,7 +250,7 @@ class AttentionStep:
                  wo_a_fp8: bool = False, exact_linears: bool = True, fp32_dots: bool = False,
                  fold_index_chain: bool = False, weights_lane: bool = True, comp_tail: bool = False,
                  index_row_group: int = 1, fuse_scales: bool = False, pair_slots: bool = False,
-                 wo_a_pdl: bool = False, wq_b_pdl: bool = False):
+                 wo_a_pdl: bool = True, wq_b_pdl: bool = True):
         """sources: the step's layers built before this one (by id), among them this layer's index and
         KV sources: a layer that reuses a selection or a candidate pool reads its source's buffers.
         The layer's own selection and candidate pool (when it makes them) are its attributes
@@ -261,7 +268,7 @@ class AttentionStep:
         # GEMM, instead of ahead of it on the index query's lane (a schedule choice: the same bits)
         self.proj_own_lane = bool(weights_lane)
         # wo_a_pdl: the Gluon wo_a launched by PDL after the Gluon sparse MLA, which releases it at
-        # its start (a schedule choice: the same bits; `_output`)
+        # its programs' start (a schedule choice: the same bits; `_attend`, `_output`)
         self.wo_a_pdl = bool(wo_a_pdl) and pdl_supported(state.device)
         self.state, self.meta, self.s, self.lanes = state, meta, scratch, lanes
         dev = state.device
@@ -283,7 +290,8 @@ class AttentionStep:
         # q/kv norm pair's launch
         self.rope_in_wq_b = isinstance(self.mm_wq_b, (ExactLinear, GluonMM, LowLatencyMM))
         # wq_b_pdl: the exact wq_b launched by PDL after the q/kv norm pair, which releases it at its
-        # start (a schedule choice: the same bits; `_inputs`, `_prepare`)
+        # start, in the buckets of at most WQ_B_PDL_MAX_ROWS rows (a schedule choice: the same bits;
+        # `_inputs`, `_prepare`)
         self.wq_b_pdl = bool(wq_b_pdl) and pdl_supported(dev) and isinstance(self.mm_wq_b, ExactLinear)
         self.mm_wo_b = _fp8_plan(w, "wo_b", max_rows, exact_linears, pool, fuse_scales, pair_slots)
         if "attn.wo_a.scale" in w:
@@ -455,7 +463,7 @@ class AttentionStep:
         rms_norm_pair_(qkv[:, :ql], self.w["attn.q_norm.weight"], s.qr[:B], s.qr_codes[:B], s.qr_scales[:B],
                        qkv[:, ql:], self.w["attn.kv_norm.weight"], s.kv[:B], cfg.norm_eps,
                        window=self.state.window[spec.layer], slots=m.stage_slot[:B], cos=m.cos[r][:B], sin=m.sin[r][:B],
-                       release=self.wq_b_pdl)
+                       release=self.wq_b_pdl and B <= WQ_B_PDL_MAX_ROWS)
         return kv_score, lanes.mark(), proj_ready             # the second event protects qr codes
 
     def _prepare(self, B: int, kv_score, qr_ready, proj_ready, own: slice):
@@ -507,7 +515,7 @@ class AttentionStep:
                                             st.index_keys[L], cfg.norm_eps)
                 latent_ready = lanes.mark()                   # protects compressed + index-key records
         q = s.q[:B]
-        if self.wq_b_pdl:           # by PDL after the norm pair (an exact wq_b: the RoPE in its epilogue)
+        if self.wq_b_pdl and B <= WQ_B_PDL_MAX_ROWS:     # by PDL after the norm pair (an exact wq_b: RoPE epilogue)
             self.mm_wq_b(s.qr_codes[:B], s.qr_scales[:B], q.view(B, -1), rope=(m.cos[r][:B], m.sin[r][:B]), pdl=True)
         elif self.rope_in_wq_b:     # the query RoPE in wq_b's epilogue (the window insert ran in the norm pair)
             self.mm_wq_b(s.qr_codes[:B], s.qr_scales[:B], q.view(B, -1), rope=(m.cos[r][:B], m.sin[r][:B]))

@@ -161,15 +161,17 @@ class DecodeStep:
         step) in every configuration that can; the same bits. Off by default (the plan's own
         configurations take it where it measured faster); elsewhere it changes nothing.
     wo_a_pdl: on an sm_90 GPU, each layer's Gluon `wo_a` launched by programmatic dependent launch
-        after its Gluon sparse MLA, which lets it start at the MLA programs' start where the MLA runs
-        one launch (`gluon_sparse_mla_(release=True)`): its programs fill their rings' first slots
-        with weight tiles while the MLA runs, then wait for it (`gluon_wo_a_(pdl=True)`); the same
-        bits. Off by default (docs/step.md); elsewhere it changes nothing.
-    wq_b_pdl: on an sm_90 GPU, each layer's exact wq_b (`ExactLinear`, in its Gluon ops) launched by
-        programmatic dependent launch after the q/kv norm pair, which lets it start at the pair's
-        start (`rms_norm_pair_(release=True)`): its programs request their rings' first weight tiles
-        while the pair runs, then wait for it (`ExactLinear(..., pdl=True)`); the same bits. Off by
-        default (docs/step.md); elsewhere it changes nothing.
+        after its Gluon sparse MLA, whose last launch lets it start at that launch's programs' start
+        (`gluon_sparse_mla_(release=True)`): its programs request their rings' first weight tiles
+        while the MLA runs, then wait for it (`gluon_wo_a_(pdl=True)`); the same bits. On by default
+        (on an H100 the step 1-2 % faster at 1-8 rows, 0.6 % at 16-64: docs/step.md); elsewhere it
+        changes nothing.
+    wq_b_pdl: on an sm_90 GPU, in the buckets of at most `attention.WQ_B_PDL_MAX_ROWS` rows, each
+        layer's exact wq_b (`ExactLinear`, in its Gluon ops) launched by programmatic dependent
+        launch after the q/kv norm pair, which lets it start at the pair's start
+        (`rms_norm_pair_(release=True)`): its programs request their rings' first weight tiles while
+        the pair runs, then wait for it (`ExactLinear(..., pdl=True)`); the same bits. On by default
+        (docs/step.md); elsewhere it changes nothing.
     mix_late_rows: in the buckets of at least this many rows each site's mixer is enqueued at the
         end of the next layer's input projections instead of right after the boundary before it
         (default `MIX_LATE_ROWS`, where it measured faster on an H200; LOW_BATCH_MAX_ROWS + 1:
@@ -192,7 +194,7 @@ class DecodeStep:
                  exact_linears: bool = True, fp32_dots: bool = False, fold_index_chain: bool = False,
                  fold_boundary: bool = False, weights_lane: bool = True, comp_tail: bool = False,
                  mix_late_rows: int = MIX_LATE_ROWS, index_row_group: int = 1, fuse_scales: bool = False,
-                 pair_slots: bool = False, wo_a_pdl: bool = False, wq_b_pdl: bool = False):
+                 pair_slots: bool = False, wo_a_pdl: bool = True, wq_b_pdl: bool = True):
         if as_count(max_rows) is None:
             raise StepError(f"max_rows must be an int, got {max_rows!r}")
         max_rows = int(max_rows)
