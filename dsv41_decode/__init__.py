@@ -6,7 +6,8 @@ The public API (README "Python API" shows it end to end):
     load_checkpoint, Checkpoint,           weights.py: read and validate a checkpoint folder; write a
     CheckpointError, write_synthetic_checkpoint     synthetic one in the same layout
     DecodeState                            state.py: caches and requests; plan / advance a call's rows
-    StepRows, CapacityError                rows.py: a call's rows as `plan` lays them out; its capacity error
+    StepRows, CapacityError                rows.py: a call's rows as `plan` lays them out; the
+                                           capacity error
     AttentionStack, AttentionLayer,        stack.py, layer.py: the generic path (prefill, any rows)
     CallContext
     DecodeStep, StepError                  decode/: the specialized decode step (`stack.decode_step`)

@@ -36,9 +36,9 @@ class OpenGroups:
       rows[L] (history > 0 only): float32 [max_requests, history, 2 * head_dim]: the `kv | score`
         inputs of position p at row p % history; views of one buffer with one more slot row (index
         max_requests) holding a fresh group's values.
-    stale: the slots whose groups a deferred accept left to restore (`leave`); until `sync` or
-    `settle`, `kv` / `score` hold what the slot's last call left there, `read` what a later call
-    reads.
+    stale: the slots whose groups a deferred accept left to restore (`leave`); until `sync`,
+    `settle` or `reset`, `kv` / `score` hold what the slot's last call left there, `read` what a
+    later call reads.
     """
 
     def __init__(self, layers: Iterable[int], max_requests: int, head_dim: int, history: int,
@@ -58,8 +58,9 @@ class OpenGroups:
         self.stale: set[int] = set()
 
     def reset(self, s: int) -> None:
-        """Slot s holds a fresh group and no input rows (a request admitted there): the step's
-        compressor kernel, which reads a call's groups from `rows`, sees no earlier occupant's."""
+        """Slot s holds a fresh group and no input rows (a request admitted there), nothing left to
+        restore: the step's compressor kernel, which reads a call's groups from `rows`, sees no
+        earlier occupant's."""
         self._comp[s, :, :, 0] = 0.0
         self._comp[s, :, :, 1] = float("-inf")
         if self.history:
@@ -67,8 +68,8 @@ class OpenGroups:
         self.stale.discard(s)
 
     def row(self, s: int, p: int) -> GroupRow:
-        """Where a restore copies position p's row of slot s's group from: its input row p % history,
-        or a fresh group's values for p < 0."""
+        """Where a restore copies position p's row of slot s's group from: its input row p % history
+        (history > 0), or a fresh group's values for p < 0."""
         return (s, p % 2) + ((s, p % self.history) if p >= 0 else (self.max_requests, 0))
 
     def at_length(self, s: int, n: int) -> list[GroupRow]:
@@ -78,8 +79,10 @@ class OpenGroups:
     def restore(self, restore: list[GroupRow], upload: HostUpload) -> None:
         """Copy the rows in `restore` back into the groups: one upload, one gather and one indexed
         copy over every source, both on the buffers' leading two dimensions flattened
-        (`index_select` / `index_copy_`: less host work than advanced indexing; no destination twice
-        when a slot's rows are of two parities). Nothing without sources or history."""
+        (`index_select` / `index_copy_`: less host work than advanced indexing). The caller lists
+        each (slot, p % 2) at most once (`index_copy_` with a destination twice is not
+        deterministic on CUDA): a slot's rows at one length are of two parities. Nothing without
+        sources or history."""
         if restore and self.rows:
             H = self._rows.shape[1]
             idx = upload.tensor([[s * 2 + half for s, half, _, _ in restore],
@@ -117,7 +120,8 @@ class OpenGroups:
 
     def keep_rows(self, layer: int, s: int, positions: list[int], rows: torch.Tensor) -> None:
         """Store source `layer`'s input rows of slot s at `positions` (at most `history`, distinct
-        modulo it): rows float32 [n, 2 * head_dim] (`kv | score`). A no-op without history."""
+        modulo it): rows float32 [len(positions), 2 * head_dim] (`kv | score`) on the buffers'
+        device. A no-op without history."""
         if self.history and positions:
             idx = torch.tensor([p % self.history for p in positions], dtype=torch.int64, device=rows.device)
             self.rows[layer][s].index_copy_(0, idx, rows)

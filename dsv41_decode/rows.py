@@ -1,5 +1,6 @@
 """The rows of one call (a prefill chunk or a decode step) as `DecodeState.plan` lays them out, the
-capacity error a plan raises, and the small host-side checks the state and the step share.
+error a state raises where a capacity would be exceeded (`plan`, `admit`), and the small host-side
+checks that the state, the stack and the step share (`as_count`, `same_device`).
 """
 
 from __future__ import annotations

@@ -90,7 +90,8 @@ class DecodeState:
         compressors keep their last `max_drafts + 2` input rows per request (`comp_rows`).
     device: where every buffer lives.
 
-    Buffers (allocated here, never reallocated; all on `device`):
+    Buffers (allocated here - comp_kv, comp_score and comp_rows by `open_groups.OpenGroups`, whose
+    views they are - never reallocated; all on `device`):
       window[L]: uint8 [max_requests * M + stage_rows, 528] for every layer L (`M = ring_size =
         W + max_drafts`): the rings, then the staging rows from `stage_base = max_requests * M`.
       compressed[L]: uint8 [pages_r * page_size, 288] for every KV source L of ratio r.
@@ -722,8 +723,9 @@ class DecodeState:
             return
         pos = self._positions(positions, "write_compressor_rows")[-H:]
         n = len(pos)
+        rows = torch.cat([kv[-n:], score[-n:]], dim=1).to(torch.float32)
         self._written = True
-        self._groups.keep_rows(layer, req_slot, pos, torch.cat([kv[-n:], score[-n:]], dim=1).to(torch.float32))
+        self._groups.keep_rows(layer, req_slot, pos, rows)
 
     # ----- compressed caches (generic path) -----
     def entry_slots(self, ratio: int, req_slot: int, entries: torch.Tensor) -> torch.Tensor:

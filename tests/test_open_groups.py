@@ -57,8 +57,9 @@ def test_a_stale_group_reads_as_restored_until_sync_then_is():
     assert not g.stale
     assert torch.equal(g.kv[8][1], kv) and torch.equal(g.score[8][1], score)
     g.leave(1)
+    g.leave(2)
     g.settle([0, 1])
-    assert not g.stale
+    assert g.stale == {2}
 
 
 def test_reset_gives_a_fresh_group_and_no_rows():
@@ -73,6 +74,11 @@ def test_reset_gives_a_fresh_group_and_no_rows():
         assert torch.equal(g.rows[L][2, :, :DIM], torch.zeros(HISTORY, DIM))
         assert bool((g.rows[L][2, :, DIM:] == float("-inf")).all())
         assert torch.equal(g.rows[L][1, 0, :DIM], _row(L, 1, 10))      # another slot's rows stay
+
+
+def test_nbytes_counts_the_groups_and_the_rows():
+    g = _groups()
+    assert g.nbytes() == SLOTS * 2 * len(LAYERS) * 2 * DIM * 4 + (SLOTS + 1) * HISTORY * len(LAYERS) * 2 * DIM * 4
 
 
 def test_without_history_nothing_is_kept_or_restored():
