@@ -18,11 +18,14 @@ completed only after its own wait saw kernel n complete. Kernels launched withou
 
 Gluon kernels take the same two instructions from `gluon_wait` and `gluon_launch_dependents`.
 
-Off everywhere by default: a launcher passes `PDL=False` (and no launch attribute) unless its caller
-asks for PDL on that launch. PDL never works in the interpreter (the instructions are inline PTX)
-or below sm_90 (`supported`). Measured on an H200, the decode step with PDL on every main-stream
-kernel was slower (docs/step.md), so the step launches without it; so it does the sparse MLA's second
-launch (`GluonSparseMlaConfig.pv_pdl`, docs/attn.md).
+A launcher passes `PDL=False` (and no launch attribute) unless its caller asks for PDL on that
+launch. PDL never works in the interpreter (the instructions are inline PTX) or below sm_90
+(`supported`). Measured on an H200, the decode step with PDL on every main-stream kernel was slower
+(docs/step.md); the step launches two kernels by PDL, each after a predecessor that releases it at
+its start and reads little of DRAM: the Gluon `wo_a` after the sparse MLA and, at 1-8 rows, the
+exact `wq_b` after the q/kv norm pair (`DecodeStep(wo_a_pdl=, wq_b_pdl=)`), both with their rings'
+first weight tiles requested before their wait (`gluon_mm.ring_prefill`). The sparse MLA's second
+launch stays plain (`GluonSparseMlaConfig.pv_pdl`, docs/attn.md).
 """
 
 from __future__ import annotations
