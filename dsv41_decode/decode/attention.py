@@ -250,7 +250,7 @@ class AttentionStep:
                  wo_a_fp8: bool = False, exact_linears: bool = True, fp32_dots: bool = False,
                  fold_index_chain: bool = False, weights_lane: bool = True, comp_tail: bool = False,
                  index_row_group: int = 1, fuse_scales: bool = False, pair_slots: bool = False,
-                 wo_a_pdl: bool = True, wq_b_pdl: bool = True):
+                 wo_a_pdl: bool = True, wq_b_pdl: bool = True, qkv_pdl: bool = False):
         """sources: the step's layers built before this one (by id), among them this layer's index and
         KV sources: a layer that reuses a selection or a candidate pool reads its source's buffers.
         The layer's own selection and candidate pool (when it makes them) are its attributes
@@ -293,6 +293,9 @@ class AttentionStep:
         # start, in the buckets of at most WQ_B_PDL_MAX_ROWS rows (a schedule choice: the same bits;
         # `_inputs`, `_prepare`)
         self.wq_b_pdl = bool(wq_b_pdl) and pdl_supported(dev) and isinstance(self.mm_wq_b, ExactLinear)
+        # qkv_pdl: the exact fused wq_a|wkv launched by PDL after the mHC boundary's launch, which
+        # releases it at its start (a schedule choice: the same bits; `_inputs`, `DecodeStep._schedule`)
+        self.qkv_pdl = bool(qkv_pdl) and pdl_supported(dev) and isinstance(self.mm_qkv, ExactLinear)
         self.mm_wo_b = _fp8_plan(w, "wo_b", max_rows, exact_linears, pool, fuse_scales, pair_slots)
         if "attn.wo_a.scale" in w:
             self.wo_a_w, self.wo_a_s = w["attn.wo_a.weight"], w["attn.wo_a.scale"]
@@ -441,7 +444,7 @@ class AttentionStep:
         proj_ready or None)."""
         cfg, spec, s, lanes = self.cfg, self.spec, self.s, self.lanes
         start = lanes.mark()                                  # protects u (written by the boundary)
-        qkv = self.mm_qkv(u_codes, u_scales, s.qkv_a[:B])
+        qkv = self.mm_qkv(u_codes, u_scales, s.qkv_a[:B], **(dict(pdl=True) if self.qkv_pdl else {}))
         kv_score = proj_ready = None
         if spec.owns_compressor:
             with lanes.side(AUX_COMPRESSOR):

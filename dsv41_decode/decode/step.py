@@ -172,6 +172,10 @@ class DecodeStep:
         (`rms_norm_pair_(release=True)`): its programs request their rings' first weight tiles while
         the pair runs, then wait for it (`ExactLinear(..., pdl=True)`); the same bits. On by default
         (docs/step.md); elsewhere it changes nothing.
+    qkv_pdl: on an sm_90 GPU, each layer's exact fused wq_a|wkv GEMM (`ExactLinear`, where its op is
+        a Gluon one: from 3 rows) launched by programmatic dependent launch after the mHC boundary's
+        own launch before it, which lets it start at its start (`mhc_boundary_(release=True)`); the
+        same bits. Off by default (not yet measured on a GPU); elsewhere it changes nothing.
     mix_late_rows: in the buckets of at least this many rows each site's mixer is enqueued at the
         end of the next layer's input projections instead of right after the boundary before it
         (default `MIX_LATE_ROWS`, where it measured faster on an H200; LOW_BATCH_MAX_ROWS + 1:
@@ -180,7 +184,7 @@ class DecodeStep:
     Errors: StepError for buckets outside 1..LOW_BATCH_MAX_ROWS or past the state's stage_rows, a
     state of another configuration, a mix_late_rows that is not an int >= 1, an index_row_group
     outside `ROW_GROUPS`, a max_rows or bucket that is not an int, an option documented as a bool
-    (graphs .. pair_slots, wo_a_pdl, wq_b_pdl) that is not one, an unknown tp_boundary,
+    (graphs .. pair_slots, wo_a_pdl, wq_b_pdl, qkv_pdl) that is not one, an unknown tp_boundary,
     or tp_boundary="fused" under TP off CUDA; `NotEligible` for a layer whose weights do not suit
     the step.
 
@@ -194,7 +198,7 @@ class DecodeStep:
                  exact_linears: bool = True, fp32_dots: bool = False, fold_index_chain: bool = False,
                  fold_boundary: bool = False, weights_lane: bool = True, comp_tail: bool = False,
                  mix_late_rows: int = MIX_LATE_ROWS, index_row_group: int = 1, fuse_scales: bool = False,
-                 pair_slots: bool = False, wo_a_pdl: bool = True, wq_b_pdl: bool = True):
+                 pair_slots: bool = False, wo_a_pdl: bool = True, wq_b_pdl: bool = True, qkv_pdl: bool = False):
         if as_count(max_rows) is None:
             raise StepError(f"max_rows must be an int, got {max_rows!r}")
         max_rows = int(max_rows)
@@ -224,7 +228,7 @@ class DecodeStep:
         flags = dict(graphs=graphs, overlap=overlap, wo_a_fp8=wo_a_fp8, exact_linears=exact_linears,
                      fp32_dots=fp32_dots, fold_index_chain=fold_index_chain, fold_boundary=fold_boundary,
                      weights_lane=weights_lane, comp_tail=comp_tail, fuse_scales=fuse_scales, pair_slots=pair_slots,
-                     wo_a_pdl=wo_a_pdl, wq_b_pdl=wq_b_pdl)
+                     wo_a_pdl=wo_a_pdl, wq_b_pdl=wq_b_pdl, qkv_pdl=qkv_pdl)
         for name, flag in flags.items():
             if not isinstance(flag, bool):
                 raise StepError(f"{name} must be a bool, got {flag!r}")
@@ -252,7 +256,8 @@ class DecodeStep:
                                            fp32_dots=fp32_dots, fold_index_chain=fold_index_chain,
                                            weights_lane=weights_lane, comp_tail=comp_tail,
                                            index_row_group=index_row_group, fuse_scales=fuse_scales,
-                                           pair_slots=pair_slots, wo_a_pdl=wo_a_pdl, wq_b_pdl=wq_b_pdl)
+                                           pair_slots=pair_slots, wo_a_pdl=wo_a_pdl, wq_b_pdl=wq_b_pdl,
+                                           qkv_pdl=qkv_pdl)
         self.scratch.workspaces.seal()           # every plan has its view; the graphs take the addresses
         mailbox = None
         if tp_boundary != "collective" and stack.tp.tp > 1 and dev.type == "cuda":
@@ -344,7 +349,8 @@ class DecodeStep:
                 self.layers[i].run(B, bd.u[:B], bd.codes[:B], bd.scales[:B], io.y[:B], events, shard,
                                    after_inputs=after_inputs)
                 lanes.wait(mix_ready)                         # post/comb/pre of this site
-                bd.exit(i, nxt, io.y[:B], x, k % 2, x_new, B, index=k)
+                bd.exit(i, nxt, io.y[:B], x, k % 2, x_new, B, index=k, release=nxt is not None
+                        and self.layers[nxt].qkv_pdl)
             if nxt is not None and not late:
                 mix_ready = bd.mix(nxt, x_new, (k + 1) % 2, B, lanes)
             x = x_new

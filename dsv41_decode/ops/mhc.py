@@ -509,7 +509,8 @@ def check_boundary_call(y, x, post, comb, pre, norm_weight, eps, x_out, u_out, c
 
 def mhc_boundary_(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor,
                   norm_weight: torch.Tensor, eps: float, x_out: torch.Tensor, u_out: torch.Tensor,
-                  codes_out: torch.Tensor, scales_out: torch.Tensor, plan: MhcBoundaryPlan | None = None) -> None:
+                  codes_out: torch.Tensor, scales_out: torch.Tensor, plan: MhcBoundaryPlan | None = None, *,
+                  release: bool = False) -> None:
     """x_out = hc_post(y, x, post, comb); u_out = rms_norm(hc_pre(x_out, pre), norm_weight, eps);
     (codes_out, scales_out) = mxfp8_quantize(u_out). One launch, nothing allocated, no host sync.
 
@@ -532,6 +533,10 @@ def mhc_boundary_(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: to
         UE8M0 bytes (or float8_e8m0fnu): bitwise formats.mxfp8_quantize(u_out).
     Every tensor has unit stride in its last dimension (x, x_out and comb: any other strides).
     The outputs must not overlap y or x (checked).
+    release (with a plan, on sm_90 outside the interpreter: `ops.pdl.supported`; ignored elsewhere):
+    the programs let the next kernel on the stream start at their own start, where that kernel is
+    launched by programmatic dependent launch (the step's next fused wq_a|wkv, `ExactLinear(...,
+    pdl=True)`, which waits for this one before it reads u's codes).
     """
     n, dim = check_boundary_call(y, x, post, comb, pre, norm_weight, eps, x_out, u_out, codes_out, scales_out, plan)
     if n == 0:
@@ -544,7 +549,7 @@ def mhc_boundary_(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: to
                    pre.stride(0), xo.stride(0), xo.stride(1), u.stride(0), codes.stride(0), scales.stride(0),
                    plan.ws.stride(0))
         meta = dict(D=dim, BLOCK_D=plan.block_d, NCH=plan.chunks, NCH_P2=triton.next_power_of_2(plan.chunks),
-                    PDL=False, num_warps=4, enable_fp_fusion=False)
+                    PDL=release and pdl.supported(y.device), num_warps=4, enable_fp_fusion=False)
         if plan.coresident:
             _mhc_boundary_coresident_kernel[(n, plan.chunks)](*args, int(plan.spin_limit), *strides, **meta)
         else:
@@ -584,10 +589,11 @@ class BoundaryOperands:
         check_boundary_call(y, self.x, self.post, self.comb, self.pre, self.norm_weight, self.eps, self.x_out,
                             self.u_out, self.codes_out, self.scales_out, self.plan)
 
-    def launch(self, y: torch.Tensor) -> None:
-        """The boundary on y as its own launch: `mhc_boundary_(y, ...)` with these operands."""
+    def launch(self, y: torch.Tensor, release: bool = False) -> None:
+        """The boundary on y as its own launch: `mhc_boundary_(y, ..., release=release)` with these
+        operands."""
         mhc_boundary_(y, self.x, self.post, self.comb, self.pre, self.norm_weight, self.eps, self.x_out,
-                      self.u_out, self.codes_out, self.scales_out, self.plan)
+                      self.u_out, self.codes_out, self.scales_out, self.plan, release=release)
 
 
 def mhc_enter_(x: torch.Tensor, pre: torch.Tensor, norm_weight: torch.Tensor, eps: float, u_out: torch.Tensor,
