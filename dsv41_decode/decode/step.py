@@ -175,7 +175,8 @@ class DecodeStep:
     qkv_pdl: on an sm_90 GPU, each layer's exact fused wq_a|wkv GEMM (`ExactLinear`, where its op is
         a Gluon one: from 3 rows) launched by programmatic dependent launch after the mHC boundary's
         own launch before it, which lets it start at its start (`mhc_boundary_(release=True)`); the
-        same bits. Off by default (not yet measured on a GPU); elsewhere it changes nothing.
+        same bits. Off by default: on an H100 the step 1.1 % faster at 4 rows but 0.7 / 1.7 / 6.6 %
+        slower at 1 / 16 / 64 (docs/step.md); elsewhere it changes nothing.
     mix_late_rows: in the buckets of at least this many rows each site's mixer is enqueued at the
         end of the next layer's input projections instead of right after the boundary before it
         (default `MIX_LATE_ROWS`, where it measured faster on an H200; LOW_BATCH_MAX_ROWS + 1:
