@@ -110,7 +110,8 @@ WEIGHTS_LANE_MAX_ROWS = 2
 # most this many rows: on an H100 (32K, two passes of scripts/probe_step_schedule.py at 0a0e41f+, both
 # PDL launches against neither) 3930 / 5060-5064 us at 1 / 8 rows against 4042-4049 / 5148-5151 with
 # 1.6 / 0.6 % of it from wq_b's launch (3906 / 5053 against wo_a's alone 3968 / 5084 in bench step),
-# but wq_b's launch by PDL 0.6-1.2 % slower at 16-64 rows: docs/step.md
+# but wq_b's launch by PDL 0.5-1.0 % slower than wo_a's alone at 16-64 rows (0.8-1.2 % slower than
+# neither with wq_b's alone): docs/step.md
 WQ_B_PDL_MAX_ROWS = 8
 
 

@@ -164,8 +164,8 @@ class DecodeStep:
         after its Gluon sparse MLA, whose last launch lets it start at that launch's programs' start
         (`gluon_sparse_mla_(release=True)`): its programs request their rings' first weight tiles
         while the MLA runs, then wait for it (`gluon_wo_a_(pdl=True)`); the same bits. On by default
-        (on an H100 the step 1-2 % faster at 1-8 rows, 0.6 % at 16-64: docs/step.md); elsewhere it
-        changes nothing.
+        (on an H100 the step 1.9-2.9 % faster at 1-8 rows, 0.6-0.7 % at 16-64: docs/step.md);
+        elsewhere it changes nothing.
     wq_b_pdl: on an sm_90 GPU, in the buckets of at most `attention.WQ_B_PDL_MAX_ROWS` rows, each
         layer's exact wq_b (`ExactLinear`, in its Gluon ops) launched by programmatic dependent
         launch after the q/kv norm pair, which lets it start at the pair's start

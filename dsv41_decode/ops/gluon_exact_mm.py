@@ -356,7 +356,7 @@ def _gluon_exact_mm_kernel(
                            sx_ptr, stride_sxm, fuse_lo, fuse_hi, STAGES, BN, BT, SPLIT_K, mma_layout, cvt_l,
                            CONVERT == "f16wp", FUSE)),
             (_ring_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, off_m, step_lo, n_steps,
-                              STAGES, False, PDL)),
+                              STAGES, False, PDL and not PAIRS)),
         ], [1], [24])
     elif WARPS_K == 1:
         acc, = gl.warp_specialize([

@@ -162,7 +162,10 @@ def ring_prefill(w_desc, x_desc, w_smem, ready, off_n, step_lo, n_steps, STAGES:
 def producer_prefilled(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, x_col, step_lo, n_steps,
                        STAGES: gl.constexpr):
     """`_producer` after `ring_prefill`: the activation tiles of the prefilled slots, then the ring
-    from the first step past them."""
+    from the first step past them. The producer warp waits for the predecessor itself first (the
+    program's wait in `ring_prefill` already returned, so at once): its copies are ordered after the
+    wait by its own instruction, not only by the fork."""
+    gluon_wait()
     BK: gl.constexpr = w_desc.block_type.shape[1]
     for i in gl.static_range(STAGES):
         if i < n_steps:

@@ -511,8 +511,8 @@ def _gluon_wo_a_kernel(
 
     if COPY_WORDS > 0:
         # the staged window copy (`window_copy`): the programs of split 0 move rows pid_n,
-        # pid_n + N_TILES, ... (stream order puts it after the kernel's predecessors, the readers
-        # of the destinations)
+        # pid_n + N_TILES, ... (after the kernel's predecessors, the readers of the destinations: by
+        # stream order, or, launched by PDL, by `ring_prefill`'s wait)
         if pid_s == 0:
             copy_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1], threads_per_warp=[32],
                                                     warps_per_cta=[4 * WG], order=[0])

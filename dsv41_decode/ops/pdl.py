@@ -16,7 +16,12 @@ ordering is transitive: when kernel n + 2 passes its wait, kernel n + 1 has comp
 completed only after its own wait saw kernel n complete. Kernels launched without the attribute
 (torch ops, side-stream kernels) keep full stream serialization.
 
-Gluon kernels take the same two instructions from `gluon_wait` and `gluon_launch_dependents`.
+Gluon kernels take the same two instructions from `gluon_wait` and `gluon_launch_dependents`. A
+Gluon ring kernel launched by PDL (`gluon_mm.ring_prefill`) requests its ring's first weight tiles
+(constant data, by TMA into its own shared memory) before its wait and nothing else; the step's
+predecessors that release such a kernel (the sparse MLA's launch that writes o, the q/kv norm pair)
+do so at their programs' start, before anything of their own - the successor's wait still orders
+every dependent access after their completion.
 
 A launcher passes `PDL=False` (and no launch attribute) unless its caller asks for PDL on that
 launch. PDL never works in the interpreter (the instructions are inline PTX) or below sm_90

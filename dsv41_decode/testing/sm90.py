@@ -259,6 +259,18 @@ def fp8_desc_type(block) -> str:
     return f"tensordesc<fp8e4nv[{block[0]}, {block[1]}],{layout!r}>"
 
 
+def pdl_prologue(ptx: str) -> tuple[int, list[str]]:
+    """What a kernel compiled for a launch by programmatic dependent launch does before its first
+    `griddepcontrol.wait` (in its PTX's text order): (the TMA tensor copies there - a ring's
+    prefilled weight tiles -, the other global accesses there: ld/st.global, atom, red, cp.async),
+    the latter to be none: nothing its predecessor writes may be read or written before the wait."""
+    body = ptx[ptx.index(".entry"):]
+    before = body[:body.index("griddepcontrol.wait")]
+    copies = len(re.findall(r"cp\.async\.bulk\.tensor", before))
+    other = re.findall(r"\b(?:ld|st)\.global\S*|\batom\.\S+|\bred\.\S+|\bcp\.async\.c[ag]\S*", before)
+    return copies, other
+
+
 def compile_linear(fn, opts: dict, w_box, x_box, out_f32: bool, types: dict | None = None,
                    consts: dict | None = None):
     """`fn`, a Gluon linear kernel (arguments w_desc, x_desc, sx_ptr, sw_ptr, y_ptr, ws_ptr,

@@ -72,11 +72,11 @@ def measure(heads: int, bt: int, wg: int, split: int = 0, fp8: int = 0, pdl: int
     plan = W.GluonWoAPlan.build(heads, heads // 8, RANK, 64, dtype, "cpu", config=config)
     kernel = compile_case(plan, bt, pdl=bool(pdl))
     ins = [t for _, t in sm90.sass(kernel)]
-    # the PTX's TMA copies and griddepcontrol.wait in program order: "c" a copy, "w" a wait
-    ptx_order = "".join("w" if "griddepcontrol.wait" in line else "c" for line in kernel.asm["ptx"].split("\n")
-                        if "griddepcontrol.wait" in line or "cp.async.bulk.tensor" in line)
+    ptx = kernel.asm["ptx"]
+    # by PDL: what the kernel does before its first griddepcontrol.wait (`sm90.pdl_prologue`)
+    prologue = sm90.pdl_prologue(ptx) if "griddepcontrol.wait" in ptx else None
     return {"case": [heads, bt, wg, split, fp8] + ([pdl] if pdl else []), "bt": bt, "stages": plan.config.stages,
-            "ptx_order": ptx_order, "split": plan.split, "n_tiles": plan.n_tiles,
+            "pdl_prologue": prologue, "split": plan.split, "n_tiles": plan.n_tiles,
             "steps": plan.k_per_split // W.BLOCK_K, "maxnreg": W.register_cap(plan.config, bt, plan.fp8),
             "shared_limit": W.shared_bytes(plan.config, bt, plan.fp8), "shared": kernel.metadata.shared,
             **sm90.resources(kernel), "ops": sm90.opcode_counts(ins),

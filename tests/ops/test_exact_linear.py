@@ -316,9 +316,9 @@ def test_rope_epilogue_on_gpu(name, n, k):
 def test_pdl_launch_prefills_the_weight_before_its_wait(op, spec, bt):
     """`ExactLinear(..., pdl=True)` (the step's `wq_b_pdl` and `qkv_pdl`), compiled for sm_90 in wq_b's
     plan configurations with the RoPE epilogue and in the fused wq_a|wkv's (along K at 3-16 rows; at
-    33-64 rows with the fused scaling): the ring's first weight tiles (one predicated copy a slot)
-    before the one griddepcontrol.wait (SASS ACQBULK), the activation tiles of those slots and the
-    ring's loop after it, no new local memory; without pdl no wait."""
+    33-64 rows with the fused scaling): before the program's griddepcontrol.wait (SASS ACQBULK; the
+    producer warp waits again) only the ring's first weight tiles (one predicated copy a slot) and no
+    other global access (`testing.sm90.pdl_prologue`), no new local memory; without pdl no wait."""
     from dsv41_decode.ops import exact_linear as EL, gluon_exact_fma as F, gluon_exact_mm as E
     from dsv41_decode.testing import sm90
     kernels = {}
@@ -333,14 +333,31 @@ def test_pdl_launch_prefills_the_weight_before_its_wait(op, spec, bt):
             cfg = EL._cfg(spec)
             kernels[pdl] = sm90.compile_linear(E._gluon_exact_mm_kernel, E.launch_options(cfg, bt, 1),
                                                [cfg.block_n, cfg.block_k], [bt, cfg.block_k], False, rope["types"], consts)
-    orders = {pdl: "".join("w" if "griddepcontrol.wait" in line else "c" for line in k.asm["ptx"].split("\n")
-                           if "griddepcontrol.wait" in line or "cp.async.bulk.tensor" in line)
-              for pdl, k in kernels.items()}
-    stages = cfg.stages
-    before, _, after = orders[True].partition("w")
-    assert "w" not in orders[False] and before == "c" * stages and "w" not in after, orders
-    assert len(after) >= stages + 2, orders            # the prefilled slots' x tiles, then the ring's loop
+    assert "griddepcontrol" not in kernels[False].asm["ptx"]
+    copies, other = sm90.pdl_prologue(kernels[True].asm["ptx"])
+    assert copies == cfg.stages and other == [], (copies, other)
+    # the program's wait and the producer warp's own
     ops = sm90.opcode_counts([t for _, t in sm90.sass(kernels[True])])
-    assert ops.get("ACQBULK", 0) == 1, ops
+    assert ops.get("ACQBULK", 0) == 2, ops
     plain, pdl = sm90.resources(kernels[False]), sm90.resources(kernels[True])
     assert pdl["LOCAL"] == plain["LOCAL"] == 0 and pdl["STACK"] <= plain["STACK"] + 16, (plain, pdl)
+
+
+def test_pdl_prologue_sees_a_dependent_access_before_the_wait():
+    """`testing.sm90.pdl_prologue`, the check of the PDL compile tests, names a global load before
+    griddepcontrol.wait."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from dsv41_decode.ops.pdl import gluon_wait
+    from dsv41_decode.testing import sm90
+
+    @gluon.jit
+    def early(x_ptr, y_ptr):
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        v = gl.load(x_ptr + gl.arange(0, 128, layout=lay))
+        gluon_wait()
+        gl.store(y_ptr + gl.arange(0, 128, layout=lay), v)
+
+    ptx = sm90.compile_sm90(early, {"x_ptr": "*fp32", "y_ptr": "*fp32"}, {}, num_warps=4).asm["ptx"]
+    copies, other = sm90.pdl_prologue(ptx)
+    assert copies == 0 and other and other[0].startswith("ld.global"), other

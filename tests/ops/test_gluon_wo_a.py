@@ -96,14 +96,15 @@ def test_compiles_for_sm90_without_spills(sm90_builds, case):
     assert (ops.get("HMUL2", 0) > 0) == (case[4] >= 3) and (ops.get("HADD2", 0) > 0) == (case[4] == 2), ops
     assert r["a_hazards"] == [], r["a_hazards"]
     # the producer's weight and o tiles (its loop unrolled where the program's K range is short); by
-    # PDL first the weight tiles of the ring's first slots (the whole program, before the producer
-    # forks), then griddepcontrol.wait (SASS ACQBULK), their o tiles, the ring's loop
+    # PDL first the weight tiles of the ring's first slots and nothing else global (the whole program,
+    # before the producer forks), then griddepcontrol.wait (SASS ACQBULK; the producer warp waits
+    # again), their o tiles, the ring's loop
     pre = min(r["stages"], r["steps"])
     if len(case) > 5:
-        assert r["ptx_order"] == "c" * pre + "w" + "c" * pre + "c" * (2 if r["steps"] > pre else 0), r["ptx_order"]
-        assert ops.get("UTMALDG", 0) in (2 * pre + 2, 2 * r["steps"]) and ops.get("ACQBULK", 0) == 1, ops
+        assert r["pdl_prologue"] == [pre, []], r["pdl_prologue"]
+        assert ops.get("UTMALDG", 0) in (2 * pre + 2, 2 * r["steps"]) and ops.get("ACQBULK", 0) == 2, ops
     else:
-        assert "w" not in r["ptx_order"] and ops.get("ACQBULK", 0) == 0, r["ptx_order"]
+        assert r["pdl_prologue"] is None and ops.get("ACQBULK", 0) == 0, r["pdl_prologue"]
         assert ops.get("UTMALDG", 0) in (2, 2 * r["steps"]), ops
     assert ops.get("SYNCS", 0) > 0, ops           # the mbarrier ring
     # More than one slot in flight: a wait that leaves the newest slot's wgmma group(s) outstanding
