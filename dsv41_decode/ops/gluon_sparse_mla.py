@@ -590,9 +590,9 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
         # whether every program of the grid is resident at once: the registers and shared memory of
         # the kernel these arguments compile to decide (`specialization_key`: the one-row kernel's
         # registers differ from the others'); the programs then take their (row, block) from the
-        # program id (TICKET off)
-        flags = dict(SPREAD=True) if combine == "spread" else dict(SPREAD=False, P_OUT=True)
-        key = (combine, specialization_key(args))
+        # program id (TICKET off); the spread launch's kernel with its release, as launched below
+        flags = dict(SPREAD=True, RELEASE=release) if combine == "spread" else dict(SPREAD=False, P_OUT=True)
+        key = (combine, release and combine == "spread", specialization_key(args))
         per_sm = plan.resident.get(key)
         if per_sm is None:
             kernel = _gluon_sparse_mla_kernel.warmup(*args, grid=(grid, ), TICKET=False, **flags, **consts)

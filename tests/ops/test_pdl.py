@@ -1,7 +1,10 @@
-"""ops.pdl: off unless a launch asks for it, and the contract of the PDL-aware kernels checked in their sm_90 PTX,
-compiled on the CPU with Triton's own ptxas (no GPU): before `griddepcontrol.wait` a kernel may
-only prefetch (`cp.async.bulk.prefetch.L2`); every global load, store and atomic comes after it,
-and `griddepcontrol.launch_dependents` follows the wait."""
+"""ops.pdl: off unless a launch asks for it, and the contract of the PDL-aware Triton kernels checked in
+their sm_90 PTX, compiled on the CPU with Triton's own ptxas (no GPU): before `griddepcontrol.wait` a
+kernel may only prefetch (`cp.async.bulk.prefetch.L2`); every global load, store and atomic comes after
+it, and `griddepcontrol.launch_dependents` follows the wait. (The Gluon ring kernels launched by PDL -
+`wo_a`, the exact linears - request their ring's first weight tiles before their wait: their own
+compile tests check that and nothing else global comes first, `testing.sm90.pdl_prologue`; the
+kernels that release them at their start are checked in test_gluon_sparse_mla*.py.)"""
 
 from __future__ import annotations
 
