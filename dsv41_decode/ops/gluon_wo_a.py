@@ -26,6 +26,10 @@ How the kernel runs (one program per 64 x warpgroups weight rows and K split):
 - **BF16 wgmma with FP32 accumulation, two groups in flight**: slot i's wgmma (m64 n{BT} k16 x 4
   into the one FP32 accumulator, K order) is issued before slot i-1's is retired; slot i-1 then
   goes back to the producer.
+- **Launched by programmatic dependent launch** (`gluon_wo_a_(pdl=True)`, the step's on sm_90, after
+  the sparse MLA that releases it): the program requests its ring's first weight tiles, then waits
+  for the MLA (`gluon_mm.ring_prefill`), and its producer continues from there
+  (`producer_prefilled`); the same values.
 - **An FP8 weight** (E4M3 with 32x32 UE8M0 scales, as `ops.wo_a`): the consumer converts the
   slot's E4M3 tile to BF16 (exact) into a staging tile in shared memory, then runs the slot's two
   32-deep K blocks as two wgmmas from zero (both in flight) and adds each block's partial, scaled
