@@ -138,11 +138,11 @@ def test_compiles_for_sm90_without_spills(heads, w, k, config):
 
 
 def test_release_lets_the_next_kernel_launch_at_the_programs_start():
-    """`gluon_sparse_mla_(release=True)` (the step's `wo_a_pdl`, at its 1-2-row configuration): one
+    """`gluon_sparse_mla_(release=True)` (the step's `wo_a_pdl`, at its 5-12-row configuration): one
     griddepcontrol.launch_dependents, before the program's first global access (its ticket or the
     tables' loads); none without it."""
     for release in (False, True):
-        ptx = _compile(64, 128, 512, SPLIT4SVL, release=release).asm["ptx"].split("\n")
+        ptx = _compile(64, 128, 512, SPREADVLC, release=release).asm["ptx"].split("\n")
         marks = [i for i, line in enumerate(ptx) if "griddepcontrol.launch_dependents" in line]
         assert len(marks) == int(release), marks
         if release:
