@@ -63,6 +63,8 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
     no_wq_b_pdl     wo_a's launch by PDL alone
     qkv_pdl         the exact fused wq_a|wkv launched by PDL after the mHC boundary's launch too
                     (`DecodeStep(qkv_pdl=True)`); the same bits
+    wo_b_pdl        the exact wo_b launched by PDL after the Gluon wo_a, released once each wo_a
+                    program's main loop is done (`DecodeStep(wo_b_pdl=True)`); the same bits
     skip_pair       knock-outs (not the step: outputs differ; the 8-row output's comparison says so):
     skip_boundary   the q/kv norm pair, the mHC boundary's launch, every site's mixer or the sparse
     skip_mixer      MLA left out of the captured step, each alone: what that launch costs the
@@ -313,6 +315,7 @@ PATCHES = {
     "no_pdl": lambda step: _swap([(layer, flag, False) for layer in step.layers.values()
                                   for flag in ("wo_a_pdl", "wq_b_pdl")]),
     "no_wq_b_pdl": _layer_flag("wq_b_pdl", False), "qkv_pdl": _layer_flag("qkv_pdl", True),
+    "wo_b_pdl": _layer_flag("wo_b_pdl", True),
     "skip_pair": _skip(attention_mod, "rms_norm_pair_"), "skip_boundary": _skip(BoundaryOperands, "launch"),
     "skip_mixer": _skip(boundary_mod, "hc_mix_"), "skip_mla": _skip(attention_mod, "sparse_mla_launch"),
 }

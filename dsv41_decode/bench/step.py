@@ -128,7 +128,8 @@ def _layer_kinds(cfg: ModelConfig) -> dict[str, int]:
 # configurations with the warps along K taking the ring's slots two at a time (sm_90, the same bits);
 # no_pdl every kernel launched plainly (the step's default launches each layer's Gluon wo_a by PDL
 # after the sparse MLA and, at 1-8 rows, its exact wq_b after the norm pair), no_wq_b_pdl wo_a's alone
-# (sm_90, the same bits); qkv_pdl the exact fused wq_a|wkv by PDL after the boundary too.
+# (sm_90, the same bits); qkv_pdl the exact fused wq_a|wkv by PDL after the boundary too, wo_b_pdl the
+# exact wo_b after wo_a's main loops.
 VARIANTS = {
     "no_overlap": dict(overlap=False),
     "wo_a_fp8": dict(wo_a_fp8=True),
@@ -144,6 +145,7 @@ VARIANTS = {
     "no_pdl": dict(wo_a_pdl=False, wq_b_pdl=False),
     "no_wq_b_pdl": dict(wq_b_pdl=False),
     "qkv_pdl": dict(qkv_pdl=True),
+    "wo_b_pdl": dict(wo_b_pdl=True),
 }
 DEFAULT_VARIANTS = ("no_overlap", "wo_a_fp8", "tc_linears")
 

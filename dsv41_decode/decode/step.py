@@ -177,6 +177,11 @@ class DecodeStep:
         own launch before it, which lets it start at its start (`mhc_boundary_(release=True)`); the
         same bits. Off by default: on an H100 the step 1.1 % faster at 4 rows but 0.7 / 1.7 / 6.6 %
         slower at 1 / 16 / 64 (docs/step.md); elsewhere it changes nothing.
+    wo_b_pdl: on one sm_90 GPU, each layer's exact wo_b (where its op is a Gluon one: from 3 rows)
+        launched by programmatic dependent launch after the Gluon wo_a, which lets it start once each
+        of its programs has finished its main loop (`gluon_wo_a_(release=True)`): wo_b's rings fill
+        during wo_a's split-K tails; not where wo_b's epilogue runs the boundary. The same bits. Off
+        by default (not yet measured on a GPU); elsewhere it changes nothing.
     mix_late_rows: in the buckets of at least this many rows each site's mixer is enqueued at the
         end of the next layer's input projections instead of right after the boundary before it
         (default `MIX_LATE_ROWS`, where it measured faster on an H200; LOW_BATCH_MAX_ROWS + 1:
@@ -185,7 +190,7 @@ class DecodeStep:
     Errors: StepError for buckets outside 1..LOW_BATCH_MAX_ROWS or past the state's stage_rows, a
     state of another configuration, a mix_late_rows that is not an int >= 1, an index_row_group
     outside `ROW_GROUPS`, a max_rows or bucket that is not an int, an option documented as a bool
-    (graphs .. pair_slots, wo_a_pdl, wq_b_pdl, qkv_pdl) that is not one, an unknown tp_boundary,
+    (graphs .. pair_slots, wo_a_pdl, wq_b_pdl, qkv_pdl, wo_b_pdl) that is not one, an unknown tp_boundary,
     or tp_boundary="fused" under TP off CUDA; `NotEligible` for a layer whose weights do not suit
     the step.
 
@@ -199,7 +204,8 @@ class DecodeStep:
                  exact_linears: bool = True, fp32_dots: bool = False, fold_index_chain: bool = False,
                  fold_boundary: bool = False, weights_lane: bool = True, comp_tail: bool = False,
                  mix_late_rows: int = MIX_LATE_ROWS, index_row_group: int = 1, fuse_scales: bool = False,
-                 pair_slots: bool = False, wo_a_pdl: bool = True, wq_b_pdl: bool = True, qkv_pdl: bool = False):
+                 pair_slots: bool = False, wo_a_pdl: bool = True, wq_b_pdl: bool = True, qkv_pdl: bool = False,
+                 wo_b_pdl: bool = False):
         if as_count(max_rows) is None:
             raise StepError(f"max_rows must be an int, got {max_rows!r}")
         max_rows = int(max_rows)
@@ -229,7 +235,7 @@ class DecodeStep:
         flags = dict(graphs=graphs, overlap=overlap, wo_a_fp8=wo_a_fp8, exact_linears=exact_linears,
                      fp32_dots=fp32_dots, fold_index_chain=fold_index_chain, fold_boundary=fold_boundary,
                      weights_lane=weights_lane, comp_tail=comp_tail, fuse_scales=fuse_scales, pair_slots=pair_slots,
-                     wo_a_pdl=wo_a_pdl, wq_b_pdl=wq_b_pdl, qkv_pdl=qkv_pdl)
+                     wo_a_pdl=wo_a_pdl, wq_b_pdl=wq_b_pdl, qkv_pdl=qkv_pdl, wo_b_pdl=wo_b_pdl)
         for name, flag in flags.items():
             if not isinstance(flag, bool):
                 raise StepError(f"{name} must be a bool, got {flag!r}")
@@ -258,7 +264,7 @@ class DecodeStep:
                                            weights_lane=weights_lane, comp_tail=comp_tail,
                                            index_row_group=index_row_group, fuse_scales=fuse_scales,
                                            pair_slots=pair_slots, wo_a_pdl=wo_a_pdl, wq_b_pdl=wq_b_pdl,
-                                           qkv_pdl=qkv_pdl)
+                                           qkv_pdl=qkv_pdl, wo_b_pdl=wo_b_pdl)
         self.scratch.workspaces.seal()           # every plan has its view; the graphs take the addresses
         mailbox = None
         if tp_boundary != "collective" and stack.tp.tp > 1 and dev.type == "cuda":

@@ -119,7 +119,7 @@ from .act_quant import INV_E4M3_MAX, mxfp8_quantize_tile
 from .checks import require_int
 from .common import is_sm90, num_sms, plan_workspace
 from .gluon_mm import _producer, _ring, producer_prefilled, ring_prefill, tma_desc
-from .pdl import supported as pdl_supported
+from .pdl import gluon_launch_dependents, supported as pdl_supported
 from .rounding import ue8m0_to_fp32
 from .wo_a import GroupedShape, wo_a_args
 
@@ -426,7 +426,7 @@ def _gluon_wo_a_kernel(
     SPLIT: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr = False,
     FOLD: gl.constexpr = False, FOLD_BITS: gl.constexpr = False, QUANT: gl.constexpr = False,
     COPY_WORDS: gl.constexpr = 0, COPY_BLOCK: gl.constexpr = 1, N_TILES: gl.constexpr = 1,
-    PDL: gl.constexpr = False,
+    PDL: gl.constexpr = False, RELEASE: gl.constexpr = False,
 ):
     # Grid (G*R / BN tiles, SPLIT): program (t, s) covers weight rows [t*BN, +BN) (all in group
     # g = t*BN // R) and the group's K steps [s*STEPS_PER_SPLIT, +STEPS_PER_SPLIT) of 64 channels;
@@ -484,6 +484,10 @@ def _gluon_wo_a_kernel(
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))
         mbarrier.invalidate(empty.index(i))
+    if RELEASE:
+        # the main loop is done: the next kernel, where launched by PDL (the step's wo_b, `wo_b_pdl`),
+        # may start once every program is here (its wait still orders it after this kernel's end)
+        gluon_launch_dependents()
 
     # The epilogue in a layout where each thread holds 8 consecutive n of one row m (16-byte
     # stores of z and of the workspace, both n-contiguous) instead of the wgmma's scattered pairs.
@@ -635,16 +639,16 @@ def default_split(group_width: int, n_tiles: int, sms: int) -> int:
     return max(d for d in range(1, grains + 1) if grains % d == 0 and d <= target)
 
 
-def launch_options(plan: "GluonWoAPlan", bt: int, pdl: bool = False) -> dict:
+def launch_options(plan: "GluonWoAPlan", bt: int, pdl: bool = False, release: bool = False) -> dict:
     """The kernel's constexpr arguments and launch options at row bucket `bt` (the launch and the
-    sm_90 compile test share them); pdl: launched by programmatic dependent launch (`gluon_wo_a_`)."""
+    sm_90 compile test share them); pdl, release: as `gluon_wo_a_`'s."""
     opts = {"R": plan.rank, "GW": plan.group_width, "HEAD_STEPS": plan.head_dim // BLOCK_K,
             "STEPS_PER_SPLIT": plan.k_per_split // BLOCK_K, "SPLIT": plan.split, "BT": bt,
             "STAGES": plan.config.stages, "FP8": plan.fp8, "FOLD": plan.folds_scales,
             "FOLD_BITS": plan.folds_scales and plan.config.fold_bits, "num_warps": 4 * plan.config.warpgroups,
             "maxnreg": register_cap(plan.config, bt, plan.fp8),
             # the rotation's products and sums rounded as torch rounds them (no FMA)
-            "enable_fp_fusion": False, "PDL": pdl}
+            "enable_fp_fusion": False, "PDL": pdl, "RELEASE": release}
     if pdl:
         opts["launch_pdl"] = True
     return opts
@@ -777,7 +781,7 @@ def gluon_wo_a_(plan: GluonWoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: tor
                 scale: torch.Tensor | None, out: torch.Tensor, codes_out: torch.Tensor | None = None,
                 scales_out: torch.Tensor | None = None,
                 window_copy: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, *,
-                pdl: bool = False) -> None:
+                pdl: bool = False, release: bool = False) -> None:
     """Write z = `reference.attention.grouped_wo_a(o, cos + j sin, weight, G, 64)` into out: the
     arguments of `ops.wo_a.wo_a_` (see there), with these limits:
 
@@ -795,6 +799,10 @@ def gluon_wo_a_(plan: GluonWoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: tor
        fill the ring's first slots with weight tiles, then wait for it before they read o or write
        anything; without such a predecessor it runs as without pdl. The same values either way.
        ValueError where PDL is not available (`ops.pdl.supported`).
+    release: the programs let the next kernel on the stream start once each has finished its main
+       loop, where that kernel is launched by PDL (the step's `wo_b`, `DecodeStep(wo_b_pdl=True)`;
+       it waits for this one before it reads z); a no-op otherwise (and off sm_90 or in the
+       interpreter, where PDL is not available: ValueError, as for pdl).
     """
     m, scale, quant, codes_out, scales_out, (cp_pool, cp_src, cp_dst, copy_words) = wo_a_args(
         plan, GluonWoAPlan, o, cos, sin, weight, scale, out, codes_out, scales_out, window_copy)
@@ -814,9 +822,9 @@ def gluon_wo_a_(plan: GluonWoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: tor
     w_desc = tma_desc(weight, [bn, BLOCK_K], "weight")
     o2 = o.as_strided((m, plan.heads * plan.head_dim), (o.stride(0), 1))
     x_desc = tma_desc(o2, [bt, BLOCK_K], "o")
-    if pdl and not pdl_supported(dev):
+    if (pdl or release) and not pdl_supported(dev):
         raise ValueError(f"pdl: programmatic dependent launch needs sm_90 or later outside the interpreter, got {dev}")
-    opts = launch_options(plan, bt, pdl)
+    opts = launch_options(plan, bt, pdl, release)
     _gluon_wo_a_kernel[(plan.n_tiles, plan.split)](
         w_desc, x_desc, cos, sin, scale, out, plan.partials, plan.counters, codes_out, scales_out, cp_pool, cp_src,
         cp_dst, m, cos.stride(0), sin.stride(0), scale.stride(0), out.stride(0), codes_out.stride(0),

@@ -364,7 +364,7 @@ def test_exact_linear_options_reach_the_exact_linears(cpu_setup, option):
         stack.decode_step(copy.deepcopy(base), max_rows=2, **{option: 1})
 
 
-@pytest.mark.parametrize("option", ["wo_a_pdl", "wq_b_pdl", "qkv_pdl"])
+@pytest.mark.parametrize("option", ["wo_a_pdl", "wq_b_pdl", "qkv_pdl", "wo_b_pdl"])
 def test_pdl_options_are_off_without_pdl_and_checked(cpu_setup, monkeypatch, option):
     """wo_a_pdl and wq_b_pdl (sm_90: the Gluon wo_a after the sparse MLA, the exact wq_b after the
     norm pair, launched by PDL; their bits are the GPU tests') change nothing where PDL is not

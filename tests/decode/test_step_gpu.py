@@ -188,14 +188,15 @@ def test_gpu_long_run_vs_generic(gpu_setup):
 # configuration) with its fused scaling; "no_pdl": every kernel launched plainly (the step launches
 # each layer's Gluon wo_a by PDL after the sparse MLA and its exact wq_b after the norm pair, their rings'
 # first weight tiles read while those run); "qkv_pdl": the exact fused wq_a|wkv by PDL after the mHC
-# boundary's launch. (`pair_slots` changes no configuration of this preset's
+# boundary's launch; "wo_b_pdl": the exact wo_b by PDL after wo_a's main loops. (`pair_slots` changes no configuration of this preset's
 # own plan: test_gpu_exact_options_on_the_plan_forms_give_the_step_bits.)
 SAME_BITS = {"graph_again": {}, "eager": dict(graphs=False), "no_overlap": dict(overlap=False),
              "fold_index_chain": dict(fold_index_chain=True), "fold_boundary": dict(fold_boundary=True),
              "weights_in_index_lane": dict(weights_lane=False), "comp_tail": dict(comp_tail=True),
              "mix_late": dict(mix_late_rows=1), "mix_late_fold": dict(mix_late_rows=1, fold_boundary=True),
              "index_row_group": dict(index_row_group=2), "fuse_scales": dict(fuse_scales=True),
-             "no_pdl": dict(wo_a_pdl=False, wq_b_pdl=False), "qkv_pdl": dict(qkv_pdl=True)}
+             "no_pdl": dict(wo_a_pdl=False, wq_b_pdl=False), "qkv_pdl": dict(qkv_pdl=True),
+             "wo_b_pdl": dict(wo_b_pdl=True)}
 
 
 def _graph_run(gpu_setup, **options):

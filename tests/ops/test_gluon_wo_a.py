@@ -62,7 +62,7 @@ def sm90_builds() -> dict:
 def _case_id(case) -> str:
     heads, bt, wg, split, fp8, *pdl = case
     return (f"{('bf16', 'fp8', 'fp8fold', 'fp8foldbits', 'fp8foldbits-ring')[fp8]}-h{heads}-bt{bt}-wg{wg}"
-            + (f"-split{split}" if split else "") + ("-pdl" if pdl else ""))
+            + (f"-split{split}" if split else "") + ("-pdl" if pdl else "") + ("-release" if len(pdl) > 1 else ""))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
@@ -117,6 +117,9 @@ def test_compiles_for_sm90_without_spills(sm90_builds, case):
     assert ops.get("FFMA", 0) == 0 and ops.get("FMUL", 0) > 0, ops
     assert r["shared"] <= r["shared_limit"], r
     assert (r["split"] > 1) == (ops.get("ATOMG", 0) > 0), ops   # the last-arriver counter
+    # the release of a PDL successor (`release=True`, the step's wo_b_pdl): once, after the main loop
+    released = len(case) > 6
+    assert r["releases"] == int(released) and r["released_after_loop"] == released, r
 
 
 def test_plan_split_is_the_triton_plans_and_fits_shared_memory():
