@@ -214,13 +214,8 @@ class ExactLinear:
         if not isinstance(codes, torch.Tensor) or codes.dim() != 2:
             return self.cuda_cores(codes, x_scale, out, rope, boundary)     # its error names the argument
         op = self.op_for(codes.shape[0])
-        if pdl and op is not self.cuda_cores:
-            if boundary is not None:
-                raise ValueError(f"boundary: a call of {codes.shape[0]} rows runs {type(op).__name__}, which has no "
-                                 f"mHC boundary epilogue (ExactLinear.takes_boundary)")
-            return op(codes, x_scale, out, rope, pdl=True)
         if boundary is None:
-            return op(codes, x_scale, out, rope)
+            return op(codes, x_scale, out, rope, **({"pdl": True} if pdl and op is not self.cuda_cores else {}))
         if op is not self.cuda_cores:
             raise ValueError(f"boundary: a call of {codes.shape[0]} rows runs {type(op).__name__}, which has no "
                              f"mHC boundary epilogue (ExactLinear.takes_boundary)")

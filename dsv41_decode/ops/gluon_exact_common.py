@@ -28,7 +28,7 @@ from .gluon_mm import BLOCK_K as RING_K
 from .gluon_mm import fp8_desc, require_sm90_weight
 from .gluon_mm import _scale, _slot_words
 from .gluon_mm import _words as _scale_words
-from .pdl import supported as pdl_supported
+from .pdl import require_supported as require_pdl
 
 
 @gluon.jit
@@ -336,9 +336,8 @@ class GluonExactPlan:
         such a predecessor it runs as without pdl. The same values either way. ValueError where PDL
         is not available (`ops.pdl.supported`). Returns out."""
         out = mxfp8_linear_args(codes, x_scale, out, self.n, self.k, self.max_rows, self.device)
-        if pdl and not pdl_supported(self.device):
-            raise ValueError(f"pdl: programmatic dependent launch needs sm_90 or later outside the interpreter, "
-                             f"got {self.device}")
+        if pdl:
+            require_pdl(self.device)
         m = codes.shape[0]
         epilogue = rope_kwargs(rope, out, self.n, m, self.device)
         if pdl:

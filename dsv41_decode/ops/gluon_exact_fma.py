@@ -136,8 +136,8 @@ from .common import num_sms
 from .exact_mm import HI_WORDS_PTX
 from .gluon_epilogues import add_combine
 from .gluon_exact_common import GluonExactPlan, pow2, ring_weight_args, split_k_sum, store_tile, sum_chunk
-from .gluon_mm import (SHARED_LIMIT, _producer, _ring, _scale, activation_operands, producer_prefilled, require_maxnreg,
-                       ring_prefill, split_bounds)
+from .gluon_mm import (SHARED_LIMIT, _ring, _scale, activation_operands, require_maxnreg, ring_prefill, ring_producer,
+                       split_bounds)
 
 MAX_ROWS = 4
 BLOCK_K = 128                   # K per ring slot: four 32-deep blocks, one 32-bit scale word per row
@@ -352,18 +352,6 @@ def _consumer(w_smem, x_smem, ready, empty, xf, terms, sw_words, sx_words, n_ste
     return (acc, )
 
 
-@gluon.jit
-def _ring_producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, step_lo, n_steps, STAGES: gl.constexpr,
-                   PDL: gl.constexpr):
-    """The kernel's 1-warp TMA producer: `gluon_mm.producer_prefilled` after the PDL launch's
-    `ring_prefill`, else `gluon_mm._producer`."""
-    if PDL:
-        producer_prefilled(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, 0, 0, step_lo, n_steps, STAGES)
-    else:
-        _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, 0, 0, step_lo, n_steps, 0, n_steps, STAGES,
-                  False)
-
-
 @gluon.jit(do_not_specialize=["M", "stride_sxm", "stride_swn", "n_steps", "steps_per_split", "n_split", "stride_cm",
                              "stride_sm"])
 def _gluon_exact_fma_kernel(
@@ -425,7 +413,8 @@ def _gluon_exact_fma_kernel(
         acc, = gl.warp_specialize([
             (_consumer, (w_smem, x_smem, ready, empty, xf, terms, sw_words + step_lo, sx_words + step_lo, n_here,
                          BN, WK, LK, R, STAGES, LANES, CODES, TERMS, True, ws_tile + step_lo * (4 * SLAB), pid_s > 0)),
-            (_ring_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, step_lo, n_here, STAGES, PDL)),
+            (ring_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, 0, 0, step_lo, n_here, STAGES,
+                             PDL)),
         ], [1], [24])
     else:
         if PDL:
@@ -433,7 +422,7 @@ def _gluon_exact_fma_kernel(
         acc, = gl.warp_specialize([
             (_consumer, (w_smem, x_smem, ready, empty, xf, terms, sw_words, sx_words, n_steps, BN, WK, LK, R, STAGES,
                          LANES, CODES, TERMS)),
-            (_ring_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, 0, n_steps, STAGES, PDL)),
+            (ring_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, 0, 0, 0, n_steps, STAGES, PDL)),
         ], [1], [24])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))

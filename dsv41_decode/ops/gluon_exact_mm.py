@@ -121,8 +121,8 @@ from .gluon_exact_common import (GluonExactPlan, block_term, fused_scale, fused_
 from .gluon_exact_digits import consumer_wg, digit_partial, x_scales_layout
 from .gluon_exact_fp64 import form, fp64_partial, is_packed
 from .gluon_exact_k import consumer_k, sum_layout
-from .gluon_mm import (SHARED_LIMIT, _producer, _ring, _tile_scales, activation_operands, producer_prefilled,
-                      require_maxnreg, ring_prefill, split_bounds)
+from .gluon_mm import (SHARED_LIMIT, _ring, _tile_scales, activation_operands, require_maxnreg, ring_prefill,
+                      ring_producer, split_bounds)
 from .pdl import gluon_wait
 
 MAX_ROWS = 64
@@ -246,7 +246,7 @@ def _ring_producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, s
     BLOCK_K, into ring slots 2q and 2q + 1 (q = p % (STAGES / 2)), all four copies on the even
     slot's ready barrier, once the consumer has released the pair on the even slot's empty barrier
     (the odd slots' barriers unused); n_steps even. PREFILLED (not with PAIRS): after the PDL
-    launch's `gluon_mm.ring_prefill`, `gluon_mm.producer_prefilled`."""
+    launch's `gluon_mm.ring_prefill`, `gluon_mm.producer_prefilled` (`gluon_mm.ring_producer`)."""
     if PAIRS:
         UNITS: gl.constexpr = STAGES // 2
         BK: gl.constexpr = w_desc.block_type.shape[1]
@@ -260,11 +260,9 @@ def _ring_producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, s
                 k = (step_lo + 2 * p + t) * BK
                 tma.async_copy_global_to_shared(w_desc, [off_n, k], ready.index(s), w_smem.index(s + t))
                 tma.async_copy_global_to_shared(x_desc, [x_row, k], ready.index(s), x_smem.index(s + t))
-    elif PREFILLED:
-        producer_prefilled(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, 0, step_lo, n_steps, STAGES)
     else:
-        _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, 0, step_lo, n_steps, 0, n_steps, STAGES,
-                  False)
+        ring_producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, 0, step_lo, n_steps, STAGES,
+                      PREFILLED)
 
 
 @gluon.jit(do_not_specialize=["M", "stride_sxm", "stride_swn", "steps_per_split", "n_steps_total", "n_split",

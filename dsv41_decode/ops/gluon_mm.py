@@ -177,6 +177,19 @@ def producer_prefilled(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_ro
 
 
 @gluon.jit
+def ring_producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, x_col, step_lo, n_steps,
+                  STAGES: gl.constexpr, PREFILLED: gl.constexpr):
+    """A ring kernel's producer partition over steps step_lo .. step_lo + n_steps - 1:
+    `producer_prefilled` after the PDL launch's `ring_prefill` (PREFILLED), else `_producer`."""
+    if PREFILLED:
+        producer_prefilled(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, x_col, step_lo, n_steps,
+                           STAGES)
+    else:
+        _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, x_col, step_lo, n_steps, 0, n_steps,
+                  STAGES, False)
+
+
+@gluon.jit
 def _producer_persistent(w_desc, x_desc, w_smem, x_smem, ready, empty, N, steps_per_split, n_steps_total,
                          n_split, STAGES: gl.constexpr, RETILED: gl.constexpr):
     """The producer of a persistent program: the steps of its work items (`_item`) one after the

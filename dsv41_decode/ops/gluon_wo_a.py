@@ -118,8 +118,8 @@ from ..formats import E4M3_MAX, MXFP8_AMAX_FLOOR
 from .act_quant import INV_E4M3_MAX, mxfp8_quantize_tile
 from .checks import require_int
 from .common import is_sm90, num_sms, plan_workspace
-from .gluon_mm import _producer, _ring, producer_prefilled, ring_prefill, tma_desc
-from .pdl import gluon_launch_dependents, supported as pdl_supported
+from .gluon_mm import _ring, ring_prefill, ring_producer, tma_desc
+from .pdl import gluon_launch_dependents, require_supported as require_pdl
 from .rounding import ue8m0_to_fp32
 from .wo_a import GroupedShape, wo_a_args
 
@@ -135,18 +135,6 @@ FOLD_SCALE_BYTES = (10, 246)
 _AMAX_FLOOR = gl.constexpr(MXFP8_AMAX_FLOOR)
 _INV_QMAX = gl.constexpr(INV_E4M3_MAX)
 _QMAX = gl.constexpr(E4M3_MAX)
-
-
-@gluon.jit
-def _ring_producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_col, step_lo, N_STEPS: gl.constexpr,
-                   STAGES: gl.constexpr, PDL: gl.constexpr):
-    """The kernel's producer partition: `gluon_mm.producer_prefilled` after the PDL launch's
-    `ring_prefill`, else `gluon_mm._producer`."""
-    if PDL:
-        producer_prefilled(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, 0, x_col, step_lo, N_STEPS, STAGES)
-    else:
-        _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, 0, x_col, step_lo, N_STEPS, 0, N_STEPS,
-                  STAGES, False)
 
 
 @gluon.jit
@@ -458,8 +446,8 @@ def _gluon_wo_a_kernel(
             (_consumer_fp8_folded, (w_smem, x_smem, ready, empty, cos_ptr, sin_ptr, s_ptr, M, stride_cm, stride_sm,
                                     stride_sn, off_n, step_lo, STEPS_PER_SPLIT, STAGES, BN, BT, HEAD_STEPS,
                                     mma_layout, rot_l, pair_l, FOLD_BITS)),
-            (_ring_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_col, step_lo, STEPS_PER_SPLIT,
-                              STAGES, PDL)),
+            (ring_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, 0, x_col, step_lo, STEPS_PER_SPLIT,
+                             STAGES, PDL)),
         ], [1], [24])
     elif FP8:
         # the BF16 staging tile of the converted weight (the o tile's 128-byte swizzle)
@@ -470,15 +458,15 @@ def _gluon_wo_a_kernel(
             (_consumer_fp8, (w_smem, wb_smem, x_smem, ready, empty, cos_ptr, sin_ptr, s_ptr, M, stride_cm,
                              stride_sm, stride_sn, off_n, step_lo, STEPS_PER_SPLIT, STAGES, BN, BT, HEAD_STEPS,
                              mma_layout, rot_l, pair_l, cvt_l)),
-            (_ring_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_col, step_lo, STEPS_PER_SPLIT,
-                              STAGES, PDL)),
+            (ring_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, 0, x_col, step_lo, STEPS_PER_SPLIT,
+                             STAGES, PDL)),
         ], [1], [24])
     else:
         acc, = gl.warp_specialize([
             (_consumer, (w_smem, x_smem, ready, empty, cos_ptr, sin_ptr, M, stride_cm, stride_sm, step_lo,
                          STEPS_PER_SPLIT, STAGES, BN, BT, HEAD_STEPS, mma_layout, rot_l, pair_l)),
-            (_ring_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_col, step_lo, STEPS_PER_SPLIT,
-                              STAGES, PDL)),
+            (ring_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, 0, x_col, step_lo, STEPS_PER_SPLIT,
+                             STAGES, PDL)),
         ], [1], [24])
 
     for i in gl.static_range(STAGES):
@@ -822,8 +810,8 @@ def gluon_wo_a_(plan: GluonWoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: tor
     w_desc = tma_desc(weight, [bn, BLOCK_K], "weight")
     o2 = o.as_strided((m, plan.heads * plan.head_dim), (o.stride(0), 1))
     x_desc = tma_desc(o2, [bt, BLOCK_K], "o")
-    if (pdl or release) and not pdl_supported(dev):
-        raise ValueError(f"pdl: programmatic dependent launch needs sm_90 or later outside the interpreter, got {dev}")
+    if pdl or release:
+        require_pdl(dev)
     opts = launch_options(plan, bt, pdl, release)
     _gluon_wo_a_kernel[(plan.n_tiles, plan.split)](
         w_desc, x_desc, cos, sin, scale, out, plan.partials, plan.counters, codes_out, scales_out, cp_pool, cp_src,

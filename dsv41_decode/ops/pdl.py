@@ -51,6 +51,14 @@ def supported(device: torch.device | str) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
+def require_supported(device: torch.device | str) -> None:
+    """ValueError naming `pdl` unless PDL can be used on `device` (`supported`): a launcher's check of
+    its caller's `pdl=True`."""
+    if not supported(device):
+        raise ValueError(f"pdl: programmatic dependent launch needs sm_90 or later outside the interpreter, "
+                         f"got {torch.device(device)}")
+
+
 def launch_options(pdl: bool = False) -> dict:
     """Extra keyword arguments of a Triton launch: {"launch_pdl": True} with `pdl`, else {}."""
     return {"launch_pdl": True} if pdl else {}
