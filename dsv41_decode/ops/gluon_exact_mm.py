@@ -245,12 +245,23 @@ def _ring_producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, s
     BLOCK_K] at (off_n, k) and activation tiles [BT, BLOCK_K] at (x_row, k), k = (step_lo + 2p + t) x
     BLOCK_K, into ring slots 2q and 2q + 1 (q = p % (STAGES / 2)), all four copies on the even
     slot's ready barrier, once the consumer has released the pair on the even slot's empty barrier
-    (the odd slots' barriers unused); n_steps even. PREFILLED (not with PAIRS): after the PDL
-    launch's `gluon_mm.ring_prefill`, `gluon_mm.producer_prefilled` (`gluon_mm.ring_producer`)."""
+    (the odd slots' barriers unused); n_steps even. PREFILLED: after the PDL launch's
+    `gluon_mm.ring_prefill` (in units of two slots with PAIRS), which requested the first units'
+    weight tiles: the producer waits for the predecessor itself, copies those units' activation
+    tiles and goes on from the first unit past them (slot by slot: `gluon_mm.producer_prefilled`)."""
     if PAIRS:
         UNITS: gl.constexpr = STAGES // 2
         BK: gl.constexpr = w_desc.block_type.shape[1]
-        for p in range(n_steps // 2):
+        p0 = 0
+        if PREFILLED:
+            gluon_wait()
+            for u in gl.static_range(UNITS):
+                if 2 * u < n_steps:
+                    for t in gl.static_range(2):
+                        tma.async_copy_global_to_shared(x_desc, [x_row, (step_lo + 2 * u + t) * BK], ready.index(2 * u),
+                                                        x_smem.index(2 * u + t))
+            p0 = gl.minimum(n_steps // 2, UNITS)
+        for p in range(p0, n_steps // 2):
             s = p % UNITS * 2
             # a fresh barrier counts as having completed the phase before its first: the first pass
             # over the ring does not wait
@@ -289,9 +300,9 @@ def _gluon_exact_mm_kernel(
     # ring's slots filled, waited for and released two at a time (`_ring_producer`, the consumers'
     # units of two slots). ROPE: the query RoPE epilogue (`store_tile`) with cos/sin [M, 32] FP32 at
     # cos_ptr / sin_ptr (row strides stride_cm / stride_sm; all four None without it, so that they
-    # take no kernel parameter). PDL: launched by programmatic dependent launch: without PAIRS the
-    # ring's first weight tiles requested before the wait for the kernel before it
-    # (`gluon_mm.ring_prefill`), the x tiles after; with PAIRS the wait first.
+    # take no kernel parameter). PDL: launched by programmatic dependent launch: the ring's first
+    # weight tiles (with PAIRS its first units') requested before the wait for the kernel before it
+    # (`gluon_mm.ring_prefill`), the x tiles after.
     BN: gl.constexpr = w_desc.block_type.shape[0]
     NB: gl.constexpr = w_desc.block_type.shape[1] // 32      # K blocks a slot: 4, or 8 (block_k 256)
     SLOTS: gl.constexpr = 2 if PAIRS else 1                   # ring slots a consumer's wait
@@ -321,10 +332,8 @@ def _gluon_exact_mm_kernel(
         sin_ptr += off_m * stride_sm
     step_lo = pid_s * steps_per_split
     n_steps = gl.minimum(steps_per_split, n_steps_total - step_lo)
-    if PDL and not PAIRS:
-        ring_prefill(w_desc, x_desc, w_smem, ready, pid_n * BN, step_lo, n_steps, STAGES)
-    elif PDL:
-        gluon_wait()
+    if PDL:
+        ring_prefill(w_desc, x_desc, w_smem, ready, pid_n * BN, step_lo, n_steps, STAGES, SLOTS)
     if WARPS_K == 1:
         scale_layout: gl.constexpr = mma_layout
     else:
@@ -354,7 +363,7 @@ def _gluon_exact_mm_kernel(
                            sx_ptr, stride_sxm, fuse_lo, fuse_hi, STAGES, BN, BT, SPLIT_K, mma_layout, cvt_l,
                            CONVERT == "f16wp", FUSE)),
             (_ring_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, off_m, step_lo, n_steps,
-                              STAGES, False, PDL and not PAIRS)),
+                              STAGES, False, PDL)),
         ], [1], [24])
     elif WARPS_K == 1:
         acc, = gl.warp_specialize([
@@ -362,7 +371,7 @@ def _gluon_exact_mm_kernel(
                          sx_ptr, stride_sxm, fuse_lo, fuse_hi, STAGES, BN, BT, CONVERT, KC, SPLIT_K, mma_layout,
                          FUSE, SLOTS)),
             (_ring_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, off_m, step_lo, n_steps,
-                              STAGES, PAIRS, PDL and not PAIRS)),
+                              STAGES, PAIRS, PDL)),
         ], [1], [24])
     else:
         # per slot of a unit (`_consumer_k_slots`) its terms' and x scales' buffers, separate
@@ -382,7 +391,7 @@ def _gluon_exact_mm_kernel(
                            M, sw_row_words, sx_ptr, stride_sxm, fuse_lo, fuse_hi, STAGES, BN, BT, CONVERT, KC,
                            SPLIT_K, mma_layout, out_layout, FUSE and BN <= 32, SLOTS)),
             (_ring_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, off_m, step_lo, n_steps,
-                              STAGES, PAIRS, PDL and not PAIRS)),
+                              STAGES, PAIRS, PDL)),
         ], [1], [24])
     for i in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(i))

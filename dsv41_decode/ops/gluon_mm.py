@@ -142,19 +142,24 @@ def _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, x_col,
 
 
 @gluon.jit
-def ring_prefill(w_desc, x_desc, w_smem, ready, off_n, step_lo, n_steps, STAGES: gl.constexpr):
+def ring_prefill(w_desc, x_desc, w_smem, ready, off_n, step_lo, n_steps, STAGES: gl.constexpr,
+                 SLOTS: gl.constexpr = 1):
     """The prologue of a ring's kernel launched by programmatic dependent launch (`ops.pdl`), run by
     the whole program before it forks its producer: the weight tiles of the ring's first
     min(STAGES, n_steps) slots (steps step_lo, step_lo + 1, ...; the weight is constant data) are
-    requested while the kernel before this one still runs, each slot's `ready` barrier expecting its
-    weight and activation tiles' bytes at once; then `griddepcontrol.wait`: everything after it may
-    read what that kernel wrote. `producer_prefilled` then fills the rest. The same slots, tiles and
-    barriers as `_producer` alone, so the same values."""
+    requested while the kernel before this one still runs, each wait unit's `ready` barrier (its
+    first slot's) expecting its weight and activation tiles' bytes at once; then
+    `griddepcontrol.wait`: everything after it may read what that kernel wrote. SLOTS: the ring's
+    slots a wait unit (1, or 2 for `gluon_exact_mm`'s pair_slots, n_steps even). The producer
+    (`producer_prefilled`, or `gluon_exact_mm`'s pair producer) then fills the rest: the same slots,
+    tiles and barriers as its producer alone, so the same values."""
     BK: gl.constexpr = w_desc.block_type.shape[1]
-    for i in gl.static_range(STAGES):
-        if i < n_steps:
-            mbarrier.expect(ready.index(i), w_desc.block_type.nbytes + x_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(w_desc, [off_n, (step_lo + i) * BK], ready.index(i), w_smem.index(i))
+    for u in gl.static_range(STAGES // SLOTS):
+        if u * SLOTS < n_steps:
+            mbarrier.expect(ready.index(u * SLOTS), SLOTS * (w_desc.block_type.nbytes + x_desc.block_type.nbytes))
+            for t in gl.static_range(SLOTS):
+                tma.async_copy_global_to_shared(w_desc, [off_n, (step_lo + u * SLOTS + t) * BK], ready.index(u * SLOTS),
+                                                w_smem.index(u * SLOTS + t))
     gluon_wait()
 
 

@@ -257,9 +257,9 @@ def test_boundary_epilogue_at_wo_b_on_gpu():
 @pytest.mark.parametrize("name,n,k", STEP_SHAPES, ids=[s[0] for s in STEP_SHAPES])
 def test_step_shapes_on_gpu(name, n, k):
     # On an sm_90 GPU: GluonExactFMA up to its plan's rows, ExactMM up to the plan's threshold,
-    # GluonExactMM above, in the plans' configurations; each row count alone gives the bits of the
-    # reference and of the same rows in a call of 64 (batch invariance across both switches), on
-    # model-like and heavy-tailed codes.
+    # GluonExactMM above, in the plans' configurations; each row count alone, launched plainly and
+    # by PDL, gives the bits of the reference and of the same rows in a call of 64 (batch invariance
+    # across both switches), on model-like and heavy-tailed codes.
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("GluonExactMM is sm_90 code")
     above, configs = _GLUON_PLAN[(n, k)]
@@ -286,6 +286,10 @@ def test_step_shapes_on_gpu(name, n, k):
         for m in rows:
             alone = linear(codes[:m], x_scale[:m])
             assert torch.equal(_bits(alone), _bits(together[:m])), (name, kind, m)
+            # the launch by programmatic dependent launch (the step's wq_b_pdl / qkv_pdl / wo_b_pdl):
+            # its prefilled ring gives the same bits
+            early = linear(codes[:m], x_scale[:m], pdl=True)
+            assert torch.equal(_bits(early), _bits(together[:m])), (name, kind, m, "pdl")
 
 
 WQ_B_SHAPES = [s for s in FLASH_LINEAR_SHAPES if s[0].startswith("wq_b")]
@@ -309,14 +313,18 @@ def test_rope_epilogue_on_gpu(name, n, k):
 
 
 @pytest.mark.parametrize("op,spec,bt", [("fma", "2:2:1:4", 1), ("mm", "f16d:128:16:1:32:4:1", 16),
-                                        ("mm", "f16w:64:32:1:32:4:1:80", 64), ("mm", "f16d:16:8:1:32:4:1:80:4:256", 8)],
-                         ids=["fma-1-2-rows", "f16d-3-16-rows", "f16w-17-64-rows", "fused-along-k-3-16-rows"])
+                                        ("mm", "f16w:64:32:1:32:4:1:80", 64), ("mm", "f16d:16:8:1:32:4:1:80:4:256", 8),
+                                        ("mm", "f16d:16:16:1:32:4:1:80:4:256:0:1", 8),
+                                        ("mm", "f16d:32:16:1:32:4:1:80:4:128:1:1", 64)],
+                         ids=["fma-1-2-rows", "f16d-3-16-rows", "f16w-17-64-rows", "fused-along-k-3-16-rows",
+                              "wo_b-pairs-3-8-rows", "wo_b-pairs-33-64-rows"])
 def test_pdl_launch_prefills_the_weight_before_its_wait(op, spec, bt):
-    """`ExactLinear(..., pdl=True)` (the step's `wq_b_pdl` and `qkv_pdl`), compiled for sm_90 in wq_b's
-    plan configurations with the RoPE epilogue and in the fused wq_a|wkv's along K at 3-16 rows (the
-    kernel's three consumer branches and GluonExactFMA's): before the program's griddepcontrol.wait
-    (SASS ACQBULK; the producer warp waits again) only the ring's first weight tiles (one predicated copy a slot) and no
-    other global access (`testing.sm90.pdl_prologue`), no new local memory; without pdl no wait."""
+    """`ExactLinear(..., pdl=True)` (the step's `wq_b_pdl`, `qkv_pdl` and `wo_b_pdl`), compiled for
+    sm_90 in wq_b's plan configurations with the RoPE epilogue, in the fused wq_a|wkv's along K at
+    3-16 rows and in wo_b's with two ring slots a wait (the kernel's three consumer branches, the
+    pair producer, and GluonExactFMA): before the program's griddepcontrol.wait (SASS ACQBULK; the
+    producer warp waits again) only the ring's first weight tiles (one predicated copy a slot) and
+    no other global access (`testing.sm90.pdl_prologue`), no new local memory; without pdl no wait."""
     from dsv41_decode.ops import exact_linear as EL, gluon_exact_fma as F, gluon_exact_mm as E
     from dsv41_decode.testing import sm90
     kernels = {}
