@@ -57,14 +57,14 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
                     the step's end; the same bits
     no_pdl          every kernel launched plainly: not each layer's Gluon wo_a by programmatic
                     dependent launch after the Gluon sparse MLA (released at the start of the MLA's
-                    last launch's programs: its rings' first weight tiles read while the MLA runs) nor
-                    at 1-8 rows its exact wq_b after the q/kv norm pair, the step's default
-                    (`DecodeStep(wo_a_pdl=, wq_b_pdl=)`); the same bits
-    no_wq_b_pdl     wo_a's launch by PDL alone
+                    last launch's programs: its rings' first weight tiles read while the MLA runs),
+                    nor at 1-8 rows its exact wq_b after the q/kv norm pair, nor its exact wo_b after
+                    wo_a's main loops where a Gluon op runs it, the step's default
+                    (`DecodeStep(wo_a_pdl=, wq_b_pdl=, wo_b_pdl=)`); the same bits
+    no_wq_b_pdl     wq_b launched plainly, the others by PDL
+    no_wo_b_pdl     wo_b launched plainly, the others by PDL
     qkv_pdl         the exact fused wq_a|wkv launched by PDL after the mHC boundary's launch too
                     (`DecodeStep(qkv_pdl=True)`); the same bits
-    wo_b_pdl        the exact wo_b launched by PDL after the Gluon wo_a, released once each wo_a
-                    program's main loop is done (`DecodeStep(wo_b_pdl=True)`); the same bits
     skip_pair       knock-outs (not the step: outputs differ; the 8-row output's comparison says so):
     skip_boundary   the q/kv norm pair, the mHC boundary's launch, every site's mixer or the sparse
     skip_mixer      MLA left out of the captured step, each alone: what that launch costs the
@@ -313,9 +313,9 @@ PATCHES = {
     "wproj_split": _wproj_split, "comp_tail": _comp_tail, "boundary_bd256": _boundary_chunks(256),
     "boundary_bd1024": _boundary_chunks(1024), "prefetch_wo_a": _prefetch_wo_a,
     "no_pdl": lambda step: _swap([(layer, flag, False) for layer in step.layers.values()
-                                  for flag in ("wo_a_pdl", "wq_b_pdl")]),
-    "no_wq_b_pdl": _layer_flag("wq_b_pdl", False), "qkv_pdl": _layer_flag("qkv_pdl", True),
-    "wo_b_pdl": _layer_flag("wo_b_pdl", True),
+                                  for flag in ("wo_a_pdl", "wq_b_pdl", "wo_b_pdl")]),
+    "no_wq_b_pdl": _layer_flag("wq_b_pdl", False), "no_wo_b_pdl": _layer_flag("wo_b_pdl", False),
+    "qkv_pdl": _layer_flag("qkv_pdl", True),
     "skip_pair": _skip(attention_mod, "rms_norm_pair_"), "skip_boundary": _skip(BoundaryOperands, "launch"),
     "skip_mixer": _skip(boundary_mod, "hc_mix_"), "skip_mla": _skip(attention_mod, "sparse_mla_launch"),
 }

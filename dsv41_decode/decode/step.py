@@ -177,11 +177,12 @@ class DecodeStep:
         own launch before it, which lets it start at its start (`mhc_boundary_(release=True)`); the
         same bits. Off by default: on an H100 the step 1.1 % faster at 4 rows but 0.7 / 1.7 / 6.6 %
         slower at 1 / 16 / 64 (docs/step.md); elsewhere it changes nothing.
-    wo_b_pdl: on one sm_90 GPU, each layer's exact wo_b (where its op is a Gluon one: from 3 rows)
-        launched by programmatic dependent launch after the Gluon wo_a, which lets it start once each
-        of its programs has finished its main loop (`gluon_wo_a_(release=True)`): wo_b's rings fill
-        during wo_a's split-K tails; not where wo_b's epilogue runs the boundary. The same bits. Off
-        by default (not yet measured on a GPU); elsewhere it changes nothing.
+    wo_b_pdl: on one sm_90 GPU, in the buckets where each layer's exact wo_b runs a Gluon op (at
+        TP1 from 3 rows; `ExactMM` below), that wo_b launched by programmatic dependent launch after
+        the Gluon wo_a, which lets it start once each of its programs has finished its main loop
+        (`gluon_wo_a_(release=True)`): wo_b's rings fill during wo_a's split-K tails; not where
+        wo_b's epilogue runs the boundary. The same bits. On by default (on an H100 the step 1.1-1.4 %
+        faster at 4-8 rows, 0.2-0.4 % at 16-64: docs/step.md); elsewhere it changes nothing.
     mix_late_rows: in the buckets of at least this many rows each site's mixer is enqueued at the
         end of the next layer's input projections instead of right after the boundary before it
         (default `MIX_LATE_ROWS`, where it measured faster on an H200; LOW_BATCH_MAX_ROWS + 1:
@@ -205,7 +206,7 @@ class DecodeStep:
                  fold_boundary: bool = False, weights_lane: bool = True, comp_tail: bool = False,
                  mix_late_rows: int = MIX_LATE_ROWS, index_row_group: int = 1, fuse_scales: bool = False,
                  pair_slots: bool = False, wo_a_pdl: bool = True, wq_b_pdl: bool = True, qkv_pdl: bool = False,
-                 wo_b_pdl: bool = False):
+                 wo_b_pdl: bool = True):
         if as_count(max_rows) is None:
             raise StepError(f"max_rows must be an int, got {max_rows!r}")
         max_rows = int(max_rows)
