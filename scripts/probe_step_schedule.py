@@ -63,6 +63,9 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
                     (`DecodeStep(wo_a_pdl=, wq_b_pdl=, wo_b_pdl=)`); the same bits
     no_wq_b_pdl     wq_b launched plainly, the others by PDL
     no_wo_b_pdl     wo_b launched plainly, the others by PDL
+    wq_b_pdl_no_idx wq_b launched plainly in the layers that run an indexer (whose index-query GEMM,
+                    on its own lane after the norm pair, then finds the SMs that wq_b's early
+                    programs otherwise hold), by PDL in the others; the same bits
     qkv_pdl         the exact fused wq_a|wkv launched by PDL after the mHC boundary's launch too
                     (`DecodeStep(qkv_pdl=True)`); the same bits
     skip_pair       knock-outs (not the step: outputs differ; the 8-row output's comparison says so):
@@ -315,6 +318,8 @@ PATCHES = {
     "no_pdl": lambda step: _swap([(layer, flag, False) for layer in step.layers.values()
                                   for flag in ("wo_a_pdl", "wq_b_pdl", "wo_b_pdl")]),
     "no_wq_b_pdl": _layer_flag("wq_b_pdl", False), "no_wo_b_pdl": _layer_flag("wo_b_pdl", False),
+    "wq_b_pdl_no_idx": lambda step: _swap([(layer, "wq_b_pdl", False) for layer in step.layers.values()
+                                           if layer.spec.runs_indexer]),
     "qkv_pdl": _layer_flag("qkv_pdl", True),
     "skip_pair": _skip(attention_mod, "rms_norm_pair_"), "skip_boundary": _skip(BoundaryOperands, "launch"),
     "skip_mixer": _skip(boundary_mod, "hc_mix_"), "skip_mla": _skip(attention_mod, "sparse_mla_launch"),
