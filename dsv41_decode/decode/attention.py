@@ -299,8 +299,8 @@ class AttentionStep:
         self.qkv_pdl = bool(qkv_pdl) and pdl_supported(dev) and isinstance(self.mm_qkv, ExactLinear)
         self.mm_wo_b = _fp8_plan(w, "wo_b", max_rows, exact_linears, pool, fuse_scales, pair_slots)
         # wo_b_pdl: the exact wo_b launched by PDL after the Gluon wo_a, which releases it once each
-        # program's main loop is done, in the buckets whose wo_b runs a Gluon op (a schedule choice:
-        # the same bits; `_output`, one GPU, no boundary in wo_b's epilogue)
+        # program's main loop is done (a schedule choice: the same bits; `_output`, one GPU, no
+        # boundary in wo_b's epilogue)
         self.wo_b_pdl = bool(wo_b_pdl) and pdl_supported(dev) and isinstance(self.mm_wo_b, ExactLinear)
         if "attn.wo_a.scale" in w:
             self.wo_a_w, self.wo_a_s = w["attn.wo_a.weight"], w["attn.wo_a.scale"]
@@ -629,8 +629,7 @@ class AttentionStep:
         s, m, r = self.s, self.meta, self.spec.ratio
         copy = (self.state.window[self.spec.layer], m.stage_src, m.ring_dst)
         gluon = isinstance(self.wo_a_plan, GluonWoAPlan)
-        wo_b_pdl = (self.wo_b_pdl and gluon and boundary is None and self.publish is None and self.layer.tp.tp == 1
-                    and self.mm_wo_b.op_for(B) is not self.mm_wo_b.cuda_cores)
+        wo_b_pdl = self.wo_b_pdl and gluon and boundary is None and self.publish is None and self.layer.tp.tp == 1
         pdl = dict(pdl=self.wo_a_pdl, release=wo_b_pdl) if gluon else {}
         wo_a_launch(self.wo_a_plan, o, m.cos[r][:B], m.sin[r][:B], self.wo_a_w, self.wo_a_s, s.z[:B],
                     s.z_codes[:B], s.z_scales[:B], window_copy=copy, **pdl)

@@ -209,14 +209,13 @@ class ExactLinear:
         `kv_write.query_rope_` in the epilogue of whichever op runs (each op's own: the same bits as
         the call without it followed by that op); boundary: `ExactMM`'s mHC boundary epilogue, for
         a call whose op is ExactMM (`takes_boundary`; ValueError naming `boundary` otherwise);
-        pdl: where the op is a Gluon one (`GluonExactFMA`, `GluonExactMM`), its launch by
-        programmatic dependent launch (their `pdl`); `ExactMM` launches plainly."""
+        pdl: the op's launch by programmatic dependent launch (each op's `pdl`)."""
         if not isinstance(codes, torch.Tensor) or codes.dim() != 2:
             return self.cuda_cores(codes, x_scale, out, rope, boundary)     # its error names the argument
         op = self.op_for(codes.shape[0])
         if boundary is None:
-            return op(codes, x_scale, out, rope, **({"pdl": True} if pdl and op is not self.cuda_cores else {}))
+            return op(codes, x_scale, out, rope, pdl=pdl)
         if op is not self.cuda_cores:
             raise ValueError(f"boundary: a call of {codes.shape[0]} rows runs {type(op).__name__}, which has no "
                              f"mHC boundary epilogue (ExactLinear.takes_boundary)")
-        return op(codes, x_scale, out, rope, boundary)
+        return op(codes, x_scale, out, rope, boundary, pdl=pdl)

@@ -85,6 +85,7 @@ from .exact_mm_plan import _BOUNDARY_MAXNREG, _ROW_BUCKETS, ExactConfig, planned
 from .fp4 import bf16_round
 from .kv_write import rope_tile
 from .mhc import BoundaryOperands, MhcBoundaryPlan, _boundary_block_d, tile_boundary
+from .pdl import enter as pdl_enter, prefetch_rows_l2, require_supported as require_pdl
 from .rounding import bf16_rne_bits, to_f32, ue8m0_to_fp32
 
 MAX_ROWS = 64
@@ -427,7 +428,7 @@ def _exact_mm_kernel(
     stride_post=None, stride_cn=None, stride_ci=None, stride_pre=None, stride_xon=None, stride_xoh=None,
     stride_u=None, stride_codes=None, stride_scales=None, stride_bws=None, stride_ccnt=None,
     BOUNDARY: tl.constexpr = False, DIM: tl.constexpr = None, BD: tl.constexpr = None, NCH: tl.constexpr = None,
-    NCH_P2: tl.constexpr = None, TAIL: tl.constexpr = None,
+    NCH_P2: tl.constexpr = None, TAIL: tl.constexpr = None, PDL: tl.constexpr = False,
 ):
     # Grid: (N tiles, K splits). Program (t, s) covers W rows [t*BLOCK_N, +BLOCK_N) over the K steps
     # [s*steps_per_split, +steps_per_split) and every row of x, ROWS at a time. With one split it
@@ -439,7 +440,8 @@ def _exact_mm_kernel(
     # operands of `mhc.BoundaryOperands` (streams bx_ptr, mixer post/comb/pre, norm weight nw_ptr,
     # outputs xo/u/codes/scales, the plan's workspace bws_ptr, row counters bcnt_ptr and chunk
     # counters ccnt_ptr, DIM = N columns in NCH chunks of BD, the row's tail TAIL columns a slice; None
-    # without it).
+    # without it). PDL: launched by programmatic dependent launch: the program's first weight bytes
+    # asked of L2 (constant data), then the wait for the kernel before it, before anything else.
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
     SUB: tl.constexpr = BLOCK_K // 32
@@ -458,6 +460,8 @@ def _exact_mm_kernel(
     else:
         k_lo = 0
         k_hi = K
+    prefetch_rows_l2(w_rows + k_lo, k_hi - k_lo, PDL)
+    pdl_enter(PDL, RELEASE=False)
     KB = K // 32
     ws_tile = ws_ptr + pid * (ROWS * KB * BLOCK_N)                     # [ROWS, KB, BN] terms
     for m0 in range(0, M, ROWS):
@@ -688,7 +692,7 @@ class ExactMM:
 
     def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None,
                  rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 boundary: BoundaryOperands | None = None) -> torch.Tensor:
+                 boundary: BoundaryOperands | None = None, *, pdl: bool = False) -> torch.Tensor:
         """y = codes x weight^T with both block scales, into out: the arguments and the result of
         `LowLatencyMM.__call__` (a float32 out receives the unrounded FP32 sums).
 
@@ -704,8 +708,15 @@ class ExactMM:
             counters reset by them): the bits of the call without it followed by
             `mhc_boundary_(out, ...)` with those operands, y stored as well. Not with rope; the
             launch's block_n must divide plan.block_d. Its operands as `mhc_boundary_` checks them.
+        pdl: launch by programmatic dependent launch (`ops.pdl`): where the kernel before it on the
+            stream lets it (a release), its programs ask L2 for their first weight bytes while that
+            kernel runs, then wait for it before anything else; after no such predecessor it runs
+            as without pdl. The same values either way. ValueError where PDL is not available
+            (`ops.pdl.supported`).
         Returns out.
         """
+        if pdl:
+            require_pdl(self.device)
         out = mxfp8_linear_args(codes, x_scale, out, self.n, self.k, self.max_rows, self.device)
         if rope is not None and boundary is not None:
             raise ValueError("boundary: the call has a rope epilogue already (one epilogue a call)")
@@ -717,6 +728,8 @@ class ExactMM:
             epilogue["enable_fp_fusion"] = False     # the boundary's products and sums rounded one by one
             if cfg in _BOUNDARY_MAXNREG:
                 epilogue["maxnreg"] = _BOUNDARY_MAXNREG[cfg]
+        if pdl:
+            epilogue.update(PDL=True, launch_pdl=True)
         _exact_mm_kernel[launch.grid](
             codes, x_scale.view(torch.uint8), self.weight, self.w_scale,
             out if out.dtype == torch.float32 else out.view(torch.int16), self._workspace, self._counters,

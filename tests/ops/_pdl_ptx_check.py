@@ -9,7 +9,7 @@ import sys
 import triton
 import triton.language as tl
 
-from dsv41_decode.ops import act_quant, kv_write, low_latency_mm, mhc, pdl, rms_norm, sparse_mla, wo_a
+from dsv41_decode.ops import act_quant, exact_mm, kv_write, low_latency_mm, mhc, pdl, rms_norm, sparse_mla, wo_a
 from dsv41_decode.testing.sm90 import compile_sm90, pdl_prologue
 
 
@@ -59,6 +59,22 @@ def check_low_latency_mm(dequant):
         _assert_waits_first(ptx)
         _assert_releases_after_main_loop(ptx, "mma")
         assert "cp.async.bulk.prefetch.L2" in ptx[:ptx.index("griddepcontrol.wait")]
+
+
+def check_exact_mm():
+    """ExactMM by PDL (the step's exact wo_b and fused wq_a|wkv at 1-2 rows, in their plans' FP64
+    and FP32 block sums, with a K split too): the first weight bytes asked of L2, then the wait,
+    before anything else; no early release (its successors start at its end)."""
+    fn = exact_mm._exact_mm_kernel
+    types = {"x_ptr": "*fp8e4nv", "sx_ptr": "*u8", "w_ptr": "*fp8e4nv", "sw_ptr": "*u8", "y_ptr": "*i16",
+             "ws_ptr": "*fp32", "cnt_ptr": "*i32"}
+    for consts in (dict(BLOCK_N=2, BLOCK_K=1024, ROWS=1, F64=True), dict(BLOCK_N=8, BLOCK_K=1024, ROWS=2),
+                   dict(BLOCK_N=8, BLOCK_K=512, ROWS=4, SPLIT=4, STAGES=4)):
+        ptx = _ptx(fn, types, dict(consts, OUT_F32=False, PDL=True), num_warps=2)
+        copies, other = pdl_prologue(ptx)
+        assert copies == 0 and not other, f"{other or 'a TMA copy'} before griddepcontrol.wait"
+        assert "cp.async.bulk.prefetch.L2" in ptx[:ptx.index("griddepcontrol.wait")], consts
+        assert "griddepcontrol.launch_dependents" not in ptx, consts
 
 
 def check_wo_a():
@@ -132,7 +148,7 @@ if __name__ == "__main__":
     check_the_checker()
     for name, check in (("low_latency_mm f8", lambda: check_low_latency_mm(False)),
                         ("low_latency_mm dequant", lambda: check_low_latency_mm(True)),
-                        ("wo_a", check_wo_a), ("sparse_mla", check_sparse_mla),
+                        ("exact_mm", check_exact_mm), ("wo_a", check_wo_a), ("sparse_mla", check_sparse_mla),
                         ("sparse_mla combine", check_sparse_mla_combine), ("rms_norm", check_rms_norm),
                         ("act_quant", check_act_quant), ("kv_write", check_kv_write), ("mhc boundary", check_mhc)):
         try:
