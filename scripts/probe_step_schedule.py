@@ -63,6 +63,8 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
                     (`DecodeStep(wo_a_pdl=, wq_b_pdl=, wo_b_pdl=)`); the same bits
     no_wq_b_pdl     wq_b launched plainly, the others by PDL
     no_wo_b_pdl     wo_b launched plainly, the others by PDL
+    wo_b_pdl_all    wo_b by PDL in every bucket (`attention.WO_B_PDL_MIN_ROWS` = 1: at 1-2 rows its
+                    ExactMM too); the same bits
     wq_b_pdl_no_idx wq_b launched plainly in the layers that run an indexer (whose index-query GEMM,
                     on its own lane after the norm pair, then finds the SMs that wq_b's early
                     programs otherwise hold), by PDL in the others; the same bits
@@ -321,6 +323,7 @@ PATCHES = {
     "wq_b_pdl_no_idx": lambda step: _swap([(layer, "wq_b_pdl", False) for layer in step.layers.values()
                                            if layer.spec.runs_indexer]),
     "qkv_pdl": _layer_flag("qkv_pdl", True),
+    "wo_b_pdl_all": lambda step: _swap([(attention_mod, "WO_B_PDL_MIN_ROWS", 1)]),
     "skip_pair": _skip(attention_mod, "rms_norm_pair_"), "skip_boundary": _skip(BoundaryOperands, "launch"),
     "skip_mixer": _skip(boundary_mod, "hc_mix_"), "skip_mla": _skip(attention_mod, "sparse_mla_launch"),
 }

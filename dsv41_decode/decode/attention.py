@@ -114,6 +114,12 @@ WEIGHTS_LANE_MAX_ROWS = 2
 # neither with wq_b's alone): docs/step.md
 WQ_B_PDL_MAX_ROWS = 8
 
+# The exact wo_b launched by PDL after the Gluon wo_a (`DecodeStep(wo_b_pdl=True)`) in the buckets of at
+# least this many rows, where a Gluon op runs V4.1-Flash's wo_b at TP1: on an H100 (32K, three passes of
+# scripts/probe_step_schedule.py at b359f4c) 1.2 / 1.1 / 0.2 / 0.4 % faster at 4 / 8 / 16 / 64 rows;
+# at 1-2 rows (ExactMM) not measured by PDL: docs/step.md
+WO_B_PDL_MIN_ROWS = 3
+
 
 # The ring slots of an FP8 `wo_a`'s folded Gluon consumer (a slot holds half the bytes of the BF16
 # weight's, whose plan keeps its default 6): 14.0 / 14.1 / 14.3 / 14.9 / 19.0 us at 1 / 2 / 8 / 16 /
@@ -299,8 +305,8 @@ class AttentionStep:
         self.qkv_pdl = bool(qkv_pdl) and pdl_supported(dev) and isinstance(self.mm_qkv, ExactLinear)
         self.mm_wo_b = _fp8_plan(w, "wo_b", max_rows, exact_linears, pool, fuse_scales, pair_slots)
         # wo_b_pdl: the exact wo_b launched by PDL after the Gluon wo_a, which releases it once each
-        # program's main loop is done (a schedule choice: the same bits; `_output`, one GPU, no
-        # boundary in wo_b's epilogue)
+        # program's main loop is done, in the buckets of at least WO_B_PDL_MIN_ROWS rows (a schedule
+        # choice: the same bits; `_output`, one GPU, no boundary in wo_b's epilogue)
         self.wo_b_pdl = bool(wo_b_pdl) and pdl_supported(dev) and isinstance(self.mm_wo_b, ExactLinear)
         if "attn.wo_a.scale" in w:
             self.wo_a_w, self.wo_a_s = w["attn.wo_a.weight"], w["attn.wo_a.scale"]
@@ -629,7 +635,8 @@ class AttentionStep:
         s, m, r = self.s, self.meta, self.spec.ratio
         copy = (self.state.window[self.spec.layer], m.stage_src, m.ring_dst)
         gluon = isinstance(self.wo_a_plan, GluonWoAPlan)
-        wo_b_pdl = self.wo_b_pdl and gluon and boundary is None and self.publish is None and self.layer.tp.tp == 1
+        wo_b_pdl = (self.wo_b_pdl and gluon and boundary is None and self.publish is None and self.layer.tp.tp == 1
+                    and B >= WO_B_PDL_MIN_ROWS)
         pdl = dict(pdl=self.wo_a_pdl, release=wo_b_pdl) if gluon else {}
         wo_a_launch(self.wo_a_plan, o, m.cos[r][:B], m.sin[r][:B], self.wo_a_w, self.wo_a_s, s.z[:B],
                     s.z_codes[:B], s.z_scales[:B], window_copy=copy, **pdl)

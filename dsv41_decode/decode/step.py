@@ -172,17 +172,18 @@ class DecodeStep:
         (`rms_norm_pair_(release=True)`): its programs request their rings' first weight tiles while
         the pair runs, then wait for it (`ExactLinear(..., pdl=True)`); the same bits. On by default
         (docs/step.md); elsewhere it changes nothing.
-    qkv_pdl: on an sm_90 GPU, each layer's exact fused wq_a|wkv GEMM (`ExactLinear`, where its op is
-        a Gluon one: from 3 rows) launched by programmatic dependent launch after the mHC boundary's
-        own launch before it, which lets it start at its start (`mhc_boundary_(release=True)`); the
-        same bits. Off by default: on an H100 the step 1.1 % faster at 4 rows but 0.7 / 1.7 / 6.6 %
-        slower at 1 / 16 / 64 (docs/step.md); elsewhere it changes nothing.
-    wo_b_pdl: on one sm_90 GPU, in the buckets where each layer's exact wo_b runs a Gluon op (at
-        TP1 from 3 rows; `ExactMM` below), that wo_b launched by programmatic dependent launch after
-        the Gluon wo_a, which lets it start once each of its programs has finished its main loop
-        (`gluon_wo_a_(release=True)`): wo_b's rings fill during wo_a's split-K tails; not where
-        wo_b's epilogue runs the boundary. The same bits. On by default (on an H100 the step 1.1-1.4 %
-        faster at 4-8 rows, 0.2-0.4 % at 16-64: docs/step.md); elsewhere it changes nothing.
+    qkv_pdl: on an sm_90 GPU, each layer's exact fused wq_a|wkv GEMM (`ExactLinear`) launched by
+        programmatic dependent launch after the mHC boundary's own launch before it, which lets it
+        start at its start (`mhc_boundary_(release=True)`); the same bits. Off by default: on an H100
+        the step 1.1 % faster at 4 rows but 1.7 / 6.6 % slower at 16 / 64 (docs/step.md); elsewhere
+        it changes nothing.
+    wo_b_pdl: on one sm_90 GPU, in the buckets of at least `attention.WO_B_PDL_MIN_ROWS` = 3 rows
+        (where a Gluon op runs V4.1-Flash's wo_b), each layer's exact wo_b launched by programmatic
+        dependent launch after the Gluon wo_a, which lets it start once each of its programs has
+        finished its main loop (`gluon_wo_a_(release=True)`): wo_b's rings fill during wo_a's
+        split-K tails; not where wo_b's epilogue runs the boundary. The same bits. On by default (on
+        an H100 the step 1.1-1.2 % faster at 4-8 rows, 0.2-0.4 % at 16-64: docs/step.md); elsewhere
+        it changes nothing.
     mix_late_rows: in the buckets of at least this many rows each site's mixer is enqueued at the
         end of the next layer's input projections instead of right after the boundary before it
         (default `MIX_LATE_ROWS`, where it measured faster on an H200; LOW_BATCH_MAX_ROWS + 1:
