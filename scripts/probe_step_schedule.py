@@ -59,17 +59,16 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
                     dependent launch after the Gluon sparse MLA (released at the start of the MLA's
                     last launch's programs: its rings' first weight tiles read while the MLA runs),
                     nor at 1-8 rows its exact wq_b after the q/kv norm pair, nor its exact wo_b after
-                    wo_a's main loops where a Gluon op runs it, the step's default
-                    (`DecodeStep(wo_a_pdl=, wq_b_pdl=, wo_b_pdl=)`); the same bits
+                    wo_a's main loops, nor at 1-2 rows its fused wq_a|wkv after the boundary, the step's default
+                    (`DecodeStep(wo_a_pdl=, wq_b_pdl=, wo_b_pdl=, qkv_pdl=)`); the same bits
     no_wq_b_pdl     wq_b launched plainly, the others by PDL
     no_wo_b_pdl     wo_b launched plainly, the others by PDL
-    wo_b_pdl_all    wo_b by PDL in every bucket (`attention.WO_B_PDL_MIN_ROWS` = 1: at 1-2 rows its
-                    ExactMM too); the same bits
+    no_qkv_pdl      the fused wq_a|wkv launched plainly, the others by PDL
     wq_b_pdl_no_idx wq_b launched plainly in the layers that run an indexer (whose index-query GEMM,
                     on its own lane after the norm pair, then finds the SMs that wq_b's early
                     programs otherwise hold), by PDL in the others; the same bits
-    qkv_pdl         the exact fused wq_a|wkv launched by PDL after the mHC boundary's launch too
-                    (`DecodeStep(qkv_pdl=True)`); the same bits
+    qkv_pdl_all     the exact fused wq_a|wkv launched by PDL after the mHC boundary's launch in every
+                    bucket (`attention.QKV_PDL_MAX_ROWS` = 64, not 2); the same bits
     skip_pair       knock-outs (not the step: outputs differ; the 8-row output's comparison says so):
     skip_boundary   the q/kv norm pair, the mHC boundary's launch, every site's mixer or the sparse
     skip_mixer      MLA left out of the captured step, each alone: what that launch costs the
@@ -318,12 +317,12 @@ PATCHES = {
     "wproj_split": _wproj_split, "comp_tail": _comp_tail, "boundary_bd256": _boundary_chunks(256),
     "boundary_bd1024": _boundary_chunks(1024), "prefetch_wo_a": _prefetch_wo_a,
     "no_pdl": lambda step: _swap([(layer, flag, False) for layer in step.layers.values()
-                                  for flag in ("wo_a_pdl", "wq_b_pdl", "wo_b_pdl")]),
+                                  for flag in ("wo_a_pdl", "wq_b_pdl", "wo_b_pdl", "qkv_pdl")]),
     "no_wq_b_pdl": _layer_flag("wq_b_pdl", False), "no_wo_b_pdl": _layer_flag("wo_b_pdl", False),
     "wq_b_pdl_no_idx": lambda step: _swap([(layer, "wq_b_pdl", False) for layer in step.layers.values()
                                            if layer.spec.runs_indexer]),
-    "qkv_pdl": _layer_flag("qkv_pdl", True),
-    "wo_b_pdl_all": lambda step: _swap([(attention_mod, "WO_B_PDL_MIN_ROWS", 1)]),
+    "no_qkv_pdl": _layer_flag("qkv_pdl", False),
+    "qkv_pdl_all": lambda step: _swap([(attention_mod, "QKV_PDL_MAX_ROWS", 64)]),
     "skip_pair": _skip(attention_mod, "rms_norm_pair_"), "skip_boundary": _skip(BoundaryOperands, "launch"),
     "skip_mixer": _skip(boundary_mod, "hc_mix_"), "skip_mla": _skip(attention_mod, "sparse_mla_launch"),
 }

@@ -114,11 +114,12 @@ WEIGHTS_LANE_MAX_ROWS = 2
 # neither with wq_b's alone): docs/step.md
 WQ_B_PDL_MAX_ROWS = 8
 
-# The exact wo_b launched by PDL after the Gluon wo_a (`DecodeStep(wo_b_pdl=True)`) in the buckets of at
-# least this many rows, where a Gluon op runs V4.1-Flash's wo_b at TP1: on an H100 (32K, three passes of
-# scripts/probe_step_schedule.py at b359f4c) 1.2 / 1.1 / 0.2 / 0.4 % faster at 4 / 8 / 16 / 64 rows;
-# at 1-2 rows (ExactMM) not measured by PDL: docs/step.md
-WO_B_PDL_MIN_ROWS = 3
+# The exact fused wq_a|wkv launched by PDL after the mHC boundary's launch (`DecodeStep(qkv_pdl=True)`)
+# in the buckets of at most this many rows (ExactMM's at V4.1-Flash's TP1): on an H100 (32K, two passes
+# of scripts/probe_step_schedule.py at 69790cb) 3859.5 / 3861.2 us at 1 row against 3935.0 / 3924.6,
+# 4426.6 / 4411.9 at 2 against 4492.1 / 4502.6 (1.8 % less), the same at 4, 2.8 % slower at 8 (and
+# 1.7 / 6.6 % at 16 / 64 at 2ad2dea): docs/step.md
+QKV_PDL_MAX_ROWS = 2
 
 
 # The ring slots of an FP8 `wo_a`'s folded Gluon consumer (a slot holds half the bytes of the BF16
@@ -257,7 +258,7 @@ class AttentionStep:
                  wo_a_fp8: bool = False, exact_linears: bool = True, fp32_dots: bool = False,
                  fold_index_chain: bool = False, weights_lane: bool = True, comp_tail: bool = False,
                  index_row_group: int = 1, fuse_scales: bool = False, pair_slots: bool = False,
-                 wo_a_pdl: bool = True, wq_b_pdl: bool = True, qkv_pdl: bool = False, wo_b_pdl: bool = True):
+                 wo_a_pdl: bool = True, wq_b_pdl: bool = True, qkv_pdl: bool = True, wo_b_pdl: bool = True):
         """sources: the step's layers built before this one (by id), among them this layer's index and
         KV sources: a layer that reuses a selection or a candidate pool reads its source's buffers.
         The layer's own selection and candidate pool (when it makes them) are its attributes
@@ -301,12 +302,13 @@ class AttentionStep:
         # `_inputs`, `_prepare`)
         self.wq_b_pdl = bool(wq_b_pdl) and pdl_supported(dev) and isinstance(self.mm_wq_b, ExactLinear)
         # qkv_pdl: the exact fused wq_a|wkv launched by PDL after the mHC boundary's launch, which
-        # releases it at its start (a schedule choice: the same bits; `_inputs`, `DecodeStep._schedule`)
+        # releases it at its start, in the buckets of at most QKV_PDL_MAX_ROWS rows (a schedule
+        # choice: the same bits; `_inputs`, `DecodeStep._schedule`, `takes_qkv_pdl`)
         self.qkv_pdl = bool(qkv_pdl) and pdl_supported(dev) and isinstance(self.mm_qkv, ExactLinear)
         self.mm_wo_b = _fp8_plan(w, "wo_b", max_rows, exact_linears, pool, fuse_scales, pair_slots)
         # wo_b_pdl: the exact wo_b launched by PDL after the Gluon wo_a, which releases it once each
-        # program's main loop is done, in the buckets of at least WO_B_PDL_MIN_ROWS rows (a schedule
-        # choice: the same bits; `_output`, one GPU, no boundary in wo_b's epilogue)
+        # program's main loop is done (a schedule choice: the same bits; `_output`, one GPU, no
+        # boundary in wo_b's epilogue)
         self.wo_b_pdl = bool(wo_b_pdl) and pdl_supported(dev) and isinstance(self.mm_wo_b, ExactLinear)
         if "attn.wo_a.scale" in w:
             self.wo_a_w, self.wo_a_s = w["attn.wo_a.weight"], w["attn.wo_a.scale"]
@@ -398,6 +400,11 @@ class AttentionStep:
         return found
 
     # ------------------------------------------------------------------ the schedule
+    def takes_qkv_pdl(self, rows: int) -> bool:
+        """Whether a call of `rows` rows launches the fused wq_a|wkv by PDL after the mHC boundary's
+        launch (`qkv_pdl`, at most QKV_PDL_MAX_ROWS rows), which then releases it at its start."""
+        return self.qkv_pdl and rows <= QKV_PDL_MAX_ROWS
+
     def takes_boundary(self, rows: int) -> bool:
         """Whether `run(rows, ..., boundary=)` can run the mHC boundary in wo_b's epilogue: one rank
         (no TP reduction between wo_b and the boundary) and wo_b's op for `rows` rows is `ExactMM`
@@ -455,7 +462,7 @@ class AttentionStep:
         proj_ready or None)."""
         cfg, spec, s, lanes = self.cfg, self.spec, self.s, self.lanes
         start = lanes.mark()                                  # protects u (written by the boundary)
-        qkv = self.mm_qkv(u_codes, u_scales, s.qkv_a[:B], **(dict(pdl=True) if self.qkv_pdl else {}))
+        qkv = self.mm_qkv(u_codes, u_scales, s.qkv_a[:B], **(dict(pdl=True) if self.takes_qkv_pdl(B) else {}))
         kv_score = proj_ready = None
         if spec.owns_compressor:
             with lanes.side(AUX_COMPRESSOR):
@@ -635,8 +642,7 @@ class AttentionStep:
         s, m, r = self.s, self.meta, self.spec.ratio
         copy = (self.state.window[self.spec.layer], m.stage_src, m.ring_dst)
         gluon = isinstance(self.wo_a_plan, GluonWoAPlan)
-        wo_b_pdl = (self.wo_b_pdl and gluon and boundary is None and self.publish is None and self.layer.tp.tp == 1
-                    and B >= WO_B_PDL_MIN_ROWS)
+        wo_b_pdl = self.wo_b_pdl and gluon and boundary is None and self.publish is None and self.layer.tp.tp == 1
         pdl = dict(pdl=self.wo_a_pdl, release=wo_b_pdl) if gluon else {}
         wo_a_launch(self.wo_a_plan, o, m.cos[r][:B], m.sin[r][:B], self.wo_a_w, self.wo_a_s, s.z[:B],
                     s.z_codes[:B], s.z_scales[:B], window_copy=copy, **pdl)

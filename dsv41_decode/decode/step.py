@@ -172,18 +172,19 @@ class DecodeStep:
         (`rms_norm_pair_(release=True)`): its programs request their rings' first weight tiles while
         the pair runs, then wait for it (`ExactLinear(..., pdl=True)`); the same bits. On by default
         (docs/step.md); elsewhere it changes nothing.
-    qkv_pdl: on an sm_90 GPU, each layer's exact fused wq_a|wkv GEMM (`ExactLinear`) launched by
-        programmatic dependent launch after the mHC boundary's own launch before it, which lets it
-        start at its start (`mhc_boundary_(release=True)`); the same bits. Off by default: on an H100
-        the step 1.1 % faster at 4 rows but 1.7 / 6.6 % slower at 16 / 64 (docs/step.md); elsewhere
-        it changes nothing.
-    wo_b_pdl: on one sm_90 GPU, in the buckets of at least `attention.WO_B_PDL_MIN_ROWS` = 3 rows
-        (where a Gluon op runs V4.1-Flash's wo_b), each layer's exact wo_b launched by programmatic
-        dependent launch after the Gluon wo_a, which lets it start once each of its programs has
-        finished its main loop (`gluon_wo_a_(release=True)`): wo_b's rings fill during wo_a's
-        split-K tails; not where wo_b's epilogue runs the boundary. The same bits. On by default (on
-        an H100 the step 1.1-1.2 % faster at 4-8 rows, 0.2-0.4 % at 16-64: docs/step.md); elsewhere
-        it changes nothing.
+    qkv_pdl: on an sm_90 GPU, in the buckets of at most `attention.QKV_PDL_MAX_ROWS` = 2 rows, each
+        layer's exact fused wq_a|wkv GEMM (`ExactLinear`) launched by programmatic dependent launch
+        after the mHC boundary's own launch before it, which lets it start at its start
+        (`mhc_boundary_(release=True)`): its programs ask L2 for their first weight bytes while the
+        boundary runs (`ExactMM` at those rows); the same bits. On by default (on an H100 the step
+        1.8 % faster at 1-2 rows, the same at 4, slower at 8-64: docs/step.md); elsewhere it changes
+        nothing.
+    wo_b_pdl: on one sm_90 GPU, each layer's exact wo_b launched by programmatic dependent launch
+        after the Gluon wo_a, which lets it start once each of its programs has finished its main
+        loop (`gluon_wo_a_(release=True)`): wo_b's rings fill (its `ExactMM`, at 1-2 rows, asks L2
+        for its first weight bytes) during wo_a's split-K tails; not where wo_b's epilogue runs the
+        boundary. The same bits. On by default (on an H100 the step 0.9 / 0.5 / 1.2 / 1.1 / 0.2 / 0.4 %
+        faster at 1 / 2 / 4 / 8 / 16 / 64 rows: docs/step.md); elsewhere it changes nothing.
     mix_late_rows: in the buckets of at least this many rows each site's mixer is enqueued at the
         end of the next layer's input projections instead of right after the boundary before it
         (default `MIX_LATE_ROWS`, where it measured faster on an H200; LOW_BATCH_MAX_ROWS + 1:
@@ -206,7 +207,7 @@ class DecodeStep:
                  exact_linears: bool = True, fp32_dots: bool = False, fold_index_chain: bool = False,
                  fold_boundary: bool = False, weights_lane: bool = True, comp_tail: bool = False,
                  mix_late_rows: int = MIX_LATE_ROWS, index_row_group: int = 1, fuse_scales: bool = False,
-                 pair_slots: bool = False, wo_a_pdl: bool = True, wq_b_pdl: bool = True, qkv_pdl: bool = False,
+                 pair_slots: bool = False, wo_a_pdl: bool = True, wq_b_pdl: bool = True, qkv_pdl: bool = True,
                  wo_b_pdl: bool = True):
         if as_count(max_rows) is None:
             raise StepError(f"max_rows must be an int, got {max_rows!r}")
@@ -359,7 +360,7 @@ class DecodeStep:
                                    after_inputs=after_inputs)
                 lanes.wait(mix_ready)                         # post/comb/pre of this site
                 bd.exit(i, nxt, io.y[:B], x, k % 2, x_new, B, index=k, release=nxt is not None
-                        and self.layers[nxt].qkv_pdl)
+                        and self.layers[nxt].takes_qkv_pdl(B))
             if nxt is not None and not late:
                 mix_ready = bd.mix(nxt, x_new, (k + 1) % 2, B, lanes)
             x = x_new
