@@ -69,6 +69,8 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
                     programs otherwise hold), by PDL in the others; the same bits
     qkv_pdl_all     the exact fused wq_a|wkv launched by PDL after the mHC boundary's launch in every
                     bucket (`attention.QKV_PDL_MAX_ROWS` = 64, not 2); the same bits
+    topk_pdl        the indexer layers' top-k (its linked path's kernels after the scorer) launched by
+                    PDL (`topk_ascending_(pdl=True)`, the index lane's chain); the same bits
     skip_pair       knock-outs (not the step: outputs differ; the 8-row output's comparison says so):
     skip_boundary   the q/kv norm pair, the mHC boundary's launch, every site's mixer or the sparse
     skip_mixer      MLA left out of the captured step, each alone: what that launch costs the
@@ -95,6 +97,7 @@ kernel before it on its stream, that gap and the kernels running on other stream
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import torch
@@ -229,6 +232,11 @@ def _topk_chunk(step):
                   for layer in step.layers.values() if layer.spec.runs_indexer for p in [layer.topk_plan]])
 
 
+def _topk_pdl(step):
+    """Patch the step's top-k calls: the linked path launched by PDL; returns the undo."""
+    return _swap([(attention_mod, "topk_ascending_", functools.partial(topk.topk_ascending_, pdl=True))])
+
+
 def _layer_flag(attr: str, value: bool):
     """A patch setting every layer's `attr` (an `AttentionStep` schedule flag) to value; the undo
     restores each layer's setting as the step was built."""
@@ -322,7 +330,7 @@ PATCHES = {
     "wq_b_pdl_no_idx": lambda step: _swap([(layer, "wq_b_pdl", False) for layer in step.layers.values()
                                            if layer.spec.runs_indexer]),
     "no_qkv_pdl": _layer_flag("qkv_pdl", False),
-    "qkv_pdl_all": lambda step: _swap([(attention_mod, "QKV_PDL_MAX_ROWS", 64)]),
+    "qkv_pdl_all": lambda step: _swap([(attention_mod, "QKV_PDL_MAX_ROWS", 64)]), "topk_pdl": _topk_pdl,
     "skip_pair": _skip(attention_mod, "rms_norm_pair_"), "skip_boundary": _skip(BoundaryOperands, "launch"),
     "skip_mixer": _skip(boundary_mod, "hc_mix_"), "skip_mla": _skip(attention_mod, "sparse_mla_launch"),
 }
