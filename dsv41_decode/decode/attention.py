@@ -117,7 +117,7 @@ WQ_B_PDL_MAX_ROWS = 8
 # The exact fused wq_a|wkv launched by PDL after the mHC boundary's launch (`DecodeStep(qkv_pdl=True)`)
 # in the buckets of at most this many rows (ExactMM's at V4.1-Flash's TP1): on an H100 (32K, two passes
 # of scripts/probe_step_schedule.py at 69790cb) 3859.5 / 3861.2 us at 1 row against 3935.0 / 3924.6,
-# 4426.6 / 4411.9 at 2 against 4492.1 / 4502.6 (1.8 % less), the same at 4, 2.8 % slower at 8 (and
+# 4426.6 / 4411.9 at 2 against 4492.1 / 4502.6 (1.8 / 1.7 % less), the same at 4, 2.8 % slower at 8 (and
 # 1.7 / 6.6 % at 16 / 64 at 2ad2dea): docs/step.md
 QKV_PDL_MAX_ROWS = 2
 

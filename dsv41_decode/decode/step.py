@@ -177,13 +177,13 @@ class DecodeStep:
         after the mHC boundary's own launch before it, which lets it start at its start
         (`mhc_boundary_(release=True)`): its programs ask L2 for their first weight bytes while the
         boundary runs (`ExactMM` at those rows); the same bits. On by default (on an H100 the step
-        1.8 % faster at 1-2 rows, the same at 4, slower at 8-64: docs/step.md); elsewhere it changes
-        nothing.
+        1.8 / 1.7 % faster at 1 / 2 rows, the same at 4, slower at 8-64: docs/step.md); elsewhere it
+        changes nothing.
     wo_b_pdl: on one sm_90 GPU, each layer's exact wo_b launched by programmatic dependent launch
         after the Gluon wo_a, which lets it start once each of its programs has finished its main
         loop (`gluon_wo_a_(release=True)`): wo_b's rings fill (its `ExactMM`, at 1-2 rows, asks L2
         for its first weight bytes) during wo_a's split-K tails; not where wo_b's epilogue runs the
-        boundary. The same bits. On by default (on an H100 the step 0.9 / 0.5 / 1.2 / 1.1 / 0.2 / 0.4 %
+        boundary. The same bits. On by default (on an H100 the step 0.9 / 0.6 / 1.2 / 1.1 / 0.2 / 0.4 %
         faster at 1 / 2 / 4 / 8 / 16 / 64 rows: docs/step.md); elsewhere it changes nothing.
     mix_late_rows: in the buckets of at least this many rows each site's mixer is enqueued at the
         end of the next layer's input projections instead of right after the boundary before it
