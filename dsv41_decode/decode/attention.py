@@ -299,7 +299,7 @@ class AttentionStep:
         self.rope_in_wq_b = isinstance(self.mm_wq_b, (ExactLinear, GluonMM, LowLatencyMM))
         # wq_b_pdl: the exact wq_b launched by PDL after the q/kv norm pair, which releases it at its
         # start, in the buckets of at most WQ_B_PDL_MAX_ROWS rows (a schedule choice: the same bits;
-        # `_inputs`, `_prepare`)
+        # `_inputs`, `_prepare`, `takes_wq_b_pdl`)
         self.wq_b_pdl = bool(wq_b_pdl) and pdl_supported(dev) and isinstance(self.mm_wq_b, ExactLinear)
         # qkv_pdl: the exact fused wq_a|wkv launched by PDL after the mHC boundary's launch, which
         # releases it at its start, in the buckets of at most QKV_PDL_MAX_ROWS rows (a schedule
@@ -400,6 +400,11 @@ class AttentionStep:
         return found
 
     # ------------------------------------------------------------------ the schedule
+    def takes_wq_b_pdl(self, rows: int) -> bool:
+        """Whether a call of `rows` rows launches wq_b by PDL after the q/kv norm pair (`wq_b_pdl`, at
+        most WQ_B_PDL_MAX_ROWS rows), which then releases it at its start."""
+        return self.wq_b_pdl and rows <= WQ_B_PDL_MAX_ROWS
+
     def takes_qkv_pdl(self, rows: int) -> bool:
         """Whether a call of `rows` rows launches the fused wq_a|wkv by PDL after the mHC boundary's
         launch (`qkv_pdl`, at most QKV_PDL_MAX_ROWS rows), which then releases it at its start."""
@@ -484,7 +489,7 @@ class AttentionStep:
         rms_norm_pair_(qkv[:, :ql], self.w["attn.q_norm.weight"], s.qr[:B], s.qr_codes[:B], s.qr_scales[:B],
                        qkv[:, ql:], self.w["attn.kv_norm.weight"], s.kv[:B], cfg.norm_eps,
                        window=self.state.window[spec.layer], slots=m.stage_slot[:B], cos=m.cos[r][:B], sin=m.sin[r][:B],
-                       release=self.wq_b_pdl and B <= WQ_B_PDL_MAX_ROWS)
+                       release=self.takes_wq_b_pdl(B))
         return kv_score, lanes.mark(), proj_ready             # the second event protects qr codes
 
     def _prepare(self, B: int, kv_score, qr_ready, proj_ready, own: slice):
@@ -536,7 +541,7 @@ class AttentionStep:
                                             st.index_keys[L], cfg.norm_eps)
                 latent_ready = lanes.mark()                   # protects compressed + index-key records
         q = s.q[:B]
-        if self.wq_b_pdl and B <= WQ_B_PDL_MAX_ROWS:     # by PDL after the norm pair (an exact wq_b: RoPE epilogue)
+        if self.takes_wq_b_pdl(B):  # by PDL after the norm pair (an exact wq_b: the RoPE in its epilogue)
             self.mm_wq_b(s.qr_codes[:B], s.qr_scales[:B], q.view(B, -1), rope=(m.cos[r][:B], m.sin[r][:B]), pdl=True)
         elif self.rope_in_wq_b:     # the query RoPE in wq_b's epilogue (the window insert ran in the norm pair)
             self.mm_wq_b(s.qr_codes[:B], s.qr_scales[:B], q.view(B, -1), rope=(m.cos[r][:B], m.sin[r][:B]))

@@ -85,7 +85,8 @@ from .exact_mm_plan import _BOUNDARY_MAXNREG, _ROW_BUCKETS, ExactConfig, planned
 from .fp4 import bf16_round
 from .kv_write import rope_tile
 from .mhc import BoundaryOperands, MhcBoundaryPlan, _boundary_block_d, tile_boundary
-from .pdl import enter as pdl_enter, prefetch_rows_l2, require_supported as require_pdl
+from .pdl import enter as pdl_enter, launch_options as pdl_launch_options, prefetch_rows_l2
+from .pdl import require_supported as require_pdl
 from .rounding import bf16_rne_bits, to_f32, ue8m0_to_fp32
 
 MAX_ROWS = 64
@@ -729,7 +730,7 @@ class ExactMM:
             if cfg in _BOUNDARY_MAXNREG:
                 epilogue["maxnreg"] = _BOUNDARY_MAXNREG[cfg]
         if pdl:
-            epilogue.update(PDL=True, launch_pdl=True)
+            epilogue.update(PDL=True, **pdl_launch_options(pdl))
         _exact_mm_kernel[launch.grid](
             codes, x_scale.view(torch.uint8), self.weight, self.w_scale,
             out if out.dtype == torch.float32 else out.view(torch.int16), self._workspace, self._counters,

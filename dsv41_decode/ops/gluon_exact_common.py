@@ -28,7 +28,7 @@ from .gluon_mm import BLOCK_K as RING_K
 from .gluon_mm import fp8_desc, require_sm90_weight
 from .gluon_mm import _scale, _slot_words
 from .gluon_mm import _words as _scale_words
-from .pdl import require_supported as require_pdl
+from .pdl import launch_options as pdl_launch_options, require_supported as require_pdl
 
 
 @gluon.jit
@@ -341,6 +341,6 @@ class GluonExactPlan:
         m = codes.shape[0]
         epilogue = rope_kwargs(rope, out, self.n, m, self.device)
         if pdl:
-            epilogue.update(PDL=True, launch_pdl=True)
+            epilogue.update(PDL=True, **pdl_launch_options(pdl))
         self._launch(codes, x_scale, out, m, self.config_for(m), epilogue)
         return out

@@ -119,7 +119,7 @@ from .act_quant import INV_E4M3_MAX, mxfp8_quantize_tile
 from .checks import require_int
 from .common import is_sm90, num_sms, plan_workspace
 from .gluon_mm import _ring, ring_prefill, ring_producer, tma_desc
-from .pdl import gluon_launch_dependents, require_supported as require_pdl
+from .pdl import gluon_launch_dependents, launch_options as pdl_launch_options, require_supported as require_pdl
 from .rounding import ue8m0_to_fp32
 from .wo_a import GroupedShape, wo_a_args
 
@@ -636,9 +636,7 @@ def launch_options(plan: "GluonWoAPlan", bt: int, pdl: bool = False, release: bo
             "FOLD_BITS": plan.folds_scales and plan.config.fold_bits, "num_warps": 4 * plan.config.warpgroups,
             "maxnreg": register_cap(plan.config, bt, plan.fp8),
             # the rotation's products and sums rounded as torch rounds them (no FMA)
-            "enable_fp_fusion": False, "PDL": pdl, "RELEASE": release}
-    if pdl:
-        opts["launch_pdl"] = True
+            "enable_fp_fusion": False, "PDL": pdl, "RELEASE": release, **pdl_launch_options(pdl)}
     return opts
 
 
