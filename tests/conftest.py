@@ -117,6 +117,69 @@ def _np_dtype(tt_dtype):
     return _NP_DTYPES[tt_dtype]
 
 
+# Every interpreted operation builds the types of its results, and two of their derived values
+# cost more than the operation's NumPy work: a `tl.tuple`'s type (a `tuple_type` with a name
+# string, built for every block shape) and a `block_type`'s name (a string of its shape). Both are
+# pure functions of values fixed at construction (a tuple's `_setitem` sets its type again), so
+# they are computed on first use instead (~25 % of a decode step's time in the interpreter); a
+# block_type from a list of ints skips the unwrapping of constexprs it does not hold.
+from triton._utils import validate_block_shape as _validate_block_shape  # noqa: E402
+
+_core = _tl.core
+_BLOCK_TYPE_INIT = _core.block_type.__init__
+
+
+def _tuple_type_init(self, types, fields=None):
+    self.types = types
+    self.fields = fields or [''] * len(types)
+
+
+def _tuple_type_name(self):
+    return '[' + ','.join([f"{k}:{v}" for k, v in zip(self.fields, self.types)]) + ']'
+
+
+def _tuple_init(self, args, type=None):
+    self.values = [i for i in args]
+    self.type = type if type is None or isinstance(type, _core.tuple_type) else _core.tuple_type(type)
+
+
+def _tuple_type_get(self):
+    t = self.__dict__.get("_type")
+    if t is None:
+        t = self.__dict__["_type"] = _core._type_for_tuple_values(self.values)
+    return t
+
+
+def _set_type(self, t):
+    self.__dict__["_type"] = t
+
+
+def _block_type_init(self, element_ty, shape):
+    if type(shape) is list and shape and all(type(s) is int for s in shape):
+        self.element_ty = element_ty
+        self.shape = _core.tuple(shape)
+        self.numel = _validate_block_shape(shape)
+    else:
+        _BLOCK_TYPE_INIT(self, element_ty, shape)
+
+
+def _block_type_name_get(self):
+    n = self.__dict__.get("_name")
+    if n is None:
+        n = self.__dict__["_name"] = f'<{self.shape}, {self.element_ty}>'
+    return n
+
+
+def _set_name(self, n):
+    self.__dict__["_name"] = n
+
+
 if triton.__version__ == "3.6.0":
     _interpreter.InterpretedFunction.__call__ = _helper_call
     _interpreter._get_np_dtype = _np_dtype
+    _core.tuple_type.__init__ = _tuple_type_init
+    _core.tuple_type.name = property(_tuple_type_name)
+    _core.tuple.__init__ = _tuple_init
+    _core.tuple.type = property(_tuple_type_get, _set_type)
+    _core.block_type.__init__ = _block_type_init
+    _core.block_type.name = property(_block_type_name_get, _set_name)
