@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .pdl import launch_options as pdl_launch_options, require_supported as require_pdl, supported as pdl_supported
 from .checks import interpreting, require_int, require_ndim, require_tensor
 from .act_quant import mxfp8_blocks
 from .common import butterfly_sum, in_order_sum, num_sms
@@ -510,7 +511,7 @@ def check_boundary_call(y, x, post, comb, pre, norm_weight, eps, x_out, u_out, c
 def mhc_boundary_(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, pre: torch.Tensor,
                   norm_weight: torch.Tensor, eps: float, x_out: torch.Tensor, u_out: torch.Tensor,
                   codes_out: torch.Tensor, scales_out: torch.Tensor, plan: MhcBoundaryPlan | None = None, *,
-                  release: bool = False) -> None:
+                  release: bool = False, pdl: bool = False) -> None:
     """x_out = hc_post(y, x, post, comb); u_out = rms_norm(hc_pre(x_out, pre), norm_weight, eps);
     (codes_out, scales_out) = mxfp8_quantize(u_out). One launch, nothing allocated, no host sync.
 
@@ -537,8 +538,16 @@ def mhc_boundary_(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: to
     the programs let the next kernel on the stream start at their own start, where that kernel is
     launched by programmatic dependent launch (the step's next fused wq_a|wkv, `ExactLinear(...,
     pdl=True)`, which waits for this one before it reads u's codes).
+    pdl (with a plan): launch by programmatic dependent launch (`ops.pdl`): the programs may start
+    while the kernel before them on the stream runs and wait for it at their start, before they
+    read anything; the same bits. ValueError without a plan or where PDL is not available
+    (`ops.pdl.supported`).
     """
     n, dim = check_boundary_call(y, x, post, comb, pre, norm_weight, eps, x_out, u_out, codes_out, scales_out, plan)
+    if pdl:
+        if plan is None:
+            raise ValueError("pdl: a launch by PDL needs a plan (the one-program-per-row form has no wait)")
+        require_pdl(y.device)
     if n == 0:
         return
     xo, u = x_out.view(torch.int16), u_out.view(torch.int16)
@@ -549,7 +558,8 @@ def mhc_boundary_(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: to
                    pre.stride(0), xo.stride(0), xo.stride(1), u.stride(0), codes.stride(0), scales.stride(0),
                    plan.ws.stride(0))
         meta = dict(D=dim, BLOCK_D=plan.block_d, NCH=plan.chunks, NCH_P2=triton.next_power_of_2(plan.chunks),
-                    PDL=release and pdl.supported(y.device), num_warps=4, enable_fp_fusion=False)
+                    PDL=pdl or (release and pdl_supported(y.device)), num_warps=4, enable_fp_fusion=False,
+                    **pdl_launch_options(pdl))
         if plan.coresident:
             _mhc_boundary_coresident_kernel[(n, plan.chunks)](*args, int(plan.spin_limit), *strides, **meta)
         else:
@@ -589,11 +599,11 @@ class BoundaryOperands:
         check_boundary_call(y, self.x, self.post, self.comb, self.pre, self.norm_weight, self.eps, self.x_out,
                             self.u_out, self.codes_out, self.scales_out, self.plan)
 
-    def launch(self, y: torch.Tensor, release: bool = False) -> None:
-        """The boundary on y as its own launch: `mhc_boundary_(y, ..., release=release)` with these
-        operands."""
+    def launch(self, y: torch.Tensor, release: bool = False, pdl: bool = False) -> None:
+        """The boundary on y as its own launch: `mhc_boundary_(y, ..., release=release, pdl=pdl)` with
+        these operands."""
         mhc_boundary_(y, self.x, self.post, self.comb, self.pre, self.norm_weight, self.eps, self.x_out,
-                      self.u_out, self.codes_out, self.scales_out, self.plan, release=release)
+                      self.u_out, self.codes_out, self.scales_out, self.plan, release=release, pdl=pdl)
 
 
 def mhc_enter_(x: torch.Tensor, pre: torch.Tensor, norm_weight: torch.Tensor, eps: float, u_out: torch.Tensor,

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
+from .pdl import launch_options as pdl_launch_options, require_supported as require_pdl, supported as pdl_supported
 from .checks import require_ndim, require_num_warps, require_tensor
 from .act_quant import mxfp8_blocks
 from .fp4 import bf16_round
@@ -164,7 +165,7 @@ def rms_norm_pair_(x_a: torch.Tensor, w_a: torch.Tensor, out_a: torch.Tensor, co
                    scales_a: torch.Tensor, x_b: torch.Tensor, w_b: torch.Tensor, out_b: torch.Tensor,
                    eps: float, *, window: torch.Tensor | None = None, slots: torch.Tensor | None = None,
                    cos: torch.Tensor | None = None, sin: torch.Tensor | None = None, num_warps: int = 4,
-                   release: bool = False) -> None:
+                   release: bool = False, pdl: bool = False) -> None:
     """`rms_norm_(x_a, w_a, eps, out_a, codes_a, scales_a)` and `rms_norm_(x_b, w_b, eps, out_b)` in
     one launch (the step's q_norm with the MXFP8 of qr, and kv_norm), bit for bit the same.
     x_a, x_b: [N, D_a], [N, D_b] bfloat16 (same N; D_a a multiple of 32); shapes and dtypes of the
@@ -181,7 +182,11 @@ def rms_norm_pair_(x_a: torch.Tensor, w_a: torch.Tensor, out_a: torch.Tensor, co
     release (sm_90 outside the interpreter, `ops.pdl.supported`; ignored elsewhere): the programs let
     the next kernel on the stream start at their own start, where that kernel is launched by
     programmatic dependent launch (the step's `wq_b`, `ExactLinear(..., pdl=True)`, which waits for
-    this one before it reads qr)."""
+    this one before it reads qr).
+
+    pdl: launch by programmatic dependent launch (`ops.pdl`): the programs may start while the
+    kernel before them on the stream runs and wait for it at their start, before they read
+    anything; the same bits. ValueError where PDL is not available (`ops.pdl.supported`)."""
     n, da = _check_norm(x_a, w_a, out_a, codes_a, scales_a, True, eps, (torch.bfloat16,),
                         ("x_a", "w_a", "out_a", "codes_a", "scales_a"))
     nb, db = _check_norm(x_b, w_b, out_b, None, None, False, eps, (torch.bfloat16,),
@@ -189,6 +194,8 @@ def rms_norm_pair_(x_a: torch.Tensor, w_a: torch.Tensor, out_a: torch.Tensor, co
     if nb != n:
         raise ValueError(f"x_a and x_b must have the same rows, got {n} and {nb}")
     require_num_warps(num_warps)
+    if pdl:
+        require_pdl(x_a.device)
     insert = window is not None
     if insert:
         if db != KV_DIM:
@@ -209,6 +216,5 @@ def rms_norm_pair_(x_a: torch.Tensor, w_a: torch.Tensor, out_a: torch.Tensor, co
     _rms_norm_pair_kernel[(n, 2)](
         x_a, w_a, oa, ca, sa, x_b, w_b, ob, float(eps), x_a.stride(0), oa.stride(0), ca.stride(0), sa.stride(0),
         x_b.stride(0), ob.stride(0), *win, D_A=da, BLOCK_A=max(32, triton.next_power_of_2(da)), D_B=db,
-        BLOCK_B=max(32, triton.next_power_of_2(db)), PDL=release and pdl.supported(x_a.device), WINDOW=insert,
-        num_warps=num_warps,
-        enable_fp_fusion=False)
+        BLOCK_B=max(32, triton.next_power_of_2(db)), PDL=pdl or (release and pdl_supported(x_a.device)),
+        WINDOW=insert, num_warps=num_warps, enable_fp_fusion=False, **pdl_launch_options(pdl))

@@ -543,6 +543,15 @@ def test_boundary_rejects_bad_arguments(name, bad, exc):
         mhc_boundary_(**args)
 
 
+def test_boundary_by_pdl_needs_a_plan_and_sm90():
+    args = _boundary_args()
+    with pytest.raises(ValueError, match="pdl: a launch by PDL needs a plan"):
+        mhc_boundary_(**args, pdl=True)
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="pdl: programmatic dependent launch needs sm_90"):
+            mhc_boundary_(**args, plan=MhcBoundaryPlan.build(64, 3, _DEVICE), pdl=True)
+
+
 def test_boundary_rejects_aliasing_and_bad_dim():
     args = _boundary_args()
     args["x_out"] = args["x"]
@@ -667,6 +676,39 @@ def test_gpu_real_dim(n):
     plan = HcMixPlan.build(5120, 64, _DEVICE)
     _check_mix(hc_mix(*_dev(x, fn, scale, base), _EPS, _HC_EPS, _ITERS, plan=plan), x, fn, scale, base)
     assert not plan.counters.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 2, 8, 64])
+def test_gpu_boundary_by_pdl_is_the_plain_launch(n):
+    """At dim 5120 with the step's plan (co-resident), the launch by PDL right after the copy that
+    writes y (its programs wait for it, then read) gives the plain launch's bits, eagerly and
+    replayed from a CUDA graph (the step's form: a programmatic edge after the copy's node)."""
+    dim = 5120
+    args = _boundary_args(n, dim)
+    args["plan"] = plan = MhcBoundaryPlan.build(dim, 64, "cuda")
+    assert plan.coresident
+    y_src = args["y"].clone()
+    mhc_boundary_(**args)
+    want = [args[k].clone() for k in ("x_out", "u_out", "codes_out", "scales_out")]
+    graph = torch.cuda.CUDAGraph()
+    for form in ("eager", "graph"):
+        for k in ("x_out", "u_out", "codes_out", "scales_out"):
+            args[k].zero_()
+        args["y"].zero_()
+        torch.cuda.synchronize()
+        if form == "eager":
+            args["y"].copy_(y_src)
+            mhc_boundary_(**args, pdl=True)
+        else:
+            with torch.cuda.graph(graph):
+                args["y"].copy_(y_src)
+                mhc_boundary_(**args, pdl=True)
+            graph.replay()
+        torch.cuda.synchronize()
+        for k, w in zip(("x_out", "u_out", "codes_out", "scales_out"), want):
+            assert torch.equal(args[k].view(torch.uint8), w.view(torch.uint8)), (form, k, n)
+        assert not plan.counters.any() and not plan.chunk_counters.any()
 
 
 @pytest.mark.gpu

@@ -91,13 +91,13 @@ def test_pair_equals_two_launches(n):
                        kv.new_zeros(n + 1, 512), 1e-6)
 
 
-def _norm_insert_case(n: int, seed: int, fused: bool, pool_rows: int = 40):
+def _norm_insert_case(n: int, seed: int, fused: bool, pool_rows: int = 40, pdl: bool = False):
     """(qr, codes, scales, kv, window pool) of the step's q/kv norm pair and window insert, fused
-    (`rms_norm_pair_(window=...)`) or as before (`rms_norm_pair_` then `qkv_rope_insert_`), on a
-    pool poisoned with 0xA5; slots: the rows in a scattered order, one padding row (-1) and one
-    past the pool."""
+    (`rms_norm_pair_(window=...)`, with `pdl` launched by PDL right after the copy that writes its
+    input) or as before (`rms_norm_pair_` then `qkv_rope_insert_`), on a pool poisoned with 0xA5;
+    slots: the rows in a scattered order, one padding row (-1) and one past the pool."""
     g = torch.Generator().manual_seed(seed)
-    qkv = (3 * torch.randn(n, 1024 + 512, generator=g)).to(torch.bfloat16).to(_DEVICE)
+    qkv_in = (3 * torch.randn(n, 1024 + 512, generator=g)).to(torch.bfloat16).to(_DEVICE)
     wq = (1 + 0.1 * torch.randn(1024, generator=g)).to(torch.bfloat16).to(_DEVICE)
     wkv = (1 + 0.1 * torch.randn(512, generator=g)).to(torch.bfloat16).to(_DEVICE)
     pos = torch.randint(0, 200000, (n,), generator=g)
@@ -112,9 +112,10 @@ def _norm_insert_case(n: int, seed: int, fused: bool, pool_rows: int = 40):
     scales = torch.empty(n, 32, dtype=torch.uint8, device=_DEVICE)
     kv = torch.empty(n, 512, dtype=torch.bfloat16, device=_DEVICE)
     pool = torch.full((pool_rows, WINDOW_KV_BYTES), 0xA5, dtype=torch.uint8, device=_DEVICE)
+    qkv = qkv_in.clone()
     if fused:
         rms_norm_pair_(qkv[:, :1024], wq, qr, codes, scales, qkv[:, 1024:], wkv, kv, 1e-6,
-                       window=pool, slots=slots, cos=cos, sin=sin)
+                       window=pool, slots=slots, cos=cos, sin=sin, pdl=pdl)
     else:
         rms_norm_pair_(qkv[:, :1024], wq, qr, codes, scales, qkv[:, 1024:], wkv, kv, 1e-6)
         q = torch.zeros(n, 1, 512, dtype=torch.bfloat16, device=_DEVICE)
@@ -139,6 +140,25 @@ def test_pair_with_window_insert_on_gpu(n):
     fused, apart = _norm_insert_case(n, 29 + n, True, 256), _norm_insert_case(n, 29 + n, False, 256)
     for name, a, b in zip(("qr", "codes", "scales", "kv", "window"), fused, apart):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (name, n)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 2, 8, 64])
+def test_pair_by_pdl_on_gpu(n):
+    """Launched by PDL (its programs wait for the copy before it, then read), the pair writes the
+    bits of its plain launch."""
+    by_pdl, plain = _norm_insert_case(n, 41 + n, True, 256, pdl=True), _norm_insert_case(n, 41 + n, True, 256)
+    for name, a, b in zip(("qr", "codes", "scales", "kv", "window"), by_pdl, plain):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (name, n)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where PDL is not available")
+def test_pair_by_pdl_needs_sm90():
+    x, kv = torch.zeros(2, 1024, dtype=torch.bfloat16), torch.zeros(2, 512, dtype=torch.bfloat16)
+    codes, scales = torch.empty(2, 1024, dtype=torch.uint8), torch.empty(2, 32, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="pdl: programmatic dependent launch needs sm_90"):
+        rms_norm_pair_(x, torch.ones(1024), torch.empty_like(x), codes, scales, kv, torch.ones(512),
+                       torch.empty_like(kv), 1e-6, pdl=True)
 
 
 def test_window_insert_arguments_name_the_argument():
