@@ -59,8 +59,10 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
                     dependent launch after the Gluon sparse MLA (released at the start of the MLA's
                     last launch's programs: its rings' first weight tiles read while the MLA runs),
                     nor at 1-8 rows its exact wq_b after the q/kv norm pair, nor its exact wo_b after
-                    wo_a's main loops, nor at 1-2 rows its fused wq_a|wkv after the boundary, the step's default
-                    (`DecodeStep(wo_a_pdl=, wq_b_pdl=, wo_b_pdl=, qkv_pdl=)`); the same bits
+                    wo_a's main loops, nor at 1-2 rows its fused wq_a|wkv after the boundary, nor its
+                    norm pair after the fused GEMM, nor its boundary's own launch after wo_b, the
+                    step's default (`DecodeStep(wo_a_pdl=, wq_b_pdl=, wo_b_pdl=, qkv_pdl=, norm_pdl=,
+                    boundary_pdl=)`); the same bits
     no_wq_b_pdl     wq_b launched plainly, the others by PDL
     no_wo_b_pdl     wo_b launched plainly, the others by PDL
     no_qkv_pdl      the fused wq_a|wkv launched plainly, the others by PDL
@@ -71,12 +73,10 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
                     bucket (`attention.QKV_PDL_MAX_ROWS` = 64, not 2); the same bits
     topk_pdl        the indexer layers' top-k (its linked path's kernels after the scorer) launched by
                     PDL (`topk_ascending_(pdl=True)`, the index lane's chain); the same bits
-    norm_pdl        the q/kv norm pair launched by PDL after the fused wq_a|wkv GEMM
-                    (`rms_norm_pair_(pdl=True)`; the GEMM releases nothing early: the pair's
-                    launch overlaps the GEMM's tail); the same bits
-    boundary_pdl    the mHC boundary's own launch by PDL after wo_b (`mhc_boundary_(pdl=True)`; wo_b
-                    releases nothing early); the same bits
-    norm_boundary_pdl  both
+    no_norm_pdl     the q/kv norm pair launched plainly, not by PDL after the fused wq_a|wkv GEMM
+                    (`DecodeStep(norm_pdl=False)`); the same bits
+    no_boundary_pdl the mHC boundary's own launch plainly, not by PDL after wo_b
+                    (`DecodeStep(boundary_pdl=False)`); the same bits
     skip_pair       knock-outs (not the step: outputs differ; the 8-row output's comparison says so):
     skip_boundary   the q/kv norm pair, the mHC boundary's launch, every site's mixer or the sparse
     skip_mixer      MLA left out of the captured step, each alone: what that launch costs the
@@ -243,25 +243,6 @@ def _topk_pdl(step):
     return _swap([(attention_mod, "topk_ascending_", functools.partial(topk.topk_ascending_, pdl=True))])
 
 
-def _norm_pdl(step):
-    """Patch the step's q/kv norm pair: launched by PDL; returns the undo."""
-    return _swap([(attention_mod, "rms_norm_pair_", functools.partial(attention_mod.rms_norm_pair_, pdl=True))])
-
-
-def _boundary_pdl(step):
-    """Patch the boundary's own launch (`BoundaryOperands.launch`): by PDL; returns the undo."""
-    launch = BoundaryOperands.launch
-    return _swap([(BoundaryOperands, "launch", lambda b, y, release=False: launch(b, y, release, pdl=True))])
-
-
-def _both(*patches):
-    """The patches together; the undo undoes them in reverse order."""
-    def patch(step):
-        undos = [p(step) for p in patches]
-        return lambda: [u() for u in reversed(undos)]
-    return patch
-
-
 def _layer_flag(attr: str, value: bool):
     """A patch setting every layer's `attr` (an `AttentionStep` schedule flag) to value; the undo
     restores each layer's setting as the step was built."""
@@ -350,13 +331,14 @@ PATCHES = {
     "wproj_split": _wproj_split, "comp_tail": _comp_tail, "boundary_bd256": _boundary_chunks(256),
     "boundary_bd1024": _boundary_chunks(1024), "prefetch_wo_a": _prefetch_wo_a,
     "no_pdl": lambda step: _swap([(layer, flag, False) for layer in step.layers.values()
-                                  for flag in ("wo_a_pdl", "wq_b_pdl", "wo_b_pdl", "qkv_pdl")]),
+                                  for flag in ("wo_a_pdl", "wq_b_pdl", "wo_b_pdl", "qkv_pdl", "norm_pdl")]
+                                 + [(step, "boundary_pdl", False)]),
     "no_wq_b_pdl": _layer_flag("wq_b_pdl", False), "no_wo_b_pdl": _layer_flag("wo_b_pdl", False),
     "wq_b_pdl_no_idx": lambda step: _swap([(layer, "wq_b_pdl", False) for layer in step.layers.values()
                                            if layer.spec.runs_indexer]),
     "no_qkv_pdl": _layer_flag("qkv_pdl", False),
     "qkv_pdl_all": lambda step: _swap([(attention_mod, "QKV_PDL_MAX_ROWS", 64)]), "topk_pdl": _topk_pdl,
-    "norm_pdl": _norm_pdl, "boundary_pdl": _boundary_pdl, "norm_boundary_pdl": _both(_norm_pdl, _boundary_pdl),
+    "no_norm_pdl": _layer_flag("norm_pdl", False), "no_boundary_pdl": lambda step: _swap([(step, "boundary_pdl", False)]),
     "skip_pair": _skip(attention_mod, "rms_norm_pair_"), "skip_boundary": _skip(BoundaryOperands, "launch"),
     "skip_mixer": _skip(boundary_mod, "hc_mix_"), "skip_mla": _skip(attention_mod, "sparse_mla_launch"),
 }

@@ -128,8 +128,9 @@ def _layer_kinds(cfg: ModelConfig) -> dict[str, int]:
 # configurations with the warps along K taking the ring's slots two at a time (sm_90, the same bits);
 # no_pdl every kernel launched plainly (the step's default launches each layer's Gluon wo_a by PDL
 # after the sparse MLA, at 1-8 rows its exact wq_b after the norm pair, its exact wo_b after wo_a's
-# main loops and at 1-2 rows its exact fused wq_a|wkv after the boundary), no_wq_b_pdl, no_wo_b_pdl
-# and no_qkv_pdl one of those plainly (sm_90, the same bits).
+# main loops, at 1-2 rows its exact fused wq_a|wkv after the boundary, its norm pair after the fused
+# GEMM and its boundary's own launch after wo_b), no_wq_b_pdl, no_wo_b_pdl, no_qkv_pdl, no_norm_pdl
+# and no_boundary_pdl one of those plainly (sm_90, the same bits).
 VARIANTS = {
     "no_overlap": dict(overlap=False),
     "wo_a_fp8": dict(wo_a_fp8=True),
@@ -142,10 +143,13 @@ VARIANTS = {
     "fuse_scales": dict(fuse_scales=True),
     "pair_slots": dict(pair_slots=True),
     "comp_tail": dict(comp_tail=True),
-    "no_pdl": dict(wo_a_pdl=False, wq_b_pdl=False, wo_b_pdl=False, qkv_pdl=False),
+    "no_pdl": dict(wo_a_pdl=False, wq_b_pdl=False, wo_b_pdl=False, qkv_pdl=False, norm_pdl=False,
+                   boundary_pdl=False),
     "no_wq_b_pdl": dict(wq_b_pdl=False),
     "no_wo_b_pdl": dict(wo_b_pdl=False),
     "no_qkv_pdl": dict(qkv_pdl=False),
+    "no_norm_pdl": dict(norm_pdl=False),
+    "no_boundary_pdl": dict(boundary_pdl=False),
 }
 DEFAULT_VARIANTS = ("no_overlap", "wo_a_fp8", "tc_linears")
 

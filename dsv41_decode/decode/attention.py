@@ -258,7 +258,8 @@ class AttentionStep:
                  wo_a_fp8: bool = False, exact_linears: bool = True, fp32_dots: bool = False,
                  fold_index_chain: bool = False, weights_lane: bool = True, comp_tail: bool = False,
                  index_row_group: int = 1, fuse_scales: bool = False, pair_slots: bool = False,
-                 wo_a_pdl: bool = True, wq_b_pdl: bool = True, qkv_pdl: bool = True, wo_b_pdl: bool = True):
+                 wo_a_pdl: bool = True, wq_b_pdl: bool = True, qkv_pdl: bool = True, wo_b_pdl: bool = True,
+                 norm_pdl: bool = True):
         """sources: the step's layers built before this one (by id), among them this layer's index and
         KV sources: a layer that reuses a selection or a candidate pool reads its source's buffers.
         The layer's own selection and candidate pool (when it makes them) are its attributes
@@ -310,6 +311,9 @@ class AttentionStep:
         # program's main loop is done (a schedule choice: the same bits; `_output`, one GPU, no
         # boundary in wo_b's epilogue)
         self.wo_b_pdl = bool(wo_b_pdl) and pdl_supported(dev) and isinstance(self.mm_wo_b, ExactLinear)
+        # norm_pdl: the q/kv norm pair launched by PDL after the fused wq_a|wkv GEMM (its launch
+        # overlaps the GEMM's tail; a schedule choice: the same bits; `_inputs`, one GPU)
+        self.norm_pdl = bool(norm_pdl) and pdl_supported(dev) and layer.tp.tp == 1
         if "attn.wo_a.scale" in w:
             self.wo_a_w, self.wo_a_s = w["attn.wo_a.weight"], w["attn.wo_a.scale"]
         elif wo_a_fp8:
@@ -489,7 +493,7 @@ class AttentionStep:
         rms_norm_pair_(qkv[:, :ql], self.w["attn.q_norm.weight"], s.qr[:B], s.qr_codes[:B], s.qr_scales[:B],
                        qkv[:, ql:], self.w["attn.kv_norm.weight"], s.kv[:B], cfg.norm_eps,
                        window=self.state.window[spec.layer], slots=m.stage_slot[:B], cos=m.cos[r][:B], sin=m.sin[r][:B],
-                       release=self.takes_wq_b_pdl(B))
+                       release=self.takes_wq_b_pdl(B), pdl=self.norm_pdl)
         return kv_score, lanes.mark(), proj_ready             # the second event protects qr codes
 
     def _prepare(self, B: int, kv_score, qr_ready, proj_ready, own: slice):

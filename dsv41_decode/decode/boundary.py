@@ -84,18 +84,19 @@ class Boundary:
                                 self.exit_plan)
 
     def exit(self, layer: int, nxt: int | None, y: torch.Tensor, x: torch.Tensor, slot: int,
-             x_new: torch.Tensor, rows: int, index: int = 0, release: bool = False) -> None:
+             x_new: torch.Tensor, rows: int, index: int = 0, release: bool = False, pdl: bool = False) -> None:
         """Post-mix layer `layer`'s output y into x_new; when a next layer follows, write its input
         (collapse with this site's pre, its attn_norm, MXFP8) into u/codes/scales (`operands`). With
         a mailbox, y is first the rank-ordered sum of the ranks' partials of the `index`-th boundary
         (written to y). release: the launch lets a next kernel launched by PDL start at its start
-        (`mhc_boundary_(release=)`; not with a mailbox)."""
+        (`mhc_boundary_(release=)`; not with a mailbox). pdl: the launch itself by PDL
+        (`mhc_boundary_(pdl=)`; not with a mailbox)."""
         b = self.operands(layer, nxt, x, slot, x_new, rows)
         if self.mailbox is not None:
             allreduce_boundary_(self.mailbox, index, rows, b.x, b.post, b.comb, b.pre, b.norm_weight, b.eps, b.x_out,
                                 b.u_out, b.codes_out, b.scales_out, y, b.plan)
             return
-        b.launch(y, release)
+        b.launch(y, release, pdl)
 
     def memory_bytes(self) -> int:
         ts = [self.u, self.codes, self.scales, *self.streams, *self.pre, *self.post, *self.comb]

@@ -37,6 +37,7 @@ import torch
 from ..ops import LOW_BATCH_MAX_ROWS
 from ..ops.allreduce_boundary import Mailbox
 from ..ops.gluon_indexer import ROW_GROUPS
+from ..ops.pdl import supported as pdl_supported
 from ..rows import StepRows, as_count, same_device
 from ..state import DecodeState, abandon_after
 from .attention import AttentionStep
@@ -185,6 +186,14 @@ class DecodeStep:
         for its first weight bytes) during wo_a's split-K tails; not where wo_b's epilogue runs the
         boundary. The same bits. On by default (on an H100 the step 0.9 / 0.6 / 1.2 / 1.1 / 0.2 / 0.4 %
         faster at 1 / 2 / 4 / 8 / 16 / 64 rows: docs/step.md); elsewhere it changes nothing.
+    norm_pdl: on one sm_90 GPU, each layer's q/kv norm pair launched by programmatic dependent
+        launch after the fused wq_a|wkv GEMM (`rms_norm_pair_(pdl=True)`: its launch overlaps the
+        GEMM's tail, its programs wait for it at their start); the same bits. On by default (on an
+        H100 the step 0.3-0.6 % faster at 1-8 rows: docs/step.md); elsewhere it changes nothing.
+    boundary_pdl: on one sm_90 GPU, each mHC boundary's own launch (not where wo_b's epilogue runs
+        it) by programmatic dependent launch after wo_b (`mhc_boundary_(pdl=True)`); the same bits.
+        On by default (on an H100 the step 0.3-0.5 % faster at 1-8 rows: docs/step.md); elsewhere
+        it changes nothing.
     mix_late_rows: in the buckets of at least this many rows each site's mixer is enqueued at the
         end of the next layer's input projections instead of right after the boundary before it
         (default `MIX_LATE_ROWS`, where it measured faster on an H200; LOW_BATCH_MAX_ROWS + 1:
@@ -193,7 +202,7 @@ class DecodeStep:
     Errors: StepError for buckets outside 1..LOW_BATCH_MAX_ROWS or past the state's stage_rows, a
     state of another configuration, a mix_late_rows that is not an int >= 1, an index_row_group
     outside `ROW_GROUPS`, a max_rows or bucket that is not an int, an option documented as a bool
-    (graphs .. pair_slots, wo_a_pdl, wq_b_pdl, qkv_pdl, wo_b_pdl) that is not one, an unknown tp_boundary,
+    (graphs .. pair_slots, wo_a_pdl .. boundary_pdl) that is not one, an unknown tp_boundary,
     or tp_boundary="fused" under TP off CUDA; `NotEligible` for a layer whose weights do not suit
     the step.
 
@@ -208,7 +217,7 @@ class DecodeStep:
                  fold_boundary: bool = False, weights_lane: bool = True, comp_tail: bool = False,
                  mix_late_rows: int = MIX_LATE_ROWS, index_row_group: int = 1, fuse_scales: bool = False,
                  pair_slots: bool = False, wo_a_pdl: bool = True, wq_b_pdl: bool = True, qkv_pdl: bool = True,
-                 wo_b_pdl: bool = True):
+                 wo_b_pdl: bool = True, norm_pdl: bool = True, boundary_pdl: bool = True):
         if as_count(max_rows) is None:
             raise StepError(f"max_rows must be an int, got {max_rows!r}")
         max_rows = int(max_rows)
@@ -238,7 +247,8 @@ class DecodeStep:
         flags = dict(graphs=graphs, overlap=overlap, wo_a_fp8=wo_a_fp8, exact_linears=exact_linears,
                      fp32_dots=fp32_dots, fold_index_chain=fold_index_chain, fold_boundary=fold_boundary,
                      weights_lane=weights_lane, comp_tail=comp_tail, fuse_scales=fuse_scales, pair_slots=pair_slots,
-                     wo_a_pdl=wo_a_pdl, wq_b_pdl=wq_b_pdl, qkv_pdl=qkv_pdl, wo_b_pdl=wo_b_pdl)
+                     wo_a_pdl=wo_a_pdl, wq_b_pdl=wq_b_pdl, qkv_pdl=qkv_pdl, wo_b_pdl=wo_b_pdl, norm_pdl=norm_pdl,
+                     boundary_pdl=boundary_pdl)
         for name, flag in flags.items():
             if not isinstance(flag, bool):
                 raise StepError(f"{name} must be a bool, got {flag!r}")
@@ -251,6 +261,8 @@ class DecodeStep:
         self.buckets, self.max_rows = buckets, buckets[-1]
         self.device = dev
         self.fold_boundary = fold_boundary
+        # the boundary's own launch by PDL after wo_b (one GPU: `Boundary.exit(pdl=)`)
+        self.boundary_pdl = boundary_pdl and pdl_supported(dev) and stack.tp.tp == 1
         self.mix_late_rows = mix_late_rows
         self.plan = dict(low_batch=True, overlap=bool(overlap),
                          layers=[(i, stack.cfg.plan[i].label) for i in stack.ids],
@@ -267,7 +279,7 @@ class DecodeStep:
                                            weights_lane=weights_lane, comp_tail=comp_tail,
                                            index_row_group=index_row_group, fuse_scales=fuse_scales,
                                            pair_slots=pair_slots, wo_a_pdl=wo_a_pdl, wq_b_pdl=wq_b_pdl,
-                                           qkv_pdl=qkv_pdl, wo_b_pdl=wo_b_pdl)
+                                           qkv_pdl=qkv_pdl, wo_b_pdl=wo_b_pdl, norm_pdl=norm_pdl)
         self.scratch.workspaces.seal()           # every plan has its view; the graphs take the addresses
         mailbox = None
         if tp_boundary != "collective" and stack.tp.tp > 1 and dev.type == "cuda":
@@ -360,7 +372,7 @@ class DecodeStep:
                                    after_inputs=after_inputs)
                 lanes.wait(mix_ready)                         # post/comb/pre of this site
                 bd.exit(i, nxt, io.y[:B], x, k % 2, x_new, B, index=k, release=nxt is not None
-                        and self.layers[nxt].takes_qkv_pdl(B))
+                        and self.layers[nxt].takes_qkv_pdl(B), pdl=self.boundary_pdl)
             if nxt is not None and not late:
                 mix_ready = bd.mix(nxt, x_new, (k + 1) % 2, B, lanes)
             x = x_new

@@ -364,23 +364,28 @@ def test_exact_linear_options_reach_the_exact_linears(cpu_setup, option):
         stack.decode_step(copy.deepcopy(base), max_rows=2, **{option: 1})
 
 
-@pytest.mark.parametrize("option", ["wo_a_pdl", "wq_b_pdl", "qkv_pdl", "wo_b_pdl"])
+@pytest.mark.parametrize("option", ["wo_a_pdl", "wq_b_pdl", "qkv_pdl", "wo_b_pdl", "norm_pdl", "boundary_pdl"])
 def test_pdl_options_are_off_without_pdl_and_checked(cpu_setup, monkeypatch, option):
     """The PDL options (sm_90: the Gluon wo_a after the sparse MLA, the exact wq_b after the norm
-    pair, the fused wq_a|wkv after the boundary, wo_b after wo_a, launched by PDL; their bits are the
-    GPU tests') change nothing where PDL is not available (here, the CPU); a value that is not a
-    bool is a StepError naming it; where PDL is available every layer takes it (the fused GEMM's
-    launch at most `attention.QKV_PDL_MAX_ROWS` rows a call)."""
-    from dsv41_decode.decode import attention
+    pair, the fused wq_a|wkv after the boundary, wo_b after wo_a, the norm pair after the fused
+    GEMM, the boundary after wo_b, launched by PDL; their bits are the GPU tests') change nothing
+    where PDL is not available (here, the CPU); a value that is not a bool is a StepError naming
+    it; where PDL is available every layer takes it (the fused GEMM's launch at most
+    `attention.QKV_PDL_MAX_ROWS` rows a call; the boundary's launch is the step's)."""
+    from dsv41_decode.decode import attention, step as step_mod
     _, _, base, ckpt = cpu_setup
     stack = AttentionStack(ckpt, [1, 3])
+
+    def owners(step):
+        return [step] if option == "boundary_pdl" else list(step.layers.values())
     step = stack.decode_step(copy.deepcopy(base), max_rows=2, **{option: True})
-    assert not any(getattr(layer, option) for layer in step.layers.values())
+    assert not any(getattr(owner, option) for owner in owners(step))
     with pytest.raises(StepError, match=f"{option} must be a bool, got 1"):
         stack.decode_step(copy.deepcopy(base), max_rows=2, **{option: 1})
     monkeypatch.setattr(attention, "pdl_supported", lambda device: True)
+    monkeypatch.setattr(step_mod, "pdl_supported", lambda device: True)
     step = stack.decode_step(copy.deepcopy(base), max_rows=2, **{option: True})
-    assert all(getattr(layer, option) for layer in step.layers.values())
+    assert all(getattr(owner, option) for owner in owners(step))
     if option == "qkv_pdl":
         rows = attention.QKV_PDL_MAX_ROWS
         assert all(layer.takes_qkv_pdl(rows) and not layer.takes_qkv_pdl(rows + 1) for layer in step.layers.values())
