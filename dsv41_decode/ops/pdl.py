@@ -26,13 +26,16 @@ every dependent access after their completion.
 A launcher passes `PDL=False` (and no launch attribute) unless its caller asks for PDL on that
 launch. PDL never works in the interpreter (the instructions are inline PTX) or below sm_90
 (`supported`). Measured on an H200, the decode step with PDL on every main-stream kernel was slower
-(docs/step.md); the step launches four kernels by PDL: three after a predecessor that releases it at
-its start and reads little of DRAM, the Gluon `wo_a` after the sparse MLA, at 1-8 rows the exact
-`wq_b` after the q/kv norm pair and at 1-2 rows the exact fused `wq_a|wkv` after the mHC boundary,
-and the exact `wo_b` after `wo_a`'s main loops (`DecodeStep(wo_a_pdl=, wq_b_pdl=, qkv_pdl=,
-wo_b_pdl=)`), each with its ring's first weight tiles requested before its wait
-(`gluon_mm.ring_prefill`), or on `ExactMM` its first weight bytes asked of L2. The sparse MLA's second
-launch stays plain (`GluonSparseMlaConfig.pv_pdl`, docs/attn.md).
+(docs/step.md); the step launches six kernels a layer by PDL: three after a predecessor that releases
+it at its start and reads little of DRAM, the Gluon `wo_a` after the sparse MLA, at 1-8 rows the
+exact `wq_b` after the q/kv norm pair and at 1-2 rows the exact fused `wq_a|wkv` after the mHC
+boundary, and the exact `wo_b` after `wo_a`'s main loops (`DecodeStep(wo_a_pdl=, wq_b_pdl=,
+qkv_pdl=, wo_b_pdl=)`), each with its ring's first weight tiles requested before its wait
+(`gluon_mm.ring_prefill`), or on `ExactMM` its first weight bytes asked of L2; and two short
+launches whose predecessor releases nothing early, the q/kv norm pair after the fused GEMM and the
+boundary after `wo_b` (`DecodeStep(norm_pdl=, boundary_pdl=)`: only the launch overlaps the
+predecessor's tail). The sparse MLA's second launch stays plain (`GluonSparseMlaConfig.pv_pdl`,
+docs/attn.md).
 """
 
 from __future__ import annotations
