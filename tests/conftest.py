@@ -123,7 +123,8 @@ def _np_dtype(tt_dtype):
 # pure functions of values fixed at construction (a tuple's `_setitem` sets its type again), so
 # they are computed on first use instead (~25 % of a decode step's time in the interpreter); a
 # block_type whose shape holds ints or constexprs of ints reads them directly instead of through
-# `_unwrap_shape` (another ~5-10 %); other shapes go the original way.
+# `_unwrap_shape` (another ~5-10 %); other shapes go the original way. The compile tests' frontend
+# builds the same types, and sees the same values.
 from triton._utils import validate_block_shape as _validate_block_shape  # noqa: E402
 
 _core = _tl.core
