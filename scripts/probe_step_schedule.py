@@ -116,6 +116,7 @@ from dsv41_decode.bench.step_timeline import replay_kernels
 from dsv41_decode.config import ModelConfig
 from dsv41_decode.decode import attention as attention_mod, boundary as boundary_mod
 from dsv41_decode.decode.lanes import AUX_INDEX_W, PRIORITY_CRITICAL, PRIORITY_SLACK, StepEvents
+from dsv41_decode.decode.step import PDL_OPTIONS
 from dsv41_decode.ops import LOW_BATCH_MAX_ROWS, topk
 from dsv41_decode.ops.ll_bf16 import LlBf16Plan
 from dsv41_decode.ops.mhc import BoundaryOperands, MhcBoundaryPlan
@@ -330,9 +331,8 @@ PATCHES = {
     "wproj_lane": _layer_flag("proj_own_lane", True), "wproj_in_index": _layer_flag("proj_own_lane", False),
     "wproj_split": _wproj_split, "comp_tail": _comp_tail, "boundary_bd256": _boundary_chunks(256),
     "boundary_bd1024": _boundary_chunks(1024), "prefetch_wo_a": _prefetch_wo_a,
-    "no_pdl": lambda step: _swap([(layer, flag, False) for layer in step.layers.values()
-                                  for flag in ("wo_a_pdl", "wq_b_pdl", "wo_b_pdl", "qkv_pdl", "norm_pdl")]
-                                 + [(step, "boundary_pdl", False)]),
+    "no_pdl": lambda step: _swap([(owner, flag, False) for flag in PDL_OPTIONS
+                                  for owner in ([step] if hasattr(step, flag) else step.layers.values())]),
     "no_wq_b_pdl": _layer_flag("wq_b_pdl", False), "no_wo_b_pdl": _layer_flag("wo_b_pdl", False),
     "wq_b_pdl_no_idx": lambda step: _swap([(layer, "wq_b_pdl", False) for layer in step.layers.values()
                                            if layer.spec.runs_indexer]),

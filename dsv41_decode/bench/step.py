@@ -28,6 +28,7 @@ import time
 import torch
 
 from ..config import FULL, REINDEX, SWA, ModelConfig
+from ..decode.step import PDL_OPTIONS
 from ..ops import LOW_BATCH_MAX_ROWS
 from ..stack import AttentionStack
 from ..state import DecodeState
@@ -143,8 +144,7 @@ VARIANTS = {
     "fuse_scales": dict(fuse_scales=True),
     "pair_slots": dict(pair_slots=True),
     "comp_tail": dict(comp_tail=True),
-    "no_pdl": dict(wo_a_pdl=False, wq_b_pdl=False, wo_b_pdl=False, qkv_pdl=False, norm_pdl=False,
-                   boundary_pdl=False),
+    "no_pdl": dict.fromkeys(PDL_OPTIONS, False),
     "no_wq_b_pdl": dict(wq_b_pdl=False),
     "no_wo_b_pdl": dict(wo_b_pdl=False),
     "no_qkv_pdl": dict(qkv_pdl=False),

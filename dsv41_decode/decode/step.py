@@ -69,6 +69,10 @@ INDEXER_SHARD_ROWS = 16
 # The same bits.
 MIX_LATE_ROWS = 32
 
+# The options that launch a kernel by programmatic dependent launch (each on by default; False for
+# all of them launches every kernel plainly, the same bits)
+PDL_OPTIONS = ("wo_a_pdl", "wq_b_pdl", "qkv_pdl", "wo_b_pdl", "norm_pdl", "boundary_pdl")
+
 
 class StepError(ValueError):
     """A step the captured DecodeStep cannot run (the message names the rows, request or bucket)."""

@@ -32,6 +32,7 @@ import torch
 from dsv41_decode.config import ModelConfig
 from dsv41_decode.decode import StepError
 from dsv41_decode.decode.lanes import AUX_INDEX_Q, AUX_INDEX_W
+from dsv41_decode.decode.step import PDL_OPTIONS
 from dsv41_decode.stack import AttentionStack
 from dsv41_decode.state import DecodeState
 from dsv41_decode.weights import load_checkpoint, write_synthetic_checkpoint
@@ -364,7 +365,7 @@ def test_exact_linear_options_reach_the_exact_linears(cpu_setup, option):
         stack.decode_step(copy.deepcopy(base), max_rows=2, **{option: 1})
 
 
-@pytest.mark.parametrize("option", ["wo_a_pdl", "wq_b_pdl", "qkv_pdl", "wo_b_pdl", "norm_pdl", "boundary_pdl"])
+@pytest.mark.parametrize("option", PDL_OPTIONS)
 def test_pdl_options_are_off_without_pdl_and_checked(cpu_setup, monkeypatch, option):
     """The PDL options (sm_90: the Gluon wo_a after the sparse MLA, the exact wq_b after the norm
     pair, the fused wq_a|wkv after the boundary, wo_b after wo_a, the norm pair after the fused

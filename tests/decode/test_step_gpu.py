@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from dsv41_decode.config import ModelConfig
+from dsv41_decode.decode.step import PDL_OPTIONS
 from dsv41_decode.layer import CallContext
 from dsv41_decode.ops import exact_linear
 from dsv41_decode.ops.gluon_exact_mm import GluonExactConfig
@@ -196,8 +197,7 @@ SAME_BITS = {"graph_again": {}, "eager": dict(graphs=False), "no_overlap": dict(
              "weights_in_index_lane": dict(weights_lane=False), "comp_tail": dict(comp_tail=True),
              "mix_late": dict(mix_late_rows=1), "mix_late_fold": dict(mix_late_rows=1, fold_boundary=True),
              "index_row_group": dict(index_row_group=2), "fuse_scales": dict(fuse_scales=True),
-             "no_pdl": dict(wo_a_pdl=False, wq_b_pdl=False, wo_b_pdl=False, qkv_pdl=False, norm_pdl=False,
-                            boundary_pdl=False)}
+             "no_pdl": dict.fromkeys(PDL_OPTIONS, False)}
 
 
 def _graph_run(gpu_setup, **options):
