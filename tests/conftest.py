@@ -80,6 +80,8 @@ def _triton_language_as_imported():
 # builtin) that re-patch replaces nothing - a patched builtin is no builtin any more - and sets the
 # same interpreter objects again, so the helper runs without it; elsewhere it runs as before.
 # Triton 3.6.0's interpreter (requirements-cpu.txt's pin), whose call this repeats.
+import math  # noqa: E402
+
 import numpy as np  # noqa: E402
 import triton  # noqa: E402
 from triton.runtime import interpreter as _interpreter  # noqa: E402
@@ -123,8 +125,11 @@ def _np_dtype(tt_dtype):
 # pure functions of values fixed at construction (a tuple's `_setitem` sets its type again), so
 # they are computed on first use instead (~25 % of a decode step's time in the interpreter); a
 # block_type whose shape holds ints or constexprs of ints reads them directly instead of through
-# `_unwrap_shape` (another ~5-10 %); other shapes go the original way. The compile tests' frontend
-# builds the same types, and sees the same values.
+# `_unwrap_shape` (another ~5-10 %); other shapes go the original way. Likewise a tensor's `shape`
+# (a `tl.tuple` of constexprs) and `numel`, pure functions of its type, which no operation replaces:
+# computed on first use instead of in every result's constructor (most results are never asked;
+# another ~30 % of a decode step's time in the interpreter). The compile tests' frontend builds the
+# same types, and sees the same values.
 from triton._utils import validate_block_shape as _validate_block_shape  # noqa: E402
 
 _core = _tl.core
@@ -187,6 +192,35 @@ def _set_name(self, n):
     self.__dict__["_name"] = n
 
 
+def _tensor_init(self, handle, type):
+    self.handle = handle
+    self.type = type
+    self.dtype = type.scalar
+
+
+def _tensor_shape_get(self):
+    s = self.__dict__.get("_shape")
+    if s is None:
+        s = self.__dict__["_shape"] = _core.tuple([_core.constexpr(v) for v in
+                                                   (self.type.shape if self.type.is_block() else ())])
+    return s
+
+
+def _tensor_shape_set(self, s):
+    self.__dict__["_shape"] = s
+
+
+def _tensor_numel_get(self):
+    n = self.__dict__.get("_numel")
+    if n is None:
+        n = self.__dict__["_numel"] = _core.constexpr(math.prod(self.type.shape if self.type.is_block() else ()))
+    return n
+
+
+def _tensor_numel_set(self, n):
+    self.__dict__["_numel"] = n
+
+
 if triton.__version__ == "3.6.0":
     _interpreter.InterpretedFunction.__call__ = _helper_call
     _interpreter._get_np_dtype = _np_dtype
@@ -196,3 +230,6 @@ if triton.__version__ == "3.6.0":
     _core.tuple.type = property(_tuple_type_get, _set_type)
     _core.block_type.__init__ = _block_type_init
     _core.block_type.name = property(_block_type_name_get, _set_name)
+    _core.tensor.__init__ = _tensor_init
+    _core.tensor.shape = property(_tensor_shape_get, _tensor_shape_set)
+    _core.tensor.numel = property(_tensor_numel_get, _tensor_numel_set)
