@@ -80,6 +80,7 @@ def _triton_language_as_imported():
 # builtin) that re-patch replaces nothing - a patched builtin is no builtin any more - and sets the
 # same interpreter objects again, so the helper runs without it; elsewhere it runs as before.
 # Triton 3.6.0's interpreter (requirements-cpu.txt's pin), whose call this repeats.
+import dataclasses  # noqa: E402
 import math  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -221,6 +222,19 @@ def _tensor_numel_set(self, n):
     self.__dict__["_numel"] = n
 
 
+# The interpreter's options have `debug` off, so `device_assert` emits nothing there; its integer
+# overflow check (`sanitize_overflow`, on) still runs each 32-bit int add, sub and mul again in
+# int64 with two compares and an and, whose condition that assert then drops: dead work (~35 % of
+# a decode step's time in the interpreter), turned off in the interpreter's options (the compiler's
+# are its own).
+_INTERPRETER_BUILDER_INIT = _interpreter.InterpreterBuilder.__init__
+
+
+def _interpreter_builder_init(self):
+    _INTERPRETER_BUILDER_INIT(self)
+    self.options = dataclasses.replace(self.options, sanitize_overflow=False)
+
+
 if triton.__version__ == "3.6.0":
     _interpreter.InterpretedFunction.__call__ = _helper_call
     _interpreter._get_np_dtype = _np_dtype
@@ -233,3 +247,6 @@ if triton.__version__ == "3.6.0":
     _core.tensor.__init__ = _tensor_init
     _core.tensor.shape = property(_tensor_shape_get, _tensor_shape_set)
     _core.tensor.numel = property(_tensor_numel_get, _tensor_numel_set)
+    _interpreter.InterpreterBuilder.__init__ = _interpreter_builder_init
+    _interpreter.interpreter_builder.options = dataclasses.replace(_interpreter.interpreter_builder.options,
+                                                                  sanitize_overflow=False)
