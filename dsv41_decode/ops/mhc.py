@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .pdl import launch_options as pdl_launch_options, require_supported as require_pdl, supported as pdl_supported
+from .pdl import kernel_options as pdl_kernel_options
 from .checks import interpreting, require_int, require_ndim, require_tensor
 from .act_quant import mxfp8_blocks
 from .common import butterfly_sum, in_order_sum, num_sms
@@ -544,10 +544,9 @@ def mhc_boundary_(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: to
     (`ops.pdl.supported`).
     """
     n, dim = check_boundary_call(y, x, post, comb, pre, norm_weight, eps, x_out, u_out, codes_out, scales_out, plan)
-    if pdl:
-        if plan is None:
-            raise ValueError("pdl: a launch by PDL needs a plan (the one-program-per-row form has no wait)")
-        require_pdl(y.device)
+    if pdl and plan is None:
+        raise ValueError("pdl: a launch by PDL needs a plan (the one-program-per-row form has no wait)")
+    launch = pdl_kernel_options(y.device, pdl, release)
     if n == 0:
         return
     xo, u = x_out.view(torch.int16), u_out.view(torch.int16)
@@ -558,8 +557,7 @@ def mhc_boundary_(y: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: to
                    pre.stride(0), xo.stride(0), xo.stride(1), u.stride(0), codes.stride(0), scales.stride(0),
                    plan.ws.stride(0))
         meta = dict(D=dim, BLOCK_D=plan.block_d, NCH=plan.chunks, NCH_P2=triton.next_power_of_2(plan.chunks),
-                    PDL=pdl or (release and pdl_supported(y.device)), num_warps=4, enable_fp_fusion=False,
-                    **pdl_launch_options(pdl))
+                    num_warps=4, enable_fp_fusion=False, **launch)
         if plan.coresident:
             _mhc_boundary_coresident_kernel[(n, plan.chunks)](*args, int(plan.spin_limit), *strides, **meta)
         else:

@@ -69,6 +69,16 @@ def launch_options(pdl: bool = False) -> dict:
     return {"launch_pdl": True} if pdl else {}
 
 
+def kernel_options(device: torch.device | str, pdl: bool = False, release: bool = False) -> dict:
+    """The launch keywords of a kernel that enters by `enter(PDL)` (wait, then release) for its
+    caller's `pdl` (launched by PDL: `require_supported`, ValueError naming `pdl` where PDL is not
+    available) and `release` (lets a successor launched by PDL start at its programs' start; ignored
+    where PDL is not available): {"PDL": the constexpr, **launch_options(pdl)}."""
+    if pdl:
+        require_supported(device)
+    return {"PDL": pdl or (release and supported(device)), **launch_options(pdl)}
+
+
 @triton.jit
 def bulk_prefetch_l2(addr, size):
     """Ask L2 for `size` bytes (int32, a multiple of 16; none when <= 0) at each 16-byte aligned

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from . import pdl
-from .pdl import launch_options as pdl_launch_options, require_supported as require_pdl, supported as pdl_supported
+from .pdl import kernel_options as pdl_kernel_options
 from .checks import require_ndim, require_num_warps, require_tensor
 from .act_quant import mxfp8_blocks
 from .fp4 import bf16_round
@@ -194,8 +194,7 @@ def rms_norm_pair_(x_a: torch.Tensor, w_a: torch.Tensor, out_a: torch.Tensor, co
     if nb != n:
         raise ValueError(f"x_a and x_b must have the same rows, got {n} and {nb}")
     require_num_warps(num_warps)
-    if pdl:
-        require_pdl(x_a.device)
+    launch = pdl_kernel_options(x_a.device, pdl, release)
     insert = window is not None
     if insert:
         if db != KV_DIM:
@@ -216,5 +215,5 @@ def rms_norm_pair_(x_a: torch.Tensor, w_a: torch.Tensor, out_a: torch.Tensor, co
     _rms_norm_pair_kernel[(n, 2)](
         x_a, w_a, oa, ca, sa, x_b, w_b, ob, float(eps), x_a.stride(0), oa.stride(0), ca.stride(0), sa.stride(0),
         x_b.stride(0), ob.stride(0), *win, D_A=da, BLOCK_A=max(32, triton.next_power_of_2(da)), D_B=db,
-        BLOCK_B=max(32, triton.next_power_of_2(db)), PDL=pdl or (release and pdl_supported(x_a.device)),
-        WINDOW=insert, num_warps=num_warps, enable_fp_fusion=False, **pdl_launch_options(pdl))
+        BLOCK_B=max(32, triton.next_power_of_2(db)), WINDOW=insert, num_warps=num_warps, enable_fp_fusion=False,
+        **launch)
