@@ -73,9 +73,6 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
                     bucket (`attention.QKV_PDL_MAX_ROWS` = 64, not 2); the same bits
     topk_pdl        the indexer layers' top-k (its linked path's kernels after the scorer) launched by
                     PDL (`topk_ascending_(pdl=True)`, the index lane's chain); the same bits
-    mla_pdl         in the Reuse and SWA layers (`AttentionStep.can_mla_pdl`) the Gluon sparse MLA launched
-                    by PDL after the exact wq_b at 1-12 rows (`DecodeStep(mla_pdl=True)`: its records
-                    gathered and decoded while wq_b runs); the same bits
     no_norm_pdl     the q/kv norm pair launched plainly, not by PDL after the fused wq_a|wkv GEMM
                     (`DecodeStep(norm_pdl=False)`); the same bits
     no_boundary_pdl the mHC boundary's own launch plainly, not by PDL after wo_b
@@ -341,7 +338,6 @@ PATCHES = {
                                            if layer.spec.runs_indexer]),
     "no_qkv_pdl": _layer_flag("qkv_pdl", False),
     "qkv_pdl_all": lambda step: _swap([(attention_mod, "QKV_PDL_MAX_ROWS", 64)]), "topk_pdl": _topk_pdl,
-    "mla_pdl": lambda step: _swap([(layer, "mla_pdl", True) for layer in step.layers.values() if layer.can_mla_pdl()]),
     "no_norm_pdl": _layer_flag("norm_pdl", False), "no_boundary_pdl": lambda step: _swap([(step, "boundary_pdl", False)]),
     "skip_pair": _skip(attention_mod, "rms_norm_pair_"), "skip_boundary": _skip(BoundaryOperands, "launch"),
     "skip_mixer": _skip(boundary_mod, "hc_mix_"), "skip_mla": _skip(attention_mod, "sparse_mla_launch"),

@@ -131,8 +131,7 @@ def _layer_kinds(cfg: ModelConfig) -> dict[str, int]:
 # after the sparse MLA, at 1-8 rows its exact wq_b after the norm pair, its exact wo_b after wo_a's
 # main loops, at 1-2 rows its exact fused wq_a|wkv after the boundary, its norm pair after the fused
 # GEMM and its boundary's own launch after wo_b), no_wq_b_pdl, no_wo_b_pdl, no_qkv_pdl, no_norm_pdl
-# and no_boundary_pdl one of those plainly (sm_90, the same bits); mla_pdl the Reuse and SWA layers'
-# sparse MLA launched by PDL after wq_b at 1-12 rows (sm_90, the same bits).
+# and no_boundary_pdl one of those plainly (sm_90, the same bits).
 VARIANTS = {
     "no_overlap": dict(overlap=False),
     "wo_a_fp8": dict(wo_a_fp8=True),
@@ -151,7 +150,6 @@ VARIANTS = {
     "no_qkv_pdl": dict(qkv_pdl=False),
     "no_norm_pdl": dict(norm_pdl=False),
     "no_boundary_pdl": dict(boundary_pdl=False),
-    "mla_pdl": dict(mla_pdl=True),
 }
 DEFAULT_VARIANTS = ("no_overlap", "wo_a_fp8", "tc_linears")
 

@@ -44,7 +44,7 @@ from ..ops.exact_mm_plan import ExactConfig
 from ..ops.gluon_indexer import gluon_index_scores_mxfp4_
 from ..ops.gluon_mm import GluonMM
 from ..ops.gluon_wo_a import GluonWoAConfig, GluonWoAPlan, foldable_scale, gluon_wo_a_
-from ..ops.gluon_sparse_mla import GluonSparseMlaPlan, gluon_sparse_mla_, takes_pdl as takes_mla_config_pdl
+from ..ops.gluon_sparse_mla import GluonSparseMlaPlan, gluon_sparse_mla_
 from ..ops.ll_bf16 import LlBf16Plan, ll_bf16_
 from ..ops.mhc import BoundaryOperands
 from ..ops.pdl import supported as pdl_supported
@@ -259,7 +259,7 @@ class AttentionStep:
                  fold_index_chain: bool = False, weights_lane: bool = True, comp_tail: bool = False,
                  index_row_group: int = 1, fuse_scales: bool = False, pair_slots: bool = False,
                  wo_a_pdl: bool = True, wq_b_pdl: bool = True, qkv_pdl: bool = True, wo_b_pdl: bool = True,
-                 norm_pdl: bool = True, mla_pdl: bool = False):
+                 norm_pdl: bool = True):
         """sources: the step's layers built before this one (by id), among them this layer's index and
         KV sources: a layer that reuses a selection or a candidate pool reads its source's buffers.
         The layer's own selection and candidate pool (when it makes them) are its attributes
@@ -330,12 +330,6 @@ class AttentionStep:
         # The Gluon kernel on sm_90, else the Triton tilings; FP32 dots with fp32_dots (`sparse_mla_plans`)
         self.mla_plans = sparse_mla_plans(max_rows, cfg.n_heads, cfg.window_size, topk_w, dev, workspace=pool,
                                           fp32_dots=fp32_dots)
-        # mla_pdl: in the layers whose sparse MLA follows wq_b on the main stream (no indexer, no
-        # compressor: the Reuse and SWA layers), the Gluon sparse MLA launched by PDL after the exact
-        # wq_b, which releases it once its own wait has returned: the MLA's programs gather and decode
-        # their records while wq_b runs, then wait for q (a schedule choice: the same bits; `_prepare`,
-        # `_attend`, `takes_mla_pdl`)
-        self.mla_pdl = bool(mla_pdl) and self.can_mla_pdl()
         wide = {"split": 1, "block_n": 256} if few else {}
         self.sink = w["attn.attn_sink"].float().contiguous()
         self.publish: torch.Tensor | None = None   # set by DecodeStep with the fused TP boundary
@@ -410,22 +404,6 @@ class AttentionStep:
         return found
 
     # ------------------------------------------------------------------ the schedule
-    def can_mla_pdl(self) -> bool:
-        """Whether the layer can take `mla_pdl`: on an sm_90 GPU, an exact wq_b, and nothing between wq_b
-        and the sparse MLA on the main stream (no indexer, no compressor: a Reuse or SWA layer)."""
-        return (pdl_supported(self.state.device) and isinstance(self.mm_wq_b, ExactLinear)
-                and not self.spec.runs_indexer and not self.spec.owns_compressor)
-
-    def takes_mla_pdl(self, rows: int) -> bool:
-        """Whether a call of `rows` rows launches the sparse MLA by PDL after wq_b (`mla_pdl`, where
-        wq_b's op releases it and the MLA's configuration at those rows is launched so:
-        `ExactLinear.takes_release`, `gluon_sparse_mla.takes_pdl`)."""
-        if not self.mla_pdl:
-            return False
-        plan = next(p for p in self.mla_plans if rows <= p.max_rows)
-        return (isinstance(plan, GluonSparseMlaPlan) and takes_mla_config_pdl(plan.config)
-                and self.mm_wq_b.takes_release(rows))
-
     def takes_wq_b_pdl(self, rows: int) -> bool:
         """Whether a call of `rows` rows launches wq_b by PDL after the q/kv norm pair (`wq_b_pdl`, at
         most WQ_B_PDL_MAX_ROWS rows), which then releases it at its start."""
@@ -567,12 +545,10 @@ class AttentionStep:
                                             st.index_keys[L], cfg.norm_eps)
                 latent_ready = lanes.mark()                   # protects compressed + index-key records
         q = s.q[:B]
-        mla = dict(release=True) if self.takes_mla_pdl(B) else {}     # the sparse MLA by PDL after it
         if self.takes_wq_b_pdl(B):  # by PDL after the norm pair (an exact wq_b: the RoPE in its epilogue)
-            self.mm_wq_b(s.qr_codes[:B], s.qr_scales[:B], q.view(B, -1), rope=(m.cos[r][:B], m.sin[r][:B]), pdl=True,
-                         **mla)
+            self.mm_wq_b(s.qr_codes[:B], s.qr_scales[:B], q.view(B, -1), rope=(m.cos[r][:B], m.sin[r][:B]), pdl=True)
         elif self.rope_in_wq_b:     # the query RoPE in wq_b's epilogue (the window insert ran in the norm pair)
-            self.mm_wq_b(s.qr_codes[:B], s.qr_scales[:B], q.view(B, -1), rope=(m.cos[r][:B], m.sin[r][:B]), **mla)
+            self.mm_wq_b(s.qr_codes[:B], s.qr_scales[:B], q.view(B, -1), rope=(m.cos[r][:B], m.sin[r][:B]))
         else:
             self.mm_wq_b(s.qr_codes[:B], s.qr_scales[:B], q.view(B, -1))
             query_rope_(q, m.cos[r][:B], m.sin[r][:B])
@@ -658,13 +634,11 @@ class AttentionStep:
         if spec.kind == SWA:
             comp_pool, comp_table = s.empty_comp, s.empty_table[:B]
         else:
-            events.wait_table(self.lanes, spec.index_source)
+            self.lanes.wait(events.tables.get(spec.index_source))
             comp_pool, comp_table = st.compressed[spec.kv_source], self.source_selection.table[:B]
         o = s.o[:B]
         plan = next(p for p in self.mla_plans if B <= p.max_rows)
         pdl = dict(release=True) if self.wo_a_pdl and isinstance(plan, GluonSparseMlaPlan) else {}
-        if self.takes_mla_pdl(B):
-            pdl["pdl"] = True
         sparse_mla_launch(plan, s.q[:B], st.window[spec.layer], comp_pool, m.window_table[:B], comp_table, self.sink,
                           cfg.softmax_scale, o, **pdl)
         return o

@@ -98,19 +98,6 @@ class StepEvents:
 
     candidates: Event | None = None
     tables: dict[int, Event | None] = field(default_factory=dict)
-    joined: set[int] = field(default_factory=set)     # sources whose table event the main stream waited for
-
-    def wait_table(self, lanes: Lanes, source: int) -> None:
-        """The current stream (the main stream) waits for the event of `source`'s sparse-index table,
-        once: after the first wait every later kernel on it is ordered after the table already, so
-        later waits add no dependency (nor an edge in a captured graph that would stand between a
-        kernel and the one it is launched after by PDL)."""
-        if source in self.joined:
-            return
-        ev = self.tables.get(source)
-        lanes.wait(ev)
-        if ev is not None:
-            self.joined.add(source)
 
     def join(self, lanes: Lanes) -> None:
         """The main stream waits for every side lane's pending work (the end of a step)."""

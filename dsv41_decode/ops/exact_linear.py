@@ -202,32 +202,17 @@ class ExactLinear:
         no mHC boundary epilogue)."""
         return self.op_for(rows) is self.cuda_cores
 
-    def takes_release(self, rows: int) -> bool:
-        """Whether a call of `rows` rows can take `release=True`: its op is a Gluon one
-        (`GluonExactFMA`, `GluonExactMM`: `gluon_exact_common.GluonExactPlan.__call__`'s release)."""
-        return self.op_for(rows) is not self.cuda_cores
-
     def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None,
                  rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 boundary: BoundaryOperands | None = None, *, pdl: bool = False,
-                 release: bool = False) -> torch.Tensor:
+                 boundary: BoundaryOperands | None = None, *, pdl: bool = False) -> torch.Tensor:
         """`ExactMM.__call__`'s arguments and result; rope=(cos, sin): the query RoPE of
         `kv_write.query_rope_` in the epilogue of whichever op runs (each op's own: the same bits as
         the call without it followed by that op); boundary: `ExactMM`'s mHC boundary epilogue, for
         a call whose op is ExactMM (`takes_boundary`; ValueError naming `boundary` otherwise);
-        pdl: the op's launch by programmatic dependent launch (each op's `pdl`); release: the Gluon
-        op's release of the next kernel after its wait (`takes_release`; ValueError naming
-        `release` where the call's op is ExactMM)."""
+        pdl: the op's launch by programmatic dependent launch (each op's `pdl`)."""
         if not isinstance(codes, torch.Tensor) or codes.dim() != 2:
             return self.cuda_cores(codes, x_scale, out, rope, boundary)     # its error names the argument
         op = self.op_for(codes.shape[0])
-        if release:
-            if op is self.cuda_cores:
-                raise ValueError(f"release: a call of {codes.shape[0]} rows runs ExactMM, which releases no "
-                                 f"successor (ExactLinear.takes_release)")
-            if boundary is not None:
-                raise ValueError("release: the call has a boundary epilogue, which only ExactMM runs")
-            return op(codes, x_scale, out, rope, pdl=pdl, release=True)
         if boundary is None:
             return op(codes, x_scale, out, rope, pdl=pdl)
         if op is not self.cuda_cores:

@@ -28,7 +28,7 @@ from .gluon_mm import BLOCK_K as RING_K
 from .gluon_mm import fp8_desc, require_sm90_weight
 from .gluon_mm import _scale, _slot_words
 from .gluon_mm import _words as _scale_words
-from .pdl import launch_options as pdl_launch_options, require_supported as require_pdl, supported as pdl_supported
+from .pdl import launch_options as pdl_launch_options, require_supported as require_pdl
 
 
 @gluon.jit
@@ -324,8 +324,7 @@ class GluonExactPlan:
         return reduction_order(self.k)
 
     def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None,
-                 rope: tuple[torch.Tensor, torch.Tensor] | None = None, *, pdl: bool = False,
-                 release: bool = False) -> torch.Tensor:
+                 rope: tuple[torch.Tensor, torch.Tensor] | None = None, *, pdl: bool = False) -> torch.Tensor:
         """y = codes x weight^T with both block scales, into out: the arguments and the result of
         `exact_mm.ExactMM.__call__` (a float32 out receives the unrounded FP32 sums; rope=(cos, sin):
         the query RoPE of `kv_write.query_rope_` in the epilogue, by the program that stores each
@@ -335,11 +334,7 @@ class GluonExactPlan:
         start while that kernel runs and request their rings' first weight tiles
         (`gluon_mm.ring_prefill`), then wait for it before they read x or write anything; without
         such a predecessor it runs as without pdl. The same values either way. ValueError where PDL
-        is not available (`ops.pdl.supported`). release: its programs let the next kernel on the
-        stream launch (if launched by PDL) once their wait for the kernel before them has returned
-        (at their start without pdl), so that the next kernel may read, before its own wait,
-        whatever completed before this one (`gluon_sparse_mla_(pdl=True)`); ignored where PDL is not
-        available. Returns out."""
+        is not available (`ops.pdl.supported`). Returns out."""
         out = mxfp8_linear_args(codes, x_scale, out, self.n, self.k, self.max_rows, self.device)
         if pdl:
             require_pdl(self.device)
@@ -347,7 +342,5 @@ class GluonExactPlan:
         epilogue = rope_kwargs(rope, out, self.n, m, self.device)
         if pdl:
             epilogue.update(PDL=True, **pdl_launch_options(pdl))
-        if release and pdl_supported(self.device):
-            epilogue.update(RELEASE=True)
         self._launch(codes, x_scale, out, m, self.config_for(m), epilogue)
         return out

@@ -138,7 +138,6 @@ from .gluon_epilogues import add_combine
 from .gluon_exact_common import GluonExactPlan, pow2, ring_weight_args, split_k_sum, store_tile, sum_chunk
 from .gluon_mm import (SHARED_LIMIT, _ring, _scale, activation_operands, require_maxnreg, ring_prefill, ring_producer,
                        split_bounds)
-from .pdl import gluon_launch_dependents
 
 MAX_ROWS = 4
 BLOCK_K = 128                   # K per ring slot: four 32-deep blocks, one 32-bit scale word per row
@@ -361,7 +360,6 @@ def _gluon_exact_fma_kernel(
     ws_ptr, cnt_ptr, steps_per_split, n_split,
     WK: gl.constexpr, LK: gl.constexpr, STAGES: gl.constexpr, OUT_F32: gl.constexpr, SPLIT: gl.constexpr = False,
     cos_ptr=None, sin_ptr=None, stride_cm=None, stride_sm=None, ROPE: gl.constexpr = False, PDL: gl.constexpr = False,
-    RELEASE: gl.constexpr = False,
 ):
     # Grid (N / BN, n_split): program (t, s) covers weight rows [t BN, +BN), all M rows of x and
     # the K steps [s steps_per_split, +steps_per_split) of the n_steps (every step without SPLIT);
@@ -411,8 +409,6 @@ def _gluon_exact_fma_kernel(
         n_here = gl.minimum(steps_per_split, n_steps - step_lo)
         if PDL:
             ring_prefill(w_desc, x_desc, w_smem, ready, pid_n * BN, step_lo, n_here, STAGES)
-        if RELEASE:     # after the wait for the kernel before (PDL): the successor's reads of what that wrote
-            gluon_launch_dependents()
         ws_tile = ws_ptr + pid_n * (n_steps * 4 * SLAB)
         acc, = gl.warp_specialize([
             (_consumer, (w_smem, x_smem, ready, empty, xf, terms, sw_words + step_lo, sx_words + step_lo, n_here,
@@ -423,8 +419,6 @@ def _gluon_exact_fma_kernel(
     else:
         if PDL:
             ring_prefill(w_desc, x_desc, w_smem, ready, pid_n * BN, 0, n_steps, STAGES)
-        if RELEASE:
-            gluon_launch_dependents()
         acc, = gl.warp_specialize([
             (_consumer, (w_smem, x_smem, ready, empty, xf, terms, sw_words, sx_words, n_steps, BN, WK, LK, R, STAGES,
                          LANES, CODES, TERMS)),

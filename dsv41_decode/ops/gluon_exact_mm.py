@@ -123,7 +123,7 @@ from .gluon_exact_fp64 import form, fp64_partial, is_packed
 from .gluon_exact_k import consumer_k, sum_layout
 from .gluon_mm import (SHARED_LIMIT, _ring, _tile_scales, activation_operands, require_maxnreg, ring_prefill,
                       ring_producer, split_bounds)
-from .pdl import gluon_launch_dependents, gluon_wait
+from .pdl import gluon_wait
 
 MAX_ROWS = 64
 BLOCK_K = 128                   # K per ring slot: four 32-wide blocks, one 32-bit scale word per row
@@ -285,7 +285,7 @@ def _gluon_exact_mm_kernel(
     SPLIT_K: gl.constexpr, OUT_F32: gl.constexpr, WARPS_K: gl.constexpr = 1, FUSE: gl.constexpr = False,
     PAIRS: gl.constexpr = False,
     cos_ptr=None, sin_ptr=None, stride_cm=None, stride_sm=None, ROPE: gl.constexpr = False,
-    PDL: gl.constexpr = False, RELEASE: gl.constexpr = False,
+    PDL: gl.constexpr = False,
 ):
     # Grid (N tiles, M tiles, n_split K splits): program (t, u, s) covers weight rows [t*BN, +BN), x
     # rows [u*BT, +BT) and the K steps (32 NB deep, the descriptors' box) [s*steps_per_split,
@@ -334,8 +334,6 @@ def _gluon_exact_mm_kernel(
     n_steps = gl.minimum(steps_per_split, n_steps_total - step_lo)
     if PDL:
         ring_prefill(w_desc, x_desc, w_smem, ready, pid_n * BN, step_lo, n_steps, STAGES, SLOTS)
-    if RELEASE:     # after the wait for the kernel before (PDL): the successor's reads of what that wrote
-        gluon_launch_dependents()
     if WARPS_K == 1:
         scale_layout: gl.constexpr = mma_layout
     else:

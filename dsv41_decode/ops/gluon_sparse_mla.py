@@ -86,11 +86,11 @@ from .gluon_sparse_mla_plan import (PHASE_COLS, PHASE_NAMES, STEP_CONFIGS, Gluon
                                    programs_per_sm, specialization_key)
 from .gluon_mm import tma_desc
 from .gluon_sparse_mla_pv import mla_pv_
-from .pdl import gluon_launch_dependents, gluon_wait, launch_options as pdl_launch_options, require_supported as require_pdl
+from .pdl import gluon_launch_dependents
 from .sparse_mla import check_sparse_mla_args, combine_partials_
 
 __all__ = ["NUM_WARPS", "PHASE_NAMES", "STEP_CONFIGS", "GluonSparseMlaConfig", "GluonSparseMlaPlan", "gluon_sparse_mla_",
-           "q_by_tma", "takes_pdl"]
+           "q_by_tma"]
 
 # Polls of the look-back before a program gives up (about a microsecond each: seconds in all). The
 # blocks a program waits for belong to programs already running, so the wait always ends; the bound
@@ -223,7 +223,7 @@ def _gluon_sparse_mla_kernel(
     TICKET: gl.constexpr = True, PV_PIPELINE: gl.constexpr = False,
     FP4_LUT: gl.constexpr = False,
     PHASES: gl.constexpr = False, P_OUT: gl.constexpr = False, K_BUFFERS: gl.constexpr = 4,
-    Q_TMA: gl.constexpr = False, RELEASE: gl.constexpr = False, PDL: gl.constexpr = False,
+    Q_TMA: gl.constexpr = False, RELEASE: gl.constexpr = False,
 ):
     # Workspaces (`SparseMlaPlan` with one head group of PH = block_h heads): acc [N, NB, PH, 512],
     # ml [N, NB, 3, PH] (max, sum, valid-key count), block_max [N, NB, PH], flags [N, NB] (here a
@@ -237,13 +237,7 @@ def _gluon_sparse_mla_kernel(
     NCP: gl.constexpr = NC // DSPLIT        # the 128-dim chunks of P.V and of the partial a program does
     gl.static_assert(Q_BUFFERS == NC or Q_BUFFERS == 2)
     gl.static_assert(DSPLIT == 1 or DSPLIT == 2 or DSPLIT == 4)
-    # PDL (launched by programmatic dependent launch after the kernel that writes q, which released
-    # it once its own wait had returned: `gluon_sparse_mla_(pdl=True)`): the tables, the block's
-    # records and their decode before the wait - written by kernels that completed before that
-    # release -, q only after it; only the spread combination's programs (no ticket: the program id)
-    # with the whole block's keys in shared memory and q by plain loads
-    gl.static_assert(not PDL or (SPREAD and not TICKET and K_BUFFERS == NC and not Q_TMA))
-    if P_OUT or (RELEASE and not PDL):
+    if P_OUT or RELEASE:
         # the second launch, where launched with PDL (`GluonSparseMlaConfig.pv_pdl`), or (RELEASE)
         # the kernel after this one, where launched with PDL (`gluon_wo_a_(pdl=True)`), may start once
         # every program of this one has (its reads and copies, then its wait before what this writes)
@@ -318,14 +312,13 @@ def _gluon_sparse_mla_kernel(
     rd = gl.arange(0, _DC, layout=gl.SliceLayout(0, ld))
     q_rows = q_ptr + r * stride_qn + rh[:, None] * stride_qh + rd[None, :]
     h_in = (rh < H)[:, None]
-    if not Q_TMA and not PDL:
+    if not Q_TMA:
         for c in gl.static_range(Q_BUFFERS):
             q_smem.index(c).store(gl.load(q_rows + c * _DC, mask=h_in, other=0.0))
-    if Q_BUFFERS < NC and K_BUFFERS == NC and not PDL:    # in flight during the decode, stored after the first MMAs
+    if Q_BUFFERS < NC and K_BUFFERS == NC:    # in flight during the decode, stored after the first MMAs
         q2 = gl.load(q_rows + 2 * _DC, mask=h_in, other=0.0)
         q3 = gl.load(q_rows + 3 * _DC, mask=h_in, other=0.0)
-    if not PDL:
-        _stamp(log_row, 2, PHASES)
+    _stamp(log_row, 2, PHASES)
 
     # The block's records, decoded into shared memory.
     start = b * _KEYS
@@ -370,18 +363,6 @@ def _gluon_sparse_mla_kernel(
                                                       ld, FP4_LUT))
             if c == 0:
                 _stamp(log_row, 3, PHASES)
-    if PDL:
-        # the kernel that writes q has completed (its memory visible); then (RELEASE) the kernel
-        # after this one may launch; then q as above
-        gluon_wait()
-        if RELEASE:
-            gluon_launch_dependents()
-        for c in gl.static_range(Q_BUFFERS):
-            q_smem.index(c).store(gl.load(q_rows + c * _DC, mask=h_in, other=0.0))
-        if Q_BUFFERS < NC:
-            q2 = gl.load(q_rows + 2 * _DC, mask=h_in, other=0.0)
-            q3 = gl.load(q_rows + 3 * _DC, mask=h_in, other=0.0)
-        _stamp(log_row, 2, PHASES)
     if K_BUFFERS == NC:
         fence_async_shared()
         gl.thread_barrier()
@@ -560,16 +541,9 @@ def _q_desc(plan: GluonSparseMlaPlan, q: torch.Tensor) -> TensorDescriptor:
     return desc
 
 
-def takes_pdl(config: GluonSparseMlaConfig) -> bool:
-    """Whether `gluon_sparse_mla_(pdl=True)` launches `config` by programmatic dependent launch (where
-    its launch is the spread combination's): its blocks' keys whole in shared memory and q by plain
-    loads (k_buffers 4, no q_tma), the one-launch combination (combine "spread")."""
-    return config.combine == "spread" and config.k_buffers == 4 and not config.q_tma
-
-
 def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: torch.Tensor, comp_pool: torch.Tensor,
                       window_table: torch.Tensor, comp_table: torch.Tensor, sink: torch.Tensor, scale: float,
-                      out: torch.Tensor, *, release: bool = False, pdl: bool = False) -> None:
+                      out: torch.Tensor, *, release: bool = False) -> None:
     """`sparse_mla.sparse_mla_`'s contract and arguments (see its doc), with a `GluonSparseMlaPlan`:
     out[r, h] = sparse_attention(q[r, h], keys of row r, sink[h], scale). sm_90 only; every
     configuration gives the same bits.
@@ -578,17 +552,7 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
     program resident, or "pv"'s second launch), its programs let the next kernel on the stream start
     at their own start, if that kernel is launched by programmatic dependent launch
     (`gluon_wo_a_(pdl=True)`, which waits for this one before it reads o); a no-op otherwise. The
-    same values.
-
-    pdl: where the launch is the spread combination's with every program resident and the
-    configuration keeps the block's keys whole and loads q plainly (`takes_pdl`; elsewhere a plain
-    launch, the same values), launch it by programmatic dependent launch: its programs read the
-    tables and gather and decode their block's records while the kernel before it on the stream
-    still runs, then wait for it before they read q (release then lets the next kernel launch once
-    every program has waited). The caller's contract: that kernel writes q, reads nothing this
-    launch writes, and lets this one launch (a `release`) only after its own wait for the kernel
-    before it has returned, so that everything this launch reads but q is written by kernels that
-    have completed. The same values. ValueError where PDL is not available (`ops.pdl.supported`)."""
+    same values."""
     if not isinstance(plan, GluonSparseMlaPlan):
         raise TypeError(f"plan must be a GluonSparseMlaPlan, got {type(plan).__name__}")
     base, config = plan.base, plan.config
@@ -596,8 +560,6 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
     if not is_sm90(base.device):
         raise ValueError(f"plan and operands must be on a CUDA device of compute capability 9.0 (the kernel is "
                          f"sm_90 code: wgmma), got {base.device}")
-    if pdl:
-        require_pdl(base.device)
     if n == 0:
         return
     nb = base.n_blocks
@@ -629,9 +591,8 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
         # the kernel these arguments compile to decide (`specialization_key`: the one-row kernel's
         # registers differ from the others'); the programs then take their (row, block) from the
         # program id (TICKET off); the spread launch's kernel with its release, as launched below
-        pdl = pdl and takes_pdl(config)
-        flags = dict(SPREAD=True, RELEASE=release, PDL=pdl) if combine == "spread" else dict(SPREAD=False, P_OUT=True)
-        key = (combine, release and combine == "spread", pdl and combine == "spread", specialization_key(args))
+        flags = dict(SPREAD=True, RELEASE=release) if combine == "spread" else dict(SPREAD=False, P_OUT=True)
+        key = (combine, release and combine == "spread", specialization_key(args))
         per_sm = plan.resident.get(key)
         if per_sm is None:
             kernel = _gluon_sparse_mla_kernel.warmup(*args, grid=(grid, ), TICKET=False, **flags, **consts)
@@ -650,8 +611,7 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
         mla_pv_(base, config, acc_ws, window_pool, comp_pool, window_table, comp_table, sink, o16, n, release=release)
         return
     spread = combine == "spread"
-    pdl = pdl and spread
     _gluon_sparse_mla_kernel[(grid, )](*args, SPREAD=spread, TICKET=not spread, RELEASE=release and spread,
-                                       PDL=pdl, **pdl_launch_options(pdl), **consts)
+                                       **consts)
     if combine == "separate":
         combine_partials_(base.part_acc, base.part_ml, base.flags, sink, o16, base.heads, 1, n, nb, base.block_h)

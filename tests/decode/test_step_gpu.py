@@ -190,16 +190,14 @@ def test_gpu_long_run_vs_generic(gpu_setup):
 # each layer's Gluon wo_a by PDL after the sparse MLA, its exact wq_b after the norm pair, its exact
 # wo_b after wo_a's main loops and at 1-2 rows its exact fused wq_a|wkv after the mHC boundary's
 # launch, their first weight tiles or bytes read while those run, its norm pair after the fused GEMM
-# and its boundary's own launch after wo_b); "mla_pdl": the Reuse and SWA layers' sparse MLA launched
-# by PDL after wq_b, its records gathered and decoded while wq_b runs (in the buckets where wq_b's
-# op is a Gluon one: GluonExactMM's, 3-16 rows at this preset's shapes). (`pair_slots` changes no
-# configuration of this preset's own plan: test_gpu_exact_options_on_the_plan_forms_give_the_step_bits.)
+# and its boundary's own launch after wo_b). (`pair_slots` changes no configuration of this preset's
+# own plan: test_gpu_exact_options_on_the_plan_forms_give_the_step_bits.)
 SAME_BITS = {"graph_again": {}, "eager": dict(graphs=False), "no_overlap": dict(overlap=False),
              "fold_index_chain": dict(fold_index_chain=True), "fold_boundary": dict(fold_boundary=True),
              "weights_in_index_lane": dict(weights_lane=False), "comp_tail": dict(comp_tail=True),
              "mix_late": dict(mix_late_rows=1), "mix_late_fold": dict(mix_late_rows=1, fold_boundary=True),
              "index_row_group": dict(index_row_group=2), "fuse_scales": dict(fuse_scales=True),
-             "no_pdl": dict.fromkeys(PDL_OPTIONS, False), "mla_pdl": dict(mla_pdl=True)}
+             "no_pdl": dict.fromkeys(PDL_OPTIONS, False)}
 
 
 def _graph_run(gpu_setup, **options):
@@ -236,8 +234,6 @@ def _assert_same_run(a, b, outs_a, outs_b):
 def test_gpu_variant_gives_the_graph_step_bits(gpu_setup, gpu_graph_run, variant):
     (st_a, outs_a), (st_b, outs_b, step) = gpu_graph_run, _graph_run(gpu_setup, **SAME_BITS[variant])
     assert step.use_graphs == (variant != "eager")
-    if variant == "mla_pdl":    # it runs: some layer launches its MLA by PDL in some bucket
-        assert any(a.takes_mla_pdl(b) for a in step.layers.values() for b in step.buckets)
     _assert_same_run(st_a, st_b, outs_a, outs_b)
 
 

@@ -7,7 +7,6 @@ the reference, or between a row alone and among others, is a bug.
 """
 
 import dataclasses
-import re
 
 import pytest
 import torch
@@ -348,48 +347,6 @@ def test_pdl_launch_prefills_the_weight_before_its_wait(op, spec, bt):
     assert ops.get("ACQBULK", 0) == 2, ops
     plain, pdl = sm90.resources(kernels[False]), sm90.resources(kernels[True])
     assert pdl["LOCAL"] == plain["LOCAL"] == 0 and pdl["STACK"] <= plain["STACK"] + 16, (plain, pdl)
-
-
-@pytest.mark.parametrize("op,spec,bt", [("fma", "2:2:1:4", 1), ("mm", "f16d:128:16:1:32:4:1", 16)],
-                         ids=["fma-1-2-rows", "f16d-3-16-rows"])
-def test_release_follows_the_wait(op, spec, bt):
-    """`ExactLinear(..., pdl=True, release=True)` (the step's wq_b with `mla_pdl`), compiled for sm_90
-    in wq_b's plan configurations at 1-16 rows with the RoPE epilogue: one
-    griddepcontrol.launch_dependents, after the program's griddepcontrol.wait (the next kernel may
-    read what completed before this one only once this one's wait has returned); launched plainly,
-    the release alone, before any global access."""
-    from dsv41_decode.ops import exact_linear as EL, gluon_exact_fma as F, gluon_exact_mm as E
-    from dsv41_decode.testing import sm90
-    rope = sm90.rope_epilogue(True)
-    for pdl in (False, True):
-        consts = {**rope["consts"], "PDL": pdl, "RELEASE": True}
-        if op == "fma":
-            cfg = EL._fma_cfg(spec)
-            kernel = sm90.compile_linear(F._gluon_exact_fma_kernel, F.launch_options(cfg, 1), [cfg.block_n, F.BLOCK_K],
-                                         [bt, F.BLOCK_K], False, rope["types"], consts)
-        else:
-            cfg = EL._cfg(spec)
-            kernel = sm90.compile_linear(E._gluon_exact_mm_kernel, E.launch_options(cfg, bt, 1),
-                                         [cfg.block_n, cfg.block_k], [bt, cfg.block_k], False, rope["types"], consts)
-        body = kernel.asm["ptx"][kernel.asm["ptx"].index(".entry"):]
-        assert body.count("griddepcontrol.launch_dependents") == 1
-        release = body.index("griddepcontrol.launch_dependents")
-        if pdl:
-            assert 0 <= body.find("griddepcontrol.wait") < release
-        else:
-            assert "griddepcontrol.wait" not in body
-            assert not re.findall(r"\b(?:ld|st)\.global|\batom\.|cp\.async\.bulk\.tensor", body[:release])
-        assert sm90.resources(kernel)["LOCAL"] == 0
-
-
-def test_release_needs_a_gluon_op():
-    """`ExactLinear(..., release=True)` where the call's op is ExactMM: a ValueError naming release."""
-    gen = _gen(9)
-    _, _, codes, x_scale, weight, w_scale = linear_operands(gen, 2, 256, 512, "cpu")
-    linear = ExactLinear(weight, w_scale)
-    assert not linear.takes_release(2)
-    with pytest.raises(ValueError, match="release"):
-        linear(codes, x_scale, release=True)
 
 
 def test_pdl_prologue_sees_a_dependent_access_before_the_wait():

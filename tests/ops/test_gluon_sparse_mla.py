@@ -17,8 +17,6 @@ elements bitwise, and nearer the contract's 64-key blocks than other block sizes
 on random inputs the flip bound (`check_bound`).
 """
 
-import re
-from collections import Counter
 from dataclasses import replace
 
 import pytest
@@ -41,7 +39,7 @@ SMEM_LIMIT = 227 * 1024
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _compile(heads, w, k, config, release=False, pdl=False):
+def _compile(heads, w, k, config, release=False):
     p = G.GluonSparseMlaPlan.build(1, heads, w, k, "cpu").base
     consts = {"W": w, "W_P2": 1 << (w - 1).bit_length(), "KC": k, "NB": p.n_blocks,
               "NB_P2": max(2, 1 << (p.n_blocks - 1).bit_length()), "PH": p.block_h,
@@ -50,7 +48,7 @@ def _compile(heads, w, k, config, release=False, pdl=False):
               "VALUES": config.lookback == "values", "TICKET": config.combine != "spread",
               "PV_PIPELINE": config.pv_pipeline,
               "FP4_LUT": config.fp4_lut,
-              "PHASES": config.phases, "RELEASE": release, "PDL": pdl}
+              "PHASES": config.phases, "RELEASE": release}
     regs = {} if config.maxnreg is None else {"maxnreg": config.maxnreg}
     return sm90.compile_sm90(G._gluon_sparse_mla_kernel, _TYPES, consts, num_warps=G.NUM_WARPS, **regs)
 
@@ -150,34 +148,6 @@ def test_release_lets_the_next_kernel_launch_at_the_programs_start():
         if release:
             first_global = next(i for i, line in enumerate(ptx) if "ld.global" in line or "atom.global" in line)
             assert marks[0] < first_global, (marks, first_global)
-
-
-@pytest.mark.parametrize("config", [SPLIT4SVL, SPLIT2SVLC, SPREADVLC], ids=["split4svl", "split2svlc", "spreadvlc"])
-def test_launch_by_pdl_reads_q_only_after_its_wait(config):
-    """`gluon_sparse_mla_(pdl=True, release=True)` (the step's `mla_pdl`, at its 1-12-row configurations):
-    before its one griddepcontrol.wait the tables' and the records' loads and nothing else (no store,
-    no atomic, none of q's loads: q's 16-byte loads all come after it), then one launch_dependents
-    after the wait; the 1-2-row configuration without a spill (at a cap of 128 the others keep at
-    most one 8-byte spill slot)."""
-    plain, early = _compile(64, 128, 512, config, release=True), _compile(64, 128, 512, config, release=True, pdl=True)
-    assert G.takes_pdl(config)
-    ptx = early.asm["ptx"]
-    body = ptx[ptx.index(".entry"):]
-    wait = body.index("griddepcontrol.wait")
-    assert body.count("griddepcontrol.wait") == 1
-    assert body.count("griddepcontrol.launch_dependents") == 1 and body.index("griddepcontrol.launch_dependents") > wait
-    before = body[:wait]
-    assert not re.findall(r"\bst\.global|\batom\.|\bred\.", before)
-    # the same loads as the plain launch's, moved: q's [64, 512] BF16 (64 KB, 16-byte loads of 256
-    # threads: 16 a thread, `ld.global.v4.b32` as the window codes' are) after the wait, the tables'
-    # and the records' before it
-    loads = lambda text: Counter(re.findall(r"ld\.global\S*", text))
-    pbody = plain.asm["ptx"][plain.asm["ptx"].index(".entry"):]
-    assert loads(body) == loads(pbody)
-    q_loads = 64 * 512 * 2 // (G.NUM_WARPS * 32 * 16)
-    assert loads(before)["ld.global.v4.b32"] == loads(pbody)["ld.global.v4.b32"] - q_loads == 20, loads(before)
-    res = sm90.resources(early)
-    assert res["LOCAL"] == 0 and (res["STACK"] == 0 if config is SPLIT4SVL else res["STACK"] <= 8), res
 
 
 def test_plan_is_one_head_group_of_the_real_heads():
@@ -434,42 +404,6 @@ def test_gpu_every_config_gives_the_same_bits(h, n):
             assert torch.equal(out, outs[0]), (config, int((ulps(out, outs[0]) > 0).sum()))
     torch.cuda.synchronize()
     assert all(workspace_is_clear(plan) for plan in plans)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("n", [1, 2, 4, 8, 12])
-def test_gpu_launch_by_pdl_after_the_linear_that_writes_q(n):
-    # The step's `mla_pdl`: wq_b (an ExactLinear at V4.1-Flash's 32768 x 1280, in its Gluon op at n
-    # rows) writes q and releases the next kernel after its own wait, and the step's MLA at n rows,
-    # launched by PDL, reads its tables and records meanwhile and q after its wait: the bits of the
-    # plain launches, in each of 8 rounds that start from q and o poisoned with NaN (a read of q
-    # before the linear's stores end would give NaN or other bits).
-    from helpers import linear_operands
-
-    from dsv41_decode.ops.exact_linear import ExactLinear
-    h, w, k = 64, 128, 512
-    plan = step_plan(n, h, w, k)
-    assert G.takes_pdl(plan.config)
-    _, _, codes, x_scale, weight, w_scale = linear_operands(torch.Generator().manual_seed(n), n, h * D, 1280)
-    linear = ExactLinear(weight, w_scale, 16)
-    if not linear.takes_release(n):
-        pytest.skip(f"wq_b's op at {n} rows is ExactMM on this GPU")
-    _, *operands = make_case(n, h, w, k, seed=300 + n, window_fill=gpu_tables(n), **GPU_POOLS)
-    q = torch.empty(n, h, D, dtype=torch.bfloat16, device="cuda")
-
-    def launches(early: bool) -> torch.Tensor:
-        q.fill_(float("nan"))
-        out = torch.full_like(q, float("nan"))
-        linear(codes, x_scale, q.view(n, -1), release=early)
-        G.gluon_sparse_mla_(plan, q, *operands, SCALE, out, release=early, pdl=early)
-        return out
-
-    plain = launches(False)
-    assert bool(plain.isfinite().all())
-    for i in range(8):
-        assert torch.equal(launches(True), plain), i
-    torch.cuda.synchronize()
-    assert workspace_is_clear(plan)
 
 
 @pytest.mark.gpu
