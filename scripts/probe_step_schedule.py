@@ -73,14 +73,6 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
                     bucket (`attention.QKV_PDL_MAX_ROWS` = 64, not 2); the same bits
     topk_pdl        the indexer layers' top-k (its linked path's kernels after the scorer) launched by
                     PDL (`topk_ascending_(pdl=True)`, the index lane's chain); the same bits
-    mla_release_decoded  the sparse MLA's spread launch (1-12 rows at 64 heads) releasing wo_a only once
-                    its programs have gathered and decoded their records, not at their start
-                    (`gluon_sparse_mla_(release_decoded=True)`: wo_a's weight stream then does not
-                    queue ahead of the gathers); the same bits
-    wo_a_l2         wo_a's programs launched by PDL also asking L2 for the next --wo-a-l2-steps
-                    (default 10) 64-channel steps of their weight rows before their wait
-                    (`gluon_wo_a_(l2_steps=)`); the same bits
-    mla_decoded_wo_a_l2  both
     no_norm_pdl     the q/kv norm pair launched plainly, not by PDL after the fused wq_a|wkv GEMM
                     (`DecodeStep(norm_pdl=False)`); the same bits
     no_boundary_pdl the mHC boundary's own launch plainly, not by PDL after wo_b
@@ -252,36 +244,6 @@ def _topk_pdl(step):
     return _swap([(attention_mod, "topk_ascending_", functools.partial(topk.topk_ascending_, pdl=True))])
 
 
-def _mla_release_decoded(step):
-    """Patch the step's sparse MLA launches: where one releases wo_a, only once its programs have
-    decoded their records (`gluon_sparse_mla_(release_decoded=True)`); returns the undo."""
-    launch = attention_mod.sparse_mla_launch
-
-    def late(plan, *args, **kwargs):
-        launch(plan, *args, **(dict(kwargs, release_decoded=True) if kwargs.get("release") else kwargs))
-    return _swap([(attention_mod, "sparse_mla_launch", late)])
-
-
-def _wo_a_l2(step):
-    """Patch the step's Gluon wo_a launches by PDL: each program also asks L2 for the next
-    --wo-a-l2-steps (default 10) 64-channel steps of its weight rows before its wait
-    (`gluon_wo_a_(l2_steps=)`); returns the undo."""
-    steps = int(arg("wo-a-l2-steps", "10"))
-    launch = attention_mod.wo_a_launch
-
-    def ahead(plan, *args, **kwargs):
-        launch(plan, *args, **(dict(kwargs, l2_steps=steps) if kwargs.get("pdl") else kwargs))
-    return _swap([(attention_mod, "wo_a_launch", ahead)])
-
-
-def _both(*patches):
-    """The patches applied together; the undo undoes them in reverse order."""
-    def patch(step):
-        undos = [p(step) for p in patches]
-        return lambda: [u() for u in reversed(undos)]
-    return patch
-
-
 def _layer_flag(attr: str, value: bool):
     """A patch setting every layer's `attr` (an `AttentionStep` schedule flag) to value; the undo
     restores each layer's setting as the step was built."""
@@ -376,8 +338,6 @@ PATCHES = {
                                            if layer.spec.runs_indexer]),
     "no_qkv_pdl": _layer_flag("qkv_pdl", False),
     "qkv_pdl_all": lambda step: _swap([(attention_mod, "QKV_PDL_MAX_ROWS", 64)]), "topk_pdl": _topk_pdl,
-    "mla_release_decoded": _mla_release_decoded, "wo_a_l2": _wo_a_l2,
-    "mla_decoded_wo_a_l2": _both(_mla_release_decoded, _wo_a_l2),
     "no_norm_pdl": _layer_flag("norm_pdl", False), "no_boundary_pdl": lambda step: _swap([(step, "boundary_pdl", False)]),
     "skip_pair": _skip(attention_mod, "rms_norm_pair_"), "skip_boundary": _skip(BoundaryOperands, "launch"),
     "skip_mixer": _skip(boundary_mod, "hc_mix_"), "skip_mla": _skip(attention_mod, "sparse_mla_launch"),

@@ -223,7 +223,7 @@ def _gluon_sparse_mla_kernel(
     TICKET: gl.constexpr = True, PV_PIPELINE: gl.constexpr = False,
     FP4_LUT: gl.constexpr = False,
     PHASES: gl.constexpr = False, P_OUT: gl.constexpr = False, K_BUFFERS: gl.constexpr = 4,
-    Q_TMA: gl.constexpr = False, RELEASE: gl.constexpr = False, RELEASE_DECODED: gl.constexpr = False,
+    Q_TMA: gl.constexpr = False, RELEASE: gl.constexpr = False,
 ):
     # Workspaces (`SparseMlaPlan` with one head group of PH = block_h heads): acc [N, NB, PH, 512],
     # ml [N, NB, 3, PH] (max, sum, valid-key count), block_max [N, NB, PH], flags [N, NB] (here a
@@ -237,11 +237,10 @@ def _gluon_sparse_mla_kernel(
     NCP: gl.constexpr = NC // DSPLIT        # the 128-dim chunks of P.V and of the partial a program does
     gl.static_assert(Q_BUFFERS == NC or Q_BUFFERS == 2)
     gl.static_assert(DSPLIT == 1 or DSPLIT == 2 or DSPLIT == 4)
-    if P_OUT or (RELEASE and not RELEASE_DECODED):
+    if P_OUT or RELEASE:
         # the second launch, where launched with PDL (`GluonSparseMlaConfig.pv_pdl`), or (RELEASE)
         # the kernel after this one, where launched with PDL (`gluon_wo_a_(pdl=True)`), may start once
-        # every program of this one has (its reads and copies, then its wait before what this writes);
-        # with RELEASE_DECODED only once every program has its block's records decoded (below)
+        # every program of this one has (its reads and copies, then its wait before what this writes)
         gluon_launch_dependents()
     if PHASES:
         t0 = gl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l", [], dtype=gl.int64, is_pure=False, pack=1)
@@ -370,9 +369,6 @@ def _gluon_sparse_mla_kernel(
         _stamp(log_row, 4, PHASES)
         if Q_TMA:
             mbarrier.wait(q_bar.index(0), 0)
-    if RELEASE and RELEASE_DECODED:
-        # the kernel after this one starts its weight stream once this one's gathers are done
-        gluon_launch_dependents()
 
     # S = sum over the chunks in order of q_c k_c^T (with two key buffers, summed above), then
     # scaled; -inf where a key is invalid.
@@ -547,7 +543,7 @@ def _q_desc(plan: GluonSparseMlaPlan, q: torch.Tensor) -> TensorDescriptor:
 
 def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: torch.Tensor, comp_pool: torch.Tensor,
                       window_table: torch.Tensor, comp_table: torch.Tensor, sink: torch.Tensor, scale: float,
-                      out: torch.Tensor, *, release: bool = False, release_decoded: bool = False) -> None:
+                      out: torch.Tensor, *, release: bool = False) -> None:
     """`sparse_mla.sparse_mla_`'s contract and arguments (see its doc), with a `GluonSparseMlaPlan`:
     out[r, h] = sparse_attention(q[r, h], keys of row r, sink[h], scale). sm_90 only; every
     configuration gives the same bits.
@@ -556,9 +552,7 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
     program resident, or "pv"'s second launch), its programs let the next kernel on the stream start
     at their own start, if that kernel is launched by programmatic dependent launch
     (`gluon_wo_a_(pdl=True)`, which waits for this one before it reads o); a no-op otherwise. The
-    same values. release_decoded (with release, the spread launch): its programs let it start only
-    once they have gathered and decoded their block's records, so that the next kernel's weight
-    stream does not queue ahead of the gathers."""
+    same values."""
     if not isinstance(plan, GluonSparseMlaPlan):
         raise TypeError(f"plan must be a GluonSparseMlaPlan, got {type(plan).__name__}")
     base, config = plan.base, plan.config
@@ -597,9 +591,8 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
         # the kernel these arguments compile to decide (`specialization_key`: the one-row kernel's
         # registers differ from the others'); the programs then take their (row, block) from the
         # program id (TICKET off); the spread launch's kernel with its release, as launched below
-        flags = (dict(SPREAD=True, RELEASE=release, RELEASE_DECODED=release_decoded) if combine == "spread"
-                 else dict(SPREAD=False, P_OUT=True))
-        key = (combine, release and combine == "spread", release_decoded, specialization_key(args))
+        flags = dict(SPREAD=True, RELEASE=release) if combine == "spread" else dict(SPREAD=False, P_OUT=True)
+        key = (combine, release and combine == "spread", specialization_key(args))
         per_sm = plan.resident.get(key)
         if per_sm is None:
             kernel = _gluon_sparse_mla_kernel.warmup(*args, grid=(grid, ), TICKET=False, **flags, **consts)
@@ -619,6 +612,6 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
         return
     spread = combine == "spread"
     _gluon_sparse_mla_kernel[(grid, )](*args, SPREAD=spread, TICKET=not spread, RELEASE=release and spread,
-                                       RELEASE_DECODED=release_decoded, **consts)
+                                       **consts)
     if combine == "separate":
         combine_partials_(base.part_acc, base.part_ml, base.flags, sink, o16, base.heads, 1, n, nb, base.block_h)

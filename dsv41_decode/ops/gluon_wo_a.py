@@ -119,8 +119,7 @@ from .act_quant import INV_E4M3_MAX, mxfp8_quantize_tile
 from .checks import require_int
 from .common import is_sm90, num_sms, plan_workspace
 from .gluon_mm import _ring, ring_prefill, ring_producer, tma_desc
-from .pdl import (gluon_bulk_prefetch_l2, gluon_launch_dependents, launch_options as pdl_launch_options,
-                  require_supported as require_pdl)
+from .pdl import gluon_launch_dependents, launch_options as pdl_launch_options, require_supported as require_pdl
 from .rounding import ue8m0_to_fp32
 from .wo_a import GroupedShape, wo_a_args
 
@@ -415,7 +414,7 @@ def _gluon_wo_a_kernel(
     SPLIT: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr = False,
     FOLD: gl.constexpr = False, FOLD_BITS: gl.constexpr = False, QUANT: gl.constexpr = False,
     COPY_WORDS: gl.constexpr = 0, COPY_BLOCK: gl.constexpr = 1, N_TILES: gl.constexpr = 1,
-    PDL: gl.constexpr = False, RELEASE: gl.constexpr = False, w_ptr=None, stride_wn=None, L2_BYTES: gl.constexpr = 0,
+    PDL: gl.constexpr = False, RELEASE: gl.constexpr = False,
 ):
     # Grid (G*R / BN tiles, SPLIT): program (t, s) covers weight rows [t*BN, +BN) (all in group
     # g = t*BN // R) and the group's K steps [s*STEPS_PER_SPLIT, +STEPS_PER_SPLIT) of 64 channels;
@@ -439,14 +438,7 @@ def _gluon_wo_a_kernel(
 
     w_smem, x_smem, ready, empty = _ring(w_desc, x_desc, STAGES)
     if PDL:
-        # launched by PDL: the ring's first weight tiles while the sparse MLA still runs (with
-        # L2_BYTES, each weight row's next L2_BYTES past them asked of L2 too), then its wait
-        if L2_BYTES > 0:
-            pf_l: gl.constexpr = gl.BlockedLayout([1], [32], [4 * WG], [0])
-            rows = off_n + gl.arange(0, BN, layout=pf_l)
-            first = (step_lo + STAGES) * 64
-            gluon_bulk_prefetch_l2((w_ptr + rows.to(gl.int64) * stride_wn + first).to(gl.int64),
-                                   gl.full([BN], L2_BYTES, gl.int32, pf_l))
+        # launched by PDL: the ring's first weight tiles while the sparse MLA still runs, then its wait
         ring_prefill(w_desc, x_desc, w_smem, ready, off_n, step_lo, STEPS_PER_SPLIT, STAGES)
 
     if FP8 and FOLD:
@@ -775,7 +767,7 @@ def gluon_wo_a_(plan: GluonWoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: tor
                 scale: torch.Tensor | None, out: torch.Tensor, codes_out: torch.Tensor | None = None,
                 scales_out: torch.Tensor | None = None,
                 window_copy: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, *,
-                pdl: bool = False, release: bool = False, l2_steps: int = 0) -> None:
+                pdl: bool = False, release: bool = False) -> None:
     """Write z = `reference.attention.grouped_wo_a(o, cos + j sin, weight, G, 64)` into out: the
     arguments of `ops.wo_a.wo_a_` (see there), with these limits:
 
@@ -797,9 +789,6 @@ def gluon_wo_a_(plan: GluonWoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: tor
        loop, where that kernel is launched by PDL (the step's `wo_b`, `DecodeStep(wo_b_pdl=True)`;
        it waits for this one before it reads z); a no-op otherwise (and off sm_90 or in the
        interpreter, where PDL is not available: ValueError, as for pdl).
-    l2_steps (with pdl): each program also asks L2 for the next l2_steps 64-channel steps of its
-       weight rows past its ring's first slots before its wait (at most its split's remaining steps);
-       reads nothing back, the same values.
     """
     m, scale, quant, codes_out, scales_out, (cp_pool, cp_src, cp_dst, copy_words) = wo_a_args(
         plan, GluonWoAPlan, o, cos, sin, weight, scale, out, codes_out, scales_out, window_copy)
@@ -822,9 +811,6 @@ def gluon_wo_a_(plan: GluonWoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: tor
     if pdl or release:
         require_pdl(dev)
     opts = launch_options(plan, bt, pdl, release)
-    steps = min(int(l2_steps), plan.k_per_split // BLOCK_K - plan.config.stages) if pdl else 0
-    if steps > 0:
-        opts.update(w_ptr=weight, stride_wn=weight.stride(0), L2_BYTES=steps * BLOCK_K * weight.element_size())
     _gluon_wo_a_kernel[(plan.n_tiles, plan.split)](
         w_desc, x_desc, cos, sin, scale, out, plan.partials, plan.counters, codes_out, scales_out, cp_pool, cp_src,
         cp_dst, m, cos.stride(0), sin.stride(0), scale.stride(0), out.stride(0), codes_out.stride(0),

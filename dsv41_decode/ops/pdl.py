@@ -122,15 +122,6 @@ def prefetch_rows_l2(row_ptrs, nbytes, PDL: tl.constexpr, MAX_BYTES: tl.constexp
 
 
 @gluon.jit
-def gluon_bulk_prefetch_l2(addr, size):
-    """`bulk_prefetch_l2` in a Gluon kernel: ask L2 for `size` bytes (int32, a multiple of 16; none
-    when <= 0) at each 16-byte aligned int64 address `addr`. Reads nothing back, writes nothing."""
-    gl.inline_asm_elementwise("{\n\t.reg .pred p;\n\tsetp.gt.s32 p, $2, 0;\n\t"
-                              "@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;\n\t}",
-                              "=r,l,r", [addr, size], dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
 def gluon_wait():
     """`griddepcontrol.wait` in a Gluon kernel: returns once the predecessor kernel has completed and
     its memory is visible (at once where the kernel was launched without PDL)."""
