@@ -29,9 +29,6 @@ from .sparse_mla_plan import BLOCK_KEYS
 NUM_WARPS = 8
 _WARPS: gl.constexpr = gl.constexpr(NUM_WARPS)
 _KEYS: gl.constexpr = gl.constexpr(BLOCK_KEYS)
-# the records' and tables' loads ask L2 to keep their lines (their next reads: the next layers of the
-# same sources, the next step)
-_KEEP: gl.constexpr = gl.constexpr("evict_last")
 _M: gl.constexpr = gl.constexpr(64)          # the wgmma's M: the heads, padded
 _DC: gl.constexpr = gl.constexpr(128)        # dims per chunk of the keys in shared memory and of each P.V MMA
 _WREC: gl.constexpr = gl.constexpr(WINDOW_KV_BYTES)
@@ -64,14 +61,14 @@ def _load_chunk(pool_ptr, base, ok, C, WINDOW: gl.constexpr, FP4_PACKED: gl.cons
     rows = pool_ptr + base[:, None]
     okb = ok[:, None]
     if WINDOW:
-        codes = gl.load(rows + rc[None, :], mask=okb, other=0, eviction_policy=_KEEP)
-        sc = gl.load(rows + 512 + (rc // 32)[None, :], mask=okb, other=127, eviction_policy=_KEEP)
+        codes = gl.load(rows + rc[None, :], mask=okb, other=0)
+        sc = gl.load(rows + 512 + (rc // 32)[None, :], mask=okb, other=127)
     elif FP4_PACKED:
         lb: gl.constexpr = gl.BlockedLayout([1, DW // 16], [4, 8], [_WARPS, 1], [1, 0])
         rb = C * (DW // 2) + gl.arange(0, DW // 2, layout=gl.SliceLayout(0, lb))
         ok_b = gl.convert_layout(ok, gl.SliceLayout(1, lb), assert_trivial=True)[:, None]
         rows_b = pool_ptr + gl.convert_layout(base, gl.SliceLayout(1, lb), assert_trivial=True)[:, None]
-        codes = gl.load(rows_b + rb[None, :], mask=ok_b, other=0, eviction_policy=_KEEP)
+        codes = gl.load(rows_b + rb[None, :], mask=ok_b, other=0)
         if SCALE_ONCE and DW == 128:
             # one scale byte a thread and 8 code bytes (16 dims), broadcast over them: [64, DW / 16]
             # loaded, then [64, DW / 16, 8] reshaped into the codes' layout (no data moved)
@@ -80,14 +77,14 @@ def _load_chunk(pool_ptr, base, ok, C, WINDOW: gl.constexpr, FP4_PACKED: gl.cons
             rs = C * (DW // 16) + gl.arange(0, DW // 16, layout=gl.SliceLayout(0, l2))
             ok_s = gl.convert_layout(ok, gl.SliceLayout(1, l2), assert_trivial=True)[:, None]
             rows_s = pool_ptr + gl.convert_layout(base, gl.SliceLayout(1, l2), assert_trivial=True)[:, None]
-            sc1 = gl.load(rows_s + 256 + rs[None, :], mask=ok_s, other=0, eviction_policy=_KEEP)
+            sc1 = gl.load(rows_s + 256 + rs[None, :], mask=ok_s, other=0)
             sc3 = gl.broadcast(gl.expand_dims(sc1, 2), gl.zeros([_KEYS, DW // 16, 8], gl.uint8, ls))[0]
             sc = gl.convert_layout(gl.reshape(sc3, [_KEYS, DW // 2]), lb, assert_trivial=True)
         else:
-            sc = gl.load(rows_b + 256 + (rb // 8)[None, :], mask=ok_b, other=0, eviction_policy=_KEEP)
+            sc = gl.load(rows_b + 256 + (rb // 8)[None, :], mask=ok_b, other=0)
     else:
-        codes = gl.load(rows + (rc // 2)[None, :], mask=okb, other=0, eviction_policy=_KEEP)
-        sc = gl.load(rows + 256 + (rc // 16)[None, :], mask=okb, other=0, eviction_policy=_KEEP)
+        codes = gl.load(rows + (rc // 2)[None, :], mask=okb, other=0)
+        sc = gl.load(rows + 256 + (rc // 16)[None, :], mask=okb, other=0)
     return codes, sc
 
 
@@ -203,9 +200,9 @@ def _block_slots(wtab_row, ctab_row, b, nw, W: gl.constexpr, KC: gl.constexpr, l
     """Block b of the row's joined key list (window keys j < nw: window_table[W - nw + j]; then
     comp_table[j - nw]) in the 1-D `layout`: the keys' window and compressed slots (-1: none)."""
     j = b * _KEYS + gl.arange(0, _KEYS, layout=layout)
-    ws = gl.load(wtab_row + (W - nw) + j, mask=j < nw, other=-1, eviction_policy=_KEEP)
+    ws = gl.load(wtab_row + (W - nw) + j, mask=j < nw, other=-1)
     jc = j - nw
-    cs = gl.load(ctab_row + jc, mask=(jc >= 0) & (jc < KC), other=-1, eviction_policy=_KEEP)
+    cs = gl.load(ctab_row + jc, mask=(jc >= 0) & (jc < KC), other=-1)
     return ws, cs
 
 
