@@ -73,6 +73,9 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
                     bucket (`attention.QKV_PDL_MAX_ROWS` = 64, not 2); the same bits
     topk_pdl        the indexer layers' top-k (its linked path's kernels after the scorer) launched by
                     PDL (`topk_ascending_(pdl=True)`, the index lane's chain); the same bits
+    wq_b_cap112     the exact wq_b's GluonExactFMA configurations (1-2 rows) at a register cap of 112,
+    wq_b_cap96      96 or 80 instead of 128 (`GluonExactFMAConfig.maxnreg`; no spills): two of its programs
+    wq_b_cap80      then leave an SM room for the next site's mixer (at 80 three fit); the same bits
     no_norm_pdl     the q/kv norm pair launched plainly, not by PDL after the fused wq_a|wkv GEMM
                     (`DecodeStep(norm_pdl=False)`); the same bits
     no_boundary_pdl the mHC boundary's own launch plainly, not by PDL after wo_b
@@ -244,6 +247,18 @@ def _topk_pdl(step):
     return _swap([(attention_mod, "topk_ascending_", functools.partial(topk.topk_ascending_, pdl=True))])
 
 
+def _wq_b_cap(cap: int):
+    """A patch giving every layer's exact wq_b its GluonExactFMA configurations (1-2 rows) at a register
+    cap of `cap` (`GluonExactFMAConfig.maxnreg`; the same bits: no configuration changes one): at 112 or
+    less two of its programs leave an SM room for the mixer's beside them. The undo restores them."""
+    def patch(step):
+        fmas = [layer.mm_wq_b.fma for layer in step.layers.values()
+                if getattr(getattr(layer.mm_wq_b, "fma", None), "_configs", None)]
+        return _swap([(f, "_configs", [(most, dataclasses.replace(c, maxnreg=cap)) for most, c in f._configs])
+                      for f in fmas])
+    return patch
+
+
 def _layer_flag(attr: str, value: bool):
     """A patch setting every layer's `attr` (an `AttentionStep` schedule flag) to value; the undo
     restores each layer's setting as the step was built."""
@@ -338,6 +353,7 @@ PATCHES = {
                                            if layer.spec.runs_indexer]),
     "no_qkv_pdl": _layer_flag("qkv_pdl", False),
     "qkv_pdl_all": lambda step: _swap([(attention_mod, "QKV_PDL_MAX_ROWS", 64)]), "topk_pdl": _topk_pdl,
+    "wq_b_cap112": _wq_b_cap(112), "wq_b_cap96": _wq_b_cap(96), "wq_b_cap80": _wq_b_cap(80),
     "no_norm_pdl": _layer_flag("norm_pdl", False), "no_boundary_pdl": lambda step: _swap([(step, "boundary_pdl", False)]),
     "skip_pair": _skip(attention_mod, "rms_norm_pair_"), "skip_boundary": _skip(BoundaryOperands, "launch"),
     "skip_mixer": _skip(boundary_mod, "hc_mix_"), "skip_mla": _skip(attention_mod, "sparse_mla_launch"),
