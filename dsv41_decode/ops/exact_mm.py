@@ -461,7 +461,7 @@ def _exact_mm_kernel(
     else:
         k_lo = 0
         k_hi = K
-    prefetch_rows_l2(w_rows + k_lo, k_hi - k_lo, PDL, MAX_BYTES=16384)
+    prefetch_rows_l2(w_rows + k_lo, k_hi - k_lo, PDL)
     pdl_enter(PDL, RELEASE=False)
     KB = K // 32
     ws_tile = ws_ptr + pid * (ROWS * KB * BLOCK_N)                     # [ROWS, KB, BN] terms
