@@ -90,12 +90,17 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
                     needs q only after the top-k; wq_b's plan takes no split workspace at TP1)
 
     PYTHONPATH=. python scripts/probe_step_schedule.py [--variants=default,flat,...] [--rows=1,8,16,64]
-        [--timeline=DIR] [--passes=1]
+        [--timeline=DIR] [--passes=1] [--processes=1]
 
 `--passes=N` runs the list of variants N times over (each recaptured every time): a variant's
 time depends on where it runs in the process (on an H200 later recaptures have measured up to 3-7 %
-slower than their own one-replay timeline), so compare a variant with its neighbours in several
-passes, or in both orders.
+slower than their own one-replay timeline; on an H100 every variant after a process's first 3-5 %
+slower, runs EV and EX in docs/results/gpu-tests-h200.txt), so compare a variant with its neighbours
+in several passes, or in both orders. `--processes=1` runs each (pass, variant) instead in a fresh
+process of its own, the variants alternated pass by pass, each timed as its process's first step
+(on an H100 the same step in alternated processes repeated within 0.1-0.4 %, runs EW, EY and EZ);
+each child writes its 8-row output (safetensors) for the parent's bitwise comparison, its timeline
+to DIR/p<pass> with --timeline=DIR.
 
 With `--timeline=DIR` each variant also writes the chrome trace of one 1-row replay to
 DIR/<variant>.json and prints, per layer whose q/kv norm pair starts more than 1 us after the
@@ -107,6 +112,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -114,6 +122,7 @@ import triton
 import triton.language as tl
 
 from _args import arg
+from safetensors.torch import load_file, save_file
 from dsv41_decode.bench.step import output_and_times
 from dsv41_decode.bench.step_timeline import replay_kernels
 from dsv41_decode.config import ModelConfig
@@ -360,11 +369,39 @@ PATCHES = {
 }
 
 
+def _in_processes(names: list[str], passes: int) -> None:
+    """`--processes=1`: each (pass, variant) in a fresh process of this script (the other options
+    passed on; --timeline=DIR as DIR/p<pass>), its output printed as it comes, its 8-row output
+    compared bitwise with the first child's."""
+    rest = [a for a in sys.argv[1:] if not a.startswith(("--variants=", "--passes=", "--processes=", "--timeline=",
+                                                          "--out-bits="))]
+    timeline = arg("timeline", "")
+    first = None
+    with tempfile.TemporaryDirectory() as tmp:
+        for p in range(passes):
+            for name in names:
+                bits = Path(tmp) / f"{p}-{name}.safetensors"
+                extra = [f"--timeline={Path(timeline) / f'p{p}'}"] if timeline else []
+                done = subprocess.run([sys.executable, __file__, f"--variants={name}", f"--out-bits={bits}", *rest,
+                                       *extra], check=False)
+                if done.returncode:
+                    raise SystemExit(f"variant {name} (pass {p}): its process exited with {done.returncode}")
+                out = load_file(str(bits))["out"]
+                same = "-" if first is None else str(torch.equal(out, first))
+                first = out if first is None else first
+                print(f"  {name} (pass {p}, own process): 8-row output == the first process's: {same}", flush=True)
+
+
 def main() -> None:
     names = arg("variants", ",".join([*PRIORITIES, *PATCHES])).split(",")
     unknown = [v for v in names if v not in PRIORITIES and v not in PATCHES]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; known: {[*PRIORITIES, *PATCHES]}")
+    if arg("processes", "0") not in ("0", "1"):
+        raise SystemExit(f"--processes must be 0 or 1, got {arg('processes', '0')!r}")
+    if arg("processes", "0") == "1":
+        _in_processes(names, int(arg("passes", "1")))
+        return
     rows = tuple(int(r) for r in arg("rows", "1,8,16,64").split(","))
     timeline = arg("timeline", "")
     print("stream priority range (least, greatest):", torch.cuda.Stream.priority_range(), flush=True)
@@ -385,6 +422,8 @@ def main() -> None:
         step._capture()
         undo()
         out, t = output_and_times(step, rows)
+        if arg("out-bits", ""):
+            save_file({"out": out.cpu().contiguous()}, arg("out-bits", ""))
         same = "-" if first is None else str(torch.equal(out, first))
         first = out if first is None else first
         print(f"{name:14s} capture {cap:2d} lanes {aux} | " + "  ".join(f"{r}: {t[r]:8.1f}" for r in rows)
