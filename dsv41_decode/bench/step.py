@@ -131,8 +131,10 @@ def _layer_kinds(cfg: ModelConfig) -> dict[str, int]:
 # after the sparse MLA, at 1-8 rows its exact wq_b after the norm pair, its exact wo_b after wo_a's
 # main loops, at 1-2 rows its exact fused wq_a|wkv after the boundary, its norm pair after the fused
 # GEMM and its boundary's own launch after wo_b), no_wq_b_pdl, no_wo_b_pdl, no_qkv_pdl, no_norm_pdl
-# and no_boundary_pdl one of those plainly (sm_90, the same bits).
+# and no_boundary_pdl one of those plainly (sm_90, the same bits); same the default step built and
+# captured again beside the first (its ratio: the spread a variant's is to be read against).
 VARIANTS = {
+    "same": {},
     "no_overlap": dict(overlap=False),
     "wo_a_fp8": dict(wo_a_fp8=True),
     "tc_linears": dict(exact_linears=False),
