@@ -369,6 +369,16 @@ PATCHES = {
 }
 
 
+def _gpu_state() -> str:
+    """' | SM clock, temperature, power' as NVML samples them just after a variant's timing (the
+    drift of later recaptures: clocks or not), or '' where NVML is not available."""
+    try:
+        return (f" | {torch.cuda.clock_rate()} MHz, {torch.cuda.temperature()} C, "
+                f"{torch.cuda.power_draw() / 1000:.0f} W")
+    except Exception:       # no pynvml (or no NVML): the line without it
+        return ""
+
+
 def _in_processes(names: list[str], passes: int) -> None:
     """`--processes=1`: each (pass, variant) in a fresh process of this script (the other options
     passed on; --timeline=DIR as DIR/p<pass>), its output printed as it comes, its 8-row output
@@ -427,7 +437,7 @@ def main() -> None:
         same = "-" if first is None else str(torch.equal(out, first))
         first = out if first is None else first
         print(f"{name:14s} capture {cap:2d} lanes {aux} | " + "  ".join(f"{r}: {t[r]:8.1f}" for r in rows)
-              + f" us | 8-row output == first variant's: {same}", flush=True)
+              + f" us | 8-row output == first variant's: {same}{_gpu_state()}", flush=True)
         if timeline:
             bucket = step.prepare([(0, 1)], torch.randn(1, cfg.hc_mult, cfg.dim, device="cuda").bfloat16())
             Path(timeline).mkdir(parents=True, exist_ok=True)
