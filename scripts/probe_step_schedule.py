@@ -379,6 +379,11 @@ def _gpu_state() -> str:
         return ""
 
 
+def _against_first(first, out):
+    """(the first output, whether `out` is bitwise it: "-" for the first itself)."""
+    return (out, "-") if first is None else (first, str(torch.equal(out, first)))
+
+
 def _in_processes(names: list[str], passes: int) -> None:
     """`--processes=1`: each (pass, variant) in a fresh process of this script (the other options
     passed on; --timeline=DIR as DIR/p<pass>), its output printed as it comes, its 8-row output
@@ -396,9 +401,7 @@ def _in_processes(names: list[str], passes: int) -> None:
                                        *extra], check=False)
                 if done.returncode:
                     raise SystemExit(f"variant {name} (pass {p}): its process exited with {done.returncode}")
-                out = load_file(str(bits))["out"]
-                same = "-" if first is None else str(torch.equal(out, first))
-                first = out if first is None else first
+                first, same = _against_first(first, load_file(str(bits))["out"])
                 print(f"  {name} (pass {p}, own process): 8-row output == the first process's: {same}", flush=True)
 
 
@@ -407,9 +410,10 @@ def main() -> None:
     unknown = [v for v in names if v not in PRIORITIES and v not in PATCHES]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; known: {[*PRIORITIES, *PATCHES]}")
-    if arg("processes", "0") not in ("0", "1"):
-        raise SystemExit(f"--processes must be 0 or 1, got {arg('processes', '0')!r}")
-    if arg("processes", "0") == "1":
+    processes = arg("processes", "0")
+    if processes not in ("0", "1"):
+        raise SystemExit(f"--processes must be 0 or 1, got {processes!r}")
+    if processes == "1":
         _in_processes(names, int(arg("passes", "1")))
         return
     rows = tuple(int(r) for r in arg("rows", "1,8,16,64").split(","))
@@ -434,8 +438,7 @@ def main() -> None:
         out, t = output_and_times(step, rows)
         if arg("out-bits", ""):
             save_file({"out": out.cpu().contiguous()}, arg("out-bits", ""))
-        same = "-" if first is None else str(torch.equal(out, first))
-        first = out if first is None else first
+        first, same = _against_first(first, out)
         print(f"{name:14s} capture {cap:2d} lanes {aux} | " + "  ".join(f"{r}: {t[r]:8.1f}" for r in rows)
               + f" us | 8-row output == first variant's: {same}{_gpu_state()}", flush=True)
         if timeline:
