@@ -221,7 +221,12 @@ def _mhc_boundary_coresident_kernel(
     # the counter back to 0 (release) at once; the others wait for NCH or 0 (the count reached, or
     # already reset), so none has to count its leaving. A program that polls spin_limit times
     # without seeing either normalizes with r = NaN (never by design: a launch whose programs are
-    # not all resident shows as NaN in u and its blocks' scales 0xFF, not as a hang).
+    # not all resident shows as NaN in u and its blocks' scales 0xFF, not as a hang). The chunk's
+    # norm weight (constant) is asked for first: its latency passes during the chunk and the
+    # arrival instead of after the wait (loaded after the barrier and the atomics, it could not
+    # move ahead of them).
+    dw = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    w = tl.load(w_ptr + dw, mask=dw < D, other=0.0)
     n, ch, d, mask, b0, b1, b2, b3, c = _program_chunk(y_ptr, x_ptr, post_ptr, comb_ptr, pre_ptr, stride_y, stride_xn,
                                                        stride_xh, stride_post, stride_cn, stride_ci, stride_pre, D,
                                                        BLOCK_D)
@@ -239,8 +244,7 @@ def _mhc_boundary_coresident_kernel(
             polls += 1
     stuck = (seen != 0) & (seen < NCH)
     r = tl.where(stuck, float("nan"), row_inv_rms(ws_ptr + n * stride_ws, eps, D, NCH, NCH_P2))
-    w = to_f32(tl.load(w_ptr + d, mask=mask, other=0.0))
-    _store_normed(c, r, w, u_ptr + n * stride_u, codes_ptr + n * stride_codes, scales_ptr + n * stride_scales,
+    _store_normed(c, r, to_f32(w), u_ptr + n * stride_u, codes_ptr + n * stride_codes, scales_ptr + n * stride_scales,
                   ch * BLOCK_D, d, mask, D, BLOCK_D)
 
 
@@ -444,10 +448,10 @@ class MhcBoundaryPlan:
 
 def coresident_capacity(block_d: int, device: torch.device | str) -> int:
     """Programs of `_mhc_boundary_coresident_kernel` (4 warps, chunks of block_d columns) that the
-    device holds at once: its SMs x 6 at block_d 1024, 10 at 256-512, 16 below (compiled for sm_90
-    at dim 5120: 79 / 48 / 32 registers a thread at block_d 1024 / 512 / 128 and 32, the SM's 64K
-    registers the bound; 256 takes 512's bound uncompiled; tests/ops/_mhc_sm90.py checks 512)."""
-    return num_sms(device) * (6 if block_d > 512 else 10 if block_d > 128 else 16)
+    device holds at once: its SMs x 6 at block_d 1024, 9 at 512, 16 below (compiled for sm_90 at
+    dim 5120: 80 / 56 / 32 registers a thread at block_d 1024 / 512 / 256 and less, the SM's 64K
+    registers the bound; tests/ops/_mhc_sm90.py checks 512)."""
+    return num_sms(device) * (6 if block_d > 512 else 9 if block_d > 256 else 16)
 
 
 def _require_disjoint(out: torch.Tensor, out_name: str, inp: torch.Tensor, in_name: str) -> None:
