@@ -150,8 +150,21 @@ _PH_CEND: gl.constexpr = gl.constexpr(14)
 _PH_COLS: gl.constexpr = gl.constexpr(PHASE_COLS)
 
 
+@gluon.constexpr_function
+def _combine_layout(PH):
+    """The combination's [PH, 1024 / PH] layout over the program's warps: 4 values a thread."""
+    return gl.BlockedLayout([1, 4], [PH // 8, 256 // PH], [NUM_WARPS, 1], [1, 0])
+
+
 @gluon.jit
-def _combine_slice(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, r, H, stride_on, stride_oh, i0, stuck,
+def _load_sink(sink_ptr, H, PH: gl.constexpr):
+    """sink [PH] (0 past the H heads) in the combination's head slice (`_combine_slice`'s sink)."""
+    hd = gl.arange(0, PH, layout=gl.SliceLayout(1, _combine_layout(PH)))
+    return gl.load(sink_ptr + hd, mask=hd < H, other=0.0)
+
+
+@gluon.jit
+def _combine_slice(part_acc_ptr, part_ml_ptr, sink, out_ptr, r, H, stride_on, stride_oh, i0, stuck,
                    NB: gl.constexpr, NB_P2: gl.constexpr, PH: gl.constexpr, STEP: gl.constexpr):
     """The row's NB block partials combined over the [PH, CW] dim steps i0, i0 + STEP, ... of its
     [PH, 512] output (NaN where stuck > 0), out as BF16 bits: the
@@ -162,7 +175,7 @@ def _combine_slice(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, r, H, stride_on
     at once (`.cg`: the partials from L2, where their programs just wrote them)."""
     D: gl.constexpr = 512
     CW: gl.constexpr = 1024 // PH               # [PH, CW]: 4 values a thread per block and step
-    cl: gl.constexpr = gl.BlockedLayout([1, 4], [PH // 8, 256 // PH], [_WARPS, 1], [1, 0])
+    cl: gl.constexpr = _combine_layout(PH)
     hd = gl.arange(0, PH, layout=gl.SliceLayout(1, cl))
     dd = gl.arange(0, CW, layout=gl.SliceLayout(0, cl))
     sb = gl.arange(0, NB_P2, layout=gl.SliceLayout(0, cl))
@@ -184,7 +197,6 @@ def _combine_slice(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, r, H, stride_on
     for s in gl.static_range(NB):
         l_all += l_smem.slice(s, 1, dim=1).load(cl) * f_smem.slice(s, 1, dim=1).load(cl)
     h_ok = hd < H
-    sink = gl.load(sink_ptr + hd, mask=h_ok, other=0.0)
     m_all = m_all[:, None]
     # no valid key: acc is 0, o is 0
     den = gl.where(n_all[:, None] > 0, l_all + libdevice.exp(sink[:, None] - m_all), float("inf"))
@@ -255,6 +267,10 @@ def _gluon_sparse_mla_kernel(
             gl.store(ticket_ptr, 0)      # every program has its ticket: ready for the next launch
     else:
         ticket = gl.program_id(0)
+    if SPREAD:
+        # the sink (constant) asked for now: the combination reads it after the row's wait, which
+        # a load issued there could not move ahead of
+        sink = _load_sink(sink_ptr, H, PH)
     b = ticket // (N * DSPLIT)
     r = (ticket // DSPLIT) % N
     sl = ticket % DSPLIT                 # the dims of P.V and of the partial: chunks [sl NCP, sl NCP + NCP)
@@ -512,7 +528,7 @@ def _gluon_sparse_mla_kernel(
                 seen = gl.atomic_add(cnt, 0, sem="acquire", scope="gpu")
                 polls += 1
         _stamp(log_row, 8, PHASES)
-        _combine_slice(part_acc_ptr, part_ml_ptr, sink_ptr, out_ptr, r, H, stride_on, stride_oh,
+        _combine_slice(part_acc_ptr, part_ml_ptr, sink, out_ptr, r, H, stride_on, stride_oh,
                        b * DSPLIT + sl, (polls >= _SPIN_LIMIT).to(gl.int32), NB, NB_P2, PH, P)
         _stamp(log_row, 9, PHASES)
     if PHASES:
