@@ -111,6 +111,8 @@ class StepMeta:
         self._use_freqs = torch.stack([rope_freqs(cfg, r) for _, r, _ in uses]).to(dev)      # [K, half]
         self._use_offset = torch.tensor([off for _, _, off in uses], dtype=torch.int64, device=dev)
         self._cs = torch.zeros(2, len(uses), max_rows, half, device=dev)
+        self._angles = torch.zeros(len(uses), max_rows, half, device=dev)      # written by the table kernel
+        self._ones = torch.ones(len(uses), max_rows, half, device=dev)         # polar()'s magnitudes
         self.cos, self.sin, self.group_cos, self.group_sin = {}, {}, {}, {}
         for k, (what, r, _) in enumerate(uses):
             cos, sin = (self.cos, self.sin) if what == "pos" else (self.group_cos, self.group_sin)
@@ -134,17 +136,17 @@ class StepMeta:
         self._upload.copy_(self.record, host_record(step, self.max_rows))
 
     def derive(self, rows: int) -> None:
-        """Fill the derived buffers of the first `rows` rows from `record`: one table kernel and one
-        batched RoPE (device ops only; `derive_reference` is the readable form)."""
+        """Fill the derived buffers of the first `rows` rows from `record`: one table kernel (with
+        the RoPE angles) and one batched polar() and its copy into the cos/sin planes (device ops
+        only; `derive_reference` is the readable form)."""
         st = self.state
+        # the table kernel writes the angles with the same FP32 cast and products as
+        # reference.rope.rope_cis; the same polar() then, for every use at once
         step_rows_(self.record[:, :rows], self.cfg.window_size, st.stage_base,
                    [(r, st.block_table[r]) for r in self._ratios], st.page_size, self.window_table[:rows],
                    self.stage_slot[:rows], self.ring_dst[:rows], self.kernel_slot[:rows], self._nvis,
-                   self._entry, ring=st.ring_size)
-        # the same FP32 products and polar() as reference.rope.rope_cis, for every use at once
-        p = (self.record[1, :rows][None, :] + self._use_offset[:, None]).clamp(min=0)       # [K, rows]
-        angles = p.to(torch.float32)[:, :, None] * self._use_freqs[:, None, :]              # [K, rows, half]
-        cis = torch.polar(torch.ones_like(angles), angles)
+                   self._entry, ring=st.ring_size, rope=(self._use_offset, self._use_freqs, self._angles))
+        cis = torch.polar(self._ones[:, :rows], self._angles[:, :rows])
         self._cs[:, :, :rows] = torch.view_as_real(cis).permute(3, 0, 1, 2)
 
     def derive_reference(self, rows: int) -> dict[str, torch.Tensor]:

@@ -134,7 +134,9 @@ def _ratio_rows(pos, slot, live, r, bt_ptr, stride_bt, cols, nvis_ptr, entry_ptr
 @triton.jit
 def _step_rows_kernel(rec_ptr, stride_rec, wt_ptr, stride_wt, stage_ptr, ring_ptr, kslot_ptr,
                       bt1_ptr, stride_bt1, cols1, r1, bt2_ptr, stride_bt2, cols2, r2, nvis_ptr, entry_ptr, stride_nr,
-                      stage_base, M, W: tl.constexpr, BLOCK_W: tl.constexpr, PAGE: tl.constexpr, NR: tl.constexpr):
+                      stage_base, M, W: tl.constexpr, BLOCK_W: tl.constexpr, PAGE: tl.constexpr, NR: tl.constexpr,
+                      off_ptr=None, freq_ptr=None, ang_ptr=None, stride_ak=None, K: tl.constexpr = 0,
+                      HALF: tl.constexpr = 1):
     i = tl.program_id(0)
     slot = tl.load(rec_ptr + i)
     pos = tl.load(rec_ptr + stride_rec + i)
@@ -157,12 +159,20 @@ def _step_rows_kernel(rec_ptr, stride_rec, wt_ptr, stride_wt, stage_ptr, ring_pt
     if NR >= 2:
         _ratio_rows(pos, slot, live, r2, bt2_ptr, stride_bt2, cols2, nvis_ptr + stride_nr + i,
                     entry_ptr + stride_nr + i, PAGE)
+    if K > 0:
+        # the RoPE angles of the row's K uses: FP32(max(pos + offset, 0)) * freqs (the conversion
+        # rounds to nearest, the product once: torch's cast and multiply)
+        h = tl.arange(0, HALF)
+        for u in tl.static_range(K):
+            p = tl.maximum(pos + tl.load(off_ptr + u), 0).to(tl.float32)
+            tl.store(ang_ptr + u * stride_ak + i * HALF + h, p * tl.load(freq_ptr + u * HALF + h))
 
 
 def step_rows_(record: torch.Tensor, window: int, stage_base: int, block_tables: list[tuple[int, torch.Tensor]],
                page_size: int, window_table: torch.Tensor, stage_slot: torch.Tensor, ring_dst: torch.Tensor,
                kernel_slot: torch.Tensor, n_vis: torch.Tensor, entry_slot: torch.Tensor,
-               ring: int | None = None) -> None:
+               ring: int | None = None,
+               rope: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """A decode step's per-row tables from its rows' record, one launch (`decode.tables.StepMeta`).
 
     record: int64 [5, N] rows (request slot or -1 for padding, position or -1, the request's first
@@ -178,6 +188,10 @@ def step_rows_(record: torch.Tensor, window: int, stage_base: int, block_tables:
       replaces: p <= last - M); kernel_slot [N] int64 (slot, 0 for padding); per ratio k: n_vis[k] int32
       ((p + 1) // r, 0 for padding) and entry_slot[k] int64 (the global slot of the entry the row
       completes, -1 if none or its page is unallocated). n_vis, entry_slot: [len(block_tables), >= N].
+    rope: optionally (offsets int64 [K], freqs FP32 [K, half], angles FP32 [K, >= N, half] with unit
+      strides but along K): angles[u, i] = FP32(max(position_i + offsets[u], 0)) * freqs[u] for the N
+      rows (padding rows: position -1), torch's cast and product (the RoPE rotations' angles,
+      `decode.tables.StepMeta`; half a power of two).
     """
     if require_ndim(record, "record", "[5, N]")[0] != 5:
         raise ValueError(f"record must be a [5, N] tensor, got {record.shape}")
@@ -211,6 +225,19 @@ def step_rows_(record: torch.Tensor, window: int, stage_base: int, block_tables:
         if not isinstance(bt, torch.Tensor) or bt.dim() != 2 or bt.shape[1] == 0:
             raise ValueError(f"block table of ratio {r} must be a 2-D int32 tensor with at least one column")
         require_tensor(bt, f"block table of ratio {r}", torch.int32, tuple(bt.shape), dev)
+    angles = {}
+    if rope is not None:
+        offsets, freqs, ang = rope
+        k = require_ndim(offsets, "rope offsets", "[K]")[0]
+        require_tensor(offsets, "rope offsets", torch.int64, (k,), dev)
+        half = require_ndim(freqs, "rope freqs", "[K, half]")[1]
+        require_tensor(freqs, "rope freqs", torch.float32, (k, half), dev)
+        require_tensor(ang, "rope angles", torch.float32, (k, None, half), dev)
+        if half & (half - 1) or ang.shape[1] < n or freqs.stride(1) != 1 or freqs.stride(0) != half \
+                or ang.stride(2) != 1 or ang.stride(1) != half:
+            raise ValueError(f"rope: freqs [K, half] and angles [K, >= {n}, half] need half a power of two and unit "
+                             f"strides but along K")
+        angles = dict(off_ptr=offsets, freq_ptr=freqs, ang_ptr=ang, stride_ak=ang.stride(0), K=k, HALF=half)
     if n == 0:
         return
     bts = list(block_tables) + [(1, window_table)] * (2 - nr)    # unused slots: any int32 tensor
@@ -219,4 +246,4 @@ def step_rows_(record: torch.Tensor, window: int, stage_base: int, block_tables:
         record, record.stride(0), window_table, window_table.stride(0), stage_slot, ring_dst, kernel_slot,
         bt1, bt1.stride(0), bt1.shape[1], r1, bt2, bt2.stride(0), bt2.shape[1], r2,
         n_vis, entry_slot, n_vis.stride(0) if nr else 0, stage_base, ring,
-        W=window, BLOCK_W=triton.next_power_of_2(window), PAGE=page_size, NR=nr)
+        W=window, BLOCK_W=triton.next_power_of_2(window), PAGE=page_size, NR=nr, **angles)

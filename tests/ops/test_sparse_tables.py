@@ -122,3 +122,31 @@ def test_step_rows_refuses_a_block_table_without_columns():
         step_rows_(record, w, 8, [(1, torch.empty(2, 0, dtype=torch.int32))], 4, *tables, n_vis, entry)
     step_rows_(record, w, 8, [(1, torch.zeros(2, 3, dtype=torch.int32))], 4, *tables, n_vis, entry)   # one column is enough
     assert n_vis[0].tolist() == [6, 7]
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_step_rows_rope_angles_are_torchs_cast_and_product(device):
+    """`step_rows_(rope=(offsets, freqs, angles))`: angles[u, i] = FP32(max(pos_i + offsets[u], 0)) *
+    freqs[u], bitwise torch's cast and product (as `reference.rope.rope_cis` computes them), for positions up
+    to past 2^24 (where the cast rounds to nearest even), padding rows (-1) and offsets below 0."""
+    n, w, half = 6, 4, 32
+    pos = torch.tensor([0, 1, 4097, (1 << 20) + 3, (1 << 24) + 3, -1], dtype=torch.int64)
+    record = torch.stack([torch.where(pos >= 0, 0, -1), pos, pos.clamp(min=0), torch.zeros(n, dtype=torch.int64),
+                          pos]).to(device)
+    tables = [torch.zeros(n, w, dtype=torch.int32)] + [torch.zeros(n, dtype=torch.int64) for _ in range(3)]
+    tables = [t.to(device) for t in tables]
+    n_vis, entry = torch.zeros(1, n, dtype=torch.int32, device=device), torch.zeros(1, n, dtype=torch.int64, device=device)
+    offsets = torch.tensor([0, -1, -3], dtype=torch.int64, device=device)
+    freqs = (1.0 / (160000 ** (torch.arange(0, 2 * half, 2, dtype=torch.float32) / (2 * half)))).repeat(3, 1)
+    freqs = (freqs * torch.tensor([[1.0], [0.37], [3.1]])).to(device)
+    angles = torch.full((3, n + 2, half), float("nan"), device=device)
+    bt = [(1, torch.zeros(2, 3, dtype=torch.int32, device=device))]
+    step_rows_(record, w, 8, bt, 4, *tables, n_vis, entry, rope=(offsets, freqs, angles))
+    want = (pos.to(device)[None, :] + offsets[:, None]).clamp(min=0).to(torch.float32)[:, :, None] * freqs[:, None, :]
+    assert torch.equal(angles[:, :n], want)
+    assert bool(angles[:, n:].isnan().all())                       # rows past N untouched
+    bad = torch.zeros(3, n, 2 * half + 1, device=device)[..., :half]   # rows not half apart
+    with pytest.raises(ValueError, match="rope"):
+        step_rows_(record, w, 8, bt, 4, *tables, n_vis, entry, rope=(offsets, freqs, bad))
+    with pytest.raises(ValueError, match="rope freqs"):
+        step_rows_(record, w, 8, bt, 4, *tables, n_vis, entry, rope=(offsets, freqs[:2], angles))
