@@ -106,6 +106,9 @@ def _gluon_mla_pv_kernel(
     # until it has (at once without PDL). Without the ring the row's slots after it (sm_90 spills
     # less in that order at the 64-dim slices' cap of 80).
     gluon_wait()
+    # the sink (constant) asked for before the statistics' loads: read with them, not after them
+    ho = gl.arange(0, _M, layout=gl.SliceLayout(1, o_l))
+    sink = gl.load(sink_ptr + ho, mask=ho < H, other=0.0)
     if sl == 0:
         fw = gl.arange(0, 32, layout=gl.SliceLayout(1, ld))
         for w0 in range(0, NB, 32):
@@ -114,7 +117,6 @@ def _gluon_mla_pv_kernel(
     # The row's statistics per head (the combination's): the max over the blocks and the valid-key
     # count (exact in any order), each block's factor exp(m_b - m_all), the sums rescaled and added
     # in block order, the denominator with the sink.
-    ho = gl.arange(0, _M, layout=gl.SliceLayout(1, o_l))
     h_st = ho < PH
     ml = part_ml_ptr + tile * (3 * PH) + ho
     m_all = gl.full([_M], -1e30, gl.float32, gl.SliceLayout(1, o_l))
@@ -133,7 +135,6 @@ def _gluon_mla_pv_kernel(
         if RING > 0:
             f_smem.index(b).store(f)
     h_ok = ho < H
-    sink = gl.load(sink_ptr + ho, mask=h_ok, other=0.0)
     den = gl.where(n_all > 0, l_all + libdevice.exp(sink - m_all), float("inf"))     # no valid key: o is 0
     if RING == 0:
         nw, w_slots, c_slots = _row_slots(wtab_ptr + r * stride_wt, ctab_ptr + r * stride_ct, W, W_P2, KC, NB, NB_P2,
