@@ -90,7 +90,7 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
                     needs q only after the top-k; wq_b's plan takes no split workspace at TP1)
 
     PYTHONPATH=. python scripts/probe_step_schedule.py [--variants=default,flat,...] [--rows=1,8,16,64]
-        [--timeline=DIR] [--passes=1] [--processes=1]
+        [--timeline=DIR] [--passes=1] [--processes=1] [--out-bits=FILE] [--out-times=FILE]
 
 `--passes=N` runs the list of variants N times over (each recaptured every time): a variant's
 time depends on where it runs in the process (on an H200 later recaptures have measured up to 3-7 %
@@ -102,6 +102,10 @@ process of its own, the variants alternated pass by pass, each timed as its proc
 each child writes its 8-row output (safetensors) for the parent's bitwise comparison, its timeline
 to DIR/p<pass> with --timeline=DIR.
 
+`--out-bits=FILE` saves the (last) variant's 8-row output (safetensors, key "out"), `--out-times=FILE`
+every variant's times as JSON, {variant: {rows: [us per pass]}} (both in one process, not with
+--processes=1): what `scripts/ab_step.py` reads from each tree's process.
+
 With `--timeline=DIR` each variant also writes the chrome trace of one 1-row replay to
 DIR/<variant>.json and prints, per layer whose q/kv norm pair starts more than 1 us after the
 kernel before it on its stream, that gap and the kernels running on other streams meanwhile.
@@ -112,6 +116,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import subprocess
 import sys
 import tempfile
@@ -414,6 +419,8 @@ def main() -> None:
     if processes not in ("0", "1"):
         raise SystemExit(f"--processes must be 0 or 1, got {processes!r}")
     if processes == "1":
+        if arg("out-times", "") or arg("out-bits", ""):
+            raise SystemExit("--out-times and --out-bits are for one process; --processes=1 compares its children itself")
         _in_processes(names, int(arg("passes", "1")))
         return
     rows = tuple(int(r) for r in arg("rows", "1,8,16,64").split(","))
@@ -425,7 +432,7 @@ def main() -> None:
     state = DecodeState(cfg, max_requests=n, max_context=32768 + 1024, page_size=64, device="cuda", max_drafts=3)
     fill_state(state, {i: 32768 for i in range(n)})
     step = stack.decode_step(state, max_rows=n, buckets=tuple(sorted(set(rows) | {8})))
-    first = None
+    first, times = None, {}
     for name in names * int(arg("passes", "1")):
         cap, aux = PRIORITIES.get(name, DEFAULT_PRIORITIES)
         step.lanes._aux = [torch.cuda.Stream("cuda", priority=p) for p in aux + (aux[2],)]   # weights: index's
@@ -438,6 +445,10 @@ def main() -> None:
         out, t = output_and_times(step, rows)
         if arg("out-bits", ""):
             save_file({"out": out.cpu().contiguous()}, arg("out-bits", ""))
+        for r in rows:
+            times.setdefault(name, {}).setdefault(str(r), []).append(round(t[r], 2))
+        if arg("out-times", ""):
+            Path(arg("out-times", "")).write_text(json.dumps(times, indent=1) + "\n")
         first, same = _against_first(first, out)
         print(f"{name:14s} capture {cap:2d} lanes {aux} | " + "  ".join(f"{r}: {t[r]:8.1f}" for r in rows)
               + f" us | 8-row output == first variant's: {same}{_gpu_state()}", flush=True)
