@@ -88,6 +88,9 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
                     priority, joined before the sparse MLA (there the main stream's scores wait
                     for wq_b by stream order and the index query for its SMs, while the sparse MLA
                     needs q only after the top-k; wq_b's plan takes no split workspace at TP1)
+    wq_b_slack_cap96 wq_b_slack with wq_b_cap96 or wq_b_cap80: the indexer chain's kernels on the
+    wq_b_slack_cap80 main stream find room beside wq_b's capped programs instead of waiting for them
+                    to exit (1-2 rows); the same bits
 
     PYTHONPATH=. python scripts/probe_step_schedule.py [--variants=default,flat,...] [--rows=1,8,16,64]
         [--timeline=DIR] [--passes=1] [--processes=1] [--out-bits=FILE] [--out-times=FILE]
@@ -213,6 +216,18 @@ def _wq_b_slack(step):
         return attend(self, B, events)
 
     return _swap(changes + [(attention_mod.AttentionStep, "_attend", attend_after)])
+
+
+def _together(*patches):
+    """A patch applying each of `patches` in order; its undo undoes them in reverse."""
+    def patch(step):
+        undos = [p(step) for p in patches]
+
+        def undo():
+            for u in reversed(undos):
+                u()
+        return undo
+    return patch
 
 
 def _mix_rows(rows: int):
@@ -368,6 +383,7 @@ PATCHES = {
     "no_qkv_pdl": _layer_flag("qkv_pdl", False),
     "qkv_pdl_all": lambda step: _swap([(attention_mod, "QKV_PDL_MAX_ROWS", 64)]), "topk_pdl": _topk_pdl,
     "wq_b_cap112": _wq_b_cap(112), "wq_b_cap96": _wq_b_cap(96), "wq_b_cap80": _wq_b_cap(80),
+    "wq_b_slack_cap96": _together(_wq_b_slack, _wq_b_cap(96)), "wq_b_slack_cap80": _together(_wq_b_slack, _wq_b_cap(80)),
     "no_norm_pdl": _layer_flag("norm_pdl", False), "no_boundary_pdl": lambda step: _swap([(step, "boundary_pdl", False)]),
     "skip_pair": _skip(attention_mod, "rms_norm_pair_"), "skip_boundary": _skip(BoundaryOperands, "launch"),
     "skip_mixer": _skip(boundary_mod, "hc_mix_"), "skip_mla": _skip(attention_mod, "sparse_mla_launch"),
