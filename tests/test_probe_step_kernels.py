@@ -1,0 +1,48 @@
+"""scripts/probe_step_kernels.py's per-layer table (`--layers`), on a synthetic profiler trace: the
+layers cut at their boundary kernels, grouped by whether they score the indexer, each kernel's
+median start, end and duration from its layer's boundary."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import probe_step_kernels as psk  # noqa: E402
+
+
+def _k(name, ts, dur, grid=(1, 1, 1)):
+    return {"name": name, "ts": float(ts), "dur": float(dur), "args": {"grid": list(grid)}}
+
+
+def _trace():
+    return [
+        _k("_step_rows_kernel", 0, 2),                                   # the step's head
+        _k("_mhc_boundary_kernel", 10, 8),                               # layer 1 (entry boundary)
+        _k("_exact_mm_kernel", 18, 6, (896, 1, 1)), _k("_rms_norm_pair_kernel", 24, 3, (1, 2, 1)),
+        _k("_exact_mm_kernel", 30, 10, (2560, 1, 1)),
+        _k("_mhc_boundary_coresident_kernel", 100, 4, (1, 10, 1)),       # layer 2: the indexer
+        _k("_exact_mm_kernel", 101, 9, (896, 1, 1)), _k("_gluon_index_scores_kernel", 120, 9, (1, 528, 1)),
+        _k("_lo_select_kernel", 130, 5), _k("_lo_select_kernel", 136, 4),
+        _k("_mhc_boundary_coresident_kernel", 220, 4, (1, 10, 1)),       # layer 3
+        _k("_exact_mm_kernel", 222, 8, (896, 1, 1)), _k("_rms_norm_pair_kernel", 232, 5, (1, 2, 1)),
+        _k("_exact_mm_kernel", 240, 20, (2560, 1, 1)),
+    ]
+
+
+def test_layers_are_cut_at_the_boundaries_and_grouped_by_the_indexer():
+    table = psk.layer_table(list(reversed(_trace())))           # any order: sorted by start
+    assert set(table) == {"head", "without the indexer", "with the indexer"}
+    plain, idx = table["without the indexer"], table["with the indexer"]
+    assert plain["layers"] == 2 and idx["layers"] == 1 and table["head"]["layers"] == 1
+    assert plain["span"] == pytest.approx((90 + 40) / 2)        # 10 -> 100 and 220 -> 260 (its last end)
+    assert idx["span"] == 120 and table["head"]["span"] == 10
+    qkv = plain["kernels"]["_exact_mm_kernel [896,1,1]"]
+    assert qkv == pytest.approx((5.0, 12.0, 7.0, 2))            # starts 8 / 2, ends 14 / 10, lasts 6 / 8
+    assert plain["kernels"]["_mhc_boundary_kernel [1,1,1]"][3] == 1
+    assert list(idx["kernels"])[-1] == "_lo_select_kernel [1,1,1] #2"    # in order of start; its 2nd launch
+    assert idx["kernels"]["_lo_select_kernel [1,1,1] #2"] == pytest.approx((36.0, 40.0, 4.0, 1))
+
+
+def test_a_trace_without_boundaries_gives_no_table():
+    assert psk.layer_table([_k("_step_rows_kernel", 0, 2), _k("_exact_mm_kernel", 3, 4)]) == {}
