@@ -24,16 +24,8 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import statistics
 
-
-def kernel_key(event: dict, by_grid: bool = False) -> str:
-    """A profiler kernel event's short name (templates, arguments and namespaces dropped, 48
-    characters at most), with its launch grid appended (" [x,y,z]") when by_grid."""
-    name = event["name"].replace("void ", "").replace("(anonymous namespace)::", "")
-    name = name.split("(")[0].split("<")[0][:48]
-    grid = event.get("args", {}).get("grid")
-    return f"{name} [{','.join(str(g) for g in grid)}]" if by_grid and grid else name
+from dsv41_decode.bench.step_timeline import format_layer_groups, kernel_key, layer_groups, trace_kernels
 
 
 def kernel_times(kernels: list[dict], by_grid: bool = False) -> tuple[dict[str, float], dict[str, int],
@@ -47,56 +39,6 @@ def kernel_times(kernels: list[dict], by_grid: bool = False) -> tuple[dict[str, 
         cnt[key] += 1
         per_stream[e.get("args", {}).get("stream", e.get("tid"))] += e["dur"]
     return dur, cnt, per_stream
-
-
-def layer_table(kernels: list[dict]) -> dict[str, dict]:
-    """Per group of layers ("without the indexer", "with the indexer"): the layers' count, their
-    median span (us, boundary to boundary; the last layer to its last kernel's end) and per kernel
-    key (`kernel_key` with the grid, then "#k" for its k-th launch in the layer) the medians of its
-    start, end and duration relative to the layer's boundary, over the layers where it runs, and in
-    how many it does; the keys in order of their median start. Kernels before the first boundary
-    (the step's head) go to a group "head" of one. Empty when the trace has no mhc_boundary kernel."""
-    ks = sorted(kernels, key=lambda e: e["ts"])
-    cuts = [i for i, e in enumerate(ks) if "mhc_boundary" in e["name"]]
-    if not cuts:
-        return {}
-    spans = [(0, cuts[0], "head")] if cuts[0] else []
-    for j, c in enumerate(cuts):
-        end = cuts[j + 1] if j + 1 < len(cuts) else len(ks)
-        group = "with the indexer" if any("index_scores" in e["name"] for e in ks[c:end]) else "without the indexer"
-        spans.append((c, end, group))
-    out = {}
-    for a, b, group in spans:
-        if a == b:
-            continue
-        t0 = ks[a]["ts"]
-        stop = ks[b]["ts"] if b < len(ks) else max(e["ts"] + e["dur"] for e in ks[a:b])
-        g = out.setdefault(group, {"layers": 0, "spans": [], "kernels": {}})
-        g["layers"] += 1
-        g["spans"].append(stop - t0)
-        seen = collections.Counter()
-        for e in ks[a:b]:
-            key = kernel_key(e, True)
-            seen[key] += 1
-            key = f"{key} #{seen[key]}" if seen[key] > 1 else key
-            g["kernels"].setdefault(key, []).append((e["ts"] - t0, e["ts"] + e["dur"] - t0, e["dur"]))
-    table = {}
-    for group, g in out.items():
-        rows = {k: (statistics.median(v[0] for v in vs), statistics.median(v[1] for v in vs),
-                    statistics.median(v[2] for v in vs), len(vs)) for k, vs in g["kernels"].items()}
-        table[group] = {"layers": g["layers"], "span": statistics.median(g["spans"]),
-                        "kernels": dict(sorted(rows.items(), key=lambda kv: kv[1][0]))}
-    return table
-
-
-def print_layers(table: dict[str, dict], width: int) -> None:
-    """`layer_table` as text: per group its layers and median span, then per kernel its median
-    start, end and duration (us from the layer's boundary) and the layers it runs in."""
-    for group, g in table.items():
-        print(f"{group}: {g['layers']} layer(s), median span {g['span']:.1f} us")
-        print(f"  {'kernel':{width}s} {'start':>7s} {'end':>7s} {'dur':>6s} layers")
-        for k, (t0, t1, d, n) in g["kernels"].items():
-            print(f"  {k:{width}s} {t0:7.1f} {t1:7.1f} {d:6.1f} {n:6d}")
 
 
 def print_table(table: dict[str, tuple[dict[str, float], dict[str, int]]], top: int, width: int) -> None:
@@ -126,14 +68,13 @@ def main() -> None:
     if args.layers and not args.timeline:
         ap.error("--layers reads a saved trace: give --timeline=FILE")
     if args.timeline:              # a saved Chrome trace (`bench step --out`'s timeline)
-        from dsv41_decode.bench.step_timeline import trace_kernels
         with open(args.timeline) as f:
             kernels = trace_kernels(json.load(f))
         if args.layers:
-            table = layer_table(kernels)
+            table = layer_groups(kernels)
             if not table:
                 raise SystemExit(f"{args.timeline}: no mhc_boundary kernel to cut the layers at")
-            print_layers(table, 52)
+            print("\n".join(format_layer_groups(table)))
             return
         dur, cnt, _ = kernel_times(kernels, args.by_grid)
         print_table({args.timeline.rsplit("/", 1)[-1]: (dur, cnt)}, args.top, width)

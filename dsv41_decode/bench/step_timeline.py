@@ -1,9 +1,13 @@
-"""A timeline of one decode step: a profiler trace of one CUDA-graph replay and a PNG of the kernels
-per stream around one Full layer (the side lanes overlapping the main stream)."""
+"""A timeline of one decode step: a profiler trace of one CUDA-graph replay, a PNG of the kernels
+per stream around one Full layer (the side lanes overlapping the main stream), and where each
+layer's time goes (`layer_groups`: per kernel its median start and end from the layer's boundary,
+the layers with the indexer apart)."""
 
 from __future__ import annotations
 
+import collections
 import json
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -17,6 +21,66 @@ def trace_kernels(trace: dict) -> list[dict]:
     start time."""
     return sorted((e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel" and "dur" in e),
                   key=lambda e: e["ts"])
+
+
+def kernel_key(event: dict, by_grid: bool = False) -> str:
+    """A profiler kernel event's short name (templates, arguments and namespaces dropped, 48
+    characters at most), with its launch grid appended (" [x,y,z]") when by_grid."""
+    name = event["name"].replace("void ", "").replace("(anonymous namespace)::", "")
+    name = name.split("(")[0].split("<")[0][:48]
+    grid = event.get("args", {}).get("grid")
+    return f"{name} [{','.join(str(g) for g in grid)}]" if by_grid and grid else name
+
+
+def layer_groups(kernels: list[dict]) -> dict[str, dict]:
+    """Per group of layers ("without the indexer", "with the indexer"): the layers' count, their
+    median span (us, boundary to boundary; the last layer to its last kernel's end) and per kernel
+    key (`kernel_key` with the grid, then "#k" for its k-th launch in the layer) the medians of its
+    start, end and duration relative to the layer's boundary, over the layers where it runs, and in
+    how many it does; the keys in order of their median start. Kernels before the first boundary
+    (the step's head) go to a group "head" of one. Empty when the trace has no mhc_boundary kernel."""
+    ks = sorted(kernels, key=lambda e: e["ts"])
+    cuts = [i for i, e in enumerate(ks) if "mhc_boundary" in e["name"]]
+    if not cuts:
+        return {}
+    spans = [(0, cuts[0], "head")] if cuts[0] else []
+    for j, c in enumerate(cuts):
+        end = cuts[j + 1] if j + 1 < len(cuts) else len(ks)
+        group = "with the indexer" if any("index_scores" in e["name"] for e in ks[c:end]) else "without the indexer"
+        spans.append((c, end, group))
+    out = {}
+    for a, b, group in spans:
+        if a == b:
+            continue
+        t0 = ks[a]["ts"]
+        stop = ks[b]["ts"] if b < len(ks) else max(e["ts"] + e["dur"] for e in ks[a:b])
+        g = out.setdefault(group, {"layers": 0, "spans": [], "kernels": {}})
+        g["layers"] += 1
+        g["spans"].append(stop - t0)
+        seen = collections.Counter()
+        for e in ks[a:b]:
+            key = kernel_key(e, True)
+            seen[key] += 1
+            key = f"{key} #{seen[key]}" if seen[key] > 1 else key
+            g["kernels"].setdefault(key, []).append((e["ts"] - t0, e["ts"] + e["dur"] - t0, e["dur"]))
+    table = {}
+    for group, g in out.items():
+        rows = {k: (statistics.median(v[0] for v in vs), statistics.median(v[1] for v in vs),
+                    statistics.median(v[2] for v in vs), len(vs)) for k, vs in g["kernels"].items()}
+        table[group] = {"layers": g["layers"], "span": statistics.median(g["spans"]),
+                        "kernels": dict(sorted(rows.items(), key=lambda kv: kv[1][0]))}
+    return table
+
+
+def format_layer_groups(table: dict[str, dict], width: int = 52) -> list[str]:
+    """`layer_groups` as text lines: per group its layers and median span, then per kernel its
+    median start, end and duration (us from the layer's boundary) and the layers it runs in."""
+    lines = []
+    for group, g in table.items():
+        lines.append(f"{group}: {g['layers']} layer(s), median span {g['span']:.1f} us")
+        lines.append(f"  {'kernel':{width}s} {'start':>7s} {'end':>7s} {'dur':>6s} layers")
+        lines += [f"  {k:{width}s} {t0:7.1f} {t1:7.1f} {d:6.1f} {n:6d}" for k, (t0, t1, d, n) in g["kernels"].items()]
+    return lines
 
 
 def replay_kernels(graph: torch.cuda.CUDAGraph, path: str | Path | None = None) -> list[dict]:
@@ -49,6 +113,10 @@ def write_timeline(step, bucket: int, out_dir: str, info: dict, progress=print) 
     L, streams = plot_timeline(kernels, [(i, cfg.plan[i].kind, cfg.plan[i].label) for i in step.stack.ids], info,
                                out / f"step-timeline-{slug}.png")
     progress(f"timeline: {len(kernels)} kernels, {streams} streams in layer {L}; wrote {path} and the PNG")
+    groups = layer_groups(kernels)
+    if groups:
+        progress("timeline, per layer from its mHC boundary (us, medians over the group):\n"
+                 + "\n".join(format_layer_groups(groups)))
 
 
 def _layer_ends(kernels: list[dict]) -> list[dict]:

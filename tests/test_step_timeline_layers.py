@@ -1,14 +1,11 @@
-"""scripts/probe_step_kernels.py's per-layer table (`--layers`), on a synthetic profiler trace: the
-layers cut at their boundary kernels, grouped by whether they score the indexer, each kernel's
-median start, end and duration from its layer's boundary."""
-
-import sys
-from pathlib import Path
+"""Where each layer's time goes (`bench.step_timeline.layer_groups`: `bench step`'s timeline and
+scripts/probe_step_kernels.py --layers), on a synthetic profiler trace: the layers cut at their
+boundary kernels, grouped by whether they score the indexer, each kernel's median start, end and
+duration from its layer's boundary."""
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import probe_step_kernels as psk  # noqa: E402
+from dsv41_decode.bench.step_timeline import format_layer_groups, layer_groups
 
 
 def _k(name, ts, dur, grid=(1, 1, 1)):
@@ -31,7 +28,7 @@ def _trace():
 
 
 def test_layers_are_cut_at_the_boundaries_and_grouped_by_the_indexer():
-    table = psk.layer_table(list(reversed(_trace())))           # any order: sorted by start
+    table = layer_groups(list(reversed(_trace())))           # any order: sorted by start
     assert set(table) == {"head", "without the indexer", "with the indexer"}
     plain, idx = table["without the indexer"], table["with the indexer"]
     assert plain["layers"] == 2 and idx["layers"] == 1 and table["head"]["layers"] == 1
@@ -44,5 +41,13 @@ def test_layers_are_cut_at_the_boundaries_and_grouped_by_the_indexer():
     assert idx["kernels"]["_lo_select_kernel [1,1,1] #2"] == pytest.approx((36.0, 40.0, 4.0, 1))
 
 
+def test_the_text_names_each_group_and_kernel():
+    lines = format_layer_groups(layer_groups(_trace()))
+    assert "with the indexer: 1 layer(s), median span 120.0 us" in lines
+    assert any(line.split()[:3] == ["_lo_select_kernel", "[1,1,1]", "#2"] and line.split()[-4:] == ["36.0", "40.0",
+                                                                                                      "4.0", "1"]
+               for line in lines)
+
+
 def test_a_trace_without_boundaries_gives_no_table():
-    assert psk.layer_table([_k("_step_rows_kernel", 0, 2), _k("_exact_mm_kernel", 3, 4)]) == {}
+    assert layer_groups([_k("_step_rows_kernel", 0, 2), _k("_exact_mm_kernel", 3, 4)]) == {}
