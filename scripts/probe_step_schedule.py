@@ -91,6 +91,10 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
     wq_b_slack_cap96 wq_b_slack with wq_b_cap96 or wq_b_cap80: the indexer chain's kernels on the
     wq_b_slack_cap80 main stream find room beside wq_b's capped programs instead of waiting for them
                     to exit (1-2 rows); the same bits
+    idx_gemm_first  in the layers that run the indexer, wq_b launched plainly after the index query's
+    idx_gemm_first_cap96  GEMM (an event): the GEMM alone first (4-5 us alone, ~17 beside wq_b's
+    idx_gemm_first_cap80  programs), its chain then beside wq_b, with wq_b_cap96 / 80 room for it;
+                    the same bits
 
     PYTHONPATH=. python scripts/probe_step_schedule.py [--variants=default,flat,...] [--rows=1,8,16,64]
         [--timeline=DIR] [--passes=1] [--processes=1] [--out-bits=FILE] [--out-times=FILE]
@@ -218,8 +222,33 @@ def _wq_b_slack(step):
     return _swap(changes + [(attention_mod.AttentionStep, "_attend", attend_after)])
 
 
+def _idx_gemm_first(step):
+    """Patch the step's indexer layers: wq_b waits for the index query's GEMM (an event recorded
+    after it on its lane) and launches plainly, so that the GEMM runs first, alone, and the chain
+    after it beside wq_b; returns the undo."""
+    done, changes = {}, []
+    for i, layer in step.layers.items():
+        if not layer.spec.runs_indexer:
+            continue
+
+        def idx_then_mark(*a, _plan=layer.mm_idx_wq_b, _layer=i, **k):
+            out = _plan(*a, **k)
+            done[_layer] = torch.cuda.Event()
+            done[_layer].record()
+            return out
+
+        def wq_b_after(*a, _plan=layer.mm_wq_b, _layer=i, **k):
+            k.pop("pdl", None)
+            if _layer in done:
+                torch.cuda.current_stream().wait_event(done[_layer])
+            return _plan(*a, **k)
+        changes += [(layer, "mm_idx_wq_b", idx_then_mark), (layer, "mm_wq_b", wq_b_after)]
+    return _swap(changes)
+
+
 def _together(*patches):
-    """A patch applying each of `patches` in order; its undo undoes them in reverse."""
+    """A patch applying each of `patches` in order (a register cap first, while the layers' plans
+    are their own; a patch that wraps a plan after it); its undo undoes them in reverse."""
     def patch(step):
         undos = [p(step) for p in patches]
 
@@ -383,7 +412,9 @@ PATCHES = {
     "no_qkv_pdl": _layer_flag("qkv_pdl", False),
     "qkv_pdl_all": lambda step: _swap([(attention_mod, "QKV_PDL_MAX_ROWS", 64)]), "topk_pdl": _topk_pdl,
     "wq_b_cap112": _wq_b_cap(112), "wq_b_cap96": _wq_b_cap(96), "wq_b_cap80": _wq_b_cap(80),
-    "wq_b_slack_cap96": _together(_wq_b_slack, _wq_b_cap(96)), "wq_b_slack_cap80": _together(_wq_b_slack, _wq_b_cap(80)),
+    "wq_b_slack_cap96": _together(_wq_b_cap(96), _wq_b_slack), "wq_b_slack_cap80": _together(_wq_b_cap(80), _wq_b_slack),
+    "idx_gemm_first": _idx_gemm_first, "idx_gemm_first_cap96": _together(_wq_b_cap(96), _idx_gemm_first),
+    "idx_gemm_first_cap80": _together(_wq_b_cap(80), _idx_gemm_first),
     "no_norm_pdl": _layer_flag("norm_pdl", False), "no_boundary_pdl": lambda step: _swap([(step, "boundary_pdl", False)]),
     "skip_pair": _skip(attention_mod, "rms_norm_pair_"), "skip_boundary": _skip(BoundaryOperands, "launch"),
     "skip_mixer": _skip(boundary_mod, "hc_mix_"), "skip_mla": _skip(attention_mod, "sparse_mla_launch"),
