@@ -6,13 +6,16 @@ process later recaptures drift slower (docs/step.md), and the probe's variants p
 objects, not another tree's kernels.
 
     python scripts/ab_step.py A_DIR B_DIR [--rows=1,8] [--pairs=2] [--timeline=DIR] [--out=DIR]
+        [--env-a=K=V,...] [--env-b=K=V,...]
 
 A_DIR, B_DIR: source trees, each with `dsv41_decode/` and `scripts/` (a `git worktree`, or `git
 archive REV | tar -x -C DIR`), each process run in its tree with PYTHONPATH=<tree>. Prints every
 process's probe line, then per row count the A and B times, their medians and B/A, and whether every
 output is A1's bits; writes DIR/ab.json (`--out=`, default a temporary directory, removed) and,
 with `--timeline=DIR`, the first pair's 1-row traces as DIR/A1/default.json and DIR/B1/default.json.
-Exits 1 if a process fails. On an H100 the same step in alternated processes repeated within
+`--env-a` / `--env-b` set environment variables for one side's processes only (A_DIR and B_DIR may
+then be the same tree: e.g. `--env-b=CUDA_DEVICE_MAX_CONNECTIONS=32`). Exits 1 if a process fails.
+On an H100 the same step in alternated processes repeated within
 0.1-0.4 % (`docs/results/gpu-tests-h200.txt` runs EW, EY, EZ, FA and FF).
 """
 from __future__ import annotations
@@ -35,6 +38,17 @@ def probe_command(tree: Path, tag: str, rows: str, out: Path, timeline: str) -> 
     cmd = [sys.executable, str(tree / "scripts" / "probe_step_schedule.py"), "--variants=default", f"--rows={rows}",
            f"--out-bits={out / f'{tag}.safetensors'}", f"--out-times={out / f'{tag}.json'}"]
     return cmd + ([f"--timeline={Path(timeline) / tag}"] if timeline else [])
+
+
+def env_option(value: str, name: str) -> dict[str, str]:
+    """`K=V,K2=V2` as a dict; SystemExit naming the option on an entry without "=" or a key."""
+    out = {}
+    for item in filter(None, value.split(",")):
+        key, eq, val = item.partition("=")
+        if not eq or not key:
+            raise SystemExit(f"--{name}: expected KEY=VALUE[,KEY=VALUE...], got {item!r}")
+        out[key] = val
+    return out
 
 
 def summarize(times: dict[str, dict[str, list[float]]], same: dict[str, bool]) -> tuple[list[str], dict]:
@@ -66,6 +80,7 @@ def main() -> None:
         if not (t / "scripts" / "probe_step_schedule.py").is_file() or not (t / "dsv41_decode").is_dir():
             raise SystemExit(f"{t}: not a source tree (needs dsv41_decode/ and scripts/probe_step_schedule.py)")
     rows, pairs, timeline = arg("rows", "1,8"), int(arg("pairs", "2")), arg("timeline", "")
+    envs = {"A": env_option(arg("env-a", ""), "env-a"), "B": env_option(arg("env-b", ""), "env-b")}
     if pairs < 1:
         raise SystemExit(f"--pairs must be at least 1, got {pairs}")
     with tempfile.TemporaryDirectory() as tmp:
@@ -75,8 +90,8 @@ def main() -> None:
         for i in range(1, pairs + 1):
             for side, tree in zip("AB", trees):
                 tag = f"{side}{i}"
-                print(f"=== {tag}: {tree}", flush=True)
-                env = {**os.environ, "PYTHONPATH": str(tree)}
+                print(f"=== {tag}: {tree}" + "".join(f" {k}={v}" for k, v in envs[side].items()), flush=True)
+                env = {**os.environ, "PYTHONPATH": str(tree), **envs[side]}
                 done = subprocess.run(probe_command(tree, tag, rows, out, timeline if i == 1 else ""), cwd=tree,
                                       env=env, check=False)
                 if done.returncode:
@@ -92,6 +107,7 @@ def main() -> None:
         same = {t: bool(torch.equal(load_file(str(out / f"{t}.safetensors"))["out"], first)) for t in times}
         lines, record = summarize(times, same)
         record["trees"] = {"A": str(trees[0]), "B": str(trees[1])}
+        record["env"] = envs
         (out / "ab.json").write_text(json.dumps(record, indent=1) + "\n")
         print("\n".join(lines), flush=True)
 

@@ -48,3 +48,12 @@ def test_a_directory_without_the_probe_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["ab_step.py", str(tmp_path)])
     with pytest.raises(SystemExit, match="A_DIR B_DIR"):
         ab_step.main()
+
+
+def test_env_options_parse_and_refuse_entries_without_a_key():
+    assert ab_step.env_option("CUDA_DEVICE_MAX_CONNECTIONS=32,X=", "env-b") == {"CUDA_DEVICE_MAX_CONNECTIONS": "32", "X": ""}
+    assert ab_step.env_option("", "env-a") == {}
+    with pytest.raises(SystemExit, match="--env-b: expected KEY=VALUE"):
+        ab_step.env_option("CUDA_DEVICE_MAX_CONNECTIONS", "env-b")
+    with pytest.raises(SystemExit, match="--env-a"):
+        ab_step.env_option("=3", "env-a")
