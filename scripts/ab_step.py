@@ -14,7 +14,8 @@ process's probe line, then per row count the A and B times, their medians and B/
 output is A1's bits; writes DIR/ab.json (`--out=`, default a temporary directory, removed) and,
 with `--timeline=DIR`, the first pair's 1-row traces as DIR/A1/default.json and DIR/B1/default.json.
 `--env-a` / `--env-b` set environment variables for one side's processes only (A_DIR and B_DIR may
-then be the same tree: e.g. `--env-b=CUDA_DEVICE_MAX_CONNECTIONS=32`). Exits 1 if a process fails.
+then be the same tree: e.g. `--env-b=CUDA_DEVICE_MAX_CONNECTIONS=32`; comma-separated, so a value
+cannot hold a comma). Exits 1 if a process fails.
 On an H100 the same step in alternated processes repeated within
 0.1-0.4 % (`docs/results/gpu-tests-h200.txt` runs EW, EY, EZ, FA and FF).
 """
@@ -41,7 +42,8 @@ def probe_command(tree: Path, tag: str, rows: str, out: Path, timeline: str) -> 
 
 
 def env_option(value: str, name: str) -> dict[str, str]:
-    """`K=V,K2=V2` as a dict; SystemExit naming the option on an entry without "=" or a key."""
+    """`K=V,K2=V2` as a dict (a value cannot hold a comma); SystemExit naming the option on an entry
+    without "=" or a key."""
     out = {}
     for item in filter(None, value.split(",")):
         key, eq, val = item.partition("=")
@@ -79,12 +81,13 @@ def main() -> None:
     for t in trees:
         if not (t / "scripts" / "probe_step_schedule.py").is_file() or not (t / "dsv41_decode").is_dir():
             raise SystemExit(f"{t}: not a source tree (needs dsv41_decode/ and scripts/probe_step_schedule.py)")
-    rows, pairs, timeline = arg("rows", "1,8"), int(arg("pairs", "2")), arg("timeline", "")
+    rows, pairs = arg("rows", "1,8"), int(arg("pairs", "2"))
+    timeline = str(Path(arg("timeline", "")).resolve()) if arg("timeline", "") else ""   # the children run in their trees
     envs = {"A": env_option(arg("env-a", ""), "env-a"), "B": env_option(arg("env-b", ""), "env-b")}
     if pairs < 1:
         raise SystemExit(f"--pairs must be at least 1, got {pairs}")
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(arg("out", "") or tmp)
+        out = Path(arg("out", "") or tmp).resolve()
         out.mkdir(parents=True, exist_ok=True)
         times = {}
         for i in range(1, pairs + 1):
@@ -92,6 +95,8 @@ def main() -> None:
                 tag = f"{side}{i}"
                 print(f"=== {tag}: {tree}" + "".join(f" {k}={v}" for k, v in envs[side].items()), flush=True)
                 env = {**os.environ, "PYTHONPATH": str(tree), **envs[side]}
+                for stale in (out / f"{tag}.json", out / f"{tag}.safetensors"):   # a reused --out's
+                    stale.unlink(missing_ok=True)
                 done = subprocess.run(probe_command(tree, tag, rows, out, timeline if i == 1 else ""), cwd=tree,
                                       env=env, check=False)
                 if done.returncode:

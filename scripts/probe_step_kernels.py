@@ -73,7 +73,8 @@ def main() -> None:
         if args.layers:
             table = layer_groups(kernels)
             if not table:
-                raise SystemExit(f"{args.timeline}: no mhc_boundary kernel to cut the layers at")
+                raise SystemExit(f"{args.timeline}: no mhc_boundary kernels that delimit the layers (none, or the "
+                                 f"boundary in wo_b's epilogue)")
             print("\n".join(format_layer_groups(table)))
             return
         dur, cnt, _ = kernel_times(kernels, args.by_grid)

@@ -312,6 +312,9 @@ def _wq_b_cap(cap: int):
     def patch(step):
         fmas = [layer.mm_wq_b.fma for layer in step.layers.values()
                 if getattr(getattr(layer.mm_wq_b, "fma", None), "_configs", None)]
+        if not fmas:
+            raise SystemExit(f"wq_b_cap{cap}: no layer's wq_b runs GluonExactFMA (the exact linears), or a patch "
+                             f"applied before it wrapped wq_b's plan")
         return _swap([(f, "_configs", [(most, dataclasses.replace(c, maxnreg=cap)) for most, c in f._configs])
                       for f in fmas])
     return patch
@@ -440,8 +443,7 @@ def _in_processes(names: list[str], passes: int) -> None:
     """`--processes=1`: each (pass, variant) in a fresh process of this script (the other options
     passed on; --timeline=DIR as DIR/p<pass>), its output printed as it comes, its 8-row output
     compared bitwise with the first child's."""
-    rest = [a for a in sys.argv[1:] if not a.startswith(("--variants=", "--passes=", "--processes=", "--timeline=",
-                                                          "--out-bits="))]
+    rest = [a for a in sys.argv[1:] if not a.startswith(("--variants=", "--passes=", "--processes=", "--timeline="))]
     timeline = arg("timeline", "")
     first = None
     with tempfile.TemporaryDirectory() as tmp:
@@ -467,7 +469,8 @@ def main() -> None:
         raise SystemExit(f"--processes must be 0 or 1, got {processes!r}")
     if processes == "1":
         if arg("out-times", "") or arg("out-bits", ""):
-            raise SystemExit("--out-times and --out-bits are for one process; --processes=1 compares its children itself")
+            raise SystemExit("--out-times / --out-bits write one process's results: drop them with --processes=1 "
+                             "(it compares its children's outputs itself), or run with --processes=0")
         _in_processes(names, int(arg("passes", "1")))
         return
     rows = tuple(int(r) for r in arg("rows", "1,8,16,64").split(","))

@@ -1,6 +1,8 @@
 """scripts/ab_step.py's pieces that run without a GPU: the probe's command line per process, the
-summary of the processes' times and bits, and its refusal of a directory that is not a source tree."""
+summary of the processes' times and bits, its refusals (a directory that is not a source tree, a
+malformed --env), and the probe's refusal of its one-process outputs with --processes=1."""
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -57,3 +59,12 @@ def test_env_options_parse_and_refuse_entries_without_a_key():
         ab_step.env_option("CUDA_DEVICE_MAX_CONNECTIONS", "env-b")
     with pytest.raises(SystemExit, match="--env-a"):
         ab_step.env_option("=3", "env-a")
+
+
+def test_the_probe_refuses_its_one_process_outputs_with_processes():
+    """What ab_step reads (--out-times, --out-bits) is one process's: the probe refuses them with
+    --processes=1 before it builds anything (so on the CPU too)."""
+    probe = Path(__file__).resolve().parents[1] / "scripts" / "probe_step_schedule.py"
+    done = subprocess.run([sys.executable, str(probe), "--variants=default", "--processes=1", "--out-times=t.json"],
+                          capture_output=True, text=True, cwd=probe.parents[1])
+    assert done.returncode != 0 and "--out-times / --out-bits write one process's results" in done.stderr

@@ -34,24 +34,29 @@ def kernel_key(event: dict, by_grid: bool = False) -> str:
 
 def layer_groups(kernels: list[dict]) -> dict[str, dict]:
     """Per group of layers ("without the indexer", "with the indexer"): the layers' count, their
-    median span (us, boundary to boundary; the last layer to its last kernel's end) and per kernel
-    key (`kernel_key` with the grid, then "#k" for its k-th launch in the layer) the medians of its
-    start, end and duration relative to the layer's boundary, over the layers where it runs, and in
-    how many it does; the keys in order of their median start. Kernels before the first boundary
-    (the step's head) go to a group "head" of one. Empty when the trace has no mhc_boundary kernel."""
+    median span (us, from the layer's mHC boundary - the entry boundary for the first - to the next
+    layer's) and per kernel key (`kernel_key` with the grid, then "#k" for its k-th launch in the
+    layer) the medians of its start, end and duration relative to the layer's boundary, over the
+    layers where it runs, and in how many it does; the keys in order of their median start. The
+    kernels before the first boundary (the step's head) and from the last one on (the step's last
+    boundary, to its last kernel's end) go to groups "head" and "tail" of one. Empty when the trace
+    has no mhc_boundary kernel, or when its boundaries do not delimit the layers (one `wo_a`
+    between two boundaries, none after the last: not so with the boundary in `wo_b`'s epilogue)."""
     ks = sorted(kernels, key=lambda e: e["ts"])
     cuts = [i for i, e in enumerate(ks) if "mhc_boundary" in e["name"]]
     if not cuts:
         return {}
     spans = [(0, cuts[0], "head")] if cuts[0] else []
-    for j, c in enumerate(cuts):
-        end = cuts[j + 1] if j + 1 < len(cuts) else len(ks)
+    for c, end in zip(cuts, cuts[1:]):
+        if sum("wo_a" in e["name"] for e in ks[c:end]) != 1:
+            return {}
         group = "with the indexer" if any("index_scores" in e["name"] for e in ks[c:end]) else "without the indexer"
         spans.append((c, end, group))
+    if any("wo_a" in e["name"] for e in ks[cuts[-1]:]):
+        return {}
+    spans.append((cuts[-1], len(ks), "tail"))
     out = {}
     for a, b, group in spans:
-        if a == b:
-            continue
         t0 = ks[a]["ts"]
         stop = ks[b]["ts"] if b < len(ks) else max(e["ts"] + e["dur"] for e in ks[a:b])
         g = out.setdefault(group, {"layers": 0, "spans": [], "kernels": {}})
@@ -100,7 +105,8 @@ def replay_kernels(graph: torch.cuda.CUDAGraph, path: str | Path | None = None) 
 
 def write_timeline(step, bucket: int, out_dir: str, info: dict, progress=print) -> None:
     """Profile one replay of `step.graphs[bucket]`; write `step-timeline-<gpu>.json` (chrome trace)
-    and `step-timeline-<gpu>.png` (kernels per stream during the first Full layer)."""
+    and `step-timeline-<gpu>.png` (kernels per stream during the first Full layer); print (through
+    `progress`) where each layer's time goes (`layer_groups`)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     slug = gpu_slug(info["gpu"])
