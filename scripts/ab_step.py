@@ -81,8 +81,8 @@ def main() -> None:
     for t in trees:
         if not (t / "scripts" / "probe_step_schedule.py").is_file() or not (t / "dsv41_decode").is_dir():
             raise SystemExit(f"{t}: not a source tree (needs dsv41_decode/ and scripts/probe_step_schedule.py)")
-    rows, pairs = arg("rows", "1,8"), int(arg("pairs", "2"))
-    timeline = str(Path(arg("timeline", "")).resolve()) if arg("timeline", "") else ""   # the children run in their trees
+    rows, pairs, timeline = arg("rows", "1,8"), int(arg("pairs", "2")), arg("timeline", "")
+    timeline = str(Path(timeline).resolve()) if timeline else ""      # the children run in their trees
     envs = {"A": env_option(arg("env-a", ""), "env-a"), "B": env_option(arg("env-b", ""), "env-b")}
     if pairs < 1:
         raise SystemExit(f"--pairs must be at least 1, got {pairs}")

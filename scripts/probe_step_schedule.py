@@ -464,11 +464,11 @@ def main() -> None:
     unknown = [v for v in names if v not in PRIORITIES and v not in PATCHES]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}; known: {[*PRIORITIES, *PATCHES]}")
-    processes = arg("processes", "0")
+    processes, out_bits, out_times = arg("processes", "0"), arg("out-bits", ""), arg("out-times", "")
     if processes not in ("0", "1"):
         raise SystemExit(f"--processes must be 0 or 1, got {processes!r}")
     if processes == "1":
-        if arg("out-times", "") or arg("out-bits", ""):
+        if out_times or out_bits:
             raise SystemExit("--out-times / --out-bits write one process's results: drop them with --processes=1 "
                              "(it compares its children's outputs itself), or run with --processes=0")
         _in_processes(names, int(arg("passes", "1")))
@@ -493,12 +493,12 @@ def main() -> None:
         step._capture()
         undo()
         out, t = output_and_times(step, rows)
-        if arg("out-bits", ""):
-            save_file({"out": out.cpu().contiguous()}, arg("out-bits", ""))
+        if out_bits:
+            save_file({"out": out.cpu().contiguous()}, out_bits)
         for r in rows:
             times.setdefault(name, {}).setdefault(str(r), []).append(round(t[r], 2))
-        if arg("out-times", ""):
-            Path(arg("out-times", "")).write_text(json.dumps(times, indent=1) + "\n")
+        if out_times:
+            Path(out_times).write_text(json.dumps(times, indent=1) + "\n")
         first, same = _against_first(first, out)
         print(f"{name:14s} capture {cap:2d} lanes {aux} | " + "  ".join(f"{r}: {t[r]:8.1f}" for r in rows)
               + f" us | 8-row output == first variant's: {same}{_gpu_state()}", flush=True)

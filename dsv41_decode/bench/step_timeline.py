@@ -59,8 +59,7 @@ def layer_groups(kernels: list[dict]) -> dict[str, dict]:
     for a, b, group in spans:
         t0 = ks[a]["ts"]
         stop = ks[b]["ts"] if b < len(ks) else max(e["ts"] + e["dur"] for e in ks[a:b])
-        g = out.setdefault(group, {"layers": 0, "spans": [], "kernels": {}})
-        g["layers"] += 1
+        g = out.setdefault(group, {"spans": [], "kernels": {}})
         g["spans"].append(stop - t0)
         seen = collections.Counter()
         for e in ks[a:b]:
@@ -72,7 +71,7 @@ def layer_groups(kernels: list[dict]) -> dict[str, dict]:
     for group, g in out.items():
         rows = {k: (statistics.median(v[0] for v in vs), statistics.median(v[1] for v in vs),
                     statistics.median(v[2] for v in vs), len(vs)) for k, vs in g["kernels"].items()}
-        table[group] = {"layers": g["layers"], "span": statistics.median(g["spans"]),
+        table[group] = {"layers": len(g["spans"]), "span": statistics.median(g["spans"]),
                         "kernels": dict(sorted(rows.items(), key=lambda kv: kv[1][0]))}
     return table
 
