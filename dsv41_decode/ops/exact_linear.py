@@ -103,7 +103,7 @@ _GLUON_PLAN: dict[tuple[int, int], tuple[int, dict[int, GluonExactConfig]]] = {
 # count (fused 9.6 / 11.1 at 1 / 2 rows with the split against ExactMM's 6.5 / 11.1 on the rule's
 # configuration, 9.2 on the bucket-2 entry of exact_mm_plan._TUNED, run AX; the indexer's 6.6 against 4.6).
 _FMA_PLAN: dict[tuple[int, int], tuple[int, int, GluonExactFMAConfig]] = {
-    (32768, 1280): (1, 2, _fma_cfg("2:2:1:4")),
+    (32768, 1280): (1, 2, _fma_cfg("2:2:1:4:96")),
 }
 _DEFAULT_ABOVE = 4
 
