@@ -73,9 +73,10 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
                     bucket (`attention.QKV_PDL_MAX_ROWS` = 64, not 2); the same bits
     topk_pdl        the indexer layers' top-k (its linked path's kernels after the scorer) launched by
                     PDL (`topk_ascending_(pdl=True)`, the index lane's chain); the same bits
-    wq_b_cap112     the exact wq_b's GluonExactFMA configurations (1-2 rows) at a register cap of 112,
-    wq_b_cap96      96 or 80 instead of 128 (`GluonExactFMAConfig.maxnreg`; no spills): two of its programs
-    wq_b_cap80      then leave an SM room for the next site's mixer (at 80 three fit); the same bits
+    wq_b_cap128     the exact wq_b's GluonExactFMA configurations (1-2 rows) at a register cap of 128,
+    wq_b_cap112     112 or 80 instead of the plan's 96 (`GluonExactFMAConfig.maxnreg`; no spills): two
+    wq_b_cap80      of its programs an SM at 96-128, three at 80, the rest of the SM's registers
+                    left to the kernels beside them; the same bits
     no_norm_pdl     the q/kv norm pair launched plainly, not by PDL after the fused wq_a|wkv GEMM
                     (`DecodeStep(norm_pdl=False)`); the same bits
     no_boundary_pdl the mHC boundary's own launch plainly, not by PDL after wo_b
@@ -88,13 +89,13 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
                     priority, joined before the sparse MLA (there the main stream's scores wait
                     for wq_b by stream order and the index query for its SMs, while the sparse MLA
                     needs q only after the top-k; wq_b's plan takes no split workspace at TP1)
-    wq_b_slack_cap96 wq_b_slack with wq_b_cap96 or wq_b_cap80: the indexer chain's kernels on the
-    wq_b_slack_cap80 main stream find room beside wq_b's capped programs instead of waiting for them
-                    to exit (1-2 rows); the same bits
-    idx_gemm_first  in the layers that run the indexer, wq_b launched plainly after the index query's
-    idx_gemm_first_cap96  GEMM (an event): the GEMM alone first (4-5 us alone, ~17 beside wq_b's
-    idx_gemm_first_cap80  programs), its chain then beside wq_b, with wq_b_cap96 / 80 room for it;
+    wq_b_slack_cap80 wq_b_slack with wq_b_cap80: the indexer chain's kernels on the main stream
+                    find room beside wq_b's programs instead of waiting for them to exit (1-2 rows);
                     the same bits
+    idx_gemm_first  in the layers that run the indexer, wq_b launched plainly after the index query's
+    idx_gemm_first_cap80  GEMM (an event): the GEMM alone first (4-5 us alone, ~17 beside wq_b's
+                    programs), its chain then beside wq_b, with wq_b_cap80 more room for it; the
+                    same bits
 
     PYTHONPATH=. python scripts/probe_step_schedule.py [--variants=default,flat,...] [--rows=1,8,16,64]
         [--timeline=DIR] [--passes=1] [--processes=1] [--out-bits=FILE] [--out-times=FILE]
@@ -307,8 +308,9 @@ def _topk_pdl(step):
 
 def _wq_b_cap(cap: int):
     """A patch giving every layer's exact wq_b its GluonExactFMA configurations (1-2 rows) at a register
-    cap of `cap` (`GluonExactFMAConfig.maxnreg`; the same bits: no configuration changes one): at 112 or
-    less two of its programs leave an SM room for the mixer's beside them. The undo restores them."""
+    cap of `cap` (`GluonExactFMAConfig.maxnreg`; the same bits: no configuration changes one): the
+    plan's 96 leaves a quarter of an SM's registers to the kernels beside two of its programs. The
+    undo restores them."""
     def patch(step):
         fmas = [layer.mm_wq_b.fma for layer in step.layers.values()
                 if getattr(getattr(layer.mm_wq_b, "fma", None), "_configs", None)]
@@ -414,10 +416,9 @@ PATCHES = {
                                            if layer.spec.runs_indexer]),
     "no_qkv_pdl": _layer_flag("qkv_pdl", False),
     "qkv_pdl_all": lambda step: _swap([(attention_mod, "QKV_PDL_MAX_ROWS", 64)]), "topk_pdl": _topk_pdl,
-    "wq_b_cap112": _wq_b_cap(112), "wq_b_cap96": _wq_b_cap(96), "wq_b_cap80": _wq_b_cap(80),
-    "wq_b_slack_cap96": _together(_wq_b_cap(96), _wq_b_slack), "wq_b_slack_cap80": _together(_wq_b_cap(80), _wq_b_slack),
-    "idx_gemm_first": _idx_gemm_first, "idx_gemm_first_cap96": _together(_wq_b_cap(96), _idx_gemm_first),
-    "idx_gemm_first_cap80": _together(_wq_b_cap(80), _idx_gemm_first),
+    "wq_b_cap128": _wq_b_cap(128), "wq_b_cap112": _wq_b_cap(112), "wq_b_cap80": _wq_b_cap(80),
+    "wq_b_slack_cap80": _together(_wq_b_cap(80), _wq_b_slack),
+    "idx_gemm_first": _idx_gemm_first, "idx_gemm_first_cap80": _together(_wq_b_cap(80), _idx_gemm_first),
     "no_norm_pdl": _layer_flag("norm_pdl", False), "no_boundary_pdl": lambda step: _swap([(step, "boundary_pdl", False)]),
     "skip_pair": _skip(attention_mod, "rms_norm_pair_"), "skip_boundary": _skip(BoundaryOperands, "launch"),
     "skip_mixer": _skip(boundary_mod, "hc_mix_"), "skip_mla": _skip(attention_mod, "sparse_mla_launch"),

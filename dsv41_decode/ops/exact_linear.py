@@ -102,6 +102,10 @@ _GLUON_PLAN: dict[tuple[int, int], tuple[int, dict[int, GluonExactConfig]]] = {
 # fused wq_a|wkv and the indexer's wq_b ExactMM or GluonExactMM is as fast or faster at every row
 # count (fused 9.6 / 11.1 at 1 / 2 rows with the split against ExactMM's 6.5 / 11.1 on the rule's
 # configuration, 9.2 on the bucket-2 entry of exact_mm_plan._TUNED, run AX; the indexer's 6.6 against 4.6).
+# wq_b's register cap of 96 (two programs an SM, as at 128, with a quarter of the SM's registers
+# left to the kernels beside them; sm_90: no spills, the consumer's loop at most 2.3 % longer than
+# at 128): the step 0.22 / 0.82 % faster at 1 / 2 rows, the same at 8 (H100, scripts/ab_step.py,
+# three processes a side, medians 3684.3 / 4295.5 us against 3692.4 / 4330.9 at bd26461, run FH).
 _FMA_PLAN: dict[tuple[int, int], tuple[int, int, GluonExactFMAConfig]] = {
     (32768, 1280): (1, 2, _fma_cfg("2:2:1:4:96")),
 }

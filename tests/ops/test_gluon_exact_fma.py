@@ -51,14 +51,19 @@ def _compile(config: F.GluonExactFMAConfig, bt: int, out_f32: bool, split: int =
                           [bt, F.BLOCK_K], out_f32, **rope_epilogue(rope))
 
 
+# wq_b's configuration in the step (`exact_linear._FMA_PLAN`: 2 weight rows a thread over 2 x 2
+# warps, 128-row tiles, at its register cap)
+WQ_B = _FMA_PLAN[(32768, 1280)][2]
+
 # (config, row bucket, FP32 out): the default (4 weight rows a thread, the 4 warps along K) at 1
-# and 4 rows, 2 rows a thread over 2 x 2 warps, 1 row a thread with every warp all four blocks,
-# 2 and 4 lanes a block; the K split (compiled as a plan with config.split > 1 launches it) at
-# 128-row tiles and 1 row, and at 32-row tiles, 4 rows and a cap of 80 registers (~1 s each)
+# and 4 rows, wq_b's at the 1-2 rows the step runs it, 1 row a thread with every warp all four
+# blocks, 2 and 4 lanes a block; the K split (compiled as a plan with config.split > 1 launches it)
+# at 128-row tiles and 1 row, and at 32-row tiles, 4 rows and a cap of 80 registers (~1 s each)
 COMPILE_CASES = [
     (C(), 1, False),
     (C(), 4, True),
-    (C(rows_per_thread=2, warps_k=2, stages=3), 2, False),
+    (WQ_B, 1, False),
+    (WQ_B, 2, False),
     (C(rows_per_thread=1, warps_k=1, stages=6), 2, True),
     (C(rows_per_thread=1, lanes_k=2, stages=8, maxnreg=80), 1, False),
     (C(rows_per_thread=2, lanes_k=4, maxnreg=80), 2, True),
@@ -120,10 +125,10 @@ def test_compiles_for_sm90_without_spills(config, bt, out_f32):
             assert n_loads >= 16 and all("LDG" in t for t in kinds[:n_loads]), kinds
 
 
-# The query-RoPE epilogue (wq_b): the tile of its plan (2 weight rows a thread, 2 x 2 warps: 128
-# rows; 3 stages, as COMPILE_CASES', whose plain compile it shares) at 2 rows, and the K split's
-# last arriver (4 splits, 1 row); sm_90: 128 registers each, as without it.
-ROPE_COMPILE_CASES = [(C(rows_per_thread=2, warps_k=2, stages=3), 2), (C(split=4), 1)]
+# The query-RoPE epilogue (wq_b): its plan's configuration (WQ_B, whose plain compile COMPILE_CASES
+# shares) at 2 rows, and the K split's last arriver (4 splits, 1 row); sm_90: the registers of
+# the kernel without it, within the cap.
+ROPE_COMPILE_CASES = [(WQ_B, 2), (C(split=4), 1)]
 
 
 @pytest.mark.parametrize("config,bt", ROPE_COMPILE_CASES,
