@@ -210,11 +210,19 @@ def _bench(args, console: Console) -> int:
     import torch
     if args.bench_cmd == "step":
         # the variants' names before anything else (on any machine): a typo costs no GPU time
-        from .bench.step import DEFAULT_VARIANTS, VARIANTS
+        from .bench.step import CONTEXTS, DEFAULT_VARIANTS, VARIANTS
         variants = DEFAULT_VARIANTS if args.variants is None else tuple(v for v in args.variants.split(",") if v)
         bad = [v for v in variants if v not in VARIANTS]
         if bad:
             raise UsageError(f"--variants: unknown variant {bad[0]!r}; choose from {', '.join(VARIANTS)}")
+        # the variants other than no_overlap run at the generic contexts only: named where none of
+        # those is benched, they would be dropped silently (the default ones are, as documented)
+        contexts = args.contexts or CONTEXTS
+        generic_only = [v for v in variants if v != "no_overlap"]
+        if args.tp == 1 and args.variants is not None and generic_only and not set(args.generic_contexts) & set(contexts):
+            raise UsageError(f"--variants: {generic_only[0]} runs at the --generic-contexts only "
+                             f"({','.join(map(str, args.generic_contexts))}), none of which is among the contexts "
+                             f"benched ({','.join(map(str, contexts))})")
         if args.tp > 1:
             # the TP bench times the default step (collective and fused boundary) at --rows x
             # --contexts: the single-GPU run's other options would be dropped silently

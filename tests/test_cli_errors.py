@@ -55,10 +55,14 @@ USAGE = [
     (["bench", "step", "--variants", "fuse_scales,pair_slotz"], "--variants: unknown variant 'pair_slotz'; choose from"),
     (["bench", "step", "--tp", "2", "--variants", "tc_linears"], "--variants: not taken with --tp 2"),
     (["bench", "step", "--tp", "2", "--generic-contexts", "4096"], "--generic-contexts: not taken with --tp 2"),
+    (["bench", "step", "--contexts", "32768", "--generic-contexts", "4096", "--variants", "no_overlap,same"],
+     "--variants: same runs at the --generic-contexts only (4096), none of which is among the contexts benched (32768)"),
 ]
 if not CUDA:
     USAGE += [(["demo", "--device", "cuda"], "--device cuda: CUDA is not available"),
-              (["bench", "gemm"], "bench gemm needs a CUDA GPU; none is visible")]
+              (["bench", "gemm"], "bench gemm needs a CUDA GPU; none is visible"),
+              # the default variants outside the generic contexts: dropped, no refusal
+              (["bench", "step", "--contexts", "4096"], "bench step needs a CUDA GPU; none is visible")]
 
 
 @pytest.mark.parametrize("argv,msg", USAGE, ids=[" ".join(a) for a, _ in USAGE])
