@@ -77,6 +77,10 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
     wq_b_cap112     112 or 80 instead of the plan's 96 (`GluonExactFMAConfig.maxnreg`; no spills): two
     wq_b_cap80      of its programs an SM at 96-128, three at 80, the rest of the SM's registers
                     left to the kernels beside them; the same bits
+    wq_b_mm_cap104  the exact wq_b's GluonExactMM configurations of at most 16 rows (3-16 rows) at a
+    wq_b_mm_cap96   register cap of 104 or 96 instead of 128 (sm_90: no spills at 104; at 96 a
+                    few at 16 rows without the RoPE epilogue, none with it): two programs an SM,
+                    the rest of the SM's registers left to the kernels beside them; the same bits
     no_norm_pdl     the q/kv norm pair launched plainly, not by PDL after the fused wq_a|wkv GEMM
                     (`DecodeStep(norm_pdl=False)`); the same bits
     no_boundary_pdl the mHC boundary's own launch plainly, not by PDL after wo_b
@@ -322,6 +326,21 @@ def _wq_b_cap(cap: int):
     return patch
 
 
+def _wq_b_mm_cap(cap: int):
+    """A patch giving every layer's exact wq_b its GluonExactMM configurations of at most 16 rows (3-16
+    rows of V4.1-Flash's wq_b) at a register cap of `cap` (`GluonExactConfig.maxnreg`; the same bits):
+    two of its programs an SM as at 128, the rest of the SM's registers left to the kernels beside
+    them. The undo restores them."""
+    def patch(step):
+        mmas = [layer.mm_wq_b.mma for layer in step.layers.values()
+                if getattr(getattr(layer.mm_wq_b, "mma", None), "_configs", None)]
+        if not mmas:
+            raise SystemExit(f"wq_b_mm_cap{cap}: no layer's wq_b runs GluonExactMM (the exact linears)")
+        return _swap([(p, "_configs", [(most, dataclasses.replace(c, maxnreg=cap) if most <= 16 else c)
+                                       for most, c in p._configs]) for p in mmas])
+    return patch
+
+
 def _layer_flag(attr: str, value: bool):
     """A patch setting every layer's `attr` (an `AttentionStep` schedule flag) to value; the undo
     restores each layer's setting as the step was built."""
@@ -417,6 +436,7 @@ PATCHES = {
     "no_qkv_pdl": _layer_flag("qkv_pdl", False),
     "qkv_pdl_all": lambda step: _swap([(attention_mod, "QKV_PDL_MAX_ROWS", 64)]), "topk_pdl": _topk_pdl,
     "wq_b_cap128": _wq_b_cap(128), "wq_b_cap112": _wq_b_cap(112), "wq_b_cap80": _wq_b_cap(80),
+    "wq_b_mm_cap104": _wq_b_mm_cap(104), "wq_b_mm_cap96": _wq_b_mm_cap(96),
     "wq_b_slack_cap80": _together(_wq_b_cap(80), _wq_b_slack),
     "idx_gemm_first": _idx_gemm_first, "idx_gemm_first_cap80": _together(_wq_b_cap(80), _idx_gemm_first),
     "no_norm_pdl": _layer_flag("norm_pdl", False), "no_boundary_pdl": lambda step: _swap([(step, "boundary_pdl", False)]),
