@@ -219,7 +219,8 @@ def _bench(args, console: Console) -> int:
         # those is benched, they would be dropped silently (the default ones are, as documented)
         contexts = args.contexts or CONTEXTS
         generic_only = [v for v in variants if v != "no_overlap"]
-        if args.tp == 1 and args.variants is not None and generic_only and not set(args.generic_contexts) & set(contexts):
+        benched = set(args.generic_contexts) & set(contexts)
+        if args.tp == 1 and args.variants is not None and generic_only and not benched:
             raise UsageError(f"--variants: {generic_only[0]} runs at the --generic-contexts only "
                              f"({','.join(map(str, args.generic_contexts))}), none of which is among the contexts "
                              f"benched ({','.join(map(str, contexts))})")

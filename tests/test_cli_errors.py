@@ -56,7 +56,8 @@ USAGE = [
     (["bench", "step", "--tp", "2", "--variants", "tc_linears"], "--variants: not taken with --tp 2"),
     (["bench", "step", "--tp", "2", "--generic-contexts", "4096"], "--generic-contexts: not taken with --tp 2"),
     (["bench", "step", "--contexts", "32768", "--generic-contexts", "4096", "--variants", "no_overlap,same"],
-     "--variants: same runs at the --generic-contexts only (4096), none of which is among the contexts benched (32768)"),
+     "--variants: same runs at the --generic-contexts only (4096), none of which is among the contexts "
+     "benched (32768)"),
 ]
 if not CUDA:
     USAGE += [(["demo", "--device", "cuda"], "--device cuda: CUDA is not available"),
