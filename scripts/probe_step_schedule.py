@@ -74,9 +74,10 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
     topk_pdl        the indexer layers' top-k (its linked path's kernels after the scorer) launched by
                     PDL (`topk_ascending_(pdl=True)`, the index lane's chain); the same bits
     wq_b_cap128     the exact wq_b's GluonExactFMA configurations (1-2 rows) at a register cap of 128,
-    wq_b_cap112     112 or 80 instead of the plan's 96 (`GluonExactFMAConfig.maxnreg`; no spills): two
-    wq_b_cap80      of its programs an SM at 96-128, three at 80, the rest of the SM's registers
-                    left to the kernels beside them; the same bits
+    wq_b_cap112     112, 104, 88 or 80 instead of the plan's 96 (`GluonExactFMAConfig.maxnreg`; no
+    wq_b_cap104     spills): two of its programs an SM at 88-128, three at 80, the rest of the SM's
+    wq_b_cap88      registers left to the kernels beside them; the same bits
+    wq_b_cap80
     wq_b_mm_cap104  the exact wq_b's GluonExactMM configurations of at most 16 rows (3-16 rows) at a
     wq_b_mm_cap96   register cap of 104 or 96 instead of 128 (sm_90: no spills at 104; at 96 a
                     few at 16 rows without the RoPE epilogue, none with it): two programs an SM,
@@ -435,7 +436,8 @@ PATCHES = {
                                            if layer.spec.runs_indexer]),
     "no_qkv_pdl": _layer_flag("qkv_pdl", False),
     "qkv_pdl_all": lambda step: _swap([(attention_mod, "QKV_PDL_MAX_ROWS", 64)]), "topk_pdl": _topk_pdl,
-    "wq_b_cap128": _wq_b_cap(128), "wq_b_cap112": _wq_b_cap(112), "wq_b_cap80": _wq_b_cap(80),
+    "wq_b_cap128": _wq_b_cap(128), "wq_b_cap112": _wq_b_cap(112), "wq_b_cap104": _wq_b_cap(104),
+    "wq_b_cap88": _wq_b_cap(88), "wq_b_cap80": _wq_b_cap(80),
     "wq_b_mm_cap104": _wq_b_mm_cap(104), "wq_b_mm_cap96": _wq_b_mm_cap(96),
     "wq_b_slack_cap80": _together(_wq_b_cap(80), _wq_b_slack),
     "idx_gemm_first": _idx_gemm_first, "idx_gemm_first_cap80": _together(_wq_b_cap(80), _idx_gemm_first),
