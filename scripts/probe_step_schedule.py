@@ -311,34 +311,20 @@ def _topk_pdl(step):
     return _swap([(attention_mod, "topk_ascending_", functools.partial(topk.topk_ascending_, pdl=True))])
 
 
-def _wq_b_cap(cap: int):
-    """A patch giving every layer's exact wq_b its GluonExactFMA configurations (1-2 rows) at a register
-    cap of `cap` (`GluonExactFMAConfig.maxnreg`; the same bits: no configuration changes one): the
-    plan's 96 leaves a quarter of an SM's registers to the kernels beside two of its programs. The
+def _wq_b_cap(cap: int, op: str = "fma", most_rows: int = 4):
+    """A patch giving every layer's exact wq_b the configurations of its op `op` ("fma": GluonExactFMA,
+    1-2 rows; "mma": GluonExactMM) for calls of at most `most_rows` rows at a register cap of `cap`
+    (`maxnreg`; the same bits: no configuration changes one): two programs an SM at 88-128, the
+    rest of the SM's registers left to the kernels beside them (the FMA plan's 96 a quarter). The
     undo restores them."""
     def patch(step):
-        fmas = [layer.mm_wq_b.fma for layer in step.layers.values()
-                if getattr(getattr(layer.mm_wq_b, "fma", None), "_configs", None)]
-        if not fmas:
-            raise SystemExit(f"wq_b_cap{cap}: no layer's wq_b runs GluonExactFMA (the exact linears), or a patch "
-                             f"applied before it wrapped wq_b's plan")
-        return _swap([(f, "_configs", [(most, dataclasses.replace(c, maxnreg=cap)) for most, c in f._configs])
-                      for f in fmas])
-    return patch
-
-
-def _wq_b_mm_cap(cap: int):
-    """A patch giving every layer's exact wq_b its GluonExactMM configurations of at most 16 rows (3-16
-    rows of V4.1-Flash's wq_b) at a register cap of `cap` (`GluonExactConfig.maxnreg`; the same bits):
-    two of its programs an SM as at 128, the rest of the SM's registers left to the kernels beside
-    them. The undo restores them."""
-    def patch(step):
-        mmas = [layer.mm_wq_b.mma for layer in step.layers.values()
-                if getattr(getattr(layer.mm_wq_b, "mma", None), "_configs", None)]
-        if not mmas:
-            raise SystemExit(f"wq_b_mm_cap{cap}: no layer's wq_b runs GluonExactMM (the exact linears)")
-        return _swap([(p, "_configs", [(most, dataclasses.replace(c, maxnreg=cap) if most <= 16 else c)
-                                       for most, c in p._configs]) for p in mmas])
+        plans = [getattr(layer.mm_wq_b, op) for layer in step.layers.values()
+                 if getattr(getattr(layer.mm_wq_b, op, None), "_configs", None)]
+        if not plans:
+            raise SystemExit(f"a wq_b cap of {cap}: no layer's wq_b runs its {op} op (the exact linears), or a "
+                             f"patch applied before it wrapped wq_b's plan")
+        return _swap([(p, "_configs", [(most, dataclasses.replace(c, maxnreg=cap) if most <= most_rows else c)
+                                       for most, c in p._configs]) for p in plans])
     return patch
 
 
@@ -438,7 +424,7 @@ PATCHES = {
     "qkv_pdl_all": lambda step: _swap([(attention_mod, "QKV_PDL_MAX_ROWS", 64)]), "topk_pdl": _topk_pdl,
     "wq_b_cap128": _wq_b_cap(128), "wq_b_cap112": _wq_b_cap(112), "wq_b_cap104": _wq_b_cap(104),
     "wq_b_cap88": _wq_b_cap(88), "wq_b_cap80": _wq_b_cap(80),
-    "wq_b_mm_cap104": _wq_b_mm_cap(104), "wq_b_mm_cap96": _wq_b_mm_cap(96),
+    "wq_b_mm_cap104": _wq_b_cap(104, "mma", 16), "wq_b_mm_cap96": _wq_b_cap(96, "mma", 16),
     "wq_b_slack_cap80": _together(_wq_b_cap(80), _wq_b_slack),
     "idx_gemm_first": _idx_gemm_first, "idx_gemm_first_cap80": _together(_wq_b_cap(80), _idx_gemm_first),
     "no_norm_pdl": _layer_flag("norm_pdl", False), "no_boundary_pdl": lambda step: _swap([(step, "boundary_pdl", False)]),
