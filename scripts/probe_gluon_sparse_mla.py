@@ -69,6 +69,11 @@ CONFIGS = {
     "split2svl": G.GluonSparseMlaConfig(dim_split=2, combine="spread", lookback="values", fp4_lut=True),
     "split2svlc": G.GluonSparseMlaConfig(dim_split=2, combine="spread", lookback="values", fp4_lut=True, maxnreg=128),
     "split4svlc": G.GluonSparseMlaConfig(dim_split=4, combine="spread", lookback="values", fp4_lut=True, maxnreg=128),
+    # the step's 3-4-row and 5-12-row configurations with their P.V chunks issued asynchronously
+    "split2svlcp": G.GluonSparseMlaConfig(dim_split=2, combine="spread", lookback="values", fp4_lut=True, maxnreg=128,
+                                          pv_pipeline=True),
+    "spreadvlcp": G.GluonSparseMlaConfig(combine="spread", lookback="values", fp4_lut=True, maxnreg=128,
+                                         pv_pipeline=True),
     "pv1": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128),
     "pv2": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_chunks=2),
     "pv4": G.GluonSparseMlaConfig(combine="pv", fp4_lut=True, maxnreg=128, pv_chunks=4),
