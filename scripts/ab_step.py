@@ -15,7 +15,8 @@ output is A1's bits; writes DIR/ab.json (`--out=`, default a temporary directory
 with `--timeline=DIR`, the first pair's 1-row traces as DIR/A1/default.json and DIR/B1/default.json.
 `--env-a` / `--env-b` set environment variables for one side's processes only (A_DIR and B_DIR may
 then be the same tree: e.g. `--env-b=CUDA_DEVICE_MAX_CONNECTIONS=32`; comma-separated, so a value
-cannot hold a comma). Exits 1 if a process fails.
+cannot hold a comma). A tree whose probe predates `--out-times` (it ignores the option) is timed from
+the default's printed line (`times_from_line`). Exits 1 if a process fails or prints no times.
 On an H100 the same step in alternated processes repeated within
 0.1-0.4 % (`docs/results/gpu-tests-h200.txt` runs EW, EY, EZ, FA and FF).
 """
@@ -39,6 +40,25 @@ def probe_command(tree: Path, tag: str, rows: str, out: Path, timeline: str) -> 
     cmd = [sys.executable, str(tree / "scripts" / "probe_step_schedule.py"), "--variants=default", f"--rows={rows}",
            f"--out-bits={out / f'{tag}.safetensors'}", f"--out-times={out / f'{tag}.json'}"]
     return cmd + ([f"--timeline={Path(timeline) / tag}"] if timeline else [])
+
+
+def times_from_line(text: str) -> dict[str, list[float]] | None:
+    """The default variant's times from the probe's printed line (`default  capture ... | 1:
+    3744.9  2:   4373.8 us | ...`: row count, then us), as `--out-times` writes them ({rows: [us]});
+    None where no such line parses (the trees of older probes print it so; `--out-times` is the
+    record where the probe has it)."""
+    for line in text.splitlines():
+        head, bar, rest = line.partition(" | ")
+        if not bar or head.split()[:1] != ["default"]:
+            continue
+        fields = rest.partition(" | ")[0].removesuffix(" us").replace(":", " ").split()
+        if len(fields) < 2 or len(fields) % 2:
+            continue
+        try:
+            return {str(int(r)): [float(t)] for r, t in zip(fields[::2], fields[1::2])}
+        except ValueError:
+            continue
+    return None
 
 
 def env_option(value: str, name: str) -> dict[str, str]:
@@ -98,14 +118,18 @@ def main() -> None:
                 for stale in (out / f"{tag}.json", out / f"{tag}.safetensors"):   # a reused --out's
                     stale.unlink(missing_ok=True)
                 done = subprocess.run(probe_command(tree, tag, rows, out, timeline if i == 1 else ""), cwd=tree,
-                                      env=env, check=False)
+                                      env=env, check=False, stdout=subprocess.PIPE, text=True)
+                print(done.stdout, end="", flush=True)
                 if done.returncode:
                     print(f"{tag}: the probe exited with {done.returncode}", file=sys.stderr)
                     sys.exit(1)
-                if not (out / f"{tag}.json").is_file():
-                    print(f"{tag}: the probe wrote no times (a tree whose probe has no --out-times)", file=sys.stderr)
+                if (out / f"{tag}.json").is_file():
+                    times[tag] = json.loads((out / f"{tag}.json").read_text())["default"]
+                elif (parsed := times_from_line(done.stdout)) is not None:
+                    times[tag] = parsed
+                else:
+                    print(f"{tag}: the probe wrote no times and printed no default line", file=sys.stderr)
                     sys.exit(1)
-                times[tag] = json.loads((out / f"{tag}.json").read_text())["default"]
         import torch
         from safetensors.torch import load_file
         first = load_file(str(out / "A1.safetensors"))["out"]

@@ -68,3 +68,14 @@ def test_the_probe_refuses_its_one_process_outputs_with_processes():
     done = subprocess.run([sys.executable, str(probe), "--variants=default", "--processes=1", "--out-times=t.json"],
                           capture_output=True, text=True, cwd=probe.parents[1])
     assert done.returncode != 0 and "--out-times / --out-bits write one process's results" in done.stderr
+
+
+def test_times_from_the_printed_line_of_an_older_probe():
+    """An older tree's probe ignores --out-times: its default line gives the times (run FO's line)."""
+    text = ("stream priority range (least, greatest): (0, -3)\n"
+            "default        capture -1 lanes (-1, 0, -1) | 1:   3744.9  2:   4373.8  8:   4958.9 us | 8-row output "
+            "== first variant's: - | 1980 MHz, 41 C, 261 W\n")
+    assert ab_step.times_from_line(text) == {"1": [3744.9], "2": [4373.8], "8": [4958.9]}
+    assert ab_step.times_from_line(text.replace("default  ", "flat     ")) is None
+    assert ab_step.times_from_line("default | no times here | x") is None
+    assert ab_step.times_from_line("") is None
