@@ -281,11 +281,14 @@ class DecodeState(CacheIO):
         self.block_table[r][s, keep:].fill_(-1)
 
     def slot(self, req_id: Hashable) -> int:
-        """The request slot of live request `req_id`; KeyError naming it otherwise."""
+        """The request slot of live request `req_id`; KeyError naming it otherwise (TypeError for an
+        unhashable id, as `admit`'s)."""
         try:
             return self._req_slot[req_id]
         except KeyError:
             raise KeyError(f"request {req_id!r} is not live in this DecodeState") from None
+        except TypeError:
+            raise TypeError(f"request ids must be hashable, got a {type(req_id).__name__}: {req_id!r}") from None
 
     def length(self, req_id: Hashable) -> int:
         """Tokens `req_id` holds (advanced calls only; a planned call is not counted)."""

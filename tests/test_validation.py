@@ -194,6 +194,8 @@ def test_rejected_plans_admits_and_frees_change_nothing(stack):
         (ValueError, "rows must be a list of .* got a set", lambda: st.plan({("a", 1)})),   # no call order
         (ValueError, "None is not a request id", lambda: st.admit(None)),
         (TypeError, "request ids must be hashable, got a list", lambda: st.admit(["c2"])),
+        (TypeError, r"request ids must be hashable, got a list: \['a'\]", lambda: st.plan([(["a"], 1)])),
+        (TypeError, "request ids must be hashable, got a dict", lambda: st.length({})),
     ]
     for exc, msg, call in calls:
         with pytest.raises(exc, match=msg):

@@ -492,8 +492,8 @@ class DecodeStep:
             if not isinstance(entry, (tuple, list)) or len(entry) not in (2, 3):
                 raise StepError(f"rows entries must be (req_id, count[, first_position]), got {entry!r}")
             req, count = entry[0], as_count(entry[1])
-            if count is None:
-                raise StepError(f"request {req!r}: count must be an integer (a Python or numpy int), "
+            if count is None or count < 1:
+                raise StepError(f"request {req!r}: count must be an integer >= 1 (a Python or numpy int), "
                                 f"got {entry[1]!r}")
             if len(entry) == 3:
                 first, have = entry[2], self.state.length(req)
@@ -503,6 +503,8 @@ class DecodeStep:
                     raise StepError(f"request {req!r}: the step starts at position {first} but the "
                                     f"request holds {have} tokens; positions must continue it")
             plan_rows.append((req, count))
+        if not plan_rows:
+            raise StepError("rows: the call has no rows (one (req_id, count) entry or more)")
         n = sum(c for _, c in plan_rows)
         bucket = self.bucket_for(n)
         cfg = self.cfg

@@ -515,8 +515,13 @@ def test_errors(cpu_setup):
         step(streams(1, cfg, g), ["a1"])
     with pytest.raises(StepError, match=r"rows must be a list .* got a dict \(list\(rows.items\(\)\) makes one\)"):
         step(streams(1, cfg, g), {"a": 1})
-    with pytest.raises(StepError, match=r"request 'a': count must be an integer \(a Python or numpy int\), got '1'"):
+    with pytest.raises(StepError, match=r"request 'a': count must be an integer >= 1 \(a Python or numpy int\), got '1'"):
         step(streams(1, cfg, g), [("a", "1")])
+    # a count below 1 is named before x's shape is checked against the rows' sum
+    with pytest.raises(StepError, match=r"request 'a': count must be an integer >= 1 .* got -1"):
+        step(streams(3, cfg, g), [("b", 2), ("a", -1)])
+    with pytest.raises(StepError, match=r"rows: the call has no rows"):
+        step(streams(0, cfg, g), [])
     first = float(st.length("a"))
     with pytest.raises(StepError, match=rf"request 'a': first_position must be an integer, got {first}"):
         step(streams(1, cfg, g), [("a", 1, float(st.length("a")))])
