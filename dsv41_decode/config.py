@@ -141,6 +141,8 @@ class ModelConfig:
             d = json.loads(p.read_text())
         except json.JSONDecodeError as e:
             raise ConfigError(f"{p}: not valid JSON ({e})") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{p}: not a text file (a config.json, its folder or a preset is expected)") from None
         return cls.from_dict(d)
 
     @classmethod
@@ -157,6 +159,8 @@ class ModelConfig:
             raise ConfigError(f"config: empty; give a preset ({', '.join(PRESETS)}), a config.json or its folder")
         if str(spec) in PRESETS:
             return cls.preset(str(spec))
+        if not Path(spec).exists():
+            raise ConfigError(f"config {str(spec)!r}: not a preset ({', '.join(PRESETS)}) and no such file or folder")
         return cls.from_json(spec)
 
     def to_dict(self) -> dict[str, Any]:

@@ -46,6 +46,7 @@ from .config import FULL, ModelConfig
 from .cache_io import CacheIO
 from .records import COMPRESSED_KV_BYTES, INDEX_KEY_BYTES, WINDOW_KV_BYTES
 from .open_groups import OpenGroups
+from .ops.checks import require_device
 from .rows import CapacityError, StepRows, as_count
 from .upload import HostUpload
 
@@ -141,10 +142,7 @@ class DecodeState(CacheIO):
         self.max_context = max_context
         self.max_tokens = max_tokens
         self.page_size = page_size
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"DecodeState: device {device}: CUDA is not available (no GPU visible, or a CPU "
-                             f"build of torch)")
+        self.device = require_device(device, "DecodeState: device")
         self.window_size = cfg.window_size
         self.head_dim = cfg.head_dim
         self.stage_rows = stage_rows

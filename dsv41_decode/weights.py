@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 
 from .config import FULL, REINDEX, ModelConfig
 from .formats import fp8_block_dequantize, fp8_block_quantize
+from .ops.checks import require_device
 from .sharding import shard_ranges
 
 FP8 = torch.float8_e4m3fn
@@ -411,7 +412,10 @@ def _load_layer(cfg: ModelConfig, layer: int, shards: _Shards, device: torch.dev
 def _select(cfg: ModelConfig, layers: Iterable[int] | None) -> list[int]:
     if layers is None:
         return list(range(cfg.n_layers))
-    ids = None if isinstance(layers, (str, bytes)) else list(layers)
+    try:
+        ids = None if isinstance(layers, (str, bytes)) else list(layers)
+    except TypeError:            # not iterable: one int, say
+        ids = None
     if ids is None or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
         raise ValueError(f"layers: expected layer ids (integers), got {layers!r}")
     sel = sorted(set(ids))
@@ -444,6 +448,10 @@ def load_checkpoint(path: str | Path, layers: Iterable[int] | None = None,
     root = Path(path)
     if not root.is_dir():
         raise CheckpointError(f"{root}: not a checkpoint directory")
+    if config is not None and not isinstance(config, ModelConfig):
+        raise TypeError(f"config must be a ModelConfig (or None: {root}/config.json), got a "
+                        f"{type(config).__name__}: {config!r}")
+    dev = require_device(device)
     cfg = config if config is not None else ModelConfig.from_json(root)
     sel = _select(cfg, layers)
     for name, v in (("tp", tp), ("rank", rank)):
@@ -453,7 +461,6 @@ def load_checkpoint(path: str | Path, layers: Iterable[int] | None = None,
     if not 0 <= rank < tp:
         raise ValueError(f"rank must lie in [0, {tp}), got {rank}")
     parts = shard_ranges(cfg, tp, rank) if tp > 1 else None
-    dev = torch.device(device)
     console = Console(stderr=True)
     out: dict[int, dict[str, torch.Tensor]] = {}
     with ExitStack() as stack:
@@ -523,12 +530,16 @@ def write_synthetic_checkpoint(cfg: ModelConfig, path: str | Path, seed: int = 0
     `hc_*_base` N(0, 0.5^2), `hc_*_fn` N(0, 1/dim), `hc_*_scale` U(0.5, 1) rounded to BF16.
     The same arguments write byte-identical files (file metadata: `{"format": "pt"}` only).
     """
-    if shards < 1:
-        raise ValueError(f"shards: must be >= 1, got {shards}")
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError(f"cfg must be a ModelConfig (ModelConfig.preset(name) makes one), got a "
+                        f"{type(cfg).__name__}: {cfg!r}")
+    if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+        raise ValueError(f"shards: must be an int >= 1, got {shards!r}")
+    sel = _select(cfg, layers)                 # before the folder is made: nothing left on a refusal
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
-    for i in _select(cfg, layers):
+    for i in sel:
         tensors.update(_synthetic_layer(cfg, i, seed, wo_a_fp8))
     if shards > max(len(tensors), 1):
         raise ValueError(f"shards: {shards} files for {len(tensors)} tensors")

@@ -199,6 +199,10 @@ def test_load_errors(tmp_path):
     _raises_saying("no config file at", ModelConfig.from_json, tmp_path / "absent.json")
     (tmp_path / "config.json").write_text("{not json")
     _raises_saying("config.json: not valid JSON", ModelConfig.from_json, tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\xa0\x01\xff\xfe binary")
+    _raises_saying("model.safetensors: not a text file", ModelConfig.load, tmp_path / "model.safetensors")
+    _raises_saying("config 'smal': not a preset (v41-flash, tiny, small) and no such file or folder",
+                   ModelConfig.load, "smal")
     assert issubclass(ConfigError, ValueError)
 
 

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dsv41_decode.cli import main
-from dsv41_decode.testing.trace import read_case, verify_trace
+from dsv41_decode.testing.trace import TraceError, read_case, verify_trace
 
 OFFICIAL = Path(__file__).parent / "data" / "official-tiny"
 
@@ -94,6 +94,19 @@ def test_missing_file_is_named(tmp_path, capsys):
     assert main(["trace", "verify", str(tmp_path / "t")]) == 2
     captured = capsys.readouterr()
     assert "trace.safetensors" in captured.out + captured.err
+
+
+def test_a_trace_tensor_of_the_wrong_size_is_named(tmp_path):
+    _corrupt(OFFICIAL, tmp_path / "bad", "decode00.layers.2.attn_in", lambda t: t.reshape(-1)[:64].reshape(1, 1, 64))
+    with pytest.raises(TraceError, match=r"trace.safetensors: decode00.layers.2.attn_in has shape \(1, 1, 64\); "
+                                         r"the call's 1 x 1 rows of \d+ expected"):
+        verify_trace(tmp_path / "bad", calls=1)
+
+
+@pytest.mark.parametrize("calls", [-1, 1.5, True])
+def test_calls_is_checked_before_the_trace_is_read(calls):
+    with pytest.raises(ValueError, match=rf"calls must be a non-negative int, got {calls!r}"):
+        verify_trace(OFFICIAL, calls=calls)
 
 
 def test_record_then_verify_round_trip(tmp_path):

@@ -340,6 +340,30 @@ def test_a_state_needs_a_model_config_and_a_device_that_is_there():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="device cuda: CUDA is not available"):
             DecodeState(ModelConfig.preset("tiny"), max_requests=1, max_context=8, device="cuda")
+    with pytest.raises(ValueError, match="device must name a torch device .* got 'tpu'"):
+        DecodeState(ModelConfig.preset("tiny"), max_requests=1, max_context=8, device="tpu")
+    with pytest.raises(TypeError, match="device must be a str or torch.device, got a bool"):
+        DecodeState(ModelConfig.preset("tiny"), max_requests=1, max_context=8, device=True)
+
+
+def test_checkpoint_arguments_are_checked_before_anything_is_read_or_made(stack, tmp_path):
+    path = write_synthetic_checkpoint(stack.cfg, tmp_path / "ckpt", seed=3, layers=[0])
+    calls = [
+        (ValueError, "device must name a torch device .* got 'tpu'", lambda: load_checkpoint(path, device="tpu")),
+        (TypeError, "config must be a ModelConfig .* got a str: 'tiny'", lambda: load_checkpoint(path, config="tiny")),
+        (ValueError, r"layers: expected layer ids \(integers\), got 3", lambda: load_checkpoint(path, layers=3)),
+        (TypeError, "cfg must be a ModelConfig .* got a str", lambda: write_synthetic_checkpoint("tiny", tmp_path / "a")),
+        (ValueError, "shards: must be an int >= 1, got '2'",
+         lambda: write_synthetic_checkpoint(stack.cfg, tmp_path / "b", shards="2")),
+        (ValueError, r"layers: \[99\] out of range", lambda: write_synthetic_checkpoint(stack.cfg, tmp_path / "c",
+                                                                                        layers=[99])),
+    ]
+    if not torch.cuda.is_available():
+        calls.append((ValueError, "device cuda: CUDA is not available", lambda: load_checkpoint(path, device="cuda")))
+    for exc, msg, call in calls:
+        with pytest.raises(exc, match=msg):
+            call()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]      # no folder left by a refusal
 
 
 def test_plan_takes_an_ordered_iterable_of_pairs(stack):

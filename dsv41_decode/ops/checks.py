@@ -7,6 +7,21 @@ import os
 import torch
 
 
+def require_device(device, name: str = "device") -> torch.device:
+    """`device` (a str, torch.device or CUDA index, as `torch.device` takes) as a torch.device;
+    ValueError naming `name` for a string torch does not parse or a negative index, TypeError for
+    another type, ValueError for CUDA where torch sees none."""
+    if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
+        raise TypeError(f"{name} must be a str or torch.device, got a {type(device).__name__}: {device!r}")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"{name} must name a torch device (cpu, cuda, cuda:N), got {device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{name} {dev}: CUDA is not available (no GPU visible, or a CPU build of torch)")
+    return dev
+
+
 def require_is_tensor(t, name: str) -> None:
     """Raise TypeError naming `name` unless t is a torch.Tensor."""
     if not isinstance(t, torch.Tensor):

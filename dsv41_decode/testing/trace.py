@@ -19,6 +19,7 @@ from safetensors import safe_open
 from ..config import ModelConfig
 from ..layer import AttentionLayer, CallContext
 from ..ops import LOW_BATCH_MAX_ROWS
+from ..ops.checks import require_int
 from ..records import unpack_window_kv
 from ..reference.attention import grouped_wo_a
 from ..reference.linear import rms_norm
@@ -202,6 +203,8 @@ def verify_trace(folder: str | Path, progress: bool = False, path: str = "refere
     if prefill not in ("reference", "kernels") or (prefill == "kernels" and path != "step"):
         raise ValueError(f"prefill must be 'reference', or 'kernels' with path 'step'; got {prefill!r} "
                          f"with path {path!r}")
+    if calls is not None:
+        require_int(calls, "calls", lo=0)
     folder = Path(folder)
     ckpt = load_checkpoint(folder, device=device)
     cfg0: ModelConfig = ckpt.config
@@ -256,7 +259,13 @@ def verify_trace(folder: str | Path, progress: bool = False, path: str = "refere
 
         def get(L: int, name: str) -> torch.Tensor | None:
             key = f"{call}.layers.{L}.{name}"
-            return T.get_tensor(key) if key in keys else None
+            if key not in keys:
+                return None
+            t = T.get_tensor(key)
+            if name in ("attn_in", "attn_out") and t.numel() != B * s * cfg.dim:
+                raise TraceError(f"{folder / 'trace.safetensors'}: {key} has shape {tuple(t.shape)}; the call's "
+                                 f"{B} x {s} rows of {cfg.dim} expected")
+            return t
 
         for L in sorted(layers):
             spec = plan[L]
