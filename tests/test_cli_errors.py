@@ -179,6 +179,26 @@ def test_plot_names_a_bad_results_line_once(tmp_path, capsys):
     assert line.count("bad.jsonl") == 1, line
 
 
+@pytest.mark.parametrize("line,field", [('{"bench": "step"}', "no field 'case'"),
+                                        ('{"bench": "step", "case": "x"}', "a field of another form")])
+def test_plot_names_a_row_without_its_bench_fields(tmp_path, capsys, line, field):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(line + "\n")
+    assert main(["plot", str(bad)]) == 2
+    msg = one_line_error(capsys)
+    assert f"bad.jsonl: a step row with {field}" in msg and "not the rows dsv41-decode bench step writes" in msg, msg
+
+
+def test_plot_says_the_file_it_wrote(tmp_path, capsys):
+    # the committed step results' 1-row lines (matplotlib adds ".png" to a name without a suffix)
+    lines = [ln for ln in Path(STEP_RESULTS).read_text().splitlines() if '"rows": 1,' in ln]
+    results = tmp_path / "step.jsonl"
+    results.write_text("\n".join(lines) + "\n")
+    assert main(["plot", str(results), "--out", str(tmp_path / "x")]) == 0
+    assert f"wrote {tmp_path / 'x.png'}" in capsys.readouterr().out
+    assert (tmp_path / "x.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_verify_hints_at_the_tc_linears_only_for_the_step_on_a_gpu():
     # a failing step run on a GPU with --tc-linears gets one line naming the option (the tensor
     # cores' truncated block sums, spec decision 38); the reference path, the CPU (whose

@@ -75,8 +75,9 @@ _STEP_BENCHES = ("step", "step_tp", "boundary")
 
 def plot_results(rows: list[dict], path: str | Path) -> Path:
     """Redraw the PNG of one bench's result rows (the JSON lines it wrote), chosen by their `bench`
-    field (`PLOTTED` says what each plot shows); returns the path. ValueError when the rows hold no
-    bench this can plot, or rows of several benches."""
+    field (`PLOTTED` says what each plot shows); returns the path written (`path`, with ".png" added
+    where it has no suffix, as matplotlib adds it). ValueError when the rows hold no bench this can
+    plot, rows of several benches, or rows that lack a field the plot reads."""
     benches = {r.get("bench") for r in rows if isinstance(r, dict)}
     if not benches:
         raise ValueError("no result rows to plot")
@@ -86,16 +87,22 @@ def plot_results(rows: list[dict], path: str | Path) -> Path:
     if len(kinds) > 1:
         raise ValueError(f"rows of several benches ({', '.join(sorted(map(str, benches)))}); plot one bench's file")
     kind = kinds.pop()
-    path = Path(path)
-    if kind == "gemm":
-        from .gemm import plot_gemm
-        plot_gemm(rows, path, rows[0].get("read_gbps", 0.0))
-    elif kind == "attn":
-        from .attn_plot import plot_attn
-        plot_attn(rows, path)
-    elif kind == "step":
-        from .step_plot import plot_step
-        plot_step(rows, path)
-    else:
+    if kind not in ("gemm", "attn", "step"):
         raise ValueError(f"bench {kind!r} has no plot; plotted: {', '.join(sorted(PLOTTED))}")
+    path = Path(path)
+    if not path.suffix:
+        path = path.with_suffix(".png")
+    try:
+        if kind == "gemm":
+            from .gemm import plot_gemm
+            plot_gemm(rows, path, rows[0].get("read_gbps", 0.0))
+        elif kind == "attn":
+            from .attn_plot import plot_attn
+            plot_attn(rows, path)
+        else:
+            from .step_plot import plot_step
+            plot_step(rows, path)
+    except (KeyError, TypeError, AttributeError) as e:     # a row without the fields its bench writes
+        what = f"no field {e.args[0]!r}" if isinstance(e, KeyError) else f"a field of another form ({e})"
+        raise ValueError(f"a {kind} row with {what}: not the rows dsv41-decode bench {kind} writes") from e
     return path
