@@ -66,6 +66,22 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def free_bytes(device: torch.device) -> int | None:
+    """Memory a new allocation on `device` can take: CUDA's free bytes on it, the host's
+    MemAvailable (Linux /proc/meminfo) for the CPU; None where neither is known."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except (OSError, ValueError, IndexError):
+            return None
+    return None
+
+
 class DecodeState(CacheIO):
     """Caches and bookkeeping of up to `max_requests` live requests for one attention stack.
 
@@ -115,6 +131,9 @@ class DecodeState(CacheIO):
     through pinned host memory (`upload.HostUpload`), ordered on the current stream (the rows' at
     their first read): `plan`, `advance` and `accept` enqueue their device work and never wait for
     the device.
+
+    The constructor refuses (CapacityError, naming the sizes) caches larger than the device's free
+    memory (`free_bytes`) before it allocates any.
     """
 
     def __init__(self, cfg: ModelConfig, max_requests: int, max_context: int,
@@ -159,6 +178,19 @@ class DecodeState(CacheIO):
         self.ratios: tuple[int, ...] = tuple(sorted({cfg.ratio(L) for L in self.kv_sources}))
         self.n_pages: dict[int, int] = {
             r: _cdiv(max_tokens, r * page_size) + max_requests for r in self.ratios}
+        # the caches' bytes (window rings, compressed and index-key pools, block tables) against the
+        # device's free memory before any is allocated: a refusal naming the sizes, not an allocator's
+        # error (or, on a host that overcommits, the process killed while the zeros are written)
+        need = (len(self.layer_plan) * (max_requests * M + stage_rows) * WINDOW_KV_BYTES
+                + sum(self.n_pages[cfg.ratio(L)] * page_size * (COMPRESSED_KV_BYTES + INDEX_KEY_BYTES)
+                      for L in self.kv_sources)
+                + sum(max_requests * _cdiv(max_context, r * page_size) * 4 for r in self.ratios))
+        free = free_bytes(dev)
+        if free is not None and need > free:
+            raise CapacityError(
+                f"DecodeState: its caches take {need / 2**30:.2f} GiB (max_requests={max_requests}, "
+                f"max_context={max_context}, max_tokens={max_tokens}, page_size={page_size}), more than the "
+                f"{free / 2**30:.2f} GiB free on {dev}")
 
         self.window: dict[int, torch.Tensor] = {
             s.layer: torch.zeros(max_requests * M + stage_rows, WINDOW_KV_BYTES, dtype=torch.uint8, device=dev)

@@ -15,7 +15,7 @@ from dsv41_decode.layer import CallContext
 from dsv41_decode.open_groups import OpenGroups
 from dsv41_decode.stack import AttentionStack
 from dsv41_decode.rows import CapacityError, StepRows
-from dsv41_decode.state import DecodeState
+from dsv41_decode.state import DecodeState, free_bytes
 from dsv41_decode.upload import HostUpload
 from dsv41_decode.weights import load_checkpoint, write_synthetic_checkpoint
 
@@ -344,6 +344,16 @@ def test_a_state_needs_a_model_config_and_a_device_that_is_there():
         DecodeState(ModelConfig.preset("tiny"), max_requests=1, max_context=8, device="tpu")
     with pytest.raises(TypeError, match="device must be a str or torch.device, got a bool"):
         DecodeState(ModelConfig.preset("tiny"), max_requests=1, max_context=8, device=True)
+
+
+@pytest.mark.skipif(free_bytes(torch.device("cpu")) is None, reason="the host's free memory is not known here")
+def test_a_state_larger_than_the_free_memory_is_refused_before_it_is_allocated():
+    cfg = ModelConfig.preset("tiny")
+    with pytest.raises(CapacityError, match=r"DecodeState: its caches take [\d.]+ GiB \(max_requests=1000000, "
+                                            r"max_context=1000000, .*\), more than the [\d.]+ GiB free on cpu"):
+        DecodeState(cfg, max_requests=10**6, max_context=10**6)
+    with pytest.raises(CapacityError, match="page_size=1000000000"):
+        DecodeState(cfg, max_requests=1, max_context=64, page_size=10**9)
 
 
 def test_checkpoint_arguments_are_checked_before_anything_is_read_or_made(stack, tmp_path):
