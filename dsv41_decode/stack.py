@@ -49,6 +49,9 @@ class AttentionStack:
         tp: this rank's place in a tensor-parallel group (default: one rank); each layer keeps its
         rank's shard and reduces its output across the ranks (AttentionLayer).
         """
+        if not isinstance(ckpt, Checkpoint):
+            raise TypeError(f"ckpt must be a Checkpoint (load_checkpoint(path) reads one), got a "
+                            f"{type(ckpt).__name__}: {ckpt!r}")
         cfg = ckpt.config
         if layer_ids is not None:
             layer_ids = list(layer_ids)

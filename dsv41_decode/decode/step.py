@@ -222,6 +222,8 @@ class DecodeStep:
                  mix_late_rows: int = MIX_LATE_ROWS, index_row_group: int = 1, fuse_scales: bool = False,
                  pair_slots: bool = False, wo_a_pdl: bool = True, wq_b_pdl: bool = True, qkv_pdl: bool = True,
                  wo_b_pdl: bool = True, norm_pdl: bool = True, boundary_pdl: bool = True):
+        if not isinstance(state, DecodeState):
+            raise StepError(f"state must be a DecodeState, got a {type(state).__name__}: {state!r}")
         if as_count(max_rows) is None:
             raise StepError(f"max_rows must be an int, got {max_rows!r}")
         max_rows = int(max_rows)

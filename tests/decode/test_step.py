@@ -515,7 +515,8 @@ def test_errors(cpu_setup):
         step(streams(1, cfg, g), ["a1"])
     with pytest.raises(StepError, match=r"rows must be a list .* got a dict \(list\(rows.items\(\)\) makes one\)"):
         step(streams(1, cfg, g), {"a": 1})
-    with pytest.raises(StepError, match=r"request 'a': count must be an integer >= 1 \(a Python or numpy int\), got '1'"):
+    with pytest.raises(StepError,
+                       match=r"request 'a': count must be an integer >= 1 \(a Python or numpy int\), got '1'"):
         step(streams(1, cfg, g), [("a", "1")])
     # a count below 1 is named before x's shape is checked against the rows' sum
     with pytest.raises(StepError, match=r"request 'a': count must be an integer >= 1 .* got -1"):
@@ -581,6 +582,10 @@ def test_constructor_arguments_are_checked(cpu_setup):
             stack.decode_step(copy.deepcopy(base), **kwargs)
     assert stack.decode_step(copy.deepcopy(base), max_rows=np.int64(2)).buckets == (1, 2)
     assert stack.decode_step(copy.deepcopy(base), max_rows=2, buckets=(b for b in (2, 1))).buckets == (1, 2)
+    with pytest.raises(StepError, match="state must be a DecodeState, got a str: 'state'"):
+        stack.decode_step("state")
+    with pytest.raises(TypeError, match="ckpt must be a Checkpoint .* got a str: '/path'"):
+        AttentionStack("/path")
 
 
 @interpreter
