@@ -67,10 +67,12 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def free_bytes(device: torch.device) -> int | None:
-    """Memory a new allocation on `device` can take: CUDA's free bytes on it, the host's
-    MemAvailable (Linux /proc/meminfo) for the CPU; None where neither is known."""
+    """Memory a new allocation on `device` can take: on CUDA the device's free bytes plus what
+    torch's caching allocator holds unused (reserved, not allocated: freed tensors it reuses), the
+    host's MemAvailable (Linux /proc/meminfo) for the CPU; None where neither is known."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        return (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+                - torch.cuda.memory_allocated(device))
     if device.type == "cpu":
         try:
             with open("/proc/meminfo") as f:
