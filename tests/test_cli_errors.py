@@ -167,8 +167,8 @@ def test_verify_quiet_prints_only_its_summary(trace_dir, tmp_path, capsys):
 def test_verify_refuses_more_calls_than_the_trace_holds(trace_dir, capsys):
     assert main(["trace", "verify", str(trace_dir), "--calls", "1", "--quiet"]) == 0      # all it holds
     capsys.readouterr()
-    assert main(["trace", "verify", str(trace_dir), "--calls", "2", "--quiet"]) == 1
-    assert "calls=2 but the trace holds 1 calls after the first" in one_line_error(capsys)
+    assert main(["trace", "verify", str(trace_dir), "--calls", "2", "--quiet"]) == 2      # a usage error
+    assert "--calls 2: the trace holds 1 calls after the first" in one_line_error(capsys)
 
 
 def test_plot_names_a_bad_results_line_once(tmp_path, capsys):
