@@ -180,13 +180,16 @@ class DecodeState(CacheIO):
         self.ratios: tuple[int, ...] = tuple(sorted({cfg.ratio(L) for L in self.kv_sources}))
         self.n_pages: dict[int, int] = {
             r: _cdiv(max_tokens, r * page_size) + max_requests for r in self.ratios}
-        # the caches' bytes (window rings, compressed and index-key pools, block tables) against the
-        # device's free memory before any is allocated: a refusal naming the sizes, not an allocator's
-        # error (or, on a host that overcommits, the process killed while the zeros are written)
-        need = (len(self.layer_plan) * (max_requests * M + stage_rows) * WINDOW_KV_BYTES
-                + sum(self.n_pages[cfg.ratio(L)] * page_size * (COMPRESSED_KV_BYTES + INDEX_KEY_BYTES)
-                      for L in self.kv_sources)
-                + sum(max_requests * _cdiv(max_context, r * page_size) * 4 for r in self.ratios))
+        # the caches' shapes: window ring rows, pool slots per ratio, block-table columns per ratio;
+        # their bytes against the device's free memory before any is allocated: a refusal naming the
+        # sizes, not an allocator's error (or, on a host that overcommits, the process killed while
+        # the zeros are written)
+        window_rows = max_requests * M + stage_rows
+        pool_slots = {r: n * page_size for r, n in self.n_pages.items()}
+        table_cols = {r: _cdiv(max_context, r * page_size) for r in self.ratios}
+        need = (len(self.layer_plan) * window_rows * WINDOW_KV_BYTES
+                + sum(pool_slots[cfg.ratio(L)] * (COMPRESSED_KV_BYTES + INDEX_KEY_BYTES) for L in self.kv_sources)
+                + sum(max_requests * cols * 4 for cols in table_cols.values()))
         free = free_bytes(dev)
         if free is not None and need > free:
             raise CapacityError(
@@ -195,15 +198,13 @@ class DecodeState(CacheIO):
                 f"{free / 2**30:.2f} GiB free on {dev}")
 
         self.window: dict[int, torch.Tensor] = {
-            s.layer: torch.zeros(max_requests * M + stage_rows, WINDOW_KV_BYTES, dtype=torch.uint8, device=dev)
+            s.layer: torch.zeros(window_rows, WINDOW_KV_BYTES, dtype=torch.uint8, device=dev)
             for s in self.layer_plan}
         self.compressed: dict[int, torch.Tensor] = {}
         self.index_keys: dict[int, torch.Tensor] = {}
         for L in self.kv_sources:
-            r = cfg.ratio(L)
-            slots = self.n_pages[r] * page_size
-            self.compressed[L] = torch.zeros(slots, COMPRESSED_KV_BYTES, dtype=torch.uint8,
-                                             device=dev)
+            slots = pool_slots[cfg.ratio(L)]
+            self.compressed[L] = torch.zeros(slots, COMPRESSED_KV_BYTES, dtype=torch.uint8, device=dev)
             self.index_keys[L] = torch.zeros(slots, INDEX_KEY_BYTES, dtype=torch.uint8, device=dev)
         self._groups = OpenGroups([L for L in self.kv_sources if cfg.ratio(L) == 2], max_requests,
                                   self.head_dim, self.comp_history, dev)
@@ -211,9 +212,7 @@ class DecodeState(CacheIO):
         self.comp_score = self._groups.score
         self.comp_rows = self._groups.rows
         self.block_table: dict[int, torch.Tensor] = {
-            r: torch.full((max_requests, _cdiv(max_context, r * page_size)), -1,
-                          dtype=torch.int32, device=dev)
-            for r in self.ratios}
+            r: torch.full((max_requests, cols), -1, dtype=torch.int32, device=dev) for r, cols in table_cols.items()}
         self.seq_lens = torch.zeros(max_requests, dtype=torch.int32, device=dev)
         # a slot holds the largest table of a call of up to stage_rows rows: its rows' slots and
         # positions (16 B a row), a ratio's new pages (16 B each, at most 2 a row), the restored
