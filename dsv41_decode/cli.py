@@ -48,6 +48,10 @@ def _verify(args, console: Console) -> int:
             raise UsageError("--path step on the CPU runs the step's Triton kernels in the interpreter: "
                              "set TRITON_INTERPRET=1 (or use --device cuda)")
         os.environ["TRITON_INTERPRET"] = "1"
+    if args.calls is not None:      # (imports the kernels: after the interpreter's choice above)
+        from .testing.trace import read_case
+        if args.calls > (held := len(read_case(args.dir / "trace.safetensors")["calls"]) - 1):
+            raise UsageError(f"--calls {args.calls}: the trace holds {held} calls after the first")
     return max(_verify_path(args, p, console) for p in paths)
 
 
@@ -62,11 +66,8 @@ def exactness_hint(path: str, device: str, tc_linears: bool) -> str | None:
 
 
 def _verify_path(args, path: str, console: Console) -> int:
-    from .testing.trace import read_case, verify_trace
+    from .testing.trace import verify_trace
     notes: list[str] = []
-    trace = args.dir / "trace.safetensors"
-    if args.calls is not None and trace.is_file() and args.calls > (held := len(read_case(trace)["calls"]) - 1):
-        raise UsageError(f"--calls {args.calls}: the trace holds {held} calls after the first")
     if args.prefill == "kernels" and args.path != "step":
         raise UsageError(f"--prefill kernels runs the prefill through the step: use it with --path step, "
                          f"not --path {args.path}")
