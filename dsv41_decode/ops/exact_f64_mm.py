@@ -216,7 +216,8 @@ class F64Config:
             raise ValueError(f"F64Config.block_m must be 8, 16, 32 or 64, got {self.block_m}")
 
 
-# The configurations a plan without `config` launches, per most rows (not yet timed on a GPU): the
+# The configurations a plan without `config` launches, per most rows (timed on the H200 by
+# scripts/probe_gluon_exact_mm.py, runs B1, C2, C3: 1.5-8.8x GluonExactMM's time, docs/gemm.md): the
 # MMA's N side as narrow as the rows allow (8, 16, 32, 64 x rows), the weight rows and warps that
 # compile for sm_90 without stack or spills (tests/ops/_exact_f64_mm_sm90.py).
 _DEFAULT_CONFIGS = ((8, F64Config(block_n=32, block_m=8, num_warps=2)), (16, F64Config(block_n=64, block_m=16)),

@@ -260,8 +260,8 @@ class WoAPlan(GroupedShape):
 
     def stages(self, rows: int) -> int:
         """K steps in flight for a launch of `rows` rows: num_stages when given, else 2 for an FP8
-        weight up to 16 rows (measured, see `build`) and 3 otherwise (above 16 rows 2 stages were
-        not measured)."""
+        weight up to 16 rows (measured, see `build`) and 3 otherwise (for an FP8 weight 2 stages
+        measured 5 % slower at 32 rows and the same at 64: docs/results/wo-a-probe-h200.txt)."""
         if self.num_stages is not None:
             return self.num_stages
         return 2 if self.weight_dtype == torch.float8_e4m3fn and rows <= 16 else 3
