@@ -552,9 +552,9 @@ class GluonWoAConfig:
     warpgroup, the default split) against 4 and 8 stages and two warpgroups at split 4: the default
     within 1 % of the fastest at every row count 1-64 (8 stages 0.8 % faster at 16 rows, 14 %
     slower at 64; two warpgroups 3-23 % slower). Split 1 (with 6 or 12 stages; other bits than the
-    Triton plan) and two warpgroups at split 2 (with 6 or 8 stages) are 0.3-1.5 us slower at 1-8 rows (split 1
-    faster from 32 rows; `docs/gemm.md`, "What limits them", `wo_a`); the probe's register cap of 128 (`r128`) is built but
-    not measured.
+    Triton plan) and two warpgroups at split 2 (with 6 or 8 stages) are 0.3-1.5 us slower at 1-8
+    rows (split 1 faster from 32 rows; `docs/gemm.md`, "What limits them", `wo_a`); the probe's
+    register cap of 128 (`r128`) is built but not measured.
     """
 
     split: int | None = None

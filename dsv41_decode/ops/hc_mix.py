@@ -213,9 +213,10 @@ class HcMixPlan:
 
         dim: the model dim, a multiple of 32; max_rows: >= 1.
         split: programs along K per row tile (default: about 2 * SMs, at least 2 K grains of 128
-        per program: 80 programs of 256 columns at dim 5120; 40 measured slower alone at 1-64 rows,
-        `docs/results/gpu-tests-h200.txt` run DQ, and 16 slower in the step at 1-8 rows, docs/step.md). Not a function
-        of max_rows, so that a row's bits do not depend on the plan's capacity either.
+        per program: 80 programs of 256 columns at dim 5120; 40 measured slower alone at 1-64
+        rows, `docs/results/gpu-tests-h200.txt` run DQ, and 16 slower in the step at 1-8 rows,
+        docs/step.md). Not a function of max_rows, so that a row's bits do not depend on the plan's
+        capacity either.
         """
         require_int(dim, "dim")
         require_int(max_rows, "max_rows")
