@@ -11,10 +11,14 @@ each launch's start stagger (the last program's start after the first's: program
 SM) and span; last, the same configuration alone (`probe_gluon_sparse_mla.phases`, random inputs of
 the same shape).
 
-    PYTHONPATH=. python scripts/probe_step_mla_phases.py [--rows=1]
+    PYTHONPATH=. python scripts/probe_step_mla_phases.py [--rows=1] [--variant=mla_after_mix]
 
 `--rows` (1 or 2: the buckets of the spread configuration split4svl, whose programs stamp every
-phase). Prints; writes nothing. (GPU; about a minute.)
+phase). `--variant=`: one of `probe_step_schedule.py`'s patches applied to the step before it is
+captured with the log, e.g. `mla_after_mix` (the MLA after the next site's mixer: do its programs
+start sooner?) or, on branch mla-pdl-room, `mla_pdl_room` (the MLA by PDL after wq_b: are its
+records decoded before wq_b ends, and what does its part after q take?). Prints; writes nothing.
+(GPU; about a minute.)
 """
 from __future__ import annotations
 
@@ -70,10 +74,18 @@ def main() -> None:
         plans[i] = logged(plans[i])
         patched[lid] = plans[i]
         layer.mla_plans = type(layer.mla_plans)(plans)
+    variant = arg("variant", "")
+    if variant:
+        from probe_step_schedule import PATCHES
+        if variant not in PATCHES:
+            raise SystemExit(f"unknown variant {variant!r}; known: {list(PATCHES)}")
+        PATCHES[variant](step)               # kept for the captures below (no undo)
+        print(f"variant {variant}", flush=True)
     step.graphs = {}
     step._capture()
     _, with_log = output_and_times(step, (rows,))
-    print(f"step at {rows} row(s): {plain[rows]:.1f} us without the log, {with_log[rows]:.1f} with it", flush=True)
+    print(f"step at {rows} row(s): {plain[rows]:.1f} us as built, without the log; {with_log[rows]:.1f} with it"
+          + (f" and {variant}" if variant else ""), flush=True)
     torch.cuda.synchronize()
     by_kind: dict[str, list[torch.Tensor]] = {}
     stagger: dict[str, list[float]] = {}
