@@ -49,8 +49,8 @@ def _verify(args, console: Console) -> int:
                              "set TRITON_INTERPRET=1 (or use --device cuda)")
         os.environ["TRITON_INTERPRET"] = "1"
     if args.calls is not None:      # (imports the kernels: after the interpreter's choice above)
-        from .testing.trace import read_case
-        if args.calls > (held := len(read_case(args.dir / "trace.safetensors")["calls"]) - 1):
+        from .testing.trace import calls_after_first, read_case
+        if args.calls > (held := calls_after_first(read_case(args.dir / "trace.safetensors"))):
             raise UsageError(f"--calls {args.calls}: the trace holds {held} calls after the first")
     return max(_verify_path(args, p, console) for p in paths)
 

@@ -32,7 +32,7 @@ from probe_gluon_sparse_mla import CONFIGS, phase_table, phases
 from dsv41_decode.bench.step import output_and_times
 from dsv41_decode.config import ModelConfig
 from dsv41_decode.decode.attention import SWA
-from dsv41_decode.ops.gluon_sparse_mla_plan import STEP_CONFIGS, GluonSparseMlaPlan
+from dsv41_decode.ops.gluon_sparse_mla_plan import PHASE_COLS, STEP_CONFIGS, GluonSparseMlaPlan
 from dsv41_decode.stack import AttentionStack
 from dsv41_decode.state import DecodeState
 from dsv41_decode.testing.synthetic import fill_state, random_checkpoint
@@ -43,8 +43,7 @@ def logged(plan: GluonSparseMlaPlan) -> GluonSparseMlaPlan:
     own log."""
     config = dataclasses.replace(plan.config, phases=True)
     n = plan.max_rows * plan.base.n_blocks * config.dim_split
-    log = torch.zeros(n, plan.phase_log.shape[1] if plan.phase_log is not None else 16, dtype=torch.int64,
-                      device=plan.base.device)
+    log = torch.zeros(n, PHASE_COLS, dtype=torch.int64, device=plan.base.device)
     return dataclasses.replace(plan, config=config, phase_log=log, resident={}, q_descs={})
 
 

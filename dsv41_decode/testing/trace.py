@@ -124,6 +124,12 @@ def read_case(path: Path) -> dict:
     return case
 
 
+def calls_after_first(case: dict) -> int:
+    """The calls a trace's `case` (`read_case`) holds after its first (the prefill): the most a
+    replay's `calls` may ask for."""
+    return len(case["calls"]) - 1
+
+
 def required_tensors(cfg: ModelConfig, calls: list[str], layers) -> list[str]:
     """The trace tensors a replay of `calls` over `layers` reads (the boundary's are optional as a
     group: checked when `block_in` is present)."""
@@ -206,6 +212,10 @@ def verify_trace(folder: str | Path, progress: bool = False, path: str = "refere
     if calls is not None:
         require_int(calls, "calls", lo=0)
     folder = Path(folder)
+    case = read_case(folder / "trace.safetensors")
+    if calls is not None and calls > calls_after_first(case):
+        raise TraceError(f"{folder}: calls={calls} but the trace holds {calls_after_first(case)} calls after "
+                         f"the first")
     ckpt = load_checkpoint(folder, device=device)
     cfg0: ModelConfig = ckpt.config
     if heads is None and path == "step" and cfg0.n_heads != step_heads(cfg0.n_heads, cfg0.o_groups):
@@ -217,11 +227,7 @@ def verify_trace(folder: str | Path, progress: bool = False, path: str = "refere
                 f"({cfg0.n_heads // cfg0.o_groups} real + {(heads - cfg0.n_heads) // cfg0.o_groups} zero per wo_a "
                 f"group: zero wq_b rows and wo_a columns, which add exactly nothing)")
     cfg: ModelConfig = ckpt.config
-    case = read_case(folder / "trace.safetensors")
     B, plan = case["batch"], cfg.plan
-    if calls is not None and calls > len(case["calls"]) - 1:
-        raise TraceError(f"{folder}: calls={calls} but the trace holds {len(case['calls']) - 1} calls after "
-                         f"the first")
     names = case["calls"] if calls is None else case["calls"][:1 + calls]
     stack = AttentionStack(ckpt)
     layers = stack.layers
