@@ -55,6 +55,13 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
                     (`pdl.bulk_prefetch_l2`, 16 KB an instruction, 32 a program) on the weights lane, issued once
                     wq_b is done, beside the sparse MLA (which reads little of DRAM), joined at
                     the step's end; the same bits
+    prefetch_records
+    prefetch_records_last
+                    at <= --prefetch-rows rows (default 2), at each layer's start on the weights
+                    lane, the records its sparse MLA will gather asked of L2 (a bulk prefetch a
+                    record: the window's, and in the layers that read an earlier layer's selection
+                    its compressed records), plain or at the evict_last priority; joined at the
+                    step's end; the same bits
     no_pdl          every kernel launched plainly: not each layer's Gluon wo_a by programmatic
                     dependent launch after the Gluon sparse MLA (released at the start of the MLA's
                     last launch's programs: its rings' first weight tiles read while the MLA runs),
