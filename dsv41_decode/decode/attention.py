@@ -51,7 +51,7 @@ from ..ops.pdl import supported as pdl_supported
 from ..ops.rms_norm import rms_norm_, rms_norm_pair_
 from ..ops.low_latency_mm import LowLatencyConfig, LowLatencyMM
 from ..ops.sparse_mla import SUPPORTED_HEADS, SparseMlaPlan, sparse_mla_
-from ..ops.sparse_tables import topk_slots_
+from ..ops.sparse_tables import records_prefetch_l2_, topk_slots_
 from ..ops.topk import TopKPlan, candidate_mask_, topk_ascending_
 from ..ops.wo_a import WoAPlan, quantize_wo_a, wo_a_
 from ..state import DecodeState
@@ -120,6 +120,12 @@ WQ_B_PDL_MAX_ROWS = 8
 # 4426.6 / 4411.9 at 2 against 4492.1 / 4502.6 (1.8 / 1.7 % less), the same at 4, 2.8 % slower at 8 (and
 # 1.7 / 6.6 % at 16 / 64 at 2ad2dea): docs/step.md
 QKV_PDL_MAX_ROWS = 2
+
+# The records each layer's sparse MLA will gather asked into L2 at the layer's start
+# (`DecodeStep(prefetch_records=True)`) in the buckets of at most this many rows: in the step at 1 row
+# the MLA's record gather took 3.4 us a program against 0.96 with the records in L2 (H100, run FU,
+# scripts/probe_step_mla_phases.py): docs/step.md
+PREFETCH_RECORDS_MAX_ROWS = 2
 
 
 # The ring slots of an FP8 `wo_a`'s folded Gluon consumer (a slot holds half the bytes of the BF16
@@ -259,7 +265,7 @@ class AttentionStep:
                  fold_index_chain: bool = False, weights_lane: bool = True, comp_tail: bool = False,
                  index_row_group: int = 1, fuse_scales: bool = False, pair_slots: bool = False,
                  wo_a_pdl: bool = True, wq_b_pdl: bool = True, qkv_pdl: bool = True, wo_b_pdl: bool = True,
-                 norm_pdl: bool = True):
+                 norm_pdl: bool = True, prefetch_records: bool = False):
         """sources: the step's layers built before this one (by id), among them this layer's index and
         KV sources: a layer that reuses a selection or a candidate pool reads its source's buffers.
         The layer's own selection and candidate pool (when it makes them) are its attributes
@@ -314,6 +320,10 @@ class AttentionStep:
         # norm_pdl: the q/kv norm pair launched by PDL after the fused wq_a|wkv GEMM (its launch
         # overlaps the GEMM's tail; a schedule choice: the same bits; `_inputs`, one GPU)
         self.norm_pdl = bool(norm_pdl) and pdl_supported(dev) and layer.tp.tp == 1
+        # prefetch_records: the records the sparse MLA will gather asked into L2 at the layer's start,
+        # on a side lane, in the buckets of at most PREFETCH_RECORDS_MAX_ROWS rows (a schedule aid:
+        # the same bits; `run`, `takes_prefetch`; sm_90, the lanes overlapping)
+        self.prefetch_records = bool(prefetch_records) and pdl_supported(dev) and lanes.overlap
         if "attn.wo_a.scale" in w:
             self.wo_a_w, self.wo_a_s = w["attn.wo_a.weight"], w["attn.wo_a.scale"]
         elif wo_a_fp8:
@@ -414,6 +424,11 @@ class AttentionStep:
         launch (`qkv_pdl`, at most QKV_PDL_MAX_ROWS rows), which then releases it at its start."""
         return self.qkv_pdl and rows <= QKV_PDL_MAX_ROWS
 
+    def takes_prefetch(self, rows: int) -> bool:
+        """Whether a call of `rows` rows asks L2 for its sparse MLA's records at its start
+        (`prefetch_records`, at most PREFETCH_RECORDS_MAX_ROWS rows)."""
+        return self.prefetch_records and rows <= PREFETCH_RECORDS_MAX_ROWS
+
     def takes_boundary(self, rows: int) -> bool:
         """Whether `run(rows, ..., boundary=)` can run the mHC boundary in wo_b's epilogue: one rank
         (no TP reduction between wo_b and the boundary) and wo_b's op for `rows` rows is `ExactMM`
@@ -445,6 +460,8 @@ class AttentionStep:
         `_select` (index scores, top-k, candidate pool, sparse-index table), `_attend` (sparse MLA),
         `_output` (wo_a with the staged window copy, wo_b).
         """
+        if self.takes_prefetch(rows):
+            self._prefetch(rows, events)
         part = self.layer.tp.row_share(rows) if shard and self.row_shardable else None
         own = slice(0, rows) if part is None else slice(part[0], part[1])   # the rows this rank indexes
         kv_score, qr_ready, proj_ready = self._inputs(rows, u, u_codes, u_scales, own)
@@ -458,6 +475,25 @@ class AttentionStep:
                 self._select_shared(rows, part, iq_ready, events)
         o = self._attend(rows, events)
         self._output(rows, o, y, boundary, mixed)
+
+    def _prefetch(self, B: int, events: StepEvents) -> None:
+        """Ask L2 for the records `_attend` will gather (`records_prefetch_l2_`, evict_last) on the
+        weights lane, after the main stream's work so far: the window's and, in a layer that reads an
+        earlier layer's selection, the selection's compressed records (after that selection's table;
+        an indexer layer's own selection comes later: its window's only). Its event in
+        `events.prefetch`, joined at the step's end (it writes nothing)."""
+        spec, m, st, lanes = self.spec, self.meta, self.state, self.lanes
+        comp = spec.kind != SWA and not spec.runs_indexer
+        ready = lanes.mark()
+        with lanes.side(AUX_INDEX_W):
+            lanes.wait(ready, events.tables.get(spec.index_source) if comp else None)
+            wt = m.window_table[:B]
+            if comp:
+                records_prefetch_l2_(st.window[spec.layer], wt, st.compressed[spec.kv_source],
+                                     self.source_selection.table[:B])
+            else:
+                records_prefetch_l2_(st.window[spec.layer], wt)
+            events.prefetch = lanes.mark()
 
     def _inputs(self, B: int, u, u_codes, u_scales, own: slice):
         """The input projections: the fused wq_a|wkv GEMM and the q/kv norm on the main stream, the

@@ -34,7 +34,7 @@ import torch
 AUX_COMPRESSOR = 0   # compressor kv_score, state update, latent, index key
 AUX_MIXER = 1        # the next site's mHC mixer; candidate expansion
 AUX_INDEX_Q = 2      # indexer query (and weights_proj unless on its own lane); sparse-index table builds
-AUX_INDEX_W = 3      # indexer weights_proj where it runs beside the index query's GEMM
+AUX_INDEX_W = 3      # indexer weights_proj where it runs beside the index query's GEMM; the records prefetch
 
 PRIORITY_CRITICAL = -1   # CUDA stream priorities: lower is more urgent; 0 is the default and the least
 PRIORITY_SLACK = 0
@@ -94,11 +94,14 @@ class StepEvents:
         scores, which the next indexer overwrites; None when none is pending).
     tables: per index source layer, the event that marks its sparse-index table built (read by
         the layers that use its selection).
+    prefetch: the last layer's records prefetch (`AttentionStep._prefetch`; a lane runs in order,
+        so it follows the earlier layers' ones), None when none is pending.
     """
 
     candidates: Event | None = None
     tables: dict[int, Event | None] = field(default_factory=dict)
+    prefetch: Event | None = None
 
     def join(self, lanes: Lanes) -> None:
         """The main stream waits for every side lane's pending work (the end of a step)."""
-        lanes.wait(self.candidates, *self.tables.values())
+        lanes.wait(self.candidates, self.prefetch, *self.tables.values())

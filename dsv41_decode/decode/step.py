@@ -198,6 +198,12 @@ class DecodeStep:
         it) by programmatic dependent launch after wo_b (`mhc_boundary_(pdl=True)`); the same bits.
         On by default (on an H100 the step 0.3-0.5 % faster at 1-8 rows: docs/step.md); elsewhere
         it changes nothing.
+    prefetch_records: on an sm_90 GPU with overlap, in the buckets of at most
+        `attention.PREFETCH_RECORDS_MAX_ROWS` rows, at each layer's start the records its sparse MLA
+        will gather asked into L2 at the evict_last priority on a side lane (`AttentionStep._prefetch`,
+        `ops.sparse_tables.records_prefetch_l2_`: the window's, and in the layers that read an
+        earlier layer's selection its compressed records), so that the MLA's gather finds them in
+        L2; the same bits. Off by default (docs/step.md); elsewhere it changes nothing.
     mix_late_rows: in the buckets of at least this many rows each site's mixer is enqueued at the
         end of the next layer's input projections instead of right after the boundary before it
         (default `MIX_LATE_ROWS`, where it measured faster on an H200; LOW_BATCH_MAX_ROWS + 1:
@@ -206,7 +212,7 @@ class DecodeStep:
     Errors: StepError for buckets outside 1..LOW_BATCH_MAX_ROWS or past the state's stage_rows, a
     state of another configuration, a mix_late_rows that is not an int >= 1, an index_row_group
     outside `ROW_GROUPS`, a max_rows or bucket that is not an int, an option documented as a bool
-    (graphs .. pair_slots, wo_a_pdl .. boundary_pdl) that is not one, an unknown tp_boundary,
+    (graphs .. pair_slots, wo_a_pdl .. prefetch_records) that is not one, an unknown tp_boundary,
     or tp_boundary="fused" under TP off CUDA; `NotEligible` for a layer whose weights do not suit
     the step.
 
@@ -221,7 +227,8 @@ class DecodeStep:
                  fold_boundary: bool = False, weights_lane: bool = True, comp_tail: bool = False,
                  mix_late_rows: int = MIX_LATE_ROWS, index_row_group: int = 1, fuse_scales: bool = False,
                  pair_slots: bool = False, wo_a_pdl: bool = True, wq_b_pdl: bool = True, qkv_pdl: bool = True,
-                 wo_b_pdl: bool = True, norm_pdl: bool = True, boundary_pdl: bool = True):
+                 wo_b_pdl: bool = True, norm_pdl: bool = True, boundary_pdl: bool = True,
+                 prefetch_records: bool = False):
         if not isinstance(state, DecodeState):
             raise StepError(f"state must be a DecodeState, got a {type(state).__name__}: {state!r}")
         if as_count(max_rows) is None:
@@ -254,7 +261,7 @@ class DecodeStep:
                      fp32_dots=fp32_dots, fold_index_chain=fold_index_chain, fold_boundary=fold_boundary,
                      weights_lane=weights_lane, comp_tail=comp_tail, fuse_scales=fuse_scales, pair_slots=pair_slots,
                      wo_a_pdl=wo_a_pdl, wq_b_pdl=wq_b_pdl, qkv_pdl=qkv_pdl, wo_b_pdl=wo_b_pdl, norm_pdl=norm_pdl,
-                     boundary_pdl=boundary_pdl)
+                     boundary_pdl=boundary_pdl, prefetch_records=prefetch_records)
         for name, flag in flags.items():
             if not isinstance(flag, bool):
                 raise StepError(f"{name} must be a bool, got {flag!r}")
@@ -285,7 +292,8 @@ class DecodeStep:
                                            weights_lane=weights_lane, comp_tail=comp_tail,
                                            index_row_group=index_row_group, fuse_scales=fuse_scales,
                                            pair_slots=pair_slots, wo_a_pdl=wo_a_pdl, wq_b_pdl=wq_b_pdl,
-                                           qkv_pdl=qkv_pdl, wo_b_pdl=wo_b_pdl, norm_pdl=norm_pdl)
+                                           qkv_pdl=qkv_pdl, wo_b_pdl=wo_b_pdl, norm_pdl=norm_pdl,
+                                           prefetch_records=prefetch_records)
         self.scratch.workspaces.seal()           # every plan has its view; the graphs take the addresses
         mailbox = None
         if tp_boundary != "collective" and stack.tp.tp > 1 and dev.type == "cuda":

@@ -394,6 +394,24 @@ def test_pdl_options_are_off_without_pdl_and_checked(cpu_setup, monkeypatch, opt
         assert not any(layer.takes_qkv_pdl(1) for layer in step.layers.values())
 
 
+def test_prefetch_records_is_off_without_the_lanes_and_checked(cpu_setup):
+    """prefetch_records (sm_90 with overlapping lanes: each layer's sparse MLA records asked into L2
+    at its start; its bits are the GPU tests') changes nothing on the CPU; a value that is not a
+    bool is a StepError naming it; where on, a layer takes it in the buckets of at most
+    `attention.PREFETCH_RECORDS_MAX_ROWS` rows."""
+    from dsv41_decode.decode import attention
+    _, _, base, ckpt = cpu_setup
+    stack = AttentionStack(ckpt, [1, 3])
+    step = stack.decode_step(copy.deepcopy(base), max_rows=4, prefetch_records=True)
+    assert not any(layer.prefetch_records or layer.takes_prefetch(1) for layer in step.layers.values())
+    with pytest.raises(StepError, match="prefetch_records must be a bool, got 1"):
+        stack.decode_step(copy.deepcopy(base), max_rows=2, prefetch_records=1)
+    rows = attention.PREFETCH_RECORDS_MAX_ROWS
+    for layer in step.layers.values():
+        layer.prefetch_records = True
+        assert layer.takes_prefetch(rows) and not layer.takes_prefetch(rows + 1)
+
+
 @interpreter
 def test_memory_bytes_counts_the_layers_copies_and_workspaces(cpu_setup):
     """DecodeStep.memory_bytes: every family; per layer at least the fused wq_a|wkv copy; the

@@ -1,9 +1,15 @@
 """Sparse-index tables against torch references, bit-exact (interpreter here; GPU under `gpu`)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from dsv41_decode.ops.sparse_tables import step_rows_, topk_slots_, window_table_
+from dsv41_decode.ops import sparse_tables
+from dsv41_decode.ops.sparse_tables import records_prefetch_l2_, step_rows_, topk_slots_, window_table_
+from dsv41_decode.records import COMPRESSED_KV_BYTES, WINDOW_KV_BYTES
+
+from helpers import compile_script
 
 
 def ref_window_table(req_slot, positions, window, ring=None):
@@ -150,3 +156,59 @@ def test_step_rows_rope_angles_are_torchs_cast_and_product(device):
         step_rows_(record, w, 8, bt, 4, *tables, n_vis, entry, rope=(offsets, freqs, bad))
     with pytest.raises(ValueError, match="rope freqs"):
         step_rows_(record, w, 8, bt, 4, *tables, n_vis, entry, rope=(offsets, freqs[:2], angles))
+
+
+def _prefetch_args(device, n=3, w=16, k=40, s_w=64, s_c=100):
+    g = torch.Generator().manual_seed(3)
+    wp = torch.randint(0, 256, (s_w, WINDOW_KV_BYTES), generator=g, dtype=torch.uint8)
+    cp = torch.randint(0, 256, (s_c, COMPRESSED_KV_BYTES), generator=g, dtype=torch.uint8)
+    wt = torch.randint(-1, s_w, (n, w), generator=g, dtype=torch.int32)
+    ct = torch.randint(-1, s_c, (n, k), generator=g, dtype=torch.int32)
+    return [t.to(device) for t in (wp, wt, cp, ct)]
+
+
+def test_records_prefetch_bad_inputs_name_the_argument():
+    """records_prefetch_l2_ checks its pools and tables as the sparse MLA does (each error names the
+    argument), and on the CPU (no sm_90 bulk prefetch) refuses naming window_pool."""
+    wp, wt, cp, ct = _prefetch_args("cpu")
+    cases = [
+        ((wp[:, :100], wt), "window_pool"),
+        ((wp.to(torch.int8), wt), "window_pool"),
+        ((wp, wt.long()), "window_table"),
+        ((wp, wt[0]), "window_table"),
+        ((wp, wt, cp), "comp_pool and comp_table"),
+        ((wp, wt, cp[:, :64], ct), "comp_pool"),
+        ((wp, wt, cp, ct[:2]), "comp_table"),
+        ((wp, wt, cp, ct.long()), "comp_table"),
+        ((wp, wt, cp, ct), "window_pool: the records' bulk prefetch needs"),
+    ]
+    for args, culprit in cases:
+        with pytest.raises((ValueError, TypeError), match=culprit):
+            records_prefetch_l2_(*args)
+
+
+def test_records_prefetch_compiles_for_sm90_with_evict_last():
+    """The kernel compiled for sm_90 (tests/ops/_records_prefetch_sm90.py, in a subprocess without the
+    interpreter), with and without the compressed records: one bulk L2 prefetch of a record's bytes
+    under an evict_last policy in the PTX, the bulk prefetch in the SASS, no local memory."""
+    rows = compile_script(Path(__file__).with_name("_records_prefetch_sm90.py"))[1]
+    assert [r["kc"] for r in rows] == [0, 512]
+    for r in rows:
+        assert r["evict_last"] >= 1 and r["prefetches"] == 1 and r["sass_prefetches"] >= 1, r
+        assert r["LOCAL"] == 0, r
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("comp", [False, True])
+def test_gpu_records_prefetch_writes_nothing(comp):
+    """On the GPU the prefetch runs (-1 slots skipped, the last slot of each pool included) and
+    leaves its pools and tables as they were."""
+    if not sparse_tables.pdl.supported("cuda"):
+        pytest.skip("needs sm_90")
+    wp, wt, cp, ct = _prefetch_args("cuda")
+    wt[0, -1], ct[0, -1] = wp.shape[0] - 1, cp.shape[0] - 1
+    before = [t.clone() for t in (wp, wt, cp, ct)]
+    records_prefetch_l2_(wp, wt, *((cp, ct) if comp else ()))
+    records_prefetch_l2_(wp, wt[:0], *((cp, ct[:0]) if comp else ()))     # no rows: nothing launched
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(before, (wp, wt, cp, ct)))
