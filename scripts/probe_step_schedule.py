@@ -62,6 +62,7 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
                     record: the window's, and in the layers that read an earlier layer's selection
                     its compressed records), plain or at the evict_last priority; joined at the
                     step's end; the same bits
+    prefetch_step   the step's own form of prefetch_records_last (`DecodeStep(prefetch_records=True)`)
     no_pdl          every kernel launched plainly: not each layer's Gluon wo_a by programmatic
                     dependent launch after the Gluon sparse MLA (released at the start of the MLA's
                     last launch's programs: its rings' first weight tiles read while the MLA runs),
@@ -491,6 +492,7 @@ PATCHES = {
     "wproj_split": _wproj_split, "comp_tail": _comp_tail, "boundary_bd256": _boundary_chunks(256),
     "boundary_bd1024": _boundary_chunks(1024), "prefetch_wo_a": _prefetch_wo_a,
     "prefetch_records": _prefetch_records(last=False), "prefetch_records_last": _prefetch_records(last=True),
+    "prefetch_step": _layer_flag("prefetch_records", True),
     "no_pdl": lambda step: _swap([(owner, flag, False) for flag in PDL_OPTIONS
                                   for owner in ([step] if hasattr(step, flag) else step.layers.values())]),
     "no_wq_b_pdl": _layer_flag("wq_b_pdl", False), "no_wo_b_pdl": _layer_flag("wo_b_pdl", False),
