@@ -55,14 +55,8 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
                     (`pdl.bulk_prefetch_l2`, 16 KB an instruction, 32 a program) on the weights lane, issued once
                     wq_b is done, beside the sparse MLA (which reads little of DRAM), joined at
                     the step's end; the same bits
-    prefetch_records
-    prefetch_records_last
-                    at <= --prefetch-rows rows (default 2), at each layer's start on the weights
-                    lane, the records its sparse MLA will gather asked of L2 (a bulk prefetch a
-                    record: the window's, and in the layers that read an earlier layer's selection
-                    its compressed records), plain or at the evict_last priority; joined at the
-                    step's end; the same bits
-    prefetch_step   the step's own form of prefetch_records_last (`DecodeStep(prefetch_records=True)`)
+    no_prefetch     at 1-2 rows, without the step's prefetch of each layer's sparse MLA records into
+                    L2 at the layer's start (`DecodeStep(prefetch_records=False)`); the same bits
     no_pdl          every kernel launched plainly: not each layer's Gluon wo_a by programmatic
                     dependent launch after the Gluon sparse MLA (released at the start of the MLA's
                     last launch's programs: its rings' first weight tiles read while the MLA runs),
@@ -410,74 +404,6 @@ def _prefetch_wo_a(step):
     return _swap([(attention_mod.AttentionStep, "_attend", attend_prefetching), (StepEvents, "join", join_prefetch)])
 
 
-@triton.jit
-def _record_prefetch_kernel(win_pool, win_table, comp_pool, comp_table, stride_w, stride_c,
-                            W: tl.constexpr, KC: tl.constexpr, COMP: tl.constexpr, LAST: tl.constexpr,
-                            LANES: tl.constexpr):
-    # program (r, c): lane i asks L2 for the record of joined-list entry j = c * LANES + i of row r
-    # (the window's slots, then with COMP the selection's), one bulk prefetch a record; with LAST at
-    # the evict_last priority (a policy made once a lane), so that the layer's wq_b stream, which
-    # passes through L2 after it, evicts other lines first
-    r = tl.program_id(0)
-    j = tl.program_id(1) * LANES + tl.arange(0, LANES)
-    in_w = j < W
-    slot = tl.load(win_table + r * stride_w + j, mask=in_w, other=-1)
-    addr = win_pool.to(tl.pointer_type(tl.uint8)).to(tl.int64) + slot.to(tl.int64) * 528
-    size = tl.where(slot >= 0, 528, 0)
-    if COMP:
-        in_c = (j >= W) & (j < W + KC)
-        cslot = tl.load(comp_table + r * stride_c + (j - W), mask=in_c, other=-1)
-        caddr = comp_pool.to(tl.pointer_type(tl.uint8)).to(tl.int64) + cslot.to(tl.int64) * 288
-        addr = tl.where(in_w, addr, caddr)
-        size = tl.where(in_w, size, tl.where(cslot >= 0, 288, 0))
-    if LAST:
-        tl.inline_asm_elementwise("{\n\t.reg .pred p;\n\t.reg .b64 pol;\n\tsetp.gt.s32 p, $2, 0;\n\t"
-                                  "createpolicy.fractional.L2::evict_last.b64 pol, 1.0;\n\t"
-                                  "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol;\n\t"
-                                  "mov.u32 $0, 0;\n\t}",
-                                  "=r,l,r", [addr, size.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        bulk_prefetch_l2(addr, size.to(tl.int32))
-
-
-def _prefetch_records(last: bool):
-    """A patch of every layer at <= `--prefetch-rows` rows (default 2): at the layer's start, on the
-    weights lane (unused outside the indexer layers' 1-2-row head-weights projection) after the main
-    stream's work so far and the index source's table, a launch asking L2 for the records the
-    layer's sparse MLA will gather - its window's and, in the layers that read an earlier layer's
-    selection (Reuse), the selection's compressed records (an indexer layer's own selection is not
-    built yet: its window's only) - at the evict_last priority with `last`; the main stream joins
-    the lane at the end of the step (the kernel writes nothing). Returns the undo."""
-    max_rows = int(arg("prefetch-rows", "2"))
-    run, join = attention_mod.AttentionStep.run, StepEvents.join
-    marks = []
-
-    def run_prefetching(self, rows, u, u_codes, u_scales, y, events, *a, **k):
-        spec = self.spec
-        if rows <= max_rows:
-            m, st = self.meta, self.state
-            comp = spec.kind != attention_mod.SWA and not spec.runs_indexer
-            ready = self.lanes.mark()
-            with self.lanes.side(AUX_INDEX_W):
-                self.lanes.wait(ready, *([events.tables.get(spec.index_source)] if comp else []))
-                wt = m.window_table[:rows]
-                ct = self.source_selection.table[:rows] if comp else wt
-                cp = st.compressed[spec.kv_source] if comp else st.window[spec.layer]
-                lanes, n = 32, wt.shape[1] + (ct.shape[1] if comp else 0)
-                _record_prefetch_kernel[(rows, triton.cdiv(n, lanes))](
-                    st.window[spec.layer], wt, cp, ct, wt.stride(0), ct.stride(0), W=wt.shape[1],
-                    KC=ct.shape[1] if comp else 0, COMP=comp, LAST=last, LANES=lanes, num_warps=1)
-                marks.append(self.lanes.mark())
-        return run(self, rows, u, u_codes, u_scales, y, events, *a, **k)
-
-    def join_prefetch(self, lanes):
-        join(self, lanes)
-        lanes.wait(*marks[-1:])         # the lane's last launch of this step (a lane runs in order)
-        marks.clear()
-    return lambda step: _swap([(attention_mod.AttentionStep, "run", run_prefetching),
-                               (StepEvents, "join", join_prefetch)])
-
-
 def _skip(obj, name: str):
     """A patch replacing obj.name (a launcher the step calls) by a no-op; the undo restores it."""
     return lambda step: _swap([(obj, name, lambda *a, **k: None)])
@@ -491,8 +417,7 @@ PATCHES = {
     "wproj_lane": _layer_flag("proj_own_lane", True), "wproj_in_index": _layer_flag("proj_own_lane", False),
     "wproj_split": _wproj_split, "comp_tail": _comp_tail, "boundary_bd256": _boundary_chunks(256),
     "boundary_bd1024": _boundary_chunks(1024), "prefetch_wo_a": _prefetch_wo_a,
-    "prefetch_records": _prefetch_records(last=False), "prefetch_records_last": _prefetch_records(last=True),
-    "prefetch_step": _layer_flag("prefetch_records", True),
+    "no_prefetch": _layer_flag("prefetch_records", False),
     "no_pdl": lambda step: _swap([(owner, flag, False) for flag in PDL_OPTIONS
                                   for owner in ([step] if hasattr(step, flag) else step.layers.values())]),
     "no_wq_b_pdl": _layer_flag("wq_b_pdl", False), "no_wo_b_pdl": _layer_flag("wo_b_pdl", False),

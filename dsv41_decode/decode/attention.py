@@ -122,9 +122,11 @@ WQ_B_PDL_MAX_ROWS = 8
 QKV_PDL_MAX_ROWS = 2
 
 # The records each layer's sparse MLA will gather asked into L2 at the layer's start
-# (`DecodeStep(prefetch_records=True)`) in the buckets of at most this many rows: in the step at 1 row
-# the MLA's record gather took 3.4 us a program against 0.96 with the records in L2 (H100, run FU,
-# scripts/probe_step_mla_phases.py): docs/step.md
+# (`DecodeStep(prefetch_records=True)`) in the buckets of at most this many rows, the ones measured: in
+# the step at 1 row the MLA's record gather took 3.4 us a program against 0.96 with the records in L2
+# (H100, run FU, scripts/probe_step_mla_phases.py), 2.3 with the prefetch; the step 3654.3 / 3647.9 us
+# at 1 row against 3686.2 / 3676.6 and 4279.2 / 4280.2 at 2 against 4305.7 / 4290.0 (run FV, processes
+# of their own, two passes): docs/step.md
 PREFETCH_RECORDS_MAX_ROWS = 2
 
 
@@ -265,7 +267,7 @@ class AttentionStep:
                  fold_index_chain: bool = False, weights_lane: bool = True, comp_tail: bool = False,
                  index_row_group: int = 1, fuse_scales: bool = False, pair_slots: bool = False,
                  wo_a_pdl: bool = True, wq_b_pdl: bool = True, qkv_pdl: bool = True, wo_b_pdl: bool = True,
-                 norm_pdl: bool = True, prefetch_records: bool = False):
+                 norm_pdl: bool = True, prefetch_records: bool = True):
         """sources: the step's layers built before this one (by id), among them this layer's index and
         KV sources: a layer that reuses a selection or a candidate pool reads its source's buffers.
         The layer's own selection and candidate pool (when it makes them) are its attributes

@@ -190,15 +190,15 @@ def test_gpu_long_run_vs_generic(gpu_setup):
 # each layer's Gluon wo_a by PDL after the sparse MLA, its exact wq_b after the norm pair, its exact
 # wo_b after wo_a's main loops and at 1-2 rows its exact fused wq_a|wkv after the mHC boundary's
 # launch, their first weight tiles or bytes read while those run, its norm pair after the fused GEMM
-# and its boundary's own launch after wo_b); "prefetch_records": each layer's sparse MLA records asked
-# into L2 at its start at 1-2 rows (it writes nothing). (`pair_slots` changes no configuration of this preset's
+# and its boundary's own launch after wo_b); "no_prefetch_records": without the step's prefetch of each
+# layer's sparse MLA records into L2 at its start at 1-2 rows (which writes nothing). (`pair_slots` changes no configuration of this preset's
 # own plan: test_gpu_exact_options_on_the_plan_forms_give_the_step_bits.)
 SAME_BITS = {"graph_again": {}, "eager": dict(graphs=False), "no_overlap": dict(overlap=False),
              "fold_index_chain": dict(fold_index_chain=True), "fold_boundary": dict(fold_boundary=True),
              "weights_in_index_lane": dict(weights_lane=False), "comp_tail": dict(comp_tail=True),
              "mix_late": dict(mix_late_rows=1), "mix_late_fold": dict(mix_late_rows=1, fold_boundary=True),
              "index_row_group": dict(index_row_group=2), "fuse_scales": dict(fuse_scales=True),
-             "no_pdl": dict.fromkeys(PDL_OPTIONS, False), "prefetch_records": dict(prefetch_records=True)}
+             "no_pdl": dict.fromkeys(PDL_OPTIONS, False), "no_prefetch_records": dict(prefetch_records=False)}
 
 
 def _graph_run(gpu_setup, **options):
