@@ -57,6 +57,8 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
                     the step's end; the same bits
     no_prefetch     at 1-2 rows, without the step's prefetch of each layer's sparse MLA records into
                     L2 at the layer's start (`DecodeStep(prefetch_records=False)`); the same bits
+    prefetch_plain  that prefetch at L2's normal priority instead of evict_last; the same bits
+    prefetch_8      that prefetch in the buckets of up to 8 rows instead of 2; the same bits
     no_pdl          every kernel launched plainly: not each layer's Gluon wo_a by programmatic
                     dependent launch after the Gluon sparse MLA (released at the start of the MLA's
                     last launch's programs: its rings' first weight tiles read while the MLA runs),
@@ -418,6 +420,9 @@ PATCHES = {
     "wproj_split": _wproj_split, "comp_tail": _comp_tail, "boundary_bd256": _boundary_chunks(256),
     "boundary_bd1024": _boundary_chunks(1024), "prefetch_wo_a": _prefetch_wo_a,
     "no_prefetch": _layer_flag("prefetch_records", False),
+    "prefetch_plain": lambda step: _swap([(attention_mod, "records_prefetch_l2_",
+                                           functools.partial(attention_mod.records_prefetch_l2_, evict_last=False))]),
+    "prefetch_8": lambda step: _swap([(attention_mod, "PREFETCH_RECORDS_MAX_ROWS", 8)]),
     "no_pdl": lambda step: _swap([(owner, flag, False) for flag in PDL_OPTIONS
                                   for owner in ([step] if hasattr(step, flag) else step.layers.values())]),
     "no_wq_b_pdl": _layer_flag("wq_b_pdl", False), "no_wo_b_pdl": _layer_flag("wo_b_pdl", False),

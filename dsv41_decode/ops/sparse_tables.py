@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ..records import COMPRESSED_KV_BYTES, WINDOW_KV_BYTES
 from . import pdl
-from .checks import require_int, require_ndim, require_tensor
+from .checks import require_bool, require_int, require_ndim, require_tensor
 
 
 @triton.jit
@@ -128,7 +128,7 @@ def topk_slots_(topk: torch.Tensor, req_slot: torch.Tensor, block_table: torch.T
 @triton.jit
 def _records_prefetch_kernel(win_pool, win_table, comp_pool, comp_table, stride_w, stride_c,
                              W: tl.constexpr, KC: tl.constexpr, WREC: tl.constexpr, CREC: tl.constexpr,
-                             LANES: tl.constexpr):
+                             LANES: tl.constexpr, LAST: tl.constexpr):
     # program (r, c): lane i asks L2 for the record of row r's joined-list entry c * LANES + i (the
     # window's W slots, then the KC compressed slots), one bulk prefetch a record, none for a -1 slot
     r = tl.program_id(0)
@@ -143,20 +143,24 @@ def _records_prefetch_kernel(win_pool, win_table, comp_pool, comp_table, stride_
         caddr = comp_pool.to(tl.pointer_type(tl.uint8)).to(tl.int64) + cslot.to(tl.int64) * CREC
         addr = tl.where(in_w, addr, caddr)
         size = tl.where(in_w, size, tl.where(cslot >= 0, CREC, 0))
-    pdl.bulk_prefetch_l2_last(addr, size.to(tl.int32))
+    if LAST:
+        pdl.bulk_prefetch_l2_last(addr, size.to(tl.int32))
+    else:
+        pdl.bulk_prefetch_l2(addr, size.to(tl.int32))
 
 
 RECORDS_PREFETCH_LANES = 32     # records a one-warp program asks for
 
 
 def records_prefetch_l2_(window_pool: torch.Tensor, window_table: torch.Tensor,
-                         comp_pool: torch.Tensor | None = None, comp_table: torch.Tensor | None = None) -> None:
+                         comp_pool: torch.Tensor | None = None, comp_table: torch.Tensor | None = None, *,
+                         evict_last: bool = True) -> None:
     """Ask L2 for the records that `sparse_mla.sparse_mla_` (or the Gluon kernel) with these pools
     and tables will gather: row r's window records window_pool[window_table[r, i]] and, given,
     its compressed records comp_pool[comp_table[r, k]] (-1 slots: none), one bulk prefetch a
     record (`cp.async.bulk.prefetch.L2`, 528 and 288 bytes) at L2's evict_last priority
     (`pdl.bulk_prefetch_l2_last`), so that a weight streamed through L2 in between evicts other
-    lines first. Reads the tables, writes nothing; the MLA's values do not depend on it (a
+    lines first; with evict_last=False at the normal priority (`pdl.bulk_prefetch_l2`). Reads the tables, writes nothing; the MLA's values do not depend on it (a
     schedule aid: `DecodeStep(prefetch_records=)`).
 
     window_pool: [S_w, 528] uint8, contiguous records; window_table: [N, W] int32; comp_pool:
@@ -177,6 +181,7 @@ def records_prefetch_l2_(window_pool: torch.Tensor, window_table: torch.Tensor,
         if t.shape[0] > 1 and t.stride(0) != rec:
             raise ValueError(f"{name} must have contiguous records (row stride {rec}), got strides {t.stride()}")
     require_tensor(window_table, "window_table", torch.int32, (n, w), dev)
+    require_bool(evict_last, "evict_last")
     k = 0
     if comp_table is not None:
         k = require_ndim(comp_table, "comp_table", "[N, K]")[1]
@@ -191,7 +196,7 @@ def records_prefetch_l2_(window_pool: torch.Tensor, window_table: torch.Tensor,
     lanes = RECORDS_PREFETCH_LANES
     _records_prefetch_kernel[(n, triton.cdiv(w + k, lanes))](
         window_pool, window_table, cp, ct, window_table.stride(0), ct.stride(0), W=w, KC=k, WREC=WINDOW_KV_BYTES,
-        CREC=COMPRESSED_KV_BYTES, LANES=lanes,
+        CREC=COMPRESSED_KV_BYTES, LANES=lanes, LAST=evict_last,
         num_warps=1)
 
 

@@ -1,8 +1,9 @@
 """Run by tests/ops/test_sparse_tables.py in a subprocess without the Triton interpreter (the kernel
 must be a real JIT function to compile), and by hand: compiles `ops.sparse_tables`' records prefetch
-for sm_90 at the step's shapes (a window of 128 records, with and without 512 compressed ones) and
-prints, per form, one JSON object: its L2 policies and bulk prefetches in the PTX, the bulk
-prefetches in the SASS, registers and local memory."""
+for sm_90 at the step's shapes (a window of 128 records, with and without 512 compressed ones; at
+the evict_last priority and, with them, the normal one) and prints, per form, one JSON object: its
+L2 policies, hinted and all bulk prefetches in the PTX, the bulk prefetches in the SASS, registers
+and local memory."""
 
 from __future__ import annotations
 
@@ -16,13 +17,14 @@ TYPES = {"win_pool": "*u8", "win_table": "*i32", "comp_pool": "*u8", "comp_table
 
 
 def main() -> None:
-    for kc in (0, 512):
+    for kc, last in ((0, True), (512, True), (512, False)):
         kernel = compile_sm90(sparse_tables._records_prefetch_kernel, TYPES,
                               dict(W=128, KC=kc, WREC=WINDOW_KV_BYTES, CREC=COMPRESSED_KV_BYTES,
-                                   LANES=sparse_tables.RECORDS_PREFETCH_LANES), num_warps=1)
+                                   LANES=sparse_tables.RECORDS_PREFETCH_LANES, LAST=last), num_warps=1)
         ptx = kernel.asm["ptx"]
-        print(json.dumps(dict(kc=kc, evict_last=ptx.count("createpolicy.fractional.L2::evict_last.b64"),
-                              prefetches=ptx.count("cp.async.bulk.prefetch.L2.global.L2::cache_hint"),
+        print(json.dumps(dict(kc=kc, last=last, evict_last=ptx.count("createpolicy.fractional.L2::evict_last.b64"),
+                              hinted=ptx.count("cp.async.bulk.prefetch.L2.global.L2::cache_hint"),
+                              prefetches=ptx.count("cp.async.bulk.prefetch.L2.global"),
                               sass_prefetches=sum("UBLKPF.L2" in t for _, t in sass(kernel)),
                               **resources(kernel))))
 

@@ -180,27 +180,29 @@ def test_records_prefetch_bad_inputs_name_the_argument():
         ((wp, wt, cp[:, :64], ct), "comp_pool"),
         ((wp, wt, cp, ct[:2]), "comp_table"),
         ((wp, wt, cp, ct.long()), "comp_table"),
+        ((wp, wt, cp, ct, 1), "evict_last"),
         ((wp, wt, cp, ct), "window_pool: the records' bulk prefetch needs"),
     ]
     for args, culprit in cases:
         with pytest.raises((ValueError, TypeError), match=culprit):
-            records_prefetch_l2_(*args)
+            records_prefetch_l2_(*args[:4], **({"evict_last": args[4]} if len(args) > 4 else {}))
 
 
 def test_records_prefetch_compiles_for_sm90_with_evict_last():
     """The kernel compiled for sm_90 (tests/ops/_records_prefetch_sm90.py, in a subprocess without the
     interpreter), with and without the compressed records: one bulk L2 prefetch of a record's bytes
-    under an evict_last policy in the PTX, the bulk prefetch in the SASS, no local memory."""
+    under an evict_last policy in the PTX (evict_last=False: one without a policy), the bulk
+    prefetch in the SASS, no local memory."""
     rows = compile_script(Path(__file__).with_name("_records_prefetch_sm90.py"))[1]
-    assert [r["kc"] for r in rows] == [0, 512]
+    assert [(r["kc"], r["last"]) for r in rows] == [(0, True), (512, True), (512, False)]
     for r in rows:
-        assert r["evict_last"] >= 1 and r["prefetches"] == 1 and r["sass_prefetches"] >= 1, r
-        assert r["LOCAL"] == 0, r
+        assert r["prefetches"] == 1 and r["sass_prefetches"] >= 1 and r["LOCAL"] == 0, r
+        assert (r["evict_last"] >= 1 and r["hinted"] == 1) if r["last"] else (r["evict_last"] == r["hinted"] == 0), r
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("comp", [False, True])
-def test_gpu_records_prefetch_writes_nothing(comp):
+@pytest.mark.parametrize("comp, last", [(False, True), (True, True), (True, False)])
+def test_gpu_records_prefetch_writes_nothing(comp, last):
     """On the GPU the prefetch runs (-1 slots skipped, the last slot of each pool included) and
     leaves its pools and tables as they were."""
     if not sparse_tables.pdl.supported("cuda"):
@@ -208,7 +210,7 @@ def test_gpu_records_prefetch_writes_nothing(comp):
     wp, wt, cp, ct = _prefetch_args("cuda")
     wt[0, -1], ct[0, -1] = wp.shape[0] - 1, cp.shape[0] - 1
     before = [t.clone() for t in (wp, wt, cp, ct)]
-    records_prefetch_l2_(wp, wt, *((cp, ct) if comp else ()))
-    records_prefetch_l2_(wp, wt[:0], *((cp, ct[:0]) if comp else ()))     # no rows: nothing launched
+    records_prefetch_l2_(wp, wt, *((cp, ct) if comp else ()), evict_last=last)
+    records_prefetch_l2_(wp, wt[:0], *((cp, ct[:0]) if comp else ()), evict_last=last)   # no rows: nothing launched
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(before, (wp, wt, cp, ct)))
