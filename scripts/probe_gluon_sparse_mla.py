@@ -266,8 +266,13 @@ def phase_table(log: torch.Tensor) -> list[str]:
     return lines
 
 
-def phases(heads: int, rows_list, names):
+def phases(heads: int, rows_list, names, cold: bool = False):
+    """Print each configuration's phase table (the last of three launches; with `cold`, L2 flushed
+    before it by reading a buffer of 4x its size, so that the records come from DRAM as in the
+    step)."""
     gen = torch.Generator(device="cuda").manual_seed(1)
+    flush = torch.empty(4 * torch.cuda.get_device_properties(0).L2_cache_size // 4, dtype=torch.float32,
+                        device="cuda") if cold else None
     scale = HEAD_DIM ** -0.5
     inputs = sparse_mla_inputs(max(rows_list), heads, gen)
     for name in names:
@@ -275,11 +280,13 @@ def phases(heads: int, rows_list, names):
         for rows in rows_list:
             q, win, comp, wtab, ctab, sink = row_inputs(inputs, rows)
             o = torch.empty_like(q)
-            for _ in range(3):                     # compiled, warm; the last launch's log
+            for i in range(3):                     # compiled, warm; the last launch's log
+                if flush is not None and i == 2:
+                    flush.sum()
                 G.gluon_sparse_mla_(plan, q, win, comp, wtab, ctab, sink, scale, o)
             torch.cuda.synchronize()
             n_prog = rows * plan.base.n_blocks * plan.config.dim_split
-            print(f"phases: {name}, {heads} heads, {rows} rows", flush=True)
+            print(f"phases: {name}, {heads} heads, {rows} rows" + (", L2 flushed before" if cold else ""), flush=True)
             print("\n".join(phase_table(plan.phase_log[:n_prog].cpu())), flush=True)
 
 

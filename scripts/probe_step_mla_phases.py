@@ -9,7 +9,8 @@ log); then, per layer kind (the Reuse, SWA and indexer layers), `probe_gluon_spa
 over the last replay's programs of every layer of that kind pooled, and the median over layers of
 each launch's start stagger (the last program's start after the first's: programs that waited for an
 SM) and span; last, the same configuration alone (`probe_gluon_sparse_mla.phases`, random inputs of
-the same shape).
+the same shape), its records in L2 (the launch before left them there) and then from DRAM (L2 flushed
+before the launch).
 
     PYTHONPATH=. python scripts/probe_step_mla_phases.py [--rows=1] [--variant=mla_after_mix]
 
@@ -103,8 +104,9 @@ def main() -> None:
               f"the programs of every such layer pooled:", flush=True)
         print("\n".join(phase_table(torch.cat(logs))), flush=True)
     name = next(n for n, c in CONFIGS.items() if c == STEP_CONFIGS[64][0][1])
-    print(f"alone ({name}, the step's {rows}-row configuration):", flush=True)
+    print(f"alone ({name}, the step's {rows}-row configuration), its records in L2 and then from DRAM:", flush=True)
     phases(cfg.n_heads, [rows], [name])
+    phases(cfg.n_heads, [rows], [name], cold=True)
 
 
 if __name__ == "__main__":
