@@ -268,8 +268,8 @@ def phase_table(log: torch.Tensor) -> list[str]:
 
 def phases(heads: int, rows_list, names, cold: bool = False):
     """Print each configuration's phase table (the last of three launches; with `cold`, L2 flushed
-    before it by reading a buffer of 4x its size, so that the records come from DRAM as in the
-    step)."""
+    before it by reading a buffer of 4x its size, so that the records come from DRAM as in the step
+    - and q, the tables and the sink too, colder than in the step, where q was just written)."""
     gen = torch.Generator(device="cuda").manual_seed(1)
     flush = torch.empty(4 * torch.cuda.get_device_properties(0).L2_cache_size // 4, dtype=torch.float32,
                         device="cuda") if cold else None

@@ -55,10 +55,11 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
                     (`pdl.bulk_prefetch_l2`, 16 KB an instruction, 32 a program) on the weights lane, issued once
                     wq_b is done, beside the sparse MLA (which reads little of DRAM), joined at
                     the step's end; the same bits
-    no_prefetch     at 1-2 rows, without the step's prefetch of each layer's sparse MLA records into
-                    L2 at the layer's start (`DecodeStep(prefetch_records=False)`); the same bits
+    no_prefetch     without the step's prefetch of each layer's sparse MLA records into L2 at the
+                    layer's start at 1 row (`DecodeStep(prefetch_records=False)`); the same bits
     prefetch_plain  that prefetch at L2's normal priority instead of evict_last; the same bits
-    prefetch_8      that prefetch in the buckets of up to 8 rows instead of 2; the same bits
+    prefetch_2      that prefetch in the buckets of up to 2 / 8 rows instead of 1; the same bits
+    prefetch_8
     no_pdl          every kernel launched plainly: not each layer's Gluon wo_a by programmatic
                     dependent launch after the Gluon sparse MLA (released at the start of the MLA's
                     last launch's programs: its rings' first weight tiles read while the MLA runs),
@@ -422,6 +423,7 @@ PATCHES = {
     "no_prefetch": _layer_flag("prefetch_records", False),
     "prefetch_plain": lambda step: _swap([(attention_mod, "records_prefetch_l2_",
                                            functools.partial(attention_mod.records_prefetch_l2_, evict_last=False))]),
+    "prefetch_2": lambda step: _swap([(attention_mod, "PREFETCH_RECORDS_MAX_ROWS", 2)]),
     "prefetch_8": lambda step: _swap([(attention_mod, "PREFETCH_RECORDS_MAX_ROWS", 8)]),
     "no_pdl": lambda step: _swap([(owner, flag, False) for flag in PDL_OPTIONS
                                   for owner in ([step] if hasattr(step, flag) else step.layers.values())]),

@@ -132,8 +132,8 @@ def _layer_kinds(cfg: ModelConfig) -> dict[str, int]:
 # main loops, at 1-2 rows its exact fused wq_a|wkv after the boundary, its norm pair after the fused
 # GEMM and its boundary's own launch after wo_b), no_wq_b_pdl, no_wo_b_pdl, no_qkv_pdl, no_norm_pdl
 # and no_boundary_pdl one of those plainly (sm_90, the same bits); no_prefetch_records without the
-# step's default prefetch of each layer's sparse MLA records into L2 at the layer's start (sm_90, 1-2
-# rows, the same bits); same the default step built and
+# step's default prefetch of each layer's sparse MLA records into L2 at the layer's start (sm_90, 1
+# row, the same bits); same the default step built and
 # captured again beside the first (its ratio: the spread a variant's is to be read against).
 VARIANTS = {
     "same": {},

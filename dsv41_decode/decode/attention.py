@@ -122,12 +122,13 @@ WQ_B_PDL_MAX_ROWS = 8
 QKV_PDL_MAX_ROWS = 2
 
 # The records each layer's sparse MLA will gather asked into L2 at the layer's start
-# (`DecodeStep(prefetch_records=True)`) in the buckets of at most this many rows, the ones measured: in
-# the step at 1 row the MLA's record gather took 3.4 us a program against 0.96 with the records in L2
-# (H100, run FU, scripts/probe_step_mla_phases.py), 2.3 with the prefetch; the step 3654.3 / 3647.9 us
-# at 1 row against 3686.2 / 3676.6 and 4279.2 / 4280.2 at 2 against 4305.7 / 4290.0 (run FV, processes
-# of their own, two passes): docs/step.md
-PREFETCH_RECORDS_MAX_ROWS = 2
+# (`DecodeStep(prefetch_records=True)`) in the buckets of at most this many rows: in the step at 1 row
+# the MLA's record gather took 3.4 us a program against 0.96 with the records in L2 (H100, run FU,
+# scripts/probe_step_mla_phases.py), 2.3 with the prefetch; the step 3654.3 / 3647.9 us at 1 row
+# against 3686.2 / 3676.6 (0.8 % less, processes of their own, two passes: run FV); at 2 rows 4279.2 /
+# 4280.2 against 4305.7 / 4290.0, within the default's own spread of its two passes, so not taken
+# there: docs/step.md
+PREFETCH_RECORDS_MAX_ROWS = 1
 
 
 # The ring slots of an FP8 `wo_a`'s folded Gluon consumer (a slot holds half the bytes of the BF16

@@ -203,8 +203,8 @@ class DecodeStep:
         will gather asked into L2 at the evict_last priority on a side lane (`AttentionStep._prefetch`,
         `ops.sparse_tables.records_prefetch_l2_`: the window's, and in the layers that read an
         earlier layer's selection its compressed records), so that the MLA's gather finds them in
-        L2; the same bits. On by default (on an H100 the step 0.8 / 0.4 % faster at 1 / 2 rows,
-        the MLA's gather 2.3 us a program against 3.4: docs/step.md); elsewhere it changes nothing.
+        L2; the same bits. On by default (on an H100 the step 0.8 % faster at 1 row, the MLA's
+        gather 2.3 us a program against 3.4: docs/step.md); elsewhere it changes nothing.
     mix_late_rows: in the buckets of at least this many rows each site's mixer is enqueued at the
         end of the next layer's input projections instead of right after the boundary before it
         (default `MIX_LATE_ROWS`, where it measured faster on an H200; LOW_BATCH_MAX_ROWS + 1:

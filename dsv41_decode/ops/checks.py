@@ -54,6 +54,15 @@ def require_tensor(t, name: str, dtypes, shape, device=None) -> None:
         raise ValueError(f"{name} must be on {device} like the other operands, got {t.device}")
 
 
+def require_records(t, name: str, rec: int, device=None) -> None:
+    """Raise TypeError/ValueError naming `name` unless t is a pool of contiguous cache records: a
+    [S, rec] uint8 tensor whose rows are `rec` bytes apart (on `device`, None: any)."""
+    require_ndim(t, name, f"[S, {rec}]")
+    require_tensor(t, name, torch.uint8, (t.shape[0], rec), device)
+    if t.shape[0] > 1 and t.stride(0) != rec:
+        raise ValueError(f"{name} must have contiguous records (row stride {rec}), got strides {t.stride()}")
+
+
 # The most warps a Triton launch of these ops takes (Triton: a power of two).
 MAX_WARPS = 16
 

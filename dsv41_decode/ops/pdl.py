@@ -92,8 +92,8 @@ def bulk_prefetch_l2(addr, size):
 @triton.jit
 def bulk_prefetch_l2_last(addr, size):
     """`bulk_prefetch_l2` at L2's evict_last priority (a `createpolicy.fractional` policy of
-    fraction 1.0 on the prefetch): the lines stay while lines of the normal priority (a streamed
-    weight's) can be evicted instead."""
+    fraction 1.0 on the prefetch: L2 is to evict lines of the normal priority, a streamed weight's,
+    before these)."""
     tl.inline_asm_elementwise("{\n\t.reg .pred p;\n\t.reg .b64 pol;\n\tsetp.gt.s32 p, $2, 0;\n\t"
                               "createpolicy.fractional.L2::evict_last.b64 pol, 1.0;\n\t"
                               "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol;\n\t"

@@ -48,7 +48,7 @@ from triton.language.extra import libdevice
 
 from ..records import COMPRESSED_KV_BYTES, WINDOW_KV_BYTES
 from . import pdl
-from .checks import interpreting, require_ndim, require_tensor
+from .checks import interpreting, require_ndim, require_records, require_tensor
 from .fp4 import bf16_round, e2m1_value, e4m3_value
 from .rounding import bf16_rne_bits, to_f32, ue8m0_to_fp32
 from .sparse_mla_plan import (BLOCK_KEYS, FP32_STEP_TILING, HEAD_DIM, STEP_TILINGS, SUPPORTED_HEADS,
@@ -478,11 +478,8 @@ def check_sparse_mla_args(plan: SparseMlaPlan, q, window_pool, comp_pool, window
     dev = plan.device
     h = plan.heads
     require_tensor(q, "q", torch.bfloat16, (n, h, HEAD_DIM), dev)
-    for t, name, rec in ((window_pool, "window_pool", WINDOW_KV_BYTES), (comp_pool, "comp_pool", COMPRESSED_KV_BYTES)):
-        require_ndim(t, name, f"[S, {rec}]")
-        require_tensor(t, name, torch.uint8, (t.shape[0], rec), dev)
-        if t.shape[0] > 1 and t.stride(0) != rec:
-            raise ValueError(f"{name} must have contiguous records (row stride {rec}), got strides {t.stride()}")
+    require_records(window_pool, "window_pool", WINDOW_KV_BYTES, dev)
+    require_records(comp_pool, "comp_pool", COMPRESSED_KV_BYTES, dev)
     require_tensor(window_table, "window_table", torch.int32, (n, plan.window), dev)
     require_tensor(comp_table, "comp_table", torch.int32, (n, plan.topk), dev)
     require_tensor(sink, "sink", torch.float32, (h,), dev)

@@ -7,10 +7,10 @@
   through the request's block table: entry j -> block_table[s, j // page] * page + j % page; -1
   stays -1; lengths_out = the number of valid entries of the row.
 * `records_prefetch_l2_`: the records a sparse MLA launch with a window table and a slot table will
-  gather (`sparse_mla.sparse_mla_`'s arguments) asked into L2 ahead of it (sm_90), at the
-  evict_last priority; reads and writes nothing else.
+  gather (`sparse_mla.sparse_mla_`'s arguments) asked into L2 ahead of it (sm_90); its byte spans
+  are `record_spans`'s. It writes nothing.
 
-Integer maps, bit-exact with the torch expressions in the docstrings. Everything is written into
+The tables are integer maps, bit-exact with the torch expressions in the docstrings, written into
 caller-owned buffers; one launch each.
 """
 
@@ -22,7 +22,7 @@ import triton.language as tl
 
 from ..records import COMPRESSED_KV_BYTES, WINDOW_KV_BYTES
 from . import pdl
-from .checks import require_bool, require_int, require_ndim, require_tensor
+from .checks import require_bool, require_int, require_ndim, require_records, require_tensor
 
 
 @triton.jit
@@ -126,23 +126,36 @@ def topk_slots_(topk: torch.Tensor, req_slot: torch.Tensor, block_table: torch.T
 
 
 @triton.jit
-def _records_prefetch_kernel(win_pool, win_table, comp_pool, comp_table, stride_w, stride_c,
-                             W: tl.constexpr, KC: tl.constexpr, WREC: tl.constexpr, CREC: tl.constexpr,
-                             LANES: tl.constexpr, LAST: tl.constexpr):
-    # program (r, c): lane i asks L2 for the record of row r's joined-list entry c * LANES + i (the
-    # window's W slots, then the KC compressed slots), one bulk prefetch a record, none for a -1 slot
-    r = tl.program_id(0)
-    j = tl.program_id(1) * LANES + tl.arange(0, LANES)
+def record_spans(win_table, comp_table, r, j, stride_w, stride_c, W: tl.constexpr, KC: tl.constexpr,
+                 WREC: tl.constexpr, CREC: tl.constexpr):
+    """(in_window, byte offset, bytes) of row r's joined-list entries j (the window's W slots, then
+    the KC compressed slots): entry j < W is window_pool's record win_table[r, j] (offset slot *
+    WREC), W <= j < W + KC comp_pool's comp_table[r, j - W] (slot * CREC); bytes 0 for a -1 slot or
+    past the list. The spans a sparse MLA launch with these tables reads (`records_prefetch_l2_`)."""
     in_w = j < W
     slot = tl.load(win_table + r * stride_w + j, mask=in_w, other=-1)
-    addr = win_pool.to(tl.pointer_type(tl.uint8)).to(tl.int64) + slot.to(tl.int64) * WREC
+    off = slot.to(tl.int64) * WREC
     size = tl.where(slot >= 0, WREC, 0)
     if KC > 0:
         in_c = (j >= W) & (j < W + KC)
         cslot = tl.load(comp_table + r * stride_c + (j - W), mask=in_c, other=-1)
-        caddr = comp_pool.to(tl.pointer_type(tl.uint8)).to(tl.int64) + cslot.to(tl.int64) * CREC
-        addr = tl.where(in_w, addr, caddr)
+        off = tl.where(in_w, off, cslot.to(tl.int64) * CREC)
         size = tl.where(in_w, size, tl.where(cslot >= 0, CREC, 0))
+    return in_w, off, size
+
+
+@triton.jit
+def _records_prefetch_kernel(win_pool, win_table, comp_pool, comp_table, stride_w, stride_c,
+                             W: tl.constexpr, KC: tl.constexpr, WREC: tl.constexpr, CREC: tl.constexpr,
+                             LANES: tl.constexpr, LAST: tl.constexpr):
+    # program (r, c): lane i asks L2 for the record of row r's joined-list entry c * LANES + i, one
+    # bulk prefetch a record, none for a -1 slot
+    r = tl.program_id(0)
+    j = tl.program_id(1) * LANES + tl.arange(0, LANES)
+    in_w, off, size = record_spans(win_table, comp_table, r, j, stride_w, stride_c, W, KC, WREC, CREC)
+    base = tl.where(in_w, win_pool.to(tl.pointer_type(tl.uint8)).to(tl.int64),
+                    comp_pool.to(tl.pointer_type(tl.uint8)).to(tl.int64))
+    addr = base + off
     if LAST:
         pdl.bulk_prefetch_l2_last(addr, size.to(tl.int32))
     else:
@@ -158,28 +171,24 @@ def records_prefetch_l2_(window_pool: torch.Tensor, window_table: torch.Tensor,
     """Ask L2 for the records that `sparse_mla.sparse_mla_` (or the Gluon kernel) with these pools
     and tables will gather: row r's window records window_pool[window_table[r, i]] and, given,
     its compressed records comp_pool[comp_table[r, k]] (-1 slots: none), one bulk prefetch a
-    record (`cp.async.bulk.prefetch.L2`, 528 and 288 bytes) at L2's evict_last priority
-    (`pdl.bulk_prefetch_l2_last`), so that a weight streamed through L2 in between evicts other
-    lines first; with evict_last=False at the normal priority (`pdl.bulk_prefetch_l2`). Reads the tables, writes nothing; the MLA's values do not depend on it (a
-    schedule aid: `DecodeStep(prefetch_records=)`).
+    record (`cp.async.bulk.prefetch.L2`, 528 and 288 bytes; `record_spans`) at L2's evict_last
+    priority (`pdl.bulk_prefetch_l2_last`: meant to keep them while a weight streamed through L2 in
+    between is evicted first; not measured against the normal priority), with evict_last=False at
+    the normal one (`pdl.bulk_prefetch_l2`). Reads the tables, writes nothing; the MLA's values do
+    not depend on it (a schedule aid: `DecodeStep(prefetch_records=)`).
 
     window_pool: [S_w, 528] uint8, contiguous records; window_table: [N, W] int32; comp_pool:
     [S_c, 288] uint8 and comp_table: [N, K] int32, both or neither; the slots' range is not checked
     (as the MLA's). On one CUDA device of compute capability 9.0 or later, outside the interpreter
     (inline PTX), else ValueError naming `window_pool`.
     """
-    n, w = require_ndim(window_table, "window_table", "[N, W]")
+    require_records(window_pool, "window_pool", WINDOW_KV_BYTES)
     dev = window_pool.device
-    pools = [(window_pool, "window_pool", WINDOW_KV_BYTES)]
+    n, w = require_ndim(window_table, "window_table", "[N, W]")
     if (comp_pool is None) != (comp_table is None):
         raise ValueError("comp_pool and comp_table must be given together")
     if comp_pool is not None:
-        pools.append((comp_pool, "comp_pool", COMPRESSED_KV_BYTES))
-    for t, name, rec in pools:
-        require_ndim(t, name, f"[S, {rec}]")
-        require_tensor(t, name, torch.uint8, (t.shape[0], rec), dev)
-        if t.shape[0] > 1 and t.stride(0) != rec:
-            raise ValueError(f"{name} must have contiguous records (row stride {rec}), got strides {t.stride()}")
+        require_records(comp_pool, "comp_pool", COMPRESSED_KV_BYTES, dev)
     require_tensor(window_table, "window_table", torch.int32, (n, w), dev)
     require_bool(evict_last, "evict_last")
     k = 0

@@ -394,22 +394,42 @@ def test_pdl_options_are_off_without_pdl_and_checked(cpu_setup, monkeypatch, opt
         assert not any(layer.takes_qkv_pdl(1) for layer in step.layers.values())
 
 
-def test_prefetch_records_is_off_without_the_lanes_and_checked(cpu_setup):
+def test_prefetch_records_is_off_without_the_lanes_and_checked(cpu_setup, monkeypatch):
     """prefetch_records (sm_90 with overlapping lanes: each layer's sparse MLA records asked into L2
-    at its start; its bits are the GPU tests') changes nothing on the CPU; a value that is not a
-    bool is a StepError naming it; where on, a layer takes it in the buckets of at most
-    `attention.PREFETCH_RECORDS_MAX_ROWS` rows."""
+    at its start; its bits are the GPU tests') changes nothing on the CPU, also where PDL would be
+    supported (the lanes do not overlap there); a value that is not a bool is a StepError naming
+    it; where on, a layer takes it in the buckets of at most `attention.PREFETCH_RECORDS_MAX_ROWS`
+    rows, and asks for the pools and tables its sparse MLA reads: its own window pool and the
+    step's window table, and in a layer that reads an earlier layer's selection (no indexer of its
+    own, not SWA) its KV source's compressed pool and that selection's table."""
     from dsv41_decode.decode import attention
-    _, _, base, ckpt = cpu_setup
-    stack = AttentionStack(ckpt, [1, 3])
+    from dsv41_decode.decode.lanes import StepEvents
+    cfg, stack, base, _ = cpu_setup
+    monkeypatch.setattr(attention, "pdl_supported", lambda device: True)
     step = stack.decode_step(copy.deepcopy(base), max_rows=4, prefetch_records=True)
     assert not any(layer.prefetch_records or layer.takes_prefetch(1) for layer in step.layers.values())
     with pytest.raises(StepError, match="prefetch_records must be a bool, got 1"):
         stack.decode_step(copy.deepcopy(base), max_rows=2, prefetch_records=1)
-    rows = attention.PREFETCH_RECORDS_MAX_ROWS
-    for layer in step.layers.values():
+    calls = []
+    monkeypatch.setattr(attention, "records_prefetch_l2_", lambda *a: calls.append(a))
+    rows, st, kinds = attention.PREFETCH_RECORDS_MAX_ROWS, step.state, set()
+    for i, layer in step.layers.items():
         layer.prefetch_records = True
         assert layer.takes_prefetch(rows) and not layer.takes_prefetch(rows + 1)
+        calls.clear()
+        layer._prefetch(rows, StepEvents())
+        (args,) = calls
+        spec = layer.spec
+        assert args[0] is st.window[i] and torch.equal(args[1], step.meta.window_table[:rows])
+        reads_source = spec.kind != attention.SWA and not spec.runs_indexer
+        kinds.add((spec.kind, reads_source))
+        if reads_source:
+            assert spec.index_source != i and len(args) == 4
+            assert args[2] is st.compressed[spec.kv_source]
+            assert args[3].data_ptr() == step.layers[spec.index_source].selection.table.data_ptr()
+        else:
+            assert len(args) == 2
+    assert {r for _, r in kinds} == {False, True}, kinds      # both forms met in this configuration
 
 
 @interpreter

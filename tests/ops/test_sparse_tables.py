@@ -1,9 +1,12 @@
-"""Sparse-index tables against torch references, bit-exact (interpreter here; GPU under `gpu`)."""
+"""Sparse-index tables against torch references, bit-exact, and the records prefetch's spans and
+checks (interpreter here; GPU under `gpu`; its sm_90 code compiled on the CPU)."""
 
 from pathlib import Path
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from dsv41_decode.ops import sparse_tables
 from dsv41_decode.ops.sparse_tables import records_prefetch_l2_, step_rows_, topk_slots_, window_table_
@@ -172,15 +175,17 @@ def test_records_prefetch_bad_inputs_name_the_argument():
     argument), and on the CPU (no sm_90 bulk prefetch) refuses naming window_pool."""
     wp, wt, cp, ct = _prefetch_args("cpu")
     cases = [
-        ((wp[:, :100], wt), "window_pool"),
-        ((wp.to(torch.int8), wt), "window_pool"),
-        ((wp, wt.long()), "window_table"),
-        ((wp, wt[0]), "window_table"),
-        ((wp, wt, cp), "comp_pool and comp_table"),
-        ((wp, wt, cp[:, :64], ct), "comp_pool"),
-        ((wp, wt, cp, ct[:2]), "comp_table"),
-        ((wp, wt, cp, ct.long()), "comp_table"),
-        ((wp, wt, cp, ct, 1), "evict_last"),
+        (("wp", wt), "window_pool must be a 2-D tensor"),
+        ((wp[:, :100], wt), r"window_pool must have shape \(64, 528\)"),
+        ((wp.to(torch.int8), wt), "window_pool must have dtype torch.uint8"),
+        ((wp[::2], wt), "window_pool must have contiguous records"),
+        ((wp, wt.long()), "window_table must have dtype torch.int32"),
+        ((wp, wt[0]), "window_table must be a 2-D tensor"),
+        ((wp, wt, cp), "comp_pool and comp_table must be given together"),
+        ((wp, wt, cp[:, :64], ct), r"comp_pool must have shape \(100, 288\)"),
+        ((wp, wt, cp, ct[:2]), r"comp_table must have shape \(3, 40\)"),
+        ((wp, wt, cp, ct.long()), "comp_table must have dtype torch.int32"),
+        ((wp, wt, cp, ct, 1), "evict_last must be a bool"),
         ((wp, wt, cp, ct), "window_pool: the records' bulk prefetch needs"),
     ]
     for args, culprit in cases:
@@ -200,11 +205,49 @@ def test_records_prefetch_compiles_for_sm90_with_evict_last():
         assert (r["evict_last"] >= 1 and r["hinted"] == 1) if r["last"] else (r["evict_last"] == r["hinted"] == 0), r
 
 
+@triton.jit
+def _spans_kernel(win_table, comp_table, in_w_out, off_out, size_out, stride_w, stride_c, W: tl.constexpr,
+                  KC: tl.constexpr, WREC: tl.constexpr, CREC: tl.constexpr, NJ: tl.constexpr):
+    r = tl.program_id(0)
+    j = tl.arange(0, NJ)
+    in_w, off, size = sparse_tables.record_spans(win_table, comp_table, r, j, stride_w, stride_c, W, KC, WREC, CREC)
+    tl.store(in_w_out + r * NJ + j, in_w.to(tl.int32))
+    tl.store(off_out + r * NJ + j, off)
+    tl.store(size_out + r * NJ + j, size.to(tl.int32))
+
+
+@pytest.mark.parametrize("device", _devices())
+@pytest.mark.parametrize("k", [0, 40])
+def test_record_spans_are_the_records_the_mla_reads(device, k):
+    """record_spans (the prefetch's byte spans): entry j < W is window_pool's record
+    window_table[r, j] (bytes [slot * 528, +528)), the next K entries comp_pool's comp_table[r, j - W]
+    ([slot * 288, +288)) - the records `sparse_mla_` reads (window_pool[window_table[r, i]],
+    comp_pool[comp_table[r, k]]) - with no bytes for -1 slots and past the list."""
+    wp, wt, cp, ct = _prefetch_args("cpu", k=max(k, 1))
+    wt[0, :5] = -1                                    # a window not yet full
+    ct = ct[:, :k].contiguous()
+    n, w = wt.shape
+    nj = 64
+    outs = [torch.zeros(n, nj, dtype=dt, device=device) for dt in (torch.int32, torch.int64, torch.int32)]
+    _spans_kernel[(n,)](wt.to(device), (ct if k else wt).to(device), *outs, wt.stride(0), (ct if k else wt).stride(0),
+                        W=w, KC=k, WREC=WINDOW_KV_BYTES, CREC=COMPRESSED_KV_BYTES, NJ=nj)
+    in_w, off, size = (t.cpu() for t in outs)
+    slots = torch.full((n, nj), -1, dtype=torch.int64)
+    slots[:, :w] = wt.long()
+    slots[:, w:w + k] = ct.long()
+    rec = torch.full((n, nj), COMPRESSED_KV_BYTES, dtype=torch.int64)
+    rec[:, :w] = WINDOW_KV_BYTES
+    assert torch.equal(in_w, (torch.arange(nj) < w).int().expand(n, nj))
+    assert torch.equal(size.long(), torch.where(slots >= 0, rec, 0))
+    live = slots >= 0
+    assert torch.equal(off[live], (slots * rec)[live])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("comp, last", [(False, True), (True, True), (True, False)])
 def test_gpu_records_prefetch_writes_nothing(comp, last):
-    """On the GPU the prefetch runs (-1 slots skipped, the last slot of each pool included) and
-    leaves its pools and tables as they were."""
+    """On the GPU the prefetch launches (each form, and with no rows none) and leaves its pools and
+    tables as they were; which bytes it asks for is `record_spans`'s test."""
     if not sparse_tables.pdl.supported("cuda"):
         pytest.skip("needs sm_90")
     wp, wt, cp, ct = _prefetch_args("cuda")
