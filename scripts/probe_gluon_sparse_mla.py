@@ -271,8 +271,8 @@ def phases(heads: int, rows_list, names, cold: bool = False):
     before it by reading a buffer of 4x its size, so that the records come from DRAM as in the step
     - and q, the tables and the sink too, colder than in the step, where q was just written)."""
     gen = torch.Generator(device="cuda").manual_seed(1)
-    flush = torch.empty(4 * torch.cuda.get_device_properties(0).L2_cache_size // 4, dtype=torch.float32,
-                        device="cuda") if cold else None
+    l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
+    flush = torch.empty(l2_bytes, dtype=torch.float32, device="cuda") if cold else None   # 4x L2's bytes
     scale = HEAD_DIM ** -0.5
     inputs = sparse_mla_inputs(max(rows_list), heads, gen)
     for name in names:

@@ -52,7 +52,7 @@ def kind_of(layer) -> str:
     spec = layer.spec
     if spec.kind == SWA:
         return "SWA"
-    return "indexer" if spec.runs_indexer or spec.owns_compressor else "Reuse"
+    return "indexer" if spec.runs_indexer else "Reuse"          # Full (with the compressor) or Reindex
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ from typing import Callable, Mapping
 import torch
 import triton
 
-from ..config import FULL, SWA
+from ..config import FULL, REUSE, SWA
 from ..layer import AttentionLayer
 from ..ops import LOW_BATCH_MAX_ROWS
 from ..ops.compressor import compress_ratio2_
@@ -486,7 +486,7 @@ class AttentionStep:
         an indexer layer's own selection comes later: its window's only). Its event in
         `events.prefetch`, joined at the step's end (it writes nothing)."""
         spec, m, st, lanes = self.spec, self.meta, self.state, self.lanes
-        comp = spec.kind != SWA and not spec.runs_indexer
+        comp = spec.kind == REUSE
         ready = lanes.mark()
         with lanes.side(AUX_INDEX_W):
             lanes.wait(ready, events.tables.get(spec.index_source) if comp else None)

@@ -80,25 +80,22 @@ def kernel_options(device: torch.device | str, pdl: bool = False, release: bool 
 
 
 @triton.jit
-def bulk_prefetch_l2(addr, size):
+def bulk_prefetch_l2(addr, size, EVICT_LAST: tl.constexpr = False):
     """Ask L2 for `size` bytes (int32, a multiple of 16; none when <= 0) at each 16-byte aligned
     int64 address `addr` (`cp.async.bulk.prefetch.L2`, sm_90; inline PTX, so never in the
-    interpreter). Reads nothing back, writes nothing."""
-    tl.inline_asm_elementwise("{\n\t.reg .pred p;\n\tsetp.gt.s32 p, $2, 0;\n\t"
-                              "@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;\n\t}",
-                              "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def bulk_prefetch_l2_last(addr, size):
-    """`bulk_prefetch_l2` at L2's evict_last priority (a `createpolicy.fractional` policy of
-    fraction 1.0 on the prefetch: L2 is to evict lines of the normal priority, a streamed weight's,
-    before these)."""
-    tl.inline_asm_elementwise("{\n\t.reg .pred p;\n\t.reg .b64 pol;\n\tsetp.gt.s32 p, $2, 0;\n\t"
-                              "createpolicy.fractional.L2::evict_last.b64 pol, 1.0;\n\t"
-                              "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol;\n\t"
-                              "mov.u32 $0, 0;\n\t}",
-                              "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
+    interpreter). Reads nothing back, writes nothing. EVICT_LAST: at L2's evict_last priority (a
+    `createpolicy.fractional` policy of fraction 1.0 on the prefetch: L2 is to evict lines of the
+    normal priority, a streamed weight's, before these), else the normal one."""
+    if EVICT_LAST:
+        tl.inline_asm_elementwise("{\n\t.reg .pred p;\n\t.reg .b64 pol;\n\tsetp.gt.s32 p, $2, 0;\n\t"
+                                  "createpolicy.fractional.L2::evict_last.b64 pol, 1.0;\n\t"
+                                  "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol;\n\t"
+                                  "mov.u32 $0, 0;\n\t}",
+                                  "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise("{\n\t.reg .pred p;\n\tsetp.gt.s32 p, $2, 0;\n\t"
+                                  "@p cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;\n\t}",
+                                  "=r,l,r", [addr, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

@@ -156,10 +156,7 @@ def _records_prefetch_kernel(win_pool, win_table, comp_pool, comp_table, stride_
     base = tl.where(in_w, win_pool.to(tl.pointer_type(tl.uint8)).to(tl.int64),
                     comp_pool.to(tl.pointer_type(tl.uint8)).to(tl.int64))
     addr = base + off
-    if LAST:
-        pdl.bulk_prefetch_l2_last(addr, size.to(tl.int32))
-    else:
-        pdl.bulk_prefetch_l2(addr, size.to(tl.int32))
+    pdl.bulk_prefetch_l2(addr, size.to(tl.int32), LAST)
 
 
 RECORDS_PREFETCH_LANES = 32     # records a one-warp program asks for
@@ -172,7 +169,7 @@ def records_prefetch_l2_(window_pool: torch.Tensor, window_table: torch.Tensor,
     and tables will gather: row r's window records window_pool[window_table[r, i]] and, given,
     its compressed records comp_pool[comp_table[r, k]] (-1 slots: none), one bulk prefetch a
     record (`cp.async.bulk.prefetch.L2`, 528 and 288 bytes; `record_spans`) at L2's evict_last
-    priority (`pdl.bulk_prefetch_l2_last`: meant to keep them while a weight streamed through L2 in
+    priority (`pdl.bulk_prefetch_l2(EVICT_LAST=True)`: meant to keep them while a weight streamed through L2 in
     between is evicted first; not measured against the normal priority), with evict_last=False at
     the normal one (`pdl.bulk_prefetch_l2`). Reads the tables, writes nothing; the MLA's values do
     not depend on it (a schedule aid: `DecodeStep(prefetch_records=)`).
