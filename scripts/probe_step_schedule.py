@@ -60,6 +60,10 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
     prefetch_plain  that prefetch at L2's normal priority instead of evict_last; the same bits
     prefetch_2      that prefetch in the buckets of up to 2 / 8 rows instead of 1; the same bits
     prefetch_8
+    wo_a_pre1       each layer's Gluon wo_a, launched by PDL during the sparse MLA, requesting one / two
+    wo_a_pre2       of its ring's slots' weight tiles before its wait instead of all of them
+                    (`GluonWoAConfig.prefill`, `attention.WO_A_PREFILL`): less DRAM traffic beside
+                    the MLA's record gathers; the same bits
     no_pdl          every kernel launched plainly: not each layer's Gluon wo_a by programmatic
                     dependent launch after the Gluon sparse MLA (released at the start of the MLA's
                     last launch's programs: its rings' first weight tiles read while the MLA runs),
@@ -153,6 +157,7 @@ from dsv41_decode.decode import attention as attention_mod, boundary as boundary
 from dsv41_decode.decode.lanes import AUX_INDEX_W, PRIORITY_CRITICAL, PRIORITY_SLACK, StepEvents
 from dsv41_decode.decode.step import PDL_OPTIONS
 from dsv41_decode.ops import LOW_BATCH_MAX_ROWS, topk
+from dsv41_decode.ops.gluon_wo_a import GluonWoAPlan
 from dsv41_decode.ops.ll_bf16 import LlBf16Plan
 from dsv41_decode.ops.mhc import BoundaryOperands, MhcBoundaryPlan
 from dsv41_decode.ops.pdl import bulk_prefetch_l2
@@ -339,6 +344,16 @@ def _layer_flag(attr: str, value: bool):
     return lambda step: _swap([(layer, attr, value) for layer in step.layers.values()])
 
 
+def _wo_a_prefill(slots: int):
+    """A patch giving every layer's Gluon wo_a plan `GluonWoAConfig.prefill` = slots (the same
+    workspace and counters); the undo restores the plans as the step was built."""
+    def patch(step):
+        return _swap([(layer, "wo_a_plan", dataclasses.replace(
+            layer.wo_a_plan, config=dataclasses.replace(layer.wo_a_plan.config, prefill=slots)))
+            for layer in step.layers.values() if isinstance(layer.wo_a_plan, GluonWoAPlan)])
+    return patch
+
+
 def _boundary_folded(step):
     """Patch the step: the mHC boundary in wo_b's epilogue where wo_b's op takes it; returns the undo."""
     return _swap([(step, "fold_boundary", True)])
@@ -425,6 +440,7 @@ PATCHES = {
                                            functools.partial(attention_mod.records_prefetch_l2_, evict_last=False))]),
     "prefetch_2": lambda step: _swap([(attention_mod, "PREFETCH_RECORDS_MAX_ROWS", 2)]),
     "prefetch_8": lambda step: _swap([(attention_mod, "PREFETCH_RECORDS_MAX_ROWS", 8)]),
+    "wo_a_pre1": _wo_a_prefill(1), "wo_a_pre2": _wo_a_prefill(2),
     "no_pdl": lambda step: _swap([(owner, flag, False) for flag in PDL_OPTIONS
                                   for owner in ([step] if hasattr(step, flag) else step.layers.values())]),
     "no_wq_b_pdl": _layer_flag("wq_b_pdl", False), "no_wo_b_pdl": _layer_flag("wo_b_pdl", False),

@@ -137,6 +137,12 @@ PREFETCH_RECORDS_MAX_ROWS = 1
 # `scripts/probe_gluon_wo_a.py --fp8fold`, docs/results/gpu-tests-h200.txt run BL)
 FP8_WO_A_STAGES = 8
 
+# The ring slots whose weight tiles the Gluon `wo_a`, launched by PDL during the sparse MLA
+# (`wo_a_pdl`), requests before its wait (`GluonWoAConfig.prefill`; None: all its slots, 6 for a BF16
+# weight: ~12 MB over its 256 programs at TP1, asked of DRAM as the MLA's record gathers start). The
+# same values whatever it is.
+WO_A_PREFILL: int | None = None
+
 
 def wo_a_plan(heads: int, groups: int, rank: int, max_rows: int, weight_dtype: torch.dtype,
               device: torch.device, *, head_dim: int = 512, rope_dim: int = 64, workspace=None,
@@ -156,7 +162,7 @@ def wo_a_plan(heads: int, groups: int, rank: int, max_rows: int, weight_dtype: t
     which reads the scale bytes once."""
     device = torch.device(device)
     if is_sm90(device) and (weight_dtype == torch.bfloat16 or gluon_fp8) and not fp32_dots:
-        ring = {} if weight_dtype == torch.bfloat16 else {"stages": FP8_WO_A_STAGES}
+        ring = {"prefill": WO_A_PREFILL} | ({} if weight_dtype == torch.bfloat16 else {"stages": FP8_WO_A_STAGES})
         try:
             return GluonWoAPlan.build(heads, groups, rank, max_rows, weight_dtype, device, head_dim=head_dim,
                                       rope_dim=rope_dim, workspace=workspace,

@@ -143,18 +143,20 @@ def _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, x_col,
 
 @gluon.jit
 def ring_prefill(w_desc, x_desc, w_smem, ready, off_n, step_lo, n_steps, STAGES: gl.constexpr,
-                 SLOTS: gl.constexpr = 1):
+                 SLOTS: gl.constexpr = 1, PREFILL: gl.constexpr = 0):
     """The prologue of a ring's kernel launched by programmatic dependent launch (`ops.pdl`), run by
     the whole program before it forks its producer: the weight tiles of the ring's first
-    min(STAGES, n_steps) slots (steps step_lo, step_lo + 1, ...; the weight is constant data) are
-    requested while the kernel before this one still runs, each wait unit's `ready` barrier (its
-    first slot's) expecting its weight and activation tiles' bytes at once; then
-    `griddepcontrol.wait`: everything after it may read what that kernel wrote. SLOTS: the ring's
-    slots a wait unit (1, or 2 for `gluon_exact_mm`'s pair_slots, n_steps even). The producer
-    (`producer_prefilled`, or `gluon_exact_mm`'s pair producer) then fills the rest: the same slots,
-    tiles and barriers as its producer alone, so the same values."""
+    min(P, n_steps) slots (P = PREFILL, or STAGES where PREFILL is 0; steps step_lo, step_lo + 1,
+    ...; the weight is constant data) are requested while the kernel before this one still runs,
+    each wait unit's `ready` barrier (its first slot's) expecting its weight and activation tiles'
+    bytes at once; then `griddepcontrol.wait`: everything after it may read what that kernel wrote.
+    SLOTS: the ring's slots a wait unit (1, or 2 for `gluon_exact_mm`'s pair_slots, n_steps even;
+    P a multiple of it). The producer (`producer_prefilled` with the same PREFILL, or
+    `gluon_exact_mm`'s pair producer) then fills the rest: the same slots, tiles and barriers as its
+    producer alone, so the same values."""
     BK: gl.constexpr = w_desc.block_type.shape[1]
-    for u in gl.static_range(STAGES // SLOTS):
+    P: gl.constexpr = STAGES if PREFILL == 0 else PREFILL
+    for u in gl.static_range(P // SLOTS):
         if u * SLOTS < n_steps:
             mbarrier.expect(ready.index(u * SLOTS), SLOTS * (w_desc.block_type.nbytes + x_desc.block_type.nbytes))
             for t in gl.static_range(SLOTS):
@@ -165,30 +167,33 @@ def ring_prefill(w_desc, x_desc, w_smem, ready, off_n, step_lo, n_steps, STAGES:
 
 @gluon.jit
 def producer_prefilled(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, x_col, step_lo, n_steps,
-                       STAGES: gl.constexpr):
-    """`_producer` after `ring_prefill`: the activation tiles of the prefilled slots, then the ring
-    from the first step past them. The producer warp waits for the predecessor itself first (the
-    program's wait in `ring_prefill` already returned, so at once): its copies are ordered after the
-    wait by its own instruction, not only by the fork."""
+                       STAGES: gl.constexpr, PREFILL: gl.constexpr = 0):
+    """`_producer` after `ring_prefill` (the same PREFILL): the activation tiles of the prefilled
+    slots, then the ring from the first step past them (the slots `ring_prefill` left are fresh: the
+    producer fills them as its first pass would). The producer warp waits for the predecessor
+    itself first (the program's wait in `ring_prefill` already returned, so at once): its copies are
+    ordered after the wait by its own instruction, not only by the fork."""
     gluon_wait()
     BK: gl.constexpr = w_desc.block_type.shape[1]
-    for i in gl.static_range(STAGES):
+    P: gl.constexpr = STAGES if PREFILL == 0 else PREFILL
+    for i in gl.static_range(P):
         if i < n_steps:
             tma.async_copy_global_to_shared(x_desc, [x_row, x_col + (step_lo + i) * BK], ready.index(i),
                                             x_smem.index(i))
-    pre = gl.minimum(n_steps, STAGES)
+    pre = gl.minimum(n_steps, P)
     _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, x_col, step_lo + pre, n_steps - pre, pre,
               n_steps, STAGES, False)
 
 
 @gluon.jit
 def ring_producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, x_col, step_lo, n_steps,
-                  STAGES: gl.constexpr, PREFILLED: gl.constexpr):
+                  STAGES: gl.constexpr, PREFILLED: gl.constexpr, PREFILL: gl.constexpr = 0):
     """A ring kernel's producer partition over steps step_lo .. step_lo + n_steps - 1:
-    `producer_prefilled` after the PDL launch's `ring_prefill` (PREFILLED), else `_producer`."""
+    `producer_prefilled` after the PDL launch's `ring_prefill` (PREFILLED; PREFILL as theirs), else
+    `_producer`."""
     if PREFILLED:
         producer_prefilled(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, x_col, step_lo, n_steps,
-                           STAGES)
+                           STAGES, PREFILL)
     else:
         _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, x_col, step_lo, n_steps, 0, n_steps,
                   STAGES, False)

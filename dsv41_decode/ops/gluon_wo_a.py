@@ -27,9 +27,9 @@ How the kernel runs (one program per 64 x warpgroups weight rows and K split):
   into the one FP32 accumulator, K order) is issued before slot i-1's is retired; slot i-1 then
   goes back to the producer.
 - **Launched by programmatic dependent launch** (`gluon_wo_a_(pdl=True)`, the step's on sm_90, after
-  the sparse MLA that releases it): the program requests its ring's first weight tiles, then waits
-  for the MLA (`gluon_mm.ring_prefill`), and its producer continues from there
-  (`producer_prefilled`); the same values.
+  the sparse MLA that releases it): the program requests its ring's first weight tiles (all its
+  slots', or `GluonWoAConfig.prefill` of them), then waits for the MLA (`gluon_mm.ring_prefill`),
+  and its producer continues from there (`producer_prefilled`); the same values.
 - **An FP8 weight** (E4M3 with 32x32 UE8M0 scales, as `ops.wo_a`): the consumer converts the
   slot's E4M3 tile to BF16 (exact) into a staging tile in shared memory, then runs the slot's two
   32-deep K blocks as two wgmmas from zero (both in flight) and adds each block's partial, scaled
@@ -414,7 +414,7 @@ def _gluon_wo_a_kernel(
     SPLIT: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr = False,
     FOLD: gl.constexpr = False, FOLD_BITS: gl.constexpr = False, QUANT: gl.constexpr = False,
     COPY_WORDS: gl.constexpr = 0, COPY_BLOCK: gl.constexpr = 1, N_TILES: gl.constexpr = 1,
-    PDL: gl.constexpr = False, RELEASE: gl.constexpr = False,
+    PDL: gl.constexpr = False, RELEASE: gl.constexpr = False, PREFILL: gl.constexpr = 0,
 ):
     # Grid (G*R / BN tiles, SPLIT): program (t, s) covers weight rows [t*BN, +BN) (all in group
     # g = t*BN // R) and the group's K steps [s*STEPS_PER_SPLIT, +STEPS_PER_SPLIT) of 64 channels;
@@ -438,8 +438,9 @@ def _gluon_wo_a_kernel(
 
     w_smem, x_smem, ready, empty = _ring(w_desc, x_desc, STAGES)
     if PDL:
-        # launched by PDL: the ring's first weight tiles while the sparse MLA still runs, then its wait
-        ring_prefill(w_desc, x_desc, w_smem, ready, off_n, step_lo, STEPS_PER_SPLIT, STAGES)
+        # launched by PDL: the ring's first weight tiles (PREFILL slots, 0: all) while the sparse MLA
+        # still runs, then its wait
+        ring_prefill(w_desc, x_desc, w_smem, ready, off_n, step_lo, STEPS_PER_SPLIT, STAGES, 1, PREFILL)
 
     if FP8 and FOLD:
         acc, = gl.warp_specialize([
@@ -447,7 +448,7 @@ def _gluon_wo_a_kernel(
                                     stride_sn, off_n, step_lo, STEPS_PER_SPLIT, STAGES, BN, BT, HEAD_STEPS,
                                     mma_layout, rot_l, pair_l, FOLD_BITS)),
             (ring_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, 0, x_col, step_lo, STEPS_PER_SPLIT,
-                             STAGES, PDL)),
+                             STAGES, PDL, PREFILL)),
         ], [1], [24])
     elif FP8:
         # the BF16 staging tile of the converted weight (the o tile's 128-byte swizzle)
@@ -459,14 +460,14 @@ def _gluon_wo_a_kernel(
                              stride_sm, stride_sn, off_n, step_lo, STEPS_PER_SPLIT, STAGES, BN, BT, HEAD_STEPS,
                              mma_layout, rot_l, pair_l, cvt_l)),
             (ring_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, 0, x_col, step_lo, STEPS_PER_SPLIT,
-                             STAGES, PDL)),
+                             STAGES, PDL, PREFILL)),
         ], [1], [24])
     else:
         acc, = gl.warp_specialize([
             (_consumer, (w_smem, x_smem, ready, empty, cos_ptr, sin_ptr, M, stride_cm, stride_sm, step_lo,
                          STEPS_PER_SPLIT, STAGES, BN, BT, HEAD_STEPS, mma_layout, rot_l, pair_l)),
             (ring_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, 0, x_col, step_lo, STEPS_PER_SPLIT,
-                             STAGES, PDL)),
+                             STAGES, PDL, PREFILL)),
         ], [1], [24])
 
     for i in gl.static_range(STAGES):
@@ -547,6 +548,11 @@ class GluonWoAConfig:
         instructions against 1168 / 1265 / 1917 / 2353 at 8 / 16 / 32 / 64 rows; on the H200 14.5-15.6
         us at 1-16 rows against 15.3-15.9 (`scripts/probe_gluon_wo_a.py --fp8fold`), so the step's
         FP8 `wo_a` takes it (`decode.attention.wo_a_plan`). No effect without fold_scales.
+    prefill: launched by PDL (`gluon_wo_a_(pdl=True)`), the ring slots whose weight tiles a program
+        requests before its wait for the kernel before it (1..stages; None: all `stages`); the
+        producer fills the rest after the wait. Fewer ask less of DRAM while that kernel (the step's
+        sparse MLA, whose record gathers queue behind such traffic) still runs. The same values
+        whatever it is; no effect without pdl.
 
     Measured on the H200 (BF16, docs/results/gluon-wo-a-probe-h200.txt): the default (6 stages, one
     warpgroup, the default split) against 4 and 8 stages and two warpgroups at split 4: the default
@@ -563,6 +569,7 @@ class GluonWoAConfig:
     maxnreg: int | None = None
     fold_scales: bool = False
     fold_bits: bool = False
+    prefill: int | None = None
 
     def __post_init__(self):
         def is_int(v):
@@ -581,6 +588,9 @@ class GluonWoAConfig:
             raise ValueError(f"GluonWoAConfig.fold_scales must be a bool, got {self.fold_scales!r}")
         if not isinstance(self.fold_bits, bool):
             raise ValueError(f"GluonWoAConfig.fold_bits must be a bool, got {self.fold_bits!r}")
+        if self.prefill is not None and (not is_int(self.prefill) or not 1 <= self.prefill <= self.stages):
+            raise ValueError(f"GluonWoAConfig.prefill must be None or an int in [1, stages={self.stages}], "
+                             f"got {self.prefill!r}")
 
     @property
     def block_n(self) -> int:
@@ -638,7 +648,8 @@ def launch_options(plan: "GluonWoAPlan", bt: int, pdl: bool = False, release: bo
             "FOLD_BITS": plan.folds_scales and plan.config.fold_bits, "num_warps": 4 * plan.config.warpgroups,
             "maxnreg": register_cap(plan.config, bt, plan.fp8),
             # the rotation's products and sums rounded as torch rounds them (no FMA)
-            "enable_fp_fusion": False, "PDL": pdl, "RELEASE": release, **pdl_launch_options(pdl)}
+            "enable_fp_fusion": False, "PDL": pdl, "RELEASE": release, "PREFILL": plan.config.prefill or 0,
+            **pdl_launch_options(pdl)}
     return opts
 
 

@@ -21,10 +21,12 @@ import pytest
 import torch
 
 from dsv41_decode.config import ModelConfig
+from dsv41_decode.decode import attention
 from dsv41_decode.decode.step import PDL_OPTIONS
 from dsv41_decode.layer import CallContext
 from dsv41_decode.ops import exact_linear
 from dsv41_decode.ops.gluon_exact_mm import GluonExactConfig
+from dsv41_decode.ops.gluon_wo_a import GluonWoAPlan
 from dsv41_decode.stack import AttentionStack
 from dsv41_decode.state import DecodeState
 from dsv41_decode.weights import load_checkpoint, write_synthetic_checkpoint
@@ -235,6 +237,18 @@ def _assert_same_run(a, b, outs_a, outs_b):
 def test_gpu_variant_gives_the_graph_step_bits(gpu_setup, gpu_graph_run, variant):
     (st_a, outs_a), (st_b, outs_b, step) = gpu_graph_run, _graph_run(gpu_setup, **SAME_BITS[variant])
     assert step.use_graphs == (variant != "eager")
+    _assert_same_run(st_a, st_b, outs_a, outs_b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prefill", [1, 2])
+def test_gpu_wo_a_prefill_gives_the_graph_step_bits(gpu_setup, gpu_graph_run, prefill, monkeypatch):
+    """`attention.WO_A_PREFILL` (the ring slots the Gluon wo_a, launched by PDL during the sparse MLA,
+    requests before its wait; the rest after it): the plain graphed step's bits and state."""
+    monkeypatch.setattr(attention, "WO_A_PREFILL", prefill)
+    (st_a, outs_a), (st_b, outs_b, step) = gpu_graph_run, _graph_run(gpu_setup)
+    plans = [a.wo_a_plan for a in step.layers.values() if isinstance(a.wo_a_plan, GluonWoAPlan)]
+    assert plans and all(p.config.prefill == prefill for p in plans)
     _assert_same_run(st_a, st_b, outs_a, outs_b)
 
 

@@ -6,10 +6,11 @@ MXFP8 of z and the window copy of 528-byte records), and prints one JSON object 
 registers, stack, local memory and shared memory, the opcode counts, the wgmma instructions, the
 writes to an in-flight wgmma's register operand (`sm90.wgmma_register_hazards`), the wgmma waits
 and the plan's split, steps per program and register cap. `python tests/ops/_gluon_wo_a_sm90.py
-[heads:bt:warpgroups[:split[:fp8[:pdl[:release]]]] ...]` compiles the given cases instead (fp8: 0 BF16, 1 FP8
+[heads:bt:warpgroups[:split[:fp8[:pdl[:release[:prefill]]]]] ...]` compiles the given cases instead (fp8: 0 BF16, 1 FP8
 block partials, 2 FP8 folded, 3 FP8 folded with `fold_bits`, 4 that in the step's ring of
 `decode.attention.FP8_WO_A_STAGES` slots; pdl: 1 for the launch by programmatic dependent launch;
-release: 1 for the release of a PDL successor after the main loop)."""
+release: 1 for the release of a PDL successor after the main loop; prefill: with pdl, the slots requested before
+the wait, `GluonWoAConfig.prefill`, 0 for all)."""
 
 from __future__ import annotations
 
@@ -31,8 +32,10 @@ RANK = 1024   # o_lora_rank of V4.1; 8 heads per group
 # bucket (TP1..8) and with two warpgroups; its bit conversion at every bucket, and in the step's ring
 # at the smallest and the largest bucket; a sixth field 1: the launch by programmatic dependent launch
 # (`gluon_wo_a_(pdl=True)`), BF16 at 1 row and the folded FP8 consumer in the step's ring at 64; a
-# seventh field 1: the release of a successor after the main loop (`release=True`), with the PDL launch
-CASES = [(64, 8, 1, 0, 0, 1), (64, 64, 1, 0, 4, 1), (64, 16, 1, 0, 0, 1, 1), (64, 8, 1, 0, 0), (32, 16, 1, 0, 0), (16, 32, 1, 0, 0), (8, 64, 1, 0, 0), (64, 64, 2, 0, 0),
+# seventh field 1: the release of a successor after the main loop (`release=True`), with the PDL launch;
+# an eighth: the slots requested before the PDL wait (`GluonWoAConfig.prefill`), one and two at 1 row
+CASES = [(64, 8, 1, 0, 0, 1), (64, 64, 1, 0, 4, 1), (64, 16, 1, 0, 0, 1, 1), (64, 8, 1, 0, 0, 1, 0, 1),
+         (64, 8, 1, 0, 4, 1, 1, 2), (64, 8, 1, 0, 0), (32, 16, 1, 0, 0), (16, 32, 1, 0, 0), (8, 64, 1, 0, 0), (64, 64, 2, 0, 0),
          (8, 16, 1, 1, 0), (64, 8, 1, 0, 1), (16, 64, 1, 0, 1), (64, 64, 2, 0, 1),
          (64, 8, 1, 0, 2), (32, 16, 1, 0, 2), (16, 32, 1, 0, 2), (8, 64, 1, 0, 2), (64, 64, 2, 0, 2),
          (64, 8, 1, 0, 3), (32, 16, 1, 0, 3), (16, 32, 1, 0, 3), (8, 64, 1, 0, 3),
@@ -68,9 +71,10 @@ def compile_case(plan: W.GluonWoAPlan, bt: int, quant: bool = True, copy_words: 
                              **options)
 
 
-def measure(heads: int, bt: int, wg: int, split: int = 0, fp8: int = 0, pdl: int = 0, release: int = 0) -> dict:
+def measure(heads: int, bt: int, wg: int, split: int = 0, fp8: int = 0, pdl: int = 0, release: int = 0,
+            prefill: int = 0) -> dict:
     config = W.GluonWoAConfig(warpgroups=wg, split=split or None, fold_scales=fp8 >= 2, fold_bits=fp8 >= 3,
-                              **({"stages": FP8_WO_A_STAGES} if fp8 == 4 else {}))
+                              prefill=prefill or None, **({"stages": FP8_WO_A_STAGES} if fp8 == 4 else {}))
     dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
     plan = W.GluonWoAPlan.build(heads, heads // 8, RANK, 64, dtype, "cpu", config=config)
     kernel = compile_case(plan, bt, pdl=bool(pdl), release=bool(release))
@@ -82,8 +86,9 @@ def measure(heads: int, bt: int, wg: int, split: int = 0, fp8: int = 0, pdl: int
     lines = ptx.split("\n")
     marks = [i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line]
     last_mma = max((i for i, line in enumerate(lines) if "wgmma.mma_async" in line), default=-1)
-    return {"case": [heads, bt, wg, split, fp8] + ([pdl] if pdl else []) + ([release] if release else []), "bt": bt,
-            "stages": plan.config.stages, "releases": len(marks), "released_after_loop": bool(marks) and marks[0] > last_mma,
+    case = [heads, bt, wg, split, fp8] + ([pdl, release, prefill] if prefill else [pdl, release] if release else
+                                         [pdl] if pdl else [])
+    return {"case": case, "bt": bt, "stages": plan.config.stages, "prefill": prefill, "releases": len(marks), "released_after_loop": bool(marks) and marks[0] > last_mma,
             "pdl_prologue": prologue, "split": plan.split, "n_tiles": plan.n_tiles,
             "steps": plan.k_per_split // W.BLOCK_K, "maxnreg": W.register_cap(plan.config, bt, plan.fp8),
             "shared_limit": W.shared_bytes(plan.config, bt, plan.fp8), "shared": kernel.metadata.shared,
