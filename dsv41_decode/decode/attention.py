@@ -127,7 +127,7 @@ QKV_PDL_MAX_ROWS = 2
 # scripts/probe_step_mla_phases.py), 2.3 with the prefetch; the step 3654.3 / 3647.9 us at 1 row
 # against 3686.2 / 3676.6 (0.8 % less, processes of their own, two passes: run FV); at 2 rows 4279.2 /
 # 4280.2 against 4305.7 / 4290.0, within the default's own spread of its two passes, so not taken
-# there: docs/step.md
+# there; at 8 rows 2.6 % slower (run FW): docs/step.md
 PREFETCH_RECORDS_MAX_ROWS = 1
 
 
@@ -139,8 +139,10 @@ FP8_WO_A_STAGES = 8
 
 # The ring slots whose weight tiles the Gluon `wo_a`, launched by PDL during the sparse MLA
 # (`wo_a_pdl`), requests before its wait (`GluonWoAConfig.prefill`; None: all its slots, 6 for a BF16
-# weight: ~12 MB over its 256 programs at TP1, asked of DRAM as the MLA's record gathers start). The
-# same values whatever it is.
+# weight: ~12.6 MB over its 256 programs at TP1, asked of DRAM as the MLA's record gathers start). The
+# same values whatever it is. With one slot the 1-row MLA's programs span 11.8 us a Reuse layer
+# instead of 14.3 (their gather 1.45 us against 3.07), but the step is 0.7 % slower (two slots 0.5 %):
+# wo_a then reads those bytes after its wait (H100, run FW, docs/step.md), so all slots.
 WO_A_PREFILL: int | None = None
 
 
