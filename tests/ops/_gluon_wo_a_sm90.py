@@ -33,7 +33,8 @@ RANK = 1024   # o_lora_rank of V4.1; 8 heads per group
 # at the smallest and the largest bucket; a sixth field 1: the launch by programmatic dependent launch
 # (`gluon_wo_a_(pdl=True)`), BF16 at 1 row and the folded FP8 consumer in the step's ring at 64; a
 # seventh field 1: the release of a successor after the main loop (`release=True`), with the PDL launch;
-# an eighth: the slots requested before the PDL wait (`GluonWoAConfig.prefill`), one and two at 1 row
+# an eighth: the slots requested before the PDL wait (`GluonWoAConfig.prefill`), one (BF16) and two (the
+# folded FP8 consumer in the step's ring, with the release) at 1 row
 CASES = [(64, 8, 1, 0, 0, 1), (64, 64, 1, 0, 4, 1), (64, 16, 1, 0, 0, 1, 1), (64, 8, 1, 0, 0, 1, 0, 1),
          (64, 8, 1, 0, 4, 1, 1, 2), (64, 8, 1, 0, 0), (32, 16, 1, 0, 0), (16, 32, 1, 0, 0), (8, 64, 1, 0, 0), (64, 64, 2, 0, 0),
          (8, 16, 1, 1, 0), (64, 8, 1, 0, 1), (16, 64, 1, 0, 1), (64, 64, 2, 0, 1),
@@ -88,7 +89,8 @@ def measure(heads: int, bt: int, wg: int, split: int = 0, fp8: int = 0, pdl: int
     last_mma = max((i for i, line in enumerate(lines) if "wgmma.mma_async" in line), default=-1)
     case = [heads, bt, wg, split, fp8] + ([pdl, release, prefill] if prefill else [pdl, release] if release else
                                          [pdl] if pdl else [])
-    return {"case": case, "bt": bt, "stages": plan.config.stages, "prefill": prefill, "releases": len(marks), "released_after_loop": bool(marks) and marks[0] > last_mma,
+    return {"case": case, "bt": bt, "stages": plan.config.stages, "prefill": prefill, "releases": len(marks),
+            "released_after_loop": bool(marks) and marks[0] > last_mma,
             "pdl_prologue": prologue, "split": plan.split, "n_tiles": plan.n_tiles,
             "steps": plan.k_per_split // W.BLOCK_K, "maxnreg": W.register_cap(plan.config, bt, plan.fp8),
             "shared_limit": W.shared_bytes(plan.config, bt, plan.fp8), "shared": kernel.metadata.shared,

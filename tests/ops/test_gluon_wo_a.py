@@ -155,7 +155,9 @@ def test_bad_plans_name_the_field():
         with pytest.raises((TypeError, ValueError), match=match):
             W.GluonWoAPlan.build(**args)
     for kw, match in ((dict(stages=2), "stages"), (dict(warpgroups=3), "warpgroups"),
-                      (dict(split=0), "split"), (dict(maxnreg=100), "maxnreg")):
+                      (dict(split=0), "split"), (dict(maxnreg=100), "maxnreg"),
+                      (dict(prefill=7), r"prefill .*\[1, stages=6\], got 7"), (dict(prefill=0), "prefill .*got 0"),
+                      (dict(stages=3, prefill=4), r"prefill .*\[1, stages=3\], got 4")):
         with pytest.raises(ValueError, match=f"GluonWoAConfig.{match}"):
             W.GluonWoAConfig(**kw)
 
