@@ -498,12 +498,8 @@ class AttentionStep:
         ready = lanes.mark()
         with lanes.side(AUX_INDEX_W):
             lanes.wait(ready, events.tables.get(spec.index_source) if comp else None)
-            wt = m.window_table[:B]
-            if comp:
-                records_prefetch_l2_(st.window[spec.layer], wt, st.compressed[spec.kv_source],
-                                     self.source_selection.table[:B])
-            else:
-                records_prefetch_l2_(st.window[spec.layer], wt)
+            source = (st.compressed[spec.kv_source], self.source_selection.table[:B]) if comp else ()
+            records_prefetch_l2_(st.window[spec.layer], m.window_table[:B], *source)
             events.prefetch = lanes.mark()
 
     def _inputs(self, B: int, u, u_codes, u_scales, own: slice):
