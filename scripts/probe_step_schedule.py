@@ -64,6 +64,11 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
     wo_a_pre2       of its ring's slots' weight tiles before its wait instead of all of them
                     (`GluonWoAConfig.prefill`, `attention.WO_A_PREFILL`): less DRAM traffic beside
                     the MLA's record gathers; the same bits
+    gate_dec1       each layer's Gluon wo_a requesting one / two ring slots before a gate, the rest
+    gate_dec2       once every program of the sparse MLA has decoded its records into shared memory
+    gate_st1        (or, gate_st1, stored its partial), then its PDL wait (`attention.WO_A_GATE`,
+                    `gluon_wo_a_(gate=)`): its weight stream beside the MLA, not ahead of its gathers;
+                    the same bits
     no_pdl          every kernel launched plainly: not each layer's Gluon wo_a by programmatic
                     dependent launch after the Gluon sparse MLA (released at the start of the MLA's
                     last launch's programs: its rings' first weight tiles read while the MLA runs),
@@ -354,6 +359,18 @@ def _wo_a_prefill(slots: int):
     return patch
 
 
+def _wo_a_gate(point: str, slots: int):
+    """A patch giving every layer that launches its Gluon wo_a by PDL the gate at `point`
+    (`AttentionStep.wo_a_gate`, "decoded" or "stored") after `slots` ring slots (`_wo_a_prefill`);
+    the undo restores the step as built."""
+    def patch(step):
+        layers = [a for a in step.layers.values() if a.wo_a_pdl and isinstance(a.wo_a_plan, GluonWoAPlan)]
+        if not layers:
+            raise SystemExit("a wo_a gate: no layer launches a Gluon wo_a by PDL")
+        return _together(_wo_a_prefill(slots), lambda st: _swap([(a, "wo_a_gate", point) for a in layers]))(step)
+    return patch
+
+
 def _boundary_folded(step):
     """Patch the step: the mHC boundary in wo_b's epilogue where wo_b's op takes it; returns the undo."""
     return _swap([(step, "fold_boundary", True)])
@@ -441,6 +458,7 @@ PATCHES = {
     "prefetch_2": lambda step: _swap([(attention_mod, "PREFETCH_RECORDS_MAX_ROWS", 2)]),
     "prefetch_8": lambda step: _swap([(attention_mod, "PREFETCH_RECORDS_MAX_ROWS", 8)]),
     "wo_a_pre1": _wo_a_prefill(1), "wo_a_pre2": _wo_a_prefill(2),
+    "gate_dec1": _wo_a_gate("decoded", 1), "gate_dec2": _wo_a_gate("decoded", 2), "gate_st1": _wo_a_gate("stored", 1),
     "no_pdl": lambda step: _swap([(owner, flag, False) for flag in PDL_OPTIONS
                                   for owner in ([step] if hasattr(step, flag) else step.layers.values())]),
     "no_wq_b_pdl": _layer_flag("wq_b_pdl", False), "no_wo_b_pdl": _layer_flag("wo_b_pdl", False),

@@ -145,6 +145,14 @@ FP8_WO_A_STAGES = 8
 # wo_a then reads those bytes after its wait (H100, run FW, docs/step.md), so all slots.
 WO_A_PREFILL: int | None = None
 
+# Where the Gluon sparse MLA's programs signal the gate (`gluon_sparse_mla_(signal_after=)`:
+# "decoded", once a program's records are in shared memory; "stored", once its partial is) at which
+# the Gluon `wo_a`, launched by PDL, waits after requesting its first `WO_A_PREFILL` ring slots and
+# before requesting the rest (`gluon_wo_a_(gate=)`): its weight stream beside the MLA without
+# queueing ahead of the MLA's gathers. None: no gate (with WO_A_PREFILL None every slot is requested
+# before the gate anyway). The same values whatever it is.
+WO_A_GATE: str | None = None
+
 
 def wo_a_plan(heads: int, groups: int, rank: int, max_rows: int, weight_dtype: torch.dtype,
               device: torch.device, *, head_dim: int = 512, rope_dim: int = 64, workspace=None,
@@ -347,6 +355,9 @@ class AttentionStep:
         self.wo_a_plan = wo_a_plan(cfg.n_heads, cfg.o_groups, cfg.o_lora_rank, max_rows, self.wo_a_w.dtype, dev,
                                    head_dim=cfg.head_dim, rope_dim=cfg.rope_head_dim, workspace=pool,
                                    fp32_dots=fp32_dots, gluon_fp8=foldable_scale(self.wo_a_s))
+        # wo_a_gate: the gate between the Gluon sparse MLA and the Gluon wo_a launched by PDL after it
+        # (`WO_A_GATE`; a schedule choice: the same bits; `_attend`, `_output`)
+        self.wo_a_gate = WO_A_GATE if self.wo_a_pdl and isinstance(self.wo_a_plan, GluonWoAPlan) else None
         topk_w = 0 if spec.kind == SWA else cfg.index_topk
         # The Gluon kernel on sm_90, else the Triton tilings; FP32 dots with fp32_dots (`sparse_mla_plans`)
         self.mla_plans = sparse_mla_plans(max_rows, cfg.n_heads, cfg.window_size, topk_w, dev, workspace=pool,
@@ -680,11 +691,19 @@ class AttentionStep:
             self.lanes.wait(events.tables.get(spec.index_source))
             comp_pool, comp_table = st.compressed[spec.kv_source], self.source_selection.table[:B]
         o = s.o[:B]
-        plan = next(p for p in self.mla_plans if B <= p.max_rows)
-        pdl = dict(release=True) if self.wo_a_pdl and isinstance(plan, GluonSparseMlaPlan) else {}
+        plan = self._mla_plan(B)
+        pdl = {}
+        if self.wo_a_pdl and isinstance(plan, GluonSparseMlaPlan):
+            pdl = dict(release=True)
+            if self.wo_a_gate is not None:
+                pdl.update(signal=self.wo_a_plan.gate, signal_after=self.wo_a_gate)
         sparse_mla_launch(plan, s.q[:B], st.window[spec.layer], comp_pool, m.window_table[:B], comp_table, self.sink,
                           cfg.softmax_scale, o, **pdl)
         return o
+
+    def _mla_plan(self, B: int):
+        """The sparse MLA's plan of a B-row launch: the first of `mla_plans` that holds B rows."""
+        return next(p for p in self.mla_plans if B <= p.max_rows)
 
     def _output(self, B: int, o: torch.Tensor, y: torch.Tensor, boundary: BoundaryOperands | None = None,
                 mixed: Event | None = None) -> None:
@@ -696,6 +715,9 @@ class AttentionStep:
         gluon = isinstance(self.wo_a_plan, GluonWoAPlan)
         wo_b_pdl = self.wo_b_pdl and gluon and boundary is None and self.publish is None and self.layer.tp.tp == 1
         pdl = dict(pdl=self.wo_a_pdl, release=wo_b_pdl) if gluon else {}
+        mla = self._mla_plan(B)
+        if self.wo_a_gate is not None and isinstance(mla, GluonSparseMlaPlan):
+            pdl["gate"] = mla.programs(B)         # the MLA's signals: one a program
         wo_a_launch(self.wo_a_plan, o, m.cos[r][:B], m.sin[r][:B], self.wo_a_w, self.wo_a_s, s.z[:B],
                     s.z_codes[:B], s.z_scales[:B], window_copy=copy, **pdl)
         if boundary is not None:

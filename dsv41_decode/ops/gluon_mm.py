@@ -91,7 +91,7 @@ from .checks import (UE8M0_DTYPES, index_query_epilogue_args, mxfp8_linear_args,
                      rope_epilogue_args)
 from .common import is_sm90, num_sms, plan_workspace
 from .gluon_epilogues import bf16_out
-from .pdl import gluon_wait
+from .pdl import gluon_gate_await, gluon_gate_close, gluon_wait
 from .low_latency_mm import _Operands   # the plan cache's key: same memory, same view
 
 MAX_ROWS = 64
@@ -142,8 +142,23 @@ def _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, x_col,
 
 
 @gluon.jit
+def _request_weights(w_desc, x_desc, w_smem, ready, off_n, step_lo, n_steps, LO: gl.constexpr, HI: gl.constexpr,
+                     SLOTS: gl.constexpr):
+    """`ring_prefill`'s requests of the weight tiles of the ring's slots [LO, HI) (wait units of SLOTS
+    slots, each unit's `ready` barrier expecting its weight and activation tiles' bytes at once)."""
+    BK: gl.constexpr = w_desc.block_type.shape[1]
+    for u in gl.static_range(LO // SLOTS, HI // SLOTS):
+        if u * SLOTS < n_steps:
+            mbarrier.expect(ready.index(u * SLOTS), SLOTS * (w_desc.block_type.nbytes + x_desc.block_type.nbytes))
+            for t in gl.static_range(SLOTS):
+                tma.async_copy_global_to_shared(w_desc, [off_n, (step_lo + u * SLOTS + t) * BK], ready.index(u * SLOTS),
+                                                w_smem.index(u * SLOTS + t))
+
+
+@gluon.jit
 def ring_prefill(w_desc, x_desc, w_smem, ready, off_n, step_lo, n_steps, STAGES: gl.constexpr,
-                 SLOTS: gl.constexpr = 1, PREFILL: gl.constexpr = 0):
+                 SLOTS: gl.constexpr = 1, PREFILL: gl.constexpr = 0, gate_ptr=None, gate_count=0,
+                 GATE: gl.constexpr = False):
     """The prologue of a ring's kernel launched by programmatic dependent launch (`ops.pdl`), run by
     the whole program before it forks its producer: the weight tiles of the ring's first
     min(P, n_steps) slots (P = PREFILL, or STAGES where PREFILL is 0; steps step_lo, step_lo + 1,
@@ -153,16 +168,22 @@ def ring_prefill(w_desc, x_desc, w_smem, ready, off_n, step_lo, n_steps, STAGES:
     SLOTS: the ring's slots a wait unit (1, or 2 for `gluon_exact_mm`'s pair_slots, n_steps even;
     P a multiple of it). The producer (`producer_prefilled` with the same PREFILL, or
     `gluon_exact_mm`'s pair producer) then fills the rest: the same slots, tiles and barriers as its
-    producer alone, so the same values."""
-    BK: gl.constexpr = w_desc.block_type.shape[1]
+    producer alone, so the same values.
+
+    GATE (SLOTS 1): between the first P slots and the wait, the program waits at the gate
+    (`ops.pdl.gluon_gate_await(gate_ptr, gate_count)`: until the kernel before this one has
+    signalled gate_count times) and then requests the rest of the ring's slots, so that it asks for
+    them once that kernel's programs are past their own reads; after the wait it closes the gate
+    (`gluon_gate_close`). Every slot is then requested: the producer follows with PREFILL 0."""
     P: gl.constexpr = STAGES if PREFILL == 0 else PREFILL
-    for u in gl.static_range(P // SLOTS):
-        if u * SLOTS < n_steps:
-            mbarrier.expect(ready.index(u * SLOTS), SLOTS * (w_desc.block_type.nbytes + x_desc.block_type.nbytes))
-            for t in gl.static_range(SLOTS):
-                tma.async_copy_global_to_shared(w_desc, [off_n, (step_lo + u * SLOTS + t) * BK], ready.index(u * SLOTS),
-                                                w_smem.index(u * SLOTS + t))
+    _request_weights(w_desc, x_desc, w_smem, ready, off_n, step_lo, n_steps, 0, P, SLOTS)
+    if GATE:
+        gl.static_assert(SLOTS == 1)
+        gluon_gate_await(gate_ptr, gate_count)
+        _request_weights(w_desc, x_desc, w_smem, ready, off_n, step_lo, n_steps, P, STAGES, 1)
     gluon_wait()
+    if GATE:
+        gluon_gate_close(gate_ptr)
 
 
 @gluon.jit

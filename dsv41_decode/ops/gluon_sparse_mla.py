@@ -78,6 +78,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                 warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from .checks import require_tensor
 from .common import is_sm90, num_sms
 from .gluon_epilogues import add_combine, max_combine
 from .gluon_mla_records import (_CREC, _DC, _KEYS, _M, _WARPS, _WREC, NUM_WARPS, _bf16_rne_bits, _block_slots,
@@ -86,7 +87,7 @@ from .gluon_sparse_mla_plan import (PHASE_COLS, PHASE_NAMES, STEP_CONFIGS, Gluon
                                    programs_per_sm, specialization_key)
 from .gluon_mm import tma_desc
 from .gluon_sparse_mla_pv import mla_pv_
-from .pdl import gluon_launch_dependents
+from .pdl import gluon_gate_signal, gluon_launch_dependents
 from .sparse_mla import check_sparse_mla_args, combine_partials_
 
 __all__ = ["NUM_WARPS", "PHASE_NAMES", "STEP_CONFIGS", "GluonSparseMlaConfig", "GluonSparseMlaPlan", "gluon_sparse_mla_",
@@ -96,6 +97,9 @@ __all__ = ["NUM_WARPS", "PHASE_NAMES", "STEP_CONFIGS", "GluonSparseMlaConfig", "
 # blocks a program waits for belong to programs already running, so the wait always ends; the bound
 # turns a broken invariant (say a ticket not reset) into NaN outputs instead of a hung GPU.
 _SPIN_LIMIT: gl.constexpr = gl.constexpr(1 << 22)
+
+# Where a program signals a gate (`gluon_sparse_mla_(signal_after=)`): the kernel's SIGNAL 1, 2.
+SIGNAL_POINTS = ("decoded", "stored")
 
 
 @gluon.jit
@@ -227,7 +231,7 @@ def _clear_row(flags, board, NB: gl.constexpr, NB_P2: gl.constexpr, PH: gl.const
 def _gluon_sparse_mla_kernel(
     q_ptr, wpool_ptr, cpool_ptr, wtab_ptr, ctab_ptr,
     part_acc_ptr, part_ml_ptr, block_max_ptr, flag_ptr, ticket_ptr,
-    sink_ptr, out_ptr, count_ptr, log_ptr, board_ptr, q_desc,
+    sink_ptr, out_ptr, count_ptr, log_ptr, board_ptr, q_desc, signal_ptr,
     N, H, scale, stride_qn, stride_qh, stride_wt, stride_ct, stride_on, stride_oh,
     W: gl.constexpr, W_P2: gl.constexpr, KC: gl.constexpr, NB: gl.constexpr, NB_P2: gl.constexpr, PH: gl.constexpr,
     Q_BUFFERS: gl.constexpr = 4, FP4_PACKED: gl.constexpr = False, PREFETCH: gl.constexpr = False,
@@ -235,7 +239,7 @@ def _gluon_sparse_mla_kernel(
     TICKET: gl.constexpr = True, PV_PIPELINE: gl.constexpr = False,
     FP4_LUT: gl.constexpr = False,
     PHASES: gl.constexpr = False, P_OUT: gl.constexpr = False, K_BUFFERS: gl.constexpr = 4,
-    Q_TMA: gl.constexpr = False, RELEASE: gl.constexpr = False,
+    Q_TMA: gl.constexpr = False, RELEASE: gl.constexpr = False, SIGNAL: gl.constexpr = 0,
 ):
     # Workspaces (`SparseMlaPlan` with one head group of PH = block_h heads): acc [N, NB, PH, 512],
     # ml [N, NB, 3, PH] (max, sum, valid-key count), block_max [N, NB, PH], flags [N, NB] (here a
@@ -243,7 +247,9 @@ def _gluon_sparse_mla_kernel(
     # SPREAD the separate launch combines; with it, counters [N] (`GluonSparseMlaPlan.counters`):
     # the row's arrivals. PHASES: log [N * NB * DSPLIT, 16] int64 by ticket. P_OUT (the combination
     # "pv"): no P.V here; part_acc_ptr is BF16 [N, NB, PH, 64], where the block's P goes, for
-    # `gluon_sparse_mla_pv`'s launch (P.V, the combination, the flags' reset).
+    # `gluon_sparse_mla_pv`'s launch (P.V, the combination, the flags' reset). SIGNAL (1, 2): one
+    # signal a program to signal_ptr (`ops.pdl.gluon_gate_signal`) once its records are decoded into
+    # shared memory (1) or once its partial (or P) is stored (2); 0: none.
     D: gl.constexpr = 512
     NC: gl.constexpr = D // _DC
     NCP: gl.constexpr = NC // DSPLIT        # the 128-dim chunks of P.V and of the partial a program does
@@ -369,6 +375,8 @@ def _gluon_sparse_mla_kernel(
                 mbarrier.wait(q_bar.index(c // 2), 0)
             s = warpgroup_mma(q_smem.index(c % 2), k_smem.index(c % 2).permute((1, 0)), s)
         _stamp(log_row, 4, PHASES)
+        if SIGNAL == 1:
+            gluon_gate_signal(signal_ptr)
     elif start + _KEYS <= nw:         # window keys only
         _decode_block(k_smem, wpool_ptr, wbase, w_ok, True, FP4_PACKED, PREFETCH, ld, log_row, PHASES)
     elif start >= nw:                 # compressed entries only
@@ -383,6 +391,8 @@ def _gluon_sparse_mla_kernel(
         fence_async_shared()
         gl.thread_barrier()
         _stamp(log_row, 4, PHASES)
+        if SIGNAL == 1:
+            gluon_gate_signal(signal_ptr)
         if Q_TMA:
             mbarrier.wait(q_bar.index(0), 0)
 
@@ -504,6 +514,8 @@ def _gluon_sparse_mla_kernel(
     gl.store(ml + PH, l_i, mask=h_st)
     gl.store(ml + 2 * PH, gl.zeros([_M], gl.float32, gl.SliceLayout(1, s_l)) + nv.to(gl.float32), mask=h_st)
     _stamp(log_row, 7, PHASES)
+    if SIGNAL == 2:
+        gluon_gate_signal(signal_ptr)
 
     cnt = count_ptr + r
     if SPREAD:
@@ -559,7 +571,8 @@ def _q_desc(plan: GluonSparseMlaPlan, q: torch.Tensor) -> TensorDescriptor:
 
 def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: torch.Tensor, comp_pool: torch.Tensor,
                       window_table: torch.Tensor, comp_table: torch.Tensor, sink: torch.Tensor, scale: float,
-                      out: torch.Tensor, *, release: bool = False) -> None:
+                      out: torch.Tensor, *, release: bool = False, signal: torch.Tensor | None = None,
+                      signal_after: str = "decoded") -> None:
     """`sparse_mla.sparse_mla_`'s contract and arguments (see its doc), with a `GluonSparseMlaPlan`:
     out[r, h] = sparse_attention(q[r, h], keys of row r, sink[h], scale). sm_90 only; every
     configuration gives the same bits.
@@ -568,11 +581,23 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
     program resident, or "pv"'s second launch), its programs let the next kernel on the stream start
     at their own start, if that kernel is launched by programmatic dependent launch
     (`gluon_wo_a_(pdl=True)`, which waits for this one before it reads o); a no-op otherwise. The
-    same values."""
+    same values.
+
+    signal: an int32 tensor (a `GluonWoAPlan.gate`) whose first word every program of the scores'
+    launch (`plan.programs(rows)` of them) increments once (`ops.pdl.gluon_gate_signal`), after its
+    block's records are decoded into shared memory (signal_after "decoded") or after its partial (or,
+    with the combination "pv", its P) is stored ("stored"): the gate a PDL successor waits at before
+    it asks for more of its weight (`gluon_wo_a_(gate=)`); None: no signal. The same values."""
     if not isinstance(plan, GluonSparseMlaPlan):
         raise TypeError(f"plan must be a GluonSparseMlaPlan, got {type(plan).__name__}")
     base, config = plan.base, plan.config
     n = check_sparse_mla_args(base, q, window_pool, comp_pool, window_table, comp_table, sink, scale, out)
+    if signal_after not in SIGNAL_POINTS:
+        raise ValueError(f"signal_after must be one of {SIGNAL_POINTS}, got {signal_after!r}")
+    if signal is not None:
+        require_tensor(signal, "signal", torch.int32, (None,), base.device)
+        if signal.numel() == 0:
+            raise ValueError("signal must hold at least one int32 word (the gate's count), got none")
     if not is_sm90(base.device):
         raise ValueError(f"plan and operands must be on a CUDA device of compute capability 9.0 (the kernel is "
                          f"sm_90 code: wgmma), got {base.device}")
@@ -590,7 +615,7 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
     q_desc = _q_desc(plan, q) if q_tma else None
     args = (q, window_pool, comp_pool, window_table, comp_table,
             acc_ws, base.part_ml, base.block_max, base.flags, base.ticket, sink, o16, plan.counters, log,
-            plan.board, q_desc, n, base.heads, float(scale), q.stride(0), q.stride(1), window_table.stride(0),
+            plan.board, q_desc, plan.counters if signal is None else signal, n, base.heads, float(scale), q.stride(0), q.stride(1), window_table.stride(0),
             max(comp_table.stride(0), 1), o16.stride(0), o16.stride(1))
     consts = dict(W=base.window, W_P2=triton.next_power_of_2(base.window), KC=base.topk, NB=nb,
                   NB_P2=max(2, triton.next_power_of_2(nb)), PH=base.block_h, Q_BUFFERS=config.q_buffers,
@@ -598,7 +623,7 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
                   VALUES=config.lookback == "values",
                   PV_PIPELINE=config.pv_pipeline, FP4_LUT=config.fp4_lut, PHASES=config.phases,
                   K_BUFFERS=config.k_buffers, Q_TMA=q_tma,
-                  num_warps=NUM_WARPS)
+                  SIGNAL=0 if signal is None else SIGNAL_POINTS.index(signal_after) + 1, num_warps=NUM_WARPS)
     if config.maxnreg is not None:
         consts["maxnreg"] = config.maxnreg
     resident = False
@@ -608,7 +633,7 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
         # registers differ from the others'); the programs then take their (row, block) from the
         # program id (TICKET off); the spread launch's kernel with its release, as launched below
         flags = dict(SPREAD=True, RELEASE=release) if combine == "spread" else dict(SPREAD=False, P_OUT=True)
-        key = (combine, release and combine == "spread", specialization_key(args))
+        key = (combine, release and combine == "spread", consts["SIGNAL"], specialization_key(args))
         per_sm = plan.resident.get(key)
         if per_sm is None:
             kernel = _gluon_sparse_mla_kernel.warmup(*args, grid=(grid, ), TICKET=False, **flags, **consts)

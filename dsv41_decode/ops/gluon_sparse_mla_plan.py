@@ -334,6 +334,11 @@ class GluonSparseMlaPlan:
     def device(self) -> torch.device:
         return self.base.device
 
+    def programs(self, rows: int) -> int:
+        """The programs of the scores' launch at `rows` rows (one a row, 64-key block and dim slice):
+        the signals a launch with `signal` gives (`gluon_sparse_mla_`)."""
+        return rows * self.base.n_blocks * self.config.dim_split
+
 
 def programs_per_sm(kernel) -> int:
     """How many programs of a compiled sm_90 kernel an SM holds at once: 64K registers (allocated per

@@ -406,15 +406,15 @@ def _store_z(total, z_ptrs, mask, codes_ptr, scales_ptr, off_n, M, stride_codes,
                  mask=s_ok)
 
 
-@gluon.jit(do_not_specialize=["M", "stride_cm", "stride_sm"])
+@gluon.jit(do_not_specialize=["M", "stride_cm", "stride_sm", "gate_count"])
 def _gluon_wo_a_kernel(
     w_desc, x_desc, cos_ptr, sin_ptr, s_ptr, z_ptr, ws_ptr, cnt_ptr, codes_ptr, scales_ptr, cp_pool_ptr,
-    cp_src_ptr, cp_dst_ptr, M, stride_cm, stride_sm, stride_sn, stride_zm, stride_codes, stride_scales,
+    cp_src_ptr, cp_dst_ptr, gate_ptr, gate_count, M, stride_cm, stride_sm, stride_sn, stride_zm, stride_codes, stride_scales,
     R: gl.constexpr, GW: gl.constexpr, HEAD_STEPS: gl.constexpr, STEPS_PER_SPLIT: gl.constexpr,
     SPLIT: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr = False,
     FOLD: gl.constexpr = False, FOLD_BITS: gl.constexpr = False, QUANT: gl.constexpr = False,
     COPY_WORDS: gl.constexpr = 0, COPY_BLOCK: gl.constexpr = 1, N_TILES: gl.constexpr = 1,
-    PDL: gl.constexpr = False, RELEASE: gl.constexpr = False, PREFILL: gl.constexpr = 0,
+    PDL: gl.constexpr = False, RELEASE: gl.constexpr = False, PREFILL: gl.constexpr = 0, GATE: gl.constexpr = False,
 ):
     # Grid (G*R / BN tiles, SPLIT): program (t, s) covers weight rows [t*BN, +BN) (all in group
     # g = t*BN // R) and the group's K steps [s*STEPS_PER_SPLIT, +STEPS_PER_SPLIT) of 64 channels;
@@ -437,10 +437,14 @@ def _gluon_wo_a_kernel(
                                             warps_per_cta=[4 * WG, 1], order=[1, 0])
 
     w_smem, x_smem, ready, empty = _ring(w_desc, x_desc, STAGES)
+    # the slots the PDL prologue leaves to the producer (GATE: none; it requests the rest after the gate)
+    FILLED: gl.constexpr = 0 if GATE else PREFILL
     if PDL:
-        # launched by PDL: the ring's first weight tiles (PREFILL slots, 0: all) while the sparse MLA
-        # still runs, then its wait
-        ring_prefill(w_desc, x_desc, w_smem, ready, off_n, step_lo, STEPS_PER_SPLIT, STAGES, 1, PREFILL)
+        # launched by PDL: the ring's first weight tiles (PREFILL slots, 0: all; with GATE the rest
+        # once the sparse MLA's programs have signalled gate_count times) while the sparse MLA still
+        # runs, then its wait
+        ring_prefill(w_desc, x_desc, w_smem, ready, off_n, step_lo, STEPS_PER_SPLIT, STAGES, 1, PREFILL, gate_ptr,
+                     gate_count, GATE)
 
     if FP8 and FOLD:
         acc, = gl.warp_specialize([
@@ -448,7 +452,7 @@ def _gluon_wo_a_kernel(
                                     stride_sn, off_n, step_lo, STEPS_PER_SPLIT, STAGES, BN, BT, HEAD_STEPS,
                                     mma_layout, rot_l, pair_l, FOLD_BITS)),
             (ring_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, 0, x_col, step_lo, STEPS_PER_SPLIT,
-                             STAGES, PDL, PREFILL)),
+                             STAGES, PDL, FILLED)),
         ], [1], [24])
     elif FP8:
         # the BF16 staging tile of the converted weight (the o tile's 128-byte swizzle)
@@ -460,14 +464,14 @@ def _gluon_wo_a_kernel(
                              stride_sm, stride_sn, off_n, step_lo, STEPS_PER_SPLIT, STAGES, BN, BT, HEAD_STEPS,
                              mma_layout, rot_l, pair_l, cvt_l)),
             (ring_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, 0, x_col, step_lo, STEPS_PER_SPLIT,
-                             STAGES, PDL, PREFILL)),
+                             STAGES, PDL, FILLED)),
         ], [1], [24])
     else:
         acc, = gl.warp_specialize([
             (_consumer, (w_smem, x_smem, ready, empty, cos_ptr, sin_ptr, M, stride_cm, stride_sm, step_lo,
                          STEPS_PER_SPLIT, STAGES, BN, BT, HEAD_STEPS, mma_layout, rot_l, pair_l)),
             (ring_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, 0, x_col, step_lo, STEPS_PER_SPLIT,
-                             STAGES, PDL, PREFILL)),
+                             STAGES, PDL, FILLED)),
         ], [1], [24])
 
     for i in gl.static_range(STAGES):
@@ -641,9 +645,10 @@ def default_split(group_width: int, n_tiles: int, sms: int) -> int:
     return max(d for d in range(1, grains + 1) if grains % d == 0 and d <= target)
 
 
-def launch_options(plan: "GluonWoAPlan", bt: int, pdl: bool = False, release: bool = False) -> dict:
+def launch_options(plan: "GluonWoAPlan", bt: int, pdl: bool = False, release: bool = False, gate: bool = False) -> dict:
     """The kernel's constexpr arguments and launch options at row bucket `bt` (the launch and the
-    sm_90 compile test share them); pdl, release: as `gluon_wo_a_`'s."""
+    sm_90 compile test share them); pdl, release: as `gluon_wo_a_`'s; gate: `gluon_wo_a_`'s gate > 0
+    (with pdl)."""
     opts = {"R": plan.rank, "GW": plan.group_width, "HEAD_STEPS": plan.head_dim // BLOCK_K,
             "STEPS_PER_SPLIT": plan.k_per_split // BLOCK_K, "SPLIT": plan.split, "BT": bt,
             "STAGES": plan.config.stages, "FP8": plan.fp8, "FOLD": plan.folds_scales,
@@ -651,7 +656,7 @@ def launch_options(plan: "GluonWoAPlan", bt: int, pdl: bool = False, release: bo
             "maxnreg": register_cap(plan.config, bt, plan.fp8),
             # the rotation's products and sums rounded as torch rounds them (no FMA)
             "enable_fp_fusion": False, "PDL": pdl, "RELEASE": release, "PREFILL": plan.config.prefill or 0,
-            **pdl_launch_options(pdl)}
+            "GATE": gate and pdl, **pdl_launch_options(pdl)}
     return opts
 
 
@@ -666,7 +671,10 @@ class GluonWoAPlan(GroupedShape):
     weight_dtype: bfloat16 or float8_e4m3fn (with 32x32 UE8M0 scales, as `ops.wo_a`).
     k_per_split: group channels per program; split: programs along K per output tile (the same at
     every row count: batch invariance). partials: FP32 [N tiles * split * max_rows * block_n];
-    counters: [N tiles] int32, zero between launches. Not for concurrent launches on two streams.
+    counters: [N tiles] int32, zero between launches. gate: int32 [2], zero between launch pairs:
+    the count of the predecessor's signals and of this kernel's programs past their wait
+    (`gluon_wo_a_(gate=)`, `ops.pdl.gluon_gate_await`), its own slot of a shared pool (int32 slot 5:
+    the predecessor writes it while it runs). Not for concurrent launches on two streams.
     """
     heads: int
     o_groups: int
@@ -680,6 +688,7 @@ class GluonWoAPlan(GroupedShape):
     split: int
     partials: torch.Tensor
     counters: torch.Tensor
+    gate: torch.Tensor
 
     @property
     def device(self) -> torch.device:
@@ -743,8 +752,9 @@ class GluonWoAPlan(GroupedShape):
         partials = plan_workspace(workspace, 0, n_tiles * split * max_rows * config.block_n if split > 1 else 1,
                                   torch.float32, device)
         counters = plan_workspace(workspace, 0, n_tiles, torch.int32, device)
+        gate = plan_workspace(workspace, 5, 2, torch.int32, device)
         return cls(heads, o_groups, rank, head_dim, rope_dim, max_rows, weight_dtype, config, group_width // split,
-                   split, partials, counters)
+                   split, partials, counters, gate)
 
 
 def check_folded_scale(scale: torch.Tensor) -> None:
@@ -782,7 +792,7 @@ def gluon_wo_a_(plan: GluonWoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: tor
                 scale: torch.Tensor | None, out: torch.Tensor, codes_out: torch.Tensor | None = None,
                 scales_out: torch.Tensor | None = None,
                 window_copy: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, *,
-                pdl: bool = False, release: bool = False) -> None:
+                pdl: bool = False, release: bool = False, gate: int = 0) -> None:
     """Write z = `reference.attention.grouped_wo_a(o, cos + j sin, weight, G, 64)` into out: the
     arguments of `ops.wo_a.wo_a_` (see there), with these limits:
 
@@ -804,9 +814,19 @@ def gluon_wo_a_(plan: GluonWoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: tor
        loop, where that kernel is launched by PDL (the step's `wo_b`, `DecodeStep(wo_b_pdl=True)`;
        it waits for this one before it reads z); a no-op otherwise (and off sm_90 or in the
        interpreter, where PDL is not available: ValueError, as for pdl).
+    gate: with pdl, the signals of the kernel before it (`gluon_sparse_mla_(signal=plan.gate)`, one a
+       program: its launch's program count) that the programs wait for after requesting the ring's
+       first `config.prefill` slots and before requesting the rest and waiting for that kernel
+       (`gluon_mm.ring_prefill`'s GATE); 0: no gate. A schedule aid: the same values. The pairing
+       is the caller's: a predecessor that signals fewer times costs each program a bounded wait
+       (`ops.pdl.gluon_gate_await`). ValueError for a negative or non-int gate, or a gate without pdl.
     """
     m, scale, quant, codes_out, scales_out, (cp_pool, cp_src, cp_dst, copy_words) = wo_a_args(
         plan, GluonWoAPlan, o, cos, sin, weight, scale, out, codes_out, scales_out, window_copy)
+    if isinstance(gate, bool) or not isinstance(gate, int) or gate < 0:
+        raise ValueError(f"gate must be a non-negative int (the predecessor's signals), got {gate!r}")
+    if gate and not pdl:
+        raise ValueError(f"gate={gate} needs pdl=True (the gate orders requests made before the PDL wait)")
     dev = plan.device
     if plan.heads > 1 and o.stride(1) != plan.head_dim:
         raise ValueError(f"o must have contiguous heads within a row (strides (*, {plan.head_dim}, 1)), got "
@@ -825,10 +845,10 @@ def gluon_wo_a_(plan: GluonWoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: tor
     x_desc = tma_desc(o2, [bt, BLOCK_K], "o")
     if pdl or release:
         require_pdl(dev)
-    opts = launch_options(plan, bt, pdl, release)
+    opts = launch_options(plan, bt, pdl, release, gate > 0)
     _gluon_wo_a_kernel[(plan.n_tiles, plan.split)](
         w_desc, x_desc, cos, sin, scale, out, plan.partials, plan.counters, codes_out, scales_out, cp_pool, cp_src,
-        cp_dst, m, cos.stride(0), sin.stride(0), scale.stride(0), out.stride(0), codes_out.stride(0),
+        cp_dst, plan.gate, gate, m, cos.stride(0), sin.stride(0), scale.stride(0), out.stride(0), codes_out.stride(0),
         scales_out.stride(0), QUANT=quant,
         COPY_WORDS=copy_words, COPY_BLOCK=max(32, 1 << (max(copy_words, 1) - 1).bit_length()),
         N_TILES=plan.n_tiles, **opts,

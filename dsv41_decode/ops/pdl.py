@@ -23,6 +23,12 @@ predecessors that release such a kernel (the sparse MLA's launch that writes o, 
 do so at their programs' start, before anything of their own - the successor's wait still orders
 every dependent access after their completion.
 
+A gate (`gluon_gate_signal`, `gluon_gate_await`, `gluon_gate_close`) paces such a prologue: the
+successor requests its first slots, polls a counter that each program of the predecessor
+increments at a point of its own (the sparse MLA: once its records are gathered), requests the
+rest, then waits as above. The polls are the one read before the wait of memory the predecessor
+writes, and no value depends on them: they only decide when constant data is requested.
+
 A launcher passes `PDL=False` (and no launch attribute) unless its caller asks for PDL on that
 launch. PDL never works in the interpreter (the instructions are inline PTX) or below sm_90
 (`supported`). Measured on an H200, the decode step with PDL on every main-stream kernel was slower
@@ -135,6 +141,48 @@ def gluon_wait():
     """`griddepcontrol.wait` in a Gluon kernel: returns once the predecessor kernel has completed and
     its memory is visible (at once where the kernel was launched without PDL)."""
     gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+# Polls of a gate (`gluon_gate_await`, each ~0.3-1 us: a nanosleep and an L2 round trip) before a
+# program stops waiting: milliseconds, far past any predecessor's signal, so a gate whose
+# predecessor never signals (a broken pairing) costs time, never a hung GPU or a value.
+_GATE_POLLS: gl.constexpr = gl.constexpr(1 << 13)
+
+
+@gluon.jit
+def gluon_gate_signal(gate_ptr):
+    """Count this program's arrival in gate_ptr[0] (int32; one relaxed atomic a program): the signal a
+    successor launched by PDL waits for in `gluon_gate_await` before it asks more of DRAM. A
+    schedule signal only: it orders no memory (the successor's `griddepcontrol.wait` does)."""
+    gl.atomic_add(gate_ptr, 1, sem="relaxed", scope="gpu")
+
+
+@gluon.jit
+def gluon_gate_await(gate_ptr, count):
+    """Poll gate_ptr[0] (int32) until it reaches `count` (the predecessor's programs that signal,
+    `gluon_gate_signal`), sleeping between polls, or until _GATE_POLLS polls have passed. Before
+    `griddepcontrol.wait` in a kernel launched by PDL: every program of the predecessor has
+    started when this kernel's programs run (PDL launches them once all have released), so the
+    count is reached whenever the predecessor signals once a program. Reads only; changes no value."""
+    seen = gl.load(gate_ptr, volatile=True)
+    polls = 0
+    while (seen < count) & (polls < _GATE_POLLS):
+        gl.inline_asm_elementwise("nanosleep.u32 256; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+        seen = gl.load(gate_ptr, volatile=True)
+        polls += 1
+
+
+@gluon.jit
+def gluon_gate_close(gate_ptr):
+    """After `griddepcontrol.wait` (the predecessor complete: every signal counted) in every program
+    that ran `gluon_gate_await`: count this program in gate_ptr[1]; the grid's last sets both words
+    back to 0 (every program is past its polls), so the next launch pair finds the gate closed."""
+    n = gl.num_programs(0) * gl.num_programs(1) * gl.num_programs(2)
+    done = gl.atomic_add(gate_ptr + 1, 1, sem="relaxed", scope="gpu")
+    if done == n - 1:
+        gl.atomic_xchg(gate_ptr, 0, sem="relaxed", scope="gpu")
+        gl.atomic_xchg(gate_ptr + 1, 0, sem="relaxed", scope="gpu")
 
 
 @gluon.jit

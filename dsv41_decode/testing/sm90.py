@@ -262,12 +262,14 @@ def fp8_desc_type(block) -> str:
 def pdl_prologue(ptx: str) -> tuple[int, list[str]]:
     """What a kernel compiled for a launch by programmatic dependent launch does before its first
     `griddepcontrol.wait` (in its PTX's text order): (the TMA tensor copies there - a ring's
-    prefilled weight tiles -, the other global accesses there: ld/st.global, atom, red, cp.async),
-    the latter to be none: nothing its predecessor writes may be read or written before the wait."""
+    prefilled weight tiles -, the other global accesses there: ld/st.global, volatile loads, atom,
+    red, cp.async), the latter to be none (nothing its predecessor writes may be read or written
+    before the wait) but for a gate's polls (`ops.pdl.gluon_gate_await`: volatile loads)."""
     body = ptx[ptx.index(".entry"):]
     before = body[:body.index("griddepcontrol.wait")]
     copies = len(re.findall(r"cp\.async\.bulk\.tensor", before))
-    other = re.findall(r"\b(?:ld|st)\.global\S*|\batom\.\S+|\bred\.\S+|\bcp\.async\.c[ag]\S*", before)
+    other = re.findall(r"\b(?:ld|st)(?:\.volatile)?\.global\S*|\batom\.\S+|\bred\.\S+|\bcp\.async\.c[ag]\S*",
+                       before)
     return copies, other
 
 

@@ -6,11 +6,11 @@ MXFP8 of z and the window copy of 528-byte records), and prints one JSON object 
 registers, stack, local memory and shared memory, the opcode counts, the wgmma instructions, the
 writes to an in-flight wgmma's register operand (`sm90.wgmma_register_hazards`), the wgmma waits
 and the plan's split, steps per program and register cap. `python tests/ops/_gluon_wo_a_sm90.py
-[heads:bt:warpgroups[:split[:fp8[:pdl[:release[:prefill]]]]] ...]` compiles the given cases instead (fp8: 0 BF16, 1 FP8
-block partials, 2 FP8 folded, 3 FP8 folded with `fold_bits`, 4 that in the step's ring of
+[heads:bt:warpgroups[:split[:fp8[:pdl[:release[:prefill[:gate]]]]]] ...]` compiles the given cases instead (fp8: 0
+BF16, 1 FP8 block partials, 2 FP8 folded, 3 FP8 folded with `fold_bits`, 4 that in the step's ring of
 `decode.attention.FP8_WO_A_STAGES` slots; pdl: 1 for the launch by programmatic dependent launch;
 release: 1 for the release of a PDL successor after the main loop; prefill: with pdl, the slots requested before
-the wait, `GluonWoAConfig.prefill`, 0 for all)."""
+the wait, `GluonWoAConfig.prefill`, 0 for all; gate: 1 for the gate after those slots, `gluon_wo_a_(gate=)`)."""
 
 from __future__ import annotations
 
@@ -34,8 +34,10 @@ RANK = 1024   # o_lora_rank of V4.1; 8 heads per group
 # (`gluon_wo_a_(pdl=True)`), BF16 at 1 row and the folded FP8 consumer in the step's ring at 64; a
 # seventh field 1: the release of a successor after the main loop (`release=True`), with the PDL launch;
 # an eighth: the slots requested before the PDL wait (`GluonWoAConfig.prefill`), one (BF16) and two (the
-# folded FP8 consumer in the step's ring, with the release) at 1 row
-CASES = [(64, 8, 1, 0, 0, 1), (64, 64, 1, 0, 4, 1), (64, 16, 1, 0, 0, 1, 1), (64, 8, 1, 0, 0, 1, 0, 1),
+# folded FP8 consumer in the step's ring, with the release) at 1 row; a ninth: the gate after them
+# (`gluon_wo_a_(gate=)`), BF16 at 1 row after one slot and the folded FP8 consumer in the step's ring
+# at 64 rows after two, with the release
+CASES = [(64, 8, 1, 0, 0, 1, 0, 1, 1), (64, 64, 1, 0, 4, 1, 1, 2, 1), (64, 8, 1, 0, 0, 1), (64, 64, 1, 0, 4, 1), (64, 16, 1, 0, 0, 1, 1), (64, 8, 1, 0, 0, 1, 0, 1),
          (64, 8, 1, 0, 4, 1, 1, 2), (64, 8, 1, 0, 0), (32, 16, 1, 0, 0), (16, 32, 1, 0, 0), (8, 64, 1, 0, 0), (64, 64, 2, 0, 0),
          (8, 16, 1, 1, 0), (64, 8, 1, 0, 1), (16, 64, 1, 0, 1), (64, 64, 2, 0, 1),
          (64, 8, 1, 0, 2), (32, 16, 1, 0, 2), (16, 32, 1, 0, 2), (8, 64, 1, 0, 2), (64, 64, 2, 0, 2),
@@ -52,16 +54,16 @@ def _desc(block, fp8: bool = False) -> str:
 
 
 def compile_case(plan: W.GluonWoAPlan, bt: int, quant: bool = True, copy_words: int = COPY_WORDS, pdl: bool = False,
-                 release: bool = False):
+                 release: bool = False, gate: bool = False):
     """The kernel of `plan`'s launch at row bucket `bt`, compiled for sm_90 as the launcher would."""
-    opts = W.launch_options(plan, bt, pdl, release)
+    opts = W.launch_options(plan, bt, pdl, release, gate)
     opts.pop("launch_pdl", None)                       # a launch option, not the compiler's
     options = {k: opts.pop(k) for k in ("num_warps", "maxnreg", "enable_fp_fusion")}
     w_block = [plan.config.block_n, W.BLOCK_K]
     types = {"w_desc": _desc(w_block, plan.fp8), "x_desc": _desc([bt, W.BLOCK_K]),
              "cos_ptr": "*fp32", "sin_ptr": "*fp32", "s_ptr": "*u8" if plan.fp8 else "*i32", "z_ptr": "*bf16", "ws_ptr": "*fp32", "cnt_ptr": "*i32",
              "codes_ptr": "*u8", "scales_ptr": "*u8", "cp_pool_ptr": "*i32", "cp_src_ptr": "*i64",
-             "cp_dst_ptr": "*i64"}
+             "cp_dst_ptr": "*i64", "gate_ptr": "*i32"}
     consts = {**opts, "QUANT": quant, "COPY_WORDS": copy_words,
               "COPY_BLOCK": max(32, 1 << (max(copy_words, 1) - 1).bit_length()), "N_TILES": plan.n_tiles}
     kernel = W._gluon_wo_a_kernel
@@ -73,23 +75,27 @@ def compile_case(plan: W.GluonWoAPlan, bt: int, quant: bool = True, copy_words: 
 
 
 def measure(heads: int, bt: int, wg: int, split: int = 0, fp8: int = 0, pdl: int = 0, release: int = 0,
-            prefill: int = 0) -> dict:
+            prefill: int = 0, gate: int = 0) -> dict:
     config = W.GluonWoAConfig(warpgroups=wg, split=split or None, fold_scales=fp8 >= 2, fold_bits=fp8 >= 3,
                               prefill=prefill or None, **({"stages": FP8_WO_A_STAGES} if fp8 == 4 else {}))
     dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
     plan = W.GluonWoAPlan.build(heads, heads // 8, RANK, 64, dtype, "cpu", config=config)
-    kernel = compile_case(plan, bt, pdl=bool(pdl), release=bool(release))
+    kernel = compile_case(plan, bt, pdl=bool(pdl), release=bool(release), gate=bool(gate))
     ins = [t for _, t in sm90.sass(kernel)]
     ptx = kernel.asm["ptx"]
     # by PDL: what the kernel does before its first griddepcontrol.wait (`sm90.pdl_prologue`)
     prologue = sm90.pdl_prologue(ptx) if "griddepcontrol.wait" in ptx else None
+    # with the gate: the weight tiles requested before its first poll
+    body = ptx[ptx.index(".entry"):]
+    before_gate = body.count("cp.async.bulk.tensor", 0, body.index("ld.volatile.global")) if gate else None
     # the release: its PTX lines after the last wgmma (the main loop's), -1 if none
     lines = ptx.split("\n")
     marks = [i for i, line in enumerate(lines) if "griddepcontrol.launch_dependents" in line]
     last_mma = max((i for i, line in enumerate(lines) if "wgmma.mma_async" in line), default=-1)
-    case = [heads, bt, wg, split, fp8] + ([pdl, release, prefill] if prefill else [pdl, release] if release else
-                                         [pdl] if pdl else [])
-    return {"case": case, "bt": bt, "stages": plan.config.stages, "prefill": prefill, "releases": len(marks),
+    case = [heads, bt, wg, split, fp8] + ([pdl, release, prefill, gate] if gate else [pdl, release, prefill] if prefill
+                                         else [pdl, release] if release else [pdl] if pdl else [])
+    return {"case": case, "bt": bt, "stages": plan.config.stages, "prefill": prefill, "gate": gate, "before_gate": before_gate,
+            "releases": len(marks),
             "released_after_loop": bool(marks) and marks[0] > last_mma,
             "pdl_prologue": prologue, "split": plan.split, "n_tiles": plan.n_tiles,
             "steps": plan.k_per_split // W.BLOCK_K, "maxnreg": W.register_cap(plan.config, bt, plan.fp8),

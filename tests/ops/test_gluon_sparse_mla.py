@@ -31,7 +31,7 @@ from test_sparse_mla import (EXACT_SCALE, GPU_POOLS, SCALE, check_bad_launch_arg
 _TYPES = {"q_ptr": "*bf16", "wpool_ptr": "*u8", "cpool_ptr": "*u8", "wtab_ptr": "*i32", "ctab_ptr": "*i32",
           "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "block_max_ptr": "*fp32", "flag_ptr": "*i32",
           "ticket_ptr": "*i32", "sink_ptr": "*fp32", "out_ptr": "*i16", "count_ptr": "*i32", "log_ptr": "*i64",
-          "board_ptr": "*i32",
+          "board_ptr": "*i32", "signal_ptr": "*i32",
           "scale": "fp32"}
 # Hopper's shared memory per block (227 KB) is the only bound on the kernel's: q and the keys as
 # four [64, 128] BF16 chunks each (64 KB + 64 KB) and P (8 KB).
@@ -39,7 +39,7 @@ SMEM_LIMIT = 227 * 1024
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _compile(heads, w, k, config, release=False):
+def _compile(heads, w, k, config, release=False, signal=0):
     p = G.GluonSparseMlaPlan.build(1, heads, w, k, "cpu").base
     consts = {"W": w, "W_P2": 1 << (w - 1).bit_length(), "KC": k, "NB": p.n_blocks,
               "NB_P2": max(2, 1 << (p.n_blocks - 1).bit_length()), "PH": p.block_h,
@@ -48,7 +48,7 @@ def _compile(heads, w, k, config, release=False):
               "VALUES": config.lookback == "values", "TICKET": config.combine != "spread",
               "PV_PIPELINE": config.pv_pipeline,
               "FP4_LUT": config.fp4_lut,
-              "PHASES": config.phases, "RELEASE": release}
+              "PHASES": config.phases, "RELEASE": release, "SIGNAL": signal}
     regs = {} if config.maxnreg is None else {"maxnreg": config.maxnreg}
     return sm90.compile_sm90(G._gluon_sparse_mla_kernel, _TYPES, consts, num_warps=G.NUM_WARPS, **regs)
 
@@ -148,6 +148,30 @@ def test_release_lets_the_next_kernel_launch_at_the_programs_start():
         if release:
             first_global = next(i for i, line in enumerate(ptx) if "ld.global" in line or "atom.global" in line)
             assert marks[0] < first_global, (marks, first_global)
+
+
+def test_signal_counts_each_program_once_where_asked():
+    """`gluon_sparse_mla_(signal=, signal_after=)` (the gate of the step's `wo_a`, `WO_A_GATE`), at the
+    step's 1-2- and 5-12-row configurations: one relaxed add a program (SASS REDG, no other atomic
+    added), after the records' decode and before the first score MMA ("decoded"), or after the last
+    P.V MMA ("stored"); none without a signal. The signal costs no register or spill."""
+    for config in (SPLIT4SVL, SPREADVLC):
+        plain = _compile(64, 128, 512, config, release=True)
+        base = sm90.opcode_counts([t for _, t in sm90.sass(plain)])
+        for signal in (0, 1, 2):
+            kernel = _compile(64, 128, 512, config, release=True, signal=signal)
+            ptx = kernel.asm["ptx"].split("\n")
+            adds = [i for i, line in enumerate(ptx) if "atom.global.gpu.relaxed.add" in line]
+            mmas = [i for i, line in enumerate(ptx) if "wgmma.mma_async" in line]
+            ops = sm90.opcode_counts([t for _, t in sm90.sass(kernel)])
+            assert ops.get("REDG", 0) == int(signal > 0) and ops.get("ATOMG") == base.get("ATOMG"), ops
+            assert len(adds) == int(signal > 0), adds
+            if signal == 1:
+                assert adds[0] < mmas[0], (adds, mmas[0])
+            elif signal == 2:
+                assert adds[0] > mmas[-1], (adds, mmas[-1])
+            res = sm90.resources(kernel)
+            assert res["STACK"] == 0 and res["LOCAL"] == 0 and res["REG"] <= sm90.resources(plain)["REG"], res
 
 
 def test_plan_is_one_head_group_of_the_real_heads():
@@ -257,8 +281,18 @@ def test_bad_arguments_name_the_argument():
         G.GluonSparseMlaConfig(fp4_packed=False, fp4_lut=True)
     with pytest.raises(TypeError, match="phases"):
         G.GluonSparseMlaConfig(phases=1)
+    with pytest.raises(ValueError, match="signal_after must be one of"):
+        G.gluon_sparse_mla_(plan, **args, signal=torch.zeros(2, dtype=torch.int32), signal_after="gathered")
+    with pytest.raises(TypeError, match="signal must have dtype torch.int32"):
+        G.gluon_sparse_mla_(plan, **args, signal=torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="signal must hold at least one"):
+        G.gluon_sparse_mla_(plan, **args, signal=torch.zeros(0, dtype=torch.int32))
+    with pytest.raises(TypeError, match="signal must be a torch.Tensor"):
+        G.gluon_sparse_mla_(plan, **args, signal=3)
     with pytest.raises(ValueError, match="compute capability 9.0"):     # good arguments, on the CPU
         G.gluon_sparse_mla_(plan, **args)
+    with pytest.raises(ValueError, match="compute capability 9.0"):
+        G.gluon_sparse_mla_(plan, **args, signal=torch.zeros(2, dtype=torch.int32), signal_after="stored")
 
 
 def run(plan, case, scale=SCALE):

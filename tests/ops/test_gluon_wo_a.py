@@ -61,10 +61,10 @@ def sm90_builds() -> dict:
 
 def _case_id(case) -> str:
     heads, bt, wg, split, fp8, *pdl = case
-    pdl, release, prefill = (list(pdl) + [0, 0, 0])[:3]
+    pdl, release, prefill, gate = (list(pdl) + [0, 0, 0, 0])[:4]
     return (f"{('bf16', 'fp8', 'fp8fold', 'fp8foldbits', 'fp8foldbits-ring')[fp8]}-h{heads}-bt{bt}-wg{wg}"
             + (f"-split{split}" if split else "") + ("-pdl" if pdl else "") + ("-release" if release else "")
-            + (f"-prefill{prefill}" if prefill else ""))
+            + (f"-prefill{prefill}" if prefill else "") + ("-gate" if gate else ""))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_case_id(c) for c in CASES])
@@ -100,9 +100,18 @@ def test_compiles_for_sm90_without_spills(sm90_builds, case):
     # the producer's weight and o tiles (its loop unrolled where the program's K range is short); by
     # PDL first the weight tiles of the ring's first slots and nothing else global (the whole program,
     # before the producer forks; `GluonWoAConfig.prefill` of them where set), then griddepcontrol.wait
-    # (SASS ACQBULK; the producer warp waits again), their o tiles, the ring's loop
+    # (SASS ACQBULK; the producer warp waits again), their o tiles, the ring's loop. With the gate
+    # (`gluon_wo_a_(gate=)`): the prefill's slots, then the gate's polls of its word (volatile loads,
+    # the only global access), the rest of the ring's slots, the wait; the producer then requests
+    # every slot's o tile.
     pre = min(r["prefill"] or r["stages"], r["steps"])
-    if len(case) > 5:
+    if r["gate"]:
+        slots = min(r["stages"], r["steps"])
+        assert r["before_gate"] == pre < slots, r
+        assert r["pdl_prologue"] == [slots, ["ld.volatile.global.b32"] * 2], r["pdl_prologue"]
+        assert ops.get("UTMALDG", 0) in (2 * slots + 2, 2 * r["steps"]) and ops.get("ACQBULK", 0) == 2, ops
+        assert ops.get("NANOSLEEP", 0) == 1, ops
+    elif len(case) > 5:
         assert r["pdl_prologue"] == [pre, []], r["pdl_prologue"]
         assert ops.get("UTMALDG", 0) in (2 * pre + 2, 2 * r["steps"]) and ops.get("ACQBULK", 0) == 2, ops
     else:
@@ -196,6 +205,11 @@ def test_bad_inputs_raise_naming_the_argument(case, match):
         W.gluon_wo_a_(plan, o, cos, sin, w, None, z, window_copy=(z, ))
     with pytest.raises(TypeError, match="plan must be of type GluonWoAPlan"):
         W.gluon_wo_a_(WoAPlan.build(4, 2, 64, 8, torch.bfloat16, "cpu"), o, cos, sin, w, None, z)
+    for gate in (-1, True, 2.0):
+        with pytest.raises(ValueError, match="gate must be a non-negative int"):
+            W.gluon_wo_a_(plan, o, cos, sin, w, None, z, gate=gate)
+    with pytest.raises(ValueError, match="gate=4 needs pdl=True"):
+        W.gluon_wo_a_(plan, o, cos, sin, w, None, z, gate=4)
 
 
 def test_fp8_plan_needs_the_scale():
