@@ -615,8 +615,8 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
     q_desc = _q_desc(plan, q) if q_tma else None
     args = (q, window_pool, comp_pool, window_table, comp_table,
             acc_ws, base.part_ml, base.block_max, base.flags, base.ticket, sink, o16, plan.counters, log,
-            plan.board, q_desc, plan.counters if signal is None else signal, n, base.heads, float(scale), q.stride(0), q.stride(1), window_table.stride(0),
-            max(comp_table.stride(0), 1), o16.stride(0), o16.stride(1))
+            plan.board, q_desc, plan.counters if signal is None else signal, n, base.heads, float(scale), q.stride(0),
+            q.stride(1), window_table.stride(0), max(comp_table.stride(0), 1), o16.stride(0), o16.stride(1))
     consts = dict(W=base.window, W_P2=triton.next_power_of_2(base.window), KC=base.topk, NB=nb,
                   NB_P2=max(2, triton.next_power_of_2(nb)), PH=base.block_h, Q_BUFFERS=config.q_buffers,
                   FP4_PACKED=config.fp4_packed, PREFETCH=config.prefetch, DSPLIT=config.dim_split,

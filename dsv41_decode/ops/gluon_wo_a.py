@@ -409,12 +409,14 @@ def _store_z(total, z_ptrs, mask, codes_ptr, scales_ptr, off_n, M, stride_codes,
 @gluon.jit(do_not_specialize=["M", "stride_cm", "stride_sm", "gate_count"])
 def _gluon_wo_a_kernel(
     w_desc, x_desc, cos_ptr, sin_ptr, s_ptr, z_ptr, ws_ptr, cnt_ptr, codes_ptr, scales_ptr, cp_pool_ptr,
-    cp_src_ptr, cp_dst_ptr, gate_ptr, gate_count, M, stride_cm, stride_sm, stride_sn, stride_zm, stride_codes, stride_scales,
+    cp_src_ptr, cp_dst_ptr, gate_ptr, gate_count, M, stride_cm, stride_sm, stride_sn, stride_zm, stride_codes,
+    stride_scales,
     R: gl.constexpr, GW: gl.constexpr, HEAD_STEPS: gl.constexpr, STEPS_PER_SPLIT: gl.constexpr,
     SPLIT: gl.constexpr, BT: gl.constexpr, STAGES: gl.constexpr, FP8: gl.constexpr = False,
     FOLD: gl.constexpr = False, FOLD_BITS: gl.constexpr = False, QUANT: gl.constexpr = False,
     COPY_WORDS: gl.constexpr = 0, COPY_BLOCK: gl.constexpr = 1, N_TILES: gl.constexpr = 1,
-    PDL: gl.constexpr = False, RELEASE: gl.constexpr = False, PREFILL: gl.constexpr = 0, GATE: gl.constexpr = False,
+    PDL: gl.constexpr = False, RELEASE: gl.constexpr = False, PREFILL: gl.constexpr = 0,
+    GATE: gl.constexpr = False,
 ):
     # Grid (G*R / BN tiles, SPLIT): program (t, s) covers weight rows [t*BN, +BN) (all in group
     # g = t*BN // R) and the group's K steps [s*STEPS_PER_SPLIT, +STEPS_PER_SPLIT) of 64 channels;
@@ -645,7 +647,8 @@ def default_split(group_width: int, n_tiles: int, sms: int) -> int:
     return max(d for d in range(1, grains + 1) if grains % d == 0 and d <= target)
 
 
-def launch_options(plan: "GluonWoAPlan", bt: int, pdl: bool = False, release: bool = False, gate: bool = False) -> dict:
+def launch_options(plan: "GluonWoAPlan", bt: int, pdl: bool = False, release: bool = False,
+                   gate: bool = False) -> dict:
     """The kernel's constexpr arguments and launch options at row bucket `bt` (the launch and the
     sm_90 compile test share them); pdl, release: as `gluon_wo_a_`'s; gate: `gluon_wo_a_`'s gate > 0
     (with pdl)."""

@@ -37,7 +37,8 @@ RANK = 1024   # o_lora_rank of V4.1; 8 heads per group
 # folded FP8 consumer in the step's ring, with the release) at 1 row; a ninth: the gate after them
 # (`gluon_wo_a_(gate=)`), BF16 at 1 row after one slot and the folded FP8 consumer in the step's ring
 # at 64 rows after two, with the release
-CASES = [(64, 8, 1, 0, 0, 1, 0, 1, 1), (64, 64, 1, 0, 4, 1, 1, 2, 1), (64, 8, 1, 0, 0, 1), (64, 64, 1, 0, 4, 1), (64, 16, 1, 0, 0, 1, 1), (64, 8, 1, 0, 0, 1, 0, 1),
+CASES = [(64, 8, 1, 0, 0, 1, 0, 1, 1), (64, 64, 1, 0, 4, 1, 1, 2, 1),
+         (64, 8, 1, 0, 0, 1), (64, 64, 1, 0, 4, 1), (64, 16, 1, 0, 0, 1, 1), (64, 8, 1, 0, 0, 1, 0, 1),
          (64, 8, 1, 0, 4, 1, 1, 2), (64, 8, 1, 0, 0), (32, 16, 1, 0, 0), (16, 32, 1, 0, 0), (8, 64, 1, 0, 0), (64, 64, 2, 0, 0),
          (8, 16, 1, 1, 0), (64, 8, 1, 0, 1), (16, 64, 1, 0, 1), (64, 64, 2, 0, 1),
          (64, 8, 1, 0, 2), (32, 16, 1, 0, 2), (16, 32, 1, 0, 2), (8, 64, 1, 0, 2), (64, 64, 2, 0, 2),
@@ -94,7 +95,8 @@ def measure(heads: int, bt: int, wg: int, split: int = 0, fp8: int = 0, pdl: int
     last_mma = max((i for i, line in enumerate(lines) if "wgmma.mma_async" in line), default=-1)
     case = [heads, bt, wg, split, fp8] + ([pdl, release, prefill, gate] if gate else [pdl, release, prefill] if prefill
                                          else [pdl, release] if release else [pdl] if pdl else [])
-    return {"case": case, "bt": bt, "stages": plan.config.stages, "prefill": prefill, "gate": gate, "before_gate": before_gate,
+    return {"case": case, "bt": bt, "stages": plan.config.stages, "prefill": prefill, "gate": gate,
+            "before_gate": before_gate,
             "releases": len(marks),
             "released_after_loop": bool(marks) and marks[0] > last_mma,
             "pdl_prologue": prologue, "split": plan.split, "n_tiles": plan.n_tiles,
