@@ -355,13 +355,15 @@ class AttentionStep:
         self.wo_a_plan = wo_a_plan(cfg.n_heads, cfg.o_groups, cfg.o_lora_rank, max_rows, self.wo_a_w.dtype, dev,
                                    head_dim=cfg.head_dim, rope_dim=cfg.rope_head_dim, workspace=pool,
                                    fp32_dots=fp32_dots, gluon_fp8=foldable_scale(self.wo_a_s))
-        # wo_a_gate: the gate between the Gluon sparse MLA and the Gluon wo_a launched by PDL after it
-        # (`WO_A_GATE`; a schedule choice: the same bits; `_attend`, `_output`)
-        self.wo_a_gate = WO_A_GATE if self.wo_a_pdl and isinstance(self.wo_a_plan, GluonWoAPlan) else None
         topk_w = 0 if spec.kind == SWA else cfg.index_topk
         # The Gluon kernel on sm_90, else the Triton tilings; FP32 dots with fp32_dots (`sparse_mla_plans`)
         self.mla_plans = sparse_mla_plans(max_rows, cfg.n_heads, cfg.window_size, topk_w, dev, workspace=pool,
                                           fp32_dots=fp32_dots)
+        # wo_a_gate: the gate between the Gluon sparse MLA and the Gluon wo_a launched by PDL after it
+        # (`WO_A_GATE`; a schedule choice: the same bits; `_attend`, `_output`)
+        gluon_pair = isinstance(self.wo_a_plan, GluonWoAPlan) and all(
+            isinstance(p, GluonSparseMlaPlan) for p in self.mla_plans)
+        self.wo_a_gate = WO_A_GATE if self.wo_a_pdl and gluon_pair else None
         wide = {"split": 1, "block_n": 256} if few else {}
         self.sink = w["attn.attn_sink"].float().contiguous()
         self.publish: torch.Tensor | None = None   # set by DecodeStep with the fused TP boundary
@@ -692,11 +694,9 @@ class AttentionStep:
             comp_pool, comp_table = st.compressed[spec.kv_source], self.source_selection.table[:B]
         o = s.o[:B]
         plan = self._mla_plan(B)
-        pdl = {}
-        if self.wo_a_pdl and isinstance(plan, GluonSparseMlaPlan):
-            pdl = dict(release=True)
-            if self.wo_a_gate is not None:
-                pdl.update(signal=self.wo_a_plan.gate, signal_after=self.wo_a_gate)
+        pdl = dict(release=True) if self.wo_a_pdl and isinstance(plan, GluonSparseMlaPlan) else {}
+        if self.wo_a_gate is not None:
+            pdl.update(signal=self.wo_a_plan.gate, signal_after=self.wo_a_gate)
         sparse_mla_launch(plan, s.q[:B], st.window[spec.layer], comp_pool, m.window_table[:B], comp_table, self.sink,
                           cfg.softmax_scale, o, **pdl)
         return o
@@ -715,9 +715,8 @@ class AttentionStep:
         gluon = isinstance(self.wo_a_plan, GluonWoAPlan)
         wo_b_pdl = self.wo_b_pdl and gluon and boundary is None and self.publish is None and self.layer.tp.tp == 1
         pdl = dict(pdl=self.wo_a_pdl, release=wo_b_pdl) if gluon else {}
-        mla = self._mla_plan(B)
-        if self.wo_a_gate is not None and isinstance(mla, GluonSparseMlaPlan):
-            pdl["gate"] = mla.programs(B)         # the MLA's signals: one a program
+        if self.wo_a_gate is not None:
+            pdl["gate"] = self._mla_plan(B).programs(B)     # the MLA's signals: one a program
         wo_a_launch(self.wo_a_plan, o, m.cos[r][:B], m.sin[r][:B], self.wo_a_w, self.wo_a_s, s.z[:B],
                     s.z_codes[:B], s.z_scales[:B], window_copy=copy, **pdl)
         if boundary is not None:
