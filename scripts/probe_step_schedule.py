@@ -64,11 +64,11 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
     wo_a_pre2       of its ring's slots' weight tiles before its wait instead of all of them
                     (`GluonWoAConfig.prefill`, `attention.WO_A_PREFILL`): less DRAM traffic beside
                     the MLA's record gathers; the same bits
-    gate_dec1       each layer's Gluon wo_a requesting one / two ring slots before a gate, the rest
-    gate_dec2       once every program of the sparse MLA has decoded its records into shared memory
-    gate_st1        (or, gate_st1, stored its partial), then its PDL wait (`attention.WO_A_GATE`,
-                    `gluon_wo_a_(gate=)`): its weight stream beside the MLA, not ahead of its gathers;
-                    the same bits
+    gate_dec1       each layer's Gluon wo_a requesting one / two / three / four ring slots before a
+    gate_dec2       gate, the rest once every program of the sparse MLA has decoded its records into
+    gate_dec3       shared memory (gate_st1: one slot, the rest once every program has stored its
+    gate_dec4       partial), then its PDL wait (`attention.WO_A_GATE`, `gluon_wo_a_(gate=)`): its
+    gate_st1        weight stream beside the MLA, not ahead of its gathers; the same bits
     no_pdl          every kernel launched plainly: not each layer's Gluon wo_a by programmatic
                     dependent launch after the Gluon sparse MLA (released at the start of the MLA's
                     last launch's programs: its rings' first weight tiles read while the MLA runs),
@@ -458,7 +458,8 @@ PATCHES = {
     "prefetch_2": lambda step: _swap([(attention_mod, "PREFETCH_RECORDS_MAX_ROWS", 2)]),
     "prefetch_8": lambda step: _swap([(attention_mod, "PREFETCH_RECORDS_MAX_ROWS", 8)]),
     "wo_a_pre1": _wo_a_prefill(1), "wo_a_pre2": _wo_a_prefill(2),
-    "gate_dec1": _wo_a_gate("decoded", 1), "gate_dec2": _wo_a_gate("decoded", 2), "gate_st1": _wo_a_gate("stored", 1),
+    "gate_dec1": _wo_a_gate("decoded", 1), "gate_dec2": _wo_a_gate("decoded", 2), "gate_dec3": _wo_a_gate("decoded", 3),
+    "gate_dec4": _wo_a_gate("decoded", 4), "gate_st1": _wo_a_gate("stored", 1),
     "no_pdl": lambda step: _swap([(owner, flag, False) for flag in PDL_OPTIONS
                                   for owner in ([step] if hasattr(step, flag) else step.layers.values())]),
     "no_wq_b_pdl": _layer_flag("wq_b_pdl", False), "no_wo_b_pdl": _layer_flag("wo_b_pdl", False),
