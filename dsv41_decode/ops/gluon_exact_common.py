@@ -25,9 +25,7 @@ from .common import plan_workspace
 from .exact_mm import reduction_order, rope_kwargs
 from .gluon_epilogues import bf16_out, max_combine
 from .gluon_mm import BLOCK_K as RING_K
-from .gluon_mm import fp8_desc, require_sm90_weight
-from .gluon_mm import _scale, _slot_words
-from .gluon_mm import _words as _scale_words
+from .gluon_ring import fp8_desc, require_sm90_weight, scale_byte, scale_words, slot_words
 from .pdl import launch_options as pdl_launch_options, require_supported as require_pdl
 
 
@@ -40,13 +38,13 @@ def pow2(x, e: gl.constexpr):
 @gluon.jit
 def block_term(part, words, j: gl.constexpr):
     """RN(RN(part * sx[m, block j]) * sw[n // 32, block j]): the reference's scaling of the slot's K
-    block j (words: `gluon_mm._slot_words` of the slot, word 1 for blocks 4..7 of a 256-deep one);
+    block j (words: `gluon_ring.slot_words` of the slot, word 1 for blocks 4..7 of a 256-deep one);
     `scaled_term` of the two scales decoded from their bytes."""
     if j < 4:
         sw, _, sx, _ = words
     else:
         _, sw, _, sx = words
-    return scaled_term(part, _scale(sx, j % 4)[None, :], _scale(sw, j % 4)[:, None])
+    return scaled_term(part, scale_byte(sx, j % 4)[None, :], scale_byte(sw, j % 4)[:, None])
 
 
 @gluon.jit
@@ -140,7 +138,7 @@ def wait_slot(i, words_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES
     and the next slot's loads issued, then the wait for the slot's tiles. Returns (the slot's words,
     the next slot's, the ring index)."""
     words = words_next
-    words_next = _slot_words(sw_words, sx_words, step_lo + gl.minimum(i + 1, n_steps - 1), NB // 4)
+    words_next = slot_words(sw_words, sx_words, step_lo + gl.minimum(i + 1, n_steps - 1), NB // 4)
     s = i % STAGES
     mbarrier.wait(ready.index(s), (i // STAGES) & 1)
     return words, words_next, s
@@ -148,11 +146,11 @@ def wait_slot(i, words_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES
 
 @gluon.jit
 def unit_words(sw_words, sx_words, step, WORDS: gl.constexpr, SLOTS: gl.constexpr):
-    """The scale words (`_slot_words`) of the SLOTS ring slots from `step` on, a tuple: one unit."""
+    """The scale words (`slot_words`) of the SLOTS ring slots from `step` on, a tuple: one unit."""
     if SLOTS == 1:
-        words = (_slot_words(sw_words, sx_words, step, WORDS), )
+        words = (slot_words(sw_words, sx_words, step, WORDS), )
     else:
-        words = (_slot_words(sw_words, sx_words, step, WORDS), _slot_words(sw_words, sx_words, step + 1, WORDS))
+        words = (slot_words(sw_words, sx_words, step, WORDS), slot_words(sw_words, sx_words, step + 1, WORDS))
     return words
 
 
@@ -294,13 +292,13 @@ class GluonExactPlan:
     m, config, epilogue)`, epilogue the query RoPE's keyword arguments: `exact_mm.rope_kwargs`)."""
 
     def _bind(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int, boxes) -> None:
-        """Check the weight's device and rows (`gluon_mm.require_sm90_weight`) and bind it: w_scale
+        """Check the weight's device and rows (`gluon_ring.require_sm90_weight`) and bind it: w_scale
         as bytes and int32 words, the x scale bytes of the fused scaling (`fused_range`:
         `fused_scale_range`), N, K, max_rows, the device, and a TMA descriptor of the weight per box
         (block_n, block_k) in `boxes` (`_w_descs[box]`)."""
         require_sm90_weight(weight, "TMA, warp specialization")
         self.weight, self.w_scale = weight, w_scale.view(torch.uint8)
-        self._sw_words = _scale_words(self.w_scale, "w_scale")
+        self._sw_words = scale_words(self.w_scale, "w_scale")
         self.fused_range = fused_scale_range(self.w_scale)
         (self.n, self.k), self.max_rows, self.device = weight.shape, max_rows, weight.device
         self._w_descs = {box: fp8_desc(weight, box) for box in set(boxes)}
@@ -332,7 +330,7 @@ class GluonExactPlan:
         call without it followed by that op). pdl: launch by programmatic dependent launch
         (`ops.pdl`): where the kernel before it on the stream lets it (a `release`), its programs
         start while that kernel runs and request their rings' first weight tiles
-        (`gluon_mm.ring_prefill`), then wait for it before they read x or write anything; without
+        (`gluon_ring.ring_prefill`), then wait for it before they read x or write anything; without
         such a predecessor it runs as without pdl. The same values either way. ValueError where PDL
         is not available (`ops.pdl.supported`). Returns out."""
         out = mxfp8_linear_args(codes, x_scale, out, self.n, self.k, self.max_rows, self.device)

@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                                 warpgroup_mma_wait)
 
 from .gluon_exact_common import fused_scale, fused_scales_ok, fused_take, scaled_term, take_term, wait_slot, ws_tile
-from .gluon_mm import _scale, _slot_words
+from .gluon_ring import scale_byte, slot_words
 
 
 @gluon.jit
@@ -215,7 +215,7 @@ def x_scales_layout(NB, BT):
 
 @gluon.jit
 def store_x_scales(sx0, sx1, dst):
-    """The slot's x scales decoded once (`gluon_mm._scale`) into `dst` ([NB, BT] FP32 in shared
+    """The slot's x scales decoded once (`gluon_ring.scale_byte`) into `dst` ([NB, BT] FP32 in shared
     memory, row j K block j's): sx0 / sx1 the [NB, BT] scale words of the slot in
     `x_scales_layout` (every row of them the x row's word, word 1 for blocks 4..7 of a 256-deep
     slot), each thread one or two bytes."""
@@ -225,7 +225,7 @@ def store_x_scales(sx0, sx1, dst):
         word = sx0
     else:
         word = gl.where(jj < 4, sx0, sx1)
-    dst.store(_scale(word >> (8 * (jj % 4)), 0))
+    dst.store(scale_byte(word >> (8 * (jj % 4)), 0))
 
 
 @gluon.jit
@@ -292,7 +292,7 @@ def consumer_wg_slots(w_smem, x_smem, xd, xs, ready, empty, sw_words, sx_words, 
     zero = gl.zeros([BN, BT], gl.float32, mma_layout)
     NB: gl.constexpr = w_smem.shape[2] // 32
     ws_offs, ws_mask = ws_tile(BN, BT, M, mma_layout)
-    words_next = _slot_words(sw_words, sx_words, step_lo, NB // 4)
+    words_next = slot_words(sw_words, sx_words, step_lo, NB // 4)
     for i in range(n_steps):
         words, words_next, s = wait_slot(i, words_next, sw_words, sx_words, ready, step_lo, n_steps, STAGES, NB)
         sw0, sw1, sx0, sx1 = words
@@ -322,7 +322,7 @@ def consumer_wg_slots(w_smem, x_smem, xd, xs, ready, empty, sw_words, sx_words, 
                 gl.thread_barrier()
                 mbarrier.arrive(empty.index(s), count=1)
             sx = x_scales.slice(j, 1, dim=0).load(mma_layout)                  # [1, BT]
-            sw = _scale(sw0 if j < 4 else sw1, j % 4)[:, None]
+            sw = scale_byte(sw0 if j < 4 else sw1, j % 4)[:, None]
             if FUSED:
                 sx_b, sw_b = gl.broadcast(sx, sw)
                 acc = fused_take(acc, part, sx_b * sw_b, (step_lo + i) * NB + j, ws_ptr, ws_offs, ws_mask, BN, M,

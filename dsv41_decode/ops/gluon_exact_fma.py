@@ -27,7 +27,7 @@ operands exactly, as an IEEE FMA does), the block sum the true one times 2^-16, 
 FP32 and times 2^16 is exact (the scaled sum lies between 2^-34 and 2^7: no FP32 underflow or
 overflow). Then one DFMA per (weight code, row).
 
-**Layout.** A TMA producer warp (`gluon_mm._producer`, the Gluon tier's ring: `_ring`) streams
+**Layout.** A TMA producer warp (`gluon_ring.producer`, the Gluon tier's ring: `ring`) streams
 [BN, 128] FP8 weight tiles (NVMMA 128-byte swizzle) and the call's activation tile ([R, 128], R =
 1, 2 or 4: a call of 3 rows computes 4, TMA's zero rows past M) through `stages` shared-memory
 slots. Four consumer warps: `warps_k` of them split each slot's four 32-deep K blocks (warp w the
@@ -136,8 +136,9 @@ from .common import num_sms
 from .exact_mm import HI_WORDS_PTX
 from .gluon_epilogues import add_combine
 from .gluon_exact_common import GluonExactPlan, pow2, ring_weight_args, split_k_sum, store_tile, sum_chunk
-from .gluon_mm import (SHARED_LIMIT, _ring, _scale, activation_operands, require_maxnreg, ring_prefill, ring_producer,
-                       split_bounds)
+from .gluon_mm import split_bounds
+from .gluon_ring import (SHARED_LIMIT, activation_operands, require_maxnreg, ring, ring_prefill, ring_producer,
+                         scale_byte)
 
 MAX_ROWS = 4
 BLOCK_K = 128                   # K per ring slot: four 32-deep blocks, one 32-bit scale word per row
@@ -282,7 +283,8 @@ def _slot_terms(w_tile, xf, sw, sx, jw, g: gl.constexpr, BN: gl.constexpr, WK: g
     j = WK * g + jw
     # RN(sum * 2^-16) * 2^16 = RN(sum): a nonzero block sum is at least 2^-18 in magnitude, so the
     # scaled one stays a normal FP32 (>= 2^-34) and below 2^7 (module doc).
-    scaled, sw_b = gl.broadcast(part.to(gl.float32) * 65536.0 * _scale(sx >> (8 * j), 0), _scale(sw >> (8 * j), 0))
+    scaled, sw_b = gl.broadcast(part.to(gl.float32) * 65536.0 * scale_byte(sx >> (8 * j), 0),
+                                scale_byte(sw >> (8 * j), 0))
     return libdevice.mul_rn(scaled, sw_b)
 
 
@@ -375,7 +377,7 @@ def _gluon_exact_fma_kernel(
     # with cos/sin [M, 32] FP32 at cos_ptr / sin_ptr (row strides stride_cm / stride_sm; all four
     # None without it, so that they take no kernel parameter). PDL: launched by programmatic
     # dependent launch, the ring's first weight tiles requested before the wait for the kernel
-    # before it (`gluon_mm.ring_prefill`), its x tiles after (`gluon_mm.producer_prefilled`).
+    # before it (`gluon_ring.ring_prefill`), its x tiles after (`gluon_ring.producer_prefilled`).
     BN: gl.constexpr = w_desc.block_type.shape[0]
     R: gl.constexpr = x_desc.block_type.shape[0]
     # LANES [BN, WK, LK, R]: the (weight row, K block, part of the block, x row) of each thread's
@@ -394,7 +396,7 @@ def _gluon_exact_fma_kernel(
     TERMS: gl.constexpr = gl.BlockedLayout(size_per_thread=[4, 1, R], threads_per_warp=[1, 32, 1],
                                            warps_per_cta=[1, 4, 1], order=[0, 2, 1])
     L: gl.constexpr = gl.SliceLayout(2, LANES)
-    w_smem, x_smem, ready, empty = _ring(w_desc, x_desc, STAGES)
+    w_smem, x_smem, ready, empty = ring(w_desc, x_desc, STAGES)
     xf = gl.allocate_shared_memory(gl.float64, [128, R], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     terms = gl.allocate_shared_memory(gl.float32, [4 * BN, R], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
     pid_n = gl.program_id(0)

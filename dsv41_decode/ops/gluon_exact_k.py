@@ -15,7 +15,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 from .gluon_exact_common import fused_scales_ok, fused_take, scaled_term, unit_words, wait_unit, ws_tile
 from .gluon_exact_digits import digit_slot_partials, store_fused_scales, store_x_scales
 from .gluon_exact_fp64 import fp64_slot_partials
-from .gluon_mm import _scale
+from .gluon_ring import scale_byte
 
 
 @gluon.jit
@@ -126,7 +126,7 @@ def _consumer_k_slots(w_smem, x_smem, ready, empty, terms, xs, sw_words, sx_word
 @gluon.jit
 def _store_slot_scales(words, dst, FUSED: gl.constexpr):
     """A slot's x scales decoded into dst ([NB, BT] FP32 in shared memory, `store_x_scales`), or with
-    FUSED the scales' products (`store_fused_scales`), from the slot's words (`_slot_words`)."""
+    FUSED the scales' products (`store_fused_scales`), from the slot's words (`slot_words`)."""
     sw0, sw1, sx0, sx1 = words
     if FUSED:
         store_fused_scales(sw0, sw1, sx0, sx1, dst)
@@ -153,7 +153,7 @@ def _store_slot_terms(w_tile, x_tile, zero, words, xs_slot, terms_slot, j3, CONV
             sw3 = gl.where(j3 < 4, gl.expand_dims(gl.expand_dims(sw, 1), 0),
                            gl.expand_dims(gl.expand_dims(sw1, 1), 0)) >> (8 * (j3 % 4))   # [8, BN, 1]
         sx3 = gl.expand_dims(xs_slot.load(gl.SliceLayout(1, mma_layout)), 1)      # [NB, 1, BT]
-        terms_slot.store(scaled_term(part, sx3, _scale(sw3, 0)))
+        terms_slot.store(scaled_term(part, sx3, scale_byte(sw3, 0)))
 
 
 @gluon.jit

@@ -25,7 +25,7 @@ What the Gluon form does differently (the layout of `ops.gluon_mm`, the Gluon FP
   The MMA is `mma_v2` on FP64 operands (DMMA m16n8k16), in an
   `NVMMADistributedLayout(version=[2, 0], instr_shape=[16, 8])` of the 4 consumer warps
   (`GluonExactConfig.warps_n`: how they split x's rows; the rest split the weight rows).
-- **A TMA producer warp** (`gluon_mm._producer`, the Gluon tier's ring) streams [BN, 128] FP8
+- **A TMA producer warp** (`gluon_ring.producer`, the Gluon tier's ring) streams [BN, 128] FP8
   weight tiles and the matching [BT, 128] activation tiles through a ring of `stages`
   shared-memory slots (mbarriers `ready` / `empty`); the consumer warps load each 32-wide K block
   of both tiles straight from shared memory into the MMA's operand layouts
@@ -121,8 +121,8 @@ from .gluon_exact_common import (GluonExactPlan, block_term, fused_scale, fused_
 from .gluon_exact_digits import consumer_wg, digit_partial, x_scales_layout
 from .gluon_exact_fp64 import form, fp64_partial, is_packed
 from .gluon_exact_k import consumer_k, sum_layout
-from .gluon_mm import (SHARED_LIMIT, _ring, _tile_scales, activation_operands, require_maxnreg, ring_prefill,
-                      ring_producer, split_bounds)
+from .gluon_mm import _tile_scales, split_bounds
+from .gluon_ring import SHARED_LIMIT, activation_operands, require_maxnreg, ring, ring_prefill, ring_producer
 from .pdl import gluon_wait
 
 MAX_ROWS = 64
@@ -240,15 +240,15 @@ def _tile_weight_scales(sw_ptr, off_n, N, stride_swn, BN: gl.constexpr, layout: 
 @gluon.jit
 def _ring_producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, step_lo, n_steps,
                    STAGES: gl.constexpr, PAIRS: gl.constexpr, PREFILLED: gl.constexpr = False):
-    """The kernel's 1-warp TMA producer: `gluon_mm._producer`'s ring slot by slot, or with PAIRS
+    """The kernel's 1-warp TMA producer: `gluon_ring.producer`'s ring slot by slot, or with PAIRS
     (`GluonExactConfig.pair_slots`) two slots at a time: steps 2p and 2p + 1's weight tiles [BN,
     BLOCK_K] at (off_n, k) and activation tiles [BT, BLOCK_K] at (x_row, k), k = (step_lo + 2p + t) x
     BLOCK_K, into ring slots 2q and 2q + 1 (q = p % (STAGES / 2)), all four copies on the even
     slot's ready barrier, once the consumer has released the pair on the even slot's empty barrier
     (the odd slots' barriers unused); n_steps even. PREFILLED: after the PDL launch's
-    `gluon_mm.ring_prefill` (in units of two slots with PAIRS), which requested the first units'
+    `gluon_ring.ring_prefill` (in units of two slots with PAIRS), which requested the first units'
     weight tiles: the producer waits for the predecessor itself, copies those units' activation
-    tiles and goes on from the first unit past them (slot by slot: `gluon_mm.producer_prefilled`)."""
+    tiles and goes on from the first unit past them (slot by slot: `gluon_ring.producer_prefilled`)."""
     if PAIRS:
         UNITS: gl.constexpr = STAGES // 2
         BK: gl.constexpr = w_desc.block_type.shape[1]
@@ -302,7 +302,7 @@ def _gluon_exact_mm_kernel(
     # cos_ptr / sin_ptr (row strides stride_cm / stride_sm; all four None without it, so that they
     # take no kernel parameter). PDL: launched by programmatic dependent launch: the ring's first
     # weight tiles (with PAIRS its first units') requested before the wait for the kernel before it
-    # (`gluon_mm.ring_prefill`), the x tiles after.
+    # (`gluon_ring.ring_prefill`), the x tiles after.
     BN: gl.constexpr = w_desc.block_type.shape[0]
     NB: gl.constexpr = w_desc.block_type.shape[1] // 32      # K blocks a slot: 4, or 8 (block_k 256)
     SLOTS: gl.constexpr = 2 if PAIRS else 1                   # ring slots a consumer's wait
@@ -318,7 +318,7 @@ def _gluon_exact_mm_kernel(
         mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS_K, 4 // WARPS_K, 1],
                                                              instr_shape=[1, 16, 8])
         out_layout: gl.constexpr = sum_layout(BN, BT)
-    w_smem, x_smem, ready, empty = _ring(w_desc, x_desc, STAGES)
+    w_smem, x_smem, ready, empty = ring(w_desc, x_desc, STAGES)
 
     pid_n = gl.program_id(0)
     off_m = gl.program_id(1) * BT
@@ -614,7 +614,7 @@ def shared_bytes(config: GluonExactConfig, bt: int) -> int:
     with pair_slots), in "f16w" / "f16wp" x's digit tiles (2 x block_k x bt FP16), and in both two
     slots' decoded x scales (2 x block_k / 32 x bt FP32; twice with pair_slots): with warps_k=1 and
     block_k=128 at most 8 x (128 + 64) x 128 + 1024 = 197632 bytes, within sm_90's
-    `gluon_mm.SHARED_LIMIT` (GluonExactConfig checks the others at block_m)."""
+    `gluon_ring.SHARED_LIMIT` (GluonExactConfig checks the others at block_m)."""
     slots = 2 if config.pair_slots else 1
     terms = slots * config.block_k // 32 * config.block_n * bt * 4 if config.warps_k > 1 else 0
     wg = config.convert in ("f16w", "f16wp")

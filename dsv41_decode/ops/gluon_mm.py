@@ -84,140 +84,20 @@ from dataclasses import dataclass
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
 
 from .checks import (UE8M0_DTYPES, index_query_epilogue_args, mxfp8_linear_args, require_ndim, require_tensor,
                      rope_epilogue_args)
-from .common import is_sm90, num_sms, plan_workspace
+from .common import num_sms, plan_workspace
 from .gluon_epilogues import bf16_out
-from .pdl import gluon_gate_await, gluon_gate_close, gluon_wait
+from .gluon_ring import (SHARED_LIMIT, activation_operands, fp8_desc, producer, require_maxnreg, require_sm90_weight,
+                         ring, scale_byte, scale_words, slot_words)
 from .low_latency_mm import _Operands   # the plan cache's key: same memory, same view
 
 MAX_ROWS = 64
 BLOCK_N = 64           # weight rows per program: the wgmma's M, one warpgroup
 BLOCK_K = 128          # K per ring slot: four 32-wide scale blocks, one 32-bit scale word per row
 ROW_BUCKETS = (8, 16, 32, 64)   # BLOCK_T: the wgmma's N
-
-
-@gluon.jit
-def _ring(w_desc, x_desc, STAGES: gl.constexpr):
-    """The Gluon tier's TMA ring in shared memory: STAGES slots of the weight's and the activation's
-    descriptor tiles and a `ready` and an `empty` mbarrier per slot (initialized, count 1), as
-    (w_smem, x_smem, ready, empty); `_producer` fills it."""
-    w_smem = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
-    x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape, x_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    return w_smem, x_smem, ready, empty
-
-
-@gluon.jit
-def _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, x_col, step_lo, n_steps, c0,
-              n_steps_total, STAGES: gl.constexpr, RETILED: gl.constexpr):
-    """The 1-warp TMA producer of the Gluon tier's rings (`gluon_wo_a`, `gluon_exact_mm` run it too):
-    step i's weight tile [BN, BLOCK_K] at (off_n, k) and activation tile [BLOCK_T, BLOCK_K] at
-    (x_row, x_col + k), k = (step_lo + i) x BLOCK_K, into ring slot (c0 + i) % STAGES once the
-    consumer has released it (c0: the slots the program filled before, for the persistent loop;
-    else 0). RETILED: the weight descriptor is the plan's tile-contiguous copy ([N tiles x K steps x
-    BN, BLOCK_K]: tile t's step s at row (t x n_steps_total + s) x BN)."""
-    BN: gl.constexpr = w_desc.block_type.shape[0]
-    for i in range(n_steps):
-        c = c0 + i
-        s = c % STAGES
-        # A fresh barrier counts as having completed the phase before its first: the first pass
-        # over the ring does not wait.
-        mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
-        mbarrier.expect(ready.index(s), w_desc.block_type.nbytes + x_desc.block_type.nbytes)
-        k = (step_lo + i) * w_desc.block_type.shape[1]
-        if RETILED:
-            tma.async_copy_global_to_shared(w_desc, [off_n * n_steps_total + (step_lo + i) * BN, 0], ready.index(s),
-                                            w_smem.index(s))
-        else:
-            tma.async_copy_global_to_shared(w_desc, [off_n, k], ready.index(s), w_smem.index(s))
-        tma.async_copy_global_to_shared(x_desc, [x_row, x_col + k], ready.index(s), x_smem.index(s))
-
-
-@gluon.jit
-def _request_weights(w_desc, x_desc, w_smem, ready, off_n, step_lo, n_steps, LO: gl.constexpr, HI: gl.constexpr,
-                     SLOTS: gl.constexpr):
-    """`ring_prefill`'s requests of the weight tiles of the ring's slots [LO, HI) (wait units of SLOTS
-    slots, each unit's `ready` barrier expecting its weight and activation tiles' bytes at once)."""
-    BK: gl.constexpr = w_desc.block_type.shape[1]
-    for u in gl.static_range(LO // SLOTS, HI // SLOTS):
-        if u * SLOTS < n_steps:
-            mbarrier.expect(ready.index(u * SLOTS), SLOTS * (w_desc.block_type.nbytes + x_desc.block_type.nbytes))
-            for t in gl.static_range(SLOTS):
-                tma.async_copy_global_to_shared(w_desc, [off_n, (step_lo + u * SLOTS + t) * BK], ready.index(u * SLOTS),
-                                                w_smem.index(u * SLOTS + t))
-
-
-@gluon.jit
-def ring_prefill(w_desc, x_desc, w_smem, ready, off_n, step_lo, n_steps, STAGES: gl.constexpr,
-                 SLOTS: gl.constexpr = 1, PREFILL: gl.constexpr = 0, gate_ptr=None, gate_count=0,
-                 GATE: gl.constexpr = False):
-    """The prologue of a ring's kernel launched by programmatic dependent launch (`ops.pdl`), run by
-    the whole program before it forks its producer: the weight tiles of the ring's first
-    min(P, n_steps) slots (P = PREFILL, or STAGES where PREFILL is 0; steps step_lo, step_lo + 1,
-    ...; the weight is constant data) are requested while the kernel before this one still runs,
-    each wait unit's `ready` barrier (its first slot's) expecting its weight and activation tiles'
-    bytes at once; then `griddepcontrol.wait`: everything after it may read what that kernel wrote.
-    SLOTS: the ring's slots a wait unit (1, or 2 for `gluon_exact_mm`'s pair_slots, n_steps even;
-    P a multiple of it). The producer (`producer_prefilled` with the same PREFILL, or
-    `gluon_exact_mm`'s pair producer) then fills the rest: the same slots, tiles and barriers as its
-    producer alone, so the same values.
-
-    GATE (SLOTS 1): between the first P slots and the wait, the program waits at the gate
-    (`ops.pdl.gluon_gate_await(gate_ptr, gate_count)`: until the kernel before this one has
-    signalled gate_count times) and then requests the rest of the ring's slots, so that it asks for
-    them once that kernel's programs are past their own reads; after the wait it closes the gate
-    (`gluon_gate_close`). Every slot is then requested: the producer follows with PREFILL 0."""
-    P: gl.constexpr = STAGES if PREFILL == 0 else PREFILL
-    _request_weights(w_desc, x_desc, w_smem, ready, off_n, step_lo, n_steps, 0, P, SLOTS)
-    if GATE:
-        gl.static_assert(SLOTS == 1)
-        gluon_gate_await(gate_ptr, gate_count)
-        _request_weights(w_desc, x_desc, w_smem, ready, off_n, step_lo, n_steps, P, STAGES, 1)
-    gluon_wait()
-    if GATE:
-        gluon_gate_close(gate_ptr)
-
-
-@gluon.jit
-def producer_prefilled(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, x_col, step_lo, n_steps,
-                       STAGES: gl.constexpr, PREFILL: gl.constexpr = 0):
-    """`_producer` after `ring_prefill` (the same PREFILL): the activation tiles of the prefilled
-    slots, then the ring from the first step past them (the slots `ring_prefill` left are fresh: the
-    producer fills them as its first pass would). The producer warp waits for the predecessor
-    itself first (the program's wait in `ring_prefill` already returned, so at once): its copies are
-    ordered after the wait by its own instruction, not only by the fork."""
-    gluon_wait()
-    BK: gl.constexpr = w_desc.block_type.shape[1]
-    P: gl.constexpr = STAGES if PREFILL == 0 else PREFILL
-    for i in gl.static_range(P):
-        if i < n_steps:
-            tma.async_copy_global_to_shared(x_desc, [x_row, x_col + (step_lo + i) * BK], ready.index(i),
-                                            x_smem.index(i))
-    pre = gl.minimum(n_steps, P)
-    _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, x_col, step_lo + pre, n_steps - pre, pre,
-              n_steps, STAGES, False)
-
-
-@gluon.jit
-def ring_producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, x_col, step_lo, n_steps,
-                  STAGES: gl.constexpr, PREFILLED: gl.constexpr, PREFILL: gl.constexpr = 0):
-    """A ring kernel's producer partition over steps step_lo .. step_lo + n_steps - 1:
-    `producer_prefilled` after the PDL launch's `ring_prefill` (PREFILLED; PREFILL as theirs), else
-    `_producer`."""
-    if PREFILLED:
-        producer_prefilled(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, x_col, step_lo, n_steps,
-                           STAGES, PREFILL)
-    else:
-        _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, x_col, step_lo, n_steps, 0, n_steps,
-                  STAGES, False)
 
 
 @gluon.jit
@@ -229,7 +109,7 @@ def _producer_persistent(w_desc, x_desc, w_smem, x_smem, ready, empty, N, steps_
     c0 = 0
     for item in range(gl.program_id(0), (N + BN - 1) // BN * n_split, gl.num_programs(0)):
         pid_n, step_lo, n_steps = _item(item, n_split, steps_per_split, n_steps_total)
-        _producer(w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, 0, 0, step_lo, n_steps, c0,
+        producer(w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, 0, 0, step_lo, n_steps, c0,
                   n_steps_total, STAGES, RETILED)
         c0 += n_steps
 
@@ -244,31 +124,6 @@ def _item(item, n_split, steps_per_split, n_steps_total):
 
 
 @gluon.jit
-def _scale(word, j: gl.constexpr):
-    """Byte j (little-endian) of UE8M0 scale words as FP32 2^(b - 127); byte 255 gives NaN and
-    byte 0 gives 0.0, as `ops.rounding.ue8m0_to_fp32`."""
-    b = (word >> (8 * j)) & 255
-    value = (b << 23).to(gl.float32, bitcast=True)
-    return gl.where(b == 255, float("nan"), value)
-
-
-@gluon.jit
-def _slot_words(sw_words, sx_words, step, WORDS: gl.constexpr):
-    """The scale words of ring slot `step` ([BN] weight, [BT] activation int32 words, four UE8M0
-    bytes each): (sw0, sw1, sx0, sx1), word 1 for K blocks 4..7 of a 256-deep slot (= word 0 when
-    the slot is 128 deep)."""
-    sw0 = gl.load(sw_words + step * WORDS)
-    sx0 = gl.load(sx_words + step * WORDS)
-    if WORDS == 2:
-        sw1 = gl.load(sw_words + step * WORDS + 1)
-        sx1 = gl.load(sx_words + step * WORDS + 1)
-    else:
-        sw1 = sw0
-        sx1 = sx0
-    return sw0, sw1, sx0, sx1
-
-
-@gluon.jit
 def _issue(w_tile, x_tile, zero, j: gl.constexpr):
     """The asynchronous wgmma m{BN} n{BT} k32 of the slot's K block j, from a zero accumulator (the
     block's partial alone)."""
@@ -279,7 +134,7 @@ def _issue(w_tile, x_tile, zero, j: gl.constexpr):
 @gluon.jit
 def _promote(acc, part, words, j: gl.constexpr):
     """acc + (part * sx[m, block j]) * sw[n // 32, block j]: the reference's scaling and add of the
-    slot's K block j (words: `_slot_words`)."""
+    slot's K block j (words: `slot_words`)."""
     sw0, sw1, sx0, sx1 = words
     if j < 4:
         sw = sw0
@@ -287,7 +142,7 @@ def _promote(acc, part, words, j: gl.constexpr):
     else:
         sw = sw1
         sx = sx1
-    return acc + (part * _scale(sx, j % 4)[None, :]) * _scale(sw, j % 4)[:, None]
+    return acc + (part * scale_byte(sx, j % 4)[None, :]) * scale_byte(sw, j % 4)[:, None]
 
 
 @gluon.jit
@@ -300,10 +155,10 @@ def _consumer_pairs(w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n
     accumulator in K order (see the module doc). Returns acc."""
     acc = gl.zeros([BN, BT], gl.float32, mma_layout)
     zero = gl.zeros([BN, BT], gl.float32, mma_layout)
-    words_next = _slot_words(sw_words, sx_words, step_lo, SUB // 4)
+    words_next = slot_words(sw_words, sx_words, step_lo, SUB // 4)
     for i in range(n_steps):
         words = words_next
-        words_next = _slot_words(sw_words, sx_words, step_lo + gl.minimum(i + 1, n_steps - 1), SUB // 4)
+        words_next = slot_words(sw_words, sx_words, step_lo + gl.minimum(i + 1, n_steps - 1), SUB // 4)
         s = (c0 + i) % STAGES
         mbarrier.wait(ready.index(s), ((c0 + i) // STAGES) & 1)
         w_tile = w_smem.index(s)
@@ -354,10 +209,10 @@ def _consumer_slot(w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n_
     partials (SUB groups in flight), then retired and promoted in K order. Returns acc."""
     acc = gl.zeros([BN, BT], gl.float32, mma_layout)
     zero = gl.zeros([BN, BT], gl.float32, mma_layout)
-    words_next = _slot_words(sw_words, sx_words, step_lo, SUB // 4)
+    words_next = slot_words(sw_words, sx_words, step_lo, SUB // 4)
     for i in range(n_steps):
         words = words_next
-        words_next = _slot_words(sw_words, sx_words, step_lo + gl.minimum(i + 1, n_steps - 1), SUB // 4)
+        words_next = slot_words(sw_words, sx_words, step_lo + gl.minimum(i + 1, n_steps - 1), SUB // 4)
         s = (c0 + i) % STAGES
         toks = _issue_slot(w_smem, x_smem, ready, s, ((c0 + i) // STAGES) & 1, zero, SUB)
         acc = _retire_slot(acc, toks, words, empty, s, 0, SUB)
@@ -380,13 +235,13 @@ def _consumer_ahead(w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n
     acc = gl.zeros([BN, BT], gl.float32, mma_layout)
     zero = gl.zeros([BN, BT], gl.float32, mma_layout)
     last = n_steps - 1
-    next_a = _slot_words(sw_words, sx_words, step_lo, SUB // 4)
-    next_b = _slot_words(sw_words, sx_words, step_lo + gl.minimum(1, last), SUB // 4)
+    next_a = slot_words(sw_words, sx_words, step_lo, SUB // 4)
+    next_b = slot_words(sw_words, sx_words, step_lo + gl.minimum(1, last), SUB // 4)
     for i in range(0, last, 2):
         words_a = next_a
         words_b = next_b
-        next_a = _slot_words(sw_words, sx_words, step_lo + gl.minimum(i + 2, last), SUB // 4)
-        next_b = _slot_words(sw_words, sx_words, step_lo + gl.minimum(i + 3, last), SUB // 4)
+        next_a = slot_words(sw_words, sx_words, step_lo + gl.minimum(i + 2, last), SUB // 4)
+        next_b = slot_words(sw_words, sx_words, step_lo + gl.minimum(i + 3, last), SUB // 4)
         ca = c0 + i
         toks_a = _issue_slot(w_smem, x_smem, ready, ca % STAGES, (ca // STAGES) & 1, zero, SUB)
         toks_b = _issue_slot(w_smem, x_smem, ready, (ca + 1) % STAGES, ((ca + 1) // STAGES) & 1, zero, SUB)
@@ -533,7 +388,7 @@ def _gluon_mxfp8_mm_kernel(
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4 * (BN // 64), 1],
                                                          instr_shape=[16, BT, 32])
 
-    w_smem, x_smem, ready, empty = _ring(w_desc, x_desc, STAGES)
+    w_smem, x_smem, ready, empty = ring(w_desc, x_desc, STAGES)
 
     if PERSISTENT:
         gl.warp_specialize([
@@ -557,7 +412,7 @@ def _gluon_mxfp8_mm_kernel(
         acc, = gl.warp_specialize([
             (_consumer, (w_smem, x_smem, ready, empty, sw_words, sx_words, step_lo, n_steps,
                          STAGES, BN, BT, SUB, MMA, mma_layout)),
-            (_producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, 0, 0, step_lo, n_steps, 0,
+            (producer, (w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, 0, 0, step_lo, n_steps, 0,
                          n_steps_total, STAGES, RETILED)),
         ], [1], [24])
         for i in gl.static_range(STAGES):
@@ -568,15 +423,6 @@ def _gluon_mxfp8_mm_kernel(
 
 
 MMA_MODES = ("pairs", "slot", "ahead")
-
-
-def require_maxnreg(config) -> None:
-    """ValueError naming `<config's class>.maxnreg` unless config.maxnreg is None or a multiple of 8
-    in [24, 256] (a launch's register cap per thread, as Triton takes it): GluonMMConfig's,
-    `gluon_exact_mm.GluonExactConfig`'s and `gluon_exact_fma.GluonExactFMAConfig`'s check."""
-    v = config.maxnreg
-    if v is not None and (not isinstance(v, int) or isinstance(v, bool) or not 24 <= v <= 256 or v % 8):
-        raise ValueError(f"{type(config).__name__}.maxnreg must be None or a multiple of 8 in [24, 256], got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -768,9 +614,6 @@ def shared_bytes(config: GluonMMConfig, block_t: int) -> int:
     return config.stages * (config.block_n + block_t) * config.block_k + 1024 + scratch
 
 
-SHARED_LIMIT = 227 * 1024     # sm_90's dynamic shared memory per block
-
-
 def _retiled(weight: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
     """The weight [N, K] laid out tile by tile for `GluonMMConfig.retile`: [N tiles x K steps x
     block_n, block_k], tile t's K step s at rows (t x K steps + s) x block_n (rows past N zero)."""
@@ -779,58 +622,6 @@ def _retiled(weight: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
     padded = weight.new_zeros(tiles * block_n, k)
     padded[:n] = weight
     return padded.view(tiles, block_n, steps, block_k).permute(0, 2, 1, 3).contiguous().view(-1, block_k)
-
-
-def require_tma_rows(t: torch.Tensor, name: str) -> None:
-    """ValueError naming `name` unless the 2-D tensor t's rows start 16-byte aligned, as a TMA
-    descriptor needs (the Gluon tier's weights and activations)."""
-    if t.stride(0) * t.element_size() % 16 or t.data_ptr() % 16:
-        raise ValueError(f"{name} rows must be 16-byte aligned for TMA (row stride {t.stride(0)} elements, "
-                         f"address {t.data_ptr():#x})")
-
-
-def _words(scale: torch.Tensor, name: str) -> torch.Tensor:
-    """The UE8M0 bytes of `scale` viewed as int32 words (four 32-wide blocks, one 128-deep step)."""
-    b = scale.view(torch.uint8)
-    if b.stride(0) % 4 or b.data_ptr() % 4:
-        raise ValueError(f"{name} rows must start on 4-byte boundaries (row stride {b.stride(0)} bytes, "
-                         f"address {b.data_ptr():#x}): the kernel loads four scale bytes as one word")
-    return b.view(torch.int32)   # [rows, K/128], row stride in words
-
-
-def require_sm90_weight(weight: torch.Tensor, needs: str) -> None:
-    """ValueError naming the weight unless it is on a CUDA device of compute capability 9.0 (a Gluon
-    plan's kernel is sm_90 code; `needs`: what of sm_90 it uses, for the message) and its rows are
-    16-byte aligned (TMA): the device checks of the Gluon tier's linear plans (GluonMM,
-    `gluon_exact_mm.GluonExactMM`, `gluon_exact_fma.GluonExactFMA`)."""
-    if not is_sm90(weight.device):
-        raise ValueError(f"weight must be on a CUDA device of compute capability 9.0 (the Gluon tier is "
-                         f"sm_90 code: {needs}), got {weight.device}")
-    require_tma_rows(weight, "weight")
-
-
-def tma_desc(t: torch.Tensor, block: list[int], name: str) -> TensorDescriptor:
-    """A TMA descriptor of the 2-D BF16 or E4M3 tensor t with box `block` (swizzled tiles: the NVMMA
-    shared layout's default), after `require_tma_rows` (naming `name`)."""
-    require_tma_rows(t, name)
-    layout = gl.NVMMASharedLayout.get_default_for(block, gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float8e4nv)
-    return TensorDescriptor.from_tensor(t, block, layout)
-
-
-def fp8_desc(t: torch.Tensor, box: list[int]) -> TensorDescriptor:
-    """The TMA descriptor of the 2-D FP8 tensor t's [box[0], box[1]] tiles in the NVMMA shared layout
-    (128-byte swizzle) the Gluon tier's rings take; t's rows unchecked (`require_tma_rows`)."""
-    box = list(box)
-    return TensorDescriptor.from_tensor(t, box, gl.NVMMASharedLayout.get_default_for(box, gl.float8e4nv))
-
-
-def activation_operands(codes: torch.Tensor, x_scale: torch.Tensor, bt: int,
-                        block_k: int) -> tuple[TensorDescriptor, torch.Tensor]:
-    """A Gluon linear launch's activation side: the TMA descriptor of codes' [bt, block_k] tiles and
-    x_scale's int32 words (`_words`), after checks that name them (codes' rows 16-byte aligned,
-    x_scale's on 4-byte boundaries)."""
-    desc = tma_desc(codes, [bt, block_k], "codes")
-    return desc, _words(x_scale, "x_scale")
 
 
 class GluonMM:
@@ -876,7 +667,7 @@ class GluonMM:
                              f"sm_90 has {SHARED_LIMIT}")
         self.config = config
         self.weight, self.w_scale = weight, w_scale.view(torch.uint8)
-        self._sw_words = _words(self.w_scale, "w_scale")
+        self._sw_words = scale_words(self.w_scale, "w_scale")
         self.n, self.k, self.max_rows, self.device = n, k, max_rows, weight.device
         bn, bk = config.block_n, config.block_k
         self._sms = num_sms(self.device)

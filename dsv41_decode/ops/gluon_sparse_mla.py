@@ -85,7 +85,7 @@ from .gluon_mla_records import (_CREC, _DC, _KEYS, _M, _WARPS, _WREC, NUM_WARPS,
                                 _decode_chunk, _decode_loaded, _decode_mixed_chunk, _load_chunk)
 from .gluon_sparse_mla_plan import (PHASE_COLS, PHASE_NAMES, STEP_CONFIGS, GluonSparseMlaConfig, GluonSparseMlaPlan,
                                    programs_per_sm, specialization_key)
-from .gluon_mm import tma_desc
+from .gluon_ring import tma_desc
 from .gluon_sparse_mla_pv import mla_pv_
 from .pdl import gluon_gate_signal, gluon_launch_dependents
 from .sparse_mla import check_sparse_mla_args, combine_partials_

@@ -28,7 +28,7 @@ How the kernel runs (one program per 64 x warpgroups weight rows and K split):
   goes back to the producer.
 - **Launched by programmatic dependent launch** (`gluon_wo_a_(pdl=True)`, the step's on sm_90, after
   the sparse MLA that releases it): the program requests its ring's first weight tiles (all its
-  slots', or `GluonWoAConfig.prefill` of them), then waits for the MLA (`gluon_mm.ring_prefill`),
+  slots', or `GluonWoAConfig.prefill` of them), then waits for the MLA (`gluon_ring.ring_prefill`),
   and its producer continues from there (`producer_prefilled`); the same values.
 - **An FP8 weight** (E4M3 with 32x32 UE8M0 scales, as `ops.wo_a`): the consumer converts the
   slot's E4M3 tile to BF16 (exact) into a staging tile in shared memory, then runs the slot's two
@@ -118,7 +118,7 @@ from ..formats import E4M3_MAX, MXFP8_AMAX_FLOOR
 from .act_quant import INV_E4M3_MAX, mxfp8_quantize_tile
 from .checks import require_int
 from .common import is_sm90, num_sms, plan_workspace
-from .gluon_mm import _ring, ring_prefill, ring_producer, tma_desc
+from .gluon_ring import ring, ring_prefill, ring_producer, tma_desc
 from .pdl import gluon_launch_dependents, launch_options as pdl_launch_options, require_supported as require_pdl
 from .rounding import ue8m0_to_fp32
 from .wo_a import GroupedShape, wo_a_args
@@ -438,7 +438,7 @@ def _gluon_wo_a_kernel(
     pair_l: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 1], threads_per_warp=[1, 32],
                                             warps_per_cta=[4 * WG, 1], order=[1, 0])
 
-    w_smem, x_smem, ready, empty = _ring(w_desc, x_desc, STAGES)
+    w_smem, x_smem, ready, empty = ring(w_desc, x_desc, STAGES)
     # the slots the PDL prologue leaves to the producer (GATE: none; it requests the rest after the gate)
     FILLED: gl.constexpr = 0 if GATE else PREFILL
     if PDL:
@@ -820,7 +820,7 @@ def gluon_wo_a_(plan: GluonWoAPlan, o: torch.Tensor, cos: torch.Tensor, sin: tor
     gate: with pdl, the signals of the kernel before it (`gluon_sparse_mla_(signal=plan.gate)`, one a
        program: its launch's program count) that the programs wait for after requesting the ring's
        first `config.prefill` slots and before requesting the rest and waiting for that kernel
-       (`gluon_mm.ring_prefill`'s GATE); 0: no gate. A schedule aid: the same values. The pairing
+       (`gluon_ring.ring_prefill`'s GATE); 0: no gate. A schedule aid: the same values. The pairing
        is the caller's: a predecessor that signals fewer times costs each program a bounded wait
        (`ops.pdl.gluon_gate_await`). ValueError for a negative or non-int gate, or a gate without pdl.
     """

@@ -17,7 +17,7 @@ completed only after its own wait saw kernel n complete. Kernels launched withou
 (torch ops, side-stream kernels) keep full stream serialization.
 
 Gluon kernels take the same two instructions from `gluon_wait` and `gluon_launch_dependents`. A
-Gluon ring kernel launched by PDL (`gluon_mm.ring_prefill`) requests its ring's first weight tiles
+Gluon ring kernel launched by PDL (`gluon_ring.ring_prefill`) requests its ring's first weight tiles
 (constant data, by TMA into its own shared memory) before its wait and nothing else; the step's
 predecessors that release such a kernel (the sparse MLA's launch that writes o, the q/kv norm pair)
 do so at their programs' start, before anything of their own - the successor's wait still orders
@@ -37,7 +37,7 @@ it at its start and reads little of DRAM, the Gluon `wo_a` after the sparse MLA,
 exact `wq_b` after the q/kv norm pair and at 1-2 rows the exact fused `wq_a|wkv` after the mHC
 boundary, and the exact `wo_b` after `wo_a`'s main loops (`DecodeStep(wo_a_pdl=, wq_b_pdl=,
 qkv_pdl=, wo_b_pdl=)`), each with its ring's first weight tiles requested before its wait
-(`gluon_mm.ring_prefill`), or on `ExactMM` its first weight bytes asked of L2; and two short
+(`gluon_ring.ring_prefill`), or on `ExactMM` its first weight bytes asked of L2; and two short
 launches whose predecessor releases nothing early, the q/kv norm pair after the fused GEMM and the
 boundary after `wo_b` (`DecodeStep(norm_pdl=, boundary_pdl=)`: only the launch overlaps the
 predecessor's tail). The sparse MLA's second launch stays plain (`GluonSparseMlaConfig.pv_pdl`,

@@ -13,7 +13,7 @@ import torch
 from helpers import linear_operands, raises
 from test_exact_mm import _bits, _exact_operands, _gen, _poisoned
 
-from dsv41_decode.ops.gluon_mm import SHARED_LIMIT
+from dsv41_decode.ops.gluon_ring import SHARED_LIMIT
 from dsv41_decode.reference.linear import mxfp8_mm
 from dsv41_decode.testing import sm90
 

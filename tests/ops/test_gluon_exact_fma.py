@@ -36,7 +36,7 @@ from test_exact_mm import _bits, _gen, _poisoned, check_rope
 from dsv41_decode.ops import gluon_exact_fma as F
 from dsv41_decode.ops.exact_linear import _FMA_PLAN
 from dsv41_decode.ops.exact_mm import ExactMM
-from dsv41_decode.ops.gluon_mm import SHARED_LIMIT
+from dsv41_decode.ops.gluon_ring import SHARED_LIMIT
 from dsv41_decode.reference.linear import mxfp8_mm
 from dsv41_decode.testing import sm90
 from dsv41_decode.testing.sm90 import compile_linear, loop_with, loops, rope_epilogue

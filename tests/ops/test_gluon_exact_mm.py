@@ -38,7 +38,7 @@ from test_exact_mm import _bits, _gen, _poisoned, check_rope
 from dsv41_decode.ops import gluon_exact_mm as E
 from dsv41_decode.ops.exact_linear import _GLUON_PLAN
 from dsv41_decode.ops.exact_mm import ExactMM
-from dsv41_decode.ops.gluon_mm import SHARED_LIMIT
+from dsv41_decode.ops.gluon_ring import SHARED_LIMIT
 from dsv41_decode.reference.linear import mxfp8_mm
 from dsv41_decode.testing.sm90 import compile_exact_mm, loop_with, loops_with, sass
 from dsv41_decode.testing.synthetic import heavy_e4m3
