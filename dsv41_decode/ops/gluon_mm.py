@@ -12,8 +12,8 @@ What Gluon gives here that `tl.dot` does not (docs/notes-low-latency-mm.md, "Wha
 - **A TMA producer warp.** `warp_specialize` splits the program into a 1-warp producer that
   streams 64 x 128 FP8 weight tiles (8 KB) and the matching [BLOCK_T, 128] activation tiles
   through a ring of STAGES >= 3 shared-memory slots, each completed on its `ready` mbarrier (TMA
-  transaction bytes) and handed back on its `empty` mbarrier, and a 4-warp consumer warpgroup.
-  (`GluonMMConfig.block_k=256`: 256-deep slots, eight K blocks each.)
+  transaction bytes) and handed back on its `empty` mbarrier (`gluon_ring.ring`, `gluon_ring.producer`),
+  and a 4-warp consumer warpgroup. (`GluonMMConfig.block_k=256`: 256-deep slots, eight K blocks each.)
 - **Per-32-block FP8 wgmma with FP32 promotion, two groups in flight.** A 128-deep step holds
   four 32-wide K blocks. For each block kb the consumer issues one asynchronous wgmma
   m64 n{BLOCK_T} k32 over the 32-column slice of the slot (`use_acc=False`: the block's partial
