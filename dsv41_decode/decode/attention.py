@@ -150,7 +150,9 @@ WO_A_PREFILL: int | None = None
 # the Gluon `wo_a`, launched by PDL, waits after requesting its first `WO_A_PREFILL` ring slots and
 # before requesting the rest (`gluon_wo_a_(gate=)`): its weight stream beside the MLA without
 # queueing ahead of the MLA's gathers. None: no gate (with WO_A_PREFILL None every slot is requested
-# before the gate anyway). The same values whatever it is.
+# before the gate anyway). The same values whatever it is. Off: the MLA's gathers speed up but its
+# scores and look-back slow by as much, and the step is 0.6-2.0 % slower at 1 row (H100, run FX,
+# docs/step.md).
 WO_A_GATE: str | None = None
 
 
