@@ -89,9 +89,9 @@ def test_plan_compiles_for_sm90_without_spills(name, config, bt, split):
 def _as_on_sm90(monkeypatch, full_fp64: bool) -> None:
     """ExactLinear's plan built as on an sm_90 GPU whose FP64 runs at full rate or not (the device
     checks forced: construction only, nothing may run)."""
-    from dsv41_decode.ops import exact_linear, gluon_mm
+    from dsv41_decode.ops import exact_linear, gluon_ring
     monkeypatch.setattr(exact_linear, "is_sm90", lambda device: True)
-    monkeypatch.setattr(gluon_mm, "is_sm90", lambda device: True)
+    monkeypatch.setattr(gluon_ring, "is_sm90", lambda device: True)
     monkeypatch.setattr(exact_linear, "full_rate_fp64", lambda device: full_fp64)
 
 
