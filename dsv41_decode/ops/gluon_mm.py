@@ -110,7 +110,7 @@ def _producer_persistent(w_desc, x_desc, w_smem, x_smem, ready, empty, N, steps_
     for item in range(gl.program_id(0), (N + BN - 1) // BN * n_split, gl.num_programs(0)):
         pid_n, step_lo, n_steps = _item(item, n_split, steps_per_split, n_steps_total)
         producer(w_desc, x_desc, w_smem, x_smem, ready, empty, pid_n * BN, 0, 0, step_lo, n_steps, c0,
-                  n_steps_total, STAGES, RETILED)
+                 n_steps_total, STAGES, RETILED)
         c0 += n_steps
 
 

@@ -48,7 +48,7 @@ def ring(w_desc, x_desc, STAGES: gl.constexpr):
 
 @gluon.jit
 def producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, x_col, step_lo, n_steps, c0,
-              n_steps_total, STAGES: gl.constexpr, RETILED: gl.constexpr):
+             n_steps_total, STAGES: gl.constexpr, RETILED: gl.constexpr):
     """The 1-warp TMA producer of the Gluon tier's rings (`gluon_wo_a`, `gluon_exact_mm` run it too):
     step i's weight tile [BN, BLOCK_K] at (off_n, k) and activation tile [BLOCK_T, BLOCK_K] at
     (x_row, x_col + k), k = (step_lo + i) x BLOCK_K, into ring slot (c0 + i) % STAGES once the
@@ -134,7 +134,7 @@ def producer_prefilled(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_ro
                                             x_smem.index(i))
     pre = gl.minimum(n_steps, P)
     producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, x_col, step_lo + pre, n_steps - pre, pre,
-              n_steps, STAGES, False)
+             n_steps, STAGES, False)
 
 
 @gluon.jit
@@ -148,7 +148,7 @@ def ring_producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, x_
                            STAGES, PREFILL)
     else:
         producer(w_desc, x_desc, w_smem, x_smem, ready, empty, off_n, x_row, x_col, step_lo, n_steps, 0, n_steps,
-                  STAGES, False)
+                 STAGES, False)
 
 
 @gluon.jit
