@@ -151,8 +151,8 @@ WO_A_PREFILL: int | None = None
 # before requesting the rest (`gluon_wo_a_(gate=)`): its weight stream beside the MLA without
 # queueing ahead of the MLA's gathers. None: no gate (with WO_A_PREFILL None every slot is requested
 # before the gate anyway). The same values whatever it is. Off: the MLA's gathers speed up but its
-# scores and look-back slow by as much, and the step is 0.6-2.0 % slower at 1 row (H100, run FX,
-# docs/step.md).
+# scores and look-back slow by as much; the step is 0.6-2.0 % slower at 1 row, 0.2-0.9 % at 2 and
+# 0.2-0.3 % at 16, 0.4-0.6 % faster at 8 with two slots before it (H100, runs FX and FY, docs/step.md).
 WO_A_GATE: str | None = None
 
 
