@@ -360,13 +360,13 @@ def _wo_a_prefill(slots: int):
 
 
 def _wo_a_gate(point: str, slots: int):
-    """A patch giving every layer that launches its Gluon wo_a by PDL the gate at `point`
+    """A patch giving every layer that can take it (`AttentionStep.gate_capable`) the gate at `point`
     (`AttentionStep.wo_a_gate`, "decoded" or "stored") after `slots` ring slots (`_wo_a_prefill`);
     the undo restores the step as built."""
     def patch(step):
-        layers = [a for a in step.layers.values() if a.wo_a_pdl and isinstance(a.wo_a_plan, GluonWoAPlan)]
+        layers = [a for a in step.layers.values() if a.gate_capable]
         if not layers:
-            raise SystemExit("a wo_a gate: no layer launches a Gluon wo_a by PDL")
+            raise SystemExit("a wo_a gate: no layer pairs a Gluon sparse MLA with a Gluon wo_a by PDL")
         return _together(_wo_a_prefill(slots), lambda st: _swap([(a, "wo_a_gate", point) for a in layers]))(step)
     return patch
 

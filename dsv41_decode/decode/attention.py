@@ -362,10 +362,11 @@ class AttentionStep:
         self.mla_plans = sparse_mla_plans(max_rows, cfg.n_heads, cfg.window_size, topk_w, dev, workspace=pool,
                                           fp32_dots=fp32_dots)
         # wo_a_gate: the gate between the Gluon sparse MLA and the Gluon wo_a launched by PDL after it
-        # (`WO_A_GATE`; a schedule choice: the same bits; `_attend`, `_output`)
-        gluon_pair = isinstance(self.wo_a_plan, GluonWoAPlan) and all(
+        # (`WO_A_GATE`; a schedule choice: the same bits; `_attend`, `_output`), where the layer can
+        # take one (`gate_capable`: both kernels Gluon, wo_a by PDL)
+        self.gate_capable = self.wo_a_pdl and isinstance(self.wo_a_plan, GluonWoAPlan) and all(
             isinstance(p, GluonSparseMlaPlan) for p in self.mla_plans)
-        self.wo_a_gate = WO_A_GATE if self.wo_a_pdl and gluon_pair else None
+        self.wo_a_gate = WO_A_GATE if self.gate_capable else None
         wide = {"split": 1, "block_n": 256} if few else {}
         self.sink = w["attn.attn_sink"].float().contiguous()
         self.publish: torch.Tensor | None = None   # set by DecodeStep with the fused TP boundary
