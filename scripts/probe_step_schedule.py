@@ -64,11 +64,13 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
     wo_a_pre2       of its ring's slots' weight tiles before its wait instead of all of them
                     (`GluonWoAConfig.prefill`, `attention.WO_A_PREFILL`): less DRAM traffic beside
                     the MLA's record gathers; the same bits
-    gate_dec1       each layer's Gluon wo_a requesting one / two / three / four ring slots before a
-    gate_dec2       gate, the rest once every program of the sparse MLA has decoded its records into
-    gate_dec3       shared memory (gate_st1: one slot, the rest once every program has stored its
-    gate_dec4       partial), then its PDL wait (`attention.WO_A_GATE`, `gluon_wo_a_(gate=)`): its
-    gate_st1        weight stream beside the MLA, not ahead of its gathers; the same bits
+    gate_dec1       in every bucket, each layer's Gluon wo_a requesting one / two / three / four ring
+    gate_dec2       slots before a gate, the rest once every program of the sparse MLA has decoded its
+    gate_dec3       records into shared memory (gate_st1: one slot, the rest once every program has
+    gate_dec4       stored its partial), then its PDL wait (`attention.WO_A_GATE`, `gluon_wo_a_(gate=)`;
+    gate_st1        the step's default gates at 5-8 rows with two slots, `WO_A_GATE_ROWS`): its weight
+                    stream beside the MLA, not ahead of its gathers; the same bits
+    no_gate         no gate in any bucket (`AttentionStep.wo_a_gate` None); the same bits
     no_pdl          every kernel launched plainly: not each layer's Gluon wo_a by programmatic
                     dependent launch after the Gluon sparse MLA (released at the start of the MLA's
                     last launch's programs: its rings' first weight tiles read while the MLA runs),
@@ -361,13 +363,16 @@ def _wo_a_prefill(slots: int):
 
 def _wo_a_gate(point: str, slots: int):
     """A patch giving every layer that can take it (`AttentionStep.gate_capable`) the gate at `point`
-    (`AttentionStep.wo_a_gate`, "decoded" or "stored") after `slots` ring slots (`_wo_a_prefill`);
-    the undo restores the step as built."""
+    (`AttentionStep.wo_a_gate`, "decoded" or "stored") after `slots` ring slots (its gated plan's
+    `GluonWoAConfig.prefill`) in every bucket; the undo restores the step as built."""
     def patch(step):
         layers = [a for a in step.layers.values() if a.gate_capable]
         if not layers:
             raise SystemExit("a wo_a gate: no layer pairs a Gluon sparse MLA with a Gluon wo_a by PDL")
-        return _together(_wo_a_prefill(slots), lambda st: _swap([(a, "wo_a_gate", point) for a in layers]))(step)
+        return _swap([change for a in layers for change in (
+            (a, "wo_a_gate", point), (a, "wo_a_gate_rows", (1, LOW_BATCH_MAX_ROWS)),
+            (a, "wo_a_gated_plan", dataclasses.replace(a.wo_a_plan, config=dataclasses.replace(
+                a.wo_a_plan.config, prefill=slots))))])
     return patch
 
 
@@ -460,6 +465,7 @@ PATCHES = {
     "wo_a_pre1": _wo_a_prefill(1), "wo_a_pre2": _wo_a_prefill(2),
     "gate_dec1": _wo_a_gate("decoded", 1), "gate_dec2": _wo_a_gate("decoded", 2), "gate_dec3": _wo_a_gate("decoded", 3),
     "gate_dec4": _wo_a_gate("decoded", 4), "gate_st1": _wo_a_gate("stored", 1),
+    "no_gate": lambda step: _swap([(a, "wo_a_gate", None) for a in step.layers.values()]),
     "no_pdl": lambda step: _swap([(owner, flag, False) for flag in PDL_OPTIONS
                                   for owner in ([step] if hasattr(step, flag) else step.layers.values())]),
     "no_wq_b_pdl": _layer_flag("wq_b_pdl", False), "no_wo_b_pdl": _layer_flag("wo_b_pdl", False),

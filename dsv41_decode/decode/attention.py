@@ -25,6 +25,7 @@ A layer that is not eligible raises `NotEligible`, and the caller keeps the gene
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Mapping
 
 import torch
@@ -147,13 +148,16 @@ WO_A_PREFILL: int | None = None
 
 # Where the Gluon sparse MLA's programs signal the gate (`gluon_sparse_mla_(signal_after=)`:
 # "decoded", once a program's records are in shared memory; "stored", once its partial is) at which
-# the Gluon `wo_a`, launched by PDL, waits after requesting its first `WO_A_PREFILL` ring slots and
-# before requesting the rest (`gluon_wo_a_(gate=)`): its weight stream beside the MLA without
-# queueing ahead of the MLA's gathers. None: no gate (with WO_A_PREFILL None every slot is requested
-# before the gate anyway). The same values whatever it is. Off: the MLA's gathers speed up but its
-# scores and look-back slow by as much; the step is 0.6-2.0 % slower at 1 row, 0.2-0.9 % at 2 and
-# 0.2-0.3 % at 16, 0.4-0.6 % faster at 8 with two slots before it (H100, runs FX and FY, docs/step.md).
-WO_A_GATE: str | None = None
+# the Gluon `wo_a`, launched by PDL, waits after requesting its first `WO_A_GATE_PREFILL` ring slots
+# and before requesting the rest (`gluon_wo_a_(gate=)`): its weight stream beside the MLA without
+# queueing ahead of the MLA's gathers, in the launches of `WO_A_GATE_ROWS` rows. None: no gate. The
+# same values whatever they are. The MLA's gathers speed up but its scores and look-back slow by as
+# much: with two slots before the gate the step is 0.2-0.9 % faster at 8 rows (22 us; three H100s,
+# runs FX, FY and FZ), within the spread at 4 rows, 0.2-0.3 % slower at 16 and 0.5-1.0 % at 1-2
+# (H100, docs/step.md), so the gate runs at 5-8 rows.
+WO_A_GATE: str | None = "decoded"
+WO_A_GATE_ROWS: tuple[int, int] = (5, 8)
+WO_A_GATE_PREFILL = 2
 
 
 def wo_a_plan(heads: int, groups: int, rank: int, max_rows: int, weight_dtype: torch.dtype,
@@ -363,10 +367,15 @@ class AttentionStep:
                                           fp32_dots=fp32_dots)
         # wo_a_gate: the gate between the Gluon sparse MLA and the Gluon wo_a launched by PDL after it
         # (`WO_A_GATE`; a schedule choice: the same bits; `_attend`, `_output`), where the layer can
-        # take one (`gate_capable`: both kernels Gluon, wo_a by PDL)
+        # take one (`gate_capable`: both kernels Gluon, wo_a by PDL), in the launches of
+        # `wo_a_gate_rows` rows (`gates`), which run `wo_a_gated_plan`: `wo_a_plan` (its workspace,
+        # counters and gate) with the prefill of `WO_A_GATE_PREFILL` slots
         self.gate_capable = self.wo_a_pdl and isinstance(self.wo_a_plan, GluonWoAPlan) and all(
             isinstance(p, GluonSparseMlaPlan) for p in self.mla_plans)
         self.wo_a_gate = WO_A_GATE if self.gate_capable else None
+        self.wo_a_gate_rows = WO_A_GATE_ROWS
+        self.wo_a_gated_plan = dataclasses.replace(self.wo_a_plan, config=dataclasses.replace(
+            self.wo_a_plan.config, prefill=WO_A_GATE_PREFILL)) if self.gate_capable else None
         wide = {"split": 1, "block_n": 256} if few else {}
         self.sink = w["attn.attn_sink"].float().contiguous()
         self.publish: torch.Tensor | None = None   # set by DecodeStep with the fused TP boundary
@@ -698,11 +707,17 @@ class AttentionStep:
         o = s.o[:B]
         plan = self._mla_plan(B)
         pdl = dict(release=True) if self.wo_a_pdl and isinstance(plan, GluonSparseMlaPlan) else {}
-        if self.wo_a_gate is not None:
+        if self.gates(B):
             pdl.update(signal=self.wo_a_plan.gate, signal_after=self.wo_a_gate)
         sparse_mla_launch(plan, s.q[:B], st.window[spec.layer], comp_pool, m.window_table[:B], comp_table, self.sink,
                           cfg.softmax_scale, o, **pdl)
         return o
+
+    def gates(self, B: int) -> bool:
+        """Whether a B-row launch runs the gate between the sparse MLA and `wo_a` (`wo_a_gate`, in
+        the launches of `wo_a_gate_rows` rows)."""
+        lo, hi = self.wo_a_gate_rows
+        return self.wo_a_gate is not None and lo <= B <= hi
 
     def _mla_plan(self, B: int):
         """The sparse MLA's plan of a B-row launch: the first of `mla_plans` that holds B rows."""
@@ -718,9 +733,11 @@ class AttentionStep:
         gluon = isinstance(self.wo_a_plan, GluonWoAPlan)
         wo_b_pdl = self.wo_b_pdl and gluon and boundary is None and self.publish is None and self.layer.tp.tp == 1
         pdl = dict(pdl=self.wo_a_pdl, release=wo_b_pdl) if gluon else {}
-        if self.wo_a_gate is not None:
+        plan = self.wo_a_plan
+        if self.gates(B):
+            plan = self.wo_a_gated_plan
             pdl["gate"] = self._mla_plan(B).programs(B)     # the MLA's signals: one a program
-        wo_a_launch(self.wo_a_plan, o, m.cos[r][:B], m.sin[r][:B], self.wo_a_w, self.wo_a_s, s.z[:B],
+        wo_a_launch(plan, o, m.cos[r][:B], m.sin[r][:B], self.wo_a_w, self.wo_a_s, s.z[:B],
                     s.z_codes[:B], s.z_scales[:B], window_copy=copy, **pdl)
         if boundary is not None:
             if not self.takes_boundary(B):

@@ -253,19 +253,24 @@ def test_gpu_wo_a_prefill_gives_the_graph_step_bits(gpu_setup, gpu_graph_run, pr
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gate, prefill", [("decoded", 1), ("stored", 2)])
+@pytest.mark.parametrize("gate, prefill", [("decoded", 1), ("stored", 2), (None, 2)])
 def test_gpu_wo_a_gate_gives_the_graph_step_bits(gpu_setup, gpu_graph_run, gate, prefill, monkeypatch):
     """`attention.WO_A_GATE` (the Gluon wo_a, launched by PDL during the sparse MLA, requests its
-    first WO_A_PREFILL ring slots, waits for the MLA's programs to signal, requests the rest, then
-    waits for the MLA): the plain graphed step's bits and state, and every gate closed after."""
+    first WO_A_GATE_PREFILL ring slots, waits for the MLA's programs to signal, requests the rest,
+    then waits for the MLA) in every bucket, or nowhere (None; the plain step gates at
+    WO_A_GATE_ROWS): the plain graphed step's bits and state, and every gate closed after."""
     monkeypatch.setattr(attention, "WO_A_GATE", gate)
-    monkeypatch.setattr(attention, "WO_A_PREFILL", prefill)
+    monkeypatch.setattr(attention, "WO_A_GATE_ROWS", (1, 64))
+    monkeypatch.setattr(attention, "WO_A_GATE_PREFILL", prefill)
     (st_a, outs_a), (st_b, outs_b, step) = gpu_graph_run, _graph_run(gpu_setup)
-    layers = [a for a in step.layers.values() if a.wo_a_gate is not None]
-    assert layers and all(a.wo_a_gate == gate and a.wo_a_plan.config.prefill == prefill for a in layers)
+    capable = [a for a in step.layers.values() if a.gate_capable]
+    assert capable and all(a.wo_a_gate == gate for a in capable)
+    assert all(a.gates(b) == (gate is not None) for a in capable for b in step.buckets)
+    assert all(a.wo_a_gated_plan.config.prefill == prefill and a.wo_a_gated_plan.gate is a.wo_a_plan.gate
+               for a in capable)
     _assert_same_run(st_a, st_b, outs_a, outs_b)
     torch.cuda.synchronize()
-    assert all(int(a.wo_a_plan.gate.abs().sum()) == 0 for a in layers)
+    assert all(int(a.wo_a_plan.gate.abs().sum()) == 0 for a in capable)
 
 
 # GluonExactMM in the forms of V4.1-Flash's plan (`exact_linear._GLUON_PLAN`: the FP16 digits, four
