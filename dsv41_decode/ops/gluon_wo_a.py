@@ -560,7 +560,8 @@ class GluonWoAConfig:
         sparse MLA, whose record gathers queue behind such traffic) still runs. The same values
         whatever it is; no effect without pdl. In the step at 1 row one or two slots measured 0.5-0.7 %
         slower than all six (the MLA faster, wo_a slower by more: H100, docs/step.md), so the step
-        keeps all (`decode.attention.WO_A_PREFILL`).
+        keeps all (`decode.attention.WO_A_PREFILL`), but for its gated launches (`gluon_wo_a_(gate=)`:
+        two slots before the gate, `decode.attention.WO_A_GATE_PREFILL`).
 
     Measured on the H200 (BF16, docs/results/gluon-wo-a-probe-h200.txt): the default (6 stages, one
     warpgroup, the default split) against 4 and 8 stages and two warpgroups at split 4: the default
