@@ -355,9 +355,8 @@ def _wo_a_prefill(slots: int):
     """A patch giving every layer's Gluon wo_a plan `GluonWoAConfig.prefill` = slots (the same
     workspace and counters); the undo restores the plans as the step was built."""
     def patch(step):
-        return _swap([(layer, "wo_a_plan", dataclasses.replace(
-            layer.wo_a_plan, config=dataclasses.replace(layer.wo_a_plan.config, prefill=slots)))
-            for layer in step.layers.values() if isinstance(layer.wo_a_plan, GluonWoAPlan)])
+        return _swap([(layer, "wo_a_plan", layer.wo_a_plan.with_prefill(slots))
+                      for layer in step.layers.values() if isinstance(layer.wo_a_plan, GluonWoAPlan)])
     return patch
 
 
@@ -371,8 +370,7 @@ def _wo_a_gate(point: str, slots: int):
             raise SystemExit("a wo_a gate: no layer pairs a Gluon sparse MLA with a Gluon wo_a by PDL")
         return _swap([change for a in layers for change in (
             (a, "wo_a_gate", point), (a, "wo_a_gate_rows", (1, LOW_BATCH_MAX_ROWS)),
-            (a, "wo_a_gated_plan", dataclasses.replace(a.wo_a_plan, config=dataclasses.replace(
-                a.wo_a_plan.config, prefill=slots))))])
+            (a, "wo_a_gated_plan", a.wo_a_plan.with_prefill(slots)))])
     return patch
 
 

@@ -25,7 +25,6 @@ A layer that is not eligible raises `NotEligible`, and the caller keeps the gene
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, Mapping
 
 import torch
@@ -374,8 +373,7 @@ class AttentionStep:
             isinstance(p, GluonSparseMlaPlan) for p in self.mla_plans)
         self.wo_a_gate = WO_A_GATE if self.gate_capable else None
         self.wo_a_gate_rows = WO_A_GATE_ROWS
-        self.wo_a_gated_plan = dataclasses.replace(self.wo_a_plan, config=dataclasses.replace(
-            self.wo_a_plan.config, prefill=WO_A_GATE_PREFILL)) if self.gate_capable else None
+        self.wo_a_gated_plan = self.wo_a_plan.with_prefill(WO_A_GATE_PREFILL) if self.gate_capable else None
         wide = {"split": 1, "block_n": 256} if few else {}
         self.sink = w["attn.attn_sink"].float().contiguous()
         self.publish: torch.Tensor | None = None   # set by DecodeStep with the fused TP boundary

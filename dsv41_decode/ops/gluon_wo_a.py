@@ -106,7 +106,7 @@ arithmetic of an output element.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from triton.experimental import gluon
@@ -697,6 +697,11 @@ class GluonWoAPlan(GroupedShape):
     @property
     def device(self) -> torch.device:
         return self.counters.device
+
+    def with_prefill(self, slots: int | None) -> "GluonWoAPlan":
+        """This plan with `GluonWoAConfig.prefill` = slots: the same split, workspace, counters and
+        gate (so not for launches that may overlap this plan's). ValueError as the config's."""
+        return replace(self, config=replace(self.config, prefill=slots))
 
     @property
     def n_tiles(self) -> int:

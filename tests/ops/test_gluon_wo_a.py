@@ -171,6 +171,19 @@ def test_bad_plans_name_the_field():
             W.GluonWoAConfig(**kw)
 
 
+def test_with_prefill_shares_the_plan_but_its_prefill():
+    """`GluonWoAPlan.with_prefill` (the step's gated `wo_a` launches): the split and the very
+    workspace, counters and gate tensors, only the prefill changed; the config's checks hold."""
+    plan = W.GluonWoAPlan.build(16, 2, 128, 64, torch.bfloat16, "cpu")
+    gated = plan.with_prefill(2)
+    assert (gated.config.prefill, plan.config.prefill) == (2, None)
+    assert gated.config == W.GluonWoAConfig(prefill=2)
+    assert (gated.split, gated.k_per_split) == (plan.split, plan.k_per_split)
+    assert gated.partials is plan.partials and gated.counters is plan.counters and gated.gate is plan.gate
+    with pytest.raises(ValueError, match=r"GluonWoAConfig.prefill .*\[1, stages=6\], got 7"):
+        plan.with_prefill(7)
+
+
 def _meta(t):
     return torch.empty(t.shape, dtype=t.dtype, device="meta")
 
