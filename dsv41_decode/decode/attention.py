@@ -152,8 +152,8 @@ WO_A_PREFILL: int | None = None
 # queueing ahead of the MLA's gathers, in the launches of `WO_A_GATE_ROWS` rows. None: no gate. The
 # same values whatever they are. The MLA's gathers speed up but its scores and look-back slow by as
 # much: with two slots before the gate the step is 0.2-0.9 % faster at 8 rows (22 us; three H100s,
-# runs FX, FY and FZ), within the spread at 4 rows, 0.2-0.3 % slower at 16 and 0.5-1.0 % at 1-2
-# (H100, docs/step.md), so the gate runs at 5-8 rows.
+# runs FX, FY and FZ), within the spread at 4 rows, 0.2-0.3 % slower at 16, 0.2-0.9 % at 2 and
+# 0.6-2.0 % at 1 (H100, docs/step.md), so the gate runs at 5-8 rows.
 WO_A_GATE: str | None = "decoded"
 WO_A_GATE_ROWS: tuple[int, int] = (5, 8)
 WO_A_GATE_PREFILL = 2
