@@ -345,8 +345,8 @@ def _wq_b_cap(cap: int, op: str = "fma", most_rows: int = 4):
     return patch
 
 
-def _layer_flag(attr: str, value: bool):
-    """A patch setting every layer's `attr` (an `AttentionStep` schedule flag) to value; the undo
+def _layer_flag(attr: str, value):
+    """A patch setting every layer's `attr` (an `AttentionStep` schedule setting) to value; the undo
     restores each layer's setting as the step was built."""
     return lambda step: _swap([(layer, attr, value) for layer in step.layers.values()])
 
@@ -463,7 +463,7 @@ PATCHES = {
     "wo_a_pre1": _wo_a_prefill(1), "wo_a_pre2": _wo_a_prefill(2),
     "gate_dec1": _wo_a_gate("decoded", 1), "gate_dec2": _wo_a_gate("decoded", 2), "gate_dec3": _wo_a_gate("decoded", 3),
     "gate_dec4": _wo_a_gate("decoded", 4), "gate_st1": _wo_a_gate("stored", 1),
-    "no_gate": lambda step: _swap([(a, "wo_a_gate", None) for a in step.layers.values()]),
+    "no_gate": _layer_flag("wo_a_gate", None),
     "no_pdl": lambda step: _swap([(owner, flag, False) for flag in PDL_OPTIONS
                                   for owner in ([step] if hasattr(step, flag) else step.layers.values())]),
     "no_wq_b_pdl": _layer_flag("wq_b_pdl", False), "no_wo_b_pdl": _layer_flag("wo_b_pdl", False),
