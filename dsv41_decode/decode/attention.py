@@ -127,7 +127,8 @@ QKV_PDL_MAX_ROWS = 2
 # scripts/probe_step_mla_phases.py), 2.3 with the prefetch; the step 3654.3 / 3647.9 us at 1 row
 # against 3686.2 / 3676.6 (0.8 % less, processes of their own, two passes: run FV); at 2 rows 4279.2 /
 # 4280.2 against 4305.7 / 4290.0, within the default's own spread of its two passes, so not taken
-# there; at 8 rows 2.6 % slower (run FW): docs/step.md
+# there; at 8 rows 2.6 % slower (run FW); at L2's normal priority instead of evict_last 1.2-1.6 %
+# slower at 1 row (run GA): docs/step.md
 PREFETCH_RECORDS_MAX_ROWS = 1
 
 
@@ -153,7 +154,8 @@ WO_A_PREFILL: int | None = None
 # same values whatever they are. The MLA's gathers speed up but its scores and look-back slow by as
 # much: with two slots before the gate the step is 0.2-0.9 % faster at 8 rows (22 us; three H100s,
 # runs FX, FY and FZ), within the spread at 4 rows, 0.2-0.3 % slower at 16, 0.2-0.9 % at 2 and
-# 0.6-2.0 % at 1 (H100, docs/step.md), so the gate runs at 5-8 rows.
+# 0.6-2.0 % at 1 (H100, docs/step.md), so the gate runs at 5-8 rows: so set, 4908.7 us at 8 rows
+# against 4922.1 without any gate (medians of three passes, H100, run GA).
 WO_A_GATE: str | None = "decoded"
 WO_A_GATE_ROWS: tuple[int, int] = (5, 8)
 WO_A_GATE_PREFILL = 2
