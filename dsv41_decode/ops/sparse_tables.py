@@ -169,10 +169,11 @@ def records_prefetch_l2_(window_pool: torch.Tensor, window_table: torch.Tensor,
     and tables will gather: row r's window records window_pool[window_table[r, i]] and, given,
     its compressed records comp_pool[comp_table[r, k]] (-1 slots: none), one bulk prefetch a
     record (`cp.async.bulk.prefetch.L2`, 528 and 288 bytes; `record_spans`) at L2's evict_last
-    priority (`pdl.bulk_prefetch_l2(EVICT_LAST=True)`: meant to keep them while a weight streamed through L2 in
-    between is evicted first; the step at 1 row 1.2-1.6 % faster than at the normal priority, H100,
-    docs/step.md), with evict_last=False at the normal one (`pdl.bulk_prefetch_l2`). Reads the tables, writes nothing; the MLA's values do
-    not depend on it (a schedule aid: `DecodeStep(prefetch_records=)`).
+    priority (`pdl.bulk_prefetch_l2(EVICT_LAST=True)`: meant to keep them while a weight streamed
+    through L2 in between is evicted first; the step at 1 row 1.2-1.6 % faster than at the normal
+    priority, H100, docs/step.md), with evict_last=False at the normal one (`pdl.bulk_prefetch_l2`).
+    Reads the tables, writes nothing; the MLA's values do not depend on it (a schedule aid:
+    `DecodeStep(prefetch_records=)`).
 
     window_pool: [S_w, 528] uint8, contiguous records; window_table: [N, W] int32; comp_pool:
     [S_c, 288] uint8 and comp_table: [N, K] int32, both or neither; the slots' range is not checked
