@@ -119,7 +119,7 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
                     same bits
 
     PYTHONPATH=. python scripts/probe_step_schedule.py [--variants=default,flat,...] [--rows=1,8,16,64]
-        [--timeline=DIR] [--passes=1] [--processes=1] [--out-bits=FILE] [--out-times=FILE]
+        [--timeline=DIR] [--passes=1] [--processes=1] [--out-bits=FILE] [--out-times=FILE] [--advance=0]
 
 `--passes=N` runs the list of variants N times over (each recaptured every time): a variant's
 time depends on where it runs in the process (on an H200 later recaptures have measured up to 3-7 %
@@ -135,6 +135,13 @@ to DIR/p<pass> with --timeline=DIR.
 every variant's times as JSON, {variant: {rows: [us per pass]}} (both in one process, not with
 --processes=1): what `scripts/ab_step.py` reads from each tree's process.
 
+`--advance=N` then runs N public calls `step(x, [(0, 1)])` back to back, each advancing request 0
+by one token (its window moving, new records and index keys written, the selections following:
+what a decode loop does, where the timed replays recompute one step), and prints the device time
+per call (CUDA events around each call) as medians of blocks of N / 5 calls, first to last: whether
+a variant's lead holds over a run, e.g. the records' L2 prefetch at evict_last, whose lines are
+never lowered again, against the normal priority (`prefetch_plain`) and none (`no_prefetch`).
+
 With `--timeline=DIR` each variant also writes the chrome trace of one 1-row replay to
 DIR/<variant>.json and prints, per layer whose q/kv norm pair starts more than 1 us after the
 kernel before it on its stream, that gap and the kernels running on other streams meanwhile.
@@ -146,6 +153,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -482,6 +490,25 @@ PATCHES = {
 }
 
 
+def _advance_times(step, calls: int, blocks: int = 5) -> list[float]:
+    """us per public call `step(x, [(0, 1)])` (CUDA events around each call), `calls` calls back to
+    back, each advancing request 0 by one token; the medians of `blocks` equal runs of calls, in
+    order."""
+    cfg = step.cfg
+    x = torch.randn(1, cfg.hc_mult, cfg.dim, generator=torch.Generator(device="cuda").manual_seed(3),
+                    device="cuda").to(torch.bfloat16)
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(calls + 1)]
+    torch.cuda.synchronize()
+    marks[0].record()
+    for k in range(calls):
+        step(x, [(0, 1)])
+        marks[k + 1].record()
+    torch.cuda.synchronize()
+    us = [marks[k].elapsed_time(marks[k + 1]) * 1e3 for k in range(calls)]
+    size = max(1, calls // blocks)
+    return [statistics.median(us[i:i + size]) for i in range(0, size * blocks, size) if us[i:i + size]]
+
+
 def _gpu_state() -> str:
     """' | SM clock, temperature, power' as NVML samples them just after a variant's timing (the
     drift of later recaptures: clocks or not), or '' where NVML is not available."""
@@ -533,11 +560,15 @@ def main() -> None:
         return
     rows = tuple(int(r) for r in arg("rows", "1,8,16,64").split(","))
     timeline = arg("timeline", "")
+    advance = int(arg("advance", "0"))
+    if advance < 0:
+        raise SystemExit(f"--advance must be >= 0, got {advance}")
     print("stream priority range (least, greatest):", torch.cuda.Stream.priority_range(), flush=True)
     cfg = ModelConfig.preset("v41-flash")
     stack = AttentionStack(random_checkpoint(cfg, "cuda"))
     n = max(max(rows), 8)
-    state = DecodeState(cfg, max_requests=n, max_context=32768 + 1024, page_size=64, device="cuda", max_drafts=3)
+    state = DecodeState(cfg, max_requests=n, max_context=32768 + 1024 + advance, page_size=64, device="cuda",
+                        max_drafts=3)
     fill_state(state, {i: 32768 for i in range(n)})
     step = stack.decode_step(state, max_rows=n, buckets=tuple(sorted(set(rows) | {8})))
     first, times = None, {}
@@ -560,6 +591,9 @@ def main() -> None:
         first, same = _against_first(first, out)
         print(f"{name:14s} capture {cap:2d} lanes {aux} | " + "  ".join(f"{r}: {t[r]:8.1f}" for r in rows)
               + f" us | 8-row output == first variant's: {same}{_gpu_state()}", flush=True)
+        if advance:
+            print(f"  {advance} advancing 1-row calls, us per call by fifths: "
+                  + " / ".join(f"{t:.1f}" for t in _advance_times(step, advance)) + _gpu_state(), flush=True)
         if timeline:
             bucket = step.prepare([(0, 1)], torch.randn(1, cfg.hc_mult, cfg.dim, device="cuda").bfloat16())
             Path(timeline).mkdir(parents=True, exist_ok=True)
