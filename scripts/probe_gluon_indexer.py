@@ -7,7 +7,9 @@ each Gluon variant (`--variants=stages:programs_per_sm[:h][:t][:p][:m][:k][:q][:
 fused histogram, t = the pair: the scorer then the top-k (`ops.topk.topk_ascending_`, the
 histogram ready with h: the linked path), p = the BF16x2 terms (`packed_terms`), m = the wgmmas two
 at a time (`mma_pairs`), k = the permuted key order (`kperm`), q = the query's powers of two and head
-weights read from shared memory each tile (`qf_smem`: 96 registers with m), rN = a register cap of N, gN = a
+weights read from shared memory each tile (`qf_smem`: 96 registers with m), f = the query fold (`fold_q`:
+64 q as the query's operand where its blocks allow, the epilogue's multiplications by the query's
+powers of two skipped; `d:f` the defaults with it), rN = a register cap of N, gN = a
 request's rows scored N at a time on each key tile read (`row_group`); `d`,
 `d:h`, `d:t`, `d:h:t`: the launch's defaults, `default_options` by the call's size), GB/s and %
 of the read (68 key bytes read and 4 score bytes written per entry), and how many of the Gluon
@@ -32,7 +34,7 @@ from _args import arg  # noqa: E402
 from dsv41_decode.bench.attn_indexer import PAGE, indexer_inputs  # noqa: E402
 from dsv41_decode.bench.floor import read_bandwidth_gbps  # noqa: E402
 from dsv41_decode.bench.timing import graph_time_us  # noqa: E402
-from dsv41_decode.ops.gluon_indexer import HIST_BINS, gluon_index_scores_mxfp4_  # noqa: E402
+from dsv41_decode.ops.gluon_indexer import HIST_BINS, gluon_index_scores_mxfp4_, query_fold_rows  # noqa: E402
 from dsv41_decode.ops.indexer import index_scores_mxfp4_  # noqa: E402
 from dsv41_decode.ops.topk import TopKPlan, topk_ascending_  # noqa: E402
 from dsv41_decode.testing.compare import bits_differ  # noqa: E402
@@ -55,6 +57,8 @@ def main() -> None:
         cells = [tuple(int(x) for x in cell.split(":")) for cell in arg("cells", "").split(",")]
     for rows, context in cells:
         pool, table, iq, w, req, n_vis, scores = indexer_inputs(rows, context, gen)
+        if any("f" in v for v in variants):
+            print(f"  {rows} x {context}: {int(query_fold_rows(iq).sum())} of {rows} rows fold (fold_q)", flush=True)
         nbytes = rows * context * (68 + 4)
         if draft > 1:        # request r // draft's slot; its rows see context - draft + 1 .. context entries
             rank = torch.arange(rows, device="cuda") % draft
@@ -86,7 +90,7 @@ def main() -> None:
             def gluon():
                 gluon_index_scores_mxfp4_(iq, w, pool, table, PAGE, req, n_vis, scores, hist=hist, stages=stages,
                                           programs_per_sm=pps, maxnreg=cap, packed_terms="p" in flags,
-                                          row_group=group, qf_smem="q" in flags, **opts)
+                                          row_group=group, qf_smem="q" in flags, fold_q="f" in flags, **opts)
                 if plan is not None:
                     topk_ascending_(scores, n_vis, sel, plan, hist_ready=hist is not None)
 

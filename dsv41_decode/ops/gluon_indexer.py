@@ -85,7 +85,13 @@ HIST_BINS = 256       # the high byte of a score's 16-bit key
 MAX_STAGES = 12
 ROW_GROUPS = (1, 2, 4)      # gluon_index_scores_mxfp4_'s row_group
 QF_SMEM_MAXNREG = 96        # qf_smem's register cap with mma_pairs at <= 32 heads: five 4-warp programs an SM
+# The query fold's exponent bytes (`fold_q`): a query block of the contract's MXFP4 values whose
+# largest |q| is 0 or has its exponent byte in [FOLD_Q_EXP_MIN, FOLD_Q_EXP_MAX] holds 64 q exactly in E4M3
+FOLD_Q_EXP_MIN = 115
+FOLD_Q_EXP_MAX = 129
 _BLOCK_E = gl.constexpr(BLOCK_E)
+_FOLD_Q_EXP_MIN = gl.constexpr(FOLD_Q_EXP_MIN)
+_FOLD_Q_EXP_MAX = gl.constexpr(FOLD_Q_EXP_MAX)
 _HIST_BINS = gl.constexpr(HIST_BINS)
 _WORDS = gl.constexpr(17)      # int32 words per 68-byte record: 16 code words, then the 4 scale bytes
 
@@ -116,26 +122,54 @@ def _widen_split(words):
 
 
 @gluon.jit
-def _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, blk: gl.constexpr, BLOCK_H: gl.constexpr,
-             q_l: gl.constexpr, col_l: gl.constexpr, KPERM: gl.constexpr = False):
-    """Query block blk (dims 32 blk ..) of row n as `ops.indexer._q_block_e4m3` makes it: E4M3 q'
-    [BLOCK_H, 32] stored into q_smem's columns 32 blk .. 32 blk + 31, and the per-head power of two
-    f (q = q' f / 2^6 exactly) returned in `col_l` (0 past `heads`: q' = 0 there). KPERM: column p
-    of the block holds dim 8 ((p % 16) // 4) + 2 (p % 4) + p // 16, the key tile's order (`_widen_split`):
-    a block's 32 products are exact, so their sum does not depend on the order."""
+def _q_load(iq_ptr, n, iq_sn, iq_sh, heads, blk: gl.constexpr, BLOCK_H: gl.constexpr, q_l: gl.constexpr,
+            KPERM: gl.constexpr = False):
+    """(q, amax): query block blk (dims 32 blk ..) of row n as FP32 [BLOCK_H, 32] (0 past `heads`)
+    and each head's largest |q| of it. KPERM: column p of the block holds dim 8 ((p % 16) // 4) +
+    2 (p % 4) + p // 16, the key tile's order (`_widen_split`): a block's 32 products are exact, so
+    their sum does not depend on the order."""
     rh = gl.arange(0, BLOCK_H, layout=gl.SliceLayout(1, q_l))
     rk = gl.arange(0, 32, layout=gl.SliceLayout(0, q_l))
     if KPERM:
         rk = 8 * ((rk % 16) // 4) + 2 * (rk % 4) + rk // 16
     q = gl.load(iq_ptr + n.to(gl.int64) * iq_sn + rh[:, None] * iq_sh + (blk * 32 + rk)[None, :],
                 mask=(rh < heads)[:, None] & (rk < 32)[None, :], other=0.0).to(gl.float32)
-    amax = gl.max(gl.abs(q), axis=1)
+    return q, gl.max(gl.abs(q), axis=1)
+
+
+@gluon.jit
+def _q_foldable(amax):
+    """Per head: whether 64 q is exact in E4M3 for every value q of a block of the contract's MXFP4
+    values (E2M1 x 2^s) whose largest |q| is amax (`query_fold_rows`' rule)."""
+    e = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
+    return (amax == 0.0) | ((e >= _FOLD_Q_EXP_MIN) & (e <= _FOLD_Q_EXP_MAX))
+
+
+@gluon.jit
+def _q_store(q, amax, q_smem, blk: gl.constexpr, col_l: gl.constexpr, folded, FOLD: gl.constexpr):
+    """Query block blk as `ops.indexer._q_block_e4m3` makes it: E4M3 q' (q' = q down, down a power
+    of two per head that puts amax in [2^-4, 2^-3)) stored into q_smem's columns 32 blk ..
+    32 blk + 31, and the per-head power of two f (q = q' f / 2^6 exactly) returned in `col_l`. With
+    FOLD, where `folded` (a scalar: every block of the row `_q_foldable`), q' = 64 q instead: a key
+    block's wgmma then returns (d f) itself, the epilogue's product (`_block_terms`); f as without."""
     e = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
     e = gl.minimum(gl.maximum(e, 1), 244)
-    down = ((250 - e) << 23).to(gl.float32, bitcast=True)
+    down_e = 250 - e
+    if FOLD:
+        down_e = gl.where(folded, 133, down_e)          # 2^6
+    down = (down_e << 23).to(gl.float32, bitcast=True)
     up = ((e + 10) << 23).to(gl.float32, bitcast=True)
     q_smem.slice(blk * 32, 32, dim=1).store((q * down[:, None]).to(gl.float8e4nv))
     return gl.convert_layout(up, col_l)
+
+
+@gluon.jit
+def _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, blk: gl.constexpr, BLOCK_H: gl.constexpr,
+             q_l: gl.constexpr, col_l: gl.constexpr, KPERM: gl.constexpr = False):
+    """Query block blk of row n stored as E4M3 q' into q_smem, its per-head power of two f returned
+    (`_q_load`, then `_q_store` without the fold)."""
+    q, amax = _q_load(iq_ptr, n, iq_sn, iq_sh, heads, blk, BLOCK_H, q_l, KPERM)
+    return _q_store(q, amax, q_smem, blk, col_l, False, False)
 
 
 @gluon.jit
@@ -241,6 +275,46 @@ def _block_scale(sw, blk: gl.constexpr):
 
 
 @gluon.jit
+def _terms_of(acc, xa, xb, ka, kb, FIRST: gl.constexpr):
+    """acc + xa ka + xb kb, each product and add one rounding (FMA), in that order; FIRST: xa ka
+    + xb kb (acc not read)."""
+    if FIRST:
+        acc = xa * ka
+    else:
+        acc = gl.fma(xa, ka, acc)
+    return gl.fma(xb, kb, acc)
+
+
+@gluon.jit
+def _times(d, f):
+    """d f rounded once (mul.rn.f32: f broadcast to d's shape), opaque to the compiler, which would
+    otherwise merge `_block_terms`' two branches back into one multiplication by a selected f."""
+    return gl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r",
+                                     [d.to(gl.int32, bitcast=True), f.to(gl.int32, bitcast=True)],
+                                     dtype=gl.int32, is_pure=True, pack=1).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _block_terms(acc, da, db, fa, fb, sw, blk: gl.constexpr, FIRST: gl.constexpr, folded, FOLD_Q: gl.constexpr):
+    """`_terms_of` for scale blocks blk and blk + 1: acc + (da fa) k_blk + (db fb) k_blk+1, the partials
+    da, db times the query's powers of two fa, fb (exact) and the keys' k (the FMA's product exact
+    but for subnormals). With FOLD_Q, where `folded` (a uniform branch), the partials already are
+    (d f) (`_q_store`'s fold: the same values), so the multiplications by f are skipped."""
+    ka = _block_scale(sw, blk)[:, None]
+    kb = _block_scale(sw, blk + 1)[:, None]
+    if FOLD_Q:
+        xa = da
+        xb = db
+        if not folded:
+            xa = _times(da, fa[None, :])
+            xb = _times(db, fb[None, :])
+        acc = _terms_of(acc, xa, xb, ka, kb, FIRST)
+    else:
+        acc = _terms_of(acc, da * fa[None, :], db * fb[None, :], ka, kb, FIRST)
+    return acc
+
+
+@gluon.jit
 def _key_votes(score):
     """(count, bin) per element of `score` (FP32, BF16-representable) in the wgmma accumulator's
     entry layout, where the four lanes of a quad hold the same entries: bin is the high byte of
@@ -265,12 +339,13 @@ def _key_votes(score):
 @gluon.jit
 def _score_tile(a8, q_smem, sw, f0, f1, f2, f3, wv, wb, zero, offs, vis, out_row, max_entries, priv,
                 BLOCK_H: gl.constexpr, HIST: gl.constexpr, PACKED: gl.constexpr, MMA_PAIRS: gl.constexpr,
-                mma_l: gl.constexpr):
+                mma_l: gl.constexpr, folded=False, FOLD_Q: gl.constexpr = False):
     """One row's scores of the key tile in a8 (E4M3 [64, 128], its scale words sw): the four block
     wgmmas against the row's query q_smem (E4M3 [BLOCK_H, 128]; its per-head powers of two f0..f3,
     its head weights wv and their BF16 bits wb, all in the accumulator's column layout), `ops.indexer`'s
     FP8 epilogue, the scores stored at out_row + offs (-inf where not vis, offs < max_entries) and,
-    with HIST, their high-byte votes added into the 256 counters at priv."""
+    with HIST, their high-byte votes added into the 256 counters at priv. FOLD_Q: `folded` is the
+    row's query fold (`_q_store`), a uniform branch around each pair of blocks' terms."""
     # `ops.indexer`'s FP8 path: each block's partial times the query's then the key's power of
     # two, the four blocks added in order
     if MMA_PAIRS:
@@ -278,8 +353,7 @@ def _score_tile(a8, q_smem, sw, f0, f1, f2, f3, wv, wb, zero, offs, vis, out_row
         d0 = _block_mma(a8, q_smem, zero, 0)
         d1 = _block_mma(a8, q_smem, zero, 1)
         d0, d1 = warpgroup_mma_wait(num_outstanding=0, deps=(d0, d1))
-        acc = (d0 * f0[None, :]) * _block_scale(sw, 0)[:, None]
-        acc += (d1 * f1[None, :]) * _block_scale(sw, 1)[:, None]
+        acc = _block_terms(zero, d0, d1, f0, f1, sw, 0, True, folded, FOLD_Q)
         d2 = _block_mma(a8, q_smem, zero, 2)
         d3 = _block_mma(a8, q_smem, zero, 3)
         d2, d3 = warpgroup_mma_wait(num_outstanding=0, deps=(d2, d3))
@@ -289,10 +363,8 @@ def _score_tile(a8, q_smem, sw, f0, f1, f2, f3, wv, wb, zero, offs, vis, out_row
         d2 = _block_mma(a8, q_smem, zero, 2)
         d3 = _block_mma(a8, q_smem, zero, 3)
         d0, d1, d2, d3 = warpgroup_mma_wait(num_outstanding=0, deps=(d0, d1, d2, d3))
-        acc = (d0 * f0[None, :]) * _block_scale(sw, 0)[:, None]
-        acc += (d1 * f1[None, :]) * _block_scale(sw, 1)[:, None]
-    acc += (d2 * f2[None, :]) * _block_scale(sw, 2)[:, None]
-    acc += (d3 * f3[None, :]) * _block_scale(sw, 3)[:, None]
+        acc = _block_terms(zero, d0, d1, f0, f1, sw, 0, True, folded, FOLD_Q)
+    acc = _block_terms(acc, d2, d3, f2, f3, sw, 2, False, folded, FOLD_Q)
     # the per-(entry, head) bf16 round trips by the packed hardware conversion (`_bf16_pair`),
     # or the relu and the weight too in BF16x2 (PACKED); the score's rounding is `bf16_round`
     # itself (its NaN bits)
@@ -369,11 +441,13 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
                                PAGE: gl.constexpr, BLOCK_H: gl.constexpr, STAGES: gl.constexpr,
                                HAS_CAND: gl.constexpr, HIST: gl.constexpr, PACKED: gl.constexpr = False,
                                MMA_PAIRS: gl.constexpr = False, KPERM: gl.constexpr = False,
-                               GROUP: gl.constexpr = 1, QF_SMEM: gl.constexpr = False):
+                               GROUP: gl.constexpr = 1, QF_SMEM: gl.constexpr = False,
+                               FOLD_Q: gl.constexpr = False):
     n = gl.program_id(0)
     pid = gl.program_id(1)
     nprog = gl.num_programs(1)
     gl.static_assert(GROUP == 1 or not HAS_CAND, "row groups are scored without a candidate mask")
+    gl.static_assert(not FOLD_Q or (GROUP == 1 and not QF_SMEM), "the query fold is one row's, held in registers")
 
     # the records' copy: four words of one record a thread, a warp's lanes along 8 records' code
     # words (512 contiguous bytes but for the scale words between records); two records a thread
@@ -444,11 +518,25 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
         blk_nn = _tile_block(bt_ptr, slot, bt_stride, n_vis, first_tile + STAGES * stride, PAGE)
 
     rh = gl.arange(0, BLOCK_H, layout=col_l)
+    folded = False
     if GROUP == 1:
-        f0 = _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, 0, BLOCK_H, q_l, col_l, KPERM)
-        f1 = _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, 1, BLOCK_H, q_l, col_l, KPERM)
-        f2 = _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, 2, BLOCK_H, q_l, col_l, KPERM)
-        f3 = _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, 3, BLOCK_H, q_l, col_l, KPERM)
+        if FOLD_Q:
+            # the row's four query blocks first: the fold holds where every block of every head allows it
+            q0, a0 = _q_load(iq_ptr, n, iq_sn, iq_sh, heads, 0, BLOCK_H, q_l, KPERM)
+            q1, a1 = _q_load(iq_ptr, n, iq_sn, iq_sh, heads, 1, BLOCK_H, q_l, KPERM)
+            q2, a2 = _q_load(iq_ptr, n, iq_sn, iq_sh, heads, 2, BLOCK_H, q_l, KPERM)
+            q3, a3 = _q_load(iq_ptr, n, iq_sn, iq_sh, heads, 3, BLOCK_H, q_l, KPERM)
+            ok = _q_foldable(a0) & _q_foldable(a1) & _q_foldable(a2) & _q_foldable(a3)
+            folded = gl.min(ok.to(gl.int32), axis=0) == 1
+            f0 = _q_store(q0, a0, q_smem, 0, col_l, folded, True)
+            f1 = _q_store(q1, a1, q_smem, 1, col_l, folded, True)
+            f2 = _q_store(q2, a2, q_smem, 2, col_l, folded, True)
+            f3 = _q_store(q3, a3, q_smem, 3, col_l, folded, True)
+        else:
+            f0 = _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, 0, BLOCK_H, q_l, col_l, KPERM)
+            f1 = _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, 1, BLOCK_H, q_l, col_l, KPERM)
+            f2 = _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, 2, BLOCK_H, q_l, col_l, KPERM)
+            f3 = _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, 3, BLOCK_H, q_l, col_l, KPERM)
         wraw = gl.load(w_ptr + n.to(gl.int64) * w_sn + rh, mask=rh < heads, other=0.0)
         wv = wraw.to(gl.float32)
         wb = wraw.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
@@ -520,7 +608,7 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
                                  BLOCK_H, HIST, PACKED, MMA_PAIRS, mma_l)
             else:
                 _score_tile(a8, q_smem, sw, f0, f1, f2, f3, wv, wb, zero, offs, vis, out_row, max_entries, priv,
-                            BLOCK_H, HIST, PACKED, MMA_PAIRS, mma_l)
+                            BLOCK_H, HIST, PACKED, MMA_PAIRS, mma_l, folded, FOLD_Q)
         else:
             for g in range(size):
                 row = lead + g
@@ -547,6 +635,20 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
             gl.store(row_g + offs, neg, mask=offs < max_entries)
 
 
+def query_fold_rows(iq: torch.Tensor) -> torch.Tensor:
+    """Bool [N]: the rows of iq [N, Hi, 128] (the contract's MXFP4 values) that `fold_q` folds: every
+    32-dim block of every head has its largest |q| zero or with an exponent byte in [FOLD_Q_EXP_MIN,
+    FOLD_Q_EXP_MAX] = [115, 129] (the kernel's `_q_foldable`). Why that holds 64 q exactly in E4M3: q =
+    m 2^s with m in E2M1's {0.5, 1, 1.5, 2, 3, 4, 6}, so 64 q = 1 x 2^p or 1.5 x 2^p, exact in E4M3
+    for p in [-9, 8] and [-8, 8]; amax < 8 (byte <= 129) gives amax <= 6, s <= 0, 64 q <= 384; amax >=
+    2^-12 (byte >= 115) and amax <= 6 x 2^s give s >= -14, so the smallest value 0.5 x 2^s gives
+    p >= -9 and 1.5 x 2^s p >= -8."""
+    amax = iq.float().abs().unflatten(-1, (-1, 32)).amax(-1)
+    e = (amax.view(torch.int32) >> 23) & 0xFF
+    ok = (amax == 0) | ((e >= FOLD_Q_EXP_MIN) & (e <= FOLD_Q_EXP_MAX))
+    return ok.flatten(1).all(1)
+
+
 def block_h(heads: int) -> int:
     """The wgmma's N for `heads` index heads: `ops.indexer`'s BLOCK_H (a power of two >= 16)."""
     return max(16, triton.next_power_of_2(heads))
@@ -563,7 +665,7 @@ def shared_bytes(stages: int, heads: int, group: int = 1, qf_smem: bool = False)
 
 def launch_options(heads: int, page: int, stages: int, cand: bool, hist: bool, maxnreg: int | None = None,
                    packed_terms: bool = False, mma_pairs: bool = False, kperm: bool = False, group: int = 1,
-                   qf_smem: bool = False) -> dict:
+                   qf_smem: bool = False, fold_q: bool = False) -> dict:
     """The kernel's constexpr arguments and launch options (the launch and the sm_90 compile test
     share them). The page is a constant of the kernel (a record's place without a division);
     maxnreg: a register cap per thread (None: the compiler's choice); packed_terms: the weighted
@@ -573,10 +675,13 @@ def launch_options(heads: int, page: int, stages: int, cand: bool, hist: bool, m
     row_group; 1 with a candidate mask, which the kernel refuses to group); qf_smem: the query's
     powers of two and head weights read from shared memory for each tile (a row group's always are),
     and each tile's page loaded two iterations ahead; with mma_pairs at <= 32 heads and no maxnreg, a
-    cap of QF_SMEM_MAXNREG registers (five programs an SM: uncapped, ptxas takes ~121)."""
+    cap of QF_SMEM_MAXNREG registers (five programs an SM: uncapped, ptxas takes ~121); fold_q: the
+    query fold (`gluon_index_scores_mxfp4_`'s), where the launch scores one row a program with the
+    query's powers of two in registers (group 1, no qf_smem; elsewhere off)."""
+    qf = bool(qf_smem) and group == 1
     opts = {"PAGE": page, "BLOCK_H": block_h(heads), "STAGES": stages, "HAS_CAND": cand, "HIST": hist,
             "PACKED": bool(packed_terms), "MMA_PAIRS": bool(mma_pairs), "KPERM": bool(kperm),
-            "GROUP": group, "QF_SMEM": bool(qf_smem) and group == 1, "num_warps": 4}
+            "GROUP": group, "QF_SMEM": qf, "FOLD_Q": bool(fold_q) and group == 1 and not qf, "num_warps": 4}
     if maxnreg is None and opts["QF_SMEM"] and mma_pairs and opts["BLOCK_H"] <= 32:
         maxnreg = QF_SMEM_MAXNREG
     if maxnreg is not None:
@@ -623,7 +728,7 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
                               stages: int = 4, programs_per_sm: int | None = None, maxnreg: int | None = None,
                               packed_terms: bool = False, mma_pairs: bool | None = None, kperm: bool | None = None,
                               hist_scratch: torch.Tensor | None = None, row_group: int = 1,
-                              qf_smem: bool = False) -> torch.Tensor:
+                              qf_smem: bool = False, fold_q: bool = False) -> torch.Tensor:
     """Write the indexer scores of N decode rows into `out`: `ops.indexer.index_scores_mxfp4_(...,
     fp8_dot=True)`'s arguments and scores (see the module docstring), on an sm_90 device.
 
@@ -667,6 +772,14 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
       a thread (128 without it; sm_90 compiles, no spills), so five programs an SM fit
       (`programs_per_sm=5`), for 20 more shared-memory loads a tile and each tile's page loaded two
       iterations ahead. Off by default (`default_options` holds the configurations measured fastest).
+    fold_q: the query fold: a row whose every query block (of every head) has its largest |q| zero or
+      with an exponent byte in [115, 129] (`query_fold_rows`: for the contract's MXFP4 blocks, scales
+      in [2^-14, 2^0]) holds 64 q itself as its E4M3 operand, exact there, instead of each block
+      normalized by a power of two of its own; a key block's wgmma then returns the partial times the
+      query's power of two, and the epilogue skips that multiplication (4 of a tile's 64 x heads
+      (entry, head) terms' 9 FP32 operations before the weight): the same values, so the same bits. The other
+      rows take the epilogue as without it (a uniform branch a tile). Applies where rows are scored one a
+      program without qf_smem (ignored with row groups or qf_smem). Off by default: not measured.
     Unchecked: as `index_scores_mxfp4_`. Returns out.
     """
     n_rows, heads = index_scores_args(iq, w, pool, block_table, page, req_slot, n_vis, out, cand_mask)
@@ -684,6 +797,8 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
         raise ValueError(f"row_group must be one of {ROW_GROUPS}, got {row_group!r}")
     if not isinstance(qf_smem, bool):
         raise ValueError(f"qf_smem must be a bool, got {qf_smem!r}")
+    if not isinstance(fold_q, bool):
+        raise ValueError(f"fold_q must be a bool, got {fold_q!r}")
     if isinstance(stages, bool) or not isinstance(stages, int) or not 2 <= stages <= MAX_STAGES:
         raise ValueError(f"stages must be an int in [2, {MAX_STAGES}], got {stages!r}")
     defaults = default_options(n_rows, out.shape[1])
@@ -719,5 +834,5 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
         heads, max_entries, block_table.stride(0), iq.stride(0), iq.stride(1), w.stride(0),
         cand.stride(0), out.stride(0), hist_t.stride(0),
         **launch_options(heads, page, stages, cand_mask is not None, hist is not None, maxnreg, packed_terms,
-                         mma_pairs, kperm, group, qf_smem))
+                         mma_pairs, kperm, group, qf_smem, fold_q))
     return out

@@ -57,7 +57,8 @@ def sm90_builds() -> dict:
                                              + ("-pairs" if len(c) > 7 and c[7] else "")
                                              + ("-kperm" if len(c) > 8 and c[8] else "")
                                              + (f"-group{c[9]}" if len(c) > 9 and c[9] != 1 else "")
-                                             + ("-qf" if len(c) > 10 and c[10] else "") for c in CASES])
+                                             + ("-qf" if len(c) > 10 and c[10] else "")
+                                             + ("-fold" if len(c) > 11 and c[11] else "") for c in CASES])
 def test_compiles_for_sm90_without_spills(sm90_builds, case):
     r = sm90_builds[case]
     assert r["LOCAL"] == 0 and r["STACK"] == 0, r
@@ -92,12 +93,14 @@ def test_compiles_for_sm90_without_spills(sm90_builds, case):
     # (with row groups also each row's n_vis, read where the row's scores are masked)
     # (qf_smem: loaded two iterations ahead; compiled at 96 registers with the wgmmas two at a time, where
     # ptxas moves the page into a uniform register 200 instructions after its load, 250 before the loop's end)
+    # (the query fold: ptxas reads it before the second pair's branch, ~180 instructions after its load)
     group = case[9] if len(case) > 9 else 1
     qf = len(case) > 10 and case[10]
+    fold = len(case) > 11 and case[11]
     if case[1] % 64 == 0 and not case[3]:
         assert len(r["loop_loads"]) == (1 if group == 1 else 2), r["loop_loads"]
         if not r["maxnreg"] and group == 1:
-            least = 150 if qf else r["loop_len"] // 2
+            least = 150 if qf or fold else r["loop_len"] // 2
             assert all(d is None or d > least for _, d in r["loop_loads"]), (r["loop_len"], r["loop_loads"])
     # the histogram: per tile, two warp votes (one per entry register) and a relaxed add each to the
     # program's own counters, no barrier; only when asked for
@@ -113,6 +116,37 @@ def test_compiles_for_sm90_without_spills(sm90_builds, case):
         assert (5 if pairs and qf else 4 if pairs else 3) * (r["shared"] + 1024) <= 228 * 1024, r
     # qf_smem: the four powers of two and the weights are loaded again from shared memory every tile
     assert (loop.get("LDS", 0) >= 20) == bool(qf or group > 1), loop
+    # the query fold: two uniform branches a tile, each over one pair of blocks' multiplications by the
+    # query's powers of two (2 x 64 x BLOCK_H / 128 a thread), which a folded row skips; none without it
+    per_pair = {"FMUL": 2 * GI.BLOCK_E * bh // 128}
+    assert sum(run == per_pair for run in r["skips"]) == (2 if fold else 0), r["skips"]
+
+
+def test_query_fold_rule_holds_64q_exactly_in_e4m3():
+    """`query_fold_rows`' rule (the kernel's `_q_foldable` on the same bounds) against every MXFP4
+    block it can meet: E2M1 codes up to each largest code, both signs, times 2^s for s in [-40, 11].
+    Where the rule folds, 64 q is exact in E4M3 (torch's float8_e4m3fn round trip); just outside
+    its bounds (amax exponent bytes 114 and 130) some block is not, so neither bound can widen; a
+    row folds only where every block of every head does (a zero block always does)."""
+    e2m1 = torch.tensor([0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    inexact_at = set()
+    for s in range(-40, 12):
+        for top in range(len(e2m1)):
+            vals = torch.cat([e2m1[:top + 1], -e2m1[:top + 1]]) * 2.0 ** s
+            block = torch.zeros(32)
+            block[:vals.numel()] = vals
+            iq = block.repeat(4).view(1, 1, 128).bfloat16()
+            assert torch.equal(iq.float().view(4, 32)[0], block)
+            exact = bool(((64 * block).to(torch.float8_e4m3fn).float() == 64 * block).all())
+            if bool(GI.query_fold_rows(iq)[0]):
+                assert exact, (s, top)
+            elif not exact:
+                inexact_at.add(int((vals.abs().max().view(torch.int32) >> 23) & 0xFF))
+    assert {GI.FOLD_Q_EXP_MIN - 1, GI.FOLD_Q_EXP_MAX + 1} <= inexact_at, sorted(inexact_at)
+    rows = torch.full((3, 2, 128), 0.5).bfloat16()
+    rows[1, 1, 32:64] = 0.0
+    rows[2, 1, 96] = 64.0
+    assert GI.query_fold_rows(rows).tolist() == [True, True, False]
 
 
 def test_load_use_distances_reads_sass_registers():
@@ -167,6 +201,7 @@ def test_bad_inputs_raise_naming_the_argument():
             ((iq, w, pool, bt, 16, slot, nv, out), {"row_group": 3}, "row_group must be"),
             ((iq, w, pool, bt, 16, slot, nv, out), {"row_group": True}, "row_group must be"),
             ((iq, w, pool, bt, 16, slot, nv, out), {"qf_smem": 1}, "qf_smem must be"),
+            ((iq, w, pool, bt, 16, slot, nv, out), {"fold_q": 1}, "fold_q must be"),
             ((iq, w, pool, bt, 16, slot, nv, out), {}, "compute capability 9.0")):
         with pytest.raises(ValueError, match=match):
             run(*args, **kw)
@@ -351,6 +386,39 @@ def test_gpu_qf_smem_gives_the_same_bits():
         _check_hist_with_scratch(args, 4160, kw)
     got, ref = _pair(_scale_extremes(), TI._PAGE, 64, qf_smem=True, mma_pairs=True, kperm=True)
     _assert_bits_equal(got, ref, "scale extremes (8 heads), qf_smem")
+
+
+@pytest.mark.gpu
+def test_gpu_fold_q_gives_the_same_bits():
+    """fold_q (a row whose query blocks allow it holds 64 q as its E4M3 operand and skips the
+    epilogue's multiplications by the query's powers of two): the Triton FP8 path's bits on rows
+    that fold (test_indexer's queries: checked) in both default configurations, at pages of 16 and
+    64, with a candidate mask and with the histogram; on rows that do not (the scale extremes); and
+    in one call where two rows of 16 do not (one block scaled by 2^20, one head's block by 2^-30)."""
+    rows = 16
+    n_vis = _contexts(rows, seed=93)
+    g = torch.Generator(device=DEVICE).manual_seed(93)
+    cand = torch.rand(rows, 4160, generator=g, device=DEVICE) < 0.3
+    for kw in ({"fold_q": True}, {"fold_q": True, "programs_per_sm": 3, "mma_pairs": False, "kperm": False}):
+        for page in (16, 64):
+            args = _inputs(rows, n_vis, seed=93 + page, page=page)
+            assert bool(GI.query_fold_rows(args[0]).all())
+            got, ref = _pair(args, page, 4160, **kw)
+            _assert_bits_equal(got, ref, f"page={page} {kw}")
+        got, ref = _pair(args, 64, 4160, cand=cand, **kw)
+        _assert_bits_equal(got, ref, f"candidate mask {kw}")
+        _check_hist_with_scratch(args, 4160, kw)
+    extremes = _scale_extremes()
+    assert not bool(GI.query_fold_rows(extremes[0]).any())
+    got, ref = _pair(extremes, TI._PAGE, 64, fold_q=True)
+    _assert_bits_equal(got, ref, "scale extremes (8 heads), fold_q")
+    args = _inputs(rows, n_vis, seed=95, page=64)
+    iq = args[0].clone()
+    iq[3, :, :32] *= 2.0 ** 20
+    iq[9, 5, 96:] *= 2.0 ** -30
+    assert GI.query_fold_rows(iq).tolist() == [i not in (3, 9) for i in range(rows)]
+    got, ref = _pair((iq, *args[1:]), 64, 4160, fold_q=True)
+    _assert_bits_equal(got, ref, "rows that fold beside rows that do not")
 
 
 @pytest.mark.gpu
