@@ -38,6 +38,12 @@ over its row's tiles of BLOCK_E = 64 entries: tile p, p + P, ...):
   overflow or subnormals) and the adds are the Triton path's adds in the Triton path's order. The
   per-(entry, head) BF16 roundings use the packed conversion (`_bf16_pair`), or (`packed_terms`)
   the relu and the weight run in BF16x2 too (`_weighted_terms_bf16x2`).
+- **The optional query fold** (`fold_q`): where every block of every head of the row allows it
+  (`query_fold_rows`), the query's operand is 64 q itself, exact in E4M3, instead of each block
+  normalized by its own power of two; each key block's wgmma then returns (d_b f_b) itself, and the
+  epilogue skips those four multiplications a term (two uniform branches a tile, over each pair of
+  blocks' multiplications: `_block_terms`). The same values, so the same bits; rows that do not fold
+  take the epilogue above.
 - **The optional histogram** (`hist`, a top-k workspace): each program counts the high byte of its
   visible scores' 16-bit order-preserving keys (`ops.topk._keys`, group 1: -0.0 keyed as +0.0;
   -inf, NaN and entries past n_vis not counted) into 256 counters of its own in global memory (a
@@ -776,9 +782,9 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
       with an exponent byte in [115, 129] (`query_fold_rows`: for the contract's MXFP4 blocks, scales
       in [2^-14, 2^0]) holds 64 q itself as its E4M3 operand, exact there, instead of each block
       normalized by a power of two of its own; a key block's wgmma then returns the partial times the
-      query's power of two, and the epilogue skips that multiplication (4 of a tile's 64 x heads
-      (entry, head) terms' 9 FP32 operations before the weight): the same values, so the same bits. The other
-      rows take the epilogue as without it (a uniform branch a tile). Applies where rows are scored one a
+      query's power of two, and the epilogue skips that multiplication (4 of the 8 FP32 operations
+      that sum an (entry, head) term's four blocks): the same values, so the same bits. The other
+      rows take the epilogue as without it (two uniform branches a tile). Applies where rows are scored one a
       program without qf_smem (ignored with row groups or qf_smem). Off by default: not measured.
     Unchecked: as `index_scores_mxfp4_`. Returns out.
     """
