@@ -570,7 +570,9 @@ def main() -> None:
     cfg = ModelConfig.preset("v41-flash")
     stack = AttentionStack(random_checkpoint(cfg, "cuda"))
     n = max(max(rows), 8)
-    state = DecodeState(cfg, max_requests=n, max_context=32768 + 1024 + advance, page_size=64, device="cuda",
+    # request 0 advances `advance` tokens for each (pass, variant) timed in this process
+    grown = advance * len(names) * int(arg("passes", "1"))
+    state = DecodeState(cfg, max_requests=n, max_context=32768 + 1024 + grown, page_size=64, device="cuda",
                         max_drafts=3)
     fill_state(state, {i: 32768 for i in range(n)})
     step = stack.decode_step(state, max_rows=n, buckets=tuple(sorted(set(rows) | {8})))
