@@ -394,7 +394,9 @@ def test_gpu_fold_q_gives_the_same_bits():
     epilogue's multiplications by the query's powers of two): the Triton FP8 path's bits on rows
     that fold (test_indexer's queries: checked) in both default configurations, at pages of 16 and
     64, with a candidate mask and with the histogram; on rows that do not (the scale extremes); and
-    in one call where two rows of 16 do not (one block scaled by 2^20, one head's block by 2^-30)."""
+    in one call where two rows of 16 do not (one block scaled by 2^20, one head's block by 2^-30)
+    and two fold at the rule's edges (blocks of scale 2^-14 and 2^0 holding E2M1's smallest and
+    largest values: 64 q from E4M3's smallest subnormal to 384)."""
     rows = 16
     n_vis = _contexts(rows, seed=93)
     g = torch.Generator(device=DEVICE).manual_seed(93)
@@ -416,6 +418,10 @@ def test_gpu_fold_q_gives_the_same_bits():
     iq = args[0].clone()
     iq[3, :, :32] *= 2.0 ** 20
     iq[9, 5, 96:] *= 2.0 ** -30
+    edge = torch.tensor([0.5, -1.5, 6.0, 3.0] * 8, device=DEVICE)
+    for r in (6, 7):
+        iq[r, :, :32] = (edge * 2.0 ** -14).bfloat16()
+        iq[r, :, 96:] = (edge.flip(0) * (1.0 if r == 6 else -1.0)).bfloat16()
     assert GI.query_fold_rows(iq).tolist() == [i not in (3, 9) for i in range(rows)]
     got, ref = _pair((iq, *args[1:]), 64, 4160, fold_q=True)
     _assert_bits_equal(got, ref, "rows that fold beside rows that do not")
