@@ -137,10 +137,11 @@ to DIR/p<pass> with --timeline=DIR.
 every variant's times as JSON, {variant: {rows: [us per pass]}} (both in one process, not with
 --processes=1): what `scripts/ab_step.py` reads from each tree's process.
 
-`--advance=N` then runs N public calls `step(x, [(0, 1)])` back to back, each advancing request 0
-by one token (its window moving, new records and index keys written, the selections following:
-what a decode loop does, where the timed replays recompute one step), and prints the device time
-per call (CUDA events around each call) as medians of blocks of N / 5 calls, first to last: whether
+`--advance=N` then runs N public 1-row calls back to back on a request of the variant's own (32768
+tokens at its start), each advancing it by one token (its window moving, new records and index keys
+written, the selections following: what a decode loop does, where the timed replays recompute one
+step), and prints the time per call on the device's timeline (CUDA events between the calls: host
+gaps would show) as medians of blocks of N / 5 calls, first to last: whether
 a variant's lead holds over a run, e.g. the records' L2 prefetch at evict_last, whose lines are
 never lowered again, against the normal priority (`prefetch_plain`) and none (`no_prefetch`).
 
@@ -493,10 +494,11 @@ PATCHES = {
 }
 
 
-def _advance_times(step, calls: int, blocks: int = 5) -> list[float]:
-    """us per public call `step(x, [(0, 1)])` (CUDA events around each call), `calls` calls back to
-    back, each advancing request 0 by one token; the medians of `blocks` equal runs of calls, in
-    order."""
+def _advance_times(step, req, calls: int, blocks: int = 5) -> list[float]:
+    """us per public call `step(x, [(req, 1)])`, `calls` calls back to back, each advancing request
+    `req` by one token: the time between CUDA events recorded after each call on the device's
+    timeline (the step's work, and any gap where the host's part of a call falls behind it); the
+    medians of `blocks` equal runs of calls, in order."""
     cfg = step.cfg
     x = torch.randn(1, cfg.hc_mult, cfg.dim, generator=torch.Generator(device="cuda").manual_seed(3),
                     device="cuda").to(torch.bfloat16)
@@ -504,7 +506,7 @@ def _advance_times(step, calls: int, blocks: int = 5) -> list[float]:
     torch.cuda.synchronize()
     marks[0].record()
     for k in range(calls):
-        step(x, [(0, 1)])
+        step(x, [(req, 1)])
         marks[k + 1].record()
     torch.cuda.synchronize()
     us = [marks[k].elapsed_time(marks[k + 1]) * 1e3 for k in range(calls)]
@@ -570,14 +572,15 @@ def main() -> None:
     cfg = ModelConfig.preset("v41-flash")
     stack = AttentionStack(random_checkpoint(cfg, "cuda"))
     n = max(max(rows), 8)
-    # request 0 advances `advance` tokens for each (pass, variant) timed in this process
-    grown = advance * len(names) * int(arg("passes", "1"))
-    state = DecodeState(cfg, max_requests=n, max_context=32768 + 1024 + grown, page_size=64, device="cuda",
+    # with --advance, each (pass, variant) advances a request of its own ("adv<k>", 32768 tokens when its turn
+    # comes), so the timed requests 0..n-1 stay where they are for every variant
+    runs = len(names) * int(arg("passes", "1")) if advance else 0
+    state = DecodeState(cfg, max_requests=n + runs, max_context=32768 + 1024 + advance, page_size=64, device="cuda",
                         max_drafts=3)
     fill_state(state, {i: 32768 for i in range(n)})
     step = stack.decode_step(state, max_rows=n, buckets=tuple(sorted(set(rows) | {8})))
     first, times = None, {}
-    for name in names * int(arg("passes", "1")):
+    for k, name in enumerate(names * int(arg("passes", "1"))):
         cap, aux = PRIORITIES.get(name, DEFAULT_PRIORITIES)
         step.lanes._aux = [torch.cuda.Stream("cuda", priority=p) for p in aux + (aux[2],)]   # weights: index's
         step.lanes.capture = torch.cuda.Stream("cuda", priority=cap)
@@ -597,8 +600,10 @@ def main() -> None:
         print(f"{name:14s} capture {cap:2d} lanes {aux} | " + "  ".join(f"{r}: {t[r]:8.1f}" for r in rows)
               + f" us | 8-row output == first variant's: {same}{_gpu_state()}", flush=True)
         if advance:
+            fill_state(state, {f"adv{k}": 32768}, seed=k + 1)
             print(f"  {advance} advancing 1-row calls, us per call by fifths: "
-                  + " / ".join(f"{t:.1f}" for t in _advance_times(step, advance)) + _gpu_state(), flush=True)
+                  + " / ".join(f"{t:.1f}" for t in _advance_times(step, f"adv{k}", advance)) + _gpu_state(),
+                  flush=True)
         if timeline:
             bucket = step.prepare([(0, 1)], torch.randn(1, cfg.hc_mult, cfg.dim, device="cuda").bfloat16())
             Path(timeline).mkdir(parents=True, exist_ok=True)
