@@ -646,9 +646,10 @@ def query_fold_rows(iq: torch.Tensor) -> torch.Tensor:
     32-dim block of every head has its largest |q| zero or with an exponent byte in [FOLD_Q_EXP_MIN,
     FOLD_Q_EXP_MAX] = [115, 129] (the kernel's `_q_foldable`). Why that holds 64 q exactly in E4M3: q =
     m 2^s with m in E2M1's {0.5, 1, 1.5, 2, 3, 4, 6}, so 64 q = 1 x 2^p or 1.5 x 2^p, exact in E4M3
-    for p in [-9, 8] and [-8, 8]; amax < 8 (byte <= 129) gives amax <= 6, s <= 0, 64 q <= 384; amax >=
-    2^-12 (byte >= 115) and amax <= 6 x 2^s give s >= -14, so the smallest value 0.5 x 2^s gives
-    p >= -9 and 1.5 x 2^s p >= -8."""
+    for p in [-9, 8] and [-8, 8]; amax < 8 (byte <= 129) gives amax <= 6 (the values of that form
+    below 8), so 64 q <= 384; amax >= 2^-12 (byte >= 115) and amax <= 6 x 2^s give s >= -14, so the
+    smallest value 0.5 x 2^s gives p >= -9 and 1.5 x 2^s p >= -8. For other values (outside the
+    contract) a row may fold and 64 q not be exact."""
     amax = iq.float().abs().unflatten(-1, (-1, 32)).amax(-1)
     e = (amax.view(torch.int32) >> 23) & 0xFF
     ok = (amax == 0) | ((e >= FOLD_Q_EXP_MIN) & (e <= FOLD_Q_EXP_MAX))
@@ -683,11 +684,13 @@ def launch_options(heads: int, page: int, stages: int, cand: bool, hist: bool, m
     and each tile's page loaded two iterations ahead; with mma_pairs at <= 32 heads and no maxnreg, a
     cap of QF_SMEM_MAXNREG registers (five programs an SM: uncapped, ptxas takes ~121); fold_q: the
     query fold (`gluon_index_scores_mxfp4_`'s), where the launch scores one row a program with the
-    query's powers of two in registers (group 1, no qf_smem; elsewhere off)."""
+    query's powers of two in registers at <= 64 heads (group 1, no qf_smem; elsewhere off: at 128
+    heads, where the kernel spills already, it spilled more in the sm_90 compile)."""
     qf = bool(qf_smem) and group == 1
     opts = {"PAGE": page, "BLOCK_H": block_h(heads), "STAGES": stages, "HAS_CAND": cand, "HIST": hist,
             "PACKED": bool(packed_terms), "MMA_PAIRS": bool(mma_pairs), "KPERM": bool(kperm),
-            "GROUP": group, "QF_SMEM": qf, "FOLD_Q": bool(fold_q) and group == 1 and not qf, "num_warps": 4}
+            "GROUP": group, "QF_SMEM": qf, "FOLD_Q": bool(fold_q) and group == 1 and not qf and block_h(heads) <= 64,
+            "num_warps": 4}
     if maxnreg is None and opts["QF_SMEM"] and mma_pairs and opts["BLOCK_H"] <= 32:
         maxnreg = QF_SMEM_MAXNREG
     if maxnreg is not None:
@@ -779,13 +782,15 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
       (`programs_per_sm=5`), for 20 more shared-memory loads a tile and each tile's page loaded two
       iterations ahead. Off by default (`default_options` holds the configurations measured fastest).
     fold_q: the query fold: a row whose every query block (of every head) has its largest |q| zero or
-      with an exponent byte in [115, 129] (`query_fold_rows`: for the contract's MXFP4 blocks, scales
-      in [2^-14, 2^0]) holds 64 q itself as its E4M3 operand, exact there, instead of each block
+      with an exponent byte in [115, 129] (`query_fold_rows`: largest |q| <= 6 and >= 2^-12) holds 64 q
+      itself as its E4M3 operand, exact there for the contract's MXFP4 values (iq as the step makes
+      it; other values may fold and then give other bits), instead of each block
       normalized by a power of two of its own; a key block's wgmma then returns the partial times the
       query's power of two, and the epilogue skips that multiplication (4 of the 8 FP32 operations
       that sum an (entry, head) term's four blocks): the same values, so the same bits. The other
       rows take the epilogue as without it (two uniform branches a tile). Applies where rows are scored one a
-      program without qf_smem (ignored with row groups or qf_smem). Off by default: not measured.
+      program without qf_smem at <= 64 heads (ignored with row groups, qf_smem or 128 heads). Off by
+      default: not measured.
     Unchecked: as `index_scores_mxfp4_`. Returns out.
     """
     n_rows, heads = index_scores_args(iq, w, pool, block_table, page, req_slot, n_vis, out, cand_mask)

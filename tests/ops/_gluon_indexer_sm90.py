@@ -21,7 +21,7 @@ from dsv41_decode.testing import sm90
 # (`row_group`) in both default configurations, with and without the histogram, and two at a time; the query's powers of
 # two and head weights read from shared memory each tile (`qf_smem`) with the wgmmas two at a time and the permuted key
 # order, with and without the histogram, with a candidate mask, and with the four wgmmas in flight; the query fold
-# (`fold_q`) in both default configurations, with the histogram, with a candidate mask
+# (`fold_q`) in both default configurations, with the histogram, with a candidate mask, at 64 heads
 CASES = [(32, 64, 4, 0, 0), (32, 64, 4, 0, 1), (32, 64, 4, 1, 0), (64, 64, 4, 0, 0), (32, 16, 4, 0, 0),
          (32, 64, 4, 0, 0, 0, 0, 1, 1), (32, 64, 4, 0, 1, 0, 0, 1, 1), (32, 64, 6, 0, 0, 112, 1, 1),
          (32, 16, 4, 1, 0, 0, 0, 0, 1), (32, 64, 4, 0, 1, 0, 1, 1, 1),
@@ -30,7 +30,8 @@ CASES = [(32, 64, 4, 0, 0), (32, 64, 4, 0, 1), (32, 64, 4, 1, 0), (64, 64, 4, 0,
          (32, 64, 4, 0, 0, 0, 0, 1, 1, 1, 1), (32, 64, 4, 0, 1, 0, 0, 1, 1, 1, 1), (32, 64, 4, 1, 0, 0, 0, 1, 1, 1, 1),
          (32, 64, 4, 0, 0, 0, 0, 0, 0, 1, 1),
          (32, 64, 4, 0, 0, 0, 0, 1, 1, 1, 0, 1), (32, 64, 4, 0, 0, 0, 0, 0, 0, 1, 0, 1),
-         (32, 64, 4, 0, 1, 0, 0, 1, 1, 1, 0, 1), (32, 64, 4, 1, 0, 0, 0, 1, 1, 1, 0, 1)]
+         (32, 64, 4, 0, 1, 0, 0, 1, 1, 1, 0, 1), (32, 64, 4, 1, 0, 0, 0, 1, 1, 1, 0, 1),
+         (64, 64, 4, 0, 0, 0, 0, 1, 1, 1, 0, 1)]
 TYPES = {"iq_ptr": "*bf16", "w_ptr": "*bf16", "pool_ptr": "*i32", "bt_ptr": "*i32", "slot_ptr": "*i64",
          "nvis_ptr": "*i32", "cand_ptr": "*u8", "out_ptr": "*fp32", "hist_ptr": "*i32",
          "scratch_ptr": "*i32"}

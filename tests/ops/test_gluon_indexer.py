@@ -396,7 +396,8 @@ def test_gpu_fold_q_gives_the_same_bits():
     64, with a candidate mask and with the histogram; on rows that do not (the scale extremes); and
     in one call where two rows of 16 do not (one block scaled by 2^20, one head's block by 2^-30)
     and two fold at the rule's edges (blocks of scale 2^-14 and 2^0 holding E2M1's smallest and
-    largest values: 64 q from E4M3's smallest subnormal to 384)."""
+    largest values: 64 q from E4M3's smallest subnormal to 384); the kernel's per-row decision (a row
+    outside the contract whose fold shows in its bits); 8 heads with a zero and a -0.0 block."""
     rows = 16
     n_vis = _contexts(rows, seed=93)
     g = torch.Generator(device=DEVICE).manual_seed(93)
@@ -425,6 +426,23 @@ def test_gpu_fold_q_gives_the_same_bits():
     assert GI.query_fold_rows(iq).tolist() == [i not in (3, 9) for i in range(rows)]
     got, ref = _pair((iq, *args[1:]), 64, 4160, fold_q=True)
     _assert_bits_equal(got, ref, "rows that fold beside rows that do not")
+    # the kernel's decision per row: a block outside the contract's values whose largest |q| is 7.5 (exponent
+    # byte 129, so the row folds) has 64 q = 480 saturate to E4M3's 448 in the fold's operand only, so the
+    # row's scores differ with fold_q, and no other row's do
+    iq[12, 0, 5] = 7.5
+    assert bool(GI.query_fold_rows(iq)[12])
+    folded, plain = _pair((iq, *args[1:]), 64, 4160, fold_q=True)[0], _pair((iq, *args[1:]), 64, 4160)[0]
+    assert bits_differ(folded[12], plain[12]) > 0
+    keep = [i for i in range(rows) if i != 12]
+    assert bits_differ(folded[keep], plain[keep]) == 0
+    # 8 heads (the wgmma's N padded to 16: masked heads), a zero block and a -0.0 block in rows that fold
+    small = _inputs(4, [4103, 777, 64, 1000], seed=97, page=64, heads=8)
+    iq8 = small[0].clone()
+    iq8[1, 2, 32:64] = 0.0
+    iq8[2, :, 64:96] = -0.0
+    assert bool(GI.query_fold_rows(iq8).all())
+    got, ref = _pair((iq8, *small[1:]), 64, 4160, fold_q=True)
+    _assert_bits_equal(got, ref, "8 heads with zero and -0.0 blocks, fold_q")
 
 
 @pytest.mark.gpu
