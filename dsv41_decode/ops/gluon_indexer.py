@@ -144,25 +144,31 @@ def _q_load(iq_ptr, n, iq_sn, iq_sh, heads, blk: gl.constexpr, BLOCK_H: gl.const
 
 
 @gluon.jit
+def _exp_byte(x):
+    """The biased exponent byte of FP32 x (0 for zeros and subnormals, 255 for inf and NaN)."""
+    return (x.to(gl.int32, bitcast=True) >> 23) & 0xFF
+
+
+@gluon.jit
 def _q_foldable(amax):
     """Per head: whether 64 q is exact in E4M3 for every value q of a block of the contract's MXFP4
     values (E2M1 x 2^s) whose largest |q| is amax (`query_fold_rows`' rule)."""
-    e = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
+    e = _exp_byte(amax)
     return (amax == 0.0) | ((e >= _FOLD_Q_EXP_MIN) & (e <= _FOLD_Q_EXP_MAX))
 
 
 @gluon.jit
-def _q_store(q, amax, q_smem, blk: gl.constexpr, col_l: gl.constexpr, folded, FOLD: gl.constexpr):
+def _q_store(q, amax, q_smem, blk: gl.constexpr, col_l: gl.constexpr, folded):
     """Query block blk as `ops.indexer._q_block_e4m3` makes it: E4M3 q' (q' = q down, down a power
     of two per head that puts amax in [2^-4, 2^-3)) stored into q_smem's columns 32 blk ..
-    32 blk + 31, and the per-head power of two f (q = q' f / 2^6 exactly) returned in `col_l`. With
-    FOLD, where `folded` (a scalar: every block of the row `_q_foldable`), q' = 64 q instead: a key
-    block's wgmma then returns (d f) itself, the epilogue's product (`_block_terms`); f as without."""
-    e = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
-    e = gl.minimum(gl.maximum(e, 1), 244)
+    32 blk + 31, and the per-head power of two f (q = q' f / 2^6 exactly) returned in `col_l`.
+    folded: False (a constant), or the row's fold flag (every block of the row `_q_foldable`): where
+    set, q' = 64 q instead: a key block's wgmma then returns (d f) itself, the epilogue's product
+    (`_block_terms`); f as without."""
+    e = gl.minimum(gl.maximum(_exp_byte(amax), 1), 244)
     down_e = 250 - e
-    if FOLD:
-        down_e = gl.where(folded, 133, down_e)          # 2^6
+    if folded:
+        down_e = gl.full_like(down_e, 133)          # 2^6
     down = (down_e << 23).to(gl.float32, bitcast=True)
     up = ((e + 10) << 23).to(gl.float32, bitcast=True)
     q_smem.slice(blk * 32, 32, dim=1).store((q * down[:, None]).to(gl.float8e4nv))
@@ -175,7 +181,7 @@ def _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, blk: gl.constexpr, BLOCK_H:
     """Query block blk of row n stored as E4M3 q' into q_smem, its per-head power of two f returned
     (`_q_load`, then `_q_store` without the fold)."""
     q, amax = _q_load(iq_ptr, n, iq_sn, iq_sh, heads, blk, BLOCK_H, q_l, KPERM)
-    return _q_store(q, amax, q_smem, blk, col_l, False, False)
+    return _q_store(q, amax, q_smem, blk, col_l, False)
 
 
 @gluon.jit
@@ -301,23 +307,18 @@ def _times(d, f):
 
 
 @gluon.jit
-def _block_terms(acc, da, db, fa, fb, sw, blk: gl.constexpr, FIRST: gl.constexpr, folded, FOLD_Q: gl.constexpr):
+def _block_terms(acc, da, db, fa, fb, sw, blk: gl.constexpr, FIRST: gl.constexpr, folded):
     """`_terms_of` for scale blocks blk and blk + 1: acc + (da fa) k_blk + (db fb) k_blk+1, the partials
     da, db times the query's powers of two fa, fb (exact) and the keys' k (the FMA's product exact
-    but for subnormals). With FOLD_Q, where `folded` (a uniform branch), the partials already are
-    (d f) (`_q_store`'s fold: the same values), so the multiplications by f are skipped."""
-    ka = _block_scale(sw, blk)[:, None]
-    kb = _block_scale(sw, blk + 1)[:, None]
-    if FOLD_Q:
-        xa = da
-        xb = db
-        if not folded:
-            xa = _times(da, fa[None, :])
-            xb = _times(db, fb[None, :])
-        acc = _terms_of(acc, xa, xb, ka, kb, FIRST)
-    else:
-        acc = _terms_of(acc, da * fa[None, :], db * fb[None, :], ka, kb, FIRST)
-    return acc
+    but for subnormals). folded: False (a constant: always the multiplications by f), or the row's
+    query fold flag (`_q_store`; a uniform branch): where set, the partials already are (d f), the
+    same values, and the multiplications are skipped."""
+    xa = da
+    xb = db
+    if not folded:
+        xa = _times(da, fa[None, :])
+        xb = _times(db, fb[None, :])
+    return _terms_of(acc, xa, xb, _block_scale(sw, blk)[:, None], _block_scale(sw, blk + 1)[:, None], FIRST)
 
 
 @gluon.jit
@@ -345,13 +346,13 @@ def _key_votes(score):
 @gluon.jit
 def _score_tile(a8, q_smem, sw, f0, f1, f2, f3, wv, wb, zero, offs, vis, out_row, max_entries, priv,
                 BLOCK_H: gl.constexpr, HIST: gl.constexpr, PACKED: gl.constexpr, MMA_PAIRS: gl.constexpr,
-                mma_l: gl.constexpr, folded=False, FOLD_Q: gl.constexpr = False):
+                mma_l: gl.constexpr, folded=False):
     """One row's scores of the key tile in a8 (E4M3 [64, 128], its scale words sw): the four block
     wgmmas against the row's query q_smem (E4M3 [BLOCK_H, 128]; its per-head powers of two f0..f3,
     its head weights wv and their BF16 bits wb, all in the accumulator's column layout), `ops.indexer`'s
     FP8 epilogue, the scores stored at out_row + offs (-inf where not vis, offs < max_entries) and,
-    with HIST, their high-byte votes added into the 256 counters at priv. FOLD_Q: `folded` is the
-    row's query fold (`_q_store`), a uniform branch around each pair of blocks' terms."""
+    with HIST, their high-byte votes added into the 256 counters at priv. folded: the row's query
+    fold flag (`_q_store`), a uniform branch around each pair of blocks' terms, or False (none)."""
     # `ops.indexer`'s FP8 path: each block's partial times the query's then the key's power of
     # two, the four blocks added in order
     if MMA_PAIRS:
@@ -359,7 +360,7 @@ def _score_tile(a8, q_smem, sw, f0, f1, f2, f3, wv, wb, zero, offs, vis, out_row
         d0 = _block_mma(a8, q_smem, zero, 0)
         d1 = _block_mma(a8, q_smem, zero, 1)
         d0, d1 = warpgroup_mma_wait(num_outstanding=0, deps=(d0, d1))
-        acc = _block_terms(zero, d0, d1, f0, f1, sw, 0, True, folded, FOLD_Q)
+        acc = _block_terms(zero, d0, d1, f0, f1, sw, 0, True, folded)
         d2 = _block_mma(a8, q_smem, zero, 2)
         d3 = _block_mma(a8, q_smem, zero, 3)
         d2, d3 = warpgroup_mma_wait(num_outstanding=0, deps=(d2, d3))
@@ -369,8 +370,8 @@ def _score_tile(a8, q_smem, sw, f0, f1, f2, f3, wv, wb, zero, offs, vis, out_row
         d2 = _block_mma(a8, q_smem, zero, 2)
         d3 = _block_mma(a8, q_smem, zero, 3)
         d0, d1, d2, d3 = warpgroup_mma_wait(num_outstanding=0, deps=(d0, d1, d2, d3))
-        acc = _block_terms(zero, d0, d1, f0, f1, sw, 0, True, folded, FOLD_Q)
-    acc = _block_terms(acc, d2, d3, f2, f3, sw, 2, False, folded, FOLD_Q)
+        acc = _block_terms(zero, d0, d1, f0, f1, sw, 0, True, folded)
+    acc = _block_terms(acc, d2, d3, f2, f3, sw, 2, False, folded)
     # the per-(entry, head) bf16 round trips by the packed hardware conversion (`_bf16_pair`),
     # or the relu and the weight too in BF16x2 (PACKED); the score's rounding is `bf16_round`
     # itself (its NaN bits)
@@ -526,23 +527,18 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
     rh = gl.arange(0, BLOCK_H, layout=col_l)
     folded = False
     if GROUP == 1:
+        # the row's four query blocks first: with FOLD_Q the fold holds where every block of every head allows it
+        q0, a0 = _q_load(iq_ptr, n, iq_sn, iq_sh, heads, 0, BLOCK_H, q_l, KPERM)
+        q1, a1 = _q_load(iq_ptr, n, iq_sn, iq_sh, heads, 1, BLOCK_H, q_l, KPERM)
+        q2, a2 = _q_load(iq_ptr, n, iq_sn, iq_sh, heads, 2, BLOCK_H, q_l, KPERM)
+        q3, a3 = _q_load(iq_ptr, n, iq_sn, iq_sh, heads, 3, BLOCK_H, q_l, KPERM)
         if FOLD_Q:
-            # the row's four query blocks first: the fold holds where every block of every head allows it
-            q0, a0 = _q_load(iq_ptr, n, iq_sn, iq_sh, heads, 0, BLOCK_H, q_l, KPERM)
-            q1, a1 = _q_load(iq_ptr, n, iq_sn, iq_sh, heads, 1, BLOCK_H, q_l, KPERM)
-            q2, a2 = _q_load(iq_ptr, n, iq_sn, iq_sh, heads, 2, BLOCK_H, q_l, KPERM)
-            q3, a3 = _q_load(iq_ptr, n, iq_sn, iq_sh, heads, 3, BLOCK_H, q_l, KPERM)
             ok = _q_foldable(a0) & _q_foldable(a1) & _q_foldable(a2) & _q_foldable(a3)
             folded = gl.min(ok.to(gl.int32), axis=0) == 1
-            f0 = _q_store(q0, a0, q_smem, 0, col_l, folded, True)
-            f1 = _q_store(q1, a1, q_smem, 1, col_l, folded, True)
-            f2 = _q_store(q2, a2, q_smem, 2, col_l, folded, True)
-            f3 = _q_store(q3, a3, q_smem, 3, col_l, folded, True)
-        else:
-            f0 = _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, 0, BLOCK_H, q_l, col_l, KPERM)
-            f1 = _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, 1, BLOCK_H, q_l, col_l, KPERM)
-            f2 = _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, 2, BLOCK_H, q_l, col_l, KPERM)
-            f3 = _q_block(iq_ptr, n, iq_sn, iq_sh, heads, q_smem, 3, BLOCK_H, q_l, col_l, KPERM)
+        f0 = _q_store(q0, a0, q_smem, 0, col_l, folded)
+        f1 = _q_store(q1, a1, q_smem, 1, col_l, folded)
+        f2 = _q_store(q2, a2, q_smem, 2, col_l, folded)
+        f3 = _q_store(q3, a3, q_smem, 3, col_l, folded)
         wraw = gl.load(w_ptr + n.to(gl.int64) * w_sn + rh, mask=rh < heads, other=0.0)
         wv = wraw.to(gl.float32)
         wb = wraw.to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
@@ -614,7 +610,7 @@ def _gluon_index_scores_kernel(iq_ptr, w_ptr, pool_ptr, bt_ptr, slot_ptr, nvis_p
                                  BLOCK_H, HIST, PACKED, MMA_PAIRS, mma_l)
             else:
                 _score_tile(a8, q_smem, sw, f0, f1, f2, f3, wv, wb, zero, offs, vis, out_row, max_entries, priv,
-                            BLOCK_H, HIST, PACKED, MMA_PAIRS, mma_l, folded, FOLD_Q)
+                            BLOCK_H, HIST, PACKED, MMA_PAIRS, mma_l, folded)
         else:
             for g in range(size):
                 row = lead + g
