@@ -247,7 +247,8 @@ def sparse_mla_launch(plan, *args, **kwargs) -> None:
 # linked path with it (33.8). So the bound stands.
 FUSED_HISTOGRAM_MAX = 1 << 17       # rows x entries per call at which the step lets the scorer build it
 # The Gluon scorer's query fold (`gluon_index_scores_mxfp4_(fold_q=)`: the same bits) in the step's
-# scorer: off until measured (`scripts/probe_step_schedule.py`'s index_fold variant times it)
+# scorer: off, since the step measured the same with it at 1 and 8 rows and 1.4 % slower at 64 (H100,
+# `scripts/probe_step_schedule.py`'s index_fold variant; docs/attn.md)
 INDEX_FOLD_Q = False
 
 
