@@ -695,8 +695,11 @@ def launch_options(heads: int, page: int, stages: int, cand: bool, hist: bool, m
 
 
 def programs_per_row(n_rows: int, max_entries: int, device, programs_per_sm: int) -> int:
-    """The launch's programs per row: ceil(programs_per_sm * SMs / N), at most one per 64-entry tile."""
-    return min(triton.cdiv(max_entries, BLOCK_E), max(1, -(-programs_per_sm * num_sms(device) // n_rows)))
+    """The launch's programs per row: floor(programs_per_sm * SMs / N), so that the N rows' programs
+    start in one wave of programs_per_sm an SM (where N divides it unevenly, one more a row would
+    leave a second wave of a few programs that each score a whole share of a row), at least one and
+    at most one per 64-entry tile."""
+    return min(triton.cdiv(max_entries, BLOCK_E), max(1, programs_per_sm * num_sms(device) // n_rows))
 
 
 # The launch's defaults by its size (rows x max_entries), measured on an H200
@@ -749,8 +752,9 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
     stages: ring slots of 64 records (2..MAX_STAGES); STAGES - 1 tiles are in flight per program.
     programs_per_sm, mma_pairs, kperm: None (each) takes `default_options(N, max_entries)`'s value
       (max_entries = out's width): the configuration measured fastest at that size.
-    programs_per_sm: each row gets at most ceil(programs_per_sm * SMs / N) programs (3: the programs an
-      SM holds at 32 heads, ~150 registers a thread; 4 with mma_pairs, 128 registers, or maxnreg=128).
+    programs_per_sm: each row gets floor(programs_per_sm * SMs / N) programs, at least one and at most
+      one per 64-entry tile (`programs_per_row`: one wave; 3: the programs an SM holds at 32 heads,
+      ~150 registers a thread; 4 with mma_pairs, 128 registers, or maxnreg=128).
     maxnreg: the launch's register cap per thread (`launch_options`), None or a multiple of 8 in [64, 256].
     packed_terms: relu, weight and their BF16 roundings two terms an instruction (BF16x2): the same
       bits but where a weighted term is an FP32 subnormal (|term| < 2^-126), so off by default (on

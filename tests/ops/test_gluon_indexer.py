@@ -166,8 +166,8 @@ def test_load_use_distances_reads_sass_registers():
 
 def test_default_options_by_call_size():
     """The launch's defaults: three programs an SM, four wgmmas in flight, up to SMALL_CALL_MAX rows x
-    entries; above, the wgmmas two at a time and the permuted key order at four an SM; the scratch
-    size follows the programs the default launches."""
+    entries; above, the wgmmas two at a time and the permuted key order at four an SM; the programs a
+    row fit one wave (`programs_per_row`) and the scratch size follows the programs the default launches."""
     small = {"programs_per_sm": 3, "mma_pairs": False, "kperm": False}
     large = {"programs_per_sm": 4, "mma_pairs": True, "kperm": True}
     assert GI.default_options(1, GI.SMALL_CALL_MAX) == small and GI.default_options(4, 8192) == small
@@ -177,6 +177,11 @@ def test_default_options_by_call_size():
     assert GI.hist_scratch_numel(1, 32768, "cpu") == 3 * 132 * GI.HIST_BINS
     assert GI.hist_scratch_numel(1, 32768, "cpu", 4) == 512 * GI.HIST_BINS
     assert GI.hist_scratch_numel(16, 32768, "cpu", 4, row_group=4) == 16 * 33 * 4 * GI.HIST_BINS
+    # rows that divide the SMs' programs unevenly: one wave (64 x 8 = 512 of 528, not 64 x 9 = 576)
+    assert GI.programs_per_row(64, 32768, "cpu", 4) == 8 and GI.programs_per_row(32, 131072, "cpu", 4) == 16
+    assert GI.programs_per_row(5, 1 << 20, "cpu", 4) == 105 and GI.programs_per_row(64, 32768, "cpu", 3) == 6
+    assert GI.programs_per_row(600, 32768, "cpu", 4) == 1 and GI.programs_per_row(1, 640, "cpu", 4) == 10
+    assert GI.hist_scratch_numel(64, 32768, "cpu") == 64 * 8 * GI.HIST_BINS
 
 
 def test_bad_inputs_raise_naming_the_argument():
