@@ -28,6 +28,14 @@ def num_sms(device: torch.device) -> int:
     return CPU_SMS
 
 
+def one_wave_programs(n_rows: int, n_tiles: int, programs_per_sm: int, device) -> int:
+    """Programs a row for a launch over N rows whose programs each loop over a share of their row's
+    n_tiles tiles: floor(programs_per_sm * SMs / N), at least one and at most n_tiles, so that the
+    launch's programs start in one wave at programs_per_sm an SM (where N divides it unevenly, one
+    program more a row would leave a second wave of a few programs, each a whole share of a row)."""
+    return min(n_tiles, max(1, programs_per_sm * num_sms(device) // n_rows))
+
+
 def is_sm90(device: torch.device) -> bool:
     """A CUDA device of compute capability 9.0 (H100 / H200 / H20): the Gluon and integer-MMA tiers'."""
     device = torch.device(device)

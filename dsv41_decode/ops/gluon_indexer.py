@@ -82,7 +82,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
 from .checks import require_int
-from .common import is_sm90, num_sms
+from .common import is_sm90, one_wave_programs
 from .fp4 import bf16_round
 from .indexer import index_scores_args
 
@@ -695,11 +695,8 @@ def launch_options(heads: int, page: int, stages: int, cand: bool, hist: bool, m
 
 
 def programs_per_row(n_rows: int, max_entries: int, device, programs_per_sm: int) -> int:
-    """The launch's programs per row: floor(programs_per_sm * SMs / N), so that the N rows' programs
-    start in one wave of programs_per_sm an SM (where N divides it unevenly, one more a row would
-    leave a second wave of a few programs that each score a whole share of a row), at least one and
-    at most one per 64-entry tile."""
-    return min(triton.cdiv(max_entries, BLOCK_E), max(1, programs_per_sm * num_sms(device) // n_rows))
+    """The launch's programs per row: `one_wave_programs` over the row's 64-entry tiles."""
+    return one_wave_programs(n_rows, triton.cdiv(max_entries, BLOCK_E), programs_per_sm, device)
 
 
 # The launch's defaults by its size (rows x max_entries), measured on an H200

@@ -4,7 +4,7 @@ score[n, j] = bf16(sum_h bf16(w[n, h] * relu(bf16(iq[n, h] . key[j])))) for the 
 j < n_vis[n] of request slot req_slot[n]; -inf past n_vis and (with a candidate mask) outside it.
 Entry j of slot s is pool record block_table[s, j // page] * page + j % page.
 
-Grid: (rows, programs per row, capped near programs_per_sm * SMs in all); each program loops over
+Grid: (rows, programs per row: one wave at programs_per_sm an SM where the rows allow); each program loops over
 its row's entry blocks. A block loads BLOCK_E records as 17 int32 words each (16 words of E2M1
 pairs, one of the four UE8M0 scales), decodes them with 2-D ops only (nibble j of the [E, 16]
 words is key dims w * 8 + j) and scores them for every head with eight [E, 16] x [16, H] dots. Operands are exact in BF16 (E2M1 codes
@@ -23,7 +23,7 @@ import triton.language as tl
 
 from ..records import INDEX_KEY_BYTES
 from .checks import interpreting, require_bool, require_int, require_is_tensor, require_num_warps
-from .common import num_sms
+from .common import one_wave_programs
 from .fp4 import bf16_round
 from .rounding import to_f32
 
@@ -252,9 +252,9 @@ def index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, b
     req_slot: [N] int32/int64 request slot of each row; n_vis: [N] int32 visible entries ((p+1)//r).
     out: [N, max_entries] FP32, last dim contiguous; receives BF16-representable values, -inf past n_vis.
     cand_mask: optional [N, max_entries] bool/uint8; entries where it is 0 score -inf.
-    block_e: entries per loop step of a program (power of two >= 16); each row gets at most
-    ceil(programs_per_sm * SMs / N) programs (programs_per_sm >= 1), which loop over its entry
-    blocks. num_warps: a power of two in 1..16; None: 4, or 8 for the FP8 path above 32 heads (at 64
+    block_e: entries per loop step of a program (power of two >= 16); each row gets
+    floor(programs_per_sm * SMs / N) programs (programs_per_sm >= 1; at least one, at most one per
+    block: `common.one_wave_programs`), which loop over its entry blocks. num_warps: a power of two in 1..16; None: 4, or 8 for the FP8 path above 32 heads (at 64
     heads and 4 warps it spills on sm_90).
     fp8_dot: the FP8 path (one K=32 E4M3 tensor-core dot per scale block, the codes turned into
     E4M3 bytes by bit operations; see above): per block exact, the four blocks added in order,
@@ -276,8 +276,7 @@ def index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, b
     block_h = max(16, triton.next_power_of_2(heads))
     if num_warps is None:
         num_warps = 8 if fp8_dot and block_h > 32 else 4
-    per_row = max(1, -(-programs_per_sm * num_sms(iq.device) // n_rows))
-    grid = (n_rows, min(triton.cdiv(max_entries, block_e), per_row))
+    grid = (n_rows, one_wave_programs(n_rows, triton.cdiv(max_entries, block_e), programs_per_sm, iq.device))
     _index_scores_kernel[grid](
         iq, w, pool.view(torch.int32), pool, block_table, req_slot, n_vis, cand, out,
         heads, max_entries, page, block_table.stride(0), iq.stride(0), iq.stride(1), w.stride(0),
