@@ -71,8 +71,8 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
     gate_st1        the step's default gates at 5-8 rows with two slots, `WO_A_GATE_ROWS`): its weight
                     stream beside the MLA, not ahead of its gathers; the same bits
     no_gate         no gate in any bucket (`AttentionStep.wo_a_gate` None); the same bits
-    index_fold      the Gluon scorer's query fold in every indexer layer (`attention.INDEX_FOLD_Q`,
-                    `gluon_index_scores_mxfp4_(fold_q=True)`); the same bits
+    no_index_fold   the Gluon scorer without its query fold in every indexer layer (`attention.INDEX_FOLD_Q`
+                    off, `gluon_index_scores_mxfp4_(fold_q=False)`); the same bits
     no_pdl          every kernel launched plainly: not each layer's Gluon wo_a by programmatic
                     dependent launch after the Gluon sparse MLA (released at the start of the MLA's
                     last launch's programs: its rings' first weight tiles read while the MLA runs),
@@ -475,7 +475,7 @@ PATCHES = {
     "gate_dec1": _wo_a_gate("decoded", 1), "gate_dec2": _wo_a_gate("decoded", 2), "gate_dec3": _wo_a_gate("decoded", 3),
     "gate_dec4": _wo_a_gate("decoded", 4), "gate_st1": _wo_a_gate("stored", 1),
     "no_gate": _layer_flag("wo_a_gate", None),
-    "index_fold": lambda step: _swap([(attention_mod, "INDEX_FOLD_Q", True)]),
+    "no_index_fold": lambda step: _swap([(attention_mod, "INDEX_FOLD_Q", False)]),
     "no_pdl": lambda step: _swap([(owner, flag, False) for flag in PDL_OPTIONS
                                   for owner in ([step] if hasattr(step, flag) else step.layers.values())]),
     "no_wq_b_pdl": _layer_flag("wq_b_pdl", False), "no_wo_b_pdl": _layer_flag("wo_b_pdl", False),

@@ -246,10 +246,10 @@ def sparse_mla_launch(plan, *args, **kwargs) -> None:
 # 32 at 64 x 128K (81.0 / 113.1), and at 1 x 1M the four-launch path without it (32.5) is about the
 # linked path with it (33.8). So the bound stands.
 FUSED_HISTOGRAM_MAX = 1 << 17       # rows x entries per call at which the step lets the scorer build it
-# The Gluon scorer's query fold (`gluon_index_scores_mxfp4_(fold_q=)`: the same bits) in the step's
-# scorer: off, since the step measured the same with it at 1 and 8 rows and 1.4 % slower at 64 (H100,
-# `scripts/probe_step_schedule.py`'s index_fold variant; docs/attn.md)
-INDEX_FOLD_Q = False
+# The Gluon scorer's query fold (`gluon_index_scores_mxfp4_(fold_q=)`: the same bits for the step's
+# MXFP4 index queries) in the step's scorer: the step 0.1-0.3 % faster with it at 1-64 rows (H100, both
+# passes; `scripts/probe_step_schedule.py`'s no_index_fold variant times it off; docs/attn.md)
+INDEX_FOLD_Q = True
 
 
 def index_scores_launch(iq, w, pool, block_table, page, req_slot, n_vis, out, cand_mask=None,
@@ -262,7 +262,7 @@ def index_scores_launch(iq, w, pool, block_table, page, req_slot, n_vis, out, ca
     enough for that to pay (rows x entries <= FUSED_HISTOGRAM_MAX); elsewhere the Triton FP8 path. Returns whether `hist` was
     filled (the top-k's `hist_ready`; the selection is the same either way). row_group: the Gluon
     scorer's (a request's rows scored that many at a time on each key tile read; the same bits),
-    unused elsewhere; the Gluon scorer folds the query where it can when INDEX_FOLD_Q is set."""
+    unused elsewhere; the Gluon scorer folds the query where it can (INDEX_FOLD_Q)."""
     if is_sm90(iq.device):
         if hist is not None and out.shape[0] * out.shape[1] > FUSED_HISTOGRAM_MAX:
             hist = None
