@@ -253,6 +253,16 @@ def test_gpu_wo_a_prefill_gives_the_graph_step_bits(gpu_setup, gpu_graph_run, pr
 
 
 @pytest.mark.gpu
+def test_gpu_index_scorer_without_the_query_fold_gives_the_graph_step_bits(gpu_setup, gpu_graph_run, monkeypatch):
+    """`attention.INDEX_FOLD_Q` off (the Gluon scorer normalizing every query block by its own power
+    of two, not holding 64 q where the row allows): the plain graphed step's bits and state."""
+    assert attention.INDEX_FOLD_Q
+    monkeypatch.setattr(attention, "INDEX_FOLD_Q", False)
+    (st_a, outs_a), (st_b, outs_b, _) = gpu_graph_run, _graph_run(gpu_setup)
+    _assert_same_run(st_a, st_b, outs_a, outs_b)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("gate, prefill", [("decoded", 1), ("stored", 2), (None, 2)])
 def test_gpu_wo_a_gate_gives_the_graph_step_bits(gpu_setup, gpu_graph_run, gate, prefill, monkeypatch):
     """`attention.WO_A_GATE` (the Gluon wo_a, launched by PDL during the sparse MLA, requests its
