@@ -691,14 +691,12 @@ class AttentionStep:
         self._tables(B, events)
 
     def _tables(self, B: int, events: StepEvents) -> None:
-        """The sparse-index table of the selection's rows [0, B) (lane 2), its event in `events`."""
-        m, st, r, sel, lanes = self.meta, self.state, self.spec.ratio, self.selection, self.lanes
-        topk_ready = lanes.mark()                             # protects sel.topk
-        with lanes.side(AUX_INDEX_Q):
-            lanes.wait(topk_ready)
-            topk_slots_(sel.topk[:B], m.kernel_slot[:B], st.block_table[r], st.page_size,
-                        sel.table[:B], sel.lengths[:B])
-            events.tables[self.spec.layer] = lanes.mark()     # protects sel.table
+        """The sparse-index table of the selection's rows [0, B) on the main stream, after the top-k
+        and before the sparse MLA that reads it (no lane to join on the critical path), its event
+        in `events` for the lanes of later layers."""
+        m, st, r, sel = self.meta, self.state, self.spec.ratio, self.selection
+        topk_slots_(sel.topk[:B], m.kernel_slot[:B], st.block_table[r], st.page_size, sel.table[:B], sel.lengths[:B])
+        events.tables[self.spec.layer] = self.lanes.mark()    # protects sel.table
 
     def _attend(self, B: int, events: StepEvents) -> torch.Tensor:
         """Sparse MLA over the window and the index source's selection; returns o [B, heads, 512]."""

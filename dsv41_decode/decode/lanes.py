@@ -33,7 +33,7 @@ import torch
 
 AUX_COMPRESSOR = 0   # compressor kv_score, state update, latent, index key
 AUX_MIXER = 1        # the next site's mHC mixer; candidate expansion
-AUX_INDEX_Q = 2      # indexer query (and weights_proj unless on its own lane); sparse-index table builds
+AUX_INDEX_Q = 2      # indexer query (and weights_proj unless on its own lane)
 AUX_INDEX_W = 3      # indexer weights_proj where it runs beside the index query's GEMM; the records prefetch
 
 PRIORITY_CRITICAL = -1   # CUDA stream priorities: lower is more urgent; 0 is the default and the least
