@@ -71,6 +71,10 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
     gate_st1        the step's default gates at 5-8 rows with two slots, `WO_A_GATE_ROWS`): its weight
                     stream beside the MLA, not ahead of its gathers; the same bits
     no_gate         no gate in any bucket (`AttentionStep.wo_a_gate` None); the same bits
+    carveout_all    every kernel loaded asking for the largest shared-memory carve-out (100 %; by
+                    default only kernels of more than 48 KB prefer shared memory); with --processes=1
+    carveout_index  the same for the indexer chain's kernels only (index query, scores, top-k, table),
+                    which run on the SMs just before an indexer layer's sparse MLA
     no_index_fold   the Gluon scorer without its query fold in every indexer layer (`attention.INDEX_FOLD_Q`
                     off, `gluon_index_scores_mxfp4_(fold_q=False)`); the same bits
     no_pdl          every kernel launched plainly: not each layer's Gluon wo_a by programmatic
@@ -453,6 +457,43 @@ def _prefetch_wo_a(step):
     return _swap([(attention_mod.AttentionStep, "_attend", attend_prefetching), (StepEvents, "join", join_prefetch)])
 
 
+# CUfunction attribute: the shared-memory share of the L1 / shared carve-out the kernel prefers, in %
+_CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
+# the kernels of the indexer chain that run on the SMs just before a layer's sparse MLA
+_INDEX_CHAIN = ("index_query", "index_scores", "hist_hi", "hist_lo", "lo_select", "count", "write", "topk_slots")
+
+
+def _carveout(chain_only: bool):
+    """A patch asking the driver for the largest shared-memory carve-out (100 %) on each kernel the
+    process loads from now on (Triton's `kernel_load_end_hook`): every kernel, or (chain_only) the
+    indexer chain's; by default only kernels of more than 48 KB prefer shared memory, so the SMs
+    that ran the small ones may need a reconfiguration before the sparse MLA's 104 KB programs fit.
+    The attribute stays on the loaded kernels (the undo only removes the hook): run it with
+    --processes=1."""
+    import ctypes
+    from triton import knobs
+
+    def patch(step):
+        cuda = ctypes.CDLL("libcuda.so.1")
+        cuda.cuFuncSetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
+        touched = []
+
+        def hook(module, function, name, *_):
+            if not chain_only or any(k in name for k in _INDEX_CHAIN):
+                touched.append(name)
+                rc = cuda.cuFuncSetAttribute(ctypes.c_void_p(function), _CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                                             100)
+                if rc != 0:
+                    raise RuntimeError(f"cuFuncSetAttribute(carveout) on {name}: CUresult {rc}")
+        knobs.runtime.kernel_load_end_hook.add(hook)
+
+        def undo():
+            knobs.runtime.kernel_load_end_hook.remove(hook)
+            print(f"  carve-out 100 % on {len(touched)} kernels loaded: {', '.join(sorted(set(touched)))[:300]}")
+        return undo
+    return patch
+
+
 def _skip(obj, name: str):
     """A patch replacing obj.name (a launcher the step calls) by a no-op; the undo restores it."""
     return lambda step: _swap([(obj, name, lambda *a, **k: None)])
@@ -476,6 +517,7 @@ PATCHES = {
     "gate_dec4": _wo_a_gate("decoded", 4), "gate_st1": _wo_a_gate("stored", 1),
     "no_gate": _layer_flag("wo_a_gate", None),
     "no_index_fold": lambda step: _swap([(attention_mod, "INDEX_FOLD_Q", False)]),
+    "carveout_all": _carveout(False), "carveout_index": _carveout(True),
     "no_pdl": lambda step: _swap([(owner, flag, False) for flag in PDL_OPTIONS
                                   for owner in ([step] if hasattr(step, flag) else step.layers.values())]),
     "no_wq_b_pdl": _layer_flag("wq_b_pdl", False), "no_wo_b_pdl": _layer_flag("wo_b_pdl", False),
