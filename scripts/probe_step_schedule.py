@@ -465,13 +465,16 @@ _INDEX_CHAIN = ("index_query", "index_scores", "hist_hi", "hist_lo", "lo_select"
 
 def _carveout(chain_only: bool):
     """A patch asking the driver for the largest shared-memory carve-out (100 %) on each kernel the
-    process loads from now on (Triton's `kernel_load_end_hook`): every kernel, or (chain_only) the
-    indexer chain's; by default only kernels of more than 48 KB prefer shared memory, so the SMs
-    that ran the small ones may need a reconfiguration before the sparse MLA's 104 KB programs fit.
-    The attribute stays on the loaded kernels (the undo only removes the hook): run it with
+    process has loaded (every compiled kernel of every JITFunction, Triton's and Gluon's) or loads
+    from now on (Triton's `kernel_load_end_hook`): every kernel, or (chain_only) the indexer
+    chain's; by default only kernels of more than 48 KB prefer shared memory, so the SMs that ran
+    the small ones may need a reconfiguration before the sparse MLA's 104 KB programs fit. The
+    attribute stays on the loaded kernels (the undo only removes the hook): run it with
     --processes=1."""
     import ctypes
+    import gc
     from triton import knobs
+    from triton.runtime.jit import JITFunction
 
     def patch(step):
         cuda = ctypes.CDLL("libcuda.so.1")
@@ -486,6 +489,11 @@ def _carveout(chain_only: bool):
                 if rc != 0:
                     raise RuntimeError(f"cuFuncSetAttribute(carveout) on {name}: CUresult {rc}")
         knobs.runtime.kernel_load_end_hook.add(hook)
+        for fn in [o for o in gc.get_objects() if isinstance(o, JITFunction)]:
+            for caches in fn.device_caches.values():
+                for kernel in list(caches[0].values()):
+                    if getattr(kernel, "module", None) is not None:
+                        hook(kernel.module, kernel.function, kernel.name)
 
         def undo():
             knobs.runtime.kernel_load_end_hook.remove(hook)
