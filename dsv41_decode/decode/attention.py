@@ -630,7 +630,7 @@ class AttentionStep:
     def _select(self, B: int, iq_ready, events: StepEvents) -> None:
         """The indexer (main): scores over the visible entries (or the candidate pool), top-k (with
         fold_index_chain and no forced selection, the sparse-index table in its last launch, else
-        after it on lane 2); the candidate pool (lane 1, a candidate source) follows on the side;
+        after it on the main stream); the candidate pool (lane 1, a candidate source) follows on the side;
         the events in `events`."""
         spec, s, m, lanes = self.spec, self.s, self.meta, self.lanes
         st, r = self.state, spec.ratio
@@ -666,7 +666,7 @@ class AttentionStep:
         """The row-sharded dense indexer (main): scores, top-k and (a candidate source) candidate
         pool of this rank's rows [lo, hi) into the `*_part` buffers, then every rank's share
         gathered into the selection and the candidate pool (`TensorParallel.gather_row_shares`;
-        rows [B, tp * chunk) are padding), and the sparse-index table of every row (lane 2)."""
+        rows [B, tp * chunk) are padding), and the sparse-index table of every row (main stream)."""
         spec, s, m, st = self.spec, self.s, self.meta, self.state
         lo, hi, chunk = part
         tp, r = self.layer.tp, spec.ratio
