@@ -484,8 +484,8 @@ def _carveout(chain_only: bool):
         def hook(module, function, name, *_):
             if not chain_only or any(k in name for k in _INDEX_CHAIN):
                 touched.append(name)
-                rc = cuda.cuFuncSetAttribute(ctypes.c_void_p(function), _CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                                             100)
+                rc = cuda.cuFuncSetAttribute(ctypes.c_void_p(function),
+                                             _CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT, 100)
                 if rc != 0:
                     raise RuntimeError(f"cuFuncSetAttribute(carveout) on {name}: CUresult {rc}")
         knobs.runtime.kernel_load_end_hook.add(hook)

@@ -4,8 +4,8 @@ score[n, j] = bf16(sum_h bf16(w[n, h] * relu(bf16(iq[n, h] . key[j])))) for the 
 j < n_vis[n] of request slot req_slot[n]; -inf past n_vis and (with a candidate mask) outside it.
 Entry j of slot s is pool record block_table[s, j // page] * page + j % page.
 
-Grid: (rows, programs per row: one wave at programs_per_sm an SM where the rows allow); each program loops over
-its row's entry blocks. A block loads BLOCK_E records as 17 int32 words each (16 words of E2M1
+Grid: (rows, programs per row: one wave at programs_per_sm an SM where the rows allow); each
+program loops over its row's entry blocks. A block loads BLOCK_E records as 17 int32 words each (16 words of E2M1
 pairs, one of the four UE8M0 scales), decodes them with 2-D ops only (nibble j of the [E, 16]
 words is key dims w * 8 + j) and scores them for every head with eight [E, 16] x [16, H] dots. Operands are exact in BF16 (E2M1 codes
 times powers of two; iq is MXFP4 fake-quantized), so the GPU uses a BF16 dot with FP32
@@ -254,8 +254,9 @@ def index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, b
     cand_mask: optional [N, max_entries] bool/uint8; entries where it is 0 score -inf.
     block_e: entries per loop step of a program (power of two >= 16); each row gets
     floor(programs_per_sm * SMs / N) programs (programs_per_sm >= 1; at least one, at most one per
-    block: `common.one_wave_programs`), which loop over its entry blocks. num_warps: a power of two in 1..16; None: 4, or 8 for the FP8 path above 32 heads (at 64
-    heads and 4 warps it spills on sm_90).
+    block: `common.one_wave_programs`), which loop over its entry blocks. num_warps: a power of
+    two in 1..16; None: 4, or 8 for the FP8 path above 32 heads (at 64 heads and 4 warps it spills
+    on sm_90).
     fp8_dot: the FP8 path (one K=32 E4M3 tensor-core dot per scale block, the codes turned into
     E4M3 bytes by bit operations; see above): per block exact, the four blocks added in order,
     so the FP32 dot sums 4 exact terms instead of 128 products. The decode step's path (measured
