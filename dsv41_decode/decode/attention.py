@@ -295,7 +295,7 @@ class AttentionStep:
                  fold_index_chain: bool = False, weights_lane: bool = True, comp_tail: bool = False,
                  index_row_group: int = 1, fuse_scales: bool = False, pair_slots: bool = False,
                  wo_a_pdl: bool = True, wq_b_pdl: bool = True, qkv_pdl: bool = True, wo_b_pdl: bool = True,
-                 norm_pdl: bool = True, prefetch_records: bool = True):
+                 norm_pdl: bool = True, prefetch_records: bool = True, mla_pdl: bool = True):
         """sources: the step's layers built before this one (by id), among them this layer's index and
         KV sources: a layer that reuses a selection or a candidate pool reads its source's buffers.
         The layer's own selection and candidate pool (when it makes them) are its attributes
@@ -350,6 +350,10 @@ class AttentionStep:
         # norm_pdl: the q/kv norm pair launched by PDL after the fused wq_a|wkv GEMM (its launch
         # overlaps the GEMM's tail; a schedule choice: the same bits; `_inputs`, one GPU)
         self.norm_pdl = bool(norm_pdl) and pdl_supported(dev) and layer.tp.tp == 1
+        # mla_pdl: in a layer that runs its indexer, the Gluon sparse MLA launched by PDL after the
+        # sparse-index table, which releases it at its start (a schedule choice: the same bits;
+        # `_tables`, `_attend`, one GPU)
+        self.mla_pdl = bool(mla_pdl) and pdl_supported(dev) and layer.tp.tp == 1
         # prefetch_records: the records the sparse MLA will gather asked into L2 at the layer's start,
         # on a side lane, in the buckets of at most PREFETCH_RECORDS_MAX_ROWS rows (a schedule aid:
         # the same bits; `run`, `takes_prefetch`; sm_90, the lanes overlapping)
@@ -508,12 +512,13 @@ class AttentionStep:
         if after_inputs is not None:
             after_inputs()
         iq_ready = self._prepare(rows, kv_score, qr_ready, proj_ready, own)
+        after_table = False
         if self.spec.runs_indexer:
             if part is None:
-                self._select(rows, iq_ready, events)
+                after_table = self._select(rows, iq_ready, events)
             else:
                 self._select_shared(rows, part, iq_ready, events)
-        o = self._attend(rows, events)
+        o = self._attend(rows, events, after_table)
         self._output(rows, o, y, boundary, mixed)
 
     def _prefetch(self, B: int, events: StepEvents) -> None:
@@ -627,11 +632,12 @@ class AttentionStep:
         lanes.wait(latent_ready)
         return iq_ready
 
-    def _select(self, B: int, iq_ready, events: StepEvents) -> None:
+    def _select(self, B: int, iq_ready, events: StepEvents) -> bool:
         """The indexer (main): scores over the visible entries (or the candidate pool), top-k (with
         fold_index_chain and no forced selection, the sparse-index table in its last launch, else
         after it on the main stream); the candidate pool (lane 1, a candidate source) follows on the side;
-        the events in `events`."""
+        the events in `events`. Returns whether the table's own launch ended it and releases the
+        sparse MLA launched by PDL after it (`_tables`)."""
         spec, s, m, lanes = self.spec, self.s, self.meta, self.lanes
         st, r = self.state, spec.ratio
         lanes.wait(iq_ready, events.candidates)               # the expansion still reads the scores
@@ -660,7 +666,8 @@ class AttentionStep:
                 candidate_mask_(scores, n_vis, self.candidate_mask[:B, :width], self.cand_plan)
                 events.candidates = lanes.mark()              # protects the candidate mask, frees scores
         if not self.fold_index_chain or self.forced_topk is not None:
-            self._tables(B, events)
+            return self._tables(B, events)
+        return False
 
     def _select_shared(self, B: int, part: tuple[int, int, int], iq_ready, events: StepEvents) -> None:
         """The row-sharded dense indexer (main): scores, top-k and (a candidate source) candidate
@@ -690,27 +697,36 @@ class AttentionStep:
             tp.gather_row_shares(self.cand_part[:chunk], self.candidate_mask)
         self._tables(B, events)
 
-    def _tables(self, B: int, events: StepEvents) -> None:
+    def _tables(self, B: int, events: StepEvents) -> bool:
         """The sparse-index table of the selection's rows [0, B) on the main stream, after the top-k
         and before the sparse MLA that reads it (no lane to join on the critical path), its event
-        in `events` for the lanes of later layers."""
+        in `events` for the lanes of later layers. With `mla_pdl` and the Gluon sparse MLA its
+        launch releases the MLA's, launched by PDL right after it (`_attend`); returns whether."""
         m, st, r, sel = self.meta, self.state, self.spec.ratio, self.selection
-        topk_slots_(sel.topk[:B], m.kernel_slot[:B], st.block_table[r], st.page_size, sel.table[:B], sel.lengths[:B])
+        release = self.mla_pdl and isinstance(self._mla_plan(B), GluonSparseMlaPlan)
+        topk_slots_(sel.topk[:B], m.kernel_slot[:B], st.block_table[r], st.page_size, sel.table[:B], sel.lengths[:B],
+                    release=release)
         events.tables[self.spec.layer] = self.lanes.mark()    # protects sel.table
+        return release
 
-    def _attend(self, B: int, events: StepEvents) -> torch.Tensor:
-        """Sparse MLA over the window and the index source's selection; returns o [B, heads, 512]."""
+    def _attend(self, B: int, events: StepEvents, after_table: bool = False) -> torch.Tensor:
+        """Sparse MLA over the window and the index source's selection; returns o [B, heads, 512].
+        after_table: the layer's own sparse-index table was the main stream's last launch and lets
+        the MLA's launch start early (`_tables`): the MLA launched by PDL right after it."""
         cfg, spec, s, m, st = self.cfg, self.spec, self.s, self.meta, self.state
         if spec.kind == SWA:
             comp_pool, comp_table = s.empty_comp, s.empty_table[:B]
         else:
-            self.lanes.wait(events.tables.get(spec.index_source))
+            if not after_table:                              # else the launch just before on this stream
+                self.lanes.wait(events.tables.get(spec.index_source))
             comp_pool, comp_table = st.compressed[spec.kv_source], self.source_selection.table[:B]
         o = s.o[:B]
         plan = self._mla_plan(B)
         pdl = dict(release=True) if self.wo_a_pdl and isinstance(plan, GluonSparseMlaPlan) else {}
         if self.gates(B):
             pdl.update(signal=self.wo_a_plan.gate, signal_after=self.wo_a_gate)
+        if after_table:
+            pdl.update(pdl=True)
         sparse_mla_launch(plan, s.q[:B], st.window[spec.layer], comp_pool, m.window_table[:B], comp_table, self.sink,
                           cfg.softmax_scale, o, **pdl)
         return o

@@ -71,7 +71,7 @@ MIX_LATE_ROWS = 32
 
 # The options that launch a kernel by programmatic dependent launch (each on by default; False for
 # all of them launches every kernel plainly, the same bits)
-PDL_OPTIONS = ("wo_a_pdl", "wq_b_pdl", "qkv_pdl", "wo_b_pdl", "norm_pdl", "boundary_pdl")
+PDL_OPTIONS = ("wo_a_pdl", "wq_b_pdl", "qkv_pdl", "wo_b_pdl", "norm_pdl", "boundary_pdl", "mla_pdl")
 
 
 class StepError(ValueError):
@@ -198,6 +198,10 @@ class DecodeStep:
         it) by programmatic dependent launch after wo_b (`mhc_boundary_(pdl=True)`); the same bits.
         On by default (on an H100 the step 0.3-0.5 % faster at 1-8 rows: docs/step.md); elsewhere
         it changes nothing.
+    mla_pdl: on one sm_90 GPU, in each layer that runs its indexer, the Gluon sparse MLA launched by
+        programmatic dependent launch after the sparse-index table's launch, which lets it start at
+        its start (`topk_slots_(release=True)`, `gluon_sparse_mla_(pdl=True)`: its programs wait for
+        the table at theirs); the same bits. Elsewhere it changes nothing.
     prefetch_records: on an sm_90 GPU with overlap, in the buckets of at most
         `attention.PREFETCH_RECORDS_MAX_ROWS` rows, at each layer's start the records its sparse MLA
         will gather asked into L2 at the evict_last priority on a side lane (`AttentionStep._prefetch`,
@@ -229,7 +233,7 @@ class DecodeStep:
                  mix_late_rows: int = MIX_LATE_ROWS, index_row_group: int = 1, fuse_scales: bool = False,
                  pair_slots: bool = False, wo_a_pdl: bool = True, wq_b_pdl: bool = True, qkv_pdl: bool = True,
                  wo_b_pdl: bool = True, norm_pdl: bool = True, boundary_pdl: bool = True,
-                 prefetch_records: bool = True):
+                 prefetch_records: bool = True, mla_pdl: bool = True):
         if not isinstance(state, DecodeState):
             raise StepError(f"state must be a DecodeState, got a {type(state).__name__}: {state!r}")
         if as_count(max_rows) is None:
@@ -262,7 +266,7 @@ class DecodeStep:
                      fp32_dots=fp32_dots, fold_index_chain=fold_index_chain, fold_boundary=fold_boundary,
                      weights_lane=weights_lane, comp_tail=comp_tail, fuse_scales=fuse_scales, pair_slots=pair_slots,
                      wo_a_pdl=wo_a_pdl, wq_b_pdl=wq_b_pdl, qkv_pdl=qkv_pdl, wo_b_pdl=wo_b_pdl, norm_pdl=norm_pdl,
-                     boundary_pdl=boundary_pdl, prefetch_records=prefetch_records)
+                     boundary_pdl=boundary_pdl, prefetch_records=prefetch_records, mla_pdl=mla_pdl)
         for name, flag in flags.items():
             if not isinstance(flag, bool):
                 raise StepError(f"{name} must be a bool, got {flag!r}")
@@ -294,7 +298,7 @@ class DecodeStep:
                                            index_row_group=index_row_group, fuse_scales=fuse_scales,
                                            pair_slots=pair_slots, wo_a_pdl=wo_a_pdl, wq_b_pdl=wq_b_pdl,
                                            qkv_pdl=qkv_pdl, wo_b_pdl=wo_b_pdl, norm_pdl=norm_pdl,
-                                           prefetch_records=prefetch_records)
+                                           prefetch_records=prefetch_records, mla_pdl=mla_pdl)
         self.scratch.workspaces.seal()           # every plan has its view; the graphs take the addresses
         mailbox = None
         if tp_boundary != "collective" and stack.tp.tp > 1 and dev.type == "cuda":

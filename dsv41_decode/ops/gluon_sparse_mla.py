@@ -87,7 +87,7 @@ from .gluon_sparse_mla_plan import (PHASE_COLS, PHASE_NAMES, STEP_CONFIGS, Gluon
                                    programs_per_sm, specialization_key)
 from .gluon_ring import tma_desc
 from .gluon_sparse_mla_pv import mla_pv_
-from .pdl import gluon_gate_signal, gluon_launch_dependents
+from .pdl import gluon_gate_signal, gluon_launch_dependents, gluon_wait, launch_options, require_supported
 from .sparse_mla import check_sparse_mla_args, combine_partials_
 
 __all__ = ["NUM_WARPS", "PHASE_NAMES", "STEP_CONFIGS", "GluonSparseMlaConfig", "GluonSparseMlaPlan", "gluon_sparse_mla_",
@@ -240,6 +240,7 @@ def _gluon_sparse_mla_kernel(
     FP4_LUT: gl.constexpr = False,
     PHASES: gl.constexpr = False, P_OUT: gl.constexpr = False, K_BUFFERS: gl.constexpr = 4,
     Q_TMA: gl.constexpr = False, RELEASE: gl.constexpr = False, SIGNAL: gl.constexpr = 0,
+    WAIT: gl.constexpr = False,
 ):
     # Workspaces (`SparseMlaPlan` with one head group of PH = block_h heads): acc [N, NB, PH, 512],
     # ml [N, NB, 3, PH] (max, sum, valid-key count), block_max [N, NB, PH], flags [N, NB] (here a
@@ -249,12 +250,15 @@ def _gluon_sparse_mla_kernel(
     # "pv"): no P.V here; part_acc_ptr is BF16 [N, NB, PH, 64], where the block's P goes, for
     # `gluon_sparse_mla_pv`'s launch (P.V, the combination, the flags' reset). SIGNAL (1, 2): one
     # signal a program to signal_ptr (`ops.pdl.gluon_gate_signal`) once its records are decoded into
-    # shared memory (1) or once its partial (or P) is stored (2); 0: none.
+    # shared memory (1) or once its partial (or P) is stored (2); 0: none. WAIT: launched by PDL, the
+    # program waits for the kernel before it (`griddepcontrol.wait`) before anything else.
     D: gl.constexpr = 512
     NC: gl.constexpr = D // _DC
     NCP: gl.constexpr = NC // DSPLIT        # the 128-dim chunks of P.V and of the partial a program does
     gl.static_assert(Q_BUFFERS == NC or Q_BUFFERS == 2)
     gl.static_assert(DSPLIT == 1 or DSPLIT == 2 or DSPLIT == 4)
+    if WAIT:
+        gluon_wait()
     if P_OUT or RELEASE:
         # the second launch, where launched with PDL (`GluonSparseMlaConfig.pv_pdl`), or (RELEASE)
         # the kernel after this one, where launched with PDL (`gluon_wo_a_(pdl=True)`), may start once
@@ -572,7 +576,7 @@ def _q_desc(plan: GluonSparseMlaPlan, q: torch.Tensor) -> TensorDescriptor:
 def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: torch.Tensor, comp_pool: torch.Tensor,
                       window_table: torch.Tensor, comp_table: torch.Tensor, sink: torch.Tensor, scale: float,
                       out: torch.Tensor, *, release: bool = False, signal: torch.Tensor | None = None,
-                      signal_after: str = "decoded") -> None:
+                      signal_after: str = "decoded", pdl: bool = False) -> None:
     """`sparse_mla.sparse_mla_`'s contract and arguments (see its doc), with a `GluonSparseMlaPlan`:
     out[r, h] = sparse_attention(q[r, h], keys of row r, sink[h], scale). sm_90 only; every
     configuration gives the same bits.
@@ -587,13 +591,22 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
     launch (`plan.programs(rows)` of them) increments once (`ops.pdl.gluon_gate_signal`), after its
     block's records are decoded into shared memory (signal_after "decoded") or after its partial (or,
     with the combination "pv", its P) is stored ("stored"): the gate a PDL successor waits at before
-    it asks for more of its weight (`gluon_wo_a_(gate=)`); None: no signal. The same values."""
+    it asks for more of its weight (`gluon_wo_a_(gate=)`); None: no signal. The same values.
+
+    pdl: the scores' launch by programmatic dependent launch: its programs wait for the kernel
+    before it on the stream (`griddepcontrol.wait`, before any access) at their start, so that they
+    are resident when that kernel ends if it lets them launch early (`sparse_tables.topk_slots_(
+    release=True)`); the same values. ValueError naming `pdl` where PDL is not available."""
     if not isinstance(plan, GluonSparseMlaPlan):
         raise TypeError(f"plan must be a GluonSparseMlaPlan, got {type(plan).__name__}")
     base, config = plan.base, plan.config
     n = check_sparse_mla_args(base, q, window_pool, comp_pool, window_table, comp_table, sink, scale, out)
     if signal_after not in SIGNAL_POINTS:
         raise ValueError(f"signal_after must be one of {SIGNAL_POINTS}, got {signal_after!r}")
+    if not isinstance(pdl, bool):
+        raise ValueError(f"pdl must be a bool, got {pdl!r}")
+    if pdl:
+        require_supported(base.device)
     if signal is not None:
         require_tensor(signal, "signal", torch.int32, (None,), base.device)
         if signal.numel() == 0:
@@ -623,7 +636,8 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
                   VALUES=config.lookback == "values",
                   PV_PIPELINE=config.pv_pipeline, FP4_LUT=config.fp4_lut, PHASES=config.phases,
                   K_BUFFERS=config.k_buffers, Q_TMA=q_tma,
-                  SIGNAL=0 if signal is None else SIGNAL_POINTS.index(signal_after) + 1, num_warps=NUM_WARPS)
+                  SIGNAL=0 if signal is None else SIGNAL_POINTS.index(signal_after) + 1, WAIT=pdl,
+                  num_warps=NUM_WARPS)
     if config.maxnreg is not None:
         consts["maxnreg"] = config.maxnreg
     resident = False
@@ -633,7 +647,7 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
         # registers differ from the others'); the programs then take their (row, block) from the
         # program id (TICKET off); the spread launch's kernel with its release, as launched below
         flags = dict(SPREAD=True, RELEASE=release) if combine == "spread" else dict(SPREAD=False, P_OUT=True)
-        key = (combine, release and combine == "spread", consts["SIGNAL"], specialization_key(args))
+        key = (combine, release and combine == "spread", consts["SIGNAL"], pdl, specialization_key(args))
         per_sm = plan.resident.get(key)
         if per_sm is None:
             kernel = _gluon_sparse_mla_kernel.warmup(*args, grid=(grid, ), TICKET=False, **flags, **consts)
@@ -648,11 +662,12 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
         # the blocks' scores and P (with the ticket where the grid is not resident at once: a
         # block's look-back then only waits on programs that have started), then P.V and the
         # combination
-        _gluon_sparse_mla_kernel[(grid, )](*args, SPREAD=False, TICKET=not resident, P_OUT=True, **consts)
+        _gluon_sparse_mla_kernel[(grid, )](*args, SPREAD=False, TICKET=not resident, P_OUT=True, **consts,
+                                           **launch_options(pdl))
         mla_pv_(base, config, acc_ws, window_pool, comp_pool, window_table, comp_table, sink, o16, n, release=release)
         return
     spread = combine == "spread"
     _gluon_sparse_mla_kernel[(grid, )](*args, SPREAD=spread, TICKET=not spread, RELEASE=release and spread,
-                                       **consts)
+                                       **consts, **launch_options(pdl))
     if combine == "separate":
         combine_partials_(base.part_acc, base.part_ml, base.flags, sink, o16, base.heads, 1, n, nb, base.block_h)

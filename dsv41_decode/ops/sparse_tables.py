@@ -49,7 +49,8 @@ def entry_slots(bt_row, j, ok, PAGE: tl.constexpr):
 
 @triton.jit
 def _topk_slots_kernel(topk_ptr, slot_ptr, bt_ptr, out_ptr, len_ptr, stride_t, stride_bt, stride_o,
-                       K, PAGE: tl.constexpr, BLOCK_K: tl.constexpr):
+                       K, PAGE: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    pdl.enter(PDL)
     r = tl.program_id(0)
     s = tl.load(slot_ptr + r)
     count = tl.zeros((BLOCK_K,), dtype=tl.int32)
@@ -105,16 +106,21 @@ def require_slot_table(n: int, k: int, device: torch.device, req_slot, block_tab
 
 
 def topk_slots_(topk: torch.Tensor, req_slot: torch.Tensor, block_table: torch.Tensor, page_size: int,
-                out: torch.Tensor, lengths_out: torch.Tensor) -> None:
+                out: torch.Tensor, lengths_out: torch.Tensor, *, release: bool = False) -> None:
     """out[r, k] = block_table[req_slot[r], j // page] * page + j % page for j = topk[r, k] >= 0, else -1.
 
     topk: [N, K] int32 entry ids (-1 = none; valid ids < P * page_size, unchecked);
     req_slot: [N] int64; block_table: [R, P] int32 (any row stride); page_size >= 1;
     out: [N, K] int32; lengths_out: [N] int32 = the number of valid entries per row.
+    release: the kernel after this one on the stream, where launched by programmatic dependent
+    launch (`gluon_sparse_mla_(pdl=True)`, which waits for this one before it reads anything), may
+    launch at the programs' start; a no-op where PDL is not available. The same values.
     """
     n, k = require_ndim(topk, "topk", "[N, K]")
     require_tensor(topk, "topk", torch.int32, (n, k))
     require_slot_table(n, k, topk.device, req_slot, block_table, page_size, out, lengths_out)
+    if not isinstance(release, bool):
+        raise ValueError(f"release must be a bool, got {release!r}")
     if n == 0:
         return
     if k == 0:
@@ -122,7 +128,8 @@ def topk_slots_(topk: torch.Tensor, req_slot: torch.Tensor, block_table: torch.T
         return
     block_k = min(1024, triton.next_power_of_2(k))
     _topk_slots_kernel[(n,)](topk, req_slot, block_table, out, lengths_out, topk.stride(0),
-                             block_table.stride(0), out.stride(0), k, PAGE=page_size, BLOCK_K=block_k)
+                             block_table.stride(0), out.stride(0), k, PAGE=page_size, BLOCK_K=block_k,
+                             **pdl.kernel_options(topk.device, release=release))
 
 
 @triton.jit

@@ -369,7 +369,8 @@ def test_exact_linear_options_reach_the_exact_linears(cpu_setup, option):
 def test_pdl_options_are_off_without_pdl_and_checked(cpu_setup, monkeypatch, option):
     """The PDL options (sm_90: the Gluon wo_a after the sparse MLA, the exact wq_b after the norm
     pair, the fused wq_a|wkv after the boundary, wo_b after wo_a, the norm pair after the fused
-    GEMM, the boundary after wo_b, launched by PDL; their bits are the GPU tests') change nothing
+    GEMM, the boundary after wo_b, the sparse MLA after the sparse-index table, launched by PDL;
+    their bits are the GPU tests') change nothing
     where PDL is not available (here, the CPU); a value that is not a bool is a StepError naming
     it; where PDL is available every layer takes it (the fused GEMM's launch at most
     `attention.QKV_PDL_MAX_ROWS` rows a call; the boundary's launch is the step's)."""

@@ -9,7 +9,8 @@ import sys
 import triton
 import triton.language as tl
 
-from dsv41_decode.ops import act_quant, exact_mm, kv_write, low_latency_mm, mhc, pdl, rms_norm, sparse_mla, wo_a
+from dsv41_decode.ops import (act_quant, exact_mm, kv_write, low_latency_mm, mhc, pdl, rms_norm, sparse_mla,
+                              sparse_tables, wo_a)
 from dsv41_decode.testing.sm90 import compile_sm90, pdl_prologue
 
 
@@ -144,13 +145,25 @@ def check_mhc():
     _assert_waits_first(_ptx(mhc._mhc_boundary_coresident_kernel, types, consts))
 
 
+def check_topk_slots():
+    """The sparse-index table (`topk_slots_(release=True)`, which releases the sparse MLA launched by
+    PDL after it): its wait (a no-op when launched plainly) and its release before anything else."""
+    types = {"topk_ptr": "*i32", "slot_ptr": "*i64", "bt_ptr": "*i32", "out_ptr": "*i32", "len_ptr": "*i32"}
+    ptx = _ptx(sparse_tables._topk_slots_kernel, types, dict(PAGE=64, BLOCK_K=512, PDL=True))
+    _assert_waits_first(ptx)
+    body = ptx[ptx.index(".entry"):]
+    first_global = min(body.index(m) for m in ("ld.global", "st.global") if m in body)
+    assert body.index("griddepcontrol.launch_dependents") < first_global, "the release after a global access"
+
+
 if __name__ == "__main__":
     check_the_checker()
     for name, check in (("low_latency_mm f8", lambda: check_low_latency_mm(False)),
                         ("low_latency_mm dequant", lambda: check_low_latency_mm(True)),
                         ("exact_mm", check_exact_mm), ("wo_a", check_wo_a), ("sparse_mla", check_sparse_mla),
                         ("sparse_mla combine", check_sparse_mla_combine), ("rms_norm", check_rms_norm),
-                        ("act_quant", check_act_quant), ("kv_write", check_kv_write), ("mhc boundary", check_mhc)):
+                        ("act_quant", check_act_quant), ("kv_write", check_kv_write), ("mhc boundary", check_mhc),
+                        ("topk_slots", check_topk_slots)):
         try:
             check()
         except AssertionError as e:

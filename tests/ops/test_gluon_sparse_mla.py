@@ -39,7 +39,7 @@ SMEM_LIMIT = 227 * 1024
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _compile(heads, w, k, config, release=False, signal=0):
+def _compile(heads, w, k, config, release=False, signal=0, wait=False):
     p = G.GluonSparseMlaPlan.build(1, heads, w, k, "cpu").base
     consts = {"W": w, "W_P2": 1 << (w - 1).bit_length(), "KC": k, "NB": p.n_blocks,
               "NB_P2": max(2, 1 << (p.n_blocks - 1).bit_length()), "PH": p.block_h,
@@ -48,7 +48,7 @@ def _compile(heads, w, k, config, release=False, signal=0):
               "VALUES": config.lookback == "values", "TICKET": config.combine != "spread",
               "PV_PIPELINE": config.pv_pipeline,
               "FP4_LUT": config.fp4_lut,
-              "PHASES": config.phases, "RELEASE": release, "SIGNAL": signal}
+              "PHASES": config.phases, "RELEASE": release, "SIGNAL": signal, "WAIT": wait}
     regs = {} if config.maxnreg is None else {"maxnreg": config.maxnreg}
     return sm90.compile_sm90(G._gluon_sparse_mla_kernel, _TYPES, consts, num_warps=G.NUM_WARPS, **regs)
 
@@ -148,6 +148,24 @@ def test_release_lets_the_next_kernel_launch_at_the_programs_start():
         if release:
             first_global = next(i for i, line in enumerate(ptx) if "ld.global" in line or "atom.global" in line)
             assert marks[0] < first_global, (marks, first_global)
+
+
+def test_pdl_waits_before_any_access():
+    """`gluon_sparse_mla_(pdl=True)` (the step's `mla_pdl`, after the sparse-index table, at its 1-2-
+    and 5-12-row configurations, with the release of wo_a): one griddepcontrol.wait, before any global
+    access and before the release; none without it. It costs no register or spill."""
+    for config in (SPLIT4SVL, SPREADVLC):
+        plain = _compile(64, 128, 512, config, release=True)
+        kernel = _compile(64, 128, 512, config, release=True, wait=True)
+        assert "griddepcontrol.wait" not in plain.asm["ptx"]
+        ptx = kernel.asm["ptx"]
+        assert ptx.count("griddepcontrol.wait") == 1
+        copies, other = sm90.pdl_prologue(ptx)
+        assert copies == 0 and not other, other
+        body = ptx[ptx.index(".entry"):]
+        assert body.index("griddepcontrol.wait") < body.index("griddepcontrol.launch_dependents")
+        res = sm90.resources(kernel)
+        assert res["STACK"] == 0 and res["LOCAL"] == 0 and res["REG"] <= sm90.resources(plain)["REG"], res
 
 
 def test_signal_counts_each_program_once_where_asked():
@@ -289,6 +307,10 @@ def test_bad_arguments_name_the_argument():
         G.gluon_sparse_mla_(plan, **args, signal=torch.zeros(0, dtype=torch.int32))
     with pytest.raises(TypeError, match="signal must be a torch.Tensor"):
         G.gluon_sparse_mla_(plan, **args, signal=3)
+    with pytest.raises(ValueError, match="pdl must be a bool"):
+        G.gluon_sparse_mla_(plan, **args, pdl=1)
+    with pytest.raises(ValueError, match="pdl"):                        # no PDL on the CPU
+        G.gluon_sparse_mla_(plan, **args, pdl=True)
     with pytest.raises(ValueError, match="compute capability 9.0"):     # good arguments, on the CPU
         G.gluon_sparse_mla_(plan, **args)
     with pytest.raises(ValueError, match="compute capability 9.0"):

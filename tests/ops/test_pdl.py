@@ -24,10 +24,10 @@ def test_off_unless_asked_per_launch():
 
 def test_kernels_wait_before_dependent_accesses():
     """The sm_90 PTX of every PDL-aware kernel: low_latency_mm (both variants), ExactMM, wo_a,
-    sparse_mla and its combine, the norms, act_quant, the query/window-KV insert and the mHC boundary
-    (tests/ops/_pdl_ptx_check.py, in a subprocess without the interpreter)."""
+    sparse_mla and its combine, the norms, act_quant, the query/window-KV insert, the mHC boundary and
+    the sparse-index table (tests/ops/_pdl_ptx_check.py, in a subprocess without the interpreter)."""
     out, _ = compile_script(Path(__file__).with_name("_pdl_ptx_check.py"))
-    assert out.count("waits before") == 10
+    assert out.count("waits before") == 11
 
 
 def test_default_launches_carry_no_pdl(monkeypatch):

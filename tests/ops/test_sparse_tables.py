@@ -101,6 +101,8 @@ def test_bad_inputs_name_the_argument():
         topk_slots_(topk, slot, bt, 4, o[:, :2], ln)
     with pytest.raises(ValueError, match="req_slot"):
         topk_slots_(topk, slot[:2], bt, 4, o, ln)
+    with pytest.raises(ValueError, match="release must be a bool, got 1"):
+        topk_slots_(topk, slot, bt, 4, o, ln, release=1)
 
 
 def test_step_rows_bad_arguments_name_the_argument():
