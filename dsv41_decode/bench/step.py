@@ -130,8 +130,9 @@ def _layer_kinds(cfg: ModelConfig) -> dict[str, int]:
 # no_pdl every kernel launched plainly (the step's default launches each layer's Gluon wo_a by PDL
 # after the sparse MLA, at 1-8 rows its exact wq_b after the norm pair, its exact wo_b after wo_a's
 # main loops, at 1-2 rows its exact fused wq_a|wkv after the boundary, its norm pair after the fused
-# GEMM and its boundary's own launch after wo_b), no_wq_b_pdl, no_wo_b_pdl, no_qkv_pdl, no_norm_pdl
-# and no_boundary_pdl one of those plainly (sm_90, the same bits); no_prefetch_records without the
+# GEMM, its boundary's own launch after wo_b and, where the layer runs its indexer, its sparse MLA after
+# the sparse-index table), no_wq_b_pdl, no_wo_b_pdl, no_qkv_pdl, no_norm_pdl, no_boundary_pdl and
+# no_mla_pdl one of those plainly (sm_90, the same bits); no_prefetch_records without the
 # step's default prefetch of each layer's sparse MLA records into L2 at the layer's start (sm_90, 1
 # row, the same bits); same the default step built and
 # captured again beside the first (its ratio: the spread a variant's is to be read against).
@@ -154,6 +155,7 @@ VARIANTS = {
     "no_qkv_pdl": dict(qkv_pdl=False),
     "no_norm_pdl": dict(norm_pdl=False),
     "no_boundary_pdl": dict(boundary_pdl=False),
+    "no_mla_pdl": dict(mla_pdl=False),
     "no_prefetch_records": dict(prefetch_records=False),
 }
 DEFAULT_VARIANTS = ("no_overlap", "wo_a_fp8", "tc_linears")

@@ -40,7 +40,9 @@ qkv_pdl=, wo_b_pdl=)`), each with its ring's first weight tiles requested before
 (`gluon_ring.ring_prefill`), or on `ExactMM` its first weight bytes asked of L2; and two short
 launches whose predecessor releases nothing early, the q/kv norm pair after the fused GEMM and the
 boundary after `wo_b` (`DecodeStep(norm_pdl=, boundary_pdl=)`: only the launch overlaps the
-predecessor's tail). The sparse MLA's second launch stays plain (`GluonSparseMlaConfig.pv_pdl`,
+predecessor's tail); and in a layer that runs its indexer the Gluon sparse MLA after the sparse-index
+table, which releases it at its start (`DecodeStep(mla_pdl=)`: the MLA's programs are resident
+before the table ends). The sparse MLA's second launch stays plain (`GluonSparseMlaConfig.pv_pdl`,
 docs/attn.md).
 """
 

@@ -191,8 +191,9 @@ def test_gpu_long_run_vs_generic(gpu_setup):
 # configuration) with its fused scaling; "no_pdl": every kernel launched plainly (the step launches
 # each layer's Gluon wo_a by PDL after the sparse MLA, its exact wq_b after the norm pair, its exact
 # wo_b after wo_a's main loops and at 1-2 rows its exact fused wq_a|wkv after the mHC boundary's
-# launch, their first weight tiles or bytes read while those run, its norm pair after the fused GEMM
-# and its boundary's own launch after wo_b); "no_prefetch_records": without the step's prefetch of each
+# launch, their first weight tiles or bytes read while those run, its norm pair after the fused GEMM,
+# its boundary's own launch after wo_b and, in the layers that run their indexer, its sparse MLA after
+# the sparse-index table); "no_prefetch_records": without the step's prefetch of each
 # layer's sparse MLA records into L2 at its start at 1 row (which writes nothing). (`pair_slots` changes no configuration of this preset's
 # own plan: test_gpu_exact_options_on_the_plan_forms_give_the_step_bits.)
 SAME_BITS = {"graph_again": {}, "eager": dict(graphs=False), "no_overlap": dict(overlap=False),
