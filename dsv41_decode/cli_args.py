@@ -210,7 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "--generic-contexts (no_overlap at every context), comma-separated "
                     "of no_overlap, wo_a_fp8, tc_linears, fp32_dots, fold_index_chain, weights_in_index_lane, mix_early, "
                     "index_row_group4, fuse_scales, pair_slots, comp_tail, no_pdl, no_wq_b_pdl, no_wo_b_pdl, no_qkv_pdl, "
-                    "no_norm_pdl, no_boundary_pdl, no_prefetch_records, same (the default built again: the spread to read a variant's ratio against; "
+                    "no_norm_pdl, no_boundary_pdl, no_mla_pdl, no_prefetch_records, same (the default built again: the "
+                    "spread to read a variant's ratio against; "
                     "bench.step.VARIANTS; default: "
                     "no_overlap,wo_a_fp8,tc_linears)")
     st.add_argument("--out", type=Path, default=Path("out"), help="results folder (default: out/, git-ignored; --out docs/results for the canonical set)")

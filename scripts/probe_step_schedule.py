@@ -82,9 +82,10 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
                     last launch's programs: its rings' first weight tiles read while the MLA runs),
                     nor at 1-8 rows its exact wq_b after the q/kv norm pair, nor its exact wo_b after
                     wo_a's main loops, nor at 1-2 rows its fused wq_a|wkv after the boundary, nor its
-                    norm pair after the fused GEMM, nor its boundary's own launch after wo_b, the
-                    step's default (`DecodeStep(wo_a_pdl=, wq_b_pdl=, wo_b_pdl=, qkv_pdl=, norm_pdl=,
-                    boundary_pdl=)`); the same bits
+                    norm pair after the fused GEMM, nor its boundary's own launch after wo_b, nor
+                    in the indexer layers its sparse MLA after the sparse-index table, the step's
+                    default (`DecodeStep(wo_a_pdl=, wq_b_pdl=, wo_b_pdl=, qkv_pdl=, norm_pdl=,
+                    boundary_pdl=, mla_pdl=)`); the same bits
     no_wq_b_pdl     wq_b launched plainly, the others by PDL
     no_wo_b_pdl     wo_b launched plainly, the others by PDL
     no_qkv_pdl      the fused wq_a|wkv launched plainly, the others by PDL
@@ -216,7 +217,8 @@ def _swap(changes):
 
 def _mla_after_mix(step):
     """Patch the step's boundary and layers: the last mixer event is kept and the sparse MLA waits
-    for it; returns the undo."""
+    for it (a dependency more for its launch, by PDL after the table in the indexer layers);
+    returns the undo."""
     held = {}
     mix, attend = step.boundary.mix, attention_mod.AttentionStep._attend
 
@@ -224,16 +226,17 @@ def _mla_after_mix(step):
         held["ev"] = ev = mix(*a, **k)
         return ev
 
-    def attend_after(self, B, events):
+    def attend_after(self, B, events, *a, **k):
         self.lanes.wait(held.get("ev"))
-        return attend(self, B, events)
+        return attend(self, B, events, *a, **k)
 
     return _swap([(step.boundary, "mix", mix_kept), (attention_mod.AttentionStep, "_attend", attend_after)])
 
 
 def _wq_b_slack(step):
     """Patch the step's indexer layers: wq_b enqueued on a least-priority stream of its own (forked
-    from the main stream where it stood), the sparse MLA waiting for it; returns the undo."""
+    from the main stream where it stood), the sparse MLA waiting for it (a dependency more for its
+    launch by PDL after the table); returns the undo."""
     slack = torch.cuda.Stream("cuda", priority=S)
     done, changes = {}, []
     for i, layer in step.layers.items():
@@ -252,10 +255,10 @@ def _wq_b_slack(step):
         changes.append((layer, "mm_wq_b", on_slack))
     attend = attention_mod.AttentionStep._attend
 
-    def attend_after(self, B, events):
+    def attend_after(self, B, events, *a, **k):
         if self.spec.layer in done:
             torch.cuda.current_stream().wait_event(done[self.spec.layer])
-        return attend(self, B, events)
+        return attend(self, B, events, *a, **k)
 
     return _swap(changes + [(attention_mod.AttentionStep, "_attend", attend_after)])
 
@@ -438,7 +441,7 @@ def _prefetch_wo_a(step):
     attend, join = attention_mod.AttentionStep._attend, StepEvents.join
     last = [None]
 
-    def attend_prefetching(self, B, events):
+    def attend_prefetching(self, B, events, *a, **k):
         w = self.wo_a_w
         n = min(nbytes, w.numel() * w.element_size())
         ready = self.lanes.mark()
@@ -449,7 +452,7 @@ def _prefetch_wo_a(step):
             chunk, lanes = 16384, 32
             _prefetch_kernel[(triton.cdiv(triton.cdiv(n, chunk), lanes),)](w, n, CHUNK=chunk, LANES=lanes, num_warps=1)
             last[0] = self.lanes.mark()
-        return attend(self, B, events)
+        return attend(self, B, events, *a, **k)
 
     def join_prefetch(self, lanes):
         join(self, lanes)

@@ -351,8 +351,8 @@ class AttentionStep:
         # overlaps the GEMM's tail; a schedule choice: the same bits; `_inputs`, one GPU)
         self.norm_pdl = bool(norm_pdl) and pdl_supported(dev) and layer.tp.tp == 1
         # mla_pdl: in a layer that runs its indexer, the Gluon sparse MLA launched by PDL after the
-        # sparse-index table, which releases it at its start (a schedule choice: the same bits;
-        # `_tables`, `_attend`, one GPU)
+        # sparse-index table's own launch (not with fold_index_chain), which releases it at its start
+        # (a schedule choice: the same bits; `_tables`, `_attend`, one GPU)
         self.mla_pdl = bool(mla_pdl) and pdl_supported(dev) and layer.tp.tp == 1
         # prefetch_records: the records the sparse MLA will gather asked into L2 at the layer's start,
         # on a side lane, in the buckets of at most PREFETCH_RECORDS_MAX_ROWS rows (a schedule aid:

@@ -198,7 +198,8 @@ class DecodeStep:
         it) by programmatic dependent launch after wo_b (`mhc_boundary_(pdl=True)`); the same bits.
         On by default (on an H100 the step 0.3-0.5 % faster at 1-8 rows: docs/step.md); elsewhere
         it changes nothing.
-    mla_pdl: on one sm_90 GPU, in each layer that runs its indexer, the Gluon sparse MLA launched by
+    mla_pdl: on one sm_90 GPU, in each layer that runs its indexer (not with fold_index_chain, whose
+        top-k's last launch writes the table), the Gluon sparse MLA launched by
         programmatic dependent launch after the sparse-index table's launch, which lets it start at
         its start (`topk_slots_(release=True)`, `gluon_sparse_mla_(pdl=True)`: its programs wait for
         the table at theirs); the same bits. On by default (on an H100 the step 0.65 / 0.32 / 0.21 %

@@ -788,7 +788,7 @@ def gluon_index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Ten
       rows take the epilogue as without it (two uniform branches a tile). Applies where rows are scored one a
       program without qf_smem at <= 64 heads (ignored with row groups, qf_smem or 128 heads). Off by
       default (the step's scorer takes it, `decode.attention.INDEX_FOLD_Q`: its queries are MXFP4);
-      alone 0-7 % faster at 1-64 rows x 32K-1M (H100, docs/attn.md).
+      alone 0.5-3.7 % faster at 1-64 rows x 32K-128K (H100, docs/attn.md).
     Unchecked: as `index_scores_mxfp4_`. Returns out.
     """
     n_rows, heads = index_scores_args(iq, w, pool, block_table, page, req_slot, n_vis, out, cand_mask)

@@ -583,7 +583,8 @@ def gluon_sparse_mla_(plan: GluonSparseMlaPlan, q: torch.Tensor, window_pool: to
 
     release: where the configuration's last launch writes o (the combination "spread" with every
     program resident, or "pv"'s second launch), its programs let the next kernel on the stream start
-    at their own start, if that kernel is launched by programmatic dependent launch
+    at their own start (the spread launch with pdl: after its wait), if that kernel is launched by
+    programmatic dependent launch
     (`gluon_wo_a_(pdl=True)`, which waits for this one before it reads o); a no-op otherwise. The
     same values.
 

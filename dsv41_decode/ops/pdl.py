@@ -20,8 +20,9 @@ Gluon kernels take the same two instructions from `gluon_wait` and `gluon_launch
 Gluon ring kernel launched by PDL (`gluon_ring.ring_prefill`) requests its ring's first weight tiles
 (constant data, by TMA into its own shared memory) before its wait and nothing else; the step's
 predecessors that release such a kernel (the sparse MLA's launch that writes o, the q/kv norm pair)
-do so at their programs' start, before anything of their own - the successor's wait still orders
-every dependent access after their completion.
+do so at their programs' start, before anything of their own but their own wait where they are
+launched by PDL themselves (the sparse MLA after the sparse-index table) - the successor's wait still
+orders every dependent access after their completion.
 
 A gate (`gluon_gate_signal`, `gluon_gate_await`, `gluon_gate_close`) paces such a prologue: the
 successor requests its first slots, polls a counter that each program of the predecessor
@@ -32,7 +33,8 @@ writes, and no value depends on them: they only decide when constant data is req
 A launcher passes `PDL=False` (and no launch attribute) unless its caller asks for PDL on that
 launch. PDL never works in the interpreter (the instructions are inline PTX) or below sm_90
 (`supported`). Measured on an H200, the decode step with PDL on every main-stream kernel was slower
-(docs/step.md); the step launches six kernels a layer by PDL: three after a predecessor that releases
+(docs/step.md); the step launches six kernels a layer by PDL (seven in a layer that runs its indexer):
+three after a predecessor that releases
 it at its start and reads little of DRAM, the Gluon `wo_a` after the sparse MLA, at 1-8 rows the
 exact `wq_b` after the q/kv norm pair and at 1-2 rows the exact fused `wq_a|wkv` after the mHC
 boundary, and the exact `wo_b` after `wo_a`'s main loops (`DecodeStep(wo_a_pdl=, wq_b_pdl=,
@@ -40,9 +42,9 @@ qkv_pdl=, wo_b_pdl=)`), each with its ring's first weight tiles requested before
 (`gluon_ring.ring_prefill`), or on `ExactMM` its first weight bytes asked of L2; and two short
 launches whose predecessor releases nothing early, the q/kv norm pair after the fused GEMM and the
 boundary after `wo_b` (`DecodeStep(norm_pdl=, boundary_pdl=)`: only the launch overlaps the
-predecessor's tail); and in a layer that runs its indexer the Gluon sparse MLA after the sparse-index
-table, which releases it at its start (`DecodeStep(mla_pdl=)`: the MLA's programs are resident
-before the table ends). The sparse MLA's second launch stays plain (`GluonSparseMlaConfig.pv_pdl`,
+predecessor's tail); and in a layer that runs its indexer (not with `fold_index_chain`, whose
+top-k writes the table) the Gluon sparse MLA after the sparse-index table, which releases it at its
+start (`DecodeStep(mla_pdl=)`: the MLA's programs are resident before the table ends). The sparse MLA's second launch stays plain (`GluonSparseMlaConfig.pv_pdl`,
 docs/attn.md).
 """
 

@@ -39,7 +39,7 @@ SMEM_LIMIT = 227 * 1024
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _compile(heads, w, k, config, release=False, signal=0, wait=False):
+def _compile(heads, w, k, config, release=False, signal=0, wait=False, p_out=False):
     p = G.GluonSparseMlaPlan.build(1, heads, w, k, "cpu").base
     consts = {"W": w, "W_P2": 1 << (w - 1).bit_length(), "KC": k, "NB": p.n_blocks,
               "NB_P2": max(2, 1 << (p.n_blocks - 1).bit_length()), "PH": p.block_h,
@@ -48,7 +48,7 @@ def _compile(heads, w, k, config, release=False, signal=0, wait=False):
               "VALUES": config.lookback == "values", "TICKET": config.combine != "spread",
               "PV_PIPELINE": config.pv_pipeline,
               "FP4_LUT": config.fp4_lut,
-              "PHASES": config.phases, "RELEASE": release, "SIGNAL": signal, "WAIT": wait}
+              "PHASES": config.phases, "RELEASE": release, "SIGNAL": signal, "WAIT": wait, "P_OUT": p_out}
     regs = {} if config.maxnreg is None else {"maxnreg": config.maxnreg}
     return sm90.compile_sm90(G._gluon_sparse_mla_kernel, _TYPES, consts, num_warps=G.NUM_WARPS, **regs)
 
@@ -152,11 +152,13 @@ def test_release_lets_the_next_kernel_launch_at_the_programs_start():
 
 def test_pdl_waits_before_any_access():
     """`gluon_sparse_mla_(pdl=True)` (the step's `mla_pdl`, after the sparse-index table, at its 1-2-
-    and 5-12-row configurations, with the release of wo_a): one griddepcontrol.wait, before any global
-    access and before the release; none without it. It costs no register or spill."""
-    for config in (SPLIT4SVL, SPREADVLC):
-        plain = _compile(64, 128, 512, config, release=True)
-        kernel = _compile(64, 128, 512, config, release=True, wait=True)
+    and 5-12-row configurations with the release of wo_a, and the "pv" combination's first launch at
+    13-64 rows, which releases its second): one griddepcontrol.wait, before any global access and
+    before the release; none without it. It costs no register, stack or spill (the "pv" launch at
+    its cap of 80 registers has the same 24-byte stack without it)."""
+    for config, p_out in ((SPLIT4SVL, False), (SPREADVLC, False), (PV64RING3K2T, True)):
+        plain = _compile(64, 128, 512, config, release=not p_out, p_out=p_out)
+        kernel = _compile(64, 128, 512, config, release=not p_out, wait=True, p_out=p_out)
         assert "griddepcontrol.wait" not in plain.asm["ptx"]
         ptx = kernel.asm["ptx"]
         assert ptx.count("griddepcontrol.wait") == 1
@@ -164,8 +166,8 @@ def test_pdl_waits_before_any_access():
         assert copies == 0 and not other, other
         body = ptx[ptx.index(".entry"):]
         assert body.index("griddepcontrol.wait") < body.index("griddepcontrol.launch_dependents")
-        res = sm90.resources(kernel)
-        assert res["STACK"] == 0 and res["LOCAL"] == 0 and res["REG"] <= sm90.resources(plain)["REG"], res
+        res, base = sm90.resources(kernel), sm90.resources(plain)
+        assert res["STACK"] <= base["STACK"] and res["LOCAL"] == 0 and res["REG"] <= base["REG"], (res, base)
 
 
 def test_signal_counts_each_program_once_where_asked():
