@@ -352,7 +352,7 @@ class AttentionStep:
         self.norm_pdl = bool(norm_pdl) and pdl_supported(dev) and layer.tp.tp == 1
         # mla_pdl: in a layer that runs its indexer, the Gluon sparse MLA launched by PDL after the
         # sparse-index table's own launch (not with fold_index_chain), which releases it at its start
-        # (a schedule choice: the same bits; `_tables`, `_attend`, one GPU)
+        # (a schedule choice: the same bits; `takes_mla_pdl`, `_tables`, `_attend`, one GPU)
         self.mla_pdl = bool(mla_pdl) and pdl_supported(dev) and layer.tp.tp == 1
         # prefetch_records: the records the sparse MLA will gather asked into L2 at the layer's start,
         # on a side lane, in the buckets of at most PREFETCH_RECORDS_MAX_ROWS rows (a schedule aid:
@@ -463,6 +463,13 @@ class AttentionStep:
         most WQ_B_PDL_MAX_ROWS rows), which then releases it at its start."""
         return self.wq_b_pdl and rows <= WQ_B_PDL_MAX_ROWS
 
+    def takes_mla_pdl(self, rows: int) -> bool:
+        """Whether a call of `rows` rows launches the Gluon sparse MLA by PDL right after the layer's
+        own sparse-index table (`mla_pdl`: a layer that runs its indexer, the table in its own launch,
+        not in the top-k's last one with fold_index_chain), which then releases it at its start."""
+        return (self.mla_pdl and self.spec.runs_indexer and (not self.fold_index_chain or self.forced_topk is not None)
+                and isinstance(self._mla_plan(rows), GluonSparseMlaPlan))
+
     def takes_qkv_pdl(self, rows: int) -> bool:
         """Whether a call of `rows` rows launches the fused wq_a|wkv by PDL after the mHC boundary's
         launch (`qkv_pdl`, at most QKV_PDL_MAX_ROWS rows), which then releases it at its start."""
@@ -512,13 +519,12 @@ class AttentionStep:
         if after_inputs is not None:
             after_inputs()
         iq_ready = self._prepare(rows, kv_score, qr_ready, proj_ready, own)
-        after_table = False
         if self.spec.runs_indexer:
             if part is None:
-                after_table = self._select(rows, iq_ready, events)
+                self._select(rows, iq_ready, events)
             else:
                 self._select_shared(rows, part, iq_ready, events)
-        o = self._attend(rows, events, after_table)
+        o = self._attend(rows, events)
         self._output(rows, o, y, boundary, mixed)
 
     def _prefetch(self, B: int, events: StepEvents) -> None:
@@ -632,12 +638,11 @@ class AttentionStep:
         lanes.wait(latent_ready)
         return iq_ready
 
-    def _select(self, B: int, iq_ready, events: StepEvents) -> bool:
+    def _select(self, B: int, iq_ready, events: StepEvents) -> None:
         """The indexer (main): scores over the visible entries (or the candidate pool), top-k (with
         fold_index_chain and no forced selection, the sparse-index table in its last launch, else
         after it on the main stream); the candidate pool (lane 1, a candidate source) follows on the side;
-        the events in `events`. Returns whether the table's own launch ended it and releases the
-        sparse MLA launched by PDL after it (`_tables`)."""
+        the events in `events`."""
         spec, s, m, lanes = self.spec, self.s, self.meta, self.lanes
         st, r = self.state, spec.ratio
         lanes.wait(iq_ready, events.candidates)               # the expansion still reads the scores
@@ -666,8 +671,7 @@ class AttentionStep:
                 candidate_mask_(scores, n_vis, self.candidate_mask[:B, :width], self.cand_plan)
                 events.candidates = lanes.mark()              # protects the candidate mask, frees scores
         if not self.fold_index_chain or self.forced_topk is not None:
-            return self._tables(B, events)
-        return False
+            self._tables(B, events)
 
     def _select_shared(self, B: int, part: tuple[int, int, int], iq_ready, events: StepEvents) -> None:
         """The row-sharded dense indexer (main): scores, top-k and (a candidate source) candidate
@@ -697,23 +701,21 @@ class AttentionStep:
             tp.gather_row_shares(self.cand_part[:chunk], self.candidate_mask)
         self._tables(B, events)
 
-    def _tables(self, B: int, events: StepEvents) -> bool:
+    def _tables(self, B: int, events: StepEvents) -> None:
         """The sparse-index table of the selection's rows [0, B) on the main stream, after the top-k
         and before the sparse MLA that reads it (no lane to join on the critical path), its event
-        in `events` for the lanes of later layers. With `mla_pdl` and the Gluon sparse MLA its
-        launch releases the MLA's, launched by PDL right after it (`_attend`); returns whether."""
+        in `events` for the lanes of later layers; it releases the MLA launched by PDL right after
+        it where the layer takes that (`takes_mla_pdl`)."""
         m, st, r, sel = self.meta, self.state, self.spec.ratio, self.selection
-        release = self.mla_pdl and isinstance(self._mla_plan(B), GluonSparseMlaPlan)
         topk_slots_(sel.topk[:B], m.kernel_slot[:B], st.block_table[r], st.page_size, sel.table[:B], sel.lengths[:B],
-                    release=release)
+                    release=self.takes_mla_pdl(B))
         events.tables[self.spec.layer] = self.lanes.mark()    # protects sel.table
-        return release
 
-    def _attend(self, B: int, events: StepEvents, after_table: bool = False) -> torch.Tensor:
+    def _attend(self, B: int, events: StepEvents) -> torch.Tensor:
         """Sparse MLA over the window and the index source's selection; returns o [B, heads, 512].
-        after_table: the layer's own sparse-index table was the main stream's last launch and lets
-        the MLA's launch start early (`_tables`): the MLA launched by PDL right after it."""
+        Where the layer takes `takes_mla_pdl`, launched by PDL right after the layer's own table."""
         cfg, spec, s, m, st = self.cfg, self.spec, self.s, self.meta, self.state
+        after_table = self.takes_mla_pdl(B)
         if spec.kind == SWA:
             comp_pool, comp_table = s.empty_comp, s.empty_table[:B]
         else:
