@@ -59,12 +59,12 @@ def main() -> None:
         pool, table, iq, w, req, n_vis, scores = indexer_inputs(rows, context, gen)
         if any("f" in v for v in variants):
             print(f"  {rows} x {context}: {int(query_fold_rows(iq).sum())} of {rows} rows fold (fold_q)", flush=True)
-        nbytes = rows * context * (68 + scores.element_size())
+        nbytes = rows * context * (68 + 4)
         if draft > 1:        # request r // draft's slot; its rows see context - draft + 1 .. context entries
             rank = torch.arange(rows, device="cuda") % draft
             req = req - rank
             n_vis = (n_vis - (draft - 1 - rank)).clamp(min=0).to(torch.int32)
-            nbytes = -(-rows // draft) * context * 68 + rows * context * scores.element_size()
+            nbytes = -(-rows // draft) * context * 68 + rows * context * 4
         ref = torch.empty_like(scores)
         small = rows * context < (4 << 20)
         kw = dict(replays=20 if small else 10, min_calls=32 if small else 4)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from ..decode.attention import index_scores_launch
-from ..decode.buffers import SCORE_DTYPE
 from ..formats import mxfp4_fake
 from ..ops.common import is_sm90
 from ..ops.gluon_indexer import gluon_index_scores_mxfp4_
@@ -36,14 +35,13 @@ def _state(rows: int, context: int, gen: torch.Generator):
 
 def indexer_inputs(rows: int, context: int, gen: torch.Generator):
     """Synthetic indexer operands on the GPU, every row seeing `context` entries of its own pages:
-    (pool, block table, MXFP4 query [rows, 32, 128], head weights, request slots, n_vis, scores in the
-    step's dtype, `decode.buffers.SCORE_DTYPE`)."""
+    (pool, block table, MXFP4 query [rows, 32, 128], head weights, request slots, n_vis, scores)."""
     pool, table = _state(rows, context, gen)
     iq = mxfp4_fake(torch.randn(rows, HEADS, 128, generator=gen, device="cuda")).to(torch.bfloat16)
     w = (torch.randn(rows, HEADS, generator=gen, device="cuda") * 0.02).to(torch.bfloat16)
     req = torch.arange(rows, device="cuda", dtype=torch.int64)
     n_vis = torch.full((rows,), context, device="cuda", dtype=torch.int32)
-    scores = torch.empty(rows, context, device="cuda", dtype=SCORE_DTYPE)
+    scores = torch.empty(rows, context, device="cuda")
     return pool, table, iq, w, req, n_vis, scores
 
 
@@ -85,7 +83,7 @@ def bench_indexer(rows_list, contexts, floor, info, gen, progress) -> list[dict]
                 base["triton_fp8"] = graph_time_us(logits_triton, replays=30)
             case = {"rows": rows, "context": context, "heads": HEADS, "ratio": 1}
             key_bytes = rows * context * 68
-            score_bytes = rows * context * scores.element_size()
+            score_bytes = rows * context * 4
             out.append(record("attn", {"op": "indexer_logits", **case}, t_logits, key_bytes + score_bytes, floor,
                               base, info))
             out.append(record("attn", {"op": "topk512", **case}, t_topk, score_bytes, floor, {}, info))

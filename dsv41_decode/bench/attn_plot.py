@@ -49,7 +49,7 @@ def plot_attn(rows: list[dict], path: str | Path) -> None:
     if logits and "read_gbps" in logits[0]:     # the indexer rows' own run's floor
         a_idx.axhline(logits[0]["read_gbps"], color="gray", lw=0.8, label="streaming read")
         a_idx.axhline(0.7 * logits[0]["read_gbps"], color="gray", lw=0.8, ls=":", label="70 % target")
-    a_idx.set(xlabel="visible entries (ratio 1)", ylabel="GB/s (68-byte keys + scores)",
+    a_idx.set(xlabel="visible entries (ratio 1)", ylabel="GB/s (68-byte keys + FP32 scores)",
               title="indexer logits, 32 index heads")
     a_idx.set_xscale("log", base=2)
     a_idx.legend(fontsize=7, ncol=2)

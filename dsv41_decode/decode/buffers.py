@@ -18,10 +18,6 @@ import torch
 from ..config import ModelConfig
 from ..state import DecodeState
 
-# The step's indexer scores are BF16 values (the contract rounds each score to BF16; -inf past a row's
-# visible entries), so they are kept in BF16: the same values and selections as in FP32, with half the
-# bytes that the scorer writes, the top-k's passes read and the context-sized buffer holds.
-SCORE_DTYPE = torch.bfloat16
 
 def storage_bytes(tensors, exclude: frozenset[int] | set[int] = frozenset()) -> int:
     """Bytes of the distinct storages behind `tensors` (views count once), skipping the storages
@@ -117,7 +113,7 @@ class Scratch:
         self.iw = torch.zeros(B, cfg.index_n_heads, dtype=torch.bfloat16, device=dev)
         # the one buffer that grows with the context: the indexer's scores over the visible entries
         width = max([-(-state.max_context // r) for r in state.ratios], default=0)
-        self.scores = torch.zeros(B, width, dtype=SCORE_DTYPE, device=dev)
+        self.scores = torch.zeros(B, width, dtype=torch.float32, device=dev)
         self.empty_comp = torch.zeros(0, 288, dtype=torch.uint8, device=dev)
         self.empty_table = torch.zeros(B, 0, dtype=torch.int32, device=dev)
 

@@ -573,8 +573,8 @@ class DecodeStep:
                 out += [t for t in items if isinstance(t, torch.Tensor)]
             return out
         sel = [t for s in self.selections.values() for t in (s.topk, s.table, s.lengths)]
-        return {"scratch": size(tensors(self.scratch)) - size([self.scratch.scores]),
-                "scores": size([self.scratch.scores]),
+        return {"scratch": size(tensors(self.scratch)) - self.scratch.scores.numel() * 4,
+                "scores": self.scratch.scores.numel() * 4,
                 "workspaces": self.scratch.workspaces.memory_bytes(),
                 "selections": size(sel) + size(self.candidate_masks.values()),
                 "streams": self.io.memory_bytes() + self.boundary.memory_bytes(),

@@ -228,9 +228,8 @@ def index_scores_args(iq: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, blo
     _check(n_vis.shape == (n_rows,) and n_vis.dtype == torch.int32 and (n_rows < 2 or n_vis.stride(0) == 1),
            f"n_vis must be a contiguous [N={n_rows}] int32, got {tuple(n_vis.shape)} {n_vis.dtype} "
            f"strides {n_vis.stride()}")
-    _check(out.dim() == 2 and out.shape[0] == n_rows and out.dtype in (torch.float32, torch.bfloat16)
-           and out.stride(1) == 1,
-           f"out must be [N={n_rows}, max_entries] FP32 or BF16, got {tuple(out.shape)} {out.dtype}")
+    _check(out.dim() == 2 and out.shape[0] == n_rows and out.dtype == torch.float32 and out.stride(1) == 1,
+           f"out must be [N={n_rows}, max_entries] FP32, got {tuple(out.shape)} {out.dtype}")
     if cand_mask is not None:
         _check(cand_mask.shape == out.shape and cand_mask.dtype in (torch.bool, torch.uint8) and cand_mask.stride(1) == 1,
                f"cand_mask must be [N, max_entries]={tuple(out.shape)} bool/uint8, got {tuple(cand_mask.shape)} {cand_mask.dtype}")
@@ -251,8 +250,7 @@ def index_scores_mxfp4_(iq: torch.Tensor, w: torch.Tensor, pool: torch.Tensor, b
     pool: [S, 68] uint8 index-key records, contiguous, 4-byte aligned.
     block_table: [slots, pages] int32; page: entries per page (> 0).
     req_slot: [N] int32/int64 request slot of each row; n_vis: [N] int32 visible entries ((p+1)//r).
-    out: [N, max_entries] FP32 or BF16, last dim contiguous; receives BF16-representable values (in
-    BF16 the same values, half the bytes written and read by the top-k), -inf past n_vis.
+    out: [N, max_entries] FP32, last dim contiguous; receives BF16-representable values, -inf past n_vis.
     cand_mask: optional [N, max_entries] bool/uint8; entries where it is 0 score -inf.
     block_e: entries per loop step of a program (power of two >= 16); each row gets
     floor(programs_per_sm * SMs / N) programs (programs_per_sm >= 1; at least one, at most one per

@@ -533,39 +533,6 @@ def test_gpu_histogram_of_the_key_high_bytes(rows):
     assert not bool(scratch.any())
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows", [1, 16, 64])
-def test_gpu_bf16_out_holds_the_fp32_outs_values(rows):
-    """A BF16 out (the step's, `decode.buffers.SCORE_DTYPE`) holds the FP32 out's values exactly (NaN
-    as NaN), with the same fused histogram, in the step's configuration (the query fold, the row
-    groups) and the defaults, with a candidate mask, and from the Triton path too."""
-    n_vis = _contexts(rows, seed=rows + 300) if rows > 1 else [4103]
-    args = _inputs(rows, n_vis, seed=rows + 300, page=64)
-    args[2][::97, 64] = 255                # NaN scores where an infinite block scale meets a zero partial
-    cand = (torch.rand(rows, 4160, device=DEVICE) < 0.5)
-    for kw in ({}, {"fold_q": True}, {"fold_q": True, "row_group": 4}, {"cand_mask": cand}):
-        want, _ = _pair(args, 64, 4160, cand=kw.get("cand_mask"))
-        hist = {t: torch.zeros(rows, 256, dtype=torch.int32, device=DEVICE) for t in (torch.float32, torch.bfloat16)}
-        outs = {}
-        for dt in (torch.float32, torch.bfloat16):
-            outs[dt] = torch.full((rows, 4160), float("nan"), dtype=dt, device=DEVICE)
-            GI.gluon_index_scores_mxfp4_(*args[:4], 64, *args[4:], outs[dt], hist=hist[dt], **kw)
-        _assert_bits_equal(outs[torch.float32], want, f"FP32 out {kw}")
-        _assert_same_values(outs[torch.bfloat16], want, f"BF16 out {kw}")
-        assert torch.equal(hist[torch.float32].cpu(), hist[torch.bfloat16].cpu()), kw
-    tri = torch.full((rows, 4160), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    index_scores_mxfp4_(*args[:4], 64, *args[4:], tri, fp8_dot=True)
-    _assert_same_values(tri, _pair(args, 64, 4160)[1], "the Triton path's BF16 out")
-
-
-def _assert_same_values(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-    """got (BF16) holds want's (FP32) values: NaN where want is NaN (the conversion's NaN pattern is
-    its own), every other element equal (so -0.0 as -0.0: compared as bits)."""
-    nan = torch.isnan(want)
-    assert torch.equal(torch.isnan(got), nan), f"{what}: NaN positions differ"
-    assert bits_differ(got.float()[~nan], want[~nan]) == 0, f"{what}: values differ"
-
-
 def _draft_rows(runs: list[tuple[int, int]], seed: int, page: int = 64):
     """Operands laid out as a step with draft rows lays them out: per (n_vis, rows) of `runs` one
     request slot read by that many consecutive rows, seeing n_vis - rows + 1 .. n_vis entries (at
