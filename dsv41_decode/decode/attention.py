@@ -250,6 +250,10 @@ FUSED_HISTOGRAM_MAX = 1 << 17       # rows x entries per call at which the step 
 # MXFP4 index queries) in the step's scorer: the step 0.1-0.3 % faster with it at 1-64 rows (H100, both
 # passes; `scripts/probe_step_schedule.py`'s no_index_fold variant times it off; docs/attn.md)
 INDEX_FOLD_Q = True
+# The step's top-k in one launch (`topk_ascending_(one_launch=True)`: its programs wait for each other
+# within the launch; the same selection) at calls of at most this many rows on sm_90, else the linked
+# path's launches; 0: never (`scripts/probe_step_schedule.py`'s topk_one variant times it at 8)
+TOPK_ONE_LAUNCH_MAX_ROWS = 0
 
 
 def index_scores_launch(iq, w, pool, block_table, page, req_slot, n_vis, out, cand_mask=None,
@@ -661,7 +665,8 @@ class AttentionStep:
                                    sel.lengths[:B]))
             events.tables[spec.layer] = lanes.mark()          # protects sel.table
         else:
-            topk_ascending_(scores, n_vis, sel.topk[:B], self.topk_plan, hist_ready=ready)
+            one = B <= TOPK_ONE_LAUNCH_MAX_ROWS and is_sm90(scores.device)
+            topk_ascending_(scores, n_vis, sel.topk[:B], self.topk_plan, hist_ready=ready, one_launch=one)
             if self.forced_topk is not None:
                 sel.topk[:B].copy_(self.forced_topk[:B])
         if spec.candidate_role == "source":
