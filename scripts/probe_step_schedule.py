@@ -61,7 +61,8 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
     prefetch_2      that prefetch in the buckets of up to 2 / 8 rows instead of 1; the same bits
     prefetch_8
     topk_one        the top-k in one launch at calls of up to 8 rows (`attention.TOPK_ONE_LAUNCH_MAX_ROWS`,
-                    0 by default: the linked path's two launches); the same bits
+                    4 by default; the linked path's two launches above); the same bits
+    topk_linked     the top-k on the linked path's two launches at every row count; the same bits
     wo_a_pre1       each layer's Gluon wo_a, launched by PDL during the sparse MLA, requesting one / two
     wo_a_pre2       of its ring's slots' weight tiles before its wait instead of all of them
                     (`GluonWoAConfig.prefill`, `attention.WO_A_PREFILL`): less DRAM traffic beside
@@ -526,6 +527,7 @@ PATCHES = {
     "prefetch_2": lambda step: _swap([(attention_mod, "PREFETCH_RECORDS_MAX_ROWS", 2)]),
     "prefetch_8": lambda step: _swap([(attention_mod, "PREFETCH_RECORDS_MAX_ROWS", 8)]),
     "topk_one": lambda step: _swap([(attention_mod, "TOPK_ONE_LAUNCH_MAX_ROWS", 8)]),
+    "topk_linked": lambda step: _swap([(attention_mod, "TOPK_ONE_LAUNCH_MAX_ROWS", 0)]),
     "wo_a_pre1": _wo_a_prefill(1), "wo_a_pre2": _wo_a_prefill(2),
     "gate_dec1": _wo_a_gate("decoded", 1), "gate_dec2": _wo_a_gate("decoded", 2), "gate_dec3": _wo_a_gate("decoded", 3),
     "gate_dec4": _wo_a_gate("decoded", 4), "gate_st1": _wo_a_gate("stored", 1),

@@ -264,6 +264,16 @@ def test_gpu_index_scorer_without_the_query_fold_gives_the_graph_step_bits(gpu_s
 
 
 @pytest.mark.gpu
+def test_gpu_top_k_on_the_linked_path_gives_the_graph_step_bits(gpu_setup, gpu_graph_run, monkeypatch):
+    """`attention.TOPK_ONE_LAUNCH_MAX_ROWS` 0 (the top-k's linked launches in every bucket, not one
+    launch at 1-4 rows): the plain graphed step's bits and state."""
+    assert attention.TOPK_ONE_LAUNCH_MAX_ROWS == 4
+    monkeypatch.setattr(attention, "TOPK_ONE_LAUNCH_MAX_ROWS", 0)
+    (st_a, outs_a), (st_b, outs_b, _) = gpu_graph_run, _graph_run(gpu_setup)
+    _assert_same_run(st_a, st_b, outs_a, outs_b)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("gate, prefill", [("decoded", 1), ("stored", 2), (None, 2)])
 def test_gpu_wo_a_gate_gives_the_graph_step_bits(gpu_setup, gpu_graph_run, gate, prefill, monkeypatch):
     """`attention.WO_A_GATE` (the Gluon wo_a, launched by PDL during the sparse MLA, requests its
