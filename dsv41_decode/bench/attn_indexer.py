@@ -3,15 +3,15 @@ count and context (ratio 1: one entry per token), on random valid records. The l
 decode step's scorer (`decode.attention.index_scores_launch`: on sm_90 the Gluon scorer
 `ops.gluon_indexer`, with the Triton FP8 path as the baseline column `triton_fp8`; elsewhere the
 Triton FP8 path), with the BF16 path as the baseline column `bf16_path`. "indexer+topk" is the
-step's pair (`index_scores_launch`, then `topk_ascending_`): on sm_90 the scorer also builds the
-top-k's high-byte histogram where that pays (`hist_ready`; then at <= 4 rows the top-k runs in one
-launch)."""
+step's pair (`index_scores_launch`, then `topk_launch`): on sm_90 the scorer also builds the
+top-k's high-byte histogram where that pays (`hist_ready`), and at <= 4 rows the top-k runs in one
+launch (`decode.attention.TOPK_ONE_LAUNCH_MAX_ROWS`)."""
 
 from __future__ import annotations
 
 import torch
 
-from ..decode.attention import index_scores_launch
+from ..decode.attention import index_scores_launch, topk_launch
 from ..formats import mxfp4_fake
 from ..ops.common import is_sm90
 from ..ops.gluon_indexer import gluon_index_scores_mxfp4_
@@ -73,9 +73,9 @@ def bench_indexer(rows_list, contexts, floor, info, gen, progress) -> list[dict]
                 topk_ascending_(scores, n_vis, idx, plan)
 
             def both():              # the step's pair: on sm_90 the histogram built while scoring where
-                # that pays (FUSED_HISTOGRAM_MAX), and then the top-k with it ready
+                # that pays (FUSED_HISTOGRAM_MAX), and then the step's top-k with it ready
                 ready = index_scores_launch(iq, w, pool, table, PAGE, req, n_vis, scores, hist=plan.hist_hi[:rows])
-                topk_ascending_(scores, n_vis, idx, plan, hist_ready=ready)
+                topk_launch(scores, n_vis, idx, plan, ready)
 
             t_logits, t_topk, t_both, t_bf16 = (graph_time_us(f, replays=30) for f in (logits, topk, both, logits_bf16))
             base = {"bf16_path": t_bf16}

@@ -280,6 +280,14 @@ def index_scores_launch(iq, w, pool, block_table, page, req_slot, n_vis, out, ca
     return False
 
 
+def topk_launch(scores, n_vis, out, plan: TopKPlan, hist_ready: bool) -> torch.Tensor:
+    """The step's top-k after `index_scores_launch` (`hist_ready`: what that returned): in one launch
+    at calls of at most TOPK_ONE_LAUNCH_MAX_ROWS rows on an sm_90 GPU, else the linked path's
+    launches (`topk_ascending_`; the same selection either way). Returns out."""
+    one = scores.shape[0] <= TOPK_ONE_LAUNCH_MAX_ROWS and is_sm90(scores.device)
+    return topk_ascending_(scores, n_vis, out, plan, hist_ready=hist_ready, one_launch=one)
+
+
 def _fp8_weight(w: dict, name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight, scale bytes) of an FP8 linear; NotEligible naming it otherwise."""
     weight, scale = w.get(f"attn.{name}.weight"), w.get(f"attn.{name}.scale")
@@ -668,8 +676,7 @@ class AttentionStep:
                                    sel.lengths[:B]))
             events.tables[spec.layer] = lanes.mark()          # protects sel.table
         else:
-            one = B <= TOPK_ONE_LAUNCH_MAX_ROWS and is_sm90(scores.device)
-            topk_ascending_(scores, n_vis, sel.topk[:B], self.topk_plan, hist_ready=ready, one_launch=one)
+            topk_launch(scores, n_vis, sel.topk[:B], self.topk_plan, ready)
             if self.forced_topk is not None:
                 sel.topk[:B].copy_(self.forced_topk[:B])
         if spec.candidate_role == "source":
