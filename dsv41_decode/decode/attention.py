@@ -254,7 +254,7 @@ INDEX_FOLD_Q = True
 # within the launch, every wait bounded; the same selection) at calls of at most this many rows on
 # sm_90, else the linked path's two launches. H100, each pass and variant in a process of its own
 # (`scripts/probe_step_schedule.py --variants=default,topk_one`, topk_one at up to 8 rows; docs/step.md):
-# the step 0.56 / 0.57 % less at 1 row in two runs, 0.43 / 0.16 % at 2, 0.42 % at 4, 0.46 % more at
+# the step 0.56 / 0.57 % less at 1 row in two runs, 0.43 / 0.16 % at 2, 0.41 % at 4, 0.46 % more at
 # 8; in the 1-row timelines 8.9 us from the scores' end to the table's start against 10.3-10.6
 TOPK_ONE_LAUNCH_MAX_ROWS = 4
 
