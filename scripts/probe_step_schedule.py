@@ -42,6 +42,10 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
     wproj_split     the head weights' plan at split 32 (one 128-deep K range a program: 32
                     programs instead of 10; other FP32 sums, so other bits possible); measured
                     no faster on an H200 at bd33dff (docs/step.md)
+    comp_r2_split2  the ratio-2 compressor's FP32 projection at 2 / 4 programs along K (64 / 128 programs
+    comp_r2_split4  instead of 256): in the three ratio-2 Full layers its grid, launched just before the
+                    q/kv norm pair, precedes a 9-11 us wait of the pair and of the head weights'
+                    projection (the probe's norm-pair lines); other FP32 sums, so other bits
     comp_tail       the compressor's tail (latent norm, indexer wk, compressed record + index key)
                     in one launch (`ops.compressor_tail`: `DecodeStep(comp_tail=True)`) instead of
                     the step's three (`rms_norm_`, `ll_bf16_`, `compressed_entry_store_`); the
@@ -335,6 +339,18 @@ def _wproj_split(step):
                   for layer in step.layers.values() if layer.spec.runs_indexer for p in [layer.proj_plan]])
 
 
+def _comp_r2_split(split: int):
+    """A patch giving the ratio-2 compressor's FP32 projection (`comp_plan` of the layers whose
+    compressor has ratio 2) `split` programs along K instead of its plan's (8 at TP1 on 132 SMs:
+    256 programs); the undo restores the plans."""
+    def patch(step):
+        return _swap([(layer, "comp_plan", LlBf16Plan.build(p.n, p.k, p.max_rows, p.weight_dtype, p.device,
+                                                            split=split, block_n=p.block_n))
+                      for layer in step.layers.values()
+                      if layer.spec.owns_compressor and layer.spec.ratio == 2 for p in [layer.comp_plan]])
+    return patch
+
+
 def _topk_chunk(step):
     """Patch the step's indexer layers: top-k plans with chunks of --topk-chunk entries; returns the undo."""
     chunk = int(arg("topk-chunk", "1024"))
@@ -519,7 +535,8 @@ PATCHES = {
     "boundary_split": _boundary_split, "mla_after_mix": _mla_after_mix, "wq_b_slack": _wq_b_slack,
     "mix_late": _mix_rows(1), "mix_early": _mix_rows(LOW_BATCH_MAX_ROWS + 1), "topk_chunk": _topk_chunk,
     "wproj_lane": _layer_flag("proj_own_lane", True), "wproj_in_index": _layer_flag("proj_own_lane", False),
-    "wproj_split": _wproj_split, "comp_tail": _comp_tail, "boundary_bd256": _boundary_chunks(256),
+    "wproj_split": _wproj_split, "comp_r2_split2": _comp_r2_split(2), "comp_r2_split4": _comp_r2_split(4),
+    "comp_tail": _comp_tail, "boundary_bd256": _boundary_chunks(256),
     "boundary_bd1024": _boundary_chunks(1024), "prefetch_wo_a": _prefetch_wo_a,
     "no_prefetch": _layer_flag("prefetch_records", False),
     "prefetch_plain": lambda step: _swap([(attention_mod, "records_prefetch_l2_",
