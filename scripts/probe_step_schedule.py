@@ -233,9 +233,9 @@ def _mla_after_mix(step):
         held["ev"] = ev = mix(*a, **k)
         return ev
 
-    def attend_after(self, B, events):
+    def attend_after(self, B):
         self.lanes.wait(held.get("ev"))
-        return attend(self, B, events)
+        return attend(self, B)
 
     return _swap([(step.boundary, "mix", mix_kept), (attention_mod.AttentionStep, "_attend", attend_after)])
 
@@ -262,10 +262,10 @@ def _wq_b_slack(step):
         changes.append((layer, "mm_wq_b", on_slack))
     attend = attention_mod.AttentionStep._attend
 
-    def attend_after(self, B, events):
+    def attend_after(self, B):
         if self.spec.layer in done:
             torch.cuda.current_stream().wait_event(done[self.spec.layer])
-        return attend(self, B, events)
+        return attend(self, B)
 
     return _swap(changes + [(attention_mod.AttentionStep, "_attend", attend_after)])
 
@@ -460,7 +460,7 @@ def _prefetch_wo_a(step):
     attend, join = attention_mod.AttentionStep._attend, StepEvents.join
     last = [None]
 
-    def attend_prefetching(self, B, events):
+    def attend_prefetching(self, B):
         w = self.wo_a_w
         n = min(nbytes, w.numel() * w.element_size())
         ready = self.lanes.mark()
@@ -471,7 +471,7 @@ def _prefetch_wo_a(step):
             chunk, lanes = 16384, 32
             _prefetch_kernel[(triton.cdiv(triton.cdiv(n, chunk), lanes),)](w, n, CHUNK=chunk, LANES=lanes, num_warps=1)
             last[0] = self.lanes.mark()
-        return attend(self, B, events)
+        return attend(self, B)
 
     def join_prefetch(self, lanes):
         join(self, lanes)

@@ -478,11 +478,16 @@ class AttentionStep:
         most WQ_B_PDL_MAX_ROWS rows), which then releases it at its start."""
         return self.wq_b_pdl and rows <= WQ_B_PDL_MAX_ROWS
 
+    def table_in_topk(self) -> bool:
+        """Whether the top-k's last launch writes the layer's sparse-index table (fold_index_chain
+        without a forced selection), else the table is a launch of its own after it (`_tables`)."""
+        return self.fold_index_chain and self.forced_topk is None
+
     def takes_mla_pdl(self, rows: int) -> bool:
         """Whether a call of `rows` rows launches the Gluon sparse MLA by PDL right after the layer's
         own sparse-index table (`mla_pdl`: a layer that runs its indexer, the table in its own launch,
-        not in the top-k's last one with fold_index_chain), which then releases it at its start."""
-        return (self.mla_pdl and self.spec.runs_indexer and (not self.fold_index_chain or self.forced_topk is not None)
+        not `table_in_topk`), which then releases it at its start."""
+        return (self.mla_pdl and self.spec.runs_indexer and not self.table_in_topk()
                 and isinstance(self._mla_plan(rows), GluonSparseMlaPlan))
 
     def takes_qkv_pdl(self, rows: int) -> bool:
@@ -539,7 +544,7 @@ class AttentionStep:
                 self._select(rows, iq_ready, events)
             else:
                 self._select_shared(rows, part, iq_ready, events)
-        o = self._attend(rows, events)
+        o = self._attend(rows)
         self._output(rows, o, y, boundary, mixed)
 
     def _prefetch(self, B: int, events: StepEvents) -> None:
@@ -552,7 +557,7 @@ class AttentionStep:
         comp = spec.kind == REUSE
         ready = lanes.mark()
         with lanes.side(AUX_INDEX_W):
-            lanes.wait(ready, events.tables.get(spec.index_source) if comp else None)
+            lanes.wait(ready)
             source = (st.compressed[spec.kv_source], self.source_selection.table[:B]) if comp else ()
             records_prefetch_l2_(st.window[spec.layer], m.window_table[:B], *source)
             events.prefetch = lanes.mark()
@@ -670,11 +675,10 @@ class AttentionStep:
         ready = index_scores_launch(s.iq[:B], s.iw[:B], st.index_keys[spec.kv_source], st.block_table[r],
                                     st.page_size, m.kernel_slot[:B], n_vis, scores, cand,
                                     hist=self.topk_plan.hist_hi[:B], row_group=self.index_row_group)
-        if self.fold_index_chain and self.forced_topk is None:   # the table by the top-k's last launch
+        if self.table_in_topk():
             topk_ascending_(scores, n_vis, sel.topk[:B], self.topk_plan, hist_ready=ready,
                             table=(m.kernel_slot[:B], st.block_table[r], st.page_size, sel.table[:B],
                                    sel.lengths[:B]))
-            events.tables[spec.layer] = lanes.mark()          # protects sel.table
         else:
             topk_launch(scores, n_vis, sel.topk[:B], self.topk_plan, ready)
             if self.forced_topk is not None:
@@ -685,8 +689,8 @@ class AttentionStep:
                 lanes.wait(scored)
                 candidate_mask_(scores, n_vis, self.candidate_mask[:B, :width], self.cand_plan)
                 events.candidates = lanes.mark()              # protects the candidate mask, frees scores
-        if not self.fold_index_chain or self.forced_topk is not None:
-            self._tables(B, events)
+        if not self.table_in_topk():
+            self._tables(B)
 
     def _select_shared(self, B: int, part: tuple[int, int, int], iq_ready, events: StepEvents) -> None:
         """The row-sharded dense indexer (main): scores, top-k and (a candidate source) candidate
@@ -714,35 +718,34 @@ class AttentionStep:
             sel.topk[:B].copy_(self.forced_topk[:B])
         if spec.candidate_role == "source":
             tp.gather_row_shares(self.cand_part[:chunk], self.candidate_mask)
-        self._tables(B, events)
+        self._tables(B)
 
-    def _tables(self, B: int, events: StepEvents) -> None:
+    def _tables(self, B: int) -> None:
         """The sparse-index table of the selection's rows [0, B) on the main stream, after the top-k
-        and before the sparse MLA that reads it (no lane to join on the critical path), its event
-        in `events` for the lanes of later layers; it releases the MLA launched by PDL right after
-        it where the layer takes that (`takes_mla_pdl`)."""
+        and before the sparse MLA that reads it (no lane to join on the critical path; a later
+        layer's side-lane reader, the records prefetch, starts after the main stream's work so far);
+        it releases the MLA launched by PDL right after it where the layer takes that
+        (`takes_mla_pdl`)."""
         m, st, r, sel = self.meta, self.state, self.spec.ratio, self.selection
         topk_slots_(sel.topk[:B], m.kernel_slot[:B], st.block_table[r], st.page_size, sel.table[:B], sel.lengths[:B],
                     release=self.takes_mla_pdl(B))
-        events.tables[self.spec.layer] = self.lanes.mark()    # protects sel.table
 
-    def _attend(self, B: int, events: StepEvents) -> torch.Tensor:
+    def _attend(self, B: int) -> torch.Tensor:
         """Sparse MLA over the window and the index source's selection; returns o [B, heads, 512].
-        Where the layer takes `takes_mla_pdl`, launched by PDL right after the layer's own table."""
+        Every sparse-index table is built on the main stream (`_tables`, or the top-k's last launch),
+        so stream order puts the source's table before this launch. Where the layer takes
+        `takes_mla_pdl`, launched by PDL right after the layer's own table."""
         cfg, spec, s, m, st = self.cfg, self.spec, self.s, self.meta, self.state
-        after_table = self.takes_mla_pdl(B)
         if spec.kind == SWA:
             comp_pool, comp_table = s.empty_comp, s.empty_table[:B]
         else:
-            if not after_table:                              # else the launch just before on this stream
-                self.lanes.wait(events.tables.get(spec.index_source))
             comp_pool, comp_table = st.compressed[spec.kv_source], self.source_selection.table[:B]
         o = s.o[:B]
         plan = self._mla_plan(B)
         pdl = dict(release=True) if self.wo_a_pdl and isinstance(plan, GluonSparseMlaPlan) else {}
         if self.gates(B):
             pdl.update(signal=self.wo_a_plan.gate, signal_after=self.wo_a_gate)
-        if after_table:
+        if self.takes_mla_pdl(B):
             pdl.update(pdl=True)
         sparse_mla_launch(plan, s.q[:B], st.window[spec.layer], comp_pool, m.window_table[:B], comp_table, self.sink,
                           cfg.softmax_scale, o, **pdl)

@@ -28,7 +28,7 @@ kernel both could stall until their bounded waits give up. The one-launch top-k
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -93,16 +93,13 @@ class StepEvents:
 
     candidates: the candidate expansion in flight on a side lane (it still reads the indexer's
         scores, which the next indexer overwrites; None when none is pending).
-    tables: per index source layer, the event that marks its sparse-index table built (read by
-        the layers that use its selection).
     prefetch: the last layer's records prefetch (`AttentionStep._prefetch`; a lane runs in order,
         so it follows the earlier layers' ones), None when none is pending.
     """
 
     candidates: Event | None = None
-    tables: dict[int, Event | None] = field(default_factory=dict)
     prefetch: Event | None = None
 
     def join(self, lanes: Lanes) -> None:
         """The main stream waits for every side lane's pending work (the end of a step)."""
-        lanes.wait(self.candidates, self.prefetch, *self.tables.values())
+        lanes.wait(self.candidates, self.prefetch)
