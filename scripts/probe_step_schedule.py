@@ -46,6 +46,8 @@ keeps its stream's priority: torch instantiates graphs with cudaGraphInstantiate
     comp_r2_split4  instead of 256): in the three ratio-2 Full layers its grid, launched just before the
                     q/kv norm pair, precedes a 9-11 us wait of the pair and of the head weights'
                     projection (the probe's norm-pair lines); other FP32 sums, so other bits
+    comp_r2_group2  the same projection's 8 K ranges two / four at a time a program (`LlBf16Plan.group`:
+    comp_r2_group4  128 / 64 programs, the plan's partials and sums): the same bits
     comp_tail       the compressor's tail (latent norm, indexer wk, compressed record + index key)
                     in one launch (`ops.compressor_tail`: `DecodeStep(comp_tail=True)`) instead of
                     the step's three (`rms_norm_`, `ll_bf16_`, `compressed_entry_store_`); the
@@ -351,6 +353,18 @@ def _comp_r2_split(split: int):
     return patch
 
 
+def _comp_r2_group(group: int):
+    """A patch giving the ratio-2 compressor's FP32 projection programs of `group` consecutive K
+    ranges each (`LlBf16Plan.group`: split / group programs along K, the same bits); the undo
+    restores the plans."""
+    def patch(step):
+        return _swap([(layer, "comp_plan", LlBf16Plan.build(p.n, p.k, p.max_rows, p.weight_dtype, p.device,
+                                                            split=p.split, block_n=p.block_n, group=group))
+                      for layer in step.layers.values()
+                      if layer.spec.owns_compressor and layer.spec.ratio == 2 for p in [layer.comp_plan]])
+    return patch
+
+
 def _topk_chunk(step):
     """Patch the step's indexer layers: top-k plans with chunks of --topk-chunk entries; returns the undo."""
     chunk = int(arg("topk-chunk", "1024"))
@@ -536,6 +550,7 @@ PATCHES = {
     "mix_late": _mix_rows(1), "mix_early": _mix_rows(LOW_BATCH_MAX_ROWS + 1), "topk_chunk": _topk_chunk,
     "wproj_lane": _layer_flag("proj_own_lane", True), "wproj_in_index": _layer_flag("proj_own_lane", False),
     "wproj_split": _wproj_split, "comp_r2_split2": _comp_r2_split(2), "comp_r2_split4": _comp_r2_split(4),
+    "comp_r2_group2": _comp_r2_group(2), "comp_r2_group4": _comp_r2_group(4),
     "comp_tail": _comp_tail, "boundary_bd256": _boundary_chunks(256),
     "boundary_bd1024": _boundary_chunks(1024), "prefetch_wo_a": _prefetch_wo_a,
     "no_prefetch": _layer_flag("prefetch_records", False),

@@ -98,12 +98,14 @@ def plan_workspace(workspace, slot: int, shape: int | tuple[int, ...], dtype: to
 
 
 @triton.jit
-def splitk_reduce(y, part_ptrs, stride_ps, mask, count_ptr, pid_k, SPLIT: tl.constexpr):
+def splitk_reduce(y, part_ptrs, stride_ps, mask, count_ptr, pid_k, SPLIT: tl.constexpr, GROUP: tl.constexpr = 1):
     """Publish this program's FP32 partial y; the last of the tile's SPLIT programs to arrive sums them.
 
     part_ptrs: [BLOCK_M, BLOCK_N] pointers to split 0's partial, split s at + s * stride_ps; mask:
     [BLOCK_M, BLOCK_N] elements to store. count_ptr: the tile's int32 counter, 0 at launch; the last
     program resets it, so the next launch (stream-ordered, or a graph replay) finds it clean.
+    GROUP: the partials a program publishes (its last one y here, the GROUP - 1 before it already
+    stored), so SPLIT / GROUP programs arrive; the sum is the same SPLIT partials in split order.
     Returns (last, total): in the last program, total = the partials added in split order (the same
     bits whichever program comes last); elsewhere total = y. The sum is unrolled, so the loads are
     independent straight-line code that the compiler issues together (one L2 round trip, not SPLIT).
@@ -113,7 +115,7 @@ def splitk_reduce(y, part_ptrs, stride_ps, mask, count_ptr, pid_k, SPLIT: tl.con
     tl.store(part_ptrs + pid_k * stride_ps, y, mask=mask)
     tl.debug_barrier()
     arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
-    last = arrived == SPLIT - 1
+    last = arrived == SPLIT // GROUP - 1
     total = y
     if last:
         tl.store(count_ptr, 0)

@@ -25,7 +25,8 @@ Split K: each program owns BLOCK_N rows of W and a K range, writes its FP32 part
 workspace, and the last program of a tile to arrive (an atomic counter per tile) adds the
 partials in split order and resets the counter (`splitk_reduce`). One launch, deterministic; a
 second reduction kernel would cost another launch (~1.3 us in a CUDA graph) on ops whose floor is
-1-5 us.
+1-5 us. A plan's `group` lets one program run that many consecutive K ranges one after another,
+each its own partial: fewer programs, the same partials and the same sums, so the same bits.
 """
 
 from __future__ import annotations
@@ -65,41 +66,45 @@ def ll_dot(x, w, acc, MODE: tl.constexpr):
 def _ll_bf16_kernel(
     x_ptr, w_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
     stride_xm, stride_wn, stride_om, stride_ps, stride_pm, scale,
-    K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr,
+    K_PER_SPLIT: tl.constexpr, SPLIT: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MODE: tl.constexpr,
     NUM_STAGES: tl.constexpr, HEAD_W: tl.constexpr,
 ):
-    # Grid: (N tiles, K splits, row tiles of BLOCK_M rows).
+    # Grid: (N tiles, K splits / GROUP, row tiles of BLOCK_M rows); a program runs the GROUP
+    # consecutive splits from pid_k * GROUP, each from a zero accumulator, as GROUP programs would.
     pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     m_ok = rm < M
     n_ok = rn < N
-    k_lo = pid_k * K_PER_SPLIT
     x_ptrs = x_ptr + rm[:, None] * stride_xm + rk[None, :]
     w_ptrs = w_ptr + rn[:, None] * stride_wn + rk[None, :]
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # A constant trip count; past K (only in the last split) the loads are masked off.
-    for kk in tl.range(0, K_PER_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
-        k0 = k_lo + kk
-        k_ok = (k0 + rk) < K
-        x = to_f32(tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0))
-        w = to_f32(tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0))
-        acc = ll_dot(x, w, acc, MODE)
-    y = acc
-
     mask = m_ok[:, None] & n_ok[None, :]
+    part_ptrs = part_ptr + rm[:, None] * stride_pm + rn[None, :]
+
+    for g in tl.static_range(GROUP):
+        pid_k = tl.program_id(1) * GROUP + g
+        k_lo = pid_k * K_PER_SPLIT
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # A constant trip count; past K (only in the last split) the loads are masked off.
+        for kk in tl.range(0, K_PER_SPLIT, BLOCK_K, num_stages=NUM_STAGES):
+            k0 = k_lo + kk
+            k_ok = (k0 + rk) < K
+            x = to_f32(tl.load(x_ptrs + k0, mask=m_ok[:, None] & k_ok[None, :], other=0.0))
+            w = to_f32(tl.load(w_ptrs + k0, mask=n_ok[:, None] & k_ok[None, :], other=0.0))
+            acc = ll_dot(x, w, acc, MODE)
+        y = acc
+        if g < GROUP - 1:   # published now; the last one in splitk_reduce
+            tl.store(part_ptrs + pid_k * stride_ps, y, mask=mask)
+
     out_ptrs = out_ptr + rm[:, None] * stride_om + rn[None, :]
     if SPLIT == 1:
         _store_out(out_ptrs, y, mask, scale, HEAD_W)
     else:
-        part_ptrs = part_ptr + rm[:, None] * stride_pm + rn[None, :]
         last, total = splitk_reduce(y, part_ptrs, stride_ps, mask, count_ptr + pid_m * tl.num_programs(0) + pid_n,
-                                    pid_k, SPLIT)
+                                    pid_k, SPLIT, GROUP)
         _store_out(out_ptrs, total, mask & last, scale, HEAD_W)
 
 
@@ -143,7 +148,9 @@ class LlBf16Plan:
     n, k: the weight's [N, K]; max_rows: the most rows a launch may pass (1..64).
     weight_dtype: torch.bfloat16 or torch.float32.
     block_n: weight rows per program; k_per_split: K columns per program (a multiple of 128);
-    split: programs per block of rows (ceil(K / k_per_split)).
+    split: K ranges per block of rows (ceil(K / k_per_split)), each its own FP32 partial.
+    group: K ranges a program runs one after another (a divisor of split): split / group programs
+    per block of rows, the same partials and sums, so the same bits as group 1.
     tiles: per row bucket 1, 2, 4, ... up to next_pow2(max_rows), the kernel tile (`tile(m)`).
     partials: [split, max_rows, n] FP32 workspace; counters: [ceil(max_rows / MAX_BLOCK_M) *
     ceil(n / block_n)] int32 (per row tile and N tile), all 0 between launches.
@@ -158,6 +165,7 @@ class LlBf16Plan:
     tiles: tuple[LlBf16Tile, ...]
     partials: torch.Tensor
     counters: torch.Tensor
+    group: int = 1
 
     @property
     def device(self) -> torch.device:
@@ -174,11 +182,12 @@ class LlBf16Plan:
     @classmethod
     def build(cls, n: int, k: int, max_rows: int, weight_dtype: torch.dtype,
               device: torch.device | str = "cuda", *, split: int | None = None,
-              block_n: int = 32) -> "LlBf16Plan":
+              block_n: int = 32, group: int = 1) -> "LlBf16Plan":
         """Choose the split for about two programs per SM and allocate the workspace.
 
-        split: programs along K (default: about 2 * SMs / ceil(n / block_n), at most K / 512);
-        block_n: weight rows per program, a power of two >= 16.
+        split: K ranges (default: about 2 * SMs / ceil(n / block_n), at most K / 512);
+        block_n: weight rows per program, a power of two >= 16;
+        group: K ranges per program, a divisor of the split (fewer programs, the same bits).
         """
         for name, v in (("n", n), ("k", k), ("max_rows", max_rows), ("block_n", block_n)):
             require_int(v, name)
@@ -199,10 +208,13 @@ class LlBf16Plan:
             require_int(split, "split")
         k_per_split = triton.cdiv(grains, min(split, grains)) * _K_GRAIN
         split = triton.cdiv(k, k_per_split)
+        require_int(group, "group")
+        if split % group:
+            raise ValueError(f"group must divide the plan's split ({split} K ranges), got {group}")
         tiles = tuple(_tile_for(1 << i, weight_dtype) for i in range((max_rows - 1).bit_length() + 1))
         partials = torch.empty(split if split > 1 else 0, max_rows, n, dtype=torch.float32, device=device)
         counters = torch.zeros(triton.cdiv(max_rows, MAX_BLOCK_M) * n_tiles, dtype=torch.int32, device=device)
-        return cls(n, k, max_rows, weight_dtype, block_n, k_per_split, split, tiles, partials, counters)
+        return cls(n, k, max_rows, weight_dtype, block_n, k_per_split, split, tiles, partials, counters, group)
 
 
 def ll_bf16_(plan: LlBf16Plan, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, *,
@@ -234,10 +246,10 @@ def ll_bf16_(plan: LlBf16Plan, x: torch.Tensor, w: torch.Tensor, out: torch.Tens
     t = plan.tile(m)
     part = plan.partials
     dst = out.view(torch.int16) if head_w else out     # BF16 bits stored as int16 (`bf16_rne_bits`)
-    _ll_bf16_kernel[(plan.n_tiles, plan.split, triton.cdiv(m, t.block_m))](
+    _ll_bf16_kernel[(plan.n_tiles, plan.split // plan.group, triton.cdiv(m, t.block_m))](
         x, w, dst, part, plan.counters, m, plan.n, plan.k,
         x.stride(0), w.stride(0), dst.stride(0), part.stride(0), part.stride(1), float(scale or 0.0),
-        K_PER_SPLIT=plan.k_per_split, SPLIT=plan.split, BLOCK_M=t.block_m, BLOCK_N=plan.block_n,
+        K_PER_SPLIT=plan.k_per_split, SPLIT=plan.split, GROUP=plan.group, BLOCK_M=t.block_m, BLOCK_N=plan.block_n,
         BLOCK_K=t.block_k, MODE=t.mode, NUM_STAGES=t.num_stages, HEAD_W=head_w, num_warps=t.num_warps,
         num_stages=t.num_stages,
     )

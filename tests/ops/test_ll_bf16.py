@@ -101,6 +101,21 @@ def test_any_split_is_right(m, dtype):
         _check(ll_bf16(x, w, plan=plan), x, w)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [3, 37])
+def test_grouped_splits_give_the_same_bits(m, dtype):
+    """A plan whose programs run `group` consecutive K ranges each (split / group programs along K)
+    publishes the same partials and sums them in the same order as one program a range: the same
+    bits, and every counter back at 0 (the last program counts split / group arrivals)."""
+    x, w = _operands(m, 96, 1024, dtype, seed=m + 7)
+    want = ll_bf16(x, w, plan=LlBf16Plan.build(96, 1024, 64, dtype, _DEVICE, split=4))
+    for group in (2, 4):
+        plan = LlBf16Plan.build(96, 1024, 64, dtype, _DEVICE, split=4, group=group)
+        assert (plan.split, plan.group) == (4, group)
+        assert torch.equal(ll_bf16(x, w, plan=plan), want), f"group {group}"
+        assert not plan.counters.any()
+
+
 def test_replaying_a_plan_is_deterministic():
     plan = LlBf16Plan.build(96, 512, 16, torch.bfloat16, _DEVICE, split=4)
     (x1, w), (x2, _) = _operands(7, 96, 512, torch.bfloat16, 1), _operands(7, 96, 512, torch.bfloat16, 2)
@@ -156,6 +171,8 @@ def test_bad_inputs_raise_naming_the_argument(case, match):
     (dict(split=0), "split must be a positive int"),
     (dict(split=True), "split must be a positive int, got True"),
     (dict(max_rows=True), "max_rows must be a positive int, got True"),
+    (dict(k=512, split=4, group=3), r"group must divide the plan's split \(4 K ranges\), got 3"),
+    (dict(group=0), "group must be a positive int, got 0"),
     (dict(n=True), "n must be a positive int, got True"),
 ])
 def test_bad_plans_raise_naming_the_field(kw, match):
