@@ -63,7 +63,7 @@ def apart(c_type: str, rows: int) -> dict:
                         enable_fp_fusion=False)
     mm = compile_sm90(ll_bf16._ll_bf16_kernel, {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*fp32",
                                                 "part_ptr": "*fp32", "count_ptr": "*i32", "scale": "fp32"},
-                      dict(K_PER_SPLIT=512, SPLIT=1, BLOCK_M=tile.block_m, BLOCK_N=32, BLOCK_K=tile.block_k,
+                      dict(K_PER_SPLIT=512, SPLIT=1, GROUP=1, BLOCK_M=tile.block_m, BLOCK_N=32, BLOCK_K=tile.block_k,
                            MODE=tile.mode, NUM_STAGES=tile.num_stages, HEAD_W=False),
                       num_warps=tile.num_warps, num_stages=tile.num_stages)
     entry = compile_sm90(kv_write._compressed_entry_kernel,
