@@ -213,7 +213,9 @@ PRIORITIES = {
 
 
 def _swap(changes):
-    """Set each (obj, name, value) of changes and return the undo that restores what they held."""
+    """Set each (obj, name, value) of changes and return the undo that restores what they held. The
+    undo holds the new values too (`undo.kept`): a graph captured under the patch reads their
+    tensors (a plan's workspace and counters), so the caller keeps the undo while it replays."""
     held = [(obj, name, getattr(obj, name)) for obj, name, _ in changes]
     for obj, name, value in changes:
         setattr(obj, name, value)
@@ -221,6 +223,7 @@ def _swap(changes):
     def undo():
         for obj, name, value in held:
             setattr(obj, name, value)
+    undo.kept = [value for _, _, value in changes]
     return undo
 
 

@@ -255,7 +255,11 @@ INDEX_FOLD_Q = True
 # sm_90, else the linked path's two launches. H100, each pass and variant in a process of its own
 # (`scripts/probe_step_schedule.py --variants=default,topk_one`, topk_one at up to 8 rows; docs/step.md):
 # the step 0.56 / 0.57 % less at 1 row in two runs, 0.43 / 0.16 % at 2, 0.41 % at 4, 0.46 % more at
-# 8; in the 1-row timelines 8.9 us from the scores' end to the table's start against 10.3-10.6
+# 8; in the 1-row timelines 8.9 us from the scores' end to the table's start against 10.3-10.6. Only
+# where the scorer built the top-k's high-byte histogram (`topk_launch`'s hist_ready): `bench attn`'s
+# pair in one launch on an H100 (run GN at f0f383b) took 1.2-3.2 us less at 1-4 rows x 32K and 128K,
+# all with the histogram, but at 1 x 1M, without it, 128.2 us against 86.9 on the linked path (2 x
+# 1M 149.6 against 142.0; docs/attn.md)
 TOPK_ONE_LAUNCH_MAX_ROWS = 4
 
 
@@ -282,9 +286,10 @@ def index_scores_launch(iq, w, pool, block_table, page, req_slot, n_vis, out, ca
 
 def topk_launch(scores, n_vis, out, plan: TopKPlan, hist_ready: bool) -> torch.Tensor:
     """The step's top-k after `index_scores_launch` (`hist_ready`: what that returned): in one launch
-    at calls of at most TOPK_ONE_LAUNCH_MAX_ROWS rows on an sm_90 GPU, else the linked path's
-    launches (`topk_ascending_`; the same selection either way). Returns out."""
-    one = scores.shape[0] <= TOPK_ONE_LAUNCH_MAX_ROWS and is_sm90(scores.device)
+    at calls of at most TOPK_ONE_LAUNCH_MAX_ROWS rows on an sm_90 GPU whose scorer built the
+    high-byte histogram (hist_ready), else the linked path's launches (`topk_ascending_`; the same
+    selection either way). Returns out."""
+    one = hist_ready and scores.shape[0] <= TOPK_ONE_LAUNCH_MAX_ROWS and is_sm90(scores.device)
     return topk_ascending_(scores, n_vis, out, plan, hist_ready=hist_ready, one_launch=one)
 
 

@@ -640,3 +640,20 @@ def test_numpy_counts_and_inputs_that_require_grad(cpu_setup, monkeypatch):
     assert step.io.x_in.grad_fn is None and not step.io.x_in.requires_grad
     assert step.io.pre_in.grad_fn is None and not step.io.pre_in.requires_grad
     assert step.state.length("a") == base.length("a") + 2
+
+
+@pytest.mark.parametrize("rows, hist_ready, sm90, one", [
+    (1, True, True, True), (4, True, True, True), (5, True, True, False),
+    (1, False, True, False), (1, True, False, False)])
+def test_topk_in_one_launch_only_where_the_scorer_built_the_histogram(monkeypatch, rows, hist_ready, sm90, one):
+    """`attention.topk_launch`: one launch at calls of at most TOPK_ONE_LAUNCH_MAX_ROWS rows on sm_90
+    and only where the scorer built the high-byte histogram (without it, at 1 x 1M, the one launch
+    measured 1.5x the linked path's pair: attention.py's note); the linked path elsewhere."""
+    from dsv41_decode.decode import attention as attention_mod
+    seen = {}
+    monkeypatch.setattr(attention_mod, "is_sm90", lambda device: sm90)
+    monkeypatch.setattr(attention_mod, "topk_ascending_",
+                        lambda scores, n_vis, out, plan, hist_ready, one_launch: seen.update(one=one_launch) or out)
+    out = torch.empty(rows, 8, dtype=torch.int32)
+    assert attention_mod.topk_launch(torch.zeros(rows, 64), None, out, None, hist_ready) is out
+    assert seen == {"one": one}

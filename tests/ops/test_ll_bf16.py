@@ -259,6 +259,23 @@ def test_gpu_real_shapes_every_row_count(n, k, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("group", [2, 4, 8])
+def test_gpu_grouped_splits_give_the_same_bits(group):
+    """The ratio-2 compressor's shape (1024 x 5120, FP32 weight, split 8) with `group` K ranges a
+    program: the default plan's bits at every row count 1-64 (the same partials, summed in order)."""
+    n, k = 1024, 5120
+    x, w = _operands(64, n, k, torch.float32, seed=11)
+    base = LlBf16Plan.build(n, k, 64, torch.float32, "cuda", split=8)
+    plan = LlBf16Plan.build(n, k, 64, torch.float32, "cuda", split=8, group=group)
+    want, out = torch.empty(64, n, device="cuda"), torch.empty(64, n, device="cuda")
+    for m in range(1, 65):
+        ll_bf16_(base, x[:m], w, want[:m])
+        ll_bf16_(plan, x[:m], w, out[:m])
+        assert torch.equal(out[:m], want[:m]), f"{m} rows"
+    assert not plan.counters.any()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("n, k, dtype", _REAL)
 def test_gpu_cuda_graph_replay(n, k, dtype):
     plan = LlBf16Plan.build(n, k, 16, dtype, "cuda")
