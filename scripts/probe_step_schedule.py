@@ -344,25 +344,14 @@ def _wproj_split(step):
                   for layer in step.layers.values() if layer.spec.runs_indexer for p in [layer.proj_plan]])
 
 
-def _comp_r2_split(split: int):
+def _comp_r2_plan(split: int | None = None, group: int = 1):
     """A patch giving the ratio-2 compressor's FP32 projection (`comp_plan` of the layers whose
-    compressor has ratio 2) `split` programs along K instead of its plan's (8 at TP1 on 132 SMs:
-    256 programs); the undo restores the plans."""
+    compressor has ratio 2) `split` K ranges instead of its plan's (8 at TP1 on 132 SMs: 256 programs;
+    None: the plan's) run `group` at a time a program (`LlBf16Plan.group`: split / group programs,
+    the same bits as that split); the undo restores the plans."""
     def patch(step):
         return _swap([(layer, "comp_plan", LlBf16Plan.build(p.n, p.k, p.max_rows, p.weight_dtype, p.device,
-                                                            split=split, block_n=p.block_n))
-                      for layer in step.layers.values()
-                      if layer.spec.owns_compressor and layer.spec.ratio == 2 for p in [layer.comp_plan]])
-    return patch
-
-
-def _comp_r2_group(group: int):
-    """A patch giving the ratio-2 compressor's FP32 projection programs of `group` consecutive K
-    ranges each (`LlBf16Plan.group`: split / group programs along K, the same bits); the undo
-    restores the plans."""
-    def patch(step):
-        return _swap([(layer, "comp_plan", LlBf16Plan.build(p.n, p.k, p.max_rows, p.weight_dtype, p.device,
-                                                            split=p.split, block_n=p.block_n, group=group))
+                                                            split=split or p.split, block_n=p.block_n, group=group))
                       for layer in step.layers.values()
                       if layer.spec.owns_compressor and layer.spec.ratio == 2 for p in [layer.comp_plan]])
     return patch
@@ -552,8 +541,8 @@ PATCHES = {
     "boundary_split": _boundary_split, "mla_after_mix": _mla_after_mix, "wq_b_slack": _wq_b_slack,
     "mix_late": _mix_rows(1), "mix_early": _mix_rows(LOW_BATCH_MAX_ROWS + 1), "topk_chunk": _topk_chunk,
     "wproj_lane": _layer_flag("proj_own_lane", True), "wproj_in_index": _layer_flag("proj_own_lane", False),
-    "wproj_split": _wproj_split, "comp_r2_split2": _comp_r2_split(2), "comp_r2_split4": _comp_r2_split(4),
-    "comp_r2_group2": _comp_r2_group(2), "comp_r2_group4": _comp_r2_group(4),
+    "wproj_split": _wproj_split, "comp_r2_split2": _comp_r2_plan(split=2), "comp_r2_split4": _comp_r2_plan(split=4),
+    "comp_r2_group2": _comp_r2_plan(group=2), "comp_r2_group4": _comp_r2_plan(group=4),
     "comp_tail": _comp_tail, "boundary_bd256": _boundary_chunks(256),
     "boundary_bd1024": _boundary_chunks(1024), "prefetch_wo_a": _prefetch_wo_a,
     "no_prefetch": _layer_flag("prefetch_records", False),
