@@ -4,8 +4,8 @@ decode step's scorer (`decode.attention.index_scores_launch`: on sm_90 the Gluon
 `ops.gluon_indexer`, with the Triton FP8 path as the baseline column `triton_fp8`; elsewhere the
 Triton FP8 path), with the BF16 path as the baseline column `bf16_path`. "indexer+topk" is the
 step's pair (`index_scores_launch`, then `topk_launch`): on sm_90 the scorer also builds the
-top-k's high-byte histogram where that pays (`hist_ready`), and at <= 4 rows the top-k runs in one
-launch (`decode.attention.TOPK_ONE_LAUNCH_MAX_ROWS`)."""
+top-k's high-byte histogram where that pays (`hist_ready`), and with it ready at <= 4 rows the
+top-k runs in one launch (`decode.attention.TOPK_ONE_LAUNCH_MAX_ROWS`)."""
 
 from __future__ import annotations
 

@@ -21,8 +21,8 @@ combination at every row count) and the co-resident mHC boundary (`ops.mhc`,
 `MhcBoundaryPlan.coresident`) do, and count on every program of the launch becoming resident;
 beside side-lane kernels that finish on their own they are only delayed, beside another waiting
 kernel both could stall until their bounded waits give up. The one-launch top-k
-(`topk_ascending_(one_launch=True)`), which the step runs on the main stream at 1-4 rows
-(`attention.TOPK_ONE_LAUNCH_MAX_ROWS`), waits likewise, its waits bounded too.
+(`topk_ascending_(one_launch=True)`), which the step runs on the main stream at 1-4 rows where
+the scorer built its histogram (`attention.topk_launch`), waits likewise, its waits bounded too.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ the caller's scorer has already added the high-byte histogram into the workspace
      keys > T and == T, publishes the counts, sums those of the chunks before its own as they
      arrive (a look-back that cannot deadlock: see the kernel), and writes its selected indices at
      that offset. The scores are read once per launch: three (two) passes instead of four.
-With `one_launch=True` (opt-in; the decode step's at 1-4 rows, see `topk_ascending_`)
+With `one_launch=True` (opt-in; the decode step's at 1-4 rows with the histogram ready, see `topk_ascending_`)
 `_one_launch_kernel` does all of it in one launch whose grid fits the SMs: each program
 reads its chunk once and waits, within the launch, for its row's histograms and the earlier chunks'
 counts; every wait is bounded and falls back to reading the scores itself, so the output never
@@ -822,8 +822,8 @@ def topk_ascending_(scores: torch.Tensor, n_vis: torch.Tensor, out: torch.Tensor
     default here; alone it is faster (H200, FP32 scores, hist_ready: 12.28 against the linked path's
     14.24 us at 1 row x 128K, 13.07 / 14.53 at 4 x 128K, 29.89 / 33.77 at 1 x 1M), and programs that
     wait for each other lose where other kernels hold SMs: the decode step takes it at 1-4 rows
-    (`decode.attention.TOPK_ONE_LAUNCH_MAX_ROWS`, measured there), where its programs find the SMs
-    free.
+    with hist_ready (`decode.attention.topk_launch`, measured there), where its programs find the
+    SMs free.
     table: None, or (req_slot, block_table, page_size, table_out, lengths_out) as
     `sparse_tables.topk_slots_` takes them (req_slot [N] int64, block_table [R, P] int32,
     page_size >= 1, table_out [N, k] int32, lengths_out [N] int32): the write pass also writes
