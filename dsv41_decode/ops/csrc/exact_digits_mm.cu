@@ -1,0 +1,308 @@
+// The contract-exact low-batch MXFP8 linear on FP16 tensor cores over the codes' digits, in CUDA C++
+// for sm_90 (ops/cuda_exact_mm.py binds, builds and launches it; docs/gemm.md, "CudaExactMM").
+//
+// y[m, n] = sum over K blocks kb, in K order, from 0, in FP32, of RN(RN(P[m, n, kb] * sx[m, kb]) *
+// sw[n / 32, kb]), P the block's exact dot of E4M3 codes rounded once to FP32 (spec decision 1;
+// reference.linear.mxfp8_mm), then rounded to BF16 (or left FP32).
+//
+// The block's exact dot (gluon_exact_digits.chained_dot's arithmetic): each E4M3 value v splits
+// exactly into two FP16 digits, vh = v rounded to an integer ((v + 1536) - 1536 in FP16) and
+// vl = v - vh (a multiple of 2^-9, |vl| <= 1/2). mid = wh.xl + wl.xh (multiples of 2^-9 below 2^14)
+// on two MMAs from 0; mi = (mid + 1.5 * 2^23) - 1.5 * 2^23, mid rounded to an integer; then
+// H = wh.xh + mi (integers below 2^24) and L = wl.xl + (mid - mi) (multiples of 2^-18 below 2^4)
+// as MMAs accumulating onto mi and mid - mi: each at most 24 significant bits, exact under the
+// FP16 MMA's adds (scripts/probe_digit_mma.py), so RN(H + L) is the block's exact dot rounded once.
+// The MMA is mma.sync m16n8k16 with the weight rows as M (16 a warp) and x's rows as N (8 an
+// n-tile); within a 32-deep block the K order is free (the block's sum is exact), so thread
+// (g = lane / 4, t = lane % 4) takes bytes 8t .. 8t + 7 of each block of its rows: logical k =
+// 16 s + 8 u + 2 t + v at byte 8 t + 4 s + 2 u + v, for A (weight rows g, g + 8) and B (x row g) alike.
+//
+// Schedule (no CTA-wide barrier in the main loop): a CTA owns 16 weight rows and every row of x;
+// its P compute warps take the K stages (G = 4 blocks, 128 bytes of each row) in turn, stage
+// st by warp st % P, each streaming its own stages' weight and x bytes by cp.async through a ring
+// of S stages of its own (cp.async.wait_group and __syncwarp only), and writes each block's FP32
+// terms into a ring of R = 2P stage slots of shared memory; the CTA's last warp adds the terms in K
+// order, one FP32 accumulator per output from 0 (full / empty mbarriers per slot, 32 arrivals
+// each), and stores y.
+//
+// Compiled without FMA contraction (--fmad=false) and without flushing subnormals; every rounding
+// step is an explicit _rn intrinsic as well.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int G = 4;                 // K blocks of 32 per stage
+constexpr int ROW_BYTES = 32 * G;    // bytes of a row in a stage
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+    return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async_cg16(uint32_t dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_ca16(uint32_t dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+    asm volatile("{\n\t.reg .b64 state;\n\tmbarrier.arrive.shared::cta.b64 state, [%0];\n\t}\n" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+    asm volatile(
+        "{\n\t.reg .pred done;\n"
+        "WAIT:\n\t"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
+        "@!done bra WAIT;\n\t}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+}
+
+// m16n8k16, FP16 operands, FP32 accumulator: d = a . b + c.
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
+                                         const float (&c)[4]) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%10, %11, %12, %13};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]),
+          "f"(c[3]));
+}
+
+// Two E4M3 codes (the low byte first) as an FP16 pair (exact: every E4M3 value is an FP16 value).
+__device__ __forceinline__ __half2 e4m3x2_to_half2(uint32_t two_codes) {
+    __half2_raw r = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two_codes & 0xFFFFu), __NV_E4M3);
+    return *reinterpret_cast<__half2*>(&r);
+}
+
+// The digits of an FP16 pair of E4M3 values: hi = v rounded to an integer, lo = v - hi (both exact).
+__device__ __forceinline__ void digits(__half2 v, uint32_t& hi, uint32_t& lo) {
+    const __half2 c = __float2half2_rn(1536.0f);
+    __half2 h = __hsub2(__hadd2(v, c), c);
+    __half2 l = __hsub2(v, h);
+    hi = *reinterpret_cast<uint32_t*>(&h);
+    lo = *reinterpret_cast<uint32_t*>(&l);
+}
+
+// Four pairs of E4M3 codes (8 bytes: words w0, w1) as the digits of the pairs p0 .. p3.
+__device__ __forceinline__ void digits8(uint2 w, uint32_t (&hi)[4], uint32_t (&lo)[4]) {
+    digits(e4m3x2_to_half2(w.x), hi[0], lo[0]);
+    digits(e4m3x2_to_half2(w.x >> 16), hi[1], lo[1]);
+    digits(e4m3x2_to_half2(w.y), hi[2], lo[2]);
+    digits(e4m3x2_to_half2(w.y >> 16), hi[3], lo[3]);
+}
+
+// 2^(b - 127) for a UE8M0 byte (byte 255: NaN; byte 0: 0.0, as the Triton kernels).
+__device__ __forceinline__ float ue8m0(uint32_t b) {
+    return b == 255u ? __int_as_float(0x7FC00000) : __int_as_float(static_cast<int>(b << 23));
+}
+
+// Byte offset of 16-byte chunk c (0 .. 2G - 1) of row r in a stage buffer: each row's 32-byte blocks
+// XOR-swizzled by r % 4, so the fragment loads (rows g, 8-byte words t) hit distinct banks.
+__device__ __forceinline__ int chunk_offset(int r, int c) {
+    return r * ROW_BYTES + (((c >> 1) ^ (r & 3)) << 5) + ((c & 1) << 4);
+}
+
+// Byte offset of thread (g, t)'s 8-byte word of block b of row r.
+__device__ __forceinline__ int word_offset(int r, int b, int t) {
+    return r * ROW_BYTES + ((b ^ (r & 3)) << 5) + (t << 3);
+}
+
+template <int NT, int P, int S>
+struct Layout {
+    static constexpr int R = 2 * P;                        // term slots (stages)
+    static constexpr int X_ROWS = 8 * NT;
+    static constexpr int STAGE_BYTES = (16 + X_ROWS) * ROW_BYTES;
+    static constexpr int TERM_SLOT_BYTES = G * NT * 32 * 16;
+    static constexpr int BAR_BYTES = 2 * R * 8;
+    static constexpr int TERMS_OFF = (BAR_BYTES + 127) / 128 * 128;
+    static constexpr int STAGES_OFF = TERMS_OFF + R * TERM_SLOT_BYTES;
+    static constexpr int SMEM = STAGES_OFF + P * S * STAGE_BYTES;
+};
+
+template <int NT, int P, int S>
+__device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, const uint8_t* __restrict__ sx,
+                                                const uint8_t* __restrict__ w, const uint8_t* __restrict__ sw,
+                                                void* __restrict__ out, int m, int n, int k, int ld_x, int ld_sx,
+                                                int ld_w, int ld_sw, int ld_out, int out_fp32) {
+    using L = Layout<NT, P, S>;
+    extern __shared__ __align__(128) uint8_t smem[];
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int row0 = blockIdx.x * 16;
+    const int n_stages = k / ROW_BYTES;
+    const uint32_t bars = smem_addr(smem);                  // full[0 .. R), then empty[0 .. R)
+    float4* terms = reinterpret_cast<float4*>(smem + L::TERMS_OFF);
+
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < 2 * L::R; ++i) mbar_init(bars + 8 * i, 32);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    __syncthreads();
+
+    if (warp == P) {
+        // The accumulating warp: each output's block terms in K order, from 0.
+        float acc[NT][4];
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
+        for (int st = 0; st < n_stages; ++st) {
+            const int slot = st % L::R;
+            mbar_wait(bars + 8 * slot, (st / L::R) & 1);
+#pragma unroll
+            for (int b = 0; b < G; ++b)
+#pragma unroll
+                for (int j = 0; j < NT; ++j) {
+                    const float4 v = terms[((slot * G + b) * NT + j) * 32 + lane];
+                    acc[j][0] = __fadd_rn(acc[j][0], v.x);
+                    acc[j][1] = __fadd_rn(acc[j][1], v.y);
+                    acc[j][2] = __fadd_rn(acc[j][2], v.z);
+                    acc[j][3] = __fadd_rn(acc[j][3], v.w);
+                }
+            mbar_arrive(bars + 8 * (L::R + slot));
+        }
+        // C fragment: acc[j][i] is weight row g + 8 (i / 2), x row 8 j + 2 t + i % 2.
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int xr = 8 * j + 2 * t + (i & 1);
+                const int wr = row0 + g + 8 * (i >> 1);
+                if (xr < m) {
+                    if (out_fp32)
+                        reinterpret_cast<float*>(out)[static_cast<size_t>(xr) * ld_out + wr] = acc[j][i];
+                    else
+                        reinterpret_cast<__nv_bfloat16*>(out)[static_cast<size_t>(xr) * ld_out + wr] =
+                            __float2bfloat16_rn(acc[j][i]);
+                }
+            }
+        return;
+    }
+
+    // A compute warp: stages warp, warp + P, ... through its own ring of S stage buffers.
+    uint8_t* ring = smem + L::STAGES_OFF + warp * S * L::STAGE_BYTES;
+    const uint8_t* w_rows = w + static_cast<size_t>(row0) * ld_w;
+    auto issue = [&](int st, int buf) {
+        if (st < n_stages) {
+            const uint32_t base = smem_addr(ring + buf * L::STAGE_BYTES);
+            const int k0 = st * ROW_BYTES;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {                   // weight: 16 rows x 8 chunks
+                const int idx = lane + 32 * i, r = idx >> 3, c = idx & 7;
+                cp_async_cg16(base + chunk_offset(r, c), w_rows + static_cast<size_t>(r) * ld_w + k0 + 16 * c, 16);
+            }
+#pragma unroll
+            for (int i = 0; i < 2 * NT; ++i) {              // x: 8 NT rows x 8 chunks, rows past m zero
+                const int idx = lane + 32 * i, r = idx >> 3, c = idx & 7;
+                const bool live = r < m;
+                const uint8_t* src = x + static_cast<size_t>(live ? r : 0) * ld_x + k0 + 16 * c;
+                cp_async_ca16(base + chunk_offset(16 + r, c), src, live ? 16 : 0);
+            }
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int i = 0; i < S - 1; ++i) issue(warp + i * P, i);
+
+    for (int j = 0, st = warp; st < n_stages; ++j, st += P) {
+        cp_async_wait<S - 2>();
+        __syncwarp();
+        issue(st + (S - 1) * P, (j + S - 1) % S);
+        const uint8_t* buf = ring + (j % S) * L::STAGE_BYTES;
+        const int kb0 = st * G;
+        // the stage's scales: sw of the tile's 32-row group, sx of the thread's x rows 8 jt + 2 t + {0, 1}
+        const uint32_t sw4 = *reinterpret_cast<const uint32_t*>(sw + static_cast<size_t>(row0 >> 5) * ld_sw + kb0);
+        uint32_t sx4[NT][2];
+#pragma unroll
+        for (int jt = 0; jt < NT; ++jt)
+#pragma unroll
+            for (int v = 0; v < 2; ++v) {
+                const int xr = 8 * jt + 2 * t + v;
+                sx4[jt][v] = xr < m ? *reinterpret_cast<const uint32_t*>(sx + static_cast<size_t>(xr) * ld_sx + kb0) : 0u;
+            }
+        const int slot = st % L::R;
+        mbar_wait(bars + 8 * (L::R + slot), ((st / L::R) & 1) ^ 1);
+#pragma unroll
+        for (int b = 0; b < G; ++b) {
+            uint32_t ah[2][4], al[2][4];                    // [step][reg]: rows g / g + 8
+            {
+                uint32_t h0[4], l0[4], h1[4], l1[4];
+                digits8(*reinterpret_cast<const uint2*>(buf + word_offset(g, b, t)), h0, l0);
+                digits8(*reinterpret_cast<const uint2*>(buf + word_offset(g + 8, b, t)), h1, l1);
+                // step s: {p(2s) row g, p(2s) row g + 8, p(2s+1) row g, p(2s+1) row g + 8}
+#pragma unroll
+                for (int s = 0; s < 2; ++s) {
+                    ah[s][0] = h0[2 * s]; ah[s][1] = h1[2 * s]; ah[s][2] = h0[2 * s + 1]; ah[s][3] = h1[2 * s + 1];
+                    al[s][0] = l0[2 * s]; al[s][1] = l1[2 * s]; al[s][2] = l0[2 * s + 1]; al[s][3] = l1[2 * s + 1];
+                }
+            }
+            const float swb = ue8m0((sw4 >> (8 * b)) & 0xFFu);
+#pragma unroll
+            for (int jt = 0; jt < NT; ++jt) {
+                uint32_t xh[4], xl[4];
+                digits8(*reinterpret_cast<const uint2*>(buf + word_offset(16 + 8 * jt + g, b, t)), xh, xl);
+                const uint32_t bh0[2] = {xh[0], xh[1]}, bh1[2] = {xh[2], xh[3]};
+                const uint32_t bl0[2] = {xl[0], xl[1]}, bl1[2] = {xl[2], xl[3]};
+                const float zero[4] = {0.f, 0.f, 0.f, 0.f};
+                float mid[4];
+                mma16816(mid, ah[0], bl0, zero);
+                mma16816(mid, ah[1], bl1, mid);
+                mma16816(mid, al[0], bh0, mid);
+                mma16816(mid, al[1], bh1, mid);
+                float mi[4], mf[4];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    mi[i] = __fsub_rn(__fadd_rn(mid[i], 12582912.0f), 12582912.0f);
+                    mf[i] = __fsub_rn(mid[i], mi[i]);
+                }
+                float hh[4], ll[4];
+                mma16816(hh, ah[0], bh0, mi);
+                mma16816(hh, ah[1], bh1, hh);
+                mma16816(ll, al[0], bl0, mf);
+                mma16816(ll, al[1], bl1, ll);
+                float4 term;
+                float* tp = reinterpret_cast<float*>(&term);
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float sxv = ue8m0((sx4[jt][i & 1] >> (8 * b)) & 0xFFu);
+                    tp[i] = __fmul_rn(__fmul_rn(__fadd_rn(hh[i], ll[i]), sxv), swb);
+                }
+                terms[((slot * G + b) * NT + jt) * 32 + lane] = term;
+            }
+        }
+        mbar_arrive(bars + 8 * slot);
+    }
+    cp_async_wait<0>();
+}
+
+}  // namespace
+
+#define DSV41_EXACT_DIGITS_MM(NT, P, S)                                                                          \
+    extern "C" __global__ void __launch_bounds__((P + 1) * 32) exact_digits_mm_nt##NT##_p##P##_s##S(                \
+        const uint8_t* x, const uint8_t* sx, const uint8_t* w, const uint8_t* sw, void* out, int m, int n, int k,   \
+        int ld_x, int ld_sx, int ld_w, int ld_sw, int ld_out, int out_fp32) {                                      \
+        exact_digits_mm<NT, P, S>(x, sx, w, sw, out, m, n, k, ld_x, ld_sx, ld_w, ld_sw, ld_out, out_fp32);         \
+    }                                                                                                              \
+    extern "C" __device__ int exact_digits_mm_nt##NT##_p##P##_s##S##_smem = Layout<NT, P, S>::SMEM;
+
+DSV41_EXACT_DIGITS_MM(1, 4, 4)
+DSV41_EXACT_DIGITS_MM(1, 8, 4)
+DSV41_EXACT_DIGITS_MM(1, 4, 6)
+DSV41_EXACT_DIGITS_MM(2, 4, 4)
+DSV41_EXACT_DIGITS_MM(2, 8, 3)

@@ -1,0 +1,120 @@
+"""`CudaExactMM`: the contract-exact low-batch MXFP8 linear (y[M, N] = MXFP8 activation x FP8 weight
+with 32x32 UE8M0 block scales, bitwise `reference.linear.mxfp8_mm`) for 1-16 rows on FP16 tensor
+cores over the codes' digits, in CUDA C++ (`ops/csrc/exact_digits_mm.cu`, built on first use by
+`ops.cuda_build`).
+
+The arithmetic is `GluonExactMM`'s FP16 digits with `chained_dot` (docs/gemm.md, "The FP16
+digits"); what differs is the schedule, which Triton 3.6 cannot express: Gluon puts a CTA barrier
+before every mbarrier wait and arrive of a partition of more than one warp, so its consumer warps
+run slot by slot in lockstep (40-53 % of their stall cycles at those barriers). Here each compute
+warp streams its own K stages by cp.async (128 K of its CTA's 16 weight rows and of every x row
+a stage, `stages` deep) and synchronizes with nothing but the CTA's accumulating warp, which adds
+the block terms in K order through a ring of shared-memory slots with per-slot mbarriers. A CTA
+owns 16 weight rows (the m16n8k16 MMA's M; x's rows are its N, eight an n-tile), so the grid is
+N / 16 CTAs of `warps` + 1 warps, each compute warp taking every `warps`-th stage of K.
+
+Requirements (ValueError naming the argument): N a multiple of 16, K of 128; weight and codes
+rows contiguous and 16-byte aligned, scales rows 4-byte aligned; a CUDA device of compute
+capability >= 8.9 (the E4M3 pair conversion) with nvcc to build the kernels (`cuda_build`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from .checks import config_for_rows, mxfp8_linear_args, mxfp8_weight_args, row_configs
+from .cuda_build import CudaFunction, load_module
+
+SOURCE = "exact_digits_mm.cu"
+MAX_ROWS = 16
+ROWS_PER_TILE = 8           # x rows per n-tile (the MMA's N)
+
+
+@dataclass(frozen=True)
+class CudaExactConfig:
+    """warps: compute warps a CTA (each taking every warps-th K stage; the CTA has one more, the
+    accumulating warp); stages: each compute warp's cp.async ring depth in 128-K stages."""
+
+    warps: int = 4
+    stages: int = 4
+
+    def kernel(self, n_tiles: int) -> str:
+        return f"exact_digits_mm_nt{n_tiles}_p{self.warps}_s{self.stages}"
+
+
+def compiled_kernels() -> set[tuple[int, int, int]]:
+    """The (n_tiles, warps, stages) the source instantiates (its DSV41_EXACT_DIGITS_MM lines)."""
+    from .cuda_build import CSRC
+    text = (CSRC / SOURCE).read_text()
+    return {tuple(map(int, t)) for t in re.findall(r"^DSV41_EXACT_DIGITS_MM\((\d+), (\d+), (\d+)\)", text, re.M)}
+
+
+# The configuration a call of at most this many rows takes by default.
+DEFAULT_CONFIG = {8: CudaExactConfig(4, 4), 16: CudaExactConfig(4, 4)}
+
+
+def _require_rows_layout(t: torch.Tensor, name: str, row_align: int) -> None:
+    if t.stride(1) != 1 or t.stride(0) % row_align or t.data_ptr() % row_align:
+        raise ValueError(f"{name} must have contiguous rows starting at {row_align}-byte aligned addresses, "
+                         f"got strides {tuple(t.stride())}")
+
+
+class CudaExactMM:
+    """The plan of one weight: `CudaExactMM(weight, w_scale, max_rows, config)` binds it and loads the
+    kernels its row buckets take; calling it launches one kernel on the current stream.
+
+    weight [N, K] float8_e4m3fn, w_scale [ceil(N/32), K/32] UE8M0 (`ops.checks.mxfp8_weight_args`);
+    config: a CudaExactConfig or {most rows: CudaExactConfig} covering max_rows (default
+    DEFAULT_CONFIG); each (rows / 8 rounded up, warps, stages) must be one the source instantiates."""
+
+    def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int = MAX_ROWS,
+                 config: CudaExactConfig | dict[int, CudaExactConfig] | None = None):
+        n, k = mxfp8_weight_args(weight, w_scale, max_rows, MAX_ROWS)
+        if n % 16 or k % 128:
+            raise ValueError(f"weight must be [N, K] with N a multiple of 16 and K of 128, got {(n, k)}")
+        _require_rows_layout(weight, "weight", 16)
+        _require_rows_layout(w_scale, "w_scale", 4)
+        configs = row_configs(DEFAULT_CONFIG if config is None else config, CudaExactConfig,
+                              "a CudaExactConfig", max_rows)
+        if weight.device.type != "cuda" or torch.cuda.get_device_capability(weight.device) < (8, 9):
+            raise ValueError(f"weight must be on a CUDA device of compute capability >= 8.9, got {weight.device}")
+        built = compiled_kernels()
+        module = load_module(SOURCE, weight.device.index if weight.device.index is not None
+                             else torch.cuda.current_device())
+        self.functions: dict[tuple[int, CudaExactConfig], CudaFunction] = {}
+        lo = 1
+        for most, c in configs:
+            for tiles in range(-(-lo // ROWS_PER_TILE), -(-min(most, max_rows) // ROWS_PER_TILE) + 1):
+                if (tiles, c.warps, c.stages) not in built:
+                    raise ValueError(f"config {c} at {tiles * ROWS_PER_TILE} rows: the source instantiates "
+                                     f"(n_tiles, warps, stages) only for {sorted(built)}")
+                name = c.kernel(tiles)
+                self.functions[(tiles, c)] = module.function(name, module.global_int(f"{name}_smem"))
+            lo = most + 1
+        self.weight, self.w_scale, self.n, self.k, self.max_rows = weight, w_scale, n, k, max_rows
+        self.configs, self.device = configs, weight.device
+
+    def function_for(self, rows: int) -> tuple[CudaFunction, CudaExactConfig]:
+        c = config_for_rows(self.configs, rows)
+        return self.functions[(-(-rows // ROWS_PER_TILE), c)], c
+
+    def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """y = codes x weight^T with the contract's roundings: codes [M, K] float8_e4m3fn, x_scale
+        [M, K/32] UE8M0, 1 <= M <= max_rows; out [M, N] BF16 or FP32 (allocated BF16 when None).
+        Returns out."""
+        out = mxfp8_linear_args(codes, x_scale, out, self.n, self.k, self.max_rows, self.device)
+        _require_rows_layout(codes, "codes", 16)
+        _require_rows_layout(x_scale, "x_scale", 4)
+        if out.stride(1) != 1:
+            raise ValueError(f"out must have contiguous rows, got strides {tuple(out.stride())}")
+        m = codes.shape[0]
+        fn, c = self.function_for(m)
+        fn.launch((self.n // 16, 1, 1), 32 * (c.warps + 1), torch.cuda.current_stream(self.device).cuda_stream,
+                  [("p", codes.data_ptr()), ("p", x_scale.data_ptr()), ("p", self.weight.data_ptr()),
+                   ("p", self.w_scale.data_ptr()), ("p", out.data_ptr()), ("i", m), ("i", self.n), ("i", self.k),
+                   ("i", codes.stride(0)), ("i", x_scale.stride(0)), ("i", self.weight.stride(0)),
+                   ("i", self.w_scale.stride(0)), ("i", out.stride(0)), ("i", int(out.dtype == torch.float32))])
+        return out
