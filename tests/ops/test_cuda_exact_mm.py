@@ -86,9 +86,11 @@ def test_gpu_bitwise_the_reference(n, k, nt, p, s):
             for dtype in (torch.bfloat16, torch.float32):
                 want = mxfp8_mm(x, xs, w, ws, out_dtype=dtype)
                 got = op(x, xs, torch.empty(m, n, dtype=dtype, device="cuda"))
-                diff = (got.view(torch.int32 if dtype == torch.float32 else torch.int16)
-                        != want.view(torch.int32 if dtype == torch.float32 else torch.int16)).sum().item()
-                assert diff == 0, f"{n}x{k} rows={m} heavy={heavy} {dtype}: {diff} outputs differ"
+                bad = (got.view(torch.int32 if dtype == torch.float32 else torch.int16)
+                       != want.view(torch.int32 if dtype == torch.float32 else torch.int16)).nonzero()
+                first = [(r, c, got[r, c].item(), want[r, c].item()) for r, c in bad[:6].tolist()]
+                assert len(bad) == 0, (f"{n}x{k} rows={m} heavy={heavy} {dtype}: {len(bad)} outputs differ, "
+                                       f"first (x row, weight row, got, want): {first}")
 
 
 @pytest.mark.gpu
