@@ -2,7 +2,8 @@
 faster at its row count: `ops.exact_mm.ExactMM` (CUDA cores, every device and the interpreter) or,
 on an sm_90 GPU, `ops.gluon_exact_fma.GluonExactFMA` (the FP64 CUDA cores from a TMA ring, 1-4
 rows) or `ops.gluon_exact_mm.GluonExactMM` (the FP64 MMA, or FP16 MMAs on the codes' two digits,
-from a TMA ring). All give the bits of
+from a TMA ring) or `ops.cuda_exact_mm.CudaExactMM` (FP16 MMAs on the digits in CUDA C++, at the
+row counts `_CUDA_PLAN` lists, for calls without an epilogue). All give the bits of
 `reference.linear.mxfp8_mm` (each 32-deep block sum exact, rounded once to FP32, scaled, added in K
 order: docs/spec-decisions.md decision 1) in the same reduction order, so a row's result never
 depends on which op ran or how many rows shared the call (batch invariance).
@@ -24,6 +25,8 @@ import torch
 
 from .checks import require_bool, require_int
 from .common import full_rate_fp64, is_sm90
+from .cuda_build import CudaBuildError
+from .cuda_exact_mm import MAX_ROWS as CUDA_MAX_ROWS, CudaExactMM
 from .exact_mm import ExactMM, reduction_order
 from .gluon_exact_fma import MAX_ROWS as FMA_MAX_ROWS, GluonExactFMA, GluonExactFMAConfig
 from .gluon_exact_mm import GluonExactConfig, GluonExactMM
@@ -110,6 +113,10 @@ _FMA_PLAN: dict[tuple[int, int], tuple[int, int, GluonExactFMAConfig]] = {
     (32768, 1280): (1, 2, _fma_cfg("2:2:1:4:96")),
 }
 _DEFAULT_ABOVE = 4
+# Per (N, K): the (first, last) row counts at which `CudaExactMM` (the FP16 digits in CUDA C++) runs
+# the calls without the RoPE epilogue or the mHC boundary, on sm_90 where it builds (nvcc present);
+# none until measured faster in the step (scripts/probe_cuda_exact_mm.py, scripts/ab_step.py).
+_CUDA_PLAN: dict[tuple[int, int], tuple[int, int]] = {}
 
 
 def takes_pair_slots(config: GluonExactConfig, k: int) -> bool:
@@ -144,11 +151,14 @@ class ExactLinear:
     configurations with `GluonExactConfig.fuse_scales` (each block term and its add in one FMA
     where the scales allow it; the same bits). pair_slots: its configurations along K that can take
     it (`takes_pair_slots`) with `GluonExactConfig.pair_slots` (the ring's slots two at a time; the
-    same bits)."""
+    same bits). cuda_rows: override the (first, last) row counts at which `CudaExactMM` runs the
+    calls without rope or boundary (None: `_CUDA_PLAN`'s, on sm_90 only; (1, 0): never), where it
+    builds; `cuda_rows` the attribute: the range it runs ((1, 0): none)."""
 
     def __init__(self, weight: torch.Tensor, w_scale: torch.Tensor, max_rows: int = MAX_ROWS,
                  exact_config=None, workspace=None, mma_above: int | None = None,
-                 fma_rows: int | None = None, fuse_scales: bool = False, pair_slots: bool = False):
+                 fma_rows: int | None = None, fuse_scales: bool = False, pair_slots: bool = False,
+                 cuda_rows: tuple[int, int] | None = None):
         for name, v in (("mma_above", mma_above), ("fma_rows", fma_rows)):
             if v is not None:
                 require_int(v, name, 0)
@@ -190,13 +200,29 @@ class ExactLinear:
             except ValueError:      # as above
                 self.fma = None
         self.fma_rows = (fma_lo, self.fma.max_rows) if self.fma is not None else (1, 0)
+        if cuda_rows is not None and (not isinstance(cuda_rows, tuple) or len(cuda_rows) != 2
+                                      or not all(isinstance(r, int) and r >= 0 for r in cuda_rows)):
+            raise ValueError(f"cuda_rows must be a (first, last) pair of row counts, got {cuda_rows!r}")
+        cuda_lo, cuda_hi = (_CUDA_PLAN.get((n, k), (1, 0)) if is_sm90(weight.device) else (1, 0)) \
+            if cuda_rows is None else cuda_rows
+        cuda_hi = min(cuda_hi, max_rows, CUDA_MAX_ROWS)
+        self.cuda = None
+        if cuda_hi >= max(cuda_lo, 1):
+            try:
+                self.cuda = CudaExactMM(weight, w_scale, cuda_hi)
+            except (ValueError, CudaBuildError):    # a shape, device or machine (no nvcc) it does not take
+                self.cuda = None
+        self.cuda_rows = (max(cuda_lo, 1), cuda_hi) if self.cuda is not None else (1, 0)
 
     def reduction_order(self, rows: int) -> tuple[str, int, int]:
         """`exact_mm.reduction_order(K)`: the same for every row count and every op."""
         return reduction_order(self.k)
 
-    def op_for(self, rows: int):
-        """The op that runs a call of `rows` rows."""
+    def op_for(self, rows: int, epilogue: bool = False):
+        """The op that runs a call of `rows` rows (epilogue: with the RoPE epilogue or the mHC
+        boundary, which `CudaExactMM` does not take)."""
+        if not epilogue and self.cuda_rows[0] <= rows <= self.cuda_rows[1]:
+            return self.cuda
         if self.fma is not None and self.fma_rows[0] <= rows <= self.fma_rows[1]:
             return self.fma
         return self.mma if self.mma is not None and rows > self.mma_above else self.cuda_cores
@@ -204,7 +230,7 @@ class ExactLinear:
     def takes_boundary(self, rows: int) -> bool:
         """Whether a call of `rows` rows can take `boundary=`: its op is `ExactMM` (the others have
         no mHC boundary epilogue)."""
-        return self.op_for(rows) is self.cuda_cores
+        return self.op_for(rows, True) is self.cuda_cores
 
     def __call__(self, codes: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor | None = None,
                  rope: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -216,7 +242,9 @@ class ExactLinear:
         pdl: the op's launch by programmatic dependent launch (each op's `pdl`)."""
         if not isinstance(codes, torch.Tensor) or codes.dim() != 2:
             return self.cuda_cores(codes, x_scale, out, rope, boundary)     # its error names the argument
-        op = self.op_for(codes.shape[0])
+        op = self.op_for(codes.shape[0], rope is not None or boundary is not None)
+        if op is self.cuda:
+            return op(codes, x_scale, out)
         if boundary is None:
             return op(codes, x_scale, out, rope, pdl=pdl)
         if op is not self.cuda_cores:

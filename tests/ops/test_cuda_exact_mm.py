@@ -16,6 +16,7 @@ import torch
 from dsv41_decode.formats import fp8_block_quantize, mxfp8_quantize
 from dsv41_decode.ops import cuda_build
 from dsv41_decode.ops.cuda_exact_mm import ROWS_PER_TILE, CudaExactConfig, CudaExactMM, compiled_kernels
+from dsv41_decode.ops.exact_linear import ExactLinear
 from dsv41_decode.reference.linear import mxfp8_mm
 from dsv41_decode.testing.synthetic import heavy_e4m3
 
@@ -119,3 +120,24 @@ def test_gpu_graph_replays_repeat_and_rows_take_their_bucket():
         want = mxfp8_mm(x[:m], xs[:m], w, ws)
         assert torch.equal(o.view(torch.int16), want.view(torch.int16)), f"rows={m}"
         assert all(torch.equal(f[m], o) for f in firsts)
+
+
+def test_exact_linear_cuda_rows_checked_and_absent_where_it_does_not_build():
+    gen = torch.Generator().manual_seed(1)
+    w, ws = fp8_block_quantize(torch.randn(64, 256, generator=gen) * 0.06)
+    with pytest.raises(ValueError, match="cuda_rows"):
+        ExactLinear(w, ws, 8, cuda_rows=(1,))
+    lin = ExactLinear(w, ws, 8, cuda_rows=(1, 8))       # no CUDA device here: the other ops run every call
+    assert lin.cuda is None and lin.cuda_rows == (1, 0) and lin.op_for(4) is lin.cuda_cores
+
+
+@pytest.mark.gpu
+def test_gpu_exact_linear_runs_it_at_its_rows_with_the_same_bits():
+    gen = torch.Generator("cuda").manual_seed(5)
+    n, k = 4096, 1280
+    x, xs, w, ws = _operands(n, k, 16, gen, False)
+    base, lin = ExactLinear(w, ws, 16, cuda_rows=(1, 0)), ExactLinear(w, ws, 16, cuda_rows=(2, 16))
+    assert base.cuda is None and lin.cuda_rows == (2, 16)
+    assert lin.op_for(4) is lin.cuda and lin.op_for(1) is not lin.cuda and lin.op_for(4, True) is not lin.cuda
+    for m in (1, 2, 5, 16):
+        assert torch.equal(lin(x[:m], xs[:m]).view(torch.int16), base(x[:m], xs[:m]).view(torch.int16)), f"rows={m}"
