@@ -67,14 +67,14 @@ def main() -> None:
             pct = lambda us: 100 * (shape.weight_bytes() + shape.io_bytes(m)) / (us * 1e3) / floor  # noqa: E731
             cells = []
             for c in configs_for(m):
-                plans = [CudaExactMM(w, s, 16, {16: c}) for w, s in ws]
+                plans = [CudaExactMM(w, s, 16, {8: CudaExactConfig(4, 4), 16: c}) for w, s in ws]
                 fn, _ = plans[0].function_for(m)
                 if fn.name not in shown:
                     shown.add(fn.name)
                     print(f"  {fn.name}: {fn.registers} registers, {fn.local_bytes} local bytes, {fn.smem} B smem",
                           flush=True)
                 bits = torch.equal(plans[0](x, xs, out).view(torch.int16), base.view(torch.int16))
-                heavy = torch.equal(CudaExactMM(hw, hws, 16, {16: c})(hx, hxs).view(torch.int16),
+                heavy = torch.equal(CudaExactMM(hw, hws, 16, {8: CudaExactConfig(4, 4), 16: c})(hx, hxs).view(torch.int16),
                                     want_heavy.view(torch.int16))
                 us = graph_time_us(lambda: [p(x, xs, out) for p in plans], calls_per_graph=copies)
                 cells.append(f"p{c.warps}s{c.stages} {us:6.2f} ({pct(us):3.0f}%) bits {'=' if bits else 'X'} "

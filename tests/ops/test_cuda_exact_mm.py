@@ -83,7 +83,7 @@ def test_gpu_bitwise_the_reference(n, k, nt, p, s):
     for heavy in (True, False):
         for m in rows:
             x, xs, w, ws = _operands(n, k, m, gen, heavy)
-            op = CudaExactMM(w, ws, ROWS_PER_TILE * nt, CudaExactConfig(p, s))
+            op = CudaExactMM(w, ws, ROWS_PER_TILE * nt, {8: CudaExactConfig(4, 4), 16: CudaExactConfig(p, s)})
             for dtype in (torch.bfloat16, torch.float32):
                 want = mxfp8_mm(x, xs, w, ws, out_dtype=dtype)
                 got = op(x, xs, torch.empty(m, n, dtype=dtype, device="cuda"))
