@@ -39,6 +39,11 @@ def configs_for(rows: int) -> list[CudaExactConfig]:
     return [CudaExactConfig(p, s) for nt, p, s in sorted(compiled_kernels()) if nt == tiles]
 
 
+def plan_config(rows: int, c: CudaExactConfig) -> dict[int, CudaExactConfig]:
+    """A 16-row plan whose calls of `rows` rows take `c` (the other bucket the default's)."""
+    return {8: c, 16: CudaExactConfig(4, 4)} if rows <= ROWS_PER_TILE else {8: CudaExactConfig(4, 4), 16: c}
+
+
 def main() -> None:
     t0 = time.time()
     rows = [int(r) for r in arg("rows", "1,2,4,8,16").split(",")]
@@ -67,14 +72,14 @@ def main() -> None:
             pct = lambda us: 100 * (shape.weight_bytes() + shape.io_bytes(m)) / (us * 1e3) / floor  # noqa: E731
             cells = []
             for c in configs_for(m):
-                plans = [CudaExactMM(w, s, 16, {8: CudaExactConfig(4, 4), 16: c}) for w, s in ws]
+                plans = [CudaExactMM(w, s, 16, plan_config(m, c)) for w, s in ws]
                 fn, _ = plans[0].function_for(m)
                 if fn.name not in shown:
                     shown.add(fn.name)
                     print(f"  {fn.name}: {fn.registers} registers, {fn.local_bytes} local bytes, {fn.smem} B smem",
                           flush=True)
                 bits = torch.equal(plans[0](x, xs, out).view(torch.int16), base.view(torch.int16))
-                heavy = torch.equal(CudaExactMM(hw, hws, 16, {8: CudaExactConfig(4, 4), 16: c})(hx, hxs).view(torch.int16),
+                heavy = torch.equal(CudaExactMM(hw, hws, 16, plan_config(m, c))(hx, hxs).view(torch.int16),
                                     want_heavy.view(torch.int16))
                 us = graph_time_us(lambda: [p(x, xs, out) for p in plans], calls_per_graph=copies)
                 cells.append(f"p{c.warps}s{c.stages} {us:6.2f} ({pct(us):3.0f}%) bits {'=' if bits else 'X'} "
