@@ -221,15 +221,11 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
 #pragma unroll
     for (int i = 0; i < S - 1; ++i) issue(warp + i * P, i);
 
-    for (int j = 0, st = warp; st < n_stages; ++j, st += P) {
-        cp_async_wait<S - 2>();
-        __syncwarp();
-        issue(st + (S - 1) * P, (j + S - 1) % S);
-        const uint8_t* buf = ring + (j % S) * L::STAGE_BYTES;
-        const int kb0 = st * G;
-        // the stage's scales: sw of the tile's 32-row group, sx of the thread's x rows 8 jt + 2 t + {0, 1}
-        const uint32_t sw4 = *reinterpret_cast<const uint32_t*>(sw + static_cast<size_t>(row0 >> 5) * ld_sw + kb0);
-        uint32_t sx4[NT][2];
+    // The scales of a stage (sw of the tile's 32-row group; sx of the thread's x rows 8 jt + 2 t + {0, 1}),
+    // loaded a stage ahead so that their latency hides behind the stage before.
+    auto load_scales = [&](int st, uint32_t& sw4, uint32_t (&sx4)[NT][2]) {
+        const int kb0 = (st < n_stages ? st : 0) * G;
+        sw4 = *reinterpret_cast<const uint32_t*>(sw + static_cast<size_t>(row0 >> 5) * ld_sw + kb0);
 #pragma unroll
         for (int jt = 0; jt < NT; ++jt)
 #pragma unroll
@@ -237,57 +233,118 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
                 const int xr = 8 * jt + 2 * t + v;
                 sx4[jt][v] = xr < m ? *reinterpret_cast<const uint32_t*>(sx + static_cast<size_t>(xr) * ld_sx + kb0) : 0u;
             }
+    };
+    uint32_t sw4, sx4[NT][2];
+    load_scales(warp, sw4, sx4);
+    for (int j = 0, st = warp; st < n_stages; ++j, st += P) {
+        cp_async_wait<S - 2>();
+        __syncwarp();
+        issue(st + (S - 1) * P, (j + S - 1) % S);
+        const uint8_t* buf = ring + (j % S) * L::STAGE_BYTES;
+        uint32_t sw4_next, sx4_next[NT][2];
+        load_scales(st + P, sw4_next, sx4_next);
         const int slot = st % L::R;
         mbar_wait(bars + 8 * (L::R + slot), ((st / L::R) & 1) ^ 1);
+        // BI blocks at a time, in phases (operands, mid, its rounding, H and L, terms, stores), so that
+        // their MMA chains overlap and every shared-memory load of the group precedes its stores
+        constexpr int BI = NT == 1 ? G : 2;
 #pragma unroll
-        for (int b = 0; b < G; ++b) {
-            uint32_t ah[2][4], al[2][4];                    // [step][reg]: rows g / g + 8
-            {
+        for (int b0 = 0; b0 < G; b0 += BI) {
+            uint32_t ah[BI][2][4], al[BI][2][4];            // [block][step][reg]: rows g / g + 8
+            uint32_t xh[BI][NT][4], xl[BI][NT][4];
+#pragma unroll
+            for (int bi = 0; bi < BI; ++bi) {
                 uint32_t h0[4], l0[4], h1[4], l1[4];
-                digits8(*reinterpret_cast<const uint2*>(buf + word_offset(g, b, t)), h0, l0);
-                digits8(*reinterpret_cast<const uint2*>(buf + word_offset(g + 8, b, t)), h1, l1);
+                digits8(*reinterpret_cast<const uint2*>(buf + word_offset(g, b0 + bi, t)), h0, l0);
+                digits8(*reinterpret_cast<const uint2*>(buf + word_offset(g + 8, b0 + bi, t)), h1, l1);
                 // step s: {p(2s) row g, p(2s) row g + 8, p(2s+1) row g, p(2s+1) row g + 8}
 #pragma unroll
                 for (int s = 0; s < 2; ++s) {
-                    ah[s][0] = h0[2 * s]; ah[s][1] = h1[2 * s]; ah[s][2] = h0[2 * s + 1]; ah[s][3] = h1[2 * s + 1];
-                    al[s][0] = l0[2 * s]; al[s][1] = l1[2 * s]; al[s][2] = l0[2 * s + 1]; al[s][3] = l1[2 * s + 1];
+                    ah[bi][s][0] = h0[2 * s]; ah[bi][s][1] = h1[2 * s]; ah[bi][s][2] = h0[2 * s + 1]; ah[bi][s][3] = h1[2 * s + 1];
+                    al[bi][s][0] = l0[2 * s]; al[bi][s][1] = l1[2 * s]; al[bi][s][2] = l0[2 * s + 1]; al[bi][s][3] = l1[2 * s + 1];
                 }
+#pragma unroll
+                for (int jt = 0; jt < NT; ++jt)
+                    digits8(*reinterpret_cast<const uint2*>(buf + word_offset(16 + 8 * jt + g, b0 + bi, t)), xh[bi][jt], xl[bi][jt]);
             }
-            const float swb = ue8m0((sw4 >> (8 * b)) & 0xFFu);
+            const float zero[4] = {0.f, 0.f, 0.f, 0.f};
+            float mid[BI][NT][4], hh[BI][NT][4], ll[BI][NT][4];
 #pragma unroll
-            for (int jt = 0; jt < NT; ++jt) {
-                uint32_t xh[4], xl[4];
-                digits8(*reinterpret_cast<const uint2*>(buf + word_offset(16 + 8 * jt + g, b, t)), xh, xl);
-                const uint32_t bh0[2] = {xh[0], xh[1]}, bh1[2] = {xh[2], xh[3]};
-                const uint32_t bl0[2] = {xl[0], xl[1]}, bl1[2] = {xl[2], xl[3]};
-                const float zero[4] = {0.f, 0.f, 0.f, 0.f};
-                float mid[4];
-                mma16816(mid, ah[0], bl0, zero);
-                mma16816(mid, ah[1], bl1, mid);
-                mma16816(mid, al[0], bh0, mid);
-                mma16816(mid, al[1], bh1, mid);
-                float mi[4], mf[4];
+            for (int bi = 0; bi < BI; ++bi)
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    mi[i] = __fsub_rn(__fadd_rn(mid[i], 12582912.0f), 12582912.0f);
-                    mf[i] = __fsub_rn(mid[i], mi[i]);
+                for (int jt = 0; jt < NT; ++jt) {
+                    const uint32_t bl0[2] = {xl[bi][jt][0], xl[bi][jt][1]}, bl1[2] = {xl[bi][jt][2], xl[bi][jt][3]};
+                    mma16816(mid[bi][jt], ah[bi][0], bl0, zero);
                 }
-                float hh[4], ll[4];
-                mma16816(hh, ah[0], bh0, mi);
-                mma16816(hh, ah[1], bh1, hh);
-                mma16816(ll, al[0], bl0, mf);
-                mma16816(ll, al[1], bl1, ll);
-                float4 term;
-                float* tp = reinterpret_cast<float*>(&term);
 #pragma unroll
-                for (int i = 0; i < 4; ++i) {
-                    const float sxv = ue8m0((sx4[jt][i & 1] >> (8 * b)) & 0xFFu);
-                    tp[i] = __fmul_rn(__fmul_rn(__fadd_rn(hh[i], ll[i]), sxv), swb);
+            for (int bi = 0; bi < BI; ++bi)
+#pragma unroll
+                for (int jt = 0; jt < NT; ++jt) {
+                    const uint32_t bl1[2] = {xl[bi][jt][2], xl[bi][jt][3]};
+                    mma16816(mid[bi][jt], ah[bi][1], bl1, mid[bi][jt]);
                 }
-                terms[((slot * G + b) * NT + jt) * 32 + lane] = term;
+#pragma unroll
+            for (int bi = 0; bi < BI; ++bi)
+#pragma unroll
+                for (int jt = 0; jt < NT; ++jt) {
+                    const uint32_t bh0[2] = {xh[bi][jt][0], xh[bi][jt][1]};
+                    mma16816(mid[bi][jt], al[bi][0], bh0, mid[bi][jt]);
+                }
+#pragma unroll
+            for (int bi = 0; bi < BI; ++bi)
+#pragma unroll
+                for (int jt = 0; jt < NT; ++jt) {
+                    const uint32_t bh1[2] = {xh[bi][jt][2], xh[bi][jt][3]};
+                    mma16816(mid[bi][jt], al[bi][1], bh1, mid[bi][jt]);
+                }
+#pragma unroll
+            for (int bi = 0; bi < BI; ++bi)
+#pragma unroll
+                for (int jt = 0; jt < NT; ++jt) {
+                    float mi[4], mf[4];
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        mi[i] = __fsub_rn(__fadd_rn(mid[bi][jt][i], 12582912.0f), 12582912.0f);
+                        mf[i] = __fsub_rn(mid[bi][jt][i], mi[i]);
+                    }
+                    const uint32_t bh0[2] = {xh[bi][jt][0], xh[bi][jt][1]};
+                    const uint32_t bl0[2] = {xl[bi][jt][0], xl[bi][jt][1]};
+                    mma16816(hh[bi][jt], ah[bi][0], bh0, mi);
+                    mma16816(ll[bi][jt], al[bi][0], bl0, mf);
+                }
+#pragma unroll
+            for (int bi = 0; bi < BI; ++bi)
+#pragma unroll
+                for (int jt = 0; jt < NT; ++jt) {
+                    const uint32_t bh1[2] = {xh[bi][jt][2], xh[bi][jt][3]};
+                    const uint32_t bl1[2] = {xl[bi][jt][2], xl[bi][jt][3]};
+                    mma16816(hh[bi][jt], ah[bi][1], bh1, hh[bi][jt]);
+                    mma16816(ll[bi][jt], al[bi][1], bl1, ll[bi][jt]);
+                }
+#pragma unroll
+            for (int bi = 0; bi < BI; ++bi) {
+                const int b = b0 + bi;
+                const float swb = ue8m0((sw4 >> (8 * b)) & 0xFFu);
+#pragma unroll
+                for (int jt = 0; jt < NT; ++jt) {
+                    float4 term;
+                    float* tp = reinterpret_cast<float*>(&term);
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const float sxv = ue8m0((sx4[jt][i & 1] >> (8 * b)) & 0xFFu);
+                        tp[i] = __fmul_rn(__fmul_rn(__fadd_rn(hh[bi][jt][i], ll[bi][jt][i]), sxv), swb);
+                    }
+                    terms[((slot * G + b) * NT + jt) * 32 + lane] = term;
+                }
             }
         }
         mbar_arrive(bars + 8 * slot);
+        sw4 = sw4_next;
+#pragma unroll
+        for (int jt = 0; jt < NT; ++jt) {
+            sx4[jt][0] = sx4_next[jt][0];
+            sx4[jt][1] = sx4_next[jt][1];
+        }
     }
     cp_async_wait<0>();
 }
@@ -302,8 +359,10 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
     }                                                                                                              \
     extern "C" __device__ int exact_digits_mm_nt##NT##_p##P##_s##S##_smem = Layout<NT, P, S>::SMEM;
 
+DSV41_EXACT_DIGITS_MM(1, 4, 3)
 DSV41_EXACT_DIGITS_MM(1, 4, 4)
+DSV41_EXACT_DIGITS_MM(1, 8, 3)
 DSV41_EXACT_DIGITS_MM(1, 8, 4)
-DSV41_EXACT_DIGITS_MM(1, 4, 6)
+DSV41_EXACT_DIGITS_MM(2, 4, 3)
 DSV41_EXACT_DIGITS_MM(2, 4, 4)
 DSV41_EXACT_DIGITS_MM(2, 8, 3)
