@@ -8,10 +8,11 @@
 // The block's exact dot (gluon_exact_digits.chained_dot's arithmetic): each E4M3 value v splits
 // exactly into two FP16 digits, vh = v rounded to an integer ((v + 1536) - 1536 in FP16) and
 // vl = v - vh (a multiple of 2^-9, |vl| <= 1/2). mid = wh.xl + wl.xh (multiples of 2^-9 below 2^14)
-// on two MMAs from 0; mi = (mid + 1.5 * 2^23) - 1.5 * 2^23, mid rounded to an integer; then
-// H = wh.xh + mi (integers below 2^24) and L = wl.xl + (mid - mi) (multiples of 2^-18 below 2^4)
-// as MMAs accumulating onto mi and mid - mi: each at most 24 significant bits, exact under the
-// FP16 MMA's adds (scripts/probe_digit_mma.py), so RN(H + L) is the block's exact dot rounded once.
+// (each k16 step's dot from 0, added in FP32: exact); mi = (mid + 1.5 * 2^23) - 1.5 * 2^23, mid
+// rounded to an integer; then H = wh.xh + mi (integers below 2^24) and L = wl.xl + (mid - mi)
+// (multiples of 2^-18 below 2^4), each step's MMA from mi / mid - mi or from 0 and the two added:
+// every partial at most 24 significant bits, exact under the FP16 MMA's adds
+// (scripts/probe_digit_mma.py) and in FP32, so RN(H + L) is the block's exact dot rounded once.
 // The MMA is mma.sync m16n8k16 with the weight rows as M (16 a warp) and x's rows as N (8 an
 // n-tile); within a 32-deep block the K order is free (the block's sum is exact), so thread
 // (g = lane / 4, t = lane % 4) takes bytes 8t .. 8t + 7 of each block of its rows: logical k =
@@ -267,59 +268,39 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
                 for (int jt = 0; jt < NT; ++jt)
                     digits8(*reinterpret_cast<const uint2*>(buf + word_offset(16 + 8 * jt + g, b0 + bi, t)), xh[bi][jt], xl[bi][jt]);
             }
+            // Each k16 step's dot from 0 or from the rounded mid (all exact), then exact FP32 adds:
+            // mid = (wh0.xl0 + wh1.xl1) + (wl0.xh0 + wl1.xh1); H = (mi + wh0.xh0) + wh1.xh1 and
+            // L = (mf + wl0.xl0) + wl1.xl1 - the same values as chained_dot's, in chains of one MMA.
             const float zero[4] = {0.f, 0.f, 0.f, 0.f};
-            float mid[BI][NT][4], hh[BI][NT][4], ll[BI][NT][4];
+            float hh[BI][NT][4], ll[BI][NT][4];
 #pragma unroll
             for (int bi = 0; bi < BI; ++bi)
 #pragma unroll
                 for (int jt = 0; jt < NT; ++jt) {
+                    const uint32_t bh0[2] = {xh[bi][jt][0], xh[bi][jt][1]}, bh1[2] = {xh[bi][jt][2], xh[bi][jt][3]};
                     const uint32_t bl0[2] = {xl[bi][jt][0], xl[bi][jt][1]}, bl1[2] = {xl[bi][jt][2], xl[bi][jt][3]};
-                    mma16816(mid[bi][jt], ah[bi][0], bl0, zero);
-                }
-#pragma unroll
-            for (int bi = 0; bi < BI; ++bi)
-#pragma unroll
-                for (int jt = 0; jt < NT; ++jt) {
-                    const uint32_t bl1[2] = {xl[bi][jt][2], xl[bi][jt][3]};
-                    mma16816(mid[bi][jt], ah[bi][1], bl1, mid[bi][jt]);
-                }
-#pragma unroll
-            for (int bi = 0; bi < BI; ++bi)
-#pragma unroll
-                for (int jt = 0; jt < NT; ++jt) {
-                    const uint32_t bh0[2] = {xh[bi][jt][0], xh[bi][jt][1]};
-                    mma16816(mid[bi][jt], al[bi][0], bh0, mid[bi][jt]);
-                }
-#pragma unroll
-            for (int bi = 0; bi < BI; ++bi)
-#pragma unroll
-                for (int jt = 0; jt < NT; ++jt) {
-                    const uint32_t bh1[2] = {xh[bi][jt][2], xh[bi][jt][3]};
-                    mma16816(mid[bi][jt], al[bi][1], bh1, mid[bi][jt]);
-                }
-#pragma unroll
-            for (int bi = 0; bi < BI; ++bi)
-#pragma unroll
-                for (int jt = 0; jt < NT; ++jt) {
+                    float m1[4], m2[4], m3[4], m4[4];
+                    mma16816(m1, ah[bi][0], bl0, zero);
+                    mma16816(m2, ah[bi][1], bl1, zero);
+                    mma16816(m3, al[bi][0], bh0, zero);
+                    mma16816(m4, al[bi][1], bh1, zero);
                     float mi[4], mf[4];
 #pragma unroll
                     for (int i = 0; i < 4; ++i) {
-                        mi[i] = __fsub_rn(__fadd_rn(mid[bi][jt][i], 12582912.0f), 12582912.0f);
-                        mf[i] = __fsub_rn(mid[bi][jt][i], mi[i]);
+                        const float mid = __fadd_rn(__fadd_rn(m1[i], m2[i]), __fadd_rn(m3[i], m4[i]));
+                        mi[i] = __fsub_rn(__fadd_rn(mid, 12582912.0f), 12582912.0f);
+                        mf[i] = __fsub_rn(mid, mi[i]);
                     }
-                    const uint32_t bh0[2] = {xh[bi][jt][0], xh[bi][jt][1]};
-                    const uint32_t bl0[2] = {xl[bi][jt][0], xl[bi][jt][1]};
+                    float h2[4], l2[4];
                     mma16816(hh[bi][jt], ah[bi][0], bh0, mi);
+                    mma16816(h2, ah[bi][1], bh1, zero);
                     mma16816(ll[bi][jt], al[bi][0], bl0, mf);
-                }
+                    mma16816(l2, al[bi][1], bl1, zero);
 #pragma unroll
-            for (int bi = 0; bi < BI; ++bi)
-#pragma unroll
-                for (int jt = 0; jt < NT; ++jt) {
-                    const uint32_t bh1[2] = {xh[bi][jt][2], xh[bi][jt][3]};
-                    const uint32_t bl1[2] = {xl[bi][jt][2], xl[bi][jt][3]};
-                    mma16816(hh[bi][jt], ah[bi][1], bh1, hh[bi][jt]);
-                    mma16816(ll[bi][jt], al[bi][1], bl1, ll[bi][jt]);
+                    for (int i = 0; i < 4; ++i) {
+                        hh[bi][jt][i] = __fadd_rn(hh[bi][jt][i], h2[i]);
+                        ll[bi][jt][i] = __fadd_rn(ll[bi][jt][i], l2[i]);
+                    }
                 }
 #pragma unroll
             for (int bi = 0; bi < BI; ++bi) {
