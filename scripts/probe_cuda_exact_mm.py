@@ -36,7 +36,7 @@ SHAPES = {"wo_b": Shape("wo_b", 5120, 8192), "wq_b": Shape("wq_b", 32768, 1280),
 
 def configs_for(rows: int) -> list[CudaExactConfig]:
     tiles = -(-rows // ROWS_PER_TILE)
-    return [CudaExactConfig(p, s) for nt, p, s in sorted(compiled_kernels()) if nt == tiles]
+    return [CudaExactConfig(p, s, g) for nt, p, s, g in sorted(compiled_kernels()) if nt == tiles]
 
 
 def plan_config(rows: int, c: CudaExactConfig) -> dict[int, CudaExactConfig]:
@@ -82,7 +82,7 @@ def main() -> None:
                 heavy = torch.equal(CudaExactMM(hw, hws, 16, plan_config(m, c))(hx, hxs).view(torch.int16),
                                     want_heavy.view(torch.int16))
                 us = graph_time_us(lambda: [p(x, xs, out) for p in plans], calls_per_graph=copies)
-                cells.append(f"p{c.warps}s{c.stages} {us:6.2f} ({pct(us):3.0f}%) bits {'=' if bits else 'X'} "
+                cells.append(f"p{c.warps}s{c.stages}g{c.blocks} {us:6.2f} ({pct(us):3.0f}%) bits {'=' if bits else 'X'} "
                              f"heavy {'=' if heavy else 'X'}")
             ex = graph_time_us(lambda: [p(x, xs, out) for p in exact], calls_per_graph=copies)
             tcu = graph_time_us(lambda: [p(x, xs, out) for p in tc], calls_per_graph=copies)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from .checks import config_for_rows, mxfp8_linear_args, mxfp8_weight_args, row_configs
-from .cuda_build import CudaFunction, load_module
+from .cuda_build import CSRC, CudaFunction, load_module
 
 SOURCE = "exact_digits_mm.cu"
 MAX_ROWS = 16
@@ -36,20 +36,22 @@ ROWS_PER_TILE = 8           # x rows per n-tile (the MMA's N)
 @dataclass(frozen=True)
 class CudaExactConfig:
     """warps: compute warps a CTA (each taking every warps-th K stage; the CTA has one more, the
-    accumulating warp); stages: each compute warp's cp.async ring depth in 128-K stages."""
+    accumulating warp); stages: each compute warp's cp.async ring depth in K stages; blocks: 32-deep
+    K blocks a stage (K must be a multiple of 32 x blocks)."""
 
     warps: int = 4
     stages: int = 4
+    blocks: int = 4
 
     def kernel(self, n_tiles: int) -> str:
-        return f"exact_digits_mm_nt{n_tiles}_p{self.warps}_s{self.stages}"
+        return f"exact_digits_mm_nt{n_tiles}_p{self.warps}_s{self.stages}_g{self.blocks}"
 
 
-def compiled_kernels() -> set[tuple[int, int, int]]:
-    """The (n_tiles, warps, stages) the source instantiates (its DSV41_EXACT_DIGITS_MM lines)."""
-    from .cuda_build import CSRC
+def compiled_kernels() -> set[tuple[int, int, int, int]]:
+    """The (n_tiles, warps, stages, blocks) the source instantiates (its DSV41_EXACT_DIGITS_MM lines)."""
     text = (CSRC / SOURCE).read_text()
-    return {tuple(map(int, t)) for t in re.findall(r"^DSV41_EXACT_DIGITS_MM\((\d+), (\d+), (\d+)\)", text, re.M)}
+    return {tuple(map(int, t)) for t in
+            re.findall(r"^DSV41_EXACT_DIGITS_MM\((\d+), (\d+), (\d+), (\d+)\)", text, re.M)}
 
 
 # The configuration a call of at most this many rows takes by default.
@@ -88,9 +90,11 @@ class CudaExactMM:
         lo = 1
         for most, c in configs:
             for tiles in range(-(-lo // ROWS_PER_TILE), -(-min(most, max_rows) // ROWS_PER_TILE) + 1):
-                if (tiles, c.warps, c.stages) not in built:
+                if (tiles, c.warps, c.stages, c.blocks) not in built:
                     raise ValueError(f"config {c} at {tiles * ROWS_PER_TILE} rows: the source instantiates "
-                                     f"(n_tiles, warps, stages) only for {sorted(built)}")
+                                     f"(n_tiles, warps, stages, blocks) only for {sorted(built)}")
+                if k % (32 * c.blocks):
+                    raise ValueError(f"config {c}: K={k} is not a multiple of 32 x {c.blocks} blocks a stage")
                 name = c.kernel(tiles)
                 self.functions[(tiles, c)] = module.function(name, module.global_int(f"{name}_smem"))
             lo = most + 1

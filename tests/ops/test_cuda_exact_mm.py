@@ -35,7 +35,7 @@ def test_source_builds_for_sm90_without_spills(tmp_path, monkeypatch):
     assert cubin[:4] == b"\x7fELF"
     entries = re.findall(r"Compiling entry function '(\w+)'", report)
     spills = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    assert sorted(entries) == sorted(CudaExactConfig(p, s).kernel(nt) for nt, p, s in compiled_kernels())
+    assert sorted(entries) == sorted(CudaExactConfig(p, s, g).kernel(nt) for nt, p, s, g in compiled_kernels())
     assert len(spills) == len(entries) and all(v == ("0", "0", "0") for v in spills), report
     # a second build of the same source and flags comes from the cache
     assert cuda_build.compile_cubin("exact_digits_mm.cu", "sm_90")[0] == cubin
@@ -76,14 +76,14 @@ GPU_SHAPES = [(64, 256), (1792, 5120), (4096, 1280), (5120, 8192), (32768, 1280)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", GPU_SHAPES)
-@pytest.mark.parametrize("nt,p,s", sorted(compiled_kernels()))
-def test_gpu_bitwise_the_reference(n, k, nt, p, s):
+@pytest.mark.parametrize("nt,p,s,g", sorted(compiled_kernels()))
+def test_gpu_bitwise_the_reference(n, k, nt, p, s, g):
     gen = torch.Generator("cuda").manual_seed(n + k + 7 * nt + p)
     rows = sorted({ROWS_PER_TILE * (nt - 1) + 1, ROWS_PER_TILE * nt - 3, ROWS_PER_TILE * nt})
     for heavy in (True, False):
         for m in rows:
             x, xs, w, ws = _operands(n, k, m, gen, heavy)
-            op = CudaExactMM(w, ws, ROWS_PER_TILE * nt, {8: CudaExactConfig(4, 4), 16: CudaExactConfig(p, s)})
+            op = CudaExactMM(w, ws, ROWS_PER_TILE * nt, {8: CudaExactConfig(4, 4), 16: CudaExactConfig(p, s, g)})
             for dtype in (torch.bfloat16, torch.float32):
                 want = mxfp8_mm(x, xs, w, ws, out_dtype=dtype)
                 got = op(x, xs, torch.empty(m, n, dtype=dtype, device="cuda"))

@@ -19,7 +19,7 @@
 // 16 s + 8 u + 2 t + v at byte 8 t + 4 s + 2 u + v, for A (weight rows g, g + 8) and B (x row g) alike.
 //
 // Schedule (no CTA-wide barrier in the main loop): a CTA owns 16 weight rows and every row of x;
-// its P compute warps take the K stages (G = 4 blocks, 128 bytes of each row) in turn, stage
+// its P compute warps take the K stages (G = 4 or 8 blocks, 32 G bytes of each row) in turn, stage
 // st by warp st % P, each streaming its own stages' weight and x bytes by cp.async through a ring
 // of S stages of its own (cp.async.wait_group and __syncwarp only), and writes each block's FP32
 // terms into a ring of R = 2P stage slots of shared memory; the CTA's last warp adds the terms in K
@@ -35,9 +35,6 @@
 #include <stdint.h>
 
 namespace {
-
-constexpr int G = 4;                 // K blocks of 32 per stage
-constexpr int ROW_BYTES = 32 * G;    // bytes of a row in a stage
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
     return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -113,19 +110,23 @@ __device__ __forceinline__ float ue8m0(uint32_t b) {
     return b == 255u ? __int_as_float(0x7FC00000) : __int_as_float(static_cast<int>(b << 23));
 }
 
-// Byte offset of 16-byte chunk c (0 .. 2G - 1) of row r in a stage buffer: each row's 32-byte blocks
-// XOR-swizzled by r % 4, so the fragment loads (rows g, 8-byte words t) hit distinct banks.
+// Byte offset of 16-byte chunk c (0 .. 2G - 1) of row r in a stage buffer of G blocks a row: each
+// row's 32-byte blocks XOR-swizzled by r % 4, so the fragment loads (rows g, 8-byte words t) hit
+// distinct banks.
+template <int G>
 __device__ __forceinline__ int chunk_offset(int r, int c) {
-    return r * ROW_BYTES + (((c >> 1) ^ (r & 3)) << 5) + ((c & 1) << 4);
+    return r * 32 * G + (((c >> 1) ^ (r & 3)) << 5) + ((c & 1) << 4);
 }
 
 // Byte offset of thread (g, t)'s 8-byte word of block b of row r.
+template <int G>
 __device__ __forceinline__ int word_offset(int r, int b, int t) {
-    return r * ROW_BYTES + ((b ^ (r & 3)) << 5) + (t << 3);
+    return r * 32 * G + ((b ^ (r & 3)) << 5) + (t << 3);
 }
 
-template <int NT, int P, int S>
+template <int NT, int P, int S, int G>
 struct Layout {
+    static constexpr int ROW_BYTES = 32 * G;
     static constexpr int R = 2 * P;                        // term slots (stages)
     static constexpr int X_ROWS = 8 * NT;
     static constexpr int STAGE_BYTES = (16 + X_ROWS) * ROW_BYTES;
@@ -136,12 +137,14 @@ struct Layout {
     static constexpr int SMEM = STAGES_OFF + P * S * STAGE_BYTES;
 };
 
-template <int NT, int P, int S>
+template <int NT, int P, int S, int G>
 __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, const uint8_t* __restrict__ sx,
                                                 const uint8_t* __restrict__ w, const uint8_t* __restrict__ sw,
                                                 void* __restrict__ out, int m, int n, int k, int ld_x, int ld_sx,
                                                 int ld_w, int ld_sw, int ld_out, int out_fp32) {
-    using L = Layout<NT, P, S>;
+    using L = Layout<NT, P, S, G>;
+    constexpr int ROW_BYTES = L::ROW_BYTES;
+    constexpr int GW = G / 4;                               // scale words a stage
     extern __shared__ __align__(128) uint8_t smem[];
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
@@ -205,16 +208,16 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
             const uint32_t base = smem_addr(ring + buf * L::STAGE_BYTES);
             const int k0 = st * ROW_BYTES;
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {                   // weight: 16 rows x 8 chunks
-                const int idx = lane + 32 * i, r = idx >> 3, c = idx & 7;
-                cp_async_cg16(base + chunk_offset(r, c), w_rows + static_cast<size_t>(r) * ld_w + k0 + 16 * c, 16);
+            for (int i = 0; i < G; ++i) {                   // weight: 16 rows x 2G chunks
+                const int idx = lane + 32 * i, r = idx / (2 * G), c = idx % (2 * G);
+                cp_async_cg16(base + chunk_offset<G>(r, c), w_rows + static_cast<size_t>(r) * ld_w + k0 + 16 * c, 16);
             }
 #pragma unroll
-            for (int i = 0; i < 2 * NT; ++i) {              // x: 8 NT rows x 8 chunks, rows past m zero
-                const int idx = lane + 32 * i, r = idx >> 3, c = idx & 7;
+            for (int i = 0; i < NT * G / 2; ++i) {          // x: 8 NT rows x 2G chunks, rows past m zero
+                const int idx = lane + 32 * i, r = idx / (2 * G), c = idx % (2 * G);
                 const bool live = r < m;
                 const uint8_t* src = x + static_cast<size_t>(live ? r : 0) * ld_x + k0 + 16 * c;
-                cp_async_ca16(base + chunk_offset(16 + r, c), src, live ? 16 : 0);
+                cp_async_ca16(base + chunk_offset<G>(16 + r, c), src, live ? 16 : 0);
             }
         }
         cp_async_commit();
@@ -224,31 +227,35 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
 
     // The scales of a stage (sw of the tile's 32-row group; sx of the thread's x rows 8 jt + 2 t + {0, 1}),
     // loaded a stage ahead so that their latency hides behind the stage before.
-    auto load_scales = [&](int st, uint32_t& sw4, uint32_t (&sx4)[NT][2]) {
+    auto load_scales = [&](int st, uint32_t (&sw4)[GW], uint32_t (&sx4)[NT][2][GW]) {
         const int kb0 = (st < n_stages ? st : 0) * G;
-        sw4 = *reinterpret_cast<const uint32_t*>(sw + static_cast<size_t>(row0 >> 5) * ld_sw + kb0);
+#pragma unroll
+        for (int q = 0; q < GW; ++q)
+            sw4[q] = *reinterpret_cast<const uint32_t*>(sw + static_cast<size_t>(row0 >> 5) * ld_sw + kb0 + 4 * q);
 #pragma unroll
         for (int jt = 0; jt < NT; ++jt)
 #pragma unroll
             for (int v = 0; v < 2; ++v) {
                 const int xr = 8 * jt + 2 * t + v;
-                sx4[jt][v] = xr < m ? *reinterpret_cast<const uint32_t*>(sx + static_cast<size_t>(xr) * ld_sx + kb0) : 0u;
+#pragma unroll
+                for (int q = 0; q < GW; ++q)
+                    sx4[jt][v][q] = xr < m ? *reinterpret_cast<const uint32_t*>(sx + static_cast<size_t>(xr) * ld_sx + kb0 + 4 * q) : 0u;
             }
     };
-    uint32_t sw4, sx4[NT][2];
+    uint32_t sw4[GW], sx4[NT][2][GW];
     load_scales(warp, sw4, sx4);
     for (int j = 0, st = warp; st < n_stages; ++j, st += P) {
         cp_async_wait<S - 2>();
         __syncwarp();
         issue(st + (S - 1) * P, (j + S - 1) % S);
         const uint8_t* buf = ring + (j % S) * L::STAGE_BYTES;
-        uint32_t sw4_next, sx4_next[NT][2];
+        uint32_t sw4_next[GW], sx4_next[NT][2][GW];
         load_scales(st + P, sw4_next, sx4_next);
         const int slot = st % L::R;
         mbar_wait(bars + 8 * (L::R + slot), ((st / L::R) & 1) ^ 1);
         // BI blocks at a time, in phases (operands, mid, its rounding, H and L, terms, stores), so that
         // their MMA chains overlap and every shared-memory load of the group precedes its stores
-        constexpr int BI = NT == 1 ? G : 2;
+        constexpr int BI = NT == 1 ? 4 : 2;
 #pragma unroll
         for (int b0 = 0; b0 < G; b0 += BI) {
             uint32_t ah[BI][2][4], al[BI][2][4];            // [block][step][reg]: rows g / g + 8
@@ -256,8 +263,8 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
 #pragma unroll
             for (int bi = 0; bi < BI; ++bi) {
                 uint32_t h0[4], l0[4], h1[4], l1[4];
-                digits8(*reinterpret_cast<const uint2*>(buf + word_offset(g, b0 + bi, t)), h0, l0);
-                digits8(*reinterpret_cast<const uint2*>(buf + word_offset(g + 8, b0 + bi, t)), h1, l1);
+                digits8(*reinterpret_cast<const uint2*>(buf + word_offset<G>(g, b0 + bi, t)), h0, l0);
+                digits8(*reinterpret_cast<const uint2*>(buf + word_offset<G>(g + 8, b0 + bi, t)), h1, l1);
                 // step s: {p(2s) row g, p(2s) row g + 8, p(2s+1) row g, p(2s+1) row g + 8}
 #pragma unroll
                 for (int s = 0; s < 2; ++s) {
@@ -266,7 +273,7 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
                 }
 #pragma unroll
                 for (int jt = 0; jt < NT; ++jt)
-                    digits8(*reinterpret_cast<const uint2*>(buf + word_offset(16 + 8 * jt + g, b0 + bi, t)), xh[bi][jt], xl[bi][jt]);
+                    digits8(*reinterpret_cast<const uint2*>(buf + word_offset<G>(16 + 8 * jt + g, b0 + bi, t)), xh[bi][jt], xl[bi][jt]);
             }
             // Each k16 step's dot from 0 or from the rounded mid (all exact), then exact FP32 adds:
             // mid = (wh0.xl0 + wh1.xl1) + (wl0.xh0 + wl1.xh1); H = (mi + wh0.xh0) + wh1.xh1 and
@@ -305,14 +312,14 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
 #pragma unroll
             for (int bi = 0; bi < BI; ++bi) {
                 const int b = b0 + bi;
-                const float swb = ue8m0((sw4 >> (8 * b)) & 0xFFu);
+                const float swb = ue8m0((sw4[b / 4] >> (8 * (b % 4))) & 0xFFu);
 #pragma unroll
                 for (int jt = 0; jt < NT; ++jt) {
                     float4 term;
                     float* tp = reinterpret_cast<float*>(&term);
 #pragma unroll
                     for (int i = 0; i < 4; ++i) {
-                        const float sxv = ue8m0((sx4[jt][i & 1] >> (8 * b)) & 0xFFu);
+                        const float sxv = ue8m0((sx4[jt][i & 1][b / 4] >> (8 * (b % 4))) & 0xFFu);
                         tp[i] = __fmul_rn(__fmul_rn(__fadd_rn(hh[bi][jt][i], ll[bi][jt][i]), sxv), swb);
                     }
                     terms[((slot * G + b) * NT + jt) * 32 + lane] = term;
@@ -320,11 +327,14 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
             }
         }
         mbar_arrive(bars + 8 * slot);
-        sw4 = sw4_next;
 #pragma unroll
-        for (int jt = 0; jt < NT; ++jt) {
-            sx4[jt][0] = sx4_next[jt][0];
-            sx4[jt][1] = sx4_next[jt][1];
+        for (int q = 0; q < GW; ++q) {
+            sw4[q] = sw4_next[q];
+#pragma unroll
+            for (int jt = 0; jt < NT; ++jt) {
+                sx4[jt][0][q] = sx4_next[jt][0][q];
+                sx4[jt][1][q] = sx4_next[jt][1][q];
+            }
         }
     }
     cp_async_wait<0>();
@@ -332,18 +342,19 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
 
 }  // namespace
 
-#define DSV41_EXACT_DIGITS_MM(NT, P, S)                                                                          \
-    extern "C" __global__ void __launch_bounds__((P + 1) * 32) exact_digits_mm_nt##NT##_p##P##_s##S(                \
+#define DSV41_EXACT_DIGITS_MM(NT, P, S, G)                                                                       \
+    extern "C" __global__ void __launch_bounds__((P + 1) * 32) exact_digits_mm_nt##NT##_p##P##_s##S##_g##G(         \
         const uint8_t* x, const uint8_t* sx, const uint8_t* w, const uint8_t* sw, void* out, int m, int n, int k,   \
         int ld_x, int ld_sx, int ld_w, int ld_sw, int ld_out, int out_fp32) {                                      \
-        exact_digits_mm<NT, P, S>(x, sx, w, sw, out, m, n, k, ld_x, ld_sx, ld_w, ld_sw, ld_out, out_fp32);         \
+        exact_digits_mm<NT, P, S, G>(x, sx, w, sw, out, m, n, k, ld_x, ld_sx, ld_w, ld_sw, ld_out, out_fp32);      \
     }                                                                                                              \
-    extern "C" __device__ int exact_digits_mm_nt##NT##_p##P##_s##S##_smem = Layout<NT, P, S>::SMEM;
+    extern "C" __device__ int exact_digits_mm_nt##NT##_p##P##_s##S##_g##G##_smem = Layout<NT, P, S, G>::SMEM;
 
-DSV41_EXACT_DIGITS_MM(1, 4, 3)
-DSV41_EXACT_DIGITS_MM(1, 4, 4)
-DSV41_EXACT_DIGITS_MM(1, 8, 3)
-DSV41_EXACT_DIGITS_MM(1, 8, 4)
-DSV41_EXACT_DIGITS_MM(2, 4, 3)
-DSV41_EXACT_DIGITS_MM(2, 4, 4)
-DSV41_EXACT_DIGITS_MM(2, 8, 3)
+DSV41_EXACT_DIGITS_MM(1, 4, 3, 4)
+DSV41_EXACT_DIGITS_MM(1, 4, 4, 4)
+DSV41_EXACT_DIGITS_MM(1, 8, 4, 4)
+DSV41_EXACT_DIGITS_MM(1, 4, 3, 8)
+DSV41_EXACT_DIGITS_MM(1, 4, 4, 8)
+DSV41_EXACT_DIGITS_MM(2, 4, 3, 4)
+DSV41_EXACT_DIGITS_MM(2, 4, 4, 4)
+DSV41_EXACT_DIGITS_MM(2, 4, 3, 8)
