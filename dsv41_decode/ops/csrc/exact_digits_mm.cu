@@ -61,7 +61,7 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
     asm volatile("{\n\t.reg .b64 state;\n\tmbarrier.arrive.shared::cta.b64 state, [%0];\n\t}\n" ::"r"(bar) : "memory");
 }
 
-// Spins on test_wait (never suspends: a suspended try_wait measured ~0.5 us a hand-over).
+// Spins on test_wait: the hand-over never suspends the waiting warp.
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
     asm volatile(
         "{\n\t.reg .pred done;\n"
