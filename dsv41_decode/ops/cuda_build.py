@@ -140,23 +140,31 @@ class CudaModule:
             _check(_libcuda().cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
             if not ctx.value:
                 raise CudaBuildError(f"no current CUDA context on {device} after PyTorch's first use of it")
-            self._image = ctypes.create_string_buffer(cubin, len(cubin))
             handle = ctypes.c_void_p()
-            _check(_libcuda().cuModuleLoadData(ctypes.byref(handle), self._image), "loading the cubin")
+            _check(_libcuda().cuModuleLoadData(ctypes.byref(handle), ctypes.create_string_buffer(cubin, len(cubin))),
+                   "loading the cubin")
         self.handle = handle.value
+        self._functions: dict[tuple[str, int], CudaFunction] = {}
+        self._ints: dict[str, int] = {}
 
     def global_int(self, name: str) -> int:
-        """The value of the module's `extern "C" __device__ int <name>`."""
+        """The value of the module's `extern "C" __device__ int <name>` (read once)."""
+        if name in self._ints:
+            return self._ints[name]
         lib, ptr, size = _libcuda(), ctypes.c_uint64(), ctypes.c_size_t()
         with torch.cuda.device(self.device):
             _check(lib.cuModuleGetGlobal_v2(ctypes.byref(ptr), ctypes.byref(size), self.handle, name.encode()),
                    f"finding {name}")
             value = ctypes.c_int32()
             _check(lib.cuMemcpyDtoH_v2(ctypes.byref(value), ptr.value, 4), f"reading {name}")
+        self._ints[name] = value.value
         return value.value
 
     def function(self, name: str, smem: int = 0) -> CudaFunction:
-        """Kernel `name`, allowed `smem` bytes of dynamic shared memory (above 48 KB by the attribute)."""
+        """Kernel `name`, allowed `smem` bytes of dynamic shared memory (above 48 KB by the attribute);
+        looked up once per (name, smem), so the plans that share a kernel share its handle."""
+        if (name, smem) in self._functions:
+            return self._functions[(name, smem)]
         lib, fn = _libcuda(), ctypes.c_void_p()
         with torch.cuda.device(self.device):
             _check(lib.cuModuleGetFunction(ctypes.byref(fn), self.handle, name.encode()), f"finding kernel {name}")
@@ -166,7 +174,8 @@ class CudaModule:
             regs, local = ctypes.c_int(), ctypes.c_int()
             _check(lib.cuFuncGetAttribute(ctypes.byref(regs), _CU_FUNC_ATTRIBUTE_NUM_REGS, fn), "registers")
             _check(lib.cuFuncGetAttribute(ctypes.byref(local), _CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, fn), "local bytes")
-        return CudaFunction(name, fn.value, regs.value, local.value, smem)
+        self._functions[(name, smem)] = CudaFunction(name, fn.value, regs.value, local.value, smem)
+        return self._functions[(name, smem)]
 
 
 @functools.lru_cache(maxsize=None)

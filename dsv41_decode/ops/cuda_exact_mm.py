@@ -22,6 +22,7 @@ capability >= 8.9 (the E4M3 pair conversion) with nvcc to build the kernels (`cu
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ import torch
 
 from .checks import config_for_rows, mxfp8_linear_args, mxfp8_weight_args, row_configs
 from .cuda_build import CSRC, CudaFunction, load_module
+from .gluon_ring import scale_words
 
 SOURCE = "exact_digits_mm.cu"
 MAX_ROWS = 16
@@ -49,21 +51,24 @@ class CudaExactConfig:
         return f"exact_digits_mm_nt{n_tiles}_p{self.warps}_s{self.stages}_g{self.blocks}"
 
 
-def compiled_kernels() -> set[tuple[int, int, int, int]]:
+@functools.cache
+def compiled_kernels() -> frozenset[tuple[int, int, int, int]]:
     """The (n_tiles, warps, stages, blocks) the source instantiates (its DSV41_EXACT_DIGITS_MM lines)."""
     text = (CSRC / SOURCE).read_text()
-    return {tuple(map(int, t)) for t in
-            re.findall(r"^DSV41_EXACT_DIGITS_MM\((\d+), (\d+), (\d+), (\d+)\)", text, re.M)}
+    return frozenset(tuple(map(int, t)) for t in
+                     re.findall(r"^DSV41_EXACT_DIGITS_MM\((\d+), (\d+), (\d+), (\d+)\)", text, re.M))
 
 
 # The configuration a call of at most this many rows takes by default.
 DEFAULT_CONFIG = {8: CudaExactConfig(4, 4), 16: CudaExactConfig(4, 4)}
 
 
-def _require_rows_layout(t: torch.Tensor, name: str, row_align: int) -> None:
-    if t.stride(1) != 1 or t.stride(0) % row_align or t.data_ptr() % row_align:
-        raise ValueError(f"{name} must have contiguous rows starting at {row_align}-byte aligned addresses, "
-                         f"got strides {tuple(t.stride())}")
+def _require_rows16(t: torch.Tensor, name: str) -> None:
+    """ValueError naming `name` unless the byte tensor t's rows start 16-byte aligned (the kernel's
+    16-byte cp.async copies); unit stride along a row is `checks.require_tensor`'s."""
+    if t.stride(0) % 16 or t.data_ptr() % 16:
+        raise ValueError(f"{name} rows must start 16-byte aligned (row stride {t.stride(0)} bytes, "
+                         f"address {t.data_ptr():#x})")
 
 
 class CudaExactMM:
@@ -79,8 +84,8 @@ class CudaExactMM:
         n, k = mxfp8_weight_args(weight, w_scale, max_rows, MAX_ROWS)
         if n % 16 or k % 128:
             raise ValueError(f"weight must be [N, K] with N a multiple of 16 and K of 128, got {(n, k)}")
-        _require_rows_layout(weight, "weight", 16)
-        _require_rows_layout(w_scale, "w_scale", 4)
+        _require_rows16(weight, "weight")
+        scale_words(w_scale, "w_scale")
         configs = row_configs(DEFAULT_CONFIG if config is None else config, CudaExactConfig,
                               "a CudaExactConfig", max_rows)
         if weight.device.type != "cuda" or torch.cuda.get_device_capability(weight.device) < (8, 9):
@@ -112,15 +117,13 @@ class CudaExactMM:
         [M, K/32] UE8M0, 1 <= M <= max_rows; out [M, N] BF16 or FP32 (allocated BF16 when None).
         Returns out."""
         out = mxfp8_linear_args(codes, x_scale, out, self.n, self.k, self.max_rows, self.device)
-        _require_rows_layout(codes, "codes", 16)
-        _require_rows_layout(x_scale, "x_scale", 4)
-        if out.stride(1) != 1:
-            raise ValueError(f"out must have contiguous rows, got strides {tuple(out.stride())}")
+        _require_rows16(codes, "codes")
+        scale_words(x_scale, "x_scale")
         m = codes.shape[0]
         fn, c = self.function_for(m)
         fn.launch((self.n // 16, 1, 1), 32 * (c.warps + 1), torch.cuda.current_stream(self.device).cuda_stream,
                   [("p", codes.data_ptr()), ("p", x_scale.data_ptr()), ("p", self.weight.data_ptr()),
-                   ("p", self.w_scale.data_ptr()), ("p", out.data_ptr()), ("i", m), ("i", self.n), ("i", self.k),
+                   ("p", self.w_scale.data_ptr()), ("p", out.data_ptr()), ("i", m), ("i", self.k),
                    ("i", codes.stride(0)), ("i", x_scale.stride(0)), ("i", self.weight.stride(0)),
                    ("i", self.w_scale.stride(0)), ("i", out.stride(0)), ("i", int(out.dtype == torch.float32))])
         return out

@@ -140,7 +140,7 @@ struct Layout {
 template <int NT, int P, int S, int G>
 __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, const uint8_t* __restrict__ sx,
                                                 const uint8_t* __restrict__ w, const uint8_t* __restrict__ sw,
-                                                void* __restrict__ out, int m, int n, int k, int ld_x, int ld_sx,
+                                                void* __restrict__ out, int m, int k, int ld_x, int ld_sx,
                                                 int ld_w, int ld_sw, int ld_out, int out_fp32) {
     using L = Layout<NT, P, S, G>;
     constexpr int ROW_BYTES = L::ROW_BYTES;
@@ -253,8 +253,9 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
         load_scales(st + P, sw4_next, sx4_next);
         const int slot = st % L::R;
         mbar_wait(bars + 8 * (L::R + slot), ((st / L::R) & 1) ^ 1);
-        // BI blocks at a time, in phases (operands, mid, its rounding, H and L, terms, stores), so that
-        // their MMA chains overlap and every shared-memory load of the group precedes its stores
+        // BI blocks at a time: all their operands first, then each block's MMAs and roundings, then
+        // their terms and stores, so that the blocks' MMA chains can overlap and every shared-memory
+        // load of the group precedes its stores
         constexpr int BI = NT == 1 ? 4 : 2;
 #pragma unroll
         for (int b0 = 0; b0 < G; b0 += BI) {
@@ -344,9 +345,9 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
 
 #define DSV41_EXACT_DIGITS_MM(NT, P, S, G)                                                                       \
     extern "C" __global__ void __launch_bounds__((P + 1) * 32) exact_digits_mm_nt##NT##_p##P##_s##S##_g##G(         \
-        const uint8_t* x, const uint8_t* sx, const uint8_t* w, const uint8_t* sw, void* out, int m, int n, int k,   \
+        const uint8_t* x, const uint8_t* sx, const uint8_t* w, const uint8_t* sw, void* out, int m, int k,          \
         int ld_x, int ld_sx, int ld_w, int ld_sw, int ld_out, int out_fp32) {                                      \
-        exact_digits_mm<NT, P, S, G>(x, sx, w, sw, out, m, n, k, ld_x, ld_sx, ld_w, ld_sw, ld_out, out_fp32);      \
+        exact_digits_mm<NT, P, S, G>(x, sx, w, sw, out, m, k, ld_x, ld_sx, ld_w, ld_sw, ld_out, out_fp32);         \
     }                                                                                                              \
     extern "C" __device__ int exact_digits_mm_nt##NT##_p##P##_s##S##_g##G##_smem = Layout<NT, P, S, G>::SMEM;
 
