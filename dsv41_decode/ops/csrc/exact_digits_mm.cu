@@ -20,8 +20,9 @@
 //
 // Schedule (no CTA-wide barrier in the main loop): a CTA owns 16 weight rows and every row of x;
 // its P compute warps take the K stages (G = 4 or 8 blocks, 32 G bytes of each row) in turn, stage
-// st by warp st % P, each streaming its own stages' weight and x bytes by cp.async through a ring
-// of S stages of its own (cp.async.wait_group and __syncwarp only), and writes each block's FP32
+// st by warp st % P, each streaming its own stages' weight and x bytes and their scale bytes by
+// cp.async through a ring of S stages of its own (cp.async.wait_group and __syncwarp only: no load
+// of the main loop waits on global memory but the ring's, S - 1 stages ahead), and writes each block's FP32
 // terms into a ring of R = 2P stage slots of shared memory; the CTA's last warp adds the terms in K
 // order, one FP32 accumulator per output from 0 (full / empty mbarriers per slot, 32 arrivals
 // each), and stores y.
@@ -46,6 +47,10 @@ __device__ __forceinline__ void cp_async_cg16(uint32_t dst, const void* src, int
 
 __device__ __forceinline__ void cp_async_ca16(uint32_t dst, const void* src, int src_bytes) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_ca4(uint32_t dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
@@ -129,7 +134,8 @@ struct Layout {
     static constexpr int ROW_BYTES = 32 * G;
     static constexpr int R = 2 * P;                        // term slots (stages)
     static constexpr int X_ROWS = 8 * NT;
-    static constexpr int STAGE_BYTES = (16 + X_ROWS) * ROW_BYTES;
+    static constexpr int SCALES_OFF = (16 + X_ROWS) * ROW_BYTES;   // sw's G bytes (16 reserved), then sx's
+    static constexpr int STAGE_BYTES = SCALES_OFF + 16 + X_ROWS * G;
     static constexpr int TERM_SLOT_BYTES = G * NT * 32 * 16;
     static constexpr int BAR_BYTES = 2 * R * 8;
     static constexpr int TERMS_OFF = (BAR_BYTES + 127) / 128 * 128;
@@ -219,38 +225,32 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
                 const uint8_t* src = x + static_cast<size_t>(live ? r : 0) * ld_x + k0 + 16 * c;
                 cp_async_ca16(base + chunk_offset<G>(16 + r, c), src, live ? 16 : 0);
             }
+            // The stage's scales, 4 bytes (4 blocks) a copy: lanes 0 .. X_ROWS - 1 x's rows (past m
+            // zero), lane X_ROWS the tile's 32-row group of sw.
+            const int kb0 = st * G;
+#pragma unroll
+            for (int q = 0; q < GW; ++q) {
+                if (lane < L::X_ROWS) {
+                    const bool live = lane < m;
+                    cp_async_ca4(base + L::SCALES_OFF + 16 + 4 * (lane * GW + q),
+                                 sx + static_cast<size_t>(live ? lane : 0) * ld_sx + kb0 + 4 * q, live ? 4 : 0);
+                } else if (lane == L::X_ROWS) {
+                    cp_async_ca4(base + L::SCALES_OFF + 4 * q, sw + static_cast<size_t>(row0 >> 5) * ld_sw + kb0 + 4 * q, 4);
+                }
+            }
         }
         cp_async_commit();
     };
 #pragma unroll
     for (int i = 0; i < S - 1; ++i) issue(warp + i * P, i);
 
-    // The scales of a stage (sw of the tile's 32-row group; sx of the thread's x rows 8 jt + 2 t + {0, 1}),
-    // loaded a stage ahead so that their latency hides behind the stage before.
-    auto load_scales = [&](int st, uint32_t (&sw4)[GW], uint32_t (&sx4)[NT][2][GW]) {
-        const int kb0 = (st < n_stages ? st : 0) * G;
-#pragma unroll
-        for (int q = 0; q < GW; ++q)
-            sw4[q] = *reinterpret_cast<const uint32_t*>(sw + static_cast<size_t>(row0 >> 5) * ld_sw + kb0 + 4 * q);
-#pragma unroll
-        for (int jt = 0; jt < NT; ++jt)
-#pragma unroll
-            for (int v = 0; v < 2; ++v) {
-                const int xr = 8 * jt + 2 * t + v;
-#pragma unroll
-                for (int q = 0; q < GW; ++q)
-                    sx4[jt][v][q] = xr < m ? *reinterpret_cast<const uint32_t*>(sx + static_cast<size_t>(xr) * ld_sx + kb0 + 4 * q) : 0u;
-            }
-    };
-    uint32_t sw4[GW], sx4[NT][2][GW];
-    load_scales(warp, sw4, sx4);
     for (int j = 0, st = warp; st < n_stages; ++j, st += P) {
         cp_async_wait<S - 2>();
         __syncwarp();
         issue(st + (S - 1) * P, (j + S - 1) % S);
         const uint8_t* buf = ring + (j % S) * L::STAGE_BYTES;
-        uint32_t sw4_next[GW], sx4_next[NT][2][GW];
-        load_scales(st + P, sw4_next, sx4_next);
+        const uint32_t* sw4 = reinterpret_cast<const uint32_t*>(buf + L::SCALES_OFF);
+        const uint32_t* sx4 = sw4 + 4;                      // [x row][GW]
         const int slot = st % L::R;
         mbar_wait(bars + 8 * (L::R + slot), ((st / L::R) & 1) ^ 1);
         // BI blocks at a time: all their operands first, then each block's MMAs and roundings, then
@@ -320,7 +320,7 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
                     float* tp = reinterpret_cast<float*>(&term);
 #pragma unroll
                     for (int i = 0; i < 4; ++i) {
-                        const float sxv = ue8m0((sx4[jt][i & 1][b / 4] >> (8 * (b % 4))) & 0xFFu);
+                        const float sxv = ue8m0((sx4[(8 * jt + 2 * t + (i & 1)) * GW + b / 4] >> (8 * (b % 4))) & 0xFFu);
                         tp[i] = __fmul_rn(__fmul_rn(__fadd_rn(hh[bi][jt][i], ll[bi][jt][i]), sxv), swb);
                     }
                     terms[((slot * G + b) * NT + jt) * 32 + lane] = term;
@@ -328,15 +328,6 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
             }
         }
         mbar_arrive(bars + 8 * slot);
-#pragma unroll
-        for (int q = 0; q < GW; ++q) {
-            sw4[q] = sw4_next[q];
-#pragma unroll
-            for (int jt = 0; jt < NT; ++jt) {
-                sx4[jt][0][q] = sx4_next[jt][0][q];
-                sx4[jt][1][q] = sx4_next[jt][1][q];
-            }
-        }
     }
     cp_async_wait<0>();
 }
