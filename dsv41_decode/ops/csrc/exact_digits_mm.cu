@@ -8,11 +8,11 @@
 // The block's exact dot (gluon_exact_digits.chained_dot's arithmetic): each E4M3 value v splits
 // exactly into two FP16 digits, vh = v rounded to an integer ((v + 1536) - 1536 in FP16) and
 // vl = v - vh (a multiple of 2^-9, |vl| <= 1/2). mid = wh.xl + wl.xh (multiples of 2^-9 below 2^14)
-// (each k16 step's dot from 0, added in FP32: exact); mi = (mid + 1.5 * 2^23) - 1.5 * 2^23, mid
-// rounded to an integer; then H = wh.xh + mi (integers below 2^24) and L = wl.xl + (mid - mi)
-// (multiples of 2^-18 below 2^4), each step's MMA from mi / mid - mi or from 0 and the two added:
-// every partial at most 24 significant bits, exact under the FP16 MMA's adds
-// (scripts/probe_digit_mma.py) and in FP32, so RN(H + L) is the block's exact dot rounded once.
+// as one chain of four k16 MMAs; mi = (mid + 1.5 * 2^23) - 1.5 * 2^23, mid rounded to an integer;
+// then H = wh.xh + mi (integers below 2^24) and L = wl.xl + (mid - mi) (multiples of 2^-18 below
+// 2^4), each a chain of two MMAs from mi / mid - mi: every partial sum (in any order) at most 24
+// significant bits, exact under the FP16 MMA's adds (scripts/probe_digit_mma.py), so RN(H + L) is
+// the block's exact dot rounded once.
 // The MMA is mma.sync m16n8k16 with the weight rows as M (16 a warp) and x's rows as N (8 an
 // n-tile); within a 32-deep block the K order is free (the block's sum is exact), so thread
 // (g = lane / 4, t = lane % 4) takes bytes 8t .. 8t + 7 of each block of its rows: logical k =
@@ -66,12 +66,13 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
     asm volatile("{\n\t.reg .b64 state;\n\tmbarrier.arrive.shared::cta.b64 state, [%0];\n\t}\n" ::"r"(bar) : "memory");
 }
 
-// Spins on test_wait: the hand-over never suspends the waiting warp.
+// try_wait suspends the waiting warp in hardware (up to a time limit, then it tries again), so a
+// waiting warp takes no issue slots from the compute warps.
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
     asm volatile(
         "{\n\t.reg .pred done;\n"
         "WAIT:\n\t"
-        "mbarrier.test_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
+        "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
         "@!done bra WAIT;\n\t}\n" ::"r"(bar),
         "r"(parity)
         : "memory");
@@ -206,49 +207,57 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
         return;
     }
 
-    // A compute warp: stages warp, warp + P, ... through its own ring of S stage buffers.
+    // A compute warp: stages warp, warp + P, ... through its own ring of S stage buffers. Each lane's
+    // copies of a stage differ from the previous stage's only in the K offset and the buffer, so
+    // their offsets are formed once: weight chunk i of lane (row r0 + i 16 / G, chunk c0), x chunk i
+    // (row r0 + i 16 / G), one scale copy (lanes 0 .. X_ROWS - 1 x's rows, lane X_ROWS sw's group).
     uint8_t* ring = smem + L::STAGES_OFF + warp * S * L::STAGE_BYTES;
-    const uint8_t* w_rows = w + static_cast<size_t>(row0) * ld_w;
-    auto issue = [&](int st, int buf) {
+    const int r0 = lane / (2 * G), c0 = lane % (2 * G);
+    const uint8_t* w_src = w + static_cast<size_t>(row0 + r0) * ld_w + 16 * c0;
+    uint32_t w_dst[G], x_dst[NT * G / 2];
+    const uint8_t* x_src[NT * G / 2];
+    int x_bytes[NT * G / 2];
+#pragma unroll
+    for (int i = 0; i < G; ++i) w_dst[i] = chunk_offset<G>(r0 + i * 16 / G, c0);
+#pragma unroll
+    for (int i = 0; i < NT * G / 2; ++i) {                  // x rows past m zero-filled
+        const int r = r0 + i * 16 / G;
+        x_dst[i] = chunk_offset<G>(16 + r, c0);
+        x_src[i] = x + static_cast<size_t>(r < m ? r : 0) * ld_x + 16 * c0;
+        x_bytes[i] = r < m ? 16 : 0;
+    }
+    const bool scale_lane = lane <= L::X_ROWS;
+    const uint8_t* s_src = lane < L::X_ROWS ? sx + static_cast<size_t>(lane < m ? lane : 0) * ld_sx
+                                            : sw + static_cast<size_t>(row0 >> 5) * ld_sw;
+    const uint32_t s_dst = L::SCALES_OFF + (lane < L::X_ROWS ? 16 + 4 * GW * lane : 0);
+    const int s_bytes = lane < L::X_ROWS && lane >= m ? 0 : 4;
+    const size_t w_step = static_cast<size_t>(16 / G) * ld_w;
+    auto issue = [&](int st, uint32_t base) {
         if (st < n_stages) {
-            const uint32_t base = smem_addr(ring + buf * L::STAGE_BYTES);
             const int k0 = st * ROW_BYTES;
 #pragma unroll
-            for (int i = 0; i < G; ++i) {                   // weight: 16 rows x 2G chunks
-                const int idx = lane + 32 * i, r = idx / (2 * G), c = idx % (2 * G);
-                cp_async_cg16(base + chunk_offset<G>(r, c), w_rows + static_cast<size_t>(r) * ld_w + k0 + 16 * c, 16);
-            }
+            for (int i = 0; i < G; ++i) cp_async_cg16(base + w_dst[i], w_src + i * w_step + k0, 16);
 #pragma unroll
-            for (int i = 0; i < NT * G / 2; ++i) {          // x: 8 NT rows x 2G chunks, rows past m zero
-                const int idx = lane + 32 * i, r = idx / (2 * G), c = idx % (2 * G);
-                const bool live = r < m;
-                const uint8_t* src = x + static_cast<size_t>(live ? r : 0) * ld_x + k0 + 16 * c;
-                cp_async_ca16(base + chunk_offset<G>(16 + r, c), src, live ? 16 : 0);
-            }
-            // The stage's scales, 4 bytes (4 blocks) a copy: lanes 0 .. X_ROWS - 1 x's rows (past m
-            // zero), lane X_ROWS the tile's 32-row group of sw.
-            const int kb0 = st * G;
+            for (int i = 0; i < NT * G / 2; ++i) cp_async_ca16(base + x_dst[i], x_src[i] + k0, x_bytes[i]);
+            if (scale_lane) {
 #pragma unroll
-            for (int q = 0; q < GW; ++q) {
-                if (lane < L::X_ROWS) {
-                    const bool live = lane < m;
-                    cp_async_ca4(base + L::SCALES_OFF + 16 + 4 * (lane * GW + q),
-                                 sx + static_cast<size_t>(live ? lane : 0) * ld_sx + kb0 + 4 * q, live ? 4 : 0);
-                } else if (lane == L::X_ROWS) {
-                    cp_async_ca4(base + L::SCALES_OFF + 4 * q, sw + static_cast<size_t>(row0 >> 5) * ld_sw + kb0 + 4 * q, 4);
-                }
+                for (int q = 0; q < GW; ++q) cp_async_ca4(base + s_dst + 4 * q, s_src + st * G + 4 * q, s_bytes);
             }
         }
         cp_async_commit();
     };
+    const uint32_t ring_addr = smem_addr(ring);
 #pragma unroll
-    for (int i = 0; i < S - 1; ++i) issue(warp + i * P, i);
+    for (int i = 0; i < S - 1; ++i) issue(warp + i * P, ring_addr + i * L::STAGE_BYTES);
 
-    for (int j = 0, st = warp; st < n_stages; ++j, st += P) {
+    int cur = 0, nxt = S - 1;                               // the buffers of this stage and of the one issued
+    for (int st = warp; st < n_stages; st += P) {
         cp_async_wait<S - 2>();
         __syncwarp();
-        issue(st + (S - 1) * P, (j + S - 1) % S);
-        const uint8_t* buf = ring + (j % S) * L::STAGE_BYTES;
+        issue(st + (S - 1) * P, ring_addr + nxt * L::STAGE_BYTES);
+        nxt = nxt == S - 1 ? 0 : nxt + 1;
+        const uint8_t* buf = ring + cur * L::STAGE_BYTES;
+        cur = cur == S - 1 ? 0 : cur + 1;
         const uint32_t* sw4 = reinterpret_cast<const uint32_t*>(buf + L::SCALES_OFF);
         const uint32_t* sx4 = sw4 + 4;                      // [x row][GW]
         const int slot = st % L::R;
@@ -276,9 +285,9 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
                 for (int jt = 0; jt < NT; ++jt)
                     digits8(*reinterpret_cast<const uint2*>(buf + word_offset<G>(16 + 8 * jt + g, b0 + bi, t)), xh[bi][jt], xl[bi][jt]);
             }
-            // Each k16 step's dot from 0 or from the rounded mid (all exact), then exact FP32 adds:
-            // mid = (wh0.xl0 + wh1.xl1) + (wl0.xh0 + wl1.xh1); H = (mi + wh0.xh0) + wh1.xh1 and
-            // L = (mf + wl0.xl0) + wl1.xl1 - the same values as chained_dot's, in chains of one MMA.
+            // chained_dot's MMAs: mid = (wh.xl + wl.xh) over both k16 steps in one chain of four,
+            // mi = mid rounded to an integer, mf = mid - mi; H = wh.xh from mi and L = wl.xl from mf,
+            // each a chain of two; every partial at most 24 significant bits, exact in the MMA's adds.
             const float zero[4] = {0.f, 0.f, 0.f, 0.f};
             float hh[BI][NT][4], ll[BI][NT][4];
 #pragma unroll
@@ -287,28 +296,20 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
                 for (int jt = 0; jt < NT; ++jt) {
                     const uint32_t bh0[2] = {xh[bi][jt][0], xh[bi][jt][1]}, bh1[2] = {xh[bi][jt][2], xh[bi][jt][3]};
                     const uint32_t bl0[2] = {xl[bi][jt][0], xl[bi][jt][1]}, bl1[2] = {xl[bi][jt][2], xl[bi][jt][3]};
-                    float m1[4], m2[4], m3[4], m4[4];
-                    mma16816(m1, ah[bi][0], bl0, zero);
-                    mma16816(m2, ah[bi][1], bl1, zero);
-                    mma16816(m3, al[bi][0], bh0, zero);
-                    mma16816(m4, al[bi][1], bh1, zero);
-                    float mi[4], mf[4];
+                    float mid[4], mi[4], mf[4];
+                    mma16816(mid, ah[bi][0], bl0, zero);
+                    mma16816(mid, ah[bi][1], bl1, mid);
+                    mma16816(mid, al[bi][0], bh0, mid);
+                    mma16816(mid, al[bi][1], bh1, mid);
 #pragma unroll
                     for (int i = 0; i < 4; ++i) {
-                        const float mid = __fadd_rn(__fadd_rn(m1[i], m2[i]), __fadd_rn(m3[i], m4[i]));
-                        mi[i] = __fsub_rn(__fadd_rn(mid, 12582912.0f), 12582912.0f);
-                        mf[i] = __fsub_rn(mid, mi[i]);
+                        mi[i] = __fsub_rn(__fadd_rn(mid[i], 12582912.0f), 12582912.0f);
+                        mf[i] = __fsub_rn(mid[i], mi[i]);
                     }
-                    float h2[4], l2[4];
                     mma16816(hh[bi][jt], ah[bi][0], bh0, mi);
-                    mma16816(h2, ah[bi][1], bh1, zero);
+                    mma16816(hh[bi][jt], ah[bi][1], bh1, hh[bi][jt]);
                     mma16816(ll[bi][jt], al[bi][0], bl0, mf);
-                    mma16816(l2, al[bi][1], bl1, zero);
-#pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        hh[bi][jt][i] = __fadd_rn(hh[bi][jt][i], h2[i]);
-                        ll[bi][jt][i] = __fadd_rn(ll[bi][jt][i], l2[i]);
-                    }
+                    mma16816(ll[bi][jt], al[bi][1], bl1, ll[bi][jt]);
                 }
 #pragma unroll
             for (int bi = 0; bi < BI; ++bi) {
@@ -345,8 +346,5 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
 DSV41_EXACT_DIGITS_MM(1, 4, 3, 4)
 DSV41_EXACT_DIGITS_MM(1, 4, 4, 4)
 DSV41_EXACT_DIGITS_MM(1, 8, 4, 4)
-DSV41_EXACT_DIGITS_MM(1, 4, 3, 8)
-DSV41_EXACT_DIGITS_MM(1, 4, 4, 8)
 DSV41_EXACT_DIGITS_MM(2, 4, 3, 4)
 DSV41_EXACT_DIGITS_MM(2, 4, 4, 4)
-DSV41_EXACT_DIGITS_MM(2, 4, 3, 8)
