@@ -23,7 +23,7 @@
 // st by warp st % P, each streaming its own stages' weight and x bytes and their scale bytes by
 // cp.async through a ring of S stages of its own (cp.async.wait_group and __syncwarp only: no load
 // of the main loop waits on global memory but the ring's, S - 1 stages ahead), and writes each block's FP32
-// terms into a ring of R = 2P stage slots of shared memory; the CTA's last warp adds the terms in K
+// terms into a ring of R = P + 2 stage slots of shared memory; the CTA's last warp adds the terms in K
 // order, one FP32 accumulator per output from 0 (full / empty mbarriers per slot, 32 arrivals
 // each), and stores y.
 //
@@ -133,7 +133,7 @@ __device__ __forceinline__ int word_offset(int r, int b, int t) {
 template <int NT, int P, int S, int G>
 struct Layout {
     static constexpr int ROW_BYTES = 32 * G;
-    static constexpr int R = 2 * P;                        // term slots (stages)
+    static constexpr int R = P + 2;                        // term slots (stages): each warp's next, and two
     static constexpr int X_ROWS = 8 * NT;
     static constexpr int SCALES_OFF = (16 + X_ROWS) * ROW_BYTES;   // sw's G bytes (16 reserved), then sx's
     static constexpr int STAGE_BYTES = SCALES_OFF + 16 + X_ROWS * G;
@@ -345,6 +345,7 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
 
 DSV41_EXACT_DIGITS_MM(1, 4, 3, 4)
 DSV41_EXACT_DIGITS_MM(1, 4, 4, 4)
-DSV41_EXACT_DIGITS_MM(1, 8, 4, 4)
+DSV41_EXACT_DIGITS_MM(1, 5, 3, 4)
+DSV41_EXACT_DIGITS_MM(1, 6, 3, 4)
 DSV41_EXACT_DIGITS_MM(2, 4, 3, 4)
 DSV41_EXACT_DIGITS_MM(2, 4, 4, 4)
