@@ -60,7 +60,7 @@ def compiled_kernels() -> frozenset[tuple[int, int, int, int]]:
 
 
 # The configuration a call of at most this many rows takes by default.
-DEFAULT_CONFIG = {8: CudaExactConfig(4, 4), 16: CudaExactConfig(4, 4)}
+DEFAULT_CONFIG = {8: CudaExactConfig(4, 4), 16: CudaExactConfig(4, 3)}
 
 
 def _require_rows16(t: torch.Tensor, name: str) -> None:
