@@ -8,12 +8,13 @@ digits"); what differs is the schedule, which Triton 3.6 cannot express: Gluon p
 before every mbarrier wait and arrive of a partition of more than one warp, so its consumer warps
 run slot by slot in lockstep (40-53 % of their stall cycles at those barriers). Here each compute
 warp streams its own K stages by cp.async (32 x `blocks` K of its CTA's 16 weight rows and of every x row
-a stage, `stages` deep) and synchronizes with nothing but the CTA's accumulating warp, which adds
-the block terms in K order through a ring of shared-memory slots with per-slot mbarriers. A CTA
-owns 16 weight rows (the m16n8k16 MMA's M; x's rows are its N, eight an n-tile), so the grid is
-N / 16 CTAs of `warps` + 1 warps, each compute warp taking every `warps`-th stage of K (`blocks`
-32-deep blocks of each row a stage). Measured slower than `ExactLinear`'s ops at every shape and row
-count on an H100 (docs/gemm.md, "Exactness"), so no plan takes it yet.
+a stage with their scale bytes, `stages` deep) and synchronizes with nothing but the CTA's
+accumulating warp, which adds the block terms in K order through a ring of shared-memory slots with
+per-slot mbarriers. A CTA owns 16 weight rows (the m16n8k16 MMA's M; x's rows are its N, eight an
+n-tile), so the grid is N / 16 CTAs of `warps` + 1 warps, each compute warp taking every
+`warps`-th stage of K (`blocks` 32-deep blocks of each row a stage). Measured on an H100 on par with
+`ExactLinear`'s ops at 16 rows of `wo_b` and slower at most shapes and row counts, bound by its
+instructions a weight byte and an unbalanced grid (docs/gemm.md, "Exactness"), so no plan takes it.
 
 Requirements (ValueError naming the argument): N a multiple of 16, K of 128; weight and codes
 rows contiguous and 16-byte aligned, scales rows 4-byte aligned; a CUDA device of compute
