@@ -15,36 +15,19 @@ ncu's.
 
 from __future__ import annotations
 
-import torch
-
-from dsv41_decode.bench.gemm import flash_shapes
 from dsv41_decode.ops.exact_mm import ExactMM
 from dsv41_decode.ops.gluon_exact_mm import GluonExactConfig, GluonExactMM
-from dsv41_decode.formats import fp8_block_quantize, mxfp8_quantize
 
 from _args import arg   # scripts/ is on sys.path when run as python scripts/<probe>.py
-
-SHAPES = {s.name: (s.n, s.k) for s in flash_shapes(tps=(1,)) if s.kind == "fp8"}
+from _linear_case import call_and_compare, linear_case
 
 
 def main() -> None:
-    name = arg("shape", "wq_b")
-    if name not in SHAPES:
-        raise SystemExit(f"--shape must be one of {sorted(SHAPES)}, got {name!r}")
-    n, k = SHAPES[name]
-    rows = int(arg("rows", "8"))
+    name, n, k, rows, weight, w_scale, codes, x_scale = linear_case("wq_b", 8)
     spec = arg("config", "f16d:128:8:1:32:4:1:80")
     config = GluonExactConfig.from_spec(spec)
-    g = torch.Generator(device="cuda").manual_seed(n + k + rows)
-    weight, w_scale = fp8_block_quantize(torch.randn(n, k, generator=g, device="cuda") * k ** -0.5)
-    codes, x_scale = mxfp8_quantize(torch.randn(rows, k, generator=g, device="cuda").to(torch.bfloat16))
     op = GluonExactMM(weight, w_scale, 64, config=config)
-    for _ in range(int(arg("calls", "5"))):
-        y = op(codes, x_scale)
-    want = ExactMM(weight, w_scale, 64)(codes, x_scale)
-    torch.cuda.synchronize()
-    diff = int((y.view(torch.int16) != want.view(torch.int16)).sum())
-    print(f"{name} N={n} K={k} rows={rows} {spec}: bits {'=' if diff == 0 else f'{diff} differ'}", flush=True)
+    call_and_compare(op, codes, x_scale, ExactMM(weight, w_scale, 64), f"{name} N={n} K={k} rows={rows} {spec}")
 
 
 if __name__ == "__main__":
