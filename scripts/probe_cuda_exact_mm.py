@@ -1,6 +1,7 @@
 """Probe `CudaExactMM` on a GPU (sm_90): the contract-exact linear on FP16 digits in CUDA C++ (one
 accumulating warp a CTA, no CTA barrier in the main loop), in every configuration the source
-instantiates, against `ExactLinear` (the step's exact linear: GluonExactFMA / ExactMM /
+instantiates (each with one CTA a tile and on stream-K grids of 2 and 3 CTAs an SM: `k2`, `k3`),
+against `ExactLinear` (the step's exact linear: GluonExactFMA / ExactMM /
 GluonExactMM by row count) and the tensor-core tier `GluonMM` (not exact), at the four V4.1-Flash
 shapes of the step's FP8 linears (TP1), rows 1, 2, 4, 8, 16: us per call from CUDA-graph replay
 over weight copies rotated beyond L2 (as `bench gemm`; median of the replays), % of the streaming
@@ -35,8 +36,15 @@ SHAPES = {"wo_b": Shape("wo_b", 5120, 8192), "wq_b": Shape("wq_b", 32768, 1280),
 
 
 def configs_for(rows: int) -> list[CudaExactConfig]:
+    """Every instantiated kernel for `rows`, with one CTA a tile and on stream-K grids of 2 and 3 CTAs an SM."""
     tiles = -(-rows // ROWS_PER_TILE)
-    return [CudaExactConfig(p, s, g) for nt, p, s, g in sorted(compiled_kernels()) if nt == tiles]
+    return [CudaExactConfig(p, s, g, ctas) for nt, p, s, g in sorted(compiled_kernels()) if nt == tiles
+            for ctas in (0, 2, 3)]
+
+
+def label(c: CudaExactConfig) -> str:
+    """p<warps>s<stages>g<blocks>, with k<ctas_per_sm> on a stream-K grid."""
+    return f"p{c.warps}s{c.stages}g{c.blocks}" + (f"k{c.ctas_per_sm}" if c.ctas_per_sm else "")
 
 
 def plan_config(rows: int, c: CudaExactConfig) -> dict[int, CudaExactConfig]:
@@ -72,7 +80,11 @@ def main() -> None:
             pct = lambda us: 100 * (shape.weight_bytes() + shape.io_bytes(m)) / (us * 1e3) / floor  # noqa: E731
             cells = []
             for c in configs_for(m):
-                plans = [CudaExactMM(w, s, 16, plan_config(m, c)) for w, s in ws]
+                try:
+                    plans = [CudaExactMM(w, s, 16, plan_config(m, c)) for w, s in ws]
+                except ValueError as e:                 # an SM holds fewer CTAs than the grid asks
+                    cells.append(f"{label(c)} -- ({e})")
+                    continue
                 fn, _ = plans[0].function_for(m)
                 if fn.name not in shown:
                     shown.add(fn.name)
@@ -82,7 +94,7 @@ def main() -> None:
                 heavy = torch.equal(CudaExactMM(hw, hws, 16, plan_config(m, c))(hx, hxs).view(torch.int16),
                                     want_heavy.view(torch.int16))
                 us = graph_time_us(lambda: [p(x, xs, out) for p in plans], calls_per_graph=copies)
-                cells.append(f"p{c.warps}s{c.stages}g{c.blocks} {us:6.2f} ({pct(us):3.0f}%) bits {'=' if bits else 'X'} "
+                cells.append(f"{label(c)} {us:6.2f} ({pct(us):3.0f}%) bits {'=' if bits else 'X'} "
                              f"heavy {'=' if heavy else 'X'}")
             ex = graph_time_us(lambda: [p(x, xs, out) for p in exact], calls_per_graph=copies)
             tcu = graph_time_us(lambda: [p(x, xs, out) for p in tc], calls_per_graph=copies)

@@ -91,6 +91,7 @@ def _libcuda():
         "cuFuncSetAttribute": (p, i, i),
         "cuFuncGetAttribute": (ctypes.POINTER(i), i, p),
         "cuLaunchKernel": (p, u, u, u, u, u, u, u, p, vp, vp),
+        "cuOccupancyMaxActiveBlocksPerMultiprocessor": (ctypes.POINTER(i), p, i, sz),
     }
     for name, argtypes in sigs.items():
         fn = getattr(lib, name)
@@ -115,6 +116,13 @@ class CudaFunction:
     registers: int
     local_bytes: int
     smem: int
+
+    def resident_ctas(self, threads: int) -> int:
+        """How many CTAs of `threads` threads (and `self.smem` bytes of shared memory) an SM holds at once."""
+        n = ctypes.c_int()
+        _check(_libcuda().cuOccupancyMaxActiveBlocksPerMultiprocessor(ctypes.byref(n), self.handle, threads, self.smem),
+               f"occupancy of {self.name}")
+        return n.value
 
     def launch(self, grid: tuple[int, int, int], threads: int, stream: int, args: list[tuple[str, int]]) -> None:
         """Launch on `stream` (a CUDA stream handle, e.g. torch.cuda.current_stream().cuda_stream) with

@@ -42,11 +42,15 @@ ROWS_PER_TILE = 8           # x rows per n-tile (the MMA's N)
 class CudaExactConfig:
     """warps: compute warps a CTA (each taking every warps-th K stage; the CTA has one more, the
     accumulating warp); stages: each compute warp's cp.async ring depth in K stages; blocks: 32-deep
-    K blocks a stage (K must be a multiple of 32 x blocks)."""
+    K blocks a stage (K must be a multiple of 32 x blocks); ctas_per_sm: 0 for one CTA a 16-row
+    tile, else the grid min(tiles, ctas_per_sm x SMs) with the tiles' K stages split evenly over it
+    (stream-K: a tile split between two CTAs hands its accumulator on in K order; the kernel's
+    `StageRange`), which must not exceed the CTAs an SM holds."""
 
     warps: int = 4
     stages: int = 4
     blocks: int = 4
+    ctas_per_sm: int = 0
 
     def kernel(self, n_tiles: int) -> str:
         return f"exact_digits_mm_nt{n_tiles}_p{self.warps}_s{self.stages}_g{self.blocks}"
@@ -106,6 +110,21 @@ class CudaExactMM:
                 name = c.kernel(tiles)
                 self.functions[(tiles, c)] = module.function(name, module.global_int(f"{name}_smem"))
             lo = most + 1
+        # stream-K grids and their hand-over buffers (one accumulator fragment and one flag a CTA)
+        sms = torch.cuda.get_device_properties(weight.device).multi_processor_count
+        self.grids: dict[tuple[int, CudaExactConfig], int] = {}
+        self.handoff: dict[tuple[int, CudaExactConfig], tuple[torch.Tensor, torch.Tensor]] = {}
+        for (tiles, c), fn in self.functions.items():
+            grid = n // 16
+            if c.ctas_per_sm:
+                held = fn.resident_ctas(32 * (c.warps + 1))
+                if c.ctas_per_sm > held:
+                    raise ValueError(f"config {c}: an SM holds {held} CTAs of {fn.name}, fewer than "
+                                     f"ctas_per_sm={c.ctas_per_sm} (a CTA would wait on one never started)")
+                grid = min(grid, c.ctas_per_sm * sms)
+                self.handoff[(tiles, c)] = (torch.zeros(grid * tiles * 128, dtype=torch.float32, device=weight.device),
+                                            torch.zeros(grid, dtype=torch.int32, device=weight.device))
+            self.grids[(tiles, c)] = grid
         self.weight, self.w_scale, self.n, self.k, self.max_rows = weight, w_scale, n, k, max_rows
         self.configs, self.device = configs, weight.device
 
@@ -122,9 +141,13 @@ class CudaExactMM:
         scale_words(x_scale, "x_scale")
         m = codes.shape[0]
         fn, c = self.function_for(m)
-        fn.launch((self.n // 16, 1, 1), 32 * (c.warps + 1), torch.cuda.current_stream(self.device).cuda_stream,
+        key = (-(-m // ROWS_PER_TILE), c)
+        handoff, flags = self.handoff.get(key, (None, None))
+        fn.launch((self.grids[key], 1, 1), 32 * (c.warps + 1), torch.cuda.current_stream(self.device).cuda_stream,
                   [("p", codes.data_ptr()), ("p", x_scale.data_ptr()), ("p", self.weight.data_ptr()),
                    ("p", self.w_scale.data_ptr()), ("p", out.data_ptr()), ("i", m), ("i", self.k),
                    ("i", codes.stride(0)), ("i", x_scale.stride(0)), ("i", self.weight.stride(0)),
-                   ("i", self.w_scale.stride(0)), ("i", out.stride(0)), ("i", int(out.dtype == torch.float32))])
+                   ("i", self.w_scale.stride(0)), ("i", out.stride(0)), ("i", int(out.dtype == torch.float32)),
+                   ("i", self.n // 16), ("p", 0 if handoff is None else handoff.data_ptr()),
+                   ("p", 0 if flags is None else flags.data_ptr())])
         return out

@@ -95,6 +95,47 @@ def test_gpu_bitwise_the_reference(n, k, nt, p, s, g):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(4096, 1280), (5120, 8192), (32768, 1280)])
+@pytest.mark.parametrize("ctas_per_sm", [1, 2, 3])
+def test_gpu_stream_k_bitwise_the_reference_call_after_call(n, k, ctas_per_sm):
+    """Stream-K grids (fewer CTAs than tiles, tiles split between CTAs with the accumulator handed on):
+    the reference's bits at 1-16 rows on heavy-tailed and model-like operands, in three calls in a row
+    (the hand-over flags reset by their readers) and in a CUDA graph's replays."""
+    gen = torch.Generator("cuda").manual_seed(n + k + ctas_per_sm)
+    ran = 0
+    for nt, (p, s, g) in ((1, (4, 4, 4)), (2, (4, 3, 4))):
+        if (nt, p, s, g) not in compiled_kernels():
+            continue
+        c = CudaExactConfig(p, s, g, ctas_per_sm)
+        for heavy in (True, False):
+            m = ROWS_PER_TILE * nt - (0 if heavy else 3)
+            x, xs, w, ws = _operands(n, k, m, gen, heavy)
+            try:
+                op = CudaExactMM(w, ws, 16, {8: c, 16: c})
+            except ValueError as e:                     # an SM holds fewer CTAs of this kernel
+                assert "ctas_per_sm" in str(e)
+                continue
+            assert op.grids[(nt, c)] < n // 16, "the grid should split tiles"
+            want = mxfp8_mm(x, xs, w, ws)
+            for call in range(3):
+                got = op(x, xs)
+                assert torch.equal(got.view(torch.int16), want.view(torch.int16)), \
+                    (f"{n}x{k} rows={m} heavy={heavy} ctas_per_sm={ctas_per_sm} call {call}: "
+                     f"{int((got.view(torch.int16) != want.view(torch.int16)).sum())} outputs differ")
+            out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                op(x, xs, out)
+            for _ in range(3):
+                out.zero_()
+                graph.replay()
+                torch.cuda.synchronize()
+                assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+            ran += 1
+    assert ran or ctas_per_sm > 2, "an SM should hold two CTAs of every kernel"
+
+
+@pytest.mark.gpu
 def test_gpu_graph_replays_repeat_and_rows_take_their_bucket():
     gen = torch.Generator("cuda").manual_seed(3)
     n, k = 5120, 8192

@@ -146,11 +146,41 @@ struct Layout {
     static constexpr int SMEM = STAGES_OFF + P * S * STAGE_BYTES;
 };
 
+// The stages of CTA c of `ctas` over the N / 16 tiles' K stages laid end to end (tile t's stage s is
+// unit t B + s, B stages a tile), units [c U / C, (c + 1) U / C): with ctas <= tiles each CTA's range
+// spans at least one tile's B stages, so it is a tail of one tile (whose head the CTA before holds),
+// whole tiles, and a head of one tile (whose tail the CTA after holds). The CTA runs them in the
+// order head, whole tiles, tail: a head's accumulator goes to the next CTA early, and a tail waits
+// for its head's last, so no CTA waits on one that waits. With ctas == tiles each CTA runs one tile.
+struct StageRange {
+    int b;                   // stages a tile
+    int head0, n_head;       // units of the head (run first), its accumulator handed on
+    int full0, n_full;       // units of the whole tiles
+    int tail0, n_tail;       // units of the tail (run last), its accumulator handed in
+    __device__ StageRange(int c, int ctas, int tiles, int b_) : b(b_) {
+        const long long units = static_cast<long long>(tiles) * b;
+        const int u0 = static_cast<int>(units * c / ctas), u1 = static_cast<int>(units * (c + 1) / ctas);
+        const int s_first = u0 % b, t_last = (u1 - 1) / b;
+        n_tail = s_first ? b - s_first : 0;
+        tail0 = u0;
+        n_head = u1 % b ? u1 - t_last * b : 0;
+        head0 = t_last * b;
+        full0 = u0 + n_tail;
+        n_full = u1 - n_head - full0;
+    }
+    __device__ int n() const { return n_head + n_full + n_tail; }
+    // Unit of the CTA's j-th stage in run order.
+    __device__ int unit(int j) const {
+        return j < n_head ? head0 + j : j < n_head + n_full ? full0 + j - n_head : tail0 + j - n_head - n_full;
+    }
+};
+
 template <int NT, int P, int S, int G>
 __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, const uint8_t* __restrict__ sx,
                                                 const uint8_t* __restrict__ w, const uint8_t* __restrict__ sw,
                                                 void* __restrict__ out, int m, int k, int ld_x, int ld_sx,
-                                                int ld_w, int ld_sw, int ld_out, int out_fp32) {
+                                                int ld_w, int ld_sw, int ld_out, int out_fp32, int tiles,
+                                                float* __restrict__ handoff, int* __restrict__ flags) {
     using L = Layout<NT, P, S, G>;
     constexpr int ROW_BYTES = L::ROW_BYTES;
     constexpr int GW = G / 4;                               // scale words a stage
@@ -158,8 +188,9 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int row0 = blockIdx.x * 16;
-    const int n_stages = k / ROW_BYTES;
+    const int c = blockIdx.x, ctas = gridDim.x;
+    const StageRange range(c, ctas, tiles, k / ROW_BYTES);
+    const int n_stages = range.n();
     const uint32_t bars = smem_addr(smem);                  // full[0 .. R), then empty[0 .. R)
     float4* terms = reinterpret_cast<float4*>(smem + L::TERMS_OFF);
 
@@ -170,13 +201,32 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
     __syncthreads();
 
     if (warp == P) {
-        // The accumulating warp: each output's block terms in K order, from 0.
+        // The accumulating warp: each output's block terms in K order, from 0 at a tile's first stage
+        // or from the head's accumulator handed in at a tail's; at a tile's last stage y is stored, at
+        // a head's last the accumulator handed on (handoff[c + 1], flags[c + 1]: one writer, one reader).
         float acc[NT][4];
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
         for (int st = 0; st < n_stages; ++st) {
+            const int u = range.unit(st), tile = u / range.b, s_in = u - tile * range.b;
+            if (s_in == 0) {
+#pragma unroll
+                for (int j = 0; j < NT; ++j)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
+            } else if (st == range.n_head + range.n_full) {     // the tail's first stage
+                int ready;
+                do {
+                    asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(ready) : "l"(flags + c) : "memory");
+                    if (!ready) __nanosleep(64);
+                } while (!ready);
+                const float4* hp = reinterpret_cast<const float4*>(handoff) + static_cast<size_t>(c) * NT * 32 + lane;
+#pragma unroll
+                for (int j = 0; j < NT; ++j) {
+                    const float4 v = hp[32 * j];
+                    acc[j][0] = v.x; acc[j][1] = v.y; acc[j][2] = v.z; acc[j][3] = v.w;
+                }
+                __syncwarp();
+                if (lane == 0) flags[c] = 0;                    // ready for the next call
+            }
             const int slot = st % L::R;
             mbar_wait(bars + 8 * slot, (st / L::R) & 1);
 #pragma unroll
@@ -190,22 +240,31 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
                     acc[j][3] = __fadd_rn(acc[j][3], v.w);
                 }
             mbar_arrive(bars + 8 * (L::R + slot));
-        }
-        // C fragment: acc[j][i] is weight row g + 8 (i / 2), x row 8 j + 2 t + i % 2.
+            if (st == range.n_head - 1) {                       // the head's last stage: hand on
+                float4* hp = reinterpret_cast<float4*>(handoff) + static_cast<size_t>(c + 1) * NT * 32 + lane;
 #pragma unroll
-        for (int j = 0; j < NT; ++j)
+                for (int j = 0; j < NT; ++j) hp[32 * j] = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+                __threadfence();
+                __syncwarp();
+                if (lane == 0) asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(flags + c + 1), "r"(1) : "memory");
+            } else if (s_in == range.b - 1) {
+                // C fragment: acc[j][i] is weight row g + 8 (i / 2), x row 8 j + 2 t + i % 2.
 #pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int xr = 8 * j + 2 * t + (i & 1);
-                const int wr = row0 + g + 8 * (i >> 1);
-                if (xr < m) {
-                    if (out_fp32)
-                        reinterpret_cast<float*>(out)[static_cast<size_t>(xr) * ld_out + wr] = acc[j][i];
-                    else
-                        reinterpret_cast<__nv_bfloat16*>(out)[static_cast<size_t>(xr) * ld_out + wr] =
-                            __float2bfloat16_rn(acc[j][i]);
-                }
+                for (int j = 0; j < NT; ++j)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i) {
+                        const int xr = 8 * j + 2 * t + (i & 1);
+                        const int wr = tile * 16 + g + 8 * (i >> 1);
+                        if (xr < m) {
+                            if (out_fp32)
+                                reinterpret_cast<float*>(out)[static_cast<size_t>(xr) * ld_out + wr] = acc[j][i];
+                            else
+                                reinterpret_cast<__nv_bfloat16*>(out)[static_cast<size_t>(xr) * ld_out + wr] =
+                                    __float2bfloat16_rn(acc[j][i]);
+                        }
+                    }
             }
+        }
         return;
     }
 
@@ -215,7 +274,7 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
     // (row r0 + i 16 / G), one scale copy (lanes 0 .. X_ROWS - 1 x's rows, lane X_ROWS sw's group).
     uint8_t* ring = smem + L::STAGES_OFF + warp * S * L::STAGE_BYTES;
     const int r0 = lane / (2 * G), c0 = lane % (2 * G);
-    const uint8_t* w_src = w + static_cast<size_t>(row0 + r0) * ld_w + 16 * c0;
+    const uint8_t* w_src = w + static_cast<size_t>(r0) * ld_w + 16 * c0;      // + the stage's tile rows
     uint32_t w_dst[G], x_dst[NT * G / 2];
     const uint8_t* x_src[NT * G / 2];
     int x_bytes[NT * G / 2];
@@ -229,21 +288,24 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
         x_bytes[i] = r < m ? 16 : 0;
     }
     const bool scale_lane = lane <= L::X_ROWS;
-    const uint8_t* s_src = lane < L::X_ROWS ? sx + static_cast<size_t>(lane < m ? lane : 0) * ld_sx
-                                            : sw + static_cast<size_t>(row0 >> 5) * ld_sw;
+    const bool sw_lane = lane == L::X_ROWS;               // its source + the stage's tile's 32-row group
+    const uint8_t* s_src = lane < L::X_ROWS ? sx + static_cast<size_t>(lane < m ? lane : 0) * ld_sx : sw;
     const uint32_t s_dst = L::SCALES_OFF + (lane < L::X_ROWS ? 16 + 4 * GW * lane : 0);
     const int s_bytes = lane < L::X_ROWS && lane >= m ? 0 : 4;
     const size_t w_step = static_cast<size_t>(16 / G) * ld_w;
     auto issue = [&](int st, uint32_t base) {
         if (st < n_stages) {
-            const int k0 = st * ROW_BYTES;
+            const int u = range.unit(st), tile = u / range.b, s_in = u - tile * range.b;
+            const int k0 = s_in * ROW_BYTES;
+            const uint8_t* w_tile = w_src + static_cast<size_t>(tile) * 16 * ld_w;
 #pragma unroll
-            for (int i = 0; i < G; ++i) cp_async_cg16(base + w_dst[i], w_src + i * w_step + k0, 16);
+            for (int i = 0; i < G; ++i) cp_async_cg16(base + w_dst[i], w_tile + i * w_step + k0, 16);
 #pragma unroll
             for (int i = 0; i < NT * G / 2; ++i) cp_async_ca16(base + x_dst[i], x_src[i] + k0, x_bytes[i]);
             if (scale_lane) {
+                const uint8_t* src = s_src + (sw_lane ? static_cast<size_t>(tile >> 1) * ld_sw : 0) + s_in * G;
 #pragma unroll
-                for (int q = 0; q < GW; ++q) cp_async_ca4(base + s_dst + 4 * q, s_src + st * G + 4 * q, s_bytes);
+                for (int q = 0; q < GW; ++q) cp_async_ca4(base + s_dst + 4 * q, src + 4 * q, s_bytes);
             }
         }
         cp_async_commit();
@@ -340,8 +402,9 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
 #define DSV41_EXACT_DIGITS_MM(NT, P, S, G)                                                                       \
     extern "C" __global__ void __launch_bounds__((P + 1) * 32) exact_digits_mm_nt##NT##_p##P##_s##S##_g##G(         \
         const uint8_t* x, const uint8_t* sx, const uint8_t* w, const uint8_t* sw, void* out, int m, int k,          \
-        int ld_x, int ld_sx, int ld_w, int ld_sw, int ld_out, int out_fp32) {                                      \
-        exact_digits_mm<NT, P, S, G>(x, sx, w, sw, out, m, k, ld_x, ld_sx, ld_w, ld_sw, ld_out, out_fp32);         \
+        int ld_x, int ld_sx, int ld_w, int ld_sw, int ld_out, int out_fp32, int tiles, float* handoff, int* flags) { \
+        exact_digits_mm<NT, P, S, G>(x, sx, w, sw, out, m, k, ld_x, ld_sx, ld_w, ld_sw, ld_out, out_fp32, tiles,   \
+                                     handoff, flags);                                                              \
     }                                                                                                              \
     extern "C" __device__ int exact_digits_mm_nt##NT##_p##P##_s##S##_g##G##_smem = Layout<NT, P, S, G>::SMEM;
 
