@@ -11,8 +11,9 @@ warp streams its own K stages by cp.async (32 x `blocks` K of its CTA's 16 weigh
 a stage with their scale bytes, `stages` deep) and synchronizes with nothing but the CTA's
 accumulating warp, which adds the block terms in K order through a ring of shared-memory slots with
 per-slot mbarriers. A CTA owns 16 weight rows (the m16n8k16 MMA's M; x's rows are its N, eight an
-n-tile), so the grid is N / 16 CTAs of `warps` + 1 warps, each compute warp taking every
-`warps`-th stage of K (`blocks` 32-deep blocks of each row a stage). Measured on an H100 on par with
+n-tile), so the grid is N / 16 CTAs (fewer on a stream-K grid: `CudaExactConfig.ctas_per_sm`) of
+`warps` + 1 warps, each compute warp taking every `warps`-th stage of K (`blocks` 32-deep blocks
+of each row a stage). Measured on an H100 on par with
 `ExactLinear`'s ops at 16 rows of `wo_b` and slower at most shapes and row counts, bound by its
 instructions a weight byte and an unbalanced grid (docs/gemm.md, "Exactness"), so no plan takes it.
 

@@ -1,7 +1,8 @@
 """CudaExactMM (ops/cuda_exact_mm.py, ops/csrc/exact_digits_mm.cu): bitwise the reference's
 `mxfp8_mm` on the GPU at small and real shapes, 1-16 rows, every instantiated configuration, BF16
-and FP32 outputs, and a CUDA graph's replays; on the CPU the source's sm_90 build (no spills, the
-instantiations the op knows) where nvcc is present, and the errors that name the argument.
+and FP32 outputs, a CUDA graph's replays, and stream-K grids (calls in a row, graph replays); on
+the CPU the source's sm_90 build (no spills, the instantiations the op knows) where nvcc is
+present, and the errors that name the argument.
 
 Tolerance: none. The op computes the contract's bits (each block's exact dot rounded once, the
 scalings and the K-ordered FP32 sum), so every test compares bitwise."""
