@@ -20,10 +20,10 @@
 //
 // Schedule (no CTA-wide barrier in the main loop): a CTA runs the K stages of its StageRange (one
 // tile of 16 weight rows and every row of x, or on a stream-K grid parts of several, below); its P
-// compute warps take the stages (G blocks, 32 G bytes of each row; G = 4 as instantiated) in turn, stage st by warp st % P, each streaming its own stages' weight and x bytes and their
-// scale bytes by cp.async through a ring of S stages of its own (cp.async.wait_group and
-// __syncwarp only: no load of the main loop waits on global memory but the ring's, S - 1 stages
-// ahead), and writes each block's FP32 terms into a ring of R stage slots of shared memory (2P or
+// compute warps take the stages (G blocks, 32 G bytes of each row; G = 4 as instantiated) in turn,
+// stage st by warp st % P, each streaming its own stages' weight and x bytes and their scale bytes
+// by cp.async through a ring of S stages of its own (cp.async.wait_group and __syncwarp only: no
+// load of the main loop waits on global memory but the ring's, S - 1 stages ahead), and writes each block's FP32 terms into a ring of R stage slots of shared memory (2P or
 // P + 2); the CTA's last warp adds the terms in K order, one FP32 accumulator per output from 0 or
 // from the accumulator handed in (full / empty mbarriers per slot, 32 arrivals each), and stores y.
 //
