@@ -32,11 +32,12 @@ import torch
 
 from .checks import config_for_rows, mxfp8_linear_args, mxfp8_weight_args, row_configs
 from .cuda_build import CSRC, CudaFunction, load_module
-from .gluon_ring import scale_words
+from .gluon_ring import require_tma_rows, scale_words
 
 SOURCE = "exact_digits_mm.cu"
 MAX_ROWS = 16
 ROWS_PER_TILE = 8           # x rows per n-tile (the MMA's N)
+CP_ASYNC = "the kernel's 16-byte cp.async copies"
 
 
 @dataclass(frozen=True)
@@ -69,14 +70,6 @@ def compiled_kernels() -> frozenset[tuple[int, int, int, int]]:
 DEFAULT_CONFIG = {8: CudaExactConfig(4, 4), 16: CudaExactConfig(4, 3)}
 
 
-def _require_rows16(t: torch.Tensor, name: str) -> None:
-    """ValueError naming `name` unless the byte tensor t's rows start 16-byte aligned (the kernel's
-    16-byte cp.async copies); unit stride along a row is `checks.require_tensor`'s."""
-    if t.stride(0) % 16 or t.data_ptr() % 16:
-        raise ValueError(f"{name} rows must start 16-byte aligned (row stride {t.stride(0)} bytes, "
-                         f"address {t.data_ptr():#x})")
-
-
 class CudaExactMM:
     """The plan of one weight: `CudaExactMM(weight, w_scale, max_rows, config)` binds it and loads the
     kernels its row buckets take; calling it launches one kernel on the current stream.
@@ -90,7 +83,7 @@ class CudaExactMM:
         n, k = mxfp8_weight_args(weight, w_scale, max_rows, MAX_ROWS)
         if n % 16 or k % 128:
             raise ValueError(f"weight must be [N, K] with N a multiple of 16 and K of 128, got {(n, k)}")
-        _require_rows16(weight, "weight")
+        require_tma_rows(weight, "weight", CP_ASYNC)
         scale_words(w_scale, "w_scale")
         configs = row_configs(DEFAULT_CONFIG if config is None else config, CudaExactConfig,
                               "a CudaExactConfig", max_rows)
@@ -138,7 +131,7 @@ class CudaExactMM:
         [M, K/32] UE8M0, 1 <= M <= max_rows; out [M, N] BF16 or FP32 (allocated BF16 when None).
         Returns out."""
         out = mxfp8_linear_args(codes, x_scale, out, self.n, self.k, self.max_rows, self.device)
-        _require_rows16(codes, "codes")
+        require_tma_rows(codes, "codes", CP_ASYNC)
         scale_words(x_scale, "x_scale")
         m = codes.shape[0]
         fn, c = self.function_for(m)

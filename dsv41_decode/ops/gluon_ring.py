@@ -185,11 +185,12 @@ def require_maxnreg(config) -> None:
         raise ValueError(f"{type(config).__name__}.maxnreg must be None or a multiple of 8 in [24, 256], got {v!r}")
 
 
-def require_tma_rows(t: torch.Tensor, name: str) -> None:
+def require_tma_rows(t: torch.Tensor, name: str, needs: str = "TMA") -> None:
     """ValueError naming `name` unless the 2-D tensor t's rows start 16-byte aligned, as a TMA
-    descriptor needs (the Gluon tier's weights and activations)."""
+    descriptor needs (the Gluon tier's weights and activations) or 16-byte copies (`needs`, for the
+    message)."""
     if t.stride(0) * t.element_size() % 16 or t.data_ptr() % 16:
-        raise ValueError(f"{name} rows must be 16-byte aligned for TMA (row stride {t.stride(0)} elements, "
+        raise ValueError(f"{name} rows must be 16-byte aligned for {needs} (row stride {t.stride(0)} elements, "
                          f"address {t.data_ptr():#x})")
 
 

@@ -169,9 +169,17 @@ struct StageRange {
         n_full = u1 - n_head - full0;
     }
     __device__ int n() const { return n_head + n_full + n_tail; }
-    // Unit of the CTA's j-th stage in run order.
-    __device__ int unit(int j) const {
-        return j < n_head ? head0 + j : j < n_head + n_full ? full0 + j - n_head : tail0 + j - n_head - n_full;
+    // Tile and stage within it of the CTA's j-th stage in run order; a CTA of one whole tile (every
+    // CTA of the one-CTA-a-tile grid) needs no division.
+    __device__ void locate(int j, int& tile, int& s) const {
+        if (n_head == 0 && n_tail == 0 && n_full == b) {
+            tile = full0 / b;               // the same at every j
+            s = j;
+            return;
+        }
+        const int u = j < n_head ? head0 + j : j < n_head + n_full ? full0 + j - n_head : tail0 + j - n_head - n_full;
+        tile = u / b;
+        s = u - tile * b;
     }
 };
 
@@ -206,7 +214,8 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
         // a head's last the accumulator handed on (handoff[c + 1], flags[c + 1]: one writer, one reader).
         float acc[NT][4];
         for (int st = 0; st < n_stages; ++st) {
-            const int u = range.unit(st), tile = u / range.b, s_in = u - tile * range.b;
+            int tile, s_in;
+            range.locate(st, tile, s_in);
             if (s_in == 0) {
 #pragma unroll
                 for (int j = 0; j < NT; ++j)
@@ -295,7 +304,8 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
     const size_t w_step = static_cast<size_t>(16 / G) * ld_w;
     auto issue = [&](int st, uint32_t base) {
         if (st < n_stages) {
-            const int u = range.unit(st), tile = u / range.b, s_in = u - tile * range.b;
+            int tile, s_in;
+            range.locate(st, tile, s_in);
             const int k0 = s_in * ROW_BYTES;
             const uint8_t* w_tile = w_src + static_cast<size_t>(tile) * 16 * ld_w;
 #pragma unroll
