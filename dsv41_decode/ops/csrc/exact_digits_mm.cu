@@ -78,6 +78,21 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
         : "memory");
 }
 
+// v, kept in a register: the compiler may not re-form it from its inputs (it otherwise re-forms a
+// lane's copy addresses at every stage of the main loop).
+__device__ __forceinline__ uint32_t kept(uint32_t v) {
+    asm volatile("mov.b32 %0, %0;\n" : "+r"(v));
+    return v;
+}
+__device__ __forceinline__ uint64_t kept(uint64_t v) {
+    asm volatile("mov.b64 %0, %0;\n" : "+l"(v));
+    return v;
+}
+template <class T>
+__device__ __forceinline__ const T* kept(const T* p) {
+    return reinterpret_cast<const T*>(kept(reinterpret_cast<uint64_t>(p)));
+}
+
 // m16n8k16, FP16 operands, FP32 accumulator: d = a . b + c.
 __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
                                          const float (&c)[4]) {
@@ -169,17 +184,32 @@ struct StageRange {
         n_full = u1 - n_head - full0;
     }
     __device__ int n() const { return n_head + n_full + n_tail; }
-    // Tile and stage within it of the CTA's j-th stage in run order; a CTA of one whole tile (every
-    // CTA of the one-CTA-a-tile grid) needs no division.
+    // Tile and stage within it of the CTA's j-th stage in run order (one division).
     __device__ void locate(int j, int& tile, int& s) const {
-        if (n_head == 0 && n_tail == 0 && n_full == b) {
-            tile = full0 / b;               // the same at every j
-            s = j;
-            return;
-        }
         const int u = j < n_head ? head0 + j : j < n_head + n_full ? full0 + j - n_head : tail0 + j - n_head - n_full;
         tile = u / b;
         s = u - tile * b;
+    }
+};
+
+// A warp's walk over the stages j0, j0 + step, ... of a StageRange: within one of its three runs
+// (head, whole tiles, tail) the units are consecutive, so a step moves s on by `step` (wrapping into
+// the next tile) without a division; the range's `locate` only where a step enters another run.
+struct Cursor {
+    int j, tile, s;
+    __device__ Cursor(const StageRange& r, int j0) : j(j0) { r.locate(j0, tile, s); }
+    __device__ void advance(const StageRange& r, int step) {
+        const int j1 = j + step, e0 = r.n_head, e1 = r.n_head + r.n_full;
+        if ((j < e0) != (j1 < e0) || (j < e1) != (j1 < e1)) {
+            r.locate(j1, tile, s);
+        } else {
+            s += step;
+            while (s >= r.b) {
+                s -= r.b;
+                ++tile;
+            }
+        }
+        j = j1;
     }
 };
 
@@ -213,9 +243,9 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
         // or from the head's accumulator handed in at a tail's; at a tile's last stage y is stored, at
         // a head's last the accumulator handed on (handoff[c + 1], flags[c + 1]: one writer, one reader).
         float acc[NT][4];
-        for (int st = 0; st < n_stages; ++st) {
-            int tile, s_in;
-            range.locate(st, tile, s_in);
+        Cursor at(range, 0);
+        for (int st = 0; st < n_stages; ++st, at.advance(range, 1)) {
+            const int tile = at.tile, s_in = at.s;
             if (s_in == 0) {
 #pragma unroll
                 for (int j = 0; j < NT; ++j)
@@ -283,52 +313,63 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
     // (row r0 + i 16 / G), one scale copy (lanes 0 .. X_ROWS - 1 x's rows, lane X_ROWS sw's group).
     uint8_t* ring = smem + L::STAGES_OFF + warp * S * L::STAGE_BYTES;
     const int r0 = lane / (2 * G), c0 = lane % (2 * G);
-    const uint8_t* w_src = w + static_cast<size_t>(r0) * ld_w + 16 * c0;      // + the stage's tile rows
+    const uint8_t* w_src = kept(w + static_cast<size_t>(r0) * ld_w + 16 * c0);   // + the stage's tile rows
     uint32_t w_dst[G], x_dst[NT * G / 2];
     const uint8_t* x_src[NT * G / 2];
     int x_bytes[NT * G / 2];
 #pragma unroll
-    for (int i = 0; i < G; ++i) w_dst[i] = chunk_offset<G>(r0 + i * 16 / G, c0);
+    for (int i = 0; i < G; ++i) w_dst[i] = kept(static_cast<uint32_t>(chunk_offset<G>(r0 + i * 16 / G, c0)));
 #pragma unroll
     for (int i = 0; i < NT * G / 2; ++i) {                  // x rows past m zero-filled
         const int r = r0 + i * 16 / G;
-        x_dst[i] = chunk_offset<G>(16 + r, c0);
-        x_src[i] = x + static_cast<size_t>(r < m ? r : 0) * ld_x + 16 * c0;
+        x_dst[i] = kept(static_cast<uint32_t>(chunk_offset<G>(16 + r, c0)));
+        x_src[i] = kept(x + static_cast<size_t>(r < m ? r : 0) * ld_x + 16 * c0);
         x_bytes[i] = r < m ? 16 : 0;
     }
     const bool scale_lane = lane <= L::X_ROWS;
     const bool sw_lane = lane == L::X_ROWS;               // its source + the stage's tile's 32-row group
-    const uint8_t* s_src = lane < L::X_ROWS ? sx + static_cast<size_t>(lane < m ? lane : 0) * ld_sx : sw;
+    const uint8_t* s_src = kept(lane < L::X_ROWS ? sx + static_cast<size_t>(lane < m ? lane : 0) * ld_sx : sw);
     const uint32_t s_dst = L::SCALES_OFF + (lane < L::X_ROWS ? 16 + 4 * GW * lane : 0);
     const int s_bytes = lane < L::X_ROWS && lane >= m ? 0 : 4;
-    const size_t w_step = static_cast<size_t>(16 / G) * ld_w;
-    auto issue = [&](int st, uint32_t base) {
-        if (st < n_stages) {
-            int tile, s_in;
-            range.locate(st, tile, s_in);
-            const int k0 = s_in * ROW_BYTES;
-            const uint8_t* w_tile = w_src + static_cast<size_t>(tile) * 16 * ld_w;
+    const size_t w_step = kept(static_cast<uint64_t>(16 / G) * ld_w);
+    const size_t tile_bytes = kept(static_cast<uint64_t>(16) * ld_w);
+    const size_t sw_tile_bytes = sw_lane ? ld_sw : 0;      // sw's rows: one a 32-row group (two tiles)
+    // Copies the stage `at` points at (none past the range; a commit group either way).
+    auto issue = [&](const Cursor& at, uint32_t base) {
+        if (at.j < n_stages) {
+            const int k0 = at.s * ROW_BYTES;
+            const uint8_t* w_stage = w_src + at.tile * tile_bytes + k0;
 #pragma unroll
-            for (int i = 0; i < G; ++i) cp_async_cg16(base + w_dst[i], w_tile + i * w_step + k0, 16);
+            for (int i = 0; i < G; ++i) cp_async_cg16(base + w_dst[i], w_stage + i * w_step, 16);
 #pragma unroll
             for (int i = 0; i < NT * G / 2; ++i) cp_async_ca16(base + x_dst[i], x_src[i] + k0, x_bytes[i]);
             if (scale_lane) {
-                const uint8_t* src = s_src + (sw_lane ? static_cast<size_t>(tile >> 1) * ld_sw : 0) + s_in * G;
+                const uint8_t* src = s_src + (at.tile >> 1) * sw_tile_bytes + at.s * G;
 #pragma unroll
                 for (int q = 0; q < GW; ++q) cp_async_ca4(base + s_dst + 4 * q, src + 4 * q, s_bytes);
             }
         }
         cp_async_commit();
     };
-    const uint32_t ring_addr = smem_addr(ring);
+    // Thread (g, t)'s fragment word of block b in rows g, g + 8 and x's 16 + 8 jt + g: frag[b] plus
+    // 8, 16 + 8 jt rows (the swizzle is the same in rows 4 apart).
+    uint32_t frag[G];
 #pragma unroll
-    for (int i = 0; i < S - 1; ++i) issue(warp + i * P, ring_addr + i * L::STAGE_BYTES);
+    for (int b = 0; b < G; ++b) frag[b] = kept(static_cast<uint32_t>(word_offset<G>(g, b, t)));
+    const uint32_t ring_addr = smem_addr(ring);
+    Cursor ahead(range, warp);                              // the next stage to copy
+#pragma unroll
+    for (int i = 0; i < S - 1; ++i) {
+        issue(ahead, ring_addr + i * L::STAGE_BYTES);
+        ahead.advance(range, P);
+    }
 
     int cur = 0, nxt = S - 1;                               // the buffers of this stage and of the one issued
     for (int st = warp; st < n_stages; st += P) {
         cp_async_wait<S - 2>();
         __syncwarp();
-        issue(st + (S - 1) * P, ring_addr + nxt * L::STAGE_BYTES);
+        issue(ahead, ring_addr + nxt * L::STAGE_BYTES);
+        ahead.advance(range, P);
         nxt = nxt == S - 1 ? 0 : nxt + 1;
         const uint8_t* buf = ring + cur * L::STAGE_BYTES;
         cur = cur == S - 1 ? 0 : cur + 1;
@@ -347,8 +388,9 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
 #pragma unroll
             for (int bi = 0; bi < BI; ++bi) {
                 uint32_t h0[4], l0[4], h1[4], l1[4];
-                digits8(*reinterpret_cast<const uint2*>(buf + word_offset<G>(g, b0 + bi, t)), h0, l0);
-                digits8(*reinterpret_cast<const uint2*>(buf + word_offset<G>(g + 8, b0 + bi, t)), h1, l1);
+                const uint8_t* wg = buf + frag[b0 + bi];
+                digits8(*reinterpret_cast<const uint2*>(wg), h0, l0);
+                digits8(*reinterpret_cast<const uint2*>(wg + 8 * ROW_BYTES), h1, l1);
                 // step s: {p(2s) row g, p(2s) row g + 8, p(2s+1) row g, p(2s+1) row g + 8}
 #pragma unroll
                 for (int s = 0; s < 2; ++s) {
@@ -357,7 +399,7 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
                 }
 #pragma unroll
                 for (int jt = 0; jt < NT; ++jt)
-                    digits8(*reinterpret_cast<const uint2*>(buf + word_offset<G>(16 + 8 * jt + g, b0 + bi, t)), xh[bi][jt], xl[bi][jt]);
+                    digits8(*reinterpret_cast<const uint2*>(wg + (16 + 8 * jt) * ROW_BYTES), xh[bi][jt], xl[bi][jt]);
             }
             // chained_dot's MMAs: mid = (wh.xl + wl.xh) over both k16 steps in one chain of four,
             // mi = mid rounded to an integer, mf = mid - mi; H = wh.xh from mi and L = wl.xl from mf,
