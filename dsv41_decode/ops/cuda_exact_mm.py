@@ -47,23 +47,33 @@ class CudaExactConfig:
     K blocks a stage (K must be a multiple of 32 x blocks); ctas_per_sm: 0 for one CTA a 16-row
     tile, else the grid min(tiles, ctas_per_sm x SMs) with the tiles' K stages split evenly over it
     (stream-K: a tile split between two CTAs hands its accumulator on in K order; the kernel's
-    `StageRange`), which must not exceed the CTAs an SM holds."""
+    `StageRange`), which must not exceed the CTAs an SM holds; m_tiles: 16-row MMA tiles of weight
+    rows a CTA's tile (each compute warp forms x's digits of a stage once for all of them; N must be
+    a multiple of 16 x m_tiles)."""
 
     warps: int = 4
     stages: int = 4
     blocks: int = 4
     ctas_per_sm: int = 0
+    m_tiles: int = 1
 
     def kernel(self, n_tiles: int) -> str:
-        return f"exact_digits_mm_nt{n_tiles}_p{self.warps}_s{self.stages}_g{self.blocks}"
+        m = f"_m{self.m_tiles}" if self.m_tiles > 1 else ""
+        return f"exact_digits_mm_nt{n_tiles}_p{self.warps}_s{self.stages}_g{self.blocks}{m}"
+
+    @property
+    def tile_rows(self) -> int:
+        """Weight rows a CTA's tile."""
+        return 16 * self.m_tiles
 
 
 @functools.cache
-def compiled_kernels() -> frozenset[tuple[int, int, int, int]]:
-    """The (n_tiles, warps, stages, blocks) the source instantiates (its DSV41_EXACT_DIGITS_MM lines)."""
+def compiled_kernels() -> frozenset[tuple[int, int, int, int, int]]:
+    """The (n_tiles, warps, stages, blocks, m_tiles) the source instantiates (its DSV41_EXACT_DIGITS_MM
+    and DSV41_EXACT_DIGITS_MM_M lines)."""
     text = (CSRC / SOURCE).read_text()
-    return frozenset(tuple(map(int, t)) for t in
-                     re.findall(r"^DSV41_EXACT_DIGITS_MM\((\d+), (\d+), (\d+), (\d+)\)", text, re.M))
+    return frozenset((*map(int, t[:4]), int(t[4] or 1)) for t in
+                     re.findall(r"^DSV41_EXACT_DIGITS_MM(?:_M)?\((\d+), (\d+), (\d+), (\d+)(?:, (\d+))?\)", text, re.M))
 
 
 # The configuration a call of at most this many rows takes by default.
@@ -96,9 +106,11 @@ class CudaExactMM:
         lo = 1
         for most, c in configs:
             for tiles in range(-(-lo // ROWS_PER_TILE), -(-min(most, max_rows) // ROWS_PER_TILE) + 1):
-                if (tiles, c.warps, c.stages, c.blocks) not in built:
+                if (tiles, c.warps, c.stages, c.blocks, c.m_tiles) not in built:
                     raise ValueError(f"config {c} at {tiles * ROWS_PER_TILE} rows: the source instantiates "
-                                     f"(n_tiles, warps, stages, blocks) only for {sorted(built)}")
+                                     f"(n_tiles, warps, stages, blocks, m_tiles) only for {sorted(built)}")
+                if n % c.tile_rows:
+                    raise ValueError(f"config {c}: N={n} is not a multiple of its {c.tile_rows}-row tiles")
                 if k % (32 * c.blocks):
                     raise ValueError(f"config {c}: K={k} is not a multiple of 32 x {c.blocks} blocks a stage")
                 name = c.kernel(tiles)
@@ -109,14 +121,15 @@ class CudaExactMM:
         self.grids: dict[tuple[int, CudaExactConfig], int] = {}
         self.handoff: dict[tuple[int, CudaExactConfig], tuple[torch.Tensor, torch.Tensor]] = {}
         for (tiles, c), fn in self.functions.items():
-            grid = n // 16
+            grid = n // c.tile_rows
             if c.ctas_per_sm:
                 held = fn.resident_ctas(32 * (c.warps + 1))
                 if c.ctas_per_sm > held:
                     raise ValueError(f"config {c}: an SM holds {held} CTAs of {fn.name}, fewer than "
                                      f"ctas_per_sm={c.ctas_per_sm} (a CTA would wait on one never started)")
                 grid = min(grid, c.ctas_per_sm * sms)
-                self.handoff[(tiles, c)] = (torch.zeros(grid * tiles * 128, dtype=torch.float32, device=weight.device),
+                self.handoff[(tiles, c)] = (torch.zeros(grid * c.m_tiles * tiles * 128, dtype=torch.float32,
+                                                        device=weight.device),
                                             torch.zeros(grid, dtype=torch.int32, device=weight.device))
             self.grids[(tiles, c)] = grid
         self.weight, self.w_scale, self.n, self.k, self.max_rows = weight, w_scale, n, k, max_rows
@@ -142,6 +155,6 @@ class CudaExactMM:
                    ("p", self.w_scale.data_ptr()), ("p", out.data_ptr()), ("i", m), ("i", self.k),
                    ("i", codes.stride(0)), ("i", x_scale.stride(0)), ("i", self.weight.stride(0)),
                    ("i", self.w_scale.stride(0)), ("i", out.stride(0)), ("i", int(out.dtype == torch.float32)),
-                   ("i", self.n // 16), ("p", 0 if handoff is None else handoff.data_ptr()),
+                   ("i", self.n // c.tile_rows), ("p", 0 if handoff is None else handoff.data_ptr()),
                    ("p", 0 if flags is None else flags.data_ptr())])
         return out

@@ -36,7 +36,7 @@ def test_source_builds_for_sm90_without_spills(tmp_path, monkeypatch):
     assert cubin[:4] == b"\x7fELF"
     entries = re.findall(r"Compiling entry function '(\w+)'", report)
     spills = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    assert sorted(entries) == sorted(CudaExactConfig(p, s, g).kernel(nt) for nt, p, s, g in compiled_kernels())
+    assert sorted(entries) == sorted(CudaExactConfig(p, s, g, 0, mt).kernel(nt) for nt, p, s, g, mt in compiled_kernels())
     assert len(spills) == len(entries) and all(v == ("0", "0", "0") for v in spills), report
     # a second build of the same source and flags comes from the cache
     assert cuda_build.compile_cubin("exact_digits_mm.cu", "sm_90")[0] == cubin
@@ -77,14 +77,15 @@ GPU_SHAPES = [(64, 256), (1792, 5120), (4096, 1280), (5120, 8192), (32768, 1280)
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n,k", GPU_SHAPES)
-@pytest.mark.parametrize("nt,p,s,g", sorted(compiled_kernels()))
-def test_gpu_bitwise_the_reference(n, k, nt, p, s, g):
-    gen = torch.Generator("cuda").manual_seed(n + k + 7 * nt + p)
+@pytest.mark.parametrize("nt,p,s,g,mt", sorted(compiled_kernels()))
+def test_gpu_bitwise_the_reference(n, k, nt, p, s, g, mt):
+    gen = torch.Generator("cuda").manual_seed(n + k + 7 * nt + p + 3 * mt)
+    c = CudaExactConfig(p, s, g, 0, mt)
     rows = sorted({ROWS_PER_TILE * (nt - 1) + 1, ROWS_PER_TILE * nt - 3, ROWS_PER_TILE * nt})
     for heavy in (True, False):
         for m in rows:
             x, xs, w, ws = _operands(n, k, m, gen, heavy)
-            op = CudaExactMM(w, ws, ROWS_PER_TILE * nt, {8: CudaExactConfig(4, 4), 16: CudaExactConfig(p, s, g)})
+            op = CudaExactMM(w, ws, ROWS_PER_TILE * nt, {8: c, 16: c})
             for dtype in (torch.bfloat16, torch.float32):
                 want = mxfp8_mm(x, xs, w, ws, out_dtype=dtype)
                 got = op(x, xs, torch.empty(m, n, dtype=dtype, device="cuda"))
@@ -103,11 +104,12 @@ def test_gpu_stream_k_bitwise_the_reference_call_after_call(n, k, ctas_per_sm):
     the reference's bits at 1-16 rows on heavy-tailed and model-like operands, in three calls in a row
     (the hand-over flags reset by their readers) and in a CUDA graph's replays."""
     gen = torch.Generator("cuda").manual_seed(n + k + ctas_per_sm)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     ran = 0
-    for nt, (p, s, g) in ((1, (4, 4, 4)), (2, (4, 3, 4))):
-        if (nt, p, s, g) not in compiled_kernels():
+    for nt, (p, s, g, mt) in ((1, (4, 4, 4, 1)), (2, (4, 3, 4, 1)), (1, (4, 3, 4, 2)), (2, (4, 3, 4, 2))):
+        if (nt, p, s, g, mt) not in compiled_kernels():
             continue
-        c = CudaExactConfig(p, s, g, ctas_per_sm)
+        c = CudaExactConfig(p, s, g, ctas_per_sm, mt)
         for heavy in (True, False):
             m = ROWS_PER_TILE * nt - (0 if heavy else 3)
             x, xs, w, ws = _operands(n, k, m, gen, heavy)
@@ -116,7 +118,7 @@ def test_gpu_stream_k_bitwise_the_reference_call_after_call(n, k, ctas_per_sm):
             except ValueError as e:                     # an SM holds fewer CTAs of this kernel
                 assert "ctas_per_sm" in str(e)
                 continue
-            assert op.grids[(nt, c)] < n // 16, "the grid should split tiles"
+            assert op.grids[(nt, c)] == min(n // c.tile_rows, ctas_per_sm * sms)
             want = mxfp8_mm(x, xs, w, ws)
             for call in range(3):
                 got = op(x, xs)

@@ -145,16 +145,17 @@ __device__ __forceinline__ int word_offset(int r, int b, int t) {
     return r * 32 * G + ((b ^ (r & 3)) << 5) + (t << 3);
 }
 
-template <int NT, int P, int S, int G>
+template <int NT, int MT, int P, int S, int G>
 struct Layout {
     static constexpr int ROW_BYTES = 32 * G;
+    static constexpr int W_ROWS = 16 * MT;                  // weight rows a tile
     // Term slots (stages): 2P with one n-tile, P + 2 with two (three CTAs an SM; measured the faster
     // of the two counts for each, runs HV and HW in docs/results/gpu-tests-h200.txt).
     static constexpr int R = NT == 1 ? 2 * P : P + 2;
     static constexpr int X_ROWS = 8 * NT;
-    static constexpr int SCALES_OFF = (16 + X_ROWS) * ROW_BYTES;   // sw's G bytes (16 reserved), then sx's
+    static constexpr int SCALES_OFF = (W_ROWS + X_ROWS) * ROW_BYTES;   // sw's G bytes (16 reserved), then sx's
     static constexpr int STAGE_BYTES = SCALES_OFF + 16 + X_ROWS * G;
-    static constexpr int TERM_SLOT_BYTES = G * NT * 32 * 16;
+    static constexpr int TERM_SLOT_BYTES = G * MT * NT * 32 * 16;
     static constexpr int BAR_BYTES = 2 * R * 8;
     static constexpr int TERMS_OFF = (BAR_BYTES + 127) / 128 * 128;
     static constexpr int STAGES_OFF = TERMS_OFF + R * TERM_SLOT_BYTES;
@@ -213,13 +214,13 @@ struct Cursor {
     }
 };
 
-template <int NT, int P, int S, int G>
+template <int NT, int MT, int P, int S, int G>
 __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, const uint8_t* __restrict__ sx,
                                                 const uint8_t* __restrict__ w, const uint8_t* __restrict__ sw,
                                                 void* __restrict__ out, int m, int k, int ld_x, int ld_sx,
                                                 int ld_w, int ld_sw, int ld_out, int out_fp32, int tiles,
                                                 float* __restrict__ handoff, int* __restrict__ flags) {
-    using L = Layout<NT, P, S, G>;
+    using L = Layout<NT, MT, P, S, G>;
     constexpr int ROW_BYTES = L::ROW_BYTES;
     constexpr int GW = G / 4;                               // scale words a stage
     extern __shared__ __align__(128) uint8_t smem[];
@@ -242,13 +243,13 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
         // The accumulating warp: each output's block terms in K order, from 0 at a tile's first stage
         // or from the head's accumulator handed in at a tail's; at a tile's last stage y is stored, at
         // a head's last the accumulator handed on (handoff[c + 1], flags[c + 1]: one writer, one reader).
-        float acc[NT][4];
+        float acc[MT * NT][4];                              // [m-tile mt, n-tile j] at mt NT + j
         Cursor at(range, 0);
         for (int st = 0; st < n_stages; ++st, at.advance(range, 1)) {
             const int tile = at.tile, s_in = at.s;
             if (s_in == 0) {
 #pragma unroll
-                for (int j = 0; j < NT; ++j)
+                for (int j = 0; j < MT * NT; ++j)
 #pragma unroll
                     for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
             } else if (st == range.n_head + range.n_full) {     // the tail's first stage
@@ -257,9 +258,9 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
                     asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(ready) : "l"(flags + c) : "memory");
                     if (!ready) __nanosleep(64);
                 } while (!ready);
-                const float4* hp = reinterpret_cast<const float4*>(handoff) + static_cast<size_t>(c) * NT * 32 + lane;
+                const float4* hp = reinterpret_cast<const float4*>(handoff) + static_cast<size_t>(c) * MT * NT * 32 + lane;
 #pragma unroll
-                for (int j = 0; j < NT; ++j) {
+                for (int j = 0; j < MT * NT; ++j) {
                     const float4 v = hp[32 * j];
                     acc[j][0] = v.x; acc[j][1] = v.y; acc[j][2] = v.z; acc[j][3] = v.w;
                 }
@@ -271,8 +272,8 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
 #pragma unroll
             for (int b = 0; b < G; ++b)
 #pragma unroll
-                for (int j = 0; j < NT; ++j) {
-                    const float4 v = terms[((slot * G + b) * NT + j) * 32 + lane];
+                for (int j = 0; j < MT * NT; ++j) {
+                    const float4 v = terms[((slot * G + b) * MT * NT + j) * 32 + lane];
                     acc[j][0] = __fadd_rn(acc[j][0], v.x);
                     acc[j][1] = __fadd_rn(acc[j][1], v.y);
                     acc[j][2] = __fadd_rn(acc[j][2], v.z);
@@ -280,20 +281,21 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
                 }
             mbar_arrive(bars + 8 * (L::R + slot));
             if (st == range.n_head - 1) {                       // the head's last stage: hand on
-                float4* hp = reinterpret_cast<float4*>(handoff) + static_cast<size_t>(c + 1) * NT * 32 + lane;
+                float4* hp = reinterpret_cast<float4*>(handoff) + static_cast<size_t>(c + 1) * MT * NT * 32 + lane;
 #pragma unroll
-                for (int j = 0; j < NT; ++j) hp[32 * j] = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
+                for (int j = 0; j < MT * NT; ++j) hp[32 * j] = make_float4(acc[j][0], acc[j][1], acc[j][2], acc[j][3]);
                 __threadfence();
                 __syncwarp();
                 if (lane == 0) asm volatile("st.release.gpu.global.s32 [%0], %1;\n" ::"l"(flags + c + 1), "r"(1) : "memory");
             } else if (s_in == range.b - 1) {
-                // C fragment: acc[j][i] is weight row g + 8 (i / 2), x row 8 j + 2 t + i % 2.
+                // C fragment: acc[mt NT + j][i] is weight row 16 mt + g + 8 (i / 2) of the tile, x row
+                // 8 j + 2 t + i % 2.
 #pragma unroll
-                for (int j = 0; j < NT; ++j)
+                for (int j = 0; j < MT * NT; ++j)
 #pragma unroll
                     for (int i = 0; i < 4; ++i) {
-                        const int xr = 8 * j + 2 * t + (i & 1);
-                        const int wr = tile * 16 + g + 8 * (i >> 1);
+                        const int xr = 8 * (j % NT) + 2 * t + (i & 1);
+                        const int wr = tile * L::W_ROWS + 16 * (j / NT) + g + 8 * (i >> 1);
                         if (xr < m) {
                             if (out_fp32)
                                 reinterpret_cast<float*>(out)[static_cast<size_t>(xr) * ld_out + wr] = acc[j][i];
@@ -314,15 +316,15 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
     uint8_t* ring = smem + L::STAGES_OFF + warp * S * L::STAGE_BYTES;
     const int r0 = lane / (2 * G), c0 = lane % (2 * G);
     const uint8_t* w_src = kept(w + static_cast<size_t>(r0) * ld_w + 16 * c0);   // + the stage's tile rows
-    uint32_t w_dst[G], x_dst[NT * G / 2];
+    uint32_t w_dst[MT * G], x_dst[NT * G / 2];
     const uint8_t* x_src[NT * G / 2];
     int x_bytes[NT * G / 2];
 #pragma unroll
-    for (int i = 0; i < G; ++i) w_dst[i] = kept(static_cast<uint32_t>(chunk_offset<G>(r0 + i * 16 / G, c0)));
+    for (int i = 0; i < MT * G; ++i) w_dst[i] = kept(static_cast<uint32_t>(chunk_offset<G>(r0 + i * 16 / G, c0)));
 #pragma unroll
     for (int i = 0; i < NT * G / 2; ++i) {                  // x rows past m zero-filled
         const int r = r0 + i * 16 / G;
-        x_dst[i] = kept(static_cast<uint32_t>(chunk_offset<G>(16 + r, c0)));
+        x_dst[i] = kept(static_cast<uint32_t>(chunk_offset<G>(L::W_ROWS + r, c0)));
         x_src[i] = kept(x + static_cast<size_t>(r < m ? r : 0) * ld_x + 16 * c0);
         x_bytes[i] = r < m ? 16 : 0;
     }
@@ -332,27 +334,27 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
     const uint32_t s_dst = L::SCALES_OFF + (lane < L::X_ROWS ? 16 + 4 * GW * lane : 0);
     const int s_bytes = lane < L::X_ROWS && lane >= m ? 0 : 4;
     const size_t w_step = kept(static_cast<uint64_t>(16 / G) * ld_w);
-    const size_t tile_bytes = kept(static_cast<uint64_t>(16) * ld_w);
-    const size_t sw_tile_bytes = sw_lane ? ld_sw : 0;      // sw's rows: one a 32-row group (two tiles)
+    const size_t tile_bytes = kept(static_cast<uint64_t>(L::W_ROWS) * ld_w);
+    const size_t sw_tile_bytes = sw_lane ? ld_sw : 0;      // sw's rows: one a 32-row group (2 / MT tiles)
     // Copies the stage `at` points at (none past the range; a commit group either way).
     auto issue = [&](const Cursor& at, uint32_t base) {
         if (at.j < n_stages) {
             const int k0 = at.s * ROW_BYTES;
             const uint8_t* w_stage = w_src + at.tile * tile_bytes + k0;
 #pragma unroll
-            for (int i = 0; i < G; ++i) cp_async_cg16(base + w_dst[i], w_stage + i * w_step, 16);
+            for (int i = 0; i < MT * G; ++i) cp_async_cg16(base + w_dst[i], w_stage + i * w_step, 16);
 #pragma unroll
             for (int i = 0; i < NT * G / 2; ++i) cp_async_ca16(base + x_dst[i], x_src[i] + k0, x_bytes[i]);
             if (scale_lane) {
-                const uint8_t* src = s_src + (at.tile >> 1) * sw_tile_bytes + at.s * G;
+                const uint8_t* src = s_src + ((at.tile * MT) >> 1) * sw_tile_bytes + at.s * G;
 #pragma unroll
                 for (int q = 0; q < GW; ++q) cp_async_ca4(base + s_dst + 4 * q, src + 4 * q, s_bytes);
             }
         }
         cp_async_commit();
     };
-    // Thread (g, t)'s fragment word of block b in rows g, g + 8 and x's 16 + 8 jt + g: frag[b] plus
-    // 8, 16 + 8 jt rows (the swizzle is the same in rows 4 apart).
+    // Thread (g, t)'s fragment word of block b in rows 16 mt + g, 16 mt + g + 8 and x's W_ROWS + 8 jt + g:
+    // frag[b] plus those rows less g (the swizzle is the same in rows 4 apart).
     uint32_t frag[G];
 #pragma unroll
     for (int b = 0; b < G; ++b) frag[b] = kept(static_cast<uint32_t>(word_offset<G>(g, b, t)));
@@ -380,67 +382,81 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
         // BI blocks at a time: all their operands first, then each block's MMAs and roundings, then
         // their terms and stores, so that the blocks' MMA chains can overlap and every shared-memory
         // load of the group precedes its stores
-        constexpr int BI = NT == 1 ? 4 : 2;
+        constexpr int BI = NT * MT == 1 ? 4 : 2;
 #pragma unroll
         for (int b0 = 0; b0 < G; b0 += BI) {
-            uint32_t ah[BI][2][4], al[BI][2][4];            // [block][step][reg]: rows g / g + 8
+            uint32_t ah[BI][MT][2][4], al[BI][MT][2][4];    // [block][m-tile][step][reg]: rows g / g + 8
             uint32_t xh[BI][NT][4], xl[BI][NT][4];
 #pragma unroll
             for (int bi = 0; bi < BI; ++bi) {
-                uint32_t h0[4], l0[4], h1[4], l1[4];
                 const uint8_t* wg = buf + frag[b0 + bi];
-                digits8(*reinterpret_cast<const uint2*>(wg), h0, l0);
-                digits8(*reinterpret_cast<const uint2*>(wg + 8 * ROW_BYTES), h1, l1);
-                // step s: {p(2s) row g, p(2s) row g + 8, p(2s+1) row g, p(2s+1) row g + 8}
 #pragma unroll
-                for (int s = 0; s < 2; ++s) {
-                    ah[bi][s][0] = h0[2 * s]; ah[bi][s][1] = h1[2 * s]; ah[bi][s][2] = h0[2 * s + 1]; ah[bi][s][3] = h1[2 * s + 1];
-                    al[bi][s][0] = l0[2 * s]; al[bi][s][1] = l1[2 * s]; al[bi][s][2] = l0[2 * s + 1]; al[bi][s][3] = l1[2 * s + 1];
+                for (int mt = 0; mt < MT; ++mt) {
+                    uint32_t h0[4], l0[4], h1[4], l1[4];
+                    digits8(*reinterpret_cast<const uint2*>(wg + 16 * mt * ROW_BYTES), h0, l0);
+                    digits8(*reinterpret_cast<const uint2*>(wg + (16 * mt + 8) * ROW_BYTES), h1, l1);
+                    // step s: {p(2s) row g, p(2s) row g + 8, p(2s+1) row g, p(2s+1) row g + 8}
+#pragma unroll
+                    for (int s = 0; s < 2; ++s) {
+                        ah[bi][mt][s][0] = h0[2 * s]; ah[bi][mt][s][1] = h1[2 * s];
+                        ah[bi][mt][s][2] = h0[2 * s + 1]; ah[bi][mt][s][3] = h1[2 * s + 1];
+                        al[bi][mt][s][0] = l0[2 * s]; al[bi][mt][s][1] = l1[2 * s];
+                        al[bi][mt][s][2] = l0[2 * s + 1]; al[bi][mt][s][3] = l1[2 * s + 1];
+                    }
                 }
 #pragma unroll
                 for (int jt = 0; jt < NT; ++jt)
-                    digits8(*reinterpret_cast<const uint2*>(wg + (16 + 8 * jt) * ROW_BYTES), xh[bi][jt], xl[bi][jt]);
+                    digits8(*reinterpret_cast<const uint2*>(wg + (L::W_ROWS + 8 * jt) * ROW_BYTES), xh[bi][jt], xl[bi][jt]);
             }
             // chained_dot's MMAs: mid = (wh.xl + wl.xh) over both k16 steps in one chain of four,
             // mi = mid rounded to an integer, mf = mid - mi; H = wh.xh from mi and L = wl.xl from mf,
             // each a chain of two; every partial at most 24 significant bits, exact in the MMA's adds.
             const float zero[4] = {0.f, 0.f, 0.f, 0.f};
-            float hh[BI][NT][4], ll[BI][NT][4];
+            float hh[BI][MT * NT][4], ll[BI][MT * NT][4];
 #pragma unroll
             for (int bi = 0; bi < BI; ++bi)
 #pragma unroll
-                for (int jt = 0; jt < NT; ++jt) {
-                    const uint32_t bh0[2] = {xh[bi][jt][0], xh[bi][jt][1]}, bh1[2] = {xh[bi][jt][2], xh[bi][jt][3]};
-                    const uint32_t bl0[2] = {xl[bi][jt][0], xl[bi][jt][1]}, bl1[2] = {xl[bi][jt][2], xl[bi][jt][3]};
-                    float mid[4], mi[4], mf[4];
-                    mma16816(mid, ah[bi][0], bl0, zero);
-                    mma16816(mid, ah[bi][1], bl1, mid);
-                    mma16816(mid, al[bi][0], bh0, mid);
-                    mma16816(mid, al[bi][1], bh1, mid);
+                for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        mi[i] = __fsub_rn(__fadd_rn(mid[i], 12582912.0f), 12582912.0f);
-                        mf[i] = __fsub_rn(mid[i], mi[i]);
+                    for (int jt = 0; jt < NT; ++jt) {
+                        const uint32_t bh0[2] = {xh[bi][jt][0], xh[bi][jt][1]}, bh1[2] = {xh[bi][jt][2], xh[bi][jt][3]};
+                        const uint32_t bl0[2] = {xl[bi][jt][0], xl[bi][jt][1]}, bl1[2] = {xl[bi][jt][2], xl[bi][jt][3]};
+                        const int j = mt * NT + jt;
+                        float mid[4], mi[4], mf[4];
+                        mma16816(mid, ah[bi][mt][0], bl0, zero);
+                        mma16816(mid, ah[bi][mt][1], bl1, mid);
+                        mma16816(mid, al[bi][mt][0], bh0, mid);
+                        mma16816(mid, al[bi][mt][1], bh1, mid);
+#pragma unroll
+                        for (int i = 0; i < 4; ++i) {
+                            mi[i] = __fsub_rn(__fadd_rn(mid[i], 12582912.0f), 12582912.0f);
+                            mf[i] = __fsub_rn(mid[i], mi[i]);
+                        }
+                        mma16816(hh[bi][j], ah[bi][mt][0], bh0, mi);
+                        mma16816(hh[bi][j], ah[bi][mt][1], bh1, hh[bi][j]);
+                        mma16816(ll[bi][j], al[bi][mt][0], bl0, mf);
+                        mma16816(ll[bi][j], al[bi][mt][1], bl1, ll[bi][j]);
                     }
-                    mma16816(hh[bi][jt], ah[bi][0], bh0, mi);
-                    mma16816(hh[bi][jt], ah[bi][1], bh1, hh[bi][jt]);
-                    mma16816(ll[bi][jt], al[bi][0], bl0, mf);
-                    mma16816(ll[bi][jt], al[bi][1], bl1, ll[bi][jt]);
-                }
 #pragma unroll
             for (int bi = 0; bi < BI; ++bi) {
                 const int b = b0 + bi;
-                const float swb = ue8m0((sw4[b / 4] >> (8 * (b % 4))) & 0xFFu);
+                const float swb = ue8m0((sw4[b / 4] >> (8 * (b % 4))) & 0xFFu);   // the tile's 32-row group
 #pragma unroll
                 for (int jt = 0; jt < NT; ++jt) {
-                    float4 term;
-                    float* tp = reinterpret_cast<float*>(&term);
+                    float sxv[2];                                   // x rows 8 jt + 2 t + i
 #pragma unroll
-                    for (int i = 0; i < 4; ++i) {
-                        const float sxv = ue8m0((sx4[(8 * jt + 2 * t + (i & 1)) * GW + b / 4] >> (8 * (b % 4))) & 0xFFu);
-                        tp[i] = __fmul_rn(__fmul_rn(__fadd_rn(hh[bi][jt][i], ll[bi][jt][i]), sxv), swb);
+                    for (int i = 0; i < 2; ++i)
+                        sxv[i] = ue8m0((sx4[(8 * jt + 2 * t + i) * GW + b / 4] >> (8 * (b % 4))) & 0xFFu);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        const int j = mt * NT + jt;
+                        float4 term;
+                        float* tp = reinterpret_cast<float*>(&term);
+#pragma unroll
+                        for (int i = 0; i < 4; ++i)
+                            tp[i] = __fmul_rn(__fmul_rn(__fadd_rn(hh[bi][j][i], ll[bi][j][i]), sxv[i & 1]), swb);
+                        terms[((slot * G + b) * MT * NT + j) * 32 + lane] = term;
                     }
-                    terms[((slot * G + b) * NT + jt) * 32 + lane] = term;
                 }
             }
         }
@@ -451,16 +467,24 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
 
 }  // namespace
 
-#define DSV41_EXACT_DIGITS_MM(NT, P, S, G)                                                                       \
-    extern "C" __global__ void __launch_bounds__((P + 1) * 32) exact_digits_mm_nt##NT##_p##P##_s##S##_g##G(         \
+#define DSV41_KERNEL(NT, MT, P, S, G, NAME)                                                                       \
+    extern "C" __global__ void __launch_bounds__((P + 1) * 32) NAME(                                                 \
         const uint8_t* x, const uint8_t* sx, const uint8_t* w, const uint8_t* sw, void* out, int m, int k,          \
         int ld_x, int ld_sx, int ld_w, int ld_sw, int ld_out, int out_fp32, int tiles, float* handoff, int* flags) { \
-        exact_digits_mm<NT, P, S, G>(x, sx, w, sw, out, m, k, ld_x, ld_sx, ld_w, ld_sw, ld_out, out_fp32, tiles,   \
-                                     handoff, flags);                                                              \
+        exact_digits_mm<NT, MT, P, S, G>(x, sx, w, sw, out, m, k, ld_x, ld_sx, ld_w, ld_sw, ld_out, out_fp32, tiles, \
+                                         handoff, flags);                                                          \
     }                                                                                                              \
-    extern "C" __device__ int exact_digits_mm_nt##NT##_p##P##_s##S##_g##G##_smem = Layout<NT, P, S, G>::SMEM;
+    extern "C" __device__ int NAME##_smem = Layout<NT, MT, P, S, G>::SMEM;
+
+// The kernels ops/cuda_exact_mm.py may launch (it reads this list): (n-tiles, warps, stages, blocks)
+// with tiles of 16 weight rows, and with a fifth figure, m-tiles, tiles of 16 m-tiles rows.
+#define DSV41_EXACT_DIGITS_MM(NT, P, S, G) DSV41_KERNEL(NT, 1, P, S, G, exact_digits_mm_nt##NT##_p##P##_s##S##_g##G)
+#define DSV41_EXACT_DIGITS_MM_M(NT, P, S, G, MT) \
+    DSV41_KERNEL(NT, MT, P, S, G, exact_digits_mm_nt##NT##_p##P##_s##S##_g##G##_m##MT)
 
 DSV41_EXACT_DIGITS_MM(1, 4, 3, 4)
 DSV41_EXACT_DIGITS_MM(1, 4, 4, 4)
 DSV41_EXACT_DIGITS_MM(2, 4, 3, 4)
 DSV41_EXACT_DIGITS_MM(2, 4, 4, 4)
+DSV41_EXACT_DIGITS_MM_M(1, 4, 3, 4, 2)
+DSV41_EXACT_DIGITS_MM_M(2, 4, 3, 4, 2)
