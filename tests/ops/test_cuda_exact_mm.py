@@ -36,7 +36,8 @@ def test_source_builds_for_sm90_without_spills(tmp_path, monkeypatch):
     assert cubin[:4] == b"\x7fELF"
     entries = re.findall(r"Compiling entry function '(\w+)'", report)
     spills = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    assert sorted(entries) == sorted(CudaExactConfig(p, s, g, 0, mt).kernel(nt) for nt, p, s, g, mt in compiled_kernels())
+    assert sorted(entries) == sorted(CudaExactConfig(p, s, g, 0, mt).kernel(nt)
+                                     for nt, p, s, g, mt in compiled_kernels())
     assert len(spills) == len(entries) and all(v == ("0", "0", "0") for v in spills), report
     # a second build of the same source and flags comes from the cache
     assert cuda_build.compile_cubin("exact_digits_mm.cu", "sm_90")[0] == cubin
