@@ -8,9 +8,9 @@ by instruction, memory throughput, occupancy) where timing alone cannot say.
         python scripts/ncu_cuda_exact_mm.py --shape=wo_b --rows=8 --config=p4s4g4
 
 --shape: fused_wqa_wkv, wq_b, idx_wq_b or wo_b (TP1); --rows: 1-16; --config:
-p<warps>s<stages>g<blocks>[m<m_tiles>][k<ctas_per_sm>] (a configuration the source instantiates); --calls:
-calls made (default 5). Prints the configuration and the bits against the reference's `mxfp8_mm` (`=` or the count of differing
-outputs) and nothing else: the times are ncu's.
+p<warps>s<stages>g<blocks>[m<m_tiles>][k<ctas_per_sm>] (a configuration the source instantiates);
+--calls: calls made (default 5). Prints the configuration and the bits against the reference's
+`mxfp8_mm` (`=` or the count of differing outputs) and nothing else: the times are ncu's.
 """
 
 from __future__ import annotations
