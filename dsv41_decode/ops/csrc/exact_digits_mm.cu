@@ -149,9 +149,10 @@ template <int NT, int MT, int P, int S, int G>
 struct Layout {
     static constexpr int ROW_BYTES = 32 * G;
     static constexpr int W_ROWS = 16 * MT;                  // weight rows a tile
-    // Term slots (stages): 2P with one n-tile, P + 2 with two (three CTAs an SM; measured the faster
-    // of the two counts for each, runs HV and HW in docs/results/gpu-tests-h200.txt).
-    static constexpr int R = NT == 1 ? 2 * P : P + 2;
+    // Term slots (stages): with one n-tile and one m-tile 2P, with two of either P + 2 (three CTAs an
+    // SM at 16 rows; measured the faster of the two counts, runs HV and HW in
+    // docs/results/gpu-tests-h200.txt), with two of both P (one slot a compute warp: two CTAs an SM).
+    static constexpr int R = NT * MT == 1 ? 2 * P : NT * MT == 2 ? P + 2 : P;
     static constexpr int X_ROWS = 8 * NT;
     static constexpr int SCALES_OFF = (W_ROWS + X_ROWS) * ROW_BYTES;   // sw's G bytes (16 reserved), then sx's
     static constexpr int STAGE_BYTES = SCALES_OFF + 16 + X_ROWS * G;
@@ -487,4 +488,5 @@ DSV41_EXACT_DIGITS_MM(1, 4, 4, 4)
 DSV41_EXACT_DIGITS_MM(2, 4, 3, 4)
 DSV41_EXACT_DIGITS_MM(2, 4, 4, 4)
 DSV41_EXACT_DIGITS_MM_M(1, 4, 3, 4, 2)
+DSV41_EXACT_DIGITS_MM_M(1, 4, 4, 4, 2)
 DSV41_EXACT_DIGITS_MM_M(2, 4, 3, 4, 2)
