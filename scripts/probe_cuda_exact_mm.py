@@ -1,8 +1,7 @@
 """Probe `CudaExactMM` on a GPU (sm_90): the contract-exact linear on FP16 digits in CUDA C++ (one
 accumulating warp a CTA, no CTA barrier in the main loop), in every configuration the source
-instantiates (each with one CTA a tile and on stream-K grids of 2 and 3 CTAs an SM: `k2`, `k3`;
-`m2`: tiles of 32 weight rows),
-against `ExactLinear` (the step's exact linear: GluonExactFMA / ExactMM /
+instantiates (each with one CTA a tile and on stream-K grids of 1, 2 and 3 CTAs an SM: `k1`-`k3`;
+`m2`: tiles of 32 weight rows), against `ExactLinear` (the step's exact linear: GluonExactFMA / ExactMM /
 GluonExactMM by row count) and the tensor-core tier `GluonMM` (not exact), at the four V4.1-Flash
 shapes of the step's FP8 linears (TP1), rows 1, 2, 4, 8, 16: us per call from CUDA-graph replay
 over weight copies rotated beyond L2 (as `bench gemm`; median of the replays), % of the streaming
@@ -37,10 +36,10 @@ SHAPES = {"wo_b": Shape("wo_b", 5120, 8192), "wq_b": Shape("wq_b", 32768, 1280),
 
 
 def configs_for(rows: int) -> list[CudaExactConfig]:
-    """Every instantiated kernel for `rows`, with one CTA a tile and on stream-K grids of 2 and 3 CTAs an SM."""
+    """Every instantiated kernel for `rows`, with one CTA a tile and on stream-K grids of 1, 2 and 3 CTAs an SM."""
     tiles = -(-rows // ROWS_PER_TILE)
     return [CudaExactConfig(p, s, g, ctas, mt) for nt, p, s, g, mt in sorted(compiled_kernels()) if nt == tiles
-            for ctas in (0, 2, 3)]
+            for ctas in (0, 1, 2, 3)]
 
 
 def label(c: CudaExactConfig) -> str:
