@@ -30,9 +30,9 @@ def main() -> None:
     parsed = re.fullmatch(r"p(\d+)s(\d+)g(\d+)(?:m(\d+))?(?:k(\d+))?", spec)
     if parsed is None:
         raise SystemExit(f"--config must read p<warps>s<stages>g<blocks>[m<m_tiles>][k<ctas_per_sm>], got {spec!r}")
-    p, s, g, mt, k = parsed.groups()
-    config = CudaExactConfig(int(p), int(s), int(g), int(k or 0), int(mt or 1))
-    op = CudaExactMM(weight, w_scale, 16, config=config)
+    p, s, g, mt, ctas = parsed.groups()
+    config = CudaExactConfig(int(p), int(s), int(g), int(ctas or 0), int(mt or 1))
+    op = CudaExactMM(weight, w_scale, rows, config=config)     # the kernels of this row count only
     call_and_compare(op, codes, x_scale, lambda c, s: mxfp8_mm(c, s, weight, w_scale),
                      f"{name} N={n} K={k} rows={rows} {spec}")
 

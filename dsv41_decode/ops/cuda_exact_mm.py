@@ -7,17 +7,19 @@ The arithmetic is `GluonExactMM`'s FP16 digits with `chained_dot` (docs/gemm.md,
 digits"); what differs is the schedule, which Triton 3.6 cannot express: Gluon puts a CTA barrier
 before every mbarrier wait and arrive of a partition of more than one warp, so its consumer warps
 run slot by slot in lockstep (40-53 % of their stall cycles at those barriers). Here each compute
-warp streams its own K stages by cp.async (32 x `blocks` K of its CTA's 16 weight rows and of every x row
-a stage with their scale bytes, `stages` deep) and synchronizes with nothing but the CTA's
+warp streams its own K stages by cp.async (32 x `blocks` K of its CTA's tile of weight rows and of every x
+row a stage with their scale bytes, `stages` deep) and synchronizes with nothing but the CTA's
 accumulating warp, which adds the block terms in K order through a ring of shared-memory slots with
-per-slot mbarriers. A CTA owns 16 weight rows (the m16n8k16 MMA's M; x's rows are its N, eight an
-n-tile), so the grid is N / 16 CTAs (fewer on a stream-K grid: `CudaExactConfig.ctas_per_sm`) of
+per-slot mbarriers. A CTA owns a tile of 16 x `m_tiles` weight rows (16 the m16n8k16 MMA's M; x's rows
+are its N, eight an n-tile), so the grid is one CTA a tile (fewer on a stream-K grid:
+`CudaExactConfig.ctas_per_sm`) of
 `warps` + 1 warps, each compute warp taking every `warps`-th stage of K (`blocks` 32-deep blocks
 of each row a stage). Measured on an H100 on par with
 `ExactLinear`'s ops at 16 rows of `wo_b` and slower at most shapes and row counts, bound by its
 instructions a weight byte and an unbalanced grid (docs/gemm.md, "Exactness"), so no plan takes it.
 
-Requirements (ValueError naming the argument): N a multiple of 16, K of 128; weight and codes
+Requirements (ValueError naming the argument): N a multiple of 16 (of the tile's rows for each
+configuration), K of 128; weight and codes
 rows contiguous and 16-byte aligned, scales rows 4-byte aligned; a CUDA device of compute
 capability >= 8.9 (the E4M3 pair conversion) with nvcc to build the kernels (`cuda_build`).
 """

@@ -120,6 +120,8 @@ def test_gpu_stream_k_bitwise_the_reference_call_after_call(n, k, ctas_per_sm):
                 assert "ctas_per_sm" in str(e)
                 continue
             assert op.grids[(nt, c)] == min(n // c.tile_rows, ctas_per_sm * sms)
+            if n == 32768:                              # tiles split between CTAs in every kernel
+                assert op.grids[(nt, c)] < n // c.tile_rows
             want = mxfp8_mm(x, xs, w, ws)
             for call in range(3):
                 got = op(x, xs)

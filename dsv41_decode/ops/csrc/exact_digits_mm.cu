@@ -19,13 +19,14 @@
 // 16 s + 8 u + 2 t + v at byte 8 t + 4 s + 2 u + v, for A (weight rows g, g + 8) and B (x row g) alike.
 //
 // Schedule (no CTA-wide barrier in the main loop): a CTA runs the K stages of its StageRange (one
-// tile of 16 weight rows and every row of x, or on a stream-K grid parts of several, below); its P
-// compute warps take the stages (G blocks, 32 G bytes of each row; G = 4 as instantiated) in turn,
-// stage st by warp st % P, each streaming its own stages' weight and x bytes and their scale bytes
-// by cp.async through a ring of S stages of its own (cp.async.wait_group and __syncwarp only: no
-// load of the main loop waits on global memory but the ring's, S - 1 stages ahead), and writes each block's FP32 terms into a ring of R stage slots of shared memory (2P or
-// P + 2); the CTA's last warp adds the terms in K order, one FP32 accumulator per output from 0 or
-// from the accumulator handed in (full / empty mbarriers per slot, 32 arrivals each), and stores y.
+// tile of 16 MT weight rows, MT m-tiles of the MMA, and every row of x, or on a stream-K grid parts
+// of several, below); its P compute warps take the stages (G blocks, 32 G bytes of each row; G = 4
+// as instantiated) in turn, stage st by warp st % P, each streaming its own stages' weight and x
+// bytes and their scale bytes by cp.async through a ring of S stages of its own (cp.async.wait_group
+// and __syncwarp only: no load of the main loop waits on global memory but the ring's, S - 1 stages
+// ahead), and writes each block's FP32 terms into a ring of R stage slots of shared memory
+// (Layout::R); the CTA's last warp adds the terms in K order, one FP32 accumulator per output from 0
+// or from the accumulator handed in (full / empty mbarriers per slot, 32 arrivals each), and stores y.
 //
 // Compiled without FMA contraction (--fmad=false) and without flushing subnormals; every rounding
 // step is an explicit _rn intrinsic as well.
@@ -221,6 +222,7 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
                                                 void* __restrict__ out, int m, int k, int ld_x, int ld_sx,
                                                 int ld_w, int ld_sw, int ld_out, int out_fp32, int tiles,
                                                 float* __restrict__ handoff, int* __restrict__ flags) {
+    static_assert(MT == 1 || MT == 2, "a tile is at most one 32-row group of the weight's scales");
     using L = Layout<NT, MT, P, S, G>;
     constexpr int ROW_BYTES = L::ROW_BYTES;
     constexpr int GW = G / 4;                               // scale words a stage
