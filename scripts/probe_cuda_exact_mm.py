@@ -42,13 +42,6 @@ def configs_for(rows: int) -> list[CudaExactConfig]:
             for ctas in (0, 1, 2, 3)]
 
 
-def label(c: CudaExactConfig) -> str:
-    """p<warps>s<stages>g<blocks>, with m<m_tiles> for tiles of more than 16 rows and k<ctas_per_sm> on a
-    stream-K grid."""
-    return (f"p{c.warps}s{c.stages}g{c.blocks}" + (f"m{c.m_tiles}" if c.m_tiles > 1 else "")
-            + (f"k{c.ctas_per_sm}" if c.ctas_per_sm else ""))
-
-
 def plan_config(rows: int, c: CudaExactConfig) -> dict[int, CudaExactConfig]:
     """A 16-row plan whose calls of `rows` rows take `c` (the other bucket the default's)."""
     return {8: c, 16: CudaExactConfig(4, 4)} if rows <= ROWS_PER_TILE else {8: CudaExactConfig(4, 4), 16: c}
@@ -85,7 +78,7 @@ def main() -> None:
                 try:
                     plans = [CudaExactMM(w, s, 16, plan_config(m, c)) for w, s in ws]
                 except ValueError as e:                 # an SM holds fewer CTAs than the grid asks
-                    cells.append(f"{label(c)} -- ({e})")
+                    cells.append(f"{c.spec} -- ({e})")
                     continue
                 fn, _ = plans[0].function_for(m)
                 if fn.name not in shown:
@@ -96,7 +89,7 @@ def main() -> None:
                 heavy = torch.equal(CudaExactMM(hw, hws, 16, plan_config(m, c))(hx, hxs).view(torch.int16),
                                     want_heavy.view(torch.int16))
                 us = graph_time_us(lambda: [p(x, xs, out) for p in plans], calls_per_graph=copies)
-                cells.append(f"{label(c)} {us:6.2f} ({pct(us):3.0f}%) bits {'=' if bits else 'X'} "
+                cells.append(f"{c.spec} {us:6.2f} ({pct(us):3.0f}%) bits {'=' if bits else 'X'} "
                              f"heavy {'=' if heavy else 'X'}")
             ex = graph_time_us(lambda: [p(x, xs, out) for p in exact], calls_per_graph=copies)
             tcu = graph_time_us(lambda: [p(x, xs, out) for p in tc], calls_per_graph=copies)

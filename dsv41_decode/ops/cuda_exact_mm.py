@@ -63,6 +63,23 @@ class CudaExactConfig:
         m = f"_m{self.m_tiles}" if self.m_tiles > 1 else ""
         return f"exact_digits_mm_nt{n_tiles}_p{self.warps}_s{self.stages}_g{self.blocks}{m}"
 
+    @classmethod
+    def from_spec(cls, spec: str) -> "CudaExactConfig":
+        """The configuration a spec string names, p<warps>s<stages>g<blocks>[m<m_tiles>][k<ctas_per_sm>]
+        (absent: m_tiles 1, ctas_per_sm 0), the form the probe (scripts/probe_cuda_exact_mm.py) prints."""
+        parsed = re.fullmatch(r"p(\d+)s(\d+)g(\d+)(?:m(\d+))?(?:k(\d+))?", spec)
+        if parsed is None:
+            raise ValueError(f"a CudaExactConfig spec is p<warps>s<stages>g<blocks>[m<m_tiles>][k<ctas_per_sm>], "
+                             f"got {spec!r}")
+        p, s, g, mt, ctas = parsed.groups()
+        return cls(int(p), int(s), int(g), int(ctas or 0), int(mt or 1))
+
+    @property
+    def spec(self) -> str:
+        """The spec string `from_spec` reads back as this configuration (m and k written where not 1 / 0)."""
+        return (f"p{self.warps}s{self.stages}g{self.blocks}" + (f"m{self.m_tiles}" if self.m_tiles > 1 else "")
+                + (f"k{self.ctas_per_sm}" if self.ctas_per_sm else ""))
+
     @property
     def tile_rows(self) -> int:
         """Weight rows a CTA's tile."""

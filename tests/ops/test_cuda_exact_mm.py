@@ -51,6 +51,14 @@ def test_missing_nvcc_is_one_clear_error(monkeypatch):
         cuda_build.find_nvcc()
 
 
+def test_config_spec_reads_back_and_a_bad_one_names_the_form():
+    for c in (CudaExactConfig(4, 3), CudaExactConfig(4, 4, 4, 2), CudaExactConfig(4, 3, 4, 1, 2)):
+        assert CudaExactConfig.from_spec(c.spec) == c
+    assert CudaExactConfig(4, 3, 4, 1, 2).spec == "p4s3g4m2k1"
+    with pytest.raises(ValueError, match="p<warps>s<stages>g<blocks>"):
+        CudaExactConfig.from_spec("p4s3")
+
+
 def test_bad_weight_shape_names_the_argument():
     w = torch.zeros(40, 256, dtype=torch.float8_e4m3fn)
     s = torch.zeros(2, 8, dtype=torch.uint8)

@@ -164,7 +164,7 @@ struct Layout {
     static constexpr int SMEM = STAGES_OFF + P * S * STAGE_BYTES;
 };
 
-// The stages of CTA c of `ctas` over the N / 16 tiles' K stages laid end to end (tile t's stage s is
+// The stages of CTA c of `ctas` over the N / (16 MT) tiles' K stages laid end to end (tile t's stage s is
 // unit t B + s, B stages a tile), units [c U / C, (c + 1) U / C): with ctas <= tiles each CTA's range
 // spans at least one tile's B stages, so it is a tail of one tile (whose head the CTA before holds),
 // whole tiles, and a head of one tile (whose tail the CTA after holds). The CTA runs them in the
@@ -369,13 +369,12 @@ __device__ __forceinline__ void exact_digits_mm(const uint8_t* __restrict__ x, c
         ahead.advance(range, P);
     }
 
-    int cur = 0, nxt = S - 1;                               // the buffers of this stage and of the one issued
+    int cur = 0;                                            // this stage's buffer; the one issued is the one before
     for (int st = warp; st < n_stages; st += P) {
         cp_async_wait<S - 2>();
         __syncwarp();
-        issue(ahead, ring_addr + nxt * L::STAGE_BYTES);
+        issue(ahead, ring_addr + (cur == 0 ? S - 1 : cur - 1) * L::STAGE_BYTES);
         ahead.advance(range, P);
-        nxt = nxt == S - 1 ? 0 : nxt + 1;
         const uint8_t* buf = ring + cur * L::STAGE_BYTES;
         cur = cur == S - 1 ? 0 : cur + 1;
         const uint32_t* sw4 = reinterpret_cast<const uint32_t*>(buf + L::SCALES_OFF);
